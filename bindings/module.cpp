@@ -1,0 +1,354 @@
+// tensortier._core: the C++ API for Python, without torch. Buffers cross as addresses and sizes;
+// the Python layer (python/tensortier) keeps the objects alive and validates them. Every call that
+// can block releases the GIL, and no Python runs on engine threads.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/backend.hpp"
+#include "tensortier/config.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/offloader.hpp"
+#include "tensortier/page_cache.hpp"
+#include "tensortier/strings.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+py::dict StatsToDict(const IoStats& s) {
+  py::dict d;
+  d["backend"] = s.backend;
+  d["requested_bytes"] = s.requested_bytes;
+  d["transferred_bytes"] = s.transferred_bytes;
+  d["direct_bytes"] = s.direct_bytes;
+  d["buffered_bytes"] = s.buffered_bytes;
+  d["bounced_bytes"] = s.bounced_bytes;
+  d["cached_bytes"] = s.cached_bytes;
+  d["requests"] = s.requests;
+  d["resubmits"] = s.resubmits;
+  d["eof"] = s.eof;
+  d["direct_fallback"] = s.direct_fallback;
+  d["residency_method"] = s.residency_method;
+  return d;
+}
+
+IoOp ParseOp(const std::string& op) {
+  if (op == "read") return IoOp::kRead;
+  if (op == "write") return IoOp::kWrite;
+  throw std::invalid_argument(StrCat("op must be 'read' or 'write', not '", op, "'"));
+}
+
+FaultPlan::Kind ParseFaultKind(const std::string& kind) {
+  if (kind == "error") return FaultPlan::Kind::kError;
+  if (kind == "short") return FaultPlan::Kind::kShort;
+  if (kind == "delay") return FaultPlan::Kind::kDelay;
+  throw std::invalid_argument(StrCat("fault kind must be error, short or delay, not '", kind, "'"));
+}
+
+struct Overrides {
+  std::optional<std::string> backend;
+  std::optional<uint64_t> chunk_size;
+  std::optional<unsigned> queue_depth;
+  std::optional<unsigned> workers;
+  std::optional<uint64_t> max_inflight_bytes;
+  std::optional<bool> page_cache_check;
+
+  EngineOptions Apply() const {
+    EngineOptions o = EngineOptions::FromEnvironment();
+    if (backend) o.backend = *backend;
+    if (chunk_size) o.chunk_size = *chunk_size;
+    if (queue_depth) o.queue_depth = *queue_depth;
+    if (workers) o.workers = *workers;
+    if (max_inflight_bytes) o.max_inflight_bytes = *max_inflight_bytes;
+    if (page_cache_check) o.page_cache_check = *page_cache_check;
+    return o;
+  }
+};
+
+// A backend factory that injects the faults described by `fault` (test hook).
+BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f) {
+  FaultPlan plan;
+  plan.kind = ParseFaultKind(f["kind"].cast<std::string>());
+  if (f.contains("errno")) plan.error = f["errno"].cast<int>();
+  if (f.contains("nth")) plan.nth = f["nth"].cast<uint64_t>();
+  if (f.contains("count")) plan.count = f["count"].cast<uint64_t>();
+  if (f.contains("reads")) plan.reads = f["reads"].cast<bool>();
+  if (f.contains("writes")) plan.writes = f["writes"].cast<bool>();
+  if (f.contains("short_bytes")) plan.short_bytes = f["short_bytes"].cast<uint64_t>();
+  if (f.contains("delay_us")) plan.delay = std::chrono::microseconds(f["delay_us"].cast<int64_t>());
+  BackendKind kind = ParseBackendKind(options.backend == "auto" ? "threads" : options.backend);
+  auto injector = std::make_shared<FaultInjector>(plan);
+  return [kind, injector](unsigned depth) {
+    return MakeFaultInjectingBackend(MakeBackend(kind, depth), injector);
+  };
+}
+
+std::unique_ptr<Engine> MakeEngine(const Overrides& overrides, const std::string& probe_dir,
+                                   const std::optional<py::dict>& fault) {
+  EngineOptions options = overrides.Apply();
+  if (!fault) return std::make_unique<Engine>(options, probe_dir);
+  return std::make_unique<Engine>(options, FaultFactory(options, *fault));
+}
+
+// The Python exception for a C++ error, as an object (not raised): OSError for IoError.
+py::object PythonError(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const IoError& e) {
+    return py::reinterpret_steal<py::object>(
+        PyObject_CallFunction(PyExc_OSError, "iss", e.error_code(), e.what(), e.path().c_str()));
+  } catch (const std::invalid_argument& e) {
+    return py::reinterpret_steal<py::object>(
+        PyObject_CallFunction(PyExc_ValueError, "s", e.what()));
+  } catch (const std::exception& e) {
+    return py::reinterpret_steal<py::object>(
+        PyObject_CallFunction(PyExc_RuntimeError, "s", e.what()));
+  }
+}
+
+OffloadKind ParseOffloadKind(const std::string& kind) {
+  if (kind == "write") return OffloadKind::kWrite;
+  if (kind == "read") return OffloadKind::kRead;
+  throw std::invalid_argument(StrCat("kind must be 'write' or 'read', not '", kind, "'"));
+}
+
+std::vector<OffloadPiece> ToPieces(
+    const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
+  std::vector<OffloadPiece> out;
+  out.reserve(pieces.size());
+  for (const auto& [key, address, length] : pieces) {
+    out.push_back({key, reinterpret_cast<void*>(address), length});
+  }
+  return out;
+}
+
+// Address of a C-contiguous buffer export (memoryview, bytearray, numpy array...).
+uintptr_t BufferAddress(const py::object& obj, bool writable) {
+  Py_buffer view;
+  int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw py::error_already_set();
+  auto address = reinterpret_cast<uintptr_t>(view.buf);
+  PyBuffer_Release(&view);
+  return address;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "tensortier C++ core (internal; use the tensortier package)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      // OSError(errno, message, filename): Python picks the subclass (FileNotFoundError...).
+      py::object err = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(PyExc_OSError, "iss", e.error_code(), e.what(), e.path().c_str()));
+      PyErr_SetObject(PyExc_OSError, err.ptr());
+    }
+  });
+
+  py::class_<File>(m, "File")
+      .def_static(
+          "open",
+          [](const std::string& path, const std::string& mode, bool direct) {
+            OpenMode parsed = ParseOpenMode(mode);
+            py::gil_scoped_release release;
+            return File::Open(path, parsed, direct);
+          },
+          py::arg("path"), py::arg("mode") = "r", py::arg("direct") = true)
+      .def_property_readonly("path", &File::path)
+      .def_property_readonly("closed", [](const File& f) { return !f.is_open(); })
+      .def_property_readonly("writable", &File::writable)
+      .def_property_readonly("direct", &File::direct)
+      .def_property_readonly("direct_fallback_reason", &File::direct_fallback_reason)
+      .def_property_readonly("offset_alignment", &File::offset_alignment)
+      .def_property_readonly("memory_alignment", &File::memory_alignment)
+      .def("fileno", &File::buffered_fd)
+      .def("size", &File::Size)
+      .def("truncate", &File::Truncate, py::call_guard<py::gil_scoped_release>())
+      .def("allocate", &File::Allocate, py::call_guard<py::gil_scoped_release>())
+      .def("datasync", &File::DataSync, py::call_guard<py::gil_scoped_release>())
+      .def("drop_cache", &File::DropCache, py::call_guard<py::gil_scoped_release>())
+      .def("close", &File::Close);
+
+  py::class_<Future>(m, "Future").def("done", &Future::done).def("wait", [](const Future& f) {
+    IoResult r;
+    {
+      py::gil_scoped_release release;
+      r = f.Wait();
+    }
+    py::dict out;
+    out["bytes"] = r.bytes;
+    out["segment_bytes"] = r.segment_bytes;
+    out["stats"] = StatsToDict(r.stats);
+    return out;
+  });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](std::optional<std::string> backend, std::optional<uint64_t> chunk_size,
+                       std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
+                       std::optional<uint64_t> max_inflight_bytes,
+                       std::optional<bool> page_cache_check, const std::string& probe_dir,
+                       std::optional<py::dict> fault) {
+             Overrides o{backend, chunk_size,         queue_depth,
+                         workers, max_inflight_bytes, page_cache_check};
+             return MakeEngine(o, probe_dir, fault);
+           }),
+           py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
+           py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
+           py::arg("max_inflight_bytes") = py::none(), py::arg("page_cache_check") = py::none(),
+           py::arg("probe_dir") = "", py::arg("fault") = py::none())
+      .def_property_readonly("backend", &Engine::backend)
+      .def_property_readonly("options",
+                             [](const Engine& e) {
+                               const EngineOptions& o = e.options();
+                               py::dict d;
+                               d["backend"] = o.backend;
+                               d["chunk_size"] = o.chunk_size;
+                               d["queue_depth"] = o.queue_depth;
+                               d["workers"] = o.workers;
+                               d["max_inflight_bytes"] = o.max_inflight_bytes;
+                               d["page_cache_check"] = o.page_cache_check;
+                               return d;
+                             })
+      .def(
+          "submit",
+          [](Engine& e, const std::string& op,
+             const std::vector<std::tuple<File, uintptr_t, uint64_t, uint64_t>>& pieces) {
+            IoOp parsed = ParseOp(op);
+            std::vector<IoDesc> descs;
+            descs.reserve(pieces.size());
+            for (const auto& [file, address, length, offset] : pieces) {
+              descs.push_back({file, reinterpret_cast<void*>(address), offset, length});
+            }
+            py::gil_scoped_release release;
+            return e.Submit(parsed, descs);
+          },
+          py::arg("op"), py::arg("pieces"))
+      .def("wait_all", &Engine::WaitAll, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Offloader>(m, "Offloader")
+      .def(py::init([](const std::vector<std::string>& dirs, std::optional<std::string> backend,
+                       std::optional<uint64_t> chunk_size, std::optional<unsigned> queue_depth,
+                       std::optional<unsigned> workers, std::optional<uint64_t> max_inflight_bytes,
+                       std::optional<uint64_t> stripe_threshold, std::optional<py::dict> fault) {
+             OffloaderOptions o;
+             o.dirs = dirs;
+             o.engine = Overrides{backend, chunk_size,         queue_depth,
+                                  workers, max_inflight_bytes, std::nullopt}
+                            .Apply();
+             if (stripe_threshold) o.stripe_threshold = *stripe_threshold;
+             if (fault) o.backend_factory = FaultFactory(o.engine, *fault);
+             py::gil_scoped_release release;
+             return std::make_unique<Offloader>(std::move(o));
+           }),
+           py::arg("dirs"), py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
+           py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
+           py::arg("max_inflight_bytes") = py::none(), py::arg("stripe_threshold") = py::none(),
+           py::arg("fault") = py::none())
+      .def(
+          "write",
+          [](Offloader& o, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
+            std::vector<OffloadPiece> p = ToPieces(pieces);
+            py::gil_scoped_release release;
+            o.AsyncWritev(p);
+          },
+          py::arg("pieces"), "Starts writing (key, address, length) pieces in one submission.")
+      .def(
+          "read",
+          [](Offloader& o, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
+            std::vector<OffloadPiece> p = ToPieces(pieces);
+            py::gil_scoped_release release;
+            o.AsyncReadv(p);
+          },
+          py::arg("pieces"), "Starts reading (key, address, length) pieces in one submission.")
+      .def(
+          "wait",
+          [](Offloader& o, const std::string& kind) {
+            OffloadKind parsed = ParseOffloadKind(kind);
+            std::vector<OffloadOutcome> outcomes;
+            {
+              py::gil_scoped_release release;
+              outcomes = o.Wait(parsed);
+            }
+            py::list out;
+            for (const OffloadOutcome& r : outcomes) {
+              out.append(py::make_tuple(r.key, r.error ? PythonError(r.error) : py::none()));
+            }
+            return out;
+          },
+          py::arg("kind"), "Waits for all operations of a kind: [(key, exception or None)].")
+      .def("discard", &Offloader::Discard, py::arg("key"))
+      .def("trim", &Offloader::Trim, py::call_guard<py::gil_scoped_release>())
+      .def("stored", &Offloader::stored, py::arg("key"))
+      .def("pending", &Offloader::pending, py::arg("key"))
+      .def_property_readonly("stored_bytes", &Offloader::stored_bytes)
+      .def_property_readonly("file_bytes", &Offloader::file_bytes)
+      .def_property_readonly("paths", &Offloader::paths)
+      .def_property_readonly("backend", &Offloader::backend)
+      .def("close", &Offloader::Close, py::call_guard<py::gil_scoped_release>());
+  m.def("remove_stale_offload_files", &RemoveStaleOffloadFiles, py::arg("dir"),
+        py::call_guard<py::gil_scoped_release>());
+
+  m.def("buffer_address", &BufferAddress, py::arg("obj"), py::arg("writable"),
+        "Address of a C-contiguous buffer export; raises BufferError if it is not one.");
+  // Page-aligned host memory with the buffer protocol (numpy/torch.frombuffer wrap it).
+  py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
+      .def(py::init<size_t>(), py::arg("size"))
+      .def("__len__", &AlignedBuffer::size)
+      .def_property_readonly(
+          "address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_buffer([](AlignedBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<ssize_t>(b.size())}, {1});
+      });
+  m.def("defaults", [] {
+    py::list out;
+    for (const auto& d : Defaults()) {
+      py::dict row;
+      row["name"] = d.name;
+      row["env"] = d.env;
+      row["value"] = d.value;
+      row["description"] = d.description;
+      out.append(row);
+    }
+    return out;
+  });
+  m.def(
+      "probe_backends",
+      [](const std::string& dir) {
+        py::list out;
+        std::vector<BackendProbe> probes;
+        {
+          py::gil_scoped_release release;
+          for (BackendKind k : kAllBackends) probes.push_back(ProbeBackend(k, dir));
+        }
+        for (const auto& p : probes) {
+          py::dict row;
+          row["backend"] = std::string(BackendName(p.kind));
+          row["compiled_in"] = BackendCompiledIn(p.kind);
+          row["available"] = p.available;
+          row["direct_ok"] = p.direct_ok;
+          row["buffered_ok"] = p.buffered_ok;
+          row["detail"] = p.detail;
+          out.append(row);
+        }
+        return out;
+      },
+      py::arg("dir"));
+  m.def(
+      "query_residency",
+      [](int fd, uint64_t offset, uint64_t length) {
+        Residency r = QueryResidency(fd, offset, length);
+        return py::make_tuple(r.resident_bytes, r.checked_bytes,
+                              std::string(ResidencyMethodName(r.method)));
+      },
+      py::arg("fd"), py::arg("offset"), py::arg("length"));
+}

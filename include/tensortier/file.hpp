@@ -1,0 +1,64 @@
+// An open file for the engine: a buffered descriptor always, plus an O_DIRECT descriptor when the
+// filesystem accepts it. A refused O_DIRECT is never silent: direct() is false and
+// direct_fallback_reason() says why.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace tensortier {
+
+enum class OpenMode {
+  kRead,       // "r": existing file, read only
+  kReadWrite,  // "r+": existing file, read and write
+  kWrite,      // "w": create or truncate, write (and read)
+  kCreate,     // "a": create if missing, keep contents, read and write
+};
+
+// Parses "r", "r+", "w", "w+", "a", "a+" (Python's open() letters; "b" is accepted and ignored).
+// Throws std::invalid_argument otherwise.
+OpenMode ParseOpenMode(const std::string& mode);
+
+// Cheap to copy: copies share the descriptors, which close when the last copy goes away, so an
+// operation in flight keeps its file open. Thread-safe for concurrent I/O calls.
+class File {
+ public:
+  File() = default;
+  // Throws IoError (with the path and errno) if the file cannot be opened.
+  // `direct`: try O_DIRECT (the default); false opens buffered only.
+  static File Open(const std::string& path, OpenMode mode, bool direct = true);
+
+  bool is_open() const noexcept { return impl_ != nullptr; }
+  const std::string& path() const;
+  bool writable() const;
+  // Buffered descriptor (always valid while open).
+  int buffered_fd() const;
+  // O_DIRECT descriptor, or -1 when direct() is false.
+  int direct_fd() const;
+  bool direct() const { return direct_fd() >= 0; }
+  // Empty when direct() is true or direct I/O was not asked for.
+  const std::string& direct_fallback_reason() const;
+  // O_DIRECT alignment rules (statx STATX_DIOALIGN, else 4096).
+  uint32_t offset_alignment() const;
+  uint32_t memory_alignment() const;
+
+  uint64_t Size() const;
+  void Truncate(uint64_t size) const;
+  // Reserves [offset, offset+length) on disk (posix fallocate mode 0). Throws IoError (ENOSPC...).
+  void Allocate(uint64_t offset, uint64_t length) const;
+  void DataSync() const;
+  // Drops clean page-cache pages of the file (posix_fadvise DONTNEED); used for cold reads.
+  void DropCache() const;
+  // Closes this handle's reference now (the descriptors close when no operation still uses them).
+  void Close() noexcept { impl_.reset(); }
+
+ private:
+  struct Impl;
+  explicit File(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<const Impl> impl_;
+  const Impl& impl() const;
+};
+
+}  // namespace tensortier

@@ -1,0 +1,28 @@
+// Page-cache residency of a file range: O_DIRECT would fetch resident data from the disk again,
+// so the engine reads resident ranges through the page cache instead.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace tensortier {
+
+enum class ResidencyMethod { kCachestat, kMincore, kUnknown };
+std::string_view ResidencyMethodName(ResidencyMethod method);
+
+struct Residency {
+  uint64_t resident_bytes = 0;  // bytes of [offset, offset+length) in the page cache (page units)
+  uint64_t checked_bytes = 0;   // bytes of the range that exist in the file
+  ResidencyMethod method = ResidencyMethod::kUnknown;
+};
+
+// Never throws: on failure returns method kUnknown (and the caller reads directly).
+// Uses cachestat(2) (Linux 6.5+), else mincore(2) on a temporary mapping; `method` forces one
+// (tests use it to reach the mincore path on new kernels).
+Residency QueryResidency(int fd, uint64_t offset, uint64_t length,
+                         ResidencyMethod method = ResidencyMethod::kUnknown);
+
+// The method QueryResidency uses on this kernel (probed once).
+ResidencyMethod ResidencyMethodInUse();
+
+}  // namespace tensortier

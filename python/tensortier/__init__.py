@@ -1,0 +1,67 @@
+"""tensortier: move tensors between GPU memory, host memory and NVMe files at hardware speed.
+
+The native API::
+
+    import tensortier, torch
+    with tensortier.IOHandle() as io:
+        t = torch.randn(1 << 20)
+        io.pwrite(t, "/nvme/t.bin")
+        u = torch.empty_like(t)
+        io.pread(u, "/nvme/t.bin")
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import _core
+from .io import File, IOFuture, IOHandle, IOResult
+from .offload import DiskOffloader
+
+__version__ = "0.1.0"
+__all__ = [
+    "DiskOffloader",
+    "File",
+    "IOFuture",
+    "IOHandle",
+    "IOResult",
+    "aligned_empty",
+    "defaults",
+    "probe_backends",
+]
+
+
+def defaults() -> list[dict[str, str]]:
+    """The engine settings in effect: name, environment variable, value, description."""
+    return list(_core.defaults())
+
+
+def probe_backends(directory: str | os.PathLike[str] = ".") -> list[dict[str, Any]]:
+    """For each backend: compiled in, starts, verified O_DIRECT and buffered round trips in
+    `directory`, and why not. The Python form of ``tensortier check``."""
+    return list(_core.probe_backends(os.fspath(directory)))
+
+
+def aligned_empty(shape: int | tuple[int, ...], dtype: Any = None) -> Any:
+    """An uninitialised CPU tensor whose memory is page-aligned (the fastest I/O target).
+
+    Args:
+        shape: tensor shape.
+        dtype: a torch dtype (default ``torch.uint8``).
+    """
+    import torch
+
+    dtype = torch.uint8 if dtype is None else dtype
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape {dims} has a negative dimension")
+    numel = 1
+    for d in dims:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(dims, dtype=dtype)
+    buffer = _core.AlignedBuffer(nbytes)
+    # torch.frombuffer keeps `buffer` alive for as long as the tensor's storage lives.
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(dims)

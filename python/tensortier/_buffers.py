@@ -1,0 +1,91 @@
+"""Turn user objects (torch tensors, buffer-protocol objects, DLPack arrays) into host addresses.
+
+The returned HostBuffer keeps whatever must stay alive while the engine uses the memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import _core
+
+
+@dataclass(frozen=True)
+class HostBuffer:
+    """A contiguous host memory range and the object that owns it."""
+
+    address: int
+    nbytes: int
+    owner: Any
+
+
+def _torch_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def _from_tensor(tensor: Any, writable: bool) -> HostBuffer:
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"tensor is on {tensor.device}; this build transfers host memory only "
+            "(GPU tensors arrive with the CUDA transfer layer): copy it to the CPU first"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"tensor of shape {tuple(tensor.shape)} is not contiguous: call .contiguous() first"
+        )
+    return HostBuffer(tensor.data_ptr(), tensor.numel() * tensor.element_size(), tensor)
+
+
+def _from_buffer(obj: Any, writable: bool) -> HostBuffer:
+    view = memoryview(obj)
+    if writable and view.readonly:
+        raise ValueError(
+            f"{type(obj).__name__} is read-only and cannot be read into: pass a writable buffer "
+            "(bytearray, numpy array, tensor)"
+        )
+    if not view.c_contiguous:
+        raise ValueError(f"{type(obj).__name__} is not C-contiguous: make a contiguous copy first")
+    if view.nbytes == 0:
+        return HostBuffer(0, 0, view)
+    # The memoryview holds the buffer export, so the object cannot be resized while in use.
+    return HostBuffer(_core.buffer_address(view, writable), view.nbytes, view)
+
+
+def _from_dlpack(obj: Any, writable: bool) -> HostBuffer:
+    try:
+        import torch
+
+        return _from_tensor(torch.from_dlpack(obj), writable)
+    except ImportError:
+        import numpy
+
+        return _from_buffer(numpy.from_dlpack(obj), writable)
+
+
+def host_buffer(obj: Any, *, writable: bool) -> HostBuffer:
+    """Resolve `obj` to a host memory range.
+
+    Args:
+        obj: a torch tensor, an object with the buffer protocol (bytes, bytearray, memoryview,
+            numpy array, mmap) or one with ``__dlpack__`` (CuPy/JAX arrays on the CPU...).
+        writable: the engine will write into the memory (a read target).
+
+    Raises:
+        TypeError: `obj` exposes no memory.
+        ValueError: the memory is not contiguous, read-only for a read, or not on the host.
+    """
+    if _torch_tensor(obj):
+        return _from_tensor(obj, writable)
+    try:
+        return _from_buffer(obj, writable)
+    except TypeError:
+        pass
+    except BufferError as e:
+        raise ValueError(f"{type(obj).__name__}: {e}") from e
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, writable)
+    raise TypeError(
+        f"{type(obj).__name__} is not a tensor, a buffer (bytes, bytearray, numpy array...) "
+        "or a DLPack array"
+    )

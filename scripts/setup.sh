@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs everything tensortier needs on a fresh Debian machine, then builds and installs the
+# package into .venv at the repository root. Idempotent: re-running only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(build-essential cmake ninja-build pkg-config liburing-dev libaio-dev libgtest-dev fio)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}"
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+# torch==2.13.0 is the pinned CPU build; an unpinned torch would pull GBs of CUDA wheels.
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest \
+  "scikit-build-core>=0.10" "pybind11>=2.12" ninja
+echo "setup: building and installing tensortier into .venv"
+.venv/bin/python -m pip install -q --no-build-isolation .
+.venv/bin/python -c "import tensortier; print('setup: tensortier', tensortier.__version__, 'ready')"

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: set up, C++ tests (plain, ASan+UBSan, TSan for the
+# engine and the offloader), Python tests. Any failure fails the script; "no tests ran" counts as
+# a failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+JOBS="${JOBS:-$(nproc)}"
+
+build_and_test() {  # build_and_test DIR FILTER [cmake args...]
+  local dir=$1 filter=$2
+  shift 2
+  cmake -S . -B "$dir" -G Ninja -DTENSORTIER_BUILD_TESTS=ON -DTENSORTIER_BUILD_PYTHON=OFF "$@" >/dev/null
+  ninja -C "$dir" -j "$JOBS" tensortier_tests
+  local filter_args=()
+  [ -n "$filter" ] && filter_args=(-R "$filter")
+  (cd "$dir" && ctest --output-on-failure --no-tests=error -j "$JOBS" "${filter_args[@]}")
+}
+
+echo "== C++ tests"
+build_and_test build/test "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  build_and_test build/asan "" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=address,undefined
+echo "== C++ engine tests under ThreadSanitizer"
+TSAN_OPTIONS=halt_on_error=1 \
+  build_and_test build/tsan "Engine|Fault|Offload" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=thread
+
+echo "== C++ install: find_package(tensortier) from a separate project"
+rm -rf build/install build/consumer
+cmake --install build/test --prefix build/install >/dev/null
+cmake -S examples/cpp_consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
+ninja -C build/consumer >/dev/null
+build/consumer/round_trip build/consumer/round_trip.dat
+
+echo "== Python tests"
+set +e
+.venv/bin/python -m pytest -q tests/python
+rc=$?
+set -e
+if [ $rc -eq 5 ]; then
+  echo "pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit $rc

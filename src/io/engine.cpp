@@ -1,0 +1,709 @@
+#include "tensortier/engine.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <future>
+#include <stdexcept>
+#include <thread>
+#include "tensortier/strings.hpp"
+
+#include <unistd.h>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/page_cache.hpp"
+
+namespace tensortier {
+namespace detail {
+
+struct Operation {
+  IoOp op;
+  std::vector<IoDesc> pieces;  // keeps the files open
+  std::atomic<uint64_t> pending{0};
+  std::atomic<bool> failed{false};
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  bool complete = false;     // guarded by mu
+  std::exception_ptr error;  // first error; guarded by mu
+  bool error_seen = false;   // a Wait() has thrown it; guarded by mu
+  IoResult result;           // guarded by mu once dispatched
+
+  void Fail(std::exception_ptr e) {
+    std::lock_guard lock(mu);
+    if (!error) error = std::move(e);
+    failed.store(true, std::memory_order_relaxed);
+  }
+
+  void WaitComplete() {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return complete; });
+  }
+};
+
+// One piece of work for a worker: a contiguous range on one descriptor. Advanced in place as
+// short transfers complete.
+struct Task {
+  std::shared_ptr<Operation> op;
+  uint32_t piece;
+  int fd;
+  bool direct;
+  bool needs_bounce;
+  uint64_t offset;
+  uint64_t length;
+  std::byte* user;
+  uint64_t charged;  // bytes counted against the worker's in-flight budget
+  uint64_t done = 0;
+  uint32_t submissions = 0;
+  uint32_t slot = 0;  // index in the worker's in-flight table while submitted
+  AlignedBuffer* bounce = nullptr;
+};
+
+// A thread that owns one backend ring and the bounce buffers for it.
+class Worker {
+ public:
+  static constexpr size_t kIdleBounce = 2;
+
+  Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t chunk)
+      : depth_(depth), budget_(budget), chunk_(chunk), slots_(depth, nullptr) {
+    free_slots_.reserve(depth);
+    for (unsigned i = depth; i > 0; --i) free_slots_.push_back(i - 1);
+    std::promise<std::string> started;
+    auto ready = started.get_future();
+    thread_ = std::thread([this, factory = std::move(factory), &started]() mutable {
+      try {
+        backend_ = factory(depth_);  // created here: the ring's single issuer is this thread
+      } catch (...) {
+        started.set_exception(std::current_exception());
+        return;
+      }
+      started.set_value(std::string(backend_->name()));
+      Run();
+    });
+    try {
+      name_ = ready.get();
+    } catch (...) {
+      thread_.join();
+      throw;
+    }
+  }
+
+  ~Worker() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+
+  const std::string& name() const { return name_; }
+
+  void Enqueue(std::vector<std::unique_ptr<Task>>& tasks) {
+    {
+      std::lock_guard lock(mu_);
+      for (auto& t : tasks) queue_.push_back(std::move(t));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Run() {
+    std::vector<IoCompletion> completions(depth_);
+    std::vector<Task*> starting;
+    std::vector<IoRequest> requests;
+    for (;;) {
+      starting.clear();
+      if (in_flight_ == 0 && retry_.empty() && free_bounce_.size() > kIdleBounce) {
+        bool idle;
+        {
+          std::lock_guard lock(mu_);
+          idle = queue_.empty();
+        }
+        if (idle) TrimBounce();
+      }
+      {
+        std::unique_lock lock(mu_);
+        if (in_flight_ == 0 && retry_.empty()) {
+          cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+          if (queue_.empty()) return;  // stopping, and nothing is left
+        }
+        starting.swap(retry_);
+        while (!queue_.empty() && in_flight_ + starting.size() < depth_) {
+          uint64_t len = queue_.front()->charged;
+          bool idle = in_flight_ == 0 && starting.empty();
+          if (!idle && in_flight_bytes_ + len > budget_) break;
+          in_flight_bytes_ += len;
+          starting.push_back(queue_.front().release());
+          queue_.pop_front();
+        }
+      }
+      requests.clear();
+      for (Task* t : starting) {
+        if (broken_) t->op->Fail(broken_);
+        if (t->op->failed.load(std::memory_order_relaxed)) {
+          Finish(t);  // the operation already failed: do not start more of it
+          continue;
+        }
+        requests.push_back(Prepare(t));
+      }
+      if (!requests.empty()) SubmitOrFail(requests);
+      if (in_flight_ == 0) continue;
+      size_t n = 0;
+      try {
+        n = backend_->Reap(completions, 1);
+      } catch (...) {
+        FailInFlight(std::current_exception());
+        continue;
+      }
+      for (size_t i = 0; i < n; ++i) {
+        Task* t = reinterpret_cast<Task*>(completions[i].user_data);
+        Unslot(t);
+        Complete(t, completions[i].result);
+      }
+    }
+  }
+
+  IoRequest Prepare(Task* t) {
+    std::byte* target = t->user;
+    if (t->direct && t->needs_bounce) {
+      if (t->bounce == nullptr) t->bounce = TakeBounce();
+      target = t->bounce->data();
+      if (t->op->op == IoOp::kWrite) std::memcpy(target, t->user, t->length);
+    }
+    ++t->submissions;
+    return IoRequest{t->op->op, t->fd, target, t->length, t->offset, reinterpret_cast<uint64_t>(t)};
+  }
+
+  void SubmitOrFail(const std::vector<IoRequest>& requests) {
+    try {
+      backend_->Submit(requests);
+    } catch (...) {
+      // None of them started (Backend contract): fail each.
+      auto error = std::current_exception();
+      for (const IoRequest& r : requests) {
+        Task* t = reinterpret_cast<Task*>(r.user_data);
+        t->op->Fail(error);
+        Finish(t);
+      }
+      return;
+    }
+    for (const IoRequest& r : requests) {
+      Task* t = reinterpret_cast<Task*>(r.user_data);
+      t->slot = free_slots_.back();
+      free_slots_.pop_back();
+      slots_[t->slot] = t;
+    }
+    in_flight_ += static_cast<unsigned>(requests.size());
+  }
+
+  void Unslot(Task* t) {
+    slots_[t->slot] = nullptr;
+    free_slots_.push_back(t->slot);
+    --in_flight_;
+  }
+
+  // Reaping itself failed (the ring is unusable): fail what is in flight and everything after,
+  // rather than wait forever for completions that cannot be collected.
+  void FailInFlight(std::exception_ptr error) {
+    broken_ = error;
+    for (Task* t : slots_) {
+      if (t == nullptr) continue;
+      Unslot(t);
+      t->op->Fail(error);
+      Finish(t);
+    }
+  }
+
+  void Complete(Task* t, int64_t result) {
+    const Operation& op = *t->op;
+    if (result == -EINTR || result == -EAGAIN) {  // not an error: the kernel asks to try again
+      retry_.push_back(t);
+      return;
+    }
+    if (result < 0) {
+      t->op->Fail(std::make_exception_ptr(
+          IoError(static_cast<int>(-result),
+                  op.op == IoOp::kRead ? (t->direct ? "read (O_DIRECT)" : "read")
+                                       : (t->direct ? "write (O_DIRECT)" : "write"),
+                  op.pieces[t->piece].file.path(), t->offset, t->length)));
+      Finish(t);
+      return;
+    }
+    uint64_t n = std::min<uint64_t>(static_cast<uint64_t>(result), t->length);
+    if (n == 0) {
+      if (op.op == IoOp::kRead) {
+        std::lock_guard lock(t->op->mu);
+        t->op->result.stats.eof = true;
+      } else {
+        t->op->Fail(std::make_exception_ptr(IoError(
+            EIO, "write (no progress)", op.pieces[t->piece].file.path(), t->offset, t->length)));
+      }
+      Finish(t);
+      return;
+    }
+    if (t->bounce != nullptr && op.op == IoOp::kRead) std::memcpy(t->user, t->bounce->data(), n);
+    t->done += n;
+    t->offset += n;
+    t->user += n;
+    t->length -= n;
+    if (t->length == 0) {
+      Finish(t);
+      return;
+    }
+    // Short transfer: continue where it stopped. A remainder that breaks the O_DIRECT rules (the
+    // kernel returned a count that is not block-aligned) continues through the page cache.
+    const File& file = op.pieces[t->piece].file;
+    if (t->direct &&
+        (t->offset % file.offset_alignment() != 0 || t->length % file.offset_alignment() != 0 ||
+         (t->bounce == nullptr && !IsAligned(t->user, file.memory_alignment())))) {
+      t->direct = false;
+      t->fd = file.buffered_fd();
+      ReleaseBounce(t);
+    }
+    {
+      std::lock_guard lock(t->op->mu);
+      ++t->op->result.stats.resubmits;
+    }
+    retry_.push_back(t);
+  }
+
+  void Finish(Task* t) {
+    std::unique_ptr<Task> owned(t);
+    ReleaseBounce(t);
+    {
+      std::lock_guard lock(mu_);
+      in_flight_bytes_ -= t->charged;
+    }
+    Operation& op = *t->op;
+    bool last;
+    {
+      std::lock_guard lock(op.mu);
+      op.result.bytes += t->done;
+      op.result.segment_bytes[t->piece] += t->done;
+      op.result.stats.transferred_bytes += t->done;
+      op.result.stats.requests += t->submissions;
+      last = --op.pending == 0;
+      if (last) op.complete = true;
+    }
+    if (last) op.cv.notify_all();
+  }
+
+  AlignedBuffer* TakeBounce() {
+    if (free_bounce_.empty()) {
+      bounce_.push_back(std::make_unique<AlignedBuffer>(chunk_));
+      return bounce_.back().get();
+    }
+    AlignedBuffer* b = free_bounce_.back();
+    free_bounce_.pop_back();
+    return b;
+  }
+
+  // An idle worker keeps only a few bounce buffers: a burst of unaligned I/O may have made one
+  // per request in flight (up to the byte budget), memory a caller that just offloaded its
+  // tensors to free RAM expects back.
+  void TrimBounce() {
+    while (free_bounce_.size() > kIdleBounce) {
+      AlignedBuffer* b = free_bounce_.back();
+      free_bounce_.pop_back();
+      std::erase_if(bounce_, [b](const std::unique_ptr<AlignedBuffer>& p) { return p.get() == b; });
+    }
+  }
+
+  void ReleaseBounce(Task* t) {
+    if (t->bounce != nullptr) free_bounce_.push_back(t->bounce);
+    t->bounce = nullptr;
+  }
+
+  const unsigned depth_;
+  const uint64_t budget_;
+  const uint64_t chunk_;
+  std::vector<Task*> slots_;  // worker-thread only (constructed before the thread starts)
+  std::vector<uint32_t> free_slots_;
+  std::string name_;
+  std::unique_ptr<Backend> backend_;
+  std::thread thread_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Task>> queue_;  // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+  uint64_t in_flight_bytes_ = 0;             // guarded by mu_
+
+  // Worker-thread only.
+  std::exception_ptr broken_;  // set when the ring failed; every later task fails with it
+  unsigned in_flight_ = 0;
+  std::vector<Task*> retry_;
+  std::vector<std::unique_ptr<AlignedBuffer>> bounce_;
+  std::vector<AlignedBuffer*> free_bounce_;
+};
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+
+bool Future::done() const {
+  if (!op_) throw std::logic_error("tensortier::Future: not associated with an operation");
+  std::lock_guard lock(op_->mu);
+  return op_->complete;
+}
+
+IoResult Future::Wait() const {
+  if (!op_) throw std::logic_error("tensortier::Future: not associated with an operation");
+  op_->WaitComplete();
+  std::lock_guard lock(op_->mu);
+  if (op_->error) {
+    op_->error_seen = true;
+    std::rethrow_exception(op_->error);
+  }
+  return op_->result;
+}
+
+namespace {
+
+using detail::Operation;
+using detail::Task;
+
+std::unique_ptr<Task> MakeTask(const std::shared_ptr<Operation>& op, uint32_t piece, int fd,
+                               bool direct, uint64_t offset, uint64_t length, std::byte* user,
+                               bool needs_bounce) {
+  auto t = std::make_unique<Task>();
+  t->op = op;
+  t->piece = piece;
+  t->fd = fd;
+  t->direct = direct;
+  t->needs_bounce = needs_bounce;
+  t->offset = offset;
+  t->length = length;
+  t->user = user;
+  t->charged = length;
+  return t;
+}
+
+// Splits [offset, offset+length) of one piece into tasks and fills the plan's statistics.
+class Planner {
+ public:
+  Planner(const EngineOptions& options, const std::shared_ptr<Operation>& op,
+          std::vector<std::unique_ptr<Task>>& tasks)
+      : options_(options), op_(op), tasks_(tasks), stats_(op->result.stats) {}
+
+  void Plan(uint32_t index) {
+    const IoDesc& piece = op_->pieces[index];
+    const File& file = piece.file;
+    auto* user = static_cast<std::byte*>(piece.buf);
+    stats_.requested_bytes += piece.length;
+    if (piece.length == 0) return;
+    if (!file.direct()) {
+      stats_.direct_fallback |= !file.direct_fallback_reason().empty();
+      Buffered(index, piece.offset, piece.length, user);
+      return;
+    }
+    // Writes go direct only in whole pages. A buffered write of part of a page reads the rest of
+    // the page into the cache; if a direct write lands on that rest meanwhile, writeback of the
+    // stale page overwrites it (the kernel cannot invalidate a dirty page). Whole pages keep
+    // buffered and direct writes, of this operation or of any other, on separate pages.
+    const uint64_t align = op_->op == IoOp::kWrite
+                               ? std::max<uint64_t>(file.offset_alignment(), kPageSize)
+                               : file.offset_alignment();
+    const uint64_t end = piece.offset + piece.length;
+    // A direct read of the block holding end of file lets the kernel fill the whole block, zeroing
+    // the caller's bytes past EOF. Reads stop going direct at the last whole block before EOF; the
+    // rest goes through the page cache, which copies only what exists (and sees a file that grew).
+    uint64_t direct_end = end;
+    if (op_->op == IoOp::kRead) direct_end = std::min(end, std::max(piece.offset, file.Size()));
+    const uint64_t mid_begin = AlignUp(piece.offset, align);
+    const uint64_t mid_end = AlignDown(direct_end, align);
+    if (mid_begin >= mid_end) {  // smaller than one aligned block: the page cache does it exactly
+      Buffered(index, piece.offset, piece.length, user);
+      return;
+    }
+    Buffered(index, piece.offset, mid_begin - piece.offset, user);
+    Direct(index, mid_begin, mid_end - mid_begin, user + (mid_begin - piece.offset));
+    Buffered(index, mid_end, end - mid_end, user + (mid_end - piece.offset));
+  }
+
+ private:
+  void Buffered(uint32_t index, uint64_t offset, uint64_t length, std::byte* user) {
+    const int fd = op_->pieces[index].file.buffered_fd();
+    for (uint64_t done = 0; done < length;) {
+      uint64_t n = std::min(length - done, options_.chunk_size);
+      tasks_.push_back(MakeTask(op_, index, fd, false, offset + done, n, user + done, false));
+      done += n;
+    }
+    stats_.buffered_bytes += length;
+  }
+
+  // REQUIRES: offset and length aligned to the file's O_DIRECT offset alignment.
+  void Direct(uint32_t index, uint64_t offset, uint64_t length, std::byte* user) {
+    const File& file = op_->pieces[index].file;
+    const uint64_t chunk = AlignUp(options_.chunk_size, file.offset_alignment());
+    // Resident chunks are read through the page cache. One query for the whole range first: the
+    // common cases (nothing or everything cached) need no per-chunk queries.
+    Residency whole;
+    const bool check = op_->op == IoOp::kRead && options_.page_cache_check;
+    if (check) {
+      whole = QueryResidency(file.buffered_fd(), offset, length);
+      stats_.residency_method = ResidencyMethodName(whole.method);
+    }
+    const bool all_cached =
+        check && whole.checked_bytes > 0 && whole.resident_bytes == whole.checked_bytes;
+    const bool some_cached = check && whole.resident_bytes > 0;
+    for (uint64_t done = 0; done < length;) {
+      uint64_t n = std::min(length - done, chunk);
+      bool cached = all_cached;
+      if (some_cached && !all_cached) {
+        Residency r = QueryResidency(file.buffered_fd(), offset + done, n, whole.method);
+        cached = r.checked_bytes > 0 && r.resident_bytes * 2 >= r.checked_bytes;
+      }
+      if (cached) {
+        tasks_.push_back(
+            MakeTask(op_, index, file.buffered_fd(), false, offset + done, n, user + done, false));
+        stats_.buffered_bytes += n;
+        stats_.cached_bytes += n;
+      } else {
+        bool bounce = !IsAligned(user + done, file.memory_alignment());
+        tasks_.push_back(
+            MakeTask(op_, index, file.direct_fd(), true, offset + done, n, user + done, bounce));
+        stats_.direct_bytes += n;
+        if (bounce) stats_.bounced_bytes += n;
+      }
+      done += n;
+    }
+  }
+
+  const EngineOptions& options_;
+  const std::shared_ptr<Operation>& op_;
+  std::vector<std::unique_ptr<Task>>& tasks_;
+  IoStats& stats_;
+};
+
+void ValidatePiece(IoOp op, const IoDesc& piece) {
+  if (!piece.file.is_open()) throw std::invalid_argument("I/O on a closed or unopened File");
+  if (piece.length > 0 && piece.buf == nullptr) {
+    throw std::invalid_argument(StrCat("null buffer for ", piece.length, " bytes"));
+  }
+  if (piece.offset > static_cast<uint64_t>(INT64_MAX) ||
+      piece.length > static_cast<uint64_t>(INT64_MAX) - piece.offset) {
+    throw std::invalid_argument(
+        StrCat("file range at offset ", piece.offset, " length ", piece.length, " overflows"));
+  }
+  if (op == IoOp::kWrite && !piece.file.writable()) {
+    ThrowIoError(EBADF, "write (file opened read-only)", piece.file.path(), piece.offset,
+                 piece.length);
+  }
+}
+
+// O_DIRECT writes past end of file are serialised by the filesystem (ext4 and XFS take the inode
+// lock to update the size), which halves sequential write speed. Reserving the range first
+// (fallocate mode 0 also moves the size) makes the writes non-extending and fully parallel, and
+// reports ENOSPC before any byte is written. Holes before the range stay holes.
+void ReserveExtendingWrites(std::span<const IoDesc> pieces) {
+  for (const IoDesc& piece : pieces) {
+    if (piece.length == 0 || !piece.file.direct()) continue;
+    const uint64_t end = piece.offset + piece.length;
+    if (end <= piece.file.Size()) continue;
+    try {
+      piece.file.Allocate(piece.offset, piece.length);
+    } catch (const IoError& e) {
+      // A filesystem without fallocate still takes plain writes; real failures are reported.
+      if (e.error_code() != EOPNOTSUPP && e.error_code() != ENOSYS) throw;
+    }
+  }
+}
+
+}  // namespace
+
+Engine::Engine(EngineOptions options, const std::string& probe_dir) : options_(std::move(options)) {
+  options_.Validate();
+  if (options_.backend != "auto") {
+    BackendKind kind = ParseBackendKind(options_.backend);
+    Start([kind](unsigned depth) { return MakeBackend(kind, depth); });
+    return;
+  }
+  std::string why;
+  for (BackendKind kind : kAllBackends) {
+    if (!probe_dir.empty()) {
+      BackendProbe p = ProbeBackend(kind, probe_dir);
+      if (!p.available || !(p.direct_ok || p.buffered_ok)) {
+        why += StrCat(BackendName(kind), ": ", p.detail, "; ");
+        continue;
+      }
+    }
+    try {
+      Start([kind](unsigned depth) { return MakeBackend(kind, depth); });
+      return;
+    } catch (const std::exception& e) {
+      why += StrCat(BackendName(kind), ": ", e.what(), "; ");
+    }
+  }
+  throw std::runtime_error("no I/O backend works here: " + why);
+}
+
+Engine::Engine(EngineOptions options, BackendFactory factory) : options_(std::move(options)) {
+  options_.Validate();
+  Start(std::move(factory));
+}
+
+void Engine::Start(BackendFactory factory) {
+  workers_.clear();
+  const uint64_t budget =
+      std::max(options_.max_inflight_bytes / options_.workers, options_.chunk_size);
+  for (unsigned i = 0; i < options_.workers; ++i) {
+    workers_.push_back(std::make_unique<detail::Worker>(factory, options_.queue_depth, budget,
+                                                        options_.chunk_size));
+  }
+  backend_ = workers_.front()->name();
+}
+
+Engine::~Engine() {
+  std::vector<std::shared_ptr<Operation>> ops;
+  {
+    std::lock_guard lock(mu_);
+    ops.swap(outstanding_);
+  }
+  for (auto& op : ops) op->WaitComplete();
+  workers_.clear();  // joins
+}
+
+Future Engine::Read(const File& file, void* buf, uint64_t length, uint64_t offset) {
+  IoDesc piece{file, buf, offset, length};
+  return Submit(IoOp::kRead, std::span<const IoDesc>(&piece, 1));
+}
+
+Future Engine::Write(const File& file, const void* buf, uint64_t length, uint64_t offset) {
+  // The engine never writes into `buf` for a write; the cast only fits the shared descriptor.
+  IoDesc piece{file, const_cast<void*>(buf), offset, length};
+  return Submit(IoOp::kWrite, std::span<const IoDesc>(&piece, 1));
+}
+
+Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces) {
+  for (const IoDesc& piece : pieces) ValidatePiece(op, piece);
+  if (op == IoOp::kWrite) ReserveExtendingWrites(pieces);
+  auto operation = std::make_shared<Operation>();
+  operation->op = op;
+  operation->pieces.assign(pieces.begin(), pieces.end());
+  operation->result.segment_bytes.assign(pieces.size(), 0);
+  operation->result.stats.backend = backend_;
+
+  std::vector<std::unique_ptr<Task>> tasks;
+  Planner planner(options_, operation, tasks);
+  for (uint32_t i = 0; i < pieces.size(); ++i) planner.Plan(i);
+
+  operation->pending.store(tasks.size());
+  if (tasks.empty()) {
+    std::lock_guard lock(operation->mu);
+    operation->complete = true;
+    return Future(std::move(operation));
+  }
+  size_t first;
+  {
+    std::lock_guard lock(mu_);
+    // Forget finished operations whose outcome nobody can still ask WaitAll for.
+    if (outstanding_.size() >= 256) {
+      std::erase_if(outstanding_, [](const std::shared_ptr<Operation>& o) {
+        std::lock_guard op_lock(o->mu);
+        return o->complete && (!o->error || o->error_seen);
+      });
+    }
+    outstanding_.push_back(operation);
+    first = next_worker_;
+    next_worker_ = (next_worker_ + 1) % workers_.size();
+  }
+  // Round-robin over the workers, starting at a rotating one so small operations spread too.
+  const size_t w = workers_.size();
+  std::vector<std::vector<std::unique_ptr<Task>>> per_worker(std::min(w, tasks.size()));
+  for (size_t i = 0; i < tasks.size(); ++i)
+    per_worker[i % per_worker.size()].push_back(std::move(tasks[i]));
+  for (size_t i = 0; i < per_worker.size(); ++i) workers_[(first + i) % w]->Enqueue(per_worker[i]);
+  return Future(std::move(operation));
+}
+
+void Engine::WaitAll() {
+  std::vector<std::shared_ptr<Operation>> ops;
+  {
+    std::lock_guard lock(mu_);
+    ops.swap(outstanding_);
+  }
+  std::exception_ptr first;
+  for (auto& op : ops) {
+    op->WaitComplete();
+    std::lock_guard lock(op->mu);
+    if (op->error && !op->error_seen) {
+      op->error_seen = true;
+      if (!first) first = op->error;
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// Writes a pattern, reads it back through `engine`, compares. Returns "" or what went wrong.
+std::string RoundTrip(Engine& engine, const std::string& path, bool direct, std::string* fallback) {
+  constexpr size_t kBytes = 8192;
+  AlignedBuffer out(kBytes), in(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) out.data()[i] = static_cast<std::byte>(i * 131 + 7);
+  try {
+    File f = File::Open(path, OpenMode::kWrite, direct);
+    if (direct && !f.direct()) {
+      *fallback = f.direct_fallback_reason();
+      return "O_DIRECT not available: " + f.direct_fallback_reason();
+    }
+    engine.Write(f, out.data(), kBytes, 0).Wait();
+    uint64_t got = engine.Read(f, in.data(), kBytes, 0).Wait().bytes;
+    if (got != kBytes || std::memcmp(out.data(), in.data(), kBytes) != 0) {
+      return "data read back differs from data written";
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+BackendProbe ProbeBackend(BackendKind kind, const std::string& dir) {
+  BackendProbe probe;
+  probe.kind = kind;
+  if (!BackendCompiledIn(kind)) {
+    probe.detail = "not built (library not found at build time)";
+    return probe;
+  }
+  EngineOptions options;
+  options.workers = 1;
+  options.queue_depth = 4;
+  options.chunk_size = 4096;  // two requests per round trip: exercises the ring, not just one call
+  options.max_inflight_bytes = 1 << 20;
+  options.page_cache_check = false;
+  std::unique_ptr<Engine> engine;
+  try {
+    engine = std::make_unique<Engine>(options,
+                                      [kind](unsigned depth) { return MakeBackend(kind, depth); });
+  } catch (const std::exception& e) {
+    probe.detail = e.what();
+    return probe;
+  }
+  probe.available = true;
+  const std::string path = StrCat(dir, "/.tensortier-probe-", getpid(), "-", BackendName(kind));
+  std::string fallback;
+  std::string direct_error = RoundTrip(*engine, path, true, &fallback);
+  std::string buffered_error = RoundTrip(*engine, path, false, &fallback);
+  unlink(path.c_str());
+  probe.direct_ok = direct_error.empty();
+  probe.buffered_ok = buffered_error.empty();
+  if (!buffered_error.empty()) {
+    probe.detail = "buffered: " + buffered_error;
+  } else if (!direct_error.empty()) {
+    probe.detail = direct_error;
+  }
+  return probe;
+}
+
+}  // namespace tensortier

@@ -1,0 +1,166 @@
+#include "tensortier/file.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+#include "tensortier/strings.hpp"
+
+#include "tensortier/error.hpp"
+
+namespace tensortier {
+
+struct File::Impl {
+  std::string path;
+  int buffered_fd = -1;
+  int direct_fd = -1;
+  bool writable = false;
+  std::string fallback_reason;
+  uint32_t offset_align = 4096;
+  uint32_t memory_align = 4096;
+
+  ~Impl() {
+    if (direct_fd >= 0) close(direct_fd);
+    if (buffered_fd >= 0) close(buffered_fd);
+  }
+};
+
+OpenMode ParseOpenMode(const std::string& mode) {
+  std::string m;
+  for (char c : mode) {
+    if (c != 'b') m += c;
+  }
+  if (m == "r") return OpenMode::kRead;
+  if (m == "r+") return OpenMode::kReadWrite;
+  if (m == "w" || m == "w+") return OpenMode::kWrite;
+  if (m == "a" || m == "a+") return OpenMode::kCreate;
+  throw std::invalid_argument(
+      StrCat("mode '", mode, "' is not one of 'r', 'r+', 'w', 'w+', 'a' (as in open())"));
+}
+
+namespace {
+
+int RetryOpen(const char* path, int flags, mode_t perm) {
+  int fd;
+  do {
+    fd = open(path, flags, perm);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+}  // namespace
+
+File File::Open(const std::string& path, OpenMode mode, bool direct) {
+  auto impl = std::make_shared<Impl>();
+  impl->path = path;
+  int flags = O_CLOEXEC;
+  switch (mode) {
+    case OpenMode::kRead:
+      flags |= O_RDONLY;
+      break;
+    case OpenMode::kReadWrite:
+      flags |= O_RDWR;
+      break;
+    case OpenMode::kWrite:
+      flags |= O_RDWR | O_CREAT | O_TRUNC;
+      break;
+    case OpenMode::kCreate:
+      flags |= O_RDWR | O_CREAT;
+      break;
+  }
+  impl->writable = mode != OpenMode::kRead;
+  impl->buffered_fd = RetryOpen(path.c_str(), flags, 0644);
+  if (impl->buffered_fd < 0) ThrowIoError(errno, "open", path);
+  struct stat st {};
+  if (fstat(impl->buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", path);
+  if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open", path);
+  if (!direct) return File{std::move(impl)};
+
+  // Ask the filesystem for its O_DIRECT rules; a zero alignment means it does not support it.
+  struct statx stx {};
+  bool have_dioalign = statx(impl->buffered_fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 &&
+                       (stx.stx_mask & STATX_DIOALIGN) != 0;
+  if (have_dioalign && (stx.stx_dio_offset_align == 0 || stx.stx_dio_mem_align == 0)) {
+    impl->fallback_reason = "filesystem does not support O_DIRECT for this file (statx DIOALIGN 0)";
+    return File{std::move(impl)};
+  }
+  if (have_dioalign) {
+    impl->offset_align = std::max<uint32_t>(stx.stx_dio_offset_align, 512);
+    impl->memory_align = std::max<uint32_t>(stx.stx_dio_mem_align, 16);
+  }
+  // Creation and truncation were done by the first open.
+  int direct_flags = (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT;
+  impl->direct_fd = RetryOpen(path.c_str(), direct_flags, 0);
+  if (impl->direct_fd < 0) {
+    impl->fallback_reason =
+        StrCat("O_DIRECT refused by the filesystem (", strerror(errno), "); using buffered I/O");
+  }
+  return File{std::move(impl)};
+}
+
+const File::Impl& File::impl() const {
+  if (!impl_)
+    throw std::logic_error("tensortier::File: use of a closed or default-constructed File");
+  return *impl_;
+}
+
+const std::string& File::path() const {
+  return impl().path;
+}
+bool File::writable() const {
+  return impl().writable;
+}
+int File::buffered_fd() const {
+  return impl().buffered_fd;
+}
+int File::direct_fd() const {
+  return impl().direct_fd;
+}
+const std::string& File::direct_fallback_reason() const {
+  return impl().fallback_reason;
+}
+uint32_t File::offset_alignment() const {
+  return impl().offset_align;
+}
+uint32_t File::memory_alignment() const {
+  return impl().memory_align;
+}
+
+uint64_t File::Size() const {
+  struct stat st {};
+  if (fstat(impl().buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", impl().path);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+void File::Truncate(uint64_t size) const {
+  if (ftruncate(impl().buffered_fd, static_cast<off_t>(size)) != 0) {
+    ThrowIoError(errno, "ftruncate", impl().path, size, 0);
+  }
+}
+
+void File::Allocate(uint64_t offset, uint64_t length) const {
+  if (length == 0) return;
+  int rc;
+  do {
+    rc = fallocate(impl().buffered_fd, 0, static_cast<off_t>(offset), static_cast<off_t>(length));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) ThrowIoError(errno, "fallocate", impl().path, offset, length);
+}
+
+void File::DataSync() const {
+  int rc;
+  do {
+    rc = fdatasync(impl().buffered_fd);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) ThrowIoError(errno, "fdatasync", impl().path);
+}
+
+void File::DropCache() const {
+  int rc = posix_fadvise(impl().buffered_fd, 0, 0, POSIX_FADV_DONTNEED);
+  if (rc != 0) ThrowIoError(rc, "posix_fadvise(DONTNEED)", impl().path);
+}
+
+}  // namespace tensortier

@@ -1,0 +1,107 @@
+#include "tensortier/page_cache.hpp"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <vector>
+
+#include "tensortier/aligned_buffer.hpp"
+
+namespace tensortier {
+namespace {
+
+#ifndef __NR_cachestat
+#define __NR_cachestat 451  // same number on every architecture since 6.5
+#endif
+
+struct CachestatRange {
+  uint64_t off;
+  uint64_t len;
+};
+struct Cachestat {
+  uint64_t nr_cache;
+  uint64_t nr_dirty;
+  uint64_t nr_writeback;
+  uint64_t nr_evicted;
+  uint64_t nr_recently_evicted;
+};
+
+// 0 = not probed, 1 = cachestat works, 2 = use mincore.
+std::atomic<int> g_method{0};
+
+bool TryCachestat(int fd, uint64_t offset, uint64_t length, uint64_t* pages) {
+  CachestatRange range{offset, length};
+  Cachestat cs{};
+  if (syscall(__NR_cachestat, fd, &range, &cs, 0) != 0) return false;
+  *pages = cs.nr_cache;
+  return true;
+}
+
+bool TryMincore(int fd, uint64_t offset, uint64_t length, uint64_t* pages) {
+  uint64_t start = AlignDown(offset, kPageSize);
+  uint64_t span = AlignUp(offset + length, kPageSize) - start;
+  void* map = mmap(nullptr, span, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(start));
+  if (map == MAP_FAILED) return false;
+  std::vector<unsigned char> vec(span / kPageSize);
+  bool ok = mincore(map, span, vec.data()) == 0;
+  munmap(map, span);
+  if (!ok) return false;
+  *pages = static_cast<uint64_t>(
+      std::count_if(vec.begin(), vec.end(), [](unsigned char v) { return (v & 1) != 0; }));
+  return true;
+}
+
+}  // namespace
+
+std::string_view ResidencyMethodName(ResidencyMethod method) {
+  switch (method) {
+    case ResidencyMethod::kCachestat:
+      return "cachestat";
+    case ResidencyMethod::kMincore:
+      return "mincore";
+    case ResidencyMethod::kUnknown:
+      return "none";
+  }
+  return "none";
+}
+
+Residency QueryResidency(int fd, uint64_t offset, uint64_t length, ResidencyMethod method) {
+  Residency r;
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return r;
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (offset >= size || length == 0) {
+    r.method = method == ResidencyMethod::kUnknown ? ResidencyMethodInUse() : method;
+    return r;
+  }
+  length = std::min(length, size - offset);
+  r.checked_bytes = length;
+  uint64_t pages = 0;
+  if (method == ResidencyMethod::kUnknown) method = ResidencyMethodInUse();
+  bool ok = method == ResidencyMethod::kCachestat ? TryCachestat(fd, offset, length, &pages)
+                                                  : TryMincore(fd, offset, length, &pages);
+  if (!ok) return r;
+  r.method = method;
+  // Pages are counted whole; a partially covered page counts as its covered bytes at most.
+  r.resident_bytes = std::min(pages * kPageSize, length);
+  return r;
+}
+
+ResidencyMethod ResidencyMethodInUse() {
+  int method = g_method.load(std::memory_order_relaxed);
+  if (method == 0) {
+    uint64_t pages = 0;
+    // cachestat on an invalid fd fails with EBADF when the syscall exists, ENOSYS when not.
+    method = (TryCachestat(-1, 0, 0, &pages) || errno != ENOSYS) ? 1 : 2;
+    g_method.store(method, std::memory_order_relaxed);
+  }
+  return method == 1 ? ResidencyMethod::kCachestat : ResidencyMethod::kMincore;
+}
+
+}  // namespace tensortier

@@ -1,0 +1,31 @@
+#include "tensortier/error.hpp"
+
+#include <cstring>
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+std::string Describe(int error_code, std::string_view op, const std::string& path, uint64_t offset,
+                     uint64_t length) {
+  return StrCat(op, " failed on '", path, "' at offset ", offset, " length ", length, ": ",
+                std::strerror(error_code), " (errno ", error_code, ")");
+}
+
+}  // namespace
+
+IoError::IoError(int error_code, std::string_view op, std::string path, uint64_t offset,
+                 uint64_t length)
+    : std::runtime_error(Describe(error_code, op, path, offset, length)),
+      error_code_(error_code),
+      op_(op),
+      path_(std::move(path)),
+      offset_(offset),
+      length_(length) {}
+
+void ThrowIoError(int error_code, std::string_view op, const std::string& path, uint64_t offset,
+                  uint64_t length) {
+  throw IoError(error_code, op, path, offset, length);
+}
+
+}  // namespace tensortier

@@ -1,0 +1,944 @@
+// The engine end to end, on every backend this build has: planning (buffered head and tail,
+// O_DIRECT middle in chunks, bounce buffers, page-cache-resident chunks), end of file, batches,
+// concurrency, completion and shutdown. Every read is checked byte by byte against the pattern the
+// file was written with, and the bytes around the destination are checked to be untouched.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/page_cache.hpp"
+#include "test_util.hpp"
+
+namespace tensortier {
+namespace {
+
+using testing::AllBytesAre;
+using testing::CompiledBackends;
+using testing::FillPattern;
+using testing::MatchesPattern;
+using testing::ReadWholeFile;
+using testing::TempDir;
+using testing::WritePatternFile;
+
+constexpr uint8_t kSentinel = 0xEE;
+constexpr size_t kGuard = 4096;
+
+// A destination buffer that starts `misalign` bytes past a page boundary, with kGuard sentinel
+// bytes on each side (and the whole buffer pre-filled with the sentinel).
+class GuardedBuffer {
+ public:
+  GuardedBuffer(uint64_t length, size_t misalign)
+      : length_(length), misalign_(misalign), mem_(kGuard + misalign + length + kGuard) {
+    std::memset(mem_.data(), kSentinel, mem_.size());
+  }
+  uint8_t* data() const { return reinterpret_cast<uint8_t*>(mem_.data()) + kGuard + misalign_; }
+  uint64_t length() const { return length_; }
+
+  // Success iff the first `filled` bytes hold the pattern for file position `pos` and every other
+  // byte (the rest of the buffer and both guards) still holds the sentinel.
+  ::testing::AssertionResult Holds(uint64_t seed, uint64_t pos, uint64_t filled) const {
+    auto* base = reinterpret_cast<const uint8_t*>(mem_.data());
+    if (auto r = AllBytesAre(base, kGuard + misalign_, kSentinel); !r) {
+      return r << " (guard before the buffer)";
+    }
+    if (auto r = MatchesPattern(data(), filled, seed, pos); !r) return r;
+    if (auto r = AllBytesAre(data() + filled, length_ - filled + kGuard, kSentinel); !r) {
+      return r << " (counted from the end of the " << filled << " bytes read; buffer length "
+               << length_ << ")";
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+ private:
+  uint64_t length_;
+  size_t misalign_;
+  AlignedBuffer mem_;
+};
+
+class EngineTest : public ::testing::TestWithParam<BackendKind> {
+ protected:
+  EngineOptions Options(uint64_t chunk = 64 << 10) const {
+    return testing::SmallEngineOptions(GetParam(), chunk);
+  }
+
+  // A file of `size` bytes holding pattern `seed`, opened with `mode` (O_DIRECT when `direct`).
+  File PatternFile(const std::string& name, uint64_t size, uint64_t seed,
+                   OpenMode mode = OpenMode::kRead, bool direct = true) {
+    WritePatternFile(dir_.File(name), size, seed);
+    File f = File::Open(dir_.File(name), mode, direct);
+    EXPECT_EQ(f.direct(), direct) << f.direct_fallback_reason();
+    return f;
+  }
+
+  // Reads [offset, offset+length) into a guarded buffer `misalign` bytes past a page boundary and
+  // checks that exactly `expect_bytes` bytes of pattern `seed` arrived and nothing else changed.
+  IoResult CheckedRead(Engine& engine, const File& file, uint64_t offset, uint64_t length,
+                       size_t misalign, uint64_t seed, uint64_t expect_bytes) {
+    GuardedBuffer buf(length, misalign);
+    IoResult result = engine.Read(file, buf.data(), length, offset).Wait();
+    EXPECT_EQ(result.bytes, expect_bytes) << "offset " << offset << " length " << length;
+    EXPECT_TRUE(buf.Holds(seed, offset, std::min(result.bytes, length)))
+        << "offset " << offset << " length " << length << " misalign " << misalign;
+    EXPECT_EQ(result.stats.requested_bytes, length);
+    EXPECT_EQ(result.stats.transferred_bytes, result.bytes);
+    EXPECT_EQ(result.segment_bytes, std::vector<uint64_t>{result.bytes});
+    EXPECT_EQ(result.stats.direct_bytes + result.stats.buffered_bytes, length);
+    return result;
+  }
+
+  TempDir dir_;
+};
+
+// How the planner must split [offset, offset+length) for `file`.
+struct Split {
+  uint64_t head, middle, tail;
+};
+Split ExpectedSplit(const File& file, uint64_t offset, uint64_t length) {
+  const uint64_t a = file.offset_alignment();
+  const uint64_t begin = AlignUp(offset, a), end = AlignDown(offset + length, a);
+  if (begin >= end) return {length, 0, 0};
+  return {begin - offset, end - begin, offset + length - end};
+}
+
+// Writes go direct only in whole pages (a partial page written buffered must never share a page
+// with a direct write, or writeback of the stale page overwrites the direct data).
+Split ExpectedWriteSplit(const File& file, uint64_t offset, uint64_t length) {
+  const uint64_t a = std::max<uint64_t>(file.offset_alignment(), kPageSize);
+  const uint64_t begin = AlignUp(offset, a), end = AlignDown(offset + length, a);
+  if (begin >= end) return {length, 0, 0};
+  return {begin - offset, end - begin, offset + length - end};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Planning: alignment of the file range and of the host address
+
+TEST_P(EngineTest, ReportsTheBackendItRuns) {
+  Engine engine(Options());
+  EXPECT_EQ(engine.backend(), BackendName(GetParam()));
+}
+
+TEST_P(EngineTest, AlignedReadIsAllDirect) {
+  File f = PatternFile("data", 1 << 20, 1);
+  ASSERT_TRUE(f.direct());
+  Engine engine(Options());
+  IoResult r = CheckedRead(engine, f, 64 << 10, 512 << 10, 0, 1, 512 << 10);
+  EXPECT_EQ(r.stats.backend, BackendName(GetParam()));
+  EXPECT_EQ(r.stats.direct_bytes, 512u << 10);
+  EXPECT_EQ(r.stats.buffered_bytes, 0u);
+  EXPECT_EQ(r.stats.bounced_bytes, 0u);
+  EXPECT_EQ(r.stats.cached_bytes, 0u);
+  EXPECT_EQ(r.stats.requests, 8u);  // 512 KiB in 64 KiB chunks
+  EXPECT_EQ(r.stats.resubmits, 0u);
+  EXPECT_FALSE(r.stats.eof);
+  EXPECT_FALSE(r.stats.direct_fallback);
+  EXPECT_EQ(r.stats.residency_method, "");  // page_cache_check is off
+}
+
+TEST_P(EngineTest, UnalignedOffsetReadsHeadBuffered) {
+  File f = PatternFile("data", 1 << 20, 2);
+  Engine engine(Options());
+  for (uint64_t offset : {1ull, 511ull, 513ull, 4095ull, 4097ull, 65537ull}) {
+    const uint64_t length = (256 << 10) - offset % 4096;
+    IoResult r = CheckedRead(engine, f, offset, length, 0, 2, length);
+    Split s = ExpectedSplit(f, offset, length);
+    EXPECT_GT(s.head, 0u);
+    EXPECT_EQ(r.stats.buffered_bytes, s.head + s.tail) << offset;
+    EXPECT_EQ(r.stats.direct_bytes, s.middle) << offset;
+  }
+}
+
+TEST_P(EngineTest, UnalignedLengthReadsTailBuffered) {
+  File f = PatternFile("data", 1 << 20, 3);
+  Engine engine(Options());
+  for (uint64_t length : {1ull, 511ull, 4097ull, 65535ull, 65537ull, 200001ull}) {
+    IoResult r = CheckedRead(engine, f, 0, length, 0, 3, length);
+    Split s = ExpectedSplit(f, 0, length);
+    EXPECT_EQ(s.head, length < f.offset_alignment() ? length : 0u);
+    EXPECT_EQ(r.stats.buffered_bytes, s.head + s.tail) << length;
+    EXPECT_EQ(r.stats.direct_bytes, s.middle) << length;
+  }
+}
+
+TEST_P(EngineTest, UnalignedHostAddressIsBounced) {
+  File f = PatternFile("data", 1 << 20, 4);
+  ASSERT_TRUE(f.direct());
+  const uint32_t mem_align = f.memory_alignment();
+  ASSERT_GT(mem_align, 1u) << "no host alignment rule to break";
+  Engine engine(Options());
+  for (size_t misalign : {size_t{1}, size_t{17}, size_t{mem_align - 1}, size_t{mem_align + 3}}) {
+    IoResult r = CheckedRead(engine, f, 0, 256 << 10, misalign, 4, 256 << 10);
+    EXPECT_EQ(r.stats.direct_bytes, 256u << 10) << misalign;
+    EXPECT_EQ(r.stats.bounced_bytes, 256u << 10) << misalign;
+  }
+  // Misaligned by a multiple of the rule: no bounce needed.
+  if (mem_align < kGuard) {
+    IoResult r = CheckedRead(engine, f, 0, 256 << 10, mem_align, 4, 256 << 10);
+    EXPECT_EQ(r.stats.direct_bytes, 256u << 10);
+    EXPECT_EQ(r.stats.bounced_bytes, 0u);
+  }
+}
+
+TEST_P(EngineTest, UnalignedHostAddressAndRangeTogether) {
+  File f = PatternFile("data", 1 << 20, 5);
+  Engine engine(Options());
+  IoResult r = CheckedRead(engine, f, 4097, (300 << 10) + 7, 33, 5, (300 << 10) + 7);
+  Split s = ExpectedSplit(f, 4097, (300 << 10) + 7);
+  EXPECT_EQ(r.stats.direct_bytes, s.middle);
+  ASSERT_NE((33 + s.head) % f.memory_alignment(), 0u);
+  EXPECT_EQ(r.stats.bounced_bytes, s.middle);
+}
+
+TEST_P(EngineTest, UnalignedHostAddressWriteIsBounced) {
+  const std::string path = dir_.File("out");
+  File f = File::Open(path, OpenMode::kWrite);
+  ASSERT_TRUE(f.direct());
+  Engine engine(Options());
+  constexpr uint64_t kLen = 256 << 10;
+  AlignedBuffer src(kLen + 64);
+  uint8_t* p = reinterpret_cast<uint8_t*>(src.data()) + 17;
+  FillPattern(p, kLen, 6);
+  const IoResult& w = engine.Write(f, p, kLen, 0).Wait();
+  EXPECT_EQ(w.bytes, kLen);
+  EXPECT_EQ(w.stats.direct_bytes, kLen);
+  EXPECT_EQ(w.stats.bounced_bytes, kLen);
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  ASSERT_EQ(data.size(), kLen);
+  EXPECT_TRUE(MatchesPattern(data.data(), kLen, 6));
+}
+
+TEST_P(EngineTest, ZeroLengthCompletesWithNoBytes) {
+  File f = PatternFile("data", 8192, 7, OpenMode::kReadWrite);
+  Engine engine(Options());
+  uint8_t byte = kSentinel;
+  for (uint64_t offset : {0ull, 4097ull, 1ull << 40}) {
+    for (void* buf : {static_cast<void*>(nullptr), static_cast<void*>(&byte)}) {
+      Future r = engine.Read(f, buf, 0, offset);
+      EXPECT_TRUE(r.done());
+      const IoResult& rr = r.Wait();
+      EXPECT_EQ(rr.bytes, 0u);
+      EXPECT_EQ(rr.segment_bytes, std::vector<uint64_t>{0});
+      EXPECT_EQ(rr.stats.requests, 0u);
+      EXPECT_FALSE(rr.stats.eof);
+      Future w = engine.Write(f, buf, 0, offset);
+      EXPECT_EQ(w.Wait().bytes, 0u);
+      EXPECT_EQ(w.Wait().stats.requests, 0u);
+    }
+  }
+  EXPECT_EQ(byte, kSentinel);
+  EXPECT_EQ(f.Size(), 8192u) << "a zero-length write must not extend the file";
+  engine.WaitAll();
+}
+
+TEST_P(EngineTest, OneByteReadsAndWrites) {
+  const std::string path = dir_.File("data");
+  File f = PatternFile("data", 3 * 4096, 8, OpenMode::kReadWrite);
+  Engine engine(Options());
+  for (uint64_t offset : {0ull, 1ull, 4095ull, 4096ull, 3ull * 4096 - 1}) {
+    IoResult r = CheckedRead(engine, f, offset, 1, 0, 8, 1);
+    EXPECT_EQ(r.stats.buffered_bytes, 1u);
+    EXPECT_EQ(r.stats.direct_bytes, 0u);
+  }
+  // Overwrite one byte in the middle of a block: its neighbours stay.
+  std::vector<uint8_t> expect = testing::Pattern(3 * 4096, 8);
+  uint8_t b = static_cast<uint8_t>(~expect[5000]);
+  const IoResult& w = engine.Write(f, &b, 1, 5000).Wait();
+  EXPECT_EQ(w.bytes, 1u);
+  EXPECT_EQ(w.stats.buffered_bytes, 1u);
+  expect[5000] = b;
+  EXPECT_EQ(ReadWholeFile(path), expect);
+}
+
+TEST_P(EngineTest, RangeSpanningManyChunksIsExact) {
+  constexpr uint64_t kOffset = 4097, kLength = (1 << 20) + 123;
+  File f = PatternFile("data", 2 << 20, 9);
+  Engine engine(Options(64 << 10));
+  for (size_t misalign : {size_t{0}, size_t{1}, size_t{2}}) {
+    IoResult r = CheckedRead(engine, f, kOffset, kLength, misalign, 9, kLength);
+    Split s = ExpectedSplit(f, kOffset, kLength);
+    EXPECT_EQ(r.stats.direct_bytes, s.middle);
+    EXPECT_EQ(r.stats.buffered_bytes, s.head + s.tail);
+    // The middle starts `head` bytes into the buffer: it needs a bounce unless that lands on the
+    // memory alignment (misalign 1 + head 511 does, misalign 0 does not).
+    const bool bounce = (misalign + s.head) % f.memory_alignment() != 0;
+    EXPECT_EQ(r.stats.bounced_bytes, bounce ? s.middle : 0u) << "misalign " << misalign;
+    const uint64_t chunks = (s.middle + (64 << 10) - 1) / (64 << 10);
+    EXPECT_EQ(r.stats.requests, 2 + chunks);  // head, tail, and the chunks of the middle
+    EXPECT_GE(chunks, 16u);
+  }
+}
+
+TEST_P(EngineTest, WriteSpanningManyChunksIsExact) {
+  constexpr uint64_t kOffset = 4097, kLength = (1 << 20) + 123, kSize = 2 << 20;
+  const std::string path = dir_.File("data");
+  File f = PatternFile("data", kSize, 10, OpenMode::kReadWrite);
+  Engine engine(Options(64 << 10));
+  std::vector<uint8_t> src = testing::Pattern(kLength, 11, kOffset);
+  const IoResult& w = engine.Write(f, src.data(), kLength, kOffset).Wait();
+  EXPECT_EQ(w.bytes, kLength);
+  Split s = ExpectedWriteSplit(f, kOffset, kLength);
+  EXPECT_EQ(w.stats.direct_bytes, s.middle);
+  EXPECT_EQ(w.stats.buffered_bytes, s.head + s.tail);
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  ASSERT_EQ(data.size(), kSize);
+  EXPECT_TRUE(MatchesPattern(data.data(), kOffset, 10));
+  EXPECT_TRUE(MatchesPattern(data.data() + kOffset, kLength, 11, kOffset));
+  EXPECT_TRUE(MatchesPattern(data.data() + kOffset + kLength, kSize - kOffset - kLength, 10,
+                             kOffset + kLength));
+}
+
+TEST_P(EngineTest, OffsetBeyond4GiBInSparseFile) {
+  constexpr uint64_t kOffset = (5ull << 30) + 777, kLength = (12 << 10) + 5;
+  const std::string path = dir_.File("sparse");
+  File f = File::Open(path, OpenMode::kWrite);
+  Engine engine(Options());
+  std::vector<uint8_t> src = testing::Pattern(kLength, 12, kOffset);
+  const IoResult& w = engine.Write(f, src.data(), kLength, kOffset).Wait();
+  EXPECT_EQ(w.bytes, kLength);
+  EXPECT_GT(w.stats.direct_bytes, 0u);
+  EXPECT_EQ(f.Size(), kOffset + kLength);
+
+  IoResult r = CheckedRead(engine, f, kOffset, kLength, 0, 12, kLength);
+  EXPECT_GT(r.stats.direct_bytes, 0u);
+  // The same bytes through a plain pread, so the engine is not only checked against itself.
+  std::vector<uint8_t> back(kLength);
+  ASSERT_EQ(pread(f.buffered_fd(), back.data(), kLength, static_cast<off_t>(kOffset)),
+            static_cast<ssize_t>(kLength));
+  EXPECT_EQ(back, src);
+  // The hole before reads as zeros.
+  GuardedBuffer hole(64 << 10, 0);
+  const IoResult& h = engine.Read(f, hole.data(), 64 << 10, 4ull << 30).Wait();
+  EXPECT_EQ(h.bytes, 64u << 10);
+  EXPECT_TRUE(AllBytesAre(hole.data(), 64 << 10, 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// End of file
+
+struct PastEofCase {
+  uint64_t size, offset, length;
+  size_t misalign;
+};
+const PastEofCase kPastEofCases[] = {
+    {10000, 0, 64 << 10, 0},            // EOF inside an O_DIRECT chunk, not block-aligned
+    {10000, 0, 64 << 10, 1},            // ... read through a bounce buffer
+    {10000, 9000, 20000, 0},            // EOF inside the buffered head
+    {16384, 0, 256 << 10, 0},           // block-aligned EOF, later chunks wholly past it
+    {16384, 100, 256 << 10, 0},         // unaligned start
+    {(64 << 10) + 1, 0, 128 << 10, 0},  // one byte into the second chunk
+};
+
+TEST_P(EngineTest, ReadPastEofReturnsOnlyExistingBytes) {
+  Engine engine(Options());
+  for (const PastEofCase& c : kPastEofCases) {
+    SCOPED_TRACE(::testing::Message() << "size " << c.size << " offset " << c.offset << " length "
+                                      << c.length << " misalign " << c.misalign);
+    File f = PatternFile("data", c.size, 13);
+    GuardedBuffer buf(c.length, c.misalign);
+    const IoResult& r = engine.Read(f, buf.data(), c.length, c.offset).Wait();
+    EXPECT_EQ(r.bytes, c.size - c.offset);
+    EXPECT_EQ(r.segment_bytes, std::vector<uint64_t>{c.size - c.offset});
+    EXPECT_EQ(r.stats.transferred_bytes, c.size - c.offset);
+    EXPECT_TRUE(r.stats.eof);
+    EXPECT_TRUE(MatchesPattern(buf.data(), r.bytes, 13, c.offset));
+  }
+}
+
+// Only the bytes the result reports may change: a caller reading a whole tensor slot from a file
+// that turned out short must find the rest of its buffer as it left it, whatever path ran.
+TEST_P(EngineTest, ReadPastEofLeavesTheRestOfTheBufferUntouched) {
+  Engine engine(Options());
+  for (const PastEofCase& c : kPastEofCases) {
+    SCOPED_TRACE(::testing::Message() << "size " << c.size << " offset " << c.offset << " length "
+                                      << c.length << " misalign " << c.misalign);
+    File f = PatternFile("data", c.size, 13);
+    IoResult r = CheckedRead(engine, f, c.offset, c.length, c.misalign, 13, c.size - c.offset);
+    EXPECT_TRUE(r.stats.eof);
+  }
+}
+
+TEST_P(EngineTest, ReadEntirelyBeyondEofReturnsNothing) {
+  File f = PatternFile("data", 10000, 14);
+  Engine engine(Options());
+  for (uint64_t offset : {10000ull, 12288ull, 20000ull, 1ull << 33}) {
+    for (uint64_t length : {1ull, 4096ull, 200000ull}) {
+      IoResult r = CheckedRead(engine, f, offset, length, 0, 14, 0);
+      EXPECT_TRUE(r.stats.eof) << offset << "+" << length;
+    }
+  }
+}
+
+TEST_P(EngineTest, ReadOfEmptyFileReturnsNothing) {
+  File f = PatternFile("empty", 0, 15);
+  Engine engine(Options());
+  IoResult r = CheckedRead(engine, f, 0, 128 << 10, 0, 15, 0);
+  EXPECT_TRUE(r.stats.eof);
+}
+
+TEST_P(EngineTest, ReadEndingExactlyAtEofIsNotEof) {
+  File f = PatternFile("data", 10000, 16);
+  Engine engine(Options());
+  IoResult r = CheckedRead(engine, f, 100, 9900, 0, 16, 9900);
+  EXPECT_FALSE(r.stats.eof);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writes
+
+TEST_P(EngineTest, WriteThenReadBackDirectAndBuffered) {
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "O_DIRECT file" : "buffered file");
+    const std::string path = dir_.File(direct ? "direct" : "buffered");
+    constexpr uint64_t kSize = 512 << 10, kOffset = 3001, kLength = 300000;
+    File f = PatternFile(direct ? "direct" : "buffered", kSize, 17, OpenMode::kReadWrite, direct);
+    Engine engine(Options());
+    std::vector<uint8_t> src = testing::Pattern(kLength, 18, kOffset);
+    const IoResult& w = engine.Write(f, src.data(), kLength, kOffset).Wait();
+    EXPECT_EQ(w.bytes, kLength);
+    EXPECT_EQ(w.segment_bytes, std::vector<uint64_t>{kLength});
+    EXPECT_EQ(w.stats.direct_bytes, direct ? ExpectedWriteSplit(f, kOffset, kLength).middle : 0u);
+    EXPECT_FALSE(w.stats.direct_fallback);
+
+    IoResult r = CheckedRead(engine, f, kOffset, kLength, 0, 18, kLength);
+    EXPECT_EQ(r.stats.direct_bytes, direct ? ExpectedSplit(f, kOffset, kLength).middle : 0u);
+    std::vector<uint8_t> data = ReadWholeFile(path);
+    ASSERT_EQ(data.size(), kSize);
+    EXPECT_TRUE(MatchesPattern(data.data(), kOffset, 17));
+    EXPECT_TRUE(MatchesPattern(data.data() + kOffset, kLength, 18, kOffset));
+    EXPECT_TRUE(MatchesPattern(data.data() + kOffset + kLength, kSize - kOffset - kLength, 17,
+                               kOffset + kLength));
+  }
+}
+
+TEST_P(EngineTest, WritePastEndExtendsTheFile) {
+  const std::string path = dir_.File("data");
+  File f = PatternFile("data", 10000, 19, OpenMode::kReadWrite);
+  Engine engine(Options());
+  constexpr uint64_t kOffset = 20000, kLength = 70000;
+  std::vector<uint8_t> src = testing::Pattern(kLength, 20, kOffset);
+  EXPECT_EQ(engine.Write(f, src.data(), kLength, kOffset).Wait().bytes, kLength);
+  EXPECT_EQ(f.Size(), kOffset + kLength);
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  ASSERT_EQ(data.size(), kOffset + kLength);
+  EXPECT_TRUE(MatchesPattern(data.data(), 10000, 19));
+  EXPECT_TRUE(AllBytesAre(data.data() + 10000, kOffset - 10000, 0));
+  EXPECT_TRUE(MatchesPattern(data.data() + kOffset, kLength, 20, kOffset));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scatter/gather
+
+TEST_P(EngineTest, ScatterGatherReadOfManyPiecesOnSeveralFiles) {
+  constexpr uint64_t kSize = 1 << 20;
+  std::vector<File> files;
+  for (int i = 0; i < 3; ++i) files.push_back(PatternFile("f" + std::to_string(i), kSize, 30 + i));
+  Engine engine(Options());
+  std::mt19937_64 rng(1234);
+  struct Piece {
+    int file = 0;
+    uint64_t offset = 0, length = 0, expect = 0;
+    size_t misalign = 0;
+    std::unique_ptr<GuardedBuffer> buf;
+  };
+  std::vector<Piece> pieces;
+  for (int i = 0; i < 40; ++i) {
+    Piece p;
+    p.file = i % 3;
+    p.offset = rng() % kSize;
+    p.length = 1 + rng() % (100 << 10);
+    p.misalign = (i % 4 == 0) ? 0 : rng() % 64;
+    pieces.push_back(std::move(p));
+  }
+  pieces[7].length = 0;                                        // an empty piece
+  pieces[11].offset = kSize - 1000, pieces[11].length = 5000;  // crosses end of file
+  pieces[13].offset = kSize + 4096, pieces[13].length = 4096;  // wholly past end of file
+  pieces[17].offset = 0, pieces[17].length = 256 << 10;        // aligned, several chunks
+  std::vector<IoDesc> descs;
+  uint64_t total = 0;
+  for (Piece& p : pieces) {
+    p.expect = p.offset >= kSize ? 0 : std::min(p.length, kSize - p.offset);
+    total += p.expect;
+    p.buf = std::make_unique<GuardedBuffer>(p.length, p.misalign);
+    descs.push_back({files[p.file], p.buf->data(), p.offset, p.length});
+  }
+  const IoResult& r = engine.Submit(IoOp::kRead, descs).Wait();
+  EXPECT_EQ(r.bytes, total);
+  ASSERT_EQ(r.segment_bytes.size(), pieces.size());
+  EXPECT_TRUE(r.stats.eof);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Piece& p = pieces[i];
+    EXPECT_EQ(r.segment_bytes[i], p.expect) << "piece " << i;
+    EXPECT_TRUE(p.buf->Holds(30 + p.file, p.offset, p.expect)) << "piece " << i;
+  }
+}
+
+TEST_P(EngineTest, ScatterGatherWriteOfManyPiecesOnSeveralFiles) {
+  constexpr uint64_t kSlot = 24 << 10, kSlots = 40, kSize = kSlot * kSlots;
+  std::vector<File> files;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 3; ++i) {
+    paths.push_back(dir_.File("f" + std::to_string(i)));
+    files.push_back(File::Open(paths.back(), OpenMode::kWrite));
+    files.back().Truncate(kSize);
+  }
+  Engine engine(Options(16 << 10));
+  std::mt19937_64 rng(99);
+  std::vector<std::vector<uint8_t>> expect(3, std::vector<uint8_t>(kSize, 0));
+  std::vector<std::unique_ptr<AlignedBuffer>> sources;
+  std::vector<IoDesc> descs;
+  for (uint64_t i = 0; i < kSlots * 3; ++i) {
+    const int file = static_cast<int>(i % 3);
+    const uint64_t slot = i / 3;
+    const uint64_t offset = slot * kSlot + rng() % (kSlot / 2);
+    const uint64_t length = 1 + rng() % (kSlot / 2);
+    const size_t misalign = (i % 5 == 0) ? 0 : rng() % 32;
+    sources.push_back(std::make_unique<AlignedBuffer>(length + misalign));
+    uint8_t* src = reinterpret_cast<uint8_t*>(sources.back()->data()) + misalign;
+    FillPattern(src, length, 40 + file, offset);
+    std::memcpy(expect[file].data() + offset, src, length);
+    descs.push_back({files[file], src, offset, length});
+  }
+  const IoResult& w = engine.Submit(IoOp::kWrite, descs).Wait();
+  ASSERT_EQ(w.segment_bytes.size(), descs.size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < descs.size(); ++i) {
+    EXPECT_EQ(w.segment_bytes[i], descs[i].length) << "piece " << i;
+    total += descs[i].length;
+  }
+  EXPECT_EQ(w.bytes, total);
+  EXPECT_EQ(w.stats.requested_bytes, total);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(ReadWholeFile(paths[i]), expect[i]) << paths[i];
+}
+
+TEST_P(EngineTest, SubmitWithNoPiecesCompletes) {
+  Engine engine(Options());
+  const IoResult& r = engine.Submit(IoOp::kRead, {}).Wait();
+  EXPECT_EQ(r.bytes, 0u);
+  EXPECT_TRUE(r.segment_bytes.empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency, completion, shutdown
+
+// Neighbouring writes that meet inside a page, in flight together: each must keep every byte of
+// the others (a buffered partial-page write racing a direct write to the same page loses data).
+TEST_P(EngineTest, AdjacentUnalignedWritesInFlightTogetherKeepEveryByte) {
+  constexpr uint64_t kSize = 256 << 10;
+  const std::string path = dir_.File("adjacent");
+  File f = File::Open(path, OpenMode::kWrite);
+  f.Truncate(kSize);
+  Engine engine(Options(16 << 10));
+  std::mt19937_64 rng(77);
+  std::vector<uint8_t> expect(kSize, 0);
+  for (int round = 0; round < 40; ++round) {
+    std::vector<uint64_t> cuts = {0, kSize};
+    for (int i = 0; i < 12; ++i) cuts.push_back(1 + rng() % (kSize - 1));
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    std::vector<uint8_t> src = testing::Pattern(kSize, 100 + round);
+    std::vector<Future> futures;
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      futures.push_back(engine.Write(f, src.data() + cuts[i], cuts[i + 1] - cuts[i], cuts[i]));
+    }
+    for (const Future& fut : futures) fut.Wait();
+    expect = src;
+    ASSERT_EQ(ReadWholeFile(path), expect) << "round " << round;
+    f.DropCache();
+  }
+}
+
+TEST_P(EngineTest, ConcurrentOperationsFromManyThreads) {
+  constexpr int kThreads = 8, kOps = 50;
+  constexpr uint64_t kRegion = 1 << 20, kSlot = kRegion / kOps;
+  constexpr uint64_t kSourceSize = 4 << 20;
+  File source = PatternFile("source", kSourceSize, 50);
+  const std::string target_path = dir_.File("target");
+  File target = File::Open(target_path, OpenMode::kWrite);
+  target.Truncate(kThreads * kRegion);
+  Engine engine(Options(16 << 10));
+
+  struct Write {
+    uint64_t offset, length;
+  };
+  std::vector<std::vector<Write>> writes(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(1000 + t);
+      std::vector<std::unique_ptr<GuardedBuffer>> reads;
+      std::vector<uint64_t> read_offsets;
+      std::vector<std::unique_ptr<AlignedBuffer>> sources;
+      std::vector<Future> read_futures, write_futures;
+      for (int i = 0; i < kOps; ++i) {
+        // A read of any range of the shared source file.
+        const uint64_t r_off = rng() % (kSourceSize - (64 << 10));
+        const uint64_t r_len = 1 + rng() % (64 << 10);
+        reads.push_back(std::make_unique<GuardedBuffer>(r_len, rng() % 4 == 0 ? 0 : rng() % 64));
+        read_offsets.push_back(r_off);
+        read_futures.push_back(engine.Read(source, reads.back()->data(), r_len, r_off));
+        // A write into this thread's own slot of the target file.
+        const uint64_t slot = t * kRegion + i * kSlot;
+        const uint64_t w_off = slot + rng() % (kSlot / 2);
+        const uint64_t w_len = 1 + rng() % (kSlot / 2);
+        const size_t misalign = rng() % 4 == 0 ? 0 : rng() % 64;
+        sources.push_back(std::make_unique<AlignedBuffer>(w_len + misalign));
+        uint8_t* src = reinterpret_cast<uint8_t*>(sources.back()->data()) + misalign;
+        FillPattern(src, w_len, 51, w_off);
+        write_futures.push_back(engine.Write(target, src, w_len, w_off));
+        writes[t].push_back({w_off, w_len});
+      }
+      for (int i = 0; i < kOps; ++i) {
+        const IoResult& r = read_futures[i].Wait();
+        EXPECT_EQ(r.bytes, reads[i]->length());
+        EXPECT_TRUE(reads[i]->Holds(50, read_offsets[i], reads[i]->length()))
+            << "thread " << t << " read " << i;
+        EXPECT_EQ(write_futures[i].Wait().bytes, writes[t][i].length);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+
+  std::vector<uint8_t> expect(kThreads * kRegion, 0);
+  for (const auto& per_thread : writes) {
+    for (const Write& w : per_thread) FillPattern(expect.data() + w.offset, w.length, 51, w.offset);
+  }
+  EXPECT_EQ(ReadWholeFile(target_path), expect);
+}
+
+TEST_P(EngineTest, WaitAllWaitsForEverything) {
+  constexpr int kOps = 24;
+  constexpr uint64_t kLen = 96 << 10;
+  const std::string path = dir_.File("data");
+  File f = File::Open(path, OpenMode::kWrite);
+  Engine engine(Options(16 << 10));
+  std::vector<uint8_t> src = testing::Pattern(kOps * kLen, 52);
+  std::vector<Future> futures;
+  for (int i = 0; i < kOps; ++i) {
+    futures.push_back(engine.Write(f, src.data() + i * kLen, kLen, i * kLen));
+  }
+  engine.WaitAll();
+  for (int i = 0; i < kOps; ++i) EXPECT_TRUE(futures[i].done()) << "op " << i;
+  EXPECT_EQ(ReadWholeFile(path), src);
+  for (int i = 0; i < kOps; ++i) EXPECT_EQ(futures[i].Wait().bytes, kLen);
+  engine.WaitAll();  // nothing outstanding: returns at once
+}
+
+TEST_P(EngineTest, FutureDoneAndRepeatedWait) {
+  File f = PatternFile("data", 1 << 20, 53);
+  Engine engine(Options());
+  GuardedBuffer buf(1 << 20, 0);
+  Future fut = engine.Read(f, buf.data(), 1 << 20, 0);
+  EXPECT_TRUE(fut.valid());
+  const IoResult& first = fut.Wait();
+  EXPECT_TRUE(fut.done());
+  const IoResult& second = fut.Wait();
+  EXPECT_EQ(first.bytes, second.bytes);  // the same outcome, as a copy each time
+  EXPECT_EQ(first.stats.requests, second.stats.requests);
+  EXPECT_EQ(second.bytes, 1u << 20);
+  Future copy = fut;
+  EXPECT_TRUE(copy.done());
+  EXPECT_EQ(copy.Wait().bytes, 1u << 20);
+  EXPECT_TRUE(buf.Holds(53, 0, 1 << 20));
+}
+
+TEST_P(EngineTest, DefaultFutureIsNotValid) {
+  Future fut;
+  EXPECT_FALSE(fut.valid());
+  EXPECT_THROW(fut.done(), std::logic_error);
+  EXPECT_THROW(fut.Wait(), std::logic_error);
+}
+
+TEST_P(EngineTest, DestructorWaitsForInFlightOperations) {
+  constexpr int kOps = 16;
+  constexpr uint64_t kLen = 256 << 10;
+  const std::string path = dir_.File("data");
+  std::vector<uint8_t> src = testing::Pattern(kOps * kLen, 54);
+  std::vector<Future> futures;
+  {
+    File f = File::Open(path, OpenMode::kWrite);
+    Engine engine(Options());
+    for (int i = 0; i < kOps; ++i) {
+      futures.push_back(engine.Write(f, src.data() + i * kLen, kLen, i * kLen));
+    }
+    // The File handle goes first, the engine second: operations keep their files open.
+  }
+  for (int i = 0; i < kOps; ++i) {
+    EXPECT_TRUE(futures[i].done()) << "op " << i << " still running after ~Engine";
+    EXPECT_EQ(futures[i].Wait().bytes, kLen);
+  }
+  EXPECT_EQ(ReadWholeFile(path), src);
+}
+
+TEST_P(EngineTest, BadArgumentsAreRejectedUpFront) {
+  File f = PatternFile("data", 8192, 55, OpenMode::kReadWrite);
+  Engine engine(Options());
+  uint8_t byte = 0;
+  EXPECT_THROW(engine.Read(f, nullptr, 1, 0), std::invalid_argument);
+  EXPECT_THROW(engine.Read(File(), &byte, 1, 0), std::invalid_argument);
+  EXPECT_THROW(engine.Read(f, &byte, 1, UINT64_MAX), std::invalid_argument);
+  EXPECT_THROW(engine.Read(f, &byte, UINT64_MAX, 1), std::invalid_argument);
+  File closed = f;
+  closed.Close();
+  EXPECT_THROW(engine.Write(closed, &byte, 1, 0), std::invalid_argument);
+  engine.WaitAll();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Page-cache awareness
+
+class EnginePageCacheTest : public EngineTest {
+ protected:
+  static constexpr uint64_t kSize = 1 << 20;
+
+  void SetUp() override {
+    file_ = PatternFile("data", kSize, 60);
+    ASSERT_TRUE(file_.direct()) << file_.direct_fallback_reason();
+    file_.DataSync();  // clean pages only can be dropped
+    file_.DropCache();
+    ASSERT_EQ(QueryResidency(file_.buffered_fd(), 0, kSize).resident_bytes, 0u)
+        << "the page cache kept the file after DONTNEED";
+  }
+
+  // Reads the whole file through the page cache.
+  void MakeResident() {
+    std::vector<uint8_t> data = ReadWholeFile(dir_.File("data"));
+    ASSERT_EQ(data.size(), kSize);
+    ASSERT_EQ(QueryResidency(file_.buffered_fd(), 0, kSize).resident_bytes, kSize);
+  }
+
+  EngineOptions CheckingOptions(bool check = true) const {
+    EngineOptions o = Options(64 << 10);
+    o.page_cache_check = check;
+    return o;
+  }
+
+  File file_;
+};
+
+TEST_P(EnginePageCacheTest, ResidentRangeIsReadBuffered) {
+  ASSERT_NO_FATAL_FAILURE(MakeResident());
+  Engine engine(CheckingOptions());
+  constexpr uint64_t kOffset = 4097, kLength = 600000;
+  IoResult r = CheckedRead(engine, file_, kOffset, kLength, 0, 60, kLength);
+  Split s = ExpectedSplit(file_, kOffset, kLength);
+  EXPECT_EQ(r.stats.cached_bytes, s.middle);
+  EXPECT_EQ(r.stats.direct_bytes, 0u);
+  EXPECT_EQ(r.stats.buffered_bytes, kLength);
+  EXPECT_EQ(r.stats.residency_method, ResidencyMethodName(ResidencyMethodInUse()));
+}
+
+TEST_P(EnginePageCacheTest, DroppedRangeIsReadDirect) {
+  ASSERT_NO_FATAL_FAILURE(MakeResident());
+  Engine engine(CheckingOptions());
+  constexpr uint64_t kOffset = 4097, kLength = 600000;
+  IoResult cached = CheckedRead(engine, file_, kOffset, kLength, 0, 60, kLength);
+  EXPECT_GT(cached.stats.cached_bytes, 0u);
+  file_.DropCache();
+  ASSERT_EQ(QueryResidency(file_.buffered_fd(), 0, kSize).resident_bytes, 0u);
+  IoResult r = CheckedRead(engine, file_, kOffset, kLength, 0, 60, kLength);
+  Split s = ExpectedSplit(file_, kOffset, kLength);
+  EXPECT_EQ(r.stats.cached_bytes, 0u);
+  EXPECT_EQ(r.stats.direct_bytes, s.middle);
+  EXPECT_GT(r.stats.direct_bytes, 0u);
+  EXPECT_EQ(r.stats.residency_method, ResidencyMethodName(ResidencyMethodInUse()));
+}
+
+TEST_P(EnginePageCacheTest, PartlyResidentRangeIsDecidedPerChunk) {
+  // Make exactly the first 256 KiB resident (no readahead past it).
+  int fd = open(dir_.File("data").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM), 0);
+  std::vector<uint8_t> head(256 << 10);
+  ASSERT_EQ(pread(fd, head.data(), head.size(), 0), static_cast<ssize_t>(head.size()));
+  close(fd);
+  ASSERT_EQ(QueryResidency(file_.buffered_fd(), 0, 256 << 10).resident_bytes, 256u << 10);
+  if (QueryResidency(file_.buffered_fd(), 256 << 10, 256 << 10).resident_bytes != 0) {
+    GTEST_SKIP() << "the kernel read ahead despite POSIX_FADV_RANDOM";
+  }
+  Engine engine(CheckingOptions());
+  IoResult r = CheckedRead(engine, file_, 0, 512 << 10, 0, 60, 512 << 10);
+  EXPECT_EQ(r.stats.cached_bytes, 256u << 10);
+  EXPECT_EQ(r.stats.direct_bytes, 256u << 10);
+}
+
+TEST_P(EnginePageCacheTest, CheckDisabledAlwaysReadsDirect) {
+  ASSERT_NO_FATAL_FAILURE(MakeResident());
+  Engine engine(CheckingOptions(false));
+  constexpr uint64_t kOffset = 4097, kLength = 600000;
+  IoResult r = CheckedRead(engine, file_, kOffset, kLength, 0, 60, kLength);
+  EXPECT_EQ(r.stats.cached_bytes, 0u);
+  EXPECT_EQ(r.stats.direct_bytes, ExpectedSplit(file_, kOffset, kLength).middle);
+  EXPECT_EQ(r.stats.residency_method, "");
+}
+
+TEST_P(EnginePageCacheTest, WritesIgnoreResidency) {
+  ASSERT_NO_FATAL_FAILURE(MakeResident());
+  File f = File::Open(dir_.File("data"), OpenMode::kReadWrite);
+  Engine engine(CheckingOptions());
+  std::vector<uint8_t> src = testing::Pattern(256 << 10, 61);
+  const IoResult& w = engine.Write(f, src.data(), src.size(), 0).Wait();
+  EXPECT_EQ(w.stats.cached_bytes, 0u);
+  EXPECT_EQ(w.stats.direct_bytes, 256u << 10);
+  // The O_DIRECT write invalidated the cached pages: a buffered read sees the new bytes.
+  std::vector<uint8_t> data = ReadWholeFile(dir_.File("data"));
+  EXPECT_TRUE(MatchesPattern(data.data(), 256 << 10, 61));
+  EXPECT_TRUE(MatchesPattern(data.data() + (256 << 10), kSize - (256 << 10), 60, 256 << 10));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(CompiledBackends()),
+                         testing::BackendParamName());
+INSTANTIATE_TEST_SUITE_P(Backends, EnginePageCacheTest, ::testing::ValuesIn(CompiledBackends()),
+                         testing::BackendParamName());
+
+// ---------------------------------------------------------------------------------------------
+// Engine construction (not per backend)
+
+TEST(EngineConstructionTest, BadOptionsAreRejected) {
+  EngineOptions o = testing::SmallEngineOptions(BackendKind::kThreads);
+  o.workers = 0;
+  EXPECT_THROW(Engine{o}, std::invalid_argument);
+  o = testing::SmallEngineOptions(BackendKind::kThreads);
+  o.backend = "nope";
+  EXPECT_THROW(Engine{o}, std::invalid_argument);
+}
+
+TEST(EngineConstructionTest, AutoPicksTheFirstBackendThatPassesTheProbe) {
+  TempDir dir;
+  EngineOptions o = testing::SmallEngineOptions(BackendKind::kThreads);
+  o.backend = "auto";
+  Engine engine(o, dir.path());
+  std::string expect;
+  for (BackendKind k : kAllBackends) {
+    BackendProbe p = ProbeBackend(k, dir.path());
+    if (p.available && (p.direct_ok || p.buffered_ok)) {
+      expect = BackendName(k);
+      break;
+    }
+  }
+  EXPECT_EQ(engine.backend(), expect);
+}
+
+TEST(EngineConstructionTest, FailingFactoryIsReported) {
+  EngineOptions o = testing::SmallEngineOptions(BackendKind::kThreads);
+  auto factory = [](unsigned) -> std::unique_ptr<Backend> {
+    ThrowIoError(EPERM, "test backend", "(test)");
+  };
+  try {
+    Engine engine(o, factory);
+    FAIL() << "no exception";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), EPERM);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// QueryResidency
+
+class ResidencyTest : public ::testing::TestWithParam<ResidencyMethod> {
+ protected:
+  static constexpr uint64_t kSize = 512 << 10;
+  void SetUp() override {
+    if (GetParam() == ResidencyMethod::kCachestat &&
+        ResidencyMethodInUse() != ResidencyMethod::kCachestat) {
+      GTEST_SKIP() << "cachestat(2) needs Linux 6.5";
+    }
+    ASSERT_NO_FATAL_FAILURE(WritePatternFile(dir_.File("data"), kSize, 70));
+    file_ = File::Open(dir_.File("data"), OpenMode::kRead, /*direct=*/false);
+    file_.DataSync();
+    file_.DropCache();
+  }
+  ResidencyMethod Expected() const {
+    return GetParam() == ResidencyMethod::kUnknown ? ResidencyMethodInUse() : GetParam();
+  }
+  TempDir dir_;
+  File file_;
+};
+
+TEST_P(ResidencyTest, DroppedRangeIsNotResident) {
+  Residency r = QueryResidency(file_.buffered_fd(), 0, kSize, GetParam());
+  EXPECT_EQ(r.method, Expected());
+  EXPECT_EQ(r.checked_bytes, kSize);
+  EXPECT_EQ(r.resident_bytes, 0u);
+}
+
+TEST_P(ResidencyTest, CachedRangeIsResident) {
+  ASSERT_EQ(ReadWholeFile(dir_.File("data")).size(), kSize);
+  Residency r = QueryResidency(file_.buffered_fd(), 0, kSize, GetParam());
+  EXPECT_EQ(r.method, Expected());
+  EXPECT_EQ(r.checked_bytes, kSize);
+  EXPECT_EQ(r.resident_bytes, kSize);
+  // An unaligned sub-range counts no more than its own bytes.
+  Residency sub = QueryResidency(file_.buffered_fd(), 100, 5000, GetParam());
+  EXPECT_EQ(sub.checked_bytes, 5000u);
+  EXPECT_EQ(sub.resident_bytes, 5000u);
+  file_.DropCache();
+  EXPECT_EQ(QueryResidency(file_.buffered_fd(), 0, kSize, GetParam()).resident_bytes, 0u);
+}
+
+TEST_P(ResidencyTest, PartlyCachedRangeCountsOnlyCachedPages) {
+  int fd = open(dir_.File("data").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM), 0);
+  std::vector<uint8_t> buf(64 << 10);
+  ASSERT_EQ(pread(fd, buf.data(), buf.size(), 128 << 10), static_cast<ssize_t>(buf.size()));
+  close(fd);
+  Residency r = QueryResidency(file_.buffered_fd(), 0, kSize, GetParam());
+  EXPECT_EQ(r.checked_bytes, kSize);
+  EXPECT_GE(r.resident_bytes, 64u << 10);
+  EXPECT_LT(r.resident_bytes, kSize);
+  EXPECT_EQ(QueryResidency(file_.buffered_fd(), 128 << 10, 64 << 10, GetParam()).resident_bytes,
+            64u << 10);
+}
+
+TEST_P(ResidencyTest, RangeIsClippedToTheFileSize) {
+  Residency r = QueryResidency(file_.buffered_fd(), kSize - 1000, 1 << 20, GetParam());
+  EXPECT_EQ(r.checked_bytes, 1000u);
+  EXPECT_EQ(r.method, Expected());
+}
+
+TEST_P(ResidencyTest, RangeBeyondEofChecksNothing) {
+  Residency r = QueryResidency(file_.buffered_fd(), kSize, 4096, GetParam());
+  EXPECT_EQ(r.checked_bytes, 0u);
+  EXPECT_EQ(r.resident_bytes, 0u);
+  Residency empty = QueryResidency(file_.buffered_fd(), 0, 0, GetParam());
+  EXPECT_EQ(empty.checked_bytes, 0u);
+}
+
+TEST_P(ResidencyTest, BadDescriptorGivesUnknownWithoutThrowing) {
+  Residency r = QueryResidency(-1, 0, 4096, GetParam());
+  EXPECT_EQ(r.method, ResidencyMethod::kUnknown);
+  EXPECT_EQ(r.checked_bytes, 0u);
+  EXPECT_EQ(r.resident_bytes, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, ResidencyTest,
+                         ::testing::Values(ResidencyMethod::kUnknown, ResidencyMethod::kCachestat,
+                                           ResidencyMethod::kMincore),
+                         [](const ::testing::TestParamInfo<ResidencyMethod>& info) {
+                           return info.param == ResidencyMethod::kUnknown
+                                      ? std::string("default")
+                                      : std::string(ResidencyMethodName(info.param));
+                         });
+
+TEST(ResidencyMethodTest, Names) {
+  EXPECT_EQ(ResidencyMethodName(ResidencyMethod::kCachestat), "cachestat");
+  EXPECT_EQ(ResidencyMethodName(ResidencyMethod::kMincore), "mincore");
+  EXPECT_EQ(ResidencyMethodName(ResidencyMethod::kUnknown), "none");
+  EXPECT_NE(ResidencyMethodInUse(), ResidencyMethod::kUnknown);
+}
+
+}  // namespace
+}  // namespace tensortier

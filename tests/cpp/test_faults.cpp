@@ -1,0 +1,393 @@
+// Faults injected at the backend seam (errors, short counts, delays on the Nth request), seen
+// through the engine: errors surface from Future::Wait() / Engine::WaitAll() with errno, path and
+// range; short transfers are continued to the byte; the engine stays usable after a fault.
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/backend.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/file.hpp"
+#include "test_util.hpp"
+
+namespace tensortier {
+namespace {
+
+using testing::CompiledBackends;
+using testing::FillPattern;
+using testing::MatchesPattern;
+using testing::ReadWholeFile;
+using testing::TempDir;
+using testing::WritePatternFile;
+
+constexpr uint64_t kChunk = 64 << 10;
+constexpr uint64_t kFileSize = 1 << 20;
+
+FaultPlan Plan(FaultPlan::Kind kind, bool reads, bool writes, uint64_t nth = 1,
+               uint64_t count = 1) {
+  FaultPlan p;
+  p.kind = kind;
+  p.reads = reads;
+  p.writes = writes;
+  p.nth = nth;
+  p.count = count;
+  return p;
+}
+
+// The IoError the future's Wait() throws (a test failure, and error_code() -1, if none).
+IoError WaitError(const Future& f) {
+  try {
+    f.Wait();
+  } catch (const IoError& e) {
+    return e;
+  }
+  ADD_FAILURE() << "Wait() did not throw IoError";
+  return IoError(-1, "none", "", 0, 0);
+}
+
+class FaultTest : public ::testing::TestWithParam<BackendKind> {
+ protected:
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(WritePatternFile(path_, kFileSize, 1));
+    file_ = File::Open(path_, OpenMode::kReadWrite);
+    ASSERT_TRUE(file_.direct()) << file_.direct_fallback_reason();
+  }
+
+  // An engine whose workers share one injector following `plan` (so "the Nth request" counts over
+  // the whole engine).
+  std::unique_ptr<Engine> FaultyEngine(const FaultPlan& plan, unsigned workers = 2) {
+    injector_ = std::make_shared<FaultInjector>(plan);
+    EngineOptions o = testing::SmallEngineOptions(GetParam(), kChunk);
+    o.workers = workers;
+    BackendKind kind = GetParam();
+    auto injector = injector_;
+    return std::make_unique<Engine>(o, [kind, injector](unsigned depth) {
+      return MakeFaultInjectingBackend(MakeBackend(kind, depth), injector);
+    });
+  }
+
+  // Reads [offset, offset+length) into a buffer `misalign` bytes past a page boundary; expects
+  // success and the pattern `seed`.
+  IoResult ReadOk(Engine& engine, uint64_t offset, uint64_t length, size_t misalign = 0,
+                  uint64_t seed = 1) {
+    AlignedBuffer mem(length + misalign);
+    uint8_t* buf = reinterpret_cast<uint8_t*>(mem.data()) + misalign;
+    IoResult r = engine.Read(file_, buf, length, offset).Wait();
+    EXPECT_EQ(r.bytes, length);
+    EXPECT_TRUE(MatchesPattern(buf, length, seed, offset));
+    return r;
+  }
+
+  // Writes pattern `seed` over [offset, offset+length) from a buffer `misalign` bytes past a page
+  // boundary; expects success and the file to hold exactly that range of the new pattern.
+  IoResult WriteOk(Engine& engine, uint64_t offset, uint64_t length, size_t misalign,
+                   uint64_t seed) {
+    AlignedBuffer mem(length + misalign);
+    uint8_t* buf = reinterpret_cast<uint8_t*>(mem.data()) + misalign;
+    FillPattern(buf, length, seed, offset);
+    IoResult r = engine.Write(file_, buf, length, offset).Wait();
+    EXPECT_EQ(r.bytes, length);
+    std::vector<uint8_t> data = ReadWholeFile(path_);
+    EXPECT_EQ(data.size(), kFileSize);
+    EXPECT_TRUE(MatchesPattern(data.data(), offset, 1));
+    EXPECT_TRUE(MatchesPattern(data.data() + offset, length, seed, offset));
+    EXPECT_TRUE(MatchesPattern(data.data() + offset + length, kFileSize - offset - length, 1,
+                               offset + length));
+    return r;
+  }
+
+  TempDir dir_;
+  const std::string path_ = dir_.File("data");
+  File file_;
+  std::shared_ptr<FaultInjector> injector_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+TEST_P(FaultTest, ReadErrorSurfacesAsIoErrorWithPathAndRange) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, true, false, /*nth=*/3));
+  constexpr uint64_t kOffset = 4097, kLength = 300000;
+  AlignedBuffer buf(kLength);
+  IoError e = WaitError(engine->Read(file_, buf.data(), kLength, kOffset));
+  EXPECT_EQ(e.error_code(), EIO);
+  EXPECT_EQ(e.path(), path_);
+  EXPECT_NE(e.op().find("read"), std::string::npos) << e.op();
+  EXPECT_GT(e.length(), 0u);
+  EXPECT_GE(e.offset(), kOffset);
+  EXPECT_LE(e.offset() + e.length(), kOffset + kLength);
+  EXPECT_NE(std::string(e.what()).find(path_), std::string::npos) << e.what();
+  EXPECT_EQ(injector_->hits(), 1u);
+}
+
+TEST_P(FaultTest, WriteErrorENOSPCSurfacesAsIoError) {
+  FaultPlan plan = Plan(FaultPlan::Kind::kError, false, true, /*nth=*/2);
+  plan.error = ENOSPC;
+  auto engine = FaultyEngine(plan);
+  constexpr uint64_t kOffset = 8192, kLength = 256 << 10;
+  std::vector<uint8_t> src = testing::Pattern(kLength, 2, kOffset);
+  IoError e = WaitError(engine->Write(file_, src.data(), kLength, kOffset));
+  EXPECT_EQ(e.error_code(), ENOSPC);
+  EXPECT_EQ(e.path(), path_);
+  EXPECT_NE(e.op().find("write"), std::string::npos) << e.op();
+  EXPECT_GE(e.offset(), kOffset);
+  EXPECT_LE(e.offset() + e.length(), kOffset + kLength);
+  EXPECT_EQ(injector_->hits(), 1u);
+}
+
+TEST_P(FaultTest, ErrorOnBufferedFile) {
+  File buffered = File::Open(path_, OpenMode::kRead, /*direct=*/false);
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, true, false));
+  std::vector<uint8_t> buf(10000);
+  IoError e = WaitError(engine->Read(buffered, buf.data(), buf.size(), 123));
+  EXPECT_EQ(e.error_code(), EIO);
+  EXPECT_EQ(e.op(), "read");
+  EXPECT_EQ(e.offset(), 123u);
+  EXPECT_EQ(e.length(), 10000u);
+}
+
+TEST_P(FaultTest, ErrorLeavesTheEngineAndFileUsable) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, true, true, /*nth=*/1));
+  AlignedBuffer buf(256 << 10);
+  EXPECT_EQ(WaitError(engine->Read(file_, buf.data(), 256 << 10, 0)).error_code(), EIO);
+  // The same engine and file: the next operations succeed and carry the right bytes.
+  ReadOk(*engine, 0, 256 << 10);
+  ReadOk(*engine, 4097, 300000, 3);
+  WriteOk(*engine, 5000, 200000, 0, 3);
+  EXPECT_EQ(injector_->hits(), 1u);
+  EXPECT_NO_THROW(engine->WaitAll()) << "the observed error must not come back";
+}
+
+TEST_P(FaultTest, ErrorsHitOnlyEligibleOps) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, /*reads=*/false, /*writes=*/true));
+  ReadOk(*engine, 0, 256 << 10);
+  EXPECT_EQ(injector_->hits(), 0u);
+  std::vector<uint8_t> src(4096, 0x77);
+  EXPECT_EQ(WaitError(engine->Write(file_, src.data(), src.size(), 0)).error_code(), EIO);
+  EXPECT_EQ(injector_->hits(), 1u);
+}
+
+TEST_P(FaultTest, NthRequestWithCountGreaterThanOne) {
+  // Each aligned one-chunk read is exactly one request: requests 3 and 4 fail, the rest succeed.
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, true, false, /*nth=*/3, /*count=*/2));
+  AlignedBuffer buf(kChunk);
+  for (int op = 1; op <= 6; ++op) {
+    Future f = engine->Read(file_, buf.data(), kChunk, (op - 1) * kChunk);
+    if (op == 3 || op == 4) {
+      IoError e = WaitError(f);
+      EXPECT_EQ(e.error_code(), EIO) << "op " << op;
+      EXPECT_EQ(e.offset(), (op - 1) * kChunk);
+      EXPECT_EQ(e.length(), kChunk);
+    } else {
+      const IoResult& r = f.Wait();
+      EXPECT_EQ(r.bytes, kChunk) << "op " << op;
+      EXPECT_EQ(r.stats.requests, 1u);
+      EXPECT_TRUE(MatchesPattern(buf.data(), kChunk, 1, (op - 1) * kChunk)) << "op " << op;
+    }
+  }
+  EXPECT_EQ(injector_->hits(), 2u);
+}
+
+TEST_P(FaultTest, ErrorNamesTheFileOfTheFailedPiece) {
+  const std::string other_path = dir_.File("other");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(other_path, kFileSize, 2));
+  File other = File::Open(other_path, OpenMode::kRead);
+  // One worker: requests go to the backend in plan order, piece by piece.
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, true, false, /*nth=*/2), 1);
+  AlignedBuffer a(kChunk), b(kChunk);
+  std::vector<IoDesc> pieces{{file_, a.data(), 0, kChunk}, {other, b.data(), kChunk, kChunk}};
+  IoError e = WaitError(engine->Submit(IoOp::kRead, pieces));
+  EXPECT_EQ(e.error_code(), EIO);
+  EXPECT_EQ(e.path(), other_path);
+  EXPECT_EQ(e.offset(), kChunk);
+  EXPECT_EQ(e.length(), kChunk);
+}
+
+TEST_P(FaultTest, PrivateInjectorCountsOneBackendsRequests) {
+  EngineOptions o = testing::SmallEngineOptions(GetParam(), kChunk);
+  o.workers = 1;
+  BackendKind kind = GetParam();
+  Engine engine(o, [kind](unsigned depth) {
+    return MakeFaultInjectingBackend(MakeBackend(kind, depth),
+                                     Plan(FaultPlan::Kind::kError, true, false, /*nth=*/2));
+  });
+  AlignedBuffer buf(kChunk);
+  EXPECT_EQ(engine.Read(file_, buf.data(), kChunk, 0).Wait().bytes, kChunk);
+  EXPECT_EQ(WaitError(engine.Read(file_, buf.data(), kChunk, 0)).error_code(), EIO);
+  EXPECT_EQ(engine.Read(file_, buf.data(), kChunk, 0).Wait().bytes, kChunk);
+  EXPECT_TRUE(MatchesPattern(buf.data(), kChunk, 1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors and WaitAll
+
+TEST_P(FaultTest, FaultMidMultiChunkWriteFailsTheOpAndWaitAllThrowsIt) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, false, true, /*nth=*/5));
+  std::vector<uint8_t> src = testing::Pattern(kFileSize, 4);
+  Future f = engine->Write(file_, src.data(), kFileSize, 0);  // 16 chunks
+  try {
+    engine->WaitAll();
+    FAIL() << "WaitAll did not throw the unobserved error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), EIO);
+    EXPECT_EQ(e.path(), path_);
+    EXPECT_EQ(e.length(), kChunk);
+    EXPECT_EQ(e.offset() % kChunk, 0u);
+  }
+  EXPECT_TRUE(f.done());
+  EXPECT_EQ(WaitError(f).error_code(), EIO) << "the future keeps its error";
+  EXPECT_NO_THROW(engine->WaitAll()) << "an error is thrown by WaitAll once";
+  EXPECT_EQ(injector_->hits(), 1u);
+}
+
+TEST_P(FaultTest, WaitAllDoesNotRethrowAnErrorWaitObserved) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, false, true, /*nth=*/5));
+  std::vector<uint8_t> src = testing::Pattern(kFileSize, 4);
+  Future f = engine->Write(file_, src.data(), kFileSize, 0);
+  EXPECT_EQ(WaitError(f).error_code(), EIO);
+  EXPECT_NO_THROW(engine->WaitAll());
+}
+
+TEST_P(FaultTest, WaitAllThrowsWhileTheOtherOpsComplete) {
+  // One worker: the failing read's request is the first the backend sees.
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, true, false, /*nth=*/1), 1);
+  AlignedBuffer bad(kChunk), good(256 << 10);
+  Future failing = engine->Read(file_, bad.data(), kChunk, 0);
+  Future ok = engine->Read(file_, good.data(), 256 << 10, 4096);
+  EXPECT_THROW(engine->WaitAll(), IoError);
+  EXPECT_TRUE(ok.done());
+  EXPECT_EQ(ok.Wait().bytes, 256u << 10);
+  EXPECT_TRUE(MatchesPattern(good.data(), 256 << 10, 1, 4096));
+  EXPECT_EQ(WaitError(failing).error_code(), EIO);
+}
+
+TEST_P(FaultTest, OpsAfterAnObservedErrorSucceedAndWaitAllStaysQuiet) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, true, false, /*nth=*/1), 1);
+  AlignedBuffer bad(kChunk), good(256 << 10);
+  EXPECT_EQ(WaitError(engine->Read(file_, bad.data(), kChunk, 0)).error_code(), EIO);
+  Future again = engine->Read(file_, bad.data(), kChunk, 0);
+  Future ok = engine->Read(file_, good.data(), 256 << 10, 4096);
+  EXPECT_NO_THROW(engine->WaitAll());
+  EXPECT_EQ(again.Wait().bytes, kChunk);
+  EXPECT_TRUE(MatchesPattern(bad.data(), kChunk, 1));
+  EXPECT_EQ(ok.Wait().bytes, 256u << 10);
+  EXPECT_TRUE(MatchesPattern(good.data(), 256 << 10, 1, 4096));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Short transfers
+
+TEST_P(FaultTest, ShortReadsByHalfAreContinued) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kShort, true, false, /*nth=*/1, /*count=*/4));
+  IoResult r = ReadOk(*engine, 0, 512 << 10);
+  EXPECT_EQ(injector_->hits(), 4u);
+  EXPECT_EQ(r.stats.resubmits, 4u);
+  EXPECT_EQ(r.stats.requests, 8u + 4u);  // 8 chunks, 4 continuations
+  EXPECT_EQ(r.stats.direct_bytes, 512u << 10);
+  EXPECT_FALSE(r.stats.eof);
+}
+
+TEST_P(FaultTest, ShortReadsByHalfOfUnalignedRangeAndAddress) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kShort, true, false, /*nth=*/1, /*count=*/6));
+  IoResult r = ReadOk(*engine, 4097, 400000, 5);
+  EXPECT_EQ(injector_->hits(), 6u);
+  EXPECT_EQ(r.stats.resubmits, 6u);
+  EXPECT_GT(r.stats.bounced_bytes, 0u);
+}
+
+// 1000 bytes is not a multiple of the O_DIRECT block: the rest of the request cannot go O_DIRECT
+// and must continue through the page cache.
+TEST_P(FaultTest, ShortReadOfUnalignedCountOnDirectRequestContinuesBuffered) {
+  for (size_t misalign : {size_t{0}, size_t{1}}) {  // straight into the buffer, and bounced
+    SCOPED_TRACE(misalign == 0 ? "aligned buffer" : "bounced");
+    FaultPlan plan = Plan(FaultPlan::Kind::kShort, true, false, /*nth=*/1, /*count=*/2);
+    plan.short_bytes = 1000;
+    auto engine = FaultyEngine(plan);
+    IoResult r = ReadOk(*engine, 0, 256 << 10, misalign);
+    EXPECT_EQ(injector_->hits(), 2u);
+    EXPECT_EQ(r.stats.resubmits, 2u);
+    EXPECT_EQ(r.stats.direct_bytes, 256u << 10);
+    EXPECT_EQ(r.stats.bounced_bytes, misalign == 0 ? 0u : 256u << 10);
+  }
+}
+
+TEST_P(FaultTest, ShortWritesByHalfAreContinued) {
+  auto engine = FaultyEngine(Plan(FaultPlan::Kind::kShort, false, true, /*nth=*/2, /*count=*/4));
+  IoResult r = WriteOk(*engine, 4097, 500000, 0, 5);
+  EXPECT_EQ(injector_->hits(), 4u);
+  EXPECT_EQ(r.stats.resubmits, 4u);
+}
+
+TEST_P(FaultTest, ShortWriteOfUnalignedCountOnDirectRequestContinuesBuffered) {
+  for (size_t misalign : {size_t{0}, size_t{7}}) {
+    SCOPED_TRACE(misalign == 0 ? "aligned buffer" : "bounced");
+    FaultPlan plan = Plan(FaultPlan::Kind::kShort, false, true, /*nth=*/1, /*count=*/3);
+    plan.short_bytes = 1000;
+    auto engine = FaultyEngine(plan);
+    IoResult r = WriteOk(*engine, 0, 256 << 10, misalign, 6 + misalign);
+    EXPECT_EQ(injector_->hits(), 3u);
+    EXPECT_EQ(r.stats.resubmits, 3u);
+    EXPECT_EQ(r.stats.direct_bytes, 256u << 10);
+  }
+}
+
+TEST_P(FaultTest, ShortReadOnEveryRequestStillCompletes) {
+  // Every request comes back with at most 1000 bytes: a task of L bytes takes ceil(L / 1000)
+  // requests, the first O_DIRECT one and the rest through the page cache.
+  FaultPlan plan = Plan(FaultPlan::Kind::kShort, true, false, /*nth=*/1, /*count=*/100000);
+  plan.short_bytes = 1000;
+  auto engine = FaultyEngine(plan);
+  constexpr uint64_t kOffset = 100, kLength = 50000;  // head, one middle chunk, tail
+  const uint64_t a = file_.offset_alignment();
+  const uint64_t head = AlignUp(kOffset, a) - kOffset;
+  const uint64_t tail = kOffset + kLength - AlignDown(kOffset + kLength, a);
+  const uint64_t middle = kLength - head - tail;
+  ASSERT_LE(middle, kChunk);
+  auto requests = [](uint64_t len) { return (len + 999) / 1000; };
+  const uint64_t expect = requests(head) + requests(middle) + requests(tail);
+  IoResult r = ReadOk(*engine, kOffset, kLength, 0);
+  EXPECT_EQ(r.stats.requests, expect);
+  EXPECT_EQ(r.stats.resubmits, expect - 3);
+  EXPECT_EQ(injector_->hits(), expect);
+  EXPECT_EQ(r.stats.direct_bytes, middle);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Delays
+
+TEST_P(FaultTest, DelayedRequestsCompleteWithTheRightBytes) {
+  FaultPlan plan = Plan(FaultPlan::Kind::kDelay, true, true, /*nth=*/1, /*count=*/5);
+  plan.delay = std::chrono::microseconds(2000);
+  auto engine = FaultyEngine(plan);
+  IoResult r = ReadOk(*engine, 4097, 300000, 1);
+  EXPECT_EQ(r.stats.resubmits, 0u);
+  WriteOk(*engine, 100, 200000, 0, 7);
+  EXPECT_EQ(injector_->hits(), 5u);
+}
+
+TEST_P(FaultTest, DestructorWaitsForDelayedOperations) {
+  FaultPlan plan = Plan(FaultPlan::Kind::kDelay, false, true, /*nth=*/1, /*count=*/100);
+  plan.delay = std::chrono::microseconds(1000);
+  std::vector<uint8_t> src = testing::Pattern(kFileSize, 8);
+  Future f;
+  {
+    auto engine = FaultyEngine(plan);
+    f = engine->Write(file_, src.data(), kFileSize, 0);
+  }
+  EXPECT_TRUE(f.done());
+  EXPECT_EQ(f.Wait().bytes, kFileSize);
+  EXPECT_EQ(ReadWholeFile(path_), src);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, FaultTest, ::testing::ValuesIn(CompiledBackends()),
+                         testing::BackendParamName());
+
+}  // namespace
+}  // namespace tensortier

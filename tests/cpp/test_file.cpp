@@ -1,0 +1,400 @@
+// File: open modes, open errors, size management, O_DIRECT detection and the reported fallback.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/file.hpp"
+#include "test_util.hpp"
+
+namespace tensortier {
+namespace {
+
+using testing::MatchesPattern;
+using testing::ReadWholeFile;
+using testing::ScopedRamfs;
+using testing::TempDir;
+using testing::WritePatternFile;
+
+// The IoError `fn` throws (a test failure, and error_code() -1, if it throws none).
+template <typename Fn>
+IoError CaptureIoError(Fn&& fn) {
+  try {
+    fn();
+  } catch (const IoError& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no IoError thrown";
+  return IoError(-1, "none", "", 0, 0);
+}
+
+EngineOptions ThreadsOptions() {
+  return testing::SmallEngineOptions(BackendKind::kThreads);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ParseOpenMode
+
+TEST(ParseOpenModeTest, PythonLetters) {
+  EXPECT_EQ(ParseOpenMode("r"), OpenMode::kRead);
+  EXPECT_EQ(ParseOpenMode("r+"), OpenMode::kReadWrite);
+  EXPECT_EQ(ParseOpenMode("w"), OpenMode::kWrite);
+  EXPECT_EQ(ParseOpenMode("w+"), OpenMode::kWrite);
+  EXPECT_EQ(ParseOpenMode("a"), OpenMode::kCreate);
+  EXPECT_EQ(ParseOpenMode("a+"), OpenMode::kCreate);
+}
+
+TEST(ParseOpenModeTest, BinaryLetterIsIgnoredAnywhere) {
+  EXPECT_EQ(ParseOpenMode("rb"), OpenMode::kRead);
+  EXPECT_EQ(ParseOpenMode("rb+"), OpenMode::kReadWrite);
+  EXPECT_EQ(ParseOpenMode("r+b"), OpenMode::kReadWrite);
+  EXPECT_EQ(ParseOpenMode("wb"), OpenMode::kWrite);
+  EXPECT_EQ(ParseOpenMode("ab"), OpenMode::kCreate);
+}
+
+TEST(ParseOpenModeTest, UnknownModesAreRejected) {
+  for (const char* bad : {"x", "", "b", "rw", "rr", "+", "R", "r+w", "x+"}) {
+    EXPECT_THROW(ParseOpenMode(bad), std::invalid_argument) << "'" << bad << "'";
+  }
+}
+
+TEST(ParseOpenModeTest, ErrorMessageQuotesTheMode) {
+  try {
+    ParseOpenMode("x");
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'x'"), std::string::npos) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Opening
+
+class FileTest : public ::testing::Test {
+ protected:
+  TempDir dir_;
+};
+
+TEST_F(FileTest, ReadModeOpensExistingFileReadOnly) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10000, 1));
+  File f = File::Open(path, OpenMode::kRead);
+  EXPECT_TRUE(f.is_open());
+  EXPECT_EQ(f.path(), path);
+  EXPECT_FALSE(f.writable());
+  EXPECT_GE(f.buffered_fd(), 0);
+  EXPECT_EQ(f.Size(), 10000u);
+  EXPECT_EQ(fcntl(f.buffered_fd(), F_GETFL) & O_ACCMODE, O_RDONLY);
+}
+
+TEST_F(FileTest, ReadWriteModeKeepsContents) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10000, 2));
+  File f = File::Open(path, OpenMode::kReadWrite);
+  EXPECT_TRUE(f.writable());
+  EXPECT_EQ(f.Size(), 10000u);
+  EXPECT_EQ(fcntl(f.buffered_fd(), F_GETFL) & O_ACCMODE, O_RDWR);
+}
+
+TEST_F(FileTest, WriteModeCreatesMissingFile) {
+  const std::string path = dir_.File("new");
+  File f = File::Open(path, OpenMode::kWrite);
+  EXPECT_TRUE(f.writable());
+  EXPECT_EQ(f.Size(), 0u);
+  EXPECT_EQ(access(path.c_str(), F_OK), 0);
+}
+
+TEST_F(FileTest, WriteModeTruncatesExistingFile) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10000, 3));
+  File f = File::Open(path, OpenMode::kWrite);
+  EXPECT_EQ(f.Size(), 0u);
+}
+
+TEST_F(FileTest, CreateModeCreatesMissingFile) {
+  const std::string path = dir_.File("new");
+  File f = File::Open(path, OpenMode::kCreate);
+  EXPECT_TRUE(f.writable());
+  EXPECT_EQ(f.Size(), 0u);
+}
+
+TEST_F(FileTest, CreateModeKeepsExistingContents) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10000, 4));
+  File f = File::Open(path, OpenMode::kCreate);
+  EXPECT_EQ(f.Size(), 10000u);
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  EXPECT_TRUE(MatchesPattern(data.data(), data.size(), 4));
+}
+
+TEST_F(FileTest, MissingFileThrowsENOENTNamingThePath) {
+  for (OpenMode mode : {OpenMode::kRead, OpenMode::kReadWrite}) {
+    const std::string path = dir_.File("does-not-exist");
+    IoError e = CaptureIoError([&] { File::Open(path, mode); });
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_EQ(e.path(), path);
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    EXPECT_EQ(access(path.c_str(), F_OK), -1) << "a read open must not create the file";
+  }
+}
+
+TEST_F(FileTest, MissingDirectoryThrowsENOENTForCreatingModes) {
+  const std::string path = dir_.File("no-such-dir/file");
+  for (OpenMode mode : {OpenMode::kWrite, OpenMode::kCreate}) {
+    IoError e = CaptureIoError([&] { File::Open(path, mode); });
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_EQ(e.path(), path);
+  }
+}
+
+TEST_F(FileTest, DirectoryThrowsEISDIR) {
+  for (OpenMode mode : {OpenMode::kRead, OpenMode::kReadWrite, OpenMode::kWrite}) {
+    IoError e = CaptureIoError([&] { File::Open(dir_.path(), mode); });
+    EXPECT_EQ(e.error_code(), EISDIR) << static_cast<int>(mode);
+    EXPECT_EQ(e.path(), dir_.path());
+    EXPECT_NE(std::string(e.what()).find(dir_.path()), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(FileTest, DefaultConstructedFileIsNotOpen) {
+  File f;
+  EXPECT_FALSE(f.is_open());
+  EXPECT_THROW(f.path(), std::logic_error);
+  EXPECT_THROW(f.Size(), std::logic_error);
+}
+
+TEST_F(FileTest, CloseReleasesOnlyThisHandle) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 8192, 5));
+  File f = File::Open(path, OpenMode::kRead);
+  File copy = f;
+  const int fd = f.buffered_fd();
+  f.Close();
+  EXPECT_FALSE(f.is_open());
+  ASSERT_TRUE(copy.is_open());
+  EXPECT_EQ(copy.buffered_fd(), fd);
+  EXPECT_GE(fcntl(fd, F_GETFD), 0) << "descriptor closed while a copy still uses it";
+  copy.Close();
+  EXPECT_EQ(fcntl(fd, F_GETFD), -1) << "descriptor not closed with the last copy";
+  EXPECT_EQ(errno, EBADF);
+}
+
+TEST_F(FileTest, WriteToReadOnlyFileThrowsEBADFFromEngineWrite) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 8192, 6));
+  File f = File::Open(path, OpenMode::kRead);
+  Engine engine(ThreadsOptions());
+  std::vector<uint8_t> buf(4096, 0x5A);
+  IoError e = CaptureIoError([&] { engine.Write(f, buf.data(), buf.size(), 100); });
+  EXPECT_EQ(e.error_code(), EBADF);
+  EXPECT_EQ(e.path(), path);
+  EXPECT_EQ(e.offset(), 100u);
+  EXPECT_EQ(e.length(), 4096u);
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  EXPECT_TRUE(MatchesPattern(data.data(), data.size(), 6)) << "the file changed";
+}
+
+TEST_F(FileTest, BatchWithOneReadOnlyPieceIsRejectedWhole) {
+  const std::string ro_path = dir_.File("ro"), rw_path = dir_.File("rw");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(ro_path, 8192, 7));
+  File ro = File::Open(ro_path, OpenMode::kRead);
+  File rw = File::Open(rw_path, OpenMode::kWrite);
+  Engine engine(ThreadsOptions());
+  std::vector<uint8_t> buf(4096, 0x5A);
+  std::vector<IoDesc> pieces{{rw, buf.data(), 0, 4096}, {ro, buf.data(), 0, 4096}};
+  IoError e = CaptureIoError([&] { engine.Submit(IoOp::kWrite, pieces); });
+  EXPECT_EQ(e.error_code(), EBADF);
+  EXPECT_EQ(e.path(), ro_path);
+  engine.WaitAll();
+  EXPECT_EQ(rw.Size(), 0u) << "no piece of a rejected batch may be written";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Size management
+
+TEST_F(FileTest, TruncateGrowsAndShrinks) {
+  File f = File::Open(dir_.File("data"), OpenMode::kWrite);
+  f.Truncate(12345);
+  EXPECT_EQ(f.Size(), 12345u);
+  f.Truncate(100);
+  EXPECT_EQ(f.Size(), 100u);
+  f.Truncate(0);
+  EXPECT_EQ(f.Size(), 0u);
+}
+
+TEST_F(FileTest, TruncateReadOnlyFileThrows) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 8192, 8));
+  File f = File::Open(path, OpenMode::kRead);
+  IoError e = CaptureIoError([&] { f.Truncate(10); });
+  // ftruncate on a descriptor not open for writing: EINVAL on Linux (POSIX allows EBADF).
+  EXPECT_TRUE(e.error_code() == EINVAL || e.error_code() == EBADF) << e.what();
+  EXPECT_EQ(e.path(), path);
+  EXPECT_EQ(f.Size(), 8192u);
+}
+
+TEST_F(FileTest, AllocateExtendsAndReservesBlocks) {
+  File f = File::Open(dir_.File("data"), OpenMode::kWrite);
+  f.Allocate(0, 1 << 20);
+  EXPECT_EQ(f.Size(), 1u << 20);
+  struct stat st {};
+  ASSERT_EQ(fstat(f.buffered_fd(), &st), 0);
+  EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, 1u << 20);
+}
+
+TEST_F(FileTest, AllocateInsideTheFileKeepsTheSize) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 100000, 9));
+  File f = File::Open(path, OpenMode::kReadWrite);
+  f.Allocate(4096, 8192);
+  EXPECT_EQ(f.Size(), 100000u);
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  EXPECT_TRUE(MatchesPattern(data.data(), data.size(), 9)) << "allocate changed the contents";
+}
+
+TEST_F(FileTest, AllocateZeroLengthIsANoOp) {
+  File f = File::Open(dir_.File("data"), OpenMode::kWrite);
+  EXPECT_NO_THROW(f.Allocate(1 << 20, 0));
+  EXPECT_EQ(f.Size(), 0u);
+}
+
+TEST_F(FileTest, AllocateOnReadOnlyFileThrowsEBADF) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 4096, 10));
+  File f = File::Open(path, OpenMode::kRead);
+  IoError e = CaptureIoError([&] { f.Allocate(0, 1 << 20); });
+  EXPECT_EQ(e.error_code(), EBADF);
+  EXPECT_EQ(e.path(), path);
+  EXPECT_EQ(e.offset(), 0u);
+  EXPECT_EQ(e.length(), 1u << 20);
+}
+
+TEST_F(FileTest, DataSyncSucceedsOnWrittenFile) {
+  const std::string path = dir_.File("data");
+  File f = File::Open(path, OpenMode::kWrite);
+  std::vector<uint8_t> buf = testing::Pattern(10000, 11);
+  ASSERT_EQ(pwrite(f.buffered_fd(), buf.data(), buf.size(), 0), 10000);
+  EXPECT_NO_THROW(f.DataSync());
+  EXPECT_NO_THROW(f.DropCache());
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  EXPECT_TRUE(MatchesPattern(data.data(), data.size(), 11));
+}
+
+// ---------------------------------------------------------------------------------------------
+// O_DIRECT
+
+TEST_F(FileTest, DirectIsAvailableOnTheRealDisk) {
+  File f = File::Open(dir_.File("data"), OpenMode::kWrite);
+  ASSERT_TRUE(f.direct()) << "O_DIRECT refused in " << dir_.path() << ": "
+                          << f.direct_fallback_reason();
+  EXPECT_GE(f.direct_fd(), 0);
+  EXPECT_NE(f.direct_fd(), f.buffered_fd());
+  EXPECT_NE(fcntl(f.direct_fd(), F_GETFL) & O_DIRECT, 0);
+  EXPECT_EQ(fcntl(f.buffered_fd(), F_GETFL) & O_DIRECT, 0);
+  EXPECT_TRUE(f.direct_fallback_reason().empty());
+  EXPECT_GT(f.offset_alignment(), 0u);
+  EXPECT_GT(f.memory_alignment(), 0u);
+  EXPECT_EQ(f.offset_alignment() & (f.offset_alignment() - 1), 0u) << "not a power of two";
+  EXPECT_EQ(f.memory_alignment() & (f.memory_alignment() - 1), 0u) << "not a power of two";
+  EXPECT_LE(f.offset_alignment(), 4096u);
+}
+
+TEST_F(FileTest, DirectDescriptorHasTheSameAccessMode) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 4096, 12));
+  File f = File::Open(path, OpenMode::kRead);
+  ASSERT_TRUE(f.direct());
+  EXPECT_EQ(fcntl(f.direct_fd(), F_GETFL) & O_ACCMODE, O_RDONLY);
+}
+
+TEST_F(FileTest, BufferedOnlyWhenDirectNotAsked) {
+  File f = File::Open(dir_.File("data"), OpenMode::kWrite, /*direct=*/false);
+  EXPECT_FALSE(f.direct());
+  EXPECT_EQ(f.direct_fd(), -1);
+  EXPECT_TRUE(f.direct_fallback_reason().empty()) << "not a fallback: direct was not asked for";
+}
+
+TEST_F(FileTest, EngineRoundTripOnDirectFileUsesODirect) {
+  File f = File::Open(dir_.File("data"), OpenMode::kWrite);
+  ASSERT_TRUE(f.direct());
+  Engine engine(ThreadsOptions());
+  constexpr size_t kLen = 256 << 10;
+  AlignedBuffer out(kLen), in(kLen);
+  testing::FillPattern(out.data(), kLen, 13);
+  const IoResult& w = engine.Write(f, out.data(), kLen, 0).Wait();
+  EXPECT_EQ(w.bytes, kLen);
+  EXPECT_FALSE(w.stats.direct_fallback);
+  EXPECT_EQ(w.stats.direct_bytes, kLen);
+  const IoResult& r = engine.Read(f, in.data(), kLen, 0).Wait();
+  EXPECT_EQ(r.bytes, kLen);
+  EXPECT_FALSE(r.stats.direct_fallback);
+  EXPECT_EQ(r.stats.direct_bytes, kLen);
+  EXPECT_TRUE(MatchesPattern(in.data(), kLen, 13));
+}
+
+// On a filesystem without O_DIRECT the file still opens, says why it is buffered, and the engine
+// reports the fallback in its statistics.
+class RamfsFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ramfs_ = std::make_unique<ScopedRamfs>(dir_.path());
+    if (!ramfs_->error().empty()) GTEST_SKIP() << ramfs_->error();
+  }
+  void TearDown() override { ramfs_.reset(); }
+
+  TempDir dir_;
+  std::unique_ptr<ScopedRamfs> ramfs_;
+};
+
+TEST_F(RamfsFileTest, DirectRefusedIsReported) {
+  File f = File::Open(ramfs_->File("data"), OpenMode::kWrite, /*direct=*/true);
+  EXPECT_TRUE(f.is_open());
+  EXPECT_FALSE(f.direct());
+  EXPECT_EQ(f.direct_fd(), -1);
+  EXPECT_FALSE(f.direct_fallback_reason().empty());
+}
+
+TEST_F(RamfsFileTest, EngineRoundTripFallsBackToBuffered) {
+  const std::string path = ramfs_->File("data");
+  File f = File::Open(path, OpenMode::kWrite, /*direct=*/true);
+  ASSERT_FALSE(f.direct());
+  Engine engine(ThreadsOptions());
+  constexpr size_t kLen = (256 << 10) + 123;
+  AlignedBuffer out(kLen), in(kLen);
+  testing::FillPattern(out.data(), kLen, 14);
+  const IoResult& w = engine.Write(f, out.data(), kLen, 0).Wait();
+  EXPECT_EQ(w.bytes, kLen);
+  EXPECT_TRUE(w.stats.direct_fallback);
+  EXPECT_EQ(w.stats.direct_bytes, 0u);
+  EXPECT_EQ(w.stats.buffered_bytes, kLen);
+  const IoResult& r = engine.Read(f, in.data(), kLen, 0).Wait();
+  EXPECT_EQ(r.bytes, kLen);
+  EXPECT_TRUE(r.stats.direct_fallback);
+  EXPECT_EQ(r.stats.direct_bytes, 0u);
+  EXPECT_EQ(r.stats.buffered_bytes, kLen);
+  EXPECT_TRUE(MatchesPattern(in.data(), kLen, 14));
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  EXPECT_TRUE(MatchesPattern(data.data(), data.size(), 14));
+}
+
+TEST_F(RamfsFileTest, BufferedOpenIsNotAFallback) {
+  File f = File::Open(ramfs_->File("data"), OpenMode::kWrite, /*direct=*/false);
+  Engine engine(ThreadsOptions());
+  std::vector<uint8_t> buf(5000, 0x11);
+  const IoResult& w = engine.Write(f, buf.data(), buf.size(), 0).Wait();
+  EXPECT_EQ(w.bytes, buf.size());
+  EXPECT_FALSE(w.stats.direct_fallback);
+}
+
+}  // namespace
+}  // namespace tensortier

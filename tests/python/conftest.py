@@ -1,0 +1,36 @@
+"""Shared fixtures: scratch directories on the real disk (O_DIRECT needs one) and on a
+filesystem that refuses O_DIRECT (ramfs, mounted when we are root)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    """A temporary directory on the repository's filesystem (a real disk, O_DIRECT capable)."""
+    base = REPO / "build"
+    base.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=base, prefix="pytest-") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def no_direct_dir() -> Iterator[Path]:
+    """A directory on ramfs, which refuses O_DIRECT (tmpfs accepts it since Linux 6.6)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with tempfile.TemporaryDirectory(prefix="tensortier-ramfs-") as d:
+        if libc.mount(b"none", d.encode(), b"ramfs", 0, None) != 0:
+            pytest.skip(f"cannot mount ramfs: {os.strerror(ctypes.get_errno())}")
+        try:
+            yield Path(d)
+        finally:
+            libc.umount2(d.encode(), 2)  # MNT_DETACH

@@ -1,0 +1,59 @@
+"""The `tensortier` command-line tool as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent / "tensortier"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_check_reports_backends(disk_dir: Path) -> None:
+    r = run("check", str(disk_dir))
+    assert r.returncode == 0, r.stderr
+    for name in ("io_uring", "libaio", "threads"):
+        assert name in r.stdout
+    assert "auto ->" in r.stdout and "CUDA driver" in r.stdout and "cuFile" in r.stdout
+    assert "TENSORTIER_CHUNK_SIZE" in r.stdout
+
+
+def test_check_rejects_missing_dir(disk_dir: Path) -> None:
+    r = run("check", str(disk_dir / "nope"))
+    assert r.returncode != 0 and "not a directory" in r.stderr
+
+
+@pytest.mark.parametrize("backend", ["auto", "threads"])
+def test_bench_json(disk_dir: Path, backend: str) -> None:
+    r = run("bench", "--dir", str(disk_dir), "--size", "64M", "--block-size", "1M",
+            "--queue-depth", "8", "--threads", "2", "--backend", backend, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["write_gbps"] > 0 and out["read_gbps"] > 0
+    assert out["write_stats"]["bytes"] == out["read_stats"]["bytes"] > 0
+    assert not list(disk_dir.iterdir())  # scratch file removed
+
+
+def test_bench_randread_and_warm(disk_dir: Path) -> None:
+    r = run("bench", "--dir", str(disk_dir), "--size", "32M", "--block-size", "4K",
+            "--mode", "randread", "--ops", "2000", "--queue-depth", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["randread_iops"] > 0
+    r = run("bench", "--dir", str(disk_dir), "--size", "32M", "--mode", "read", "--warm", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["warm"] and out["warm_stats"]["cached_bytes"] > 0
+
+
+def test_bench_rejects_bad_options(disk_dir: Path) -> None:
+    r = run("bench", "--dir", str(disk_dir), "--size", "lots")
+    assert r.returncode != 0 and "--size" in r.stderr
+    r = run("bench", "--frobnicate")
+    assert r.returncode != 0 and "unknown option" in r.stderr

@@ -1,0 +1,347 @@
+"""IOHandle: round trips, alignment cases, every dtype, bad input, faults, concurrency."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tensortier
+from tensortier import IOHandle
+
+BACKENDS = [p["backend"] for p in tensortier.probe_backends(".") if p["available"]]
+
+ALL_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+]
+
+
+def random_tensor(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random bytes viewed as `dtype` (covers every bit pattern, NaNs included)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture(params=BACKENDS)
+def io(request: pytest.FixtureRequest) -> IOHandle:
+    with IOHandle(request.param, chunk_size=64 << 10) as handle:
+        yield handle
+
+
+def test_backends_available() -> None:
+    assert "threads" in BACKENDS  # always works
+    for row in tensortier.probe_backends("."):
+        if row["compiled_in"]:
+            assert row["available"], row
+            assert row["buffered_ok"], row
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_round_trip_every_dtype(io: IOHandle, disk_dir: Path, dtype: torch.dtype) -> None:
+    t = random_tensor(12345, dtype)
+    path = disk_dir / "t.bin"
+    assert io.pwrite(t, path) == t.numel() * t.element_size()
+    u = torch.empty_like(t)
+    assert io.pread(u, path) == t.numel() * t.element_size()
+    assert same_bytes(t, u)
+
+
+@pytest.mark.parametrize(
+    "offset,length,address_shift",
+    [(0, 1 << 20, 0), (4097, 1 << 20, 0), (0, (1 << 20) + 13, 0), (8192, 1 << 20, 3),
+     (1, 1, 0), (123, 0, 0), (4095, 4098, 1), ((5 << 30) + 77, 10000, 5)],
+    ids=["aligned", "unaligned-offset", "unaligned-length", "unaligned-address", "one-byte",
+         "zero-length", "straddling", "beyond-4GiB-sparse"],
+)
+def test_alignment_cases(io: IOHandle, disk_dir: Path, offset: int, length: int,
+                         address_shift: int) -> None:
+    path = disk_dir / "a.bin"
+    src = torch.randint(0, 256, (length + address_shift,), dtype=torch.uint8)
+    assert io.pwrite(src[address_shift:], path, offset) == length
+    dst = torch.zeros(length + address_shift, dtype=torch.uint8)
+    fut = io.pread_async(dst[address_shift:], path, offset)
+    assert fut.wait() == length
+    assert torch.equal(src[address_shift:], dst[address_shift:])
+    stats = fut.result().stats
+    assert stats["transferred_bytes"] == length
+    assert stats["direct_bytes"] + stats["buffered_bytes"] == length
+    if length:
+        assert os.path.getsize(path) == offset + length
+
+
+def test_unaligned_address_uses_bounce(disk_dir: Path) -> None:
+    with IOHandle("threads", page_cache_check=False) as io:
+        path = disk_dir / "b.bin"
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        io.pwrite(src, path)
+        dst = torch.zeros((1 << 20) + 1, dtype=torch.uint8)
+        fut = io.pread_async(dst[1:], path)
+        fut.wait()
+        assert fut.result().stats["bounced_bytes"] > 0
+        assert torch.equal(src, dst[1:])
+
+
+def test_read_past_eof(io: IOHandle, disk_dir: Path) -> None:
+    path = disk_dir / "short.bin"
+    path.write_bytes(b"x" * 10000)
+    buf = bytearray(b"\xee" * 50000)
+    fut = io.pread_async(buf, path, 4000)
+    assert fut.wait() == 6000
+    assert fut.result().stats["eof"]
+    assert buf[:6000] == b"x" * 6000
+    assert buf[6000:] == b"\xee" * 44000  # untouched
+    assert io.pread(bytearray(10), path, 20000) == 0
+
+
+def test_fallback_when_o_direct_refused(no_direct_dir: Path) -> None:
+    with IOHandle() as io:
+        f = io.open(no_direct_dir / "f.bin", "w")
+        assert not f.direct
+        assert "O_DIRECT" in f.direct_fallback_reason
+        t = random_tensor(100000, torch.float32)
+        assert io.pwrite(t, f) == 400000
+        u = torch.empty_like(t)
+        fut = io.pread_async(u, f)
+        fut.wait()
+        assert same_bytes(t, u)
+        stats = fut.result().stats
+        assert stats["direct_fallback"] and stats["direct_bytes"] == 0
+
+
+def test_page_cache_resident_data_read_buffered(disk_dir: Path) -> None:
+    path = disk_dir / "warm.bin"
+    data = os.urandom(8 << 20)
+    path.write_bytes(data)  # buffered write: resident in the page cache
+    with IOHandle(chunk_size=1 << 20) as io:
+        buf = bytearray(len(data))
+        fut = io.pread_async(buf, path)
+        fut.wait()
+        stats = fut.result().stats
+        assert buf == data
+        assert stats["cached_bytes"] == len(data) and stats["direct_bytes"] == 0
+        f = io.open(path, "r")
+        f.datasync()
+        f.drop_cache()
+        fut = io.pread_async(buf, f)
+        fut.wait()
+        assert fut.result().stats["cached_bytes"] == 0
+        assert fut.result().stats["direct_bytes"] == len(data)
+        assert buf == data
+
+
+def test_batch_scatter_gather(io: IOHandle, disk_dir: Path) -> None:
+    files = [io.open(disk_dir / f"f{i}.bin", "w") for i in range(3)]
+    pieces = [(os.urandom(1000 + 517 * i), files[i % 3], 20000 * (i // 3)) for i in range(30)]
+    fut = io.pwrite_batch_async(pieces)
+    assert fut.wait() == sum(len(p[0]) for p in pieces)
+    outs = [bytearray(len(p[0])) for p in pieces]
+    fut = io.pread_batch_async([(o, p[1], p[2]) for o, p in zip(outs, pieces)])
+    fut.wait()
+    assert fut.result().segment_bytes == [len(p[0]) for p in pieces]
+    assert all(bytes(o) == p[0] for o, p in zip(outs, pieces))
+
+
+def test_numpy_memoryview_and_dlpack(io: IOHandle, disk_dir: Path) -> None:
+    path = disk_dir / "np.bin"
+    a = np.arange(10000, dtype=np.float64)
+    io.pwrite(a, path)
+    b = np.zeros_like(a)
+    io.pread(memoryview(b), path)
+    assert np.array_equal(a, b)
+
+    class DlpackOnly:  # exposes only __dlpack__, like a CPU CuPy/JAX array
+        def __init__(self, arr: np.ndarray) -> None:
+            self.arr = arr
+
+        def __dlpack__(self, **kwargs):  # type: ignore[no-untyped-def]
+            return self.arr.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):  # type: ignore[no-untyped-def]
+            return self.arr.__dlpack_device__()
+
+    c = np.zeros_like(a)
+    io.pread(DlpackOnly(c), path)
+    assert np.array_equal(a, c)
+
+
+def test_aligned_empty() -> None:
+    t = tensortier.aligned_empty((3, 1000), torch.float32)
+    assert t.shape == (3, 1000) and t.dtype == torch.float32
+    assert t.data_ptr() % 4096 == 0
+    t.fill_(1.5)
+    assert float(t.sum()) == 4500.0
+    assert tensortier.aligned_empty(0).numel() == 0
+    with pytest.raises(ValueError):
+        tensortier.aligned_empty((-1, 2))
+
+
+def test_bad_input(disk_dir: Path) -> None:
+    path = disk_dir / "x.bin"
+    path.write_bytes(b"0" * 100)
+    with IOHandle() as io:
+        with pytest.raises(ValueError, match="not contiguous"):
+            io.pread(torch.zeros(10, 10).t(), path)
+        with pytest.raises(ValueError, match="read-only"):
+            io.pread(b"immutable", path)
+        with pytest.raises(ValueError, match="offset"):
+            io.pread(bytearray(4), path, -1)
+        with pytest.raises(TypeError, match="offset"):
+            io.pread(bytearray(4), path, 1.5)  # type: ignore[arg-type]
+        with pytest.raises(FileNotFoundError) as e:
+            io.pread(bytearray(4), disk_dir / "missing.bin")
+        assert e.value.errno == errno.ENOENT and "missing.bin" in str(e.value)
+        with pytest.raises(TypeError, match="not a tensor"):
+            io.pread(12345, path)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="file must be"):
+            io.pread(bytearray(4), 42)  # type: ignore[arg-type]
+        ro = io.open(path, "r")
+        with pytest.raises(OSError) as e:
+            io.pwrite(b"abc", ro)
+        assert e.value.errno == errno.EBADF
+        with pytest.raises(ValueError, match="mode"):
+            io.open(path, "x")
+        with pytest.raises(IsADirectoryError):
+            io.open(disk_dir, "r")
+    with pytest.raises(ValueError, match="closed"):
+        io.pread(bytearray(4), path)
+    with pytest.raises(ValueError, match="backend"):
+        IOHandle("nvme-magic")
+    with pytest.raises(ValueError, match="chunk_size"):
+        IOHandle(chunk_size=1000)
+    with pytest.raises(ValueError, match="queue_depth"):
+        IOHandle(queue_depth=0)
+
+
+def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENSORTIER_CHUNK_SIZE", "2M")
+    monkeypatch.setenv("TENSORTIER_WORKERS", "3")
+    with IOHandle() as io:
+        assert io.options["chunk_size"] == 2 << 20 and io.options["workers"] == 3
+    rows = {r["env"]: r["value"] for r in tensortier.defaults()}
+    assert rows["TENSORTIER_CHUNK_SIZE"] == "2 MiB"
+    monkeypatch.setenv("TENSORTIER_QUEUE_DEPTH", "many")
+    with pytest.raises(ValueError, match="TENSORTIER_QUEUE_DEPTH"):
+        IOHandle()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
+def test_injected_errors_raise_and_handle_stays_usable(disk_dir: Path, backend: str,
+                                                       err: int) -> None:
+    path = disk_dir / "fault.bin"
+    data = os.urandom(3 << 20)
+    fault = {"kind": "error", "errno": err, "nth": 2, "writes": err == errno.ENOSPC,
+             "reads": err == errno.EIO}
+    with IOHandle(backend, chunk_size=1 << 20, _fault=fault) as io:
+        if err == errno.EIO:
+            path.write_bytes(data)
+            with pytest.raises(OSError) as e:
+                io.pread(bytearray(len(data)), path)
+        else:
+            with pytest.raises(OSError) as e:
+                io.pwrite(data, path)
+        assert e.value.errno == err
+        assert e.value.filename == str(path)
+        assert "offset" in str(e.value) and "length" in str(e.value)
+        # The fault was one request; the same handle works afterwards.
+        io.pwrite(data, path)
+        buf = bytearray(len(data))
+        assert io.pread(buf, path) == len(data) and buf == data
+
+
+@pytest.mark.parametrize("short_bytes", [0, 1000])
+def test_injected_short_io_is_continued(disk_dir: Path, short_bytes: int) -> None:
+    path = disk_dir / "short.bin"
+    data = os.urandom((2 << 20) + 333)
+    fault = {"kind": "short", "nth": 1, "count": 4, "short_bytes": short_bytes}
+    with IOHandle("threads", chunk_size=1 << 20, page_cache_check=False, _fault=fault) as io:
+        fut = io.pwrite_async(data, path, 7)
+        assert fut.wait() == len(data)
+        assert fut.result().stats["resubmits"] > 0
+        buf = bytearray(len(data))
+        assert io.pread(buf, path, 7) == len(data)
+        assert buf == data
+
+
+def test_wait_all_raises_unseen_error(disk_dir: Path) -> None:
+    path = disk_dir / "w.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    with IOHandle("threads", _fault={"kind": "error", "nth": 1, "writes": False}) as io:
+        io.pread_async(bytearray(1 << 20), path)
+        with pytest.raises(OSError):
+            io.wait_all()
+        io.wait_all()  # seen once: not raised again
+
+
+def test_gil_released_during_io(disk_dir: Path) -> None:
+    path = disk_dir / "slow.bin"
+    path.write_bytes(b"z" * 4096)
+    ticks = 0
+    stop = threading.Event()
+
+    def spin() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    with IOHandle("threads", _fault={"kind": "delay", "delay_us": 300000, "nth": 1}) as io:
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        start_ticks = ticks
+        io.pread(bytearray(4096), path)  # blocks ~0.3 s inside C++
+        during = ticks - start_ticks
+        stop.set()
+        spinner.join()
+    assert during > 10  # the other thread ran while we waited
+
+
+def test_concurrent_threads(disk_dir: Path) -> None:
+    path = disk_dir / "conc.bin"
+    n_threads, per_thread, size = 6, 20, 50000
+    with IOHandle() as io:
+        f = io.open(path, "w")
+
+        def worker(k: int) -> None:
+            for i in range(per_thread):
+                off = (k * per_thread + i) * size
+                payload = bytes([(k * 31 + i) % 256]) * size
+                io.pwrite(payload, f, off)
+                back = bytearray(size)
+                assert io.pread(back, f, off) == size
+                assert back == payload
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        whole = bytearray(n_threads * per_thread * size)
+        assert io.pread(whole, f) == len(whole)
+        for k in range(n_threads):
+            for i in range(per_thread):
+                off = (k * per_thread + i) * size
+                assert whole[off:off + size] == bytes([(k * 31 + i) % 256]) * size
+
+
+def test_dropped_future_keeps_buffer_alive(disk_dir: Path) -> None:
+    path = disk_dir / "drop.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    with IOHandle() as io:
+        for _ in range(20):
+            io.pread_async(bytearray(4 << 20), path)  # buffer referenced only by the future
+        io.wait_all()

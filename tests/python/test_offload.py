@@ -1,0 +1,603 @@
+"""DiskOffloader: TensorNVMe's API and examples, data safety under faults, cleanup."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensortier
+from tensortier import DiskOffloader
+from tensortier.compat import tensornvme
+from tensortier.offload import remove_stale_files
+
+BACKENDS = ["io_uring", "libaio", "threads"]
+
+ALL_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bits of any dtype (so every byte pattern, NaNs included, must survive)."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape).clone()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def offloaded(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == 0
+
+
+@pytest.fixture
+def off(disk_dir: Path):  # type: ignore[no-untyped-def]
+    with DiskOffloader(disk_dir / "offload") as o:
+        yield o
+
+
+# ---- TensorNVMe's README examples, unchanged apart from the import -------------------------
+
+
+def test_readme_sync_example(disk_dir: Path) -> None:
+    DiskOffloader_ = tensornvme.DiskOffloader
+    x = torch.rand(2, 2)
+    y = torch.rand(4, 4, 4)
+    x0, y0 = x.clone(), y.clone()
+    offloader = DiskOffloader_(str(disk_dir / "offload"))
+    offloader.sync_write(x)
+    # x is saved to a file on disk (in ./offload folder) and the memory of x is freed
+    assert offloaded(x) and x.shape == (2, 2)
+    offloader.sync_read(x)
+    # x is restored
+    assert torch.equal(x, x0)
+    offloader.sync_writev([x, y])
+    # x and y are offloaded
+    assert offloaded(x) and offloaded(y)
+    offloader.sync_readv([x, y])
+    # x and y are restored.
+    assert torch.equal(x, x0) and torch.equal(y, y0)
+    offloader.close()
+
+
+def test_readme_async_example(disk_dir: Path) -> None:
+    offloader = tensornvme.DiskOffloader(str(disk_dir / "offload"))
+    x = torch.rand(2, 2)
+    y = torch.rand(4, 4, 4)
+    x0, y0 = x.clone(), y.clone()
+    offloader.async_writev([x, y])
+    # Write requests are submitted, but are not executed
+    offloader.sync_write_events()
+    # Wait for write requests to finish
+    assert offloaded(x) and offloaded(y)
+    offloader.async_readv([x, y])
+    # Read requests are submitted, but are not executed
+    offloader.sync_read_events()
+    # Wait for read requests to finish
+    assert torch.equal(x, x0) and torch.equal(y, y0)
+    offloader.close()
+
+
+def test_readme_overlap_example(disk_dir: Path) -> None:
+    offloader = tensornvme.DiskOffloader(str(disk_dir / "offload"))
+    tensors = []
+    for _ in range(10):
+        tensor = torch.rand(2, 2)
+        tensors.append(tensor)
+    expected = [t.clone() * 2.0 for t in tensors]
+    for tensor in tensors:
+        offloader.sync_write(tensor)
+
+    offloader.sync_read(tensors[0])
+
+    # prefetch=1, writing tensor[i] and reading tensor[i+1]
+    for i, tensor in enumerate(tensors):
+        offloader.sync_read_events()
+        if i + 1 < len(tensors):
+            offloader.async_read(tensors[i + 1])
+        tensor.mul_(2.0)
+        offloader.sync_write_events()
+        offloader.async_write(tensor)
+    offloader.synchronize()
+
+    assert all(offloaded(t) for t in tensors)
+    offloader.sync_readv(tensors)
+    for t, e in zip(tensors, expected):
+        assert torch.equal(t, e)
+    offloader.close()
+
+
+def test_tensornvme_backend_names_and_get_backends(disk_dir: Path) -> None:
+    assert tensornvme.get_backends() <= {"uring", "aio", "pthread"}
+    assert "pthread" in tensornvme.get_backends()
+    for name in tensornvme.get_backends():
+        with tensornvme.DiskOffloader(str(disk_dir / name), 8, name) as o:
+            x = torch.arange(1000.0)
+            o.sync_write(x)
+            o.sync_read(x)
+            assert torch.equal(x, torch.arange(1000.0))
+
+
+# ---- data --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype(off: DiskOffloader, dtype: torch.dtype) -> None:
+    x = random_tensor((3, 1001), dtype, seed=hash(str(dtype)) % 1000)
+    x0 = x.clone()
+    off.sync_write(x)
+    assert offloaded(x) and x.dtype == dtype and x.shape == (3, 1001)
+    off.sync_read(x)
+    assert same_bytes(x, x0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 4097, (1 << 20) + 3])
+def test_sizes_on_every_backend(disk_dir: Path, backend: str, numel: int) -> None:
+    with DiskOffloader(disk_dir, backend=backend) as o:
+        x = random_tensor((numel,), torch.uint8, seed=numel)
+        x0 = x.clone()
+        o.sync_write(x)
+        assert offloaded(x) and x.numel() == numel
+        assert o.stored_bytes == numel
+        o.sync_read(x)
+        assert same_bytes(x, x0)
+        o.trim()
+        assert o.stored_bytes == 0 and o.file_bytes == 0
+
+
+def test_zero_element_tensors(off: DiskOffloader) -> None:
+    for shape in [(0,), (3, 0, 2)]:
+        x = torch.empty(shape)
+        off.sync_write(x)
+        assert off.is_offloaded(x)
+        off.sync_read(x)
+        assert x.shape == shape and not off.is_offloaded(x)
+
+
+def test_one_byte_tensor(off: DiskOffloader) -> None:
+    x = torch.tensor(7, dtype=torch.uint8)  # a 0-d tensor of one byte
+    off.sync_write(x)
+    off.sync_read(x)
+    assert x.item() == 7
+
+
+def test_several_gib_tensor(disk_dir: Path) -> None:
+    """A tensor past 4 GiB: offsets and lengths above 32 bits everywhere."""
+    n = (4 << 30) + 4097
+    x = torch.zeros(n, dtype=torch.uint8)
+    marks = [0, 4095, 1 << 31, (1 << 32) - 1, 1 << 32, n - 1]
+    for i, pos in enumerate(marks):
+        x[pos] = i + 1
+    with DiskOffloader(disk_dir) as o:
+        o.sync_write(x)
+        assert offloaded(x) and o.stored_bytes == n
+        o.sync_read(x)
+        assert x.numel() == n
+        for i, pos in enumerate(marks):
+            assert x[pos].item() == i + 1
+        assert int(torch.count_nonzero(x)) == len(marks)
+    del x
+
+
+def test_views_of_the_same_storage_see_restored_memory(off: DiskOffloader) -> None:
+    x = torch.arange(100.0)
+    alias = x.view(10, 10)
+    off.sync_write(x)
+    off.sync_read(x)
+    assert torch.equal(alias.flatten(), torch.arange(100.0))
+
+
+def test_parameter_with_grad(off: DiskOffloader) -> None:
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    p0 = p.detach().clone()
+    off.sync_write(p)
+    off.sync_read(p)
+    assert torch.equal(p.detach(), p0) and p.requires_grad
+
+
+def test_readv_in_any_order(off: DiskOffloader) -> None:
+    ts = [torch.full((1000 + i,), float(i)) for i in range(5)]
+    off.sync_writev(ts)
+    off.sync_readv(list(reversed(ts)))
+    for i, t in enumerate(ts):
+        assert torch.equal(t, torch.full((1000 + i,), float(i)))
+
+
+def test_space_is_reused_and_given_back(off: DiskOffloader) -> None:
+    ts = [torch.randn(256, 1024) for _ in range(4)]
+    off.sync_writev(ts)
+    high = off.file_bytes
+    for _ in range(5):
+        off.sync_read(ts[1])
+        off.sync_write(ts[1])
+        assert off.file_bytes == high
+    off.sync_readv(ts)
+    off.trim()
+    assert off.file_bytes == 0 and off.stored_bytes == 0
+    assert all(os.path.getsize(p) == 0 for p in off.paths)
+
+
+def test_freed_tail_goes_back_to_the_filesystem_when_idle(off: DiskOffloader) -> None:
+    x = torch.randn(1 << 20)
+    off.sync_write(x)
+    off.sync_read(x)
+    path = off.paths[0]
+    deadline = time.monotonic() + 20
+    while (os.path.getsize(path) or off.file_bytes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.getsize(path) == 0 and off.file_bytes == 0
+
+
+def test_striping_over_several_directories(disk_dir: Path) -> None:
+    dirs = [disk_dir / f"nvme{i}" for i in range(3)]
+    with DiskOffloader(dirs, stripe_threshold=1 << 20) as o:
+        big = random_tensor(((3 << 20) + 5,), torch.uint8, seed=3)
+        big0 = big.clone()
+        o.sync_write(big)
+        assert len(o.paths) == 3
+        assert all(os.path.getsize(p) > 0 for p in o.paths)
+        assert all(Path(p).parent in dirs for p in o.paths)
+        o.sync_read(big)
+        assert same_bytes(big, big0)
+
+
+def test_tensor_that_dies_while_offloaded_frees_its_space(off: DiskOffloader) -> None:
+    x = torch.randn(1 << 16)
+    off.sync_write(x)
+    assert off.stored_bytes == x.numel() * 4
+    del x
+    gc.collect()
+    off.trim()
+    assert off.stored_bytes == 0 and off.file_bytes == 0
+
+
+def test_async_operations_keep_tensors_alive(off: DiskOffloader) -> None:
+    off.async_write(torch.randn(1 << 18))  # nobody else holds this tensor
+    gc.collect()
+    off.sync_write_events()
+    x = torch.randn(1 << 18)
+    x0 = x.clone()
+    off.sync_write(x)
+    off.async_read(x)
+    ref = [x]
+    del x
+    gc.collect()
+    off.sync_read_events()
+    assert torch.equal(ref[0], x0)
+
+
+def test_callbacks_run_after_the_wait(off: DiskOffloader) -> None:
+    calls = []
+    x = torch.randn(100)
+    off.async_write(x, callback=lambda: calls.append(("w", offloaded(x))))
+    assert calls == []
+    off.sync_write_events()
+    assert calls == [("w", True)]
+    off.async_read(x, callback=lambda: calls.append(("r", offloaded(x))))
+    off.synchronize()
+    assert calls[-1] == ("r", False)
+
+
+def test_random_interleavings_match_a_model(disk_dir: Path) -> None:
+    """Random async/sync operations on a pool of tensors, checked against what each should hold.
+
+    Model states: mem (resident), w (write in flight), off (offloaded), r (read in flight).
+    """
+    rng = random.Random(1234)
+    with DiskOffloader(disk_dir, n_entries=4) as o:
+        pool = [torch.randn(rng.randint(0, 70000)) for i in range(8)]
+        want = [t.clone() for t in pool]
+        state = ["mem"] * len(pool)
+
+        def wait(kind: str) -> None:
+            for i, s in enumerate(state):
+                if kind == "write" and s == "w":
+                    state[i] = "off"
+                if kind == "read" and s == "r":
+                    state[i] = "mem"
+
+        for step in range(600):
+            i = rng.randrange(len(pool))
+            t = pool[i]
+            op = rng.choice(["aw", "ar", "sw", "sr", "we", "re", "sync", "touch", "awv", "arv"])
+            if op in ("aw", "sw"):
+                if state[i] in ("w", "off"):
+                    with pytest.raises(ValueError):
+                        (o.async_write if op == "aw" else o.sync_write)(t)
+                    continue
+                if state[i] == "r":
+                    wait("read")
+                (o.async_write if op == "aw" else o.sync_write)(t)
+                state[i] = "w"
+                if op == "sw":
+                    wait("write")
+            elif op in ("ar", "sr"):
+                if state[i] in ("mem", "r"):
+                    with pytest.raises(ValueError):
+                        (o.async_read if op == "ar" else o.sync_read)(t)
+                    continue
+                if state[i] == "w":
+                    wait("write")
+                (o.async_read if op == "ar" else o.sync_read)(t)
+                state[i] = "r"
+                if op == "sr":
+                    wait("read")
+            elif op in ("awv", "arv"):
+                ok = "mem" if op == "awv" else "off"
+                picks = [j for j in rng.sample(range(len(pool)), 3) if state[j] == ok]
+                (o.async_writev if op == "awv" else o.async_readv)([pool[j] for j in picks])
+                for j in picks:
+                    state[j] = "w" if op == "awv" else "r"
+            elif op == "we":
+                o.sync_write_events()
+                wait("write")
+            elif op == "re":
+                o.sync_read_events()
+                wait("read")
+            elif op == "sync":
+                o.synchronize()
+                wait("write")
+                wait("read")
+            elif op == "touch" and state[i] == "mem":
+                t.add_(1.0)
+                want[i].add_(1.0)
+            for j, s in enumerate(state):
+                if s == "mem":
+                    assert torch.equal(pool[j], want[j]), (step, j)
+                elif s == "off":
+                    assert offloaded(pool[j]) or pool[j].numel() == 0, (step, j)
+        o.synchronize()
+        wait("write")
+        wait("read")
+        for j, s in enumerate(state):
+            if s == "off":
+                o.sync_read(pool[j])
+            assert torch.equal(pool[j], want[j])
+
+
+# ---- faults: nothing is ever lost ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_write_keeps_memory_and_data(disk_dir: Path, backend: str, code: int) -> None:
+    fault = {"kind": "error", "errno": code, "nth": 1, "count": 1, "reads": False}
+    with DiskOffloader(disk_dir, backend=backend, _fault=fault) as o:
+        x = torch.randn(300_000)
+        x0 = x.clone()
+        with pytest.raises(OSError) as e:
+            o.sync_write(x)
+        assert e.value.errno == code
+        assert not offloaded(x) and torch.equal(x, x0)
+        assert not o.is_offloaded(x) and o.stored_bytes == 0
+        o.sync_write(x)  # the fault was one-shot: the offloader is still usable
+        o.sync_read(x)
+        assert torch.equal(x, x0)
+
+
+def test_failed_async_write_raises_on_the_wait(disk_dir: Path) -> None:
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "count": 1, "reads": False}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as o:
+        xs = [torch.full((10_000,), float(i)) for i in range(3)]
+        for x in xs:
+            o.async_write(x)
+        with pytest.raises(OSError) as e:
+            o.sync_write_events()
+        assert e.value.errno == errno.EIO
+        kept = [x for x in xs if not offloaded(x)]
+        assert len(kept) == 1 and not o.is_offloaded(kept[0])
+        for i, x in enumerate(xs):
+            if not offloaded(x):
+                assert torch.equal(x, torch.full((10_000,), float(i)))
+            else:
+                o.sync_read(x)
+                assert torch.equal(x, torch.full((10_000,), float(i)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_read_keeps_the_data_on_disk(disk_dir: Path, backend: str) -> None:
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
+    with DiskOffloader(disk_dir, backend=backend, _fault=fault) as o:
+        x = torch.randn(300_000)
+        x0 = x.clone()
+        o.sync_write(x)
+        with pytest.raises(OSError) as e:
+            o.sync_read(x)
+        assert e.value.errno == errno.EIO
+        assert offloaded(x) and o.is_offloaded(x)
+        o.sync_read(x)
+        assert torch.equal(x, x0)
+
+
+def test_short_io_is_completed(disk_dir: Path) -> None:
+    fault = {"kind": "short", "nth": 1, "count": 1000, "short_bytes": 1000}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as o:
+        x = random_tensor((1 << 20,), torch.uint8, seed=5)
+        x0 = x.clone()
+        o.sync_write(x)
+        o.sync_read(x)
+        assert same_bytes(x, x0)
+
+
+def test_backing_file_cut_short_is_an_error_not_garbage(off: DiskOffloader) -> None:
+    x = torch.randn(100_000)
+    off.sync_write(x)
+    os.truncate(off.paths[0], 1000)
+    with pytest.raises(OSError) as e:
+        off.sync_read(x)
+    assert e.value.errno == errno.EIO and off.is_offloaded(x)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
+    with pytest.raises(ValueError, match="not contiguous"):
+        off.sync_write(torch.randn(10, 10).t())
+    with pytest.raises(ValueError, match="view"):
+        off.sync_write(torch.randn(100)[10:20])
+    with pytest.raises(TypeError, match="torch tensors"):
+        off.sync_write(bytearray(10))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not offloaded"):
+        off.sync_read(torch.randn(10))
+    x = torch.randn(10)
+    off.sync_write(x)
+    with pytest.raises(ValueError, match="already offloaded"):
+        off.sync_write(x)
+    with pytest.raises(ValueError, match="twice"):
+        off.sync_writev([torch.randn(3)] * 2)
+    with pytest.raises(ValueError, match="resized"):
+        import numpy as np
+
+        off.sync_write(torch.from_numpy(np.zeros(1000, dtype=np.float32)))
+    with pytest.raises(ValueError, match="backend"):
+        DiskOffloader(disk_dir, backend="spdk")
+    with pytest.raises(ValueError, match="n_entries"):
+        DiskOffloader(disk_dir, n_entries=0)
+    off.close()
+    with pytest.raises(ValueError, match="closed"):
+        off.sync_write(torch.randn(3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_pin_memory_without_cuda_is_a_clear_error(disk_dir: Path) -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        DiskOffloader(disk_dir, pin_memory=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to pin memory")
+def test_pin_memory_restores_pinned(disk_dir: Path) -> None:
+    with DiskOffloader(disk_dir, pin_memory=True) as o:
+        x = torch.randn(1000)
+        x0 = x.clone()
+        o.sync_write(x)
+        o.sync_read(x)
+        assert x.is_pinned() and torch.equal(x, x0)
+
+
+# ---- many offloaders, cleanup --------------------------------------------------------------
+
+
+def test_many_offloaders_in_one_process(disk_dir: Path) -> None:
+    offs = [DiskOffloader(disk_dir / ("shared" if i % 2 else f"own{i}")) for i in range(8)]
+    tensors = [[torch.full((5000 + i,), float(i * 10 + j)) for j in range(3)] for i in range(8)]
+    for o, ts in zip(offs, tensors):
+        o.async_writev(ts)
+    for o in reversed(offs):
+        o.sync_write_events()
+    for o, ts in zip(offs, tensors):
+        o.sync_readv(ts)
+    for i, ts in enumerate(tensors):
+        for j, t in enumerate(ts):
+            assert torch.equal(t, torch.full((5000 + i,), float(i * 10 + j)))
+    paths = [p for o in offs for p in o.paths]
+    assert len(set(paths)) == 8
+    for o in offs:
+        o.close()
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def test_close_and_context_manager_remove_files(disk_dir: Path) -> None:
+    o = DiskOffloader(disk_dir)
+    x = torch.randn(1000)
+    o.sync_write(x)
+    paths = o.paths
+    assert all(os.path.exists(p) for p in paths)
+    with pytest.warns(ResourceWarning, match="1 tensor"):
+        o.close()
+    assert not any(os.path.exists(p) for p in paths)
+    o.close()  # idempotent
+    with DiskOffloader(disk_dir) as o2:
+        paths = o2.paths
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def _child(code: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_files_removed_at_interpreter_exit(disk_dir: Path) -> None:
+    child = _child(
+        """
+        import torch, tensortier
+        off = tensortier.DiskOffloader("off")
+        x = torch.randn(100000)
+        off.sync_write(x)
+        print(off.paths[0], flush=True)
+        """,
+        disk_dir,
+    )
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0
+    assert not os.path.exists(out.strip())
+    assert os.listdir(disk_dir / "off") == []
+
+
+def test_files_of_a_killed_process_are_named_and_cleaned(disk_dir: Path) -> None:
+    child = _child(
+        """
+        import time, torch, tensortier
+        off = tensortier.DiskOffloader("off")
+        x = torch.randn(100000)
+        off.sync_write(x)
+        print(off.paths[0], flush=True)
+        time.sleep(600)
+        """,
+        disk_dir,
+    )
+    assert child.stdout is not None
+    path = child.stdout.readline().strip()
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+    assert os.path.exists(path)
+    name = os.path.basename(path)
+    assert name.startswith(f"tensortier-offload-{child.pid}-") and name.endswith(".bin")
+    # A live offloader's files in the same directory are left alone.
+    with DiskOffloader(disk_dir / "off") as mine:
+        assert not os.path.exists(path)
+        assert all(os.path.exists(p) for p in mine.paths)
+        assert remove_stale_files([disk_dir / "off"]) == 0
+
+
+def test_public_exports() -> None:
+    assert tensortier.DiskOffloader is DiskOffloader is tensornvme.DiskOffloader

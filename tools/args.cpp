@@ -1,0 +1,76 @@
+#include <algorithm>
+#include <stdexcept>
+#include "tensortier/strings.hpp"
+
+#include "cli.hpp"
+#include "tensortier/config.hpp"
+
+namespace tensortier::cli {
+
+Args::Args(const std::vector<std::string>& argv, const std::vector<std::string>& flags,
+           const std::vector<std::string>& options) {
+  auto known = [](const std::vector<std::string>& list, const std::string& name) {
+    return std::find(list.begin(), list.end(), name) != list.end();
+  };
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (!a.starts_with("--")) {
+      positionals_.push_back(a);
+      continue;
+    }
+    std::string name = a.substr(2);
+    std::string value;
+    bool has_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    if (known(flags, name) && !has_value) {
+      flags_[name] = true;
+    } else if (known(options, name)) {
+      if (!has_value) {
+        if (i + 1 >= argv.size()) throw std::invalid_argument(StrCat("--", name, " needs a value"));
+        value = argv[++i];
+      }
+      values_[name] = value;
+    } else {
+      std::string all;
+      for (const auto& f : flags) all += " --" + f;
+      for (const auto& o : options) all += " --" + o;
+      throw std::invalid_argument(StrCat("unknown option '", a, "' (known:", all, ")"));
+    }
+  }
+}
+
+std::string Args::Get(const std::string& name, const std::string& fallback) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? fallback : it->second;
+}
+
+uint64_t Args::Size(const std::string& name, uint64_t fallback) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  try {
+    return ParseSize(it->second);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(StrCat("--", name, ": ", e.what()));
+  }
+}
+
+unsigned Args::Unsigned(const std::string& name, unsigned fallback) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  uint64_t v = 0;
+  try {
+    size_t used = 0;
+    v = std::stoull(it->second, &used);
+    if (used != it->second.size()) throw std::invalid_argument("trailing characters");
+  } catch (const std::exception&) {
+    throw std::invalid_argument(StrCat("--", name, ": '", it->second, "' is not a number"));
+  }
+  if (v > 1u << 20) throw std::invalid_argument(StrCat("--", name, ": ", v, " is too large"));
+  return static_cast<unsigned>(v);
+}
+
+}  // namespace tensortier::cli

@@ -1,0 +1,319 @@
+// `tensortier bench`: sequential write, cold read, warm read and random reads through the engine.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include "tensortier/strings.hpp"
+
+#include "cli.hpp"
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/config.hpp"
+#include "tensortier/engine.hpp"
+
+namespace tensortier::cli {
+namespace {
+
+constexpr const char* kHelp = R"(usage: tensortier bench [options]
+  --dir DIR           where the scratch file goes (default .)
+  --file NAME         scratch file name (default tensortier-bench.dat)
+  --size SIZE         bytes to write/read, e.g. 2G (default 1G)
+  --block-size SIZE   request size (default 1M)
+  --queue-depth N     requests in flight per thread (default 32)
+  --threads N         worker threads (default 2)
+  --backend NAME      auto | io_uring | libaio | threads (default auto)
+  --mode MODE         write | read | both | randread (default both)
+  --ops N             random reads for --mode randread (default 20000)
+  --buffered          page cache instead of O_DIRECT (cache dropped before cold reads)
+  --warm              read: read the file once first, then time a page-cache-aware read
+  --keep              keep the scratch file afterwards
+  --json              print one JSON object on stdout
+  --sweep             try block size x queue depth x threads and print the best settings
+)";
+
+using Clock = std::chrono::steady_clock;
+
+struct Settings {
+  std::string dir, file, backend, mode;
+  uint64_t size, block;
+  unsigned depth, threads, ops;
+  bool buffered, warm, keep, json;
+};
+
+struct Phase {
+  std::string name;
+  double seconds = 0;
+  uint64_t bytes = 0;
+  uint64_t ops = 0;
+  IoStats stats;
+  double gbps() const { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
+  double iops() const { return seconds > 0 ? static_cast<double>(ops) / seconds : 0; }
+};
+
+class Progress {
+ public:
+  Progress(std::string label, uint64_t total, bool enabled)
+      : label_(std::move(label)), total_(total), enabled_(enabled && isatty(STDERR_FILENO)) {}
+  void Update(uint64_t done) {
+    if (!enabled_ || total_ == 0) return;
+    int width = 30, filled = static_cast<int>(width * done / total_);
+    std::fprintf(stderr, "\r%-6s [%s%s] %3d%%", label_.c_str(), std::string(filled, '#').c_str(),
+                 std::string(width - filled, '.').c_str(), static_cast<int>(100 * done / total_));
+    if (done >= total_) std::fputs("\r\033[K", stderr);
+    std::fflush(stderr);
+  }
+
+ private:
+  std::string label_;
+  uint64_t total_;
+  bool enabled_;
+};
+
+EngineOptions OptionsFor(const Settings& s) {
+  EngineOptions o = EngineOptions::FromEnvironment();
+  o.backend = s.backend;
+  o.chunk_size = s.block;
+  o.queue_depth = s.depth;
+  o.workers = s.threads;
+  // Exactly `depth` requests per worker in flight, as fio's iodepth.
+  o.max_inflight_bytes = s.block * s.depth * s.threads;
+  return o;
+}
+
+// Streams `size` bytes through two alternating windows so the rings never drain between them.
+Phase Stream(Engine& engine, const File& file, IoOp op, const Settings& s, AlignedBuffer& buf,
+             const char* label) {
+  const uint64_t window = buf.size() / 2;
+  Phase phase;
+  phase.name = label;
+  Progress progress(label, s.size, !s.json);
+  auto start = Clock::now();
+  Future previous;
+  uint64_t submitted_windows = 0;
+  for (uint64_t off = 0; off < s.size; off += window) {
+    uint64_t n = std::min(window, s.size - off);
+    std::byte* mem = buf.data() + (submitted_windows++ % 2) * window;
+    Future f = op == IoOp::kRead ? engine.Read(file, mem, n, off) : engine.Write(file, mem, n, off);
+    if (previous.valid()) {
+      const IoResult& r = previous.Wait();
+      phase.bytes += r.bytes;
+      phase.stats = r.stats;
+      progress.Update(phase.bytes);
+    }
+    previous = f;
+  }
+  if (previous.valid()) {
+    const IoResult& r = previous.Wait();
+    phase.bytes += r.bytes;
+    phase.stats = r.stats;
+  }
+  if (op == IoOp::kWrite) file.DataSync();  // durable, as fio --end_fsync=1
+  phase.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  progress.Update(s.size);
+  return phase;
+}
+
+std::string FilePath(const Settings& s) {
+  return (std::filesystem::path(s.dir) / s.file).string();
+}
+
+Phase RunWrite(Engine& engine, const Settings& s, AlignedBuffer& buf) {
+  File f = File::Open(FilePath(s), OpenMode::kWrite, !s.buffered);
+  return Stream(engine, f, IoOp::kWrite, s, buf, "write");
+}
+
+void EnsureFile(Engine& engine, const Settings& s, AlignedBuffer& buf) {
+  std::error_code ec;
+  if (std::filesystem::exists(FilePath(s), ec) &&
+      std::filesystem::file_size(FilePath(s), ec) >= s.size)
+    return;
+  Settings quiet = s;
+  quiet.json = true;  // no progress bar for the untimed fill
+  RunWrite(engine, quiet, buf);
+}
+
+Phase RunRead(Engine& engine, const Settings& s, AlignedBuffer& buf) {
+  if (s.warm) {
+    File warm = File::Open(FilePath(s), OpenMode::kRead, false);
+    Settings quiet = s;
+    quiet.json = true;
+    Stream(engine, warm, IoOp::kRead, quiet, buf, "warm");
+  }
+  File f = File::Open(FilePath(s), OpenMode::kRead, !s.buffered);
+  if (!s.warm) f.DropCache();  // a cold read: nothing of the file left in the page cache
+  return Stream(engine, f, IoOp::kRead, s, buf, s.warm ? "warm" : "read");
+}
+
+Phase RunRandomRead(Engine& engine, const Settings& s) {
+  File f = File::Open(FilePath(s), OpenMode::kRead, !s.buffered);
+  if (!s.warm) f.DropCache();
+  const uint64_t blocks = std::max<uint64_t>(f.Size() / s.block, 1);
+  const unsigned slots = std::min<unsigned>(s.ops, 1024);
+  AlignedBuffer buf(static_cast<size_t>(s.block) * slots);
+  std::mt19937_64 rng(42);
+  std::vector<IoDesc> pieces;
+  pieces.reserve(s.ops);
+  for (unsigned i = 0; i < s.ops; ++i) {
+    pieces.push_back({f, buf.data() + (i % slots) * s.block, (rng() % blocks) * s.block, s.block});
+  }
+  Phase phase;
+  phase.name = "randread";
+  auto start = Clock::now();
+  const IoResult& r = engine.Submit(IoOp::kRead, pieces).Wait();
+  phase.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  phase.bytes = r.bytes;
+  phase.ops = s.ops;
+  phase.stats = r.stats;
+  return phase;
+}
+
+std::vector<Phase> RunOnce(const Settings& s) {
+  Engine engine(OptionsFor(s), s.dir);
+  const uint64_t window = std::min<uint64_t>(AlignUp(s.size, kPageSize), 256ull << 20);
+  AlignedBuffer buf(static_cast<size_t>(std::max<uint64_t>(window, s.block)) * 2, true);
+  std::mt19937_64 rng(7);
+  for (size_t i = 0; i + 8 <= buf.size(); i += 8) {
+    uint64_t v = rng();
+    std::memcpy(buf.data() + i, &v, 8);
+  }
+  std::vector<Phase> phases;
+  if (s.mode == "write" || s.mode == "both") phases.push_back(RunWrite(engine, s, buf));
+  if (s.mode == "read" || s.mode == "both") {
+    EnsureFile(engine, s, buf);
+    phases.push_back(RunRead(engine, s, buf));
+  }
+  if (s.mode == "randread") {
+    EnsureFile(engine, s, buf);
+    phases.push_back(RunRandomRead(engine, s));
+  }
+  return phases;
+}
+
+std::string PhaseJson(const Phase& p) {
+  const IoStats& st = p.stats;
+  return StrCat(R"({"seconds": )", Fixed(p.seconds, 6), R"(, "bytes": )", p.bytes,
+                R"(, "direct_bytes": )", st.direct_bytes, R"(, "buffered_bytes": )",
+                st.buffered_bytes, R"(, "cached_bytes": )", st.cached_bytes,
+                R"(, "bounced_bytes": )", st.bounced_bytes, R"(, "requests": )", st.requests,
+                R"(, "resubmits": )", st.resubmits, R"(})");
+}
+
+void Report(const Settings& s, const std::string& backend, const std::vector<Phase>& phases) {
+  if (s.json) {
+    std::string out =
+        StrCat(R"({"backend": ")", backend, R"(", "block_size": )", s.block, R"(, "queue_depth": )",
+               s.depth, R"(, "threads": )", s.threads, R"(, "size": )", s.size, R"(, "direct": )",
+               s.buffered ? "false" : "true", R"(, "mode": ")", s.mode, R"(")");
+    for (const Phase& p : phases) {
+      if (p.name == "write") out += StrCat(R"(, "write_gbps": )", Fixed(p.gbps(), 4));
+      if (p.name == "read") out += StrCat(R"(, "read_gbps": )", Fixed(p.gbps(), 4));
+      if (p.name == "warm")
+        out += StrCat(R"(, "read_gbps": )", Fixed(p.gbps(), 4), R"(, "warm": true)");
+      if (p.name == "randread") out += StrCat(R"(, "randread_iops": )", Fixed(p.iops(), 1));
+      out += StrCat(R"(, ")", p.name + "_stats", R"(": )", PhaseJson(p));
+    }
+    std::printf("%s}\n", out.c_str());
+    return;
+  }
+  std::printf("tensortier bench: %s of %s, block %s, queue depth %u, %u threads, %s, %s\n",
+              FormatSize(s.size).c_str(), FilePath(s).c_str(), FormatSize(s.block).c_str(), s.depth,
+              s.threads, backend.c_str(), s.buffered ? "buffered" : "O_DIRECT");
+  std::printf("%-9s %12s %9s %10s %12s %12s %12s\n", "phase", "bytes", "seconds", "GB/s", "IOPS",
+              "direct", "page cache");
+  for (const Phase& p : phases) {
+    std::printf("%-9s %12s %9.3f %10.3f %12.0f %12s %12s\n", p.name.c_str(),
+                FormatSize(p.bytes).c_str(), p.seconds, p.gbps(), p.iops(),
+                FormatSize(p.stats.direct_bytes).c_str(),
+                FormatSize(p.stats.buffered_bytes).c_str());
+  }
+}
+
+int RunSweep(Settings s) {
+  struct Point {
+    uint64_t block;
+    unsigned depth, threads;
+    double write, read;
+  };
+  std::vector<Point> points;
+  s.mode = "both";
+  s.json = true;
+  std::printf("sweep: %s per point in %s\n%10s %6s %8s %10s %10s\n", FormatSize(s.size).c_str(),
+              s.dir.c_str(), "block", "depth", "threads", "write GB/s", "read GB/s");
+  for (uint64_t block : {256ull << 10, 1ull << 20, 4ull << 20, 8ull << 20}) {
+    for (unsigned depth : {4u, 16u, 64u}) {
+      for (unsigned threads : {1u, 2u, 4u}) {
+        s.block = block;
+        s.depth = depth;
+        s.threads = threads;
+        auto phases = RunOnce(s);
+        points.push_back({block, depth, threads, phases[0].gbps(), phases[1].gbps()});
+        std::printf("%10s %6u %8u %10.3f %10.3f\n", FormatSize(block).c_str(), depth, threads,
+                    points.back().write, points.back().read);
+        std::fflush(stdout);
+      }
+    }
+  }
+  auto best_write = *std::max_element(points.begin(), points.end(),
+                                      [](auto& a, auto& b) { return a.write < b.write; });
+  auto best_read = *std::max_element(points.begin(), points.end(),
+                                     [](auto& a, auto& b) { return a.read < b.read; });
+  std::printf("best write: --block-size %s --queue-depth %u --threads %u (%.3f GB/s)\n",
+              FormatSize(best_write.block).c_str(), best_write.depth, best_write.threads,
+              best_write.write);
+  std::printf("best read:  --block-size %s --queue-depth %u --threads %u (%.3f GB/s)\n",
+              FormatSize(best_read.block).c_str(), best_read.depth, best_read.threads,
+              best_read.read);
+  if (!s.keep) std::filesystem::remove(FilePath(s));
+  return 0;
+}
+
+}  // namespace
+
+int RunBench(const std::vector<std::string>& argv) {
+  Args args(
+      argv, {"buffered", "warm", "keep", "json", "sweep", "help"},
+      {"dir", "file", "size", "block-size", "queue-depth", "threads", "backend", "mode", "ops"});
+  if (args.Flag("help")) {
+    std::fputs(kHelp, stdout);
+    return 0;
+  }
+  Settings s{args.Get("dir", "."),
+             args.Get("file", "tensortier-bench.dat"),
+             args.Get("backend", "auto"),
+             args.Get("mode", "both"),
+             args.Size("size", 1ull << 30),
+             args.Size("block-size", 1ull << 20),
+             args.Unsigned("queue-depth", 32),
+             args.Unsigned("threads", 2),
+             args.Unsigned("ops", 20000),
+             args.Flag("buffered"),
+             args.Flag("warm"),
+             args.Flag("keep"),
+             args.Flag("json")};
+  if (s.mode != "write" && s.mode != "read" && s.mode != "both" && s.mode != "randread") {
+    throw std::invalid_argument("--mode must be write, read, both or randread");
+  }
+  if (s.size == 0 || s.block == 0 || s.block % kPageSize != 0) {
+    throw std::invalid_argument("--size must be > 0 and --block-size a multiple of 4K");
+  }
+  if (s.ops == 0) throw std::invalid_argument("--ops must be > 0");
+  std::filesystem::create_directories(s.dir);
+  if (args.Flag("sweep")) return RunSweep(s);
+  std::string backend;
+  std::vector<Phase> phases;
+  {
+    Engine probe(OptionsFor(s), s.dir);  // resolves "auto" to the backend that works here
+    backend = probe.backend();
+  }
+  s.backend = backend;
+  phases = RunOnce(s);
+  Report(s, backend, phases);
+  if (!s.keep) std::filesystem::remove(FilePath(s));
+  return 0;
+}
+
+}  // namespace tensortier::cli

@@ -1,0 +1,92 @@
+// `tensortier check [DIR]`: what works on this machine and this directory.
+#include <dlfcn.h>
+#include <sys/utsname.h>
+
+#include <cstdio>
+#include <filesystem>
+#include "tensortier/strings.hpp"
+
+#include "cli.hpp"
+#include "tensortier/config.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/page_cache.hpp"
+
+namespace tensortier::cli {
+namespace {
+
+// Presence only: the CUDA layer (dlopen shims) reports details once it exists.
+std::string LibraryPresence(const char* soname) {
+  void* handle = dlopen(soname, RTLD_LAZY | RTLD_LOCAL);
+  if (handle == nullptr) return StrCat("not found (", dlerror(), ")");
+  dlclose(handle);
+  return "found";
+}
+
+const char* YesNo(bool v) {
+  return v ? "yes" : "no";
+}
+
+}  // namespace
+
+int RunCheck(const std::vector<std::string>& argv) {
+  Args args(argv, {}, {});
+  std::string dir = args.positionals().empty() ? "." : args.positionals()[0];
+  if (args.positionals().size() > 1) throw std::invalid_argument("check takes one directory");
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    std::fprintf(stderr, "tensortier check: '%s' is not a directory\n", dir.c_str());
+    return 2;
+  }
+  utsname u{};
+  uname(&u);
+  std::printf("tensortier check: %s\n", std::filesystem::absolute(dir).c_str());
+  std::printf("kernel %s, page-cache residency via %s\n\n", u.release,
+              std::string(ResidencyMethodName(ResidencyMethodInUse())).c_str());
+
+  std::printf("%-9s %-6s %-7s %-9s %-9s %s\n", "backend", "built", "starts", "O_DIRECT", "buffered",
+              "detail");
+  int working = 0;
+  std::string first;
+  for (BackendKind kind : kAllBackends) {
+    BackendProbe p = ProbeBackend(kind, dir);
+    bool works = p.available && (p.direct_ok || p.buffered_ok);
+    if (works && first.empty()) first = std::string(BackendName(kind));
+    working += works ? 1 : 0;
+    std::printf("%-9s %-6s %-7s %-9s %-9s %s\n", std::string(BackendName(kind)).c_str(),
+                YesNo(BackendCompiledIn(kind)), YesNo(p.available),
+                p.available ? (p.direct_ok ? "ok" : "FAILED") : "-",
+                p.available ? (p.buffered_ok ? "ok" : "FAILED") : "-", p.detail.c_str());
+  }
+  std::printf("auto -> %s\n\n", first.empty() ? "(none)" : first.c_str());
+
+  try {
+    auto probe_path = std::filesystem::path(dir) / ".tensortier-check-align";
+    File f = File::Open(probe_path, OpenMode::kWrite, true);
+    if (f.direct()) {
+      std::printf("O_DIRECT alignment: offset %u B, memory %u B\n", f.offset_alignment(),
+                  f.memory_alignment());
+    } else {
+      std::printf("O_DIRECT: not available (%s)\n", f.direct_fallback_reason().c_str());
+    }
+    f.Close();
+    std::filesystem::remove(probe_path, ec);
+  } catch (const std::exception& e) {
+    std::printf("O_DIRECT: could not test (%s)\n", e.what());
+  }
+  std::printf("CUDA driver (libcuda.so.1): %s\n", LibraryPresence("libcuda.so.1").c_str());
+  std::printf("cuFile (libcufile.so.0): %s\n\n", LibraryPresence("libcufile.so.0").c_str());
+
+  std::printf("defaults (environment overrides applied):\n");
+  for (const auto& d : Defaults()) {
+    std::printf("  %-19s %-10s %-28s %s\n", d.name.c_str(), d.value.c_str(), d.env.c_str(),
+                d.description.c_str());
+  }
+  if (working == 0) {
+    std::fprintf(stderr, "tensortier check: no I/O backend works on %s\n", dir.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace tensortier::cli

@@ -1,0 +1,32 @@
+// Pieces shared by the `tensortier` subcommands.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace tensortier::cli {
+
+// "--name value", "--name=value" and bare "--flag" arguments, plus positionals. Unknown options are
+// an error (reported with the list of known ones), so a typo never silently changes a benchmark.
+class Args {
+ public:
+  // `flags`: options that take no value. `options`: options that take one.
+  Args(const std::vector<std::string>& argv, const std::vector<std::string>& flags,
+       const std::vector<std::string>& options);
+  bool Flag(const std::string& name) const { return flags_.contains(name); }
+  std::string Get(const std::string& name, const std::string& fallback) const;
+  uint64_t Size(const std::string& name, uint64_t fallback) const;
+  unsigned Unsigned(const std::string& name, unsigned fallback) const;
+  const std::vector<std::string>& positionals() const { return positionals_; }
+
+ private:
+  std::map<std::string, bool> flags_;
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> positionals_;
+};
+
+int RunCheck(const std::vector<std::string>& argv);
+int RunBench(const std::vector<std::string>& argv);
+
+}  // namespace tensortier::cli
