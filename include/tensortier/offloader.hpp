@@ -1,0 +1,175 @@
+// Parks byte ranges (tensor data) in backing files under numeric keys and brings them back.
+//
+// Each directory gets one backing file, named after this process so that files left by a process
+// that died are recognised and removed by the next offloader on that directory. Space comes from a
+// SpaceManager per file (page-aligned extents, reused after reads, file shrunk when its tail is
+// free). Ranges of at least `stripe_threshold` bytes are striped over all directories, as over
+// several drives; smaller ones go to the directory with the least data.
+//
+// Operations are asynchronous and of two kinds, waited for separately (TensorNVMe's model): a
+// write makes its key "stored" only when the data is on disk; a read frees the key's space only
+// when the data has arrived. A failed operation changes nothing: a failed write leaves the key
+// unknown, a failed read leaves it stored. Wait() reports each key's outcome instead of throwing,
+// so the caller can act per key (free the memory of written tensors, keep the others).
+//
+// Thread-safe. The caller keeps buffers alive until the operation's Wait() returns.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "tensortier/config.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/space_manager.hpp"
+
+namespace tensortier {
+
+struct OffloaderOptions {
+  std::vector<std::string> dirs;  // at least one; each must exist
+  EngineOptions engine = EngineOptions::FromEnvironment();
+  uint64_t stripe_threshold = 16 << 20;
+  // Freed space at the end of a backing file goes back to the filesystem once the offloader has
+  // been idle this long, in the background and in steps of `shrink_step` bytes: truncating is
+  // slow on some filesystems (online discard), and space freed by a read is often needed again
+  // by the next write.
+  std::chrono::milliseconds shrink_idle{1000};
+  uint64_t shrink_step = 64 << 20;
+  // Test seam: when set, the engine's backends come from here (e.g. fault-injecting ones).
+  BackendFactory backend_factory;
+};
+
+enum class OffloadKind { kWrite, kRead };
+
+// One tensor's bytes in an Async*v call.
+struct OffloadPiece {
+  uint64_t key;
+  void* data;
+  uint64_t length;
+};
+
+struct OffloadOutcome {
+  uint64_t key;
+  std::exception_ptr error;  // null on success
+};
+
+class Offloader {
+ public:
+  // Opens one backing file per directory after removing those left by dead processes.
+  // Throws std::invalid_argument (no directory, bad options) or IoError.
+  explicit Offloader(OffloaderOptions options);
+  // Close().
+  ~Offloader();
+  Offloader(const Offloader&) = delete;
+  Offloader& operator=(const Offloader&) = delete;
+
+  // Starts writing `length` bytes under `key`. Throws std::invalid_argument when the key is stored
+  // or has an operation in flight, std::logic_error after Close(), IoError when space cannot be
+  // had.
+  void AsyncWrite(uint64_t key, const void* data, uint64_t length);
+  // Starts reading the bytes stored under `key` into `data` (`length` must equal what was
+  // written). Throws std::invalid_argument when the key is not stored (never written, a write
+  // still in flight, already read back) or the length differs.
+  void AsyncRead(uint64_t key, void* data, uint64_t length);
+  // Several keys in one engine submission; all are checked before any is started.
+  void AsyncWritev(std::span<const OffloadPiece> pieces);
+  void AsyncReadv(std::span<const OffloadPiece> pieces);
+
+  // Waits for every operation of `kind` started before the call and applies the outcomes; one
+  // outcome per key, in start order. Does not throw for I/O errors: they are in the outcomes.
+  // When several threads wait for the same kind at once, each outcome goes to exactly one of them
+  // (the one that applies it), and none returns before all operations it covers are applied.
+  std::vector<OffloadOutcome> Wait(OffloadKind kind);
+  // Waits for both kinds; throws the first error.
+  void Synchronize();
+
+  // Forgets a stored key and frees its space (its tensor died). No-op for unknown keys; throws
+  // std::invalid_argument when an operation on the key is in flight.
+  void Discard(uint64_t key);
+
+  // Gives all freed space at the ends of the backing files back to the filesystem now (the
+  // background does it after `shrink_idle`). Throws IoError when a truncate fails.
+  void Trim();
+
+  bool stored(uint64_t key) const;
+  bool pending(uint64_t key) const;
+  uint64_t stored_bytes() const;  // bytes of stored keys
+  uint64_t file_bytes() const;    // bytes the backing files span now
+  std::vector<std::string> paths() const;
+  const std::string& backend() const;
+
+  // Waits for everything in flight (errors dropped), closes and removes the backing files.
+  // Stored data is gone afterwards. Idempotent.
+  void Close() noexcept;
+
+ private:
+  struct Part {
+    uint32_t file;
+    Extent extent;
+    uint64_t length;  // bytes of the range in this part
+  };
+  enum class State { kWriting, kStored, kReading };
+  struct Entry {
+    State state;
+    uint64_t length;
+    std::vector<Part> parts;
+  };
+  struct Backing {
+    std::string path;
+    File file;
+    SpaceManager space;
+    uint64_t file_size = 0;  // as last set by this offloader (0 when fresh)
+    bool shrinking = false;  // a truncate to shrink_to runs without mu_ held
+    uint64_t shrink_to = 0;
+    uint64_t failed_shrink_to = UINT64_MAX;  // not retried until the used end changes
+  };
+  struct Pending {
+    uint64_t id;  // start order
+    OffloadKind kind;
+    Future future;
+    std::vector<uint64_t> keys;
+    uint64_t expect_bytes;
+    std::string path;  // of the first piece, for errors
+    uint64_t offset;
+  };
+
+  void Start(OffloadKind kind, std::span<const OffloadPiece> pieces);
+  // REQUIRES: `lock` holds mu_ (released while waiting for a shrink of the file to finish).
+  std::vector<Part> Place(uint64_t length, std::unique_lock<std::mutex>& lock);
+  void Release(const std::vector<Part>& parts);  // REQUIRES: mu_ held
+  void CheckOpen() const;                        // REQUIRES: mu_ held
+  // Truncates `b` by one step towards its used end, with mu_ released during the syscall.
+  std::exception_ptr ShrinkStep(Backing& b, std::unique_lock<std::mutex>& lock);
+  void JanitorLoop();
+
+  OffloaderOptions options_;
+  std::unique_ptr<Engine> engine_;
+  mutable std::mutex mu_;
+  std::vector<Backing> backings_;
+  std::unordered_map<uint64_t, Entry> entries_;
+  std::vector<Pending> pending_;
+  uint64_t stored_bytes_ = 0;
+  uint64_t next_pending_id_ = 0;
+  bool closed_ = false;
+  // The janitor shrinks files in the background; shrink_cv_ wakes it (work, stop) and those
+  // waiting for a shrink to finish.
+  std::condition_variable shrink_cv_;
+  std::chrono::steady_clock::time_point last_activity_;
+  bool stopping_ = false;
+  std::thread janitor_;
+};
+
+// Removes backing files in `dir` left by processes that no longer run; returns how many.
+// Never throws (unreadable directories count as nothing to clean).
+size_t RemoveStaleOffloadFiles(const std::string& dir);
+
+}  // namespace tensortier

@@ -1,0 +1,477 @@
+#include "tensortier/offloader.hpp"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_set>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+constexpr std::string_view kFilePrefix = "tensortier-offload-";
+constexpr std::string_view kFileSuffix = ".bin";
+
+// The start time of process `pid` in clock ticks since boot (field 22 of /proc/PID/stat), or ""
+// when it does not run. With the pid it names a process uniquely, even after pid reuse.
+std::string ProcessStartTime(const std::string& pid) {
+  std::ifstream in("/proc/" + pid + "/stat");
+  std::string stat;
+  if (!in || !std::getline(in, stat)) return "";
+  // The command name (field 2) is in parentheses and may hold spaces: count fields after it.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return "";
+  std::istringstream fields(stat.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && (fields >> field); ++i) {
+    if (i == 22) return field;
+  }
+  return "";
+}
+
+// "<prefix><pid>-<start>-" for this process. Not cached: a child made by fork() is another
+// process, and its files must carry its own pid to be recognised as stale once it dies.
+std::string ProcessFileStem() {
+  const std::string pid = std::to_string(getpid());
+  return StrCat(kFilePrefix, pid, "-", ProcessStartTime(pid), "-");
+}
+
+std::atomic<uint64_t> next_instance{0};
+
+// For "<prefix><pid>-<start>-<n><suffix>": whether that process is gone.
+bool IsStale(std::string_view name) {
+  if (!name.starts_with(kFilePrefix) || !name.ends_with(kFileSuffix)) return false;
+  name.remove_prefix(kFilePrefix.size());
+  const size_t dash1 = name.find('-');
+  if (dash1 == std::string_view::npos) return false;
+  const size_t dash2 = name.find('-', dash1 + 1);
+  if (dash2 == std::string_view::npos) return false;
+  const std::string_view pid = name.substr(0, dash1);
+  const std::string_view start = name.substr(dash1 + 1, dash2 - dash1 - 1);
+  uint64_t pid_number = 0;
+  auto [end, ec] = std::from_chars(pid.data(), pid.data() + pid.size(), pid_number);
+  if (ec != std::errc() || end != pid.data() + pid.size() || pid_number == 0) return false;
+  return ProcessStartTime(std::string(pid)) != start;
+}
+
+}  // namespace
+
+size_t RemoveStaleOffloadFiles(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  size_t removed = 0;
+  while (const dirent* e = readdir(d)) {
+    if (IsStale(e->d_name) && unlinkat(dirfd(d), e->d_name, 0) == 0) ++removed;
+  }
+  closedir(d);
+  return removed;
+}
+
+Offloader::Offloader(OffloaderOptions options) : options_(std::move(options)) {
+  if (options_.dirs.empty()) throw std::invalid_argument("offloader: no directory given");
+  if (options_.stripe_threshold == 0) {
+    throw std::invalid_argument("offloader: stripe_threshold must be positive");
+  }
+  engine_ = options_.backend_factory
+                ? std::make_unique<Engine>(options_.engine, options_.backend_factory)
+                : std::make_unique<Engine>(options_.engine, options_.dirs.front());
+  const uint64_t instance = next_instance.fetch_add(1);
+  backings_.reserve(options_.dirs.size());
+  try {
+    for (size_t i = 0; i < options_.dirs.size(); ++i) {
+      RemoveStaleOffloadFiles(options_.dirs[i]);
+      std::string path =
+          StrCat(options_.dirs[i], "/", ProcessFileStem(), instance, "-", i, kFileSuffix);
+      File file = File::Open(path, OpenMode::kWrite);
+      backings_.push_back(Backing{std::move(path), std::move(file), SpaceManager(kPageSize)});
+    }
+  } catch (...) {
+    for (const Backing& b : backings_) unlink(b.path.c_str());
+    throw;
+  }
+  last_activity_ = std::chrono::steady_clock::now();
+  janitor_ = std::thread([this] { JanitorLoop(); });
+}
+
+Offloader::~Offloader() {
+  Close();
+}
+
+void Offloader::CheckOpen() const {
+  if (closed_) throw std::logic_error("offloader is closed");
+}
+
+std::vector<Offloader::Part> Offloader::Place(uint64_t length, std::unique_lock<std::mutex>& lock) {
+  std::vector<Part> parts;
+  if (length == 0) return parts;
+  try {
+    if (backings_.size() > 1 && length >= options_.stripe_threshold) {
+      const uint64_t n = backings_.size();
+      const uint64_t stripe = AlignUp((length + n - 1) / n, kPageSize);
+      for (uint64_t i = 0, done = 0; done < length; ++i, done += stripe) {
+        const uint64_t part = std::min(stripe, length - done);
+        parts.push_back(Part{static_cast<uint32_t>(i), backings_[i].space.Allocate(part), part});
+      }
+    } else {
+      uint32_t least = 0;
+      for (uint32_t i = 1; i < backings_.size(); ++i) {
+        if (backings_[i].space.allocated_bytes() < backings_[least].space.allocated_bytes()) {
+          least = i;
+        }
+      }
+      parts.push_back(Part{least, backings_[least].space.Allocate(length), length});
+    }
+  } catch (...) {
+    Release(parts);
+    throw;
+  }
+  for (const Part& p : parts) {
+    Backing& b = backings_[p.file];
+    // A part past the end a running truncate aims at must wait for it, or the truncate could cut
+    // the part's data after it is written.
+    shrink_cv_.wait(
+        lock, [&] { return !b.shrinking || p.extent.offset + p.extent.length <= b.shrink_to; });
+    b.file_size = std::max(b.file_size, b.space.end());
+  }
+  return parts;
+}
+
+void Offloader::Release(const std::vector<Part>& parts) {
+  bool shrinkable = false;
+  for (const Part& p : parts) {
+    Backing& b = backings_[p.file];
+    b.space.Free(p.extent);
+    shrinkable |= b.space.end() < b.file_size;
+  }
+  if (shrinkable) shrink_cv_.notify_all();
+}
+
+std::exception_ptr Offloader::ShrinkStep(Backing& b, std::unique_lock<std::mutex>& lock) {
+  const uint64_t used = b.space.end();
+  const uint64_t to = std::max(used, b.file_size - std::min(b.file_size, options_.shrink_step));
+  b.shrinking = true;
+  b.shrink_to = to;
+  lock.unlock();
+  std::exception_ptr error;
+  try {
+    b.file.Truncate(to);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  lock.lock();
+  b.shrinking = false;
+  if (error == nullptr) {
+    b.file_size = std::max(to, b.space.end());
+    b.failed_shrink_to = UINT64_MAX;
+  } else {
+    b.failed_shrink_to = used;  // costs only disk space; retried when the used end moves
+  }
+  shrink_cv_.notify_all();
+  return error;
+}
+
+void Offloader::JanitorLoop() {
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    Backing* target = nullptr;
+    for (Backing& b : backings_) {
+      if (!b.shrinking && b.space.end() < b.file_size && b.space.end() != b.failed_shrink_to) {
+        target = &b;
+        break;
+      }
+    }
+    if (target == nullptr) {
+      shrink_cv_.wait(lock);
+      continue;
+    }
+    const auto due = last_activity_ + options_.shrink_idle;
+    if (std::chrono::steady_clock::now() < due) {
+      shrink_cv_.wait_until(lock, due);
+      continue;
+    }
+    ShrinkStep(*target, lock);
+  }
+}
+
+void Offloader::Trim() {
+  std::unique_lock lock(mu_);
+  CheckOpen();
+  for (Backing& b : backings_) {
+    for (;;) {
+      shrink_cv_.wait(lock, [&] { return !b.shrinking; });
+      if (closed_ || b.space.end() >= b.file_size) break;
+      if (std::exception_ptr error = ShrinkStep(b, lock)) std::rethrow_exception(error);
+    }
+  }
+}
+
+void Offloader::Start(OffloadKind kind, std::span<const OffloadPiece> pieces) {
+  std::unique_lock lock(mu_);
+  CheckOpen();
+  const char* verb = kind == OffloadKind::kWrite ? "write" : "read";
+  std::unordered_set<uint64_t> seen;
+  for (const OffloadPiece& p : pieces) {
+    if (!seen.insert(p.key).second) {
+      throw std::invalid_argument(StrCat("offload ", verb, ": key ", p.key, " given twice"));
+    }
+    if (p.length > 0 && p.data == nullptr) {
+      throw std::invalid_argument(StrCat("offload ", verb, ": null buffer for key ", p.key));
+    }
+    auto it = entries_.find(p.key);
+    if (kind == OffloadKind::kWrite) {
+      if (it == entries_.end()) continue;
+      throw std::invalid_argument(StrCat("offload write: key ", p.key,
+                                         it->second.state == State::kStored
+                                             ? " is already offloaded"
+                                             : " has an operation in flight"));
+    }
+    if (it == entries_.end()) {
+      throw std::invalid_argument(
+          StrCat("offload read: key ", p.key, " is not offloaded (never written or already read)"));
+    }
+    if (it->second.state != State::kStored) {
+      throw std::invalid_argument(StrCat("offload read: key ", p.key,
+                                         it->second.state == State::kWriting
+                                             ? " has a write in flight; wait for writes first"
+                                             : " has a read in flight"));
+    }
+    if (it->second.length != p.length) {
+      throw std::invalid_argument(StrCat("offload read: key ", p.key, " holds ", it->second.length,
+                                         " bytes, not ", p.length));
+    }
+  }
+
+  last_activity_ = std::chrono::steady_clock::now();
+  // Claim the keys before placing anything: a placement may wait with mu_ released, and the
+  // claims keep other starts (and Discard) off these keys meanwhile.
+  std::vector<uint64_t> claimed;
+  for (const OffloadPiece& p : pieces) {
+    if (kind == OffloadKind::kWrite) {
+      entries_.emplace(p.key, Entry{State::kWriting, p.length, {}});
+      claimed.push_back(p.key);
+    } else {
+      entries_[p.key].state = State::kReading;
+    }
+  }
+  std::vector<IoDesc> descs;
+  std::vector<uint64_t> keys;
+  uint64_t total = 0;
+  try {
+    for (const OffloadPiece& p : pieces) {
+      if (kind == OffloadKind::kWrite) {
+        std::vector<Part> parts = Place(p.length, lock);
+        if (closed_) {
+          Release(parts);
+          throw std::logic_error("offloader is closed");
+        }
+        entries_[p.key].parts = std::move(parts);
+      }
+      uint64_t done = 0;
+      for (const Part& part : entries_[p.key].parts) {
+        descs.push_back(IoDesc{backings_[part.file].file, static_cast<std::byte*>(p.data) + done,
+                               part.extent.offset, part.length});
+        done += part.length;
+      }
+      keys.push_back(p.key);
+      total += p.length;
+    }
+    Future future =
+        engine_->Submit(kind == OffloadKind::kWrite ? IoOp::kWrite : IoOp::kRead, descs);
+    Pending p{next_pending_id_++, kind, std::move(future), std::move(keys), total, "", 0};
+    if (!descs.empty()) {
+      p.path = descs.front().file.path();
+      p.offset = descs.front().offset;
+    }
+    pending_.push_back(std::move(p));
+  } catch (...) {
+    for (uint64_t key : claimed) {
+      auto it = entries_.find(key);
+      if (it == entries_.end()) continue;  // cleared by Close meanwhile
+      Release(it->second.parts);
+      entries_.erase(it);
+    }
+    if (kind == OffloadKind::kRead && !closed_) {
+      for (const OffloadPiece& p : pieces) entries_[p.key].state = State::kStored;
+    }
+    throw;
+  }
+}
+
+void Offloader::AsyncWrite(uint64_t key, const void* data, uint64_t length) {
+  OffloadPiece piece{key, const_cast<void*>(data), length};
+  Start(OffloadKind::kWrite, {&piece, 1});
+}
+
+void Offloader::AsyncRead(uint64_t key, void* data, uint64_t length) {
+  OffloadPiece piece{key, data, length};
+  Start(OffloadKind::kRead, {&piece, 1});
+}
+
+void Offloader::AsyncWritev(std::span<const OffloadPiece> pieces) {
+  Start(OffloadKind::kWrite, pieces);
+}
+
+void Offloader::AsyncReadv(std::span<const OffloadPiece> pieces) {
+  Start(OffloadKind::kRead, pieces);
+}
+
+std::vector<OffloadOutcome> Offloader::Wait(OffloadKind kind) {
+  // Operations stay in pending_ while waited for: another thread's Wait may take them first, and
+  // it must then also wait for them (and see them applied) before it returns.
+  std::vector<Future> futures;
+  uint64_t limit;
+  {
+    std::lock_guard lock(mu_);
+    limit = next_pending_id_;
+    for (const Pending& p : pending_) {
+      if (p.kind == kind) futures.push_back(p.future);
+    }
+  }
+  for (const Future& f : futures) {
+    try {
+      f.Wait();
+    } catch (...) {  // seen below by whoever applies the outcome
+    }
+  }
+  std::lock_guard lock(mu_);
+  // Those of our operations no other Wait (or Close) has applied meanwhile; all complete.
+  std::vector<Pending> mine;
+  auto split = std::stable_partition(pending_.begin(), pending_.end(), [&](const Pending& p) {
+    return p.kind != kind || p.id >= limit;
+  });
+  std::move(split, pending_.end(), std::back_inserter(mine));
+  pending_.erase(split, pending_.end());
+  std::vector<std::exception_ptr> errors(mine.size());
+  for (size_t i = 0; i < mine.size(); ++i) {
+    try {
+      const IoResult& r = mine[i].future.Wait();
+      if (r.bytes != mine[i].expect_bytes) {  // a backing file was cut short behind our back
+        throw IoError(EIO, "offload read (backing file shorter than written)", mine[i].path,
+                      mine[i].offset, mine[i].expect_bytes);
+      }
+    } catch (...) {
+      errors[i] = std::current_exception();
+    }
+  }
+  last_activity_ = std::chrono::steady_clock::now();
+  std::vector<OffloadOutcome> outcomes;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    for (uint64_t key : mine[i].keys) {
+      outcomes.push_back(OffloadOutcome{key, errors[i]});
+      auto it = entries_.find(key);
+      if (it == entries_.end()) continue;  // closed meanwhile
+      Entry& e = it->second;
+      if (kind == OffloadKind::kWrite) {
+        if (errors[i] == nullptr) {
+          e.state = State::kStored;
+          stored_bytes_ += e.length;
+        } else {
+          Release(e.parts);
+          entries_.erase(it);
+        }
+      } else if (errors[i] == nullptr) {
+        stored_bytes_ -= e.length;
+        Release(e.parts);
+        entries_.erase(it);
+      } else {
+        e.state = State::kStored;
+      }
+    }
+  }
+  return outcomes;
+}
+
+void Offloader::Synchronize() {
+  std::exception_ptr first;
+  for (OffloadKind kind : {OffloadKind::kWrite, OffloadKind::kRead}) {
+    for (const OffloadOutcome& o : Wait(kind)) {
+      if (first == nullptr) first = o.error;
+    }
+  }
+  if (first != nullptr) std::rethrow_exception(first);
+}
+
+void Offloader::Discard(uint64_t key) {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return;
+  if (it->second.state != State::kStored) {
+    throw std::invalid_argument(StrCat("offload: key ", key, " has an operation in flight"));
+  }
+  stored_bytes_ -= it->second.length;
+  if (!closed_) Release(it->second.parts);
+  entries_.erase(it);
+}
+
+bool Offloader::stored(uint64_t key) const {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(key);
+  return it != entries_.end() && it->second.state != State::kWriting;
+}
+
+bool Offloader::pending(uint64_t key) const {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(key);
+  return it != entries_.end() && it->second.state != State::kStored;
+}
+
+uint64_t Offloader::stored_bytes() const {
+  std::lock_guard lock(mu_);
+  return stored_bytes_;
+}
+
+uint64_t Offloader::file_bytes() const {
+  std::lock_guard lock(mu_);
+  uint64_t total = 0;
+  for (const Backing& b : backings_) total += b.file_size;
+  return total;
+}
+
+std::vector<std::string> Offloader::paths() const {
+  std::lock_guard lock(mu_);
+  std::vector<std::string> out;
+  for (const Backing& b : backings_) out.push_back(b.path);
+  return out;
+}
+
+const std::string& Offloader::backend() const {
+  return engine_->backend();
+}
+
+void Offloader::Close() noexcept {
+  std::vector<Pending> in_flight;
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    stopping_ = true;
+    in_flight.swap(pending_);
+  }
+  shrink_cv_.notify_all();
+  if (janitor_.joinable()) janitor_.join();  // after a truncate in progress, if any
+  for (const Pending& p : in_flight) {
+    try {
+      p.future.Wait();
+    } catch (...) {  // the data is discarded with the files
+    }
+  }
+  std::lock_guard lock(mu_);
+  entries_.clear();
+  stored_bytes_ = 0;
+  for (Backing& b : backings_) {
+    b.file.Close();
+    unlink(b.path.c_str());
+  }
+}
+
+}  // namespace tensortier
