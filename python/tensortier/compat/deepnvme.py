@@ -1,0 +1,281 @@
+"""DeepNVMe's Python API (DeepSpeed ``AsyncIOBuilder`` / ``GDSBuilder``), backed by tensortier.
+
+Code written for DeepNVMe runs with its import changed::
+
+    from tensortier.compat.deepnvme import AsyncIOBuilder
+    h = AsyncIOBuilder().load().aio_handle(1024**2, 128, True, True, 1)
+    h.sync_pwrite(tensor, "/nvme/t.bin")
+    h.sync_pread(tensor, "/nvme/t.bin")
+
+Differences, all on the side of safety: errors raise (``OSError`` with errno and path,
+``ValueError`` for bad arguments) where DeepNVMe returns -1, prints or aborts; writes never
+truncate the file; any alignment of size, offset and memory works.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+from ..io import IOFuture, IOHandle
+
+__all__ = ["AsyncIOBuilder", "GDSBuilder", "aio_handle", "gds_handle"]
+
+# DeepNVMe's defaults (deepspeed/runtime/swap_tensor/constants.py).
+_DEFAULT_BLOCK_SIZE = 1 << 20
+_DEFAULT_QUEUE_DEPTH = 8
+_MAX_INFLIGHT = 1 << 30
+
+
+def _nbytes(buffer: Any) -> int:
+    return int(buffer.numel() * buffer.element_size())
+
+
+def _check_tensor(buffer: Any, what: str) -> None:
+    import torch
+
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{what}: buffer must be a torch tensor, not {type(buffer).__name__}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"{what}: buffer of shape {tuple(buffer.shape)} is not contiguous")
+    if buffer.device.type != "cpu":
+        raise ValueError(
+            f"{what}: buffer is on {buffer.device}; this build moves CPU tensors only (the GPU "
+            "transfer path is not built yet): copy it to the CPU first"
+        )
+
+
+class aio_handle:  # noqa: N801 - DeepNVMe's name
+    """DeepNVMe's ``aio_handle``: parallel async file I/O of whole tensors.
+
+    Args:
+        block_size: bytes per request (DeepNVMe's ``block_size``); rounded up to 4 KiB.
+        queue_depth: requests in flight per worker.
+        single_submit: accepted for compatibility (requests are always batched).
+        overlap_events: accepted for compatibility (completions are always overlapped).
+        intra_op_parallelism: worker threads (DeepNVMe's ``num_threads`` in older releases).
+    """
+
+    def __init__(
+        self,
+        block_size: int = _DEFAULT_BLOCK_SIZE,
+        queue_depth: int = _DEFAULT_QUEUE_DEPTH,
+        single_submit: bool = False,
+        overlap_events: bool = False,
+        intra_op_parallelism: int = 1,
+    ) -> None:
+        for name, value in (
+            ("block_size", block_size),
+            ("queue_depth", queue_depth),
+            ("intra_op_parallelism", intra_op_parallelism),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        self._block_size = block_size
+        self._queue_depth = queue_depth
+        self._single_submit = bool(single_submit)
+        self._overlap_events = bool(overlap_events)
+        self._parallelism = intra_op_parallelism
+        chunk = -(-block_size // 4096) * 4096
+        self._io = IOHandle(
+            chunk_size=chunk,
+            queue_depth=queue_depth,
+            workers=intra_op_parallelism,
+            max_inflight_bytes=max(chunk, min(chunk * queue_depth * intra_op_parallelism,
+                                              _MAX_INFLIGHT)),
+        )
+        self._pending: list[tuple[IOFuture, Any, str, int, bool]] = []
+
+    # ---- settings -------------------------------------------------------------------------
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._parallelism
+
+    def get_thread_count(self) -> int:
+        return self._parallelism
+
+    # ---- I/O ------------------------------------------------------------------------------
+    def sync_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        """Reads ``buffer.nbytes`` bytes at `file_offset` of `filename`; returns the count of
+        completed operations (1). The file must hold the whole range."""
+        self.async_pread(buffer, filename, file_offset)
+        return self.wait()
+
+    def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        """Writes all of `buffer` at `file_offset` of `filename` (created if missing, never
+        truncated); returns the count of completed operations (1)."""
+        self.async_pwrite(buffer, filename, file_offset)
+        return self.wait()
+
+    def async_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        """Starts a read; ``wait()`` completes it. Returns 0."""
+        return self._start("read", buffer, filename, file_offset, validate=False)
+
+    def async_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        """Starts a write; ``wait()`` completes it. Returns 0."""
+        return self._start("write", buffer, filename, file_offset, validate=False)
+
+    def pread(
+        self, buffer: Any, filename: str, validate: bool, async_op: bool, file_offset: int = 0
+    ) -> int:
+        """DeepNVMe's ``pread(buffer, filename, validate, async)``."""
+        self._start("read", buffer, filename, file_offset, validate)
+        return 0 if async_op else self.wait()
+
+    def pwrite(
+        self, buffer: Any, filename: str, validate: bool, async_op: bool, file_offset: int = 0
+    ) -> int:
+        """DeepNVMe's ``pwrite(buffer, filename, validate, async)``."""
+        self._start("write", buffer, filename, file_offset, validate)
+        return 0 if async_op else self.wait()
+
+    def read(self, buffer: Any, filename: str, validate: bool) -> int:
+        """Reads the whole file into `buffer` (sizes must match)."""
+        _check_tensor(buffer, "read")
+        size = os.path.getsize(filename)
+        if size != _nbytes(buffer):
+            raise ValueError(f"read: {filename} holds {size} bytes, buffer {_nbytes(buffer)}")
+        return self.pread(buffer, filename, validate, False)
+
+    def write(self, buffer: Any, filename: str, validate: bool) -> int:
+        """Writes `buffer` as the whole file `filename` (truncated first, as DeepNVMe does)."""
+        _check_tensor(buffer, "write")
+        with open(filename, "wb"):
+            pass
+        return self.pwrite(buffer, filename, validate, False)
+
+    def wait(self) -> int:
+        """Waits for every operation started; returns how many completed. Raises the first
+        error (``OSError``) after all have finished."""
+        pending, self._pending = self._pending, []
+        first: BaseException | None = None
+        for future, buffer, filename, offset, validate in pending:
+            try:
+                future.wait()
+                if validate:
+                    _validate(buffer, filename, offset)
+            except OSError as e:
+                first = first or e
+        if first is not None:
+            raise first
+        return len(pending)
+
+    # ---- pinned ("locked") host tensors -----------------------------------------------------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        """An uninitialised 1-D tensor of `num_elem` elements of `example_tensor`'s dtype in
+        pinned memory (CUDA), else page-aligned memory (the fastest O_DIRECT target)."""
+        import torch
+
+        from .. import aligned_empty
+
+        if torch.cuda.is_available():
+            return torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
+        return aligned_empty(num_elem, example_tensor.dtype)
+
+    def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        """Releases a tensor from ``new_cpu_locked_tensor`` (its memory goes with the last
+        reference). Returns True."""
+        storage = tensor.untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+        return True
+
+    def close(self) -> None:
+        """Waits for everything in flight and stops the workers."""
+        self._io.close()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _start(self, op: str, buffer: Any, filename: str, offset: int, validate: bool) -> int:
+        what = f"{'pread' if op == 'read' else 'pwrite'}"
+        _check_tensor(buffer, what)
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"{what}: file_offset must be a non-negative int, not {offset!r}")
+        path = os.fspath(filename)
+        nbytes = _nbytes(buffer)
+        if op == "read":
+            size = os.path.getsize(path)
+            if offset + nbytes > size:
+                raise ValueError(
+                    f"pread: {path} holds {size} bytes, fewer than file_offset {offset} + "
+                    f"buffer {nbytes}"
+                )
+            future = self._io.pread_async(buffer, path, offset)
+        else:
+            future = self._io.pwrite_async(buffer, path, offset)
+        self._pending.append((future, buffer, path, offset, validate))
+        return 0
+
+
+def _validate(buffer: Any, filename: str, offset: int) -> None:
+    """Compares `buffer` with the file through the page cache (DeepNVMe's ``validate``)."""
+    import torch
+
+    nbytes = _nbytes(buffer)
+    with open(filename, "rb") as f:
+        f.seek(offset)
+        on_disk = f.read(nbytes)
+    if buffer.reshape(-1).view(torch.uint8).numpy().tobytes() != on_disk:
+        raise OSError(errno.EIO, f"validation failed: {filename} at offset {offset}", filename)
+
+
+class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
+    """DeepNVMe's ``gds_handle``. This build has no GPU path yet: host tensors move as with
+    ``aio_handle``, and the device-tensor calls raise saying so."""
+
+    def _no_gpu(self, what: str) -> None:
+        raise ValueError(
+            f"{what}: this build has no GPU transfer path (GPUDirect Storage and the pinned "
+            "bounce ring are not built yet); use host tensors"
+        )
+
+    def pin_device_tensor(self, tensor: Any) -> bool:
+        self._no_gpu("pin_device_tensor")
+        return False
+
+    def unpin_device_tensor(self, tensor: Any) -> bool:
+        self._no_gpu("unpin_device_tensor")
+        return False
+
+    def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        self._no_gpu("new_pinned_device_tensor")
+
+    def free_pinned_device_tensor(self, tensor: Any) -> bool:
+        self._no_gpu("free_pinned_device_tensor")
+        return False
+
+
+class _Loaded:
+    """What ``Builder().load()`` returns: the op module with the handle classes."""
+
+    aio_handle = aio_handle
+    gds_handle = gds_handle
+
+
+class AsyncIOBuilder:
+    """``AsyncIOBuilder().load().aio_handle(...)``, as in DeepSpeed."""
+
+    NAME = "async_io"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return True
+
+    def load(self, verbose: bool = True) -> type[_Loaded]:
+        return _Loaded
+
+
+class GDSBuilder(AsyncIOBuilder):
+    """``GDSBuilder().load().gds_handle(...)``, as in DeepSpeed."""
+
+    NAME = "gds"
