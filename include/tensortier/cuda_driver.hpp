@@ -1,0 +1,327 @@
+// The CUDA driver API, opened with dlopen("libcuda.so.1") at run time: one build runs on machines
+// with and without GPUs, and nothing here needs the CUDA headers or libraries to compile.
+//
+// CudaDriver::Get() loads the driver once per process and never throws: available() says whether
+// it works, why_unavailable() says why not. Everything that needs the driver (contexts, streams,
+// events, registrations, allocations) throws CudaError, naming the failing call and the CUresult,
+// when the driver is unavailable or a call fails. Errors in destructors are ignored (nothing can be
+// done about them there).
+//
+// Contexts: each object below holds the device's primary context (retained, as the runtime API and
+// PyTorch use it) and makes it current around its own driver calls, so callers never have to.
+//
+// Thread-safety: CudaDriver is immutable after loading (thread-safe). The RAII objects are
+// thread-compatible: one thread at a time per object.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace tensortier {
+
+// Our own declarations of the driver API's ABI (cuda.h is not needed to build). Type names follow
+// cuda.h; they live in this namespace so that a file including cuda.h as well sees no clash.
+namespace cuda {
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = uint64_t;
+using CUcontext = struct CUctx_st*;
+using CUstream = struct CUstream_st*;
+using CUevent = struct CUevent_st*;
+
+// CUresult values (cuda.h: cudaError_enum).
+inline constexpr CUresult kSuccess = 0;
+inline constexpr CUresult kErrorInvalidValue = 1;
+inline constexpr CUresult kErrorOutOfMemory = 2;
+inline constexpr CUresult kErrorNotInitialized = 3;
+inline constexpr CUresult kErrorDeinitialized = 4;
+inline constexpr CUresult kErrorNoDevice = 100;
+inline constexpr CUresult kErrorInvalidDevice = 101;
+inline constexpr CUresult kErrorInvalidContext = 201;
+inline constexpr CUresult kErrorNotReady = 600;
+inline constexpr CUresult kErrorHostMemoryAlreadyRegistered = 712;
+inline constexpr CUresult kErrorHostMemoryNotRegistered = 713;
+// Not a CUDA value: the driver library could not be loaded or initialised.
+inline constexpr CUresult kUnavailable = -1;
+
+// CUpointer_attribute.
+inline constexpr int kPointerAttributeMemoryType = 2;
+inline constexpr int kPointerAttributeIsManaged = 8;
+inline constexpr int kPointerAttributeDeviceOrdinal = 9;
+// CUmemorytype.
+inline constexpr unsigned kMemoryTypeHost = 1;
+inline constexpr unsigned kMemoryTypeDevice = 2;
+inline constexpr unsigned kMemoryTypeArray = 3;
+inline constexpr unsigned kMemoryTypeUnified = 4;
+// Flags.
+inline constexpr unsigned kMemHostRegisterPortable = 1;  // CU_MEMHOSTREGISTER_PORTABLE
+inline constexpr unsigned kEventDisableTiming = 2;       // CU_EVENT_DISABLE_TIMING
+inline constexpr unsigned kStreamNonBlocking = 1;        // CU_STREAM_NON_BLOCKING
+}  // namespace cuda
+
+// The entry points we use, resolved by their exported names (the `_v2` ones where cuda.h maps a
+// name to `_v2`, noted per member). Null only while the driver is unavailable.
+struct CudaApi {
+  using CUresult = cuda::CUresult;
+  CUresult (*Init)(unsigned flags) = nullptr;
+  CUresult (*DriverGetVersion)(int* version) = nullptr;
+  CUresult (*GetErrorName)(CUresult error, const char** name) = nullptr;
+  CUresult (*GetErrorString)(CUresult error, const char** text) = nullptr;
+  CUresult (*DeviceGetCount)(int* count) = nullptr;
+  CUresult (*DeviceGet)(cuda::CUdevice* device, int ordinal) = nullptr;
+  CUresult (*DevicePrimaryCtxRetain)(cuda::CUcontext* context, cuda::CUdevice device) = nullptr;
+  CUresult (*DevicePrimaryCtxRelease)(cuda::CUdevice device) = nullptr;  // _v2
+  CUresult (*CtxPushCurrent)(cuda::CUcontext context) = nullptr;         // _v2
+  CUresult (*CtxPopCurrent)(cuda::CUcontext* context) = nullptr;         // _v2
+  CUresult (*PointerGetAttributes)(unsigned count, int* attributes, void** data,
+                                   cuda::CUdeviceptr pointer) = nullptr;
+  CUresult (*StreamCreate)(cuda::CUstream* stream, unsigned flags) = nullptr;
+  CUresult (*StreamDestroy)(cuda::CUstream stream) = nullptr;  // _v2
+  CUresult (*StreamSynchronize)(cuda::CUstream stream) = nullptr;
+  CUresult (*EventCreate)(cuda::CUevent* event, unsigned flags) = nullptr;
+  CUresult (*EventDestroy)(cuda::CUevent event) = nullptr;  // _v2
+  CUresult (*EventRecord)(cuda::CUevent event, cuda::CUstream stream) = nullptr;
+  CUresult (*EventQuery)(cuda::CUevent event) = nullptr;
+  CUresult (*EventSynchronize)(cuda::CUevent event) = nullptr;
+  CUresult (*MemcpyHtoDAsync)(cuda::CUdeviceptr dst, const void* src, size_t bytes,
+                              cuda::CUstream stream) = nullptr;  // _v2
+  CUresult (*MemcpyDtoHAsync)(void* dst, cuda::CUdeviceptr src, size_t bytes,
+                              cuda::CUstream stream) = nullptr;  // _v2
+  CUresult (*MemHostRegister)(void* p, size_t bytes, unsigned flags) = nullptr;  // _v2
+  CUresult (*MemHostUnregister)(void* p) = nullptr;
+  CUresult (*MemAllocHost)(void** p, size_t bytes) = nullptr;  // _v2
+  CUresult (*MemFreeHost)(void* p) = nullptr;
+  CUresult (*MemAlloc)(cuda::CUdeviceptr* p, size_t bytes) = nullptr;  // _v2
+  CUresult (*MemFree)(cuda::CUdeviceptr p) = nullptr;                  // _v2
+};
+
+// A failed driver call. what(): "<call> failed: CUDA_ERROR_X (code): <driver's description>", or
+// "<call> failed: CUDA driver unavailable: <reason>" with code() == cuda::kUnavailable.
+class CudaError : public std::runtime_error {
+ public:
+  CudaError(cuda::CUresult code, std::string call, const std::string& detail);
+  cuda::CUresult code() const noexcept { return code_; }
+  const std::string& call() const noexcept { return call_; }
+
+ private:
+  cuda::CUresult code_;
+  std::string call_;
+};
+
+// Where a pointer's memory lives, as the driver sees it.
+enum class MemoryType {
+  kHost,            // ordinary (pageable) host memory, or no driver to ask
+  kRegisteredHost,  // page-locked host memory known to CUDA (cuMemHostRegister, cuMemAllocHost)
+  kDevice,          // device memory of `device`
+  kManaged,         // managed (unified) memory
+};
+std::string_view MemoryTypeName(MemoryType type);
+
+struct PointerLocation {
+  MemoryType type = MemoryType::kHost;
+  int device = -1;  // ordinal for kDevice (and kManaged where the driver says), else -1
+};
+
+class CudaDriver {
+ public:
+  // The process-wide driver, loaded from DefaultLibrary() on first use. Never throws. Never
+  // unloaded: CUDA must not be called after main() returns, so it is deliberately leaked.
+  static const CudaDriver& Get() noexcept;
+  // $TENSORTIER_CUDA_LIBRARY when set and not empty, else "libcuda.so.1".
+  static std::string DefaultLibrary();
+  // Loads `library` (a name for the dynamic loader's search, or a path), resolves the entry points
+  // and calls cuInit(0). Never throws; the result says whether it worked. Tests call this with
+  // bad paths; everything else uses Get().
+  static std::unique_ptr<CudaDriver> Load(const std::string& library) noexcept;
+
+  ~CudaDriver();
+  CudaDriver(const CudaDriver&) = delete;
+  CudaDriver& operator=(const CudaDriver&) = delete;
+
+  bool available() const noexcept { return available_; }
+  // Empty when available; otherwise e.g. "libcuda.so.1 not found: <dlerror>",
+  // "cuInit failed: CUDA_ERROR_NO_DEVICE (100): ...".
+  const std::string& why_unavailable() const noexcept { return why_; }
+  const std::string& library() const noexcept { return library_; }
+  // cuDriverGetVersion (e.g. 12040 for 12.4); 0 when unavailable.
+  int version() const noexcept { return version_; }
+  // Visible devices; 0 when unavailable.
+  int device_count() const noexcept { return device_count_; }
+
+  // The entry points. Throws CudaError (naming `call`) when the driver is unavailable.
+  const CudaApi& api(std::string_view call = "CUDA driver call") const;
+  // Throws CudaError naming `call` unless `result` is success.
+  void Check(cuda::CUresult result, std::string_view call) const;
+  // "CUDA_ERROR_NO_DEVICE (100): no CUDA-capable device is detected"; works without a driver for
+  // the common codes.
+  std::string ErrorText(cuda::CUresult result) const;
+
+  // Never kRegisteredHost/kDevice/kManaged without a driver. Throws CudaError only when the driver
+  // fails in an unexpected way.
+  PointerLocation Locate(const void* p) const;
+
+ private:
+  explicit CudaDriver(std::string library) : library_(std::move(library)) {}
+  void Open();
+
+  std::string library_;
+  void* handle_ = nullptr;
+  CudaApi api_;
+  bool available_ = false;
+  std::string why_;
+  int version_ = 0;
+  int device_count_ = 0;
+};
+
+// A device's primary context, retained for as long as any copy exists (copies share one
+// retain). Throws CudaError when the driver is unavailable or the device is invalid.
+class PrimaryContext {
+ public:
+  PrimaryContext(const CudaDriver& driver, int device);
+
+  const CudaDriver& driver() const noexcept;
+  int device() const noexcept;
+  cuda::CUcontext get() const noexcept;
+
+ private:
+  struct State;
+  std::shared_ptr<const State> state_;
+};
+
+// Makes `context` current on this thread for the object's lifetime (cuCtxPushCurrent /
+// cuCtxPopCurrent). Throws CudaError when the push fails.
+class ScopedContext {
+ public:
+  explicit ScopedContext(const PrimaryContext& context);
+  ~ScopedContext();
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+
+ private:
+  const CudaApi& api_;
+};
+
+// Asynchronous copies on `stream` (any stream of `context`). REQUIRES: the host memory stays
+// valid until the copy completes (an event recorded after it, or the stream, says when).
+void CopyToDeviceAsync(const PrimaryContext& context, cuda::CUdeviceptr dst, const void* src,
+                       size_t bytes, cuda::CUstream stream);
+void CopyFromDeviceAsync(const PrimaryContext& context, void* dst, cuda::CUdeviceptr src,
+                         size_t bytes, cuda::CUstream stream);
+
+// A stream of its own (non-blocking by default: it does not synchronise with the legacy default
+// stream). Move-only.
+class Stream {
+ public:
+  explicit Stream(const PrimaryContext& context, unsigned flags = cuda::kStreamNonBlocking);
+  ~Stream();
+  Stream(Stream&& other) noexcept;
+  Stream& operator=(Stream&& other) noexcept;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  cuda::CUstream get() const noexcept { return stream_; }
+  const PrimaryContext& context() const noexcept { return context_; }
+  void CopyToDevice(cuda::CUdeviceptr dst, const void* src, size_t bytes) const {
+    CopyToDeviceAsync(context_, dst, src, bytes, stream_);
+  }
+  void CopyFromDevice(void* dst, cuda::CUdeviceptr src, size_t bytes) const {
+    CopyFromDeviceAsync(context_, dst, src, bytes, stream_);
+  }
+  // Blocks until everything queued on the stream is done; throws its error.
+  void Synchronize() const;
+
+ private:
+  PrimaryContext context_;
+  cuda::CUstream stream_ = nullptr;
+};
+
+// Without timing by default (cheaper). Move-only.
+class Event {
+ public:
+  explicit Event(const PrimaryContext& context, unsigned flags = cuda::kEventDisableTiming);
+  ~Event();
+  Event(Event&& other) noexcept;
+  Event& operator=(Event&& other) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  cuda::CUevent get() const noexcept { return event_; }
+  // Captures the work queued on `stream` so far.
+  void Record(cuda::CUstream stream) const;
+  // Whether the captured work is done (true for a never-recorded event); throws its error.
+  bool Query() const;
+  // Blocks until the captured work is done; throws its error.
+  void Synchronize() const;
+
+ private:
+  PrimaryContext context_;
+  cuda::CUevent event_ = nullptr;
+};
+
+// Page-locks existing host memory [p, p+bytes) for DMA by every context (portable by default).
+// Move-only; unregisters on destruction. REQUIRES: the memory outlives the registration.
+class HostRegistration {
+ public:
+  HostRegistration(const PrimaryContext& context, void* p, size_t bytes,
+                   unsigned flags = cuda::kMemHostRegisterPortable);
+  ~HostRegistration();
+  HostRegistration(HostRegistration&& other) noexcept;
+  HostRegistration& operator=(HostRegistration&& other) noexcept;
+  HostRegistration(const HostRegistration&) = delete;
+  HostRegistration& operator=(const HostRegistration&) = delete;
+
+  void* data() const noexcept { return p_; }
+  size_t size() const noexcept { return bytes_; }
+
+ private:
+  void Reset() noexcept;
+  PrimaryContext context_;
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Page-locked host memory from cuMemAllocHost. Move-only.
+class PinnedHostMemory {
+ public:
+  PinnedHostMemory(const PrimaryContext& context, size_t bytes);
+  ~PinnedHostMemory();
+  PinnedHostMemory(PinnedHostMemory&& other) noexcept;
+  PinnedHostMemory& operator=(PinnedHostMemory&& other) noexcept;
+  PinnedHostMemory(const PinnedHostMemory&) = delete;
+  PinnedHostMemory& operator=(const PinnedHostMemory&) = delete;
+
+  void* data() const noexcept { return p_; }
+  size_t size() const noexcept { return bytes_; }
+
+ private:
+  void Reset() noexcept;
+  PrimaryContext context_;
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Device memory from cuMemAlloc. Move-only.
+class DeviceMemory {
+ public:
+  DeviceMemory(const PrimaryContext& context, size_t bytes);
+  ~DeviceMemory();
+  DeviceMemory(DeviceMemory&& other) noexcept;
+  DeviceMemory& operator=(DeviceMemory&& other) noexcept;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+
+  cuda::CUdeviceptr address() const noexcept { return address_; }
+  size_t size() const noexcept { return bytes_; }
+
+ private:
+  void Reset() noexcept;
+  PrimaryContext context_;
+  cuda::CUdeviceptr address_ = 0;
+  size_t bytes_ = 0;
+};
+
+}  // namespace tensortier

@@ -1,0 +1,171 @@
+// cuFile (GPUDirect Storage), opened with dlopen("libcufile.so.0") at run time; nothing here needs
+// the cuFile headers or library to compile.
+//
+// CuFile::Get() loads the library and opens the cuFile driver once per process and never throws:
+// available() says whether GDS can be used here, why_unavailable() says why not (library missing,
+// /run/udev missing, WSL, cuFileDriverOpen failing with its error). The driver is never closed:
+// cuFile must not be called after main() returns, so the instance is deliberately leaked.
+//
+// Errors: registration failures throw CuFileError (the cuFile status, and the CUDA result when the
+// status is CU_FILE_CUDA_DRIVER_ERROR); read/write failures throw IoError with the errno, path,
+// offset and length (a cuFile status code, which has no errno, is named in IoError::op() and
+// reported as EIO).
+//
+// Thread-safety: CuFile is immutable after loading (thread-safe); cuFile's own calls are
+// thread-safe, so CuFileHandle::Read/Write may be called from several threads at once.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace tensortier {
+
+// Our own declarations of cuFile's ABI (cufile.h); names follow it.
+namespace cufile {
+// CUfileError_t: returned by value (8 bytes, two C enums/ints).
+struct CUfileError_t {
+  int err;     // CUfileOpError: 0 or 5000 + n
+  int cu_err;  // CUresult, meaningful when err == kCudaDriverError
+};
+using CUfileHandle_t = void*;
+
+// CUfileFileHandleType.
+inline constexpr int kHandleTypeOpaqueFd = 1;
+
+// CUfileDescr_t.
+struct CUfileDescr_t {
+  int type;  // kHandleTypeOpaqueFd
+  union {
+    int fd;
+    void* handle;
+  } handle;
+  const void* fs_ops;  // CUfileFSOps_t*, null for ordinary files
+};
+
+// CUfileOpError values used here; the rest are named by CuFile::ErrorName.
+inline constexpr int kSuccess = 0;
+inline constexpr int kBaseError = 5000;
+inline constexpr int kCudaDriverError = 5011;
+}  // namespace cufile
+
+struct CuFileApi {
+  cufile::CUfileError_t (*DriverOpen)() = nullptr;
+  cufile::CUfileError_t (*HandleRegister)(cufile::CUfileHandle_t* handle,
+                                          cufile::CUfileDescr_t* descr) = nullptr;
+  void (*HandleDeregister)(cufile::CUfileHandle_t handle) = nullptr;
+  cufile::CUfileError_t (*BufRegister)(const void* base, size_t length, int flags) = nullptr;
+  cufile::CUfileError_t (*BufDeregister)(const void* base) = nullptr;
+  // Bytes transferred, or -1 with errno set, or -(CUfileOpError).
+  ssize_t (*Read)(cufile::CUfileHandle_t handle, void* base, size_t size, off_t file_offset,
+                  off_t base_offset) = nullptr;
+  ssize_t (*Write)(cufile::CUfileHandle_t handle, const void* base, size_t size,
+                   off_t file_offset, off_t base_offset) = nullptr;
+};
+
+// A failed cuFile call that is not a data transfer. what(): "<call> failed: <detail>".
+class CuFileError : public std::runtime_error {
+ public:
+  // `code`: CUfileOpError, or -1 when cuFile is unavailable. `cuda_code`: the CUresult for
+  // CU_FILE_CUDA_DRIVER_ERROR, else 0.
+  CuFileError(int code, int cuda_code, std::string call, const std::string& detail);
+  int code() const noexcept { return code_; }
+  int cuda_code() const noexcept { return cuda_code_; }
+  const std::string& call() const noexcept { return call_; }
+
+ private:
+  int code_;
+  int cuda_code_;
+  std::string call_;
+};
+
+class CuFile {
+ public:
+  // The process-wide instance, loaded from DefaultLibrary() on first use. Never throws.
+  static const CuFile& Get() noexcept;
+  // $TENSORTIER_CUFILE_LIBRARY when set and not empty, else "libcufile.so.0".
+  static std::string DefaultLibrary();
+  // Loads `library`, resolves the entry points, checks the platform and calls cuFileDriverOpen.
+  // Never throws. Tests call this with bad paths; everything else uses Get().
+  static std::unique_ptr<CuFile> Load(const std::string& library) noexcept;
+  // "CU_FILE_DRIVER_NOT_INITIALIZED (5001)"; accepts the negated codes of Read/Write too.
+  static std::string ErrorName(int code);
+
+  ~CuFile();
+  CuFile(const CuFile&) = delete;
+  CuFile& operator=(const CuFile&) = delete;
+
+  bool available() const noexcept { return available_; }
+  // Empty when available.
+  const std::string& why_unavailable() const noexcept { return why_; }
+  const std::string& library() const noexcept { return library_; }
+  // Throws CuFileError (naming `call`) when unavailable.
+  const CuFileApi& api(const std::string& call = "cuFile call") const;
+
+ private:
+  explicit CuFile(std::string library) : library_(std::move(library)) {}
+  void Open();
+
+  std::string library_;
+  void* handle_ = nullptr;
+  CuFileApi api_;
+  bool available_ = false;
+  std::string why_;
+};
+
+// A file descriptor registered with cuFile (cuFileHandleRegister). The descriptor is borrowed:
+// the caller keeps it open for the handle's lifetime (GDS wants an O_DIRECT descriptor; others
+// work in cuFile's compatibility mode where it allows that). `path` is for messages. Move-only.
+class CuFileHandle {
+ public:
+  // Throws CuFileError when cuFile is unavailable or refuses the descriptor.
+  CuFileHandle(const CuFile& cufile, int fd, std::string path);
+  ~CuFileHandle();
+  CuFileHandle(CuFileHandle&& other) noexcept;
+  CuFileHandle& operator=(CuFileHandle&& other) noexcept;
+  CuFileHandle(const CuFileHandle&) = delete;
+  CuFileHandle& operator=(const CuFileHandle&) = delete;
+
+  const std::string& path() const noexcept { return path_; }
+  // Reads [file_offset, file_offset+size) into `base` + `base_offset` (device or registered host
+  // memory), continuing short reads; returns fewer than `size` bytes only at end of file.
+  // Throws IoError.
+  uint64_t Read(void* base, uint64_t size, uint64_t file_offset, uint64_t base_offset = 0) const;
+  // Writes all `size` bytes or throws IoError.
+  uint64_t Write(const void* base, uint64_t size, uint64_t file_offset,
+                 uint64_t base_offset = 0) const;
+
+ private:
+  void Reset() noexcept;
+  const CuFile* cufile_ = nullptr;
+  cufile::CUfileHandle_t handle_ = nullptr;
+  std::string path_;
+};
+
+// A buffer registered with cuFile (cuFileBufRegister), which lets GDS skip its internal bounce
+// buffers. REQUIRES: the memory outlives the registration. Move-only.
+class CuFileBuffer {
+ public:
+  // Throws CuFileError.
+  CuFileBuffer(const CuFile& cufile, const void* base, size_t length, int flags = 0);
+  ~CuFileBuffer();
+  CuFileBuffer(CuFileBuffer&& other) noexcept;
+  CuFileBuffer& operator=(CuFileBuffer&& other) noexcept;
+  CuFileBuffer(const CuFileBuffer&) = delete;
+  CuFileBuffer& operator=(const CuFileBuffer&) = delete;
+
+  const void* data() const noexcept { return base_; }
+  size_t size() const noexcept { return length_; }
+
+ private:
+  void Reset() noexcept;
+  const CuFile* cufile_ = nullptr;
+  const void* base_ = nullptr;
+  size_t length_ = 0;
+};
+
+}  // namespace tensortier

@@ -1,0 +1,286 @@
+#include "tensortier/cufile.hpp"
+
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+#include <utility>
+
+#include "dl.hpp"
+#include "tensortier/cuda_driver.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+const char* OpErrorName(int code) {
+  switch (code) {
+    case 0: return "CU_FILE_SUCCESS";
+    case 5001: return "CU_FILE_DRIVER_NOT_INITIALIZED";
+    case 5002: return "CU_FILE_DRIVER_INVALID_PROPS";
+    case 5003: return "CU_FILE_DRIVER_UNSUPPORTED_LIMIT";
+    case 5004: return "CU_FILE_DRIVER_VERSION_MISMATCH";
+    case 5005: return "CU_FILE_DRIVER_VERSION_READ_ERROR";
+    case 5006: return "CU_FILE_DRIVER_CLOSING";
+    case 5007: return "CU_FILE_PLATFORM_NOT_SUPPORTED";
+    case 5008: return "CU_FILE_IO_NOT_SUPPORTED";
+    case 5009: return "CU_FILE_DEVICE_NOT_SUPPORTED";
+    case 5010: return "CU_FILE_NVFS_DRIVER_ERROR";
+    case 5011: return "CU_FILE_CUDA_DRIVER_ERROR";
+    case 5012: return "CU_FILE_CUDA_POINTER_INVALID";
+    case 5013: return "CU_FILE_CUDA_MEMORY_TYPE_INVALID";
+    case 5014: return "CU_FILE_CUDA_POINTER_RANGE_ERROR";
+    case 5015: return "CU_FILE_CUDA_CONTEXT_MISMATCH";
+    case 5016: return "CU_FILE_INVALID_MAPPING_SIZE";
+    case 5017: return "CU_FILE_INVALID_MAPPING_RANGE";
+    case 5018: return "CU_FILE_INVALID_FILE_TYPE";
+    case 5019: return "CU_FILE_INVALID_FILE_OPEN_FLAG";
+    case 5020: return "CU_FILE_DIO_NOT_SET";
+    case 5022: return "CU_FILE_INVALID_VALUE";
+    case 5023: return "CU_FILE_MEMORY_ALREADY_REGISTERED";
+    case 5024: return "CU_FILE_MEMORY_NOT_REGISTERED";
+    case 5025: return "CU_FILE_PERMISSION_DENIED";
+    case 5026: return "CU_FILE_DRIVER_ALREADY_OPEN";
+    case 5027: return "CU_FILE_HANDLE_NOT_REGISTERED";
+    case 5028: return "CU_FILE_HANDLE_ALREADY_REGISTERED";
+    case 5029: return "CU_FILE_DEVICE_NOT_FOUND";
+    case 5030: return "CU_FILE_INTERNAL_ERROR";
+    case 5031: return "CU_FILE_GETNEWFD_FAILED";
+    case 5033: return "CU_FILE_NVFS_SETUP_ERROR";
+    case 5034: return "CU_FILE_IO_DISABLED";
+    case 5035: return "CU_FILE_BATCH_SUBMIT_FAILED";
+    case 5036: return "CU_FILE_GPU_MEMORY_PINNING_FAILED";
+    case 5037: return "CU_FILE_BATCH_FULL";
+    case 5038: return "CU_FILE_ASYNC_NOT_SUPPORTED";
+    case 5043: return "CU_FILE_NOMEM_ERROR";
+    case 5044: return "CU_FILE_IO_ERROR";
+    default: return nullptr;
+  }
+}
+
+// The status, plus the CUDA driver's error when cuFile reports one.
+std::string StatusText(cufile::CUfileError_t status) {
+  std::string text = CuFile::ErrorName(status.err);
+  if (status.err == cufile::kCudaDriverError) {
+    text += StrCat(": ", CudaDriver::Get().ErrorText(status.cu_err));
+  }
+  return text;
+}
+
+bool RunningInWsl() {
+  std::ifstream in("/proc/sys/kernel/osrelease");
+  std::string release;
+  std::getline(in, release);
+  for (char& c : release) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return release.find("microsoft") != std::string::npos || release.find("wsl") != std::string::npos;
+}
+
+}  // namespace
+
+CuFileError::CuFileError(int code, int cuda_code, std::string call, const std::string& detail)
+    : std::runtime_error(StrCat(call, " failed: ", detail)),
+      code_(code),
+      cuda_code_(cuda_code),
+      call_(std::move(call)) {}
+
+// ---------------------------------------------------------------------------------------------
+// CuFile
+
+const CuFile& CuFile::Get() noexcept {
+  static const CuFile* const cufile = Load(DefaultLibrary()).release();  // leaked on purpose
+  return *cufile;
+}
+
+std::string CuFile::DefaultLibrary() {
+  const char* path = std::getenv("TENSORTIER_CUFILE_LIBRARY");
+  return path != nullptr && *path != '\0' ? path : "libcufile.so.0";
+}
+
+std::unique_ptr<CuFile> CuFile::Load(const std::string& library) noexcept {
+  std::unique_ptr<CuFile> cufile(new CuFile(library));
+  cufile->Open();
+  return cufile;
+}
+
+std::string CuFile::ErrorName(int code) {
+  if (code < 0) code = -code;
+  const char* name = OpErrorName(code);
+  return name != nullptr ? StrCat(name, " (", code, ")") : StrCat("cuFile error ", code);
+}
+
+CuFile::~CuFile() = default;  // never closes the driver or the library: see the header
+
+void CuFile::Open() {
+  handle_ = detail::DlOpen(library_, &why_);
+  if (handle_ == nullptr) return;
+  const bool resolved =
+      detail::DlSym(handle_, library_, "cuFileDriverOpen", api_.DriverOpen, &why_) &&
+      detail::DlSym(handle_, library_, "cuFileHandleRegister", api_.HandleRegister, &why_) &&
+      detail::DlSym(handle_, library_, "cuFileHandleDeregister", api_.HandleDeregister, &why_) &&
+      detail::DlSym(handle_, library_, "cuFileBufRegister", api_.BufRegister, &why_) &&
+      detail::DlSym(handle_, library_, "cuFileBufDeregister", api_.BufDeregister, &why_) &&
+      detail::DlSym(handle_, library_, "cuFileRead", api_.Read, &why_) &&
+      detail::DlSym(handle_, library_, "cuFileWrite", api_.Write, &why_);
+  if (!resolved) return;
+  // The platform checks KvikIO makes: cuFile finds its devices through udev, and WSL has no GDS.
+  if (RunningInWsl()) {
+    why_ = "cuFile is not supported under WSL";
+    return;
+  }
+  if (access("/run/udev", R_OK) != 0) {
+    why_ = StrCat("/run/udev is not readable (", std::strerror(errno),
+                  "): cuFile needs it to find devices (in a container, mount the host's /run/udev)");
+    return;
+  }
+  const cufile::CUfileError_t status = api_.DriverOpen();
+  if (status.err != cufile::kSuccess) {
+    why_ = StrCat("cuFileDriverOpen failed: ", StatusText(status));
+    return;
+  }
+  available_ = true;
+}
+
+const CuFileApi& CuFile::api(const std::string& call) const {
+  if (!available_) throw CuFileError(-1, 0, call, StrCat("cuFile unavailable: ", why_));
+  return api_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CuFileHandle
+
+CuFileHandle::CuFileHandle(const CuFile& cufile, int fd, std::string path)
+    : cufile_(&cufile), path_(std::move(path)) {
+  const CuFileApi& api = cufile.api("cuFileHandleRegister");
+  cufile::CUfileDescr_t descr{};
+  descr.type = cufile::kHandleTypeOpaqueFd;
+  descr.handle.fd = fd;
+  descr.fs_ops = nullptr;
+  const cufile::CUfileError_t status = api.HandleRegister(&handle_, &descr);
+  if (status.err != cufile::kSuccess) {
+    handle_ = nullptr;
+    throw CuFileError(status.err, status.err == cufile::kCudaDriverError ? status.cu_err : 0,
+                      "cuFileHandleRegister",
+                      StrCat(StatusText(status), " (fd ", fd, ", '", path_, "')"));
+  }
+}
+
+CuFileHandle::~CuFileHandle() {
+  Reset();
+}
+
+CuFileHandle::CuFileHandle(CuFileHandle&& other) noexcept
+    : cufile_(other.cufile_),
+      handle_(std::exchange(other.handle_, nullptr)),
+      path_(std::move(other.path_)) {}
+
+CuFileHandle& CuFileHandle::operator=(CuFileHandle&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    cufile_ = other.cufile_;
+    handle_ = std::exchange(other.handle_, nullptr);
+    path_ = std::move(other.path_);
+  }
+  return *this;
+}
+
+void CuFileHandle::Reset() noexcept {
+  if (handle_ == nullptr) return;
+  cufile_->api().HandleDeregister(handle_);
+  handle_ = nullptr;
+}
+
+namespace {
+
+// Throws IoError for a negative result of cuFileRead/cuFileWrite: -1 carries errno, anything else
+// is a negated cuFile status (no errno: reported as EIO, the status named in the op).
+[[noreturn]] void ThrowTransferError(ssize_t result, int saved_errno, const char* call,
+                                     const std::string& path, uint64_t offset, uint64_t length) {
+  if (result == -1) ThrowIoError(saved_errno != 0 ? saved_errno : EIO, call, path, offset, length);
+  ThrowIoError(EIO, StrCat(call, " (", CuFile::ErrorName(static_cast<int>(-result)), ")"), path,
+               offset, length);
+}
+
+}  // namespace
+
+uint64_t CuFileHandle::Read(void* base, uint64_t size, uint64_t file_offset,
+                            uint64_t base_offset) const {
+  if (handle_ == nullptr) throw std::logic_error("CuFileHandle::Read on a moved-from handle");
+  const CuFileApi& api = cufile_->api("cuFileRead");
+  uint64_t done = 0;
+  while (done < size) {
+    errno = 0;
+    const ssize_t n = api.Read(handle_, base, size - done, static_cast<off_t>(file_offset + done),
+                               static_cast<off_t>(base_offset + done));
+    if (n < 0) ThrowTransferError(n, errno, "cuFileRead", path_, file_offset + done, size - done);
+    if (n == 0) break;  // end of file
+    done += static_cast<uint64_t>(n);
+  }
+  return done;
+}
+
+uint64_t CuFileHandle::Write(const void* base, uint64_t size, uint64_t file_offset,
+                             uint64_t base_offset) const {
+  if (handle_ == nullptr) throw std::logic_error("CuFileHandle::Write on a moved-from handle");
+  const CuFileApi& api = cufile_->api("cuFileWrite");
+  uint64_t done = 0;
+  while (done < size) {
+    errno = 0;
+    const ssize_t n = api.Write(handle_, base, size - done, static_cast<off_t>(file_offset + done),
+                                static_cast<off_t>(base_offset + done));
+    if (n < 0) ThrowTransferError(n, errno, "cuFileWrite", path_, file_offset + done, size - done);
+    if (n == 0) {  // no progress: would loop forever
+      ThrowIoError(EIO, "cuFileWrite (wrote 0 bytes)", path_, file_offset + done, size - done);
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return done;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CuFileBuffer
+
+CuFileBuffer::CuFileBuffer(const CuFile& cufile, const void* base, size_t length, int flags)
+    : cufile_(&cufile) {
+  const CuFileApi& api = cufile.api("cuFileBufRegister");
+  const cufile::CUfileError_t status = api.BufRegister(base, length, flags);
+  if (status.err != cufile::kSuccess) {
+    throw CuFileError(status.err, status.err == cufile::kCudaDriverError ? status.cu_err : 0,
+                      "cuFileBufRegister",
+                      StrCat(StatusText(status), " (", length, " bytes at ", base, ")"));
+  }
+  base_ = base;
+  length_ = length;
+}
+
+CuFileBuffer::~CuFileBuffer() {
+  Reset();
+}
+
+CuFileBuffer::CuFileBuffer(CuFileBuffer&& other) noexcept
+    : cufile_(other.cufile_),
+      base_(std::exchange(other.base_, nullptr)),
+      length_(std::exchange(other.length_, 0)) {}
+
+CuFileBuffer& CuFileBuffer::operator=(CuFileBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    cufile_ = other.cufile_;
+    base_ = std::exchange(other.base_, nullptr);
+    length_ = std::exchange(other.length_, 0);
+  }
+  return *this;
+}
+
+void CuFileBuffer::Reset() noexcept {
+  if (base_ == nullptr) return;
+  cufile_->api().BufDeregister(base_);
+  base_ = nullptr;
+  length_ = 0;
+}
+
+}  // namespace tensortier

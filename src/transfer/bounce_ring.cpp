@@ -1,0 +1,241 @@
+#include <algorithm>
+#include <cerrno>
+#include <deque>
+#include <exception>
+#include <stdexcept>
+#include <utility>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/config.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
+#include "tensortier/transfer.hpp"
+
+namespace tensortier {
+namespace {
+
+void CheckOptions(const BounceRingOptions& o) {
+  if (o.slots == 0) throw std::invalid_argument("BounceRing: slots must be at least 1");
+  if (o.slot_bytes == 0 || o.slot_bytes % kPageSize != 0) {
+    throw std::invalid_argument(
+        StrCat("BounceRing: slot_bytes (", o.slot_bytes, ") must be a positive multiple of ",
+               kPageSize));
+  }
+  if (o.slot_bytes > (uint64_t{1} << 40) / o.slots) {
+    throw std::invalid_argument("BounceRing: slots x slot_bytes is too large");
+  }
+}
+
+PinnedPoolOptions OwnPoolOptions(const BounceRingOptions& o, const DeviceCopier& copier) {
+  CheckOptions(o);
+  PinnedPoolOptions p;
+  p.budget_bytes = o.slots * o.slot_bytes;
+  p.register_with_cuda = copier.pinning_context() != nullptr;
+  if (copier.pinning_context() != nullptr) p.device = copier.pinning_context()->device();
+  return p;
+}
+
+void AddStats(IoStats& sum, const IoStats& s) {
+  if (sum.backend.empty()) sum.backend = s.backend;
+  sum.requested_bytes += s.requested_bytes;
+  sum.transferred_bytes += s.transferred_bytes;
+  sum.direct_bytes += s.direct_bytes;
+  sum.buffered_bytes += s.buffered_bytes;
+  sum.bounced_bytes += s.bounced_bytes;
+  sum.cached_bytes += s.cached_bytes;
+  sum.requests += s.requests;
+  sum.resubmits += s.resubmits;
+  sum.eof = sum.eof || s.eof;
+  sum.direct_fallback = sum.direct_fallback || s.direct_fallback;
+  if (!s.residency_method.empty()) sum.residency_method = s.residency_method;
+}
+
+// Waits for a future whose outcome no longer matters (draining after an error).
+void WaitQuietly(const Future& f) noexcept {
+  try {
+    f.Wait();
+  } catch (...) {
+  }
+}
+
+}  // namespace
+
+BounceRing::BounceRing(Engine& engine, PinnedPool& pool, DeviceCopier& copier,
+                       BounceRingOptions options)
+    : engine_(engine), copier_(copier), options_(options) {
+  CheckOptions(options_);
+  if (options_.slots * options_.slot_bytes > pool.budget()) {
+    throw std::invalid_argument(StrCat("BounceRing: ", options_.slots, " slots of ",
+                                       FormatSize(options_.slot_bytes), " exceed the pool's budget of ",
+                                       FormatSize(pool.budget())));
+  }
+  slots_.reserve(options_.slots);
+  for (size_t i = 0; i < options_.slots; ++i) slots_.push_back(pool.Acquire(options_.slot_bytes));
+}
+
+BounceRing::BounceRing(Engine& engine, DeviceCopier& copier, BounceRingOptions options)
+    : engine_(engine), copier_(copier), options_(options) {
+  const CudaDriver& driver = copier.pinning_context() != nullptr
+                                 ? copier.pinning_context()->driver()
+                                 : CudaDriver::Get();
+  own_pool_.emplace(OwnPoolOptions(options_, copier), driver);
+  slots_.reserve(options_.slots);
+  for (size_t i = 0; i < options_.slots; ++i) {
+    slots_.push_back(own_pool_->Acquire(options_.slot_bytes));
+  }
+}
+
+BounceRing::~BounceRing() = default;  // transfers are synchronous: no slot is in use here
+
+bool BounceRing::pinned() const noexcept {
+  return !slots_.empty() && slots_.front().registered();
+}
+
+std::vector<BounceRing::Chunk> BounceRing::Plan(uint64_t file_offset, uint64_t length) const {
+  std::vector<Chunk> chunks;
+  chunks.reserve(static_cast<size_t>(length / options_.slot_bytes + 2));
+  for (uint64_t pos = file_offset, end = file_offset + length; pos < end;) {
+    // The first chunk keeps the file offset's position within its page, so every later chunk
+    // starts on a page boundary both in the file and in its slot.
+    const size_t in_page = static_cast<size_t>(pos % kPageSize);
+    const uint64_t n = std::min(end - pos, options_.slot_bytes - in_page);
+    chunks.push_back({pos, n, chunks.size() % options_.slots, in_page});
+    pos += n;
+  }
+  return chunks;
+}
+
+std::byte* BounceRing::SlotData(const Chunk& c) const {
+  return slots_[c.slot].data() + c.slot_offset;
+}
+
+TransferResult BounceRing::NewResult() const {
+  TransferResult r;
+  r.path = "bounce";
+  r.copier = std::string(copier_.name());
+  r.io.backend = engine_.backend();
+  return r;
+}
+
+// Slots are used in chunk order (chunk i in slot i % slots) and freed in chunk order, so the
+// slots in use are always those of the last (reads + copies) chunks started: the slot of the next
+// chunk is free exactly when fewer than `slots` are in use.
+TransferResult BounceRing::FileToDevice(const File& file, uint64_t file_offset, uint64_t length,
+                                        uint64_t device_address) {
+  TransferResult result = NewResult();
+  const std::vector<Chunk> chunks = Plan(file_offset, length);
+  const size_t n_slots = options_.slots;
+  std::deque<std::pair<size_t, Future>> reads;      // chunk, read in flight
+  std::deque<std::pair<size_t, uint64_t>> copies;  // chunk, fence after its copy
+  size_t next = 0;
+  bool at_eof = false;
+  std::exception_ptr error;
+  try {
+    for (;;) {
+      while (!copies.empty() && copier_.Done(copies.front().second)) copies.pop_front();
+      while (!at_eof && next < chunks.size() && reads.size() + copies.size() < n_slots) {
+        const Chunk& c = chunks[next];
+        reads.emplace_back(next, engine_.Read(file, SlotData(c), c.length, c.file_offset));
+        ++result.chunks;
+        ++next;
+      }
+      if (reads.empty()) {
+        if (at_eof || next == chunks.size()) break;
+        copier_.Wait(copies.front().second);  // every slot holds a copy in flight
+        copies.pop_front();
+        continue;
+      }
+      const size_t index = reads.front().first;
+      const Future read = std::move(reads.front().second);
+      reads.pop_front();
+      const IoResult r = read.Wait();
+      AddStats(result.io, r.stats);
+      if (at_eof) continue;  // a read past an earlier end of file: drained, not used
+      const Chunk& c = chunks[index];
+      if (r.bytes > 0) {
+        copier_.CopyToDevice(device_address + (c.file_offset - file_offset), SlotData(c),
+                             static_cast<size_t>(r.bytes));
+        copies.emplace_back(index, copier_.Record());
+        result.bytes += r.bytes;
+      }
+      if (r.bytes < c.length) at_eof = true;
+    }
+    if (!copies.empty()) copier_.Wait(copies.back().second);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (error) {
+    // Nothing may still write into a slot, or read from one, once this returns.
+    for (auto& [index, read] : reads) WaitQuietly(read);
+    try {
+      copier_.Synchronize();
+    } catch (...) {
+    }
+    std::rethrow_exception(error);
+  }
+  result.eof = at_eof;
+  return result;
+}
+
+TransferResult BounceRing::DeviceToFile(uint64_t device_address, uint64_t length,
+                                        const File& file, uint64_t file_offset) {
+  TransferResult result = NewResult();
+  const std::vector<Chunk> chunks = Plan(file_offset, length);
+  const size_t n_slots = options_.slots;
+  std::deque<std::pair<size_t, uint64_t>> copies;  // chunk, fence after its copy
+  std::deque<std::pair<size_t, Future>> writes;    // chunk, write in flight
+  size_t next = 0;
+  std::exception_ptr error;
+  // Takes the result of the oldest write (it must be complete, or this blocks).
+  auto finish_write = [&] {
+    const size_t index = writes.front().first;
+    const Future write = std::move(writes.front().second);
+    writes.pop_front();
+    const IoResult r = write.Wait();
+    AddStats(result.io, r.stats);
+    const Chunk& c = chunks[index];
+    if (r.bytes != c.length) {  // the engine continues short writes: this would be a bug
+      ThrowIoError(EIO, "bounce ring write (short)", file.path(), c.file_offset, c.length);
+    }
+    result.bytes += r.bytes;
+  };
+  try {
+    for (;;) {
+      while (!writes.empty() && writes.front().second.done()) finish_write();
+      while (next < chunks.size() && copies.size() + writes.size() < n_slots) {
+        const Chunk& c = chunks[next];
+        copier_.CopyFromDevice(SlotData(c), device_address + (c.file_offset - file_offset),
+                               static_cast<size_t>(c.length));
+        copies.emplace_back(next, copier_.Record());
+        ++next;
+      }
+      if (copies.empty()) {
+        if (writes.empty()) break;  // then next == chunks.size(): all written
+        finish_write();             // every slot holds a write in flight
+        continue;
+      }
+      // Submit the write of every copy that is done, waiting for the oldest one at least.
+      copier_.Wait(copies.front().second);
+      do {
+        const Chunk& c = chunks[copies.front().first];
+        writes.emplace_back(copies.front().first,
+                            engine_.Write(file, SlotData(c), c.length, c.file_offset));
+        ++result.chunks;
+        copies.pop_front();
+      } while (!copies.empty() && copier_.Done(copies.front().second));
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (error) {
+    for (auto& [index, write] : writes) WaitQuietly(write);
+    try {
+      copier_.Synchronize();
+    } catch (...) {
+    }
+    std::rethrow_exception(error);
+  }
+  return result;
+}
+
+}  // namespace tensortier

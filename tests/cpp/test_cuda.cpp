@@ -1,0 +1,342 @@
+// The runtime-loaded CUDA driver and cuFile: without the libraries (or with a path that is no
+// library) both report unavailable with a reason naming the library, and nothing crashes; every
+// object that needs the driver throws CudaError naming the call; host pointers locate as host.
+// The Gpu suites run only where CudaDriver::Get() (and CuFile::Get()) are available, and skip
+// with the reason otherwise.
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/cuda_driver.hpp"
+#include "tensortier/cufile.hpp"
+#include "tensortier/error.hpp"
+#include "test_util.hpp"
+
+namespace tensortier {
+namespace {
+
+using testing::ScopedEnv;
+using testing::TempDir;
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// A file that exists but is no shared library.
+std::string WriteNotALibrary(const TempDir& dir) {
+  const std::string path = dir.File("not-a-library.so");
+  std::ofstream(path) << "this is not an ELF file\n";
+  return path;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CudaDriver without a usable library
+
+TEST(CudaDriverTest, MissingLibraryIsUnavailableWithReason) {
+  const std::string path = "/nonexistent/tensortier/libcuda.so.1";
+  auto driver = CudaDriver::Load(path);
+  ASSERT_NE(driver, nullptr);
+  EXPECT_FALSE(driver->available());
+  EXPECT_EQ(driver->library(), path);
+  EXPECT_TRUE(Contains(driver->why_unavailable(), path + " not found: "))
+      << driver->why_unavailable();
+  EXPECT_EQ(driver->device_count(), 0);
+  EXPECT_EQ(driver->version(), 0);
+}
+
+TEST(CudaDriverTest, FileThatIsNoLibraryIsUnavailableWithReason) {
+  TempDir dir;
+  const std::string path = WriteNotALibrary(dir);
+  auto driver = CudaDriver::Load(path);
+  EXPECT_FALSE(driver->available());
+  EXPECT_TRUE(Contains(driver->why_unavailable(), path + " could not be loaded: "))
+      << driver->why_unavailable();
+}
+
+TEST(CudaDriverTest, LibraryWithoutTheDriverSymbolsIsUnavailableWithReason) {
+  // libdl/libc is a real library that has none of the driver's entry points.
+  auto driver = CudaDriver::Load("libc.so.6");
+  EXPECT_FALSE(driver->available());
+  EXPECT_TRUE(Contains(driver->why_unavailable(), "libc.so.6 lacks cuInit"))
+      << driver->why_unavailable();
+}
+
+TEST(CudaDriverTest, EnvironmentVariableOverridesTheLibrary) {
+  {
+    ScopedEnv env("TENSORTIER_CUDA_LIBRARY", "/nonexistent/override/libcuda.so");
+    EXPECT_EQ(CudaDriver::DefaultLibrary(), "/nonexistent/override/libcuda.so");
+    auto driver = CudaDriver::Load(CudaDriver::DefaultLibrary());
+    EXPECT_FALSE(driver->available());
+    EXPECT_TRUE(Contains(driver->why_unavailable(), "/nonexistent/override/libcuda.so not found"))
+        << driver->why_unavailable();
+  }
+  {
+    ScopedEnv env("TENSORTIER_CUDA_LIBRARY", "");
+    EXPECT_EQ(CudaDriver::DefaultLibrary(), "libcuda.so.1");
+  }
+  {
+    ScopedEnv env("TENSORTIER_CUDA_LIBRARY", std::nullopt);
+    EXPECT_EQ(CudaDriver::DefaultLibrary(), "libcuda.so.1");
+  }
+}
+
+TEST(CudaDriverTest, GetNeverThrowsAndExplainsItself) {
+  const CudaDriver& driver = CudaDriver::Get();
+  EXPECT_EQ(&driver, &CudaDriver::Get()) << "one instance per process";
+  EXPECT_EQ(driver.available(), driver.why_unavailable().empty()) << driver.why_unavailable();
+  if (driver.available()) {
+    EXPECT_GT(driver.device_count(), 0);
+    EXPECT_GT(driver.version(), 0);
+  } else {
+    EXPECT_EQ(driver.device_count(), 0);
+    std::cout << "CUDA driver unavailable here: " << driver.why_unavailable() << "\n";
+  }
+}
+
+TEST(CudaDriverTest, WithoutTheSystemLibraryGetNamesLibcuda) {
+  if (std::getenv("TENSORTIER_CUDA_LIBRARY") != nullptr) GTEST_SKIP() << "library overridden";
+  void* probe = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  if (probe == nullptr) probe = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (probe != nullptr) GTEST_SKIP() << "libcuda.so.1 is installed here";
+  EXPECT_FALSE(CudaDriver::Get().available());
+  EXPECT_TRUE(Contains(CudaDriver::Get().why_unavailable(), "libcuda.so.1 not found: "))
+      << CudaDriver::Get().why_unavailable();
+}
+
+TEST(CudaDriverTest, LocateWithoutDriverReportsHost) {
+  auto driver = CudaDriver::Load("/nonexistent/libcuda.so.1");
+  int on_stack = 0;
+  std::vector<uint8_t> on_heap(100);
+  for (const void* p : {static_cast<const void*>(&on_stack),
+                        static_cast<const void*>(on_heap.data()), static_cast<const void*>(nullptr)}) {
+    PointerLocation where = driver->Locate(p);
+    EXPECT_EQ(where.type, MemoryType::kHost);
+    EXPECT_EQ(where.device, -1);
+  }
+  EXPECT_EQ(MemoryTypeName(MemoryType::kHost), "host");
+  EXPECT_EQ(MemoryTypeName(MemoryType::kDevice), "device");
+}
+
+TEST(CudaDriverTest, ObjectsWithoutDriverThrowCudaErrorNamingTheCall) {
+  auto driver = CudaDriver::Load("/nonexistent/libcuda.so.1");
+  try {
+    PrimaryContext context(*driver, 0);
+    FAIL() << "PrimaryContext without a driver did not throw";
+  } catch (const CudaError& e) {
+    EXPECT_EQ(e.code(), cuda::kUnavailable);
+    EXPECT_EQ(e.call(), "cuDevicePrimaryCtxRetain");
+    const std::string what = e.what();
+    EXPECT_TRUE(Contains(what, "cuDevicePrimaryCtxRetain failed: CUDA driver unavailable: "))
+        << what;
+    EXPECT_TRUE(Contains(what, "/nonexistent/libcuda.so.1 not found")) << what;
+  }
+  // Everything else needs a context, so it cannot be made either.
+  EXPECT_THROW(Stream(PrimaryContext(*driver, 0)), CudaError);
+  EXPECT_THROW(Event(PrimaryContext(*driver, 0)), CudaError);
+  std::vector<uint8_t> host(4096);
+  EXPECT_THROW(HostRegistration(PrimaryContext(*driver, 0), host.data(), host.size()), CudaError);
+  EXPECT_THROW(PinnedHostMemory(PrimaryContext(*driver, 0), 4096), CudaError);
+  EXPECT_THROW(DeviceMemory(PrimaryContext(*driver, 0), 4096), CudaError);
+  try {
+    driver->api("cuMemAlloc");
+    FAIL() << "api() without a driver did not throw";
+  } catch (const CudaError& e) {
+    EXPECT_EQ(e.call(), "cuMemAlloc");
+  }
+}
+
+TEST(CudaDriverTest, ErrorTextAndCheckWithoutDriver) {
+  auto driver = CudaDriver::Load("/nonexistent/libcuda.so.1");
+  EXPECT_EQ(driver->ErrorText(100), "CUDA_ERROR_NO_DEVICE (100)");
+  EXPECT_EQ(driver->ErrorText(12345), "CUDA error 12345");
+  EXPECT_NO_THROW(driver->Check(cuda::kSuccess, "cuNothing"));
+  try {
+    driver->Check(cuda::kErrorOutOfMemory, "cuMemAlloc");
+    FAIL() << "Check did not throw";
+  } catch (const CudaError& e) {
+    EXPECT_EQ(e.code(), cuda::kErrorOutOfMemory);
+    EXPECT_EQ(e.call(), "cuMemAlloc");
+    EXPECT_STREQ(e.what(), "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (2)");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CuFile without a usable library
+
+TEST(CuFileTest, MissingLibraryIsUnavailableWithReason) {
+  auto cufile = CuFile::Load("/nonexistent/tensortier/libcufile.so.0");
+  EXPECT_FALSE(cufile->available());
+  EXPECT_TRUE(Contains(cufile->why_unavailable(), "/nonexistent/tensortier/libcufile.so.0 not found"))
+      << cufile->why_unavailable();
+}
+
+TEST(CuFileTest, FileThatIsNoLibraryIsUnavailableWithReason) {
+  TempDir dir;
+  const std::string path = WriteNotALibrary(dir);
+  auto cufile = CuFile::Load(path);
+  EXPECT_FALSE(cufile->available());
+  EXPECT_TRUE(Contains(cufile->why_unavailable(), path + " could not be loaded: "))
+      << cufile->why_unavailable();
+}
+
+TEST(CuFileTest, LibraryWithoutCuFileSymbolsIsUnavailableWithReason) {
+  auto cufile = CuFile::Load("libc.so.6");
+  EXPECT_FALSE(cufile->available());
+  EXPECT_TRUE(Contains(cufile->why_unavailable(), "libc.so.6 lacks cuFileDriverOpen"))
+      << cufile->why_unavailable();
+}
+
+TEST(CuFileTest, EnvironmentVariableOverridesTheLibrary) {
+  ScopedEnv env("TENSORTIER_CUFILE_LIBRARY", "/nonexistent/override/libcufile.so");
+  EXPECT_EQ(CuFile::DefaultLibrary(), "/nonexistent/override/libcufile.so");
+  ScopedEnv unset("TENSORTIER_CUFILE_LIBRARY", std::nullopt);
+  EXPECT_EQ(CuFile::DefaultLibrary(), "libcufile.so.0");
+}
+
+TEST(CuFileTest, GetNeverThrowsAndExplainsItself) {
+  const CuFile& cufile = CuFile::Get();
+  EXPECT_EQ(&cufile, &CuFile::Get());
+  EXPECT_EQ(cufile.available(), cufile.why_unavailable().empty()) << cufile.why_unavailable();
+  if (!cufile.available()) std::cout << "cuFile unavailable here: " << cufile.why_unavailable() << "\n";
+}
+
+TEST(CuFileTest, HandlesAndBuffersWithoutCuFileThrow) {
+  auto cufile = CuFile::Load("/nonexistent/libcufile.so.0");
+  try {
+    CuFileHandle handle(*cufile, 0, "/some/file");
+    FAIL() << "CuFileHandle without cuFile did not throw";
+  } catch (const CuFileError& e) {
+    EXPECT_EQ(e.code(), -1);
+    EXPECT_EQ(e.call(), "cuFileHandleRegister");
+    EXPECT_TRUE(Contains(e.what(), "cuFile unavailable: /nonexistent/libcufile.so.0 not found"))
+        << e.what();
+  }
+  std::vector<uint8_t> host(4096);
+  EXPECT_THROW(CuFileBuffer(*cufile, host.data(), host.size()), CuFileError);
+}
+
+TEST(CuFileTest, ErrorNames) {
+  EXPECT_EQ(CuFile::ErrorName(5001), "CU_FILE_DRIVER_NOT_INITIALIZED (5001)");
+  EXPECT_EQ(CuFile::ErrorName(-5011), "CU_FILE_CUDA_DRIVER_ERROR (5011)");
+  EXPECT_EQ(CuFile::ErrorName(5999), "cuFile error 5999");
+}
+
+TEST(CuFileTest, DescriptorLayoutMatchesCufileH) {
+  // cufile.h: { enum type; union { int fd; void* handle; } handle; const CUfileFSOps_t* fs_ops; }
+  EXPECT_EQ(sizeof(cufile::CUfileDescr_t), 24u);
+  EXPECT_EQ(offsetof(cufile::CUfileDescr_t, handle), 8u);
+  EXPECT_EQ(offsetof(cufile::CUfileDescr_t, fs_ops), 16u);
+  EXPECT_EQ(sizeof(cufile::CUfileError_t), 8u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// With a GPU
+
+class CudaGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaDriver::Get().available()) {
+      GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
+    }
+  }
+  const CudaDriver& driver_ = CudaDriver::Get();
+};
+
+TEST_F(CudaGpuTest, LocateTellsDeviceRegisteredAndPageableMemoryApart) {
+  PrimaryContext context(driver_, 0);
+  DeviceMemory device(context, 1 << 20);
+  PointerLocation d = driver_.Locate(reinterpret_cast<const void*>(device.address()));
+  EXPECT_EQ(d.type, MemoryType::kDevice) << MemoryTypeName(d.type);
+  EXPECT_EQ(d.device, 0);
+
+  AlignedBuffer pageable(1 << 20);
+  EXPECT_EQ(driver_.Locate(pageable.data()).type, MemoryType::kHost);
+  {
+    HostRegistration registration(context, pageable.data(), pageable.size());
+    EXPECT_EQ(driver_.Locate(pageable.data()).type, MemoryType::kRegisteredHost);
+  }
+  EXPECT_EQ(driver_.Locate(pageable.data()).type, MemoryType::kHost);
+
+  PinnedHostMemory pinned(context, 1 << 20);
+  EXPECT_EQ(driver_.Locate(pinned.data()).type, MemoryType::kRegisteredHost);
+}
+
+TEST_F(CudaGpuTest, StreamAndEventRoundTripThroughDeviceMemory) {
+  PrimaryContext context(driver_, 0);
+  Stream stream(context);
+  Event event(context);
+  constexpr size_t kBytes = (8 << 20) + 3;
+  PinnedHostMemory src(context, kBytes), dst(context, kBytes);
+  testing::FillPattern(src.data(), kBytes, 11);
+  std::memset(dst.data(), 0, kBytes);
+  DeviceMemory device(context, kBytes);
+  stream.CopyToDevice(device.address(), src.data(), kBytes);
+  stream.CopyFromDevice(dst.data(), device.address(), kBytes);
+  event.Record(stream.get());
+  event.Synchronize();
+  EXPECT_TRUE(event.Query());
+  stream.Synchronize();
+  EXPECT_TRUE(testing::MatchesPattern(dst.data(), kBytes, 11));
+}
+
+TEST_F(CudaGpuTest, ScopedContextPushesAndPops) {
+  PrimaryContext context(driver_, 0);
+  { ScopedContext current(context); }
+  { ScopedContext current(context); }
+  EXPECT_THROW(PrimaryContext(driver_, driver_.device_count()), CudaError);
+}
+
+TEST(CuFileGpuTest, RoundTripThroughDeviceMemory) {
+  if (!CudaDriver::Get().available()) {
+    GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
+  }
+  if (!CuFile::Get().available()) {
+    GTEST_SKIP() << "cuFile unavailable: " << CuFile::Get().why_unavailable();
+  }
+  TempDir dir;
+  const std::string path = dir.File("gds");
+  constexpr size_t kBytes = 4 << 20;
+  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  PrimaryContext context(CudaDriver::Get(), 0);
+  ScopedContext current(context);  // cuFile works on the current context
+  DeviceMemory device(context, kBytes);
+  PinnedHostMemory host(context, kBytes);
+  testing::FillPattern(host.data(), kBytes, 12);
+  Stream stream(context);
+  stream.CopyToDevice(device.address(), host.data(), kBytes);
+  stream.Synchronize();
+  {
+    CuFileHandle handle(CuFile::Get(), fd, path);
+    CuFileBuffer registered(CuFile::Get(), reinterpret_cast<void*>(device.address()), kBytes);
+    void* base = reinterpret_cast<void*>(device.address());
+    EXPECT_EQ(handle.Write(base, kBytes, 0), kBytes);
+    std::memset(host.data(), 0, kBytes);
+    stream.CopyToDevice(device.address(), host.data(), kBytes);  // clear the device copy
+    stream.Synchronize();
+    EXPECT_EQ(handle.Read(base, kBytes, 0), kBytes);
+    EXPECT_EQ(handle.Read(base, kBytes, kBytes - 4096), 4096u) << "short at end of file";
+    EXPECT_EQ(handle.Read(base, kBytes, 0), kBytes);
+  }
+  stream.CopyFromDevice(host.data(), device.address(), kBytes);
+  stream.Synchronize();
+  EXPECT_TRUE(testing::MatchesPattern(host.data(), kBytes, 12));
+  close(fd);
+}
+
+}  // namespace
+}  // namespace tensortier
