@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: set up, C++ tests (plain, ASan+UBSan, TSan for the
-# engine and the offloader), Python tests. Any failure fails the script; "no tests ran" counts as
-# a failure.
+# engine, the offloader and the transfer ring), Python tests. Any failure fails the script; "no
+# tests ran" counts as a failure. GPU tests skip here; scripts/gpu-test.sh runs them on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -22,12 +22,13 @@ build_and_test build/test "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   build_and_test build/asan "" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=address,undefined
-echo "== C++ engine tests under ThreadSanitizer"
+echo "== C++ engine, offloader and transfer tests under ThreadSanitizer"
 TSAN_OPTIONS=halt_on_error=1 \
-  build_and_test build/tsan "Engine|Fault|Offload" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=thread
+  build_and_test build/tsan "Engine|Fault|Offload|Transfer" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=thread
 
 echo "== C++ install: find_package(tensortier) from a separate project"
 rm -rf build/install build/consumer
+ninja -C build/test -j "$JOBS" all  # the shared library and the tool, which the tests do not need
 cmake --install build/test --prefix build/install >/dev/null
 cmake -S examples/cpp_consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
 ninja -C build/consumer >/dev/null
