@@ -28,5 +28,11 @@ class Args {
 
 int RunCheck(const std::vector<std::string>& argv);
 int RunBench(const std::vector<std::string>& argv);
+// tools/checkpoint.cpp
+int RunInfo(const std::vector<std::string>& argv);
+int RunVerify(const std::vector<std::string>& argv);
+int RunConvert(const std::vector<std::string>& argv);
+// 16 lowercase hex digits, as checksums are stored in safetensors metadata.
+std::string Hex16(uint64_t v);
 
 }  // namespace tensortier::cli

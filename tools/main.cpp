@@ -16,6 +16,12 @@ commands:
                 O_DIRECT support, CUDA driver and cuFile presence, effective defaults
   bench         sequential write and cold read (and random reads) on a scratch file;
                 `tensortier bench --help` lists the options
+  info FILE     a checkpoint's format, tensors, dtypes, shapes, bytes, alignment, metadata
+                (safetensors or torch.save zip)
+  verify FILE   full structure check, then the data: xxh64 checksums stored by tensortier
+                (safetensors) or every zip entry's CRC-32 (torch.save); exit 1 on a problem
+  convert IN OUT
+                torch.save zip -> safetensors, data 4 KiB aligned, with xxh64 checksums
   help          this text
 
 Defaults can be set with environment variables:
@@ -37,6 +43,9 @@ int main(int argc, char** argv) {
     std::vector<std::string> rest(args.begin() + 1, args.end());
     if (args[0] == "check") return tensortier::cli::RunCheck(rest);
     if (args[0] == "bench") return tensortier::cli::RunBench(rest);
+    if (args[0] == "info") return tensortier::cli::RunInfo(rest);
+    if (args[0] == "verify") return tensortier::cli::RunVerify(rest);
+    if (args[0] == "convert") return tensortier::cli::RunConvert(rest);
     std::fprintf(stderr, "tensortier: unknown command '%s' (try 'tensortier help')\n",
                  args[0].c_str());
     return 2;

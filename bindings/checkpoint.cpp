@@ -1,0 +1,188 @@
+// tensortier._core checkpoint functions: safetensors headers, zip directories of torch.save files,
+// checksums. Parsing happens with the GIL released; results cross as plain tuples, lists and dicts
+// so the Python layer (python/tensortier/checkpoint.py) owns all torch glue. Format problems raise
+// ValueError (FormatError derives from std::invalid_argument), I/O problems OSError.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <map>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tensortier/checksum.hpp"
+#include "tensortier/safetensors.hpp"
+#include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/zip_archive.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+using EntryTuple = std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t, uint64_t>;
+
+py::list EntriesToList(const std::vector<SafetensorsEntry>& entries) {
+  py::list out;
+  for (const auto& e : entries) {
+    py::tuple shape(e.shape.size());
+    for (size_t i = 0; i < e.shape.size(); ++i) shape[i] = py::int_(e.shape[i]);
+    out.append(py::make_tuple(e.name, e.dtype, shape, e.begin, e.end));
+  }
+  return out;
+}
+
+py::dict MetadataToDict(const SafetensorsMetadata& metadata) {
+  py::dict out;
+  for (const auto& [k, v] : metadata) out[py::str(k)] = py::str(v);
+  return out;
+}
+
+// A C-contiguous buffer export held for the lifetime of the object.
+class BufferView {
+ public:
+  explicit BufferView(const py::object& obj) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_C_CONTIGUOUS) != 0) {
+      throw py::error_already_set();
+    }
+  }
+  ~BufferView() { PyBuffer_Release(&view_); }
+  BufferView(const BufferView&) = delete;
+  BufferView& operator=(const BufferView&) = delete;
+  const void* data() const { return view_.buf; }
+  size_t size() const { return static_cast<size_t>(view_.len); }
+
+ private:
+  Py_buffer view_{};
+};
+
+}  // namespace
+
+void RegisterCheckpoint(py::module_& m) {
+  m.def(
+      "parse_safetensors_header",
+      [](const py::bytes& header, uint64_t data_bytes) {
+        std::string_view json(header);
+        SafetensorsHeader parsed;
+        {
+          py::gil_scoped_release release;
+          parsed = ParseSafetensorsHeader(json, data_bytes);
+        }
+        return py::make_tuple(EntriesToList(parsed.entries), MetadataToDict(parsed.metadata));
+      },
+      py::arg("header"), py::arg("data_bytes"),
+      "Validates a safetensors JSON header (without the 8-byte length) for a data section of "
+      "data_bytes bytes. Returns ([(name, dtype, shape, begin, end)] sorted by begin, metadata); "
+      "raises ValueError naming the tensor and the problem.");
+  m.def(
+      "read_safetensors_header",
+      [](const std::string& path) {
+        SafetensorsFileInfo info;
+        {
+          py::gil_scoped_release release;
+          info = ReadSafetensorsHeader(path);
+        }
+        return py::make_tuple(info.data_start, EntriesToList(info.header.entries),
+                              MetadataToDict(info.header.metadata));
+      },
+      py::arg("path"),
+      "Reads and validates a safetensors file's header: (data_start, entries, metadata). "
+      "Entry offsets are relative to data_start. OSError for I/O errors, ValueError for bad "
+      "files.");
+  m.def(
+      "serialize_safetensors_header",
+      [](const std::vector<EntryTuple>& entries,
+         const std::optional<std::map<std::string, std::string>>& metadata, uint64_t alignment) {
+        std::vector<SafetensorsEntry> parsed;
+        parsed.reserve(entries.size());
+        for (const auto& [name, dtype, shape, begin, end] : entries) {
+          parsed.push_back({name, dtype, shape, begin, end});
+        }
+        std::string out;
+        {
+          py::gil_scoped_release release;
+          out = SerializeSafetensorsHeader(parsed, metadata.value_or(SafetensorsMetadata{}),
+                                           alignment);
+        }
+        return py::bytes(out);
+      },
+      py::arg("entries"), py::arg("metadata") = py::none(), py::arg("alignment") = 4096,
+      "The 8-byte length plus the JSON header, space-padded to a multiple of alignment, for "
+      "[(name, dtype, shape, begin, end)] entries whose ranges tile the data section.");
+
+  m.def(
+      "zip_entries",
+      [](const std::string& path, bool require_stored) {
+        ZipDirectory dir;
+        {
+          py::gil_scoped_release release;
+          dir = ReadZipDirectory(FileSource(File::Open(path, OpenMode::kRead, false)));
+          if (require_stored) {
+            for (const auto& e : dir.entries) RequireStored(e, path);
+          }
+        }
+        py::list out;
+        for (const auto& e : dir.entries) {
+          out.append(py::make_tuple(e.name, e.data_offset, e.size, e.crc32));
+        }
+        return out;
+      },
+      py::arg("path"), py::arg("require_stored") = true,
+      "The entries of a zip archive (torch.save file): [(name, data_offset, size, crc32)] in "
+      "directory order; data_offset is absolute. ValueError for a bad archive and, unless "
+      "require_stored=False, for any compressed or encrypted entry (size is then the uncompressed "
+      "size, not the bytes at data_offset).");
+
+  m.def(
+      "read_torch_checkpoint",
+      [](const std::string& path) {
+        TorchCheckpoint c;
+        {
+          py::gil_scoped_release release;
+          c = ReadTorchCheckpoint(FileSource(File::Open(path, OpenMode::kRead, false)));
+        }
+        py::list tensors;
+        for (const auto& t : c.pickle.tensors) {
+          tensors.append(py::make_tuple(t.path, t.dtype, py::tuple(py::cast(t.shape)),
+                                        py::tuple(py::cast(t.stride)), t.storage_offset,
+                                        t.storage_key, t.requires_grad));
+        }
+        py::dict storages;
+        for (const auto& [key, s] : c.pickle.storages) {
+          storages[py::str(key)] = py::make_tuple(s.dtype, s.nbytes, s.data_offset, s.location);
+        }
+        return py::make_tuple(c.prefix, tensors, storages);
+      },
+      py::arg("path"),
+      "Reads a torch.save zip file without running its pickle: (prefix, [(key_path, dtype, "
+      "shape, stride, storage_offset, storage_key, requires_grad)], {storage_key: (dtype, nbytes, "
+      "data_offset, location)}). Dtypes use safetensors names (F32, BF16, ..., C128); strides and "
+      "offsets are in elements. ValueError for disallowed globals, legacy files, bad archives.");
+
+  m.def(
+      "xxh64",
+      [](const py::object& obj, uint64_t seed) {
+        BufferView view(obj);
+        py::gil_scoped_release release;
+        return Xxh64(view.data(), view.size(), seed);
+      },
+      py::arg("obj"), py::arg("seed") = 0,
+      "XXH64 of a C-contiguous buffer-protocol object (bytes, memoryview, numpy array...).");
+  m.def(
+      "xxh64_address",
+      [](uintptr_t address, uint64_t nbytes, uint64_t seed) {
+        return Xxh64(reinterpret_cast<const void*>(address), nbytes, seed);
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("seed") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "XXH64 of nbytes of host memory at address (the caller keeps it alive).");
+  m.def(
+      "crc32",
+      [](const py::object& obj, uint32_t crc) {
+        BufferView view(obj);
+        py::gil_scoped_release release;
+        return Crc32(view.data(), view.size(), crc);
+      },
+      py::arg("obj"), py::arg("crc") = 0, "CRC-32 (zlib.crc32) of a C-contiguous buffer.");
+}

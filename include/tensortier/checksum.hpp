@@ -1,0 +1,33 @@
+// Checksums for checkpoint data: XXH64 (per-tensor checksums we write into safetensors metadata)
+// and CRC-32 (the one zip stores for every entry, checked on torch.save files).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tensortier {
+
+// XXH64 of `len` bytes, as specified by the xxHash project (XXH64 in xxhash.h, version 0.8).
+uint64_t Xxh64(const void* data, size_t len, uint64_t seed = 0) noexcept;
+
+// Streaming XXH64: Update() any number of times, Digest() at any point (does not reset).
+// Gives the same value as Xxh64() over the concatenation. Not thread-safe.
+class Xxh64State {
+ public:
+  explicit Xxh64State(uint64_t seed = 0) noexcept;
+  void Update(const void* data, size_t len) noexcept;
+  uint64_t Digest() const noexcept;
+
+ private:
+  uint64_t v_[4];
+  uint64_t seed_;
+  uint64_t total_ = 0;
+  unsigned char buf_[32];
+  size_t buffered_ = 0;
+};
+
+// CRC-32 (ISO-HDLC: zlib's crc32(), the one zip uses). `crc` chains calls: Crc32(b, n, Crc32(a, m))
+// equals the CRC of a followed by b.
+uint32_t Crc32(const void* data, size_t len, uint32_t crc = 0) noexcept;
+
+}  // namespace tensortier

@@ -1,0 +1,56 @@
+// A small strict JSON tokenizer for file headers we parse (safetensors) and the JSON strings we
+// keep in their metadata. Strict RFC 8259: UTF-8 checked, no control characters or lone surrogates
+// in strings, no trailing commas, no comments. Callers drive it by the shape they expect, so
+// nothing recurses and nothing is built for values a caller does not want.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+
+namespace tensortier {
+
+class JsonReader {
+ public:
+  // `what` prefixes every error message ("safetensors header").
+  JsonReader(std::string_view text, std::string what) : text_(text), what_(std::move(what)) {}
+
+  void SkipSpace();
+  // The next non-space character without consuming it; '\0' at the end of the text.
+  char Peek();
+  // Consumes `c` (after spaces) or throws "expected `c`".
+  void Expect(char c);
+  // Consumes `c` if it is next (after spaces).
+  bool Consume(char c);
+  // Consumes the literal `null` if it is next.
+  bool ConsumeNull();
+  std::string ReadString();
+  // A non-negative integer without sign, fraction or exponent, fitting in 64 bits.
+  uint64_t ReadUint();
+  // Throws unless only spaces remain.
+  void ExpectEnd();
+  size_t position() const { return pos_; }
+
+  // Throws FormatError "<what>: at byte <position>: <message>".
+  [[noreturn]] void Fail(std::string_view message) const;
+
+ private:
+  void AppendEscape(std::string& out);
+  void AppendUtf8(std::string& out);
+
+  std::string_view text_;
+  std::string what_;
+  size_t pos_ = 0;
+};
+
+// `s` as a JSON string literal, quotes included. Throws std::invalid_argument if `s` is not UTF-8.
+std::string JsonQuote(std::string_view s);
+
+// Parses a JSON object whose values are all strings ({"a": "x", ...}); duplicate keys are an
+// error. Throws FormatError prefixed with `what`.
+std::map<std::string, std::string> ParseJsonStringMap(std::string_view text,
+                                                      const std::string& what);
+
+}  // namespace tensortier

@@ -1,0 +1,67 @@
+// The safetensors format: an 8-byte little-endian header length N, N bytes of JSON, then the data
+// section. The JSON maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]}
+// (offsets relative to the data section) plus an optional "__metadata__" string->string map.
+//
+// The parser accepts exactly the files the `safetensors` package accepts, with tighter limits: no
+// unknown fields, no duplicate keys, byte ranges that tile the data section (no overlap, no gap, no
+// byte past its end), at most kMaxRank dimensions. It never allocates more than a small multiple
+// of the header size and never recurses.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensortier/byte_source.hpp"
+#include "tensortier/file.hpp"
+
+namespace tensortier {
+
+inline constexpr uint64_t kSafetensorsMaxHeader = 100'000'000;  // as the safetensors package
+inline constexpr size_t kSafetensorsMaxRank = 64;
+
+// Bits per element of a safetensors dtype name ("F32" -> 32, "F4" -> 4), 0 when unknown.
+unsigned SafetensorsDtypeBits(std::string_view dtype);
+
+struct SafetensorsEntry {
+  std::string name;
+  std::string dtype;  // safetensors name: "F32", "BF16", "F8_E4M3"...
+  std::vector<uint64_t> shape;
+  uint64_t begin = 0;  // [begin, end) relative to the data section
+  uint64_t end = 0;
+};
+
+using SafetensorsMetadata = std::map<std::string, std::string>;
+
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> entries;  // sorted by begin (file order)
+  SafetensorsMetadata metadata;
+};
+
+// Parses and validates the JSON header of a file whose data section is `data_bytes` long.
+// Throws FormatError naming the tensor (or the JSON position) and the problem.
+SafetensorsHeader ParseSafetensorsHeader(std::string_view json, uint64_t data_bytes);
+
+// The 8-byte length and the JSON for `entries` and `metadata`, padded with spaces so the result's
+// size is a multiple of `alignment` (a power of two, >= 8): data written right after it starts
+// aligned. Entries are validated as the parser would (the result always parses back to them);
+// throws FormatError / std::invalid_argument otherwise.
+std::string SerializeSafetensorsHeader(const std::vector<SafetensorsEntry>& entries,
+                                       const SafetensorsMetadata& metadata,
+                                       uint64_t alignment = 4096);
+
+struct SafetensorsFileInfo {
+  uint64_t file_size = 0;
+  uint64_t data_start = 0;  // 8 + N: absolute offset of the data section
+  SafetensorsHeader header;
+};
+
+// Reads (pread) and parses the header of an open file. Throws IoError for I/O failures and
+// FormatError (message starting with the path) for content problems, truncation included.
+SafetensorsFileInfo ReadSafetensorsHeader(const ByteSource& source);
+SafetensorsFileInfo ReadSafetensorsHeader(const File& file);
+SafetensorsFileInfo ReadSafetensorsHeader(const std::string& path);
+
+}  // namespace tensortier

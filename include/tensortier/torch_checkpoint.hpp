@@ -1,0 +1,29 @@
+// torch.save zip files (PyTorch >= 1.6): "<prefix>/data.pkl" describes the object, each storage
+// is a stored entry "<prefix>/data/<key>" that the engine can read in place. The legacy format
+// (a bare pickle stream) is recognised and refused with a clear message.
+#pragma once
+
+#include <string>
+
+#include "tensortier/byte_source.hpp"
+#include "tensortier/torch_pickle.hpp"
+#include "tensortier/zip_archive.hpp"
+
+namespace tensortier {
+
+inline constexpr uint64_t kTorchMaxPickleBytes = 256u << 20;
+
+struct TorchCheckpoint {
+  std::string prefix;  // the archive's top folder ("archive" by default)
+  ZipDirectory zip;
+  TorchPickle pickle;  // storages have data_offset set
+};
+
+// Reads the zip directory and data.pkl, checks that every storage has a stored entry of the right
+// size and that the byte order is little-endian. Throws FormatError / IoError.
+TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source);
+
+// True when the first bytes look like a zip file (local header or empty-archive end record).
+bool LooksLikeZip(const ByteSource& source);
+
+}  // namespace tensortier

@@ -1,0 +1,55 @@
+// A restricted reader for the pickle (data.pkl) inside torch.save zip files. It runs no Python and
+// calls nothing: it understands the opcodes torch.save emits (protocol 2, plus the protocol 4
+// framing opcodes) and only the globals torch.load(weights_only=True) allows for plain state dicts
+// (tensor rebuild functions, storage types, dtypes, OrderedDict, Size, device, set, bytes).
+// Anything else (posix.system, builtins.eval...) is a FormatError naming the global.
+//
+// Bounded: values, stack, memo and the walk over the result are limited by the input size and
+// fixed caps; nothing recurses on the input's nesting; cycles built through the memo are refused.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tensortier {
+
+// A storage named by a persistent id ('storage', type, key, location, numel).
+struct TorchStorage {
+  std::string key;       // "0", "1"...: the zip entry is "<prefix>/data/<key>"
+  std::string dtype;     // safetensors-style name of the storage's element type ("U8" if untyped)
+  uint64_t numel = 0;    // elements of dtype
+  uint64_t nbytes = 0;   // numel * element size
+  std::string location;  // "cpu", "cuda:0"...
+  uint64_t data_offset = 0;  // absolute file offset of its bytes (set by ReadTorchCheckpoint)
+};
+
+struct TorchTensor {
+  std::string path;   // dotted key path in the pickled object ("model.layer.weight", "list.4")
+  std::string dtype;  // safetensors-style name ("F32", "BF16", "C128"...)
+  std::vector<int64_t> shape;
+  std::vector<int64_t> stride;  // in elements
+  int64_t storage_offset = 0;   // in elements
+  std::string storage_key;
+  bool requires_grad = false;
+  bool parameter = false;  // an nn.Parameter
+  bool contiguous() const;
+  uint64_t nbytes() const;  // elements * element size
+};
+
+struct TorchPickle {
+  std::vector<TorchTensor> tensors;  // in pickle order
+  std::map<std::string, TorchStorage> storages;
+  uint64_t other_values = 0;  // non-tensor leaves (ints, strings, None...) kept by torch.load
+};
+
+// Bytes per element of a safetensors-style dtype name used above; 0 when unknown.
+unsigned TorchDtypeBytes(std::string_view dtype);
+
+// Parses `data` (the bytes of data.pkl). `what` names it in errors. Throws FormatError.
+// Every tensor is checked to lie inside its storage.
+TorchPickle ParseTorchPickle(std::string_view data, const std::string& what = "data.pkl");
+
+}  // namespace tensortier

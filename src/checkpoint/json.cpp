@@ -1,0 +1,295 @@
+#include "tensortier/json.hpp"
+
+#include <stdexcept>
+
+#include "tensortier/format_error.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+// Length of the well-formed UTF-8 sequence starting at p (RFC 3629: no overlongs, no surrogates,
+// nothing above U+10FFFF), or 0 when it is not one.
+size_t Utf8Length(const unsigned char* p, size_t avail) {
+  unsigned char c = p[0];
+  if (c < 0x80) return 1;
+  size_t n;
+  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (avail < n || p[1] < lo || p[1] > hi) return 0;
+  for (size_t i = 2; i < n; ++i) {
+    if (p[i] < 0x80 || p[i] > 0xBF) return 0;
+  }
+  return n;
+}
+
+void AppendCodePoint(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+}  // namespace
+
+void JsonReader::Fail(std::string_view message) const {
+  throw FormatError(StrCat(what_, ": at byte ", pos_, ": ", message));
+}
+
+void JsonReader::SkipSpace() {
+  while (pos_ < text_.size()) {
+    char c = text_[pos_];
+    if (c != ' ' && c != '\t' && c != '\n' && c != '\r') break;
+    ++pos_;
+  }
+}
+
+char JsonReader::Peek() {
+  SkipSpace();
+  return pos_ < text_.size() ? text_[pos_] : '\0';
+}
+
+void JsonReader::Expect(char c) {
+  if (!Consume(c)) {
+    if (pos_ >= text_.size()) Fail(StrCat("expected '", c, "', found the end of the text"));
+    Fail(StrCat("expected '", c, "', found '", text_[pos_], "'"));
+  }
+}
+
+bool JsonReader::Consume(char c) {
+  if (Peek() != c || pos_ >= text_.size()) return false;
+  ++pos_;
+  return true;
+}
+
+bool JsonReader::ConsumeNull() {
+  if (Peek() != 'n') return false;
+  if (text_.substr(pos_, 4) != "null") Fail("invalid literal (expected null)");
+  pos_ += 4;
+  return true;
+}
+
+void JsonReader::ExpectEnd() {
+  SkipSpace();
+  if (pos_ != text_.size()) Fail("unexpected text after the end of the JSON value");
+}
+
+namespace {
+
+uint32_t ReadHex4(std::string_view text, size_t pos, bool& ok) {
+  uint32_t v = 0;
+  ok = pos + 4 <= text.size();
+  for (size_t i = 0; ok && i < 4; ++i) {
+    char c = text[pos + i];
+    v <<= 4;
+    if (c >= '0' && c <= '9') {
+      v |= static_cast<uint32_t>(c - '0');
+    } else if (c >= 'a' && c <= 'f') {
+      v |= static_cast<uint32_t>(c - 'a' + 10);
+    } else if (c >= 'A' && c <= 'F') {
+      v |= static_cast<uint32_t>(c - 'A' + 10);
+    } else {
+      ok = false;
+    }
+  }
+  return v;
+}
+
+}  // namespace
+
+void JsonReader::AppendEscape(std::string& out) {
+  // pos_ is on the character after the backslash.
+  if (pos_ >= text_.size()) Fail("unterminated string");
+  char c = text_[pos_++];
+  switch (c) {
+    case '"':
+    case '\\':
+    case '/':
+      out += c;
+      return;
+    case 'b':
+      out += '\b';
+      return;
+    case 'f':
+      out += '\f';
+      return;
+    case 'n':
+      out += '\n';
+      return;
+    case 'r':
+      out += '\r';
+      return;
+    case 't':
+      out += '\t';
+      return;
+    case 'u':
+      break;
+    default:
+      --pos_;
+      Fail(StrCat("invalid escape '\\", c, "' in string"));
+  }
+  bool ok;
+  uint32_t cp = ReadHex4(text_, pos_, ok);
+  if (!ok) Fail("invalid \\u escape (needs 4 hex digits)");
+  pos_ += 4;
+  if (cp >= 0xDC00 && cp <= 0xDFFF) Fail("lone low surrogate in \\u escape");
+  if (cp >= 0xD800 && cp <= 0xDBFF) {
+    uint32_t low = 0;
+    if (pos_ + 2 <= text_.size() && text_[pos_] == '\\' && text_[pos_ + 1] == 'u') {
+      low = ReadHex4(text_, pos_ + 2, ok);
+    } else {
+      ok = false;
+    }
+    if (!ok || low < 0xDC00 || low > 0xDFFF) Fail("lone high surrogate in \\u escape");
+    pos_ += 6;
+    cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+  }
+  AppendCodePoint(out, cp);
+}
+
+std::string JsonReader::ReadString() {
+  SkipSpace();
+  if (pos_ >= text_.size() || text_[pos_] != '"') Fail("expected a string");
+  ++pos_;
+  std::string out;
+  for (;;) {
+    if (pos_ >= text_.size()) Fail("unterminated string");
+    auto c = static_cast<unsigned char>(text_[pos_]);
+    if (c == '"') {
+      ++pos_;
+      return out;
+    }
+    if (c == '\\') {
+      ++pos_;
+      AppendEscape(out);
+    } else if (c < 0x20) {
+      Fail("control character in string (must be escaped)");
+    } else if (c < 0x80) {
+      out += static_cast<char>(c);
+      ++pos_;
+    } else {
+      size_t n = Utf8Length(reinterpret_cast<const unsigned char*>(text_.data()) + pos_,
+                            text_.size() - pos_);
+      if (n == 0) Fail("invalid UTF-8 in string");
+      out.append(text_.substr(pos_, n));
+      pos_ += n;
+    }
+  }
+}
+
+uint64_t JsonReader::ReadUint() {
+  SkipSpace();
+  size_t start = pos_;
+  uint64_t v = 0;
+  while (pos_ < text_.size() && text_[pos_] >= '0' && text_[pos_] <= '9') {
+    auto d = static_cast<uint64_t>(text_[pos_] - '0');
+    if (v > (UINT64_MAX - d) / 10) Fail("integer does not fit in 64 bits");
+    v = v * 10 + d;
+    ++pos_;
+  }
+  if (pos_ == start) Fail("expected a non-negative integer");
+  if (text_[start] == '0' && pos_ - start > 1) Fail("integer with a leading zero");
+  if (pos_ < text_.size() && (text_[pos_] == '.' || text_[pos_] == 'e' || text_[pos_] == 'E')) {
+    Fail("expected an integer, found a fraction or exponent");
+  }
+  return v;
+}
+
+std::string JsonQuote(std::string_view s) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(s.size() + 2);
+  out += '"';
+  for (size_t i = 0; i < s.size();) {
+    auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x80) {
+      size_t n = Utf8Length(reinterpret_cast<const unsigned char*>(s.data()) + i, s.size() - i);
+      if (n == 0) {
+        throw std::invalid_argument(StrCat("string is not valid UTF-8 at byte ", i));
+      }
+      out.append(s.substr(i, n));
+      i += n;
+      continue;
+    }
+    ++i;
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      default:
+        if (c < 0x20) {
+          out += "\\u00";
+          out += kHex[c >> 4];
+          out += kHex[c & 15];
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  out += '"';
+  return out;
+}
+
+std::map<std::string, std::string> ParseJsonStringMap(std::string_view text,
+                                                      const std::string& what) {
+  JsonReader r(text, what);
+  std::map<std::string, std::string> out;
+  r.Expect('{');
+  if (!r.Consume('}')) {
+    do {
+      std::string key = r.ReadString();
+      r.Expect(':');
+      if (r.Peek() != '"') r.Fail(StrCat("value of '", key, "' is not a string"));
+      std::string value = r.ReadString();
+      if (!out.emplace(std::move(key), std::move(value)).second) {
+        r.Fail("duplicate key");
+      }
+    } while (r.Consume(','));
+    r.Expect('}');
+  }
+  r.ExpectEnd();
+  return out;
+}
+
+}  // namespace tensortier

@@ -1,0 +1,304 @@
+#include "tensortier/safetensors.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <set>
+#include <utility>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/byte_source.hpp"
+#include "tensortier/format_error.hpp"
+#include "tensortier/json.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+constexpr std::string_view kWhat = "safetensors header";
+constexpr std::string_view kMetadataKey = "__metadata__";
+
+struct DtypeBits {
+  std::string_view name;
+  unsigned bits;
+};
+
+// Every dtype the safetensors package (0.8) knows, with its size in bits.
+constexpr DtypeBits kDtypes[] = {
+    {"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
+    {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+    {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
+    {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
+    {"I64", 64},        {"U64", 64},
+};
+
+std::string Quoted(std::string_view name) {
+  // Names are shown as JSON strings so control characters and quotes stay visible.
+  try {
+    return JsonQuote(name);
+  } catch (const std::invalid_argument&) {
+    return "<name that is not UTF-8>";
+  }
+}
+
+[[noreturn]] void TensorError(std::string_view name, std::string_view problem) {
+  throw FormatError(StrCat(kWhat, ": tensor ", Quoted(name), ": ", problem));
+}
+
+SafetensorsMetadata ParseMetadata(JsonReader& r) {
+  SafetensorsMetadata out;
+  if (r.ConsumeNull()) return out;
+  if (r.Peek() != '{') r.Fail("__metadata__ must be an object of strings");
+  r.Expect('{');
+  if (r.Consume('}')) return out;
+  do {
+    std::string key = r.ReadString();
+    r.Expect(':');
+    if (r.Peek() != '"') {
+      r.Fail(StrCat("__metadata__ value of ", Quoted(key), " is not a string"));
+    }
+    std::string value = r.ReadString();
+    auto [it, inserted] = out.emplace(std::move(key), std::move(value));
+    if (!inserted) r.Fail(StrCat("duplicate __metadata__ key ", Quoted(it->first)));
+  } while (r.Consume(','));
+  r.Expect('}');
+  return out;
+}
+
+void ParseEntry(JsonReader& r, SafetensorsEntry& e) {
+  if (r.Peek() != '{') r.Fail(StrCat("tensor ", Quoted(e.name), " is not an object"));
+  r.Expect('{');
+  bool have_dtype = false, have_shape = false, have_offsets = false;
+  if (!r.Consume('}')) {
+    do {
+      std::string field = r.ReadString();
+      r.Expect(':');
+      bool* seen;
+      if (field == "dtype") {
+        seen = &have_dtype;
+        if (r.Peek() != '"') r.Fail(StrCat("tensor ", Quoted(e.name), ": dtype is not a string"));
+        e.dtype = r.ReadString();
+      } else if (field == "shape") {
+        seen = &have_shape;
+        e.shape.clear();
+        r.Expect('[');
+        if (!r.Consume(']')) {
+          do {
+            if (e.shape.size() == kSafetensorsMaxRank) {
+              r.Fail(StrCat("tensor ", Quoted(e.name), ": more than ", kSafetensorsMaxRank,
+                            " dimensions"));
+            }
+            e.shape.push_back(r.ReadUint());
+          } while (r.Consume(','));
+          r.Expect(']');
+        }
+      } else if (field == "data_offsets") {
+        seen = &have_offsets;
+        r.Expect('[');
+        e.begin = r.ReadUint();
+        r.Expect(',');
+        e.end = r.ReadUint();
+        if (r.Peek() != ']') {
+          r.Fail(StrCat("tensor ", Quoted(e.name), ": data_offsets must be [begin, end]"));
+        }
+        r.Expect(']');
+      } else {
+        r.Fail(StrCat("tensor ", Quoted(e.name), ": unknown field ", Quoted(field),
+                      " (expected dtype, shape, data_offsets)"));
+      }
+      if (*seen) r.Fail(StrCat("tensor ", Quoted(e.name), ": duplicate field ", Quoted(field)));
+      *seen = true;
+    } while (r.Consume(','));
+    r.Expect('}');
+  }
+  if (!have_dtype) TensorError(e.name, "missing dtype");
+  if (!have_shape) TensorError(e.name, "missing shape");
+  if (!have_offsets) TensorError(e.name, "missing data_offsets");
+}
+
+void CheckSize(const SafetensorsEntry& e) {
+  unsigned bits = SafetensorsDtypeBits(e.dtype);
+  if (bits == 0) TensorError(e.name, StrCat("unknown dtype ", Quoted(e.dtype)));
+  uint64_t elements = 1;
+  for (uint64_t d : e.shape) {
+    if (d != 0 && elements > UINT64_MAX / d) TensorError(e.name, "shape product overflows");
+    elements *= d;
+  }
+  if (elements > UINT64_MAX / bits) TensorError(e.name, "shape product overflows");
+  uint64_t total_bits = elements * bits;
+  if (total_bits % 8 != 0) {
+    TensorError(e.name, StrCat(elements, " elements of ", e.dtype, " are not a whole byte count"));
+  }
+  if (e.begin > e.end) {
+    TensorError(e.name, StrCat("data_offsets [", e.begin, ", ", e.end, "] has begin > end"));
+  }
+  if (e.end - e.begin != total_bits / 8) {
+    TensorError(e.name, StrCat("shape and dtype need ", total_bits / 8, " bytes but data_offsets [",
+                               e.begin, ", ", e.end, "] hold ", e.end - e.begin));
+  }
+}
+
+}  // namespace
+
+unsigned SafetensorsDtypeBits(std::string_view dtype) {
+  for (const auto& d : kDtypes) {
+    if (d.name == dtype) return d.bits;
+  }
+  return 0;
+}
+
+SafetensorsHeader ParseSafetensorsHeader(std::string_view json, uint64_t data_bytes) {
+  if (json.size() > kSafetensorsMaxHeader) {
+    throw FormatError(
+        StrCat(kWhat, ": ", json.size(), " bytes, more than the limit of ", kSafetensorsMaxHeader));
+  }
+  // Like the safetensors package: the header starts with the object, no leading space.
+  if (json.empty() || json[0] != '{') {
+    throw FormatError(StrCat(kWhat, ": does not start with '{'"));
+  }
+  JsonReader r(json, std::string(kWhat));
+  SafetensorsHeader out;
+  bool have_metadata = false;
+  std::set<std::string> seen;  // owned copies: entries move as the vector grows
+  r.Expect('{');
+  if (!r.Consume('}')) {
+    do {
+      std::string key = r.ReadString();
+      r.Expect(':');
+      if (key == kMetadataKey) {
+        if (have_metadata) r.Fail("duplicate __metadata__");
+        have_metadata = true;
+        out.metadata = ParseMetadata(r);
+        continue;
+      }
+      if (!seen.insert(key).second) r.Fail(StrCat("duplicate tensor name ", Quoted(key)));
+      SafetensorsEntry& e = out.entries.emplace_back();
+      e.name = std::move(key);
+      ParseEntry(r, e);
+    } while (r.Consume(','));
+    r.Expect('}');
+  }
+  r.ExpectEnd();
+
+  for (const auto& e : out.entries) CheckSize(e);
+  std::stable_sort(out.entries.begin(), out.entries.end(), [](const auto& a, const auto& b) {
+    return std::pair(a.begin, a.end) < std::pair(b.begin, b.end);
+  });
+  // The ranges must tile [0, data_bytes): the safetensors package rejects gaps and trailing bytes
+  // too, so a file we accept is one it accepts.
+  uint64_t expected = 0;
+  const SafetensorsEntry* previous = nullptr;
+  for (const auto& e : out.entries) {
+    if (e.end > data_bytes) {
+      TensorError(e.name, StrCat("data_offsets [", e.begin, ", ", e.end,
+                                 "] go past the end of the data section (", data_bytes, " bytes)"));
+    }
+    if (e.begin < expected) {
+      TensorError(e.name,
+                  StrCat("data_offsets [", e.begin, ", ", e.end, "] overlap tensor ",
+                         Quoted(previous->name), " [", previous->begin, ", ", previous->end, "]"));
+    }
+    if (e.begin > expected) {
+      TensorError(e.name, StrCat("gap before data_offsets [", e.begin, ", ", e.end, "]: bytes [",
+                                 expected, ", ", e.begin, ") belong to no tensor"));
+    }
+    expected = e.end;
+    previous = &e;
+  }
+  if (expected != data_bytes) {
+    throw FormatError(StrCat(kWhat, ": the data section has ", data_bytes,
+                             " bytes but the tensors cover ", expected,
+                             " (trailing bytes belong to no tensor)"));
+  }
+  return out;
+}
+
+std::string SerializeSafetensorsHeader(const std::vector<SafetensorsEntry>& entries,
+                                       const SafetensorsMetadata& metadata, uint64_t alignment) {
+  if (alignment < 8 || !std::has_single_bit(alignment) || alignment > (1u << 20)) {
+    throw std::invalid_argument(
+        StrCat("alignment must be a power of two between 8 and 1 MiB, not ", alignment));
+  }
+  std::string json = "{";
+  bool first = true;
+  if (!metadata.empty()) {
+    json += "\"__metadata__\":{";
+    for (const auto& [key, value] : metadata) {
+      if (!first) json += ',';
+      first = false;
+      json += JsonQuote(key);
+      json += ':';
+      json += JsonQuote(value);
+    }
+    json += '}';
+    first = false;
+  }
+  uint64_t data_bytes = 0;
+  for (const auto& e : entries) {
+    if (e.name == kMetadataKey) TensorError(e.name, "the name is reserved for metadata");
+    if (!first) json += ',';
+    first = false;
+    json += JsonQuote(e.name);
+    json += ":{\"dtype\":";
+    json += JsonQuote(e.dtype);
+    json += ",\"shape\":[";
+    for (size_t i = 0; i < e.shape.size(); ++i) {
+      if (i > 0) json += ',';
+      json += std::to_string(e.shape[i]);
+    }
+    json += StrCat("],\"data_offsets\":[", e.begin, ",", e.end, "]}");
+    data_bytes = std::max(data_bytes, e.end);
+  }
+  json += '}';
+  uint64_t total = AlignUp(8 + json.size(), alignment);
+  json.append(total - 8 - json.size(), ' ');
+  // Validates everything (dtypes, sizes, overlaps, gaps, UTF-8) the way a reader will.
+  ParseSafetensorsHeader(json, data_bytes);
+  std::string out(8, '\0');
+  uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+  return out + json;
+}
+
+SafetensorsFileInfo ReadSafetensorsHeader(const ByteSource& source) {
+  SafetensorsFileInfo info;
+  info.file_size = source.size();
+  const std::string& path = source.name();
+  if (info.file_size < 8) {
+    throw FormatError(StrCat(path, ": not a safetensors file: ", info.file_size,
+                             " bytes, shorter than the 8-byte header length"));
+  }
+  unsigned char len_bytes[8];
+  source.ReadAt(0, len_bytes, 8);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
+  if (n > kSafetensorsMaxHeader) {
+    throw FormatError(StrCat(path, ": safetensors header length ", n,
+                             " is larger than the limit of ", kSafetensorsMaxHeader,
+                             " bytes (not a safetensors file?)"));
+  }
+  if (n > info.file_size - 8) {
+    throw FormatError(StrCat(path, ": safetensors header length ", n,
+                             " is larger than the rest of the file (", info.file_size - 8,
+                             " bytes): truncated or not a safetensors file"));
+  }
+  std::string json(n, '\0');
+  source.ReadAt(8, json.data(), n);
+  info.data_start = 8 + n;
+  try {
+    info.header = ParseSafetensorsHeader(json, info.file_size - info.data_start);
+  } catch (const FormatError& e) {
+    throw FormatError(StrCat(path, ": ", e.what()));
+  }
+  return info;
+}
+
+SafetensorsFileInfo ReadSafetensorsHeader(const File& file) {
+  return ReadSafetensorsHeader(FileSource(file));
+}
+
+SafetensorsFileInfo ReadSafetensorsHeader(const std::string& path) {
+  return ReadSafetensorsHeader(File::Open(path, OpenMode::kRead, /*direct=*/false));
+}
+
+}  // namespace tensortier

@@ -1,0 +1,81 @@
+#include "tensortier/torch_checkpoint.hpp"
+
+#include <cstring>
+#include <string_view>
+#include <unordered_map>
+
+#include "tensortier/format_error.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+
+bool LooksLikeZip(const ByteSource& source) {
+  if (source.size() < 4) return false;
+  unsigned char magic[4];
+  source.ReadAt(0, magic, 4);
+  return std::memcmp(magic, "PK\x03\x04", 4) == 0 || std::memcmp(magic, "PK\x05\x06", 4) == 0;
+}
+
+TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
+  const std::string& path = source.name();
+  if (!LooksLikeZip(source)) {
+    unsigned char first = 0;
+    if (source.size() > 0) source.ReadAt(0, &first, 1);
+    if (first == 0x80) {
+      throw FormatError(StrCat(path,
+                               ": legacy torch.save format (PyTorch < 1.6, not a zip file) is not "
+                               "supported; load it with torch.load and save it again"));
+    }
+    throw FormatError(StrCat(path, ": not a torch.save zip file"));
+  }
+  TorchCheckpoint out;
+  out.zip = ReadZipDirectory(source);
+  // data.pkl sits one folder deep; the folder name is whatever the writer chose.
+  const ZipEntry* pkl = nullptr;
+  for (const auto& e : out.zip.entries) {
+    size_t slash = e.name.find('/');
+    if (slash != std::string::npos && e.name.substr(slash) == "/data.pkl") {
+      if (pkl != nullptr) throw FormatError(StrCat(path, ": more than one data.pkl"));
+      pkl = &e;
+      out.prefix = e.name.substr(0, slash);
+    }
+  }
+  if (pkl == nullptr) {
+    throw FormatError(StrCat(path,
+                             ": zip file without a <folder>/data.pkl entry: not a torch.save "
+                             "file (missing entry)"));
+  }
+  RequireStored(*pkl, path);
+  if (pkl->size > kTorchMaxPickleBytes) {
+    throw FormatError(StrCat(path, ": data.pkl of ", pkl->size, " bytes is over the limit of ",
+                             kTorchMaxPickleBytes));
+  }
+  if (const ZipEntry* order = out.zip.Find(out.prefix + "/byteorder")) {
+    RequireStored(*order, path);
+    std::string value(order->size > 16 ? 16 : order->size, '\0');
+    source.ReadAt(order->data_offset, value.data(), value.size());
+    if (value != "little") {
+      throw FormatError(StrCat(path, ": byte order '", value, "' is not supported (little only)"));
+    }
+  }
+  std::string data(pkl->size, '\0');
+  source.ReadAt(pkl->data_offset, data.data(), data.size());
+  out.pickle = ParseTorchPickle(data, StrCat(path, ": ", pkl->name));
+  std::unordered_map<std::string_view, const ZipEntry*> by_name;
+  for (const auto& e : out.zip.entries) by_name.emplace(e.name, &e);
+  for (auto& [key, storage] : out.pickle.storages) {
+    std::string name = StrCat(out.prefix, "/data/", key);
+    auto it = by_name.find(name);
+    const ZipEntry* e = it == by_name.end() ? nullptr : it->second;
+    if (e == nullptr) throw FormatError(StrCat(path, ": missing entry '", name, "'"));
+    RequireStored(*e, path);
+    if (e->size != storage.nbytes) {
+      throw FormatError(StrCat(path, ": entry '", name, "' has ", e->size,
+                               " bytes but its storage needs ", storage.nbytes));
+    }
+    storage.data_offset = e->data_offset;
+  }
+  return out;
+}
+
+}  // namespace tensortier

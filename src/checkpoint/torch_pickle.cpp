@@ -1,0 +1,661 @@
+#include "tensortier/torch_pickle.hpp"
+
+#include <bit>
+#include <cstring>
+#include <unordered_map>
+
+#include "tensortier/format_error.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+constexpr size_t kMaxStack = 1u << 20;
+constexpr size_t kMaxMarks = 1u << 16;
+constexpr size_t kMaxMemo = 1u << 24;
+constexpr size_t kMaxRank = 64;
+constexpr size_t kMaxDepth = 256;
+constexpr uint64_t kMaxVisits = 1u << 22;
+constexpr size_t kMaxTensors = 1u << 20;  // shared subtrees can multiply tensors: bound the output
+constexpr size_t kMaxPath = 4096;
+
+struct DtypeName {
+  std::string_view torch;  // torch attribute name (dtype or storage type)
+  std::string_view name;   // our name
+};
+
+constexpr DtypeName kStorageTypes[] = {
+    {"FloatStorage", "F32"},     {"DoubleStorage", "F64"},       {"HalfStorage", "F16"},
+    {"BFloat16Storage", "BF16"}, {"LongStorage", "I64"},         {"IntStorage", "I32"},
+    {"ShortStorage", "I16"},     {"CharStorage", "I8"},          {"ByteStorage", "U8"},
+    {"BoolStorage", "BOOL"},     {"ComplexFloatStorage", "C64"}, {"ComplexDoubleStorage", "C128"},
+    {"UntypedStorage", "U8"},
+};
+
+constexpr DtypeName kDtypes[] = {
+    {"float32", "F32"},
+    {"float", "F32"},
+    {"float64", "F64"},
+    {"double", "F64"},
+    {"float16", "F16"},
+    {"half", "F16"},
+    {"bfloat16", "BF16"},
+    {"int64", "I64"},
+    {"long", "I64"},
+    {"int32", "I32"},
+    {"int", "I32"},
+    {"int16", "I16"},
+    {"short", "I16"},
+    {"int8", "I8"},
+    {"uint8", "U8"},
+    {"bool", "BOOL"},
+    {"uint16", "U16"},
+    {"uint32", "U32"},
+    {"uint64", "U64"},
+    {"float8_e4m3fn", "F8_E4M3"},
+    {"float8_e5m2", "F8_E5M2"},
+    {"float8_e4m3fnuz", "F8_E4M3FNUZ"},
+    {"float8_e5m2fnuz", "F8_E5M2FNUZ"},
+    {"float8_e8m0fnu", "F8_E8M0"},
+    {"complex64", "C64"},
+    {"cfloat", "C64"},
+    {"complex128", "C128"},
+    {"cdouble", "C128"},
+};
+
+std::string_view Lookup(const DtypeName* table, size_t n, std::string_view torch) {
+  for (size_t i = 0; i < n; ++i) {
+    if (table[i].torch == torch) return table[i].name;
+  }
+  return {};
+}
+
+enum class Kind : uint8_t {
+  kNone,
+  kBool,
+  kInt,
+  kBigInt,
+  kFloat,
+  kStr,
+  kBytes,
+  kList,
+  kTuple,
+  kDict,
+  kGlobal,
+  kStorage,
+  kTensor,
+};
+
+struct Value {
+  Kind kind = Kind::kNone;
+  int64_t i = 0;                // int, bool; tensor index for kTensor
+  std::string s;                // str, bytes, "module.name" for globals, key for storages
+  std::vector<uint32_t> items;  // list/tuple elements; dict keys and values interleaved
+};
+
+// Globals a state dict needs, by "module.name" (builtins spelled both ways: protocol 2 pickles
+// name Python 3's builtins "__builtin__").
+bool Allowed(std::string_view g) {
+  static constexpr std::string_view kCallables[] = {
+      "collections.OrderedDict",
+      "torch._utils._rebuild_tensor_v2",
+      "torch._utils._rebuild_tensor_v3",
+      "torch._utils._rebuild_parameter",
+      "torch._utils._rebuild_parameter_with_state",
+      "torch.Size",
+      "torch.device",
+      "_codecs.encode",
+      "builtins.set",
+      "builtins.frozenset",
+      "builtins.bytearray",
+      "__builtin__.set",
+      "__builtin__.frozenset",
+      "__builtin__.bytearray",
+  };
+  for (auto c : kCallables) {
+    if (c == g) return true;
+  }
+  if (g.starts_with("torch.") && g.find('.', 6) == std::string_view::npos) {
+    std::string_view attr = g.substr(6);
+    return !Lookup(kStorageTypes, std::size(kStorageTypes), attr).empty() ||
+           !Lookup(kDtypes, std::size(kDtypes), attr).empty();
+  }
+  return g == "torch.storage.UntypedStorage";
+}
+
+class Vm {
+ public:
+  Vm(std::string_view data, const std::string& what) : data_(data), what_(what) {
+    values_.reserve(std::min<size_t>(data.size(), 1u << 16));
+  }
+
+  TorchPickle Run() {
+    uint32_t root = Execute();
+    std::vector<bool> on_path(values_.size(), false);
+    Walk(root, "", 0, on_path);
+    return std::move(out_);
+  }
+
+ private:
+  [[noreturn]] void Fail(std::string_view problem) const {
+    throw FormatError(StrCat(what_, ": at byte ", op_pos_, ": ", problem));
+  }
+
+  [[noreturn]] void WalkFail(std::string_view problem) const {
+    throw FormatError(StrCat(what_, ": ", problem));
+  }
+
+  const unsigned char* Take(size_t n) {
+    if (data_.size() - pos_ < n) Fail("truncated pickle");
+    auto* p = reinterpret_cast<const unsigned char*>(data_.data()) + pos_;
+    pos_ += n;
+    return p;
+  }
+  uint64_t TakeLe(size_t n) {
+    const unsigned char* p = Take(n);
+    uint64_t v = 0;
+    for (size_t i = n; i > 0; --i) v = (v << 8) | p[i - 1];
+    return v;
+  }
+  std::string TakeLine() {
+    size_t end = data_.find('\n', pos_);
+    if (end == std::string_view::npos || end - pos_ > 256) Fail("bad GLOBAL operand");
+    std::string s(data_.substr(pos_, end - pos_));
+    pos_ = end + 1;
+    return s;
+  }
+
+  uint32_t New(Value v) {
+    values_.push_back(std::move(v));
+    return static_cast<uint32_t>(values_.size() - 1);
+  }
+  void Push(uint32_t v) {
+    if (stack_.size() >= kMaxStack) Fail("pickle stack too deep");
+    stack_.push_back(v);
+  }
+  uint32_t Pop() {
+    if (stack_.size() <= MarkFloor()) Fail("stack underflow");
+    uint32_t v = stack_.back();
+    stack_.pop_back();
+    return v;
+  }
+  size_t MarkFloor() const { return marks_.empty() ? 0 : marks_.back(); }
+  // Pops everything above the topmost mark, and the mark.
+  std::vector<uint32_t> PopToMark() {
+    if (marks_.empty()) Fail("no MARK on the stack");
+    size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<uint32_t> items(stack_.begin() + static_cast<ptrdiff_t>(m), stack_.end());
+    stack_.resize(m);
+    return items;
+  }
+  Value& Top() {
+    if (stack_.size() <= MarkFloor()) Fail("stack underflow");
+    return values_[stack_.back()];
+  }
+  uint32_t Tuple(std::vector<uint32_t> items) {
+    Value v;
+    v.kind = Kind::kTuple;
+    v.items = std::move(items);
+    return New(std::move(v));
+  }
+  void Memoize(uint64_t index) {
+    if (stack_.empty()) Fail("memo put with an empty stack");
+    if (memo_.size() >= kMaxMemo && !memo_.contains(index)) Fail("pickle memo too large");
+    memo_[index] = stack_.back();
+  }
+  void Get(uint64_t index) {
+    auto it = memo_.find(index);
+    if (it == memo_.end()) Fail(StrCat("memo key ", index, " was never set"));
+    Push(it->second);
+  }
+  uint32_t Scalar(Kind kind, int64_t i = 0, std::string s = {}) {
+    Value v;
+    v.kind = kind;
+    v.i = i;
+    v.s = std::move(s);
+    return New(std::move(v));
+  }
+
+  uint32_t Execute() {
+    for (;;) {
+      op_pos_ = pos_;
+      uint8_t op = *Take(1);
+      switch (op) {
+        case 0x80:  // PROTO
+          if (*Take(1) > 5) Fail("unsupported pickle protocol");
+          break;
+        case 0x95:  // FRAME: framing only
+          Take(8);
+          break;
+        case '.': {  // STOP
+          if (!marks_.empty() || stack_.size() != 1) Fail("STOP with a malformed stack");
+          return stack_.back();
+        }
+        case '(':
+          if (marks_.size() >= kMaxMarks) Fail("too many nested MARKs");
+          marks_.push_back(stack_.size());
+          break;
+        case '0':  // POP
+          Pop();
+          break;
+        case '1':  // POP_MARK
+          PopToMark();
+          break;
+        case '2': {  // DUP
+          uint32_t v = Pop();
+          Push(v);
+          Push(v);
+          break;
+        }
+        case '}': {
+          Value v;
+          v.kind = Kind::kDict;
+          Push(New(std::move(v)));
+          break;
+        }
+        case ']': {
+          Value v;
+          v.kind = Kind::kList;
+          Push(New(std::move(v)));
+          break;
+        }
+        case ')':
+          Push(Tuple({}));
+          break;
+        case 'N':
+          Push(Scalar(Kind::kNone));
+          break;
+        case 0x88:
+          Push(Scalar(Kind::kBool, 1));
+          break;
+        case 0x89:
+          Push(Scalar(Kind::kBool, 0));
+          break;
+        case 'K':
+          Push(Scalar(Kind::kInt, static_cast<int64_t>(TakeLe(1))));
+          break;
+        case 'M':
+          Push(Scalar(Kind::kInt, static_cast<int64_t>(TakeLe(2))));
+          break;
+        case 'J':
+          Push(Scalar(Kind::kInt, static_cast<int32_t>(static_cast<uint32_t>(TakeLe(4)))));
+          break;
+        case 0x8a: {  // LONG1
+          size_t n = *Take(1);
+          if (n > 8) {
+            Take(n);
+            Push(Scalar(Kind::kBigInt));
+            break;
+          }
+          uint64_t v = n == 0 ? 0 : TakeLe(n);
+          if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~0ull << (8 * n);  // sign-extend
+          Push(Scalar(Kind::kInt, static_cast<int64_t>(v)));
+          break;
+        }
+        case 'G': {  // BINFLOAT: big-endian double
+          const unsigned char* p = Take(8);
+          uint64_t bits = 0;
+          for (int i = 0; i < 8; ++i) bits = (bits << 8) | p[i];
+          Value v;
+          v.kind = Kind::kFloat;
+          v.i = static_cast<int64_t>(bits);
+          Push(New(std::move(v)));
+          break;
+        }
+        case 'X':
+        case 0x8c:
+        case 0x8d:
+        case 'B':
+        case 'C': {
+          size_t n = op == 'X' || op == 'B' ? TakeLe(4) : op == 0x8d ? TakeLe(8) : TakeLe(1);
+          if (n > data_.size() - pos_) Fail("truncated pickle");
+          const char* p = reinterpret_cast<const char*>(Take(n));
+          bool text = op == 'X' || op == 0x8c || op == 0x8d;
+          Push(Scalar(text ? Kind::kStr : Kind::kBytes, 0, std::string(p, n)));
+          break;
+        }
+        case 'q':
+          Memoize(TakeLe(1));
+          break;
+        case 'r':
+          Memoize(TakeLe(4));
+          break;
+        case 0x94:  // MEMOIZE
+          Memoize(memo_.size());
+          break;
+        case 'h':
+          Get(TakeLe(1));
+          break;
+        case 'j':
+          Get(TakeLe(4));
+          break;
+        case 't':
+          Push(Tuple(PopToMark()));
+          break;
+        case 0x85:
+        case 0x86:
+        case 0x87: {
+          size_t n = op - 0x84u;
+          std::vector<uint32_t> items(n);
+          for (size_t i = n; i > 0; --i) items[i - 1] = Pop();
+          Push(Tuple(std::move(items)));
+          break;
+        }
+        case 'a': {  // APPEND
+          uint32_t v = Pop();
+          Value& list = Top();
+          if (list.kind != Kind::kList) Fail("APPEND to something that is not a list");
+          list.items.push_back(v);
+          break;
+        }
+        case 'e': {  // APPENDS
+          std::vector<uint32_t> items = PopToMark();
+          Value& list = Top();
+          if (list.kind != Kind::kList) Fail("APPENDS to something that is not a list");
+          list.items.insert(list.items.end(), items.begin(), items.end());
+          break;
+        }
+        case 's': {  // SETITEM
+          uint32_t v = Pop();
+          uint32_t k = Pop();
+          Value& dict = Top();
+          if (dict.kind != Kind::kDict) Fail("SETITEM on something that is not a dict");
+          dict.items.push_back(k);
+          dict.items.push_back(v);
+          break;
+        }
+        case 'u': {  // SETITEMS
+          std::vector<uint32_t> items = PopToMark();
+          if (items.size() % 2 != 0) Fail("SETITEMS with an odd number of items");
+          Value& dict = Top();
+          if (dict.kind != Kind::kDict) Fail("SETITEMS on something that is not a dict");
+          dict.items.insert(dict.items.end(), items.begin(), items.end());
+          break;
+        }
+        case 'c': {  // GLOBAL
+          std::string module = TakeLine();
+          std::string name = TakeLine();
+          PushGlobal(module + "." + name);
+          break;
+        }
+        case 0x93: {  // STACK_GLOBAL
+          uint32_t name = Pop();
+          uint32_t module = Pop();
+          if (values_[name].kind != Kind::kStr || values_[module].kind != Kind::kStr) {
+            Fail("STACK_GLOBAL operands are not strings");
+          }
+          PushGlobal(values_[module].s + "." + values_[name].s);
+          break;
+        }
+        case 'Q':  // BINPERSID
+          Push(PersistentLoad(Pop()));
+          break;
+        case 'R': {  // REDUCE
+          uint32_t args = Pop();
+          uint32_t callable = Pop();
+          Push(Reduce(callable, args));
+          break;
+        }
+        default:
+          Fail(StrCat("unsupported pickle opcode 0x", std::hex, int{op},
+                      " (not one torch.save emits for state dicts)"));
+      }
+    }
+  }
+
+  void PushGlobal(std::string name) {
+    if (!Allowed(name)) {
+      Fail(StrCat("global '", name,
+                  "' is not allowed (only the tensor, storage, dtype and container types "
+                  "torch.load(weights_only=True) accepts)"));
+    }
+    Push(Scalar(Kind::kGlobal, 0, std::move(name)));
+  }
+
+  const Value& Arg(const std::vector<uint32_t>& args, size_t i, Kind kind, std::string_view what) {
+    const Value& v = values_[args[i]];
+    if (v.kind != kind) Fail(StrCat(what, " has the wrong type"));
+    return v;
+  }
+
+  std::vector<int64_t> IntTuple(uint32_t index, std::string_view what) {
+    const Value& v = values_[index];
+    if (v.kind != Kind::kTuple) Fail(StrCat(what, " is not a tuple"));
+    if (v.items.size() > kMaxRank) Fail(StrCat(what, " has more than ", kMaxRank, " dimensions"));
+    std::vector<int64_t> out;
+    for (uint32_t item : v.items) {
+      if (values_[item].kind != Kind::kInt || values_[item].i < 0) {
+        Fail(StrCat(what, " holds something other than a non-negative int"));
+      }
+      out.push_back(values_[item].i);
+    }
+    return out;
+  }
+
+  uint32_t PersistentLoad(uint32_t pid) {
+    const Value& t = values_[pid];
+    if (t.kind != Kind::kTuple || t.items.size() != 5) {
+      Fail("persistent id is not a ('storage', type, key, location, numel) tuple");
+    }
+    const auto& a = t.items;
+    if (values_[a[0]].kind != Kind::kStr || values_[a[0]].s != "storage") {
+      Fail("persistent id does not start with 'storage'");
+    }
+    const Value& type = Arg(a, 1, Kind::kGlobal, "storage type");
+    const Value& key = Arg(a, 2, Kind::kStr, "storage key");
+    const Value& location = Arg(a, 3, Kind::kStr, "storage location");
+    const Value& numel = Arg(a, 4, Kind::kInt, "storage size");
+    std::string_view type_name = std::string_view(type.s).substr(type.s.rfind('.') + 1);
+    std::string_view dtype = Lookup(kStorageTypes, std::size(kStorageTypes), type_name);
+    if (dtype.empty()) Fail(StrCat("'", type.s, "' is not a storage type"));
+    if (key.s.empty() || key.s.size() > 64 ||
+        key.s.find_first_not_of(
+            "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_") !=
+            std::string::npos) {
+      Fail("storage key is not a plain name");
+    }
+    if (numel.i < 0) Fail("negative storage size");
+    if (location.s.size() > 64) Fail("storage location too long");
+    unsigned itemsize = TorchDtypeBytes(dtype);
+    auto n = static_cast<uint64_t>(numel.i);
+    if (n > UINT64_MAX / itemsize) Fail("storage size overflows");
+    TorchStorage s{key.s, std::string(dtype), n, n * itemsize, location.s};
+    auto [it, inserted] = out_.storages.emplace(key.s, s);
+    if (!inserted && (it->second.nbytes != s.nbytes || it->second.dtype != s.dtype)) {
+      Fail(StrCat("storage '", key.s, "' is described twice, differently"));
+    }
+    return Scalar(Kind::kStorage, 0, key.s);
+  }
+
+  uint32_t MakeTensor(const std::vector<uint32_t>& a, std::string dtype) {
+    const Value& storage = Arg(a, 0, Kind::kStorage, "tensor storage");
+    const Value& offset = Arg(a, 1, Kind::kInt, "tensor storage offset");
+    TorchTensor t;
+    t.storage_key = storage.s;
+    t.storage_offset = offset.i;
+    if (t.storage_offset < 0) Fail("negative storage offset");
+    t.shape = IntTuple(a[2], "tensor size");
+    t.stride = IntTuple(a[3], "tensor stride");
+    if (t.shape.size() != t.stride.size()) Fail("tensor size and stride differ in length");
+    t.requires_grad = Arg(a, 4, Kind::kBool, "requires_grad").i != 0;
+    const TorchStorage& s = out_.storages.at(storage.s);
+    if (dtype.empty()) dtype = s.dtype;
+    t.dtype = std::move(dtype);
+    // The furthest byte the tensor touches must lie inside its storage.
+    unsigned itemsize = TorchDtypeBytes(t.dtype);
+    using U = unsigned __int128;
+    U last = static_cast<U>(t.storage_offset);
+    bool empty = false;
+    for (size_t i = 0; i < t.shape.size(); ++i) {
+      if (t.shape[i] == 0) empty = true;
+      if (t.shape[i] > 0) last += static_cast<U>(t.shape[i] - 1) * static_cast<U>(t.stride[i]);
+    }
+    if (!empty && (last + 1) * itemsize > static_cast<U>(s.nbytes)) {
+      Fail(StrCat("tensor reaches past the end of storage '", s.key, "' (", s.nbytes, " bytes)"));
+    }
+    tensors_.push_back(std::move(t));
+    return Scalar(Kind::kTensor, static_cast<int64_t>(tensors_.size() - 1));
+  }
+
+  uint32_t Reduce(uint32_t callable, uint32_t args_index) {
+    if (values_[callable].kind != Kind::kGlobal) Fail("REDUCE of something that is not a global");
+    if (values_[args_index].kind != Kind::kTuple) Fail("REDUCE arguments are not a tuple");
+    const std::string& f = values_[callable].s;
+    std::vector<uint32_t> a = values_[args_index].items;  // copy: New() may move values_
+    auto need = [&](size_t lo, size_t hi) {
+      if (a.size() < lo || a.size() > hi) Fail(StrCat("wrong number of arguments to ", f));
+    };
+    if (f == "collections.OrderedDict") {
+      need(0, 0);
+      Value v;
+      v.kind = Kind::kDict;
+      return New(std::move(v));
+    }
+    if (f == "torch._utils._rebuild_tensor_v2") {
+      need(6, 7);
+      return MakeTensor(a, "");
+    }
+    if (f == "torch._utils._rebuild_tensor_v3") {
+      need(7, 8);
+      const Value& dtype = Arg(a, 6, Kind::kGlobal, "tensor dtype");
+      std::string_view name = std::string_view(dtype.s).substr(dtype.s.rfind('.') + 1);
+      std::string_view ours = Lookup(kDtypes, std::size(kDtypes), name);
+      if (ours.empty()) Fail(StrCat("'", dtype.s, "' is not a supported dtype"));
+      return MakeTensor(a, std::string(ours));
+    }
+    if (f == "torch._utils._rebuild_parameter" ||
+        f == "torch._utils._rebuild_parameter_with_state") {
+      need(f.ends_with("state") ? 4 : 3, f.ends_with("state") ? 4 : 3);
+      const Value& data = Arg(a, 0, Kind::kTensor, "parameter data");
+      TorchTensor t = tensors_[static_cast<size_t>(data.i)];
+      t.requires_grad = Arg(a, 1, Kind::kBool, "requires_grad").i != 0;
+      t.parameter = true;
+      tensors_.push_back(std::move(t));
+      return Scalar(Kind::kTensor, static_cast<int64_t>(tensors_.size() - 1));
+    }
+    if (f == "torch.Size") {
+      need(1, 1);
+      IntTuple(a[0], "torch.Size argument");
+      return a[0];
+    }
+    if (f == "torch.device") {
+      need(1, 2);
+      if (Arg(a, 0, Kind::kStr, "device type").s.size() > 64) Fail("device name too long");
+      std::string d = values_[a[0]].s;
+      if (a.size() == 2) d += StrCat(":", Arg(a, 1, Kind::kInt, "device index").i);
+      return Scalar(Kind::kStr, 0, std::move(d));
+    }
+    if (f == "_codecs.encode") {
+      need(2, 2);
+      Arg(a, 0, Kind::kStr, "bytes text");
+      return Scalar(Kind::kBytes);  // content unused: not copying it keeps memory linear
+    }
+    if (f.ends_with(".set") || f.ends_with(".frozenset") || f.ends_with(".bytearray")) {
+      need(0, 1);
+      bool bytes = f.ends_with(".bytearray");
+      if (a.empty()) {
+        Value v;
+        v.kind = bytes ? Kind::kBytes : Kind::kList;
+        return New(std::move(v));
+      }
+      // The argument itself stands for the result: copying it would let a short pickle that
+      // calls set(big_list) many times allocate quadratically.
+      if (values_[a[0]].kind != (bytes ? Kind::kBytes : Kind::kList)) {
+        Fail(StrCat(f, " argument has the wrong type"));
+      }
+      return a[0];
+    }
+    Fail(StrCat("'", f, "' cannot be called"));
+  }
+
+  // Collects tensors depth-first with their key paths. Shared subtrees are walked each time they
+  // appear (bounded by kMaxVisits); cycles are an error.
+  void Walk(uint32_t index, const std::string& path, size_t depth, std::vector<bool>& on_path) {
+    if (++visits_ > kMaxVisits) WalkFail("object graph too large to walk");
+    if (path.size() > kMaxPath) WalkFail(StrCat("key path longer than ", kMaxPath, " bytes"));
+    if (depth > kMaxDepth) WalkFail(StrCat("nesting deeper than ", kMaxDepth, " at '", path, "'"));
+    const Value& v = values_[index];
+    auto child = [&](const std::string& key) { return path.empty() ? key : path + "." + key; };
+    switch (v.kind) {
+      case Kind::kTensor: {
+        if (out_.tensors.size() >= kMaxTensors) WalkFail("more than 1048576 tensors");
+        TorchTensor t = tensors_[static_cast<size_t>(v.i)];
+        t.path = path;
+        out_.tensors.push_back(std::move(t));
+        return;
+      }
+      case Kind::kList:
+      case Kind::kTuple:
+      case Kind::kDict:
+        break;
+      case Kind::kStorage:
+        WalkFail(StrCat("a bare storage at '", path, "' (only tensors are supported)"));
+      default:
+        ++out_.other_values;
+        return;
+    }
+    if (on_path[index]) WalkFail(StrCat("the object at '", path, "' contains itself"));
+    on_path[index] = true;
+    const std::vector<uint32_t>& items = v.items;  // values_ does not change during the walk
+    if (v.kind == Kind::kDict) {
+      for (size_t i = 0; i + 1 < items.size(); i += 2) {
+        const Value& k = values_[items[i]];
+        std::string key = k.kind == Kind::kStr   ? k.s
+                          : k.kind == Kind::kInt ? std::to_string(k.i)
+                                                 : std::string("<key>");
+        Walk(items[i + 1], child(key), depth + 1, on_path);
+      }
+    } else {
+      for (size_t i = 0; i < items.size(); ++i) {
+        Walk(items[i], child(std::to_string(i)), depth + 1, on_path);
+      }
+    }
+    on_path[index] = false;
+  }
+
+  std::string_view data_;
+  std::string what_;
+  size_t pos_ = 0;
+  size_t op_pos_ = 0;
+  std::vector<Value> values_;
+  std::vector<uint32_t> stack_;
+  std::vector<size_t> marks_;
+  std::unordered_map<uint64_t, uint32_t> memo_;
+  std::vector<TorchTensor> tensors_;  // every tensor built, by kTensor value
+  uint64_t visits_ = 0;
+  TorchPickle out_;
+};
+
+}  // namespace
+
+unsigned TorchDtypeBytes(std::string_view dtype) {
+  if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype.starts_with("F8_")) return 1;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64" || dtype == "C64") return 8;
+  if (dtype == "C128") return 16;
+  return 0;
+}
+
+bool TorchTensor::contiguous() const {
+  uint64_t expected = 1;  // unsigned: empty tensors may have absurd sizes that would overflow
+  for (size_t i = shape.size(); i > 0; --i) {
+    if (shape[i - 1] == 0) return true;
+    if (shape[i - 1] != 1 && static_cast<uint64_t>(stride[i - 1]) != expected) return false;
+    expected *= static_cast<uint64_t>(shape[i - 1]);
+  }
+  return true;
+}
+
+uint64_t TorchTensor::nbytes() const {
+  uint64_t n = TorchDtypeBytes(dtype);
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+TorchPickle ParseTorchPickle(std::string_view data, const std::string& what) {
+  return Vm(data, what).Run();
+}
+
+}  // namespace tensortier

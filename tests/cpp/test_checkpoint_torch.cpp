@@ -1,0 +1,202 @@
+// The restricted torch pickle reader and the torch.save zip reader: real files from torch.save,
+// and hand-made pickles for every refusal (disallowed globals, cycles, truncation, bad tensors).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "tensortier/byte_source.hpp"
+#include "tensortier/format_error.hpp"
+#include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/torch_pickle.hpp"
+#include "test_util.hpp"
+
+namespace tensortier {
+namespace {
+
+using namespace std::string_literals;  // pickles hold NUL bytes
+
+std::string Fixture(const std::string& name) {
+  return (std::filesystem::path(__FILE__).parent_path() / "../data/checkpoint" / name).string();
+}
+
+TorchCheckpoint ReadFixture(const std::string& name) {
+  return ReadTorchCheckpoint(FileSource(File::Open(Fixture(name), OpenMode::kRead, false)));
+}
+
+::testing::AssertionResult PickleRejects(const std::string& pickle, const std::string& needle) {
+  try {
+    ParseTorchPickle(pickle, "test.pkl");
+  } catch (const FormatError& e) {
+    if (std::string(e.what()).find(needle) != std::string::npos) {
+      return ::testing::AssertionSuccess();
+    }
+    return ::testing::AssertionFailure() << "message '" << e.what() << "' lacks '" << needle << "'";
+  }
+  return ::testing::AssertionFailure() << "accepted (wanted '" << needle << "')";
+}
+
+const TorchTensor& Get(const TorchPickle& p, const std::string& path) {
+  for (const auto& t : p.tensors) {
+    if (t.path == path) return t;
+  }
+  throw std::runtime_error("no tensor " + path);
+}
+
+TEST(CheckpointTorch, ReadsTorchSaveFile) {
+  TorchCheckpoint c = ReadFixture("small.pt");
+  EXPECT_EQ(c.prefix, "small");
+  const TorchPickle& p = c.pickle;
+  ASSERT_EQ(p.tensors.size(), 7u);
+  const TorchTensor& w = Get(p, "model.layer.weight");
+  EXPECT_EQ(w.dtype, "F32");
+  EXPECT_EQ(w.shape, (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(w.stride, (std::vector<int64_t>{3, 1}));
+  EXPECT_TRUE(w.contiguous());
+  EXPECT_EQ(Get(p, "model.layer.bias").dtype, "BF16");
+  EXPECT_EQ(Get(p, "model.mask").dtype, "BOOL");
+  const TorchTensor& base = Get(p, "shared.base");
+  const TorchTensor& view = Get(p, "shared.view");
+  EXPECT_EQ(base.storage_key, view.storage_key);
+  EXPECT_EQ(view.storage_offset, 4);
+  EXPECT_EQ(view.shape, (std::vector<int64_t>{2, 3}));
+  const TorchTensor& param = Get(p, "param");
+  EXPECT_TRUE(param.parameter);
+  EXPECT_TRUE(param.requires_grad);
+  EXPECT_EQ(param.dtype, "F64");
+  EXPECT_EQ(Get(p, "list.4").dtype, "I32");
+  EXPECT_EQ(p.other_values, 8u);  // step, lr, name, 1, 2, 3, None, True
+  EXPECT_EQ(p.storages.size(), 6u);
+  const TorchStorage& s = p.storages.at(base.storage_key);
+  EXPECT_EQ(s.nbytes, 48u);
+  EXPECT_EQ(s.location, "cpu");
+  EXPECT_EQ(s.data_offset % 64, 0u);
+}
+
+TEST(CheckpointTorch, RefusesDisallowedGlobalsInAFile) {
+  try {
+    ReadFixture("evil.pt");
+    ADD_FAILURE() << "accepted a pickle calling os.system";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("global 'posix.system' is not allowed"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CheckpointTorch, RefusesLegacyCompressedAndNonTorchFiles) {
+  try {
+    ReadFixture("legacy.pt");
+    ADD_FAILURE();
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("legacy torch.save format"), std::string::npos);
+  }
+  try {
+    ReadFixture("deflated.zip");
+    ADD_FAILURE();
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("is compressed"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ReadFixture("small.safetensors"), FormatError);
+}
+
+TEST(CheckpointTorch, RefusesMissingAndShortStorageEntries) {
+  std::vector<uint8_t> bytes = testing::ReadWholeFile(Fixture("small.pt"));
+  std::string s(bytes.begin(), bytes.end());
+  // Rename every "small/data/3" (local and central) so the storage's entry is missing.
+  for (size_t pos = 0; (pos = s.find("small/data/3", pos)) != std::string::npos; ++pos) {
+    s[pos + 11] = '9';
+  }
+  try {
+    ReadTorchCheckpoint(MemorySource(s.data(), s.size(), "renamed.pt"));
+    ADD_FAILURE();
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing entry 'small/data/3'"), std::string::npos)
+        << e.what();
+  }
+}
+
+// Protocol 2 pickles written by hand: "\x80\x02" ... "."
+const std::string kProto = "\x80\x02"s;
+
+TEST(CheckpointTorch, ParsesPlainContainers) {
+  // {'a': [1, -2, 3.5, None, True], 'b': (b'x',)} with a BINPUT/BINGET pair.
+  std::string p = kProto +
+                  "}q\x00(X\x01\x00\x00\x00"s
+                  "a]q\x01(K\x01J\xfe\xff\xff\xff" +
+                  "G\x40\x0c\x00\x00\x00\x00\x00\x00"s +
+                  "N\x88"
+                  "eX\x01\x00\x00\x00"s
+                  "bC\x01x\x85u.";
+  TorchPickle r = ParseTorchPickle(p);
+  EXPECT_TRUE(r.tensors.empty());
+  EXPECT_EQ(r.other_values, 6u);
+}
+
+TEST(CheckpointTorch, RefusesDisallowedGlobalsAndCalls) {
+  EXPECT_TRUE(PickleRejects(kProto + "cposix\nsystem\n.", "global 'posix.system' is not allowed"));
+  EXPECT_TRUE(
+      PickleRejects(kProto + "c__builtin__\neval\n.", "global '__builtin__.eval' is not allowed"));
+  EXPECT_TRUE(PickleRejects(kProto + "cbuiltins\ngetattr\n.", "not allowed"));
+  EXPECT_TRUE(PickleRejects(kProto + "ctorch\nload\n.", "global 'torch.load' is not allowed"));
+  EXPECT_TRUE(PickleRejects(kProto + "ctorch._utils\n_rebuild_qtensor\n.", "not allowed"));
+  EXPECT_TRUE(PickleRejects(kProto + "ctorch\nfloat32\n)R.", "'torch.float32' cannot be called"));
+  EXPECT_TRUE(PickleRejects(kProto + "X\x02\x00\x00\x00osX\x06\x00\x00\x00system\x93."s,
+                            "global 'os.system' is not allowed"));
+}
+
+TEST(CheckpointTorch, RefusesMalformedPickles) {
+  EXPECT_TRUE(PickleRejects("", "truncated"));
+  EXPECT_TRUE(PickleRejects(kProto, "truncated"));
+  EXPECT_TRUE(PickleRejects(kProto + "X\xff\xff\xff\x7f"
+                                     "abc",
+                            "truncated"));
+  EXPECT_TRUE(PickleRejects(kProto + "a.", "stack underflow"));
+  EXPECT_TRUE(PickleRejects(kProto + "(K\x01u.", "odd number"));
+  EXPECT_TRUE(PickleRejects(kProto + "h\x05.", "memo key 5 was never set"));
+  EXPECT_TRUE(PickleRejects(kProto + "K\x01K\x02.", "STOP with a malformed stack"));
+  EXPECT_TRUE(PickleRejects(kProto + "b.", "unsupported pickle opcode 0x62"));
+  EXPECT_TRUE(PickleRejects(kProto + "c\n.", "bad GLOBAL operand"));
+  EXPECT_TRUE(PickleRejects(kProto + "K\x00K\x01K\x02s."s, "not a dict"));
+  EXPECT_TRUE(PickleRejects(kProto + "K\x01Q.", "persistent id is not"));
+}
+
+TEST(CheckpointTorch, RefusesCyclesAndDeepNesting) {
+  // l = []; l.append(l)
+  EXPECT_TRUE(PickleRejects(kProto + "]q\x00h\x00"s
+                                     "a.",
+                            "contains itself"));
+  std::string deep = kProto;
+  for (int i = 0; i < 300; ++i) deep += "]q\x00"s;
+  for (int i = 0; i < 299; ++i) deep += "a";
+  deep += ".";
+  EXPECT_TRUE(PickleRejects(deep, "nesting deeper than 256"));
+  // A million MARKs never reach the end: bounded, with a clear error.
+  EXPECT_TRUE(PickleRejects(kProto + std::string(100000, '('), "too many nested MARKs"));
+}
+
+// ('storage', torch.FloatStorage, '0', 'cpu', numel) rebuilt as a tensor of `size`/`stride`.
+std::string TensorPickle(int numel, int offset, int size, int stride) {
+  std::string p = kProto + "ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage"s +
+                  "ctorch\nFloatStorage\nX\x01\x00\x00\x00"s
+                  "0X\x03\x00\x00\x00"s
+                  "cpuK" +
+                  static_cast<char>(numel) + "tQK" + static_cast<char>(offset) + "K" +
+                  static_cast<char>(size) + "\x85K" + static_cast<char>(stride) +
+                  "\x85\x89"
+                  "ccollections\nOrderedDict\n)RtR.";
+  return p;
+}
+
+TEST(CheckpointTorch, ChecksTensorsAgainstTheirStorage) {
+  TorchPickle ok = ParseTorchPickle(TensorPickle(10, 2, 4, 2));
+  ASSERT_EQ(ok.tensors.size(), 1u);
+  EXPECT_EQ(ok.tensors[0].path, "");
+  EXPECT_FALSE(ok.tensors[0].contiguous());
+  EXPECT_EQ(ok.storages.at("0").nbytes, 40u);
+  EXPECT_TRUE(PickleRejects(TensorPickle(10, 2, 5, 2), "reaches past the end of storage '0'"));
+  EXPECT_TRUE(PickleRejects(TensorPickle(10, 10, 1, 1), "reaches past the end"));
+  EXPECT_NO_THROW(ParseTorchPickle(TensorPickle(10, 10, 0, 1)));  // empty tensors touch nothing
+}
+
+}  // namespace
+}  // namespace tensortier

@@ -1,0 +1,390 @@
+// `tensortier info|verify|convert`: inspect, check and convert checkpoint files (safetensors and
+// torch.save zip). Tensor bytes move through the engine; headers go through the parsers in
+// src/checkpoint, which validate everything before any data is touched.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+
+#include "cli.hpp"
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/byte_source.hpp"
+#include "tensortier/checksum.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/format_error.hpp"
+#include "tensortier/json.hpp"
+#include "tensortier/safetensors.hpp"
+#include "tensortier/strings.hpp"
+#include "tensortier/torch_checkpoint.hpp"
+
+namespace tensortier::cli {
+namespace {
+
+constexpr const char* kChecksumKey = "tensortier.xxh64";
+constexpr uint64_t kChunk = 16u << 20;
+
+enum class Format { kSafetensors, kTorch };
+
+// By content, not by name: a zip is a torch file, a JSON object after 8 bytes is safetensors, a
+// pickle stream is a legacy torch file (refused with its own message); anything else gets the
+// safetensors parser's diagnosis.
+Format Detect(const FileSource& source) {
+  if (LooksLikeZip(source)) return Format::kTorch;
+  unsigned char head[9] = {};
+  if (source.size() >= sizeof(head)) source.ReadAt(0, head, sizeof(head));
+  if (head[8] != '{' && head[0] == 0x80) return Format::kTorch;
+  return Format::kSafetensors;
+}
+
+// One tensor's bytes in a file, for info, verify and convert alike.
+struct Item {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  uint64_t offset = 0;  // absolute file offset of the first byte
+  uint64_t nbytes = 0;
+};
+
+std::string ShapeString(const std::vector<uint64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += StrCat(i ? ", " : "", shape[i]);
+  return s + "]";
+}
+
+// The largest power of two (up to 4096) dividing every non-empty tensor's file offset.
+uint64_t DataAlignment(const std::vector<Item>& items) {
+  uint64_t a = 4096;
+  for (const auto& it : items) {
+    while (it.nbytes > 0 && it.offset % a != 0) a >>= 1;
+  }
+  return a;
+}
+
+// Streams [offset, offset+length) through two buffers: the engine fills one while `consume`
+// reads the other.
+void Stream(Engine& engine, const File& file, uint64_t offset, uint64_t length,
+            AlignedBuffer (&bufs)[2],
+            const std::function<void(const std::byte*, size_t)>& consume) {
+  if (length == 0) return;
+  auto submit = [&](uint64_t done, int slot) {
+    uint64_t n = std::min<uint64_t>(kChunk, length - done);
+    return std::pair(engine.Read(file, bufs[slot].data(), n, offset + done), n);
+  };
+  auto pending = submit(0, 0);
+  int slot = 0;
+  for (uint64_t done = 0; done < length;) {
+    IoResult r = pending.first.Wait();
+    uint64_t n = pending.second;
+    if (r.bytes != n) {
+      throw FormatError(
+          StrCat(file.path(), ": truncated: end of file at offset ", offset + done + r.bytes));
+    }
+    if (done + n < length) pending = submit(done + n, 1 - slot);
+    consume(bufs[slot].data(), n);
+    done += n;
+    slot = 1 - slot;
+  }
+}
+
+struct Loaded {
+  Format format;
+  std::vector<Item> items;
+  SafetensorsFileInfo st;
+  TorchCheckpoint torch;
+};
+
+Loaded Load(const std::string& path) {
+  FileSource source(File::Open(path, OpenMode::kRead, false));
+  Loaded out;
+  out.format = Detect(source);
+  if (out.format == Format::kSafetensors) {
+    out.st = ReadSafetensorsHeader(source);
+    for (const auto& e : out.st.header.entries) {
+      out.items.push_back({e.name, e.dtype, e.shape, out.st.data_start + e.begin, e.end - e.begin});
+    }
+    return out;
+  }
+  out.torch = ReadTorchCheckpoint(source);
+  for (const auto& t : out.torch.pickle.tensors) {
+    const TorchStorage& s = out.torch.pickle.storages.at(t.storage_key);
+    std::vector<uint64_t> shape(t.shape.begin(), t.shape.end());
+    out.items.push_back(
+        {t.path, t.dtype, shape,
+         s.data_offset + static_cast<uint64_t>(t.storage_offset) * TorchDtypeBytes(t.dtype),
+         t.nbytes()});
+  }
+  return out;
+}
+
+int RunInfoImpl(const std::vector<std::string>& argv) {
+  Args args(argv, {}, {"shapes"});
+  if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier info FILE");
+  const std::string& path = args.positionals()[0];
+  unsigned show = args.Unsigned("shapes", 20);
+  Loaded l = Load(path);
+  uint64_t total = 0;
+  std::map<std::string, uint64_t> dtypes;
+  for (const auto& it : l.items) {
+    total += it.nbytes;
+    ++dtypes[it.dtype];
+  }
+  std::printf("file:      %s\n", path.c_str());
+  if (l.format == Format::kSafetensors) {
+    std::printf("format:    safetensors (header %llu bytes, data at offset %llu)\n",
+                static_cast<unsigned long long>(l.st.data_start - 8),
+                static_cast<unsigned long long>(l.st.data_start));
+  } else {
+    std::printf("format:    torch.save zip (folder '%s', %zu storages, %zu non-tensor values%s)\n",
+                l.torch.prefix.c_str(), l.torch.pickle.storages.size(),
+                static_cast<size_t>(l.torch.pickle.other_values),
+                l.torch.zip.zip64 ? ", zip64" : "");
+  }
+  std::printf("tensors:   %zu\n", l.items.size());
+  std::printf("bytes:     %llu\n", static_cast<unsigned long long>(total));
+  std::string dt;
+  for (const auto& [name, count] : dtypes) dt += StrCat(dt.empty() ? "" : ", ", name, " x", count);
+  std::printf("dtypes:    %s\n", dt.c_str());
+  std::printf("alignment: %llu (largest power of two dividing every tensor's offset, max 4096)\n",
+              static_cast<unsigned long long>(DataAlignment(l.items)));
+  if (l.format == Format::kSafetensors) {
+    std::printf("metadata:  %zu keys\n", l.st.header.metadata.size());
+    for (const auto& [k, v] : l.st.header.metadata) {
+      std::string shown = v.size() > 200 ? v.substr(0, 200) + "..." : v;
+      std::printf("  %s = %s\n", k.c_str(), shown.c_str());
+    }
+  }
+  std::printf("shapes (%s):\n", l.items.size() > show ? StrCat("first ", show).c_str() : "all");
+  for (size_t i = 0; i < l.items.size() && i < show; ++i) {
+    const Item& it = l.items[i];
+    std::printf("  %-40s %-6s %-20s offset %llu\n", it.name.c_str(), it.dtype.c_str(),
+                ShapeString(it.shape).c_str(), static_cast<unsigned long long>(it.offset));
+  }
+  if (l.items.size() > show) {
+    std::printf("  ... %zu more (--shapes N shows more)\n", l.items.size() - show);
+  }
+  return 0;
+}
+
+int RunVerifyImpl(const std::vector<std::string>& argv) {
+  Args args(argv, {}, {});
+  if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier verify FILE");
+  const std::string& path = args.positionals()[0];
+  Loaded l = Load(path);  // throws on any structural problem
+  std::printf("%s: structure OK (%s, %zu tensors)\n", path.c_str(),
+              l.format == Format::kSafetensors ? "safetensors" : "torch.save zip", l.items.size());
+  Engine engine;
+  File file = File::Open(path, OpenMode::kRead, true);
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
+  std::vector<std::string> problems;
+  uint64_t checked = 0;
+  uint64_t unrecorded = 0;  // torch zip entries whose CRC-32 field is 0
+  if (l.format == Format::kSafetensors) {
+    auto it = l.st.header.metadata.find(kChecksumKey);
+    if (it == l.st.header.metadata.end()) {
+      std::printf("%s: no checksums (metadata key %s); data not checked\n", path.c_str(),
+                  kChecksumKey);
+      return 0;
+    }
+    std::map<std::string, std::string> sums = ParseJsonStringMap(it->second, kChecksumKey);
+    std::map<std::string, const Item*> by_name;
+    for (const auto& item : l.items) by_name[item.name] = &item;
+    for (const auto& [name, hex] : sums) {
+      if (!by_name.contains(name))
+        problems.push_back(StrCat("checksum for unknown tensor '", name, "'"));
+    }
+    for (const auto& item : l.items) {
+      auto s = sums.find(item.name);
+      if (s == sums.end()) {
+        problems.push_back(StrCat("tensor '", item.name, "' has no checksum"));
+        continue;
+      }
+      if (s->second.size() != 16 ||
+          s->second.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) {
+        problems.push_back(
+            StrCat("tensor '", item.name, "': checksum '", s->second, "' is not 16 hex digits"));
+        continue;
+      }
+      Xxh64State h;
+      Stream(engine, file, item.offset, item.nbytes, bufs,
+             [&](const std::byte* p, size_t n) { h.Update(p, n); });
+      uint64_t want = std::stoull(s->second, nullptr, 16);
+      if (h.Digest() != want) {
+        problems.push_back(StrCat("tensor '", item.name, "': xxh64 mismatch (stored ", s->second,
+                                  ", data has ", Hex16(h.Digest()), ")"));
+      }
+      ++checked;
+    }
+  } else {
+    for (const auto& e : l.torch.zip.entries) {
+      RequireStored(e, path);
+      // torch.save(compute_crc32=False) and tensortier.save(checksum=False) record 0: nothing to
+      // check against, which is not corruption (torch.load never checks CRCs either).
+      if (e.crc32 == 0 && e.size > 0) {
+        ++unrecorded;
+        continue;
+      }
+      uint32_t crc = 0;
+      Stream(engine, file, e.data_offset, e.size, bufs,
+             [&](const std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
+      if (crc != e.crc32) {
+        problems.push_back(StrCat("entry '", e.name, "': CRC-32 mismatch (stored ", e.crc32,
+                                  ", data has ", crc, ")"));
+      }
+      ++checked;
+    }
+  }
+  if (unrecorded > 0) {
+    std::printf("%s: %llu zip entries record no CRC-32 (saved without checksums): not checked\n",
+                path.c_str(), static_cast<unsigned long long>(unrecorded));
+  }
+  for (const auto& p : problems) std::fprintf(stderr, "%s: %s\n", path.c_str(), p.c_str());
+  if (!problems.empty()) {
+    std::fprintf(stderr, "%s: verify FAILED (%zu problems)\n", path.c_str(), problems.size());
+    return 1;
+  }
+  std::printf("%s: data OK (%llu %s checked)\n", path.c_str(),
+              static_cast<unsigned long long>(checked),
+              l.format == Format::kSafetensors ? "tensor checksums" : "zip entry CRCs");
+  return 0;
+}
+
+// A temporary file next to the destination, removed unless Commit() renamed it into place.
+class PendingFile {
+ public:
+  explicit PendingFile(std::string final_path)
+      : final_(std::move(final_path)), temp_(StrCat(final_, ".tmp.", getpid())) {}
+  ~PendingFile() {
+    if (!committed_) unlink(temp_.c_str());
+  }
+  PendingFile(const PendingFile&) = delete;
+  PendingFile& operator=(const PendingFile&) = delete;
+  const std::string& temp() const { return temp_; }
+  // fsync'd data, then an atomic rename, then the directory entry made durable.
+  void Commit(const File& file) {
+    file.DataSync();
+    if (rename(temp_.c_str(), final_.c_str()) != 0) ThrowIoError(errno, "rename", temp_);
+    committed_ = true;
+    std::string dir = std::filesystem::path(final_).parent_path().string();
+    int fd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+      fsync(fd);
+      close(fd);
+    }
+  }
+
+ private:
+  std::string final_;
+  std::string temp_;
+  bool committed_ = false;
+};
+
+int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std::string& out) {
+  std::vector<SafetensorsEntry> entries;
+  std::map<std::string, std::string> sums;
+  uint64_t data = 0;
+  for (const auto& t : l.torch.pickle.tensors) {
+    if (SafetensorsDtypeBits(t.dtype) == 0) {
+      throw std::invalid_argument(
+          StrCat("tensor '", t.path, "' has dtype ", t.dtype, ", which safetensors cannot store"));
+    }
+    if (!t.contiguous()) {
+      throw std::invalid_argument(StrCat("tensor '", t.path,
+                                         "' is not contiguous; convert copies only contiguous "
+                                         "tensors (call .contiguous() before torch.save)"));
+    }
+    entries.push_back({t.path, t.dtype, {t.shape.begin(), t.shape.end()}, data, data + t.nbytes()});
+    data += t.nbytes();
+    sums[t.path] = "0000000000000000";  // fixed width: the header size does not change later
+  }
+  auto header_for = [&] {
+    std::string json = "{";
+    for (const auto& [k, v] : sums)
+      json += StrCat(json.size() > 1 ? "," : "", JsonQuote(k), ":", JsonQuote(v));
+    json += "}";
+    return SerializeSafetensorsHeader(entries, {{"format", "pt"}, {kChecksumKey, json}}, 4096);
+  };
+  std::string header = header_for();
+  uint64_t data_start = header.size();
+
+  Engine engine;
+  File src = File::Open(in, OpenMode::kRead, true);
+  PendingFile pending(out);
+  File dst = File::Open(pending.temp(), OpenMode::kWrite, true);
+  dst.Allocate(0, data_start + data);
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
+  for (size_t i = 0; i < l.items.size(); ++i) {
+    const Item& item = l.items[i];
+    Xxh64State h;
+    uint64_t written = 0;
+    // Stream reads the next chunk into the other buffer meanwhile; this one is free again once
+    // its write completes, before Stream refills it.
+    Stream(engine, src, item.offset, item.nbytes, bufs, [&](const std::byte* p, size_t n) {
+      h.Update(p, n);
+      engine.Write(dst, p, n, data_start + entries[i].begin + written).Wait();
+      written += n;
+    });
+    sums[item.name] = Hex16(h.Digest());
+  }
+  header = header_for();
+  if (header.size() != data_start) throw std::logic_error("convert: header size changed");
+  engine.Write(dst, header.data(), header.size(), 0).Wait();
+  pending.Commit(dst);
+  std::printf("%s -> %s: %zu tensors, %llu data bytes at offset %llu (xxh64 checksums in %s)\n",
+              in.c_str(), out.c_str(), entries.size(), static_cast<unsigned long long>(data),
+              static_cast<unsigned long long>(data_start), kChecksumKey);
+  if (l.torch.pickle.other_values > 0) {
+    std::fprintf(stderr,
+                 "note: %llu non-tensor values were not converted (safetensors holds only "
+                 "tensors)\n",
+                 static_cast<unsigned long long>(l.torch.pickle.other_values));
+  }
+  return 0;
+}
+
+int RunConvertImpl(const std::vector<std::string>& argv) {
+  Args args(argv, {}, {});
+  if (args.positionals().size() != 2) {
+    throw std::invalid_argument("usage: tensortier convert IN OUT");
+  }
+  const std::string& in = args.positionals()[0];
+  const std::string& out = args.positionals()[1];
+  Loaded l = Load(in);
+  if (l.format == Format::kTorch) return ConvertTorchToSafetensors(l, in, out);
+  throw std::invalid_argument("convert: safetensors -> torch is not implemented yet");
+}
+
+// Format errors are the user's file, not a crash: one line, exit status 1.
+int Guard(const char* command, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const FormatError& e) {
+    std::fprintf(stderr, "tensortier %s: %s\n", command, e.what());
+    return 1;
+  }
+}
+
+}  // namespace
+
+std::string Hex16(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+int RunInfo(const std::vector<std::string>& argv) {
+  return Guard("info", [&] { return RunInfoImpl(argv); });
+}
+int RunVerify(const std::vector<std::string>& argv) {
+  return Guard("verify", [&] { return RunVerifyImpl(argv); });
+}
+int RunConvert(const std::vector<std::string>& argv) {
+  return Guard("convert", [&] { return RunConvertImpl(argv); });
+}
+
+}  // namespace tensortier::cli
