@@ -1,0 +1,577 @@
+#!/usr/bin/env python3
+"""Checkpoint benchmark: tensortier.save/load against torch.save/torch.load, safetensors and fio.
+
+One state dict of SIZE bytes in ~TENSORS tensors (bf16 and fp32 weights of varied shapes, some
+int64 tables and a few tiny tensors: biases, scalars, an empty one) is saved and loaded by every
+tool in the same run, so that every figure has its baseline measured next to it (BENCHMARKS.md:
+on our shared, noisy disk only such ratios mean something). Each figure is the median of
+``--repeats`` samples; the tools' order rotates from repeat to repeat (repeat r starts with tool
+r mod n) and all samples are printed.
+
+Scenarios (``--scenarios``, default all):
+
+  save   time until the file is durable (every tool's time includes an fsync, as
+         tensortier.save's fdatasync + rename + directory fsync):
+           tt-safetensors   tensortier.save(sd, "tt.safetensors")
+           tt-torch         tensortier.save(sd, "tt.pt")
+           torch.save       torch.save(sd, "torch.pt") + fsync
+           safetensors      safetensors.torch.save_file(sd, "st.safetensors") + fsync
+           fio              fio sequential write of SIZE bytes: io_uring, direct=1, bs=BS,
+                            iodepth=QD, --end_fsync=1
+  cold   load to CPU after POSIX_FADV_DONTNEED of the file (written and fsynced beforehand):
+           tt-safetensors   tensortier.load("tt.safetensors")
+           tt-foreign       tensortier.load("st.safetensors")   (written by safetensors: unaligned)
+           tt-torch         tensortier.load("tt.pt")
+           safetensors      safetensors.torch.load_file("tt.safetensors") + touching every
+                            4 KiB page (costs nothing if it copied the data into memory, and
+                            charges the page faults if its tensors map the file)
+           torch.load       torch.load("tt.pt", mmap=False, weights_only=True)
+           torch.load-mmap  torch.load("tt.pt", mmap=True, weights_only=True) + touching every
+                            4 KiB page of every tensor
+           fio              fio sequential read: io_uring, direct=1, bs=BS, iodepth=QD
+  warm   the same loads with the file already in the page cache (read once, untimed, just
+         before); fio reads buffered (psync, --direct=0 --invalidate=0 --iomem=mmap).
+
+Targets (issue 5): save >= 3x torch.save, >= 2x safetensors, >= 0.9x fio; load to CPU >= 2x
+safetensors and torch.load(mmap=False), >= 0.9x fio. The ratio columns compare tt-safetensors
+(save/load; the target and result columns are for it) and tt-torch with each tool. fio's write
+time is the wall time of the fio process (its own runtime leaves out the end fsync), so it
+includes fio's start-up: tens of milliseconds, negligible at 2 GiB, not at --size 64M.
+
+Examples:
+  .venv/bin/python bench/checkpoint_bench.py                                 # 2G, 300 tensors
+  .venv/bin/python bench/checkpoint_bench.py --size 64M --repeats 1          # smoke test
+  .venv/bin/python bench/checkpoint_bench.py --scenarios cold --tools tt-safetensors,fio
+
+Progress goes to stderr, the Markdown report to stdout, everything (all samples, commands,
+versions, load averages) to ``--json``. Test files are removed at the end. The exit status is 1
+if tensortier raised or returned wrong data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+GB = 1e9
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+SCENARIOS = ("save", "cold", "warm")
+SAVE_TOOLS = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
+LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "safetensors", "torch.load",
+              "torch.load-mmap", "fio")
+TARGETS = {  # (scenario, baseline) -> minimum ratio tt-safetensors / baseline
+    ("save", "torch.save"): 3.0, ("save", "safetensors"): 2.0, ("save", "fio"): 0.9,
+    ("cold", "safetensors"): 2.0, ("cold", "torch.load"): 2.0, ("cold", "fio"): 0.9,
+    ("warm", "safetensors"): 2.0, ("warm", "torch.load"): 2.0, ("warm", "fio"): 0.9,
+}
+
+
+class BenchError(Exception):
+    """tensortier raised or returned wrong data: reported, exit status 1."""
+
+
+def parse_size(text: str) -> int:
+    """A byte count with an optional K/M/G suffix (powers of 1024): '64M' -> 67108864."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = SIZE_UNITS.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in SIZE_UNITS else text
+    try:
+        value = int(number) * unit
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 64M, 2G)") from None
+    if value < (1 << 20):
+        raise argparse.ArgumentTypeError(f"size must be at least 1M: {text!r}")
+    return value
+
+
+def name_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {unknown or text!r}; use {','.join(allowed)}")
+        return names
+
+    return parse
+
+
+def log(message: str) -> None:
+    """Progress to stderr; stdout carries only the report."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def drop_file_cache(path: Path) -> None:
+    """Drop ``path``'s clean pages from the page cache (POSIX_FADV_DONTNEED)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm_file(path: Path) -> None:
+    """Read ``path`` once through the page cache (untimed) so that the next read is warm."""
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(16 << 20)
+        while f.readinto(buf):
+            pass
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def settle(max_wait: float = 15.0) -> float:
+    """Let the disk finish the previous tool's deferred work (writeback, discards of unlinked
+    files) so it is not charged to the next tool: sync, then wait until no block device has
+    requests in flight for 0.5 s. Untimed; returns the seconds it took."""
+    start = time.monotonic()
+    os.sync()
+    quiet_since = time.monotonic()
+    while time.monotonic() - start < max_wait:
+        busy = 0
+        for stat in Path("/sys/block").glob("*/inflight"):
+            try:
+                busy += sum(int(v) for v in stat.read_text().split())
+            except OSError:
+                pass
+        now = time.monotonic()
+        if busy:
+            quiet_since = now
+        elif now - quiet_since >= 0.5:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unavailable: {e}"
+    text = (proc.stdout or proc.stderr).strip()
+    return text.splitlines()[0] if text else ""
+
+
+# --------------------------------------------------------------------------- the state dict
+
+
+def make_state_dict(total: int, count: int, seed: int) -> dict[str, Any]:
+    """~`count` tensors, ~`total` bytes: 60% bf16 and 30% fp32 weights of varied shapes, 10%
+    int64 tables, plus ten tiny ones. Random bytes (every bit pattern: NaNs compare by bytes)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    tiny = 10
+    big = max(count - tiny, 3)
+    sd: dict[str, Any] = {}
+    plan = [("bf16", torch.bfloat16, 0.6), ("fp32", torch.float32, 0.3), ("i64", torch.int64, 0.1)]
+    n_by_kind = [max(1, round(big * share)) for _, _, share in plan]
+    widths = (1024, 2048, 4096, 3072, 1536, 768, 5120, 1000)
+    for (kind, dtype, share), n in zip(plan, n_by_kind):
+        budget = int(total * share)
+        weights = [1.0 + (i % 7) * 0.5 for i in range(n)]  # varied sizes
+        scale = budget / sum(weights)
+        for i, w in enumerate(weights):
+            width = widths[i % len(widths)]
+            rows = max(1, int(w * scale) // (width * dtype.itemsize))
+            raw = torch.randint(0, 256, (rows * width * dtype.itemsize,), dtype=torch.uint8,
+                                generator=gen)
+            sd[f"layers.{i}.{kind}.weight"] = raw.view(dtype).view(rows, width)
+    for i in range(tiny - 2):
+        sd[f"tiny.{i}.bias"] = torch.randn(3 + i * 5, generator=gen)
+    sd["tiny.scalar"] = torch.tensor(42, dtype=torch.int64)
+    sd["tiny.empty"] = torch.empty(0, 8)
+    return sd
+
+
+def nbytes(sd: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def check_same(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
+    """Raise BenchError naming the first tensor whose bytes differ."""
+    import torch
+
+    if set(got) != set(ref):
+        raise BenchError(f"{what}: names differ: {sorted(set(got) ^ set(ref))[:5]}")
+    for k, r in ref.items():
+        t = got[k]
+        if t.dtype != r.dtype or t.shape != r.shape:
+            raise BenchError(
+                f"{what}: {k} is {t.dtype}{tuple(t.shape)}, not {r.dtype}{tuple(r.shape)}")
+        if r.numel() and not torch.equal(t.contiguous().view(-1).view(torch.uint8),
+                                         r.view(-1).view(torch.uint8)):
+            raise BenchError(f"{what}: the bytes of {k} differ")
+
+
+def touch_pages(sd: dict[str, Any]) -> int:
+    """Read one byte of every 4 KiB page of every tensor (faults mmap'd pages in)."""
+    import torch
+
+    total = 0
+    for t in sd.values():
+        if t.numel():
+            total += int(t.view(-1).view(torch.uint8)[::4096].sum())
+    return total
+
+
+# --------------------------------------------------------------------------- tools
+
+
+@dataclass
+class Settings:
+    directory: Path
+    size: int
+    tensors: int
+    repeats: int
+    scenarios: list[str]
+    tools: list[str] | None
+    json_path: Path
+    fio: str
+    fio_bs: int
+    fio_iodepth: int
+    seed: int
+    verify: bool
+    command: str
+
+
+@dataclass
+class Samples:
+    values: dict[str, list[float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def add(self, tool: str, value: float) -> None:
+        self.values.setdefault(tool, []).append(value)
+
+    def median(self, tool: str) -> float | None:
+        v = self.values.get(tool)
+        return statistics.median(v) if v else None
+
+
+def run_fio(s: Settings, path: Path, rw: str, warm: bool = False) -> tuple[float, str]:
+    """One sequential fio job over the state dict's bytes; returns (seconds, command)."""
+    if warm:
+        engine = ["--ioengine=psync", "--direct=0", "--invalidate=0", "--iomem=mmap"]
+    else:
+        engine = ["--ioengine=io_uring", "--direct=1", f"--iodepth={s.fio_iodepth}"]
+    size = -(-s.size // s.fio_bs) * s.fio_bs  # fio moves whole blocks: round up
+    argv = [s.fio, f"--name=ckpt-bench-{rw}", f"--filename={path}", f"--rw={rw}",
+            f"--size={size}", f"--bs={s.fio_bs}", "--numjobs=1", "--output-format=json",
+            *engine, *(["--end_fsync=1"] if rw == "write" else [])]
+    command = shlex.join(argv)
+    start = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    seconds = time.perf_counter() - start  # fio's own runtime leaves out the end fsync
+    if proc.returncode != 0:
+        raise RuntimeError(f"fio failed ({proc.returncode}): {command}\n{proc.stderr[-2000:]}")
+    job = json.loads(proc.stdout[proc.stdout.find("{"):])["jobs"][0]
+    if job.get("error"):
+        raise RuntimeError(f"fio job error {job['error']}: {command}")
+    stats = job["write" if rw == "write" else "read"]
+    if stats["io_bytes"] != size:
+        raise RuntimeError(f"fio moved {stats['io_bytes']} bytes, not {size}: {command}")
+    # reads: fio's own runtime; writes: the wall time of the process, as fio's runtime leaves
+    # out the end fsync (start-up costs ~10 ms). Scaled to the state dict's bytes.
+    runtime = stats["runtime"] / 1000.0 if rw == "read" else seconds
+    return runtime * s.size / size, command
+
+
+def save_tool(s: Settings, tool: str, sd: dict[str, Any]) -> float:
+    """Run one save; returns seconds until the file is durable."""
+    import torch
+
+    import tensortier
+
+    d = s.directory
+    start = time.perf_counter()
+    if tool == "tt-safetensors":
+        tensortier.save(sd, d / "tt.safetensors")
+    elif tool == "tt-torch":
+        tensortier.save(sd, d / "tt.pt")
+    elif tool == "torch.save":
+        torch.save(sd, d / "torch.pt")
+        fsync_path(d / "torch.pt")
+    elif tool == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(sd, d / "st.safetensors")
+        fsync_path(d / "st.safetensors")
+    elif tool == "fio":
+        seconds, _ = run_fio(s, d / "fio.dat", "write")
+        return seconds
+    return time.perf_counter() - start
+
+
+LOAD_FILES = {
+    "tt-safetensors": "tt.safetensors", "tt-foreign": "st.safetensors", "tt-torch": "tt.pt",
+    "safetensors": "tt.safetensors", "torch.load": "tt.pt", "torch.load-mmap": "tt.pt",
+    "fio": "fio.dat",
+}
+
+
+def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any] | None]:
+    """Run one load to CPU; returns (seconds, what was loaded or None for fio)."""
+    import torch
+
+    import tensortier
+
+    path = s.directory / LOAD_FILES[tool]
+    if warm:
+        warm_file(path)
+    else:
+        drop_file_cache(path)
+    if tool == "fio":
+        return run_fio(s, path, "read", warm)[0], None
+    start = time.perf_counter()
+    if tool.startswith("tt-"):
+        out = tensortier.load(path, progress=False)
+    elif tool == "safetensors":
+        from safetensors.torch import load_file
+
+        out = load_file(path)
+        touch_pages(out)  # in case its tensors are lazily mapped: count the reads they need
+    elif tool == "torch.load":
+        out = torch.load(path, mmap=False, weights_only=True)
+    else:
+        out = torch.load(path, mmap=True, weights_only=True)
+        touch_pages(out)
+    return time.perf_counter() - start, out
+
+
+def ensure_files(s: Settings, sd: dict[str, Any], tools: Sequence[str]) -> None:
+    """The files the loads read, written untimed when the save scenario did not run."""
+    import torch
+
+    import tensortier
+
+    d = s.directory
+    needed = {LOAD_FILES[t] for t in tools}
+    if "tt.safetensors" in needed and not (d / "tt.safetensors").exists():
+        tensortier.save(sd, d / "tt.safetensors")
+    if "tt.pt" in needed and not (d / "tt.pt").exists():
+        tensortier.save(sd, d / "tt.pt")
+    if "st.safetensors" in needed and not (d / "st.safetensors").exists():
+        from safetensors.torch import save_file
+
+        save_file(sd, d / "st.safetensors")
+        fsync_path(d / "st.safetensors")
+    if "fio.dat" in needed and not (d / "fio.dat").exists():
+        run_fio(s, d / "fio.dat", "write")
+    del torch
+
+
+def warm_up(s: Settings) -> None:
+    """Untimed: one tiny save and load per library, so that imports, the engine's start and its
+    first buffers are not charged to whichever tool runs first."""
+    import torch
+
+    import tensortier
+
+    tiny = {"w": torch.randn(4096), "i": torch.arange(10)}
+    d = s.directory
+    for name in ("warm.safetensors", "warm.pt"):
+        tensortier.save(tiny, d / name)
+        tensortier.load(d / name, progress=False)
+    torch.save(tiny, d / "warm-torch.pt")
+    torch.load(d / "warm-torch.pt", weights_only=True)
+    torch.load(d / "warm-torch.pt", weights_only=True, mmap=True)
+    if available("safetensors") is None:
+        from safetensors.torch import load_file, save_file
+
+        save_file(tiny, d / "warm-st.safetensors")
+        load_file(d / "warm-st.safetensors")
+    for name in ("warm.safetensors", "warm.pt", "warm-torch.pt", "warm-st.safetensors"):
+        try:
+            (d / name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def available(tool: str) -> str | None:
+    """Why `tool` cannot run here, or None."""
+    if tool in ("safetensors", "tt-foreign"):
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            return "safetensors is not installed"
+    return None
+
+
+def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Samples, list[str]]:
+    tools = [t for t in (SAVE_TOOLS if scenario == "save" else LOAD_TOOLS)
+             if s.tools is None or t in s.tools]
+    samples = Samples()
+    for t in list(tools):
+        why = available(t)
+        if why:
+            samples.errors[t] = f"skipped: {why}"
+            tools.remove(t)
+    if scenario != "save":
+        ensure_files(s, sd, tools)
+    total = nbytes(sd)
+    for repeat in range(s.repeats):
+        order = tools[repeat % len(tools):] + tools[:repeat % len(tools)]
+        for tool in order:
+            if tool in samples.errors:
+                continue
+            settle()
+            gc.collect()
+            try:
+                if scenario == "save":
+                    seconds, out = save_tool(s, tool, sd), None
+                else:
+                    seconds, out = load_tool(s, tool, scenario == "warm")
+            except BenchError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failing tool is reported, not fatal
+                if tool.startswith("tt-"):
+                    raise BenchError(f"{scenario} {tool}: {type(e).__name__}: {e}") from e
+                samples.errors[tool] = f"failed: {type(e).__name__}: {e}"
+                log(f"  {scenario} {tool}: {samples.errors[tool]}")
+                continue
+            if out is not None and s.verify and repeat == 0:
+                check_same(out, sd, f"{scenario} {tool}")
+            del out
+            gbps = total / seconds / GB
+            samples.add(tool, gbps)
+            log(f"  {scenario} repeat {repeat + 1}/{s.repeats} {tool}: {seconds:.3f} s "
+                f"{gbps:.2f} GB/s")
+    return samples, tools
+
+
+def report(scenario: str, samples: Samples, tools: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """A Markdown table (GB/s medians, samples, ratio of tt-safetensors to each tool, target)."""
+    ours = samples.median("tt-safetensors")
+    ours_pt = samples.median("tt-torch")
+    title = {"save": "save (until durable)", "cold": "load to CPU, cold cache",
+             "warm": "load to CPU, warm cache"}[scenario]
+    lines = [f"### {title}", "",
+             "| tool | GB/s (median) | samples | tt-safetensors / tool | target | result "
+             "| tt-torch / tool |",
+             "|---|---|---|---|---|---|---|"]
+    rows = {}
+    for tool in list(tools) + [t for t in samples.errors if t not in tools]:
+        med = samples.median(tool)
+        r = ours / med if ours and med else None
+        r_pt = ours_pt / med if ours_pt and med else None
+        target = TARGETS.get((scenario, tool))
+        result = "n/a" if r is None or target is None else ("pass" if r >= target else "miss")
+        if tool in samples.errors and med is None:
+            result = samples.errors[tool]
+        vals = ", ".join(f"{v:.2f}" for v in samples.values.get(tool, []))
+        lines.append(f"| {tool} | {'-' if med is None else f'{med:.2f}'} | {vals} | "
+                     f"{'-' if r is None else f'{r:.2f}'} | "
+                     f"{'-' if target is None else f'>= {target}'} | {result} | "
+                     f"{'-' if r_pt is None else f'{r_pt:.2f}'} |")
+        rows[tool] = {"median_gbps": med, "samples_gbps": samples.values.get(tool, []),
+                      "ratio": r, "target": target, "result": result, "ratio_tt_torch": r_pt}
+    return "\n".join(lines) + "\n", rows
+
+
+def parse_args(argv: Sequence[str] | None) -> Settings:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", type=Path, default=Path("./tensortier-data/checkpoint-bench"),
+                   help="directory for the test files, on the disk under test "
+                   "(default: %(default)s)")
+    p.add_argument("--size", type=parse_size, default=parse_size("2G"),
+                   help="state dict bytes (default: 2G)")
+    p.add_argument("--tensors", type=int, default=300,
+                   help="about this many tensors (default: 300)")
+    p.add_argument("--repeats", type=int, default=3, help="samples per figure (default: 3)")
+    p.add_argument("--scenarios", type=name_list(SCENARIOS), default=list(SCENARIOS),
+                   help="comma-separated subset of save,cold,warm (default: all)")
+    p.add_argument("--tools", type=name_list(sorted(set(SAVE_TOOLS + LOAD_TOOLS))), default=None,
+                   help="comma-separated subset of the tools (default: all)")
+    p.add_argument("--json", type=Path, default=BENCH_DIR / "results" / "checkpoint_bench.json",
+                   help="where to write all results (default: bench/results/checkpoint_bench.json)")
+    p.add_argument("--fio", default="fio", help="fio binary (default: fio)")
+    p.add_argument("--fio-bs", type=parse_size, default=parse_size("4M"), help="fio block size")
+    p.add_argument("--fio-iodepth", type=int, default=32, help="fio iodepth (default: 32)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not compare what the first repeat loads with the state dict")
+    a = p.parse_args(argv)
+    if a.repeats <= 0 or a.tensors < 13 or a.fio_iodepth <= 0:
+        raise SystemExit("--repeats and --fio-iodepth must be positive, --tensors >= 13")
+    return Settings(a.dir.resolve(), a.size, a.tensors, a.repeats, a.scenarios, a.tools,
+                    a.json, a.fio, a.fio_bs, a.fio_iodepth, a.seed, not a.no_verify,
+                    shlex.join([sys.executable, *sys.argv]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    s = parse_args(argv)
+    import torch
+
+    import tensortier
+
+    s.directory.mkdir(parents=True, exist_ok=True)
+    log(f"building a {s.size / 2**30:.2f} GiB state dict of ~{s.tensors} tensors")
+    sd = make_state_dict(s.size, s.tensors, s.seed)
+    s.size = nbytes(sd)  # what fio moves too
+    log(f"  {len(sd)} tensors, {s.size} bytes")
+    results: dict[str, Any] = {
+        "command": s.command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "kernel": platform.release(), "python": platform.python_version(),
+        "torch": torch.__version__, "tensortier": tensortier.__version__,
+        "fio": tool_version([s.fio, "--version"]), "cpus": os.cpu_count(),
+        "tensors": len(sd), "bytes": s.size,
+        "dtypes": sorted({str(t.dtype) for t in sd.values()}), "scenarios": {},
+    }
+    try:
+        import safetensors
+
+        results["safetensors"] = safetensors.__version__
+    except ImportError:
+        results["safetensors"] = None
+    status = 0
+    warm_up(s)
+    out = [f"## checkpoint_bench: {len(sd)} tensors, {s.size / 2**30:.2f} GiB, "
+           f"median of {s.repeats}\n", f"`{s.command}`\n"]
+    try:
+        for scenario in s.scenarios:
+            log(f"scenario {scenario}")
+            results[f"loadavg_before_{scenario}"] = [round(x, 2) for x in os.getloadavg()]
+            samples, tools = run_scenario(s, scenario, sd)
+            table, rows = report(scenario, samples, tools)
+            out.append(table)
+            results["scenarios"][scenario] = rows
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        results["error"] = str(e)
+        status = 1
+    finally:
+        for name in ("tt.safetensors", "tt.pt", "torch.pt", "st.safetensors", "fio.dat"):
+            try:
+                (s.directory / name).unlink()
+            except FileNotFoundError:
+                pass
+    print("\n".join(out))
+    s.json_path.parent.mkdir(parents=True, exist_ok=True)
+    s.json_path.write_text(json.dumps(results, indent=2) + "\n")
+    log(f"results written to {s.json_path}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1615 @@
+"""Checkpoints: save and load whole state dicts as safetensors or ``torch.save`` files.
+
+::
+
+    tensortier.save(model.state_dict(), "model.safetensors")         # or "ckpt.pt" / format="torch"
+    sd = tensortier.load("model.safetensors")                        # also .pt and HF index.json
+    tensortier.load_into(model, "model.safetensors")                 # into the existing tensors
+
+Files are written in formats the ecosystem already reads:
+
+- **safetensors**: a valid file for the ``safetensors`` package, whose header is padded with spaces
+  so that the data starts on a 4 KiB boundary. Tensors whose size is a multiple of 4 KiB come
+  first, so they start on 4 KiB boundaries as well (the format allows no gaps between tensors).
+- **torch**: a ``torch.load(path, weights_only=True)`` file. torch's own pickler writes the
+  metadata (``torch.serialization.skip_data`` with a storage alignment of 4096), then the engine
+  writes the storage bytes at their record offsets.
+
+Tensor bytes always move through the I/O engine (O_DIRECT where the filesystem allows it, large
+transfers split over its workers, with the GIL released), never through Python file objects.
+
+Writes are durable: the file is written under a temporary name in the same directory
+(``.<name>.tmp-<pid>-<random>``), flushed with ``fdatasync``, renamed over the final name and the
+directory is fsynced. On any error the temporary file is removed and an existing file under the
+final name is left untouched.
+
+Checksums (``save(..., checksum=True)``, checked by ``load(..., verify=True)``):
+
+- safetensors: the xxHash64 of each tensor's bytes, in the header's ``__metadata__`` under
+  ``tensortier.xxh64`` as a JSON object string ``{name: "<16 hex digits>"}`` (what
+  ``tensortier verify`` reads).
+- torch: the zip format's own CRC-32 of each storage record (``torch.save`` writes these by
+  default too, so ``verify=True`` also checks plain ``torch.save`` files).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import json
+import os
+import pickle
+import secrets
+import stat
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from . import _core
+from .io import IOFuture, IOHandle
+
+# torch is imported inside the functions (see _torch()): `import tensortier` must not need it.
+__all__ = ["IncompatibleKeys", "load", "load_into", "save"]
+
+PathLike = str | os.PathLike[str]
+
+ALIGNMENT = 4096
+CHECKSUM_KEY = "tensortier.xxh64"
+_INDEX_SUFFIX = ".index.json"
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+_SAFETENSORS_SUFFIXES = (".safetensors", ".st")
+
+# Reads are submitted in groups of about this many bytes: progress, checksums and device copies
+# of one group overlap the reads of the next ones (the engine bounds what is really in flight).
+_GROUP_BYTES = 64 << 20
+# Copies made to write non-contiguous or GPU tensors: at most this many bytes are alive at once.
+_STAGING_BYTES = 256 << 20
+# Tensors at least this large get page-aligned memory of their own (read without bounce
+# copies); smaller ones come from torch's allocator.
+_ALIGNED_ALLOC_MIN = 1 << 20
+# The progress bar shows for loads of at least this many bytes when stderr is a terminal.
+_PROGRESS_MIN_BYTES = 512 << 20
+# Pinned host buffer for loads to a GPU (one per load, reused for every tensor).
+_PINNED_STAGE_BYTES = 64 << 20
+# Shard indexes are small JSON files; anything larger is not one.
+_MAX_INDEX_BYTES = 64 << 20
+
+# safetensors dtype names -> torch dtype attribute names (those this torch lacks are skipped).
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :func:`load_into` could not match (like ``torch.nn.Module.load_state_dict``)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: PathLike,
+    format: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    checksum: bool = False,
+    *,
+    _io: IOHandle | None = None,
+) -> None:
+    """Save `state_dict` to `path`, durably (temporary file, fdatasync, rename, directory fsync).
+
+    Args:
+        state_dict: name -> tensor (CPU or GPU; non-contiguous tensors are saved contiguous).
+            With ``format="torch"`` any object ``torch.save`` accepts and ``torch.load(...,
+            weights_only=True)`` reads back (nested dicts/lists, ints, strings...).
+        path: the file to write; its directory must exist. An existing file is replaced only
+            once the new one is complete and synced.
+        format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
+            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch).
+        metadata: safetensors only: text metadata stored in the header (``__metadata__``);
+            ``{"format": "pt"}`` is added unless given (transformers expects it).
+        checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata;
+            torch: the zip CRC-32 of each storage), checked by ``load(..., verify=True)``.
+
+    Raises:
+        TypeError: a value the format cannot store (safetensors: only tensors of its dtypes).
+        ValueError: bad arguments, or tensors sharing memory in a safetensors file (save them
+            with ``format="torch"``, or ``.clone()`` the duplicates).
+        OSError: the file cannot be written (nothing is left under the final name then).
+    """
+    fmt = _save_format(path, format)
+    if metadata is not None:
+        if fmt != "safetensors":
+            raise ValueError(
+                "metadata is stored in safetensors files only: use format='safetensors'"
+            )
+        if not isinstance(metadata, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise TypeError("metadata must be a mapping of str to str")
+    if not isinstance(checksum, bool):
+        raise TypeError(f"checksum must be a bool, not {type(checksum).__name__}")
+    io = _io if _io is not None else _default_io()
+    if fmt == "safetensors":
+        _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
+    else:
+        _save_torch(state_dict, path, checksum, io)
+
+
+def load(
+    path: PathLike,
+    device: Any = "cpu",
+    dtype: Any = None,
+    verify: bool = False,
+    *,
+    progress: bool | None = None,
+    _io: IOHandle | None = None,
+) -> Any:
+    """Load a checkpoint: a safetensors file, a zip-format ``torch.save`` file, or a Hugging Face
+    shard index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``).
+
+    Each tensor is allocated once, at its final place, and its bytes are read straight into it
+    by the engine (no staging of the whole file). Pickled metadata of torch files is read with
+    torch's ``weights_only`` unpickler: no other pickle code ever runs.
+
+    Args:
+        path: the file (format found from its contents) or the ``.index.json`` of shards.
+        device: ``"cpu"`` or ``"cuda:N"``. For CUDA each tensor is allocated on the device and
+            filled from one reused pinned host buffer (until the GPU transfer path lands).
+        dtype: convert floating-point tensors to this torch dtype (integer, bool and complex
+            tensors keep theirs). Storage sharing between converted tensors is lost.
+        verify: check the stored checksums (see :func:`save`); a file without checksums is an
+            error then.
+        progress: show a progress bar on stderr; by default only for loads of 512 MiB or more
+            when stderr is a terminal.
+
+    Returns:
+        safetensors and index files: ``dict[str, Tensor]`` in the file's order. torch files:
+        whatever was saved (shared storages stay shared).
+
+    Raises:
+        ValueError: not a checkpoint, a malformed or unsupported file (legacy torch format,
+            compressed zip entries, pickled globals ``weights_only`` refuses...), a checksum
+            mismatch (naming the tensor), or a bad argument (CUDA unavailable...).
+        OSError: the file cannot be read.
+    """
+    dev = _target_device(device)
+    target_dtype = _target_dtype(dtype)
+    io = _io if _io is not None else _default_io()
+    fspath = os.fspath(path)
+    kind = _sniff(fspath)
+    if kind == "index":
+        return _load_index(fspath, dev, target_dtype, verify, progress, io)
+    if kind == "torch":
+        return _load_torch(fspath, dev, target_dtype, verify, progress, io)
+    return _load_safetensors(fspath, dev, target_dtype, verify, progress, io)
+
+
+def load_into(
+    module_or_state_dict: Any,
+    path: PathLike,
+    strict: bool = True,
+    verify: bool = False,
+    *,
+    progress: bool | None = None,
+    _io: IOHandle | None = None,
+) -> IncompatibleKeys:
+    """Read a checkpoint straight into existing tensors. Allocates nothing for contiguous CPU
+    targets; contiguous CUDA targets are filled through one reused pinned host buffer;
+    non-contiguous targets are read into a temporary tensor, then copied.
+
+    Args:
+        module_or_state_dict: a ``torch.nn.Module`` (its ``state_dict()``: parameters and
+            persistent buffers) or a mapping of name -> tensor.
+        path: a safetensors file, a zip-format ``torch.save`` file holding a flat
+            ``{name: tensor}`` dict, or a shard index.
+        strict: like ``load_state_dict``: names missing from the file or not in the target are
+            an error. A missing name whose tensor shares its memory with a loaded one (tied
+            weights that safetensors files store once) is not missing.
+        verify: check the stored checksums of what is read.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)`` (both empty when strict).
+
+    Raises:
+        ValueError: missing/unexpected names (strict), shape or dtype mismatches (all listed),
+            a malformed file, a checksum mismatch. OSError: the file cannot be read.
+        TypeError: the target is neither a module nor a mapping of tensors.
+    """
+    torch = _torch()
+    if isinstance(module_or_state_dict, torch.nn.Module):
+        targets = dict(module_or_state_dict.state_dict())
+    elif isinstance(module_or_state_dict, Mapping):
+        targets = dict(module_or_state_dict)
+    else:
+        raise TypeError(
+            f"load_into needs a torch.nn.Module or a mapping of tensors, not "
+            f"{type(module_or_state_dict).__name__}"
+        )
+    for name, t in targets.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"target {name!r} is a {type(t).__name__}, not a tensor")
+    io = _io if _io is not None else _default_io()
+    fspath = os.fspath(path)
+    sources = _describe_sources(fspath, io)  # name -> _Source
+    return _load_into(targets, sources, strict, verify, progress, io, fspath)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is a dependency of this module
+        raise ImportError("tensortier checkpoints need PyTorch: pip install torch") from e
+    return torch
+
+
+_default_lock = threading.Lock()
+_default: tuple[int, IOHandle] | None = None
+
+
+def _default_io() -> IOHandle:
+    """One engine per process, made on first use (again after a fork: threads do not survive)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default[0] != os.getpid():
+            _default = (os.getpid(), IOHandle())
+        return _default[1]
+
+
+def _require(name: str) -> Callable[..., Any]:
+    fn = getattr(_core, name, None)
+    if fn is None:
+        raise ImportError(
+            f"tensortier._core has no {name}(): the C++ extension is older than this Python "
+            "package; reinstall tensortier"
+        )
+    return fn
+
+
+def _save_format(path: PathLike, format: str | None) -> str:
+    if format is not None:
+        if format not in ("safetensors", "torch"):
+            raise ValueError(f"format must be 'safetensors' or 'torch', not {format!r}")
+        return format
+    name = os.fspath(path).lower()
+    if name.endswith(_SAFETENSORS_SUFFIXES):
+        return "safetensors"
+    if name.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    raise ValueError(
+        f"cannot tell the format from the name {os.fspath(path)!r}: use a .safetensors or .pt "
+        "suffix, or pass format='safetensors' or format='torch'"
+    )
+
+
+def _target_device(device: Any) -> Any:
+    torch = _torch()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a device: {e}") from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {str(dev)!r} is not supported: use 'cpu' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(dev)!r} was asked for but CUDA is not available "
+            "(torch.cuda.is_available() is False): load with device='cpu'"
+        )
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(dev)!r}: there are only {torch.cuda.device_count()} GPUs")
+    return torch.device("cuda", index)
+
+
+def _target_dtype(dtype: Any) -> Any:
+    if dtype is None:
+        return None
+    torch = _torch()
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+    return dtype
+
+
+def _convert(t: Any, dtype: Any) -> Any:
+    """`t` in `dtype` when both are floating point; otherwise `t` unchanged."""
+    if dtype is None or t.dtype == dtype:
+        return t
+    if not t.is_floating_point() or not dtype.is_floating_point:
+        return t
+    return t.to(dtype)
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def _st_dtype_maps() -> tuple[dict[Any, str], dict[str, Any]]:
+    torch = _torch()
+    to_st: dict[Any, str] = {}
+    from_st: dict[str, Any] = {}
+    for st, attr in _ST_DTYPES.items():
+        dt = getattr(torch, attr, None)
+        if dt is not None:
+            to_st[dt] = st
+            from_st[st] = dt
+    return to_st, from_st
+
+
+def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
+    """An uninitialised flat CPU tensor. Large ones get page-aligned memory of their own, offset
+    by `misalign` bytes so that address and file offset agree modulo the page size: the engine
+    then reads them O_DIRECT without bounce copies."""
+    torch = _torch()
+    nbytes = numel * dtype.itemsize
+    if nbytes < _ALIGNED_ALLOC_MIN:
+        return torch.empty(numel, dtype=dtype)
+    if misalign % dtype.itemsize:
+        misalign = 0  # keep elements naturally aligned; the engine bounces this one
+    buffer = _core.AlignedBuffer(nbytes + misalign)
+    # torch.frombuffer keeps `buffer` alive for as long as the storage lives.
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=misalign).view(dtype)
+
+
+def _as_bytes(t: Any) -> Any:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    torch = _torch()
+    flat = t.reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return flat.view(torch.uint8)
+
+
+def _storage_bytes(storage: Any) -> Any:
+    """A flat uint8 tensor over a whole UntypedStorage."""
+    torch = _torch()
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return t.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _xxh64(t: Any) -> int:
+    """xxHash64 of a contiguous CPU tensor's bytes (GIL released in C++ for large ones)."""
+    n = _nbytes(t)
+    if n == 0:
+        return int(_require("xxh64")(b""))
+    return int(_require("xxh64_address")(t.data_ptr(), n))
+
+
+def _crc32(t: Any, value: int = 0) -> int:
+    """CRC-32 of a contiguous CPU uint8 tensor (zlib releases the GIL for large buffers)."""
+    if t.numel() == 0:
+        return value
+    return zlib.crc32(memoryview(t.numpy()), value)
+
+
+def _tmp_name(final: str) -> str:
+    head, tail = os.path.split(final)
+    return os.path.join(head, f".{tail}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+class _DurableFile:
+    """A new file under a temporary name next to `path`; ``commit()`` syncs it and renames it
+    over `path`, ``abort()`` (or an exception in the ``with`` body) removes it."""
+
+    def __init__(self, path: PathLike, io: IOHandle) -> None:
+        # A symlink is followed (as open(path, "w") would): its target gets replaced.
+        self.final = os.path.realpath(os.fspath(path))
+        directory = os.path.dirname(self.final)
+        if os.path.isdir(self.final):
+            raise IsADirectoryError(errno.EISDIR, "cannot save over a directory", self.final)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                errno.ENOENT, "the directory to save into does not exist", directory
+            )
+        self.directory = directory
+        self.tmp = _tmp_name(self.final)
+        mode = 0o666
+        try:
+            mode = stat.S_IMODE(os.stat(self.final).st_mode)  # keep the old file's permissions
+        except FileNotFoundError:
+            pass
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        os.close(fd)
+        self._io = io
+        self.file: Any = None
+        self._done = False
+
+    def open(self) -> Any:
+        """The engine's handle on the temporary file (O_DIRECT where possible)."""
+        if self.file is None:
+            self.file = self._io.open(self.tmp, "r+")
+        return self.file
+
+    def reserve(self, size: int) -> None:
+        """Allocate `size` bytes up front: ENOSPC now rather than mid-write, contiguous extents."""
+        if size <= 0:
+            return
+        try:
+            self.open().allocate(0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+                raise
+
+    def commit(self) -> None:
+        f = self.open()
+        f.datasync()
+        f.close()
+        os.replace(self.tmp, self.final)
+        self._done = True
+        _fsync_dir(self.directory)
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self.file is not None:
+            self.file.close()
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "_DurableFile":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None or not self._done:
+            self.abort()
+
+
+class _Writer:
+    """Writes (tensor, file offset) pieces with the engine in groups of ~64 MiB submitted
+    together, keeping at most `_STAGING_BYTES` of staged copies (of non-contiguous or GPU
+    tensors) alive. ``finish()`` waits for everything and raises the first error."""
+
+    def __init__(self, io: IOHandle, file: Any) -> None:
+        self._io = io
+        self._file = file
+        self._group: list[tuple[Any, Any, int]] = []
+        self._group_bytes = 0
+        self._group_staged = 0
+        self._inflight: collections.deque[tuple[IOFuture, int]] = collections.deque()
+        self._inflight_staged = 0
+
+    def add(self, data: Any, offset: int, staged: bool) -> None:
+        """Queue the bytes of `data` (a contiguous CPU tensor or a buffer) for `offset`;
+        `staged`: `data` is a copy made for this write (its memory counts against the bound)."""
+        n = _nbytes(data) if hasattr(data, "element_size") else len(data)
+        if n == 0:
+            return
+        self._group.append((data, self._file, offset))
+        self._group_bytes += n
+        if staged:
+            self._group_staged += n
+        if self._group_bytes >= _GROUP_BYTES or self._group_staged >= _STAGING_BYTES // 2:
+            self._flush()
+        while self._inflight_staged > _STAGING_BYTES and self._inflight:
+            self._wait_oldest()
+
+    def _flush(self) -> None:
+        if self._group:
+            fut = self._io.pwrite_batch_async(self._group)
+            self._inflight.append((fut, self._group_staged))
+            self._inflight_staged += self._group_staged
+            self._group, self._group_bytes, self._group_staged = [], 0, 0
+
+    def _wait_oldest(self) -> None:
+        fut, staged = self._inflight.popleft()
+        self._inflight_staged -= staged
+        fut.wait()
+
+    def finish(self) -> None:
+        self._flush()
+        first: BaseException | None = None
+        while self._inflight:
+            try:
+                self._wait_oldest()
+            except OSError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def drain(self) -> None:
+        """Wait for everything in flight, ignoring errors (the caller is already failing)."""
+        self._group = []
+        while self._inflight:
+            try:
+                self._wait_oldest()
+            except OSError:
+                pass
+
+
+def _host_contiguous(t: Any) -> tuple[Any, bool]:
+    """`t` as a contiguous CPU tensor, and whether that needed a copy."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t, False
+    return t.detach().to("cpu").contiguous(), True
+
+
+# --------------------------------------------------------------------------------------------
+# Progress
+# --------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None) -> None:
+        if enabled is None:
+            enabled = total >= _PROGRESS_MIN_BYTES and _stderr_is_tty()
+        self.enabled = bool(enabled) and total > 0
+        self.label = label
+        self.total = total
+        self.done = 0
+        self.start = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self.last >= 0.1 or self.done >= self.total:
+            self.last = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        frac = self.done / self.total if self.total else 1.0
+        width = 30
+        bar = "#" * int(frac * width)
+        rate = self.done / max(now - self.start, 1e-9) / 1e9
+        sys.stderr.write(
+            f"\r{self.label} [{bar:<{width}}] {frac * 100:5.1f}% "
+            f"{self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB {rate:.2f} GB/s"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.perf_counter())
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: a plan of (destination, file offset) pieces executed with the engine
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Piece:
+    """Read `nbytes` at `offset` of `file` into `dest` (a tensor of exactly those bytes), then
+    call `done(dest_host_bytes)` (checksums)."""
+
+    name: str
+    file: Any
+    offset: int
+    nbytes: int
+    dest: Any
+    check: Callable[[Any], None] | None = None
+
+
+def _read_pieces(
+    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
+) -> None:
+    """Read every piece into its destination. CPU destinations are read in place (groups of
+    ~64 MiB submitted together, checked as they complete); CUDA ones through a pinned buffer."""
+    host = [p for p in pieces if p.dest.device.type == "cpu"]
+    device = [p for p in pieces if p.dest.device.type != "cpu"]
+    try:
+        if host:
+            _read_host(io, host, progress, path)
+        if device:
+            _read_device(io, device, progress, path)
+    finally:
+        progress.close()
+
+
+def _groups(pieces: Sequence[_Piece]) -> Iterator[list[_Piece]]:
+    group: list[_Piece] = []
+    size = 0
+    for p in pieces:
+        group.append(p)
+        size += p.nbytes
+        if size >= _GROUP_BYTES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
+    return ValueError(
+        f"{path}: file ended early: tensor {piece.name!r} needs {piece.nbytes} bytes at offset "
+        f"{piece.offset}, got {got} (truncated file?)"
+    )
+
+
+def _read_host(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str) -> None:
+    submitted: list[tuple[list[_Piece], IOFuture]] = []
+    try:
+        for group in _groups(pieces):
+            batch = [(_as_bytes(p.dest), p.file, p.offset) for p in group if p.nbytes]
+            if batch:
+                submitted.append((group, io.pread_batch_async(batch)))
+            else:
+                submitted.append((group, None))  # type: ignore[arg-type]
+        for group, fut in submitted:
+            if fut is not None:
+                result = fut.result()
+                got = iter(result.segment_bytes)
+                for p in group:
+                    if p.nbytes:
+                        n = next(got)
+                        if n != p.nbytes:
+                            raise _short_read(path, p, n)
+            for p in group:
+                if p.check is not None:
+                    p.check(p.dest)
+                progress.update(p.nbytes)
+    finally:
+        for _, fut in submitted:  # memory handed to the engine must outlive the reads
+            if fut is not None:
+                try:
+                    fut.wait()
+                except OSError:
+                    pass
+
+
+def _pinned_buffer(size: int) -> Any:
+    """`size` bytes of pinned (page-locked) host memory, as a uint8 tensor."""
+    return _torch().empty(size, dtype=_torch().uint8, pin_memory=True)
+
+
+def _read_device(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str) -> None:
+    """Fill CUDA destinations through two reused pinned host buffers: the read of one chunk
+    overlaps the host-to-device copy of the previous one. A piece with a checksum is read whole
+    (the buffer grows to fit it). The GPU transfer path (pinned bounce ring, GDS) will replace
+    this."""
+    torch = _torch()
+    dev = pieces[0].dest.device
+    need = max((p.nbytes for p in pieces if p.check is not None), default=0)
+    size = max(_PINNED_STAGE_BYTES, need + ALIGNMENT)
+    size = min(size, max(p.nbytes for p in pieces) + ALIGNMENT)
+    buffers = [_pinned_buffer(size) for _ in range(2)]
+    events: list[Any] = [None, None]
+    stream = torch.cuda.Stream(device=dev)
+    chunk = size - ALIGNMENT
+    which = 0
+    try:
+        for p in pieces:
+            dest = _as_bytes(p.dest)
+            step = p.nbytes if p.check is not None else chunk
+            pos = 0
+            while pos < p.nbytes or (p.nbytes == 0 and pos == 0):
+                n = min(step, p.nbytes - pos)
+                buf = buffers[which]
+                if events[which] is not None:
+                    events[which].synchronize()  # the copy out of this buffer has finished
+                skew = (p.offset + pos) % ALIGNMENT  # address = file offset mod page: no bounce
+                view = buf[skew : skew + n]
+                if n:
+                    got = io.pread(view, p.file, p.offset + pos)
+                    if got != n:
+                        raise _short_read(path, p, pos + got)
+                    if p.check is not None:
+                        p.check(view)
+                    with torch.cuda.stream(stream):
+                        dest[pos : pos + n].copy_(view, non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                    events[which] = ev
+                    which ^= 1
+                elif p.check is not None:
+                    p.check(view)
+                pos += max(n, 1)
+                progress.update(n)
+    finally:
+        # Copies still running read the pinned buffers and write the destinations: neither may
+        # be freed (on an error) or used (on success) before they finish.
+        stream.synchronize()
+
+
+def _checksum_mismatch(path: str, name: str, kind: str, stored: int, actual: int) -> ValueError:
+    return ValueError(
+        f"{path}: checksum mismatch in tensor {name!r}: stored {kind} {stored:016x}, data has "
+        f"{actual:016x}: the file is corrupt"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Format detection
+# --------------------------------------------------------------------------------------------
+
+
+def _sniff(path: str) -> str:
+    """'safetensors', 'torch' or 'index', from the file's first bytes."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            errno.EISDIR, "is a directory: pass a checkpoint file or a shard .index.json", path
+        )
+    with open(path, "rb") as f:  # metadata only: the first bytes say what the file is
+        head = f.read(16)
+    if len(head) >= 9 and head[8:9] == b"{" and not path.endswith(_INDEX_SUFFIX):
+        return "safetensors"  # 8-byte header length, then the JSON header
+    if path.endswith(_INDEX_SUFFIX) or head.lstrip()[:1] == b"{":
+        return "index"
+    if head[:4] == b"PK\x03\x04":
+        return "torch"
+    if head[:1] == b"\x80":
+        raise ValueError(
+            f"{path}: a legacy (non-zip) torch.save file, which tensortier does not read: load it "
+            "with torch.load and save it again (torch.save writes zip files since PyTorch 1.6)"
+        )
+    if len(head) < 8:
+        raise ValueError(f"{path}: {len(head)} bytes long: too short to be a checkpoint")
+    return "safetensors"
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors
+# --------------------------------------------------------------------------------------------
+
+
+def _check_tensor_dict(state_dict: Any) -> Any:
+    torch = _torch()
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"a safetensors file holds a mapping of name -> tensor, not a "
+            f"{type(state_dict).__name__}: use format='torch' for other objects"
+        )
+    bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(
+            f"safetensors files hold tensors only; these values are not tensors: {bad[:8]}"
+            f"{' ...' if len(bad) > 8 else ''}: use format='torch' to keep them"
+        )
+    bad = [k for k in state_dict if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"safetensors tensor names must be str, not {bad[:8]}")
+    bad = [k for k, v in state_dict.items() if v.layout != torch.strided]
+    if bad:
+        raise TypeError(f"sparse or non-strided tensors cannot be saved as safetensors: {bad}")
+    bad = [k for k, v in state_dict.items() if v.device.type == "meta"]
+    if bad:
+        raise ValueError(f"meta tensors have no data to save: {bad}")
+    return state_dict
+
+
+def _shared_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
+    """Groups of names whose tensors overlap in memory (what safetensors refuses)."""
+    by_storage: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
+    for k, v in state_dict.items():
+        if _nbytes(v) == 0:
+            continue
+        by_storage[(str(v.device), v.untyped_storage().data_ptr())].append(k)
+    groups: list[list[str]] = []
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        areas = []
+        for k in names:
+            v = state_dict[k]
+            start = v.data_ptr()
+            # the furthest byte any element reaches (views may be strided)
+            span = sum((s - 1) * abs(st) for s, st in zip(v.shape, v.stride())) + 1
+            areas.append((start, start + span * v.element_size(), k))
+        areas.sort()
+        current = [areas[0][2]]
+        stop = areas[0][1]
+        for start, end, k in areas[1:]:
+            if start < stop:
+                current.append(k)
+            else:
+                if len(current) > 1:
+                    groups.append(current)
+                current = [k]
+            stop = max(stop, end)
+        if len(current) > 1:
+            groups.append(current)
+    return groups
+
+
+def _safetensors_layout(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """Offsets (relative to the data start) for each tensor. safetensors allows no gaps, so
+    tensors whose size is a multiple of 4 KiB go first (each then starts on a 4 KiB boundary);
+    the rest follow, widest elements first so every tensor stays naturally aligned."""
+    items = list(state_dict.items())
+    whole = [(k, v) for k, v in items if _nbytes(v) % ALIGNMENT == 0]
+    rest = [(k, v) for k, v in items if _nbytes(v) % ALIGNMENT != 0]
+    rest.sort(key=lambda kv: -kv[1].element_size())  # stable: keeps insertion order per width
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for k, v in whole + rest:
+        n = _nbytes(v)
+        offsets[k] = (pos, pos + n)
+        pos += n
+    return offsets
+
+
+def _save_safetensors(
+    state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
+    io: IOHandle,
+) -> None:
+    serialize = _require("serialize_safetensors_header")
+    _check_tensor_dict(state_dict)
+    to_st, _ = _st_dtype_maps()
+    bad = [f"{k} ({v.dtype})" for k, v in state_dict.items() if v.dtype not in to_st]
+    if bad:
+        raise TypeError(
+            f"safetensors has no dtype for: {', '.join(bad)}: convert them or use format='torch'"
+        )
+    shared = _shared_groups(state_dict)
+    if shared:
+        raise ValueError(
+            f"these tensors share memory, which safetensors files cannot express: {shared}; "
+            "save one name per group (or .clone() the others), or use format='torch', which "
+            "keeps the sharing"
+        )
+    if checksum and CHECKSUM_KEY in metadata:
+        raise ValueError(f"metadata key {CHECKSUM_KEY!r} is reserved for checksum=True")
+    offsets = _safetensors_layout(state_dict)
+    entries = [
+        (k, to_st[v.dtype], tuple(int(s) for s in v.shape), *offsets[k])
+        for k, v in state_dict.items()
+    ]
+    data_bytes = max((end for _, end in offsets.values()), default=0)
+    md = dict(metadata)
+    md.setdefault("format", "pt")  # as save_model / save_pretrained write: transformers wants it
+    if checksum:  # placeholder of the final length: the real header replaces it at the end
+        md[CHECKSUM_KEY] = _checksum_json({k: 0 for k in state_dict})
+    header = bytes(serialize(entries, md, ALIGNMENT))
+    data_start = len(header)
+    sums: dict[str, int] = {}
+    with _DurableFile(path, io) as df:
+        df.reserve(data_start + data_bytes)
+        writer = _Writer(io, df.open())
+        try:
+            for k, v in state_dict.items():
+                data, staged = _host_contiguous(v.detach())
+                if checksum:
+                    sums[k] = _xxh64(data)
+                writer.add(_as_bytes(data), data_start + offsets[k][0], staged)
+            writer.finish()
+        except BaseException:
+            writer.drain()
+            raise
+        if checksum:
+            md[CHECKSUM_KEY] = _checksum_json(sums)
+            final = bytes(serialize(entries, md, ALIGNMENT))
+            if len(final) != data_start:  # cannot happen: fixed-width hex digits
+                raise RuntimeError("safetensors header changed length after checksumming")
+            header = final
+        io.pwrite(header, df.open(), 0)
+        df.commit()
+
+
+def _checksum_json(sums: Mapping[str, int]) -> str:
+    return json.dumps({k: f"{v:016x}" for k, v in sums.items()}, separators=(",", ":"))
+
+
+def _parse_checksums(path: str, metadata: Mapping[str, str]) -> dict[str, int]:
+    text = metadata.get(CHECKSUM_KEY)
+    if text is None:
+        raise ValueError(
+            f"{path}: verify=True but the file stores no checksums (save it with "
+            "tensortier.save(..., checksum=True), or load with verify=False)"
+        )
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        return {str(k): int(v, 16) for k, v in raw.items()}
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: malformed {CHECKSUM_KEY} metadata: {e}") from e
+
+
+@dataclass
+class _STEntry:
+    name: str
+    dtype: Any
+    shape: tuple[int, ...]
+    offset: int  # absolute file offset
+    nbytes: int
+
+
+def _read_st_header(path: str) -> tuple[list[_STEntry], dict[str, str]]:
+    read_header = _require("read_safetensors_header")
+    try:
+        data_start, entries, metadata = read_header(path)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if path in msg else f"{path}: {msg}") from e
+    _, from_st = _st_dtype_maps()
+    out: list[_STEntry] = []
+    for name, dt, shape, begin, end in entries:
+        dtype = from_st.get(dt)
+        if dtype is None:
+            raise ValueError(
+                f"{path}: tensor {name!r} has dtype {dt}, which this torch cannot hold"
+            )
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        if numel * dtype.itemsize != end - begin:
+            raise ValueError(
+                f"{path}: tensor {name!r}: shape {tuple(shape)} of {dt} needs "
+                f"{numel * dtype.itemsize} bytes, the header gives {end - begin}"
+            )
+        out.append(_STEntry(name, dtype, tuple(int(s) for s in shape), data_start + begin,
+                            end - begin))
+    return out, dict(metadata)
+
+
+def _xxh64_check(path: str, name: str, expected: int | None) -> Callable[[Any], None]:
+    def check(data: Any) -> None:
+        if expected is None:
+            raise ValueError(f"{path}: verify=True but tensor {name!r} has no stored checksum")
+        actual = _xxh64(data)
+        if actual != expected:
+            raise _checksum_mismatch(path, name, "xxh64", expected, actual)
+
+    return check
+
+
+def _load_safetensors(
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
+    _prog: _Progress | None = None,
+) -> dict[str, Any]:
+    torch = _torch()
+    entries, metadata = _read_st_header(path)
+    sums = _parse_checksums(path, metadata) if verify else {}
+    file = io.open(path, "r")
+    pieces: list[_Piece] = []
+    out: dict[str, Any] = {}
+    for e in entries:
+        numel = e.nbytes // e.dtype.itemsize
+        if dev.type == "cpu":
+            flat = _host_alloc(numel, e.dtype, e.offset % ALIGNMENT)
+        else:
+            flat = torch.empty(numel, dtype=e.dtype, device=dev)
+        check = _xxh64_check(path, e.name, sums.get(e.name)) if verify else None
+        pieces.append(_Piece(e.name, file, e.offset, e.nbytes, flat, check))
+        out[e.name] = flat.view(e.shape)
+    total = sum(p.nbytes for p in pieces)
+    prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
+    try:
+        _read_pieces(io, pieces, prog, path)
+    finally:
+        file.close()
+    if dtype is not None:
+        out = {k: _convert(v, dtype) for k, v in out.items()}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# torch.save zip files
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ZipRecord:
+    offset: int  # of the record's data
+    size: int
+    crc32: int
+
+
+def _zip_records(path: str) -> dict[str, _ZipRecord]:
+    """The stored (uncompressed) records of a zip file, by name."""
+    zip_entries = _require("zip_entries")
+    try:
+        entries = zip_entries(path)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if path in msg else f"{path}: {msg}") from e
+    return {name: _ZipRecord(int(off), int(size), int(crc)) for name, off, size, crc in entries}
+
+
+def _archive_prefix(path: str, records: Mapping[str, _ZipRecord]) -> str:
+    pkl = [n for n in records if n == "data.pkl" or n.endswith("/data.pkl")]
+    pkl = [n for n in pkl if n.count("/") <= 1]
+    if not pkl:
+        raise ValueError(f"{path}: a zip file without data.pkl: not a torch.save checkpoint")
+    if len(pkl) > 1:
+        raise ValueError(f"{path}: several data.pkl records ({pkl}): not a torch.save checkpoint")
+    prefix = pkl[0][: -len("data.pkl")]
+    if prefix + "constants.pkl" in records:
+        raise ValueError(
+            f"{path}: a TorchScript archive, not a torch.save checkpoint: use torch.jit.load"
+        )
+    return prefix
+
+
+def _read_record(path: str, fd: int, records: Mapping[str, _ZipRecord], name: str) -> bytes:
+    rec = records[name]
+    data = os.pread(fd, rec.size, rec.offset)  # small metadata records only
+    if len(data) != rec.size:
+        raise ValueError(f"{path}: record {name} is truncated")
+    return data
+
+
+@dataclass
+class _StorageRef:
+    path: str
+    key: str
+    record: _ZipRecord
+    nbytes: int
+    dtype: Any
+    storage: Any  # UntypedStorage (cpu, cuda or meta)
+
+
+def _unpickle_torch(
+    path: str, storage_device: Any
+) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
+    """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
+    `storage_device` (``meta``: not at all) and filled later. Returns the object, the storages by
+    key, the records, the archive prefix and whether the file is big-endian."""
+    torch = _torch()
+    from torch import _weights_only_unpickler as wou
+
+    records = _zip_records(path)
+    prefix = _archive_prefix(path, records)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pkl = _read_record(path, fd, records, prefix + "data.pkl")
+        big_endian = False
+        if prefix + "byteorder" in records:
+            order = _read_record(path, fd, records, prefix + "byteorder")
+            if order not in (b"little", b"big"):
+                raise ValueError(f"{path}: unknown byte order {order[:16]!r}")
+            big_endian = order == b"big"
+    finally:
+        os.close(fd)
+
+    storages: dict[str, _StorageRef] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+            raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
+        typename, storage_type, key, _location, numel = saved_id
+        if isinstance(typename, bytes):
+            typename = typename.decode("ascii")
+        if isinstance(key, bytes):
+            key = key.decode("ascii")
+        if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int):
+            raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
+        if storage_type is torch.UntypedStorage:
+            dtype = torch.uint8
+        else:
+            dtype = getattr(storage_type, "dtype", None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{path}: storage {key} has an unknown type {storage_type!r}")
+        if key in storages:
+            ref = storages[key]
+        else:
+            name = f"{prefix}data/{key}"
+            record = records.get(name)
+            if record is None:
+                raise ValueError(f"{path}: storage record {name} is missing")
+            if numel < 0:
+                raise ValueError(f"{path}: storage {key} has a negative size")
+            nbytes = numel * dtype.itemsize
+            if nbytes != record.size:
+                raise ValueError(
+                    f"{path}: storage {key} should hold {nbytes} bytes, its record has "
+                    f"{record.size}"
+                )
+            if storage_device.type == "cpu":
+                storage = _host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
+                storage = storage.untyped_storage()
+            else:
+                storage = torch.UntypedStorage(nbytes, device=storage_device)
+            ref = _StorageRef(path, key, record, nbytes, dtype, storage)
+            storages[key] = ref
+        return torch.storage.TypedStorage(wrap_storage=ref.storage, dtype=dtype, _internal=True)
+
+    import io as pyio
+
+    unpickler = wou.Unpickler(pyio.BytesIO(pkl), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    try:
+        obj = unpickler.load()
+    except pickle.UnpicklingError as e:
+        raise ValueError(
+            f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier never "
+            f"runs other pickle code): {e}"
+        ) from None
+    except (ValueError, OSError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
+        raise ValueError(f"{path}: malformed data.pkl: {type(e).__name__}: {e}") from e
+    return obj, storages, records, prefix, big_endian
+
+
+def _crc_check(path: str, key: str, expected: int) -> Callable[[Any], None]:
+    def check(data: Any) -> None:
+        actual = _crc32(_as_bytes(data))
+        if actual != expected:
+            raise _checksum_mismatch(path, f"data/{key}", "crc32", expected, actual)
+
+    return check
+
+
+def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
+    if any(r.nbytes and r.record.crc32 == 0 for r in storages):
+        # torch.save writes a CRC-32 for every record unless told not to; zero means none
+        raise ValueError(
+            f"{path}: verify=True but the file stores no CRC-32 for its storages (save it with "
+            "tensortier.save(..., checksum=True), or load with verify=False)"
+        )
+
+
+def _load_torch(
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle
+) -> Any:
+    torch = _torch()
+    obj, storages, _, _, big_endian = _unpickle_torch(path, dev)
+    refs = sorted(storages.values(), key=lambda r: r.record.offset)
+    if verify:
+        _verifiable(path, refs)
+    file = io.open(path, "r")
+    pieces = [
+        _Piece(
+            f"data/{r.key}", file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
+            _crc_check(path, r.key, r.record.crc32) if verify else None,
+        )
+        for r in refs
+    ]
+    prog = _Progress(f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress)
+    try:
+        _read_pieces(io, pieces, prog, path)
+    finally:
+        file.close()
+    if big_endian:
+        for r in refs:
+            r.storage.byteswap(r.dtype)
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is not None:
+        validate()
+    if dtype is not None:
+        obj = _map_tensors(obj, lambda t: _convert(t, dtype))
+    return obj
+
+
+def _map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """`obj` with every tensor inside dicts, lists and tuples replaced by ``fn(tensor)``."""
+    torch = _torch()
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, _map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+class _NullSink:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _storages_in_save_order(obj: Any) -> list[Any]:
+    """The storages ``torch.save(obj)`` writes, in the order of their keys ("0", "1", ...).
+
+    torch's ``_save`` numbers storages in the order its pickler meets them; pickling the same
+    object again with the same protocol meets them in the same order."""
+    torch = _torch()
+    seen: dict[int, int] = {}
+    storages: list[Any] = []
+
+    class Recorder(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
+                storage = o._untyped_storage if isinstance(o, torch.storage.TypedStorage) else o
+                if storage._cdata not in seen:
+                    seen[storage._cdata] = len(storages)
+                    storages.append(storage)
+                return ("storage", seen[storage._cdata])
+            return None
+
+    with torch.serialization.skip_data():
+        Recorder(_NullSink(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+    return storages
+
+
+def _zip_patch_crcs(path: str, crcs: Mapping[str, int]) -> list[tuple[int, bytes]]:
+    """Where to write each record's CRC-32 in a zip torch just wrote (central directory entry
+    and data descriptor). Returns (file offset, 4 bytes) patches."""
+    import struct
+    import zipfile
+
+    patches: list[tuple[int, bytes]] = []
+    with open(path, "rb") as f, zipfile.ZipFile(f) as z:  # metadata only
+        pos = z.start_dir
+        for info in z.infolist():
+            raw_name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+            entry_size = 46 + len(raw_name) + len(info.extra) + len(info.comment)
+            f.seek(pos)
+            if f.read(4) != b"PK\x01\x02":
+                raise RuntimeError(f"{path}: unexpected zip layout (central directory)")
+            crc = crcs.get(info.filename)
+            if crc is not None:
+                packed = struct.pack("<I", crc)
+                patches.append((pos + 16, packed))
+                if info.flag_bits & 0x08:  # CRC in a data descriptor after the data
+                    f.seek(info.header_offset)
+                    local = f.read(30)
+                    if local[:4] != b"PK\x03\x04":
+                        raise RuntimeError(f"{path}: unexpected zip layout (local header)")
+                    n_len, x_len = struct.unpack("<HH", local[26:30])
+                    end = info.header_offset + 30 + n_len + x_len + info.compress_size
+                    f.seek(end)
+                    sig = f.read(4)
+                    patches.append((end + 4 if sig == b"PK\x07\x08" else end, packed))
+                else:
+                    patches.append((info.header_offset + 14, packed))
+            pos += entry_size
+    return patches
+
+
+def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
+    torch = _torch()
+    if not hasattr(torch.serialization, "skip_data"):
+        raise ValueError(
+            f"format='torch' needs torch.serialization.skip_data (PyTorch >= 2.5); this is "
+            f"{torch.__version__}: use format='safetensors'"
+        )
+    from torch.utils.serialization import config as ser_config
+
+    try:
+        storages = _storages_in_save_order(obj)
+    except (RuntimeError, pickle.PicklingError, AttributeError) as e:
+        raise ValueError(f"torch.save cannot save this object: {e}") from e
+    with _DurableFile(path, io) as df:
+        with open(df.tmp, "r+b") as f:  # torch writes the metadata records and leaves holes
+            try:
+                # (a process-wide setting while it lasts: concurrent torch.save calls in other
+                # threads would align their storages to 4 KiB too, which is harmless)
+                with ser_config.patch({"save.storage_alignment": ALIGNMENT}):
+                    with torch.serialization.skip_data():
+                        torch.save(obj, f)
+            except (RuntimeError, pickle.PicklingError, AttributeError) as e:
+                raise ValueError(f"torch.save cannot save this object: {e}") from e
+        records = _zip_records(df.tmp)
+        prefix = _archive_prefix(df.tmp, records)
+        data_names = [n for n in records if n.startswith(prefix + "data/")]
+        if len(data_names) != len(storages):
+            raise RuntimeError(
+                f"tensortier found {len(storages)} storages, torch.save wrote {len(data_names)}"
+            )
+        places: list[tuple[Any, _ZipRecord]] = []
+        for key, storage in enumerate(storages):
+            rec = records.get(f"{prefix}data/{key}")
+            if rec is None or rec.size != storage.nbytes():
+                raise RuntimeError(f"torch.save wrote storage {key} differently than expected")
+            places.append((storage, rec))
+        file_size = os.path.getsize(df.tmp)
+        df.reserve(file_size)
+        writer = _Writer(io, df.open())
+        crcs: dict[str, int] = {}
+        try:
+            for key, (storage, rec) in enumerate(places):
+                data = _storage_bytes(storage)
+                staged = data.device.type != "cpu"
+                if staged:
+                    data = data.to("cpu")
+                if checksum:
+                    crcs[f"{prefix}data/{key}"] = _crc32(data)
+                writer.add(data, rec.offset, staged)
+            writer.finish()
+        except BaseException:
+            writer.drain()
+            raise
+        if checksum and crcs:
+            for offset, packed in _zip_patch_crcs(df.tmp, crcs):
+                io.pwrite(packed, df.open(), offset)
+        df.commit()
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face shard indexes
+# --------------------------------------------------------------------------------------------
+
+
+def _read_index(path: str) -> dict[str, list[str]]:
+    """shard file path -> names it must hold, from a ``*.index.json``."""
+    with open(path, "rb") as f:
+        text = f.read(_MAX_INDEX_BYTES + 1)
+    if len(text) > _MAX_INDEX_BYTES:
+        raise ValueError(f"{path}: larger than {_MAX_INDEX_BYTES} bytes: not a shard index")
+    try:
+        index = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: malformed JSON: {e}") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ValueError(f"{path}: not a shard index: no 'weight_map' of name -> file")
+    base = os.path.dirname(os.path.abspath(path))
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+            raise ValueError(f"{path}: shard {shard!r} lies outside the index's directory")
+        shards.setdefault(os.path.join(base, shard), []).append(name)
+    return shards
+
+
+def _load_index(
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for shard, names in _read_index(path).items():
+        kind = _sniff(shard)
+        if kind == "index":
+            raise ValueError(f"{path}: shard {shard} is itself an index")
+        if kind == "torch":
+            part = _load_torch(shard, dev, dtype, verify, progress, io)
+            if not isinstance(part, Mapping):
+                raise ValueError(f"{shard}: holds a {type(part).__name__}, not a state dict")
+        else:
+            part = _load_safetensors(shard, dev, dtype, verify, progress, io)
+        missing = [n for n in names if n not in part]
+        if missing:
+            raise ValueError(f"{path}: the index puts {missing[:8]} in {shard}, which lacks them")
+        out.update(part)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# load_into
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    """Where a saved tensor's bytes are: a contiguous run of `nbytes` at `offset` of `path`, or
+    (non-contiguous torch views) a tensor to copy from once its storage is read."""
+
+    path: str
+    dtype: Any
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    check: Callable[[Any], None] | None  # set per load (verify)
+    checksum: int | None  # xxh64 of the bytes (safetensors) or None
+    crc_storage: _StorageRef | None = None  # torch: the storage record (crc checks)
+    view: Any = None  # torch: a meta tensor describing the saved view
+
+
+def _describe_sources(path: str, io: IOHandle) -> dict[str, _Source]:
+    kind = _sniff(path)
+    if kind == "index":
+        out: dict[str, _Source] = {}
+        for shard, names in _read_index(path).items():
+            part = _describe_sources(shard, io)
+            missing = [n for n in names if n not in part]
+            if missing:
+                raise ValueError(
+                    f"{path}: the index puts {missing[:8]} in {shard}, which lacks them"
+                )
+            out.update(part)
+        return out
+    if kind == "safetensors":
+        entries, metadata = _read_st_header(path)
+        sums: dict[str, int] | None = None
+        if CHECKSUM_KEY in metadata:
+            sums = _parse_checksums(path, metadata)
+        return {
+            e.name: _Source(path, e.dtype, e.shape, e.offset, e.nbytes, None,
+                            None if sums is None else sums.get(e.name, -1))
+            for e in entries
+        }
+    torch = _torch()
+    obj, storages, _, _, big_endian = _unpickle_torch(path, torch.device("meta"))
+    if big_endian:
+        raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")
+    if not isinstance(obj, Mapping):
+        raise ValueError(
+            f"{path}: holds a {type(obj).__name__}, not a flat state dict: use tensortier.load"
+        )
+    by_storage = {id(r.storage): r for r in storages.values()}
+    by_cdata = {r.storage._cdata: r for r in storages.values()}
+    out = {}
+    for name, t in obj.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(
+                f"{path}: {name!r} is a {type(t).__name__}, not a tensor: load_into reads flat "
+                "state dicts; use tensortier.load"
+            )
+        ref = by_cdata.get(t.untyped_storage()._cdata) or by_storage.get(id(t.untyped_storage()))
+        if ref is None:
+            raise ValueError(f"{path}: cannot find the storage of {name!r}")
+        start = t.storage_offset() * t.element_size()
+        n = _nbytes(t)
+        contiguous = t.is_contiguous()
+        out[name] = _Source(path, t.dtype, tuple(t.shape), ref.record.offset + start, n, None,
+                            None, ref, None if contiguous else t)
+    return out
+
+
+def _load_into(
+    targets: dict[str, Any], sources: dict[str, _Source], strict: bool, verify: bool,
+    progress: bool | None, io: IOHandle, path: str,
+) -> IncompatibleKeys:
+    torch = _torch()
+    unexpected = [k for k in sources if k not in targets]
+    missing = [k for k in targets if k not in sources]
+    # A name missing from the file whose tensor is the very same memory as a loaded one (tied
+    # weights, stored once in safetensors files) gets its data anyway.
+    loaded_mem = {
+        (t.data_ptr(), _nbytes(t), t.dtype, tuple(t.shape))
+        for k, t in targets.items() if k in sources
+    }
+    missing = [
+        k for k in missing
+        if (targets[k].data_ptr(), _nbytes(targets[k]), targets[k].dtype,
+            tuple(targets[k].shape)) not in loaded_mem or _nbytes(targets[k]) == 0
+    ]
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"{path} does not match the target: missing from the file: {missing}; "
+            f"not in the target: {unexpected} (load_into(..., strict=False) to skip them)"
+        )
+    problems = []
+    for k, src in sources.items():
+        t = targets.get(k)
+        if t is None:
+            continue
+        if tuple(t.shape) != src.shape:
+            problems.append(f"{k}: file has shape {src.shape}, target {tuple(t.shape)}")
+        elif t.dtype != src.dtype:
+            problems.append(f"{k}: file has dtype {src.dtype}, target {t.dtype}")
+    if problems:
+        raise ValueError(f"{path}: size or dtype mismatch: " + "; ".join(problems))
+
+    files: dict[str, Any] = {}
+    pieces: list[_Piece] = []
+    after: list[Callable[[], None]] = []  # copies into targets read through a temporary
+    crc_refs: dict[tuple[str, str], _StorageRef] = {}
+    done_mem: set[tuple[int, int]] = set()
+    for k, src in sources.items():
+        t = targets.get(k)
+        if t is None:
+            continue
+        if src.path not in files:
+            files[src.path] = io.open(src.path, "r")
+        f = files[src.path]
+        if src.view is not None and src.crc_storage is not None:
+            # a non-contiguous saved view: read its whole storage, then copy the view out
+            ref = src.crc_storage
+            if verify:
+                _verifiable(src.path, [ref])
+            holder = torch.empty(ref.nbytes, dtype=torch.uint8)
+            pieces.append(_Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, holder,
+                                 _crc_check(src.path, ref.key, ref.record.crc32)
+                                 if verify else None))
+            view = src.view
+
+            def copy_view(t: Any = t, holder: Any = holder, view: Any = view) -> None:
+                src_t = torch.empty(0, dtype=view.dtype).set_(
+                    holder.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+                t.copy_(src_t)
+
+            after.append(copy_view)
+            continue
+        mem = (t.data_ptr(), _nbytes(t))
+        if mem in done_mem and mem[1] > 0:
+            continue  # the same memory under another name: read once
+        done_mem.add(mem)
+        check = None
+        if verify and src.crc_storage is not None:
+            ref = src.crc_storage
+            if src.offset == ref.record.offset and src.nbytes == ref.nbytes:
+                _verifiable(src.path, [ref])
+                check = _crc_check(src.path, ref.key, ref.record.crc32)
+            else:  # the CRC covers more than this tensor: checked on its own afterwards
+                crc_refs[(ref.path, ref.key)] = ref
+        elif verify:
+            if src.checksum is None:
+                _parse_checksums(src.path, {})  # raises: this file stores no checksums
+            check = _xxh64_check(src.path, k, None if src.checksum == -1 else src.checksum)
+        if t.is_contiguous():  # CPU: read in place; CUDA: through the pinned buffer
+            pieces.append(_Piece(k, f, src.offset, src.nbytes, t.detach(), check))
+        else:
+            tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            pieces.append(_Piece(k, f, src.offset, src.nbytes, tmp, check))
+
+            def copy_back(t: Any = t, tmp: Any = tmp) -> None:
+                with torch.no_grad():
+                    t.copy_(tmp)
+
+            after.append(copy_back)
+    total = sum(p.nbytes for p in pieces)
+    prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
+    try:
+        with torch.no_grad():
+            _read_pieces(io, pieces, prog, path)
+            for fn in after:
+                fn()
+        if crc_refs:
+            _verify_torch_records(io, files, list(crc_refs.values()))
+    finally:
+        for f in files.values():
+            f.close()
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _verify_torch_records(io: IOHandle, files: Mapping[str, Any], refs: Sequence[_StorageRef]
+                          ) -> None:
+    """verify=True for load_into from torch files, for storage records the tensors read do not
+    cover whole: the CRC-32 covers the whole record, so it is read again through a bounded
+    buffer and checked."""
+    torch = _torch()
+    _verifiable(refs[0].path, refs)
+    buf = torch.empty(min(max(r.nbytes for r in refs), _GROUP_BYTES) or 1, dtype=torch.uint8)
+    for r in refs:
+        f = files[r.path]
+        crc = 0
+        pos = 0
+        while pos < r.nbytes:
+            n = min(buf.numel(), r.nbytes - pos)
+            got = io.pread(buf[:n], f, r.record.offset + pos)
+            if got != n:
+                raise ValueError(f"{r.path}: file ended early in record data/{r.key}")
+            crc = _crc32(buf[:n], crc)
+            pos += n
+        if crc != r.record.crc32:
+            raise _checksum_mismatch(r.path, f"data/{r.key}", "crc32", r.record.crc32, crc)

@@ -1,0 +1,563 @@
+"""tensortier.save / load / load_into: round trips, alignment, compatibility with safetensors and
+torch.save/torch.load, shard indexes, dtype and device options, load_into."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensortier
+from tensortier import IOHandle, checkpoint
+
+st = pytest.importorskip("safetensors.torch")
+from safetensors import safe_open  # noqa: E402
+
+# Every dtype safetensors can store (and this torch has).
+ST_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+]
+# What safetensors.torch itself reads and writes (no E8M0 in its table).
+ST_PACKAGE_DTYPES = [d for d in ST_DTYPES if d is not torch.float8_e8m0fnu]
+TORCH_DTYPES = ST_DTYPES + [torch.complex128]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random bytes viewed as `dtype` (every bit pattern, NaNs included); bool gets 0/1."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape).bool()
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN-safe)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                       b.contiguous().view(-1).view(torch.uint8))
+
+
+def mixed_state_dict() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    sd = {f"t.{i}.{str(d).split('.')[-1]}": random_tensor((37 + i, 3), d)
+          for i, d in enumerate(ST_DTYPES)}
+    sd["big.weight"] = torch.randn(512, 1024)  # 2 MiB: page-multiple, own aligned buffer
+    sd["big.bf16"] = torch.randn(1024, 1536).to(torch.bfloat16)
+    sd["ids"] = torch.arange(5000, dtype=torch.int64)
+    sd["scalar"] = torch.tensor(2.5)
+    sd["empty"] = torch.empty(0, 4)
+    sd["bias"] = torch.randn(7)
+    return sd
+
+
+@pytest.fixture(params=["threads", "auto"])
+def io(request: pytest.FixtureRequest) -> IOHandle:
+    with IOHandle(request.param, chunk_size=256 << 10) as handle:
+        yield handle
+
+
+@pytest.fixture
+def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exercise the grouping, staging and aligned-allocation paths with small tensors."""
+    monkeypatch.setattr(checkpoint, "_GROUP_BYTES", 64 << 10)
+    monkeypatch.setattr(checkpoint, "_STAGING_BYTES", 32 << 10)
+    monkeypatch.setattr(checkpoint, "_ALIGNED_ALLOC_MIN", 4096)
+
+
+def header_of(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+# ---- safetensors -------------------------------------------------------------------------------
+
+
+def test_safetensors_round_trip_every_dtype(io: IOHandle, disk_dir: Path, small_groups: None
+                                            ) -> None:
+    sd = mixed_state_dict()
+    path = disk_dir / "m.safetensors"
+    tensortier.save(sd, path, _io=io)
+    out = tensortier.load(path, _io=io)
+    assert set(out) == set(sd)
+    for k in sd:
+        assert same(out[k], sd[k]), k
+    assert out["scalar"].shape == () and out["empty"].shape == (0, 4)
+
+
+def test_safetensors_alignment(disk_dir: Path) -> None:
+    sd = mixed_state_dict()
+    path = disk_dir / "m.safetensors"
+    tensortier.save(sd, path)
+    data_start, header = header_of(path)
+    assert data_start % 4096 == 0
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    assert set(entries) == set(sd)
+    spans = sorted(tuple(v["data_offsets"]) for v in entries.values())
+    pos = 0
+    for b, e in spans:  # tiles the data section, as the format requires
+        assert b == pos
+        pos = e
+    assert os.path.getsize(path) == data_start + pos
+    for k, v in entries.items():
+        b, e = v["data_offsets"]
+        if (e - b) % 4096 == 0:  # page-multiple tensors start on page boundaries
+            assert (data_start + b) % 4096 == 0, k
+        itemsize = sd[k].element_size()
+        assert (data_start + b) % itemsize == 0, k  # everything naturally aligned
+
+
+def test_safetensors_compat_both_ways(disk_dir: Path) -> None:
+    sd = {k: v for k, v in mixed_state_dict().items()
+          if v.dtype in ST_PACKAGE_DTYPES}
+    ours = disk_dir / "ours.safetensors"
+    tensortier.save(sd, ours, metadata={"format": "pt", "who": "tensortier"})
+    theirs = st.load_file(ours)
+    assert set(theirs) == set(sd)
+    for k in sd:
+        assert same(theirs[k], sd[k]), k
+    with safe_open(ours, "pt") as f:
+        assert f.metadata() == {"format": "pt", "who": "tensortier"}
+    tensortier.save(sd, ours)
+    with safe_open(ours, "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # added, as transformers expects it
+
+    ref = disk_dir / "ref.safetensors"  # written by the safetensors package: not aligned
+    st.save_file(sd, ref, metadata={"a": "b"})
+    out = tensortier.load(ref)
+    assert list(out) != [] and set(out) == set(sd)
+    for k in sd:
+        assert same(out[k], sd[k]), k
+
+
+def test_safetensors_unaligned_writer(disk_dir: Path, small_groups: None) -> None:
+    # A header whose length is not a multiple of 8 and odd-sized tensors: every offset unaligned.
+    sd = {"a": torch.arange(3, dtype=torch.uint8), "b": torch.randn(3000),
+          "c": torch.randint(0, 255, (100001,), dtype=torch.uint8)}
+    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+              "c": {"dtype": "U8", "shape": [100001], "data_offsets": [3, 100004]},
+              "b": {"dtype": "F32", "shape": [3000], "data_offsets": [100004, 112004]}}
+    text = json.dumps(header).encode() + b" "
+    path = disk_dir / "odd.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for k in ("a", "c", "b"):
+            f.write(sd[k].numpy().tobytes())
+    assert st.load_file(path)["b"].equal(sd["b"])
+    out = tensortier.load(path)
+    for k in sd:
+        assert same(out[k], sd[k]), k
+
+
+def test_safetensors_non_contiguous_saved_contiguous(disk_dir: Path, small_groups: None) -> None:
+    base = torch.randn(300, 200)
+    sd = {"t": base.t(), "strided": torch.randn(100, 100)[::3, 1::2],
+          "exp": torch.ones(5).expand(4, 5)}
+    path = disk_dir / "nc.safetensors"
+    tensortier.save(sd, path)
+    out = tensortier.load(path)
+    for k in sd:
+        assert out[k].is_contiguous() and torch.equal(out[k], sd[k]), k
+    assert torch.equal(st.load_file(path)["t"], sd["t"])
+
+
+def test_safetensors_shared_tensors_refused(disk_dir: Path) -> None:
+    w = torch.randn(10, 10)
+    path = disk_dir / "s.safetensors"
+    with pytest.raises(ValueError, match=r"share memory.*'a'.*'b'|share memory.*'b'.*'a'"):
+        tensortier.save({"a": w, "b": w, "c": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match="share memory"):
+        tensortier.save({"a": w, "row": w[3]}, path)
+    assert not path.exists() and os.listdir(disk_dir) == []
+    # disjoint views of one storage are fine (as in safetensors)
+    tensortier.save({"top": w[:5], "bottom": w[5:]}, path)
+    out = tensortier.load(path)
+    assert torch.equal(out["top"], w[:5]) and torch.equal(out["bottom"], w[5:])
+
+
+def test_safetensors_rejects_non_tensors(disk_dir: Path) -> None:
+    path = disk_dir / "x.safetensors"
+    with pytest.raises(TypeError, match="'step'.*format='torch'"):
+        tensortier.save({"w": torch.ones(2), "step": 3}, path)
+    with pytest.raises(TypeError, match="c128.*format='torch'"):
+        tensortier.save({"c128": torch.ones(2, dtype=torch.complex128)}, path)
+    with pytest.raises(TypeError, match="metadata"):
+        tensortier.save({"w": torch.ones(2)}, path, metadata={"a": 1})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="format"):
+        tensortier.save({"w": torch.ones(2)}, disk_dir / "x.unknown")
+    with pytest.raises(ValueError, match="format"):
+        tensortier.save({"w": torch.ones(2)}, path, format="npz")
+    assert os.listdir(disk_dir) == []
+
+
+def test_metadata_kept_and_checksums_in_metadata(disk_dir: Path) -> None:
+    sd = {"w": torch.randn(100), "b": torch.zeros(0)}
+    path = disk_dir / "m.safetensors"
+    tensortier.save(sd, path, metadata={"step": "12", "note": "ünïcode"}, checksum=True)
+    _, header = header_of(path)
+    md = header["__metadata__"]
+    assert md["step"] == "12" and md["note"] == "ünïcode"
+    sums = json.loads(md[checkpoint.CHECKSUM_KEY])
+    assert set(sums) == {"w", "b"}
+    assert all(len(v) == 16 for v in sums.values())
+    assert int(sums["w"], 16) == tensortier._core.xxh64(sd["w"].numpy())
+    assert int(sums["b"], 16) == tensortier._core.xxh64(b"")
+    assert tensortier.load(path, verify=True)["w"].equal(sd["w"])
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_filesystem_without_o_direct(no_direct_dir: Path, name: str) -> None:
+    sd = mixed_state_dict()
+    path = no_direct_dir / name
+    tensortier.save(sd, path, checksum=True)
+    out = tensortier.load(path, verify=True)
+    for k in sd:
+        assert same(out[k], sd[k]), k
+    target = {k: torch.empty_like(v) for k, v in sd.items()}
+    tensortier.load_into(target, path, verify=True)
+    assert all(same(target[k], sd[k]) for k in sd)
+
+
+# ---- torch format ------------------------------------------------------------------------------
+
+
+def test_torch_round_trip_every_dtype(io: IOHandle, disk_dir: Path, small_groups: None) -> None:
+    sd = {str(d): random_tensor((41, 5), d) for d in TORCH_DTYPES}
+    sd["scalar"] = torch.tensor(7, dtype=torch.int64)
+    sd["empty"] = torch.empty(0, 3, dtype=torch.bfloat16)
+    sd["big"] = torch.randn(300, 1000)
+    path = disk_dir / "m.pt"
+    tensortier.save(sd, path, _io=io)
+    for out in (tensortier.load(path, _io=io), torch.load(path, weights_only=True)):
+        assert set(out) == set(sd)
+        for k in sd:
+            assert same(out[k], sd[k]), k
+
+
+def test_torch_structure_sharing_and_alignment(disk_dir: Path, small_groups: None) -> None:
+    emb = torch.randn(1000, 64)
+    sd = {
+        "model": {"emb.weight": emb, "head.weight": emb, "row": emb[10], "tr": emb.t()},
+        "optimizer": {"step": 10, "lr": 1e-3, "betas": (0.9, 0.999), "names": ["a", "b"],
+                      "state": {0: {"exp_avg": torch.zeros(3)}}, "none": None, "flag": True},
+        "epoch": 3,
+        "param": torch.nn.Parameter(torch.randn(4)),
+    }
+    path = disk_dir / "ckpt.pt"
+    tensortier.save(sd, path)
+    for out in (tensortier.load(path), torch.load(path, weights_only=True)):
+        m = out["model"]
+        assert torch.equal(m["emb.weight"], emb) and torch.equal(m["tr"], emb.t())
+        ptr = m["emb.weight"].untyped_storage().data_ptr()
+        assert all(m[k].untyped_storage().data_ptr() == ptr for k in m)  # still shared
+        assert m["row"].storage_offset() == 10 * 64 and torch.equal(m["row"], emb[10])
+        assert out["optimizer"]["betas"] == (0.9, 0.999)
+        assert out["optimizer"]["state"][0]["exp_avg"].equal(torch.zeros(3))
+        assert {k: out["optimizer"][k] for k in ("step", "lr", "names", "none", "flag")} == {
+            "step": 10, "lr": 1e-3, "names": ["a", "b"], "none": None, "flag": True}
+        assert out["epoch"] == 3
+        assert isinstance(out["param"], torch.nn.Parameter) and out["param"].equal(sd["param"])
+    with zipfile.ZipFile(path) as z:  # (CRCs are written with checksum=True only)
+        for info in z.infolist():
+            if "/data/" in info.filename:
+                with open(path, "rb") as f:
+                    f.seek(info.header_offset + 26)
+                    n, x = struct.unpack("<HH", f.read(4))
+                assert (info.header_offset + 30 + n + x) % 4096 == 0, info.filename
+                assert info.compress_type == zipfile.ZIP_STORED
+
+
+def test_torch_compat_torch_save_to_load(disk_dir: Path) -> None:
+    sd = {"a": torch.randn(100, 3), "b": [torch.arange(4), {"c": "text"}], "d": torch.ones(2)}
+    sd["view"] = sd["a"][5:]
+    path = disk_dir / "ref.pt"
+    torch.save(sd, path)  # 64-byte storage alignment, CRCs
+    out = tensortier.load(path, verify=True)
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"][0], sd["b"][0])
+    assert out["b"][1] == {"c": "text"}
+    assert out["view"].untyped_storage().data_ptr() == out["a"].untyped_storage().data_ptr()
+    # a single tensor, not a dict
+    torch.save(torch.arange(10), disk_dir / "t.pt")
+    assert torch.equal(tensortier.load(disk_dir / "t.pt"), torch.arange(10))
+
+
+def test_torch_checksums_are_zip_crcs(disk_dir: Path) -> None:
+    sd = {"a": torch.randn(1000), "b": torch.arange(100)}
+    path = disk_dir / "c.pt"
+    tensortier.save(sd, path, checksum=True)
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None  # every CRC right, data descriptors included
+    tensortier.load(path, verify=True)
+    plain = disk_dir / "plain.pt"
+    tensortier.save(sd, plain)
+    with pytest.raises(ValueError, match="no CRC-32"):
+        tensortier.load(plain, verify=True)
+
+
+# ---- options -------------------------------------------------------------------------------------
+
+
+def test_dtype_conversion(disk_dir: Path) -> None:
+    sd = {"w": torch.randn(10), "h": torch.randn(3).half(), "i": torch.arange(3),
+          "m": torch.tensor([True, False]), "c": torch.ones(2, dtype=torch.complex64)}
+    for name in ("m.safetensors", "m.pt"):
+        tensortier.save(sd, disk_dir / name)
+        out = tensortier.load(disk_dir / name, dtype=torch.bfloat16)
+        assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], sd["w"].bfloat16())
+        assert out["h"].dtype == torch.bfloat16
+        assert out["i"].dtype == torch.int64 and out["m"].dtype == torch.bool
+        assert out["c"].dtype == torch.complex64
+    with pytest.raises(TypeError, match="dtype"):
+        tensortier.load(disk_dir / "m.pt", dtype="float16")
+
+
+def test_cuda_without_gpu_is_a_clear_error(disk_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    tensortier.save({"w": torch.ones(2)}, disk_dir / "m.safetensors")
+    with pytest.raises(ValueError, match="CUDA is not available.*device='cpu'"):
+        tensortier.load(disk_dir / "m.safetensors", device="cuda:0")
+    with pytest.raises(ValueError, match="not supported"):
+        tensortier.load(disk_dir / "m.safetensors", device="mps")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_to_cuda(disk_dir: Path, small_groups: None) -> None:
+    sd = mixed_state_dict()
+    sd["huge"] = torch.randn(3 << 20)  # 12 MiB: several pinned-buffer chunks
+    for name in ("m.safetensors", "m.pt"):
+        tensortier.save(sd, disk_dir / name, checksum=True)
+        for verify in (False, True):
+            out = tensortier.load(disk_dir / name, device="cuda:0", verify=verify)
+            for k in sd:
+                assert out[k].device.type == "cuda", k
+                assert same(out[k].cpu(), sd[k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_into_cuda_module(disk_dir: Path) -> None:
+    src = torch.nn.Linear(64, 32)
+    tensortier.save(src.state_dict(), disk_dir / "m.safetensors")
+    dst = torch.nn.Linear(64, 32).cuda()
+    tensortier.load_into(dst, disk_dir / "m.safetensors")
+    assert torch.equal(dst.weight.cpu(), src.weight.detach())
+
+
+class _FakeStream:
+    def __init__(self, device: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeEvent:
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                     verify: bool) -> None:
+    """The pinned-buffer path of CUDA loads (chunking, page skew, checksums), run with CPU
+    stand-ins for the pinned buffers, streams and events, so it is tested without a GPU."""
+    import contextlib
+
+    monkeypatch.setattr(checkpoint, "_PINNED_STAGE_BYTES", 64 << 10)
+    monkeypatch.setattr(checkpoint, "_pinned_buffer", lambda n: tensortier.aligned_empty(n))
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    sd = {"odd": torch.arange(3, dtype=torch.uint8), "big": torch.randn(100000),
+          "empty": torch.empty(0), "mid": torch.randn(5000).double()}
+    path = disk_dir / "m.safetensors"
+    tensortier.save(sd, path, checksum=True)
+    entries, metadata = checkpoint._read_st_header(str(path))
+    sums = checkpoint._parse_checksums(str(path), metadata)
+    io = checkpoint._default_io()
+    f = io.open(path, "r")
+    out = {e.name: torch.full((e.nbytes // e.dtype.itemsize,), 7, dtype=torch.uint8).view(e.dtype)
+           if e.dtype.itemsize == 1 else torch.zeros(e.nbytes // e.dtype.itemsize, dtype=e.dtype)
+           for e in entries}
+    pieces = [checkpoint._Piece(e.name, f, e.offset, e.nbytes, out[e.name],
+                                checkpoint._xxh64_check(str(path), e.name, sums[e.name])
+                                if verify else None) for e in entries]
+    progress = checkpoint._Progress("x", sum(p.nbytes for p in pieces), False)
+    checkpoint._read_device(io, pieces, progress, str(path))
+    assert progress.done == sum(p.nbytes for p in pieces)
+    for e in entries:
+        assert same(out[e.name].view(e.shape), sd[e.name]), e.name
+
+
+def test_progress_bar(disk_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tensortier.save({"w": torch.randn(1000)}, disk_dir / "m.safetensors")
+    tensortier.load(disk_dir / "m.safetensors")  # stderr is not a TTY: no bar
+    assert capsys.readouterr().err == ""
+    tensortier.load(disk_dir / "m.safetensors", progress=True)
+    err = capsys.readouterr().err
+    assert "loading m.safetensors" in err and "100.0%" in err
+
+
+# ---- shard indexes ---------------------------------------------------------------------------
+
+
+def make_shards(d: Path, fmt: str = "safetensors") -> dict[str, torch.Tensor]:
+    sd = {f"layer.{i}.weight": torch.randn(64, 16) for i in range(6)}
+    names = list(sd)
+    weight_map = {}
+    for s, chunk in enumerate((names[:3], names[3:])):
+        ext = "safetensors" if fmt == "safetensors" else "bin"
+        shard = f"model-{s + 1:05d}-of-00002.{ext}"
+        part = {k: sd[k] for k in chunk}
+        if fmt == "safetensors":
+            st.save_file(part, d / shard)
+        else:
+            torch.save(part, d / shard)
+        weight_map.update({k: shard for k in chunk})
+    idx = d / f"model.{'safetensors' if fmt == 'safetensors' else 'bin'}.index.json"
+    index = {"metadata": {"total_size": 6 * 64 * 16 * 4}, "weight_map": weight_map}
+    idx.write_text(json.dumps(index))
+    return sd
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_hf_index(disk_dir: Path, fmt: str) -> None:
+    sd = make_shards(disk_dir, fmt)
+    idx = next(disk_dir.glob("*.index.json"))
+    out = tensortier.load(idx)
+    assert set(out) == set(sd) and all(torch.equal(out[k], sd[k]) for k in sd)
+    model = {k: torch.zeros_like(v) for k, v in sd.items()}
+    tensortier.load_into(model, idx)
+    assert all(torch.equal(model[k], sd[k]) for k in sd)
+
+
+def test_hf_index_errors(disk_dir: Path) -> None:
+    make_shards(disk_dir)
+    idx = disk_dir / "model.safetensors.index.json"
+    index = json.loads(idx.read_text())
+    index["weight_map"]["ghost"] = "model-00001-of-00002.safetensors"
+    idx.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="ghost"):
+        tensortier.load(idx)
+    idx.write_text(json.dumps({"weight_map": {"a": "../elsewhere.safetensors"}}))
+    with pytest.raises(ValueError, match="outside"):
+        tensortier.load(idx)
+    idx.write_text("{not json")
+    with pytest.raises(ValueError, match="JSON"):
+        tensortier.load(idx)
+    idx.write_text(json.dumps({"weight_map": {"a": "missing.safetensors"}}))
+    with pytest.raises(FileNotFoundError):
+        tensortier.load(idx)
+
+
+# ---- load_into ---------------------------------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 32)
+        self.lin = torch.nn.Linear(32, 64)
+        self.norm = torch.nn.LayerNorm(64)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+@pytest.mark.parametrize("name", ["n.safetensors", "n.pt"])
+def test_load_into_module_reads_in_place(disk_dir: Path, name: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(1)
+    src = Net()
+    src.steps.fill_(7)
+    tensortier.save(src.state_dict(), disk_dir / name, checksum=True)
+    dst = Net()
+    before = {k: v.data_ptr() for k, v in dst.state_dict().items()}
+
+    def no_alloc(*args: object, **kwargs: object) -> None:
+        raise AssertionError("load_into allocated a tensor")
+
+    monkeypatch.setattr(checkpoint, "_host_alloc", no_alloc)
+    result = tensortier.load_into(dst, disk_dir / name, verify=True)
+    assert result == tensortier.IncompatibleKeys([], [])
+    after = dst.state_dict()
+    assert {k: v.data_ptr() for k, v in after.items()} == before
+    for k, v in src.state_dict().items():
+        assert torch.equal(after[k], v), k
+    assert dst.steps.item() == 7
+
+
+def test_load_into_strictness(disk_dir: Path) -> None:
+    sd = {"a": torch.randn(4), "b": torch.randn(2, 2)}
+    path = disk_dir / "s.safetensors"
+    tensortier.save(sd, path)
+    target = {"a": torch.zeros(4), "c": torch.zeros(1)}
+    with pytest.raises(ValueError,
+                       match=r"missing from the file: \['c'\].*not in the target: \['b'\]"):
+        tensortier.load_into(target, path)
+    assert torch.equal(target["a"], torch.zeros(4))  # nothing read on error
+    res = tensortier.load_into(target, path, strict=False)
+    assert res.missing_keys == ["c"] and res.unexpected_keys == ["b"]
+    assert torch.equal(target["a"], sd["a"])
+    with pytest.raises(ValueError, match=r"a: file has shape \(4,\), target \(5,\)"):
+        tensortier.load_into({"a": torch.zeros(5), "b": torch.zeros(2, 2)}, path)
+    with pytest.raises(ValueError, match="a: file has dtype torch.float32, target torch.float16"):
+        tensortier.load_into({"a": torch.zeros(4).half(), "b": torch.zeros(2, 2)}, path)
+    with pytest.raises(TypeError, match="Module or a mapping"):
+        tensortier.load_into([torch.zeros(4)], path)
+
+
+def test_load_into_tied_weights_and_non_contiguous_targets(disk_dir: Path) -> None:
+    emb = torch.randn(10, 4)
+    path = disk_dir / "tied.safetensors"
+    tensortier.save({"emb.weight": emb}, path)  # stored once, as HF save_model does
+    shared = torch.zeros(10, 4)
+    target = {"emb.weight": shared, "head.weight": shared}
+    assert tensortier.load_into(target, path) == ([], [])
+    assert torch.equal(shared, emb)
+    nc = torch.zeros(4, 10).t()  # non-contiguous target: read through a temporary
+    tensortier.load_into({"emb.weight": nc}, path)
+    assert torch.equal(nc, emb)
+
+
+def test_load_into_from_torch_views(disk_dir: Path) -> None:
+    base = torch.randn(20, 30)
+    sd = {"full": base, "t": base.t(), "part": base[5:10]}
+    path = disk_dir / "v.pt"
+    tensortier.save(sd, path, checksum=True)
+    target = {k: torch.zeros_like(v).contiguous() for k, v in sd.items()}
+    tensortier.load_into(target, path, verify=True)
+    for k in sd:
+        assert torch.equal(target[k], sd[k]), k
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("archive/data/0")
+    with open(path, "r+b") as f:  # corrupt the one storage all three views share
+        f.seek(info.header_offset + 26)
+        n, x = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + n + x + 100)
+        f.write(b"\xff\xff")
+    for name in ("t", "full", "part"):
+        with pytest.raises(ValueError, match="checksum mismatch.*data/0"):
+            tensortier.load_into({name: target[name]}, path, strict=False, verify=True)
+    torch.save({"x": 1, "w": torch.ones(2)}, disk_dir / "mixed.pt")
+    with pytest.raises(ValueError, match="'x' is a int.*tensortier.load"):
+        tensortier.load_into({"w": torch.zeros(2)}, disk_dir / "mixed.pt")

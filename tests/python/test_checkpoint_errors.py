@@ -1,0 +1,343 @@
+"""tensortier checkpoints: bad files, checksums and durability (injected faults)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensortier
+from tensortier import IOHandle, checkpoint
+
+
+def write_safetensors(path: Path, header: dict, data: bytes, *, length: int | None = None) -> None:
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text) if length is None else length) + text + data)
+
+
+def good_header() -> dict:
+    return {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "I64", "shape": [1], "data_offsets": [8, 16]}}
+
+
+def leftovers(d: Path) -> list[str]:
+    return sorted(n for n in os.listdir(d) if ".tmp-" in n)
+
+
+# ---- bad safetensors files -------------------------------------------------------------------
+
+
+def test_good_hand_written_file_loads(disk_dir: Path) -> None:
+    path = disk_dir / "ok.safetensors"
+    write_safetensors(path, good_header(), struct.pack("<ffq", 1.0, 2.0, 42))
+    out = tensortier.load(path)
+    assert out["a"].tolist() == [1.0, 2.0] and out["b"].tolist() == [42]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["truncated", "length_beyond_file", "malformed_json", "overlap", "out_of_range",
+     "unknown_dtype", "shape_size_mismatch", "empty", "tiny", "garbage"],
+)
+def test_bad_safetensors(disk_dir: Path, case: str) -> None:
+    path = disk_dir / "bad.safetensors"
+    data = struct.pack("<ffq", 1.0, 2.0, 42)
+    h = good_header()
+    if case == "truncated":
+        write_safetensors(path, h, data[:10])
+    elif case == "length_beyond_file":
+        write_safetensors(path, h, data, length=1 << 40)
+    elif case == "malformed_json":
+        text = b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]'
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    elif case == "overlap":
+        h["b"]["data_offsets"] = [4, 12]
+        write_safetensors(path, h, data[:12])
+    elif case == "out_of_range":
+        h["b"]["data_offsets"] = [8, 1 << 50]
+        h["b"]["shape"] = [(1 << 50) // 8 - 1]
+        write_safetensors(path, h, data)
+    elif case == "unknown_dtype":
+        h["a"]["dtype"] = "F7"
+        write_safetensors(path, h, data)
+    elif case == "shape_size_mismatch":
+        h["a"]["shape"] = [3]
+        write_safetensors(path, h, data)
+    elif case == "empty":
+        path.write_bytes(b"")
+    elif case == "tiny":
+        path.write_bytes(b"\x05\x00")
+    elif case == "garbage":
+        path.write_bytes(os.urandom(4096).replace(b"{", b"x").replace(b"PK", b"pk"))
+    with pytest.raises(ValueError) as info:
+        tensortier.load(path)
+    assert "bad.safetensors" in str(info.value) or case in ("empty", "tiny")
+    with pytest.raises((ValueError, OSError)):
+        tensortier.load_into({"a": torch.zeros(2), "b": torch.zeros(1, dtype=torch.int64)}, path)
+
+
+def test_missing_file_is_oserror(disk_dir: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        tensortier.load(disk_dir / "nope.safetensors")
+    with pytest.raises(IsADirectoryError):
+        tensortier.load(disk_dir)
+
+
+# ---- bad torch files ---------------------------------------------------------------------------
+
+
+def test_legacy_torch_file(disk_dir: Path) -> None:
+    path = disk_dir / "legacy.pt"
+    torch.save({"a": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match="legacy.*torch.load"):
+        tensortier.load(path)
+
+
+def rezip(src: Path, dst: Path, *, compress: str | None = None, drop: str | None = None,
+          replace: dict[str, bytes] | None = None) -> None:
+    """Copy a zip, deflating or dropping or replacing some records."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            if drop and info.filename.endswith(drop):
+                continue
+            data = zin.read(info.filename)
+            if replace:
+                for suffix, new in replace.items():
+                    if info.filename.endswith(suffix):
+                        data = new
+            ctype = zipfile.ZIP_DEFLATED if compress and info.filename.endswith(compress) \
+                else zipfile.ZIP_STORED
+            zout.writestr(info.filename, data, compress_type=ctype)
+
+
+def test_compressed_zip_entry(disk_dir: Path) -> None:
+    src = disk_dir / "ok.pt"
+    torch.save({"a": torch.zeros(1000)}, src)
+    bad = disk_dir / "deflated.pt"
+    rezip(src, bad, compress="data/0")
+    with pytest.raises(ValueError, match="compress"):
+        tensortier.load(bad)
+    rezip(src, bad, compress="data.pkl")
+    with pytest.raises(ValueError, match="compress"):
+        tensortier.load(bad)
+
+
+def test_missing_records(disk_dir: Path) -> None:
+    src = disk_dir / "ok.pt"
+    torch.save({"a": torch.zeros(10)}, src)
+    bad = disk_dir / "bad.pt"
+    rezip(src, bad, drop="data/0")
+    with pytest.raises(ValueError, match="data/0"):
+        tensortier.load(bad)
+    rezip(src, bad, drop="data.pkl")
+    with pytest.raises(ValueError, match="data.pkl"):
+        tensortier.load(bad)
+    rezip(src, bad, replace={"data/0": b"\0" * 12})  # record shorter than the storage
+    with pytest.raises(ValueError, match="40 bytes"):
+        tensortier.load(bad)
+    rezip(src, bad, replace={"data.pkl": b"\x80\x02}q\x00(X"})  # truncated pickle
+    with pytest.raises(ValueError, match="data.pkl"):
+        tensortier.load(bad)
+
+
+class Boom:
+    """Would create a directory when unpickled by a plain unpickler."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (self.target,))
+
+
+def test_disallowed_pickle_global_never_runs(disk_dir: Path) -> None:
+    target = disk_dir / "pwned"
+    path = disk_dir / "evil.pt"
+    torch.save({"a": torch.ones(2), "x": Boom(str(target))}, path)
+    with pytest.raises(ValueError, match="weights_only.*mkdir|mkdir.*weights_only"):
+        tensortier.load(path)
+    with pytest.raises(ValueError):
+        tensortier.load_into({"a": torch.zeros(2)}, path)
+    assert not target.exists()
+
+
+def test_zip_that_is_not_torch(disk_dir: Path) -> None:
+    path = disk_dir / "x.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("hello.txt", "hi")
+    with pytest.raises(ValueError, match="data.pkl"):
+        tensortier.load(path)
+    truncated = disk_dir / "trunc.pt"
+    torch.save({"a": torch.zeros(100)}, disk_dir / "full.pt")
+    data = (disk_dir / "full.pt").read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError):
+        tensortier.load(truncated)
+
+
+# ---- checksums -----------------------------------------------------------------------------------
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_verify_detects_flipped_byte_safetensors(disk_dir: Path) -> None:
+    sd = {"first": torch.randn(1024), "victim": torch.randn(2048), "last": torch.arange(3)}
+    path = disk_dir / "c.safetensors"
+    tensortier.save(sd, path, checksum=True)
+    entries, _ = checkpoint._read_st_header(str(path))
+    victim = next(e for e in entries if e.name == "victim")
+    flip_byte(path, victim.offset + 4097)
+    tensortier.load(path)  # without verify the damage goes unseen
+    with pytest.raises(ValueError, match="checksum mismatch in tensor 'victim'"):
+        tensortier.load(path, verify=True)
+    with pytest.raises(ValueError, match="'victim'"):
+        tensortier.load_into({k: torch.zeros_like(v) for k, v in sd.items()}, path, verify=True)
+    tensortier.load_into({"first": torch.zeros(1024)}, path, strict=False, verify=True)
+
+
+def test_verify_detects_flipped_byte_torch(disk_dir: Path) -> None:
+    sd = {"a": torch.randn(3000), "b": torch.randn(100)}
+    path = disk_dir / "c.pt"
+    tensortier.save(sd, path, checksum=True)
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("archive/data/1")
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        n, x = struct.unpack("<HH", f.read(4))
+    flip_byte(path, info.header_offset + 30 + n + x + 7)
+    assert torch.equal(torch.load(path, weights_only=True)["a"], sd["a"])
+    with pytest.raises(ValueError, match="checksum mismatch in tensor 'data/1'"):
+        tensortier.load(path, verify=True)
+    with pytest.raises(ValueError, match="data/1"):
+        tensortier.load_into({k: torch.zeros_like(v) for k, v in sd.items()}, path, verify=True)
+
+
+def test_verify_without_checksums(disk_dir: Path) -> None:
+    path = disk_dir / "n.safetensors"
+    tensortier.save({"a": torch.ones(3)}, path)
+    with pytest.raises(ValueError, match="no checksums.*checksum=True"):
+        tensortier.load(path, verify=True)
+    with pytest.raises(ValueError, match="no checksums"):
+        tensortier.load_into({"a": torch.zeros(3)}, path, verify=True)
+    path.write_bytes(b"")  # a malformed checksum table
+    tensortier.save({"a": torch.ones(3)}, path, metadata={checkpoint.CHECKSUM_KEY: "[1,2"})
+    with pytest.raises(ValueError, match="malformed"):
+        tensortier.load(path, verify=True)
+    with pytest.raises(ValueError, match="reserved"):
+        tensortier.save({"a": torch.ones(3)}, path, checksum=True,
+                        metadata={checkpoint.CHECKSUM_KEY: "{}"})
+
+
+# ---- durability --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+@pytest.mark.parametrize("nth", [1, 3])
+def test_failed_write_keeps_old_checkpoint(disk_dir: Path, name: str, nth: int) -> None:
+    path = disk_dir / name
+    old = {"w": torch.randn(256, 1024)}
+    tensortier.save(old, path)
+    before = path.read_bytes()
+    new = {"w": torch.randn(256, 1024), "v": torch.randn(100000)}
+    fault = {"kind": "error", "errno": errno.ENOSPC, "nth": nth, "reads": False}
+    io = IOHandle("threads", chunk_size=64 << 10, _fault=fault)  # (close() re-raises the fault)
+    with pytest.raises(OSError) as info:
+        tensortier.save(new, path, _io=io)
+    assert info.value.errno == errno.ENOSPC
+    assert path.read_bytes() == before
+    assert leftovers(disk_dir) == []
+    assert torch.equal(tensortier.load(path)["w"], old["w"])
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(10)}, path)
+    before = path.read_bytes()
+
+    def fail(*args: object) -> None:
+        raise OSError(errno.EIO, "injected fdatasync failure")
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint._DurableFile, "commit", lambda self: fail())
+        with pytest.raises(OSError, match="injected"):
+            tensortier.save({"w": torch.zeros(10)}, path)
+    assert path.read_bytes() == before and leftovers(disk_dir) == []
+
+    calls = []
+    real_write = checkpoint._Writer.add
+
+    def fail_mid_way(self: checkpoint._Writer, *args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # even an interrupt leaves no partial file
+        real_write(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint._Writer, "add", fail_mid_way)
+        with pytest.raises(KeyboardInterrupt):
+            tensortier.save({"w": torch.zeros(10), "v": torch.zeros(5), "u": torch.ones(2)}, path)
+    assert path.read_bytes() == before and leftovers(disk_dir) == []
+
+
+def test_save_into_missing_directory(disk_dir: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        tensortier.save({"w": torch.ones(1)}, disk_dir / "no" / "m.safetensors")
+    with pytest.raises(IsADirectoryError):
+        os.mkdir(disk_dir / "d.safetensors")
+        tensortier.save({"w": torch.ones(1)}, disk_dir / "d.safetensors")
+
+
+def test_save_replaces_and_keeps_mode(disk_dir: Path) -> None:
+    path = disk_dir / "m.safetensors"
+    tensortier.save({"w": torch.ones(1)}, path)
+    os.chmod(path, 0o600)
+    tensortier.save({"w": torch.zeros(1)}, path)
+    assert (os.stat(path).st_mode & 0o777) == 0o600
+    assert tensortier.load(path)["w"].item() == 0.0
+    assert leftovers(disk_dir) == []
+
+
+def test_save_through_symlink_replaces_its_target(disk_dir: Path) -> None:
+    real = disk_dir / "real.safetensors"
+    tensortier.save({"w": torch.ones(1)}, real)
+    link = disk_dir / "link.safetensors"
+    link.symlink_to(real.name)
+    tensortier.save({"w": torch.zeros(1)}, link)
+    assert link.is_symlink() and tensortier.load(real)["w"].item() == 0.0
+    assert leftovers(disk_dir) == []
+
+
+def test_read_error_is_oserror(disk_dir: Path) -> None:
+    path = disk_dir / "m.safetensors"
+    tensortier.save({"w": torch.randn(100000)}, path)
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "writes": False}
+    io = IOHandle("threads", _fault=fault)
+    with pytest.raises(OSError) as info:
+        tensortier.load(path, _io=io)
+    assert info.value.errno == errno.EIO
+
+
+def test_torch_pickle_failures_are_valueerrors(disk_dir: Path) -> None:
+    path = disk_dir / "m.pt"
+    with pytest.raises(ValueError, match="torch.save cannot save"):
+        tensortier.save({"f": lambda: 1}, path)
+    assert leftovers(disk_dir) == [] and not path.exists()
+    a = torch.zeros(8)
+    with pytest.raises(ValueError, match="different types"):  # torch refuses mixed-dtype views
+        tensortier.save({"a": a, "b": a.view(torch.int32)}, path)
+    assert leftovers(disk_dir) == [] and not path.exists()
