@@ -19,6 +19,9 @@
 namespace py = pybind11;
 using namespace tensortier;
 
+void RegisterCheckpoint(py::module_& m);  // bindings/checkpoint.cpp
+void RegisterTransfer(py::module_& m);    // bindings/transfer.cpp
+
 namespace {
 
 py::dict StatsToDict(const IoStats& s) {
@@ -351,4 +354,6 @@ PYBIND11_MODULE(_core, m) {
                               std::string(ResidencyMethodName(r.method)));
       },
       py::arg("fd"), py::arg("offset"), py::arg("length"));
+  RegisterCheckpoint(m);
+  RegisterTransfer(m);
 }

@@ -21,6 +21,9 @@ def load_args(description: str) -> argparse.Namespace:
     p.add_argument("--cold", action="store_true",
                    help="evict the file from the page cache before each load (DeepNVMe's "
                         "scripts do not, so their Python loads after the first are warm)")
+    p.add_argument("--gds", action="store_true",
+                   help="GPU loaders: GPUDirect Storage where cuFile accepts the file (else the "
+                        "pinned bounce ring)")
     return p.parse_args()
 
 
@@ -34,6 +37,9 @@ def store_args(description: str) -> argparse.Namespace:
     p.add_argument("--fsync", action="store_true",
                    help="fsync inside the timing (DeepNVMe's scripts do not, so their Python "
                         "stores end in the page cache)")
+    p.add_argument("--gds", action="store_true",
+                   help="GPU storers: GPUDirect Storage where cuFile accepts the file (else the "
+                        "pinned bounce ring)")
     return p.parse_args()
 
 

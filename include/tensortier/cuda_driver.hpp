@@ -90,7 +90,7 @@ struct CudaApi {
   CUresult (*MemcpyHtoDAsync)(cuda::CUdeviceptr dst, const void* src, size_t bytes,
                               cuda::CUstream stream) = nullptr;  // _v2
   CUresult (*MemcpyDtoHAsync)(void* dst, cuda::CUdeviceptr src, size_t bytes,
-                              cuda::CUstream stream) = nullptr;  // _v2
+                              cuda::CUstream stream) = nullptr;                  // _v2
   CUresult (*MemHostRegister)(void* p, size_t bytes, unsigned flags) = nullptr;  // _v2
   CUresult (*MemHostUnregister)(void* p) = nullptr;
   CUresult (*MemAllocHost)(void** p, size_t bytes) = nullptr;  // _v2

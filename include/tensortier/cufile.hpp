@@ -63,8 +63,8 @@ struct CuFileApi {
   // Bytes transferred, or -1 with errno set, or -(CUfileOpError).
   ssize_t (*Read)(cufile::CUfileHandle_t handle, void* base, size_t size, off_t file_offset,
                   off_t base_offset) = nullptr;
-  ssize_t (*Write)(cufile::CUfileHandle_t handle, const void* base, size_t size,
-                   off_t file_offset, off_t base_offset) = nullptr;
+  ssize_t (*Write)(cufile::CUfileHandle_t handle, const void* base, size_t size, off_t file_offset,
+                   off_t base_offset) = nullptr;
 };
 
 // A failed cuFile call that is not a data transfer. what(): "<call> failed: <detail>".

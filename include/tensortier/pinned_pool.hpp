@@ -29,7 +29,7 @@ struct PinnedBlock;
 // A buffer lent by a PinnedPool; goes back to the pool on destruction (or Release()). Move-only.
 class PinnedBuffer {
  public:
-  PinnedBuffer() = default;
+  PinnedBuffer() noexcept;
   ~PinnedBuffer();
   PinnedBuffer(PinnedBuffer&& other) noexcept;
   PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
@@ -67,8 +67,7 @@ struct PinnedPoolOptions {
 class PinnedPool {
  public:
   // Throws std::invalid_argument for a zero budget. Creating the pool allocates nothing.
-  explicit PinnedPool(PinnedPoolOptions options = {},
-                      const CudaDriver& driver = CudaDriver::Get());
+  explicit PinnedPool(PinnedPoolOptions options = {}, const CudaDriver& driver = CudaDriver::Get());
   ~PinnedPool();
   PinnedPool(const PinnedPool&) = delete;
   PinnedPool& operator=(const PinnedPool&) = delete;

@@ -1,30 +1,53 @@
-// File <-> device transfers through a ring of pinned bounce buffers ("slots"), so that disk I/O
-// (the Engine) and host<->device copies (a DeviceCopier) overlap.
+// File <-> device transfers: through a ring of pinned bounce buffers ("slots") so that disk I/O
+// (the Engine) and host<->device copies (a DeviceCopier) overlap, or straight through GPUDirect
+// Storage (cuFile) when it accepts the file.
 //
-// A transfer is cut into slot-sized chunks whose file boundaries (after the first) are page
-// aligned, and each chunk's bytes sit in its slot at the same offset within a page as in the file,
-// so the engine can read and write slots with O_DIRECT without staging them again.
+// BounceRing: one transfer at a time over `slots` pinned buffers taken from a PinnedPool.
+//   A transfer is cut into slot-sized chunks whose file boundaries (after the first) are page
+//   aligned, and each chunk's bytes sit in its slot at the same offset within a page as in the
+//   file, so the engine reads and writes slots with O_DIRECT without staging them again.
 //   FileToDevice: up to `slots` engine reads are in flight; as each completes, in order, its
 //     host-to-device copy is queued and a fence recorded; a slot is read into again only once its
 //     fence is done.
 //   DeviceToFile: device-to-host copies are queued ahead into free slots; as each fence is done,
 //     in order, the engine write of that slot is submitted; a slot is copied into again only once
 //     its write has completed.
+//   Bytes in flight are bounded by slots x slot_bytes (plus what the engine holds for one chunk).
+//   The copier is given per transfer: CudaCopier queues its copies on the caller's stream, so a
+//   read's copies run after work already queued there (e.g. kernels still using the old
+//   contents) and a write's copies see the results of that work. Both calls return only once
+//   every copy is done (the slots are free again), so the data is in place when they return.
+//
 // Errors: the first error of any step (engine I/O as IoError, copies as CudaError or the copier's
 // error) is thrown after every read, write and copy still in flight has finished, so no slot is
-// reused or freed while in use; the ring is usable again afterwards. A read that reaches end of
-// file returns the bytes before it with eof set.
+// reused or freed while in use; the ring is usable again afterwards. What the destination holds
+// after a failure:
+//   FileToDevice: device bytes outside [address, address+length) are untouched; inside, every
+//     chunk before the failing one holds the file's data, the rest is unspecified.
+//   DeviceToFile: file bytes outside [offset, offset+length) are untouched (the file may have
+//     grown up to offset+length); inside, the range is unspecified (chunks are written in order,
+//     several at once). The device memory is never written.
+// A read that reaches end of file moves the bytes before it and sets eof; device bytes past them
+// are untouched.
 //
-// Thread-compatible: one transfer at a time per ring; use one ring (and copier) per thread. The
-// engine may be shared. The device memory and the file must stay valid during the call.
+// DeviceTransfer: what the Python layer uses. Picks the path per file (GDS when the DeviceFile was
+// registered with cuFile, else a bounce ring), keeps a few rings (one per concurrent transfer,
+// their slots from one pool with a byte budget) and makes a copier per transfer for the caller's
+// device and stream. Thread-safe: transfers from several threads run at once, up to `max_rings`
+// through rings (more wait for a free ring).
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "tensortier/cufile.hpp"
 #include "tensortier/device_copier.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/file.hpp"
@@ -33,17 +56,21 @@
 namespace tensortier {
 
 struct TransferResult {
-  uint64_t bytes = 0;   // transferred (for reads: up to end of file)
-  bool eof = false;     // a read reached end of file before `length`
-  std::string path;     // how the bytes moved: "bounce" (this ring), later also "gds"
-  std::string copier;   // DeviceCopier::name()
-  uint64_t chunks = 0;  // engine operations submitted
-  IoStats io;           // the engine's stats, summed over the chunks
+  uint64_t bytes = 0;      // transferred (for reads: up to end of file)
+  bool eof = false;        // a read reached end of file before `length`
+  std::string path;        // how the bytes moved: "bounce" (a ring) or "gds" (cuFile)
+  std::string copier;      // DeviceCopier::name() ("" for gds)
+  uint64_t chunks = 0;     // engine operations (or cuFile calls) submitted
+  IoStats io;              // the engine's stats, summed over the chunks (bounce path)
+  std::string gds_reason;  // bounce path of a DeviceTransfer: why GDS was not used
 };
 
 struct BounceRingOptions {
-  size_t slots = 4;                 // chunks in flight
-  uint64_t slot_bytes = 4u << 20;   // a multiple of 4 KiB
+  size_t slots = 8;                // chunks in flight
+  uint64_t slot_bytes = 8u << 20;  // a multiple of 4 KiB
+  // Throws std::invalid_argument naming the bad field.
+  void Validate() const;
+  uint64_t bytes() const { return slots * slot_bytes; }
 };
 
 class BounceRing {
@@ -51,21 +78,19 @@ class BounceRing {
   // Slots taken from `pool` now (blocking while its budget is lent out, see PinnedPool), held
   // until the ring is destroyed. Throws std::invalid_argument for bad options or a pool whose
   // budget is smaller than the ring.
-  BounceRing(Engine& engine, PinnedPool& pool, DeviceCopier& copier, BounceRingOptions options);
-  // With a pool of its own of exactly slots x slot_bytes, registered with CUDA through the
-  // copier's pinning_context() when it has one.
-  BounceRing(Engine& engine, DeviceCopier& copier, BounceRingOptions options = {});
+  BounceRing(Engine& engine, PinnedPool& pool, BounceRingOptions options);
   ~BounceRing();
   BounceRing(const BounceRing&) = delete;
   BounceRing& operator=(const BounceRing&) = delete;
 
-  // Reads [file_offset, file_offset+length) of `file` into device memory at `device_address`.
-  // Stops at end of file (result.eof). Throws the first error (see above).
-  TransferResult FileToDevice(const File& file, uint64_t file_offset, uint64_t length,
-                              uint64_t device_address);
+  // Reads [file_offset, file_offset+length) of `file` into device memory at `device_address`
+  // with `copier`. Stops at end of file (result.eof). Throws the first error (see above), or
+  // std::invalid_argument when the range overflows.
+  TransferResult FileToDevice(DeviceCopier& copier, const File& file, uint64_t file_offset,
+                              uint64_t length, uint64_t device_address);
   // Writes `length` bytes from device memory at `device_address` to `file` at `file_offset`.
-  TransferResult DeviceToFile(uint64_t device_address, uint64_t length, const File& file,
-                              uint64_t file_offset);
+  TransferResult DeviceToFile(DeviceCopier& copier, uint64_t device_address, uint64_t length,
+                              const File& file, uint64_t file_offset);
 
   const BounceRingOptions& options() const noexcept { return options_; }
   // Whether the slots are registered with CUDA.
@@ -80,13 +105,114 @@ class BounceRing {
   };
   std::vector<Chunk> Plan(uint64_t file_offset, uint64_t length) const;
   std::byte* SlotData(const Chunk& c) const;
-  TransferResult NewResult() const;
+  TransferResult NewResult(const DeviceCopier& copier) const;
 
   Engine& engine_;
-  DeviceCopier& copier_;
   BounceRingOptions options_;
-  std::optional<PinnedPool> own_pool_;
   std::vector<PinnedBuffer> slots_;
+};
+
+// How a DeviceFile uses GPUDirect Storage.
+enum class GdsMode {
+  kOff,      // never: always the bounce ring
+  kAuto,     // when cuFile is available and registers the file, else the bounce ring
+  kRequire,  // always: DeviceFile throws CuFileError when cuFile cannot serve the file
+};
+// "off", "auto", "on"/"require". Throws std::invalid_argument otherwise.
+GdsMode ParseGdsMode(const std::string& text);
+
+// A File, registered with cuFile when the mode asks for it and cuFile accepts it (through the
+// O_DIRECT descriptor; a file that refused O_DIRECT never uses GDS). Cheap to copy (copies share
+// the registration, which lasts as long as the last copy). The decision is made once, here.
+class DeviceFile {
+ public:
+  DeviceFile() = default;
+  // Throws CuFileError only for GdsMode::kRequire.
+  DeviceFile(File file, GdsMode mode, const CuFile& cufile = CuFile::Get());
+
+  const File& file() const noexcept { return file_; }
+  bool gds() const noexcept { return handle_ != nullptr; }
+  // Why GDS is not used ("" when it is, "GDS off" for kOff).
+  const std::string& gds_reason() const noexcept { return reason_; }
+  const CuFileHandle* handle() const noexcept { return handle_.get(); }
+
+ private:
+  File file_;
+  std::shared_ptr<const CuFileHandle> handle_;
+  std::string reason_;
+};
+
+// Where device memory is, for a DeviceTransfer.
+struct DeviceSpan {
+  uint64_t address = 0;
+  int device = 0;
+  // The stream the copies are ordered on (the caller's current stream); none: a stream of the
+  // transfer's own, unordered with the caller's work.
+  std::optional<cuda::CUstream> stream;
+};
+
+// Makes the copier for one transfer (test seam: MemcpyCopier on CI).
+using CopierFactory = std::function<std::unique_ptr<DeviceCopier>(const DeviceSpan& span)>;
+
+struct DeviceTransferOptions {
+  BounceRingOptions ring;  // per concurrent transfer. TENSORTIER_BOUNCE_SLOTS, _SLOT_SIZE.
+  size_t max_rings = 4;    // concurrent bounce transfers. TENSORTIER_BOUNCE_RINGS.
+  // Defaults, overridden by the environment. Throws std::invalid_argument on a malformed value.
+  static DeviceTransferOptions FromEnvironment();
+  void Validate() const;
+};
+
+class DeviceTransfer {
+ public:
+  // CUDA copies through `driver` (the ring's slots registered with it); throws CudaError when
+  // the driver is unavailable, naming what is missing.
+  DeviceTransfer(Engine& engine,
+                 DeviceTransferOptions options = DeviceTransferOptions::FromEnvironment(),
+                 const CudaDriver& driver = CudaDriver::Get());
+  // Test seam: copies made by `factory`, slots from a pool with `pool` options.
+  DeviceTransfer(Engine& engine, DeviceTransferOptions options, CopierFactory factory,
+                 PinnedPoolOptions pool, const CudaDriver& driver = CudaDriver::Get());
+  ~DeviceTransfer();
+  DeviceTransfer(const DeviceTransfer&) = delete;
+  DeviceTransfer& operator=(const DeviceTransfer&) = delete;
+
+  // As BounceRing::FileToDevice / DeviceToFile, through GDS when `file.gds()`. The GDS path
+  // first waits for the work queued on `span.stream` (cuFile is not stream ordered).
+  TransferResult Read(const DeviceFile& file, uint64_t file_offset, uint64_t length,
+                      const DeviceSpan& span);
+  TransferResult Write(const DeviceSpan& span, uint64_t length, const DeviceFile& file,
+                       uint64_t file_offset);
+  // Bounce path only.
+  TransferResult Read(const File& file, uint64_t file_offset, uint64_t length,
+                      const DeviceSpan& span);
+  TransferResult Write(const DeviceSpan& span, uint64_t length, const File& file,
+                       uint64_t file_offset);
+
+  const DeviceTransferOptions& options() const noexcept { return options_; }
+  // The pool of the rings' slots (made with the first bounce transfer, registered through the
+  // primary context of that transfer's device; registrations are portable). Null before.
+  const PinnedPool* pool() const;
+  // Rings made so far (at most max_rings).
+  size_t rings() const;
+
+ private:
+  class RingLease;
+  RingLease LeaseRing(int device);
+  void ReturnRing(std::unique_ptr<BounceRing> ring) noexcept;
+  TransferResult Gds(bool read, const CuFileHandle& handle, const DeviceSpan& span, uint64_t length,
+                     uint64_t file_offset);
+
+  Engine& engine_;
+  DeviceTransferOptions options_;
+  const CudaDriver& driver_;
+  CopierFactory factory_;
+  PinnedPoolOptions pool_options_;
+
+  mutable std::mutex mu_;
+  std::unique_ptr<PinnedPool> pool_;  // guarded by mu_ (made once)
+  std::condition_variable ring_returned_;
+  std::vector<std::unique_ptr<BounceRing>> idle_rings_;  // guarded by mu_
+  size_t made_rings_ = 0;                                // guarded by mu_
 };
 
 }  // namespace tensortier

@@ -16,19 +16,31 @@ import os
 from typing import Any
 
 from . import _core
+from .checkpoint import IncompatibleKeys, load, load_into, save
 from .io import File, IOFuture, IOHandle, IOResult
 from .offload import DiskOffloader
+from .device import CuFileError, CudaError, cuda_info, cufile_info, pin, pinned_empty
 
 __version__ = "0.1.0"
 __all__ = [
+    "CuFileError",
+    "CudaError",
+    "cuda_info",
+    "cufile_info",
+    "pin",
+    "pinned_empty",
     "DiskOffloader",
     "File",
     "IOFuture",
     "IOHandle",
     "IOResult",
+    "IncompatibleKeys",
     "aligned_empty",
     "defaults",
+    "load",
+    "load_into",
     "probe_backends",
+    "save",
 ]
 
 

@@ -1,13 +1,15 @@
-"""IOHandle: asynchronous reads and writes of host memory at any file offset."""
+"""IOHandle: asynchronous reads and writes of host memory and CUDA tensors at any file offset."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence, Union
 
 from . import _core
 from ._buffers import HostBuffer, host_buffer
+from .device import device_buffer, is_cuda_tensor
 
 File = _core.File
 PathOrFile = Union[str, "os.PathLike[str]", File]
@@ -29,27 +31,74 @@ class IOResult:
 
 
 class IOFuture:
-    """A submitted operation. Keeps its buffers and files alive until it has completed."""
+    """A submitted operation. Keeps its buffers and files alive until it has completed.
 
-    def __init__(self, future: _core.Future, keepalive: list[Any]) -> None:
+    Host pieces go to the engine as one submission; pieces in CUDA tensors each run through the
+    transfer layer (pinned bounce ring or GDS) on a thread of the handle's pool.
+    """
+
+    def __init__(
+        self,
+        future: _core.Future | None,
+        keepalive: list[Any],
+        device_jobs: Sequence[concurrent.futures.Future[dict[str, Any]]] = (),
+        order: Sequence[tuple[bool, int]] = (),
+    ) -> None:
         self._future = future
+        self._device_jobs = list(device_jobs)
+        # For each piece in submission order: (is a device piece, index among its kind).
+        self._order = list(order)
         self._keepalive: list[Any] | None = keepalive
         self._result: IOResult | None = None
 
     def done(self) -> bool:
         """True once the operation has completed (successfully or not); never blocks."""
-        return self._future.done()
+        return (self._future is None or self._future.done()) and all(
+            j.done() for j in self._device_jobs
+        )
 
     def result(self) -> IOResult:
-        """Wait (GIL released) and return the full result; raises OSError on I/O failure."""
+        """Wait (GIL released) and return the full result.
+
+        Raises:
+            OSError: an I/O error (errno, filename, offset and length in the message).
+            CudaError: a CUDA copy failed or the driver is missing.
+        """
         if self._result is None:
             try:
-                raw = self._future.wait()
+                self._result = self._collect()
             finally:
-                if self._future.done():
+                if self.done():
                     self._keepalive = None
-            self._result = IOResult(raw["bytes"], list(raw["segment_bytes"]), dict(raw["stats"]))
         return self._result
+
+    def _collect(self) -> IOResult:
+        error: BaseException | None = None
+        raw: dict[str, Any] = {"bytes": 0, "segment_bytes": [], "stats": {}}
+        if self._future is not None:
+            try:
+                raw = self._future.wait()
+            except BaseException as e:  # noqa: BLE001 - re-raised once every piece is over
+                error = e
+        device: list[dict[str, Any]] = []
+        for job in self._device_jobs:
+            try:
+                device.append(job.result())
+            except BaseException as e:  # noqa: BLE001 - as above
+                error = error or e
+        if error is not None:
+            raise error
+        if not device:
+            return IOResult(raw["bytes"], list(raw["segment_bytes"]), dict(raw["stats"]))
+        host_segments = list(raw["segment_bytes"])
+        segments = [
+            device[i]["bytes"] if is_device else host_segments[i] for is_device, i in self._order
+        ]
+        stats = dict(raw["stats"])
+        stats["device_pieces"] = [dict(d["stats"]) for d in device]
+        stats["path"] = device[0]["stats"]["path"]
+        stats["eof"] = bool(stats.get("eof", False)) or any(d["eof"] for d in device)
+        return IOResult(sum(segments), segments, stats)
 
     def wait(self) -> int:
         """Wait for completion and return the number of bytes transferred.
@@ -62,14 +111,23 @@ class IOFuture:
     def __del__(self) -> None:
         # Memory handed to the kernel must outlive the I/O, even if the future is dropped.
         if getattr(self, "_keepalive", None) is not None:
-            try:
-                self._future.wait()
-            except Exception:  # noqa: BLE001 - the error belongs to whoever waits; nobody will
-                pass
+            if self._future is not None:
+                try:
+                    self._future.wait()
+                except Exception:  # noqa: BLE001 - the error belongs to whoever waits; nobody will
+                    pass
+            concurrent.futures.wait(self._device_jobs)
 
 
 class IOHandle:
     """An I/O engine: worker threads with io_uring, libaio or thread-pool rings.
+
+    Buffers are host memory (tensors, numpy arrays, anything with the buffer protocol) or CUDA
+    tensors. A CUDA tensor moves through a ring of pinned bounce buffers (disk reads and
+    host-to-device copies overlap; the copies are ordered on the tensor's device's current
+    stream) or, with ``gds``, through GPUDirect Storage where cuFile accepts the file; the
+    result's ``stats["path"]`` says which. Without a CUDA driver a CUDA tensor raises
+    ``CudaError`` naming what is missing.
 
     Every argument left as ``None`` takes its default, which ``TENSORTIER_*`` environment
     variables override (see :func:`tensortier.defaults`).
@@ -85,6 +143,13 @@ class IOHandle:
         direct: open files given by path with O_DIRECT (falls back, reported, where refused).
         probe_dir: with ``backend="auto"``, pick the first backend whose verified round trip
             passes in this directory.
+        gds: for CUDA tensors, ``"off"`` (the bounce ring), ``"auto"`` (GDS where cuFile
+            accepts the file, else the ring) or ``"on"`` (GDS or an error). Default:
+            ``$TENSORTIER_GDS``, else ``"off"``.
+        bounce_slots, bounce_slot_size, bounce_rings: the pinned bounce ring of CUDA transfers:
+            buffers per ring, bytes per buffer, rings (concurrent CUDA transfers). Defaults:
+            ``$TENSORTIER_BOUNCE_SLOTS`` (8), ``$TENSORTIER_BOUNCE_SLOT_SIZE`` (8 MiB),
+            ``$TENSORTIER_BOUNCE_RINGS`` (4).
 
     Raises:
         ValueError: a bad setting. OSError: the requested backend cannot start here.
@@ -101,6 +166,10 @@ class IOHandle:
         page_cache_check: bool | None = None,
         direct: bool = True,
         probe_dir: str | os.PathLike[str] | None = None,
+        gds: str | None = None,
+        bounce_slots: int | None = None,
+        bounce_slot_size: int | None = None,
+        bounce_rings: int | None = None,
         _fault: dict[str, Any] | None = None,
     ) -> None:
         for name, value in (
@@ -108,6 +177,9 @@ class IOHandle:
             ("queue_depth", queue_depth),
             ("workers", workers),
             ("max_inflight_bytes", max_inflight_bytes),
+            ("bounce_slots", bounce_slots),
+            ("bounce_slot_size", bounce_slot_size),
+            ("bounce_rings", bounce_rings),
         ):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
@@ -123,6 +195,10 @@ class IOHandle:
             fault=_fault,
         )
         self._pending: list[IOFuture] = []
+        self._gds = _gds_mode(gds)
+        self._ring_options = (bounce_slots, bounce_slot_size, bounce_rings)
+        self._transfer: Any = None  # _core.DeviceTransfer, made on the first CUDA tensor
+        self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -132,8 +208,13 @@ class IOHandle:
 
     @property
     def options(self) -> dict[str, Any]:
-        """Effective settings after defaults and environment."""
-        return dict(self._core().options)
+        """Effective settings after defaults and environment (``gds`` included; the bounce
+        ring's settings once a CUDA tensor has been moved)."""
+        options = dict(self._core().options)
+        options["gds"] = self._gds
+        if self._transfer is not None:
+            options.update(self._transfer.options)
+        return options
 
     # -- files -----------------------------------------------------------------------------
     def open(self, path: str | os.PathLike[str], mode: str = "r", *, direct: bool | None = None) -> File:
@@ -190,7 +271,7 @@ class IOHandle:
         for fut in pending:
             try:
                 fut.result()
-            except OSError as e:
+            except (OSError, RuntimeError) as e:  # RuntimeError: CudaError from a CUDA piece
                 first = first or e
         try:
             self._core().wait_all()
@@ -206,6 +287,10 @@ class IOHandle:
         try:
             self.wait_all()
         finally:
+            if self._device_pool is not None:
+                self._device_pool.shutdown(wait=True)
+                self._device_pool = None
+            self._transfer = None
             self._engine = None
 
     def __enter__(self) -> "IOHandle":
@@ -220,22 +305,73 @@ class IOHandle:
             raise ValueError("IOHandle is closed")
         return self._engine
 
+    def _device_transfer(self) -> Any:
+        if self._transfer is None:
+            slots, slot_size, rings = self._ring_options
+            self._transfer = _core.DeviceTransfer(
+                self._core(), slots=slots, slot_bytes=slot_size, max_rings=rings
+            )
+            self._device_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=int(self._transfer.options["max_rings"]),
+                thread_name_prefix="tensortier-device",
+            )
+        return self._transfer
+
+    def _device_job(
+        self, op: str, buf: Any, file: File, offset: int
+    ) -> concurrent.futures.Future[dict[str, Any]]:
+        db = device_buffer(buf)  # raises CudaError without a driver
+        transfer = self._device_transfer()
+        assert self._device_pool is not None
+        gds = self._gds
+
+        def run() -> dict[str, Any]:
+            # Runs on a pool thread; the C++ calls release the GIL.
+            target: Any = file if gds == "off" else _core.DeviceFile(file, gds)
+            if op == "read":
+                return transfer.read(target, offset, db.nbytes, db.address, db.device, db.stream)
+            return transfer.write(db.address, db.nbytes, target, offset, db.device, db.stream)
+
+        return self._device_pool.submit(run)
+
     def _submit(self, op: str, pieces: Sequence[tuple[Any, PathOrFile, int]]) -> IOFuture:
         engine = self._core()
         write = op == "write"
         keepalive: list[Any] = []
         native: list[tuple[File, int, int, int]] = []
+        device: list[tuple[Any, File, int]] = []
+        order: list[tuple[bool, int]] = []
         for buf, file, offset in pieces:
             if not isinstance(offset, int) or isinstance(offset, bool):
                 raise TypeError(f"offset must be an int, not {type(offset).__name__}")
             if offset < 0:
                 raise ValueError(f"offset must be >= 0, not {offset}")
+            if is_cuda_tensor(buf):
+                f = self._file(file, write)
+                keepalive.extend((buf, f))
+                order.append((True, len(device)))
+                device.append((buf, f, offset))
+                continue
             hb: HostBuffer = host_buffer(buf, writable=not write)
             f = self._file(file, write)
             keepalive.append(hb.owner)
             keepalive.append(f)
+            order.append((False, len(native)))
             native.append((f, hb.address, hb.nbytes, offset))
-        future = IOFuture(engine.submit(op, native), keepalive)
+        for buf, _, _ in device:  # fail before anything starts
+            device_buffer(buf)
+        future = engine.submit(op, native) if native or not device else None
+        jobs = [self._device_job(op, buf, f, offset) for buf, f, offset in device]
+        result = IOFuture(future, keepalive, jobs, order)
         self._pending = [p for p in self._pending if not p.done()]
-        self._pending.append(future)
-        return future
+        self._pending.append(result)
+        return result
+
+
+def _gds_mode(gds: str | None) -> str:
+    if gds is None:
+        gds = os.environ.get("TENSORTIER_GDS", "") or "off"
+    modes = {"off": "off", "auto": "auto", "on": "on", "require": "on", "0": "off", "1": "on"}
+    if gds not in modes:
+        raise ValueError(f"gds must be 'off', 'auto' or 'on', not {gds!r}")
+    return modes[gds]

@@ -9,6 +9,11 @@ Code written for TensorNVMe runs with only its import changed::
 
 Memory is freed only once the data is on disk: a failed write leaves the tensor as it was and
 raises on the call that waits for it, and a failed read leaves the data on disk to read again.
+
+CUDA tensors work too: offloading frees their GPU memory (back to torch's caching allocator;
+``torch.cuda.empty_cache()`` gives it to the driver), reading allocates it again and restores the
+data. Their bytes are staged through pinned host memory of the tensor's size while an operation
+is in flight (copied from the GPU when the write starts, to the GPU when the read is waited for).
 """
 
 from __future__ import annotations
@@ -42,7 +47,17 @@ PathLike = str | os.PathLike[str]
 class _Entry:
     """One offloaded tensor: its key, a weak reference, and while an operation runs, the tensor."""
 
-    __slots__ = ("key", "ref", "tensor_id", "nbytes", "state", "tensor", "callback", "finalizer")
+    __slots__ = (
+        "key",
+        "ref",
+        "tensor_id",
+        "nbytes",
+        "state",
+        "tensor",
+        "callback",
+        "finalizer",
+        "staging",
+    )
 
     def __init__(self, key: int, tensor: Any, nbytes: int) -> None:
         self.key = key
@@ -53,6 +68,8 @@ class _Entry:
         self.tensor: Any = tensor  # strong while an operation is in flight
         self.callback: Callable[[], None] | None = None
         self.finalizer: weakref.finalize | None = None
+        # CUDA tensors: the pinned host copy the disk I/O uses while an operation is in flight.
+        self.staging: Any = None
 
 
 def _discard_key(offloader_ref: "weakref.ref[DiskOffloader]", key: int) -> None:
@@ -63,7 +80,7 @@ def _discard_key(offloader_ref: "weakref.ref[DiskOffloader]", key: int) -> None:
 
 
 class DiskOffloader:
-    """Offloads CPU tensors to files in one or several directories.
+    """Offloads CPU and CUDA tensors to files in one or several directories.
 
     Args:
         dir_name: directory for the backing files (created if missing), or a list of directories
@@ -330,7 +347,10 @@ class DiskOffloader:
                 self._next_key += 1
                 entry.callback = callback if t is tensors[-1] else None
                 entries.append(entry)
-            core.write([(e.key, t.data_ptr(), e.nbytes) for e, t in zip(entries, tensors)])
+            for e, t in zip(entries, tensors):
+                if t.device.type == "cuda" and e.nbytes > 0:
+                    e.staging = _stage_from_device(t, e.nbytes)
+            core.write([(e.key, _host_address(e, t), e.nbytes) for e, t in zip(entries, tensors)])
             me = weakref.ref(self)
             for e, t in zip(entries, tensors):
                 self._by_id[id(t)] = e
@@ -360,11 +380,16 @@ class DiskOffloader:
             if any(e.state == "reading" for e in entries):
                 raise ValueError("tensor is already being read")
             for e, t in zip(entries, tensors):
-                _allocate(t, e.nbytes, self._pin, torch)
+                if t.device.type == "cuda":
+                    # GPU memory is allocated when the data is there (see _wait).
+                    e.staging = _pinned_bytes(e.nbytes) if e.nbytes > 0 else None
+                else:
+                    _allocate(t, e.nbytes, self._pin, torch)
             try:
-                core.read([(e.key, t.data_ptr(), e.nbytes) for e, t in zip(entries, tensors)])
+                core.read([(e.key, _host_address(e, t), e.nbytes) for e, t in zip(entries, tensors)])
             except BaseException:
-                for t in tensors:
+                for e, t in zip(entries, tensors):
+                    e.staging = None
                     t.untyped_storage().resize_(0)
                 raise
             for e, t in zip(entries, tensors):
@@ -384,6 +409,12 @@ class DiskOffloader:
                 if entry is None:
                     continue
                 tensor, entry.tensor = entry.tensor, None
+                staging, entry.staging = entry.staging, None
+                if error is None and kind == "read" and tensor.device.type == "cuda":
+                    try:
+                        _restore_to_device(tensor, staging, entry.nbytes)
+                    except Exception as e:  # noqa: BLE001 - e.g. CUDA out of memory
+                        error = e
                 if error is not None:
                     errors.append(error)
                     if kind == "write":  # nothing was stored; the tensor is as it was
@@ -414,16 +445,48 @@ def _check_tensor(tensor: Any, what: str) -> None:
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"DiskOffloader can {what} torch tensors only, not {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(
-            f"tensor is on {tensor.device}; this build offloads CPU tensors only (CUDA tensors "
-            "arrive with the GPU transfer layer): move it to the CPU first"
+            f"tensor is on {tensor.device}; DiskOffloader offloads CPU and CUDA tensors only"
         )
     if not tensor.is_contiguous():
         raise ValueError(
             f"tensor of shape {tuple(tensor.shape)} is not contiguous: only contiguous tensors "
             "can be offloaded (call .contiguous() first)"
         )
+
+
+def _pinned_bytes(nbytes: int) -> Any:
+    """A pinned host staging buffer (tensortier's registered memory)."""
+    from .device import pinned_empty
+
+    return pinned_empty(nbytes)
+
+
+def _storage_bytes(tensor: Any) -> Any:
+    """The whole storage of `tensor` as a 1-D uint8 tensor on its device."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+def _stage_from_device(tensor: Any, nbytes: int) -> Any:
+    """A pinned host copy of a CUDA tensor's bytes, complete when this returns (the copy is
+    ordered after the work queued on the current stream)."""
+    staging = _pinned_bytes(nbytes)
+    staging.copy_(_storage_bytes(tensor))
+    return staging
+
+
+def _restore_to_device(tensor: Any, staging: Any, nbytes: int) -> None:
+    """Gives a CUDA tensor its memory again and copies the staged bytes in."""
+    tensor.untyped_storage().resize_(nbytes)
+    if nbytes > 0:
+        _storage_bytes(tensor).copy_(staging)
+
+
+def _host_address(entry: _Entry, tensor: Any) -> int:
+    return int(entry.staging.data_ptr()) if entry.staging is not None else int(tensor.data_ptr())
 
 
 def _allocate(tensor: Any, nbytes: int, pin: bool, torch: Any) -> None:

@@ -15,26 +15,46 @@ namespace {
 // Names of the codes worth explaining when the driver's own cuGetErrorName cannot be asked.
 const char* FallbackErrorName(cuda::CUresult result) {
   switch (result) {
-    case 0: return "CUDA_SUCCESS";
-    case 1: return "CUDA_ERROR_INVALID_VALUE";
-    case 2: return "CUDA_ERROR_OUT_OF_MEMORY";
-    case 3: return "CUDA_ERROR_NOT_INITIALIZED";
-    case 4: return "CUDA_ERROR_DEINITIALIZED";
-    case 35: return "CUDA_ERROR_INSUFFICIENT_DRIVER";
-    case 100: return "CUDA_ERROR_NO_DEVICE";
-    case 101: return "CUDA_ERROR_INVALID_DEVICE";
-    case 201: return "CUDA_ERROR_INVALID_CONTEXT";
-    case 304: return "CUDA_ERROR_OPERATING_SYSTEM";
-    case 400: return "CUDA_ERROR_INVALID_HANDLE";
-    case 600: return "CUDA_ERROR_NOT_READY";
-    case 700: return "CUDA_ERROR_ILLEGAL_ADDRESS";
-    case 712: return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED";
-    case 713: return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
-    case 800: return "CUDA_ERROR_NOT_PERMITTED";
-    case 801: return "CUDA_ERROR_NOT_SUPPORTED";
-    case 803: return "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH";
-    case 999: return "CUDA_ERROR_UNKNOWN";
-    default: return nullptr;
+    case 0:
+      return "CUDA_SUCCESS";
+    case 1:
+      return "CUDA_ERROR_INVALID_VALUE";
+    case 2:
+      return "CUDA_ERROR_OUT_OF_MEMORY";
+    case 3:
+      return "CUDA_ERROR_NOT_INITIALIZED";
+    case 4:
+      return "CUDA_ERROR_DEINITIALIZED";
+    case 35:
+      return "CUDA_ERROR_INSUFFICIENT_DRIVER";
+    case 100:
+      return "CUDA_ERROR_NO_DEVICE";
+    case 101:
+      return "CUDA_ERROR_INVALID_DEVICE";
+    case 201:
+      return "CUDA_ERROR_INVALID_CONTEXT";
+    case 304:
+      return "CUDA_ERROR_OPERATING_SYSTEM";
+    case 400:
+      return "CUDA_ERROR_INVALID_HANDLE";
+    case 600:
+      return "CUDA_ERROR_NOT_READY";
+    case 700:
+      return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    case 712:
+      return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED";
+    case 713:
+      return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
+    case 800:
+      return "CUDA_ERROR_NOT_PERMITTED";
+    case 801:
+      return "CUDA_ERROR_NOT_SUPPORTED";
+    case 803:
+      return "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH";
+    case 999:
+      return "CUDA_ERROR_UNKNOWN";
+    default:
+      return nullptr;
   }
 }
 
@@ -67,10 +87,14 @@ CudaError::CudaError(cuda::CUresult code, std::string call, const std::string& d
 
 std::string_view MemoryTypeName(MemoryType type) {
   switch (type) {
-    case MemoryType::kHost: return "host";
-    case MemoryType::kRegisteredHost: return "registered host";
-    case MemoryType::kDevice: return "device";
-    case MemoryType::kManaged: return "managed";
+    case MemoryType::kHost:
+      return "host";
+    case MemoryType::kRegisteredHost:
+      return "registered host";
+    case MemoryType::kDevice:
+      return "device";
+    case MemoryType::kManaged:
+      return "managed";
   }
   return "unknown";
 }
@@ -108,8 +132,8 @@ void CudaDriver::Open() {
       detail::DlSym(handle_, library_, "cuDeviceGet", api_.DeviceGet, &why_) &&
       detail::DlSym(handle_, library_, "cuDevicePrimaryCtxRetain", api_.DevicePrimaryCtxRetain,
                     &why_) &&
-      detail::DlSym(handle_, library_, "cuDevicePrimaryCtxRelease_v2",
-                    api_.DevicePrimaryCtxRelease, &why_) &&
+      detail::DlSym(handle_, library_, "cuDevicePrimaryCtxRelease_v2", api_.DevicePrimaryCtxRelease,
+                    &why_) &&
       detail::DlSym(handle_, library_, "cuCtxPushCurrent_v2", api_.CtxPushCurrent, &why_) &&
       detail::DlSym(handle_, library_, "cuCtxPopCurrent_v2", api_.CtxPopCurrent, &why_) &&
       detail::DlSym(handle_, library_, "cuPointerGetAttributes", api_.PointerGetAttributes,
@@ -172,7 +196,8 @@ std::string CudaDriver::ErrorText(cuda::CUresult result) const {
     text = nullptr;
   }
   if (name == nullptr) name = FallbackErrorName(result);
-  std::string out = name != nullptr ? StrCat(name, " (", result, ")") : StrCat("CUDA error ", result);
+  std::string out =
+      name != nullptr ? StrCat(name, " (", result, ")") : StrCat("CUDA error ", result);
   if (text != nullptr) out += StrCat(": ", text);
   return out;
 }
@@ -437,9 +462,9 @@ DeviceMemory::DeviceMemory(const PrimaryContext& context, size_t bytes) : contex
   const cuda::CUresult r = driver.api().MemAlloc(&address_, bytes);
   if (r != cuda::kSuccess) {
     address_ = 0;
-    throw CudaError(r, "cuMemAlloc",
-                    StrCat(driver.ErrorText(r), " (", bytes, " bytes on device ",
-                           context_.device(), ")"));
+    throw CudaError(
+        r, "cuMemAlloc",
+        StrCat(driver.ErrorText(r), " (", bytes, " bytes on device ", context_.device(), ")"));
   }
   bytes_ = bytes;
 }

@@ -20,46 +20,86 @@ namespace {
 
 const char* OpErrorName(int code) {
   switch (code) {
-    case 0: return "CU_FILE_SUCCESS";
-    case 5001: return "CU_FILE_DRIVER_NOT_INITIALIZED";
-    case 5002: return "CU_FILE_DRIVER_INVALID_PROPS";
-    case 5003: return "CU_FILE_DRIVER_UNSUPPORTED_LIMIT";
-    case 5004: return "CU_FILE_DRIVER_VERSION_MISMATCH";
-    case 5005: return "CU_FILE_DRIVER_VERSION_READ_ERROR";
-    case 5006: return "CU_FILE_DRIVER_CLOSING";
-    case 5007: return "CU_FILE_PLATFORM_NOT_SUPPORTED";
-    case 5008: return "CU_FILE_IO_NOT_SUPPORTED";
-    case 5009: return "CU_FILE_DEVICE_NOT_SUPPORTED";
-    case 5010: return "CU_FILE_NVFS_DRIVER_ERROR";
-    case 5011: return "CU_FILE_CUDA_DRIVER_ERROR";
-    case 5012: return "CU_FILE_CUDA_POINTER_INVALID";
-    case 5013: return "CU_FILE_CUDA_MEMORY_TYPE_INVALID";
-    case 5014: return "CU_FILE_CUDA_POINTER_RANGE_ERROR";
-    case 5015: return "CU_FILE_CUDA_CONTEXT_MISMATCH";
-    case 5016: return "CU_FILE_INVALID_MAPPING_SIZE";
-    case 5017: return "CU_FILE_INVALID_MAPPING_RANGE";
-    case 5018: return "CU_FILE_INVALID_FILE_TYPE";
-    case 5019: return "CU_FILE_INVALID_FILE_OPEN_FLAG";
-    case 5020: return "CU_FILE_DIO_NOT_SET";
-    case 5022: return "CU_FILE_INVALID_VALUE";
-    case 5023: return "CU_FILE_MEMORY_ALREADY_REGISTERED";
-    case 5024: return "CU_FILE_MEMORY_NOT_REGISTERED";
-    case 5025: return "CU_FILE_PERMISSION_DENIED";
-    case 5026: return "CU_FILE_DRIVER_ALREADY_OPEN";
-    case 5027: return "CU_FILE_HANDLE_NOT_REGISTERED";
-    case 5028: return "CU_FILE_HANDLE_ALREADY_REGISTERED";
-    case 5029: return "CU_FILE_DEVICE_NOT_FOUND";
-    case 5030: return "CU_FILE_INTERNAL_ERROR";
-    case 5031: return "CU_FILE_GETNEWFD_FAILED";
-    case 5033: return "CU_FILE_NVFS_SETUP_ERROR";
-    case 5034: return "CU_FILE_IO_DISABLED";
-    case 5035: return "CU_FILE_BATCH_SUBMIT_FAILED";
-    case 5036: return "CU_FILE_GPU_MEMORY_PINNING_FAILED";
-    case 5037: return "CU_FILE_BATCH_FULL";
-    case 5038: return "CU_FILE_ASYNC_NOT_SUPPORTED";
-    case 5043: return "CU_FILE_NOMEM_ERROR";
-    case 5044: return "CU_FILE_IO_ERROR";
-    default: return nullptr;
+    case 0:
+      return "CU_FILE_SUCCESS";
+    case 5001:
+      return "CU_FILE_DRIVER_NOT_INITIALIZED";
+    case 5002:
+      return "CU_FILE_DRIVER_INVALID_PROPS";
+    case 5003:
+      return "CU_FILE_DRIVER_UNSUPPORTED_LIMIT";
+    case 5004:
+      return "CU_FILE_DRIVER_VERSION_MISMATCH";
+    case 5005:
+      return "CU_FILE_DRIVER_VERSION_READ_ERROR";
+    case 5006:
+      return "CU_FILE_DRIVER_CLOSING";
+    case 5007:
+      return "CU_FILE_PLATFORM_NOT_SUPPORTED";
+    case 5008:
+      return "CU_FILE_IO_NOT_SUPPORTED";
+    case 5009:
+      return "CU_FILE_DEVICE_NOT_SUPPORTED";
+    case 5010:
+      return "CU_FILE_NVFS_DRIVER_ERROR";
+    case 5011:
+      return "CU_FILE_CUDA_DRIVER_ERROR";
+    case 5012:
+      return "CU_FILE_CUDA_POINTER_INVALID";
+    case 5013:
+      return "CU_FILE_CUDA_MEMORY_TYPE_INVALID";
+    case 5014:
+      return "CU_FILE_CUDA_POINTER_RANGE_ERROR";
+    case 5015:
+      return "CU_FILE_CUDA_CONTEXT_MISMATCH";
+    case 5016:
+      return "CU_FILE_INVALID_MAPPING_SIZE";
+    case 5017:
+      return "CU_FILE_INVALID_MAPPING_RANGE";
+    case 5018:
+      return "CU_FILE_INVALID_FILE_TYPE";
+    case 5019:
+      return "CU_FILE_INVALID_FILE_OPEN_FLAG";
+    case 5020:
+      return "CU_FILE_DIO_NOT_SET";
+    case 5022:
+      return "CU_FILE_INVALID_VALUE";
+    case 5023:
+      return "CU_FILE_MEMORY_ALREADY_REGISTERED";
+    case 5024:
+      return "CU_FILE_MEMORY_NOT_REGISTERED";
+    case 5025:
+      return "CU_FILE_PERMISSION_DENIED";
+    case 5026:
+      return "CU_FILE_DRIVER_ALREADY_OPEN";
+    case 5027:
+      return "CU_FILE_HANDLE_NOT_REGISTERED";
+    case 5028:
+      return "CU_FILE_HANDLE_ALREADY_REGISTERED";
+    case 5029:
+      return "CU_FILE_DEVICE_NOT_FOUND";
+    case 5030:
+      return "CU_FILE_INTERNAL_ERROR";
+    case 5031:
+      return "CU_FILE_GETNEWFD_FAILED";
+    case 5033:
+      return "CU_FILE_NVFS_SETUP_ERROR";
+    case 5034:
+      return "CU_FILE_IO_DISABLED";
+    case 5035:
+      return "CU_FILE_BATCH_SUBMIT_FAILED";
+    case 5036:
+      return "CU_FILE_GPU_MEMORY_PINNING_FAILED";
+    case 5037:
+      return "CU_FILE_BATCH_FULL";
+    case 5038:
+      return "CU_FILE_ASYNC_NOT_SUPPORTED";
+    case 5043:
+      return "CU_FILE_NOMEM_ERROR";
+    case 5044:
+      return "CU_FILE_IO_ERROR";
+    default:
+      return nullptr;
   }
 }
 
@@ -133,8 +173,9 @@ void CuFile::Open() {
     return;
   }
   if (access("/run/udev", R_OK) != 0) {
-    why_ = StrCat("/run/udev is not readable (", std::strerror(errno),
-                  "): cuFile needs it to find devices (in a container, mount the host's /run/udev)");
+    why_ =
+        StrCat("/run/udev is not readable (", std::strerror(errno),
+               "): cuFile needs it to find devices (in a container, mount the host's /run/udev)");
     return;
   }
   const cufile::CUfileError_t status = api_.DriverOpen();

@@ -18,14 +18,13 @@ void* DlOpen(const std::string& library, std::string* why);
 
 // Resolves `name` into `out`. On failure leaves `out` alone, sets *why and returns false.
 template <typename Fn>
-bool DlSym(void* handle, const std::string& library, const char* name, Fn*& out,
-           std::string* why) {
+bool DlSym(void* handle, const std::string& library, const char* name, Fn*& out, std::string* why) {
   dlerror();  // clear any earlier error
   void* p = dlsym(handle, name);
   if (p == nullptr) {
     const char* error = dlerror();
-    *why = StrCat(library, " lacks ", name, " (driver too old?): ",
-                  error != nullptr ? error : "symbol is null");
+    *why = StrCat(library, " lacks ", name,
+                  " (driver too old?): ", error != nullptr ? error : "symbol is null");
     return false;
   }
   out = reinterpret_cast<Fn*>(p);

@@ -2,6 +2,7 @@
 #include <cerrno>
 #include <deque>
 #include <exception>
+#include <limits>
 #include <stdexcept>
 #include <utility>
 
@@ -14,25 +15,14 @@
 namespace tensortier {
 namespace {
 
-void CheckOptions(const BounceRingOptions& o) {
-  if (o.slots == 0) throw std::invalid_argument("BounceRing: slots must be at least 1");
-  if (o.slot_bytes == 0 || o.slot_bytes % kPageSize != 0) {
-    throw std::invalid_argument(
-        StrCat("BounceRing: slot_bytes (", o.slot_bytes, ") must be a positive multiple of ",
-               kPageSize));
+void CheckRange(uint64_t file_offset, uint64_t length, uint64_t device_address) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  if (length > kMax - file_offset || length > kMax - device_address ||
+      file_offset + length > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    throw std::invalid_argument(StrCat("BounceRing: the range of ", length,
+                                       " bytes at file offset ", file_offset, " (device address ",
+                                       device_address, ") overflows"));
   }
-  if (o.slot_bytes > (uint64_t{1} << 40) / o.slots) {
-    throw std::invalid_argument("BounceRing: slots x slot_bytes is too large");
-  }
-}
-
-PinnedPoolOptions OwnPoolOptions(const BounceRingOptions& o, const DeviceCopier& copier) {
-  CheckOptions(o);
-  PinnedPoolOptions p;
-  p.budget_bytes = o.slots * o.slot_bytes;
-  p.register_with_cuda = copier.pinning_context() != nullptr;
-  if (copier.pinning_context() != nullptr) p.device = copier.pinning_context()->device();
-  return p;
 }
 
 void AddStats(IoStats& sum, const IoStats& s) {
@@ -60,29 +50,27 @@ void WaitQuietly(const Future& f) noexcept {
 
 }  // namespace
 
-BounceRing::BounceRing(Engine& engine, PinnedPool& pool, DeviceCopier& copier,
-                       BounceRingOptions options)
-    : engine_(engine), copier_(copier), options_(options) {
-  CheckOptions(options_);
-  if (options_.slots * options_.slot_bytes > pool.budget()) {
-    throw std::invalid_argument(StrCat("BounceRing: ", options_.slots, " slots of ",
-                                       FormatSize(options_.slot_bytes), " exceed the pool's budget of ",
-                                       FormatSize(pool.budget())));
+void BounceRingOptions::Validate() const {
+  if (slots == 0) throw std::invalid_argument("BounceRing: slots must be at least 1");
+  if (slot_bytes == 0 || slot_bytes % kPageSize != 0) {
+    throw std::invalid_argument(StrCat("BounceRing: slot_bytes (", slot_bytes,
+                                       ") must be a positive multiple of ", kPageSize));
+  }
+  if (slot_bytes > (uint64_t{1} << 40) / slots) {
+    throw std::invalid_argument("BounceRing: slots x slot_bytes is over 1 TiB");
+  }
+}
+
+BounceRing::BounceRing(Engine& engine, PinnedPool& pool, BounceRingOptions options)
+    : engine_(engine), options_(options) {
+  options_.Validate();
+  if (options_.bytes() > pool.budget()) {
+    throw std::invalid_argument(
+        StrCat("BounceRing: ", options_.slots, " slots of ", FormatSize(options_.slot_bytes),
+               " exceed the pinned pool's budget of ", FormatSize(pool.budget())));
   }
   slots_.reserve(options_.slots);
   for (size_t i = 0; i < options_.slots; ++i) slots_.push_back(pool.Acquire(options_.slot_bytes));
-}
-
-BounceRing::BounceRing(Engine& engine, DeviceCopier& copier, BounceRingOptions options)
-    : engine_(engine), copier_(copier), options_(options) {
-  const CudaDriver& driver = copier.pinning_context() != nullptr
-                                 ? copier.pinning_context()->driver()
-                                 : CudaDriver::Get();
-  own_pool_.emplace(OwnPoolOptions(options_, copier), driver);
-  slots_.reserve(options_.slots);
-  for (size_t i = 0; i < options_.slots; ++i) {
-    slots_.push_back(own_pool_->Acquire(options_.slot_bytes));
-  }
 }
 
 BounceRing::~BounceRing() = default;  // transfers are synchronous: no slot is in use here
@@ -109,10 +97,10 @@ std::byte* BounceRing::SlotData(const Chunk& c) const {
   return slots_[c.slot].data() + c.slot_offset;
 }
 
-TransferResult BounceRing::NewResult() const {
+TransferResult BounceRing::NewResult(const DeviceCopier& copier) const {
   TransferResult r;
   r.path = "bounce";
-  r.copier = std::string(copier_.name());
+  r.copier = std::string(copier.name());
   r.io.backend = engine_.backend();
   return r;
 }
@@ -120,19 +108,21 @@ TransferResult BounceRing::NewResult() const {
 // Slots are used in chunk order (chunk i in slot i % slots) and freed in chunk order, so the
 // slots in use are always those of the last (reads + copies) chunks started: the slot of the next
 // chunk is free exactly when fewer than `slots` are in use.
-TransferResult BounceRing::FileToDevice(const File& file, uint64_t file_offset, uint64_t length,
+TransferResult BounceRing::FileToDevice(DeviceCopier& copier, const File& file,
+                                        uint64_t file_offset, uint64_t length,
                                         uint64_t device_address) {
-  TransferResult result = NewResult();
+  CheckRange(file_offset, length, device_address);
+  TransferResult result = NewResult(copier);
   const std::vector<Chunk> chunks = Plan(file_offset, length);
   const size_t n_slots = options_.slots;
-  std::deque<std::pair<size_t, Future>> reads;      // chunk, read in flight
+  std::deque<std::pair<size_t, Future>> reads;     // chunk, read in flight
   std::deque<std::pair<size_t, uint64_t>> copies;  // chunk, fence after its copy
   size_t next = 0;
   bool at_eof = false;
   std::exception_ptr error;
   try {
     for (;;) {
-      while (!copies.empty() && copier_.Done(copies.front().second)) copies.pop_front();
+      while (!copies.empty() && copier.Done(copies.front().second)) copies.pop_front();
       while (!at_eof && next < chunks.size() && reads.size() + copies.size() < n_slots) {
         const Chunk& c = chunks[next];
         reads.emplace_back(next, engine_.Read(file, SlotData(c), c.length, c.file_offset));
@@ -141,7 +131,7 @@ TransferResult BounceRing::FileToDevice(const File& file, uint64_t file_offset, 
       }
       if (reads.empty()) {
         if (at_eof || next == chunks.size()) break;
-        copier_.Wait(copies.front().second);  // every slot holds a copy in flight
+        copier.Wait(copies.front().second);  // every slot holds a copy in flight
         copies.pop_front();
         continue;
       }
@@ -153,14 +143,14 @@ TransferResult BounceRing::FileToDevice(const File& file, uint64_t file_offset, 
       if (at_eof) continue;  // a read past an earlier end of file: drained, not used
       const Chunk& c = chunks[index];
       if (r.bytes > 0) {
-        copier_.CopyToDevice(device_address + (c.file_offset - file_offset), SlotData(c),
-                             static_cast<size_t>(r.bytes));
-        copies.emplace_back(index, copier_.Record());
+        copier.CopyToDevice(device_address + (c.file_offset - file_offset), SlotData(c),
+                            static_cast<size_t>(r.bytes));
+        copies.emplace_back(index, copier.Record());
         result.bytes += r.bytes;
       }
       if (r.bytes < c.length) at_eof = true;
     }
-    if (!copies.empty()) copier_.Wait(copies.back().second);
+    if (!copies.empty()) copier.Wait(copies.back().second);
   } catch (...) {
     error = std::current_exception();
   }
@@ -168,7 +158,7 @@ TransferResult BounceRing::FileToDevice(const File& file, uint64_t file_offset, 
     // Nothing may still write into a slot, or read from one, once this returns.
     for (auto& [index, read] : reads) WaitQuietly(read);
     try {
-      copier_.Synchronize();
+      copier.Synchronize();
     } catch (...) {
     }
     std::rethrow_exception(error);
@@ -177,9 +167,10 @@ TransferResult BounceRing::FileToDevice(const File& file, uint64_t file_offset, 
   return result;
 }
 
-TransferResult BounceRing::DeviceToFile(uint64_t device_address, uint64_t length,
-                                        const File& file, uint64_t file_offset) {
-  TransferResult result = NewResult();
+TransferResult BounceRing::DeviceToFile(DeviceCopier& copier, uint64_t device_address,
+                                        uint64_t length, const File& file, uint64_t file_offset) {
+  CheckRange(file_offset, length, device_address);
+  TransferResult result = NewResult(copier);
   const std::vector<Chunk> chunks = Plan(file_offset, length);
   const size_t n_slots = options_.slots;
   std::deque<std::pair<size_t, uint64_t>> copies;  // chunk, fence after its copy
@@ -204,9 +195,9 @@ TransferResult BounceRing::DeviceToFile(uint64_t device_address, uint64_t length
       while (!writes.empty() && writes.front().second.done()) finish_write();
       while (next < chunks.size() && copies.size() + writes.size() < n_slots) {
         const Chunk& c = chunks[next];
-        copier_.CopyFromDevice(SlotData(c), device_address + (c.file_offset - file_offset),
-                               static_cast<size_t>(c.length));
-        copies.emplace_back(next, copier_.Record());
+        copier.CopyFromDevice(SlotData(c), device_address + (c.file_offset - file_offset),
+                              static_cast<size_t>(c.length));
+        copies.emplace_back(next, copier.Record());
         ++next;
       }
       if (copies.empty()) {
@@ -215,14 +206,14 @@ TransferResult BounceRing::DeviceToFile(uint64_t device_address, uint64_t length
         continue;
       }
       // Submit the write of every copy that is done, waiting for the oldest one at least.
-      copier_.Wait(copies.front().second);
+      copier.Wait(copies.front().second);
       do {
         const Chunk& c = chunks[copies.front().first];
         writes.emplace_back(copies.front().first,
                             engine_.Write(file, SlotData(c), c.length, c.file_offset));
         ++result.chunks;
         copies.pop_front();
-      } while (!copies.empty() && copier_.Done(copies.front().second));
+      } while (!copies.empty() && copier.Done(copies.front().second));
     }
   } catch (...) {
     error = std::current_exception();
@@ -230,7 +221,7 @@ TransferResult BounceRing::DeviceToFile(uint64_t device_address, uint64_t length
   if (error) {
     for (auto& [index, write] : writes) WaitQuietly(write);
     try {
-      copier_.Synchronize();
+      copier.Synchronize();
     } catch (...) {
     }
     std::rethrow_exception(error);

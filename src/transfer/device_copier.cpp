@@ -1,6 +1,7 @@
 #include "tensortier/device_copier.hpp"
 
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 
 #include "tensortier/strings.hpp"
@@ -95,8 +96,8 @@ void MemcpyCopier::Run() {
     {
       std::lock_guard lock(mu_);
       if (fail && !error_) {
-        error_ = std::make_exception_ptr(std::runtime_error(
-            StrCat("MemcpyCopier: injected failure of copy ", number, " (", copy.bytes, " bytes)")));
+        error_ = std::make_exception_ptr(std::runtime_error(StrCat(
+            "MemcpyCopier: injected failure of copy ", number, " (", copy.bytes, " bytes)")));
         error_copy_ = number;
       }
       ++completed_;
@@ -177,7 +178,28 @@ void CudaCopier::Wait(uint64_t fence) {
 }
 
 void CudaCopier::Synchronize() {
-  Wait(Record());
+  std::exception_ptr error;
+  try {
+    Wait(Record());
+    return;
+  } catch (...) {
+    error = std::current_exception();
+  }
+  // The event could not be recorded or reports an error (a CUDA error is sticky): wait for the
+  // stream itself, so that no copy still uses host memory once this returns, and forget the
+  // pending events (their work is over either way).
+  try {
+    ScopedContext current(context_);
+    context_.driver().api().StreamSynchronize(stream_);
+  } catch (...) {
+  }
+  while (!pending_.empty()) {
+    done_through_ = pending_.front().first;
+    spare_.push_back(std::move(pending_.front().second));
+    pending_.pop_front();
+  }
+  done_through_ = next_fence_ - 1;
+  std::rethrow_exception(error);
 }
 
 void CudaCopier::RetireThrough(uint64_t fence) {

@@ -29,11 +29,11 @@ struct PinnedPoolState {
   std::optional<PrimaryContext> context;  // set when buffers are registered
 
   std::mutex mu;
-  std::condition_variable returned;                         // a buffer came back
+  std::condition_variable returned;                          // a buffer came back
   std::multimap<size_t, std::unique_ptr<PinnedBlock>> idle;  // by size; guarded by mu
-  uint64_t held = 0;                                        // lent + idle + being made; mu
-  uint64_t lent = 0;                                        // guarded by mu
-  uint64_t allocations = 0;                                 // guarded by mu
+  uint64_t held = 0;                                         // lent + idle + being made; mu
+  uint64_t lent = 0;                                         // guarded by mu
+  uint64_t allocations = 0;                                  // guarded by mu
 
   void Return(std::unique_ptr<PinnedBlock> block) noexcept {
     {
@@ -50,6 +50,8 @@ struct PinnedPoolState {
 
 // ---------------------------------------------------------------------------------------------
 // PinnedBuffer
+
+PinnedBuffer::PinnedBuffer() noexcept = default;
 
 PinnedBuffer::PinnedBuffer(std::shared_ptr<detail::PinnedPoolState> pool,
                            std::unique_ptr<detail::PinnedBlock> block)

@@ -121,8 +121,9 @@ TEST(CudaDriverTest, LocateWithoutDriverReportsHost) {
   auto driver = CudaDriver::Load("/nonexistent/libcuda.so.1");
   int on_stack = 0;
   std::vector<uint8_t> on_heap(100);
-  for (const void* p : {static_cast<const void*>(&on_stack),
-                        static_cast<const void*>(on_heap.data()), static_cast<const void*>(nullptr)}) {
+  for (const void* p :
+       {static_cast<const void*>(&on_stack), static_cast<const void*>(on_heap.data()),
+        static_cast<const void*>(nullptr)}) {
     PointerLocation where = driver->Locate(p);
     EXPECT_EQ(where.type, MemoryType::kHost);
     EXPECT_EQ(where.device, -1);
@@ -180,7 +181,8 @@ TEST(CudaDriverTest, ErrorTextAndCheckWithoutDriver) {
 TEST(CuFileTest, MissingLibraryIsUnavailableWithReason) {
   auto cufile = CuFile::Load("/nonexistent/tensortier/libcufile.so.0");
   EXPECT_FALSE(cufile->available());
-  EXPECT_TRUE(Contains(cufile->why_unavailable(), "/nonexistent/tensortier/libcufile.so.0 not found"))
+  EXPECT_TRUE(
+      Contains(cufile->why_unavailable(), "/nonexistent/tensortier/libcufile.so.0 not found"))
       << cufile->why_unavailable();
 }
 
@@ -211,7 +213,8 @@ TEST(CuFileTest, GetNeverThrowsAndExplainsItself) {
   const CuFile& cufile = CuFile::Get();
   EXPECT_EQ(&cufile, &CuFile::Get());
   EXPECT_EQ(cufile.available(), cufile.why_unavailable().empty()) << cufile.why_unavailable();
-  if (!cufile.available()) std::cout << "cuFile unavailable here: " << cufile.why_unavailable() << "\n";
+  if (!cufile.available())
+    std::cout << "cuFile unavailable here: " << cufile.why_unavailable() << "\n";
 }
 
 TEST(CuFileTest, HandlesAndBuffersWithoutCuFileThrow) {

@@ -7,6 +7,12 @@ Code written for DeepNVMe runs with its import changed::
     h.sync_pwrite(tensor, "/nvme/t.bin")
     h.sync_pread(tensor, "/nvme/t.bin")
 
+Both handles take CPU and CUDA tensors. A CUDA tensor moves through tensortier's ring of pinned
+bounce buffers (disk and PCIe overlap; copies ordered on the tensor's device's current stream);
+``gds_handle`` uses GPUDirect Storage where cuFile accepts the file and falls back to the ring
+elsewhere (DeepNVMe's fails). Without a CUDA driver a CUDA tensor raises ``CudaError`` naming
+what is missing.
+
 Differences, all on the side of safety: errors raise (``OSError`` with errno and path,
 ``ValueError`` for bad arguments) where DeepNVMe returns -1, prints or aborts; writes never
 truncate the file; any alignment of size, offset and memory works.
@@ -18,6 +24,7 @@ import errno
 import os
 from typing import Any
 
+from .. import _core
 from ..io import IOFuture, IOHandle
 
 __all__ = ["AsyncIOBuilder", "GDSBuilder", "aio_handle", "gds_handle"]
@@ -39,11 +46,8 @@ def _check_tensor(buffer: Any, what: str) -> None:
         raise TypeError(f"{what}: buffer must be a torch tensor, not {type(buffer).__name__}")
     if not buffer.is_contiguous():
         raise ValueError(f"{what}: buffer of shape {tuple(buffer.shape)} is not contiguous")
-    if buffer.device.type != "cpu":
-        raise ValueError(
-            f"{what}: buffer is on {buffer.device}; this build moves CPU tensors only (the GPU "
-            "transfer path is not built yet): copy it to the CPU first"
-        )
+    if buffer.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: buffer is on {buffer.device}; only CPU and CUDA tensors move")
 
 
 class aio_handle:  # noqa: N801 - DeepNVMe's name
@@ -56,6 +60,8 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         overlap_events: accepted for compatibility (completions are always overlapped).
         intra_op_parallelism: worker threads (DeepNVMe's ``num_threads`` in older releases).
     """
+
+    _GDS = "off"
 
     def __init__(
         self,
@@ -84,6 +90,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             workers=intra_op_parallelism,
             max_inflight_bytes=max(chunk, min(chunk * queue_depth * intra_op_parallelism,
                                               _MAX_INFLIGHT)),
+            gds=self._GDS,
         )
         self._pending: list[tuple[IOFuture, Any, str, int, bool]] = []
 
@@ -226,34 +233,61 @@ def _validate(buffer: Any, filename: str, offset: int) -> None:
     with open(filename, "rb") as f:
         f.seek(offset)
         on_disk = f.read(nbytes)
-    if buffer.reshape(-1).view(torch.uint8).numpy().tobytes() != on_disk:
+    if buffer.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes() != on_disk:
         raise OSError(errno.EIO, f"validation failed: {filename} at offset {offset}", filename)
 
 
 class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
-    """DeepNVMe's ``gds_handle``. This build has no GPU path yet: host tensors move as with
-    ``aio_handle``, and the device-tensor calls raise saying so."""
+    """DeepNVMe's ``gds_handle``: as ``aio_handle``, with GPUDirect Storage for CUDA tensors where
+    cuFile accepts the file (the bounce ring elsewhere). ``pin_device_tensor`` registers device
+    memory with cuFile when cuFile is available and does nothing otherwise."""
 
-    def _no_gpu(self, what: str) -> None:
-        raise ValueError(
-            f"{what}: this build has no GPU transfer path (GPUDirect Storage and the pinned "
-            "bounce ring are not built yet); use host tensors"
-        )
+    _GDS = "auto"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pinned: dict[int, Any] = {}  # data_ptr -> _core.CuFileBuffer
 
     def pin_device_tensor(self, tensor: Any) -> bool:
-        self._no_gpu("pin_device_tensor")
-        return False
+        """Registers a CUDA tensor's memory with cuFile (skipped without cuFile). Returns True."""
+        _check_tensor(tensor, "pin_device_tensor")
+        if tensor.device.type != "cuda":
+            raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
+        address = int(tensor.data_ptr())
+        if address in self._pinned or not _core.cufile()["available"]:
+            return True
+        nbytes = _nbytes(tensor)
+        if nbytes > 0:
+            self._pinned[address] = (_core.CuFileBuffer(address, nbytes), tensor)
+        return True
 
     def unpin_device_tensor(self, tensor: Any) -> bool:
-        self._no_gpu("unpin_device_tensor")
-        return False
+        """Undoes ``pin_device_tensor``. Returns True."""
+        entry = self._pinned.pop(int(tensor.data_ptr()), None)
+        if entry is not None:
+            entry[0].release()
+        return True
 
     def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:
-        self._no_gpu("new_pinned_device_tensor")
+        """An uninitialised 1-D tensor on `example_tensor`'s GPU, registered with cuFile."""
+        import torch
+
+        device = example_tensor.device if example_tensor.device.type == "cuda" else "cuda"
+        tensor = torch.empty(num_elem, dtype=example_tensor.dtype, device=device)
+        self.pin_device_tensor(tensor)
+        return tensor
 
     def free_pinned_device_tensor(self, tensor: Any) -> bool:
-        self._no_gpu("free_pinned_device_tensor")
-        return False
+        """Deregisters and frees a tensor from ``new_pinned_device_tensor``. Returns True."""
+        self.unpin_device_tensor(tensor)
+        tensor.untyped_storage().resize_(0)
+        return True
+
+    def close(self) -> None:
+        for registration, _ in self._pinned.values():
+            registration.release()
+        self._pinned.clear()
+        super().close()
 
 
 class _Loaded:

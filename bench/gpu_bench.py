@@ -1,0 +1,251 @@
+"""GPU benchmark: file -> GPU and GPU -> file, tensortier (bounce ring, GDS) against the plain
+Python baseline of examples/file_access/py_*_gpu_tensor.py and torch.cuda.gds.GdsFile (where it
+runs), with the limits measured in the same run: the file read rate (tensortier into host memory)
+and the pinned host -> device copy rate. Page cache warm and cold, methods alternated, median of
+the repeats. Prints a table and writes JSON.
+
+    python bench/gpu_bench.py --dir /nvme/bench --sizes 1G,8G --json out/gpu_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import tensortier
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm_cache(path: str) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def timed(run: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def copy_rates(nbytes: int = 1 << 30, repeats: int = 4) -> dict[str, float]:
+    """Pinned host <-> device copy rates (tensortier's pinned memory)."""
+    host = tensortier.pinned_empty(nbytes)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h2d = [gbps(nbytes, timed(lambda: dev.copy_(host, non_blocking=True))) for _ in range(repeats)]
+    d2h = [gbps(nbytes, timed(lambda: host.copy_(dev, non_blocking=True))) for _ in range(repeats)]
+    del host, dev
+    return {"h2d_pinned_gbps": statistics.median(h2d), "d2h_pinned_gbps": statistics.median(d2h)}
+
+
+def python_read(path: str) -> torch.Tensor:
+    with open(path, "rb") as f, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(f.read(), dtype=torch.uint8)
+
+
+def torch_gds_file(path: str, flags: int) -> Any:
+    from torch.cuda.gds import GdsFile
+
+    return GdsFile(path, flags)
+
+
+def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[dict[str, Any]]:
+    path = os.path.join(folder, f"gpu_bench_{size}.bin")
+    rows: list[dict[str, Any]] = []
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bounce = tensortier.IOHandle(gds="off")
+    gds = tensortier.IOHandle(gds="auto")
+    bounce.pwrite(src, path)  # the file every load reads
+    host = tensortier.aligned_empty(size)
+    torch_gds_error = ""
+    try:
+        torch_gds_file(path, os.O_RDONLY)
+    except Exception as e:  # noqa: BLE001 - reported in the JSON
+        torch_gds_error = f"{type(e).__name__}: {e}"
+
+    def load_bounce() -> str:
+        return bounce.pread_async(dst, path).result().stats["path"]
+
+    def load_gds() -> str:
+        return gds.pread_async(dst, path).result().stats["path"]
+
+    def load_py() -> str:
+        dst.copy_(python_read(path).cuda())
+        return "python"
+
+    def load_torch_gds() -> str:
+        torch_gds_file(path, os.O_RDONLY).load_storage(dst.untyped_storage(), 0)
+        return "torch.cuda.gds"
+
+    def read_host() -> str:
+        bounce.pread(host, path)
+        return "host"
+
+    loads: dict[str, Callable[[], str]] = {
+        "file_read_rate (tensortier -> host)": read_host,
+        "tensortier bounce": load_bounce,
+        "tensortier gds=auto": load_gds,
+        "py_load_gpu_tensor": load_py,
+    }
+    if not torch_gds_error:
+        loads["torch.cuda.gds.GdsFile"] = load_torch_gds
+
+    out_path = os.path.join(folder, f"gpu_bench_store_{size}.bin")
+
+    def store_bounce() -> str:
+        return bounce.pwrite_async(src, out_path).result().stats["path"]
+
+    def store_gds() -> str:
+        return gds.pwrite_async(src, out_path).result().stats["path"]
+
+    def store_py() -> str:
+        with open(out_path, "wb") as f:
+            f.write(src.cpu().numpy())
+        return "python (page cache)"
+
+    def store_torch_gds() -> str:
+        torch_gds_file(out_path, os.O_CREAT | os.O_RDWR).save_storage(src.untyped_storage(), 0)
+        return "torch.cuda.gds"
+
+    stores: dict[str, Callable[[], str]] = {
+        "tensortier bounce": store_bounce,
+        "tensortier gds=auto": store_gds,
+        "py_store_gpu_tensor": store_py,
+    }
+    if not torch_gds_error:
+        stores["torch.cuda.gds.GdsFile"] = store_torch_gds
+
+    for cache in caches:
+        times: dict[str, list[float]] = {name: [] for name in loads}
+        paths: dict[str, str] = {}
+        names = list(loads)
+        for rep in range(repeats):
+            order = names if rep % 2 == 0 else names[::-1]  # alternate the order
+            for name in order:
+                (drop_cache if cache == "cold" else warm_cache)(path)
+                taken = [""]
+                times[name].append(timed(lambda: taken.__setitem__(0, loads[name]())))
+                paths[name] = taken[0]
+        if not torch.equal(src, dst):
+            raise SystemExit(f"load validation failed at size {size}")
+        for name in names:
+            rows.append(row("load", size, cache, name, paths[name], times[name]))
+    times_s: dict[str, list[float]] = {name: [] for name in stores}
+    paths_s: dict[str, str] = {}
+    for rep in range(repeats):
+        order = list(stores) if rep % 2 == 0 else list(stores)[::-1]
+        for name in order:
+            taken = [""]
+            times_s[name].append(timed(lambda: taken.__setitem__(0, stores[name]())))
+            paths_s[name] = taken[0]
+            if os.path.exists(out_path):
+                os.unlink(out_path)
+    for name in stores:
+        rows.append(row("store", size, "n/a", name, paths_s[name], times_s[name]))
+    bounce.close()
+    gds.close()
+    os.unlink(path)
+    del src, dst, host
+    torch.cuda.empty_cache()
+    if torch_gds_error:
+        rows.append({"op": "note", "size": size, "torch_cuda_gds": torch_gds_error})
+    return rows
+
+
+def row(op: str, size: int, cache: str, method: str, path: str, seconds: list[float]) -> dict:
+    rates = [gbps(size, s) for s in seconds]
+    return {"op": op, "size": size, "cache": cache, "method": method, "path": path,
+            "gbps_median": statistics.median(rates), "gbps": rates}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", required=True, help="folder on the disk to measure")
+    p.add_argument("--sizes", default="1G,8G", help="comma-separated sizes (1G,8G)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--caches", default="warm,cold")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device; nothing to measure", file=sys.stderr)
+        return 2
+    os.makedirs(args.dir, exist_ok=True)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda_driver": tensortier.cuda_info(),
+        "cufile": tensortier.cufile_info(),
+        "command": " ".join(sys.argv),
+    }
+    report.update(copy_rates())
+    rows: list[dict[str, Any]] = []
+    for size in (parse_size(s) for s in args.sizes.split(",")):
+        repeats = args.repeats if size <= (2 << 30) else max(1, args.repeats - 1)
+        rows += bench_size(size, args.dir, repeats, args.caches.split(","))
+    report["results"] = rows
+    # The target: file -> GPU >= 0.9 x min(file read rate, pinned H2D rate), same run.
+    checks = []
+    for r in rows:
+        if r["op"] == "load" and r["method"] == "tensortier bounce":
+            read = next(x for x in rows if x["op"] == "load" and x["size"] == r["size"]
+                        and x["cache"] == r["cache"] and x["method"].startswith("file_read_rate"))
+            limit = min(read["gbps_median"], report["h2d_pinned_gbps"])
+            checks.append({"size": r["size"], "cache": r["cache"], "load_gbps": r["gbps_median"],
+                           "limit_gbps": limit, "ratio": r["gbps_median"] / limit})
+    report["load_vs_limit"] = checks
+    print(f"device: {report['device']}  pinned H2D {report['h2d_pinned_gbps']:.2f} GB/s, "
+          f"D2H {report['d2h_pinned_gbps']:.2f} GB/s; cuFile: "
+          f"{'available' if report['cufile']['available'] else report['cufile']['why_unavailable']}")
+    print(f"{'op':6} {'size':>6} {'cache':5} {'method':38} {'path':18} {'GB/s':>7}")
+    for r in rows:
+        if r["op"] == "note":
+            print(f"note: torch.cuda.gds at {r['size'] >> 20} MiB: {r['torch_cuda_gds']}")
+            continue
+        print(f"{r['op']:6} {r['size'] >> 20:5}M {r['cache']:5} {r['method']:38} {r['path']:18} "
+              f"{r['gbps_median']:7.2f}")
+    for c in checks:
+        print(f"load {c['size'] >> 20}M {c['cache']}: {c['load_gbps']:.2f} GB/s = "
+              f"{c['ratio']:.2f} x min(file read, H2D) = {c['limit_gbps']:.2f} GB/s (target >= 0.9)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+// tensortier._core, the transfer layer: CUDA driver and cuFile status, pinned host memory, cuFile
+// buffer registrations, files registered for GDS and device <-> file transfers. Device memory
+// crosses as (address, device ordinal, stream handle) integers: no torch or CUDA headers here.
+// Every call that can block releases the GIL; no Python runs on C++ threads.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/cuda_driver.hpp"
+#include "tensortier/cufile.hpp"
+#include "tensortier/device_copier.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/pinned_pool.hpp"
+#include "tensortier/strings.hpp"
+#include "tensortier/transfer.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+const CudaDriver& RequireDriver(const std::string& what) {
+  const CudaDriver& driver = CudaDriver::Get();
+  if (!driver.available()) {
+    throw CudaError(cuda::kUnavailable, what,
+                    StrCat("CUDA driver unavailable: ", driver.why_unavailable()));
+  }
+  return driver;
+}
+
+// Page-aligned host memory registered with CUDA (cuMemHostRegister, portable), with the buffer
+// protocol. The registration goes before the memory (members are destroyed in reverse order).
+struct PinnedMemory {
+  AlignedBuffer memory;
+  std::optional<HostRegistration> registration;
+
+  PinnedMemory(size_t size, int device) {
+    const CudaDriver& driver = RequireDriver("pinned host memory (cuMemHostRegister)");
+    if (size == 0) return;
+    memory = AlignedBuffer(size);
+    registration.emplace(PrimaryContext(driver, device), memory.data(), size);
+  }
+};
+
+py::dict ResultToDict(const TransferResult& r) {
+  py::dict stats;
+  stats["backend"] = r.io.backend;
+  stats["requested_bytes"] = r.io.requested_bytes;
+  stats["transferred_bytes"] = r.io.transferred_bytes;
+  stats["direct_bytes"] = r.io.direct_bytes;
+  stats["buffered_bytes"] = r.io.buffered_bytes;
+  stats["bounced_bytes"] = r.io.bounced_bytes;
+  stats["cached_bytes"] = r.io.cached_bytes;
+  stats["requests"] = r.io.requests;
+  stats["resubmits"] = r.io.resubmits;
+  stats["eof"] = r.io.eof;
+  stats["direct_fallback"] = r.io.direct_fallback;
+  stats["residency_method"] = r.io.residency_method;
+  stats["path"] = r.path;
+  stats["copier"] = r.copier;
+  stats["chunks"] = r.chunks;
+  stats["gds_reason"] = r.gds_reason;
+  py::dict out;
+  out["bytes"] = r.bytes;
+  out["eof"] = r.eof;
+  out["stats"] = stats;
+  return out;
+}
+
+using AnyFile = std::variant<DeviceFile, File>;
+
+DeviceSpan Span(uintptr_t address, int device, std::optional<uintptr_t> stream) {
+  DeviceSpan s;
+  s.address = address;
+  s.device = device;
+  if (stream) s.stream = reinterpret_cast<cuda::CUstream>(*stream);
+  return s;
+}
+
+std::unique_ptr<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t> slots,
+                                             std::optional<uint64_t> slot_bytes,
+                                             std::optional<size_t> max_rings,
+                                             const std::string& copier) {
+  DeviceTransferOptions o = DeviceTransferOptions::FromEnvironment();
+  if (slots) o.ring.slots = *slots;
+  if (slot_bytes) o.ring.slot_bytes = *slot_bytes;
+  if (max_rings) o.max_rings = *max_rings;
+  o.Validate();
+  if (copier == "cuda") return std::make_unique<DeviceTransfer>(engine, o);
+  if (copier == "memcpy") {
+    // Test seam: "device" addresses are host addresses, copies run on a thread of their own.
+    PinnedPoolOptions pool;
+    pool.budget_bytes = o.max_rings * o.ring.bytes();
+    pool.register_with_cuda = false;
+    return std::make_unique<DeviceTransfer>(
+        engine, o,
+        [](const DeviceSpan&) -> std::unique_ptr<DeviceCopier> {
+          return std::make_unique<MemcpyCopier>();
+        },
+        pool);
+  }
+  throw std::invalid_argument(StrCat("copier must be 'cuda' or 'memcpy', not '", copier, "'"));
+}
+
+}  // namespace
+
+void RegisterTransfer(py::module_& m) {
+  py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+  py::register_exception<CuFileError>(m, "CuFileError", PyExc_RuntimeError);
+
+  m.def(
+      "cuda_driver",
+      [] {
+        const CudaDriver& d = CudaDriver::Get();
+        py::dict out;
+        out["available"] = d.available();
+        out["why_unavailable"] = d.why_unavailable();
+        out["library"] = d.library();
+        out["version"] = d.version();
+        out["device_count"] = d.device_count();
+        return out;
+      },
+      "The CUDA driver as tensortier sees it (loaded with dlopen on first use).");
+  m.def(
+      "cufile",
+      [] {
+        const CuFile* c = nullptr;
+        {
+          py::gil_scoped_release release;
+          c = &CuFile::Get();
+        }
+        py::dict out;
+        out["available"] = c->available();
+        out["why_unavailable"] = c->why_unavailable();
+        out["library"] = c->library();
+        return out;
+      },
+      "cuFile (GPUDirect Storage) as tensortier sees it (loaded on first use).");
+  m.def(
+      "locate",
+      [](uintptr_t address) {
+        PointerLocation where = CudaDriver::Get().Locate(reinterpret_cast<const void*>(address));
+        py::dict out;
+        out["type"] = std::string(MemoryTypeName(where.type));
+        out["device"] = where.device;
+        return out;
+      },
+      py::arg("address"), "Where memory lives: host, registered host, device or managed.");
+
+  py::class_<PinnedMemory>(m, "PinnedMemory", py::buffer_protocol())
+      .def(py::init([](size_t size, int device) {
+             py::gil_scoped_release release;
+             return std::make_unique<PinnedMemory>(size, device);
+           }),
+           py::arg("size"), py::arg("device") = 0)
+      .def("__len__", [](const PinnedMemory& p) { return p.memory.size(); })
+      .def_property_readonly(
+          "address",
+          [](const PinnedMemory& p) { return reinterpret_cast<uintptr_t>(p.memory.data()); })
+      .def_property_readonly("registered",
+                             [](const PinnedMemory& p) { return p.registration.has_value(); })
+      .def_buffer([](PinnedMemory& p) {
+        return py::buffer_info(p.memory.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<ssize_t>(p.memory.size())}, {1});
+      });
+
+  py::class_<CuFileBuffer>(m, "CuFileBuffer")
+      .def(py::init([](uintptr_t address, size_t length) {
+             py::gil_scoped_release release;
+             return std::make_unique<CuFileBuffer>(CuFile::Get(),
+                                                   reinterpret_cast<const void*>(address), length);
+           }),
+           py::arg("address"), py::arg("length"),
+           "Registers device memory with cuFile; raises CuFileError when cuFile is unavailable.")
+      .def_property_readonly(
+          "address", [](const CuFileBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_property_readonly("length", &CuFileBuffer::size)
+      .def(
+          "release", [](CuFileBuffer& b) { CuFileBuffer gone(std::move(b)); },
+          "Deregisters now (also done when the object is collected).");
+
+  py::class_<DeviceFile>(m, "DeviceFile")
+      .def(py::init([](const File& file, const std::string& gds) {
+             GdsMode mode = ParseGdsMode(gds);
+             py::gil_scoped_release release;
+             return DeviceFile(file, mode);
+           }),
+           py::arg("file"), py::arg("gds") = "auto")
+      .def_property_readonly("file", &DeviceFile::file)
+      .def_property_readonly("gds", &DeviceFile::gds)
+      .def_property_readonly("gds_reason", &DeviceFile::gds_reason);
+
+  py::class_<DeviceTransfer>(m, "DeviceTransfer")
+      .def(py::init([](Engine& engine, std::optional<size_t> slots,
+                       std::optional<uint64_t> slot_bytes, std::optional<size_t> max_rings,
+                       const std::string& copier) {
+             return MakeTransfer(engine, slots, slot_bytes, max_rings, copier);
+           }),
+           py::arg("engine"), py::arg("slots") = py::none(), py::arg("slot_bytes") = py::none(),
+           py::arg("max_rings") = py::none(), py::arg("copier") = "cuda", py::keep_alive<1, 2>())
+      .def(
+          "read",
+          [](DeviceTransfer& t, const AnyFile& file, uint64_t offset, uint64_t length,
+             uintptr_t address, int device, std::optional<uintptr_t> stream) {
+            DeviceSpan span = Span(address, device, stream);
+            TransferResult r;
+            {
+              py::gil_scoped_release release;
+              r = std::visit([&](const auto& f) { return t.Read(f, offset, length, span); }, file);
+            }
+            return ResultToDict(r);
+          },
+          py::arg("file"), py::arg("offset"), py::arg("length"), py::arg("address"),
+          py::arg("device") = 0, py::arg("stream") = py::none(),
+          "Reads file bytes into device memory; returns {bytes, eof, stats}.")
+      .def(
+          "write",
+          [](DeviceTransfer& t, uintptr_t address, uint64_t length, const AnyFile& file,
+             uint64_t offset, int device, std::optional<uintptr_t> stream) {
+            DeviceSpan span = Span(address, device, stream);
+            TransferResult r;
+            {
+              py::gil_scoped_release release;
+              r = std::visit([&](const auto& f) { return t.Write(span, length, f, offset); }, file);
+            }
+            return ResultToDict(r);
+          },
+          py::arg("address"), py::arg("length"), py::arg("file"), py::arg("offset"),
+          py::arg("device") = 0, py::arg("stream") = py::none(),
+          "Writes device memory to the file; returns {bytes, eof, stats}.")
+      .def_property_readonly("rings", &DeviceTransfer::rings)
+      .def_property_readonly("options", [](const DeviceTransfer& t) {
+        py::dict d;
+        d["slots"] = t.options().ring.slots;
+        d["slot_bytes"] = t.options().ring.slot_bytes;
+        d["max_rings"] = t.options().max_rings;
+        const PinnedPool* pool = t.pool();
+        d["pinned_budget"] = t.options().max_rings * t.options().ring.bytes();
+        d["pinned_bytes"] = pool != nullptr ? pool->held_bytes() : 0;
+        d["pinned_registered"] = pool != nullptr && pool->registers();
+        return d;
+      });
+}

@@ -1,0 +1,161 @@
+"""Pinned host memory and CUDA tensors: what tensortier needs to move GPU data.
+
+Pinned memory comes from tensortier, not from torch's caching host allocator: page-aligned (so it
+is also the fastest O_DIRECT target), sized to the page rather than to the next power of two,
+and registered with the CUDA driver (``cuMemHostRegister``, portable to every device), so
+``tensor.is_pinned()`` is True and ``gpu.copy_(t, non_blocking=True)`` runs as DMA. The memory is
+freed when the tensor's storage dies, like any CPU tensor: after a ``non_blocking`` copy from or
+to it, synchronise the stream before dropping the last reference (torch's allocator delays the
+free for you; ours does not). No CUDA toolkit is needed: the driver (``libcuda.so.1``) is loaded
+at run time, and without it these functions raise :class:`CudaError` saying what is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import _core
+
+__all__ = [
+    "CuFileError",
+    "CudaError",
+    "cuda_info",
+    "cufile_info",
+    "pin",
+    "pinned_empty",
+]
+
+#: A CUDA driver call failed, or the driver is missing (the message says which, e.g.
+#: ``... CUDA driver unavailable: libcuda.so.1 not found: ...``). A ``RuntimeError``.
+CudaError = _core.CudaError
+#: A cuFile (GPUDirect Storage) call failed or cuFile is unavailable. A ``RuntimeError``.
+CuFileError = _core.CuFileError
+
+
+def cuda_info() -> dict[str, Any]:
+    """The CUDA driver as tensortier sees it: ``available``, ``why_unavailable``, ``library``,
+    ``version`` (e.g. 12040) and ``device_count``."""
+    return dict(_core.cuda_driver())
+
+
+def cufile_info() -> dict[str, Any]:
+    """cuFile (GPUDirect Storage): ``available``, ``why_unavailable`` and ``library``."""
+    return dict(_core.cufile())
+
+
+def _require_driver(what: str) -> None:
+    info = _core.cuda_driver()
+    if not info["available"]:
+        raise CudaError(
+            f"{what} needs the CUDA driver, which is unavailable here: "
+            f"{info['why_unavailable']} (install the NVIDIA driver, or set "
+            "TENSORTIER_CUDA_LIBRARY to the path of libcuda.so.1)"
+        )
+
+
+def _dims(shape: int | tuple[int, ...] | list[int] | Any) -> tuple[int, ...]:
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        dims: tuple[int, ...] = (shape,)
+    else:
+        try:
+            dims = tuple(int(d) for d in shape)
+        except TypeError as e:
+            raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from e
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape {dims} has a negative dimension")
+    return dims
+
+
+def pinned_empty(shape: int | tuple[int, ...], dtype: Any = None, *, device: int = 0) -> Any:
+    """An uninitialised CPU tensor in pinned (page-locked, CUDA-registered) memory.
+
+    Args:
+        shape: tensor shape.
+        dtype: a torch dtype (default ``torch.uint8``).
+        device: the GPU whose context registers the memory (usable from every GPU).
+
+    Raises:
+        CudaError: no CUDA driver here (the message names what is missing), or registration
+            failed (e.g. over the locked-memory limit).
+        ValueError, TypeError: a bad shape or dtype.
+    """
+    import torch
+
+    dtype = torch.uint8 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+    dims = _dims(shape)
+    _require_driver("tensortier.pinned_empty")
+    numel = 1
+    for d in dims:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    memory = _core.PinnedMemory(max(nbytes, 1), device)
+    # torch.frombuffer keeps `memory` (and so the registration) alive as long as the storage.
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(dims)
+
+
+def pin(tensor: Any, *, device: int = 0) -> Any:
+    """A copy of CPU `tensor` in pinned memory (as ``tensor.pin_memory()``), or `tensor` itself
+    when its memory is pinned already. Contiguous copies keep the shape and dtype.
+
+    Raises:
+        TypeError: not a torch tensor. ValueError: a CUDA tensor (already device memory).
+        CudaError: no CUDA driver (the message names what is missing).
+    """
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"pin needs a torch tensor, not {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"pin needs a CPU tensor; this one is on {tensor.device}")
+    _require_driver("tensortier.pin")
+    if tensor.numel() > 0 and _core.locate(tensor.data_ptr())["type"] == "registered host":
+        return tensor
+    out = pinned_empty(tuple(tensor.shape), tensor.dtype, device=device)
+    out.copy_(tensor)
+    return out
+
+
+@dataclass(frozen=True)
+class DeviceBuffer:
+    """A contiguous range of CUDA device memory, for the transfer layer."""
+
+    address: int
+    nbytes: int
+    device: int
+    stream: int  # the handle of the tensor's device's current stream (copies are ordered on it)
+    owner: Any
+
+
+def is_cuda_tensor(obj: Any) -> bool:
+    """Whether `obj` is a torch tensor on a CUDA device."""
+    device = getattr(obj, "device", None)
+    return (
+        type(obj).__module__.startswith("torch")
+        and hasattr(obj, "data_ptr")
+        and getattr(device, "type", None) == "cuda"
+    )
+
+
+def device_buffer(tensor: Any) -> DeviceBuffer:
+    """The device range of a contiguous CUDA tensor and its device's current stream.
+
+    Raises:
+        ValueError: not contiguous.
+        CudaError: tensortier cannot reach the CUDA driver (it is loaded separately from torch's
+            runtime; the message says why).
+    """
+    import torch
+
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"CUDA tensor of shape {tuple(tensor.shape)} is not contiguous: call .contiguous()"
+        )
+    _require_driver(f"moving a tensor on {tensor.device}")
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index).cuda_stream
+    return DeviceBuffer(
+        tensor.data_ptr(), tensor.numel() * tensor.element_size(), index, int(stream), tensor
+    )

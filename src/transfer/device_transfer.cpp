@@ -1,0 +1,249 @@
+#include <cerrno>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "tensortier/config.hpp"
+#include "tensortier/strings.hpp"
+#include "tensortier/transfer.hpp"
+
+namespace tensortier {
+namespace {
+
+// A positive count from the environment variable `name`, or `fallback` when it is unset/empty.
+size_t CountFromEnv(const char* name, size_t fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long value = std::strtoull(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || value == 0 || value > 4096 || *text == '-') {
+    throw std::invalid_argument(
+        StrCat(name, "='", text, "' is not a whole number between 1 and 4096"));
+  }
+  return static_cast<size_t>(value);
+}
+
+uint64_t SizeFromEnv(const char* name, uint64_t fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  try {
+    return ParseSize(text);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(StrCat(name, ": ", e.what()));
+  }
+}
+
+}  // namespace
+
+GdsMode ParseGdsMode(const std::string& text) {
+  if (text == "off" || text == "0" || text == "false") return GdsMode::kOff;
+  if (text == "auto") return GdsMode::kAuto;
+  if (text == "on" || text == "require" || text == "1" || text == "true") {
+    return GdsMode::kRequire;
+  }
+  throw std::invalid_argument(
+      StrCat("GDS mode must be 'off', 'auto' or 'on' (required), not '", text, "'"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeviceFile
+
+DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile& cufile) : file_(std::move(file)) {
+  if (!file_.is_open()) throw std::invalid_argument("DeviceFile: the file is not open");
+  if (mode == GdsMode::kOff) {
+    reason_ = "GDS off";
+    return;
+  }
+  if (!cufile.available()) {
+    reason_ = StrCat("cuFile unavailable: ", cufile.why_unavailable());
+  } else if (!file_.direct()) {
+    reason_ = StrCat("GDS needs O_DIRECT, which ", file_.path(),
+                     " refused: ", file_.direct_fallback_reason());
+  } else {
+    try {
+      handle_ = std::make_shared<const CuFileHandle>(cufile, file_.direct_fd(), file_.path());
+      return;
+    } catch (const CuFileError& e) {
+      if (mode == GdsMode::kRequire) throw;
+      reason_ = e.what();
+    }
+  }
+  if (mode == GdsMode::kRequire) {
+    throw CuFileError(-1, 0, "GDS (required) for " + file_.path(), reason_);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeviceTransferOptions
+
+DeviceTransferOptions DeviceTransferOptions::FromEnvironment() {
+  DeviceTransferOptions o;
+  o.ring.slots = CountFromEnv("TENSORTIER_BOUNCE_SLOTS", o.ring.slots);
+  o.ring.slot_bytes = SizeFromEnv("TENSORTIER_BOUNCE_SLOT_SIZE", o.ring.slot_bytes);
+  o.max_rings = CountFromEnv("TENSORTIER_BOUNCE_RINGS", o.max_rings);
+  o.Validate();
+  return o;
+}
+
+void DeviceTransferOptions::Validate() const {
+  ring.Validate();
+  if (max_rings == 0) throw std::invalid_argument("DeviceTransfer: max_rings must be at least 1");
+  if (ring.bytes() > (uint64_t{1} << 40) / max_rings) {
+    throw std::invalid_argument("DeviceTransfer: max_rings x slots x slot_bytes is over 1 TiB");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeviceTransfer
+
+// A ring lent to one transfer; goes back on destruction.
+class DeviceTransfer::RingLease {
+ public:
+  RingLease(DeviceTransfer* owner, std::unique_ptr<BounceRing> ring)
+      : owner_(owner), ring_(std::move(ring)) {}
+  ~RingLease() {
+    if (ring_ != nullptr) owner_->ReturnRing(std::move(ring_));
+  }
+  RingLease(RingLease&& other) noexcept : owner_(other.owner_), ring_(std::move(other.ring_)) {}
+  RingLease& operator=(RingLease&&) = delete;
+  RingLease(const RingLease&) = delete;
+  RingLease& operator=(const RingLease&) = delete;
+  BounceRing& operator*() const { return *ring_; }
+  BounceRing* operator->() const { return ring_.get(); }
+
+ private:
+  DeviceTransfer* owner_;
+  std::unique_ptr<BounceRing> ring_;
+};
+
+DeviceTransfer::DeviceTransfer(Engine& engine, DeviceTransferOptions options,
+                               const CudaDriver& driver)
+    : engine_(engine), options_(options), driver_(driver) {
+  options_.Validate();
+  if (!driver.available()) {
+    throw CudaError(cuda::kUnavailable, "DeviceTransfer",
+                    StrCat("CUDA driver unavailable: ", driver.why_unavailable()));
+  }
+  factory_ = [&driver](const DeviceSpan& span) -> std::unique_ptr<DeviceCopier> {
+    return std::make_unique<CudaCopier>(driver, span.device, span.stream);
+  };
+  pool_options_.budget_bytes = options_.max_rings * options_.ring.bytes();
+  pool_options_.register_with_cuda = true;
+}
+
+DeviceTransfer::DeviceTransfer(Engine& engine, DeviceTransferOptions options, CopierFactory factory,
+                               PinnedPoolOptions pool, const CudaDriver& driver)
+    : engine_(engine),
+      options_(options),
+      driver_(driver),
+      factory_(std::move(factory)),
+      pool_options_(pool) {
+  options_.Validate();
+  if (!factory_) throw std::invalid_argument("DeviceTransfer: no copier factory");
+}
+
+DeviceTransfer::~DeviceTransfer() = default;  // transfers are synchronous: every ring is back
+
+const PinnedPool* DeviceTransfer::pool() const {
+  std::lock_guard lock(mu_);
+  return pool_.get();
+}
+
+size_t DeviceTransfer::rings() const {
+  std::lock_guard lock(mu_);
+  return made_rings_;
+}
+
+DeviceTransfer::RingLease DeviceTransfer::LeaseRing(int device) {
+  std::unique_lock lock(mu_);
+  if (pool_ == nullptr) {
+    PinnedPoolOptions p = pool_options_;
+    if (p.register_with_cuda) p.device = device;
+    pool_ = std::make_unique<PinnedPool>(p, driver_);
+  }
+  for (;;) {
+    if (!idle_rings_.empty()) {
+      std::unique_ptr<BounceRing> ring = std::move(idle_rings_.back());
+      idle_rings_.pop_back();
+      return RingLease(this, std::move(ring));
+    }
+    if (made_rings_ < options_.max_rings) break;
+    ring_returned_.wait(lock);
+  }
+  ++made_rings_;
+  PinnedPool& pool = *pool_;
+  lock.unlock();
+  try {
+    return RingLease(this, std::make_unique<BounceRing>(engine_, pool, options_.ring));
+  } catch (...) {
+    {
+      std::lock_guard relock(mu_);
+      --made_rings_;
+    }
+    ring_returned_.notify_one();
+    throw;
+  }
+}
+
+void DeviceTransfer::ReturnRing(std::unique_ptr<BounceRing> ring) noexcept {
+  {
+    std::lock_guard lock(mu_);
+    idle_rings_.push_back(std::move(ring));
+  }
+  ring_returned_.notify_one();
+}
+
+TransferResult DeviceTransfer::Read(const File& file, uint64_t file_offset, uint64_t length,
+                                    const DeviceSpan& span) {
+  std::unique_ptr<DeviceCopier> copier = factory_(span);
+  RingLease ring = LeaseRing(span.device);
+  return ring->FileToDevice(*copier, file, file_offset, length, span.address);
+}
+
+TransferResult DeviceTransfer::Write(const DeviceSpan& span, uint64_t length, const File& file,
+                                     uint64_t file_offset) {
+  std::unique_ptr<DeviceCopier> copier = factory_(span);
+  RingLease ring = LeaseRing(span.device);
+  return ring->DeviceToFile(*copier, span.address, length, file, file_offset);
+}
+
+TransferResult DeviceTransfer::Read(const DeviceFile& file, uint64_t file_offset, uint64_t length,
+                                    const DeviceSpan& span) {
+  if (file.handle() != nullptr) return Gds(true, *file.handle(), span, length, file_offset);
+  TransferResult r = Read(file.file(), file_offset, length, span);
+  r.gds_reason = file.gds_reason();
+  return r;
+}
+
+TransferResult DeviceTransfer::Write(const DeviceSpan& span, uint64_t length,
+                                     const DeviceFile& file, uint64_t file_offset) {
+  if (file.handle() != nullptr) return Gds(false, *file.handle(), span, length, file_offset);
+  TransferResult r = Write(span, length, file.file(), file_offset);
+  r.gds_reason = file.gds_reason();
+  return r;
+}
+
+TransferResult DeviceTransfer::Gds(bool read, const CuFileHandle& handle, const DeviceSpan& span,
+                                   uint64_t length, uint64_t file_offset) {
+  TransferResult r;
+  r.path = "gds";
+  if (length == 0) return r;
+  PrimaryContext context(driver_, span.device);
+  ScopedContext current(context);
+  // cuFile is not stream ordered: work already queued on the caller's stream may still use (read)
+  // or produce (write) this memory.
+  if (span.stream)
+    driver_.Check(driver_.api().StreamSynchronize(*span.stream), "cuStreamSynchronize");
+  void* base = reinterpret_cast<void*>(span.address);
+  r.bytes = read ? handle.Read(base, length, file_offset) : handle.Write(base, length, file_offset);
+  r.chunks = 1;
+  r.eof = read && r.bytes < length;
+  return r;
+}
+
+}  // namespace tensortier
