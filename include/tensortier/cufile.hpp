@@ -104,7 +104,7 @@ class CuFile {
   const std::string& why_unavailable() const noexcept { return why_; }
   const std::string& library() const noexcept { return library_; }
   // Throws CuFileError (naming `call`) when unavailable.
-  const CuFileApi& api(const std::string& call = "cuFile call") const;
+  const CuFileApi& api(const char* call = "cuFile call") const;
 
  private:
   explicit CuFile(std::string library) : library_(std::move(library)) {}

@@ -147,6 +147,7 @@ class CudaCopier final : public DeviceCopier {
   uint64_t done_through_ = 0;                       // every fence <= this is done
   std::deque<std::pair<uint64_t, Event>> pending_;  // recorded, not known done, in order
   std::vector<Event> spare_;                        // done events, for reuse
+  bool unfenced_ = false;                           // copies queued after the last Record()
 };
 
 }  // namespace tensortier

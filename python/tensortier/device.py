@@ -93,7 +93,8 @@ def pinned_empty(shape: int | tuple[int, ...], dtype: Any = None, *, device: int
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     memory = _core.PinnedMemory(max(nbytes, 1), device)
     # torch.frombuffer keeps `memory` (and so the registration) alive as long as the storage.
-    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(dims)
+    # (frombuffer refuses count=0, hence the slice: zero-byte shapes are valid tensors.)
+    return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes].view(dtype).view(dims)
 
 
 def pin(tensor: Any, *, device: int = 0) -> Any:

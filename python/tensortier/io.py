@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence, Union
 
@@ -198,6 +199,7 @@ class IOHandle:
         self._gds = _gds_mode(gds)
         self._ring_options = (bounce_slots, bounce_slot_size, bounce_rings)
         self._transfer: Any = None  # _core.DeviceTransfer, made on the first CUDA tensor
+        self._transfer_lock = threading.Lock()
         self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- properties ------------------------------------------------------------------------
@@ -306,15 +308,19 @@ class IOHandle:
         return self._engine
 
     def _device_transfer(self) -> Any:
-        if self._transfer is None:
-            slots, slot_size, rings = self._ring_options
-            self._transfer = _core.DeviceTransfer(
-                self._core(), slots=slots, slot_bytes=slot_size, max_rings=rings
-            )
-            self._device_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=int(self._transfer.options["max_rings"]),
-                thread_name_prefix="tensortier-device",
-            )
+        # Several threads may start the first CUDA transfer at once: build both under a lock
+        # and publish the transfer last, so whoever sees it also sees the pool.
+        with self._transfer_lock:
+            if self._transfer is None:
+                slots, slot_size, rings = self._ring_options
+                transfer = _core.DeviceTransfer(
+                    self._core(), slots=slots, slot_bytes=slot_size, max_rings=rings
+                )
+                self._device_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=int(transfer.options["max_rings"]),
+                    thread_name_prefix="tensortier-device",
+                )
+                self._transfer = transfer
         return self._transfer
 
     def _device_job(

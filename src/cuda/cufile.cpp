@@ -186,7 +186,7 @@ void CuFile::Open() {
   available_ = true;
 }
 
-const CuFileApi& CuFile::api(const std::string& call) const {
+const CuFileApi& CuFile::api(const char* call) const {
   if (!available_) throw CuFileError(-1, 0, call, StrCat("cuFile unavailable: ", why_));
   return api_;
 }

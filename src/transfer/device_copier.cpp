@@ -120,18 +120,30 @@ CudaCopier::CudaCopier(const CudaDriver& driver, int device, std::optional<cuda:
 }
 
 CudaCopier::~CudaCopier() {
+  // Wait for our own copies only: a new event on the caller's stream would also wait for
+  // whatever the caller queued after them (a whole training step, for an async transfer).
   try {
-    Synchronize();
+    if (unfenced_) {
+      Synchronize();
+    } else if (!pending_.empty()) {
+      Wait(pending_.back().first);
+    }
   } catch (...) {
-    // Nothing to report to; the copies are over either way.
+    try {
+      Synchronize();
+    } catch (...) {
+      // Nothing to report to; the copies are over either way.
+    }
   }
 }
 
 void CudaCopier::CopyToDevice(uint64_t dst, const void* src, size_t bytes) {
+  unfenced_ = true;
   CopyToDeviceAsync(context_, dst, src, bytes, stream_);
 }
 
 void CudaCopier::CopyFromDevice(void* dst, uint64_t src, size_t bytes) {
+  unfenced_ = true;
   CopyFromDeviceAsync(context_, dst, src, bytes, stream_);
 }
 
@@ -150,6 +162,7 @@ uint64_t CudaCopier::Record() {
   }
   const uint64_t fence = next_fence_++;
   pending_.emplace_back(fence, std::move(event));
+  unfenced_ = false;
   return fence;
 }
 

@@ -108,8 +108,10 @@ def test_every_dtype(io: Any, disk_dir: Path, dtype: torch.dtype) -> None:
 
 def test_several_files_and_offsets_in_one_batch(io: Any, disk_dir: Path) -> None:
     files = [disk_dir / f"f{i}.bin" for i in range(3)]
-    pieces = [(_rand_bytes(n, n), files[n % 3], off) for n, off in
-              [(1000, 0), (1 << 20, 1000), (5, 3 << 20), (4096, 8192), (777777, 1), (12, 0)]]
+    # Disjoint ranges (4 MiB apart): the device pieces run concurrently.
+    shapes = [(1000, 0), (1 << 20, 1000), (5, 3), (4096, 8192), (777777, 1), (12, 0)]
+    pieces = [(_rand_bytes(n, n), files[k % 3], k * (4 << 20) + odd)
+              for k, (n, odd) in enumerate(shapes)]
     host = torch.arange(100, dtype=torch.int32)  # a host piece in the same batch
     io.pwrite_batch_async([*pieces, (host, files[0], 10 << 20)]).wait()
     outs = [torch.empty_like(t) for t, _, _ in pieces]

@@ -165,7 +165,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
 
     def wait(self) -> int:
         """Waits for every operation started; returns how many completed. Raises the first
-        error (``OSError``) after all have finished."""
+        error (``OSError``, or ``CudaError``/``CuFileError``) after all have finished."""
         pending, self._pending = self._pending, []
         first: BaseException | None = None
         for future, buffer, filename, offset, validate in pending:
@@ -173,7 +173,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
                 future.wait()
                 if validate:
                     _validate(buffer, filename, offset)
-            except OSError as e:
+            except (OSError, RuntimeError) as e:  # RuntimeError: CudaError / CuFileError
                 first = first or e
         if first is not None:
             raise first
