@@ -29,8 +29,19 @@ Scenarios (``--scenarios``, default all):
            torch.load-mmap  torch.load("tt.pt", mmap=True, weights_only=True) + touching every
                             4 KiB page of every tensor
            fio              fio sequential read: io_uring, direct=1, bs=BS, iodepth=QD
+           tensorizer       tensorizer.TensorDeserializer("tensorizer.tensors", device="cpu")
+                            (eager, its default readers), every tensor taken out of it and every
+                            4 KiB page touched; the file is written untimed beforehand by
+                            TensorSerializer.write_state_dict of the same state dict, fsynced
+           runai-streamer   runai_model_streamer.SafetensorsStreamer: stream_file("tt.safetensors",
+                            device="cpu") and every tensor get_tensors() yields kept (owned=True,
+                            its default: they stay valid) and every 4 KiB page touched
   warm   the same loads with the file already in the page cache (read once, untimed, just
          before); fio reads buffered (psync, --direct=0 --invalidate=0 --iomem=mmap).
+
+tensorizer and runai-streamer are optional (pip install tensorizer runai-model-streamer): when
+one does not import, it is skipped with a note in its table row. They are report only (issue 5):
+their rows have the ratios but no target.
 
 Targets (issue 5): save >= 3x torch.save, >= 2x safetensors, >= 0.9x fio; load to CPU >= 2x
 safetensors and torch.load(mmap=False), >= 0.9x fio. The ratio columns compare tt-safetensors
@@ -52,6 +63,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -71,7 +84,11 @@ SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 SCENARIOS = ("save", "cold", "warm")
 SAVE_TOOLS = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
 LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "safetensors", "torch.load",
-              "torch.load-mmap", "fio")
+              "torch.load-mmap", "fio", "tensorizer", "runai-streamer")
+OPTIONAL_MODULES = {  # optional load tools (report only) -> (module to import, pip package)
+    "tensorizer": ("tensorizer", "tensorizer"),
+    "runai-streamer": ("runai_model_streamer", "runai-model-streamer"),
+}
 TARGETS = {  # (scenario, baseline) -> minimum ratio tt-safetensors / baseline
     ("save", "torch.save"): 3.0, ("save", "safetensors"): 2.0, ("save", "fio"): 0.9,
     ("cold", "safetensors"): 2.0, ("cold", "torch.load"): 2.0, ("cold", "fio"): 0.9,
@@ -325,8 +342,39 @@ def save_tool(s: Settings, tool: str, sd: dict[str, Any]) -> float:
 LOAD_FILES = {
     "tt-safetensors": "tt.safetensors", "tt-foreign": "st.safetensors", "tt-torch": "tt.pt",
     "safetensors": "tt.safetensors", "torch.load": "tt.pt", "torch.load-mmap": "tt.pt",
-    "fio": "fio.dat",
+    "fio": "fio.dat", "tensorizer": "tensorizer.tensors", "runai-streamer": "tt.safetensors",
 }
+BENCH_FILES = ("tt.safetensors", "tt.pt", "torch.pt", "st.safetensors", "fio.dat",
+               "tensorizer.tensors")
+
+
+def tensorizer_save(sd: dict[str, Any], path: Path) -> None:
+    """Write ``sd`` with tensorizer's TensorSerializer and fsync it (untimed setup)."""
+    from tensorizer import TensorSerializer
+
+    serializer = TensorSerializer(str(path))
+    serializer.write_state_dict(sd)
+    serializer.close()
+    fsync_path(path)
+
+
+def tensorizer_load(path: Path) -> dict[str, Any]:
+    """Load every tensor of a tensorizer file to CPU. Eager (lazy_load=False, the default): the
+    constructor reads all tensors; they come out as Parameters, detached here (free, no copy)."""
+    from tensorizer import TensorDeserializer
+
+    with TensorDeserializer(str(path), device="cpu") as deserializer:
+        return {name: t.detach() for name, t in deserializer.items()}
+
+
+def runai_load(path: Path) -> dict[str, Any]:
+    """Stream every tensor of a safetensors file to CPU with runai-model-streamer. Yielded
+    tensors are owned by the caller (owned=True, the default), so keeping them keeps the data."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_file(str(path), device="cpu", owned=True)
+        return dict(streamer.get_tensors())
 
 
 def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any] | None]:
@@ -352,14 +400,22 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
         touch_pages(out)  # in case its tensors are lazily mapped: count the reads they need
     elif tool == "torch.load":
         out = torch.load(path, mmap=False, weights_only=True)
-    else:
+    elif tool == "torch.load-mmap":
         out = torch.load(path, mmap=True, weights_only=True)
+        touch_pages(out)
+    elif tool == "tensorizer":
+        out = tensorizer_load(path)
+        touch_pages(out)  # costs nothing if they hold their data, as they should
+    else:
+        out = runai_load(path)
         touch_pages(out)
     return time.perf_counter() - start, out
 
 
-def ensure_files(s: Settings, sd: dict[str, Any], tools: Sequence[str]) -> None:
-    """The files the loads read, written untimed when the save scenario did not run."""
+def ensure_files(s: Settings, sd: dict[str, Any], tools: Sequence[str]) -> dict[str, str]:
+    """The files the loads read, written untimed when the save scenario did not run (the
+    tensorizer file always: no save tool writes it). Returns {optional tool: why its file could
+    not be written}; such a tool is skipped, while any other failure here raises."""
     import torch
 
     import tensortier
@@ -377,7 +433,15 @@ def ensure_files(s: Settings, sd: dict[str, Any], tools: Sequence[str]) -> None:
         fsync_path(d / "st.safetensors")
     if "fio.dat" in needed and not (d / "fio.dat").exists():
         run_fio(s, d / "fio.dat", "write")
+    failed: dict[str, str] = {}
+    if "tensorizer.tensors" in needed and not (d / "tensorizer.tensors").exists():
+        try:
+            tensorizer_save(sd, d / "tensorizer.tensors")
+        except Exception as e:  # noqa: BLE001 - an optional tool failing is reported, not fatal
+            failed["tensorizer"] = f"failed to write its file: {type(e).__name__}: {e}"
+            log(f"  tensorizer: {failed['tensorizer']}")
     del torch
+    return failed
 
 
 def warm_up(s: Settings) -> None:
@@ -400,7 +464,17 @@ def warm_up(s: Settings) -> None:
 
         save_file(tiny, d / "warm-st.safetensors")
         load_file(d / "warm-st.safetensors")
-    for name in ("warm.safetensors", "warm.pt", "warm-torch.pt", "warm-st.safetensors"):
+    optional = {"tensorizer": lambda: (tensorizer_save(tiny, d / "warm.tensors"),
+                                       tensorizer_load(d / "warm.tensors")),
+                "runai-streamer": lambda: runai_load(d / "warm.safetensors")}
+    for tool, warm in optional.items():
+        if available(tool) is None:
+            try:
+                warm()
+            except Exception as e:  # noqa: BLE001 - its timed runs will fail and say why
+                log(f"  warm-up of {tool} failed: {type(e).__name__}: {e}")
+    for name in ("warm.safetensors", "warm.pt", "warm-torch.pt", "warm-st.safetensors",
+                 "warm.tensors"):
         try:
             (d / name).unlink()
         except FileNotFoundError:
@@ -414,7 +488,21 @@ def available(tool: str) -> str | None:
             import safetensors.torch  # noqa: F401
         except ImportError:
             return "safetensors is not installed"
+    if tool in OPTIONAL_MODULES:
+        module, package = OPTIONAL_MODULES[tool]
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any import failure only skips the tool
+            return f"{module} does not import ({type(e).__name__}: {e}); pip install {package}"
     return None
+
+
+def package_version(package: str) -> str | None:
+    """The installed version of a pip package, or None."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Samples, list[str]]:
@@ -427,7 +515,9 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
             samples.errors[t] = f"skipped: {why}"
             tools.remove(t)
     if scenario != "save":
-        ensure_files(s, sd, tools)
+        for t, why in ensure_files(s, sd, tools).items():
+            samples.errors[t] = why
+            tools.remove(t)
     total = nbytes(sd)
     for repeat in range(s.repeats):
         order = tools[repeat % len(tools):] + tools[:repeat % len(tools)]
@@ -544,6 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["safetensors"] = safetensors.__version__
     except ImportError:
         results["safetensors"] = None
+    for _, package in OPTIONAL_MODULES.values():
+        results[package] = package_version(package)
     status = 0
     warm_up(s)
     out = [f"## checkpoint_bench: {len(sd)} tensors, {s.size / 2**30:.2f} GiB, "
@@ -561,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["error"] = str(e)
         status = 1
     finally:
-        for name in ("tt.safetensors", "tt.pt", "torch.pt", "st.safetensors", "fio.dat"):
+        for name in BENCH_FILES:
             try:
                 (s.directory / name).unlink()
             except FileNotFoundError:
