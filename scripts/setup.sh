@@ -24,7 +24,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch==2.13.0 is the pinned CPU build; an unpinned torch would pull GBs of CUDA wheels.
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest \
+.venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest safetensors \
   "scikit-build-core>=0.10" "pybind11>=2.12" ninja
 echo "setup: building and installing tensortier into .venv"
 .venv/bin/python -m pip install -q --no-build-isolation .
