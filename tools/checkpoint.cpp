@@ -22,6 +22,8 @@
 #include "tensortier/safetensors.hpp"
 #include "tensortier/strings.hpp"
 #include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/torch_pickle.hpp"
+#include "tensortier/zip_writer.hpp"
 
 namespace tensortier::cli {
 namespace {
@@ -347,6 +349,136 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   return 0;
 }
 
+// The folder torch.save names its records under: the output file's name without its last
+// extension (as PyTorchStreamWriter does), or "archive" when that is empty or holds characters
+// that are not printable ASCII. torch.load accepts any folder name.
+std::string ArchiveName(const std::string& out) {
+  std::string name = std::filesystem::path(out).filename().string();
+  size_t dot = name.rfind('.');
+  if (dot != std::string::npos) name.resize(dot);
+  bool plain = !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
+    return c >= 0x20 && c < 0x7f && c != '\\';
+  });
+  return plain ? name : "archive";
+}
+
+// A torch.save zip file holding the safetensors file's tensors in a plain dict, in file order, each
+// in its own storage ("<folder>/data/<i>") whose data starts on a 4 KiB boundary. The records are
+// the ones torch.save writes (data.pkl, byteorder, data/*, version, .data/serialization_id), minus
+// .format_version and .storage_alignment: with those, torch.load may compute storage offsets
+// itself (utils.serialization.config.load.calculate_storage_offsets) assuming miniz's exact layout
+// (data descriptors after each record), which this file does not have; without them it always
+// reads each record's real offset from the zip directory.
+int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std::string& out) {
+  std::vector<TorchPickleTensor> tensors;
+  for (size_t i = 0; i < l.items.size(); ++i) {
+    const Item& item = l.items[i];
+    if (!TorchSupportsDtype(item.dtype)) {
+      throw std::invalid_argument(StrCat("tensor '", item.name, "' has dtype ", item.dtype,
+                                         ", which torch has no dtype for: cannot convert"));
+    }
+    tensors.push_back({item.name, item.dtype, item.shape, std::to_string(i)});
+  }
+  const std::string pickle = SerializeTorchPickle(tensors);
+  const std::string prefix = ArchiveName(out);
+  const std::string byteorder = "little";
+  const std::string version = "3\n";
+  constexpr size_t kIdDigits = 40;
+
+  ZipPlanner zip(4096);
+  struct Small {
+    size_t index;
+    const std::string* data;
+  };
+  std::vector<Small> smalls;
+  auto add_small = [&](const std::string& name, const std::string& data) {
+    size_t index = zip.Add(StrCat(prefix, "/", name), data.size());
+    zip.SetCrc(index, Crc32(data.data(), data.size()));
+    smalls.push_back({index, &data});
+  };
+  add_small("data.pkl", pickle);
+  add_small("byteorder", byteorder);
+  std::vector<size_t> storage_entries;
+  for (size_t i = 0; i < l.items.size(); ++i) {
+    storage_entries.push_back(zip.Add(StrCat(prefix, "/data/", i), l.items[i].nbytes));
+  }
+  add_small("version", version);
+  std::string serialization_id(kIdDigits, '0');  // filled in once the CRCs are known
+  add_small(".data/serialization_id", serialization_id);
+  const uint64_t file_size = zip.directory_offset() + zip.Directory().size();
+
+  // Declared before the engine: its destructor waits for writes still in flight from these.
+  std::vector<std::string> blocks;
+  std::vector<uint64_t> offsets;
+  Engine engine;
+  File src = File::Open(in, OpenMode::kRead, true);
+  PendingFile pending(out);
+  File dst = File::Open(pending.temp(), OpenMode::kWrite, true);
+  dst.Allocate(0, file_size);
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
+  Xxh64State names;
+  Xxh64State crcs;
+  for (size_t i = 0; i < l.items.size(); ++i) {
+    const Item& item = l.items[i];
+    const ZipPlanEntry& entry = zip.entries()[storage_entries[i]];
+    uint32_t crc = 0;
+    uint64_t written = 0;
+    // As in the other direction: Stream fills the other buffer while this one is written.
+    Stream(engine, src, item.offset, item.nbytes, bufs, [&](const std::byte* p, size_t n) {
+      crc = Crc32(p, n, crc);
+      engine.Write(dst, p, n, entry.data_offset + written).Wait();
+      written += n;
+    });
+    zip.SetCrc(storage_entries[i], crc);
+  }
+  // Like torch's id: a hash of the record names and one of their CRCs, 20 decimal digits each.
+  for (const auto& e : zip.entries()) {
+    if (e.name.ends_with("/.data/serialization_id")) continue;
+    names.Update(e.name.data(), e.name.size() + 1);  // with the NUL: names stay delimited
+    crcs.Update(&e.crc32, sizeof(e.crc32));
+  }
+  char id[kIdDigits + 1];
+  std::snprintf(id, sizeof(id), "%020llu%020llu", static_cast<unsigned long long>(names.Digest()),
+                static_cast<unsigned long long>(crcs.Digest()));
+  serialization_id.assign(id, kIdDigits);
+  zip.SetCrc(smalls.back().index, Crc32(serialization_id.data(), serialization_id.size()));
+
+  // Headers: a small record's local header and data are one write (the header ends where its
+  // data starts); a storage's header is written alone, in front of the data already there.
+  for (const Small& s : smalls) {
+    blocks.push_back(zip.LocalHeader(s.index) + *s.data);
+    offsets.push_back(zip.entries()[s.index].local_header_offset);
+  }
+  for (size_t index : storage_entries) {
+    blocks.push_back(zip.LocalHeader(index));
+    offsets.push_back(zip.entries()[index].local_header_offset);
+  }
+  blocks.push_back(zip.Directory());
+  offsets.push_back(zip.directory_offset());
+  if (offsets.back() + blocks.back().size() != file_size) {
+    throw std::logic_error("convert: zip directory size changed");
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    engine.Write(dst, blocks[i].data(), blocks[i].size(), offsets[i]);
+  }
+  engine.WaitAll();
+  pending.Commit(dst);
+  uint64_t data = 0;
+  for (const auto& item : l.items) data += item.nbytes;
+  std::printf(
+      "%s -> %s: %zu tensors, %llu data bytes in torch.save zip format (folder '%s', "
+      "storages 4096-byte aligned, CRC-32 recorded)\n",
+      in.c_str(), out.c_str(), l.items.size(), static_cast<unsigned long long>(data),
+      prefix.c_str());
+  if (!l.st.header.metadata.empty()) {
+    std::fprintf(stderr,
+                 "note: %zu safetensors metadata keys were not converted (torch.load returns "
+                 "only the tensors)\n",
+                 l.st.header.metadata.size());
+  }
+  return 0;
+}
+
 int RunConvertImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
   if (args.positionals().size() != 2) {
@@ -356,7 +488,7 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
   const std::string& out = args.positionals()[1];
   Loaded l = Load(in);
   if (l.format == Format::kTorch) return ConvertTorchToSafetensors(l, in, out);
-  throw std::invalid_argument("convert: safetensors -> torch is not implemented yet");
+  return ConvertSafetensorsToTorch(l, in, out);
 }
 
 // Format errors are the user's file, not a crash: one line, exit status 1.

@@ -48,6 +48,25 @@ struct TorchPickle {
 // Bytes per element of a safetensors-style dtype name used above; 0 when unknown.
 unsigned TorchDtypeBytes(std::string_view dtype);
 
+// One tensor of a flat state dict to pickle: contiguous, alone in its storage `storage_key`, which
+// holds exactly its elements (storage offset 0, contiguous strides, requires_grad False).
+struct TorchPickleTensor {
+  std::string name;   // the dict key
+  std::string dtype;  // safetensors-style name ("F32", "BF16", "F8_E4M3"...)
+  std::vector<uint64_t> shape;
+  std::string storage_key;  // "0", "1"...: a plain name (letters, digits, '_')
+};
+
+// True when torch (2.x) has a dtype for `dtype` (safetensors-style name): not F4, F6_*, unknowns.
+bool TorchSupportsDtype(std::string_view dtype);
+
+// The data.pkl that torch.save writes for a plain dict {name: tensor} of `tensors` (in order, all
+// on the CPU): protocol 2, byte for byte what torch 2.x emits (its memo, its batching of items,
+// _rebuild_tensor_v2 with typed storages, _rebuild_tensor_v3 with an UntypedStorage for uint16/32/
+// 64 and float8 types). Throws std::invalid_argument naming the tensor for a dtype torch cannot
+// hold, a duplicate name, a shape too large, or a bad storage key.
+std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors);
+
 // Parses `data` (the bytes of data.pkl). `what` names it in errors. Throws FormatError.
 // Every tensor is checked to lie inside its storage.
 TorchPickle ParseTorchPickle(std::string_view data, const std::string& what = "data.pkl");

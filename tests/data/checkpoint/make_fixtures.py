@@ -29,7 +29,49 @@ def tensors():
     }
 
 
+# (name, dtype, shape) of the plain dict whose torch.save pickle is dict.pkl. Mirrored in
+# tests/cpp/test_checkpoint_convert.cpp, which checks that SerializeTorchPickle emits those bytes.
+DICT_TENSORS = (
+    [
+        ("f64", torch.float64, (2,)),
+        ("f32", torch.float32, (4, 3)),
+        ("f16", torch.float16, (2, 3, 4, 5)),
+        ("bf16", torch.bfloat16, (3,)),
+        ("i64", torch.int64, ()),
+        ("i32", torch.int32, (300,)),
+        ("i16", torch.int16, (0, 3)),
+        ("i8", torch.int8, (70000,)),
+        ("u8", torch.uint8, (1,)),
+        ("bool", torch.bool, (2, 2)),
+        ("c64", torch.complex64, (1,)),
+        ("c128", torch.complex128, (1,)),
+        ("u16", torch.uint16, (2,)),
+        ("u32", torch.uint32, (3, 0, 2)),
+        ("u64", torch.uint64, (1,)),
+        ("f8_e4m3fn", torch.float8_e4m3fn, (2,)),
+        ("f8_e5m2", torch.float8_e5m2, (2,)),
+        ("f8_e4m3fnuz", torch.float8_e4m3fnuz, (2,)),
+        ("f8_e5m2fnuz", torch.float8_e5m2fnuz, (2,)),
+        ("f8_e8m0fnu", torch.float8_e8m0fnu, (2,)),
+        ("\u00fcn\u00efcode.weight", torch.float32, (1, 1, 1, 1, 1)),
+    ]
+    # past 256 memo entries: LONG_BINPUT / LONG_BINGET
+    + [(f"extra.{i}", torch.float32, (i + 1,)) for i in range(20)]
+)
+
+
+def dict_pickle():
+    d = {name: torch.zeros(shape, dtype=dtype) for name, dtype, shape in DICT_TENSORS}
+    buf = io.BytesIO()
+    torch.save(d, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        pkl = z.read("archive/data.pkl")
+    with open(os.path.join(HERE, "dict.pkl"), "wb") as f:
+        f.write(pkl)
+
+
 def main():
+    dict_pickle()
     save_file(tensors(), os.path.join(HERE, "small.safetensors"), metadata={"source": "make_fixtures.py"})
 
     # A state dict as torch.save writes it: nested dicts, non-tensor values, a view sharing its

@@ -1,0 +1,288 @@
+// Emits the data.pkl torch.save writes for a flat dict of tensors, opcode for opcode: Python's
+// pickle (protocol 2) run by torch.serialization._save's persistent_id over
+// Tensor.__reduce_ex__. The object identities Python's memo sees are mirrored here: the
+// 'storage' and 'cpu' strings, the rebuild functions, storage classes, dtypes and the
+// OrderedDict class are one object each (memoized once, then fetched), while keys, tuples and
+// the empty OrderedDicts are new objects every time.
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensortier/json.hpp"
+#include "tensortier/strings.hpp"
+#include "tensortier/torch_pickle.hpp"
+
+namespace tensortier {
+namespace {
+
+struct PickledDtype {
+  std::string_view ours;
+  std::string_view storage;  // typed storage class (_rebuild_tensor_v2), empty for v3
+  std::string_view torch;    // torch dtype attribute (_rebuild_tensor_v3)
+  unsigned bytes;
+};
+
+// torch.storage._dtype_to_storage_type_map() decides: dtypes with a typed storage class pickle
+// through _rebuild_tensor_v2, the others through v3 with an UntypedStorage counted in bytes.
+constexpr PickledDtype kPickledDtypes[] = {
+    {"F64", "DoubleStorage", "float64", 8},
+    {"F32", "FloatStorage", "float32", 4},
+    {"F16", "HalfStorage", "float16", 2},
+    {"BF16", "BFloat16Storage", "bfloat16", 2},
+    {"I64", "LongStorage", "int64", 8},
+    {"I32", "IntStorage", "int32", 4},
+    {"I16", "ShortStorage", "int16", 2},
+    {"I8", "CharStorage", "int8", 1},
+    {"U8", "ByteStorage", "uint8", 1},
+    {"BOOL", "BoolStorage", "bool", 1},
+    {"C64", "ComplexFloatStorage", "complex64", 8},
+    {"C128", "ComplexDoubleStorage", "complex128", 16},
+    {"U16", "", "uint16", 2},
+    {"U32", "", "uint32", 4},
+    {"U64", "", "uint64", 8},
+    {"F8_E4M3", "", "float8_e4m3fn", 1},
+    {"F8_E5M2", "", "float8_e5m2", 1},
+    {"F8_E4M3FNUZ", "", "float8_e4m3fnuz", 1},
+    {"F8_E5M2FNUZ", "", "float8_e5m2fnuz", 1},
+    {"F8_E8M0", "", "float8_e8m0fnu", 1},
+};
+
+const PickledDtype* FindDtype(std::string_view dtype) {
+  for (const auto& d : kPickledDtypes) {
+    if (d.ours == dtype) return &d;
+  }
+  return nullptr;
+}
+
+constexpr size_t kBatch = 1000;  // pickle's _BATCHSIZE for SETITEMS
+
+class Emitter {
+ public:
+  std::string Take() { return std::move(out_); }
+
+  void Op(char op) { out_ += op; }
+  void Le(uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xFF);
+  }
+
+  // A new object: memoized under the next index (BINPUT, LONG_BINPUT past 255).
+  uint32_t Put() {
+    uint32_t index = next_++;
+    if (index < 256) {
+      Op('q');
+      Le(index, 1);
+    } else {
+      Op('r');
+      Le(index, 4);
+    }
+    return index;
+  }
+  void Get(uint32_t index) {
+    if (index < 256) {
+      Op('h');
+      Le(index, 1);
+    } else {
+      Op('j');
+      Le(index, 4);
+    }
+  }
+
+  // save_str: BINUNICODE, memoized.
+  uint32_t Str(std::string_view s) {
+    Op('X');
+    Le(s.size(), 4);
+    out_ += s;
+    return Put();
+  }
+  // A string that is one Python object however often it is pickled ('storage', 'cpu').
+  void SharedStr(std::string_view s) {
+    Shared(StrCat("str:", s), [&] { Str(s); });
+  }
+
+  // save_global: GLOBAL 'module\nname\n', memoized; later occurrences fetch it.
+  void Global(std::string_view module, std::string_view name) {
+    Shared(StrCat("global:", module, ".", name), [&] {
+      Op('c');
+      out_ += module;
+      out_ += '\n';
+      out_ += name;
+      out_ += '\n';
+      Put();
+    });
+  }
+
+  // save_long for non-negative values: BININT1, BININT2, BININT, else LONG1.
+  void Int(uint64_t v) {
+    if (v <= 0xFF) {
+      Op('K');
+      Le(v, 1);
+    } else if (v <= 0xFFFF) {
+      Op('M');
+      Le(v, 2);
+    } else if (v <= 0x7FFFFFFF) {
+      Op('J');
+      Le(v, 4);
+    } else {
+      // encode_long: little-endian two's complement of (bit_length // 8 + 1) bytes.
+      int bits = 64 - __builtin_clzll(v);
+      int n = bits / 8 + 1;
+      Op('\x8a');
+      Le(static_cast<uint64_t>(n), 1);
+      Le(v, n);  // callers keep values <= INT64_MAX: n <= 8
+    }
+  }
+
+  // save_tuple of ints: EMPTY_TUPLE (not memoized), TUPLE1-3, else MARK ... TUPLE; memoized.
+  void IntTuple(const std::vector<uint64_t>& v) {
+    if (v.empty()) {
+      Op(')');
+      return;
+    }
+    if (v.size() > 3) Op('(');
+    for (uint64_t x : v) Int(x);
+    Op(v.size() == 1 ? '\x85' : v.size() == 2 ? '\x86' : v.size() == 3 ? '\x87' : 't');
+    Put();
+  }
+
+ private:
+  template <typename F>
+  void Shared(const std::string& identity, F&& first) {
+    auto it = shared_.find(identity);
+    if (it != shared_.end()) {
+      Get(it->second);
+      return;
+    }
+    uint32_t index = next_;
+    first();
+    shared_.emplace(identity, index);
+  }
+
+  std::string out_;
+  uint32_t next_ = 0;
+  std::map<std::string, uint32_t> shared_;
+};
+
+void EmitTensor(Emitter& e, const TorchPickleTensor& t, const PickledDtype& d, uint64_t numel) {
+  bool v3 = d.storage.empty();
+  // Tensor.__reduce_ex__ -> (_rebuild_tensor_v2|v3, args); args > 3 items: MARK ... TUPLE.
+  e.Global("torch._utils", v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
+  e.Op('(');
+  // The storage, by persistent id ('storage', type, key, location, numel).
+  e.Op('(');
+  e.SharedStr("storage");
+  if (v3) {
+    e.Global("torch.storage", "UntypedStorage");
+  } else {
+    e.Global("torch", d.storage);
+  }
+  e.Str(t.storage_key);
+  e.SharedStr("cpu");
+  e.Int(v3 ? numel * d.bytes : numel);
+  e.Op('t');
+  e.Put();
+  e.Op('Q');  // BINPERSID
+  e.Int(0);   // storage offset
+  e.IntTuple(t.shape);
+  // Contiguous strides as torch computes them: sizes of 0 count as 1.
+  std::vector<uint64_t> stride(t.shape.size());
+  uint64_t step = 1;
+  for (size_t i = t.shape.size(); i > 0; --i) {
+    stride[i - 1] = step;
+    step *= t.shape[i - 1] == 0 ? 1 : t.shape[i - 1];
+  }
+  e.IntTuple(stride);
+  e.Op('\x89');  // requires_grad: NEWFALSE
+  // backward hooks: collections.OrderedDict(), a new object each time.
+  e.Global("collections", "OrderedDict");
+  e.Op(')');
+  e.Op('R');
+  e.Put();
+  if (v3) e.Global("torch", d.torch);
+  e.Op('t');
+  e.Put();
+  e.Op('R');
+  e.Put();
+}
+
+}  // namespace
+
+bool TorchSupportsDtype(std::string_view dtype) {
+  return FindDtype(dtype) != nullptr;
+}
+
+std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors) {
+  // Everything is checked before anything is emitted.
+  std::vector<uint64_t> numels;
+  std::set<std::string_view> names;
+  std::set<std::string_view> keys;
+  for (const auto& t : tensors) {
+    const PickledDtype* d = FindDtype(t.dtype);
+    if (d == nullptr) {
+      throw std::invalid_argument(
+          StrCat("tensor '", t.name, "' has dtype ", t.dtype, ", which torch has no dtype for"));
+    }
+    try {
+      JsonQuote(t.name);  // Python's unpickler decodes BINUNICODE strictly
+    } catch (const std::invalid_argument&) {
+      throw std::invalid_argument("a tensor name is not valid UTF-8");
+    }
+    if (!names.insert(t.name).second) {
+      throw std::invalid_argument(StrCat("tensor '", t.name, "' appears twice"));
+    }
+    if (t.storage_key.empty() || t.storage_key.size() > 64 ||
+        t.storage_key.find_first_not_of(
+            "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_") !=
+            std::string::npos) {
+      throw std::invalid_argument(
+          StrCat("tensor '", t.name, "': storage key '", t.storage_key, "' is not a plain name"));
+    }
+    if (!keys.insert(t.storage_key).second) {
+      throw std::invalid_argument(
+          StrCat("tensor '", t.name, "': storage key '", t.storage_key, "' used twice"));
+    }
+    // torch sizes, strides and byte counts are int64.
+    constexpr uint64_t kMax = INT64_MAX;
+    uint64_t numel = 1;
+    bool empty = false;
+    uint64_t padded = 1;  // product with zeros counted as 1: the largest stride
+    for (uint64_t dim : t.shape) {
+      if (dim > kMax) throw std::invalid_argument(StrCat("tensor '", t.name, "': size too large"));
+      uint64_t eff = dim == 0 ? 1 : dim;
+      if (padded > kMax / eff) {
+        throw std::invalid_argument(StrCat("tensor '", t.name, "': shape too large for torch"));
+      }
+      padded *= eff;
+      empty = empty || dim == 0;
+    }
+    numel = empty ? 0 : padded;
+    if (numel > kMax / d->bytes) {
+      throw std::invalid_argument(StrCat("tensor '", t.name, "': too many bytes for torch"));
+    }
+    numels.push_back(numel);
+  }
+
+  Emitter e;
+  e.Op('\x80');  // PROTO 2
+  e.Le(2, 1);
+  e.Op('}');  // EMPTY_DICT
+  e.Put();
+  // _batch_setitems: batches of 1000; MARK ... SETITEMS for more than one, SETITEM for one.
+  for (size_t begin = 0; begin < tensors.size(); begin += kBatch) {
+    size_t end = std::min(tensors.size(), begin + kBatch);
+    if (end - begin > 1) e.Op('(');
+    for (size_t i = begin; i < end; ++i) {
+      e.Str(tensors[i].name);
+      EmitTensor(e, tensors[i], *FindDtype(tensors[i].dtype), numels[i]);
+    }
+    e.Op(end - begin > 1 ? 'u' : 's');
+  }
+  e.Op('.');
+  return e.Take();
+}
+
+}  // namespace tensortier

@@ -1,0 +1,199 @@
+"""`tensortier convert` both ways, checked with the ecosystem's own readers: torch.load
+(weights_only=True, with and without mmap), safetensors.torch.load_file, Python's zipfile, and
+`tensortier verify` on the result."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
+if not BIN.is_file():
+    pytest.skip(f"no tensortier binary at {BIN}", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+
+def run(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN), *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def convert(src: Path, dst: Path) -> None:
+    r = run("convert", src, dst)
+    assert r.returncode == 0, r.stderr
+    r = run("verify", dst)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout
+    r = run("info", dst)
+    assert r.returncode == 0, r.stderr
+
+
+def raw(t: "torch.Tensor") -> "torch.Tensor":
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert type(got) is dict or isinstance(got, dict)
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        g = got[name]
+        assert isinstance(g, torch.Tensor), name
+        assert g.dtype == w.dtype, name
+        assert g.shape == w.shape, name
+        assert g.is_contiguous(), name
+        assert torch.equal(raw(g), raw(w)), name  # bytes: NaN patterns included
+
+
+def random_tensors() -> dict:
+    """One tensor per dtype safetensors.torch can save, with arbitrary bit patterns, plus a 0-d,
+    zero-element and high-rank ones."""
+    g = torch.Generator().manual_seed(0)
+    names = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+             "uint8", "bool", "complex64", "uint16", "uint32", "uint64", "float8_e4m3fn",
+             "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    out = {}
+    for i, name in enumerate(names):
+        dtype = getattr(torch, name, None)
+        if dtype is None:
+            continue
+        shape = (3, i + 1)
+        size = torch.empty((), dtype=dtype).element_size()
+        if dtype == torch.bool:
+            t = torch.randint(0, 2, shape, generator=g).to(torch.bool)
+        else:
+            t = torch.randint(0, 256, (3 * (i + 1) * size,), dtype=torch.uint8, generator=g)
+            t = t.view(dtype).reshape(shape)
+        out[f"t.{name}"] = t
+    out["scalar"] = torch.tensor(2.5, dtype=torch.float64)
+    out["empty"] = torch.zeros(0, 7, dtype=torch.bfloat16)
+    out["rank5"] = torch.randn(2, 1, 3, 1, 2, generator=g)
+    out["big"] = torch.randn(300, 1000, generator=g)  # several chunks of the writer
+    return out
+
+
+def data_offsets(path: Path) -> dict[str, int]:
+    """Each zip record's data offset, from its local header."""
+    out = {}
+    with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+        for info in z.infolist():
+            f.seek(info.header_offset)
+            local = f.read(30)
+            assert local[:4] == b"PK\x03\x04"
+            n, x = struct.unpack("<HH", local[26:30])
+            out[info.filename] = info.header_offset + 30 + n + x
+    return out
+
+
+@pytest.mark.parametrize("out_name,folder", [("model.pt", "model"), ("w.v2.bin", "w.v2"),
+                                             ("noext", "noext"), (".pt", "archive")])
+def test_safetensors_to_torch(disk_dir: Path, out_name: str, folder: str) -> None:
+    src = disk_dir / "in.safetensors"
+    want = random_tensors()
+    st.save_file(want, str(src), metadata={"note": "kept out of the torch file"})
+    dst = disk_dir / out_name
+    convert(src, dst)
+    assert sorted(p.name for p in disk_dir.iterdir()) == sorted(["in.safetensors", out_name])
+
+    loaded = st.load_file(str(src))
+    assert_same(torch.load(dst, weights_only=True), loaded)
+    assert_same(torch.load(dst, weights_only=True, mmap=True), loaded)
+    assert list(torch.load(dst, weights_only=True)) == list(loaded)  # same order
+    # torch computes offsets itself only for files with .format_version (we write none): the
+    # records' real offsets are used even when asked to calculate them.
+    from torch.utils.serialization import config
+
+    with config.patch({"load.calculate_storage_offsets": True}):
+        assert_same(torch.load(dst, weights_only=True, mmap=True), loaded)
+
+    r = subprocess.run([sys.executable, "-m", "zipfile", "-t", str(dst)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "Done testing" in r.stdout, r.stdout + r.stderr
+    with zipfile.ZipFile(dst) as z:
+        assert z.testzip() is None  # every CRC-32 recorded and right
+        names = z.namelist()
+        assert all(info.compress_type == zipfile.ZIP_STORED for info in z.infolist())
+        assert z.read(f"{folder}/byteorder") == b"little"
+        assert z.read(f"{folder}/version") == b"3\n"
+        assert len(z.read(f"{folder}/.data/serialization_id")) == 40
+    storages = [n for n in names if n.startswith(f"{folder}/data/")]
+    assert names[0] == f"{folder}/data.pkl"
+    assert storages == [f"{folder}/data/{i}" for i in range(len(want))]
+    offsets = data_offsets(dst)
+    assert all(offsets[n] % 4096 == 0 for n in storages)
+
+
+def test_torch_to_safetensors_and_back(disk_dir: Path) -> None:
+    want = random_tensors()
+    pt = disk_dir / "ckpt.pt"
+    torch.save(want, pt)
+    sf = disk_dir / "ckpt.safetensors"
+    convert(pt, sf)
+    assert_same(st.load_file(str(sf)), want)
+    r = subprocess.run([sys.executable, "-c",
+                        "import sys, safetensors; safetensors.safe_open(sys.argv[1], 'pt')",
+                        str(sf)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+    back = disk_dir / "back.pt"
+    convert(sf, back)
+    assert_same(torch.load(back, weights_only=True), want)
+    # Same pickle as torch.save writes for the dict torch.load gives back.
+    again = disk_dir / "back2.pt"
+    torch.save(torch.load(back, weights_only=True), again)
+    with zipfile.ZipFile(back) as a, zipfile.ZipFile(again) as b:
+        assert a.read("back/data.pkl") == b.read("back2/data.pkl")
+
+
+def test_empty_safetensors_file(disk_dir: Path) -> None:
+    src = disk_dir / "none.safetensors"
+    st.save_file({}, str(src))
+    dst = disk_dir / "none.pt"
+    convert(src, dst)
+    assert torch.load(dst, weights_only=True) == {}
+
+
+def write_safetensors(path: Path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "F6_E3M2"])
+def test_refuses_dtypes_torch_cannot_hold(disk_dir: Path, dtype: str) -> None:
+    src = disk_dir / "packed.safetensors"
+    nbytes = {"F4": 2, "F6_E2M3": 3, "F6_E3M2": 3}[dtype]
+    write_safetensors(src, {
+        "ok": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        "packed.weight": {"dtype": dtype, "shape": [4], "data_offsets": [4, 4 + nbytes]},
+    }, bytes(4 + nbytes))
+    dst = disk_dir / "out.pt"
+    dst.write_bytes(b"an existing checkpoint")
+    r = run("convert", src, dst)
+    assert r.returncode != 0
+    assert "packed.weight" in r.stderr and dtype in r.stderr, r.stderr
+    assert dst.read_bytes() == b"an existing checkpoint"  # untouched, no temporary left behind
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["out.pt", "packed.safetensors"]
+
+
+def test_float8_e8m0_through_both_directions(disk_dir: Path) -> None:
+    # safetensors.torch has no F8_E8M0 yet; torch has float8_e8m0fnu: torch -> safetensors -> torch.
+    dtype = getattr(torch, "float8_e8m0fnu", None)
+    if dtype is None:
+        pytest.skip("this torch has no float8_e8m0fnu")
+    want = {"scales": torch.arange(16, dtype=torch.uint8).view(dtype).reshape(4, 4)}
+    pt = disk_dir / "scales.pt"
+    torch.save(want, pt)
+    sf = disk_dir / "scales.safetensors"
+    convert(pt, sf)
+    back = disk_dir / "back.pt"
+    convert(sf, back)
+    assert_same(torch.load(back, weights_only=True), want)
