@@ -2,7 +2,8 @@
 Python baseline of examples/file_access/py_*_gpu_tensor.py and torch.cuda.gds.GdsFile (where it
 runs), with the limits measured in the same run: the file read rate (tensortier into host memory)
 and the pinned host -> device copy rate. Page cache warm and cold, methods alternated, median of
-the repeats. Prints a table and writes JSON.
+the repeats; every load of every method is validated against the source (untimed; the target
+is cleared before each load). Prints a table and writes JSON.
 
     python bench/gpu_bench.py --dir /nvme/bench --sizes 1G,8G --json out/gpu_bench.json
 """
@@ -114,8 +115,23 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
         bounce.pread(host, path)
         return "host"
 
+    read_rate = "file_read_rate (tensortier -> host)"
+
+    def clear(name: str) -> None:
+        """Untimed, before each load: a load that moved nothing must fail validation."""
+        (host if name == read_rate else dst).zero_()
+
+    def validate(name: str, cache: str, rep: int) -> None:
+        """Untimed, after each load: every method's data is checked, not only the last one's."""
+        if name == read_rate:
+            dst.copy_(host)
+        if not torch.equal(src, dst):
+            raise SystemExit(
+                f"load validation failed: {name}, size {size}, {cache} cache, repeat {rep}"
+            )
+
     loads: dict[str, Callable[[], str]] = {
-        "file_read_rate (tensortier -> host)": read_host,
+        read_rate: read_host,
         "tensortier bounce": load_bounce,
         "tensortier gds=auto": load_gds,
         "py_load_gpu_tensor": load_py,
@@ -155,12 +171,12 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
         for rep in range(repeats):
             order = names if rep % 2 == 0 else names[::-1]  # alternate the order
             for name in order:
+                clear(name)
                 (drop_cache if cache == "cold" else warm_cache)(path)
                 taken = [""]
                 times[name].append(timed(lambda: taken.__setitem__(0, loads[name]())))
                 paths[name] = taken[0]
-        if not torch.equal(src, dst):
-            raise SystemExit(f"load validation failed at size {size}")
+                validate(name, cache, rep)
         for name in names:
             rows.append(row("load", size, cache, name, paths[name], times[name]))
     times_s: dict[str, list[float]] = {name: [] for name in stores}
@@ -195,7 +211,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True, help="folder on the disk to measure")
     p.add_argument("--sizes", default="1G,8G", help="comma-separated sizes (1G,8G)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="repeats per method (default 3, and 2 for sizes over 2 GiB)")
     p.add_argument("--caches", default="warm,cold")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -213,7 +230,10 @@ def main() -> int:
     report.update(copy_rates())
     rows: list[dict[str, Any]] = []
     for size in (parse_size(s) for s in args.sizes.split(",")):
-        repeats = args.repeats if size <= (2 << 30) else max(1, args.repeats - 1)
+        if args.repeats is not None:
+            repeats = max(1, args.repeats)
+        else:
+            repeats = 3 if size <= (2 << 30) else 2
         rows += bench_size(size, args.dir, repeats, args.caches.split(","))
     report["results"] = rows
     # The target: file -> GPU >= 0.9 x min(file read rate, pinned H2D rate), same run.

@@ -49,6 +49,20 @@ struct PinnedMemory {
   }
 };
 
+// A holder whose deleter releases the GIL: unregistering gigabytes (cuMemHostUnregister,
+// cuFileBufDeregister) is slow, and Python drops these objects at any point (torch frees a
+// pinned_empty tensor's storage whenever its last reference goes). Nothing else returns these
+// C++ objects to Python, so no other thread can find one while it is being destroyed.
+template <typename T>
+struct ReleaseGilDelete {
+  void operator()(T* p) const noexcept {
+    py::gil_scoped_release release;
+    delete p;
+  }
+};
+template <typename T>
+using GilFreeHolder = std::unique_ptr<T, ReleaseGilDelete<T>>;
+
 py::dict ResultToDict(const TransferResult& r) {
   py::dict stats;
   stats["backend"] = r.io.backend;
@@ -118,7 +132,12 @@ void RegisterTransfer(py::module_& m) {
   m.def(
       "cuda_driver",
       [] {
-        const CudaDriver& d = CudaDriver::Get();
+        const CudaDriver* driver = nullptr;
+        {
+          py::gil_scoped_release release;  // the first call dlopens the driver and runs cuInit
+          driver = &CudaDriver::Get();
+        }
+        const CudaDriver& d = *driver;
         py::dict out;
         out["available"] = d.available();
         out["why_unavailable"] = d.why_unavailable();
@@ -146,7 +165,11 @@ void RegisterTransfer(py::module_& m) {
   m.def(
       "locate",
       [](uintptr_t address) {
-        PointerLocation where = CudaDriver::Get().Locate(reinterpret_cast<const void*>(address));
+        PointerLocation where;
+        {
+          py::gil_scoped_release release;
+          where = CudaDriver::Get().Locate(reinterpret_cast<const void*>(address));
+        }
         py::dict out;
         out["type"] = std::string(MemoryTypeName(where.type));
         out["device"] = where.device;
@@ -154,10 +177,10 @@ void RegisterTransfer(py::module_& m) {
       },
       py::arg("address"), "Where memory lives: host, registered host, device or managed.");
 
-  py::class_<PinnedMemory>(m, "PinnedMemory", py::buffer_protocol())
+  py::class_<PinnedMemory, GilFreeHolder<PinnedMemory>>(m, "PinnedMemory", py::buffer_protocol())
       .def(py::init([](size_t size, int device) {
              py::gil_scoped_release release;
-             return std::make_unique<PinnedMemory>(size, device);
+             return GilFreeHolder<PinnedMemory>(new PinnedMemory(size, device));
            }),
            py::arg("size"), py::arg("device") = 0)
       .def("__len__", [](const PinnedMemory& p) { return p.memory.size(); })
@@ -171,20 +194,26 @@ void RegisterTransfer(py::module_& m) {
                                {static_cast<ssize_t>(p.memory.size())}, {1});
       });
 
-  py::class_<CuFileBuffer>(m, "CuFileBuffer")
+  py::class_<CuFileBuffer, GilFreeHolder<CuFileBuffer>>(m, "CuFileBuffer")
       .def(py::init([](uintptr_t address, size_t length) {
              py::gil_scoped_release release;
-             return std::make_unique<CuFileBuffer>(CuFile::Get(),
-                                                   reinterpret_cast<const void*>(address), length);
+             return GilFreeHolder<CuFileBuffer>(
+                 new CuFileBuffer(CuFile::Get(), reinterpret_cast<const void*>(address), length));
            }),
            py::arg("address"), py::arg("length"),
-           "Registers device memory with cuFile; raises CuFileError when cuFile is unavailable.")
+           "Registers memory with cuFile through its device's primary context (made current for "
+           "the call); raises CuFileError when cuFile is unavailable or refuses it.")
+      .def_property_readonly("device", &CuFileBuffer::device)
       .def_property_readonly(
           "address", [](const CuFileBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("length", &CuFileBuffer::size)
       .def(
-          "release", [](CuFileBuffer& b) { CuFileBuffer gone(std::move(b)); },
-          "Deregisters now (also done when the object is collected).");
+          "release",
+          [](CuFileBuffer& b) {
+            py::gil_scoped_release release;
+            CuFileBuffer gone(std::move(b));
+          },
+          "Deregisters now (also done when the object is collected); idempotent.");
 
   py::class_<DeviceFile>(m, "DeviceFile")
       .def(py::init([](const File& file, const std::string& gds) {

@@ -59,6 +59,7 @@ inline constexpr unsigned kMemoryTypeArray = 3;
 inline constexpr unsigned kMemoryTypeUnified = 4;
 // Flags.
 inline constexpr unsigned kMemHostRegisterPortable = 1;  // CU_MEMHOSTREGISTER_PORTABLE
+inline constexpr unsigned kEventBlockingSync = 1;        // CU_EVENT_BLOCKING_SYNC
 inline constexpr unsigned kEventDisableTiming = 2;       // CU_EVENT_DISABLE_TIMING
 inline constexpr unsigned kStreamNonBlocking = 1;        // CU_STREAM_NON_BLOCKING
 }  // namespace cuda
@@ -160,7 +161,9 @@ class CudaDriver {
   // the common codes.
   std::string ErrorText(cuda::CUresult result) const;
 
-  // Never kRegisteredHost/kDevice/kManaged without a driver. Throws CudaError only when the driver
+  // Never kRegisteredHost/kDevice/kManaged without a driver. When the driver answers
+  // CUDA_ERROR_INVALID_CONTEXT (no context current on this thread), asks once more with device 0's
+  // primary context current before concluding host memory. Throws CudaError only when the driver
   // fails in an unexpected way.
   PointerLocation Locate(const void* p) const;
 

@@ -9,7 +9,7 @@
 // Errors: registration failures throw CuFileError (the cuFile status, and the CUDA result when the
 // status is CU_FILE_CUDA_DRIVER_ERROR); read/write failures throw IoError with the errno, path,
 // offset and length (a cuFile status code, which has no errno, is named in IoError::op() and
-// reported as EIO).
+// reported as EIO, as a CuFileTransferError).
 //
 // Thread-safety: CuFile is immutable after loading (thread-safe); cuFile's own calls are
 // thread-safe, so CuFileHandle::Read/Write may be called from several threads at once.
@@ -17,11 +17,17 @@
 
 #include <sys/types.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+
+#include "tensortier/cuda_driver.hpp"
+#include "tensortier/error.hpp"
 
 namespace tensortier {
 
@@ -65,6 +71,22 @@ struct CuFileApi {
                   off_t base_offset) = nullptr;
   ssize_t (*Write)(cufile::CUfileHandle_t handle, const void* base, size_t size, off_t file_offset,
                    off_t base_offset) = nullptr;
+};
+
+// A cuFileRead/cuFileWrite that failed with a cuFile status (a negated CUfileOpError) rather than
+// -1 with errno: GDS itself could not move the bytes (the same transfer may work through the
+// bounce ring). An IoError (EIO; the status named in op()), so callers that do not care see the
+// usual I/O error.
+class CuFileTransferError : public IoError {
+ public:
+  CuFileTransferError(int status, std::string_view op, std::string path, uint64_t offset,
+                      uint64_t length)
+      : IoError(EIO, op, std::move(path), offset, length), status_(status) {}
+  // The CUfileOpError (positive, e.g. 5008 for CU_FILE_IO_NOT_SUPPORTED).
+  int status() const noexcept { return status_; }
+
+ private:
+  int status_;
 };
 
 // A failed cuFile call that is not a data transfer. what(): "<call> failed: <detail>".
@@ -133,7 +155,7 @@ class CuFileHandle {
   const std::string& path() const noexcept { return path_; }
   // Reads [file_offset, file_offset+size) into `base` + `base_offset` (device or registered host
   // memory), continuing short reads; returns fewer than `size` bytes only at end of file.
-  // Throws IoError.
+  // Throws IoError (CuFileTransferError for a cuFile status).
   uint64_t Read(void* base, uint64_t size, uint64_t file_offset, uint64_t base_offset = 0) const;
   // Writes all `size` bytes or throws IoError.
   uint64_t Write(const void* base, uint64_t size, uint64_t file_offset,
@@ -147,11 +169,16 @@ class CuFileHandle {
 };
 
 // A buffer registered with cuFile (cuFileBufRegister), which lets GDS skip its internal bounce
-// buffers. REQUIRES: the memory outlives the registration. Move-only.
+// buffers. cuFile registers through the calling thread's current CUDA context, so the buffer
+// finds the memory's device with `driver` (CudaDriver::Locate; device 0 for host memory), keeps
+// that device's primary context and makes it current around registering and deregistering.
+// REQUIRES: the memory outlives the registration. Move-only.
 class CuFileBuffer {
  public:
-  // Throws CuFileError.
-  CuFileBuffer(const CuFile& cufile, const void* base, size_t length, int flags = 0);
+  // Throws CuFileError (cuFile unavailable or refusing the memory), or CudaError when the driver
+  // fails to locate the memory or to make its context current.
+  CuFileBuffer(const CuFile& cufile, const void* base, size_t length, int flags = 0,
+               const CudaDriver& driver = CudaDriver::Get());
   ~CuFileBuffer();
   CuFileBuffer(CuFileBuffer&& other) noexcept;
   CuFileBuffer& operator=(CuFileBuffer&& other) noexcept;
@@ -160,10 +187,13 @@ class CuFileBuffer {
 
   const void* data() const noexcept { return base_; }
   size_t size() const noexcept { return length_; }
+  // The device whose primary context registered the memory; -1 without a CUDA driver.
+  int device() const noexcept { return context_ ? context_->device() : -1; }
 
  private:
   void Reset() noexcept;
   const CuFile* cufile_ = nullptr;
+  std::optional<PrimaryContext> context_;  // none without a driver (cuFile then refuses anyway)
   const void* base_ = nullptr;
   size_t length_ = 0;
 };

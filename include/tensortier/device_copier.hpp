@@ -113,7 +113,7 @@ class MemcpyCopier final : public DeviceCopier {
 
 // Copies on a CUDA stream of the device's primary context: the caller's stream when given (which
 // must belong to that context, as PyTorch's streams do), else a non-blocking stream of its own.
-// Fences are events, recycled once done.
+// Fences are events (blocking-sync: waiters sleep rather than spin), recycled once done.
 class CudaCopier final : public DeviceCopier {
  public:
   // Throws CudaError when the driver is unavailable or the device is invalid.

@@ -31,10 +31,12 @@
 // are untouched.
 //
 // DeviceTransfer: what the Python layer uses. Picks the path per file (GDS when the DeviceFile was
-// registered with cuFile, else a bounce ring), keeps a few rings (one per concurrent transfer,
-// their slots from one pool with a byte budget) and makes a copier per transfer for the caller's
-// device and stream. Thread-safe: transfers from several threads run at once, up to `max_rings`
-// through rings (more wait for a free ring).
+// registered with cuFile, else a bounce ring; in GdsMode::kAuto a GDS transfer that cuFile fails
+// with a cuFile status, CuFileTransferError, runs again through a bounce ring, the reason in
+// TransferResult::gds_reason, while errno failures (-1) stay errors), keeps a few rings (one per
+// concurrent transfer, their slots from one pool with a byte budget) and makes a copier per
+// transfer for the caller's device and stream. Thread-safe: transfers from several threads run at
+// once, up to `max_rings` through rings (more wait for a free ring).
 #pragma once
 
 #include <condition_variable>
@@ -62,7 +64,7 @@ struct TransferResult {
   std::string copier;      // DeviceCopier::name() ("" for gds)
   uint64_t chunks = 0;     // engine operations (or cuFile calls) submitted
   IoStats io;              // the engine's stats, summed over the chunks (bounce path)
-  std::string gds_reason;  // bounce path of a DeviceTransfer: why GDS was not used
+  std::string gds_reason;  // bounce path of a DeviceTransfer: why GDS was not used (or failed)
 };
 
 struct BounceRingOptions {
@@ -129,15 +131,22 @@ class DeviceFile {
   DeviceFile() = default;
   // Throws CuFileError only for GdsMode::kRequire.
   DeviceFile(File file, GdsMode mode, const CuFile& cufile = CuFile::Get());
+  // Test seam: a file whose transfers take the GDS path (gds() is true) without a cuFile
+  // registration (handle() is null): only a DeviceTransfer made with a GdsFunction can move it.
+  static DeviceFile FakeGdsForTest(File file, GdsMode mode);
 
   const File& file() const noexcept { return file_; }
-  bool gds() const noexcept { return handle_ != nullptr; }
+  GdsMode mode() const noexcept { return mode_; }
+  bool gds() const noexcept { return gds_; }
   // Why GDS is not used ("" when it is, "GDS off" for kOff).
   const std::string& gds_reason() const noexcept { return reason_; }
+  // Null unless gds() (and for FakeGdsForTest files).
   const CuFileHandle* handle() const noexcept { return handle_.get(); }
 
  private:
   File file_;
+  GdsMode mode_ = GdsMode::kOff;
+  bool gds_ = false;
   std::shared_ptr<const CuFileHandle> handle_;
   std::string reason_;
 };
@@ -154,6 +163,14 @@ struct DeviceSpan {
 // Makes the copier for one transfer (test seam: MemcpyCopier on CI).
 using CopierFactory = std::function<std::unique_ptr<DeviceCopier>(const DeviceSpan& span)>;
 
+// One GDS transfer of `length` bytes between `span` and `file` at `file_offset` (a read when
+// `read`); returns the bytes moved (fewer only for a read at end of file). The default makes the
+// span's device's primary context current, waits for span.stream and calls the file's
+// CuFileHandle. Test seam: a fake that throws CuFileTransferError exercises the fallback on CI.
+using GdsFunction =
+    std::function<uint64_t(bool read, const DeviceFile& file, const DeviceSpan& span,
+                           uint64_t length, uint64_t file_offset)>;
+
 struct DeviceTransferOptions {
   BounceRingOptions ring;  // per concurrent transfer. TENSORTIER_BOUNCE_SLOTS, _SLOT_SIZE.
   size_t max_rings = 4;    // concurrent bounce transfers. TENSORTIER_BOUNCE_RINGS.
@@ -169,15 +186,20 @@ class DeviceTransfer {
   DeviceTransfer(Engine& engine,
                  DeviceTransferOptions options = DeviceTransferOptions::FromEnvironment(),
                  const CudaDriver& driver = CudaDriver::Get());
-  // Test seam: copies made by `factory`, slots from a pool with `pool` options.
+  // Test seam: copies made by `factory`, slots from a pool with `pool` options, GDS transfers
+  // by `gds` (when set).
   DeviceTransfer(Engine& engine, DeviceTransferOptions options, CopierFactory factory,
-                 PinnedPoolOptions pool, const CudaDriver& driver = CudaDriver::Get());
+                 PinnedPoolOptions pool, GdsFunction gds = {},
+                 const CudaDriver& driver = CudaDriver::Get());
   ~DeviceTransfer();
   DeviceTransfer(const DeviceTransfer&) = delete;
   DeviceTransfer& operator=(const DeviceTransfer&) = delete;
 
   // As BounceRing::FileToDevice / DeviceToFile, through GDS when `file.gds()`. The GDS path
-  // first waits for the work queued on `span.stream` (cuFile is not stream ordered).
+  // first waits for the work queued on `span.stream` (cuFile is not stream ordered). When GDS
+  // fails with a cuFile status and the file's mode is kAuto, the whole transfer runs again
+  // through a bounce ring (result.path "bounce", result.gds_reason says why); otherwise its
+  // error is thrown.
   TransferResult Read(const DeviceFile& file, uint64_t file_offset, uint64_t length,
                       const DeviceSpan& span);
   TransferResult Write(const DeviceSpan& span, uint64_t length, const DeviceFile& file,
@@ -199,14 +221,17 @@ class DeviceTransfer {
   class RingLease;
   RingLease LeaseRing(int device);
   void ReturnRing(std::unique_ptr<BounceRing> ring) noexcept;
-  TransferResult Gds(bool read, const CuFileHandle& handle, const DeviceSpan& span, uint64_t length,
+  TransferResult Gds(bool read, const DeviceFile& file, const DeviceSpan& span, uint64_t length,
                      uint64_t file_offset);
+  uint64_t CuFileTransfer(bool read, const DeviceFile& file, const DeviceSpan& span,
+                          uint64_t length, uint64_t file_offset);
 
   Engine& engine_;
   DeviceTransferOptions options_;
   const CudaDriver& driver_;
   CopierFactory factory_;
   PinnedPoolOptions pool_options_;
+  GdsFunction gds_;  // empty: CuFileTransfer
 
   mutable std::mutex mu_;
   std::unique_ptr<PinnedPool> pool_;  // guarded by mu_ (made once)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence, Union
 
@@ -201,6 +202,11 @@ class IOHandle:
         self._transfer: Any = None  # _core.DeviceTransfer, made on the first CUDA tensor
         self._transfer_lock = threading.Lock()
         self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # File -> its _core.DeviceFile (cuFile handle registration, or why there is none), made
+        # on the file's first CUDA transfer; an entry goes when its File is collected or is seen
+        # closed (see _device_file).
+        self._device_files: weakref.WeakKeyDictionary[File, Any] = weakref.WeakKeyDictionary()
+        self._device_files_lock = threading.Lock()
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -293,6 +299,8 @@ class IOHandle:
                 self._device_pool.shutdown(wait=True)
                 self._device_pool = None
             self._transfer = None
+            with self._device_files_lock:
+                self._device_files.clear()
             self._engine = None
 
     def __enter__(self) -> "IOHandle":
@@ -323,6 +331,24 @@ class IOHandle:
                 self._transfer = transfer
         return self._transfer
 
+    def _device_file(self, file: File) -> Any:
+        """The cached ``_core.DeviceFile`` of `file` for this handle's GDS mode (registered with
+        cuFile once per file, not per transfer). Entries of closed files are dropped here (their
+        DeviceFile holds the descriptors open), so a closed file lets go of them at the handle's
+        next CUDA transfer, or when it is collected, or when the handle closes.
+
+        Raises:
+            CuFileError: ``gds="on"`` and cuFile cannot serve the file.
+        """
+        with self._device_files_lock:
+            for closed in [f for f in self._device_files if f.closed]:
+                del self._device_files[closed]
+            target = self._device_files.get(file)
+            if target is None:
+                target = _core.DeviceFile(file, self._gds)  # releases the GIL while registering
+                self._device_files[file] = target
+            return target
+
     def _device_job(
         self, op: str, buf: Any, file: File, offset: int
     ) -> concurrent.futures.Future[dict[str, Any]]:
@@ -333,7 +359,7 @@ class IOHandle:
 
         def run() -> dict[str, Any]:
             # Runs on a pool thread; the C++ calls release the GIL.
-            target: Any = file if gds == "off" else _core.DeviceFile(file, gds)
+            target: Any = file if gds == "off" else self._device_file(file)
             if op == "read":
                 return transfer.read(target, offset, db.nbytes, db.address, db.device, db.stream)
             return transfer.write(db.address, db.nbytes, target, offset, db.device, db.stream)

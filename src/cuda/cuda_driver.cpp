@@ -214,8 +214,18 @@ PointerLocation CudaDriver::Locate(const void* p) const {
   int attributes[] = {cuda::kPointerAttributeMemoryType, cuda::kPointerAttributeIsManaged,
                       cuda::kPointerAttributeDeviceOrdinal};
   void* data[] = {&memory_type, &is_managed, &ordinal};
-  const cuda::CUresult r =
-      api_.PointerGetAttributes(3, attributes, data, reinterpret_cast<cuda::CUdeviceptr>(p));
+  const auto address = reinterpret_cast<cuda::CUdeviceptr>(p);
+  cuda::CUresult r = api_.PointerGetAttributes(3, attributes, data, address);
+  if (r == cuda::kErrorInvalidContext && device_count_ > 0) {
+    // Some drivers need a current context to answer even for device memory: ask again with
+    // device 0's primary context current (retained for the call) before concluding host memory.
+    PrimaryContext context(*this, 0);
+    ScopedContext current(context);
+    memory_type = 0;
+    is_managed = 0;
+    ordinal = -1;
+    r = api_.PointerGetAttributes(3, attributes, data, address);
+  }
   if (r == cuda::kErrorInvalidValue || r == cuda::kErrorInvalidContext) return where;
   Check(r, "cuPointerGetAttributes");
   if (is_managed != 0 || memory_type == cuda::kMemoryTypeUnified) {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 
@@ -238,12 +239,13 @@ void CuFileHandle::Reset() noexcept {
 namespace {
 
 // Throws IoError for a negative result of cuFileRead/cuFileWrite: -1 carries errno, anything else
-// is a negated cuFile status (no errno: reported as EIO, the status named in the op).
+// is a negated cuFile status (no errno: CuFileTransferError, EIO, the status named in the op).
 [[noreturn]] void ThrowTransferError(ssize_t result, int saved_errno, const char* call,
                                      const std::string& path, uint64_t offset, uint64_t length) {
   if (result == -1) ThrowIoError(saved_errno != 0 ? saved_errno : EIO, call, path, offset, length);
-  ThrowIoError(EIO, StrCat(call, " (", CuFile::ErrorName(static_cast<int>(-result)), ")"), path,
-               offset, length);
+  const int status = static_cast<int>(-result);
+  throw CuFileTransferError(status, StrCat(call, " (", CuFile::ErrorName(status), ")"), path,
+                            offset, length);
 }
 
 }  // namespace
@@ -285,14 +287,22 @@ uint64_t CuFileHandle::Write(const void* base, uint64_t size, uint64_t file_offs
 // ---------------------------------------------------------------------------------------------
 // CuFileBuffer
 
-CuFileBuffer::CuFileBuffer(const CuFile& cufile, const void* base, size_t length, int flags)
+CuFileBuffer::CuFileBuffer(const CuFile& cufile, const void* base, size_t length, int flags,
+                           const CudaDriver& driver)
     : cufile_(&cufile) {
   const CuFileApi& api = cufile.api("cuFileBufRegister");
+  if (driver.available()) {
+    const PointerLocation where = driver.Locate(base);
+    const bool on_device = where.type == MemoryType::kDevice || where.type == MemoryType::kManaged;
+    context_.emplace(driver, on_device && where.device >= 0 ? where.device : 0);
+  }
+  std::optional<ScopedContext> current;
+  if (context_) current.emplace(*context_);
   const cufile::CUfileError_t status = api.BufRegister(base, length, flags);
   if (status.err != cufile::kSuccess) {
-    throw CuFileError(status.err, status.err == cufile::kCudaDriverError ? status.cu_err : 0,
-                      "cuFileBufRegister",
-                      StrCat(StatusText(status), " (", length, " bytes at ", base, ")"));
+    throw CuFileError(
+        status.err, status.err == cufile::kCudaDriverError ? status.cu_err : 0, "cuFileBufRegister",
+        StrCat(StatusText(status), " (", length, " bytes at ", base, ", device ", device(), ")"));
   }
   base_ = base;
   length_ = length;
@@ -304,6 +314,7 @@ CuFileBuffer::~CuFileBuffer() {
 
 CuFileBuffer::CuFileBuffer(CuFileBuffer&& other) noexcept
     : cufile_(other.cufile_),
+      context_(other.context_),
       base_(std::exchange(other.base_, nullptr)),
       length_(std::exchange(other.length_, 0)) {}
 
@@ -311,6 +322,7 @@ CuFileBuffer& CuFileBuffer::operator=(CuFileBuffer&& other) noexcept {
   if (this != &other) {
     Reset();
     cufile_ = other.cufile_;
+    context_ = other.context_;
     base_ = std::exchange(other.base_, nullptr);
     length_ = std::exchange(other.length_, 0);
   }
@@ -319,6 +331,12 @@ CuFileBuffer& CuFileBuffer::operator=(CuFileBuffer&& other) noexcept {
 
 void CuFileBuffer::Reset() noexcept {
   if (base_ == nullptr) return;
+  std::optional<ScopedContext> current;
+  try {
+    if (context_) current.emplace(*context_);
+  } catch (const CudaError&) {
+    // Deregister anyway: cuFile may still find the registration without our context.
+  }
   cufile_->api().BufDeregister(base_);
   base_ = nullptr;
   length_ = 0;

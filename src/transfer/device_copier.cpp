@@ -149,7 +149,10 @@ void CudaCopier::CopyFromDevice(void* dst, uint64_t src, size_t bytes) {
 
 uint64_t CudaCopier::Record() {
   Event event = [&] {
-    if (spare_.empty()) return Event(context_);
+    // Blocking sync: a thread waiting on a fence sleeps in cuEventSynchronize instead of
+    // spinning on a core that the I/O engine's threads need.
+    if (spare_.empty())
+      return Event(context_, cuda::kEventDisableTiming | cuda::kEventBlockingSync);
     Event e = std::move(spare_.back());
     spare_.pop_back();
     return e;

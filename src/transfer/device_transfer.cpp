@@ -53,7 +53,8 @@ GdsMode ParseGdsMode(const std::string& text) {
 // ---------------------------------------------------------------------------------------------
 // DeviceFile
 
-DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile& cufile) : file_(std::move(file)) {
+DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile& cufile)
+    : file_(std::move(file)), mode_(mode) {
   if (!file_.is_open()) throw std::invalid_argument("DeviceFile: the file is not open");
   if (mode == GdsMode::kOff) {
     reason_ = "GDS off";
@@ -67,6 +68,7 @@ DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile& cufile) : file_(st
   } else {
     try {
       handle_ = std::make_shared<const CuFileHandle>(cufile, file_.direct_fd(), file_.path());
+      gds_ = true;
       return;
     } catch (const CuFileError& e) {
       if (mode == GdsMode::kRequire) throw;
@@ -76,6 +78,14 @@ DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile& cufile) : file_(st
   if (mode == GdsMode::kRequire) {
     throw CuFileError(-1, 0, "GDS (required) for " + file_.path(), reason_);
   }
+}
+
+DeviceFile DeviceFile::FakeGdsForTest(File file, GdsMode mode) {
+  DeviceFile f(std::move(file), GdsMode::kOff);
+  f.mode_ = mode;
+  f.gds_ = true;
+  f.reason_.clear();
+  return f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -137,12 +147,13 @@ DeviceTransfer::DeviceTransfer(Engine& engine, DeviceTransferOptions options,
 }
 
 DeviceTransfer::DeviceTransfer(Engine& engine, DeviceTransferOptions options, CopierFactory factory,
-                               PinnedPoolOptions pool, const CudaDriver& driver)
+                               PinnedPoolOptions pool, GdsFunction gds, const CudaDriver& driver)
     : engine_(engine),
       options_(options),
       driver_(driver),
       factory_(std::move(factory)),
-      pool_options_(pool) {
+      pool_options_(pool),
+      gds_(std::move(gds)) {
   options_.Validate();
   if (!factory_) throw std::invalid_argument("DeviceTransfer: no copier factory");
 }
@@ -214,7 +225,7 @@ TransferResult DeviceTransfer::Write(const DeviceSpan& span, uint64_t length, co
 
 TransferResult DeviceTransfer::Read(const DeviceFile& file, uint64_t file_offset, uint64_t length,
                                     const DeviceSpan& span) {
-  if (file.handle() != nullptr) return Gds(true, *file.handle(), span, length, file_offset);
+  if (file.gds()) return Gds(true, file, span, length, file_offset);
   TransferResult r = Read(file.file(), file_offset, length, span);
   r.gds_reason = file.gds_reason();
   return r;
@@ -222,28 +233,51 @@ TransferResult DeviceTransfer::Read(const DeviceFile& file, uint64_t file_offset
 
 TransferResult DeviceTransfer::Write(const DeviceSpan& span, uint64_t length,
                                      const DeviceFile& file, uint64_t file_offset) {
-  if (file.handle() != nullptr) return Gds(false, *file.handle(), span, length, file_offset);
+  if (file.gds()) return Gds(false, file, span, length, file_offset);
   TransferResult r = Write(span, length, file.file(), file_offset);
   r.gds_reason = file.gds_reason();
   return r;
 }
 
-TransferResult DeviceTransfer::Gds(bool read, const CuFileHandle& handle, const DeviceSpan& span,
+TransferResult DeviceTransfer::Gds(bool read, const DeviceFile& file, const DeviceSpan& span,
                                    uint64_t length, uint64_t file_offset) {
   TransferResult r;
   r.path = "gds";
   if (length == 0) return r;
+  try {
+    r.bytes = gds_ ? gds_(read, file, span, length, file_offset)
+                   : CuFileTransfer(read, file, span, length, file_offset);
+  } catch (const CuFileTransferError& e) {
+    // cuFile itself could not move the bytes (e.g. CU_FILE_IO_NOT_SUPPORTED on this file system
+    // or device): "auto" promised a working transfer, so the bounce ring does all of it again.
+    // An errno failure (-1: a real I/O error) is not retried: it would fail the same way.
+    if (file.mode() != GdsMode::kAuto) throw;
+    r = read ? Read(file.file(), file_offset, length, span)
+             : Write(span, length, file.file(), file_offset);
+    r.gds_reason = StrCat("GDS failed, the bounce ring ran instead: ", e.what());
+    return r;
+  }
+  r.chunks = 1;
+  r.eof = read && r.bytes < length;
+  return r;
+}
+
+uint64_t DeviceTransfer::CuFileTransfer(bool read, const DeviceFile& file, const DeviceSpan& span,
+                                        uint64_t length, uint64_t file_offset) {
+  const CuFileHandle* handle = file.handle();
+  if (handle == nullptr) {
+    throw std::logic_error(
+        StrCat("DeviceTransfer: ", file.file().path(), " has no cuFile registration"));
+  }
   PrimaryContext context(driver_, span.device);
   ScopedContext current(context);
   // cuFile is not stream ordered: work already queued on the caller's stream may still use (read)
   // or produce (write) this memory.
-  if (span.stream)
+  if (span.stream) {
     driver_.Check(driver_.api().StreamSynchronize(*span.stream), "cuStreamSynchronize");
+  }
   void* base = reinterpret_cast<void*>(span.address);
-  r.bytes = read ? handle.Read(base, length, file_offset) : handle.Write(base, length, file_offset);
-  r.chunks = 1;
-  r.eof = read && r.bytes < length;
-  return r;
+  return read ? handle->Read(base, length, file_offset) : handle->Write(base, length, file_offset);
 }
 
 }  // namespace tensortier

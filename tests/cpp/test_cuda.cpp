@@ -18,12 +18,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/cufile.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -339,6 +341,30 @@ TEST(CuFileGpuTest, RoundTripThroughDeviceMemory) {
   stream.Synchronize();
   EXPECT_TRUE(testing::MatchesPattern(host.data(), kBytes, 12));
   close(fd);
+}
+
+// A fresh thread has no current context: the buffer makes its memory's device's context current
+// around registering and deregistering.
+TEST(CuFileGpuTest, BufferRegistersWithoutACurrentContext) {
+  if (!CudaDriver::Get().available()) {
+    GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
+  }
+  if (!CuFile::Get().available()) {
+    GTEST_SKIP() << "cuFile unavailable: " << CuFile::Get().why_unavailable();
+  }
+  PrimaryContext context(CudaDriver::Get(), 0);
+  DeviceMemory device(context, 1 << 20);
+  std::string error;
+  std::thread([&] {
+    try {
+      CuFileBuffer registered(CuFile::Get(), reinterpret_cast<void*>(device.address()), 1 << 20);
+      if (registered.device() != 0) error = StrCat("device ", registered.device());
+      CuFileBuffer moved(std::move(registered));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }).join();
+  EXPECT_EQ(error, "");
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "tensortier/error.hpp"
 #include "tensortier/file.hpp"
 #include "tensortier/pinned_pool.hpp"
+#include "tensortier/strings.hpp"
 #include "tensortier/transfer.hpp"
 #include "test_util.hpp"
 
@@ -636,6 +637,74 @@ TEST(TransferDeviceTest, DeviceFileWithoutCuFileFallsBackOrThrows) {
   TransferResult r = transfer->Write({d.address(), 0, std::nullopt}, 5000, autof, 0);
   EXPECT_EQ(r.path, "bounce");
   EXPECT_EQ(r.gds_reason, autof.gds_reason());
+}
+
+// GDS transfers come from a fake (no cuFile on CI): in "auto" mode a cuFile status failure reruns
+// the transfer through the ring and says why; "on" and errno failures (-1) stay errors.
+TEST(TransferDeviceTest, AutoFallsBackToTheRingWhenCuFileFailsWithAStatus) {
+  TempDir dir;
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  DeviceTransferOptions o;
+  o.ring = Ring(3);
+  o.max_rings = 1;
+  int calls = 0;
+  int status = 5008;  // CU_FILE_IO_NOT_SUPPORTED; -1: an errno failure; 0: success
+  GdsFunction fake = [&](bool read, const DeviceFile& f, const DeviceSpan&, uint64_t length,
+                         uint64_t offset) -> uint64_t {
+    ++calls;
+    const char* call = read ? "cuFileRead" : "cuFileWrite";
+    if (status == 0) return length;
+    if (status == -1) ThrowIoError(EIO, call, f.file().path(), offset, length);
+    throw CuFileTransferError(status, StrCat(call, " (", CuFile::ErrorName(status), ")"),
+                              f.file().path(), offset, length);
+  };
+  DeviceTransfer transfer(
+      engine, o,
+      [](const DeviceSpan&) -> std::unique_ptr<DeviceCopier> {
+        return std::make_unique<MemcpyCopier>();
+      },
+      HostPool(o.ring.bytes()), fake);
+  File file = File::Open(dir.File("f"), OpenMode::kWrite);
+  const DeviceFile autof = DeviceFile::FakeGdsForTest(file, GdsMode::kAuto);
+  ASSERT_TRUE(autof.gds());
+  constexpr uint64_t kLength = 300000;
+  FakeDevice src(kLength, 1);
+  FillPattern(src.data(), kLength, 4, 0);
+  TransferResult w = transfer.Write({src.address(), 0, std::nullopt}, kLength, autof, 4096);
+  EXPECT_EQ(w.path, "bounce");
+  EXPECT_EQ(w.bytes, kLength);
+  EXPECT_NE(w.gds_reason.find("CU_FILE_IO_NOT_SUPPORTED (5008)"), std::string::npos)
+      << w.gds_reason;
+  FakeDevice dst(kLength, 2);
+  TransferResult r = transfer.Read(autof, 4096, kLength, {dst.address(), 0, std::nullopt});
+  EXPECT_EQ(r.path, "bounce");
+  EXPECT_EQ(r.bytes, kLength);
+  EXPECT_NE(r.gds_reason.find("cuFileRead"), std::string::npos) << r.gds_reason;
+  EXPECT_TRUE(MatchesPattern(dst.data(), kLength, 4, 0));
+  EXPECT_TRUE(dst.GuardsIntact());
+  EXPECT_EQ(calls, 2);
+
+  // Required GDS: the cuFile error is the caller's.
+  const DeviceFile required = DeviceFile::FakeGdsForTest(file, GdsMode::kRequire);
+  EXPECT_THROW(transfer.Read(required, 4096, kLength, {dst.address(), 0, std::nullopt}),
+               CuFileTransferError);
+  // errno failures are real I/O errors: not retried.
+  status = -1;
+  try {
+    transfer.Read(autof, 4096, kLength, {dst.address(), 0, std::nullopt});
+    ADD_FAILURE() << "no IoError";
+  } catch (const IoError& e) {
+    EXPECT_EQ(dynamic_cast<const CuFileTransferError*>(&e), nullptr) << e.what();
+    EXPECT_EQ(e.error_code(), EIO);
+  }
+  // GDS that works: its path.
+  status = 0;
+  TransferResult g = transfer.Read(autof, 4096, kLength, {dst.address(), 0, std::nullopt});
+  EXPECT_EQ(g.path, "gds");
+  EXPECT_EQ(g.bytes, kLength);
+  EXPECT_EQ(g.gds_reason, "");
+  EXPECT_EQ(calls, 5);
+  EXPECT_EQ(transfer.rings(), 1u);
 }
 
 TEST(TransferDeviceTest, WithoutDriverTheCudaTransferNamesWhatIsMissing) {

@@ -214,6 +214,22 @@ def test_device_file_gds_modes(disk_dir: Path) -> None:
         _core.DeviceFile(f, "on")
 
 
+def test_iohandle_registers_each_file_with_cufile_once(disk_dir: Path) -> None:
+    """CUDA transfers of one File share one DeviceFile (one cuFile handle registration); a closed
+    File's entry goes at the next lookup, and closing the handle drops them all."""
+    with tensortier.IOHandle(gds="auto") as io:
+        f = io.open(disk_dir / "c.bin", "w")
+        first = io._device_file(f)  # noqa: SLF001 - the cache is internal
+        assert io._device_file(f) is first  # noqa: SLF001
+        other = io.open(disk_dir / "c.bin", "r")
+        assert io._device_file(other) is not first  # noqa: SLF001
+        f.close()
+        assert io._device_file(other) is not None  # noqa: SLF001 - sweeps closed files
+        assert f not in io._device_files  # noqa: SLF001
+        assert other in io._device_files  # noqa: SLF001
+    assert len(io._device_files) == 0  # noqa: SLF001
+
+
 # ---- compat.gds on CPU storages -------------------------------------------------------------
 
 

@@ -249,7 +249,8 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         self._pinned: dict[int, Any] = {}  # data_ptr -> _core.CuFileBuffer
 
     def pin_device_tensor(self, tensor: Any) -> bool:
-        """Registers a CUDA tensor's memory with cuFile (skipped without cuFile). Returns True."""
+        """Registers a CUDA tensor's memory with cuFile (skipped without cuFile), through the
+        tensor's own device's primary context whichever device is current. Returns True."""
         _check_tensor(tensor, "pin_device_tensor")
         if tensor.device.type != "cuda":
             raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
@@ -262,7 +263,8 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         return True
 
     def unpin_device_tensor(self, tensor: Any) -> bool:
-        """Undoes ``pin_device_tensor``. Returns True."""
+        """Undoes ``pin_device_tensor`` now (GIL released while cuFile deregisters). Returns
+        True."""
         entry = self._pinned.pop(int(tensor.data_ptr()), None)
         if entry is not None:
             entry[0].release()

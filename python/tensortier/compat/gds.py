@@ -58,7 +58,9 @@ def _as_tensor(storage: Any) -> Any:
 
 def gds_register_buffer(s: Any) -> None:
     """Registers a CUDA storage with cuFile so GDS can DMA to it without bouncing. Does nothing
-    for CPU storages or where cuFile is unavailable (transfers work either way).
+    for CPU storages or where cuFile is unavailable (transfers work either way). The registration
+    is made (and later dropped) through the storage's own device's primary context, whichever
+    device is current; it releases the GIL while cuFile works.
 
     Raises:
         TypeError: not a storage. CuFileError: cuFile is available but refuses the memory.
@@ -73,7 +75,8 @@ def gds_register_buffer(s: Any) -> None:
 
 
 def gds_deregister_buffer(s: Any) -> None:
-    """Undoes ``gds_register_buffer`` (a storage never registered is ignored)."""
+    """Undoes ``gds_register_buffer`` (a storage never registered is ignored). Deregisters now,
+    with the GIL released, rather than whenever the registration object is collected."""
     _check_storage(s, "gds_deregister_buffer")
     with _lock:
         registration = _registered.pop(int(s.data_ptr()), None)
