@@ -10,6 +10,7 @@
 #include <future>
 #include <stdexcept>
 #include <thread>
+#include <unordered_map>
 #include "tensortier/strings.hpp"
 
 #include <unistd.h>
@@ -445,7 +446,8 @@ class Planner {
     // Resident chunks are read through the page cache. One query for the whole range first: the
     // common cases (nothing or everything cached) need no per-chunk queries.
     Residency whole;
-    const bool check = op_->op == IoOp::kRead && options_.page_cache_check;
+    const bool check =
+        op_->op == IoOp::kRead && options_.page_cache_check && MayHaveCachedPages(file);
     if (check) {
       whole = QueryResidency(file.buffered_fd(), offset, length);
       stats_.residency_method = ResidencyMethodName(whole.method);
@@ -476,10 +478,28 @@ class Planner {
     }
   }
 
+  // A batch of many small reads (random reads, many tensors of one file) would pay two system
+  // calls per piece for residency; one cachestat over the whole file per batch settles the
+  // common cold case. (mincore would map the whole file: only per-piece queries there.)
+  bool MayHaveCachedPages(const File& file) {
+    if (op_->pieces.size() < 2 || ResidencyMethodInUse() != ResidencyMethod::kCachestat) {
+      return true;
+    }
+    const int fd = file.buffered_fd();
+    auto [it, inserted] = file_may_be_cached_.try_emplace(fd, true);
+    if (inserted) {
+      Residency r = QueryResidency(fd, 0, UINT64_MAX, ResidencyMethod::kCachestat);
+      it->second = r.method == ResidencyMethod::kUnknown || r.resident_bytes > 0;
+      if (!it->second) stats_.residency_method = ResidencyMethodName(r.method);
+    }
+    return it->second;
+  }
+
   const EngineOptions& options_;
   const std::shared_ptr<Operation>& op_;
   std::vector<std::unique_ptr<Task>>& tasks_;
   IoStats& stats_;
+  std::unordered_map<int, bool> file_may_be_cached_;  // buffered fd -> any page cached
 };
 
 void ValidatePiece(IoOp op, const IoDesc& piece) {

@@ -774,6 +774,34 @@ TEST_P(EnginePageCacheTest, PartlyResidentRangeIsDecidedPerChunk) {
   EXPECT_EQ(r.stats.direct_bytes, 256u << 10);
 }
 
+TEST_P(EnginePageCacheTest, BatchOfSmallReadsDecidesPerFile) {
+  // One batch over a cold file and a cached one: the cold file's pieces go direct, the cached
+  // file's through the page cache, whatever shortcut the planner takes for a cold file.
+  File cold = PatternFile("cold", kSize, 62);
+  cold.DataSync();
+  cold.DropCache();
+  ASSERT_EQ(QueryResidency(cold.buffered_fd(), 0, kSize).resident_bytes, 0u);
+  ASSERT_NO_FATAL_FAILURE(MakeResident());  // `data`
+  Engine engine(CheckingOptions());
+  constexpr int kPieces = 64;
+  constexpr uint64_t kBlock = 4096;
+  std::vector<IoDesc> descs;
+  AlignedBuffer mem(2 * kPieces * kBlock);
+  for (int i = 0; i < 2 * kPieces; ++i) {
+    const File& f = i % 2 == 0 ? cold : file_;
+    descs.push_back({f, mem.data() + i * kBlock, (i / 2) * 3 * kBlock, kBlock});
+  }
+  const IoResult& r = engine.Submit(IoOp::kRead, descs).Wait();
+  EXPECT_EQ(r.bytes, 2 * kPieces * kBlock);
+  EXPECT_EQ(r.stats.cached_bytes, kPieces * kBlock);
+  EXPECT_EQ(r.stats.direct_bytes, kPieces * kBlock);
+  for (int i = 0; i < 2 * kPieces; ++i) {
+    EXPECT_TRUE(
+        MatchesPattern(mem.data() + i * kBlock, kBlock, i % 2 == 0 ? 62 : 60, (i / 2) * 3 * kBlock))
+        << "piece " << i;
+  }
+}
+
 TEST_P(EnginePageCacheTest, CheckDisabledAlwaysReadsDirect) {
   ASSERT_NO_FATAL_FAILURE(MakeResident());
   Engine engine(CheckingOptions(false));
