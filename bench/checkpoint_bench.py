@@ -69,18 +69,20 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_benchlib.py, from any directory
+from _benchlib import GB, drop_file_cache, fio_stats, loadavg, log, median, name_list  # noqa: E402
+from _benchlib import settle, tool_version, warm_file  # noqa: E402
+from _benchlib import parse_size as _parse_size  # noqa: E402
+
 BENCH_DIR = Path(__file__).resolve().parent
-GB = 1e9
-SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 SCENARIOS = ("save", "cold", "warm")
 SAVE_TOOLS = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
 LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "safetensors", "torch.load",
@@ -102,51 +104,12 @@ class BenchError(Exception):
 
 def parse_size(text: str) -> int:
     """A byte count with an optional K/M/G suffix (powers of 1024): '64M' -> 67108864."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = SIZE_UNITS.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in SIZE_UNITS else text
-    try:
-        value = int(number) * unit
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 64M, 2G)") from None
-    if value < (1 << 20):
-        raise argparse.ArgumentTypeError(f"size must be at least 1M: {text!r}")
-    return value
+    return _parse_size(text, "64M, 2G", _at_least_1m)
 
 
-def name_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [p.strip() for p in text.split(",") if p.strip()]
-        unknown = [n for n in names if n not in allowed]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {unknown or text!r}; use {','.join(allowed)}")
-        return names
-
-    return parse
-
-
-def log(message: str) -> None:
-    """Progress to stderr; stdout carries only the report."""
-    print(message, file=sys.stderr, flush=True)
-
-
-def drop_file_cache(path: Path) -> None:
-    """Drop ``path``'s clean pages from the page cache (POSIX_FADV_DONTNEED)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def warm_file(path: Path) -> None:
-    """Read ``path`` once through the page cache (untimed) so that the next read is warm."""
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(16 << 20)
-        while f.readinto(buf):
-            pass
+def _at_least_1m(value: int) -> str | None:
+    """``parse_size``'s check."""
+    return "size must be at least 1M" if value < (1 << 20) else None
 
 
 def fsync_path(path: Path) -> None:
@@ -155,38 +118,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def settle(max_wait: float = 15.0) -> float:
-    """Let the disk finish the previous tool's deferred work (writeback, discards of unlinked
-    files) so it is not charged to the next tool: sync, then wait until no block device has
-    requests in flight for 0.5 s. Untimed; returns the seconds it took."""
-    start = time.monotonic()
-    os.sync()
-    quiet_since = time.monotonic()
-    while time.monotonic() - start < max_wait:
-        busy = 0
-        for stat in Path("/sys/block").glob("*/inflight"):
-            try:
-                busy += sum(int(v) for v in stat.read_text().split())
-            except OSError:
-                pass
-        now = time.monotonic()
-        if busy:
-            quiet_since = now
-        elif now - quiet_since >= 0.5:
-            break
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def tool_version(argv: list[str]) -> str:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unavailable: {e}"
-    text = (proc.stdout or proc.stderr).strip()
-    return text.splitlines()[0] if text else ""
 
 
 # --------------------------------------------------------------------------- the state dict
@@ -281,8 +212,7 @@ class Samples:
         self.values.setdefault(tool, []).append(value)
 
     def median(self, tool: str) -> float | None:
-        v = self.values.get(tool)
-        return statistics.median(v) if v else None
+        return median(self.values.get(tool, []))
 
 
 def run_fio(s: Settings, path: Path, rw: str, warm: bool = False) -> tuple[float, str]:
@@ -299,14 +229,7 @@ def run_fio(s: Settings, path: Path, rw: str, warm: bool = False) -> tuple[float
     start = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
     seconds = time.perf_counter() - start  # fio's own runtime leaves out the end fsync
-    if proc.returncode != 0:
-        raise RuntimeError(f"fio failed ({proc.returncode}): {command}\n{proc.stderr[-2000:]}")
-    job = json.loads(proc.stdout[proc.stdout.find("{"):])["jobs"][0]
-    if job.get("error"):
-        raise RuntimeError(f"fio job error {job['error']}: {command}")
-    stats = job["write" if rw == "write" else "read"]
-    if stats["io_bytes"] != size:
-        raise RuntimeError(f"fio moved {stats['io_bytes']} bytes, not {size}: {command}")
+    stats = fio_stats(proc, command, rw, size)
     # reads: fio's own runtime; writes: the wall time of the process, as fio's runtime leaves
     # out the end fsync (start-up costs ~10 ms). Scaled to the state dict's bytes.
     runtime = stats["runtime"] / 1000.0 if rw == "read" else seconds
@@ -385,9 +308,9 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
 
     path = s.directory / LOAD_FILES[tool]
     if warm:
-        warm_file(path)
+        warm_file(path, 16 << 20, reuse=True)
     else:
-        drop_file_cache(path)
+        drop_file_cache(path, sync=os.fdatasync)
     if tool == "fio":
         return run_fio(s, path, "read", warm)[0], None
     start = time.perf_counter()
@@ -643,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for scenario in s.scenarios:
             log(f"scenario {scenario}")
-            results[f"loadavg_before_{scenario}"] = [round(x, 2) for x in os.getloadavg()]
+            results[f"loadavg_before_{scenario}"] = loadavg()
             samples, tools = run_scenario(s, scenario, sd)
             table, rows = report(scenario, samples, tools)
             out.append(table)

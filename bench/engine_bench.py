@@ -42,12 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_benchlib.py, from any directory
+from _benchlib import GB, format_size, log, name_list, parse_size  # noqa: E402
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 PYIO_SCRIPT = BENCH_DIR / "pyio_baseline.py"
 
-GB = 1e9  # GB/s means 1e9 bytes per second, as in `tensortier bench --json`.
-SIZE_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
 SUBJECT = "tensortier"
 TOOL_FAMILIES = ("tensortier", "fio", "python")
 SCENARIOS = ("seq", "rand", "warm")
@@ -56,29 +57,7 @@ HUGE_IOMEM = ("mmaphuge", "shmhuge")
 STDERR_TAIL = 2000  # characters of a failed tool's stderr kept in the report
 
 
-# --------------------------------------------------------------------------- sizes
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte count with an optional K/M/G suffix (powers of 1024): '4K' -> 4096."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = SIZE_UNITS.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in SIZE_UNITS else text
-    try:
-        value = int(number) * unit
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4K, 1M, 2G)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
-    return value
-
-
-def format_size(size: int) -> str:
-    """Format a byte count with the largest exact K/M/G suffix: 2147483648 -> '2G'."""
-    for suffix, unit in sorted(SIZE_UNITS.items(), key=lambda item: -item[1]):
-        if size % unit == 0:
-            return f"{size // unit}{suffix}"
-    return str(size)
+# --------------------------------------------------------------------------- argument types
 
 
 def int_list(text: str) -> list[int]:
@@ -95,21 +74,6 @@ def int_list(text: str) -> list[int]:
 def size_list(text: str) -> list[int]:
     """argparse type: comma-separated sizes, e.g. '4K,128K'."""
     return [parse_size(part) for part in text.split(",") if part.strip()]
-
-
-def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    """argparse type factory: comma-separated names, each one of ``choices``."""
-
-    def parse(text: str) -> list[str]:
-        names = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [name for name in names if name not in choices]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {unknown or text!r}; choose from {','.join(choices)}"
-            )
-        return names
-
-    return parse
 
 
 # --------------------------------------------------------------------------- runners
@@ -542,11 +506,6 @@ class ScenarioResult:
         return self.error is not None or (subject is not None and subject.status == "failed")
 
 
-def log(message: str) -> None:
-    """Progress and errors go to stderr; stdout carries only the report."""
-    print(message, file=sys.stderr, flush=True)
-
-
 def remove_files(paths: Sequence[Path]) -> None:
     """Delete test files that exist."""
     for path in paths:
@@ -942,8 +901,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rand-block-sizes", type=size_list, default=size_list("4K,128K"))
     p.add_argument("--rand-ops", type=int_list, help="ops per rand block size (default 20000,8000)")
     p.add_argument("--rand-queue-depth", type=int, default=64)
-    p.add_argument("--scenario", type=choice_list(SCENARIOS), default=list(SCENARIOS))
-    p.add_argument("--tools", type=choice_list(TOOL_FAMILIES), default=list(TOOL_FAMILIES))
+    p.add_argument(
+        "--scenario", type=name_list(SCENARIOS, "choose from"), default=list(SCENARIOS)
+    )
+    p.add_argument(
+        "--tools", type=name_list(TOOL_FAMILIES, "choose from"), default=list(TOOL_FAMILIES)
+    )
     p.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_SIZE}, fewer ops")
     p.add_argument("--timeout", type=float, default=600, help="seconds per tool process")
     p.add_argument("--json-out", type=Path, default=BENCH_DIR / "results" / "engine_bench.json")

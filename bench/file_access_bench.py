@@ -28,15 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_benchlib.py, from any directory
+from _benchlib import GB, drop_file_cache, fio_first_job, log, warm_file  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples" / "file_access"
 GBPS = re.compile(r":\s*([0-9.]+) GB/sec")
 TARGETS = {("store", "py"): 4.0, ("load-warm", "py"): 2.5, ("load-cold", "py"): 2.5}
 FIO_TARGET = 0.9
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def run_script(name: str, *args: str) -> float:
@@ -62,18 +61,9 @@ def run_fio(path: Path, rw: str, size: int, direct: bool) -> float:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"fio failed: {done.stderr.strip()[-800:]}")
-    job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
+    job = fio_first_job(done.stdout)
     side = job["read" if "read" in rw else "write"]
-    return side["io_bytes"] / (side["runtime"] / 1000.0) / 1e9 if side["runtime"] else 0.0
-
-
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    return side["io_bytes"] / (side["runtime"] / 1000.0) / GB if side["runtime"] else 0.0
 
 
 def make_input(path: Path, size: int) -> None:
@@ -108,18 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     load = ["--input_file", str(input_file), *common]
     store = ["--nvme_folder", folder, "--mb_size", str(args.mb_size), *common]
 
-    def warm_up() -> None:
-        with open(input_file, "rb") as f:
-            while f.read(64 << 20):
-                pass
-
     def cold(tool: str) -> float:
-        drop_cache(input_file)
+        drop_file_cache(input_file)  # fsync, then POSIX_FADV_DONTNEED
         return run_fio(input_file, "read", size, True) if tool == "fio" else run_script(
             f"{tool}_load_cpu_tensor.py", *load, "--cold")
 
     def warm(tool: str) -> float:
-        warm_up()
+        warm_file(input_file)  # buffered reads of 64 MiB
         return run_fio(input_file, "read", size, False) if tool == "fio" else run_script(
             f"{tool}_load_cpu_tensor.py", *load)
 

@@ -18,38 +18,29 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import tensortier
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_benchlib.py, from any directory
+from _benchlib import GB, SIZE_UNITS, drop_file_cache, log, warm_file  # noqa: E402
+
 
 def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    """'1G' -> 1073741824. Kept apart from _benchlib.parse_size: this one accepts fractions
+    ('1.5G'), strips every trailing 'B' and then every 'I', and validates nothing (ValueError
+    or a traceback on bad input, no argparse error)."""
     text = text.strip().upper().rstrip("B").rstrip("I")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
+    if text and text[-1] in SIZE_UNITS:
+        return int(float(text[:-1]) * SIZE_UNITS[text[-1]])
     return int(text)
 
 
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def warm_cache(path: str) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
-
-
 def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+    return nbytes / seconds / GB
 
 
 def timed(run: Callable[[], Any]) -> float:
@@ -172,7 +163,7 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
             order = names if rep % 2 == 0 else names[::-1]  # alternate the order
             for name in order:
                 clear(name)
-                (drop_cache if cache == "cold" else warm_cache)(path)
+                (drop_file_cache if cache == "cold" else warm_file)(path)
                 taken = [""]
                 times[name].append(timed(lambda: taken.__setitem__(0, loads[name]())))
                 paths[name] = taken[0]
@@ -217,7 +208,7 @@ def main() -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_bench: no CUDA device; nothing to measure", file=sys.stderr)
+        log("gpu_bench: no CUDA device; nothing to measure")
         return 2
     os.makedirs(args.dir, exist_ok=True)
     report: dict[str, Any] = {

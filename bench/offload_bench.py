@@ -72,7 +72,6 @@ import os
 import platform
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -84,11 +83,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_benchlib.py, from any directory
+from _benchlib import GB, drop_file_cache, fio_stats, format_size, loadavg, log  # noqa: E402
+from _benchlib import median, name_list, ratio, settle, tool_version  # noqa: E402
+from _benchlib import parse_size as _parse_size  # noqa: E402
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-GB = 1e9  # GB/s = 1e9 bytes per second, as in engine_bench.py
 MIB = 1024**2
-SIZE_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
 SCENARIOS = ("copy", "rss", "overlap")
 
 
@@ -96,44 +98,16 @@ SCENARIOS = ("copy", "rss", "overlap")
 
 
 def parse_size(text: str) -> int:
-    """Parse a byte count with an optional K/M/G suffix (powers of 1024): '32M' -> 33554432."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = SIZE_UNITS.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in SIZE_UNITS else text
-    try:
-        value = int(number) * unit
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4M, 32M)") from None
+    """Parse a byte count with an optional K/M/G suffix (powers of 1024): '32M' -> 33554432.
+    Sizes must be positive multiples of 4 (float32 tensors)."""
+    return _parse_size(text, "4M, 32M", _multiple_of_4)
+
+
+def _multiple_of_4(value: int) -> str | None:
+    """``parse_size``'s check."""
     if value <= 0 or value % 4 != 0:
-        raise argparse.ArgumentTypeError(f"size must be a positive multiple of 4: {text!r}")
-    return value
-
-
-def format_size(size: int) -> str:
-    """Largest exact K/M/G suffix: 33554432 -> '32M'."""
-    for suffix, unit in sorted(SIZE_UNITS.items(), key=lambda item: -item[1]):
-        if size % unit == 0:
-            return f"{size // unit}{suffix}"
-    return str(size)
-
-
-def scenario_list(text: str) -> list[str]:
-    """argparse type: comma-separated scenario names."""
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; use {','.join(SCENARIOS)}")
-    return names
-
-
-def log(message: str) -> None:
-    """Progress to stderr; stdout carries only the report."""
-    print(message, file=sys.stderr, flush=True)
-
-
-def loadavg() -> list[float]:
-    """The 1, 5 and 15 minute load averages."""
-    return [round(x, 2) for x in os.getloadavg()]
+        return "size must be a positive multiple of 4"
+    return None
 
 
 def proc_status() -> dict[str, int]:
@@ -152,49 +126,6 @@ def rss() -> int:
     return proc_status()["VmRSS"]
 
 
-def drop_file_cache(path: str | Path) -> None:
-    """Drop ``path``'s clean pages from the page cache (POSIX_FADV_DONTNEED)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def settle(max_wait: float = 15.0) -> float:
-    """Lets the disk finish work the previous tool left behind (writeback, and the discards that
-    unlink or truncate issue on this discard-mounted ext4) so it is not charged to the next tool:
-    sync, then wait until no block device has requests in flight for 0.5 s. Untimed; returns
-    the seconds it took."""
-    start = time.monotonic()
-    os.sync()
-    quiet_since = time.monotonic()
-    while time.monotonic() - start < max_wait:
-        busy = 0
-        for stat in Path("/sys/block").glob("*/inflight"):
-            try:
-                busy += sum(int(v) for v in stat.read_text().split())
-            except OSError:
-                pass
-        now = time.monotonic()
-        if busy:
-            quiet_since = now
-        elif now - quiet_since >= 0.5:
-            break
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def median(values: Sequence[float]) -> float | None:
-    """Median, or None when there are no values."""
-    return statistics.median(values) if values else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b, or None when either is missing or b is 0."""
-    return a / b if a is not None and b else None
-
-
 def fmt(value: float | None, digits: int = 3) -> str:
     """A number for the table, '-' when missing."""
     return "-" if value is None else f"{value:.{digits}f}"
@@ -203,17 +134,6 @@ def fmt(value: float | None, digits: int = 3) -> str:
 def fmt_samples(values: Sequence[float], digits: int = 3) -> str:
     """'1.234, 2.345, ...' for the samples column."""
     return ", ".join(f"{v:.{digits}f}" for v in values)
-
-
-def tool_version(argv: list[str]) -> str:
-    """First line of a version command's output, or why it could not run."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unavailable: {e}"
-    return (
-        (proc.stdout or proc.stderr).strip().splitlines()[0] if (proc.stdout or proc.stderr) else ""
-    )
 
 
 class BenchError(Exception):
@@ -295,7 +215,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--scenarios",
-        type=scenario_list,
+        type=name_list(SCENARIOS),
         default=list(SCENARIOS),
         help="comma-separated subset of copy,rss,overlap (default: all)",
     )
@@ -461,15 +381,7 @@ def run_fio(s: Settings, path: Path, rw: str, size: int) -> tuple[float, dict[st
     # fmt: on
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     command = shlex.join(argv)
-    if proc.returncode != 0:
-        raise RuntimeError(f"fio failed ({proc.returncode}): {command}\n{proc.stderr[-2000:]}")
-    out = json.loads(proc.stdout[proc.stdout.find("{") :])
-    job = out["jobs"][0]
-    if job.get("error"):
-        raise RuntimeError(f"fio job error {job['error']}: {command}")
-    stats = job["write" if rw == "write" else "read"]
-    if stats["io_bytes"] != size:
-        raise RuntimeError(f"fio moved {stats['io_bytes']} bytes, not {size}: {command}")
+    stats = fio_stats(proc, command, rw, size)
     summary = {k: stats.get(k) for k in ("io_bytes", "bw_bytes", "iops", "runtime")}
     summary["command"] = command
     return stats["bw_bytes"] / GB, summary
@@ -503,7 +415,7 @@ def tensortier_copy(
         if freed != len(tensors):
             raise BenchError(f"sync_writev freed {freed} of {len(tensors)} tensors' memory")
         for path in off.paths:  # O_DIRECT writes leave nothing cached; make sure anyway
-            drop_file_cache(path)
+            drop_file_cache(path, sync=None)
         t2 = time.perf_counter()
         off.sync_readv(tensors)
         t3 = time.perf_counter()
@@ -567,7 +479,7 @@ def tensortier_read_keeping_tail(s: Settings, tensors: list[torch.Tensor]) -> di
         off.sync_write(sentinel)
         file_written = off.file_bytes
         for path in off.paths:
-            drop_file_cache(path)
+            drop_file_cache(path, sync=None)
         t0 = time.perf_counter()
         off.sync_readv(tensors)
         t1 = time.perf_counter()
@@ -628,7 +540,7 @@ def torch_copy(s: Settings, tensors: list[torch.Tensor], verify: bool, out: Samp
                 os.close(fd)
         t2 = time.perf_counter()
         for path in paths:  # untimed: make the loads cold
-            drop_file_cache(path)
+            drop_file_cache(path, sync=None)
         t3 = time.perf_counter()
         loaded = [torch.load(path) for path in paths]
         t4 = time.perf_counter()
@@ -828,7 +740,7 @@ class OverlapState:
         ):
             raise BenchError("tensors are not all offloaded after sync_writev")
         for path in self.off.paths:
-            drop_file_cache(path)
+            drop_file_cache(path, sync=None)
 
     def make_resident(self) -> None:
         """Bring every tensor back (if offloaded)."""

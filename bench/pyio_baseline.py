@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_benchlib.py, from any directory
+from _benchlib import GB, drop_file_cache  # noqa: E402
+
 
 def write_file(path: Path, size: int, block_size: int) -> float:
     """Write ``size`` bytes to ``path`` in ``block_size`` writes, fsync; return seconds taken."""
@@ -35,12 +38,6 @@ def write_file(path: Path, size: int, block_size: int) -> float:
             remaining -= f.write(block[: min(block_size, remaining)])
         os.fsync(f.fileno())
     return time.perf_counter() - start
-
-
-def drop_page_cache(path: Path) -> None:
-    """Ask the kernel to drop ``path``'s clean pages from the page cache."""
-    with open(path, "rb", buffering=0) as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def read_file(path: Path, size: int, block_size: int) -> float:
@@ -73,14 +70,14 @@ def run(mode: str, path: Path, size: int, block_size: int, warm: bool) -> dict[s
         "warm": warm,
     }
     if mode in ("write", "both"):
-        result["write_gbps"] = size / write_file(path, size, block_size) / 1e9
-        drop_page_cache(path)
+        result["write_gbps"] = size / write_file(path, size, block_size) / GB
+        drop_file_cache(path, sync=None)  # write_file fsynced it
     if mode in ("read", "both"):
         if warm:
             read_file(path, size, block_size)
         else:
-            drop_page_cache(path)
-        result["read_gbps"] = size / read_file(path, size, block_size) / 1e9
+            drop_file_cache(path, sync=None)
+        result["read_gbps"] = size / read_file(path, size, block_size) / GB
     return result
 
 
