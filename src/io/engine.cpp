@@ -416,7 +416,7 @@ class Planner {
     // the caller's bytes past EOF. Reads stop going direct at the last whole block before EOF; the
     // rest goes through the page cache, which copies only what exists (and sees a file that grew).
     uint64_t direct_end = end;
-    if (op_->op == IoOp::kRead) direct_end = std::min(end, std::max(piece.offset, file.Size()));
+    if (op_->op == IoOp::kRead) direct_end = std::min(end, std::max(piece.offset, SizeOf(file)));
     const uint64_t mid_begin = AlignUp(piece.offset, align);
     const uint64_t mid_end = AlignDown(direct_end, align);
     if (mid_begin >= mid_end) {  // smaller than one aligned block: the page cache does it exactly
@@ -495,11 +495,19 @@ class Planner {
     return it->second;
   }
 
+  // The file's size when the batch is planned, one fstat per file (not per piece).
+  uint64_t SizeOf(const File& file) {
+    auto [it, inserted] = file_size_.try_emplace(file.buffered_fd(), 0);
+    if (inserted) it->second = file.Size();
+    return it->second;
+  }
+
   const EngineOptions& options_;
   const std::shared_ptr<Operation>& op_;
   std::vector<std::unique_ptr<Task>>& tasks_;
   IoStats& stats_;
   std::unordered_map<int, bool> file_may_be_cached_;  // buffered fd -> any page cached
+  std::unordered_map<int, uint64_t> file_size_;       // buffered fd -> size at planning
 };
 
 void ValidatePiece(IoOp op, const IoDesc& piece) {
@@ -523,12 +531,16 @@ void ValidatePiece(IoOp op, const IoDesc& piece) {
 // (fallocate mode 0 also moves the size) makes the writes non-extending and fully parallel, and
 // reports ENOSPC before any byte is written. Holes before the range stay holes.
 void ReserveExtendingWrites(std::span<const IoDesc> pieces) {
+  std::unordered_map<int, uint64_t> sizes;  // one fstat per file, not per piece
   for (const IoDesc& piece : pieces) {
     if (piece.length == 0 || !piece.file.direct()) continue;
     const uint64_t end = piece.offset + piece.length;
-    if (end <= piece.file.Size()) continue;
+    auto [size, inserted] = sizes.try_emplace(piece.file.buffered_fd(), 0);
+    if (inserted) size->second = piece.file.Size();
+    if (end <= size->second) continue;
     try {
       piece.file.Allocate(piece.offset, piece.length);
+      size->second = end;  // fallocate mode 0 moved the size
     } catch (const IoError& e) {
       // A filesystem without fallocate still takes plain writes; real failures are reported.
       if (e.error_code() != EOPNOTSUPP && e.error_code() != ENOSYS) throw;
