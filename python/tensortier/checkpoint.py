@@ -240,8 +240,14 @@ def load_into(
 
     Raises:
         ValueError: missing/unexpected names (strict), shape or dtype mismatches (all listed),
-            a malformed file, a checksum mismatch. OSError: the file cannot be read.
+            meta-device targets, a malformed file, a checksum mismatch. OSError: the file
+            cannot be read.
         TypeError: the target is neither a module nor a mapping of tensors.
+
+    Names, shapes and dtypes are all checked before any byte is read. An error during the read
+    itself (I/O error, checksum mismatch, interrupt) leaves the targets partly overwritten, as
+    ``load_state_dict`` would after a failed ``copy_``: load again, or load into copies, when
+    the old values must survive a failure.
     """
     torch = _torch()
     if isinstance(module_or_state_dict, torch.nn.Module):
@@ -253,9 +259,19 @@ def load_into(
             f"load_into needs a torch.nn.Module or a mapping of tensors, not "
             f"{type(module_or_state_dict).__name__}"
         )
+    meta = []
     for name, t in targets.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"target {name!r} is a {type(t).__name__}, not a tensor")
+        if t.is_meta:
+            meta.append(name)
+    if meta:
+        # Meta tensors have no memory to read into (and all share data_ptr 0, which would make
+        # them look tied to each other): materialise them first, e.g. module.to_empty(device=).
+        raise ValueError(
+            f"load_into: {len(meta)} target(s) on the meta device, e.g. {meta[:4]}: give them "
+            "memory first (module.to_empty(device='cpu'))"
+        )
     io = _io if _io is not None else _default_io()
     fspath = os.fspath(path)
     sources = _describe_sources(fspath, io)  # name -> _Source
@@ -727,6 +743,10 @@ def _read_device(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, pa
     buffers = [_pinned_buffer(size) for _ in range(2)]
     events: list[Any] = [None, None]
     stream = torch.cuda.Stream(device=dev)
+    # The destinations come from the caching allocator in the current stream's order: their
+    # memory may still be in use by kernels queued there (a tensor just freed, the parameters a
+    # queued forward pass reads). Copy only after all of that.
+    stream.wait_stream(torch.cuda.current_stream(dev))
     chunk = size - ALIGNMENT
     which = 0
     try:
@@ -1439,6 +1459,8 @@ def _describe_sources(path: str, io: IOHandle) -> dict[str, _Source]:
     if kind == "index":
         out: dict[str, _Source] = {}
         for shard, names in _read_index(path).items():
+            if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
+                raise ValueError(f"{path}: shard {shard} is itself an index")
             part = _describe_sources(shard, io)
             missing = [n for n in names if n not in part]
             if missing:

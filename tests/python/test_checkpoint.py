@@ -362,8 +362,15 @@ def test_load_into_cuda_module(disk_dir: Path) -> None:
 
 
 class _FakeStream:
+    created: list[_FakeStream] = []
+    current = object()  # what the fake torch.cuda.current_stream returns
+
     def __init__(self, device: object = None) -> None:
-        pass
+        self.waited_for: list[object] = []
+        _FakeStream.created.append(self)
+
+    def wait_stream(self, other: object) -> None:
+        self.waited_for.append(other)
 
     def synchronize(self) -> None:
         pass
@@ -389,6 +396,8 @@ def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream.current)
+    _FakeStream.created.clear()
     sd = {"odd": torch.arange(3, dtype=torch.uint8), "big": torch.randn(100000),
           "empty": torch.empty(0), "mid": torch.randn(5000).double()}
     path = disk_dir / "m.safetensors"
@@ -406,6 +415,8 @@ def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyP
     progress = checkpoint._Progress("x", sum(p.nbytes for p in pieces), False)
     checkpoint._read_device(io, pieces, progress, str(path))
     assert progress.done == sum(p.nbytes for p in pieces)
+    # The copy stream waits for the current stream (where the destinations were allocated).
+    assert [s.waited_for for s in _FakeStream.created] == [[_FakeStream.current]]
     for e in entries:
         assert same(out[e.name].view(e.shape), sd[e.name]), e.name
 

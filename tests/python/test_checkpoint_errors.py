@@ -341,3 +341,17 @@ def test_torch_pickle_failures_are_valueerrors(disk_dir: Path) -> None:
     with pytest.raises(ValueError, match="different types"):  # torch refuses mixed-dtype views
         tensortier.save({"a": a, "b": a.view(torch.int32)}, path)
     assert leftovers(disk_dir) == [] and not path.exists()
+
+
+def test_load_into_meta_targets_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    tensortier.save({"a": torch.ones(4), "b": torch.ones(4)}, path)
+    with pytest.raises(ValueError, match="meta device"):
+        tensortier.load_into({"a": torch.empty(4, device="meta"), "b": torch.empty(4)}, path)
+
+
+def test_index_naming_itself_is_refused_by_load_into(tmp_path: Path) -> None:
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": index.name}}))
+    with pytest.raises(ValueError, match="itself an index"):
+        tensortier.load_into({"a": torch.empty(4)}, index)
