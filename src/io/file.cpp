@@ -91,9 +91,19 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
     impl->offset_align = std::max<uint32_t>(stx.stx_dio_offset_align, 512);
     impl->memory_align = std::max<uint32_t>(stx.stx_dio_mem_align, 16);
   }
-  // Creation and truncation were done by the first open.
+  // Creation and truncation were done by the first open. Reopen the same inode through /proc,
+  // not the path: a file renamed over the path in between (an atomic checkpoint save) would give
+  // two different files, and the engine reads one range through both descriptors.
   int direct_flags = (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT;
-  impl->direct_fd = RetryOpen(path.c_str(), direct_flags, 0);
+  impl->direct_fd = RetryOpen(StrCat("/proc/self/fd/", impl->buffered_fd).c_str(), direct_flags, 0);
+  if (impl->direct_fd < 0 && errno == ENOENT) {  // no /proc: by path, then check it is the same
+    impl->direct_fd = RetryOpen(path.c_str(), direct_flags, 0);
+    struct stat direct_st {};
+    if (impl->direct_fd >= 0 && (fstat(impl->direct_fd, &direct_st) != 0 ||
+                                 direct_st.st_dev != st.st_dev || direct_st.st_ino != st.st_ino)) {
+      ThrowIoError(ESTALE, "open (the file was replaced while being opened; open it again)", path);
+    }
+  }
   if (impl->direct_fd < 0) {
     impl->fallback_reason =
         StrCat("O_DIRECT refused by the filesystem (", strerror(errno), "); using buffered I/O");

@@ -97,6 +97,27 @@ TEST_F(FileTest, ReadModeOpensExistingFileReadOnly) {
   EXPECT_EQ(fcntl(f.buffered_fd(), F_GETFL) & O_ACCMODE, O_RDONLY);
 }
 
+// The race this guards against (a rename over the path between File::Open's two opens) has no
+// deterministic test; this checks the invariant the fix establishes.
+TEST_F(FileTest, DirectDescriptorIsTheSameInodeWithItsOwnFlags) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 1 << 20, 1));
+  File f = File::Open(path, OpenMode::kRead);
+  if (!f.direct()) GTEST_SKIP() << f.direct_fallback_reason();
+  // An atomic save replaces the path now: both descriptors must still be the old file.
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(dir_.File("new"), 1 << 20, 2));
+  ASSERT_EQ(rename(dir_.File("new").c_str(), path.c_str()), 0);
+  struct stat buffered {
+  }, direct{};
+  ASSERT_EQ(fstat(f.buffered_fd(), &buffered), 0);
+  ASSERT_EQ(fstat(f.direct_fd(), &direct), 0);
+  EXPECT_EQ(buffered.st_ino, direct.st_ino);
+  EXPECT_EQ(buffered.st_dev, direct.st_dev);
+  EXPECT_EQ(buffered.st_nlink, 0u) << "the old file is unlinked";
+  EXPECT_NE(fcntl(f.direct_fd(), F_GETFL) & O_DIRECT, 0);
+  EXPECT_EQ(fcntl(f.direct_fd(), F_GETFL) & O_ACCMODE, O_RDONLY);
+}
+
 TEST_F(FileTest, ReadWriteModeKeepsContents) {
   const std::string path = dir_.File("data");
   ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10000, 2));
