@@ -47,15 +47,16 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from . import _core
-from .io import IOFuture, IOHandle
+from .io import File, IOFuture, IOHandle
 
 # torch is imported inside the functions (see _torch()): `import tensortier` must not need it.
 __all__ = ["IncompatibleKeys", "load", "load_into", "save"]
 
 PathLike = str | os.PathLike[str]
+_T = TypeVar("_T")
 
 ALIGNMENT = 4096
 CHECKSUM_KEY = "tensortier.xxh64"
@@ -274,8 +275,13 @@ def load_into(
         )
     io = _io if _io is not None else _default_io()
     fspath = os.fspath(path)
-    sources = _describe_sources(fspath, io)  # name -> _Source
-    return _load_into(targets, sources, strict, verify, progress, io, fspath)
+    files: dict[str, File] = {}  # opened once: what is parsed is what is read
+    try:
+        sources = _describe_sources(fspath, io, files)  # name -> _Source
+        return _load_into(targets, sources, strict, verify, progress, io, fspath, files)
+    finally:
+        for f in files.values():
+            f.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1025,28 +1031,46 @@ def _xxh64_check(path: str, name: str, expected: int | None) -> Callable[[Any], 
     return check
 
 
+def _same_file(file: File, path: str, parse: Callable[[str], _T]) -> _T:
+    """``parse(name)`` where `name` is exactly the file `file` has open (its /proc/self/fd link):
+    the header or zip directory then describes the bytes the engine reads, even if `path` is
+    replaced meanwhile (an atomic save by another process). Messages name `path`."""
+    proc = f"/proc/self/fd/{file.fileno()}"
+    if not os.path.exists(proc):
+        return parse(path)
+    try:
+        return parse(proc)
+    except (OSError, ValueError) as e:
+        if proc not in str(e):
+            raise
+        message = str(e).replace(proc, path)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, message) from e
+        raise ValueError(message) from e
+
+
 def _load_safetensors(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     _prog: _Progress | None = None,
 ) -> dict[str, Any]:
     torch = _torch()
-    entries, metadata = _read_st_header(path)
-    sums = _parse_checksums(path, metadata) if verify else {}
     file = io.open(path, "r")
-    pieces: list[_Piece] = []
-    out: dict[str, Any] = {}
-    for e in entries:
-        numel = e.nbytes // e.dtype.itemsize
-        if dev.type == "cpu":
-            flat = _host_alloc(numel, e.dtype, e.offset % ALIGNMENT)
-        else:
-            flat = torch.empty(numel, dtype=e.dtype, device=dev)
-        check = _xxh64_check(path, e.name, sums.get(e.name)) if verify else None
-        pieces.append(_Piece(e.name, file, e.offset, e.nbytes, flat, check))
-        out[e.name] = flat.view(e.shape)
-    total = sum(p.nbytes for p in pieces)
-    prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
     try:
+        entries, metadata = _same_file(file, path, _read_st_header)
+        sums = _parse_checksums(path, metadata) if verify else {}
+        pieces: list[_Piece] = []
+        out: dict[str, Any] = {}
+        for e in entries:
+            numel = e.nbytes // e.dtype.itemsize
+            if dev.type == "cpu":
+                flat = _host_alloc(numel, e.dtype, e.offset % ALIGNMENT)
+            else:
+                flat = torch.empty(numel, dtype=e.dtype, device=dev)
+            check = _xxh64_check(path, e.name, sums.get(e.name)) if verify else None
+            pieces.append(_Piece(e.name, file, e.offset, e.nbytes, flat, check))
+            out[e.name] = flat.view(e.shape)
+        total = sum(p.nbytes for p in pieces)
+        prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
         _read_pieces(io, pieces, prog, path)
     finally:
         file.close()
@@ -1112,11 +1136,12 @@ class _StorageRef:
 
 
 def _unpickle_torch(
-    path: str, storage_device: Any
+    path: str, storage_device: Any, label: str | None = None
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
     `storage_device` (``meta``: not at all) and filled later. Returns the object, the storages by
-    key, the records, the archive prefix and whether the file is big-endian."""
+    key, the records, the archive prefix and whether the file is big-endian. The storage
+    references carry `label` (the user's path when `path` is a /proc/self/fd link)."""
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
@@ -1172,7 +1197,7 @@ def _unpickle_torch(
                 storage = storage.untyped_storage()
             else:
                 storage = torch.UntypedStorage(nbytes, device=storage_device)
-            ref = _StorageRef(path, key, record, nbytes, dtype, storage)
+            ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
             storages[key] = ref
         return torch.storage.TypedStorage(wrap_storage=ref.storage, dtype=dtype, _internal=True)
 
@@ -1216,20 +1241,24 @@ def _load_torch(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle
 ) -> Any:
     torch = _torch()
-    obj, storages, _, _, big_endian = _unpickle_torch(path, dev)
-    refs = sorted(storages.values(), key=lambda r: r.record.offset)
-    if verify:
-        _verifiable(path, refs)
     file = io.open(path, "r")
-    pieces = [
-        _Piece(
-            f"data/{r.key}", file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
-            _crc_check(path, r.key, r.record.crc32) if verify else None,
-        )
-        for r in refs
-    ]
-    prog = _Progress(f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress)
     try:
+        obj, storages, _, _, big_endian = _same_file(
+            file, path, lambda name: _unpickle_torch(name, dev, label=path)
+        )
+        refs = sorted(storages.values(), key=lambda r: r.record.offset)
+        if verify:
+            _verifiable(path, refs)
+        pieces = [
+            _Piece(
+                f"data/{r.key}", file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
+                _crc_check(path, r.key, r.record.crc32) if verify else None,
+            )
+            for r in refs
+        ]
+        prog = _Progress(
+            f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
+        )
         _read_pieces(io, pieces, prog, path)
     finally:
         file.close()
@@ -1454,14 +1483,16 @@ class _Source:
     view: Any = None  # torch: a meta tensor describing the saved view
 
 
-def _describe_sources(path: str, io: IOHandle) -> dict[str, _Source]:
+def _describe_sources(path: str, io: IOHandle, files: dict[str, File]) -> dict[str, _Source]:
+    """The tensors of `path` (an index: of its shards). Every data file is opened into `files`
+    and parsed through that descriptor."""
     kind = _sniff(path)
     if kind == "index":
         out: dict[str, _Source] = {}
         for shard, names in _read_index(path).items():
             if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
                 raise ValueError(f"{path}: shard {shard} is itself an index")
-            part = _describe_sources(shard, io)
+            part = _describe_sources(shard, io, files)
             missing = [n for n in names if n not in part]
             if missing:
                 raise ValueError(
@@ -1469,8 +1500,11 @@ def _describe_sources(path: str, io: IOHandle) -> dict[str, _Source]:
                 )
             out.update(part)
         return out
+    if path not in files:
+        files[path] = io.open(path, "r")
+    file = files[path]
     if kind == "safetensors":
-        entries, metadata = _read_st_header(path)
+        entries, metadata = _same_file(file, path, _read_st_header)
         sums: dict[str, int] | None = None
         if CHECKSUM_KEY in metadata:
             sums = _parse_checksums(path, metadata)
@@ -1480,7 +1514,9 @@ def _describe_sources(path: str, io: IOHandle) -> dict[str, _Source]:
             for e in entries
         }
     torch = _torch()
-    obj, storages, _, _, big_endian = _unpickle_torch(path, torch.device("meta"))
+    obj, storages, _, _, big_endian = _same_file(
+        file, path, lambda name: _unpickle_torch(name, torch.device("meta"), label=path)
+    )
     if big_endian:
         raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")
     if not isinstance(obj, Mapping):
@@ -1509,7 +1545,7 @@ def _describe_sources(path: str, io: IOHandle) -> dict[str, _Source]:
 
 def _load_into(
     targets: dict[str, Any], sources: dict[str, _Source], strict: bool, verify: bool,
-    progress: bool | None, io: IOHandle, path: str,
+    progress: bool | None, io: IOHandle, path: str, files: Mapping[str, File],
 ) -> IncompatibleKeys:
     torch = _torch()
     unexpected = [k for k in sources if k not in targets]
@@ -1542,7 +1578,6 @@ def _load_into(
     if problems:
         raise ValueError(f"{path}: size or dtype mismatch: " + "; ".join(problems))
 
-    files: dict[str, Any] = {}
     pieces: list[_Piece] = []
     after: list[Callable[[], None]] = []  # copies into targets read through a temporary
     crc_refs: dict[tuple[str, str], _StorageRef] = {}
@@ -1551,8 +1586,6 @@ def _load_into(
         t = targets.get(k)
         if t is None:
             continue
-        if src.path not in files:
-            files[src.path] = io.open(src.path, "r")
         f = files[src.path]
         if src.view is not None and src.crc_storage is not None:
             # a non-contiguous saved view: read its whole storage, then copy the view out
@@ -1601,16 +1634,12 @@ def _load_into(
             after.append(copy_back)
     total = sum(p.nbytes for p in pieces)
     prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
-    try:
-        with torch.no_grad():
-            _read_pieces(io, pieces, prog, path)
-            for fn in after:
-                fn()
-        if crc_refs:
-            _verify_torch_records(io, files, list(crc_refs.values()))
-    finally:
-        for f in files.values():
-            f.close()
+    with torch.no_grad():
+        _read_pieces(io, pieces, prog, path)
+        for fn in after:
+            fn()
+    if crc_refs:
+        _verify_torch_records(io, files, list(crc_refs.values()))
     return IncompatibleKeys(missing, unexpected)
 
 

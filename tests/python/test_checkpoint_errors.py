@@ -355,3 +355,34 @@ def test_index_naming_itself_is_refused_by_load_into(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": {"a": index.name}}))
     with pytest.raises(ValueError, match="itself an index"):
         tensortier.load_into({"a": torch.empty(4)}, index)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+@pytest.mark.parametrize("into", [False, True])
+def test_a_file_replaced_while_loading_is_read_from_one_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, into: bool
+) -> None:
+    # An atomic save by another process renames a new checkpoint over the path right after the
+    # header (or zip directory) was parsed: the bytes must still come from the parsed file.
+    path = tmp_path / f"m{suffix}"
+    other = tmp_path / f"other{suffix}"
+    old = {"w": torch.arange(5000, dtype=torch.float32)}
+    new = {"a": torch.ones(3), "w": -torch.arange(5000, dtype=torch.float32)}  # another layout
+    tensortier.save(old, path)
+    tensortier.save(new, other)
+    name = "_read_st_header" if suffix == ".safetensors" else "_unpickle_torch"
+    real = getattr(checkpoint, name)
+
+    def parse_then_replace(*args: object, **kwargs: object) -> object:
+        out = real(*args, **kwargs)
+        if other.exists():
+            os.replace(other, path)
+        return out
+
+    monkeypatch.setattr(checkpoint, name, parse_then_replace)
+    if into:
+        target = {"w": torch.empty(5000)}
+        tensortier.load_into(target, path)
+        assert torch.equal(target["w"], old["w"])
+    else:
+        assert torch.equal(tensortier.load(path)["w"], old["w"])
