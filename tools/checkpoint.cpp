@@ -2,6 +2,7 @@
 // torch.save zip). Tensor bytes move through the engine; headers go through the parsers in
 // src/checkpoint, which validate everything before any data is touched.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <random>
 
 #include "cli.hpp"
 #include "tensortier/aligned_buffer.hpp"
@@ -79,6 +81,20 @@ void Stream(Engine& engine, const File& file, uint64_t offset, uint64_t length,
     return std::pair(engine.Read(file, bufs[slot].data(), n, offset + done), n);
   };
   auto pending = submit(0, 0);
+  // If `consume` (or a check) throws while the next chunk's read is in flight, wait for that read
+  // before unwinding: the caller's buffers may be freed right after.
+  struct WaitOnUnwind {
+    std::pair<Future, uint64_t>& p;
+    int uncaught = std::uncaught_exceptions();
+    ~WaitOnUnwind() {
+      if (std::uncaught_exceptions() > uncaught && p.first.valid()) {
+        try {
+          p.first.Wait();
+        } catch (...) {  // the error in flight already is the one to report
+        }
+      }
+    }
+  } guard{pending};
   int slot = 0;
   for (uint64_t done = 0; done < length;) {
     IoResult r = pending.first.Wait();
@@ -180,9 +196,10 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
   Loaded l = Load(path);  // throws on any structural problem
   std::printf("%s: structure OK (%s, %zu tensors)\n", path.c_str(),
               l.format == Format::kSafetensors ? "safetensors" : "torch.save zip", l.items.size());
+  // Buffers before the engine: its destructor waits for reads still in flight into them.
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
   Engine engine;
   File file = File::Open(path, OpenMode::kRead, true);
-  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
   std::vector<std::string> problems;
   uint64_t checked = 0;
   uint64_t unrecorded = 0;  // torch zip entries whose CRC-32 field is 0
@@ -256,13 +273,57 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
   return 0;
 }
 
-// A temporary file next to the destination, removed unless Commit() renamed it into place.
+// `path` with its symlinks resolved, as Python's os.path.realpath does: an existing file's
+// canonical path; else the canonical directory plus the name, following a dangling symlink to the
+// file it names. Saving then replaces a symlink's target, not the link (as tensortier.save does).
+std::string ResolveOutput(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path p = fs::absolute(path);
+  for (int hops = 0; hops < 40; ++hops) {
+    std::error_code ec;
+    fs::path canonical = fs::canonical(p, ec);
+    if (!ec) return canonical.string();
+    if (!fs::is_symlink(fs::symlink_status(p, ec))) {
+      fs::path dir = fs::canonical(p.parent_path(), ec);
+      if (ec) ThrowIoError(ec.value(), "resolve the directory of", path);
+      return (dir / p.filename()).string();
+    }
+    fs::path target = fs::read_symlink(p, ec);
+    if (ec) ThrowIoError(ec.value(), "readlink", p.string());
+    p = target.is_absolute() ? target : p.parent_path() / target;
+  }
+  ThrowIoError(ELOOP, "resolve", path);
+}
+
+// A temporary file next to the destination (".NAME.tmp-PID-RANDOM", created here with O_EXCL and
+// O_NOFOLLOW, with the old file's permissions, as tensortier.save does), removed unless Commit()
+// renamed it into place. Only a file this object created is ever removed.
 class PendingFile {
  public:
-  explicit PendingFile(std::string final_path)
-      : final_(std::move(final_path)), temp_(StrCat(final_, ".tmp.", getpid())) {}
+  explicit PendingFile(const std::string& out) : final_(ResolveOutput(out)) {
+    namespace fs = std::filesystem;
+    if (fs::is_directory(final_)) ThrowIoError(EISDIR, "save over a directory", final_);
+    mode_t mode = 0666;
+    struct stat st;
+    if (stat(final_.c_str(), &st) == 0) mode = st.st_mode & 07777;
+    std::random_device rd;
+    fs::path f(final_);
+    for (int attempt = 0;; ++attempt) {
+      char suffix[9];
+      std::snprintf(suffix, sizeof(suffix), "%08x", static_cast<unsigned>(rd()));
+      temp_ = (f.parent_path() / StrCat(".", f.filename().string(), ".tmp-", getpid(), "-", suffix))
+                  .string();
+      int fd = open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+      if (fd >= 0) {
+        close(fd);
+        break;
+      }
+      if (errno != EEXIST || attempt == 16) ThrowIoError(errno, "create", temp_);
+    }
+    created_ = true;
+  }
   ~PendingFile() {
-    if (!committed_) unlink(temp_.c_str());
+    if (created_ && !committed_) unlink(temp_.c_str());
   }
   PendingFile(const PendingFile&) = delete;
   PendingFile& operator=(const PendingFile&) = delete;
@@ -283,6 +344,7 @@ class PendingFile {
  private:
   std::string final_;
   std::string temp_;
+  bool created_ = false;
   bool committed_ = false;
 };
 
@@ -314,12 +376,13 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   std::string header = header_for();
   uint64_t data_start = header.size();
 
+  // Buffers before the engine: its destructor waits for I/O still in flight from them.
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
   Engine engine;
   File src = File::Open(in, OpenMode::kRead, true);
   PendingFile pending(out);
-  File dst = File::Open(pending.temp(), OpenMode::kWrite, true);
+  File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
   dst.Allocate(0, data_start + data);
-  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
   for (size_t i = 0; i < l.items.size(); ++i) {
     const Item& item = l.items[i];
     Xxh64State h;
@@ -407,15 +470,15 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   add_small(".data/serialization_id", serialization_id);
   const uint64_t file_size = zip.directory_offset() + zip.Directory().size();
 
-  // Declared before the engine: its destructor waits for writes still in flight from these.
+  // Declared before the engine: its destructor waits for I/O still in flight from these.
   std::vector<std::string> blocks;
   std::vector<uint64_t> offsets;
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
   Engine engine;
   File src = File::Open(in, OpenMode::kRead, true);
   PendingFile pending(out);
-  File dst = File::Open(pending.temp(), OpenMode::kWrite, true);
+  File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
   dst.Allocate(0, file_size);
-  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
   Xxh64State names;
   Xxh64State crcs;
   for (size_t i = 0; i < l.items.size(); ++i) {

@@ -1,8 +1,8 @@
 #include "tensortier/torch_pickle.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
-#include <unordered_map>
 
 #include "tensortier/format_error.hpp"
 #include "tensortier/strings.hpp"
@@ -12,12 +12,22 @@ namespace {
 
 constexpr size_t kMaxStack = 1u << 20;
 constexpr size_t kMaxMarks = 1u << 16;
-constexpr size_t kMaxMemo = 1u << 24;
 constexpr size_t kMaxRank = 64;
 constexpr size_t kMaxDepth = 256;
 constexpr uint64_t kMaxVisits = 1u << 22;
 constexpr size_t kMaxTensors = 1u << 20;  // shared subtrees can multiply tensors: bound the output
 constexpr size_t kMaxPath = 4096;
+// Memory is bounded by the input's size, not only by fixed caps: every opcode is at least a byte,
+// but one byte can make a 72-byte Value, and a few bytes can rebuild (or, through shared subtrees,
+// emit) a tensor with 64-dimension shape and stride vectors. The ratios leave room for anything
+// torch.save writes: it memoizes every value it can with a 2-byte BINPUT, spends at least 2 bytes
+// on an int, ~30 bytes on a tensor, and None/True/False/() cost no Value here (shared singletons).
+constexpr size_t kMaxValues = 1u << 23;
+constexpr size_t kMaxMemo = 1u << 23;   // memo indices (the memo is a vector: torch's are dense)
+constexpr size_t kSlack = 1024;         // added to every input-relative cap: tiny pickles are fine
+constexpr size_t kBytesPerTensor = 16;  // tensors rebuilt <= input bytes / 16
+constexpr size_t kOutputBytesPerByte = 16;  // output tensors' estimated bytes <= 16 x input ...
+constexpr size_t kOutputSlack = 4u << 20;   // ... + 4 MiB
 
 struct DtypeName {
   std::string_view torch;  // torch attribute name (dtype or storage type)
@@ -88,6 +98,8 @@ enum class Kind : uint8_t {
 
 struct Value {
   Kind kind = Kind::kNone;
+  bool parameter = false;       // kTensor: rebuilt as an nn.Parameter (shares tensors_[i])
+  bool requires_grad = false;   // kTensor with `parameter`: the parameter's requires_grad
   int64_t i = 0;                // int, bool; tensor index for kTensor
   std::string s;                // str, bytes, "module.name" for globals, key for storages
   std::vector<uint32_t> items;  // list/tuple elements; dict keys and values interleaved
@@ -125,8 +137,23 @@ bool Allowed(std::string_view g) {
 
 class Vm {
  public:
-  Vm(std::string_view data, const std::string& what) : data_(data), what_(what) {
-    values_.reserve(std::min<size_t>(data.size(), 1u << 16));
+  Vm(std::string_view data, const std::string& what)
+      : data_(data),
+        what_(what),
+        max_values_(std::min(kMaxValues, data.size() / 2 + kSlack)),
+        max_memo_(std::min(kMaxMemo, data.size() / 2 + kSlack)),
+        max_tensors_(std::min(kMaxTensors, data.size() / kBytesPerTensor + kSlack)),
+        max_dims_(data.size() / 2 + kSlack),
+        max_output_bytes_(static_cast<uint64_t>(data.size()) * kOutputBytesPerByte + kOutputSlack) {
+    values_.reserve(std::min<size_t>(max_values_, 1u << 12));
+    // Shared immutable singletons: a list of a million Nones costs no Value each.
+    for (auto [kind, i] :
+         {std::pair{Kind::kNone, 0}, {Kind::kBool, 1}, {Kind::kBool, 0}, {Kind::kTuple, 0}}) {
+      Value v;
+      v.kind = kind;
+      v.i = i;
+      values_.push_back(std::move(v));
+    }
   }
 
   TorchPickle Run() {
@@ -166,6 +193,15 @@ class Vm {
   }
 
   uint32_t New(Value v) {
+    if (values_.size() >= max_values_) {
+      Fail(StrCat("more than ", max_values_, " values in a ", data_.size(), "-byte pickle"));
+    }
+    if (values_.size() == values_.capacity()) {
+      // Doubling, but never past the cap, nor by a last small step (old + new both live then).
+      size_t grown = std::min(max_values_, values_.capacity() * 2);
+      if (max_values_ - grown < grown / 2) grown = max_values_;
+      values_.reserve(grown);
+    }
     values_.push_back(std::move(v));
     return static_cast<uint32_t>(values_.size() - 1);
   }
@@ -194,6 +230,7 @@ class Vm {
     return values_[stack_.back()];
   }
   uint32_t Tuple(std::vector<uint32_t> items) {
+    if (items.empty()) return kEmptyTuple;
     Value v;
     v.kind = Kind::kTuple;
     v.items = std::move(items);
@@ -201,13 +238,18 @@ class Vm {
   }
   void Memoize(uint64_t index) {
     if (stack_.empty()) Fail("memo put with an empty stack");
-    if (memo_.size() >= kMaxMemo && !memo_.contains(index)) Fail("pickle memo too large");
+    if (index >= max_memo_) {
+      Fail(StrCat("memo key ", index, " is too large for a ", data_.size(), "-byte pickle"));
+    }
+    if (index >= memo_.size()) memo_.resize(index + 1, kUnset);
+    if (memo_[index] == kUnset) ++memo_count_;
     memo_[index] = stack_.back();
   }
   void Get(uint64_t index) {
-    auto it = memo_.find(index);
-    if (it == memo_.end()) Fail(StrCat("memo key ", index, " was never set"));
-    Push(it->second);
+    if (index >= memo_.size() || memo_[index] == kUnset) {
+      Fail(StrCat("memo key ", index, " was never set"));
+    }
+    Push(memo_[index]);
   }
   uint32_t Scalar(Kind kind, int64_t i = 0, std::string s = {}) {
     Value v;
@@ -261,16 +303,16 @@ class Vm {
           break;
         }
         case ')':
-          Push(Tuple({}));
+          Push(kEmptyTuple);
           break;
         case 'N':
-          Push(Scalar(Kind::kNone));
+          Push(kNoneValue);
           break;
         case 0x88:
-          Push(Scalar(Kind::kBool, 1));
+          Push(kTrueValue);
           break;
         case 0x89:
-          Push(Scalar(Kind::kBool, 0));
+          Push(kFalseValue);
           break;
         case 'K':
           Push(Scalar(Kind::kInt, static_cast<int64_t>(TakeLe(1))));
@@ -321,8 +363,8 @@ class Vm {
         case 'r':
           Memoize(TakeLe(4));
           break;
-        case 0x94:  // MEMOIZE
-          Memoize(memo_.size());
+        case 0x94:  // MEMOIZE: the next index is the count of keys set (as in pickle.py)
+          Memoize(memo_count_);
           break;
         case 'h':
           Get(TakeLe(1));
@@ -395,6 +437,21 @@ class Vm {
           uint32_t args = Pop();
           uint32_t callable = Pop();
           Push(Reduce(callable, args));
+          break;
+        }
+        case 'b': {  // BUILD: state_dict() sets OrderedDict._metadata, which torch.save
+                     // pickles as BUILD's state. torch.load(weights_only=True) accepts it on an
+                     // OrderedDict or a tensor; it is an attribute, not an item, so it is
+                     // dropped here: it holds no tensors of the state dict.
+          uint32_t state = Pop();
+          const Value& target = Top();
+          if (target.kind != Kind::kDict && target.kind != Kind::kTensor) {
+            Fail("BUILD on something that is not an OrderedDict or a tensor");
+          }
+          Kind k = values_[state].kind;
+          if (k != Kind::kDict && k != Kind::kNone && k != Kind::kTuple) {
+            Fail("BUILD state is not a dict, a tuple or None");
+          }
           break;
         }
         default:
@@ -475,24 +532,44 @@ class Vm {
     t.storage_key = storage.s;
     t.storage_offset = offset.i;
     if (t.storage_offset < 0) Fail("negative storage offset");
+    if (tensors_.size() >= max_tensors_) {
+      Fail(StrCat("more than ", max_tensors_, " tensors rebuilt in a ", data_.size(),
+                  "-byte pickle"));
+    }
     t.shape = IntTuple(a[2], "tensor size");
     t.stride = IntTuple(a[3], "tensor stride");
     if (t.shape.size() != t.stride.size()) Fail("tensor size and stride differ in length");
+    dims_ += 2 * t.shape.size();
+    if (dims_ > max_dims_) {
+      Fail(StrCat("tensor sizes and strides hold more than ", max_dims_, " values in a ",
+                  data_.size(), "-byte pickle"));
+    }
     t.requires_grad = Arg(a, 4, Kind::kBool, "requires_grad").i != 0;
     const TorchStorage& s = out_.storages.at(storage.s);
     if (dtype.empty()) dtype = s.dtype;
     t.dtype = std::move(dtype);
-    // The furthest byte the tensor touches must lie inside its storage.
+    // The furthest element the tensor touches must lie inside its storage. Empty tensors touch
+    // nothing (whatever their other sizes). Otherwise every dimension that moves (size > 1,
+    // stride > 0) has size and stride at most the storage's element count n, and the running
+    // sum stays below n: each step adds at most n * n, so the 128-bit sum never wraps.
     unsigned itemsize = TorchDtypeBytes(t.dtype);
     using U = unsigned __int128;
-    U last = static_cast<U>(t.storage_offset);
-    bool empty = false;
-    for (size_t i = 0; i < t.shape.size(); ++i) {
-      if (t.shape[i] == 0) empty = true;
-      if (t.shape[i] > 0) last += static_cast<U>(t.shape[i] - 1) * static_cast<U>(t.stride[i]);
-    }
-    if (!empty && (last + 1) * itemsize > static_cast<U>(s.nbytes)) {
+    const uint64_t n = s.nbytes / itemsize;  // elements of the tensor's dtype in the storage
+    bool empty = std::find(t.shape.begin(), t.shape.end(), 0) != t.shape.end();
+    auto past_end = [&] {
       Fail(StrCat("tensor reaches past the end of storage '", s.key, "' (", s.nbytes, " bytes)"));
+    };
+    if (!empty) {
+      U last = static_cast<U>(t.storage_offset);
+      if (last >= n) past_end();
+      for (size_t i = 0; i < t.shape.size(); ++i) {
+        if (t.shape[i] <= 1 || t.stride[i] == 0) continue;
+        auto size = static_cast<uint64_t>(t.shape[i]);
+        auto stride = static_cast<uint64_t>(t.stride[i]);
+        if (size > n || stride > n) past_end();
+        last += static_cast<U>(size - 1) * stride;
+        if (last >= n) past_end();
+      }
     }
     tensors_.push_back(std::move(t));
     return Scalar(Kind::kTensor, static_cast<int64_t>(tensors_.size() - 1));
@@ -527,12 +604,14 @@ class Vm {
     if (f == "torch._utils._rebuild_parameter" ||
         f == "torch._utils._rebuild_parameter_with_state") {
       need(f.ends_with("state") ? 4 : 3, f.ends_with("state") ? 4 : 3);
-      const Value& data = Arg(a, 0, Kind::kTensor, "parameter data");
-      TorchTensor t = tensors_[static_cast<size_t>(data.i)];
-      t.requires_grad = Arg(a, 1, Kind::kBool, "requires_grad").i != 0;
-      t.parameter = true;
-      tensors_.push_back(std::move(t));
-      return Scalar(Kind::kTensor, static_cast<int64_t>(tensors_.size() - 1));
+      // Shares the data's TorchTensor: copying it would let `h h R` repeated copy 64-dimension
+      // vectors for 5 bytes each.
+      Value v;
+      v.kind = Kind::kTensor;
+      v.i = Arg(a, 0, Kind::kTensor, "parameter data").i;
+      v.parameter = true;
+      v.requires_grad = Arg(a, 1, Kind::kBool, "requires_grad").i != 0;
+      return New(std::move(v));
     }
     if (f == "torch.Size") {
       need(1, 1);
@@ -581,6 +660,18 @@ class Vm {
       case Kind::kTensor: {
         if (out_.tensors.size() >= kMaxTensors) WalkFail("more than 1048576 tensors");
         TorchTensor t = tensors_[static_cast<size_t>(v.i)];
+        if (v.parameter) {
+          t.parameter = true;
+          t.requires_grad = v.requires_grad;
+        }
+        // Shared subtrees emit a tensor per appearance, with its full key path: bound the sum.
+        output_bytes_ += sizeof(TorchTensor) + path.size() + t.storage_key.size() +
+                         sizeof(int64_t) * (t.shape.size() + t.stride.size());
+        if (output_bytes_ > max_output_bytes_) {
+          WalkFail(StrCat("the tensors listed would take more than ", max_output_bytes_,
+                          " bytes (shared subtrees repeat them) for a ", data_.size(),
+                          "-byte pickle"));
+        }
         t.path = path;
         out_.tensors.push_back(std::move(t));
         return;
@@ -621,8 +712,21 @@ class Vm {
   std::vector<Value> values_;
   std::vector<uint32_t> stack_;
   std::vector<size_t> marks_;
-  std::unordered_map<uint64_t, uint32_t> memo_;
+  static constexpr uint32_t kNoneValue = 0;  // the singletons the constructor makes
+  static constexpr uint32_t kTrueValue = 1;
+  static constexpr uint32_t kFalseValue = 2;
+  static constexpr uint32_t kEmptyTuple = 3;
+  static constexpr uint32_t kUnset = UINT32_MAX;  // a memo slot never set
+  const size_t max_values_;
+  const size_t max_memo_;
+  const size_t max_tensors_;
+  const size_t max_dims_;
+  const uint64_t max_output_bytes_;
+  std::vector<uint32_t> memo_;        // value by memo index; kUnset where none
+  uint64_t memo_count_ = 0;           // memo keys set
   std::vector<TorchTensor> tensors_;  // every tensor built, by kTensor value
+  size_t dims_ = 0;                   // sizes and strides held by tensors_
+  uint64_t output_bytes_ = 0;         // estimated size of out_.tensors
   uint64_t visits_ = 0;
   TorchPickle out_;
 };

@@ -83,6 +83,29 @@ TEST(CheckpointTorch, RefusesDisallowedGlobalsInAFile) {
   }
 }
 
+// torch.save(model.state_dict()): state_dict() sets OrderedDict._metadata, which the pickle
+// restores with BUILD. It is an attribute, not an item: no tensor and no value of it is listed.
+TEST(CheckpointTorch, ReadsStateDictsWithMetadata) {
+  TorchCheckpoint c = ReadFixture("state_dict.pt");
+  const TorchPickle& p = c.pickle;
+  ASSERT_EQ(p.tensors.size(), 9u);
+  EXPECT_EQ(p.tensors[0].path, "0.weight");
+  EXPECT_EQ(p.tensors[0].shape, (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(Get(p, "1.num_batches_tracked").dtype, "I64");
+  EXPECT_EQ(p.tensors[8].path, "2.bias");
+  EXPECT_EQ(p.other_values, 0u);
+
+  TorchCheckpoint t = ReadFixture("train_state.pt");
+  ASSERT_EQ(t.pickle.tensors.size(), 9u + 18u);
+  EXPECT_EQ(t.pickle.tensors[0].path, "model.0.weight");
+  EXPECT_EQ(Get(t.pickle, "optimizer.state.5.exp_avg_sq").shape, (std::vector<int64_t>{2}));
+  for (const auto& tensor : t.pickle.tensors) {
+    EXPECT_EQ(tensor.path.find("_metadata"), std::string::npos) << tensor.path;
+  }
+  // step, and param_groups' 13 Adam options, its params list's 6 ints.
+  EXPECT_GT(t.pickle.other_values, 6u);
+}
+
 TEST(CheckpointTorch, RefusesLegacyCompressedAndNonTorchFiles) {
   try {
     ReadFixture("legacy.pt");
@@ -154,7 +177,7 @@ TEST(CheckpointTorch, RefusesMalformedPickles) {
   EXPECT_TRUE(PickleRejects(kProto + "(K\x01u.", "odd number"));
   EXPECT_TRUE(PickleRejects(kProto + "h\x05.", "memo key 5 was never set"));
   EXPECT_TRUE(PickleRejects(kProto + "K\x01K\x02.", "STOP with a malformed stack"));
-  EXPECT_TRUE(PickleRejects(kProto + "b.", "unsupported pickle opcode 0x62"));
+  EXPECT_TRUE(PickleRejects(kProto + "o.", "unsupported pickle opcode 0x6f"));
   EXPECT_TRUE(PickleRejects(kProto + "c\n.", "bad GLOBAL operand"));
   EXPECT_TRUE(PickleRejects(kProto + "K\x00K\x01K\x02s."s, "not a dict"));
   EXPECT_TRUE(PickleRejects(kProto + "K\x01Q.", "persistent id is not"));
@@ -196,6 +219,57 @@ TEST(CheckpointTorch, ChecksTensorsAgainstTheirStorage) {
   EXPECT_TRUE(PickleRejects(TensorPickle(10, 2, 5, 2), "reaches past the end of storage '0'"));
   EXPECT_TRUE(PickleRejects(TensorPickle(10, 10, 1, 1), "reaches past the end"));
   EXPECT_NO_THROW(ParseTorchPickle(TensorPickle(10, 10, 0, 1)));  // empty tensors touch nothing
+}
+
+TEST(CheckpointTorch, BuildOnlyOnDictsAndTensors) {
+  // OrderedDict() with BUILD state {'_metadata': {}} (what torch.save emits), then None, ((), {}).
+  const std::string od = "ccollections\nOrderedDict\n)R"s;
+  EXPECT_NO_THROW(ParseTorchPickle(kProto + od + "}X\x09\x00\x00\x00_metadata}sb."s));
+  EXPECT_NO_THROW(ParseTorchPickle(kProto + od + "Nb."s));
+  EXPECT_NO_THROW(ParseTorchPickle(kProto + od + ")}\x86"s + "b."));
+  EXPECT_TRUE(PickleRejects(kProto + "]}b.", "BUILD on something that is not an OrderedDict"));
+  EXPECT_TRUE(PickleRejects(kProto + od + "K\x01"s + "b.", "BUILD state is not a dict"));
+  EXPECT_TRUE(PickleRejects(kProto + "}b.", "stack underflow"));
+}
+
+// A LONG1 int (8 bytes, little-endian).
+std::string Long8(uint64_t v) {
+  std::string out = "\x8a\x08"s;
+  for (int i = 0; i < 8; ++i) out += static_cast<char>((v >> (8 * i)) & 0xff);
+  return out;
+}
+
+// A float tensor over a 4-element storage with `rank` dimensions of size `size` and `stride`.
+std::string RankTensorPickle(int rank, uint64_t size, uint64_t stride) {
+  std::string shape = "(", strides = "(";
+  for (int i = 0; i < rank; ++i) {
+    shape += Long8(size);
+    strides += Long8(stride);
+  }
+  return kProto + "ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage"s +
+         "ctorch\nFloatStorage\nX\x01\x00\x00\x00"s + "0X\x03\x00\x00\x00"s + "cpuK\x04tQK\x00"s +
+         shape + "t" + strides +
+         "t\x89"
+         "ccollections\nOrderedDict\n)RtR.";
+}
+
+// 16 dimensions of size 2^62 + 1 and stride 2^62 reach 16 * 2^124 = 2^128 elements past the
+// offset: a 128-bit sum wraps to 0, which looked like a tensor inside a 4-element storage.
+TEST(CheckpointTorch, RefusesSizesAndStridesThatWouldWrapTheBoundsCheck) {
+  const uint64_t big = uint64_t{1} << 62;
+  EXPECT_TRUE(PickleRejects(RankTensorPickle(16, big + 1, big), "reaches past the end"));
+  EXPECT_TRUE(PickleRejects(RankTensorPickle(5, big + 1, 1), "reaches past the end"));
+  EXPECT_TRUE(PickleRejects(RankTensorPickle(5, 2, big), "reaches past the end"));
+  EXPECT_TRUE(PickleRejects(RankTensorPickle(2, 3, 1), "reaches past the end"));  // 5 elements
+  EXPECT_NO_THROW(ParseTorchPickle(RankTensorPickle(2, 2, 1)));                   // 3 elements
+  EXPECT_NO_THROW(ParseTorchPickle(RankTensorPickle(1, 4, 1)));
+  // Expanded tensors (stride 0) may be larger than their storage; size-1 dims' strides are moot.
+  EXPECT_NO_THROW(ParseTorchPickle(RankTensorPickle(16, big, 0)));
+  EXPECT_NO_THROW(ParseTorchPickle(RankTensorPickle(16, 1, big)));
+  // Empty tensors touch nothing, whatever their other sizes.
+  std::string empty = RankTensorPickle(5, big + 1, big);
+  empty.replace(empty.find(Long8(big + 1)), 10, Long8(0));
+  EXPECT_NO_THROW(ParseTorchPickle(empty));
 }
 
 }  // namespace

@@ -197,3 +197,58 @@ def test_float8_e8m0_through_both_directions(disk_dir: Path) -> None:
     back = disk_dir / "back.pt"
     convert(sf, back)
     assert_same(torch.load(back, weights_only=True), want)
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "checkpoint"
+
+
+def flatten(obj: object, prefix: str = "") -> dict:
+    """The tensors of a nested torch.load result by dotted key path, as `tensortier` names them."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    if isinstance(obj, dict):
+        items = obj.items()
+    else:
+        items = enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    out = {}
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["state_dict.pt", "train_state.pt"])
+def test_state_dict_files(disk_dir: Path, name: str) -> None:
+    """torch.save(model.state_dict()) pickles OrderedDict._metadata with a BUILD opcode."""
+    src = FIXTURES / name
+    want = flatten(torch.load(src, weights_only=True))
+    r = run("info", src)
+    assert r.returncode == 0, r.stderr
+    assert f"tensors:   {len(want)}" in r.stdout
+    r = run("verify", src)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "data OK" in r.stdout
+    dst = disk_dir / "out.safetensors"
+    convert(src, dst)
+    assert_same(st.load_file(str(dst)), want)
+
+
+def test_convert_replaces_a_symlinks_target(disk_dir: Path) -> None:
+    """As tensortier.save (and open(path, 'w')): the link stays, its target gets the new file; no
+    temporary file is left behind, whether convert succeeds or fails."""
+    (disk_dir / "real").mkdir()
+    target = disk_dir / "real" / "target.safetensors"
+    target.write_bytes(b"old")
+    link = disk_dir / "link.safetensors"
+    link.symlink_to(Path("real") / "target.safetensors")
+    convert(FIXTURES / "state_dict.pt", link)
+    assert link.is_symlink()
+    want = flatten(torch.load(FIXTURES / "state_dict.pt", weights_only=True))
+    assert_same(st.load_file(str(target)), want)
+    dangling = disk_dir / "dangling.safetensors"
+    dangling.symlink_to(Path("real") / "new.safetensors")
+    convert(FIXTURES / "state_dict.pt", dangling)
+    assert dangling.is_symlink() and (disk_dir / "real" / "new.safetensors").is_file()
+    r = run("convert", FIXTURES / "small.safetensors", disk_dir / "real" / "t.pt" / "x")
+    assert r.returncode != 0
+    leftovers = [p.name for p in disk_dir.rglob("*tmp*")]
+    assert leftovers == []

@@ -70,8 +70,31 @@ def dict_pickle():
         f.write(pkl)
 
 
+def state_dict_fixtures():
+    """state_dict.pt: torch.save(model.state_dict()); train_state.pt: a training checkpoint nesting
+    it. state_dict() sets OrderedDict._metadata, so their pickles end each state dict with a BUILD
+    opcode (the attribute's value) that a plain dict's pickle lacks. Run alone with
+        .venv/bin/python -c "import make_fixtures as m; m.state_dict_fixtures()"
+    (from this folder) to regenerate only these two files."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    torch.save(model.state_dict(), os.path.join(HERE, "state_dict.pt"))
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 5},
+        os.path.join(HERE, "train_state.pt"),
+    )
+    with zipfile.ZipFile(os.path.join(HERE, "train_state.pt")) as z:  # seeds the fuzz target
+        pkl = z.read("train_state/data.pkl")
+    with open(os.path.join(HERE, "../../fuzz/corpus/torch_pickle/train_state.pkl"), "wb") as f:
+        f.write(pkl)
+
+
 def main():
     dict_pickle()
+    state_dict_fixtures()
     save_file(tensors(), os.path.join(HERE, "small.safetensors"), metadata={"source": "make_fixtures.py"})
 
     # A state dict as torch.save writes it: nested dicts, non-tensor values, a view sharing its
