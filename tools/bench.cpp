@@ -101,7 +101,7 @@ Phase Stream(Engine& engine, const File& file, IoOp op, const Settings& s, Align
     if (previous.valid()) {
       const IoResult& r = previous.Wait();
       phase.bytes += r.bytes;
-      phase.stats = r.stats;
+      phase.stats += r.stats;  // every window, not only the last
       progress.Update(phase.bytes);
     }
     previous = f;
@@ -109,7 +109,7 @@ Phase Stream(Engine& engine, const File& file, IoOp op, const Settings& s, Align
   if (previous.valid()) {
     const IoResult& r = previous.Wait();
     phase.bytes += r.bytes;
-    phase.stats = r.stats;
+    phase.stats += r.stats;
   }
   if (op == IoOp::kWrite) file.DataSync();  // durable, as fio --end_fsync=1
   phase.seconds = std::chrono::duration<double>(Clock::now() - start).count();

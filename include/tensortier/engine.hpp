@@ -46,6 +46,9 @@ struct IoStats {
   bool eof = false;              // a read reached end of file before its full length
   bool direct_fallback = false;  // a file refused O_DIRECT (File::direct_fallback_reason says why)
   std::string residency_method;  // how page-cache residency was checked ("" when not checked)
+
+  // Adds `other`'s counts (one operation's stats into a total over several).
+  IoStats& operator+=(const IoStats& other);
 };
 
 struct IoResult {

@@ -550,6 +550,22 @@ void ReserveExtendingWrites(std::span<const IoDesc> pieces) {
 
 }  // namespace
 
+IoStats& IoStats::operator+=(const IoStats& other) {
+  if (backend.empty()) backend = other.backend;
+  requested_bytes += other.requested_bytes;
+  transferred_bytes += other.transferred_bytes;
+  direct_bytes += other.direct_bytes;
+  buffered_bytes += other.buffered_bytes;
+  bounced_bytes += other.bounced_bytes;
+  cached_bytes += other.cached_bytes;
+  requests += other.requests;
+  resubmits += other.resubmits;
+  eof = eof || other.eof;
+  direct_fallback = direct_fallback || other.direct_fallback;
+  if (!other.residency_method.empty()) residency_method = other.residency_method;
+  return *this;
+}
+
 Engine::Engine(EngineOptions options, const std::string& probe_dir) : options_(std::move(options)) {
   options_.Validate();
   if (options_.backend != "auto") {

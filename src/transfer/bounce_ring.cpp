@@ -25,21 +25,6 @@ void CheckRange(uint64_t file_offset, uint64_t length, uint64_t device_address) 
   }
 }
 
-void AddStats(IoStats& sum, const IoStats& s) {
-  if (sum.backend.empty()) sum.backend = s.backend;
-  sum.requested_bytes += s.requested_bytes;
-  sum.transferred_bytes += s.transferred_bytes;
-  sum.direct_bytes += s.direct_bytes;
-  sum.buffered_bytes += s.buffered_bytes;
-  sum.bounced_bytes += s.bounced_bytes;
-  sum.cached_bytes += s.cached_bytes;
-  sum.requests += s.requests;
-  sum.resubmits += s.resubmits;
-  sum.eof = sum.eof || s.eof;
-  sum.direct_fallback = sum.direct_fallback || s.direct_fallback;
-  if (!s.residency_method.empty()) sum.residency_method = s.residency_method;
-}
-
 // Waits for a future whose outcome no longer matters (draining after an error).
 void WaitQuietly(const Future& f) noexcept {
   try {
@@ -139,7 +124,7 @@ TransferResult BounceRing::FileToDevice(DeviceCopier& copier, const File& file,
       const Future read = std::move(reads.front().second);
       reads.pop_front();
       const IoResult r = read.Wait();
-      AddStats(result.io, r.stats);
+      result.io += r.stats;
       if (at_eof) continue;  // a read past an earlier end of file: drained, not used
       const Chunk& c = chunks[index];
       if (r.bytes > 0) {
@@ -183,7 +168,7 @@ TransferResult BounceRing::DeviceToFile(DeviceCopier& copier, uint64_t device_ad
     const Future write = std::move(writes.front().second);
     writes.pop_front();
     const IoResult r = write.Wait();
-    AddStats(result.io, r.stats);
+    result.io += r.stats;
     const Chunk& c = chunks[index];
     if (r.bytes != c.length) {  // the engine continues short writes: this would be a bug
       ThrowIoError(EIO, "bounce ring write (short)", file.path(), c.file_offset, c.length);

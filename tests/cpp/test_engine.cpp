@@ -834,6 +834,40 @@ INSTANTIATE_TEST_SUITE_P(Backends, EnginePageCacheTest, ::testing::ValuesIn(Comp
 // ---------------------------------------------------------------------------------------------
 // Engine construction (not per backend)
 
+TEST(EngineStatsTest, AddingStatsSumsCountsAndKeepsFlags) {
+  IoStats total;
+  IoStats a;
+  a.backend = "io_uring";
+  a.requested_bytes = a.transferred_bytes = 10;
+  a.direct_bytes = 8;
+  a.buffered_bytes = 2;
+  a.requests = 3;
+  IoStats b;
+  b.backend = "threads";
+  b.requested_bytes = 5;
+  b.transferred_bytes = 4;
+  b.bounced_bytes = b.direct_bytes = 4;
+  b.cached_bytes = b.buffered_bytes = 1;
+  b.requests = 2;
+  b.resubmits = 1;
+  b.eof = true;
+  b.residency_method = "cachestat";
+  total += a;
+  total += b;
+  EXPECT_EQ(total.backend, "io_uring");  // the first operation's
+  EXPECT_EQ(total.requested_bytes, 15u);
+  EXPECT_EQ(total.transferred_bytes, 14u);
+  EXPECT_EQ(total.direct_bytes, 12u);
+  EXPECT_EQ(total.buffered_bytes, 3u);
+  EXPECT_EQ(total.bounced_bytes, 4u);
+  EXPECT_EQ(total.cached_bytes, 1u);
+  EXPECT_EQ(total.requests, 5u);
+  EXPECT_EQ(total.resubmits, 1u);
+  EXPECT_TRUE(total.eof);
+  EXPECT_FALSE(total.direct_fallback);
+  EXPECT_EQ(total.residency_method, "cachestat");
+}
+
 TEST(EngineConstructionTest, BadOptionsAreRejected) {
   EngineOptions o = testing::SmallEngineOptions(BackendKind::kThreads);
   o.workers = 0;
