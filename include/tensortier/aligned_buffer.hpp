@@ -6,7 +6,12 @@
 
 namespace tensortier {
 
+// The smallest page size of x86-64 and most arm64 kernels: what buffers and extents are aligned
+// to. Where the kernel's page size matters for correctness (page-cache granularity: mincore,
+// cachestat counts, whole-page writes) use SystemPageSize(), which is 16 or 64 KiB on some arm64
+// kernels.
 inline constexpr size_t kPageSize = 4096;
+size_t SystemPageSize();
 
 constexpr uint64_t AlignDown(uint64_t value, uint64_t alignment) {
   return value - value % alignment;

@@ -409,7 +409,7 @@ class Planner {
     // stale page overwrites it (the kernel cannot invalidate a dirty page). Whole pages keep
     // buffered and direct writes, of this operation or of any other, on separate pages.
     const uint64_t align = op_->op == IoOp::kWrite
-                               ? std::max<uint64_t>(file.offset_alignment(), kPageSize)
+                               ? std::max<uint64_t>(file.offset_alignment(), SystemPageSize())
                                : file.offset_alignment();
     const uint64_t end = piece.offset + piece.length;
     // A direct read of the block holding end of file lets the kernel fill the whole block, zeroing

@@ -44,11 +44,12 @@ bool TryCachestat(int fd, uint64_t offset, uint64_t length, uint64_t* pages) {
 }
 
 bool TryMincore(int fd, uint64_t offset, uint64_t length, uint64_t* pages) {
-  uint64_t start = AlignDown(offset, kPageSize);
-  uint64_t span = AlignUp(offset + length, kPageSize) - start;
+  const uint64_t page = SystemPageSize();  // mmap offsets and mincore entries are in pages
+  uint64_t start = AlignDown(offset, page);
+  uint64_t span = AlignUp(offset + length, page) - start;
   void* map = mmap(nullptr, span, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(start));
   if (map == MAP_FAILED) return false;
-  std::vector<unsigned char> vec(span / kPageSize);
+  std::vector<unsigned char> vec(span / page);
   bool ok = mincore(map, span, vec.data()) == 0;
   munmap(map, span);
   if (!ok) return false;
@@ -89,7 +90,7 @@ Residency QueryResidency(int fd, uint64_t offset, uint64_t length, ResidencyMeth
   if (!ok) return r;
   r.method = method;
   // Pages are counted whole; a partially covered page counts as its covered bytes at most.
-  r.resident_bytes = std::min(pages * kPageSize, length);
+  r.resident_bytes = std::min(pages * SystemPageSize(), length);
   return r;
 }
 

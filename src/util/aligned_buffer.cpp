@@ -1,6 +1,7 @@
 #include "tensortier/aligned_buffer.hpp"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <new>
 #include <utility>
@@ -8,6 +9,14 @@
 namespace tensortier {
 namespace {
 constexpr size_t kHugePageThreshold = 4u << 20;
+}
+
+size_t SystemPageSize() {
+  static const size_t size = [] {
+    long n = sysconf(_SC_PAGESIZE);
+    return n > 0 ? static_cast<size_t>(n) : kPageSize;
+  }();
+  return size;
 }
 
 AlignedBuffer::AlignedBuffer(size_t size, bool lock) : size_(size) {

@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include "tensortier/aligned_buffer.hpp"
 #include "tensortier/config.hpp"
 #include "test_util.hpp"
 
@@ -381,6 +384,17 @@ TEST_F(EnvironmentTest, DefaultsShowTheEffectiveValueOfEachVariable) {
 TEST_F(EnvironmentTest, DefaultsRejectABadEnvironment) {
   ScopedEnv e("TENSORTIER_WORKERS", "zero");
   EXPECT_THROW(Defaults(), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace tensortier
+
+namespace tensortier {
+namespace {
+
+TEST(SystemPageSizeTest, IsTheKernelsPageSize) {
+  EXPECT_EQ(SystemPageSize(), static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+  EXPECT_EQ(SystemPageSize() % kPageSize, 0u);
 }
 
 }  // namespace
