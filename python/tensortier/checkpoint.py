@@ -277,7 +277,7 @@ def load_into(
     fspath = os.fspath(path)
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
     try:
-        sources = _describe_sources(fspath, io, files)  # name -> _Source
+        sources = _describe_sources(fspath, io, files, verify)  # name -> _Source
         return _load_into(targets, sources, strict, verify, progress, io, fspath, files)
     finally:
         for f in files.values():
@@ -1117,11 +1117,18 @@ def _archive_prefix(path: str, records: Mapping[str, _ZipRecord]) -> str:
     return prefix
 
 
-def _read_record(path: str, fd: int, records: Mapping[str, _ZipRecord], name: str) -> bytes:
+def _read_record(
+    path: str, fd: int, records: Mapping[str, _ZipRecord], name: str, verify: bool = False
+) -> bytes:
     rec = records[name]
     data = os.pread(fd, rec.size, rec.offset)  # small metadata records only
     if len(data) != rec.size:
         raise ValueError(f"{path}: record {name} is truncated")
+    if verify and rec.crc32 != 0 and zlib.crc32(data) != rec.crc32:
+        raise ValueError(
+            f"{path}: checksum mismatch in record {name!r}: stored crc32 {rec.crc32:08x}, data "
+            f"has {zlib.crc32(data):08x}: the file is corrupt"
+        )
     return data
 
 
@@ -1136,12 +1143,14 @@ class _StorageRef:
 
 
 def _unpickle_torch(
-    path: str, storage_device: Any, label: str | None = None
+    path: str, storage_device: Any, label: str | None = None, verify: bool = False
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
     `storage_device` (``meta``: not at all) and filled later. Returns the object, the storages by
     key, the records, the archive prefix and whether the file is big-endian. The storage
-    references carry `label` (the user's path when `path` is a /proc/self/fd link)."""
+    references carry `label` (the user's path when `path` is a /proc/self/fd link). With
+    `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
+    there changes offsets, strides or non-tensor values without touching any storage."""
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
@@ -1149,10 +1158,10 @@ def _unpickle_torch(
     prefix = _archive_prefix(path, records)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        pkl = _read_record(path, fd, records, prefix + "data.pkl")
+        pkl = _read_record(path, fd, records, prefix + "data.pkl", verify)
         big_endian = False
         if prefix + "byteorder" in records:
-            order = _read_record(path, fd, records, prefix + "byteorder")
+            order = _read_record(path, fd, records, prefix + "byteorder", verify)
             if order not in (b"little", b"big"):
                 raise ValueError(f"{path}: unknown byte order {order[:16]!r}")
             big_endian = order == b"big"
@@ -1244,7 +1253,7 @@ def _load_torch(
     file = io.open(path, "r")
     try:
         obj, storages, _, _, big_endian = _same_file(
-            file, path, lambda name: _unpickle_torch(name, dev, label=path)
+            file, path, lambda name: _unpickle_torch(name, dev, label=path, verify=verify)
         )
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
         if verify:
@@ -1483,7 +1492,9 @@ class _Source:
     view: Any = None  # torch: a meta tensor describing the saved view
 
 
-def _describe_sources(path: str, io: IOHandle, files: dict[str, File]) -> dict[str, _Source]:
+def _describe_sources(
+    path: str, io: IOHandle, files: dict[str, File], verify: bool = False
+) -> dict[str, _Source]:
     """The tensors of `path` (an index: of its shards). Every data file is opened into `files`
     and parsed through that descriptor."""
     kind = _sniff(path)
@@ -1492,7 +1503,7 @@ def _describe_sources(path: str, io: IOHandle, files: dict[str, File]) -> dict[s
         for shard, names in _read_index(path).items():
             if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
                 raise ValueError(f"{path}: shard {shard} is itself an index")
-            part = _describe_sources(shard, io, files)
+            part = _describe_sources(shard, io, files, verify)
             missing = [n for n in names if n not in part]
             if missing:
                 raise ValueError(
@@ -1515,7 +1526,7 @@ def _describe_sources(path: str, io: IOHandle, files: dict[str, File]) -> dict[s
         }
     torch = _torch()
     obj, storages, _, _, big_endian = _same_file(
-        file, path, lambda name: _unpickle_torch(name, torch.device("meta"), label=path)
+        file, path, lambda name: _unpickle_torch(name, torch.device("meta"), label=path, verify=verify)
     )
     if big_endian:
         raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")

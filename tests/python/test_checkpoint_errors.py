@@ -225,6 +225,24 @@ def test_verify_detects_flipped_byte_torch(disk_dir: Path) -> None:
         tensortier.load_into({k: torch.zeros_like(v) for k, v in sd.items()}, path, verify=True)
 
 
+def test_verify_detects_a_flipped_byte_in_the_torch_metadata(disk_dir: Path) -> None:
+    # A bit flip in data.pkl changes a value, an offset or a stride without touching any
+    # storage: only the record's own CRC-32 sees it.
+    sd = {"a": torch.randn(100), "note": "checkpoint of step 1000"}
+    path = disk_dir / "m.pt"
+    tensortier.save(sd, path, checksum=True)
+    data = path.read_bytes()
+    where = data.index(b"step 1000")
+    with open(path, "r+b") as f:
+        f.seek(where)
+        f.write(b"stop")
+    assert tensortier.load(path)["note"] == "checkpoint of stop 1000"  # silently different
+    with pytest.raises(ValueError, match="checksum mismatch in record '.*data.pkl'"):
+        tensortier.load(path, verify=True)
+    with pytest.raises(ValueError, match="data.pkl"):
+        tensortier.load_into({"a": torch.zeros(100)}, path, strict=False, verify=True)
+
+
 def test_verify_without_checksums(disk_dir: Path) -> None:
     path = disk_dir / "n.safetensors"
     tensortier.save({"a": torch.ones(3)}, path)
