@@ -444,6 +444,42 @@ def _tmp_name(final: str) -> str:
     return os.path.join(head, f".{tail}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+# A temporary file nobody wrote to for this long, of a process gone from this machine, is left
+# over from a killed save. (The age spares saves running on other machines over shared storage.)
+_STALE_TMP_SECONDS = 3600.0
+
+
+def _remove_stale_temps(final: str) -> None:
+    """Remove the temporary files of earlier saves to `final` whose process was killed mid-save:
+    each is as large as the checkpoint, hidden, and nothing else would ever remove it."""
+    head, tail = os.path.split(final)
+    prefix = f".{tail}.tmp-"
+    try:
+        names = os.listdir(head)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid_text, _, token = name[len(prefix):].partition("-")
+        if not pid_text.isdigit() or len(token) != 8 or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # alive under another user, or not a pid
+        stale = os.path.join(head, name)
+        try:
+            if now - os.lstat(stale).st_mtime >= _STALE_TMP_SECONDS:
+                os.unlink(stale)
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove: not this save's problem
+
+
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -470,6 +506,7 @@ class _DurableFile:
                 errno.ENOENT, "the directory to save into does not exist", directory
             )
         self.directory = directory
+        _remove_stale_temps(self.final)
         self.tmp = _tmp_name(self.final)
         mode = 0o666
         try:

@@ -404,3 +404,32 @@ def test_a_file_replaced_while_loading_is_read_from_one_version(
         assert torch.equal(target["w"], old["w"])
     else:
         assert torch.equal(tensortier.load(path)["w"], old["w"])
+
+
+def test_save_removes_temporary_files_of_killed_saves(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is gone (reuse within this test is vanishingly unlikely)
+    hour_ago = time.time() - 2 * 3600
+    path = tmp_path / "m.safetensors"
+
+    def temp(pid: int, token: str, old: bool) -> Path:
+        p = tmp_path / f".m.safetensors.tmp-{pid}-{token}"
+        p.write_bytes(b"x" * 4096)
+        if old:
+            os.utime(p, (hour_ago, hour_ago))
+        return p
+
+    killed = temp(dead.pid, "0123abcd", old=True)
+    recent = temp(dead.pid, "4567abcd", old=False)  # maybe a save on another machine
+    alive = temp(os.getpid(), "89abcdef", old=True)  # this process: not killed
+    other = tmp_path / f".other.safetensors.tmp-{dead.pid}-0123abcd"  # another checkpoint's
+    other.write_bytes(b"x")
+    os.utime(other, (hour_ago, hour_ago))
+    tensortier.save({"a": torch.ones(3)}, path)
+    assert not killed.exists()
+    assert recent.exists() and alive.exists() and other.exists()
+    assert torch.equal(tensortier.load(path)["a"], torch.ones(3))
