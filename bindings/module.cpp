@@ -300,11 +300,16 @@ PYBIND11_MODULE(_core, m) {
   m.def("remove_stale_offload_files", &RemoveStaleOffloadFiles, py::arg("dir"),
         py::call_guard<py::gil_scoped_release>());
 
+  m.def("huge_pages_policy", &HugePagesPolicy,
+        "Which page-aligned buffers ask for transparent huge pages in this process, and why.");
   m.def("buffer_address", &BufferAddress, py::arg("obj"), py::arg("writable"),
         "Address of a C-contiguous buffer export; raises BufferError if it is not one.");
   // Page-aligned host memory with the buffer protocol (numpy/torch.frombuffer wrap it).
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
-      .def(py::init<size_t>(), py::arg("size"))
+      .def(py::init([](size_t size, bool reused) {
+             return AlignedBuffer(size, reused ? Pages::kReused : Pages::kTouchedOnce);
+           }),
+           py::arg("size"), py::arg("reused") = false)
       .def("__len__", &AlignedBuffer::size)
       .def_property_readonly(
           "address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })

@@ -44,7 +44,7 @@ struct PinnedMemory {
   PinnedMemory(size_t size, int device) {
     const CudaDriver& driver = RequireDriver("pinned host memory (cuMemHostRegister)");
     if (size == 0) return;
-    memory = AlignedBuffer(size);
+    memory = AlignedBuffer(size, Pages::kReused);
     registration.emplace(PrimaryContext(driver, device), memory.data(), size);
   }
 };

@@ -153,7 +153,7 @@ Phase RunRandomRead(Engine& engine, const Settings& s) {
   if (!s.warm) f.DropCache();
   const uint64_t blocks = std::max<uint64_t>(f.Size() / s.block, 1);
   const unsigned slots = std::min<unsigned>(s.ops, 1024);
-  AlignedBuffer buf(static_cast<size_t>(s.block) * slots);
+  AlignedBuffer buf(static_cast<size_t>(s.block) * slots, Pages::kReused);
   std::mt19937_64 rng(42);
   std::vector<IoDesc> pieces;
   pieces.reserve(s.ops);
@@ -174,7 +174,8 @@ Phase RunRandomRead(Engine& engine, const Settings& s) {
 std::vector<Phase> RunOnce(const Settings& s) {
   Engine engine(OptionsFor(s), s.dir);
   const uint64_t window = std::min<uint64_t>(AlignUp(s.size, kPageSize), 256ull << 20);
-  AlignedBuffer buf(static_cast<size_t>(std::max<uint64_t>(window, s.block)) * 2, true);
+  AlignedBuffer buf(static_cast<size_t>(std::max<uint64_t>(window, s.block)) * 2, Pages::kReused,
+                    true);
   std::mt19937_64 rng(7);
   for (size_t i = 0; i + 8 <= buf.size(); i += 8) {
     uint64_t v = rng();

@@ -7,6 +7,7 @@
 #include "tensortier/strings.hpp"
 
 #include "cli.hpp"
+#include "tensortier/aligned_buffer.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/file.hpp"
@@ -75,7 +76,8 @@ int RunCheck(const std::vector<std::string>& argv) {
     std::printf("O_DIRECT: could not test (%s)\n", e.what());
   }
   std::printf("CUDA driver (libcuda.so.1): %s\n", LibraryPresence("libcuda.so.1").c_str());
-  std::printf("cuFile (libcufile.so.0): %s\n\n", LibraryPresence("libcufile.so.0").c_str());
+  std::printf("cuFile (libcufile.so.0): %s\n", LibraryPresence("libcufile.so.0").c_str());
+  std::printf("huge pages (TENSORTIER_HUGE_PAGES): %s\n\n", HugePagesPolicy().c_str());
 
   std::printf("defaults (environment overrides applied):\n");
   for (const auto& d : Defaults()) {

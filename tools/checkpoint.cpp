@@ -197,7 +197,8 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
   std::printf("%s: structure OK (%s, %zu tensors)\n", path.c_str(),
               l.format == Format::kSafetensors ? "safetensors" : "torch.save zip", l.items.size());
   // Buffers before the engine: its destructor waits for reads still in flight into them.
-  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
+                           AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File file = File::Open(path, OpenMode::kRead, true);
   std::vector<std::string> problems;
@@ -377,7 +378,8 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   uint64_t data_start = header.size();
 
   // Buffers before the engine: its destructor waits for I/O still in flight from them.
-  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
+                           AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File src = File::Open(in, OpenMode::kRead, true);
   PendingFile pending(out);
@@ -473,7 +475,8 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   // Declared before the engine: its destructor waits for I/O still in flight from these.
   std::vector<std::string> blocks;
   std::vector<uint64_t> offsets;
-  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk), AlignedBuffer(kChunk)};
+  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
+                           AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File src = File::Open(in, OpenMode::kRead, true);
   PendingFile pending(out);

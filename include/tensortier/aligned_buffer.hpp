@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace tensortier {
 
@@ -23,15 +24,30 @@ inline bool IsAligned(const void* address, size_t alignment) {
   return reinterpret_cast<uintptr_t>(address) % alignment == 0;
 }
 
-// Anonymous mapping rounded up to whole pages; zero-filled. Large buffers ask for transparent huge
-// pages because the virtio disks we run on split requests at physical-contiguity boundaries (see
-// DESIGN.md), so fewer, larger physical extents mean larger requests. Move-only.
+// What a buffer is for, which decides the pages behind it (transparent huge pages, 4 MiB and
+// larger buffers only):
+//  kReused: bounce buffers, pinned pools, staging buffers: huge pages. The virtio disks we run on
+//    split requests at physical-contiguity boundaries (see DESIGN.md), so fewer, larger physical
+//    extents mean larger requests, and the first-touch cost is paid once.
+//  kTouchedOnce: memory filled once and handed to the caller (loaded tensors): huge pages too,
+//    except on VMs whose guest reports free memory to its host (virtio-balloon free page
+//    reporting): there the first touch of a huge page that was free for a few seconds costs
+//    ~1.1 s per GiB, of small pages ~0.2 s per GiB (BENCHMARKS.md), more than huge pages save.
+// TENSORTIER_HUGE_PAGES=0 or 1 overrides both (read once per process).
+enum class Pages { kTouchedOnce, kReused };
+
+// Whether buffers for `use` ask for huge pages in this process, and why (for `tensortier check`).
+bool UsesHugePages(Pages use);
+std::string HugePagesPolicy();
+
+// Anonymous mapping rounded up to whole pages; zero-filled. Move-only.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  // Throws std::bad_alloc if the mapping fails. `lock` asks mlock() for it (best effort: a refused
-  // lock is not an error, as RLIMIT_MEMLOCK is often small).
-  explicit AlignedBuffer(size_t size, bool lock = false);
+  // Throws std::bad_alloc if the mapping fails, std::invalid_argument if TENSORTIER_HUGE_PAGES is
+  // malformed. `lock` asks mlock() for it (best effort: a refused lock is not an error, as
+  // RLIMIT_MEMLOCK is often small).
+  explicit AlignedBuffer(size_t size, Pages use = Pages::kTouchedOnce, bool lock = false);
   ~AlignedBuffer();
   AlignedBuffer(AlignedBuffer&& other) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;

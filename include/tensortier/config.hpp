@@ -44,6 +44,8 @@ std::vector<DefaultSetting> Defaults();
 // Parses "4096", "64K", "1M", "2G", "1T" (powers of 1024, optional trailing "B"/"iB").
 // Throws std::invalid_argument on anything else.
 uint64_t ParseSize(std::string_view text);
+// "1", "true", "on", "yes" / "0", "false", "off", "no". Throws std::invalid_argument naming `what`.
+bool ParseBool(std::string_view text, const char* what);
 // "4 MiB", "1.5 GiB": for messages and tables.
 std::string FormatSize(uint64_t bytes);
 

@@ -55,12 +55,18 @@ def probe_backends(directory: str | os.PathLike[str] = ".") -> list[dict[str, An
     return list(_core.probe_backends(os.fspath(directory)))
 
 
-def aligned_empty(shape: int | tuple[int, ...], dtype: Any = None) -> Any:
+def aligned_empty(
+    shape: int | tuple[int, ...], dtype: Any = None, *, reused: bool = False
+) -> Any:
     """An uninitialised CPU tensor whose memory is page-aligned (the fastest I/O target).
 
     Args:
         shape: tensor shape.
         dtype: a torch dtype (default ``torch.uint8``).
+        reused: the buffer serves many transfers (a staging buffer): it always gets
+            transparent huge pages when 4 MiB or larger (fewer, larger disk requests). Memory
+            filled once gets them unless this VM reports free memory to its host, which makes
+            their first touch slow (see ``tensortier check``).
     """
     import torch
 
@@ -74,6 +80,6 @@ def aligned_empty(shape: int | tuple[int, ...], dtype: Any = None) -> Any:
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype)
-    buffer = _core.AlignedBuffer(nbytes)
+    buffer = _core.AlignedBuffer(nbytes, reused=reused)
     # torch.frombuffer keeps `buffer` alive for as long as the tensor's storage lives.
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(dims)

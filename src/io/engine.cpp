@@ -297,7 +297,7 @@ class Worker {
 
   AlignedBuffer* TakeBounce() {
     if (free_bounce_.empty()) {
-      bounce_.push_back(std::make_unique<AlignedBuffer>(chunk_));
+      bounce_.push_back(std::make_unique<AlignedBuffer>(chunk_, Pages::kReused));
       return bounce_.back().get();
     }
     AlignedBuffer* b = free_bounce_.back();

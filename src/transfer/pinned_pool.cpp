@@ -176,7 +176,7 @@ std::optional<PinnedBuffer> PinnedPool::Take(size_t bytes, bool wait) {
   evicted.clear();
   auto block = std::make_unique<detail::PinnedBlock>();
   try {
-    block->memory = AlignedBuffer(size, /*lock=*/!s.context.has_value());
+    block->memory = AlignedBuffer(size, Pages::kReused, /*lock=*/!s.context.has_value());
     if (s.context) block->registration.emplace(*s.context, block->memory.data(), size);
   } catch (...) {
     {

@@ -3,12 +3,69 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <new>
+#include <string>
 #include <utility>
+
+#include "tensortier/config.hpp"
+#include "tensortier/strings.hpp"
 
 namespace tensortier {
 namespace {
 constexpr size_t kHugePageThreshold = 4u << 20;
+// Feature bit VIRTIO_BALLOON_F_REPORTING: the guest reports free pages, the host discards them.
+constexpr size_t kBalloonFreePageReportingBit = 5;
+
+// The name of a virtio balloon device that reports free pages, or "".
+std::string FreePageReportingDevice() {
+  const std::filesystem::path drivers = "/sys/bus/virtio/drivers/virtio_balloon";
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(drivers, ec)) {
+    if (entry.path().filename().string().rfind("virtio", 0) != 0) continue;
+    std::ifstream in(entry.path() / "features");
+    std::string bits;  // one character per feature bit, bit 0 first
+    if (in >> bits && bits.size() > kBalloonFreePageReportingBit &&
+        bits[kBalloonFreePageReportingBit] == '1') {
+      return entry.path().filename().string();
+    }
+  }
+  return "";
+}
+
+struct HugePageChoice {
+  bool touched_once;
+  bool reused;
+  std::string why;
+};
+
+const HugePageChoice& Choice() {
+  static const HugePageChoice choice = [] {
+    if (const char* v = std::getenv("TENSORTIER_HUGE_PAGES"); v != nullptr && *v != '\0') {
+      const bool on = ParseBool(v, "TENSORTIER_HUGE_PAGES");
+      return HugePageChoice{on, on, StrCat("TENSORTIER_HUGE_PAGES=", v)};
+    }
+    const std::string device = FreePageReportingDevice();
+    if (!device.empty()) {
+      return HugePageChoice{
+          false, true,
+          StrCat("reused buffers only: the guest reports free pages to its host (", device,
+                 "), which makes first touches of huge pages slow")};
+    }
+    return HugePageChoice{true, true, "all buffers of 4 MiB and more"};
+  }();
+  return choice;
+}
+}  // namespace
+
+bool UsesHugePages(Pages use) {
+  return use == Pages::kReused ? Choice().reused : Choice().touched_once;
+}
+
+std::string HugePagesPolicy() {
+  return Choice().why;
 }
 
 size_t SystemPageSize() {
@@ -19,13 +76,15 @@ size_t SystemPageSize() {
   return size;
 }
 
-AlignedBuffer::AlignedBuffer(size_t size, bool lock) : size_(size) {
+AlignedBuffer::AlignedBuffer(size_t size, Pages use, bool lock) : size_(size) {
   if (size == 0) return;
-  mapped_ = AlignUp(size, kPageSize);
-  void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const size_t mapped = AlignUp(size, kPageSize);
+  const bool huge = mapped >= kHugePageThreshold && UsesHugePages(use);  // may throw: map after
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
   data_ = static_cast<std::byte*>(p);
-  if (mapped_ >= kHugePageThreshold) madvise(p, mapped_, MADV_HUGEPAGE);  // advisory only
+  mapped_ = mapped;
+  if (huge) madvise(p, mapped_, MADV_HUGEPAGE);  // advisory only
   if (lock) locked_ = mlock(p, mapped_) == 0;
 }
 

@@ -26,13 +26,13 @@ uint64_t ParseUnsigned(std::string_view text, const char* what) {
   return value;
 }
 
+}  // namespace
+
 bool ParseBool(std::string_view text, const char* what) {
   if (text == "1" || text == "true" || text == "on" || text == "yes") return true;
   if (text == "0" || text == "false" || text == "off" || text == "no") return false;
   throw std::invalid_argument(StrCat(what, ": '", text, "' is not a boolean (use 0 or 1)"));
 }
-
-}  // namespace
 
 uint64_t ParseSize(std::string_view text) {
   std::string_view digits = text;

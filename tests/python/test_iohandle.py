@@ -189,6 +189,61 @@ def test_aligned_empty() -> None:
         tensortier.aligned_empty((-1, 2))
 
 
+_HUGE_PAGE_PROBE = """
+import sys, tensortier
+def vm_flags(address):
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not line.startswith("VmFlags"):
+                lo, _, hi = head.partition("-")
+                try:
+                    inside = int(lo, 16) <= address < int(hi, 16)
+                except ValueError:
+                    pass
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return []
+once = tensortier.aligned_empty(8 << 20)
+reused = tensortier.aligned_empty(8 << 20, reused=True)
+print("hg" in vm_flags(once.data_ptr()), "hg" in vm_flags(reused.data_ptr()))
+print(tensortier._core.huge_pages_policy())
+"""
+
+
+@pytest.mark.parametrize(
+    "value, expect", [("1", "True True"), ("0", "False False"), (None, None)]
+)
+def test_huge_pages_policy(value: str | None, expect: str | None) -> None:
+    """Reused buffers ask for huge pages; buffers filled once do unless the VM reports free
+    pages to its host; TENSORTIER_HUGE_PAGES overrides both (MADV_HUGEPAGE shows as "hg")."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TENSORTIER_HUGE_PAGES"}
+    if value is not None:
+        env["TENSORTIER_HUGE_PAGES"] = value
+    out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE], env=env, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    if expect is not None:
+        assert out[0] == expect and out[1] == f"TENSORTIER_HUGE_PAGES={value}"
+    else:
+        reports = "reports free pages" in out[1]
+        assert out[0] == ("False True" if reports else "True True"), out
+
+
+def test_huge_pages_bad_value() -> None:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TENSORTIER_HUGE_PAGES="maybe")
+    proc = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "ValueError: TENSORTIER_HUGE_PAGES: 'maybe' is not a boolean" in proc.stderr
+
+
 def test_bad_input(disk_dir: Path) -> None:
     path = disk_dir / "x.bin"
     path.write_bytes(b"0" * 100)

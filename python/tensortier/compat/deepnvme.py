@@ -189,7 +189,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
 
         if torch.cuda.is_available():
             return torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
-        return aligned_empty(num_elem, example_tensor.dtype)
+        return aligned_empty(num_elem, example_tensor.dtype, reused=True)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
         """Releases a tensor from ``new_cpu_locked_tensor`` (its memory goes with the last

@@ -1,0 +1,89 @@
+// AlignedBuffer: alignment, zero fill, and which page policy the kernel was given.
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "tensortier/aligned_buffer.hpp"
+
+namespace tensortier {
+namespace {
+
+// The VmFlags line of the /proc/self/smaps entry that contains `address`, or "" if none does.
+std::string VmFlagsOf(const void* address) {
+  const auto target = reinterpret_cast<uintptr_t>(address);
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t begin = 0, end = 0;
+    char dash = 0;
+    std::istringstream header(line);
+    if (header >> std::hex >> begin >> dash >> end && dash == '-') {
+      inside = begin <= target && target < end;
+      continue;
+    }
+    if (inside && line.rfind("VmFlags:", 0) == 0) return line;
+  }
+  return "";
+}
+
+// True if the VmFlags line names `flag` as a whole two-letter word.
+bool HasFlag(const std::string& vm_flags, const std::string& flag) {
+  return (vm_flags + " ").find(" " + flag + " ") != std::string::npos;
+}
+
+TEST(AlignedBufferTest, PageAlignedAndZeroFilled) {
+  for (size_t size : {size_t{1}, size_t{4095}, size_t{4097}, size_t{5} << 20}) {
+    AlignedBuffer buffer(size);
+    EXPECT_EQ(buffer.size(), size);
+    EXPECT_TRUE(IsAligned(buffer.data(), kPageSize));
+    for (size_t i = 0; i < size; i += 997) ASSERT_EQ(buffer.data()[i], std::byte{0}) << i;
+  }
+}
+
+TEST(AlignedBufferTest, EmptyBufferHasNoMemory) {
+  AlignedBuffer buffer(0);
+  EXPECT_EQ(buffer.data(), nullptr);
+  EXPECT_EQ(buffer.size(), 0u);
+}
+
+// Reused buffers ask for huge pages; memory touched once does unless the guest reports free
+// pages (see the header for why). VM_HUGEPAGE shows as "hg" in smaps; the kernel may still not
+// give huge pages. TENSORTIER_HUGE_PAGES overrides both (tested from Python, per process).
+TEST(AlignedBufferTest, HugePagesFollowThePolicy) {
+  AlignedBuffer once(8 << 20);
+  AlignedBuffer reused(8 << 20, Pages::kReused);
+  AlignedBuffer small(64 << 10, Pages::kReused);  // below the threshold: not worth a huge page
+  const std::string once_flags = VmFlagsOf(once.data());
+  const std::string reused_flags = VmFlagsOf(reused.data());
+  ASSERT_FALSE(once_flags.empty()) << "no smaps entry for the buffer";
+  ASSERT_FALSE(reused_flags.empty());
+  EXPECT_EQ(HasFlag(once_flags, "hg"), UsesHugePages(Pages::kTouchedOnce)) << once_flags;
+  EXPECT_EQ(HasFlag(reused_flags, "hg"), UsesHugePages(Pages::kReused)) << reused_flags;
+  EXPECT_FALSE(HasFlag(VmFlagsOf(small.data()), "hg"));
+  EXPECT_FALSE(HugePagesPolicy().empty());
+  if (std::getenv("TENSORTIER_HUGE_PAGES") == nullptr) {
+    EXPECT_TRUE(UsesHugePages(Pages::kReused)) << HugePagesPolicy();
+  }
+}
+
+TEST(AlignedBufferTest, MoveTransfersOwnership) {
+  AlignedBuffer a(3 << 20, Pages::kReused);
+  std::byte* data = a.data();
+  AlignedBuffer b(std::move(a));
+  EXPECT_EQ(b.data(), data);
+  EXPECT_EQ(b.size(), size_t{3} << 20);
+  EXPECT_EQ(a.data(), nullptr);  // NOLINT(bugprone-use-after-move): the moved-from state is API
+  a = std::move(b);
+  EXPECT_EQ(a.data(), data);
+  EXPECT_EQ(b.data(), nullptr);  // NOLINT(bugprone-use-after-move)
+}
+
+}  // namespace
+}  // namespace tensortier
