@@ -112,6 +112,21 @@ void RegisterCheckpoint(py::module_& m) {
       "[(name, dtype, shape, begin, end)] entries whose ranges tile the data section.");
 
   m.def(
+      "safetensors_header_digest",
+      [](const std::vector<EntryTuple>& entries,
+         const std::map<std::string, std::string>& metadata) {
+        std::vector<SafetensorsEntry> parsed;
+        parsed.reserve(entries.size());
+        for (const auto& [name, dtype, shape, begin, end] : entries) {
+          parsed.push_back({name, dtype, shape, begin, end});
+        }
+        return SafetensorsHeaderDigest(parsed, metadata);
+      },
+      py::arg("entries"), py::arg("metadata"),
+      "xxh64 of what a safetensors header says (entries and metadata, without tensortier's "
+      "checksum keys), independent of its JSON layout: the tensortier.header_xxh64 value.");
+
+  m.def(
       "zip_entries",
       [](const std::string& path, bool require_stored) {
         ZipDirectory dir;

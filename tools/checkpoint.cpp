@@ -30,7 +30,6 @@
 namespace tensortier::cli {
 namespace {
 
-constexpr const char* kChecksumKey = "tensortier.xxh64";
 constexpr uint64_t kChunk = 16u << 20;
 
 enum class Format { kSafetensors, kTorch };
@@ -203,15 +202,33 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
   File file = File::Open(path, OpenMode::kRead, true);
   std::vector<std::string> problems;
   uint64_t checked = 0;
-  uint64_t unrecorded = 0;  // torch zip entries whose CRC-32 field is 0
+  uint64_t unrecorded = 0;      // torch zip entries whose CRC-32 field is 0
+  bool header_checked = false;  // safetensors: tensortier.header_xxh64 compared
   if (l.format == Format::kSafetensors) {
-    auto it = l.st.header.metadata.find(kChecksumKey);
+    auto it = l.st.header.metadata.find(kTensorChecksumsKey);
     if (it == l.st.header.metadata.end()) {
       std::printf("%s: no checksums (metadata key %s); data not checked\n", path.c_str(),
-                  kChecksumKey);
+                  kTensorChecksumsKey);
       return 0;
     }
-    std::map<std::string, std::string> sums = ParseJsonStringMap(it->second, kChecksumKey);
+    // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum.
+    if (auto hh = l.st.header.metadata.find(kHeaderChecksumKey); hh == l.st.header.metadata.end()) {
+      std::printf(
+          "%s: no header checksum (metadata key %s): names, shapes and metadata not "
+          "checked\n",
+          path.c_str(), kHeaderChecksumKey);
+    } else {
+      const uint64_t actual = SafetensorsHeaderDigest(l.st.header.entries, l.st.header.metadata);
+      if (hh->second.size() != 16 ||
+          hh->second.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) {
+        problems.push_back(StrCat("header checksum '", hh->second, "' is not 16 hex digits"));
+      } else if (std::stoull(hh->second, nullptr, 16) != actual) {
+        problems.push_back(StrCat("header: xxh64 mismatch (stored ", hh->second, ", header has ",
+                                  Hex16(actual), ")"));
+      }
+      header_checked = true;
+    }
+    std::map<std::string, std::string> sums = ParseJsonStringMap(it->second, kTensorChecksumsKey);
     std::map<std::string, const Item*> by_name;
     for (const auto& item : l.items) by_name[item.name] = &item;
     for (const auto& [name, hex] : sums) {
@@ -268,9 +285,10 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
     std::fprintf(stderr, "%s: verify FAILED (%zu problems)\n", path.c_str(), problems.size());
     return 1;
   }
-  std::printf("%s: data OK (%llu %s checked)\n", path.c_str(),
+  std::printf("%s: data OK (%llu %s%s checked)\n", path.c_str(),
               static_cast<unsigned long long>(checked),
-              l.format == Format::kSafetensors ? "tensor checksums" : "zip entry CRCs");
+              l.format == Format::kSafetensors ? "tensor checksums" : "zip entry CRCs",
+              header_checked ? " and the header checksum" : "");
   return 0;
 }
 
@@ -372,7 +390,9 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
     for (const auto& [k, v] : sums)
       json += StrCat(json.size() > 1 ? "," : "", JsonQuote(k), ":", JsonQuote(v));
     json += "}";
-    return SerializeSafetensorsHeader(entries, {{"format", "pt"}, {kChecksumKey, json}}, 4096);
+    SafetensorsMetadata metadata = {{"format", "pt"}, {kTensorChecksumsKey, json}};
+    metadata[kHeaderChecksumKey] = Hex16(SafetensorsHeaderDigest(entries, metadata));
+    return SerializeSafetensorsHeader(entries, metadata, 4096);
   };
   std::string header = header_for();
   uint64_t data_start = header.size();
@@ -404,7 +424,7 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   pending.Commit(dst);
   std::printf("%s -> %s: %zu tensors, %llu data bytes at offset %llu (xxh64 checksums in %s)\n",
               in.c_str(), out.c_str(), entries.size(), static_cast<unsigned long long>(data),
-              static_cast<unsigned long long>(data_start), kChecksumKey);
+              static_cast<unsigned long long>(data_start), kTensorChecksumsKey);
   if (l.torch.pickle.other_values > 0) {
     std::fprintf(stderr,
                  "note: %llu non-tensor values were not converted (safetensors holds only "

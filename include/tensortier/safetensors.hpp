@@ -52,6 +52,19 @@ std::string SerializeSafetensorsHeader(const std::vector<SafetensorsEntry>& entr
                                        const SafetensorsMetadata& metadata,
                                        uint64_t alignment = 4096);
 
+// Metadata keys of tensortier's checksums: per-tensor xxh64 of the data (a JSON object of name ->
+// 16 hex digits), and the xxh64 of everything else the header says (SafetensorsHeaderDigest).
+inline constexpr const char* kTensorChecksumsKey = "tensortier.xxh64";
+inline constexpr const char* kHeaderChecksumKey = "tensortier.header_xxh64";
+
+// xxh64 of a canonical form of what a header says: each entry (sorted by name) as
+// "T<len>:<name><len>:<dtype><dims comma-separated>:<begin>:<end>\n", then each metadata item
+// (sorted by key) except the two checksum keys as "M<len>:<key><len>:<value>\n" (lengths in
+// bytes). Independent of JSON layout, key order and padding; covers names, dtypes, shapes,
+// offsets and user metadata, which the per-tensor data checksums do not.
+uint64_t SafetensorsHeaderDigest(const std::vector<SafetensorsEntry>& entries,
+                                 const SafetensorsMetadata& metadata);
+
 struct SafetensorsFileInfo {
   uint64_t file_size = 0;
   uint64_t data_start = 0;  // 8 + N: absolute offset of the data section

@@ -60,6 +60,9 @@ _T = TypeVar("_T")
 
 ALIGNMENT = 4096
 CHECKSUM_KEY = "tensortier.xxh64"
+# The xxh64 of what the header says (names, dtypes, shapes, offsets, other metadata): see
+# SafetensorsHeaderDigest in include/tensortier/safetensors.hpp.
+HEADER_CHECKSUM_KEY = "tensortier.header_xxh64"
 _INDEX_SUFFIX = ".index.json"
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 _SAFETENSORS_SUFFIXES = (".safetensors", ".st")
@@ -136,8 +139,10 @@ def save(
             -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
             ``{"format": "pt"}`` is added unless given (transformers expects it).
-        checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata;
-            torch: the zip CRC-32 of each storage), checked by ``load(..., verify=True)``.
+        checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata,
+            plus one of the header's names, dtypes, shapes, offsets and metadata; torch: the zip
+            CRC-32 of each storage and of the pickle), checked by ``load(..., verify=True)``
+            and ``tensortier verify``.
 
     Raises:
         TypeError: a value the format cannot store (safetensors: only tensors of its dtypes).
@@ -962,8 +967,9 @@ def _save_safetensors(
             "save one name per group (or .clone() the others), or use format='torch', which "
             "keeps the sharing"
         )
-    if checksum and CHECKSUM_KEY in metadata:
-        raise ValueError(f"metadata key {CHECKSUM_KEY!r} is reserved for checksum=True")
+    reserved = [k for k in (CHECKSUM_KEY, HEADER_CHECKSUM_KEY) if k in metadata]
+    if checksum and reserved:
+        raise ValueError(f"metadata keys {reserved} are reserved for checksum=True")
     offsets = _safetensors_layout(state_dict)
     entries = [
         (k, to_st[v.dtype], tuple(int(s) for s in v.shape), *offsets[k])
@@ -974,6 +980,8 @@ def _save_safetensors(
     md.setdefault("format", "pt")  # as save_model / save_pretrained write: transformers wants it
     if checksum:  # placeholder of the final length: the real header replaces it at the end
         md[CHECKSUM_KEY] = _checksum_json({k: 0 for k in state_dict})
+        digest = _require("safetensors_header_digest")(entries, md)  # skips the checksum keys
+        md[HEADER_CHECKSUM_KEY] = f"{digest:016x}"
     header = bytes(serialize(entries, md, ALIGNMENT))
     data_start = len(header)
     sums: dict[str, int] = {}
@@ -1029,13 +1037,28 @@ class _STEntry:
     nbytes: int
 
 
-def _read_st_header(path: str) -> tuple[list[_STEntry], dict[str, str]]:
+def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], dict[str, str]]:
+    """Parse a safetensors header; with `verify`, also check its stored header checksum (files
+    without one, from other writers or older versions, pass: their data checksums still
+    count)."""
     read_header = _require("read_safetensors_header")
     try:
         data_start, entries, metadata = read_header(path)
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if path in msg else f"{path}: {msg}") from e
+    stored = metadata.get(HEADER_CHECKSUM_KEY)
+    if verify and stored is not None:
+        actual = _require("safetensors_header_digest")(entries, metadata)
+        try:
+            expected = int(stored, 16)
+        except ValueError:
+            raise ValueError(f"{path}: malformed {HEADER_CHECKSUM_KEY} metadata: {stored!r}")
+        if len(stored) != 16 or expected != actual:
+            raise ValueError(
+                f"{path}: header checksum mismatch (stored {stored}, the header gives "
+                f"{actual:016x}): names, shapes, dtypes, offsets or metadata were changed"
+            )
     _, from_st = _st_dtype_maps()
     out: list[_STEntry] = []
     for name, dt, shape, begin, end in entries:
@@ -1093,7 +1116,7 @@ def _load_safetensors(
     torch = _torch()
     file = io.open(path, "r")
     try:
-        entries, metadata = _same_file(file, path, _read_st_header)
+        entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
         sums = _parse_checksums(path, metadata) if verify else {}
         pieces: list[_Piece] = []
         out: dict[str, Any] = {}
@@ -1552,7 +1575,7 @@ def _describe_sources(
         files[path] = io.open(path, "r")
     file = files[path]
     if kind == "safetensors":
-        entries, metadata = _same_file(file, path, _read_st_header)
+        entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
         sums: dict[str, int] | None = None
         if CHECKSUM_KEY in metadata:
             sums = _parse_checksums(path, metadata)

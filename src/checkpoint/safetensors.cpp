@@ -8,6 +8,7 @@
 
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/byte_source.hpp"
+#include "tensortier/checksum.hpp"
 #include "tensortier/format_error.hpp"
 #include "tensortier/json.hpp"
 #include "tensortier/strings.hpp"
@@ -295,6 +296,28 @@ SafetensorsFileInfo ReadSafetensorsHeader(const ByteSource& source) {
 
 SafetensorsFileInfo ReadSafetensorsHeader(const File& file) {
   return ReadSafetensorsHeader(FileSource(file));
+}
+
+uint64_t SafetensorsHeaderDigest(const std::vector<SafetensorsEntry>& entries,
+                                 const SafetensorsMetadata& metadata) {
+  std::vector<const SafetensorsEntry*> by_name;
+  by_name.reserve(entries.size());
+  for (const auto& e : entries) by_name.push_back(&e);
+  std::sort(by_name.begin(), by_name.end(),
+            [](const SafetensorsEntry* a, const SafetensorsEntry* b) { return a->name < b->name; });
+  Xxh64State h;
+  auto add = [&h](std::string_view text) { h.Update(text.data(), text.size()); };
+  for (const SafetensorsEntry* e : by_name) {
+    std::string dims;
+    for (size_t i = 0; i < e->shape.size(); ++i) dims += StrCat(i ? "," : "", e->shape[i]);
+    add(StrCat("T", e->name.size(), ":", e->name, e->dtype.size(), ":", e->dtype, dims, ":",
+               e->begin, ":", e->end, "\n"));
+  }
+  for (const auto& [key, value] : metadata) {  // std::map: sorted by key
+    if (key == kTensorChecksumsKey || key == kHeaderChecksumKey) continue;
+    add(StrCat("M", key.size(), ":", key, value.size(), ":", value, "\n"));
+  }
+  return h.Digest();
 }
 
 SafetensorsFileInfo ReadSafetensorsHeader(const std::string& path) {

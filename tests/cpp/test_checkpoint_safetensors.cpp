@@ -197,6 +197,46 @@ TEST(CheckpointSafetensors, WriterRoundTripsAndAligns) {
   EXPECT_EQ(SerializeSafetensorsHeader({}, {}, 8), MakeFile("{}      ", 0));
 }
 
+TEST(CheckpointSafetensors, HeaderDigestCoversWhatTheHeaderSaysAndNothingElse) {
+  const std::vector<SafetensorsEntry> entries = {{"w", "F32", {2, 3}, 0, 24},
+                                                 {"b", "BF16", {3}, 24, 30}};
+  const SafetensorsMetadata md = {{"format", "pt"}};
+  const uint64_t base = SafetensorsHeaderDigest(entries, md);
+  // Entry order, the checksum keys and JSON layout (padding) do not count.
+  EXPECT_EQ(SafetensorsHeaderDigest({entries[1], entries[0]}, md), base);
+  SafetensorsMetadata with_sums = md;
+  with_sums[kTensorChecksumsKey] = "{\"w\":\"0123456789abcdef\"}";
+  with_sums[kHeaderChecksumKey] = "0000000000000000";
+  EXPECT_EQ(SafetensorsHeaderDigest(entries, with_sums), base);
+  const std::string padded = SerializeSafetensorsHeader(entries, with_sums, 65536);
+  SafetensorsFileInfo info = ReadBytes(padded + std::string(30, '\0'));
+  EXPECT_EQ(SafetensorsHeaderDigest(info.header.entries, info.header.metadata), base);
+  // Every field does.
+  auto changed = [&](auto edit) {
+    std::vector<SafetensorsEntry> e = entries;
+    SafetensorsMetadata m = md;
+    edit(e, m);
+    return SafetensorsHeaderDigest(e, m);
+  };
+  using E = std::vector<SafetensorsEntry>;
+  using M = SafetensorsMetadata;
+  EXPECT_NE(changed([](E& e, M&) { e[0].shape = {3, 2}; }), base);
+  EXPECT_NE(changed([](E& e, M&) { e[0].shape = {6}; }), base);
+  EXPECT_NE(changed([](E& e, M&) { e[1].dtype = "F16"; }), base);
+  EXPECT_NE(changed([](E& e, M&) { e[1].name = "c"; }), base);
+  EXPECT_NE(changed([](E& e, M&) {
+              std::swap(e[0].begin, e[1].begin);
+              e[1].end = 6;
+              e[0].begin = 6;
+              e[0].end = 30;
+            }),
+            base);
+  EXPECT_NE(changed([](E&, M& m) { m["format"] = "np"; }), base);
+  EXPECT_NE(changed([](E&, M& m) { m["extra"] = ""; }), base);
+  // Length prefixes: moving a character between adjacent fields changes the digest.
+  EXPECT_NE(SafetensorsHeaderDigest({}, {{"ab", "c"}}), SafetensorsHeaderDigest({}, {{"a", "bc"}}));
+}
+
 TEST(CheckpointSafetensors, WriterRejectsWhatTheParserWould) {
   EXPECT_THROW(SerializeSafetensorsHeader({{"a", "F33", {1}, 0, 4}}, {}), FormatError);
   EXPECT_THROW(SerializeSafetensorsHeader({{"a", "F32", {2}, 0, 4}}, {}), FormatError);

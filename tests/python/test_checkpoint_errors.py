@@ -243,6 +243,64 @@ def test_verify_detects_a_flipped_byte_in_the_torch_metadata(disk_dir: Path) -> 
         tensortier.load_into({"a": torch.zeros(100)}, path, strict=False, verify=True)
 
 
+def _edit_header(path: Path, old: str, new: str) -> None:
+    """Replace `old` by `new` (same length) in a safetensors file's JSON header, in place."""
+    assert len(old) == len(new)
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + n].decode()
+    assert header.count(old) == 1, header
+    raw[8 : 8 + n] = header.replace(old, new).encode()
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    "old, new, what",
+    [
+        ('"shape":[4,8]', '"shape":[8,4]', "a transposed shape"),
+        ('"F32"', '"I32"', "another dtype of the same size"),
+        ('"step":"1000"', '"step":"9000"', "a metadata value"),
+        ('"wq"', '"wk"', "a renamed tensor"),
+    ],
+)
+def test_verify_detects_an_edited_safetensors_header(
+    disk_dir: Path, old: str, new: str, what: str
+) -> None:
+    """Per-tensor data checksums cannot see header edits that keep the bytes where they were;
+    the header checksum does (load, load_into and the CLI)."""
+    path = disk_dir / "h.safetensors"
+    sd = {"wq": torch.randn(4, 8), "b": torch.arange(7)}
+    tensortier.save(sd, path, checksum=True, metadata={"step": "1000"})
+    tensortier.load(path, verify=True)
+    _edit_header(path, old, new)
+    tensortier.load(path)  # without verify the edit goes unseen
+    with pytest.raises(ValueError, match="header checksum mismatch"):
+        tensortier.load(path, verify=True)
+    targets = {k: torch.zeros_like(v) for k, v in tensortier.load(path).items()}
+    with pytest.raises(ValueError, match="header checksum mismatch"):
+        tensortier.load_into(targets, path, verify=True)
+    from test_cli_convert import run  # the tensortier binary
+
+    r = run("verify", path)
+    assert r.returncode == 1 and "header: xxh64 mismatch" in r.stderr, r.stdout + r.stderr
+
+
+def test_verify_of_files_without_a_header_checksum(disk_dir: Path) -> None:
+    """Files of other writers (or earlier tensortier versions) with only data checksums still
+    verify their data."""
+    path = disk_dir / "old.safetensors"
+    t = torch.randn(100)
+    from safetensors.torch import save_file  # noqa: PLC0415 - optional peer
+
+    save_file({"t": t}, str(path), metadata={
+        checkpoint.CHECKSUM_KEY: json.dumps({"t": f"{checkpoint._xxh64(t):016x}"})})
+    assert torch.equal(tensortier.load(path, verify=True)["t"], t)
+    from test_cli_convert import run
+
+    r = run("verify", path)
+    assert r.returncode == 0 and "no header checksum" in r.stdout, r.stdout + r.stderr
+
+
 def test_verify_without_checksums(disk_dir: Path) -> None:
     path = disk_dir / "n.safetensors"
     tensortier.save({"a": torch.ones(3)}, path)
@@ -257,6 +315,9 @@ def test_verify_without_checksums(disk_dir: Path) -> None:
     with pytest.raises(ValueError, match="reserved"):
         tensortier.save({"a": torch.ones(3)}, path, checksum=True,
                         metadata={checkpoint.CHECKSUM_KEY: "{}"})
+    with pytest.raises(ValueError, match="reserved"):
+        tensortier.save({"a": torch.ones(3)}, path, checksum=True,
+                        metadata={checkpoint.HEADER_CHECKSUM_KEY: "0"})
 
 
 # ---- durability --------------------------------------------------------------------------------
