@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import json
 import os
 import pickle
@@ -78,7 +79,6 @@ _ALIGNED_ALLOC_MIN = 1 << 20
 # The progress bar shows for loads of at least this many bytes when stderr is a terminal.
 _PROGRESS_MIN_BYTES = 512 << 20
 # Pinned host buffer for loads to a GPU (one per load, reused for every tensor).
-_PINNED_STAGE_BYTES = 64 << 20
 # Shard indexes are small JSON files; anything larger is not one.
 _MAX_INDEX_BYTES = 64 << 20
 
@@ -188,7 +188,10 @@ def load(
     Args:
         path: the file (format found from its contents) or the ``.index.json`` of shards.
         device: ``"cpu"`` or ``"cuda:N"``. For CUDA each tensor is allocated on the device and
-            filled from one reused pinned host buffer (until the GPU transfer path lands).
+            filled by the engine's GPU path (GPUDirect Storage where cuFile accepts the file,
+            else a ring of pinned bounce buffers; disk reads and copies overlap), never staging
+            the whole file in host memory. With ``verify`` each tensor is checked in a pinned
+            host buffer on its way.
         dtype: convert floating-point tensors to this torch dtype (integer, bool and complex
             tensors keep theirs). Storage sharing between converted tensors is lost.
         verify: check the stored checksums (see :func:`save`); a file without checksums is an
@@ -228,8 +231,10 @@ def load_into(
     _io: IOHandle | None = None,
 ) -> IncompatibleKeys:
     """Read a checkpoint straight into existing tensors. Allocates nothing for contiguous CPU
-    targets; contiguous CUDA targets are filled through one reused pinned host buffer;
-    non-contiguous targets are read into a temporary tensor, then copied.
+    targets of the file's dtype; contiguous CUDA targets are filled by the engine's GPU path
+    (GPUDirect Storage or the pinned bounce ring). Non-contiguous targets, and targets of
+    another dtype than the file's (converted as ``load_state_dict``'s ``copy_`` does), are read
+    into temporaries ~64 MiB at a time (or one tensor, if larger), then copied.
 
     Args:
         module_or_state_dict: a ``torch.nn.Module`` (its ``state_dict()``: parameters and
@@ -245,7 +250,7 @@ def load_into(
         ``IncompatibleKeys(missing_keys, unexpected_keys)`` (both empty when strict).
 
     Raises:
-        ValueError: missing/unexpected names (strict), shape or dtype mismatches (all listed),
+        ValueError: missing/unexpected names (strict), shape mismatches (all listed),
             meta-device targets, a malformed file, a checksum mismatch. OSError: the file
             cannot be read.
         TypeError: the target is neither a module nor a mapping of tensors.
@@ -707,19 +712,23 @@ class _Piece:
 
 
 def _read_pieces(
-    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
+    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str,
+    close_progress: bool = True,
 ) -> None:
-    """Read every piece into its destination. CPU destinations are read in place (groups of
-    ~64 MiB submitted together, checked as they complete); CUDA ones through a pinned buffer."""
-    host = [p for p in pieces if p.dest.device.type == "cpu"]
-    device = [p for p in pieces if p.dest.device.type != "cpu"]
+    """Read every piece into its destination, in groups of ~64 MiB submitted together and
+    checked as they complete. CPU destinations are read in place; CUDA ones through the
+    engine's GPU path (pinned bounce ring or GPUDirect Storage, copies on the current stream),
+    except those with a checksum to check, which come through a pinned host buffer."""
+    batched = [p for p in pieces if p.dest.device.type == "cpu" or p.check is None]
+    checked_device = [p for p in pieces if p.dest.device.type != "cpu" and p.check is not None]
     try:
-        if host:
-            _read_host(io, host, progress, path)
-        if device:
-            _read_device(io, device, progress, path)
+        if batched:
+            _read_batched(io, batched, progress, path)
+        if checked_device:
+            _read_device_checked(io, checked_device, progress, path)
     finally:
-        progress.close()
+        if close_progress:
+            progress.close()
 
 
 def _groups(pieces: Sequence[_Piece]) -> Iterator[list[_Piece]]:
@@ -742,7 +751,9 @@ def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
     )
 
 
-def _read_host(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str) -> None:
+def _read_batched(
+    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
+) -> None:
     submitted: list[tuple[list[_Piece], IOFuture]] = []
     try:
         for group in _groups(pieces):
@@ -778,16 +789,15 @@ def _pinned_buffer(size: int) -> Any:
     return _torch().empty(size, dtype=_torch().uint8, pin_memory=True)
 
 
-def _read_device(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str) -> None:
-    """Fill CUDA destinations through two reused pinned host buffers: the read of one chunk
-    overlaps the host-to-device copy of the previous one. A piece with a checksum is read whole
-    (the buffer grows to fit it). The GPU transfer path (pinned bounce ring, GDS) will replace
-    this."""
+def _read_device_checked(
+    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
+) -> None:
+    """Fill CUDA destinations whose bytes must be checksummed on the host (verify=True):
+    each piece is read whole into one of two reused pinned buffers, checked, then copied to
+    the device while the next piece is read."""
     torch = _torch()
     dev = pieces[0].dest.device
-    need = max((p.nbytes for p in pieces if p.check is not None), default=0)
-    size = max(_PINNED_STAGE_BYTES, need + ALIGNMENT)
-    size = min(size, max(p.nbytes for p in pieces) + ALIGNMENT)
+    size = max(p.nbytes for p in pieces) + ALIGNMENT
     buffers = [_pinned_buffer(size) for _ in range(2)]
     events: list[Any] = [None, None]
     stream = torch.cuda.Stream(device=dev)
@@ -795,36 +805,28 @@ def _read_device(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, pa
     # memory may still be in use by kernels queued there (a tensor just freed, the parameters a
     # queued forward pass reads). Copy only after all of that.
     stream.wait_stream(torch.cuda.current_stream(dev))
-    chunk = size - ALIGNMENT
     which = 0
     try:
         for p in pieces:
-            dest = _as_bytes(p.dest)
-            step = p.nbytes if p.check is not None else chunk
-            pos = 0
-            while pos < p.nbytes or (p.nbytes == 0 and pos == 0):
-                n = min(step, p.nbytes - pos)
-                buf = buffers[which]
-                if events[which] is not None:
-                    events[which].synchronize()  # the copy out of this buffer has finished
-                skew = (p.offset + pos) % ALIGNMENT  # address = file offset mod page: no bounce
-                view = buf[skew : skew + n]
-                if n:
-                    got = io.pread(view, p.file, p.offset + pos)
-                    if got != n:
-                        raise _short_read(path, p, pos + got)
-                    if p.check is not None:
-                        p.check(view)
-                    with torch.cuda.stream(stream):
-                        dest[pos : pos + n].copy_(view, non_blocking=True)
-                        ev = torch.cuda.Event()
-                        ev.record(stream)
-                    events[which] = ev
-                    which ^= 1
-                elif p.check is not None:
-                    p.check(view)
-                pos += max(n, 1)
-                progress.update(n)
+            buf = buffers[which]
+            if events[which] is not None:
+                events[which].synchronize()  # the copy out of this buffer has finished
+            skew = p.offset % ALIGNMENT  # address = file offset mod page: no bounce
+            view = buf[skew : skew + p.nbytes]
+            if p.nbytes:
+                got = io.pread(view, p.file, p.offset)
+                if got != p.nbytes:
+                    raise _short_read(path, p, got)
+            assert p.check is not None
+            p.check(view)
+            if p.nbytes:
+                with torch.cuda.stream(stream):
+                    _as_bytes(p.dest).copy_(view, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                events[which] = ev
+                which ^= 1
+            progress.update(p.nbytes)
     finally:
         # Copies still running read the pinned buffers and write the destinations: neither may
         # be freed (on an error) or used (on success) before they finish.
@@ -1348,7 +1350,11 @@ def _map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, collections.OrderedDict):
-        return collections.OrderedDict((k, _map_tensors(v, fn)) for k, v in obj.items())
+        out = collections.OrderedDict((k, _map_tensors(v, fn)) for k, v in obj.items())
+        # module.state_dict() carries `_metadata` (per-module versions that load_state_dict
+        # hands to _load_from_state_dict): keep it, as torch.load does.
+        out.__dict__.update(getattr(obj, "__dict__", {}))
+        return out
     if isinstance(obj, dict):
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -1644,13 +1650,11 @@ def _load_into(
             continue
         if tuple(t.shape) != src.shape:
             problems.append(f"{k}: file has shape {src.shape}, target {tuple(t.shape)}")
-        elif t.dtype != src.dtype:
-            problems.append(f"{k}: file has dtype {src.dtype}, target {t.dtype}")
     if problems:
-        raise ValueError(f"{path}: size or dtype mismatch: " + "; ".join(problems))
+        raise ValueError(f"{path}: size mismatch: " + "; ".join(problems))
 
-    pieces: list[_Piece] = []
-    after: list[Callable[[], None]] = []  # copies into targets read through a temporary
+    direct: list[_Piece] = []  # read straight into the target's memory
+    staged: list[_Staged] = []  # read into a temporary, then copied (and converted) into it
     crc_refs: dict[tuple[str, str], _StorageRef] = {}
     done_mem: set[tuple[int, int]] = set()
     for k, src in sources.items():
@@ -1663,18 +1667,9 @@ def _load_into(
             ref = src.crc_storage
             if verify:
                 _verifiable(src.path, [ref])
-            holder = torch.empty(ref.nbytes, dtype=torch.uint8)
-            pieces.append(_Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, holder,
-                                 _crc_check(src.path, ref.key, ref.record.crc32)
-                                 if verify else None))
-            view = src.view
-
-            def copy_view(t: Any = t, holder: Any = holder, view: Any = view) -> None:
-                src_t = torch.empty(0, dtype=view.dtype).set_(
-                    holder.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-                t.copy_(src_t)
-
-            after.append(copy_view)
+            staged.append(_Staged(ref.nbytes, functools.partial(
+                _stage_saved_view, t, ref, src.view, f,
+                _crc_check(src.path, ref.key, ref.record.crc32) if verify else None)))
             continue
         mem = (t.data_ptr(), _nbytes(t))
         if mem in done_mem and mem[1] > 0:
@@ -1692,26 +1687,73 @@ def _load_into(
             if src.checksum is None:
                 _parse_checksums(src.path, {})  # raises: this file stores no checksums
             check = _xxh64_check(src.path, k, None if src.checksum == -1 else src.checksum)
-        if t.is_contiguous():  # CPU: read in place; CUDA: through the pinned buffer
-            pieces.append(_Piece(k, f, src.offset, src.nbytes, t.detach(), check))
+        if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: engine's ring/GDS
+            direct.append(_Piece(k, f, src.offset, src.nbytes, t.detach(), check))
         else:
-            tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            pieces.append(_Piece(k, f, src.offset, src.nbytes, tmp, check))
-
-            def copy_back(t: Any = t, tmp: Any = tmp) -> None:
-                with torch.no_grad():
-                    t.copy_(tmp)
-
-            after.append(copy_back)
-    total = sum(p.nbytes for p in pieces)
+            staged.append(_Staged(src.nbytes, functools.partial(
+                _stage_tensor, t, k, f, src, check)))
+    total = sum(p.nbytes for p in direct) + sum(s.nbytes for s in staged)
     prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
-    with torch.no_grad():
-        _read_pieces(io, pieces, prog, path)
-        for fn in after:
-            fn()
+    try:
+        with torch.no_grad():
+            _read_pieces(io, direct, prog, path, close_progress=False)
+            # Temporaries a group at a time: the extra memory is one group (or one tensor).
+            for group in _staged_groups(staged):
+                made = [s.make() for s in group]
+                _read_pieces(io, [piece for piece, _ in made], prog, path, close_progress=False)
+                for _, finish in made:
+                    finish()
+                del made
+    finally:
+        prog.close()
     if crc_refs:
         _verify_torch_records(io, files, list(crc_refs.values()))
     return IncompatibleKeys(missing, unexpected)
+
+
+@dataclass
+class _Staged:
+    """A load_into target read through a temporary: non-contiguous, another dtype than the
+    file's (converted as load_state_dict's copy_ does), or a view of a saved storage. `make`
+    allocates the temporary and returns the piece to read and the copy into the target."""
+
+    nbytes: int
+    make: Callable[[], tuple[_Piece, Callable[[], None]]]
+
+
+def _staged_groups(staged: Sequence[_Staged]) -> Iterator[list[_Staged]]:
+    group: list[_Staged] = []
+    size = 0
+    for s in staged:
+        if group and size + s.nbytes > _GROUP_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(s)
+        size += s.nbytes
+    if group:
+        yield group
+
+
+def _stage_tensor(
+    t: Any, name: str, f: File, src: _Source, check: Callable[[Any], None] | None
+) -> tuple[_Piece, Callable[[], None]]:
+    torch = _torch()
+    tmp = torch.empty(src.shape, dtype=src.dtype, device=t.device)
+    return _Piece(name, f, src.offset, src.nbytes, tmp, check), lambda: t.copy_(tmp)
+
+
+def _stage_saved_view(
+    t: Any, ref: _StorageRef, view: Any, f: File, check: Callable[[Any], None] | None
+) -> tuple[_Piece, Callable[[], None]]:
+    torch = _torch()
+    holder = torch.empty(ref.nbytes, dtype=torch.uint8)
+
+    def copy_view() -> None:
+        src_t = torch.empty(0, dtype=view.dtype).set_(
+            holder.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+        t.copy_(src_t)
+
+    return _Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, holder, check), copy_view
 
 
 def _verify_torch_records(io: IOHandle, files: Mapping[str, Any], refs: Sequence[_StorageRef]

@@ -327,6 +327,17 @@ def test_dtype_conversion(disk_dir: Path) -> None:
         tensortier.load(disk_dir / "m.pt", dtype="float16")
 
 
+def test_dtype_conversion_keeps_state_dict_metadata(disk_dir: Path) -> None:
+    """module.state_dict() carries `_metadata` (module versions load_state_dict uses)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    tensortier.save(model.state_dict(), disk_dir / "m.pt")
+    want = torch.load(disk_dir / "m.pt", weights_only=True)._metadata
+    for dtype in (None, torch.bfloat16):
+        out = tensortier.load(disk_dir / "m.pt", dtype=dtype)
+        assert out._metadata == want and out._metadata["1"]["version"] == 2
+    model.load_state_dict(tensortier.load(disk_dir / "m.pt", dtype=torch.float32))
+
+
 def test_cuda_without_gpu_is_a_clear_error(disk_dir: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
@@ -384,14 +395,12 @@ class _FakeEvent:
         pass
 
 
-@pytest.mark.parametrize("verify", [False, True])
-def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                     verify: bool) -> None:
-    """The pinned-buffer path of CUDA loads (chunking, page skew, checksums), run with CPU
-    stand-ins for the pinned buffers, streams and events, so it is tested without a GPU."""
+def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pinned-buffer path of verified CUDA loads (page skew, checksums, two buffers in
+    turn), run with CPU stand-ins for the pinned buffers, streams and events, so it is tested
+    without a GPU."""
     import contextlib
 
-    monkeypatch.setattr(checkpoint, "_PINNED_STAGE_BYTES", 64 << 10)
     monkeypatch.setattr(checkpoint, "_pinned_buffer", lambda n: tensortier.aligned_empty(n))
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
@@ -410,10 +419,10 @@ def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyP
            if e.dtype.itemsize == 1 else torch.zeros(e.nbytes // e.dtype.itemsize, dtype=e.dtype)
            for e in entries}
     pieces = [checkpoint._Piece(e.name, f, e.offset, e.nbytes, out[e.name],
-                                checkpoint._xxh64_check(str(path), e.name, sums[e.name])
-                                if verify else None) for e in entries]
+                                checkpoint._xxh64_check(str(path), e.name, sums[e.name]))
+              for e in entries]
     progress = checkpoint._Progress("x", sum(p.nbytes for p in pieces), False)
-    checkpoint._read_device(io, pieces, progress, str(path))
+    checkpoint._read_device_checked(io, pieces, progress, str(path))
     assert progress.done == sum(p.nbytes for p in pieces)
     # The copy stream waits for the current stream (where the destinations were allocated).
     assert [s.waited_for for s in _FakeStream.created] == [[_FakeStream.current]]
@@ -532,10 +541,45 @@ def test_load_into_strictness(disk_dir: Path) -> None:
     assert torch.equal(target["a"], sd["a"])
     with pytest.raises(ValueError, match=r"a: file has shape \(4,\), target \(5,\)"):
         tensortier.load_into({"a": torch.zeros(5), "b": torch.zeros(2, 2)}, path)
-    with pytest.raises(ValueError, match="a: file has dtype torch.float32, target torch.float16"):
-        tensortier.load_into({"a": torch.zeros(4).half(), "b": torch.zeros(2, 2)}, path)
     with pytest.raises(TypeError, match="Module or a mapping"):
         tensortier.load_into([torch.zeros(4)], path)
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_load_into_converts_dtypes_like_load_state_dict(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A half model from a float checkpoint (and back): converted as load_state_dict's copy_
+    does, through temporaries a bounded group at a time, the same-dtype ones read in place."""
+    src = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 100))
+    src.register_buffer("steps", torch.tensor(12345))  # int64 into int32: converted too
+    path = disk_dir / name
+    tensortier.save(src.state_dict(), path, checksum=True)
+    dst = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 100)).half()
+    dst.register_buffer("steps", torch.tensor(0, dtype=torch.int32))
+    dst[1].bias.data = dst[1].bias.data.float()  # one target of the file's dtype: in place
+    bias_memory = dst[1].bias.data_ptr()
+    want = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 100)).half()
+    want.register_buffer("steps", torch.tensor(0, dtype=torch.int32))
+    want[1].bias.data = want[1].bias.data.float()
+    want.load_state_dict(src.state_dict())
+    groups: list[int] = []
+    real = checkpoint._staged_groups
+
+    def spy(staged: list) -> object:
+        for group in real(staged):
+            groups.append(sum(s.nbytes for s in group))
+            yield group
+
+    monkeypatch.setattr(checkpoint, "_GROUP_BYTES", 100_000)
+    monkeypatch.setattr(checkpoint, "_staged_groups", spy)
+    tensortier.load_into(dst, path, verify=True)
+    for k, v in want.state_dict().items():
+        got = dst.state_dict()[k]
+        assert got.dtype == v.dtype and torch.equal(got, v), k
+    assert dst[1].bias.data_ptr() == bias_memory
+    largest = 300 * 200 * 4
+    assert len(groups) >= 3 and max(groups) <= max(100_000, largest), groups
 
 
 def test_load_into_tied_weights_and_non_contiguous_targets(disk_dir: Path) -> None:
