@@ -22,6 +22,8 @@ Scenarios (``--scenarios``, default all):
            tt-safetensors   tensortier.load("tt.safetensors")
            tt-foreign       tensortier.load("st.safetensors")   (written by safetensors: unaligned)
            tt-torch         tensortier.load("tt.pt")
+           tt-hugepages     tensortier.load("tt.safetensors") with the loaded tensors in
+                            huge-page memory, whatever `tensortier check` says the policy is
            safetensors      safetensors.torch.load_file("tt.safetensors") + touching every
                             4 KiB page (costs nothing if it copied the data into memory, and
                             charges the page faults if its tensors map the file)
@@ -85,8 +87,8 @@ from _benchlib import parse_size as _parse_size  # noqa: E402
 BENCH_DIR = Path(__file__).resolve().parent
 SCENARIOS = ("save", "cold", "warm")
 SAVE_TOOLS = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
-LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "safetensors", "torch.load",
-              "torch.load-mmap", "fio", "tensorizer", "runai-streamer")
+LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "tt-hugepages", "safetensors",
+              "torch.load", "torch.load-mmap", "fio", "tensorizer", "runai-streamer")
 OPTIONAL_MODULES = {  # optional load tools (report only) -> (module to import, pip package)
     "tensorizer": ("tensorizer", "tensorizer"),
     "runai-streamer": ("runai_model_streamer", "runai-model-streamer"),
@@ -264,6 +266,7 @@ def save_tool(s: Settings, tool: str, sd: dict[str, Any]) -> float:
 
 LOAD_FILES = {
     "tt-safetensors": "tt.safetensors", "tt-foreign": "st.safetensors", "tt-torch": "tt.pt",
+    "tt-hugepages": "tt.safetensors",
     "safetensors": "tt.safetensors", "torch.load": "tt.pt", "torch.load-mmap": "tt.pt",
     "fio": "fio.dat", "tensorizer": "tensorizer.tensors", "runai-streamer": "tt.safetensors",
 }
@@ -300,6 +303,31 @@ def runai_load(path: Path) -> dict[str, Any]:
         return dict(streamer.get_tensors())
 
 
+class _HugePageTensors:
+    """Inside: tensortier.load puts loaded tensors in huge-page memory (as for reused buffers),
+    whatever this machine's policy (see tensortier check): the policy's alternative, measured
+    in the same run."""
+
+    def __enter__(self) -> None:
+        from tensortier import _core, checkpoint
+
+        class Core:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(_core, name)
+
+            @staticmethod
+            def AlignedBuffer(size: int) -> Any:  # noqa: N802 - mirrors _core's class
+                return _core.AlignedBuffer(size, reused=True)
+
+        self._saved = checkpoint._core
+        checkpoint._core = Core()  # type: ignore[assignment]
+
+    def __exit__(self, *exc: object) -> None:
+        from tensortier import checkpoint
+
+        checkpoint._core = self._saved
+
+
 def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any] | None]:
     """Run one load to CPU; returns (seconds, what was loaded or None for fio)."""
     import torch
@@ -314,7 +342,10 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     if tool == "fio":
         return run_fio(s, path, "read", warm)[0], None
     start = time.perf_counter()
-    if tool.startswith("tt-"):
+    if tool == "tt-hugepages":
+        with _HugePageTensors():
+            out = tensortier.load(path, progress=False)
+    elif tool.startswith("tt-"):
         out = tensortier.load(path, progress=False)
     elif tool == "safetensors":
         from safetensors.torch import load_file

@@ -327,6 +327,32 @@ def test_dtype_conversion(disk_dir: Path) -> None:
         tensortier.load(disk_dir / "m.pt", dtype="float16")
 
 
+def test_loaded_tensors_own_exact_page_placed_storages(disk_dir: Path) -> None:
+    """Large loaded tensors sit at file offset mod page (read O_DIRECT, no bounce), each in a
+    storage of exactly its bytes that outlives everything else, and save again normally."""
+    import gc
+
+    from safetensors.torch import load_file, save_file
+
+    sd = {"big": torch.randn(300_000), "odd": torch.randn(262_145).double(),
+          "small": torch.arange(5)}
+    tensortier.save(sd, disk_dir / "m.safetensors")
+    entries, _ = checkpoint._read_st_header(str(disk_dir / "m.safetensors"))
+    out = tensortier.load(disk_dir / "m.safetensors")
+    for e in entries:
+        t = out[e.name]
+        assert t.untyped_storage().nbytes() == e.nbytes, e.name
+        if e.nbytes >= checkpoint._ALIGNED_ALLOC_MIN:
+            assert t.data_ptr() % 4096 == e.offset % 4096, e.name
+    gc.collect()
+    out["big"].add_(1)
+    assert torch.equal(out["big"], sd["big"] + 1)
+    save_file(out, str(disk_dir / "again.safetensors"))
+    torch.save(out, disk_dir / "again.pt")
+    assert torch.equal(load_file(str(disk_dir / "again.safetensors"))["odd"], sd["odd"])
+    assert torch.equal(torch.load(disk_dir / "again.pt", weights_only=True)["odd"], sd["odd"])
+
+
 def test_dtype_conversion_keeps_state_dict_metadata(disk_dir: Path) -> None:
     """module.state_dict() carries `_metadata` (module versions load_state_dict uses)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
