@@ -22,8 +22,8 @@ Scenarios (``--scenarios``, default all):
            tt-safetensors   tensortier.load("tt.safetensors")
            tt-foreign       tensortier.load("st.safetensors")   (written by safetensors: unaligned)
            tt-torch         tensortier.load("tt.pt")
-           tt-hugepages     tensortier.load("tt.safetensors") with the loaded tensors in
-                            huge-page memory, whatever `tensortier check` says the policy is
+           tt-hugepages     tensortier.load("tt.safetensors") with each loaded tensor in a
+                            fresh huge-page mapping (the alternative to torch's allocator)
            safetensors      safetensors.torch.load_file("tt.safetensors") + touching every
                             4 KiB page (costs nothing if it copied the data into memory, and
                             charges the page faults if its tensors map the file)
@@ -304,28 +304,31 @@ def runai_load(path: Path) -> dict[str, Any]:
 
 
 class _HugePageTensors:
-    """Inside: tensortier.load puts loaded tensors in huge-page memory (as for reused buffers),
-    whatever this machine's policy (see tensortier check): the policy's alternative, measured
-    in the same run."""
+    """Inside: tensortier.load puts each loaded tensor in a fresh page-aligned mapping with
+    transparent huge pages (as earlier versions did) instead of torch's allocator: the
+    alternative to the default, measured in the same run."""
 
     def __enter__(self) -> None:
+        import torch
+
         from tensortier import _core, checkpoint
 
-        class Core:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(_core, name)
+        def alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
+            nbytes = numel * dtype.itemsize
+            if nbytes < checkpoint._ALIGNED_ALLOC_MIN:
+                return torch.empty(numel, dtype=dtype)
+            misalign = 0 if misalign % dtype.itemsize else misalign
+            buffer = _core.AlignedBuffer(nbytes + misalign, reused=True)
+            return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes,
+                                    offset=misalign).view(dtype)
 
-            @staticmethod
-            def AlignedBuffer(size: int) -> Any:  # noqa: N802 - mirrors _core's class
-                return _core.AlignedBuffer(size, reused=True)
-
-        self._saved = checkpoint._core
-        checkpoint._core = Core()  # type: ignore[assignment]
+        self._saved = checkpoint._host_alloc
+        checkpoint._host_alloc = alloc
 
     def __exit__(self, *exc: object) -> None:
         from tensortier import checkpoint
 
-        checkpoint._core = self._saved
+        checkpoint._host_alloc = self._saved
 
 
 def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any] | None]:
