@@ -33,7 +33,9 @@ inline bool IsAligned(const void* address, size_t alignment) {
 //    except on VMs whose guest reports free memory to its host (virtio-balloon free page
 //    reporting): there the first touch of a huge page that was free for a few seconds costs
 //    ~1.1 s per GiB, of small pages ~0.2 s per GiB (BENCHMARKS.md), more than huge pages save.
-// TENSORTIER_HUGE_PAGES=0 or 1 overrides both (read once per process).
+// TENSORTIER_HUGE_PAGES=0 or 1 overrides both. Decided once per process, at the first buffer of
+// 4 MiB or more or the first Engine (a malformed value throws std::invalid_argument there, and
+// again at each later attempt). Buffers that do not ask get MADV_NOHUGEPAGE.
 enum class Pages { kTouchedOnce, kReused };
 
 // Whether buffers for `use` ask for huge pages in this process, and why (for `tensortier check`).
@@ -45,8 +47,8 @@ class AlignedBuffer {
  public:
   AlignedBuffer() = default;
   // Throws std::bad_alloc if the mapping fails, std::invalid_argument if TENSORTIER_HUGE_PAGES is
-  // malformed. `lock` asks mlock() for it (best effort: a refused lock is not an error, as
-  // RLIMIT_MEMLOCK is often small).
+  // malformed (buffers of 4 MiB or more). `lock` asks mlock() for it (best effort: a refused lock
+  // is not an error, as RLIMIT_MEMLOCK is often small).
   explicit AlignedBuffer(size_t size, Pages use = Pages::kTouchedOnce, bool lock = false);
   ~AlignedBuffer();
   AlignedBuffer(AlignedBuffer&& other) noexcept;

@@ -43,6 +43,7 @@ import os
 import pickle
 import secrets
 import stat
+import string
 import sys
 import threading
 import time
@@ -74,12 +75,11 @@ _SAFETENSORS_SUFFIXES = (".safetensors", ".st")
 _GROUP_BYTES = 64 << 20
 # Copies made to write non-contiguous or GPU tensors: at most this many bytes are alive at once.
 _STAGING_BYTES = 256 << 20
-# Tensors at least this large get page-aligned memory of their own (read without bounce
-# copies); smaller ones come from torch's allocator.
+# Loaded tensors at least this large are placed at their file offset modulo the page size (read
+# O_DIRECT without bounce copies); smaller ones are plain torch.empty.
 _ALIGNED_ALLOC_MIN = 1 << 20
 # The progress bar shows for loads of at least this many bytes when stderr is a terminal.
 _PROGRESS_MIN_BYTES = 512 << 20
-# Pinned host buffer for loads to a GPU (one per load, reused for every tensor).
 # Shard indexes are small JSON files; anything larger is not one.
 _MAX_INDEX_BYTES = 64 << 20
 
@@ -256,7 +256,7 @@ def load_into(
             cannot be read.
         TypeError: the target is neither a module nor a mapping of tensors.
 
-    Names, shapes and dtypes are all checked before any byte is read. An error during the read
+    Names and shapes are all checked before any byte is read. An error during the read
     itself (I/O error, checksum mismatch, interrupt) leaves the targets partly overwritten, as
     ``load_state_dict`` would after a failed ``copy_``: load again, or load into copies, when
     the old values must survive a failure.
@@ -407,17 +407,19 @@ def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
     bytes past a page boundary, so that address and file offset agree modulo the page size:
     the engine then reads them O_DIRECT without bounce copies.
 
-    The memory comes from torch's CPU allocator, as any tensor's: a process that loads again
-    reuses what it freed (already faulted in: a warm 2 GiB reload ran 3.7 -> 13 GB/s on the
-    benchmark VM against fresh page-aligned mappings each time). Small pages, then, which on
-    VMs that report free memory to their host are also the faster first touch."""
+    The memory comes from torch's CPU allocator, as any tensor's. With glibc, tensors up to its
+    mmap threshold (at most 32 MiB) reuse heap memory the process freed, already faulted in (a
+    warm reload of 2 GiB in 300 tensors ran 3.7 -> 15 GB/s on the benchmark VM); larger ones
+    are fresh mappings either way. Where transparent huge pages are "madvise" (the common
+    default) the memory has small pages, the faster first touch on VMs that report free memory
+    to their host (BENCHMARKS.md)."""
     torch = _torch()
     nbytes = numel * dtype.itemsize
     if nbytes < _ALIGNED_ALLOC_MIN:
         return torch.empty(numel, dtype=dtype)
     if misalign % dtype.itemsize:
         misalign = 0  # keep elements naturally aligned; the engine bounces this one
-    base = torch.empty(nbytes + 2 * ALIGNMENT, dtype=torch.uint8)
+    base = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)  # skip < ALIGNMENT
     skip = (misalign - base.data_ptr()) % ALIGNMENT
     # A storage of exactly these bytes (torch files share storages between views, by byte
     # offsets into them). torch.frombuffer keeps `window` alive, and `window` keeps `base`.
@@ -790,7 +792,7 @@ def _read_batched(
             if fut is not None:
                 try:
                     fut.wait()
-                except OSError:
+                except (OSError, RuntimeError):  # CUDA failures are RuntimeErrors (CudaError)
                     pass
 
 
@@ -1062,11 +1064,12 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
     stored = metadata.get(HEADER_CHECKSUM_KEY)
     if verify and stored is not None:
         actual = _require("safetensors_header_digest")(entries, metadata)
-        try:
-            expected = int(stored, 16)
-        except ValueError:
-            raise ValueError(f"{path}: malformed {HEADER_CHECKSUM_KEY} metadata: {stored!r}")
-        if len(stored) != 16 or expected != actual:
+        if len(stored) != 16 or any(c not in string.hexdigits for c in stored):
+            raise ValueError(
+                f"{path}: malformed {HEADER_CHECKSUM_KEY} metadata: {stored!r} is not 16 hex "
+                "digits"
+            )
+        if int(stored, 16) != actual:
             raise ValueError(
                 f"{path}: header checksum mismatch (stored {stored}, the header gives "
                 f"{actual:016x}): names, shapes, dtypes, offsets or metadata were changed"
@@ -1707,7 +1710,8 @@ def _load_into(
     try:
         with torch.no_grad():
             _read_pieces(io, direct, prog, path, close_progress=False)
-            # Temporaries a group at a time: the extra memory is one group (or one tensor).
+            # Temporaries a group at a time: the extra memory is one group (or one tensor),
+            # plus, for CUDA targets with verify, two pinned buffers of the largest piece.
             for group in _staged_groups(staged):
                 made = [s.make() for s in group]
                 _read_pieces(io, [piece for piece, _ in made], prog, path, close_progress=False)

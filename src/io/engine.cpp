@@ -568,6 +568,9 @@ IoStats& IoStats::operator+=(const IoStats& other) {
 
 Engine::Engine(EngineOptions options, const std::string& probe_dir) : options_(std::move(options)) {
   options_.Validate();
+  // Workers allocate bounce buffers: settle the page policy here, so that a malformed
+  // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
+  UsesHugePages(Pages::kReused);
   if (options_.backend != "auto") {
     BackendKind kind = ParseBackendKind(options_.backend);
     Start([kind](unsigned depth) { return MakeBackend(kind, depth); });
@@ -594,6 +597,9 @@ Engine::Engine(EngineOptions options, const std::string& probe_dir) : options_(s
 
 Engine::Engine(EngineOptions options, BackendFactory factory) : options_(std::move(options)) {
   options_.Validate();
+  // Workers allocate bounce buffers: settle the page policy here, so that a malformed
+  // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
+  UsesHugePages(Pages::kReused);
   Start(std::move(factory));
 }
 

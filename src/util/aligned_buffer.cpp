@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -22,14 +23,16 @@ constexpr size_t kBalloonFreePageReportingBit = 5;
 // The name of a virtio balloon device that reports free pages, or "".
 std::string FreePageReportingDevice() {
   const std::filesystem::path drivers = "/sys/bus/virtio/drivers/virtio_balloon";
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(drivers, ec)) {
-    if (entry.path().filename().string().rfind("virtio", 0) != 0) continue;
-    std::ifstream in(entry.path() / "features");
+  std::error_code ec;  // no balloon driver, or sysfs unreadable: no reporting we know of
+  for (std::filesystem::directory_iterator it(drivers, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("virtio", 0) != 0) continue;
+    std::ifstream in(it->path() / "features");
     std::string bits;  // one character per feature bit, bit 0 first
     if (in >> bits && bits.size() > kBalloonFreePageReportingBit &&
         bits[kBalloonFreePageReportingBit] == '1') {
-      return entry.path().filename().string();
+      return name;
     }
   }
   return "";
@@ -44,7 +47,14 @@ struct HugePageChoice {
 const HugePageChoice& Choice() {
   static const HugePageChoice choice = [] {
     if (const char* v = std::getenv("TENSORTIER_HUGE_PAGES"); v != nullptr && *v != '\0') {
-      const bool on = ParseBool(v, "TENSORTIER_HUGE_PAGES");
+      bool on = false;
+      try {
+        on = ParseBool(v, "TENSORTIER_HUGE_PAGES");
+      } catch (const std::invalid_argument&) {
+        throw std::invalid_argument(StrCat("TENSORTIER_HUGE_PAGES=", v,
+                                           " is invalid: use 1 or 0, or unset it for the "
+                                           "automatic choice"));
+      }
       return HugePageChoice{on, on, StrCat("TENSORTIER_HUGE_PAGES=", v)};
     }
     const std::string device = FreePageReportingDevice();
@@ -84,7 +94,8 @@ AlignedBuffer::AlignedBuffer(size_t size, Pages use, bool lock) : size_(size) {
   if (p == MAP_FAILED) throw std::bad_alloc();
   data_ = static_cast<std::byte*>(p);
   mapped_ = mapped;
-  if (huge) madvise(p, mapped_, MADV_HUGEPAGE);  // advisory only
+  // Advisory only. Saying no explicitly matters where transparent huge pages are "always".
+  if (mapped_ >= kHugePageThreshold) madvise(p, mapped_, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
   if (lock) locked_ = mlock(p, mapped_) == 0;
 }
 

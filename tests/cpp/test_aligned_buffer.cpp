@@ -65,6 +65,8 @@ TEST(AlignedBufferTest, HugePagesFollowThePolicy) {
   ASSERT_FALSE(once_flags.empty()) << "no smaps entry for the buffer";
   ASSERT_FALSE(reused_flags.empty());
   EXPECT_EQ(HasFlag(once_flags, "hg"), UsesHugePages(Pages::kTouchedOnce)) << once_flags;
+  // Saying no explicitly (VM_NOHUGEPAGE, "nh"): THP "always" would give huge pages otherwise.
+  EXPECT_EQ(HasFlag(once_flags, "nh"), !UsesHugePages(Pages::kTouchedOnce)) << once_flags;
   EXPECT_EQ(HasFlag(reused_flags, "hg"), UsesHugePages(Pages::kReused)) << reused_flags;
   EXPECT_FALSE(HasFlag(VmFlagsOf(small.data()), "hg"));
   EXPECT_FALSE(HugePagesPolicy().empty());
