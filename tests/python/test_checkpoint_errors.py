@@ -494,3 +494,64 @@ def test_save_removes_temporary_files_of_killed_saves(tmp_path: Path) -> None:
     assert not killed.exists()
     assert recent.exists() and alive.exists() and other.exists()
     assert torch.equal(tensortier.load(path)["a"], torch.ones(3))
+
+
+def test_a_failed_device_read_still_waits_for_the_other_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA read fails with a RuntimeError (CudaError): the error reaches the caller, and every
+    other read still in flight is waited for before its memory can be freed."""
+    monkeypatch.setattr(checkpoint, "_GROUP_BYTES", 1)  # one future per tensor
+    waited: list[int] = []
+
+    class Future:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def result(self) -> object:
+            if self.index == 0:
+                raise RuntimeError("injected: cuMemcpyHtoDAsync failed")
+            raise AssertionError("only the first result is asked for")
+
+        def wait(self) -> None:
+            waited.append(self.index)
+            if self.index == 0:
+                raise RuntimeError("injected: cuMemcpyHtoDAsync failed")
+
+    class FakeIO:
+        def __init__(self) -> None:
+            self.count = 0
+
+        def pread_batch_async(self, batch: object) -> Future:
+            self.count += 1
+            return Future(self.count - 1)
+
+    pieces = [checkpoint._Piece(f"t{i}", None, 0, 16, torch.zeros(16, dtype=torch.uint8))
+              for i in range(3)]
+    progress = checkpoint._Progress("x", 48, False)
+    with pytest.raises(RuntimeError, match="injected"):
+        checkpoint._read_batched(FakeIO(), pieces, progress, "m.safetensors")  # type: ignore[arg-type]
+    assert waited == [0, 1, 2]
+
+
+def test_device_pieces_go_to_the_engine_unless_they_carry_a_checksum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routing of _read_pieces, with meta tensors standing in for CUDA ones: CPU pieces and
+    unchecked device pieces go to the engine (its GPU path for CUDA), checked device pieces
+    through the pinned host buffers, where their bytes can be hashed."""
+    seen: dict[str, list[str]] = {}
+    monkeypatch.setattr(checkpoint, "_read_batched",
+                        lambda io, ps, prog, path: seen.setdefault("engine", [p.name for p in ps]))
+    monkeypatch.setattr(checkpoint, "_read_device_checked",
+                        lambda io, ps, prog, path: seen.setdefault("pinned", [p.name for p in ps]))
+
+    def piece(name: str, device: str, checked: bool) -> checkpoint._Piece:
+        return checkpoint._Piece(name, None, 0, 4, torch.empty(4, device=device),
+                                 (lambda data: None) if checked else None)
+
+    pieces = [piece("cpu", "cpu", False), piece("cpu-checked", "cpu", True),
+              piece("dev", "meta", False), piece("dev-checked", "meta", True)]
+    progress = checkpoint._Progress("x", 16, False)
+    checkpoint._read_pieces(None, pieces, progress, "m")  # type: ignore[arg-type]
+    assert seen == {"engine": ["cpu", "cpu-checked", "dev"], "pinned": ["dev-checked"]}
