@@ -24,6 +24,8 @@ Scenarios (``--scenarios``, default all):
            tt-torch         tensortier.load("tt.pt")
            tt-hugepages     tensortier.load("tt.safetensors") with each loaded tensor in a
                             fresh huge-page mapping (the alternative to torch's allocator)
+           tt-mmap          tensortier.load("tt.safetensors", mmap=True) + touching every
+                            4 KiB page (tensors that map the file, as safetensors' do)
            safetensors      safetensors.torch.load_file("tt.safetensors") + touching every
                             4 KiB page (costs nothing if it copied the data into memory, and
                             charges the page faults if its tensors map the file)
@@ -47,7 +49,7 @@ their rows have the ratios but no target.
 
 Targets (issue 5): save >= 3x torch.save, >= 2x safetensors, >= 0.9x fio; load to CPU >= 2x
 safetensors and torch.load(mmap=False), >= 0.9x fio. The ratio columns compare tt-safetensors
-(save/load; the target and result columns are for it) and tt-torch with each tool. fio's write
+(save/load; the target and result columns are for it), tt-torch and tt-mmap with each tool. fio's write
 time is the wall time of the fio process (its own runtime leaves out the end fsync), so it
 includes fio's start-up: tens of milliseconds, negligible at 2 GiB, not at --size 64M.
 
@@ -87,7 +89,7 @@ from _benchlib import parse_size as _parse_size  # noqa: E402
 BENCH_DIR = Path(__file__).resolve().parent
 SCENARIOS = ("save", "cold", "warm")
 SAVE_TOOLS = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
-LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "tt-hugepages", "safetensors",
+LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "tt-hugepages", "tt-mmap", "safetensors",
               "torch.load", "torch.load-mmap", "fio", "tensorizer", "runai-streamer")
 OPTIONAL_MODULES = {  # optional load tools (report only) -> (module to import, pip package)
     "tensorizer": ("tensorizer", "tensorizer"),
@@ -266,7 +268,7 @@ def save_tool(s: Settings, tool: str, sd: dict[str, Any]) -> float:
 
 LOAD_FILES = {
     "tt-safetensors": "tt.safetensors", "tt-foreign": "st.safetensors", "tt-torch": "tt.pt",
-    "tt-hugepages": "tt.safetensors",
+    "tt-hugepages": "tt.safetensors", "tt-mmap": "tt.safetensors",
     "safetensors": "tt.safetensors", "torch.load": "tt.pt", "torch.load-mmap": "tt.pt",
     "fio": "fio.dat", "tensorizer": "tensorizer.tensors", "runai-streamer": "tt.safetensors",
 }
@@ -348,6 +350,9 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     if tool == "tt-hugepages":
         with _HugePageTensors():
             out = tensortier.load(path, progress=False)
+    elif tool == "tt-mmap":
+        out = tensortier.load(path, mmap=True, progress=False)
+        touch_pages(out)
     elif tool.startswith("tt-"):
         out = tensortier.load(path, progress=False)
     elif tool == "safetensors":
@@ -510,17 +515,19 @@ def report(scenario: str, samples: Samples, tools: Sequence[str]) -> tuple[str, 
     """A Markdown table (GB/s medians, samples, ratio of tt-safetensors to each tool, target)."""
     ours = samples.median("tt-safetensors")
     ours_pt = samples.median("tt-torch")
+    ours_mm = samples.median("tt-mmap")
     title = {"save": "save (until durable)", "cold": "load to CPU, cold cache",
              "warm": "load to CPU, warm cache"}[scenario]
     lines = [f"### {title}", "",
              "| tool | GB/s (median) | samples | tt-safetensors / tool | target | result "
-             "| tt-torch / tool |",
-             "|---|---|---|---|---|---|---|"]
+             "| tt-torch / tool | tt-mmap / tool |",
+             "|---|---|---|---|---|---|---|---|"]
     rows = {}
     for tool in list(tools) + [t for t in samples.errors if t not in tools]:
         med = samples.median(tool)
         r = ours / med if ours and med else None
         r_pt = ours_pt / med if ours_pt and med else None
+        r_mm = ours_mm / med if ours_mm and med else None
         target = TARGETS.get((scenario, tool))
         result = "n/a" if r is None or target is None else ("pass" if r >= target else "miss")
         if tool in samples.errors and med is None:
@@ -529,9 +536,11 @@ def report(scenario: str, samples: Samples, tools: Sequence[str]) -> tuple[str, 
         lines.append(f"| {tool} | {'-' if med is None else f'{med:.2f}'} | {vals} | "
                      f"{'-' if r is None else f'{r:.2f}'} | "
                      f"{'-' if target is None else f'>= {target}'} | {result} | "
-                     f"{'-' if r_pt is None else f'{r_pt:.2f}'} |")
+                     f"{'-' if r_pt is None else f'{r_pt:.2f}'} | "
+                     f"{'-' if r_mm is None else f'{r_mm:.2f}'} |")
         rows[tool] = {"median_gbps": med, "samples_gbps": samples.values.get(tool, []),
-                      "ratio": r, "target": target, "result": result, "ratio_tt_torch": r_pt}
+                      "ratio": r, "target": target, "result": result, "ratio_tt_torch": r_pt,
+                      "ratio_tt_mmap": r_mm}
     return "\n".join(lines) + "\n", rows
 
 

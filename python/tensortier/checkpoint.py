@@ -176,6 +176,7 @@ def load(
     dtype: Any = None,
     verify: bool = False,
     *,
+    mmap: bool = False,
     progress: bool | None = None,
     _io: IOHandle | None = None,
 ) -> Any:
@@ -197,6 +198,17 @@ def load(
             tensors keep theirs). Storage sharing between converted tensors is lost.
         verify: check the stored checksums (see :func:`save`); a file without checksums is an
             error then.
+        mmap: return CPU tensors that map the file (copy-on-write, as
+            ``safetensors.torch.load_file`` and ``torch.load(mmap=True)`` do) instead of
+            reading it into memory of their own: the call returns at once, pages are read from
+            the page cache (or the disk, with readahead started for the whole file when it fits
+            in free memory) as tensors are touched, and several processes loading the same file
+            share its cached pages. Writes to the tensors stay private. Only for
+            ``device="cpu"``. The file must not be truncated or rewritten in place while the
+            tensors live (reading a page past its new end kills the process with SIGBUS);
+            replacing it by rename, as :func:`save` does, is safe. Tensors whose file offset
+            is not a multiple of their element size (possible in files of other writers) and
+            converted ones (`dtype`) are copies.
         progress: show a progress bar on stderr; by default only for loads of 512 MiB or more
             when stderr is a terminal.
 
@@ -212,14 +224,21 @@ def load(
     """
     dev = _target_device(device)
     target_dtype = _target_dtype(dtype)
+    if not isinstance(mmap, bool):
+        raise TypeError(f"mmap must be a bool, not {type(mmap).__name__}")
+    if mmap and dev.type != "cpu":
+        raise ValueError(
+            f"mmap=True maps the file into host memory: it needs device='cpu', not {dev} "
+            "(load to the GPU with mmap=False: its bytes go there without host copies)"
+        )
     io = _io if _io is not None else _default_io()
     fspath = os.fspath(path)
     kind = _sniff(fspath)
     if kind == "index":
-        return _load_index(fspath, dev, target_dtype, verify, progress, io)
+        return _load_index(fspath, dev, target_dtype, verify, progress, io, mmap)
     if kind == "torch":
-        return _load_torch(fspath, dev, target_dtype, verify, progress, io)
-    return _load_safetensors(fspath, dev, target_dtype, verify, progress, io)
+        return _load_torch(fspath, dev, target_dtype, verify, progress, io, mmap)
+    return _load_safetensors(fspath, dev, target_dtype, verify, progress, io, mapped=mmap)
 
 
 def load_into(
@@ -426,6 +445,74 @@ def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
     window = (ctypes.c_char * nbytes).from_address(base.data_ptr() + skip)
     window.owner = base  # type: ignore[attr-defined]
     return torch.frombuffer(window, dtype=torch.uint8).view(dtype)
+
+
+def _map_file(file: File, path: str, ranges: Sequence[tuple[str, int, int]]) -> Any:
+    """The whole file `file` has open, mapped copy-on-write, as a CPU UntypedStorage that keeps
+    the mapping alive (and unmaps it when the last tensor on it is gone). `ranges` are the
+    (name, offset, length) the caller will use: each must lie inside the file as mapped, since
+    touching a mapped page past the end of a file is SIGBUS, not an error. Starts readahead of
+    the data when it fits in half the available memory."""
+    import mmap as mmap_module
+
+    torch = _torch()
+    size = os.fstat(file.fileno()).st_size
+    for name, offset, length in ranges:
+        if offset < 0 or length < 0 or offset + length > size:
+            raise ValueError(
+                f"{path}: file ended early: {name!r} needs {length} bytes at offset {offset}, "
+                f"the file has {size} (truncated file?)"
+            )
+    try:
+        mapping = mmap_module.mmap(
+            file.fileno(), size, flags=mmap_module.MAP_PRIVATE,
+            prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE,
+        )
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot map the checkpoint ({e.strerror}): load it with mmap=False", path
+        ) from None
+    used = [(offset, length) for _, offset, length in ranges if length]
+    if used:
+        start = min(o for o, _ in used) // mmap_module.PAGESIZE * mmap_module.PAGESIZE
+        end = max(o + n for o, n in used)
+        if end - start <= _available_memory() // 2:
+            # Asynchronous: the kernel reads ahead in large requests while the caller goes on
+            # (on the benchmark VM a cold load-and-touch of 2 GiB ran 1.6 -> 2.6 GB/s).
+            mapping.madvise(mmap_module.MADV_WILLNEED, start, end - start)
+    # frombuffer keeps a reference to `mapping` (not a buffer export): the mapping lives as long
+    # as any storage sliced from this one. Nobody else holds it, so nobody can close it.
+    return torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 when unknown)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _mapped_tensor(
+    whole: Any, offset: int, nbytes: int, dtype: Any, shape: Sequence[int]
+) -> Any:
+    """A tensor of `shape` over bytes [offset, offset + nbytes) of the mapped file `whole`, in a
+    storage of exactly those bytes (so that saving it, or checking it for shared memory as
+    safetensors does, sees only its own bytes). A copy where `offset` is not a multiple of the
+    element size: torch expects elements at their natural alignment."""
+    torch = _torch()
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    window = whole[offset : offset + nbytes]
+    if offset % dtype.itemsize:
+        flat = _host_alloc(nbytes // dtype.itemsize, dtype)
+        _as_bytes(flat).copy_(_storage_bytes(window))
+        return flat.view(tuple(shape))
+    return torch.empty(0, dtype=dtype).set_(window, 0, tuple(shape))
 
 
 def _as_bytes(t: Any) -> Any:
@@ -1126,13 +1213,23 @@ def _same_file(file: File, path: str, parse: Callable[[str], _T]) -> _T:
 
 def _load_safetensors(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
-    _prog: _Progress | None = None,
+    _prog: _Progress | None = None, mapped: bool = False,
 ) -> dict[str, Any]:
     torch = _torch()
     file = io.open(path, "r")
     try:
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
         sums = _parse_checksums(path, metadata) if verify else {}
+        if mapped:
+            ranges = [(e.name, e.offset, e.nbytes) for e in entries]
+            whole = _map_file(file, path, ranges)
+            out = {}
+            for e in entries:
+                t = _mapped_tensor(whole, e.offset, e.nbytes, e.dtype, e.shape)
+                if verify:
+                    _xxh64_check(path, e.name, sums.get(e.name))(t)
+                out[e.name] = t
+            return {k: _convert(v, dtype) for k, v in out.items()} if dtype is not None else out
         pieces: list[_Piece] = []
         out: dict[str, Any] = {}
         for e in entries:
@@ -1218,10 +1315,13 @@ class _StorageRef:
 
 
 def _unpickle_torch(
-    path: str, storage_device: Any, label: str | None = None, verify: bool = False
+    path: str, storage_device: Any, label: str | None = None, verify: bool = False,
+    mapped: Any = None,
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
-    `storage_device` (``meta``: not at all) and filled later. Returns the object, the storages by
+    `storage_device` (``meta``: not at all) and filled later, or, given `mapped` (the whole
+    file as a CPU UntypedStorage), are slices of it (copies where a record's offset is not a
+    multiple of its element size). Returns the object, the storages by
     key, the records, the archive prefix and whether the file is big-endian. The storage
     references carry `label` (the user's path when `path` is a /proc/self/fd link). With
     `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
@@ -1276,7 +1376,11 @@ def _unpickle_torch(
                     f"{path}: storage {key} should hold {nbytes} bytes, its record has "
                     f"{record.size}"
                 )
-            if storage_device.type == "cpu":
+            if mapped is not None:
+                storage = _mapped_tensor(
+                    mapped, record.offset, nbytes, dtype, (numel,)
+                ).untyped_storage()
+            elif storage_device.type == "cpu":
                 storage = _host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
                 storage = storage.untyped_storage()
             else:
@@ -1322,28 +1426,44 @@ def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
 
 
 def _load_torch(
-    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
+    mapped: bool = False,
 ) -> Any:
     torch = _torch()
     file = io.open(path, "r")
     try:
+        if mapped:
+            records = _same_file(file, path, _zip_records)
+            ranges = [(name, r.offset, r.size) for name, r in records.items()]
+            whole = _map_file(file, path, ranges)
         obj, storages, _, _, big_endian = _same_file(
-            file, path, lambda name: _unpickle_torch(name, dev, label=path, verify=verify)
+            file,
+            path,
+            lambda name: _unpickle_torch(
+                name, dev, label=path, verify=verify, mapped=whole if mapped else None
+            ),
         )
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
         if verify:
             _verifiable(path, refs)
-        pieces = [
-            _Piece(
-                f"data/{r.key}", file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
-                _crc_check(path, r.key, r.record.crc32) if verify else None,
+        pieces: list[_Piece] = []
+        if mapped:
+            if verify:
+                for r in refs:
+                    _crc_check(path, r.key, r.record.crc32)(_storage_bytes(r.storage))
+        else:
+            pieces = [
+                _Piece(
+                    f"data/{r.key}", file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
+                    _crc_check(path, r.key, r.record.crc32) if verify else None,
+                )
+                for r in refs
+            ]
+        if pieces:
+            prog = _Progress(
+                f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
             )
-            for r in refs
-        ]
-        prog = _Progress(
-            f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
-        )
-        _read_pieces(io, pieces, prog, path)
+            _read_pieces(io, pieces, prog, path)
     finally:
         file.close()
     if big_endian:
@@ -1530,7 +1650,8 @@ def _read_index(path: str) -> dict[str, list[str]]:
 
 
 def _load_index(
-    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
+    mapped: bool = False,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for shard, names in _read_index(path).items():
@@ -1538,11 +1659,11 @@ def _load_index(
         if kind == "index":
             raise ValueError(f"{path}: shard {shard} is itself an index")
         if kind == "torch":
-            part = _load_torch(shard, dev, dtype, verify, progress, io)
+            part = _load_torch(shard, dev, dtype, verify, progress, io, mapped)
             if not isinstance(part, Mapping):
                 raise ValueError(f"{shard}: holds a {type(part).__name__}, not a state dict")
         else:
-            part = _load_safetensors(shard, dev, dtype, verify, progress, io)
+            part = _load_safetensors(shard, dev, dtype, verify, progress, io, mapped=mapped)
         missing = [n for n in names if n not in part]
         if missing:
             raise ValueError(f"{path}: the index puts {missing[:8]} in {shard}, which lacks them")

@@ -46,7 +46,8 @@ def test_good_hand_written_file_loads(disk_dir: Path) -> None:
     ["truncated", "length_beyond_file", "malformed_json", "overlap", "out_of_range",
      "unknown_dtype", "shape_size_mismatch", "empty", "tiny", "garbage"],
 )
-def test_bad_safetensors(disk_dir: Path, case: str) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
+def test_bad_safetensors(disk_dir: Path, case: str, mapped: bool) -> None:
     path = disk_dir / "bad.safetensors"
     data = struct.pack("<ffq", 1.0, 2.0, 42)
     h = good_header()
@@ -77,7 +78,7 @@ def test_bad_safetensors(disk_dir: Path, case: str) -> None:
     elif case == "garbage":
         path.write_bytes(os.urandom(4096).replace(b"{", b"x").replace(b"PK", b"pk"))
     with pytest.raises(ValueError) as info:
-        tensortier.load(path)
+        tensortier.load(path, mmap=mapped)
     assert "bad.safetensors" in str(info.value) or case in ("empty", "tiny")
     with pytest.raises((ValueError, OSError)):
         tensortier.load_into({"a": torch.zeros(2), "b": torch.zeros(1, dtype=torch.int64)}, path)
@@ -117,34 +118,36 @@ def rezip(src: Path, dst: Path, *, compress: str | None = None, drop: str | None
             zout.writestr(info.filename, data, compress_type=ctype)
 
 
-def test_compressed_zip_entry(disk_dir: Path) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
+def test_compressed_zip_entry(disk_dir: Path, mapped: bool) -> None:
     src = disk_dir / "ok.pt"
     torch.save({"a": torch.zeros(1000)}, src)
     bad = disk_dir / "deflated.pt"
     rezip(src, bad, compress="data/0")
     with pytest.raises(ValueError, match="compress"):
-        tensortier.load(bad)
+        tensortier.load(bad, mmap=mapped)
     rezip(src, bad, compress="data.pkl")
     with pytest.raises(ValueError, match="compress"):
-        tensortier.load(bad)
+        tensortier.load(bad, mmap=mapped)
 
 
-def test_missing_records(disk_dir: Path) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
+def test_missing_records(disk_dir: Path, mapped: bool) -> None:
     src = disk_dir / "ok.pt"
     torch.save({"a": torch.zeros(10)}, src)
     bad = disk_dir / "bad.pt"
     rezip(src, bad, drop="data/0")
     with pytest.raises(ValueError, match="data/0"):
-        tensortier.load(bad)
+        tensortier.load(bad, mmap=mapped)
     rezip(src, bad, drop="data.pkl")
     with pytest.raises(ValueError, match="data.pkl"):
-        tensortier.load(bad)
+        tensortier.load(bad, mmap=mapped)
     rezip(src, bad, replace={"data/0": b"\0" * 12})  # record shorter than the storage
     with pytest.raises(ValueError, match="40 bytes"):
-        tensortier.load(bad)
+        tensortier.load(bad, mmap=mapped)
     rezip(src, bad, replace={"data.pkl": b"\x80\x02}q\x00(X"})  # truncated pickle
     with pytest.raises(ValueError, match="data.pkl"):
-        tensortier.load(bad)
+        tensortier.load(bad, mmap=mapped)
 
 
 class Boom:
