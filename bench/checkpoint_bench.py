@@ -42,13 +42,26 @@ Scenarios (``--scenarios``, default all):
                             its default: they stay valid) and every 4 KiB page touched
   warm   the same loads with the file already in the page cache (read once, untimed, just
          before); fio reads buffered (psync, --direct=0 --invalidate=0 --iomem=mmap).
+  gpu-cold, gpu-warm   (default when torch sees a CUDA device) load to --gpu-device, each
+         timed until the device is done (torch.cuda.synchronize), validated on the first
+         repeat; the allocator's cache is filled by one untimed load first:
+           tt-safetensors   tensortier.load("tt.safetensors", device=DEV)
+           tt-torch         tensortier.load("tt.pt", device=DEV)
+           safetensors      safetensors.torch.load_file("tt.safetensors", device=DEV)
+           torch.load       torch.load("tt.pt", map_location=DEV, weights_only=True)
+           fastsafetensors  fastsafe_open(["tt.safetensors"], device=DEV, nogds=False), every
+                            tensor cloned out of its buffer (optional, report only)
+           file-read        the file's bytes read by tensortier into one reused pinned buffer
+           h2d              those bytes copied from that pinned buffer to the device
+         The limit row, min(file-read, h2d), is the per-repeat minimum of those two.
 
 tensorizer and runai-streamer are optional (pip install tensorizer runai-model-streamer): when
 one does not import, it is skipped with a note in its table row. They are report only (issue 5):
 their rows have the ratios but no target.
 
 Targets (issue 5): save >= 3x torch.save, >= 2x safetensors, >= 0.9x fio; load to CPU >= 2x
-safetensors and torch.load(mmap=False), >= 0.9x fio. The ratio columns compare tt-safetensors
+safetensors and torch.load(mmap=False), >= 0.9x fio; load to GPU >= 2x safetensors and >= 0.9x
+min(file-read, h2d). The ratio columns compare tt-safetensors
 (save/load; the target and result columns are for it), tt-torch and tt-mmap with each tool. fio's write
 time is the wall time of the fio process (its own runtime leaves out the end fsync), so it
 includes fio's start-up: tens of milliseconds, negligible at 2 GiB, not at --size 64M.
@@ -87,18 +100,24 @@ from _benchlib import settle, tool_version, warm_file  # noqa: E402
 from _benchlib import parse_size as _parse_size  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
-SCENARIOS = ("save", "cold", "warm")
+SCENARIOS = ("save", "cold", "warm", "gpu-cold", "gpu-warm")
+GPU_TOOLS = ("tt-safetensors", "tt-torch", "safetensors", "torch.load", "fastsafetensors",
+             "file-read", "h2d")
+LIMIT = "min(file-read, h2d)"
 SAVE_TOOLS = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
 LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "tt-hugepages", "tt-mmap", "safetensors",
               "torch.load", "torch.load-mmap", "fio", "tensorizer", "runai-streamer")
 OPTIONAL_MODULES = {  # optional load tools (report only) -> (module to import, pip package)
     "tensorizer": ("tensorizer", "tensorizer"),
     "runai-streamer": ("runai_model_streamer", "runai-model-streamer"),
+    "fastsafetensors": ("fastsafetensors", "fastsafetensors"),
 }
 TARGETS = {  # (scenario, baseline) -> minimum ratio tt-safetensors / baseline
     ("save", "torch.save"): 3.0, ("save", "safetensors"): 2.0, ("save", "fio"): 0.9,
     ("cold", "safetensors"): 2.0, ("cold", "torch.load"): 2.0, ("cold", "fio"): 0.9,
     ("warm", "safetensors"): 2.0, ("warm", "torch.load"): 2.0, ("warm", "fio"): 0.9,
+    ("gpu-cold", "safetensors"): 2.0, ("gpu-cold", LIMIT): 0.9,
+    ("gpu-warm", "safetensors"): 2.0, ("gpu-warm", LIMIT): 0.9,
 }
 
 
@@ -205,6 +224,7 @@ class Settings:
     seed: int
     verify: bool
     command: str
+    gpu_device: str = "cuda:0"
 
 
 @dataclass
@@ -271,6 +291,7 @@ LOAD_FILES = {
     "tt-hugepages": "tt.safetensors", "tt-mmap": "tt.safetensors",
     "safetensors": "tt.safetensors", "torch.load": "tt.pt", "torch.load-mmap": "tt.pt",
     "fio": "fio.dat", "tensorizer": "tensorizer.tensors", "runai-streamer": "tt.safetensors",
+    "fastsafetensors": "tt.safetensors", "file-read": "tt.safetensors", "h2d": "tt.safetensors",
 }
 BENCH_FILES = ("tt.safetensors", "tt.pt", "torch.pt", "st.safetensors", "fio.dat",
                "tensorizer.tensors")
@@ -374,6 +395,77 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     return time.perf_counter() - start, out
 
 
+class GpuLoads:
+    """The loads of the gpu-* scenarios, with the buffers the limits reuse."""
+
+    def __init__(self, s: Settings) -> None:
+        import torch
+
+        import tensortier
+
+        self.device = torch.device(s.gpu_device)
+        self.size = (s.directory / "tt.safetensors").stat().st_size
+        on_gpu = self.device.type == "cuda"
+        # --gpu-device cpu (a dry run of this code on machines without a GPU): plain memory
+        self.host = (tensortier.pinned_empty(self.size) if on_gpu
+                     else tensortier.aligned_empty(self.size, reused=True))
+        self.target = torch.empty(self.size, dtype=torch.uint8, device=self.device)
+        self.io = tensortier.IOHandle()
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self, s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any] | None]:
+        """One load (cache prepared first); returns (seconds, what was loaded or None)."""
+        import torch
+
+        import tensortier
+
+        path = s.directory / LOAD_FILES[tool]
+        if tool != "h2d":
+            if warm:
+                warm_file(path, 16 << 20, reuse=True)
+            else:
+                drop_file_cache(path, sync=os.fdatasync)
+        dev = str(self.device)
+        self.sync()
+        start = time.perf_counter()
+        out: dict[str, Any] | None = None
+        if tool == "file-read":
+            n = self.io.pread(self.host, path)
+            if n != self.size:
+                raise BenchError(f"file-read: {n} of {self.size} bytes")
+        elif tool == "h2d":
+            self.target.copy_(self.host, non_blocking=True)
+        elif tool.startswith("tt-"):
+            out = tensortier.load(path, device=dev, progress=False)
+        elif tool == "safetensors":
+            from safetensors.torch import load_file
+
+            out = load_file(path, device=dev)
+        elif tool == "torch.load":
+            out = torch.load(path, map_location=dev, weights_only=True)
+        else:
+            from fastsafetensors import fastsafe_open
+
+            with fastsafe_open(filenames=[str(path)], device=dev, nogds=False) as f:
+                # its tensors live in the loader's buffer, freed when the block ends
+                out = {k: f.get_tensor(k).clone() for k in f.keys()}
+        self.sync()
+        seconds = time.perf_counter() - start
+        if out is not None:
+            return seconds, out
+        # The limits move the file's bytes (header included): scale to the state dict's.
+        return seconds * s.size / self.size, None
+
+    def close(self) -> None:
+        self.io.close()
+        del self.host, self.target
+
+
 def ensure_files(s: Settings, sd: dict[str, Any], tools: Sequence[str]) -> dict[str, str]:
     """The files the loads read, written untimed when the save scenario did not run (the
     tensorizer file always: no save tool writes it). Returns {optional tool: why its file could
@@ -468,8 +560,9 @@ def package_version(package: str) -> str | None:
 
 
 def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Samples, list[str]]:
-    tools = [t for t in (SAVE_TOOLS if scenario == "save" else LOAD_TOOLS)
-             if s.tools is None or t in s.tools]
+    gpu = scenario.startswith("gpu-")
+    all_tools = SAVE_TOOLS if scenario == "save" else GPU_TOOLS if gpu else LOAD_TOOLS
+    tools = [t for t in all_tools if s.tools is None or t in s.tools]
     samples = Samples()
     for t in list(tools):
         why = available(t)
@@ -477,10 +570,16 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
             samples.errors[t] = f"skipped: {why}"
             tools.remove(t)
     if scenario != "save":
-        for t, why in ensure_files(s, sd, tools).items():
+        for t, why in ensure_files(s, sd, tools + (["tt-safetensors"] if gpu else [])).items():
             samples.errors[t] = why
             tools.remove(t)
     total = nbytes(sd)
+    loads = GpuLoads(s) if gpu else None
+    if loads is not None:
+        import tensortier
+
+        # Untimed: the device allocator's cache holds a state dict's blocks before anyone runs.
+        tensortier.load(s.directory / "tt.safetensors", device=s.gpu_device, progress=False)
     for repeat in range(s.repeats):
         order = tools[repeat % len(tools):] + tools[:repeat % len(tools)]
         for tool in order:
@@ -491,6 +590,8 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
             try:
                 if scenario == "save":
                     seconds, out = save_tool(s, tool, sd), None
+                elif loads is not None:
+                    seconds, out = loads.run(s, tool, scenario == "gpu-warm")
                 else:
                     seconds, out = load_tool(s, tool, scenario == "warm")
             except BenchError:
@@ -502,12 +603,23 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
                 log(f"  {scenario} {tool}: {samples.errors[tool]}")
                 continue
             if out is not None and s.verify and repeat == 0:
+                if gpu:
+                    for k, t in out.items():
+                        if t.device != loads.device:  # type: ignore[union-attr]
+                            raise BenchError(f"{scenario} {tool}: {k} is on {t.device}")
+                    out = {k: t.cpu() for k, t in out.items()}
                 check_same(out, sd, f"{scenario} {tool}")
             del out
             gbps = total / seconds / GB
             samples.add(tool, gbps)
             log(f"  {scenario} repeat {repeat + 1}/{s.repeats} {tool}: {seconds:.3f} s "
                 f"{gbps:.2f} GB/s")
+    if loads is not None:
+        loads.close()
+        read, h2d = samples.values.get("file-read", []), samples.values.get("h2d", [])
+        if read and len(read) == len(h2d):
+            samples.values[LIMIT] = [min(a, b) for a, b in zip(read, h2d)]
+            tools.append(LIMIT)
     return samples, tools
 
 
@@ -517,7 +629,8 @@ def report(scenario: str, samples: Samples, tools: Sequence[str]) -> tuple[str, 
     ours_pt = samples.median("tt-torch")
     ours_mm = samples.median("tt-mmap")
     title = {"save": "save (until durable)", "cold": "load to CPU, cold cache",
-             "warm": "load to CPU, warm cache"}[scenario]
+             "warm": "load to CPU, warm cache", "gpu-cold": "load to GPU, cold cache",
+             "gpu-warm": "load to GPU, warm cache"}[scenario]
     lines = [f"### {title}", "",
              "| tool | GB/s (median) | samples | tt-safetensors / tool | target | result "
              "| tt-torch / tool | tt-mmap / tool |",
@@ -555,9 +668,11 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--tensors", type=int, default=300,
                    help="about this many tensors (default: 300)")
     p.add_argument("--repeats", type=int, default=3, help="samples per figure (default: 3)")
-    p.add_argument("--scenarios", type=name_list(SCENARIOS), default=list(SCENARIOS),
-                   help="comma-separated subset of save,cold,warm (default: all)")
-    p.add_argument("--tools", type=name_list(sorted(set(SAVE_TOOLS + LOAD_TOOLS))), default=None,
+    p.add_argument("--scenarios", type=name_list(SCENARIOS), default=None,
+                   help="comma-separated subset of " + ",".join(SCENARIOS) + " (default: all; "
+                   "the gpu ones only when torch sees a CUDA device)")
+    p.add_argument("--tools", type=name_list(sorted(set(SAVE_TOOLS + LOAD_TOOLS + GPU_TOOLS))),
+                   default=None,
                    help="comma-separated subset of the tools (default: all)")
     p.add_argument("--json", type=Path, default=BENCH_DIR / "results" / "checkpoint_bench.json",
                    help="where to write all results (default: bench/results/checkpoint_bench.json)")
@@ -567,12 +682,21 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not compare what the first repeat loads with the state dict")
+    p.add_argument("--gpu-device", default="cuda:0",
+                   help="device of the gpu-* scenarios (default: cuda:0; 'cpu' runs their code "
+                   "without a GPU, a check of this script, not a figure)")
     a = p.parse_args(argv)
+    if a.scenarios is None:
+        a.scenarios = [sc for sc in SCENARIOS if not sc.startswith("gpu-")]
+        import torch
+
+        if torch.cuda.is_available():
+            a.scenarios += ["gpu-cold", "gpu-warm"]
     if a.repeats <= 0 or a.tensors < 13 or a.fio_iodepth <= 0:
         raise SystemExit("--repeats and --fio-iodepth must be positive, --tensors >= 13")
     return Settings(a.dir.resolve(), a.size, a.tensors, a.repeats, a.scenarios, a.tools,
                     a.json, a.fio, a.fio_bs, a.fio_iodepth, a.seed, not a.no_verify,
-                    shlex.join([sys.executable, *sys.argv]))
+                    shlex.join([sys.executable, *sys.argv]), a.gpu_device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

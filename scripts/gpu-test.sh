@@ -12,12 +12,22 @@
 #   bench     the GPU benchmark (file->GPU and GPU->file, page cache warm and cold, against the
 #             py_ GPU scripts and torch.cuda.gds.GdsFile, with the file read rate and the pinned
 #             host->device copy rate measured in the same run; every load is validated);
-#   all       (default) build + test + bench. test-* and bench build first when nothing is built.
+#   bench-checkpoint
+#             checkpoint loads to the GPU (bench/checkpoint_bench.py gpu-cold,gpu-warm: a 2 GiB
+#             state dict of 300 tensors; tensortier.load against safetensors, torch.load and
+#             fastsafetensors where they import, and min(file read rate, pinned host->device
+#             rate) from the same run);
+#   all       (default) build + test + bench + bench-checkpoint. test-* and bench* build first
+#             when nothing is built.
+# Benchmark peers missing on a machine without internet (safetensors, fastsafetensors and its
+# dependencies) are unpacked into the venv from WHEELS (default build/gpu-wheels) by build, e.g.
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_28_x86_64 -d build/gpu-wheels safetensors fastsafetensors
 # Results (logs, JUnit XML, bench JSON, summary.txt, appended per call) go to OUT (default:
 # $OUT, else build/gpu-results).
 #
-# Usage: scripts/gpu-test.sh [all|build|test|test-cpp|test-py|bench] [--out DIR] [--sizes 1G,8G]
-#                            [--repeats N] [--quick]
+# Usage: scripts/gpu-test.sh [all|build|test|test-cpp|test-py|bench|bench-checkpoint] [--out DIR]
+#                            [--sizes 1G,8G] [--repeats N] [--quick]
 #   --quick: pytest without the `slow` tests; bench at 1 GiB only (unless --sizes is given).
 #   --repeats: bench repeats per method (default 3, and 2 over 2 GiB).
 # Environment: PYTHON (default python3), JOBS (default nproc), BENCH_DIR (default
@@ -30,6 +40,7 @@
 #   scripts/gpu-test.sh test-cpp
 #   scripts/gpu-test.sh test-py --quick
 #   scripts/gpu-test.sh bench --sizes 1G
+#   scripts/gpu-test.sh bench-checkpoint
 #   scripts/gpu-test.sh bench --sizes 8G --repeats 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,12 +53,12 @@ REPEATS=""
 QUICK=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    all|build|test|test-cpp|test-py|bench) phase=$1 ;;
+    all|build|test|test-cpp|test-py|bench|bench-checkpoint) phase=$1 ;;
     --out) OUTDIR=$2; shift ;;
     --sizes) SIZES=$2; shift ;;
     --repeats) REPEATS=$2; shift ;;
     --quick) QUICK=1 ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
     *) echo "gpu-test: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -157,6 +168,17 @@ build() {
   cp -r python/tensortier "$site/tensortier"
   cp "$BUILD"/_core*.so "$site/tensortier/"
   cp "$BUILD/tensortier" "$VENV/bin/tensortier"
+  local wheels="${WHEELS:-$ROOT/build/gpu-wheels}" wheel module
+  if compgen -G "$wheels/*.whl" > /dev/null; then
+    for wheel in "$wheels"/*.whl; do
+      module=$(basename "$wheel")
+      module=${module%%-*}
+      [ "$module" = markdown_it_py ] && module=markdown_it
+      "$VENV/bin/python" -c "import $module" 2>/dev/null && continue  # the machine's own wins
+      "$VENV/bin/python" -m zipfile -e "$wheel" "$site" &&
+        echo "unpacked $(basename "$wheel") into the venv"
+    done
+  fi
   "$VENV/bin/python" -c 'import tensortier; print("tensortier", tensortier.__version__,
 tensortier.cuda_info(), tensortier.cufile_info())'
 }
@@ -209,7 +231,17 @@ bench() {
   return $rc
 }
 
-export -f have_gtest build built cpp_tests py_tests bench
+bench_checkpoint() {
+  local rc
+  "$VENV/bin/python" bench/checkpoint_bench.py --dir "$BENCH_DIR/checkpoint" \
+    --scenarios gpu-cold,gpu-warm --repeats "${REPEATS:-3}" \
+    --json "$OUTDIR/checkpoint_gpu_bench.json"
+  rc=$?
+  rm -rf "$BENCH_DIR/checkpoint"
+  return $rc
+}
+
+export -f have_gtest build built cpp_tests py_tests bench bench_checkpoint
 
 # ---- run ---------------------------------------------------------------------------------
 BUILD_STEP="build (C++ library, tests, CLI, Python extension; venv)"
@@ -225,6 +257,10 @@ if built; then
   esac
   case "$phase" in all | bench)
     step "GPU benchmark ($SIZES, warm and cold)" "$OUTDIR/gpu_bench_${SIZES//,/-}.log" bench ;;
+  esac
+  case "$phase" in all | bench-checkpoint)
+    step "checkpoint loads to the GPU (2 GiB, warm and cold)" "$OUTDIR/checkpoint_gpu_bench.log" \
+      bench_checkpoint ;;
   esac
 elif [ "$phase" != build ]; then
   note "FAIL nothing is built: the $phase step cannot run"
