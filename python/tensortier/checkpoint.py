@@ -1344,12 +1344,13 @@ class _StorageRef:
 
 def _unpickle_torch(
     path: str, storage_device: Any, label: str | None = None, verify: bool = False,
-    mapped: Any = None,
+    mapped: Any = None, records: dict[str, _ZipRecord] | None = None,
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
     `storage_device` (``meta``: not at all) and filled later, or, given `mapped` (the whole
     file as a CPU UntypedStorage), are slices of it (copies where a record's offset is not a
-    multiple of its element size). Returns the object, the storages by
+    multiple of its element size). `records`: the zip's records when the caller has them
+    already (parsed from the same file). Returns the object, the storages by
     key, the records, the archive prefix and whether the file is big-endian. The storage
     references carry `label` (the user's path when `path` is a /proc/self/fd link). With
     `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
@@ -1357,7 +1358,8 @@ def _unpickle_torch(
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
-    records = _zip_records(path)
+    if records is None:
+        records = _zip_records(path)
     prefix = _archive_prefix(path, records)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -1460,7 +1462,7 @@ def _load_torch(
     torch = _torch()
     file = io.open(path, "r")
     try:
-        whole = None
+        whole = records = None
         if mapped is not None:
             records = _same_file(file, path, _zip_records)
             ranges = [(name, r.offset, r.size) for name, r in records.items()]
@@ -1468,7 +1470,9 @@ def _load_torch(
         obj, storages, _, _, big_endian = _same_file(
             file,
             path,
-            lambda name: _unpickle_torch(name, dev, label=path, verify=verify, mapped=whole),
+            lambda name: _unpickle_torch(
+                name, dev, label=path, verify=verify, mapped=whole, records=records
+            ),
         )
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
         if verify:
