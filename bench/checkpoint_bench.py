@@ -408,7 +408,7 @@ class GpuLoads:
         on_gpu = self.device.type == "cuda"
         # --gpu-device cpu (a dry run of this code on machines without a GPU): plain memory
         self.host = (tensortier.pinned_empty(self.size) if on_gpu
-                     else tensortier.aligned_empty(self.size, reused=True))
+                     else tensortier.aligned_empty(self.size, reused=True, resident=True))
         self.target = torch.empty(self.size, dtype=torch.uint8, device=self.device)
         self.io = tensortier.IOHandle()
 

@@ -81,7 +81,7 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
     bounce = tensortier.IOHandle(gds="off")
     gds = tensortier.IOHandle(gds="auto")
     bounce.pwrite(src, path)  # the file every load reads
-    host = tensortier.aligned_empty(size, reused=True)  # reused over repeats: huge pages
+    host = tensortier.aligned_empty(size, reused=True, resident=True)  # reused: huge pages
     torch_gds_error = ""
     try:
         torch_gds_file(path, os.O_RDONLY)

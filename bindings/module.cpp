@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <system_error>
 
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/backend.hpp"
@@ -153,6 +154,14 @@ PYBIND11_MODULE(_core, m) {
       // OSError(errno, message, filename): Python picks the subclass (FileNotFoundError...).
       py::object err = py::reinterpret_steal<py::object>(
           PyObject_CallFunction(PyExc_OSError, "iss", e.error_code(), e.what(), e.path().c_str()));
+      PyErr_SetObject(PyExc_OSError, err.ptr());
+    } catch (const std::system_error& e) {  // errno failures without a file (memory, threads)
+      if (e.code().category() != std::generic_category() &&
+          e.code().category() != std::system_category()) {
+        throw;
+      }
+      py::object err = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(PyExc_OSError, "is", e.code().value(), e.what()));
       PyErr_SetObject(PyExc_OSError, err.ptr());
     }
   });
@@ -306,10 +315,13 @@ PYBIND11_MODULE(_core, m) {
         "Address of a C-contiguous buffer export; raises BufferError if it is not one.");
   // Page-aligned host memory with the buffer protocol (numpy/torch.frombuffer wrap it).
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
-      .def(py::init([](size_t size, bool reused) {
-             return AlignedBuffer(size, reused ? Pages::kReused : Pages::kTouchedOnce);
+      .def(py::init([](size_t size, bool reused, bool resident) {
+             py::gil_scoped_release release;  // faulting in gigabytes takes seconds
+             return AlignedBuffer(size, reused ? Pages::kReused : Pages::kTouchedOnce,
+                                  resident ? Populate::kUpFront : Populate::kOnDemand);
            }),
-           py::arg("size"), py::arg("reused") = false)
+           py::arg("size"), py::arg("reused") = false, py::arg("resident") = false)
+      .def_property_readonly("locked", &AlignedBuffer::locked)
       .def("__len__", &AlignedBuffer::size)
       .def_property_readonly(
           "address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })

@@ -175,7 +175,7 @@ std::vector<Phase> RunOnce(const Settings& s) {
   Engine engine(OptionsFor(s), s.dir);
   const uint64_t window = std::min<uint64_t>(AlignUp(s.size, kPageSize), 256ull << 20);
   AlignedBuffer buf(static_cast<size_t>(std::max<uint64_t>(window, s.block)) * 2, Pages::kReused,
-                    true);
+                    Populate::kUpFront);
   std::mt19937_64 rng(7);
   for (size_t i = 0; i + 8 <= buf.size(); i += 8) {
     uint64_t v = rng();

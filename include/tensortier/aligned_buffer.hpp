@@ -42,14 +42,23 @@ enum class Pages { kTouchedOnce, kReused };
 bool UsesHugePages(Pages use);
 std::string HugePagesPolicy();
 
+// When the pages behind a buffer are faulted in:
+//  kOnDemand: by the first access to each (nothing is paid for pages never used).
+//  kUpFront: all of them at allocation, and mlock()ed where RLIMIT_MEMLOCK allows (best effort:
+//    the limit is often 8 MiB, and a refused lock is not an error). This is what DeepNVMe's
+//    locked tensors and CUDA pinned memory give: a staging buffer whose first transfer does not
+//    pay the page faults (on VMs that report free pages, ~1.1 s per GiB of huge pages).
+enum class Populate { kOnDemand, kUpFront };
+
 // Anonymous mapping rounded up to whole pages; zero-filled. Move-only.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  // Throws std::bad_alloc if the mapping fails, std::invalid_argument if TENSORTIER_HUGE_PAGES is
-  // malformed (buffers of 4 MiB or more). `lock` asks mlock() for it (best effort: a refused lock
-  // is not an error, as RLIMIT_MEMLOCK is often small).
-  explicit AlignedBuffer(size_t size, Pages use = Pages::kTouchedOnce, bool lock = false);
+  // Throws std::bad_alloc if the mapping fails or a resident buffer's pages cannot all be had,
+  // std::system_error if faulting them in fails otherwise, std::invalid_argument if
+  // TENSORTIER_HUGE_PAGES is malformed (buffers of 4 MiB or more).
+  explicit AlignedBuffer(size_t size, Pages use = Pages::kTouchedOnce,
+                         Populate populate = Populate::kOnDemand);
   ~AlignedBuffer();
   AlignedBuffer(AlignedBuffer&& other) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
@@ -61,6 +70,7 @@ class AlignedBuffer {
   bool locked() const noexcept { return locked_; }
 
  private:
+  void MakeResident();
   void Release() noexcept;
 
   std::byte* data_ = nullptr;

@@ -56,7 +56,11 @@ def probe_backends(directory: str | os.PathLike[str] = ".") -> list[dict[str, An
 
 
 def aligned_empty(
-    shape: int | tuple[int, ...], dtype: Any = None, *, reused: bool = False
+    shape: int | tuple[int, ...],
+    dtype: Any = None,
+    *,
+    reused: bool = False,
+    resident: bool = False,
 ) -> Any:
     """An uninitialised CPU tensor whose memory is page-aligned (the fastest I/O target).
 
@@ -67,6 +71,14 @@ def aligned_empty(
             transparent huge pages when 4 MiB or larger (fewer, larger disk requests). Memory
             filled once gets them unless this VM reports free memory to its host, which makes
             their first touch slow (see ``tensortier check``).
+        resident: fault every page in now, and lock them (``mlock``) where
+            ``RLIMIT_MEMLOCK`` allows, as DeepNVMe's locked tensors and CUDA pinned memory
+            are: the first transfer into the buffer then does not pay the page faults. The
+            call takes that time instead (up to ~1 s per GiB).
+
+    Raises:
+        ValueError: a negative dimension.
+        MemoryError: the memory (with ``resident``, all of its pages) cannot be had.
     """
     import torch
 
@@ -80,6 +92,6 @@ def aligned_empty(
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype)
-    buffer = _core.AlignedBuffer(nbytes, reused=reused)
+    buffer = _core.AlignedBuffer(nbytes, reused=reused, resident=resident)
     # torch.frombuffer keeps `buffer` alive for as long as the tensor's storage lives.
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(dims)

@@ -176,7 +176,9 @@ std::optional<PinnedBuffer> PinnedPool::Take(size_t bytes, bool wait) {
   evicted.clear();
   auto block = std::make_unique<detail::PinnedBlock>();
   try {
-    block->memory = AlignedBuffer(size, Pages::kReused, /*lock=*/!s.context.has_value());
+    // With a context the registration pins the pages; without one they are made resident here.
+    block->memory =
+        AlignedBuffer(size, Pages::kReused, s.context ? Populate::kOnDemand : Populate::kUpFront);
     if (s.context) block->registration.emplace(*s.context, block->memory.data(), size);
   } catch (...) {
     {

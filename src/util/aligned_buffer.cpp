@@ -3,12 +3,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <utility>
 
 #include "tensortier/config.hpp"
@@ -86,7 +88,7 @@ size_t SystemPageSize() {
   return size;
 }
 
-AlignedBuffer::AlignedBuffer(size_t size, Pages use, bool lock) : size_(size) {
+AlignedBuffer::AlignedBuffer(size_t size, Pages use, Populate populate) : size_(size) {
   if (size == 0) return;
   const size_t mapped = AlignUp(size, kPageSize);
   const bool huge = mapped >= kHugePageThreshold && UsesHugePages(use);  // may throw: map after
@@ -96,7 +98,25 @@ AlignedBuffer::AlignedBuffer(size_t size, Pages use, bool lock) : size_(size) {
   mapped_ = mapped;
   // Advisory only. Saying no explicitly matters where transparent huge pages are "always".
   if (mapped_ >= kHugePageThreshold) madvise(p, mapped_, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
-  if (lock) locked_ = mlock(p, mapped_) == 0;
+  if (populate == Populate::kUpFront) MakeResident();
+}
+
+void AlignedBuffer::MakeResident() {
+  locked_ = mlock(data_, mapped_) == 0;  // a granted lock has faulted every page in
+  if (locked_) return;
+  if (madvise(data_, mapped_, MADV_POPULATE_WRITE) == 0) return;
+  const int error = errno;
+  if (error == EINVAL) {  // kernels before 5.14: touch one byte per page (the memory is zeros)
+    for (size_t at = 0; at < mapped_; at += kPageSize) {
+      reinterpret_cast<volatile std::byte*>(data_)[at] = std::byte{0};
+    }
+    return;
+  }
+  const size_t mapped = mapped_;
+  Release();
+  if (error == ENOMEM) throw std::bad_alloc();
+  throw std::system_error(error, std::generic_category(),
+                          StrCat("faulting in a buffer of ", mapped, " bytes"));
 }
 
 AlignedBuffer::~AlignedBuffer() {

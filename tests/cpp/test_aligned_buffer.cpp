@@ -1,6 +1,8 @@
 // AlignedBuffer: alignment, zero fill, and which page policy the kernel was given.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -8,6 +10,7 @@
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "tensortier/aligned_buffer.hpp"
 
@@ -73,6 +76,33 @@ TEST(AlignedBufferTest, HugePagesFollowThePolicy) {
   if (std::getenv("TENSORTIER_HUGE_PAGES") == nullptr) {
     EXPECT_TRUE(UsesHugePages(Pages::kReused)) << HugePagesPolicy();
   }
+}
+
+// Bytes of [data, data + size) in memory now (mincore: per page, unlike smaps, which counts the
+// whole mapping the kernel may have merged neighbouring buffers into).
+size_t ResidentBytesOf(const std::byte* data, size_t size) {
+  const size_t pages = AlignUp(size, kPageSize) / kPageSize;
+  std::vector<unsigned char> in_core(pages);
+  if (mincore(const_cast<std::byte*>(data), pages * kPageSize, in_core.data()) != 0) return 0;
+  return static_cast<size_t>(std::count_if(in_core.begin(), in_core.end(),
+                                           [](unsigned char v) { return (v & 1) != 0; })) *
+         kPageSize;
+}
+
+// On demand, a fresh buffer has no pages; a resident one has all of them before any access
+// (locked or not: RLIMIT_MEMLOCK decides, either is correct), still zero-filled. Sizes that are
+// not whole pages get their last page too; the huge-page size exercises MADV_HUGEPAGE as well.
+TEST(AlignedBufferTest, ResidentBuffersHaveEveryPageBeforeFirstUse) {
+  for (size_t size : {size_t{1}, size_t{4097}, size_t{3} << 20, (size_t{8} << 20) + 5}) {
+    AlignedBuffer lazy(size, Pages::kReused);
+    AlignedBuffer resident(size, Pages::kReused, Populate::kUpFront);
+    EXPECT_EQ(ResidentBytesOf(lazy.data(), size), 0u) << size;
+    EXPECT_EQ(ResidentBytesOf(resident.data(), size), AlignUp(size, kPageSize)) << size;
+    EXPECT_FALSE(lazy.locked());
+    for (size_t i = 0; i < size; i += 4093) ASSERT_EQ(resident.data()[i], std::byte{0}) << i;
+  }
+  AlignedBuffer none(0, Pages::kReused, Populate::kUpFront);
+  EXPECT_EQ(none.data(), nullptr);
 }
 
 TEST(AlignedBufferTest, MoveTransfersOwnership) {

@@ -7,7 +7,7 @@ import ctypes
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -34,3 +34,24 @@ def no_direct_dir() -> Iterator[Path]:
             yield Path(d)
         finally:
             libc.umount2(d.encode(), 2)  # MNT_DETACH
+
+
+def _resident_bytes(tensor: Any) -> int:
+    """Bytes of a CPU tensor's pages that are in memory now (mincore, page by page)."""
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = tensor.data_ptr() - tensor.data_ptr() % mmap.PAGESIZE
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    pages = -(-(end - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    length = ctypes.c_size_t(pages * mmap.PAGESIZE)
+    if libc.mincore(ctypes.c_void_p(start), length, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+@pytest.fixture
+def resident_bytes() -> Callable[[Any], int]:
+    """mincore over a tensor's memory: how many of its bytes' pages are resident."""
+    return _resident_bytes

@@ -121,13 +121,14 @@ def test_errors_raise_instead_of_returning_minus_one(handle, disk_dir: Path) -> 
         handle.sync_pwrite(torch.empty(10), path, -1)
 
 
-def test_locked_tensors(handle) -> None:  # type: ignore[no-untyped-def]
+def test_locked_tensors(handle, resident_bytes) -> None:  # type: ignore[no-untyped-def]
     t = handle.new_cpu_locked_tensor(12345, torch.empty(0, dtype=torch.float16))
     assert t.shape == (12345,) and t.dtype == torch.float16
     if torch.cuda.is_available():
         assert t.is_pinned()
-    else:
+    else:  # page-aligned, every page in memory before first use (DeepNVMe mlocks them)
         assert t.data_ptr() % 4096 == 0
+        assert resident_bytes(t) == -(-t.numel() * 2 // 4096) * 4096
     assert handle.free_cpu_locked_tensor(t) is True
 
 

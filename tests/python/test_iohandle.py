@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -187,6 +188,23 @@ def test_aligned_empty() -> None:
     assert tensortier.aligned_empty(0).numel() == 0
     with pytest.raises(ValueError):
         tensortier.aligned_empty((-1, 2))
+
+
+@pytest.mark.parametrize("nbytes", [1, 4097, 9 << 20])
+def test_aligned_empty_resident_has_its_pages_before_first_use(
+    nbytes: int, resident_bytes: Callable[[torch.Tensor], int]
+) -> None:
+    lazy = tensortier.aligned_empty(nbytes, reused=True)
+    resident = tensortier.aligned_empty(nbytes, reused=True, resident=True)
+    assert resident_bytes(lazy) == 0
+    assert resident_bytes(resident) == -(-nbytes // 4096) * 4096
+    assert int(resident.count_nonzero()) == 0  # still zero-filled
+    assert tensortier.aligned_empty(0, resident=True).numel() == 0
+
+
+def test_aligned_empty_too_large_is_memory_error() -> None:
+    with pytest.raises(MemoryError):
+        tensortier.aligned_empty(1 << 60, resident=True)
 
 
 _HUGE_PAGE_PROBE = """

@@ -182,14 +182,15 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     # ---- pinned ("locked") host tensors -----------------------------------------------------
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
         """An uninitialised 1-D tensor of `num_elem` elements of `example_tensor`'s dtype in
-        pinned memory (CUDA), else page-aligned memory (the fastest O_DIRECT target)."""
+        pinned memory (CUDA), else page-aligned memory (the fastest O_DIRECT target) with every
+        page faulted in and locked where ``RLIMIT_MEMLOCK`` allows, as DeepNVMe's are."""
         import torch
 
         from .. import aligned_empty
 
         if torch.cuda.is_available():
             return torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
-        return aligned_empty(num_elem, example_tensor.dtype, reused=True)
+        return aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
         """Releases a tensor from ``new_cpu_locked_tensor`` (its memory goes with the last
