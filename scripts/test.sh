@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: set up, C++ tests (plain, ASan+UBSan, TSan for the
 # engine, the offloader and the transfer ring), Python tests. Any failure fails the script; "no
-# tests ran" counts as a failure. GPU tests skip here; scripts/gpu-test.sh runs them on a GPU.
+# tests ran" counts as a failure. Without a GPU the C++ GPU suites run against a stand-in driver
+# (tests/cpp/fake_cuda) and the Python GPU tests skip; scripts/gpu-test.sh runs them all on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "fake_cuda/fake_cuda_hooks.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/cufile.hpp"
@@ -257,8 +258,12 @@ class CudaGpuTest : public ::testing::Test {
     if (!CudaDriver::Get().available()) {
       GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
     }
+    fake_ = accounting_.Start();
   }
+  void TearDown() override { accounting_.Check(); }
   const CudaDriver& driver_ = CudaDriver::Get();
+  testing::FakeCudaAccounting accounting_;
+  bool fake_ = false;  // the driver is tests/cpp/fake_cuda's
 };
 
 TEST_F(CudaGpuTest, LocateTellsDeviceRegisteredAndPageableMemoryApart) {
@@ -303,6 +308,63 @@ TEST_F(CudaGpuTest, ScopedContextPushesAndPops) {
   { ScopedContext current(context); }
   { ScopedContext current(context); }
   EXPECT_THROW(PrimaryContext(driver_, driver_.device_count()), CudaError);
+}
+
+// The fake driver itself (tests/cpp/fake_cuda): that it models what the suites above rely on to
+// find ordering bugs. Skipped with a real driver or none.
+class FakeCudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaDriver::Get().available() || !fake_.Start()) {
+      GTEST_SKIP() << "not running on the fake CUDA driver";
+    }
+  }
+  testing::FakeCudaAccounting fake_;
+};
+
+TEST_F(FakeCudaTest, CopiesFromPinnedMemoryCompleteLaterInStreamOrder) {
+  const CudaDriver& driver = CudaDriver::Get();
+  {
+    PrimaryContext context(driver, 0);
+    Stream stream(context);
+    Event event(context);
+    PinnedHostMemory src(context, 1 << 20), dst(context, 1 << 20);
+    testing::FillPattern(src.data(), 1 << 20, 21);
+    DeviceMemory device(context, 1 << 20);
+    const int old = fake_.SetCopyDelay(50000);
+    stream.CopyToDevice(device.address(), src.data(), 1 << 20);
+    stream.CopyFromDevice(dst.data(), device.address(), 1 << 20);
+    event.Record(stream.get());
+    EXPECT_FALSE(event.Query()) << "the copies ran at once: ordering bugs would go unseen";
+    event.Synchronize();
+    EXPECT_TRUE(event.Query());
+    EXPECT_TRUE(testing::MatchesPattern(dst.data(), 1 << 20, 21));
+    fake_.SetCopyDelay(old);
+  }
+  fake_.Check();  // and everything above was given back
+}
+
+TEST_F(FakeCudaTest, UnregisteringMemoryAQueuedCopyUsesIsRecordedAndLeaksAreCounted) {
+  const CudaDriver& driver = CudaDriver::Get();
+  PrimaryContext context(driver, 0);
+  Stream stream(context);
+  AlignedBuffer host(1 << 20);
+  DeviceMemory device(context, 1 << 20);
+  const int violations = fake_.Violations();
+  const int old = fake_.SetCopyDelay(20000);
+  {
+    HostRegistration registration(context, host.data(), host.size());
+    stream.CopyToDevice(device.address(), host.data(), host.size());
+  }  // unregistered while the copy is queued: a bug the fake reports
+  stream.Synchronize();
+  fake_.SetCopyDelay(old);
+  EXPECT_EQ(fake_.Violations(), violations + 1);
+  const int live = fake_.Live();
+  {
+    DeviceMemory more(context, 4096);
+    EXPECT_EQ(fake_.Live(), live + 1);  // the allocation (the context is the same retain)
+  }
+  EXPECT_EQ(fake_.Live(), live);
 }
 
 TEST(CuFileGpuTest, RoundTripThroughDeviceMemory) {

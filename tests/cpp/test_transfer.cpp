@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "fake_cuda/fake_cuda_hooks.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/backend.hpp"
 #include "tensortier/cufile.hpp"
@@ -754,7 +755,10 @@ class TransferGpuTest : public ::testing::Test {
     if (!CudaDriver::Get().available()) {
       GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
     }
+    accounting_.Start();
   }
+  void TearDown() override { accounting_.Check(); }
+  testing::FakeCudaAccounting accounting_;
 };
 
 TEST_F(TransferGpuTest, RoundTripThroughDeviceMemoryOnOwnAndCallerStreams) {
@@ -785,6 +789,63 @@ TEST_F(TransferGpuTest, RoundTripThroughDeviceMemoryOnOwnAndCallerStreams) {
     ASSERT_NE(transfer.pool(), nullptr);
     EXPECT_TRUE(transfer.pool()->registers());
   }
+}
+
+// Threads share one DeviceTransfer (fewer rings than threads, small slots: many chunks each),
+// each with its own file and a region of a shared one, alternating its own stream and the
+// transfer's; sizes from 1 byte to unaligned megabytes at unaligned offsets.
+TEST_F(TransferGpuTest, ConcurrentTransfersFromThreadsOnTheirOwnAndTheTransfersStreams) {
+  TempDir dir;
+  const CudaDriver& driver = CudaDriver::Get();
+  PrimaryContext context(driver, 0);
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  DeviceTransferOptions o;
+  o.ring = Ring(3);
+  o.max_rings = 2;
+  DeviceTransfer transfer(engine, o, driver);
+  constexpr int kThreads = 4;
+  std::vector<std::string> failures(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        Stream stream(context);
+        File own = File::Open(dir.File(StrCat("own-", t)), OpenMode::kWrite);
+        File shared = File::Open(dir.File("shared"), OpenMode::kCreate);
+        const uint64_t lengths[] = {1, 4097, 300001 + 4096 * uint64_t(t)};
+        for (int round = 0; round < 3; ++round) {
+          const uint64_t length = lengths[round];
+          const uint64_t offset = t * 400000 + 7 * round + 1;
+          const std::optional<cuda::CUstream> on =
+              round % 2 == 0 ? std::optional(stream.get()) : std::nullopt;
+          const uint64_t seed = 200 + 10 * t + round;
+          std::vector<uint8_t> src = testing::Pattern(length, seed, offset);
+          DeviceMemory device(context, length), back(context, length);
+          stream.CopyToDevice(device.address(), src.data(), length);
+          if (!on) stream.Synchronize();  // the transfer's own stream is not ordered after ours
+          for (File* file : {&own, &shared}) {
+            if (transfer.Write({device.address(), 0, on}, length, *file, offset).bytes != length) {
+              failures[t] = StrCat("short write, round ", round);
+            }
+            if (transfer.Read(*file, offset, length, {back.address(), 0, on}).bytes != length) {
+              failures[t] = StrCat("short read, round ", round);
+            }
+            std::vector<uint8_t> out(length);
+            stream.CopyFromDevice(out.data(), back.address(), length);
+            stream.Synchronize();
+            if (!MatchesPattern(out.data(), length, seed, offset)) {
+              failures[t] = StrCat("bad data, round ", round, ", file ", file->path());
+            }
+          }
+        }
+      } catch (const std::exception& e) {
+        failures[t] = e.what();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(failures[t], "") << "thread " << t;
+  EXPECT_LE(transfer.rings(), 2u);
 }
 
 TEST_F(TransferGpuTest, GdsOrFallbackRoundTrip) {

@@ -1,0 +1,56 @@
+// What the GPU suites check when they run against the fake CUDA driver (fake_libcuda.cpp): no
+// misuse it recorded, and every stream, event, registration, allocation and context retain they
+// made given back by the end of the test (RAII). Nothing is checked with a real driver.
+#pragma once
+
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdlib>
+#include <string>
+
+namespace tensortier::testing {
+
+class FakeCudaAccounting {
+ public:
+  // True when the loaded CUDA library is the fake (its hooks resolve).
+  bool Start() {
+    const char* path = std::getenv("TENSORTIER_CUDA_LIBRARY");
+    if (path == nullptr || *path == '\0') return false;
+    void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);  // loaded by CudaDriver
+    if (handle == nullptr) return false;
+    violations_ = reinterpret_cast<int (*)(char*, size_t)>(dlsym(handle, "fakecuda_violations"));
+    live_ = reinterpret_cast<int (*)()>(dlsym(handle, "fakecuda_live"));
+    set_delay_ = reinterpret_cast<int (*)(int)>(dlsym(handle, "fakecuda_set_copy_delay_us"));
+    dlclose(handle);  // drops our reference only: CudaDriver keeps the library loaded
+    if (violations_ == nullptr || live_ == nullptr || set_delay_ == nullptr) return false;
+    live_at_start_ = live_();
+    violations_at_start_ = violations_(nullptr, 0);
+    return true;
+  }
+
+  // Copies and records queued from now on start after `us` microseconds; returns the old value.
+  int SetCopyDelay(int us) const { return set_delay_(us); }
+  int Violations() const { return violations_(nullptr, 0); }
+  int Live() const { return live_(); }
+
+  void Check() const {
+    if (live_ == nullptr) return;
+    EXPECT_EQ(live_(), live_at_start_)
+        << "streams, events, registrations, allocations or context retains left behind";
+    std::string text(1 << 16, '\0');
+    const int n = violations_(text.data(), text.size());
+    text.resize(text.find('\0'));
+    EXPECT_EQ(n, violations_at_start_) << "misuse the fake CUDA driver recorded:\n" << text;
+  }
+
+ private:
+  int (*violations_)(char*, size_t) = nullptr;
+  int (*live_)() = nullptr;
+  int (*set_delay_)(int) = nullptr;
+  int live_at_start_ = 0;
+  int violations_at_start_ = 0;
+};
+
+}  // namespace tensortier::testing

@@ -1,0 +1,644 @@
+// A stand-in for libcuda.so.1 with the entry points tensortier resolves, for machines without a
+// GPU (CI): the GPU test suites run against it (TENSORTIER_CUDA_LIBRARY=<this library>), so the
+// CUDA paths of cuda/ and transfer/ run on every commit, under ASan and TSan too.
+//
+// It models what those paths rely on, strictly:
+//  - "Device memory" is host memory the caller cannot touch: cuMemAlloc hands out addresses of a
+//    PROT_NONE reservation and keeps the bytes in a separate mapping, so a host access to a device
+//    pointer crashes instead of silently working.
+//  - Streams run their copies and event records in order on a thread of their own, each copy
+//    after a delay (FAKE_CUDA_COPY_DELAY_US, default 100), so host memory reused before an event
+//    says the copy is done is caught (wrong data, or a TSan report). Copies to or from pageable
+//    memory are synchronous, as the driver's are.
+//  - Calls that need a current context fail with CUDA_ERROR_INVALID_CONTEXT without one.
+//  - Misuse a real driver would not report, or would report as a later crash (unregistering host
+//    memory a queued copy still uses, releasing a context more often than retained), is
+//    recorded: fakecuda_violations() returns it; fakecuda_live() counts what is still allocated,
+//    registered or retained, so tests can check that every RAII object gave its resource back.
+// Not modelled: the legacy default stream's implicit synchronisation with other streams (code
+// must not rely on it), managed memory, peer access, timing.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using CUresult = int;
+using CUdeviceptr = uint64_t;
+
+constexpr CUresult kSuccess = 0;
+constexpr CUresult kInvalidValue = 1;
+constexpr CUresult kOutOfMemory = 2;
+constexpr CUresult kNotInitialized = 3;
+constexpr CUresult kInvalidDevice = 101;
+constexpr CUresult kInvalidContext = 201;
+constexpr CUresult kInvalidHandle = 400;
+constexpr CUresult kNotReady = 600;
+constexpr CUresult kAlreadyRegistered = 712;
+constexpr CUresult kNotRegistered = 713;
+
+constexpr unsigned kMemoryTypeHost = 1;
+constexpr unsigned kMemoryTypeDevice = 2;
+constexpr int kAttributeMemoryType = 2;
+constexpr int kAttributeIsManaged = 8;
+constexpr int kAttributeDeviceOrdinal = 9;
+
+struct Context {
+  int device = 0;
+  int retained = 0;
+};
+
+struct DeviceAllocation {
+  size_t bytes = 0;
+  std::byte* shadow = nullptr;  // where the bytes live
+  size_t mapped = 0;
+  int device = 0;
+};
+
+struct HostRange {
+  size_t bytes = 0;
+  bool allocated = false;  // cuMemAllocHost (else cuMemHostRegister)
+};
+
+struct Event;
+
+// One queued operation: a copy, or an event record.
+struct Op {
+  std::function<void()> run;
+  uintptr_t host = 0;  // host range a copy uses, for the use-after-release checks
+  size_t host_bytes = 0;
+  uint64_t device = 0;  // device range
+  size_t device_bytes = 0;
+};
+
+struct Stream {
+  std::deque<Op> queue;  // guarded by the global mutex; the front is running while busy
+  bool busy = false;
+  bool stopping = false;
+  std::condition_variable idle;
+  std::condition_variable work;
+  std::thread worker;
+};
+
+struct Event {
+  uint64_t recorded = 0;  // records issued
+  uint64_t reached = 0;   // records their streams have reached
+  std::condition_variable done;
+};
+
+struct Driver {
+  std::mutex mu;
+  bool initialized = false;
+  int devices = 1;
+  std::vector<Context> contexts;
+  std::map<uintptr_t, DeviceAllocation> device_memory;  // by address
+  std::map<uintptr_t, HostRange> host_memory;           // registered or allocated, by address
+  std::map<Stream*, std::unique_ptr<Stream>> streams;
+  std::map<Event*, std::shared_ptr<Event>> events;  // a pending record shares its event
+  Stream* null_stream = nullptr;
+  std::vector<std::string> violations;
+  std::chrono::microseconds delay{100};
+  std::condition_variable progress;  // an operation finished, on any stream
+};
+
+Driver& D() {
+  static Driver* driver = new Driver;  // leaked: worker threads may outlive static destruction
+  return *driver;
+}
+
+thread_local std::vector<Context*> current;  // this thread's context stack
+
+bool HasContext() {
+  return !current.empty() && current.back() != nullptr;
+}
+
+void Violation(std::string what) {  // with D().mu held
+  D().violations.push_back(std::move(what));
+}
+
+// The allocation that contains [address, address + bytes), or null. With D().mu held.
+DeviceAllocation* FindDevice(uint64_t address, size_t bytes, uintptr_t* base = nullptr) {
+  auto& memory = D().device_memory;
+  auto it = memory.upper_bound(static_cast<uintptr_t>(address));
+  if (it == memory.begin()) return nullptr;
+  --it;
+  if (address < it->first || address - it->first > it->second.bytes ||
+      bytes > it->second.bytes - (address - it->first)) {
+    return nullptr;
+  }
+  if (base != nullptr) *base = it->first;
+  return &it->second;
+}
+
+const HostRange* FindHost(const void* p, uintptr_t* base = nullptr) {  // with D().mu held
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  auto& memory = D().host_memory;
+  auto it = memory.upper_bound(address);
+  if (it == memory.begin()) return nullptr;
+  --it;
+  if (address - it->first >= it->second.bytes) return nullptr;
+  if (base != nullptr) *base = it->first;
+  return &it->second;
+}
+
+bool Overlaps(uintptr_t a, size_t a_bytes, uintptr_t b, size_t b_bytes) {
+  return a < b + b_bytes && b < a + a_bytes;
+}
+
+// Queued or running copies that use host [p, p + bytes) or device [d, d + bytes). With mu held.
+bool InFlight(uintptr_t host, size_t host_bytes, uint64_t device, size_t device_bytes) {
+  for (const auto& [key, stream] : D().streams) {
+    for (const Op& op : stream->queue) {
+      if (host_bytes > 0 && op.host_bytes > 0 && Overlaps(op.host, op.host_bytes, host, host_bytes))
+        return true;
+      if (device_bytes > 0 && op.device_bytes > 0 &&
+          Overlaps(op.device, op.device_bytes, device, device_bytes))
+        return true;
+    }
+  }
+  return false;
+}
+
+// Waits until no queued copy uses those ranges (with the lock of D().mu).
+void WaitUntilUnused(std::unique_lock<std::mutex>& lock, uintptr_t host, size_t host_bytes,
+                     uint64_t device, size_t device_bytes) {
+  D().progress.wait(lock, [&] { return !InFlight(host, host_bytes, device, device_bytes); });
+}
+
+void RunStream(Stream* s) {
+  std::unique_lock lock(D().mu);
+  for (;;) {
+    s->work.wait(lock, [&] { return s->stopping || !s->queue.empty(); });
+    if (s->queue.empty()) return;
+    s->busy = true;
+    std::function<void()> run = s->queue.front().run;
+    const std::chrono::microseconds delay = D().delay;
+    lock.unlock();
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    run();
+    lock.lock();
+    s->queue.pop_front();
+    s->busy = false;
+    s->idle.notify_all();
+    D().progress.notify_all();
+  }
+}
+
+Stream* NewStream() {  // with D().mu held
+  auto owned = std::make_unique<Stream>();
+  Stream* s = owned.get();
+  D().streams.emplace(s, std::move(owned));
+  s->worker = std::thread(RunStream, s);
+  return s;
+}
+
+Stream* Resolve(void* handle) {  // null, CU_STREAM_LEGACY (1) and PER_THREAD (2): one stream
+  if (reinterpret_cast<uintptr_t>(handle) <= 2) {
+    if (D().null_stream == nullptr) D().null_stream = NewStream();
+    return D().null_stream;
+  }
+  auto it = D().streams.find(static_cast<Stream*>(handle));
+  return it == D().streams.end() ? nullptr : it->second.get();
+}
+
+void Drain(Stream* s, std::unique_lock<std::mutex>& lock) {
+  s->idle.wait(lock, [&] { return s->queue.empty(); });
+}
+
+// Enqueues a copy; pageable host memory makes it synchronous (the driver stages it).
+CUresult Copy(void* stream, Op op, bool host_registered) {
+  std::unique_lock lock(D().mu);
+  Stream* s = Resolve(stream);
+  if (s == nullptr) return kInvalidHandle;
+  if (!host_registered) {
+    Drain(s, lock);
+    lock.unlock();
+    op.run();
+    return kSuccess;
+  }
+  s->queue.push_back(std::move(op));
+  s->work.notify_one();
+  return kSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---- test hooks (not part of the CUDA API) ---------------------------------------------------
+
+// Writes the recorded misuse, one per line, into `out` (NUL-terminated, truncated to `size`);
+// returns how many there are.
+int fakecuda_violations(char* out, size_t size) {
+  std::lock_guard lock(D().mu);
+  std::string all;
+  for (const std::string& v : D().violations) all += v + "\n";
+  if (size > 0) {
+    const size_t n = std::min(all.size(), size - 1);
+    std::memcpy(out, all.data(), n);
+    out[n] = '\0';
+  }
+  return static_cast<int>(D().violations.size());
+}
+
+// Resources held now: device allocations + host registrations and allocations + streams (the
+// null stream excluded) + events + primary context retains.
+int fakecuda_live() {
+  std::lock_guard lock(D().mu);
+  size_t n = D().device_memory.size() + D().host_memory.size() + D().streams.size() +
+             D().events.size() - (D().null_stream != nullptr ? 1 : 0);
+  for (const Context& c : D().contexts) n += static_cast<size_t>(c.retained);
+  return static_cast<int>(n);
+}
+
+// Sets the delay before each queued operation (microseconds); returns the previous one.
+int fakecuda_set_copy_delay_us(int us) {
+  std::lock_guard lock(D().mu);
+  const auto old = static_cast<int>(D().delay.count());
+  D().delay = std::chrono::microseconds(us);
+  return old;
+}
+
+// ---- initialisation, errors, devices, contexts -------------------------------------------------
+
+CUresult cuInit(unsigned flags) {
+  if (flags != 0) return kInvalidValue;
+  std::lock_guard lock(D().mu);
+  if (!D().initialized) {
+    if (const char* v = std::getenv("FAKE_CUDA_DEVICES")) D().devices = std::atoi(v);
+    if (const char* v = std::getenv("FAKE_CUDA_COPY_DELAY_US")) {
+      D().delay = std::chrono::microseconds(std::atoi(v));
+    }
+    D().contexts.resize(static_cast<size_t>(std::max(D().devices, 0)));
+    for (size_t i = 0; i < D().contexts.size(); ++i) D().contexts[i].device = static_cast<int>(i);
+    D().initialized = true;
+  }
+  return kSuccess;
+}
+
+CUresult cuDriverGetVersion(int* version) {
+  if (version == nullptr) return kInvalidValue;
+  *version = 13000;
+  return kSuccess;
+}
+
+CUresult cuGetErrorName(CUresult error, const char** name) {
+  switch (error) {
+    case kSuccess:
+      *name = "CUDA_SUCCESS";
+      return kSuccess;
+    case kInvalidValue:
+      *name = "CUDA_ERROR_INVALID_VALUE";
+      return kSuccess;
+    case kOutOfMemory:
+      *name = "CUDA_ERROR_OUT_OF_MEMORY";
+      return kSuccess;
+    case kNotInitialized:
+      *name = "CUDA_ERROR_NOT_INITIALIZED";
+      return kSuccess;
+    case kInvalidDevice:
+      *name = "CUDA_ERROR_INVALID_DEVICE";
+      return kSuccess;
+    case kInvalidContext:
+      *name = "CUDA_ERROR_INVALID_CONTEXT";
+      return kSuccess;
+    case kInvalidHandle:
+      *name = "CUDA_ERROR_INVALID_HANDLE";
+      return kSuccess;
+    case kNotReady:
+      *name = "CUDA_ERROR_NOT_READY";
+      return kSuccess;
+    case kAlreadyRegistered:
+      *name = "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED";
+      return kSuccess;
+    case kNotRegistered:
+      *name = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
+      return kSuccess;
+    default:
+      *name = nullptr;
+      return kInvalidValue;
+  }
+}
+
+CUresult cuGetErrorString(CUresult error, const char** text) {
+  const char* name = nullptr;
+  if (cuGetErrorName(error, &name) != kSuccess) return kInvalidValue;
+  *text = "(fake CUDA driver)";
+  return kSuccess;
+}
+
+CUresult cuDeviceGetCount(int* count) {
+  std::lock_guard lock(D().mu);
+  if (!D().initialized) return kNotInitialized;
+  *count = D().devices;
+  return kSuccess;
+}
+
+CUresult cuDeviceGet(int* device, int ordinal) {
+  std::lock_guard lock(D().mu);
+  if (ordinal < 0 || ordinal >= D().devices) return kInvalidDevice;
+  *device = ordinal;
+  return kSuccess;
+}
+
+CUresult cuDevicePrimaryCtxRetain(Context** context, int device) {
+  std::lock_guard lock(D().mu);
+  if (device < 0 || device >= D().devices) return kInvalidDevice;
+  Context& c = D().contexts[static_cast<size_t>(device)];
+  ++c.retained;
+  *context = &c;
+  return kSuccess;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(int device) {
+  std::lock_guard lock(D().mu);
+  if (device < 0 || device >= D().devices) return kInvalidDevice;
+  Context& c = D().contexts[static_cast<size_t>(device)];
+  if (c.retained == 0) {
+    Violation("cuDevicePrimaryCtxRelease of a context retained 0 times");
+    return kInvalidContext;
+  }
+  --c.retained;
+  return kSuccess;
+}
+
+CUresult cuCtxPushCurrent_v2(Context* context) {
+  if (context == nullptr) return kInvalidContext;
+  current.push_back(context);
+  return kSuccess;
+}
+
+CUresult cuCtxPopCurrent_v2(Context** context) {
+  if (current.empty()) return kInvalidContext;
+  if (context != nullptr) *context = current.back();
+  current.pop_back();
+  return kSuccess;
+}
+
+CUresult cuPointerGetAttributes(unsigned count, int* attributes, void** data, CUdeviceptr p) {
+  std::lock_guard lock(D().mu);
+  unsigned type = 0;
+  int ordinal = -2;  // CU_DEVICE_INVALID, as the driver answers for unknown memory
+  if (const DeviceAllocation* a = FindDevice(p, 0)) {
+    type = kMemoryTypeDevice;
+    ordinal = a->device;
+  } else if (FindHost(reinterpret_cast<const void*>(p)) != nullptr) {
+    type = kMemoryTypeHost;
+    ordinal = 0;
+  }
+  for (unsigned i = 0; i < count; ++i) {
+    switch (attributes[i]) {
+      case kAttributeMemoryType:
+        *static_cast<unsigned*>(data[i]) = type;
+        break;
+      case kAttributeIsManaged:
+        *static_cast<unsigned*>(data[i]) = 0;
+        break;
+      case kAttributeDeviceOrdinal:
+        *static_cast<int*>(data[i]) = ordinal;
+        break;
+      default:
+        return kInvalidValue;
+    }
+  }
+  return kSuccess;
+}
+
+// ---- streams and events -----------------------------------------------------------------------
+
+CUresult cuStreamCreate(void** stream, unsigned flags) {
+  if (!HasContext()) return kInvalidContext;
+  if (flags > 1) return kInvalidValue;
+  std::lock_guard lock(D().mu);
+  *stream = NewStream();
+  return kSuccess;
+}
+
+CUresult cuStreamDestroy_v2(void* stream) {
+  std::unique_ptr<Stream> owned;
+  {
+    std::unique_lock lock(D().mu);
+    auto it = D().streams.find(static_cast<Stream*>(stream));
+    if (it == D().streams.end() || it->first == D().null_stream) return kInvalidHandle;
+    Stream* s = it->first;
+    Drain(s, lock);  // the driver finishes queued work after destroy returns; we finish it now
+    s->stopping = true;
+    s->work.notify_one();
+    owned = std::move(it->second);
+    D().streams.erase(it);
+  }
+  owned->worker.join();
+  return kSuccess;
+}
+
+CUresult cuStreamSynchronize(void* stream) {
+  std::unique_lock lock(D().mu);
+  Stream* s = Resolve(stream);
+  if (s == nullptr) return kInvalidHandle;
+  Drain(s, lock);
+  return kSuccess;
+}
+
+CUresult cuEventCreate(void** event, unsigned flags) {
+  if (!HasContext()) return kInvalidContext;
+  if (flags > 7) return kInvalidValue;
+  std::lock_guard lock(D().mu);
+  auto owned = std::make_shared<Event>();
+  *event = owned.get();
+  D().events.emplace(owned.get(), std::move(owned));
+  return kSuccess;
+}
+
+CUresult cuEventDestroy_v2(void* event) {
+  std::lock_guard lock(D().mu);
+  // The driver lets a recorded event be destroyed before its stream reaches it; so do we (the
+  // pending record holds the event).
+  return D().events.erase(static_cast<Event*>(event)) == 1 ? kSuccess : kInvalidHandle;
+}
+
+CUresult cuEventRecord(void* event, void* stream) {
+  std::lock_guard lock(D().mu);
+  auto it = D().events.find(static_cast<Event*>(event));
+  if (it == D().events.end()) return kInvalidHandle;
+  Stream* s = Resolve(stream);
+  if (s == nullptr) return kInvalidHandle;
+  std::shared_ptr<Event> e = it->second;
+  const uint64_t ticket = ++e->recorded;
+  Op op;
+  op.run = [e, ticket] {
+    std::lock_guard inner(D().mu);
+    if (e->reached < ticket) e->reached = ticket;
+    e->done.notify_all();
+  };
+  s->queue.push_back(std::move(op));
+  s->work.notify_one();
+  return kSuccess;
+}
+
+CUresult cuEventQuery(void* event) {
+  std::lock_guard lock(D().mu);
+  auto it = D().events.find(static_cast<Event*>(event));
+  if (it == D().events.end()) return kInvalidHandle;
+  return it->second->reached >= it->second->recorded ? kSuccess : kNotReady;
+}
+
+CUresult cuEventSynchronize(void* event) {
+  std::unique_lock lock(D().mu);
+  auto it = D().events.find(static_cast<Event*>(event));
+  if (it == D().events.end()) return kInvalidHandle;
+  std::shared_ptr<Event> e = it->second;
+  const uint64_t ticket = e->recorded;
+  e->done.wait(lock, [&] { return e->reached >= ticket; });
+  return kSuccess;
+}
+
+// ---- copies -------------------------------------------------------------------------------------
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, void* stream) {
+  if (!HasContext()) return kInvalidContext;
+  Op op;
+  bool registered = false;
+  {
+    std::lock_guard lock(D().mu);
+    uintptr_t base = 0;
+    DeviceAllocation* a = FindDevice(dst, bytes, &base);
+    if (a == nullptr || (src == nullptr && bytes > 0)) return kInvalidValue;
+    std::byte* to = a->shadow + (dst - base);
+    op.run = [to, src, bytes] { std::memcpy(to, src, bytes); };
+    uintptr_t host_base = 0;
+    const HostRange* h = FindHost(src, &host_base);
+    registered = h != nullptr && reinterpret_cast<uintptr_t>(src) + bytes <= host_base + h->bytes;
+  }
+  op.host = reinterpret_cast<uintptr_t>(src);
+  op.host_bytes = bytes;
+  op.device = dst;
+  op.device_bytes = bytes;
+  return Copy(stream, std::move(op), registered);
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, void* stream) {
+  if (!HasContext()) return kInvalidContext;
+  Op op;
+  bool registered = false;
+  {
+    std::lock_guard lock(D().mu);
+    uintptr_t base = 0;
+    DeviceAllocation* a = FindDevice(src, bytes, &base);
+    if (a == nullptr || (dst == nullptr && bytes > 0)) return kInvalidValue;
+    const std::byte* from = a->shadow + (src - base);
+    op.run = [dst, from, bytes] { std::memcpy(dst, from, bytes); };
+    uintptr_t host_base = 0;
+    const HostRange* h = FindHost(dst, &host_base);
+    registered = h != nullptr && reinterpret_cast<uintptr_t>(dst) + bytes <= host_base + h->bytes;
+  }
+  op.host = reinterpret_cast<uintptr_t>(dst);
+  op.host_bytes = bytes;
+  op.device = src;
+  op.device_bytes = bytes;
+  return Copy(stream, std::move(op), registered);
+}
+
+// ---- host memory
+// ----------------------------------------------------------------------------------
+
+CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned flags) {
+  if (!HasContext()) return kInvalidContext;
+  if (p == nullptr || bytes == 0 || flags > 15) return kInvalidValue;
+  std::lock_guard lock(D().mu);
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  for (const auto& [base, range] : D().host_memory) {
+    if (Overlaps(base, range.bytes, address, bytes)) return kAlreadyRegistered;
+  }
+  D().host_memory.emplace(address, HostRange{bytes, false});
+  return kSuccess;
+}
+
+CUresult cuMemHostUnregister(void* p) {
+  std::unique_lock lock(D().mu);
+  auto it = D().host_memory.find(reinterpret_cast<uintptr_t>(p));
+  if (it == D().host_memory.end() || it->second.allocated) return kNotRegistered;
+  const uintptr_t base = it->first;
+  const size_t bytes = it->second.bytes;
+  if (InFlight(base, bytes, 0, 0)) {  // the caller is about to free memory DMA still uses
+    Violation("cuMemHostUnregister of memory that a queued copy still uses");
+    WaitUntilUnused(lock, base, bytes, 0, 0);
+  }
+  D().host_memory.erase(base);
+  return kSuccess;
+}
+
+CUresult cuMemAllocHost_v2(void** p, size_t bytes) {
+  if (!HasContext()) return kInvalidContext;
+  if (bytes == 0) return kInvalidValue;
+  void* memory = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  if (memory == nullptr) return kOutOfMemory;
+  std::lock_guard lock(D().mu);
+  D().host_memory.emplace(reinterpret_cast<uintptr_t>(memory), HostRange{bytes, true});
+  *p = memory;
+  return kSuccess;
+}
+
+CUresult cuMemFreeHost(void* p) {
+  std::unique_lock lock(D().mu);
+  auto it = D().host_memory.find(reinterpret_cast<uintptr_t>(p));
+  if (it == D().host_memory.end() || !it->second.allocated) return kInvalidValue;
+  const uintptr_t base = it->first;
+  WaitUntilUnused(lock, base, it->second.bytes, 0, 0);  // cuMemFreeHost synchronises
+  D().host_memory.erase(base);
+  std::free(p);
+  return kSuccess;
+}
+
+// ---- device memory
+// ----------------------------------------------------------------------------------
+
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
+  if (!HasContext()) return kInvalidContext;
+  if (bytes == 0) return kInvalidValue;
+  const size_t mapped = (bytes + 4095) / 4096 * 4096;
+  // The address the caller gets: reserved, inaccessible. The bytes: a mapping of our own.
+  void* address =
+      mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (address == MAP_FAILED) return kOutOfMemory;
+  void* shadow = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (shadow == MAP_FAILED) {
+    munmap(address, mapped);
+    return kOutOfMemory;
+  }
+  std::lock_guard lock(D().mu);
+  const int device = current.back()->device;
+  D().device_memory.emplace(
+      reinterpret_cast<uintptr_t>(address),
+      DeviceAllocation{bytes, static_cast<std::byte*>(shadow), mapped, device});
+  *p = reinterpret_cast<uintptr_t>(address);
+  return kSuccess;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+  std::unique_lock lock(D().mu);
+  auto it = D().device_memory.find(static_cast<uintptr_t>(p));
+  if (it == D().device_memory.end()) return kInvalidValue;
+  const uintptr_t base = it->first;
+  const DeviceAllocation a = it->second;
+  WaitUntilUnused(lock, 0, 0, base, a.bytes);  // cuMemFree synchronises
+  munmap(reinterpret_cast<void*>(base), a.mapped);
+  munmap(a.shadow, a.mapped);
+  D().device_memory.erase(base);
+  return kSuccess;
+}
+
+}  // extern "C"
