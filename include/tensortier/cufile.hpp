@@ -111,9 +111,11 @@ class CuFile {
   static const CuFile& Get() noexcept;
   // $TENSORTIER_CUFILE_LIBRARY when set and not empty, else "libcufile.so.0".
   static std::string DefaultLibrary();
-  // Loads `library`, resolves the entry points, checks the platform and calls cuFileDriverOpen.
-  // Never throws. Tests call this with bad paths; everything else uses Get().
-  static std::unique_ptr<CuFile> Load(const std::string& library) noexcept;
+  // Loads `library`, resolves the entry points, checks the platform (unless `check_platform` is
+  // false: tests load a stand-in library, which needs no udev) and calls cuFileDriverOpen.
+  // Never throws. Tests call this with bad paths and stand-ins; everything else uses Get().
+  static std::unique_ptr<CuFile> Load(const std::string& library,
+                                      bool check_platform = true) noexcept;
   // "CU_FILE_DRIVER_NOT_INITIALIZED (5001)"; accepts the negated codes of Read/Write too.
   static std::string ErrorName(int code);
 
@@ -130,7 +132,7 @@ class CuFile {
 
  private:
   explicit CuFile(std::string library) : library_(std::move(library)) {}
-  void Open();
+  void Open(bool check_platform);
 
   std::string library_;
   void* handle_ = nullptr;

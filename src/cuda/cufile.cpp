@@ -142,9 +142,9 @@ std::string CuFile::DefaultLibrary() {
   return path != nullptr && *path != '\0' ? path : "libcufile.so.0";
 }
 
-std::unique_ptr<CuFile> CuFile::Load(const std::string& library) noexcept {
+std::unique_ptr<CuFile> CuFile::Load(const std::string& library, bool check_platform) noexcept {
   std::unique_ptr<CuFile> cufile(new CuFile(library));
-  cufile->Open();
+  cufile->Open(check_platform);
   return cufile;
 }
 
@@ -156,7 +156,7 @@ std::string CuFile::ErrorName(int code) {
 
 CuFile::~CuFile() = default;  // never closes the driver or the library: see the header
 
-void CuFile::Open() {
+void CuFile::Open(bool check_platform) {
   handle_ = detail::DlOpen(library_, &why_);
   if (handle_ == nullptr) return;
   const bool resolved =
@@ -169,11 +169,11 @@ void CuFile::Open() {
       detail::DlSym(handle_, library_, "cuFileWrite", api_.Write, &why_);
   if (!resolved) return;
   // The platform checks KvikIO makes: cuFile finds its devices through udev, and WSL has no GDS.
-  if (RunningInWsl()) {
+  if (check_platform && RunningInWsl()) {
     why_ = "cuFile is not supported under WSL";
     return;
   }
-  if (access("/run/udev", R_OK) != 0) {
+  if (check_platform && access("/run/udev", R_OK) != 0) {
     why_ =
         StrCat("/run/udev is not readable (", std::strerror(errno),
                "): cuFile needs it to find devices (in a container, mount the host's /run/udev)");

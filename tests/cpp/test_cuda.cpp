@@ -367,12 +367,66 @@ TEST_F(FakeCudaTest, UnregisteringMemoryAQueuedCopyUsesIsRecordedAndLeaksAreCoun
   EXPECT_EQ(fake_.Live(), live);
 }
 
+// cuFile transfers through the real CuFileHandle: short transfers are continued, failures carry
+// errno or the cuFile status with the path and range.
+TEST_F(FakeCudaTest, CuFileShortTransfersContinueAndFailuresAreNamed) {
+  const CuFile& cufile = testing::CuFileForTests();
+  ASSERT_TRUE(cufile.available()) << cufile.why_unavailable();
+  TempDir dir;
+  const std::string path = dir.File("gds");
+  constexpr size_t kBytes = (1 << 20) + 5;
+  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  {
+    PrimaryContext context(CudaDriver::Get(), 0);
+    Stream stream(context);
+    DeviceMemory device(context, kBytes);
+    std::vector<uint8_t> bytes = testing::Pattern(kBytes, 31);
+    stream.CopyToDevice(device.address(), bytes.data(), kBytes);
+    stream.Synchronize();
+    void* base = reinterpret_cast<void*>(device.address());
+    CuFileHandle handle(cufile, fd, path);
+    fake_.NextCuFileResult(4096);
+    EXPECT_EQ(handle.Write(base, kBytes, 8192), kBytes);
+    fake_.NextCuFileResult(-1, ENOSPC);
+    try {
+      handle.Write(base, kBytes, 8192);
+      ADD_FAILURE() << "no IoError";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_code(), ENOSPC);
+      EXPECT_EQ(e.path(), path);
+      EXPECT_EQ(dynamic_cast<const CuFileTransferError*>(&e), nullptr);
+    }
+    fake_.NextCuFileResult(-5008);
+    try {
+      handle.Read(base, kBytes, 8192);
+      ADD_FAILURE() << "no CuFileTransferError";
+    } catch (const CuFileTransferError& e) {
+      EXPECT_EQ(e.status(), 5008);
+      EXPECT_NE(std::string(e.what()).find("CU_FILE_IO_NOT_SUPPORTED"), std::string::npos);
+    }
+    std::vector<uint8_t> zeros(kBytes, 0);
+    stream.CopyToDevice(device.address(), zeros.data(), kBytes);
+    stream.Synchronize();
+    fake_.NextCuFileResult(1000);
+    EXPECT_EQ(handle.Read(base, kBytes, 8192), kBytes);
+    EXPECT_EQ(handle.Read(base, kBytes, 8192 + kBytes - 7), 7u) << "short at end of file";
+    EXPECT_EQ(handle.Read(base, kBytes, 8192), kBytes);
+    std::vector<uint8_t> out(kBytes);
+    stream.CopyFromDevice(out.data(), device.address(), kBytes);
+    stream.Synchronize();
+    EXPECT_TRUE(testing::MatchesPattern(out.data(), kBytes, 31));
+  }
+  close(fd);
+  fake_.Check();
+}
+
 TEST(CuFileGpuTest, RoundTripThroughDeviceMemory) {
   if (!CudaDriver::Get().available()) {
     GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
   }
-  if (!CuFile::Get().available()) {
-    GTEST_SKIP() << "cuFile unavailable: " << CuFile::Get().why_unavailable();
+  if (!testing::CuFileForTests().available()) {
+    GTEST_SKIP() << "cuFile unavailable: " << testing::CuFileForTests().why_unavailable();
   }
   TempDir dir;
   const std::string path = dir.File("gds");
@@ -388,8 +442,9 @@ TEST(CuFileGpuTest, RoundTripThroughDeviceMemory) {
   stream.CopyToDevice(device.address(), host.data(), kBytes);
   stream.Synchronize();
   {
-    CuFileHandle handle(CuFile::Get(), fd, path);
-    CuFileBuffer registered(CuFile::Get(), reinterpret_cast<void*>(device.address()), kBytes);
+    CuFileHandle handle(testing::CuFileForTests(), fd, path);
+    CuFileBuffer registered(testing::CuFileForTests(), reinterpret_cast<void*>(device.address()),
+                            kBytes);
     void* base = reinterpret_cast<void*>(device.address());
     EXPECT_EQ(handle.Write(base, kBytes, 0), kBytes);
     std::memset(host.data(), 0, kBytes);
@@ -411,15 +466,16 @@ TEST(CuFileGpuTest, BufferRegistersWithoutACurrentContext) {
   if (!CudaDriver::Get().available()) {
     GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
   }
-  if (!CuFile::Get().available()) {
-    GTEST_SKIP() << "cuFile unavailable: " << CuFile::Get().why_unavailable();
+  if (!testing::CuFileForTests().available()) {
+    GTEST_SKIP() << "cuFile unavailable: " << testing::CuFileForTests().why_unavailable();
   }
   PrimaryContext context(CudaDriver::Get(), 0);
   DeviceMemory device(context, 1 << 20);
   std::string error;
   std::thread([&] {
     try {
-      CuFileBuffer registered(CuFile::Get(), reinterpret_cast<void*>(device.address()), 1 << 20);
+      CuFileBuffer registered(testing::CuFileForTests(), reinterpret_cast<void*>(device.address()),
+                              1 << 20);
       if (registered.device() != 0) error = StrCat("device ", registered.device());
       CuFileBuffer moved(std::move(registered));
     } catch (const std::exception& e) {

@@ -848,6 +848,38 @@ TEST_F(TransferGpuTest, ConcurrentTransfersFromThreadsOnTheirOwnAndTheTransfersS
   EXPECT_LE(transfer.rings(), 2u);
 }
 
+// With cuFile (the fake's, whose failures can be injected): "auto" GDS that fails with a cuFile
+// status reruns through the ring and says why; errno failures stay errors.
+TEST_F(TransferGpuTest, AutoGdsFallsBackToTheRingWhenCuFileFailsWithAStatus) {
+  testing::FakeCudaAccounting fake;
+  if (!fake.Start()) GTEST_SKIP() << "needs the fake CUDA driver to inject cuFile failures";
+  TempDir dir;
+  PrimaryContext context(CudaDriver::Get(), 0);
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  DeviceTransfer transfer(engine);
+  constexpr uint64_t kLength = 500001;
+  DeviceFile file(File::Open(dir.File("gds"), OpenMode::kWrite), GdsMode::kAuto,
+                  testing::CuFileForTests());
+  ASSERT_TRUE(file.gds()) << file.gds_reason();
+  DeviceMemory device(context, kLength), back(context, kLength);
+  Stream stream(context);
+  std::vector<uint8_t> src = testing::Pattern(kLength, 8, 4096);
+  stream.CopyToDevice(device.address(), src.data(), kLength);
+  TransferResult w = transfer.Write({device.address(), 0, stream.get()}, kLength, file, 4096);
+  EXPECT_EQ(w.path, "gds");
+  fake.NextCuFileResult(-5008);
+  TransferResult r = transfer.Read(file, 4096, kLength, {back.address(), 0, stream.get()});
+  EXPECT_EQ(r.path, "bounce");
+  EXPECT_EQ(r.bytes, kLength);
+  EXPECT_NE(r.gds_reason.find("CU_FILE_IO_NOT_SUPPORTED"), std::string::npos) << r.gds_reason;
+  std::vector<uint8_t> out(kLength);
+  stream.CopyFromDevice(out.data(), back.address(), kLength);
+  stream.Synchronize();
+  EXPECT_TRUE(MatchesPattern(out.data(), kLength, 8, 4096));
+  fake.NextCuFileResult(-1, EIO);
+  EXPECT_THROW(transfer.Read(file, 4096, kLength, {back.address(), 0, stream.get()}), IoError);
+}
+
 TEST_F(TransferGpuTest, GdsOrFallbackRoundTrip) {
   TempDir dir;
   const CudaDriver& driver = CudaDriver::Get();
@@ -855,7 +887,8 @@ TEST_F(TransferGpuTest, GdsOrFallbackRoundTrip) {
   Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, 1 << 20));
   DeviceTransfer transfer(engine);
   constexpr uint64_t kLength = 8 << 20;
-  DeviceFile file(File::Open(dir.File("gds"), OpenMode::kWrite), GdsMode::kAuto);
+  DeviceFile file(File::Open(dir.File("gds"), OpenMode::kWrite), GdsMode::kAuto,
+                  testing::CuFileForTests());
   DeviceMemory device(context, kLength);
   Stream stream(context);
   std::vector<uint8_t> src = testing::Pattern(kLength, 6);

@@ -8,9 +8,33 @@
 
 #include <cstddef>
 #include <cstdlib>
+#include <memory>
 #include <string>
 
+#include "tensortier/cufile.hpp"
+
 namespace tensortier::testing {
+
+// The fake driver's library when TENSORTIER_CUDA_LIBRARY names it, else "".
+inline std::string FakeCudaLibrary() {
+  const char* path = std::getenv("TENSORTIER_CUDA_LIBRARY");
+  if (path == nullptr || *path == '\0') return "";
+  void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) return "";
+  const bool fake = dlsym(handle, "fakecuda_live") != nullptr;
+  dlclose(handle);
+  return fake ? path : "";
+}
+
+// cuFile for the GPU suites: the fake's (same library, no platform checks) with the fake driver,
+// else the system's.
+inline const CuFile& CuFileForTests() {
+  static const CuFile* const cufile = [] {
+    const std::string fake = FakeCudaLibrary();
+    return fake.empty() ? &CuFile::Get() : CuFile::Load(fake, /*check_platform=*/false).release();
+  }();
+  return *cufile;
+}
 
 class FakeCudaAccounting {
  public:
@@ -23,8 +47,13 @@ class FakeCudaAccounting {
     violations_ = reinterpret_cast<int (*)(char*, size_t)>(dlsym(handle, "fakecuda_violations"));
     live_ = reinterpret_cast<int (*)()>(dlsym(handle, "fakecuda_live"));
     set_delay_ = reinterpret_cast<int (*)(int)>(dlsym(handle, "fakecuda_set_copy_delay_us"));
+    next_result_ =
+        reinterpret_cast<void (*)(long, int)>(dlsym(handle, "fakecuda_cufile_next_result"));
     dlclose(handle);  // drops our reference only: CudaDriver keeps the library loaded
-    if (violations_ == nullptr || live_ == nullptr || set_delay_ == nullptr) return false;
+    if (violations_ == nullptr || live_ == nullptr || set_delay_ == nullptr ||
+        next_result_ == nullptr) {
+      return false;
+    }
     live_at_start_ = live_();
     violations_at_start_ = violations_(nullptr, 0);
     return true;
@@ -33,6 +62,9 @@ class FakeCudaAccounting {
   // Copies and records queued from now on start after `us` microseconds; returns the old value.
   int SetCopyDelay(int us) const { return set_delay_(us); }
   int Violations() const { return violations_(nullptr, 0); }
+  // The next cuFileRead/Write moves at most `result` bytes (> 0), or returns `result` (< 0: -1
+  // with errno `error`, or a negated cuFile status).
+  void NextCuFileResult(long result, int error = 0) const { next_result_(result, error); }
   int Live() const { return live_(); }
 
   void Check() const {
@@ -49,6 +81,7 @@ class FakeCudaAccounting {
   int (*violations_)(char*, size_t) = nullptr;
   int (*live_)() = nullptr;
   int (*set_delay_)(int) = nullptr;
+  void (*next_result_)(long, int) = nullptr;
   int live_at_start_ = 0;
   int violations_at_start_ = 0;
 };

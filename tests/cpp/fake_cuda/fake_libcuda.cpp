@@ -8,16 +8,20 @@
 //    pointer crashes instead of silently working.
 //  - Streams run their copies and event records in order on a thread of their own, each copy
 //    after a delay (FAKE_CUDA_COPY_DELAY_US, default 100), so host memory reused before an event
-//    says the copy is done is caught (wrong data, or a TSan report). Copies to or from pageable
-//    memory are synchronous, as the driver's are.
+//    says the copy is done is caught (wrong data, or a TSan report). As with the driver, a copy
+//    from pageable memory returns once the source is staged (the device is written later, in
+//    stream order) and a copy to pageable memory returns once it is done.
 //  - Calls that need a current context fail with CUDA_ERROR_INVALID_CONTEXT without one.
 //  - Misuse a real driver would not report, or would report as a later crash (unregistering host
 //    memory a queued copy still uses, releasing a context more often than retained), is
 //    recorded: fakecuda_violations() returns it; fakecuda_live() counts what is still allocated,
 //    registered or retained, so tests can check that every RAII object gave its resource back.
+//  - cuFile (libcufile.so.0) too, in the same library: load it with CuFile::Load(path, false).
 // Not modelled: the legacy default stream's implicit synchronisation with other streams (code
 // must not rely on it), managed memory, peer access, timing.
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,6 +37,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -113,6 +118,11 @@ struct Driver {
   std::vector<std::string> violations;
   std::chrono::microseconds delay{100};
   std::condition_variable progress;  // an operation finished, on any stream
+  // cuFile
+  std::map<void*, int> file_handles;         // handle -> a buffered descriptor of the file
+  std::map<uintptr_t, size_t> file_buffers;  // cuFileBufRegister'ed ranges
+  long next_transfer_result = 0;             // injected: 0 none, >0 short, <0 returned as is
+  int next_transfer_errno = 0;
 };
 
 Driver& D() {
@@ -219,12 +229,13 @@ void Drain(Stream* s, std::unique_lock<std::mutex>& lock) {
   s->idle.wait(lock, [&] { return s->queue.empty(); });
 }
 
-// Enqueues a copy; pageable host memory makes it synchronous (the driver stages it).
-CUresult Copy(void* stream, Op op, bool host_registered) {
+// Enqueues `op` on `stream`, or runs it at once after the stream's earlier work (`synchronous`:
+// copies to pageable memory, which the driver finishes before returning).
+CUresult Copy(void* stream, Op op, bool synchronous) {
   std::unique_lock lock(D().mu);
   Stream* s = Resolve(stream);
   if (s == nullptr) return kInvalidHandle;
-  if (!host_registered) {
+  if (synchronous) {
     Drain(s, lock);
     lock.unlock();
     op.run();
@@ -256,11 +267,12 @@ int fakecuda_violations(char* out, size_t size) {
 }
 
 // Resources held now: device allocations + host registrations and allocations + streams (the
-// null stream excluded) + events + primary context retains.
+// null stream excluded) + events + primary context retains + cuFile handles and buffers.
 int fakecuda_live() {
   std::lock_guard lock(D().mu);
   size_t n = D().device_memory.size() + D().host_memory.size() + D().streams.size() +
-             D().events.size() - (D().null_stream != nullptr ? 1 : 0);
+             D().events.size() - (D().null_stream != nullptr ? 1 : 0) + D().file_handles.size() +
+             D().file_buffers.size();
   for (const Context& c : D().contexts) n += static_cast<size_t>(c.retained);
   return static_cast<int>(n);
 }
@@ -271,6 +283,14 @@ int fakecuda_set_copy_delay_us(int us) {
   const auto old = static_cast<int>(D().delay.count());
   D().delay = std::chrono::microseconds(us);
   return old;
+}
+
+// The next cuFileRead/cuFileWrite returns min(`result`, size) bytes when `result` > 0, or
+// `result` itself when negative (-1 with errno = `error`, or a negated cuFile status).
+void fakecuda_cufile_next_result(long result, int error) {
+  std::lock_guard lock(D().mu);
+  D().next_transfer_result = result;
+  D().next_transfer_errno = error;
 }
 
 // ---- initialisation, errors, devices, contexts -------------------------------------------------
@@ -511,23 +531,32 @@ CUresult cuEventSynchronize(void* event) {
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, void* stream) {
   if (!HasContext()) return kInvalidContext;
   Op op;
-  bool registered = false;
-  {
-    std::lock_guard lock(D().mu);
-    uintptr_t base = 0;
-    DeviceAllocation* a = FindDevice(dst, bytes, &base);
-    if (a == nullptr || (src == nullptr && bytes > 0)) return kInvalidValue;
-    std::byte* to = a->shadow + (dst - base);
-    op.run = [to, src, bytes] { std::memcpy(to, src, bytes); };
-    uintptr_t host_base = 0;
-    const HostRange* h = FindHost(src, &host_base);
-    registered = h != nullptr && reinterpret_cast<uintptr_t>(src) + bytes <= host_base + h->bytes;
-  }
-  op.host = reinterpret_cast<uintptr_t>(src);
-  op.host_bytes = bytes;
   op.device = dst;
   op.device_bytes = bytes;
-  return Copy(stream, std::move(op), registered);
+  std::unique_lock lock(D().mu);
+  uintptr_t base = 0;
+  DeviceAllocation* a = FindDevice(dst, bytes, &base);
+  Stream* s = Resolve(stream);
+  if (a == nullptr || (src == nullptr && bytes > 0)) return kInvalidValue;
+  if (s == nullptr) return kInvalidHandle;
+  std::byte* to = a->shadow + (dst - base);
+  uintptr_t host_base = 0;
+  const HostRange* h = FindHost(src, &host_base);
+  if (h != nullptr && reinterpret_cast<uintptr_t>(src) + bytes <= host_base + h->bytes) {
+    op.run = [to, src, bytes] { std::memcpy(to, src, bytes); };
+    op.host = reinterpret_cast<uintptr_t>(src);
+    op.host_bytes = bytes;
+  } else {
+    // Pageable memory: the driver waits for the stream's earlier work, stages the source and
+    // returns; the device is written later, in stream order.
+    Drain(s, lock);
+    auto staged = std::make_shared<std::vector<std::byte>>(bytes);
+    if (bytes > 0) std::memcpy(staged->data(), src, bytes);
+    op.run = [to, staged, bytes] { std::memcpy(to, staged->data(), bytes); };
+  }
+  s->queue.push_back(std::move(op));
+  s->work.notify_one();
+  return kSuccess;
 }
 
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, void* stream) {
@@ -549,7 +578,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, void* st
   op.host_bytes = bytes;
   op.device = src;
   op.device_bytes = bytes;
-  return Copy(stream, std::move(op), registered);
+  return Copy(stream, std::move(op), /*synchronous=*/!registered);
 }
 
 // ---- host memory
@@ -639,6 +668,131 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
   munmap(a.shadow, a.mapped);
   D().device_memory.erase(base);
   return kSuccess;
+}
+
+// ---- cuFile (GPUDirect Storage)
+// ------------------------------------------------------------------- Moves bytes between the file
+// and device memory's shadow with pread/pwrite on a buffered descriptor of the same file (cuFile
+// itself takes unaligned sizes and offsets). Not stream ordered, as cuFile is not: device memory a
+// queued copy still uses is recorded as misuse.
+
+struct CUfileError {
+  int err;
+  int cu_err;
+};
+struct CUfileDescr {
+  int type;
+  union {
+    int fd;
+    void* handle;
+  } handle;
+  const void* fs_ops;
+};
+
+constexpr int kFileSuccess = 0;
+constexpr int kFileCudaDriverError = 5011;
+constexpr int kFileCudaPointerInvalid = 5012;
+constexpr int kFileInvalidFileType = 5018;
+constexpr int kFileDioNotSet = 5020;
+constexpr int kFileInvalidValue = 5022;
+constexpr int kFileAlreadyRegistered = 5023;
+constexpr int kFileNotRegistered = 5024;
+
+CUfileError cuFileDriverOpen() {
+  return {kFileSuccess, 0};
+}
+
+CUfileError cuFileHandleRegister(void** handle, CUfileDescr* descr) {
+  if (handle == nullptr || descr == nullptr) return {kFileInvalidValue, 0};
+  if (descr->type != 1) return {kFileInvalidFileType, 0};
+  const int flags = fcntl(descr->handle.fd, F_GETFL);
+  if (flags < 0) return {kFileInvalidValue, 0};
+  if ((flags & O_DIRECT) == 0) return {kFileDioNotSet, 0};
+  const std::string self = "/proc/self/fd/" + std::to_string(descr->handle.fd);
+  const int buffered = open(self.c_str(), (flags & O_ACCMODE) | O_CLOEXEC);
+  if (buffered < 0) return {kFileInvalidValue, 0};
+  std::lock_guard lock(D().mu);
+  void* h = new char;  // a unique address
+  D().file_handles.emplace(h, buffered);
+  *handle = h;
+  return {kFileSuccess, 0};
+}
+
+void cuFileHandleDeregister(void* handle) {
+  std::lock_guard lock(D().mu);
+  auto it = D().file_handles.find(handle);
+  if (it == D().file_handles.end()) {
+    Violation("cuFileHandleDeregister of a handle that is not registered");
+    return;
+  }
+  close(it->second);
+  delete static_cast<char*>(it->first);
+  D().file_handles.erase(it);
+}
+
+CUfileError cuFileBufRegister(const void* base, size_t length, int flags) {
+  if (!HasContext()) return {kFileCudaDriverError, kInvalidContext};
+  if (base == nullptr || length == 0 || flags != 0) return {kFileInvalidValue, 0};
+  std::lock_guard lock(D().mu);
+  const auto address = reinterpret_cast<uintptr_t>(base);
+  if (FindDevice(address, length) == nullptr && FindHost(base) == nullptr) {
+    return {kFileCudaPointerInvalid, 0};
+  }
+  if (!D().file_buffers.emplace(address, length).second) return {kFileAlreadyRegistered, 0};
+  return {kFileSuccess, 0};
+}
+
+CUfileError cuFileBufDeregister(const void* base) {
+  std::lock_guard lock(D().mu);
+  if (D().file_buffers.erase(reinterpret_cast<uintptr_t>(base)) == 0) {
+    return {kFileNotRegistered, 0};
+  }
+  return {kFileSuccess, 0};
+}
+
+// The shadow bytes of device [address, address + size), or null. With D().mu held.
+static std::byte* DeviceBytes(uint64_t address, size_t size) {
+  uintptr_t base = 0;
+  DeviceAllocation* a = FindDevice(address, size, &base);
+  return a == nullptr ? nullptr : a->shadow + (address - base);
+}
+
+static ssize_t FileTransfer(bool read, void* handle, uint64_t address, size_t size,
+                            off_t file_offset) {
+  int fd = -1;
+  std::byte* bytes = nullptr;
+  {
+    std::lock_guard lock(D().mu);
+    auto it = D().file_handles.find(handle);
+    if (it == D().file_handles.end()) return -kFileInvalidValue;
+    fd = it->second;
+    bytes = DeviceBytes(address, size);
+    if (bytes == nullptr) return -kFileCudaPointerInvalid;  // (host buffers are not modelled)
+    if (InFlight(0, 0, address, size)) {
+      Violation(read ? "cuFileRead into device memory a queued copy still uses"
+                     : "cuFileWrite of device memory a queued copy still writes");
+    }
+    if (D().next_transfer_result < 0) {
+      const long result = std::exchange(D().next_transfer_result, 0);
+      errno = D().next_transfer_errno;
+      return result;
+    }
+    if (D().next_transfer_result > 0) {
+      size = std::min(size, static_cast<size_t>(std::exchange(D().next_transfer_result, 0)));
+    }
+  }
+  return read ? pread(fd, bytes, size, file_offset) : pwrite(fd, bytes, size, file_offset);
+}
+
+ssize_t cuFileRead(void* handle, void* base, size_t size, off_t file_offset, off_t base_offset) {
+  return FileTransfer(true, handle, reinterpret_cast<uintptr_t>(base) + base_offset, size,
+                      file_offset);
+}
+
+ssize_t cuFileWrite(void* handle, const void* base, size_t size, off_t file_offset,
+                    off_t base_offset) {
+  return FileTransfer(false, handle, reinterpret_cast<uintptr_t>(base) + base_offset, size,
+                      file_offset);
 }
 
 }  // extern "C"
