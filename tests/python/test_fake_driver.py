@@ -1,0 +1,125 @@
+"""Pinned host memory from Python against the stand-in CUDA driver (tests/cpp/fake_cuda), built
+here with the system's C++ compiler: registration, where the driver says the memory lives, and
+that the registration goes when the last tensor does. Each case runs in a subprocess, since the
+driver is chosen once per process (``TENSORTIER_CUDA_LIBRARY``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+FAKE_SOURCE = Path(__file__).resolve().parents[2] / "tests/cpp/fake_cuda/fake_libcuda.cpp"
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stand-in libcuda, compiled once for this module."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the stand-in CUDA driver")
+    out = tmp_path_factory.mktemp("fake-cuda") / "libfakecuda.so"
+    subprocess.run(
+        [compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wall", "-Werror",
+         str(FAKE_SOURCE), "-o", str(out)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    return out
+
+
+def run_with_fake(fake_driver: Path, body: str, tmp_path: Path) -> None:
+    """Runs `body` in a fresh interpreter on the stand-in driver; `fake` is the library (ctypes)
+    and `check_clean()` asserts nothing is left registered and no misuse was recorded."""
+    prologue = textwrap.dedent(
+        """
+        import ctypes, gc, os, sys
+        import torch
+        import tensortier
+        from tensortier import _core
+        fake = ctypes.CDLL(os.environ["TENSORTIER_CUDA_LIBRARY"])
+        info = tensortier.cuda_info()
+        assert info["available"], info
+        start = fake.fakecuda_live()
+        def check_clean():
+            gc.collect()
+            assert fake.fakecuda_live() == start, (fake.fakecuda_live(), start)
+            assert fake.fakecuda_violations(None, 0) == 0
+        """
+    )
+    env = dict(os.environ, TENSORTIER_CUDA_LIBRARY=str(fake_driver), TMP_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", prologue + textwrap.dedent(body)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_pinned_empty_is_registered_and_unregistered_with_its_last_tensor(
+    fake_driver: Path, tmp_path: Path
+) -> None:
+    run_with_fake(
+        fake_driver,
+        """
+        t = tensortier.pinned_empty((3, 1001), torch.float32)
+        assert t.shape == (3, 1001) and t.dtype == torch.float32
+        assert t.data_ptr() % 4096 == 0
+        assert _core.locate(t.data_ptr())["type"] == "registered host"
+        view = t[1:]          # a view keeps the storage, so the registration
+        del t
+        gc.collect()
+        assert fake.fakecuda_live() > start
+        assert _core.locate(view.data_ptr())["type"] == "registered host"
+        del view
+        check_clean()
+        z = tensortier.pinned_empty(0)
+        assert z.numel() == 0
+        del z
+        check_clean()
+        """,
+        tmp_path,
+    )
+
+
+def test_pin_copies_pageable_tensors_and_keeps_pinned_ones(
+    fake_driver: Path, tmp_path: Path
+) -> None:
+    run_with_fake(
+        fake_driver,
+        """
+        for dtype in (torch.float16, torch.bfloat16, torch.int64, torch.bool):
+            src = torch.arange(12345).to(dtype).reshape(5, -1)
+            pinned = tensortier.pin(src)
+            assert _core.locate(pinned.data_ptr())["type"] == "registered host"
+            assert _core.locate(src.data_ptr())["type"] == "host"
+            assert pinned.dtype == dtype and pinned.shape == src.shape
+            assert torch.equal(pinned, src)
+            assert tensortier.pin(pinned) is pinned
+            del pinned
+        check_clean()
+        """,
+        tmp_path,
+    )
+
+
+def test_io_handle_moves_pinned_tensors(fake_driver: Path, tmp_path: Path) -> None:
+    run_with_fake(
+        fake_driver,
+        """
+        path = os.path.join(os.environ["TMP_DIR"], "pinned.bin")
+        io = tensortier.IOHandle()
+        src = tensortier.pin(torch.randn(100003))
+        io.pwrite(src, path)
+        back = tensortier.pinned_empty(100003, torch.float32)
+        io.pread(back, path)
+        assert torch.equal(src, back)
+        io.close()
+        del src, back
+        check_clean()
+        """,
+        tmp_path,
+    )
