@@ -102,21 +102,23 @@ AlignedBuffer::AlignedBuffer(size_t size, Pages use, Populate populate) : size_(
 }
 
 void AlignedBuffer::MakeResident() {
-  locked_ = mlock(data_, mapped_) == 0;  // a granted lock has faulted every page in
-  if (locked_) return;
-  if (madvise(data_, mapped_, MADV_POPULATE_WRITE) == 0) return;
-  const int error = errno;
-  if (error == EINVAL) {  // kernels before 5.14: touch one byte per page (the memory is zeros)
+  // Fault in first, lock second: a granted mlock() faults pages in as well, but sanitizer
+  // runtimes replace it with a no-op that reports success.
+  if (madvise(data_, mapped_, MADV_POPULATE_WRITE) != 0) {
+    const int error = errno;
+    if (error != EINVAL) {
+      const size_t mapped = mapped_;
+      Release();
+      if (error == ENOMEM) throw std::bad_alloc();
+      throw std::system_error(error, std::generic_category(),
+                              StrCat("faulting in a buffer of ", mapped, " bytes"));
+    }
+    // Kernels before 5.14: touch one byte per page (the memory is zeros).
     for (size_t at = 0; at < mapped_; at += kPageSize) {
       reinterpret_cast<volatile std::byte*>(data_)[at] = std::byte{0};
     }
-    return;
   }
-  const size_t mapped = mapped_;
-  Release();
-  if (error == ENOMEM) throw std::bad_alloc();
-  throw std::system_error(error, std::generic_category(),
-                          StrCat("faulting in a buffer of ", mapped, " bytes"));
+  locked_ = mlock(data_, mapped_) == 0;
 }
 
 AlignedBuffer::~AlignedBuffer() {

@@ -195,8 +195,8 @@ def test_aligned_empty_resident_has_its_pages_before_first_use(
     nbytes: int, resident_bytes: Callable[[torch.Tensor], int]
 ) -> None:
     lazy = tensortier.aligned_empty(nbytes, reused=True)
+    assert resident_bytes(lazy) == 0  # before the next mapping, which a huge page may span
     resident = tensortier.aligned_empty(nbytes, reused=True, resident=True)
-    assert resident_bytes(lazy) == 0
     assert resident_bytes(resident) == -(-nbytes // 4096) * 4096
     assert int(resident.count_nonzero()) == 0  # still zero-filled
     assert tensortier.aligned_empty(0, resident=True).numel() == 0
