@@ -107,13 +107,13 @@ def loadavg() -> list[float]:
 
 
 def tool_version(argv: list[str]) -> str:
-    """First line of a version command's output ('' if none), or why it could not run."""
+    """First line of a version command's output, or why it could not run."""
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unavailable: {e}"
+        return f"unavailable ({e})"
     text = (proc.stdout or proc.stderr).strip()
-    return text.splitlines()[0] if text else ""
+    return text.splitlines()[0] if text else f"unavailable (exit status {proc.returncode})"
 
 
 # --------------------------------------------------------------------------- page cache, disk

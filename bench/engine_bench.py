@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_benchlib.py, from any directory
-from _benchlib import GB, format_size, log, name_list, parse_size  # noqa: E402
+from _benchlib import GB, format_size, log, name_list, parse_size, tool_version  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -793,16 +793,6 @@ def notes(result: ScenarioResult) -> list[str]:
         if buffered:
             lines.append(f"- tensortier reported direct=false in {buffered} run(s) (no O_DIRECT)")
     return ["", *lines] if lines else []
-
-
-def tool_version(argv: list[str]) -> str:
-    """First line of a version command's output, or why it could not run."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unavailable ({e})"
-    text = (proc.stdout or proc.stderr).strip()
-    return text.splitlines()[0] if text else f"unavailable (exit status {proc.returncode})"
 
 
 def results_json(

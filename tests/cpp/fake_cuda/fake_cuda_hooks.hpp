@@ -40,9 +40,9 @@ class FakeCudaAccounting {
  public:
   // True when the loaded CUDA library is the fake (its hooks resolve).
   bool Start() {
-    const char* path = std::getenv("TENSORTIER_CUDA_LIBRARY");
-    if (path == nullptr || *path == '\0') return false;
-    void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);  // loaded by CudaDriver
+    const std::string path = FakeCudaLibrary();
+    if (path.empty()) return false;
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);  // CudaDriver's
     if (handle == nullptr) return false;
     violations_ = reinterpret_cast<int (*)(char*, size_t)>(dlsym(handle, "fakecuda_violations"));
     live_ = reinterpret_cast<int (*)()>(dlsym(handle, "fakecuda_live"));

@@ -79,8 +79,6 @@ struct HostRange {
   bool allocated = false;  // cuMemAllocHost (else cuMemHostRegister)
 };
 
-struct Event;
-
 // One queued operation: a copy, or an event record.
 struct Op {
   std::function<void()> run;
@@ -91,8 +89,7 @@ struct Op {
 };
 
 struct Stream {
-  std::deque<Op> queue;  // guarded by the global mutex; the front is running while busy
-  bool busy = false;
+  std::deque<Op> queue;  // guarded by the global mutex; the front stays queued while it runs
   bool stopping = false;
   std::condition_variable idle;
   std::condition_variable work;
@@ -194,7 +191,6 @@ void RunStream(Stream* s) {
   for (;;) {
     s->work.wait(lock, [&] { return s->stopping || !s->queue.empty(); });
     if (s->queue.empty()) return;
-    s->busy = true;
     std::function<void()> run = s->queue.front().run;
     const std::chrono::microseconds delay = D().delay;
     lock.unlock();
@@ -202,7 +198,6 @@ void RunStream(Stream* s) {
     run();
     lock.lock();
     s->queue.pop_front();
-    s->busy = false;
     s->idle.notify_all();
     D().progress.notify_all();
   }
