@@ -33,6 +33,7 @@ py::dict StatsToDict(const IoStats& s) {
   d["direct_bytes"] = s.direct_bytes;
   d["buffered_bytes"] = s.buffered_bytes;
   d["bounced_bytes"] = s.bounced_bytes;
+  d["staged_bytes"] = s.staged_bytes;
   d["cached_bytes"] = s.cached_bytes;
   d["requests"] = s.requests;
   d["resubmits"] = s.resubmits;
@@ -62,6 +63,7 @@ struct Overrides {
   std::optional<unsigned> workers;
   std::optional<uint64_t> max_inflight_bytes;
   std::optional<bool> page_cache_check;
+  std::optional<std::string> stage_reads;
 
   EngineOptions Apply() const {
     EngineOptions o = EngineOptions::FromEnvironment();
@@ -71,6 +73,7 @@ struct Overrides {
     if (workers) o.workers = *workers;
     if (max_inflight_bytes) o.max_inflight_bytes = *max_inflight_bytes;
     if (page_cache_check) o.page_cache_check = *page_cache_check;
+    if (stage_reads) o.stage_reads = ParseReadStaging(*stage_reads);
     return o;
   }
 };
@@ -207,16 +210,17 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](std::optional<std::string> backend, std::optional<uint64_t> chunk_size,
                        std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
                        std::optional<uint64_t> max_inflight_bytes,
-                       std::optional<bool> page_cache_check, const std::string& probe_dir,
-                       std::optional<py::dict> fault) {
-             Overrides o{backend, chunk_size,         queue_depth,
-                         workers, max_inflight_bytes, page_cache_check};
+                       std::optional<bool> page_cache_check, std::optional<std::string> stage_reads,
+                       const std::string& probe_dir, std::optional<py::dict> fault) {
+             Overrides o{backend,          chunk_size, queue_depth, workers, max_inflight_bytes,
+                         page_cache_check, stage_reads};
              return MakeEngine(o, probe_dir, fault);
            }),
            py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
            py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
            py::arg("max_inflight_bytes") = py::none(), py::arg("page_cache_check") = py::none(),
-           py::arg("probe_dir") = "", py::arg("fault") = py::none())
+           py::arg("stage_reads") = py::none(), py::arg("probe_dir") = "",
+           py::arg("fault") = py::none())
       .def_property_readonly("backend", &Engine::backend)
       .def_property_readonly("options",
                              [](const Engine& e) {
@@ -228,12 +232,14 @@ PYBIND11_MODULE(_core, m) {
                                d["workers"] = o.workers;
                                d["max_inflight_bytes"] = o.max_inflight_bytes;
                                d["page_cache_check"] = o.page_cache_check;
+                               d["stage_reads"] = std::string(ReadStagingName(o.stage_reads));
                                return d;
                              })
       .def(
           "submit",
           [](Engine& e, const std::string& op,
-             const std::vector<std::tuple<File, uintptr_t, uint64_t, uint64_t>>& pieces) {
+             const std::vector<std::tuple<File, uintptr_t, uint64_t, uint64_t>>& pieces,
+             bool stage_reads) {
             IoOp parsed = ParseOp(op);
             std::vector<IoDesc> descs;
             descs.reserve(pieces.size());
@@ -241,9 +247,9 @@ PYBIND11_MODULE(_core, m) {
               descs.push_back({file, reinterpret_cast<void*>(address), offset, length});
             }
             py::gil_scoped_release release;
-            return e.Submit(parsed, descs);
+            return e.Submit(parsed, descs, SubmitOptions{.stage_reads = stage_reads});
           },
-          py::arg("op"), py::arg("pieces"))
+          py::arg("op"), py::arg("pieces"), py::arg("stage_reads") = false)
       .def("wait_all", &Engine::WaitAll, py::call_guard<py::gil_scoped_release>());
 
   py::class_<Offloader>(m, "Offloader")
@@ -253,9 +259,10 @@ PYBIND11_MODULE(_core, m) {
                        std::optional<uint64_t> stripe_threshold, std::optional<py::dict> fault) {
              OffloaderOptions o;
              o.dirs = dirs;
-             o.engine = Overrides{backend, chunk_size,         queue_depth,
-                                  workers, max_inflight_bytes, std::nullopt}
-                            .Apply();
+             o.engine =
+                 Overrides{backend,      chunk_size,  queue_depth, workers, max_inflight_bytes,
+                           std::nullopt, std::nullopt}
+                     .Apply();
              if (stripe_threshold) o.stripe_threshold = *stripe_threshold;
              if (fault) o.backend_factory = FaultFactory(o.engine, *fault);
              py::gil_scoped_release release;

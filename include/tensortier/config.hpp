@@ -10,6 +10,15 @@
 
 namespace tensortier {
 
+// Whether direct reads whose caller allows it (SubmitOptions::stage_reads: fresh, small-page
+// destinations such as new tensors) are staged through the engine's huge-page bounce buffers and
+// copied out on its worker threads. kAuto: where the file's block device cuts requests into
+// scattered memory short (ScatteredMemorySplitsRequests, block_device.hpp).
+enum class ReadStaging { kOff, kAuto, kOn };
+// "off", "auto", "on" (also the ParseBool words for off and on). Throws std::invalid_argument.
+ReadStaging ParseReadStaging(std::string_view text);
+std::string_view ReadStagingName(ReadStaging staging);
+
 struct EngineOptions {
   // "auto", "io_uring", "libaio" or "threads". TENSORTIER_BACKEND.
   std::string backend = "auto";
@@ -25,6 +34,8 @@ struct EngineOptions {
   // Read page-cache-resident ranges through the page cache instead of O_DIRECT.
   // TENSORTIER_PAGE_CACHE_CHECK (0/1).
   bool page_cache_check = true;
+  // TENSORTIER_STAGE_READS: off, auto, on.
+  ReadStaging stage_reads = ReadStaging::kAuto;
 
   // Defaults, overridden by the environment. Throws std::invalid_argument on a malformed value.
   static EngineOptions FromEnvironment();

@@ -33,6 +33,15 @@ struct IoDesc {
   uint64_t length;
 };
 
+// Per operation.
+struct SubmitOptions {
+  // The destinations are memory the direct reads may stage through the engine's huge-page
+  // bounce buffers, copying out on the worker threads, when EngineOptions::stage_reads says so
+  // for the file (fresh small-page memory such as new tensors; not large-page or locked
+  // buffers, which the device reads into at full speed). Ignored for writes.
+  bool stage_reads = false;
+};
+
 struct IoStats {
   std::string backend;
   uint64_t requested_bytes = 0;
@@ -40,6 +49,7 @@ struct IoStats {
   uint64_t direct_bytes = 0;     // planned through O_DIRECT
   uint64_t buffered_bytes = 0;   // planned through the page cache (heads, tails, fallback, cached)
   uint64_t bounced_bytes = 0;    // of direct_bytes: staged through internal aligned buffers
+  uint64_t staged_bytes = 0;     // of bounced_bytes: staged by SubmitOptions::stage_reads
   uint64_t cached_bytes = 0;     // of buffered_bytes: reads chosen buffered as page-cache resident
   uint64_t requests = 0;         // requests submitted to the backend, resubmissions included
   uint64_t resubmits = 0;        // continuations of short transfers
@@ -96,7 +106,7 @@ class Engine {
   Future Write(const File& file, const void* buf, uint64_t length, uint64_t offset);
   // Scatter/gather: all pieces are planned and submitted together; one future for the lot.
   // Throws std::invalid_argument (bad piece) or IoError (write to a read-only file) up front.
-  Future Submit(IoOp op, std::span<const IoDesc> pieces);
+  Future Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptions& submit = {});
   // Waits for every operation submitted so far; throws the first error not yet seen by a Wait().
   void WaitAll();
 

@@ -5,8 +5,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
+
+#include "tensortier/block_device.hpp"
 
 namespace tensortier {
 
@@ -43,6 +46,9 @@ class File {
   // O_DIRECT alignment rules (statx STATX_DIOALIGN, else 4096).
   uint32_t offset_alignment() const;
   uint32_t memory_alignment() const;
+  // The queue limits of the block device holding the file (nothing for tmpfs, overlay, network
+  // filesystems), read from sysfs on the first call and kept.
+  const std::optional<BlockQueueLimits>& block_queue_limits() const;
 
   uint64_t Size() const;
   void Truncate(uint64_t size) const;

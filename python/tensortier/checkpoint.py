@@ -886,7 +886,8 @@ def _read_batched(
         for group in _groups(pieces):
             batch = [(_as_bytes(p.dest), p.file, p.offset) for p in group if p.nbytes]
             if batch:
-                submitted.append((group, io.pread_batch_async(batch)))
+                # New tensors: small pages, which some disks read slowly (see stage_reads).
+                submitted.append((group, io.pread_batch_async(batch, stage_reads=True)))
             else:
                 submitted.append((group, None))  # type: ignore[arg-type]
         for group, fut in submitted:

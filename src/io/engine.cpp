@@ -389,9 +389,14 @@ std::unique_ptr<Task> MakeTask(const std::shared_ptr<Operation>& op, uint32_t pi
 // Splits [offset, offset+length) of one piece into tasks and fills the plan's statistics.
 class Planner {
  public:
-  Planner(const EngineOptions& options, const std::shared_ptr<Operation>& op,
-          std::vector<std::unique_ptr<Task>>& tasks)
-      : options_(options), op_(op), tasks_(tasks), stats_(op->result.stats) {}
+  Planner(const EngineOptions& options, const SubmitOptions& submit,
+          const std::shared_ptr<Operation>& op, std::vector<std::unique_ptr<Task>>& tasks)
+      : options_(options),
+        stage_reads_(submit.stage_reads && op->op == IoOp::kRead &&
+                     options.stage_reads != ReadStaging::kOff),
+        op_(op),
+        tasks_(tasks),
+        stats_(op->result.stats) {}
 
   void Plan(uint32_t index) {
     const IoDesc& piece = op_->pieces[index];
@@ -455,6 +460,7 @@ class Planner {
     const bool all_cached =
         check && whole.checked_bytes > 0 && whole.resident_bytes == whole.checked_bytes;
     const bool some_cached = check && whole.resident_bytes > 0;
+    const bool stage = Stages(file);
     for (uint64_t done = 0; done < length;) {
       uint64_t n = std::min(length - done, chunk);
       bool cached = all_cached;
@@ -468,11 +474,13 @@ class Planner {
         stats_.buffered_bytes += n;
         stats_.cached_bytes += n;
       } else {
-        bool bounce = !IsAligned(user + done, file.memory_alignment());
+        const bool aligned = IsAligned(user + done, file.memory_alignment());
+        const bool bounce = !aligned || stage;
         tasks_.push_back(
             MakeTask(op_, index, file.direct_fd(), true, offset + done, n, user + done, bounce));
         stats_.direct_bytes += n;
         if (bounce) stats_.bounced_bytes += n;
+        if (aligned && stage) stats_.staged_bytes += n;
       }
       done += n;
     }
@@ -495,6 +503,14 @@ class Planner {
     return it->second;
   }
 
+  // Whether this operation's direct reads of `file` go through bounce buffers (see ReadStaging).
+  bool Stages(const File& file) const {
+    if (!stage_reads_) return false;
+    if (options_.stage_reads == ReadStaging::kOn) return true;
+    const auto& limits = file.block_queue_limits();
+    return limits && ScatteredMemorySplitsRequests(*limits, options_.chunk_size);
+  }
+
   // The file's size when the batch is planned, one fstat per file (not per piece).
   uint64_t SizeOf(const File& file) {
     auto [it, inserted] = file_size_.try_emplace(file.buffered_fd(), 0);
@@ -503,6 +519,7 @@ class Planner {
   }
 
   const EngineOptions& options_;
+  const bool stage_reads_;  // the operation allows staging and the options do not forbid it
   const std::shared_ptr<Operation>& op_;
   std::vector<std::unique_ptr<Task>>& tasks_;
   IoStats& stats_;
@@ -557,6 +574,7 @@ IoStats& IoStats::operator+=(const IoStats& other) {
   direct_bytes += other.direct_bytes;
   buffered_bytes += other.buffered_bytes;
   bounced_bytes += other.bounced_bytes;
+  staged_bytes += other.staged_bytes;
   cached_bytes += other.cached_bytes;
   requests += other.requests;
   resubmits += other.resubmits;
@@ -635,7 +653,7 @@ Future Engine::Write(const File& file, const void* buf, uint64_t length, uint64_
   return Submit(IoOp::kWrite, std::span<const IoDesc>(&piece, 1));
 }
 
-Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces) {
+Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptions& submit) {
   for (const IoDesc& piece : pieces) ValidatePiece(op, piece);
   if (op == IoOp::kWrite) ReserveExtendingWrites(pieces);
   auto operation = std::make_shared<Operation>();
@@ -645,7 +663,7 @@ Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces) {
   operation->result.stats.backend = backend_;
 
   std::vector<std::unique_ptr<Task>> tasks;
-  Planner planner(options_, operation, tasks);
+  Planner planner(options_, submit, operation, tasks);
   for (uint32_t i = 0; i < pieces.size(); ++i) planner.Plan(i);
 
   operation->pending.store(tasks.size());

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include "tensortier/strings.hpp"
 
@@ -21,6 +22,9 @@ struct File::Impl {
   std::string fallback_reason;
   uint32_t offset_align = 4096;
   uint32_t memory_align = 4096;
+  // Read when first asked for (most files never are): a few sysfs reads.
+  mutable std::once_flag queue_limits_once;
+  mutable std::optional<BlockQueueLimits> queue_limits;
 
   ~Impl() {
     if (direct_fd >= 0) close(direct_fd);
@@ -137,6 +141,12 @@ uint32_t File::offset_alignment() const {
 }
 uint32_t File::memory_alignment() const {
   return impl().memory_align;
+}
+
+const std::optional<BlockQueueLimits>& File::block_queue_limits() const {
+  const Impl& i = impl();
+  std::call_once(i.queue_limits_once, [&i] { i.queue_limits = BlockQueueLimitsOf(i.buffered_fd); });
+  return i.queue_limits;
 }
 
 uint64_t File::Size() const {

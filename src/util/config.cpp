@@ -88,6 +88,27 @@ std::string FormatSize(uint64_t bytes) {
   return StrCat(Fixed(v, 1), " ", kUnits[unit]);
 }
 
+ReadStaging ParseReadStaging(std::string_view text) {
+  if (text == "auto") return ReadStaging::kAuto;
+  try {
+    return ParseBool(text, "stage_reads") ? ReadStaging::kOn : ReadStaging::kOff;
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument(StrCat("stage_reads: '", text, "' is not one of off, auto, on"));
+  }
+}
+
+std::string_view ReadStagingName(ReadStaging staging) {
+  switch (staging) {
+    case ReadStaging::kOff:
+      return "off";
+    case ReadStaging::kOn:
+      return "on";
+    case ReadStaging::kAuto:
+      break;
+  }
+  return "auto";
+}
+
 void EngineOptions::Validate() const {
   if (backend != "auto" && backend != "io_uring" && backend != "libaio" && backend != "threads") {
     throw std::invalid_argument(
@@ -125,6 +146,7 @@ constexpr EnvOption kEnvOptions[] = {
     {"workers", "TENSORTIER_WORKERS"},
     {"max_inflight_bytes", "TENSORTIER_MAX_INFLIGHT"},
     {"page_cache_check", "TENSORTIER_PAGE_CACHE_CHECK"},
+    {"stage_reads", "TENSORTIER_STAGE_READS"},
 };
 
 [[noreturn]] void ThrowBadVariable(const char* variable, const char* value, const char* why) {
@@ -152,8 +174,10 @@ EngineOptions EngineOptions::FromEnvironment() {
             std::min<uint64_t>(ParseUnsigned(v, e.variable), kMaxWorkers + 1));
       } else if (option == "max_inflight_bytes") {
         o.max_inflight_bytes = ParseSize(v);
-      } else {
+      } else if (option == "page_cache_check") {
         o.page_cache_check = ParseBool(v, e.variable);
+      } else {
+        o.stage_reads = ParseReadStaging(v);
       }
     } catch (const std::invalid_argument& error) {
       ThrowBadVariable(e.variable, v, error.what());
@@ -190,6 +214,9 @@ std::vector<DefaultSetting> Defaults() {
        "bound on bytes in flight over all workers"},
       {"page_cache_check", "TENSORTIER_PAGE_CACHE_CHECK", o.page_cache_check ? "1" : "0",
        "read page-cache-resident ranges buffered instead of O_DIRECT"},
+      {"stage_reads", "TENSORTIER_STAGE_READS", std::string(ReadStagingName(o.stage_reads)),
+       "stage direct reads into new tensors through huge-page buffers: off, auto (where the disk "
+       "splits requests into scattered pages), on"},
   };
 }
 

@@ -22,8 +22,9 @@ namespace {
 using testing::ScopedEnv;
 
 constexpr const char* kAllEnvVars[] = {
-    "TENSORTIER_BACKEND", "TENSORTIER_CHUNK_SIZE",   "TENSORTIER_QUEUE_DEPTH",
-    "TENSORTIER_WORKERS", "TENSORTIER_MAX_INFLIGHT", "TENSORTIER_PAGE_CACHE_CHECK",
+    "TENSORTIER_BACKEND",     "TENSORTIER_CHUNK_SIZE",   "TENSORTIER_QUEUE_DEPTH",
+    "TENSORTIER_WORKERS",     "TENSORTIER_MAX_INFLIGHT", "TENSORTIER_PAGE_CACHE_CHECK",
+    "TENSORTIER_STAGE_READS",
 };
 
 // The message of the std::invalid_argument `fn` throws ("" and a test failure if none).
@@ -235,6 +236,8 @@ TEST_F(EnvironmentTest, NoVariablesGiveTheBuiltInDefaults) {
   EXPECT_EQ(env.workers, built_in.workers);
   EXPECT_EQ(env.max_inflight_bytes, built_in.max_inflight_bytes);
   EXPECT_EQ(env.page_cache_check, built_in.page_cache_check);
+  EXPECT_EQ(env.stage_reads, ReadStaging::kAuto);
+  EXPECT_EQ(env.stage_reads, built_in.stage_reads);
 }
 
 TEST_F(EnvironmentTest, EmptyValueMeansUnset) {
@@ -278,6 +281,28 @@ TEST_F(EnvironmentTest, PageCacheCheckVariableIsApplied) {
   }
 }
 
+TEST_F(EnvironmentTest, StageReadsVariableIsApplied) {
+  for (const char* off : {"off", "0", "false", "no"}) {
+    ScopedEnv e("TENSORTIER_STAGE_READS", off);
+    EXPECT_EQ(EngineOptions::FromEnvironment().stage_reads, ReadStaging::kOff) << off;
+  }
+  for (const char* on : {"on", "1", "true", "yes"}) {
+    ScopedEnv e("TENSORTIER_STAGE_READS", on);
+    EXPECT_EQ(EngineOptions::FromEnvironment().stage_reads, ReadStaging::kOn) << on;
+  }
+  ScopedEnv e("TENSORTIER_STAGE_READS", "auto");
+  EXPECT_EQ(EngineOptions::FromEnvironment().stage_reads, ReadStaging::kAuto);
+}
+
+TEST(ReadStagingTest, NamesRoundTripAndBadWordsAreRejected) {
+  for (ReadStaging s : {ReadStaging::kOff, ReadStaging::kAuto, ReadStaging::kOn}) {
+    EXPECT_EQ(ParseReadStaging(ReadStagingName(s)), s);
+  }
+  std::string why = InvalidArgumentMessage([] { ParseReadStaging("sometimes"); });
+  EXPECT_NE(why.find("stage_reads"), std::string::npos) << why;
+  EXPECT_NE(why.find("off, auto, on"), std::string::npos) << why;
+}
+
 TEST_F(EnvironmentTest, AllVariablesTogether) {
   ScopedEnv a("TENSORTIER_BACKEND", "libaio");
   ScopedEnv b("TENSORTIER_CHUNK_SIZE", "128K");
@@ -285,6 +310,7 @@ TEST_F(EnvironmentTest, AllVariablesTogether) {
   ScopedEnv d("TENSORTIER_WORKERS", "3");
   ScopedEnv e("TENSORTIER_MAX_INFLIGHT", "1G");
   ScopedEnv f("TENSORTIER_PAGE_CACHE_CHECK", "0");
+  ScopedEnv g("TENSORTIER_STAGE_READS", "on");
   EngineOptions o = EngineOptions::FromEnvironment();
   EXPECT_EQ(o.backend, "libaio");
   EXPECT_EQ(o.chunk_size, 128u << 10);
@@ -292,6 +318,7 @@ TEST_F(EnvironmentTest, AllVariablesTogether) {
   EXPECT_EQ(o.workers, 3u);
   EXPECT_EQ(o.max_inflight_bytes, 1ull << 30);
   EXPECT_FALSE(o.page_cache_check);
+  EXPECT_EQ(o.stage_reads, ReadStaging::kOn);
 }
 
 // Each malformed or out-of-range value is rejected, and the message names the variable so the
@@ -326,7 +353,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadEnvValue{"TENSORTIER_MAX_INFLIGHT", "lots"},
         BadEnvValue{"TENSORTIER_MAX_INFLIGHT", "4K"},  // below the 4 MiB chunk
         BadEnvValue{"TENSORTIER_PAGE_CACHE_CHECK", "maybe"},
-        BadEnvValue{"TENSORTIER_PAGE_CACHE_CHECK", "2"}),
+        BadEnvValue{"TENSORTIER_PAGE_CACHE_CHECK", "2"},
+        BadEnvValue{"TENSORTIER_STAGE_READS", "always"}),
     [](const ::testing::TestParamInfo<BadEnvValue>& info) {
       std::string name = std::string(info.param.var).substr(11) + "_" + std::to_string(info.index);
       return name;
@@ -349,8 +377,9 @@ TEST_F(EnvironmentTest, DefaultsListEveryVariable) {
   }
   EXPECT_EQ(rows.size(), std::size(kAllEnvVars));
   for (const char* var : kAllEnvVars) EXPECT_EQ(envs.count(var), 1u) << var;
-  EXPECT_EQ(names, (std::set<std::string>{"backend", "chunk_size", "queue_depth", "workers",
-                                          "max_inflight_bytes", "page_cache_check"}));
+  EXPECT_EQ(names,
+            (std::set<std::string>{"backend", "chunk_size", "queue_depth", "workers",
+                                   "max_inflight_bytes", "page_cache_check", "stage_reads"}));
 }
 
 TEST_F(EnvironmentTest, DefaultsShowBuiltInValues) {
@@ -361,6 +390,7 @@ TEST_F(EnvironmentTest, DefaultsShowBuiltInValues) {
                                               {"TENSORTIER_WORKERS", "2"},
                                               {"TENSORTIER_MAX_INFLIGHT", "128 MiB"},
                                               {"TENSORTIER_PAGE_CACHE_CHECK", "1"},
+                                              {"TENSORTIER_STAGE_READS", "auto"},
                                           }));
 }
 
@@ -371,6 +401,7 @@ TEST_F(EnvironmentTest, DefaultsShowTheEffectiveValueOfEachVariable) {
   ScopedEnv d("TENSORTIER_WORKERS", "3");
   ScopedEnv e("TENSORTIER_MAX_INFLIGHT", "64M");
   ScopedEnv f("TENSORTIER_PAGE_CACHE_CHECK", "off");
+  ScopedEnv g("TENSORTIER_STAGE_READS", "0");
   EXPECT_EQ(ValuesByVariable(Defaults()), (std::map<std::string, std::string>{
                                               {"TENSORTIER_BACKEND", "threads"},
                                               {"TENSORTIER_CHUNK_SIZE", "2 MiB"},
@@ -378,6 +409,7 @@ TEST_F(EnvironmentTest, DefaultsShowTheEffectiveValueOfEachVariable) {
                                               {"TENSORTIER_WORKERS", "3"},
                                               {"TENSORTIER_MAX_INFLIGHT", "64 MiB"},
                                               {"TENSORTIER_PAGE_CACHE_CHECK", "0"},
+                                              {"TENSORTIER_STAGE_READS", "off"},
                                           }));
 }
 

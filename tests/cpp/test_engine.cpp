@@ -826,6 +826,120 @@ TEST_P(EnginePageCacheTest, WritesIgnoreResidency) {
   EXPECT_TRUE(MatchesPattern(data.data() + (256 << 10), kSize - (256 << 10), 60, 256 << 10));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Staged reads (SubmitOptions::stage_reads): direct reads into aligned memory go through the
+// workers' bounce buffers when the options say so for the file.
+
+EngineOptions StagingOptions(EngineOptions o, ReadStaging staging) {
+  o.stage_reads = staging;
+  return o;
+}
+
+TEST_P(EngineTest, StagedReadsGoThroughBounceBuffersAndLandExactly) {
+  File f = PatternFile("data", 1 << 20, 90);
+  Engine engine(StagingOptions(Options(), ReadStaging::kOn));
+  // Aligned and unaligned ranges, aligned and misaligned memory, one chunk and several.
+  for (auto [offset, length, misalign] : {std::tuple<uint64_t, uint64_t, size_t>{0, 1 << 20, 0},
+                                          {4096, 64 << 10, 0},
+                                          {4097, 600000, 0},
+                                          {4097, 600000, 4095},
+                                          {12345, 300001, 3},
+                                          {8192, 4096, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "offset " << offset << " length " << length);
+    GuardedBuffer buf(length, misalign);
+    IoDesc piece{f, buf.data(), offset, length};
+    IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+    EXPECT_EQ(r.bytes, length);
+    EXPECT_TRUE(buf.Holds(90, offset, length));
+    Split s = ExpectedSplit(f, offset, length);
+    EXPECT_EQ(r.stats.direct_bytes, s.middle);
+    EXPECT_EQ(r.stats.bounced_bytes, s.middle);
+    // Memory the O_DIRECT rules already send through bounce buffers is not counted as staged.
+    const bool middle_aligned = (misalign + s.head) % f.memory_alignment() == 0;
+    EXPECT_EQ(r.stats.staged_bytes, middle_aligned ? s.middle : 0u);
+  }
+}
+
+TEST_P(EngineTest, ReadsAreStagedOnlyWhenTheOperationAndTheOptionsBothAsk) {
+  File f = PatternFile("data", 512 << 10, 91);
+  struct Case {
+    ReadStaging option;
+    bool asked;
+  };
+  for (Case c : {Case{ReadStaging::kOn, false}, Case{ReadStaging::kOff, true},
+                 Case{ReadStaging::kOff, false}}) {
+    SCOPED_TRACE(::testing::Message() << ReadStagingName(c.option) << " asked " << c.asked);
+    Engine engine(StagingOptions(Options(), c.option));
+    GuardedBuffer buf(512 << 10, 0);
+    IoDesc piece{f, buf.data(), 0, 512 << 10};
+    IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = c.asked}).Wait();
+    EXPECT_TRUE(buf.Holds(91, 0, 512 << 10));
+    EXPECT_EQ(r.stats.direct_bytes, 512u << 10);
+    EXPECT_EQ(r.stats.bounced_bytes, 0u);
+    EXPECT_EQ(r.stats.staged_bytes, 0u);
+  }
+}
+
+TEST_P(EngineTest, AutoStagingFollowsTheFilesBlockQueue) {
+  File f = PatternFile("data", 512 << 10, 92);
+  const EngineOptions o = StagingOptions(Options(4 << 20), ReadStaging::kAuto);
+  const auto& limits = f.block_queue_limits();
+  const bool expect = limits && ScatteredMemorySplitsRequests(*limits, o.chunk_size);
+  Engine engine(o);
+  GuardedBuffer buf(512 << 10, 0);
+  IoDesc piece{f, buf.data(), 0, 512 << 10};
+  IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+  EXPECT_TRUE(buf.Holds(92, 0, 512 << 10));
+  EXPECT_EQ(r.stats.staged_bytes, expect ? 512u << 10 : 0u)
+      << (limits ? limits->queue_dir : std::string("no block queue"));
+}
+
+TEST_P(EngineTest, WritesAreNeverStaged) {
+  File f = PatternFile("data", 256 << 10, 93, OpenMode::kReadWrite);
+  Engine engine(StagingOptions(Options(), ReadStaging::kOn));
+  AlignedBuffer src(256 << 10);
+  FillPattern(src.data(), 256 << 10, 94, 0);
+  IoDesc piece{f, src.data(), 0, 256 << 10};
+  IoResult r = engine.Submit(IoOp::kWrite, {&piece, 1}, {.stage_reads = true}).Wait();
+  EXPECT_EQ(r.stats.direct_bytes, 256u << 10);
+  EXPECT_EQ(r.stats.bounced_bytes, 0u);
+  EXPECT_EQ(r.stats.staged_bytes, 0u);
+  std::vector<uint8_t> data = ReadWholeFile(dir_.File("data"));
+  EXPECT_TRUE(MatchesPattern(data.data(), data.size(), 94, 0));
+}
+
+TEST_P(EngineTest, StagedScatterReadOfManyPiecesFromThreads) {
+  // Bounce buffers are per worker: pieces of several operations from several threads share
+  // them, and each copy must land in its own piece.
+  constexpr uint64_t kSize = 2 << 20;
+  File f = PatternFile("data", kSize, 95);
+  Engine engine(StagingOptions(Options(), ReadStaging::kOn));
+  std::vector<std::thread> threads;
+  std::vector<int> failures(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(100 + t);
+      std::vector<std::unique_ptr<GuardedBuffer>> bufs;
+      std::vector<IoDesc> descs;
+      std::vector<uint64_t> offsets;
+      for (int i = 0; i < 24; ++i) {
+        const uint64_t offset = (rng() % (kSize / 4096)) * 4096 + (i % 3 == 0 ? rng() % 4096 : 0);
+        const uint64_t length = std::min<uint64_t>(kSize - offset, 1 + rng() % (200 << 10));
+        bufs.push_back(std::make_unique<GuardedBuffer>(length, 0));
+        descs.push_back({f, bufs.back()->data(), offset, length});
+        offsets.push_back(offset);
+      }
+      IoResult r = engine.Submit(IoOp::kRead, descs, {.stage_reads = true}).Wait();
+      if (r.stats.staged_bytes == 0) ++failures[t];
+      for (size_t i = 0; i < bufs.size(); ++i) {
+        if (!bufs[i]->Holds(95, offsets[i], bufs[i]->length())) ++failures[t];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures, std::vector<int>(4, 0));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(CompiledBackends()),
                          testing::BackendParamName());
 INSTANTIATE_TEST_SUITE_P(Backends, EnginePageCacheTest, ::testing::ValuesIn(CompiledBackends()),

@@ -318,6 +318,32 @@ TEST_P(FaultTest, ShortReadOfUnalignedCountOnDirectRequestContinuesBuffered) {
   }
 }
 
+TEST_P(FaultTest, ShortStagedReadsAreContinuedIntoTheRightPlace) {
+  // A staged task continues in its bounce buffer from the start: the copy out must follow
+  // the task's advancing destination.
+  for (uint64_t short_bytes : {uint64_t{0}, uint64_t{1000}}) {  // by half, and unaligned
+    SCOPED_TRACE(::testing::Message() << "short_bytes " << short_bytes);
+    FaultPlan plan = Plan(FaultPlan::Kind::kShort, true, false, /*nth=*/1, /*count=*/5);
+    plan.short_bytes = short_bytes;
+    injector_ = std::make_shared<FaultInjector>(plan);
+    EngineOptions o = testing::SmallEngineOptions(GetParam(), kChunk);
+    o.stage_reads = ReadStaging::kOn;
+    BackendKind kind = GetParam();
+    auto injector = injector_;
+    Engine engine(o, [kind, injector](unsigned depth) {
+      return MakeFaultInjectingBackend(MakeBackend(kind, depth), injector);
+    });
+    AlignedBuffer mem(300 << 10);
+    IoDesc piece{file_, mem.data(), 4096, 300 << 10};
+    IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+    EXPECT_EQ(r.bytes, 300u << 10);
+    EXPECT_TRUE(MatchesPattern(mem.data(), 300 << 10, 1, 4096));
+    EXPECT_EQ(injector_->hits(), 5u);
+    EXPECT_EQ(r.stats.resubmits, 5u);
+    EXPECT_EQ(r.stats.staged_bytes, 300u << 10);
+  }
+}
+
 TEST_P(FaultTest, ShortWritesByHalfAreContinued) {
   auto engine = FaultyEngine(Plan(FaultPlan::Kind::kShort, false, true, /*nth=*/2, /*count=*/4));
   IoResult r = WriteOk(*engine, 4097, 500000, 0, 5);

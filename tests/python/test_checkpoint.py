@@ -66,9 +66,15 @@ def mixed_state_dict() -> dict[str, torch.Tensor]:
     return sd
 
 
-@pytest.fixture(params=["threads", "auto"])
+@pytest.fixture(params=["threads", "auto", "staged"])
 def io(request: pytest.FixtureRequest) -> IOHandle:
-    with IOHandle(request.param, chunk_size=256 << 10) as handle:
+    """"staged": every direct read into new tensors goes through the engine's bounce buffers
+    (and no read is served from the page cache, so the files just written are read direct)."""
+    if request.param == "staged":
+        handle = IOHandle("auto", chunk_size=256 << 10, stage_reads="on", page_cache_check=False)
+    else:
+        handle = IOHandle(request.param, chunk_size=256 << 10)
+    with handle:
         yield handle
 
 
@@ -99,6 +105,40 @@ def test_safetensors_round_trip_every_dtype(io: IOHandle, disk_dir: Path, small_
     for k in sd:
         assert same(out[k], sd[k]), k
     assert out["scalar"].shape == () and out["empty"].shape == (0, 4)
+
+
+class _RecordingIO(IOHandle):
+    """An IOHandle that keeps the futures of the batch reads it started."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.reads: list[tensortier.IOFuture] = []
+
+    def pread_batch_async(self, pieces, *, stage_reads=False):  # type: ignore[no-untyped-def]
+        fut = super().pread_batch_async(pieces, stage_reads=stage_reads)
+        self.reads.append(fut)
+        return fut
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_cold_cpu_loads_stage_reads_into_new_tensors(disk_dir: Path, name: str) -> None:
+    """Loads to CPU ask the engine to stage their direct reads (new tensors are small-page
+    memory); with staging on, the bytes come through bounce buffers and land exactly."""
+    sd = mixed_state_dict()
+    path = disk_dir / name
+    tensortier.save(sd, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    with _RecordingIO(stage_reads="on", page_cache_check=False) as io:
+        out = tensortier.load(path, _io=io)
+        dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+        tensortier.load_into(dst, path, _io=io)
+        staged = [f.result().stats["staged_bytes"] for f in io.reads]
+    assert all(same(out[k], sd[k]) and same(dst[k], sd[k]) for k in sd)
+    assert len(staged) >= 2 and all(n > 0 for n in staged), staged
 
 
 def test_safetensors_alignment(disk_dir: Path) -> None:

@@ -96,6 +96,51 @@ def test_unaligned_address_uses_bounce(disk_dir: Path) -> None:
         assert torch.equal(src, dst[1:])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_staged_reads_land_exactly_and_are_counted(backend: str, disk_dir: Path) -> None:
+    """stage_reads=True reads go through the engine's huge-page buffers where the handle's
+    setting allows ("on" always, "off" never), and land exactly as direct reads do."""
+    path = disk_dir / "staged.bin"
+    src = random_tensor((3 << 20) + 4321, torch.uint8)
+    with IOHandle(backend, stage_reads="off", chunk_size=1 << 20) as writer:
+        writer.pwrite(src, path)
+    for setting, asked, staged in (("on", True, True), ("on", False, False),
+                                   ("off", True, False)):
+        with IOHandle(backend, stage_reads=setting, chunk_size=1 << 20,
+                      page_cache_check=False) as io:
+            assert io.options["stage_reads"] == setting
+            f = io.open(path)
+            # Page-aligned memory (O_DIRECT would take it as it is) and a tensor's.
+            sizes = (len(src) - 4096, 4096, 1, 70000)
+            outs = [tensortier.aligned_empty(n, torch.uint8) for n in sizes[:3]]
+            outs.append(torch.empty(sizes[3], dtype=torch.uint8))
+            offsets = [4096, 8192, len(src) - 1, 5000]
+            fut = io.pread_batch_async(list(zip(outs, [f] * 4, offsets)), stage_reads=asked)
+            fut.wait()
+            for out, offset in zip(outs, offsets):
+                assert same_bytes(out, src[offset:offset + len(out)])
+            stats = fut.result().stats
+            assert stats["direct_bytes"] > 0
+            assert (stats["staged_bytes"] > 0) == staged, (setting, asked, stats)
+            assert stats["staged_bytes"] <= stats["bounced_bytes"] <= stats["direct_bytes"]
+
+
+def test_stage_reads_setting_comes_from_the_environment_and_is_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with IOHandle() as io:
+        assert io.options["stage_reads"] == "auto"
+    monkeypatch.setenv("TENSORTIER_STAGE_READS", "0")
+    with IOHandle() as io:
+        assert io.options["stage_reads"] == "off"
+    assert any(row["env"] == "TENSORTIER_STAGE_READS" for row in tensortier.defaults())
+    with pytest.raises(ValueError, match="stage_reads"):
+        IOHandle(stage_reads="sometimes")
+    monkeypatch.setenv("TENSORTIER_STAGE_READS", "always")
+    with pytest.raises(ValueError, match="TENSORTIER_STAGE_READS"):
+        IOHandle()
+
+
 def test_read_past_eof(io: IOHandle, disk_dir: Path) -> None:
     path = disk_dir / "short.bin"
     path.write_bytes(b"x" * 10000)
