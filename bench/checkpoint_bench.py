@@ -22,6 +22,9 @@ Scenarios (``--scenarios``, default all):
            tt-safetensors   tensortier.load("tt.safetensors")
            tt-foreign       tensortier.load("st.safetensors")   (written by safetensors: unaligned)
            tt-torch         tensortier.load("tt.pt")
+           tt-unstaged      tensortier.load("tt.safetensors") with stage_reads="off": direct
+                            reads straight into the new tensors (what tt-safetensors does
+                            where TENSORTIER_STAGE_READS=auto does not stage: NVMe)
            tt-hugepages     tensortier.load("tt.safetensors") with each loaded tensor in a
                             fresh huge-page mapping (the alternative to torch's allocator)
            tt-mmap          tensortier.load("tt.safetensors", mmap=True) + touching every
@@ -105,7 +108,8 @@ GPU_TOOLS = ("tt-safetensors", "tt-torch", "safetensors", "torch.load", "fastsaf
              "file-read", "h2d")
 LIMIT = "min(file-read, h2d)"
 SAVE_TOOLS = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
-LOAD_TOOLS = ("tt-safetensors", "tt-foreign", "tt-torch", "tt-hugepages", "tt-mmap", "safetensors",
+LOAD_TOOLS = ("tt-safetensors", "tt-unstaged", "tt-foreign", "tt-torch", "tt-hugepages", "tt-mmap",
+              "safetensors",
               "torch.load", "torch.load-mmap", "fio", "tensorizer", "runai-streamer")
 OPTIONAL_MODULES = {  # optional load tools (report only) -> (module to import, pip package)
     "tensorizer": ("tensorizer", "tensorizer"),
@@ -288,7 +292,7 @@ def save_tool(s: Settings, tool: str, sd: dict[str, Any]) -> float:
 
 LOAD_FILES = {
     "tt-safetensors": "tt.safetensors", "tt-foreign": "st.safetensors", "tt-torch": "tt.pt",
-    "tt-hugepages": "tt.safetensors", "tt-mmap": "tt.safetensors",
+    "tt-hugepages": "tt.safetensors", "tt-mmap": "tt.safetensors", "tt-unstaged": "tt.safetensors",
     "safetensors": "tt.safetensors", "torch.load": "tt.pt", "torch.load-mmap": "tt.pt",
     "fio": "fio.dat", "tensorizer": "tensorizer.tensors", "runai-streamer": "tt.safetensors",
     "fastsafetensors": "tt.safetensors", "file-read": "tt.safetensors", "h2d": "tt.safetensors",
@@ -374,6 +378,8 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     elif tool == "tt-mmap":
         out = tensortier.load(path, mmap=True, progress=False)
         touch_pages(out)
+    elif tool == "tt-unstaged":
+        out = tensortier.load(path, progress=False, _io=_unstaged_io())
     elif tool.startswith("tt-"):
         out = tensortier.load(path, progress=False)
     elif tool == "safetensors":
@@ -393,6 +399,19 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
         out = runai_load(path)
         touch_pages(out)
     return time.perf_counter() - start, out
+
+
+_UNSTAGED_IO: Any = None
+
+
+def _unstaged_io() -> Any:
+    """An IOHandle whose direct reads go straight into the new tensors (no staging)."""
+    global _UNSTAGED_IO
+    import tensortier
+
+    if _UNSTAGED_IO is None:
+        _UNSTAGED_IO = tensortier.IOHandle(stage_reads="off")
+    return _UNSTAGED_IO
 
 
 class GpuLoads:

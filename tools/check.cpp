@@ -8,6 +8,7 @@
 
 #include "cli.hpp"
 #include "tensortier/aligned_buffer.hpp"
+#include "tensortier/block_device.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/file.hpp"
@@ -26,6 +27,24 @@ std::string LibraryPresence(const char* soname) {
 
 const char* YesNo(bool v) {
   return v ? "yes" : "no";
+}
+
+// Whether reads into new tensors are staged here (TENSORTIER_STAGE_READS), and why.
+void PrintReadStaging(const File& f) {
+  const EngineOptions o = EngineOptions::FromEnvironment();
+  const auto& limits = f.block_queue_limits();
+  std::string queue = "no block device queue";
+  if (limits) {
+    queue = StrCat(limits->queue_dir, ": ", limits->max_segments, " segments, requests up to ",
+                   FormatSize(limits->max_request));
+  }
+  bool staged = o.stage_reads == ReadStaging::kOn;
+  if (o.stage_reads == ReadStaging::kAuto) {
+    staged = limits && ScatteredMemorySplitsRequests(*limits, o.chunk_size);
+  }
+  std::printf("reads into new tensors (TENSORTIER_STAGE_READS=%s): %s (%s)\n",
+              std::string(ReadStagingName(o.stage_reads)).c_str(),
+              staged ? "staged through huge-page buffers" : "direct", queue.c_str());
 }
 
 }  // namespace
@@ -67,6 +86,7 @@ int RunCheck(const std::vector<std::string>& argv) {
     if (f.direct()) {
       std::printf("O_DIRECT alignment: offset %u B, memory %u B\n", f.offset_alignment(),
                   f.memory_alignment());
+      PrintReadStaging(f);
     } else {
       std::printf("O_DIRECT: not available (%s)\n", f.direct_fallback_reason().c_str());
     }

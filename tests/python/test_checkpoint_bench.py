@@ -20,15 +20,16 @@ def test_checkpoint_bench_small_run(disk_dir: Path) -> None:
     r = subprocess.run(
         [sys.executable, str(REPO / "bench" / "checkpoint_bench.py"), "--dir", str(disk_dir / "d"),
          "--size", "8M", "--tensors", "40", "--repeats", "2",
-         "--scenarios", "warm,gpu-cold", "--gpu-device", "cpu",
-         "--tools", "tt-safetensors,tt-mmap,safetensors,file-read,h2d", "--json", str(out)],
+         "--scenarios", "cold,gpu-cold", "--gpu-device", "cpu",
+         "--tools", "tt-safetensors,tt-unstaged,tt-mmap,safetensors,file-read,h2d",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(out.read_text())
-    warm = results["scenarios"]["warm"]
+    cold = results["scenarios"]["cold"]
     gpu = results["scenarios"]["gpu-cold"]
-    for rows, tools in ((warm, ("tt-safetensors", "tt-mmap", "safetensors")),
+    for rows, tools in ((cold, ("tt-safetensors", "tt-unstaged", "tt-mmap", "safetensors")),
                         (gpu, ("tt-safetensors", "safetensors", "file-read", "h2d"))):
         for tool in tools:
             assert len(rows[tool]["samples_gbps"]) == 2 and rows[tool]["median_gbps"] > 0, tool
