@@ -38,13 +38,10 @@ void PrintReadStaging(const File& f) {
     queue = StrCat(limits->queue_dir, ": ", limits->max_segments, " segments, requests up to ",
                    FormatSize(limits->max_request));
   }
-  bool staged = o.stage_reads == ReadStaging::kOn;
-  if (o.stage_reads == ReadStaging::kAuto) {
-    staged = limits && ScatteredMemorySplitsRequests(*limits, o.chunk_size);
-  }
+  const bool staged = StagesReads(o, f);
   std::printf("reads into new tensors (TENSORTIER_STAGE_READS=%s): %s (%s)\n",
               std::string(ReadStagingName(o.stage_reads)).c_str(),
-              staged ? "staged through huge-page buffers" : "direct", queue.c_str());
+              staged ? "staged through the engine's bounce buffers" : "direct", queue.c_str());
 }
 
 }  // namespace

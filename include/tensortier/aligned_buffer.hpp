@@ -40,6 +40,8 @@ enum class Pages { kTouchedOnce, kReused };
 
 // Whether buffers for `use` ask for huge pages in this process, and why (for `tensortier check`).
 bool UsesHugePages(Pages use);
+// Whether a buffer of `size` bytes for `use` asks for huge pages (4 MiB and larger only).
+bool GetsHugePages(size_t size, Pages use);
 std::string HugePagesPolicy();
 
 // When the pages behind a buffer are faulted in:

@@ -18,10 +18,12 @@ struct BlockQueueLimits {
   std::string queue_dir;      // the sysfs "queue" folder the limits came from
   uint32_t max_segments = 0;  // queue/max_segments
   uint64_t max_request = 0;   // queue/max_sectors_kb, in bytes
+  uint64_t max_segment = 0;   // queue/max_segment_size (0: not reported, no limit)
 };
 
 // The limits of the queue at `device_dir` (a /sys/dev/block/MAJ:MIN folder: its own queue/, or
-// its parent's for a partition). Nothing when there is none or it cannot be read. Never throws.
+// its disk's for a partition, one with a `partition` file). Nothing when there is none or it
+// cannot be read. Never throws.
 std::optional<BlockQueueLimits> ReadBlockQueueLimits(const std::string& device_dir);
 
 // The limits of the block device holding the file open at `fd`. Nothing for files on
@@ -30,9 +32,10 @@ std::optional<BlockQueueLimits> BlockQueueLimitsOf(int fd);
 
 // Whether requests into scattered small pages are capped well below what contiguous memory
 // gets: max_segments pages of 4 KiB each make under 1 MiB and at most half of the largest
-// request the queue takes (capped at `chunk`, the engine's largest request). Queues whose
-// request size limit binds first (NVMe with 33 segments and 128 KiB, or 127 and 512 KiB) are
-// not. A heuristic: TENSORTIER_STAGE_READS=on/off overrides it.
+// request contiguous memory could make (max_sectors_kb, max_segments x max_segment_size,
+// and `chunk`, the engine's largest request). Queues whose request size limit binds first
+// (NVMe with 33 segments and 128 KiB, or 127 and 512 KiB) are not; one with 128 segments and
+// 1280 KiB requests is. A heuristic: TENSORTIER_STAGE_READS=on/off overrides it.
 bool ScatteredMemorySplitsRequests(const BlockQueueLimits& limits, uint64_t chunk);
 
 }  // namespace tensortier

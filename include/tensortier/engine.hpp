@@ -36,9 +36,9 @@ struct IoDesc {
 // Per operation.
 struct SubmitOptions {
   // The destinations are memory the direct reads may stage through the engine's huge-page
-  // bounce buffers, copying out on the worker threads, when EngineOptions::stage_reads says so
-  // for the file (fresh small-page memory such as new tensors; not large-page or locked
-  // buffers, which the device reads into at full speed). Ignored for writes.
+  // bounce buffers, copying out on the worker threads, when StagesReads says so for the file:
+  // small-page memory (tensors from torch's allocator, new or not), physically scattered; not
+  // huge-page buffers, which the device reads into at full speed. Ignored for writes.
   bool stage_reads = false;
 };
 
@@ -123,6 +123,12 @@ class Engine {
   std::vector<std::shared_ptr<detail::Operation>> outstanding_;
   size_t next_worker_ = 0;
 };
+
+// Whether reads of `file` whose operation allows staging (SubmitOptions::stage_reads) are
+// staged under `options`: kOn always, kOff never, kAuto where the file's block queue cuts
+// requests into scattered memory short (ScatteredMemorySplitsRequests) and the engine's bounce
+// buffers (chunk_size bytes, Pages::kReused) get huge pages, without which staging gains nothing.
+bool StagesReads(const EngineOptions& options, const File& file);
 
 // A verified round trip (8 KiB written and read back, with and without O_DIRECT) on a scratch file
 // in `dir` using `kind`. Never throws.

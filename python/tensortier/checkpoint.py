@@ -77,7 +77,7 @@ _GROUP_BYTES = 64 << 20
 # Copies made to write non-contiguous or GPU tensors: at most this many bytes are alive at once.
 _STAGING_BYTES = 256 << 20
 # Loaded tensors at least this large are placed at their file offset modulo the page size (read
-# O_DIRECT without bounce copies); smaller ones are plain torch.empty.
+# O_DIRECT with no bounce copy the alignment rules would force); smaller ones are torch.empty.
 _ALIGNED_ALLOC_MIN = 1 << 20
 # The progress bar shows for loads of at least this many bytes when stderr is a terminal.
 _PROGRESS_MIN_BYTES = 512 << 20
@@ -184,8 +184,10 @@ def load(
     """Load a checkpoint: a safetensors file, a zip-format ``torch.save`` file, or a Hugging Face
     shard index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``).
 
-    Each tensor is allocated once, at its final place, and its bytes are read straight into it
-    by the engine (no staging of the whole file). Pickled metadata of torch files is read with
+    Each tensor is allocated once, at its final place, and its bytes are read into it by the
+    engine (never the whole file staged in memory; on disks that cut requests into scattered
+    small pages, virtio ones, direct reads pass through the engine's reused huge-page buffers,
+    see ``TENSORTIER_STAGE_READS``). Pickled metadata of torch files is read with
     torch's ``weights_only`` unpickler: no other pickle code ever runs.
 
     Args:
@@ -428,7 +430,7 @@ def _st_dtype_maps() -> tuple[dict[Any, str], dict[str, Any]]:
 def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
     """An uninitialised flat CPU tensor with a storage of its own. Large ones start `misalign`
     bytes past a page boundary, so that address and file offset agree modulo the page size:
-    the engine then reads them O_DIRECT without bounce copies.
+    the engine then reads them O_DIRECT with no bounce copy the alignment rules would force.
 
     The memory comes from torch's CPU allocator, as any tensor's. With glibc, tensors up to its
     mmap threshold (at most 32 MiB) reuse heap memory the process freed, already faulted in (a
@@ -886,7 +888,8 @@ def _read_batched(
         for group in _groups(pieces):
             batch = [(_as_bytes(p.dest), p.file, p.offset) for p in group if p.nbytes]
             if batch:
-                # New tensors: small pages, which some disks read slowly (see stage_reads).
+                # Tensors from torch's allocator (new ones, or load_into's targets) are small
+                # pages, which some disks read slowly: see IOHandle(stage_reads=...).
                 submitted.append((group, io.pread_batch_async(batch, stage_reads=True)))
             else:
                 submitted.append((group, None))  # type: ignore[arg-type]

@@ -145,8 +145,8 @@ class IOHandle:
         page_cache_check: read page-cache-resident data buffered instead of O_DIRECT.
         stage_reads: for reads started with ``stage_reads=True`` (into new, small-page
             memory): ``"auto"`` stages them through the engine's huge-page buffers where the
-            file's disk cuts requests into scattered pages short (virtio disks), ``"on"``
-            always, ``"off"`` never.
+            file's disk cuts requests into scattered pages short (virtio disks), ``"on"`` (or
+            ``True``) always, ``"off"`` (or ``False``) never.
         direct: open files given by path with O_DIRECT (falls back, reported, where refused).
         probe_dir: with ``backend="auto"``, pick the first backend whose verified round trip
             passes in this directory.
@@ -171,7 +171,7 @@ class IOHandle:
         workers: int | None = None,
         max_inflight_bytes: int | None = None,
         page_cache_check: bool | None = None,
-        stage_reads: str | None = None,
+        stage_reads: str | bool | None = None,
         direct: bool = True,
         probe_dir: str | os.PathLike[str] | None = None,
         gds: str | None = None,
@@ -199,7 +199,8 @@ class IOHandle:
             workers=workers,
             max_inflight_bytes=max_inflight_bytes,
             page_cache_check=page_cache_check,
-            stage_reads=stage_reads,
+            stage_reads=({True: "on", False: "off"}[stage_reads] if isinstance(stage_reads, bool)
+                         else stage_reads),
             probe_dir=os.fspath(probe_dir) if probe_dir is not None else "",
             fault=_fault,
         )

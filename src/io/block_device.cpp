@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <filesystem>
 #include <fstream>
 #include <string_view>
 
@@ -33,6 +34,7 @@ std::optional<BlockQueueLimits> ReadQueue(const std::string& queue_dir) {
   limits.queue_dir = queue_dir;
   limits.max_segments = static_cast<uint32_t>(std::min<uint64_t>(*segments, UINT32_MAX));
   limits.max_request = std::min<uint64_t>(*sectors_kb, UINT64_MAX / 1024) * 1024;
+  limits.max_segment = ReadNumber(queue_dir + "/max_segment_size").value_or(0);
   return limits;
 }
 
@@ -40,7 +42,12 @@ std::optional<BlockQueueLimits> ReadQueue(const std::string& queue_dir) {
 
 std::optional<BlockQueueLimits> ReadBlockQueueLimits(const std::string& device_dir) {
   if (auto own = ReadQueue(device_dir + "/queue")) return own;
-  return ReadQueue(device_dir + "/../queue");  // a partition: its disk's queue
+  std::error_code ec;
+  if (!std::filesystem::exists(device_dir + "/partition", ec)) return std::nullopt;
+  // A partition: its disk's queue, one level up (named without "..", for messages).
+  const auto disk = std::filesystem::weakly_canonical(device_dir + "/..", ec);
+  if (ec) return std::nullopt;
+  return ReadQueue((disk / "queue").string());
 }
 
 std::optional<BlockQueueLimits> BlockQueueLimitsOf(int fd) {
@@ -50,8 +57,12 @@ std::optional<BlockQueueLimits> BlockQueueLimitsOf(int fd) {
 }
 
 bool ScatteredMemorySplitsRequests(const BlockQueueLimits& limits, uint64_t chunk) {
-  const uint64_t scattered = static_cast<uint64_t>(limits.max_segments) * kSmallPage;
-  const uint64_t contiguous = std::min(limits.max_request, chunk);
+  const uint64_t segments = limits.max_segments;
+  const uint64_t scattered = segments * kSmallPage;
+  uint64_t contiguous = std::min(limits.max_request, chunk);
+  if (limits.max_segment != 0 && limits.max_segment < UINT64_MAX / segments) {
+    contiguous = std::min(contiguous, segments * limits.max_segment);
+  }
   return scattered < (1u << 20) && scattered * 2 <= contiguous;
 }
 

@@ -8,6 +8,8 @@
 #include <deque>
 #include <exception>
 #include <future>
+#include <iterator>
+#include <new>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
@@ -151,7 +153,14 @@ class Worker {
           Finish(t);  // the operation already failed: do not start more of it
           continue;
         }
-        requests.push_back(Prepare(t));
+        try {
+          requests.push_back(Prepare(t));
+        } catch (const std::bad_alloc&) {  // a bounce buffer: fail this operation, not the process
+          const IoDesc& piece = t->op->pieces[t->piece];
+          t->op->Fail(std::make_exception_ptr(IoError(ENOMEM, "allocate a bounce buffer",
+                                                      piece.file.path(), t->offset, t->length)));
+          Finish(t);
+        }
       }
       if (!requests.empty()) SubmitOrFail(requests);
       if (in_flight_ == 0) continue;
@@ -173,7 +182,7 @@ class Worker {
   IoRequest Prepare(Task* t) {
     std::byte* target = t->user;
     if (t->direct && t->needs_bounce) {
-      if (t->bounce == nullptr) t->bounce = TakeBounce();
+      if (t->bounce == nullptr) t->bounce = TakeBounce(t->length);
       target = t->bounce->data();
       if (t->op->op == IoOp::kWrite) std::memcpy(target, t->user, t->length);
     }
@@ -295,13 +304,17 @@ class Worker {
     if (last) op.cv.notify_all();
   }
 
-  AlignedBuffer* TakeBounce() {
-    if (free_bounce_.empty()) {
-      bounce_.push_back(std::make_unique<AlignedBuffer>(chunk_, Pages::kReused));
+  // A free bounce buffer of at least `bytes` (tasks are chunk_ bytes, or a little more where
+  // the file's O_DIRECT offset alignment does not divide chunk_), else a new one.
+  AlignedBuffer* TakeBounce(uint64_t bytes) {
+    auto fits = std::find_if(free_bounce_.rbegin(), free_bounce_.rend(),
+                             [bytes](const AlignedBuffer* b) { return b->size() >= bytes; });
+    if (fits == free_bounce_.rend()) {
+      bounce_.push_back(std::make_unique<AlignedBuffer>(std::max(chunk_, bytes), Pages::kReused));
       return bounce_.back().get();
     }
-    AlignedBuffer* b = free_bounce_.back();
-    free_bounce_.pop_back();
+    AlignedBuffer* b = *fits;
+    free_bounce_.erase(std::next(fits).base());
     return b;
   }
 
@@ -504,12 +517,7 @@ class Planner {
   }
 
   // Whether this operation's direct reads of `file` go through bounce buffers (see ReadStaging).
-  bool Stages(const File& file) const {
-    if (!stage_reads_) return false;
-    if (options_.stage_reads == ReadStaging::kOn) return true;
-    const auto& limits = file.block_queue_limits();
-    return limits && ScatteredMemorySplitsRequests(*limits, options_.chunk_size);
-  }
+  bool Stages(const File& file) const { return stage_reads_ && StagesReads(options_, file); }
 
   // The file's size when the batch is planned, one fstat per file (not per piece).
   uint64_t SizeOf(const File& file) {
@@ -566,6 +574,20 @@ void ReserveExtendingWrites(std::span<const IoDesc> pieces) {
 }
 
 }  // namespace
+
+bool StagesReads(const EngineOptions& options, const File& file) {
+  switch (options.stage_reads) {
+    case ReadStaging::kOff:
+      return false;
+    case ReadStaging::kOn:
+      return true;
+    case ReadStaging::kAuto:
+      break;
+  }
+  const auto& limits = file.block_queue_limits();
+  return limits && ScatteredMemorySplitsRequests(*limits, options.chunk_size) &&
+         GetsHugePages(options.chunk_size, Pages::kReused);
+}
 
 IoStats& IoStats::operator+=(const IoStats& other) {
   if (backend.empty()) backend = other.backend;

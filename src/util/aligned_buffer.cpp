@@ -76,6 +76,10 @@ bool UsesHugePages(Pages use) {
   return use == Pages::kReused ? Choice().reused : Choice().touched_once;
 }
 
+bool GetsHugePages(size_t size, Pages use) {
+  return AlignUp(size, kPageSize) >= kHugePageThreshold && UsesHugePages(use);
+}
+
 std::string HugePagesPolicy() {
   return Choice().why;
 }
@@ -91,7 +95,7 @@ size_t SystemPageSize() {
 AlignedBuffer::AlignedBuffer(size_t size, Pages use, Populate populate) : size_(size) {
   if (size == 0) return;
   const size_t mapped = AlignUp(size, kPageSize);
-  const bool huge = mapped >= kHugePageThreshold && UsesHugePages(use);  // may throw: map after
+  const bool huge = GetsHugePages(size, use);  // may throw: map after
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
   data_ = static_cast<std::byte*>(p);

@@ -27,8 +27,10 @@ TEST(BlockQueueLimitsTest, ReadsADisksOwnQueue) {
   TempDir dir;
   WriteText(dir.File("vda/queue/max_segments"), "254\n");
   WriteText(dir.File("vda/queue/max_sectors_kb"), "4096\n");
+  WriteText(dir.File("vda/queue/max_segment_size"), "4294967295\n");
   auto limits = ReadBlockQueueLimits(dir.File("vda"));
   ASSERT_TRUE(limits);
+  EXPECT_EQ(limits->max_segment, 4294967295u);
   EXPECT_EQ(limits->max_segments, 254u);
   EXPECT_EQ(limits->max_request, 4096u * 1024);
   EXPECT_EQ(limits->queue_dir, dir.File("vda/queue"));
@@ -43,11 +45,19 @@ TEST(BlockQueueLimitsTest, APartitionUsesItsDisksQueue) {
   ASSERT_TRUE(limits);
   EXPECT_EQ(limits->max_segments, 127u);
   EXPECT_EQ(limits->max_request, 512u * 1024);
+  EXPECT_EQ(limits->max_segment, 0u);  // not reported
+  EXPECT_EQ(limits->queue_dir,
+            (std::filesystem::canonical(dir.path()) / "nvme0n1" / "queue").string());
 }
 
 TEST(BlockQueueLimitsTest, MissingOrMalformedLimitsGiveNothing) {
   TempDir dir;
   EXPECT_FALSE(ReadBlockQueueLimits(dir.File("absent")));
+  // A device without a queue that is not a partition does not borrow its parent's.
+  WriteText(dir.File("queue/max_segments"), "254");
+  WriteText(dir.File("queue/max_sectors_kb"), "4096");
+  WriteText(dir.File("dm-0/dev"), "253:0");
+  EXPECT_FALSE(ReadBlockQueueLimits(dir.File("dm-0")));
   WriteText(dir.File("only-segments/queue/max_segments"), "128");
   EXPECT_FALSE(ReadBlockQueueLimits(dir.File("only-segments")));
   for (const char* bad : {"", "abc", "12x", "-5", "0", "99999999999999999999999"}) {
@@ -72,20 +82,21 @@ TEST(BlockQueueLimitsTest, FilesOfTheTestDirectoryAndBadDescriptors) {
   EXPECT_FALSE(BlockQueueLimitsOf(-1));
   TempDir dir;
   { std::ofstream(dir.File("f")) << "x"; }
-  File f = File::Open(dir.File("f"), OpenMode::kRead, /*direct=*/false);
-  const auto& limits = f.block_queue_limits();
-  // Where the directory has a block device (not tmpfs or overlay) its queue is found.
-  if (limits) {
-    EXPECT_GT(limits->max_segments, 0u);
-    EXPECT_GE(limits->max_request, 4096u);
-    EXPECT_TRUE(std::filesystem::exists(limits->queue_dir + "/max_segments"));
-  }
-  EXPECT_EQ(&f.block_queue_limits(), &limits);  // read once, kept
   // /proc has no block device.
   int fd = open("/proc/self/status", O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0);
   EXPECT_FALSE(BlockQueueLimitsOf(fd));
   close(fd);
+  File f = File::Open(dir.File("f"), OpenMode::kRead, /*direct=*/false);
+  const auto& limits = f.block_queue_limits();
+  if (!limits) GTEST_SKIP() << "the test directory has no block device (tmpfs, overlay?)";
+  EXPECT_GT(limits->max_segments, 0u);
+  EXPECT_GE(limits->max_request, 4096u);
+  EXPECT_TRUE(std::filesystem::exists(limits->queue_dir + "/max_segments"));
+  const auto again = BlockQueueLimitsOf(f.buffered_fd());
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->queue_dir, limits->queue_dir);
+  EXPECT_EQ(again->max_segments, limits->max_segments);
 }
 
 TEST(ScatteredMemoryTest, TheRuleForTheQueuesItWasWrittenFor) {
@@ -105,6 +116,12 @@ TEST(ScatteredMemoryTest, TheRuleForTheQueuesItWasWrittenFor) {
   // Segments enough for a megabyte and more.
   EXPECT_FALSE(ScatteredMemorySplitsRequests(queue(257, 4096), kChunk));
   EXPECT_FALSE(ScatteredMemorySplitsRequests(queue(2048, 32768), kChunk));
+  // Segments of at most 4 KiB: contiguous memory makes no larger requests.
+  BlockQueueLimits small_segments = queue(254, 4096);
+  small_segments.max_segment = 4096;
+  EXPECT_FALSE(ScatteredMemorySplitsRequests(small_segments, kChunk));
+  small_segments.max_segment = 64 << 10;  // 254 x 64 KiB: large requests again
+  EXPECT_TRUE(ScatteredMemorySplitsRequests(small_segments, kChunk));
   // The engine's own chunk caps what contiguous memory could gain.
   EXPECT_FALSE(ScatteredMemorySplitsRequests(queue(254, 4096), 1 << 20));
   EXPECT_TRUE(ScatteredMemorySplitsRequests(queue(64, 4096), 1 << 20));

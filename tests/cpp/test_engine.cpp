@@ -867,7 +867,7 @@ TEST_P(EngineTest, ReadsAreStagedOnlyWhenTheOperationAndTheOptionsBothAsk) {
     bool asked;
   };
   for (Case c : {Case{ReadStaging::kOn, false}, Case{ReadStaging::kOff, true},
-                 Case{ReadStaging::kOff, false}}) {
+                 Case{ReadStaging::kOff, false}, Case{ReadStaging::kAuto, false}}) {
     SCOPED_TRACE(::testing::Message() << ReadStagingName(c.option) << " asked " << c.asked);
     Engine engine(StagingOptions(Options(), c.option));
     GuardedBuffer buf(512 << 10, 0);
@@ -880,18 +880,40 @@ TEST_P(EngineTest, ReadsAreStagedOnlyWhenTheOperationAndTheOptionsBothAsk) {
   }
 }
 
-TEST_P(EngineTest, AutoStagingFollowsTheFilesBlockQueue) {
+TEST_P(EngineTest, AutoStagingStagesWhereTheFilesBlockQueueSplitsScatteredMemory) {
   File f = PatternFile("data", 512 << 10, 92);
   const EngineOptions o = StagingOptions(Options(4 << 20), ReadStaging::kAuto);
   const auto& limits = f.block_queue_limits();
-  const bool expect = limits && ScatteredMemorySplitsRequests(*limits, o.chunk_size);
+  if (!limits || !ScatteredMemorySplitsRequests(*limits, o.chunk_size) ||
+      !GetsHugePages(o.chunk_size, Pages::kReused)) {
+    GTEST_SKIP() << "auto does not stage on the test directory's disk ("
+                 << (limits ? limits->queue_dir : std::string("no block queue")) << ")";
+  }
+  EXPECT_TRUE(StagesReads(o, f));
   Engine engine(o);
   GuardedBuffer buf(512 << 10, 0);
   IoDesc piece{f, buf.data(), 0, 512 << 10};
   IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
   EXPECT_TRUE(buf.Holds(92, 0, 512 << 10));
-  EXPECT_EQ(r.stats.staged_bytes, expect ? 512u << 10 : 0u)
-      << (limits ? limits->queue_dir : std::string("no block queue"));
+  EXPECT_EQ(r.stats.staged_bytes, 512u << 10);
+}
+
+TEST(StagesReadsTest, AutoNeedsHugePageBounceBuffersAndAQueueThatSplits) {
+  TempDir dir;
+  WritePatternFile(dir.File("f"), 4096, 1);
+  File f = File::Open(dir.File("f"), OpenMode::kRead);
+  EngineOptions o;
+  o.stage_reads = ReadStaging::kOn;
+  EXPECT_TRUE(StagesReads(o, f));
+  o.stage_reads = ReadStaging::kOff;
+  EXPECT_FALSE(StagesReads(o, f));
+  o.stage_reads = ReadStaging::kAuto;
+  o.chunk_size = 1 << 20;  // bounce buffers under 4 MiB never get huge pages
+  EXPECT_FALSE(StagesReads(o, f));
+  o.chunk_size = 4 << 20;
+  const auto& limits = f.block_queue_limits();
+  EXPECT_EQ(StagesReads(o, f), limits && ScatteredMemorySplitsRequests(*limits, o.chunk_size) &&
+                                   UsesHugePages(Pages::kReused));
 }
 
 TEST_P(EngineTest, WritesAreNeverStaged) {

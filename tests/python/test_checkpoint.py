@@ -136,9 +136,14 @@ def test_cold_cpu_loads_stage_reads_into_new_tensors(disk_dir: Path, name: str) 
         out = tensortier.load(path, _io=io)
         dst = {k: torch.zeros_like(v) for k, v in sd.items()}
         tensortier.load_into(dst, path, _io=io)
-        staged = [f.result().stats["staged_bytes"] for f in io.reads]
+        stats = [f.result().stats for f in io.reads]
     assert all(same(out[k], sd[k]) and same(dst[k], sd[k]) for k in sd)
-    assert len(staged) >= 2 and all(n > 0 for n in staged), staged
+    # Every direct byte went through bounce buffers: for load's tensors (placed at their file
+    # offset modulo the page) by staging; load_into's targets may break the O_DIRECT alignment
+    # rules anyway, which bounces them with or without staging.
+    assert len(stats) >= 2, stats
+    assert all(st["bounced_bytes"] == st["direct_bytes"] > 0 for st in stats), stats
+    assert stats[0]["staged_bytes"] > 0, stats[0]
 
 
 def test_safetensors_alignment(disk_dir: Path) -> None:

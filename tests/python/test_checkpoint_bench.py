@@ -20,7 +20,7 @@ def test_checkpoint_bench_small_run(disk_dir: Path) -> None:
     r = subprocess.run(
         [sys.executable, str(REPO / "bench" / "checkpoint_bench.py"), "--dir", str(disk_dir / "d"),
          "--size", "8M", "--tensors", "40", "--repeats", "2",
-         "--scenarios", "cold,gpu-cold", "--gpu-device", "cpu",
+         "--scenarios", "cold,warm,gpu-cold", "--gpu-device", "cpu",
          "--tools", "tt-safetensors,tt-unstaged,tt-mmap,safetensors,file-read,h2d",
          "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
@@ -28,8 +28,10 @@ def test_checkpoint_bench_small_run(disk_dir: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(out.read_text())
     cold = results["scenarios"]["cold"]
+    warm = results["scenarios"]["warm"]
     gpu = results["scenarios"]["gpu-cold"]
-    for rows, tools in ((cold, ("tt-safetensors", "tt-unstaged", "tt-mmap", "safetensors")),
+    loads = ("tt-safetensors", "tt-unstaged", "tt-mmap", "safetensors")
+    for rows, tools in ((cold, loads), (warm, loads),
                         (gpu, ("tt-safetensors", "safetensors", "file-read", "h2d"))):
         for tool in tools:
             assert len(rows[tool]["samples_gbps"]) == 2 and rows[tool]["median_gbps"] > 0, tool

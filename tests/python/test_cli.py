@@ -25,7 +25,8 @@ def test_check_reports_backends(disk_dir: Path) -> None:
     assert "auto ->" in r.stdout and "CUDA driver" in r.stdout and "cuFile" in r.stdout
     assert "TENSORTIER_CHUNK_SIZE" in r.stdout
     assert "reads into new tensors (TENSORTIER_STAGE_READS=auto):" in r.stdout
-    for setting, says in (("on", "staged through huge-page buffers"), ("off", ": direct")):
+    for setting, says in (("on", "staged through the engine's bounce buffers"),
+                          ("off", ": direct")):
         r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
                            timeout=300, env={**os.environ, "TENSORTIER_STAGE_READS": setting})
         assert f"TENSORTIER_STAGE_READS={setting}): " in r.stdout and says in r.stdout, r.stdout

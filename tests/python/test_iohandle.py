@@ -128,8 +128,11 @@ def test_staged_reads_land_exactly_and_are_counted(backend: str, disk_dir: Path)
 def test_stage_reads_setting_comes_from_the_environment_and_is_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv("TENSORTIER_STAGE_READS", raising=False)
     with IOHandle() as io:
         assert io.options["stage_reads"] == "auto"
+    with IOHandle(stage_reads=True) as on, IOHandle(stage_reads=False) as off:
+        assert (on.options["stage_reads"], off.options["stage_reads"]) == ("on", "off")
     monkeypatch.setenv("TENSORTIER_STAGE_READS", "0")
     with IOHandle() as io:
         assert io.options["stage_reads"] == "off"
