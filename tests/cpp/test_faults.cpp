@@ -2,10 +2,14 @@
 // through the engine: errors surface from Future::Wait() / Engine::WaitAll() with errno, path and
 // range; short transfers are continued to the byte; the engine stays usable after a fault.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -410,6 +414,66 @@ TEST_P(FaultTest, DestructorWaitsForDelayedOperations) {
   EXPECT_TRUE(f.done());
   EXPECT_EQ(f.Wait().bytes, kFileSize);
   EXPECT_EQ(ReadWholeFile(path_), src);
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define TENSORTIER_TEST_UNDER_SANITIZER 1
+#endif
+
+// The bytes of address space this process has mapped (VmSize), 0 if unknown.
+uint64_t MappedBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  uint64_t kb = 0;
+  while (status >> key) {
+    if (key == "VmSize:" && status >> kb) return kb * 1024;
+  }
+  return 0;
+}
+
+TEST(BounceAllocationTest, ABounceBufferThatCannotBeMappedFailsTheOperationWithENOMEM) {
+#ifdef TENSORTIER_TEST_UNDER_SANITIZER
+  GTEST_SKIP() << "sanitizer runtimes need more address space than the limit this test sets";
+#else
+  // In a child whose address space is capped below one bounce buffer (64 MiB): the worker
+  // thread's allocation fails, and the operation, not the process, reports it.
+  TempDir dir;
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(dir.File("data"), 1 << 20, 3));
+  File file = File::Open(dir.File("data"), OpenMode::kRead);
+  ASSERT_TRUE(file.direct()) << file.direct_fallback_reason();
+  AlignedBuffer dest(1 << 20);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int code = 10;
+    try {
+      EngineOptions o = testing::SmallEngineOptions(BackendKind::kThreads, 64 << 20);
+      o.max_inflight_bytes = 64 << 20;
+      o.stage_reads = ReadStaging::kOn;
+      Engine engine(o);
+      const uint64_t mapped = MappedBytes();
+      rlimit limit{mapped + (32 << 20), mapped + (32 << 20)};
+      if (mapped == 0 || setrlimit(RLIMIT_AS, &limit) != 0) _exit(11);
+      IoDesc piece{file, dest.data(), 0, 1 << 20};
+      code = 12;  // read succeeded: the limit did not bite
+      engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+    } catch (const IoError& e) {
+      const std::string what = e.what();
+      code = e.error_code() == ENOMEM && what.find("bounce") != std::string::npos &&
+                     what.find(dir.File("data")) != std::string::npos
+                 ? 0
+                 : 13;
+    } catch (...) {
+      code = 14;
+    }
+    _exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died (signal " << WTERMSIG(status) << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "11: no limit set, 12: the read succeeded, 13: wrong error, 14: not an IoError";
+#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, FaultTest, ::testing::ValuesIn(CompiledBackends()),
