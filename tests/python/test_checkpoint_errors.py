@@ -525,7 +525,7 @@ def test_a_failed_device_read_still_waits_for_the_other_reads(
         def __init__(self) -> None:
             self.count = 0
 
-        def pread_batch_async(self, batch: object) -> Future:
+        def pread_batch_async(self, batch: object, *, stage_reads: bool = False) -> Future:
             self.count += 1
             return Future(self.count - 1)
 
