@@ -421,7 +421,7 @@ TEST_P(FaultTest, DestructorWaitsForDelayedOperations) {
 #endif
 
 // The bytes of address space this process has mapped (VmSize), 0 if unknown.
-uint64_t MappedBytes() {
+[[maybe_unused]] uint64_t MappedBytes() {
   std::ifstream status("/proc/self/status");
   std::string key;
   uint64_t kb = 0;
