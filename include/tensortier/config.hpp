@@ -10,10 +10,9 @@
 
 namespace tensortier {
 
-// Whether direct reads whose caller allows it (SubmitOptions::stage_reads: fresh, small-page
-// destinations such as new tensors) are staged through the engine's huge-page bounce buffers and
-// copied out on its worker threads. kAuto: where the file's block device cuts requests into
-// scattered memory short (ScatteredMemorySplitsRequests, block_device.hpp).
+// Whether direct reads whose caller allows it (SubmitOptions::stage_reads: small-page
+// destinations such as torch tensors) are staged through the engine's huge-page bounce buffers and
+// copied out on its worker threads. kAuto: see StagesReads (engine.hpp).
 enum class ReadStaging { kOff, kAuto, kOn };
 // "off", "auto", "on" (also the ParseBool words for off and on). Throws std::invalid_argument.
 ReadStaging ParseReadStaging(std::string_view text);

@@ -22,8 +22,8 @@ class IOResult:
     """Outcome of one operation: bytes moved, per-piece bytes, and how they were moved.
 
     ``stats`` has ``backend``, ``direct_bytes``, ``buffered_bytes``, ``bounced_bytes``
-    (staged through the engine's aligned buffers), ``staged_bytes`` (of those, by
-    ``stage_reads``), ``cached_bytes`` (read buffered because resident in the page cache), ``requests``,
+    (through the engine's aligned buffers), ``staged_bytes`` (of those, by ``stage_reads``),
+    ``cached_bytes`` (read buffered because resident in the page cache), ``requests``,
     ``resubmits`` (short transfers continued), ``eof`` (a read hit end of file) and
     ``direct_fallback`` (the filesystem refused O_DIRECT).
     """
@@ -143,8 +143,8 @@ class IOHandle:
         workers: worker threads.
         max_inflight_bytes: bound on bytes in flight over all workers.
         page_cache_check: read page-cache-resident data buffered instead of O_DIRECT.
-        stage_reads: for reads started with ``stage_reads=True`` (into new, small-page
-            memory): ``"auto"`` stages them through the engine's huge-page buffers where the
+        stage_reads: for reads started with ``stage_reads=True`` (into small-page memory,
+            such as tensors from torch's allocator): ``"auto"`` stages them through the engine's huge-page buffers where the
             file's disk cuts requests into scattered pages short (virtio disks), ``"on"`` (or
             ``True``) always, ``"off"`` (or ``False``) never.
         direct: open files given by path with O_DIRECT (falls back, reported, where refused).
@@ -277,7 +277,8 @@ class IOHandle:
     ) -> IOFuture:
         """Start a scatter read of many ``(buf, file, offset)`` pieces, submitted together.
 
-        ``stage_reads=True`` says the host buffers are fresh small-page memory (new tensors):
+        ``stage_reads=True`` says the host buffers are small-page memory (tensors from torch's
+        allocator; not huge-page buffers such as ``aligned_empty(..., reused=True)``):
         where the handle's ``stage_reads`` setting allows, direct reads then go through the
         engine's huge-page buffers and are copied out on its worker threads, which is faster on
         disks that cut requests into scattered pages short (``stats["staged_bytes"]``)."""
