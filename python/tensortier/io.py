@@ -144,8 +144,9 @@ class IOHandle:
         max_inflight_bytes: bound on bytes in flight over all workers.
         page_cache_check: read page-cache-resident data buffered instead of O_DIRECT.
         stage_reads: for reads started with ``stage_reads=True`` (into small-page memory,
-            such as tensors from torch's allocator): ``"auto"`` stages them through the engine's huge-page buffers where the
-            file's disk cuts requests into scattered pages short (virtio disks), ``"on"`` (or
+            such as tensors from torch's allocator): ``"auto"`` stages them through the
+            engine's huge-page buffers where the file's disk cuts requests into scattered pages
+            short (virtio disks), ``"on"`` (or
             ``True``) always, ``"off"`` (or ``False``) never.
         direct: open files given by path with O_DIRECT (falls back, reported, where refused).
         probe_dir: with ``backend="auto"``, pick the first backend whose verified round trip
