@@ -159,9 +159,11 @@ void RegisterTransfer(py::module_& m) {
         out["available"] = c->available();
         out["why_unavailable"] = c->why_unavailable();
         out["library"] = c->library();
+        out["compat_mode_reason"] = c->compat_mode_reason();
         return out;
       },
-      "cuFile (GPUDirect Storage) as tensortier sees it (loaded on first use).");
+      "cuFile (GPUDirect Storage) as tensortier sees it (loaded on first use); "
+      "compat_mode_reason: why cuFile would not be GPUDirect here (no nvidia-fs driver).");
   m.def(
       "locate",
       [](uintptr_t address) {

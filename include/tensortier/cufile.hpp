@@ -3,8 +3,10 @@
 //
 // CuFile::Get() loads the library and opens the cuFile driver once per process and never throws:
 // available() says whether GDS can be used here, why_unavailable() says why not (library missing,
-// /run/udev missing, WSL, cuFileDriverOpen failing with its error). The driver is never closed:
-// cuFile must not be called after main() returns, so the instance is deliberately leaked.
+// no CUDA driver or device, /run/udev missing, WSL, cuFileDriverOpen failing with its error);
+// compat_mode_reason() says when cuFile would move data in its compatibility mode (no nvidia-fs
+// kernel driver: POSIX I/O through cuFile's own buffers, not GPUDirect). The driver is never
+// closed: cuFile must not be called after main() returns, so the instance is deliberately leaked.
 //
 // Errors: registration failures throw CuFileError (the cuFile status, and the CUDA result when the
 // status is CU_FILE_CUDA_DRIVER_ERROR); read/write failures throw IoError with the errno, path,
@@ -105,17 +107,35 @@ class CuFileError : public std::runtime_error {
   std::string call_;
 };
 
+// What the machine allows cuFile, read before cuFileDriverOpen is called.
+struct CuFilePlatform {
+  // Why cuFile must not be opened here (empty: it may): no CUDA driver or device, WSL, no udev.
+  std::string unusable;
+  // Why cuFile would run in its compatibility mode (empty: the nvidia-fs driver is loaded).
+  std::string compat_mode;
+
+  // Probes this machine: `driver` (available, with a device), WSL, /run/udev, and
+  // `nvidia_fs_probe` (the nvidia-fs kernel driver's file; empty: not checked).
+  static CuFilePlatform Probe(
+      const CudaDriver& driver = CudaDriver::Get(),
+      const std::string& nvidia_fs_probe = "/proc/driver/nvidia-fs/devcount");
+};
+
 class CuFile {
  public:
   // The process-wide instance, loaded from DefaultLibrary() on first use. Never throws.
   static const CuFile& Get() noexcept;
   // $TENSORTIER_CUFILE_LIBRARY when set and not empty, else "libcufile.so.0".
   static std::string DefaultLibrary();
-  // Loads `library`, resolves the entry points, checks the platform (unless `check_platform` is
-  // false: tests load a stand-in library, which needs no udev) and calls cuFileDriverOpen.
-  // Never throws. Tests call this with bad paths and stand-ins; everything else uses Get().
+  // Loads `library`, resolves the entry points, checks the platform (CuFilePlatform::Probe();
+  // unless `check_platform` is false: tests load a stand-in library, which needs no udev, no
+  // driver besides itself and no nvidia-fs) and calls cuFileDriverOpen unless the platform is
+  // unusable. Never throws. Tests call these with bad paths and stand-ins; everything else uses
+  // Get().
   static std::unique_ptr<CuFile> Load(const std::string& library,
                                       bool check_platform = true) noexcept;
+  static std::unique_ptr<CuFile> Load(const std::string& library,
+                                      const CuFilePlatform& platform) noexcept;
   // "CU_FILE_DRIVER_NOT_INITIALIZED (5001)"; accepts the negated codes of Read/Write too.
   static std::string ErrorName(int code);
 
@@ -127,18 +147,22 @@ class CuFile {
   // Empty when available.
   const std::string& why_unavailable() const noexcept { return why_; }
   const std::string& library() const noexcept { return library_; }
+  // Non-empty when available but without nvidia-fs: cuFile then reads and writes through its
+  // own host buffers (compatibility mode), so "auto" GDS uses the bounce ring instead.
+  const std::string& compat_mode_reason() const noexcept { return compat_mode_reason_; }
   // Throws CuFileError (naming `call`) when unavailable.
   const CuFileApi& api(const char* call = "cuFile call") const;
 
  private:
   explicit CuFile(std::string library) : library_(std::move(library)) {}
-  void Open(bool check_platform);
+  void Open(const CuFilePlatform& platform);
 
   std::string library_;
   void* handle_ = nullptr;
   CuFileApi api_;
   bool available_ = false;
   std::string why_;
+  std::string compat_mode_reason_;
 };
 
 // A file descriptor registered with cuFile (cuFileHandleRegister). The descriptor is borrowed:

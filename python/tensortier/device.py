@@ -40,7 +40,9 @@ def cuda_info() -> dict[str, Any]:
 
 
 def cufile_info() -> dict[str, Any]:
-    """cuFile (GPUDirect Storage): ``available``, ``why_unavailable`` and ``library``."""
+    """cuFile (GPUDirect Storage): ``available``, ``why_unavailable``, ``library`` and
+    ``compat_mode_reason`` (set when cuFile opens but the nvidia-fs driver is missing, so that
+    it would only run in its compatibility mode; ``gds="auto"`` then uses the bounce ring)."""
     return dict(_core.cufile())
 
 

@@ -25,8 +25,10 @@ const char* FallbackErrorName(cuda::CUresult result) {
       return "CUDA_ERROR_NOT_INITIALIZED";
     case 4:
       return "CUDA_ERROR_DEINITIALIZED";
-    case 35:
-      return "CUDA_ERROR_INSUFFICIENT_DRIVER";
+    case 34:  // cuInit of the CUDA toolkit's stub libcuda.so (no real driver behind it)
+      return "CUDA_ERROR_STUB_LIBRARY";
+    case 46:
+      return "CUDA_ERROR_DEVICE_UNAVAILABLE";
     case 100:
       return "CUDA_ERROR_NO_DEVICE";
     case 101:

@@ -95,10 +95,30 @@ const char* OpErrorName(int code) {
       return "CU_FILE_BATCH_FULL";
     case 5038:
       return "CU_FILE_ASYNC_NOT_SUPPORTED";
+    case 5039:
+      return "CU_FILE_INTERNAL_BATCH_SETUP_ERROR";
+    case 5040:
+      return "CU_FILE_INTERNAL_BATCH_SUBMIT_ERROR";
+    case 5041:
+      return "CU_FILE_INTERNAL_BATCH_GETSTATUS_ERROR";
+    case 5042:
+      return "CU_FILE_INTERNAL_BATCH_CANCEL_ERROR";
     case 5043:
       return "CU_FILE_NOMEM_ERROR";
     case 5044:
       return "CU_FILE_IO_ERROR";
+    case 5045:
+      return "CU_FILE_INTERNAL_BUF_REGISTER_ERROR";
+    case 5046:
+      return "CU_FILE_HASH_OPR_ERROR";
+    case 5047:
+      return "CU_FILE_INVALID_CONTEXT_ERROR";
+    case 5048:
+      return "CU_FILE_NVFS_INTERNAL_DRIVER_ERROR";
+    case 5049:
+      return "CU_FILE_BATCH_NOCOMPAT_ERROR";
+    case 5050:
+      return "CU_FILE_IO_MAX_ERROR";
     default:
       return nullptr;
   }
@@ -130,6 +150,32 @@ CuFileError::CuFileError(int code, int cuda_code, std::string call, const std::s
       call_(std::move(call)) {}
 
 // ---------------------------------------------------------------------------------------------
+// CuFilePlatform
+
+CuFilePlatform CuFilePlatform::Probe(const CudaDriver& driver, const std::string& nvidia_fs_probe) {
+  CuFilePlatform platform;
+  // The checks KvikIO makes (udev, WSL), and a driver first: without libcuda.so.1, libcufile
+  // 1.20.0 spun in cuFileDriverOpen for minutes, until stopped. CUDA builds of torch on machines
+  // without a GPU make that case likely (their libtorch_cuda loads libcufile.so.0).
+  if (!driver.available()) {
+    platform.unusable = StrCat("no usable CUDA driver (", driver.why_unavailable(),
+                               "): cuFileDriverOpen is not called without one");
+  } else if (driver.device_count() == 0) {
+    platform.unusable = "the CUDA driver sees no device";
+  } else if (RunningInWsl()) {
+    platform.unusable = "cuFile is not supported under WSL";
+  } else if (access("/run/udev", R_OK) != 0) {
+    platform.unusable =
+        StrCat("/run/udev is not readable (", std::strerror(errno),
+               "): cuFile needs it to find devices (in a container, mount the host's /run/udev)");
+  } else if (!nvidia_fs_probe.empty() && access(nvidia_fs_probe.c_str(), R_OK) != 0) {
+    platform.compat_mode =
+        StrCat("no nvidia-fs kernel driver (", nvidia_fs_probe, ": ", std::strerror(errno), ")");
+  }
+  return platform;
+}
+
+// ---------------------------------------------------------------------------------------------
 // CuFile
 
 const CuFile& CuFile::Get() noexcept {
@@ -143,8 +189,13 @@ std::string CuFile::DefaultLibrary() {
 }
 
 std::unique_ptr<CuFile> CuFile::Load(const std::string& library, bool check_platform) noexcept {
+  return Load(library, check_platform ? CuFilePlatform::Probe() : CuFilePlatform{});
+}
+
+std::unique_ptr<CuFile> CuFile::Load(const std::string& library,
+                                     const CuFilePlatform& platform) noexcept {
   std::unique_ptr<CuFile> cufile(new CuFile(library));
-  cufile->Open(check_platform);
+  cufile->Open(platform);
   return cufile;
 }
 
@@ -156,7 +207,7 @@ std::string CuFile::ErrorName(int code) {
 
 CuFile::~CuFile() = default;  // never closes the driver or the library: see the header
 
-void CuFile::Open(bool check_platform) {
+void CuFile::Open(const CuFilePlatform& platform) {
   handle_ = detail::DlOpen(library_, &why_);
   if (handle_ == nullptr) return;
   const bool resolved =
@@ -168,15 +219,8 @@ void CuFile::Open(bool check_platform) {
       detail::DlSym(handle_, library_, "cuFileRead", api_.Read, &why_) &&
       detail::DlSym(handle_, library_, "cuFileWrite", api_.Write, &why_);
   if (!resolved) return;
-  // The platform checks KvikIO makes: cuFile finds its devices through udev, and WSL has no GDS.
-  if (check_platform && RunningInWsl()) {
-    why_ = "cuFile is not supported under WSL";
-    return;
-  }
-  if (check_platform && access("/run/udev", R_OK) != 0) {
-    why_ =
-        StrCat("/run/udev is not readable (", std::strerror(errno),
-               "): cuFile needs it to find devices (in a container, mount the host's /run/udev)");
+  if (!platform.unusable.empty()) {
+    why_ = platform.unusable;
     return;
   }
   const cufile::CUfileError_t status = api_.DriverOpen();
@@ -184,6 +228,7 @@ void CuFile::Open(bool check_platform) {
     why_ = StrCat("cuFileDriverOpen failed: ", StatusText(status));
     return;
   }
+  compat_mode_reason_ = platform.compat_mode;
   available_ = true;
 }
 

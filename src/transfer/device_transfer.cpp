@@ -62,6 +62,11 @@ DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile& cufile)
   }
   if (!cufile.available()) {
     reason_ = StrCat("cuFile unavailable: ", cufile.why_unavailable());
+  } else if (mode == GdsMode::kAuto && !cufile.compat_mode_reason().empty()) {
+    // Not GPUDirect: cuFile would move the bytes through host buffers of its own (POSIX I/O),
+    // as the ring does, which also overlaps disk and PCIe. "on" still uses cuFile.
+    reason_ = StrCat("cuFile would run in compatibility mode: ", cufile.compat_mode_reason(),
+                     " (GDS 'on' uses it anyway)");
   } else if (!file_.direct()) {
     reason_ = StrCat("GDS needs O_DIRECT, which ", file_.path(),
                      " refused: ", file_.direct_fallback_reason());

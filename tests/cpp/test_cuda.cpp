@@ -235,8 +235,18 @@ TEST(CuFileTest, HandlesAndBuffersWithoutCuFileThrow) {
   EXPECT_THROW(CuFileBuffer(*cufile, host.data(), host.size()), CuFileError);
 }
 
+// libcufile 1.20.0 spun for minutes in cuFileDriverOpen without libcuda.so.1: it is not called.
+TEST(CuFileTest, PlatformWithoutACudaDriverIsUnusable) {
+  auto driver = CudaDriver::Load("/nonexistent/libcuda.so.1");
+  const CuFilePlatform platform = CuFilePlatform::Probe(*driver);
+  EXPECT_TRUE(Contains(platform.unusable, "no usable CUDA driver")) << platform.unusable;
+  EXPECT_TRUE(Contains(platform.unusable, "/nonexistent/libcuda.so.1")) << platform.unusable;
+  EXPECT_EQ(platform.compat_mode, "");
+}
+
 TEST(CuFileTest, ErrorNames) {
   EXPECT_EQ(CuFile::ErrorName(5001), "CU_FILE_DRIVER_NOT_INITIALIZED (5001)");
+  EXPECT_EQ(CuFile::ErrorName(5050), "CU_FILE_IO_MAX_ERROR (5050)");
   EXPECT_EQ(CuFile::ErrorName(-5011), "CU_FILE_CUDA_DRIVER_ERROR (5011)");
   EXPECT_EQ(CuFile::ErrorName(5999), "cuFile error 5999");
 }
@@ -369,6 +379,38 @@ TEST_F(FakeCudaTest, UnregisteringMemoryAQueuedCopyUsesIsRecordedAndLeaksAreCoun
 
 // cuFile transfers through the real CuFileHandle: short transfers are continued, failures carry
 // errno or the cuFile status with the path and range.
+TEST_F(FakeCudaTest, CuFileIsNotOpenedWhereThePlatformIsUnusable) {
+  const std::string library = testing::FakeCudaLibrary();
+  const int opens = fake_.CuFileDriverOpens();
+  auto refused = CuFile::Load(
+      library, CuFilePlatform{.unusable = "no driver in this test", .compat_mode = ""});
+  EXPECT_FALSE(refused->available());
+  EXPECT_EQ(refused->why_unavailable(), "no driver in this test");
+  EXPECT_EQ(fake_.CuFileDriverOpens(), opens);
+  auto opened =
+      CuFile::Load(library, CuFilePlatform{.unusable = "", .compat_mode = "no nvidia-fs (test)"});
+  EXPECT_TRUE(opened->available()) << opened->why_unavailable();
+  EXPECT_EQ(opened->compat_mode_reason(), "no nvidia-fs (test)");
+  EXPECT_EQ(fake_.CuFileDriverOpens(), opens + 1);
+}
+
+TEST_F(FakeCudaTest, CuFilePlatformProbeReportsCompatibilityModeWithoutNvidiaFs) {
+  TempDir dir;
+  const std::string devcount = dir.File("devcount");
+  const CuFilePlatform missing = CuFilePlatform::Probe(CudaDriver::Get(), devcount);
+  if (access("/run/udev", R_OK) != 0) {
+    EXPECT_TRUE(Contains(missing.unusable, "/run/udev")) << missing.unusable;
+    return;
+  }
+  EXPECT_EQ(missing.unusable, "");
+  EXPECT_TRUE(Contains(missing.compat_mode, "no nvidia-fs kernel driver (" + devcount))
+      << missing.compat_mode;
+  std::ofstream(devcount) << "1\n";
+  const CuFilePlatform present = CuFilePlatform::Probe(CudaDriver::Get(), devcount);
+  EXPECT_EQ(present.unusable, "");
+  EXPECT_EQ(present.compat_mode, "");
+}
+
 TEST_F(FakeCudaTest, CuFileShortTransfersContinueAndFailuresAreNamed) {
   const CuFile& cufile = testing::CuFileForTests();
   ASSERT_TRUE(cufile.available()) << cufile.why_unavailable();

@@ -880,6 +880,27 @@ TEST_F(TransferGpuTest, AutoGdsFallsBackToTheRingWhenCuFileFailsWithAStatus) {
   EXPECT_THROW(transfer.Read(file, 4096, kLength, {back.address(), 0, stream.get()}), IoError);
 }
 
+// Without nvidia-fs cuFile is no GPUDirect: "auto" keeps the ring, "on" still uses cuFile.
+TEST_F(TransferGpuTest, AutoGdsUsesTheRingWhereCuFileWouldRunInCompatibilityMode) {
+  testing::FakeCudaAccounting fake;
+  if (!fake.Start()) GTEST_SKIP() << "needs the fake CUDA driver to stand in for cuFile";
+  auto cufile = CuFile::Load(testing::FakeCudaLibrary(),
+                             CuFilePlatform{.unusable = "", .compat_mode = "no nvidia-fs (test)"});
+  ASSERT_TRUE(cufile->available()) << cufile->why_unavailable();
+  TempDir dir;
+  File file = File::Open(dir.File("gds"), OpenMode::kWrite);
+  {
+    DeviceFile autof(file, GdsMode::kAuto, *cufile);
+    EXPECT_FALSE(autof.gds());
+    EXPECT_EQ(autof.gds_reason(),
+              "cuFile would run in compatibility mode: no nvidia-fs (test) (GDS 'on' uses it "
+              "anyway)");
+    DeviceFile required(file, GdsMode::kRequire, *cufile);
+    EXPECT_TRUE(required.gds()) << required.gds_reason();
+  }
+  fake.Check();
+}
+
 TEST_F(TransferGpuTest, GdsOrFallbackRoundTrip) {
   TempDir dir;
   const CudaDriver& driver = CudaDriver::Get();

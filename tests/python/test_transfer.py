@@ -5,7 +5,10 @@ storages. The same paths with real CUDA tensors are in test_gpu_transfer.py."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -212,6 +215,36 @@ def test_device_file_gds_modes(disk_dir: Path) -> None:
     assert not auto.gds and "libcufile.so.0" in auto.gds_reason
     with pytest.raises(tensortier.CuFileError, match="libcufile.so.0"):
         _core.DeviceFile(f, "on")
+
+
+def _installed_libcufile() -> Path | None:
+    """NVIDIA's own libcufile.so.0 from the ``nvidia-cufile`` wheel (scripts/setup.sh installs
+    it), or None."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = spec.submodule_search_locations if spec is not None else None
+    for root in roots or []:
+        for lib in sorted(Path(root).glob("*/lib/libcufile.so.0")):
+            return lib
+    return None
+
+
+@needs_no_driver
+def test_real_libcufile_without_a_driver_is_reported_not_opened(tmp_path: Path) -> None:
+    """NVIDIA's libcufile (1.20.0) spun for minutes in cuFileDriverOpen without libcuda.so.1, as
+    on a machine with a CUDA build of torch and no GPU: tensortier no longer calls it there."""
+    lib = _installed_libcufile()
+    if lib is None:
+        if os.environ.get("CI"):
+            pytest.fail("nvidia-cufile is not installed: scripts/setup.sh installs it")
+        pytest.skip("nvidia-cufile is not installed (scripts/setup.sh installs it)")
+    env = dict(os.environ, TENSORTIER_CUFILE_LIBRARY=str(lib))
+    code = "import tensortier; print(repr(tensortier.cufile_info()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=120,
+                         capture_output=True, text=True, check=True).stdout
+    info = eval(out)  # noqa: S307 - our own repr of a dict of str and bool
+    assert info["library"] == str(lib)
+    assert not info["available"]
+    assert "no usable CUDA driver" in info["why_unavailable"], info
 
 
 def test_iohandle_registers_each_file_with_cufile_once(disk_dir: Path) -> None:

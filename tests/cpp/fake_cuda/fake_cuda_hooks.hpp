@@ -49,9 +49,10 @@ class FakeCudaAccounting {
     set_delay_ = reinterpret_cast<int (*)(int)>(dlsym(handle, "fakecuda_set_copy_delay_us"));
     next_result_ =
         reinterpret_cast<void (*)(long, int)>(dlsym(handle, "fakecuda_cufile_next_result"));
+    driver_opens_ = reinterpret_cast<int (*)()>(dlsym(handle, "fakecuda_cufile_driver_opens"));
     dlclose(handle);  // drops our reference only: CudaDriver keeps the library loaded
     if (violations_ == nullptr || live_ == nullptr || set_delay_ == nullptr ||
-        next_result_ == nullptr) {
+        next_result_ == nullptr || driver_opens_ == nullptr) {
       return false;
     }
     live_at_start_ = live_();
@@ -66,6 +67,8 @@ class FakeCudaAccounting {
   // with errno `error`, or a negated cuFile status).
   void NextCuFileResult(long result, int error = 0) const { next_result_(result, error); }
   int Live() const { return live_(); }
+  // cuFileDriverOpen calls so far (the stand-in counts them).
+  int CuFileDriverOpens() const { return driver_opens_(); }
 
   void Check() const {
     if (live_ == nullptr) return;
@@ -82,6 +85,7 @@ class FakeCudaAccounting {
   int (*live_)() = nullptr;
   int (*set_delay_)(int) = nullptr;
   void (*next_result_)(long, int) = nullptr;
+  int (*driver_opens_)() = nullptr;
   int live_at_start_ = 0;
   int violations_at_start_ = 0;
 };

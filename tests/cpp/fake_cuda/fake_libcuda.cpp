@@ -120,6 +120,7 @@ struct Driver {
   std::map<uintptr_t, size_t> file_buffers;  // cuFileBufRegister'ed ranges
   long next_transfer_result = 0;             // injected: 0 none, >0 short, <0 returned as is
   int next_transfer_errno = 0;
+  int driver_opens = 0;  // cuFileDriverOpen calls
 };
 
 Driver& D() {
@@ -286,6 +287,12 @@ void fakecuda_cufile_next_result(long result, int error) {
   std::lock_guard lock(D().mu);
   D().next_transfer_result = result;
   D().next_transfer_errno = error;
+}
+
+// cuFileDriverOpen calls so far.
+int fakecuda_cufile_driver_opens() {
+  std::lock_guard lock(D().mu);
+  return D().driver_opens;
 }
 
 // ---- initialisation, errors, devices, contexts -------------------------------------------------
@@ -694,6 +701,8 @@ constexpr int kFileAlreadyRegistered = 5023;
 constexpr int kFileNotRegistered = 5024;
 
 CUfileError cuFileDriverOpen() {
+  std::lock_guard lock(D().mu);
+  ++D().driver_opens;
   return {kFileSuccess, 0};
 }
 
