@@ -24,10 +24,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch==2.13.0 is the pinned CPU build; an unpinned torch would pull GBs of CUDA wheels.
 .venv/bin/python -m pip install -q --upgrade pip
-# nvidia-cufile: NVIDIA's libcufile.so.0 (1.5 MB, not on the loader's path), which a test loads
-# on this machine without a CUDA driver.
+# nvidia-cufile and nvidia-cuda-runtime (1.5 and 2.2 MB; nothing lands on the loader's path):
+# NVIDIA's libcufile.so.0, which a test loads without a CUDA driver, and cufile.h and cuda.h,
+# which tests/python/test_cuda_abi.py holds tensortier's own declarations against.
 .venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest safetensors \
-  "scikit-build-core>=0.10" "pybind11>=2.12" ninja "nvidia-cufile==1.20.0.107"
+  "scikit-build-core>=0.10" "pybind11>=2.12" ninja "nvidia-cufile==1.20.0.107" \
+  "nvidia-cuda-runtime==13.0.96"
 echo "setup: building and installing tensortier into .venv"
 .venv/bin/python -m pip install -q --no-build-isolation .
 .venv/bin/python -c "import tensortier; print('setup: tensortier', tensortier.__version__, 'ready')"
