@@ -45,6 +45,16 @@ Scenarios (``--scenarios``, default all):
                             its default: they stay valid) and every 4 KiB page touched
   warm   the same loads with the file already in the page cache (read once, untimed, just
          before); fio reads buffered (psync, --direct=0 --invalidate=0 --iomem=mmap).
+  warm-fresh
+         warm loads as a job's start runs them: each sample in a new Python process (imports
+         and the untimed warming of the file first; tensortier's engine starts inside the
+         timing, as on a first load), so no tool reuses memory that an earlier one freed:
+           tt-safetensors, tt-torch, safetensors, torch.load   as in warm
+           first-touch      torch.empty(SIZE bytes) and a write to each 4 KiB page on one
+                            thread: what handing out SIZE bytes of fresh memory costs at all
+                            (report only)
+         On the first repeat each process also hashes what it loaded (untimed) and the
+         parent compares that with the state dict.
   gpu-cold, gpu-warm   (default when torch sees a CUDA device) load to --gpu-device, each
          timed until the device is done (torch.cuda.synchronize), validated on the first
          repeat; the allocator's cache is filled by one untimed load first:
@@ -103,7 +113,8 @@ from _benchlib import settle, tool_version, warm_file  # noqa: E402
 from _benchlib import parse_size as _parse_size  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
-SCENARIOS = ("save", "cold", "warm", "gpu-cold", "gpu-warm")
+SCENARIOS = ("save", "cold", "warm", "warm-fresh", "gpu-cold", "gpu-warm")
+FRESH_TOOLS = ("tt-safetensors", "tt-torch", "safetensors", "torch.load", "first-touch")
 GPU_TOOLS = ("tt-safetensors", "tt-torch", "safetensors", "torch.load", "fastsafetensors",
              "file-read", "h2d")
 LIMIT = "min(file-read, h2d)"
@@ -120,6 +131,7 @@ TARGETS = {  # (scenario, baseline) -> minimum ratio tt-safetensors / baseline
     ("save", "torch.save"): 3.0, ("save", "safetensors"): 2.0, ("save", "fio"): 0.9,
     ("cold", "safetensors"): 2.0, ("cold", "torch.load"): 2.0, ("cold", "fio"): 0.9,
     ("warm", "safetensors"): 2.0, ("warm", "torch.load"): 2.0, ("warm", "fio"): 0.9,
+    ("warm-fresh", "safetensors"): 2.0, ("warm-fresh", "torch.load"): 2.0,
     ("gpu-cold", "safetensors"): 2.0, ("gpu-cold", LIMIT): 0.9,
     ("gpu-warm", "safetensors"): 2.0, ("gpu-warm", LIMIT): 0.9,
 }
@@ -229,6 +241,8 @@ class Settings:
     verify: bool
     command: str
     gpu_device: str = "cuda:0"
+    child: str | None = None  # warm-fresh: this process runs one load of this tool
+    child_digest: bool = False
 
 
 @dataclass
@@ -400,6 +414,51 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
         out = runai_load(path)
         touch_pages(out)
     return time.perf_counter() - start, out
+
+
+def state_digest(sd: dict[str, Any]) -> str:
+    """A hash of a state dict's names, dtypes, shapes and bytes, in name order."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(sd):
+        t = sd[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def run_child(s: Settings, tool: str, digest: bool) -> tuple[float, str | None]:
+    """One warm-fresh sample: `tool`'s load in a new Python process; (seconds, digest or None)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--dir", str(s.directory),
+           "--size", str(s.size), "--child", tool] + (["--child-digest"] if digest else [])
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"exit {run.returncode}: {run.stderr.strip()[-2000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return float(result["seconds"]), result.get("digest")
+
+
+def child_main(s: Settings) -> int:
+    """The process of one warm-fresh sample: prints {"seconds": ..., "digest": ...} as JSON."""
+    import torch
+
+    assert s.child is not None
+    if s.child == "first-touch":
+        start = time.perf_counter()
+        memory = torch.empty(s.size, dtype=torch.uint8)
+        memory[::4096].fill_(1)
+        print(json.dumps({"seconds": time.perf_counter() - start}))
+        return 0
+    seconds, out = load_tool(s, s.child, warm=True)
+    result: dict[str, Any] = {"seconds": seconds}
+    if s.child_digest and out is not None:
+        result["digest"] = state_digest(out)
+    print(json.dumps(result))
+    return 0
 
 
 _UNSTAGED_IO: Any = None
@@ -581,7 +640,9 @@ def package_version(package: str) -> str | None:
 
 def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Samples, list[str]]:
     gpu = scenario.startswith("gpu-")
-    all_tools = SAVE_TOOLS if scenario == "save" else GPU_TOOLS if gpu else LOAD_TOOLS
+    fresh = scenario == "warm-fresh"
+    all_tools = (SAVE_TOOLS if scenario == "save" else GPU_TOOLS if gpu
+                 else FRESH_TOOLS if fresh else LOAD_TOOLS)
     tools = [t for t in all_tools if s.tools is None or t in s.tools]
     samples = Samples()
     for t in list(tools):
@@ -590,7 +651,8 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
             samples.errors[t] = f"skipped: {why}"
             tools.remove(t)
     if scenario != "save":
-        for t, why in ensure_files(s, sd, tools + (["tt-safetensors"] if gpu else [])).items():
+        files_for = [t for t in tools if t != "first-touch"] + (["tt-safetensors"] if gpu else [])
+        for t, why in ensure_files(s, sd, files_for).items():
             samples.errors[t] = why
             tools.remove(t)
     total = nbytes(sd)
@@ -600,6 +662,7 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
 
         # Untimed: the device allocator's cache holds a state dict's blocks before anyone runs.
         tensortier.load(s.directory / "tt.safetensors", device=s.gpu_device, progress=False)
+    expected: str | None = None  # warm-fresh: the state dict's digest
     for repeat in range(s.repeats):
         order = tools[repeat % len(tools):] + tools[:repeat % len(tools)]
         for tool in order:
@@ -612,6 +675,14 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
                     seconds, out = save_tool(s, tool, sd), None
                 elif loads is not None:
                     seconds, out = loads.run(s, tool, scenario == "gpu-warm")
+                elif fresh:
+                    digest = s.verify and repeat == 0 and tool != "first-touch"
+                    seconds, got = run_child(s, tool, digest)
+                    if digest and expected is None:
+                        expected = state_digest(sd)
+                    if digest and got != expected:
+                        raise BenchError(f"{scenario} {tool}: loaded data differs (digest)")
+                    out = None
                 else:
                     seconds, out = load_tool(s, tool, scenario == "warm")
             except BenchError:
@@ -650,7 +721,8 @@ def report(scenario: str, samples: Samples, tools: Sequence[str]) -> tuple[str, 
     ours_mm = samples.median("tt-mmap")
     title = {"save": "save (until durable)", "cold": "load to CPU, cold cache",
              "warm": "load to CPU, warm cache", "gpu-cold": "load to GPU, cold cache",
-             "gpu-warm": "load to GPU, warm cache"}[scenario]
+             "gpu-warm": "load to GPU, warm cache",
+             "warm-fresh": "load to CPU, warm cache, one load per new process"}[scenario]
     lines = [f"### {title}", "",
              "| tool | GB/s (median) | samples | tt-safetensors / tool | target | result "
              "| tt-torch / tool | tt-mmap / tool |",
@@ -691,7 +763,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--scenarios", type=name_list(SCENARIOS), default=None,
                    help="comma-separated subset of " + ",".join(SCENARIOS) + " (default: all; "
                    "the gpu ones only when torch sees a CUDA device)")
-    p.add_argument("--tools", type=name_list(sorted(set(SAVE_TOOLS + LOAD_TOOLS + GPU_TOOLS))),
+    p.add_argument("--tools", type=name_list(sorted(set(SAVE_TOOLS + LOAD_TOOLS + GPU_TOOLS
+                                                          + FRESH_TOOLS))),
                    default=None,
                    help="comma-separated subset of the tools (default: all)")
     p.add_argument("--json", type=Path, default=BENCH_DIR / "results" / "checkpoint_bench.json",
@@ -702,11 +775,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not compare what the first repeat loads with the state dict")
+    p.add_argument("--child", choices=FRESH_TOOLS, help=argparse.SUPPRESS)
+    p.add_argument("--child-digest", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gpu-device", default="cuda:0",
                    help="device of the gpu-* scenarios (default: cuda:0; 'cpu' runs their code "
                    "without a GPU, a check of this script, not a figure)")
     a = p.parse_args(argv)
-    if a.scenarios is None:
+    if a.scenarios is None and a.child is None:
         a.scenarios = [sc for sc in SCENARIOS if not sc.startswith("gpu-")]
         import torch
 
@@ -714,13 +789,16 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
             a.scenarios += ["gpu-cold", "gpu-warm"]
     if a.repeats <= 0 or a.tensors < 13 or a.fio_iodepth <= 0:
         raise SystemExit("--repeats and --fio-iodepth must be positive, --tensors >= 13")
-    return Settings(a.dir.resolve(), a.size, a.tensors, a.repeats, a.scenarios, a.tools,
+    return Settings(a.dir.resolve(), a.size, a.tensors, a.repeats, a.scenarios or [], a.tools,
                     a.json, a.fio, a.fio_bs, a.fio_iodepth, a.seed, not a.no_verify,
-                    shlex.join([sys.executable, *sys.argv]), a.gpu_device)
+                    shlex.join([sys.executable, *sys.argv]), a.gpu_device, a.child,
+                    a.child_digest)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
+    if s.child is not None:
+        return child_main(s)
     import torch
 
     import tensortier

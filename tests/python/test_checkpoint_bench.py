@@ -41,3 +41,45 @@ def test_checkpoint_bench_small_run(disk_dir: Path) -> None:
     assert limit["target"] == 0.9 and gpu["safetensors"]["target"] == 2.0
     assert "### load to GPU, cold cache" in r.stdout
     assert not list((disk_dir / "d").glob("*.safetensors"))  # its files are removed
+
+
+def test_checkpoint_bench_warm_fresh_runs_each_load_in_a_new_process(disk_dir: Path) -> None:
+    out = disk_dir / "bench.json"
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "checkpoint_bench.py"), "--dir", str(disk_dir / "d"),
+         "--size", "8M", "--tensors", "40", "--repeats", "1", "--scenarios", "warm-fresh",
+         "--tools", "tt-safetensors,torch.load,first-touch", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["scenarios"]["warm-fresh"]
+    for tool in ("tt-safetensors", "torch.load", "first-touch"):
+        assert len(rows[tool]["samples_gbps"]) == 1 and rows[tool]["median_gbps"] > 0, tool
+    assert rows["torch.load"]["target"] == 2.0 and rows["first-touch"]["target"] is None
+    assert "one load per new process" in r.stdout
+
+
+def test_state_digest_sees_one_changed_byte() -> None:
+    """warm-fresh verifies a child's load by this digest: it must see any difference."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("checkpoint_bench",
+                                                  REPO / "bench" / "checkpoint_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[spec.name]
+    sd = {"a": torch.arange(1000, dtype=torch.int32), "b": torch.ones(3, 5, dtype=torch.bfloat16),
+          "empty": torch.zeros(0)}
+    base = bench.state_digest(sd)
+    assert base == bench.state_digest({k: v.clone() for k, v in sd.items()})
+    changed = dict(sd, a=sd["a"].clone())
+    changed["a"][999] += 1
+    assert bench.state_digest(changed) != base
+    assert bench.state_digest(dict(sd, b=sd["b"].reshape(5, 3))) != base
+    assert bench.state_digest(dict(sd, a=sd["a"].view(torch.float32))) != base
