@@ -421,9 +421,11 @@ class IOHandle:
 
 
 def _gds_mode(gds: str | None) -> str:
+    what = "gds"
     if gds is None:
         gds = os.environ.get("TENSORTIER_GDS", "") or "off"
+        what = "TENSORTIER_GDS"
     modes = {"off": "off", "auto": "auto", "on": "on", "require": "on", "0": "off", "1": "on"}
     if gds not in modes:
-        raise ValueError(f"gds must be 'off', 'auto' or 'on', not {gds!r}")
+        raise ValueError(f"{what} must be 'off', 'auto' or 'on', not {gds!r}")
     return modes[gds]

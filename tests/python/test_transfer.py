@@ -204,6 +204,14 @@ def test_locate_without_driver_says_host() -> None:
     assert _core.locate(_addr(a)) == {"type": "host", "device": -1}
 
 
+def test_gds_setting_errors_name_where_the_value_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="gds must be 'off', 'auto' or 'on', not 'sometimes'"):
+        tensortier.IOHandle(gds="sometimes")
+    monkeypatch.setenv("TENSORTIER_GDS", "maybe")
+    with pytest.raises(ValueError, match="TENSORTIER_GDS must be .* not 'maybe'"):
+        tensortier.IOHandle()
+
+
 def test_device_file_gds_modes(disk_dir: Path) -> None:
     f = _core.File.open(str(disk_dir / "g.bin"), "w")
     assert _core.DeviceFile(f, "off").gds_reason == "GDS off"
