@@ -19,6 +19,11 @@
 #             rate) from the same run);
 #   all       (default) build + test + bench + bench-checkpoint. test-* and bench* build first
 #             when nothing is built.
+# Debian packages the machine lacks (GoogleTest for the C++ tests, liburing and libaio for those
+# backends) are unpacked by build from DEBS (default build/gpu-debs) into build/gpu-deps, which
+# cmake then searches first (never into /), e.g. fetched on a Debian/Ubuntu machine with
+#   mkdir -p build/gpu-debs && (cd build/gpu-debs && apt-get download libgtest-dev \
+#     libgmock-dev liburing-dev liburing2 libaio-dev libaio1)
 # Benchmark peers missing on a machine without internet (safetensors, fastsafetensors and its
 # dependencies) are unpacked into the venv from WHEELS (default build/gpu-wheels) by build, e.g.
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -31,11 +36,13 @@
 #   --quick: pytest without the `slow` tests; bench at 1 GiB only (unless --sizes is given).
 #   --repeats: bench repeats per method (default 3, and 2 over 2 GiB).
 # Environment: PYTHON (default python3), JOBS (default nproc), BENCH_DIR (default
-# build/gpu-bench), STEP_TIMEOUT (seconds per step, default 540: each step is killed after it).
+# build/gpu-bench), STEP_TIMEOUT (seconds per step, default 540: each step is killed after it),
+# DEBS and WHEELS (above).
 # Exit status: 0 when every step that ran passed (SKIP counts as passed).
 #
 # On a machine whose calls are limited to 10 minutes each, run these as separate calls, in order
-# (each step stays under STEP_TIMEOUT=540 s; pass the same --out to keep every result together):
+# (each step stays under STEP_TIMEOUT=540 s; pass the same --out to keep every result together;
+# carry build/gpu-debs and build/gpu-wheels to a machine without internet):
 #   scripts/gpu-test.sh build
 #   scripts/gpu-test.sh test-cpp
 #   scripts/gpu-test.sh test-py --quick
@@ -58,7 +65,7 @@ while [ $# -gt 0 ]; do
     --sizes) SIZES=$2; shift ;;
     --repeats) REPEATS=$2; shift ;;
     --quick) QUICK=1 ;;
-    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
     *) echo "gpu-test: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -126,13 +133,14 @@ for module in pytest numpy; do
 done
 
 # ---- build -------------------------------------------------------------------------------
-# Whether cmake finds GoogleTest (a throwaway project): without it the C++ tests SKIP.
+# Whether cmake finds GoogleTest (a throwaway project; arguments go to cmake): without it the C++
+# tests SKIP.
 have_gtest() {
   local probe rc
   probe=$(mktemp -d) || return 1
   printf 'cmake_minimum_required(VERSION 3.16)\nproject(probe CXX)\nfind_package(GTest REQUIRED)\n' \
     > "$probe/CMakeLists.txt"
-  cmake -S "$probe" -B "$probe/build" > "$probe/log" 2>&1
+  cmake -S "$probe" -B "$probe/build" "$@" > "$probe/log" 2>&1
   rc=$?
   rm -rf "$probe"
   return $rc
@@ -140,14 +148,23 @@ have_gtest() {
 
 build() {
   cmake --version | head -1
-  local gen=() pybind=() tests=ON pybind_dir
+  local gen=() pybind=() prefix=() tests=ON pybind_dir deb
+  local debs="${DEBS:-$ROOT/build/gpu-debs}" deps="$ROOT/build/gpu-deps"
   command -v ninja >/dev/null && gen=(-G Ninja)
+  if compgen -G "$debs/*.deb" > /dev/null; then
+    rm -rf "$deps" && mkdir -p "$deps" || return 1
+    for deb in "$debs"/*.deb; do
+      dpkg-deb -x "$deb" "$deps" || return 1
+      echo "unpacked $(basename "$deb") into $deps"
+    done
+    prefix=(-DCMAKE_PREFIX_PATH="$deps/usr")
+  fi
   if pybind_dir=$("$PY" -m pybind11 --cmakedir 2>/dev/null) && [ -n "$pybind_dir" ]; then
     pybind=(-Dpybind11_DIR="$pybind_dir")
   else
     echo "python -m pybind11 --cmakedir failed: configuring without -Dpybind11_DIR (cmake searches)"
   fi
-  if ! have_gtest; then
+  if ! have_gtest "${prefix[@]}"; then
     echo "GoogleTest not found by cmake: building without the C++ tests (test-cpp will SKIP)"
     tests=OFF
   fi
@@ -155,7 +172,7 @@ build() {
   # -Werror off: a warning new to that machine's compiler must not waste the GPU time we get.
   cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTENSORTIER_WERROR=OFF \
     -DTENSORTIER_BUILD_TESTS=$tests -DTENSORTIER_BUILD_PYTHON=ON -DTENSORTIER_BUILD_CLI=ON \
-    -DPython_EXECUTABLE="$(command -v "$PY")" "${pybind[@]}" || return 1
+    -DPython_EXECUTABLE="$(command -v "$PY")" "${pybind[@]}" "${prefix[@]}" || return 1
   cmake --build "$BUILD" -j "$JOBS" || return 1
   [ "$tests" = ON ] || echo "NO_CPP_TESTS" > "$BUILD/no-cpp-tests"
   # A venv over the system Python (its torch), holding only our package and CLI.
