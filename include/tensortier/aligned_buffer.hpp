@@ -52,6 +52,12 @@ std::string HugePagesPolicy();
 //    pay the page faults (on VMs that report free pages, ~1.1 s per GiB of huge pages).
 enum class Populate { kOnDemand, kUpFront };
 
+// Tests only: the madvise(2) with which kUpFront buffers fault their pages in
+// (MADV_POPULATE_WRITE), so that its failures can be injected. nullptr restores madvise itself;
+// returns the previous function. Set it while no buffer is being made.
+using MadviseFunction = int (*)(void* address, size_t length, int advice);
+MadviseFunction SetPopulateMadviseForTest(MadviseFunction madvise_function) noexcept;
+
 // Anonymous mapping rounded up to whole pages; zero-filled. Move-only.
 class AlignedBuffer {
  public:

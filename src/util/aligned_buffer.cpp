@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
@@ -70,7 +71,12 @@ const HugePageChoice& Choice() {
   }();
   return choice;
 }
+std::atomic<MadviseFunction> populate_madvise{&madvise};
 }  // namespace
+
+MadviseFunction SetPopulateMadviseForTest(MadviseFunction madvise_function) noexcept {
+  return populate_madvise.exchange(madvise_function != nullptr ? madvise_function : &madvise);
+}
 
 bool UsesHugePages(Pages use) {
   return use == Pages::kReused ? Choice().reused : Choice().touched_once;
@@ -108,7 +114,7 @@ AlignedBuffer::AlignedBuffer(size_t size, Pages use, Populate populate) : size_(
 void AlignedBuffer::MakeResident() {
   // Fault in first, lock second: a granted mlock() faults pages in as well, but sanitizer
   // runtimes replace it with a no-op that reports success.
-  if (madvise(data_, mapped_, MADV_POPULATE_WRITE) != 0) {
+  if (populate_madvise.load()(data_, mapped_, MADV_POPULATE_WRITE) != 0) {
     const int error = errno;
     if (error != EINVAL) {
       const size_t mapped = mapped_;

@@ -3,12 +3,14 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -105,6 +107,68 @@ TEST(AlignedBufferTest, ResidentBuffersHaveEveryPageBeforeFirstUse) {
   }
   AlignedBuffer none(0, Pages::kReused, Populate::kUpFront);
   EXPECT_EQ(none.data(), nullptr);
+}
+
+// Injected failures of the MADV_POPULATE_WRITE that faults a resident buffer's pages in.
+int injected_errno = 0;
+void* populated_at = nullptr;
+int FailingPopulate(void* address, size_t /*length*/, int /*advice*/) {
+  populated_at = address;
+  errno = injected_errno;
+  return -1;
+}
+
+class PopulateFailure {
+ public:
+  explicit PopulateFailure(int error) {
+    injected_errno = error;
+    populated_at = nullptr;
+    previous_ = SetPopulateMadviseForTest(&FailingPopulate);
+  }
+  ~PopulateFailure() { SetPopulateMadviseForTest(previous_); }
+  PopulateFailure(const PopulateFailure&) = delete;
+  PopulateFailure& operator=(const PopulateFailure&) = delete;
+
+ private:
+  MadviseFunction previous_;
+};
+
+// Whether [address, address + length) is still mapped (mincore fails with ENOMEM if not).
+bool Mapped(void* address, size_t length) {
+  std::vector<unsigned char> pages((length + kPageSize - 1) / kPageSize);
+  return mincore(address, length, pages.data()) == 0;
+}
+
+TEST(AlignedBufferTest, KernelsWithoutPopulateWriteGetEveryPageTouched) {
+  PopulateFailure before_5_14(EINVAL);
+  constexpr size_t kSize = (size_t{1} << 20) + 5;
+  AlignedBuffer resident(kSize, Pages::kReused, Populate::kUpFront);
+  EXPECT_EQ(populated_at, resident.data());
+  EXPECT_EQ(ResidentBytesOf(resident.data(), kSize), AlignUp(kSize, kPageSize));
+  for (size_t i = 0; i < kSize; i += 4093) ASSERT_EQ(resident.data()[i], std::byte{0}) << i;
+}
+
+TEST(AlignedBufferTest, ResidentBufferWithoutMemoryThrowsBadAllocAndUnmaps) {
+  PopulateFailure no_memory(ENOMEM);
+  EXPECT_THROW(AlignedBuffer(3 << 20, Pages::kReused, Populate::kUpFront), std::bad_alloc);
+  ASSERT_NE(populated_at, nullptr);
+  EXPECT_FALSE(Mapped(populated_at, 3 << 20));
+}
+
+TEST(AlignedBufferTest, OtherPopulateFailuresThrowSystemErrorAndUnmap) {
+  PopulateFailure refused(EPERM);
+  try {
+    AlignedBuffer buffer(8192, Pages::kReused, Populate::kUpFront);
+    FAIL() << "no exception";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), EPERM);
+    EXPECT_NE(std::string(e.what()).find("faulting in a buffer of 8192 bytes"), std::string::npos)
+        << e.what();
+  }
+  ASSERT_NE(populated_at, nullptr);
+  EXPECT_FALSE(Mapped(populated_at, 8192));
+  AlignedBuffer lazy(8192, Pages::kReused);  // on demand: never asks
+  EXPECT_EQ(ResidentBytesOf(lazy.data(), 8192), 0u);
 }
 
 TEST(AlignedBufferTest, MoveTransfersOwnership) {
