@@ -4,12 +4,14 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <string>
 #include "tensortier/strings.hpp"
 
 #include "cli.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/block_device.hpp"
 #include "tensortier/config.hpp"
+#include "tensortier/cufile.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/file.hpp"
 #include "tensortier/page_cache.hpp"
@@ -94,6 +96,15 @@ int RunCheck(const std::vector<std::string>& argv) {
   }
   std::printf("CUDA driver (libcuda.so.1): %s\n", LibraryPresence("libcuda.so.1").c_str());
   std::printf("cuFile (libcufile.so.0): %s\n", LibraryPresence("libcufile.so.0").c_str());
+  // What the platform allows cuFile, without opening it (cuFileDriverOpen can take seconds).
+  const CuFilePlatform gds = CuFilePlatform::Probe();
+  std::string gds_auto = "cuFile where it opens the file (nvidia-fs loaded)";
+  if (!gds.unusable.empty()) {
+    gds_auto = StrCat("the bounce ring: ", gds.unusable);
+  } else if (!gds.compat_mode.empty()) {
+    gds_auto = StrCat("the bounce ring: cuFile would run in compatibility mode: ", gds.compat_mode);
+  }
+  std::printf("GDS with TENSORTIER_GDS=auto: %s\n", gds_auto.c_str());
   std::printf("huge pages (TENSORTIER_HUGE_PAGES): %s\n\n", HugePagesPolicy().c_str());
 
   std::printf("defaults (environment overrides applied):\n");

@@ -158,8 +158,7 @@ CuFilePlatform CuFilePlatform::Probe(const CudaDriver& driver, const std::string
   // 1.20.0 spun in cuFileDriverOpen for minutes, until stopped. CUDA builds of torch on machines
   // without a GPU make that case likely (their libtorch_cuda loads libcufile.so.0).
   if (!driver.available()) {
-    platform.unusable = StrCat("no usable CUDA driver (", driver.why_unavailable(),
-                               "): cuFileDriverOpen is not called without one");
+    platform.unusable = StrCat("no usable CUDA driver (", driver.why_unavailable(), ")");
   } else if (driver.device_count() == 0) {
     platform.unusable = "the CUDA driver sees no device";
   } else if (RunningInWsl()) {

@@ -24,6 +24,9 @@ def test_check_reports_backends(disk_dir: Path) -> None:
         assert name in r.stdout
     assert "auto ->" in r.stdout and "CUDA driver" in r.stdout and "cuFile" in r.stdout
     assert "TENSORTIER_CHUNK_SIZE" in r.stdout
+    assert "GDS with TENSORTIER_GDS=auto: " in r.stdout
+    if not os.path.exists("/dev/nvidiactl"):
+        assert "GDS with TENSORTIER_GDS=auto: the bounce ring: no usable CUDA driver" in r.stdout
     assert "reads into new tensors (TENSORTIER_STAGE_READS=auto):" in r.stdout
     for setting, says in (("on", "staged through the engine's bounce buffers"),
                           ("off", ": direct")):
