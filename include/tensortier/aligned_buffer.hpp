@@ -52,11 +52,15 @@ std::string HugePagesPolicy();
 //    pay the page faults (on VMs that report free pages, ~1.1 s per GiB of huge pages).
 enum class Populate { kOnDemand, kUpFront };
 
-// Tests only: the madvise(2) with which kUpFront buffers fault their pages in
-// (MADV_POPULATE_WRITE), so that its failures can be injected. nullptr restores madvise itself;
-// returns the previous function. Set it while no buffer is being made.
-using MadviseFunction = int (*)(void* address, size_t length, int advice);
-MadviseFunction SetPopulateMadviseForTest(MadviseFunction madvise_function) noexcept;
+// Tests only: the calls with which kUpFront buffers fault their pages in
+// (madvise(MADV_POPULATE_WRITE)) and lock them (mlock), so that their failures can be injected.
+// A null member restores the system call; returns the previous pair. Set it while no buffer is
+// being made.
+struct ResidencyCalls {
+  int (*madvise)(void* address, size_t length, int advice) = nullptr;
+  int (*mlock)(const void* address, size_t length) = nullptr;
+};
+ResidencyCalls SetResidencyCallsForTest(ResidencyCalls calls) noexcept;
 
 // Anonymous mapping rounded up to whole pages; zero-filled. Move-only.
 class AlignedBuffer {

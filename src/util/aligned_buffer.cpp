@@ -71,11 +71,16 @@ const HugePageChoice& Choice() {
   }();
   return choice;
 }
-std::atomic<MadviseFunction> populate_madvise{&madvise};
+std::atomic<int (*)(void*, size_t, int)> residency_madvise{&madvise};
+std::atomic<int (*)(const void*, size_t)> residency_mlock{&mlock};
 }  // namespace
 
-MadviseFunction SetPopulateMadviseForTest(MadviseFunction madvise_function) noexcept {
-  return populate_madvise.exchange(madvise_function != nullptr ? madvise_function : &madvise);
+ResidencyCalls SetResidencyCallsForTest(ResidencyCalls calls) noexcept {
+  ResidencyCalls previous;
+  previous.madvise =
+      residency_madvise.exchange(calls.madvise != nullptr ? calls.madvise : &madvise);
+  previous.mlock = residency_mlock.exchange(calls.mlock != nullptr ? calls.mlock : &mlock);
+  return previous;
 }
 
 bool UsesHugePages(Pages use) {
@@ -114,7 +119,7 @@ AlignedBuffer::AlignedBuffer(size_t size, Pages use, Populate populate) : size_(
 void AlignedBuffer::MakeResident() {
   // Fault in first, lock second: a granted mlock() faults pages in as well, but sanitizer
   // runtimes replace it with a no-op that reports success.
-  if (populate_madvise.load()(data_, mapped_, MADV_POPULATE_WRITE) != 0) {
+  if (residency_madvise.load()(data_, mapped_, MADV_POPULATE_WRITE) != 0) {
     const int error = errno;
     if (error != EINVAL) {
       const size_t mapped = mapped_;
@@ -128,7 +133,7 @@ void AlignedBuffer::MakeResident() {
       reinterpret_cast<volatile std::byte*>(data_)[at] = std::byte{0};
     }
   }
-  locked_ = mlock(data_, mapped_) == 0;
+  locked_ = residency_mlock.load()(data_, mapped_) == 0;
 }
 
 AlignedBuffer::~AlignedBuffer() {

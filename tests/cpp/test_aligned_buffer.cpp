@@ -117,20 +117,26 @@ int FailingPopulate(void* address, size_t /*length*/, int /*advice*/) {
   errno = injected_errno;
   return -1;
 }
+// A refused lock: a granted mlock() faults every page in by itself, which would hide whether
+// the code under test did.
+int RefusedLock(const void* /*address*/, size_t /*length*/) {
+  errno = EPERM;
+  return -1;
+}
 
 class PopulateFailure {
  public:
   explicit PopulateFailure(int error) {
     injected_errno = error;
     populated_at = nullptr;
-    previous_ = SetPopulateMadviseForTest(&FailingPopulate);
+    previous_ = SetResidencyCallsForTest({.madvise = &FailingPopulate, .mlock = &RefusedLock});
   }
-  ~PopulateFailure() { SetPopulateMadviseForTest(previous_); }
+  ~PopulateFailure() { SetResidencyCallsForTest(previous_); }
   PopulateFailure(const PopulateFailure&) = delete;
   PopulateFailure& operator=(const PopulateFailure&) = delete;
 
  private:
-  MadviseFunction previous_;
+  ResidencyCalls previous_;
 };
 
 // Whether [address, address + length) is still mapped (mincore fails with ENOMEM if not).
@@ -144,6 +150,7 @@ TEST(AlignedBufferTest, KernelsWithoutPopulateWriteGetEveryPageTouched) {
   constexpr size_t kSize = (size_t{1} << 20) + 5;
   AlignedBuffer resident(kSize, Pages::kReused, Populate::kUpFront);
   EXPECT_EQ(populated_at, resident.data());
+  EXPECT_FALSE(resident.locked());  // so the pages below were touched, not locked in
   EXPECT_EQ(ResidentBytesOf(resident.data(), kSize), AlignUp(kSize, kPageSize));
   for (size_t i = 0; i < kSize; i += 4093) ASSERT_EQ(resident.data()[i], std::byte{0}) << i;
 }
