@@ -20,8 +20,8 @@ namespace tensortier::cli {
 namespace {
 
 // Presence only: the CUDA layer (dlopen shims) reports details once it exists.
-std::string LibraryPresence(const char* soname) {
-  void* handle = dlopen(soname, RTLD_LAZY | RTLD_LOCAL);
+std::string LibraryPresence(const std::string& library) {
+  void* handle = dlopen(library.c_str(), RTLD_LAZY | RTLD_LOCAL);
   if (handle == nullptr) return StrCat("not found (", dlerror(), ")");
   dlclose(handle);
   return "found";
@@ -94,15 +94,23 @@ int RunCheck(const std::vector<std::string>& argv) {
   } catch (const std::exception& e) {
     std::printf("O_DIRECT: could not test (%s)\n", e.what());
   }
-  std::printf("CUDA driver (libcuda.so.1): %s\n", LibraryPresence("libcuda.so.1").c_str());
-  std::printf("cuFile (libcufile.so.0): %s\n", LibraryPresence("libcufile.so.0").c_str());
+  // The libraries tensortier would load (TENSORTIER_CUDA_LIBRARY, TENSORTIER_CUFILE_LIBRARY).
+  const std::string cuda_library = CudaDriver::DefaultLibrary();
+  const std::string cufile_library = CuFile::DefaultLibrary();
+  const std::string cufile_presence = LibraryPresence(cufile_library);
+  std::printf("CUDA driver (%s): %s\n", cuda_library.c_str(),
+              LibraryPresence(cuda_library).c_str());
+  std::printf("cuFile (%s): %s\n", cufile_library.c_str(), cufile_presence.c_str());
   // What the platform allows cuFile, without opening it (cuFileDriverOpen can take seconds).
   const CuFilePlatform gds = CuFilePlatform::Probe();
   std::string gds_auto = "cuFile where it opens the file (nvidia-fs loaded)";
-  if (!gds.unusable.empty()) {
+  if (cufile_presence != "found") {
+    gds_auto = StrCat("the bounce ring: ", cufile_library, " ", cufile_presence);
+  } else if (!gds.unusable.empty()) {
     gds_auto = StrCat("the bounce ring: ", gds.unusable);
   } else if (!gds.compat_mode.empty()) {
-    gds_auto = StrCat("the bounce ring: cuFile would run in compatibility mode: ", gds.compat_mode);
+    gds_auto = StrCat("the bounce ring: cuFile would run in compatibility mode: ", gds.compat_mode,
+                      " (unless its configuration sets use_pci_p2pdma)");
   }
   std::printf("GDS with TENSORTIER_GDS=auto: %s\n", gds_auto.c_str());
   std::printf("huge pages (TENSORTIER_HUGE_PAGES): %s\n\n", HugePagesPolicy().c_str());

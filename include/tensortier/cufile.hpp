@@ -59,6 +59,9 @@ struct CUfileDescr_t {
 inline constexpr int kSuccess = 0;
 inline constexpr int kBaseError = 5000;
 inline constexpr int kCudaDriverError = 5011;
+// CUFileBoolConfigParameter_t values used here.
+inline constexpr int kParamForceCompatMode = 2;  // CUFILE_PARAM_FORCE_COMPAT_MODE
+inline constexpr int kParamUsePciP2pdma = 7;     // CUFILE_PARAM_USE_PCIP2PDMA
 }  // namespace cufile
 
 struct CuFileApi {
@@ -73,6 +76,8 @@ struct CuFileApi {
                   off_t base_offset) = nullptr;
   ssize_t (*Write)(cufile::CUfileHandle_t handle, const void* base, size_t size, off_t file_offset,
                    off_t base_offset) = nullptr;
+  // Optional: null where the library predates it (the configuration's values).
+  cufile::CUfileError_t (*GetParameterBool)(int param, bool* value) = nullptr;
 };
 
 // A cuFileRead/cuFileWrite that failed with a cuFile status (a negated CUfileOpError) rather than
@@ -107,6 +112,12 @@ class CuFileError : public std::runtime_error {
   std::string call_;
 };
 
+// Where CuFilePlatform::Probe looks (tests point these elsewhere).
+struct CuFileProbePaths {
+  std::string udev = "/run/udev";                             // cuFile finds devices here
+  std::string nvidia_fs = "/proc/driver/nvidia-fs/devcount";  // the kernel driver's file
+};
+
 // What the machine allows cuFile, read before cuFileDriverOpen is called.
 struct CuFilePlatform {
   // Why cuFile must not be opened here (empty: it may): no CUDA driver or device, WSL, no udev.
@@ -114,11 +125,10 @@ struct CuFilePlatform {
   // Why cuFile would run in its compatibility mode (empty: the nvidia-fs driver is loaded).
   std::string compat_mode;
 
-  // Probes this machine: `driver` (available, with a device), WSL, /run/udev, and
-  // `nvidia_fs_probe` (the nvidia-fs kernel driver's file; empty: not checked).
-  static CuFilePlatform Probe(
-      const CudaDriver& driver = CudaDriver::Get(),
-      const std::string& nvidia_fs_probe = "/proc/driver/nvidia-fs/devcount");
+  // Probes this machine: `driver` (available, with a device), WSL, udev, and the nvidia-fs
+  // kernel driver.
+  static CuFilePlatform Probe(const CudaDriver& driver = CudaDriver::Get(),
+                              const CuFileProbePaths& paths = CuFileProbePaths());
 };
 
 class CuFile {
@@ -147,8 +157,9 @@ class CuFile {
   // Empty when available.
   const std::string& why_unavailable() const noexcept { return why_; }
   const std::string& library() const noexcept { return library_; }
-  // Non-empty when available but without nvidia-fs: cuFile then reads and writes through its
-  // own host buffers (compatibility mode), so "auto" GDS uses the bounce ring instead.
+  // Non-empty when available but cuFile would read and write through its own host buffers
+  // (compatibility mode): no nvidia-fs driver (unless its configuration sets use_pci_p2pdma), or
+  // a configuration that forces that mode. "auto" GDS then uses the bounce ring instead.
   const std::string& compat_mode_reason() const noexcept { return compat_mode_reason_; }
   // Throws CuFileError (naming `call`) when unavailable.
   const CuFileApi& api(const char* call = "cuFile call") const;

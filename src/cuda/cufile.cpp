@@ -152,7 +152,7 @@ CuFileError::CuFileError(int code, int cuda_code, std::string call, const std::s
 // ---------------------------------------------------------------------------------------------
 // CuFilePlatform
 
-CuFilePlatform CuFilePlatform::Probe(const CudaDriver& driver, const std::string& nvidia_fs_probe) {
+CuFilePlatform CuFilePlatform::Probe(const CudaDriver& driver, const CuFileProbePaths& paths) {
   CuFilePlatform platform;
   // The checks KvikIO makes (udev, WSL), and a driver first: without libcuda.so.1, libcufile
   // 1.20.0 spun in cuFileDriverOpen for minutes, until stopped. CUDA builds of torch on machines
@@ -163,13 +163,13 @@ CuFilePlatform CuFilePlatform::Probe(const CudaDriver& driver, const std::string
     platform.unusable = "the CUDA driver sees no device";
   } else if (RunningInWsl()) {
     platform.unusable = "cuFile is not supported under WSL";
-  } else if (access("/run/udev", R_OK) != 0) {
+  } else if (access(paths.udev.c_str(), R_OK) != 0) {
     platform.unusable =
-        StrCat("/run/udev is not readable (", std::strerror(errno),
+        StrCat(paths.udev, " is not readable (", std::strerror(errno),
                "): cuFile needs it to find devices (in a container, mount the host's /run/udev)");
-  } else if (!nvidia_fs_probe.empty() && access(nvidia_fs_probe.c_str(), R_OK) != 0) {
+  } else if (access(paths.nvidia_fs.c_str(), R_OK) != 0) {
     platform.compat_mode =
-        StrCat("no nvidia-fs kernel driver (", nvidia_fs_probe, ": ", std::strerror(errno), ")");
+        StrCat("no nvidia-fs kernel driver (", paths.nvidia_fs, ": ", std::strerror(errno), ")");
   }
   return platform;
 }
@@ -228,6 +228,20 @@ void CuFile::Open(const CuFilePlatform& platform) {
     return;
   }
   compat_mode_reason_ = platform.compat_mode;
+  // cuFile's own configuration overrides what the platform suggests: it may force its
+  // compatibility mode, or do GPUDirect through the kernel's PCI P2PDMA without nvidia-fs.
+  std::string absent;  // an optional entry point: older libraries lack it
+  if (detail::DlSym(handle_, library_, "cuFileGetParameterBool", api_.GetParameterBool, &absent)) {
+    bool value = false;
+    if (api_.GetParameterBool(cufile::kParamForceCompatMode, &value).err == cufile::kSuccess &&
+        value) {
+      compat_mode_reason_ = "its configuration forces compatibility mode (force_compat_mode)";
+    } else if (!compat_mode_reason_.empty() &&
+               api_.GetParameterBool(cufile::kParamUsePciP2pdma, &value).err == cufile::kSuccess &&
+               value) {
+      compat_mode_reason_.clear();  // use_pci_p2pdma: GPUDirect without nvidia-fs
+    }
+  }
   available_ = true;
 }
 

@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -377,8 +378,8 @@ TEST_F(FakeCudaTest, UnregisteringMemoryAQueuedCopyUsesIsRecordedAndLeaksAreCoun
   EXPECT_EQ(fake_.Live(), live);
 }
 
-// cuFile transfers through the real CuFileHandle: short transfers are continued, failures carry
-// errno or the cuFile status with the path and range.
+// cuFileDriverOpen is not called where the platform is unusable (libcufile 1.20.0 spun in it
+// without libcuda.so.1); the platform's compatibility-mode reason carries over.
 TEST_F(FakeCudaTest, CuFileIsNotOpenedWhereThePlatformIsUnusable) {
   const std::string library = testing::FakeCudaLibrary();
   const int opens = fake_.CuFileDriverOpens();
@@ -396,21 +397,37 @@ TEST_F(FakeCudaTest, CuFileIsNotOpenedWhereThePlatformIsUnusable) {
 
 TEST_F(FakeCudaTest, CuFilePlatformProbeReportsCompatibilityModeWithoutNvidiaFs) {
   TempDir dir;
-  const std::string devcount = dir.File("devcount");
-  const CuFilePlatform missing = CuFilePlatform::Probe(CudaDriver::Get(), devcount);
-  if (access("/run/udev", R_OK) != 0) {
-    EXPECT_TRUE(Contains(missing.unusable, "/run/udev")) << missing.unusable;
-    return;
-  }
+  const CuFileProbePaths paths{.udev = dir.File("udev"), .nvidia_fs = dir.File("devcount")};
+  const CuFilePlatform no_udev = CuFilePlatform::Probe(CudaDriver::Get(), paths);
+  EXPECT_TRUE(Contains(no_udev.unusable, paths.udev + " is not readable")) << no_udev.unusable;
+  ASSERT_EQ(mkdir(paths.udev.c_str(), 0755), 0) << std::strerror(errno);
+  const CuFilePlatform missing = CuFilePlatform::Probe(CudaDriver::Get(), paths);
   EXPECT_EQ(missing.unusable, "");
-  EXPECT_TRUE(Contains(missing.compat_mode, "no nvidia-fs kernel driver (" + devcount))
+  EXPECT_TRUE(Contains(missing.compat_mode, "no nvidia-fs kernel driver (" + paths.nvidia_fs))
       << missing.compat_mode;
-  std::ofstream(devcount) << "1\n";
-  const CuFilePlatform present = CuFilePlatform::Probe(CudaDriver::Get(), devcount);
+  std::ofstream(paths.nvidia_fs) << "1\n";
+  const CuFilePlatform present = CuFilePlatform::Probe(CudaDriver::Get(), paths);
   EXPECT_EQ(present.unusable, "");
   EXPECT_EQ(present.compat_mode, "");
 }
 
+// cuFile's configuration (cuFileGetParameterBool) overrides what the platform suggests.
+TEST_F(FakeCudaTest, CuFileConfigurationDecidesCompatibilityModeOverNvidiaFs) {
+  const std::string library = testing::FakeCudaLibrary();
+  const CuFilePlatform no_nvidia_fs{.unusable = "", .compat_mode = "no nvidia-fs (test)"};
+  fake_.SetCuFileBoolParameter(cufile::kParamUsePciP2pdma, true);
+  EXPECT_EQ(CuFile::Load(library, no_nvidia_fs)->compat_mode_reason(), "");
+  fake_.SetCuFileBoolParameter(cufile::kParamForceCompatMode, true);
+  const CuFilePlatform with_nvidia_fs{.unusable = "", .compat_mode = ""};
+  EXPECT_EQ(CuFile::Load(library, with_nvidia_fs)->compat_mode_reason(),
+            "its configuration forces compatibility mode (force_compat_mode)");
+  fake_.SetCuFileBoolParameter(cufile::kParamUsePciP2pdma, false);
+  fake_.SetCuFileBoolParameter(cufile::kParamForceCompatMode, false);
+  EXPECT_EQ(CuFile::Load(library, no_nvidia_fs)->compat_mode_reason(), "no nvidia-fs (test)");
+}
+
+// cuFile transfers through the real CuFileHandle: short transfers are continued, failures carry
+// errno or the cuFile status with the path and range.
 TEST_F(FakeCudaTest, CuFileShortTransfersContinueAndFailuresAreNamed) {
   const CuFile& cufile = testing::CuFileForTests();
   ASSERT_TRUE(cufile.available()) << cufile.why_unavailable();

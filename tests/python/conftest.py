@@ -55,3 +55,42 @@ def _resident_bytes(tensor: Any) -> int:
 def resident_bytes() -> Callable[[Any], int]:
     """mincore over a tensor's memory: how many of its bytes' pages are resident."""
     return _resident_bytes
+
+
+def _nvidia_wheel_file(pattern: str) -> Path | None:
+    """The first file matching `pattern` under the ``nvidia`` namespace package of NVIDIA's pip
+    wheels (e.g. ``*/lib/libcufile.so.0``), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = spec.submodule_search_locations if spec is not None else None
+    for root in roots or []:
+        for found in sorted(Path(root).glob(pattern)):
+            return found
+    return None
+
+
+def _required_wheel_file(pattern: str, wheel: str) -> Path:
+    found = _nvidia_wheel_file(pattern)
+    if found is None:
+        if os.environ.get("CI"):  # a missing install step must not pass as a skip
+            pytest.fail(f"{wheel} is not installed: scripts/setup.sh installs it")
+        pytest.skip(f"{wheel} is not installed (scripts/setup.sh installs it)")
+    return found
+
+
+@pytest.fixture
+def nvidia_libcufile() -> Path:
+    """NVIDIA's libcufile.so.0 from the nvidia-cufile wheel (not on the loader's path)."""
+    return _required_wheel_file("*/lib/libcufile.so.0", "nvidia-cufile")
+
+
+@pytest.fixture
+def nvidia_include() -> Path:
+    """The include folder of NVIDIA's wheels holding cuda.h (nvidia-cuda-runtime) and cufile.h
+    (nvidia-cufile)."""
+    cufile_h = _required_wheel_file("*/include/cufile.h", "nvidia-cufile")
+    if not (cufile_h.parent / "cuda.h").is_file():
+        _required_wheel_file("*/include/cuda.h", "nvidia-cuda-runtime")
+        pytest.fail(f"cuda.h and cufile.h are in different folders: {cufile_h.parent}")
+    return cufile_h.parent

@@ -25,14 +25,28 @@ def test_check_reports_backends(disk_dir: Path) -> None:
     assert "auto ->" in r.stdout and "CUDA driver" in r.stdout and "cuFile" in r.stdout
     assert "TENSORTIER_CHUNK_SIZE" in r.stdout
     assert "GDS with TENSORTIER_GDS=auto: " in r.stdout
-    if not os.path.exists("/dev/nvidiactl"):
-        assert "GDS with TENSORTIER_GDS=auto: the bounce ring: no usable CUDA driver" in r.stdout
     assert "reads into new tensors (TENSORTIER_STAGE_READS=auto):" in r.stdout
     for setting, says in (("on", "staged through the engine's bounce buffers"),
                           ("off", ": direct")):
         r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
                            timeout=300, env={**os.environ, "TENSORTIER_STAGE_READS": setting})
         assert f"TENSORTIER_STAGE_READS={setting}): " in r.stdout and says in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="a CUDA driver is installed here")
+def test_check_says_why_gds_auto_uses_the_ring(disk_dir: Path, nvidia_libcufile: Path) -> None:
+    """Without libcufile, and with one (NVIDIA's, from the nvidia-cufile wheel) but no driver."""
+    env = {**os.environ, "TENSORTIER_CUFILE_LIBRARY": "/nonexistent/libcufile.so.0"}
+    r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert "cuFile (/nonexistent/libcufile.so.0): not found" in r.stdout, r.stdout
+    assert ("GDS with TENSORTIER_GDS=auto: the bounce ring: /nonexistent/libcufile.so.0 not "
+            "found") in r.stdout, r.stdout
+    env["TENSORTIER_CUFILE_LIBRARY"] = str(nvidia_libcufile)
+    r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert f"cuFile ({nvidia_libcufile}): found" in r.stdout, r.stdout
+    assert "GDS with TENSORTIER_GDS=auto: the bounce ring: no usable CUDA driver" in r.stdout
 
 
 def test_check_rejects_missing_dir(disk_dir: Path) -> None:

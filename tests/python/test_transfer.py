@@ -5,7 +5,6 @@ storages. The same paths with real CUDA tensors are in test_gpu_transfer.py."""
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import subprocess
 import sys
@@ -225,26 +224,13 @@ def test_device_file_gds_modes(disk_dir: Path) -> None:
         _core.DeviceFile(f, "on")
 
 
-def _installed_libcufile() -> Path | None:
-    """NVIDIA's own libcufile.so.0 from the ``nvidia-cufile`` wheel (scripts/setup.sh installs
-    it), or None."""
-    spec = importlib.util.find_spec("nvidia")
-    roots = spec.submodule_search_locations if spec is not None else None
-    for root in roots or []:
-        for lib in sorted(Path(root).glob("*/lib/libcufile.so.0")):
-            return lib
-    return None
-
-
 @needs_no_driver
-def test_real_libcufile_without_a_driver_is_reported_not_opened(tmp_path: Path) -> None:
+def test_real_libcufile_without_a_driver_is_reported_not_opened(
+    tmp_path: Path, nvidia_libcufile: Path
+) -> None:
     """NVIDIA's libcufile (1.20.0) spun for minutes in cuFileDriverOpen without libcuda.so.1, as
     on a machine with a CUDA build of torch and no GPU: tensortier no longer calls it there."""
-    lib = _installed_libcufile()
-    if lib is None:
-        if os.environ.get("CI"):
-            pytest.fail("nvidia-cufile is not installed: scripts/setup.sh installs it")
-        pytest.skip("nvidia-cufile is not installed (scripts/setup.sh installs it)")
+    lib = nvidia_libcufile
     env = dict(os.environ, TENSORTIER_CUFILE_LIBRARY=str(lib))
     code = "import tensortier; print(repr(tensortier.cufile_info()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=120,

@@ -70,7 +70,7 @@ constexpr tensortier::CudaApi kCuda;
 constexpr tensortier::CuFileApi kCuFile;
 
 // The entry points and the names cuda_driver.cpp and cufile.cpp resolve (test_cuda_abi.py checks
-// that these names are exactly the ones those files pass to DlSym).
+// that these (name, member) pairs are exactly the ones those files pass to DlSym).
 TT_ENTRY(cuInit, kCuda.Init, "cuInit");
 TT_ENTRY(cuDriverGetVersion, kCuda.DriverGetVersion, "cuDriverGetVersion");
 TT_ENTRY(cuGetErrorName, kCuda.GetErrorName, "cuGetErrorName");
@@ -106,6 +106,7 @@ TT_ENTRY(cuFileBufRegister, kCuFile.BufRegister, "cuFileBufRegister");
 TT_ENTRY(cuFileBufDeregister, kCuFile.BufDeregister, "cuFileBufDeregister");
 TT_ENTRY(cuFileRead, kCuFile.Read, "cuFileRead");
 TT_ENTRY(cuFileWrite, kCuFile.Write, "cuFileWrite");
+TT_ENTRY(cuFileGetParameterBool, kCuFile.GetParameterBool, "cuFileGetParameterBool");
 
 // CUresult values, attributes, memory types and flags.
 static_assert(tc::kSuccess == CUDA_SUCCESS);
@@ -148,5 +149,16 @@ static_assert(tf::kHandleTypeOpaqueFd == CU_FILE_HANDLE_TYPE_OPAQUE_FD);
 static_assert(tf::kSuccess == CU_FILE_SUCCESS);
 static_assert(tf::kBaseError == CUFILEOP_BASE_ERR);
 static_assert(tf::kCudaDriverError == CU_FILE_CUDA_DRIVER_ERROR);
+static_assert(tf::kParamForceCompatMode == CUFILE_PARAM_FORCE_COMPAT_MODE);
+static_assert(tf::kParamUsePciP2pdma == CUFILE_PARAM_USE_PCIP2PDMA);
+// Field types, not only places: a field's type decides how its bytes are read.
+static_assert(SameAbi<decltype(tf::CUfileError_t::err), decltype(CUfileError_t::err)>());
+static_assert(SameAbi<decltype(tf::CUfileError_t::cu_err), decltype(CUfileError_t::cu_err)>());
+static_assert(SameAbi<decltype(tf::CUfileDescr_t::type), decltype(CUfileDescr_t::type)>());
+static_assert(
+    SameAbi<decltype(tf::CUfileDescr_t::handle.fd), decltype(CUfileDescr_t::handle.fd)>());
+static_assert(
+    SameAbi<decltype(tf::CUfileDescr_t::handle.handle), decltype(CUfileDescr_t::handle.handle)>());
+static_assert(SameAbi<decltype(tf::CUfileDescr_t::fs_ops), decltype(CUfileDescr_t::fs_ops)>());
 
 }  // namespace

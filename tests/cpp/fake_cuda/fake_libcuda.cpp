@@ -120,7 +120,8 @@ struct Driver {
   std::map<uintptr_t, size_t> file_buffers;  // cuFileBufRegister'ed ranges
   long next_transfer_result = 0;             // injected: 0 none, >0 short, <0 returned as is
   int next_transfer_errno = 0;
-  int driver_opens = 0;  // cuFileDriverOpen calls
+  int driver_opens = 0;           // cuFileDriverOpen calls
+  bool bool_parameters[16] = {};  // cuFileGetParameterBool's answers, set by the hook below
 };
 
 Driver& D() {
@@ -293,6 +294,12 @@ void fakecuda_cufile_next_result(long result, int error) {
 int fakecuda_cufile_driver_opens() {
   std::lock_guard lock(D().mu);
   return D().driver_opens;
+}
+
+// What cuFileGetParameterBool answers for `param` from now on.
+void fakecuda_cufile_set_bool_parameter(int param, int value) {
+  std::lock_guard lock(D().mu);
+  if (param >= 0 && param < 16) D().bool_parameters[param] = value != 0;
 }
 
 // ---- initialisation, errors, devices, contexts -------------------------------------------------
@@ -703,6 +710,13 @@ constexpr int kFileNotRegistered = 5024;
 CUfileError cuFileDriverOpen() {
   std::lock_guard lock(D().mu);
   ++D().driver_opens;
+  return {kFileSuccess, 0};
+}
+
+CUfileError cuFileGetParameterBool(int param, bool* value) {
+  if (value == nullptr || param < 0 || param >= 16) return {kFileInvalidValue, 0};
+  std::lock_guard lock(D().mu);
+  *value = D().bool_parameters[param];
   return {kFileSuccess, 0};
 }
 
