@@ -249,6 +249,7 @@ class Settings:
 class Samples:
     values: dict[str, list[float]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    verified: set[str] = field(default_factory=set)  # tools whose loaded data was compared
 
     def add(self, tool: str, value: float) -> None:
         self.values.setdefault(tool, []).append(value)
@@ -386,6 +387,8 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     if tool == "fio":
         return run_fio(s, path, "read", warm)[0], None
     unstaged = _unstaged_io() if tool == "tt-unstaged" else None  # made before the timing
+    if tool == "safetensors":
+        from safetensors.torch import load_file  # imported before the timing, as torch is
     start = time.perf_counter()
     if tool == "tt-hugepages":
         with _HugePageTensors():
@@ -398,8 +401,6 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     elif tool.startswith("tt-"):
         out = tensortier.load(path, progress=False)
     elif tool == "safetensors":
-        from safetensors.torch import load_file
-
         out = load_file(path)
         touch_pages(out)  # in case its tensors are lazily mapped: count the reads they need
     elif tool == "torch.load":
@@ -682,6 +683,8 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
                         expected = state_digest(sd)
                     if digest and got != expected:
                         raise BenchError(f"{scenario} {tool}: loaded data differs (digest)")
+                    if digest:
+                        samples.verified.add(tool)
                     out = None
                 else:
                     seconds, out = load_tool(s, tool, scenario == "warm")
@@ -700,6 +703,7 @@ def run_scenario(s: Settings, scenario: str, sd: dict[str, Any]) -> tuple[Sample
                             raise BenchError(f"{scenario} {tool}: {k} is on {t.device}")
                     out = {k: t.cpu() for k, t in out.items()}
                 check_same(out, sd, f"{scenario} {tool}")
+                samples.verified.add(tool)
             del out
             gbps = total / seconds / GB
             samples.add(tool, gbps)
@@ -745,7 +749,7 @@ def report(scenario: str, samples: Samples, tools: Sequence[str]) -> tuple[str, 
                      f"{'-' if r_mm is None else f'{r_mm:.2f}'} |")
         rows[tool] = {"median_gbps": med, "samples_gbps": samples.values.get(tool, []),
                       "ratio": r, "target": target, "result": result, "ratio_tt_torch": r_pt,
-                      "ratio_tt_mmap": r_mm}
+                      "ratio_tt_mmap": r_mm, "verified": tool in samples.verified}
     return "\n".join(lines) + "\n", rows
 
 

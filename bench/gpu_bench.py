@@ -79,11 +79,23 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
     src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     bounce = tensortier.IOHandle(gds="off")
-    # cuFile itself ("on"), where it opens: "auto" takes the ring where cuFile would run in its
-    # compatibility mode (no nvidia-fs), which would only time the bounce ring twice.
-    cufile = tensortier.cufile_info()["available"]
-    gds = tensortier.IOHandle(gds="on" if cufile else "off")
     bounce.pwrite(src, path)  # the file every load reads
+    out_path = os.path.join(folder, f"gpu_bench_store_{size}.bin")
+    # cuFile itself ("on"), where it takes these files: "auto" takes the ring where cuFile would
+    # run in its compatibility mode (no nvidia-fs), which would only time the bounce ring twice.
+    # One untimed load and store first: a refusal is a note, not the end of the run.
+    gds: Any = None
+    cufile_note = tensortier.cufile_info()["why_unavailable"]
+    if not cufile_note:
+        try:
+            gds = tensortier.IOHandle(gds="on")
+            gds.pread_async(dst, path).result()
+            gds.pwrite_async(src[:4096], out_path).result()
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            cufile_note = f"gds='on' refused: {type(e).__name__}: {e}"
+            if gds is not None:
+                gds.close()
+            gds = None
     host = tensortier.aligned_empty(size, reused=True, resident=True)  # reused: huge pages
     torch_gds_error = ""
     try:
@@ -129,12 +141,10 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
         "tensortier bounce": load_bounce,
         "py_load_gpu_tensor": load_py,
     }
-    if cufile:
+    if gds is not None:
         loads["tensortier gds=on (cuFile)"] = load_gds
     if not torch_gds_error:
         loads["torch.cuda.gds.GdsFile"] = load_torch_gds
-
-    out_path = os.path.join(folder, f"gpu_bench_store_{size}.bin")
 
     def store_bounce() -> str:
         return bounce.pwrite_async(src, out_path).result().stats["path"]
@@ -155,7 +165,7 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
         "tensortier bounce": store_bounce,
         "py_store_gpu_tensor": store_py,
     }
-    if cufile:
+    if gds is not None:
         stores["tensortier gds=on (cuFile)"] = store_gds
     if not torch_gds_error:
         stores["torch.cuda.gds.GdsFile"] = store_torch_gds
@@ -188,12 +198,15 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
     for name in stores:
         rows.append(row("store", size, "n/a", name, paths_s[name], times_s[name]))
     bounce.close()
-    gds.close()
+    if gds is not None:
+        gds.close()
     os.unlink(path)
     del src, dst, host
     torch.cuda.empty_cache()
     if torch_gds_error:
         rows.append({"op": "note", "size": size, "torch_cuda_gds": torch_gds_error})
+    if cufile_note:
+        rows.append({"op": "note", "size": size, "cufile": cufile_note})
     return rows
 
 
@@ -248,7 +261,9 @@ def main() -> int:
     print(f"{'op':6} {'size':>6} {'cache':5} {'method':38} {'path':18} {'GB/s':>7}")
     for r in rows:
         if r["op"] == "note":
-            print(f"note: torch.cuda.gds at {r['size'] >> 20} MiB: {r['torch_cuda_gds']}")
+            for key, what in (("torch_cuda_gds", "torch.cuda.gds"), ("cufile", "cuFile")):
+                if key in r:
+                    print(f"note: {what} at {r['size'] >> 20} MiB: {r[key]}")
             continue
         print(f"{r['op']:6} {r['size'] >> 20:5}M {r['cache']:5} {r['method']:38} {r['path']:18} "
               f"{r['gbps_median']:7.2f}")

@@ -21,9 +21,10 @@
 #             when nothing is built.
 # Debian packages the machine lacks (GoogleTest for the C++ tests, liburing and libaio for those
 # backends) are unpacked by build from DEBS (default build/gpu-debs) into build/gpu-deps, which
-# cmake then searches first (never into /), e.g. fetched on a Debian/Ubuntu machine with
+# cmake then searches first (never into /), e.g. fetched on a Debian 12 machine with
 #   mkdir -p build/gpu-debs && (cd build/gpu-debs && apt-get download libgtest-dev \
 #     libgmock-dev liburing-dev liburing2 libaio-dev libaio1)
+# (Ubuntu 24.04 names libaio1 libaio1t64.)
 # Benchmark peers missing on a machine without internet (safetensors, fastsafetensors and its
 # dependencies) are unpacked into the venv from WHEELS (default build/gpu-wheels) by build, e.g.
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -65,7 +66,7 @@ while [ $# -gt 0 ]; do
     --sizes) SIZES=$2; shift ;;
     --repeats) REPEATS=$2; shift ;;
     --quick) QUICK=1 ;;
-    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu-test: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -152,27 +153,32 @@ build() {
   local debs="${DEBS:-$ROOT/build/gpu-debs}" deps="$ROOT/build/gpu-deps"
   command -v ninja >/dev/null && gen=(-G Ninja)
   if compgen -G "$debs/*.deb" > /dev/null; then
-    rm -rf "$deps" && mkdir -p "$deps" || return 1
-    for deb in "$debs"/*.deb; do
-      dpkg-deb -x "$deb" "$deps" || return 1
-      echo "unpacked $(basename "$deb") into $deps"
-    done
-    prefix=(-DCMAKE_PREFIX_PATH="$deps/usr")
+    if command -v dpkg-deb > /dev/null; then
+      rm -rf "$deps" && mkdir -p "$deps" || return 1
+      for deb in "$debs"/*.deb; do
+        dpkg-deb -x "$deb" "$deps" || return 1
+        echo "unpacked $(basename "$deb") into $deps"
+      done
+      prefix=(-DCMAKE_PREFIX_PATH="$deps/usr")
+    else
+      echo "dpkg-deb is missing: not unpacking $debs/*.deb (cmake searches the system only)"
+    fi
   fi
   if pybind_dir=$("$PY" -m pybind11 --cmakedir 2>/dev/null) && [ -n "$pybind_dir" ]; then
     pybind=(-Dpybind11_DIR="$pybind_dir")
   else
     echo "python -m pybind11 --cmakedir failed: configuring without -Dpybind11_DIR (cmake searches)"
   fi
-  if ! have_gtest "${prefix[@]}"; then
+  if ! have_gtest ${prefix[@]+"${prefix[@]}"}; then
     echo "GoogleTest not found by cmake: building without the C++ tests (test-cpp will SKIP)"
     tests=OFF
   fi
   rm -f "$BUILD/no-cpp-tests"
   # -Werror off: a warning new to that machine's compiler must not waste the GPU time we get.
-  cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTENSORTIER_WERROR=OFF \
+  cmake -S . -B "$BUILD" ${gen[@]+"${gen[@]}"} -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTENSORTIER_WERROR=OFF \
     -DTENSORTIER_BUILD_TESTS=$tests -DTENSORTIER_BUILD_PYTHON=ON -DTENSORTIER_BUILD_CLI=ON \
-    -DPython_EXECUTABLE="$(command -v "$PY")" "${pybind[@]}" "${prefix[@]}" || return 1
+    -DPython_EXECUTABLE="$(command -v "$PY")" ${pybind[@]+"${pybind[@]}"} \
+    ${prefix[@]+"${prefix[@]}"} || return 1
   cmake --build "$BUILD" -j "$JOBS" || return 1
   [ "$tests" = ON ] || echo "NO_CPP_TESTS" > "$BUILD/no-cpp-tests"
   # A venv over the system Python (its torch), holding only our package and CLI.

@@ -35,6 +35,7 @@ def test_checkpoint_bench_small_run(disk_dir: Path) -> None:
                         (gpu, ("tt-safetensors", "safetensors", "file-read", "h2d"))):
         for tool in tools:
             assert len(rows[tool]["samples_gbps"]) == 2 and rows[tool]["median_gbps"] > 0, tool
+    assert all(cold[tool]["verified"] for tool in loads)
     limit = gpu["min(file-read, h2d)"]
     assert limit["samples_gbps"] == [min(a, b) for a, b in zip(
         gpu["file-read"]["samples_gbps"], gpu["h2d"]["samples_gbps"])]
@@ -56,6 +57,9 @@ def test_checkpoint_bench_warm_fresh_runs_each_load_in_a_new_process(disk_dir: P
     for tool in ("tt-safetensors", "torch.load", "first-touch"):
         assert len(rows[tool]["samples_gbps"]) == 1 and rows[tool]["median_gbps"] > 0, tool
     assert rows["torch.load"]["target"] == 2.0 and rows["first-touch"]["target"] is None
+    # Each child's load was hashed and compared (first-touch loads nothing to compare).
+    assert rows["tt-safetensors"]["verified"] and rows["torch.load"]["verified"]
+    assert not rows["first-touch"]["verified"]
     assert "one load per new process" in r.stdout
 
 
