@@ -41,8 +41,9 @@ def cuda_info() -> dict[str, Any]:
 
 def cufile_info() -> dict[str, Any]:
     """cuFile (GPUDirect Storage): ``available``, ``why_unavailable``, ``library`` and
-    ``compat_mode_reason`` (set when cuFile opens but the nvidia-fs driver is missing, so that
-    it would only run in its compatibility mode; ``gds="auto"`` then uses the bounce ring)."""
+    ``compat_mode_reason`` (set when cuFile opens but would only run in its compatibility mode:
+    no nvidia-fs driver and no ``use_pci_p2pdma``, or a configuration forcing that mode;
+    ``gds="auto"`` then uses the bounce ring)."""
     return dict(_core.cufile())
 
 

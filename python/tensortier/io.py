@@ -152,9 +152,10 @@ class IOHandle:
         probe_dir: with ``backend="auto"``, pick the first backend whose verified round trip
             passes in this directory.
         gds: for CUDA tensors, ``"off"`` (the bounce ring), ``"auto"`` (GDS where cuFile
-            accepts the file and the nvidia-fs driver is loaded, else the ring: without it
-            cuFile only runs in its compatibility mode) or ``"on"`` (cuFile, in whichever mode
-            it runs, or an error). Default: ``$TENSORTIER_GDS``, else ``"off"``.
+            accepts the file and is not in its compatibility mode: the nvidia-fs driver is
+            loaded, or cuFile's configuration sets ``use_pci_p2pdma``; else the ring) or
+            ``"on"`` (cuFile, in whichever mode it runs, or an error). Default:
+            ``$TENSORTIER_GDS``, else ``"off"``.
         bounce_slots, bounce_slot_size, bounce_rings: the pinned bounce ring of CUDA transfers:
             buffers per ring, bytes per buffer, rings (concurrent CUDA transfers). Defaults:
             ``$TENSORTIER_BOUNCE_SLOTS`` (8), ``$TENSORTIER_BOUNCE_SLOT_SIZE`` (8 MiB),
