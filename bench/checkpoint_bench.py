@@ -25,6 +25,13 @@ Scenarios (``--scenarios``, default all):
            tt-unstaged      tensortier.load("tt.safetensors") with stage_reads="off": direct
                             reads straight into the new tensors (what tt-safetensors does
                             where TENSORTIER_STAGE_READS=auto does not stage: NVMe)
+           tt-trim          tensortier.load("tt.safetensors") through an IOHandle with
+                            bounce_idle_ms=0: the engine frees its bounce buffers whenever its
+                            workers go idle (the behaviour before TENSORTIER_BOUNCE_IDLE_MS)
+           tt-sharded       tensortier.load("tt-shards/model.safetensors.index.json"): the same
+                            state dict in SHARDS safetensors files written by tensortier.save,
+                            and a Hugging Face index naming them
+           tt-sharded-trim  tt-sharded with bounce_idle_ms=0, as tt-trim
            tt-hugepages     tensortier.load("tt.safetensors") with each loaded tensor in a
                             fresh huge-page mapping (the alternative to torch's allocator)
            tt-mmap          tensortier.load("tt.safetensors", mmap=True) + touching every
@@ -99,6 +106,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -119,8 +127,8 @@ GPU_TOOLS = ("tt-safetensors", "tt-torch", "safetensors", "torch.load", "fastsaf
              "file-read", "h2d")
 LIMIT = "min(file-read, h2d)"
 SAVE_TOOLS = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
-LOAD_TOOLS = ("tt-safetensors", "tt-unstaged", "tt-foreign", "tt-torch", "tt-hugepages", "tt-mmap",
-              "safetensors",
+LOAD_TOOLS = ("tt-safetensors", "tt-unstaged", "tt-foreign", "tt-torch", "tt-trim", "tt-sharded",
+              "tt-sharded-trim", "tt-hugepages", "tt-mmap", "safetensors",
               "torch.load", "torch.load-mmap", "fio", "tensorizer", "runai-streamer")
 OPTIONAL_MODULES = {  # optional load tools (report only) -> (module to import, pip package)
     "tensorizer": ("tensorizer", "tensorizer"),
@@ -311,7 +319,10 @@ LOAD_FILES = {
     "safetensors": "tt.safetensors", "torch.load": "tt.pt", "torch.load-mmap": "tt.pt",
     "fio": "fio.dat", "tensorizer": "tensorizer.tensors", "runai-streamer": "tt.safetensors",
     "fastsafetensors": "tt.safetensors", "file-read": "tt.safetensors", "h2d": "tt.safetensors",
+    "tt-trim": "tt.safetensors", "tt-sharded": "tt-shards/model.safetensors.index.json",
+    "tt-sharded-trim": "tt-shards/model.safetensors.index.json",
 }
+SHARDS = 8
 BENCH_FILES = ("tt.safetensors", "tt.pt", "torch.pt", "st.safetensors", "fio.dat",
                "tensorizer.tensors")
 
@@ -380,13 +391,16 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     import tensortier
 
     path = s.directory / LOAD_FILES[tool]
-    if warm:
-        warm_file(path, 16 << 20, reuse=True)
-    else:
-        drop_file_cache(path, sync=os.fdatasync)
+    data_files = sorted(path.parent.glob("*.safetensors")) if path.suffix == ".json" else [path]
+    for data in data_files:
+        if warm:
+            warm_file(data, 16 << 20, reuse=True)
+        else:
+            drop_file_cache(data, sync=os.fdatasync)
     if tool == "fio":
         return run_fio(s, path, "read", warm)[0], None
-    unstaged = _unstaged_io() if tool == "tt-unstaged" else None  # made before the timing
+    handle = (_unstaged_io() if tool == "tt-unstaged"  # made before the timing
+              else _trimming_io() if tool.endswith("-trim") else None)
     if tool == "safetensors":
         from safetensors.torch import load_file  # imported before the timing, as torch is
     start = time.perf_counter()
@@ -396,8 +410,8 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     elif tool == "tt-mmap":
         out = tensortier.load(path, mmap=True, progress=False)
         touch_pages(out)
-    elif tool == "tt-unstaged":
-        out = tensortier.load(path, progress=False, _io=unstaged)
+    elif handle is not None:
+        out = tensortier.load(path, progress=False, _io=handle)
     elif tool.startswith("tt-"):
         out = tensortier.load(path, progress=False)
     elif tool == "safetensors":
@@ -473,6 +487,42 @@ def _unstaged_io() -> Any:
     if _UNSTAGED_IO is None:
         _UNSTAGED_IO = tensortier.IOHandle(stage_reads="off")
     return _UNSTAGED_IO
+
+
+_TRIMMING_IO: Any = None
+
+
+def _trimming_io() -> Any:
+    """An IOHandle whose idle workers free their bounce buffers at once (bounce_idle_ms=0)."""
+    global _TRIMMING_IO
+    import tensortier
+
+    if _TRIMMING_IO is None:
+        _TRIMMING_IO = tensortier.IOHandle(bounce_idle_ms=0)
+    return _TRIMMING_IO
+
+
+def save_shards(sd: dict[str, Any], directory: Path, shards: int) -> None:
+    """``sd`` as `shards` safetensors files of about equal bytes (tensortier.save) and a Hugging
+    Face ``model.safetensors.index.json`` naming them (untimed setup)."""
+    import tensortier
+
+    directory.mkdir(parents=True, exist_ok=True)
+    share = -(-nbytes(sd) // shards)
+    groups: list[dict[str, Any]] = [{}]
+    filled = 0
+    for name, t in sd.items():
+        if filled >= share * len(groups) and len(groups) < shards:
+            groups.append({})
+        groups[-1][name] = t
+        filled += t.numel() * t.element_size()
+    weight_map = {}
+    for i, group in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensortier.save(group, directory / file)
+        weight_map.update({name: file for name in group})
+    index = {"metadata": {"total_size": nbytes(sd)}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 class GpuLoads:
@@ -560,6 +610,9 @@ def ensure_files(s: Settings, sd: dict[str, Any], tools: Sequence[str]) -> dict[
         tensortier.save(sd, d / "tt.safetensors")
     if "tt.pt" in needed and not (d / "tt.pt").exists():
         tensortier.save(sd, d / "tt.pt")
+    shards = d / "tt-shards"
+    if LOAD_FILES["tt-sharded"] in needed and not (shards / "model.safetensors.index.json").exists():
+        save_shards(sd, shards, SHARDS)
     if "st.safetensors" in needed and not (d / "st.safetensors").exists():
         from safetensors.torch import save_file
 
@@ -850,6 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 (s.directory / name).unlink()
             except FileNotFoundError:
                 pass
+        shutil.rmtree(s.directory / "tt-shards", ignore_errors=True)
     print("\n".join(out))
     s.json_path.parent.mkdir(parents=True, exist_ok=True)
     s.json_path.write_text(json.dumps(results, indent=2) + "\n")

@@ -64,9 +64,10 @@ struct Overrides {
   std::optional<uint64_t> max_inflight_bytes;
   std::optional<bool> page_cache_check;
   std::optional<std::string> stage_reads;
+  std::optional<uint32_t> bounce_idle_ms;
 
-  EngineOptions Apply() const {
-    EngineOptions o = EngineOptions::FromEnvironment();
+  // `o` with the values given here in place of its own.
+  EngineOptions Apply(EngineOptions o = EngineOptions::FromEnvironment()) const {
     if (backend) o.backend = *backend;
     if (chunk_size) o.chunk_size = *chunk_size;
     if (queue_depth) o.queue_depth = *queue_depth;
@@ -74,9 +75,24 @@ struct Overrides {
     if (max_inflight_bytes) o.max_inflight_bytes = *max_inflight_bytes;
     if (page_cache_check) o.page_cache_check = *page_cache_check;
     if (stage_reads) o.stage_reads = ParseReadStaging(*stage_reads);
+    if (bounce_idle_ms) o.bounce_idle_ms = *bounce_idle_ms;
     return o;
   }
 };
+
+// The Python view of engine settings (IOHandle.options).
+py::dict OptionsDict(const EngineOptions& o) {
+  py::dict d;
+  d["backend"] = o.backend;
+  d["chunk_size"] = o.chunk_size;
+  d["queue_depth"] = o.queue_depth;
+  d["workers"] = o.workers;
+  d["max_inflight_bytes"] = o.max_inflight_bytes;
+  d["page_cache_check"] = o.page_cache_check;
+  d["stage_reads"] = std::string(ReadStagingName(o.stage_reads));
+  d["bounce_idle_ms"] = o.bounce_idle_ms;
+  return d;
+}
 
 // A backend factory that injects the faults described by `fault` (test hook).
 BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f) {
@@ -211,30 +227,20 @@ PYBIND11_MODULE(_core, m) {
                        std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
                        std::optional<uint64_t> max_inflight_bytes,
                        std::optional<bool> page_cache_check, std::optional<std::string> stage_reads,
-                       const std::string& probe_dir, std::optional<py::dict> fault) {
-             Overrides o{backend,          chunk_size, queue_depth, workers, max_inflight_bytes,
-                         page_cache_check, stage_reads};
+                       std::optional<uint32_t> bounce_idle_ms, const std::string& probe_dir,
+                       std::optional<py::dict> fault) {
+             Overrides o{backend,          chunk_size,  queue_depth,   workers, max_inflight_bytes,
+                         page_cache_check, stage_reads, bounce_idle_ms};
              return MakeEngine(o, probe_dir, fault);
            }),
            py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
            py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
            py::arg("max_inflight_bytes") = py::none(), py::arg("page_cache_check") = py::none(),
-           py::arg("stage_reads") = py::none(), py::arg("probe_dir") = "",
-           py::arg("fault") = py::none())
+           py::arg("stage_reads") = py::none(), py::arg("bounce_idle_ms") = py::none(),
+           py::arg("probe_dir") = "", py::arg("fault") = py::none())
       .def_property_readonly("backend", &Engine::backend)
-      .def_property_readonly("options",
-                             [](const Engine& e) {
-                               const EngineOptions& o = e.options();
-                               py::dict d;
-                               d["backend"] = o.backend;
-                               d["chunk_size"] = o.chunk_size;
-                               d["queue_depth"] = o.queue_depth;
-                               d["workers"] = o.workers;
-                               d["max_inflight_bytes"] = o.max_inflight_bytes;
-                               d["page_cache_check"] = o.page_cache_check;
-                               d["stage_reads"] = std::string(ReadStagingName(o.stage_reads));
-                               return d;
-                             })
+      .def_property_readonly("options", [](const Engine& e) { return OptionsDict(e.options()); })
+      .def_property_readonly("bounce_bytes", &Engine::bounce_bytes)
       .def(
           "submit",
           [](Engine& e, const std::string& op,
@@ -260,9 +266,9 @@ PYBIND11_MODULE(_core, m) {
              OffloaderOptions o;
              o.dirs = dirs;
              o.engine =
-                 Overrides{backend,      chunk_size,  queue_depth, workers, max_inflight_bytes,
-                           std::nullopt, std::nullopt}
-                     .Apply();
+                 Overrides{backend,      chunk_size,   queue_depth, workers, max_inflight_bytes,
+                           std::nullopt, std::nullopt, std::nullopt}
+                     .Apply(OffloaderEngineDefaults());
              if (stripe_threshold) o.stripe_threshold = *stripe_threshold;
              if (fault) o.backend_factory = FaultFactory(o.engine, *fault);
              py::gil_scoped_release release;
@@ -310,6 +316,9 @@ PYBIND11_MODULE(_core, m) {
       .def("pending", &Offloader::pending, py::arg("key"))
       .def_property_readonly("stored_bytes", &Offloader::stored_bytes)
       .def_property_readonly("file_bytes", &Offloader::file_bytes)
+      .def_property_readonly("bounce_bytes", &Offloader::bounce_bytes)
+      .def_property_readonly("engine_options",
+                             [](const Offloader& o) { return OptionsDict(o.engine_options()); })
       .def_property_readonly("paths", &Offloader::paths)
       .def_property_readonly("backend", &Offloader::backend)
       .def("close", &Offloader::Close, py::call_guard<py::gil_scoped_release>());

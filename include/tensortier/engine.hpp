@@ -110,6 +110,10 @@ class Engine {
   // Waits for every operation submitted so far; throws the first error not yet seen by a Wait().
   void WaitAll();
 
+  // Bytes of the workers' internal bounce buffers, in use or kept for the next burst (see
+  // EngineOptions::bounce_idle_ms). Any thread; a snapshot.
+  uint64_t bounce_bytes() const;
+
   const std::string& backend() const noexcept { return backend_; }
   const EngineOptions& options() const noexcept { return options_; }
 

@@ -34,9 +34,14 @@
 
 namespace tensortier {
 
+// EngineOptions::FromEnvironment(), except that bounce_idle_ms is 0 unless
+// TENSORTIER_BOUNCE_IDLE_MS sets it: a caller offloads tensors to get their memory back, the
+// engine's bounce buffers included, as soon as the transfer is done.
+EngineOptions OffloaderEngineDefaults();
+
 struct OffloaderOptions {
   std::vector<std::string> dirs;  // at least one; each must exist
-  EngineOptions engine = EngineOptions::FromEnvironment();
+  EngineOptions engine = OffloaderEngineDefaults();
   uint64_t stripe_threshold = 16 << 20;
   // Freed space at the end of a backing file goes back to the filesystem once the offloader has
   // been idle this long, in the background and in steps of `shrink_step` bytes: truncating is
@@ -104,6 +109,8 @@ class Offloader {
   bool pending(uint64_t key) const;
   uint64_t stored_bytes() const;  // bytes of stored keys
   uint64_t file_bytes() const;    // bytes the backing files span now
+  uint64_t bounce_bytes() const;  // the engine's bounce buffers held now (Engine::bounce_bytes)
+  const EngineOptions& engine_options() const;  // the engine's effective settings
   std::vector<std::string> paths() const;
   const std::string& backend() const;
 

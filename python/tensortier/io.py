@@ -148,6 +148,12 @@ class IOHandle:
             engine's huge-page buffers where the file's disk cuts requests into scattered pages
             short (virtio disks), ``"on"`` (or
             ``True``) always, ``"off"`` (or ``False``) never.
+        bounce_idle_ms: milliseconds an idle worker keeps the aligned bounce buffers a burst
+            of I/O made (unaligned memory, staged reads; up to ``max_inflight_bytes``) before
+            it frees all but two; ``0`` frees them as soon as it is idle. Keeping them spares
+            the next burst faulting them in again (the next shard of a checkpoint, a loop of
+            reads). Default ``$TENSORTIER_BOUNCE_IDLE_MS``, else 1000. ``bounce_bytes`` says
+            how much is held.
         direct: open files given by path with O_DIRECT (falls back, reported, where refused).
         probe_dir: with ``backend="auto"``, pick the first backend whose verified round trip
             passes in this directory.
@@ -175,6 +181,7 @@ class IOHandle:
         max_inflight_bytes: int | None = None,
         page_cache_check: bool | None = None,
         stage_reads: str | bool | None = None,
+        bounce_idle_ms: int | None = None,
         direct: bool = True,
         probe_dir: str | os.PathLike[str] | None = None,
         gds: str | None = None,
@@ -194,6 +201,13 @@ class IOHandle:
         ):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        if bounce_idle_ms is not None and (
+            not isinstance(bounce_idle_ms, int) or isinstance(bounce_idle_ms, bool)
+            or not 0 <= bounce_idle_ms <= 3_600_000
+        ):
+            raise ValueError(
+                f"bounce_idle_ms must be an integer from 0 to 3600000 (an hour), not {bounce_idle_ms!r}"
+            )
         self._direct = direct
         self._engine: _core.Engine | None = _core.Engine(
             backend=backend,
@@ -204,6 +218,7 @@ class IOHandle:
             page_cache_check=page_cache_check,
             stage_reads=({True: "on", False: "off"}[stage_reads] if isinstance(stage_reads, bool)
                          else stage_reads),
+            bounce_idle_ms=bounce_idle_ms,
             probe_dir=os.fspath(probe_dir) if probe_dir is not None else "",
             fault=_fault,
         )
@@ -234,6 +249,12 @@ class IOHandle:
         if self._transfer is not None:
             options.update(self._transfer.options)
         return options
+
+    @property
+    def bounce_bytes(self) -> int:
+        """Bytes of the engine's aligned bounce buffers held now, in use or kept for the next
+        burst (see ``bounce_idle_ms``)."""
+        return self._core().bounce_bytes
 
     # -- files -----------------------------------------------------------------------------
     def open(self, path: str | os.PathLike[str], mode: str = "r", *, direct: bool | None = None) -> File:

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -72,8 +73,13 @@ class Worker {
  public:
   static constexpr size_t kIdleBounce = 2;
 
-  Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t chunk)
-      : depth_(depth), budget_(budget), chunk_(chunk), slots_(depth, nullptr) {
+  Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t chunk,
+         std::chrono::milliseconds bounce_idle)
+      : depth_(depth),
+        budget_(budget),
+        chunk_(chunk),
+        bounce_idle_(bounce_idle),
+        slots_(depth, nullptr) {
     free_slots_.reserve(depth);
     for (unsigned i = depth; i > 0; --i) free_slots_.push_back(i - 1);
     std::promise<std::string> started;
@@ -107,6 +113,9 @@ class Worker {
 
   const std::string& name() const { return name_; }
 
+  // Bytes of bounce buffers this worker holds, in use or free (any thread).
+  uint64_t bounce_bytes() const { return bounce_bytes_.load(std::memory_order_relaxed); }
+
   void Enqueue(std::vector<std::unique_ptr<Task>>& tasks) {
     {
       std::lock_guard lock(mu_);
@@ -122,18 +131,10 @@ class Worker {
     std::vector<IoRequest> requests;
     for (;;) {
       starting.clear();
-      if (in_flight_ == 0 && retry_.empty() && free_bounce_.size() > kIdleBounce) {
-        bool idle;
-        {
-          std::lock_guard lock(mu_);
-          idle = queue_.empty();
-        }
-        if (idle) TrimBounce();
-      }
       {
         std::unique_lock lock(mu_);
         if (in_flight_ == 0 && retry_.empty()) {
-          cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+          WaitForWork(lock);
           if (queue_.empty()) return;  // stopping, and nothing is left
         }
         starting.swap(retry_);
@@ -304,6 +305,20 @@ class Worker {
     if (last) op.cv.notify_all();
   }
 
+  // Waits, idle, until work arrives or the engine stops. Bounce buffers beyond kIdleBounce that a
+  // burst made are freed once the worker has been idle for bounce_idle_ (at once for 0): a caller
+  // that just offloaded its tensors to free RAM expects that memory back, while a caller whose
+  // next burst follows soon (the next shard of a checkpoint) would fault it all in again.
+  void WaitForWork(std::unique_lock<std::mutex>& lock) {
+    auto has_work = [&] { return stopping_ || !queue_.empty(); };
+    if (free_bounce_.size() > kIdleBounce && !cv_.wait_for(lock, bounce_idle_, has_work)) {
+      lock.unlock();  // unmapping takes a while: let callers enqueue meanwhile
+      TrimBounce();
+      lock.lock();
+    }
+    cv_.wait(lock, has_work);
+  }
+
   // A free bounce buffer of at least `bytes` (tasks are chunk_ bytes, or a little more where
   // the file's O_DIRECT offset alignment does not divide chunk_), else a new one.
   AlignedBuffer* TakeBounce(uint64_t bytes) {
@@ -311,6 +326,7 @@ class Worker {
                              [bytes](const AlignedBuffer* b) { return b->size() >= bytes; });
     if (fits == free_bounce_.rend()) {
       bounce_.push_back(std::make_unique<AlignedBuffer>(std::max(chunk_, bytes), Pages::kReused));
+      bounce_bytes_.fetch_add(bounce_.back()->size(), std::memory_order_relaxed);
       return bounce_.back().get();
     }
     AlignedBuffer* b = *fits;
@@ -318,13 +334,13 @@ class Worker {
     return b;
   }
 
-  // An idle worker keeps only a few bounce buffers: a burst of unaligned I/O may have made one
-  // per request in flight (up to the byte budget), memory a caller that just offloaded its
-  // tensors to free RAM expects back.
+  // Frees all but kIdleBounce free bounce buffers: a burst of unaligned or staged I/O may have
+  // made one per request in flight (up to the byte budget).
   void TrimBounce() {
     while (free_bounce_.size() > kIdleBounce) {
       AlignedBuffer* b = free_bounce_.back();
       free_bounce_.pop_back();
+      bounce_bytes_.fetch_sub(b->size(), std::memory_order_relaxed);
       std::erase_if(bounce_, [b](const std::unique_ptr<AlignedBuffer>& p) { return p.get() == b; });
     }
   }
@@ -337,6 +353,7 @@ class Worker {
   const unsigned depth_;
   const uint64_t budget_;
   const uint64_t chunk_;
+  const std::chrono::milliseconds bounce_idle_;
   std::vector<Task*> slots_;  // worker-thread only (constructed before the thread starts)
   std::vector<uint32_t> free_slots_;
   std::string name_;
@@ -355,6 +372,7 @@ class Worker {
   std::vector<Task*> retry_;
   std::vector<std::unique_ptr<AlignedBuffer>> bounce_;
   std::vector<AlignedBuffer*> free_bounce_;
+  std::atomic<uint64_t> bounce_bytes_{0};  // written by the worker thread, read by any
 };
 
 }  // namespace detail
@@ -648,8 +666,9 @@ void Engine::Start(BackendFactory factory) {
   const uint64_t budget =
       std::max(options_.max_inflight_bytes / options_.workers, options_.chunk_size);
   for (unsigned i = 0; i < options_.workers; ++i) {
-    workers_.push_back(std::make_unique<detail::Worker>(factory, options_.queue_depth, budget,
-                                                        options_.chunk_size));
+    workers_.push_back(
+        std::make_unique<detail::Worker>(factory, options_.queue_depth, budget, options_.chunk_size,
+                                         std::chrono::milliseconds(options_.bounce_idle_ms)));
   }
   backend_ = workers_.front()->name();
 }
@@ -733,6 +752,12 @@ void Engine::WaitAll() {
     }
   }
   if (first) std::rethrow_exception(first);
+}
+
+uint64_t Engine::bounce_bytes() const {
+  uint64_t total = 0;
+  for (const auto& worker : workers_) total += worker->bounce_bytes();
+  return total;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -75,6 +76,13 @@ size_t RemoveStaleOffloadFiles(const std::string& dir) {
   }
   closedir(d);
   return removed;
+}
+
+EngineOptions OffloaderEngineDefaults() {
+  EngineOptions options = EngineOptions::FromEnvironment();
+  const char* idle = std::getenv("TENSORTIER_BOUNCE_IDLE_MS");
+  if (idle == nullptr || *idle == '\0') options.bounce_idle_ms = 0;
+  return options;
 }
 
 Offloader::Offloader(OffloaderOptions options) : options_(std::move(options)) {
@@ -442,6 +450,14 @@ std::vector<std::string> Offloader::paths() const {
   std::vector<std::string> out;
   for (const Backing& b : backings_) out.push_back(b.path);
   return out;
+}
+
+uint64_t Offloader::bounce_bytes() const {
+  return engine_->bounce_bytes();
+}
+
+const EngineOptions& Offloader::engine_options() const {
+  return engine_->options();
 }
 
 const std::string& Offloader::backend() const {

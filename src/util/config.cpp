@@ -11,6 +11,7 @@ namespace {
 constexpr uint64_t kMaxChunk = 1ull << 30;
 constexpr unsigned kMaxDepth = 4096;
 constexpr unsigned kMaxWorkers = 256;
+constexpr uint32_t kMaxBounceIdleMs = 3'600'000;  // an hour: beyond that, "never" is meant
 
 const char* GetEnv(const char* name) {
   const char* v = std::getenv(name);
@@ -130,6 +131,10 @@ void EngineOptions::Validate() const {
     throw std::invalid_argument(StrCat("max_inflight_bytes: ", max_inflight_bytes,
                                        " must be at least chunk_size (", chunk_size, ")"));
   }
+  if (bounce_idle_ms > kMaxBounceIdleMs) {
+    throw std::invalid_argument(StrCat("bounce_idle_ms: ", bounce_idle_ms, " must be at most ",
+                                       kMaxBounceIdleMs, " (an hour)"));
+  }
 }
 
 namespace {
@@ -147,6 +152,7 @@ constexpr EnvOption kEnvOptions[] = {
     {"max_inflight_bytes", "TENSORTIER_MAX_INFLIGHT"},
     {"page_cache_check", "TENSORTIER_PAGE_CACHE_CHECK"},
     {"stage_reads", "TENSORTIER_STAGE_READS"},
+    {"bounce_idle_ms", "TENSORTIER_BOUNCE_IDLE_MS"},
 };
 
 [[noreturn]] void ThrowBadVariable(const char* variable, const char* value, const char* why) {
@@ -176,6 +182,9 @@ EngineOptions EngineOptions::FromEnvironment() {
         o.max_inflight_bytes = ParseSize(v);
       } else if (option == "page_cache_check") {
         o.page_cache_check = ParseBool(v, e.variable);
+      } else if (option == "bounce_idle_ms") {
+        o.bounce_idle_ms = static_cast<uint32_t>(
+            std::min<uint64_t>(ParseUnsigned(v, e.variable), kMaxBounceIdleMs + 1));
       } else {
         o.stage_reads = ParseReadStaging(v);
       }
@@ -217,6 +226,8 @@ std::vector<DefaultSetting> Defaults() {
       {"stage_reads", "TENSORTIER_STAGE_READS", std::string(ReadStagingName(o.stage_reads)),
        "stage direct reads into new tensors through huge-page buffers: off, auto (where the disk "
        "splits requests into scattered pages), on"},
+      {"bounce_idle_ms", "TENSORTIER_BOUNCE_IDLE_MS", std::to_string(o.bounce_idle_ms),
+       "milliseconds an idle worker keeps the bounce buffers of a burst before freeing them"},
   };
 }
 

@@ -22,9 +22,9 @@ namespace {
 using testing::ScopedEnv;
 
 constexpr const char* kAllEnvVars[] = {
-    "TENSORTIER_BACKEND",     "TENSORTIER_CHUNK_SIZE",   "TENSORTIER_QUEUE_DEPTH",
-    "TENSORTIER_WORKERS",     "TENSORTIER_MAX_INFLIGHT", "TENSORTIER_PAGE_CACHE_CHECK",
-    "TENSORTIER_STAGE_READS",
+    "TENSORTIER_BACKEND",     "TENSORTIER_CHUNK_SIZE",     "TENSORTIER_QUEUE_DEPTH",
+    "TENSORTIER_WORKERS",     "TENSORTIER_MAX_INFLIGHT",   "TENSORTIER_PAGE_CACHE_CHECK",
+    "TENSORTIER_STAGE_READS", "TENSORTIER_BOUNCE_IDLE_MS",
 };
 
 // The message of the std::invalid_argument `fn` throws ("" and a test failure if none).
@@ -238,6 +238,8 @@ TEST_F(EnvironmentTest, NoVariablesGiveTheBuiltInDefaults) {
   EXPECT_EQ(env.page_cache_check, built_in.page_cache_check);
   EXPECT_EQ(env.stage_reads, ReadStaging::kAuto);
   EXPECT_EQ(env.stage_reads, built_in.stage_reads);
+  EXPECT_EQ(env.bounce_idle_ms, 1000u);
+  EXPECT_EQ(env.bounce_idle_ms, built_in.bounce_idle_ms);
 }
 
 TEST_F(EnvironmentTest, EmptyValueMeansUnset) {
@@ -294,6 +296,23 @@ TEST_F(EnvironmentTest, StageReadsVariableIsApplied) {
   EXPECT_EQ(EngineOptions::FromEnvironment().stage_reads, ReadStaging::kAuto);
 }
 
+TEST_F(EnvironmentTest, BounceIdleVariableIsApplied) {
+  for (auto [text, ms] :
+       {std::pair{"0", 0u}, std::pair{"250", 250u}, std::pair{"3600000", 3600000u}}) {
+    ScopedEnv e("TENSORTIER_BOUNCE_IDLE_MS", text);
+    EXPECT_EQ(EngineOptions::FromEnvironment().bounce_idle_ms, ms) << text;
+  }
+}
+
+TEST(ValidateTest, BounceIdleAboveAnHourIsRejected) {
+  EngineOptions o;
+  o.bounce_idle_ms = 3'600'001;
+  std::string msg = InvalidArgumentMessage([&] { o.Validate(); });
+  EXPECT_NE(msg.find("bounce_idle_ms"), std::string::npos) << msg;
+  o.bounce_idle_ms = 0;
+  EXPECT_NO_THROW(o.Validate());
+}
+
 TEST(ReadStagingTest, NamesRoundTripAndBadWordsAreRejected) {
   for (ReadStaging s : {ReadStaging::kOff, ReadStaging::kAuto, ReadStaging::kOn}) {
     EXPECT_EQ(ParseReadStaging(ReadStagingName(s)), s);
@@ -311,6 +330,7 @@ TEST_F(EnvironmentTest, AllVariablesTogether) {
   ScopedEnv e("TENSORTIER_MAX_INFLIGHT", "1G");
   ScopedEnv f("TENSORTIER_PAGE_CACHE_CHECK", "0");
   ScopedEnv g("TENSORTIER_STAGE_READS", "on");
+  ScopedEnv h("TENSORTIER_BOUNCE_IDLE_MS", "5");
   EngineOptions o = EngineOptions::FromEnvironment();
   EXPECT_EQ(o.backend, "libaio");
   EXPECT_EQ(o.chunk_size, 128u << 10);
@@ -319,6 +339,7 @@ TEST_F(EnvironmentTest, AllVariablesTogether) {
   EXPECT_EQ(o.max_inflight_bytes, 1ull << 30);
   EXPECT_FALSE(o.page_cache_check);
   EXPECT_EQ(o.stage_reads, ReadStaging::kOn);
+  EXPECT_EQ(o.bounce_idle_ms, 5u);
 }
 
 // Each malformed or out-of-range value is rejected, and the message names the variable so the
@@ -354,7 +375,11 @@ INSTANTIATE_TEST_SUITE_P(
         BadEnvValue{"TENSORTIER_MAX_INFLIGHT", "4K"},  // below the 4 MiB chunk
         BadEnvValue{"TENSORTIER_PAGE_CACHE_CHECK", "maybe"},
         BadEnvValue{"TENSORTIER_PAGE_CACHE_CHECK", "2"},
-        BadEnvValue{"TENSORTIER_STAGE_READS", "always"}),
+        BadEnvValue{"TENSORTIER_STAGE_READS", "always"},
+        BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "1s"},
+        BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "-1"},
+        BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "3600001"},
+        BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "99999999999999999999"}),
     [](const ::testing::TestParamInfo<BadEnvValue>& info) {
       std::string name = std::string(info.param.var).substr(11) + "_" + std::to_string(info.index);
       return name;
@@ -377,9 +402,9 @@ TEST_F(EnvironmentTest, DefaultsListEveryVariable) {
   }
   EXPECT_EQ(rows.size(), std::size(kAllEnvVars));
   for (const char* var : kAllEnvVars) EXPECT_EQ(envs.count(var), 1u) << var;
-  EXPECT_EQ(names,
-            (std::set<std::string>{"backend", "chunk_size", "queue_depth", "workers",
-                                   "max_inflight_bytes", "page_cache_check", "stage_reads"}));
+  EXPECT_EQ(names, (std::set<std::string>{"backend", "chunk_size", "queue_depth", "workers",
+                                          "max_inflight_bytes", "page_cache_check", "stage_reads",
+                                          "bounce_idle_ms"}));
 }
 
 TEST_F(EnvironmentTest, DefaultsShowBuiltInValues) {
@@ -391,6 +416,7 @@ TEST_F(EnvironmentTest, DefaultsShowBuiltInValues) {
                                               {"TENSORTIER_MAX_INFLIGHT", "128 MiB"},
                                               {"TENSORTIER_PAGE_CACHE_CHECK", "1"},
                                               {"TENSORTIER_STAGE_READS", "auto"},
+                                              {"TENSORTIER_BOUNCE_IDLE_MS", "1000"},
                                           }));
 }
 
@@ -402,6 +428,7 @@ TEST_F(EnvironmentTest, DefaultsShowTheEffectiveValueOfEachVariable) {
   ScopedEnv e("TENSORTIER_MAX_INFLIGHT", "64M");
   ScopedEnv f("TENSORTIER_PAGE_CACHE_CHECK", "off");
   ScopedEnv g("TENSORTIER_STAGE_READS", "0");
+  ScopedEnv h("TENSORTIER_BOUNCE_IDLE_MS", "0");
   EXPECT_EQ(ValuesByVariable(Defaults()), (std::map<std::string, std::string>{
                                               {"TENSORTIER_BACKEND", "threads"},
                                               {"TENSORTIER_CHUNK_SIZE", "2 MiB"},
@@ -410,6 +437,7 @@ TEST_F(EnvironmentTest, DefaultsShowTheEffectiveValueOfEachVariable) {
                                               {"TENSORTIER_MAX_INFLIGHT", "64 MiB"},
                                               {"TENSORTIER_PAGE_CACHE_CHECK", "0"},
                                               {"TENSORTIER_STAGE_READS", "off"},
+                                              {"TENSORTIER_BOUNCE_IDLE_MS", "0"},
                                           }));
 }
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -218,6 +219,79 @@ TEST_P(EngineTest, UnalignedHostAddressWriteIsBounced) {
   std::vector<uint8_t> data = ReadWholeFile(path);
   ASSERT_EQ(data.size(), kLen);
   EXPECT_TRUE(MatchesPattern(data.data(), kLen, 6));
+}
+
+// Bounce buffers a burst made stay for the next burst while the worker has been idle less than
+// bounce_idle_ms, and go (all but two per worker) once it has been idle that long.
+class BounceIdleTest : public EngineTest {
+ protected:
+  static constexpr uint64_t kChunk = 64 << 10;
+  static constexpr uint64_t kBurst = 8 * kChunk;  // 8 tasks: 8 bounce buffers, all in flight
+  static constexpr uint64_t kKept = 2 * kChunk;   // what an idle worker keeps
+
+  EngineOptions IdleOptions(uint32_t idle_ms) const {
+    EngineOptions o = Options(kChunk);
+    o.workers = 1;  // every task on one worker, all submitted together
+    o.max_inflight_bytes = kBurst;
+    o.bounce_idle_ms = idle_ms;
+    return o;
+  }
+
+  // Reads kBurst bytes into an address O_DIRECT cannot use, so every chunk needs a bounce buffer.
+  void BouncedBurst(Engine& engine, const File& f) {
+    IoResult r = CheckedRead(engine, f, 0, kBurst, 17, 9, kBurst);
+    ASSERT_EQ(r.stats.bounced_bytes, kBurst);
+  }
+
+  // Polls until the engine holds `bytes` of bounce buffers; false after 20 s.
+  static bool HoldsEventually(const Engine& engine, uint64_t bytes) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (engine.bounce_bytes() != bytes) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return true;
+  }
+};
+
+TEST_P(BounceIdleTest, BuffersAreKeptWithinTheDelayAndReused) {
+  File f = PatternFile("data", kBurst, 9);
+  ASSERT_TRUE(f.direct());
+  Engine engine(IdleOptions(60'000));
+  EXPECT_EQ(engine.bounce_bytes(), 0u);
+  BouncedBurst(engine, f);
+  EXPECT_EQ(engine.bounce_bytes(), kBurst);
+  BouncedBurst(engine, f);  // the same buffers again, none new
+  EXPECT_EQ(engine.bounce_bytes(), kBurst);
+}
+
+TEST_P(BounceIdleTest, ZeroDelayFreesThemOnceIdle) {
+  File f = PatternFile("data", kBurst, 9);
+  ASSERT_TRUE(f.direct());
+  Engine engine(IdleOptions(0));
+  BouncedBurst(engine, f);
+  EXPECT_TRUE(HoldsEventually(engine, kKept)) << engine.bounce_bytes();
+}
+
+TEST_P(BounceIdleTest, TheyGoNoSoonerThanTheDelay) {
+  File f = PatternFile("data", kBurst, 9);
+  ASSERT_TRUE(f.direct());
+  constexpr auto kDelay = std::chrono::milliseconds(300);
+  Engine engine(IdleOptions(static_cast<uint32_t>(kDelay.count())));
+  const auto submitted = std::chrono::steady_clock::now();  // the worker is idle only after this
+  BouncedBurst(engine, f);
+  ASSERT_TRUE(HoldsEventually(engine, kKept)) << engine.bounce_bytes();
+  EXPECT_GE(std::chrono::steady_clock::now() - submitted, kDelay);
+}
+
+TEST_P(BounceIdleTest, StoppingDoesNotWaitForTheDelay) {
+  File f = PatternFile("data", kBurst, 9);
+  ASSERT_TRUE(f.direct());
+  auto engine = std::make_unique<Engine>(IdleOptions(3'600'000));
+  BouncedBurst(*engine, f);
+  const auto start = std::chrono::steady_clock::now();
+  engine.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
 TEST_P(EngineTest, ZeroLengthCompletesWithNoBytes) {
@@ -965,6 +1039,8 @@ TEST_P(EngineTest, StagedScatterReadOfManyPiecesFromThreads) {
 INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(CompiledBackends()),
                          testing::BackendParamName());
 INSTANTIATE_TEST_SUITE_P(Backends, EnginePageCacheTest, ::testing::ValuesIn(CompiledBackends()),
+                         testing::BackendParamName());
+INSTANTIATE_TEST_SUITE_P(Backends, BounceIdleTest, ::testing::ValuesIn(CompiledBackends()),
                          testing::BackendParamName());
 
 // ---------------------------------------------------------------------------------------------

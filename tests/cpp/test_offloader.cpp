@@ -201,6 +201,23 @@ class OffloaderTest : public ::testing::TestWithParam<BackendKind> {
   std::shared_ptr<FaultInjector> injector_;
 };
 
+// The offloader's engine gives its bounce buffers back as soon as it is idle (the memory a
+// caller offloads to get back), unless TENSORTIER_BOUNCE_IDLE_MS says otherwise.
+TEST(OffloaderEngineDefaultsTest, BounceBuffersGoAtOnceUnlessTheEnvironmentSays) {
+  {
+    testing::ScopedEnv unset("TENSORTIER_BOUNCE_IDLE_MS", std::nullopt);
+    EXPECT_EQ(OffloaderEngineDefaults().bounce_idle_ms, 0u);
+    EXPECT_EQ(OffloaderOptions{}.engine.bounce_idle_ms, 0u);
+    EXPECT_EQ(EngineOptions::FromEnvironment().bounce_idle_ms, EngineOptions{}.bounce_idle_ms);
+  }
+  {
+    testing::ScopedEnv empty("TENSORTIER_BOUNCE_IDLE_MS", "");
+    EXPECT_EQ(OffloaderEngineDefaults().bounce_idle_ms, 0u);
+  }
+  testing::ScopedEnv set("TENSORTIER_BOUNCE_IDLE_MS", "250");
+  EXPECT_EQ(OffloaderEngineDefaults().bounce_idle_ms, 250u);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Round trips and space
 

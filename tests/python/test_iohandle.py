@@ -144,6 +144,65 @@ def test_stage_reads_setting_comes_from_the_environment_and_is_checked(
         IOHandle()
 
 
+def _bounce_bytes_become(io: IOHandle, expected: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while io.bounce_bytes != expected:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bounce_buffers_are_kept_for_the_next_burst_then_freed(
+    backend: str, disk_dir: Path
+) -> None:
+    """A burst of reads into memory O_DIRECT cannot use makes one bounce buffer per chunk in
+    flight; an idle worker keeps them for bounce_idle_ms, then frees all but two."""
+    chunk, burst = 1 << 20, 8 << 20
+    path = disk_dir / "bounce.bin"
+    src = random_tensor(burst, torch.uint8)
+    with IOHandle(backend) as writer:
+        writer.pwrite(src, path)
+    settings = dict(chunk_size=chunk, workers=1, max_inflight_bytes=burst, page_cache_check=False)
+    for idle_ms in (60_000, 0):
+        with IOHandle(backend, bounce_idle_ms=idle_ms, **settings) as io:
+            assert io.options["bounce_idle_ms"] == idle_ms
+            assert io.bounce_bytes == 0
+            f = io.open(path)
+            if not f.direct:
+                pytest.skip(f"no O_DIRECT here: {f.direct_fallback_reason}")
+            dst = torch.empty(burst + 1, dtype=torch.uint8)[1:]  # odd address: bounced
+            for _ in range(2):
+                fut = io.pread_async(dst, f)
+                fut.wait()
+                assert fut.result().stats["bounced_bytes"] == burst
+                assert same_bytes(dst, src)
+                if idle_ms:
+                    assert io.bounce_bytes == burst  # kept, and reused by the second burst
+            if not idle_ms:
+                assert _bounce_bytes_become(io, 2 * chunk), io.bounce_bytes
+
+
+def test_bounce_idle_setting_comes_from_the_environment_and_is_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TENSORTIER_BOUNCE_IDLE_MS", raising=False)
+    with IOHandle() as io:
+        assert io.options["bounce_idle_ms"] == 1000
+    assert any(row["env"] == "TENSORTIER_BOUNCE_IDLE_MS" and row["value"] == "1000"
+               for row in tensortier.defaults())
+    monkeypatch.setenv("TENSORTIER_BOUNCE_IDLE_MS", "40")
+    with IOHandle() as io, IOHandle(bounce_idle_ms=7) as given:
+        assert (io.options["bounce_idle_ms"], given.options["bounce_idle_ms"]) == (40, 7)
+    for bad in (-1, 3_600_001, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="bounce_idle_ms"):
+            IOHandle(bounce_idle_ms=bad)  # type: ignore[arg-type]
+    monkeypatch.setenv("TENSORTIER_BOUNCE_IDLE_MS", "1s")
+    with pytest.raises(ValueError, match="TENSORTIER_BOUNCE_IDLE_MS"):
+        IOHandle()
+
+
 def test_read_past_eof(io: IOHandle, disk_dir: Path) -> None:
     path = disk_dir / "short.bin"
     path.write_bytes(b"x" * 10000)

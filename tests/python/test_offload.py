@@ -263,6 +263,35 @@ def test_freed_tail_goes_back_to_the_filesystem_when_idle(off: DiskOffloader) ->
     assert os.path.getsize(path) == 0 and off.file_bytes == 0
 
 
+def test_bounce_buffers_go_back_once_the_offloader_is_idle(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offloading is done to get memory back: the engine keeps no burst of bounce buffers
+    after a transfer (bounce_idle_ms 0), unless TENSORTIER_BOUNCE_IDLE_MS says otherwise."""
+    monkeypatch.delenv("TENSORTIER_BOUNCE_IDLE_MS", raising=False)
+    with DiskOffloader(disk_dir / "offload") as o:
+        core = o._core
+        assert core is not None
+        options = core.engine_options
+        assert options["bounce_idle_ms"] == 0
+        # 16 chunks from an odd address: every chunk goes through a bounce buffer.
+        src = random_tensor((16 * options["chunk_size"] + 1,), torch.uint8)
+        core.write([(1, src.data_ptr() + 1, src.numel() - 1)])
+        assert core.wait("write") == [(1, None)]
+        kept = 2 * options["workers"] * options["chunk_size"]
+        deadline = time.monotonic() + 20
+        while core.bounce_bytes > kept and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert core.bounce_bytes <= kept
+        dst = torch.empty_like(src)
+        core.read([(1, dst.data_ptr() + 1, dst.numel() - 1)])
+        assert core.wait("read") == [(1, None)]
+        assert torch.equal(dst[1:], src[1:])
+    monkeypatch.setenv("TENSORTIER_BOUNCE_IDLE_MS", "250")
+    with DiskOffloader(disk_dir / "offload") as o:
+        assert o._core is not None and o._core.engine_options["bounce_idle_ms"] == 250
+
+
 def test_striping_over_several_directories(disk_dir: Path) -> None:
     dirs = [disk_dir / f"nvme{i}" for i in range(3)]
     with DiskOffloader(dirs, stripe_threshold=1 << 20) as o:
