@@ -241,6 +241,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend", &Engine::backend)
       .def_property_readonly("options", [](const Engine& e) { return OptionsDict(e.options()); })
       .def_property_readonly("bounce_bytes", &Engine::bounce_bytes)
+      .def_property_readonly("bounce_allocations", &Engine::bounce_allocations)
       .def(
           "submit",
           [](Engine& e, const std::string& op,
@@ -317,6 +318,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("stored_bytes", &Offloader::stored_bytes)
       .def_property_readonly("file_bytes", &Offloader::file_bytes)
       .def_property_readonly("bounce_bytes", &Offloader::bounce_bytes)
+      .def_property_readonly("bounce_allocations", &Offloader::bounce_allocations)
       .def_property_readonly("engine_options",
                              [](const Offloader& o) { return OptionsDict(o.engine_options()); })
       .def_property_readonly("paths", &Offloader::paths)

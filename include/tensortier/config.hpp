@@ -35,10 +35,10 @@ struct EngineOptions {
   bool page_cache_check = true;
   // TENSORTIER_STAGE_READS: off, auto, on.
   ReadStaging stage_reads = ReadStaging::kAuto;
-  // Milliseconds an idle worker keeps the bounce buffers a burst made (beyond two) before it
-  // frees them; 0 frees them as soon as it is idle. Keeping them spares the next burst faulting
-  // in up to max_inflight_bytes of huge pages again (a sharded checkpoint's next shard, a loop
-  // of reads). TENSORTIER_BOUNCE_IDLE_MS.
+  // Milliseconds a worker keeps a bounce buffer nothing uses before it frees it (each worker
+  // keeps two); 0 frees them as soon as the worker is idle. Keeping them spares the next burst
+  // faulting in up to max_inflight_bytes of huge pages again (a sharded checkpoint's next shard,
+  // a loop of reads). TENSORTIER_BOUNCE_IDLE_MS.
   uint32_t bounce_idle_ms = 1000;
 
   // Defaults, overridden by the environment. Throws std::invalid_argument on a malformed value.

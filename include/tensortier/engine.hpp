@@ -111,8 +111,10 @@ class Engine {
   void WaitAll();
 
   // Bytes of the workers' internal bounce buffers, in use or kept for the next burst (see
-  // EngineOptions::bounce_idle_ms). Any thread; a snapshot.
+  // EngineOptions::bounce_idle_ms), and how many buffers they have made so far (each one memory
+  // faulted in anew). Any thread; snapshots.
   uint64_t bounce_bytes() const;
+  uint64_t bounce_allocations() const;
 
   const std::string& backend() const noexcept { return backend_; }
   const EngineOptions& options() const noexcept { return options_; }

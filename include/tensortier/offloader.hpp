@@ -110,6 +110,7 @@ class Offloader {
   uint64_t stored_bytes() const;  // bytes of stored keys
   uint64_t file_bytes() const;    // bytes the backing files span now
   uint64_t bounce_bytes() const;  // the engine's bounce buffers held now (Engine::bounce_bytes)
+  uint64_t bounce_allocations() const;          // and made so far (Engine::bounce_allocations)
   const EngineOptions& engine_options() const;  // the engine's effective settings
   std::vector<std::string> paths() const;
   const std::string& backend() const;

@@ -148,9 +148,10 @@ class IOHandle:
             engine's huge-page buffers where the file's disk cuts requests into scattered pages
             short (virtio disks), ``"on"`` (or
             ``True``) always, ``"off"`` (or ``False``) never.
-        bounce_idle_ms: milliseconds an idle worker keeps the aligned bounce buffers a burst
-            of I/O made (unaligned memory, staged reads; up to ``max_inflight_bytes``) before
-            it frees all but two; ``0`` frees them as soon as it is idle. Keeping them spares
+        bounce_idle_ms: milliseconds a worker keeps an aligned bounce buffer that nothing uses
+            (a burst of I/O into unaligned memory, or of staged reads, makes up to
+            ``max_inflight_bytes`` of them) before it frees it; each worker keeps two. ``0``
+            frees them as soon as the worker is idle. Keeping them spares
             the next burst faulting them in again (the next shard of a checkpoint, a loop of
             reads). Default ``$TENSORTIER_BOUNCE_IDLE_MS``, else 1000. ``bounce_bytes`` says
             how much is held.

@@ -71,6 +71,7 @@ struct Task {
 // A thread that owns one backend ring and the bounce buffers for it.
 class Worker {
  public:
+  using Clock = std::chrono::steady_clock;
   static constexpr size_t kIdleBounce = 2;
 
   Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t chunk,
@@ -113,8 +114,12 @@ class Worker {
 
   const std::string& name() const { return name_; }
 
-  // Bytes of bounce buffers this worker holds, in use or free (any thread).
+  // Bytes of bounce buffers this worker holds, in use or free, and how many it has made so far
+  // (any thread).
   uint64_t bounce_bytes() const { return bounce_bytes_.load(std::memory_order_relaxed); }
+  uint64_t bounce_allocations() const {
+    return bounce_allocations_.load(std::memory_order_relaxed);
+  }
 
   void Enqueue(std::vector<std::unique_ptr<Task>>& tasks) {
     {
@@ -305,15 +310,19 @@ class Worker {
     if (last) op.cv.notify_all();
   }
 
-  // Waits, idle, until work arrives or the engine stops. Bounce buffers beyond kIdleBounce that a
-  // burst made are freed once the worker has been idle for bounce_idle_ (at once for 0): a caller
-  // that just offloaded its tensors to free RAM expects that memory back, while a caller whose
-  // next burst follows soon (the next shard of a checkpoint) would fault it all in again.
+  // Waits, idle, until work arrives or the engine stops. Meanwhile each bounce buffer beyond
+  // kIdleBounce goes once it has been unused for bounce_idle_ (at once for 0): a caller that just
+  // offloaded its tensors to free RAM expects that memory back, while a caller whose next burst
+  // follows soon (the next shard of a checkpoint) would fault it all in again. Counted from each
+  // buffer's release, not from the start of this wait, so a trickle of small requests that keeps
+  // waking the worker does not keep a burst's buffers forever.
   void WaitForWork(std::unique_lock<std::mutex>& lock) {
     auto has_work = [&] { return stopping_ || !queue_.empty(); };
-    if (free_bounce_.size() > kIdleBounce && !cv_.wait_for(lock, bounce_idle_, has_work)) {
+    while (free_bounce_.size() > kIdleBounce) {
+      const Clock::time_point due = free_bounce_.front().released + bounce_idle_;
+      if (cv_.wait_until(lock, due, has_work)) return;
       lock.unlock();  // unmapping takes a while: let callers enqueue meanwhile
-      TrimBounce();
+      TrimBounce(Clock::now());
       lock.lock();
     }
     cv_.wait(lock, has_work);
@@ -321,32 +330,38 @@ class Worker {
 
   // A free bounce buffer of at least `bytes` (tasks are chunk_ bytes, or a little more where
   // the file's O_DIRECT offset alignment does not divide chunk_), else a new one.
+  // The most recently released free bounce buffer of at least `bytes` (tasks are chunk_ bytes, or
+  // a little more where the file's O_DIRECT offset alignment does not divide chunk_), else a new
+  // one. Taking the newest lets the oldest age out when less is in flight than before.
   AlignedBuffer* TakeBounce(uint64_t bytes) {
     auto fits = std::find_if(free_bounce_.rbegin(), free_bounce_.rend(),
-                             [bytes](const AlignedBuffer* b) { return b->size() >= bytes; });
+                             [bytes](const FreeBounce& f) { return f.buffer->size() >= bytes; });
     if (fits == free_bounce_.rend()) {
       bounce_.push_back(std::make_unique<AlignedBuffer>(std::max(chunk_, bytes), Pages::kReused));
       bounce_bytes_.fetch_add(bounce_.back()->size(), std::memory_order_relaxed);
+      bounce_allocations_.fetch_add(1, std::memory_order_relaxed);
       return bounce_.back().get();
     }
-    AlignedBuffer* b = *fits;
+    AlignedBuffer* b = fits->buffer;
     free_bounce_.erase(std::next(fits).base());
     return b;
   }
 
-  // Frees all but kIdleBounce free bounce buffers: a burst of unaligned or staged I/O may have
-  // made one per request in flight (up to the byte budget).
-  void TrimBounce() {
-    while (free_bounce_.size() > kIdleBounce) {
-      AlignedBuffer* b = free_bounce_.back();
-      free_bounce_.pop_back();
+  // Frees the free bounce buffers released bounce_idle_ or longer before `now`, oldest first,
+  // keeping kIdleBounce: a burst of unaligned or staged I/O may have made one per request in
+  // flight (up to the byte budget).
+  void TrimBounce(Clock::time_point now) {
+    while (free_bounce_.size() > kIdleBounce &&
+           now - free_bounce_.front().released >= bounce_idle_) {
+      AlignedBuffer* b = free_bounce_.front().buffer;
+      free_bounce_.erase(free_bounce_.begin());
       bounce_bytes_.fetch_sub(b->size(), std::memory_order_relaxed);
       std::erase_if(bounce_, [b](const std::unique_ptr<AlignedBuffer>& p) { return p.get() == b; });
     }
   }
 
   void ReleaseBounce(Task* t) {
-    if (t->bounce != nullptr) free_bounce_.push_back(t->bounce);
+    if (t->bounce != nullptr) free_bounce_.push_back({t->bounce, Clock::now()});
     t->bounce = nullptr;
   }
 
@@ -371,8 +386,14 @@ class Worker {
   unsigned in_flight_ = 0;
   std::vector<Task*> retry_;
   std::vector<std::unique_ptr<AlignedBuffer>> bounce_;
-  std::vector<AlignedBuffer*> free_bounce_;
-  std::atomic<uint64_t> bounce_bytes_{0};  // written by the worker thread, read by any
+  struct FreeBounce {
+    AlignedBuffer* buffer;
+    Clock::time_point released;
+  };
+  std::vector<FreeBounce> free_bounce_;  // in the order released
+  // Written by the worker thread, read by any.
+  std::atomic<uint64_t> bounce_bytes_{0};
+  std::atomic<uint64_t> bounce_allocations_{0};
 };
 
 }  // namespace detail
@@ -757,6 +778,12 @@ void Engine::WaitAll() {
 uint64_t Engine::bounce_bytes() const {
   uint64_t total = 0;
   for (const auto& worker : workers_) total += worker->bounce_bytes();
+  return total;
+}
+
+uint64_t Engine::bounce_allocations() const {
+  uint64_t total = 0;
+  for (const auto& worker : workers_) total += worker->bounce_allocations();
   return total;
 }
 

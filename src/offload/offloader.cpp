@@ -456,6 +456,10 @@ uint64_t Offloader::bounce_bytes() const {
   return engine_->bounce_bytes();
 }
 
+uint64_t Offloader::bounce_allocations() const {
+  return engine_->bounce_allocations();
+}
+
 const EngineOptions& Offloader::engine_options() const {
   return engine_->options();
 }

@@ -227,7 +227,8 @@ std::vector<DefaultSetting> Defaults() {
        "stage direct reads into new tensors through huge-page buffers: off, auto (where the disk "
        "splits requests into scattered pages), on"},
       {"bounce_idle_ms", "TENSORTIER_BOUNCE_IDLE_MS", std::to_string(o.bounce_idle_ms),
-       "milliseconds an idle worker keeps the bounce buffers of a burst before freeing them"},
+       "milliseconds a worker keeps an unused bounce buffer before freeing it (two per worker "
+       "stay)"},
   };
 }
 

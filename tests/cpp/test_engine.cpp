@@ -229,9 +229,11 @@ class BounceIdleTest : public EngineTest {
   static constexpr uint64_t kBurst = 8 * kChunk;  // 8 tasks: 8 bounce buffers, all in flight
   static constexpr uint64_t kKept = 2 * kChunk;   // what an idle worker keeps
 
-  EngineOptions IdleOptions(uint32_t idle_ms) const {
+  // By default every task on one worker, all submitted together; with more workers the tasks
+  // are dealt out round robin, each worker's share all in flight at once.
+  EngineOptions IdleOptions(uint32_t idle_ms, unsigned workers = 1) const {
     EngineOptions o = Options(kChunk);
-    o.workers = 1;  // every task on one worker, all submitted together
+    o.workers = workers;
     o.max_inflight_bytes = kBurst;
     o.bounce_idle_ms = idle_ms;
     return o;
@@ -261,8 +263,10 @@ TEST_P(BounceIdleTest, BuffersAreKeptWithinTheDelayAndReused) {
   EXPECT_EQ(engine.bounce_bytes(), 0u);
   BouncedBurst(engine, f);
   EXPECT_EQ(engine.bounce_bytes(), kBurst);
+  EXPECT_EQ(engine.bounce_allocations(), kBurst / kChunk);
   BouncedBurst(engine, f);  // the same buffers again, none new
   EXPECT_EQ(engine.bounce_bytes(), kBurst);
+  EXPECT_EQ(engine.bounce_allocations(), kBurst / kChunk);
 }
 
 TEST_P(BounceIdleTest, ZeroDelayFreesThemOnceIdle) {
@@ -271,6 +275,32 @@ TEST_P(BounceIdleTest, ZeroDelayFreesThemOnceIdle) {
   Engine engine(IdleOptions(0));
   BouncedBurst(engine, f);
   EXPECT_TRUE(HoldsEventually(engine, kKept)) << engine.bounce_bytes();
+}
+
+TEST_P(BounceIdleTest, EachWorkerKeepsTwo) {
+  File f = PatternFile("data", kBurst, 9);
+  ASSERT_TRUE(f.direct());
+  Engine engine(IdleOptions(0, 2));
+  BouncedBurst(engine, f);
+  EXPECT_EQ(engine.bounce_allocations(), kBurst / kChunk);
+  EXPECT_TRUE(HoldsEventually(engine, 2 * kKept)) << engine.bounce_bytes();
+}
+
+// A trickle of small reads keeps the worker from ever being idle for the delay; the buffers it
+// does not need go all the same, and the trickle reuses the ones kept.
+TEST_P(BounceIdleTest, UnusedBuffersGoWhileWorkTrickles) {
+  File f = PatternFile("data", kBurst, 9);
+  ASSERT_TRUE(f.direct());
+  Engine engine(IdleOptions(200));
+  BouncedBurst(engine, f);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (engine.bounce_bytes() != kKept && std::chrono::steady_clock::now() < deadline) {
+    IoResult r = CheckedRead(engine, f, kChunk, kChunk, 17, 9, kChunk);
+    ASSERT_EQ(r.stats.bounced_bytes, kChunk);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(engine.bounce_bytes(), kKept);
+  EXPECT_EQ(engine.bounce_allocations(), kBurst / kChunk);
 }
 
 TEST_P(BounceIdleTest, TheyGoNoSoonerThanTheDelay) {

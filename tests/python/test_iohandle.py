@@ -145,6 +145,7 @@ def test_stage_reads_setting_comes_from_the_environment_and_is_checked(
 
 
 def _bounce_bytes_become(io: IOHandle, expected: int, timeout: float = 20.0) -> bool:
+    """Polls until `io` holds `expected` bytes of bounce buffers; False after `timeout` s."""
     deadline = time.monotonic() + timeout
     while io.bounce_bytes != expected:
         if time.monotonic() > deadline:
@@ -173,15 +174,19 @@ def test_bounce_buffers_are_kept_for_the_next_burst_then_freed(
             if not f.direct:
                 pytest.skip(f"no O_DIRECT here: {f.direct_fallback_reason}")
             dst = torch.empty(burst + 1, dtype=torch.uint8)[1:]  # odd address: bounced
-            for _ in range(2):
+            n = burst // chunk
+            for repeat in range(2):
                 fut = io.pread_async(dst, f)
                 fut.wait()
                 assert fut.result().stats["bounced_bytes"] == burst
                 assert same_bytes(dst, src)
+                # Kept: the second burst reuses all n. Freed down to two: it makes n - 2 again.
+                made = n if idle_ms or repeat == 0 else n + (n - 2)
+                assert io._core().bounce_allocations == made
                 if idle_ms:
-                    assert io.bounce_bytes == burst  # kept, and reused by the second burst
-            if not idle_ms:
-                assert _bounce_bytes_become(io, 2 * chunk), io.bounce_bytes
+                    assert io.bounce_bytes == burst
+                else:
+                    assert _bounce_bytes_become(io, 2 * chunk), io.bounce_bytes
 
 
 def test_bounce_idle_setting_comes_from_the_environment_and_is_checked(

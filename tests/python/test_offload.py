@@ -279,6 +279,7 @@ def test_bounce_buffers_go_back_once_the_offloader_is_idle(
         core.write([(1, src.data_ptr() + 1, src.numel() - 1)])
         assert core.wait("write") == [(1, None)]
         kept = 2 * options["workers"] * options["chunk_size"]
+        assert core.bounce_allocations * options["chunk_size"] > kept  # more than an idle engine keeps
         deadline = time.monotonic() + 20
         while core.bounce_bytes > kept and time.monotonic() < deadline:
             time.sleep(0.002)
