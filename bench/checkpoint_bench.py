@@ -403,6 +403,11 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
               else _trimming_io() if tool.endswith("-trim") else None)
     if tool == "safetensors":
         from safetensors.torch import load_file  # imported before the timing, as torch is
+    if tool.startswith("tt-") and not s.child:
+        from tensortier.checkpoint import _default_io
+
+        held = (handle or _default_io()).bounce_bytes
+        log(f"    {tool}: engine holds {held / (1 << 20):.0f} MiB of bounce buffers at the start")
     start = time.perf_counter()
     if tool == "tt-hugepages":
         with _HugePageTensors():

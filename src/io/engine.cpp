@@ -530,6 +530,10 @@ class Planner {
         const bool bounce = !aligned || stage;
         tasks_.push_back(
             MakeTask(op_, index, file.direct_fd(), true, offset + done, n, user + done, bounce));
+        // The budget bounds memory in flight: a bounced piece holds a whole bounce buffer (at
+        // least chunk_size), however few of its bytes it moves. Charged by length, a batch of
+        // small unaligned pieces made one buffer per request slot, twice the budget.
+        if (bounce) tasks_.back()->charged = std::max(n, options_.chunk_size);
         stats_.direct_bytes += n;
         if (bounce) stats_.bounced_bytes += n;
         if (aligned && stage) stats_.staged_bytes += n;

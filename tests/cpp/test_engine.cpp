@@ -303,6 +303,33 @@ TEST_P(BounceIdleTest, UnusedBuffersGoWhileWorkTrickles) {
   EXPECT_EQ(engine.bounce_allocations(), kBurst / kChunk);
 }
 
+// A bounced piece holds a whole bounce buffer however short it is: a batch of small unaligned
+// pieces stays within max_inflight_bytes of buffers (it made one per request slot before).
+TEST_P(BounceIdleTest, SmallBouncedPiecesStayWithinTheBudget) {
+  File f = PatternFile("data", 1 << 20, 9);
+  ASSERT_TRUE(f.direct());
+  EngineOptions o = Options(kChunk);  // 2 workers, 8 requests each, budget 4 chunks
+  o.bounce_idle_ms = 60'000;          // keep every buffer made: bounce_bytes is the peak
+  Engine engine(o);
+  constexpr uint64_t kPieces = 64;
+  constexpr uint64_t kPiece = 8 << 10;
+  constexpr uint64_t kStride = kPiece + 4096;
+  AlignedBuffer memory(kPieces * kStride);
+  auto* base = static_cast<std::byte*>(memory.data());
+  std::vector<IoDesc> pieces;
+  for (uint64_t i = 0; i < kPieces; ++i) {
+    pieces.push_back({f, base + i * kStride + 17, 2 * i * kPiece, kPiece});
+  }
+  IoResult r = engine.Submit(IoOp::kRead, pieces).Wait();
+  EXPECT_EQ(r.bytes, kPieces * kPiece);
+  EXPECT_EQ(r.stats.bounced_bytes, kPieces * kPiece);
+  for (uint64_t i = 0; i < kPieces; ++i) {
+    EXPECT_TRUE(MatchesPattern(pieces[i].buf, kPiece, 9, pieces[i].offset)) << i;
+  }
+  EXPECT_GT(engine.bounce_bytes(), 0u);
+  EXPECT_LE(engine.bounce_bytes(), o.max_inflight_bytes);
+}
+
 TEST_P(BounceIdleTest, TheyGoNoSoonerThanTheDelay) {
   File f = PatternFile("data", kBurst, 9);
   ASSERT_TRUE(f.direct());
