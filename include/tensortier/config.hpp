@@ -41,8 +41,10 @@ struct EngineOptions {
   // a loop of reads). TENSORTIER_BOUNCE_IDLE_MS.
   uint32_t bounce_idle_ms = 1000;
 
-  // Defaults, overridden by the environment. Throws std::invalid_argument on a malformed value.
+  // The built-in defaults, or `base`, overridden by the environment. Throws
+  // std::invalid_argument on a malformed value.
   static EngineOptions FromEnvironment();
+  static EngineOptions FromEnvironment(EngineOptions base);
   // Throws std::invalid_argument naming the bad field.
   void Validate() const;
 };

@@ -7,7 +7,6 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
-#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -79,10 +78,9 @@ size_t RemoveStaleOffloadFiles(const std::string& dir) {
 }
 
 EngineOptions OffloaderEngineDefaults() {
-  EngineOptions options = EngineOptions::FromEnvironment();
-  const char* idle = std::getenv("TENSORTIER_BOUNCE_IDLE_MS");
-  if (idle == nullptr || *idle == '\0') options.bounce_idle_ms = 0;
-  return options;
+  EngineOptions defaults;
+  defaults.bounce_idle_ms = 0;
+  return EngineOptions::FromEnvironment(defaults);
 }
 
 Offloader::Offloader(OffloaderOptions options) : options_(std::move(options)) {

@@ -3,6 +3,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <stdexcept>
+#include <utility>
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
@@ -162,7 +163,11 @@ constexpr EnvOption kEnvOptions[] = {
 }  // namespace
 
 EngineOptions EngineOptions::FromEnvironment() {
-  EngineOptions o;
+  return FromEnvironment(EngineOptions{});
+}
+
+EngineOptions EngineOptions::FromEnvironment(EngineOptions base) {
+  EngineOptions o = std::move(base);
   for (const EnvOption& e : kEnvOptions) {
     const char* v = GetEnv(e.variable);
     if (v == nullptr) continue;

@@ -304,6 +304,17 @@ TEST_F(EnvironmentTest, BounceIdleVariableIsApplied) {
   }
 }
 
+TEST_F(EnvironmentTest, ABaseIsOverriddenOnlyWhereAVariableIsSet) {
+  EngineOptions base;
+  base.workers = 7;
+  base.bounce_idle_ms = 0;
+  ScopedEnv e("TENSORTIER_WORKERS", "3");
+  EngineOptions o = EngineOptions::FromEnvironment(base);
+  EXPECT_EQ(o.workers, 3u);
+  EXPECT_EQ(o.bounce_idle_ms, 0u);
+  EXPECT_EQ(o.chunk_size, base.chunk_size);
+}
+
 TEST(ValidateTest, BounceIdleAboveAnHourIsRejected) {
   EngineOptions o;
   o.bounce_idle_ms = 3'600'001;
