@@ -151,10 +151,9 @@ class IOHandle:
         bounce_idle_ms: milliseconds a worker keeps an aligned bounce buffer that nothing uses
             (a burst of I/O into unaligned memory, or of staged reads, makes up to
             ``max_inflight_bytes`` of them) before it frees it; each worker keeps two. ``0``
-            frees them as soon as the worker is idle. Keeping them spares
-            the next burst faulting them in again (the next shard of a checkpoint, a loop of
-            reads). Default ``$TENSORTIER_BOUNCE_IDLE_MS``, else 1000. ``bounce_bytes`` says
-            how much is held.
+            frees them as soon as the worker is idle. Keeping them spares the next burst
+            faulting them in again (the next shard of a checkpoint, a loop of reads). Default
+            ``$TENSORTIER_BOUNCE_IDLE_MS``, else 1000. ``bounce_bytes`` says how much is held.
         direct: open files given by path with O_DIRECT (falls back, reported, where refused).
         probe_dir: with ``backend="auto"``, pick the first backend whose verified round trip
             passes in this directory.
@@ -207,7 +206,8 @@ class IOHandle:
             or not 0 <= bounce_idle_ms <= 3_600_000
         ):
             raise ValueError(
-                f"bounce_idle_ms must be an integer from 0 to 3600000 (an hour), not {bounce_idle_ms!r}"
+                "bounce_idle_ms must be an integer from 0 to 3600000 (an hour), "
+                f"not {bounce_idle_ms!r}"
             )
         self._direct = direct
         self._engine: _core.Engine | None = _core.Engine(

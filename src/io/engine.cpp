@@ -328,8 +328,6 @@ class Worker {
     cv_.wait(lock, has_work);
   }
 
-  // A free bounce buffer of at least `bytes` (tasks are chunk_ bytes, or a little more where
-  // the file's O_DIRECT offset alignment does not divide chunk_), else a new one.
   // The most recently released free bounce buffer of at least `bytes` (tasks are chunk_ bytes, or
   // a little more where the file's O_DIRECT offset alignment does not divide chunk_), else a new
   // one. Taking the newest lets the oldest age out when less is in flight than before.
