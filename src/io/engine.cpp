@@ -73,6 +73,7 @@ class Worker {
  public:
   using Clock = std::chrono::steady_clock;
   static constexpr size_t kIdleBounce = 2;
+  static constexpr std::chrono::milliseconds kBusyBounceIdle{100};
 
   Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t chunk,
          std::chrono::milliseconds bounce_idle)
@@ -169,6 +170,7 @@ class Worker {
         }
       }
       if (!requests.empty()) SubmitOrFail(requests);
+      if (free_bounce_.size() > kIdleBounce) TrimBusy();  // while that I/O runs
       if (in_flight_ == 0) continue;
       size_t n = 0;
       try {
@@ -322,7 +324,7 @@ class Worker {
       const Clock::time_point due = free_bounce_.front().released + bounce_idle_;
       if (cv_.wait_until(lock, due, has_work)) return;
       lock.unlock();  // unmapping takes a while: let callers enqueue meanwhile
-      TrimBounce(Clock::now());
+      TrimBounce(Clock::now() - bounce_idle_);
       lock.lock();
     }
     cv_.wait(lock, has_work);
@@ -345,17 +347,24 @@ class Worker {
     return b;
   }
 
-  // Frees the free bounce buffers released bounce_idle_ or longer before `now`, oldest first,
-  // keeping kIdleBounce: a burst of unaligned or staged I/O may have made one per request in
-  // flight (up to the byte budget).
-  void TrimBounce(Clock::time_point now) {
-    while (free_bounce_.size() > kIdleBounce &&
-           now - free_bounce_.front().released >= bounce_idle_) {
+  // Frees the free bounce buffers released at or before `cutoff`, oldest first, keeping
+  // kIdleBounce: a burst of unaligned or staged I/O may have made one per request in flight (up
+  // to the byte budget).
+  void TrimBounce(Clock::time_point cutoff) {
+    while (free_bounce_.size() > kIdleBounce && free_bounce_.front().released <= cutoff) {
       AlignedBuffer* b = free_bounce_.front().buffer;
       free_bounce_.erase(free_bounce_.begin());
       bounce_bytes_.fetch_sub(b->size(), std::memory_order_relaxed);
       std::erase_if(bounce_, [b](const std::unique_ptr<AlignedBuffer>& p) { return p.get() == b; });
     }
+  }
+
+  // A worker that never waits (work keeps coming, with less of it in flight than in an earlier
+  // burst) frees the buffers it no longer needs here. They must also have sat unused for
+  // kBusyBounceIdle: the free list swells between reaping a batch and starting the next, and a
+  // zero delay must not free and remake buffers on every round.
+  void TrimBusy() {
+    TrimBounce(Clock::now() - std::max<Clock::duration>(bounce_idle_, kBusyBounceIdle));
   }
 
   void ReleaseBounce(Task* t) {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -300,6 +301,33 @@ TEST_P(BounceIdleTest, UnusedBuffersGoWhileWorkTrickles) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(engine.bounce_bytes(), kKept);
+  EXPECT_EQ(engine.bounce_allocations(), kBurst / kChunk);
+}
+
+// Work that never lets the worker wait (each operation queued before the one before it ends),
+// with no bounce buffer in use: the buffers an earlier burst made go all the same, once unused
+// for the delay, and not only when the worker is next idle.
+TEST_P(BounceIdleTest, UnusedBuffersGoWhileTheWorkerIsBusy) {
+  File f = PatternFile("data", kBurst, 9);
+  ASSERT_TRUE(f.direct());
+  Engine engine(IdleOptions(50));
+  BouncedBurst(engine, f);
+  AlignedBuffer memory(kBurst);  // aligned: these reads need no bounce buffer
+  std::vector<IoDesc> pieces;
+  for (int i = 0; i < 64; ++i) pieces.push_back({f, memory.data(), (i % 8) * kChunk, kChunk});
+  std::deque<Future> queued;
+  queued.push_back(engine.Submit(IoOp::kRead, pieces));
+  bool trimmed_while_busy = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!trimmed_while_busy && std::chrono::steady_clock::now() < deadline) {
+    queued.push_back(engine.Submit(IoOp::kRead, pieces));
+    IoResult r = queued.front().Wait();
+    queued.pop_front();
+    ASSERT_EQ(r.stats.bounced_bytes, 0u);
+    trimmed_while_busy = engine.bounce_bytes() == kKept && !queued.front().done();
+  }
+  for (const Future& q : queued) q.Wait();
+  EXPECT_TRUE(trimmed_while_busy) << engine.bounce_bytes();
   EXPECT_EQ(engine.bounce_allocations(), kBurst / kChunk);
 }
 
