@@ -312,15 +312,25 @@ TEST_P(BounceIdleTest, UnusedBuffersGoWhileTheWorkerIsBusy) {
   ASSERT_TRUE(f.direct());
   Engine engine(IdleOptions(50));
   BouncedBurst(engine, f);
-  AlignedBuffer memory(kBurst);  // aligned: these reads need no bounce buffer
-  std::vector<IoDesc> pieces;
-  for (int i = 0; i < 64; ++i) pieces.push_back({f, memory.data(), (i % 8) * kChunk, kChunk});
+  // Aligned: these reads need no bounce buffer. Each piece has memory of its own, and the two
+  // operations in flight use two halves (a third starts only after the first has ended).
+  constexpr uint64_t kPieces = 64;
+  AlignedBuffer memory(2 * kPieces * kChunk);
+  auto pieces = [&](uint64_t half) {
+    std::vector<IoDesc> out;
+    auto* base = static_cast<std::byte*>(memory.data()) + half * kPieces * kChunk;
+    for (uint64_t i = 0; i < kPieces; ++i) {
+      out.push_back({f, base + i * kChunk, (i % 8) * kChunk, kChunk});
+    }
+    return out;
+  };
   std::deque<Future> queued;
-  queued.push_back(engine.Submit(IoOp::kRead, pieces));
+  uint64_t submitted = 0;
+  queued.push_back(engine.Submit(IoOp::kRead, pieces(submitted++ % 2)));
   bool trimmed_while_busy = false;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (!trimmed_while_busy && std::chrono::steady_clock::now() < deadline) {
-    queued.push_back(engine.Submit(IoOp::kRead, pieces));
+    queued.push_back(engine.Submit(IoOp::kRead, pieces(submitted++ % 2)));
     IoResult r = queued.front().Wait();
     queued.pop_front();
     ASSERT_EQ(r.stats.bounced_bytes, 0u);
