@@ -181,12 +181,21 @@ build() {
     ${prefix[@]+"${prefix[@]}"} || return 1
   cmake --build "$BUILD" -j "$JOBS" || return 1
   [ "$tests" = ON ] || echo "NO_CPP_TESTS" > "$BUILD/no-cpp-tests"
-  # A venv over the system Python (its torch), holding only our package and CLI.
+  # A venv over the machine's Python (its torch), holding only our package and CLI. Where that
+  # Python is itself a venv (the GPU image's /opt/torch/.venv), --system-site-packages reaches
+  # only the interpreter it was made from, not that venv's packages: a .pth file adds them.
   if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages --without-pip "$VENV" || return 1
   fi
   local site
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$PY" -c 'import site, sys
+if sys.prefix != sys.base_prefix:
+    with open(sys.argv[1], "w") as f:
+        f.writelines(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages())
+    print(f"{sys.argv[1]}: the venv sees the packages of {sys.prefix}")' \
+    "$site/_gpu_test_parent_venv.pth" || return 1
+  "$VENV/bin/python" -c 'import torch' || { echo "the venv $VENV does not see torch"; return 1; }
   rm -rf "$site/tensortier"
   cp -r python/tensortier "$site/tensortier"
   cp "$BUILD"/_core*.so "$site/tensortier/"
@@ -233,10 +242,13 @@ cpp_tests() {
 py_tests() {
   local marks=() module
   for module in pytest numpy; do
-    "$VENV/bin/python" -c "import $module" 2>/dev/null || {
-      echo "SKIP: $module is not installed for $PY (tests/python needs pytest and numpy)"
-      return "$SKIP"
-    }
+    "$VENV/bin/python" -c "import $module" 2>/dev/null && continue
+    if "$PY" -c "import $module" 2>/dev/null; then  # a broken venv must not pass as a skip
+      echo "$PY has $module but the venv $VENV does not see it"
+      return 1
+    fi
+    echo "SKIP: $module is not installed for $PY (tests/python needs pytest and numpy)"
+    return "$SKIP"
   done
   [ "$QUICK" = 1 ] && marks=(-m "not slow")
   "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "${marks[@]}" \

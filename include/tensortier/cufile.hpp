@@ -59,6 +59,7 @@ struct CUfileDescr_t {
 inline constexpr int kSuccess = 0;
 inline constexpr int kBaseError = 5000;
 inline constexpr int kCudaDriverError = 5011;
+inline constexpr int kDriverAlreadyOpen = 5026;
 // CUFileBoolConfigParameter_t values used here.
 inline constexpr int kParamForceCompatMode = 2;  // CUFILE_PARAM_FORCE_COMPAT_MODE
 inline constexpr int kParamUsePciP2pdma = 7;     // CUFILE_PARAM_USE_PCIP2PDMA

@@ -129,8 +129,10 @@ GdsMode ParseGdsMode(const std::string& text);
 class DeviceFile {
  public:
   DeviceFile() = default;
-  // Throws CuFileError only for GdsMode::kRequire.
-  DeviceFile(File file, GdsMode mode, const CuFile& cufile = CuFile::Get());
+  // Throws CuFileError only for GdsMode::kRequire. The first overload loads cuFile
+  // (CuFile::Get()) only for kAuto and kRequire: "off" never opens its driver.
+  DeviceFile(File file, GdsMode mode);
+  DeviceFile(File file, GdsMode mode, const CuFile& cufile);
   // Test seam: a file whose transfers take the GDS path (gds() is true) without a cuFile
   // registration (handle() is null): only a DeviceTransfer made with a GdsFunction can move it.
   static DeviceFile FakeGdsForTest(File file, GdsMode mode);
@@ -144,6 +146,8 @@ class DeviceFile {
   const CuFileHandle* handle() const noexcept { return handle_.get(); }
 
  private:
+  DeviceFile(File file, GdsMode mode, const CuFile* cufile_or_null);  // null only for kOff
+
   File file_;
   GdsMode mode_ = GdsMode::kOff;
   bool gds_ = false;

@@ -70,13 +70,27 @@ def _dims(shape: int | tuple[int, ...] | list[int] | Any) -> tuple[int, ...]:
     return dims
 
 
-def pinned_empty(shape: int | tuple[int, ...], dtype: Any = None, *, device: int = 0) -> Any:
+def _registering_device(device: int | None) -> int:
+    """The GPU whose primary context registers pinned memory: `device`, else torch's current
+    device. Not always 0: a context costs hundreds of MiB of that GPU's memory, and every rank of
+    a multi-GPU job would make one on GPU 0."""
+    if device is not None:
+        return device
+    import torch
+
+    return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+
+
+def pinned_empty(
+    shape: int | tuple[int, ...], dtype: Any = None, *, device: int | None = None
+) -> Any:
     """An uninitialised CPU tensor in pinned (page-locked, CUDA-registered) memory.
 
     Args:
         shape: tensor shape.
         dtype: a torch dtype (default ``torch.uint8``).
-        device: the GPU whose context registers the memory (usable from every GPU).
+        device: the GPU whose context registers the memory (usable from every GPU); default:
+            torch's current device.
 
     Raises:
         CudaError: no CUDA driver here (the message names what is missing), or registration
@@ -94,15 +108,16 @@ def pinned_empty(shape: int | tuple[int, ...], dtype: Any = None, *, device: int
     for d in dims:
         numel *= d
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    memory = _core.PinnedMemory(max(nbytes, 1), device)
+    memory = _core.PinnedMemory(max(nbytes, 1), _registering_device(device))
     # torch.frombuffer keeps `memory` (and so the registration) alive as long as the storage.
     # (frombuffer refuses count=0, hence the slice: zero-byte shapes are valid tensors.)
     return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes].view(dtype).view(dims)
 
 
-def pin(tensor: Any, *, device: int = 0) -> Any:
+def pin(tensor: Any, *, device: int | None = None) -> Any:
     """A copy of CPU `tensor` in pinned memory (as ``tensor.pin_memory()``), or `tensor` itself
-    when its memory is pinned already. Contiguous copies keep the shape and dtype.
+    when its memory is pinned already. Contiguous copies keep the shape and dtype. `device` as
+    for :func:`pinned_empty`.
 
     Raises:
         TypeError: not a torch tensor. ValueError: a CUDA tensor (already device memory).

@@ -130,7 +130,10 @@ class IOHandle:
     host-to-device copies overlap; the copies are ordered on the tensor's device's current
     stream) or, with ``gds``, through GPUDirect Storage where cuFile accepts the file; the
     result's ``stats["path"]`` says which. Without a CUDA driver a CUDA tensor raises
-    ``CudaError`` naming what is missing.
+    ``CudaError`` naming what is missing. A CUDA transfer follows the work queued on that stream
+    before the call, but its copies are queued later, from the handle's threads: until its
+    future completes, work queued afterwards must not change a tensor being written nor use a
+    tensor being read (as with KvikIO's futures).
 
     Every argument left as ``None`` takes its default, which ``TENSORTIER_*`` environment
     variables override (see :func:`tensortier.defaults`).

@@ -222,8 +222,10 @@ void CuFile::Open(const CuFilePlatform& platform) {
     why_ = platform.unusable;
     return;
   }
+  // The driver is one per process, shared with any library that opened it first (torch's GDS,
+  // KvikIO): "already open" means it is ready. It is never closed (see the header).
   const cufile::CUfileError_t status = api_.DriverOpen();
-  if (status.err != cufile::kSuccess) {
+  if (status.err != cufile::kSuccess && status.err != cufile::kDriverAlreadyOpen) {
     why_ = StrCat("cuFileDriverOpen failed: ", StatusText(status));
     return;
   }

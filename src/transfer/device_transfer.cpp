@@ -53,13 +53,20 @@ GdsMode ParseGdsMode(const std::string& text) {
 // ---------------------------------------------------------------------------------------------
 // DeviceFile
 
+DeviceFile::DeviceFile(File file, GdsMode mode)
+    : DeviceFile(std::move(file), mode, mode == GdsMode::kOff ? nullptr : &CuFile::Get()) {}
+
 DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile& cufile)
+    : DeviceFile(std::move(file), mode, &cufile) {}
+
+DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile* cufile_or_null)
     : file_(std::move(file)), mode_(mode) {
   if (!file_.is_open()) throw std::invalid_argument("DeviceFile: the file is not open");
   if (mode == GdsMode::kOff) {
     reason_ = "GDS off";
     return;
   }
+  const CuFile& cufile = *cufile_or_null;
   if (!cufile.available()) {
     reason_ = StrCat("cuFile unavailable: ", cufile.why_unavailable());
   } else if (mode == GdsMode::kAuto && !cufile.compat_mode_reason().empty()) {

@@ -395,6 +395,21 @@ TEST_F(FakeCudaTest, CuFileIsNotOpenedWhereThePlatformIsUnusable) {
   EXPECT_EQ(fake_.CuFileDriverOpens(), opens + 1);
 }
 
+// The driver is one per process: where another library opened it first, cuFileDriverOpen may
+// answer CU_FILE_DRIVER_ALREADY_OPEN, and cuFile is ready all the same. Other failures are not.
+TEST_F(FakeCudaTest, CuFileOpenedByAnotherLibraryIsUsable) {
+  const std::string library = testing::FakeCudaLibrary();
+  const CuFilePlatform platform{.unusable = "", .compat_mode = ""};
+  fake_.NextCuFileDriverOpenResult(5026);
+  auto shared = CuFile::Load(library, platform);
+  EXPECT_TRUE(shared->available()) << shared->why_unavailable();
+  fake_.NextCuFileDriverOpenResult(5007);
+  auto refused = CuFile::Load(library, platform);
+  EXPECT_FALSE(refused->available());
+  EXPECT_TRUE(Contains(refused->why_unavailable(), "CU_FILE_PLATFORM_NOT_SUPPORTED"))
+      << refused->why_unavailable();
+}
+
 TEST_F(FakeCudaTest, CuFilePlatformProbeReportsCompatibilityModeWithoutNvidiaFs) {
   TempDir dir;
   const CuFileProbePaths paths{.udev = dir.File("udev"), .nvidia_fs = dir.File("devcount")};

@@ -9,7 +9,9 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -618,6 +620,25 @@ TEST(TransferDeviceTest, ErrorsReturnTheRing) {
   EXPECT_EQ(transfer->rings(), 1u);
 }
 
+// GDS "off" never loads cuFile (its driver makes threads, GPU buffers and a log file): the
+// process-wide CuFile is made by the first DeviceFile that asks for GDS. Run in a child process
+// of its own, where nothing has made it yet: the library it names tells which file made it.
+TEST(TransferDeviceTest, DeviceFileOffNeverLoadsCuFile) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        TempDir dir;
+        File file = File::Open(dir.File("f"), OpenMode::kWrite);
+        setenv("TENSORTIER_CUFILE_LIBRARY", "/nonexistent/loaded-for-off.so", 1);
+        DeviceFile off(file, GdsMode::kOff);
+        setenv("TENSORTIER_CUFILE_LIBRARY", "/nonexistent/loaded-for-auto.so", 1);
+        DeviceFile autof(file, GdsMode::kAuto);
+        std::cerr << autof.gds_reason();
+        std::_Exit(autof.gds_reason().find("loaded-for-auto.so") != std::string::npos ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "loaded-for-auto");
+}
+
 TEST(TransferDeviceTest, DeviceFileWithoutCuFileFallsBackOrThrows) {
   TempDir dir;
   auto cufile = CuFile::Load("/nonexistent/libcufile.so.0");
@@ -848,11 +869,23 @@ TEST_F(TransferGpuTest, ConcurrentTransfersFromThreadsOnTheirOwnAndTheTransfersS
   EXPECT_LE(transfer.rings(), 2u);
 }
 
+// Cases only the fake driver can stage (cuFile failures injected, a platform without nvidia-fs):
+// a suite of their own, skipped with a real driver or none, so that the GPU suites above never
+// skip on a GPU (scripts/gpu-test.sh fails a GPU run whose TransferGpuTest cases skipped).
+class FakeTransferTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaDriver::Get().available() || !fake_.Start()) {
+      GTEST_SKIP() << "not running on the fake CUDA driver";
+    }
+  }
+  void TearDown() override { fake_.Check(); }
+  testing::FakeCudaAccounting fake_;
+};
+
 // With cuFile (the fake's, whose failures can be injected): "auto" GDS that fails with a cuFile
 // status reruns through the ring and says why; errno failures stay errors.
-TEST_F(TransferGpuTest, AutoGdsFallsBackToTheRingWhenCuFileFailsWithAStatus) {
-  testing::FakeCudaAccounting fake;
-  if (!fake.Start()) GTEST_SKIP() << "needs the fake CUDA driver to inject cuFile failures";
+TEST_F(FakeTransferTest, AutoGdsFallsBackToTheRingWhenCuFileFailsWithAStatus) {
   TempDir dir;
   PrimaryContext context(CudaDriver::Get(), 0);
   Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
@@ -867,7 +900,7 @@ TEST_F(TransferGpuTest, AutoGdsFallsBackToTheRingWhenCuFileFailsWithAStatus) {
   stream.CopyToDevice(device.address(), src.data(), kLength);
   TransferResult w = transfer.Write({device.address(), 0, stream.get()}, kLength, file, 4096);
   EXPECT_EQ(w.path, "gds");
-  fake.NextCuFileResult(-5008);
+  fake_.NextCuFileResult(-5008);
   TransferResult r = transfer.Read(file, 4096, kLength, {back.address(), 0, stream.get()});
   EXPECT_EQ(r.path, "bounce");
   EXPECT_EQ(r.bytes, kLength);
@@ -876,14 +909,12 @@ TEST_F(TransferGpuTest, AutoGdsFallsBackToTheRingWhenCuFileFailsWithAStatus) {
   stream.CopyFromDevice(out.data(), back.address(), kLength);
   stream.Synchronize();
   EXPECT_TRUE(MatchesPattern(out.data(), kLength, 8, 4096));
-  fake.NextCuFileResult(-1, EIO);
+  fake_.NextCuFileResult(-1, EIO);
   EXPECT_THROW(transfer.Read(file, 4096, kLength, {back.address(), 0, stream.get()}), IoError);
 }
 
 // Without nvidia-fs cuFile is no GPUDirect: "auto" keeps the ring, "on" still uses cuFile.
-TEST_F(TransferGpuTest, AutoGdsUsesTheRingWhereCuFileWouldRunInCompatibilityMode) {
-  testing::FakeCudaAccounting fake;
-  if (!fake.Start()) GTEST_SKIP() << "needs the fake CUDA driver to stand in for cuFile";
+TEST_F(FakeTransferTest, AutoGdsUsesTheRingWhereCuFileWouldRunInCompatibilityMode) {
   auto cufile = CuFile::Load(testing::FakeCudaLibrary(),
                              CuFilePlatform{.unusable = "", .compat_mode = "no nvidia-fs (test)"});
   ASSERT_TRUE(cufile->available()) << cufile->why_unavailable();
@@ -898,7 +929,6 @@ TEST_F(TransferGpuTest, AutoGdsUsesTheRingWhereCuFileWouldRunInCompatibilityMode
     DeviceFile required(file, GdsMode::kRequire, *cufile);
     EXPECT_TRUE(required.gds()) << required.gds_reason();
   }
-  fake.Check();
 }
 
 TEST_F(TransferGpuTest, GdsOrFallbackRoundTrip) {

@@ -276,6 +276,28 @@ def test_deepnvme_handles_on_cuda_tensors(disk_dir: Path) -> None:
         h.close()
 
 
+def test_deepnvme_aio_async_write_of_cuda_tensor_takes_its_values_at_submit(
+    disk_dir: Path,
+) -> None:
+    """DeepNVMe's aio_handle copies a CUDA tensor to host memory when an async write is
+    submitted: work queued on the tensor's stream right after the call (before wait) must not
+    change what is written."""
+    from tensortier.compat.deepnvme import AsyncIOBuilder
+
+    h = AsyncIOBuilder().load().aio_handle(1 << 20, 32, True, True, 1)
+    src = _rand_bytes((32 << 20) + 5, 13).view(torch.uint8)
+    expected = src.cpu()
+    for i, start in enumerate((h.async_pwrite, lambda t, p: h.pwrite(t, p, False, True))):
+        path = str(disk_dir / f"aio-{i}.bin")
+        assert start(src, path) == 0
+        src.add_(1)  # queued on the current stream before the write's copies could run
+        assert h.wait() == 1
+        with open(path, "rb") as f:
+            assert f.read() == expected.numpy().tobytes()
+        expected = src.cpu()
+    h.close()
+
+
 def test_compat_gds_file_on_cuda_storages(disk_dir: Path) -> None:
     from tensortier.compat import gds
 

@@ -188,6 +188,30 @@ def test_pinned_memory_without_driver_names_libcuda() -> None:
     assert issubclass(tensortier.CudaError, RuntimeError)
 
 
+def test_pinned_memory_is_registered_through_torchs_current_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not GPU 0 always: each rank of a multi-GPU job would make a context there."""
+    from tensortier import device as device_module
+
+    devices: list[int] = []
+
+    def fake_pinned_memory(nbytes: int, device: int) -> bytearray:
+        devices.append(device)
+        return bytearray(nbytes)
+
+    monkeypatch.setattr(device_module, "_require_driver", lambda what: None)
+    monkeypatch.setattr(device_module._core, "PinnedMemory", fake_pinned_memory)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert tensortier.pinned_empty(16).shape == (16,)
+    tensortier.pinned_empty(16, device=1)
+    tensortier.pin(torch.zeros(4), device=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tensortier.pinned_empty(16)
+    assert devices == [3, 1, 2, 0]
+
+
 def test_pinned_memory_argument_errors() -> None:
     with pytest.raises(ValueError, match="negative"):
         tensortier.pinned_empty((2, -1))

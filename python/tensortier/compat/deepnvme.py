@@ -62,6 +62,8 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     """
 
     _GDS = "off"
+    # Async writes of CUDA tensors copy them to host memory first (see _start).
+    _SNAPSHOT_CUDA_WRITES = True
 
     def __init__(
         self,
@@ -131,8 +133,10 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         return self._start("read", buffer, filename, file_offset, validate=False)
 
     def async_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
-        """Starts a write; ``wait()`` completes it. Returns 0."""
-        return self._start("write", buffer, filename, file_offset, validate=False)
+        """Starts a write; ``wait()`` completes it. Returns 0. ``aio_handle`` copies a CUDA tensor
+        to host memory before this returns (as DeepNVMe does): work queued afterwards may change
+        it. ``gds_handle`` reads it while the write runs: leave it unchanged until ``wait()``."""
+        return self._start("write", buffer, filename, file_offset, validate=False, snapshot=True)
 
     def pread(
         self, buffer: Any, filename: str, validate: bool, async_op: bool, file_offset: int = 0
@@ -144,8 +148,9 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     def pwrite(
         self, buffer: Any, filename: str, validate: bool, async_op: bool, file_offset: int = 0
     ) -> int:
-        """DeepNVMe's ``pwrite(buffer, filename, validate, async)``."""
-        self._start("write", buffer, filename, file_offset, validate)
+        """DeepNVMe's ``pwrite(buffer, filename, validate, async)``. An async write of a CUDA
+        tensor copies it to host memory before this returns, as ``async_pwrite``."""
+        self._start("write", buffer, filename, file_offset, validate, snapshot=async_op)
         return 0 if async_op else self.wait()
 
     def read(self, buffer: Any, filename: str, validate: bool) -> int:
@@ -205,9 +210,22 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         self._io.close()
 
     # ---- internals ------------------------------------------------------------------------
-    def _start(self, op: str, buffer: Any, filename: str, offset: int, validate: bool) -> int:
+    def _start(
+        self,
+        op: str,
+        buffer: Any,
+        filename: str,
+        offset: int,
+        validate: bool,
+        snapshot: bool = False,
+    ) -> int:
         what = f"{'pread' if op == 'read' else 'pwrite'}"
         _check_tensor(buffer, what)
+        if snapshot and self._SNAPSHOT_CUDA_WRITES and buffer.device.type == "cuda":
+            # DeepNVMe's io_op_desc_t copies a CUDA tensor to host memory when the write is
+            # submitted, and DeepSpeed relies on it: it may reuse the tensor before wait(). Our
+            # device path would queue its copies later on the tensor's stream, after such work.
+            buffer = buffer.detach().to("cpu")
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"{what}: file_offset must be a non-negative int, not {offset!r}")
         path = os.fspath(filename)
@@ -244,6 +262,9 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
     memory with cuFile when cuFile is available and does nothing otherwise."""
 
     _GDS = "auto"
+    # DeepNVMe's GDS ops read device memory while they run, with no host copy: the tensor must
+    # stay unchanged until wait(), as there.
+    _SNAPSHOT_CUDA_WRITES = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

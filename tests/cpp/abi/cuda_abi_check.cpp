@@ -147,6 +147,7 @@ static_assert(sizeof(tf::CUfileDescr_t::handle) == sizeof(CUfileDescr_t::handle)
 static_assert(sizeof(CUfileFileHandleType) == sizeof(int));
 static_assert(tf::kHandleTypeOpaqueFd == CU_FILE_HANDLE_TYPE_OPAQUE_FD);
 static_assert(tf::kSuccess == CU_FILE_SUCCESS);
+static_assert(tf::kDriverAlreadyOpen == CU_FILE_DRIVER_ALREADY_OPEN);
 static_assert(tf::kBaseError == CUFILEOP_BASE_ERR);
 static_assert(tf::kCudaDriverError == CU_FILE_CUDA_DRIVER_ERROR);
 static_assert(tf::kParamForceCompatMode == CUFILE_PARAM_FORCE_COMPAT_MODE);

@@ -50,11 +50,14 @@ class FakeCudaAccounting {
     next_result_ =
         reinterpret_cast<void (*)(long, int)>(dlsym(handle, "fakecuda_cufile_next_result"));
     driver_opens_ = reinterpret_cast<int (*)()>(dlsym(handle, "fakecuda_cufile_driver_opens"));
+    next_open_ =
+        reinterpret_cast<void (*)(int)>(dlsym(handle, "fakecuda_cufile_next_driver_open_result"));
     set_bool_ =
         reinterpret_cast<void (*)(int, int)>(dlsym(handle, "fakecuda_cufile_set_bool_parameter"));
     dlclose(handle);  // drops our reference only: CudaDriver keeps the library loaded
     if (violations_ == nullptr || live_ == nullptr || set_delay_ == nullptr ||
-        next_result_ == nullptr || driver_opens_ == nullptr || set_bool_ == nullptr) {
+        next_result_ == nullptr || driver_opens_ == nullptr || next_open_ == nullptr ||
+        set_bool_ == nullptr) {
       return false;
     }
     live_at_start_ = live_();
@@ -71,6 +74,8 @@ class FakeCudaAccounting {
   int Live() const { return live_(); }
   // cuFileDriverOpen calls so far (the stand-in counts them).
   int CuFileDriverOpens() const { return driver_opens_(); }
+  // What the next cuFileDriverOpen answers (a cuFile status).
+  void NextCuFileDriverOpenResult(int status) const { next_open_(status); }
   // What the stand-in's cuFileGetParameterBool answers for `param` from now on.
   void SetCuFileBoolParameter(int param, bool value) const { set_bool_(param, value ? 1 : 0); }
 
@@ -90,6 +95,7 @@ class FakeCudaAccounting {
   int (*set_delay_)(int) = nullptr;
   void (*next_result_)(long, int) = nullptr;
   int (*driver_opens_)() = nullptr;
+  void (*next_open_)(int) = nullptr;
   void (*set_bool_)(int, int) = nullptr;
   int live_at_start_ = 0;
   int violations_at_start_ = 0;

@@ -120,8 +120,9 @@ struct Driver {
   std::map<uintptr_t, size_t> file_buffers;  // cuFileBufRegister'ed ranges
   long next_transfer_result = 0;             // injected: 0 none, >0 short, <0 returned as is
   int next_transfer_errno = 0;
-  int driver_opens = 0;           // cuFileDriverOpen calls
-  bool bool_parameters[16] = {};  // cuFileGetParameterBool's answers, set by the hook below
+  int driver_opens = 0;             // cuFileDriverOpen calls
+  int next_driver_open_result = 0;  // what the next cuFileDriverOpen answers
+  bool bool_parameters[16] = {};    // cuFileGetParameterBool's answers, set by the hook below
 };
 
 Driver& D() {
@@ -294,6 +295,12 @@ void fakecuda_cufile_next_result(long result, int error) {
 int fakecuda_cufile_driver_opens() {
   std::lock_guard lock(D().mu);
   return D().driver_opens;
+}
+
+// What the next cuFileDriverOpen answers (a cuFile status; 0: success).
+void fakecuda_cufile_next_driver_open_result(int status) {
+  std::lock_guard lock(D().mu);
+  D().next_driver_open_result = status;
 }
 
 // What cuFileGetParameterBool answers for `param` from now on.
@@ -710,7 +717,7 @@ constexpr int kFileNotRegistered = 5024;
 CUfileError cuFileDriverOpen() {
   std::lock_guard lock(D().mu);
   ++D().driver_opens;
-  return {kFileSuccess, 0};
+  return {std::exchange(D().next_driver_open_result, kFileSuccess), 0};
 }
 
 CUfileError cuFileGetParameterBool(int param, bool* value) {
