@@ -217,12 +217,33 @@ tensortier.cuda_info(), tensortier.cufile_info())'
 
 built() { [ -x "$VENV/bin/python" ] && [ -x "$VENV/bin/tensortier" ]; }
 
+# cuFile where the loader does not find libcufile.so.0 but a Python package holds it (the GPU
+# image has it only in NVIDIA's nvidia-cufile wheel): the tests and benchmarks load that one
+# (TENSORTIER_CUFILE_LIBRARY), so that cuFile's own code runs there too.
+use_wheel_cufile() {
+  [ -n "${TENSORTIER_CUFILE_LIBRARY:-}" ] && return 0
+  ldconfig -p 2>/dev/null | grep -q 'libcufile\.so\.0 ' && return 0
+  local lib
+  lib=$("$VENV/bin/python" -c 'import glob, os, sys
+for d in sys.path:
+    for f in sorted(glob.glob(os.path.join(d, "nvidia", "**", "libcufile.so.0"), recursive=True)):
+        print(f)
+        raise SystemExit' 2>/dev/null)
+  if [ -n "$lib" ]; then
+    export TENSORTIER_CUFILE_LIBRARY=$lib
+    echo "cuFile: $lib (TENSORTIER_CUFILE_LIBRARY; the loader does not find libcufile.so.0)"
+  else
+    echo "cuFile: no libcufile.so.0 here (the cuFile tests will skip)"
+  fi
+}
+
 # ---- tests -------------------------------------------------------------------------------
 cpp_tests() {
   if [ -f "$BUILD/no-cpp-tests" ]; then
     echo "SKIP: C++ tests were not built (cmake did not find GoogleTest)"
     return "$SKIP"
   fi
+  use_wheel_cufile
   local out="$OUTDIR/ctest-output.txt" rc
   (cd "$BUILD" && ctest --output-on-failure --no-tests=error -j "$JOBS" \
     --output-junit "$OUTDIR/ctest.xml") > "$out" 2>&1
@@ -251,6 +272,7 @@ py_tests() {
     return "$SKIP"
   done
   [ "$QUICK" = 1 ] && marks=(-m "not slow")
+  use_wheel_cufile
   "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "${marks[@]}" \
     --junitxml="$OUTDIR/pytest.xml" tests/python
 }
@@ -258,6 +280,7 @@ py_tests() {
 # ---- benchmarks --------------------------------------------------------------------------
 bench() {
   local repeats=() rc
+  use_wheel_cufile
   [ -n "$REPEATS" ] && repeats=(--repeats "$REPEATS")
   "$VENV/bin/python" bench/gpu_bench.py --dir "$BENCH_DIR" --sizes "$SIZES" "${repeats[@]}" \
     --json "$OUTDIR/gpu_bench_${SIZES//,/-}.json"
@@ -268,6 +291,7 @@ bench() {
 
 bench_checkpoint() {
   local rc
+  use_wheel_cufile
   "$VENV/bin/python" bench/checkpoint_bench.py --dir "$BENCH_DIR/checkpoint" \
     --scenarios gpu-cold,gpu-warm --repeats "${REPEATS:-3}" \
     --json "$OUTDIR/checkpoint_gpu_bench.json"
@@ -276,7 +300,7 @@ bench_checkpoint() {
   return $rc
 }
 
-export -f have_gtest build built cpp_tests py_tests bench bench_checkpoint
+export -f have_gtest build built use_wheel_cufile cpp_tests py_tests bench bench_checkpoint
 
 # ---- run ---------------------------------------------------------------------------------
 BUILD_STEP="build (C++ library, tests, CLI, Python extension; venv)"

@@ -242,9 +242,10 @@ def test_device_file_gds_modes(disk_dir: Path) -> None:
         _core.DeviceFile(f, "sometimes")
     if _core.cufile()["available"]:
         pytest.skip("cuFile is installed here")
+    why = _core.cufile()["why_unavailable"]  # no libcufile.so.0, or no driver for it
     auto = _core.DeviceFile(f, "auto")
-    assert not auto.gds and "libcufile.so.0" in auto.gds_reason
-    with pytest.raises(tensortier.CuFileError, match="libcufile.so.0"):
+    assert not auto.gds and auto.gds_reason == f"cuFile unavailable: {why}"
+    with pytest.raises(tensortier.CuFileError, match="cuFile unavailable"):
         _core.DeviceFile(f, "on")
 
 
