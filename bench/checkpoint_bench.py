@@ -70,7 +70,7 @@ Scenarios (``--scenarios``, default all):
            safetensors      safetensors.torch.load_file("tt.safetensors", device=DEV)
            torch.load       torch.load("tt.pt", map_location=DEV, weights_only=True)
            fastsafetensors  fastsafe_open(["tt.safetensors"], device=DEV, nogds=False), every
-                            tensor cloned out of its buffer (optional, report only)
+                            tensor kept (they outlive the block since 0.5.0; report only)
            file-read        the file's bytes read by tensortier into one reused pinned buffer
            h2d              those bytes copied from that pinned buffer to the device
          The limit row, min(file-read, h2d), is the per-repeat minimum of those two.
@@ -539,6 +539,8 @@ class GpuLoads:
         import tensortier
 
         self.device = torch.device(s.gpu_device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.size = (s.directory / "tt.safetensors").stat().st_size
         on_gpu = self.device.type == "cuda"
         # --gpu-device cpu (a dry run of this code on machines without a GPU): plain memory
@@ -587,8 +589,8 @@ class GpuLoads:
             from fastsafetensors import fastsafe_open
 
             with fastsafe_open(filenames=[str(path)], device=dev, nogds=False) as f:
-                # its tensors live in the loader's buffer, freed when the block ends
-                out = {k: f.get_tensor(k).clone() for k in f.keys()}
+                # 0.5.0: its tensors share ownership of the loader's buffer and outlive the block
+                out = {k: f.get_tensor(k) for k in f.keys()}
         self.sync()
         seconds = time.perf_counter() - start
         if out is not None:

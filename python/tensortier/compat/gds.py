@@ -58,15 +58,19 @@ def _as_tensor(storage: Any) -> Any:
 
 def gds_register_buffer(s: Any) -> None:
     """Registers a CUDA storage with cuFile so GDS can DMA to it without bouncing. Does nothing
-    for CPU storages or where cuFile is unavailable (transfers work either way). The registration
-    is made (and later dropped) through the storage's own device's primary context, whichever
-    device is current; it releases the GIL while cuFile works.
+    for CPU storages, where cuFile is unavailable or where it would run in its compatibility
+    mode (transfers work either way). The registration is made (and later dropped) through the
+    storage's own device's primary context, whichever device is current; it releases the GIL
+    while cuFile works.
 
     Raises:
         TypeError: not a storage. CuFileError: cuFile is available but refuses the memory.
     """
     _check_storage(s, "gds_register_buffer")
-    if s.device.type != "cuda" or s.nbytes() == 0 or not _core.cufile()["available"]:
+    cufile = _core.cufile()
+    if s.device.type != "cuda" or s.nbytes() == 0 or not cufile["available"]:
+        return
+    if cufile["compat_mode_reason"]:  # no nvidia-fs: nothing DMAs into registered memory
         return
     address = int(s.data_ptr())
     with _lock:
