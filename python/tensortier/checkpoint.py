@@ -916,8 +916,11 @@ def _read_batched(
 
 
 def _pinned_buffer(size: int) -> Any:
-    """`size` bytes of pinned (page-locked) host memory, as a uint8 tensor."""
-    return _torch().empty(size, dtype=_torch().uint8, pin_memory=True)
+    """`size` bytes of tensortier's pinned host memory (exactly that size, unmapped when the
+    tensor goes), as a uint8 tensor."""
+    from .device import pinned_empty
+
+    return pinned_empty(size)
 
 
 def _read_device_checked(
@@ -925,17 +928,14 @@ def _read_device_checked(
 ) -> None:
     """Fill CUDA destinations whose bytes must be checksummed on the host (verify=True):
     each piece is read whole into one of two reused pinned buffers, checked, then copied to
-    the device while the next piece is read."""
+    its device (on a stream of that device's own) while the next piece is read. The buffers are
+    tensortier's pinned memory of the exact size, unmapped when this returns (torch's pinned
+    allocator would round each up to a power of two and keep it cached for the process)."""
     torch = _torch()
-    dev = pieces[0].dest.device
     size = max(p.nbytes for p in pieces) + ALIGNMENT
     buffers = [_pinned_buffer(size) for _ in range(2)]
     events: list[Any] = [None, None]
-    stream = torch.cuda.Stream(device=dev)
-    # The destinations come from the caching allocator in the current stream's order: their
-    # memory may still be in use by kernels queued there (a tensor just freed, the parameters a
-    # queued forward pass reads). Copy only after all of that.
-    stream.wait_stream(torch.cuda.current_stream(dev))
+    streams: dict[Any, Any] = {}  # device -> the stream copying to it
     which = 0
     try:
         for p in pieces:
@@ -951,7 +951,15 @@ def _read_device_checked(
             assert p.check is not None
             p.check(view)
             if p.nbytes:
-                with torch.cuda.stream(stream):
+                dev = p.dest.device
+                stream = streams.get(dev)
+                if stream is None:
+                    stream = streams[dev] = torch.cuda.Stream(device=dev)
+                    # The destinations come from the caching allocator in the current stream's
+                    # order: their memory may still be in use by kernels queued there (a tensor
+                    # just freed, the parameters a queued forward pass reads). Copy after that.
+                    stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(stream):  # also makes `dev` current while it lasts
                     _as_bytes(p.dest).copy_(view, non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
@@ -961,7 +969,8 @@ def _read_device_checked(
     finally:
         # Copies still running read the pinned buffers and write the destinations: neither may
         # be freed (on an error) or used (on success) before they finish.
-        stream.synchronize()
+        for stream in streams.values():
+            stream.synchronize()
 
 
 def _checksum_mismatch(path: str, name: str, kind: str, stored: int, actual: int) -> ValueError:
@@ -1503,13 +1512,28 @@ def _load_torch(
         file.close()
     if big_endian:
         for r in refs:
-            r.storage.byteswap(r.dtype)
+            if r.storage.device.type == "cpu":
+                r.storage.byteswap(r.dtype)
+            else:  # torch's byteswap writes through the pointer on the host
+                _swap_bytes(r.storage, r.dtype)
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if validate is not None:
         validate()
     if dtype is not None:
         obj = _map_tensors(obj, lambda t: _convert(t, dtype))
     return obj
+
+
+def _swap_bytes(storage: Any, dtype: Any) -> None:
+    """``storage.byteswap(dtype)`` done with tensor operations on the storage's own device (each
+    element's bytes reversed; a complex number's two halves each on their own, as torch does)."""
+    width = dtype.itemsize // (2 if dtype.is_complex else 1)
+    if width <= 1:
+        return
+    flat = _storage_bytes(storage)
+    count = flat.numel() // width
+    elements = flat[: count * width].view(count, width)
+    elements.copy_(elements.flip(-1))
 
 
 def _map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:

@@ -223,7 +223,28 @@ def test_big_endian_torch_file(disk_dir: Path) -> None:
         out = tensortier.load(big, mmap=mapped)
         for k in sd:
             assert same(out[k], sd[k]), (k, mapped)
+    if torch.cuda.is_available():  # swapped on the GPU
+        out = tensortier.load(big, device="cuda")
+        for k in sd:
+            assert out[k].is_cuda and same(out[k].cpu(), sd[k]), k
     assert digest(big) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16, torch.bfloat16,
+                                   torch.float32, torch.int64, torch.float64, torch.complex64,
+                                   torch.complex128])
+def test_swap_bytes_matches_torchs_byteswap(dtype: torch.dtype) -> None:
+    """Big-endian files loaded to a GPU are swapped there by tensor operations (torch's
+    byteswap writes through the storage's pointer on the host); same bytes as torch's."""
+    from tensortier import checkpoint
+
+    raw = torch.randint(0, 256, (37 * dtype.itemsize,), dtype=torch.uint8)
+    ours, theirs = raw.clone(), raw.clone()
+    checkpoint._swap_bytes(ours.untyped_storage(), dtype)
+    theirs.untyped_storage().byteswap(dtype)
+    assert torch.equal(ours, theirs)
+    if dtype.itemsize > 1:
+        assert not torch.equal(ours, raw)
 
 
 def test_readahead_budget(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
