@@ -64,7 +64,9 @@ class _Entry:
         self.tensor_id = id(tensor)
         self.ref = weakref.ref(tensor)
         self.nbytes = nbytes
-        self.state = "writing"  # then "stored", "reading"
+        # then "stored", "reading"; "staged" when a read's copy to the GPU failed after the
+        # file's copy was freed: the bytes are in `staging` until the next read
+        self.state = "writing"
         self.tensor: Any = tensor  # strong while an operation is in flight
         self.callback: Callable[[], None] | None = None
         self.finalizer: weakref.finalize | None = None
@@ -253,7 +255,7 @@ class DiskOffloader:
             if core is None:
                 return
             core.close()
-            lost = sum(1 for e in self._by_key.values() if e.state == "stored")
+            lost = sum(1 for e in self._by_key.values() if e.state in ("stored", "staged"))
             for entry in self._by_key.values():
                 if entry.finalizer is not None:
                     entry.finalizer.detach()
@@ -295,7 +297,7 @@ class DiskOffloader:
             if entry is None:
                 return
             self._remove(entry)
-            if self._core is not None:
+            if self._core is not None and entry.state != "staged":  # staged: not in the file
                 self._core.discard(key)
 
     def _remove(self, entry: _Entry) -> None:
@@ -319,7 +321,7 @@ class DiskOffloader:
                 if entry is not None:
                     raise ValueError(
                         "tensor is already offloaded"
-                        if entry.state == "stored"
+                        if entry.state in ("stored", "staged")
                         else "tensor is already being written"
                     )
                 storage = t.untyped_storage()
@@ -360,6 +362,7 @@ class DiskOffloader:
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
         import torch
 
+        ready: Callable[[], None] | None = None
         with self._lock:
             core = self._open()
             for t in tensors:
@@ -379,23 +382,50 @@ class DiskOffloader:
             entries: list[_Entry] = [self._lookup(t) for t in tensors]  # type: ignore[misc]
             if any(e.state == "reading" for e in entries):
                 raise ValueError("tensor is already being read")
+            # Tensors whose bytes a failed copy left in host memory are restored from there now.
+            staged = [(e, t) for e, t in zip(entries, tensors) if e.state == "staged"]
+            for e, t in staged:
+                _restore_staged(e, t)  # raises (the bytes stay staged) on a CUDA error
+                self._remove(e)
+            if staged:
+                restored = {id(e) for e, _ in staged}
+                pending = [(e, t) for e, t in zip(entries, tensors) if id(e) not in restored]
+                entries, tensors = [e for e, _ in pending], [t for _, t in pending]
+            if not entries:
+                ready = callback  # all of them were in host memory: done already
+            else:
+                self._start_read(core, entries, tensors, callback, torch)
+        if ready is not None:
+            ready()
+
+    def _start_read(
+        self,
+        core: _core.Offloader,
+        entries: list[_Entry],
+        tensors: list[Any],
+        callback: Callable[[], None] | None,
+        torch: Any,
+    ) -> None:
+        try:
             for e, t in zip(entries, tensors):
                 if t.device.type == "cuda":
-                    # GPU memory is allocated when the data is there (see _wait).
+                    # GPU memory is allocated now, while the data is still on disk: reading it
+                    # back frees its file space, so running out of GPU memory after that (in
+                    # _wait) would lose it.
                     e.staging = _pinned_bytes(e.nbytes) if e.nbytes > 0 else None
+                    t.untyped_storage().resize_(e.nbytes)
                 else:
                     _allocate(t, e.nbytes, self._pin, torch)
-            try:
-                core.read([(e.key, _host_address(e, t), e.nbytes) for e, t in zip(entries, tensors)])
-            except BaseException:
-                for e, t in zip(entries, tensors):
-                    e.staging = None
-                    t.untyped_storage().resize_(0)
-                raise
+            core.read([(e.key, _host_address(e, t), e.nbytes) for e, t in zip(entries, tensors)])
+        except BaseException:
             for e, t in zip(entries, tensors):
-                e.state = "reading"
-                e.tensor = t
-                e.callback = callback if t is tensors[-1] else None
+                e.staging = None
+                t.untyped_storage().resize_(0)
+            raise
+        for e, t in zip(entries, tensors):
+            e.state = "reading"
+            e.tensor = t
+            e.callback = callback if t is tensors[-1] else None
 
     def _wait(self, kind: str) -> None:
         with self._lock:
@@ -412,9 +442,15 @@ class DiskOffloader:
                 staging, entry.staging = entry.staging, None
                 if error is None and kind == "read" and tensor.device.type == "cuda":
                     try:
-                        _restore_to_device(tensor, staging, entry.nbytes)
-                    except Exception as e:  # noqa: BLE001 - e.g. CUDA out of memory
-                        error = e
+                        _copy_to_device(tensor, staging, entry.nbytes)
+                    except Exception as e:  # noqa: BLE001 - a CUDA error
+                        # The file's copy is gone (read back): the bytes live on in `staging`,
+                        # from which the next read of this tensor restores it.
+                        tensor.untyped_storage().resize_(0)
+                        entry.staging = staging
+                        entry.state = "staged"
+                        errors.append(e)
+                        continue
                 if error is not None:
                     errors.append(error)
                     if kind == "write":  # nothing was stored; the tensor is as it was
@@ -478,9 +514,20 @@ def _stage_from_device(tensor: Any, nbytes: int) -> Any:
     return staging
 
 
-def _restore_to_device(tensor: Any, staging: Any, nbytes: int) -> None:
-    """Gives a CUDA tensor its memory again and copies the staged bytes in."""
-    tensor.untyped_storage().resize_(nbytes)
+def _restore_staged(entry: _Entry, tensor: Any) -> None:
+    """Restores a CUDA tensor whose bytes are held in `entry.staging` (a read whose copy to the
+    device failed); on failure they stay there."""
+    tensor.untyped_storage().resize_(entry.nbytes)
+    try:
+        _copy_to_device(tensor, entry.staging, entry.nbytes)
+    except BaseException:
+        tensor.untyped_storage().resize_(0)
+        raise
+    entry.staging = None
+
+
+def _copy_to_device(tensor: Any, staging: Any, nbytes: int) -> None:
+    """Copies the staged bytes into a CUDA tensor whose memory is allocated again."""
     if nbytes > 0:
         _storage_bytes(tensor).copy_(staging)
 

@@ -256,6 +256,41 @@ def test_disk_offloader_frees_and_restores_gpu_memory(disk_dir: Path) -> None:
         assert x.device.type == "cuda" and not off.is_offloaded(x)
 
 
+def test_disk_offloader_keeps_data_when_the_gpu_restore_fails(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a tensor back frees its file space: out of GPU memory, or a failed copy to the
+    device, must not lose its bytes (the tensor stays offloaded; a later read restores it)."""
+    from tensortier import offload
+
+    with tensortier.DiskOffloader(disk_dir / "off") as off:
+        x = _rand_bytes(64 << 20, 21)
+        ref = x.clone()
+        off.sync_write(x)
+        # Out of memory when the read starts: nothing is read, the file keeps the data.
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(x.device).total_memory
+        fraction = (torch.cuda.memory_reserved(x.device) + (16 << 20)) / total
+        torch.cuda.set_per_process_memory_fraction(fraction, x.device)
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                off.sync_read(x)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, x.device)
+        assert off.is_offloaded(x) and x.untyped_storage().nbytes() == 0
+        # The copy to the device fails after the read: the bytes stay in host memory.
+        def broken_copy(tensor: torch.Tensor, staging: torch.Tensor, nbytes: int) -> None:
+            raise RuntimeError("injected CUDA copy failure")
+
+        monkeypatch.setattr(offload, "_copy_to_device", broken_copy)
+        with pytest.raises(RuntimeError, match="injected"):
+            off.sync_read(x)
+        assert off.is_offloaded(x) and x.untyped_storage().nbytes() == 0
+        monkeypatch.undo()
+        off.sync_read(x)
+        assert not off.is_offloaded(x) and torch.equal(x, ref)
+
+
 def test_deepnvme_handles_on_cuda_tensors(disk_dir: Path) -> None:
     from tensortier.compat.deepnvme import AsyncIOBuilder, GDSBuilder
 
