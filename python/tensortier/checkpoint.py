@@ -1270,7 +1270,7 @@ def _load_safetensors(
                 if verify:
                     _xxh64_check(path, e.name, sums.get(e.name))(t)
                 out[e.name] = t
-            return {k: _convert(v, dtype) for k, v in out.items()} if dtype is not None else out
+            return _convert_in_place(out, dtype) if dtype is not None else out
         pieces: list[_Piece] = []
         out: dict[str, Any] = {}
         for e in entries:
@@ -1288,7 +1288,8 @@ def _load_safetensors(
     finally:
         file.close()
     if dtype is not None:
-        out = {k: _convert(v, dtype) for k, v in out.items()}
+        del pieces  # the originals' last references are out's
+        out = _convert_in_place(out, dtype)
     return out
 
 
@@ -1511,17 +1512,23 @@ def _load_torch(
     finally:
         file.close()
     if big_endian:
-        for r in refs:
-            if r.storage.device.type == "cpu":
-                r.storage.byteswap(r.dtype)
-            else:  # torch's byteswap writes through the pointer on the host
-                _swap_bytes(r.storage, r.dtype)
+        _byteswap_storages(refs)
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if validate is not None:
         validate()
     if dtype is not None:
-        obj = _map_tensors(obj, lambda t: _convert(t, dtype))
+        del storages, refs, pieces  # the originals' last references are obj's
+        obj = _convert_in_place(obj, dtype)
     return obj
+
+
+def _byteswap_storages(refs: Sequence[_StorageRef]) -> None:
+    """Big-endian data in native order, on the storages' own devices."""
+    for r in refs:
+        if r.storage.device.type == "cpu":
+            r.storage.byteswap(r.dtype)
+        else:  # torch's byteswap writes through the pointer on the host
+            _swap_bytes(r.storage, r.dtype)
 
 
 def _swap_bytes(storage: Any, dtype: Any) -> None:
@@ -1536,24 +1543,39 @@ def _swap_bytes(storage: Any, dtype: Any) -> None:
     elements.copy_(elements.flip(-1))
 
 
-def _map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """`obj` with every tensor inside dicts, lists and tuples replaced by ``fn(tensor)``."""
+def _convert_in_place(obj: Any, dtype: Any) -> Any:
+    """`obj` with every tensor inside dicts, lists and tuples converted by ``_convert``. Dicts
+    and lists are changed in place, one tensor at a time, so that each original can go as soon
+    as it is converted (with nothing else holding it): converting a whole checkpoint then needs
+    room for one converted tensor more, not for a second copy of all of them. A tensor met twice
+    is converted once and stays one object; so do containers met twice."""
     torch = _torch()
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, collections.OrderedDict):
-        out = collections.OrderedDict((k, _map_tensors(v, fn)) for k, v in obj.items())
-        # module.state_dict() carries `_metadata` (per-module versions that load_state_dict
-        # hands to _load_from_state_dict): keep it, as torch.load does.
-        out.__dict__.update(getattr(obj, "__dict__", {}))
-        return out
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_map_tensors(v, fn) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_map_tensors(v, fn) for v in obj)
-    return obj
+    converted: dict[int, Any] = {}  # id(original) -> converted, for tensors met again
+    done: set[int] = set()  # containers already converted
+
+    def visit(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            out = converted.get(id(o))
+            if out is None:
+                out = _convert(o, dtype)
+                if out is not o:
+                    converted[id(o)] = out
+            return out
+        if id(o) in done:
+            return o
+        if isinstance(o, dict):
+            done.add(id(o))
+            for k in list(o):
+                o[k] = visit(o[k])
+        elif isinstance(o, list):
+            done.add(id(o))
+            for i, v in enumerate(o):
+                o[i] = visit(v)
+        elif isinstance(o, tuple) and not hasattr(o, "_fields"):
+            return tuple(visit(v) for v in o)
+        return o
+
+    return visit(obj)
 
 
 class _NullSink:

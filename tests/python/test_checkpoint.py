@@ -358,6 +358,60 @@ def test_torch_checksums_are_zip_crcs(disk_dir: Path) -> None:
 # ---- options -------------------------------------------------------------------------------------
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_dtype_conversion_frees_each_original_once_converted(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Converting a loaded checkpoint needs room for one more tensor, not a second copy of all
+    of them (on a GPU, a 60 GB fp32 checkpoint loaded as bf16 must not need 90 GB): resident
+    memory must not grow from one conversion to the next."""
+    from tensortier import checkpoint
+
+    mib = 1 << 20
+    sd = {f"w{i}": torch.randn(16 * mib + i) for i in range(6)}  # 64 MiB each
+    sd["tied"] = sd["w0"]  # one tensor under two names: loaded as one, converted once
+    resident: list[int] = []
+    real_convert = checkpoint._convert
+
+    def measuring_convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        resident.append(_resident_bytes())
+        return real_convert(t, dtype)
+
+    monkeypatch.setattr(checkpoint, "_convert", measuring_convert)
+    for name in ("c.safetensors", "c.pt"):
+        if name.endswith(".pt"):
+            tensortier.save(sd, disk_dir / name)
+        else:
+            tensortier.save({k: v for k, v in sd.items() if k != "tied"}, disk_dir / name)
+        resident.clear()
+        out = tensortier.load(disk_dir / name, dtype=torch.bfloat16)
+        assert len(resident) == 6, name
+        # Each step frees a 64 MiB original and makes a 32 MiB copy; keeping the originals
+        # would grow by 32 MiB a step (160 MiB by the last).
+        assert resident[-1] <= resident[0] + 32 * mib, (name, [r // mib for r in resident])
+        for k, v in out.items():
+            assert v.dtype == torch.bfloat16 and torch.equal(v, sd[k].bfloat16()), (name, k)
+        if name.endswith(".pt"):
+            assert out["tied"] is out["w0"]
+        del out
+
+
+def test_convert_in_place_keeps_shared_objects_shared() -> None:
+    from tensortier import checkpoint
+
+    t = torch.randn(4)
+    inner = [t, torch.arange(3)]
+    obj = {"a": t, "b": inner, "c": (t, inner), "d": inner, "s": "text"}
+    out = checkpoint._convert_in_place(obj, torch.float16)
+    assert out is obj and out["b"] is inner and out["d"] is inner and out["c"][1] is inner
+    assert out["a"].dtype == torch.float16 and out["a"] is out["b"][0] is out["c"][0]
+    assert out["b"][1].dtype == torch.int64 and out["s"] == "text"
+
+
 def test_dtype_conversion(disk_dir: Path) -> None:
     sd = {"w": torch.randn(10), "h": torch.randn(3).half(), "i": torch.arange(3),
           "m": torch.tensor([True, False]), "c": torch.ones(2, dtype=torch.complex64)}
