@@ -113,8 +113,13 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
         dst.copy_(python_read(path).cuda())
         return "python"
 
+    torch_source: list[Any] = []  # torch's GdsFile of `path`, opened and registered once (its
+    # best case, as tensortier's IOHandle keeps its registration of a file)
+
     def load_torch_gds() -> str:
-        torch_gds_file(path, os.O_RDONLY).load_storage(dst.untyped_storage(), 0)
+        if not torch_source:
+            torch_source.append(torch_gds_file(path, os.O_RDONLY))
+        torch_source[0].load_storage(dst.untyped_storage(), 0)
         return "torch.cuda.gds"
 
     def read_host() -> str:
@@ -158,6 +163,7 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
         return "python (page cache)"
 
     def store_torch_gds() -> str:
+        # a new file each time (the last one was unlinked), as tensortier's stores write one
         torch_gds_file(out_path, os.O_CREAT | os.O_RDWR).save_storage(src.untyped_storage(), 0)
         return "torch.cuda.gds"
 
@@ -200,6 +206,7 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
     bounce.close()
     if gds is not None:
         gds.close()
+    torch_source.clear()  # closes torch's file (deregistered as it goes)
     os.unlink(path)
     del src, dst, host
     torch.cuda.empty_cache()
