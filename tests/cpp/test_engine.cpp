@@ -71,7 +71,7 @@ class GuardedBuffer {
   AlignedBuffer mem_;
 };
 
-class EngineTest : public ::testing::TestWithParam<BackendKind> {
+class EngineTest : public testing::BackendTest {
  protected:
   EngineOptions Options(uint64_t chunk = 64 << 10) const {
     return testing::SmallEngineOptions(GetParam(), chunk);
@@ -873,6 +873,8 @@ class EnginePageCacheTest : public EngineTest {
   static constexpr uint64_t kSize = 1 << 20;
 
   void SetUp() override {
+    EngineTest::SetUp();
+    if (IsSkipped()) return;
     file_ = PatternFile("data", kSize, 60);
     ASSERT_TRUE(file_.direct()) << file_.direct_fallback_reason();
     file_.DataSync();  // clean pages only can be dropped

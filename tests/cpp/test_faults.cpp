@@ -56,9 +56,11 @@ IoError WaitError(const Future& f) {
   return IoError(-1, "none", "", 0, 0);
 }
 
-class FaultTest : public ::testing::TestWithParam<BackendKind> {
+class FaultTest : public testing::BackendTest {
  protected:
   void SetUp() override {
+    BackendTest::SetUp();
+    if (IsSkipped()) return;
     ASSERT_NO_FATAL_FAILURE(WritePatternFile(path_, kFileSize, 1));
     file_ = File::Open(path_, OpenMode::kReadWrite);
     ASSERT_TRUE(file_.direct()) << file_.direct_fallback_reason();

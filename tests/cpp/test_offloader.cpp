@@ -132,7 +132,7 @@ FaultPlan Plan(FaultPlan::Kind kind, bool reads, bool writes, uint64_t nth = 1,
   return p;
 }
 
-class OffloaderTest : public ::testing::TestWithParam<BackendKind> {
+class OffloaderTest : public testing::BackendTest {
  protected:
   OffloaderOptions Options(std::vector<std::string> dirs = {}) {
     OffloaderOptions o;

@@ -93,9 +93,11 @@ class FakeDevice {
   size_t bytes_;
 };
 
-class TransferRingTest : public ::testing::TestWithParam<BackendKind> {
+class TransferRingTest : public testing::BackendTest {
  protected:
   void SetUp() override {
+    BackendTest::SetUp();
+    if (IsSkipped()) return;
     engine_ = std::make_unique<Engine>(testing::SmallEngineOptions(GetParam(), kSlot));
   }
 

@@ -243,6 +243,37 @@ inline std::vector<BackendKind> CompiledBackends() {
   return kinds;
 }
 
+// Why a compiled-in backend cannot run on this kernel ("" when it can): io_uring refused by a
+// container's seccomp profile, by gVisor or by kernel.io_uring_disabled. Asked once per kind.
+inline const std::string& BackendRefusedHere(BackendKind kind) {
+  static const std::vector<std::string> why = [] {
+    std::vector<std::string> out;
+    for (BackendKind k : kAllBackends) {
+      std::string reason;
+      try {
+        MakeBackend(k, 4);
+      } catch (const std::exception& e) {
+        reason = e.what();
+      }
+      out.push_back(std::move(reason));
+    }
+    return out;
+  }();
+  return why[static_cast<size_t>(kind)];
+}
+
+// Base of the per-backend suites: a backend this kernel refuses skips its cases, with the
+// reason, except on CI (CI set), whose machines must run every backend compiled in.
+class BackendTest : public ::testing::TestWithParam<BackendKind> {
+ protected:
+  void SetUp() override {
+    const std::string& why = BackendRefusedHere(GetParam());
+    if (!why.empty() && std::getenv("CI") == nullptr) {
+      GTEST_SKIP() << BackendName(GetParam()) << " does not run here: " << why;
+    }
+  }
+};
+
 // Test name suffix: io_uring, libaio, threads.
 struct BackendParamName {
   template <typename ParamInfo>

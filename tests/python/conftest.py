@@ -14,6 +14,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def require_backend(name: str) -> None:
+    """Skips the calling test where the kernel refuses backend `name` (io_uring under a
+    container's seccomp profile, gVisor or kernel.io_uring_disabled), except on CI, whose
+    machines must run every backend compiled in."""
+    import tensortier
+
+    try:
+        tensortier.IOHandle(backend=name).close()
+    except OSError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"{name} does not run here: {e}")
+
+
 @pytest.fixture
 def disk_dir() -> Iterator[Path]:
     """A temporary directory on the repository's filesystem (a real disk, O_DIRECT capable)."""

@@ -21,6 +21,8 @@ from tensortier import DiskOffloader
 from tensortier.compat import tensornvme
 from tensortier.offload import remove_stale_files
 
+from conftest import require_backend
+
 BACKENDS = ["io_uring", "libaio", "threads"]
 
 ALL_DTYPES = [
@@ -168,6 +170,7 @@ def test_every_dtype(off: DiskOffloader, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 4097, (1 << 20) + 3])
 def test_sizes_on_every_backend(disk_dir: Path, backend: str, numel: int) -> None:
+    require_backend(backend)
     with DiskOffloader(disk_dir, backend=backend) as o:
         x = random_tensor((numel,), torch.uint8, seed=numel)
         x0 = x.clone()
@@ -426,6 +429,7 @@ def test_random_interleavings_match_a_model(disk_dir: Path) -> None:
 @pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_failed_write_keeps_memory_and_data(disk_dir: Path, backend: str, code: int) -> None:
+    require_backend(backend)
     fault = {"kind": "error", "errno": code, "nth": 1, "count": 1, "reads": False}
     with DiskOffloader(disk_dir, backend=backend, _fault=fault) as o:
         x = torch.randn(300_000)
@@ -461,6 +465,7 @@ def test_failed_async_write_raises_on_the_wait(disk_dir: Path) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_failed_read_keeps_the_data_on_disk(disk_dir: Path, backend: str) -> None:
+    require_backend(backend)
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
     with DiskOffloader(disk_dir, backend=backend, _fault=fault) as o:
         x = torch.randn(300_000)
