@@ -323,6 +323,9 @@ PYBIND11_MODULE(_core, m) {
                              [](const Offloader& o) { return OptionsDict(o.engine_options()); })
       .def_property_readonly("paths", &Offloader::paths)
       .def_property_readonly("backend", &Offloader::backend)
+      .def_property_readonly(
+          "engine", [](Offloader& o) -> Engine& { return o.engine(); },
+          py::return_value_policy::reference_internal)
       .def("close", &Offloader::Close, py::call_guard<py::gil_scoped_release>());
   m.def("remove_stale_offload_files", &RemoveStaleOffloadFiles, py::arg("dir"),
         py::call_guard<py::gil_scoped_release>());

@@ -15,8 +15,10 @@
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/cufile.hpp"
 #include "tensortier/device_copier.hpp"
+#include "tensortier/device_offload.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/file.hpp"
+#include "tensortier/offloader.hpp"
 #include "tensortier/pinned_pool.hpp"
 #include "tensortier/strings.hpp"
 #include "tensortier/transfer.hpp"
@@ -278,4 +280,36 @@ void RegisterTransfer(py::module_& m) {
         d["pinned_registered"] = pool != nullptr && pool->registers();
         return d;
       });
+  m.def(
+      "offload_from_device",
+      [](Offloader& offloader, DeviceTransfer& transfer, uint64_t key, uintptr_t address,
+         uint64_t length, int device, std::optional<uintptr_t> stream) {
+        DeviceSpan span = Span(address, device, stream);
+        TransferResult r;
+        {
+          py::gil_scoped_release release;
+          r = OffloadFromDevice(offloader, transfer, key, span, length);
+        }
+        return ResultToDict(r);
+      },
+      py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
+      py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
+      "Writes device memory under an offloader key through the transfer's bounce rings; the key "
+      "is stored when this returns, unknown when it raises.");
+  m.def(
+      "restore_to_device",
+      [](Offloader& offloader, DeviceTransfer& transfer, uint64_t key, uintptr_t address,
+         uint64_t length, int device, std::optional<uintptr_t> stream) {
+        DeviceSpan span = Span(address, device, stream);
+        TransferResult r;
+        {
+          py::gil_scoped_release release;
+          r = RestoreToDevice(offloader, transfer, key, span, length);
+        }
+        return ResultToDict(r);
+      },
+      py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
+      py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
+      "Reads an offloader key's bytes into device memory; the key is gone when this returns, "
+      "still stored when it raises.");
 }

@@ -12,6 +12,11 @@
 // unknown, a failed read leaves it stored. Wait() reports each key's outcome instead of throwing,
 // so the caller can act per key (free the memory of written tensors, keep the others).
 //
+// Bytes the offloader cannot address (device memory) are moved by the caller instead: Begin*()
+// claims the key and returns where its bytes live in the backing files, the caller moves them
+// (see transfer/device_offload), and Finish*() applies the outcome as Wait() does for engine
+// operations. Such an operation is the caller's to wait for; Wait() does not see it.
+//
 // Thread-safe. The caller keeps buffers alive until the operation's Wait() returns.
 #pragma once
 
@@ -62,6 +67,16 @@ struct OffloadPiece {
   uint64_t length;
 };
 
+// Where part of a key's bytes live: bytes [data_offset, data_offset+length) of the key's range
+// are at `file_offset` of `file` (page-aligned). The File keeps its descriptors open after the
+// offloader closes.
+struct OffloadExtent {
+  File file;
+  uint64_t file_offset;
+  uint64_t data_offset;
+  uint64_t length;
+};
+
 struct OffloadOutcome {
   uint64_t key;
   std::exception_ptr error;  // null on success
@@ -89,6 +104,19 @@ class Offloader {
   void AsyncWritev(std::span<const OffloadPiece> pieces);
   void AsyncReadv(std::span<const OffloadPiece> pieces);
 
+  // For bytes the caller moves itself. BeginWrite claims `key` and places `length` bytes, with
+  // the checks and errors of AsyncWrite; BeginRead checks and claims a stored key as AsyncRead
+  // does. Both return the key's extents in data order (none for zero bytes). Every Begin must be
+  // followed by the Finish of the same kind, with the caller's outcome (null: every extent was
+  // moved whole): a finished write makes the key stored, a failed one unknown with its space
+  // freed; a finished read frees the key, a failed one leaves it stored. Close() waits for the
+  // Finish of every operation begun. Finish of a key without such an operation (after Close())
+  // is a no-op.
+  std::vector<OffloadExtent> BeginWrite(uint64_t key, uint64_t length);
+  void FinishWrite(uint64_t key, std::exception_ptr error) noexcept;
+  std::vector<OffloadExtent> BeginRead(uint64_t key, uint64_t length);
+  void FinishRead(uint64_t key, std::exception_ptr error) noexcept;
+
   // Waits for every operation of `kind` started before the call and applies the outcomes; one
   // outcome per key, in start order. Does not throw for I/O errors: they are in the outcomes.
   // When several threads wait for the same kind at once, each outcome goes to exactly one of them
@@ -112,6 +140,8 @@ class Offloader {
   uint64_t bounce_bytes() const;  // the engine's bounce buffers held now (Engine::bounce_bytes)
   uint64_t bounce_allocations() const;          // and made so far (Engine::bounce_allocations)
   const EngineOptions& engine_options() const;  // the engine's effective settings
+  // The engine that moves the backing files' bytes; callers moving device memory share it.
+  Engine& engine() noexcept { return *engine_; }
   std::vector<std::string> paths() const;
   const std::string& backend() const;
 
@@ -130,6 +160,7 @@ class Offloader {
     State state;
     uint64_t length;
     std::vector<Part> parts;
+    bool external;  // the operation in flight is a Begin*() whose Finish*() is due
   };
   struct Backing {
     std::string path;
@@ -151,6 +182,16 @@ class Offloader {
   };
 
   void Start(OffloadKind kind, std::span<const OffloadPiece> pieces);
+  // Checks the pieces and claims their keys for `kind` (writes: placed too); undoes everything
+  // and throws on any failure. REQUIRES: `lock` holds mu_.
+  void Claim(OffloadKind kind, std::span<const OffloadPiece> pieces,
+             std::unique_lock<std::mutex>& lock);
+  // Undoes Claim() of these keys. REQUIRES: mu_ held.
+  void Unclaim(OffloadKind kind, std::span<const OffloadPiece> pieces);
+  // Applies one key's outcome. REQUIRES: mu_ held.
+  void Apply(OffloadKind kind, uint64_t key, const std::exception_ptr& error);
+  std::vector<OffloadExtent> Begin(OffloadKind kind, uint64_t key, uint64_t length);
+  void Finish(OffloadKind kind, uint64_t key, std::exception_ptr error) noexcept;
   // REQUIRES: `lock` holds mu_ (released while waiting for a shrink of the file to finish).
   std::vector<Part> Place(uint64_t length, std::unique_lock<std::mutex>& lock);
   void Release(const std::vector<Part>& parts);  // REQUIRES: mu_ held
@@ -167,6 +208,8 @@ class Offloader {
   std::vector<Pending> pending_;
   uint64_t stored_bytes_ = 0;
   uint64_t next_pending_id_ = 0;
+  size_t external_in_flight_ = 0;  // Begin*() not yet Finish*()ed
+  std::condition_variable external_done_;
   bool closed_ = false;
   // The janitor shrinks files in the background; shrink_cv_ wakes it (work, stop) and those
   // waiting for a shrink to finish.

@@ -12,19 +12,21 @@ raises on the call that waits for it, and a failed read leaves the data on disk 
 
 CUDA tensors work too: offloading frees their GPU memory (back to torch's caching allocator;
 ``torch.cuda.empty_cache()`` gives it to the driver), reading allocates it again and restores the
-data. Their bytes are staged through pinned host memory of the tensor's size while an operation
-is in flight (copied from the GPU when the write starts, to the GPU when the read is waited for).
+data. Their bytes go between the GPU and the files through a ring of reused pinned bounce buffers
+(disk I/O and PCIe copies overlap; no host copy of the whole tensor is made), on the tensor's
+current stream, on worker threads while the caller goes on.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import os
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _core
 
@@ -47,31 +49,17 @@ PathLike = str | os.PathLike[str]
 class _Entry:
     """One offloaded tensor: its key, a weak reference, and while an operation runs, the tensor."""
 
-    __slots__ = (
-        "key",
-        "ref",
-        "tensor_id",
-        "nbytes",
-        "state",
-        "tensor",
-        "callback",
-        "finalizer",
-        "staging",
-    )
+    __slots__ = ("key", "ref", "tensor_id", "nbytes", "state", "tensor", "callback", "finalizer")
 
     def __init__(self, key: int, tensor: Any, nbytes: int) -> None:
         self.key = key
         self.tensor_id = id(tensor)
         self.ref = weakref.ref(tensor)
         self.nbytes = nbytes
-        # then "stored", "reading"; "staged" when a read's copy to the GPU failed after the
-        # file's copy was freed: the bytes are in `staging` until the next read
-        self.state = "writing"
+        self.state = "writing"  # then "stored", "reading"
         self.tensor: Any = tensor  # strong while an operation is in flight
         self.callback: Callable[[], None] | None = None
         self.finalizer: weakref.finalize | None = None
-        # CUDA tensors: the pinned host copy the disk I/O uses while an operation is in flight.
-        self.staging: Any = None
 
 
 def _discard_key(offloader_ref: "weakref.ref[DiskOffloader]", key: int) -> None:
@@ -94,6 +82,12 @@ class DiskOffloader:
             GPU is fast. Needs CUDA.
         stripe_threshold: smallest tensor, in bytes, striped over several directories.
 
+    CUDA tensors move through a ring of pinned bounce buffers made on the first one (at most two
+    transfers at once, each ``TENSORTIER_BOUNCE_SLOTS`` x ``TENSORTIER_BOUNCE_SLOT_SIZE`` bytes,
+    64 MiB by default; ``TENSORTIER_BOUNCE_RINGS`` sets how many), kept until ``close()``. An
+    asynchronous write reads the tensor while it runs, after the work queued on its current
+    stream before the call: do not change the tensor until the write is waited for.
+
     Backing files are named ``tensortier-offload-<pid>-...bin`` and are removed by ``close()``,
     at context-manager exit and at interpreter exit; files of dead processes are removed by the
     next offloader on the directory.
@@ -108,6 +102,7 @@ class DiskOffloader:
         pin_memory: bool = False,
         stripe_threshold: int = 16 << 20,
         _fault: dict[str, Any] | None = None,
+        _device_copier: str = "cuda",
     ) -> None:
         dirs = (
             [os.path.abspath(dir_name)]
@@ -117,9 +112,7 @@ class DiskOffloader:
         if not dirs:
             raise ValueError("DiskOffloader needs at least one directory")
         if backend not in _BACKENDS:
-            raise ValueError(
-                f"backend {backend!r} is not one of {', '.join(sorted(_BACKENDS))}"
-            )
+            raise ValueError(f"backend {backend!r} is not one of {', '.join(sorted(_BACKENDS))}")
         if not isinstance(n_entries, int) or n_entries <= 0:
             raise ValueError(f"n_entries must be a positive integer, not {n_entries!r}")
         if pin_memory:
@@ -139,6 +132,16 @@ class DiskOffloader:
             fault=_fault,
         )
         self._pin = pin_memory
+        # "memcpy" (tests): CPU tensors take the device path, copied by memcpy, so its logic
+        # runs without a GPU.
+        self._device_copier = _device_copier
+        self._transfer: Any = None  # _core.DeviceTransfer, made for the first device tensor
+        self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Device operations in flight, per kind: (key, future of the C++ call).
+        self._device_jobs: dict[str, list[tuple[int, concurrent.futures.Future[Any]]]] = {
+            "write": [],
+            "read": [],
+        }
         self._lock = threading.RLock()
         self._by_id: dict[int, _Entry] = {}
         self._by_key: dict[int, _Entry] = {}
@@ -254,8 +257,12 @@ class DiskOffloader:
             core, self._core = self._core, None
             if core is None:
                 return
+            if self._device_pool is not None:  # device operations finish on their own
+                self._device_pool.shutdown(wait=True)
+                self._device_pool = None
+            self._device_jobs = {"write": [], "read": []}
             core.close()
-            lost = sum(1 for e in self._by_key.values() if e.state in ("stored", "staged"))
+            lost = sum(1 for e in self._by_key.values() if e.state == "stored")
             for entry in self._by_key.values():
                 if entry.finalizer is not None:
                     entry.finalizer.detach()
@@ -297,7 +304,7 @@ class DiskOffloader:
             if entry is None:
                 return
             self._remove(entry)
-            if self._core is not None and entry.state != "staged":  # staged: not in the file
+            if self._core is not None:
                 self._core.discard(key)
 
     def _remove(self, entry: _Entry) -> None:
@@ -321,7 +328,7 @@ class DiskOffloader:
                 if entry is not None:
                     raise ValueError(
                         "tensor is already offloaded"
-                        if entry.state in ("stored", "staged")
+                        if entry.state == "stored"
                         else "tensor is already being written"
                     )
                 storage = t.untyped_storage()
@@ -349,10 +356,20 @@ class DiskOffloader:
                 self._next_key += 1
                 entry.callback = callback if t is tensors[-1] else None
                 entries.append(entry)
-            for e, t in zip(entries, tensors):
-                if t.device.type == "cuda" and e.nbytes > 0:
-                    e.staging = _stage_from_device(t, e.nbytes)
-            core.write([(e.key, _host_address(e, t), e.nbytes) for e, t in zip(entries, tensors)])
+            device = [self._on_device(t) for t in tensors]
+            spans = [_span(t) if d else None for t, d in zip(tensors, device)]  # CudaError
+            if any(device):
+                self._device_transfer()  # made before anything starts: it may raise
+            host = [
+                (e.key, int(t.data_ptr()), e.nbytes)
+                for e, t, d in zip(entries, tensors, device)
+                if not d
+            ]
+            if host:
+                core.write(host)
+            for e, span in zip(entries, spans):
+                if span is not None:
+                    self._submit_device("write", e, span)
             me = weakref.ref(self)
             for e, t in zip(entries, tensors):
                 self._by_id[id(t)] = e
@@ -362,7 +379,6 @@ class DiskOffloader:
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
         import torch
 
-        ready: Callable[[], None] | None = None
         with self._lock:
             core = self._open()
             for t in tensors:
@@ -382,21 +398,7 @@ class DiskOffloader:
             entries: list[_Entry] = [self._lookup(t) for t in tensors]  # type: ignore[misc]
             if any(e.state == "reading" for e in entries):
                 raise ValueError("tensor is already being read")
-            # Tensors whose bytes a failed copy left in host memory are restored from there now.
-            staged = [(e, t) for e, t in zip(entries, tensors) if e.state == "staged"]
-            for e, t in staged:
-                _restore_staged(e, t)  # raises (the bytes stay staged) on a CUDA error
-                self._remove(e)
-            if staged:
-                restored = {id(e) for e, _ in staged}
-                pending = [(e, t) for e, t in zip(entries, tensors) if id(e) not in restored]
-                entries, tensors = [e for e, _ in pending], [t for _, t in pending]
-            if not entries:
-                ready = callback  # all of them were in host memory: done already
-            else:
-                self._start_read(core, entries, tensors, callback, torch)
-        if ready is not None:
-            ready()
+            self._start_read(core, entries, tensors, callback, torch)
 
     def _start_read(
         self,
@@ -406,32 +408,90 @@ class DiskOffloader:
         callback: Callable[[], None] | None,
         torch: Any,
     ) -> None:
+        device = [self._on_device(t) for t in tensors]
+        if any(device):
+            self._device_transfer()  # made before anything starts: it may raise
+        spans: list[Any] = []
         try:
-            for e, t in zip(entries, tensors):
-                if t.device.type == "cuda":
-                    # GPU memory is allocated now, while the data is still on disk: reading it
-                    # back frees its file space, so running out of GPU memory after that (in
-                    # _wait) would lose it.
-                    e.staging = _pinned_bytes(e.nbytes) if e.nbytes > 0 else None
+            for e, t, d in zip(entries, tensors, device):
+                if d:
+                    # The memory is allocated here, on the caller's thread and stream, while the
+                    # data is still on disk: out of memory leaves it offloaded.
                     t.untyped_storage().resize_(e.nbytes)
+                    spans.append(_span(t))  # CudaError without a driver
                 else:
                     _allocate(t, e.nbytes, self._pin, torch)
-            core.read([(e.key, _host_address(e, t), e.nbytes) for e, t in zip(entries, tensors)])
+                    spans.append(None)
+            host = [
+                (e.key, int(t.data_ptr()), e.nbytes)
+                for e, t, d in zip(entries, tensors, device)
+                if not d
+            ]
+            if host:
+                core.read(host)
         except BaseException:
-            for e, t in zip(entries, tensors):
-                e.staging = None
+            for t in tensors:
                 t.untyped_storage().resize_(0)
             raise
         for e, t in zip(entries, tensors):
             e.state = "reading"
             e.tensor = t
             e.callback = callback if t is tensors[-1] else None
+        for e, span in zip(entries, spans):
+            if span is not None:
+                self._submit_device("read", e, span)
+
+    def _on_device(self, tensor: Any) -> bool:
+        """Whether `tensor`'s bytes move through the device path (the bounce ring)."""
+        return tensor.device.type == "cuda" or self._device_copier == "memcpy"
+
+    def _device_transfer(self) -> tuple[Any, concurrent.futures.ThreadPoolExecutor]:
+        """The bounce rings of device tensors and the threads that run their transfers, made on
+        first use. REQUIRES: self._lock held.
+
+        Raises:
+            CudaError: no CUDA driver (the message says what is missing).
+        """
+        core = self._open()
+        if self._transfer is None or self._device_pool is None:
+            rings = None if os.environ.get("TENSORTIER_BOUNCE_RINGS") else 2
+            transfer = _core.DeviceTransfer(
+                core.engine, max_rings=rings, copier=self._device_copier
+            )
+            self._device_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=int(transfer.options["max_rings"]),
+                thread_name_prefix="tensortier-offload-device",
+            )
+            self._transfer = transfer
+        return self._transfer, self._device_pool
+
+    def _submit_device(self, kind: str, entry: _Entry, span: _Span) -> None:
+        """Starts moving `entry`'s bytes between device memory and the files on a worker thread;
+        ``_wait(kind)`` collects the outcome. REQUIRES: self._lock held."""
+        core = self._open()
+        transfer, pool = self._device_transfer()
+        move = _core.offload_from_device if kind == "write" else _core.restore_to_device
+        # Runs on a pool thread: a C++ call that releases the GIL. The entry holds the tensor.
+        future = pool.submit(
+            move,
+            core,
+            transfer,
+            entry.key,
+            span.address,
+            entry.nbytes,
+            span.device,
+            span.stream,
+        )
+        self._device_jobs[kind].append((entry.key, future))
 
     def _wait(self, kind: str) -> None:
         with self._lock:
             if self._core is None:
                 return
-            outcomes = self._core.wait(kind)
+            outcomes = list(self._core.wait(kind))
+            jobs, self._device_jobs[kind] = self._device_jobs[kind], []
+            for key, future in jobs:  # the C++ calls applied their outcome to the core already
+                outcomes.append((key, future.exception()))
             errors = []
             callbacks = []
             for key, error in outcomes:
@@ -439,18 +499,6 @@ class DiskOffloader:
                 if entry is None:
                     continue
                 tensor, entry.tensor = entry.tensor, None
-                staging, entry.staging = entry.staging, None
-                if error is None and kind == "read" and tensor.device.type == "cuda":
-                    try:
-                        _copy_to_device(tensor, staging, entry.nbytes)
-                    except Exception as e:  # noqa: BLE001 - a CUDA error
-                        # The file's copy is gone (read back): the bytes live on in `staging`,
-                        # from which the next read of this tensor restores it.
-                        tensor.untyped_storage().resize_(0)
-                        entry.staging = staging
-                        entry.state = "staged"
-                        errors.append(e)
-                        continue
                 if error is not None:
                     errors.append(error)
                     if kind == "write":  # nothing was stored; the tensor is as it was
@@ -492,48 +540,28 @@ def _check_tensor(tensor: Any, what: str) -> None:
         )
 
 
-def _pinned_bytes(nbytes: int) -> Any:
-    """A pinned host staging buffer (tensortier's registered memory)."""
-    from .device import pinned_empty
+class _Span(NamedTuple):
+    """Where a device tensor's bytes are, for the C++ transfer: the tensor rides along."""
 
-    return pinned_empty(nbytes)
-
-
-def _storage_bytes(tensor: Any) -> Any:
-    """The whole storage of `tensor` as a 1-D uint8 tensor on its device."""
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    address: int
+    device: int
+    stream: int | None
+    tensor: Any
 
 
-def _stage_from_device(tensor: Any, nbytes: int) -> Any:
-    """A pinned host copy of a CUDA tensor's bytes, complete when this returns (the copy is
-    ordered after the work queued on the current stream)."""
-    staging = _pinned_bytes(nbytes)
-    staging.copy_(_storage_bytes(tensor))
-    return staging
+def _span(tensor: Any) -> _Span:
+    """The device range of `tensor` and its current stream (CPU tensors, under the memcpy test
+    copier: host memory, no stream).
 
+    Raises:
+        CudaError: tensortier cannot reach the CUDA driver (the message says what is missing).
+    """
+    if tensor.device.type != "cuda":
+        return _Span(int(tensor.data_ptr()), 0, None, tensor)
+    from .device import device_buffer
 
-def _restore_staged(entry: _Entry, tensor: Any) -> None:
-    """Restores a CUDA tensor whose bytes are held in `entry.staging` (a read whose copy to the
-    device failed); on failure they stay there."""
-    tensor.untyped_storage().resize_(entry.nbytes)
-    try:
-        _copy_to_device(tensor, entry.staging, entry.nbytes)
-    except BaseException:
-        tensor.untyped_storage().resize_(0)
-        raise
-    entry.staging = None
-
-
-def _copy_to_device(tensor: Any, staging: Any, nbytes: int) -> None:
-    """Copies the staged bytes into a CUDA tensor whose memory is allocated again."""
-    if nbytes > 0:
-        _storage_bytes(tensor).copy_(staging)
-
-
-def _host_address(entry: _Entry, tensor: Any) -> int:
-    return int(entry.staging.data_ptr()) if entry.staging is not None else int(tensor.data_ptr())
+    db = device_buffer(tensor)
+    return _Span(db.address, db.device, db.stream, tensor)
 
 
 def _allocate(tensor: Any, nbytes: int, pin: bool, torch: Any) -> None:

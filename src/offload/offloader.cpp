@@ -221,8 +221,8 @@ void Offloader::Trim() {
   }
 }
 
-void Offloader::Start(OffloadKind kind, std::span<const OffloadPiece> pieces) {
-  std::unique_lock lock(mu_);
+void Offloader::Claim(OffloadKind kind, std::span<const OffloadPiece> pieces,
+                      std::unique_lock<std::mutex>& lock) {
   CheckOpen();
   const char* verb = kind == OffloadKind::kWrite ? "write" : "read";
   std::unordered_set<uint64_t> seen;
@@ -260,30 +260,52 @@ void Offloader::Start(OffloadKind kind, std::span<const OffloadPiece> pieces) {
   last_activity_ = std::chrono::steady_clock::now();
   // Claim the keys before placing anything: a placement may wait with mu_ released, and the
   // claims keep other starts (and Discard) off these keys meanwhile.
-  std::vector<uint64_t> claimed;
   for (const OffloadPiece& p : pieces) {
     if (kind == OffloadKind::kWrite) {
-      entries_.emplace(p.key, Entry{State::kWriting, p.length, {}});
-      claimed.push_back(p.key);
+      entries_.emplace(p.key, Entry{State::kWriting, p.length, {}, false});
     } else {
       entries_[p.key].state = State::kReading;
     }
   }
+  if (kind == OffloadKind::kRead) return;
+  try {
+    for (const OffloadPiece& p : pieces) {
+      std::vector<Part> parts = Place(p.length, lock);
+      if (closed_) {
+        Release(parts);
+        throw std::logic_error("offloader is closed");
+      }
+      entries_[p.key].parts = std::move(parts);
+    }
+  } catch (...) {
+    Unclaim(kind, pieces);
+    throw;
+  }
+}
+
+void Offloader::Unclaim(OffloadKind kind, std::span<const OffloadPiece> pieces) {
+  for (const OffloadPiece& p : pieces) {
+    auto it = entries_.find(p.key);
+    if (it == entries_.end()) continue;  // cleared by Close meanwhile
+    if (kind == OffloadKind::kWrite) {
+      Release(it->second.parts);
+      entries_.erase(it);
+    } else {
+      it->second.state = State::kStored;
+    }
+  }
+}
+
+void Offloader::Start(OffloadKind kind, std::span<const OffloadPiece> pieces) {
+  std::unique_lock lock(mu_);
+  Claim(kind, pieces, lock);
   std::vector<IoDesc> descs;
   std::vector<uint64_t> keys;
   uint64_t total = 0;
   try {
     for (const OffloadPiece& p : pieces) {
-      if (kind == OffloadKind::kWrite) {
-        std::vector<Part> parts = Place(p.length, lock);
-        if (closed_) {
-          Release(parts);
-          throw std::logic_error("offloader is closed");
-        }
-        entries_[p.key].parts = std::move(parts);
-      }
       uint64_t done = 0;
-      for (const Part& part : entries_[p.key].parts) {
+      for (const Part& part : entries_.at(p.key).parts) {
         descs.push_back(IoDesc{backings_[part.file].file, static_cast<std::byte*>(p.data) + done,
                                part.extent.offset, part.length});
         done += part.length;
@@ -300,17 +322,56 @@ void Offloader::Start(OffloadKind kind, std::span<const OffloadPiece> pieces) {
     }
     pending_.push_back(std::move(p));
   } catch (...) {
-    for (uint64_t key : claimed) {
-      auto it = entries_.find(key);
-      if (it == entries_.end()) continue;  // cleared by Close meanwhile
-      Release(it->second.parts);
-      entries_.erase(it);
-    }
-    if (kind == OffloadKind::kRead && !closed_) {
-      for (const OffloadPiece& p : pieces) entries_[p.key].state = State::kStored;
-    }
+    Unclaim(kind, pieces);
     throw;
   }
+}
+
+std::vector<OffloadExtent> Offloader::Begin(OffloadKind kind, uint64_t key, uint64_t length) {
+  // The caller's memory is not ours to touch; any non-null address passes Claim's check.
+  OffloadPiece piece{key, reinterpret_cast<void*>(uintptr_t{1}), length};
+  std::unique_lock lock(mu_);
+  Claim(kind, {&piece, 1}, lock);
+  Entry& e = entries_.at(key);
+  e.external = true;
+  ++external_in_flight_;
+  std::vector<OffloadExtent> extents;
+  uint64_t done = 0;
+  for (const Part& part : e.parts) {
+    extents.push_back(
+        OffloadExtent{backings_[part.file].file, part.extent.offset, done, part.length});
+    done += part.length;
+  }
+  return extents;
+}
+
+void Offloader::Finish(OffloadKind kind, uint64_t key, std::exception_ptr error) noexcept {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(key);
+  const State expected = kind == OffloadKind::kWrite ? State::kWriting : State::kReading;
+  if (it == entries_.end() || !it->second.external || it->second.state != expected) {
+    return;  // never begun, or finished already
+  }
+  it->second.external = false;
+  last_activity_ = std::chrono::steady_clock::now();
+  Apply(kind, key, error);
+  if (--external_in_flight_ == 0) external_done_.notify_all();
+}
+
+std::vector<OffloadExtent> Offloader::BeginWrite(uint64_t key, uint64_t length) {
+  return Begin(OffloadKind::kWrite, key, length);
+}
+
+void Offloader::FinishWrite(uint64_t key, std::exception_ptr error) noexcept {
+  Finish(OffloadKind::kWrite, key, std::move(error));
+}
+
+std::vector<OffloadExtent> Offloader::BeginRead(uint64_t key, uint64_t length) {
+  return Begin(OffloadKind::kRead, key, length);
+}
+
+void Offloader::FinishRead(uint64_t key, std::exception_ptr error) noexcept {
+  Finish(OffloadKind::kRead, key, std::move(error));
 }
 
 void Offloader::AsyncWrite(uint64_t key, const void* data, uint64_t length) {
@@ -374,27 +435,31 @@ std::vector<OffloadOutcome> Offloader::Wait(OffloadKind kind) {
   for (size_t i = 0; i < mine.size(); ++i) {
     for (uint64_t key : mine[i].keys) {
       outcomes.push_back(OffloadOutcome{key, errors[i]});
-      auto it = entries_.find(key);
-      if (it == entries_.end()) continue;  // closed meanwhile
-      Entry& e = it->second;
-      if (kind == OffloadKind::kWrite) {
-        if (errors[i] == nullptr) {
-          e.state = State::kStored;
-          stored_bytes_ += e.length;
-        } else {
-          Release(e.parts);
-          entries_.erase(it);
-        }
-      } else if (errors[i] == nullptr) {
-        stored_bytes_ -= e.length;
-        Release(e.parts);
-        entries_.erase(it);
-      } else {
-        e.state = State::kStored;
-      }
+      Apply(kind, key, errors[i]);
     }
   }
   return outcomes;
+}
+
+void Offloader::Apply(OffloadKind kind, uint64_t key, const std::exception_ptr& error) {
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return;  // closed meanwhile
+  Entry& e = it->second;
+  if (kind == OffloadKind::kWrite) {
+    if (error == nullptr) {
+      e.state = State::kStored;
+      stored_bytes_ += e.length;
+    } else {
+      Release(e.parts);
+      entries_.erase(it);
+    }
+  } else if (error == nullptr) {
+    stored_bytes_ -= e.length;
+    Release(e.parts);
+    entries_.erase(it);
+  } else {
+    e.state = State::kStored;
+  }
 }
 
 void Offloader::Synchronize() {
@@ -483,7 +548,9 @@ void Offloader::Close() noexcept {
     } catch (...) {  // the data is discarded with the files
     }
   }
-  std::lock_guard lock(mu_);
+  std::unique_lock lock(mu_);
+  // Callers moving bytes themselves use the files (through copies of File) until they finish.
+  external_done_.wait(lock, [&] { return external_in_flight_ == 0; });
   entries_.clear();
   stored_bytes_ = 0;
   for (Backing& b : backings_) {

@@ -256,6 +256,51 @@ def test_disk_offloader_frees_and_restores_gpu_memory(disk_dir: Path) -> None:
         assert x.device.type == "cuda" and not off.is_offloaded(x)
 
 
+def test_disk_offloader_on_a_side_stream_and_from_threads(disk_dir: Path) -> None:
+    """The offloader's transfers follow the work queued on the tensor's current stream (a late
+    fill is what gets written; a kernel queued after the read sees the bytes once the wait is
+    over), through reused pinned slots, from several threads at once."""
+    with tensortier.DiskOffloader(disk_dir / "off") as off:
+        stream = torch.cuda.Stream()
+        n = 48 << 20
+        with torch.cuda.stream(stream):
+            x = torch.zeros(n, dtype=torch.uint8, device="cuda")
+            torch.cuda._sleep(200_000_000)  # the fill runs late: the write must wait for it
+            x.fill_(7)
+            off.async_write(x)  # no synchronisation by the caller
+            off.sync_write_events()
+            assert x.untyped_storage().nbytes() == 0
+            off.sync_read(x)
+            total = x.to(torch.int32).sum()
+        stream.synchronize()
+        assert int(total) == 7 * n
+        transfer = off._transfer
+        assert transfer is not None and transfer.options["pinned_registered"]
+        pinned = transfer.options["pinned_bytes"]
+
+        errors: list[BaseException] = []
+
+        def worker(seed: int) -> None:
+            try:
+                for round_ in range(3):
+                    t = _rand_bytes((8 << 20) + seed * 4097 + round_, seed * 10 + round_)
+                    ref = t.clone()
+                    off.sync_write(t)
+                    off.sync_read(t)
+                    assert torch.equal(t, ref)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        assert transfer.options["pinned_bytes"] <= transfer.options["pinned_budget"]
+        assert pinned <= transfer.options["pinned_bytes"]
+
+
 def test_disk_offloader_keeps_data_when_the_gpu_restore_fails(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -278,11 +323,12 @@ def test_disk_offloader_keeps_data_when_the_gpu_restore_fails(
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, x.device)
         assert off.is_offloaded(x) and x.untyped_storage().nbytes() == 0
-        # The copy to the device fails after the read: the bytes stay in host memory.
-        def broken_copy(tensor: torch.Tensor, staging: torch.Tensor, nbytes: int) -> None:
+        # The restore fails on its worker thread (the C++ side's copy failures are tested with
+        # the stand-in driver): the error comes from the wait, the file keeps the bytes.
+        def broken_restore(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError("injected CUDA copy failure")
 
-        monkeypatch.setattr(offload, "_copy_to_device", broken_copy)
+        monkeypatch.setattr(offload._core, "restore_to_device", broken_restore)
         with pytest.raises(RuntimeError, match="injected"):
             off.sync_read(x)
         assert off.is_offloaded(x) and x.untyped_storage().nbytes() == 0

@@ -66,9 +66,21 @@ def offloaded(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == 0
 
 
+# How the offloader moves CPU tensors here: "cuda" is the default (the engine, straight from the
+# tensor's memory); "memcpy" sends them down the path of CUDA tensors (the bounce ring, worker
+# threads, Begin/Finish in the C++ offloader) with memcpy for the device copies, so that path
+# runs without a GPU.
+COPIERS = [pytest.param("cuda", id="host"), pytest.param("memcpy", id="device-path")]
+
+
+@pytest.fixture(params=COPIERS)
+def copier(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def off(disk_dir: Path):  # type: ignore[no-untyped-def]
-    with DiskOffloader(disk_dir / "offload") as o:
+def off(disk_dir: Path, copier: str):  # type: ignore[no-untyped-def]
+    with DiskOffloader(disk_dir / "offload", _device_copier=copier) as o:
         yield o
 
 
@@ -296,9 +308,9 @@ def test_bounce_buffers_go_back_once_the_offloader_is_idle(
         assert o._core is not None and o._core.engine_options["bounce_idle_ms"] == 250
 
 
-def test_striping_over_several_directories(disk_dir: Path) -> None:
+def test_striping_over_several_directories(disk_dir: Path, copier: str) -> None:
     dirs = [disk_dir / f"nvme{i}" for i in range(3)]
-    with DiskOffloader(dirs, stripe_threshold=1 << 20) as o:
+    with DiskOffloader(dirs, stripe_threshold=1 << 20, _device_copier=copier) as o:
         big = random_tensor(((3 << 20) + 5,), torch.uint8, seed=3)
         big0 = big.clone()
         o.sync_write(big)
@@ -307,6 +319,34 @@ def test_striping_over_several_directories(disk_dir: Path) -> None:
         assert all(Path(p).parent in dirs for p in o.paths)
         o.sync_read(big)
         assert same_bytes(big, big0)
+
+
+def test_device_path_moves_bytes_through_the_ring(disk_dir: Path) -> None:
+    """The path of CUDA tensors: no engine operation of the offloader's own, the ring's pinned
+    slots made once and reused, outcomes collected by the waits (a read of a tensor whose write
+    is in flight waits for it)."""
+    with DiskOffloader(disk_dir, _device_copier="memcpy") as o:
+        xs = [random_tensor((n,), torch.uint8, seed=n) for n in (1, 4097, (1 << 20) + 3)]
+        refs = [x.clone() for x in xs]
+        done: list[str] = []
+        o.async_writev(xs, callback=lambda: done.append("w"))
+        assert o._core is not None and o._core.wait("write") == []  # none went to the engine
+        o.sync_read(xs[0])  # waits for the writes first
+        assert done == ["w"] and same_bytes(xs[0], refs[0])
+        assert all(offloaded(x) for x in xs[1:]) and o.stored_bytes == 4097 + (1 << 20) + 3
+        transfer = o._transfer
+        assert transfer is not None and transfer.rings >= 1
+        pinned = transfer.options["pinned_bytes"]
+        assert pinned > 0
+        o.async_readv(xs[1:], callback=lambda: done.append("r"))
+        o.sync_read_events()
+        assert done == ["w", "r"] and o.stored_bytes == 0
+        assert all(same_bytes(x, r) for x, r in zip(xs, refs))
+        for _ in range(3):  # reused, not made again
+            o.sync_writev(xs)
+            o.sync_readv(xs)
+        assert o._transfer is transfer and transfer.options["pinned_bytes"] == pinned
+        assert transfer.options["max_rings"] == 2
 
 
 def test_tensor_that_dies_while_offloaded_frees_its_space(off: DiskOffloader) -> None:
@@ -346,13 +386,13 @@ def test_callbacks_run_after_the_wait(off: DiskOffloader) -> None:
     assert calls[-1] == ("r", False)
 
 
-def test_random_interleavings_match_a_model(disk_dir: Path) -> None:
+def test_random_interleavings_match_a_model(disk_dir: Path, copier: str) -> None:
     """Random async/sync operations on a pool of tensors, checked against what each should hold.
 
     Model states: mem (resident), w (write in flight), off (offloaded), r (read in flight).
     """
     rng = random.Random(1234)
-    with DiskOffloader(disk_dir, n_entries=4) as o:
+    with DiskOffloader(disk_dir, n_entries=4, _device_copier=copier) as o:
         pool = [torch.randn(rng.randint(0, 70000)) for i in range(8)]
         want = [t.clone() for t in pool]
         state = ["mem"] * len(pool)
@@ -428,10 +468,12 @@ def test_random_interleavings_match_a_model(disk_dir: Path) -> None:
 
 @pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_failed_write_keeps_memory_and_data(disk_dir: Path, backend: str, code: int) -> None:
+def test_failed_write_keeps_memory_and_data(
+    disk_dir: Path, backend: str, code: int, copier: str
+) -> None:
     require_backend(backend)
     fault = {"kind": "error", "errno": code, "nth": 1, "count": 1, "reads": False}
-    with DiskOffloader(disk_dir, backend=backend, _fault=fault) as o:
+    with DiskOffloader(disk_dir, backend=backend, _fault=fault, _device_copier=copier) as o:
         x = torch.randn(300_000)
         x0 = x.clone()
         with pytest.raises(OSError) as e:
@@ -444,9 +486,9 @@ def test_failed_write_keeps_memory_and_data(disk_dir: Path, backend: str, code: 
         assert torch.equal(x, x0)
 
 
-def test_failed_async_write_raises_on_the_wait(disk_dir: Path) -> None:
+def test_failed_async_write_raises_on_the_wait(disk_dir: Path, copier: str) -> None:
     fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "count": 1, "reads": False}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as o:
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault, _device_copier=copier) as o:
         xs = [torch.full((10_000,), float(i)) for i in range(3)]
         for x in xs:
             o.async_write(x)
@@ -464,10 +506,10 @@ def test_failed_async_write_raises_on_the_wait(disk_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_failed_read_keeps_the_data_on_disk(disk_dir: Path, backend: str) -> None:
+def test_failed_read_keeps_the_data_on_disk(disk_dir: Path, backend: str, copier: str) -> None:
     require_backend(backend)
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
-    with DiskOffloader(disk_dir, backend=backend, _fault=fault) as o:
+    with DiskOffloader(disk_dir, backend=backend, _fault=fault, _device_copier=copier) as o:
         x = torch.randn(300_000)
         x0 = x.clone()
         o.sync_write(x)
@@ -479,9 +521,9 @@ def test_failed_read_keeps_the_data_on_disk(disk_dir: Path, backend: str) -> Non
         assert torch.equal(x, x0)
 
 
-def test_short_io_is_completed(disk_dir: Path) -> None:
+def test_short_io_is_completed(disk_dir: Path, copier: str) -> None:
     fault = {"kind": "short", "nth": 1, "count": 1000, "short_bytes": 1000}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as o:
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault, _device_copier=copier) as o:
         x = random_tensor((1 << 20,), torch.uint8, seed=5)
         x0 = x.clone()
         o.sync_write(x)
