@@ -280,36 +280,45 @@ void RegisterTransfer(py::module_& m) {
         d["pinned_registered"] = pool != nullptr && pool->registers();
         return d;
       });
+  py::class_<OffloadDeviceFiles>(m, "OffloadDeviceFiles")
+      .def(py::init([](const std::string& gds) {
+             return std::make_unique<OffloadDeviceFiles>(ParseGdsMode(gds));
+           }),
+           py::arg("gds") = "off",
+           "The DeviceFiles of an offloader's backing files under one GDS mode ('off', 'auto', "
+           "'on'), each registered with cuFile once, on first use.");
   m.def(
       "offload_from_device",
       [](Offloader& offloader, DeviceTransfer& transfer, uint64_t key, uintptr_t address,
-         uint64_t length, int device, std::optional<uintptr_t> stream) {
+         uint64_t length, int device, std::optional<uintptr_t> stream, OffloadDeviceFiles* files) {
         DeviceSpan span = Span(address, device, stream);
         TransferResult r;
         {
           py::gil_scoped_release release;
-          r = OffloadFromDevice(offloader, transfer, key, span, length);
+          r = OffloadFromDevice(offloader, transfer, key, span, length, files);
         }
         return ResultToDict(r);
       },
       py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
       py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
+      py::arg("files") = nullptr,
       "Writes device memory under an offloader key through the transfer's bounce rings; the key "
       "is stored when this returns, unknown when it raises.");
   m.def(
       "restore_to_device",
       [](Offloader& offloader, DeviceTransfer& transfer, uint64_t key, uintptr_t address,
-         uint64_t length, int device, std::optional<uintptr_t> stream) {
+         uint64_t length, int device, std::optional<uintptr_t> stream, OffloadDeviceFiles* files) {
         DeviceSpan span = Span(address, device, stream);
         TransferResult r;
         {
           py::gil_scoped_release release;
-          r = RestoreToDevice(offloader, transfer, key, span, length);
+          r = RestoreToDevice(offloader, transfer, key, span, length, files);
         }
         return ResultToDict(r);
       },
       py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
       py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
+      py::arg("files") = nullptr,
       "Reads an offloader key's bytes into device memory; the key is gone when this returns, "
       "still stored when it raises.");
 }

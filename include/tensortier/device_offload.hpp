@@ -1,6 +1,7 @@
 // Device memory parked in an Offloader's backing files and brought back, through a
-// DeviceTransfer's bounce rings: disk I/O and host<->device copies overlap, the host memory used
-// is the ring's reused pinned slots, never a copy of the whole range.
+// DeviceTransfer's bounce rings (disk I/O and host<->device copies overlap, the host memory used
+// is the ring's reused pinned slots, never a copy of the whole range), or through GPUDirect
+// Storage where an OffloadDeviceFiles asks for it and cuFile accepts the backing file.
 //
 // Both calls block until the bytes have moved (any thread; the GIL-free work of an async
 // DiskOffloader operation) and apply the outcome to the offloader before returning or throwing:
@@ -14,17 +15,43 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
+#include "tensortier/cufile.hpp"
 #include "tensortier/offloader.hpp"
 #include "tensortier/transfer.hpp"
 
 namespace tensortier {
 
+// How an offloader's backing files take device memory: a DeviceFile per backing file under one
+// GdsMode, made (and registered with cuFile) on first use and kept, so each file's decision and
+// registration happen once. Thread-safe. kOff never loads cuFile.
+class OffloadDeviceFiles {
+ public:
+  // `cufile`: null for CuFile::Get() (loaded only for kAuto/kRequire); tests pass a stand-in.
+  explicit OffloadDeviceFiles(GdsMode mode, const CuFile* cufile = nullptr);
+
+  // The DeviceFile of `file` (by its open descriptor). Throws CuFileError for kRequire when cuFile cannot serve
+  // it (as DeviceFile does).
+  DeviceFile For(const File& file);
+  GdsMode mode() const noexcept { return mode_; }
+
+ private:
+  GdsMode mode_;
+  const CuFile* cufile_;
+  std::mutex mu_;
+  std::unordered_map<int, DeviceFile> files_;  // by buffered_fd(); guarded by mu_
+};
+
 // Copies are ordered on span.stream (the caller's current stream): the bytes written are those
-// left by the work queued there before the call.
+// left by the work queued there before the call (GDS waits for that work first). `files`: null
+// for the bounce ring only. result.path is "gds" when every part went through cuFile.
 TransferResult OffloadFromDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
-                                 const DeviceSpan& span, uint64_t length);
+                                 const DeviceSpan& span, uint64_t length,
+                                 OffloadDeviceFiles* files = nullptr);
 TransferResult RestoreToDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
-                               const DeviceSpan& span, uint64_t length);
+                               const DeviceSpan& span, uint64_t length,
+                               OffloadDeviceFiles* files = nullptr);
 
 }  // namespace tensortier

@@ -144,8 +144,8 @@ class DeviceBuffer:
     address: int
     nbytes: int
     device: int
-    stream: int  # the handle of the tensor's device's current stream (copies are ordered on it)
-    owner: Any
+    stream: int  # the handle of the stream the copies are ordered on (see device_buffer)
+    owner: Any  # what must stay alive while the transfer runs (the tensor, its stream)
 
 
 def is_cuda_tensor(obj: Any) -> bool:
@@ -158,8 +158,12 @@ def is_cuda_tensor(obj: Any) -> bool:
     )
 
 
-def device_buffer(tensor: Any) -> DeviceBuffer:
-    """The device range of a contiguous CUDA tensor and its device's current stream.
+def device_buffer(tensor: Any, *, own_stream: bool = False) -> DeviceBuffer:
+    """The device range of a contiguous CUDA tensor and the stream its copies go on: its device's
+    current stream, or with `own_stream` a stream of torch's pool made to wait, now, for the work
+    queued so far on the current one. Copies that a worker thread queues later then follow
+    exactly the work queued before this call, not work the caller queues meanwhile (which would
+    otherwise run between the transfer's chunks and hold it up).
 
     Raises:
         ValueError: not contiguous.
@@ -174,7 +178,10 @@ def device_buffer(tensor: Any) -> DeviceBuffer:
         )
     _require_driver(f"moving a tensor on {tensor.device}")
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index).cuda_stream
-    return DeviceBuffer(
-        tensor.data_ptr(), tensor.numel() * tensor.element_size(), index, int(stream), tensor
-    )
+    current = torch.cuda.current_stream(index)
+    nbytes = tensor.numel() * tensor.element_size()
+    if not own_stream:
+        return DeviceBuffer(tensor.data_ptr(), nbytes, index, int(current.cuda_stream), tensor)
+    stream = torch.cuda.Stream(index)
+    stream.wait_stream(current)
+    return DeviceBuffer(tensor.data_ptr(), nbytes, index, int(stream.cuda_stream), (tensor, stream))

@@ -396,7 +396,9 @@ class IOHandle:
     def _device_job(
         self, op: str, buf: Any, file: File, offset: int
     ) -> concurrent.futures.Future[dict[str, Any]]:
-        db = device_buffer(buf)  # raises CudaError without a driver
+        # Its own stream, ordered after the work queued so far: the copies, queued chunk by
+        # chunk on a pool thread, are not held up behind work the caller queues meanwhile.
+        db = device_buffer(buf, own_stream=True)  # raises CudaError without a driver
         transfer = self._device_transfer()
         assert self._device_pool is not None
         gds = self._gds

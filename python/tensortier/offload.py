@@ -20,6 +20,7 @@ current stream, on worker threads while the caller goes on.
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import os
 import threading
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from . import _core
+from .io import _gds_mode
 
 __all__ = ["DiskOffloader"]
 
@@ -81,6 +83,10 @@ class DiskOffloader:
         pin_memory: restore tensors into pinned (page-locked) memory, so a following copy to the
             GPU is fast. Needs CUDA.
         stripe_threshold: smallest tensor, in bytes, striped over several directories.
+        gds: how CUDA tensors reach the files: ``"off"`` (the pinned bounce ring), ``"auto"``
+            (GPUDirect Storage where cuFile takes a backing file and is not in its
+            compatibility mode, else the ring) or ``"on"`` (cuFile, or the operation fails);
+            default ``$TENSORTIER_GDS``, else ``"off"``. ``device_bytes`` says which ran.
 
     CUDA tensors move through a ring of pinned bounce buffers made on the first one (at most two
     transfers at once, each ``TENSORTIER_BOUNCE_SLOTS`` x ``TENSORTIER_BOUNCE_SLOT_SIZE`` bytes,
@@ -101,6 +107,7 @@ class DiskOffloader:
         *,
         pin_memory: bool = False,
         stripe_threshold: int = 16 << 20,
+        gds: str | None = None,
         _fault: dict[str, Any] | None = None,
         _device_copier: str = "cuda",
     ) -> None:
@@ -113,6 +120,7 @@ class DiskOffloader:
             raise ValueError("DiskOffloader needs at least one directory")
         if backend not in _BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(sorted(_BACKENDS))}")
+        gds = _gds_mode(gds)
         if not isinstance(n_entries, int) or n_entries <= 0:
             raise ValueError(f"n_entries must be a positive integer, not {n_entries!r}")
         if pin_memory:
@@ -135,7 +143,10 @@ class DiskOffloader:
         # "memcpy" (tests): CPU tensors take the device path, copied by memcpy, so its logic
         # runs without a GPU.
         self._device_copier = _device_copier
+        self._gds = gds
         self._transfer: Any = None  # _core.DeviceTransfer, made for the first device tensor
+        self._device_files: Any = None  # _core.OffloadDeviceFiles, with the transfer
+        self._device_bytes: dict[str, int] = {}
         self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # Device operations in flight, per kind: (key, future of the C++ call).
         self._device_jobs: dict[str, list[tuple[int, concurrent.futures.Future[Any]]]] = {
@@ -143,6 +154,7 @@ class DiskOffloader:
             "read": [],
         }
         self._lock = threading.RLock()
+        self._forgotten: collections.deque[int] = collections.deque()  # see _forget
         self._by_id: dict[int, _Entry] = {}
         self._by_key: dict[int, _Entry] = {}
         self._next_key = 1
@@ -204,12 +216,12 @@ class DiskOffloader:
         self._wait("read")
 
     def synchronize(self) -> None:
-        """Waits for all writes, then all reads."""
+        """Waits for all writes, then all reads; raises the first error after both."""
         error: BaseException | None = None
         for kind in ("write", "read"):
             try:
                 self._wait(kind)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - OSError, CudaError...: raised below
                 error = error or e
         if error is not None:
             raise error
@@ -229,7 +241,9 @@ class DiskOffloader:
     @property
     def stored_bytes(self) -> int:
         """Bytes of tensor data parked on disk."""
-        return int(self._open().stored_bytes)
+        with self._lock:
+            self._drain_forgotten()
+            return int(self._open().stored_bytes)
 
     @property
     def file_bytes(self) -> int:
@@ -237,11 +251,19 @@ class DiskOffloader:
         back when idle, or by ``trim()``)."""
         return int(self._open().file_bytes)
 
+    @property
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of device tensors moved so far, by how they moved: ``"bounce"`` (the pinned
+        ring) and ``"gds"`` (cuFile), counted when their operations are waited for."""
+        with self._lock:
+            return dict(self._device_bytes)
+
     def trim(self) -> None:
         """Gives the freed space at the ends of the backing files back to the filesystem now.
         The offloader does it by itself in the background once idle for a second; truncating is
         slow on some filesystems, and space freed by reads is often needed by the next writes."""
         with self._lock:
+            self._drain_forgotten()
             self._open().trim()
 
     def is_offloaded(self, tensor: Any) -> bool:
@@ -251,16 +273,21 @@ class DiskOffloader:
             return entry is not None and entry.state != "writing"
 
     def close(self) -> None:
-        """Waits for operations in flight, then removes the backing files. The data of tensors
+        """Waits for operations in flight and applies their outcomes (their callbacks do not
+        run, their errors are not raised), then removes the backing files. The data of tensors
         still offloaded is lost (a ``ResourceWarning`` says how many)."""
         with self._lock:
-            core, self._core = self._core, None
-            if core is None:
+            if self._core is None:
                 return
-            if self._device_pool is not None:  # device operations finish on their own
+            failed = 0
+            for kind in ("write", "read"):
+                failed += len(self._collect(kind)[0])
+            core, self._core = self._core, None
+            if self._device_pool is not None:
                 self._device_pool.shutdown(wait=True)
                 self._device_pool = None
-            self._device_jobs = {"write": [], "read": []}
+            # Lets go of the ring's pinned memory and the files' cuFile registrations.
+            self._transfer = self._device_files = None
             core.close()
             lost = sum(1 for e in self._by_key.values() if e.state == "stored")
             for entry in self._by_key.values():
@@ -268,9 +295,11 @@ class DiskOffloader:
                     entry.finalizer.detach()
             self._by_id.clear()
             self._by_key.clear()
-        if lost:
+        if lost or failed:
+            failures = f" ({failed} operation(s) not waited for had failed)" if failed else ""
             warnings.warn(
-                f"DiskOffloader closed with {lost} tensor(s) still offloaded; their data is gone",
+                f"DiskOffloader closed with {lost} tensor(s) still offloaded; their data is gone"
+                + failures,
                 ResourceWarning,
                 stacklevel=2,
             )
@@ -299,13 +328,27 @@ class DiskOffloader:
         return entry if entry is not None and entry.ref() is tensor else None
 
     def _forget(self, key: int) -> None:
-        with self._lock:
-            entry = self._by_key.get(key)
+        # A finalizer: it may run on any thread, the device workers' included (garbage
+        # collection), while another thread holds the lock waiting for those workers. Never
+        # block here: leave the key to whoever holds the lock.
+        if not self._lock.acquire(blocking=False):
+            self._forgotten.append(key)
+            return
+        try:
+            self._forgotten.append(key)
+            self._drain_forgotten()
+        finally:
+            self._lock.release()
+
+    def _drain_forgotten(self) -> None:
+        """Frees the file space of tensors that died while offloaded. REQUIRES: self._lock."""
+        while self._forgotten:
+            entry = self._by_key.get(self._forgotten.popleft())
             if entry is None:
-                return
+                continue
             self._remove(entry)
             if self._core is not None:
-                self._core.discard(key)
+                self._core.discard(entry.key)
 
     def _remove(self, entry: _Entry) -> None:
         self._by_key.pop(entry.key, None)
@@ -317,6 +360,7 @@ class DiskOffloader:
     def _write(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
         with self._lock:
             core = self._open()
+            self._drain_forgotten()
             for t in tensors:
                 _check_tensor(t, "write")
             if len({id(t) for t in tensors}) != len(tensors):
@@ -381,6 +425,7 @@ class DiskOffloader:
 
         with self._lock:
             core = self._open()
+            self._drain_forgotten()
             for t in tensors:
                 _check_tensor(t, "read")
             if len({id(t) for t in tensors}) != len(tensors):
@@ -458,6 +503,7 @@ class DiskOffloader:
             transfer = _core.DeviceTransfer(
                 core.engine, max_rings=rings, copier=self._device_copier
             )
+            self._device_files = _core.OffloadDeviceFiles(self._gds)
             self._device_pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=int(transfer.options["max_rings"]),
                 thread_name_prefix="tensortier-offload-device",
@@ -471,27 +517,53 @@ class DiskOffloader:
         core = self._open()
         transfer, pool = self._device_transfer()
         move = _core.offload_from_device if kind == "write" else _core.restore_to_device
-        # Runs on a pool thread: a C++ call that releases the GIL. The entry holds the tensor.
-        future = pool.submit(
-            move,
-            core,
-            transfer,
-            entry.key,
-            span.address,
-            entry.nbytes,
-            span.device,
-            span.stream,
-        )
-        self._device_jobs[kind].append((entry.key, future))
+        files, key, nbytes = self._device_files, entry.key, entry.nbytes
+
+        def run() -> Any:
+            # On a pool thread: a C++ call that releases the GIL (`span` keeps the tensor and
+            # its stream alive until it returns).
+            return move(core, transfer, key, span.address, nbytes, span.device, span.stream, files)
+
+        future: concurrent.futures.Future[Any]
+        try:
+            future = pool.submit(run)
+        except RuntimeError:  # the interpreter is exiting and starts no threads: run it here
+            future = concurrent.futures.Future()
+            try:
+                future.set_result(run())
+            except Exception as e:  # noqa: BLE001 - delivered by the wait, as from a thread
+                future.set_exception(e)
+        self._device_jobs[kind].append((key, future))
 
     def _wait(self, kind: str) -> None:
+        errors, callbacks = self._collect(kind)
+        for cb in callbacks:
+            cb()
+        if errors:
+            first = errors[0]
+            if len(errors) > 1:
+                first.add_note(f"{len(errors) - 1} other offload {kind}(s) also failed")
+            raise first
+
+    def _collect(self, kind: str) -> tuple[list[BaseException], list[Callable[[], None]]]:
+        """Waits for every operation of `kind` in flight and applies the outcomes; returns the
+        errors and the callbacks due."""
         with self._lock:
             if self._core is None:
-                return
+                return [], []
+            self._drain_forgotten()
+            # Everything is waited for before any outcome is taken: an interrupt (Ctrl-C) while
+            # waiting leaves them all to the next wait.
+            concurrent.futures.wait([f for _, f in self._device_jobs[kind]])
             outcomes = list(self._core.wait(kind))
             jobs, self._device_jobs[kind] = self._device_jobs[kind], []
             for key, future in jobs:  # the C++ calls applied their outcome to the core already
-                outcomes.append((key, future.exception()))
+                error = future.exception()
+                outcomes.append((key, error))
+                if error is None:
+                    moved = future.result()
+                    path = moved["stats"]["path"] or "bounce"  # zero bytes: no path taken
+                    self._device_bytes[path] = self._device_bytes.get(path, 0) + moved["bytes"]
             errors = []
             callbacks = []
             for key, error in outcomes:
@@ -515,13 +587,7 @@ class DiskOffloader:
                 if entry.callback is not None:
                     callbacks.append(entry.callback)
                     entry.callback = None
-        for cb in callbacks:
-            cb()
-        if errors:
-            first = errors[0]
-            if len(errors) > 1:
-                first.add_note(f"{len(errors) - 1} other offload {kind}(s) also failed")
-            raise first
+        return errors, callbacks
 
 
 def _check_tensor(tensor: Any, what: str) -> None:
@@ -541,17 +607,18 @@ def _check_tensor(tensor: Any, what: str) -> None:
 
 
 class _Span(NamedTuple):
-    """Where a device tensor's bytes are, for the C++ transfer: the tensor rides along."""
+    """Where a device tensor's bytes are, for the C++ transfer."""
 
     address: int
     device: int
     stream: int | None
-    tensor: Any
+    owner: Any  # kept alive while the transfer runs: the tensor and its transfer's stream
 
 
 def _span(tensor: Any) -> _Span:
-    """The device range of `tensor` and its current stream (CPU tensors, under the memcpy test
-    copier: host memory, no stream).
+    """The device range of `tensor` and a stream of its own for the transfer, ordered after the
+    work queued so far on the current stream, so that work queued after the call does not hold
+    the transfer up (CPU tensors, under the memcpy test copier: host memory, no stream).
 
     Raises:
         CudaError: tensortier cannot reach the CUDA driver (the message says what is missing).
@@ -560,8 +627,8 @@ def _span(tensor: Any) -> _Span:
         return _Span(int(tensor.data_ptr()), 0, None, tensor)
     from .device import device_buffer
 
-    db = device_buffer(tensor)
-    return _Span(db.address, db.device, db.stream, tensor)
+    db = device_buffer(tensor, own_stream=True)
+    return _Span(db.address, db.device, db.stream, db.owner)
 
 
 def _allocate(tensor: Any, nbytes: int, pin: bool, torch: Any) -> None:

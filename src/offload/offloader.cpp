@@ -333,15 +333,21 @@ std::vector<OffloadExtent> Offloader::Begin(OffloadKind kind, uint64_t key, uint
   std::unique_lock lock(mu_);
   Claim(kind, {&piece, 1}, lock);
   Entry& e = entries_.at(key);
+  std::vector<OffloadExtent> extents;
+  try {
+    uint64_t done = 0;
+    for (const Part& part : e.parts) {
+      extents.push_back(
+          OffloadExtent{backings_[part.file].file, part.extent.offset, done, part.length});
+      done += part.length;
+    }
+  } catch (...) {  // bad_alloc: nothing begun
+    Unclaim(kind, {&piece, 1});
+    throw;
+  }
+  // Counted only once nothing can fail: Close() waits for a Finish of each.
   e.external = true;
   ++external_in_flight_;
-  std::vector<OffloadExtent> extents;
-  uint64_t done = 0;
-  for (const Part& part : e.parts) {
-    extents.push_back(
-        OffloadExtent{backings_[part.file].file, part.extent.offset, done, part.length});
-    done += part.length;
-  }
   return extents;
 }
 

@@ -378,6 +378,28 @@ TEST_P(DeviceOffloadTest, LargeRangesAreStripedOverEveryDirectory) {
   EXPECT_TRUE(MatchesPattern(back.data(), length, 12));
 }
 
+// With OffloadDeviceFiles under GDS "off", the ring moves every part and says why.
+TEST_P(DeviceOffloadTest, DeviceFilesWithGdsOffUseTheRing) {
+  TempDir second;
+  OffloaderOptions o = Options({dir_.path(), second.path()});
+  o.stripe_threshold = kMiB;
+  Offloader off(o);
+  auto transfer = Transfer(off);
+  OffloadDeviceFiles files(GdsMode::kOff);
+  const uint64_t length = 2 * kMiB + 1;
+  HostDevice d(length, 0);
+  FillPattern(d.data(), length, 13);
+  TransferResult w = OffloadFromDevice(off, *transfer, 1, d.span(), length, &files);
+  EXPECT_EQ(w.bytes, length);
+  EXPECT_EQ(w.path, "bounce");
+  EXPECT_EQ(w.gds_reason, "GDS off");
+  HostDevice back(length, 0);
+  TransferResult r = RestoreToDevice(off, *transfer, 1, back.span(), length, &files);
+  EXPECT_EQ(r.path, "bounce");
+  EXPECT_TRUE(MatchesPattern(back.data(), length, 13));
+  EXPECT_EQ(files.For(File::Open(off.paths()[0], OpenMode::kRead)).gds(), false);
+}
+
 // Threads offload and restore their own keys through one DeviceTransfer with fewer rings than
 // threads, mixed with host keys written through the engine.
 TEST_P(DeviceOffloadTest, ConcurrentThreads) {
@@ -456,10 +478,11 @@ class TransferGpuOffloadTest : public ::testing::Test {
     if (!CudaDriver::Get().available()) {
       GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
     }
-    accounting_.Start();
+    fake_ = accounting_.Start();
   }
   void TearDown() override { accounting_.Check(); }
   testing::FakeCudaAccounting accounting_;
+  bool fake_ = false;  // the stand-in driver (failures can be injected)
   TempDir dir_;
 };
 
@@ -501,6 +524,61 @@ TEST_F(TransferGpuOffloadTest, RoundTripThroughDeviceMemoryOnTheCallersStream) {
   }
   ASSERT_NE(transfer.pool(), nullptr);
   EXPECT_TRUE(transfer.pool()->registers());
+}
+
+// GDS where cuFile takes the backing files (the stand-in's cuFile on CI, whose failures can be
+// injected; on a GPU machine the real one, or the ring where it would only run in compatibility
+// mode), striped over two directories: each file registered once, a cuFile status failure of
+// "auto" rerun through the ring, an errno failure an error that keeps the key.
+TEST_F(TransferGpuOffloadTest, GdsOrFallbackRoundTripOverTwoDirectories) {
+  const CudaDriver& driver = CudaDriver::Get();
+  PrimaryContext context(driver, 0);
+  TempDir second;
+  OffloaderOptions o;
+  o.dirs = {dir_.path(), second.path()};
+  o.engine = testing::SmallEngineOptions(BackendKind::kThreads, kMiB);
+  o.stripe_threshold = kMiB;
+  Offloader off(o);
+  DeviceTransfer transfer(off.engine());
+  OffloadDeviceFiles files(GdsMode::kAuto, &testing::CuFileForTests());
+  const DeviceFile first = files.For(File::Open(off.paths()[0], OpenMode::kRead));
+  const bool gds = first.gds();
+  if (fake_) {  // the stand-in's cuFile takes every file
+    EXPECT_TRUE(gds) << first.gds_reason();
+  }
+  const std::string want = gds ? "gds" : "bounce";
+  constexpr uint64_t kLength = (6 << 20) + 4097;
+  DeviceMemory device(context, kLength), back(context, kLength);
+  Stream stream(context);
+  std::vector<uint8_t> src = testing::Pattern(kLength, 21);
+  stream.CopyToDevice(device.address(), src.data(), kLength);
+  TransferResult w =
+      OffloadFromDevice(off, transfer, 1, {device.address(), 0, stream.get()}, kLength, &files);
+  EXPECT_EQ(w.bytes, kLength);
+  EXPECT_EQ(w.path, want) << first.gds_reason();
+  TransferResult r =
+      RestoreToDevice(off, transfer, 1, {back.address(), 0, stream.get()}, kLength, &files);
+  EXPECT_EQ(r.path, want);
+  std::vector<uint8_t> out(kLength);
+  stream.CopyFromDevice(out.data(), back.address(), kLength);
+  stream.Synchronize();
+  EXPECT_TRUE(MatchesPattern(out.data(), kLength, 21));
+  if (!gds || !fake_) return;  // failures are injected into the stand-in only
+
+  OffloadFromDevice(off, transfer, 2, {device.address(), 0, stream.get()}, kLength, &files);
+  accounting_.NextCuFileResult(-5008);  // CU_FILE_IO_NOT_SUPPORTED: "auto" falls back
+  r = RestoreToDevice(off, transfer, 2, {back.address(), 0, stream.get()}, kLength, &files);
+  EXPECT_EQ(r.path, "bounce");
+  EXPECT_NE(r.gds_reason.find("CU_FILE_IO_NOT_SUPPORTED"), std::string::npos) << r.gds_reason;
+  EXPECT_FALSE(off.stored(2));
+  OffloadFromDevice(off, transfer, 3, {device.address(), 0, stream.get()}, kLength, &files);
+  accounting_.NextCuFileResult(-1, EIO);
+  EXPECT_THROW(
+      RestoreToDevice(off, transfer, 3, {back.address(), 0, stream.get()}, kLength, &files),
+      IoError);
+  EXPECT_TRUE(off.stored(3));
+  RestoreToDevice(off, transfer, 3, {back.address(), 0, stream.get()}, kLength, &files);
+  EXPECT_FALSE(off.stored(3));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -321,10 +322,13 @@ def test_striping_over_several_directories(disk_dir: Path, copier: str) -> None:
         assert same_bytes(big, big0)
 
 
-def test_device_path_moves_bytes_through_the_ring(disk_dir: Path) -> None:
+def test_device_path_moves_bytes_through_the_ring(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The path of CUDA tensors: no engine operation of the offloader's own, the ring's pinned
     slots made once and reused, outcomes collected by the waits (a read of a tensor whose write
     is in flight waits for it)."""
+    monkeypatch.delenv("TENSORTIER_BOUNCE_RINGS", raising=False)
     with DiskOffloader(disk_dir, _device_copier="memcpy") as o:
         xs = [random_tensor((n,), torch.uint8, seed=n) for n in (1, 4097, (1 << 20) + 3)]
         refs = [x.clone() for x in xs]
@@ -347,6 +351,71 @@ def test_device_path_moves_bytes_through_the_ring(disk_dir: Path) -> None:
             o.sync_readv(xs)
         assert o._transfer is transfer and transfer.options["pinned_bytes"] == pinned
         assert transfer.options["max_rings"] == 2
+        moved = 2 * 4 * sum(x.numel() for x in xs)  # each tensor written and read 4 times
+        assert o.device_bytes == {"bounce": moved}
+
+
+def test_a_tensor_dying_while_another_thread_holds_the_lock_is_freed_later(
+    off: DiskOffloader,
+) -> None:
+    """The finalizer of a tensor that died offloaded may run on a device worker (garbage
+    collection) while the waiting thread holds the lock: it must not block there."""
+    x = torch.randn(1 << 16)
+    off.sync_write(x)
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with off._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    start = time.monotonic()
+    del x
+    gc.collect()  # the finalizer runs here, on this thread, while `holder` has the lock
+    assert time.monotonic() - start < 5
+    release.set()
+    t.join()
+    assert off.stored_bytes == 0  # freed by the next call that takes the lock
+
+
+def test_close_applies_outcomes_not_waited_for(
+    disk_dir: Path, copier: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A read that failed and was never waited for leaves no tensor with unspecified bytes
+    behind: close() applies it (memory freed again) and says so."""
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
+    o = DiskOffloader(disk_dir, backend="threads", _fault=fault, _device_copier=copier)
+    x, y = torch.randn(100_000), torch.randn(1000)
+    o.sync_writev([x, y])
+    o.async_read(x)  # fails: x's memory, allocated for it, holds no data
+    o.close()
+    assert offloaded(x) and offloaded(y)  # both stayed offloaded; the data went with the files
+    messages = [str(w.message) for w in recwarn if issubclass(w.category, ResourceWarning)]
+    assert any("2 tensor(s) still offloaded" in m and "1 operation(s)" in m for m in messages)
+
+
+def test_gds_mode_is_checked_and_on_without_cufile_fails_keeping_the_tensor(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="gds must be"):
+        DiskOffloader(disk_dir, gds="sometimes")
+    monkeypatch.setenv("TENSORTIER_GDS", "maybe")
+    with pytest.raises(ValueError, match="TENSORTIER_GDS"):
+        DiskOffloader(disk_dir)
+    monkeypatch.setenv("TENSORTIER_GDS", "on")
+    if tensortier.cufile_info()["available"]:
+        pytest.skip("cuFile is usable here: 'on' would not fail")
+    # "on" needs cuFile for every backing file; without it the write fails and nothing is lost.
+    with DiskOffloader(disk_dir, _device_copier="memcpy") as o:
+        x = random_tensor((100_000,), torch.uint8, seed=9)
+        x0 = x.clone()
+        with pytest.raises(tensortier.CuFileError, match="cuFile"):
+            o.sync_write(x)
+        assert not offloaded(x) and same_bytes(x, x0)
+        assert not o.is_offloaded(x) and o.stored_bytes == 0 and o.device_bytes == {}
 
 
 def test_tensor_that_dies_while_offloaded_frees_its_space(off: DiskOffloader) -> None:
