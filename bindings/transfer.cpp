@@ -287,38 +287,28 @@ void RegisterTransfer(py::module_& m) {
            py::arg("gds") = "off",
            "The DeviceFiles of an offloader's backing files under one GDS mode ('off', 'auto', "
            "'on'), each registered with cuFile once, on first use.");
-  m.def(
-      "offload_from_device",
-      [](Offloader& offloader, DeviceTransfer& transfer, uint64_t key, uintptr_t address,
-         uint64_t length, int device, std::optional<uintptr_t> stream, OffloadDeviceFiles* files) {
-        DeviceSpan span = Span(address, device, stream);
-        TransferResult r;
-        {
-          py::gil_scoped_release release;
-          r = OffloadFromDevice(offloader, transfer, key, span, length, files);
-        }
-        return ResultToDict(r);
-      },
-      py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
-      py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
-      py::arg("files") = nullptr,
-      "Writes device memory under an offloader key through the transfer's bounce rings; the key "
-      "is stored when this returns, unknown when it raises.");
-  m.def(
-      "restore_to_device",
-      [](Offloader& offloader, DeviceTransfer& transfer, uint64_t key, uintptr_t address,
-         uint64_t length, int device, std::optional<uintptr_t> stream, OffloadDeviceFiles* files) {
-        DeviceSpan span = Span(address, device, stream);
-        TransferResult r;
-        {
-          py::gil_scoped_release release;
-          r = RestoreToDevice(offloader, transfer, key, span, length, files);
-        }
-        return ResultToDict(r);
-      },
-      py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
-      py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
-      py::arg("files") = nullptr,
-      "Reads an offloader key's bytes into device memory; the key is gone when this returns, "
-      "still stored when it raises.");
+  const auto move_key = [&m](const char* name, auto move, const char* doc) {
+    m.def(
+        name,
+        [move](Offloader& offloader, DeviceTransfer& transfer, uint64_t key, uintptr_t address,
+               uint64_t length, int device, std::optional<uintptr_t> stream,
+               OffloadDeviceFiles* files) {
+          DeviceSpan span = Span(address, device, stream);
+          TransferResult r;
+          {
+            py::gil_scoped_release release;
+            r = move(offloader, transfer, key, span, length, files);
+          }
+          return ResultToDict(r);
+        },
+        py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
+        py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
+        py::arg("files") = nullptr, doc);
+  };
+  move_key("offload_from_device", &OffloadFromDevice,
+           "Writes device memory under an offloader key through the transfer's bounce rings (or "
+           "GDS, as `files` says); the key is stored when this returns, unknown when it raises.");
+  move_key("restore_to_device", &RestoreToDevice,
+           "Reads an offloader key's bytes into device memory; the key is gone when this returns, "
+           "still stored when it raises.");
 }

@@ -50,46 +50,46 @@ DeviceFile OffloadDeviceFiles::For(const File& file) {
   return it->second;
 }
 
-TransferResult OffloadFromDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
-                                 const DeviceSpan& span, uint64_t length,
-                                 OffloadDeviceFiles* files) {
-  const std::vector<OffloadExtent> extents = offloader.BeginWrite(key, length);
+// Begins `key` for `kind`, moves each of its extents, and finishes it with the outcome.
+TransferResult MoveKey(OffloadKind kind, Offloader& offloader, DeviceTransfer& transfer,
+                       uint64_t key, const DeviceSpan& span, uint64_t length,
+                       OffloadDeviceFiles* files) {
+  const bool write = kind == OffloadKind::kWrite;
+  const std::vector<OffloadExtent> extents =
+      write ? offloader.BeginWrite(key, length) : offloader.BeginRead(key, length);
+  const auto finish = [&](std::exception_ptr error) {
+    write ? offloader.FinishWrite(key, error) : offloader.FinishRead(key, error);
+  };
   TransferResult total;
   try {
     for (const OffloadExtent& e : extents) {
       DeviceSpan part = span;
       part.address += e.data_offset;
-      Add(total, WritePart(transfer, files, part, e));
-    }
-  } catch (...) {
-    offloader.FinishWrite(key, std::current_exception());
-    throw;
-  }
-  offloader.FinishWrite(key, nullptr);
-  return total;
-}
-
-TransferResult RestoreToDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
-                               const DeviceSpan& span, uint64_t length, OffloadDeviceFiles* files) {
-  const std::vector<OffloadExtent> extents = offloader.BeginRead(key, length);
-  TransferResult total;
-  try {
-    for (const OffloadExtent& e : extents) {
-      DeviceSpan part = span;
-      part.address += e.data_offset;
-      const TransferResult r = ReadPart(transfer, files, e, part);
-      if (r.bytes != e.length) {  // a backing file was cut short behind our back
+      const TransferResult r =
+          write ? WritePart(transfer, files, part, e) : ReadPart(transfer, files, e, part);
+      if (r.bytes != e.length) {  // a read of a backing file cut short behind our back
         throw IoError(EIO, "offload read to device (backing file shorter than written)",
                       e.file.path(), e.file_offset + r.bytes, e.length - r.bytes);
       }
       Add(total, r);
     }
   } catch (...) {
-    offloader.FinishRead(key, std::current_exception());
+    finish(std::current_exception());
     throw;
   }
-  offloader.FinishRead(key, nullptr);
+  finish(nullptr);
   return total;
+}
+
+TransferResult OffloadFromDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
+                                 const DeviceSpan& span, uint64_t length,
+                                 OffloadDeviceFiles* files) {
+  return MoveKey(OffloadKind::kWrite, offloader, transfer, key, span, length, files);
+}
+
+TransferResult RestoreToDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
+                               const DeviceSpan& span, uint64_t length, OffloadDeviceFiles* files) {
+  return MoveKey(OffloadKind::kRead, offloader, transfer, key, span, length, files);
 }
 
 }  // namespace tensortier

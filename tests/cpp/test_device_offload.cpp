@@ -36,6 +36,7 @@ namespace {
 
 using testing::FillPattern;
 using testing::MatchesPattern;
+using testing::Plan;
 using testing::TempDir;
 
 constexpr uint64_t kSlot = 64 << 10;
@@ -53,17 +54,6 @@ class HostDevice {
   AlignedBuffer mem_;
   size_t misalign_;
 };
-
-FaultPlan Plan(FaultPlan::Kind kind, bool reads, bool writes, uint64_t nth = 1,
-               uint64_t count = 1) {
-  FaultPlan p;
-  p.kind = kind;
-  p.reads = reads;
-  p.writes = writes;
-  p.nth = nth;
-  p.count = count;
-  return p;
-}
 
 int ErrnoOf(const std::exception& e) {
   const auto* io = dynamic_cast<const IoError*>(&e);

@@ -27,23 +27,13 @@ namespace {
 using testing::CompiledBackends;
 using testing::FillPattern;
 using testing::MatchesPattern;
+using testing::Plan;
 using testing::ReadWholeFile;
 using testing::TempDir;
 using testing::WritePatternFile;
 
 constexpr uint64_t kChunk = 64 << 10;
 constexpr uint64_t kFileSize = 1 << 20;
-
-FaultPlan Plan(FaultPlan::Kind kind, bool reads, bool writes, uint64_t nth = 1,
-               uint64_t count = 1) {
-  FaultPlan p;
-  p.kind = kind;
-  p.reads = reads;
-  p.writes = writes;
-  p.nth = nth;
-  p.count = count;
-  return p;
-}
 
 // The IoError the future's Wait() throws (a test failure, and error_code() -1, if none).
 IoError WaitError(const Future& f) {

@@ -38,6 +38,7 @@ namespace {
 using testing::CompiledBackends;
 using testing::FillPattern;
 using testing::MatchesPattern;
+using testing::Plan;
 using testing::TempDir;
 
 constexpr uint64_t kMiB = 1 << 20;
@@ -119,17 +120,6 @@ std::string Describe(const std::exception_ptr& error) {
     }
   }
   return ::testing::AssertionSuccess();
-}
-
-FaultPlan Plan(FaultPlan::Kind kind, bool reads, bool writes, uint64_t nth = 1,
-               uint64_t count = 1) {
-  FaultPlan p;
-  p.kind = kind;
-  p.reads = reads;
-  p.writes = writes;
-  p.nth = nth;
-  p.count = count;
-  return p;
 }
 
 class OffloaderTest : public testing::BackendTest {

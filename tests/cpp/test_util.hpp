@@ -282,6 +282,18 @@ struct BackendParamName {
   }
 };
 
+// A fault plan: `count` faults of `kind` from the `nth` eligible request (reads, writes or both).
+inline FaultPlan Plan(FaultPlan::Kind kind, bool reads, bool writes, uint64_t nth = 1,
+                      uint64_t count = 1) {
+  FaultPlan p;
+  p.kind = kind;
+  p.reads = reads;
+  p.writes = writes;
+  p.nth = nth;
+  p.count = count;
+  return p;
+}
+
 // Small settings that make modest transfers span many chunks and both workers.
 inline EngineOptions SmallEngineOptions(BackendKind kind, uint64_t chunk_size = 64 << 10) {
   EngineOptions o;
