@@ -203,6 +203,7 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
                 os.unlink(out_path)
     for name in stores:
         rows.append(row("store", size, "n/a", name, paths_s[name], times_s[name]))
+    rows += offload_rows(src, folder, repeats)
     bounce.close()
     if gds is not None:
         gds.close()
@@ -215,6 +216,31 @@ def bench_size(size: int, folder: str, repeats: int, caches: list[str]) -> list[
     if cufile_note:
         rows.append({"op": "note", "size": size, "cufile": cufile_note})
     return rows
+
+
+def offload_rows(src: torch.Tensor, folder: str, repeats: int) -> list[dict[str, Any]]:
+    """DiskOffloader with a CUDA tensor of src's size: ``sync_write`` (its GPU memory freed once
+    the data is on disk) then ``sync_read`` (allocated again, restored; cold: the writes were
+    O_DIRECT), alternately; each restore validated (untimed). Compare with the store and load
+    rows of IOHandle's bounce ring above, the same path underneath."""
+    size = src.numel()
+    work = src.clone()
+    writes: list[float] = []
+    reads: list[float] = []
+    with tensortier.DiskOffloader(os.path.join(folder, "gpu_bench_offload")) as off:
+        for rep in range(repeats):
+            writes.append(timed(lambda: off.sync_write(work)))
+            if work.untyped_storage().nbytes() != 0:
+                raise SystemExit("offload: the GPU memory of a written tensor was not freed")
+            reads.append(timed(lambda: off.sync_read(work)))
+            if not torch.equal(work, src):
+                raise SystemExit(f"offload validation failed: size {size}, repeat {rep}")
+        path = ",".join(sorted(off.device_bytes)) or "none"
+    del work
+    return [
+        row("offload write", size, "n/a", "DiskOffloader.sync_write", path, writes),
+        row("offload read", size, "cold", "DiskOffloader.sync_read", path, reads),
+    ]
 
 
 def row(op: str, size: int, cache: str, method: str, path: str, seconds: list[float]) -> dict:
@@ -265,14 +291,14 @@ def main() -> int:
     print(f"device: {report['device']}  pinned H2D {report['h2d_pinned_gbps']:.2f} GB/s, "
           f"D2H {report['d2h_pinned_gbps']:.2f} GB/s; cuFile: "
           f"{'available' if report['cufile']['available'] else report['cufile']['why_unavailable']}")
-    print(f"{'op':6} {'size':>6} {'cache':5} {'method':38} {'path':18} {'GB/s':>7}")
+    print(f"{'op':13} {'size':>6} {'cache':5} {'method':38} {'path':18} {'GB/s':>7}")
     for r in rows:
         if r["op"] == "note":
             for key, what in (("torch_cuda_gds", "torch.cuda.gds"), ("cufile", "cuFile")):
                 if key in r:
                     print(f"note: {what} at {r['size'] >> 20} MiB: {r[key]}")
             continue
-        print(f"{r['op']:6} {r['size'] >> 20:5}M {r['cache']:5} {r['method']:38} {r['path']:18} "
+        print(f"{r['op']:13} {r['size'] >> 20:5}M {r['cache']:5} {r['method']:38} {r['path']:18} "
               f"{r['gbps_median']:7.2f}")
     for c in checks:
         print(f"load {c['size'] >> 20}M {c['cache']}: {c['load_gbps']:.2f} GB/s = "

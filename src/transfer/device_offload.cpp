@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <exception>
+#include <thread>
 #include <vector>
 
 #include "tensortier/error.hpp"
@@ -62,16 +63,34 @@ TransferResult MoveKey(OffloadKind kind, Offloader& offloader, DeviceTransfer& t
   };
   TransferResult total;
   try {
-    for (const OffloadExtent& e : extents) {
-      DeviceSpan part = span;
-      part.address += e.data_offset;
-      const TransferResult r =
-          write ? WritePart(transfer, files, part, e) : ReadPart(transfer, files, e, part);
-      if (r.bytes != e.length) {  // a read of a backing file cut short behind our back
-        throw IoError(EIO, "offload read to device (backing file shorter than written)",
-                      e.file.path(), e.file_offset + r.bytes, e.length - r.bytes);
+    std::vector<TransferResult> results(extents.size());
+    std::vector<std::exception_ptr> errors(extents.size());
+    const auto move_extent = [&](size_t i) noexcept {
+      try {
+        const OffloadExtent& e = extents[i];
+        DeviceSpan part = span;
+        part.address += e.data_offset;
+        results[i] =
+            write ? WritePart(transfer, files, part, e) : ReadPart(transfer, files, e, part);
+        if (results[i].bytes != e.length) {  // a read of a backing file cut short
+          throw IoError(EIO, "offload read to device (backing file shorter than written)",
+                        e.file.path(), e.file_offset + results[i].bytes,
+                        e.length - results[i].bytes);
+        }
+      } catch (...) {
+        errors[i] = std::current_exception();
       }
-      Add(total, r);
+    };
+    {
+      // A key striped over several files (drives) moves all its parts at once, each through a
+      // ring of its own. jthreads: joined even when starting a later one throws.
+      std::vector<std::jthread> helpers;
+      for (size_t i = 1; i < extents.size(); ++i) helpers.emplace_back(move_extent, i);
+      if (!extents.empty()) move_extent(0);
+    }
+    for (size_t i = 0; i < extents.size(); ++i) {
+      if (errors[i] != nullptr) std::rethrow_exception(errors[i]);
+      Add(total, results[i]);
     }
   } catch (...) {
     finish(std::current_exception());

@@ -390,6 +390,26 @@ TEST_P(DeviceOffloadTest, DeviceFilesWithGdsOffUseTheRing) {
   EXPECT_EQ(files.For(File::Open(off.paths()[0], OpenMode::kRead)).gds(), false);
 }
 
+// The parts of a striped key move at once, each through a ring of its own (slow copies: the
+// first part is still moving when the second needs a ring, so a second ring is made).
+TEST_P(DeviceOffloadTest, StripedPartsMoveAtOnce) {
+  TempDir second;
+  OffloaderOptions o = Options({dir_.path(), second.path()});
+  o.stripe_threshold = kMiB;
+  Offloader off(o);
+  MemcpyCopierOptions slow;
+  slow.delay = std::chrono::milliseconds(1);
+  auto transfer = Transfer(off, slow, /*max_rings=*/2);
+  const uint64_t length = 2 * kMiB;
+  HostDevice d(length, 0);
+  FillPattern(d.data(), length, 14);
+  OffloadFromDevice(off, *transfer, 1, d.span(), length);
+  EXPECT_EQ(transfer->rings(), 2u);
+  HostDevice back(length, 0);
+  RestoreToDevice(off, *transfer, 1, back.span(), length);
+  EXPECT_TRUE(MatchesPattern(back.data(), length, 14));
+}
+
 // Threads offload and restore their own keys through one DeviceTransfer with fewer rings than
 // threads, mixed with host keys written through the engine.
 TEST_P(DeviceOffloadTest, ConcurrentThreads) {
