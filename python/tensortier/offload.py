@@ -329,9 +329,10 @@ class DiskOffloader:
 
     def _forget(self, key: int) -> None:
         # A finalizer: it may run on any thread, the device workers' included (garbage
-        # collection), while another thread holds the lock waiting for those workers. Never
-        # block here: leave the key to whoever holds the lock.
-        if not self._lock.acquire(blocking=False):
+        # collection), while another thread holds the lock waiting for those workers, or on this
+        # thread in the middle of code holding the lock (and iterating the entries). Never block
+        # or change the entries here then: leave the key to the next call that takes the lock.
+        if self._lock._is_owned() or not self._lock.acquire(blocking=False):  # type: ignore
             self._forgotten.append(key)
             return
         try:

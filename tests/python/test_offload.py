@@ -379,6 +379,16 @@ def test_a_tensor_dying_while_another_thread_holds_the_lock_is_freed_later(
     release.set()
     t.join()
     assert off.stored_bytes == 0  # freed by the next call that takes the lock
+    # On the thread holding the lock (a collection inside the offloader's own code, which may be
+    # iterating its entries): left alone there too.
+    y = torch.randn(1 << 16)
+    off.sync_write(y)
+    with off._lock:
+        entries = len(off._by_key)
+        del y
+        gc.collect()
+        assert len(off._by_key) == entries and len(off._forgotten) == 1
+    assert off.stored_bytes == 0 and not off._by_key
 
 
 def test_close_applies_outcomes_not_waited_for(
