@@ -32,8 +32,8 @@ class OffloadDeviceFiles {
   // `cufile`: null for CuFile::Get() (loaded only for kAuto/kRequire); tests pass a stand-in.
   explicit OffloadDeviceFiles(GdsMode mode, const CuFile* cufile = nullptr);
 
-  // The DeviceFile of `file` (by its open descriptor). Throws CuFileError for kRequire when cuFile cannot serve
-  // it (as DeviceFile does).
+  // The DeviceFile of `file` (by its open descriptor). Throws CuFileError for kRequire when cuFile
+  // cannot serve it (as DeviceFile does).
   DeviceFile For(const File& file);
   GdsMode mode() const noexcept { return mode_; }
 
@@ -44,9 +44,10 @@ class OffloadDeviceFiles {
   std::unordered_map<int, DeviceFile> files_;  // by buffered_fd(); guarded by mu_
 };
 
-// Copies are ordered on span.stream (the caller's current stream): the bytes written are those
-// left by the work queued there before the call (GDS waits for that work first). `files`: null
-// for the bounce ring only. result.path is "gds" when every part went through cuFile.
+// Copies are ordered on span.stream (the caller's stream, or one ordered after it): the bytes
+// written are those left by the work queued there before the call (GDS waits for it first).
+// The parts of a key striped over several files move at once, each through its own transfer.
+// `files`: null for the bounce ring only. result.path is "gds" when every part went through cuFile.
 TransferResult OffloadFromDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
                                  const DeviceSpan& span, uint64_t length,
                                  OffloadDeviceFiles* files = nullptr);

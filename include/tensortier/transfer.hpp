@@ -159,8 +159,8 @@ class DeviceFile {
 struct DeviceSpan {
   uint64_t address = 0;
   int device = 0;
-  // The stream the copies are ordered on (the caller's current stream); none: a stream of the
-  // transfer's own, unordered with the caller's work.
+  // The stream the copies are ordered on (the caller's, or one ordered after it); none: a stream of
+  // the transfer's own, unordered with the caller's work.
   std::optional<cuda::CUstream> stream;
 };
 

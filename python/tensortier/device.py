@@ -183,5 +183,7 @@ def device_buffer(tensor: Any, *, own_stream: bool = False) -> DeviceBuffer:
     if not own_stream:
         return DeviceBuffer(tensor.data_ptr(), nbytes, index, int(current.cuda_stream), tensor)
     stream = torch.cuda.Stream(index)
+    if stream.cuda_stream == current.cuda_stream:  # torch's pool hands streams out in turn:
+        stream = torch.cuda.Stream(index)  # the caller's own may come round; the next is not it
     stream.wait_stream(current)
     return DeviceBuffer(tensor.data_ptr(), nbytes, index, int(stream.cuda_stream), (tensor, stream))

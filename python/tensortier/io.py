@@ -128,8 +128,8 @@ class IOHandle:
     Buffers are host memory (tensors, numpy arrays, anything with the buffer protocol) or CUDA
     tensors. A CUDA tensor moves through a ring of pinned bounce buffers (disk reads and
     host-to-device copies overlap; the copies are ordered after the work queued on the tensor's
-    device's current stream) or, with ``gds``, through GPUDirect Storage where cuFile accepts the file; the
-    result's ``stats["path"]`` says which. Without a CUDA driver a CUDA tensor raises
+    device's current stream) or, with ``gds``, through GPUDirect Storage where cuFile accepts
+    the file; the result's ``stats["path"]`` says which. Without a CUDA driver a CUDA tensor raises
     ``CudaError`` naming what is missing. A CUDA transfer follows the work queued on that stream
     before the call: its copies, queued later from the handle's threads, go on a stream of their
     own that waits for that work, so work queued afterwards does not hold them up. Until its

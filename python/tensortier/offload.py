@@ -13,8 +13,9 @@ raises on the call that waits for it, and a failed read leaves the data on disk 
 CUDA tensors work too: offloading frees their GPU memory (back to torch's caching allocator;
 ``torch.cuda.empty_cache()`` gives it to the driver), reading allocates it again and restores the
 data. Their bytes go between the GPU and the files through a ring of reused pinned bounce buffers
-(disk I/O and PCIe copies overlap; no host copy of the whole tensor is made), on the tensor's
-current stream, on worker threads while the caller goes on.
+(disk I/O and PCIe copies overlap; no host copy of the whole tensor is made), or through
+GPUDirect Storage with ``gds=``, on worker threads while the caller goes on; the copies run on
+a stream of their own, after the work queued on the tensor's current stream before the call.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ class DiskOffloader:
             compatibility mode, else the ring) or ``"on"`` (cuFile, or the operation fails);
             default ``$TENSORTIER_GDS``, else ``"off"``. ``device_bytes`` says which ran.
 
-    CUDA tensors move through a ring of pinned bounce buffers made on the first one (at most two
-    transfers at once, each ``TENSORTIER_BOUNCE_SLOTS`` x ``TENSORTIER_BOUNCE_SLOT_SIZE`` bytes,
-    64 MiB by default; ``TENSORTIER_BOUNCE_RINGS`` sets how many), kept until ``close()``. An
+    CUDA tensors move through rings of pinned bounce buffers made on the first one (one ring per
+    directory and at least two: transfers at once; each ``TENSORTIER_BOUNCE_SLOTS`` x
+    ``TENSORTIER_BOUNCE_SLOT_SIZE`` bytes, 64 MiB by default; ``TENSORTIER_BOUNCE_RINGS`` sets
+    how many), kept until ``close()``. An
     asynchronous write reads the tensor while it runs, after the work queued on its current
     stream before the call: do not change the tensor until the write is waited for.
 
@@ -140,6 +142,7 @@ class DiskOffloader:
             fault=_fault,
         )
         self._pin = pin_memory
+        self._dirs = len(dirs)
         # "memcpy" (tests): CPU tensors take the device path, copied by memcpy, so its logic
         # runs without a GPU.
         self._device_copier = _device_copier
@@ -253,8 +256,9 @@ class DiskOffloader:
 
     @property
     def device_bytes(self) -> dict[str, int]:
-        """Bytes of device tensors moved so far, by how they moved: ``"bounce"`` (the pinned
-        ring) and ``"gds"`` (cuFile), counted when their operations are waited for."""
+        """Bytes of device tensors moved so far, by how they moved: ``"gds"`` (cuFile, for every
+        part of a tensor) or ``"bounce"`` (the pinned ring, for at least one part), counted when
+        their operations are waited for."""
         with self._lock:
             return dict(self._device_bytes)
 
@@ -500,7 +504,8 @@ class DiskOffloader:
         """
         core = self._open()
         if self._transfer is None or self._device_pool is None:
-            rings = None if os.environ.get("TENSORTIER_BOUNCE_RINGS") else 2
+            # One ring per directory at least: the parts of a striped tensor move at once.
+            rings = None if os.environ.get("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
             transfer = _core.DeviceTransfer(
                 core.engine, max_rings=rings, copier=self._device_copier
             )
@@ -519,16 +524,19 @@ class DiskOffloader:
         transfer, pool = self._device_transfer()
         move = _core.offload_from_device if kind == "write" else _core.restore_to_device
         files, key, nbytes = self._device_files, entry.key, entry.nbytes
+        once = threading.Lock()  # a refused submit may still have queued the job: run it once
 
         def run() -> Any:
             # On a pool thread: a C++ call that releases the GIL (`span` keeps the tensor and
             # its stream alive until it returns).
+            if not once.acquire(blocking=False):
+                return None  # run by the fallback below already
             return move(core, transfer, key, span.address, nbytes, span.device, span.stream, files)
 
         future: concurrent.futures.Future[Any]
         try:
             future = pool.submit(run)
-        except RuntimeError:  # the interpreter is exiting and starts no threads: run it here
+        except RuntimeError:  # no new thread (the interpreter is exiting...): run it here
             future = concurrent.futures.Future()
             try:
                 future.set_result(run())
@@ -588,6 +596,11 @@ class DiskOffloader:
                 if entry.callback is not None:
                     callbacks.append(entry.callback)
                     entry.callback = None
+            # Tensors whose last reference this wait held died here, under the lock: their
+            # finalizers left their keys for now.
+            del outcomes, jobs
+            tensor = None
+            self._drain_forgotten()
         return errors, callbacks
 
 

@@ -73,7 +73,9 @@ TransferResult MoveKey(OffloadKind kind, Offloader& offloader, DeviceTransfer& t
         results[i] =
             write ? WritePart(transfer, files, part, e) : ReadPart(transfer, files, e, part);
         if (results[i].bytes != e.length) {  // a read of a backing file cut short
-          throw IoError(EIO, "offload read to device (backing file shorter than written)",
+          throw IoError(EIO,
+                        write ? "offload write from device (short)"
+                              : "offload read to device (backing file shorter than written)",
                         e.file.path(), e.file_offset + results[i].bytes,
                         e.length - results[i].bytes);
         }
@@ -83,7 +85,8 @@ TransferResult MoveKey(OffloadKind kind, Offloader& offloader, DeviceTransfer& t
     };
     {
       // A key striped over several files (drives) moves all its parts at once, each through a
-      // ring of its own. jthreads: joined even when starting a later one throws.
+      // transfer of its own (a ring each, as far as the DeviceTransfer has rings; the rest
+      // wait for one). jthreads: joined even when starting a later one throws.
       std::vector<std::jthread> helpers;
       for (size_t i = 1; i < extents.size(); ++i) helpers.emplace_back(move_extent, i);
       if (!extents.empty()) move_extent(0);

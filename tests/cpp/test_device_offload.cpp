@@ -551,8 +551,14 @@ TEST_F(TransferGpuOffloadTest, GdsOrFallbackRoundTripOverTwoDirectories) {
   Offloader off(o);
   DeviceTransfer transfer(off.engine());
   OffloadDeviceFiles files(GdsMode::kAuto, &testing::CuFileForTests());
-  const DeviceFile first = files.For(File::Open(off.paths()[0], OpenMode::kRead));
+  const File probe = File::Open(off.paths()[0], OpenMode::kRead);
+  const DeviceFile first = files.For(probe);
   const bool gds = first.gds();
+  // Registered once per file: the same registration each time, another for another file.
+  EXPECT_EQ(files.For(probe).handle(), first.handle());
+  if (gds) {
+    EXPECT_NE(files.For(File::Open(off.paths()[0], OpenMode::kRead)).handle(), first.handle());
+  }
   if (fake_) {  // the stand-in's cuFile takes every file
     EXPECT_TRUE(gds) << first.gds_reason();
   }

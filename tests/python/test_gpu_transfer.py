@@ -269,7 +269,7 @@ def test_disk_offloader_on_a_side_stream_and_from_threads(disk_dir: Path) -> Non
             torch.cuda._sleep(200_000_000)  # the fill runs late: the write must wait for it
             x.fill_(7)
             off.async_write(x)  # no synchronisation by the caller
-            torch.cuda._sleep(2_000_000_000)  # queued after the call: must not hold the write
+            torch.cuda._sleep(5_000_000_000)  # queued after the call: must not hold the write
             off.sync_write_events()
             assert not stream.query()  # the write finished while the later sleep still runs
             assert x.untyped_storage().nbytes() == 0
@@ -302,6 +302,25 @@ def test_disk_offloader_on_a_side_stream_and_from_threads(disk_dir: Path) -> Non
         assert not errors, errors
         assert transfer.options["pinned_bytes"] <= transfer.options["pinned_budget"]
         assert pinned <= transfer.options["pinned_bytes"]
+
+
+def test_disk_offloader_gds_auto_striped_over_two_directories(disk_dir: Path) -> None:
+    """GDS where cuFile takes the backing files (else the ring), the parts of a striped tensor
+    at once; ``device_bytes`` says which way the bytes went."""
+    dirs = [disk_dir / "a", disk_dir / "b"]
+    with tensortier.DiskOffloader(dirs, stripe_threshold=1 << 20, gds="auto") as off:
+        x = _rand_bytes((40 << 20) + 3, 31)
+        ref = x.clone()
+        off.sync_write(x)
+        assert x.untyped_storage().nbytes() == 0
+        assert all(os.path.getsize(p) > 0 for p in off.paths)
+        off.sync_read(x)
+        assert torch.equal(x, ref)
+        moved = off.device_bytes
+        assert set(moved) <= {"gds", "bounce"} and sum(moved.values()) == 2 * x.numel(), moved
+        info = tensortier.cufile_info()
+        if not info["available"] or info["compat_mode_reason"]:
+            assert set(moved) == {"bounce"}, (moved, info)
 
 
 def test_disk_offloader_keeps_data_when_the_gpu_restore_fails(disk_dir: Path) -> None:

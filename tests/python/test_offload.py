@@ -309,7 +309,10 @@ def test_bounce_buffers_go_back_once_the_offloader_is_idle(
         assert o._core is not None and o._core.engine_options["bounce_idle_ms"] == 250
 
 
-def test_striping_over_several_directories(disk_dir: Path, copier: str) -> None:
+def test_striping_over_several_directories(
+    disk_dir: Path, copier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TENSORTIER_BOUNCE_RINGS", raising=False)
     dirs = [disk_dir / f"nvme{i}" for i in range(3)]
     with DiskOffloader(dirs, stripe_threshold=1 << 20, _device_copier=copier) as o:
         big = random_tensor(((3 << 20) + 5,), torch.uint8, seed=3)
@@ -320,6 +323,18 @@ def test_striping_over_several_directories(disk_dir: Path, copier: str) -> None:
         assert all(Path(p).parent in dirs for p in o.paths)
         o.sync_read(big)
         assert same_bytes(big, big0)
+        if copier == "memcpy":  # a ring per directory: the three parts move at once
+            assert o._transfer is not None and o._transfer.options["max_rings"] == 3
+
+
+def test_space_of_a_tensor_released_by_the_wait_is_freed_by_it(off: DiskOffloader) -> None:
+    """A tensor whose last reference was the offloader's (dropped by the caller while its write
+    ran) dies inside the wait, under the lock: the wait itself frees its space."""
+    x = torch.randn(1 << 16)
+    off.async_write(x)
+    del x
+    off.sync_write_events()
+    assert off._core is not None and off._core.stored_bytes == 0  # not through a draining call
 
 
 def test_device_path_moves_bytes_through_the_ring(
