@@ -398,7 +398,7 @@ TEST_P(DeviceOffloadTest, StripedPartsMoveAtOnce) {
   o.stripe_threshold = kMiB;
   Offloader off(o);
   MemcpyCopierOptions slow;
-  slow.delay = std::chrono::milliseconds(1);
+  slow.delay = std::chrono::milliseconds(2);  // 16 chunks a part: >= 32 ms, ample for a thread
   auto transfer = Transfer(off, slow, /*max_rings=*/2);
   const uint64_t length = 2 * kMiB;
   HostDevice d(length, 0);
