@@ -405,15 +405,9 @@ class DiskOffloader:
                 self._next_key += 1
                 entry.callback = callback if t is tensors[-1] else None
                 entries.append(entry)
-            device = [self._on_device(t) for t in tensors]
+            device = self._route(tensors)
             spans = [_span(t) if d else None for t, d in zip(tensors, device)]  # CudaError
-            if any(device):
-                self._device_transfer()  # made before anything starts: it may raise
-            host = [
-                (e.key, int(t.data_ptr()), e.nbytes)
-                for e, t, d in zip(entries, tensors, device)
-                if not d
-            ]
+            host = _host_pieces(entries, tensors, device)
             if host:
                 core.write(host)
             for e, span in zip(entries, spans):
@@ -458,9 +452,7 @@ class DiskOffloader:
         callback: Callable[[], None] | None,
         torch: Any,
     ) -> None:
-        device = [self._on_device(t) for t in tensors]
-        if any(device):
-            self._device_transfer()  # made before anything starts: it may raise
+        device = self._route(tensors)
         spans: list[Any] = []
         try:
             for e, t, d in zip(entries, tensors, device):
@@ -472,11 +464,7 @@ class DiskOffloader:
                 else:
                     _allocate(t, e.nbytes, self._pin, torch)
                     spans.append(None)
-            host = [
-                (e.key, int(t.data_ptr()), e.nbytes)
-                for e, t, d in zip(entries, tensors, device)
-                if not d
-            ]
+            host = _host_pieces(entries, tensors, device)
             if host:
                 core.read(host)
         except BaseException:
@@ -491,9 +479,14 @@ class DiskOffloader:
             if span is not None:
                 self._submit_device("read", e, span)
 
-    def _on_device(self, tensor: Any) -> bool:
-        """Whether `tensor`'s bytes move through the device path (the bounce ring)."""
-        return tensor.device.type == "cuda" or self._device_copier == "memcpy"
+    def _route(self, tensors: list[Any]) -> list[bool]:
+        """Per tensor, whether its bytes move through the device path (the bounce ring or GDS);
+        makes that path's transfer first when one does, before anything starts (it may raise
+        CudaError). REQUIRES: self._lock held."""
+        device = [t.device.type == "cuda" or self._device_copier == "memcpy" for t in tensors]
+        if any(device):
+            self._device_transfer()
+        return device
 
     def _device_transfer(self) -> tuple[Any, concurrent.futures.ThreadPoolExecutor]:
         """The bounce rings of device tensors and the threads that run their transfers, made on
@@ -618,6 +611,13 @@ def _check_tensor(tensor: Any, what: str) -> None:
             f"tensor of shape {tuple(tensor.shape)} is not contiguous: only contiguous tensors "
             "can be offloaded (call .contiguous() first)"
         )
+
+
+def _host_pieces(entries: list[_Entry], tensors: list[Any], device: list[bool]) -> list[Any]:
+    """The (key, address, bytes) the engine moves itself: the tensors not on the device path."""
+    return [
+        (e.key, int(t.data_ptr()), e.nbytes) for e, t, d in zip(entries, tensors, device) if not d
+    ]
 
 
 class _Span(NamedTuple):
