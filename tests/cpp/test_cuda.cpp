@@ -263,18 +263,9 @@ TEST(CuFileTest, DescriptorLayoutMatchesCufileH) {
 // ---------------------------------------------------------------------------------------------
 // With a GPU
 
-class CudaGpuTest : public ::testing::Test {
+class CudaGpuTest : public testing::CudaDriverSuite {
  protected:
-  void SetUp() override {
-    if (!CudaDriver::Get().available()) {
-      GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
-    }
-    fake_ = accounting_.Start();
-  }
-  void TearDown() override { accounting_.Check(); }
   const CudaDriver& driver_ = CudaDriver::Get();
-  testing::FakeCudaAccounting accounting_;
-  bool fake_ = false;  // the driver is tests/cpp/fake_cuda's
 };
 
 TEST_F(CudaGpuTest, LocateTellsDeviceRegisteredAndPageableMemoryApart) {
@@ -323,15 +314,7 @@ TEST_F(CudaGpuTest, ScopedContextPushesAndPops) {
 
 // The fake driver itself (tests/cpp/fake_cuda): that it models what the suites above rely on to
 // find ordering bugs. Skipped with a real driver or none.
-class FakeCudaTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!CudaDriver::Get().available() || !fake_.Start()) {
-      GTEST_SKIP() << "not running on the fake CUDA driver";
-    }
-  }
-  testing::FakeCudaAccounting fake_;
-};
+class FakeCudaTest : public testing::FakeCudaDriverSuite {};
 
 TEST_F(FakeCudaTest, CopiesFromPinnedMemoryCompleteLaterInStreamOrder) {
   const CudaDriver& driver = CudaDriver::Get();

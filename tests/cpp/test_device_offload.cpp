@@ -482,17 +482,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, DeviceOffloadTest,
 // With CUDA copies: the stand-in driver on CI, the real one on a GPU machine (skipped without a
 // driver).
 
-class TransferGpuOffloadTest : public ::testing::Test {
+class TransferGpuOffloadTest : public testing::CudaDriverSuite {
  protected:
-  void SetUp() override {
-    if (!CudaDriver::Get().available()) {
-      GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
-    }
-    fake_ = accounting_.Start();
-  }
-  void TearDown() override { accounting_.Check(); }
-  testing::FakeCudaAccounting accounting_;
-  bool fake_ = false;  // the stand-in driver (failures can be injected)
   TempDir dir_;
 };
 

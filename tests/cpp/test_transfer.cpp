@@ -772,17 +772,7 @@ TEST(TransferDeviceTest, OptionsFromEnvironment) {
 // ---------------------------------------------------------------------------------------------
 // With a GPU: the same ring with CUDA copies (skipped without a driver)
 
-class TransferGpuTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!CudaDriver::Get().available()) {
-      GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
-    }
-    accounting_.Start();
-  }
-  void TearDown() override { accounting_.Check(); }
-  testing::FakeCudaAccounting accounting_;
-};
+class TransferGpuTest : public testing::CudaDriverSuite {};
 
 TEST_F(TransferGpuTest, RoundTripThroughDeviceMemoryOnOwnAndCallerStreams) {
   TempDir dir;
@@ -871,18 +861,10 @@ TEST_F(TransferGpuTest, ConcurrentTransfersFromThreadsOnTheirOwnAndTheTransfersS
   EXPECT_LE(transfer.rings(), 2u);
 }
 
-// Cases only the fake driver can stage (cuFile failures injected, a platform without nvidia-fs):
-// a suite of their own, skipped with a real driver or none, so that the GPU suites above never
-// skip on a GPU (scripts/gpu-test.sh fails a GPU run whose TransferGpuTest cases skipped).
-class FakeTransferTest : public ::testing::Test {
+// Cases only the fake driver can stage (cuFile failures injected, a platform without nvidia-fs).
+class FakeTransferTest : public testing::FakeCudaDriverSuite {
  protected:
-  void SetUp() override {
-    if (!CudaDriver::Get().available() || !fake_.Start()) {
-      GTEST_SKIP() << "not running on the fake CUDA driver";
-    }
-  }
   void TearDown() override { fake_.Check(); }
-  testing::FakeCudaAccounting fake_;
 };
 
 // With cuFile (the fake's, whose failures can be injected): "auto" GDS that fails with a cuFile

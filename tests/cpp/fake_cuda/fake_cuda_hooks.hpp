@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "tensortier/cuda_driver.hpp"
 #include "tensortier/cufile.hpp"
 
 namespace tensortier::testing {
@@ -99,6 +100,34 @@ class FakeCudaAccounting {
   void (*set_bool_)(int, int) = nullptr;
   int live_at_start_ = 0;
   int violations_at_start_ = 0;
+};
+
+// A suite that needs a CUDA driver, the real one or the stand-in: skipped without one. On the
+// stand-in it checks at the end that the test left nothing behind and misused nothing.
+class CudaDriverSuite : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaDriver::Get().available()) {
+      GTEST_SKIP() << "CUDA driver unavailable: " << CudaDriver::Get().why_unavailable();
+    }
+    fake_ = accounting_.Start();
+  }
+  void TearDown() override { accounting_.Check(); }
+  FakeCudaAccounting accounting_;
+  bool fake_ = false;  // the driver is the stand-in (failures can be injected)
+};
+
+// A suite only the stand-in can stage (injected failures, a platform without nvidia-fs): skipped
+// with a real driver or none, so that the suites above never skip on a GPU (scripts/gpu-test.sh
+// fails a GPU run whose GPU suites skipped).
+class FakeCudaDriverSuite : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaDriver::Get().available() || !fake_.Start()) {
+      GTEST_SKIP() << "not running on the fake CUDA driver";
+    }
+  }
+  FakeCudaAccounting fake_;
 };
 
 }  // namespace tensortier::testing
