@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace tensortier {
 
@@ -215,116 +216,103 @@ void CopyToDeviceAsync(const PrimaryContext& context, cuda::CUdeviceptr dst, con
 void CopyFromDeviceAsync(const PrimaryContext& context, void* dst, cuda::CUdeviceptr src,
                          size_t bytes, cuda::CUstream stream);
 
+namespace detail {
+
+// What the driver objects below share: a handle made in `context`, given back with `Free` (a
+// CudaApi member: cuStreamDestroy, cuMemFree...), with the context current, when the owner is
+// destroyed or assigned to; moves hand the handle over. The handle of a zero-byte allocation or
+// of a failed constructor is empty (Handle{}) and never freed.
+template <typename Handle, auto Free>
+class ContextResource {
+ public:
+  ContextResource(ContextResource&& other) noexcept
+      : context_(other.context_),
+        handle_(std::exchange(other.handle_, Handle{})),
+        bytes_(std::exchange(other.bytes_, 0)) {}
+  ContextResource& operator=(ContextResource&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      context_ = other.context_;
+      handle_ = std::exchange(other.handle_, Handle{});
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  ContextResource(const ContextResource&) = delete;
+  ContextResource& operator=(const ContextResource&) = delete;
+
+  const PrimaryContext& context() const noexcept { return context_; }
+
+ protected:
+  explicit ContextResource(const PrimaryContext& context) : context_(context) {}
+  ~ContextResource() { Reset(); }
+  void Reset() noexcept;  // defined, and instantiated for the types below, in cuda_driver.cpp
+
+  PrimaryContext context_;
+  Handle handle_{};
+  size_t bytes_ = 0;
+};
+
+}  // namespace detail
+
 // A stream of its own (non-blocking by default: it does not synchronise with the legacy default
 // stream). Move-only.
-class Stream {
+class Stream : public detail::ContextResource<cuda::CUstream, &CudaApi::StreamDestroy> {
  public:
   explicit Stream(const PrimaryContext& context, unsigned flags = cuda::kStreamNonBlocking);
-  ~Stream();
-  Stream(Stream&& other) noexcept;
-  Stream& operator=(Stream&& other) noexcept;
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
 
-  cuda::CUstream get() const noexcept { return stream_; }
-  const PrimaryContext& context() const noexcept { return context_; }
+  cuda::CUstream get() const noexcept { return handle_; }
   void CopyToDevice(cuda::CUdeviceptr dst, const void* src, size_t bytes) const {
-    CopyToDeviceAsync(context_, dst, src, bytes, stream_);
+    CopyToDeviceAsync(context_, dst, src, bytes, handle_);
   }
   void CopyFromDevice(void* dst, cuda::CUdeviceptr src, size_t bytes) const {
-    CopyFromDeviceAsync(context_, dst, src, bytes, stream_);
+    CopyFromDeviceAsync(context_, dst, src, bytes, handle_);
   }
   // Blocks until everything queued on the stream is done; throws its error.
   void Synchronize() const;
-
- private:
-  PrimaryContext context_;
-  cuda::CUstream stream_ = nullptr;
 };
 
 // Without timing by default (cheaper). Move-only.
-class Event {
+class Event : public detail::ContextResource<cuda::CUevent, &CudaApi::EventDestroy> {
  public:
   explicit Event(const PrimaryContext& context, unsigned flags = cuda::kEventDisableTiming);
-  ~Event();
-  Event(Event&& other) noexcept;
-  Event& operator=(Event&& other) noexcept;
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
 
-  cuda::CUevent get() const noexcept { return event_; }
+  cuda::CUevent get() const noexcept { return handle_; }
   // Captures the work queued on `stream` so far.
   void Record(cuda::CUstream stream) const;
   // Whether the captured work is done (true for a never-recorded event); throws its error.
   bool Query() const;
   // Blocks until the captured work is done; throws its error.
   void Synchronize() const;
-
- private:
-  PrimaryContext context_;
-  cuda::CUevent event_ = nullptr;
 };
 
 // Page-locks existing host memory [p, p+bytes) for DMA by every context (portable by default).
 // Move-only; unregisters on destruction. REQUIRES: the memory outlives the registration.
-class HostRegistration {
+class HostRegistration : public detail::ContextResource<void*, &CudaApi::MemHostUnregister> {
  public:
   HostRegistration(const PrimaryContext& context, void* p, size_t bytes,
                    unsigned flags = cuda::kMemHostRegisterPortable);
-  ~HostRegistration();
-  HostRegistration(HostRegistration&& other) noexcept;
-  HostRegistration& operator=(HostRegistration&& other) noexcept;
-  HostRegistration(const HostRegistration&) = delete;
-  HostRegistration& operator=(const HostRegistration&) = delete;
 
-  void* data() const noexcept { return p_; }
+  void* data() const noexcept { return handle_; }
   size_t size() const noexcept { return bytes_; }
-
- private:
-  void Reset() noexcept;
-  PrimaryContext context_;
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
 };
 
 // Page-locked host memory from cuMemAllocHost. Move-only.
-class PinnedHostMemory {
+class PinnedHostMemory : public detail::ContextResource<void*, &CudaApi::MemFreeHost> {
  public:
   PinnedHostMemory(const PrimaryContext& context, size_t bytes);
-  ~PinnedHostMemory();
-  PinnedHostMemory(PinnedHostMemory&& other) noexcept;
-  PinnedHostMemory& operator=(PinnedHostMemory&& other) noexcept;
-  PinnedHostMemory(const PinnedHostMemory&) = delete;
-  PinnedHostMemory& operator=(const PinnedHostMemory&) = delete;
 
-  void* data() const noexcept { return p_; }
+  void* data() const noexcept { return handle_; }
   size_t size() const noexcept { return bytes_; }
-
- private:
-  void Reset() noexcept;
-  PrimaryContext context_;
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
 };
 
 // Device memory from cuMemAlloc. Move-only.
-class DeviceMemory {
+class DeviceMemory : public detail::ContextResource<cuda::CUdeviceptr, &CudaApi::MemFree> {
  public:
   DeviceMemory(const PrimaryContext& context, size_t bytes);
-  ~DeviceMemory();
-  DeviceMemory(DeviceMemory&& other) noexcept;
-  DeviceMemory& operator=(DeviceMemory&& other) noexcept;
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
 
-  cuda::CUdeviceptr address() const noexcept { return address_; }
+  cuda::CUdeviceptr address() const noexcept { return handle_; }
   size_t size() const noexcept { return bytes_; }
-
- private:
-  void Reset() noexcept;
-  PrimaryContext context_;
-  cuda::CUdeviceptr address_ = 0;
-  size_t bytes_ = 0;
 };
 
 }  // namespace tensortier

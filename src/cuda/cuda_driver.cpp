@@ -312,66 +312,45 @@ void CopyFromDeviceAsync(const PrimaryContext& context, void* dst, cuda::CUdevic
   }
 }
 
-Stream::Stream(const PrimaryContext& context, unsigned flags) : context_(context) {
-  ScopedContext current(context_);
-  context_.driver().Check(context_.driver().api().StreamCreate(&stream_, flags), "cuStreamCreate");
-}
-
-Stream::~Stream() {
-  if (stream_ == nullptr) return;
+template <typename Handle, auto Free>
+void detail::ContextResource<Handle, Free>::Reset() noexcept {
+  if (handle_ == Handle{}) return;
   TryContext current(context_);
-  context_.driver().api().StreamDestroy(stream_);
+  (context_.driver().api().*Free)(handle_);
+  handle_ = Handle{};
+  bytes_ = 0;
 }
 
-Stream::Stream(Stream&& other) noexcept
-    : context_(other.context_), stream_(std::exchange(other.stream_, nullptr)) {}
+template class detail::ContextResource<cuda::CUstream, &CudaApi::StreamDestroy>;
+template class detail::ContextResource<cuda::CUevent, &CudaApi::EventDestroy>;
+template class detail::ContextResource<void*, &CudaApi::MemHostUnregister>;
+template class detail::ContextResource<void*, &CudaApi::MemFreeHost>;
+template class detail::ContextResource<cuda::CUdeviceptr, &CudaApi::MemFree>;
 
-Stream& Stream::operator=(Stream&& other) noexcept {
-  if (this != &other) {
-    Stream old(std::move(*this));
-    context_ = other.context_;
-    stream_ = std::exchange(other.stream_, nullptr);
-  }
-  return *this;
+Stream::Stream(const PrimaryContext& context, unsigned flags) : ContextResource(context) {
+  ScopedContext current(context_);
+  context_.driver().Check(context_.driver().api().StreamCreate(&handle_, flags), "cuStreamCreate");
 }
 
 void Stream::Synchronize() const {
   ScopedContext current(context_);
-  context_.driver().Check(context_.driver().api().StreamSynchronize(stream_),
+  context_.driver().Check(context_.driver().api().StreamSynchronize(handle_),
                           "cuStreamSynchronize");
 }
 
-Event::Event(const PrimaryContext& context, unsigned flags) : context_(context) {
+Event::Event(const PrimaryContext& context, unsigned flags) : ContextResource(context) {
   ScopedContext current(context_);
-  context_.driver().Check(context_.driver().api().EventCreate(&event_, flags), "cuEventCreate");
-}
-
-Event::~Event() {
-  if (event_ == nullptr) return;
-  TryContext current(context_);
-  context_.driver().api().EventDestroy(event_);
-}
-
-Event::Event(Event&& other) noexcept
-    : context_(other.context_), event_(std::exchange(other.event_, nullptr)) {}
-
-Event& Event::operator=(Event&& other) noexcept {
-  if (this != &other) {
-    Event old(std::move(*this));
-    context_ = other.context_;
-    event_ = std::exchange(other.event_, nullptr);
-  }
-  return *this;
+  context_.driver().Check(context_.driver().api().EventCreate(&handle_, flags), "cuEventCreate");
 }
 
 void Event::Record(cuda::CUstream stream) const {
   ScopedContext current(context_);
-  context_.driver().Check(context_.driver().api().EventRecord(event_, stream), "cuEventRecord");
+  context_.driver().Check(context_.driver().api().EventRecord(handle_, stream), "cuEventRecord");
 }
 
 bool Event::Query() const {
   ScopedContext current(context_);
-  const cuda::CUresult r = context_.driver().api().EventQuery(event_);
+  const cuda::CUresult r = context_.driver().api().EventQuery(handle_);
   if (r == cuda::kErrorNotReady) return false;
   context_.driver().Check(r, "cuEventQuery");
   return true;
@@ -379,7 +358,7 @@ bool Event::Query() const {
 
 void Event::Synchronize() const {
   ScopedContext current(context_);
-  context_.driver().Check(context_.driver().api().EventSynchronize(event_), "cuEventSynchronize");
+  context_.driver().Check(context_.driver().api().EventSynchronize(handle_), "cuEventSynchronize");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -387,7 +366,7 @@ void Event::Synchronize() const {
 
 HostRegistration::HostRegistration(const PrimaryContext& context, void* p, size_t bytes,
                                    unsigned flags)
-    : context_(context) {
+    : ContextResource(context) {
   if (bytes == 0) return;
   ScopedContext current(context_);
   const CudaDriver& driver = context_.driver();
@@ -396,116 +375,35 @@ HostRegistration::HostRegistration(const PrimaryContext& context, void* p, size_
     throw CudaError(r, "cuMemHostRegister",
                     StrCat(driver.ErrorText(r), " (", bytes, " bytes at ", p, ")"));
   }
-  p_ = p;
+  handle_ = p;
   bytes_ = bytes;
 }
 
-HostRegistration::~HostRegistration() {
-  Reset();
-}
-
-HostRegistration::HostRegistration(HostRegistration&& other) noexcept
-    : context_(other.context_),
-      p_(std::exchange(other.p_, nullptr)),
-      bytes_(std::exchange(other.bytes_, 0)) {}
-
-HostRegistration& HostRegistration::operator=(HostRegistration&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    context_ = other.context_;
-    p_ = std::exchange(other.p_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-  }
-  return *this;
-}
-
-void HostRegistration::Reset() noexcept {
-  if (p_ == nullptr) return;
-  TryContext current(context_);
-  context_.driver().api().MemHostUnregister(p_);
-  p_ = nullptr;
-  bytes_ = 0;
-}
-
 PinnedHostMemory::PinnedHostMemory(const PrimaryContext& context, size_t bytes)
-    : context_(context) {
+    : ContextResource(context) {
   if (bytes == 0) return;
   ScopedContext current(context_);
   const CudaDriver& driver = context_.driver();
-  const cuda::CUresult r = driver.api().MemAllocHost(&p_, bytes);
+  const cuda::CUresult r = driver.api().MemAllocHost(&handle_, bytes);
   if (r != cuda::kSuccess) {
-    p_ = nullptr;
+    handle_ = nullptr;
     throw CudaError(r, "cuMemAllocHost", StrCat(driver.ErrorText(r), " (", bytes, " bytes)"));
   }
   bytes_ = bytes;
 }
 
-PinnedHostMemory::~PinnedHostMemory() {
-  Reset();
-}
-
-PinnedHostMemory::PinnedHostMemory(PinnedHostMemory&& other) noexcept
-    : context_(other.context_),
-      p_(std::exchange(other.p_, nullptr)),
-      bytes_(std::exchange(other.bytes_, 0)) {}
-
-PinnedHostMemory& PinnedHostMemory::operator=(PinnedHostMemory&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    context_ = other.context_;
-    p_ = std::exchange(other.p_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-  }
-  return *this;
-}
-
-void PinnedHostMemory::Reset() noexcept {
-  if (p_ == nullptr) return;
-  TryContext current(context_);
-  context_.driver().api().MemFreeHost(p_);
-  p_ = nullptr;
-  bytes_ = 0;
-}
-
-DeviceMemory::DeviceMemory(const PrimaryContext& context, size_t bytes) : context_(context) {
+DeviceMemory::DeviceMemory(const PrimaryContext& context, size_t bytes) : ContextResource(context) {
   if (bytes == 0) return;
   ScopedContext current(context_);
   const CudaDriver& driver = context_.driver();
-  const cuda::CUresult r = driver.api().MemAlloc(&address_, bytes);
+  const cuda::CUresult r = driver.api().MemAlloc(&handle_, bytes);
   if (r != cuda::kSuccess) {
-    address_ = 0;
+    handle_ = 0;
     throw CudaError(
         r, "cuMemAlloc",
         StrCat(driver.ErrorText(r), " (", bytes, " bytes on device ", context_.device(), ")"));
   }
   bytes_ = bytes;
-}
-
-DeviceMemory::~DeviceMemory() {
-  Reset();
-}
-
-DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
-    : context_(other.context_),
-      address_(std::exchange(other.address_, 0)),
-      bytes_(std::exchange(other.bytes_, 0)) {}
-
-DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    context_ = other.context_;
-    address_ = std::exchange(other.address_, 0);
-    bytes_ = std::exchange(other.bytes_, 0);
-  }
-  return *this;
-}
-
-void DeviceMemory::Reset() noexcept {
-  if (address_ == 0) return;
-  TryContext current(context_);
-  context_.driver().api().MemFree(address_);
-  address_ = 0;
-  bytes_ = 0;
 }
 
 }  // namespace tensortier
