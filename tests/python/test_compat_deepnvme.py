@@ -80,14 +80,25 @@ def test_write_does_not_truncate_and_read_write_whole_file(handle, disk_dir: Pat
     expect = big.clone()
     expect[1] = -1
     assert torch.equal(back, expect)
-    # write() replaces the file, read() needs the exact size.
+    # write() (DeepNVMe's O_WRONLY | O_CREAT, no O_TRUNC) keeps the bytes past it; both it and
+    # read() return 0, as DeepNVMe's; read() at offset 0 needs the file's exact size.
     small = torch.arange(10, dtype=torch.int32)
-    assert handle.write(small, path, True) == 1
-    assert os.path.getsize(path) == 40
-    got = torch.empty_like(small)
-    assert handle.read(got, path, True) == 1 and torch.equal(got, small)
-    with pytest.raises(ValueError, match="holds 40 bytes"):
+    assert handle.write(small, path, True) == 0
+    assert os.path.getsize(path) == 40_000
+    back = torch.empty_like(big)
+    assert handle.read(back, path, True) == 0
+    expect[:10] = small
+    assert torch.equal(back, expect)
+    with pytest.raises(ValueError, match="holds 40000 bytes"):
         handle.read(torch.empty(11, dtype=torch.int32), path, False)
+    # file_offset, by position and by name.
+    assert handle.write(small, path, False, 400) == 0
+    got = torch.empty_like(small)
+    assert handle.read(got, path, True, file_offset=400) == 0 and torch.equal(got, small)
+    assert handle.write(small + 1, path, False, file_offset=800) == 0
+    assert handle.read(got, path, False, 800) == 0 and torch.equal(got, small + 1)
+    fresh = str(disk_dir / "fresh.bin")
+    assert handle.write(small, fresh, False) == 0 and os.path.getsize(fresh) == 40
 
 
 def test_validate_detects_a_mismatch(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +140,95 @@ def test_locked_tensors(handle, resident_bytes) -> None:  # type: ignore[no-unty
     else:  # page-aligned, every page in memory before first use (DeepNVMe mlocks them)
         assert t.data_ptr() % 4096 == 0
         assert resident_bytes(t) == -(-t.numel() * 2 // 4096) * 4096
+    # Views of a locked tensor are locked too (DeepNVMe checks the range); others are not.
+    assert handle.is_pinned(t) and handle.is_pinned(t[100:])
+    other = torch.ones(10)
+    assert not handle.is_pinned(other)
+    # Only the handle's own tensors are freed: any other is left alone (DeepNVMe returns False).
+    assert handle.free_cpu_locked_tensor(other) is False
+    assert other.sum().item() == 10
+    assert handle.free_cpu_locked_tensor(t[1:]) is False
     assert handle.free_cpu_locked_tensor(t) is True
+    assert handle.free_cpu_locked_tensor(t) is False  # once
+    # DeepSpeed's keyword spelling.
+    u = handle.new_cpu_locked_tensor(8, example_tenosr=torch.empty(0, dtype=torch.int64))
+    assert u.dtype == torch.int64 and handle.free_cpu_locked_tensor(u)
+    with pytest.raises(TypeError, match="example_tensor"):
+        handle.new_cpu_locked_tensor(8)
+
+
+def test_async_write_copies_unlocked_tensors_first(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """DeepNVMe copies a buffer that is not locked memory when an async write is submitted, and
+    DeepSpeed reuses such buffers before wait(): the file gets the bytes of the call."""
+    path = str(disk_dir / "snap.bin")
+    n = 8 << 20  # 32 MiB of int32: the write is still running when the tensor changes
+    plain = torch.arange(n, dtype=torch.int32)
+    assert handle.async_pwrite(plain, path) == 0
+    assert handle._pending[0][1] is not plain  # a copy, whatever the disk's speed
+    plain.fill_(7)
+    assert handle.pwrite(plain[:1000], path, False, True, 4 * n) == 0  # pwrite(async=True)
+    plain[:1000].fill_(8)
+    assert handle.wait() == 2
+    back = torch.empty(n + 1000, dtype=torch.int32)
+    handle.sync_pread(back, path)
+    assert torch.equal(back[:n], torch.arange(n, dtype=torch.int32))
+    assert torch.equal(back[n:], torch.full((1000,), 7, dtype=torch.int32))
+    # A locked tensor is written in place (no copy): it must stay unchanged until wait().
+    locked = handle.new_cpu_locked_tensor(1000, torch.empty(0, dtype=torch.int32))
+    locked.copy_(torch.arange(1000, dtype=torch.int32))
+    assert handle.async_pwrite(locked, path) == 0
+    assert handle._pending[0][1] is locked  # the handle's own memory, not a copy
+    assert handle.wait() == 1
+    handle.free_cpu_locked_tensor(locked)
+
+
+def test_async_pwrite_to_an_open_descriptor(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """DeepSpeed's FastFileWriter passes its own descriptor: written at the offset, left open."""
+    path = disk_dir / "fd.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        t = torch.arange(3000, dtype=torch.int16)
+        assert handle.async_pwrite(t, fd, 4096) == 0
+        assert handle.async_pwrite(t[:10], fd) == 0
+        assert handle.wait() == 2
+        os.fstat(fd)  # still open
+        os.write(fd, b"")  # and usable
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert len(data) == 4096 + 6000
+    assert data[:20] == t[:10].numpy().tobytes() and data[4096:] == t.numpy().tobytes()
+    with pytest.raises(OSError) as e:
+        handle.async_pwrite(t, fd)  # closed now
+    assert e.value.errno == errno.EBADF and f"descriptor {fd}" in str(e.value)
+
+
+def test_deepspeed_spellings(disk_dir: Path) -> None:
+    """What DeepSpeed's own code passes: queue depth 128 by default, get_alignment(), ``async``
+    by keyword, the older ``num_threads``, the module's one-shot functions."""
+    mod = AsyncIOBuilder().load()
+    h = mod.aio_handle()
+    assert h.get_queue_depth() == 128 and h.get_block_size() == 1 << 20
+    assert h.get_alignment() == 512
+    h.close()
+    h = mod.aio_handle(1 << 20, 32, False, False, num_threads=4)
+    assert h.get_intra_op_parallelism() == 4 and h.get_alignment() == 2048
+    path = str(disk_dir / "k.bin")
+    t = torch.arange(100, dtype=torch.float32)
+    assert h.pwrite(t, path, False, **{"async": False}) == 1
+    u = torch.empty_like(t)
+    assert h.pread(u, path, False, **{"async": True}) == 0 and h.wait() == 1
+    assert torch.equal(u, t)
+    with pytest.raises(TypeError, match="async"):
+        h.pread(u, path, False)
+    with pytest.raises(TypeError, match="unexpected"):
+        h.pread(u, path, False, True, bogus=1)
+    h.close()
+    assert mod.aio_write(t * 2, path, 1 << 20, 8, False, False, True) == 0
+    assert mod.aio_read(u, path, 1 << 20, 8, False, False, True) == 0
+    assert torch.equal(u, t * 2)
+    v = torch.empty(10, 10)
+    assert mod.deepspeed_memcpy(v, t) == 0 and torch.equal(v.reshape(-1), t)
 
 
 def test_gds_handle_moves_host_tensors_and_rejects_pinning_them(disk_dir: Path) -> None:
@@ -143,4 +242,5 @@ def test_gds_handle_moves_host_tensors_and_rejects_pinning_them(disk_dir: Path) 
     with pytest.raises(ValueError, match="not a GPU"):
         h.pin_device_tensor(t)
     assert h.unpin_device_tensor(t) is True  # never pinned: nothing to undo
+    assert h.get_alignment() == 512
     h.close()

@@ -306,8 +306,13 @@ def test_gds_file_cpu_storages_at_offsets(disk_dir: Path) -> None:
         r.load_storage(too_big.untyped_storage(), 0)
     with pytest.raises(OSError):
         r.save_storage(a.untyped_storage(), 0)  # opened read-only
+    # torch's attributes: the descriptor, and the registration (off here: not GDS).
+    assert os.fstat(f.fd).st_ino == os.stat(path).st_ino
+    assert f.handle.gds is False and f.handle.gds_reason
     r.close()
     f.close()
+    with pytest.raises(ValueError, match="closed"):
+        f.fd
 
 
 def test_gds_file_argument_errors(disk_dir: Path) -> None:

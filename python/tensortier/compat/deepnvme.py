@@ -14,25 +14,39 @@ elsewhere (DeepNVMe's fails). Without a CUDA driver a CUDA tensor raises ``CudaE
 what is missing.
 
 Differences, all on the side of safety: errors raise (``OSError`` with errno and path,
-``ValueError`` for bad arguments) where DeepNVMe returns -1, prints or aborts; writes never
-truncate the file; any alignment of size, offset and memory works.
+``ValueError`` for bad arguments) where DeepNVMe returns -1, prints or aborts; any alignment of
+size, offset and memory works (no multiple of ``intra_op_parallelism`` needed); an asynchronous
+read fills the tensor itself while it runs (DeepNVMe reads unpinned tensors through a bounce
+buffer copied out at ``wait()``): either way, use it only after ``wait()``.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
+import weakref
 from typing import Any
 
 from .. import _core
 from ..io import IOFuture, IOHandle
 
-__all__ = ["AsyncIOBuilder", "GDSBuilder", "aio_handle", "gds_handle"]
+__all__ = [
+    "AsyncIOBuilder",
+    "GDSBuilder",
+    "aio_handle",
+    "aio_read",
+    "aio_write",
+    "deepspeed_memcpy",
+    "gds_handle",
+]
 
-# DeepNVMe's defaults (deepspeed/runtime/swap_tensor/constants.py).
+# The handles' defaults in DeepSpeed's bindings (csrc/aio/py_lib/py_ds_aio.cpp).
 _DEFAULT_BLOCK_SIZE = 1 << 20
-_DEFAULT_QUEUE_DEPTH = 8
+_DEFAULT_QUEUE_DEPTH = 128
 _MAX_INFLIGHT = 1 << 30
+# DeepNVMe's get_alignment(): intra_op_parallelism x its O_DIRECT alignment.
+_O_DIRECT_ALIGNMENT = 512
 
 
 def _nbytes(buffer: Any) -> int:
@@ -58,7 +72,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         queue_depth: requests in flight per worker.
         single_submit: accepted for compatibility (requests are always batched).
         overlap_events: accepted for compatibility (completions are always overlapped).
-        intra_op_parallelism: worker threads (DeepNVMe's ``num_threads`` in older releases).
+        intra_op_parallelism: worker threads (``num_threads=`` as in older releases also works).
     """
 
     _GDS = "off"
@@ -72,7 +86,12 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         single_submit: bool = False,
         overlap_events: bool = False,
         intra_op_parallelism: int = 1,
+        **kwargs: Any,
     ) -> None:
+        if "num_threads" in kwargs:  # the fifth argument's name before DeepSpeed 0.15
+            intra_op_parallelism = kwargs.pop("num_threads")
+        if kwargs:
+            raise TypeError(f"aio_handle() got unexpected keyword arguments: {sorted(kwargs)}")
         for name, value in (
             ("block_size", block_size),
             ("queue_depth", queue_depth),
@@ -90,11 +109,16 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             chunk_size=chunk,
             queue_depth=queue_depth,
             workers=intra_op_parallelism,
-            max_inflight_bytes=max(chunk, min(chunk * queue_depth * intra_op_parallelism,
-                                              _MAX_INFLIGHT)),
+            max_inflight_bytes=max(
+                chunk, min(chunk * queue_depth * intra_op_parallelism, _MAX_INFLIGHT)
+            ),
             gds=self._GDS,
         )
         self._pending: list[tuple[IOFuture, Any, str, int, bool]] = []
+        # new_cpu_locked_tensor's tensors: data_ptr -> (bytes, the tensor, weakly). Writes from
+        # them are not copied first; free_cpu_locked_tensor frees only them.
+        self._locked: dict[int, tuple[int, weakref.ref[Any]]] = {}
+        self._locked_mutex = threading.Lock()
 
     # ---- settings -------------------------------------------------------------------------
     def get_block_size(self) -> int:
@@ -115,6 +139,11 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     def get_thread_count(self) -> int:
         return self._parallelism
 
+    def get_alignment(self) -> int:
+        """DeepNVMe's: ``intra_op_parallelism * 512`` (its parallel ops split a buffer evenly
+        between threads). tensortier needs no alignment; callers that assert on it keep working."""
+        return self._parallelism * _O_DIRECT_ALIGNMENT
+
     # ---- I/O ------------------------------------------------------------------------------
     def sync_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Reads ``buffer.nbytes`` bytes at `file_offset` of `filename`; returns the count of
@@ -132,41 +161,61 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """Starts a read; ``wait()`` completes it. Returns 0."""
         return self._start("read", buffer, filename, file_offset, validate=False)
 
-    def async_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
-        """Starts a write; ``wait()`` completes it. Returns 0. ``aio_handle`` copies a CUDA tensor
-        to host memory before this returns (as DeepNVMe does): work queued afterwards may change
-        it. ``gds_handle`` reads it while the write runs: leave it unchanged until ``wait()``."""
+    def async_pwrite(self, buffer: Any, filename: str | int, file_offset: int = 0) -> int:
+        """Starts a write to `filename`, or to an open file descriptor (left open); ``wait()``
+        completes it. Returns 0. As DeepNVMe's, the bytes of a tensor not in locked memory (an
+        unpinned CPU tensor not from ``new_cpu_locked_tensor``; with ``aio_handle`` a CUDA
+        tensor too) are copied before this returns: the caller may change it at once. Locked
+        tensors (and, with ``gds_handle``, CUDA tensors) are read while the write runs: leave
+        them unchanged until ``wait()``."""
         return self._start("write", buffer, filename, file_offset, validate=False, snapshot=True)
 
     def pread(
-        self, buffer: Any, filename: str, validate: bool, async_op: bool, file_offset: int = 0
+        self,
+        buffer: Any,
+        filename: str,
+        validate: bool,
+        async_op: bool | None = None,
+        file_offset: int = 0,
+        **kwargs: Any,
     ) -> int:
-        """DeepNVMe's ``pread(buffer, filename, validate, async)``."""
+        """DeepNVMe's ``pread(buffer, filename, validate, async, file_offset=0)`` (``async`` is a
+        keyword Python reserves: pass it by position, as ``async_op=``, or ``**{"async": x}``)."""
+        async_op = _async_argument("pread", async_op, kwargs)
         self._start("read", buffer, filename, file_offset, validate)
         return 0 if async_op else self.wait()
 
     def pwrite(
-        self, buffer: Any, filename: str, validate: bool, async_op: bool, file_offset: int = 0
+        self,
+        buffer: Any,
+        filename: str,
+        validate: bool,
+        async_op: bool | None = None,
+        file_offset: int = 0,
+        **kwargs: Any,
     ) -> int:
-        """DeepNVMe's ``pwrite(buffer, filename, validate, async)``. An async write of a CUDA
-        tensor copies it to host memory before this returns, as ``async_pwrite``."""
+        """DeepNVMe's ``pwrite(buffer, filename, validate, async, file_offset=0)``. An async write
+        copies the tensor first where ``async_pwrite`` does."""
+        async_op = _async_argument("pwrite", async_op, kwargs)
         self._start("write", buffer, filename, file_offset, validate, snapshot=async_op)
         return 0 if async_op else self.wait()
 
-    def read(self, buffer: Any, filename: str, validate: bool) -> int:
-        """Reads the whole file into `buffer` (sizes must match)."""
+    def read(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
+        """DeepNVMe's synchronous ``read``: at offset 0 the file's size must be the buffer's;
+        at `file_offset` > 0 the buffer's bytes from there must be in the file. Returns 0."""
         _check_tensor(buffer, "read")
         size = os.path.getsize(filename)
-        if size != _nbytes(buffer):
+        if file_offset == 0 and size != _nbytes(buffer):
             raise ValueError(f"read: {filename} holds {size} bytes, buffer {_nbytes(buffer)}")
-        return self.pread(buffer, filename, validate, False)
+        self.pread(buffer, filename, validate, False, file_offset)
+        return 0
 
-    def write(self, buffer: Any, filename: str, validate: bool) -> int:
-        """Writes `buffer` as the whole file `filename` (truncated first, as DeepNVMe does)."""
+    def write(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
+        """DeepNVMe's synchronous ``write``: all of `buffer` at `file_offset` (the file is created
+        if missing, never truncated: bytes past the write stay). Returns 0."""
         _check_tensor(buffer, "write")
-        with open(filename, "wb"):
-            pass
-        return self.pwrite(buffer, filename, validate, False)
+        self.pwrite(buffer, filename, validate, False, file_offset)
+        return 0
 
     def wait(self) -> int:
         """Waits for every operation started; returns how many completed. Raises the first
@@ -185,49 +234,95 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         return len(pending)
 
     # ---- pinned ("locked") host tensors -----------------------------------------------------
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+    def new_cpu_locked_tensor(
+        self, num_elem: int, example_tensor: Any = None, **kwargs: Any
+    ) -> Any:
         """An uninitialised 1-D tensor of `num_elem` elements of `example_tensor`'s dtype in
         pinned memory (CUDA), else page-aligned memory (the fastest O_DIRECT target) with every
-        page faulted in and locked where ``RLIMIT_MEMLOCK`` allows, as DeepNVMe's are."""
+        page faulted in and locked where ``RLIMIT_MEMLOCK`` allows, as DeepNVMe's are. Its memory
+        goes with ``free_cpu_locked_tensor`` or with its last reference. (DeepSpeed spells the
+        second argument ``example_tenosr``; both names work.)"""
         import torch
 
         from .. import aligned_empty
 
+        example_tensor = _example_argument("new_cpu_locked_tensor", example_tensor, kwargs)
         if torch.cuda.is_available():
-            return torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
-        return aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
+            tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
+        else:
+            tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
+        with self._locked_mutex:
+            self._locked[int(tensor.data_ptr())] = (_nbytes(tensor), weakref.ref(tensor))
+        return tensor
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        """Releases a tensor from ``new_cpu_locked_tensor`` (its memory goes with the last
-        reference). Returns True."""
+        """Frees a tensor from ``new_cpu_locked_tensor`` now (the tensor, and views of it, must
+        not be used afterwards) and returns True; any other tensor is left alone: False."""
+        with self._locked_mutex:
+            entry = self._locked.get(int(tensor.data_ptr()))
+            if entry is None or entry[1]() is not tensor:
+                return False
+            del self._locked[int(tensor.data_ptr())]
         storage = tensor.untyped_storage()
         if storage.resizable():
             storage.resize_(0)
         return True
+
+    def is_pinned(self, buffer: Any) -> bool:
+        """Whether `buffer` is page-locked host memory: pinned by torch, or (a view of) a tensor
+        from ``new_cpu_locked_tensor``."""
+        return buffer.device.type == "cpu" and (bool(buffer.is_pinned()) or self._managed(buffer))
 
     def close(self) -> None:
         """Waits for everything in flight and stops the workers."""
         self._io.close()
 
     # ---- internals ------------------------------------------------------------------------
+    def _managed(self, buffer: Any) -> bool:
+        """Whether `buffer` lies in a live tensor from ``new_cpu_locked_tensor``."""
+        address = int(buffer.data_ptr())
+        with self._locked_mutex:
+            for base, (nbytes, ref) in list(self._locked.items()):
+                if ref() is None:
+                    del self._locked[base]
+                elif base <= address < base + nbytes:
+                    return True
+        return False
+
+    def _snapshot(self, buffer: Any) -> bool:
+        """Whether an async write copies `buffer` first (DeepNVMe's cpu_op_desc_t copies any
+        buffer that is not locked host memory when the write is submitted, and DeepSpeed relies
+        on it: it may reuse the buffer before wait())."""
+        if buffer.device.type == "cuda":
+            # gds_handle's GDS ops read device memory while they run, as DeepNVMe's do.
+            return self._SNAPSHOT_CUDA_WRITES
+        return not self.is_pinned(buffer)
+
     def _start(
         self,
         op: str,
         buffer: Any,
-        filename: str,
+        filename: str | int,
         offset: int,
         validate: bool,
         snapshot: bool = False,
     ) -> int:
         what = f"{'pread' if op == 'read' else 'pwrite'}"
         _check_tensor(buffer, what)
-        if snapshot and self._SNAPSHOT_CUDA_WRITES and buffer.device.type == "cuda":
-            # DeepNVMe's io_op_desc_t copies a CUDA tensor to host memory when the write is
-            # submitted, and DeepSpeed relies on it: it may reuse the tensor before wait(). Our
-            # device path would queue its copies later on the tensor's stream, after such work.
-            buffer = buffer.detach().to("cpu")
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"{what}: file_offset must be a non-negative int, not {offset!r}")
+        if snapshot and buffer.numel() > 0 and self._snapshot(buffer):
+            # Our device path would queue a CUDA tensor's copies later on its stream, after
+            # work the caller queues meanwhile; a host tensor would be read while it runs.
+            buffer = buffer.detach().to("cpu", copy=True)
+        if isinstance(filename, int) and not isinstance(filename, bool):
+            # DeepNVMe's async_pwrite(buffer, fd): the caller's descriptor stays open and
+            # untouched; the engine opens the same file again, with its own flags (O_DIRECT).
+            try:
+                os.fstat(filename)
+            except OSError as e:
+                raise OSError(e.errno, f"{what}: file descriptor {filename}: {e.strerror}") from e
+            filename = f"/proc/self/fd/{filename}"
         path = os.fspath(filename)
         nbytes = _nbytes(buffer)
         if op == "read":
@@ -242,6 +337,32 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             future = self._io.pwrite_async(buffer, path, offset)
         self._pending.append((future, buffer, path, offset, validate))
         return 0
+
+
+def _async_argument(what: str, async_op: bool | None, kwargs: dict[str, Any]) -> bool:
+    """DeepNVMe's ``async`` argument, given as `async_op` or as the keyword ``async``."""
+    if "async" in kwargs:
+        if async_op is not None:
+            raise TypeError(f"{what}() got both async and async_op")
+        async_op = kwargs.pop("async")
+    if kwargs:
+        raise TypeError(f"{what}() got unexpected keyword arguments: {sorted(kwargs)}")
+    if async_op is None:
+        raise TypeError(f"{what}() missing its argument 'async' (True or False)")
+    return bool(async_op)
+
+
+def _example_argument(what: str, example: Any, kwargs: dict[str, Any]) -> Any:
+    """`example_tensor`, also under DeepSpeed's spelling ``example_tenosr``."""
+    if "example_tenosr" in kwargs:
+        if example is not None:
+            raise TypeError(f"{what}() got both example_tensor and example_tenosr")
+        example = kwargs.pop("example_tenosr")
+    if kwargs:
+        raise TypeError(f"{what}() got unexpected keyword arguments: {sorted(kwargs)}")
+    if example is None:
+        raise TypeError(f"{what}() missing its argument 'example_tensor'")
+    return example
 
 
 def _validate(buffer: Any, filename: str, offset: int) -> None:
@@ -292,20 +413,22 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
             entry[0].release()
         return True
 
-    def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+    def new_pinned_device_tensor(
+        self, num_elem: int, example_tensor: Any = None, **kwargs: Any
+    ) -> Any:
         """An uninitialised 1-D tensor on `example_tensor`'s GPU, registered with cuFile."""
         import torch
 
+        example_tensor = _example_argument("new_pinned_device_tensor", example_tensor, kwargs)
         device = example_tensor.device if example_tensor.device.type == "cuda" else "cuda"
         tensor = torch.empty(num_elem, dtype=example_tensor.dtype, device=device)
         self.pin_device_tensor(tensor)
         return tensor
 
     def free_pinned_device_tensor(self, tensor: Any) -> bool:
-        """Deregisters and frees a tensor from ``new_pinned_device_tensor``. Returns True."""
-        self.unpin_device_tensor(tensor)
-        tensor.untyped_storage().resize_(0)
-        return True
+        """Deregisters a tensor from ``new_pinned_device_tensor`` (as DeepNVMe's, the tensor
+        stays usable; its memory goes with its last reference). Returns True."""
+        return self.unpin_device_tensor(tensor)
 
     def close(self) -> None:
         for registration, _ in self._pinned.values():
@@ -314,11 +437,57 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         super().close()
 
 
+def aio_read(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
+    """DeepNVMe's one-shot ``aio_read``: the whole file (its size must be the buffer's) into
+    `buffer`. Returns 0."""
+    h = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
+    try:
+        return h.read(buffer, filename, validate)
+    finally:
+        h.close()
+
+
+def aio_write(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
+    """DeepNVMe's one-shot ``aio_write``: all of `buffer` at the start of `filename`. Returns 0."""
+    h = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
+    try:
+        return h.write(buffer, filename, validate)
+    finally:
+        h.close()
+
+
+def deepspeed_memcpy(dest: Any, src: Any) -> int:
+    """DeepNVMe's ``deepspeed_memcpy``: `src`'s elements into `dest` (same size). Returns 0."""
+    if dest.numel() != src.numel():
+        raise ValueError(f"deepspeed_memcpy: dest has {dest.numel()} elements, src {src.numel()}")
+    dest.copy_(src.reshape(dest.shape))
+    return 0
+
+
 class _Loaded:
-    """What ``Builder().load()`` returns: the op module with the handle classes."""
+    """What ``Builder().load()`` returns: the op module's functions and handle classes."""
 
     aio_handle = aio_handle
     gds_handle = gds_handle
+    aio_read = staticmethod(aio_read)
+    aio_write = staticmethod(aio_write)
+    deepspeed_memcpy = staticmethod(deepspeed_memcpy)
 
 
 class AsyncIOBuilder:

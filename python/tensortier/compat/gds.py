@@ -114,6 +114,20 @@ class GdsFile:
         self._device_file: Any = None
         self.last_path = ""
 
+    @property
+    def fd(self) -> int:
+        """The file's descriptor (torch's ``GdsFile.fd``; opened read-write when `flags` allow
+        writing, and with O_DIRECT where the filesystem takes it). Closed by ``close()``."""
+        if self._file is None:
+            raise ValueError("GdsFile is closed")
+        return int(self._file.fileno())
+
+    @property
+    def handle(self) -> Any:
+        """The file's cuFile registration (torch's ``GdsFile.handle``), made on first use: an
+        opaque object whose ``gds`` says whether GDS serves the file and ``gds_reason`` why not."""
+        return self._cufile_handle()
+
     # torch's GdsFile registers the handle in __init__ and has these two to manage it.
     def register_handle(self) -> None:
         """Registers the file with cuFile now (otherwise done on the first CUDA transfer)."""
