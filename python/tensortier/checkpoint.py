@@ -198,7 +198,10 @@ def load(
             the whole file in host memory. With ``verify`` each tensor is checked in a pinned
             host buffer on its way.
         dtype: convert floating-point tensors to this torch dtype (integer, bool and complex
-            tensors keep theirs). Storage sharing between converted tensors is lost.
+            tensors keep theirs). Storage sharing between converted tensors is lost. Memory
+            (GPU memory for a CUDA device) holds the converted tensors plus ~64 MiB of
+            originals for safetensors files (read and converted a group at a time), plus one
+            original tensor for torch files (read whole, converted a tensor at a time).
         verify: check the stored checksums (see :func:`save`); a file without checksums is an
             error then.
         mmap: return CPU tensors that map the file (copy-on-write, as
@@ -1256,41 +1259,76 @@ def _load_safetensors(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     _prog: _Progress | None = None, mapped: _Readahead | None = None,
 ) -> dict[str, Any]:
-    torch = _torch()
     file = io.open(path, "r")
     try:
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
-        sums = _parse_checksums(path, metadata) if verify else {}
+        sums = _parse_checksums(path, metadata) if verify else None
         if mapped is not None:
             ranges = [(e.name, e.offset, e.nbytes) for e in entries]
             whole = _map_file(file, path, ranges, mapped)
-            out = {}
+            mapped_out = {}
             for e in entries:
                 t = _mapped_tensor(whole, e.offset, e.nbytes, e.dtype, e.shape)
                 if verify:
                     _xxh64_check(path, e.name, sums.get(e.name))(t)
-                out[e.name] = t
-            return _convert_in_place(out, dtype) if dtype is not None else out
-        pieces: list[_Piece] = []
-        out: dict[str, Any] = {}
-        for e in entries:
-            numel = e.nbytes // e.dtype.itemsize
-            if dev.type == "cpu":
-                flat = _host_alloc(numel, e.dtype, e.offset % ALIGNMENT)
-            else:
-                flat = torch.empty(numel, dtype=e.dtype, device=dev)
-            check = _xxh64_check(path, e.name, sums.get(e.name)) if verify else None
-            pieces.append(_Piece(e.name, file, e.offset, e.nbytes, flat, check))
-            out[e.name] = flat.view(e.shape)
-        total = sum(p.nbytes for p in pieces)
+                mapped_out[e.name] = t
+            return _convert_in_place(mapped_out, dtype) if dtype is not None else mapped_out
+        total = sum(e.nbytes for e in entries)
         prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
-        _read_pieces(io, pieces, prog, path)
+        out: dict[str, Any] = {}
+        # Without conversion every tensor is read in one go; with it, ~64 MiB of tensors at a
+        # time, each group converted before the next is allocated: memory (GPU memory, for a
+        # load to CUDA) then holds the converted tensors plus one group, not the whole file in
+        # its saved dtype as well.
+        converts = dtype is not None and any(_converts(e.dtype, dtype) for e in entries)
+        try:
+            for group in _entry_groups(entries) if converts else [entries]:
+                out.update(_read_st_group(io, file, path, group, dev, dtype, sums, prog))
+        finally:
+            prog.close()
     finally:
         file.close()
-    if dtype is not None:
-        del pieces  # the originals' last references are out's
-        out = _convert_in_place(out, dtype)
     return out
+
+
+def _read_st_group(
+    io: IOHandle, file: File, path: str, group: Sequence[_STEntry], dev: Any, dtype: Any,
+    sums: Mapping[str, Any] | None, prog: _Progress,
+) -> dict[str, Any]:
+    """`group`'s tensors read from `file` into new tensors on `dev` and converted to `dtype`
+    (when not None); checksums checked when `sums` is not None. The originals of converted
+    tensors go when this returns."""
+    torch = _torch()
+    pieces: list[_Piece] = []
+    for e in group:
+        numel = e.nbytes // e.dtype.itemsize
+        if dev.type == "cpu":
+            flat = _host_alloc(numel, e.dtype, e.offset % ALIGNMENT)
+        else:
+            flat = torch.empty(numel, dtype=e.dtype, device=dev)
+        check = _xxh64_check(path, e.name, sums.get(e.name)) if sums is not None else None
+        pieces.append(_Piece(e.name, file, e.offset, e.nbytes, flat, check))
+    _read_pieces(io, pieces, prog, path, close_progress=False)
+    return {e.name: _convert(p.dest.view(e.shape), dtype) for e, p in zip(group, pieces)}
+
+
+def _converts(saved: Any, dtype: Any) -> bool:
+    """Whether ``_convert`` changes a tensor saved in `saved` into `dtype`."""
+    return saved != dtype and saved.is_floating_point and dtype.is_floating_point
+
+
+def _entry_groups(entries: Sequence[_STEntry]) -> Iterator[list[_STEntry]]:
+    """`entries` in runs of about _GROUP_BYTES (one entry when larger)."""
+    group: list[_STEntry] = []
+    size = 0
+    for e in entries:
+        group.append(e)
+        size += e.nbytes
+        if size >= _GROUP_BYTES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
 # --------------------------------------------------------------------------------------------
