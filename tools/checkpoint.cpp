@@ -322,9 +322,16 @@ class PendingFile {
   explicit PendingFile(const std::string& out) : final_(ResolveOutput(out)) {
     namespace fs = std::filesystem;
     if (fs::is_directory(final_)) ThrowIoError(EISDIR, "save over a directory", final_);
+    // The temporary file is made writable by its owner (an old file of mode 0444 would make one
+    // that cannot be opened for writing) and given the old file's mode at Commit.
     mode_t mode = 0666;
     struct stat st;
-    if (stat(final_.c_str(), &st) == 0) mode = st.st_mode & 07777;
+    if (stat(final_.c_str(), &st) == 0) {
+      // A rename over a device, FIFO or socket would replace it (as root: /dev/null).
+      if (!S_ISREG(st.st_mode)) ThrowIoError(EINVAL, "replace a file that is not regular", final_);
+      old_mode_ = st.st_mode & 07777;
+      mode = 0600;
+    }
     std::random_device rd;
     fs::path f(final_);
     for (int attempt = 0;; ++attempt) {
@@ -349,6 +356,8 @@ class PendingFile {
   const std::string& temp() const { return temp_; }
   // fsync'd data, then an atomic rename, then the directory entry made durable.
   void Commit(const File& file) {
+    if (old_mode_ && fchmod(file.buffered_fd(), *old_mode_) != 0)
+      ThrowIoError(errno, "chmod", temp_);
     file.DataSync();
     if (rename(temp_.c_str(), final_.c_str()) != 0) ThrowIoError(errno, "rename", temp_);
     committed_ = true;
@@ -363,6 +372,7 @@ class PendingFile {
  private:
   std::string final_;
   std::string temp_;
+  std::optional<mode_t> old_mode_;  // the replaced file's
   bool created_ = false;
   bool committed_ = false;
 };
@@ -375,6 +385,14 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
     if (SafetensorsDtypeBits(t.dtype) == 0) {
       throw std::invalid_argument(
           StrCat("tensor '", t.path, "' has dtype ", t.dtype, ", which safetensors cannot store"));
+    }
+    if (t.conj || t.neg) {
+      // Its bytes are not its values, and safetensors has no flag to say so.
+      throw std::invalid_argument(StrCat(
+          "tensor '", t.path, "' was saved as a ", t.conj ? "conjugate" : "negative",
+          " view (its storage holds other numbers than its values); convert copies bytes: "
+          "save it with .resolve_conj().resolve_neg() first, or load it with tensortier.load "
+          "and save that"));
     }
     if (!t.contiguous()) {
       throw std::invalid_argument(StrCat("tensor '", t.path,

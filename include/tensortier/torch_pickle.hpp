@@ -35,6 +35,10 @@ struct TorchTensor {
   std::string storage_key;
   bool requires_grad = false;
   bool parameter = false;  // an nn.Parameter
+  // Saved as a conjugate / negative view: the storage holds the conjugates / negatives of the
+  // tensor's values (torch sets the bit again on load).
+  bool conj = false;
+  bool neg = false;
   bool contiguous() const;
   uint64_t nbytes() const;  // elements * element size
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <optional>
 
 #include "tensortier/format_error.hpp"
 #include "tensortier/strings.hpp"
@@ -525,7 +526,23 @@ class Vm {
     return Scalar(Kind::kStorage, 0, key.s);
   }
 
-  uint32_t MakeTensor(const std::vector<uint32_t>& a, std::string dtype) {
+  // The conj and neg bits of _rebuild_tensor_v2/_v3's metadata argument (a dict, or None):
+  // a tensor saved with one set holds, in its storage, other numbers than its values.
+  void ReadTensorFlags(uint32_t metadata, TorchTensor& t) {
+    const Value& m = values_[metadata];
+    if (m.kind == Kind::kNone) return;
+    if (m.kind != Kind::kDict) Fail("tensor metadata is not a dict");
+    for (size_t i = 0; i + 1 < m.items.size(); i += 2) {
+      const Value& key = values_[m.items[i]];
+      const Value& value = values_[m.items[i + 1]];
+      if (key.kind != Kind::kStr || value.kind != Kind::kBool) continue;
+      if (key.s == "conj") t.conj = value.i != 0;
+      if (key.s == "neg") t.neg = value.i != 0;
+    }
+  }
+
+  uint32_t MakeTensor(const std::vector<uint32_t>& a, std::string dtype,
+                      std::optional<uint32_t> metadata = std::nullopt) {
     const Value& storage = Arg(a, 0, Kind::kStorage, "tensor storage");
     const Value& offset = Arg(a, 1, Kind::kInt, "tensor storage offset");
     TorchTensor t;
@@ -545,6 +562,7 @@ class Vm {
                   data_.size(), "-byte pickle"));
     }
     t.requires_grad = Arg(a, 4, Kind::kBool, "requires_grad").i != 0;
+    if (metadata) ReadTensorFlags(*metadata, t);
     const TorchStorage& s = out_.storages.at(storage.s);
     if (dtype.empty()) dtype = s.dtype;
     t.dtype = std::move(dtype);
@@ -591,7 +609,7 @@ class Vm {
     }
     if (f == "torch._utils._rebuild_tensor_v2") {
       need(6, 7);
-      return MakeTensor(a, "");
+      return MakeTensor(a, "", a.size() == 7 ? std::optional<uint32_t>(a[6]) : std::nullopt);
     }
     if (f == "torch._utils._rebuild_tensor_v3") {
       need(7, 8);
@@ -599,7 +617,8 @@ class Vm {
       std::string_view name = std::string_view(dtype.s).substr(dtype.s.rfind('.') + 1);
       std::string_view ours = Lookup(kDtypes, std::size(kDtypes), name);
       if (ours.empty()) Fail(StrCat("'", dtype.s, "' is not a supported dtype"));
-      return MakeTensor(a, std::string(ours));
+      return MakeTensor(a, std::string(ours),
+                        a.size() == 8 ? std::optional<uint32_t>(a[7]) : std::nullopt);
     }
     if (f == "torch._utils._rebuild_parameter" ||
         f == "torch._utils._rebuild_parameter_with_state") {

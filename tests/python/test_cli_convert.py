@@ -252,3 +252,36 @@ def test_convert_replaces_a_symlinks_target(disk_dir: Path) -> None:
     assert r.returncode != 0
     leftovers = [p.name for p in disk_dir.rglob("*tmp*")]
     assert leftovers == []
+
+
+def test_convert_refuses_to_replace_what_is_not_a_regular_file(disk_dir: Path) -> None:
+    """As tensortier.save: the rename would replace a FIFO or device node (as root: /dev/null)."""
+    fifo = disk_dir / "fifo.safetensors"
+    os.mkfifo(fifo)
+    r = run("convert", FIXTURES / "state_dict.pt", fifo)
+    assert r.returncode != 0 and "not regular" in r.stderr
+    assert fifo.is_fifo()
+    assert [p.name for p in disk_dir.rglob("*tmp*")] == []
+
+
+def test_convert_keeps_a_read_only_targets_mode(disk_dir: Path) -> None:
+    dst = disk_dir / "ro.safetensors"
+    convert(FIXTURES / "state_dict.pt", dst)
+    os.chmod(dst, 0o444)
+    convert(FIXTURES / "small.safetensors", disk_dir / "small.pt")
+    convert(disk_dir / "small.pt", dst)
+    assert (os.stat(dst).st_mode & 0o777) == 0o444
+    assert sorted(st.load_file(str(dst))) == sorted(st.load_file(str(FIXTURES / "small.safetensors")))
+
+
+def test_convert_refuses_conjugate_and_negative_views(disk_dir: Path) -> None:
+    """torch.save stores a conjugate (or negative) view's storage as it is, with a flag torch.load
+    applies; safetensors has no such flag, so copying the bytes would change the values."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    for name, view in (("conj", x.conj()), ("neg", x.conj().imag)):
+        src = disk_dir / f"{name}.pt"
+        torch.save({"c": view, "plain": torch.ones(2)}, src)
+        r = run("convert", src, disk_dir / f"{name}.safetensors")
+        assert r.returncode != 0
+        assert ("conjugate" if name == "conj" else "negative") in r.stderr, r.stderr
+        assert not (disk_dir / f"{name}.safetensors").exists()
