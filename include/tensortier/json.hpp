@@ -29,6 +29,10 @@ class JsonReader {
   std::string ReadString();
   // A non-negative integer without sign, fraction or exponent, fitting in 64 bits.
   uint64_t ReadUint();
+  // Checks and passes over one value of any kind (containers nested at most kMaxSkipDepth deep,
+  // without recursion).
+  void SkipValue();
+  static constexpr size_t kMaxSkipDepth = 64;
   // Throws unless only spaces remain.
   void ExpectEnd();
   size_t position() const { return pos_; }
@@ -38,6 +42,10 @@ class JsonReader {
 
  private:
   void AppendEscape(std::string& out);
+  void SkipNumber();
+  void SkipLiteral();
+  // Reads `"key":` of an object member.
+  void SkipMemberName();
   void AppendUtf8(std::string& out);
 
   std::string_view text_;

@@ -2,10 +2,12 @@
 // section. The JSON maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]}
 // (offsets relative to the data section) plus an optional "__metadata__" string->string map.
 //
-// The parser accepts exactly the files the `safetensors` package accepts, with tighter limits: no
-// unknown fields, no duplicate keys, byte ranges that tile the data section (no overlap, no gap, no
-// byte past its end), at most kMaxRank dimensions. It never allocates more than a small multiple
-// of the header size and never recurses.
+// The parser accepts the files the `safetensors` package accepts (fields of a tensor other than
+// these three are passed over, as there), with tighter limits: no duplicate keys (the package
+// keeps the last of a duplicate tensor name: a file naming a tensor twice is refused here), byte
+// ranges that tile the data section (no overlap, no gap, no byte past its end), at most kMaxRank
+// dimensions. It never allocates more than a small multiple of the header size and never
+// recurses.
 #pragma once
 
 #include <cstdint>

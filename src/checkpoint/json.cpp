@@ -92,6 +92,75 @@ bool JsonReader::ConsumeNull() {
   return true;
 }
 
+void JsonReader::SkipLiteral() {
+  for (std::string_view word : {"true", "false", "null"}) {
+    if (text_.substr(pos_, word.size()) == word) {
+      pos_ += word.size();
+      return;
+    }
+  }
+  Fail("invalid literal (expected true, false or null)");
+}
+
+void JsonReader::SkipNumber() {
+  auto digits = [&] {
+    size_t start = pos_;
+    while (pos_ < text_.size() && text_[pos_] >= '0' && text_[pos_] <= '9') ++pos_;
+    if (pos_ == start) Fail("expected a number");
+    return pos_ - start;
+  };
+  if (pos_ < text_.size() && text_[pos_] == '-') ++pos_;
+  size_t start = pos_;
+  if (digits() > 1 && text_[start] == '0') Fail("number with a leading zero");
+  if (pos_ < text_.size() && text_[pos_] == '.') {
+    ++pos_;
+    digits();
+  }
+  if (pos_ < text_.size() && (text_[pos_] == 'e' || text_[pos_] == 'E')) {
+    ++pos_;
+    if (pos_ < text_.size() && (text_[pos_] == '+' || text_[pos_] == '-')) ++pos_;
+    digits();
+  }
+}
+
+void JsonReader::SkipMemberName() {
+  if (Peek() != '"') Fail("expected a string key");
+  ReadString();
+  Expect(':');
+}
+
+void JsonReader::SkipValue() {
+  std::string open;  // the containers entered, innermost last: '{' or '['
+  for (;;) {
+    const char c = Peek();
+    if (c == '{' || c == '[') {
+      if (open.size() == kMaxSkipDepth) Fail("values nested too deep");
+      ++pos_;
+      if (!Consume(c == '{' ? '}' : ']')) {  // not empty: its first member's value is next
+        open += c;
+        if (c == '{') SkipMemberName();
+        continue;
+      }
+    } else if (c == '"') {
+      ReadString();
+    } else if (c == 't' || c == 'f' || c == 'n') {
+      SkipLiteral();
+    } else {
+      SkipNumber();
+    }
+    // A whole value is behind: the next member of its container, or the container's end.
+    for (;;) {
+      if (open.empty()) return;
+      if (Consume(',')) {
+        if (open.back() == '{') SkipMemberName();
+        break;
+      }
+      Expect(open.back() == '{' ? '}' : ']');
+      open.pop_back();
+    }
+  }
+}
+
 void JsonReader::ExpectEnd() {
   SkipSpace();
   if (pos_ != text_.size()) Fail("unexpected text after the end of the JSON value");

@@ -104,8 +104,9 @@ void ParseEntry(JsonReader& r, SafetensorsEntry& e) {
         }
         r.Expect(']');
       } else {
-        r.Fail(StrCat("tensor ", Quoted(e.name), ": unknown field ", Quoted(field),
-                      " (expected dtype, shape, data_offsets)"));
+        // Other writers may add fields; the safetensors package ignores them, and so do we.
+        r.SkipValue();
+        continue;
       }
       if (*seen) r.Fail(StrCat("tensor ", Quoted(e.name), ": duplicate field ", Quoted(field)));
       *seen = true;

@@ -10,7 +10,9 @@
 #include "tensortier/byte_source.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/format_error.hpp"
+#include "tensortier/json.hpp"
 #include "tensortier/safetensors.hpp"
+#include "tensortier/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -107,7 +109,40 @@ TEST(CheckpointSafetensors, RejectsMalformedJson) {
   EXPECT_TRUE(Rejects(R"({"a":[]})", 0, "is not an object"));
 }
 
-TEST(CheckpointSafetensors, RejectsDuplicatesAndUnknownFields) {
+// Fields other writers add are passed over, as the safetensors package does (its TensorInfo
+// ignores them), whatever their JSON value; a malformed value is still an error.
+TEST(CheckpointSafetensors, PassesOverOtherFieldsOfATensor) {
+  SafetensorsHeader h = ParseSafetensorsHeader(
+      R"({"a":{"x":1,"dtype":"U8","y":{"k":[1,-2.5e+3,true,false,null,"s",{},[]]},)"
+      R"("shape":[1],"z":[[[]]],"data_offsets":[0,1],"w":"é"}})",
+      1);
+  ASSERT_EQ(h.entries.size(), 1u);
+  EXPECT_EQ(h.entries[0].dtype, "U8");
+  EXPECT_EQ(h.entries[0].end, 1u);
+  EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":01}})", 1,
+                      "leading zero"));
+  EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":tru}})", 1,
+                      "invalid literal"));
+  EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[1,]}})", 1,
+                      "expected a number"));
+  EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":{1:2}}})", 1,
+                      "expected a string key"));
+  EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[1}})", 1,
+                      "expected ']'"));
+  // Nesting is bounded (and walked without recursion).
+  std::string deep =
+      std::string(JsonReader::kMaxSkipDepth, '[') + std::string(JsonReader::kMaxSkipDepth, ']');
+  EXPECT_EQ(
+      ParseSafetensorsHeader(
+          StrCat(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":)", deep, "}}"), 1)
+          .entries.size(),
+      1u);
+  EXPECT_TRUE(
+      Rejects(StrCat(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[)", deep, "]}}"),
+              1, "nested too deep"));
+}
+
+TEST(CheckpointSafetensors, RejectsDuplicates) {
   EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                       R"("a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
                       2, "duplicate tensor name \"a\""));
@@ -115,8 +150,6 @@ TEST(CheckpointSafetensors, RejectsDuplicatesAndUnknownFields) {
                       "duplicate field \"dtype\""));
   EXPECT_TRUE(Rejects(R"({"__metadata__":{},"__metadata__":{}})", 0, "duplicate __metadata__"));
   EXPECT_TRUE(Rejects(R"({"__metadata__":{"k":"a","k":"b"}})", 0, "duplicate __metadata__ key"));
-  EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}})", 1,
-                      "unknown field \"x\""));
   EXPECT_TRUE(Rejects(R"({"a":{"shape":[1],"data_offsets":[0,1]}})", 1, "missing dtype"));
   EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","data_offsets":[0,1]}})", 1, "missing shape"));
   EXPECT_TRUE(Rejects(R"({"a":{"dtype":"U8","shape":[1]}})", 1, "missing data_offsets"));
