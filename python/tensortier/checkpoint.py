@@ -337,6 +337,7 @@ def _torch() -> Any:
 
 
 _default_lock = threading.Lock()
+_torch_config_lock = threading.Lock()  # see _save_torch
 _default: tuple[int, IOHandle] | None = None
 
 
@@ -406,12 +407,19 @@ def _target_dtype(dtype: Any) -> Any:
 
 
 def _convert(t: Any, dtype: Any) -> Any:
-    """`t` in `dtype` when both are floating point; otherwise `t` unchanged."""
+    """`t` in `dtype` when both are floating point; otherwise `t` unchanged. A Parameter stays
+    a Parameter and a tensor that requires grad stays a leaf that does (as loading it in
+    `dtype` would give; not a result of `.to` with autograd history)."""
     if dtype is None or t.dtype == dtype:
         return t
     if not t.is_floating_point() or not dtype.is_floating_point:
         return t
-    return t.to(dtype)
+    torch = _torch()
+    with torch.no_grad():
+        out = t.to(dtype)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    return out.requires_grad_(t.requires_grad)
 
 
 def _nbytes(t: Any) -> int:
@@ -528,6 +536,15 @@ def _available_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def _fixed_size(flat: Any) -> Any:
+    """`flat`'s bytes (a uint8 CPU tensor) in a storage that cannot be resized; keeps `flat`
+    alive."""
+    torch = _torch()
+    window = (ctypes.c_char * flat.numel()).from_address(flat.data_ptr())
+    window.owner = flat  # type: ignore[attr-defined]
+    return torch.frombuffer(window, dtype=torch.uint8)
 
 
 def _mapped_tensor(
@@ -650,11 +667,24 @@ class _DurableFile:
         self.directory = directory
         _remove_stale_temps(self.final)
         self.tmp = _tmp_name(self.final)
-        mode = 0o666
+        # The old file's permissions are kept: given to the new one at commit (created
+        # writable by its owner: from a 0444 file's mode it could not be opened for writing).
+        self._old_mode: int | None = None
         try:
-            mode = stat.S_IMODE(os.stat(self.final).st_mode)  # keep the old file's permissions
+            st = os.stat(self.final)
         except FileNotFoundError:
             pass
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                # The rename would replace a device, FIFO or socket (as root: /dev/null).
+                raise OSError(
+                    errno.EINVAL,
+                    "not a regular file: saving would replace it with a new one; save to a "
+                    "regular file's path",
+                    self.final,
+                )
+            self._old_mode = stat.S_IMODE(st.st_mode)
+        mode = 0o666 if self._old_mode is None else 0o600
         fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         os.close(fd)
         self._io = io
@@ -679,6 +709,8 @@ class _DurableFile:
 
     def commit(self) -> None:
         f = self.open()
+        if self._old_mode is not None:
+            os.chmod(f.fileno(), self._old_mode)
         f.datasync()
         f.close()
         os.replace(self.tmp, self.final)
@@ -767,7 +799,10 @@ class _Writer:
 
 
 def _host_contiguous(t: Any) -> tuple[Any, bool]:
-    """`t` as a contiguous CPU tensor, and whether that needed a copy."""
+    """`t`'s values in a contiguous CPU tensor, and whether that needed a copy (a conjugate or
+    negative view's storage holds other numbers than its values: resolved into a copy)."""
+    if t.is_conj() or t.is_neg():
+        return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous(), True
     if t.device.type == "cpu" and t.is_contiguous():
         return t, False
     return t.detach().to("cpu").contiguous(), True
@@ -1463,8 +1498,12 @@ def _unpickle_torch(
                     mapped, record.offset, nbytes, dtype, (numel,)
                 ).untyped_storage()
             elif storage_device.type == "cpu":
-                storage = _host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
-                storage = storage.untyped_storage()
+                flat = _host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
+                if nbytes and flat.untyped_storage().resizable():
+                    # A tensor set_ past the end of a resizable storage grows it: a few bytes
+                    # of pickle would allocate any size. Fixed, torch refuses (as torch.load).
+                    flat = _fixed_size(flat)
+                storage = flat.untyped_storage()
             else:
                 storage = torch.UntypedStorage(nbytes, device=storage_device)
             ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
@@ -1486,6 +1525,14 @@ def _unpickle_torch(
         raise
     except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
         raise ValueError(f"{path}: malformed data.pkl: {type(e).__name__}: {e}") from e
+    for key, ref in storages.items():
+        # Storages that can grow (meta, CUDA, mapped windows) grew to fit a tensor reaching
+        # past their end: its bytes would come from other records, or from nowhere.
+        if ref.storage.nbytes() != ref.nbytes:
+            raise ValueError(
+                f"{label or path}: malformed data.pkl: a tensor reaches past the end of storage "
+                f"data/{key} ({ref.nbytes} bytes)"
+            )
     return obj, storages, records, prefix, big_endian
 
 
@@ -1696,9 +1743,12 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
     with _DurableFile(path, io) as df:
         with open(df.tmp, "r+b") as f:  # torch writes the metadata records and leaves holes
             try:
-                # (a process-wide setting while it lasts: concurrent torch.save calls in other
-                # threads would align their storages to 4 KiB too, which is harmless)
-                with ser_config.patch({"save.storage_alignment": ALIGNMENT}):
+                # A process-wide setting while it lasts (torch.save calls of other threads align
+                # their storages to 4 KiB meanwhile, harmless); our own saves take turns, or one
+                # ending would put back the default under another, or leave 4 KiB for good.
+                with _torch_config_lock, ser_config.patch(
+                    {"save.storage_alignment": ALIGNMENT}
+                ):
                     with torch.serialization.skip_data():
                         torch.save(obj, f)
             except (RuntimeError, pickle.PicklingError, AttributeError) as e:
@@ -1868,7 +1918,9 @@ def _describe_sources(
             raise ValueError(f"{path}: cannot find the storage of {name!r}")
         start = t.storage_offset() * t.element_size()
         n = _nbytes(t)
-        contiguous = t.is_contiguous()
+        # A conjugate or negative view's storage holds other numbers than its values: read
+        # through its storage, then copied with the bit applied, as non-contiguous views are.
+        contiguous = t.is_contiguous() and not t.is_conj() and not t.is_neg()
         out[name] = _Source(path, t.dtype, tuple(t.shape), ref.record.offset + start, n, None,
                             None, ref, None if contiguous else t)
     return out
@@ -2006,6 +2058,10 @@ def _stage_saved_view(
     def copy_view() -> None:
         src_t = torch.empty(0, dtype=view.dtype).set_(
             holder.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+        if view.is_conj():
+            src_t = src_t.conj()
+        if view.is_neg():
+            src_t = src_t.neg()
         t.copy_(src_t)
 
     return _Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, holder, check), copy_view

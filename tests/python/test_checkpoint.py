@@ -778,3 +778,51 @@ def test_load_into_from_torch_views(disk_dir: Path) -> None:
     torch.save({"x": 1, "w": torch.ones(2)}, disk_dir / "mixed.pt")
     with pytest.raises(ValueError, match="'x' is a int.*tensortier.load"):
         tensortier.load_into({"w": torch.zeros(2)}, disk_dir / "mixed.pt")
+
+
+def test_conjugate_and_negative_views(disk_dir: Path) -> None:
+    """torch.save keeps a conjugate (or negative) view's storage as it is, with a flag: its
+    values are not its bytes. load_into applies the flag as torch.load does; save to
+    safetensors writes the values (as safetensors.torch.save_file does)."""
+    x = torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j], dtype=torch.complex64)
+    y = x.clone()  # torch.save refuses complex and float views of one storage
+    sd = {"c": x.conj(), "n": y.conj().imag, "plain": x}
+    assert sd["n"].is_neg()
+    torch.save(sd, disk_dir / "v.pt")
+    want = torch.load(disk_dir / "v.pt", weights_only=True)
+    assert torch.equal(want["c"], x.conj()) and torch.equal(want["n"], -x.imag)
+    for loaded in (tensortier.load(disk_dir / "v.pt"), tensortier.load(disk_dir / "v.pt", mmap=True)):
+        for k in sd:
+            assert torch.equal(loaded[k], want[k]), k
+    for verify in (False, True):
+        target = {k: torch.zeros_like(v.resolve_conj().resolve_neg()) for k, v in sd.items()}
+        tensortier.load_into(target, disk_dir / "v.pt", verify=verify)
+        for k in sd:
+            assert torch.equal(target[k], want[k]), (k, verify)
+            assert not target[k].is_conj() and not target[k].is_neg()
+    tensortier.save({"c": x.conj(), "n": x.imag.neg()._neg_view()}, disk_dir / "v.safetensors")
+    st = pytest.importorskip("safetensors.torch")
+    back = st.load_file(str(disk_dir / "v.safetensors"))
+    assert torch.equal(back["c"], x.conj().resolve_conj())
+    assert torch.equal(back["n"], x.imag)
+
+
+def test_dtype_conversion_keeps_parameters_and_leaves(disk_dir: Path) -> None:
+    """load(dtype=...) gives what loading in that dtype would: a Parameter stays a Parameter,
+    requires_grad is kept, and no tensor has autograd history (an optimizer takes them)."""
+    sd = {
+        "p": torch.nn.Parameter(torch.randn(3)),
+        "frozen": torch.nn.Parameter(torch.randn(3), requires_grad=False),
+        "leaf": torch.randn(3).requires_grad_(),
+        "plain": torch.randn(3),
+    }
+    torch.save(sd, disk_dir / "p.pt")
+    for mapped in (False, True):
+        out = tensortier.load(disk_dir / "p.pt", dtype=torch.float16, mmap=mapped)
+        for k, v in sd.items():
+            o = out[k]
+            assert o.dtype == torch.float16 and o.is_leaf and o.grad_fn is None, k
+            assert o.requires_grad == v.requires_grad, k
+            assert type(o) is type(v), k
+            assert torch.equal(o.detach(), v.detach().half()), k
+        torch.optim.SGD([out["p"], out["leaf"]], lr=0.1)

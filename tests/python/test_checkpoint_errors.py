@@ -558,3 +558,79 @@ def test_device_pieces_go_to_the_engine_unless_they_carry_a_checksum(
     progress = checkpoint._Progress("x", 16, False)
     checkpoint._read_pieces(None, pieces, progress, "m")  # type: ignore[arg-type]
     assert seen == {"engine": ["cpu", "cpu-checked", "dev"], "pinned": ["dev-checked"]}
+
+
+def _oversized_view_file(disk_dir: Path) -> Path:
+    """A torch file whose tensor "a" (1000 floats) claims a 4-element storage record: torch.load
+    refuses it ("Trying to resize storage that is not resizable")."""
+    ok = disk_dir / "ok.pt"
+    torch.save({"a": torch.zeros(1000), "z": torch.full((1000,), 7.0)}, ok)
+    with zipfile.ZipFile(ok) as z:
+        pkl = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        data = z.read(pkl)
+    assert data.count(b"M\xe8\x03") >= 1  # BININT2 1000: the storage's element count
+    bad = disk_dir / "oversized.pt"
+    rezip(ok, bad, replace={"data.pkl": data.replace(b"M\xe8\x03", b"M\x04\x00", 1),
+                            "data/0": b"\0" * 16})
+    with pytest.raises(RuntimeError):
+        torch.load(bad, weights_only=True)
+    return bad
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
+def test_tensor_past_the_end_of_its_storage(disk_dir: Path, mapped: bool) -> None:
+    """A tensor larger than its storage record must not take bytes of other records (mmap, meta
+    storages of load_into) nor grow its storage to any size a few bytes of pickle ask for."""
+    bad = _oversized_view_file(disk_dir)
+    with pytest.raises(ValueError, match="past the end of storage|not resizable"):
+        tensortier.load(bad, mmap=mapped)
+
+
+def test_load_into_refuses_a_tensor_past_the_end_of_its_storage(disk_dir: Path) -> None:
+    bad = _oversized_view_file(disk_dir)
+    target = {"a": torch.zeros(1000), "z": torch.zeros(1000)}
+    for verify in (False, True):
+        with pytest.raises(ValueError, match="past the end of storage data/0"):
+            tensortier.load_into(target, bad, verify=verify)
+    assert target["a"].abs().sum().item() == 0  # checked before any byte is read
+
+
+def test_save_refuses_to_replace_what_is_not_a_regular_file(disk_dir: Path) -> None:
+    """save() renames a new file over the old one: over a FIFO or a device (as root: /dev/null)
+    that would replace it. torch.save writes through; we refuse, and the node stays."""
+    fifo = disk_dir / "fifo"
+    os.mkfifo(fifo)
+    for fmt in ("torch", "safetensors"):
+        with pytest.raises(OSError) as e:
+            tensortier.save({"a": torch.ones(2)}, fifo, format=fmt)
+        assert e.value.errno == errno.EINVAL and "not a regular file" in str(e.value)
+        assert fifo.is_fifo()
+    assert leftovers(disk_dir) == []
+
+
+def test_save_over_a_read_only_checkpoint_keeps_its_mode(disk_dir: Path) -> None:
+    """A 0444 checkpoint is replaced (the directory is writable) and the new one is 0444 too;
+    the temporary file is made writable by its owner, whatever the old mode (it took the old
+    mode at creation and could not be opened for writing)."""
+    for name in ("m.safetensors", "m.pt"):
+        path = disk_dir / name
+        tensortier.save({"w": torch.ones(3)}, path)
+        os.chmod(path, 0o444)
+        tensortier.save({"w": torch.zeros(3)}, path)
+        assert (os.stat(path).st_mode & 0o777) == 0o444
+        assert tensortier.load(path)["w"].sum().item() == 0
+    assert leftovers(disk_dir) == []
+
+
+def test_safetensors_with_other_fields_of_a_tensor_load(disk_dir: Path) -> None:
+    """Fields other writers add to a tensor's entry: the safetensors package ignores them."""
+    header = good_header()
+    header["a"]["extra"] = {"nested": [1, 2.5, None]}
+    path = disk_dir / "extra.safetensors"
+    write_safetensors(path, header, struct.pack("<2fq", 1.5, -2.0, 7))
+    st = pytest.importorskip("safetensors.torch")
+    want = st.load_file(str(path))
+    got = tensortier.load(path)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k])
