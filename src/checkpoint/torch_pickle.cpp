@@ -121,9 +121,11 @@ bool Allowed(std::string_view g) {
       "builtins.set",
       "builtins.frozenset",
       "builtins.bytearray",
+      "builtins.complex",
       "__builtin__.set",
       "__builtin__.frozenset",
       "__builtin__.bytearray",
+      "__builtin__.complex",
   };
   for (auto c : kCallables) {
     if (c == g) return true;
@@ -643,6 +645,16 @@ class Vm {
       std::string d = values_[a[0]].s;
       if (a.size() == 2) d += StrCat(":", Arg(a, 1, Kind::kInt, "device index").i);
       return Scalar(Kind::kStr, 0, std::move(d));
+    }
+    if (f.ends_with(".complex")) {  // a Python complex number: complex(real, imag)
+      need(1, 2);
+      for (uint32_t part : a) {
+        Kind k = values_[part].kind;
+        if (k != Kind::kFloat && k != Kind::kInt && k != Kind::kBigInt) {
+          Fail("complex() of something that is not a number");
+        }
+      }
+      return Scalar(Kind::kFloat);
     }
     if (f == "_codecs.encode") {
       need(2, 2);

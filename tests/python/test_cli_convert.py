@@ -285,3 +285,14 @@ def test_convert_refuses_conjugate_and_negative_views(disk_dir: Path) -> None:
         assert r.returncode != 0
         assert ("conjugate" if name == "conj" else "negative") in r.stderr, r.stderr
         assert not (disk_dir / f"{name}.safetensors").exists()
+
+
+def test_info_and_verify_read_python_complex_values(disk_dir: Path) -> None:
+    """torch.load(weights_only=True) takes Python complex numbers among the values; so do we."""
+    src = disk_dir / "cplx.pt"
+    torch.save({"c": 1 + 2j, "w": torch.ones(2), "l": [complex(0, 1)]}, src)
+    r = run("info", src)
+    assert r.returncode == 0, r.stderr
+    assert "2 non-tensor values" in r.stdout
+    r = run("verify", src)
+    assert r.returncode == 0, r.stdout + r.stderr
