@@ -299,7 +299,16 @@ void RegisterTransfer(py::module_& m) {
             py::gil_scoped_release release;
             r = move(offloader, transfer, key, span, length, files);
           }
-          return ResultToDict(r);
+          // The key's new state is applied: an error now (out of memory) would report a
+          // finished move as failed, and the caller would undo it (a restored tensor's memory
+          // freed, its key gone). Only the stats are lost: None.
+          try {
+            return py::object(ResultToDict(r));
+          } catch (const py::error_already_set&) {
+            return py::object(py::none());
+          } catch (const std::exception&) {
+            return py::object(py::none());
+          }
         },
         py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
         py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
@@ -307,8 +316,9 @@ void RegisterTransfer(py::module_& m) {
   };
   move_key("offload_from_device", &OffloadFromDevice,
            "Writes device memory under an offloader key through the transfer's bounce rings (or "
-           "GDS, as `files` says); the key is stored when this returns, unknown when it raises.");
+           "GDS, as `files` says); the key is stored when this returns, unknown when it raises. "
+           "Returns {'bytes', 'eof', 'stats'}, or None when that dict could not be made.");
   move_key("restore_to_device", &RestoreToDevice,
            "Reads an offloader key's bytes into device memory; the key is gone when this returns, "
-           "still stored when it raises.");
+           "still stored when it raises. Returns as offload_from_device.");
 }

@@ -562,8 +562,8 @@ class DiskOffloader:
             for key, future in jobs:  # the C++ calls applied their outcome to the core already
                 error = future.exception()
                 outcomes.append((key, error))
-                if error is None:
-                    moved = future.result()
+                moved = future.result() if error is None else None
+                if moved is not None:  # None: done, its stats lost (see the binding)
                     path = moved["stats"]["path"] or "bounce"  # zero bytes: no path taken
                     self._device_bytes[path] = self._device_bytes.get(path, 0) + moved["bytes"]
             errors = []

@@ -775,3 +775,29 @@ def test_files_of_a_killed_process_are_named_and_cleaned(disk_dir: Path) -> None
 
 def test_public_exports() -> None:
     assert tensortier.DiskOffloader is DiskOffloader is tensornvme.DiskOffloader
+
+
+def test_a_finished_device_move_whose_stats_are_lost_is_not_undone(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bindings return None when the stats of a move already applied cannot be made (out of
+    memory): the move stands. Taking it for a failure would free a restored tensor's memory
+    while its key is gone (data lost)."""
+    from tensortier import _core
+
+    for name in ("offload_from_device", "restore_to_device"):
+        real = getattr(_core, name)
+
+        def stats_lost(*args: object, _real: object = real) -> None:
+            _real(*args)  # type: ignore[operator]
+            return None
+
+        monkeypatch.setattr(_core, name, stats_lost)
+    t = torch.randn(100_000)
+    ref = t.clone()
+    with DiskOffloader(disk_dir, _device_copier="memcpy") as off:
+        off.sync_write(t)
+        assert off.is_offloaded(t) and t.untyped_storage().nbytes() == 0
+        off.sync_read(t)
+        assert not off.is_offloaded(t) and torch.equal(t, ref)
+        assert off.stored_bytes == 0
