@@ -12,6 +12,8 @@
 // operation completes; files are kept open by the operation itself.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -109,6 +111,10 @@ class Engine {
   Future Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptions& submit = {});
   // Waits for every operation submitted so far; throws the first error not yet seen by a Wait().
   void WaitAll();
+  // In a child made by fork() the workers' threads do not exist (only the forking thread is
+  // copied): Submit() and WaitAll() there throw std::logic_error, and the destructor leaves the
+  // workers and operations as they are (joining or waiting would never return).
+  bool forked() const noexcept;
 
   // Bytes of the workers' internal bounce buffers, in use or kept for the next burst (see
   // EngineOptions::bounce_idle_ms), and how many buffers they have made so far (each one memory
@@ -121,7 +127,9 @@ class Engine {
 
  private:
   void Start(BackendFactory factory);
+  void CheckNotForked() const;
 
+  pid_t owner_pid_;  // the process that made the engine
   EngineOptions options_;
   std::string backend_;
   std::vector<std::unique_ptr<detail::Worker>> workers_;

@@ -200,6 +200,7 @@ class Offloader {
   std::exception_ptr ShrinkStep(Backing& b, std::unique_lock<std::mutex>& lock);
   void JanitorLoop();
 
+  pid_t owner_pid_;  // the process that made the offloader (its pid names the files)
   OffloaderOptions options_;
   std::unique_ptr<Engine> engine_;
   mutable std::mutex mu_;

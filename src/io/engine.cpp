@@ -27,7 +27,7 @@ namespace detail {
 
 struct Operation {
   IoOp op;
-  std::vector<IoDesc> pieces;  // keeps the files open
+  std::vector<IoDesc> pieces;  // keeps the files open until the operation completes
   std::atomic<uint64_t> pending{0};
   std::atomic<bool> failed{false};
 
@@ -300,6 +300,7 @@ class Worker {
     }
     Operation& op = *t->op;
     bool last;
+    std::vector<IoDesc> finished_pieces;  // let go of outside the lock
     {
       std::lock_guard lock(op.mu);
       op.result.bytes += t->done;
@@ -307,7 +308,13 @@ class Worker {
       op.result.stats.transferred_bytes += t->done;
       op.result.stats.requests += t->submissions;
       last = --op.pending == 0;
-      if (last) op.complete = true;
+      if (last) {
+        op.complete = true;
+        // A finished operation needs its files no more: neither a future kept nor the
+        // engine's list of operations may hold their descriptors open (EMFILE, deleted files'
+        // space held).
+        finished_pieces.swap(op.pieces);
+      }
     }
     if (last) op.cv.notify_all();
   }
@@ -656,7 +663,8 @@ IoStats& IoStats::operator+=(const IoStats& other) {
   return *this;
 }
 
-Engine::Engine(EngineOptions options, const std::string& probe_dir) : options_(std::move(options)) {
+Engine::Engine(EngineOptions options, const std::string& probe_dir)
+    : owner_pid_(getpid()), options_(std::move(options)) {
   options_.Validate();
   // Workers allocate bounce buffers: settle the page policy here, so that a malformed
   // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
@@ -685,7 +693,8 @@ Engine::Engine(EngineOptions options, const std::string& probe_dir) : options_(s
   throw std::runtime_error("no I/O backend works here: " + why);
 }
 
-Engine::Engine(EngineOptions options, BackendFactory factory) : options_(std::move(options)) {
+Engine::Engine(EngineOptions options, BackendFactory factory)
+    : owner_pid_(getpid()), options_(std::move(options)) {
   options_.Validate();
   // Workers allocate bounce buffers: settle the page policy here, so that a malformed
   // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
@@ -706,6 +715,16 @@ void Engine::Start(BackendFactory factory) {
 }
 
 Engine::~Engine() {
+  if (forked()) {
+    // Only the thread that called fork() was copied into this child: the workers' threads are
+    // gone, and the locks and condition variables they held or waited on stay so (destroying a
+    // condition variable with waiters can block). The workers and operations are left in place,
+    // and the engine's own mutex is made anew, unheld, for its destructor.
+    new std::vector<std::unique_ptr<detail::Worker>>(std::move(workers_));
+    new std::vector<std::shared_ptr<Operation>>(std::move(outstanding_));
+    new (&mu_) std::mutex;
+    return;
+  }
   std::vector<std::shared_ptr<Operation>> ops;
   {
     std::lock_guard lock(mu_);
@@ -726,7 +745,21 @@ Future Engine::Write(const File& file, const void* buf, uint64_t length, uint64_
   return Submit(IoOp::kWrite, std::span<const IoDesc>(&piece, 1));
 }
 
+bool Engine::forked() const noexcept {
+  return getpid() != owner_pid_;
+}
+
+void Engine::CheckNotForked() const {
+  if (forked()) {
+    throw std::logic_error(StrCat("this I/O engine was made in process ", owner_pid_,
+                                  "; in process ", getpid(),
+                                  ", a child made by fork(), its "
+                                  "worker threads do not exist: make a new engine there"));
+  }
+}
+
 Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptions& submit) {
+  CheckNotForked();
   for (const IoDesc& piece : pieces) ValidatePiece(op, piece);
   if (op == IoOp::kWrite) ReserveExtendingWrites(pieces);
   auto operation = std::make_shared<Operation>();
@@ -743,6 +776,7 @@ Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptio
   if (tasks.empty()) {
     std::lock_guard lock(operation->mu);
     operation->complete = true;
+    operation->pieces.clear();
     return Future(std::move(operation));
   }
   size_t first;
@@ -769,6 +803,7 @@ Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptio
 }
 
 void Engine::WaitAll() {
+  CheckNotForked();
   std::vector<std::shared_ptr<Operation>> ops;
   {
     std::lock_guard lock(mu_);

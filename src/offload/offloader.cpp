@@ -83,7 +83,8 @@ EngineOptions OffloaderEngineDefaults() {
   return EngineOptions::FromEnvironment(defaults);
 }
 
-Offloader::Offloader(OffloaderOptions options) : options_(std::move(options)) {
+Offloader::Offloader(OffloaderOptions options)
+    : owner_pid_(getpid()), options_(std::move(options)) {
   if (options_.dirs.empty()) throw std::invalid_argument("offloader: no directory given");
   if (options_.stripe_threshold == 0) {
     throw std::invalid_argument("offloader: stripe_threshold must be positive");
@@ -538,6 +539,20 @@ const std::string& Offloader::backend() const {
 }
 
 void Offloader::Close() noexcept {
+  if (getpid() != owner_pid_) {
+    if (closed_) return;
+    // A child made by fork() (say, a worker process exiting): the files are the parent's, as
+    // is the data in them, and the janitor's and engine's threads were not copied. Nothing is
+    // removed, waited for or joined; the synchronisation objects those threads may have held
+    // or waited on are made anew for the destructors (destroying a condition variable with
+    // waiters can block). The engine leaves its own workers in place (see ~Engine).
+    new std::thread(std::move(janitor_));
+    new (&mu_) std::mutex;
+    new (&external_done_) std::condition_variable;
+    new (&shrink_cv_) std::condition_variable;
+    closed_ = true;
+    return;
+  }
   std::vector<Pending> in_flight;
   {
     std::lock_guard lock(mu_);

@@ -654,6 +654,26 @@ TEST_P(EngineTest, ScatterGatherReadOfManyPiecesOnSeveralFiles) {
   }
 }
 
+// A finished operation lets go of its files, though its future (and the engine's list of
+// operations, until WaitAll) remain: their descriptors close with the caller's last copy.
+TEST_P(EngineTest, AFinishedOperationHoldsNoFileOpen) {
+  Engine engine(Options());
+  std::vector<uint8_t> data = testing::Pattern(100000, 3);
+  File file = File::Open(dir_.File("held.bin"), OpenMode::kWrite);
+  const int fds[2] = {file.buffered_fd(), file.direct_fd()};
+  Future write = engine.Write(file, data.data(), data.size(), 4096);
+  Future empty = engine.Write(file, data.data(), 0, 0);
+  EXPECT_EQ(write.Wait().bytes, data.size());
+  empty.Wait();
+  file.Close();
+  for (int fd : fds) {
+    if (fd >= 0) {
+      EXPECT_EQ(fcntl(fd, F_GETFD), -1) << "descriptor " << fd << " still open";
+    }
+  }
+  engine.WaitAll();
+}
+
 TEST_P(EngineTest, ScatterGatherWriteOfManyPiecesOnSeveralFiles) {
   constexpr uint64_t kSlot = 24 << 10, kSlots = 40, kSize = kSlot * kSlots;
   std::vector<File> files;
