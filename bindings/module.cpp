@@ -7,6 +7,7 @@
 #include <optional>
 #include <system_error>
 
+#include "gil_free_holder.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/backend.hpp"
 #include "tensortier/config.hpp"
@@ -112,11 +113,16 @@ BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f) {
   };
 }
 
-std::unique_ptr<Engine> MakeEngine(const Overrides& overrides, const std::string& probe_dir,
-                                   const std::optional<py::dict>& fault) {
+// The engine's start (backend probes with verified O_DIRECT round trips in `probe_dir`, worker
+// threads) runs with the GIL released.
+GilFreeHolder<Engine> MakeEngine(const Overrides& overrides, const std::string& probe_dir,
+                                 const std::optional<py::dict>& fault) {
   EngineOptions options = overrides.Apply();
-  if (!fault) return std::make_unique<Engine>(options, probe_dir);
-  return std::make_unique<Engine>(options, FaultFactory(options, *fault));
+  BackendFactory factory;
+  if (fault) factory = FaultFactory(options, *fault);
+  py::gil_scoped_release release;
+  if (!factory) return GilFreeHolder<Engine>(new Engine(options, probe_dir));
+  return GilFreeHolder<Engine>(new Engine(options, factory));
 }
 
 // The Python exception for a C++ error, as an object (not raised): OSError for IoError.
@@ -222,7 +228,8 @@ PYBIND11_MODULE(_core, m) {
     return out;
   });
 
-  py::class_<Engine>(m, "Engine")
+  // Dropping an engine waits for its I/O and joins its threads: with the GIL released.
+  py::class_<Engine, GilFreeHolder<Engine>>(m, "Engine")
       .def(py::init([](std::optional<std::string> backend, std::optional<uint64_t> chunk_size,
                        std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
                        std::optional<uint64_t> max_inflight_bytes,

@@ -11,6 +11,7 @@
 #include <string>
 #include <variant>
 
+#include "gil_free_holder.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/cufile.hpp"
@@ -50,20 +51,6 @@ struct PinnedMemory {
     registration.emplace(PrimaryContext(driver, device), memory.data(), size);
   }
 };
-
-// A holder whose deleter releases the GIL: unregistering gigabytes (cuMemHostUnregister,
-// cuFileBufDeregister) is slow, and Python drops these objects at any point (torch frees a
-// pinned_empty tensor's storage whenever its last reference goes). Nothing else returns these
-// C++ objects to Python, so no other thread can find one while it is being destroyed.
-template <typename T>
-struct ReleaseGilDelete {
-  void operator()(T* p) const noexcept {
-    py::gil_scoped_release release;
-    delete p;
-  }
-};
-template <typename T>
-using GilFreeHolder = std::unique_ptr<T, ReleaseGilDelete<T>>;
 
 py::dict ResultToDict(const TransferResult& r) {
   py::dict stats;

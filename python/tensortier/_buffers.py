@@ -24,17 +24,46 @@ def _torch_tensor(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
 
 
+def check_tensor_memory(tensor: Any, where: str = "tensor") -> None:
+    """Raises TypeError/ValueError unless `tensor` is a dense, contiguous torch tensor whose
+    memory holds its values (not a conjugate or negative view)."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"{type(tensor).__name__} is not a tensor: pass a tensor (for a storage, "
+            "torch.tensor([], dtype=torch.uint8).set_(storage))"
+        )
+    if tensor.layout != torch.strided:
+        raise ValueError(
+            f"{where} has layout {tensor.layout}: only dense tensors move (call .to_dense())"
+        )
+    if tensor.is_conj() or tensor.is_neg():
+        # Its memory holds the conjugates (negatives) of its values: writing it would store
+        # other numbers, reading into it would change them.
+        raise ValueError(
+            f"{where} is a {'conjugate' if tensor.is_conj() else 'negative'} view: its memory "
+            "does not hold its values; call .resolve_conj().resolve_neg() first"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{where} of shape {tuple(tensor.shape)} is not contiguous: call .contiguous() first"
+        )
+
+
 def _from_tensor(tensor: Any, writable: bool) -> HostBuffer:
     if tensor.device.type != "cpu":
         raise ValueError(
             f"tensor is on {tensor.device}; this build transfers host memory only "
             "(GPU tensors arrive with the CUDA transfer layer): copy it to the CPU first"
         )
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"tensor of shape {tuple(tensor.shape)} is not contiguous: call .contiguous() first"
-        )
-    return HostBuffer(tensor.data_ptr(), tensor.numel() * tensor.element_size(), tensor)
+    check_tensor_memory(tensor)
+    # The storage is kept as well as the tensor: `tensor.set_(...)` or `param.data = ...`
+    # while the operation runs would otherwise free the memory the engine is using.
+    return HostBuffer(
+        tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+        (tensor, tensor.untyped_storage()),
+    )
 
 
 def _from_buffer(obj: Any, writable: bool) -> HostBuffer:

@@ -172,18 +172,22 @@ def device_buffer(tensor: Any, *, own_stream: bool = False) -> DeviceBuffer:
     """
     import torch
 
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"CUDA tensor of shape {tuple(tensor.shape)} is not contiguous: call .contiguous()"
-        )
+    from ._buffers import check_tensor_memory
+
+    check_tensor_memory(tensor, "CUDA tensor")
     _require_driver(f"moving a tensor on {tensor.device}")
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
     current = torch.cuda.current_stream(index)
     nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()  # kept too: set_() meanwhile must not free the memory
     if not own_stream:
-        return DeviceBuffer(tensor.data_ptr(), nbytes, index, int(current.cuda_stream), tensor)
+        return DeviceBuffer(
+            tensor.data_ptr(), nbytes, index, int(current.cuda_stream), (tensor, storage)
+        )
     stream = torch.cuda.Stream(index)
     if stream.cuda_stream == current.cuda_stream:  # torch's pool hands streams out in turn:
         stream = torch.cuda.Stream(index)  # the caller's own may come round; the next is not it
     stream.wait_stream(current)
-    return DeviceBuffer(tensor.data_ptr(), nbytes, index, int(stream.cuda_stream), (tensor, stream))
+    return DeviceBuffer(
+        tensor.data_ptr(), nbytes, index, int(stream.cuda_stream), (tensor, storage, stream)
+    )

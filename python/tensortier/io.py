@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import os
 import threading
 import weakref
@@ -53,6 +54,9 @@ class IOFuture:
         self._order = list(order)
         self._keepalive: list[Any] | None = keepalive
         self._result: IOResult | None = None
+        self._error: BaseException | None = None  # the operation's error, once collected
+        self._error_raised = False  # raised to a caller (by result(), wait() or wait_all())
+        self._pid = os.getpid()
 
     def done(self) -> bool:
         """True once the operation has completed (successfully or not); never blocks."""
@@ -68,12 +72,36 @@ class IOFuture:
             CudaError: a CUDA copy failed or the driver is missing.
         """
         if self._result is None:
+            if self._error is None:
+                if os.getpid() != self._pid and not self.done():
+                    raise ValueError(_forked_message("IOFuture", self._pid))
+                try:
+                    self._result = self._collect()
+                except BaseException as e:
+                    if self.done():  # not an interrupt of the wait: the operation's error
+                        self._error = e
+                        self._error_raised = True
+                    raise
+                finally:
+                    if self.done():
+                        self._keepalive = None
+            if self._error is not None:
+                self._error_raised = True
+                raise self._error
+        return self._result
+
+    def _unseen_error(self) -> bool:
+        """Whether the operation failed and its error has not been raised to anyone yet. Waits
+        for it to finish and keeps its outcome, raising nothing (but an interrupt)."""
+        if self._result is None and self._error is None:
             try:
                 self._result = self._collect()
-            finally:
-                if self.done():
-                    self._keepalive = None
-        return self._result
+            except BaseException as e:  # noqa: BLE001 - kept for whoever waits
+                if not self.done():
+                    raise  # an interrupt of the wait, not the operation's outcome
+                self._error = e
+            self._keepalive = None
+        return self._error is not None and not self._error_raised
 
     def _collect(self) -> IOResult:
         error: BaseException | None = None
@@ -112,8 +140,9 @@ class IOFuture:
         return self.result().bytes
 
     def __del__(self) -> None:
-        # Memory handed to the kernel must outlive the I/O, even if the future is dropped.
-        if getattr(self, "_keepalive", None) is not None:
+        # Memory handed to the kernel must outlive the I/O, even if the future is dropped. (In a
+        # child made by fork() nothing runs the operation: waiting would never return.)
+        if getattr(self, "_keepalive", None) is not None and os.getpid() == self._pid:
             if self._future is not None:
                 try:
                     self._future.wait()
@@ -227,7 +256,11 @@ class IOHandle:
             probe_dir=os.fspath(probe_dir) if probe_dir is not None else "",
             fault=_fault,
         )
+        self._pid = os.getpid()
+        # Operations not yet known to be over, and finished ones whose error nobody has seen:
+        # wait_all() raises it (an error is never lost with a dropped future).
         self._pending: list[IOFuture] = []
+        self._pending_lock = threading.Lock()
         self._gds = _gds_mode(gds)
         self._ring_options = (bounce_slots, bounce_slot_size, bounce_rings)
         self._transfer: Any = None  # _core.DeviceTransfer, made on the first CUDA tensor
@@ -318,24 +351,45 @@ class IOHandle:
         return self._submit("write", list(pieces))
 
     def wait_all(self) -> None:
-        """Wait for every operation started on this handle; raises the first unseen error."""
-        pending, self._pending = self._pending, []
+        """Wait for every operation started on this handle; raises the first error not yet
+        raised to anyone (by a future's ``result()``/``wait()`` or an earlier ``wait_all()``),
+        including those of futures dropped without waiting."""
+        core = self._core()
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
         first: BaseException | None = None
-        for fut in pending:
-            try:
-                fut.result()
-            except (OSError, RuntimeError) as e:  # RuntimeError: CudaError from a CUDA piece
-                first = first or e
         try:
-            self._core().wait_all()
+            while pending:
+                try:
+                    if pending[0]._unseen_error():  # noqa: SLF001 - waits for it
+                        pending[0].result()
+                except (OSError, RuntimeError) as e:  # RuntimeError: CudaError (a CUDA piece)
+                    first = first or e
+                pending.pop(0)
+        finally:
+            if pending:  # interrupted (Ctrl-C): the rest stay for the next wait
+                with self._pending_lock:
+                    self._pending[:0] = pending
+        try:
+            core.wait_all()
         except OSError as e:
             first = first or e
         if first is not None:
             raise first
 
     def close(self) -> None:
-        """Wait for everything in flight, then stop the workers. Idempotent."""
+        """Wait for everything in flight, then stop the workers. Idempotent. Raises the first
+        error not yet raised to anyone (see ``wait_all``)."""
         if self._engine is None:
+            return
+        if os.getpid() != self._pid:
+            # A child made by fork(): the operations and threads are the parent's. Let go of
+            # everything without waiting (the engine leaves its workers alone there).
+            with self._pending_lock:
+                self._pending = []
+            self._device_pool = None
+            self._transfer = None
+            self._engine = None
             return
         try:
             self.wait_all()
@@ -358,6 +412,8 @@ class IOHandle:
     def _core(self) -> _core.Engine:
         if self._engine is None:
             raise ValueError("IOHandle is closed")
+        if os.getpid() != self._pid:
+            raise ValueError(_forked_message("IOHandle", self._pid))
         return self._engine
 
     def _device_transfer(self) -> Any:
@@ -423,13 +479,17 @@ class IOHandle:
         device: list[tuple[Any, File, int]] = []
         order: list[tuple[bool, int]] = []
         for buf, file, offset in pieces:
-            if not isinstance(offset, int) or isinstance(offset, bool):
-                raise TypeError(f"offset must be an int, not {type(offset).__name__}")
-            if offset < 0:
-                raise ValueError(f"offset must be >= 0, not {offset}")
+            if isinstance(offset, bool):
+                raise TypeError("offset must be an int, not bool")
+            try:
+                offset = operator.index(offset)  # numpy integers too
+            except TypeError:
+                raise TypeError(f"offset must be an int, not {type(offset).__name__}") from None
+            if not 0 <= offset < 1 << 63:
+                raise ValueError(f"offset must be from 0 to 2**63 - 1, not {offset}")
             if is_cuda_tensor(buf):
                 f = self._file(file, write)
-                keepalive.extend((buf, f))
+                keepalive.extend((buf, buf.untyped_storage(), f))
                 order.append((True, len(device)))
                 device.append((buf, f, offset))
                 continue
@@ -444,9 +504,17 @@ class IOHandle:
         future = engine.submit(op, native, stage_reads) if native or not device else None
         jobs = [self._device_job(op, buf, f, offset) for buf, f, offset in device]
         result = IOFuture(future, keepalive, jobs, order)
-        self._pending = [p for p in self._pending if not p.done()]
-        self._pending.append(result)
+        with self._pending_lock:
+            self._pending = [p for p in self._pending if not p.done() or p._unseen_error()]
+            self._pending.append(result)
         return result
+
+
+def _forked_message(what: str, pid: int) -> str:
+    return (
+        f"this {what} was made in process {pid}; in process {os.getpid()}, a child made by "
+        "fork(), its engine's worker threads do not exist: make a new IOHandle in the child"
+    )
 
 
 def _gds_mode(gds: str | None) -> str:

@@ -141,6 +141,7 @@ class DiskOffloader:
             stripe_threshold=stripe_threshold,
             fault=_fault,
         )
+        self._pid = os.getpid()
         self._pin = pin_memory
         self._dirs = len(dirs)
         # "memcpy" (tests): CPU tensors take the device path, copied by memcpy, so its logic
@@ -279,7 +280,11 @@ class DiskOffloader:
     def close(self) -> None:
         """Waits for operations in flight and applies their outcomes (their callbacks do not
         run, their errors are not raised), then removes the backing files. The data of tensors
-        still offloaded is lost (a ``ResourceWarning`` says how many)."""
+        still offloaded is lost (a ``ResourceWarning`` says how many). In a child made by fork()
+        it only lets go: the files, the data and the operations are the parent's."""
+        if os.getpid() != self._pid:
+            self._let_go_after_fork()
+            return
         with self._lock:
             if self._core is None:
                 return
@@ -325,7 +330,30 @@ class DiskOffloader:
     def _open(self) -> _core.Offloader:
         if self._core is None:
             raise ValueError("DiskOffloader is closed")
+        if os.getpid() != self._pid:
+            raise ValueError(
+                f"this DiskOffloader was made in process {self._pid}; in process {os.getpid()}, "
+                "a child made by fork(), its files and threads are the parent's: make a new "
+                "DiskOffloader in the child"
+            )
         return self._core
+
+    def _let_go_after_fork(self) -> None:
+        """close() in a child made by fork(): no lock is taken (a thread of the parent may have
+        held it at the fork), nothing is waited for (the threads are the parent's) and no file
+        is removed (the C++ offloader leaves them when closed in another process)."""
+        core, self._core = self._core, None
+        if core is None:
+            return
+        self._device_pool = None
+        self._transfer = self._device_files = None
+        self._device_jobs = {"write": [], "read": []}
+        for entry in self._by_key.values():
+            if entry.finalizer is not None:
+                entry.finalizer.detach()
+        self._by_id.clear()
+        self._by_key.clear()
+        core.close()
 
     def _lookup(self, tensor: Any) -> _Entry | None:
         entry = self._by_id.get(id(tensor))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -542,3 +545,144 @@ def test_dropped_future_keeps_buffer_alive(disk_dir: Path) -> None:
         for _ in range(20):
             io.pread_async(bytearray(4 << 20), path)  # buffer referenced only by the future
         io.wait_all()
+
+
+# ---- errors are raised once, never lost ---------------------------------------------------------
+
+
+def test_error_of_a_dropped_future_is_raised_by_wait_all(disk_dir: Path) -> None:
+    """A failed operation whose future was dropped unwaited: its error is raised by the next
+    wait_all() (and close()), even after later operations pruned finished futures."""
+    path = disk_dir / "dropped.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "writes": False}
+    io = IOHandle("threads", _fault=fault)
+    io.pread_async(bytearray(1 << 20), path)  # fails; the future is dropped at once
+    time.sleep(0.2)
+    io.pwrite(b"x" * 10, path, 0)  # a later submission prunes finished futures
+    with pytest.raises(OSError) as e:
+        io.wait_all()
+    assert e.value.errno == errno.EIO
+    io.wait_all()  # raised once
+    io.close()
+
+
+def test_an_error_already_raised_is_not_raised_again(disk_dir: Path) -> None:
+    """An error the caller caught from wait() is not raised again by wait_all(), close() or the
+    context manager's exit."""
+    path = disk_dir / "seen.bin"
+    path.write_bytes(os.urandom(8192))
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "writes": False}
+    with IOHandle("threads", _fault=fault) as io:
+        fut = io.pread_async(bytearray(8192), path)
+        with pytest.raises(OSError):
+            fut.wait()
+        with pytest.raises(OSError):  # the future itself still says so
+            fut.result()
+        io.wait_all()
+    # A second failure, not waited for: close() raises it.
+    io = IOHandle("threads", _fault=fault)
+    io.pread_async(bytearray(8192), path)
+    with pytest.raises(OSError):
+        io.close()
+
+
+def test_a_tensor_whose_storage_is_swapped_meanwhile_keeps_the_memory(disk_dir: Path) -> None:
+    """``t.set_(...)`` (or ``param.data = ...``) while a read into `t` runs must not free the
+    memory the engine writes: another tensor could get it."""
+    n = 32 << 10
+    path = disk_dir / "swap.bin"
+    path.write_bytes(b"\xab" * n)
+    with IOHandle("threads", _fault={"kind": "delay", "delay_us": 300_000, "nth": 1}) as io:
+        t = torch.empty(n, dtype=torch.uint8)
+        fut = io.pread_async(t, path)
+        old = t.untyped_storage()
+        t.set_(torch.empty(0, dtype=torch.uint8))
+        del old
+        others = [torch.zeros(n, dtype=torch.uint8) for _ in range(8)]  # would reuse it
+        assert fut.wait() == n
+        assert all(int(o.count_nonzero()) == 0 for o in others)
+
+
+def test_conjugate_and_negative_views_are_refused(disk_dir: Path) -> None:
+    """Their memory holds the conjugates (negatives) of their values: writing would store other
+    numbers, reading into them would change them."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    with IOHandle("threads") as io:
+        for view, word in ((x.conj(), "conjugate"), (x.imag._neg_view(), "negative")):
+            with pytest.raises(ValueError, match=f"{word} view.*resolve"):
+                io.pwrite(view, disk_dir / "v.bin")
+            with pytest.raises(ValueError, match=word):
+                io.pread(view, disk_dir / "v.bin")
+        io.pwrite(x.conj().resolve_conj(), disk_dir / "v.bin")
+        back = torch.empty_like(x)
+        io.pread(back, disk_dir / "v.bin")
+        assert torch.equal(back, x.conj())
+
+
+def test_offset_and_buffer_argument_errors(disk_dir: Path) -> None:
+    np = pytest.importorskip("numpy")
+    path = disk_dir / "o.bin"
+    with IOHandle("threads") as io:
+        assert io.pwrite(b"abcd", path, np.int64(3)) == 4  # numpy integers are offsets
+        with pytest.raises(ValueError, match="2\\*\\*63"):
+            io.pwrite(b"abcd", path, 2**64)
+        with pytest.raises(TypeError, match="offset must be an int"):
+            io.pwrite(b"abcd", path, 1.5)
+        with pytest.raises(TypeError, match="not a tensor"):
+            io.pwrite(torch.UntypedStorage(16), path)
+        with pytest.raises(ValueError, match="layout"):
+            io.pwrite(torch.eye(3).to_sparse(), path)
+
+
+# ---- fork -----------------------------------------------------------------------------------
+
+
+FORK_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch, tensortier
+    d = sys.argv[1]
+    io = tensortier.IOHandle("threads")
+    io.pwrite(torch.arange(1000), os.path.join(d, "parent.bin"))
+    pending = io.pread_async(torch.empty(1000, dtype=torch.int64), os.path.join(d, "parent.bin"))
+    off = tensortier.DiskOffloader(os.path.join(d, "off"))
+    t = torch.randn(10000)
+    ref = t.clone()
+    off.sync_write(t)
+    backing = sorted(os.listdir(os.path.join(d, "off")))
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang ends as SIGALRM
+        code = 0
+        try:
+            io.pwrite(torch.ones(10), os.path.join(d, "child.bin"))
+            code = 1
+        except ValueError as e:
+            if "fork" not in str(e):
+                code = 2
+        del pending  # an inherited future: dropping it must not wait for the parent's I/O
+        io.close()
+        sys.exit(code)  # atexit closes the inherited offloader: the parent's files stay
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child hung or crashed: {status}"
+    assert os.WEXITSTATUS(status) == 0, os.WEXITSTATUS(status)
+    assert sorted(os.listdir(os.path.join(d, "off"))) == backing
+    off.sync_read(t)
+    assert torch.equal(t, ref)
+    io.wait_all()
+    print("ok")
+    """
+)
+
+
+def test_a_forked_child_neither_hangs_nor_touches_the_parents_state(disk_dir: Path) -> None:
+    """A child made by fork() (DataLoader workers, multiprocessing) inherits IOHandles and
+    DiskOffloaders whose threads it does not have: using one raises, dropping or closing one
+    neither waits (that hung) nor removes the parent's files (atexit did)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_CHILD, str(disk_dir)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "ok"
