@@ -502,7 +502,17 @@ class IOHandle:
         for buf, _, _ in device:  # fail before anything starts
             device_buffer(buf)
         future = engine.submit(op, native, stage_reads) if native or not device else None
-        jobs = [self._device_job(op, buf, f, offset) for buf, f, offset in device]
+        jobs: list[concurrent.futures.Future[dict[str, Any]]] = []
+        try:
+            for buf, f, offset in device:
+                jobs.append(self._device_job(op, buf, f, offset))
+        except BaseException:
+            # What started (the host pieces, the first CUDA ones) still uses the memory: it
+            # stays with the pending operations, which keep it alive until it is over.
+            started = [(d, i) for d, i in order if not d or i < len(jobs)]
+            with self._pending_lock:
+                self._pending.append(IOFuture(future, keepalive, jobs, started))
+            raise
         result = IOFuture(future, keepalive, jobs, order)
         with self._pending_lock:
             self._pending = [p for p in self._pending if not p.done() or p._unseen_error()]

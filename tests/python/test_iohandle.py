@@ -686,3 +686,31 @@ def test_a_forked_child_neither_hangs_nor_touches_the_parents_state(disk_dir: Pa
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_a_batch_failing_to_start_a_cuda_piece_keeps_what_started(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host pieces go to the engine before the CUDA pieces start: if starting a CUDA piece fails
+    (no pinned memory for the ring...), the host pieces already running keep their memory alive
+    (with the pending operations, waited by wait_all) instead of losing their only owner."""
+    from tensortier import io as io_module
+
+    marker = torch.empty(0)  # stands for a CUDA tensor
+    monkeypatch.setattr(io_module, "is_cuda_tensor", lambda b: b is marker)
+    monkeypatch.setattr(io_module, "device_buffer", lambda b, **kw: None)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no pinned memory for the ring")
+
+    monkeypatch.setattr(IOHandle, "_device_job", refuse)
+    data = torch.arange(1 << 16, dtype=torch.int32)
+    path = disk_dir / "partial.bin"
+    with IOHandle("threads", _fault={"kind": "delay", "delay_us": 200_000, "nth": 1}) as io:
+        buf = data.clone()
+        with pytest.raises(RuntimeError, match="pinned"):
+            io.pwrite_batch_async([(buf, path, 0), (marker, path, 1 << 20)])
+        del buf  # the engine is still writing from it
+        assert len(io._pending) == 1
+        io.wait_all()
+    assert torch.equal(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.int32), data)
