@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <optional>
 #include <system_error>
 
@@ -215,18 +216,34 @@ PYBIND11_MODULE(_core, m) {
       .def("drop_cache", &File::DropCache, py::call_guard<py::gil_scoped_release>())
       .def("close", &File::Close);
 
-  py::class_<Future>(m, "Future").def("done", &Future::done).def("wait", [](const Future& f) {
-    IoResult r;
-    {
-      py::gil_scoped_release release;
-      r = f.Wait();
-    }
-    py::dict out;
-    out["bytes"] = r.bytes;
-    out["segment_bytes"] = r.segment_bytes;
-    out["stats"] = StatsToDict(r.stats);
-    return out;
-  });
+  py::class_<Future>(m, "Future")
+      .def("done", &Future::done)
+      .def(
+          "wait",
+          [](const Future& f, bool interruptible) {
+            // Interruptible: signal handlers run every 50 ms while it waits (Ctrl-C raises
+            // KeyboardInterrupt; the operation goes on, its memory kept by the caller).
+            while (interruptible) {
+              bool done;
+              {
+                py::gil_scoped_release release;
+                done = f.WaitFor(std::chrono::milliseconds(50));
+              }
+              if (done) break;
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+            }
+            IoResult r;
+            {
+              py::gil_scoped_release release;
+              r = f.Wait();
+            }
+            py::dict out;
+            out["bytes"] = r.bytes;
+            out["segment_bytes"] = r.segment_bytes;
+            out["stats"] = StatsToDict(r.stats);
+            return out;
+          },
+          py::arg("interruptible") = true);
 
   // Dropping an engine waits for its I/O and joins its threads: with the GIL released.
   py::class_<Engine, GilFreeHolder<Engine>>(m, "Engine")

@@ -14,6 +14,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -83,6 +84,9 @@ class Future {
   // Blocks until the operation completes; returns (a copy of) its result or throws its first
   // error (IoError). Can be called again and gives the same outcome.
   IoResult Wait() const;
+  // Blocks until the operation completes or `timeout` passes; whether it completed. Takes no
+  // outcome (an error stays for Wait()).
+  bool WaitFor(std::chrono::milliseconds timeout) const;
 
  private:
   friend class Engine;

@@ -145,7 +145,8 @@ class IOFuture:
         if getattr(self, "_keepalive", None) is not None and os.getpid() == self._pid:
             if self._future is not None:
                 try:
-                    self._future.wait()
+                    # Not interruptible: the memory must outlive the operation, Ctrl-C or not.
+                    self._future.wait(interruptible=False)
                 except Exception:  # noqa: BLE001 - the error belongs to whoever waits; nobody will
                     pass
             concurrent.futures.wait(self._device_jobs)

@@ -420,6 +420,12 @@ bool Future::done() const {
   return op_->complete;
 }
 
+bool Future::WaitFor(std::chrono::milliseconds timeout) const {
+  if (!op_) throw std::logic_error("tensortier::Future: not associated with an operation");
+  std::unique_lock lock(op_->mu);
+  return op_->cv.wait_for(lock, timeout, [&] { return op_->complete; });
+}
+
 IoResult Future::Wait() const {
   if (!op_) throw std::logic_error("tensortier::Future: not associated with an operation");
   op_->WaitComplete();

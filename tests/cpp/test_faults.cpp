@@ -123,6 +123,24 @@ TEST_P(FaultTest, ReadErrorSurfacesAsIoErrorWithPathAndRange) {
   EXPECT_EQ(injector_->hits(), 1u);
 }
 
+// WaitFor says whether the operation is over without taking its outcome: the error stays for
+// Wait().
+TEST_P(FaultTest, WaitForTimesOutThenLeavesTheErrorToWait) {
+  FaultPlan plan = Plan(FaultPlan::Kind::kDelay, true, false, /*nth=*/1);
+  plan.delay = std::chrono::milliseconds(300);
+  auto engine = FaultyEngine(plan);
+  AlignedBuffer buf(8192);
+  Future slow = engine->Read(file_, buf.data(), 8192, 0);
+  EXPECT_FALSE(slow.WaitFor(std::chrono::milliseconds(10)));
+  EXPECT_TRUE(slow.WaitFor(std::chrono::seconds(30)));
+  EXPECT_EQ(slow.Wait().bytes, 8192u);
+
+  auto failing = FaultyEngine(Plan(FaultPlan::Kind::kError, true, false, /*nth=*/1));
+  Future bad = failing->Read(file_, buf.data(), 8192, 0);
+  EXPECT_TRUE(bad.WaitFor(std::chrono::seconds(30)));
+  EXPECT_EQ(WaitError(bad).error_code(), EIO);
+}
+
 TEST_P(FaultTest, WriteErrorENOSPCSurfacesAsIoError) {
   FaultPlan plan = Plan(FaultPlan::Kind::kError, false, true, /*nth=*/2);
   plan.error = ENOSPC;

@@ -714,3 +714,40 @@ def test_a_batch_failing_to_start_a_cuda_piece_keeps_what_started(
         assert len(io._pending) == 1
         io.wait_all()
     assert torch.equal(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.int32), data)
+
+
+INTERRUPT_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import tensortier
+    path = sys.argv[1]
+    data = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        f.write(data)
+    io = tensortier.IOHandle("threads", _fault={"kind": "delay", "delay_us": 3_000_000, "nth": 1})
+    buf = bytearray(len(data))
+    fut = io.pread_async(buf, path)
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        fut.wait()
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print(f"interrupted after {time.monotonic() - start:.2f}")
+    assert fut.wait() == len(data) and buf == data  # the read went on, into memory kept alive
+    io.close()
+    """
+)
+
+
+def test_ctrl_c_interrupts_a_wait(disk_dir: Path) -> None:
+    """A wait answers Ctrl-C at once (the C++ wait ignored signals until the operation was
+    over); the operation goes on and can be waited for again."""
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_SCRIPT, str(disk_dir / "slow.bin")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    words = done.stdout.split()
+    assert words[:2] == ["interrupted", "after"], done.stdout
+    assert float(words[2]) < 1.5, done.stdout
