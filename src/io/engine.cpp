@@ -308,15 +308,19 @@ class Worker {
       op.result.stats.transferred_bytes += t->done;
       op.result.stats.requests += t->submissions;
       last = --op.pending == 0;
-      if (last) {
-        op.complete = true;
-        // A finished operation needs its files no more: neither a future kept nor the
-        // engine's list of operations may hold their descriptors open (EMFILE, deleted files'
-        // space held).
-        finished_pieces.swap(op.pieces);
-      }
+      // A finished operation needs its files no more: neither a future kept nor the engine's
+      // list of operations may hold their descriptors open (EMFILE, deleted files' space held).
+      if (last) finished_pieces.swap(op.pieces);
     }
-    if (last) op.cv.notify_all();
+    if (last) {
+      // Let go of the files before anyone can see the operation complete.
+      finished_pieces.clear();
+      {
+        std::lock_guard lock(op.mu);
+        op.complete = true;
+      }
+      op.cv.notify_all();
+    }
   }
 
   // Waits, idle, until work arrives or the engine stops. Meanwhile each bounce buffer beyond
