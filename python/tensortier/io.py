@@ -54,8 +54,14 @@ class IOFuture:
         self._order = list(order)
         self._keepalive: list[Any] | None = keepalive
         self._result: IOResult | None = None
-        self._error: BaseException | None = None  # the operation's error, once collected
-        self._error_raised = False  # raised to a caller (by result(), wait() or wait_all())
+        # The outcome, once collected: a result, or the operation's error (an Exception; an
+        # interrupt of a wait, KeyboardInterrupt, is never an outcome) and whether it has been
+        # raised to anyone (each error is raised once: see IOHandle.wait_all).
+        self._error: Exception | None = None
+        self._error_raised = False
+        self._host_raw: dict[str, Any] | None = None  # the engine's part, once taken
+        self._host_error: Exception | None = None
+        self._lock = threading.Lock()  # one collector at a time
         self._pid = os.getpid()
 
     def done(self) -> bool:
@@ -65,62 +71,78 @@ class IOFuture:
         )
 
     def result(self) -> IOResult:
-        """Wait (GIL released) and return the full result.
+        """Wait (GIL released; Ctrl-C interrupts the wait, not the operation) and return the
+        full result.
 
         Raises:
             OSError: an I/O error (errno, filename, offset and length in the message).
             CudaError: a CUDA copy failed or the driver is missing.
         """
-        if self._result is None:
-            if self._error is None:
-                if os.getpid() != self._pid and not self.done():
-                    raise ValueError(_forked_message("IOFuture", self._pid))
-                try:
-                    self._result = self._collect()
-                except BaseException as e:
-                    if self.done():  # not an interrupt of the wait: the operation's error
-                        self._error = e
-                        self._error_raised = True
-                    raise
-                finally:
-                    if self.done():
-                        self._keepalive = None
+        self._check_process()
+        with self._lock:
+            self._take_outcome()
             if self._error is not None:
                 self._error_raised = True
                 raise self._error
-        return self._result
+            assert self._result is not None
+            return self._result
 
-    def _unseen_error(self) -> bool:
-        """Whether the operation failed and its error has not been raised to anyone yet. Waits
-        for it to finish and keeps its outcome, raising nothing (but an interrupt)."""
-        if self._result is None and self._error is None:
-            try:
-                self._result = self._collect()
-            except BaseException as e:  # noqa: BLE001 - kept for whoever waits
-                if not self.done():
-                    raise  # an interrupt of the wait, not the operation's outcome
-                self._error = e
-            self._keepalive = None
-        return self._error is not None and not self._error_raised
+    def _unseen_error(self) -> Exception | None:
+        """Waits for the operation and returns its error if nobody has been given it yet (it is
+        then counted as given: the caller raises it); None otherwise."""
+        self._check_process()
+        with self._lock:
+            self._take_outcome()
+            if self._error is None or self._error_raised:
+                return None
+            self._error_raised = True
+            return self._error
 
-    def _collect(self) -> IOResult:
-        error: BaseException | None = None
-        raw: dict[str, Any] = {"bytes": 0, "segment_bytes": [], "stats": {}}
-        if self._future is not None:
-            try:
-                raw = self._future.wait()
-            except BaseException as e:  # noqa: BLE001 - re-raised once every piece is over
-                error = e
+    def _give_back_error(self) -> None:
+        """Undoes _unseen_error()'s giving (its caller could not raise it)."""
+        with self._lock:
+            self._error_raised = False
+
+    def _check_process(self) -> None:
+        # Before any lock: in a child made by fork() a lock may be held for good.
+        if os.getpid() != self._pid and self._result is None and self._error is None:
+            raise ValueError(_forked_message("IOFuture", self._pid))
+
+    def _has_unseen_error(self) -> bool:
+        """For a finished operation (REQUIRES: done()): whether its error is still to be given
+        to someone. Takes the outcome without raising it."""
+        with self._lock:
+            self._take_outcome()
+            return self._error is not None and not self._error_raised
+
+    def _take_outcome(self) -> None:
+        """Waits for every part and keeps the outcome. An interrupt (KeyboardInterrupt) passes
+        through with what was taken so far kept. REQUIRES: self._lock held."""
+        if self._result is not None or self._error is not None:
+            return
+        if self._host_raw is None and self._host_error is None:
+            if self._future is None:
+                self._host_raw = {"bytes": 0, "segment_bytes": [], "stats": {}}
+            else:
+                try:
+                    self._host_raw = self._future.wait()
+                except Exception as e:  # noqa: BLE001 - the engine's error: part of the outcome
+                    self._host_error = e
+        error: Exception | None = self._host_error
         device: list[dict[str, Any]] = []
-        for job in self._device_jobs:
+        for job in self._device_jobs:  # a finished job's outcome can be asked for again
             try:
                 device.append(job.result())
-            except BaseException as e:  # noqa: BLE001 - as above
+            except Exception as e:  # noqa: BLE001 - CudaError, OSError...: part of the outcome
                 error = error or e
+        self._keepalive = None  # every part is over
         if error is not None:
-            raise error
+            self._error = error
+            return
+        raw = self._host_raw or {"bytes": 0, "segment_bytes": [], "stats": {}}
         if not device:
-            return IOResult(raw["bytes"], list(raw["segment_bytes"]), dict(raw["stats"]))
+            self._result = IOResult(raw["bytes"], list(raw["segment_bytes"]), dict(raw["stats"]))
+            return
         host_segments = list(raw["segment_bytes"])
         segments = [
             device[i]["bytes"] if is_device else host_segments[i] for is_device, i in self._order
@@ -129,7 +151,7 @@ class IOFuture:
         stats["device_pieces"] = [dict(d["stats"]) for d in device]
         stats["path"] = device[0]["stats"]["path"]
         stats["eof"] = bool(stats.get("eof", False)) or any(d["eof"] for d in device)
-        return IOResult(sum(segments), segments, stats)
+        self._result = IOResult(sum(segments), segments, stats)
 
     def wait(self) -> int:
         """Wait for completion and return the number of bytes transferred.
@@ -354,29 +376,34 @@ class IOHandle:
     def wait_all(self) -> None:
         """Wait for every operation started on this handle; raises the first error not yet
         raised to anyone (by a future's ``result()``/``wait()`` or an earlier ``wait_all()``),
-        including those of futures dropped without waiting."""
+        including those of futures dropped without waiting; the others, if several failed, are
+        counted in a note on it. Ctrl-C interrupts the wait; nothing is lost (a later wait_all
+        waits again)."""
         core = self._core()
         with self._pending_lock:
             pending, self._pending = self._pending, []
-        first: BaseException | None = None
+        failed: list[IOFuture] = []
         try:
             while pending:
-                try:
-                    if pending[0]._unseen_error():  # noqa: SLF001 - waits for it
-                        pending[0].result()
-                except (OSError, RuntimeError) as e:  # RuntimeError: CudaError (a CUDA piece)
-                    first = first or e
+                if pending[0]._unseen_error() is not None:  # noqa: SLF001 - same module
+                    failed.append(pending[0])
                 pending.pop(0)
-        finally:
-            if pending:  # interrupted (Ctrl-C): the rest stay for the next wait
-                with self._pending_lock:
-                    self._pending[:0] = pending
-        try:
-            core.wait_all()
-        except OSError as e:
-            first = first or e
-        if first is not None:
-            raise first
+            # Operations that other threads started meanwhile (their futures are pending):
+            # waited for, their errors left to their futures.
+            try:
+                core.wait_all()
+            except OSError:
+                pass
+        except BaseException:
+            # Interrupted (Ctrl-C): the errors taken are given back, and they and what is not
+            # over stay pending for the next wait.
+            for future in failed:
+                future._give_back_error()  # noqa: SLF001
+            with self._pending_lock:
+                self._pending[:0] = failed + pending
+            raise
+        if failed:
+            raise _with_others([f._error for f in failed if f._error is not None])  # noqa: SLF001
 
     def close(self) -> None:
         """Wait for everything in flight, then stop the workers. Idempotent. Raises the first
@@ -385,9 +412,9 @@ class IOHandle:
             return
         if os.getpid() != self._pid:
             # A child made by fork(): the operations and threads are the parent's. Let go of
-            # everything without waiting (the engine leaves its workers alone there).
-            with self._pending_lock:
-                self._pending = []
+            # everything without waiting (the engine leaves its workers alone there), and
+            # without locks (a thread of the parent may have held one at the fork).
+            self._pending = []
             self._device_pool = None
             self._transfer = None
             self._engine = None
@@ -516,9 +543,17 @@ class IOHandle:
             raise
         result = IOFuture(future, keepalive, jobs, order)
         with self._pending_lock:
-            self._pending = [p for p in self._pending if not p.done() or p._unseen_error()]
+            self._pending = [p for p in self._pending if not p.done() or p._has_unseen_error()]
             self._pending.append(result)
         return result
+
+
+def _with_others(errors: list[Exception]) -> Exception:
+    """The first of `errors`, with a note counting the others."""
+    first = errors[0]
+    if len(errors) > 1:
+        first.add_note(f"{len(errors) - 1} other operation(s) of this IOHandle also failed")
+    return first
 
 
 def _forked_message(what: str, pid: int) -> str:

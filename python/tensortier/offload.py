@@ -380,7 +380,7 @@ class DiskOffloader:
             if entry is None:
                 continue
             self._remove(entry)
-            if self._core is not None:
+            if self._core is not None and os.getpid() == self._pid:  # a fork's copy: not ours
                 self._core.discard(entry.key)
 
     def _remove(self, entry: _Entry) -> None:
@@ -685,6 +685,18 @@ def _allocate(tensor: Any, nbytes: int, pin: bool, torch: Any) -> None:
 
 
 _live: "weakref.WeakSet[DiskOffloader]" = weakref.WeakSet()
+
+
+def _fresh_locks_after_fork() -> None:
+    # A thread of the parent may have held an offloader's lock at the fork: the child's copy
+    # would be held for good, and close() (atexit included) or any call would hang instead of
+    # letting go or raising.
+    for offloader in list(_live):
+        offloader._lock = threading.RLock()  # noqa: SLF001
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
 
 
 @atexit.register

@@ -201,6 +201,13 @@ def test_async_pwrite_to_an_open_descriptor(handle, disk_dir: Path) -> None:  # 
     with pytest.raises(OSError) as e:
         handle.async_pwrite(t, fd)  # closed now
     assert e.value.errno == errno.EBADF and f"descriptor {fd}" in str(e.value)
+    ro = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as e:
+            handle.async_pwrite(t, ro)  # as a write(2) to it would
+        assert e.value.errno == errno.EBADF and "read-only" in str(e.value)
+    finally:
+        os.close(ro)
 
 
 def test_deepspeed_spellings(disk_dir: Path) -> None:

@@ -751,3 +751,101 @@ def test_ctrl_c_interrupts_a_wait(disk_dir: Path) -> None:
     words = done.stdout.split()
     assert words[:2] == ["interrupted", "after"], done.stdout
     assert float(words[2]) < 1.5, done.stdout
+
+
+@pytest.fixture
+def alarm_interrupt():  # type: ignore[no-untyped-def]
+    """Calls `arm(seconds, linger)`: SIGALRM then raises KeyboardInterrupt after `linger` s (a
+    handler that logs before raising; the operation may finish meanwhile)."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        time.sleep(state["linger"])
+        raise KeyboardInterrupt
+
+    state = {"linger": 0.0}
+    old = signal.signal(signal.SIGALRM, handler)
+
+    def arm(seconds: float, linger: float = 0.0) -> None:
+        state["linger"] = linger
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    yield arm
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_an_interrupt_is_never_an_operations_outcome(disk_dir: Path, alarm_interrupt) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C arriving as the operation finishes: the next result() gives the result, not the
+    KeyboardInterrupt again."""
+    path = disk_dir / "ki.bin"
+    path.write_bytes(b"x" * 4096)
+    with IOHandle("threads", _fault={"kind": "delay", "delay_us": 300_000, "nth": 1}) as io:
+        buf = bytearray(4096)
+        fut = io.pread_async(buf, path)
+        alarm_interrupt(0.1, linger=0.4)  # the read is over when the interrupt is raised
+        with pytest.raises(KeyboardInterrupt):
+            fut.result()
+        assert fut.result().bytes == 4096 and buf == b"x" * 4096
+
+
+def _fifo_file(io: IOHandle, disk_dir: Path) -> "tensortier.File":
+    fifo = disk_dir / "fifo"
+    os.mkfifo(fifo)
+    return io.open(fifo, "r+", direct=False)  # a read at an offset fails: ESPIPE
+
+
+def test_an_interrupted_wait_all_loses_no_error(disk_dir: Path, alarm_interrupt) -> None:  # type: ignore[no-untyped-def]
+    path = disk_dir / "slow.bin"
+    path.write_bytes(b"x" * 4096)
+    io = IOHandle("threads", workers=1, _fault={"kind": "delay", "delay_us": 500_000, "nth": 2})
+    io.pread_async(bytearray(4096), _fifo_file(io, disk_dir), 0)  # fails; future dropped
+    io.pread_async(bytearray(4096), path)  # slow
+    alarm_interrupt(0.2)
+    with pytest.raises(KeyboardInterrupt):
+        io.wait_all()
+    with pytest.raises(OSError) as e:
+        io.wait_all()
+    assert e.value.errno == errno.ESPIPE
+    io.close()  # raised once: not again
+
+
+def test_an_error_is_raised_once_with_wait_all_on_another_thread(disk_dir: Path) -> None:
+    """A wait_all() running on another thread while a new operation fails must not take that
+    error from the engine as well: it is raised once, by the next wait_all()."""
+    path = disk_dir / "g.bin"
+    path.write_bytes(b"x" * 8192)
+    io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 500_000, "nth": 1})
+    io.pread_async(bytearray(4096), path)  # slow
+    outcome: list[str] = []
+
+    def wait_all() -> None:
+        try:
+            io.wait_all()
+            outcome.append("ok")
+        except OSError as e:
+            outcome.append(f"errno {e.errno}")
+
+    waiter = threading.Thread(target=wait_all)
+    waiter.start()
+    time.sleep(0.15)
+    io.pread_async(bytearray(4096), _fifo_file(io, disk_dir), 0)  # fails meanwhile
+    waiter.join()
+    raised = 0 if outcome == ["ok"] else 1
+    try:
+        io.wait_all()
+    except OSError as e:
+        assert e.errno == errno.ESPIPE
+        raised += 1
+    io.close()
+    assert raised == 1, outcome
+
+
+def test_several_errors_are_counted_on_the_first(disk_dir: Path) -> None:
+    with IOHandle("threads") as io:
+        fifo = _fifo_file(io, disk_dir)
+        for _ in range(3):
+            io.pread_async(bytearray(16), fifo, 0)
+        with pytest.raises(OSError) as e:
+            io.wait_all()
+        assert "2 other operation(s)" in "".join(getattr(e.value, "__notes__", []))

@@ -23,6 +23,7 @@ buffer copied out at ``wait()``): either way, use it only after ``wait()``.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
 import weakref
@@ -256,8 +257,9 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         return tensor
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        """Frees a tensor from ``new_cpu_locked_tensor`` now (the tensor, and views of it, must
-        not be used afterwards) and returns True; any other tensor is left alone: False."""
+        """Releases a tensor from ``new_cpu_locked_tensor`` and returns True: pinned memory is
+        freed now (the tensor, and views of it, must not be used afterwards), page-aligned
+        memory with the tensor's last reference. Any other tensor is left alone: False."""
         with self._locked_mutex:
             entry = self._locked.get(int(tensor.data_ptr()))
             if entry is None or entry[1]() is not tensor:
@@ -319,9 +321,11 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             # DeepNVMe's async_pwrite(buffer, fd): the caller's descriptor stays open and
             # untouched; the engine opens the same file again, with its own flags (O_DIRECT).
             try:
-                os.fstat(filename)
+                flags = fcntl.fcntl(filename, fcntl.F_GETFL)
             except OSError as e:
                 raise OSError(e.errno, f"{what}: file descriptor {filename}: {e.strerror}") from e
+            if op == "write" and flags & os.O_ACCMODE == os.O_RDONLY:
+                raise OSError(errno.EBADF, f"{what}: file descriptor {filename} is read-only")
             filename = f"/proc/self/fd/{filename}"
         path = os.fspath(filename)
         nbytes = _nbytes(buffer)
