@@ -898,8 +898,10 @@ def _read_pieces(
             progress.close()
 
 
-def _groups(pieces: Sequence[_Piece]) -> Iterator[list[_Piece]]:
-    group: list[_Piece] = []
+def _groups(pieces: Sequence[_T]) -> Iterator[list[_T]]:
+    """`pieces` (anything with ``nbytes``) in runs of about _GROUP_BYTES (one piece when
+    larger)."""
+    group: list[_T] = []
     size = 0
     for p in pieces:
         group.append(p)
@@ -1317,7 +1319,7 @@ def _load_safetensors(
         # its saved dtype as well.
         converts = dtype is not None and any(_converts(e.dtype, dtype) for e in entries)
         try:
-            for group in _entry_groups(entries) if converts else [entries]:
+            for group in _groups(entries) if converts else [entries]:
                 out.update(_read_st_group(io, file, path, group, dev, dtype, sums, prog))
         finally:
             prog.close()
@@ -1350,20 +1352,6 @@ def _read_st_group(
 def _converts(saved: Any, dtype: Any) -> bool:
     """Whether ``_convert`` changes a tensor saved in `saved` into `dtype`."""
     return saved != dtype and saved.is_floating_point and dtype.is_floating_point
-
-
-def _entry_groups(entries: Sequence[_STEntry]) -> Iterator[list[_STEntry]]:
-    """`entries` in runs of about _GROUP_BYTES (one entry when larger)."""
-    group: list[_STEntry] = []
-    size = 0
-    for e in entries:
-        group.append(e)
-        size += e.nbytes
-        if size >= _GROUP_BYTES:
-            yield group
-            group, size = [], 0
-    if group:
-        yield group
 
 
 # --------------------------------------------------------------------------------------------

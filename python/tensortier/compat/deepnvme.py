@@ -343,30 +343,30 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         return 0
 
 
-def _async_argument(what: str, async_op: bool | None, kwargs: dict[str, Any]) -> bool:
-    """DeepNVMe's ``async`` argument, given as `async_op` or as the keyword ``async``."""
-    if "async" in kwargs:
-        if async_op is not None:
-            raise TypeError(f"{what}() got both async and async_op")
-        async_op = kwargs.pop("async")
+def _aliased_argument(
+    what: str, value: Any, kwargs: dict[str, Any], name: str, alias: str
+) -> Any:
+    """An argument given as `value` (its name `name`) or as the keyword `alias` in `kwargs`
+    (DeepSpeed's spelling); no other keyword may be left."""
+    if alias in kwargs:
+        if value is not None:
+            raise TypeError(f"{what}() got both {name} and {alias}")
+        value = kwargs.pop(alias)
     if kwargs:
         raise TypeError(f"{what}() got unexpected keyword arguments: {sorted(kwargs)}")
-    if async_op is None:
-        raise TypeError(f"{what}() missing its argument 'async' (True or False)")
-    return bool(async_op)
+    if value is None:
+        raise TypeError(f"{what}() missing its argument '{name}'")
+    return value
+
+
+def _async_argument(what: str, async_op: bool | None, kwargs: dict[str, Any]) -> bool:
+    """DeepNVMe's ``async`` argument, given as `async_op` or as the keyword ``async``."""
+    return bool(_aliased_argument(what, async_op, kwargs, "async_op", "async"))
 
 
 def _example_argument(what: str, example: Any, kwargs: dict[str, Any]) -> Any:
     """`example_tensor`, also under DeepSpeed's spelling ``example_tenosr``."""
-    if "example_tenosr" in kwargs:
-        if example is not None:
-            raise TypeError(f"{what}() got both example_tensor and example_tenosr")
-        example = kwargs.pop("example_tenosr")
-    if kwargs:
-        raise TypeError(f"{what}() got unexpected keyword arguments: {sorted(kwargs)}")
-    if example is None:
-        raise TypeError(f"{what}() missing its argument 'example_tensor'")
-    return example
+    return _aliased_argument(what, example, kwargs, "example_tensor", "example_tenosr")
 
 
 def _validate(buffer: Any, filename: str, offset: int) -> None:
