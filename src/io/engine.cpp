@@ -64,7 +64,8 @@ struct Task {
   uint64_t charged;  // bytes counted against the worker's in-flight budget
   uint64_t done = 0;
   uint32_t submissions = 0;
-  uint32_t slot = 0;  // index in the worker's in-flight table while submitted
+  uint32_t retries = 0;  // EAGAIN/EINTR completions in a row
+  uint32_t slot = 0;     // index in the worker's in-flight table while submitted
   AlignedBuffer* bounce = nullptr;
 };
 
@@ -73,6 +74,8 @@ class Worker {
  public:
   using Clock = std::chrono::steady_clock;
   static constexpr size_t kIdleBounce = 2;
+  // EAGAIN/EINTR completions of one request in a row before it fails with that errno.
+  static constexpr uint32_t kMaxRetries = 1000;
   static constexpr std::chrono::milliseconds kBusyBounceIdle{100};
 
   Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t chunk,
@@ -241,9 +244,20 @@ class Worker {
   void Complete(Task* t, int64_t result) {
     const Operation& op = *t->op;
     if (result == -EINTR || result == -EAGAIN) {  // not an error: the kernel asks to try again
-      retry_.push_back(t);
+      if (++t->retries <= kMaxRetries) {
+        retry_.push_back(t);
+        return;
+      }
+      // Asked again and again: say so rather than spin on it for good.
+      t->op->Fail(
+          std::make_exception_ptr(IoError(static_cast<int>(-result),
+                                          StrCat(op.op == IoOp::kRead ? "read" : "write", " (",
+                                                 kMaxRetries, " retries asked for in a row)"),
+                                          op.pieces[t->piece].file.path(), t->offset, t->length)));
+      Finish(t);
       return;
     }
+    t->retries = 0;
     if (result < 0) {
       t->op->Fail(std::make_exception_ptr(
           IoError(static_cast<int>(-result),

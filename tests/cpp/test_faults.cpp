@@ -123,6 +123,27 @@ TEST_P(FaultTest, ReadErrorSurfacesAsIoErrorWithPathAndRange) {
   EXPECT_EQ(injector_->hits(), 1u);
 }
 
+// EAGAIN/EINTR completions are the kernel asking to try again: retried, but not for good (a
+// device that answers nothing else would spin a worker forever, and hide it).
+TEST_P(FaultTest, RetriesAskedForAreBounded) {
+  for (int error : {EAGAIN, EINTR}) {
+    FaultPlan transient = Plan(FaultPlan::Kind::kError, true, false, /*nth=*/1, /*count=*/50);
+    transient.error = error;
+    auto engine = FaultyEngine(transient, /*workers=*/1);
+    ReadOk(*engine, 0, 256 << 10);
+
+    FaultPlan forever = Plan(FaultPlan::Kind::kError, true, false, /*nth=*/1,
+                             /*count=*/1000000);
+    forever.error = error;
+    engine = FaultyEngine(forever, /*workers=*/1);
+    AlignedBuffer buf(8192);
+    IoError e = WaitError(engine->Read(file_, buf.data(), 8192, 0));
+    EXPECT_EQ(e.error_code(), error);
+    EXPECT_NE(std::string(e.what()).find("retries"), std::string::npos) << e.what();
+    EXPECT_EQ(e.path(), path_);
+  }
+}
+
 // WaitFor says whether the operation is over without taking its outcome: the error stays for
 // Wait().
 TEST_P(FaultTest, WaitForTimesOutThenLeavesTheErrorToWait) {
