@@ -541,11 +541,25 @@ class IOHandle:
             with self._pending_lock:
                 self._pending.append(IOFuture(future, keepalive, jobs, started))
             raise
+        if not write:
+            _bump_versions([buf for buf, _, _ in pieces])
         result = IOFuture(future, keepalive, jobs, order)
         with self._pending_lock:
             self._pending = [p for p in self._pending if not p.done() or p._has_unseen_error()]
             self._pending.append(result)
         return result
+
+
+def _bump_versions(buffers: Sequence[Any]) -> None:
+    """Counts a read into torch tensors as an in-place change for autograd (as ``copy_`` would:
+    a tensor saved for backward and then read into makes backward raise, not compute a wrong
+    gradient)."""
+    increment = None
+    for buf in buffers:
+        if type(buf).__module__.startswith("torch") and hasattr(buf, "_version"):
+            if increment is None:
+                from torch.autograd.graph import increment_version as increment
+            increment(buf)
 
 
 def _with_others(errors: list[Exception]) -> Exception:

@@ -849,3 +849,21 @@ def test_several_errors_are_counted_on_the_first(disk_dir: Path) -> None:
         with pytest.raises(OSError) as e:
             io.wait_all()
         assert "2 other operation(s)" in "".join(getattr(e.value, "__notes__", []))
+
+
+def test_a_read_counts_as_an_in_place_change_for_autograd(disk_dir: Path) -> None:
+    """As ``copy_`` into it would: backward through a tensor changed by a read raises instead of
+    computing a gradient from the new values."""
+    path = disk_dir / "v.bin"
+    path.write_bytes(torch.ones(4).numpy().tobytes())
+    w = torch.zeros(4, requires_grad=True)
+    with IOHandle("threads") as io:
+        with torch.no_grad():
+            x = w.clone()
+        x.requires_grad_()
+        y = (x * x).sum()  # saves x for backward
+        before = x._version
+        io.pread(x.detach(), path)  # the data of x, changed in place
+        assert x._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
