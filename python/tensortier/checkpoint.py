@@ -337,7 +337,6 @@ def _torch() -> Any:
 
 
 _default_lock = threading.Lock()
-_torch_config_lock = threading.Lock()  # see _save_torch
 _default: tuple[int, IOHandle] | None = None
 
 
@@ -1731,12 +1730,9 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
     with _DurableFile(path, io) as df:
         with open(df.tmp, "r+b") as f:  # torch writes the metadata records and leaves holes
             try:
-                # A process-wide setting while it lasts (torch.save calls of other threads align
-                # their storages to 4 KiB meanwhile, harmless); our own saves take turns, or one
-                # ending would put back the default under another, or leave 4 KiB for good.
-                with _torch_config_lock, ser_config.patch(
-                    {"save.storage_alignment": ALIGNMENT}
-                ):
+                # torch's config patches are per thread: saves on other threads, ours or
+                # torch.save's, keep their own alignment meanwhile.
+                with ser_config.patch({"save.storage_alignment": ALIGNMENT}):
                     with torch.serialization.skip_data():
                         torch.save(obj, f)
             except (RuntimeError, pickle.PicklingError, AttributeError) as e:

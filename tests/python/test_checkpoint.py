@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -826,3 +828,51 @@ def test_dtype_conversion_keeps_parameters_and_leaves(disk_dir: Path) -> None:
             assert type(o) is type(v), k
             assert torch.equal(o.detach(), v.detach().half()), k
         torch.optim.SGD([out["p"], out["leaf"]], lr=0.1)
+
+
+def test_concurrent_torch_saves_leave_torch_settings_as_they_were(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our torch-format saves set torch's storage alignment while they run (a per-thread config
+    patch): saves overlapping on several threads each write 4 KiB-aligned storages, and the
+    setting is what it was afterwards."""
+    from torch.utils.serialization import config as ser_config
+
+    before = ser_config.save.storage_alignment
+    sd = {f"w{i}": torch.randn(1000 + i) for i in range(20)}
+    errors: list[BaseException] = []
+
+    def save(n: int) -> None:
+        try:
+            for k in range(3):
+                tensortier.save(sd, disk_dir / f"c{n}-{k}.pt")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    real_save = torch.save
+
+    def slow_save(*args: object, **kwargs: object) -> None:
+        time.sleep(0.02)  # saves overlap for sure (the metadata pickling alone is quick)
+        real_save(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "save", slow_save)
+    threads = [threading.Thread(target=save, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.undo()
+    assert not errors, errors
+    assert ser_config.save.storage_alignment == before
+    for n in range(4):
+        for k in range(3):
+            path = disk_dir / f"c{n}-{k}.pt"
+            raw = path.read_bytes()
+            with zipfile.ZipFile(path) as z:
+                for info in z.infolist():
+                    if "/data/" in info.filename:
+                        at = info.header_offset  # the local header's own name and extra lengths
+                        name_len, extra_len = struct.unpack_from("<HH", raw, at + 26)
+                        assert (at + 30 + name_len + extra_len) % 4096 == 0, (path, info.filename)
+            out = torch.load(path, weights_only=True)
+            assert all(torch.equal(out[k2], v) for k2, v in sd.items())

@@ -377,6 +377,8 @@ def test_deepnvme_handles_on_cuda_tensors(disk_dir: Path) -> None:
             assert h.unpin_device_tensor(dst) is True
             t = h.new_pinned_device_tensor(1000, src)
             assert t.device.type == "cuda" and h.free_pinned_device_tensor(t)
+            t.fill_(3)  # only unpinned, as DeepNVMe's: the tensor stays usable
+            assert int(t.sum()) == 3000
         h.pwrite(src, path, True, False)  # validate=True compares with the file
         h.close()
 

@@ -867,3 +867,36 @@ def test_a_read_counts_as_an_in_place_change_for_autograd(disk_dir: Path) -> Non
         assert x._version > before
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.backward()
+
+
+def test_dropping_a_handle_with_io_in_flight_releases_the_gil(disk_dir: Path) -> None:
+    """Dropping an IOHandle without close() waits for its I/O in the engine's destructor: other
+    Python threads must keep running meanwhile (the default holder waited with the GIL held)."""
+    path = disk_dir / "drop.bin"
+    path.write_bytes(b"x" * 8192)
+    io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 500_000, "nth": 1})
+    buf = bytearray(8192)
+    fut = io.pread_async(buf, path)  # kept: its own wait is not what is measured
+    ticks = 0
+    stop = threading.Event()
+
+    def count() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    time.sleep(0.05)
+    start, before = time.monotonic(), ticks
+    io._pending.clear()
+    engine, io._engine = io._engine, None
+    del engine  # ~Engine waits for the delayed read
+    elapsed = time.monotonic() - start
+    during = ticks - before
+    stop.set()
+    counter.join()
+    assert elapsed > 0.2, "the read was over before the engine was dropped"
+    assert during > 20, f"{during} ticks of another thread in {elapsed:.2f} s"
+    assert fut.wait() == 8192 and buf == b"x" * 8192
