@@ -801,3 +801,46 @@ def test_a_finished_device_move_whose_stats_are_lost_is_not_undone(
         off.sync_read(t)
         assert not off.is_offloaded(t) and torch.equal(t, ref)
         assert off.stored_bytes == 0
+
+
+FORK_WITH_LOCK_HELD = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import torch, tensortier
+    off = tensortier.DiskOffloader(sys.argv[1])
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a thread of the parent inside the offloader at the fork
+        with off._lock:
+            held.set()
+            release.wait()
+
+    threading.Thread(target=hold).start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang ends as SIGALRM
+        try:
+            off.sync_write(torch.ones(10))
+            os._exit(1)
+        except ValueError as e:
+            os._exit(0 if "fork" in str(e) else 2)
+    release.set()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child hung or crashed: {status}"
+    assert os.WEXITSTATUS(status) == 0, os.WEXITSTATUS(status)
+    off.close()
+    print("ok")
+    """
+)
+
+
+def test_a_forked_child_raises_even_if_a_parent_thread_held_the_lock(disk_dir: Path) -> None:
+    """A parent thread inside the offloader at the fork leaves its lock held in the child's copy
+    for good: the child gets a fresh one, so using the offloader raises instead of hanging."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_WITH_LOCK_HELD, str(disk_dir)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "ok"
