@@ -200,4 +200,12 @@ void RegisterCheckpoint(py::module_& m) {
         return Crc32(view.data(), view.size(), crc);
       },
       py::arg("obj"), py::arg("crc") = 0, "CRC-32 (zlib.crc32) of a C-contiguous buffer.");
+  m.def(
+      "crc32_address",
+      [](uintptr_t address, uint64_t nbytes, uint32_t crc) {
+        return Crc32(reinterpret_cast<const void*>(address), nbytes, crc);
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("crc") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "CRC-32 (zlib.crc32) of nbytes of host memory at address (the caller keeps it alive).");
 }

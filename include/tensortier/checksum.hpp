@@ -28,6 +28,16 @@ class Xxh64State {
 
 // CRC-32 (ISO-HDLC: zlib's crc32(), the one zip uses). `crc` chains calls: Crc32(b, n, Crc32(a, m))
 // equals the CRC of a followed by b.
+// The fastest method this CPU has: carry-less multiply folding (AVX-512 VPCLMULQDQ, else
+// PCLMULQDQ) for the bulk, slicing-by-8 tables for the rest.
 uint32_t Crc32(const void* data, size_t len, uint32_t crc = 0) noexcept;
+
+namespace detail {
+// The ways Crc32() can compute (tests check each one the CPU has against the others).
+enum class CrcMethod { kTable, kPclmul, kVpclmul };
+bool CrcMethodAvailable(CrcMethod method) noexcept;
+// Crc32() by `method`, which must be available.
+uint32_t Crc32With(CrcMethod method, const void* data, size_t len, uint32_t crc = 0) noexcept;
+}  // namespace detail
 
 }  // namespace tensortier
