@@ -9,6 +9,7 @@ import struct
 import threading
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -320,7 +321,8 @@ def test_torch_structure_sharing_and_alignment(disk_dir: Path, small_groups: Non
             "step": 10, "lr": 1e-3, "names": ["a", "b"], "none": None, "flag": True}
         assert out["epoch"] == 3
         assert isinstance(out["param"], torch.nn.Parameter) and out["param"].equal(sd["param"])
-    with zipfile.ZipFile(path) as z:  # (CRCs are written with checksum=True only)
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None  # real CRCs by default, as torch.save writes
         for info in z.infolist():
             if "/data/" in info.filename:
                 with open(path, "rb") as f:
@@ -345,16 +347,35 @@ def test_torch_compat_torch_save_to_load(disk_dir: Path) -> None:
 
 
 def test_torch_checksums_are_zip_crcs(disk_dir: Path) -> None:
-    sd = {"a": torch.randn(1000), "b": torch.arange(100)}
-    path = disk_dir / "c.pt"
-    tensortier.save(sd, path, checksum=True)
-    with zipfile.ZipFile(path) as z:
-        assert z.testzip() is None  # every CRC right, data descriptors included
-    tensortier.load(path, verify=True)
-    plain = disk_dir / "plain.pt"
-    tensortier.save(sd, plain)
-    with pytest.raises(ValueError, match="no CRC-32"):
-        tensortier.load(plain, verify=True)
+    # Sizes around the CRC's folded path (256 bytes, 64-byte strides) and a multi-MiB one.
+    sd = {"a": torch.randn(1000), "b": torch.arange(100), "c": torch.randn(3 << 20),
+          "d": torch.ones(257, dtype=torch.uint8), "e": torch.zeros(0)}
+    for checksum in (True, False):  # CRCs by default, as torch.save writes them
+        path = disk_dir / f"c{checksum}.pt"
+        tensortier.save(sd, path, checksum=checksum)
+        with zipfile.ZipFile(path) as z:
+            assert z.testzip() is None  # every CRC right, data descriptors included
+            for info in z.infolist():
+                assert info.CRC == zlib.crc32(z.read(info)), info.filename
+        tensortier.load(path, verify=True)
+
+
+def test_torch_crcs_follow_torchs_crc32_option(disk_dir: Path) -> None:
+    if not hasattr(torch.serialization, "set_crc32_options"):
+        pytest.skip(f"torch {torch.__version__} has no set_crc32_options")
+    sd = {"a": torch.randn(1000)}
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        plain = disk_dir / "plain.pt"
+        tensortier.save(sd, plain)  # as torch.save then: no CRCs, so nothing to verify
+        with pytest.raises(ValueError, match="no CRC-32"):
+            tensortier.load(plain, verify=True)
+        forced = disk_dir / "forced.pt"
+        tensortier.save(sd, forced, checksum=True)
+        assert tensortier.load(forced, verify=True)["a"].equal(sd["a"])
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 # ---- options -------------------------------------------------------------------------------------
