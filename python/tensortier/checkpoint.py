@@ -1453,79 +1453,95 @@ def _unpickle_torch(
     finally:
         os.close(fd)
 
-    storages: dict[str, _StorageRef] = {}
+    def unpickle(device: Any) -> tuple[Any, dict[str, _StorageRef]]:
+        storages: dict[str, _StorageRef] = {}
 
-    def persistent_load(saved_id: Any) -> Any:
-        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-            raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
-        typename, storage_type, key, _location, numel = saved_id
-        if isinstance(typename, bytes):
-            typename = typename.decode("ascii")
-        if isinstance(key, bytes):
-            key = key.decode("ascii")
-        if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int):
-            raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
-        if storage_type is torch.UntypedStorage:
-            dtype = torch.uint8
-        else:
-            dtype = getattr(storage_type, "dtype", None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"{path}: storage {key} has an unknown type {storage_type!r}")
-        if key in storages:
-            ref = storages[key]
-        else:
-            name = f"{prefix}data/{key}"
-            record = records.get(name)
-            if record is None:
-                raise ValueError(f"{path}: storage record {name} is missing")
-            if numel < 0:
-                raise ValueError(f"{path}: storage {key} has a negative size")
-            nbytes = numel * dtype.itemsize
-            if nbytes != record.size:
-                raise ValueError(
-                    f"{path}: storage {key} should hold {nbytes} bytes, its record has "
-                    f"{record.size}"
-                )
-            if mapped is not None:
-                storage = _mapped_tensor(
-                    mapped, record.offset, nbytes, dtype, (numel,)
-                ).untyped_storage()
-            elif storage_device.type == "cpu":
-                flat = _host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
-                if nbytes and flat.untyped_storage().resizable():
-                    # A tensor set_ past the end of a resizable storage grows it: a few bytes
-                    # of pickle would allocate any size. Fixed, torch refuses (as torch.load).
-                    flat = _fixed_size(flat)
-                storage = flat.untyped_storage()
+        def persistent_load(saved_id: Any) -> Any:
+            if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+                raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
+            typename, storage_type, key, _location, numel = saved_id
+            if isinstance(typename, bytes):
+                typename = typename.decode("ascii")
+            if isinstance(key, bytes):
+                key = key.decode("ascii")
+            if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int):
+                raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
+            if storage_type is torch.UntypedStorage:
+                dtype = torch.uint8
             else:
-                storage = torch.UntypedStorage(nbytes, device=storage_device)
-            ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
-            storages[key] = ref
-        return torch.storage.TypedStorage(wrap_storage=ref.storage, dtype=dtype, _internal=True)
-
-    import io as pyio
-
-    unpickler = wou.Unpickler(pyio.BytesIO(pkl), encoding="utf-8")
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-    try:
-        obj = unpickler.load()
-    except pickle.UnpicklingError as e:
-        raise ValueError(
-            f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier never "
-            f"runs other pickle code): {e}"
-        ) from None
-    except (ValueError, OSError):
-        raise
-    except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
-        raise ValueError(f"{path}: malformed data.pkl: {type(e).__name__}: {e}") from e
-    for key, ref in storages.items():
-        # Storages that can grow (meta, CUDA, mapped windows) grew to fit a tensor reaching
-        # past their end: its bytes would come from other records, or from nowhere.
-        if ref.storage.nbytes() != ref.nbytes:
-            raise ValueError(
-                f"{label or path}: malformed data.pkl: a tensor reaches past the end of storage "
-                f"data/{key} ({ref.nbytes} bytes)"
+                dtype = getattr(storage_type, "dtype", None)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(
+                        f"{path}: storage {key} has an unknown type {storage_type!r}"
+                    )
+            if key in storages:
+                ref = storages[key]
+            else:
+                name = f"{prefix}data/{key}"
+                record = records.get(name)
+                if record is None:
+                    raise ValueError(f"{path}: storage record {name} is missing")
+                if numel < 0:
+                    raise ValueError(f"{path}: storage {key} has a negative size")
+                nbytes = numel * dtype.itemsize
+                if nbytes != record.size:
+                    raise ValueError(
+                        f"{path}: storage {key} should hold {nbytes} bytes, its record has "
+                        f"{record.size}"
+                    )
+                if mapped is not None:
+                    storage = _mapped_tensor(
+                        mapped, record.offset, nbytes, dtype, (numel,)
+                    ).untyped_storage()
+                    if nbytes and storage.resizable():  # a copy (misaligned record): as below
+                        storage = _fixed_size(_storage_bytes(storage)).untyped_storage()
+                elif device.type == "cpu":
+                    flat = _host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
+                    if nbytes and flat.untyped_storage().resizable():
+                        # A tensor set_ past the end of a resizable storage grows it: a few
+                        # bytes of pickle would allocate any size. Fixed, torch refuses (as
+                        # torch.load does).
+                        flat = _fixed_size(flat)
+                    storage = flat.untyped_storage()
+                else:
+                    storage = torch.UntypedStorage(nbytes, device=device)
+                ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
+                storages[key] = ref
+            return torch.storage.TypedStorage(
+                wrap_storage=ref.storage, dtype=dtype, _internal=True
             )
+
+        import io as pyio
+
+        unpickler = wou.Unpickler(pyio.BytesIO(pkl), encoding="utf-8")
+        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+        try:
+            obj = unpickler.load()
+        except pickle.UnpicklingError as e:
+            raise ValueError(
+                f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier "
+                f"never runs other pickle code): {e}"
+            ) from None
+        except (ValueError, OSError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
+            raise ValueError(f"{path}: malformed data.pkl: {type(e).__name__}: {e}") from e
+        for key, ref in storages.items():
+            # Storages that can grow (meta, CUDA) grew to fit a tensor reaching past their
+            # end: its bytes would come from other records, or from nowhere.
+            if ref.storage.nbytes() != ref.nbytes:
+                raise ValueError(
+                    f"{label or path}: malformed data.pkl: a tensor reaches past the end of "
+                    f"storage data/{key} ({ref.nbytes} bytes)"
+                )
+        return obj, storages
+
+    if mapped is None and storage_device.type not in ("cpu", "meta"):
+        # A CUDA storage grows to whatever a tensor set_ past its end asks for before the size
+        # check can refuse the file: a few bytes of pickle would allocate any amount of GPU
+        # memory. Meta storages grow for free: the same pickle is checked on them first.
+        unpickle(torch.device("meta"))
+    obj, storages = unpickle(storage_device)
     return obj, storages, records, prefix, big_endian
 
 
@@ -1900,7 +1916,9 @@ def _describe_sources(
         }
     torch = _torch()
     obj, storages, _, _, big_endian = _same_file(
-        file, path, lambda name: _unpickle_torch(name, torch.device("meta"), label=path, verify=verify)
+        file,
+        path,
+        lambda name: _unpickle_torch(name, torch.device("meta"), label=path, verify=verify),
     )
     if big_endian:
         raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")

@@ -586,6 +586,52 @@ def test_tensor_past_the_end_of_its_storage(disk_dir: Path, mapped: bool) -> Non
         tensortier.load(bad, mmap=mapped)
 
 
+def _huge_view_file(disk_dir: Path, misaligned: bool) -> Path:
+    """A torch file whose tensor "a" asks for 2**31 - 1 floats (8 GiB) of a 16-byte storage
+    record; `misaligned`: the record's offset is not a multiple of 4 (mmap loads copy it)."""
+    ok = disk_dir / "ok.pt"
+    torch.save({"a": torch.zeros(1000)}, ok)
+    with zipfile.ZipFile(ok) as z:
+        pkl = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        data = z.read(pkl)
+    # The storage's element count (first BININT2 1000) -> 4, the tensor's size (second) ->
+    # BININT 2**31 - 1.
+    data = data.replace(b"M\xe8\x03", b"M\x04\x00", 1).replace(b"M\xe8\x03", b"J\xff\xff\xff\x7f", 1)
+    for pad in range(4):  # bytes after the pickle's STOP shift the record; pickle ignores them
+        bad = disk_dir / f"huge{pad}.pt"
+        rezip(ok, bad, replace={"data.pkl": data + b"\0" * pad, "data/0": b"\0" * 16})
+        offset = next(r.offset for n, r in checkpoint._zip_records(str(bad)).items()
+                      if n.endswith("data/0"))
+        if (offset % 4 != 0) == misaligned:
+            return bad
+    raise AssertionError("no padding gave the wanted alignment")
+
+
+@pytest.mark.parametrize("mapped, misaligned", [(False, False), (True, False), (True, True)],
+                         ids=["read", "mmap", "mmap-misaligned-copy"])
+def test_a_few_bytes_of_pickle_allocate_nothing_huge(disk_dir: Path, mapped: bool,
+                                                     misaligned: bool) -> None:
+    """A tensor asking 8 GiB of a 16-byte storage is refused when torch sets it on the storage,
+    as torch.load refuses it, before any storage grows: every CPU storage is fixed-size (a
+    mapped window, or a copy of a misaligned one, was not: it grew first)."""
+    bad = _huge_view_file(disk_dir, misaligned)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        torch.load(bad, weights_only=True)
+    with pytest.raises(ValueError, match="not resizable"):
+        tensortier.load(bad, mmap=mapped)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_few_bytes_of_pickle_allocate_no_gpu_memory(disk_dir: Path) -> None:
+    """CUDA storages can grow: the pickle is checked on meta storages first, so the file is
+    refused for what it is, not by an allocation of 8 GiB (or an out-of-memory error)."""
+    bad = _huge_view_file(disk_dir, misaligned=False)
+    before = torch.cuda.max_memory_allocated()
+    with pytest.raises(ValueError, match="past the end of storage"):
+        tensortier.load(bad, device="cuda")
+    assert torch.cuda.max_memory_allocated() - before < 1 << 20
+
+
 def test_load_into_refuses_a_tensor_past_the_end_of_its_storage(disk_dir: Path) -> None:
     bad = _oversized_view_file(disk_dir)
     target = {"a": torch.zeros(1000), "z": torch.zeros(1000)}
