@@ -541,6 +541,13 @@ def _available_memory() -> int:
     return 0
 
 
+def _empty_fixed_storage() -> Any:
+    """A storage of 0 bytes that cannot be resized (a tensor set_ past its end is refused, as
+    torch.load refuses it, instead of growing it)."""
+    torch = _torch()
+    return torch.frombuffer(bytearray(1), dtype=torch.uint8).untyped_storage()[0:0]
+
+
 def _fixed_size(flat: Any) -> Any:
     """`flat`'s bytes (a uint8 CPU tensor) in a storage that cannot be resized; keeps `flat`
     alive."""
@@ -1412,6 +1419,10 @@ def _read_record(
     return data
 
 
+class _StorageOverrun(ValueError):
+    """A tensor in a torch file reaches past the end of its storage record."""
+
+
 @dataclass
 class _StorageRef:
     path: str
@@ -1489,18 +1500,20 @@ def _unpickle_torch(
                         f"{path}: storage {key} should hold {nbytes} bytes, its record has "
                         f"{record.size}"
                     )
-                if mapped is not None:
+                # A tensor set_ past the end of a resizable storage grows it: a few bytes of
+                # pickle would allocate any size. CPU storages are fixed-size: torch refuses
+                # then (as torch.load does).
+                if nbytes == 0 and (mapped is not None or device.type == "cpu"):
+                    storage = _empty_fixed_storage()
+                elif mapped is not None:
                     storage = _mapped_tensor(
                         mapped, record.offset, nbytes, dtype, (numel,)
                     ).untyped_storage()
-                    if nbytes and storage.resizable():  # a copy (misaligned record): as below
+                    if storage.resizable():  # a copy (misaligned record)
                         storage = _fixed_size(_storage_bytes(storage)).untyped_storage()
                 elif device.type == "cpu":
                     flat = _host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
-                    if nbytes and flat.untyped_storage().resizable():
-                        # A tensor set_ past the end of a resizable storage grows it: a few
-                        # bytes of pickle would allocate any size. Fixed, torch refuses (as
-                        # torch.load does).
+                    if flat.untyped_storage().resizable():
                         flat = _fixed_size(flat)
                     storage = flat.untyped_storage()
                 else:
@@ -1515,6 +1528,11 @@ def _unpickle_torch(
 
         unpickler = wou.Unpickler(pyio.BytesIO(pkl), encoding="utf-8")
         unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+        # torch queues every sparse tensor it rebuilds for a check at the end of a load; meta
+        # ones (load_into's pass, the check before a GPU load) must not be queued: the check
+        # cannot read them.
+        sparse_queue = getattr(torch._utils, "_sparse_tensors_to_validate", None)
+        queued = len(sparse_queue) if isinstance(sparse_queue, list) else 0
         try:
             obj = unpickler.load()
         except pickle.UnpicklingError as e:
@@ -1526,11 +1544,14 @@ def _unpickle_torch(
             raise
         except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
             raise ValueError(f"{path}: malformed data.pkl: {type(e).__name__}: {e}") from e
+        finally:
+            if device.type == "meta" and isinstance(sparse_queue, list):
+                del sparse_queue[queued:]
         for key, ref in storages.items():
             # Storages that can grow (meta, CUDA) grew to fit a tensor reaching past their
             # end: its bytes would come from other records, or from nowhere.
             if ref.storage.nbytes() != ref.nbytes:
-                raise ValueError(
+                raise _StorageOverrun(
                     f"{label or path}: malformed data.pkl: a tensor reaches past the end of "
                     f"storage data/{key} ({ref.nbytes} bytes)"
                 )
@@ -1540,7 +1561,12 @@ def _unpickle_torch(
         # A CUDA storage grows to whatever a tensor set_ past its end asks for before the size
         # check can refuse the file: a few bytes of pickle would allocate any amount of GPU
         # memory. Meta storages grow for free: the same pickle is checked on them first.
-        unpickle(torch.device("meta"))
+        try:
+            unpickle(torch.device("meta"))
+        except _StorageOverrun:
+            raise
+        except ValueError:
+            pass  # what meta cannot rebuild (quantized tensors): the real pass decides
     obj, storages = unpickle(storage_device)
     return obj, storages, records, prefix, big_endian
 
@@ -1760,8 +1786,12 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
         with open(df.tmp, "r+b") as f:  # torch writes the metadata records and leaves holes
             try:
                 # torch's config patches are per thread: saves on other threads, ours or
-                # torch.save's, keep their own alignment meanwhile.
-                with ser_config.patch({"save.storage_alignment": ALIGNMENT}):
+                # torch.save's, keep their own settings meanwhile. checksum=True: torch's own
+                # records (data.pkl...) get CRC-32s even where set_crc32_options(False).
+                patch: dict[str, Any] = {"save.storage_alignment": ALIGNMENT}
+                if checksum and hasattr(ser_config.save, "compute_crc32"):  # torch >= 2.6
+                    patch["save.compute_crc32"] = True
+                with ser_config.patch(patch):
                     with torch.serialization.skip_data():
                         torch.save(obj, f)
             except (RuntimeError, pickle.PicklingError, AttributeError) as e:

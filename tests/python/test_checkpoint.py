@@ -372,8 +372,11 @@ def test_torch_crcs_follow_torchs_crc32_option(disk_dir: Path) -> None:
         with pytest.raises(ValueError, match="no CRC-32"):
             tensortier.load(plain, verify=True)
         forced = disk_dir / "forced.pt"
-        tensortier.save(sd, forced, checksum=True)
+        tensortier.save({**sd, "step": 12345}, forced, checksum=True)
         assert tensortier.load(forced, verify=True)["a"].equal(sd["a"])
+        with zipfile.ZipFile(forced) as z:
+            assert z.testzip() is None  # data.pkl and torch's other records too
+            assert all(info.CRC != 0 for info in z.infolist())
     finally:
         torch.serialization.set_crc32_options(before)
 

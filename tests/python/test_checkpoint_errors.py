@@ -626,10 +626,42 @@ def test_a_few_bytes_of_pickle_allocate_no_gpu_memory(disk_dir: Path) -> None:
     """CUDA storages can grow: the pickle is checked on meta storages first, so the file is
     refused for what it is, not by an allocation of 8 GiB (or an out-of-memory error)."""
     bad = _huge_view_file(disk_dir, misaligned=False)
+    torch.cuda.reset_peak_memory_stats()  # (an earlier test's peak would hide this one's)
     before = torch.cuda.max_memory_allocated()
     with pytest.raises(ValueError, match="past the end of storage"):
         tensortier.load(bad, device="cuda")
     assert torch.cuda.max_memory_allocated() - before < 1 << 20
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
+def test_an_empty_storage_does_not_grow_either(disk_dir: Path, mapped: bool) -> None:
+    """A 0-byte storage record whose tensor asks for 2**31 - 1 floats: refused when torch sets
+    the tensor on it (as torch.load), not after growing it to 8 GiB."""
+    ok = disk_dir / "empty.pt"
+    torch.save({"a": torch.zeros(0, 3)}, ok)
+    with zipfile.ZipFile(ok) as z:
+        pkl = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        data = z.read(pkl)
+    assert data.count(b"K\x00K\x03\x86") == 1  # the size tuple (0, 3)
+    bad = disk_dir / "empty-huge.pt"
+    rezip(ok, bad, replace={"data.pkl": data.replace(b"K\x00K\x03\x86",
+                                                     b"J\xff\xff\xff\x7fK\x01\x86")})
+    with pytest.raises(RuntimeError, match="not resizable"):
+        torch.load(bad, weights_only=True)
+    with pytest.raises(ValueError, match="not resizable"):
+        tensortier.load(bad, mmap=mapped)
+
+
+def test_sparse_tensors_load_with_invariant_checks_after_meta_passes(disk_dir: Path) -> None:
+    """Meta passes over a pickle (load_into's, the check before a GPU load) must not leave
+    meta sparse tensors in torch's queue of tensors to check: under
+    check_sparse_tensor_invariants the next load would fail reading them."""
+    path = disk_dir / "sparse.pt"
+    torch.save({"s": torch.eye(3).to_sparse(), "d": torch.ones(2)}, path)
+    checkpoint._unpickle_torch(str(path), torch.device("meta"))
+    with torch.sparse.check_sparse_tensor_invariants():
+        out = tensortier.load(path)
+    assert torch.equal(out["s"].to_dense(), torch.eye(3))
 
 
 def test_load_into_refuses_a_tensor_past_the_end_of_its_storage(disk_dir: Path) -> None:
