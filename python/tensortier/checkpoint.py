@@ -651,6 +651,34 @@ def _remove_stale_temps(final: str) -> None:
             pass  # gone meanwhile, or not ours to remove: not this save's problem
 
 
+# Replaced files whose blocks a thread is freeing: it closes the last descriptor of the old
+# inode. Freeing a 2 GiB file took ~0.3 s inside rename() on ext4 (a third of a save's time);
+# the save returns once its file is durable, and the next save in this process waits for the
+# freeing first, so at most the usual two copies (old and new) take disk space at once.
+_releasing_lock = threading.Lock()
+_releasing: list[threading.Thread] = []
+_close_replaced = os.close  # what the thread runs (tests hold it back)
+
+
+def _release_in_background(fd: int) -> None:
+    """Close `fd` (the last reference to a replaced file's inode) on a thread of its own."""
+    thread = threading.Thread(
+        target=_close_replaced, args=(fd,), name="tensortier-free", daemon=True
+    )
+    with _releasing_lock:
+        _releasing.append(thread)
+    thread.start()
+
+
+def _wait_for_replaced_files() -> None:
+    """Wait until the files earlier saves replaced are freed."""
+    with _releasing_lock:
+        threads = list(_releasing)
+        _releasing.clear()
+    for thread in threads:
+        thread.join()
+
+
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -677,6 +705,7 @@ class _DurableFile:
                 errno.ENOENT, "the directory to save into does not exist", directory
             )
         self.directory = directory
+        _wait_for_replaced_files()
         _remove_stale_temps(self.final)
         self.tmp = _tmp_name(self.final)
         # The old file's permissions are kept: given to the new one at commit (created
@@ -725,9 +754,25 @@ class _DurableFile:
             os.chmod(f.fileno(), self._old_mode)
         f.datasync()
         f.close()
-        os.replace(self.tmp, self.final)
-        self._done = True
-        _fsync_dir(self.directory)
+        old = self._hold_replaced()
+        try:
+            os.replace(self.tmp, self.final)
+            self._done = True
+            _fsync_dir(self.directory)
+        finally:
+            if old is not None:
+                _release_in_background(old)
+
+    def _hold_replaced(self) -> int | None:
+        """A descriptor keeping the file about to be replaced alive past the rename, so that
+        freeing its blocks happens when it closes instead of inside rename() (O_PATH: no read
+        permission needed). None where there is no such file or it cannot be opened."""
+        if self._old_mode is None or not hasattr(os, "O_PATH"):
+            return None
+        try:
+            return os.open(self.final, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return None  # gone meanwhile, or not ours to hold: the rename frees it as before
 
     def abort(self) -> None:
         if self._done:

@@ -394,6 +394,67 @@ def test_save_replaces_and_keeps_mode(disk_dir: Path) -> None:
     assert leftovers(disk_dir) == []
 
 
+def _descriptors_of(target: str) -> list[str]:
+    """This process's descriptors open on `target` (as /proc shows their paths)."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (listdir's own descriptor)
+        if link == target:
+            fds.append(fd)
+    return fds
+
+
+def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    path = disk_dir / "m.safetensors"
+    tensortier.save({"w": torch.ones(1000)}, path)
+    gate = threading.Event()
+
+    def held_close(fd: int) -> None:
+        gate.wait()
+        os.close(fd)
+
+    monkeypatch.setattr(checkpoint, "_close_replaced", held_close)
+    tensortier.save({"w": torch.zeros(1000)}, path)  # returns while the old file is held
+    assert len(_descriptors_of(f"{path} (deleted)")) == 1
+    assert tensortier.load(path)["w"].sum().item() == 0.0
+    second = threading.Thread(target=tensortier.save, args=({"w": torch.ones(10)}, path))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # waits for the first replaced file to be freed
+    gate.set()
+    second.join()
+    checkpoint._wait_for_replaced_files()  # noqa: SLF001 - the test's own wait
+    assert _descriptors_of(f"{path} (deleted)") == []
+    assert tensortier.load(path)["w"].tolist() == [1.0] * 10
+    assert leftovers(disk_dir) == []
+
+
+def test_failed_rename_releases_the_replaced_file(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = disk_dir / "m.safetensors"
+    tensortier.save({"w": torch.ones(4)}, path)
+
+    def refuse(src: object, dst: object) -> None:
+        raise OSError(errno.EIO, "injected rename failure")
+
+    monkeypatch.setattr(checkpoint.os, "replace", refuse)
+    with pytest.raises(OSError, match="injected rename"):
+        tensortier.save({"w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    assert _descriptors_of(str(path)) == []
+    assert tensortier.load(path)["w"].tolist() == [1.0] * 4
+    assert leftovers(disk_dir) == []
+
+
 def test_save_through_symlink_replaces_its_target(disk_dir: Path) -> None:
     real = disk_dir / "real.safetensors"
     tensortier.save({"w": torch.ones(1)}, real)
