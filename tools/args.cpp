@@ -73,4 +73,8 @@ unsigned Args::Unsigned(const std::string& name, unsigned fallback) const {
   return static_cast<unsigned>(v);
 }
 
+std::string Count(uint64_t n, const std::string& noun) {
+  return StrCat(n, " ", noun, n == 1 ? "" : "s");
+}
+
 }  // namespace tensortier::cli

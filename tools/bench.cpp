@@ -282,6 +282,10 @@ int RunBench(const std::vector<std::string>& argv) {
     std::fputs(kHelp, stdout);
     return 0;
   }
+  if (!args.positionals().empty()) {
+    throw std::invalid_argument(StrCat("bench takes options only, not '", args.positionals()[0],
+                                       "' (tensortier bench --help lists them)"));
+  }
   Settings s{args.Get("dir", "."),
              args.Get("file", "tensortier-bench.dat"),
              args.Get("backend", "auto"),

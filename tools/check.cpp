@@ -3,6 +3,7 @@
 #include <sys/utsname.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include "tensortier/strings.hpp"
@@ -15,6 +16,7 @@
 #include "tensortier/engine.hpp"
 #include "tensortier/file.hpp"
 #include "tensortier/page_cache.hpp"
+#include "tensortier/transfer.hpp"
 
 namespace tensortier::cli {
 namespace {
@@ -112,7 +114,22 @@ int RunCheck(const std::vector<std::string>& argv) {
     gds_auto = StrCat("the bounce ring: cuFile would run in compatibility mode: ", gds.compat_mode,
                       " (unless its configuration sets use_pci_p2pdma)");
   }
+  // TENSORTIER_GDS is read by the Python API (IOHandle, DiskOffloader); checked here the same way.
+  const char* gds_env = std::getenv("TENSORTIER_GDS");
+  const std::string gds_setting = gds_env != nullptr && *gds_env != '\0' ? gds_env : "off";
+  try {
+    ParseGdsMode(gds_setting);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(StrCat("TENSORTIER_GDS: ", e.what()));
+  }
+  std::printf("GDS for CUDA tensors (TENSORTIER_GDS): %s%s\n", gds_setting.c_str(),
+              gds_env != nullptr && *gds_env != '\0' ? "" : " (default)");
   std::printf("GDS with TENSORTIER_GDS=auto: %s\n", gds_auto.c_str());
+  const DeviceTransferOptions transfer = DeviceTransferOptions::FromEnvironment();
+  std::printf(
+      "CUDA bounce rings (TENSORTIER_BOUNCE_SLOTS, _SLOT_SIZE, _RINGS): %zu x %s pinned per "
+      "transfer, up to %zu at once\n",
+      transfer.ring.slots, FormatSize(transfer.ring.slot_bytes).c_str(), transfer.max_rings);
   std::printf("huge pages (TENSORTIER_HUGE_PAGES): %s\n\n", HugePagesPolicy().c_str());
 
   std::printf("defaults (environment overrides applied):\n");

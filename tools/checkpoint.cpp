@@ -12,11 +12,13 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 
 #include "cli.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/byte_source.hpp"
 #include "tensortier/checksum.hpp"
+#include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/format_error.hpp"
@@ -139,11 +141,7 @@ Loaded Load(const std::string& path) {
   return out;
 }
 
-int RunInfoImpl(const std::vector<std::string>& argv) {
-  Args args(argv, {}, {"shapes"});
-  if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier info FILE");
-  const std::string& path = args.positionals()[0];
-  unsigned show = args.Unsigned("shapes", 20);
+int InfoFile(const std::string& path, unsigned show) {
   Loaded l = Load(path);
   uint64_t total = 0;
   std::map<std::string, uint64_t> dtypes;
@@ -157,9 +155,9 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
                 static_cast<unsigned long long>(l.st.data_start - 8),
                 static_cast<unsigned long long>(l.st.data_start));
   } else {
-    std::printf("format:    torch.save zip (folder '%s', %zu storages, %zu non-tensor values%s)\n",
-                l.torch.prefix.c_str(), l.torch.pickle.storages.size(),
-                static_cast<size_t>(l.torch.pickle.other_values),
+    std::printf("format:    torch.save zip (folder '%s', %s, %s%s)\n", l.torch.prefix.c_str(),
+                Count(l.torch.pickle.storages.size(), "storage").c_str(),
+                Count(l.torch.pickle.other_values, "non-tensor value").c_str(),
                 l.torch.zip.zip64 ? ", zip64" : "");
   }
   std::printf("tensors:   %zu\n", l.items.size());
@@ -188,28 +186,40 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
   return 0;
 }
 
-int RunVerifyImpl(const std::vector<std::string>& argv) {
-  Args args(argv, {}, {});
-  if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier verify FILE");
-  const std::string& path = args.positionals()[0];
+// `names`: tensors a shard index puts in this file (a missing one is a problem).
+int VerifyFile(const std::string& path, const std::vector<std::string>& names = {}) {
   Loaded l = Load(path);  // throws on any structural problem
-  std::printf("%s: structure OK (%s, %zu tensors)\n", path.c_str(),
-              l.format == Format::kSafetensors ? "safetensors" : "torch.save zip", l.items.size());
+  std::printf("%s: structure OK (%s, %s)\n", path.c_str(),
+              l.format == Format::kSafetensors ? "safetensors" : "torch.save zip",
+              Count(l.items.size(), "tensor").c_str());
+  std::vector<std::string> problems;
+  if (!names.empty()) {
+    std::set<std::string> held;
+    for (const auto& item : l.items) held.insert(item.name);
+    for (const auto& name : names) {
+      if (!held.contains(name)) {
+        problems.push_back(
+            StrCat("the index puts tensor '", name, "' in this file, which lacks it"));
+      }
+    }
+  }
   // Buffers before the engine: its destructor waits for reads still in flight into them.
   AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
                            AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File file = File::Open(path, OpenMode::kRead, true);
-  std::vector<std::string> problems;
   uint64_t checked = 0;
   uint64_t unrecorded = 0;      // torch zip entries whose CRC-32 field is 0
   bool header_checked = false;  // safetensors: tensortier.header_xxh64 compared
   if (l.format == Format::kSafetensors) {
     auto it = l.st.header.metadata.find(kTensorChecksumsKey);
     if (it == l.st.header.metadata.end()) {
-      std::printf("%s: no checksums (metadata key %s); data not checked\n", path.c_str(),
-                  kTensorChecksumsKey);
-      return 0;
+      std::fflush(stdout);  // keep the lines in order where both streams go to one pipe
+      std::fprintf(stderr,
+                   "%s: verify FAILED: no checksums (metadata key %s), the data cannot be "
+                   "verified; save it with tensortier.save(..., checksum=True) to verify it\n",
+                   path.c_str(), kTensorChecksumsKey);
+      return 1;
     }
     // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum.
     if (auto hh = l.st.header.metadata.find(kHeaderChecksumKey); hh == l.st.header.metadata.end()) {
@@ -277,12 +287,17 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
     }
   }
   if (unrecorded > 0) {
-    std::printf("%s: %llu zip entries record no CRC-32 (saved without checksums): not checked\n",
-                path.c_str(), static_cast<unsigned long long>(unrecorded));
+    // As load(verify=True): a file saved without CRC-32s cannot be verified, which is not a pass.
+    problems.push_back(
+        StrCat(unrecorded, unrecorded == 1 ? " zip entry records" : " zip entries record",
+               " no CRC-32 (saved with torch.serialization.set_crc32_options(False)):"
+               " its data cannot be verified"));
   }
+  std::fflush(stdout);  // keep the lines in order where both streams go to one pipe
   for (const auto& p : problems) std::fprintf(stderr, "%s: %s\n", path.c_str(), p.c_str());
   if (!problems.empty()) {
-    std::fprintf(stderr, "%s: verify FAILED (%zu problems)\n", path.c_str(), problems.size());
+    std::fprintf(stderr, "%s: verify FAILED (%zu %s)\n", path.c_str(), problems.size(),
+                 problems.size() == 1 ? "problem" : "problems");
     return 1;
   }
   std::printf("%s: data OK (%llu %s%s checked)\n", path.c_str(),
@@ -304,7 +319,7 @@ std::string ResolveOutput(const std::string& path) {
     if (!ec) return canonical.string();
     if (!fs::is_symlink(fs::symlink_status(p, ec))) {
       fs::path dir = fs::canonical(p.parent_path(), ec);
-      if (ec) ThrowIoError(ec.value(), "resolve the directory of", path);
+      if (ec) ThrowIoError(ec.value(), "find the directory of", path);
       return (dir / p.filename()).string();
     }
     fs::path target = fs::read_symlink(p, ec);
@@ -363,9 +378,13 @@ class PendingFile {
     committed_ = true;
     std::string dir = std::filesystem::path(final_).parent_path().string();
     int fd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd >= 0) {
-      fsync(fd);
-      close(fd);
+    if (fd < 0) ThrowIoError(errno, "open the directory of", final_);
+    // Filesystems that cannot sync a directory say so (EINVAL...); anything else is a failure.
+    const int rc = fsync(fd);
+    const int fsync_errno = errno;
+    close(fd);
+    if (rc != 0 && fsync_errno != EINVAL && fsync_errno != ENOTSUP && fsync_errno != EBADF) {
+      ThrowIoError(fsync_errno, "fsync the directory of", final_);
     }
   }
 
@@ -440,14 +459,14 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   if (header.size() != data_start) throw std::logic_error("convert: header size changed");
   engine.Write(dst, header.data(), header.size(), 0).Wait();
   pending.Commit(dst);
-  std::printf("%s -> %s: %zu tensors, %llu data bytes at offset %llu (xxh64 checksums in %s)\n",
-              in.c_str(), out.c_str(), entries.size(), static_cast<unsigned long long>(data),
-              static_cast<unsigned long long>(data_start), kTensorChecksumsKey);
+  std::printf("%s -> %s: %s, %llu data bytes at offset %llu (xxh64 checksums in %s)\n", in.c_str(),
+              out.c_str(), Count(entries.size(), "tensor").c_str(),
+              static_cast<unsigned long long>(data), static_cast<unsigned long long>(data_start),
+              kTensorChecksumsKey);
   if (l.torch.pickle.other_values > 0) {
-    std::fprintf(stderr,
-                 "note: %llu non-tensor values were not converted (safetensors holds only "
-                 "tensors)\n",
-                 static_cast<unsigned long long>(l.torch.pickle.other_values));
+    std::fflush(stdout);
+    std::fprintf(stderr, "note: %s not converted (safetensors holds only tensors)\n",
+                 Count(l.torch.pickle.other_values, "non-tensor value").c_str());
   }
   return 0;
 }
@@ -570,17 +589,124 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   uint64_t data = 0;
   for (const auto& item : l.items) data += item.nbytes;
   std::printf(
-      "%s -> %s: %zu tensors, %llu data bytes in torch.save zip format (folder '%s', "
+      "%s -> %s: %s, %llu data bytes in torch.save zip format (folder '%s', "
       "storages 4096-byte aligned, CRC-32 recorded)\n",
-      in.c_str(), out.c_str(), l.items.size(), static_cast<unsigned long long>(data),
-      prefix.c_str());
+      in.c_str(), out.c_str(), Count(l.items.size(), "tensor").c_str(),
+      static_cast<unsigned long long>(data), prefix.c_str());
   if (!l.st.header.metadata.empty()) {
-    std::fprintf(stderr,
-                 "note: %zu safetensors metadata keys were not converted (torch.load returns "
-                 "only the tensors)\n",
-                 l.st.header.metadata.size());
+    std::fflush(stdout);
+    std::fprintf(stderr, "note: %s not converted (torch.load returns only the tensors)\n",
+                 Count(l.st.header.metadata.size(), "safetensors metadata key").c_str());
   }
   return 0;
+}
+
+// A Hugging Face shard index (model.safetensors.index.json): each shard file, in the order the
+// weight map first names it, with the tensors the map puts there. Shards are files next to the
+// index (no absolute paths, no ".."), as tensortier.load requires.
+struct Shard {
+  std::string path;
+  std::vector<std::string> names;
+};
+
+constexpr uint64_t kMaxIndexBytes = 64u << 20;
+
+bool IsShardIndex(const std::string& path) {
+  if (path.ends_with(".index.json")) return true;
+  FileSource source(File::Open(path, OpenMode::kRead, false));
+  char head[16] = {};
+  const uint64_t n = std::min<uint64_t>(source.size(), sizeof(head));
+  source.ReadAt(0, head, n);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (head[i] == ' ' || head[i] == '\n' || head[i] == '\r' || head[i] == '\t') continue;
+    return head[i] == '{';  // a safetensors file starts with its 8-byte header length
+  }
+  return false;
+}
+
+std::vector<Shard> ReadShardIndex(const std::string& path) {
+  FileSource source(File::Open(path, OpenMode::kRead, false));
+  if (source.size() > kMaxIndexBytes) {
+    throw FormatError(
+        StrCat(path, ": larger than ", FormatSize(kMaxIndexBytes), ": not a shard index"));
+  }
+  std::string text(source.size(), '\0');
+  source.ReadAt(0, text.data(), text.size());
+  JsonReader r(text, path);
+  std::vector<Shard> shards;
+  std::map<std::string, size_t> by_file;
+  bool has_map = false;
+  r.Expect('{');
+  if (!r.Consume('}')) {
+    do {
+      std::string key = r.ReadString();
+      r.Expect(':');
+      if (key != "weight_map") {
+        r.SkipValue();
+        continue;
+      }
+      has_map = true;
+      r.Expect('{');
+      if (r.Consume('}')) continue;
+      do {
+        std::string name = r.ReadString();
+        r.Expect(':');
+        if (r.Peek() != '"') r.Fail(StrCat("the shard of '", name, "' is not a string"));
+        std::string file = r.ReadString();
+        std::filesystem::path rel(file);
+        bool outside = rel.is_absolute();
+        for (const auto& part : rel) outside = outside || part == "..";
+        if (outside) {
+          throw FormatError(
+              StrCat(path, ": shard '", file, "' lies outside the index's directory"));
+        }
+        auto [it, added] = by_file.emplace(file, shards.size());
+        if (added) {
+          shards.push_back({(std::filesystem::path(path).parent_path() / rel).string(), {}});
+        }
+        shards[it->second].names.push_back(std::move(name));
+      } while (r.Consume(','));
+      r.Expect('}');
+    } while (r.Consume(','));
+    r.Expect('}');
+  }
+  r.ExpectEnd();
+  if (!has_map) throw FormatError(StrCat(path, ": not a shard index: no 'weight_map'"));
+  return shards;
+}
+
+// The format a file name's suffix names (as tensortier.save reads it), if any.
+std::optional<Format> FormatOfSuffix(const std::string& path) {
+  const std::string name = std::filesystem::path(path).filename().string();
+  for (const char* suffix : {".safetensors", ".st"}) {
+    if (name.ends_with(suffix)) return Format::kSafetensors;
+  }
+  for (const char* suffix : {".pt", ".pth", ".bin", ".ckpt", ".tar"}) {
+    if (name.ends_with(suffix)) return Format::kTorch;
+  }
+  return std::nullopt;
+}
+
+const char* FormatName(Format format) {
+  return format == Format::kSafetensors ? "safetensors" : "a torch.save zip";
+}
+
+// convert writes the other format than IN's: an OUT that is IN (replaced by a file of another
+// format), or whose suffix names IN's format (a .bin holding safetensors), is refused.
+void RequireConvertibleOutput(const std::string& in, const std::string& out, Format writes) {
+  struct stat in_st, out_st;
+  if (stat(in.c_str(), &in_st) == 0 && stat(out.c_str(), &out_st) == 0 &&
+      in_st.st_dev == out_st.st_dev && in_st.st_ino == out_st.st_ino) {
+    throw std::invalid_argument(StrCat("convert: '", out, "' is the input file; convert writes ",
+                                       FormatName(writes), ": name another output"));
+  }
+  if (auto named = FormatOfSuffix(out); named && *named != writes) {
+    throw std::invalid_argument(
+        StrCat("convert: '", in, "' is ",
+               FormatName(writes == Format::kTorch ? Format::kSafetensors : Format::kTorch),
+               ", so convert writes ", FormatName(writes), ", but '", out, "' names ",
+               FormatName(*named), " by its suffix: name the output for what it will hold"));
+  }
 }
 
 int RunConvertImpl(const std::vector<std::string>& argv) {
@@ -590,9 +716,60 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
   }
   const std::string& in = args.positionals()[0];
   const std::string& out = args.positionals()[1];
+  if (IsShardIndex(in)) {
+    throw std::invalid_argument(
+        StrCat("convert: '", in, "' is a shard index: convert each shard file it names"));
+  }
   Loaded l = Load(in);
+  RequireConvertibleOutput(in, out,
+                           l.format == Format::kTorch ? Format::kSafetensors : Format::kTorch);
   if (l.format == Format::kTorch) return ConvertTorchToSafetensors(l, in, out);
   return ConvertSafetensorsToTorch(l, in, out);
+}
+
+int RunInfoImpl(const std::vector<std::string>& argv) {
+  Args args(argv, {}, {"shapes"});
+  if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier info FILE");
+  const std::string& path = args.positionals()[0];
+  const unsigned show = args.Unsigned("shapes", 20);
+  if (!IsShardIndex(path)) return InfoFile(path, show);
+  const std::vector<Shard> shards = ReadShardIndex(path);
+  size_t tensors = 0;
+  for (const auto& shard : shards) tensors += shard.names.size();
+  std::printf("index:     %s (%s, %s)\n", path.c_str(), Count(shards.size(), "shard").c_str(),
+              Count(tensors, "tensor").c_str());
+  for (const auto& shard : shards) {
+    std::printf("\n");
+    if (int rc = InfoFile(shard.path, show); rc != 0) return rc;
+  }
+  return 0;
+}
+
+int RunVerifyImpl(const std::vector<std::string>& argv) {
+  Args args(argv, {}, {});
+  if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier verify FILE");
+  const std::string& path = args.positionals()[0];
+  if (!IsShardIndex(path)) return VerifyFile(path);
+  const std::vector<Shard> shards = ReadShardIndex(path);
+  size_t failed = 0;
+  for (const auto& shard : shards) {
+    try {
+      failed += VerifyFile(shard.path, shard.names) != 0;
+    } catch (const std::runtime_error& e) {  // FormatError, IoError: one bad shard does not
+                                             // hide the others' state
+      std::fflush(stdout);
+      std::fprintf(stderr, "tensortier verify: %s\n", e.what());
+      ++failed;
+    }
+  }
+  std::fflush(stdout);
+  if (failed > 0) {
+    std::fprintf(stderr, "%s: verify FAILED (%zu of %zu shards)\n", path.c_str(), failed,
+                 shards.size());
+    return 1;
+  }
+  std::printf("%s: all %zu shards OK\n", path.c_str(), shards.size());
+  return 0;
 }
 
 // Format errors are the user's file, not a crash: one line, exit status 1.
@@ -600,6 +777,7 @@ int Guard(const char* command, const std::function<int()>& body) {
   try {
     return body();
   } catch (const FormatError& e) {
+    std::fflush(stdout);
     std::fprintf(stderr, "tensortier %s: %s\n", command, e.what());
     return 1;
   }

@@ -14,18 +14,86 @@ constexpr const char* kUsage = R"(usage: tensortier <command> [options]
 commands:
   check [DIR]   which I/O backends work here, verified round trips on DIR (default .),
                 O_DIRECT support, CUDA driver and cuFile presence, effective defaults
-  bench         sequential write and cold read (and random reads) on a scratch file;
-                `tensortier bench --help` lists the options
+  bench         sequential write and cold read (and random reads) on a scratch file
   info FILE     a checkpoint's format, tensors, dtypes, shapes, bytes, alignment, metadata
                 (safetensors or torch.save zip)
   verify FILE   full structure check, then the data: xxh64 checksums stored by tensortier
                 (safetensors) or every zip entry's CRC-32 (torch.save); exit 1 on a problem
+                or when the file has no checksums to verify
   convert IN OUT
-                torch.save zip -> safetensors, data 4 KiB aligned, with xxh64 checksums
-  help          this text
+                torch.save zip <-> safetensors (the other format than IN's), data 4 KiB
+                aligned, with checksums (safetensors) or CRC-32s (torch)
+  help          this text (`tensortier COMMAND --help`: one command's)
+  --version     the version
 
-Defaults can be set with environment variables:
+Settings come from environment variables (bad values are rejected):
 )";
+
+// Settings read outside the engine's table (the README's settings table has them all).
+constexpr const char* kOtherSettings =
+    R"(  TENSORTIER_HUGE_PAGES        1/0: page-aligned buffers of 4 MiB+ ask for huge pages or not
+                               (default: by use and the VM, see README)
+  TENSORTIER_GDS               CUDA tensors of IOHandle/DiskOffloader: off (default), auto, on
+  TENSORTIER_BOUNCE_SLOTS      CUDA bounce ring slots per transfer (default 8)
+  TENSORTIER_BOUNCE_SLOT_SIZE  bytes per slot (default 8M)
+  TENSORTIER_BOUNCE_RINGS      concurrent CUDA bounce transfers per IOHandle (default 4)
+  TENSORTIER_CUDA_LIBRARY      CUDA driver library to load (default libcuda.so.1)
+  TENSORTIER_CUFILE_LIBRARY    cuFile library to load (default libcufile.so.0)
+)";
+
+// `tensortier COMMAND --help` for the commands whose options are parsed in one line.
+struct CommandHelp {
+  const char* name;
+  const char* text;
+};
+constexpr CommandHelp kCommandHelp[] = {
+    {"check", R"(usage: tensortier check [DIR]
+
+Which I/O backends (io_uring, libaio, threads) are built and start here, a verified write and
+read round trip with each on DIR (default .), O_DIRECT support and alignment of DIR's
+filesystem, the CUDA driver and cuFile libraries tensortier would load, what GDS would do, and
+every setting in effect (environment overrides applied; a bad value is an error).
+Exit status: 0 when at least one backend works on DIR, 1 otherwise, 2 when DIR is not a
+directory.
+)"},
+    {"info", R"(usage: tensortier info FILE [--shapes N]
+
+A checkpoint's format (safetensors or torch.save zip), tensor count, bytes, dtypes, data
+alignment, safetensors metadata, and the first N tensors' names, dtypes, shapes and offsets.
+
+  --shapes N    how many tensors to list (default 20)
+)"},
+    {"verify", R"(usage: tensortier verify FILE
+
+Checks FILE's whole structure (header, zip directory, pickle, every tensor inside the file),
+then its data: each tensor's xxh64 (safetensors saved with checksum=True, plus the header's own
+checksum) or each zip record's CRC-32 (torch.save files).
+Exit status: 0 when the data was verified, 1 on a problem or when FILE stores no checksums
+(nothing to verify; tensortier.load(..., verify=True) refuses such files too).
+)"},
+    {"convert", R"(usage: tensortier convert IN OUT
+
+Writes IN's tensors to OUT in the other format: a torch.save zip becomes safetensors (data
+4 KiB aligned, with xxh64 checksums), a safetensors file becomes a torch.save zip (with
+CRC-32s) that torch.load reads. OUT's suffix, when it names a format (.safetensors, .st / .pt,
+.pth, .bin, .ckpt, .tar), must name that other format, and OUT must not be IN. OUT is written
+durably under a temporary name and renamed into place.
+)"},
+};
+
+const char* CommandHelpText(const std::string& command) {
+  for (const auto& h : kCommandHelp) {
+    if (command == h.name) return h.text;
+  }
+  return nullptr;
+}
+
+bool AsksForHelp(const std::vector<std::string>& args) {
+  for (const auto& a : args) {
+    if (a == "--help" || a == "-h") return true;
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -38,11 +106,23 @@ int main(int argc, char** argv) {
         std::fprintf(args.empty() ? stderr : stdout, "  %-28s %s\n", d.env.c_str(),
                      d.description.c_str());
       }
+      std::fputs(kOtherSettings, args.empty() ? stderr : stdout);
       return args.empty() ? 2 : 0;
     }
+    if (args[0] == "--version" || args[0] == "version") {
+      std::printf("tensortier %s\n", TENSORTIER_VERSION);
+      return 0;
+    }
     std::vector<std::string> rest(args.begin() + 1, args.end());
+    if (const char* help = CommandHelpText(args[0]); help != nullptr && AsksForHelp(rest)) {
+      std::fputs(help, stdout);
+      return 0;
+    }
     if (args[0] == "check") return tensortier::cli::RunCheck(rest);
-    if (args[0] == "bench") return tensortier::cli::RunBench(rest);
+    if (args[0] == "bench") {
+      return tensortier::cli::RunBench(AsksForHelp(rest) ? std::vector<std::string>{"--help"}
+                                                         : rest);
+    }
     if (args[0] == "info") return tensortier::cli::RunInfo(rest);
     if (args[0] == "verify") return tensortier::cli::RunVerify(rest);
     if (args[0] == "convert") return tensortier::cli::RunConvert(rest);
@@ -50,6 +130,7 @@ int main(int argc, char** argv) {
                  args[0].c_str());
     return 2;
   } catch (const std::exception& e) {
+    std::fflush(stdout);  // what was printed before the error comes first in a shared pipe
     std::fprintf(stderr, "tensortier: %s\n", e.what());
     return 1;
   }

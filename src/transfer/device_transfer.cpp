@@ -108,7 +108,13 @@ DeviceTransferOptions DeviceTransferOptions::FromEnvironment() {
   o.ring.slots = CountFromEnv("TENSORTIER_BOUNCE_SLOTS", o.ring.slots);
   o.ring.slot_bytes = SizeFromEnv("TENSORTIER_BOUNCE_SLOT_SIZE", o.ring.slot_bytes);
   o.max_rings = CountFromEnv("TENSORTIER_BOUNCE_RINGS", o.max_rings);
-  o.Validate();
+  try {
+    o.Validate();
+  } catch (const std::invalid_argument& e) {  // only a setting can make the defaults invalid
+    throw std::invalid_argument(
+        StrCat("TENSORTIER_BOUNCE_SLOTS, TENSORTIER_BOUNCE_SLOT_SIZE, TENSORTIER_BOUNCE_RINGS: ",
+               e.what()));
+  }
   return o;
 }
 

@@ -8,8 +8,11 @@ namespace {
 
 std::string Describe(int error_code, std::string_view op, const std::string& path, uint64_t offset,
                      uint64_t length) {
-  return StrCat(op, " failed on '", path, "' at offset ", offset, " length ", length, ": ",
-                std::strerror(error_code), " (errno ", error_code, ")");
+  // Whole-file operations (open, rename, fsync...) have no byte range to name.
+  std::string range =
+      offset == 0 && length == 0 ? "" : StrCat(" at offset ", offset, " length ", length);
+  return StrCat(op, " failed on '", path, "'", range, ": ", std::strerror(error_code), " (errno ",
+                error_code, ")");
 }
 
 }  // namespace

@@ -49,6 +49,50 @@ def test_check_says_why_gds_auto_uses_the_ring(disk_dir: Path, nvidia_libcufile:
     assert "GDS with TENSORTIER_GDS=auto: the bounce ring: no usable CUDA driver" in r.stdout
 
 
+@pytest.mark.parametrize("variable, value", [
+    ("TENSORTIER_GDS", "bogus"), ("TENSORTIER_BOUNCE_SLOTS", "x"),
+    ("TENSORTIER_BOUNCE_SLOT_SIZE", "3"), ("TENSORTIER_BOUNCE_RINGS", "0"),
+])
+def test_check_rejects_bad_cuda_settings(disk_dir: Path, variable: str, value: str) -> None:
+    """Settings the CUDA paths read are checked by `check` too, not only at a first transfer."""
+    r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, variable: value})
+    assert r.returncode == 1 and variable.split("_")[1] in r.stderr, r.stdout + r.stderr
+
+
+def test_check_prints_the_cuda_settings_in_effect(disk_dir: Path) -> None:
+    env = {**os.environ, "TENSORTIER_GDS": "auto", "TENSORTIER_BOUNCE_SLOTS": "3"}
+    r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "GDS for CUDA tensors (TENSORTIER_GDS): auto\n" in r.stdout, r.stdout
+    assert "3 x 8 MiB pinned per transfer" in r.stdout, r.stdout
+    env.pop("TENSORTIER_GDS")
+    r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert "(TENSORTIER_GDS): off (default)" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("command", ["check", "info", "verify", "convert", "bench"])
+def test_every_command_has_help(command: str) -> None:
+    for flag in ("--help", "-h"):
+        r = run(command, flag)
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: tensortier {command}"), (
+            r.stdout + r.stderr)
+
+
+def test_help_and_version() -> None:
+    r = run("help")
+    assert r.returncode == 0 and "torch.save zip <-> safetensors" in r.stdout
+    for variable in ("TENSORTIER_CHUNK_SIZE", "TENSORTIER_HUGE_PAGES", "TENSORTIER_GDS",
+                     "TENSORTIER_BOUNCE_SLOTS", "TENSORTIER_CUFILE_LIBRARY"):
+        assert variable in r.stdout
+    import tensortier
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout == f"tensortier {tensortier.__version__}\n"
+
+
 def test_check_rejects_missing_dir(disk_dir: Path) -> None:
     r = run("check", str(disk_dir / "nope"))
     assert r.returncode != 0 and "not a directory" in r.stderr

@@ -296,3 +296,90 @@ def test_info_and_verify_read_python_complex_values(disk_dir: Path) -> None:
     assert "2 non-tensor values" in r.stdout
     r = run("verify", src)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_convert_refuses_to_replace_its_input(disk_dir: Path) -> None:
+    src = disk_dir / "m.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    before = src.read_bytes()
+    for out in (src, disk_dir / "link.pt"):
+        if out != src:
+            out.symlink_to(src.name)
+        r = run("convert", src, out)
+        assert r.returncode == 1 and "is the input file" in r.stderr, r.stderr
+    assert src.read_bytes() == before
+
+
+@pytest.mark.parametrize("src_name, out_name", [
+    ("m.pt", "out.bin"), ("m.pt", "out.pth"), ("m.safetensors", "out.safetensors"),
+    ("m.safetensors", "out.st"),
+])
+def test_convert_refuses_an_output_suffix_of_the_other_format(
+    disk_dir: Path, src_name: str, out_name: str
+) -> None:
+    """convert writes the other format than its input's: an output named for the input's
+    format would hold a file its readers reject (torch.load of a .bin holding safetensors)."""
+    src = disk_dir / src_name
+    if src_name.endswith(".pt"):
+        torch.save({"w": torch.ones(3)}, src)
+    else:
+        st.save_file({"w": torch.ones(3)}, str(src))
+    r = run("convert", src, disk_dir / out_name)
+    assert r.returncode == 1 and "by its suffix" in r.stderr, r.stderr
+    assert not (disk_dir / out_name).exists()
+    other = "out.safetensors" if src_name.endswith(".pt") else "out.pt"
+    convert(src, disk_dir / other)  # the right suffix, or none, still converts
+    convert(src, disk_dir / "out")
+
+
+def test_verify_fails_when_there_is_nothing_to_verify(disk_dir: Path) -> None:
+    """As load(verify=True): a file without checksums is not verified, which is not a pass."""
+    import tensortier
+
+    plain = disk_dir / "plain.safetensors"
+    tensortier.save({"w": torch.ones(3)}, plain)
+    r = run("verify", plain)
+    assert r.returncode == 1 and "no checksums" in r.stderr, r.stdout + r.stderr
+    assert "structure OK" in r.stdout
+    nocrc = disk_dir / "nocrc.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.ones(3)}, nocrc)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    r = run("verify", nocrc)
+    assert r.returncode == 1 and "no CRC-32" in r.stderr and "(1 problem)" in r.stderr, r.stderr
+
+
+def test_info_and_verify_take_a_shard_index(disk_dir: Path) -> None:
+    import tensortier
+
+    shards = disk_dir / "model"
+    shards.mkdir()
+    tensortier.save({"a": torch.ones(3)}, shards / "m1.safetensors", checksum=True)
+    tensortier.save({"b": torch.ones(5), "c": torch.ones(1)}, shards / "m2.safetensors",
+                    checksum=True)
+    index = shards / "model.safetensors.index.json"
+    weight_map = {"a": "m1.safetensors", "b": "m2.safetensors", "c": "m2.safetensors"}
+    index.write_text(json.dumps({"metadata": {"total_size": 36}, "weight_map": weight_map}))
+    r = run("info", index)
+    assert r.returncode == 0, r.stderr
+    assert "(2 shards, 3 tensors)" in r.stdout and r.stdout.count("file:") == 2, r.stdout
+    r = run("verify", index)
+    assert r.returncode == 0 and "all 2 shards OK" in r.stdout, r.stdout + r.stderr
+    # A tensor the index places in a shard that lacks it; a damaged shard; a missing one.
+    index.write_text(json.dumps({"weight_map": {**weight_map, "d": "m1.safetensors"}}))
+    r = run("verify", index)
+    assert r.returncode == 1 and "tensor 'd'" in r.stderr, r.stderr
+    data = bytearray((shards / "m2.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (shards / "m2.safetensors").write_bytes(bytes(data))
+    index.write_text(json.dumps({"weight_map": {**weight_map, "e": "gone.safetensors"}}))
+    r = run("verify", index)
+    assert r.returncode == 1 and "(2 of 3 shards)" in r.stderr, r.stderr
+    assert "m1.safetensors: data OK" in r.stdout and "gone.safetensors" in r.stderr
+    index.write_text(json.dumps({"weight_map": {"a": "../m1.safetensors"}}))
+    r = run("info", index)
+    assert r.returncode == 1 and "outside the index's directory" in r.stderr, r.stderr
+    r = run("convert", index, disk_dir / "x.pt")
+    assert r.returncode == 1 and "shard index" in r.stderr, r.stderr
