@@ -209,7 +209,7 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
   Engine engine;
   File file = File::Open(path, OpenMode::kRead, true);
   uint64_t checked = 0;
-  uint64_t unrecorded = 0;      // torch zip entries whose CRC-32 field is 0
+  uint64_t unrecorded = 0;      // torch zip entries of an archive that records no CRC-32s
   bool header_checked = false;  // safetensors: tensortier.header_xxh64 compared
   if (l.format == Format::kSafetensors) {
     auto it = l.st.header.metadata.find(kTensorChecksumsKey);
@@ -268,11 +268,14 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
       ++checked;
     }
   } else {
+    // torch.save with set_crc32_options(False) records 0 for every entry: nothing to check
+    // against. 0 means "none" only then; one entry in 2^32 really has the CRC-32 0.
+    bool records_crcs = false;
+    for (const auto& e : l.torch.zip.entries)
+      records_crcs = records_crcs || (e.size > 0 && e.crc32 != 0);
     for (const auto& e : l.torch.zip.entries) {
       RequireStored(e, path);
-      // torch.save(compute_crc32=False) and tensortier.save(checksum=False) record 0: nothing to
-      // check against, which is not corruption (torch.load never checks CRCs either).
-      if (e.crc32 == 0 && e.size > 0) {
+      if (!records_crcs && e.size > 0) {
         ++unrecorded;
         continue;
       }
@@ -280,8 +283,8 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
       Stream(engine, file, e.data_offset, e.size, bufs,
              [&](const std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
       if (crc != e.crc32) {
-        problems.push_back(StrCat("entry '", e.name, "': CRC-32 mismatch (stored ", e.crc32,
-                                  ", data has ", crc, ")"));
+        problems.push_back(StrCat("entry '", e.name, "': CRC-32 mismatch (stored ", Hex8(e.crc32),
+                                  ", data has ", Hex8(crc), ")"));
       }
       ++checked;
     }
@@ -784,6 +787,12 @@ int Guard(const char* command, const std::function<int()>& body) {
 }
 
 }  // namespace
+
+std::string Hex8(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08x", v);
+  return buf;
+}
 
 std::string Hex16(uint64_t v) {
   char buf[17];

@@ -406,6 +406,12 @@ def _target_dtype(dtype: Any) -> Any:
     torch = _torch()
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+    if not dtype.is_floating_point:
+        # Only floating-point tensors are converted: any other dtype would be a silent no-op.
+        raise ValueError(
+            f"dtype={dtype}: load converts floating-point tensors to a floating-point dtype "
+            "(torch.bfloat16, torch.float16...); convert to other dtypes after loading"
+        )
     return dtype
 
 
@@ -665,9 +671,14 @@ def _release_in_background(fd: int) -> None:
     thread = threading.Thread(
         target=_close_replaced, args=(fd,), name="tensortier-free", daemon=True
     )
+    try:
+        thread.start()
+    except RuntimeError:  # no thread to be had: free it here, as the rename would have
+        _close_replaced(fd)
+        return
+    # Listed once started (a save on another thread joins what is listed).
     with _releasing_lock:
         _releasing.append(thread)
-    thread.start()
 
 
 def _wait_for_replaced_files() -> None:
@@ -1071,9 +1082,11 @@ def _read_device_checked(
 
 
 def _checksum_mismatch(path: str, name: str, kind: str, stored: int, actual: int) -> ValueError:
+    """`name`: the tensor (xxh64, per tensor) or the zip record of a storage (crc32)."""
+    what, width = ("record", 8) if kind == "crc32" else ("tensor", 16)
     return ValueError(
-        f"{path}: checksum mismatch in tensor {name!r}: stored {kind} {stored:016x}, data has "
-        f"{actual:016x}: the file is corrupt"
+        f"{path}: checksum mismatch in {what} {name!r}: stored {kind} {stored:0{width}x}, data "
+        f"has {actual:0{width}x}: the file is corrupt"
     )
 
 
@@ -1207,8 +1220,12 @@ def _save_safetensors(
             "keeps the sharing"
         )
     reserved = [k for k in (CHECKSUM_KEY, HEADER_CHECKSUM_KEY) if k in metadata]
-    if checksum and reserved:
-        raise ValueError(f"metadata keys {reserved} are reserved for checksum=True")
+    if reserved:
+        # Without checksum=True they would be stale checksums a later verify fails on.
+        raise ValueError(
+            f"metadata keys {reserved} are tensortier's checksums: leave them out "
+            "(save(..., checksum=True) writes fresh ones)"
+        )
     offsets = _safetensors_layout(state_dict)
     entries = [
         (k, to_st[v.dtype], tuple(int(s) for s in v.shape), *offsets[k])
@@ -1421,6 +1438,10 @@ class _ZipRecord:
     offset: int  # of the record's data
     size: int
     crc32: int
+    # Whether the archive records CRC-32s at all: torch.save with set_crc32_options(False)
+    # writes 0 for every record, so 0 means "none" only when no non-empty record has another
+    # value (one record in 2**32 really has the CRC-32 0, and is checked).
+    archive_has_crcs: bool = True
 
 
 def _zip_records(path: str) -> dict[str, _ZipRecord]:
@@ -1431,7 +1452,11 @@ def _zip_records(path: str) -> dict[str, _ZipRecord]:
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if path in msg else f"{path}: {msg}") from e
-    return {name: _ZipRecord(int(off), int(size), int(crc)) for name, off, size, crc in entries}
+    has_crcs = any(int(crc) != 0 for _, _, size, crc in entries if int(size) > 0)
+    return {
+        name: _ZipRecord(int(off), int(size), int(crc), has_crcs)
+        for name, off, size, crc in entries
+    }
 
 
 def _archive_prefix(path: str, records: Mapping[str, _ZipRecord]) -> str:
@@ -1456,7 +1481,7 @@ def _read_record(
     data = os.pread(fd, rec.size, rec.offset)  # small metadata records only
     if len(data) != rec.size:
         raise ValueError(f"{path}: record {name} is truncated")
-    if verify and rec.crc32 != 0 and zlib.crc32(data) != rec.crc32:
+    if verify and rec.archive_has_crcs and zlib.crc32(data) != rec.crc32:
         raise ValueError(
             f"{path}: checksum mismatch in record {name!r}: stored crc32 {rec.crc32:08x}, data "
             f"has {zlib.crc32(data):08x}: the file is corrupt"
@@ -1626,8 +1651,8 @@ def _crc_check(path: str, key: str, expected: int) -> Callable[[Any], None]:
 
 
 def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
-    if any(r.nbytes and r.record.crc32 == 0 for r in storages):
-        # torch.save writes a CRC-32 for every record unless told not to; zero means none
+    if any(r.nbytes and not r.record.archive_has_crcs for r in storages):
+        # torch.save writes a CRC-32 for every record unless told not to (then all are 0)
         raise ValueError(
             f"{path}: verify=True but the file stores no CRC-32 for its storages (it was saved "
             "with torch.serialization.set_crc32_options(False); save it with "

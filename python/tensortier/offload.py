@@ -705,7 +705,10 @@ def _close_all() -> None:
         offloader.close()
 
 
-def remove_stale_files(directories: Iterable[PathLike]) -> int:
-    """Removes backing files left in `directories` by processes that no longer run; returns how
-    many. Offloaders do this for their own directories when they start."""
+def remove_stale_files(directories: PathLike | Iterable[PathLike]) -> int:
+    """Removes backing files left in `directories` (one directory, or several) by processes
+    that no longer run; returns how many. Offloaders do this for their own directories when
+    they start."""
+    if isinstance(directories, (str, bytes, os.PathLike)):
+        directories = [directories]  # one directory, not the characters of its name
     return sum(int(_core.remove_stale_offload_files(os.fspath(d))) for d in directories)

@@ -900,3 +900,11 @@ def test_concurrent_torch_saves_leave_torch_settings_as_they_were(
                         assert (at + 30 + name_len + extra_len) % 4096 == 0, (path, info.filename)
             out = torch.load(path, weights_only=True)
             assert all(torch.equal(out[k2], v) for k2, v in sd.items())
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool", "complex64", "uint8"])
+def test_load_refuses_a_dtype_it_would_not_convert_to(disk_dir: Path, dtype: str) -> None:
+    path = disk_dir / "f.safetensors"
+    tensortier.save({"w": torch.ones(3)}, path)
+    with pytest.raises(ValueError, match="floating-point"):
+        tensortier.load(path, dtype=getattr(torch, dtype))

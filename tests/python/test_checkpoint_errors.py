@@ -222,7 +222,7 @@ def test_verify_detects_flipped_byte_torch(disk_dir: Path) -> None:
         n, x = struct.unpack("<HH", f.read(4))
     flip_byte(path, info.header_offset + 30 + n + x + 7)
     assert torch.equal(torch.load(path, weights_only=True)["a"], sd["a"])
-    with pytest.raises(ValueError, match="checksum mismatch in tensor 'data/1'"):
+    with pytest.raises(ValueError, match="checksum mismatch in record 'data/1'"):
         tensortier.load(path, verify=True)
     with pytest.raises(ValueError, match="data/1"):
         tensortier.load_into({k: torch.zeros_like(v) for k, v in sd.items()}, path, verify=True)
@@ -304,6 +304,60 @@ def test_verify_of_files_without_a_header_checksum(disk_dir: Path) -> None:
     assert r.returncode == 0 and "no header checksum" in r.stdout, r.stdout + r.stderr
 
 
+def test_a_record_whose_crc32_is_zero_is_checked(disk_dir: Path) -> None:
+    """0 in a zip record's CRC field means "none recorded" only where every record has 0
+    (torch.save with set_crc32_options(False)); these 4 bytes' CRC-32 really is 0."""
+    import zlib
+
+    zero_crc = torch.tensor([0x6DD90A9D], dtype=torch.int32)
+    assert zlib.crc32(zero_crc.numpy().tobytes()) == 0
+    path = disk_dir / "crc0.pt"
+    tensortier.save({"x": zero_crc, "y": torch.ones(3)}, path, checksum=True)
+    assert tensortier.load(path, verify=True)["x"].item() == 0x6DD90A9D
+    from test_cli_convert import run
+
+    assert run("verify", path).returncode == 0
+    rec = checkpoint._zip_records(str(path))
+    x_rec = next(r for name, r in rec.items() if name.endswith("data/0"))
+    assert x_rec.crc32 == 0 and x_rec.archive_has_crcs
+    with open(path, "r+b") as f:  # flip a bit of x: its CRC no longer matches 0
+        f.seek(x_rec.offset)
+        byte = f.read(1)
+        f.seek(x_rec.offset)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ValueError, match="checksum mismatch in record '.*data/0'"):
+        tensortier.load(path, verify=True)
+    r = run("verify", path)
+    assert r.returncode == 1 and "stored 00000000" in r.stderr, r.stderr
+
+
+def test_concurrent_saves_replacing_files(disk_dir: Path) -> None:
+    """Saves on several threads, each replacing its own file over and over (the replaced
+    files are freed on threads the next saves wait for)."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        path = disk_dir / f"m{i}.safetensors"
+        try:
+            for step in range(40):
+                tensortier.save({"w": torch.full((100,), float(step))}, path)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    for i in range(3):
+        assert tensortier.load(disk_dir / f"m{i}.safetensors")["w"][0].item() == 39.0
+    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    assert leftovers(disk_dir) == []
+
+
 def test_verify_without_checksums(disk_dir: Path) -> None:
     path = disk_dir / "n.safetensors"
     tensortier.save({"a": torch.ones(3)}, path)
@@ -311,16 +365,20 @@ def test_verify_without_checksums(disk_dir: Path) -> None:
         tensortier.load(path, verify=True)
     with pytest.raises(ValueError, match="no checksums"):
         tensortier.load_into({"a": torch.zeros(3)}, path, verify=True)
-    path.write_bytes(b"")  # a malformed checksum table
-    tensortier.save({"a": torch.ones(3)}, path, metadata={checkpoint.CHECKSUM_KEY: "[1,2"})
+    from safetensors.torch import save_file  # noqa: PLC0415 - optional peer
+
+    save_file({"a": torch.ones(3)}, str(path), metadata={checkpoint.CHECKSUM_KEY: "[1,2"})
     with pytest.raises(ValueError, match="malformed"):
         tensortier.load(path, verify=True)
-    with pytest.raises(ValueError, match="reserved"):
-        tensortier.save({"a": torch.ones(3)}, path, checksum=True,
-                        metadata={checkpoint.CHECKSUM_KEY: "{}"})
-    with pytest.raises(ValueError, match="reserved"):
-        tensortier.save({"a": torch.ones(3)}, path, checksum=True,
-                        metadata={checkpoint.HEADER_CHECKSUM_KEY: "0"})
+    # Our own checksum keys are refused as user metadata, with or without checksum=True
+    # (without, they would be stale checksums that verify then fails on).
+    for checksum in (True, False):
+        with pytest.raises(ValueError, match="tensortier's checksums"):
+            tensortier.save({"a": torch.ones(3)}, path, checksum=checksum,
+                            metadata={checkpoint.CHECKSUM_KEY: "{}"})
+        with pytest.raises(ValueError, match="tensortier's checksums"):
+            tensortier.save({"a": torch.ones(3)}, path, checksum=checksum,
+                            metadata={checkpoint.HEADER_CHECKSUM_KEY: "0"})
 
 
 # ---- durability --------------------------------------------------------------------------------

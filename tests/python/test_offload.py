@@ -771,6 +771,21 @@ def test_files_of_a_killed_process_are_named_and_cleaned(disk_dir: Path) -> None
         assert not os.path.exists(path)
         assert all(os.path.exists(p) for p in mine.paths)
         assert remove_stale_files([disk_dir / "off"]) == 0
+        assert remove_stale_files(disk_dir / "off") == 0  # one directory as a path
+        assert remove_stale_files(str(disk_dir / "off")) == 0  # or a str: not its characters
+
+
+def test_remove_stale_files_takes_one_directory_as_a_str(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A str is one directory, not a sequence of one-letter directory names."""
+    (disk_dir / "off").mkdir()
+    stale = "tensortier-offload-999999999-1-0-0.bin"  # a pid that cannot be running
+    (disk_dir / "off" / stale).write_bytes(b"x")
+    (disk_dir / stale).write_bytes(b"x")
+    monkeypatch.chdir(disk_dir)
+    assert remove_stale_files("off") == 1
+    assert not (disk_dir / "off" / stale).exists() and (disk_dir / stale).exists()
 
 
 def test_public_exports() -> None:
