@@ -2084,10 +2084,19 @@ def _load_into(
     direct: list[_Piece] = []  # read straight into the target's memory
     staged: list[_Staged] = []  # read into a temporary, then copied (and converted) into it
     crc_refs: dict[tuple[str, str], _StorageRef] = {}
-    done_mem: set[tuple[int, int]] = set()
+    # The same memory under several names (tied weights) is read once, from the name that
+    # comes last in the target's order: the value load_state_dict leaves (it copies each name
+    # in turn, so the last one wins).
+    last_name: dict[tuple[int, int], str] = {}
+    for k, t in targets.items():
+        if k in sources and _nbytes(t) > 0:
+            last_name[(t.data_ptr(), _nbytes(t))] = k
     for k, src in sources.items():
         t = targets.get(k)
         if t is None:
+            continue
+        mem = (t.data_ptr(), _nbytes(t))
+        if mem[1] > 0 and last_name[mem] != k:
             continue
         f = files[src.path]
         if src.view is not None and src.crc_storage is not None:
@@ -2099,10 +2108,6 @@ def _load_into(
                 _stage_saved_view, t, ref, src.view, f,
                 _crc_check(src.path, ref.key, ref.record.crc32) if verify else None)))
             continue
-        mem = (t.data_ptr(), _nbytes(t))
-        if mem in done_mem and mem[1] > 0:
-            continue  # the same memory under another name: read once
-        done_mem.add(mem)
         check = None
         if verify and src.crc_storage is not None:
             ref = src.crc_storage

@@ -33,7 +33,13 @@ from typing import Any, NamedTuple
 from . import _core
 from .io import _gds_mode
 
-__all__ = ["DiskOffloader"]
+__all__ = ["DiskOffloader", "OffloadedDataLostWarning"]
+
+
+class OffloadedDataLostWarning(UserWarning):
+    """A DiskOffloader was closed, or collected, with tensors still offloaded: their data is
+    gone. A UserWarning (shown by default), not a ResourceWarning (hidden by default): the
+    data was the user's."""
 
 # TensorNVMe's backend names are accepted too.
 _BACKENDS = {
@@ -50,14 +56,21 @@ PathLike = str | os.PathLike[str]
 
 
 class _Entry:
-    """One offloaded tensor: its key, a weak reference, and while an operation runs, the tensor."""
+    """One offloaded storage: its key, a weak reference to it, and while an operation runs, the
+    tensor given.
 
-    __slots__ = ("key", "ref", "tensor_id", "nbytes", "state", "tensor", "callback", "finalizer")
+    Entries follow the tensor's storage, not the Python tensor object: ``param.data`` and
+    ``param`` (or a view covering the whole storage) are the same entry, and the data is dropped
+    only when the storage dies, that is when no tensor can read it back. (torch keeps one Python
+    object per storage for as long as the storage lives.)"""
+
+    __slots__ = ("key", "ref", "storage_id", "nbytes", "state", "tensor", "callback", "finalizer")
 
     def __init__(self, key: int, tensor: Any, nbytes: int) -> None:
+        storage = tensor.untyped_storage()
         self.key = key
-        self.tensor_id = id(tensor)
-        self.ref = weakref.ref(tensor)
+        self.storage_id = id(storage)
+        self.ref = weakref.ref(storage)
         self.nbytes = nbytes
         self.state = "writing"  # then "stored", "reading"
         self.tensor: Any = tensor  # strong while an operation is in flight
@@ -66,7 +79,8 @@ class _Entry:
 
 
 def _discard_key(offloader_ref: "weakref.ref[DiskOffloader]", key: int) -> None:
-    """A stored tensor died: its data will never be read back, so free its file space."""
+    """A stored tensor's storage died (every tensor using it): its data will never be read
+    back, so free its file space."""
     offloader = offloader_ref()
     if offloader is not None:
         offloader._forget(key)
@@ -280,7 +294,7 @@ class DiskOffloader:
     def close(self) -> None:
         """Waits for operations in flight and applies their outcomes (their callbacks do not
         run, their errors are not raised), then removes the backing files. The data of tensors
-        still offloaded is lost (a ``ResourceWarning`` says how many). In a child made by fork()
+        still offloaded is lost (an ``OffloadedDataLostWarning`` says how many). In a child made by fork()
         it only lets go: the files, the data and the operations are the parent's."""
         if os.getpid() != self._pid:
             self._let_go_after_fork()
@@ -309,7 +323,7 @@ class DiskOffloader:
             warnings.warn(
                 f"DiskOffloader closed with {lost} tensor(s) still offloaded; their data is gone"
                 + failures,
-                ResourceWarning,
+                OffloadedDataLostWarning,
                 stacklevel=2,
             )
 
@@ -356,8 +370,9 @@ class DiskOffloader:
         core.close()
 
     def _lookup(self, tensor: Any) -> _Entry | None:
-        entry = self._by_id.get(id(tensor))
-        return entry if entry is not None and entry.ref() is tensor else None
+        storage = tensor.untyped_storage()
+        entry = self._by_id.get(id(storage))
+        return entry if entry is not None and entry.ref() is storage else None
 
     def _forget(self, key: int) -> None:
         # A finalizer: it may run on any thread, the device workers' included (garbage
@@ -385,8 +400,8 @@ class DiskOffloader:
 
     def _remove(self, entry: _Entry) -> None:
         self._by_key.pop(entry.key, None)
-        if self._by_id.get(entry.tensor_id) is entry:
-            del self._by_id[entry.tensor_id]
+        if self._by_id.get(entry.storage_id) is entry:
+            del self._by_id[entry.storage_id]
         if entry.finalizer is not None:
             entry.finalizer.detach()
 
@@ -396,8 +411,7 @@ class DiskOffloader:
             self._drain_forgotten()
             for t in tensors:
                 _check_tensor(t, "write")
-            if len({id(t) for t in tensors}) != len(tensors):
-                raise ValueError("the same tensor is given twice")
+            _check_distinct(tensors)
             if any((e := self._lookup(t)) is not None and e.state == "reading" for t in tensors):
                 self._wait("read")
             for t in tensors:
@@ -443,9 +457,10 @@ class DiskOffloader:
                     self._submit_device("write", e, span)
             me = weakref.ref(self)
             for e, t in zip(entries, tensors):
-                self._by_id[id(t)] = e
+                storage = t.untyped_storage()
+                self._by_id[id(storage)] = e
                 self._by_key[e.key] = e
-                e.finalizer = weakref.finalize(t, _discard_key, me, e.key)
+                e.finalizer = weakref.finalize(storage, _discard_key, me, e.key)
 
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
         import torch
@@ -455,8 +470,7 @@ class DiskOffloader:
             self._drain_forgotten()
             for t in tensors:
                 _check_tensor(t, "read")
-            if len({id(t) for t in tensors}) != len(tensors):
-                raise ValueError("the same tensor is given twice")
+            _check_distinct(tensors)
             found = [self._lookup(t) for t in tensors]
             if any(e is None for e in found):
                 raise ValueError(
@@ -638,6 +652,15 @@ def _check_tensor(tensor: Any, what: str) -> None:
         raise ValueError(
             f"tensor of shape {tuple(tensor.shape)} is not contiguous: only contiguous tensors "
             "can be offloaded (call .contiguous() first)"
+        )
+
+
+def _check_distinct(tensors: Sequence[Any]) -> None:
+    """One operation moves each storage once."""
+    if len({id(t.untyped_storage()) for t in tensors}) != len(tensors):
+        raise ValueError(
+            "the same tensor (or two tensors of one storage, such as a parameter and its .data) "
+            "is given twice"
         )
 
 

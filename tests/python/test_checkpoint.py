@@ -782,6 +782,27 @@ def test_load_into_tied_weights_and_non_contiguous_targets(disk_dir: Path) -> No
     assert torch.equal(nc, emb)
 
 
+@pytest.mark.parametrize("name", ["untied.safetensors", "untied.pt"])
+def test_load_into_tied_targets_from_untied_files_keeps_what_load_state_dict_keeps(
+    disk_dir: Path, name: str
+) -> None:
+    """A model whose head is tied to its embedding, loaded from a file where the two differ:
+    load_state_dict copies each name in turn, so the name last in the model's order wins."""
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(6, 4), "head": torch.nn.Linear(4, 6)})
+    model["head"].weight = model["emb"].weight
+    path = disk_dir / name
+    sd = {"emb.weight": torch.full((6, 4), 1.0), "head.weight": torch.full((6, 4), 2.0),
+          "head.bias": torch.zeros(6)}
+    tensortier.save(sd, path)
+    reference = torch.nn.ModuleDict(
+        {"emb": torch.nn.Embedding(6, 4), "head": torch.nn.Linear(4, 6)})
+    reference["head"].weight = reference["emb"].weight
+    reference.load_state_dict(sd)
+    tensortier.load_into(model, path)
+    assert torch.equal(model["emb"].weight, reference["emb"].weight)
+    assert model["emb"].weight[0, 0].item() == 2.0
+
+
 def test_load_into_from_torch_views(disk_dir: Path) -> None:
     base = torch.randn(20, 30)
     sd = {"full": base, "t": base.t(), "part": base[5:10]}

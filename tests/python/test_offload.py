@@ -20,7 +20,7 @@ import torch
 import tensortier
 from tensortier import DiskOffloader
 from tensortier.compat import tensornvme
-from tensortier.offload import remove_stale_files
+from tensortier.offload import OffloadedDataLostWarning, remove_stale_files
 
 from conftest import require_backend
 
@@ -421,7 +421,8 @@ def test_close_applies_outcomes_not_waited_for(
     o.async_read(x)  # fails: x's memory, allocated for it, holds no data
     o.close()
     assert offloaded(x) and offloaded(y)  # both stayed offloaded; the data went with the files
-    messages = [str(w.message) for w in recwarn if issubclass(w.category, ResourceWarning)]
+    messages = [str(w.message) for w in recwarn
+                if issubclass(w.category, OffloadedDataLostWarning)]
     assert any("2 tensor(s) still offloaded" in m and "1 operation(s)" in m for m in messages)
 
 
@@ -712,7 +713,7 @@ def test_close_and_context_manager_remove_files(disk_dir: Path) -> None:
     o.sync_write(x)
     paths = o.paths
     assert all(os.path.exists(p) for p in paths)
-    with pytest.warns(ResourceWarning, match="1 tensor"):
+    with pytest.warns(OffloadedDataLostWarning, match="1 tensor"):
         o.close()
     assert not any(os.path.exists(p) for p in paths)
     o.close()  # idempotent
@@ -859,3 +860,49 @@ def test_a_forked_child_raises_even_if_a_parent_thread_held_the_lock(disk_dir: P
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_dropping_an_offloader_with_stored_tensors_warns_by_default(disk_dir: Path) -> None:
+    """Under Python's default warning filters (ResourceWarning would be hidden): the data of
+    the tensors still offloaded is gone, which must not go unnoticed."""
+    code = f"""
+import gc, torch, tensortier
+x = torch.arange(8.)
+def park(t):
+    off = tensortier.DiskOffloader({str(disk_dir)!r})
+    off.sync_write(t)
+park(x)
+gc.collect()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "OffloadedDataLostWarning" in r.stderr and "1 tensor(s) still offloaded" in r.stderr
+
+
+def test_entries_follow_the_storage_not_the_tensor_object(disk_dir: Path) -> None:
+    """sync_write(param.data) (a temporary sharing param's storage) then sync_read(param): the
+    data stays as long as any tensor uses the storage (it was discarded when the temporary
+    died, leaving param with no memory and no data)."""
+    with DiskOffloader(disk_dir) as off:
+        p = torch.nn.Parameter(torch.arange(8.0))
+        off.sync_write(p.data)
+        gc.collect()
+        assert off.is_offloaded(p) and off.stored_bytes == 32
+        off.sync_read(p)
+        assert torch.equal(p.data, torch.arange(8.0))
+        x = torch.arange(8.0)
+        alias = x.view(2, 4)
+        off.sync_write(alias)
+        del alias
+        gc.collect()
+        assert off.is_offloaded(x)
+        off.sync_read(x.view(4, 2))  # any tensor covering the storage reads it back
+        assert torch.equal(x, torch.arange(8.0))
+        with pytest.raises(ValueError, match="two tensors of one storage"):
+            off.sync_writev([p, p.data])
+        y = torch.ones(4)
+        off.sync_write(y)
+        del y  # the storage's last tensor: its data can never be read, its space is freed
+        gc.collect()
+        off.synchronize()
+        assert off.stored_bytes == 0
