@@ -12,6 +12,7 @@ The native API::
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -83,7 +84,13 @@ def aligned_empty(
     import torch
 
     dtype = torch.uint8 if dtype is None else dtype
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+    try:
+        dims = (operator.index(shape),) if not isinstance(shape, (tuple, list)) else tuple(
+            operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a tuple of ints, not {shape!r}") from None
     if any(d < 0 for d in dims):
         raise ValueError(f"shape {dims} has a negative dimension")
     numel = 1
@@ -92,6 +99,9 @@ def aligned_empty(
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype)
-    buffer = _core.AlignedBuffer(nbytes, reused=reused, resident=resident)
+    try:
+        buffer = _core.AlignedBuffer(nbytes, reused=reused, resident=resident)
+    except MemoryError as e:
+        raise MemoryError(f"aligned_empty: cannot allocate {nbytes} bytes ({e})") from None
     # torch.frombuffer keeps `buffer` alive for as long as the tensor's storage lives.
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(dims)

@@ -54,8 +54,8 @@ def check_tensor_memory(tensor: Any, where: str = "tensor") -> None:
 def _from_tensor(tensor: Any, writable: bool) -> HostBuffer:
     if tensor.device.type != "cpu":
         raise ValueError(
-            f"tensor is on {tensor.device}; this build transfers host memory only "
-            "(GPU tensors arrive with the CUDA transfer layer): copy it to the CPU first"
+            f"tensor is on {tensor.device}: tensortier moves CPU and CUDA tensors only; copy "
+            "it to one of those first"
         )
     check_tensor_memory(tensor)
     # The storage is kept as well as the tensor: `tensor.set_(...)` or `param.data = ...`

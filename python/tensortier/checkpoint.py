@@ -306,7 +306,7 @@ def load_into(
     meta = []
     for name, t in targets.items():
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"target {name!r} is a {type(t).__name__}, not a tensor")
+            raise TypeError(f"target {name!r} is {_a(type(t).__name__)}, not a tensor")
         if t.is_meta:
             meta.append(name)
     if meta:
@@ -893,6 +893,7 @@ class _Progress:
         self.done = 0
         self.start = time.perf_counter()
         self.last = 0.0
+        self.drawn = -1  # `done` at the last draw
 
     def update(self, n: int) -> None:
         self.done += n
@@ -904,6 +905,7 @@ class _Progress:
             self._draw(now)
 
     def _draw(self, now: float) -> None:
+        self.drawn = self.done
         frac = self.done / self.total if self.total else 1.0
         width = 30
         bar = "#" * int(frac * width)
@@ -916,7 +918,8 @@ class _Progress:
 
     def close(self) -> None:
         if self.enabled:
-            self._draw(time.perf_counter())
+            if self.drawn != self.done:  # the final state is drawn once
+                self._draw(time.perf_counter())
             sys.stderr.write("\n")
             sys.stderr.flush()
 
@@ -1079,6 +1082,11 @@ def _read_device_checked(
         # be freed (on an error) or used (on success) before they finish.
         for stream in streams.values():
             stream.synchronize()
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article, for messages ("an OrderedDict", "a dict")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _checksum_mismatch(path: str, name: str, kind: str, stored: int, actual: int) -> ValueError:
@@ -2032,7 +2040,7 @@ def _describe_sources(
     for name, t in obj.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(
-                f"{path}: {name!r} is a {type(t).__name__}, not a tensor: load_into reads flat "
+                f"{path}: {name!r} is {_a(type(t).__name__)}, not a tensor: load_into reads flat "
                 "state dicts; use tensortier.load"
             )
         ref = by_cdata.get(t.untyped_storage()._cdata) or by_storage.get(id(t.untyped_storage()))

@@ -433,8 +433,16 @@ class IOHandle:
     def __enter__(self) -> "IOHandle":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        # The block is already failing: its exception is the one to see. An error of an
+        # operation it dropped is told in a note on it rather than replacing it.
+        try:
+            self.close()
+        except Exception as close_error:  # noqa: BLE001 - reported on the block's exception
+            exc.add_note(f"and closing the IOHandle raised: {close_error!r}")
 
     # -- internals -----------------------------------------------------------------------------
     def _core(self) -> _core.Engine:

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include "tensortier/strings.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "tensortier/aligned_buffer.hpp"
@@ -687,6 +688,21 @@ IoStats& IoStats::operator+=(const IoStats& other) {
   return *this;
 }
 
+namespace {
+
+// A directory that cannot take a file (missing, not a directory, no permission, read-only
+// filesystem) fails every backend's probe the same way: reported as that, with its errno,
+// rather than as "no I/O backend works".
+void RequireDirectoryTakesFiles(const std::string& dir) {
+  const std::string path = StrCat(dir, "/.tensortier-probe-", getpid(), "-dir");
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) ThrowIoError(errno, "create a file in the directory", dir);
+  close(fd);
+  unlink(path.c_str());
+}
+
+}  // namespace
+
 Engine::Engine(EngineOptions options, const std::string& probe_dir)
     : owner_pid_(getpid()), options_(std::move(options)) {
   options_.Validate();
@@ -698,6 +714,7 @@ Engine::Engine(EngineOptions options, const std::string& probe_dir)
     Start([kind](unsigned depth) { return MakeBackend(kind, depth); });
     return;
   }
+  if (!probe_dir.empty()) RequireDirectoryTakesFiles(probe_dir);
   std::string why;
   for (BackendKind kind : kAllBackends) {
     if (!probe_dir.empty()) {

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
+#include <fstream>
 
 #include <algorithm>
 #include <chrono>
@@ -1220,6 +1221,28 @@ TEST(EngineConstructionTest, AutoPicksTheFirstBackendThatPassesTheProbe) {
     }
   }
   EXPECT_EQ(engine.backend(), expect);
+}
+
+TEST(EngineConstructionTest, AProbeDirectoryThatCannotTakeAFileIsAnIoErrorNamingIt) {
+  TempDir dir;
+  EngineOptions o = testing::SmallEngineOptions(BackendKind::kThreads);
+  o.backend = "auto";
+  const std::string missing = dir.path() + "/missing";
+  try {
+    Engine engine(o, missing);
+    FAIL() << "an engine started with a missing probe directory";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_EQ(e.path(), missing);
+  }
+  const std::string file = dir.path() + "/file";
+  std::ofstream(file) << "x";
+  try {
+    Engine engine(o, file);
+    FAIL() << "an engine started with a file as its probe directory";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOTDIR);
+  }
 }
 
 TEST(EngineConstructionTest, FailingFactoryIsReported) {

@@ -623,7 +623,8 @@ def test_progress_bar(disk_dir: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert capsys.readouterr().err == ""
     tensortier.load(disk_dir / "m.safetensors", progress=True)
     err = capsys.readouterr().err
-    assert "loading m.safetensors" in err and "100.0%" in err
+    assert "loading m.safetensors" in err and err.count("100.0%") == 1, err
+    assert err.endswith("\n")
 
 
 # ---- shard indexes ---------------------------------------------------------------------------
@@ -823,7 +824,7 @@ def test_load_into_from_torch_views(disk_dir: Path) -> None:
         with pytest.raises(ValueError, match="checksum mismatch.*data/0"):
             tensortier.load_into({name: target[name]}, path, strict=False, verify=True)
     torch.save({"x": 1, "w": torch.ones(2)}, disk_dir / "mixed.pt")
-    with pytest.raises(ValueError, match="'x' is a int.*tensortier.load"):
+    with pytest.raises(ValueError, match="'x' is an int.*tensortier.load"):
         tensortier.load_into({"w": torch.zeros(2)}, disk_dir / "mixed.pt")
 
 

@@ -60,6 +60,15 @@ def test_backends_available() -> None:
             assert row["buffered_ok"], row
 
 
+def test_a_probe_directory_that_cannot_take_a_file_is_an_oserror(disk_dir: Path) -> None:
+    """Not "no I/O backend works": the directory is the problem, and the error says so."""
+    with pytest.raises(FileNotFoundError, match="missing"):
+        IOHandle(probe_dir=disk_dir / "missing")
+    (disk_dir / "file").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        IOHandle(probe_dir=disk_dir / "file")
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_round_trip_every_dtype(io: IOHandle, disk_dir: Path, dtype: torch.dtype) -> None:
     t = random_tensor(12345, dtype)
@@ -565,6 +574,26 @@ def test_error_of_a_dropped_future_is_raised_by_wait_all(disk_dir: Path) -> None
     assert e.value.errno == errno.EIO
     io.wait_all()  # raised once
     io.close()
+
+
+def test_a_failing_with_block_keeps_its_exception_over_a_dropped_operations(
+    disk_dir: Path,
+) -> None:
+    """The block's own exception is what propagates; the error of an operation it dropped is
+    a note on it (without the block failing, close() raises that error as before)."""
+    path = disk_dir / "dropped.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "writes": False}
+    with pytest.raises(KeyError) as e:
+        with IOHandle("threads", _fault=fault) as io:
+            io.pread_async(bytearray(1 << 20), path)  # fails; the future is dropped
+            time.sleep(0.2)
+            raise KeyError("the block's own error")
+    assert any("closing the IOHandle raised" in n and ("EIO" in n or "Input/output" in n)
+               for n in getattr(e.value, "__notes__", [])), getattr(e.value, "__notes__", None)
+    with pytest.raises(OSError):
+        with IOHandle("threads", _fault=fault) as io:
+            io.pread_async(bytearray(1 << 20), path)
 
 
 def test_an_error_already_raised_is_not_raised_again(disk_dir: Path) -> None:
