@@ -226,8 +226,10 @@ void Report(const Settings& s, const std::string& backend, const std::vector<Pha
   std::printf("%-9s %12s %9s %10s %12s %12s %12s\n", "phase", "bytes", "seconds", "GB/s", "IOPS",
               "direct", "page cache");
   for (const Phase& p : phases) {
-    std::printf("%-9s %12s %9.3f %10.3f %12.0f %12s %12s\n", p.name.c_str(),
-                FormatSize(p.bytes).c_str(), p.seconds, p.gbps(), p.iops(),
+    // IOPS is a figure of random reads; sequential phases are measured in bytes.
+    const std::string iops = p.name == "randread" ? StrCat(static_cast<uint64_t>(p.iops())) : "-";
+    std::printf("%-9s %12s %9.3f %10.3f %12s %12s %12s\n", p.name.c_str(),
+                FormatSize(p.bytes).c_str(), p.seconds, p.gbps(), iops.c_str(),
                 FormatSize(p.stats.direct_bytes).c_str(),
                 FormatSize(p.stats.buffered_bytes).c_str());
   }
@@ -239,12 +241,16 @@ int RunSweep(Settings s) {
     unsigned depth, threads;
     double write, read;
   };
+  if (s.size < (256u << 10)) {
+    throw std::invalid_argument("--sweep needs --size of at least 256K (its smallest block)");
+  }
   std::vector<Point> points;
   s.mode = "both";
   s.json = true;
   std::printf("sweep: %s per point in %s\n%10s %6s %8s %10s %10s\n", FormatSize(s.size).c_str(),
               s.dir.c_str(), "block", "depth", "threads", "write GB/s", "read GB/s");
   for (uint64_t block : {256ull << 10, 1ull << 20, 4ull << 20, 8ull << 20}) {
+    if (block > s.size) break;  // a block larger than the file measures nothing more
     for (unsigned depth : {4u, 16u, 64u}) {
       for (unsigned threads : {1u, 2u, 4u}) {
         s.block = block;
@@ -306,6 +312,9 @@ int RunBench(const std::vector<std::string>& argv) {
     throw std::invalid_argument("--size must be > 0 and --block-size a multiple of 4K");
   }
   if (s.ops == 0) throw std::invalid_argument("--ops must be > 0");
+  if (s.warm && s.mode == "write") {
+    throw std::invalid_argument("--warm times reads: use it with --mode read, both or randread");
+  }
   std::filesystem::create_directories(s.dir);
   if (args.Flag("sweep")) return RunSweep(s);
   std::string backend;

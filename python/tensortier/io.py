@@ -255,8 +255,13 @@ class IOHandle:
             ("bounce_slot_size", bounce_slot_size),
             ("bounce_rings", bounce_rings),
         ):
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        for name, flag in (("page_cache_check", page_cache_check), ("direct", direct)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, not {flag!r}")
         if bounce_idle_ms is not None and (
             not isinstance(bounce_idle_ms, int) or isinstance(bounce_idle_ms, bool)
             or not 0 <= bounce_idle_ms <= 3_600_000
@@ -319,7 +324,9 @@ class IOHandle:
 
     # -- files -----------------------------------------------------------------------------
     def open(self, path: str | os.PathLike[str], mode: str = "r", *, direct: bool | None = None) -> File:
-        """Open `path` for this handle ('r', 'r+', 'w' create/truncate, 'a' create/keep).
+        """Open `path` for this handle: 'r' read only; 'r+' read and write; 'w' create or
+        truncate; 'a' create if missing and keep the contents ('w' and 'a' files can be read
+        too, unlike Python's; writes go where the offset says, never appended).
 
         Raises:
             OSError: the file cannot be opened (FileNotFoundError, PermissionError...).

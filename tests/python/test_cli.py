@@ -125,3 +125,21 @@ def test_bench_rejects_bad_options(disk_dir: Path) -> None:
     assert r.returncode != 0 and "--size" in r.stderr
     r = run("bench", "--frobnicate")
     assert r.returncode != 0 and "unknown option" in r.stderr
+    r = run("bench", "--dir", str(disk_dir), "stray")  # a positional ran a 1 GiB benchmark
+    assert r.returncode != 0 and "options only" in r.stderr
+    r = run("bench", "--dir", str(disk_dir), "--warm", "--mode", "write")
+    assert r.returncode != 0 and "--warm times reads" in r.stderr
+    r = run("bench", "--dir", str(disk_dir), "--sweep", "--size", "64K")
+    assert r.returncode != 0 and "at least 256K" in r.stderr
+    assert not (disk_dir / "tensortier-bench.dat").exists()
+
+
+def test_bench_table_shows_iops_for_random_reads_only(disk_dir: Path) -> None:
+    r = run("bench", "--dir", str(disk_dir), "--size", "16M", "--mode", "randread",
+            "--ops", "200")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:]}
+    assert rows["randread"][4].isdigit(), r.stdout
+    r = run("bench", "--dir", str(disk_dir), "--size", "16M")
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:]}
+    assert rows["write"][4] == "-" and rows["read"][4] == "-", r.stdout
