@@ -139,7 +139,7 @@ def test_bench_table_shows_iops_for_random_reads_only(disk_dir: Path) -> None:
             "--ops", "200")
     assert r.returncode == 0, r.stderr
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:]}
-    assert rows["randread"][4].isdigit(), r.stdout
+    assert rows["randread"][5].isdigit(), r.stdout
     r = run("bench", "--dir", str(disk_dir), "--size", "16M")
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:]}
-    assert rows["write"][4] == "-" and rows["read"][4] == "-", r.stdout
+    assert rows["write"][5] == "-" and rows["read"][5] == "-", r.stdout
