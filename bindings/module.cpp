@@ -192,7 +192,9 @@ PYBIND11_MODULE(_core, m) {
     }
   });
 
-  py::class_<File>(m, "File")
+  py::class_<File>(m, "File",
+                   "An open file for IOHandle transfers: a buffered descriptor, plus an O_DIRECT "
+                   "one where the filesystem takes it. Open with IOHandle.open() or File.open().")
       .def_static(
           "open",
           [](const std::string& path, const std::string& mode, bool direct) {
@@ -200,21 +202,36 @@ PYBIND11_MODULE(_core, m) {
             py::gil_scoped_release release;
             return File::Open(path, parsed, direct);
           },
-          py::arg("path"), py::arg("mode") = "r", py::arg("direct") = true)
-      .def_property_readonly("path", &File::path)
-      .def_property_readonly("closed", [](const File& f) { return !f.is_open(); })
-      .def_property_readonly("writable", &File::writable)
-      .def_property_readonly("direct", &File::direct)
-      .def_property_readonly("direct_fallback_reason", &File::direct_fallback_reason)
-      .def_property_readonly("offset_alignment", &File::offset_alignment)
-      .def_property_readonly("memory_alignment", &File::memory_alignment)
-      .def("fileno", &File::buffered_fd)
-      .def("size", &File::Size)
-      .def("truncate", &File::Truncate, py::call_guard<py::gil_scoped_release>())
-      .def("allocate", &File::Allocate, py::call_guard<py::gil_scoped_release>())
-      .def("datasync", &File::DataSync, py::call_guard<py::gil_scoped_release>())
-      .def("drop_cache", &File::DropCache, py::call_guard<py::gil_scoped_release>())
-      .def("close", &File::Close);
+          py::arg("path"), py::arg("mode") = "r", py::arg("direct") = true,
+          "Opens `path`: mode 'r' (read), 'r+' (read and write), 'w' (create or truncate), 'a' "
+          "(create if missing, keep contents); 'w' and 'a' files can be read too. `direct`: also "
+          "open O_DIRECT where the filesystem allows (else `direct_fallback_reason` says why). "
+          "Raises OSError.")
+      .def_property_readonly("path", &File::path, "The path it was opened with.")
+      .def_property_readonly(
+          "closed", [](const File& f) { return !f.is_open(); }, "Whether close() was called.")
+      .def_property_readonly("writable", &File::writable, "Whether the mode allows writes.")
+      .def_property_readonly("direct", &File::direct, "Whether an O_DIRECT descriptor is open.")
+      .def_property_readonly("direct_fallback_reason", &File::direct_fallback_reason,
+                             "Why O_DIRECT was refused ('' when it was not, or not asked for).")
+      .def_property_readonly("offset_alignment", &File::offset_alignment,
+                             "File offset alignment O_DIRECT needs here (bytes).")
+      .def_property_readonly("memory_alignment", &File::memory_alignment,
+                             "Memory address alignment O_DIRECT needs here (bytes).")
+      .def("fileno", &File::buffered_fd, "The buffered descriptor (valid until close()).")
+      .def("size", &File::Size, "The file's size in bytes.")
+      .def("truncate", &File::Truncate, py::arg("size"), py::call_guard<py::gil_scoped_release>(),
+           "Sets the file's size to `size` bytes.")
+      .def("allocate", &File::Allocate, py::arg("offset"), py::arg("length"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Reserves [offset, offset+length) on disk (posix fallocate): ENOSPC now rather than "
+           "mid-write. Raises OSError.")
+      .def("datasync", &File::DataSync, py::call_guard<py::gil_scoped_release>(),
+           "fdatasync: the data written so far is durable when it returns.")
+      .def("drop_cache", &File::DropCache, py::call_guard<py::gil_scoped_release>(),
+           "Drops the file's clean page-cache pages (the next read is cold).")
+      .def("close", &File::Close,
+           "Closes this handle; operations in flight keep the descriptors until they end.");
 
   py::class_<Future>(m, "Future")
       .def("done", &Future::done)
