@@ -1,0 +1,57 @@
+"""What replacing an existing checkpoint costs tensortier.save: one 2 GiB state dict (300
+tensors, checkpoint_bench's) saved over an existing file of the same size, with the replaced
+file's blocks freed on a background thread after the save returns (now) and inside the rename
+as before (``_DurableFile._hold_replaced`` returning None), alternating order, median GB/s
+until durable. Used for BENCHMARKS.md's twelfth-session checkpoint section."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import checkpoint_bench  # noqa: E402
+
+import tensortier  # noqa: E402
+from tensortier import checkpoint  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dir", default="tensortier-data/checkpoint-bench",
+                        help="directory on the disk under test")
+    parser.add_argument("--repeats", type=int, default=5, help="samples per figure")
+    args = parser.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    sd = checkpoint_bench.make_state_dict(2 << 30, 300, 0)
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    path = os.path.join(args.dir, "replace_cost.safetensors")
+    tensortier.save(sd, path)
+    hold = checkpoint._DurableFile._hold_replaced  # noqa: SLF001 - the A/B switch
+    samples: dict[str, list[float]] = {"freed after the save": [], "freed in the rename": []}
+    try:
+        for r in range(args.repeats):
+            for mode in list(samples) if r % 2 == 0 else list(samples)[::-1]:
+                checkpoint._DurableFile._hold_replaced = (  # noqa: SLF001
+                    hold if mode == "freed after the save" else (lambda self: None))
+                checkpoint._wait_for_replaced_files()  # noqa: SLF001 - start from quiet
+                os.sync()
+                time.sleep(2)
+                start = time.perf_counter()
+                tensortier.save(sd, path)
+                samples[mode].append(total / (time.perf_counter() - start) / 1e9)
+    finally:
+        checkpoint._DurableFile._hold_replaced = hold  # noqa: SLF001
+        os.unlink(path)
+    for mode, v in samples.items():
+        print(f"{mode}: median {statistics.median(v):.2f} GB/s ("
+              + ", ".join(f"{x:.2f}" for x in v) + ")")
+
+
+if __name__ == "__main__":
+    main()
