@@ -503,8 +503,11 @@ class DiskOffloader:
                     # data is still on disk: out of memory leaves it offloaded.
                     t.untyped_storage().resize_(e.nbytes)
                     spans.append(_span(t))  # CudaError without a driver
+                elif self._pin:
+                    self._allocate_pinned(e, t, torch)
+                    spans.append(None)
                 else:
-                    _allocate(t, e.nbytes, self._pin, torch)
+                    t.untyped_storage().resize_(e.nbytes)
                     spans.append(None)
             host = _host_pieces(entries, tensors, device)
             if host:
@@ -520,6 +523,29 @@ class DiskOffloader:
         for e, span in zip(entries, spans):
             if span is not None:
                 self._submit_device("read", e, span)
+
+    def _allocate_pinned(self, entry: _Entry, tensor: Any, torch: Any) -> None:
+        """Gives `tensor` a new storage of pinned memory for its read, and moves `entry` to it:
+        the entry follows the storage, and the old one (now unused, 0 bytes) may die at once,
+        which must not discard the data being read. Other tensors of the old storage keep it
+        (0 bytes). REQUIRES: self._lock."""
+        old = tensor.untyped_storage()
+        if entry.finalizer is not None:
+            entry.finalizer.detach()
+        try:
+            memory = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
+        except BaseException:
+            entry.finalizer = weakref.finalize(old, _discard_key, weakref.ref(self), entry.key)
+            raise
+        with torch.no_grad():
+            tensor.set_(memory.untyped_storage(), 0, tensor.shape, tensor.stride())
+        new = tensor.untyped_storage()
+        if self._by_id.get(entry.storage_id) is entry:
+            del self._by_id[entry.storage_id]
+        entry.storage_id = id(new)
+        entry.ref = weakref.ref(new)
+        self._by_id[entry.storage_id] = entry
+        entry.finalizer = weakref.finalize(new, _discard_key, weakref.ref(self), entry.key)
 
     def _route(self, tensors: list[Any]) -> list[bool]:
         """Per tensor, whether its bytes move through the device path (the bounce ring or GDS);
@@ -694,17 +720,6 @@ def _span(tensor: Any) -> _Span:
 
     db = device_buffer(tensor, own_stream=True)
     return _Span(db.address, db.device, db.stream, db.owner)
-
-
-def _allocate(tensor: Any, nbytes: int, pin: bool, torch: Any) -> None:
-    """Gives an offloaded tensor `nbytes` of memory again, in place (views of the same storage
-    see it too); pinned memory means a new storage."""
-    if not pin:
-        tensor.untyped_storage().resize_(nbytes)
-        return
-    memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
-    with torch.no_grad():
-        tensor.set_(memory, 0, tensor.shape, tensor.stride())
 
 
 _live: "weakref.WeakSet[DiskOffloader]" = weakref.WeakSet()

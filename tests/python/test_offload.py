@@ -906,3 +906,37 @@ def test_entries_follow_the_storage_not_the_tensor_object(disk_dir: Path) -> Non
         gc.collect()
         off.synchronize()
         assert off.stored_bytes == 0
+
+
+def test_pinned_reads_move_the_entry_to_the_new_storage(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pin_memory reads give the tensor a new (pinned) storage; its old one dies then, which
+    must not discard the data being read, and a failed read must leave the data readable
+    through the tensor. (Pinned memory stands in as plain memory: no CUDA here.)"""
+    real_empty = torch.empty
+
+    def empty(*args: object, pin_memory: bool = False, **kwargs: object) -> torch.Tensor:
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with DiskOffloader(disk_dir, backend="threads") as off:
+        off._pin = True  # noqa: SLF001 - what pin_memory=True sets where CUDA exists
+        x = torch.randn(50_000)
+        want_x = x.clone()
+        off.sync_write(x)
+        off.sync_read(x)  # its old storage dies at once
+        gc.collect()
+        assert torch.equal(x, want_x) and not off.is_offloaded(x) and off.stored_bytes == 0
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+        off._pin = True  # noqa: SLF001
+        y = torch.randn(50_000)
+        want_y = y.clone()
+        off.sync_write(y)
+        with pytest.raises(OSError):
+            off.sync_read(y)  # fails (injected EIO)
+        gc.collect()
+        assert off.is_offloaded(y) and off.stored_bytes == y.numel() * 4
+        off.sync_read(y)  # the data is still there, through the tensor
+        assert torch.equal(y, want_y) and off.stored_bytes == 0
