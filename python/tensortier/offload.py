@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import functools
 import os
 import threading
 import warnings
@@ -409,6 +410,7 @@ class DiskOffloader:
         with self._lock:
             core = self._open()
             self._drain_forgotten()
+            _require_preserved_storages()
             for t in tensors:
                 _check_tensor(t, "write")
             _check_distinct(tensors)
@@ -678,6 +680,21 @@ def _check_tensor(tensor: Any, what: str) -> None:
         raise ValueError(
             f"tensor of shape {tuple(tensor.shape)} is not contiguous: only contiguous tensors "
             "can be offloaded (call .contiguous() first)"
+        )
+
+
+@functools.cache
+def _require_preserved_storages() -> None:
+    """Entries follow storages by identity, and drop their data when the storage's Python object
+    dies: torch must keep one Python object per storage for as long as the storage lives (recent
+    releases do); with a fresh wrapper per call the data would be dropped at once."""
+    import torch
+
+    probe = torch.empty(1)
+    if probe.untyped_storage() is not probe.untyped_storage():
+        raise RuntimeError(
+            f"torch {torch.__version__} makes a new Python object per untyped_storage() call; "
+            "DiskOffloader needs one per storage (newer PyTorch releases keep it): upgrade torch"
         )
 
 
