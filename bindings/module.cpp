@@ -3,6 +3,7 @@
 // can block releases the GIL, and no Python runs on engine threads.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sys/statfs.h>
 
 #include <chrono>
 #include <optional>
@@ -371,6 +372,19 @@ PYBIND11_MODULE(_core, m) {
   m.def("remove_stale_offload_files", &RemoveStaleOffloadFiles, py::arg("dir"),
         py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "filesystem_magic",
+      [](const std::string& path) {
+        struct statfs st{};
+        int rc;
+        {
+          py::gil_scoped_release release;  // a network filesystem can take its time
+          rc = statfs(path.c_str(), &st);
+        }
+        if (rc != 0) ThrowIoError(errno, "statfs", path);
+        return static_cast<uint64_t>(st.f_type);
+      },
+      py::arg("path"), "statfs(2)'s f_type of the filesystem holding `path` (EXT4 0xEF53...).");
   m.def("huge_pages_policy", &HugePagesPolicy,
         "Which page-aligned buffers ask for transparent huge pages in this process, and why.");
   m.def("buffer_address", &BufferAddress, py::arg("obj"), py::arg("writable"),
