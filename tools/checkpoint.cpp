@@ -211,16 +211,13 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
   uint64_t checked = 0;
   uint64_t unrecorded = 0;      // torch zip entries of an archive that records no CRC-32s
   bool header_checked = false;  // safetensors: tensortier.header_xxh64 compared
-  if (l.format == Format::kSafetensors) {
-    auto it = l.st.header.metadata.find(kTensorChecksumsKey);
-    if (it == l.st.header.metadata.end()) {
-      std::fflush(stdout);  // keep the lines in order where both streams go to one pipe
-      std::fprintf(stderr,
-                   "%s: verify FAILED: no checksums (metadata key %s), the data cannot be "
-                   "verified; save it with tensortier.save(..., checksum=True) to verify it\n",
-                   path.c_str(), kTensorChecksumsKey);
-      return 1;
-    }
+  auto it = l.st.header.metadata.find(kTensorChecksumsKey);
+  if (l.format == Format::kSafetensors && it == l.st.header.metadata.end()) {
+    // As load(verify=True): a file without checksums cannot be verified, which is not a pass.
+    problems.push_back(StrCat("no checksums (metadata key ", kTensorChecksumsKey,
+                              "): the data cannot be verified; save it with "
+                              "tensortier.save(..., checksum=True) to verify it"));
+  } else if (l.format == Format::kSafetensors) {
     // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum.
     if (auto hh = l.st.header.metadata.find(kHeaderChecksumKey); hh == l.st.header.metadata.end()) {
       std::printf(
@@ -614,15 +611,18 @@ struct Shard {
 
 constexpr uint64_t kMaxIndexBytes = 64u << 20;
 
+// As tensortier.load tells them apart: a safetensors file has its JSON header after an 8-byte
+// length (whose bytes may be '{' or spaces themselves), an index is JSON from its first byte.
 bool IsShardIndex(const std::string& path) {
   if (path.ends_with(".index.json")) return true;
   FileSource source(File::Open(path, OpenMode::kRead, false));
   char head[16] = {};
   const uint64_t n = std::min<uint64_t>(source.size(), sizeof(head));
   source.ReadAt(0, head, n);
+  if (n >= 9 && head[8] == '{') return false;
   for (uint64_t i = 0; i < n; ++i) {
     if (head[i] == ' ' || head[i] == '\n' || head[i] == '\r' || head[i] == '\t') continue;
-    return head[i] == '{';  // a safetensors file starts with its 8-byte header length
+    return head[i] == '{';
   }
   return false;
 }
@@ -638,6 +638,7 @@ std::vector<Shard> ReadShardIndex(const std::string& path) {
   JsonReader r(text, path);
   std::vector<Shard> shards;
   std::map<std::string, size_t> by_file;
+  std::set<std::string> names;
   bool has_map = false;
   r.Expect('{');
   if (!r.Consume('}')) {
@@ -648,11 +649,13 @@ std::vector<Shard> ReadShardIndex(const std::string& path) {
         r.SkipValue();
         continue;
       }
+      if (has_map) r.Fail("two 'weight_map' members");
       has_map = true;
       r.Expect('{');
       if (r.Consume('}')) continue;
       do {
         std::string name = r.ReadString();
+        if (!names.insert(name).second) r.Fail(StrCat("tensor '", name, "' is listed twice"));
         r.Expect(':');
         if (r.Peek() != '"') r.Fail(StrCat("the shard of '", name, "' is not a string"));
         std::string file = r.ReadString();
@@ -675,6 +678,7 @@ std::vector<Shard> ReadShardIndex(const std::string& path) {
   }
   r.ExpectEnd();
   if (!has_map) throw FormatError(StrCat(path, ": not a shard index: no 'weight_map'"));
+  if (shards.empty()) throw FormatError(StrCat(path, ": a shard index naming no tensors"));
   return shards;
 }
 
@@ -758,8 +762,8 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
   for (const auto& shard : shards) {
     try {
       failed += VerifyFile(shard.path, shard.names) != 0;
-    } catch (const std::runtime_error& e) {  // FormatError, IoError: one bad shard does not
-                                             // hide the others' state
+    } catch (const std::exception& e) {  // FormatError, IoError: one bad shard does not hide
+                                         // the others' state
       std::fflush(stdout);
       std::fprintf(stderr, "tensortier verify: %s\n", e.what());
       ++failed;

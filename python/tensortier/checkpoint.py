@@ -1967,8 +1967,18 @@ def _read_index(path: str) -> dict[str, list[str]]:
         text = f.read(_MAX_INDEX_BYTES + 1)
     if len(text) > _MAX_INDEX_BYTES:
         raise ValueError(f"{path}: larger than {_MAX_INDEX_BYTES} bytes: not a shard index")
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # json.loads would keep the last of a name listed twice; which shard holds it is then
+        # a guess (and `tensortier verify` refuses the index the same way).
+        seen: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in seen:
+                raise ValueError(f"{path}: {k!r} is listed twice in the shard index")
+            seen[k] = v
+        return seen
+
     try:
-        index = json.loads(text.decode("utf-8"))
+        index = json.loads(text.decode("utf-8"), object_pairs_hook=unique)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: malformed JSON: {e}") from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -677,6 +677,10 @@ def test_hf_index_errors(disk_dir: Path) -> None:
     idx.write_text(json.dumps({"weight_map": {"a": "missing.safetensors"}}))
     with pytest.raises(FileNotFoundError):
         tensortier.load(idx)
+    # A name listed twice: json keeps the last, which shard holds it is a guess: refused.
+    idx.write_text('{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}')
+    with pytest.raises(ValueError, match="listed twice"):
+        tensortier.load(idx)
 
 
 # ---- load_into ---------------------------------------------------------------------------------

@@ -383,3 +383,32 @@ def test_info_and_verify_take_a_shard_index(disk_dir: Path) -> None:
     assert r.returncode == 1 and "outside the index's directory" in r.stderr, r.stderr
     r = run("convert", index, disk_dir / "x.pt")
     assert r.returncode == 1 and "shard index" in r.stderr, r.stderr
+    # A malformed shard does not stop the others being checked; duplicates and an empty map
+    # are refused.
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    (shards / "m1.safetensors").write_bytes(b"\x10\x00\x00")
+    r = run("verify", index)
+    assert r.returncode == 1 and "(2 of 2 shards)" in r.stderr, r.stdout + r.stderr
+    assert "m2.safetensors: structure OK" in r.stdout
+    for text, says in (('{"weight_map": {"a": "m1.safetensors", "a": "m2.safetensors"}}',
+                        "listed twice"),
+                       ('{"weight_map": {"a": "m1.safetensors"}, "weight_map": {}}',
+                        "two 'weight_map'"),
+                       ('{"weight_map": {}}', "naming no tensors")):
+        index.write_text(text)
+        r = run("verify", index)
+        assert r.returncode == 1 and says in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("header_length", [123, 0x7B20])
+def test_a_safetensors_file_whose_length_bytes_look_like_json_is_not_an_index(
+    disk_dir: Path, header_length: int
+) -> None:
+    """The 8-byte header length comes first: 123 is '{', 0x7B20 is ' {'."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    header += b" " * (header_length - len(header))
+    path = disk_dir / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", header_length) + header + struct.pack("<ff", 1.0, 2.0))
+    assert st.load_file(str(path))["w"].tolist() == [1.0, 2.0]
+    r = run("info", path)
+    assert r.returncode == 0 and "tensors:   1" in r.stdout, r.stdout + r.stderr
