@@ -57,34 +57,53 @@ PathLike = str | os.PathLike[str]
 
 
 class _Entry:
-    """One offloaded storage: its key, a weak reference to it, and while an operation runs, the
-    tensor given.
+    """One offloaded tensor: its key, weak references to the tensor given and to its storage,
+    and while an operation runs, the tensor.
 
-    Entries follow the tensor's storage, not the Python tensor object: ``param.data`` and
-    ``param`` (or a view covering the whole storage) are the same entry, and the data is dropped
-    only when the storage dies, that is when no tensor can read it back. (torch keeps one Python
-    object per storage for as long as the storage lives.)"""
+    An entry is found through either: ``param.data`` (a temporary sharing ``param``'s storage)
+    written, then ``param`` read, is one entry; so is a tensor whose storage was replaced
+    (``x.data = ...``) while offloaded. Its data is dropped only when both have died, that is
+    when no tensor can read it back. (torch keeps one Python object per storage for as long as
+    the storage lives.)"""
 
-    __slots__ = ("key", "ref", "storage_id", "nbytes", "state", "tensor", "callback", "finalizer")
+    __slots__ = ("key", "tensor_id", "tensor_ref", "storage_id", "storage_ref", "alive", "nbytes",
+                 "state", "tensor", "callback", "finalizers")
 
     def __init__(self, key: int, tensor: Any, nbytes: int) -> None:
         storage = tensor.untyped_storage()
         self.key = key
+        self.tensor_id = id(tensor)
+        self.tensor_ref = weakref.ref(tensor)
         self.storage_id = id(storage)
-        self.ref = weakref.ref(storage)
+        self.storage_ref = weakref.ref(storage)
+        self.alive = {"tensor", "storage"}  # what still can read the data back
         self.nbytes = nbytes
         self.state = "writing"  # then "stored", "reading"
         self.tensor: Any = tensor  # strong while an operation is in flight
         self.callback: Callable[[], None] | None = None
-        self.finalizer: weakref.finalize | None = None
+        self.finalizers: dict[str, weakref.finalize] = {}
+
+    def watch(self, offloader: "DiskOffloader", part: str, obj: Any) -> None:
+        """Tell `offloader` when `obj` (the tensor or the storage) dies."""
+        old = self.finalizers.pop(part, None)
+        if old is not None:
+            old.detach()
+        self.finalizers[part] = weakref.finalize(
+            obj, _part_died, weakref.ref(offloader), self.key, part
+        )
+
+    def detach(self) -> None:
+        for finalizer in self.finalizers.values():
+            finalizer.detach()
+        self.finalizers.clear()
 
 
-def _discard_key(offloader_ref: "weakref.ref[DiskOffloader]", key: int) -> None:
-    """A stored tensor's storage died (every tensor using it): its data will never be read
-    back, so free its file space."""
+def _part_died(offloader_ref: "weakref.ref[DiskOffloader]", key: int, part: str) -> None:
+    """A stored tensor, or its storage, died; once both have, its data can never be read back
+    and its file space is freed."""
     offloader = offloader_ref()
     if offloader is not None:
-        offloader._forget(key)
+        offloader._forget(key, part)
 
 
 class DiskOffloader:
@@ -173,8 +192,9 @@ class DiskOffloader:
             "read": [],
         }
         self._lock = threading.RLock()
-        self._forgotten: collections.deque[int] = collections.deque()  # see _forget
-        self._by_id: dict[int, _Entry] = {}
+        self._forgotten: collections.deque[tuple[int, str]] = collections.deque()  # _forget
+        self._by_id: dict[int, _Entry] = {}  # by id() of the tensor given
+        self._by_storage: dict[int, _Entry] = {}  # by id() of its storage
         self._by_key: dict[int, _Entry] = {}
         self._next_key = 1
         _live.add(self)
@@ -315,9 +335,9 @@ class DiskOffloader:
             core.close()
             lost = sum(1 for e in self._by_key.values() if e.state == "stored")
             for entry in self._by_key.values():
-                if entry.finalizer is not None:
-                    entry.finalizer.detach()
+                entry.detach()
             self._by_id.clear()
+            self._by_storage.clear()
             self._by_key.clear()
         if lost or failed:
             failures = f" ({failed} operation(s) not waited for had failed)" if failed else ""
@@ -364,27 +384,30 @@ class DiskOffloader:
         self._transfer = self._device_files = None
         self._device_jobs = {"write": [], "read": []}
         for entry in self._by_key.values():
-            if entry.finalizer is not None:
-                entry.finalizer.detach()
+            entry.detach()
         self._by_id.clear()
+        self._by_storage.clear()
         self._by_key.clear()
         core.close()
 
     def _lookup(self, tensor: Any) -> _Entry | None:
+        entry = self._by_id.get(id(tensor))
+        if entry is not None and entry.tensor_ref() is tensor:
+            return entry
         storage = tensor.untyped_storage()
-        entry = self._by_id.get(id(storage))
-        return entry if entry is not None and entry.ref() is storage else None
+        entry = self._by_storage.get(id(storage))
+        return entry if entry is not None and entry.storage_ref() is storage else None
 
-    def _forget(self, key: int) -> None:
+    def _forget(self, key: int, part: str) -> None:
         # A finalizer: it may run on any thread, the device workers' included (garbage
         # collection), while another thread holds the lock waiting for those workers, or on this
         # thread in the middle of code holding the lock (and iterating the entries). Never block
         # or change the entries here then: leave the key to the next call that takes the lock.
         if self._lock._is_owned() or not self._lock.acquire(blocking=False):  # type: ignore
-            self._forgotten.append(key)
+            self._forgotten.append((key, part))
             return
         try:
-            self._forgotten.append(key)
+            self._forgotten.append((key, part))
             self._drain_forgotten()
         finally:
             self._lock.release()
@@ -392,19 +415,29 @@ class DiskOffloader:
     def _drain_forgotten(self) -> None:
         """Frees the file space of tensors that died while offloaded. REQUIRES: self._lock."""
         while self._forgotten:
-            entry = self._by_key.get(self._forgotten.popleft())
+            key, part = self._forgotten.popleft()
+            entry = self._by_key.get(key)
             if entry is None:
                 continue
+            entry.alive.discard(part)
+            self._unmap(entry, part)
+            if entry.alive:
+                continue  # the other can still read it back
             self._remove(entry)
             if self._core is not None and os.getpid() == self._pid:  # a fork's copy: not ours
                 self._core.discard(entry.key)
 
+    def _unmap(self, entry: _Entry, part: str) -> None:
+        by, ident = ((self._by_id, entry.tensor_id) if part == "tensor"
+                     else (self._by_storage, entry.storage_id))
+        if by.get(ident) is entry:
+            del by[ident]
+
     def _remove(self, entry: _Entry) -> None:
         self._by_key.pop(entry.key, None)
-        if self._by_id.get(entry.storage_id) is entry:
-            del self._by_id[entry.storage_id]
-        if entry.finalizer is not None:
-            entry.finalizer.detach()
+        self._unmap(entry, "tensor")
+        self._unmap(entry, "storage")
+        entry.detach()
 
     def _write(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
         with self._lock:
@@ -457,12 +490,13 @@ class DiskOffloader:
             for e, span in zip(entries, spans):
                 if span is not None:
                     self._submit_device("write", e, span)
-            me = weakref.ref(self)
             for e, t in zip(entries, tensors):
                 storage = t.untyped_storage()
-                self._by_id[id(storage)] = e
+                self._by_id[id(t)] = e
+                self._by_storage[id(storage)] = e
                 self._by_key[e.key] = e
-                e.finalizer = weakref.finalize(storage, _discard_key, me, e.key)
+                e.watch(self, "tensor", t)
+                e.watch(self, "storage", storage)
 
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
         import torch
@@ -527,27 +561,24 @@ class DiskOffloader:
                 self._submit_device("read", e, span)
 
     def _allocate_pinned(self, entry: _Entry, tensor: Any, torch: Any) -> None:
-        """Gives `tensor` a new storage of pinned memory for its read, and moves `entry` to it:
-        the entry follows the storage, and the old one (now unused, 0 bytes) may die at once,
-        which must not discard the data being read. Other tensors of the old storage keep it
-        (0 bytes). REQUIRES: self._lock."""
-        old = tensor.untyped_storage()
-        if entry.finalizer is not None:
-            entry.finalizer.detach()
-        try:
-            memory = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
-        except BaseException:
-            entry.finalizer = weakref.finalize(old, _discard_key, weakref.ref(self), entry.key)
-            raise
+        """Gives `tensor` a new storage of pinned memory for its read, and moves `entry`'s
+        storage part to it (the old storage, now unused and 0 bytes, may die at once; other
+        tensors of it keep it, 0 bytes). REQUIRES: self._lock."""
+        memory = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
+        # The old storage may die inside set_(): its finalizer goes first, so that its death
+        # is not taken for the new storage's.
+        old = entry.finalizers.pop("storage", None)
+        if old is not None:
+            old.detach()
         with torch.no_grad():
             tensor.set_(memory.untyped_storage(), 0, tensor.shape, tensor.stride())
         new = tensor.untyped_storage()
-        if self._by_id.get(entry.storage_id) is entry:
-            del self._by_id[entry.storage_id]
+        self._unmap(entry, "storage")
         entry.storage_id = id(new)
-        entry.ref = weakref.ref(new)
-        self._by_id[entry.storage_id] = entry
-        entry.finalizer = weakref.finalize(new, _discard_key, weakref.ref(self), entry.key)
+        entry.storage_ref = weakref.ref(new)
+        entry.alive.add("storage")
+        self._by_storage[entry.storage_id] = entry
+        entry.watch(self, "storage", new)
 
     def _route(self, tensors: list[Any]) -> list[bool]:
         """Per tensor, whether its bytes move through the device path (the bounce ring or GDS);

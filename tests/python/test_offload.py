@@ -405,7 +405,7 @@ def test_a_tensor_dying_while_another_thread_holds_the_lock_is_freed_later(
         entries = len(off._by_key)
         del y
         gc.collect()
-        assert len(off._by_key) == entries and len(off._forgotten) == 1
+        assert len(off._by_key) == entries and len(off._forgotten) == 2  # tensor, storage
     assert off.stored_bytes == 0 and not off._by_key
 
 
@@ -900,6 +900,13 @@ def test_entries_follow_the_storage_not_the_tensor_object(disk_dir: Path) -> Non
         assert torch.equal(x, torch.arange(8.0))
         with pytest.raises(ValueError, match="two tensors of one storage"):
             off.sync_writev([p, p.data])
+        z = torch.arange(8.0)
+        off.sync_write(z)
+        z.data = torch.zeros(8)  # its storage replaced while offloaded: the old one dies
+        gc.collect()
+        assert off.is_offloaded(z) and off.stored_bytes == 32  # the tensor still reads it back
+        off.sync_read(z)
+        assert torch.equal(z, torch.arange(8.0))
         y = torch.ones(4)
         off.sync_write(y)
         del y  # the storage's last tensor: its data can never be read, its space is freed
