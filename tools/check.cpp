@@ -117,12 +117,16 @@ int RunCheck(const std::vector<std::string>& argv) {
   // TENSORTIER_GDS is read by the Python API (IOHandle, DiskOffloader); checked here the same way.
   const char* gds_env = std::getenv("TENSORTIER_GDS");
   const std::string gds_setting = gds_env != nullptr && *gds_env != '\0' ? gds_env : "off";
+  GdsMode gds_mode;
   try {
-    ParseGdsMode(gds_setting);
+    gds_mode = ParseGdsMode(gds_setting);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(StrCat("TENSORTIER_GDS: ", e.what()));
   }
-  std::printf("GDS for CUDA tensors (TENSORTIER_GDS): %s%s\n", gds_setting.c_str(),
+  const char* gds_name = gds_mode == GdsMode::kOff    ? "off"
+                         : gds_mode == GdsMode::kAuto ? "auto"
+                                                      : "on";
+  std::printf("GDS for CUDA tensors (TENSORTIER_GDS): %s%s\n", gds_name,
               gds_env != nullptr && *gds_env != '\0' ? "" : " (default)");
   std::printf("GDS with TENSORTIER_GDS=auto: %s\n", gds_auto.c_str());
   const DeviceTransferOptions transfer = DeviceTransferOptions::FromEnvironment();

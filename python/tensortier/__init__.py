@@ -87,10 +87,12 @@ def aligned_empty(
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
     try:
-        dims = (operator.index(shape),) if not isinstance(shape, (tuple, list)) else tuple(
-            operator.index(d) for d in shape)
+        dims: tuple[int, ...] = (operator.index(shape),)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"shape must be an int or a tuple of ints, not {shape!r}") from None
+        try:
+            dims = tuple(operator.index(d) for d in shape)  # type: ignore[union-attr]
+        except TypeError:
+            raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
     if any(d < 0 for d in dims):
         raise ValueError(f"shape {dims} has a negative dimension")
     numel = 1

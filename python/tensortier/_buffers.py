@@ -52,6 +52,13 @@ def check_tensor_memory(tensor: Any, where: str = "tensor") -> None:
 
 
 def _from_tensor(tensor: Any, writable: bool) -> HostBuffer:
+    if tensor.device.type == "cuda":
+        # A torch CUDA tensor takes the CUDA path before it gets here; other CUDA arrays come
+        # through DLPack.
+        raise ValueError(
+            f"an array on {tensor.device} given through DLPack: pass it as a torch tensor "
+            "(torch.from_dlpack(array)) for the CUDA path, or copy it to the host"
+        )
     if tensor.device.type != "cpu":
         raise ValueError(
             f"tensor is on {tensor.device}: tensortier moves CPU and CUDA tensors only; copy "

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence, Union
 
 from . import _core
 from ._buffers import HostBuffer, host_buffer
+from ._notes import add_note
 from .device import device_buffer, is_cuda_tensor
 
 File = _core.File
@@ -259,9 +260,14 @@ class IOHandle:
                 not isinstance(value, int) or isinstance(value, bool) or value <= 0
             ):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        for name, flag in (("page_cache_check", page_cache_check), ("direct", direct)):
-            if flag is not None and not isinstance(flag, bool):
+        flags = {"page_cache_check": page_cache_check, "direct": direct}
+        for name, flag in flags.items():
+            # bool, 0/1 and numpy's bools (what a config file or argparse hands over); not
+            # strings such as "no", which pybind would refuse with a message naming no argument.
+            if flag is not None and (isinstance(flag, (str, bytes)) or flag not in (0, 1)):
                 raise TypeError(f"{name} must be True or False, not {flag!r}")
+        page_cache_check = None if page_cache_check is None else bool(page_cache_check)
+        direct = bool(direct)
         if bounce_idle_ms is not None and (
             not isinstance(bounce_idle_ms, int) or isinstance(bounce_idle_ms, bool)
             or not 0 <= bounce_idle_ms <= 3_600_000
@@ -449,7 +455,7 @@ class IOHandle:
         try:
             self.close()
         except Exception as close_error:  # noqa: BLE001 - reported on the block's exception
-            exc.add_note(f"and closing the IOHandle raised: {close_error!r}")
+            add_note(exc, f"and closing the IOHandle raised: {close_error!r}")
 
     # -- internals -----------------------------------------------------------------------------
     def _core(self) -> _core.Engine:
@@ -581,7 +587,7 @@ def _with_others(errors: list[Exception]) -> Exception:
     """The first of `errors`, with a note counting the others."""
     first = errors[0]
     if len(errors) > 1:
-        first.add_note(f"{len(errors) - 1} other operation(s) of this IOHandle also failed")
+        add_note(first, f"{len(errors) - 1} other operation(s) of this IOHandle also failed")
     return first
 
 
@@ -597,7 +603,9 @@ def _gds_mode(gds: str | None) -> str:
     if gds is None:
         gds = os.environ.get("TENSORTIER_GDS", "") or "off"
         what = "TENSORTIER_GDS"
-    modes = {"off": "off", "auto": "auto", "on": "on", "require": "on", "0": "off", "1": "on"}
+    # The words of the C++ ParseGdsMode, which `tensortier check` applies to TENSORTIER_GDS.
+    modes = {"off": "off", "0": "off", "false": "off", "auto": "auto", "on": "on",
+             "require": "on", "1": "on", "true": "on"}
     if gds not in modes:
         raise ValueError(f"{what} must be 'off', 'auto' or 'on', not {gds!r}")
     return modes[gds]

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from . import _core
+from ._notes import add_note
 from .io import _gds_mode
 
 __all__ = ["DiskOffloader", "OffloadedDataLostWarning"]
@@ -645,7 +646,7 @@ class DiskOffloader:
         if errors:
             first = errors[0]
             if len(errors) > 1:
-                first.add_note(f"{len(errors) - 1} other offload {kind}(s) also failed")
+                add_note(first, f"{len(errors) - 1} other offload {kind}(s) also failed")
             raise first
 
     def _collect(self, kind: str) -> tuple[list[BaseException], list[Callable[[], None]]]:

@@ -11,6 +11,7 @@
 #include <future>
 #include <iterator>
 #include <new>
+#include <random>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
@@ -690,15 +691,29 @@ IoStats& IoStats::operator+=(const IoStats& other) {
 
 namespace {
 
+// A new file of ours in `dir` for a probe: a random name, created exclusively and never through
+// a symlink (a probe directory may be shared, such as /tmp: a planted link must not get its
+// target truncated). Throws IoError naming `dir`.
+std::string CreateProbeFile(const std::string& dir, std::string_view tag) {
+  std::random_device random;
+  for (int attempt = 0;; ++attempt) {
+    const std::string path =
+        StrCat(dir, "/.tensortier-probe-", getpid(), "-", tag, "-", std::to_string(random()));
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      close(fd);
+      return path;
+    }
+    if (errno != EEXIST || attempt == 16)
+      ThrowIoError(errno, "create a file in the directory", dir);
+  }
+}
+
 // A directory that cannot take a file (missing, not a directory, no permission, read-only
 // filesystem) fails every backend's probe the same way: reported as that, with its errno,
 // rather than as "no I/O backend works".
 void RequireDirectoryTakesFiles(const std::string& dir) {
-  const std::string path = StrCat(dir, "/.tensortier-probe-", getpid(), "-dir");
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) ThrowIoError(errno, "create a file in the directory", dir);
-  close(fd);
-  unlink(path.c_str());
+  unlink(CreateProbeFile(dir, "dir").c_str());
 }
 
 }  // namespace
@@ -884,7 +899,7 @@ std::string RoundTrip(Engine& engine, const std::string& path, bool direct, std:
   AlignedBuffer out(kBytes), in(kBytes);
   for (size_t i = 0; i < kBytes; ++i) out.data()[i] = static_cast<std::byte>(i * 131 + 7);
   try {
-    File f = File::Open(path, OpenMode::kWrite, direct);
+    File f = File::Open(path, OpenMode::kReadWrite, direct);  // made by CreateProbeFile
     if (direct && !f.direct()) {
       *fallback = f.direct_fallback_reason();
       return "O_DIRECT not available: " + f.direct_fallback_reason();
@@ -924,7 +939,13 @@ BackendProbe ProbeBackend(BackendKind kind, const std::string& dir) {
     return probe;
   }
   probe.available = true;
-  const std::string path = StrCat(dir, "/.tensortier-probe-", getpid(), "-", BackendName(kind));
+  std::string path;
+  try {
+    path = CreateProbeFile(dir, BackendName(kind));
+  } catch (const std::exception& e) {
+    probe.detail = e.what();
+    return probe;
+  }
   std::string fallback;
   std::string direct_error = RoundTrip(*engine, path, true, &fallback);
   std::string buffered_error = RoundTrip(*engine, path, false, &fallback);

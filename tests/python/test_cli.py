@@ -57,7 +57,7 @@ def test_check_rejects_bad_cuda_settings(disk_dir: Path, variable: str, value: s
     """Settings the CUDA paths read are checked by `check` too, not only at a first transfer."""
     r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
                        timeout=300, env={**os.environ, variable: value})
-    assert r.returncode == 1 and variable.split("_")[1] in r.stderr, r.stdout + r.stderr
+    assert r.returncode == 1 and variable in r.stderr, r.stdout + r.stderr
 
 
 def test_check_prints_the_cuda_settings_in_effect(disk_dir: Path) -> None:
@@ -67,6 +67,13 @@ def test_check_prints_the_cuda_settings_in_effect(disk_dir: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "GDS for CUDA tensors (TENSORTIER_GDS): auto\n" in r.stdout, r.stdout
     assert "3 x 8 MiB pinned per transfer" in r.stdout, r.stdout
+    env["TENSORTIER_GDS"] = "true"  # a word both check and the Python API take, as 'on'
+    r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert "(TENSORTIER_GDS): on\n" in r.stdout, r.stdout
+    from tensortier.io import _gds_mode
+
+    assert _gds_mode("true") == "on" and _gds_mode("false") == "off"
     env.pop("TENSORTIER_GDS")
     r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
                        timeout=300, env=env)

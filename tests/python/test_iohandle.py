@@ -318,6 +318,13 @@ def test_aligned_empty() -> None:
     assert tensortier.aligned_empty(0).numel() == 0
     with pytest.raises(ValueError):
         tensortier.aligned_empty((-1, 2))
+    assert tensortier.aligned_empty(range(1, 4)).shape == (1, 2, 3)
+    assert tensortier.aligned_empty(torch.Size([2, 3]), torch.int16).shape == (2, 3)
+    for bad in (2.5, (2, "x"), "12"):
+        with pytest.raises(TypeError, match="shape must be"):
+            tensortier.aligned_empty(bad)
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        tensortier.aligned_empty(4, "float32")
 
 
 @pytest.mark.parametrize("nbytes", [1, 4097, 9 << 20])
@@ -333,7 +340,7 @@ def test_aligned_empty_resident_has_its_pages_before_first_use(
 
 
 def test_aligned_empty_too_large_is_memory_error() -> None:
-    with pytest.raises(MemoryError):
+    with pytest.raises(MemoryError, match=str(1 << 60)):
         tensortier.aligned_empty(1 << 60, resident=True)
 
 
@@ -574,6 +581,32 @@ def test_error_of_a_dropped_future_is_raised_by_wait_all(disk_dir: Path) -> None
     assert e.value.errno == errno.EIO
     io.wait_all()  # raised once
     io.close()
+
+
+def test_notes_where_python_has_no_add_note() -> None:
+    """Python 3.10 (supported) has no BaseException.add_note and prints no __notes__."""
+    from tensortier._notes import add_note
+
+    class Old:  # stands in for a Python 3.10 exception
+        pass
+
+    old = Old()
+    with pytest.warns(RuntimeWarning, match="closing the IOHandle raised"):
+        add_note(old, "closing the IOHandle raised: EIO")
+    assert old.__notes__ == ["closing the IOHandle raised: EIO"]  # type: ignore[attr-defined]
+    e = ValueError("x")
+    add_note(e, "a note")
+    assert e.__notes__ == ["a note"]
+
+
+def test_boolean_settings_take_bools_and_0_1_but_not_words(disk_dir: Path) -> None:
+    import numpy
+
+    for value in (True, False, 1, 0, numpy.True_, numpy.False_):
+        IOHandle("threads", page_cache_check=value, direct=value).close()
+    for value in ("no", "yes", 2, 0.5):
+        with pytest.raises(TypeError, match="page_cache_check must be True or False"):
+            IOHandle("threads", page_cache_check=value)
 
 
 def test_a_failing_with_block_keeps_its_exception_over_a_dropped_operations(
