@@ -67,8 +67,8 @@ class _Entry:
     when no tensor can read it back. (torch keeps one Python object per storage for as long as
     the storage lives.)"""
 
-    __slots__ = ("key", "tensor_id", "tensor_ref", "storage_id", "storage_ref", "alive", "nbytes",
-                 "state", "tensor", "callback", "finalizers")
+    __slots__ = ("key", "tensor_id", "tensor_ref", "storage_id", "storage_ref", "storage_gen",
+                 "alive", "nbytes", "state", "tensor", "storage", "callback", "finalizers")
 
     def __init__(self, key: int, tensor: Any, nbytes: int) -> None:
         storage = tensor.untyped_storage()
@@ -77,10 +77,14 @@ class _Entry:
         self.tensor_ref = weakref.ref(tensor)
         self.storage_id = id(storage)
         self.storage_ref = weakref.ref(storage)
+        self.storage_gen = 0  # +1 when a pinned read gives the tensor a new storage
         self.alive = {"tensor", "storage"}  # what still can read the data back
         self.nbytes = nbytes
         self.state = "writing"  # then "stored", "reading"
-        self.tensor: Any = tensor  # strong while an operation is in flight
+        # Strong while an operation is in flight: the tensor, and the storage whose memory the
+        # operation uses (`x.data = ...` meanwhile must not free it under the engine).
+        self.tensor: Any = tensor
+        self.storage: Any = storage
         self.callback: Callable[[], None] | None = None
         self.finalizers: dict[str, weakref.finalize] = {}
 
@@ -89,8 +93,9 @@ class _Entry:
         old = self.finalizers.pop(part, None)
         if old is not None:
             old.detach()
+        gen = self.storage_gen if part == "storage" else 0
         self.finalizers[part] = weakref.finalize(
-            obj, _part_died, weakref.ref(offloader), self.key, part
+            obj, _part_died, weakref.ref(offloader), self.key, part, gen
         )
 
     def detach(self) -> None:
@@ -99,12 +104,14 @@ class _Entry:
         self.finalizers.clear()
 
 
-def _part_died(offloader_ref: "weakref.ref[DiskOffloader]", key: int, part: str) -> None:
-    """A stored tensor, or its storage, died; once both have, its data can never be read back
-    and its file space is freed."""
+def _part_died(
+    offloader_ref: "weakref.ref[DiskOffloader]", key: int, part: str, gen: int
+) -> None:
+    """A stored tensor, or its storage (of generation `gen`), died; once both have, its data can
+    never be read back and its file space is freed."""
     offloader = offloader_ref()
     if offloader is not None:
-        offloader._forget(key, part)
+        offloader._forget(key, part, gen)
 
 
 class DiskOffloader:
@@ -193,7 +200,7 @@ class DiskOffloader:
             "read": [],
         }
         self._lock = threading.RLock()
-        self._forgotten: collections.deque[tuple[int, str]] = collections.deque()  # _forget
+        self._forgotten: collections.deque[tuple[int, str, int]] = collections.deque()
         self._by_id: dict[int, _Entry] = {}  # by id() of the tensor given
         self._by_storage: dict[int, _Entry] = {}  # by id() of its storage
         self._by_key: dict[int, _Entry] = {}
@@ -309,6 +316,10 @@ class DiskOffloader:
 
     def is_offloaded(self, tensor: Any) -> bool:
         """Whether `tensor`'s data is parked here (written, not yet read back)."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            return False
         with self._lock:
             entry = self._lookup(tensor)
             return entry is not None and entry.state != "writing"
@@ -397,18 +408,24 @@ class DiskOffloader:
             return entry
         storage = tensor.untyped_storage()
         entry = self._by_storage.get(id(storage))
-        return entry if entry is not None and entry.storage_ref() is storage else None
+        if entry is None or entry.storage_ref() is not storage:
+            return None
+        # Another tensor of the storage stands for it only if it covers all of it, as the
+        # tensor written did: a view of part of it would have the whole moved at its address.
+        if tensor.storage_offset() != 0 or tensor.numel() * tensor.element_size() != entry.nbytes:
+            return None
+        return entry
 
-    def _forget(self, key: int, part: str) -> None:
+    def _forget(self, key: int, part: str, gen: int) -> None:
         # A finalizer: it may run on any thread, the device workers' included (garbage
         # collection), while another thread holds the lock waiting for those workers, or on this
         # thread in the middle of code holding the lock (and iterating the entries). Never block
         # or change the entries here then: leave the key to the next call that takes the lock.
         if self._lock._is_owned() or not self._lock.acquire(blocking=False):  # type: ignore
-            self._forgotten.append((key, part))
+            self._forgotten.append((key, part, gen))
             return
         try:
-            self._forgotten.append((key, part))
+            self._forgotten.append((key, part, gen))
             self._drain_forgotten()
         finally:
             self._lock.release()
@@ -416,10 +433,10 @@ class DiskOffloader:
     def _drain_forgotten(self) -> None:
         """Frees the file space of tensors that died while offloaded. REQUIRES: self._lock."""
         while self._forgotten:
-            key, part = self._forgotten.popleft()
+            key, part, gen = self._forgotten.popleft()
             entry = self._by_key.get(key)
-            if entry is None:
-                continue
+            if entry is None or (part == "storage" and gen != entry.storage_gen):
+                continue  # gone, or the death of a storage the entry has left since
             entry.alive.discard(part)
             self._unmap(entry, part)
             if entry.alive:
@@ -519,6 +536,11 @@ class DiskOffloader:
                 if any(self._lookup(t) is None for t in tensors):
                     raise ValueError("tensor's write failed, so there is nothing to read")
             entries: list[_Entry] = [self._lookup(t) for t in tensors]  # type: ignore[misc]
+            if len({id(e) for e in entries}) != len(entries):
+                raise ValueError(
+                    "two of these tensors stand for one offloaded tensor (the tensor written and "
+                    "another tensor of its storage): read it once"
+                )
             if any(e.state == "reading" for e in entries):
                 raise ValueError("tensor is already being read")
             self._start_read(core, entries, tensors, callback, torch)
@@ -540,7 +562,7 @@ class DiskOffloader:
                     # data is still on disk: out of memory leaves it offloaded.
                     t.untyped_storage().resize_(e.nbytes)
                     spans.append(_span(t))  # CudaError without a driver
-                elif self._pin:
+                elif self._pin and e.tensor_ref() is t:
                     self._allocate_pinned(e, t, torch)
                     spans.append(None)
                 else:
@@ -556,13 +578,15 @@ class DiskOffloader:
         for e, t in zip(entries, tensors):
             e.state = "reading"
             e.tensor = t
+            e.storage = t.untyped_storage()
             e.callback = callback if t is tensors[-1] else None
         for e, span in zip(entries, spans):
             if span is not None:
                 self._submit_device("read", e, span)
 
     def _allocate_pinned(self, entry: _Entry, tensor: Any, torch: Any) -> None:
-        """Gives `tensor` a new storage of pinned memory for its read, and moves `entry`'s
+        """Gives `tensor` (the tensor written: another tensor of the storage would take the data
+        away from it) a new storage of pinned memory for its read, and moves `entry`'s
         storage part to it (the old storage, now unused and 0 bytes, may die at once; other
         tensors of it keep it, 0 bytes). REQUIRES: self._lock."""
         memory = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -575,6 +599,7 @@ class DiskOffloader:
             tensor.set_(memory.untyped_storage(), 0, tensor.shape, tensor.stride())
         new = tensor.untyped_storage()
         self._unmap(entry, "storage")
+        entry.storage_gen += 1  # deaths of the old storage queued meanwhile are not the new one's
         entry.storage_id = id(new)
         entry.storage_ref = weakref.ref(new)
         entry.alive.add("storage")
@@ -673,18 +698,21 @@ class DiskOffloader:
             for key, error in outcomes:
                 entry = self._by_key.get(key)
                 if entry is None:
+                    if error is not None:
+                        errors.append(error)  # never dropped, whatever became of the entry
                     continue
                 tensor, entry.tensor = entry.tensor, None
+                storage, entry.storage = entry.storage, None
                 if error is not None:
                     errors.append(error)
                     if kind == "write":  # nothing was stored; the tensor is as it was
                         self._remove(entry)
                     else:  # the data is still on disk: offloaded again
-                        tensor.untyped_storage().resize_(0)
+                        storage.resize_(0)
                         entry.state = "stored"
                     continue
                 if kind == "write":
-                    tensor.untyped_storage().resize_(0)
+                    storage.resize_(0)  # the memory written, whatever the tensor holds now
                     entry.state = "stored"
                 else:
                     self._remove(entry)
@@ -694,7 +722,7 @@ class DiskOffloader:
             # Tensors whose last reference this wait held died here, under the lock: their
             # finalizers left their keys for now.
             del outcomes, jobs
-            tensor = None
+            tensor = storage = None
             self._drain_forgotten()
         return errors, callbacks
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -947,3 +948,109 @@ def test_pinned_reads_move_the_entry_to_the_new_storage(
         assert off.is_offloaded(y) and off.stored_bytes == y.numel() * 4
         off.sync_read(y)  # the data is still there, through the tensor
         assert torch.equal(y, want_y) and off.stored_bytes == 0
+
+
+def _pinned_stand_in(monkeypatch: pytest.MonkeyPatch, off: DiskOffloader,
+                     before_alloc: Callable[[], None] | None = None) -> None:
+    """pin_memory=True where there is no CUDA: plain memory stands in for pinned memory."""
+    real_empty = torch.empty
+
+    def empty(*args: object, pin_memory: bool = False, **kwargs: object) -> torch.Tensor:
+        if pin_memory and before_alloc is not None:
+            before_alloc()
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    off._pin = True  # noqa: SLF001 - what pin_memory=True sets where CUDA exists
+
+
+def test_a_view_of_part_of_an_offloaded_storage_is_not_it(off: DiskOffloader) -> None:
+    """Only a tensor covering the whole storage stands for the tensor written: reading through
+    a view at an offset moved the whole data to the view's address (heap overrun)."""
+    x = torch.arange(1 << 16, dtype=torch.float32)
+    want = x.clone()
+    v, tail = x[16:], x[: (1 << 16) - 16]
+    off.sync_write(x)
+    assert not off.is_offloaded(v) and not off.is_offloaded(tail)
+    for part in (v, tail):
+        with pytest.raises(ValueError, match="not offloaded"):
+            off.sync_read(part)
+    off.sync_read(x.view(256, 256))  # the whole storage: fine
+    assert torch.equal(x, want)
+    assert not off.is_offloaded(None) and not off.is_offloaded(torch.eye(3).to_sparse())
+
+
+def test_a_tensor_and_another_of_its_storage_are_read_once(off: DiskOffloader) -> None:
+    x = torch.arange(4096.0)
+    v = x.view(-1)
+    off.sync_write(x)
+    x.data = torch.zeros(4096)  # x found through itself, v through the old storage
+    with pytest.raises(ValueError, match="read it once"):
+        off.sync_readv([x, v])
+    assert off.is_offloaded(x) and off.is_offloaded(v)
+    off.sync_read(x)
+    assert torch.equal(x, torch.arange(4096.0))
+
+
+def test_a_storage_replaced_during_an_async_read_is_kept_until_it_ends(
+    off: DiskOffloader,
+) -> None:
+    """The operation holds the memory it reads into: `p.data = ...` meanwhile freed it under
+    the engine (and its death discarded the key in flight)."""
+    p = torch.nn.Parameter(torch.randn(1 << 20))
+    off.sync_write(p.data)
+    off.async_read(p)
+    p.data = torch.zeros(1)
+    gc.collect()
+    off.sync_read_events()
+    assert off.stored_bytes == 0 and p.numel() == 1
+
+
+def test_pinned_reads_through_another_tensor_of_the_storage_restore_in_place(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new pinned storage goes only to the tensor written; reading through another tensor of
+    the storage (p written as p.data, or p.data read) fills the storage in place, for all."""
+    with DiskOffloader(disk_dir, backend="threads") as off:
+        _pinned_stand_in(monkeypatch, off)
+        p = torch.nn.Parameter(torch.arange(8.0))
+        off.sync_write(p.data)
+        off.sync_read(p.data)
+        assert torch.equal(p.data, torch.arange(8.0)) and off.stored_bytes == 0
+        q = torch.nn.Parameter(torch.arange(8.0))
+        off.sync_write(q)
+        off.sync_read(q.data)
+        assert torch.equal(q.data, torch.arange(8.0)) and not off.is_offloaded(q)
+
+
+def test_a_storage_death_queued_before_a_pinned_read_is_not_the_new_storages(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entry's old storage dies (a collection) while a pinned read holds the lock, just
+    before the read gives the tensor a new storage; that death must not count for the new one
+    (it unmapped it, and the data went when the tensor died while the new storage lived)."""
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+        _pinned_stand_in(monkeypatch, off, before_alloc=gc.collect)
+        x = torch.arange(1024.0)
+
+        class Holder:
+            pass
+
+        h = Holder()
+        h.view, h.me = x.view(-1), h  # the old storage kept only by a reference cycle
+        off.sync_write(x)
+        x.data = torch.zeros(1024)
+        del h
+        gc.disable()
+        try:
+            with pytest.raises(OSError):
+                off.sync_read(x)  # the old storage is collected inside; the read then fails
+        finally:
+            gc.enable()
+        w = torch.empty(0).set_(x.untyped_storage(), 0, x.shape, x.stride())
+        del x
+        gc.collect()
+        assert off.is_offloaded(w) and off.stored_bytes == 4096
+        off.sync_read(w)
+        assert torch.equal(w, torch.arange(1024.0))
