@@ -94,9 +94,11 @@ class _Entry:
         if old is not None:
             old.detach()
         gen = self.storage_gen if part == "storage" else 0
-        self.finalizers[part] = weakref.finalize(
-            obj, _part_died, weakref.ref(offloader), self.key, part, gen
-        )
+        finalizer = weakref.finalize(obj, _part_died, weakref.ref(offloader), self.key, part, gen)
+        # Not at interpreter exit: depending on import order weakref's exit hook ran before the
+        # offloaders' close, discarding keys in flight and losing data without the warning.
+        finalizer.atexit = False
+        self.finalizers[part] = finalizer
 
     def detach(self) -> None:
         for finalizer in self.finalizers.values():
@@ -200,6 +202,12 @@ class DiskOffloader:
             "read": [],
         }
         self._lock = threading.RLock()
+        # Errors of operations of one kind that a call of the other kind had to wait for (a
+        # read of a tensor still being written): raised by the next wait of their kind.
+        self._undelivered: dict[str, tuple[list[BaseException], list[Callable[[], None]]]] = {
+            "write": ([], []),
+            "read": ([], []),
+        }
         self._forgotten: collections.deque[tuple[int, str, int]] = collections.deque()
         self._by_id: dict[int, _Entry] = {}  # by id() of the tensor given
         self._by_storage: dict[int, _Entry] = {}  # by id() of its storage
@@ -466,7 +474,7 @@ class DiskOffloader:
                 _check_tensor(t, "write")
             _check_distinct(tensors)
             if any((e := self._lookup(t)) is not None and e.state == "reading" for t in tensors):
-                self._wait("read")
+                self._settle("read")
             for t in tensors:
                 entry = self._lookup(t)
                 if entry is not None:
@@ -481,6 +489,11 @@ class DiskOffloader:
                     raise ValueError(
                         "tensor has no memory (it is offloaded by another DiskOffloader, or its "
                         "storage was freed)"
+                    )
+                if nbytes > 0 and t.data_ptr() == 0:
+                    raise ValueError(
+                        "tensor has no memory of its own to write (a functional or wrapper "
+                        "tensor?)"
                     )
                 if t.storage_offset() != 0 or storage.nbytes() != nbytes:
                     raise ValueError(
@@ -532,7 +545,7 @@ class DiskOffloader:
                     "read back)"
                 )
             if any(e.state == "writing" for e in found):  # type: ignore[union-attr]
-                self._wait("write")
+                self._settle("write")
                 if any(self._lookup(t) is None for t in tensors):
                     raise ValueError("tensor's write failed, so there is nothing to read")
             entries: list[_Entry] = [self._lookup(t) for t in tensors]  # type: ignore[misc]
@@ -543,6 +556,8 @@ class DiskOffloader:
                 )
             if any(e.state == "reading" for e in entries):
                 raise ValueError("tensor is already being read")
+            for t, e in zip(tensors, entries):
+                _check_read_target(t, e.nbytes)
             self._start_read(core, entries, tensors, callback, torch)
 
     def _start_read(
@@ -592,11 +607,19 @@ class DiskOffloader:
         memory = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
         # The old storage may die inside set_(): its finalizer goes first, so that its death
         # is not taken for the new storage's.
+        old_storage = tensor.untyped_storage()
         old = entry.finalizers.pop("storage", None)
         if old is not None:
             old.detach()
-        with torch.no_grad():
-            tensor.set_(memory.untyped_storage(), 0, tensor.shape, tensor.stride())
+        try:
+            with torch.no_grad():
+                tensor.set_(memory.untyped_storage(), 0, tensor.shape, tensor.stride())
+        except RuntimeError:
+            # torch refuses (an inference tensor outside inference mode): the storage stays
+            # and watched, and the read fills it in place, unpinned.
+            entry.watch(self, "storage", old_storage)
+            old_storage.resize_(entry.nbytes)
+            return
         new = tensor.untyped_storage()
         self._unmap(entry, "storage")
         entry.storage_gen += 1  # deaths of the old storage queued meanwhile are not the new one's
@@ -665,14 +688,41 @@ class DiskOffloader:
         self._device_jobs[kind].append((key, future))
 
     def _wait(self, kind: str) -> None:
+        """Waits for the operations of `kind`, runs their callbacks (every one, even if one
+        raises), then raises the first I/O error, else the first callback's error."""
         errors, callbacks = self._collect(kind)
-        for cb in callbacks:
-            cb()
+        with self._lock:
+            held_errors, held_callbacks = self._undelivered[kind]
+            self._undelivered[kind] = ([], [])
+        errors = held_errors + errors
+        callback_errors = []
+        for cb in held_callbacks + callbacks:
+            try:
+                cb()
+            except Exception as e:  # noqa: BLE001 - raised below, after the other callbacks
+                callback_errors.append(e)
         if errors:
             first = errors[0]
             if len(errors) > 1:
                 add_note(first, f"{len(errors) - 1} other offload {kind}(s) also failed")
+            for e in callback_errors:
+                add_note(first, f"and a callback raised {e!r}")
             raise first
+        if callback_errors:
+            raise callback_errors[0]
+
+    def _settle(self, kind: str) -> None:
+        """Waits for the operations of `kind` for a call of the other kind (whose tensors they
+        concern) and runs their callbacks, as a wait does; their errors (and a callback's) are
+        kept for the next wait of `kind`: other tensors' failures are not this call's.
+        REQUIRES: self._lock."""
+        errors, callbacks = self._collect(kind)
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception as e:  # noqa: BLE001 - delivered by the next wait of `kind`
+                errors.append(e)
+        self._undelivered[kind][0].extend(errors)
 
     def _collect(self, kind: str) -> tuple[list[BaseException], list[Callable[[], None]]]:
         """Waits for every operation of `kind` in flight and applies the outcomes; returns the
@@ -680,6 +730,7 @@ class DiskOffloader:
         with self._lock:
             if self._core is None:
                 return [], []
+            self._open()  # a child made by fork(): raises (the operations are the parent's)
             self._drain_forgotten()
             # Everything is waited for before any outcome is taken: an interrupt (Ctrl-C) while
             # waiting leaves them all to the next wait.
@@ -736,6 +787,8 @@ def _check_tensor(tensor: Any, what: str) -> None:
         raise ValueError(
             f"tensor is on {tensor.device}; DiskOffloader offloads CPU and CUDA tensors only"
         )
+    if tensor.is_nested:
+        raise ValueError("nested tensors cannot be offloaded: offload their components")
     if not tensor.is_contiguous():
         raise ValueError(
             f"tensor of shape {tuple(tensor.shape)} is not contiguous: only contiguous tensors "
@@ -755,6 +808,29 @@ def _require_preserved_storages() -> None:
         raise RuntimeError(
             f"torch {torch.__version__} makes a new Python object per untyped_storage() call; "
             "DiskOffloader needs one per storage (newer PyTorch releases keep it): upgrade torch"
+        )
+
+
+def _check_read_target(tensor: Any, nbytes: int) -> None:
+    """The read fills `nbytes` at the start of `tensor`'s storage, resized to that: the tensor
+    must still cover a storage of its own of 0 (offloaded) or `nbytes` bytes. Its memory may
+    have been replaced while offloaded (``x.data = ...``, ``set_``, ``resize_``); into a part
+    of a larger storage, the read would write past the tensor (other tensors' memory) or
+    shrink that storage under the tensors using it."""
+    storage = tensor.untyped_storage()
+    size = tensor.numel() * tensor.element_size()
+    if tensor.storage_offset() != 0 or size != nbytes or storage.nbytes() not in (0, nbytes):
+        raise ValueError(
+            f"tensor's memory was replaced while it was offloaded (now {size} bytes at offset "
+            f"{tensor.storage_offset()} of a storage of {storage.nbytes()}): its {nbytes} bytes "
+            "can be read back only into a storage of its own of that size; give it one "
+            f"(x.data = torch.empty_like(x)) and read again"
+        )
+    if not storage.resizable():
+        raise ValueError(
+            "tensor's memory was replaced while it was offloaded by memory that cannot be "
+            "resized (numpy or foreign memory); give it a torch storage of its own "
+            "(x.data = torch.empty_like(x)) and read again"
         )
 
 

@@ -1054,3 +1054,150 @@ def test_a_storage_death_queued_before_a_pinned_read_is_not_the_new_storages(
         assert off.is_offloaded(w) and off.stored_bytes == 4096
         off.sync_read(w)
         assert torch.equal(w, torch.arange(1024.0))
+
+
+@pytest.mark.parametrize("replace", ["part of a larger storage", "at an offset", "resize_",
+                                     "numpy memory"])
+def test_a_tensor_whose_memory_was_replaced_is_read_back_only_into_its_own(
+    off: DiskOffloader, replace: str
+) -> None:
+    """x.data = flat[a:b] (ZeRO-style flat buffers), set_ at an offset, or resize_ while
+    offloaded: the read would write past x into other tensors' memory or shrink a storage under
+    them (heap corruption). Refused; the data stays offloaded and reads once x has its own."""
+    import numpy
+
+    x = torch.arange(1024.0)
+    off.sync_write(x)
+    flat = torch.full((2048,), 7.0)
+    if replace == "part of a larger storage":
+        x.data = flat[:1024]
+    elif replace == "at an offset":
+        x.data = flat[1024:]
+    elif replace == "resize_":
+        x.data = torch.empty(0)
+        x.resize_(4096)
+        x.data = x.data[:1024]
+    else:
+        x.data = torch.from_numpy(numpy.zeros(1024, numpy.float32))
+    with pytest.raises(ValueError, match="memory was replaced while it was offloaded"):
+        off.sync_read(x)
+    assert torch.equal(flat, torch.full((2048,), 7.0))  # nobody else's memory touched
+    assert off.is_offloaded(x)
+    x.data = torch.empty(1024)
+    off.sync_read(x)
+    assert torch.equal(x, torch.arange(1024.0))
+
+
+def test_a_read_of_b_does_not_raise_a_failed_write_of_a(disk_dir: Path) -> None:
+    """sync_read(b) waits for b's write in flight; a's failed write is a's error, raised by the
+    next write wait, not by the read of b (which is done)."""
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+        a, b = torch.randn(1000), torch.randn(1000)
+        wants = {id(a): a.clone(), id(b): b.clone()}
+        off.async_write(a)
+        off.async_write(b)  # one of the two fails: the first piece the workers run
+        try:
+            off.sync_read(b)
+            done, failed = b, a
+        except ValueError as e:  # b's was the failed write: then a is the one to read
+            assert "write failed" in str(e)
+            off.sync_read(a)
+            done, failed = a, b
+        assert torch.equal(done, wants[id(done)])
+        with pytest.raises(OSError) as err:
+            off.sync_write_events()
+        assert err.value.errno == errno.EIO
+        assert not off.is_offloaded(failed)  # the failed one kept its memory and data
+        assert torch.equal(failed, wants[id(failed)])
+        off.sync_write_events()  # raised once
+
+
+def test_a_raising_callback_loses_neither_errors_nor_other_callbacks(disk_dir: Path) -> None:
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+        a, b, c = torch.randn(1000), torch.randn(1000), torch.randn(1000)
+        ran: list[str] = []
+
+        def bad() -> None:
+            raise RuntimeError("callback b raised")
+
+        off.async_write(a, lambda: ran.append("a"))
+        off.async_write(b, bad)
+        off.async_write(c, lambda: ran.append("c"))  # one of the three fails with EIO
+        with pytest.raises(OSError) as e:
+            off.sync_write_events()
+        stored = {n for n, t in (("a", a), ("b", b), ("c", c)) if off.is_offloaded(t)}
+        assert len(stored) == 2
+        assert sorted(ran) == sorted(stored - {"b"})  # every other callback ran
+        notes = getattr(e.value, "__notes__", [])
+        assert ("b" in stored) == any("callback b raised" in n for n in notes), notes
+        off.async_write(torch.randn(10), bad)  # the fault is spent: this write succeeds
+        with pytest.raises(RuntimeError, match="callback b raised"):
+            off.sync_write_events()  # no I/O error: the callback's is raised
+
+
+def test_waits_in_a_forked_child_raise_instead_of_hanging(disk_dir: Path) -> None:
+    code = f"""
+import os, torch, tensortier
+off = tensortier.DiskOffloader({str(disk_dir)!r}, backend="threads")
+x = torch.randn(16 << 20)
+off.async_write(x)
+pid = os.fork()
+if pid == 0:
+    try:
+        off.sync_write_events()
+        os._exit(1)
+    except ValueError as e:
+        os._exit(0 if "fork" in str(e) else 2)
+_, status = os.waitpid(pid, 0)
+off.synchronize(); off.sync_read(x); off.close()
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_offloaded_data_at_exit_warns_whatever_the_import_order(disk_dir: Path) -> None:
+    """Entry finalizers do not run at interpreter exit (importing tensortier before torch ran
+    weakref's exit hook first: keys in flight discarded with a traceback, data dropped without
+    the warning)."""
+    for mode in ("stored", "in flight"):
+        code = f"""
+from tensortier import DiskOffloader
+import torch
+off = DiskOffloader({str(disk_dir)!r}, backend="threads")
+x = torch.randn(1 << 20)
+off.{"sync_write" if mode == "stored" else "async_write"}(x)
+"""
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        if mode == "stored":
+            assert "OffloadedDataLostWarning" in r.stderr, r.stderr
+
+
+def test_a_pinned_read_torch_refuses_to_re_point_fills_the_storage_in_place(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inference tensor read outside inference mode: torch refuses set_(); the read fills
+    its storage in place (unpinned), and the entry stays watched (its space was never freed)."""
+    with DiskOffloader(disk_dir, backend="threads") as off:
+        _pinned_stand_in(monkeypatch, off)
+        with torch.inference_mode():
+            kv = torch.randn(1 << 16)
+        want = kv.clone()
+        off.sync_write(kv)
+        off.sync_read(kv)
+        assert torch.equal(kv, want) and off.stored_bytes == 0
+        off.sync_write(kv)
+        del kv
+        gc.collect()
+        off.synchronize()
+        assert off.stored_bytes == 0 and not off._by_key  # noqa: SLF001
+
+
+def test_nested_tensors_are_refused(off: DiskOffloader) -> None:
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    with pytest.raises(ValueError, match="nested"):
+        off.sync_write(nt)
