@@ -203,8 +203,9 @@ class DiskOffloader:
         }
         self._lock = threading.RLock()
         # Errors of operations of one kind that a call of the other kind had to wait for (a
-        # read of a tensor still being written): raised by the next wait of their kind.
-        self._undelivered: dict[str, tuple[list[BaseException], list[Callable[[], None]]]] = {
+        # read of a tensor still being written), and of their callbacks: raised by the next
+        # wait of their kind.
+        self._undelivered: dict[str, tuple[list[BaseException], list[BaseException]]] = {
             "write": ([], []),
             "read": ([], []),
         }
@@ -345,7 +346,8 @@ class DiskOffloader:
                 return
             failed = 0
             for kind in ("write", "read"):
-                failed += len(self._collect(kind)[0])
+                failed += len(self._collect(kind)[0]) + len(self._undelivered[kind][0])
+                self._undelivered[kind] = ([], [])
             core, self._core = self._core, None
             if self._device_pool is not None:
                 self._device_pool.shutdown(wait=True)
@@ -403,6 +405,7 @@ class DiskOffloader:
         self._device_pool = None
         self._transfer = self._device_files = None
         self._device_jobs = {"write": [], "read": []}
+        self._undelivered = {"write": ([], []), "read": ([], [])}  # the parent's to raise
         for entry in self._by_key.values():
             entry.detach()
         self._by_id.clear()
@@ -575,20 +578,20 @@ class DiskOffloader:
                 if d:
                     # The memory is allocated here, on the caller's thread and stream, while the
                     # data is still on disk: out of memory leaves it offloaded.
-                    t.untyped_storage().resize_(e.nbytes)
+                    _resize(t.untyped_storage(), e.nbytes)
                     spans.append(_span(t))  # CudaError without a driver
                 elif self._pin and e.tensor_ref() is t:
                     self._allocate_pinned(e, t, torch)
                     spans.append(None)
                 else:
-                    t.untyped_storage().resize_(e.nbytes)
+                    _resize(t.untyped_storage(), e.nbytes)
                     spans.append(None)
             host = _host_pieces(entries, tensors, device)
             if host:
                 core.read(host)
         except BaseException:
             for t in tensors:
-                t.untyped_storage().resize_(0)
+                _free(t.untyped_storage())
             raise
         for e, t in zip(entries, tensors):
             e.state = "reading"
@@ -618,7 +621,7 @@ class DiskOffloader:
             # torch refuses (an inference tensor outside inference mode): the storage stays
             # and watched, and the read fills it in place, unpinned.
             entry.watch(self, "storage", old_storage)
-            old_storage.resize_(entry.nbytes)
+            _resize(old_storage, entry.nbytes)
             return
         new = tensor.untyped_storage()
         self._unmap(entry, "storage")
@@ -689,18 +692,20 @@ class DiskOffloader:
 
     def _wait(self, kind: str) -> None:
         """Waits for the operations of `kind`, runs their callbacks (every one, even if one
-        raises), then raises the first I/O error, else the first callback's error."""
+        raises), then raises the first I/O error (callbacks' errors as notes on it), else the
+        first callback's error. An interrupt (Ctrl-C) raised by a callback is raised once the
+        others ran, the I/O errors kept for the next wait."""
         errors, callbacks = self._collect(kind)
         with self._lock:
-            held_errors, held_callbacks = self._undelivered[kind]
+            held_errors, held_callback_errors = self._undelivered[kind]
             self._undelivered[kind] = ([], [])
         errors = held_errors + errors
-        callback_errors = []
-        for cb in held_callbacks + callbacks:
-            try:
-                cb()
-            except Exception as e:  # noqa: BLE001 - raised below, after the other callbacks
-                callback_errors.append(e)
+        callback_errors = held_callback_errors + _run_callbacks(callbacks)
+        interrupt = next((e for e in callback_errors if not isinstance(e, Exception)), None)
+        if interrupt is not None:
+            with self._lock:
+                self._undelivered[kind][0][:0] = errors
+            raise interrupt
         if errors:
             first = errors[0]
             if len(errors) > 1:
@@ -713,16 +718,17 @@ class DiskOffloader:
 
     def _settle(self, kind: str) -> None:
         """Waits for the operations of `kind` for a call of the other kind (whose tensors they
-        concern) and runs their callbacks, as a wait does; their errors (and a callback's) are
-        kept for the next wait of `kind`: other tensors' failures are not this call's.
+        concern) and runs their callbacks, as a wait does; their errors, and the callbacks',
+        are kept for the next wait of `kind`: other tensors' failures are not this call's.
         REQUIRES: self._lock."""
         errors, callbacks = self._collect(kind)
-        for cb in callbacks:
-            try:
-                cb()
-            except Exception as e:  # noqa: BLE001 - delivered by the next wait of `kind`
-                errors.append(e)
-        self._undelivered[kind][0].extend(errors)
+        held_errors, held_callback_errors = self._undelivered[kind]
+        held_errors.extend(errors)  # kept before any callback runs: an interrupt loses none
+        callback_errors = _run_callbacks(callbacks)
+        interrupt = next((e for e in callback_errors if not isinstance(e, Exception)), None)
+        held_callback_errors.extend(e for e in callback_errors if e is not interrupt)
+        if interrupt is not None:
+            raise interrupt
 
     def _collect(self, kind: str) -> tuple[list[BaseException], list[Callable[[], None]]]:
         """Waits for every operation of `kind` in flight and applies the outcomes; returns the
@@ -759,11 +765,11 @@ class DiskOffloader:
                     if kind == "write":  # nothing was stored; the tensor is as it was
                         self._remove(entry)
                     else:  # the data is still on disk: offloaded again
-                        storage.resize_(0)
+                        _free(storage)
                         entry.state = "stored"
                     continue
                 if kind == "write":
-                    storage.resize_(0)  # the memory written, whatever the tensor holds now
+                    _free(storage)  # the memory written, whatever the tensor holds now
                     entry.state = "stored"
                 else:
                     self._remove(entry)
@@ -811,6 +817,31 @@ def _require_preserved_storages() -> None:
         )
 
 
+def _free(storage: Any) -> None:
+    """Gives an offloaded storage's memory back (0 bytes: nothing to give, and a zero-size
+    tensor's storage may not be resizable, as numpy's)."""
+    if storage.nbytes():
+        storage.resize_(0)
+
+
+def _resize(storage: Any, nbytes: int) -> None:
+    """Gives a storage `nbytes` of memory for a read (a zero-size tensor's storage may not be
+    resizable, as numpy's: it has its 0 bytes already)."""
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _run_callbacks(callbacks: Sequence[Callable[[], None]]) -> list[BaseException]:
+    """Runs every callback; returns what they raised (Ctrl-C included), in order."""
+    raised: list[BaseException] = []
+    for cb in callbacks:
+        try:
+            cb()
+        except BaseException as e:  # noqa: BLE001 - the caller raises them after all ran
+            raised.append(e)
+    return raised
+
+
 def _check_read_target(tensor: Any, nbytes: int) -> None:
     """The read fills `nbytes` at the start of `tensor`'s storage, resized to that: the tensor
     must still cover a storage of its own of 0 (offloaded) or `nbytes` bytes. Its memory may
@@ -826,7 +857,7 @@ def _check_read_target(tensor: Any, nbytes: int) -> None:
             "can be read back only into a storage of its own of that size; give it one "
             f"(x.data = torch.empty_like(x)) and read again"
         )
-    if not storage.resizable():
+    if nbytes and not storage.resizable():
         raise ValueError(
             "tensor's memory was replaced while it was offloaded by memory that cannot be "
             "resized (numpy or foreign memory); give it a torch storage of its own "

@@ -1201,3 +1201,77 @@ def test_nested_tensors_are_refused(off: DiskOffloader) -> None:
     nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
     with pytest.raises(ValueError, match="nested"):
         off.sync_write(nt)
+
+
+def _one_of_two_writes_failed(off: DiskOffloader, x: torch.Tensor, z: torch.Tensor) -> None:
+    """Reads back whichever of x and z was written (the other's write failed): the read settles
+    the writes and keeps the failure for the next write wait."""
+    try:
+        off.sync_read(x)
+    except ValueError:
+        off.sync_read(z)
+
+
+def test_close_counts_failures_a_read_held_and_clears_them(disk_dir: Path) -> None:
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True, "reads": False}
+    off = DiskOffloader(disk_dir, backend="threads", _fault=fault)
+    z, x = torch.randn(1000), torch.randn(1000)
+    off.async_write(z)
+    off.async_write(x)
+    _one_of_two_writes_failed(off, x, z)
+    with pytest.warns(OffloadedDataLostWarning, match="1 operation"):
+        off.close()
+    off.sync_write_events()  # closed: nothing left to raise
+
+
+def test_a_held_callback_error_does_not_take_the_place_of_an_io_error(disk_dir: Path) -> None:
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "count": 1, "writes": True, "reads": False}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+        def bad() -> None:
+            raise RuntimeError("callback of a raised")
+
+        a, c = torch.randn(1000), torch.randn(1000)
+        off.async_write(a, bad)
+        off.sync_read(a)  # a's callback raises inside the read's wait for writes: held
+        off.async_write(c)  # fails (the second write piece)
+        with pytest.raises(OSError) as e:
+            off.sync_write_events()
+        assert any("callback of a raised" in n for n in getattr(e.value, "__notes__", []))
+
+
+def test_an_interrupt_in_a_callback_loses_no_error_and_skips_no_callback(
+    disk_dir: Path,
+) -> None:
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True, "reads": False}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+        ran: list[str] = []
+
+        def interrupt() -> None:
+            raise KeyboardInterrupt
+
+        z = torch.randn(1000)
+        off.async_write(z)  # fails (the first write piece)
+        a, c = torch.randn(1000), torch.randn(1000)
+        off.async_write(a, interrupt)
+        off.async_write(c, lambda: ran.append("c"))
+        with pytest.raises(KeyboardInterrupt):
+            off.sync_write_events()
+        assert ran == ["c"] or not off.is_offloaded(c)  # c's ran unless c was the one failing
+        with pytest.raises(OSError):
+            off.sync_write_events()  # the I/O error kept for the next wait
+
+
+def test_a_zero_size_tensor_of_foreign_memory_is_offloaded_without_a_resize(
+    off: DiskOffloader,
+) -> None:
+    import numpy
+
+    z = torch.from_numpy(numpy.empty((0,), numpy.float32))  # a storage that cannot resize
+    y = torch.randn(1000)
+    ran: list[str] = []
+    off.async_write(z)
+    off.async_write(y, lambda: ran.append("y"))
+    off.sync_write_events()
+    assert ran == ["y"] and off.is_offloaded(y) and off.is_offloaded(z)
+    off.sync_readv([z, y])
+    assert z.numel() == 0 and y.numel() == 1000
