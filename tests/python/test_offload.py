@@ -1242,23 +1242,27 @@ def test_a_held_callback_error_does_not_take_the_place_of_an_io_error(disk_dir: 
 def test_an_interrupt_in_a_callback_loses_no_error_and_skips_no_callback(
     disk_dir: Path,
 ) -> None:
-    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True, "reads": False}
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True,
+             "reads": False}
     with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+        z = torch.randn(1000)
+        off.async_write(z)  # fails: the only write in flight
+        with pytest.raises(ValueError, match="write failed"):
+            off.sync_read(z)  # waits for it, keeps its error for the next write wait
         ran: list[str] = []
 
         def interrupt() -> None:
             raise KeyboardInterrupt
 
-        z = torch.randn(1000)
-        off.async_write(z)  # fails (the first write piece)
         a, c = torch.randn(1000), torch.randn(1000)
         off.async_write(a, interrupt)
         off.async_write(c, lambda: ran.append("c"))
         with pytest.raises(KeyboardInterrupt):
             off.sync_write_events()
-        assert ran == ["c"] or not off.is_offloaded(c)  # c's ran unless c was the one failing
-        with pytest.raises(OSError):
-            off.sync_write_events()  # the I/O error kept for the next wait
+        assert ran == ["c"] and off.is_offloaded(a) and off.is_offloaded(c)
+        with pytest.raises(OSError) as e:
+            off.sync_write_events()  # z's error, kept through the interrupt
+        assert e.value.errno == errno.EIO
 
 
 def test_a_zero_size_tensor_of_foreign_memory_is_offloaded_without_a_resize(
