@@ -336,8 +336,9 @@ class DiskOffloader:
     def close(self) -> None:
         """Waits for operations in flight and applies their outcomes (their callbacks do not
         run, their errors are not raised), then removes the backing files. The data of tensors
-        still offloaded is lost (an ``OffloadedDataLostWarning`` says how many). In a child made by fork()
-        it only lets go: the files, the data and the operations are the parent's."""
+        still offloaded is lost (an ``OffloadedDataLostWarning`` says how many). In a child
+        made by fork() it only lets go: the files, the data and the operations are the
+        parent's."""
         if os.getpid() != self._pid:
             self._let_go_after_fork()
             return

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -474,15 +475,15 @@ def _descriptors_of(target: str) -> list[str]:
     return fds
 
 
-def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
+def _hold_the_freeing_of_replaced_files(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> Any:
+    """Replaced files stay held until the returned event is set (skips where the filesystem
+    frees them in the rename)."""
     import threading
 
-    path = disk_dir / "m.safetensors"
     if tensortier._core.filesystem_magic(str(disk_dir)) not in checkpoint._FREES_BLOCKS_IN_RENAME:
         pytest.skip("the test directory's filesystem frees replaced files in the rename")
-    tensortier.save({"w": torch.ones(1000)}, path)
     gate = threading.Event()
 
     def held_close(fd: int) -> None:
@@ -490,9 +491,20 @@ def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
         checkpoint._close_held(fd)  # noqa: SLF001
 
     monkeypatch.setattr(checkpoint, "_close_replaced", held_close)
+    return gate
+
+
+def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = disk_dir / "m.safetensors"
+    gate = _hold_the_freeing_of_replaced_files(disk_dir, monkeypatch)
+    tensortier.save({"w": torch.ones(1000)}, path)
     tensortier.save({"w": torch.zeros(1000)}, path)  # returns while the old file is held
     assert len(_descriptors_of(f"{path} (deleted)")) == 1
     assert tensortier.load(path)["w"].sum().item() == 0.0
+    import threading
+
     second = threading.Thread(target=tensortier.save, args=({"w": torch.ones(10)}, path))
     second.start()
     second.join(0.3)
@@ -511,19 +523,9 @@ def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(
     """The descriptor holding a replaced file is closed in a child made by fork() (it would
     keep the old file's blocks for the child's whole life: DataLoader workers forked next to a
     thread that saves)."""
-    import threading
-
     path = disk_dir / "m.safetensors"
-    if tensortier._core.filesystem_magic(str(disk_dir)) not in checkpoint._FREES_BLOCKS_IN_RENAME:
-        pytest.skip("the test directory's filesystem frees replaced files in the rename")
+    gate = _hold_the_freeing_of_replaced_files(disk_dir, monkeypatch)
     tensortier.save({"w": torch.ones(1000)}, path)
-    gate = threading.Event()
-
-    def held_close(fd: int) -> None:
-        gate.wait()
-        checkpoint._close_held(fd)  # noqa: SLF001
-
-    monkeypatch.setattr(checkpoint, "_close_replaced", held_close)
     tensortier.save({"w": torch.zeros(1000)}, path)
     try:
         assert len(_descriptors_of(f"{path} (deleted)")) == 1

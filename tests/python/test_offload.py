@@ -1213,7 +1213,8 @@ def _one_of_two_writes_failed(off: DiskOffloader, x: torch.Tensor, z: torch.Tens
 
 
 def test_close_counts_failures_a_read_held_and_clears_them(disk_dir: Path) -> None:
-    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True, "reads": False}
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True,
+             "reads": False}
     off = DiskOffloader(disk_dir, backend="threads", _fault=fault)
     z, x = torch.randn(1000), torch.randn(1000)
     off.async_write(z)
@@ -1225,7 +1226,8 @@ def test_close_counts_failures_a_read_held_and_clears_them(disk_dir: Path) -> No
 
 
 def test_a_held_callback_error_does_not_take_the_place_of_an_io_error(disk_dir: Path) -> None:
-    fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "count": 1, "writes": True, "reads": False}
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "count": 1, "writes": True,
+             "reads": False}
     with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
         def bad() -> None:
             raise RuntimeError("callback of a raised")
