@@ -11,7 +11,6 @@
 #include <functional>
 #include <map>
 #include <optional>
-#include <random>
 #include <set>
 
 #include "cli.hpp"
@@ -347,20 +346,16 @@ class PendingFile {
       old_mode_ = st.st_mode & 07777;
       mode = 0600;
     }
-    std::random_device rd;
-    fs::path f(final_);
-    for (int attempt = 0;; ++attempt) {
-      char suffix[9];
-      std::snprintf(suffix, sizeof(suffix), "%08x", static_cast<unsigned>(rd()));
-      temp_ = (f.parent_path() / StrCat(".", f.filename().string(), ".tmp-", getpid(), "-", suffix))
-                  .string();
-      int fd = open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
-      if (fd >= 0) {
-        close(fd);
-        break;
-      }
-      if (errno != EEXIST || attempt == 16) ThrowIoError(errno, "create", temp_);
-    }
+    const fs::path f(final_);
+    temp_ = CreateUniqueFile(
+        [&](uint32_t n) {
+          char suffix[9];
+          std::snprintf(suffix, sizeof(suffix), "%08x", n);
+          return (f.parent_path() /
+                  StrCat(".", f.filename().string(), ".tmp-", getpid(), "-", suffix))
+              .string();
+        },
+        mode, "create");
     created_ = true;
   }
   ~PendingFile() {

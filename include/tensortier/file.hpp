@@ -3,7 +3,10 @@
 // direct_fallback_reason() says why.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -23,6 +26,13 @@ enum class OpenMode {
 // Parses "r", "r+", "w", "w+", "a", "a+" (Python's open() letters; "b" is accepted and ignored).
 // Throws std::invalid_argument otherwise.
 OpenMode ParseOpenMode(const std::string& mode);
+
+// Creates a new empty file at `path_for(n)` for a random `n`, exclusively and never through a
+// symbolic link (O_EXCL | O_NOFOLLOW: in a shared directory a planted name is neither followed nor
+// truncated); a name already taken is tried again with another `n`. Returns the path. Throws
+// IoError for `what`, naming `error_path` (the path tried when empty).
+std::string CreateUniqueFile(const std::function<std::string(uint32_t n)>& path_for, mode_t mode,
+                             std::string_view what, const std::string& error_path = {});
 
 // Cheap to copy: copies share the descriptors, which close when the last copy goes away, so an
 // operation in flight keeps its file open. Thread-safe for concurrent I/O calls.

@@ -11,7 +11,6 @@
 #include <future>
 #include <iterator>
 #include <new>
-#include <random>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
@@ -704,18 +703,9 @@ namespace {
 // a symlink (a probe directory may be shared, such as /tmp: a planted link must not get its
 // target truncated). Throws IoError naming `dir`.
 std::string CreateProbeFile(const std::string& dir, std::string_view tag) {
-  std::random_device random;
-  for (int attempt = 0;; ++attempt) {
-    const std::string path =
-        StrCat(dir, "/.tensortier-probe-", getpid(), "-", tag, "-", std::to_string(random()));
-    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd >= 0) {
-      close(fd);
-      return path;
-    }
-    if (errno != EEXIST || attempt == 16)
-      ThrowIoError(errno, "create a file in the directory", dir);
-  }
+  return CreateUniqueFile(
+      [&](uint32_t n) { return StrCat(dir, "/.tensortier-probe-", getpid(), "-", tag, "-", n); },
+      0600, "create a file in the directory", dir);
 }
 
 // A directory that cannot take a file (missing, not a directory, no permission, read-only

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include "tensortier/strings.hpp"
 
@@ -31,6 +32,21 @@ struct File::Impl {
     if (buffered_fd >= 0) close(buffered_fd);
   }
 };
+
+std::string CreateUniqueFile(const std::function<std::string(uint32_t n)>& path_for, mode_t mode,
+                             std::string_view what, const std::string& error_path) {
+  std::random_device random;
+  for (int attempt = 0;; ++attempt) {
+    const std::string path = path_for(static_cast<uint32_t>(random()));
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+    if (fd >= 0) {
+      close(fd);
+      return path;
+    }
+    if (errno != EEXIST || attempt == 16)
+      ThrowIoError(errno, what, error_path.empty() ? path : error_path);
+  }
+}
 
 OpenMode ParseOpenMode(const std::string& mode) {
   std::string m;
@@ -78,13 +94,13 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
   impl->writable = mode != OpenMode::kRead;
   impl->buffered_fd = RetryOpen(path.c_str(), flags, 0644);
   if (impl->buffered_fd < 0) ThrowIoError(errno, "open", path);
-  struct stat st {};
+  struct stat st{};
   if (fstat(impl->buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", path);
   if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open", path);
   if (!direct) return File{std::move(impl)};
 
   // Ask the filesystem for its O_DIRECT rules; a zero alignment means it does not support it.
-  struct statx stx {};
+  struct statx stx{};
   bool have_dioalign = statx(impl->buffered_fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 &&
                        (stx.stx_mask & STATX_DIOALIGN) != 0;
   if (have_dioalign && (stx.stx_dio_offset_align == 0 || stx.stx_dio_mem_align == 0)) {
@@ -102,7 +118,7 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
   impl->direct_fd = RetryOpen(StrCat("/proc/self/fd/", impl->buffered_fd).c_str(), direct_flags, 0);
   if (impl->direct_fd < 0 && errno == ENOENT) {  // no /proc: by path, then check it is the same
     impl->direct_fd = RetryOpen(path.c_str(), direct_flags, 0);
-    struct stat direct_st {};
+    struct stat direct_st{};
     if (impl->direct_fd >= 0 && (fstat(impl->direct_fd, &direct_st) != 0 ||
                                  direct_st.st_dev != st.st_dev || direct_st.st_ino != st.st_ino)) {
       ThrowIoError(ESTALE, "open (the file was replaced while being opened; open it again)", path);
@@ -150,7 +166,7 @@ const std::optional<BlockQueueLimits>& File::block_queue_limits() const {
 }
 
 uint64_t File::Size() const {
-  struct stat st {};
+  struct stat st{};
   if (fstat(impl().buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", impl().path);
   return static_cast<uint64_t>(st.st_size);
 }

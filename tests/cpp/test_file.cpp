@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <memory>
@@ -78,6 +79,60 @@ TEST(ParseOpenModeTest, ErrorMessageQuotesTheMode) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// CreateUniqueFile
+
+TEST(CreateUniqueFileTest, CreatesAnEmptyFileOfTheModeUnderTheNameItWasGiven) {
+  TempDir dir;
+  const mode_t old_mask = umask(0);
+  const std::string path = CreateUniqueFile(
+      [&](uint32_t n) { return dir.File("f-" + std::to_string(n)); }, 0640, "create");
+  umask(old_mask);
+  EXPECT_EQ(path.rfind(dir.File("f-"), 0), 0u) << path;
+  struct stat st{};
+  ASSERT_EQ(lstat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_size, 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+}
+
+TEST(CreateUniqueFileTest, ATakenNameOrAPlantedLinkIsNeverOpenedButTriedAgain) {
+  TempDir dir;
+  const std::string target = dir.File("target");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(target, 100, 1));
+  ASSERT_EQ(symlink(target.c_str(), dir.File("link").c_str()), 0);
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(dir.File("taken"), 10, 2));
+  const std::vector<std::string> names = {"link", "taken", "free"};
+  size_t calls = 0;
+  const std::string path = CreateUniqueFile(
+      [&](uint32_t) { return dir.File(names[std::min(calls++, names.size() - 1)]); }, 0600,
+      "create");
+  EXPECT_EQ(path, dir.File("free"));
+  EXPECT_EQ(calls, 3u);
+  EXPECT_EQ(ReadWholeFile(target).size(), 100u);  // the link's target is untouched
+  EXPECT_EQ(ReadWholeFile(dir.File("taken")).size(), 10u);
+}
+
+TEST(CreateUniqueFileTest, GivesUpWithEEXISTAndFailsAtOnceOnOtherErrorsNamingTheGivenPath) {
+  TempDir dir;
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(dir.File("taken"), 10, 2));
+  int calls = 0;
+  IoError taken = CaptureIoError([&] {
+    CreateUniqueFile([&](uint32_t) { return ++calls, dir.File("taken"); }, 0600, "create probe",
+                     dir.path());
+  });
+  EXPECT_EQ(taken.error_code(), EEXIST);
+  EXPECT_EQ(taken.path(), dir.path());
+  EXPECT_EQ(calls, 17);  // bounded, no endless loop
+  calls = 0;
+  IoError missing = CaptureIoError([&] {
+    CreateUniqueFile([&](uint32_t) { return ++calls, dir.File("no/such"); }, 0600, "create");
+  });
+  EXPECT_EQ(missing.error_code(), ENOENT);
+  EXPECT_EQ(missing.path(), dir.File("no/such"));  // the path tried, when none is given
+  EXPECT_EQ(calls, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Opening
 
 class FileTest : public ::testing::Test {
@@ -107,8 +162,7 @@ TEST_F(FileTest, DirectDescriptorIsTheSameInodeWithItsOwnFlags) {
   // An atomic save replaces the path now: both descriptors must still be the old file.
   ASSERT_NO_FATAL_FAILURE(WritePatternFile(dir_.File("new"), 1 << 20, 2));
   ASSERT_EQ(rename(dir_.File("new").c_str(), path.c_str()), 0);
-  struct stat buffered {
-  }, direct{};
+  struct stat buffered{}, direct{};
   ASSERT_EQ(fstat(f.buffered_fd(), &buffered), 0);
   ASSERT_EQ(fstat(f.direct_fd(), &direct), 0);
   EXPECT_EQ(buffered.st_ino, direct.st_ino);
@@ -268,7 +322,7 @@ TEST_F(FileTest, AllocateExtendsAndReservesBlocks) {
   File f = File::Open(dir_.File("data"), OpenMode::kWrite);
   f.Allocate(0, 1 << 20);
   EXPECT_EQ(f.Size(), 1u << 20);
-  struct stat st {};
+  struct stat st{};
   ASSERT_EQ(fstat(f.buffered_fd(), &st), 0);
   EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, 1u << 20);
 }
