@@ -46,6 +46,8 @@ class File {
   bool is_open() const noexcept { return impl_ != nullptr; }
   const std::string& path() const;
   bool writable() const;
+  // False for a file opened for writing that we may not read (opened O_WRONLY then).
+  bool readable() const;
   // Buffered descriptor (always valid while open).
   int buffered_fd() const;
   // O_DIRECT descriptor, or -1 when direct() is false.

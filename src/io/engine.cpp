@@ -640,6 +640,10 @@ void ValidatePiece(IoOp op, const IoDesc& piece) {
     ThrowIoError(EBADF, "write (file opened read-only)", piece.file.path(), piece.offset,
                  piece.length);
   }
+  if (op == IoOp::kRead && !piece.file.readable()) {
+    ThrowIoError(EBADF, "read (file opened write-only: no permission to read it)",
+                 piece.file.path(), piece.offset, piece.length);
+  }
 }
 
 // O_DIRECT writes past end of file are serialised by the filesystem (ext4 and XFS take the inode

@@ -20,6 +20,7 @@ struct File::Impl {
   int buffered_fd = -1;
   int direct_fd = -1;
   bool writable = false;
+  bool readable = true;
   std::string fallback_reason;
   uint32_t offset_align = 4096;
   uint32_t memory_align = 4096;
@@ -93,6 +94,19 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
   }
   impl->writable = mode != OpenMode::kRead;
   impl->buffered_fd = RetryOpen(path.c_str(), flags, 0644);
+  if (impl->buffered_fd < 0 && errno == EACCES && impl->writable) {
+    // A file we may write but not read (mode 0200, as DeepNVMe's O_WRONLY opens allow): opened
+    // write-only; reads through it are refused by the engine with EBADF.
+    const int access_error = errno;
+    const int write_only = (flags & ~O_RDWR) | O_WRONLY;
+    impl->buffered_fd = RetryOpen(path.c_str(), write_only, 0644);
+    if (impl->buffered_fd >= 0) {
+      flags = write_only;  // the O_DIRECT descriptor too
+      impl->readable = false;
+    } else {
+      errno = access_error;
+    }
+  }
   if (impl->buffered_fd < 0) ThrowIoError(errno, "open", path);
   struct stat st{};
   if (fstat(impl->buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", path);
@@ -142,6 +156,9 @@ const std::string& File::path() const {
 }
 bool File::writable() const {
   return impl().writable;
+}
+bool File::readable() const {
+  return impl().readable;
 }
 int File::buffered_fd() const {
   return impl().buffered_fd;

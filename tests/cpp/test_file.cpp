@@ -2,11 +2,13 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -239,6 +241,60 @@ TEST_F(FileTest, DirectoryThrowsEISDIR) {
     EXPECT_EQ(e.path(), dir_.path());
     EXPECT_NE(std::string(e.what()).find(dir_.path()), std::string::npos) << e.what();
   }
+}
+
+// A file we may write but not read (mode 0222; DeepNVMe opens O_WRONLY and writes it): writing
+// modes open it write-only, writes work (direct ones too) and reads are refused with EBADF, not
+// tried. Root reads anything: the checks then run in a child as nobody.
+TEST_F(FileTest, AFileWeMayWriteButNotReadOpensWriteOnlyForWriting) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "fork() under TSan";
+#else
+  const std::string path = dir_.File("write-only");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 8192, 1));
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
+  ASSERT_EQ(chmod(path.c_str(), 0222), 0);
+  // 0 when every check passes, else the number of the first that failed.
+  auto check = [&]() -> int {
+    try {
+      if (CaptureIoError([&] { File::Open(path, OpenMode::kRead); }).error_code() != EACCES)
+        return 1;
+      File f = File::Open(path, OpenMode::kReadWrite);
+      if (!f.writable() || f.readable()) return 2;
+      if ((fcntl(f.buffered_fd(), F_GETFL) & O_ACCMODE) != O_WRONLY) return 3;
+      if (f.direct() && (fcntl(f.direct_fd(), F_GETFL) & O_ACCMODE) != O_WRONLY) return 4;
+      Engine engine(ThreadsOptions());
+      AlignedBuffer buf(8192);
+      std::memset(buf.data(), 0x5a, 8192);
+      IoDesc piece{f, buf.data(), 0, 8192};
+      engine.Submit(IoOp::kWrite, {&piece, 1}).Wait();
+      const IoError e = CaptureIoError([&] { engine.Submit(IoOp::kRead, {&piece, 1}).Wait(); });
+      if (e.error_code() != EBADF || std::string(e.what()).find("write-only") == std::string::npos)
+        return 5;
+      return 0;
+    } catch (...) {
+      return 6;
+    }
+  };
+  if (geteuid() != 0) {
+    EXPECT_EQ(check(), 0);
+  } else {
+    const pid_t child = fork();
+    ASSERT_GE(child, 0) << std::strerror(errno);
+    if (child == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(10);
+      if (access(dir_.path().c_str(), X_OK) != 0) _exit(77);  // a parent directory is private
+      _exit(check());
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status));
+    if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "nobody cannot reach " << dir_.path();
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "1: read open, 2-4: flags, 5: read, 6: other error";
+  }
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  EXPECT_EQ(ReadWholeFile(path), std::vector<uint8_t>(8192, 0x5a));
+#endif
 }
 
 TEST_F(FileTest, DefaultConstructedFileIsNotOpen) {

@@ -210,6 +210,97 @@ def test_async_pwrite_to_an_open_descriptor(handle, disk_dir: Path) -> None:  # 
         os.close(ro)
 
 
+def test_async_pwrite_fd_keyword_and_integer_types(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """DeepSpeed's second overload, ``async_pwrite(buffer=, fd=, file_offset=)`` (its
+    test_offset_write), and numpy/torch integers wherever its pybind11 bindings take ints."""
+    np = pytest.importorskip("numpy")
+    path = disk_dir / "fd.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    t = torch.arange(1000, dtype=torch.int32)
+    try:
+        assert handle.async_pwrite(buffer=t, fd=fd, file_offset=np.int64(512)) == 0
+        assert handle.async_pwrite(t[:4], np.int32(fd)) == 0  # a descriptor by position
+        assert handle.wait() == 2
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert data[:16] == t[:4].numpy().tobytes() and data[512:] == t.numpy().tobytes()
+    u = torch.empty(1000, dtype=torch.int32)
+    assert handle.sync_pread(u, str(path), torch.tensor(512)) == 1 and torch.equal(u, t)
+    with pytest.raises(TypeError, match="one of them"):
+        handle.async_pwrite(t, str(path), fd=fd)
+    with pytest.raises(TypeError, match="one of them"):
+        handle.async_pwrite(t)
+    with pytest.raises(TypeError, match="file_offset"):
+        handle.sync_pread(u, str(path), 512.0)
+    with pytest.raises(TypeError, match="file_offset"):
+        handle.sync_pread(u, str(path), True)
+    h = AsyncIOBuilder().load().aio_handle(np.int64(1 << 16), np.int64(8), False, False,
+                                           np.int64(2))
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_intra_op_parallelism()) == (
+        1 << 16, 8, 2)
+    h.close()
+    with pytest.raises(TypeError, match="block_size"):
+        AsyncIOBuilder().load().aio_handle(1.5, 8, False, False, 1)
+
+
+def test_new_files_are_their_owners_only_as_deepnvme_makes_them(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """DeepNVMe opens files to write with mode 0600: swapped model state is not world-readable.
+    An existing file keeps its mode."""
+    path = disk_dir / "new.bin"
+    handle.sync_pwrite(torch.ones(100), str(path))
+    assert path.stat().st_mode & 0o777 == 0o600
+    old = disk_dir / "old.bin"
+    old.write_bytes(b"x" * 400)
+    old.chmod(0o644)
+    handle.sync_pwrite(torch.ones(100), str(old))
+    assert old.stat().st_mode & 0o777 == 0o644
+
+
+_WRITE_ONLY_CHILD = """
+import os, sys, torch
+from tensortier.compat.deepnvme import AsyncIOBuilder
+path = sys.argv[1]
+if os.geteuid() == 0:  # after the imports: the packages may lie where nobody cannot read
+    os.setgid(65534)
+    os.setuid(65534)
+    if not os.access(os.path.dirname(path), os.X_OK):
+        sys.exit(77)
+h = AsyncIOBuilder().load().aio_handle(1 << 20, 8, False, False, 1)
+h.sync_pwrite(torch.arange(2048, dtype=torch.int16), path, 4096)
+try:
+    h.sync_pread(torch.empty(10), path)
+except PermissionError:
+    pass  # the read checks the size first: os.path.getsize works, the open does not
+except OSError as e:
+    sys.exit(f"read: {e!r}")
+else:
+    sys.exit("a read of a file we may not read succeeded")
+h.close()
+"""
+
+
+def test_a_file_we_may_write_but_not_read_is_written(disk_dir: Path) -> None:
+    """DeepNVMe opens O_WRONLY: a file of mode 0222 takes writes. (Root reads anything: the
+    child drops to nobody.)"""
+    import subprocess
+    import sys
+
+    disk_dir.chmod(0o755)
+    path = disk_dir / "wo.bin"
+    path.write_bytes(b"\0" * 8192)
+    path.chmod(0o222)
+    proc = subprocess.run([sys.executable, "-c", _WRITE_ONLY_CHILD, str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode == 77:
+        pytest.skip(f"nobody cannot reach {disk_dir} (a parent directory is private)")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path.chmod(0o644)
+    data = path.read_bytes()
+    assert data[:4096] == b"\0" * 4096
+    assert data[4096:] == torch.arange(2048, dtype=torch.int16).numpy().tobytes()
+
+
 def test_deepspeed_spellings(disk_dir: Path) -> None:
     """What DeepSpeed's own code passes: queue depth 128 by default, get_alignment(), ``async``
     by keyword, the older ``num_threads``, the module's one-shot functions."""

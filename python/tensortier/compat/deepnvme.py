@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import operator
 import os
 import threading
 import weakref
@@ -52,6 +53,22 @@ _O_DIRECT_ALIGNMENT = 512
 
 def _nbytes(buffer: Any) -> int:
     return int(buffer.numel() * buffer.element_size())
+
+
+def _integer(value: Any, what: str, name: str, minimum: int) -> int:
+    """`value` as an int (numpy and torch integers too, as DeepSpeed's pybind11 bindings take
+    them); ValueError below `minimum`, TypeError for what is not an integer."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: {name} must be an integer, not bool")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{what}: {name} must be an integer, not {type(value).__name__}"
+        ) from None
+    if number < minimum:
+        raise ValueError(f"{what}: {name} must be at least {minimum}, not {number}")
+    return number
 
 
 def _check_tensor(buffer: Any, what: str) -> None:
@@ -93,13 +110,11 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             intra_op_parallelism = kwargs.pop("num_threads")
         if kwargs:
             raise TypeError(f"aio_handle() got unexpected keyword arguments: {sorted(kwargs)}")
-        for name, value in (
-            ("block_size", block_size),
-            ("queue_depth", queue_depth),
-            ("intra_op_parallelism", intra_op_parallelism),
-        ):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        block_size = _integer(block_size, "aio_handle", "block_size", 1)
+        queue_depth = _integer(queue_depth, "aio_handle", "queue_depth", 1)
+        intra_op_parallelism = _integer(
+            intra_op_parallelism, "aio_handle", "intra_op_parallelism", 1
+        )
         self._block_size = block_size
         self._queue_depth = queue_depth
         self._single_submit = bool(single_submit)
@@ -162,14 +177,25 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """Starts a read; ``wait()`` completes it. Returns 0."""
         return self._start("read", buffer, filename, file_offset, validate=False)
 
-    def async_pwrite(self, buffer: Any, filename: str | int, file_offset: int = 0) -> int:
-        """Starts a write to `filename`, or to an open file descriptor (left open); ``wait()``
-        completes it. Returns 0. As DeepNVMe's, the bytes of a tensor not in locked memory (an
+    def async_pwrite(
+        self,
+        buffer: Any,
+        filename: str | int | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Starts a write to `filename`, or to an open file descriptor (left open) given in its
+        place or as ``fd=`` (DeepSpeed's second overload); ``wait()`` completes it. Returns 0.
+        As DeepNVMe's, the bytes of a tensor not in locked memory (an
         unpinned CPU tensor not from ``new_cpu_locked_tensor``; with ``aio_handle`` a CUDA
         tensor too) are copied before this returns: the caller may change it at once. Locked
         tensors (and, with ``gds_handle``, CUDA tensors) are read while the write runs: leave
         them unchanged until ``wait()``."""
-        return self._start("write", buffer, filename, file_offset, validate=False, snapshot=True)
+        if (filename is None) == (fd is None):
+            raise TypeError("async_pwrite: give a filename or an fd (one of them)")
+        target = filename if fd is None else fd
+        return self._start("write", buffer, target, file_offset, validate=False, snapshot=True)
 
     def pread(
         self,
@@ -311,22 +337,23 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     ) -> int:
         what = f"{'pread' if op == 'read' else 'pwrite'}"
         _check_tensor(buffer, what)
-        if not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"{what}: file_offset must be a non-negative int, not {offset!r}")
+        offset = _integer(offset, what, "file_offset", 0)
         if snapshot and buffer.numel() > 0 and self._snapshot(buffer):
             # Our device path would queue a CUDA tensor's copies later on its stream, after
             # work the caller queues meanwhile; a host tensor would be read while it runs.
             buffer = buffer.detach().to("cpu", copy=True)
-        if isinstance(filename, int) and not isinstance(filename, bool):
+        descriptor = None
+        if not isinstance(filename, (str, bytes, os.PathLike)):
             # DeepNVMe's async_pwrite(buffer, fd): the caller's descriptor stays open and
             # untouched; the engine opens the same file again, with its own flags (O_DIRECT).
+            descriptor = _integer(filename, what, "fd", 0)
             try:
-                flags = fcntl.fcntl(filename, fcntl.F_GETFL)
+                flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
             except OSError as e:
-                raise OSError(e.errno, f"{what}: file descriptor {filename}: {e.strerror}") from e
+                raise OSError(e.errno, f"{what}: file descriptor {descriptor}: {e.strerror}") from e
             if op == "write" and flags & os.O_ACCMODE == os.O_RDONLY:
-                raise OSError(errno.EBADF, f"{what}: file descriptor {filename} is read-only")
-            filename = f"/proc/self/fd/{filename}"
+                raise OSError(errno.EBADF, f"{what}: file descriptor {descriptor} is read-only")
+            filename = f"/proc/self/fd/{descriptor}"
         path = os.fspath(filename)
         nbytes = _nbytes(buffer)
         if op == "read":
@@ -338,6 +365,9 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
                 )
             future = self._io.pread_async(buffer, path, offset)
         else:
+            if descriptor is None:
+                # A new file is its owner's only, as DeepNVMe creates them (mode 0600).
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
             future = self._io.pwrite_async(buffer, path, offset)
         self._pending.append((future, buffer, path, offset, validate))
         return 0
