@@ -1548,6 +1548,40 @@ class _StorageRef:
     nbytes: int
     dtype: Any
     storage: Any  # UntypedStorage (cpu, cuda or meta)
+    filled: bool = False  # read while unpickling (see _DATA_DEPENDENT_REBUILDS)
+
+
+# torch functions that read their tensor arguments' data while the pickle is loaded (a nested
+# tensor's sizes, strides and offsets are tensors): storages are normally filled after the whole
+# pickle is loaded, so in files naming one they are read as the unpickler meets them instead
+# (the rebuild read uninitialised memory: wrong nested shapes, or "size calculation overflowed").
+_DATA_DEPENDENT_REBUILDS = (b"_rebuild_nested_tensor",)
+
+
+def _fill_now(ref: _StorageRef, path: str, verify: bool, big_endian: bool) -> None:
+    """Reads `ref`'s record into its storage now, checked with `verify` (a CUDA storage through
+    host memory), in native byte order."""
+    torch = _torch()
+    dest = _storage_bytes(ref.storage)
+    host = dest if dest.device.type == "cpu" else torch.empty(ref.nbytes, dtype=torch.uint8)
+    view = memoryview(host.numpy()).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < ref.nbytes:
+            got = os.preadv(f.fileno(), [view[done:]], ref.record.offset + done)
+            if got == 0:
+                raise ValueError(
+                    f"{ref.path}: file ended early: storage data/{ref.key} needs {ref.nbytes} "
+                    f"bytes at offset {ref.record.offset} (truncated file?)"
+                )
+            done += got
+    if verify:
+        _crc_check(ref.path, ref.key, ref.record.crc32)(host)
+    if host is not dest:
+        dest.copy_(host)
+    if big_endian:
+        _byteswap_storages([ref])
+    ref.filled = True
 
 
 def _unpickle_torch(
@@ -1580,6 +1614,7 @@ def _unpickle_torch(
             big_endian = order == b"big"
     finally:
         os.close(fd)
+    eager = mapped is None and any(name in pkl for name in _DATA_DEPENDENT_REBUILDS)
 
     def unpickle(device: Any) -> tuple[Any, dict[str, _StorageRef]]:
         storages: dict[str, _StorageRef] = {}
@@ -1636,6 +1671,8 @@ def _unpickle_torch(
                 else:
                     storage = torch.UntypedStorage(nbytes, device=device)
                 ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
+                if eager and nbytes and device.type != "meta":
+                    _fill_now(ref, path, verify, big_endian)
                 storages[key] = ref
             return torch.storage.TypedStorage(
                 wrap_storage=ref.storage, dtype=dtype, _internal=True
@@ -1741,6 +1778,7 @@ def _load_torch(
                     _crc_check(path, r.key, r.record.crc32) if verify else None,
                 )
                 for r in refs
+                if not r.filled
             ]
         if pieces:
             prog = _Progress(
@@ -1750,7 +1788,7 @@ def _load_torch(
     finally:
         file.close()
     if big_endian:
-        _byteswap_storages(refs)
+        _byteswap_storages([r for r in refs if not r.filled])
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if validate is not None:
         validate()
