@@ -427,8 +427,12 @@ def _convert(t: Any, dtype: Any) -> Any:
     with torch.no_grad():
         out = t.to(dtype)
     if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(out, requires_grad=t.requires_grad)
-    return out.requires_grad_(t.requires_grad)
+        out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    else:
+        out.requires_grad_(t.requires_grad)
+    if getattr(t, "__dict__", None):  # Python attributes a file gave it, as torch.load keeps
+        out.__dict__.update(t.__dict__)
+    return out
 
 
 def _nbytes(t: Any) -> int:
@@ -1848,7 +1852,10 @@ def _convert_in_place(obj: Any, dtype: Any) -> Any:
             for i, v in enumerate(o):
                 o[i] = visit(v)
         elif isinstance(o, tuple) and not hasattr(o, "_fields"):
-            return tuple(visit(v) for v in o)
+            items = [visit(v) for v in o]
+            if all(new is old for new, old in zip(items, o)):
+                return o  # nothing converted: torch.Size and other tuple types kept as they are
+            return type(o)(items) if type(o) is not tuple else tuple(items)
         return o
 
     return visit(obj)

@@ -973,3 +973,21 @@ def test_nested_tensors_are_rebuilt_from_their_data(disk_dir: Path) -> None:
     assert _nested_equal(torch.load(big, weights_only=True)["n"], sd["n"])  # built right
     out = tensortier.load(big)
     assert _nested_equal(out["n"], sd["n"]) and same(out["w"], sd["w"])
+
+
+def test_a_dtype_converting_load_keeps_tuple_types_and_tensor_attributes(disk_dir: Path) -> None:
+    """load(dtype=...) gives what torch.load gives but for the dtype: torch.Size stays a Size
+    (it became a tuple), and a tensor's Python attributes stay (they were dropped)."""
+    t = torch.ones(2)
+    t.note = "x"  # type: ignore[attr-defined]
+    p = torch.nn.Parameter(torch.ones(3))
+    p.tag = 7  # type: ignore[attr-defined]
+    sd = {"shape": torch.Size([2, 3]), "w": t, "p": p, "pair": (torch.ones(1), 2)}
+    path = disk_dir / "s.pt"
+    torch.save(sd, path)
+    for mapped in (False, True):
+        out = tensortier.load(path, dtype=torch.float16, mmap=mapped)
+        assert type(out["shape"]) is torch.Size and out["shape"] == torch.Size([2, 3])
+        assert out["w"].dtype == torch.float16 and out["w"].__dict__ == {"note": "x"}
+        assert isinstance(out["p"], torch.nn.Parameter) and out["p"].tag == 7
+        assert type(out["pair"]) is tuple and out["pair"][0].dtype == torch.float16
