@@ -117,6 +117,11 @@ bool Allowed(std::string_view g) {
       "torch._utils._rebuild_parameter_with_state",
       "torch.Size",
       "torch.device",
+      "torch.Tensor",
+      "torch.nn.parameter.Parameter",
+      "torch._tensor._rebuild_from_type_v2",
+      "torch.serialization._get_layout",
+      "collections.Counter",
       "_codecs.encode",
       "builtins.set",
       "builtins.frozenset",
@@ -467,8 +472,8 @@ class Vm {
   void PushGlobal(std::string name) {
     if (!Allowed(name)) {
       Fail(StrCat("global '", name,
-                  "' is not allowed (only the tensor, storage, dtype and container types "
-                  "torch.load(weights_only=True) accepts)"));
+                  "' is not supported (tensortier reads the tensor, storage, dtype and container "
+                  "types of state dicts; torch.load(weights_only=True) may accept more)"));
     }
     Push(Scalar(Kind::kGlobal, 0, std::move(name)));
   }
@@ -608,6 +613,33 @@ class Vm {
       Value v;
       v.kind = Kind::kDict;
       return New(std::move(v));
+    }
+    if (f == "collections.Counter") {  // Counter(dict) or Counter(): a dict
+      need(0, 1);
+      if (a.empty()) {
+        Value v;
+        v.kind = Kind::kDict;
+        return New(std::move(v));
+      }
+      Arg(a, 0, Kind::kDict, "Counter argument");
+      return a[0];
+    }
+    if (f == "torch._tensor._rebuild_from_type_v2") {
+      // A tensor with Python attributes (or of a Tensor/Parameter type): func(*args) rebuilds
+      // it; the type and the attributes (the state) do not change its data.
+      need(4, 4);
+      if (values_[a[0]].kind != Kind::kGlobal || values_[a[0]].s == f) {
+        Fail("_rebuild_from_type_v2 of something that is not a rebuild function");
+      }
+      const std::string& type = Arg(a, 1, Kind::kGlobal, "tensor type").s;
+      if (type != "torch.Tensor" && type != "torch.nn.parameter.Parameter") {
+        Fail(StrCat("tensor type '", type, "' is not supported"));
+      }
+      return Reduce(a[0], a[2]);
+    }
+    if (f == "torch.serialization._get_layout") {  // torch.strided and the other layouts
+      need(1, 1);
+      return Scalar(Kind::kStr, 0, Arg(a, 0, Kind::kStr, "layout name").s);
     }
     if (f == "torch._utils._rebuild_tensor_v2") {
       need(6, 7);

@@ -298,6 +298,36 @@ def test_info_and_verify_read_python_complex_values(disk_dir: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_info_verify_and_convert_read_tensor_attributes_counters_and_layouts(
+    disk_dir: Path,
+) -> None:
+    """What torch.load(weights_only=True) and tensortier.load read, and tensortier.save writes:
+    tensors and Parameters with Python attributes (pickled through _rebuild_from_type_v2),
+    collections.Counter, torch.strided (the C++ reader refused all three)."""
+    import collections
+
+    import tensortier
+
+    t = torch.arange(6, dtype=torch.float32)
+    t.note = "x"  # type: ignore[attr-defined]
+    p = torch.nn.Parameter(torch.ones(3))
+    p.tag = 3  # type: ignore[attr-defined]
+    sd = {"w": t, "p": p, "c": collections.Counter(a=1), "layout": torch.strided}
+    for name, save in (("torch", torch.save), ("ours", tensortier.save)):
+        src = disk_dir / f"{name}.pt"
+        save(sd, src)
+        r = run("info", src)
+        assert r.returncode == 0, r.stderr
+        assert "tensors:   2" in r.stdout and "F32    [6]" in r.stdout, r.stdout
+        r = run("verify", src)
+        assert r.returncode == 0, r.stdout + r.stderr
+        out = disk_dir / f"{name}.safetensors"
+        r = run("convert", src, out)
+        assert r.returncode == 0, r.stderr
+        back = tensortier.load(out)
+        assert torch.equal(back["w"], t) and torch.equal(back["p"], p.detach())
+
+
 def test_convert_refuses_to_replace_its_input(disk_dir: Path) -> None:
     src = disk_dir / "m.pt"
     torch.save({"w": torch.ones(3)}, src)
