@@ -136,7 +136,9 @@ def save(
     Args:
         state_dict: name -> tensor (CPU or GPU; non-contiguous tensors are saved contiguous).
             With ``format="torch"`` any object ``torch.save`` accepts and ``torch.load(...,
-            weights_only=True)`` reads back (nested dicts/lists, ints, strings...).
+            weights_only=True)`` reads back (nested dicts/lists, ints, strings...). Objects
+            holding quantized or nested tensors, which torch cannot pickle without their data,
+            are written by ``torch.save`` itself (as durably, at its speed).
         path: the file to write; its directory must exist. An existing file is replaced only
             once the new one is complete and synced.
         format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
@@ -1662,8 +1664,15 @@ def _unpickle_torch(
                 if nbytes == 0 and (mapped is not None or device.type == "cpu"):
                     storage = _empty_fixed_storage()
                 elif mapped is not None:
+                    # Only the storage is kept: quantized dtypes are mapped as bytes (a quantized
+                    # tensor cannot be set_ to a storage), others in their dtype, so that a record
+                    # not at a multiple of their size is copied to one that is.
+                    quantized = dtype in (torch.quint8, torch.qint8, torch.qint32,
+                                          getattr(torch, "quint4x2", None),
+                                          getattr(torch, "quint2x4", None))
                     storage = _mapped_tensor(
-                        mapped, record.offset, nbytes, dtype, (numel,)
+                        mapped, record.offset, nbytes,
+                        torch.uint8 if quantized else dtype, (nbytes if quantized else numel,),
                     ).untyped_storage()
                     if storage.resizable():  # a copy (misaligned record)
                         storage = _fixed_size(_storage_bytes(storage)).untyped_storage()
@@ -1931,6 +1940,35 @@ def _torch_writes_crcs(torch: Any) -> bool:
     return bool(get()) if get is not None else True
 
 
+def _save_torch_config(checksum: bool) -> dict[str, Any]:
+    """torch.save settings for our saves: storages 4 KiB aligned; with `checksum`, CRC-32s for
+    every record even where set_crc32_options(False) said not to. (torch's config patches are
+    per thread: saves on other threads, ours or torch.save's, keep their own settings.)"""
+    from torch.utils.serialization import config as ser_config
+
+    patch: dict[str, Any] = {"save.storage_alignment": ALIGNMENT}
+    if checksum and hasattr(ser_config.save, "compute_crc32"):  # torch >= 2.6
+        patch["save.compute_crc32"] = True
+    return patch
+
+
+def _save_torch_whole(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
+    """What torch cannot pickle without its data (quantized and nested tensors refuse
+    ``skip_data``): written by torch.save itself, data and all, with the same durability (a
+    temporary file, fsync, rename). Slower: torch's single-threaded buffered writes."""
+    torch = _torch()
+    from torch.utils.serialization import config as ser_config
+
+    with _DurableFile(path, io) as df:
+        with open(df.tmp, "r+b") as f:
+            try:
+                with ser_config.patch(_save_torch_config(checksum)):
+                    torch.save(obj, f)
+            except (RuntimeError, pickle.PicklingError, AttributeError) as e:
+                raise ValueError(f"torch.save cannot save this object: {e}") from e
+        df.commit()
+
+
 def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
     torch = _torch()
     if not hasattr(torch.serialization, "skip_data"):
@@ -1943,17 +1981,14 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
     try:
         storages = _storages_in_save_order(obj)
     except (RuntimeError, pickle.PicklingError, AttributeError) as e:
+        if "skip_data" in str(e):  # quantized and nested tensors: torch writes them itself
+            _save_torch_whole(obj, path, checksum, io)
+            return
         raise ValueError(f"torch.save cannot save this object: {e}") from e
     with _DurableFile(path, io) as df:
         with open(df.tmp, "r+b") as f:  # torch writes the metadata records and leaves holes
             try:
-                # torch's config patches are per thread: saves on other threads, ours or
-                # torch.save's, keep their own settings meanwhile. checksum=True: torch's own
-                # records (data.pkl...) get CRC-32s even where set_crc32_options(False).
-                patch: dict[str, Any] = {"save.storage_alignment": ALIGNMENT}
-                if checksum and hasattr(ser_config.save, "compute_crc32"):  # torch >= 2.6
-                    patch["save.compute_crc32"] = True
-                with ser_config.patch(patch):
+                with ser_config.patch(_save_torch_config(checksum)):
                     with torch.serialization.skip_data():
                         torch.save(obj, f)
             except (RuntimeError, pickle.PicklingError, AttributeError) as e:

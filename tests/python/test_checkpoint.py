@@ -991,3 +991,30 @@ def test_a_dtype_converting_load_keeps_tuple_types_and_tensor_attributes(disk_di
         assert out["w"].dtype == torch.float16 and out["w"].__dict__ == {"note": "x"}
         assert isinstance(out["p"], torch.nn.Parameter) and out["p"].tag == 7
         assert type(out["pair"]) is tuple and out["pair"][0].dtype == torch.float16
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized and nested tensors' deprecations
+def test_quantized_and_nested_tensors_save_and_load(disk_dir: Path) -> None:
+    """Quantized and nested tensors refuse torch's skip_data: save writes them through
+    torch.save itself (it refused them), durably as any save; loads read them, mapped too
+    (a per-channel one was refused with mmap=True)."""
+    q = torch.quantize_per_tensor(torch.randn(40), 0.1, 3, torch.qint8)
+    qc = torch.quantize_per_channel(torch.randn(4, 6), torch.tensor([0.1, 0.2, 0.3, 0.4]),
+                                    torch.tensor([1, 2, 3, 4]), 0, torch.quint8)
+    n = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(5, 3)])
+    sd = {"q": q, "qc": qc, "n": n, "w": torch.randn(100)}
+
+    def check(out: dict[str, torch.Tensor]) -> None:
+        assert torch.equal(out["q"].int_repr(), q.int_repr()) and out["q"].q_scale() == 0.1
+        assert torch.equal(out["qc"].int_repr(), qc.int_repr())
+        assert torch.equal(out["qc"].q_per_channel_scales(), qc.q_per_channel_scales())
+        assert torch.equal(out["qc"].q_per_channel_zero_points(), qc.q_per_channel_zero_points())
+        assert _nested_equal(out["n"], n) and same(out["w"], sd["w"])
+
+    path = disk_dir / "q.pt"
+    path.write_bytes(b"old")
+    tensortier.save(sd, path, checksum=True)
+    assert not [p for p in disk_dir.iterdir() if p.name != "q.pt"]  # no temporary left
+    check(torch.load(path, weights_only=True))
+    for kwargs in ({}, {"verify": True}, {"mmap": True}):
+        check(tensortier.load(path, **kwargs))
