@@ -107,7 +107,34 @@ _ST_DTYPES = {
     "F8_E4M3FNUZ": "float8_e4m3fnuz",
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
 }
+# safetensors counts F4 values (4 bits each) where torch's float4_e2m1fn_x2 counts bytes of two:
+# the last dimension of a safetensors shape is this many times torch's.
+_ST_PER_TORCH_ELEMENT = {"F4": 2}
+
+
+def _torch_shape(name: str, dt: str, shape: Sequence[int], path: str) -> tuple[int, ...]:
+    """The torch shape of a safetensors tensor of dtype `dt` and `shape`."""
+    per = _ST_PER_TORCH_ELEMENT.get(dt, 1)
+    if per == 1:
+        return tuple(int(s) for s in shape)
+    if not shape or shape[-1] % per:
+        raise ValueError(
+            f"{path}: tensor {name!r} of {dt} has shape {tuple(shape)}: its last dimension must "
+            f"be a multiple of {per} to be held as torch's packed dtype"
+        )
+    return (*(int(s) for s in shape[:-1]), int(shape[-1]) // per)
+
+
+def _st_shape(name: str, dt: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """The safetensors shape of a torch tensor of `shape` saved as `dt`."""
+    per = _ST_PER_TORCH_ELEMENT.get(dt, 1)
+    if per == 1:
+        return tuple(int(s) for s in shape)
+    if not shape:
+        raise ValueError(f"tensor {name!r}: a 0-dimensional {dt} tensor has no safetensors shape")
+    return (*(int(s) for s in shape[:-1]), int(shape[-1]) * per)
 
 
 class IncompatibleKeys(NamedTuple):
@@ -1281,7 +1308,7 @@ def _save_safetensors(
         )
     offsets = _safetensors_layout(state_dict)
     entries = [
-        (k, to_st[v.dtype], tuple(int(s) for s in v.shape), *offsets[k])
+        (k, to_st[v.dtype], _st_shape(k, to_st[v.dtype], v.shape), *offsets[k])
         for k, v in state_dict.items()
     ]
     data_bytes = max((end for _, end in offsets.values()), default=0)
@@ -1377,16 +1404,16 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
             raise ValueError(
                 f"{path}: tensor {name!r} has dtype {dt}, which this torch cannot hold"
             )
+        torch_shape = _torch_shape(name, dt, shape, path)
         numel = 1
-        for s in shape:
-            numel *= int(s)
+        for s in torch_shape:
+            numel *= s
         if numel * dtype.itemsize != end - begin:
             raise ValueError(
                 f"{path}: tensor {name!r}: shape {tuple(shape)} of {dt} needs "
                 f"{numel * dtype.itemsize} bytes, the header gives {end - begin}"
             )
-        out.append(_STEntry(name, dtype, tuple(int(s) for s in shape), data_start + begin,
-                            end - begin))
+        out.append(_STEntry(name, dtype, torch_shape, data_start + begin, end - begin))
     return out, dict(metadata)
 
 

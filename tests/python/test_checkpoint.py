@@ -1018,3 +1018,27 @@ def test_quantized_and_nested_tensors_save_and_load(disk_dir: Path) -> None:
     check(torch.load(path, weights_only=True))
     for kwargs in ({}, {"verify": True}, {"mmap": True}):
         check(tensortier.load(path, **kwargs))
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4")
+def test_safetensors_f4_is_torchs_packed_float4(disk_dir: Path) -> None:
+    """safetensors' F4 counts 4-bit values, torch's float4_e2m1fn_x2 bytes of two: shapes
+    differ in the last dimension (both were refused)."""
+    raw = torch.randint(0, 256, (4, 6), dtype=torch.uint8)
+    t = raw.view(torch.float4_e2m1fn_x2)
+    theirs, ours = disk_dir / "theirs.safetensors", disk_dir / "ours.safetensors"
+    st.save_file({"a": t, "b": torch.ones(2)}, theirs)
+    tensortier.save({"a": t, "b": torch.ones(2)}, ours, checksum=True)
+    for path in (theirs, ours):
+        with safe_open(str(path), "pt") as f:
+            assert f.get_tensor("a").shape == (4, 6)
+        data = path.read_bytes()
+        header = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])
+        assert header["a"]["dtype"] == "F4" and header["a"]["shape"] == [4, 12]
+        for kwargs in ({}, {"mmap": True}):
+            out = tensortier.load(path, **kwargs)
+            assert out["a"].dtype == torch.float4_e2m1fn_x2 and out["a"].shape == (4, 6)
+            assert torch.equal(out["a"].view(torch.uint8), raw)
+    assert torch.equal(tensortier.load(ours, verify=True)["a"].view(torch.uint8), raw)
+    with pytest.raises(ValueError, match="0-dimensional"):
+        tensortier.save({"a": raw[0, 0].view(torch.float4_e2m1fn_x2)}, disk_dir / "x.safetensors")
