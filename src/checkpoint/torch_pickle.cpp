@@ -472,7 +472,7 @@ class Vm {
   void PushGlobal(std::string name) {
     if (!Allowed(name)) {
       Fail(StrCat("global '", name,
-                  "' is not supported (tensortier reads the tensor, storage, dtype and container "
+                  "' is not allowed (tensortier reads the tensor, storage, dtype and container "
                   "types of state dicts; torch.load(weights_only=True) may accept more)"));
     }
     Push(Scalar(Kind::kGlobal, 0, std::move(name)));

@@ -165,6 +165,17 @@ TEST(CheckpointTorch, RefusesDisallowedGlobalsAndCalls) {
   EXPECT_TRUE(PickleRejects(kProto + "ctorch\nfloat32\n)R.", "'torch.float32' cannot be called"));
   EXPECT_TRUE(PickleRejects(kProto + "X\x02\x00\x00\x00osX\x06\x00\x00\x00system\x93."s,
                             "global 'os.system' is not allowed"));
+  // _rebuild_from_type_v2(func, type, args, state) calls only rebuild functions, never itself
+  // (unbounded recursion), and rebuilds only Tensors and Parameters.
+  const std::string from_type = "ctorch._tensor\n_rebuild_from_type_v2\n";
+  EXPECT_TRUE(PickleRejects(kProto + from_type + "(" + from_type + "ctorch\nTensor\n)}tR.",
+                            "not a rebuild function"));
+  EXPECT_TRUE(PickleRejects(
+      kProto + from_type + "(ctorch._utils\n_rebuild_tensor_v2\nctorch\nFloatStorage\n)}tR.",
+      "tensor type 'torch.FloatStorage' is not supported"));
+  EXPECT_TRUE(PickleRejects(kProto + from_type + "(ctorch\nSize\nctorch\nTensor\n)}tR.",
+                            "wrong number of arguments to torch.Size"));
+  EXPECT_TRUE(PickleRejects(kProto + "ccollections\nCounter\n(K\x01tR."s, "Counter argument"));
 }
 
 TEST(CheckpointTorch, RefusesMalformedPickles) {
