@@ -96,6 +96,18 @@ def name_list(allowed: Sequence[str], hint: str = "use") -> Callable[[str], list
     return parse
 
 
+def ab_args(description: str | None) -> argparse.Namespace:
+    """The options of the small A/B scripts (``--dir``, ``--repeats``), parsed; ``--dir`` is
+    created."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--dir", default="tensortier-data/checkpoint-bench",
+                        help="directory on the disk under test")
+    parser.add_argument("--repeats", type=int, default=5, help="samples per figure")
+    args = parser.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    return args
+
+
 def log(message: str) -> None:
     """Progress and errors go to stderr; stdout carries only the report."""
     print(message, file=sys.stderr, flush=True)

@@ -6,7 +6,6 @@ until durable. Used for BENCHMARKS.md's twelfth-session checkpoint section."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -16,18 +15,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import checkpoint_bench  # noqa: E402
+from _benchlib import ab_args  # noqa: E402
 
 import tensortier  # noqa: E402
 from tensortier import checkpoint  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dir", default="tensortier-data/checkpoint-bench",
-                        help="directory on the disk under test")
-    parser.add_argument("--repeats", type=int, default=5, help="samples per figure")
-    args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
+    args = ab_args(__doc__)
     sd = checkpoint_bench.make_state_dict(2 << 30, 300, 0)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     path = os.path.join(args.dir, "replace_cost.safetensors")

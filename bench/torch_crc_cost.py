@@ -4,8 +4,9 @@ median GB/s until durable. Used for BENCHMARKS.md's eleventh-session checkpoint 
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
+from pathlib import Path
 import statistics
 import time
 
@@ -13,14 +14,12 @@ import torch
 
 import tensortier
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _benchlib import ab_args  # noqa: E402
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dir", default="tensortier-data/checkpoint-bench",
-                        help="directory on the disk under test")
-    parser.add_argument("--repeats", type=int, default=5, help="samples per figure")
-    args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
+    args = ab_args(__doc__)
     g = torch.Generator().manual_seed(0)
     sd = {f"t{i}": torch.randn((2 << 30) // 300 // 4, generator=g) for i in range(300)}
     total = sum(t.numel() * t.element_size() for t in sd.values())
