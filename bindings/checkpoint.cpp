@@ -167,13 +167,15 @@ void RegisterCheckpoint(py::module_& m) {
         for (const auto& [key, s] : c.pickle.storages) {
           storages[py::str(key)] = py::make_tuple(s.dtype, s.nbytes, s.data_offset, s.location);
         }
-        return py::make_tuple(c.prefix, tensors, storages);
+        return py::make_tuple(c.prefix, tensors, storages, c.big_endian ? "big" : "little");
       },
       py::arg("path"),
       "Reads a torch.save zip file without running its pickle: (prefix, [(key_path, dtype, "
       "shape, stride, storage_offset, storage_key, requires_grad)], {storage_key: (dtype, nbytes, "
-      "data_offset, location)}). Dtypes use safetensors names (F32, BF16, ..., C128); strides and "
-      "offsets are in elements. ValueError for disallowed globals, legacy files, bad archives.");
+      "data_offset, location)}, byteorder), byteorder 'little' or 'big' (the stored bytes' "
+      "order). Dtypes use safetensors names (F32, BF16, ..., C128; C32, F4_X2, BITS8... for "
+      "torch's own); strides and offsets are in elements. ValueError for disallowed globals, "
+      "legacy files, bad archives.");
 
   m.def(
       "xxh64",

@@ -53,7 +53,22 @@ struct Item {
   std::vector<uint64_t> shape;
   uint64_t offset = 0;  // absolute file offset of the first byte
   uint64_t nbytes = 0;
+  // A big-endian torch file's tensor: the width of the units whose bytes to reverse for this
+  // machine's order (0: none). torch.load swaps by the storage's type, each half of a complex
+  // number on its own; untyped storages (_rebuild_tensor_v3) it leaves as they are.
+  unsigned swap_width = 0;
 };
+
+unsigned SwapWidth(const TorchStorage& s) {
+  unsigned bytes = TorchDtypeBytes(s.dtype);
+  if (s.dtype.starts_with("C")) bytes /= 2;
+  return s.dtype == "U8" || bytes <= 1 ? 0 : bytes;
+}
+
+// Reverses the bytes of each `width`-byte unit of p[0, n) (n a multiple of width).
+void ReverseUnits(std::byte* p, size_t n, unsigned width) {
+  for (size_t i = 0; i + width <= n; i += width) std::reverse(p + i, p + i + width);
+}
 
 std::string ShapeString(const std::vector<uint64_t>& shape) {
   std::string s = "[";
@@ -73,8 +88,7 @@ uint64_t DataAlignment(const std::vector<Item>& items) {
 // Streams [offset, offset+length) through two buffers: the engine fills one while `consume`
 // reads the other.
 void Stream(Engine& engine, const File& file, uint64_t offset, uint64_t length,
-            AlignedBuffer (&bufs)[2],
-            const std::function<void(const std::byte*, size_t)>& consume) {
+            AlignedBuffer (&bufs)[2], const std::function<void(std::byte*, size_t)>& consume) {
   if (length == 0) return;
   auto submit = [&](uint64_t done, int slot) {
     uint64_t n = std::min<uint64_t>(kChunk, length - done);
@@ -135,7 +149,7 @@ Loaded Load(const std::string& path) {
     out.items.push_back(
         {t.path, t.dtype, shape,
          s.data_offset + static_cast<uint64_t>(t.storage_offset) * TorchDtypeBytes(t.dtype),
-         t.nbytes()});
+         t.nbytes(), out.torch.big_endian ? SwapWidth(s) : 0});
   }
   return out;
 }
@@ -154,10 +168,10 @@ int InfoFile(const std::string& path, unsigned show) {
                 static_cast<unsigned long long>(l.st.data_start - 8),
                 static_cast<unsigned long long>(l.st.data_start));
   } else {
-    std::printf("format:    torch.save zip (folder '%s', %s, %s%s)\n", l.torch.prefix.c_str(),
+    std::printf("format:    torch.save zip (folder '%s', %s, %s%s%s)\n", l.torch.prefix.c_str(),
                 Count(l.torch.pickle.storages.size(), "storage").c_str(),
                 Count(l.torch.pickle.other_values, "non-tensor value").c_str(),
-                l.torch.zip.zip64 ? ", zip64" : "");
+                l.torch.zip.zip64 ? ", zip64" : "", l.torch.big_endian ? ", big-endian" : "");
   }
   std::printf("tensors:   %zu\n", l.items.size());
   std::printf("bytes:     %llu\n", static_cast<unsigned long long>(total));
@@ -396,9 +410,13 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   std::map<std::string, std::string> sums;
   uint64_t data = 0;
   for (const auto& t : l.torch.pickle.tensors) {
-    if (SafetensorsDtypeBits(t.dtype) == 0) {
-      throw std::invalid_argument(
-          StrCat("tensor '", t.path, "' has dtype ", t.dtype, ", which safetensors cannot store"));
+    // torch's float4_e2m1fn_x2 is safetensors' F4 with the last dimension counted in bytes.
+    const bool packed_f4 = t.dtype == "F4_X2";
+    const std::string dtype = packed_f4 ? "F4" : t.dtype;
+    if (SafetensorsDtypeBits(dtype) == 0) {
+      throw std::invalid_argument(StrCat("tensor '", t.path, "' has dtype ", t.dtype, " (torch.",
+                                         TorchDtypeAttribute(t.dtype),
+                                         "), which safetensors cannot store"));
     }
     if (t.conj || t.neg) {
       // Its bytes are not its values, and safetensors has no flag to say so.
@@ -413,7 +431,16 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
                                          "' is not contiguous; convert copies only contiguous "
                                          "tensors (call .contiguous() before torch.save)"));
     }
-    entries.push_back({t.path, t.dtype, {t.shape.begin(), t.shape.end()}, data, data + t.nbytes()});
+    std::vector<uint64_t> shape(t.shape.begin(), t.shape.end());
+    if (packed_f4) {
+      if (shape.empty()) {
+        throw std::invalid_argument(StrCat("tensor '", t.path,
+                                           "' is a float4_e2m1fn_x2 scalar: safetensors' F4 "
+                                           "needs a last dimension to hold its two values"));
+      }
+      shape.back() *= 2;
+    }
+    entries.push_back({t.path, dtype, std::move(shape), data, data + t.nbytes()});
     data += t.nbytes();
     sums[t.path] = "0000000000000000";  // fixed width: the header size does not change later
   }
@@ -443,7 +470,8 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
     uint64_t written = 0;
     // Stream reads the next chunk into the other buffer meanwhile; this one is free again once
     // its write completes, before Stream refills it.
-    Stream(engine, src, item.offset, item.nbytes, bufs, [&](const std::byte* p, size_t n) {
+    Stream(engine, src, item.offset, item.nbytes, bufs, [&](std::byte* p, size_t n) {
+      if (item.swap_width > 1) ReverseUnits(p, n, item.swap_width);  // chunks hold whole units
       h.Update(p, n);
       engine.Write(dst, p, n, data_start + entries[i].begin + written).Wait();
       written += n;
@@ -490,11 +518,22 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   std::vector<TorchPickleTensor> tensors;
   for (size_t i = 0; i < l.items.size(); ++i) {
     const Item& item = l.items[i];
-    if (!TorchSupportsDtype(item.dtype)) {
+    std::string dtype = item.dtype;
+    std::vector<uint64_t> shape = item.shape;
+    if (dtype == "F4") {  // torch holds two F4 values per float4_e2m1fn_x2 element
+      if (shape.empty() || shape.back() % 2 != 0) {
+        throw std::invalid_argument(
+            StrCat("tensor '", item.name, "' of F4 has shape ", ShapeString(item.shape),
+                   ": torch's float4_e2m1fn_x2 needs an even last dimension: cannot convert"));
+      }
+      dtype = "F4_X2";
+      shape.back() /= 2;
+    }
+    if (!TorchSupportsDtype(dtype)) {
       throw std::invalid_argument(StrCat("tensor '", item.name, "' has dtype ", item.dtype,
                                          ", which torch has no dtype for: cannot convert"));
     }
-    tensors.push_back({item.name, item.dtype, item.shape, std::to_string(i)});
+    tensors.push_back({item.name, dtype, std::move(shape), std::to_string(i)});
   }
   const std::string pickle = SerializeTorchPickle(tensors);
   const std::string prefix = ArchiveName(out);

@@ -17,10 +17,14 @@ struct TorchCheckpoint {
   std::string prefix;  // the archive's top folder ("archive" by default)
   ZipDirectory zip;
   TorchPickle pickle;  // storages have data_offset set
+  // The "byteorder" record says "big": every element's bytes are in big-endian order (torch.save
+  // on a big-endian machine). Files without the record are read as little-endian, as torch does
+  // on little-endian machines.
+  bool big_endian = false;
 };
 
 // Reads the zip directory and data.pkl, checks that every storage has a stored entry of the right
-// size and that the byte order is little-endian. Throws FormatError / IoError.
+// size and reads the byte order. Throws FormatError / IoError.
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source);
 
 // True when the first bytes look like a zip file (local header or empty-archive end record).

@@ -27,8 +27,11 @@ struct TorchStorage {
 };
 
 struct TorchTensor {
-  std::string path;   // dotted key path in the pickled object ("model.layer.weight", "list.4")
-  std::string dtype;  // safetensors-style name ("F32", "BF16", "C128"...)
+  std::string path;  // dotted key path in the pickled object ("model.layer.weight", "list.4")
+  // safetensors-style name ("F32", "BF16", "C128"...); for torch dtypes safetensors lacks: "C32"
+  // (complex32), "F4_X2" (float4_e2m1fn_x2: one byte of two F4 values), "BITS8", "BITS16",
+  // "BITS1X8", "BITS2X4", "BITS4X2".
+  std::string dtype;
   std::vector<int64_t> shape;
   std::vector<int64_t> stride;  // in elements
   int64_t storage_offset = 0;   // in elements
@@ -52,6 +55,10 @@ struct TorchPickle {
 // Bytes per element of a safetensors-style dtype name used above; 0 when unknown.
 unsigned TorchDtypeBytes(std::string_view dtype);
 
+// torch's name for a dtype name used above ("float32" for F32, "complex32" for C32); empty when
+// unknown.
+std::string_view TorchDtypeAttribute(std::string_view dtype);
+
 // One tensor of a flat state dict to pickle: contiguous, alone in its storage `storage_key`, which
 // holds exactly its elements (storage offset 0, contiguous strides, requires_grad False).
 struct TorchPickleTensor {
@@ -61,7 +68,8 @@ struct TorchPickleTensor {
   std::string storage_key;  // "0", "1"...: a plain name (letters, digits, '_')
 };
 
-// True when torch (2.x) has a dtype for `dtype` (safetensors-style name): not F4, F6_*, unknowns.
+// True when torch (2.x) has a dtype for `dtype` (safetensors-style name, or F4_X2 for
+// float4_e2m1fn_x2): not F4 (torch packs two values per element), F6_*, unknowns.
 bool TorchSupportsDtype(std::string_view dtype);
 
 // The data.pkl that torch.save writes for a plain dict {name: tensor} of `tensors` (in order, all

@@ -54,8 +54,10 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
     RequireStored(*order, path);
     std::string value(order->size > 16 ? 16 : order->size, '\0');
     source.ReadAt(order->data_offset, value.data(), value.size());
-    if (value != "little") {
-      throw FormatError(StrCat(path, ": byte order '", value, "' is not supported (little only)"));
+    if (value == "big") {
+      out.big_endian = true;
+    } else if (value != "little") {
+      throw FormatError(StrCat(path, ": byte order '", value, "' is neither 'little' nor 'big'"));
     }
   }
   std::string data(pkl->size, '\0');

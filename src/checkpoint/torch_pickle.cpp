@@ -72,6 +72,15 @@ constexpr DtypeName kDtypes[] = {
     {"cfloat", "C64"},
     {"complex128", "C128"},
     {"cdouble", "C128"},
+    // torch dtypes safetensors has no name for: named here in its style.
+    {"complex32", "C32"},
+    {"chalf", "C32"},
+    {"float4_e2m1fn_x2", "F4_X2"},  // one byte holding two F4 values
+    {"bits8", "BITS8"},
+    {"bits16", "BITS16"},
+    {"bits1x8", "BITS1X8"},
+    {"bits2x4", "BITS2X4"},
+    {"bits4x2", "BITS4X2"},
 };
 
 std::string_view Lookup(const DtypeName* table, size_t n, std::string_view torch) {
@@ -797,12 +806,25 @@ class Vm {
 }  // namespace
 
 unsigned TorchDtypeBytes(std::string_view dtype) {
-  if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype.starts_with("F8_")) return 1;
-  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
-  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype.starts_with("F8_") ||
+      dtype == "F4_X2" || dtype == "BITS8" || dtype == "BITS1X8" || dtype == "BITS2X4" ||
+      dtype == "BITS4X2") {
+    return 1;
+  }
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16" || dtype == "BITS16") {
+    return 2;
+  }
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32" || dtype == "C32") return 4;
   if (dtype == "F64" || dtype == "I64" || dtype == "U64" || dtype == "C64") return 8;
   if (dtype == "C128") return 16;
   return 0;
+}
+
+std::string_view TorchDtypeAttribute(std::string_view dtype) {
+  for (const auto& d : kDtypes) {  // the first of a dtype's spellings is its canonical name
+    if (d.name == dtype) return d.torch;
+  }
+  return {};
 }
 
 bool TorchTensor::contiguous() const {

@@ -50,6 +50,7 @@ constexpr PickledDtype kPickledDtypes[] = {
     {"F8_E4M3FNUZ", "", "float8_e4m3fnuz", 1},
     {"F8_E5M2FNUZ", "", "float8_e5m2fnuz", 1},
     {"F8_E8M0", "", "float8_e8m0fnu", 1},
+    {"F4_X2", "", "float4_e2m1fn_x2", 1},
 };
 
 const PickledDtype* FindDtype(std::string_view dtype) {

@@ -6,9 +6,11 @@
 #include <string>
 
 #include "tensortier/byte_source.hpp"
+#include "tensortier/checksum.hpp"
 #include "tensortier/format_error.hpp"
 #include "tensortier/torch_checkpoint.hpp"
 #include "tensortier/torch_pickle.hpp"
+#include "tensortier/zip_writer.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -281,6 +283,82 @@ TEST(CheckpointTorch, RefusesSizesAndStridesThatWouldWrapTheBoundsCheck) {
   std::string empty = RankTensorPickle(5, big + 1, big);
   empty.replace(empty.find(Long8(big + 1)), 10, Long8(0));
   EXPECT_NO_THROW(ParseTorchPickle(empty));
+}
+
+// _rebuild_tensor_v3 of 8 bytes of an UntypedStorage as torch.<dtype> (the shape `size`).
+std::string V3TensorPickle(const std::string& dtype, int size) {
+  return kProto + "ctorch._utils\n_rebuild_tensor_v3\n((X\x07\x00\x00\x00storage"s +
+         "ctorch\nUntypedStorage\nX\x01\x00\x00\x00"s
+         "0X\x03\x00\x00\x00"s
+         "cpuK\x08tQK\x00K" +
+         static_cast<char>(size) +
+         "\x85K\x01\x85\x89"
+         "ccollections\nOrderedDict\n)Rctorch\n" +
+         dtype + "\ntR.";
+}
+
+TEST(CheckpointTorch, ReadsDtypesSafetensorsHasNoNameFor) {
+  struct Case {
+    const char* torch;
+    const char* ours;
+    int size;  // elements in 8 bytes
+  };
+  for (const Case& c :
+       {Case{"complex32", "C32", 2}, Case{"chalf", "C32", 2}, Case{"float4_e2m1fn_x2", "F4_X2", 8},
+        Case{"bits8", "BITS8", 8}, Case{"bits16", "BITS16", 4}, Case{"bits1x8", "BITS1X8", 8},
+        Case{"bits2x4", "BITS2X4", 8}, Case{"bits4x2", "BITS4X2", 8}}) {
+    TorchPickle p = ParseTorchPickle(V3TensorPickle(c.torch, c.size));
+    ASSERT_EQ(p.tensors.size(), 1u) << c.torch;
+    EXPECT_EQ(p.tensors[0].dtype, c.ours) << c.torch;
+    EXPECT_EQ(p.tensors[0].nbytes(), 8u) << c.torch;
+    EXPECT_EQ(p.storages.at("0").dtype, "U8") << c.torch;
+    // One element more than the storage holds is out of bounds at this element size.
+    EXPECT_TRUE(PickleRejects(V3TensorPickle(c.torch, c.size + 1), "reaches past the end"))
+        << c.torch;
+  }
+  EXPECT_EQ(TorchDtypeAttribute("C32"), "complex32");
+  EXPECT_EQ(TorchDtypeAttribute("F32"), "float32");
+  EXPECT_EQ(TorchDtypeAttribute("F4"), "");  // safetensors' F4 is not a torch dtype
+  EXPECT_TRUE(TorchSupportsDtype("F4_X2"));
+  EXPECT_FALSE(TorchSupportsDtype("F4"));
+  EXPECT_TRUE(PickleRejects(V3TensorPickle("float6_e2m3", 8), "is not allowed"));
+}
+
+// A torch.save zip holding {} whose byteorder record says `order`.
+std::string ZipWithByteOrder(const std::string& order) {
+  const std::string pickle = kProto + "}q\x00."s;
+  const std::string* data[] = {&pickle, &order};
+  ZipPlanner z;
+  z.Add("a/data.pkl", pickle.size());
+  z.Add("a/byteorder", order.size());
+  std::string out(z.directory_offset(), '\0');
+  for (size_t i = 0; i < 2; ++i) {
+    z.SetCrc(i, Crc32(data[i]->data(), data[i]->size()));
+    const ZipPlanEntry& e = z.entries()[i];
+    std::string h = z.LocalHeader(i);
+    out.replace(e.local_header_offset, h.size(), h);
+    out.replace(e.data_offset, data[i]->size(), *data[i]);
+  }
+  return out + z.Directory();
+}
+
+TEST(CheckpointTorch, ReadsTheByteOrderRecord) {
+  for (const char* order : {"little", "big"}) {
+    std::string zip = ZipWithByteOrder(order);
+    TorchCheckpoint c = ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "order.pt"));
+    EXPECT_EQ(c.big_endian, std::string(order) == "big") << order;
+    EXPECT_EQ(c.prefix, "a");
+  }
+  EXPECT_FALSE(ReadFixture("small.pt").big_endian);
+  std::string zip = ZipWithByteOrder("middle");
+  try {
+    ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "order.pt"));
+    ADD_FAILURE();
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("order.pt: byte order 'middle' is neither"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

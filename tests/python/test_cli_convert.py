@@ -169,12 +169,14 @@ def write_safetensors(path: Path, header: dict, data: bytes) -> None:
 
 @pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "F6_E3M2"])
 def test_refuses_dtypes_torch_cannot_hold(disk_dir: Path, dtype: str) -> None:
+    """F6 torch has no dtype for; F4 it holds two values a byte (float4_e2m1fn_x2), so an odd
+    last dimension cannot be held."""
     src = disk_dir / "packed.safetensors"
-    nbytes = {"F4": 2, "F6_E2M3": 3, "F6_E3M2": 3}[dtype]
+    shape = [2, 3] if dtype == "F4" else [4]
     write_safetensors(src, {
         "ok": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-        "packed.weight": {"dtype": dtype, "shape": [4], "data_offsets": [4, 4 + nbytes]},
-    }, bytes(4 + nbytes))
+        "packed.weight": {"dtype": dtype, "shape": shape, "data_offsets": [4, 4 + 3]},
+    }, bytes(4 + 3))
     dst = disk_dir / "out.pt"
     dst.write_bytes(b"an existing checkpoint")
     r = run("convert", src, dst)
@@ -197,6 +199,77 @@ def test_float8_e8m0_through_both_directions(disk_dir: Path) -> None:
     back = disk_dir / "back.pt"
     convert(sf, back)
     assert_same(torch.load(back, weights_only=True), want)
+
+
+def test_float4_through_both_directions(disk_dir: Path) -> None:
+    """torch's float4_e2m1fn_x2 (a byte of two values) is safetensors' F4 with the last
+    dimension doubled, as tensortier.save writes it."""
+    dtype = getattr(torch, "float4_e2m1fn_x2", None)
+    if dtype is None:
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    packed = torch.arange(24, dtype=torch.uint8).view(dtype).reshape(2, 3, 4)
+    want = {"packed": packed, "other": torch.arange(5, dtype=torch.float32)}
+    pt = disk_dir / "f4.pt"
+    torch.save(want, pt)
+    sf = disk_dir / "f4.safetensors"
+    convert(pt, sf)
+    text = sf.read_bytes()
+    header = json.loads(text[8 : 8 + struct.unpack("<Q", text[:8])[0]])
+    assert header["packed"]["dtype"] == "F4" and header["packed"]["shape"] == [2, 3, 8]
+    assert_same(st.load_file(str(sf)), want)  # safetensors gives float4_e2m1fn_x2 back
+    back = disk_dir / "back.pt"
+    convert(sf, back)
+    assert_same(torch.load(back, weights_only=True), want)
+
+
+def test_torch_only_dtypes(disk_dir: Path) -> None:
+    """complex32 and the bits types: info and verify read them; convert says safetensors has no
+    dtype for them and leaves nothing behind."""
+    want = {"c32": torch.zeros(24, dtype=torch.uint8).view(torch.complex32).reshape(3, 2)[:, 0]}
+    for name in ("bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"):
+        dtype = getattr(torch, name, None)
+        if dtype is not None:
+            want[name] = torch.arange(8, dtype=torch.uint8).view(dtype)
+    pt = disk_dir / "torch_only.pt"
+    torch.save(want, pt)
+    r = run("info", pt)
+    assert r.returncode == 0, r.stderr
+    assert f"tensors:   {len(want)}" in r.stdout
+    assert "C32    [3]" in r.stdout and "BITS16 [4]" in r.stdout, r.stdout
+    r = run("verify", pt)
+    assert r.returncode == 0 and "data OK" in r.stdout, r.stdout + r.stderr
+    r = run("convert", pt, disk_dir / "out.safetensors")
+    assert r.returncode != 0
+    assert "'c32' has dtype C32 (torch.complex32), which safetensors cannot store" in r.stderr
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["torch_only.pt"]
+
+
+def test_big_endian_torch_file(disk_dir: Path) -> None:
+    """A torch.save file written on a big-endian machine: info says so, verify checks it, and
+    convert writes the values torch.load gives (typed storages swapped, each complex half on its
+    own; untyped ones, as torch.load does, not)."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(3_000_000, generator=g)  # several 16 MiB chunks
+    sd = {"f32": big, "view": big[1000:3000], "i64": torch.arange(-50, 50),
+          "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+          "c64": torch.randn(7, generator=g, dtype=torch.complex64)[2:],
+          "u16": torch.arange(9, dtype=torch.int32).to(torch.uint16),  # an untyped storage
+          "u8": torch.arange(5, dtype=torch.uint8)}
+    little = disk_dir / "little.pt"
+    torch.save(sd, little)
+    src = disk_dir / "big.pt"
+    with zipfile.ZipFile(little) as zin, zipfile.ZipFile(src, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            zout.writestr(info.filename, b"big" if info.filename.endswith("byteorder") else data)
+    want = torch.load(src, weights_only=True)  # torch's own reading: swapped by storage type
+    assert not torch.equal(raw(want["i64"]), raw(sd["i64"]))
+    assert torch.equal(raw(want["u16"]), raw(sd["u16"]))
+    r = run("info", src)
+    assert r.returncode == 0 and ", big-endian)" in r.stdout, r.stdout + r.stderr
+    dst = disk_dir / "out.safetensors"
+    convert(src, dst)
+    assert_same(st.load_file(str(dst)), {k: v.contiguous() for k, v in want.items()})
 
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "checkpoint"
