@@ -1,6 +1,7 @@
 // Pieces shared by the `tensortier` subcommands.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>

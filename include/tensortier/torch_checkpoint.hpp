@@ -3,6 +3,7 @@
 // (a bare pickle stream) is recognised and refused with a clear message.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "tensortier/byte_source.hpp"
