@@ -131,14 +131,52 @@ def tool_version(argv: list[str]) -> str:
 # --------------------------------------------------------------------------- page cache, disk
 
 
+def cached_fraction(path: str | os.PathLike[str]) -> float | None:
+    """The fraction of ``path``'s pages in the page cache (mincore over a mapping of it, which
+    faults nothing in); None where it cannot be told (an empty file, mmap or mincore refused)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    if size == 0:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(addr, size, vec) != 0:
+                return None
+            return sum(v & 1 for v in vec) / pages
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+_warned_cache_drop: set[str] = set()
+
+
 def drop_file_cache(
     path: str | os.PathLike[str], sync: Callable[[int], None] | None = os.fsync
-) -> None:
-    """Drop ``path``'s clean pages from the page cache (POSIX_FADV_DONTNEED).
+) -> float | None:
+    """Drop ``path``'s clean pages from the page cache (POSIX_FADV_DONTNEED); returns the
+    fraction still cached after it (``cached_fraction``).
 
     ``sync`` (``os.fsync`` by default, or ``os.fdatasync``) runs on the file first so that dirty
     pages are written and can be dropped too; None skips it, for files whose writer already
-    synced them (or wrote them with O_DIRECT).
+    synced them (or wrote them with O_DIRECT). Where the kernel kept more than 5 % of the file
+    (a sandbox that ignores the advice), a warning says once per file that its "cold" figures
+    are partly warm.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -147,6 +185,12 @@ def drop_file_cache(
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    left = cached_fraction(path)
+    if left is not None and left > 0.05 and str(path) not in _warned_cache_drop:
+        _warned_cache_drop.add(str(path))
+        log(f"warning: {left:.0%} of {path} is still in the page cache after dropping it: "
+            "'cold' figures for it are partly warm here")
+    return left
 
 
 def warm_file(path: str | os.PathLike[str], block: int = 64 << 20, reuse: bool = False) -> None:

@@ -25,28 +25,31 @@
 #   mkdir -p build/gpu-debs && (cd build/gpu-debs && apt-get download libgtest-dev \
 #     libgmock-dev liburing-dev liburing2 libaio-dev libaio1)
 # (Ubuntu 24.04 names libaio1 libaio1t64.)
-# Benchmark peers missing on a machine without internet (safetensors, fastsafetensors and its
-# dependencies) are unpacked into the venv from WHEELS (default build/gpu-wheels) by build, e.g.
-#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#     --platform manylinux_2_28_x86_64 -d build/gpu-wheels safetensors fastsafetensors
-# Results (logs, JUnit XML, bench JSON, summary.txt, appended per call) go to OUT (default:
-# $OUT, else build/gpu-results).
+# Benchmark peers missing on a machine without internet (fastsafetensors; the GPU image has
+# safetensors) are unpacked into the venv from WHEELS (default build/gpu-wheels) by build, e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_34_x86_64 -d build/gpu-wheels fastsafetensors
+# Results go to OUT (default: $OUT, else build/gpu-results), few files (a device machine may
+# send back only 8): summary.txt (the machine, then one line per step), and per step its log
+# (build.log, ctest.log, pytest.log, gpu_bench_SIZES.log, checkpoint_gpu_bench.log) plus
+# ctest.xml, pytest.xml and the benchmarks' JSON.
 #
 # Usage: scripts/gpu-test.sh [all|build|test|test-cpp|test-py|bench|bench-checkpoint] [--out DIR]
-#                            [--sizes 1G,8G] [--repeats N] [--quick]
+#                            [--sizes 1G,8G] [--repeats N] [--quick] [--budget SECONDS]
 #   --quick: pytest without the `slow` tests; bench at 1 GiB only (unless --sizes is given).
 #   --repeats: bench repeats per method (default 3, and 2 over 2 GiB).
+#   --budget: the whole call ends within this many seconds (default 570, for a 600 s limit):
+#             each step gets min(STEP_TIMEOUT, what is left); a step with under 30 s left does
+#             not start (NOT RUN, a failure), so the summary always comes back.
 # Environment: PYTHON (default python3), JOBS (default nproc), BENCH_DIR (default
-# build/gpu-bench), STEP_TIMEOUT (seconds per step, default 540: each step is killed after it),
-# DEBS and WHEELS (above).
+# build/gpu-bench), STEP_TIMEOUT (seconds per step at most, default 540), DEBS and WHEELS (above).
 # Exit status: 0 when every step that ran passed (SKIP counts as passed).
 #
-# On a machine whose calls are limited to 10 minutes each, run these as separate calls, in order
-# (each step stays under STEP_TIMEOUT=540 s; pass the same --out to keep every result together;
-# carry build/gpu-debs and build/gpu-wheels to a machine without internet):
-#   scripts/gpu-test.sh build
-#   scripts/gpu-test.sh test-cpp
-#   scripts/gpu-test.sh test-py --quick
+# On a machine whose calls are limited to 10 minutes each and that is given back after 30 s
+# idle (so each call may start bare and build again: ~2 min on 16 cores), run, carrying
+# build/gpu-debs and build/gpu-wheels:
+#   scripts/gpu-test.sh test --quick                 # build, C++ tests, Python tests
 #   scripts/gpu-test.sh bench --sizes 1G
 #   scripts/gpu-test.sh bench-checkpoint
 #   scripts/gpu-test.sh bench --sizes 8G --repeats 2
@@ -59,6 +62,7 @@ OUTDIR="${OUT:-$ROOT/build/gpu-results}"
 SIZES=""
 REPEATS=""
 QUICK=0
+BUDGET=570
 while [ $# -gt 0 ]; do
   case "$1" in
     all|build|test|test-cpp|test-py|bench|bench-checkpoint) phase=$1 ;;
@@ -66,6 +70,7 @@ while [ $# -gt 0 ]; do
     --sizes) SIZES=$2; shift ;;
     --repeats) REPEATS=$2; shift ;;
     --quick) QUICK=1 ;;
+    --budget) BUDGET=$2; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu-test: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -90,16 +95,23 @@ export ROOT OUTDIR PY JOBS BUILD VENV BENCH_DIR SIZES REPEATS QUICK SKIP
 note() { echo "gpu-test: $*" | tee -a "$SUMMARY"; }
 step() {  # step NAME LOG FUNCTION: runs under timeout, logs, records PASS/SKIP/FAIL/TIMEOUT
   local name=$1 log=$2 fn=$3
-  local start=$SECONDS rc
-  echo "== $name (log: $log, limit ${STEP_TIMEOUT} s)"
-  timeout -k 10 "$STEP_TIMEOUT" bash -c "$fn" 2>&1 | tee "$log"
+  local start=$SECONDS rc limit
+  limit=$((BUDGET - SECONDS - 15))  # 15 s for the kill (-k 10) and the summary
+  [ "$limit" -gt "$STEP_TIMEOUT" ] && limit=$STEP_TIMEOUT
+  if [ "$limit" -lt 30 ]; then
+    note "NOT RUN $name: $((BUDGET - SECONDS)) s left of this call's --budget $BUDGET"
+    status=1
+    return
+  fi
+  echo "== $name (log: $log, limit $limit s)"
+  timeout -k 10 "$limit" bash -c "$fn" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   if [ $rc = 0 ]; then
     note "PASS $name ($((SECONDS - start)) s)"
   elif [ $rc = "$SKIP" ]; then
     note "SKIP $name: $(grep '^SKIP: ' "$log" | tail -1 | cut -c7-)"
   elif [ $rc = 124 ] || [ $rc = 137 ]; then
-    note "TIMEOUT $name (killed after ${STEP_TIMEOUT} s): see $log"
+    note "TIMEOUT $name (killed after $limit s): see $log"
     status=1
   else
     note "FAIL $name ($((SECONDS - start)) s, exit $rc): see $log"
@@ -122,8 +134,26 @@ EOF
     "$PY" -c "import $module; print('$module', $module.__version__)" 2>/dev/null ||
       echo "$module: not installed for $PY"
   done
+  echo "kernel: $(uname -r); filesystem of the checkout: $(stat -f -c %T "$ROOT")"
+  "$PY" - "$ROOT/build" <<'EOF' 2>&1 || true
+import os, sys
+os.makedirs(sys.argv[1], exist_ok=True)
+path = os.path.join(sys.argv[1], "odirect-probe")
+try:
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600))
+    print("O_DIRECT: accepted in", sys.argv[1])
+except OSError as e:
+    print(f"O_DIRECT: refused in {sys.argv[1]} ({e})")
+finally:
+    if os.path.exists(path):
+        os.unlink(path)
+EOF
+  for f in /run/udev /proc/driver/nvidia-fs /etc/cufile.json; do
+    [ -e "$f" ] && echo "$f: present" || echo "$f: absent"
+  done
 } > "$OUTDIR/machine.txt"
-cat "$OUTDIR/machine.txt"
+tee -a "$SUMMARY" < "$OUTDIR/machine.txt"
+rm -f "$OUTDIR/machine.txt"  # kept in summary.txt: fewer files to send back
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   note "torch.cuda.is_available() is False here: GPU tests would only skip"
   status=1
@@ -244,7 +274,7 @@ cpp_tests() {
     return "$SKIP"
   fi
   use_wheel_cufile
-  local out="$OUTDIR/ctest-output.txt" rc
+  local out="$BUILD/ctest-output.txt" rc suite  # the step's log holds it too: not in OUTDIR
   (cd "$BUILD" && ctest --output-on-failure --no-tests=error -j "$JOBS" \
     --output-junit "$OUTDIR/ctest.xml") > "$out" 2>&1
   rc=$?
@@ -257,6 +287,12 @@ cpp_tests() {
     echo "the CUDA GPU suites skipped: the tests cannot use the CUDA driver (see above)"
     rc=1
   fi
+  for suite in CudaGpu TransferGpu; do  # and they were found at all
+    if ! grep -E "${suite}[A-Za-z]*\..*Passed" "$out" > /dev/null; then
+      echo "no $suite test passed: the GPU suites did not run"
+      rc=1
+    fi
+  done
   return $rc
 }
 
@@ -272,9 +308,29 @@ py_tests() {
     return "$SKIP"
   done
   [ "$QUICK" = 1 ] && marks=(-m "not slow")
+  # A hung test shows in the log: each test's name (-v), every thread's stack after 240 s, and
+  # (where pytest-timeout is installed) that test failed after 300 s instead of the whole step.
+  "$VENV/bin/python" -c "import pytest_timeout" 2>/dev/null && marks+=(--timeout=300)
   use_wheel_cufile
-  "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "${marks[@]}" \
-    --junitxml="$OUTDIR/pytest.xml" tests/python
+  local rc
+  "$VENV/bin/python" -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=240 \
+    "${marks[@]}" --junitxml="$OUTDIR/pytest.xml" tests/python
+  rc=$?
+  # The GPU tests must have run: a skip for want of CUDA means the venv's torch saw no GPU.
+  "$VENV/bin/python" - "$OUTDIR/pytest.xml" <<'EOF' || rc=1
+import sys
+import xml.etree.ElementTree as ET
+
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+gpu = [c for c in cases if c.get("classname", "").endswith("test_gpu_transfer")]
+skipped = [c for c in cases for s in c.findall("skipped")
+           if "needs a CUDA" in (s.get("message") or "")]
+print(f"-- GPU tests: {len(gpu)} in test_gpu_transfer.py, {len(skipped)} skipped for want of CUDA")
+for c in skipped[:10]:
+    print(f"   skipped: {c.get('classname')}::{c.get('name')}")
+sys.exit(1 if skipped or not gpu else 0)
+EOF
+  return $rc
 }
 
 # ---- benchmarks --------------------------------------------------------------------------
@@ -282,6 +338,7 @@ bench() {
   local repeats=() rc
   use_wheel_cufile
   [ -n "$REPEATS" ] && repeats=(--repeats "$REPEATS")
+  rm -rf "$BENCH_DIR"  # what a run killed at its time limit left (up to 3 files of a size)
   "$VENV/bin/python" bench/gpu_bench.py --dir "$BENCH_DIR" --sizes "$SIZES" "${repeats[@]}" \
     --json "$OUTDIR/gpu_bench_${SIZES//,/-}.json"
   rc=$?
@@ -292,6 +349,7 @@ bench() {
 bench_checkpoint() {
   local rc
   use_wheel_cufile
+  rm -rf "$BENCH_DIR/checkpoint"
   "$VENV/bin/python" bench/checkpoint_bench.py --dir "$BENCH_DIR/checkpoint" \
     --scenarios gpu-cold,gpu-warm --repeats "${REPEATS:-3}" \
     --json "$OUTDIR/checkpoint_gpu_bench.json"

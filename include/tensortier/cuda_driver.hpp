@@ -43,9 +43,11 @@ inline constexpr CUresult kErrorDeinitialized = 4;
 inline constexpr CUresult kErrorNoDevice = 100;
 inline constexpr CUresult kErrorInvalidDevice = 101;
 inline constexpr CUresult kErrorInvalidContext = 201;
+inline constexpr CUresult kErrorOperatingSystem = 304;
 inline constexpr CUresult kErrorNotReady = 600;
 inline constexpr CUresult kErrorHostMemoryAlreadyRegistered = 712;
 inline constexpr CUresult kErrorHostMemoryNotRegistered = 713;
+inline constexpr CUresult kErrorNotSupported = 801;
 // Not a CUDA value: the driver library could not be loaded or initialised.
 inline constexpr CUresult kUnavailable = -1;
 

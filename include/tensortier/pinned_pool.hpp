@@ -75,7 +75,9 @@ class PinnedPool {
   // A buffer of at least `bytes` (rounded up to pages), reusing an idle one of that size when
   // there is one. Blocks while the budget is held by lent buffers (see above). Throws
   // std::invalid_argument when `bytes` is 0 or over the budget, std::bad_alloc, or CudaError
-  // when registration fails (nothing is silently left pageable).
+  // when registration fails (nothing is silently left pageable). Where the driver cannot
+  // register host memory (CUDA_ERROR_NOT_SUPPORTED or _OPERATING_SYSTEM: some sandboxes) the
+  // buffer comes from cuMemAllocHost instead.
   PinnedBuffer Acquire(size_t bytes);
   // As Acquire(), but returns nullopt instead of blocking.
   std::optional<PinnedBuffer> TryAcquire(size_t bytes);

@@ -58,13 +58,15 @@
 namespace tensortier {
 
 struct TransferResult {
-  uint64_t bytes = 0;      // transferred (for reads: up to end of file)
-  bool eof = false;        // a read reached end of file before `length`
-  std::string path;        // how the bytes moved: "bounce" (a ring) or "gds" (cuFile)
-  std::string copier;      // DeviceCopier::name() ("" for gds)
-  uint64_t chunks = 0;     // engine operations (or cuFile calls) submitted
-  IoStats io;              // the engine's stats, summed over the chunks (bounce path)
-  std::string gds_reason;  // bounce path of a DeviceTransfer: why GDS was not used (or failed)
+  uint64_t bytes = 0;   // transferred (for reads: up to end of file)
+  bool eof = false;     // a read reached end of file before `length`
+  std::string path;     // how the bytes moved: "bounce" (a ring) or "gds" (cuFile)
+  std::string copier;   // DeviceCopier::name() ("" for gds)
+  uint64_t chunks = 0;  // engine operations (or cuFile calls) submitted
+  IoStats io;           // the engine's stats, summed over the chunks (bounce path)
+  // Bounce path of a DeviceTransfer: why GDS was not used (or failed). GDS path: why cuFile ran
+  // in its compatibility mode (not GPUDirect), "" when it did not.
+  std::string gds_reason;
 };
 
 struct BounceRingOptions {
@@ -142,6 +144,9 @@ class DeviceFile {
   bool gds() const noexcept { return gds_; }
   // Why GDS is not used ("" when it is, "GDS off" for kOff).
   const std::string& gds_reason() const noexcept { return reason_; }
+  // When gds(): why cuFile moves this file's bytes in its compatibility mode (POSIX I/O through
+  // host buffers of its own, not GPUDirect), "" when it does not.
+  const std::string& gds_compat_mode() const noexcept { return compat_mode_; }
   // Null unless gds() (and for FakeGdsForTest files).
   const CuFileHandle* handle() const noexcept { return handle_.get(); }
 
@@ -153,6 +158,7 @@ class DeviceFile {
   bool gds_ = false;
   std::shared_ptr<const CuFileHandle> handle_;
   std::string reason_;
+  std::string compat_mode_;
 };
 
 // Where device memory is, for a DeviceTransfer.

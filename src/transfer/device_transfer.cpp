@@ -81,6 +81,7 @@ DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile* cufile_or_null)
     try {
       handle_ = std::make_shared<const CuFileHandle>(cufile, file_.direct_fd(), file_.path());
       gds_ = true;
+      compat_mode_ = cufile.compat_mode_reason();  // only "on" and "require" get here with one
       return;
     } catch (const CuFileError& e) {
       if (mode == GdsMode::kRequire) throw;
@@ -261,6 +262,9 @@ TransferResult DeviceTransfer::Gds(bool read, const DeviceFile& file, const Devi
                                    uint64_t length, uint64_t file_offset) {
   TransferResult r;
   r.path = "gds";
+  if (!file.gds_compat_mode().empty()) {
+    r.gds_reason = StrCat("cuFile compatibility mode (not GPUDirect): ", file.gds_compat_mode());
+  }
   if (length == 0) return r;
   try {
     r.bytes = gds_ ? gds_(read, file, span, length, file_offset)

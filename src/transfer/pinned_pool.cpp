@@ -1,6 +1,7 @@
 #include "tensortier/pinned_pool.hpp"
 
 #include <condition_variable>
+#include <cstdint>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -17,11 +18,18 @@
 namespace tensortier {
 namespace detail {
 
-// One buffer: the mapping, and its CUDA registration when there is one (declared after the
-// mapping, so it is unregistered before the memory is unmapped).
+// One buffer: the mapping and its CUDA registration when there is one (declared after the
+// mapping, so it is unregistered before the memory is unmapped), or memory from cuMemAllocHost
+// where the driver cannot register memory it did not allocate (some sandboxes).
 struct PinnedBlock {
   AlignedBuffer memory;
   std::optional<HostRegistration> registration;
+  std::optional<PinnedHostMemory> allocated;
+
+  std::byte* data() const noexcept {
+    return allocated ? static_cast<std::byte*>(allocated->data()) : memory.data();
+  }
+  size_t size() const noexcept { return allocated ? allocated->size() : memory.size(); }
 };
 
 struct PinnedPoolState {
@@ -38,7 +46,7 @@ struct PinnedPoolState {
   void Return(std::unique_ptr<PinnedBlock> block) noexcept {
     {
       std::lock_guard lock(mu);
-      const size_t size = block->memory.size();
+      const size_t size = block->size();
       lent -= size;
       idle.emplace(size, std::move(block));
     }
@@ -74,15 +82,15 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
 }
 
 std::byte* PinnedBuffer::data() const noexcept {
-  return block_ != nullptr ? block_->memory.data() : nullptr;
+  return block_ != nullptr ? block_->data() : nullptr;
 }
 
 size_t PinnedBuffer::size() const noexcept {
-  return block_ != nullptr ? block_->memory.size() : 0;
+  return block_ != nullptr ? block_->size() : 0;
 }
 
 bool PinnedBuffer::registered() const noexcept {
-  return block_ != nullptr && block_->registration.has_value();
+  return block_ != nullptr && (block_->registration.has_value() || block_->allocated.has_value());
 }
 
 void PinnedBuffer::Release() noexcept {
@@ -179,7 +187,20 @@ std::optional<PinnedBuffer> PinnedPool::Take(size_t bytes, bool wait) {
     // With a context the registration pins the pages; without one they are made resident here.
     block->memory =
         AlignedBuffer(size, Pages::kReused, s.context ? Populate::kOnDemand : Populate::kUpFront);
-    if (s.context) block->registration.emplace(*s.context, block->memory.data(), size);
+    if (s.context) {
+      try {
+        block->registration.emplace(*s.context, block->memory.data(), size);
+      } catch (const CudaError& e) {
+        if (e.code() != cuda::kErrorNotSupported && e.code() != cuda::kErrorOperatingSystem) throw;
+        block->memory = AlignedBuffer();
+        block->allocated.emplace(*s.context, size);
+        if (reinterpret_cast<uintptr_t>(block->allocated->data()) % kPageSize != 0) {
+          throw std::runtime_error(StrCat(  // O_DIRECT reads and writes go through the buffers
+              "cuMemAllocHost returned memory that is not page-aligned (cuMemHostRegister ",
+              "refused: ", e.what(), ")"));
+        }
+      }
+    }
   } catch (...) {
     {
       std::lock_guard lock(s.mu);

@@ -510,7 +510,9 @@ TEST(TransferPinnedPoolTest, TrimFreesIdleBuffersAndBuffersOutliveThePool) {
   PinnedBuffer survivor;
   {
     PinnedPool pool(HostPool(1 << 20));
-    { PinnedBuffer a = pool.Acquire(4096); }
+    {
+      PinnedBuffer a = pool.Acquire(4096);
+    }
     EXPECT_EQ(pool.held_bytes(), 4096u);
     pool.Trim();
     EXPECT_EQ(pool.held_bytes(), 0u);
@@ -897,6 +899,30 @@ TEST_F(FakeTransferTest, AutoGdsFallsBackToTheRingWhenCuFileFailsWithAStatus) {
   EXPECT_THROW(transfer.Read(file, 4096, kLength, {back.address(), 0, stream.get()}), IoError);
 }
 
+// A driver that cannot register host memory (some sandboxes' GPU proxies): the pool's buffers
+// come from cuMemAllocHost, still page-locked and page-aligned; other failures stay errors.
+TEST_F(FakeTransferTest, PinnedPoolAllocatesWhereTheDriverCannotRegister) {
+  PinnedPoolOptions o;
+  o.budget_bytes = 1 << 20;
+  PinnedPool pool(o);
+  ASSERT_TRUE(pool.registers());
+  fake_.NextHostRegisterResult(cuda::kErrorNotSupported);
+  {
+    PinnedBuffer buffer = pool.Acquire(100000);
+    EXPECT_TRUE(buffer.registered());
+    EXPECT_EQ(buffer.size(), 102400u);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer.data()) % kPageSize, 0u);
+    EXPECT_EQ(CudaDriver::Get().Locate(buffer.data()).type, MemoryType::kRegisteredHost);
+    std::memset(buffer.data(), 7, buffer.size());
+  }
+  EXPECT_EQ(pool.Acquire(100000).size(), 102400u);  // the idle one again
+  EXPECT_EQ(pool.allocations(), 1u);
+  fake_.NextHostRegisterResult(cuda::kErrorOutOfMemory);
+  EXPECT_THROW(pool.Acquire(200000), CudaError);
+  EXPECT_EQ(pool.held_bytes(), 102400u);  // the failed buffer is not counted
+  pool.Trim();
+}
+
 // Without nvidia-fs cuFile is no GPUDirect: "auto" keeps the ring, "on" still uses cuFile.
 TEST_F(FakeTransferTest, AutoGdsUsesTheRingWhereCuFileWouldRunInCompatibilityMode) {
   auto cufile = CuFile::Load(testing::FakeCudaLibrary(),
@@ -912,6 +938,18 @@ TEST_F(FakeTransferTest, AutoGdsUsesTheRingWhereCuFileWouldRunInCompatibilityMod
               "anyway)");
     DeviceFile required(file, GdsMode::kRequire, *cufile);
     EXPECT_TRUE(required.gds()) << required.gds_reason();
+    EXPECT_EQ(required.gds_compat_mode(), "no nvidia-fs (test)");
+    EXPECT_EQ(autof.gds_compat_mode(), "");
+    // Its transfers say so: "gds" figures from such a file are not GPUDirect ones.
+    PrimaryContext context(CudaDriver::Get(), 0);
+    Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+    DeviceTransfer transfer(engine);
+    constexpr uint64_t kLength = 65536;
+    DeviceMemory device(context, kLength);
+    Stream stream(context);
+    TransferResult w = transfer.Write({device.address(), 0, stream.get()}, kLength, required, 0);
+    EXPECT_EQ(w.path, "gds");
+    EXPECT_EQ(w.gds_reason, "cuFile compatibility mode (not GPUDirect): no nvidia-fs (test)");
   }
 }
 

@@ -426,13 +426,15 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         self._pinned: dict[int, Any] = {}  # data_ptr -> _core.CuFileBuffer
 
     def pin_device_tensor(self, tensor: Any) -> bool:
-        """Registers a CUDA tensor's memory with cuFile (skipped without cuFile), through the
+        """Registers a CUDA tensor's memory with cuFile (skipped without cuFile, or where it would
+        run in its compatibility mode: nothing DMAs into registered memory then), through the
         tensor's own device's primary context whichever device is current. Returns True."""
         _check_tensor(tensor, "pin_device_tensor")
         if tensor.device.type != "cuda":
             raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
         address = int(tensor.data_ptr())
-        if address in self._pinned or not _core.cufile()["available"]:
+        cufile = _core.cufile()
+        if address in self._pinned or not cufile["available"] or cufile["compat_mode_reason"]:
             return True
         nbytes = _nbytes(tensor)
         if nbytes > 0:

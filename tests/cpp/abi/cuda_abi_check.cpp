@@ -118,6 +118,8 @@ static_assert(tc::kErrorNoDevice == CUDA_ERROR_NO_DEVICE);
 static_assert(tc::kErrorInvalidDevice == CUDA_ERROR_INVALID_DEVICE);
 static_assert(tc::kErrorInvalidContext == CUDA_ERROR_INVALID_CONTEXT);
 static_assert(tc::kErrorNotReady == CUDA_ERROR_NOT_READY);
+static_assert(tc::kErrorOperatingSystem == CUDA_ERROR_OPERATING_SYSTEM);
+static_assert(tc::kErrorNotSupported == CUDA_ERROR_NOT_SUPPORTED);
 static_assert(tc::kErrorHostMemoryAlreadyRegistered == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
 static_assert(tc::kErrorHostMemoryNotRegistered == CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
 static_assert(tc::kUnavailable < 0);  // not a CUDA value: must never collide with one

@@ -55,10 +55,12 @@ class FakeCudaAccounting {
         reinterpret_cast<void (*)(int)>(dlsym(handle, "fakecuda_cufile_next_driver_open_result"));
     set_bool_ =
         reinterpret_cast<void (*)(int, int)>(dlsym(handle, "fakecuda_cufile_set_bool_parameter"));
+    next_register_ =
+        reinterpret_cast<void (*)(int)>(dlsym(handle, "fakecuda_next_host_register_result"));
     dlclose(handle);  // drops our reference only: CudaDriver keeps the library loaded
     if (violations_ == nullptr || live_ == nullptr || set_delay_ == nullptr ||
         next_result_ == nullptr || driver_opens_ == nullptr || next_open_ == nullptr ||
-        set_bool_ == nullptr) {
+        set_bool_ == nullptr || next_register_ == nullptr) {
       return false;
     }
     live_at_start_ = live_();
@@ -79,6 +81,8 @@ class FakeCudaAccounting {
   void NextCuFileDriverOpenResult(int status) const { next_open_(status); }
   // What the stand-in's cuFileGetParameterBool answers for `param` from now on.
   void SetCuFileBoolParameter(int param, bool value) const { set_bool_(param, value ? 1 : 0); }
+  // What the next cuMemHostRegister answers (a CUresult).
+  void NextHostRegisterResult(int result) const { next_register_(result); }
 
   void Check() const {
     if (live_ == nullptr) return;
@@ -98,6 +102,7 @@ class FakeCudaAccounting {
   int (*driver_opens_)() = nullptr;
   void (*next_open_)(int) = nullptr;
   void (*set_bool_)(int, int) = nullptr;
+  void (*next_register_)(int) = nullptr;
   int live_at_start_ = 0;
   int violations_at_start_ = 0;
 };

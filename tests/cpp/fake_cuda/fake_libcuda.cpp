@@ -123,6 +123,7 @@ struct Driver {
   int driver_opens = 0;             // cuFileDriverOpen calls
   int next_driver_open_result = 0;  // what the next cuFileDriverOpen answers
   bool bool_parameters[16] = {};    // cuFileGetParameterBool's answers, set by the hook below
+  CUresult next_host_register_result = kSuccess;  // injected: what cuMemHostRegister answers
 };
 
 Driver& D() {
@@ -301,6 +302,12 @@ int fakecuda_cufile_driver_opens() {
 void fakecuda_cufile_next_driver_open_result(int status) {
   std::lock_guard lock(D().mu);
   D().next_driver_open_result = status;
+}
+
+// What the next cuMemHostRegister answers (a CUresult; 0: it registers).
+void fakecuda_next_host_register_result(int result) {
+  std::lock_guard lock(D().mu);
+  D().next_host_register_result = static_cast<CUresult>(result);
 }
 
 // What cuFileGetParameterBool answers for `param` from now on.
@@ -604,6 +611,7 @@ CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned flags) {
   if (!HasContext()) return kInvalidContext;
   if (p == nullptr || bytes == 0 || flags > 15) return kInvalidValue;
   std::lock_guard lock(D().mu);
+  if (CUresult injected = std::exchange(D().next_host_register_result, kSuccess)) return injected;
   const auto address = reinterpret_cast<uintptr_t>(p);
   for (const auto& [base, range] : D().host_memory) {
     if (Overlaps(base, range.bytes, address, bytes)) return kAlreadyRegistered;
