@@ -1647,7 +1647,11 @@ def _unpickle_torch(
             big_endian = order == b"big"
     finally:
         os.close(fd)
-    eager = mapped is None and any(name in pkl for name in _DATA_DEPENDENT_REBUILDS)
+    data_dependent = any(name in pkl for name in _DATA_DEPENDENT_REBUILDS)
+    eager = mapped is None and data_dependent
+    # Mapped storages hold their bytes already; a big-endian one must be swapped before a
+    # rebuild reads it, not after the pickle is loaded.
+    swap_now = mapped is not None and data_dependent and big_endian
 
     def unpickle(device: Any) -> tuple[Any, dict[str, _StorageRef]]:
         storages: dict[str, _StorageRef] = {}
@@ -1713,6 +1717,11 @@ def _unpickle_torch(
                 ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
                 if eager and nbytes and device.type != "meta":
                     _fill_now(ref, path, verify, big_endian)
+                elif swap_now and nbytes:
+                    if verify:  # the CRC-32 is of the stored bytes
+                        _crc_check(path, key, record.crc32)(_storage_bytes(storage))
+                    _byteswap_storages([ref])
+                    ref.filled = True
                 storages[key] = ref
             return torch.storage.TypedStorage(
                 wrap_storage=ref.storage, dtype=dtype, _internal=True
@@ -1810,7 +1819,8 @@ def _load_torch(
         if whole is not None:
             if verify:
                 for r in refs:
-                    _crc_check(path, r.key, r.record.crc32)(_storage_bytes(r.storage))
+                    if not r.filled:  # swapped while unpickling: checked then
+                        _crc_check(path, r.key, r.record.crc32)(_storage_bytes(r.storage))
         else:
             pieces = [
                 _Piece(
