@@ -536,10 +536,20 @@ class Vm {
     if (n > UINT64_MAX / itemsize) Fail("storage size overflows");
     TorchStorage s{key.s, std::string(dtype), n, n * itemsize, location.s};
     auto [it, inserted] = out_.storages.emplace(key.s, s);
-    if (!inserted && (it->second.nbytes != s.nbytes || it->second.dtype != s.dtype)) {
+    // torch.save names every empty storage after address 0 whatever its dtype (its check that a
+    // storage keeps one dtype skips those), and torch.load makes each one anew: only storages
+    // with bytes must be described alike.
+    const bool both_empty = it->second.nbytes == 0 && s.nbytes == 0;
+    if (!inserted && !both_empty &&
+        (it->second.nbytes != s.nbytes || it->second.dtype != s.dtype)) {
       Fail(StrCat("storage '", key.s, "' is described twice, differently"));
     }
-    return Scalar(Kind::kStorage, 0, key.s);
+    // The value remembers this description's type: a tensor rebuilt on it (v2) has its dtype.
+    const auto type_index = static_cast<int64_t>(
+        std::find_if(std::begin(kStorageTypes), std::end(kStorageTypes),
+                     [&](const DtypeName& d) { return d.torch == type_name; }) -
+        std::begin(kStorageTypes));
+    return Scalar(Kind::kStorage, type_index, key.s);
   }
 
   // The conj and neg bits of _rebuild_tensor_v2/_v3's metadata argument (a dict, or None):
@@ -580,7 +590,7 @@ class Vm {
     t.requires_grad = Arg(a, 4, Kind::kBool, "requires_grad").i != 0;
     if (metadata) ReadTensorFlags(*metadata, t);
     const TorchStorage& s = out_.storages.at(storage.s);
-    if (dtype.empty()) dtype = s.dtype;
+    if (dtype.empty()) dtype = kStorageTypes[storage.i].name;  // the storage's, as described
     t.dtype = std::move(dtype);
     // The furthest element the tensor touches must lie inside its storage. Empty tensors touch
     // nothing (whatever their other sizes). Otherwise every dimension that moves (size > 1,

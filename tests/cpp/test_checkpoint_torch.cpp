@@ -324,6 +324,29 @@ TEST(CheckpointTorch, ReadsDtypesSafetensorsHasNoNameFor) {
   EXPECT_TRUE(PickleRejects(V3TensorPickle("float6_e2m3", 8), "is not allowed"));
 }
 
+// [storage as FloatStorage of `numel1`, the same key as IntStorage of `numel2`], as tensors.
+std::string TwoDescriptionsPickle(int numel1, int numel2) {
+  auto tensor = [](const std::string& type, int numel) {
+    return "ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage"s + "ctorch\n" + type +
+           "\nX\x01\x00\x00\x00"s
+           "0X\x03\x00\x00\x00"s
+           "cpuK" +
+           static_cast<char>(numel) + "tQK\x00K"s + static_cast<char>(numel) +
+           "\x85K\x01\x85\x89"s + "ccollections\nOrderedDict\n)RtR";
+  };
+  return kProto + "](" + tensor("FloatStorage", numel1) + tensor("IntStorage", numel2) + "e.";
+}
+
+TEST(CheckpointTorch, OnlyEmptyStoragesMayBeDescribedWithTwoTypes) {
+  // torch.save names a storage of no bytes viewed as two dtypes once, with each dtype.
+  TorchPickle p = ParseTorchPickle(TwoDescriptionsPickle(0, 0));
+  ASSERT_EQ(p.tensors.size(), 2u);
+  EXPECT_EQ(p.tensors[0].dtype, "F32");
+  EXPECT_EQ(p.tensors[1].dtype, "I32");  // the second description's, not the storage's first
+  EXPECT_TRUE(PickleRejects(TwoDescriptionsPickle(2, 2), "storage '0' is described twice"));
+  EXPECT_TRUE(PickleRejects(TwoDescriptionsPickle(0, 2), "storage '0' is described twice"));
+}
+
 // A torch.save zip holding {} whose byteorder record says `order`.
 std::string ZipWithByteOrder(const std::string& order) {
   const std::string pickle = kProto + "}q\x00."s;

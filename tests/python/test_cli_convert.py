@@ -222,6 +222,20 @@ def test_float4_through_both_directions(disk_dir: Path) -> None:
     assert_same(torch.load(back, weights_only=True), want)
 
 
+def test_an_empty_storage_viewed_as_two_dtypes(disk_dir: Path) -> None:
+    """torch.save describes such a storage twice, with each dtype (its check that a storage
+    keeps one dtype skips empty ones): the tool refused the file."""
+    t = torch.empty(0)
+    want = {"a": t, "b": t.view(torch.int32), "c": torch.arange(3)}
+    pt = disk_dir / "empty.pt"
+    torch.save(want, pt)
+    r = run("info", pt)
+    assert r.returncode == 0, r.stderr
+    sf = disk_dir / "empty.safetensors"
+    convert(pt, sf)
+    assert_same(st.load_file(str(sf)), want)
+
+
 def test_torch_only_dtypes(disk_dir: Path) -> None:
     """complex32 and the bits types: info and verify read them; convert says safetensors has no
     dtype for them and leaves nothing behind."""
