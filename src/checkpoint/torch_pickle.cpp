@@ -144,10 +144,21 @@ bool Allowed(std::string_view g) {
   for (auto c : kCallables) {
     if (c == g) return true;
   }
+  // Values torch.load(weights_only=True) allows beside dtypes: quantization schemes (a
+  // quantizer's settings in a state dict), not callable here (only kCallables are).
+  constexpr std::string_view kQuantizationSchemes[] = {
+      "per_tensor_affine",
+      "per_channel_affine",
+      "per_tensor_symmetric",
+      "per_channel_symmetric",
+      "per_channel_affine_float_qparams",
+  };
   if (g.starts_with("torch.") && g.find('.', 6) == std::string_view::npos) {
     std::string_view attr = g.substr(6);
     return !Lookup(kStorageTypes, std::size(kStorageTypes), attr).empty() ||
-           !Lookup(kDtypes, std::size(kDtypes), attr).empty();
+           !Lookup(kDtypes, std::size(kDtypes), attr).empty() ||
+           std::find(std::begin(kQuantizationSchemes), std::end(kQuantizationSchemes), attr) !=
+               std::end(kQuantizationSchemes);
   }
   return g == "torch.storage.UntypedStorage";
 }

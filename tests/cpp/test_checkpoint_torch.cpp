@@ -165,6 +165,10 @@ TEST(CheckpointTorch, RefusesDisallowedGlobalsAndCalls) {
   EXPECT_TRUE(PickleRejects(kProto + "ctorch\nload\n.", "global 'torch.load' is not allowed"));
   EXPECT_TRUE(PickleRejects(kProto + "ctorch._utils\n_rebuild_qtensor\n.", "not allowed"));
   EXPECT_TRUE(PickleRejects(kProto + "ctorch\nfloat32\n)R.", "'torch.float32' cannot be called"));
+  // Quantization schemes are values (torch.load allows them), not callables.
+  EXPECT_EQ(ParseTorchPickle(kProto + "ctorch\nper_channel_affine\n.").other_values, 1u);
+  EXPECT_TRUE(PickleRejects(kProto + "ctorch\nper_tensor_affine\n)R.", "cannot be called"));
+  EXPECT_TRUE(PickleRejects(kProto + "ctorch\nper_tensor_nothing\n.", "is not allowed"));
   EXPECT_TRUE(PickleRejects(kProto + "X\x02\x00\x00\x00osX\x06\x00\x00\x00system\x93."s,
                             "global 'os.system' is not allowed"));
   // _rebuild_from_type_v2(func, type, args, state) calls only rebuild functions, never itself
