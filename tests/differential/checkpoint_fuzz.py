@@ -788,12 +788,14 @@ def converted(obj: Any, dtype: torch.dtype) -> Any:
     """What `load(dtype=...)` must give for a freshly loaded `obj`: every floating-point,
     non-quantized tensor `.to(dtype)`, Parameters kept Parameters with their requires_grad,
     attributes kept, a tensor seen twice converted once. Changes obj's containers."""
-    memo: dict[int, Any] = {}
+    # id -> (original, converted): the original is kept alive, or once no container holds it any
+    # more its id could be reused by a new tensor and look like one seen before.
+    memo: dict[int, tuple[Any, Any]] = {}
 
     def visit(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
             if id(o) in memo:
-                return memo[id(o)]
+                return memo[id(o)][1]
             out = o
             if not o.is_quantized and o.is_floating_point() and o.dtype != dtype:
                 with torch.no_grad():
@@ -803,7 +805,7 @@ def converted(obj: Any, dtype: torch.dtype) -> Any:
                 else:
                     out = c.requires_grad_(o.requires_grad)
                 out.__dict__.update(o.__dict__)
-            memo[id(o)] = out
+            memo[id(o)] = (o, out)
             return out
         if isinstance(o, dict):
             for key in list(o):
