@@ -28,8 +28,14 @@ torch's generator seeded from it), so a finding is reproduced by running its cas
 finding is printed with that command. The exit status is 1 when a check found something not
 in KNOWN_GAPS, 2 when the fuzzer cannot run, else 0.
 
+A finding is either a tensortier bug or a wrong expectation here. Fix the latter in the check.
+A bug not fixed at once goes into KNOWN_GAPS, matched narrowly (check name and message
+substrings) with a one-line reason, so that CI stays green while the rest stays checked; its
+entry goes when the bug does. ``scripts/test.sh`` runs ``all`` with a fixed seed and count.
+
 The ``tensortier`` executable is taken from ``$TENSORTIER_CLI``, else from beside
-``sys.executable`` (a virtual environment's ``bin``), else from ``PATH``.
+``sys.executable`` (a virtual environment's ``bin``), else from ``PATH``. Scratch files live in
+a temporary directory removed at exit.
 """
 
 from __future__ import annotations
@@ -233,39 +239,38 @@ def random_view(rng: random.Random, base: torch.Tensor) -> torch.Tensor:
     return base[:0]
 
 
-def _random_scalar_makers() -> tuple[Callable[[random.Random], Any], ...]:
-    return (
-        lambda r: r.randint(-5, 5),
-        lambda r: r.randint(-(2**63), 2**63 - 1),
-        lambda r: 2 ** r.randint(64, 200),
-        lambda r: -(2 ** r.randint(64, 130)),
-        lambda r: r.random() * 1e3,
-        lambda r: float("nan"),
-        lambda r: float("-inf"),
-        lambda r: -0.0,
-        lambda r: 1e-310,
-        lambda r: True,
-        lambda r: False,
-        lambda r: None,
-        lambda r: "",
-        lambda r: "h\u00e9llo\u2603\x00\n",
-        lambda r: "x" * r.randint(0, 300),
-        lambda r: r.randbytes(r.randint(0, 8)),
-        lambda r: bytearray(r.randbytes(3)),
-        lambda r: complex(r.random(), -1.5),
-        lambda r: {1, "a", (2, 3)},
-        lambda r: torch.Size(random_shape(r, 100)),
-        lambda r: r.choice(ALL_DTYPES),
-        lambda r: torch.device("cpu"),
-        lambda r: torch.device("cuda", r.randint(0, 3)),
-        lambda r: torch.device("meta"),
-        lambda r: r.choice([torch.strided, torch.sparse_coo]),
-        lambda r: torch.per_channel_affine,
-        lambda r: collections.Counter(a=2, b=-1),
-    )
-
-
-SCALAR_MAKERS = _random_scalar_makers()
+# Non-tensor values a checkpoint may hold, awkward ones included: integers beyond 64 bits, NaN,
+# -0.0, subnormals, NULs in strings, bytes, sets, and torch's Size, dtype, device, layout and
+# qscheme objects.
+SCALAR_MAKERS: tuple[Callable[[random.Random], Any], ...] = (
+    lambda r: r.randint(-5, 5),
+    lambda r: r.randint(-(2**63), 2**63 - 1),
+    lambda r: 2 ** r.randint(64, 200),
+    lambda r: -(2 ** r.randint(64, 130)),
+    lambda r: r.random() * 1e3,
+    lambda r: float("nan"),
+    lambda r: float("-inf"),
+    lambda r: -0.0,
+    lambda r: 1e-310,
+    lambda r: True,
+    lambda r: False,
+    lambda r: None,
+    lambda r: "",
+    lambda r: "h\u00e9llo\u2603\x00\n",
+    lambda r: "x" * r.randint(0, 300),
+    lambda r: r.randbytes(r.randint(0, 8)),
+    lambda r: bytearray(r.randbytes(3)),
+    lambda r: complex(r.random(), -1.5),
+    lambda r: {1, "a", (2, 3)},
+    lambda r: torch.Size(random_shape(r, 100)),
+    lambda r: r.choice(ALL_DTYPES),
+    lambda r: torch.device("cpu"),
+    lambda r: torch.device("cuda", r.randint(0, 3)),
+    lambda r: torch.device("meta"),
+    lambda r: r.choice([torch.strided, torch.sparse_coo]),
+    lambda r: torch.per_channel_affine,
+    lambda r: collections.Counter(a=2, b=-1),
+)
 
 
 class ObjectGenerator:
@@ -361,8 +366,9 @@ class ObjectGenerator:
                     else:
                         key = rng.choice([None, 1.5, (1, 2), True, "", "a.b"])
                     d[key] = self.value(depth + 1)
-                if kind == 1 and rng.random() < 0.5:
-                    d._metadata = {"": {"version": rng.randint(0, 3)}, "sub": {"v": 1}}  # type: ignore[attr-defined]
+                if kind == 1 and rng.random() < 0.5:  # what nn.Module.state_dict() attaches
+                    metadata = {"": {"version": rng.randint(0, 3)}, "sub": {"v": 1}}
+                    d._metadata = metadata  # type: ignore[attr-defined]
                 self.containers.append(d)
                 return d
             if kind == 2:
@@ -385,7 +391,8 @@ class ObjectGenerator:
         for i in range(rng.randint(0, 6)):
             d[f"m.{i}"] = self.value(1) if rng.random() < 0.4 else self.tensor()
         if isinstance(d, collections.OrderedDict) and rng.random() < 0.5:
-            d._metadata = collections.OrderedDict([("", {"version": 2})])  # type: ignore[attr-defined]
+            metadata = collections.OrderedDict([("", {"version": 2})])
+            d._metadata = metadata  # type: ignore[attr-defined]
         return d
 
 
@@ -568,7 +575,7 @@ class GraphComparer:
         if self.exact_layout:
             self.layout(want, got, path)
         elif want.numel() and want.device.type != "meta" and value_bytes(want) != value_bytes(got):
-            raise Mismatch(f"{path}: values differ: {got!r:.200} expected {want!r:.200}")
+            raise Mismatch(f"{path}: values differ: {safe_repr(got)} expected {safe_repr(want)}")
         want_state, got_state = getattr(want, "__dict__", {}), getattr(got, "__dict__", {})
         if set(want_state) != set(got_state):
             raise Mismatch(
@@ -678,15 +685,25 @@ def compare_state_dicts(want: dict[str, Any], got: dict[str, Any], label: str) -
             raise Mismatch(f"{label}: {name!r}: bytes differ")
 
 
-def zeros_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A zero-filled contiguous tensor like `t`, also for dtypes torch cannot fill (float4)."""
-    out = torch.empty(t.shape, dtype=dtype or t.dtype)
+def zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """A zero-filled contiguous tensor like `t`, also of dtypes torch cannot fill (float4)."""
+    out = torch.empty(t.shape, dtype=t.dtype)
     if out.numel():
         bytes_view(out.untyped_storage()).zero_()
     return out
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def safe_repr(o: Any, limit: int = 150) -> str:
+    """repr(o) cut to `limit` characters; torch cannot print tensors of some dtypes (float4,
+    bits): their bytes then."""
+    try:
+        text = repr(o)
+    except Exception:  # noqa: BLE001 - no printing kernel for this dtype
+        text = f"<{o.dtype} {tuple(o.shape)}: {value_bytes(o).hex()}>"
+    return text[:limit]
 
 
 def describe(e: BaseException) -> str:
@@ -1196,8 +1213,8 @@ def check_load_into(case: Case, obj: Any, path: str) -> None:
     tensortier.load_into(targets, path)
     for name, want in expected.items():
         if value_bytes(want) != value_bytes(targets[name]):
-            raise Mismatch(f"load_into[{name!r}]: values {targets[name]!r:.150} "
-                           f"expected {want!r:.150}")
+            raise Mismatch(f"load_into[{name!r}]: values {safe_repr(targets[name])} "
+                           f"expected {safe_repr(want)}")
 
 
 def check_mmap_private(path: str, loaded: Any) -> None:
