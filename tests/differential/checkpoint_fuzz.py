@@ -120,6 +120,10 @@ KNOWN_GAPS: tuple[KnownGap, ...] = (
              "the CLI's pickle reader refuses nested tensors"),
     KnownGap("cli-bare-storage", _PICKLE_READER_CHECKS, (": a bare storage at ",),
              "the CLI's pickle reader reads storages only inside tensors"),
+    KnownGap("cli-empty-storage-two-dtypes", _PICKLE_READER_CHECKS,
+             ("is described twice, differently",),
+             "the CLI's pickle reader refuses a 0-byte storage torch.save describes with two "
+             "dtypes (viewed as two dtypes, or also bare)"),
     KnownGap("convert-f4", ("cli.st_pt_st",), ("has dtype F4, which torch has no dtype for",),
              "`convert` safetensors -> .pt refuses F4, which Python maps to float4_e2m1fn_x2"),
     KnownGap("mmap-big-endian-nested", ("c.mmap", "d.dtype"),
