@@ -97,18 +97,8 @@ class KnownGap:
 _PICKLE_READER_CHECKS = ("a.verify_cli", "b.cli", "cli.info_verify", "cli.pt_st")
 
 KNOWN_GAPS: tuple[KnownGap, ...] = (
-    KnownGap("cli-complex32", _PICKLE_READER_CHECKS, ("global 'torch.complex32'",),
-             "the CLI's pickle reader has no complex32 dtype (being added)"),
-    KnownGap("cli-float4", _PICKLE_READER_CHECKS, ("global 'torch.float4_e2m1fn_x2'",),
-             "the CLI's pickle reader has no float4_e2m1fn_x2 dtype (being added)"),
-    KnownGap("cli-bits", _PICKLE_READER_CHECKS, ("global 'torch.bits",),
-             "the CLI's pickle reader has no bits8/16, bits1x8/2x4/4x2 dtypes (being added)"),
-    KnownGap("cli-big-endian", ("b.cli",), ("byte order 'big' is not supported",),
-             "the CLI reads little-endian .pt files only (being added)"),
     KnownGap("cli-quantized", _PICKLE_READER_CHECKS, ("global 'torch._utils._rebuild_qtensor'",),
              "the CLI's pickle reader refuses quantized tensors"),
-    KnownGap("cli-qscheme", _PICKLE_READER_CHECKS, ("global 'torch.per_channel_affine'",),
-             "the CLI's pickle reader refuses qscheme values (a quantized tensor's parameters)"),
     KnownGap("cli-sparse", _PICKLE_READER_CHECKS,
              ("global 'torch._utils._rebuild_sparse_tensor'",),
              "the CLI's pickle reader refuses sparse (COO, CSR) tensors"),
@@ -120,16 +110,6 @@ KNOWN_GAPS: tuple[KnownGap, ...] = (
              "the CLI's pickle reader refuses nested tensors"),
     KnownGap("cli-bare-storage", _PICKLE_READER_CHECKS, (": a bare storage at ",),
              "the CLI's pickle reader reads storages only inside tensors"),
-    KnownGap("cli-empty-storage-two-dtypes", _PICKLE_READER_CHECKS,
-             ("is described twice, differently",),
-             "the CLI's pickle reader refuses a 0-byte storage torch.save describes with two "
-             "dtypes (viewed as two dtypes, or also bare)"),
-    KnownGap("convert-f4", ("cli.st_pt_st",), ("has dtype F4, which torch has no dtype for",),
-             "`convert` safetensors -> .pt refuses F4, which Python maps to float4_e2m1fn_x2"),
-    KnownGap("mmap-big-endian-nested", ("c.mmap", "d.dtype"),
-             ("rewritten zip (big_endian=True)", "Storage size calculation overflowed"),
-             "load(mmap=True) rebuilds a nested tensor of a big-endian file from its sizes "
-             "before swapping their bytes"),
 )
 
 
