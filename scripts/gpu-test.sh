@@ -91,6 +91,8 @@ echo "== gpu-test $phase $(date -Is)" >> "$SUMMARY"
 status=0
 # The steps run in a child bash under `timeout`: it needs these.
 export ROOT OUTDIR PY JOBS BUILD VENV BENCH_DIR SIZES REPEATS QUICK SKIP
+# cuFile writes its log into the working directory (the checkout) unless told where.
+export CUFILE_LOGFILE_PATH="${CUFILE_LOGFILE_PATH:-$BUILD/cufile.log}"
 
 note() { echo "gpu-test: $*" | tee -a "$SUMMARY"; }
 step() {  # step NAME LOG FUNCTION: runs under timeout, logs, records PASS/SKIP/FAIL/TIMEOUT
@@ -241,6 +243,7 @@ if sys.prefix != sys.base_prefix:
         echo "unpacked $(basename "$wheel") into the venv"
     done
   fi
+  use_wheel_cufile  # so that the line below says what the tests will load
   "$VENV/bin/python" -c 'import tensortier; print("tensortier", tensortier.__version__,
 tensortier.cuda_info(), tensortier.cufile_info())'
 }
