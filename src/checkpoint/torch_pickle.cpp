@@ -36,11 +36,24 @@ struct DtypeName {
 };
 
 constexpr DtypeName kStorageTypes[] = {
-    {"FloatStorage", "F32"},     {"DoubleStorage", "F64"},       {"HalfStorage", "F16"},
-    {"BFloat16Storage", "BF16"}, {"LongStorage", "I64"},         {"IntStorage", "I32"},
-    {"ShortStorage", "I16"},     {"CharStorage", "I8"},          {"ByteStorage", "U8"},
-    {"BoolStorage", "BOOL"},     {"ComplexFloatStorage", "C64"}, {"ComplexDoubleStorage", "C128"},
+    {"FloatStorage", "F32"},
+    {"DoubleStorage", "F64"},
+    {"HalfStorage", "F16"},
+    {"BFloat16Storage", "BF16"},
+    {"LongStorage", "I64"},
+    {"IntStorage", "I32"},
+    {"ShortStorage", "I16"},
+    {"CharStorage", "I8"},
+    {"ByteStorage", "U8"},
+    {"BoolStorage", "BOOL"},
+    {"ComplexFloatStorage", "C64"},
+    {"ComplexDoubleStorage", "C128"},
     {"UntypedStorage", "U8"},
+    // Quantized tensors' (_rebuild_qtensor): their integers, named in safetensors' style. Not
+    // quint4x2 and quint2x4, which pack two and four values a byte.
+    {"QInt8Storage", "QI8"},
+    {"QUInt8Storage", "QU8"},
+    {"QInt32Storage", "QI32"},
 };
 
 constexpr DtypeName kDtypes[] = {
@@ -81,6 +94,9 @@ constexpr DtypeName kDtypes[] = {
     {"bits1x8", "BITS1X8"},
     {"bits2x4", "BITS2X4"},
     {"bits4x2", "BITS4X2"},
+    {"qint8", "QI8"},
+    {"quint8", "QU8"},
+    {"qint32", "QI32"},
 };
 
 std::string_view Lookup(const DtypeName* table, size_t n, std::string_view torch) {
@@ -124,6 +140,7 @@ bool Allowed(std::string_view g) {
       "torch._utils._rebuild_tensor_v3",
       "torch._utils._rebuild_parameter",
       "torch._utils._rebuild_parameter_with_state",
+      "torch._utils._rebuild_qtensor",
       "torch.Size",
       "torch.device",
       "torch.Tensor",
@@ -684,6 +701,22 @@ class Vm {
       return MakeTensor(a, std::string(ours),
                         a.size() == 8 ? std::optional<uint32_t>(a[7]) : std::nullopt);
     }
+    if (f == "torch._utils._rebuild_qtensor") {
+      // (storage, offset, size, stride, quantizer parameters, requires_grad, hooks): the typed
+      // storage holds the quantized integers; the parameters (scheme, scale and zero point, or
+      // per-channel tensors and axis) say how to read them, not where they are.
+      need(7, 7);
+      const Value& storage = Arg(a, 0, Kind::kStorage, "quantized tensor storage");
+      if (!kStorageTypes[storage.i].name.starts_with("Q")) {
+        Fail(StrCat("quantized tensor on a ", kStorageTypes[storage.i].torch));
+      }
+      const Value& params = Arg(a, 4, Kind::kTuple, "quantizer parameters");
+      if (params.items.empty() || values_[params.items[0]].kind != Kind::kGlobal ||
+          !values_[params.items[0]].s.starts_with("torch.per_")) {
+        Fail("quantizer parameters do not start with a quantization scheme");
+      }
+      return MakeTensor({a[0], a[1], a[2], a[3], a[5], a[6]}, "");
+    }
     if (f == "torch._utils._rebuild_parameter" ||
         f == "torch._utils._rebuild_parameter_with_state") {
       need(f.ends_with("state") ? 4 : 3, f.ends_with("state") ? 4 : 3);
@@ -829,13 +862,15 @@ class Vm {
 unsigned TorchDtypeBytes(std::string_view dtype) {
   if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype.starts_with("F8_") ||
       dtype == "F4_X2" || dtype == "BITS8" || dtype == "BITS1X8" || dtype == "BITS2X4" ||
-      dtype == "BITS4X2") {
+      dtype == "BITS4X2" || dtype == "QI8" || dtype == "QU8") {
     return 1;
   }
   if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16" || dtype == "BITS16") {
     return 2;
   }
-  if (dtype == "F32" || dtype == "I32" || dtype == "U32" || dtype == "C32") return 4;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32" || dtype == "C32" || dtype == "QI32") {
+    return 4;
+  }
   if (dtype == "F64" || dtype == "I64" || dtype == "U64" || dtype == "C64") return 8;
   if (dtype == "C128") return 16;
   return 0;

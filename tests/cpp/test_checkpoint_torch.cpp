@@ -163,7 +163,7 @@ TEST(CheckpointTorch, RefusesDisallowedGlobalsAndCalls) {
       PickleRejects(kProto + "c__builtin__\neval\n.", "global '__builtin__.eval' is not allowed"));
   EXPECT_TRUE(PickleRejects(kProto + "cbuiltins\ngetattr\n.", "not allowed"));
   EXPECT_TRUE(PickleRejects(kProto + "ctorch\nload\n.", "global 'torch.load' is not allowed"));
-  EXPECT_TRUE(PickleRejects(kProto + "ctorch._utils\n_rebuild_qtensor\n.", "not allowed"));
+  EXPECT_TRUE(PickleRejects(kProto + "ctorch._utils\n_rebuild_sparse_tensor\n.", "not allowed"));
   EXPECT_TRUE(PickleRejects(kProto + "ctorch\nfloat32\n)R.", "'torch.float32' cannot be called"));
   // Quantization schemes are values (torch.load allows them), not callables.
   EXPECT_EQ(ParseTorchPickle(kProto + "ctorch\nper_channel_affine\n.").other_values, 1u);
@@ -349,6 +349,31 @@ TEST(CheckpointTorch, OnlyEmptyStoragesMayBeDescribedWithTwoTypes) {
   EXPECT_EQ(p.tensors[1].dtype, "I32");  // the second description's, not the storage's first
   EXPECT_TRUE(PickleRejects(TwoDescriptionsPickle(2, 2), "storage '0' is described twice"));
   EXPECT_TRUE(PickleRejects(TwoDescriptionsPickle(0, 2), "storage '0' is described twice"));
+}
+
+// _rebuild_qtensor of 4 elements of a `type` storage with quantizer parameters `params`.
+std::string QTensorPickle(const std::string& type, const std::string& params) {
+  return kProto + "ctorch._utils\n_rebuild_qtensor\n((X\x07\x00\x00\x00storage"s + "ctorch\n" +
+         type + "\nX\x01\x00\x00\x00"s + "0X\x03\x00\x00\x00"s +
+         "cpuK\x04tQK\x00K\x04\x85K\x01\x85"s + params +
+         "\x89"
+         "ccollections\nOrderedDict\n)RtR."s;
+}
+
+TEST(CheckpointTorch, ReadsQuantizedTensors) {
+  const std::string per_tensor =
+      "(ctorch\nper_tensor_affine\nG\x3f\xb9\x99\x99\x99\x99\x99\x9aK\x03t"s;
+  TorchPickle p = ParseTorchPickle(QTensorPickle("QInt8Storage", per_tensor));
+  ASSERT_EQ(p.tensors.size(), 1u);
+  EXPECT_EQ(p.tensors[0].dtype, "QI8");
+  EXPECT_EQ(p.tensors[0].nbytes(), 4u);
+  EXPECT_EQ(TorchDtypeAttribute("QI32"), "qint32");
+  EXPECT_EQ(ParseTorchPickle(QTensorPickle("QInt32Storage", per_tensor)).tensors[0].nbytes(), 16u);
+  EXPECT_TRUE(PickleRejects(QTensorPickle("FloatStorage", per_tensor),
+                            "quantized tensor on a FloatStorage"));
+  EXPECT_TRUE(PickleRejects(QTensorPickle("QInt8Storage", "(K\x01t"s),
+                            "do not start with a quantization scheme"));
+  EXPECT_TRUE(PickleRejects(QTensorPickle("QUInt4x2Storage", per_tensor), "is not allowed"));
 }
 
 // A torch.save zip holding {} whose byteorder record says `order`.

@@ -97,8 +97,8 @@ class KnownGap:
 _PICKLE_READER_CHECKS = ("a.verify_cli", "b.cli", "cli.info_verify", "cli.pt_st")
 
 KNOWN_GAPS: tuple[KnownGap, ...] = (
-    KnownGap("cli-quantized", _PICKLE_READER_CHECKS, ("global 'torch._utils._rebuild_qtensor'",),
-             "the CLI's pickle reader refuses quantized tensors"),
+    KnownGap("cli-packed-quantized", _PICKLE_READER_CHECKS, ("global 'torch.QUInt",),
+             "the CLI's pickle reader refuses quint4x2 and quint2x4 tensors (packed values)"),
     KnownGap("cli-sparse", _PICKLE_READER_CHECKS,
              ("global 'torch._utils._rebuild_sparse_tensor'",),
              "the CLI's pickle reader refuses sparse (COO, CSR) tensors"),

@@ -236,6 +236,34 @@ def test_an_empty_storage_viewed_as_two_dtypes(disk_dir: Path) -> None:
     assert_same(st.load_file(str(sf)), want)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors' deprecation
+def test_quantized_tensors(disk_dir: Path) -> None:
+    """info and verify read quantized tensors (their integers: QI8, QU8, QI32); convert says
+    safetensors cannot store them; quint4x2/quint2x4 (packed) are refused by name."""
+    want = {
+        "q": torch.quantize_per_tensor(torch.randn(4), 0.1, 3, torch.qint8),
+        "qc": torch.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]),
+                                         torch.tensor([1, 2]), 0, torch.quint8),
+        "q32": torch.quantize_per_tensor(torch.randn(5), 0.1, 3, torch.qint32)[1:],
+        "scheme": torch.per_tensor_affine,
+    }
+    pt = disk_dir / "q.pt"
+    torch.save(want, pt)
+    r = run("info", pt)
+    assert r.returncode == 0, r.stderr
+    assert "dtypes:    QI32 x1, QI8 x1, QU8 x1" in r.stdout, r.stdout
+    assert "1 non-tensor value" in r.stdout
+    r = run("verify", pt)
+    assert r.returncode == 0 and "data OK" in r.stdout, r.stdout + r.stderr
+    r = run("convert", pt, disk_dir / "q.safetensors")
+    assert r.returncode != 0
+    assert "has dtype QI8 (torch.qint8), which safetensors cannot store" in r.stderr
+    packed = disk_dir / "q4.pt"
+    torch.save({"q4": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.quint4x2)}, packed)
+    r = run("info", packed)
+    assert r.returncode != 0 and "'torch.QUInt4x2Storage' is not allowed" in r.stderr
+
+
 def test_torch_only_dtypes(disk_dir: Path) -> None:
     """complex32 and the bits types: info and verify read them; convert says safetensors has no
     dtype for them and leaves nothing behind."""
