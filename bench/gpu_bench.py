@@ -77,8 +77,8 @@ def taken_path(result: Any) -> str:
     """The path an IOHandle transfer took ("bounce", "gds"), marked where cuFile ran in its
     compatibility mode (no nvidia-fs: POSIX I/O through cuFile's own buffers, not GPUDirect)."""
     stats = result.stats
-    if stats["path"] == "gds" and stats["gds_reason"]:
-        return "gds (cuFile compat mode)"
+    if stats["path"] == "gds" and stats.get("gds_reason"):
+        return "gds (compat)"
     return stats["path"]
 
 

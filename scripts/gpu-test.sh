@@ -44,7 +44,7 @@
 #             not start (NOT RUN, a failure), so the summary always comes back.
 # Environment: PYTHON (default python3), JOBS (default nproc), BENCH_DIR (default
 # build/gpu-bench), STEP_TIMEOUT (seconds per step at most, default 540), DEBS and WHEELS (above).
-# Exit status: 0 when every step that ran passed (SKIP counts as passed).
+# Exit status: 0 when every step ran and passed (SKIP counts as passed; NOT RUN, TIMEOUT fail).
 #
 # On a machine whose calls are limited to 10 minutes each and that is given back after 30 s
 # idle (so each call may start bare and build again: ~2 min on 16 cores), run, carrying

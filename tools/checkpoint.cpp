@@ -57,6 +57,9 @@ struct Item {
   // machine's order (0: none). torch.load swaps by the storage's type, each half of a complex
   // number on its own; untyped storages (_rebuild_tensor_v3) it leaves as they are.
   unsigned swap_width = 0;
+  // ... and its bytes do not start and end on those units (a view as a dtype of another size,
+  // which torch.save never writes): the stream cannot swap them.
+  bool swap_misaligned = false;
 };
 
 unsigned SwapWidth(const TorchStorage& s) {
@@ -146,10 +149,10 @@ Loaded Load(const std::string& path) {
   for (const auto& t : out.torch.pickle.tensors) {
     const TorchStorage& s = out.torch.pickle.storages.at(t.storage_key);
     std::vector<uint64_t> shape(t.shape.begin(), t.shape.end());
-    out.items.push_back(
-        {t.path, t.dtype, shape,
-         s.data_offset + static_cast<uint64_t>(t.storage_offset) * TorchDtypeBytes(t.dtype),
-         t.nbytes(), out.torch.big_endian ? SwapWidth(s) : 0});
+    const uint64_t start = static_cast<uint64_t>(t.storage_offset) * TorchDtypeBytes(t.dtype);
+    const unsigned width = out.torch.big_endian ? SwapWidth(s) : 0;
+    out.items.push_back({t.path, t.dtype, shape, s.data_offset + start, t.nbytes(), width,
+                         width > 1 && (start % width != 0 || t.nbytes() % width != 0)});
   }
   return out;
 }
@@ -409,7 +412,15 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   std::vector<SafetensorsEntry> entries;
   std::map<std::string, std::string> sums;
   uint64_t data = 0;
-  for (const auto& t : l.torch.pickle.tensors) {
+  for (size_t index = 0; index < l.torch.pickle.tensors.size(); ++index) {
+    const TorchTensor& t = l.torch.pickle.tensors[index];
+    if (l.items[index].swap_misaligned) {
+      throw std::invalid_argument(StrCat(
+          "tensor '", t.path, "' of ", t.dtype, " views a big-endian ",
+          l.torch.pickle.storages.at(t.storage_key).dtype,
+          " storage off its elements' boundaries; convert cannot swap its bytes: load it with "
+          "tensortier.load and save that"));
+    }
     // torch's float4_e2m1fn_x2 is safetensors' F4 with the last dimension counted in bytes.
     const bool packed_f4 = t.dtype == "F4_X2";
     const std::string dtype = packed_f4 ? "F4" : t.dtype;

@@ -1609,6 +1609,7 @@ def _fill_now(ref: _StorageRef, path: str, verify: bool, big_endian: bool) -> No
                 )
             done += got
     if verify:
+        _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
         _crc_check(ref.path, ref.key, ref.record.crc32)(host)
     if host is not dest:
         dest.copy_(host)
@@ -1719,7 +1720,8 @@ def _unpickle_torch(
                     _fill_now(ref, path, verify, big_endian)
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
-                        _crc_check(path, key, record.crc32)(_storage_bytes(storage))
+                        _verifiable(label or path, [ref])
+                        _crc_check(label or path, key, record.crc32)(_storage_bytes(storage))
                     _byteswap_storages([ref])
                     ref.filled = True
                 storages[key] = ref

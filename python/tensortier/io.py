@@ -151,6 +151,10 @@ class IOFuture:
         stats = dict(raw["stats"])
         stats["device_pieces"] = [dict(d["stats"]) for d in device]
         stats["path"] = device[0]["stats"]["path"]
+        # Why a piece took the ring, or ran in cuFile's compatibility mode: the first said.
+        stats["gds_reason"] = next(
+            (d["stats"]["gds_reason"] for d in device if d["stats"].get("gds_reason")), ""
+        )
         stats["eof"] = bool(stats.get("eof", False)) or any(d["eof"] for d in device)
         self._result = IOResult(sum(segments), segments, stats)
 

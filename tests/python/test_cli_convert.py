@@ -314,6 +314,43 @@ def test_big_endian_torch_file(disk_dir: Path) -> None:
     assert_same(st.load_file(str(dst)), {k: v.contiguous() for k, v in want.items()})
 
 
+def test_big_endian_view_across_elements_is_refused(disk_dir: Path) -> None:
+    """A float16 view (_rebuild_tensor_v3) starting inside a big-endian float32 storage's
+    element: torch.load swaps the storage by its float32 units, which a stream of the view's
+    bytes cannot; convert refuses it (it wrote other bytes than torch.load gives)."""
+    import collections
+    import io
+    import pickle
+
+    class Storage:
+        def __init__(self) -> None:
+            self.pid = ("storage", torch.FloatStorage, "0", "cpu", 4)
+
+    class Rebuild:
+        def __reduce__(self) -> tuple:
+            args = (Storage(), 1, (3,), (1,), False, collections.OrderedDict(), torch.float16)
+            return (torch._utils._rebuild_tensor_v3, args)
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            return obj.pid if isinstance(obj, Storage) else None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"x": Rebuild()})
+    src = disk_dir / "view.pt"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/byteorder", b"big")
+        z.writestr("archive/data/0", bytes(range(16)))
+        z.writestr("archive/version", b"3\n")
+    torch.load(src, weights_only=True)  # torch reads it
+    assert run("info", src).returncode == 0
+    r = run("convert", src, disk_dir / "out.safetensors")
+    assert r.returncode != 0
+    assert "'x' of F16 views a big-endian F32 storage off its elements' boundaries" in r.stderr
+    assert not (disk_dir / "out.safetensors").exists()
+
+
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "checkpoint"
 
 
