@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -35,6 +36,9 @@ struct PinnedBlock {
 struct PinnedPoolState {
   uint64_t budget;
   std::optional<PrimaryContext> context;  // set when buffers are registered
+  // Why the driver refused to register host memory, once it has (NOT_SUPPORTED or
+  // OPERATING_SYSTEM): buffers come from cuMemAllocHost from then on. Guarded by mu.
+  std::string register_refused;
 
   std::mutex mu;
   std::condition_variable returned;                          // a buffer came back
@@ -185,20 +189,36 @@ std::optional<PinnedBuffer> PinnedPool::Take(size_t bytes, bool wait) {
   auto block = std::make_unique<detail::PinnedBlock>();
   try {
     // With a context the registration pins the pages; without one they are made resident here.
-    block->memory =
-        AlignedBuffer(size, Pages::kReused, s.context ? Populate::kOnDemand : Populate::kUpFront);
+    bool refused = false;
     if (s.context) {
+      std::lock_guard lock(s.mu);
+      refused = !s.register_refused.empty();
+    }
+    if (!refused) {
+      block->memory =
+          AlignedBuffer(size, Pages::kReused, s.context ? Populate::kOnDemand : Populate::kUpFront);
+    }
+    if (s.context && !refused) {
       try {
         block->registration.emplace(*s.context, block->memory.data(), size);
       } catch (const CudaError& e) {
         if (e.code() != cuda::kErrorNotSupported && e.code() != cuda::kErrorOperatingSystem) throw;
         block->memory = AlignedBuffer();
+        std::lock_guard lock(s.mu);
+        s.register_refused = e.what();  // the next buffers go straight to cuMemAllocHost
+      }
+    }
+    if (s.context && !block->registration) {
+      try {
         block->allocated.emplace(*s.context, size);
-        if (reinterpret_cast<uintptr_t>(block->allocated->data()) % kPageSize != 0) {
-          throw std::runtime_error(StrCat(  // O_DIRECT reads and writes go through the buffers
-              "cuMemAllocHost returned memory that is not page-aligned (cuMemHostRegister ",
-              "refused: ", e.what(), ")"));
-        }
+      } catch (const CudaError& e) {  // say why it came to this
+        std::lock_guard lock(s.mu);
+        throw CudaError(e.code(), e.call(),
+                        StrCat(e.what(), " (in place of ", s.register_refused, ")"));
+      }
+      if (reinterpret_cast<uintptr_t>(block->allocated->data()) % kPageSize != 0) {
+        throw std::runtime_error(  // O_DIRECT reads and writes go through the buffers
+            "cuMemAllocHost returned memory that is not page-aligned");
       }
     }
   } catch (...) {

@@ -917,10 +917,19 @@ TEST_F(FakeTransferTest, PinnedPoolAllocatesWhereTheDriverCannotRegister) {
   }
   EXPECT_EQ(pool.Acquire(100000).size(), 102400u);  // the idle one again
   EXPECT_EQ(pool.allocations(), 1u);
+  // The refusal is remembered: the next buffer is allocated without asking to register (the
+  // failure injected here is not met).
   fake_.NextHostRegisterResult(cuda::kErrorOutOfMemory);
-  EXPECT_THROW(pool.Acquire(200000), CudaError);
-  EXPECT_EQ(pool.held_bytes(), 102400u);  // the failed buffer is not counted
+  EXPECT_TRUE(pool.Acquire(200000).registered());
+  EXPECT_EQ(pool.allocations(), 2u);
+  fake_.NextHostRegisterResult(cuda::kSuccess);
   pool.Trim();
+  // Other registration failures stay errors, and the buffer is not counted.
+  PinnedPool other(o);
+  fake_.NextHostRegisterResult(cuda::kErrorOutOfMemory);
+  EXPECT_THROW(other.Acquire(100000), CudaError);
+  EXPECT_EQ(other.held_bytes(), 0u);
+  EXPECT_TRUE(other.Acquire(100000).registered());  // cuMemHostRegister again
 }
 
 // Without nvidia-fs cuFile is no GPUDirect: "auto" keeps the ring, "on" still uses cuFile.
