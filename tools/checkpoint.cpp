@@ -60,6 +60,7 @@ struct Item {
   // ... and its bytes do not start and end on those units (a view as a dtype of another size,
   // which torch.save never writes): the stream cannot swap them.
   bool swap_misaligned = false;
+  bool meta = false;  // a torch meta tensor: no data in the file (offset and nbytes 0)
 };
 
 unsigned SwapWidth(const TorchStorage& s) {
@@ -147,6 +148,11 @@ Loaded Load(const std::string& path) {
   }
   out.torch = ReadTorchCheckpoint(source);
   for (const auto& t : out.torch.pickle.tensors) {
+    if (t.meta) {
+      out.items.push_back({t.path, t.dtype, std::vector<uint64_t>(t.shape.begin(), t.shape.end()),
+                           0, 0, 0, false, true});
+      continue;
+    }
     const TorchStorage& s = out.torch.pickle.storages.at(t.storage_key);
     std::vector<uint64_t> shape(t.shape.begin(), t.shape.end());
     const uint64_t start = static_cast<uint64_t>(t.storage_offset) * TorchDtypeBytes(t.dtype);
@@ -193,8 +199,9 @@ int InfoFile(const std::string& path, unsigned show) {
   std::printf("shapes (%s):\n", l.items.size() > show ? StrCat("first ", show).c_str() : "all");
   for (size_t i = 0; i < l.items.size() && i < show; ++i) {
     const Item& it = l.items[i];
-    std::printf("  %-40s %-6s %-20s offset %llu\n", it.name.c_str(), it.dtype.c_str(),
-                ShapeString(it.shape).c_str(), static_cast<unsigned long long>(it.offset));
+    std::printf("  %-40s %-6s %-20s %s\n", it.name.c_str(), it.dtype.c_str(),
+                ShapeString(it.shape).c_str(),
+                it.meta ? "meta (no data)" : StrCat("offset ", it.offset).c_str());
   }
   if (l.items.size() > show) {
     std::printf("  ... %zu more (--shapes N shows more)\n", l.items.size() - show);
@@ -414,6 +421,11 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   uint64_t data = 0;
   for (size_t index = 0; index < l.torch.pickle.tensors.size(); ++index) {
     const TorchTensor& t = l.torch.pickle.tensors[index];
+    if (t.meta) {
+      throw std::invalid_argument(StrCat("tensor '", t.path,
+                                         "' is a meta tensor (no data): safetensors cannot "
+                                         "store it without data"));
+    }
     if (l.items[index].swap_misaligned) {
       throw std::invalid_argument(StrCat(
           "tensor '", t.path, "' of ", t.dtype, " views a big-endian ",

@@ -42,8 +42,11 @@ struct TorchTensor {
   // tensor's values (torch sets the bit again on load).
   bool conj = false;
   bool neg = false;
+  // A meta tensor (_rebuild_meta_tensor_no_storage): dtype, shape and strides, no data and no
+  // storage (storage_key empty).
+  bool meta = false;
   bool contiguous() const;
-  uint64_t nbytes() const;  // elements * element size
+  uint64_t nbytes() const;  // elements * element size (0 for meta tensors)
 };
 
 struct TorchPickle {

@@ -141,6 +141,7 @@ bool Allowed(std::string_view g) {
       "torch._utils._rebuild_parameter",
       "torch._utils._rebuild_parameter_with_state",
       "torch._utils._rebuild_qtensor",
+      "torch._utils._rebuild_meta_tensor_no_storage",
       "torch.Size",
       "torch.device",
       "torch.Tensor",
@@ -595,6 +596,37 @@ class Vm {
     }
   }
 
+  // The size and stride tuples of a tensor being rebuilt, within the pickle's bounds.
+  void ReadShape(TorchTensor& t, uint32_t size, uint32_t stride) {
+    if (tensors_.size() >= max_tensors_) {
+      Fail(StrCat("more than ", max_tensors_, " tensors rebuilt in a ", data_.size(),
+                  "-byte pickle"));
+    }
+    t.shape = IntTuple(size, "tensor size");
+    t.stride = IntTuple(stride, "tensor stride");
+    if (t.shape.size() != t.stride.size()) Fail("tensor size and stride differ in length");
+    dims_ += 2 * t.shape.size();
+    if (dims_ > max_dims_) {
+      Fail(StrCat("tensor sizes and strides hold more than ", max_dims_, " values in a ",
+                  data_.size(), "-byte pickle"));
+    }
+  }
+
+  // _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad): no data.
+  uint32_t MakeMetaTensor(const std::vector<uint32_t>& a) {
+    const Value& dtype = Arg(a, 0, Kind::kGlobal, "tensor dtype");
+    std::string_view name = std::string_view(dtype.s).substr(dtype.s.rfind('.') + 1);
+    std::string_view ours = Lookup(kDtypes, std::size(kDtypes), name);
+    if (ours.empty()) Fail(StrCat("'", dtype.s, "' is not a supported dtype"));
+    TorchTensor t;
+    t.meta = true;
+    t.dtype = std::string(ours);
+    ReadShape(t, a[1], a[2]);
+    t.requires_grad = Arg(a, 3, Kind::kBool, "requires_grad").i != 0;
+    tensors_.push_back(std::move(t));
+    return Scalar(Kind::kTensor, static_cast<int64_t>(tensors_.size() - 1));
+  }
+
   uint32_t MakeTensor(const std::vector<uint32_t>& a, std::string dtype,
                       std::optional<uint32_t> metadata = std::nullopt) {
     const Value& storage = Arg(a, 0, Kind::kStorage, "tensor storage");
@@ -603,18 +635,7 @@ class Vm {
     t.storage_key = storage.s;
     t.storage_offset = offset.i;
     if (t.storage_offset < 0) Fail("negative storage offset");
-    if (tensors_.size() >= max_tensors_) {
-      Fail(StrCat("more than ", max_tensors_, " tensors rebuilt in a ", data_.size(),
-                  "-byte pickle"));
-    }
-    t.shape = IntTuple(a[2], "tensor size");
-    t.stride = IntTuple(a[3], "tensor stride");
-    if (t.shape.size() != t.stride.size()) Fail("tensor size and stride differ in length");
-    dims_ += 2 * t.shape.size();
-    if (dims_ > max_dims_) {
-      Fail(StrCat("tensor sizes and strides hold more than ", max_dims_, " values in a ",
-                  data_.size(), "-byte pickle"));
-    }
+    ReadShape(t, a[2], a[3]);
     t.requires_grad = Arg(a, 4, Kind::kBool, "requires_grad").i != 0;
     if (metadata) ReadTensorFlags(*metadata, t);
     const TorchStorage& s = out_.storages.at(storage.s);
@@ -700,6 +721,10 @@ class Vm {
       if (ours.empty()) Fail(StrCat("'", dtype.s, "' is not a supported dtype"));
       return MakeTensor(a, std::string(ours),
                         a.size() == 8 ? std::optional<uint32_t>(a[7]) : std::nullopt);
+    }
+    if (f == "torch._utils._rebuild_meta_tensor_no_storage") {
+      need(4, 4);
+      return MakeMetaTensor(a);
     }
     if (f == "torch._utils._rebuild_qtensor") {
       // (storage, offset, size, stride, quantizer parameters, requires_grad, hooks): the typed
@@ -894,6 +919,7 @@ bool TorchTensor::contiguous() const {
 }
 
 uint64_t TorchTensor::nbytes() const {
+  if (meta) return 0;
   uint64_t n = TorchDtypeBytes(dtype);
   for (int64_t d : shape) n *= static_cast<uint64_t>(d);
   return n;

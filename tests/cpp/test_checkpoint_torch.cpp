@@ -376,6 +376,25 @@ TEST(CheckpointTorch, ReadsQuantizedTensors) {
   EXPECT_TRUE(PickleRejects(QTensorPickle("QUInt4x2Storage", per_tensor), "is not allowed"));
 }
 
+TEST(CheckpointTorch, ReadsMetaTensors) {
+  // {'m': _rebuild_meta_tensor_no_storage(torch.float32, (2, 3), (3, 1), False)}
+  const std::string meta = kProto + "}X\x01\x00\x00\x00"s +
+                           "mctorch._utils\n_rebuild_meta_tensor_no_storage\n(ctorch\nfloat32\n"
+                           "K\x02K\x03\x86K\x03K\x01\x86\x89tRs."s;
+  TorchPickle p = ParseTorchPickle(meta);
+  ASSERT_EQ(p.tensors.size(), 1u);
+  EXPECT_TRUE(p.tensors[0].meta);
+  EXPECT_EQ(p.tensors[0].path, "m");
+  EXPECT_EQ(p.tensors[0].dtype, "F32");
+  EXPECT_EQ(p.tensors[0].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(p.tensors[0].nbytes(), 0u);  // no data
+  EXPECT_TRUE(p.tensors[0].storage_key.empty());
+  EXPECT_TRUE(p.storages.empty());
+  std::string bad = meta;
+  bad.replace(bad.find("float32"), 7, "float99");
+  EXPECT_TRUE(PickleRejects(bad, "is not allowed"));
+}
+
 // A torch.save zip holding {} whose byteorder record says `order`.
 std::string ZipWithByteOrder(const std::string& order) {
   const std::string pickle = kProto + "}q\x00."s;

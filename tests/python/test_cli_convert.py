@@ -236,6 +236,23 @@ def test_an_empty_storage_viewed_as_two_dtypes(disk_dir: Path) -> None:
     assert_same(st.load_file(str(sf)), want)
 
 
+def test_meta_tensors(disk_dir: Path) -> None:
+    """info and verify read meta tensors (dtype and shape, no data); convert refuses them."""
+    want = {"m": torch.empty(2, 3, device="meta"),
+            "p": torch.nn.Parameter(torch.empty(4, device="meta", dtype=torch.bfloat16)),
+            "w": torch.ones(2)}
+    pt = disk_dir / "meta.pt"
+    torch.save(want, pt)
+    r = run("info", pt)
+    assert r.returncode == 0, r.stderr
+    assert "tensors:   3" in r.stdout and "bytes:     8" in r.stdout, r.stdout
+    assert "[2, 3]               meta (no data)" in r.stdout
+    r = run("verify", pt)
+    assert r.returncode == 0 and "data OK" in r.stdout, r.stdout + r.stderr
+    r = run("convert", pt, disk_dir / "meta.safetensors")
+    assert r.returncode != 0 and "'m' is a meta tensor (no data)" in r.stderr
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors' deprecation
 def test_quantized_tensors(disk_dir: Path) -> None:
     """info and verify read quantized tensors (their integers: QI8, QU8, QI32); convert says
