@@ -87,3 +87,32 @@ def test_state_digest_sees_one_changed_byte() -> None:
     assert bench.state_digest(changed) != base
     assert bench.state_digest(dict(sd, b=sd["b"].reshape(5, 3))) != base
     assert bench.state_digest(dict(sd, a=sd["a"].view(torch.float32))) != base
+
+
+def test_drop_file_cache_says_when_the_kernel_kept_the_pages(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The benchmarks' "cold" loads rest on POSIX_FADV_DONTNEED; a sandbox that ignores it
+    (simulated: the advice does nothing) would make them warm unnoticed: drop_file_cache
+    measures what stayed cached (mincore) and warns once per file."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import _benchlib
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    path = disk_dir / "f.bin"
+    path.write_bytes(bytes(8 << 20))
+    _benchlib.warm_file(path)
+    assert _benchlib.cached_fraction(path) > 0.9
+    left = _benchlib.drop_file_cache(path)
+    assert left is not None and left < 0.05  # this disk honours the advice
+    assert "still in the page cache" not in capsys.readouterr().err
+    _benchlib.warm_file(path)
+    monkeypatch.setattr(_benchlib.os, "posix_fadvise", lambda *args: None)
+    assert _benchlib.drop_file_cache(path) > 0.9
+    assert _benchlib.drop_file_cache(path) > 0.9
+    err = capsys.readouterr().err
+    assert err.count("still in the page cache after dropping it") == 1, err
+    empty = disk_dir / "empty.bin"
+    empty.touch()
+    assert _benchlib.cached_fraction(empty) is None
