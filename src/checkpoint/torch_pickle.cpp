@@ -99,6 +99,38 @@ constexpr DtypeName kDtypes[] = {
     {"qint32", "QI32"},
 };
 
+struct DtypeBytes {
+  std::string_view name;
+  unsigned bytes;
+};
+
+constexpr DtypeBytes kDtypeBytes[] = {
+    {"BOOL", 1},        {"U8", 1},          {"I8", 1},      {"F8_E4M3", 1}, {"F8_E5M2", 1},
+    {"F8_E4M3FNUZ", 1}, {"F8_E5M2FNUZ", 1}, {"F8_E8M0", 1}, {"F4_X2", 1},   {"BITS8", 1},
+    {"BITS1X8", 1},     {"BITS2X4", 1},     {"BITS4X2", 1}, {"QI8", 1},     {"QU8", 1},
+    {"F16", 2},         {"BF16", 2},        {"I16", 2},     {"U16", 2},     {"BITS16", 2},
+    {"F32", 4},         {"I32", 4},         {"U32", 4},     {"C32", 4},     {"QI32", 4},
+    {"F64", 8},         {"I64", 8},         {"U64", 8},     {"C64", 8},     {"C128", 16},
+};
+
+// Every name the two tables above give a tensor has a size.
+constexpr bool EveryDtypeHasASize() {
+  auto sized = [](std::string_view name) {
+    for (const auto& d : kDtypeBytes) {
+      if (d.name == name) return true;
+    }
+    return false;
+  };
+  for (const auto& d : kStorageTypes) {
+    if (!sized(d.name)) return false;
+  }
+  for (const auto& d : kDtypes) {
+    if (!sized(d.name)) return false;
+  }
+  return true;
+}
+static_assert(EveryDtypeHasASize());
+
 std::string_view Lookup(const DtypeName* table, size_t n, std::string_view torch) {
   for (size_t i = 0; i < n; ++i) {
     if (table[i].torch == torch) return table[i].name;
@@ -885,19 +917,9 @@ class Vm {
 }  // namespace
 
 unsigned TorchDtypeBytes(std::string_view dtype) {
-  if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype.starts_with("F8_") ||
-      dtype == "F4_X2" || dtype == "BITS8" || dtype == "BITS1X8" || dtype == "BITS2X4" ||
-      dtype == "BITS4X2" || dtype == "QI8" || dtype == "QU8") {
-    return 1;
+  for (const auto& d : kDtypeBytes) {
+    if (d.name == dtype) return d.bytes;
   }
-  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16" || dtype == "BITS16") {
-    return 2;
-  }
-  if (dtype == "F32" || dtype == "I32" || dtype == "U32" || dtype == "C32" || dtype == "QI32") {
-    return 4;
-  }
-  if (dtype == "F64" || dtype == "I64" || dtype == "U64" || dtype == "C64") return 8;
-  if (dtype == "C128") return 16;
   return 0;
 }
 
