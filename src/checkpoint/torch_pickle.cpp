@@ -644,15 +644,20 @@ class Vm {
     }
   }
 
-  // _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad): no data.
-  uint32_t MakeMetaTensor(const std::vector<uint32_t>& a) {
-    const Value& dtype = Arg(a, 0, Kind::kGlobal, "tensor dtype");
+  // Our name of the torch dtype global a[i] (torch.float32 -> "F32").
+  std::string DtypeArg(const std::vector<uint32_t>& a, size_t i) {
+    const Value& dtype = Arg(a, i, Kind::kGlobal, "tensor dtype");
     std::string_view name = std::string_view(dtype.s).substr(dtype.s.rfind('.') + 1);
     std::string_view ours = Lookup(kDtypes, std::size(kDtypes), name);
     if (ours.empty()) Fail(StrCat("'", dtype.s, "' is not a supported dtype"));
+    return std::string(ours);
+  }
+
+  // _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad): no data.
+  uint32_t MakeMetaTensor(const std::vector<uint32_t>& a) {
     TorchTensor t;
     t.meta = true;
-    t.dtype = std::string(ours);
+    t.dtype = DtypeArg(a, 0);
     ReadShape(t, a[1], a[2]);
     t.requires_grad = Arg(a, 3, Kind::kBool, "requires_grad").i != 0;
     tensors_.push_back(std::move(t));
@@ -747,11 +752,7 @@ class Vm {
     }
     if (f == "torch._utils._rebuild_tensor_v3") {
       need(7, 8);
-      const Value& dtype = Arg(a, 6, Kind::kGlobal, "tensor dtype");
-      std::string_view name = std::string_view(dtype.s).substr(dtype.s.rfind('.') + 1);
-      std::string_view ours = Lookup(kDtypes, std::size(kDtypes), name);
-      if (ours.empty()) Fail(StrCat("'", dtype.s, "' is not a supported dtype"));
-      return MakeTensor(a, std::string(ours),
+      return MakeTensor(a, DtypeArg(a, 6),
                         a.size() == 8 ? std::optional<uint32_t>(a[7]) : std::nullopt);
     }
     if (f == "torch._utils._rebuild_meta_tensor_no_storage") {
