@@ -93,8 +93,10 @@ class Offloader {
   Offloader& operator=(const Offloader&) = delete;
 
   // Starts writing `length` bytes under `key`. Throws std::invalid_argument when the key is stored
-  // or has an operation in flight, std::logic_error after Close(), IoError when space cannot be
-  // had.
+  // or has an operation in flight, std::logic_error after Close(). I/O errors, reserving the
+  // space on disk included (ENOSPC from fallocate), are never thrown here: Wait() reports them
+  // as the key's outcome, on every filesystem alike (where fallocate is missing, ENOSPC comes
+  // from the write itself).
   void AsyncWrite(uint64_t key, const void* data, uint64_t length);
   // Starts reading the bytes stored under `key` into `data` (`length` must equal what was
   // written). Throws std::invalid_argument when the key is not stored (never written, a write
@@ -174,7 +176,8 @@ class Offloader {
   struct Pending {
     uint64_t id;  // start order
     OffloadKind kind;
-    Future future;
+    Future future;                    // invalid when the submission itself failed:
+    std::exception_ptr submit_error;  // then this is the outcome
     std::vector<uint64_t> keys;
     uint64_t expect_bytes;
     std::string path;  // of the first piece, for errors

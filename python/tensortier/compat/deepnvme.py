@@ -13,11 +13,20 @@ bounce buffers (disk and PCIe overlap; copies ordered on the tensor's device's c
 elsewhere (DeepNVMe's fails). Without a CUDA driver a CUDA tensor raises ``CudaError`` naming
 what is missing.
 
-Differences, all on the side of safety: errors raise (``OSError`` with errno and path,
-``ValueError`` for bad arguments) where DeepNVMe returns -1, prints or aborts; any alignment of
-size, offset and memory works (no multiple of ``intra_op_parallelism`` needed); an asynchronous
-read fills the tensor itself while it runs (DeepNVMe reads unpinned tensors through a bounce
-buffer copied out at ``wait()``): either way, use it only after ``wait()``.
+Misuse gets DeepNVMe's answer: a file that cannot be opened or stat'ed (missing, no
+permission, a missing directory) makes the call return -1, with DeepNVMe's message as a
+``RuntimeWarning`` (DeepNVMe prints it), and starts nothing; an argument of the wrong type raises
+``TypeError``; a non-contiguous tensor is read and written through a contiguous copy, as
+DeepNVMe's bounce buffer does; a read past the end of the file fills what the file holds (the
+rest of the buffer stays as it was: DeepNVMe lets buffers exceed the file for alignment).
+
+Differences, all on the side of safety: an I/O error of a transfer started raises ``OSError``
+(errno and path) from ``wait()`` where DeepNVMe ignores it, and what DeepNVMe aborts the process
+for (a negative ``file_offset``; ``read()`` of a file whose size is not the buffer's) raises
+``ValueError``; any alignment of size, offset and memory works (no multiple of
+``intra_op_parallelism`` needed); an asynchronous read fills the tensor itself while it runs
+(DeepNVMe reads unpinned tensors through a bounce buffer copied out at ``wait()``): either way,
+use it only after ``wait()``.
 """
 
 from __future__ import annotations
@@ -27,8 +36,9 @@ import fcntl
 import operator
 import os
 import threading
+import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _core
 from ..io import IOFuture, IOHandle
@@ -71,12 +81,12 @@ def _integer(value: Any, what: str, name: str, minimum: int) -> int:
     return number
 
 
-def _check_tensor(buffer: Any, what: str) -> None:
+def _check_tensor(buffer: Any, what: str, contiguous: bool = False) -> None:
     import torch
 
     if not isinstance(buffer, torch.Tensor):
         raise TypeError(f"{what}: buffer must be a torch tensor, not {type(buffer).__name__}")
-    if not buffer.is_contiguous():
+    if contiguous and not buffer.is_contiguous():
         raise ValueError(f"{what}: buffer of shape {tuple(buffer.shape)} is not contiguous")
     if buffer.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{what}: buffer is on {buffer.device}; only CPU and CUDA tensors move")
@@ -130,7 +140,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             ),
             gds=self._GDS,
         )
-        self._pending: list[tuple[IOFuture, Any, str, int, bool]] = []
+        self._pending: list[_Pending] = []
         # new_cpu_locked_tensor's tensors: data_ptr -> (bytes, the tensor, weakly). Writes from
         # them are not copied first; free_cpu_locked_tensor frees only them.
         self._locked: dict[int, tuple[int, weakref.ref[Any]]] = {}
@@ -162,19 +172,24 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
 
     # ---- I/O ------------------------------------------------------------------------------
     def sync_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
-        """Reads ``buffer.nbytes`` bytes at `file_offset` of `filename`; returns the count of
-        completed operations (1). The file must hold the whole range."""
-        self.async_pread(buffer, filename, file_offset)
+        """Reads ``buffer.nbytes`` bytes at `file_offset` of `filename` (what the file holds of
+        them); returns the count of completed operations (1), or -1 when the file cannot be
+        opened."""
+        if self.async_pread(buffer, filename, file_offset) < 0:
+            return -1
         return self.wait()
 
     def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Writes all of `buffer` at `file_offset` of `filename` (created if missing, never
-        truncated); returns the count of completed operations (1)."""
-        self.async_pwrite(buffer, filename, file_offset)
+        truncated); returns the count of completed operations (1), or -1 when the file cannot
+        be opened."""
+        if self.async_pwrite(buffer, filename, file_offset) < 0:
+            return -1
         return self.wait()
 
     def async_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
-        """Starts a read; ``wait()`` completes it. Returns 0."""
+        """Starts a read; ``wait()`` completes it. Returns 0, or -1 when the file cannot be
+        opened (nothing started)."""
         return self._start("read", buffer, filename, file_offset, validate=False)
 
     def async_pwrite(
@@ -209,7 +224,8 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """DeepNVMe's ``pread(buffer, filename, validate, async, file_offset=0)`` (``async`` is a
         keyword Python reserves: pass it by position, as ``async_op=``, or ``**{"async": x}``)."""
         async_op = _async_argument("pread", async_op, kwargs)
-        self._start("read", buffer, filename, file_offset, validate)
+        if self._start("read", buffer, filename, file_offset, validate) < 0:
+            return -1
         return 0 if async_op else self.wait()
 
     def pwrite(
@@ -224,34 +240,38 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """DeepNVMe's ``pwrite(buffer, filename, validate, async, file_offset=0)``. An async write
         copies the tensor first where ``async_pwrite`` does."""
         async_op = _async_argument("pwrite", async_op, kwargs)
-        self._start("write", buffer, filename, file_offset, validate, snapshot=async_op)
+        if self._start("write", buffer, filename, file_offset, validate, snapshot=async_op) < 0:
+            return -1
         return 0 if async_op else self.wait()
 
     def read(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
         """DeepNVMe's synchronous ``read``: at offset 0 the file's size must be the buffer's;
         at `file_offset` > 0 the buffer's bytes from there must be in the file. Returns 0."""
         _check_tensor(buffer, "read")
-        size = os.path.getsize(filename)
+        try:
+            size = os.path.getsize(filename)
+        except OSError as e:
+            return _failed(filename, "fstat for read", e)
         if file_offset == 0 and size != _nbytes(buffer):
             raise ValueError(f"read: {filename} holds {size} bytes, buffer {_nbytes(buffer)}")
-        self.pread(buffer, filename, validate, False, file_offset)
-        return 0
+        return 0 if self.pread(buffer, filename, validate, False, file_offset) >= 0 else -1
 
     def write(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
         """DeepNVMe's synchronous ``write``: all of `buffer` at `file_offset` (the file is created
         if missing, never truncated: bytes past the write stay). Returns 0."""
         _check_tensor(buffer, "write")
-        self.pwrite(buffer, filename, validate, False, file_offset)
-        return 0
+        return 0 if self.pwrite(buffer, filename, validate, False, file_offset) >= 0 else -1
 
     def wait(self) -> int:
         """Waits for every operation started; returns how many completed. Raises the first
         error (``OSError``, or ``CudaError``/``CuFileError``) after all have finished."""
         pending, self._pending = self._pending, []
         first: BaseException | None = None
-        for future, buffer, filename, offset, validate in pending:
+        for future, buffer, filename, offset, validate, copy_to in pending:
             try:
                 future.wait()
+                if copy_to is not None:  # a non-contiguous tensor read through a copy
+                    copy_to.copy_(buffer)
                 if validate:
                     _validate(buffer, filename, offset)
             except (OSError, RuntimeError) as e:  # RuntimeError: CudaError / CuFileError
@@ -338,11 +358,21 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         what = f"{'pread' if op == 'read' else 'pwrite'}"
         _check_tensor(buffer, what)
         offset = _integer(offset, what, "file_offset", 0)
+        copy_to = None
+        if not buffer.is_contiguous():
+            # DeepNVMe moves such a tensor through a contiguous bounce buffer, copied in at the
+            # call (writes) or out at wait() (reads).
+            if op == "read":
+                copy_to, buffer = buffer, buffer.contiguous()
+            else:
+                buffer, snapshot = buffer.contiguous(), False
         if snapshot and buffer.numel() > 0 and self._snapshot(buffer):
             # Our device path would queue a CUDA tensor's copies later on its stream, after
             # work the caller queues meanwhile; a host tensor would be read while it runs.
             buffer = buffer.detach().to("cpu", copy=True)
         descriptor = None
+        if not isinstance(filename, (str, bytes, os.PathLike)) and op == "read":
+            raise TypeError(f"{what}: filename must be a path, not {type(filename).__name__}")
         if not isinstance(filename, (str, bytes, os.PathLike)):
             # DeepNVMe's async_pwrite(buffer, fd): the caller's descriptor stays open and
             # untouched; the engine opens the same file again, with its own flags (O_DIRECT).
@@ -355,22 +385,49 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
                 raise OSError(errno.EBADF, f"{what}: file descriptor {descriptor} is read-only")
             filename = f"/proc/self/fd/{descriptor}"
         path = os.fspath(filename)
-        nbytes = _nbytes(buffer)
         if op == "read":
-            size = os.path.getsize(path)
-            if offset + nbytes > size:
-                raise ValueError(
-                    f"pread: {path} holds {size} bytes, fewer than file_offset {offset} + "
-                    f"buffer {nbytes}"
-                )
-            future = self._io.pread_async(buffer, path, offset)
-        else:
-            if descriptor is None:
+            try:
+                os.stat(path)
+            except OSError as e:
+                return _failed(path, "fstat for read", e)
+        try:
+            if op == "read":
+                # DeepNVMe's open_file (O_RDONLY): a file we may not read is its -1 too.
+                os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK))
+            elif descriptor is None:
                 # A new file is its owner's only, as DeepNVMe creates them (mode 0600).
                 os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        except OSError as e:
+            return _failed(path, f"open for {op}", e)
+        if op == "read":
+            future = self._io.pread_async(buffer, path, offset)  # past the end: what exists
+        else:
             future = self._io.pwrite_async(buffer, path, offset)
-        self._pending.append((future, buffer, path, offset, validate))
+        self._pending.append(_Pending(future, buffer, path, offset, validate, copy_to))
         return 0
+
+
+class _Pending(NamedTuple):
+    """An operation started, for wait()."""
+
+    future: IOFuture
+    buffer: Any  # the memory it moves (a contiguous copy of a non-contiguous tensor)
+    path: str
+    offset: int
+    validate: bool
+    copy_to: Any  # the non-contiguous tensor a read fills at wait(), or None
+
+
+def _failed(path: str, step: str, error: OSError) -> int:
+    """DeepNVMe's answer to a file it cannot open or stat: -1, with its message (printed there,
+    a RuntimeWarning here)."""
+    code = error.errno if error.errno is not None else 0
+    warnings.warn(
+        f"deepspeed_aio:  {step} failed on {path} error = {code} ({os.strerror(code)})",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return -1
 
 
 def _aliased_argument(
@@ -429,7 +486,7 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         """Registers a CUDA tensor's memory with cuFile (skipped without cuFile, or where it would
         run in its compatibility mode: nothing DMAs into registered memory then), through the
         tensor's own device's primary context whichever device is current. Returns True."""
-        _check_tensor(tensor, "pin_device_tensor")
+        _check_tensor(tensor, "pin_device_tensor", contiguous=True)
         if tensor.device.type != "cuda":
             raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
         address = int(tensor.data_ptr())

@@ -8,12 +8,21 @@
 Where torch's version needs GPUDirect Storage and fails without it, this one uses GDS where cuFile
 accepts the file and tensortier's pinned bounce ring elsewhere; and it also takes CPU storages
 (through the I/O engine). ``GdsFile.last_path`` says how the last transfer moved ("gds",
-"bounce" or "host"). Errors raise ``OSError`` (errno, path, offset, length), ``ValueError`` or
-``CudaError`` (a CUDA storage without a CUDA driver, naming what is missing).
+"bounce" or "host").
+
+Misuse raises what torch raises: a transfer that fails raises ``RuntimeError`` (torch's
+"cuFileRead failed: ..."), here a ``GdsIOError``, which is also an ``OSError`` carrying errno,
+path, offset and length; a negative offset is such an error (EINVAL); calls on a file whose
+handle is not registered (after ``deregister_handle()`` or ``close()``) and registering twice
+raise ``AssertionError`` with torch's messages; a storage argument that is not a storage
+``TypeError``. As torch's, a load past the end of the file fills what the file holds and leaves
+the rest of the storage as it was (cuFile's short read is not an error there). A CUDA storage
+without a CUDA driver raises ``CudaError`` (naming what is missing).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from typing import Any
@@ -21,7 +30,12 @@ from typing import Any
 from .. import _core
 from ..io import IOHandle
 
-__all__ = ["GdsFile", "gds_deregister_buffer", "gds_register_buffer"]
+__all__ = ["GdsFile", "GdsIOError", "gds_deregister_buffer", "gds_register_buffer"]
+
+
+class GdsIOError(OSError, RuntimeError):
+    """A failed transfer: torch's GdsFile raises ``RuntimeError`` ("cuFileRead failed: ...");
+    this is one, and an ``OSError`` with errno, path, offset and length as well."""
 
 _lock = threading.Lock()
 _handle: IOHandle | None = None
@@ -112,29 +126,52 @@ class GdsFile:
         self._file: Any = io.open(self.filename, "r+" if writable else "r")
         # The cuFile registration (or the reason there is none), decided once per file.
         self._device_file: Any = None
+        # torch's GdsFile registers its handle here; ours is made on the first CUDA transfer,
+        # but the state (registered or not) is torch's.
+        self._registered = True
         self.last_path = ""
 
     @property
     def fd(self) -> int:
         """The file's descriptor (torch's ``GdsFile.fd``; opened read-write when `flags` allow
-        writing, and with O_DIRECT where the filesystem takes it). Closed by ``close()``."""
+        writing, and with O_DIRECT where the filesystem takes it); -1 once closed, as torch's."""
         if self._file is None:
-            raise ValueError("GdsFile is closed")
+            return -1
         return int(self._file.fileno())
 
     @property
     def handle(self) -> Any:
         """The file's cuFile registration (torch's ``GdsFile.handle``), made on first use: an
-        opaque object whose ``gds`` says whether GDS serves the file and ``gds_reason`` why not."""
+        opaque object whose ``gds`` says whether GDS serves the file and ``gds_reason`` why not;
+        None while not registered (after ``deregister_handle()`` or ``close()``), as torch's."""
+        if not self._registered or self._file is None:
+            return None
         return self._cufile_handle()
 
     # torch's GdsFile registers the handle in __init__ and has these two to manage it.
     def register_handle(self) -> None:
-        """Registers the file with cuFile now (otherwise done on the first CUDA transfer)."""
-        self._cufile_handle()
+        """Registers the file with cuFile (torch's; ``__init__`` did it already).
+
+        Raises:
+            AssertionError: already registered (torch's message).
+        """
+        if self._registered:
+            raise AssertionError("Cannot register a handle that is already registered.")
+        if self._file is None:
+            # torch's registers descriptor -1 then: cuFileHandleRegister fails (RuntimeError).
+            raise GdsIOError(errno.EBADF, "cuFileHandleRegister failed: the file is closed",
+                             self.filename)
+        self._registered = True
 
     def deregister_handle(self) -> None:
-        """Drops the cuFile registration (the next CUDA transfer registers again)."""
+        """Drops the cuFile registration; transfers raise until ``register_handle()``.
+
+        Raises:
+            AssertionError: not registered (torch's message).
+        """
+        if not self._registered:
+            raise AssertionError("Cannot deregister a handle that is not registered.")
+        self._registered = False
         self._device_file = None
 
     @property
@@ -148,19 +185,28 @@ class GdsFile:
         return str(self._cufile_handle().gds_reason)
 
     def load_storage(self, storage: Any, offset: int = 0) -> None:
-        """Fills all of `storage` from the file at `offset`.
+        """Fills `storage` from the file at `offset` (``storage.nbytes()`` bytes, or what the
+        file holds from there: the rest of the storage stays as it was, as with torch's).
 
         Raises:
-            OSError: I/O error, or the file ends before ``offset + storage.nbytes()`` (EIO).
+            GdsIOError: the read failed (a ``RuntimeError`` and an ``OSError``).
+            AssertionError: the handle is not registered (closed, or deregistered).
         """
         self._transfer("read", storage, offset)
 
     def save_storage(self, storage: Any, offset: int = 0) -> None:
-        """Writes all of `storage` to the file at `offset`."""
+        """Writes all of `storage` to the file at `offset`.
+
+        Raises:
+            GdsIOError: the write failed (a ``RuntimeError`` and an ``OSError``).
+            AssertionError: the handle is not registered (closed, or deregistered).
+        """
         self._transfer("write", storage, offset)
 
     def close(self) -> None:
-        """Releases the registration and the file (also done when the object is collected)."""
+        """Deregisters the handle and closes the file (also done when the object is collected);
+        a second call does nothing."""
+        self._registered = False
         self._device_file = None
         if self._file is not None:
             self._file.close()
@@ -182,38 +228,43 @@ class GdsFile:
         return self._device_file
 
     def _transfer(self, op: str, storage: Any, offset: int) -> None:
-        _check_storage(storage, "load_storage" if op == "read" else "save_storage")
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise ValueError(f"offset must be a non-negative int, not {offset!r}")
-        if self._file is None:
-            raise ValueError("GdsFile is closed")
+        what = "load_storage" if op == "read" else "save_storage"
+        if not self._registered or self._file is None:
+            verb = "load data from" if op == "read" else "save data to"
+            raise AssertionError(f"Cannot {verb} a file that is not registered.")
+        _check_storage(storage, what)
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError(f"{what}: offset must be an int, not {type(offset).__name__}")
         tensor = _as_tensor(storage)
         nbytes = int(tensor.numel())
+        call = "cuFileRead" if op == "read" else "cuFileWrite"
+        if offset < 0:
+            raise GdsIOError(errno.EINVAL, f"{call} failed: negative offset {offset}",
+                             self.filename)
         io = _io()
-        if tensor.device.type == "cuda":
-            from ..device import device_buffer
+        try:
+            if tensor.device.type == "cuda":
+                from ..device import device_buffer
 
-            db = device_buffer(tensor)  # CudaError without a driver
-            transfer = io._device_transfer()  # noqa: SLF001 - same package
-            target = self._cufile_handle()
-            if op == "read":
-                result = transfer.read(target, offset, nbytes, db.address, db.device, db.stream)
+                db = device_buffer(tensor)  # CudaError without a driver
+                transfer = io._device_transfer()  # noqa: SLF001 - same package
+                target = self._cufile_handle()
+                if op == "read":
+                    result = transfer.read(target, offset, nbytes, db.address, db.device,
+                                           db.stream)
+                else:
+                    result = transfer.write(db.address, nbytes, target, offset, db.device,
+                                            db.stream)
+                self.last_path = str(result["stats"]["path"])
             else:
-                result = transfer.write(db.address, nbytes, target, offset, db.device, db.stream)
-            moved = int(result["bytes"])
-            self.last_path = str(result["stats"]["path"])
-        else:
-            if op == "read":
-                moved = io.pread(tensor, self._file, offset)
-            else:
-                moved = io.pwrite(tensor, self._file, offset)
-            self.last_path = "host"
-        if moved != nbytes:
-            import errno
-
-            raise OSError(
-                errno.EIO,
-                f"load_storage: {self.filename} ends before offset {offset} + {nbytes} bytes "
-                f"(read {moved})",
-                self.filename,
-            )
+                if op == "read":
+                    io.pread(tensor, self._file, offset)
+                else:
+                    io.pwrite(tensor, self._file, offset)
+                self.last_path = "host"
+        except GdsIOError:
+            raise
+        except OSError as e:
+            error = GdsIOError(e.errno or errno.EIO, f"{call} failed: {e.strerror or e}",
+                               e.filename or self.filename)
+            raise error from e

@@ -1,0 +1,73 @@
+"""tensortier.compat.gds: torch.cuda.gds's exceptions and results for misuse (on CPU storages,
+which take the same code path up to the transfer)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensortier.compat import gds
+
+
+def test_a_load_past_the_end_fills_what_the_file_holds(disk_dir: Path) -> None:
+    """torch's load_storage drops cuFileRead's short count: no error, the rest unchanged."""
+    path = disk_dir / "short.bin"
+    path.write_bytes(bytes(range(100)))
+    with gds.GdsFile(path, os.O_RDONLY) as f:
+        s = torch.full((300,), 7, dtype=torch.uint8)
+        assert f.load_storage(s.untyped_storage(), 40) is None
+        assert s[:60].tolist() == list(range(40, 100)) and s[60:].eq(7).all()
+        f.load_storage(s.untyped_storage(), 1000)  # wholly past the end: nothing read
+        assert s[60:].eq(7).all()
+
+
+def test_failed_transfers_are_runtime_errors_with_errno(disk_dir: Path) -> None:
+    path = disk_dir / "ro.bin"
+    path.write_bytes(b"\0" * 4096)
+    with gds.GdsFile(path, os.O_RDONLY) as f:
+        with pytest.raises(RuntimeError, match="cuFileWrite failed") as e:
+            f.save_storage(torch.zeros(8).untyped_storage(), 0)
+        assert isinstance(e.value, OSError) and e.value.errno == errno.EBADF
+        with pytest.raises(RuntimeError, match="cuFileRead failed") as e:
+            f.load_storage(torch.zeros(8).untyped_storage(), -4096)
+        assert isinstance(e.value, OSError) and e.value.errno == errno.EINVAL
+
+
+def test_handle_registration_follows_torch(disk_dir: Path) -> None:
+    f = gds.GdsFile(disk_dir / "h.bin", os.O_CREAT | os.O_RDWR)
+    s = torch.arange(16, dtype=torch.uint8).untyped_storage()
+    with pytest.raises(AssertionError, match="already registered"):
+        f.register_handle()  # __init__ registered it
+    f.deregister_handle()
+    assert f.handle is None
+    with pytest.raises(AssertionError, match="not registered"):
+        f.deregister_handle()
+    with pytest.raises(AssertionError, match="Cannot save data to a file that is not registered"):
+        f.save_storage(s, 0)
+    with pytest.raises(AssertionError, match="Cannot load data from a file that is not regis"):
+        f.load_storage(s, 0)
+    f.register_handle()
+    f.save_storage(s, 0)
+    f.close()
+    f.close()  # a second close does nothing, as torch's
+    assert f.fd == -1 and f.handle is None
+    with pytest.raises(AssertionError, match="not registered"):
+        f.save_storage(s, 0)
+    with pytest.raises(RuntimeError, match="cuFileHandleRegister"):
+        f.register_handle()  # torch's registers descriptor -1
+
+
+def test_argument_types(disk_dir: Path) -> None:
+    with gds.GdsFile(disk_dir / "t.bin", os.O_CREAT | os.O_RDWR) as f:
+        with pytest.raises(TypeError):
+            f.save_storage(torch.zeros(3), 0)  # a tensor, not its storage
+        with pytest.raises(TypeError):
+            f.save_storage(torch.zeros(3).untyped_storage(), 1.5)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            gds.gds_register_buffer(b"bytes")
+    with pytest.raises(FileNotFoundError):
+        gds.GdsFile(disk_dir / "missing.bin", os.O_RDONLY)

@@ -1,0 +1,271 @@
+"""tensortier.compat.tensornvme: TensorNVMe's own tests, and its errors for misuse (same types,
+tensors left exactly as they were)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensortier import DiskOffloader as NativeOffloader
+from tensortier.compat.tensornvme import DiskOffloader
+
+from conftest import require_backend
+
+_BACKENDS = {"uring": "io_uring", "aio": "libaio", "pthread": "threads"}
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+@pytest.fixture
+def of(disk_dir: Path) -> Iterator[DiskOffloader]:
+    with DiskOffloader(str(disk_dir), backend="threads") as o:
+        yield o
+
+
+# ---- TensorNVMe's tests (tests/test_disk_offloader.py), only the import changed ----------------
+
+
+@pytest.mark.parametrize("backend", ["uring", "aio"])
+def test_sync_io(disk_dir: Path, backend: str) -> None:
+    require_backend(_BACKENDS[backend])
+    x = torch.rand(2, 2)
+    x_copy = x.clone()
+    of = DiskOffloader(str(disk_dir), backend=backend)
+    try:
+        of.sync_read(x)
+        assert False
+    except RuntimeError:
+        pass
+    of.sync_write(x)
+    assert x.storage().size() == 0
+    of.sync_read(x)
+    assert torch.equal(x, x_copy)
+
+
+@pytest.mark.parametrize("backend", ["uring", "aio"])
+def test_async_io(disk_dir: Path, backend: str) -> None:
+    require_backend(_BACKENDS[backend])
+    x = torch.rand(2, 2)
+    x_copy = x.clone()
+    of = DiskOffloader(str(disk_dir), backend=backend)
+    try:
+        of.async_read(x)
+        assert False
+    except RuntimeError:
+        pass
+    of.async_write(x)
+    of.sync_write_events()
+    assert x.storage().size() == 0
+    of.sync_read(x)
+    of.sync_read_events()
+    assert torch.equal(x, x_copy)
+
+
+@pytest.mark.parametrize("backend", ["uring", "aio"])
+def test_sync_vec_io(disk_dir: Path, backend: str) -> None:
+    require_backend(_BACKENDS[backend])
+    x = torch.rand(2, 2)
+    y = torch.rand(2, 2, 2)
+    x_copy = x.clone()
+    y_copy = y.clone()
+    of = DiskOffloader(str(disk_dir), backend=backend)
+    try:
+        of.sync_readv([x, y])
+        assert False
+    except RuntimeError:
+        pass
+    of.sync_writev([x, y])
+    assert x.storage().size() == 0
+    assert y.storage().size() == 0
+    try:
+        of.sync_readv(x)
+        assert False
+    except RuntimeError:
+        pass
+    try:
+        of.sync_readv([y, x])
+        assert False
+    except RuntimeError:
+        pass
+    of.sync_readv([x, y])
+    assert torch.equal(x, x_copy)
+    assert torch.equal(y, y_copy)
+
+
+@pytest.mark.parametrize("backend", ["uring", "aio"])
+def test_async_vec_io(disk_dir: Path, backend: str) -> None:
+    require_backend(_BACKENDS[backend])
+    x = torch.rand(2, 2)
+    y = torch.rand(2, 2, 2)
+    x_copy = x.clone()
+    y_copy = y.clone()
+    of = DiskOffloader(str(disk_dir), backend=backend)
+    try:
+        of.async_readv([x, y])
+        assert False
+    except RuntimeError:
+        pass
+    of.async_writev([x, y])
+    of.sync_write_events()
+    assert x.storage().size() == 0
+    assert y.storage().size() == 0
+    try:
+        of.async_readv(x)
+        assert False
+    except RuntimeError:
+        pass
+    try:
+        of.async_readv([y, x])
+        assert False
+    except RuntimeError:
+        pass
+    of.async_readv([x, y])
+    of.sync_read_events()
+    assert torch.equal(x, x_copy)
+    assert torch.equal(y, y_copy)
+
+
+# ---- misuse: TensorNVMe's exception, nothing changed -------------------------------------------
+
+
+def test_reading_a_tensor_not_offloaded_is_a_runtime_error_that_changes_nothing(
+    of: DiskOffloader,
+) -> None:
+    x = torch.rand(3, 5)
+    x0 = x.clone()
+    for read in (of.sync_read, of.async_read):
+        with pytest.raises(RuntimeError, match="tensor not found"):
+            read(x)
+        assert storage_bytes(x) == 60 and torch.equal(x, x0)
+    for readv in (of.sync_readv, of.async_readv):
+        with pytest.raises(RuntimeError, match="tensor not found"):
+            readv([x])
+        assert storage_bytes(x) == 60 and torch.equal(x, x0)
+    # Read back already: not offloaded any more.
+    of.sync_write(x)
+    of.sync_read(x)
+    with pytest.raises(RuntimeError, match="tensor not found"):
+        of.sync_read(x)
+    assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("order", ["reversed", "subset", "single", "superset"])
+def test_readv_needs_the_tensors_and_order_of_its_writev(of: DiskOffloader, order: str) -> None:
+    x, y, z = torch.rand(4), torch.rand(2, 3), torch.rand(7)
+    copies = [t.clone() for t in (x, y, z)]
+    of.sync_writev([x, y])
+    of.sync_write(z)
+    attempt = {
+        "reversed": lambda: of.sync_readv([y, x]),
+        "subset": lambda: of.async_readv([x]),
+        "single": lambda: of.sync_read(x),
+        "superset": lambda: of.sync_readv([x, y, z]),
+    }[order]
+    with pytest.raises(RuntimeError, match="tensor not found"):
+        attempt()
+    assert storage_bytes(x) == storage_bytes(y) == storage_bytes(z) == 0  # still offloaded
+    assert of.is_offloaded(x) and of.is_offloaded(y) and of.is_offloaded(z)
+    with pytest.raises(RuntimeError, match="tensor not found"):
+        of.sync_readv([z])  # written alone: read alone
+    of.sync_readv([x, y])
+    of.sync_read(z)
+    for t, c in zip((x, y, z), copies):
+        assert torch.equal(t, c)
+
+
+def test_tensors_written_one_by_one_are_not_a_vector(of: DiskOffloader) -> None:
+    x, y = torch.rand(4), torch.rand(5)
+    of.async_write(x)
+    of.async_write(y)
+    of.sync_write_events()
+    with pytest.raises(RuntimeError, match="tensor not found"):
+        of.sync_readv([x, y])
+    assert storage_bytes(x) == storage_bytes(y) == 0
+    of.sync_read(y)
+    of.sync_read(x)
+
+
+def test_a_later_write_regroups_a_tensor(of: DiskOffloader) -> None:
+    x, y = torch.rand(4), torch.rand(5)
+    of.sync_writev([x, y])
+    of.sync_readv([x, y])
+    of.sync_write(x)
+    of.sync_write(y)
+    with pytest.raises(RuntimeError, match="tensor not found"):
+        of.sync_readv([x, y])  # the vector was read back; each is now its own
+    of.sync_read(x)
+    of.sync_read(y)
+
+
+@pytest.mark.parametrize("call", ["sync_readv", "async_readv"])
+def test_an_offloaded_tensor_where_a_list_is_expected(of: DiskOffloader, call: str) -> None:
+    """TensorNVMe iterates what it is given: torch refuses the rows of an offloaded tensor with a
+    RuntimeError (setStorage ... out of bounds). Nothing is resized here."""
+    x, y = torch.rand(2, 2), torch.rand(3)
+    x0 = x.clone()
+    of.sync_writev([x, y])
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        getattr(of, call)(x)
+    assert storage_bytes(x) == 0 and of.is_offloaded(x)
+    of.sync_readv([x, y])
+    assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("call", ["sync_writev", "async_writev", "sync_readv", "async_readv"])
+def test_a_tensor_with_memory_where_a_list_is_expected(of: DiskOffloader, call: str) -> None:
+    x = torch.rand(2, 2)
+    x0 = x.clone()
+    with pytest.raises(TypeError, match="list"):
+        getattr(of, call)(x)
+    assert storage_bytes(x) == 16 and torch.equal(x, x0) and not of.is_offloaded(x)
+    with pytest.raises(TypeError):
+        getattr(of, call)(torch.tensor(1.0))  # a 0-d tensor cannot be iterated
+
+
+def test_writing_a_tensor_without_memory_is_an_assertion(of: DiskOffloader) -> None:
+    x = torch.rand(10)
+    of.sync_write(x)
+    with pytest.raises(AssertionError):
+        of.sync_write(x)
+    with pytest.raises(AssertionError):
+        of.async_writev([torch.rand(3), x])
+    with pytest.raises(AssertionError):
+        of.async_write(torch.empty(0))
+    of.synchronize()
+    assert of.stored_bytes == 40  # the refused vector wrote nothing
+
+
+def test_non_contiguous_and_resized_tensors_are_runtime_errors(of: DiskOffloader) -> None:
+    t = torch.rand(4, 4).t()
+    t0 = t.clone()
+    for call in (of.sync_write, of.async_write):
+        with pytest.raises(RuntimeError, match="contiguous"):
+            call(t)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        of.sync_writev([torch.rand(2), t])
+    assert torch.equal(t, t0) and storage_bytes(t) == 64
+    x = torch.rand(10)
+    x0 = x.clone()
+    of.sync_write(x)
+    x.data = torch.empty(5)  # another size: TensorNVMe's "shape mismatch"
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        of.sync_read(x)
+    assert x.shape == (5,) and storage_bytes(x) == 20
+    x.data = torch.empty(10)
+    of.sync_read(x)
+    assert torch.equal(x, x0)
+
+
+def test_the_native_offloader_stays_lenient(disk_dir: Path) -> None:
+    with NativeOffloader(disk_dir, backend="threads") as off:
+        x, y = torch.rand(4), torch.rand(5)
+        off.sync_writev([x, y])
+        off.sync_read(y)  # any grouping
+        off.sync_readv([x])
+        with pytest.raises(ValueError, match="not offloaded"):
+            off.sync_read(x)
