@@ -152,6 +152,27 @@ def test_an_edited_safetensors_header_is_refused(
     assert_nothing_written(src.parent, {src.name})
 
 
+def test_an_edited_checksum_value_is_refused(checked_safetensors: Path) -> None:
+    """The checksum fields themselves: a tensor's stored xxh64 changed (the header checksum
+    leaves the checksums out: the tensor's own comparison sees it), then the header checksum."""
+    src = checked_safetensors
+    with open(src, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        metadata = json.loads(f.read(n))["__metadata__"]
+    stored = json.loads(metadata["tensortier.xxh64"])["b"]
+    edited = ("1" if stored[0] != "1" else "2") + stored[1:]
+    pristine = src.read_bytes()
+    edit_header(src, stored.encode(), edited.encode())
+    assert_refused(run("convert", src, src.parent / "out.pt"), src,
+                   f"tensor 'b': xxh64 mismatch (stored {edited}")
+    src.write_bytes(pristine)
+    header_sum = metadata["tensortier.header_xxh64"]
+    edit_header(src, header_sum.encode(), (("1" if header_sum[0] != "1" else "2")
+                                           + header_sum[1:]).encode())
+    assert_refused(run("convert", src, src.parent / "out.pt"), src, "header: xxh64 mismatch")
+    assert_nothing_written(src.parent, {src.name})
+
+
 def test_damaged_checksums_of_a_safetensors_file_are_refused(disk_dir: Path) -> None:
     """Without a header checksum, the per-tensor checksums themselves: changed, malformed,
     missing, or naming a tensor the file lacks."""
