@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <unordered_map>
 
 #include "cli.hpp"
 #include "tensortier/aligned_buffer.hpp"
@@ -36,9 +37,14 @@ constexpr uint64_t kChunk = 16u << 20;
 enum class Format { kSafetensors, kTorch };
 
 // By content, not by name: a zip is a torch file, a JSON object after 8 bytes is safetensors, a
-// pickle stream is a legacy torch file (refused with its own message); anything else gets the
-// safetensors parser's diagnosis.
+// pickle stream is a legacy torch file (refused with its own message); an empty file is neither
+// (said so, not left to a parser); anything else gets the safetensors parser's diagnosis.
 Format Detect(const FileSource& source) {
+  if (source.size() == 0) {
+    throw FormatError(StrCat(source.name(),
+                             ": empty file (0 bytes): not a checkpoint (tried safetensors and "
+                             "torch.save zip)"));
+  }
   if (LooksLikeZip(source)) return Format::kTorch;
   unsigned char head[9] = {};
   if (source.size() >= sizeof(head)) source.ReadAt(0, head, sizeof(head));
@@ -209,6 +215,83 @@ int InfoFile(const std::string& path, unsigned show) {
   return 0;
 }
 
+// What a safetensors file's own checksums (tensortier.save(..., checksum=True)) say: the xxh64
+// each tensor's bytes must have, and what is wrong with the checksums themselves (a header that
+// no longer matches its checksum, a tensor without one...). verify reports every problem;
+// convert refuses the file at the first, before writing anything.
+struct SafetensorsChecks {
+  bool present = false;         // the file has per-tensor checksums
+  bool header_checked = false;  // ... and a header checksum, compared
+  std::vector<std::string> problems;
+  std::vector<std::optional<uint64_t>> want;  // per item: its xxh64, if it has a usable one
+};
+
+bool IsHex16(const std::string& s) {
+  return s.size() == 16 && s.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
+}
+
+SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
+  SafetensorsChecks c;
+  c.want.resize(l.items.size());
+  const SafetensorsMetadata& metadata = l.st.header.metadata;
+  auto it = metadata.find(kTensorChecksumsKey);
+  if (it == metadata.end()) return c;
+  c.present = true;
+  // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum.
+  if (auto hh = metadata.find(kHeaderChecksumKey); hh != metadata.end()) {
+    const uint64_t actual = SafetensorsHeaderDigest(l.st.header.entries, metadata);
+    if (!IsHex16(hh->second)) {
+      c.problems.push_back(StrCat("header checksum '", hh->second, "' is not 16 hex digits"));
+    } else if (std::stoull(hh->second, nullptr, 16) != actual) {
+      c.problems.push_back(StrCat("header: xxh64 mismatch (stored ", hh->second, ", header has ",
+                                  Hex16(actual), ")"));
+    }
+    c.header_checked = true;
+  }
+  std::map<std::string, std::string> sums = ParseJsonStringMap(it->second, kTensorChecksumsKey);
+  std::set<std::string> names;
+  for (const auto& item : l.items) names.insert(item.name);
+  for (const auto& [name, hex] : sums) {
+    if (!names.contains(name))
+      c.problems.push_back(StrCat("checksum for unknown tensor '", name, "'"));
+  }
+  for (size_t i = 0; i < l.items.size(); ++i) {
+    const Item& item = l.items[i];
+    auto s = sums.find(item.name);
+    if (s == sums.end()) {
+      c.problems.push_back(StrCat("tensor '", item.name, "' has no checksum"));
+    } else if (!IsHex16(s->second)) {
+      c.problems.push_back(
+          StrCat("tensor '", item.name, "': checksum '", s->second, "' is not 16 hex digits"));
+    } else {
+      c.want[i] = std::stoull(s->second, nullptr, 16);
+    }
+  }
+  return c;
+}
+
+std::string XxhMismatch(const Item& item, uint64_t stored, uint64_t actual) {
+  return StrCat("tensor '", item.name, "': xxh64 mismatch (stored ", Hex16(stored), ", data has ",
+                Hex16(actual), ")");
+}
+
+// torch.save with set_crc32_options(False) records 0 for every entry: nothing to check against.
+// 0 means "none" only then; one entry in 2^32 really has the CRC-32 0.
+bool RecordsCrcs(const ZipDirectory& zip) {
+  return std::any_of(zip.entries.begin(), zip.entries.end(),
+                     [](const ZipEntry& e) { return e.size > 0 && e.crc32 != 0; });
+}
+
+std::string CrcMismatch(const ZipEntry& e, uint32_t actual) {
+  return StrCat("entry '", e.name, "': CRC-32 mismatch (stored ", Hex8(e.crc32), ", data has ",
+                Hex8(actual), ")");
+}
+
+// convert's refusal of a file its own checksums say is damaged.
+[[noreturn]] void RefuseDamaged(const std::string& in, const std::string& problem) {
+  throw FormatError(StrCat(in, ": ", problem, ": the file is damaged; nothing was written"));
+}
+
 // `names`: tensors a shard index puts in this file (a missing one is a problem).
 int VerifyFile(const std::string& path, const std::vector<std::string>& names = {}) {
   Loaded l = Load(path);  // throws on any structural problem
@@ -234,65 +317,34 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
   uint64_t checked = 0;
   uint64_t unrecorded = 0;      // torch zip entries of an archive that records no CRC-32s
   bool header_checked = false;  // safetensors: tensortier.header_xxh64 compared
-  auto it = l.st.header.metadata.find(kTensorChecksumsKey);
-  if (l.format == Format::kSafetensors && it == l.st.header.metadata.end()) {
+  const SafetensorsChecks sums =
+      l.format == Format::kSafetensors ? ReadSafetensorsChecks(l) : SafetensorsChecks{};
+  if (l.format == Format::kSafetensors && !sums.present) {
     // As load(verify=True): a file without checksums cannot be verified, which is not a pass.
     problems.push_back(StrCat("no checksums (metadata key ", kTensorChecksumsKey,
                               "): the data cannot be verified; save it with "
                               "tensortier.save(..., checksum=True) to verify it"));
   } else if (l.format == Format::kSafetensors) {
-    // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum.
-    if (auto hh = l.st.header.metadata.find(kHeaderChecksumKey); hh == l.st.header.metadata.end()) {
+    if (!sums.header_checked) {
       std::printf(
           "%s: no header checksum (metadata key %s): names, shapes and metadata not "
           "checked\n",
           path.c_str(), kHeaderChecksumKey);
-    } else {
-      const uint64_t actual = SafetensorsHeaderDigest(l.st.header.entries, l.st.header.metadata);
-      if (hh->second.size() != 16 ||
-          hh->second.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) {
-        problems.push_back(StrCat("header checksum '", hh->second, "' is not 16 hex digits"));
-      } else if (std::stoull(hh->second, nullptr, 16) != actual) {
-        problems.push_back(StrCat("header: xxh64 mismatch (stored ", hh->second, ", header has ",
-                                  Hex16(actual), ")"));
-      }
-      header_checked = true;
     }
-    std::map<std::string, std::string> sums = ParseJsonStringMap(it->second, kTensorChecksumsKey);
-    std::map<std::string, const Item*> by_name;
-    for (const auto& item : l.items) by_name[item.name] = &item;
-    for (const auto& [name, hex] : sums) {
-      if (!by_name.contains(name))
-        problems.push_back(StrCat("checksum for unknown tensor '", name, "'"));
-    }
-    for (const auto& item : l.items) {
-      auto s = sums.find(item.name);
-      if (s == sums.end()) {
-        problems.push_back(StrCat("tensor '", item.name, "' has no checksum"));
-        continue;
-      }
-      if (s->second.size() != 16 ||
-          s->second.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) {
-        problems.push_back(
-            StrCat("tensor '", item.name, "': checksum '", s->second, "' is not 16 hex digits"));
-        continue;
-      }
+    header_checked = sums.header_checked;
+    problems.insert(problems.end(), sums.problems.begin(), sums.problems.end());
+    for (size_t i = 0; i < l.items.size(); ++i) {
+      const Item& item = l.items[i];
+      if (!sums.want[i]) continue;  // a problem above already
       Xxh64State h;
       Stream(engine, file, item.offset, item.nbytes, bufs,
              [&](const std::byte* p, size_t n) { h.Update(p, n); });
-      uint64_t want = std::stoull(s->second, nullptr, 16);
-      if (h.Digest() != want) {
-        problems.push_back(StrCat("tensor '", item.name, "': xxh64 mismatch (stored ", s->second,
-                                  ", data has ", Hex16(h.Digest()), ")"));
-      }
+      if (h.Digest() != *sums.want[i])
+        problems.push_back(XxhMismatch(item, *sums.want[i], h.Digest()));
       ++checked;
     }
   } else {
-    // torch.save with set_crc32_options(False) records 0 for every entry: nothing to check
-    // against. 0 means "none" only then; one entry in 2^32 really has the CRC-32 0.
-    bool records_crcs = false;
-    for (const auto& e : l.torch.zip.entries)
-      records_crcs = records_crcs || (e.size > 0 && e.crc32 != 0);
+    const bool records_crcs = RecordsCrcs(l.torch.zip);
     for (const auto& e : l.torch.zip.entries) {
       RequireStored(e, path);
       if (!records_crcs && e.size > 0) {
@@ -302,10 +354,7 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
       uint32_t crc = 0;
       Stream(engine, file, e.data_offset, e.size, bufs,
              [&](const std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
-      if (crc != e.crc32) {
-        problems.push_back(StrCat("entry '", e.name, "': CRC-32 mismatch (stored ", Hex8(e.crc32),
-                                  ", data has ", Hex8(crc), ")"));
-      }
+      if (crc != e.crc32) problems.push_back(CrcMismatch(e, crc));
       ++checked;
     }
   }
@@ -487,20 +536,70 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   PendingFile pending(out);
   File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
   dst.Allocate(0, data_start + data);
+  // Each zip entry is read once, start to end: its CRC-32 is checked from the same reads that copy
+  // the tensors viewing it (several tensors may share an entry, or leave parts of it unviewed).
+  const bool records_crcs = RecordsCrcs(l.torch.zip);
+  std::unordered_map<std::string, std::vector<size_t>> views;  // entry name -> items, by offset
   for (size_t i = 0; i < l.items.size(); ++i) {
-    const Item& item = l.items[i];
-    Xxh64State h;
-    uint64_t written = 0;
-    // Stream reads the next chunk into the other buffer meanwhile; this one is free again once
-    // its write completes, before Stream refills it.
-    Stream(engine, src, item.offset, item.nbytes, bufs, [&](std::byte* p, size_t n) {
-      if (item.swap_width > 1) ReverseUnits(p, n, item.swap_width);  // chunks hold whole units
-      h.Update(p, n);
-      engine.Write(dst, p, n, data_start + entries[i].begin + written).Wait();
-      written += n;
-    });
-    sums[item.name] = Hex16(h.Digest());
+    if (l.items[i].nbytes == 0) continue;
+    const TorchTensor& t = l.torch.pickle.tensors[i];
+    views[StrCat(l.torch.prefix, "/data/", t.storage_key)].push_back(i);
   }
+  std::vector<const ZipEntry*> order;
+  for (const auto& e : l.torch.zip.entries) order.push_back(&e);
+  std::sort(order.begin(), order.end(),
+            [](const ZipEntry* a, const ZipEntry* b) { return a->data_offset < b->data_offset; });
+  std::vector<Xxh64State> hashes(l.items.size());
+  std::vector<Future> writes;
+  for (const ZipEntry* e : order) {
+    auto v = views.find(e->name);
+    if (v == views.end() && !records_crcs) continue;
+    RequireStored(*e, in);
+    std::vector<size_t> pending;  // this entry's views, by start
+    if (v != views.end()) {
+      pending = std::move(v->second);
+      std::stable_sort(pending.begin(), pending.end(),
+                       [&](size_t a, size_t b) { return l.items[a].offset < l.items[b].offset; });
+    }
+    std::vector<size_t> active;  // views reaching into the current chunk
+    size_t next = 0;
+    uint64_t at = e->data_offset;
+    uint32_t crc = 0;
+    // Stream reads the next chunk into the other buffer meanwhile; this one is free again once
+    // its writes complete, before Stream refills it.
+    Stream(engine, src, e->data_offset, e->size, bufs, [&](std::byte* p, size_t n) {
+      if (records_crcs) crc = Crc32(p, n, crc);  // the bytes as stored
+      const uint64_t end = at + n;
+      while (next < pending.size() && l.items[pending[next]].offset < end) {
+        active.push_back(pending[next++]);
+      }
+      // A big-endian storage's units are swapped once per chunk (chunks hold whole units, and
+      // every view of one storage has its width).
+      if (!active.empty() && l.items[active.front()].swap_width > 1) {
+        ReverseUnits(p, n, l.items[active.front()].swap_width);
+      }
+      for (size_t k = 0; k < active.size();) {
+        const size_t i = active[k];
+        const Item& item = l.items[i];
+        const uint64_t lo = std::max(at, item.offset);
+        const uint64_t hi = std::min(end, item.offset + item.nbytes);
+        hashes[i].Update(p + (lo - at), hi - lo);
+        writes.push_back(engine.Write(dst, p + (lo - at), hi - lo,
+                                      data_start + entries[i].begin + (lo - item.offset)));
+        if (item.offset + item.nbytes <= end) {
+          active[k] = active.back();
+          active.pop_back();
+        } else {
+          ++k;
+        }
+      }
+      for (auto& w : writes) w.Wait();
+      writes.clear();
+      at = end;
+    });
+    if (records_crcs && crc != e->crc32) RefuseDamaged(in, CrcMismatch(*e, crc));
+  }
+  for (size_t i = 0; i < l.items.size(); ++i) sums[l.items[i].name] = Hex16(hashes[i].Digest());
   header = header_for();
   if (header.size() != data_start) throw std::logic_error("convert: header size changed");
   engine.Write(dst, header.data(), header.size(), 0).Wait();
@@ -513,6 +612,13 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
     std::fflush(stdout);
     std::fprintf(stderr, "note: %s not converted (safetensors holds only tensors)\n",
                  Count(l.torch.pickle.other_values, "non-tensor value").c_str());
+  }
+  if (!records_crcs) {
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "note: %s records no CRC-32s (saved with "
+                 "torch.serialization.set_crc32_options(False)): its data was not checked\n",
+                 in.c_str());
   }
   return 0;
 }
@@ -538,6 +644,10 @@ std::string ArchiveName(const std::string& out) {
 // (data descriptors after each record), which this file does not have; without them it always
 // reads each record's real offset from the zip directory.
 int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std::string& out) {
+  // The input's own checksums, checked as its bytes are copied: a damaged file is refused, not
+  // passed on with fresh CRC-32s that would make it look sound.
+  const SafetensorsChecks sums = ReadSafetensorsChecks(l);
+  if (!sums.problems.empty()) RefuseDamaged(in, sums.problems.front());
   std::vector<TorchPickleTensor> tensors;
   for (size_t i = 0; i < l.items.size(); ++i) {
     const Item& item = l.items[i];
@@ -604,11 +714,16 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
     uint32_t crc = 0;
     uint64_t written = 0;
     // As in the other direction: Stream fills the other buffer while this one is written.
+    Xxh64State h;
     Stream(engine, src, item.offset, item.nbytes, bufs, [&](const std::byte* p, size_t n) {
       crc = Crc32(p, n, crc);
+      if (sums.want[i]) h.Update(p, n);
       engine.Write(dst, p, n, entry.data_offset + written).Wait();
       written += n;
     });
+    if (sums.want[i] && h.Digest() != *sums.want[i]) {
+      RefuseDamaged(in, XxhMismatch(item, *sums.want[i], h.Digest()));
+    }
     zip.SetCrc(storage_entries[i], crc);
   }
   // Like torch's id: a hash of the record names and one of their CRCs, 20 decimal digits each.
@@ -654,6 +769,11 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
     std::fflush(stdout);
     std::fprintf(stderr, "note: %s not converted (torch.load returns only the tensors)\n",
                  Count(l.st.header.metadata.size(), "safetensors metadata key").c_str());
+  }
+  if (!sums.present) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "note: %s has no checksums (metadata key %s): its data was not checked\n",
+                 in.c_str(), kTensorChecksumsKey);
   }
   return 0;
 }

@@ -78,6 +78,10 @@ Writes IN's tensors to OUT in the other format: a torch.save zip becomes safeten
 CRC-32s) that torch.load reads. OUT's suffix, when it names a format (.safetensors, .st / .pt,
 .pth, .bin, .ckpt, .tar), must name that other format, and OUT must not be IN. OUT is written
 durably under a temporary name and renamed into place.
+IN's own checksums (safetensors: tensortier's xxh64 and header checksum; torch.save: every zip
+record's CRC-32) are checked while its data is copied: on a mismatch convert exits 1 naming
+the tensor or record and leaves OUT as it was (absent if it was). An IN without checksums is
+converted with a note that its data was not checked.
 )"},
 };
 

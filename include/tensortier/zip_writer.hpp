@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace tensortier {
@@ -46,6 +47,7 @@ class ZipPlanner {
   bool force_zip64_;
   uint64_t end_ = 0;
   std::vector<ZipPlanEntry> entries_;
+  std::unordered_set<std::string> names_;  // duplicates found in constant time, not by a scan
 };
 
 }  // namespace tensortier

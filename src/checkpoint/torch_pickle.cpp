@@ -345,9 +345,14 @@ class Vm {
         case 0x80:  // PROTO
           if (*Take(1) > 5) Fail("unsupported pickle protocol");
           break;
-        case 0x95:  // FRAME: framing only
-          Take(8);
+        case 0x95: {  // FRAME: framing only, but its bytes must follow (as pickle requires)
+          const uint64_t frame = TakeLe(8);
+          if (frame > data_.size() - pos_) {
+            Fail(StrCat("FRAME of ", frame, " bytes is longer than the ", data_.size() - pos_,
+                        " bytes left in the pickle"));
+          }
           break;
+        }
         case '.': {  // STOP
           if (!marks_.empty() || stack_.size() != 1) Fail("STOP with a malformed stack");
           return stack_.back();

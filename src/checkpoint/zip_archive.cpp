@@ -275,11 +275,18 @@ void RequireStored(const ZipEntry& entry, const std::string& archive) {
     throw FormatError(StrCat(archive, ": zip entry '", entry.name,
                              "' is encrypted; tensortier reads only stored, unencrypted entries"));
   }
-  if (entry.method != 0 || entry.compressed_size != entry.size) {
+  if (entry.method != 0) {
     throw FormatError(StrCat(archive, ": zip entry '", entry.name, "' is compressed (method ",
                              entry.method,
                              "); torch.save stores entries uncompressed and tensortier reads only "
                              "those"));
+  }
+  // Stored, yet the directory gives two sizes: one of them is damaged.
+  if (entry.compressed_size != entry.size) {
+    throw FormatError(StrCat(archive, ": zip entry '", entry.name,
+                             "' is stored (method 0, uncompressed) but the directory gives it ",
+                             entry.compressed_size, " bytes in the file and ", entry.size,
+                             " bytes of data: the archive is damaged"));
   }
 }
 

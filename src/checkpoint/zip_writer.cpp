@@ -41,8 +41,8 @@ ZipPlanner::ZipPlanner(uint64_t alignment, bool force_zip64)
 
 size_t ZipPlanner::Add(const std::string& name, uint64_t size) {
   if (name.size() > 0xFFFF) throw std::invalid_argument("zip entry name longer than 65535 bytes");
-  for (const auto& e : entries_) {
-    if (e.name == name) throw std::invalid_argument(StrCat("zip entry '", name, "' added twice"));
+  if (names_.contains(name)) {
+    throw std::invalid_argument(StrCat("zip entry '", name, "' added twice"));
   }
   ZipPlanEntry e;
   e.name = name;
@@ -56,6 +56,7 @@ size_t ZipPlanner::Add(const std::string& name, uint64_t size) {
   }
   e.data_offset = data;
   end_ = data + size;
+  names_.insert(name);
   entries_.push_back(std::move(e));
   return entries_.size() - 1;
 }

@@ -200,6 +200,23 @@ TEST(CheckpointTorch, RefusesMalformedPickles) {
   EXPECT_TRUE(PickleRejects(kProto + "K\x01Q.", "persistent id is not"));
 }
 
+// A FRAME's bytes must follow it (pickle and torch.load refuse a longer one): a frame claiming
+// 2^62 bytes in front of a small valid pickle was read as that pickle.
+TEST(CheckpointTorch, RefusesAFrameLongerThanTheRestOfThePickle) {
+  const std::string body = "}q\x00."s;  // {}: 4 bytes after the frame header
+  auto framed = [&](uint64_t length) {
+    std::string p = "\x80\x04\x95"s;
+    for (int i = 0; i < 8; ++i) p += static_cast<char>((length >> (8 * i)) & 0xFF);
+    return p + body;
+  };
+  EXPECT_TRUE(PickleRejects(framed(1ull << 62),
+                            "FRAME of 4611686018427387904 bytes is longer than the 4 bytes left"));
+  EXPECT_TRUE(PickleRejects(framed(5), "FRAME of 5 bytes is longer than the 4 bytes left"));
+  EXPECT_TRUE(PickleRejects(framed(~0ull), "longer than the 4 bytes left"));
+  EXPECT_EQ(ParseTorchPickle(framed(4)).other_values, 0u);  // exactly the rest: as pickle writes
+  EXPECT_EQ(ParseTorchPickle(framed(0)).other_values, 0u);
+}
+
 TEST(CheckpointTorch, RefusesCyclesAndDeepNesting) {
   // l = []; l.append(l)
   EXPECT_TRUE(PickleRejects(kProto + "]q\x00h\x00"s

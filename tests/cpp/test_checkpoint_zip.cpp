@@ -213,6 +213,36 @@ TEST(CheckpointZip, ListsButRefusesCompressedAndEncryptedEntries) {
   EXPECT_THROW(RequireStored(enc, "a.zip"), FormatError);
 }
 
+// Method 0 with two different sizes is a damaged directory, not compression: the message says
+// which (it used to call such an entry "compressed (method 0)").
+TEST(CheckpointZip, StoredEntryWithTwoSizesIsCalledDamagedNotCompressed) {
+  ZipEntry e;
+  e.name = "archive/version";
+  e.method = 0;
+  e.size = 2;
+  e.compressed_size = 2 + (1u << 16);
+  try {
+    RequireStored(e, "a.pt");
+    ADD_FAILURE() << "accepted a stored entry with two sizes";
+  } catch (const FormatError& err) {
+    const std::string what = err.what();
+    EXPECT_EQ(what.find("compressed (method"), std::string::npos) << what;
+    EXPECT_NE(what.find("a.pt: zip entry 'archive/version' is stored (method 0, uncompressed) but "
+                        "the directory gives it 65538 bytes in the file and 2 bytes of data"),
+              std::string::npos)
+        << what;
+  }
+  e.compressed_size = 2;
+  EXPECT_NO_THROW(RequireStored(e, "a.pt"));
+  e.method = 8;
+  try {
+    RequireStored(e, "a.pt");
+    ADD_FAILURE() << "accepted a deflated entry";
+  } catch (const FormatError& err) {
+    EXPECT_NE(std::string(err.what()).find("is compressed (method 8)"), std::string::npos);
+  }
+}
+
 TEST(CheckpointZip, ReadsTorchSaveArchive) {
   auto dir = std::filesystem::path(__FILE__).parent_path() / "../data/checkpoint";
   std::string path = (dir / "small.pt").string();
