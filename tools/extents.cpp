@@ -65,10 +65,9 @@ int Build(const std::vector<std::string>& argv) {
                 static_cast<unsigned long long>(d.minor),
                 static_cast<unsigned long long>(d.partition_offset));
   }
-  std::printf(
-      "\n%s%s -> %s\n",
-      map.refused.empty() ? "" : StrCat(Count(map.refused.size(), "file"), " refused").c_str(),
-      map.refused.empty() ? "" : "; ", output.c_str());
+  std::printf("\n");
+  if (!map.refused.empty()) std::printf("%s refused\n", Count(map.refused.size(), "file").c_str());
+  std::printf("map written to %s\n", output.c_str());
   return 0;
 }
 
