@@ -297,6 +297,13 @@ class Mapper {
       out.refusal = "its name is not UTF-8 (a map is JSON text)";
       return out;
     }
+    // Looked at before it is opened: sockets cannot be opened, and devices and FIFOs should not be.
+    struct stat first{};
+    if (stat(full.c_str(), &first) != 0) ThrowIoError(errno, "stat", full);
+    if (!S_ISREG(first.st_mode)) {
+      out.refusal = "not a regular file";
+      return out;
+    }
     int fd;
     do {
       fd = open(full.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);

@@ -156,8 +156,9 @@ def _awkward_files(root: Path) -> dict[str, str]:
     with open(root / "odd/unwritten.bin", "wb") as f:
         os.posix_fallocate(f.fileno(), 0, 1 << 20)
     (root / "odd/tiny.txt").write_bytes(b"inline data lives in the inode\n")
+    os.mkfifo(root / "odd/fifo")
     return {"odd/sparse.bin": "sparse", "odd/unwritten.bin": "unwritten",
-            "odd/tiny.txt": "inline"}
+            "odd/tiny.txt": "inline", "odd/fifo": "not a regular file"}
 
 
 def _extent_count(extent_map, name: str) -> int:
@@ -295,8 +296,8 @@ def test_cli_build_and_verify(inline_fs: LoopFilesystem, tmp_path: Path) -> None
     assert "refused odd/unwritten.bin: " in r.stderr and "odd/tiny.txt" in r.stderr, r.stderr
     r = subprocess.run([str(BIN), "extents", "build", str(root), "--output", str(tmp_path / "b.json"),
                         "--allow-refused"], capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode == 0 and "3 files refused" in r.stdout, r.stdout + r.stderr
-    assert len(json.loads((tmp_path / "b.json").read_text())["refused"]) == 3
+    assert r.returncode == 0 and "4 files refused" in r.stdout, r.stdout + r.stderr
+    assert len(json.loads((tmp_path / "b.json").read_text())["refused"]) == 4
 
 
 def test_raw_reads_without_access_to_the_disk_name_it(loop_fs: LoopFilesystem) -> None:
@@ -341,3 +342,32 @@ def test_bad_maps_are_value_errors(tmp_path: Path) -> None:
         load_extent_map(tmp_path / "missing.json")
     with pytest.raises(TypeError):
         verify_extent_map(42)  # type: ignore[arg-type]
+
+
+def test_files_on_two_filesystems_are_grouped_by_device(loop_fs: LoopFilesystem,
+                                                        inline_fs: LoopFilesystem) -> None:
+    """A root with another filesystem mounted inside it: one map, one device entry each."""
+    root = loop_fs.mount
+    files = _plain_files(root, min_size=4095)
+    others = {f"other/{name}": data for name, data in _plain_files(inline_fs.mount,
+                                                                  min_size=4095).items()}
+    (root / "other").mkdir()
+    r = _run("mount", "--bind", str(inline_fs.mount), str(root / "other"))
+    if r.returncode != 0:
+        pytest.skip(f"bind mount refused: {r.stderr.strip()}")
+    try:
+        extent_map = build_extent_map(root)
+        assert sorted(d["disk"] for d in extent_map.devices) == sorted(
+            [loop_fs.device, inline_fs.device])
+        devices = {extent_map.file(i)["device"] for i in range(len(extent_map))}
+        assert devices == {0, 1}
+        everything = {**files, **others}
+        assert sorted(extent_map.paths) == sorted(everything)
+        reader = ExtentReader(extent_map)
+        names = sorted(everything)
+        for name, array in zip(names, reader.read(names)):
+            assert array.tobytes() == everything[name], name
+        assert reader.last_stats["raw_files"] == len(names)
+        del reader
+    finally:
+        _run("umount", str(root / "other"))
