@@ -69,30 +69,37 @@ struct Staged {
 
 }  // namespace
 
-// One batch in flight: per request, its raw pieces or its file read, and the staged copies.
+// One batch in flight: the raw pieces of every file in one engine operation, the files read
+// through the filesystem in one each, and the staged copies.
 struct ExtentReader::Plan {
   struct PerFile {
     bool raw = false;
     std::string fallback;
-    uint64_t expected = 0;  // bytes the raw pieces carry (of the map's size)
-    std::vector<IoDesc> pieces;
+    uint64_t expected = 0;  // bytes of the file the raw pieces carry (its size in the map)
+    size_t first_piece = 0;
+    size_t piece_count = 0;
     std::vector<Staged> staged;
-    File file;  // the file itself, for a read through the filesystem
-    Future future;
+    File file;      // the file itself, for a read through the filesystem
+    Future future;  // that read
   };
   std::vector<PerFile> files;
+  std::vector<IoDesc> pieces;  // of every raw file, in request order
+  std::vector<size_t> owner;   // per piece, its request
+  Future raw;
   AlignedBuffer staging;
 
   // Reads still in flight write into the callers' buffers and the staging buffer: an error
   // thrown for one file waits for the others before anything is freed.
   ~Plan() {
-    for (PerFile& f : files) {
-      if (!f.future.valid()) continue;
+    auto wait = [](const Future& f) {
+      if (!f.valid()) return;
       try {
-        f.future.Wait();
+        f.Wait();
       } catch (...) {  // the error thrown to the caller is the first one; the rest are moot
       }
-    }
+    };
+    wait(raw);
+    for (PerFile& f : files) wait(f.future);
   }
 };
 
@@ -140,36 +147,38 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     const File& disk = devices_[f.device];
     const uint64_t align = std::max<uint64_t>(disk.offset_alignment(), disk.memory_alignment());
     auto* dest = static_cast<std::byte*>(requests[i].dest);
+    p.first_piece = plan.pieces.size();
     for (const Extent& x : f.extents) {
       const uint64_t length = std::min(x.length, f.identity.size - x.logical);
       const uint64_t at = d.partition_offset + x.physical;
       uint64_t direct = 0;
       if (at % align == 0) direct = AlignDown(length, align);
-      if (direct > 0) p.pieces.push_back({disk, dest + x.logical, at, direct});
+      if (direct > 0) plan.pieces.push_back({disk, dest + x.logical, at, direct});
       if (direct < length) {
         const uint64_t begin = AlignDown(at + direct, align);
         const uint64_t end = AlignUp(at + length, align);
         p.staged.push_back(
             {staging_bytes, at + direct - begin, length - direct, dest + x.logical + direct});
-        p.pieces.push_back({disk, nullptr, begin, end - begin});  // buffer set below
+        plan.pieces.push_back({disk, nullptr, begin, end - begin});  // buffer set below
         staging_bytes += end - begin;
       }
       p.expected += length;
     }
+    p.piece_count = plan.pieces.size() - p.first_piece;
+    plan.owner.resize(plan.pieces.size(), i);
   }
   if (staging_bytes > 0) plan.staging = AlignedBuffer(staging_bytes);
-  // Every file is submitted before any is waited for: all of them in flight together.
-  for (size_t i = 0; i < requests.size(); ++i) {
-    Plan::PerFile& p = plan.files[i];
-    if (p.raw) {
-      size_t staged = 0;
-      for (IoDesc& piece : p.pieces) {
-        if (piece.buf == nullptr)
-          piece.buf = plan.staging.data() + p.staged[staged++].staging_offset;
+  // The raw pieces of the whole batch go in one operation (one planning pass, the engine's
+  // workers kept full); the files read through the filesystem alongside.
+  for (Plan::PerFile& p : plan.files) {
+    size_t staged = 0;
+    for (size_t k = p.first_piece; k < p.first_piece + p.piece_count; ++k) {
+      if (plan.pieces[k].buf == nullptr) {
+        plan.pieces[k].buf = plan.staging.data() + p.staged[staged++].staging_offset;
       }
-      if (!p.pieces.empty()) p.future = engine_->Submit(IoOp::kRead, p.pieces);
     }
   }
+  if (!plan.pieces.empty()) plan.raw = engine_->Submit(IoOp::kRead, plan.pieces);
   ExtentBatch batch;
   batch.files.resize(requests.size());
   // Files read through the filesystem: opened and sized now (they changed since the map).
@@ -189,6 +198,26 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
   for (size_t i = 0; i < requests.size(); ++i) {
     if (!plan.files[i].raw) read_file(i);
   }
+  IoResult raw;
+  if (plan.raw.valid()) {
+    try {
+      raw = plan.raw.Wait();
+    } catch (const IoError& e) {
+      // Name the file whose piece failed: the error names the disk and the offset.
+      for (size_t k = 0; k < plan.pieces.size(); ++k) {
+        const IoDesc& piece = plan.pieces[k];
+        if (piece.file.path() == e.path() && e.offset() >= piece.offset &&
+            e.offset() - piece.offset < piece.length) {
+          throw IoError(
+              e.error_code(),
+              StrCat("raw read of '", map_.FullPath(requests[plan.owner[k]].file), "': ", e.op()),
+              e.path(), e.offset(), e.length());
+        }
+      }
+      throw;
+    }
+    batch.io += raw.stats;
+  }
   for (size_t i = 0; i < requests.size(); ++i) {
     Plan::PerFile& p = plan.files[i];
     ExtentReadResult& out = batch.files[i];
@@ -200,23 +229,17 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
       out.fallback = p.fallback;
       continue;
     }
-    if (p.future.valid()) {
-      IoResult r;
-      try {
-        r = p.future.Wait();
-      } catch (const IoError& e) {
-        throw IoError(e.error_code(), StrCat("raw read of '", path, "': ", e.op()), e.path(),
-                      e.offset(), e.length());
-      }
-      batch.io += r.stats;
-      uint64_t wanted = 0;
-      for (const IoDesc& piece : p.pieces) wanted += piece.length;
-      if (r.bytes != wanted) {
-        ThrowIoError(EIO,
-                     StrCat("raw read of '", path, "' (the disk ended ", wanted - r.bytes,
-                            " bytes before the file's extents: a wrong map or disk)"),
-                     devices_[map_.files[requests[i].file].device].path());
-      }
+    uint64_t wanted = 0;
+    uint64_t got = 0;
+    for (size_t k = p.first_piece; k < p.first_piece + p.piece_count; ++k) {
+      wanted += plan.pieces[k].length;
+      got += raw.segment_bytes[k];
+    }
+    if (got != wanted) {
+      ThrowIoError(EIO,
+                   StrCat("raw read of '", path, "' (the disk ended ", wanted - got,
+                          " bytes before the file's extents: a wrong map or disk)"),
+                   devices_[map_.files[requests[i].file].device].path());
     }
     for (const Staged& s : p.staged) {
       std::memcpy(s.dest, plan.staging.data() + s.staging_offset + s.skip, s.length);
