@@ -23,7 +23,8 @@ py::dict FileDict(const MappedFile& f) {
   d["mtime_ns"] = f.identity.mtime_ns;
   d["ctime_ns"] = f.identity.ctime_ns;
   py::list extents;
-  for (const Extent& x : f.extents) extents.append(py::make_tuple(x.logical, x.physical, x.length));
+  for (const FileExtent& x : f.extents)
+    extents.append(py::make_tuple(x.logical, x.physical, x.length));
   d["extents"] = extents;
   return d;
 }

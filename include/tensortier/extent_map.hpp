@@ -1,5 +1,5 @@
-// Extent maps: where every byte of a set of files lies on its block device, so that a reader can
-// fetch the files straight from the device (ExtentReader) without the filesystem in the way.
+// Extent maps: where every byte of a set of files lies on its block device, so that a reader
+// can fetch the files straight from the device (ExtentReader) without the filesystem in the way.
 //
 // A map is built with FIEMAP (FIEMAP_FLAG_SYNC: delayed allocations are written out first) over
 // every extent of every file, and records each file's identity (device, inode, size, mtime and
@@ -20,12 +20,13 @@
 
 namespace tensortier {
 
-// One run of a file's bytes on its device, in bytes.
-struct Extent {
+// One run of a file's bytes on its device, in bytes (space_manager.hpp's Extent is another thing:
+// a range of an offload file).
+struct FileExtent {
   uint64_t logical = 0;   // offset in the file
   uint64_t physical = 0;  // offset on the filesystem's block device (FIEMAP's fe_physical)
   uint64_t length = 0;
-  bool operator==(const Extent&) const = default;
+  bool operator==(const FileExtent&) const = default;
 };
 
 // What a file was when it was mapped; any difference means its extents may have moved.
@@ -60,7 +61,7 @@ struct MappedFile {
   FileIdentity identity;
   // Sorted by `logical`, covering [0, size) without gaps; neighbours that continue each other on
   // the device are merged. The last may run past `size` to the end of its block.
-  std::vector<Extent> extents;
+  std::vector<FileExtent> extents;
   bool operator==(const MappedFile&) const = default;
 };
 
@@ -89,7 +90,7 @@ struct ExtentMap {
 // Appends the extents of a FIEMAP reply to `out`, merging each with the previous one when it
 // continues it both in the file and on the device. REQUIRES: `extent` starts at or after the end
 // of out.back(). Throws FormatError when it overlaps or goes backwards, or its end overflows.
-void AppendExtent(std::vector<Extent>& out, const Extent& extent);
+void AppendExtent(std::vector<FileExtent>& out, const FileExtent& extent);
 
 // Why FIEMAP flags `flags` (of one extent) make its file unmappable, or "" when they do not.
 std::string RefusalReason(uint32_t flags);

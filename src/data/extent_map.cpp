@@ -194,7 +194,7 @@ std::string XfsRefusal(int fd) {
 
 // Outcome of mapping one open file: its extents, or why it is refused.
 struct FileExtents {
-  std::vector<Extent> extents;
+  std::vector<FileExtent> extents;
   std::string refusal;
 };
 
@@ -246,7 +246,7 @@ FileExtents ReadExtents(int fd, const std::string& path, uint64_t size, uint64_t
                    e.fe_physical, ", length ", e.fe_length, ")");
         return out;
       }
-      Extent x{e.fe_logical, e.fe_physical, e.fe_length};
+      FileExtent x{e.fe_logical, e.fe_physical, e.fe_length};
       if (x.length > mapped_end - x.logical) x.length = mapped_end - x.logical;
       try {
         AppendExtent(out.extents, x);
@@ -265,7 +265,7 @@ FileExtents ReadExtents(int fd, const std::string& path, uint64_t size, uint64_t
   // hole has none (the file reads zeros there by the filesystem's rule, not from the disk). Data
   // sets are not sparse; a file that is was likely being preallocated or written.
   uint64_t covered = 0;
-  for (const Extent& x : out.extents) {
+  for (const FileExtent& x : out.extents) {
     if (x.logical != covered) {
       out.refusal = StrCat("sparse: no blocks for bytes [", covered, ", ", x.logical, ") (a hole)");
       return out;
@@ -420,13 +420,13 @@ ExtentMap BuildFrom(const std::string& root, std::vector<std::string> relative,
 
 }  // namespace
 
-void AppendExtent(std::vector<Extent>& out, const Extent& x) {
+void AppendExtent(std::vector<FileExtent>& out, const FileExtent& x) {
   if (x.length == 0) throw FormatError(StrCat("empty extent at file offset ", x.logical));
   if (x.length > UINT64_MAX - x.logical || x.length > UINT64_MAX - x.physical) {
     throw FormatError(StrCat("extent at file offset ", x.logical, " overflows"));
   }
   if (!out.empty()) {
-    Extent& prev = out.back();
+    FileExtent& prev = out.back();
     const uint64_t prev_end = prev.logical + prev.length;
     if (x.logical < prev_end) {
       throw FormatError(StrCat("extent at file offset ", x.logical, " overlaps the previous one"));

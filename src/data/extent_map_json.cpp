@@ -1,5 +1,5 @@
-// The JSON form of an extent map (README, "Extent maps"), and its checks: a map comes from a file
-// anyone may have edited, and its offsets become reads of a raw device.
+// The JSON form of an extent map (README, "Extent maps"), and its checks: a map comes from a
+// file anyone may have edited, and its offsets become reads of a raw device.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -209,7 +209,7 @@ class MapParser {
                f.identity.ctime_ns = Int(key);
              } else if (key == "extents") {
                Array([&] {
-                 Extent x;
+                 FileExtent x;
                  r_.Expect('[');
                  x.logical = Uint("extent logical offset");
                  r_.Expect(',');
@@ -246,7 +246,7 @@ class MapParser {
   void CheckExtents(const std::string& name, const MappedFile& f, const MappedDevice& d) {
     const uint64_t size = f.identity.size;
     uint64_t covered = 0;
-    for (const Extent& x : f.extents) {
+    for (const FileExtent& x : f.extents) {
       const std::string at = StrCat(name, ": extent at file offset ", x.logical);
       if (x.logical != covered) {
         r_.Fail(StrCat(at, ": expected one at ", covered, " (extents must follow each other)"));
@@ -311,7 +311,7 @@ std::string ExtentMapToJson(const ExtentMap& map) {
                   ", \"size\": ", f.identity.size, ", \"mtime_ns\": ", f.identity.mtime_ns,
                   ", \"ctime_ns\": ", f.identity.ctime_ns, ", \"extents\": [");
     for (size_t j = 0; j < f.extents.size(); ++j) {
-      const Extent& x = f.extents[j];
+      const FileExtent& x = f.extents[j];
       out += StrCat(j == 0 ? "[" : ", [", x.logical, ", ", x.physical, ", ", x.length, "]");
     }
     out += "]}";

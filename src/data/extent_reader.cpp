@@ -148,7 +148,7 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     const uint64_t align = std::max<uint64_t>(disk.offset_alignment(), disk.memory_alignment());
     auto* dest = static_cast<std::byte*>(requests[i].dest);
     p.first_piece = plan.pieces.size();
-    for (const Extent& x : f.extents) {
+    for (const FileExtent& x : f.extents) {
       const uint64_t length = std::min(x.length, f.identity.size - x.logical);
       const uint64_t at = d.partition_offset + x.physical;
       uint64_t direct = 0;

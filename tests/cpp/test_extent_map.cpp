@@ -26,19 +26,19 @@ namespace {
 namespace fs = std::filesystem;
 
 TEST(ExtentMapTest, AppendExtentMergesOnlyNeighboursOnTheDevice) {
-  std::vector<Extent> out;
+  std::vector<FileExtent> out;
   AppendExtent(out, {0, 1 << 20, 4096});
   AppendExtent(out, {4096, (1 << 20) + 4096, 8192});  // continues on the device: merged
   ASSERT_EQ(out.size(), 1u);
-  EXPECT_EQ(out[0], (Extent{0, 1 << 20, 12288}));
+  EXPECT_EQ(out[0], (FileExtent{0, 1 << 20, 12288}));
   AppendExtent(out, {12288, 5 << 20, 4096});           // elsewhere on the device: kept apart
   AppendExtent(out, {20480, (5 << 20) + 4096, 4096});  // after a hole: kept apart
   ASSERT_EQ(out.size(), 3u);
-  EXPECT_EQ(out[2], (Extent{20480, (5 << 20) + 4096, 4096}));
+  EXPECT_EQ(out[2], (FileExtent{20480, (5 << 20) + 4096, 4096}));
 }
 
 TEST(ExtentMapTest, AppendExtentRefusesOverlapsEmptyAndOverflow) {
-  std::vector<Extent> out{{0, 0, 8192}};
+  std::vector<FileExtent> out{{0, 0, 8192}};
   EXPECT_THROW(AppendExtent(out, {4096, 1 << 20, 4096}), FormatError);
   EXPECT_THROW(AppendExtent(out, {8192, 1 << 20, 0}), FormatError);
   EXPECT_THROW(AppendExtent(out, {UINT64_MAX - 100, 0, 4096}), FormatError);
@@ -206,7 +206,7 @@ TEST_F(ExtentMapDiskTest, BuildVerifyAndReadRaw) {
   EXPECT_TRUE(map.files[0].extents.empty());
   for (const MappedFile& f : map.files) {
     uint64_t covered = 0;
-    for (const Extent& x : f.extents) covered += x.length;
+    for (const FileExtent& x : f.extents) covered += x.length;
     EXPECT_GE(covered, f.identity.size) << f.path;
   }
   EXPECT_EQ(ParseExtentMap(ExtentMapToJson(map), "x"), map);
