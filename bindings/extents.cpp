@@ -12,6 +12,8 @@
 namespace py = pybind11;
 using namespace tensortier;
 
+BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f);  // module.cpp
+
 namespace {
 
 py::dict FileDict(const MappedFile& f) {
@@ -121,16 +123,19 @@ void RegisterExtents(py::module_& m) {
   // Dropping a reader waits for its engine's I/O and joins its threads: with the GIL released.
   py::class_<ExtentReader, GilFreeHolder<ExtentReader>>(m, "ExtentReader")
       .def(py::init([](const ExtentMap& map, std::optional<std::string> backend,
-                       std::optional<unsigned> queue_depth, std::optional<unsigned> workers) {
+                       std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
+                       std::optional<py::dict> fault) {
              EngineOptions options = EngineOptions::FromEnvironment();
              if (backend) options.backend = *backend;
              if (queue_depth) options.queue_depth = *queue_depth;
              if (workers) options.workers = *workers;
+             BackendFactory factory;
+             if (fault) factory = FaultFactory(options, *fault);
              py::gil_scoped_release release;
-             return GilFreeHolder<ExtentReader>(new ExtentReader(map, options));
+             return GilFreeHolder<ExtentReader>(new ExtentReader(map, options, factory));
            }),
            py::arg("map"), py::arg("backend") = py::none(), py::arg("queue_depth") = py::none(),
-           py::arg("workers") = py::none())
+           py::arg("workers") = py::none(), py::arg("fault") = py::none())
       .def_property_readonly("backend", [](const ExtentReader& r) { return r.engine().backend(); })
       .def(
           "read",

@@ -98,7 +98,10 @@ py::dict OptionsDict(const EngineOptions& o) {
   return d;
 }
 
-// A backend factory that injects the faults described by `fault` (test hook).
+}  // namespace
+
+// A backend factory that injects the faults described by `fault` (test hook; also used by
+// bindings/extents.cpp).
 BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f) {
   FaultPlan plan;
   plan.kind = ParseFaultKind(f["kind"].cast<std::string>());
@@ -115,6 +118,8 @@ BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f) {
     return MakeFaultInjectingBackend(MakeBackend(kind, depth), injector);
   };
 }
+
+namespace {
 
 // The engine's start (backend probes with verified O_DIRECT round trips in `probe_dir`, worker
 // threads) runs with the GIL released.

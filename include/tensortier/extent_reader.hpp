@@ -49,6 +49,8 @@ class ExtentReader {
   // (EOPNOTSUPP). The engine is made from `options` with its page-cache check off: a disk's page
   // cache is not the files' and may hold stale blocks, so every device read goes direct.
   explicit ExtentReader(ExtentMap map, EngineOptions options = EngineOptions::FromEnvironment());
+  // Test seam: the engine's backends are made by `factory` (a fault-injecting backend).
+  ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory);
   ~ExtentReader();
   ExtentReader(const ExtentReader&) = delete;
   ExtentReader& operator=(const ExtentReader&) = delete;

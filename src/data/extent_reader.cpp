@@ -103,10 +103,15 @@ struct ExtentReader::Plan {
   }
 };
 
-ExtentReader::ExtentReader(ExtentMap map, EngineOptions options) : map_(std::move(map)) {
+ExtentReader::ExtentReader(ExtentMap map, EngineOptions options)
+    : ExtentReader(std::move(map), std::move(options), BackendFactory{}) {}
+
+ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory)
+    : map_(std::move(map)) {
   options.page_cache_check = false;
   for (const MappedDevice& d : map_.devices) devices_.push_back(OpenDisk(d));
-  engine_ = std::make_unique<Engine>(options);
+  engine_ = factory ? std::make_unique<Engine>(options, std::move(factory))
+                    : std::make_unique<Engine>(options);
 }
 
 ExtentReader::~ExtentReader() = default;

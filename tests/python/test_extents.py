@@ -371,3 +371,28 @@ def test_files_on_two_filesystems_are_grouped_by_device(loop_fs: LoopFilesystem,
         del reader
     finally:
         _run("umount", str(root / "other"))
+
+
+def test_injected_device_faults(loop_fs: LoopFilesystem) -> None:
+    """A failed device read names the file it was for; short device reads are continued
+    (still direct) and every byte arrives."""
+    root = loop_fs.mount
+    files = _plain_files(root)
+    extent_map = build_extent_map(root)
+    names = sorted(files)
+    fault = {"kind": "error", "errno": errno.EIO, "nth": 3, "reads": True, "writes": False}
+    reader = ExtentReader(extent_map, backend="threads", _fault=fault)
+    with pytest.raises(OSError) as info:
+        reader.read(names)
+    assert info.value.errno == errno.EIO
+    assert "raw read of '" in str(info.value) and loop_fs.device in str(info.value)
+    assert any(str(root / n) in str(info.value) for n in names), str(info.value)
+    # The fault was one request: the next batch reads everything.
+    for name, array in zip(names, reader.read(names)):
+        assert array.tobytes() == files[name], name
+    fault = {"kind": "short", "short_bytes": 4096, "nth": 1, "count": 1000, "reads": True,
+             "writes": False}
+    reader = ExtentReader(extent_map, backend="threads", _fault=fault)
+    for name, array in zip(names, reader.read(names)):
+        assert array.tobytes() == files[name], name
+    assert reader.last_stats["buffered_bytes"] == 0

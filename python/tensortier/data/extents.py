@@ -116,9 +116,10 @@ class ExtentReader:
         backend: str | None = None,
         queue_depth: int | None = None,
         workers: int | None = None,
+        _fault: dict[str, Any] | None = None,
     ) -> None:
         self.map = _as_map(extent_map)
-        self._reader = _core.ExtentReader(self.map, backend, queue_depth, workers)
+        self._reader = _core.ExtentReader(self.map, backend, queue_depth, workers, _fault)
         self.last_stats: dict[str, Any] = {}
 
     def _index(self, file: int | PathLike) -> int:
