@@ -36,22 +36,38 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 class LoopFilesystem:
     """An ext4 image attached to a loop device and mounted; `detach()` undoes each step done."""
 
-    def __init__(self, base: Path, size_mib: int, mkfs_options: tuple[str, ...]) -> None:
+    def __init__(self, base: Path, size_mib: int, mkfs_options: tuple[str, ...],
+                 partition: bool = False) -> None:
         self.image = base / "fs.img"
         self.mount = base / "mnt"
-        self.device = ""
+        self.device = ""  # the loop device: the whole disk
+        self.partitioned = False
         self.mounted = False
         with open(self.image, "wb") as f:
             f.truncate(size_mib << 20)
-        r = _run("mkfs.ext4", "-F", "-q", "-b", "4096", *mkfs_options, str(self.image))
-        if r.returncode != 0:
-            raise RuntimeError(f"mkfs.ext4 failed: {r.stderr}")
+        if partition:  # one GPT partition from 1 MiB on
+            r = subprocess.run(["sfdisk", "-q", str(self.image)], input="label: gpt\nstart=2048\n",
+                               capture_output=True, text=True, timeout=TIMEOUT)
+            if r.returncode != 0:
+                raise RuntimeError(f"sfdisk failed: {r.stderr}")
         r = _run("losetup", "--find", "--show", str(self.image))
         if r.returncode != 0:
             raise PermissionError(f"losetup: {r.stderr.strip()}")
         self.device = r.stdout.strip()
+        self.filesystem_device = self.device
+        if partition:
+            # partx asks the kernel for the partition itself (BLKPG): kernels without partition
+            # table parsers, or without udev, still get /dev/loopNp1.
+            r = _run("partx", "-a", self.device)
+            if r.returncode != 0:
+                raise PermissionError(f"partx: {r.stderr.strip()}")
+            self.partitioned = True
+            self.filesystem_device = self.device + "p1"
+        r = _run("mkfs.ext4", "-F", "-q", "-b", "4096", *mkfs_options, self.filesystem_device)
+        if r.returncode != 0:
+            raise RuntimeError(f"mkfs.ext4 failed: {r.stderr}")
         self.mount.mkdir()
-        r = _run("mount", "-t", "ext4", self.device, str(self.mount))
+        r = _run("mount", "-t", "ext4", self.filesystem_device, str(self.mount))
         if r.returncode != 0:
             raise PermissionError(f"mount: {r.stderr.strip()}")
         self.mounted = True
@@ -62,15 +78,20 @@ class LoopFilesystem:
             if r.returncode != 0:  # a process still holds it: detach lazily rather than leak
                 _run("umount", "-l", str(self.mount))
             self.mounted = False
+        if self.partitioned:
+            _run("partx", "-d", self.device)
+            self.partitioned = False
         if self.device:
             _run("losetup", "-d", self.device)
             self.device = ""
 
 
-def _loop_filesystem(mkfs_options: tuple[str, ...] = ()) -> Iterator[LoopFilesystem]:
+def _loop_filesystem(mkfs_options: tuple[str, ...] = (),
+                     partition: bool = False) -> Iterator[LoopFilesystem]:
     if os.geteuid() != 0:
         pytest.skip("loop devices and raw reads need root")
-    for tool in ("mkfs.ext4", "losetup", "mount", "umount"):
+    for tool in ("mkfs.ext4", "losetup", "mount", "umount") + (("sfdisk", "partx") if partition
+                                                                else ()):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
     (REPO / "build").mkdir(exist_ok=True)
@@ -78,7 +99,7 @@ def _loop_filesystem(mkfs_options: tuple[str, ...] = ()) -> Iterator[LoopFilesys
         fs = None
         try:
             try:
-                fs = LoopFilesystem(Path(d), 256, mkfs_options)
+                fs = LoopFilesystem(Path(d), 256, mkfs_options, partition)
             except PermissionError as e:
                 if os.environ.get("CI"):
                     raise
@@ -93,6 +114,12 @@ def _loop_filesystem(mkfs_options: tuple[str, ...] = ()) -> Iterator[LoopFilesys
 def loop_fs() -> Iterator[LoopFilesystem]:
     """A fresh ext4 filesystem on a loop device (4 KiB blocks)."""
     yield from _loop_filesystem(("-O", "^inline_data"))
+
+
+@pytest.fixture
+def partition_fs() -> Iterator[LoopFilesystem]:
+    """ext4 on the first partition (from 1 MiB) of a GPT-partitioned loop device."""
+    yield from _loop_filesystem(("-O", "^inline_data"), partition=True)
 
 
 @pytest.fixture
@@ -396,3 +423,21 @@ def test_injected_device_faults(loop_fs: LoopFilesystem) -> None:
     for name, array in zip(names, reader.read(names)):
         assert array.tobytes() == files[name], name
     assert reader.last_stats["buffered_bytes"] == 0
+
+
+def test_partition_reads_through_the_whole_disk(partition_fs: LoopFilesystem) -> None:
+    """A filesystem on a partition: the map names the whole disk and the partition's offset
+    (sysfs), and raw reads of the disk at those offsets give every byte."""
+    root = partition_fs.mount
+    files = {**_fragmented_files(root, count=3, rounds=6), **_plain_files(root)}
+    extent_map = build_extent_map(root)
+    (device,) = extent_map.devices
+    assert device["disk"] == partition_fs.device
+    assert device["partition_offset"] == 2048 * 512
+    assert os.stat(partition_fs.filesystem_device).st_rdev == os.makedev(device["major"],
+                                                                         device["minor"])
+    names = sorted(files)
+    reader = ExtentReader(extent_map)
+    for name, array in zip(names, reader.read(names)):
+        assert array.tobytes() == files[name], name
+    assert reader.last_stats["raw_files"] == len(names)
