@@ -59,7 +59,9 @@ py::dict IoStatsDict(const IoStats& s) {
 }  // namespace
 
 void RegisterExtents(py::module_& m) {
-  py::class_<ExtentMap>(m, "ExtentMap")
+  py::class_<ExtentMap>(m, "ExtentMap",
+                        "Where every byte of a set of files lies on its block device, and each "
+                        "file's identity (tensortier.data.build_extent_map makes one).")
       .def_static(
           "build",
           [](const std::string& root, std::optional<std::vector<std::string>> files,
@@ -68,13 +70,16 @@ void RegisterExtents(py::module_& m) {
             const BuildOptions options{.allow_refused = allow_refused};
             return files ? BuildExtentMap(root, *files, options) : BuildExtentMap(root, options);
           },
-          py::arg("root"), py::arg("files") = py::none(), py::arg("allow_refused") = false)
+          py::arg("root"), py::arg("files") = py::none(), py::arg("allow_refused") = false,
+          "Maps the files under `root` (or `files`). Raises OSError (EOPNOTSUPP naming refused "
+          "files unless allow_refused), ValueError for a file outside the root.")
       .def_static("load", &LoadExtentMap, py::arg("path"), py::call_guard<py::gil_scoped_release>())
       .def_static(
           "from_json", [](const std::string& text) { return ParseExtentMap(text, "extent map"); },
-          py::arg("text"))
-      .def("save", &SaveExtentMap, py::arg("path"), py::call_guard<py::gil_scoped_release>())
-      .def("to_json", &ExtentMapToJson)
+          py::arg("text"), "Parses a map's JSON text. Raises ValueError for a bad map.")
+      .def("save", &SaveExtentMap, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+           "Writes the map as JSON, durably (temporary file, fsync, rename).")
+      .def("to_json", &ExtentMapToJson, "The map as JSON text.")
       .def_readonly("root", &ExtentMap::root)
       .def("__len__", [](const ExtentMap& map) { return map.files.size(); })
       .def("__eq__", [](const ExtentMap& a, const ExtentMap& b) { return a == b; })
@@ -101,7 +106,8 @@ void RegisterExtents(py::module_& m) {
                                }
                                return out;
                              })
-      .def("find", &ExtentMap::Find, py::arg("path"))
+      .def("find", &ExtentMap::Find, py::arg("path"),
+           "The index of the file at `path` (absolute or relative to the root), or None.")
       .def(
           "full_path",
           [](const ExtentMap& map, size_t index) {

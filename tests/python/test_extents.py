@@ -441,3 +441,38 @@ def test_partition_reads_through_the_whole_disk(partition_fs: LoopFilesystem) ->
     for name, array in zip(names, reader.read(names)):
         assert array.tobytes() == files[name], name
     assert reader.last_stats["raw_files"] == len(names)
+
+
+def test_one_reader_from_several_threads(loop_fs: LoopFilesystem) -> None:
+    """ReadBatch may be called from any thread: batches from four threads at once, each
+    checked byte for byte."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = loop_fs.mount
+    files = {**_fragmented_files(root, count=4, rounds=6), **_plain_files(root)}
+    reader = ExtentReader(build_extent_map(root))
+    names = sorted(files)
+
+    def read_all(seed: int) -> int:
+        order = names[seed % len(names):] + names[:seed % len(names)]
+        for _ in range(5):
+            for name, array in zip(order, reader.read(order)):
+                assert array.tobytes() == files[name], name
+        return seed
+
+    with ThreadPoolExecutor(4) as pool:
+        assert sorted(pool.map(read_all, range(4))) == [0, 1, 2, 3]
+
+
+def test_cli_help_and_bad_commands() -> None:
+    r = subprocess.run([str(BIN), "extents", "--help"], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0 and "usage: tensortier extents build ROOT -o MAP" in r.stdout
+    r = subprocess.run([str(BIN), "extents", "shrink"], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 1 and "unknown extents command 'shrink'" in r.stderr
+    r = subprocess.run([str(BIN), "extents", "build", "/tmp"], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 2 and "usage:" in r.stderr
+    r = subprocess.run([str(BIN), "help"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert "extents build ROOT -o MAP" in r.stdout
