@@ -240,7 +240,8 @@ FileExtents ReadExtents(int fd, const std::string& path, uint64_t size, uint64_t
         out.refusal = StrCat("extent at file offset ", e.fe_logical, ": ", why);
         return out;
       }
-      if (e.fe_logical % kSector != 0 || e.fe_physical % kSector != 0 || e.fe_length == 0) {
+      if (e.fe_logical % kSector != 0 || e.fe_physical % kSector != 0 || e.fe_length == 0 ||
+          e.fe_length % kSector != 0) {
         out.refusal =
             StrCat("extent at file offset ", e.fe_logical, " is not on whole sectors (physical ",
                    e.fe_physical, ", length ", e.fe_length, ")");
