@@ -13,9 +13,9 @@ and in batches, by each method:
 
 cold (the filesystem unmounted and mounted again, and the image's and the device's page cache
 dropped, before each run: no cached inodes, directories or data, as after a reboot) and warm
-(the files read once before: raw reads do not use the page cache, so they stay cold). Methods alternate in rotated order over --repeats runs; the
-table shows medians, and the ratios of raw to the others from the same run. Only ratios mean
-anything on a shared disk.
+(the files read once before: raw reads do not use the page cache, so they stay cold). Methods
+alternate in rotated order over --repeats runs; the table shows medians, and the ratios of raw
+to the others from the same run. Only ratios mean anything on a shared disk.
 
     sudo .venv/bin/python bench/extents_bench.py --files 4000 --repeats 5 --json extents.json
 """

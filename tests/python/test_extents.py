@@ -321,8 +321,9 @@ def test_cli_build_and_verify(inline_fs: LoopFilesystem, tmp_path: Path) -> None
                        capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 1 and not (tmp_path / "b.json").exists()
     assert "refused odd/unwritten.bin: " in r.stderr and "odd/tiny.txt" in r.stderr, r.stderr
-    r = subprocess.run([str(BIN), "extents", "build", str(root), "--output", str(tmp_path / "b.json"),
-                        "--allow-refused"], capture_output=True, text=True, timeout=TIMEOUT)
+    r = subprocess.run([str(BIN), "extents", "build", str(root), "--output",
+                        str(tmp_path / "b.json"), "--allow-refused"],
+                       capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0 and "4 files refused" in r.stdout, r.stdout + r.stderr
     assert len(json.loads((tmp_path / "b.json").read_text())["refused"]) == 4
 
