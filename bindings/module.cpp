@@ -25,6 +25,7 @@ using namespace tensortier;
 
 void RegisterCheckpoint(py::module_& m);  // bindings/checkpoint.cpp
 void RegisterTransfer(py::module_& m);    // bindings/transfer.cpp
+void RegisterExtents(py::module_& m);     // bindings/extents.cpp
 
 namespace {
 
@@ -97,7 +98,10 @@ py::dict OptionsDict(const EngineOptions& o) {
   return d;
 }
 
-// A backend factory that injects the faults described by `fault` (test hook).
+}  // namespace
+
+// A backend factory that injects the faults described by `fault` (test hook; also used by
+// bindings/extents.cpp).
 BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f) {
   FaultPlan plan;
   plan.kind = ParseFaultKind(f["kind"].cast<std::string>());
@@ -114,6 +118,8 @@ BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f) {
     return MakeFaultInjectingBackend(MakeBackend(kind, depth), injector);
   };
 }
+
+namespace {
 
 // The engine's start (backend probes with verified O_DIRECT round trips in `probe_dir`, worker
 // threads) runs with the GIL released.
@@ -449,4 +455,5 @@ PYBIND11_MODULE(_core, m) {
       py::arg("fd"), py::arg("offset"), py::arg("length"));
   RegisterCheckpoint(m);
   RegisterTransfer(m);
+  RegisterExtents(m);
 }

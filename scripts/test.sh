@@ -27,13 +27,14 @@ ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   build_and_test build/asan "" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=address,undefined
 echo "== Parser fuzz targets under AddressSanitizer + UndefinedBehaviorSanitizer (${FUZZ_SECONDS:-20} s each)"
 cmake -S . -B build/asan -DTENSORTIER_BUILD_FUZZ=ON >/dev/null
-ninja -C build/asan -j "$JOBS" fuzz_safetensors_header fuzz_zip_directory fuzz_torch_pickle
-for target in safetensors_header zip_directory torch_pickle; do
+ninja -C build/asan -j "$JOBS" fuzz_safetensors_header fuzz_zip_directory fuzz_torch_pickle \
+  fuzz_extent_map
+for target in safetensors_header zip_directory torch_pickle extent_map; do
   # A scratch corpus: libFuzzer (Clang builds) writes new inputs into its first directory.
   corpus="build/asan/fuzz-corpus/$target"
   rm -rf "$corpus" && mkdir -p "$corpus"
   cp tests/data/checkpoint/*.safetensors tests/data/checkpoint/*.pt tests/data/checkpoint/*.zip \
-    tests/fuzz/corpus/torch_pickle/* "$corpus"/
+    tests/fuzz/corpus/torch_pickle/* tests/fuzz/corpus/extent_map/* "$corpus"/
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     "build/asan/tests/fuzz/fuzz_$target" -max_total_time="${FUZZ_SECONDS:-20}" "$corpus"
 done

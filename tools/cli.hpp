@@ -33,6 +33,8 @@ int RunBench(const std::vector<std::string>& argv);
 int RunInfo(const std::vector<std::string>& argv);
 int RunVerify(const std::vector<std::string>& argv);
 int RunConvert(const std::vector<std::string>& argv);
+// tools/extents.cpp
+int RunExtents(const std::vector<std::string>& argv);
 // "1 tensor", "3 tensors": `n` and `noun`, plural unless n is 1.
 std::string Count(uint64_t n, const std::string& noun);
 // 8 lowercase hex digits, as CRC-32s are shown.

@@ -23,6 +23,10 @@ commands:
   convert IN OUT
                 torch.save zip <-> safetensors (the other format than IN's), data 4 KiB
                 aligned, with checksums (safetensors) or CRC-32s (torch)
+  extents build ROOT -o MAP | extents verify MAP
+                extent maps of a data set for raw block-device reads (FIEMAP, every
+                extent, device and partition offset, each file's identity); verify
+                re-checks a map against the files
   help          this text (`tensortier COMMAND --help`: one command's)
   --version     the version
 
@@ -130,6 +134,7 @@ int main(int argc, char** argv) {
     if (args[0] == "info") return tensortier::cli::RunInfo(rest);
     if (args[0] == "verify") return tensortier::cli::RunVerify(rest);
     if (args[0] == "convert") return tensortier::cli::RunConvert(rest);
+    if (args[0] == "extents") return tensortier::cli::RunExtents(rest);
     std::fprintf(stderr, "tensortier: unknown command '%s' (try 'tensortier help')\n",
                  args[0].c_str());
     return 2;

@@ -62,6 +62,7 @@ class File {
   // filesystems), read from sysfs on the first call and kept.
   const std::optional<BlockQueueLimits>& block_queue_limits() const;
 
+  // Bytes in the file (of the device, for a block device).
   uint64_t Size() const;
   void Truncate(uint64_t size) const;
   // Reserves [offset, offset+length) on disk (posix fallocate mode 0). Throws IoError (ENOSPC...).

@@ -1,6 +1,8 @@
 #include "tensortier/file.hpp"
 
 #include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -185,6 +187,13 @@ const std::optional<BlockQueueLimits>& File::block_queue_limits() const {
 uint64_t File::Size() const {
   struct stat st{};
   if (fstat(impl().buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", impl().path);
+  if (S_ISBLK(st.st_mode)) {  // st_size is 0 for a block device: the engine's reads stop at Size()
+    uint64_t bytes = 0;
+    if (ioctl(impl().buffered_fd, BLKGETSIZE64, &bytes) != 0) {
+      ThrowIoError(errno, "ioctl(BLKGETSIZE64)", impl().path);
+    }
+    return bytes;
+  }
   return static_cast<uint64_t>(st.st_size);
 }
 

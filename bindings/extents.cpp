@@ -1,0 +1,167 @@
+// Extent maps and raw block-device reads (tensortier.data.extents). Buffers cross as addresses
+// and sizes; python/tensortier/data/extents.py keeps the objects alive.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "gil_free_holder.hpp"
+#include "tensortier/extent_map.hpp"
+#include "tensortier/extent_reader.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f);  // module.cpp
+
+namespace {
+
+py::dict FileDict(const MappedFile& f) {
+  py::dict d;
+  d["path"] = f.path;
+  d["device"] = f.device;
+  d["inode"] = f.identity.inode;
+  d["size"] = f.identity.size;
+  d["mtime_ns"] = f.identity.mtime_ns;
+  d["ctime_ns"] = f.identity.ctime_ns;
+  py::list extents;
+  for (const FileExtent& x : f.extents)
+    extents.append(py::make_tuple(x.logical, x.physical, x.length));
+  d["extents"] = extents;
+  return d;
+}
+
+py::dict DeviceDict(const MappedDevice& d) {
+  py::dict out;
+  out["major"] = d.major;
+  out["minor"] = d.minor;
+  out["disk"] = d.disk;
+  out["disk_major"] = d.disk_major;
+  out["disk_minor"] = d.disk_minor;
+  out["partition_offset"] = d.partition_offset;
+  out["filesystem"] = d.filesystem;
+  out["block_size"] = d.block_size;
+  return out;
+}
+
+py::dict IoStatsDict(const IoStats& s) {
+  py::dict d;
+  d["backend"] = s.backend;
+  d["requested_bytes"] = s.requested_bytes;
+  d["transferred_bytes"] = s.transferred_bytes;
+  d["direct_bytes"] = s.direct_bytes;
+  d["buffered_bytes"] = s.buffered_bytes;
+  d["bounced_bytes"] = s.bounced_bytes;
+  d["requests"] = s.requests;
+  return d;
+}
+
+}  // namespace
+
+void RegisterExtents(py::module_& m) {
+  py::class_<ExtentMap>(m, "ExtentMap",
+                        "Where every byte of a set of files lies on its block device, and each "
+                        "file's identity (tensortier.data.build_extent_map makes one).")
+      .def_static(
+          "build",
+          [](const std::string& root, std::optional<std::vector<std::string>> files,
+             bool allow_refused) {
+            py::gil_scoped_release release;  // FIEMAP_FLAG_SYNC writes data out: seconds
+            const BuildOptions options{.allow_refused = allow_refused};
+            return files ? BuildExtentMap(root, *files, options) : BuildExtentMap(root, options);
+          },
+          py::arg("root"), py::arg("files") = py::none(), py::arg("allow_refused") = false,
+          "Maps the files under `root` (or `files`). Raises OSError (EOPNOTSUPP naming refused "
+          "files unless allow_refused), ValueError for a file outside the root.")
+      .def_static("load", &LoadExtentMap, py::arg("path"), py::call_guard<py::gil_scoped_release>())
+      .def_static(
+          "from_json", [](const std::string& text) { return ParseExtentMap(text, "extent map"); },
+          py::arg("text"), "Parses a map's JSON text. Raises ValueError for a bad map.")
+      .def("save", &SaveExtentMap, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+           "Writes the map as JSON, durably (temporary file, fsync, rename).")
+      .def("to_json", &ExtentMapToJson, "The map as JSON text.")
+      .def_readonly("root", &ExtentMap::root)
+      .def("__len__", [](const ExtentMap& map) { return map.files.size(); })
+      .def("__eq__", [](const ExtentMap& a, const ExtentMap& b) { return a == b; })
+      .def_property_readonly("devices",
+                             [](const ExtentMap& map) {
+                               py::list out;
+                               for (const MappedDevice& d : map.devices) out.append(DeviceDict(d));
+                               return out;
+                             })
+      .def_property_readonly("paths",
+                             [](const ExtentMap& map) {
+                               py::list out;
+                               for (const MappedFile& f : map.files) out.append(f.path);
+                               return out;
+                             })
+      .def(
+          "file", [](const ExtentMap& map, size_t index) { return FileDict(map.files.at(index)); },
+          py::arg("index"))
+      .def_property_readonly("refused",
+                             [](const ExtentMap& map) {
+                               py::list out;
+                               for (const RefusedFile& r : map.refused) {
+                                 out.append(py::make_tuple(r.path, r.reason));
+                               }
+                               return out;
+                             })
+      .def("find", &ExtentMap::Find, py::arg("path"),
+           "The index of the file at `path` (absolute or relative to the root), or None.")
+      .def(
+          "full_path",
+          [](const ExtentMap& map, size_t index) {
+            if (index >= map.files.size()) throw py::index_error("file index out of range");
+            return map.FullPath(index);
+          },
+          py::arg("index"))
+      .def("verify", [](const ExtentMap& map) {
+        std::vector<ChangedFile> changed;
+        {
+          py::gil_scoped_release release;
+          changed = VerifyExtentMap(map);
+        }
+        py::list out;
+        for (const ChangedFile& c : changed) out.append(py::make_tuple(c.path, c.what));
+        return out;
+      });
+
+  // Dropping a reader waits for its engine's I/O and joins its threads: with the GIL released.
+  py::class_<ExtentReader, GilFreeHolder<ExtentReader>>(m, "ExtentReader")
+      .def(py::init([](const ExtentMap& map, std::optional<std::string> backend,
+                       std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
+                       std::optional<py::dict> fault) {
+             EngineOptions options = EngineOptions::FromEnvironment();
+             if (backend) options.backend = *backend;
+             if (queue_depth) options.queue_depth = *queue_depth;
+             if (workers) options.workers = *workers;
+             BackendFactory factory;
+             if (fault) factory = FaultFactory(options, *fault);
+             py::gil_scoped_release release;
+             return GilFreeHolder<ExtentReader>(new ExtentReader(map, options, factory));
+           }),
+           py::arg("map"), py::arg("backend") = py::none(), py::arg("queue_depth") = py::none(),
+           py::arg("workers") = py::none(), py::arg("fault") = py::none())
+      .def_property_readonly("backend", [](const ExtentReader& r) { return r.engine().backend(); })
+      .def(
+          "read",
+          [](ExtentReader& r, const std::vector<std::tuple<size_t, uintptr_t, uint64_t>>& files) {
+            std::vector<ExtentReadRequest> requests;
+            requests.reserve(files.size());
+            for (const auto& [index, address, capacity] : files) {
+              requests.push_back({index, reinterpret_cast<void*>(address), capacity});
+            }
+            ExtentBatch batch;
+            {
+              py::gil_scoped_release release;
+              batch = r.ReadBatch(requests);
+            }
+            py::list out;
+            for (const ExtentReadResult& f : batch.files) {
+              out.append(py::make_tuple(f.bytes, f.raw, f.fallback));
+            }
+            return py::make_tuple(out, IoStatsDict(batch.io));
+          },
+          py::arg("files"),
+          "Reads (map index, address, capacity) files: [(bytes, raw, fallback reason)], stats.");
+}

@@ -1,0 +1,201 @@
+"""Extent maps: read a data set's files straight from their block device.
+
+``build_extent_map`` records where every byte of every file lies on its disk (FIEMAP, every
+extent) and each file's identity; an ``ExtentReader`` then reads files by the map with O_DIRECT
+reads of the disk, many in flight, and reads a file through the filesystem instead whenever its
+identity no longer matches the map. Raw reads need read access to the disk (root)::
+
+    from tensortier.data import ExtentReader, build_extent_map
+
+    build_extent_map("/data/train", "/data/train.extents.json")
+    reader = ExtentReader("/data/train.extents.json")
+    arrays = reader.read(["cls0/img0.jpg", "cls1/img7.jpg"])  # numpy uint8 arrays
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any, Sequence, Union
+
+from .. import _core
+from .._buffers import host_buffer
+
+ExtentMap = _core.ExtentMap
+PathLike = Union[str, "os.PathLike[str]"]
+
+__all__ = [
+    "ExtentMap",
+    "ExtentReader",
+    "build_extent_map",
+    "load_extent_map",
+    "read_files",
+    "verify_extent_map",
+]
+
+
+def build_extent_map(
+    root: PathLike,
+    output: PathLike | None = None,
+    *,
+    files: Sequence[PathLike] | None = None,
+    allow_refused: bool = False,
+) -> ExtentMap:
+    """Maps every regular file under `root` (or the `files` under it) to its extents on disk.
+
+    Args:
+        root: the data set's folder. Files are recorded relative to it.
+        output: where to write the map as JSON (written durably), or None.
+        files: map only these files (absolute, or relative to `root`) instead of walking it.
+        allow_refused: files the filesystem cannot promise (unwritten, inline, encoded,
+            encrypted, shared or sparse) are listed in ``map.refused`` instead of failing.
+
+    Returns:
+        The map: ``len(map)`` files, ``map.paths``, ``map.file(i)``, ``map.refused``.
+
+    Raises:
+        OSError: `root` cannot be walked or a file cannot be mapped (EOPNOTSUPP, naming the
+            refused files, unless `allow_refused`).
+        ValueError: a file of `files` is not under `root`, or is listed twice.
+    """
+    listed = None if files is None else [os.fspath(f) for f in files]
+    extent_map = _core.ExtentMap.build(os.fspath(root), listed, allow_refused)
+    if output is not None:
+        extent_map.save(os.fspath(output))
+    return extent_map
+
+
+def load_extent_map(path: PathLike) -> ExtentMap:
+    """Reads a map written by ``build_extent_map`` or ``tensortier extents build``.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a valid extent map (the message says where and why).
+    """
+    return _core.ExtentMap.load(os.fspath(path))
+
+
+def _as_map(extent_map: ExtentMap | PathLike) -> ExtentMap:
+    if isinstance(extent_map, _core.ExtentMap):
+        return extent_map
+    if isinstance(extent_map, (str, os.PathLike)):
+        return load_extent_map(extent_map)
+    raise TypeError(f"{type(extent_map).__name__} is not an ExtentMap or a path to one")
+
+
+def verify_extent_map(extent_map: ExtentMap | PathLike) -> list[tuple[str, str]]:
+    """Re-checks a map against the files (identity, then extents by FIEMAP).
+
+    Returns:
+        ``(path, what changed)`` for each file that no longer matches; empty when all do.
+    """
+    return list(_as_map(extent_map).verify())
+
+
+class ExtentReader:
+    """Reads files by an extent map from their block device (O_DIRECT, many in flight).
+
+    Each file's identity is checked (stat by path) before and after its raw read; a file that
+    changed since the map was built is read through the filesystem instead. ``last_stats``
+    says how the last batch went.
+
+    Args:
+        extent_map: an ExtentMap, or the path of one.
+        backend, queue_depth, workers: engine settings (default: the environment's).
+
+    Raises:
+        OSError: a disk cannot be opened for reading (EACCES: raw reads need read access to
+            the block device, usually root), is no longer the disk the map names, or refuses
+            O_DIRECT. The message names the device.
+    """
+
+    def __init__(
+        self,
+        extent_map: ExtentMap | PathLike,
+        *,
+        backend: str | None = None,
+        queue_depth: int | None = None,
+        workers: int | None = None,
+        _fault: dict[str, Any] | None = None,
+    ) -> None:
+        self.map = _as_map(extent_map)
+        self._reader = _core.ExtentReader(self.map, backend, queue_depth, workers, _fault)
+        self.last_stats: dict[str, Any] = {}
+
+    def _index(self, file: int | PathLike) -> int:
+        if not isinstance(file, (str, os.PathLike)):
+            index = operator.index(file)
+            if not 0 <= index < len(self.map):
+                raise IndexError(f"file index {index} is not in the map ({len(self.map)} files)")
+            return index
+        found = self.map.find(os.fspath(file))
+        if found is None:
+            raise ValueError(f"{os.fspath(file)!r} is not in the extent map of {self.map.root}")
+        return int(found)
+
+    def read(self, files: Sequence[int | PathLike], out: Sequence[Any] | None = None) -> list[Any]:
+        """Reads a batch of files, all in flight together.
+
+        Args:
+            files: map indices or paths (absolute, or relative to the map's root).
+            out: one writable buffer per file (numpy array, torch CPU tensor, bytearray), at
+                least the file's size in the map; None makes numpy uint8 arrays.
+
+        Returns:
+            Per file, the buffer holding its bytes: the new array, or a view of the first
+            `size` bytes of the given buffer (a numpy array or tensor sliced, else a
+            memoryview).
+
+        Raises:
+            OSError: a read failed or a file vanished (naming it), or a changed file grew past
+                its buffer (EFBIG).
+            ValueError: a path not in the map, a buffer smaller than its file.
+            IndexError: an index not in the map.
+        """
+        indices = [self._index(f) for f in files]
+        if out is None:
+            import numpy
+
+            out = [numpy.empty(self.map.file(i)["size"], dtype=numpy.uint8) for i in indices]
+        elif len(out) != len(indices):
+            raise ValueError(f"{len(out)} buffers for {len(indices)} files")
+        buffers = [host_buffer(b, writable=True) for b in out]
+        results, stats = self._reader.read(
+            [(i, b.address, b.nbytes) for i, b in zip(indices, buffers)]
+        )
+        raw = sum(1 for _, was_raw, _ in results if was_raw)
+        self.last_stats = {
+            "raw_files": raw,
+            "fallback_files": len(results) - raw,
+            "fallbacks": [(self.map.full_path(i), why) for i, (_, was_raw, why)
+                          in zip(indices, results) if not was_raw],
+            **stats,
+        }
+        return [_first_bytes(b, n) for b, (n, _, _) in zip(out, results)]
+
+    @property
+    def backend(self) -> str:
+        """The engine backend the reader uses."""
+        return str(self._reader.backend)
+
+
+def _first_bytes(buffer: Any, n: int) -> Any:
+    """The first `n` bytes of `buffer`: a flat slice of a uint8 numpy array or tensor, else a
+    memoryview of its bytes."""
+    if hasattr(buffer, "reshape") and str(getattr(buffer, "dtype", "")).endswith("uint8"):
+        flat = buffer.reshape(-1)
+        return buffer if flat.shape[0] == n and buffer.ndim == 1 else flat[:n]
+    return memoryview(buffer).cast("B")[:n]
+
+
+def read_files(
+    extent_map: ExtentMap | PathLike,
+    files: Sequence[int | PathLike],
+    out: Sequence[Any] | None = None,
+) -> list[Any]:
+    """Reads `files` by `extent_map` from the block device in one batch (see ExtentReader.read).
+
+    Opens the disks for this call only: keep an ExtentReader to read many batches.
+    """
+    reader = ExtentReader(extent_map)
+    return reader.read(files, out)
