@@ -2,7 +2,7 @@
 tensors, checkpoint_bench's) saved over an existing file of the same size, with the replaced
 file's blocks freed on a background thread after the save returns (now) and inside the rename
 as before (``_DurableFile._hold_replaced`` returning None), alternating order, median GB/s
-until durable. Used for BENCHMARKS.md's twelfth-session checkpoint section."""
+until durable. Used for BENCHMARKS.md's checkpoint section (replacing a file)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the CRC-32s of a ``.pt`` save cost: tensortier.save of one 2 GiB state dict (300 fp32
 tensors) with and without CRCs (torch.serialization.set_crc32_options), alternating order,
-median GB/s until durable. Used for BENCHMARKS.md's eleventh-session checkpoint section."""
+median GB/s until durable. Used for BENCHMARKS.md's checkpoint section (CRC-32s)."""
 
 from __future__ import annotations
 
