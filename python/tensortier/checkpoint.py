@@ -19,9 +19,13 @@ Tensor bytes always move through the I/O engine (O_DIRECT where the filesystem a
 transfers split over its workers, with the GIL released), never through Python file objects.
 
 Writes are durable: the file is written under a temporary name in the same directory
-(``.<name>.tmp-<pid>-<random>``), flushed with ``fdatasync``, renamed over the final name and the
-directory is fsynced. On any error the temporary file is removed and an existing file under the
-final name is left untouched.
+(``.<name>.tmp-<pid>-<start time>-<tag>-<random>``), flushed with ``fdatasync``, renamed over the
+final name and the directory is fsynced. On any error the temporary file is removed and an
+existing file under the final name is left untouched; the temporary files of saves into the same
+path that were killed (their process no longer runs) are removed by the next save. The replaced
+file's mode, owner and group are kept; a file the caller may not write is not replaced (as
+``torch.save`` refuses it). These rules live in C++ (include/tensortier/checkpoint_file.hpp),
+shared with the ``tensortier`` CLI.
 
 Checksums (``save(..., checksum=True)``, checked by ``load(..., verify=True)``):
 
@@ -45,7 +49,6 @@ import os
 import pickle
 import re
 import secrets
-import stat
 import string
 import sys
 import threading
@@ -167,7 +170,9 @@ def save(
             holding quantized or nested tensors, which torch cannot pickle without their data,
             are written by ``torch.save`` itself (as durably, at its speed).
         path: the file to write; its directory must exist. An existing file is replaced only
-            once the new one is complete and synced.
+            once the new one is complete and synced, keeping its mode, owner and group (the
+            owner where the caller may set it: root); one the caller may not write is not
+            replaced (``PermissionError``, as from ``torch.save``).
         format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
             -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
@@ -183,7 +188,8 @@ def save(
         TypeError: a value the format cannot store (safetensors: only tensors of its dtypes).
         ValueError: bad arguments, or tensors sharing memory in a safetensors file (save them
             with ``format="torch"``, or ``.clone()`` the duplicates).
-        OSError: the file cannot be written (nothing is left under the final name then).
+        OSError: the file cannot be written (nothing is left under the final name then); the
+            message names `path` as given first, then what failed.
     """
     fmt = _save_format(path, format)
     if metadata is not None:
@@ -198,10 +204,27 @@ def save(
     if not isinstance(checksum, bool):
         raise TypeError(f"checksum must be a bool, not {type(checksum).__name__}")
     io = _io if _io is not None else _default_io()
-    if fmt == "safetensors":
-        _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
-    else:
-        _save_torch(state_dict, path, checksum, io)
+    try:
+        if fmt == "safetensors":
+            _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
+        else:
+            _save_torch(state_dict, path, checksum, io)
+    except OSError as e:
+        raise _save_error(e, os.fspath(path)) from e
+
+
+def _save_error(e: OSError, given: str) -> OSError:
+    """`e` naming the path the caller gave first: a failure on the hidden temporary file is one
+    of saving `given`."""
+    final = os.path.realpath(given)
+    if e.filename in (given, final) and ".tmp-" not in str(e.strerror):
+        return e  # about the file itself already (read-only, a directory...)
+    detail = str(e.strerror) if e.strerror else str(e)
+    if e.filename is not None and str(e.filename) not in detail:
+        detail = f"{detail}: {e.filename!r}"
+    if e.errno is None:
+        return OSError(f"cannot save {given!r}: {detail}")
+    return OSError(e.errno, f"cannot save {given!r}: {detail}")  # the errno's subclass
 
 
 def load(
@@ -261,7 +284,8 @@ def load(
         ValueError: not a checkpoint, a malformed or unsupported file (legacy torch format,
             compressed zip entries, pickled globals ``weights_only`` refuses...), a checksum
             mismatch (naming the tensor), or a bad argument (CUDA unavailable...).
-        OSError: the file cannot be read.
+        OSError: the file cannot be read, or is not a regular file (a FIFO is refused, never
+            waited on).
     """
     dev = _target_device(device)
     target_dtype = _target_dtype(dtype)
@@ -650,44 +674,9 @@ def _crc32(t: Any, value: int = 0) -> int:
 
 
 def _tmp_name(final: str) -> str:
-    head, tail = os.path.split(final)
-    return os.path.join(head, f".{tail}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-# A temporary file nobody wrote to for this long, of a process gone from this machine, is left
-# over from a killed save. (The age spares saves running on other machines over shared storage.)
-_STALE_TMP_SECONDS = 3600.0
-
-
-def _remove_stale_temps(final: str) -> None:
-    """Remove the temporary files of earlier saves to `final` whose process was killed mid-save:
-    each is as large as the checkpoint, hidden, and nothing else would ever remove it."""
-    head, tail = os.path.split(final)
-    prefix = f".{tail}.tmp-"
-    try:
-        names = os.listdir(head)
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        pid_text, _, token = name[len(prefix):].partition("-")
-        if not pid_text.isdigit() or len(token) != 8 or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
-            continue  # alive under another user, or not a pid
-        stale = os.path.join(head, name)
-        try:
-            if now - os.lstat(stale).st_mtime >= _STALE_TMP_SECONDS:
-                os.unlink(stale)
-        except OSError:
-            pass  # gone meanwhile, or not ours to remove: not this save's problem
+    """A new temporary name for a save into `final` (see include/tensortier/checkpoint_file.hpp:
+    it names this process by pid and start time)."""
+    return _require("temporary_path_prefix")(final) + secrets.token_hex(4)
 
 
 # Replaced files whose blocks a thread is freeing: it closes the last descriptor of the old
@@ -776,34 +765,23 @@ class _DurableFile:
         # A symlink is followed (as open(path, "w") would): its target gets replaced.
         self.final = os.path.realpath(os.fspath(path))
         directory = os.path.dirname(self.final)
-        if os.path.isdir(self.final):
-            raise IsADirectoryError(errno.EISDIR, "cannot save over a directory", self.final)
         if not os.path.isdir(directory):
             raise FileNotFoundError(
                 errno.ENOENT, "the directory to save into does not exist", directory
             )
         self.directory = directory
+        # The replaced file's mode, owner and group go to the new one at commit. Refused here:
+        # a directory, a FIFO or device (the rename would replace it), a file this user may not
+        # write (a read-only checkpoint, as torch.save refuses it).
+        self._old: tuple[int, int, int] | None = _require("check_replaceable")(self.final)
         _wait_for_replaced_files()
-        _remove_stale_temps(self.final)
+        # Temporary files of saves into this path that were killed (each as large as the
+        # checkpoint, hidden, and removed by nothing else).
+        _require("remove_stale_temporary_files")(self.final)
         self.tmp = _tmp_name(self.final)
-        # The old file's permissions are kept: given to the new one at commit (created
-        # writable by its owner: from a 0444 file's mode it could not be opened for writing).
-        self._old_mode: int | None = None
-        try:
-            st = os.stat(self.final)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISREG(st.st_mode):
-                # The rename would replace a device, FIFO or socket (as root: /dev/null).
-                raise OSError(
-                    errno.EINVAL,
-                    "not a regular file: saving would replace it with a new one; save to a "
-                    "regular file's path",
-                    self.final,
-                )
-            self._old_mode = stat.S_IMODE(st.st_mode)
-        mode = 0o666 if self._old_mode is None else 0o600
+        # Created writable by its owner: from a 0444 file's mode it could not be opened for
+        # writing (root may replace such a file, as its open() may write it).
+        mode = 0o666 if self._old is None else 0o600
         fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         os.close(fd)
         self._io = io
@@ -828,8 +806,8 @@ class _DurableFile:
 
     def commit(self) -> None:
         f = self.open()
-        if self._old_mode is not None:
-            os.chmod(f.fileno(), self._old_mode)
+        if self._old is not None:
+            _require("keep_attributes")(f.fileno(), self._old, self.final)
         f.datasync()
         f.close()
         old = self._hold_replaced()
@@ -845,7 +823,7 @@ class _DurableFile:
         """A descriptor keeping the file about to be replaced alive past the rename, so that
         freeing its blocks happens when it closes instead of inside rename() (O_PATH: no read
         permission needed). None where there is no such file or it cannot be opened."""
-        if self._old_mode is None or not hasattr(os, "O_PATH"):
+        if self._old is None or not hasattr(os, "O_PATH"):
             return None
         try:
             if _core.filesystem_magic(self.directory) not in _FREES_BLOCKS_IN_RENAME:
@@ -1181,8 +1159,8 @@ def _sniff(path: str) -> str:
         raise IsADirectoryError(
             errno.EISDIR, "is a directory: pass a checkpoint file or a shard .index.json", path
         )
-    with open(path, "rb") as f:  # metadata only: the first bytes say what the file is
-        head = f.read(16)
+    # The first bytes say what the file is; a FIFO or a device is refused (never waited on).
+    head = _require("read_checkpoint_head")(path, 16)
     if len(head) >= 9 and head[8:9] == b"{" and not path.endswith(_INDEX_SUFFIX):
         return "safetensors"  # 8-byte header length, then the JSON header
     if path.endswith(_INDEX_SUFFIX) or head.lstrip()[:1] == b"{":
@@ -2082,8 +2060,7 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
 
 def _read_index(path: str) -> dict[str, list[str]]:
     """shard file path -> names it must hold, from a ``*.index.json``."""
-    with open(path, "rb") as f:
-        text = f.read(_MAX_INDEX_BYTES + 1)
+    text = _require("read_checkpoint_head")(path, _MAX_INDEX_BYTES + 1)
     if len(text) > _MAX_INDEX_BYTES:
         raise ValueError(f"{path}: larger than {_MAX_INDEX_BYTES} bytes: not a shard index")
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
