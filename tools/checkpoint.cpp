@@ -782,6 +782,13 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
   try {
     if (l.format == Format::kTorch) return ConvertTorchToSafetensors(l, in, out);
     return ConvertSafetensorsToTorch(l, in, out);
+  } catch (const FormatError&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    // What IN holds that OUT's format cannot (a name that is not UTF-8 for a JSON header).
+    const std::string what = e.what();
+    if (what.find(in) != std::string::npos) throw;
+    throw FormatError(StrCat(in, ": ", what));
   } catch (const IoError& e) {
     // A failure on the hidden temporary file is one of writing OUT: named so first.
     const std::string name = std::filesystem::path(e.path()).filename().string();

@@ -1709,7 +1709,8 @@ def _unpickle_torch(
 
         import io as pyio
 
-        unpickler = wou.Unpickler(pyio.BytesIO(pkl), encoding="utf-8")
+        stream = pyio.BytesIO(pkl)
+        unpickler = wou.Unpickler(stream, encoding="utf-8")
         unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
         # torch queues every sparse tensor it rebuilds for a check at the end of a load; meta
         # ones (load_into's pass, the check before a GPU load) must not be queued: the check
@@ -1723,10 +1724,21 @@ def _unpickle_torch(
                 f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier "
                 f"never runs other pickle code): {e}"
             ) from None
-        except (ValueError, OSError):
+        except OSError:
             raise
+        except ValueError as e:
+            if path in str(e) or (label is not None and label in str(e)):
+                raise
+            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped.
+            raise ValueError(
+                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
         except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
-            raise ValueError(f"{path}: malformed data.pkl: {type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
         finally:
             if device.type == "meta" and isinstance(sparse_queue, list):
                 del sparse_queue[queued:]
@@ -1763,6 +1775,37 @@ def _crc_check(path: str, key: str, expected: int) -> Callable[[Any], None]:
     return check
 
 
+def _verify_other_records(
+    path: str, fd: int, records: Mapping[str, _ZipRecord], checked: set[str]
+) -> None:
+    """verify=True: the CRC-32 of every zip record not in `checked` (read and checked with the
+    tensors): ``.format_version``, ``version``, ``.data/serialization_id``, records no tensor
+    uses... as ``tensortier verify`` checks every entry. An archive recording no CRC-32s
+    cannot be verified (nor can it there)."""
+    if any(r.size and not r.archive_has_crcs for r in records.values()):
+        raise ValueError(
+            f"{path}: verify=True but the file stores no CRC-32 for its records (it was saved "
+            "with torch.serialization.set_crc32_options(False); save it with "
+            "tensortier.save(..., checksum=True), or load with verify=False)"
+        )
+    for name, rec in records.items():
+        if name in checked:
+            continue
+        crc = pos = 0
+        while pos < rec.size:
+            data = os.pread(fd, min(rec.size - pos, _GROUP_BYTES), rec.offset + pos)
+            if not data:
+                raise ValueError(f"{path}: record {name} is truncated (file ended at offset "
+                                 f"{rec.offset + pos})")
+            crc = zlib.crc32(data, crc)
+            pos += len(data)
+        if crc != rec.crc32:
+            raise ValueError(
+                f"{path}: checksum mismatch in record {name!r}: stored crc32 {rec.crc32:08x}, "
+                f"data has {crc:08x}: the file is corrupt"
+            )
+
+
 def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
     if any(r.nbytes and not r.record.archive_has_crcs for r in storages):
         # torch.save writes a CRC-32 for every record unless told not to (then all are 0)
@@ -1785,7 +1828,7 @@ def _load_torch(
             records = _same_file(file, path, _zip_records)
             ranges = [(name, r.offset, r.size) for name, r in records.items()]
             whole = _map_file(file, path, ranges, mapped)
-        obj, storages, _, _, big_endian = _same_file(
+        obj, storages, records, prefix, big_endian = _same_file(
             file,
             path,
             lambda name: _unpickle_torch(
@@ -1795,6 +1838,9 @@ def _load_torch(
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
         if verify:
             _verifiable(path, refs)
+            read = {f"{prefix}data/{r.key}" for r in refs}
+            read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}  # checked while unpickling
+            _verify_other_records(path, file.fileno(), records, read)
         pieces: list[_Piece] = []
         if whole is not None:
             if verify:
@@ -2168,11 +2214,15 @@ def _describe_sources(
             for e in entries
         }
     torch = _torch()
-    obj, storages, _, _, big_endian = _same_file(
+    obj, storages, records, prefix, big_endian = _same_file(
         file,
         path,
         lambda name: _unpickle_torch(name, torch.device("meta"), label=path, verify=verify),
     )
+    if verify:  # storage records are checked as their tensors are read
+        read = {f"{prefix}data/{r.key}" for r in storages.values()}
+        read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}
+        _verify_other_records(path, file.fileno(), records, read)
     if big_endian:
         raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")
     if not isinstance(obj, Mapping):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -300,6 +301,85 @@ def test_another_user_may_not_replace_a_read_only_checkpoint(shared_dir: Path) -
 
 
 # ---- errors name the file ---------------------------------------------------------------------
+
+
+def flip_record_byte(path: Path, record: str) -> None:
+    """XORs the first byte of zip record `record` (an archive member's stored data)."""
+    with zipfile.ZipFile(path) as z:
+        names = [n for n in z.namelist() if n.endswith("/" + record)]
+        assert len(names) == 1, (record, z.namelist())
+        info = z.getinfo(names[0])
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len = int.from_bytes(f.read(2), "little")
+        extra_len = int.from_bytes(f.read(2), "little")
+        data = info.header_offset + 30 + name_len + extra_len
+        f.seek(data)
+        b = f.read(1)
+        f.seek(data)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("writer", ["tensortier", "torch"])
+@pytest.mark.parametrize(
+    "record", [".format_version", "version", ".data/serialization_id", "byteorder", "data.pkl"]
+)
+def test_load_verify_checks_every_zip_record_as_the_cli_does(
+    disk_dir: Path, writer: str, record: str
+) -> None:
+    path = disk_dir / "m.pt"
+    sd = {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, dtype=torch.int64)}
+    if writer == "torch":
+        torch.save(sd, path)
+    else:
+        tensortier.save(sd, path)
+    with zipfile.ZipFile(path) as z:
+        if not any(n.endswith("/" + record) for n in z.namelist()):
+            pytest.skip(f"this torch writes no {record}")
+    tensortier.load(path, verify=True)
+    tensortier.load_into({k: torch.empty_like(v) for k, v in sd.items()}, path, verify=True)
+    assert cli("verify", path).returncode == 0
+    flip_record_byte(path, record)
+    with pytest.raises(ValueError) as e:
+        tensortier.load(path, verify=True)
+    assert str(path) in str(e.value)
+    with pytest.raises(ValueError):
+        tensortier.load_into({k: torch.empty_like(v) for k, v in sd.items()}, path, verify=True)
+    r = cli("verify", path)
+    assert r.returncode != 0 and str(path) in r.stderr
+
+
+def test_a_corrupt_pickle_string_is_an_error_naming_the_file(disk_dir: Path) -> None:
+    path = disk_dir / "m.pt"
+    tensortier.save({"weight_of_a_layer": torch.ones(2)}, path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"weight_of_a_layer")
+    data[at] = 0x92  # not UTF-8
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as e:
+        tensortier.load(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: malformed data.pkl (at byte "), message
+    assert "UnicodeDecodeError" in message
+    for command in ("info", "verify"):  # the CLI's own pickle reader refuses it alike
+        r = cli(command, path)
+        assert r.returncode == 1, r.stdout
+        assert f"{path}: archive/data.pkl: at byte " in r.stderr, r.stderr
+        assert "string is not valid UTF-8" in r.stderr
+    r = cli("convert", path, disk_dir / "out.safetensors")
+    assert r.returncode == 1 and str(path) in r.stderr, r.stderr
+    assert not (disk_dir / "out.safetensors").exists()
+
+
+def test_a_pickled_surrogate_is_read_as_torch_load_reads_it(disk_dir: Path) -> None:
+    """Python pickles a lone surrogate ("\\ud800") and unpickles it ("surrogatepass")."""
+    path = disk_dir / "m.pt"
+    torch.save({"\ud800": torch.ones(2)}, path)
+    assert list(torch.load(path, weights_only=True)) == ["\ud800"]
+    assert list(tensortier.load(path)) == ["\ud800"]
+    assert cli("info", path).returncode == 0
+    r = cli("convert", path, disk_dir / "out.safetensors")  # no JSON string holds it
+    assert r.returncode == 1 and f"{path}: " in r.stderr, r.stderr
 
 
 @pytest.fixture
