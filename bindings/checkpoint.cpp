@@ -5,12 +5,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "tensortier/checkpoint_file.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/safetensors.hpp"
 #include "tensortier/torch_checkpoint.hpp"
@@ -132,7 +134,7 @@ void RegisterCheckpoint(py::module_& m) {
         ZipDirectory dir;
         {
           py::gil_scoped_release release;
-          dir = ReadZipDirectory(FileSource(File::Open(path, OpenMode::kRead, false)));
+          dir = ReadZipDirectory(FileSource(OpenCheckpointForReading(path, false)));
           if (require_stored) {
             for (const auto& e : dir.entries) RequireStored(e, path);
           }
@@ -155,7 +157,7 @@ void RegisterCheckpoint(py::module_& m) {
         TorchCheckpoint c;
         {
           py::gil_scoped_release release;
-          c = ReadTorchCheckpoint(FileSource(File::Open(path, OpenMode::kRead, false)));
+          c = ReadTorchCheckpoint(FileSource(OpenCheckpointForReading(path, false)));
         }
         py::list tensors;
         for (const auto& t : c.pickle.tensors) {
@@ -176,6 +178,58 @@ void RegisterCheckpoint(py::module_& m) {
       "order). Dtypes use safetensors names (F32, BF16, ..., C128; C32, F4_X2, BITS8... for "
       "torch's own); strides and offsets are in elements. ValueError for disallowed globals, "
       "legacy files, bad archives.");
+
+  m.def(
+      "read_checkpoint_head",
+      [](const std::string& path, size_t n) {
+        std::string head;
+        {
+          py::gil_scoped_release release;
+          FileSource source(OpenCheckpointForReading(path, false));
+          head.resize(static_cast<size_t>(std::min<uint64_t>(n, source.size())));
+          source.ReadAt(0, head.data(), head.size());
+        }
+        return py::bytes(head);
+      },
+      py::arg("path"), py::arg("n"),
+      "The first n bytes of a checkpoint file (fewer if it is shorter). OSError naming the path "
+      "for anything but a regular file (a FIFO is refused, never waited on).");
+  m.def(
+      "check_replaceable",
+      [](const std::string& path) -> std::optional<std::tuple<uint32_t, uint32_t, uint32_t>> {
+        std::optional<ReplacedFile> old;
+        {
+          py::gil_scoped_release release;
+          old = CheckReplaceable(path);
+        }
+        if (!old) return std::nullopt;
+        return std::make_tuple(static_cast<uint32_t>(old->mode), static_cast<uint32_t>(old->uid),
+                               static_cast<uint32_t>(old->gid));
+      },
+      py::arg("path"),
+      "Whether a save may replace path (symlinks resolved): None when no file is there, else "
+      "its (mode, uid, gid). OSError naming path for a directory, a file that is not regular, "
+      "or one this user may not write (PermissionError for a read-only file, as torch.save).");
+  m.def(
+      "keep_attributes",
+      [](int fd, const std::tuple<uint32_t, uint32_t, uint32_t>& old, const std::string& path) {
+        const auto [mode, uid, gid] = old;
+        py::gil_scoped_release release;
+        KeepAttributes(fd,
+                       ReplacedFile{static_cast<mode_t>(mode), static_cast<uid_t>(uid),
+                                    static_cast<gid_t>(gid)},
+                       path);
+      },
+      py::arg("fd"), py::arg("old"), py::arg("path"),
+      "Gives the new file fd the (mode, uid, gid) of the file at path it replaces: owner and "
+      "group where this user may set them (the group alone, or neither, otherwise).");
+  m.def("temporary_path_prefix", &TemporaryPathPrefix, py::arg("path"),
+        "'DIR/.NAME.tmp-PID-START-TAG-' for this process: a save's temporary file for path is "
+        "this followed by 8 random hex digits.");
+  m.def("remove_stale_temporary_files", &RemoveStaleTemporaryFiles, py::arg("path"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Removes the temporary files killed saves into path left behind (their process, pid and "
+        "start time, no longer runs); returns how many.");
 
   m.def(
       "xxh64",

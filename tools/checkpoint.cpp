@@ -17,6 +17,7 @@
 #include "cli.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/byte_source.hpp"
+#include "tensortier/checkpoint_file.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
@@ -142,7 +143,7 @@ struct Loaded {
 };
 
 Loaded Load(const std::string& path) {
-  FileSource source(File::Open(path, OpenMode::kRead, false));
+  FileSource source(OpenCheckpointForReading(path, false));
   Loaded out;
   out.format = Detect(source);
   if (out.format == Format::kSafetensors) {
@@ -313,7 +314,7 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
   AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
                            AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
-  File file = File::Open(path, OpenMode::kRead, true);
+  File file = OpenCheckpointForReading(path, true);
   uint64_t checked = 0;
   uint64_t unrecorded = 0;      // torch zip entries of an archive that records no CRC-32s
   bool header_checked = false;  // safetensors: tensortier.header_xxh64 compared
@@ -401,34 +402,26 @@ std::string ResolveOutput(const std::string& path) {
   ThrowIoError(ELOOP, "resolve", path);
 }
 
-// A temporary file next to the destination (".NAME.tmp-PID-RANDOM", created here with O_EXCL and
-// O_NOFOLLOW, with the old file's permissions, as tensortier.save does), removed unless Commit()
-// renamed it into place. Only a file this object created is ever removed.
+// A temporary file next to the destination (see checkpoint_file.hpp for its name; created here
+// with O_EXCL and O_NOFOLLOW), given the replaced file's owner, group and mode at Commit, as
+// tensortier.save does; removed unless Commit() renamed it into place. Only a file this object
+// created is ever removed; temporary files of killed saves into the same path go first.
 class PendingFile {
  public:
   explicit PendingFile(const std::string& out) : final_(ResolveOutput(out)) {
-    namespace fs = std::filesystem;
-    if (fs::is_directory(final_)) ThrowIoError(EISDIR, "save over a directory", final_);
+    old_ = CheckReplaceable(final_);
+    RemoveStaleTemporaryFiles(final_);
     // The temporary file is made writable by its owner (an old file of mode 0444 would make one
     // that cannot be opened for writing) and given the old file's mode at Commit.
-    mode_t mode = 0666;
-    struct stat st;
-    if (stat(final_.c_str(), &st) == 0) {
-      // A rename over a device, FIFO or socket would replace it (as root: /dev/null).
-      if (!S_ISREG(st.st_mode)) ThrowIoError(EINVAL, "replace a file that is not regular", final_);
-      old_mode_ = st.st_mode & 07777;
-      mode = 0600;
-    }
-    const fs::path f(final_);
+    const mode_t mode = old_ ? 0600 : 0666;
+    const std::string prefix = TemporaryPathPrefix(final_);
     temp_ = CreateUniqueFile(
         [&](uint32_t n) {
           char suffix[9];
           std::snprintf(suffix, sizeof(suffix), "%08x", n);
-          return (f.parent_path() /
-                  StrCat(".", f.filename().string(), ".tmp-", getpid(), "-", suffix))
-              .string();
+          return prefix + suffix;
         },
-        mode, "create");
+        mode, "save (creating its temporary file)", final_);
     created_ = true;
   }
   ~PendingFile() {
@@ -439,8 +432,7 @@ class PendingFile {
   const std::string& temp() const { return temp_; }
   // fsync'd data, then an atomic rename, then the directory entry made durable.
   void Commit(const File& file) {
-    if (old_mode_ && fchmod(file.buffered_fd(), *old_mode_) != 0)
-      ThrowIoError(errno, "chmod", temp_);
+    if (old_) KeepAttributes(file.buffered_fd(), *old_, final_);
     file.DataSync();
     if (rename(temp_.c_str(), final_.c_str()) != 0) ThrowIoError(errno, "rename", temp_);
     committed_ = true;
@@ -459,7 +451,7 @@ class PendingFile {
  private:
   std::string final_;
   std::string temp_;
-  std::optional<mode_t> old_mode_;  // the replaced file's
+  std::optional<ReplacedFile> old_;  // what is replaced
   bool created_ = false;
   bool committed_ = false;
 };
@@ -532,7 +524,7 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
                            AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
-  File src = File::Open(in, OpenMode::kRead, true);
+  File src = OpenCheckpointForReading(in, true);
   PendingFile pending(out);
   File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
   dst.Allocate(0, data_start + data);
@@ -702,7 +694,7 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
                            AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
-  File src = File::Open(in, OpenMode::kRead, true);
+  File src = OpenCheckpointForReading(in, true);
   PendingFile pending(out);
   File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
   dst.Allocate(0, file_size);
@@ -792,7 +784,7 @@ constexpr uint64_t kMaxIndexBytes = 64u << 20;
 // length (whose bytes may be '{' or spaces themselves), an index is JSON from its first byte.
 bool IsShardIndex(const std::string& path) {
   if (path.ends_with(".index.json")) return true;
-  FileSource source(File::Open(path, OpenMode::kRead, false));
+  FileSource source(OpenCheckpointForReading(path, false));
   char head[16] = {};
   const uint64_t n = std::min<uint64_t>(source.size(), sizeof(head));
   source.ReadAt(0, head, n);
@@ -805,7 +797,7 @@ bool IsShardIndex(const std::string& path) {
 }
 
 std::vector<Shard> ReadShardIndex(const std::string& path) {
-  FileSource source(File::Open(path, OpenMode::kRead, false));
+  FileSource source(OpenCheckpointForReading(path, false));
   if (source.size() > kMaxIndexBytes) {
     throw FormatError(
         StrCat(path, ": larger than ", FormatSize(kMaxIndexBytes), ": not a shard index"));
@@ -907,8 +899,24 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
   Loaded l = Load(in);
   RequireConvertibleOutput(in, out,
                            l.format == Format::kTorch ? Format::kSafetensors : Format::kTorch);
-  if (l.format == Format::kTorch) return ConvertTorchToSafetensors(l, in, out);
-  return ConvertSafetensorsToTorch(l, in, out);
+  try {
+    if (l.format == Format::kTorch) return ConvertTorchToSafetensors(l, in, out);
+    return ConvertSafetensorsToTorch(l, in, out);
+  } catch (const FormatError&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    // What IN holds that OUT's format cannot (a name that is not UTF-8 for a JSON header).
+    const std::string what = e.what();
+    if (what.find(in) != std::string::npos) throw;
+    throw FormatError(StrCat(in, ": ", what));
+  } catch (const IoError& e) {
+    // A failure on the hidden temporary file is one of writing OUT: named so first.
+    const std::string name = std::filesystem::path(e.path()).filename().string();
+    const std::string out_name = std::filesystem::path(out).filename().string();
+    if (!name.starts_with(StrCat(".", out_name, ".tmp-"))) throw;
+    throw IoError(e.error_code(), StrCat("write '", out, "': ", e.op()), e.path(), e.offset(),
+                  e.length());
+  }
 }
 
 int RunInfoImpl(const std::vector<std::string>& argv) {

@@ -53,6 +53,10 @@ class JsonReader {
   size_t pos_ = 0;
 };
 
+// Whether `s` is well-formed UTF-8 (RFC 3629: no overlongs, nothing above U+10FFFF; no surrogates
+// unless `surrogates`, as Python's "surrogatepass" decoding of pickled strings allows).
+bool IsUtf8(std::string_view s, bool surrogates = false);
+
 // `s` as a JSON string literal, quotes included. Throws std::invalid_argument if `s` is not UTF-8.
 std::string JsonQuote(std::string_view s);
 

@@ -19,9 +19,13 @@ Tensor bytes always move through the I/O engine (O_DIRECT where the filesystem a
 transfers split over its workers, with the GIL released), never through Python file objects.
 
 Writes are durable: the file is written under a temporary name in the same directory
-(``.<name>.tmp-<pid>-<random>``), flushed with ``fdatasync``, renamed over the final name and the
-directory is fsynced. On any error the temporary file is removed and an existing file under the
-final name is left untouched.
+(``.<name>.tmp-<pid>-<start time>-<tag>-<random>``), flushed with ``fdatasync``, renamed over the
+final name and the directory is fsynced. On any error the temporary file is removed and an
+existing file under the final name is left untouched; the temporary files of saves into the same
+path that were killed (their process no longer runs) are removed by the next save. The replaced
+file's mode, owner and group are kept; a file the caller may not write is not replaced (as
+``torch.save`` refuses it). These rules live in C++ (include/tensortier/checkpoint_file.hpp),
+shared with the ``tensortier`` CLI.
 
 Checksums (``save(..., checksum=True)``, checked by ``load(..., verify=True)``):
 
@@ -45,7 +49,6 @@ import os
 import pickle
 import re
 import secrets
-import stat
 import string
 import sys
 import threading
@@ -167,7 +170,9 @@ def save(
             holding quantized or nested tensors, which torch cannot pickle without their data,
             are written by ``torch.save`` itself (as durably, at its speed).
         path: the file to write; its directory must exist. An existing file is replaced only
-            once the new one is complete and synced.
+            once the new one is complete and synced, keeping its mode, owner and group (the
+            owner where the caller may set it: root); one the caller may not write is not
+            replaced (``PermissionError``, as from ``torch.save``).
         format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
             -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
@@ -183,7 +188,8 @@ def save(
         TypeError: a value the format cannot store (safetensors: only tensors of its dtypes).
         ValueError: bad arguments, or tensors sharing memory in a safetensors file (save them
             with ``format="torch"``, or ``.clone()`` the duplicates).
-        OSError: the file cannot be written (nothing is left under the final name then).
+        OSError: the file cannot be written (nothing is left under the final name then); the
+            message names `path` as given first, then what failed.
     """
     fmt = _save_format(path, format)
     if metadata is not None:
@@ -198,10 +204,27 @@ def save(
     if not isinstance(checksum, bool):
         raise TypeError(f"checksum must be a bool, not {type(checksum).__name__}")
     io = _io if _io is not None else _default_io()
-    if fmt == "safetensors":
-        _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
-    else:
-        _save_torch(state_dict, path, checksum, io)
+    try:
+        if fmt == "safetensors":
+            _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
+        else:
+            _save_torch(state_dict, path, checksum, io)
+    except OSError as e:
+        raise _save_error(e, os.fspath(path)) from e
+
+
+def _save_error(e: OSError, given: str) -> OSError:
+    """`e` naming the path the caller gave first: a failure on the hidden temporary file is one
+    of saving `given`."""
+    final = os.path.realpath(given)
+    if e.filename in (given, final) and ".tmp-" not in str(e.strerror):
+        return e  # about the file itself already (read-only, a directory...)
+    detail = str(e.strerror) if e.strerror else str(e)
+    if e.filename is not None and str(e.filename) not in detail:
+        detail = f"{detail}: {e.filename!r}"
+    if e.errno is None:
+        return OSError(f"cannot save {given!r}: {detail}")
+    return OSError(e.errno, f"cannot save {given!r}: {detail}")  # the errno's subclass
 
 
 def load(
@@ -261,7 +284,8 @@ def load(
         ValueError: not a checkpoint, a malformed or unsupported file (legacy torch format,
             compressed zip entries, pickled globals ``weights_only`` refuses...), a checksum
             mismatch (naming the tensor), or a bad argument (CUDA unavailable...).
-        OSError: the file cannot be read.
+        OSError: the file cannot be read, or is not a regular file (a FIFO is refused, never
+            waited on).
     """
     dev = _target_device(device)
     target_dtype = _target_dtype(dtype)
@@ -650,44 +674,9 @@ def _crc32(t: Any, value: int = 0) -> int:
 
 
 def _tmp_name(final: str) -> str:
-    head, tail = os.path.split(final)
-    return os.path.join(head, f".{tail}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-# A temporary file nobody wrote to for this long, of a process gone from this machine, is left
-# over from a killed save. (The age spares saves running on other machines over shared storage.)
-_STALE_TMP_SECONDS = 3600.0
-
-
-def _remove_stale_temps(final: str) -> None:
-    """Remove the temporary files of earlier saves to `final` whose process was killed mid-save:
-    each is as large as the checkpoint, hidden, and nothing else would ever remove it."""
-    head, tail = os.path.split(final)
-    prefix = f".{tail}.tmp-"
-    try:
-        names = os.listdir(head)
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        pid_text, _, token = name[len(prefix):].partition("-")
-        if not pid_text.isdigit() or len(token) != 8 or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
-            continue  # alive under another user, or not a pid
-        stale = os.path.join(head, name)
-        try:
-            if now - os.lstat(stale).st_mtime >= _STALE_TMP_SECONDS:
-                os.unlink(stale)
-        except OSError:
-            pass  # gone meanwhile, or not ours to remove: not this save's problem
+    """A new temporary name for a save into `final` (see include/tensortier/checkpoint_file.hpp:
+    it names this process by pid and start time)."""
+    return _require("temporary_path_prefix")(final) + secrets.token_hex(4)
 
 
 # Replaced files whose blocks a thread is freeing: it closes the last descriptor of the old
@@ -776,34 +765,23 @@ class _DurableFile:
         # A symlink is followed (as open(path, "w") would): its target gets replaced.
         self.final = os.path.realpath(os.fspath(path))
         directory = os.path.dirname(self.final)
-        if os.path.isdir(self.final):
-            raise IsADirectoryError(errno.EISDIR, "cannot save over a directory", self.final)
         if not os.path.isdir(directory):
             raise FileNotFoundError(
                 errno.ENOENT, "the directory to save into does not exist", directory
             )
         self.directory = directory
+        # The replaced file's mode, owner and group go to the new one at commit. Refused here:
+        # a directory, a FIFO or device (the rename would replace it), a file this user may not
+        # write (a read-only checkpoint, as torch.save refuses it).
+        self._old: tuple[int, int, int] | None = _require("check_replaceable")(self.final)
         _wait_for_replaced_files()
-        _remove_stale_temps(self.final)
+        # Temporary files of saves into this path that were killed (each as large as the
+        # checkpoint, hidden, and removed by nothing else).
+        _require("remove_stale_temporary_files")(self.final)
         self.tmp = _tmp_name(self.final)
-        # The old file's permissions are kept: given to the new one at commit (created
-        # writable by its owner: from a 0444 file's mode it could not be opened for writing).
-        self._old_mode: int | None = None
-        try:
-            st = os.stat(self.final)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISREG(st.st_mode):
-                # The rename would replace a device, FIFO or socket (as root: /dev/null).
-                raise OSError(
-                    errno.EINVAL,
-                    "not a regular file: saving would replace it with a new one; save to a "
-                    "regular file's path",
-                    self.final,
-                )
-            self._old_mode = stat.S_IMODE(st.st_mode)
-        mode = 0o666 if self._old_mode is None else 0o600
+        # Created writable by its owner: from a 0444 file's mode it could not be opened for
+        # writing (root may replace such a file, as its open() may write it).
+        mode = 0o666 if self._old is None else 0o600
         fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         os.close(fd)
         self._io = io
@@ -828,8 +806,8 @@ class _DurableFile:
 
     def commit(self) -> None:
         f = self.open()
-        if self._old_mode is not None:
-            os.chmod(f.fileno(), self._old_mode)
+        if self._old is not None:
+            _require("keep_attributes")(f.fileno(), self._old, self.final)
         f.datasync()
         f.close()
         old = self._hold_replaced()
@@ -845,7 +823,7 @@ class _DurableFile:
         """A descriptor keeping the file about to be replaced alive past the rename, so that
         freeing its blocks happens when it closes instead of inside rename() (O_PATH: no read
         permission needed). None where there is no such file or it cannot be opened."""
-        if self._old_mode is None or not hasattr(os, "O_PATH"):
+        if self._old is None or not hasattr(os, "O_PATH"):
             return None
         try:
             if _core.filesystem_magic(self.directory) not in _FREES_BLOCKS_IN_RENAME:
@@ -1181,8 +1159,8 @@ def _sniff(path: str) -> str:
         raise IsADirectoryError(
             errno.EISDIR, "is a directory: pass a checkpoint file or a shard .index.json", path
         )
-    with open(path, "rb") as f:  # metadata only: the first bytes say what the file is
-        head = f.read(16)
+    # The first bytes say what the file is; a FIFO or a device is refused (never waited on).
+    head = _require("read_checkpoint_head")(path, 16)
     if len(head) >= 9 and head[8:9] == b"{" and not path.endswith(_INDEX_SUFFIX):
         return "safetensors"  # 8-byte header length, then the JSON header
     if path.endswith(_INDEX_SUFFIX) or head.lstrip()[:1] == b"{":
@@ -1731,7 +1709,8 @@ def _unpickle_torch(
 
         import io as pyio
 
-        unpickler = wou.Unpickler(pyio.BytesIO(pkl), encoding="utf-8")
+        stream = pyio.BytesIO(pkl)
+        unpickler = wou.Unpickler(stream, encoding="utf-8")
         unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
         # torch queues every sparse tensor it rebuilds for a check at the end of a load; meta
         # ones (load_into's pass, the check before a GPU load) must not be queued: the check
@@ -1745,10 +1724,21 @@ def _unpickle_torch(
                 f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier "
                 f"never runs other pickle code): {e}"
             ) from None
-        except (ValueError, OSError):
+        except OSError:
             raise
+        except ValueError as e:
+            if path in str(e) or (label is not None and label in str(e)):
+                raise
+            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped.
+            raise ValueError(
+                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
         except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
-            raise ValueError(f"{path}: malformed data.pkl: {type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
         finally:
             if device.type == "meta" and isinstance(sparse_queue, list):
                 del sparse_queue[queued:]
@@ -1785,6 +1775,37 @@ def _crc_check(path: str, key: str, expected: int) -> Callable[[Any], None]:
     return check
 
 
+def _verify_other_records(
+    path: str, fd: int, records: Mapping[str, _ZipRecord], checked: set[str]
+) -> None:
+    """verify=True: the CRC-32 of every zip record not in `checked` (read and checked with the
+    tensors): ``.format_version``, ``version``, ``.data/serialization_id``, records no tensor
+    uses... as ``tensortier verify`` checks every entry. An archive recording no CRC-32s
+    cannot be verified (nor can it there)."""
+    if any(r.size and not r.archive_has_crcs for r in records.values()):
+        raise ValueError(
+            f"{path}: verify=True but the file stores no CRC-32 for its records (it was saved "
+            "with torch.serialization.set_crc32_options(False); save it with "
+            "tensortier.save(..., checksum=True), or load with verify=False)"
+        )
+    for name, rec in records.items():
+        if name in checked:
+            continue
+        crc = pos = 0
+        while pos < rec.size:
+            data = os.pread(fd, min(rec.size - pos, _GROUP_BYTES), rec.offset + pos)
+            if not data:
+                raise ValueError(f"{path}: record {name} is truncated (file ended at offset "
+                                 f"{rec.offset + pos})")
+            crc = zlib.crc32(data, crc)
+            pos += len(data)
+        if crc != rec.crc32:
+            raise ValueError(
+                f"{path}: checksum mismatch in record {name!r}: stored crc32 {rec.crc32:08x}, "
+                f"data has {crc:08x}: the file is corrupt"
+            )
+
+
 def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
     if any(r.nbytes and not r.record.archive_has_crcs for r in storages):
         # torch.save writes a CRC-32 for every record unless told not to (then all are 0)
@@ -1807,7 +1828,7 @@ def _load_torch(
             records = _same_file(file, path, _zip_records)
             ranges = [(name, r.offset, r.size) for name, r in records.items()]
             whole = _map_file(file, path, ranges, mapped)
-        obj, storages, _, _, big_endian = _same_file(
+        obj, storages, records, prefix, big_endian = _same_file(
             file,
             path,
             lambda name: _unpickle_torch(
@@ -1817,6 +1838,9 @@ def _load_torch(
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
         if verify:
             _verifiable(path, refs)
+            read = {f"{prefix}data/{r.key}" for r in refs}
+            read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}  # checked while unpickling
+            _verify_other_records(path, file.fileno(), records, read)
         pieces: list[_Piece] = []
         if whole is not None:
             if verify:
@@ -2082,8 +2106,7 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
 
 def _read_index(path: str) -> dict[str, list[str]]:
     """shard file path -> names it must hold, from a ``*.index.json``."""
-    with open(path, "rb") as f:
-        text = f.read(_MAX_INDEX_BYTES + 1)
+    text = _require("read_checkpoint_head")(path, _MAX_INDEX_BYTES + 1)
     if len(text) > _MAX_INDEX_BYTES:
         raise ValueError(f"{path}: larger than {_MAX_INDEX_BYTES} bytes: not a shard index")
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -2191,11 +2214,15 @@ def _describe_sources(
             for e in entries
         }
     torch = _torch()
-    obj, storages, _, _, big_endian = _same_file(
+    obj, storages, records, prefix, big_endian = _same_file(
         file,
         path,
         lambda name: _unpickle_torch(name, torch.device("meta"), label=path, verify=verify),
     )
+    if verify:  # storage records are checked as their tensors are read
+        read = {f"{prefix}data/{r.key}" for r in storages.values()}
+        read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}
+        _verify_other_records(path, file.fileno(), records, read)
     if big_endian:
         raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")
     if not isinstance(obj, Mapping):

@@ -9,8 +9,8 @@ namespace tensortier {
 namespace {
 
 // Length of the well-formed UTF-8 sequence starting at p (RFC 3629: no overlongs, no surrogates,
-// nothing above U+10FFFF), or 0 when it is not one.
-size_t Utf8Length(const unsigned char* p, size_t avail) {
+// nothing above U+10FFFF; surrogates only with `surrogates`), or 0 when it is not one.
+size_t Utf8Length(const unsigned char* p, size_t avail, bool surrogates = false) {
   unsigned char c = p[0];
   if (c < 0x80) return 1;
   size_t n;
@@ -20,7 +20,7 @@ size_t Utf8Length(const unsigned char* p, size_t avail) {
   } else if (c >= 0xE0 && c <= 0xEF) {
     n = 3;
     if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
+    if (c == 0xED && !surrogates) hi = 0x9F;
   } else if (c >= 0xF0 && c <= 0xF4) {
     n = 4;
     if (c == 0xF0) lo = 0x90;
@@ -285,6 +285,16 @@ uint64_t JsonReader::ReadUint() {
     Fail("expected an integer, found a fraction or exponent");
   }
   return v;
+}
+
+bool IsUtf8(std::string_view s, bool surrogates) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = Utf8Length(p + i, s.size() - i, surrogates);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
 }
 
 std::string JsonQuote(std::string_view s) {

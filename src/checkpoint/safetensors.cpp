@@ -8,6 +8,7 @@
 
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/byte_source.hpp"
+#include "tensortier/checkpoint_file.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/format_error.hpp"
 #include "tensortier/json.hpp"
@@ -322,7 +323,7 @@ uint64_t SafetensorsHeaderDigest(const std::vector<SafetensorsEntry>& entries,
 }
 
 SafetensorsFileInfo ReadSafetensorsHeader(const std::string& path) {
-  return ReadSafetensorsHeader(File::Open(path, OpenMode::kRead, /*direct=*/false));
+  return ReadSafetensorsHeader(OpenCheckpointForReading(path, /*direct=*/false));
 }
 
 }  // namespace tensortier

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "tensortier/format_error.hpp"
+#include "tensortier/json.hpp"
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
@@ -437,6 +438,11 @@ class Vm {
           if (n > data_.size() - pos_) Fail("truncated pickle");
           const char* p = reinterpret_cast<const char*>(Take(n));
           bool text = op == 'X' || op == 0x8c || op == 0x8d;
+          // Python's unpickler decodes these as UTF-8 ("surrogatepass"); torch.load refuses
+          // anything else.
+          if (text && !IsUtf8(std::string_view(p, n), /*surrogates=*/true)) {
+            Fail("string is not valid UTF-8");
+          }
           Push(Scalar(text ? Kind::kStr : Kind::kBytes, 0, std::string(p, n)));
           break;
         }

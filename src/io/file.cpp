@@ -95,13 +95,15 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
       break;
   }
   impl->writable = mode != OpenMode::kRead;
-  impl->buffered_fd = RetryOpen(path.c_str(), flags, 0644);
+  // Non-blocking for the open only: opening a FIFO would otherwise wait for its other end forever
+  // (the engine's preads then fail on it at once, with ESPIPE).
+  impl->buffered_fd = RetryOpen(path.c_str(), flags | O_NONBLOCK, 0644);
   if (impl->buffered_fd < 0 && errno == EACCES && impl->writable) {
     // A file we may write but not read (mode 0200, as DeepNVMe's O_WRONLY opens allow): opened
     // write-only; reads through it are refused by the engine with EBADF.
     const int access_error = errno;
     const int write_only = (flags & ~O_RDWR) | O_WRONLY;
-    impl->buffered_fd = RetryOpen(path.c_str(), write_only, 0644);
+    impl->buffered_fd = RetryOpen(path.c_str(), write_only | O_NONBLOCK, 0644);
     if (impl->buffered_fd >= 0) {
       flags = write_only;  // the O_DIRECT descriptor too
       impl->readable = false;
@@ -110,10 +112,19 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
     }
   }
   if (impl->buffered_fd < 0) ThrowIoError(errno, "open", path);
+  const int status_flags = fcntl(impl->buffered_fd, F_GETFL);
+  if (status_flags < 0 || fcntl(impl->buffered_fd, F_SETFL, status_flags & ~O_NONBLOCK) != 0) {
+    ThrowIoError(errno, "fcntl", path);
+  }
   struct stat st{};
   if (fstat(impl->buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", path);
   if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open", path);
   if (!direct) return File{std::move(impl)};
+  if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
+    // A FIFO, socket or character device: no O_DIRECT (nor a second, blocking open of a FIFO).
+    impl->fallback_reason = "not a regular file or block device: O_DIRECT not tried";
+    return File{std::move(impl)};
+  }
 
   // Ask the filesystem for its O_DIRECT rules; a zero alignment means it does not support it.
   struct statx stx{};

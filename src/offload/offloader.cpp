@@ -7,13 +7,13 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
-#include <fstream>
-#include <sstream>
+#include <limits>
 #include <stdexcept>
 #include <unordered_set>
 
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/process_identity.hpp"
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
@@ -22,28 +22,11 @@ namespace {
 constexpr std::string_view kFilePrefix = "tensortier-offload-";
 constexpr std::string_view kFileSuffix = ".bin";
 
-// The start time of process `pid` in clock ticks since boot (field 22 of /proc/PID/stat), or ""
-// when it does not run. With the pid it names a process uniquely, even after pid reuse.
-std::string ProcessStartTime(const std::string& pid) {
-  std::ifstream in("/proc/" + pid + "/stat");
-  std::string stat;
-  if (!in || !std::getline(in, stat)) return "";
-  // The command name (field 2) is in parentheses and may hold spaces: count fields after it.
-  const size_t close = stat.rfind(')');
-  if (close == std::string::npos) return "";
-  std::istringstream fields(stat.substr(close + 2));
-  std::string field;
-  for (int i = 3; i <= 22 && (fields >> field); ++i) {
-    if (i == 22) return field;
-  }
-  return "";
-}
-
 // "<prefix><pid>-<start>-" for this process. Not cached: a child made by fork() is another
 // process, and its files must carry its own pid to be recognised as stale once it dies.
 std::string ProcessFileStem() {
   const std::string pid = std::to_string(getpid());
-  return StrCat(kFilePrefix, pid, "-", ProcessStartTime(pid), "-");
+  return StrCat(kFilePrefix, pid, "-", ProcessStartTime(getpid()), "-");
 }
 
 std::atomic<uint64_t> next_instance{0};
@@ -61,7 +44,9 @@ bool IsStale(std::string_view name) {
   uint64_t pid_number = 0;
   auto [end, ec] = std::from_chars(pid.data(), pid.data() + pid.size(), pid_number);
   if (ec != std::errc() || end != pid.data() + pid.size() || pid_number == 0) return false;
-  return ProcessStartTime(std::string(pid)) != start;
+  // A number no pid can be names no running process.
+  if (pid_number > static_cast<uint64_t>(std::numeric_limits<pid_t>::max())) return true;
+  return ProcessStartTime(static_cast<pid_t>(pid_number)) != start;
 }
 
 }  // namespace

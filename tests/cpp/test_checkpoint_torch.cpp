@@ -217,6 +217,18 @@ TEST(CheckpointTorch, RefusesAFrameLongerThanTheRestOfThePickle) {
   EXPECT_EQ(ParseTorchPickle(framed(0)).other_values, 0u);
 }
 
+// Python's unpickler decodes pickled strings as UTF-8 ("surrogatepass"): torch.load refuses a
+// file holding other bytes in one, and so does this reader, naming where.
+TEST(CheckpointTorch, RefusesStringsThatAreNotUtf8) {
+  EXPECT_TRUE(PickleRejects(kProto + "}X\x01\x00\x00\x00\x92K\x01s."s,
+                            "test.pkl: at byte 3: string is not valid UTF-8"));
+  EXPECT_TRUE(PickleRejects(kProto + "\x8c\x02\xc3\x28."s, "string is not valid UTF-8"));
+  EXPECT_TRUE(PickleRejects(kProto + "\x8c\x02\xc0\x80."s, "string is not valid UTF-8"));
+  // A lone surrogate, as Python pickles "\ud800"; and bytes (C) are not text.
+  EXPECT_NO_THROW(ParseTorchPickle(kProto + "\x8c\x03\xed\xa0\x80."s));
+  EXPECT_NO_THROW(ParseTorchPickle(kProto + "C\x01\x92."s));
+}
+
 TEST(CheckpointTorch, RefusesCyclesAndDeepNesting) {
   // l = []; l.append(l)
   EXPECT_TRUE(PickleRejects(kProto + "]q\x00h\x00"s

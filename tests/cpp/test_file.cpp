@@ -527,5 +527,21 @@ TEST_F(RamfsFileTest, BufferedOpenIsNotAFallback) {
   EXPECT_FALSE(w.stats.direct_fallback);
 }
 
+// Opening a FIFO with no writer waits for one forever in a blocking open(); File::Open returns
+// (buffered, no O_DIRECT), and the engine's preads then fail at once (ESPIPE).
+TEST(FileFifoTest, OpeningAFifoDoesNotWaitForAWriter) {
+  TempDir dir;
+  const std::string fifo = dir.File("fifo");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0);
+  for (bool direct : {false, true}) {
+    File f = File::Open(fifo, OpenMode::kRead, direct);
+    EXPECT_FALSE(f.direct());
+    EXPECT_EQ(fcntl(f.buffered_fd(), F_GETFL) & O_NONBLOCK, 0);  // blocking again once open
+    char byte;
+    EXPECT_EQ(pread(f.buffered_fd(), &byte, 1, 0), -1);
+    EXPECT_EQ(errno, ESPIPE);
+  }
+}
+
 }  // namespace
 }  // namespace tensortier
