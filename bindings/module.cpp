@@ -25,6 +25,7 @@ using namespace tensortier;
 
 void RegisterCheckpoint(py::module_& m);  // bindings/checkpoint.cpp
 void RegisterTransfer(py::module_& m);    // bindings/transfer.cpp
+void RegisterShared(py::module_& m);      // bindings/shared.cpp
 
 namespace {
 
@@ -375,7 +376,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "filesystem_magic",
       [](const std::string& path) {
-        struct statfs st{};
+        struct statfs st {};
         int rc;
         {
           py::gil_scoped_release release;  // a network filesystem can take its time
@@ -449,4 +450,5 @@ PYBIND11_MODULE(_core, m) {
       py::arg("fd"), py::arg("offset"), py::arg("length"));
   RegisterCheckpoint(m);
   RegisterTransfer(m);
+  RegisterShared(m);
 }

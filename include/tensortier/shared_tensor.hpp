@@ -9,6 +9,9 @@
 //
 // Layouts: kContinuous maps every partition, in rank order, into one reserved address range, so
 // each process sees the whole tensor as one array; kChunked maps each partition on its own.
+// kDistributed partitions are never mapped by other processes (they may be on other machines):
+// the Python layer moves their rows through torch.distributed; here it only names the layout,
+// so that ranks agree on it (Agree) and partition it (PartitionRows) the same way.
 //
 // Collective calls (the SharedGroup constructor, Create, Barrier) must be made by every rank in
 // the same order. Ranks that disagree on a call all get std::invalid_argument naming who asked
@@ -28,9 +31,9 @@
 
 namespace tensortier {
 
-enum class SharedLayout { kContinuous, kChunked };
+enum class SharedLayout { kContinuous, kChunked, kDistributed };
 
-// "continuous" / "chunked"; Parse throws std::invalid_argument for anything else.
+// "continuous" / "chunked" / "distributed"; Parse throws std::invalid_argument for anything else.
 const char* SharedLayoutName(SharedLayout layout);
 SharedLayout ParseSharedLayout(const std::string& name);
 
@@ -141,7 +144,8 @@ class SharedGroup {
   // Connections refused because the peer ran as another user.
   uint64_t refused_peers() const;
 
-  // Collective: every rank passes an equal spec (else std::invalid_argument on all).
+  // Collective: every rank passes an equal spec (else std::invalid_argument on all). The
+  // layout is kContinuous or kChunked.
   std::shared_ptr<SharedTensor> Create(const SharedTensorSpec& spec);
   // Not collective: maps a named tensor that the group created (its owners must still hold it).
   std::shared_ptr<SharedTensor> Attach(const std::string& name);
@@ -149,6 +153,9 @@ class SharedGroup {
   void Barrier(const std::string& what);
   // Collective exchange of one string per rank (the control path of the layers above).
   std::vector<std::string> AllGather(const std::string& what, const std::string& value);
+  // Collective: returns when every rank passed an equal `value`; otherwise every rank throws
+  // std::invalid_argument naming which ranks passed what (`what` starts the message).
+  void Agree(const std::string& what, const std::string& value);
 
   // Closes every tensor this group created or attached and stops serving. Idempotent; not
   // collective (peers still mapping this rank's memory keep it).
@@ -166,6 +173,7 @@ class SharedGroup {
   std::chrono::milliseconds timeout_;
   std::string prefix_;
   std::string token_;
+  std::string socket_name_;
   uint64_t next_collective_ = 0;
   std::shared_ptr<Server> server_;
   std::vector<std::weak_ptr<SharedTensor>> tensors_;

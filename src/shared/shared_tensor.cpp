@@ -77,13 +77,23 @@ std::atomic<uint64_t> g_groups_created{0};
 // Spec and partitioning
 
 const char* SharedLayoutName(SharedLayout layout) {
-  return layout == SharedLayout::kContinuous ? "continuous" : "chunked";
+  switch (layout) {
+    case SharedLayout::kContinuous:
+      return "continuous";
+    case SharedLayout::kChunked:
+      return "chunked";
+    case SharedLayout::kDistributed:
+      return "distributed";
+  }
+  return "?";
 }
 
 SharedLayout ParseSharedLayout(const std::string& name) {
   if (name == "continuous") return SharedLayout::kContinuous;
   if (name == "chunked") return SharedLayout::kChunked;
-  throw std::invalid_argument(StrCat("layout must be 'continuous' or 'chunked', not '", name, "'"));
+  if (name == "distributed") return SharedLayout::kDistributed;
+  throw std::invalid_argument(
+      StrCat("layout must be 'continuous', 'chunked' or 'distributed', not '", name, "'"));
 }
 
 uint64_t SharedTensorSpec::rows() const {
@@ -347,7 +357,8 @@ SharedGroup::SharedGroup(std::shared_ptr<Store> store, int rank, int world_size,
                    key);
     }
   }
-  server_ = std::make_shared<Server>(StrCat("tensortier.", token_, ".", rank_));
+  socket_name_ = StrCat("tensortier.", token_, ".", rank_);
+  server_ = std::make_shared<Server>(socket_name_);
   Barrier("shared group start");
 }
 
@@ -356,7 +367,7 @@ SharedGroup::~SharedGroup() {
 }
 
 const std::string& SharedGroup::socket_name() const noexcept {
-  return server_->name;
+  return socket_name_;
 }
 
 uint64_t SharedGroup::refused_peers() const {
@@ -399,28 +410,38 @@ void SharedGroup::Barrier(const std::string& what) {
   AllGather(what, "");
 }
 
+void SharedGroup::Agree(const std::string& what, const std::string& value) {
+  std::vector<std::string> all = AllGather(what, value);
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) {
+    return;
+  }
+  std::map<std::string, std::string> ranks_by_value;
+  for (int r = 0; r < world_size_; ++r) {
+    auto& ranks = ranks_by_value[all[r]];
+    ranks += StrCat(ranks.empty() ? "" : ",", r);
+  }
+  std::string msg = StrCat(what, ": ranks disagree:");
+  for (const auto& [v, ranks] : ranks_by_value)
+    msg += StrCat(" rank ", ranks, " asked for ", v, ";");
+  msg.pop_back();
+  throw std::invalid_argument(msg);
+}
+
 std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec) {
   for (int64_t d : spec.shape) {
     if (d < 0) throw std::invalid_argument(StrCat("negative dimension in ", spec.Describe()));
   }
   if (spec.element_size == 0) throw std::invalid_argument("element_size must be positive");
-  std::string mine = spec.Describe();
-  std::vector<std::string> all = AllGather("create_tensor", mine);
-  if (std::any_of(all.begin(), all.end(), [&](const std::string& s) { return s != all[0]; })) {
-    std::map<std::string, std::string> ranks_by_spec;
-    for (int r = 0; r < world_size_; ++r) {
-      auto& ranks = ranks_by_spec[all[r]];
-      ranks += StrCat(ranks.empty() ? "" : ",", r);
-    }
-    std::string msg = "create_tensor: ranks disagree:";
-    for (const auto& [s, ranks] : ranks_by_spec)
-      msg += StrCat(" rank ", ranks, " asked for ", s, ";");
-    msg.pop_back();
-    throw std::invalid_argument(msg);
+  if (spec.layout == SharedLayout::kDistributed) {
+    throw std::invalid_argument(
+        "the distributed layout is not mapped: tensortier.shared builds it");
   }
+  Agree("create_tensor", spec.Describe());
   std::string key = spec.name.empty() ? StrCat("#", next_collective_) : spec.name;
   auto tensor = Map(spec, key, true);
-  if (!spec.name.empty() && rank_ == 0) store_->Set(StrCat(prefix_, "/named/", spec.name), mine);
+  if (!spec.name.empty() && rank_ == 0) {
+    store_->Set(StrCat(prefix_, "/named/", spec.name), spec.Describe());
+  }
   return tensor;
 }
 

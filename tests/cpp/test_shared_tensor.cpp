@@ -133,6 +133,7 @@ TEST(SharedPartitionTest, SpecDescribeParsesBack) {
   EXPECT_EQ(scalar.rows(), 1u);
   EXPECT_THROW(SharedTensorSpec::Parse("nonsense"), std::invalid_argument);
   EXPECT_THROW(ParseSharedLayout("distributed-ish"), std::invalid_argument);
+  EXPECT_EQ(ParseSharedLayout("distributed"), SharedLayout::kDistributed);
 }
 
 // Each rank writes its own rows; after a barrier every rank reads every row, directly (where the
@@ -218,6 +219,11 @@ TEST(SharedTensorTest, EmptyTensor) {
     SharedGroup group(store, rank, 2, 20s);
     auto t = group.Create(Spec({0, 4}, 4, SharedLayout::kContinuous));
     Check(t->local().rows == 0, "no rows");
+    try {
+      group.Create(Spec({4, 4}, 4, SharedLayout::kDistributed));
+      Check(false, "a distributed tensor mapped");
+    } catch (const std::invalid_argument&) {
+    }
     t->Gather(nullptr, 0, nullptr);
     int64_t bad = 0;
     try {
@@ -274,6 +280,7 @@ TEST(SharedTensorTest, UseAfterCloseThrows) {
     group.Barrier("mapped");
     group.Close();
     Check(t->closed(), "closed");
+    Check(group.socket_name().rfind("tensortier.", 0) == 0, "socket name kept after close");
     int64_t i = 0;
     uint64_t out[2];
     try {
