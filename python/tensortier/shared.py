@@ -248,6 +248,7 @@ class SharedTensor:
         self._dtype = dtype
         self._shape = tuple(core.shape)
         self._distributed: _Distributed | None = None
+        self._group_barrier: Any = None  # the group's barrier (set by Group)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -380,6 +381,129 @@ class SharedTensor:
             return self._distributed.scatter(idx, values)
         self._core.scatter(idx.data_ptr(), idx.numel(), values.data_ptr())
 
+    # -- files ---------------------------------------------------------------------------------
+    def _local_bytes(self) -> torch.Tensor:
+        local, _ = self.local()
+        return local.reshape(-1).view(torch.uint8) if local.numel() else torch.empty(0, dtype=torch.uint8)
+
+    def _row_bytes(self) -> int:
+        n = torch.empty((), dtype=self._dtype).element_size()
+        for d in self._shape[1:]:
+            n *= d
+        return n
+
+    def _read_rows(self, sources: list[tuple[str, int, int]], what: str) -> dict[str, Any]:
+        """Reads this rank's rows from `sources`, ``(path, offset, length)`` pieces whose
+        concatenation is the whole tensor, through the engine (O_DIRECT, parallel), then waits
+        for every rank. Returns the engine's stats for this rank's reads."""
+        from .io import IOHandle
+
+        row_bytes = self._row_bytes()
+        total = sum(length for _, _, length in sources)
+        if total != self._shape[0] * row_bytes:
+            raise ValueError(
+                f"{what}: the sources hold {total} bytes; a tensor of shape {self._shape} and "
+                f"dtype {self._dtype} needs {self._shape[0] * row_bytes}"
+            )
+        begin, end = self.partitions[self._rank()]
+        want_lo, want_hi = begin * row_bytes, end * row_bytes
+        dest = self._local_bytes()
+        pieces = []
+        at = 0
+        for path, offset, length in sources:
+            lo, hi = max(at, want_lo), min(at + length, want_hi)
+            if lo < hi:
+                pieces.append((dest[lo - want_lo : hi - want_lo], path, offset + lo - at))
+            at += length
+        stats: dict[str, Any] = {}
+        if pieces:
+            with IOHandle() as io:
+                result = io.pread_batch_async(pieces).result()
+            if result.bytes != want_hi - want_lo:
+                raise OSError(f"{what}: read {result.bytes} of {want_hi - want_lo} bytes (a file shrank?)")
+            stats = dict(result.stats)
+        self._barrier()
+        return stats
+
+    def _rank(self) -> int:
+        return self._distributed.rank if self._distributed else int(self._core.rank)
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        else:
+            self._group_barrier()
+
+    def load_files(self, paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
+        """Collective: fills the tensor from raw row files whose concatenation, in order, is
+        the whole tensor (as :meth:`store_files` writes them, or one file). Each rank reads only
+        its own rows, through the engine (O_DIRECT where the filesystem allows, in parallel);
+        returns when every rank has read its rows, with this rank's I/O stats.
+
+        Raises:
+            ValueError: the files do not hold exactly the tensor's bytes (every rank raises).
+            OSError: a file cannot be read.
+        """
+        self._require_open("load_files")
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        sources = [(os.fspath(p), 0, os.stat(p).st_size) for p in paths]
+        return self._read_rows(sources, "load_files")
+
+    def load_checkpoint(self, path: str | os.PathLike[str], key: str) -> dict[str, Any]:
+        """Collective: fills the tensor from tensor `key` of a safetensors checkpoint, each rank
+        reading only its rows (as :meth:`load_files`). The stored tensor must have this
+        tensor's shape and dtype.
+
+        Raises:
+            KeyError: no tensor `key` in the file.
+            ValueError: another shape or dtype, or a file that is not safetensors
+                (``torch.save`` checkpoints are not read here yet).
+        """
+        from .checkpoint import _read_st_header
+
+        self._require_open("load_checkpoint")
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            if f.read(2) == b"PK":
+                raise ValueError(
+                    f"{path}: a torch.save (zip) checkpoint; load_checkpoint reads safetensors "
+                    "files (tensortier convert turns one into the other)"
+                )
+        entries, _ = _read_st_header(path)
+        entry = next((e for e in entries if e.name == key), None)
+        if entry is None:
+            raise KeyError(f"{path} has no tensor {key!r}")
+        if tuple(entry.shape) != self._shape or entry.dtype != self._dtype:
+            raise ValueError(
+                f"{path}: {key!r} is {entry.dtype} of shape {tuple(entry.shape)}; this shared "
+                f"tensor is {self._dtype} of shape {self._shape}"
+            )
+        return self._read_rows([(path, entry.offset, entry.nbytes)], "load_checkpoint")
+
+    def store_files(self, prefix: str | os.PathLike[str]) -> list[str]:
+        """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
+        it) through the engine; returns every rank's file name in rank order (what
+        :meth:`load_files` takes back) once all are written."""
+        from .io import IOHandle
+
+        self._require_open("store_files")
+        world = len(self.partitions)
+        names = [f"{os.fspath(prefix)}_part_{r}_of_{world}" for r in range(world)]
+        data = self._local_bytes()
+        with IOHandle() as io:
+            f = io.open(names[self._rank()], "w")
+            try:
+                if data.numel():
+                    io.pwrite(data, f, 0)
+                f.datasync()
+            finally:
+                f.close()
+        self._barrier()
+        return names
+
     def close(self) -> None:
         """Stops sharing this rank's rows with processes that attach later and releases this
         object's hold on the memory. Idempotent."""
@@ -467,7 +591,9 @@ class Group:
         if layout == "distributed":
             return self._create_distributed(dims, dtype, element_size, name or "")
         core = self._core.create(list(dims), str(dtype), element_size, layout, name or "")
-        return SharedTensor(core, dtype)
+        t = SharedTensor(core, dtype)
+        t._group_barrier = self.barrier
+        return t
 
     def _create_distributed(
         self, dims: tuple[int, ...], dtype: torch.dtype, element_size: int, name: str
@@ -492,7 +618,7 @@ class Group:
                                                          self.world_size)]
         begin, end = parts[self.rank]
         t = SharedTensor.__new__(SharedTensor)
-        t._core, t._dtype, t._shape = None, dtype, dims
+        t._core, t._dtype, t._shape, t._group_barrier = None, dtype, dims, self.barrier
         t._distributed = _Distributed(
             name, self.rank, parts, torch.zeros((end - begin, *dims[1:]), dtype=dtype)
         )
@@ -507,7 +633,9 @@ class Group:
         dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
-        return SharedTensor(core, dtype)
+        t = SharedTensor(core, dtype)
+        t._group_barrier = self.barrier
+        return t
 
     def barrier(self) -> None:
         """Collective: returns once every rank has called it (``TimeoutError`` otherwise)."""

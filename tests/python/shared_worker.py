@@ -262,7 +262,49 @@ def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
+def scenario_files(group: shared.Group, result: dict[str, Any]) -> None:
+    """load_files / store_files / load_checkpoint give back the source's bytes, every layout."""
+    from safetensors.torch import save_file
+
+    rank, world = group.rank, group.world_size
+    outdir = os.environ["SHARED_TEST_DIR"]
+    shape = (1001, 3)  # 12-byte rows: unaligned file offsets between partitions
+    want = expected(shape, torch.float32)
+    pieces = [want[:400], want[400:401], want[401:]]  # three files, cut anywhere
+    paths = [os.path.join(outdir, f"rows{i}.bin") for i in range(3)]
+    if rank == 0:
+        for piece, path in zip(pieces, paths):
+            piece.numpy().tofile(path)
+        save_file({"other": torch.zeros(3), "feat": want, "tail": torch.ones(5)}, os.path.join(outdir, "ckpt.safetensors"))
+        torch.save({"feat": want}, os.path.join(outdir, "ckpt.pt"))
+    group.barrier()
+    for layout in ("continuous", "chunked"):
+        t = group.create_tensor(shape, torch.float32, layout=layout)
+        t.load_files(paths)
+        view = t.view()
+        whole = view if isinstance(view, torch.Tensor) else torch.cat(view)
+        assert torch.equal(whole, want), f"{layout}: load_files"
+        names = t.store_files(os.path.join(outdir, f"store_{layout}"))
+        u = group.create_tensor(shape, torch.float32, layout=layout)
+        u.load_files(names)
+        assert torch.equal(u.gather(torch.arange(shape[0])), want), f"{layout}: store/load"
+        v = group.create_tensor(shape, torch.float32, layout=layout)
+        v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "feat")
+        assert torch.equal(v.gather(torch.arange(shape[0])), want), f"{layout}: checkpoint"
+        for bad, exc in ((lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "other"), ValueError),
+                         (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "nope"), KeyError),
+                         (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.pt"), "feat"), ValueError),
+                         (lambda: v.load_files(paths[:2]), ValueError)):
+            try:
+                bad()
+                raise AssertionError("no error")
+            except exc:
+                pass
+    result["socket"] = group._core.socket_name
+
+
 SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
+    "files": scenario_files,
     "distributed": scenario_distributed,
     "layouts": scenario_layouts,
     "errors": scenario_errors,

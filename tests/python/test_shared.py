@@ -95,6 +95,12 @@ def test_misuse_attach_other_user_and_close_under_torchrun(tmp_path: Path) -> No
     run_torchrun(tmp_path, "errors", 3)
 
 
+def test_load_and_store_files_and_checkpoints_under_torchrun(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    run_torchrun(tmp_path, "files", 3, SHARED_TEST_DIR=str(data))
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_layout_over_gloo_under_torchrun(tmp_path: Path, world: int) -> None:
     run_torchrun(tmp_path, "distributed", world)
@@ -203,3 +209,22 @@ def test_one_process_group_with_a_hash_store() -> None:
             shared.Group(rank=0, world_size=1, store=store, timeout=5).attach("nope")
     with pytest.raises(RuntimeError, match="closed"):
         t.gather([0])
+
+
+EXAMPLE_RUNS = {
+    "wholememory_seed.py": (["--rows", "1000"], "written by ranks [0, 1, 0, 1]"),
+    "gnn_feature_gather.py": (["--nodes", "5000", "--steps", "3"], "rows/s"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLE_RUNS))
+def test_example_runs_under_torchrun(tmp_path: Path, script: str) -> None:
+    examples = Path(__file__).resolve().parents[2] / "examples" / "shared"
+    args, says = EXAMPLE_RUNS[script]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(examples / script), *args],
+        env=env_for(tmp_path), capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert says in proc.stdout, proc.stdout
