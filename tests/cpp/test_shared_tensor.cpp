@@ -214,6 +214,27 @@ TEST(SharedTensorTest, LargeGatherRunsOnThreads) {
   WritesSeenByAll(SharedLayout::kContinuous, 4096, 256, 2);
 }
 
+// 64 MiB+ per rank: partitions on 2 MiB boundaries, hugetlb pages tried; without reserved huge
+// pages (nr_hugepages 0, as on CI) ordinary pages serve and the stats say why.
+TEST(SharedTensorTest, LargeTensorsTryHugePagesAndReportTheFallback) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 30s);
+    const int64_t rows = (129ll << 20) / 12;  // 12-byte rows, not a multiple of 2 MiB in all
+    auto t = group.Create(Spec({rows, 3}, 4, SharedLayout::kContinuous));
+    Check(t->partitions()[0].bytes % (2 << 20) == 0, "first partition on a huge-page boundary");
+    Check(t->partitions()[0].rows + t->partitions()[1].rows == static_cast<uint64_t>(rows), "rows");
+    const SharedTensorStats& s = t->stats();
+    Check(s.huge_pages || s.huge_pages_reason.find("hugetlb pages unavailable") == 0,
+          s.huge_pages_reason);
+    uint8_t* last = t->data() + static_cast<uint64_t>(rows) * 12 - 1;
+    if (rank == 1) *last = 7;
+    group.Barrier("written");
+    Check(*last == 7, "last byte seen by rank 0");
+    group.Barrier("read");
+  });
+  ExpectAllZero(statuses);
+}
+
 TEST(SharedTensorTest, EmptyTensor) {
   auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
     SharedGroup group(store, rank, 2, 20s);
