@@ -228,3 +228,36 @@ def test_example_runs_under_torchrun(tmp_path: Path, script: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert says in proc.stdout, proc.stdout
+
+
+def test_wholememory_argument_handling_in_one_process() -> None:
+    from tensortier.compat import wholememory as wm
+
+    with pytest.raises(RuntimeError, match="init_lib"):
+        wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    wm.init_lib()
+    with pytest.raises(RuntimeError, match="mp_init"):
+        wm.create_tensor([2], [], torch.float32, True, [])
+    wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    try:
+        with pytest.raises(RuntimeError, match="already"):
+            wm.mp_init(0, 1, store=torch.distributed.HashStore())
+        t = wm.create_tensor([3, 4], [4, 1], torch.int64, True, [0])  # explicit contiguous stride
+        assert t.shape == (3, 4) and t.dtype == torch.int64 and t.is_contiguous()
+        t[2, 3] = 9
+        view = wm.get_tensor_view(t, torch.device("cpu"))
+        assert view[2, 3].item() == 9 and view.data_ptr() == t.data_ptr()
+        with pytest.raises(ValueError, match="contiguous stride"):
+            wm.create_tensor([3, 4], [1, 3], torch.float32, True, [])
+        with pytest.raises(ValueError, match="every rank"):
+            wm.create_tensor([3, 4], [], torch.float32, True, [0, 1])
+        with pytest.raises(ValueError, match="returned by create_tensor"):
+            wm.get_tensor_view(torch.zeros(2), torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="no CUDA driver was found"):
+            wm.get_tensor_view(t, torch.device("cuda:0"))
+    finally:
+        wm.finalize_lib()
+    wm.finalize_lib()  # twice is harmless
+    with pytest.raises(RuntimeError, match="init_lib"):
+        wm.get_tensor_view(t, torch.device("cpu"))
+    assert t[2, 3].item() == 9  # the tensor keeps its memory after finalize
