@@ -26,6 +26,7 @@ using namespace tensortier;
 void RegisterCheckpoint(py::module_& m);  // bindings/checkpoint.cpp
 void RegisterTransfer(py::module_& m);    // bindings/transfer.cpp
 void RegisterExtents(py::module_& m);     // bindings/extents.cpp
+void RegisterShared(py::module_& m);      // bindings/shared.cpp
 
 namespace {
 
@@ -381,7 +382,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "filesystem_magic",
       [](const std::string& path) {
-        struct statfs st{};
+        struct statfs st {};
         int rc;
         {
           py::gil_scoped_release release;  // a network filesystem can take its time
@@ -456,4 +457,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterCheckpoint(m);
   RegisterTransfer(m);
   RegisterExtents(m);
+  RegisterShared(m);
 }

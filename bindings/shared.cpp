@@ -1,0 +1,234 @@
+// tensortier._core, shared tensors: the group, its tensors and their memory regions. The store
+// is a Python object (a torch.distributed.Store behind an adapter in python/tensortier/shared.py):
+// C++ calls it only from the thread that made the collective call, taking the GIL back for it;
+// the partition server thread never touches Python.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensortier/error.hpp"
+#include "tensortier/shared_store.hpp"
+#include "tensortier/shared_tensor.hpp"
+#include "tensortier/strings.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+// A Store whose methods a Python subclass implements: set(key, value: bytes), get(key,
+// timeout_ms) -> bytes or None on timeout, add(key, delta) -> int.
+class PyStore : public Store {
+ public:
+  void Set(const std::string& key, const std::string& value) override {
+    Call("set", key, [&](const py::function& f) { f(key, py::bytes(value)); });
+  }
+
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+    std::string out;
+    bool found = false;
+    Call("get", key, [&](const py::function& f) {
+      py::object v = f(key, static_cast<int64_t>(timeout.count()));
+      if (!v.is_none()) {
+        out = v.cast<std::string>();
+        found = true;
+      }
+    });
+    if (!found) ThrowIoError(ETIMEDOUT, StrCat("store get (waited ", timeout.count(), " ms)"), key);
+    return out;
+  }
+
+  int64_t Add(const std::string& key, int64_t delta) override {
+    int64_t out = 0;
+    Call("add", key, [&](const py::function& f) { out = f(key, delta).cast<int64_t>(); });
+    return out;
+  }
+
+ private:
+  // Runs the Python method `name` with the GIL held; its exceptions become IoError (EIO) so
+  // they cross the C++ code, which runs with the GIL released, as plain C++ exceptions.
+  template <typename Body>
+  void Call(const char* name, const std::string& key, Body body) {
+    std::string message;
+    {
+      py::gil_scoped_acquire gil;
+      py::function f = py::get_override(static_cast<const Store*>(this), name);
+      if (!f) throw std::logic_error(StrCat("the store adapter does not implement ", name, "()"));
+      try {
+        body(f);
+        return;
+      } catch (py::error_already_set& e) {
+        message = e.what();
+      }
+    }
+    ThrowIoError(EIO, StrCat("store ", name, " (", message, ")"), key);
+  }
+};
+
+// Bytes of a shared tensor's memory with the buffer protocol; holds the mappings alive.
+struct SharedRegion {
+  std::shared_ptr<void> hold;
+  uint8_t* data = nullptr;
+  uint64_t size = 0;
+};
+
+py::tuple PartitionTuple(const SharedPartition& p) {
+  return py::make_tuple(p.rank, p.row_begin, p.rows, p.bytes,
+                        reinterpret_cast<uintptr_t>(p.address));
+}
+
+}  // namespace
+
+void RegisterShared(py::module_& m) {
+  m.attr("shared_default_timeout_s") = std::chrono::duration<double>(kDefaultSharedTimeout).count();
+
+  m.def(
+      "partition_rows",
+      [](uint64_t rows, uint64_t row_bytes, int world_size) {
+        py::list out;
+        for (const auto& p : PartitionRows(rows, row_bytes, world_size, 1)) {
+          out.append(py::make_tuple(p.row_begin, p.row_begin + p.rows));
+        }
+        return out;
+      },
+      py::arg("rows"), py::arg("row_bytes"), py::arg("world_size"),
+      "Each rank's rows [begin, end) of a tensor whose partitions are not mapped together.");
+
+  py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "SharedStore").def(py::init<>());
+
+  py::class_<SharedRegion>(m, "SharedRegion", py::buffer_protocol())
+      .def("__len__", [](const SharedRegion& r) { return r.size; })
+      .def_property_readonly(
+          "address", [](const SharedRegion& r) { return reinterpret_cast<uintptr_t>(r.data); })
+      .def_buffer([](SharedRegion& r) {
+        return py::buffer_info(r.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<ssize_t>(r.size)}, {1});
+      });
+
+  py::class_<SharedTensor, std::shared_ptr<SharedTensor>>(m, "SharedTensor")
+      .def_property_readonly("describe", [](const SharedTensor& t) { return t.spec().Describe(); })
+      .def_property_readonly("name", [](const SharedTensor& t) { return t.spec().name; })
+      .def_property_readonly("dtype", [](const SharedTensor& t) { return t.spec().dtype; })
+      .def_property_readonly("shape", [](const SharedTensor& t) { return t.spec().shape; })
+      .def_property_readonly(
+          "layout", [](const SharedTensor& t) { return SharedLayoutName(t.spec().layout); })
+      .def_property_readonly("row_bytes",
+                             [](const SharedTensor& t) { return t.spec().row_bytes(); })
+      .def_property_readonly("rank", [](const SharedTensor& t) { return t.local().rank; })
+      .def_property_readonly("partitions",
+                             [](const SharedTensor& t) {
+                               py::list out;
+                               for (const auto& p : t.partitions()) out.append(PartitionTuple(p));
+                               return out;
+                             })
+      .def_property_readonly("stats",
+                             [](const SharedTensor& t) {
+                               py::dict d;
+                               d["local_bytes"] = t.stats().local_bytes;
+                               d["huge_pages"] = t.stats().huge_pages;
+                               d["huge_pages_reason"] = t.stats().huge_pages_reason;
+                               return d;
+                             })
+      .def_property_readonly("closed", &SharedTensor::closed)
+      .def(
+          "region",
+          [](const SharedTensor& t, int rank) {
+            SharedRegion r;
+            r.hold = t.memory();
+            if (rank < 0) {
+              r.data = t.data();
+              r.size = t.spec().rows() * t.spec().row_bytes();
+            } else {
+              const SharedPartition& p = t.partitions().at(rank);
+              r.data = p.address;
+              r.size = p.bytes;
+            }
+            return r;
+          },
+          py::arg("rank"),
+          "The memory of partition `rank`, or of the whole (continuous) tensor for -1.")
+      .def(
+          "gather",
+          [](const SharedTensor& t, uintptr_t indices, size_t count, uintptr_t out) {
+            py::gil_scoped_release release;
+            t.Gather(reinterpret_cast<const int64_t*>(indices), count,
+                     reinterpret_cast<void*>(out));
+          },
+          py::arg("indices"), py::arg("count"), py::arg("out"))
+      .def(
+          "scatter",
+          [](SharedTensor& t, uintptr_t indices, size_t count, uintptr_t in) {
+            py::gil_scoped_release release;
+            t.Scatter(reinterpret_cast<const int64_t*>(indices), count,
+                      reinterpret_cast<const void*>(in));
+          },
+          py::arg("indices"), py::arg("count"), py::arg("values"))
+      .def("close", &SharedTensor::Close);
+
+  py::class_<SharedGroup>(m, "SharedGroup")
+      .def(py::init([](std::shared_ptr<Store> store, int rank, int world_size, double timeout_s) {
+             auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+             py::gil_scoped_release release;
+             return std::make_unique<SharedGroup>(std::move(store), rank, world_size, timeout);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("timeout_s"))
+      .def_property_readonly("rank", &SharedGroup::rank)
+      .def_property_readonly("world_size", &SharedGroup::world_size)
+      .def_property_readonly("socket_name", &SharedGroup::socket_name)
+      .def_property_readonly("refused_peers", &SharedGroup::refused_peers)
+      .def(
+          "create",
+          [](SharedGroup& g, const std::vector<int64_t>& shape, const std::string& dtype,
+             uint64_t element_size, const std::string& layout, const std::string& name) {
+            SharedTensorSpec spec;
+            spec.shape = shape;
+            spec.dtype = dtype;
+            spec.element_size = element_size;
+            spec.layout = ParseSharedLayout(layout);
+            spec.name = name;
+            py::gil_scoped_release release;
+            return g.Create(spec);
+          },
+          py::arg("shape"), py::arg("dtype"), py::arg("element_size"), py::arg("layout"),
+          py::arg("name"))
+      .def(
+          "agree",
+          [](SharedGroup& g, const std::vector<int64_t>& shape, const std::string& dtype,
+             uint64_t element_size, const std::string& layout, const std::string& name) {
+            SharedTensorSpec spec;
+            spec.shape = shape;
+            spec.dtype = dtype;
+            spec.element_size = element_size;
+            spec.layout = ParseSharedLayout(layout);
+            spec.name = name;
+            py::gil_scoped_release release;
+            g.Agree("create_tensor", spec.Describe());
+          },
+          py::arg("shape"), py::arg("dtype"), py::arg("element_size"), py::arg("layout"),
+          py::arg("name"), "Collective: ValueError on every rank unless all ask for this tensor.")
+      .def("attach", &SharedGroup::Attach, py::arg("name"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &SharedGroup::Barrier, py::arg("what"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_gather",
+          [](SharedGroup& g, const std::string& what, const py::bytes& value) {
+            std::string v = value;
+            std::vector<std::string> all;
+            {
+              py::gil_scoped_release release;
+              all = g.AllGather(what, v);
+            }
+            py::list out;
+            for (const auto& s : all) out.append(py::bytes(s));
+            return out;
+          },
+          py::arg("what"), py::arg("value"))
+      .def("close", &SharedGroup::Close, py::call_guard<py::gil_scoped_release>());
+}

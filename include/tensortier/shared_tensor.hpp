@@ -1,0 +1,182 @@
+// Shared tensors: one tensor whose rows every process of a job sees, in shared host memory.
+//
+// Each rank owns a partition of the rows: it creates the partition's memory (an anonymous
+// memfd, mode 0600, size sealed), faults it in first (so the pages sit near it) and hands the
+// descriptor to its peers over an abstract-namespace Unix socket whose name carries a random
+// token agreed through the job's Store. Peers must run as the same user (SO_PEERCRED). Nothing is
+// ever created in a filesystem (/dev/shm, /tmp): when the last process holding a partition exits,
+// however it exits, the memory goes back to the kernel.
+//
+// Layouts: kContinuous maps every partition, in rank order, into one reserved address range, so
+// each process sees the whole tensor as one array; kChunked maps each partition on its own.
+// kDistributed partitions are never mapped by other processes (they may be on other machines):
+// the Python layer moves their rows through torch.distributed; here it only names the layout,
+// so that ranks agree on it (Agree) and partition it (PartitionRows) the same way.
+//
+// Collective calls (the SharedGroup constructor, Create, Barrier) must be made by every rank in
+// the same order. Ranks that disagree on a call all get std::invalid_argument naming who asked
+// for what; a rank that dies or does not arrive makes the others throw IoError (ETIMEDOUT, or
+// ECONNREFUSED/ECONNRESET) within the group's timeout. Nothing waits forever.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tensortier/shared_store.hpp"
+
+namespace tensortier {
+
+enum class SharedLayout { kContinuous, kChunked, kDistributed };
+
+// "continuous" / "chunked" / "distributed"; Parse throws std::invalid_argument for anything else.
+const char* SharedLayoutName(SharedLayout layout);
+SharedLayout ParseSharedLayout(const std::string& name);
+
+// How long collective calls wait for the other ranks unless told otherwise.
+inline constexpr std::chrono::milliseconds kDefaultSharedTimeout{std::chrono::minutes(2)};
+
+// What a collective Create asks for. Row-major, dense; the first dimension is the row dimension
+// partitioned across ranks (a 0-d tensor is one row).
+struct SharedTensorSpec {
+  std::string name;   // "" for an anonymous tensor (it cannot be attached by name)
+  std::string dtype;  // compared between ranks, never interpreted ("float32")
+  uint64_t element_size = 0;
+  std::vector<int64_t> shape;
+  SharedLayout layout = SharedLayout::kContinuous;
+
+  uint64_t rows() const;
+  uint64_t row_bytes() const;
+  // One line naming every field: what ranks compare and what error messages show.
+  std::string Describe() const;
+  // The round trip of Describe (attach reads it back from the store). Throws invalid_argument.
+  static SharedTensorSpec Parse(const std::string& described);
+};
+
+// One rank's rows [row_begin, row_begin + rows) at `address` in this process.
+struct SharedPartition {
+  int rank = 0;
+  uint64_t row_begin = 0;
+  uint64_t rows = 0;
+  uint64_t bytes = 0;
+  uint8_t* address = nullptr;  // nullptr when rows == 0
+};
+
+// Splits `rows` rows of `row_bytes` into `world_size` partitions in rank order. Every partition
+// but the last non-empty one holds a multiple of `granule_bytes` (a page: the partitions of a
+// continuous tensor are mapped back to back), so sizes can differ and some can be zero.
+std::vector<SharedPartition> PartitionRows(uint64_t rows, uint64_t row_bytes, int world_size,
+                                           uint64_t granule_bytes);
+
+struct SharedTensorStats {
+  uint64_t local_bytes = 0;       // this rank's partition
+  bool huge_pages = false;        // the local partition is on hugetlb pages
+  std::string huge_pages_reason;  // why not, when not
+};
+
+class SharedGroup;
+
+// A shared tensor as this process sees it. Thread-safe: Gather/Scatter may run concurrently with
+// each other and with Close (they then either finish on memory that stays mapped or throw).
+class SharedTensor {
+ public:
+  const SharedTensorSpec& spec() const noexcept { return spec_; }
+  const std::vector<SharedPartition>& partitions() const noexcept { return partitions_; }
+  const SharedPartition& local() const { return partitions_.at(rank_); }
+  const SharedTensorStats& stats() const noexcept { return stats_; }
+  // The whole tensor as one array (kContinuous only; throws std::logic_error otherwise).
+  uint8_t* data() const;
+  // Keeps every mapping of this tensor alive while held (views handed to Python hold one).
+  // Throws std::logic_error after Close.
+  std::shared_ptr<void> memory() const;
+
+  // Copies rows `indices[0..count)` (any order, repeats allowed) to `out` (count x row_bytes),
+  // or `in` to those rows. Every index is checked first (std::out_of_range names the first bad
+  // one, nothing is copied); large batches run on several threads.
+  void Gather(const int64_t* indices, size_t count, void* out) const;
+  void Scatter(const int64_t* indices, size_t count, const void* in);
+
+  // Stops serving this rank's partition to peers and drops this object's hold on the memory
+  // (views still held keep theirs). Later calls throw std::logic_error. Idempotent.
+  void Close();
+  bool closed() const;
+
+  ~SharedTensor();
+
+ private:
+  friend class SharedGroup;
+  struct Memory;
+  SharedTensor() = default;
+  std::shared_ptr<Memory> Hold() const;
+  void CopyRows(const int64_t* indices, size_t count, uint8_t* buffer, bool gather) const;
+
+  SharedTensorSpec spec_;
+  std::vector<SharedPartition> partitions_;
+  SharedTensorStats stats_;
+  int rank_ = 0;
+  std::string key_;               // the name this rank serves its partition under
+  std::shared_ptr<void> server_;  // the group's partition server (unregistered from on Close)
+  mutable std::mutex mutex_;
+  std::shared_ptr<Memory> memory_;
+};
+
+// The processes of a job, rendezvoused through `store`. Serves this rank's partitions to peers
+// from one thread (no store traffic there: all store calls happen on the calling thread).
+class SharedGroup {
+ public:
+  // Collective. Rank 0 draws a random token and publishes it; every rank starts serving.
+  // `store` must outlive nothing: the group keeps a reference.
+  SharedGroup(std::shared_ptr<Store> store, int rank, int world_size,
+              std::chrono::milliseconds timeout = kDefaultSharedTimeout);
+  ~SharedGroup();
+  SharedGroup(const SharedGroup&) = delete;
+  SharedGroup& operator=(const SharedGroup&) = delete;
+
+  int rank() const noexcept { return rank_; }
+  int world_size() const noexcept { return world_size_; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  // The abstract socket name this rank serves on (without the leading NUL).
+  const std::string& socket_name() const noexcept;
+  // Connections refused because the peer ran as another user.
+  uint64_t refused_peers() const;
+
+  // Collective: every rank passes an equal spec (else std::invalid_argument on all). The
+  // layout is kContinuous or kChunked.
+  std::shared_ptr<SharedTensor> Create(const SharedTensorSpec& spec);
+  // Not collective: maps a named tensor that the group created (its owners must still hold it).
+  std::shared_ptr<SharedTensor> Attach(const std::string& name);
+  // Collective: returns when every rank has called it (IoError ETIMEDOUT otherwise).
+  void Barrier(const std::string& what);
+  // Collective exchange of one string per rank (the control path of the layers above).
+  std::vector<std::string> AllGather(const std::string& what, const std::string& value);
+  // Collective: returns when every rank passed an equal `value`; otherwise every rank throws
+  // std::invalid_argument naming which ranks passed what (`what` starts the message).
+  void Agree(const std::string& what, const std::string& value);
+
+  // Closes every tensor this group created or attached and stops serving. Idempotent; not
+  // collective (peers still mapping this rank's memory keep it).
+  void Close();
+
+ private:
+  friend class SharedTensor;
+  struct Server;
+  std::shared_ptr<SharedTensor> Map(const SharedTensorSpec& spec, const std::string& key,
+                                    bool own_partition);
+
+  std::shared_ptr<Store> store_;
+  int rank_;
+  int world_size_;
+  std::chrono::milliseconds timeout_;
+  std::string prefix_;
+  std::string token_;
+  std::string socket_name_;
+  uint64_t next_collective_ = 0;
+  std::shared_ptr<Server> server_;
+  std::vector<std::weak_ptr<SharedTensor>> tensors_;
+};
+
+}  // namespace tensortier

@@ -1,0 +1,153 @@
+"""WholeMemory's PyTorch API (``from wholememory.torch import wholememory_pytorch as wm``) on
+tensortier's shared tensors: code written for it runs after changing only its import::
+
+    from tensortier.compat import wholememory as wm
+
+    wm.init_lib()
+    wm.mp_init(rank, world_size)
+    t = wm.create_tensor([rows, 512], [], torch.float32, True, [])
+    view = wm.get_tensor_view(t, torch.device("cpu"))
+    wm.finalize_lib()
+
+The processes meet through a ``torch.distributed`` store (the default group's, torchrun's
+environment, or ``mp_init(rank, size, store=...)``), never through NCCL, and need no GPU for
+host memory. ``is_host=False`` (device memory) needs a CUDA driver.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence, cast
+
+import torch
+
+from .. import shared as _shared
+from .._core import cuda_driver as _cuda_driver
+from ..device import CudaError
+
+__all__ = ["init_lib", "mp_init", "create_tensor", "get_tensor_view", "finalize_lib"]
+
+_initialized = False
+_group: _shared.Group | None = None
+# Every tensor create_tensor returned, by its data pointer: get_tensor_view finds it there.
+_tensors: dict[int, tuple[_shared.SharedTensor, torch.Tensor]] = {}
+
+
+def init_lib() -> None:
+    """Initialises the library (call before mp_init). Calling it twice is harmless."""
+    global _initialized
+    _initialized = True
+
+
+def mp_init(rank: int, size: int, store: Any = None) -> None:
+    """Joins this process, rank `rank` of `size`, to the job's shared memory.
+
+    Args:
+        rank, size: this process's rank and the number of processes.
+        store: a ``torch.distributed.Store``; by default the default process group's store if
+            one is initialised, else a ``TCPStore`` at torchrun's ``MASTER_ADDR:MASTER_PORT``.
+
+    Raises:
+        RuntimeError: init_lib() was not called, or mp_init was already.
+        ValueError: a rank outside ``[0, size)``, or no way to reach the other processes.
+        TimeoutError: the other processes did not arrive in time.
+    """
+    global _group
+    if not _initialized:
+        raise RuntimeError("wholememory: call init_lib() before mp_init()")
+    if _group is not None:
+        raise RuntimeError("wholememory: mp_init() was already called")
+    rank, size = operator.index(rank), operator.index(size)
+    _group = _shared.Group(rank=rank, world_size=size, store=store)
+
+
+def _require_group(what: str) -> _shared.Group:
+    if _group is None:
+        raise RuntimeError(f"wholememory: {what} needs init_lib() and mp_init() first")
+    return _group
+
+
+def _require_cuda(what: str) -> None:
+    info = _cuda_driver()
+    if not info["available"]:
+        raise CudaError(
+            f"wholememory: {what} needs device memory, but no CUDA driver was found "
+            f"({info['why_unavailable']}); use host memory (is_host=True)"
+        )
+    raise ValueError(f"wholememory: {what}: only host memory (is_host=True) is supported")
+
+
+def create_tensor(
+    shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, is_host: bool,
+    ranks: Sequence[int],
+) -> torch.Tensor:
+    """Collective: a tensor over memory shared by every process (a write by one is seen by all).
+
+    Args:
+        shape: the tensor's shape; its rows are split between the ranks.
+        stride: ``[]`` for contiguous (the only strides accepted are the contiguous ones).
+        dtype: a torch dtype.
+        is_host: True for host memory; False for device memory (needs a CUDA driver).
+        ranks: ``[]`` (or every rank) for all processes.
+
+    Raises:
+        ValueError: bad arguments, or ranks that asked for different tensors (all raise).
+        CudaError: ``is_host=False`` and no CUDA driver was found.
+        TimeoutError: a rank did not make the call in time.
+    """
+    group = _require_group("create_tensor")
+    dims = tuple(operator.index(d) for d in shape)
+    contiguous = torch.empty(dims, device="meta").stride() if dims else ()
+    if len(stride) != 0 and tuple(operator.index(s) for s in stride) != contiguous:
+        raise ValueError(
+            f"wholememory: stride {list(stride)} is not the contiguous stride {list(contiguous)} "
+            f"of shape {list(dims)}; pass [] or the contiguous stride"
+        )
+    members = sorted(operator.index(r) for r in ranks)
+    if members and members != list(range(group.world_size)):
+        raise ValueError(
+            f"wholememory: ranks {list(ranks)}: tensors are shared by every rank; pass []"
+        )
+    if not is_host:
+        _require_cuda("create_tensor(is_host=False)")
+    shared = group.create_tensor(dims, dtype, layout="continuous")
+    tensor = cast(torch.Tensor, shared.view())  # one tensor: the layout is continuous
+    _tensors[tensor.data_ptr()] = (shared, tensor)
+    return tensor
+
+
+def get_tensor_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A view of a tensor from create_tensor for `device` (the same memory).
+
+    Raises:
+        ValueError: `tensor` did not come from create_tensor.
+        CudaError: a CUDA device and no CUDA driver was found.
+        RuntimeError: after finalize_lib().
+    """
+    _require_group("get_tensor_view")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"wholememory: get_tensor_view needs a torch.Tensor, not {type(tensor)}")
+    entry = _tensors.get(tensor.data_ptr())
+    if entry is None:
+        raise ValueError("wholememory: get_tensor_view needs a tensor returned by create_tensor")
+    device = torch.device(device)
+    if device.type == "cuda":
+        _require_cuda(f"get_tensor_view on {device}")
+    if device.type != "cpu":
+        raise ValueError(f"wholememory: get_tensor_view: device must be cpu or cuda, not {device}")
+    return cast(torch.Tensor, entry[0].view("cpu"))
+
+
+def finalize_lib() -> None:
+    """Collective: waits for every rank, then releases the shared memory this process holds
+    (tensors still referenced keep theirs until dropped). Safe to call twice."""
+    global _group, _initialized
+    group, _group = _group, None
+    _initialized = False
+    if group is None:
+        return
+    try:
+        group.barrier()
+    finally:
+        _tensors.clear()
+        group.close()

@@ -1,0 +1,658 @@
+"""Shared tensors: one tensor that every process of a job sees, in shared host memory.
+
+Each rank owns a partition of the rows (it allocates, first-touches and usually writes them);
+every process maps every partition, so a write by one is seen by all and the job holds one copy
+instead of one per process. Processes find each other through a ``torch.distributed`` store;
+the memory passes between them as file descriptors, never through a file: nothing is left in
+``/dev/shm`` or ``/tmp`` when a job ends, however it ends. No GPU and no NCCL are needed.
+
+::
+
+    import torch, tensortier.shared as shared
+    group = shared.Group()                      # torchrun's environment, or the default group
+    table = group.create_tensor((1_000_000, 128), torch.float32)
+    rows, (begin, end) = table.local()          # this rank's rows: fill them
+    rows.copy_(features[begin:end])
+    group.barrier()
+    batch = table.gather(torch.randint(0, 1_000_000, (1024,)))
+"""
+
+from __future__ import annotations
+
+import datetime
+import operator
+import os
+from typing import Any, Sequence
+
+import torch
+
+from . import _core
+from .device import CudaError
+
+__all__ = ["Group", "SharedTensor", "LAYOUTS", "DEFAULT_TIMEOUT"]
+
+#: The layouts :meth:`Group.create_tensor` accepts.
+LAYOUTS = ("continuous", "chunked", "distributed")
+#: Seconds a collective call waits for the other ranks before raising ``TimeoutError``.
+DEFAULT_TIMEOUT: float = _core.shared_default_timeout_s
+
+
+class _TorchStore(_core.SharedStore):
+    """The C++ store interface over a ``torch.distributed.Store``. C++ calls it only from the
+    thread that made the collective call."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__()
+        self._store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str, timeout_ms: int) -> bytes | None:
+        try:
+            self._store.wait([key], datetime.timedelta(milliseconds=max(timeout_ms, 1)))
+        except Exception as e:  # torch raises DistStoreError (a RuntimeError) on a timeout
+            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                return None
+            raise
+        return bytes(self._store.get(key))
+
+    def add(self, key: str, delta: int) -> int:
+        return int(self._store.add(key, delta))
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _rendezvous(
+    rank: int | None, world_size: int | None, store: Any, timeout: float
+) -> tuple[Any, int, int]:
+    """The store, rank and world size: given, else the default process group's, else torchrun's
+    environment (a ``TCPStore`` client of MASTER_ADDR:MASTER_PORT)."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if initialized else _env_int("RANK")
+    if world_size is None:
+        world_size = dist.get_world_size() if initialized else _env_int("WORLD_SIZE")
+    if rank is None or world_size is None:
+        raise ValueError(
+            "cannot tell this process's rank and the world size: pass rank= and world_size=, "
+            "initialise torch.distributed, or start the processes with torchrun (which sets "
+            "RANK and WORLD_SIZE)"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a group of {world_size} processes")
+    if store is not None:
+        if not isinstance(store, dist.Store):
+            raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
+        return store, rank, world_size
+    if initialized:
+        return dist.distributed_c10d._get_default_store(), rank, world_size
+    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
+    if host is None or port is None:
+        raise ValueError(
+            "no store to meet the other processes: pass store=, initialise torch.distributed, "
+            "or set MASTER_ADDR and MASTER_PORT (torchrun does)"
+        )
+    # Under torchrun the agent serves the store; otherwise rank 0 does, as init_process_group.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    tcp = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=rank == 0 and not agent,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"tensortier/attempt_{attempt}", tcp), rank, world_size
+
+
+def _check_dtype(dtype: Any) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+    return dtype
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    try:
+        dims = (operator.index(shape),)
+    except TypeError:
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
+    if not dims:
+        raise ValueError("a shared tensor needs at least one dimension (its rows)")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape {dims} has a negative dimension")
+    return dims
+
+
+def _check_cpu(device: Any, what: str) -> None:
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        info = _core.cuda_driver()
+        if not info["available"]:
+            raise CudaError(
+                f"{what} on {dev}: no CUDA driver was found ({info['why_unavailable']}); "
+                "use host memory (device='cpu')"
+            )
+        raise ValueError(f"{what} on {dev}: only host memory (device='cpu') is supported")
+    raise ValueError(f"{what}: device must be 'cpu' or 'cuda', not {dev}")
+
+
+def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over `region`'s memory (which it keeps alive)."""
+    if len(region) == 0:
+        return torch.empty(shape, dtype=dtype)
+    # Bytes first: torch.frombuffer does not take every dtype, a byte view can be any.
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class _Distributed:
+    """A ``distributed`` tensor's state: this rank's rows in private memory; other ranks' rows
+    come and go through all-to-all collectives of ``torch.distributed`` (Gloo on CPU)."""
+
+    def __init__(self, name: str, rank: int, parts: list[tuple[int, int]], local: torch.Tensor):
+        self.name = name
+        self.rank = rank
+        self.parts = parts
+        self.local: torch.Tensor | None = local
+        self.row_elems = 1
+        for d in local.shape[1:]:
+            self.row_elems *= d
+        self.row_bytes = self.row_elems * local.element_size()
+
+    def _route(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+        """Sorts `idx` by owner and exchanges the counts. Every rank learns whether any rank
+        passed an index out of range, so all raise together (none is left in a collective)."""
+        import torch.distributed as dist
+
+        world = len(self.parts)
+        rows = self.parts[-1][1]
+        bad = bool(idx.numel()) and bool((idx < 0).any() or (idx >= rows).any())
+        ends = torch.tensor([end for _, end in self.parts], dtype=torch.int64)
+        owner = torch.bucketize(idx, ends, right=True)
+        order = torch.argsort(owner, stable=True)
+        send = torch.zeros((world, 2), dtype=torch.int64)
+        if not bad:
+            send[:, 0] = torch.bincount(owner, minlength=world)
+        send[:, 1] = int(bad)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        offenders = [r for r in range(world) if recv[r, 1]]
+        if offenders:
+            raise IndexError(
+                f"rank {','.join(map(str, offenders))} passed an index out of range for a "
+                f"shared tensor of {rows} rows (nothing was moved)"
+            )
+        return order, send[:, 0].tolist(), recv[:, 0].tolist(), idx[order]
+
+    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
+        """A byte view of the rows of contiguous `t`: Gloo moves few dtypes, all have bytes."""
+        return t.reshape(t.shape[0], self.row_elems).view(torch.uint8)
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        assert self.local is not None
+        order, send_counts, recv_counts, wanted = self._route(idx)
+        requested = torch.empty(sum(recv_counts), dtype=torch.int64)
+        dist.all_to_all_single(requested, wanted, recv_counts, send_counts)
+        begin = self.parts[self.rank][0]
+        rows = self._bytes(self.local.index_select(0, requested - begin).contiguous())
+        got = torch.empty((idx.numel(), self.row_bytes), dtype=torch.uint8)
+        dist.all_to_all_single(got, rows, send_counts, recv_counts)
+        out = torch.empty((idx.numel(), *self.local.shape[1:]), dtype=self.local.dtype)
+        out_bytes = self._bytes(out)
+        out_bytes[order] = got
+        return out
+
+    def scatter(self, idx: torch.Tensor, values: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        assert self.local is not None
+        order, send_counts, recv_counts, wanted = self._route(idx)
+        requested = torch.empty(sum(recv_counts), dtype=torch.int64)
+        dist.all_to_all_single(requested, wanted, recv_counts, send_counts)
+        sent = self._bytes(values)[order].contiguous()
+        got = torch.empty((sum(recv_counts), self.row_bytes), dtype=torch.uint8)
+        dist.all_to_all_single(got, sent, recv_counts, send_counts)
+        begin = self.parts[self.rank][0]
+        local_bytes = self._bytes(self.local)
+        local_bytes.index_copy_(0, requested - begin, got)
+
+
+class SharedTensor:
+    """A tensor whose rows are shared by every process of a :class:`Group`.
+
+    Made by :meth:`Group.create_tensor` or :meth:`Group.attach`. After :meth:`close` (or the
+    group's), its methods raise ``RuntimeError``; tensors already taken from :meth:`view` or
+    :meth:`local` keep their memory until they are dropped.
+    """
+
+    def __init__(self, core: Any, dtype: torch.dtype) -> None:
+        self._core = core
+        self._dtype = dtype
+        self._shape = tuple(core.shape)
+        self._distributed: _Distributed | None = None
+        self._group_barrier: Any = None  # the group's barrier (set by Group)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def layout(self) -> str:
+        return "distributed" if self._distributed else str(self._core.layout)
+
+    @property
+    def name(self) -> str:
+        return self._distributed.name if self._distributed else str(self._core.name)
+
+    @property
+    def partitions(self) -> list[tuple[int, int]]:
+        """Each rank's rows, in rank order, as ``(begin, end)`` (some may be empty)."""
+        if self._distributed:
+            return list(self._distributed.parts)
+        return [(begin, begin + rows) for _, begin, rows, _, _ in self._core.partitions]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``local_bytes``, ``huge_pages`` (hugetlb pages back this rank's rows) and
+        ``huge_pages_reason`` (why not)."""
+        if self._distributed:
+            local = self._distributed.local
+            nbytes = 0 if local is None else local.numel() * local.element_size()
+            return {"local_bytes": nbytes, "huge_pages": False,
+                    "huge_pages_reason": "distributed layout: private memory of each rank"}
+        return dict(self._core.stats)
+
+    @property
+    def closed(self) -> bool:
+        if self._distributed:
+            return self._distributed.local is None
+        return bool(self._core.closed)
+
+    def _require_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{what}: the shared tensor was closed (finalized)")
+
+    def _partition_tensor(self, rank: int) -> torch.Tensor:
+        _, _, rows, _, _ = self._core.partitions[rank]
+        return _tensor_over(self._core.region(rank), self._dtype, (rows, *self._shape[1:]))
+
+    def local(self) -> tuple[torch.Tensor, tuple[int, int]]:
+        """This rank's partition as a tensor over the shared memory, and its row range
+        ``(begin, end)`` in the whole tensor."""
+        self._require_open("local")
+        if self._distributed:
+            assert self._distributed.local is not None
+            return self._distributed.local, self._distributed.parts[self._distributed.rank]
+        rank = self._core.rank
+        return self._partition_tensor(rank), self.partitions[rank]
+
+    def view(self, device: Any = "cpu") -> torch.Tensor | list[torch.Tensor]:
+        """The whole tensor over the shared memory: one tensor for the ``continuous`` layout,
+        one per rank (in rank order) for ``chunked``.
+
+        Raises:
+            CudaError: a CUDA device without a CUDA driver.
+            ValueError: a device other than the CPU.
+        """
+        self._require_open("view")
+        _check_cpu(device, "view")
+        if self._distributed:
+            raise ValueError(
+                "a distributed tensor has no view of all its rows in one process: use gather(), "
+                "or local() for this rank's rows"
+            )
+        if self.layout == "continuous":
+            return _tensor_over(self._core.region(-1), self._dtype, self._shape)
+        return [self._partition_tensor(r) for r in range(len(self._core.partitions))]
+
+    def _indices(self, indices: Any) -> torch.Tensor:
+        idx = torch.as_tensor(indices)
+        if idx.device.type != "cpu":
+            raise ValueError(f"indices must be on the CPU, not {idx.device}")
+        if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"indices must be integers, not {idx.dtype}")
+        if idx.dim() != 1:
+            raise ValueError(f"indices must be one-dimensional, not of shape {tuple(idx.shape)}")
+        return idx.to(torch.int64).contiguous()
+
+    def gather(self, indices: Any) -> torch.Tensor:
+        """Rows ``indices`` (any order, repeats allowed) as a new tensor, like
+        ``view().index_select(0, indices)``; large batches are copied on several threads.
+
+        With the ``distributed`` layout this is collective: every rank calls it (with its own
+        indices) and rows move through ``torch.distributed`` (all-to-all).
+
+        Raises:
+            IndexError: an index out of range (nothing is copied; with the ``distributed``
+                layout every rank raises, naming the ranks that passed one).
+        """
+        self._require_open("gather")
+        idx = self._indices(indices)
+        if self._distributed:
+            return self._distributed.gather(idx)
+        out = torch.empty((idx.numel(), *self._shape[1:]), dtype=self._dtype)
+        self._core.gather(idx.data_ptr(), idx.numel(), out.data_ptr())
+        return out
+
+    def scatter(self, indices: Any, values: torch.Tensor) -> None:
+        """Writes ``values[i]`` to row ``indices[i]``, like ``view().index_copy_(0, indices,
+        values)``.
+
+        Raises:
+            IndexError: an index out of range (nothing is written).
+            TypeError: values of another dtype.
+            ValueError: values whose shape is not ``(len(indices), *shape[1:])``.
+        """
+        self._require_open("scatter")
+        idx = self._indices(indices)
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, not {type(values).__name__}")
+        if values.dtype != self._dtype:
+            raise TypeError(f"values are {values.dtype}; this shared tensor holds {self._dtype}")
+        want = (idx.numel(), *self._shape[1:])
+        if tuple(values.shape) != want:
+            raise ValueError(f"values have shape {tuple(values.shape)}; expected {want}")
+        if values.device.type != "cpu":
+            raise ValueError(f"values must be on the CPU, not {values.device}")
+        values = values.contiguous()
+        if self._distributed:
+            return self._distributed.scatter(idx, values)
+        self._core.scatter(idx.data_ptr(), idx.numel(), values.data_ptr())
+
+    # -- files ---------------------------------------------------------------------------------
+    def _local_bytes(self) -> torch.Tensor:
+        local, _ = self.local()
+        return local.reshape(-1).view(torch.uint8) if local.numel() else torch.empty(0, dtype=torch.uint8)
+
+    def _row_bytes(self) -> int:
+        n = torch.empty((), dtype=self._dtype).element_size()
+        for d in self._shape[1:]:
+            n *= d
+        return n
+
+    def _read_rows(self, sources: list[tuple[str, int, int]], what: str) -> dict[str, Any]:
+        """Reads this rank's rows from `sources`, ``(path, offset, length)`` pieces whose
+        concatenation is the whole tensor, through the engine (O_DIRECT, parallel), then waits
+        for every rank. Returns the engine's stats for this rank's reads."""
+        from .io import IOHandle
+
+        row_bytes = self._row_bytes()
+        total = sum(length for _, _, length in sources)
+        if total != self._shape[0] * row_bytes:
+            raise ValueError(
+                f"{what}: the sources hold {total} bytes; a tensor of shape {self._shape} and "
+                f"dtype {self._dtype} needs {self._shape[0] * row_bytes}"
+            )
+        begin, end = self.partitions[self._rank()]
+        want_lo, want_hi = begin * row_bytes, end * row_bytes
+        dest = self._local_bytes()
+        pieces = []
+        at = 0
+        for path, offset, length in sources:
+            lo, hi = max(at, want_lo), min(at + length, want_hi)
+            if lo < hi:
+                pieces.append((dest[lo - want_lo : hi - want_lo], path, offset + lo - at))
+            at += length
+        stats: dict[str, Any] = {}
+        if pieces:
+            with IOHandle() as io:
+                result = io.pread_batch_async(pieces).result()
+            if result.bytes != want_hi - want_lo:
+                raise OSError(f"{what}: read {result.bytes} of {want_hi - want_lo} bytes (a file shrank?)")
+            stats = dict(result.stats)
+        self._barrier()
+        return stats
+
+    def _rank(self) -> int:
+        return self._distributed.rank if self._distributed else int(self._core.rank)
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        else:
+            self._group_barrier()
+
+    def load_files(self, paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
+        """Collective: fills the tensor from raw row files whose concatenation, in order, is
+        the whole tensor (as :meth:`store_files` writes them, or one file). Each rank reads only
+        its own rows, through the engine (O_DIRECT where the filesystem allows, in parallel);
+        returns when every rank has read its rows, with this rank's I/O stats.
+
+        Raises:
+            ValueError: the files do not hold exactly the tensor's bytes (every rank raises).
+            OSError: a file cannot be read.
+        """
+        self._require_open("load_files")
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        sources = [(os.fspath(p), 0, os.stat(p).st_size) for p in paths]
+        return self._read_rows(sources, "load_files")
+
+    def load_checkpoint(self, path: str | os.PathLike[str], key: str) -> dict[str, Any]:
+        """Collective: fills the tensor from tensor `key` of a safetensors checkpoint, each rank
+        reading only its rows (as :meth:`load_files`). The stored tensor must have this
+        tensor's shape and dtype.
+
+        Raises:
+            KeyError: no tensor `key` in the file.
+            ValueError: another shape or dtype, or a file that is not safetensors
+                (``torch.save`` checkpoints are not read here yet).
+        """
+        from .checkpoint import _read_st_header
+
+        self._require_open("load_checkpoint")
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            if f.read(2) == b"PK":
+                raise ValueError(
+                    f"{path}: a torch.save (zip) checkpoint; load_checkpoint reads safetensors "
+                    "files (tensortier convert turns one into the other)"
+                )
+        entries, _ = _read_st_header(path)
+        entry = next((e for e in entries if e.name == key), None)
+        if entry is None:
+            raise KeyError(f"{path} has no tensor {key!r}")
+        if tuple(entry.shape) != self._shape or entry.dtype != self._dtype:
+            raise ValueError(
+                f"{path}: {key!r} is {entry.dtype} of shape {tuple(entry.shape)}; this shared "
+                f"tensor is {self._dtype} of shape {self._shape}"
+            )
+        return self._read_rows([(path, entry.offset, entry.nbytes)], "load_checkpoint")
+
+    def store_files(self, prefix: str | os.PathLike[str]) -> list[str]:
+        """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
+        it) through the engine; returns every rank's file name in rank order (what
+        :meth:`load_files` takes back) once all are written."""
+        from .io import IOHandle
+
+        self._require_open("store_files")
+        world = len(self.partitions)
+        names = [f"{os.fspath(prefix)}_part_{r}_of_{world}" for r in range(world)]
+        data = self._local_bytes()
+        with IOHandle() as io:
+            f = io.open(names[self._rank()], "w")
+            try:
+                if data.numel():
+                    io.pwrite(data, f, 0)
+                f.datasync()
+            finally:
+                f.close()
+        self._barrier()
+        return names
+
+    def close(self) -> None:
+        """Stops sharing this rank's rows with processes that attach later and releases this
+        object's hold on the memory. Idempotent."""
+        if self._distributed:
+            self._distributed.local = None
+            return
+        self._core.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.layout
+        return f"SharedTensor(shape={self._shape}, dtype={self._dtype}, {state}, name={self.name!r})"
+
+
+class Group:
+    """The processes of a job that share tensors.
+
+    Args:
+        rank, world_size: this process's rank and the number of processes; by default the
+            default ``torch.distributed`` group's, else ``RANK``/``WORLD_SIZE`` (torchrun).
+        store: any ``torch.distributed.Store`` (``TCPStore``, ``FileStore``...); by default the
+            default group's store, else a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``.
+        timeout: seconds a collective call waits for the other ranks.
+
+    Creating a group is collective: every rank must do it, in the same order as its other
+    groups. Raises ``ValueError`` when the rank, world size or store cannot be found,
+    ``TimeoutError`` when the other ranks do not arrive in time.
+    """
+
+    def __init__(
+        self,
+        rank: int | None = None,
+        world_size: int | None = None,
+        store: Any = None,
+        timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
+        self.timeout = float(timeout)
+        torch_store, self.rank, self.world_size = _rendezvous(rank, world_size, store, timeout)
+        self._torch_store = torch_store
+        self._adapter = _TorchStore(torch_store)  # referenced here as long as C++ may call it
+        self._core = _core.SharedGroup(self._adapter, self.rank, self.world_size, self.timeout)
+        self._closed = False
+        self._distributed_tensors: list[SharedTensor] = []
+
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}: the shared group was closed (finalized)")
+
+    def create_tensor(
+        self,
+        shape: int | Sequence[int],
+        dtype: torch.dtype,
+        device: Any = "cpu",
+        layout: str = "continuous",
+        name: str | None = None,
+    ) -> SharedTensor:
+        """Collective: a new shared tensor, zero-filled, its rows partitioned by rank.
+
+        Args:
+            shape: the tensor's shape; rows (the first dimension) are split between ranks.
+            dtype: any torch dtype.
+            device: ``"cpu"`` (shared host memory).
+            layout: ``"continuous"`` (every process sees one array) or ``"chunked"`` (one
+                array per rank's partition).
+            name: lets :meth:`attach` find the tensor; unique in the group.
+
+        Raises:
+            ValueError: bad arguments, or ranks that asked for different tensors (the message
+                names which asked for what; every rank raises).
+            TimeoutError: a rank did not make the call within the group's timeout.
+            OSError: the memory could not be had or shared.
+        """
+        self._require_open("create_tensor")
+        dims = _check_shape(shape)
+        _check_dtype(dtype)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+        _check_cpu(device, "create_tensor")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        element_size = torch.empty((), dtype=dtype).element_size()
+        if layout == "distributed":
+            return self._create_distributed(dims, dtype, element_size, name or "")
+        core = self._core.create(list(dims), str(dtype), element_size, layout, name or "")
+        t = SharedTensor(core, dtype)
+        t._group_barrier = self.barrier
+        return t
+
+    def _create_distributed(
+        self, dims: tuple[int, ...], dtype: torch.dtype, element_size: int, name: str
+    ) -> SharedTensor:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "the distributed layout moves rows through torch.distributed: initialise its "
+                "default process group first (torch.distributed.init_process_group('gloo'))"
+            )
+        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+            raise ValueError(
+                f"this group is rank {self.rank} of {self.world_size}; torch.distributed's "
+                f"default group is rank {dist.get_rank()} of {dist.get_world_size()}"
+            )
+        self._core.agree(list(dims), str(dtype), element_size, "distributed", name)
+        row_elems = 1
+        for d in dims[1:]:
+            row_elems *= d
+        parts = [tuple(p) for p in _core.partition_rows(dims[0], row_elems * element_size,
+                                                         self.world_size)]
+        begin, end = parts[self.rank]
+        t = SharedTensor.__new__(SharedTensor)
+        t._core, t._dtype, t._shape, t._group_barrier = None, dtype, dims, self.barrier
+        t._distributed = _Distributed(
+            name, self.rank, parts, torch.zeros((end - begin, *dims[1:]), dtype=dtype)
+        )
+        self._distributed_tensors.append(t)
+        return t
+
+    def attach(self, name: str) -> SharedTensor:
+        """The shared tensor that this group created under `name` (not collective; its owners
+        must not have closed it). Raises TimeoutError when none appears in time."""
+        self._require_open("attach")
+        core = self._core.attach(name)
+        dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
+        t = SharedTensor(core, dtype)
+        t._group_barrier = self.barrier
+        return t
+
+    def barrier(self) -> None:
+        """Collective: returns once every rank has called it (``TimeoutError`` otherwise)."""
+        self._require_open("barrier")
+        self._core.barrier("barrier")
+
+    def close(self) -> None:
+        """Closes every tensor of this group and stops sharing (not collective). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for t in self._distributed_tensors:
+                t.close()
+            self._distributed_tensors.clear()
+            self._core.close()
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,602 @@
+#include "tensortier/shared_tensor.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
+#include "unix_socket.hpp"
+
+namespace tensortier {
+namespace {
+
+using shared::Clock;
+using shared::UniqueFd;
+
+constexpr uint64_t kHugePage = 2ull << 20;
+// Tensors at least this large per rank are partitioned on huge-page boundaries (the unevenness it
+// costs is then small), and their partitions try hugetlb pages.
+constexpr uint64_t kHugePartitionThreshold = 64ull << 20;
+// Gathers and scatters of at least this many bytes are split over threads.
+constexpr uint64_t kParallelCopyBytes = 4ull << 20;
+constexpr char kServed = 'k';
+constexpr char kUnknown = 'n';
+constexpr char kEmpty = 'z';
+
+uint64_t PageSize() {
+  return static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+uint64_t RoundUp(uint64_t v, uint64_t to) {
+  return (v + to - 1) / to * to;
+}
+
+std::chrono::milliseconds Remaining(Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return std::max(left, std::chrono::milliseconds(1));
+}
+
+std::string RandomToken() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno != EINTR) ThrowIoError(errno, "getrandom", "shared group token");
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  static const char* kHex = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) {
+    token += kHex[b >> 4];
+    token += kHex[b & 15];
+  }
+  return token;
+}
+
+// The nth group a process creates uses the nth key prefix: ranks create groups in the same order.
+std::atomic<uint64_t> g_groups_created{0};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Spec and partitioning
+
+const char* SharedLayoutName(SharedLayout layout) {
+  switch (layout) {
+    case SharedLayout::kContinuous:
+      return "continuous";
+    case SharedLayout::kChunked:
+      return "chunked";
+    case SharedLayout::kDistributed:
+      return "distributed";
+  }
+  return "?";
+}
+
+SharedLayout ParseSharedLayout(const std::string& name) {
+  if (name == "continuous") return SharedLayout::kContinuous;
+  if (name == "chunked") return SharedLayout::kChunked;
+  if (name == "distributed") return SharedLayout::kDistributed;
+  throw std::invalid_argument(
+      StrCat("layout must be 'continuous', 'chunked' or 'distributed', not '", name, "'"));
+}
+
+uint64_t SharedTensorSpec::rows() const {
+  return shape.empty() ? 1 : shape[0];
+}
+
+uint64_t SharedTensorSpec::row_bytes() const {
+  uint64_t n = element_size;
+  for (size_t i = 1; i < shape.size(); ++i) n *= static_cast<uint64_t>(shape[i]);
+  return n;
+}
+
+std::string SharedTensorSpec::Describe() const {
+  std::string dims;
+  for (size_t i = 0; i < shape.size(); ++i) dims += StrCat(i ? "," : "", shape[i]);
+  return StrCat("shape=[", dims, "] dtype=", dtype, " element_size=", element_size,
+                " layout=", SharedLayoutName(layout), " name='", name, "'");
+}
+
+SharedTensorSpec SharedTensorSpec::Parse(const std::string& described) {
+  SharedTensorSpec s;
+  auto field = [&](const std::string& key, char end) {
+    size_t at = described.find(" " + key + "=");
+    size_t start = at == std::string::npos ? std::string::npos : at + key.size() + 2;
+    if (described.rfind(key + "=", 0) == 0) start = key.size() + 1;
+    if (start == std::string::npos) {
+      throw std::invalid_argument(StrCat("shared tensor record lacks ", key, ": ", described));
+    }
+    size_t stop = end == '\0' ? described.size() : described.find(end, start);
+    if (stop == std::string::npos) stop = described.size();
+    return described.substr(start, stop - start);
+  };
+  std::string dims = field("shape", ' ');
+  if (dims.size() < 2 || dims.front() != '[' || dims.back() != ']') {
+    throw std::invalid_argument(StrCat("bad shape in shared tensor record: ", described));
+  }
+  std::stringstream in(dims.substr(1, dims.size() - 2));
+  for (std::string d; std::getline(in, d, ',');) s.shape.push_back(std::stoll(d));
+  s.dtype = field("dtype", ' ');
+  s.element_size = std::stoull(field("element_size", ' '));
+  s.layout = ParseSharedLayout(field("layout", ' '));
+  std::string quoted = field("name", '\0');
+  if (quoted.size() < 2) throw std::invalid_argument(StrCat("bad name in: ", described));
+  s.name = quoted.substr(1, quoted.size() - 2);
+  return s;
+}
+
+std::vector<SharedPartition> PartitionRows(uint64_t rows, uint64_t row_bytes, int world_size,
+                                           uint64_t granule_bytes) {
+  if (world_size <= 0) throw std::invalid_argument("world_size must be positive");
+  uint64_t unit = 1;  // rows per indivisible unit: a whole number of granules
+  if (row_bytes > 0 && granule_bytes > 1) unit = granule_bytes / std::gcd(granule_bytes, row_bytes);
+  uint64_t units = (rows + unit - 1) / unit;
+  uint64_t base = units / world_size;
+  uint64_t extra = units % world_size;
+  std::vector<SharedPartition> parts(world_size);
+  uint64_t begin = 0;
+  for (int r = 0; r < world_size; ++r) {
+    uint64_t n = (base + (static_cast<uint64_t>(r) < extra ? 1 : 0)) * unit;
+    n = std::min(n, rows - begin);
+    parts[r] = SharedPartition{r, begin, n, n * row_bytes, nullptr};
+    begin += n;
+  }
+  return parts;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory: the mappings of one tensor in this process
+
+struct SharedTensor::Memory {
+  uint8_t* reserved = nullptr;  // kContinuous: the whole range, partitions mapped inside it
+  uint64_t reserved_bytes = 0;
+  std::vector<std::pair<void*, uint64_t>> mappings;  // kChunked: each partition
+
+  ~Memory() {
+    if (reserved != nullptr) ::munmap(reserved, reserved_bytes);
+    for (auto [address, length] : mappings) ::munmap(address, length);
+  }
+};
+
+uint8_t* SharedTensor::data() const {
+  if (spec_.layout != SharedLayout::kContinuous) {
+    throw std::logic_error("a chunked shared tensor has no single address: use its partitions");
+  }
+  return Hold()->reserved;
+}
+
+std::shared_ptr<void> SharedTensor::memory() const {
+  return Hold();
+}
+
+std::shared_ptr<SharedTensor::Memory> SharedTensor::Hold() const {
+  std::lock_guard lock(mutex_);
+  if (!memory_) {
+    throw std::logic_error(StrCat("shared tensor ", spec_.Describe(), " was closed (finalized)"));
+  }
+  return memory_;
+}
+
+bool SharedTensor::closed() const {
+  std::lock_guard lock(mutex_);
+  return !memory_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gather / scatter
+
+void SharedTensor::CopyRows(const int64_t* indices, size_t count, uint8_t* buffer,
+                            bool gather) const {
+  std::shared_ptr<Memory> hold = Hold();
+  const uint64_t rows = spec_.rows();
+  const uint64_t row_bytes = spec_.row_bytes();
+  for (size_t i = 0; i < count; ++i) {
+    if (indices[i] < 0 || static_cast<uint64_t>(indices[i]) >= rows) {
+      throw std::out_of_range(StrCat("index ", indices[i], " (position ", i,
+                                     ") is out of range for a shared tensor of ", rows, " rows"));
+    }
+  }
+  if (count == 0 || row_bytes == 0) return;
+  // Row -> address: one array when continuous, else the partition holding the row.
+  std::vector<uint64_t> ends;
+  for (const auto& p : partitions_) ends.push_back(p.row_begin + p.rows);
+  auto address = [&](uint64_t row) -> uint8_t* {
+    if (hold->reserved != nullptr) return hold->reserved + row * row_bytes;
+    size_t r = std::upper_bound(ends.begin(), ends.end(), row) - ends.begin();
+    const SharedPartition& p = partitions_[r];
+    return p.address + (row - p.row_begin) * row_bytes;
+  };
+  auto run = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      uint8_t* row = address(static_cast<uint64_t>(indices[i]));
+      if (gather) {
+        std::memcpy(buffer + i * row_bytes, row, row_bytes);
+      } else {
+        std::memcpy(row, buffer + i * row_bytes, row_bytes);
+      }
+    }
+  };
+  size_t threads = 1;
+  if (count * row_bytes >= kParallelCopyBytes) {
+    threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
+    threads = std::min(threads, count);
+  }
+  if (threads == 1) return run(0, count);
+  std::vector<std::thread> pool;
+  size_t per = (count + threads - 1) / threads;
+  for (size_t t = 1; t < threads; ++t) {
+    size_t b = std::min(count, t * per), e = std::min(count, (t + 1) * per);
+    pool.emplace_back(run, b, e);  // memcpy cannot throw: nothing to carry back
+  }
+  run(0, std::min(count, per));
+  for (auto& th : pool) th.join();
+}
+
+void SharedTensor::Gather(const int64_t* indices, size_t count, void* out) const {
+  CopyRows(indices, count, static_cast<uint8_t*>(out), true);
+}
+
+void SharedTensor::Scatter(const int64_t* indices, size_t count, const void* in) {
+  CopyRows(indices, count, static_cast<uint8_t*>(const_cast<void*>(in)), false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The partition server: hands this rank's partition descriptors to same-user peers.
+
+struct SharedGroup::Server {
+  std::string name;
+  UniqueFd listener, wake_read, wake_write;
+  std::mutex mutex;
+  std::map<std::string, int> served;  // key -> descriptor (-1: an empty partition)
+  std::atomic<uint64_t> refused{0};
+  std::thread thread;
+
+  explicit Server(std::string socket_name) : name(std::move(socket_name)) {
+    listener = shared::ListenAbstract(name);
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) ThrowIoError(errno, "pipe2", name);
+    wake_read = UniqueFd(fds[0]);
+    wake_write = UniqueFd(fds[1]);
+    thread = std::thread([this] { Run(); });
+  }
+
+  ~Server() {
+    char b = 0;
+    while (::write(wake_write.get(), &b, 1) < 0 && errno == EINTR) {
+    }
+    thread.join();
+    for (auto& [key, fd] : served) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  void Serve(const std::string& key, UniqueFd fd) {
+    std::lock_guard lock(mutex);
+    auto [it, inserted] = served.emplace(key, fd.get());
+    if (!inserted) throw std::invalid_argument(StrCat("a shared tensor named '", key, "' exists"));
+    fd.release();
+  }
+
+  void Unserve(const std::string& key) {
+    std::lock_guard lock(mutex);
+    auto it = served.find(key);
+    if (it == served.end()) return;
+    if (it->second >= 0) ::close(it->second);
+    served.erase(it);
+  }
+
+  void Run() {
+    for (;;) {
+      pollfd p[2] = {{wake_read.get(), POLLIN, 0}, {listener.get(), POLLIN, 0}};
+      if (::poll(p, 2, -1) < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (p[0].revents) return;
+      UniqueFd c(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!c) continue;
+      if (!shared::PeerIsSameUser(c.get())) {
+        refused.fetch_add(1);
+        continue;  // closed unanswered
+      }
+      try {
+        auto deadline = shared::DeadlineAfter(std::chrono::seconds(5));
+        std::string key = shared::RecvString(c.get(), deadline, name, 4096);
+        std::lock_guard lock(mutex);
+        auto it = served.find(key);
+        char status = it == served.end() ? kUnknown : it->second < 0 ? kEmpty : kServed;
+        shared::SendStatusAndFd(c.get(), status, status == kServed ? it->second : -1, deadline,
+                                name);
+      } catch (const std::exception&) {
+        // A peer that vanished mid-request: it sees its own error; keep serving the others.
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Group
+
+SharedGroup::SharedGroup(std::shared_ptr<Store> store, int rank, int world_size,
+                         std::chrono::milliseconds timeout)
+    : store_(std::move(store)), rank_(rank), world_size_(world_size), timeout_(timeout) {
+  if (world_size <= 0 || rank < 0 || rank >= world_size) {
+    throw std::invalid_argument(
+        StrCat("rank ", rank, " is not in a group of ", world_size, " processes"));
+  }
+  if (!store_) throw std::invalid_argument("a shared group needs a store");
+  prefix_ = StrCat("tensortier/shared/", g_groups_created.fetch_add(1));
+  std::string key = prefix_ + "/token";
+  if (rank_ == 0) {
+    token_ = RandomToken();
+    store_->Set(key, token_);
+  } else {
+    try {
+      token_ = store_->Get(key, timeout_);
+    } catch (const IoError& e) {
+      if (e.error_code() != ETIMEDOUT) throw;
+      ThrowIoError(ETIMEDOUT,
+                   StrCat("shared group: rank 0 did not publish the job token within ",
+                          timeout_.count(), " ms"),
+                   key);
+    }
+  }
+  socket_name_ = StrCat("tensortier.", token_, ".", rank_);
+  server_ = std::make_shared<Server>(socket_name_);
+  Barrier("shared group start");
+}
+
+SharedGroup::~SharedGroup() {
+  Close();
+}
+
+const std::string& SharedGroup::socket_name() const noexcept {
+  return socket_name_;
+}
+
+uint64_t SharedGroup::refused_peers() const {
+  return server_ ? server_->refused.load() : 0;
+}
+
+void SharedGroup::Close() {
+  for (auto& weak : tensors_) {
+    if (auto t = weak.lock()) t->Close();
+  }
+  tensors_.clear();
+  server_.reset();
+}
+
+std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value) {
+  if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
+  std::string base = StrCat(prefix_, "/c", next_collective_++, "/");
+  store_->Set(base + std::to_string(rank_), value);
+  auto deadline = shared::DeadlineAfter(timeout_);
+  std::vector<std::string> all(world_size_);
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) {
+      all[r] = value;
+      continue;
+    }
+    try {
+      all[r] = store_->Get(base + std::to_string(r), Remaining(deadline));
+    } catch (const IoError& e) {
+      if (e.error_code() != ETIMEDOUT) throw;
+      ThrowIoError(ETIMEDOUT,
+                   StrCat(what, ": rank ", r, " of ", world_size_, " did not arrive within ",
+                          timeout_.count(), " ms (it died, or is not making the same call)"),
+                   base + std::to_string(r));
+    }
+  }
+  return all;
+}
+
+void SharedGroup::Barrier(const std::string& what) {
+  AllGather(what, "");
+}
+
+void SharedGroup::Agree(const std::string& what, const std::string& value) {
+  std::vector<std::string> all = AllGather(what, value);
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) {
+    return;
+  }
+  std::map<std::string, std::string> ranks_by_value;
+  for (int r = 0; r < world_size_; ++r) {
+    auto& ranks = ranks_by_value[all[r]];
+    ranks += StrCat(ranks.empty() ? "" : ",", r);
+  }
+  std::string msg = StrCat(what, ": ranks disagree:");
+  for (const auto& [v, ranks] : ranks_by_value)
+    msg += StrCat(" rank ", ranks, " asked for ", v, ";");
+  msg.pop_back();
+  throw std::invalid_argument(msg);
+}
+
+std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec) {
+  for (int64_t d : spec.shape) {
+    if (d < 0) throw std::invalid_argument(StrCat("negative dimension in ", spec.Describe()));
+  }
+  if (spec.element_size == 0) throw std::invalid_argument("element_size must be positive");
+  if (spec.layout == SharedLayout::kDistributed) {
+    throw std::invalid_argument(
+        "the distributed layout is not mapped: tensortier.shared builds it");
+  }
+  Agree("create_tensor", spec.Describe());
+  std::string key = spec.name.empty() ? StrCat("#", next_collective_) : spec.name;
+  auto tensor = Map(spec, key, true);
+  if (!spec.name.empty() && rank_ == 0) {
+    store_->Set(StrCat(prefix_, "/named/", spec.name), spec.Describe());
+  }
+  return tensor;
+}
+
+std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name) {
+  if (!server_) throw std::logic_error("attach: the shared group was closed");
+  if (name.empty()) throw std::invalid_argument("attach needs the tensor's name");
+  std::string described;
+  try {
+    described = store_->Get(StrCat(prefix_, "/named/", name), timeout_);
+  } catch (const IoError& e) {
+    if (e.error_code() != ETIMEDOUT) throw;
+    ThrowIoError(ETIMEDOUT,
+                 StrCat("attach: no shared tensor named '", name, "' appeared within ",
+                        timeout_.count(), " ms"),
+                 name);
+  }
+  return Map(SharedTensorSpec::Parse(described), name, false);
+}
+
+// Creates (when `own_partition`) and maps the partitions of `spec`; `key` names them on every
+// rank's server. With own_partition, ends with two barriers: every rank serves before any
+// fetches, and every rank has fetched before any may close.
+std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, const std::string& key,
+                                               bool own_partition) {
+  const uint64_t page = PageSize();
+  const uint64_t total = spec.rows() * spec.row_bytes();
+  const bool huge = total >= kHugePartitionThreshold * static_cast<uint64_t>(world_size_);
+  const bool continuous = spec.layout == SharedLayout::kContinuous;
+  uint64_t granule = continuous ? (huge ? kHugePage : page) : 1;
+
+  auto tensor = std::shared_ptr<SharedTensor>(new SharedTensor());
+  tensor->spec_ = spec;
+  tensor->rank_ = rank_;
+  tensor->key_ = key;
+  tensor->partitions_ = PartitionRows(spec.rows(), spec.row_bytes(), world_size_, granule);
+  auto memory = std::make_shared<SharedTensor::Memory>();
+
+  std::vector<uint64_t> offsets(world_size_);
+  uint64_t span = 0;
+  for (int r = 0; r < world_size_; ++r) {
+    offsets[r] = span;
+    span += RoundUp(tensor->partitions_[r].bytes, page);
+  }
+  if (continuous && span > 0) {
+    // One PROT_NONE range, aligned for huge pages, that the partitions are mapped into.
+    uint64_t align = huge ? kHugePage : page;
+    uint64_t ask = RoundUp(span, huge ? kHugePage : page) + align;
+    void* raw = ::mmap(nullptr, ask, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) ThrowIoError(errno, "reserve address range for", key, 0, ask);
+    auto base = reinterpret_cast<uintptr_t>(raw);
+    uintptr_t aligned = RoundUp(base, align);
+    if (aligned > base) ::munmap(raw, aligned - base);
+    uint64_t keep = ask - (aligned - base);
+    memory->reserved = reinterpret_cast<uint8_t*>(aligned);
+    memory->reserved_bytes = keep;
+  }
+
+  auto map_fd = [&](int r, int fd, bool populate) {
+    SharedPartition& p = tensor->partitions_[r];
+    uint64_t length = RoundUp(p.bytes, page);
+    int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
+    void* want = nullptr;
+    if (continuous) {
+      want = memory->reserved + offsets[r];
+      flags |= MAP_FIXED;
+    }
+    void* got = ::mmap(want, length, PROT_READ | PROT_WRITE, flags, fd, 0);
+    if (got == MAP_FAILED) return errno;
+    if (!continuous) memory->mappings.emplace_back(got, length);
+    p.address = static_cast<uint8_t*>(got);
+    return 0;
+  };
+
+  if (own_partition) {
+    SharedPartition& p = tensor->partitions_[rank_];
+    tensor->stats_.local_bytes = p.bytes;
+    UniqueFd fd;
+    if (p.bytes > 0) {
+      // hugetlb where the partitioning allows and the kernel has pages; else ordinary pages.
+      if (!huge) {
+        tensor->stats_.huge_pages_reason =
+            StrCat("tensor under ", kHugePartitionThreshold >> 20, " MiB per rank");
+      } else {
+        fd = UniqueFd(
+            ::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB));
+        int err = !fd ? errno : 0;
+        if (fd && ::ftruncate(fd.get(), RoundUp(p.bytes, kHugePage)) != 0) err = errno;
+        if (fd && err == 0) err = map_fd(rank_, fd.get(), true);
+        if (err != 0) {
+          fd = UniqueFd();
+          tensor->stats_.huge_pages_reason =
+              StrCat("hugetlb pages unavailable (", std::strerror(err), ")");
+        } else {
+          tensor->stats_.huge_pages = true;
+        }
+      }
+      if (!fd) {
+        fd = UniqueFd(::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+        if (!fd) ThrowIoError(errno, "memfd_create for", key, 0, p.bytes);
+        if (::ftruncate(fd.get(), RoundUp(p.bytes, page)) != 0) {
+          ThrowIoError(errno, "ftruncate memfd of", key, 0, p.bytes);
+        }
+        // Pages this rank touches first (MAP_POPULATE) sit on its NUMA node.
+        if (int err = map_fd(rank_, fd.get(), true); err != 0) {
+          ThrowIoError(err, "mmap partition of", key, 0, p.bytes);
+        }
+      }
+      if (::fchmod(fd.get(), 0600) != 0) ThrowIoError(errno, "fchmod memfd of", key);
+      if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        ThrowIoError(errno, "seal memfd of", key);
+      }
+    }
+    server_->Serve(key, std::move(fd));
+    tensor->server_ = server_;
+    Barrier(StrCat("create_tensor '", key, "' (serving)"));
+  }
+
+  auto deadline = shared::DeadlineAfter(timeout_);
+  for (int r = 0; r < world_size_; ++r) {
+    if ((own_partition && r == rank_) || tensor->partitions_[r].bytes == 0) continue;
+    std::string peer = StrCat("tensortier.", token_, ".", r);
+    std::string what = StrCat("rank ", r, " (serving '", key, "')");
+    UniqueFd c = shared::ConnectAbstract(peer, deadline, false);
+    shared::RequireSameUser(c.get(), what);
+    shared::SendString(c.get(), key, deadline, what);
+    auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, what);
+    if (status != kServed || !fd) {
+      ThrowIoError(ENOENT, StrCat("fetch partition from ", what), key);
+    }
+    if (int err = map_fd(r, fd.get(), false); err != 0) {
+      ThrowIoError(err, StrCat("mmap partition of rank ", r, " of"), key, 0,
+                   tensor->partitions_[r].bytes);
+    }
+  }
+  tensor->memory_ = std::move(memory);
+  if (own_partition) Barrier(StrCat("create_tensor '", key, "' (mapped)"));
+  tensors_.push_back(tensor);
+  return tensor;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void SharedTensor::Close() {
+  std::shared_ptr<Memory> drop;
+  std::shared_ptr<void> server;
+  {
+    std::lock_guard lock(mutex_);
+    drop = std::move(memory_);
+    server = std::move(server_);
+  }
+  if (server) static_cast<SharedGroup::Server*>(server.get())->Unserve(key_);
+}
+
+SharedTensor::~SharedTensor() {
+  Close();
+}
+
+}  // namespace tensortier

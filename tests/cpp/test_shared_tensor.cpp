@@ -1,0 +1,414 @@
+// Shared tensors across real processes: each test forks its ranks (bounded by alarm()), which
+// rendezvous through the built-in Unix-socket store.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "tensortier/error.hpp"
+#include "tensortier/shared_store.hpp"
+#include "tensortier/shared_tensor.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Throws with `what` unless `ok`: checks inside forked ranks report through the exit status.
+void Check(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("check failed: " + what);
+}
+
+std::string UniqueJob() {
+  static std::atomic<int> n{0};
+  return StrCat("test.", ::getpid(), ".", n++);
+}
+
+// Forks `world` ranks running `body(rank, store)`; returns each rank's exit status (0: body
+// returned, 1: it threw, 128+N: killed by signal N). Every rank is killed after 60 s.
+std::vector<int> RunRanks(int world, const std::function<void(int, std::shared_ptr<Store>)>& body,
+                          std::chrono::milliseconds store_timeout = 20s) {
+  std::string job = UniqueJob();
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < world; ++rank) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::alarm(60);
+      int status = 0;
+      try {
+        auto store = std::make_shared<UnixSocketStore>(job, rank == 0, store_timeout);
+        body(rank, store);
+        // Rank 0 serves the store: it leaves last (a rank that died is waited for briefly).
+        store->Set(StrCat("exit/", rank), "");
+        if (rank == 0) {
+          for (int r = 1; r < world; ++r) {
+            try {
+              store->Get(StrCat("exit/", r), 3s);
+            } catch (const IoError&) {
+              break;
+            }
+          }
+        }
+      } catch (const std::exception& e) {
+        std::cerr << "rank " << rank << ": " << e.what() << "\n";
+        status = 1;
+      }
+      std::cerr.flush();
+      ::_exit(status);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> statuses;
+  for (pid_t pid : pids) {
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    statuses.push_back(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+  }
+  return statuses;
+}
+
+void ExpectAllZero(const std::vector<int>& statuses) {
+  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_EQ(statuses[r], 0) << "rank " << r;
+}
+
+SharedTensorSpec Spec(std::vector<int64_t> shape, uint64_t element_size, SharedLayout layout,
+                      std::string name = "") {
+  SharedTensorSpec s;
+  s.shape = std::move(shape);
+  s.element_size = element_size;
+  s.dtype = StrCat("bytes", element_size);
+  s.layout = layout;
+  s.name = std::move(name);
+  return s;
+}
+
+// The value every element of row `row` holds after its owner wrote it.
+uint32_t RowValue(uint64_t row, uint64_t column) {
+  return static_cast<uint32_t>(row * 131 + column);
+}
+
+TEST(SharedPartitionTest, UnequalAndEmptyPartitionsCoverEveryRow) {
+  // 12-byte rows on 4 KiB granules: 1024-row units. 5000 rows = 5 units over 3 ranks.
+  auto p = PartitionRows(5000, 12, 3, 4096);
+  ASSERT_EQ(p.size(), 3u);
+  EXPECT_EQ(p[0].rows, 2048u);
+  EXPECT_EQ(p[1].rows, 2048u);
+  EXPECT_EQ(p[2].rows, 904u);
+  EXPECT_EQ(p[2].row_begin, 4096u);
+  // Fewer units than ranks: the last ranks hold nothing.
+  auto q = PartitionRows(1001, 12, 4, 4096);
+  EXPECT_EQ(q[0].rows, 1001u);
+  EXPECT_EQ(q[1].rows + q[2].rows + q[3].rows, 0u);
+  EXPECT_EQ(q[3].row_begin, 1001u);
+  // No granule: rows split evenly, the first ranks one more.
+  auto c = PartitionRows(7, 3, 3, 1);
+  EXPECT_EQ(c[0].rows, 3u);
+  EXPECT_EQ(c[1].rows, 2u);
+  EXPECT_EQ(c[2].rows, 2u);
+  auto z = PartitionRows(0, 8, 2, 4096);
+  EXPECT_EQ(z[0].rows + z[1].rows, 0u);
+  EXPECT_THROW(PartitionRows(4, 4, 0, 1), std::invalid_argument);
+}
+
+TEST(SharedPartitionTest, SpecDescribeParsesBack) {
+  auto s = Spec({5, 3, 2}, 4, SharedLayout::kChunked, "feat ures");
+  auto back = SharedTensorSpec::Parse(s.Describe());
+  EXPECT_EQ(back.Describe(), s.Describe());
+  EXPECT_EQ(back.shape, s.shape);
+  auto scalar = SharedTensorSpec::Parse(Spec({}, 8, SharedLayout::kContinuous).Describe());
+  EXPECT_TRUE(scalar.shape.empty());
+  EXPECT_EQ(scalar.rows(), 1u);
+  EXPECT_THROW(SharedTensorSpec::Parse("nonsense"), std::invalid_argument);
+  EXPECT_THROW(ParseSharedLayout("distributed-ish"), std::invalid_argument);
+  EXPECT_EQ(ParseSharedLayout("distributed"), SharedLayout::kDistributed);
+}
+
+// Each rank writes its own rows; after a barrier every rank reads every row, directly (where the
+// layout gives one array) and through Gather in a shuffled order, then scatters and re-checks.
+void WritesSeenByAll(SharedLayout layout, uint64_t rows, uint64_t columns, int world) {
+  auto statuses = RunRanks(world, [&](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, world, 20s);
+    auto t =
+        group.Create(Spec({static_cast<int64_t>(rows), static_cast<int64_t>(columns)}, 4, layout));
+    const SharedPartition& mine = t->local();
+    auto* local = reinterpret_cast<uint32_t*>(mine.address);
+    for (uint64_t r = 0; r < mine.rows; ++r) {
+      for (uint64_t c = 0; c < columns; ++c)
+        local[r * columns + c] = RowValue(mine.row_begin + r, c);
+    }
+    group.Barrier("written");
+    uint64_t covered = 0;
+    for (const auto& p : t->partitions()) {
+      covered += p.rows;
+      auto* rowsp = reinterpret_cast<const uint32_t*>(p.address);
+      for (uint64_t r = 0; r < p.rows; ++r) {
+        for (uint64_t c = 0; c < columns; ++c) {
+          Check(rowsp[r * columns + c] == RowValue(p.row_begin + r, c),
+                StrCat("row ", p.row_begin + r));
+        }
+      }
+    }
+    Check(covered == rows, "partitions cover the rows");
+    if (layout == SharedLayout::kContinuous) {
+      auto* all = reinterpret_cast<const uint32_t*>(t->data());
+      for (uint64_t r = 0; r < rows; ++r) Check(all[r * columns] == RowValue(r, 0), "continuous");
+    }
+    std::vector<int64_t> idx(rows * 2);
+    std::mt19937_64 rng(rank);
+    for (auto& i : idx) i = static_cast<int64_t>(rng() % rows);
+    std::vector<uint32_t> out(idx.size() * columns);
+    t->Gather(idx.data(), idx.size(), out.data());
+    for (size_t i = 0; i < idx.size(); ++i) {
+      Check(out[i * columns + columns - 1] == RowValue(idx[i], columns - 1), "gathered row");
+    }
+    group.Barrier("gathered");
+    // Rank 0 rewrites every row through Scatter; all see it.
+    if (rank == 0) {
+      std::vector<int64_t> every(rows);
+      std::vector<uint32_t> values(rows * columns);
+      for (uint64_t r = 0; r < rows; ++r) {
+        every[r] = static_cast<int64_t>(rows - 1 - r);
+        for (uint64_t c = 0; c < columns; ++c) values[r * columns + c] = 7 * (rows - 1 - r) + 1;
+      }
+      t->Scatter(every.data(), every.size(), values.data());
+    }
+    group.Barrier("scattered");
+    for (const auto& p : t->partitions()) {
+      auto* rowsp = reinterpret_cast<const uint32_t*>(p.address);
+      for (uint64_t r = 0; r < p.rows; ++r) {
+        Check(rowsp[r * columns] == 7 * (p.row_begin + r) + 1, "scattered row");
+      }
+    }
+    group.Barrier("checked");
+  });
+  ExpectAllZero(statuses);
+}
+
+TEST(SharedTensorTest, ContinuousUnequalPartitions) {
+  WritesSeenByAll(SharedLayout::kContinuous, 5000, 3, 3);
+}
+TEST(SharedTensorTest, ContinuousZeroSizePartitions) {
+  WritesSeenByAll(SharedLayout::kContinuous, 1001, 3, 4);
+}
+TEST(SharedTensorTest, ChunkedOddRows) {
+  WritesSeenByAll(SharedLayout::kChunked, 1001, 3, 3);
+}
+TEST(SharedTensorTest, ChunkedFewerRowsThanRanks) {
+  WritesSeenByAll(SharedLayout::kChunked, 2, 5, 3);
+}
+TEST(SharedTensorTest, LargeGatherRunsOnThreads) {
+  // 4096 rows of 1 KiB: gathers of 8192 rows cross the threaded threshold.
+  WritesSeenByAll(SharedLayout::kContinuous, 4096, 256, 2);
+}
+
+// 64 MiB+ per rank: partitions on 2 MiB boundaries, hugetlb pages tried; without reserved huge
+// pages (nr_hugepages 0, as on CI) ordinary pages serve and the stats say why.
+TEST(SharedTensorTest, LargeTensorsTryHugePagesAndReportTheFallback) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 30s);
+    const int64_t rows = (129ll << 20) / 12;  // 12-byte rows, not a multiple of 2 MiB in all
+    auto t = group.Create(Spec({rows, 3}, 4, SharedLayout::kContinuous));
+    Check(t->partitions()[0].bytes % (2 << 20) == 0, "first partition on a huge-page boundary");
+    Check(t->partitions()[0].rows + t->partitions()[1].rows == static_cast<uint64_t>(rows), "rows");
+    const SharedTensorStats& s = t->stats();
+    Check(s.huge_pages || s.huge_pages_reason.find("hugetlb pages unavailable") == 0,
+          s.huge_pages_reason);
+    uint8_t* last = t->data() + static_cast<uint64_t>(rows) * 12 - 1;
+    if (rank == 1) *last = 7;
+    group.Barrier("written");
+    Check(*last == 7, "last byte seen by rank 0");
+    group.Barrier("read");
+  });
+  ExpectAllZero(statuses);
+}
+
+TEST(SharedTensorTest, EmptyTensor) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 20s);
+    auto t = group.Create(Spec({0, 4}, 4, SharedLayout::kContinuous));
+    Check(t->local().rows == 0, "no rows");
+    try {
+      group.Create(Spec({4, 4}, 4, SharedLayout::kDistributed));
+      Check(false, "a distributed tensor mapped");
+    } catch (const std::invalid_argument&) {
+    }
+    t->Gather(nullptr, 0, nullptr);
+    int64_t bad = 0;
+    try {
+      t->Gather(&bad, 1, nullptr);
+      Check(false, "index 0 of an empty tensor accepted");
+    } catch (const std::out_of_range&) {
+    }
+  });
+  ExpectAllZero(statuses);
+}
+
+TEST(SharedTensorTest, DisagreeingRanksAllGetAnErrorNamingThem) {
+  auto statuses = RunRanks(3, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, 20s);
+    int64_t rows = rank == 1 ? 11 : 10;
+    try {
+      group.Create(Spec({rows, 4}, 4, SharedLayout::kContinuous));
+    } catch (const std::invalid_argument& e) {
+      std::string msg = e.what();
+      Check(msg.find("rank 1 asked for shape=[11,4]") != std::string::npos, msg);
+      Check(msg.find("rank 0,2 asked for shape=[10,4]") != std::string::npos, msg);
+      return;
+    }
+    Check(false, "no error");
+  });
+  ExpectAllZero(statuses);
+}
+
+TEST(SharedTensorTest, DeadRankMakesEverySurvivorFailWithinTheTimeout) {
+  auto statuses = RunRanks(3, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, 2s);
+    if (rank == 2) ::_exit(0);  // dies before the collective
+    auto start = std::chrono::steady_clock::now();
+    try {
+      group.Create(Spec({64, 4}, 4, SharedLayout::kContinuous));
+    } catch (const IoError& e) {
+      auto waited = std::chrono::steady_clock::now() - start;
+      Check(e.error_code() == ETIMEDOUT, e.what());
+      Check(std::string(e.what()).find("rank 2 of 3 did not arrive") != std::string::npos,
+            e.what());
+      Check(waited < 15s, "bounded wait");
+      return;
+    }
+    Check(false, "no error");
+  });
+  ExpectAllZero(statuses);
+}
+
+TEST(SharedTensorTest, UseAfterCloseThrows) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 20s);
+    auto t = group.Create(Spec({100, 2}, 8, SharedLayout::kChunked));
+    auto view = t->memory();  // a view keeps the memory after close
+    group.Barrier("mapped");
+    group.Close();
+    Check(t->closed(), "closed");
+    Check(group.socket_name().rfind("tensortier.", 0) == 0, "socket name kept after close");
+    int64_t i = 0;
+    uint64_t out[2];
+    try {
+      t->Gather(&i, 1, out);
+      Check(false, "gather after close");
+    } catch (const std::logic_error& e) {
+      Check(std::string(e.what()).find("closed") != std::string::npos, e.what());
+    }
+    Check(t->partitions()[0].address[0] == 0, "view still readable");
+    try {
+      group.Create(Spec({1}, 1, SharedLayout::kChunked));
+      Check(false, "create after close");
+    } catch (const std::logic_error&) {
+    }
+  });
+  ExpectAllZero(statuses);
+}
+
+TEST(SharedTensorTest, AttachByNameSeesTheSameMemory) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 20s);
+    auto t = group.Create(Spec({9, 1}, 4, SharedLayout::kContinuous, "table"));
+    if (rank == 1) reinterpret_cast<uint32_t*>(t->data())[8] = 42;
+    group.Barrier("written");
+    auto again = group.Attach("table");
+    Check(again->spec().Describe() == t->spec().Describe(), "same spec");
+    Check(reinterpret_cast<uint32_t*>(again->data())[8] == 42, "same memory");
+    Check(again->data() != t->data(), "a second mapping");
+    try {
+      group.Create(Spec({9, 1}, 4, SharedLayout::kContinuous, "table"));
+      Check(false, "second tensor with the same name");
+    } catch (const std::invalid_argument&) {
+    }
+    group.Barrier("attached");
+  });
+  ExpectAllZero(statuses);
+}
+
+// Raw connection to `name`'s abstract socket: whether a descriptor came back for `key`.
+bool FetchAsCurrentUser(const std::string& name, const std::string& key) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  socklen_t len = offsetof(sockaddr_un, sun_path) + 1 + name.size();
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) return false;
+  uint32_t n = key.size();
+  (void)!::send(fd, &n, 4, MSG_NOSIGNAL);
+  (void)!::send(fd, key.data(), key.size(), MSG_NOSIGNAL);
+  char status = 0;
+  char control[CMSG_SPACE(sizeof(int))];
+  iovec iov{&status, 1};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t got = ::recvmsg(fd, &msg, 0);
+  bool passed = got == 1 && CMSG_FIRSTHDR(&msg) != nullptr;
+  ::close(fd);
+  return passed;
+}
+
+TEST(SharedTensorTest, AnotherUsersProcessIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another user";
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 20s);
+    auto t = group.Create(Spec({4096, 1}, 4, SharedLayout::kContinuous, "secret"));
+    if (rank == 0) {
+      Check(FetchAsCurrentUser(group.socket_name(), "secret"), "same user is served");
+      pid_t pid = ::fork();
+      if (pid == 0) {
+        if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+        ::_exit(FetchAsCurrentUser(group.socket_name(), "secret") ? 2 : 0);
+      }
+      int st = 0;
+      ::waitpid(pid, &st, 0);
+      Check(WIFEXITED(st) && WEXITSTATUS(st) == 0, StrCat("other user's fetch: status ", st));
+      Check(group.refused_peers() == 1, "refusal counted");
+    }
+    group.Barrier("done");
+  });
+  ExpectAllZero(statuses);
+}
+
+TEST(UnixSocketStoreTest, SetGetAddAndTimeout) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    if (rank == 1) store->Set("k", std::string("v\0w", 3));
+    Check(store->Get("k", 10s) == std::string("v\0w", 3), "value");
+    int64_t n = store->Add("counter", 5);
+    Check(n == 5 || n == 10, "add");
+    store->Set(StrCat("added", rank), "");
+    store->Get(StrCat("added", 1 - rank), 10s);
+    Check(store->Add("counter", 0) == 10, "both adds");
+    if (rank == 0) {
+      auto start = std::chrono::steady_clock::now();
+      try {
+        store->Get("never", 300ms);
+        Check(false, "no timeout");
+      } catch (const IoError& e) {
+        Check(e.error_code() == ETIMEDOUT, e.what());
+        Check(std::chrono::steady_clock::now() - start < 10s, "bounded");
+      }
+    }
+  });
+  ExpectAllZero(statuses);
+}
+
+}  // namespace
+}  // namespace tensortier

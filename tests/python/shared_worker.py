@@ -1,0 +1,356 @@
+"""One rank of a multi-process shared-tensor test: ``python shared_worker.py SCENARIO OUTDIR``,
+started by torchrun, by torch.multiprocessing.spawn (``spawn_entry``) or as a plain subprocess
+(RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by the test). Each rank writes
+OUTDIR/rank<N>.json: {"ok": true, ...} or {"ok": false, "error": ...}."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+import tensortier.shared as shared
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def expected(shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """The full tensor every rank's writes add up to (distinct per element where the dtype
+    allows)."""
+    n = 1
+    for d in shape:
+        n *= d
+    base = (torch.arange(n, dtype=torch.int64) * 7 + salt) % 101
+    if dtype == torch.bool:
+        return (base % 2 == 1).view(shape)
+    return base.to(dtype).view(shape)
+
+
+def check_tensor(group: shared.Group, shape: tuple[int, ...], dtype: torch.dtype, layout: str) -> None:
+    rank, world = group.rank, group.world_size
+    t = group.create_tensor(shape, dtype, layout=layout)
+    want = expected(shape, dtype)
+    local, (begin, end) = t.local()
+    assert t.partitions[rank] == (begin, end)
+    assert sum(e - b for b, e in t.partitions) == shape[0]
+    local.copy_(want[begin:end])  # each rank writes only its rows
+    group.barrier()
+    view = t.view()
+    whole = view if isinstance(view, torch.Tensor) else torch.cat(view)
+    assert torch.equal(whole, want), f"{layout} {dtype}: view differs"
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.randint(0, shape[0], (3 * shape[0] + 1,), generator=gen) if shape[0] else torch.empty(0, dtype=torch.int64)
+    assert torch.equal(t.gather(idx), want.index_select(0, idx)), f"{layout} {dtype}: gather"
+    group.barrier()
+    # Every rank scatters its own set of rows (rank, rank + world, ...), in reverse order.
+    mine = torch.arange(rank, max(rank, shape[0]), world).flip(0)
+    values = expected((mine.numel(), *shape[1:]), dtype, salt=rank + 1)
+    t.scatter(mine, values)
+    group.barrier()
+    private = want.clone()
+    for r in range(world):
+        rows = torch.arange(r, max(r, shape[0]), world).flip(0)
+        private.index_copy_(0, rows, expected((rows.numel(), *shape[1:]), dtype, salt=r + 1))
+    view = t.view()
+    whole = view if isinstance(view, torch.Tensor) else torch.cat(view)
+    assert torch.equal(whole, private), f"{layout} {dtype}: scatter"
+    group.barrier()
+    t.close()
+
+
+def scenario_layouts(group: shared.Group, result: dict[str, Any]) -> None:
+    for layout in ("continuous", "chunked"):
+        for dtype in DTYPES:
+            check_tensor(group, (1001, 3), dtype, layout)  # unequal partitions
+        check_tensor(group, (5, 1), torch.float32, layout)  # zero-size partitions
+        check_tensor(group, (0, 4), torch.int32, layout)  # no rows at all
+        check_tensor(group, (4099,), torch.int16, layout)  # 1-D
+    result["socket"] = group._core.socket_name
+
+
+def scenario_errors(group: shared.Group, result: dict[str, Any]) -> None:
+    rank = group.rank
+    t = group.create_tensor((10, 2), torch.float32, name="table")
+    again = group.attach("table")
+    if rank == 0:
+        t.view()[3, 1] = 5.0
+    group.barrier()
+    assert again.view()[3, 1].item() == 5.0
+    # Disagreeing ranks: every rank raises ValueError naming the odd one.
+    try:
+        group.create_tensor((10 + (rank == 1), 2), torch.float32)
+        raise AssertionError("no error for disagreeing shapes")
+    except ValueError as e:
+        assert "rank 1 asked for shape=[11,2]" in str(e), str(e)
+    try:
+        group.create_tensor((4, 2), torch.float32 if rank else torch.int32)
+        raise AssertionError("no error for disagreeing dtypes")
+    except ValueError as e:
+        assert "dtype=torch.int32" in str(e) and "rank 0 asked" in str(e), str(e)
+    # Bad indices and values raise like index_select / index_copy_ would, writing nothing.
+    for bad in ([10], [-1]):
+        try:
+            t.gather(torch.tensor(bad))
+            raise AssertionError("no IndexError")
+        except IndexError:
+            pass
+    try:
+        t.scatter(torch.tensor([0]), torch.zeros(1, 2, dtype=torch.float64))
+        raise AssertionError("no TypeError")
+    except TypeError:
+        pass
+    try:
+        t.scatter(torch.tensor([0, 1]), torch.zeros(1, 2))
+        raise AssertionError("no ValueError")
+    except ValueError:
+        pass
+    # Another user's process is refused by this rank's partition server.
+    if rank == 0:
+        import subprocess
+
+        child = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--fetch-as-other", group._core.socket_name],
+            user=65534,
+            group=65534,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert child.returncode == 0, child.stdout + child.stderr
+        assert group._core.refused_peers == 1
+    group.barrier()
+    view = t.view()
+    group.close()
+    for call in (lambda: t.gather(torch.tensor([0])), t.local, lambda: group.create_tensor((1,), torch.int8)):
+        try:
+            call()
+            raise AssertionError("no error after close")
+        except RuntimeError as e:
+            assert "closed" in str(e)
+    view.fill_(1)  # views taken before close keep their memory
+    result["socket"] = group._core.socket_name
+
+
+def scenario_seed(group_unused: Any, result: dict[str, Any]) -> None:
+    from tensortier.compat import wholememory as wm
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # The seed's calls, as it writes them.
+    wm.init_lib()
+    wm.mp_init(rank, size)
+    a = wm.create_tensor([7, 3], [], torch.float32, True, [])
+    b = wm.create_tensor([4, 5], [], torch.float32, True, [])
+    bb = wm.get_tensor_view(b, torch.device("cpu"))
+    bb[rank] = rank + 1.0
+    a[rank::size] = 10.0 * rank
+    b1 = b + 1
+    try:
+        wm.create_tensor([4, 5], [], torch.float32, False, [])
+        raise AssertionError("device memory without a driver")
+    except RuntimeError as e:
+        assert "no CUDA driver was found" in str(e), str(e)
+    try:
+        wm.get_tensor_view(b, torch.device("cuda:0"))
+        raise AssertionError("cuda view without a driver")
+    except RuntimeError as e:
+        assert "no CUDA driver was found" in str(e), str(e)
+    wm._group.barrier()  # type: ignore[union-attr]
+    for r in range(size):
+        assert bb[r].eq(r + 1.0).all(), bb
+        assert a[r::size].eq(10.0 * r).all(), a
+    assert b1.shape == (4, 5)
+    del a, b, bb
+    wm.finalize_lib()
+    try:
+        wm.create_tensor([1], [], torch.float32, True, [])
+        raise AssertionError("create after finalize")
+    except RuntimeError:
+        pass
+
+
+def scenario_killed(group: shared.Group, result: dict[str, Any]) -> None:
+    t = group.create_tensor((64, 4), torch.float32)
+    t.local()[0].fill_(group.rank)
+    group.barrier()
+    if group.rank == group.world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        group.create_tensor((64, 4), torch.float32)
+        raise AssertionError("no error with a dead rank")
+    except TimeoutError as e:
+        result["waited"] = time.monotonic() - start
+        assert f"rank {group.world_size - 1} of {group.world_size} did not arrive" in str(e), str(e)
+    # The memory the dead rank owned is still mapped here and readable.
+    whole = t.view()
+    assert isinstance(whole, torch.Tensor)
+    begin, _ = t.partitions[group.world_size - 1]
+    if begin < 64:
+        assert whole[begin].eq(group.world_size - 1).all()
+    result["socket"] = group._core.socket_name
+
+
+def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
+    """The distributed layout over Gloo: rows move by all-to-all; gather/scatter are collective."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    group = shared.Group()  # the default group's store
+    rank, world = group.rank, group.world_size
+    for dtype in DTYPES:
+        shape = (1001, 3)
+        t = group.create_tensor(shape, dtype, layout="distributed")
+        want = expected(shape, dtype)
+        local, (begin, end) = t.local()
+        local.copy_(want[begin:end])
+        gen = torch.Generator().manual_seed(rank)
+        idx = torch.randint(0, shape[0], (257 * (rank + 1),), generator=gen)  # unequal batches
+        assert torch.equal(t.gather(idx), want.index_select(0, idx)), f"distributed {dtype}: gather"
+        mine = torch.arange(rank, shape[0], world).flip(0)
+        t.scatter(mine, expected((mine.numel(), 3), dtype, salt=rank + 1))
+        private = want.clone()
+        for r in range(world):
+            rows = torch.arange(r, shape[0], world).flip(0)
+            private.index_copy_(0, rows, expected((rows.numel(), 3), dtype, salt=r + 1))
+        every = torch.arange(shape[0])
+        assert torch.equal(t.gather(every), private), f"distributed {dtype}: scatter"
+        assert torch.equal(t.gather(torch.empty(0, dtype=torch.int64)), private[:0])
+    # One rank's bad index: every rank raises, none is left waiting in a collective.
+    t = group.create_tensor((5, 2), torch.float32, layout="distributed")
+    try:
+        t.gather(torch.tensor([5 if rank == world - 1 else 0]))
+        raise AssertionError("no IndexError")
+    except IndexError as e:
+        assert f"rank {world - 1} passed an index out of range" in str(e), str(e)
+    try:
+        group.create_tensor((5 + (rank == 0), 2), torch.float32, layout="distributed")
+        raise AssertionError("no ValueError")
+    except ValueError as e:
+        assert "rank 0 asked for shape=[6,2]" in str(e), str(e)
+    try:
+        t.view()
+        raise AssertionError("a whole view of a distributed tensor")
+    except ValueError:
+        pass
+    group.close()
+    try:
+        t.gather(torch.tensor([0]))
+        raise AssertionError("gather after close")
+    except RuntimeError:
+        pass
+    result["socket"] = group._core.socket_name
+    dist.destroy_process_group()
+
+
+def scenario_files(group: shared.Group, result: dict[str, Any]) -> None:
+    """load_files / store_files / load_checkpoint give back the source's bytes, every layout."""
+    from safetensors.torch import save_file
+
+    rank, world = group.rank, group.world_size
+    outdir = os.environ["SHARED_TEST_DIR"]
+    shape = (1001, 3)  # 12-byte rows: unaligned file offsets between partitions
+    want = expected(shape, torch.float32)
+    pieces = [want[:400], want[400:401], want[401:]]  # three files, cut anywhere
+    paths = [os.path.join(outdir, f"rows{i}.bin") for i in range(3)]
+    if rank == 0:
+        for piece, path in zip(pieces, paths):
+            piece.numpy().tofile(path)
+        save_file({"other": torch.zeros(3), "feat": want, "tail": torch.ones(5)}, os.path.join(outdir, "ckpt.safetensors"))
+        torch.save({"feat": want}, os.path.join(outdir, "ckpt.pt"))
+    group.barrier()
+    for layout in ("continuous", "chunked"):
+        t = group.create_tensor(shape, torch.float32, layout=layout)
+        t.load_files(paths)
+        view = t.view()
+        whole = view if isinstance(view, torch.Tensor) else torch.cat(view)
+        assert torch.equal(whole, want), f"{layout}: load_files"
+        names = t.store_files(os.path.join(outdir, f"store_{layout}"))
+        u = group.create_tensor(shape, torch.float32, layout=layout)
+        u.load_files(names)
+        assert torch.equal(u.gather(torch.arange(shape[0])), want), f"{layout}: store/load"
+        v = group.create_tensor(shape, torch.float32, layout=layout)
+        v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "feat")
+        assert torch.equal(v.gather(torch.arange(shape[0])), want), f"{layout}: checkpoint"
+        for bad, exc in ((lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "other"), ValueError),
+                         (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "nope"), KeyError),
+                         (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.pt"), "feat"), ValueError),
+                         (lambda: v.load_files(paths[:2]), ValueError)):
+            try:
+                bad()
+                raise AssertionError("no error")
+            except exc:
+                pass
+    result["socket"] = group._core.socket_name
+
+
+SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
+    "files": scenario_files,
+    "distributed": scenario_distributed,
+    "layouts": scenario_layouts,
+    "errors": scenario_errors,
+    "seed": scenario_seed,
+    "killed": scenario_killed,
+}
+
+
+def run(scenario: str, outdir: str, rank: int | None = None, world: int | None = None, store: Any = None) -> None:
+    result: dict[str, Any] = {"ok": False, "pid": os.getpid()}
+    rank_for_file = rank if rank is not None else int(os.environ["RANK"])
+    try:
+        group = None
+        if scenario not in ("seed", "distributed"):
+            group = shared.Group(rank=rank, world_size=world, store=store, timeout=float(os.environ.get("SHARED_TEST_TIMEOUT", "20")))
+        SCENARIOS[scenario](group, result)
+        result["ok"] = True
+    except BaseException as e:  # report everything, the test prints it
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(outdir, f"rank{rank_for_file}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def spawn_entry(index: int, scenario: str, outdir: str, world: int, port: int) -> None:
+    """torch.multiprocessing.spawn's target: the store is the test's TCPStore (a client here)."""
+    import datetime
+
+    store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=30))
+    run(scenario, outdir, rank=index, world=world, store=store)
+
+
+def fetch_as_other(name: str) -> int:
+    """Connects to a partition server as this (other) user: 0 when refused without a descriptor."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect("\0" + name)
+    key = b"table"
+    try:
+        s.sendall(len(key).to_bytes(4, "little") + key)
+        data, ancdata, _, _ = s.recvmsg(1, socket.CMSG_SPACE(4))
+    except (ConnectionResetError, BrokenPipeError):
+        return 0
+    return 1 if data or ancdata else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--fetch-as-other":
+        sys.exit(fetch_as_other(sys.argv[2]))
+    run(sys.argv[1], sys.argv[2])

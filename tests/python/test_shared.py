@@ -1,0 +1,263 @@
+"""Shared tensors across real processes: started as torchrun starts them, by
+torch.multiprocessing.spawn, and as plain processes that a test kills. Each rank runs a scenario
+of shared_worker.py and reports in a JSON file; the test checks every rank's report and that
+nothing was left behind (/dev/shm, the processes' TMPDIR, abstract sockets)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tensortier.shared as shared
+
+WORKER = Path(__file__).with_name("shared_worker.py")
+TIMEOUT = 120  # seconds a whole multi-process run may take on a loaded machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def abstract_sockets() -> set[str]:
+    with open("/proc/net/unix") as f:
+        return {line.split()[-1] for line in f.readlines()[1:] if line.split()[-1].startswith("@tensortier.")}
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def reports(outdir: Path, world: int) -> list[dict[str, Any]]:
+    out = []
+    for r in range(world):
+        path = outdir / f"rank{r}.json"
+        out.append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no report"})
+    return out
+
+
+def env_for(tmp: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    private_tmp = tmp / "private_tmp"
+    private_tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(private_tmp)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKER.parent), env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+def assert_nothing_left(tmp: Path, shm_before: set[str], sockets: list[str]) -> None:
+    assert shm_entries() - shm_before == set()
+    # torchrun's agent keeps its own log folder (torchelastic_*) there: not ours.
+    left_files = [p.name for p in (tmp / "private_tmp").iterdir() if not p.name.startswith("torchelastic_")]
+    assert left_files == []
+    left = abstract_sockets()
+    for name in sockets:
+        assert "@" + name not in left
+
+
+def run_torchrun(tmp: Path, scenario: str, world: int, **extra: str) -> list[dict[str, Any]]:
+    outdir = tmp / "out"
+    outdir.mkdir()
+    shm_before = shm_entries()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={world}", str(WORKER), scenario, str(outdir),
+    ]
+    proc = subprocess.run(cmd, env=env_for(tmp, **extra), capture_output=True, text=True, timeout=TIMEOUT)
+    results = reports(outdir, world)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('error')}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_nothing_left(tmp, shm_before, [res["socket"] for res in results if "socket" in res])
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_layout_and_dtype_under_torchrun(tmp_path: Path, world: int) -> None:
+    run_torchrun(tmp_path, "layouts", world)
+
+
+def test_misuse_attach_other_user_and_close_under_torchrun(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start a process as another user")
+    run_torchrun(tmp_path, "errors", 3)
+
+
+def test_load_and_store_files_and_checkpoints_under_torchrun(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    run_torchrun(tmp_path, "files", 3, SHARED_TEST_DIR=str(data))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_layout_over_gloo_under_torchrun(tmp_path: Path, world: int) -> None:
+    run_torchrun(tmp_path, "distributed", world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_wholememory_seed_calls_under_torchrun(tmp_path: Path, world: int) -> None:
+    run_torchrun(tmp_path, "seed", world)
+
+
+def test_every_layout_under_multiprocessing_spawn(tmp_path: Path) -> None:
+    import shared_worker  # noqa: F401  (the spawned processes import it by name)
+
+    world = 2
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, world + 1, is_master=True,
+                                       timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(shared_worker.spawn_entry, args=("layouts", str(outdir), world, port),
+                   nprocs=world, join=False)
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT)
+    while not ctx.join(timeout=1):
+        if datetime.datetime.now() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("spawned ranks did not finish in time")
+    for r, res in enumerate(reports(outdir, world)):
+        assert res["ok"], f"rank {r}: {res.get('error')}"
+    del store
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_killed_rank_every_survivor_raises_and_nothing_is_left(tmp_path: Path, world: int) -> None:
+    """The last rank kills itself (SIGKILL) after the first tensor; the next collective raises
+    TimeoutError on every survivor within the group's timeout."""
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    shm_before = shm_entries()
+    port = free_port()
+    # The test serves the store, as torchrun's agent does: a survivor that finishes first
+    # must not take the store away from the others.
+    store = torch.distributed.TCPStore("127.0.0.1", port, world + 1, is_master=True,
+                                       timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    procs = []
+    try:
+        for r in range(world):
+            env = env_for(tmp_path, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), SHARED_TEST_TIMEOUT="4",
+                          TORCHELASTIC_USE_AGENT_STORE="True")
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), "killed", str(outdir)],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [p.communicate(timeout=TIMEOUT)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    del store
+    assert procs[-1].returncode == -signal.SIGKILL
+    results = reports(outdir, world)
+    for r in range(world - 1):
+        assert results[r]["ok"], f"rank {r}: {results[r].get('error')}\n{outputs[r][-2000:]}"
+        assert results[r]["waited"] < 30
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:-1]])
+
+
+def test_group_without_a_rendezvous_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="rank"):
+        shared.Group()
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        shared.Group(rank=0, world_size=1)
+    with pytest.raises(ValueError, match="not in a group"):
+        shared.Group(rank=2, world_size=2)
+    with pytest.raises(TypeError, match="torch.distributed.Store"):
+        shared.Group(rank=0, world_size=1, store=object())
+    with pytest.raises(ValueError, match="timeout"):
+        shared.Group(rank=0, world_size=1, timeout=0)
+
+
+def test_one_process_group_with_a_hash_store() -> None:
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((5, 2), torch.float64, layout="chunked", name="t")
+        t.scatter([4, 0], torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64))
+        assert torch.equal(t.gather([0, 4]), torch.tensor([[3.0, 4.0], [1.0, 2.0]], dtype=torch.float64))
+        assert t.stats["local_bytes"] == 80
+        assert t.stats["huge_pages"] is False and t.stats["huge_pages_reason"]
+        with pytest.raises(ValueError, match="layout"):
+            group.create_tensor((1,), torch.float32, layout="striped")
+        with pytest.raises(ValueError, match="init_process_group"):
+            group.create_tensor((1,), torch.float32, layout="distributed")
+        with pytest.raises(ValueError, match="at least one dimension"):
+            group.create_tensor((), torch.float32)
+        with pytest.raises(ValueError, match="negative"):
+            group.create_tensor((-1, 2), torch.float32)
+        with pytest.raises(TypeError, match="dtype"):
+            group.create_tensor((1,), "float32")  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match="no CUDA driver was found"):
+            group.create_tensor((1,), torch.float32, device="cuda")
+        with pytest.raises(TimeoutError):
+            shared.Group(rank=0, world_size=1, store=store, timeout=5).attach("nope")
+    with pytest.raises(RuntimeError, match="closed"):
+        t.gather([0])
+
+
+EXAMPLE_RUNS = {
+    "wholememory_seed.py": (["--rows", "1000"], "written by ranks [0, 1, 0, 1]"),
+    "gnn_feature_gather.py": (["--nodes", "5000", "--steps", "3"], "rows/s"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLE_RUNS))
+def test_example_runs_under_torchrun(tmp_path: Path, script: str) -> None:
+    examples = Path(__file__).resolve().parents[2] / "examples" / "shared"
+    args, says = EXAMPLE_RUNS[script]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(examples / script), *args],
+        env=env_for(tmp_path), capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert says in proc.stdout, proc.stdout
+
+
+def test_wholememory_argument_handling_in_one_process() -> None:
+    from tensortier.compat import wholememory as wm
+
+    with pytest.raises(RuntimeError, match="init_lib"):
+        wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    wm.init_lib()
+    with pytest.raises(RuntimeError, match="mp_init"):
+        wm.create_tensor([2], [], torch.float32, True, [])
+    wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    try:
+        with pytest.raises(RuntimeError, match="already"):
+            wm.mp_init(0, 1, store=torch.distributed.HashStore())
+        t = wm.create_tensor([3, 4], [4, 1], torch.int64, True, [0])  # explicit contiguous stride
+        assert t.shape == (3, 4) and t.dtype == torch.int64 and t.is_contiguous()
+        t[2, 3] = 9
+        view = wm.get_tensor_view(t, torch.device("cpu"))
+        assert view[2, 3].item() == 9 and view.data_ptr() == t.data_ptr()
+        with pytest.raises(ValueError, match="contiguous stride"):
+            wm.create_tensor([3, 4], [1, 3], torch.float32, True, [])
+        with pytest.raises(ValueError, match="every rank"):
+            wm.create_tensor([3, 4], [], torch.float32, True, [0, 1])
+        with pytest.raises(ValueError, match="returned by create_tensor"):
+            wm.get_tensor_view(torch.zeros(2), torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="no CUDA driver was found"):
+            wm.get_tensor_view(t, torch.device("cuda:0"))
+    finally:
+        wm.finalize_lib()
+    wm.finalize_lib()  # twice is harmless
+    with pytest.raises(RuntimeError, match="init_lib"):
+        wm.get_tensor_view(t, torch.device("cpu"))
+    assert t[2, 3].item() == 9  # the tensor keeps its memory after finalize
