@@ -49,7 +49,7 @@ printed line. The versions the figures in BENCHMARKS.md used:
   .venv/bin/python -m pip install tensorizer==2.12.1 runai-model-streamer==0.17.0 \\
       fastsafetensors==0.5.0
 
-Targets checked (issue: new-process loads): tensortier's cold loads >= 1.2x the fastest other
+Targets checked (new-process loads and saves): tensortier's cold loads >= 1.2x the fastest other
 loader (fio is the disk's rate, reported, not a loader) and >= 1.5x safetensors.load_file; peak
 RSS growth of a cold load <= the file's size + 64 MiB; saves >= 5x torch.save and >= 1.0x fio.
 
@@ -79,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, from any directory
-from _benchlib import GB, cached_fraction, drop_file_cache, fio_stats, loadavg, log  # noqa: E402
+from _benchlib import GB, drop_file_cache, fio_stats, loadavg, log  # noqa: E402
 from _benchlib import median, name_list, ratio, settle, tool_version  # noqa: E402
 from checkpoint_bench import OPTIONAL_MODULES, fsync_path, parse_size, runai_load  # noqa: E402
 from checkpoint_bench import state_digest, tensorizer_load, tensorizer_save  # noqa: E402
@@ -474,7 +474,7 @@ def report(s: Settings, op: str, samples: dict[str, list[Sample]], errors: dict[
 
 
 def targets(s: Settings, results: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-    """The issue's targets, each with its figures and pass/miss (n/a where a figure is
+    """The new-process targets, each with its figures and pass/miss (n/a where a figure is
     missing)."""
     checks: list[dict[str, Any]] = []
     loads = results["ops"].get("load", {})
