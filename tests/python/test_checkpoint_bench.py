@@ -4,6 +4,7 @@ code on the CPU): the benchmark a GPU machine will run must not rot on machines 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,68 @@ def test_drop_file_cache_says_when_the_kernel_kept_the_pages(
     empty = disk_dir / "empty.bin"
     empty.touch()
     assert _benchlib.cached_fraction(empty) is None
+
+
+def test_checkpoint_fresh_bench_runs_every_sample_in_a_new_process(disk_dir: Path) -> None:
+    """bench/checkpoint_fresh_bench.py at a tiny size, one round, the loaders and savers that
+    are always here (fio where it is installed): a well-formed result, every load verified by
+    its hash, a peak RSS for every sample, and the LLM-shaped state dict's 268 tensors."""
+    import shutil
+
+    out = disk_dir / "fresh.json"
+    fio = ",fio" if shutil.which("fio") else ""
+    loads = ["tt-safetensors", "tt-torch", "safetensors", "torch.load"]
+    saves = ["tt-safetensors", "tt-torch", "torch.save", "safetensors"]
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "checkpoint_fresh_bench.py"),
+         "--dir", str(disk_dir / "d"), "--size", "4M", "--rounds", "1",
+         "--loads", ",".join(loads) + fio, "--saves", ",".join(saves) + fio,
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["tensors"] == 268 and results["rounds"] == 1
+    assert 3 << 20 < results["bytes"] < 5 << 20
+    for op, tools, baseline in (("load", loads, "safetensors"), ("save", saves, "torch.save")):
+        rows = results["ops"][op]
+        assert set(tools) <= set(rows), rows.keys()
+        for tool in tools + (["fio"] if fio else []):
+            row = rows[tool]
+            assert len(row["samples_gbps"]) == 1 and row["median_gbps"] > 0, (op, tool)
+            assert row[f"ratio_vs_{baseline}"] > 0, (op, tool)
+            if tool != "fio":  # a Python child: its peak RSS and RSS before the timing
+                assert row["peak_rss_bytes"][0] >= row["rss_before_bytes"][0] > 0, (op, tool)
+                assert row["verified"], (op, tool)  # hashed against the state dict
+        assert rows[baseline][f"ratio_vs_{baseline}"] == 1.0
+    for tool in loads:  # dropped from the page cache before the load, and checked
+        assert results["ops"]["load"][tool]["cached_fraction_before"][0] < 0.05, tool
+    assert {c["result"] for c in results["targets"]} <= {"pass", "miss", "n/a"}
+    assert any(c["target"].startswith("save tt-torch >= 5x") for c in results["targets"])
+    assert "### cold load to CPU, one load per new process" in r.stdout
+    assert "### save until durable, one save per new process" in r.stdout
+    assert not [p for p in (disk_dir / "d").iterdir()]  # its files are removed
+
+
+def test_checkpoint_fresh_bench_skips_a_loader_that_does_not_import(disk_dir: Path) -> None:
+    """An optional loader that is not installed (here: shadowed by a module that refuses to
+    import) is skipped with a printed line naming the pip package; the run still succeeds."""
+    shadow = disk_dir / "shadow"
+    shadow.mkdir()
+    (shadow / "tensorizer.py").write_text("raise ImportError('not installed here')\n")
+    out = disk_dir / "fresh.json"
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "checkpoint_fresh_bench.py"),
+         "--dir", str(disk_dir / "d"), "--size", "2M", "--rounds", "1",
+         "--loads", "tt-safetensors,tensorizer", "--saves", "none", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(shadow)},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "load tensorizer: skipped: tensorizer does not import" in r.stderr
+    assert "pip install tensorizer" in r.stderr
+    results = json.loads(out.read_text())
+    rows = results["ops"]["load"]
+    assert rows["tensorizer"]["error"].startswith("skipped")
+    assert not rows["tensorizer"]["samples_gbps"]
+    assert rows["tt-safetensors"]["verified"] and "save" not in results["ops"]
