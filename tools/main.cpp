@@ -23,6 +23,9 @@ commands:
   convert IN OUT
                 torch.save zip <-> safetensors (the other format than IN's), data 4 KiB
                 aligned, with checksums (safetensors) or CRC-32s (torch)
+  bench-files ROOT
+                read a training set (one folder per class) in batches as
+                tensortier.data.FileReader does: files/s and GB/s
   help          this text (`tensortier COMMAND --help`: one command's)
   --version     the version
 
@@ -123,6 +126,7 @@ int main(int argc, char** argv) {
       return tensortier::cli::RunBench(AsksForHelp(rest) ? std::vector<std::string>{"--help"}
                                                          : rest);
     }
+    if (args[0] == "bench-files") return tensortier::cli::RunBenchFiles(rest);
     if (args[0] == "info") return tensortier::cli::RunInfo(rest);
     if (args[0] == "verify") return tensortier::cli::RunVerify(rest);
     if (args[0] == "convert") return tensortier::cli::RunConvert(rest);
