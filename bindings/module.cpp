@@ -25,6 +25,7 @@ using namespace tensortier;
 
 void RegisterCheckpoint(py::module_& m);  // bindings/checkpoint.cpp
 void RegisterTransfer(py::module_& m);    // bindings/transfer.cpp
+void RegisterData(py::module_& m);        // bindings/data.cpp
 
 namespace {
 
@@ -449,4 +450,5 @@ PYBIND11_MODULE(_core, m) {
       py::arg("fd"), py::arg("offset"), py::arg("length"));
   RegisterCheckpoint(m);
   RegisterTransfer(m);
+  RegisterData(m);
 }
