@@ -12,6 +12,7 @@
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/file.hpp"
+#include "tensortier/page_cache.hpp"
 #include "tensortier/pinned_pool.hpp"
 #include "tensortier/strings.hpp"
 
@@ -83,7 +84,8 @@ struct FileSlot {
   uint64_t index = 0;
   File file;
   uint64_t size = 0;
-  uint64_t offset = 0;  // in the arena
+  uint64_t offset = 0;    // in the arena
+  bool resident = false;  // wholly in the page cache when opened (read buffered)
   std::exception_ptr error;
 };
 
@@ -100,34 +102,58 @@ struct PendingBatch {
 }  // namespace detail
 
 using detail::FileSlot;
+using detail::kSampleAlignment;
 using detail::PendingBatch;
 
 namespace {
 
 // Opens `path` for reading and sizes it; refuses anything but a regular file before opening
-// (opening a FIFO would block).
+// (opening a FIFO would block). A file wholly in the page cache is opened buffered only: its
+// O_DIRECT descriptor would never be used, and opening one costs more system calls than reading
+// a small cached file (the engine's residency check then has nothing to decide).
 void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
   try {
     struct stat st {};
     if (stat(path.c_str(), &st) != 0) ThrowIoError(errno, "stat", path);
     if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open (a directory, not a regular file)", path);
     if (!S_ISREG(st.st_mode)) ThrowIoError(EINVAL, "open (not a regular file)", path);
-    slot.file = File::Open(path, OpenMode::kRead, direct);
+    slot.file = File::Open(path, OpenMode::kRead, /*direct=*/false);
     struct stat opened {};
     if (fstat(slot.file.buffered_fd(), &opened) != 0) ThrowIoError(errno, "fstat", path);
     if (!S_ISREG(opened.st_mode)) ThrowIoError(EINVAL, "open (not a regular file)", path);
     slot.size = static_cast<uint64_t>(opened.st_size);
+    if (!direct || slot.size == 0) return;
+    const Residency cached = QueryResidency(slot.file.buffered_fd(), 0, slot.size);
+    if (cached.method != ResidencyMethod::kUnknown &&
+        cached.resident_bytes >= cached.checked_bytes) {
+      slot.resident = true;
+      return;
+    }
+    File with_direct = File::Open(path, OpenMode::kRead, /*direct=*/true);
+    struct stat again {};
+    if (fstat(with_direct.buffered_fd(), &again) != 0) ThrowIoError(errno, "fstat", path);
+    if (again.st_ino != opened.st_ino || again.st_dev != opened.st_dev) {
+      ThrowIoError(EIO, "open (the file was replaced while opened)", path);
+    }
+    slot.file = std::move(with_direct);
   } catch (...) {
     slot.file.Close();
     slot.error = std::current_exception();
   }
 }
 
+// The bytes asked of the engine for a file: with O_DIRECT, the whole file rounded up to the
+// alignment (the arena has room: samples start 4 KiB apart at least), so that it is one direct
+// read which stops at end of file, rather than a direct middle and a buffered tail (a second
+// request, and on a cold file a synchronous page-cache miss).
+uint64_t ReadLength(const FileSlot& slot) {
+  if (!slot.file.direct() || slot.file.offset_alignment() > kSampleAlignment) return slot.size;
+  return AlignUp(slot.size, slot.file.offset_alignment());
+}
+
 [[noreturn]] void ThrowSizeChanged(const FileSlot& slot, uint64_t now) {
   ThrowIoError(EIO,
-               StrCat("read (the file changed size while read: ", slot.size,
-                      " bytes when "
-                      "opened, ",
+               StrCat("read (the file changed size while read: ", slot.size, " bytes when opened, ",
                       now, " now)"),
                slot.file.path(), 0, slot.size);
 }
@@ -303,7 +329,7 @@ std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& 
       continue;
     }
     slot.offset = total;
-    total += AlignUp(slot.size, detail::kSampleAlignment);
+    total += AlignUp(slot.size, kSampleAlignment);
   }
   if (total == 0) return pending;
   pending->arena = arenas_->Acquire(total);
@@ -311,7 +337,7 @@ std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& 
   for (size_t i = 0; i < pending->slots.size(); ++i) {
     FileSlot& slot = pending->slots[i];
     if (slot.error || slot.size == 0) continue;
-    pieces.push_back({slot.file, pending->arena->data() + slot.offset, 0, slot.size});
+    pieces.push_back({slot.file, pending->arena->data() + slot.offset, 0, ReadLength(slot)});
     pending->submitted.push_back(i);
   }
   pending->future = engine_->Submit(IoOp::kRead, pieces);
@@ -344,7 +370,7 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
       std::vector<IoDesc> pieces;
       for (size_t i : pending.submitted) {
         FileSlot& slot = pending.slots[i];
-        pieces.push_back({slot.file, pending.arena->data() + slot.offset, 0, slot.size});
+        pieces.push_back({slot.file, pending.arena->data() + slot.offset, 0, ReadLength(slot)});
       }
       if (!pieces.empty()) pending.future = engine_->Submit(IoOp::kRead, pieces);
     }
@@ -377,11 +403,14 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
     batch->sizes_.push_back(slot.size);
     batch->used_ = std::max(batch->used_, slot.offset + slot.size);
   }
+  uint64_t resident_bytes = 0;
   for (const FileSlot& slot : pending.slots) {
-    if (slot.error)
+    if (slot.error) {
       batch->skipped_.push_back({slot.index, Message(slot.error)});
-    else
+    } else {
       bytes += slot.size;
+      if (slot.resident) resident_bytes += slot.size;
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.batches += 1;
@@ -389,7 +418,7 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
   stats_.bytes += bytes;
   stats_.skipped += batch->skipped_.size();
   stats_.direct_bytes += io.direct_bytes;
-  stats_.cached_bytes += io.cached_bytes;
+  stats_.cached_bytes += io.cached_bytes + resident_bytes;
   return batch;
 }
 

@@ -11,6 +11,7 @@
 
 #include "tensortier/batch_reader.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/file.hpp"
 #include "tensortier/sample_list.hpp"
 #include "test_util.hpp"
 
@@ -208,6 +209,32 @@ TEST(BatchReaderTest, FileThatChangesSizeWhileReadFailsByName) {
   stop = true;
   grower.join();
   EXPECT_TRUE(failed);
+}
+
+TEST(BatchReaderTest, CachedFilesAreReadBufferedAndColdOnesDirect) {
+  Tree tree(8);
+  BatchReader reader(tree.paths, Options());
+  for (const std::string& path : tree.paths) {
+    File file = File::Open(path, OpenMode::kRead, false);
+    file.DataSync();  // dirty pages would stay cached
+    file.DropCache();
+  }
+  reader.Start({{1, 2, 3, 4, 5, 6, 7}});
+  ExpectBatch(*reader.Next(), tree, {1, 2, 3, 4, 5, 6, 7});
+  const BatchReaderStats cold = reader.stats();
+  if (!File::Open(tree.paths[1], OpenMode::kRead).direct()) {
+    GTEST_SKIP() << "this filesystem refuses O_DIRECT";
+  }
+  EXPECT_GT(cold.direct_bytes, 0u);
+  // Now through the page cache: read once buffered, then again by the reader.
+  for (size_t i = 1; i < 8; ++i) testing::ReadWholeFile(tree.paths[i]);
+  reader.Start({{1, 2, 3, 4, 5, 6, 7}});
+  ExpectBatch(*reader.Next(), tree, {1, 2, 3, 4, 5, 6, 7});
+  const BatchReaderStats warm = reader.stats();
+  EXPECT_EQ(warm.direct_bytes, cold.direct_bytes);
+  uint64_t total = 0;
+  for (size_t i = 1; i < 8; ++i) total += tree.sizes[i];
+  EXPECT_EQ(warm.cached_bytes - cold.cached_bytes, total);
 }
 
 TEST(BatchReaderTest, BadArgumentsAreRefused) {
