@@ -27,6 +27,7 @@ tensortier.data.FileReader does, and reports files/s and GB/s.
   --prefetch N        batches read ahead (default 2)
   --open-threads N    files opened at once (default 16)
   --cold              drop the files from the page cache before each epoch (posix_fadvise)
+  --buffered          read through the page cache only (no O_DIRECT for uncached files)
   --json              print one JSON object on stdout
 )";
 
@@ -39,7 +40,7 @@ void DropFromCache(const std::vector<std::string>& paths) {
 }  // namespace
 
 int RunBenchFiles(const std::vector<std::string>& argv) {
-  Args args(argv, {"shuffle", "cold", "json", "help"},
+  Args args(argv, {"shuffle", "cold", "buffered", "json", "help"},
             {"batch-size", "seed", "epochs", "prefetch", "open-threads"});
   if (args.Flag("help")) {
     std::fputs(kHelp, stdout);
@@ -64,6 +65,7 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
   BatchReaderOptions options;
   options.prefetch = args.Unsigned("prefetch", 2);
   options.open_threads = args.Unsigned("open-threads", 16);
+  options.direct = !args.Flag("buffered");
   BatchReader reader(list.paths, options);
 
   double seconds = 0;
