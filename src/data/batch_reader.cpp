@@ -254,8 +254,11 @@ BatchReaderStats BatchReader::stats() const {
 }
 
 void BatchReader::Produce() {
-  // At most two batches in flight here: one being opened while the other is being read.
-  constexpr size_t kInFlight = 2;
+  // Every batch read ahead is submitted as soon as there is room for it, so that the engine
+  // always has the next batch queued while it finishes one (waiting on the oldest batch alone
+  // would let the disk idle at each batch's end). A batch in flight is waited for in short
+  // slices: the caller may make room meanwhile.
+  constexpr auto kRecheck = std::chrono::milliseconds(1);
   std::deque<std::unique_ptr<PendingBatch>> in_flight;
   while (true) {
     std::vector<uint64_t> batch;
@@ -268,7 +271,7 @@ void BatchReader::Produce() {
         cv_.wait(lock, [&] { return stop_ || (more() && room()); });
       }
       if (stop_) break;
-      if (more() && room() && in_flight.size() < kInFlight) {
+      if (more() && room()) {
         batch = batches_[next_to_read_++];
         take = true;
       }
@@ -282,9 +285,11 @@ void BatchReader::Produce() {
         pending->error = std::current_exception();
       }
       in_flight.push_back(std::move(pending));
-      continue;  // open the next batch while this one is read, where there is room
+      continue;
     }
     if (in_flight.empty()) continue;
+    const Future& oldest = in_flight.front()->future;
+    if (oldest.valid() && !oldest.WaitFor(kRecheck)) continue;
     Ready ready;
     try {
       ready.batch = Finish(*in_flight.front());
