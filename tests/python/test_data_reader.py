@@ -279,3 +279,12 @@ def test_bench_files_cli(disk_dir: Path) -> None:
     r = subprocess.run([str(tool), "bench-files", str(disk_dir), "--bogus"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
+
+
+def test_check_files_false_defers_a_missing_file_to_its_batch(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=1, per_class=2)
+    missing = str(disk_dir / "missing.jpg")
+    reader = FileReader(files=sorted(tree) + [missing], batch_size=3, shuffle=False,
+                        check_files=False)
+    with pytest.raises(FileNotFoundError, match="missing.jpg"):
+        next(iter(reader))

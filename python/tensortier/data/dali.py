@@ -27,6 +27,9 @@ class DaliSource:
     copies them unless ``no_copy=True``; then the arenas must live until DALI has used them:
     this source keeps the last ``queue_depth + 2`` batches alive, so pass at least the
     pipeline's ``prefetch_queue_depth`` as ``queue_depth``.
+
+    DALI asks for batches ahead of the outputs it returns (its prefetch queue): the reader's
+    ``state_dict()`` counts the batches handed to DALI, not those the pipeline has returned.
     """
 
     def __init__(self, reader: FileReader, queue_depth: int = 2) -> None:

@@ -71,8 +71,9 @@ class FileDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
         shard_id, num_shards = self.shard()
+        # The files were checked when the dataset was made; each worker does not stat them again.
         reader = FileReader(files=self._paths, labels=self._labels.tolist(), shard_id=shard_id,
-                            num_shards=num_shards, **self._options)
+                            num_shards=num_shards, check_files=False, **self._options)
         reader.set_epoch(self._epoch)
         self._epoch += 1  # for the next iteration in this process (persistent workers)
         try:

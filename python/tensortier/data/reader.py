@@ -19,8 +19,10 @@ def resolve_inputs(
     file_list: str | os.PathLike[str] | None,
     files: Sequence[str | os.PathLike[str]] | None,
     labels: Sequence[int] | None,
+    check_files: bool = True,
 ) -> tuple[list[str], np.ndarray]:
-    """The (paths, int32 labels) named by DALI's ``fn.readers.file`` inputs, checked to exist.
+    """The (paths, int32 labels) named by DALI's ``fn.readers.file`` inputs, checked to exist
+    (``check_files``).
 
     Raises:
         ValueError: inputs given in a combination DALI refuses, or an empty list or folder.
@@ -55,7 +57,8 @@ def resolve_inputs(
         raise TypeError(f"labels must be integers: {e}") from None
     if label_array.size and (label_array.min() < -(2**31) or label_array.max() >= 2**31):
         raise ValueError("labels must fit in int32")
-    _core.check_files_exist(paths)
+    if check_files:
+        _core.check_files_exist(paths)
     return paths, label_array.astype(np.int32)
 
 
@@ -90,6 +93,11 @@ class FileReader:
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly: the next batch after a
     restore is the one after the last batch given out before the state was taken.
+
+    Keyword-only tuning: ``open_threads`` (files opened at once), ``direct=False`` (read through
+    the page cache only), ``backend`` (the engine's: ``"io_uring"``, ``"libaio"``,
+    ``"threads"``; default ``TENSORTIER_BACKEND`` or auto), ``check_files=False`` (skip the
+    check, when the reader is made, that every listed file exists: a caller that checked).
     """
 
     def __init__(
@@ -115,6 +123,7 @@ class FileReader:
         open_threads: int = 16,
         direct: bool = True,
         backend: str | None = None,
+        check_files: bool = True,
     ) -> None:
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
@@ -130,7 +139,8 @@ class FileReader:
             raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' needs a torch build with CUDA and a GPU")
-        self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels)
+        self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels,
+                                                   check_files)
         self._config = {
             "num_files": len(self._paths),
             "batch_size": batch_size,
