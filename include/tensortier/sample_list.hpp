@@ -15,7 +15,8 @@ struct SampleList {
 
 // DALI's rule for file_root: the subdirectories of `root` in sorted (byte) order are the classes,
 // labelled 0, 1, ...; each class holds its regular files and symbolic links, in sorted order
-// (files directly under `root` are not samples). Unlike DALI no extension filter applies: every
+// (files directly under `root`, and subfolders, FIFOs, sockets and devices in a class, are not
+// samples). Unlike DALI no extension filter applies: every
 // file is a sample. Throws IoError when `root` cannot be listed, std::invalid_argument when it
 // holds no files.
 SampleList ListFileRoot(const std::string& root);

@@ -268,7 +268,9 @@ TEST(SampleListTest, FileRootClassesInSortedOrder) {
   WritePatternFile(dir.File("b/2.jpg"), 3, 0);
   WritePatternFile(dir.File("b/1.jpg"), 3, 0);
   WritePatternFile(dir.File("a/z.bin"), 3, 0);
-  WritePatternFile(dir.File("loose.jpg"), 3, 0);  // not in a class: not a sample
+  WritePatternFile(dir.File("loose.jpg"), 3, 0);           // not in a class: not a sample
+  ASSERT_EQ(mkdir(dir.File("b/sub").c_str(), 0755), 0);    // nor a folder in a class
+  ASSERT_EQ(mkfifo(dir.File("a/pipe").c_str(), 0644), 0);  // nor a FIFO
   SampleList list = ListFileRoot(dir.path());
   EXPECT_EQ(list.paths, (std::vector<std::string>{dir.File("a/z.bin"), dir.File("b/1.jpg"),
                                                   dir.File("b/2.jpg")}));

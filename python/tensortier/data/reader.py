@@ -49,6 +49,7 @@ def resolve_inputs(
         paths, label_list = _core.read_file_list(os.fspath(file_list), root or "")
     elif root is not None:
         paths, label_list = _core.list_file_root(root)
+        check_files = False  # just listed
     else:
         raise ValueError("give file_root=, file_list= or files=")
     try:
