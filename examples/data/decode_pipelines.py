@@ -111,11 +111,11 @@ def main() -> None:
         jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="r")
         return fn.decoders.image(jpegs, device="cpu", output_type=types.RGB), labels
 
-    def external(source):
-        @pipeline_def(**common)
+    def external(source, no_copy=False):
+        @pipeline_def(**common, prefetch_queue_depth=2)
         def pipe():
             jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True,
-                                               dtype=[types.UINT8, types.INT32])
+                                               no_copy=no_copy, dtype=[types.UINT8, types.INT32])
             return fn.decoders.image(jpegs, device="cpu", output_type=types.RGB), labels
 
         return pipe()
@@ -126,7 +126,10 @@ def main() -> None:
     run("readers.file", dali, args.epochs, batches)
     run("seed", external(SeedSource(root, args.batch_size)), args.epochs, None)
     reader = FileReader(file_root=root, batch_size=args.batch_size, shuffle=True)
-    run("tensortier", external(reader.dali_source()), args.epochs, None)
+    # no_copy: DALI decodes from the batch arenas in place; dali_source(queue_depth=2) keeps
+    # them alive for the pipeline's prefetch queue (prefetch_queue_depth=2).
+    run("tensortier", external(reader.dali_source(queue_depth=2), no_copy=True), args.epochs,
+        None)
 
 
 if __name__ == "__main__":
