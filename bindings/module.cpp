@@ -27,6 +27,7 @@ void RegisterCheckpoint(py::module_& m);  // bindings/checkpoint.cpp
 void RegisterTransfer(py::module_& m);    // bindings/transfer.cpp
 void RegisterExtents(py::module_& m);     // bindings/extents.cpp
 void RegisterShared(py::module_& m);      // bindings/shared.cpp
+void RegisterData(py::module_& m);        // bindings/data.cpp
 
 namespace {
 
@@ -458,4 +459,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterTransfer(m);
   RegisterExtents(m);
   RegisterShared(m);
+  RegisterData(m);
 }

@@ -1,0 +1,349 @@
+"""The training-data reader (tensortier.data.FileReader) against the ways people read small
+files today, in the same run, cold and warm.
+
+A tree of FILES files (sizes log-uniform MIN..MAX KiB, CLASSES class folders, made once and kept
+in --dir) is read in full epochs of shuffled batches by each tool:
+
+  tensortier       FileReader, iterating (samples, labels) batches (views of the batch arena)
+  tensortier_dali  the same reader feeding DALI: fn.external_source(source=reader.dali_source(),
+                   no_copy=True)
+  seed_dali        the seed's pipeline: a np.fromfile loop in an external_source iterator
+  loop             the same np.fromfile loop alone
+  dali_reader      DALI's fn.readers.file (random_shuffle, num_threads=2)
+  pool16           a 16-thread Python pool, one open+read per file
+  fio              fio random reads of 128 KiB at queue depth 64, O_DIRECT, over a scratch file
+                   as large as the tree (the device's rate for this access pattern; cold only)
+
+Cold: the page cache is dropped before every timed epoch (/proc/sys/vm/drop_caches as root,
+else posix_fadvise DONTNEED per file). Warm: the tree is read once, untimed, first. Tools run in
+a rotated order (repeat r starts with tool r mod n); each figure is the median of --repeats.
+Prints one Markdown table per mode and writes everything to --json-out.
+
+    python bench/data_bench.py                          # 20,000 files, 3 repeats
+    python bench/data_bench.py --files 2000 --repeats 3 # a quicker run
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _benchlib import GB, fio_stats, log, median, ratio, settle, tool_version  # noqa: E402
+
+ALL_TOOLS = ["tensortier", "tensortier_dali", "seed_dali", "loop", "dali_reader", "pool16", "fio"]
+
+
+# --------------------------------------------------------------------------- the tree
+
+
+def make_tree(root: Path, files: int, classes: int, min_kib: float, max_kib: float,
+              seed: int) -> list[Path]:
+    """The tree, made once: a manifest records what it holds, so a run with other settings
+    makes it anew."""
+    manifest = root / "manifest.json"
+    want = {"files": files, "classes": classes, "min_kib": min_kib, "max_kib": max_kib,
+            "seed": seed}
+    if manifest.exists() and json.loads(manifest.read_text()) == want:
+        return sorted((root / "train").rglob("*.jpg"))
+    log(f"making {files} files in {classes} class folders under {root}")
+    subprocess.run(["rm", "-rf", str(root / "train")], check=True)
+    rng = np.random.default_rng(seed)
+    sizes = np.exp(rng.uniform(math.log(min_kib * 1024), math.log(max_kib * 1024), files))
+    block = rng.integers(0, 256, size=int(max_kib * 1024) + 4096, dtype=np.uint8).tobytes()
+    paths = []
+    for i, size in enumerate(sizes.astype(np.int64)):
+        d = root / "train" / f"class_{i % classes:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / f"img_{i:06d}.jpg"
+        start = int(rng.integers(0, 4096))
+        p.write_bytes(i.to_bytes(8, "little") + block[start:start + int(size) - 8])
+        paths.append(p)
+    os.sync()
+    manifest.write_text(json.dumps(want))
+    return sorted(paths)
+
+
+def drop_caches(paths: list[Path]) -> None:
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return
+    except OSError:
+        pass
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(paths: list[Path]) -> None:
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(1 << 20):
+                pass
+
+
+# --------------------------------------------------------------------------- tools
+# Each reads one full epoch and returns (files, bytes).
+
+
+def run_tensortier(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+    from tensortier.data import FileReader
+
+    reader = FileReader(file_root=root, batch_size=batch_size, shuffle=True, seed=epoch)
+    files = nbytes = 0
+    for samples, labels in reader:
+        files += len(samples)
+        nbytes += sum(s.numel() for s in samples)
+    return files, nbytes
+
+
+def _run_dali(pipe: Any) -> tuple[int, int]:
+    pipe.build()
+    files = nbytes = 0
+    try:
+        while True:
+            data, labels = pipe.run()
+            files += len(data)
+            nbytes += sum(int(np.prod(s.shape())) for s in data)
+    except StopIteration:
+        pass
+    return files, nbytes
+
+
+def run_tensortier_dali(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+    from nvidia.dali import fn, pipeline_def, types
+
+    from tensortier.data import FileReader
+
+    reader = FileReader(file_root=root, batch_size=batch_size, shuffle=True, seed=epoch)
+
+    # no_copy: DALI uses the batch arenas in place; dali_source keeps them alive for DALI's
+    # prefetch queue (queue_depth = prefetch_queue_depth).
+    @pipeline_def(batch_size=batch_size, num_threads=2, device_id=None, prefetch_queue_depth=2)
+    def pipe():
+        data, labels = fn.external_source(source=reader.dali_source(queue_depth=2),
+                                          num_outputs=2, batch=True, no_copy=True,
+                                          dtype=[types.UINT8, types.INT32])
+        return data, labels
+
+    return _run_dali(pipe())
+
+
+class SeedIterator:
+    """The seed notebook's external_source iterator: np.fromfile one file at a time, shuffled
+    with random.shuffle (labels as numpy arrays: DALI refuses torch CPU tensors on CPU torch)."""
+
+    def __init__(self, files: list[tuple[str, int]], batch_size: int) -> None:
+        self.files = list(files)
+        self.batch_size = batch_size
+
+    def __iter__(self) -> "SeedIterator":
+        self.i = 0
+        random.shuffle(self.files)
+        return self
+
+    def __next__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if self.i >= len(self.files):
+            raise StopIteration
+        batch, labels = [], []
+        for path, label in self.files[self.i:self.i + self.batch_size]:
+            batch.append(np.fromfile(path, dtype=np.uint8))
+            labels.append(np.array([label], dtype=np.int32))
+        self.i += self.batch_size
+        return batch, labels
+
+
+def labelled(root: Path) -> list[tuple[str, int]]:
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    return [(str(p), label) for label, c in enumerate(classes)
+            for p in sorted((root / c).iterdir())]
+
+
+def run_seed_dali(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+    from nvidia.dali import fn, pipeline_def, types
+
+    source = SeedIterator(labelled(root), batch_size)
+
+    @pipeline_def(batch_size=batch_size, num_threads=2, device_id=None)
+    def pipe():
+        data, labels = fn.external_source(source=source, num_outputs=2, batch=True,
+                                          dtype=[types.UINT8, types.INT32])
+        return data, labels
+
+    return _run_dali(pipe())
+
+
+def run_loop(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+    files = nbytes = 0
+    for batch, labels in SeedIterator(labelled(root), batch_size):
+        files += len(batch)
+        nbytes += sum(a.size for a in batch)
+    return files, nbytes
+
+
+def run_dali_reader(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def(batch_size=batch_size, num_threads=2, device_id=None, seed=epoch + 1)
+    def pipe():
+        data, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="reader")
+        return data, labels
+
+    p = pipe()
+    p.build()
+    size = p.epoch_size("reader")
+    files = nbytes = 0
+    for _ in range(-(-size // batch_size)):
+        data, labels = p.run()
+        files += len(data)
+        nbytes += sum(int(np.prod(s.shape())) for s in data)
+    return min(files, size), nbytes
+
+
+def run_pool16(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+    files = labelled(root)
+    random.shuffle(files)
+
+    def read(item: tuple[str, int]) -> bytes:
+        with open(item[0], "rb", buffering=0) as f:
+            return f.read()
+
+    count = nbytes = 0
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for i in range(0, len(files), batch_size):
+            for data in pool.map(read, files[i:i + batch_size]):
+                count += 1
+                nbytes += len(data)
+    return count, nbytes
+
+
+def run_fio(scratch: Path, total: int) -> tuple[dict[str, Any], str]:
+    """Reads as many bytes as the tree holds (rounded down to whole 128 KiB blocks)."""
+    io_size = total // (128 << 10) * (128 << 10)
+    argv = ["fio", "--name=randread", f"--filename={scratch}", "--rw=randread", "--bs=128k",
+            "--iodepth=64", "--direct=1", "--ioengine=io_uring", f"--size={total}",
+            f"--io_size={io_size}", "--randrepeat=0", "--norandommap", "--output-format=json"]
+    command = shlex.join(argv)
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    return fio_stats(proc, command, "read", io_size), command
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default="tensortier-data/data-bench")
+    parser.add_argument("--files", type=int, default=20000)
+    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--min-kib", type=float, default=20)
+    parser.add_argument("--max-kib", type=float, default=400)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default="cold,warm")
+    parser.add_argument("--tools", default=",".join(ALL_TOOLS))
+    parser.add_argument("--json-out", default="bench/results/data_bench.json")
+    args = parser.parse_args()
+    tools = args.tools.split(",")
+    unknown = set(tools) - set(ALL_TOOLS)
+    if unknown:
+        parser.error(f"unknown tools {sorted(unknown)}; use {ALL_TOOLS}")
+    modes = args.modes.split(",")
+    # Imported before anything is timed: dropping the page cache would make a first import
+    # read torch's and DALI's libraries from the disk inside a tool's time.
+    import torch  # noqa: F401
+    from nvidia.dali import fn, pipeline_def  # noqa: F401
+
+    import tensortier.data  # noqa: F401
+
+    base = Path(args.dir)
+    base.mkdir(parents=True, exist_ok=True)
+    paths = make_tree(base, args.files, args.classes, args.min_kib, args.max_kib, 0)
+    root = base / "train"
+    total = sum(p.stat().st_size for p in paths)
+    scratch = base / "fio-scratch.dat"
+    if "fio" in tools and (not scratch.exists() or scratch.stat().st_size != total):
+        subprocess.run(["fio", "--name=fill", f"--filename={scratch}", "--rw=write",
+                        "--bs=1M", f"--size={total}", "--direct=1", "--output-format=json"],
+                       capture_output=True, check=True)
+    log(f"{len(paths)} files, {total / GB:.2f} GB; tools {tools}; modes {modes}")
+
+    runners: dict[str, Callable[[Path, int, int], tuple[int, int]]] = {
+        "tensortier": run_tensortier, "tensortier_dali": run_tensortier_dali,
+        "seed_dali": run_seed_dali, "loop": run_loop, "dali_reader": run_dali_reader,
+        "pool16": run_pool16,
+    }
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {m: {t: [] for t in tools}
+                                                             for m in modes}
+    commands: dict[str, str] = {}
+    for mode in modes:
+        mode_tools = [t for t in tools if not (t == "fio" and mode == "warm")]
+        for repeat in range(args.repeats):
+            order = mode_tools[repeat % len(mode_tools):] + mode_tools[:repeat % len(mode_tools)]
+            for tool in order:
+                settle()
+                if mode == "cold":
+                    drop_caches(paths + [scratch])
+                else:
+                    warm(paths)
+                start = time.perf_counter()
+                if tool == "fio":
+                    stats, commands["fio"] = run_fio(scratch, total)
+                    files, nbytes = 0, stats["io_bytes"]
+                    seconds = stats["runtime"] / 1000
+                    files = round(len(paths) * nbytes / total)
+                else:
+                    files, nbytes = runners[tool](root, args.batch_size, repeat)
+                    seconds = time.perf_counter() - start
+                    if files != len(paths):
+                        raise RuntimeError(f"{tool} read {files} files, not {len(paths)}")
+                samples[mode][tool].append({"seconds": seconds, "files_per_s": files / seconds,
+                                            "gbps": nbytes / seconds / GB})
+                log(f"{mode} r{repeat} {tool:16s} {files / seconds:9.0f} files/s "
+                    f"{nbytes / seconds / GB:6.2f} GB/s")
+
+    report: dict[str, Any] = {"command": shlex.join([sys.executable] + sys.argv),
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                              "kernel": platform.release(), "files": len(paths),
+                              "bytes": total, "fio": tool_version(["fio", "--version"]),
+                              "fio_command": commands.get("fio"), "samples": samples,
+                              "medians": {}}
+    for mode in modes:
+        print(f"\n### {mode}: {len(paths)} files, {total / GB:.2f} GB, batch {args.batch_size}, "
+              f"median of {args.repeats}\n")
+        print("| tool | files/s | GB/s | tensortier / tool |")
+        print("|---|---:|---:|---:|")
+        ours = median([s["gbps"] for s in samples[mode].get("tensortier", [])])
+        report["medians"][mode] = {}
+        for tool in tools:
+            runs = samples[mode][tool]
+            if not runs:
+                continue
+            fps = median([s["files_per_s"] for s in runs])
+            gbps = median([s["gbps"] for s in runs])
+            r = ratio(ours, gbps)
+            report["medians"][mode][tool] = {"files_per_s": fps, "gbps": gbps, "ratio": r}
+            print(f"| {tool} | {fps:.0f} | {gbps:.2f} | {'' if r is None else f'{r:.2f}x'} |")
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
