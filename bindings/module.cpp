@@ -26,6 +26,7 @@ using namespace tensortier;
 void RegisterCheckpoint(py::module_& m);  // bindings/checkpoint.cpp
 void RegisterTransfer(py::module_& m);    // bindings/transfer.cpp
 void RegisterExtents(py::module_& m);     // bindings/extents.cpp
+void RegisterData(py::module_& m);        // bindings/data.cpp
 
 namespace {
 
@@ -456,4 +457,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterCheckpoint(m);
   RegisterTransfer(m);
   RegisterExtents(m);
+  RegisterData(m);
 }

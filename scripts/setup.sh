@@ -29,9 +29,12 @@ fi
 # nvidia-cufile and nvidia-cuda-runtime (1.5 and 2.2 MB; nothing lands on the loader's path):
 # NVIDIA's libcufile.so.0, which a test loads without a CUDA driver, and cufile.h and cuda.h,
 # which tests/python/test_cuda_abi.py holds tensortier's own declarations against.
+# nvidia-dali-cuda130 (~270 MB, runs CPU-only pipelines without a driver) and Pillow are
+# test-only: the training-data reader's tests compare with DALI's fn.readers.file, run real DALI
+# pipelines over it and compare decoded JPEGs with PIL's.
 .venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest safetensors \
   "scikit-build-core>=0.10" "pybind11>=2.12" ninja "nvidia-cufile==1.20.0.107" \
-  "nvidia-cuda-runtime==13.0.96"
+  "nvidia-cuda-runtime==13.0.96" "nvidia-dali-cuda130==2.4.0" Pillow
 echo "setup: building and installing tensortier into .venv"
 .venv/bin/python -m pip install -q --no-build-isolation .
 .venv/bin/python -c "import tensortier; print('setup: tensortier', tensortier.__version__, 'ready')"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: set up, C++ tests (plain, ASan+UBSan, TSan for the
-# engine, the offloader and the transfer ring), Python tests, then differential fuzzing of
-# checkpoints against torch and safetensors (DIFF_FUZZ_CASES cases per mode, DIFF_FUZZ_SEED).
-# Any failure fails the script; "no tests ran" counts as a failure. Without a GPU the C++ GPU
-# suites run against a stand-in driver (tests/cpp/fake_cuda) and the Python GPU tests skip;
-# scripts/gpu-test.sh runs them all on a GPU.
+# engine, the offloader, the transfer ring and the batch reader), Python tests, then
+# differential fuzzing of checkpoints against torch and safetensors (DIFF_FUZZ_CASES cases per
+# mode, DIFF_FUZZ_SEED). Any failure fails the script; "no tests ran" counts as a failure.
+# Without a GPU the C++ GPU suites run against a stand-in driver (tests/cpp/fake_cuda) and the
+# Python GPU tests skip; scripts/gpu-test.sh runs them all on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -38,9 +38,9 @@ for target in safetensors_header zip_directory torch_pickle extent_map; do
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     "build/asan/tests/fuzz/fuzz_$target" -max_total_time="${FUZZ_SECONDS:-20}" "$corpus"
 done
-echo "== C++ engine, offloader and transfer tests under ThreadSanitizer"
+echo "== C++ engine, offloader, transfer and batch reader tests under ThreadSanitizer"
 TSAN_OPTIONS=halt_on_error=1 \
-  build_and_test build/tsan "Engine|Fault|Offload|Transfer" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=thread
+  build_and_test build/tsan "Engine|Fault|Offload|Transfer|BatchReader" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=thread
 
 echo "== C++ install: find_package(tensortier) from a separate project"
 rm -rf build/install build/consumer

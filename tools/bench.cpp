@@ -54,25 +54,6 @@ struct Phase {
   double iops() const { return seconds > 0 ? static_cast<double>(ops) / seconds : 0; }
 };
 
-class Progress {
- public:
-  Progress(std::string label, uint64_t total, bool enabled)
-      : label_(std::move(label)), total_(total), enabled_(enabled && isatty(STDERR_FILENO)) {}
-  void Update(uint64_t done) {
-    if (!enabled_ || total_ == 0) return;
-    int width = 30, filled = static_cast<int>(width * done / total_);
-    std::fprintf(stderr, "\r%-6s [%s%s] %3d%%", label_.c_str(), std::string(filled, '#').c_str(),
-                 std::string(width - filled, '.').c_str(), static_cast<int>(100 * done / total_));
-    if (done >= total_) std::fputs("\r\033[K", stderr);
-    std::fflush(stderr);
-  }
-
- private:
-  std::string label_;
-  uint64_t total_;
-  bool enabled_;
-};
-
 EngineOptions OptionsFor(const Settings& s) {
   EngineOptions o = EngineOptions::FromEnvironment();
   o.backend = s.backend;

@@ -1,9 +1,13 @@
 // Pieces shared by the `tensortier` subcommands.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tensortier::cli {
@@ -27,8 +31,30 @@ class Args {
   std::vector<std::string> positionals_;
 };
 
+// A progress bar on stderr, drawn only when stderr is a terminal and `enabled`; erased at 100%.
+class Progress {
+ public:
+  Progress(std::string label, uint64_t total, bool enabled)
+      : label_(std::move(label)), total_(total), enabled_(enabled && isatty(STDERR_FILENO)) {}
+  void Update(uint64_t done) {
+    if (!enabled_ || total_ == 0) return;
+    int width = 30, filled = static_cast<int>(width * done / total_);
+    std::fprintf(stderr, "\r%-6s [%s%s] %3d%%", label_.c_str(), std::string(filled, '#').c_str(),
+                 std::string(width - filled, '.').c_str(), static_cast<int>(100 * done / total_));
+    if (done >= total_) std::fputs("\r\033[K", stderr);
+    std::fflush(stderr);
+  }
+
+ private:
+  std::string label_;
+  uint64_t total_;
+  bool enabled_;
+};
+
 int RunCheck(const std::vector<std::string>& argv);
 int RunBench(const std::vector<std::string>& argv);
+// tools/bench_files.cpp
+int RunBenchFiles(const std::vector<std::string>& argv);
 // tools/checkpoint.cpp
 int RunInfo(const std::vector<std::string>& argv);
 int RunVerify(const std::vector<std::string>& argv);

@@ -27,6 +27,9 @@ commands:
                 extent maps of a data set for raw block-device reads (FIEMAP, every
                 extent, device and partition offset, each file's identity); verify
                 re-checks a map against the files
+  bench-files ROOT
+                read a training set (one folder per class) in batches as
+                tensortier.data.FileReader does: files/s and GB/s
   help          this text (`tensortier COMMAND --help`: one command's)
   --version     the version
 
@@ -131,6 +134,7 @@ int main(int argc, char** argv) {
       return tensortier::cli::RunBench(AsksForHelp(rest) ? std::vector<std::string>{"--help"}
                                                          : rest);
     }
+    if (args[0] == "bench-files") return tensortier::cli::RunBenchFiles(rest);
     if (args[0] == "info") return tensortier::cli::RunInfo(rest);
     if (args[0] == "verify") return tensortier::cli::RunVerify(rest);
     if (args[0] == "convert") return tensortier::cli::RunConvert(rest);

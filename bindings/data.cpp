@@ -1,0 +1,134 @@
+// tensortier._core's training-data reader: file lists, shard plans and the batch reader. Batches
+// cross as buffers (the arena) plus per-sample offsets and sizes; python/tensortier/data makes
+// the tensors.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+
+#include "gil_free_holder.hpp"
+#include "tensortier/batch_reader.hpp"
+#include "tensortier/sample_list.hpp"
+#include "tensortier/shard_plan.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+void RegisterData(py::module_& m) {
+  m.def(
+      "list_file_root",
+      [](const std::string& root) {
+        SampleList list;
+        {
+          py::gil_scoped_release release;
+          list = ListFileRoot(root);
+        }
+        return py::make_tuple(list.paths, list.labels);
+      },
+      py::arg("root"), "(paths, labels) of a folder with one subfolder per class (DALI's rule).");
+  m.def(
+      "read_file_list",
+      [](const std::string& list_path, const std::string& root) {
+        SampleList list;
+        {
+          py::gil_scoped_release release;
+          list = ReadFileList(list_path, root);
+        }
+        return py::make_tuple(list.paths, list.labels);
+      },
+      py::arg("list_path"), py::arg("root") = "",
+      "(paths, labels) of a DALI file list ('path label' per line).");
+  m.def("check_files_exist", &CheckFilesExist, py::arg("paths"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("epoch_permutation", &EpochPermutation, py::arg("size"), py::arg("seed"), py::arg("epoch"));
+  m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
+  m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
+
+  py::class_<ShardPlan>(m, "ShardPlan")
+      .def(py::init([](uint64_t num_files, uint64_t batch_size, bool shuffle, uint64_t seed,
+                       uint64_t shard_id, uint64_t num_shards, bool stick_to_shard,
+                       bool pad_last_batch, bool drop_last) {
+             ShardSpec spec{.batch_size = batch_size,
+                            .shuffle = shuffle,
+                            .seed = seed,
+                            .shard_id = shard_id,
+                            .num_shards = num_shards,
+                            .stick_to_shard = stick_to_shard,
+                            .pad_last_batch = pad_last_batch,
+                            .drop_last = drop_last};
+             return ShardPlan(spec, num_files);
+           }),
+           py::arg("num_files"), py::arg("batch_size"), py::arg("shuffle"), py::arg("seed"),
+           py::arg("shard_id"), py::arg("num_shards"), py::arg("stick_to_shard"),
+           py::arg("pad_last_batch"), py::arg("drop_last"))
+      .def("shard_of_epoch", &ShardPlan::ShardOfEpoch, py::arg("epoch"))
+      .def("epoch_samples", &ShardPlan::EpochSamples, py::arg("epoch"))
+      .def("epoch_batches", &ShardPlan::EpochBatches, py::arg("epoch"));
+
+  py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch", py::buffer_protocol())
+      .def_property_readonly("indices", &Batch::indices)
+      .def_property_readonly("offsets", &Batch::offsets)
+      .def_property_readonly("sizes", &Batch::sizes)
+      .def_property_readonly("pinned", &Batch::pinned)
+      .def_property_readonly("skipped",
+                             [](const Batch& b) {
+                               py::list out;
+                               for (const auto& s : b.skipped()) {
+                                 out.append(py::make_tuple(s.index, s.message));
+                               }
+                               return out;
+                             })
+      .def("__len__", [](const Batch& b) { return b.size(); })
+      .def_buffer([](Batch& b) {
+        // Writable: the arena is the batch's own, and torch warns on read-only buffers.
+        auto* data = const_cast<std::byte*>(b.data());
+        static std::byte empty{};
+        return py::buffer_info(data != nullptr ? data : &empty, 1,
+                               py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<ssize_t>(b.size())}, {1});
+      });
+
+  py::class_<BatchReader, GilFreeHolder<BatchReader>>(m, "BatchReader")
+      .def(py::init([](std::vector<std::string> paths, unsigned prefetch, unsigned open_threads,
+                       bool skip_errors, bool direct, bool pin_memory, int device,
+                       std::optional<std::string> backend) {
+             BatchReaderOptions options;
+             options.prefetch = prefetch;
+             options.open_threads = open_threads;
+             options.skip_errors = skip_errors;
+             options.direct = direct;
+             options.pin_memory = pin_memory;
+             options.device = device;
+             if (backend) options.engine.backend = *backend;
+             py::gil_scoped_release release;
+             return GilFreeHolder<BatchReader>(new BatchReader(std::move(paths), options));
+           }),
+           py::arg("paths"), py::arg("prefetch") = 2, py::arg("open_threads") = 16,
+           py::arg("skip_errors") = false, py::arg("direct") = true, py::arg("pin_memory") = false,
+           py::arg("device") = 0, py::arg("backend") = py::none())
+      .def("start", &BatchReader::Start, py::arg("batches"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("next",
+           [](BatchReader& r) -> std::shared_ptr<Batch> {
+             std::shared_ptr<const Batch> batch;
+             {
+               py::gil_scoped_release release;
+               batch = r.Next();
+             }
+             return std::const_pointer_cast<Batch>(batch);
+           })
+      .def_property_readonly("backend", &BatchReader::backend)
+      .def_property_readonly("num_files", [](const BatchReader& r) { return r.paths().size(); })
+      .def("stats", [](const BatchReader& r) {
+        BatchReaderStats s = r.stats();
+        py::dict d;
+        d["batches"] = s.batches;
+        d["files"] = s.files;
+        d["bytes"] = s.bytes;
+        d["skipped"] = s.skipped;
+        d["direct_bytes"] = s.direct_bytes;
+        d["cached_bytes"] = s.cached_bytes;
+        return d;
+      });
+}

@@ -1,0 +1,147 @@
+// Reads batches of whole files (training samples) into one memory arena per batch, many files at
+// once, ahead of the caller.
+//
+// For each batch the files are opened and sized together on a gang of threads (`open_threads`
+// at a time: on cold metadata an open waits for the disk), then all their bytes are submitted
+// to the engine as one operation: O_DIRECT where the data is not in the page cache, buffered
+// where it is (the engine's page-cache check). Up to `prefetch` batches are read ahead on a
+// background thread while the caller works on the current one; opening batch k+1 overlaps
+// reading batch k. Each arena is sized by its batch's real bytes (every sample starts on a
+// 4 KiB boundary, as O_DIRECT needs) and reused when its batch is released.
+//
+// A file that vanished, cannot be read, is not a regular file, or changes size while read fails
+// its batch with an IoError naming it; with skip_errors it is left out of the batch instead, and
+// reported in Batch::skipped and stats(). Empty files give empty samples. No sample is short.
+//
+// Thread-safety: one consumer thread calls Start() and Next(); stats() from any thread. Batches
+// may outlive the reader.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tensortier/config.hpp"
+#include "tensortier/engine.hpp"
+
+namespace tensortier {
+
+namespace detail {
+struct ArenaPoolState;
+struct Arena;
+class OpenGang;
+struct PendingBatch;
+}  // namespace detail
+
+struct BatchReaderOptions {
+  // Batches read ahead of the one the caller holds.
+  unsigned prefetch = 2;
+  // Files opened and sized at the same time.
+  unsigned open_threads = 16;
+  // Leave unreadable files out of their batch (counted) instead of failing the batch.
+  bool skip_errors = false;
+  // Read with O_DIRECT where the data is not cached (false: always through the page cache).
+  bool direct = true;
+  // Arenas page-locked and registered with CUDA (PinnedPool), for one copy to a GPU.
+  bool pin_memory = false;
+  int device = 0;
+  EngineOptions engine = EngineOptions::FromEnvironment();
+};
+
+struct SkippedFile {
+  uint64_t index;       // the file's index in the reader's path list
+  std::string message;  // the error that made it skipped
+};
+
+struct BatchReaderStats {
+  uint64_t batches = 0;
+  uint64_t files = 0;  // samples returned (a padded repeat counts once per repeat)
+  uint64_t bytes = 0;  // bytes read from files
+  uint64_t skipped = 0;
+  uint64_t direct_bytes = 0;  // of bytes: planned O_DIRECT
+  uint64_t cached_bytes = 0;  // of bytes: read through the page cache as resident
+};
+
+// One batch: its samples are [offsets[i], offsets[i] + sizes[i]) of data(). Immutable.
+class Batch {
+ public:
+  ~Batch();
+  Batch(const Batch&) = delete;
+  Batch& operator=(const Batch&) = delete;
+
+  const std::byte* data() const noexcept;
+  // Bytes of data() in use (the arena may be larger).
+  uint64_t size() const noexcept { return used_; }
+  bool pinned() const noexcept;
+  // Per sample, in batch order (skipped files left out): file index, offset, size.
+  const std::vector<uint64_t>& indices() const noexcept { return indices_; }
+  const std::vector<uint64_t>& offsets() const noexcept { return offsets_; }
+  const std::vector<uint64_t>& sizes() const noexcept { return sizes_; }
+  const std::vector<SkippedFile>& skipped() const noexcept { return skipped_; }
+
+ private:
+  friend class BatchReader;
+  Batch() = default;
+
+  std::shared_ptr<detail::ArenaPoolState> pool_;
+  std::unique_ptr<detail::Arena> arena_;
+  uint64_t used_ = 0;
+  std::vector<uint64_t> indices_, offsets_, sizes_;
+  std::vector<SkippedFile> skipped_;
+};
+
+class BatchReader {
+ public:
+  // Throws std::invalid_argument for bad options or an empty path list, IoError when the engine
+  // cannot start.
+  BatchReader(std::vector<std::string> paths, BatchReaderOptions options = {});
+  // Stops reading ahead and waits for reads in flight.
+  ~BatchReader();
+  BatchReader(const BatchReader&) = delete;
+  BatchReader& operator=(const BatchReader&) = delete;
+
+  // Drops whatever was queued or read ahead, then reads `batches` (lists of indices into the
+  // path list; an index may repeat) in order. Throws std::out_of_range for an index past the list.
+  void Start(std::vector<std::vector<uint64_t>> batches);
+  // The next batch of the last Start(), in order; null after the last. Blocks. Throws the
+  // batch's error (IoError naming the file); reading goes on with the batches after it.
+  std::shared_ptr<const Batch> Next();
+
+  BatchReaderStats stats() const;
+  const std::vector<std::string>& paths() const noexcept { return paths_; }
+  const std::string& backend() const noexcept { return engine_->backend(); }
+
+ private:
+  void Stop();
+  void Produce();
+  std::unique_ptr<detail::PendingBatch> Prepare(const std::vector<uint64_t>& batch);
+  std::shared_ptr<const Batch> Finish(detail::PendingBatch& pending);
+
+  std::vector<std::string> paths_;
+  BatchReaderOptions options_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<detail::OpenGang> gang_;
+  std::shared_ptr<detail::ArenaPoolState> arenas_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::vector<uint64_t>> batches_;  // of the current Start()
+  size_t next_to_read_ = 0;                     // producer's position in batches_
+  size_t next_to_return_ = 0;                   // consumer's position
+  struct Ready {
+    std::shared_ptr<const Batch> batch;
+    std::exception_ptr error;
+  };
+  std::deque<Ready> ready_;  // read, in order, not yet returned
+  bool stop_ = false;
+  BatchReaderStats stats_;
+  std::thread producer_;
+};
+
+}  // namespace tensortier

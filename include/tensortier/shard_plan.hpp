@@ -1,0 +1,62 @@
+// Which files a reader returns in each epoch, and in which order: shards, padding and shuffling as
+// NVIDIA DALI's fn.readers.file computes them, with a seeded global shuffle instead of DALI's
+// shuffle buffer.
+//
+// Shard boundaries (DALI's loader.cc): shard k of n over `size` files starts at
+// size * k / n; every shard is padded, when asked, to ceil(size / n) samples by repeating its
+// last sample, then to a whole batch. Without stick_to_shard a reader moves to the next shard
+// each epoch: in epoch e, shard_id reads shard (shard_id + e) % num_shards (DALI's virtual shard).
+//
+// Shuffle: every epoch the whole list is permuted by EpochPermutation(size, seed, epoch) before
+// the shard is cut out of it. The permutation is a function of (size, seed, epoch) only, the same
+// on every rank, so shards never overlap within an epoch. Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace tensortier {
+
+// DALI's start_index(): first sample of shard `shard_id` of `num_shards` over `size` samples.
+uint64_t ShardStart(uint64_t shard_id, uint64_t num_shards, uint64_t size);
+// DALI's num_samples(): ceil(size / num_shards), the padded length of every shard.
+uint64_t ShardPaddedSize(uint64_t num_shards, uint64_t size);
+
+// A permutation of [0, size): Fisher-Yates from the last position down, drawing each position's
+// partner with Lemire's bounded-integer method from SplitMix64 seeded with
+// seed ^ (0x9E3779B97F4A7C15 * (epoch + 1)). Identical everywhere (no std:: distributions).
+std::vector<uint64_t> EpochPermutation(uint64_t size, uint64_t seed, uint64_t epoch);
+
+struct ShardSpec {
+  uint64_t batch_size = 256;
+  bool shuffle = true;
+  uint64_t seed = 0;
+  uint64_t shard_id = 0;
+  uint64_t num_shards = 1;
+  bool stick_to_shard = false;
+  bool pad_last_batch = false;
+  // Without padding, an epoch's last batch is short; drop_last leaves it out.
+  bool drop_last = false;
+};
+
+class ShardPlan {
+ public:
+  // Throws std::invalid_argument for a zero batch size or shard count, shard_id >= num_shards,
+  // or fewer files than shards (DALI's rule).
+  ShardPlan(ShardSpec spec, uint64_t num_files);
+
+  const ShardSpec& spec() const noexcept { return spec_; }
+  uint64_t num_files() const noexcept { return num_files_; }
+  // The shard read in `epoch`.
+  uint64_t ShardOfEpoch(uint64_t epoch) const;
+  // File indices returned in `epoch`, in order, padding included (padding repeats an index).
+  std::vector<uint64_t> EpochSamples(uint64_t epoch) const;
+  // EpochSamples cut into batches of batch_size (the last short one dropped with drop_last).
+  std::vector<std::vector<uint64_t>> EpochBatches(uint64_t epoch) const;
+
+ private:
+  ShardSpec spec_;
+  uint64_t num_files_;
+};
+
+}  // namespace tensortier

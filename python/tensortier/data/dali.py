@@ -1,0 +1,54 @@
+"""``DaliSource``: a ``FileReader`` as the source of DALI's ``fn.external_source``."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .reader import FileReader
+
+
+class DaliSource:
+    """Feeds ``fn.external_source(source=reader.dali_source(), num_outputs=2, batch=True,
+    dtype=[types.UINT8, types.INT32])``: each batch is a list of uint8 numpy arrays (one per
+    file) and its labels as int32 arrays of shape (1,), as ``fn.readers.file`` gives them.
+
+    An iterator that rewinds itself: the call after the one that raised ``StopIteration`` (the
+    end of an epoch) starts the reader's next epoch. With DALI's default ``cycle="no"`` the
+    source is iterated once and never rewound by DALI, so each ``pipe.reset()`` reads the next
+    epoch; ``cycle="quiet"`` or ``"raise"`` work too.
+
+    The arrays are views of the batch arenas, not copies (numpy arrays, not torch tensors: DALI
+    fed torch CPU tensors asks for a CUDA stream and fails on CPU-only torch builds). DALI
+    copies them unless ``no_copy=True``; then the arenas must live until DALI has used them:
+    this source keeps the last ``queue_depth + 2`` batches alive, so pass at least the
+    pipeline's ``prefetch_queue_depth`` as ``queue_depth``.
+    """
+
+    def __init__(self, reader: FileReader, queue_depth: int = 2) -> None:
+        if not isinstance(queue_depth, int) or queue_depth < 1:
+            raise ValueError(f"queue_depth must be a positive integer, not {queue_depth!r}")
+        self._reader = reader
+        self._epoch: Iterator[Any] | None = None
+        self._kept: collections.deque[Any] = collections.deque(maxlen=queue_depth + 2)
+
+    def __iter__(self) -> DaliSource:
+        return self
+
+    def __next__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if self._epoch is None:
+            self._epoch = self._reader.batches()
+        try:
+            batch = next(self._epoch)
+        except StopIteration:
+            self._epoch = None  # the next call reads the next epoch
+            raise
+        self._kept.append(batch)
+        arena = np.frombuffer(batch, dtype=np.uint8)
+        samples = [arena[o:o + s] for o, s in zip(batch.offsets, batch.sizes)]
+        labels = self._reader.batch_labels(batch).reshape(-1, 1)
+        return samples, list(labels)

@@ -1,0 +1,81 @@
+"""``FileDataset``: the reader as a PyTorch ``IterableDataset``, split by worker and rank."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from .reader import FileReader, resolve_inputs
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class FileDataset(torch.utils.data.IterableDataset):
+    """Batches of files for ``torch.utils.data.DataLoader(dataset, batch_size=None, ...)``.
+
+    Every (rank, DataLoader worker) pair reads its own shard (``num_shards = world_size *
+    num_workers``; torch.distributed's rank when it is initialised), with the same seeded
+    per-epoch shuffle everywhere, so no two read the same file in an epoch. Each item is one
+    ``(samples, labels)`` batch as ``FileReader`` yields it; ``copy=True`` (the default) gives
+    sample memory of its own, which is what crosses from workers to the main process. Call
+    ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: workers are new
+    processes each epoch unless ``persistent_workers=True``.
+
+    The arguments are ``FileReader``'s; the file list is made (and checked) once, here.
+    """
+
+    def __init__(
+        self,
+        file_root: str | os.PathLike[str] | None = None,
+        file_list: str | os.PathLike[str] | None = None,
+        files: Sequence[str | os.PathLike[str]] | None = None,
+        labels: Sequence[int] | None = None,
+        batch_size: int = 256,
+        shuffle: bool = True,
+        seed: int = 0,
+        pad_last_batch: bool = False,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        *,
+        copy: bool = True,
+        on_error: str = "raise",
+        **reader_options: Any,
+    ) -> None:
+        super().__init__()
+        self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels)
+        self._options = dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
+                             pad_last_batch=pad_last_batch, drop_last=drop_last,
+                             prefetch=prefetch, copy=copy, on_error=on_error, **reader_options)
+        self._epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads (its shuffle and shards)."""
+        self._epoch = epoch
+
+    def shard(self) -> tuple[int, int]:
+        """(shard_id, num_shards) of the calling process and DataLoader worker."""
+        rank, world = _rank_and_world()
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return rank * workers + worker, world * workers
+
+    def __iter__(self) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+        shard_id, num_shards = self.shard()
+        reader = FileReader(files=self._paths, labels=self._labels.tolist(), shard_id=shard_id,
+                            num_shards=num_shards, **self._options)
+        reader.set_epoch(self._epoch)
+        self._epoch += 1  # for the next iteration in this process (persistent workers)
+        try:
+            yield from reader
+        finally:
+            reader.close()

@@ -1,0 +1,264 @@
+"""``FileReader``: batches of whole files, read ahead in C++, as torch tensors."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _core
+
+_ON_ERROR = ("raise", "skip")
+
+
+def resolve_inputs(
+    file_root: str | os.PathLike[str] | None,
+    file_list: str | os.PathLike[str] | None,
+    files: Sequence[str | os.PathLike[str]] | None,
+    labels: Sequence[int] | None,
+) -> tuple[list[str], np.ndarray]:
+    """The (paths, int32 labels) named by DALI's ``fn.readers.file`` inputs, checked to exist.
+
+    Raises:
+        ValueError: inputs given in a combination DALI refuses, or an empty list or folder.
+        OSError: a listed file or the folder cannot be reached (``FileNotFoundError`` names it).
+    """
+    root = os.fspath(file_root) if file_root is not None else None
+    if files is not None and file_list is not None:
+        raise ValueError("give file paths through files= or file_list=, not both")
+    if labels is not None and files is None:
+        raise ValueError("labels= is valid only with files=")
+    if files is not None:
+        paths = [os.fspath(f) for f in files]
+        if not paths:
+            raise ValueError("files= is an empty list")
+        if root is not None:
+            paths = [os.path.join(root, p) for p in paths]
+        if labels is None:
+            label_list: Sequence[int] = range(len(paths))  # DALI labels files by position
+        else:
+            label_list = list(labels)
+            if len(label_list) != len(paths):
+                raise ValueError(f"{len(label_list)} labels given for {len(paths)} files")
+    elif file_list is not None:
+        paths, label_list = _core.read_file_list(os.fspath(file_list), root or "")
+    elif root is not None:
+        paths, label_list = _core.list_file_root(root)
+    else:
+        raise ValueError("give file_root=, file_list= or files=")
+    try:
+        label_array = np.asarray(label_list, dtype=np.int64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"labels must be integers: {e}") from None
+    if label_array.size and (label_array.min() < -(2**31) or label_array.max() >= 2**31):
+        raise ValueError("labels must fit in int32")
+    _core.check_files_exist(paths)
+    return paths, label_array.astype(np.int32)
+
+
+class FileReader:
+    """Reads a file set in batches, many files at once, ``prefetch`` batches ahead of the loop.
+
+    Inputs as DALI's ``fn.readers.file`` takes them: ``file_root`` with one subfolder per class
+    (labels in sorted folder order; every file is a sample, there is no extension filter),
+    ``file_list`` (DALI's text format, ``path label`` per line, relative paths relative to
+    ``file_root`` or the list's folder), or ``files`` with optional ``labels`` (default: each
+    file's position).
+
+    Shards, padding and the move to the next shard each epoch are DALI's: shard ``k`` of ``n``
+    starts at ``len(files) * k // n``; ``pad_last_batch`` repeats a shard's last sample up to
+    ``ceil(len(files) / n)`` samples and then to a whole batch, so every shard gives the same
+    number of batches; without ``stick_to_shard`` the reader reads shard ``(shard_id + epoch) %
+    n`` in each epoch. ``shuffle`` permutes the whole list each epoch by a function of
+    ``(seed, epoch)`` only (``_core.epoch_permutation``), the same on every rank, so shards
+    never overlap; there is no shuffle buffer.
+
+    Iterating gives one epoch of ``(samples, labels)``: ``samples`` a list of uint8 tensors, one
+    per file, ``labels`` an int32 tensor. The next ``for`` loop reads the next epoch; a loop
+    left early resumes where it stopped. The sample tensors are views into the batch's arena,
+    which is reused for a later batch once nothing refers to it: treat them as valid until the
+    next batch, or pass ``copy=True`` to get tensors whose memory is their own.
+    ``device="cuda"`` puts each batch on the GPU with one copy (from pinned memory when
+    ``pin_memory=True``); ``pin_memory`` alone pins the arenas.
+
+    A file that vanished, cannot be read, is not a regular file or changes size while read
+    raises ``OSError`` naming it, or with ``on_error="skip"`` is left out of its batch (the batch
+    is smaller) and counted in ``stats["skipped"]``. Empty files give empty samples.
+
+    ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly: the next batch after a
+    restore is the one after the last batch given out before the state was taken.
+    """
+
+    def __init__(
+        self,
+        file_root: str | os.PathLike[str] | None = None,
+        file_list: str | os.PathLike[str] | None = None,
+        files: Sequence[str | os.PathLike[str]] | None = None,
+        labels: Sequence[int] | None = None,
+        batch_size: int = 256,
+        shuffle: bool = True,
+        seed: int = 0,
+        shard_id: int = 0,
+        num_shards: int = 1,
+        stick_to_shard: bool = False,
+        pad_last_batch: bool = False,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+        *,
+        copy: bool = False,
+        on_error: str = "raise",
+        open_threads: int = 16,
+        direct: bool = True,
+        backend: str | None = None,
+    ) -> None:
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+        for name, value in (("batch_size", batch_size), ("prefetch", prefetch),
+                            ("num_shards", num_shards), ("open_threads", open_threads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        for name, value in (("seed", seed), ("shard_id", shard_id)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+        self._device = torch.device(device)
+        if self._device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' needs a torch build with CUDA and a GPU")
+        self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels)
+        self._config = {
+            "num_files": len(self._paths),
+            "batch_size": batch_size,
+            "shuffle": bool(shuffle),
+            "seed": seed,
+            "shard_id": shard_id,
+            "num_shards": num_shards,
+            "stick_to_shard": bool(stick_to_shard),
+            "pad_last_batch": bool(pad_last_batch),
+            "drop_last": bool(drop_last),
+        }
+        self._plan = _core.ShardPlan(**self._config)
+        self._copy = copy
+        device_index = self._device.index if self._device.index is not None else 0
+        self._core = _core.BatchReader(
+            self._paths,
+            prefetch=prefetch,
+            open_threads=open_threads,
+            skip_errors=on_error == "skip",
+            direct=direct,
+            pin_memory=pin_memory or self._device.type == "cuda",
+            device=device_index,
+            backend=backend,
+        )
+        self._epoch = 0
+        self._position = 0  # batches of self._epoch given out
+
+    # ---------------------------------------------------------------------------------------
+    # Sizes and state
+
+    @property
+    def files(self) -> list[str]:
+        """The paths read, in list order (before shuffling)."""
+        return list(self._paths)
+
+    @property
+    def labels(self) -> np.ndarray:
+        """The labels, one per path (int32)."""
+        return self._labels.copy()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to."""
+        return self._epoch
+
+    def __len__(self) -> int:
+        """Batches in the current epoch (shards differ by one sample when not padded)."""
+        return len(self._plan.epoch_batches(self._epoch))
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """File indices this reader returns in ``epoch``, in order, padding included."""
+        return list(self._plan.epoch_samples(epoch))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts ``epoch`` from its first batch at the next iteration."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
+        self._epoch, self._position = epoch, 0
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counts so far: batches, files, bytes, skipped, direct_bytes, cached_bytes."""
+        return dict(self._core.stats())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the reader is: the epoch, the batches of it already given out, the settings
+        that fix the order (checked again by ``load_state_dict``)."""
+        return {"epoch": self._epoch, "position": self._position, **self._config}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes at ``state``; the next iteration starts with the batch after the last one
+        given out before ``state_dict()`` was taken.
+
+        Raises:
+            ValueError: the state was taken from a reader with other files or settings.
+        """
+        for key, value in self._config.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"state_dict has {key}={state.get(key)!r}, this reader {value!r}: "
+                    "it was taken from a reader of other files or settings")
+        epoch, position = state.get("epoch"), state.get("position")
+        if not isinstance(epoch, int) or not isinstance(position, int) or epoch < 0 or position < 0:
+            raise ValueError(f"state_dict has a bad position: epoch={epoch!r}, "
+                             f"position={position!r}")
+        self._epoch, self._position = epoch, position
+
+    # ---------------------------------------------------------------------------------------
+    # Iteration
+
+    def batches(self) -> Iterator[Any]:
+        """The current epoch's remaining batches as ``_core.Batch`` objects (arena, offsets,
+        sizes, file indices), without tensors: what the adapters build on."""
+        batches = self._plan.epoch_batches(self._epoch)
+        start = min(self._position, len(batches))
+        self._core.start(batches[start:])
+        for number in range(start, len(batches)):
+            batch = self._core.next()
+            self._position = number + 1
+            yield batch
+        self._epoch += 1
+        self._position = 0
+
+    def batch_labels(self, batch: Any) -> np.ndarray:
+        """The int32 labels of a ``_core.Batch``'s samples."""
+        return self._labels[np.asarray(batch.indices, dtype=np.int64)]
+
+    def __iter__(self) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+        for batch in self.batches():
+            yield self._tensors(batch)
+
+    def _tensors(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+        arena = torch.from_numpy(np.frombuffer(batch, dtype=np.uint8))
+        labels = torch.from_numpy(self.batch_labels(batch))
+        if self._device.type == "cuda":
+            arena = arena.to(self._device, non_blocking=bool(batch.pinned))
+            labels = labels.to(self._device, non_blocking=False)
+        elif self._copy:
+            arena = arena.clone()
+        return [arena[o:o + s] for o, s in zip(batch.offsets, batch.sizes)], labels
+
+    def dali_source(self, queue_depth: int = 2) -> "DaliSource":
+        """This reader as a source for ``fn.external_source(source=..., num_outputs=2,
+        batch=True, dtype=[types.UINT8, types.INT32])``; see ``DaliSource``."""
+        from .dali import DaliSource
+
+        return DaliSource(self, queue_depth=queue_depth)
+
+    def close(self) -> None:
+        """Stops reading ahead (also done when the reader is dropped)."""
+        self._core.start([])

@@ -1,0 +1,425 @@
+#include "tensortier/batch_reader.hpp"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <optional>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "open_gang.hpp"
+#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/page_cache.hpp"
+#include "tensortier/pinned_pool.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace detail {
+
+// Arenas grow in steps of this many bytes, so that batches of similar sizes reuse one.
+constexpr uint64_t kArenaGranule = 2u << 20;
+// Where samples start in an arena: O_DIRECT's memory alignment on every filesystem we meet.
+constexpr uint64_t kSampleAlignment = 4096;
+// Pinned arenas come from a pool whose budget only guards against runaway growth.
+constexpr uint64_t kPinnedBudget = 64ull << 30;
+
+struct Arena {
+  AlignedBuffer plain;
+  std::optional<PinnedBuffer> pinned;
+  std::byte* data() const noexcept { return pinned ? pinned->data() : plain.data(); }
+  size_t size() const noexcept { return pinned ? pinned->size() : plain.size(); }
+};
+
+// Arenas that batches gave back, kept for the next batches. Thread-safe.
+struct ArenaPoolState {
+  std::mutex mu;
+  std::vector<std::unique_ptr<Arena>> idle;
+  size_t max_idle = 4;
+  std::unique_ptr<PinnedPool> pinned_pool;  // set when arenas are pinned
+
+  std::unique_ptr<Arena> Acquire(uint64_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto best = idle.end();
+      for (auto it = idle.begin(); it != idle.end(); ++it) {
+        if ((*it)->size() >= bytes && (best == idle.end() || (*it)->size() < (*best)->size())) {
+          best = it;
+        }
+      }
+      if (best != idle.end()) {
+        std::unique_ptr<Arena> arena = std::move(*best);
+        idle.erase(best);
+        return arena;
+      }
+    }
+    auto arena = std::make_unique<Arena>();
+    const uint64_t size = AlignUp(std::max<uint64_t>(bytes, 1), kArenaGranule);
+    if (pinned_pool) {
+      arena->pinned = pinned_pool->Acquire(size);
+    } else {
+      arena->plain = AlignedBuffer(size, Pages::kReused);
+    }
+    return arena;
+  }
+
+  void Return(std::unique_ptr<Arena> arena) noexcept {
+    std::lock_guard<std::mutex> lock(mu);
+    idle.push_back(std::move(arena));
+    if (idle.size() > max_idle) {
+      // The smallest goes: the larger ones fit more batches.
+      auto smallest = std::min_element(idle.begin(), idle.end(), [](const auto& a, const auto& b) {
+        return a->size() < b->size();
+      });
+      idle.erase(smallest);
+      if (pinned_pool) pinned_pool->Trim();
+    }
+  }
+};
+
+// One file of a batch being read.
+struct FileSlot {
+  uint64_t index = 0;
+  File file;
+  uint64_t size = 0;
+  uint64_t offset = 0;    // in the arena
+  bool resident = false;  // wholly in the page cache when opened (read buffered)
+  std::exception_ptr error;
+};
+
+struct PendingBatch {
+  std::vector<uint64_t> order;    // the batch's file indices, in order
+  std::vector<size_t> slot_of;    // per position of `order`: its slot
+  std::vector<FileSlot> slots;    // distinct files
+  std::vector<size_t> submitted;  // slots submitted to the engine, in piece order
+  std::unique_ptr<Arena> arena;
+  Future future;
+  std::exception_ptr error;  // the batch fails with this (set before submission)
+};
+
+}  // namespace detail
+
+using detail::FileSlot;
+using detail::kSampleAlignment;
+using detail::PendingBatch;
+
+namespace {
+
+// Opens `path` for reading and sizes it; refuses anything but a regular file before opening
+// (opening a FIFO would block). A file wholly in the page cache is opened buffered only: its
+// O_DIRECT descriptor would never be used, and opening one costs more system calls than reading
+// a small cached file (the engine's residency check then has nothing to decide).
+void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
+  try {
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0) ThrowIoError(errno, "stat", path);
+    if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open (a directory, not a regular file)", path);
+    if (!S_ISREG(st.st_mode)) ThrowIoError(EINVAL, "open (not a regular file)", path);
+    slot.file = File::Open(path, OpenMode::kRead, /*direct=*/false);
+    struct stat opened {};
+    if (fstat(slot.file.buffered_fd(), &opened) != 0) ThrowIoError(errno, "fstat", path);
+    if (!S_ISREG(opened.st_mode)) ThrowIoError(EINVAL, "open (not a regular file)", path);
+    slot.size = static_cast<uint64_t>(opened.st_size);
+    if (!direct || slot.size == 0) return;
+    const Residency cached = QueryResidency(slot.file.buffered_fd(), 0, slot.size);
+    if (cached.method != ResidencyMethod::kUnknown &&
+        cached.resident_bytes >= cached.checked_bytes) {
+      slot.resident = true;
+      return;
+    }
+    File with_direct = File::Open(path, OpenMode::kRead, /*direct=*/true);
+    struct stat again {};
+    if (fstat(with_direct.buffered_fd(), &again) != 0) ThrowIoError(errno, "fstat", path);
+    if (again.st_ino != opened.st_ino || again.st_dev != opened.st_dev) {
+      ThrowIoError(EIO, "open (the file was replaced while opened)", path);
+    }
+    slot.file = std::move(with_direct);
+  } catch (...) {
+    slot.file.Close();
+    slot.error = std::current_exception();
+  }
+}
+
+// The bytes asked of the engine for a file: with O_DIRECT, the whole file rounded up to the
+// alignment (the arena has room: samples start 4 KiB apart at least), so that it is one direct
+// read which stops at end of file, rather than a direct middle and a buffered tail (a second
+// request, and on a cold file a synchronous page-cache miss).
+uint64_t ReadLength(const FileSlot& slot) {
+  if (!slot.file.direct() || slot.file.offset_alignment() > kSampleAlignment) return slot.size;
+  return AlignUp(slot.size, slot.file.offset_alignment());
+}
+
+[[noreturn]] void ThrowSizeChanged(const FileSlot& slot, uint64_t now) {
+  ThrowIoError(EIO,
+               StrCat("read (the file changed size while read: ", slot.size, " bytes when opened, ",
+                      now, " now)"),
+               slot.file.path(), 0, slot.size);
+}
+
+std::string Message(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+}  // namespace
+
+Batch::~Batch() {
+  if (pool_ && arena_) pool_->Return(std::move(arena_));
+}
+
+const std::byte* Batch::data() const noexcept {
+  return arena_ ? arena_->data() : nullptr;
+}
+
+bool Batch::pinned() const noexcept {
+  return arena_ && arena_->pinned && arena_->pinned->registered();
+}
+
+BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions options)
+    : paths_(std::move(paths)), options_(std::move(options)) {
+  if (paths_.empty()) throw std::invalid_argument("the reader was given no files");
+  if (options_.prefetch == 0) throw std::invalid_argument("prefetch must be at least 1");
+  if (options_.open_threads == 0) throw std::invalid_argument("open_threads must be at least 1");
+  engine_ = std::make_unique<Engine>(options_.engine);
+  // The caller's thread opens files too: the gang adds open_threads - 1.
+  gang_ = std::make_unique<detail::OpenGang>(options_.open_threads - 1);
+  arenas_ = std::make_shared<detail::ArenaPoolState>();
+  arenas_->max_idle = options_.prefetch + 2;
+  if (options_.pin_memory) {
+    PinnedPoolOptions pinned;
+    pinned.budget_bytes = detail::kPinnedBudget;
+    pinned.device = options_.device;
+    arenas_->pinned_pool = std::make_unique<PinnedPool>(pinned);
+  }
+}
+
+BatchReader::~BatchReader() {
+  Stop();
+}
+
+void BatchReader::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (producer_.joinable()) producer_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  ready_.clear();
+  stop_ = false;
+}
+
+void BatchReader::Start(std::vector<std::vector<uint64_t>> batches) {
+  for (const auto& batch : batches) {
+    for (uint64_t index : batch) {
+      if (index >= paths_.size()) {
+        throw std::out_of_range(
+            StrCat("file index ", index, " is past the ", paths_.size(), " files of the reader"));
+      }
+    }
+  }
+  Stop();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    batches_ = std::move(batches);
+    next_to_read_ = 0;
+    next_to_return_ = 0;
+  }
+  producer_ = std::thread([this] { Produce(); });
+}
+
+std::shared_ptr<const Batch> BatchReader::Next() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (next_to_return_ >= batches_.size()) return nullptr;
+  cv_.wait(lock, [&] { return !ready_.empty(); });
+  Ready ready = std::move(ready_.front());
+  ready_.pop_front();
+  ++next_to_return_;
+  lock.unlock();
+  cv_.notify_all();
+  if (ready.error) std::rethrow_exception(ready.error);
+  return ready.batch;
+}
+
+BatchReaderStats BatchReader::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void BatchReader::Produce() {
+  // At most two batches in flight here: one being opened while the other is being read.
+  constexpr size_t kInFlight = 2;
+  std::deque<std::unique_ptr<PendingBatch>> in_flight;
+  while (true) {
+    std::vector<uint64_t> batch;
+    bool take = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto room = [&] { return ready_.size() + in_flight.size() < options_.prefetch; };
+      auto more = [&] { return next_to_read_ < batches_.size(); };
+      if (in_flight.empty()) {
+        cv_.wait(lock, [&] { return stop_ || (more() && room()); });
+      }
+      if (stop_) break;
+      if (more() && room() && in_flight.size() < kInFlight) {
+        batch = batches_[next_to_read_++];
+        take = true;
+      }
+    }
+    if (take) {
+      std::unique_ptr<PendingBatch> pending;
+      try {
+        pending = Prepare(batch);
+      } catch (...) {
+        pending = std::make_unique<PendingBatch>();
+        pending->error = std::current_exception();
+      }
+      in_flight.push_back(std::move(pending));
+      continue;  // open the next batch while this one is read, where there is room
+    }
+    if (in_flight.empty()) continue;
+    Ready ready;
+    try {
+      ready.batch = Finish(*in_flight.front());
+    } catch (...) {
+      ready.error = std::current_exception();
+    }
+    in_flight.pop_front();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.push_back(std::move(ready));
+    }
+    cv_.notify_all();
+  }
+  // Stopped: the engine may still be writing into the arenas of batches in flight.
+  for (auto& pending : in_flight) {
+    if (pending->future.valid()) pending->future.WaitFor(std::chrono::hours(24 * 365));
+  }
+}
+
+std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& batch) {
+  auto pending = std::make_unique<PendingBatch>();
+  pending->order = batch;
+  std::unordered_map<uint64_t, size_t> seen;
+  for (uint64_t index : batch) {
+    auto [it, inserted] = seen.emplace(index, pending->slots.size());
+    if (inserted) {
+      pending->slots.emplace_back();
+      pending->slots.back().index = index;
+    }
+    pending->slot_of.push_back(it->second);
+  }
+  gang_->Run(pending->slots.size(), [&](size_t i) {
+    OpenSlot(paths_[pending->slots[i].index], options_.direct, pending->slots[i]);
+  });
+  uint64_t total = 0;
+  for (FileSlot& slot : pending->slots) {
+    if (slot.error) {
+      if (!options_.skip_errors) {
+        pending->error = slot.error;
+        return pending;
+      }
+      continue;
+    }
+    slot.offset = total;
+    total += AlignUp(slot.size, kSampleAlignment);
+  }
+  if (total == 0) return pending;
+  pending->arena = arenas_->Acquire(total);
+  std::vector<IoDesc> pieces;
+  for (size_t i = 0; i < pending->slots.size(); ++i) {
+    FileSlot& slot = pending->slots[i];
+    if (slot.error || slot.size == 0) continue;
+    pieces.push_back({slot.file, pending->arena->data() + slot.offset, 0, ReadLength(slot)});
+    pending->submitted.push_back(i);
+  }
+  pending->future = engine_->Submit(IoOp::kRead, pieces);
+  return pending;
+}
+
+std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
+  if (pending.error) std::rethrow_exception(pending.error);
+  IoStats io;
+  while (pending.future.valid()) {
+    try {
+      IoResult result = pending.future.Wait();
+      pending.future = Future();
+      io += result.stats;
+      for (size_t j = 0; j < pending.submitted.size(); ++j) {
+        FileSlot& slot = pending.slots[pending.submitted[j]];
+        if (result.segment_bytes[j] != slot.size) {
+          ThrowSizeChanged(slot, result.segment_bytes[j]);
+        }
+      }
+    } catch (const IoError& e) {
+      if (!options_.skip_errors) throw;
+      // Leave the failed file out and read the others again (their reads may not have run).
+      auto failed = std::find_if(pending.submitted.begin(), pending.submitted.end(), [&](size_t i) {
+        return pending.slots[i].file.path() == e.path();
+      });
+      if (failed == pending.submitted.end()) throw;
+      pending.slots[*failed].error = std::current_exception();
+      pending.submitted.erase(failed);
+      std::vector<IoDesc> pieces;
+      for (size_t i : pending.submitted) {
+        FileSlot& slot = pending.slots[i];
+        pieces.push_back({slot.file, pending.arena->data() + slot.offset, 0, ReadLength(slot)});
+      }
+      if (!pieces.empty()) pending.future = engine_->Submit(IoOp::kRead, pieces);
+    }
+  }
+  // A file that grew while read gave its old size in full: ask again.
+  for (FileSlot& slot : pending.slots) {
+    if (slot.error || !slot.file.is_open()) continue;
+    try {
+      struct stat now {};
+      if (fstat(slot.file.buffered_fd(), &now) != 0) ThrowIoError(errno, "fstat", slot.file.path());
+      if (static_cast<uint64_t>(now.st_size) != slot.size) {
+        ThrowSizeChanged(slot, static_cast<uint64_t>(now.st_size));
+      }
+    } catch (const IoError&) {
+      if (!options_.skip_errors) throw;
+      slot.error = std::current_exception();
+    }
+    slot.file.Close();
+  }
+
+  std::shared_ptr<Batch> batch(new Batch());
+  batch->pool_ = arenas_;
+  batch->arena_ = std::move(pending.arena);
+  uint64_t bytes = 0;
+  for (size_t position = 0; position < pending.order.size(); ++position) {
+    const FileSlot& slot = pending.slots[pending.slot_of[position]];
+    if (slot.error) continue;
+    batch->indices_.push_back(slot.index);
+    batch->offsets_.push_back(slot.offset);
+    batch->sizes_.push_back(slot.size);
+    batch->used_ = std::max(batch->used_, slot.offset + slot.size);
+  }
+  uint64_t resident_bytes = 0;
+  for (const FileSlot& slot : pending.slots) {
+    if (slot.error) {
+      batch->skipped_.push_back({slot.index, Message(slot.error)});
+    } else {
+      bytes += slot.size;
+      if (slot.resident) resident_bytes += slot.size;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.batches += 1;
+  stats_.files += batch->indices_.size();
+  stats_.bytes += bytes;
+  stats_.skipped += batch->skipped_.size();
+  stats_.direct_bytes += io.direct_bytes;
+  stats_.cached_bytes += io.cached_bytes + resident_bytes;
+  return batch;
+}
+
+}  // namespace tensortier

@@ -1,0 +1,119 @@
+#include "tensortier/sample_list.hpp"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <fstream>
+#include <memory>
+#include <stdexcept>
+
+#include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+std::string JoinPath(const std::string& dir, const std::string& name) {
+  if (dir.empty() || name.front() == '/') return name;
+  return dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+struct DirCloser {
+  void operator()(DIR* dir) const noexcept { closedir(dir); }
+};
+
+// The entries of `dir` (not "." and ".."), with whether each is a directory (stat, following
+// symbolic links, as DALI does) or a file DALI would take (regular, link or unknown type).
+void ListDir(const std::string& dir, std::vector<std::string>* subdirs,
+             std::vector<std::string>* files) {
+  std::unique_ptr<DIR, DirCloser> handle(opendir(dir.c_str()));
+  if (!handle) ThrowIoError(errno, "opendir", dir);
+  errno = 0;
+  while (dirent* entry = readdir(handle.get())) {
+    std::string name = entry->d_name;
+    if (name == "." || name == "..") continue;
+    const std::string full = JoinPath(dir, name);
+    struct stat st {};
+    if (stat(full.c_str(), &st) != 0) ThrowIoError(errno, "stat", full);
+    if (S_ISDIR(st.st_mode)) {
+      if (subdirs) subdirs->push_back(std::move(name));
+    } else if (files) {
+      files->push_back(std::move(name));
+    }
+    errno = 0;
+  }
+  if (errno != 0) ThrowIoError(errno, "readdir", dir);
+}
+
+}  // namespace
+
+SampleList ListFileRoot(const std::string& root) {
+  std::vector<std::string> classes;
+  ListDir(root, &classes, nullptr);
+  std::sort(classes.begin(), classes.end());
+  SampleList list;
+  for (size_t label = 0; label < classes.size(); ++label) {
+    const std::string dir = JoinPath(root, classes[label]);
+    std::vector<std::string> files;
+    ListDir(dir, nullptr, &files);
+    std::sort(files.begin(), files.end());
+    for (const std::string& file : files) {
+      list.paths.push_back(JoinPath(dir, file));
+      list.labels.push_back(static_cast<int32_t>(label));
+    }
+  }
+  if (list.paths.empty()) {
+    throw std::invalid_argument(StrCat("file_root '", root, "' holds no files in ", classes.size(),
+                                       " class subdirectories (one per class "
+                                       "is expected, each with its files)"));
+  }
+  return list;
+}
+
+SampleList ReadFileList(const std::string& list_path, const std::string& root) {
+  std::ifstream in(list_path);
+  if (!in) ThrowIoError(errno != 0 ? errno : EIO, "open", list_path);
+  std::string base = root;
+  if (base.empty()) {
+    const size_t slash = list_path.rfind('/');
+    if (slash != std::string::npos) base = list_path.substr(0, slash);
+  }
+  SampleList list;
+  std::string line;
+  for (uint64_t number = 1; std::getline(in, line); ++number) {
+    // Parsed from the end, as DALI does: trailing space, the label's digits, space, the path.
+    int64_t i = static_cast<int64_t>(line.size()) - 1;
+    while (i >= 0 && std::isspace(static_cast<unsigned char>(line[i]))) --i;
+    if (i < 0) continue;
+    const int64_t label_end = i + 1;
+    while (i >= 0 && std::isdigit(static_cast<unsigned char>(line[i]))) --i;
+    const int64_t label_start = i + 1;
+    while (i >= 0 && std::isspace(static_cast<unsigned char>(line[i]))) --i;
+    const int64_t name_end = i + 1;
+    if (name_end <= 0 || name_end >= label_start || label_end <= label_start ||
+        label_end - label_start > 9) {
+      throw std::invalid_argument(StrCat("file_list '", list_path, "' line ", number,
+                                         ": expected a file name followed by a label, got '", line,
+                                         "'"));
+    }
+    list.paths.push_back(JoinPath(base, line.substr(0, name_end)));
+    list.labels.push_back(std::stoi(line.substr(label_start, label_end - label_start)));
+  }
+  if (in.bad()) ThrowIoError(EIO, "read", list_path);
+  if (list.paths.empty()) {
+    throw std::invalid_argument(StrCat("file_list '", list_path, "' names no files"));
+  }
+  return list;
+}
+
+void CheckFilesExist(const std::vector<std::string>& paths) {
+  for (const std::string& path : paths) {
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0) ThrowIoError(errno, "stat", path);
+  }
+}
+
+}  // namespace tensortier

@@ -1,0 +1,308 @@
+// The batch reader: whole files into one arena per batch, read ahead, errors named.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "tensortier/batch_reader.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/sample_list.hpp"
+#include "test_util.hpp"
+
+namespace tensortier {
+namespace {
+
+using testing::MatchesPattern;
+using testing::TempDir;
+using testing::WritePatternFile;
+
+// Sizes around the O_DIRECT and page boundaries, and empty.
+const uint64_t kSizes[] = {0, 1, 511, 4095, 4096, 4097, 12288, 70001, 262144, 300000};
+
+struct Tree {
+  TempDir dir;
+  std::vector<std::string> paths;
+  std::vector<uint64_t> sizes;
+  explicit Tree(size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      paths.push_back(dir.File(StrCat("f", i)));
+      sizes.push_back(kSizes[i % std::size(kSizes)] + i);
+      WritePatternFile(paths.back(), sizes.back(), i);
+    }
+  }
+};
+
+BatchReaderOptions Options(const std::string& backend = "auto") {
+  BatchReaderOptions options;
+  options.engine.backend = backend;
+  options.open_threads = 4;
+  return options;
+}
+
+void ExpectBatch(const Batch& batch, const Tree& tree, const std::vector<uint64_t>& want) {
+  ASSERT_EQ(batch.indices(), want);
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(batch.sizes()[i], tree.sizes[want[i]]);
+    ASSERT_EQ(batch.offsets()[i] % 4096, 0u);
+    ASSERT_LE(batch.offsets()[i] + batch.sizes()[i], batch.size());
+    ASSERT_TRUE(MatchesPattern(batch.data() + batch.offsets()[i], batch.sizes()[i], want[i]))
+        << "file " << want[i];
+  }
+}
+
+class BatchReaderBackendTest : public testing::BackendTest {};
+
+TEST_P(BatchReaderBackendTest, ReadsEveryFileExactlyInOrder) {
+  Tree tree(40);
+  BatchReader reader(tree.paths, Options(std::string(BackendName(GetParam()))));
+  std::vector<std::vector<uint64_t>> batches = {{3, 1, 4, 1, 5}, {9, 2, 6}, {0}, {}, {39, 38}};
+  for (int round = 0; round < 2; ++round) {
+    reader.Start(batches);
+    for (const auto& want : batches) {
+      auto batch = reader.Next();
+      ASSERT_NE(batch, nullptr);
+      ExpectBatch(*batch, tree, want);
+    }
+    EXPECT_EQ(reader.Next(), nullptr);
+    EXPECT_EQ(reader.Next(), nullptr);
+  }
+  BatchReaderStats stats = reader.stats();
+  EXPECT_EQ(stats.batches, 10u);
+  EXPECT_EQ(stats.files, 22u);
+  EXPECT_EQ(stats.skipped, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, BatchReaderBackendTest,
+                         ::testing::ValuesIn(testing::CompiledBackends()),
+                         testing::BackendParamName());
+
+TEST(BatchReaderTest, BatchesOutliveTheReaderAndArenasAreReused) {
+  Tree tree(12);
+  std::vector<std::shared_ptr<const Batch>> kept;
+  {
+    BatchReader reader(tree.paths, Options());
+    std::vector<std::vector<uint64_t>> batches;
+    for (int i = 0; i < 20; ++i) batches.push_back({static_cast<uint64_t>(i % 12)});
+    reader.Start(batches);
+    const std::byte* first = nullptr;
+    bool reused = false;
+    for (int i = 0; i < 20; ++i) {
+      auto batch = reader.Next();
+      ASSERT_NE(batch, nullptr);
+      ExpectBatch(*batch, tree, {static_cast<uint64_t>(i % 12)});
+      if (i == 0) first = batch->data();
+      if (i > 4 && batch->data() == first) reused = true;
+      if (i == 19) kept.push_back(batch);
+    }
+    EXPECT_TRUE(reused || first == nullptr);
+  }
+  ExpectBatch(*kept[0], tree, {19 % 12});
+}
+
+TEST(BatchReaderTest, StartDropsWhatWasReadAhead) {
+  Tree tree(30);
+  BatchReaderOptions options = Options();
+  options.prefetch = 4;
+  BatchReader reader(tree.paths, options);
+  std::vector<std::vector<uint64_t>> many;
+  for (uint64_t i = 0; i < 30; ++i) many.push_back({i});
+  reader.Start(many);
+  ASSERT_NE(reader.Next(), nullptr);
+  reader.Start({{7, 8}});
+  auto batch = reader.Next();
+  ASSERT_NE(batch, nullptr);
+  ExpectBatch(*batch, tree, {7, 8});
+  EXPECT_EQ(reader.Next(), nullptr);
+}
+
+TEST(BatchReaderTest, MissingFileFailsItsBatchByNameAndReadingGoesOn) {
+  Tree tree(6);
+  BatchReader reader(tree.paths, Options());
+  ASSERT_EQ(unlink(tree.paths[2].c_str()), 0);
+  reader.Start({{0, 1}, {1, 2, 3}, {4, 5}});
+  ExpectBatch(*reader.Next(), tree, {0, 1});
+  try {
+    reader.Next();
+    FAIL() << "no error for a vanished file";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_EQ(e.path(), tree.paths[2]);
+  }
+  ExpectBatch(*reader.Next(), tree, {4, 5});
+}
+
+TEST(BatchReaderTest, SkipErrorsLeavesBadFilesOutAndCountsThem) {
+  Tree tree(6);
+  BatchReaderOptions options = Options();
+  options.skip_errors = true;
+  BatchReader reader(tree.paths, options);
+  ASSERT_EQ(unlink(tree.paths[2].c_str()), 0);
+  ASSERT_EQ(mkdir(tree.paths[2].c_str(), 0755), 0);  // now a directory
+  ASSERT_EQ(unlink(tree.paths[4].c_str()), 0);
+  ASSERT_EQ(mkfifo(tree.paths[4].c_str(), 0644), 0);  // opening it would block
+  reader.Start({{0, 2, 1, 4, 3}});
+  auto batch = reader.Next();
+  ExpectBatch(*batch, tree, {0, 1, 3});
+  ASSERT_EQ(batch->skipped().size(), 2u);
+  EXPECT_EQ(batch->skipped()[0].index, 2u);
+  EXPECT_NE(batch->skipped()[0].message.find(tree.paths[2]), std::string::npos);
+  EXPECT_EQ(batch->skipped()[1].index, 4u);
+  EXPECT_EQ(reader.stats().skipped, 2u);
+}
+
+TEST(BatchReaderTest, NonRegularFileFailsByName) {
+  Tree tree(2);
+  ASSERT_EQ(unlink(tree.paths[1].c_str()), 0);
+  ASSERT_EQ(mkfifo(tree.paths[1].c_str(), 0644), 0);
+  BatchReader reader(tree.paths, Options());
+  reader.Start({{0, 1}});
+  try {
+    reader.Next();
+    FAIL() << "no error for a FIFO";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.path(), tree.paths[1]);
+    EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos);
+  }
+}
+
+TEST(BatchReaderTest, UnreadableFileFailsByName) {
+  if (geteuid() == 0) GTEST_SKIP() << "root reads files whatever their mode";
+  Tree tree(2);
+  ASSERT_EQ(chmod(tree.paths[1].c_str(), 0), 0);
+  BatchReader reader(tree.paths, Options());
+  reader.Start({{1}});
+  EXPECT_THROW(reader.Next(), IoError);
+}
+
+TEST(BatchReaderTest, FileThatChangesSizeWhileReadFailsByName) {
+  // A file that keeps growing: whenever it is read, its size is not the one it was opened with.
+  TempDir dir;
+  const std::string path = dir.File("growing");
+  WritePatternFile(path, 1 << 20, 1);
+  std::atomic<bool> stop{false};
+  std::thread grower([&] {
+    int fd = open(path.c_str(), O_WRONLY | O_APPEND);
+    char byte = 0;
+    while (!stop.load()) {
+      if (write(fd, &byte, 1) != 1) break;
+    }
+    close(fd);
+  });
+  BatchReader reader({path}, Options());
+  bool failed = false;
+  for (int attempt = 0; attempt < 50 && !failed; ++attempt) {
+    reader.Start({{0}});
+    try {
+      reader.Next();
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.path(), path);
+      EXPECT_NE(std::string(e.what()).find("changed size"), std::string::npos) << e.what();
+      failed = true;
+    }
+  }
+  stop = true;
+  grower.join();
+  EXPECT_TRUE(failed);
+}
+
+TEST(BatchReaderTest, CachedFilesAreReadBufferedAndColdOnesDirect) {
+  Tree tree(8);
+  BatchReader reader(tree.paths, Options());
+  for (const std::string& path : tree.paths) {
+    File file = File::Open(path, OpenMode::kRead, false);
+    file.DataSync();  // dirty pages would stay cached
+    file.DropCache();
+  }
+  reader.Start({{1, 2, 3, 4, 5, 6, 7}});
+  ExpectBatch(*reader.Next(), tree, {1, 2, 3, 4, 5, 6, 7});
+  const BatchReaderStats cold = reader.stats();
+  if (!File::Open(tree.paths[1], OpenMode::kRead).direct()) {
+    GTEST_SKIP() << "this filesystem refuses O_DIRECT";
+  }
+  EXPECT_GT(cold.direct_bytes, 0u);
+  // Now through the page cache: read once buffered, then again by the reader.
+  for (size_t i = 1; i < 8; ++i) testing::ReadWholeFile(tree.paths[i]);
+  reader.Start({{1, 2, 3, 4, 5, 6, 7}});
+  ExpectBatch(*reader.Next(), tree, {1, 2, 3, 4, 5, 6, 7});
+  const BatchReaderStats warm = reader.stats();
+  EXPECT_EQ(warm.direct_bytes, cold.direct_bytes);
+  uint64_t total = 0;
+  for (size_t i = 1; i < 8; ++i) total += tree.sizes[i];
+  EXPECT_EQ(warm.cached_bytes - cold.cached_bytes, total);
+}
+
+TEST(BatchReaderTest, BadArgumentsAreRefused) {
+  Tree tree(2);
+  EXPECT_THROW(BatchReader({}, Options()), std::invalid_argument);
+  BatchReaderOptions options = Options();
+  options.prefetch = 0;
+  EXPECT_THROW(BatchReader(tree.paths, options), std::invalid_argument);
+  BatchReader reader(tree.paths, Options());
+  EXPECT_THROW(reader.Start({{0, 2}}), std::out_of_range);
+}
+
+TEST(BatchReaderTest, DestroyedWhileReadingAhead) {
+  Tree tree(40);
+  for (int i = 0; i < 5; ++i) {
+    BatchReaderOptions options = Options();
+    options.prefetch = 3;
+    BatchReader reader(tree.paths, options);
+    std::vector<std::vector<uint64_t>> batches;
+    for (uint64_t b = 0; b < 10; ++b) batches.push_back({b, b + 10, b + 20, b + 30});
+    reader.Start(batches);
+    if (i % 2 == 0) reader.Next();
+  }
+}
+
+TEST(SampleListTest, FileRootClassesInSortedOrder) {
+  TempDir dir;
+  for (const char* cls : {"b", "a", "c"}) {
+    ASSERT_EQ(mkdir(dir.File(cls).c_str(), 0755), 0);
+  }
+  WritePatternFile(dir.File("b/2.jpg"), 3, 0);
+  WritePatternFile(dir.File("b/1.jpg"), 3, 0);
+  WritePatternFile(dir.File("a/z.bin"), 3, 0);
+  WritePatternFile(dir.File("loose.jpg"), 3, 0);  // not in a class: not a sample
+  SampleList list = ListFileRoot(dir.path());
+  EXPECT_EQ(list.paths, (std::vector<std::string>{dir.File("a/z.bin"), dir.File("b/1.jpg"),
+                                                  dir.File("b/2.jpg")}));
+  EXPECT_EQ(list.labels, (std::vector<int32_t>{0, 1, 1}));
+}
+
+TEST(SampleListTest, EmptyOrMissingRootIsRefused) {
+  TempDir dir;
+  EXPECT_THROW(ListFileRoot(dir.path()), std::invalid_argument);
+  ASSERT_EQ(mkdir(dir.File("empty_class").c_str(), 0755), 0);
+  EXPECT_THROW(ListFileRoot(dir.path()), std::invalid_argument);
+  EXPECT_THROW(ListFileRoot(dir.File("nope")), IoError);
+}
+
+TEST(SampleListTest, FileListInDalisFormat) {
+  TempDir dir;
+  {
+    std::ofstream out(dir.File("list.txt"));
+    out << "a b.jpg 3\n\n  sub/c.jpg\t17  \n/abs/d 0\n";
+  }
+  SampleList list = ReadFileList(dir.File("list.txt"));
+  EXPECT_EQ(list.paths,
+            (std::vector<std::string>{dir.File("a b.jpg"), dir.File("  sub/c.jpg"), "/abs/d"}));
+  EXPECT_EQ(list.labels, (std::vector<int32_t>{3, 17, 0}));
+  EXPECT_EQ(ReadFileList(dir.File("list.txt"), "/root").paths[0], "/root/a b.jpg");
+  for (const char* bad : {"nolabel\n", "12\n", "x y\n"}) {
+    std::ofstream(dir.File("bad.txt")) << bad;
+    EXPECT_THROW(ReadFileList(dir.File("bad.txt")), std::invalid_argument) << bad;
+  }
+  std::ofstream(dir.File("empty.txt")) << "\n\n";
+  EXPECT_THROW(ReadFileList(dir.File("empty.txt")), std::invalid_argument);
+  EXPECT_THROW(ReadFileList(dir.File("missing.txt")), IoError);
+  EXPECT_THROW(CheckFilesExist({dir.File("list.txt"), dir.File("missing")}), IoError);
+}
+
+}  // namespace
+}  // namespace tensortier

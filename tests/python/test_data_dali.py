@@ -1,0 +1,174 @@
+"""tensortier.data against NVIDIA DALI (CPU-only pipelines): shards and padding equal to
+fn.readers.file's, dali_source() feeding fn.external_source over several epochs, decoded images
+equal to PIL's."""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tensortier.data import FileReader
+
+dali = pytest.importorskip("nvidia.dali")
+from nvidia.dali import fn, pipeline_def, types  # noqa: E402
+
+
+def make_tree(root: Path, classes: int = 3, per_class: int = 7, seed: int = 0) -> None:
+    """Class folders of files with unique bytes (names end in .jpg so readers.file takes them)."""
+    rng = random.Random(seed)
+    for label in range(classes):
+        d = root / f"c{label}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            size = rng.choice([1, 100, 4095, 4096, 4097, 30000, 70001])
+            (d / f"{i:03d}.jpg").write_bytes((f"{label}/{i}/".encode() + rng.randbytes(size))[:size + 8])
+
+
+def dali_file_stream(root: Path, batch_size: int, batches: int, **reader_args) -> list[list[tuple[bytes, int]]]:
+    @pipeline_def(batch_size=batch_size, num_threads=1, device_id=None)
+    def pipe():
+        data, labels = fn.readers.file(file_root=str(root), random_shuffle=False, **reader_args)
+        return data, labels
+
+    p = pipe()
+    p.build()
+    out = []
+    for _ in range(batches):
+        data, labels = p.run()
+        out.append([(bytes(np.array(data[i])), int(np.array(labels[i])[0]))
+                    for i in range(len(data))])
+    return out
+
+
+def reader_stream(reader: FileReader, epochs: int) -> list[list[tuple[bytes, int]]]:
+    out = []
+    for _ in range(epochs):
+        for samples, labels in reader:
+            out.append([(bytes(s.numpy()), int(l)) for s, l in zip(samples, labels)])
+    return out
+
+
+@pytest.mark.parametrize("num_shards,shard_id", [(1, 0), (2, 0), (2, 1), (3, 0), (3, 2), (4, 1)])
+@pytest.mark.parametrize("stick_to_shard", [False, True])
+@pytest.mark.parametrize("pad_last_batch", [False, True])
+def test_same_samples_as_readers_file(disk_dir: Path, num_shards: int, shard_id: int,
+                                      stick_to_shard: bool, pad_last_batch: bool) -> None:
+    make_tree(disk_dir)  # 21 files
+    batch_size = 4
+    args = dict(shard_id=shard_id, num_shards=num_shards, stick_to_shard=stick_to_shard,
+                pad_last_batch=pad_last_batch)
+    reader = FileReader(file_root=disk_dir, batch_size=batch_size, shuffle=False, **args)
+    ours = reader_stream(reader, 4)
+    theirs = dali_file_stream(disk_dir, batch_size, len(ours) + 1, **args)
+    if pad_last_batch:
+        # Batches line up with epochs: the same batches.
+        assert ours == theirs[:len(ours)]
+    else:
+        # DALI fills an epoch's last batch with the next epoch's samples: the same stream.
+        flat_ours = sum(ours, [])
+        assert flat_ours == sum(theirs, [])[:len(flat_ours)]
+
+
+def run_epochs(pipe, epochs: int) -> list[list[list[tuple[bytes, int]]]]:
+    out = []
+    for _ in range(epochs):
+        batches = []
+        try:
+            while True:
+                data, labels = pipe.run()
+                batches.append([(bytes(np.array(data[i])), int(np.array(labels[i])[0]))
+                                for i in range(len(data))])
+        except StopIteration:
+            pass
+        pipe.reset()
+        out.append(batches)
+    return out
+
+
+@pytest.mark.parametrize("no_copy", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_dali_source_epochs_with_reset(disk_dir: Path, no_copy: bool, shuffle: bool) -> None:
+    make_tree(disk_dir, classes=4, per_class=9)  # 36 files
+    batch_size = 5
+    reader = FileReader(file_root=disk_dir, batch_size=batch_size, shuffle=shuffle, seed=9,
+                        num_shards=2, shard_id=1, pad_last_batch=True)
+    reference = FileReader(file_root=disk_dir, batch_size=batch_size, shuffle=shuffle, seed=9,
+                           num_shards=2, shard_id=1, pad_last_batch=True)
+
+    @pipeline_def(batch_size=batch_size, num_threads=1, device_id=None, prefetch_queue_depth=2)
+    def pipe():
+        data, labels = fn.external_source(source=reader.dali_source(queue_depth=2), num_outputs=2,
+                                          batch=True, no_copy=no_copy,
+                                          dtype=[types.UINT8, types.INT32])
+        return data, labels
+
+    p = pipe()
+    p.build()
+    got = run_epochs(p, 3)
+    want = [reader_stream(reference, 1) for _ in range(3)]
+    assert got == want
+    assert all(len(epoch) == 4 for epoch in got)  # 18 samples + padding: 4 batches of 5
+
+
+def test_dali_source_covers_every_shard_once(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=3, per_class=9)  # 27 files
+    everything = set()
+    for shard in range(4):
+        reader = FileReader(file_root=disk_dir, batch_size=3, seed=4, shard_id=shard,
+                            num_shards=4, pad_last_batch=True)
+
+        @pipeline_def(batch_size=3, num_threads=1, device_id=None)
+        def pipe():
+            data, labels = fn.external_source(source=reader.dali_source(), num_outputs=2,
+                                              batch=True, dtype=[types.UINT8, types.INT32])
+            return data, labels
+
+        p = pipe()
+        p.build()
+        epoch = run_epochs(p, 1)[0]
+        samples = sum(epoch, [])
+        assert len(samples) == 9  # ceil(27 / 4) = 7, padded to a whole batch
+        assert len(epoch) == 3
+        everything.update(samples)
+    assert len(everything) == 27
+
+
+def test_decoded_images_equal_pils(disk_dir: Path) -> None:
+    PIL = pytest.importorskip("PIL.Image")
+    rng = np.random.default_rng(0)
+    for label in range(2):
+        d = disk_dir / f"class{label}"
+        d.mkdir()
+        for i in range(3):
+            pixels = rng.integers(0, 256, size=(24 + 8 * i, 40, 3), dtype=np.uint8)
+            buf = io.BytesIO()
+            PIL.fromarray(pixels).save(buf, format="JPEG", quality=90)
+            (d / f"{i}.jpg").write_bytes(buf.getvalue())
+    reader = FileReader(file_root=disk_dir, batch_size=3, shuffle=False)
+
+    @pipeline_def(batch_size=3, num_threads=1, device_id=None)
+    def pipe():
+        data, labels = fn.external_source(source=reader.dali_source(), num_outputs=2, batch=True,
+                                          dtype=[types.UINT8, types.INT32])
+        return fn.decoders.image(data, device="cpu", output_type=types.RGB), labels
+
+    p = pipe()
+    p.build()
+    paths = sorted(disk_dir.rglob("*.jpg"))
+    decoded = []
+    try:
+        while True:
+            images, labels = p.run()
+            decoded.extend(np.array(images[i]) for i in range(len(images)))
+    except StopIteration:
+        pass
+    assert len(decoded) == 6
+    for path, image in zip(paths, decoded):
+        want = np.asarray(PIL.open(path).convert("RGB"))
+        assert image.shape == want.shape
+        # libjpeg-turbo in both; allow the IDCT's rounding differences.
+        assert np.abs(image.astype(int) - want.astype(int)).max() <= 2

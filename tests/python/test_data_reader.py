@@ -1,0 +1,281 @@
+"""tensortier.data.FileReader on real file trees: bytes, labels, shards, shuffles, resume,
+errors; FileDataset in a DataLoader with workers."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tensortier
+from tensortier import _core
+from tensortier.data import FileDataset, FileReader
+
+# Around page and O_DIRECT boundaries.
+SIZES = [1, 511, 4095, 4096, 4097, 8192, 12289, 70001, 131072, 200003]
+
+
+def make_tree(root: Path, classes: int = 4, per_class: int = 7, empty: bool = False,
+              seed: int = 0) -> dict[str, tuple[bytes, int]]:
+    """A folder per class of files with unique contents; {path: (bytes, label)}."""
+    rng = random.Random(seed)
+    tree: dict[str, tuple[bytes, int]] = {}
+    for label in range(classes):
+        d = root / f"class_{label:02d}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            size = 0 if empty and i == 0 else rng.choice(SIZES)
+            data = f"{label}/{i}|".encode()[:size] + rng.randbytes(max(0, size - 8))
+            data = data[:size]
+            path = d / f"img_{i:03d}.jpg"
+            path.write_bytes(data)
+            tree[str(path)] = (data, label)
+    return tree
+
+
+def stream(reader: FileReader, epochs: int) -> list[list[tuple[bytes, int]]]:
+    """Every batch of `epochs` epochs as (bytes, label) pairs."""
+    out = []
+    for _ in range(epochs):
+        for samples, labels in reader:
+            assert labels.dtype == torch.int32
+            assert all(s.dtype == torch.uint8 and s.dim() == 1 for s in samples)
+            out.append([(bytes(s.numpy()), int(l)) for s, l in zip(samples, labels)])
+    return out
+
+
+def expected(reader: FileReader, tree: dict[str, tuple[bytes, int]], epoch: int,
+             batch_size: int) -> list[list[tuple[bytes, int]]]:
+    files = reader.files
+    samples = [tree[files[i]] for i in reader.epoch_indices(epoch)]
+    return [samples[i:i + batch_size] for i in range(0, len(samples), batch_size)]
+
+
+def test_reads_every_file_exactly_with_its_label(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, empty=True)
+    reader = FileReader(file_root=disk_dir, batch_size=5, shuffle=False)
+    batches = stream(reader, 1)
+    assert sum(batches, []) == [tree[p] for p in sorted(tree)]
+    assert [len(b) for b in batches] == [5] * 5 + [3]
+    assert reader.stats["files"] == 28 and reader.stats["skipped"] == 0
+    assert reader.epoch == 1
+
+
+def test_shuffle_is_a_seeded_permutation_per_epoch(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir)
+    a = FileReader(file_root=disk_dir, batch_size=4, seed=5)
+    b = FileReader(file_root=disk_dir, batch_size=4, seed=5)
+    ea, eb = stream(a, 3), stream(b, 3)
+    assert ea == eb
+    per_epoch = [sum(ea[i * 7:(i + 1) * 7], []) for i in range(3)]
+    for samples in per_epoch:
+        assert sorted(samples) == sorted(tree.values())
+    assert per_epoch[0] != per_epoch[1]
+    c = FileReader(file_root=disk_dir, batch_size=4, seed=6)
+    assert stream(c, 1) != ea[:7]
+    assert a.epoch_indices(1) == list(_core.epoch_permutation(28, 5, 1))
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 5])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("pad", [False, True])
+def test_shards_of_an_epoch_cover_every_file_once(disk_dir: Path, num_shards: int,
+                                                  shuffle: bool, pad: bool) -> None:
+    tree = make_tree(disk_dir, classes=3, per_class=9)  # 27 files
+    for epoch in range(3):
+        seen: list[tuple[bytes, int]] = []
+        lengths = set()
+        for shard in range(num_shards):
+            reader = FileReader(file_root=disk_dir, batch_size=4, shuffle=shuffle, seed=1,
+                                shard_id=shard, num_shards=num_shards, pad_last_batch=pad)
+            reader.set_epoch(epoch)
+            batches = stream(reader, 1)
+            assert sum(batches, []) == sum(expected(reader, tree, epoch, 4), [])
+            samples = sum(batches, [])
+            lengths.add(len(batches))
+            if pad:
+                assert all(len(b) == 4 for b in batches)
+                # Padding repeats the shard's last sample.
+                real = -(-27 // num_shards)
+                assert len(set(samples[real - 1:])) <= 1 or len(samples) == real
+            seen.extend(dict.fromkeys(samples))  # padding repeats removed
+        assert sorted(seen) == sorted(tree.values()), f"epoch {epoch}"
+        if pad:
+            assert len(lengths) == 1  # the same number of batches on every shard
+
+
+def test_copy_and_views(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=1, per_class=6)
+    reader = FileReader(file_root=disk_dir, batch_size=3, shuffle=False, copy=True)
+    kept = [samples for samples, _ in reader]
+    assert [bytes(s.numpy()) for s in sum(kept, [])] == [tree[p][0] for p in sorted(tree)]
+    views = FileReader(file_root=disk_dir, batch_size=3, shuffle=False)
+    samples, labels = next(iter(views))
+    assert bytes(samples[0].numpy()) == tree[sorted(tree)[0]][0]
+    assert labels.tolist() == [0, 0, 0]
+
+
+def test_drop_last(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=1, per_class=7)
+    assert [len(s) for s, _ in FileReader(file_root=disk_dir, batch_size=3, drop_last=True)] == [3, 3]
+    assert len(FileReader(file_root=disk_dir, batch_size=3)) == 3
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_state_dict_resumes_mid_epoch_exactly(disk_dir: Path, shuffle: bool) -> None:
+    make_tree(disk_dir, classes=3, per_class=10)  # 30 files: 15 per shard, 4 batches of 4
+    args = dict(file_root=disk_dir, batch_size=4, shuffle=shuffle, seed=3, num_shards=2,
+                shard_id=1)
+    whole = stream(FileReader(**args), 3)
+    reader = FileReader(**args)
+    got = stream(reader, 1)
+    it = iter(reader)
+    for _ in range(3):  # into the middle of epoch 1
+        samples, labels = next(it)
+        got.append([(bytes(s.numpy()), int(l)) for s, l in zip(samples, labels)])
+    state = reader.state_dict()
+    assert state["epoch"] == 1 and state["position"] == 3
+    del it, reader
+    resumed = FileReader(**args)
+    resumed.load_state_dict(state)
+    got.extend(stream(resumed, 2))  # the rest of epoch 1, then epoch 2
+    assert got == whole
+    other = FileReader(**{**args, "seed": 4})
+    with pytest.raises(ValueError, match="seed"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="position"):
+        resumed.load_state_dict({**state, "position": -1})
+
+
+def test_file_list_and_files_inputs(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=2, per_class=3)
+    paths = sorted(tree)
+    lst = disk_dir / "list.txt"
+    lst.write_text("".join(f"{os.path.relpath(p, disk_dir)} {10 + i}\n" for i, p in enumerate(paths)))
+    batches = stream(FileReader(file_list=lst, batch_size=10, shuffle=False), 1)
+    assert batches == [[(tree[p][0], 10 + i) for i, p in enumerate(paths)]]
+    batches = stream(FileReader(files=paths[::-1], batch_size=10, shuffle=False), 1)
+    assert batches == [[(tree[p][0], i) for i, p in enumerate(paths[::-1])]]
+    rel = [os.path.relpath(p, disk_dir) for p in paths]
+    batches = stream(FileReader(file_root=disk_dir, files=rel, labels=[7] * 6, batch_size=10,
+                                shuffle=False), 1)
+    assert batches == [[(tree[p][0], 7) for p in paths]]
+
+
+def test_bad_inputs_are_refused_when_made(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=1, per_class=2)
+    files = [str(p) for p in sorted(disk_dir.rglob("*.jpg"))]
+    with pytest.raises(FileNotFoundError, match="missing.jpg"):
+        FileReader(files=files + [str(disk_dir / "missing.jpg")])
+    empty = disk_dir / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no files"):
+        FileReader(file_root=empty)
+    with pytest.raises(FileNotFoundError):
+        FileReader(file_root=disk_dir / "nope")
+    with pytest.raises(ValueError, match="not both"):
+        FileReader(files=files, file_list=disk_dir / "x")
+    with pytest.raises(ValueError, match="labels"):
+        FileReader(files=files, labels=[1])
+    with pytest.raises(ValueError, match="only with files"):
+        FileReader(file_root=disk_dir, labels=[1])
+    with pytest.raises(ValueError, match="batch_size"):
+        FileReader(files=files, batch_size=0)
+    with pytest.raises(ValueError, match="on_error"):
+        FileReader(files=files, on_error="ignore")
+    with pytest.raises(ValueError, match="shard_id"):
+        FileReader(files=files, shard_id=2, num_shards=2)
+    with pytest.raises(ValueError, match="fewer than"):
+        FileReader(files=files, num_shards=3)
+    with pytest.raises(ValueError, match="device"):
+        FileReader(files=files, device="meta")
+    (disk_dir / "bad.txt").write_text("no_label_here\n")
+    with pytest.raises(ValueError, match="line 1"):
+        FileReader(file_list=disk_dir / "bad.txt")
+
+
+def test_vanished_and_non_regular_files(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=1, per_class=6)
+    paths = sorted(tree)
+    reader = FileReader(files=paths, batch_size=3, shuffle=False)
+    os.unlink(paths[4])
+    it = iter(reader)
+    next(it)
+    with pytest.raises(FileNotFoundError, match=paths[4]):
+        next(it)
+    os.unlink(paths[1])
+    os.mkfifo(paths[1])
+    kept = [p for p in paths if p != paths[4]]
+    skipping = FileReader(files=kept, labels=[0] * len(kept), batch_size=3, shuffle=False,
+                          on_error="skip")
+    os.mkdir(paths[4])
+    got = stream(skipping, 1)
+    assert sum(got, []) == [tree[p] for i, p in enumerate(paths) if i not in (1, 4)]
+    assert skipping.stats["skipped"] == 1
+    raising = FileReader(files=paths, batch_size=6, shuffle=False)
+    with pytest.raises(OSError, match="not a regular file"):
+        next(iter(raising))
+
+
+def test_dataset_in_a_dataloader_with_two_workers(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=3, per_class=8)
+    dataset = FileDataset(file_root=disk_dir, batch_size=5, seed=2)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, timeout=60)
+    for epoch in range(2):
+        dataset.set_epoch(epoch)
+        seen = []
+        for samples, labels in loader:
+            seen.extend((bytes(s.numpy()), int(l)) for s, l in zip(samples, labels))
+        assert sorted(seen) == sorted(tree.values())
+    # In the main process: one shard, the whole set.
+    assert sorted(sum(stream_dataset(dataset), [])) == sorted(tree.values())
+
+
+def stream_dataset(dataset: FileDataset) -> list[list[tuple[bytes, int]]]:
+    return [[(bytes(s.numpy()), int(l)) for s, l in zip(samples, labels)]
+            for samples, labels in dataset]
+
+
+def test_pin_memory_without_cuda_still_reads(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=1, per_class=4)
+    reader = FileReader(file_root=disk_dir, batch_size=4, shuffle=False, pin_memory=True)
+    assert stream(reader, 1) == [[tree[p] for p in sorted(tree)]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_batches(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=2, per_class=4)
+    reader = FileReader(file_root=disk_dir, batch_size=8, shuffle=False, device="cuda")
+    samples, labels = next(iter(reader))
+    assert all(s.is_cuda for s in samples) and labels.is_cuda
+    assert [bytes(s.cpu().numpy()) for s in samples] == [tree[p][0] for p in sorted(tree)]
+
+
+def test_bench_files_cli(disk_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    tree = make_tree(disk_dir / "set", classes=2, per_class=5)
+    tool = Path(sys.executable).parent / "tensortier"
+    r = subprocess.run([str(tool), "bench-files", str(disk_dir / "set"), "--batch-size", "3",
+                        "--shuffle", "--cold", "--epochs", "2", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    assert out["files"] == 20 and out["bytes"] == 2 * sum(len(d) for d, _ in tree.values())
+    assert out["files_per_s"] > 0 and out["cold"] is True
+    r = subprocess.run([str(tool), "bench-files", str(disk_dir / "set")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "files/s" in r.stdout, r.stderr
+    r = subprocess.run([str(tool), "bench-files", str(disk_dir / "missing")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "missing" in r.stderr
+    r = subprocess.run([str(tool), "bench-files", str(disk_dir), "--bogus"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
