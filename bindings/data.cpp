@@ -92,7 +92,7 @@ void RegisterData(py::module_& m) {
   py::class_<BatchReader, GilFreeHolder<BatchReader>>(m, "BatchReader")
       .def(py::init([](std::vector<std::string> paths, unsigned prefetch, unsigned open_threads,
                        bool skip_errors, bool direct, bool pin_memory, int device,
-                       std::optional<std::string> backend) {
+                       std::optional<std::string> backend, std::optional<ExtentMap> extent_map) {
              BatchReaderOptions options;
              options.prefetch = prefetch;
              options.open_threads = open_threads;
@@ -101,12 +101,14 @@ void RegisterData(py::module_& m) {
              options.pin_memory = pin_memory;
              options.device = device;
              if (backend) options.engine.backend = *backend;
+             options.extent_map = std::move(extent_map);
              py::gil_scoped_release release;
              return GilFreeHolder<BatchReader>(new BatchReader(std::move(paths), options));
            }),
            py::arg("paths"), py::arg("prefetch") = 2, py::arg("open_threads") = 16,
            py::arg("skip_errors") = false, py::arg("direct") = true, py::arg("pin_memory") = false,
-           py::arg("device") = 0, py::arg("backend") = py::none())
+           py::arg("device") = 0, py::arg("backend") = py::none(),
+           py::arg("extent_map") = py::none())
       .def("start", &BatchReader::Start, py::arg("batches"),
            py::call_guard<py::gil_scoped_release>())
       .def("next",
@@ -129,6 +131,8 @@ void RegisterData(py::module_& m) {
         d["skipped"] = s.skipped;
         d["direct_bytes"] = s.direct_bytes;
         d["cached_bytes"] = s.cached_bytes;
+        d["raw_files"] = s.raw_files;
+        d["fallback_files"] = s.fallback_files;
         return d;
       });
 }

@@ -13,6 +13,12 @@
 // its batch with an IoError naming it; with skip_errors it is left out of the batch instead, and
 // reported in Batch::skipped and stats(). Empty files give empty samples. No sample is short.
 //
+// With an extent map (extent_map.hpp) the files the map holds are read from the block device by
+// their extents (ExtentReader: O_DIRECT, the batch's reads in flight together) instead of being
+// opened: each file's identity is checked against the map first, and a file that changed since
+// is read through the filesystem (counted in stats().fallback_files). Files the map does not
+// hold are read as usual.
+//
 // Thread-safety: one consumer thread calls Start() and Next(); stats() from any thread. Batches
 // may outlive the reader.
 #pragma once
@@ -23,12 +29,14 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
+#include "tensortier/extent_map.hpp"
 
 namespace tensortier {
 
@@ -52,6 +60,8 @@ struct BatchReaderOptions {
   bool pin_memory = false;
   int device = 0;
   EngineOptions engine = EngineOptions::FromEnvironment();
+  // Read the files this map holds from its block devices (needs read access to them: root).
+  std::optional<ExtentMap> extent_map;
 };
 
 struct SkippedFile {
@@ -64,8 +74,10 @@ struct BatchReaderStats {
   uint64_t files = 0;  // samples returned (a padded repeat counts once per repeat)
   uint64_t bytes = 0;  // bytes read from files
   uint64_t skipped = 0;
-  uint64_t direct_bytes = 0;  // of bytes: planned O_DIRECT
-  uint64_t cached_bytes = 0;  // of bytes: read through the page cache as resident
+  uint64_t direct_bytes = 0;    // of bytes: planned O_DIRECT
+  uint64_t cached_bytes = 0;    // of bytes: read through the page cache as resident
+  uint64_t raw_files = 0;       // files read from the block device by the extent map
+  uint64_t fallback_files = 0;  // files the map holds that changed: read through the filesystem
 };
 
 // One batch: its samples are [offsets[i], offsets[i] + sizes[i]) of data(). Immutable.
@@ -96,10 +108,12 @@ class Batch {
   std::vector<SkippedFile> skipped_;
 };
 
+class ExtentReader;
+
 class BatchReader {
  public:
   // Throws std::invalid_argument for bad options or an empty path list, IoError when the engine
-  // cannot start.
+  // cannot start or the extent map's disk cannot be opened (EACCES without read access to it).
   BatchReader(std::vector<std::string> paths, BatchReaderOptions options = {});
   // Stops reading ahead and waits for reads in flight.
   ~BatchReader();
@@ -122,11 +136,14 @@ class BatchReader {
   void Produce();
   std::unique_ptr<detail::PendingBatch> Prepare(const std::vector<uint64_t>& batch);
   std::shared_ptr<const Batch> Finish(detail::PendingBatch& pending);
+  void ReadRaw(detail::PendingBatch& pending, IoStats& io);
 
   std::vector<std::string> paths_;
   BatchReaderOptions options_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<detail::OpenGang> gang_;
+  std::unique_ptr<ExtentReader> extents_;  // with an extent map
+  std::vector<uint64_t> map_index_;        // per path: its file in the map, or kNotMapped
   std::shared_ptr<detail::ArenaPoolState> arenas_;
 
   mutable std::mutex mu_;

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <unordered_map>
@@ -11,6 +13,7 @@
 #include "open_gang.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/extent_reader.hpp"
 #include "tensortier/file.hpp"
 #include "tensortier/page_cache.hpp"
 #include "tensortier/pinned_pool.hpp"
@@ -25,6 +28,8 @@ constexpr uint64_t kArenaGranule = 2u << 20;
 constexpr uint64_t kSampleAlignment = 4096;
 // Pinned arenas come from a pool whose budget only guards against runaway growth.
 constexpr uint64_t kPinnedBudget = 64ull << 30;
+// BatchReader::map_index_ of a path the extent map does not hold.
+constexpr uint64_t kNotMapped = std::numeric_limits<uint64_t>::max();
 
 struct Arena {
   AlignedBuffer plain;
@@ -86,6 +91,8 @@ struct FileSlot {
   uint64_t size = 0;
   uint64_t offset = 0;    // in the arena
   bool resident = false;  // wholly in the page cache when opened (read buffered)
+  bool raw = false;       // read from the block device by the extent map (not opened)
+  bool fallback = false;  // the map holds it, but it changed: read through the filesystem
   std::exception_ptr error;
 };
 
@@ -102,6 +109,7 @@ struct PendingBatch {
 }  // namespace detail
 
 using detail::FileSlot;
+using detail::kNotMapped;
 using detail::kSampleAlignment;
 using detail::PendingBatch;
 
@@ -151,11 +159,34 @@ uint64_t ReadLength(const FileSlot& slot) {
   return AlignUp(slot.size, slot.file.offset_alignment());
 }
 
+[[noreturn]] void ThrowSizeChanged(const std::string& path, uint64_t was, uint64_t now) {
+  ThrowIoError(
+      EIO,
+      StrCat("read (the file changed size while read: ", was, " bytes when opened, ", now, " now)"),
+      path, 0, was);
+}
+
 [[noreturn]] void ThrowSizeChanged(const FileSlot& slot, uint64_t now) {
-  ThrowIoError(EIO,
-               StrCat("read (the file changed size while read: ", slot.size, " bytes when opened, ",
-                      now, " now)"),
-               slot.file.path(), 0, slot.size);
+  ThrowSizeChanged(slot.file.path(), slot.size, now);
+}
+
+// A file the extent map holds: read raw when its identity is still the map's (sized by the map,
+// not opened), else opened and read as any other file.
+void PrepareMappedSlot(const std::string& path, const MappedFile& mapped, bool direct,
+                       FileSlot& slot) {
+  try {
+    std::optional<FileIdentity> now = StatIdentity(path);
+    if (now && *now == mapped.identity) {
+      slot.raw = true;
+      slot.size = mapped.identity.size;
+      return;
+    }
+  } catch (...) {
+    slot.error = std::current_exception();
+    return;
+  }
+  slot.fallback = true;
+  OpenSlot(path, direct, slot);
 }
 
 std::string Message(const std::exception_ptr& error) {
@@ -188,6 +219,18 @@ BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions opti
   if (options_.prefetch == 0) throw std::invalid_argument("prefetch must be at least 1");
   if (options_.open_threads == 0) throw std::invalid_argument("open_threads must be at least 1");
   engine_ = std::make_unique<Engine>(options_.engine);
+  if (options_.extent_map) {
+    map_index_.assign(paths_.size(), kNotMapped);
+    std::error_code ec;
+    for (size_t i = 0; i < paths_.size(); ++i) {
+      // Relative paths are the caller's (relative to the working directory), not the map root's.
+      const std::filesystem::path absolute = std::filesystem::absolute(paths_[i], ec);
+      if (ec) continue;
+      if (auto found = options_.extent_map->Find(absolute.string())) map_index_[i] = *found;
+    }
+    extents_ = std::make_unique<ExtentReader>(std::move(*options_.extent_map), options_.engine);
+    options_.extent_map.reset();
+  }
   // The caller's thread opens files too: the gang adds open_threads - 1.
   gang_ = std::make_unique<detail::OpenGang>(options_.open_threads - 1);
   arenas_ = std::make_shared<detail::ArenaPoolState>();
@@ -322,7 +365,13 @@ std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& 
     pending->slot_of.push_back(it->second);
   }
   gang_->Run(pending->slots.size(), [&](size_t i) {
-    OpenSlot(paths_[pending->slots[i].index], options_.direct, pending->slots[i]);
+    FileSlot& slot = pending->slots[i];
+    const uint64_t mapped = map_index_.empty() ? kNotMapped : map_index_[slot.index];
+    if (mapped == kNotMapped) {
+      OpenSlot(paths_[slot.index], options_.direct, slot);
+    } else {
+      PrepareMappedSlot(paths_[slot.index], extents_->map().files[mapped], options_.direct, slot);
+    }
   });
   uint64_t total = 0;
   for (FileSlot& slot : pending->slots) {
@@ -341,17 +390,79 @@ std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& 
   std::vector<IoDesc> pieces;
   for (size_t i = 0; i < pending->slots.size(); ++i) {
     FileSlot& slot = pending->slots[i];
-    if (slot.error || slot.size == 0) continue;
+    if (slot.error || slot.raw || slot.size == 0) continue;
     pieces.push_back({slot.file, pending->arena->data() + slot.offset, 0, ReadLength(slot)});
     pending->submitted.push_back(i);
   }
-  pending->future = engine_->Submit(IoOp::kRead, pieces);
+  if (!pieces.empty()) pending->future = engine_->Submit(IoOp::kRead, pieces);
   return pending;
+}
+
+// The batch's raw files, all in flight together, while its other files are read by the engine.
+void BatchReader::ReadRaw(PendingBatch& pending, IoStats& io) {
+  std::vector<size_t> raw;  // slots
+  for (size_t i = 0; i < pending.slots.size(); ++i) {
+    const FileSlot& slot = pending.slots[i];
+    if (slot.raw && !slot.error && slot.size > 0) raw.push_back(i);
+  }
+  if (raw.empty()) return;
+  auto request = [&](size_t i) {
+    const FileSlot& slot = pending.slots[i];
+    // The arena holds the file rounded up to the sample alignment: room for a file that grew a
+    // little, which the size check below then refuses.
+    return ExtentReadRequest{map_index_[slot.index], pending.arena->data() + slot.offset,
+                             AlignUp(slot.size, kSampleAlignment)};
+  };
+  auto check = [&](size_t i, const ExtentReadResult& result) {
+    FileSlot& slot = pending.slots[i];
+    if (result.bytes != slot.size) ThrowSizeChanged(paths_[slot.index], slot.size, result.bytes);
+    if (!result.raw) {
+      // It changed between the check here and the read: the filesystem gave its bytes.
+      slot.raw = false;
+      slot.fallback = true;
+    }
+  };
+  std::vector<ExtentReadRequest> requests;
+  for (size_t i : raw) requests.push_back(request(i));
+  try {
+    ExtentBatch batch = extents_->ReadBatch(requests);
+    io += batch.io;
+    for (size_t j = 0; j < raw.size(); ++j) check(raw[j], batch.files[j]);
+    return;
+  } catch (const std::exception&) {
+    if (!options_.skip_errors) throw;
+  }
+  // A raw read failed and failures are skipped: read the files one by one to leave out only
+  // those that fail (rare: a disk error, a file that vanished or grew).
+  for (size_t i : raw) {
+    const ExtentReadRequest one = request(i);
+    try {
+      ExtentBatch batch = extents_->ReadBatch({&one, 1});
+      io += batch.io;
+      check(i, batch.files[0]);
+    } catch (const std::exception&) {
+      pending.slots[i].error = std::current_exception();
+    }
+  }
 }
 
 std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
   if (pending.error) std::rethrow_exception(pending.error);
   IoStats io;
+  if (extents_) {
+    try {
+      ReadRaw(pending, io);
+    } catch (...) {
+      // The engine may still be writing into the arena: wait before it is given back.
+      if (pending.future.valid()) {
+        try {
+          pending.future.Wait();
+        } catch (...) {  // the raw read's error is the batch's
+        }
+      }
+      throw;
+    }
+  }
   while (pending.future.valid()) {
     try {
       IoResult result = pending.future.Wait();
@@ -409,12 +520,16 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
     batch->used_ = std::max(batch->used_, slot.offset + slot.size);
   }
   uint64_t resident_bytes = 0;
+  uint64_t raw_files = 0;
+  uint64_t fallback_files = 0;
   for (const FileSlot& slot : pending.slots) {
     if (slot.error) {
       batch->skipped_.push_back({slot.index, Message(slot.error)});
     } else {
       bytes += slot.size;
       if (slot.resident) resident_bytes += slot.size;
+      raw_files += slot.raw ? 1 : 0;
+      fallback_files += slot.fallback ? 1 : 0;
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -424,6 +539,8 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
   stats_.skipped += batch->skipped_.size();
   stats_.direct_bytes += io.direct_bytes;
   stats_.cached_bytes += io.cached_bytes + resident_bytes;
+  stats_.raw_files += raw_files;
+  stats_.fallback_files += fallback_files;
   return batch;
 }
 

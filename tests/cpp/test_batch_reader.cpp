@@ -7,10 +7,12 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <thread>
 
 #include "tensortier/batch_reader.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/extent_map.hpp"
 #include "tensortier/file.hpp"
 #include "tensortier/sample_list.hpp"
 #include "test_util.hpp"
@@ -245,6 +247,50 @@ TEST(BatchReaderTest, BadArgumentsAreRefused) {
   EXPECT_THROW(BatchReader(tree.paths, options), std::invalid_argument);
   BatchReader reader(tree.paths, Options());
   EXPECT_THROW(reader.Start({{0, 2}}), std::out_of_range);
+}
+
+// Raw block-device reads need root and a disk node the container lets it open; the loop-device
+// tests in tests/python/test_data_extents.py cover them where loop devices can be had.
+TEST(BatchReaderTest, ExtentMapReadsMappedFilesRawAndChangedOnesThroughTheFilesystem) {
+  Tree tree(30);
+  std::vector<std::string> mapped(tree.paths.begin(), tree.paths.begin() + 20);
+  BatchReaderOptions options = Options();
+  try {
+    options.extent_map = BuildExtentMap(tree.dir.path(), mapped);
+  } catch (const IoError& e) {
+    GTEST_SKIP() << "the scratch folder cannot be mapped here: " << e.what();
+  }
+  // Rewritten with the same bytes after the map was built: its mtime (set a second on, as the
+  // clock's tick may be coarser than the test) says it changed.
+  WritePatternFile(tree.paths[5], tree.sizes[5], 5);
+  struct stat st {};
+  ASSERT_EQ(stat(tree.paths[5].c_str(), &st), 0);
+  const timespec times[2] = {st.st_atim, {st.st_mtim.tv_sec + 1, st.st_mtim.tv_nsec}};
+  ASSERT_EQ(utimensat(AT_FDCWD, tree.paths[5].c_str(), times, 0), 0);
+  std::unique_ptr<BatchReader> opened;
+  try {
+    opened = std::make_unique<BatchReader>(tree.paths, options);
+  } catch (const IoError& e) {
+    GTEST_SKIP() << "the disk cannot be read raw here: " << e.what();
+  }
+  BatchReader& reader = *opened;
+  std::vector<std::vector<uint64_t>> batches = {{0, 1, 2, 3, 4, 5, 6},
+                                                {7, 8, 9, 10, 11, 12, 13},
+                                                {14, 15, 16, 17, 18, 19, 5},
+                                                {20, 25, 29, 19}};
+  reader.Start(batches);
+  for (const auto& want : batches) {
+    auto batch = reader.Next();
+    ASSERT_NE(batch, nullptr);
+    ExpectBatch(*batch, tree, want);
+  }
+  EXPECT_EQ(reader.Next(), nullptr);
+  BatchReaderStats stats = reader.stats();
+  // Distinct files per batch: 7 + 7 + 7 + 4; file 5 twice through the filesystem, 20, 25 and
+  // 29 are not in the map.
+  EXPECT_EQ(stats.fallback_files, 2u);
+  EXPECT_EQ(stats.raw_files, 25u - 2u - 3u);
+  EXPECT_EQ(stats.skipped, 0u);
 }
 
 TEST(BatchReaderTest, DestroyedWhileReadingAhead) {

@@ -1,5 +1,6 @@
 """Training-data reading: batches of many small files (ImageNet-style), shuffled and sharded as
-NVIDIA DALI's ``fn.readers.file`` does, for PyTorch and DALI.
+NVIDIA DALI's ``fn.readers.file`` does, for PyTorch and DALI, and extent maps for reading a data
+set's files straight from the block device.
 
 ::
 

@@ -1,0 +1,207 @@
+"""tensortier.data.FileReader with an extent map: files read from the block device by their
+extents, on a loop-mounted ext4 image (test_extents.py's fixtures; root only)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_extents import (  # noqa: F401  (loop_fs is a fixture)
+    TIMEOUT,
+    LoopFilesystem,
+    _bytes,
+    loop_fs,
+)
+
+from tensortier.data import FileReader, build_extent_map, load_extent_map
+
+
+def _training_set(root: Path) -> dict[str, bytes]:
+    """Four classes of files of awkward sizes (an empty one among them); the files of class
+    ``c3`` are written in interleaved, fsynced appends, so their blocks alternate on the disk."""
+    files: dict[str, bytes] = {}
+    sizes = (1, 511, 4095, 4096, 4097, 65536 + 3, 300001, 0, 12345, 8192)
+    for c in range(3):
+        (root / f"c{c}").mkdir(parents=True)
+        for i, size in enumerate(sizes):
+            name = f"c{c}/f{i}.bin"
+            files[name] = _bytes(size, 100 * c + i)
+            (root / name).write_bytes(files[name])
+    (root / "c3").mkdir()
+    fragments = {f"c3/g{i}.bin": bytearray() for i in range(5)}
+    handles = {name: open(root / name, "wb") for name in fragments}
+    try:
+        for r in range(8):
+            for i, (name, f) in enumerate(handles.items()):
+                size = 4096 * (1 + (r + i) % 3) + (r * 37 + i * 11) % 4096
+                chunk = _bytes(size, 1000 + 10 * r + i)
+                f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+                fragments[name] += chunk
+    finally:
+        for f in handles.values():
+            f.close()
+    files.update({name: bytes(data) for name, data in fragments.items()})
+    return files
+
+
+def _epochs(reader: FileReader, epochs: int) -> list[tuple[list[bytes], list[int]]]:
+    out = []
+    for _ in range(epochs):
+        for samples, labels in reader:
+            out.append(([s.numpy().tobytes() for s in samples], labels.tolist()))
+    return out
+
+
+def test_batches_equal_the_reader_without_a_map(loop_fs: LoopFilesystem,
+                                                tmp_path: Path) -> None:
+    root = loop_fs.mount / "train"
+    files = _training_set(root)
+    extent_map = build_extent_map(root, tmp_path / "map.json")
+    assert max(len(extent_map.file(extent_map.find(n))["extents"]) for n in files) > 1
+    # A file added after the map: not in it, read as usual.
+    (root / "c1/late.bin").write_bytes(_bytes(5000, 9))
+    for shard_id in range(3):
+        settings = dict(file_root=root, batch_size=4, shuffle=True, seed=7, shard_id=shard_id,
+                        num_shards=3, pad_last_batch=shard_id == 1)
+        plain = FileReader(**settings)
+        raw = FileReader(**settings,
+                         extent_map=tmp_path / "map.json" if shard_id else extent_map)
+        expected = _epochs(plain, 2)
+        got = _epochs(raw, 2)
+        assert got == expected
+        assert len(got) > 2
+        stats = raw.stats
+        assert stats["fallback_files"] == 0
+        assert stats["raw_files"] > 0
+        assert stats["files"] == plain.stats["files"]
+        # Every distinct file read per batch is either raw or read as usual (late.bin only).
+        late = raw.files.index(str(root / "c1/late.bin"))
+        late_reads = sum(idx.count(late) > 0 for idx in _batch_indices(raw, 2))
+        assert stats["raw_files"] + late_reads == _distinct_reads(raw, 2)
+        assert plain.stats["raw_files"] == 0 and plain.stats["fallback_files"] == 0
+    # Every byte read raw is the file's.
+    every = FileReader(files=[root / n for n in files], batch_size=len(files), shuffle=False,
+                       extent_map=extent_map)
+    (samples, _), = list(every)
+    assert [s.numpy().tobytes() for s in samples] == list(files.values())
+    assert every.stats["raw_files"] == len(files)
+
+
+def _batch_indices(reader: FileReader, epochs: int) -> list[list[int]]:
+    batch_size = reader._config["batch_size"]  # the plan the reader itself follows
+    out = []
+    for epoch in range(epochs):
+        samples = reader.epoch_indices(epoch)
+        out += [samples[i:i + batch_size] for i in range(0, len(samples), batch_size)]
+    return out
+
+
+def _distinct_reads(reader: FileReader, epochs: int) -> int:
+    return sum(len(set(batch)) for batch in _batch_indices(reader, epochs))
+
+
+def test_a_file_changed_after_the_map_falls_back(loop_fs: LoopFilesystem,
+                                                 tmp_path: Path) -> None:
+    root = loop_fs.mount / "train"
+    files = _training_set(root)
+    extent_map = build_extent_map(root)
+    # Rewritten in place (same size: only mtime tells), replaced by a rename, and grown.
+    rewritten = _bytes(4097, 77)
+    with open(root / "c0/f4.bin", "r+b") as f:
+        f.write(rewritten)
+    # mtime a second on: the clock's tick may be coarser than the time since the map was built.
+    st = os.stat(root / "c0/f4.bin")
+    os.utime(root / "c0/f4.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    replacement = _bytes(4096, 78)
+    (root / "new.tmp").write_bytes(replacement)
+    os.rename(root / "new.tmp", root / "c3/g1.bin")
+    grown = files["c2/f6.bin"] + b"more"
+    (root / "c2/f6.bin").write_bytes(grown)
+    now = {**files, "c0/f4.bin": rewritten, "c3/g1.bin": replacement, "c2/f6.bin": grown}
+
+    names = sorted(files)
+    reader = FileReader(files=[root / n for n in names], batch_size=8, shuffle=False,
+                        extent_map=extent_map)
+    got = [s.numpy().tobytes() for samples, _ in reader for s in samples]
+    assert got == [now[n] for n in names]
+    assert reader.stats["fallback_files"] == 3
+    assert reader.stats["raw_files"] == len(names) - 3
+    # The same through on_error="skip": nothing is skipped, the changed files still fall back.
+    reader = FileReader(files=[root / n for n in names], batch_size=len(names), shuffle=False,
+                        extent_map=extent_map, on_error="skip")
+    got = [s.numpy().tobytes() for samples, _ in reader for s in samples]
+    assert got == [now[n] for n in names]
+    assert reader.stats["skipped"] == 0 and reader.stats["fallback_files"] == 3
+
+
+def test_a_vanished_mapped_file_is_an_error_naming_it(loop_fs: LoopFilesystem) -> None:
+    root = loop_fs.mount / "train"
+    files = _training_set(root)
+    extent_map = build_extent_map(root)
+    names = sorted(files)
+    reader = FileReader(files=[root / n for n in names], batch_size=len(names), shuffle=False,
+                        extent_map=extent_map)
+    os.unlink(root / "c1/f3.bin")
+    with pytest.raises(FileNotFoundError, match="f3.bin"):
+        list(reader)
+    names.remove("c1/f3.bin")
+    reader = FileReader(files=[root / n for n in names], batch_size=len(names), shuffle=False,
+                        extent_map=extent_map, on_error="skip")
+    os.unlink(root / "c2/f5.bin")
+    (samples, _), = list(reader)
+    assert [s.numpy().tobytes() for s in samples] == [files[n] for n in names if n != "c2/f5.bin"]
+    assert reader.stats["skipped"] == 1 and reader.stats["raw_files"] == len(names) - 1
+
+
+def test_bad_extent_map_arguments(tmp_path: Path) -> None:
+    (tmp_path / "c0").mkdir()
+    (tmp_path / "c0/a.bin").write_bytes(b"abc")
+    with pytest.raises(TypeError, match="ExtentMap"):
+        FileReader(file_root=tmp_path, extent_map=3)  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError):
+        FileReader(file_root=tmp_path, extent_map=tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError):
+        FileReader(file_root=tmp_path, extent_map=tmp_path / "bad.json")
+
+
+def test_without_access_to_the_disk_the_reader_is_refused(loop_fs: LoopFilesystem) -> None:
+    root = loop_fs.mount / "train"
+    _training_set(root)
+    shared = Path(tempfile.mkdtemp(prefix="tensortier-data-extents-"))
+    try:
+        os.chmod(shared, 0o755)
+        os.chmod(loop_fs.mount.parent, 0o755)  # the fixture's folder: nobody may list the files
+        out = shared / "map.json"
+        build_extent_map(root, out)
+        os.chmod(out, 0o644)
+        assert len(load_extent_map(out)) > 0
+        # Imported as root, then the process becomes nobody, who may read the files (mode 0644
+        # under 0755 folders) but not the disk.
+        code = (
+            "import os\n"
+            "from tensortier.data import FileReader\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            f"FileReader(file_root={str(root)!r}, batch_size=4)\n"
+            "try:\n"
+            f"    FileReader(file_root={str(root)!r}, batch_size=4, extent_map={str(out)!r})\n"
+            "    print('opened')\n"
+            "except OSError as e:\n"
+            "    print('OSError', e.errno, type(e).__name__, e)\n"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=TIMEOUT)
+        assert r.stdout.startswith(f"OSError {errno.EACCES} PermissionError "), \
+            r.stdout + r.stderr
+        assert loop_fs.device in r.stdout and "root" in r.stdout
+    finally:
+        shutil.rmtree(shared)
