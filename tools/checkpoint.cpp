@@ -222,7 +222,7 @@ int InfoFile(const std::string& path, unsigned show) {
 // convert refuses the file at the first, before writing anything.
 struct SafetensorsChecks {
   bool present = false;         // the file has per-tensor checksums
-  bool header_checked = false;  // ... and a header checksum, compared
+  bool header_checked = false;  // the file has a header checksum, compared
   std::vector<std::string> problems;
   std::vector<std::optional<uint64_t>> want;  // per item: its xxh64, if it has a usable one
 };
@@ -235,10 +235,9 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   SafetensorsChecks c;
   c.want.resize(l.items.size());
   const SafetensorsMetadata& metadata = l.st.header.metadata;
-  auto it = metadata.find(kTensorChecksumsKey);
-  if (it == metadata.end()) return c;
-  c.present = true;
-  // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum.
+  // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum, compared
+  // even where the tensors' checksums are missing (a damaged key name must not hide the damage
+  // the header checksum sees), as load(verify=True) does.
   if (auto hh = metadata.find(kHeaderChecksumKey); hh != metadata.end()) {
     const uint64_t actual = SafetensorsHeaderDigest(l.st.header.entries, metadata);
     if (!IsHex16(hh->second)) {
@@ -249,6 +248,9 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
     }
     c.header_checked = true;
   }
+  auto it = metadata.find(kTensorChecksumsKey);
+  if (it == metadata.end()) return c;
+  c.present = true;
   std::map<std::string, std::string> sums = ParseJsonStringMap(it->second, kTensorChecksumsKey);
   std::set<std::string> names;
   for (const auto& item : l.items) names.insert(item.name);
@@ -322,6 +324,7 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
       l.format == Format::kSafetensors ? ReadSafetensorsChecks(l) : SafetensorsChecks{};
   if (l.format == Format::kSafetensors && !sums.present) {
     // As load(verify=True): a file without checksums cannot be verified, which is not a pass.
+    problems.insert(problems.end(), sums.problems.begin(), sums.problems.end());
     problems.push_back(StrCat("no checksums (metadata key ", kTensorChecksumsKey,
                               "): the data cannot be verified; save it with "
                               "tensortier.save(..., checksum=True) to verify it"));

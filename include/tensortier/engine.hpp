@@ -112,6 +112,9 @@ class Engine {
   Future Write(const File& file, const void* buf, uint64_t length, uint64_t offset);
   // Scatter/gather: all pieces are planned and submitted together; one future for the lot.
   // Throws std::invalid_argument (bad piece) or IoError (write to a read-only file) up front.
+  // An I/O error while preparing the transfer (no space for the range a write extends the file
+  // by, where the filesystem reserves it up front; a failed fstat) is the operation's outcome,
+  // thrown by Wait() as a failed transfer's error is, nothing having been transferred.
   Future Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptions& submit = {});
   // Waits for every operation submitted so far; throws the first error not yet seen by a Wait().
   void WaitAll();

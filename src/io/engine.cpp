@@ -820,7 +820,6 @@ void Engine::CheckNotForked() const {
 Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptions& submit) {
   CheckNotForked();
   for (const IoDesc& piece : pieces) ValidatePiece(op, piece);
-  if (op == IoOp::kWrite) ReserveExtendingWrites(pieces);
   auto operation = std::make_shared<Operation>();
   operation->op = op;
   operation->pieces.assign(pieces.begin(), pieces.end());
@@ -828,9 +827,27 @@ Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptio
   operation->result.stats.backend = backend_;
 
   std::vector<std::unique_ptr<Task>> tasks;
-  Planner planner(options_, submit, operation, tasks);
-  for (uint32_t i = 0; i < pieces.size(); ++i) planner.Plan(i);
+  try {
+    if (op == IoOp::kWrite) ReserveExtendingWrites(pieces);
+    Planner planner(options_, submit, operation, tasks);
+    for (uint32_t i = 0; i < pieces.size(); ++i) planner.Plan(i);
+  } catch (const IoError&) {
+    // An I/O error while preparing (fallocate's ENOSPC, a failed fstat) is the operation's
+    // outcome, raised once by Wait() (or WaitAll() for a dropped future) as a failed transfer
+    // is: which call raises must not depend on whether the filesystem reserves space up front.
+    // Nothing was transferred.
+    tasks.clear();
+    operation->Fail(std::current_exception());
+    std::lock_guard lock(operation->mu);
+    operation->complete = true;
+    operation->pieces.clear();
+  }
 
+  if (operation->failed.load(std::memory_order_relaxed)) {
+    std::lock_guard lock(mu_);
+    outstanding_.push_back(std::move(operation));
+    return Future(outstanding_.back());
+  }
   operation->pending.store(tasks.size());
   if (tasks.empty()) {
     std::lock_guard lock(operation->mu);

@@ -299,9 +299,9 @@ void Offloader::Start(OffloadKind kind, std::span<const OffloadPiece> pieces) {
       keys.push_back(p.key);
       total += p.length;
     }
-    // An I/O error of the submission (fallocate's ENOSPC, a failed fstat) is the operation's
-    // outcome, delivered by Wait() as a failed transfer is: which call raises must not depend
-    // on whether the filesystem reserves space up front.
+    // An I/O error the engine throws at submission (a backing file it may not write) is the
+    // operation's outcome, delivered by Wait() as a failed transfer is (the engine's future
+    // already carries those of its preparation, such as out of space reserving the range).
     Future future;
     std::exception_ptr submit_error;
     try {

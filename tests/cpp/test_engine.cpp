@@ -4,6 +4,8 @@
 // file was written with, and the bytes around the destination are checked to be untouched.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 #include <fstream>
 
@@ -884,6 +886,58 @@ TEST_P(EngineTest, BadArgumentsAreRejectedUpFront) {
   closed.Close();
   EXPECT_THROW(engine.Write(closed, &byte, 1, 0), std::invalid_argument);
   engine.WaitAll();
+}
+
+// A file size limit for the process while it lives (RLIMIT_FSIZE, SIGXFSZ ignored so that
+// crossing it is the error EFBIG rather than the signal's death), restored after.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    EXPECT_EQ(getrlimit(RLIMIT_FSIZE, &old_), 0);
+    old_handler_ = signal(SIGXFSZ, SIG_IGN);
+    rlimit limit = old_;
+    limit.rlim_cur = bytes;
+    EXPECT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0) << std::strerror(errno);
+  }
+  ~FileSizeLimit() {
+    setrlimit(RLIMIT_FSIZE, &old_);
+    signal(SIGXFSZ, old_handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit old_{};
+  sighandler_t old_handler_;
+};
+
+// Reserving an extending write's range (fallocate, at submission where the file is O_DIRECT) can
+// fail as the write itself would (no space, a file size limit): the error is the operation's,
+// thrown by Wait() or, for a dropped future, by WaitAll(), once; the submitting call returns.
+TEST_P(EngineTest, AnErrorReservingAWritesRangeIsThrownByTheWait) {
+  constexpr uint64_t kLen = 4 << 20;
+  AlignedBuffer src(kLen);
+  std::memset(src.data(), 7, kLen);
+  Engine engine(Options());
+  File f = File::Open(dir_.File("big"), OpenMode::kWrite, true);
+  File g = File::Open(dir_.File("dropped"), OpenMode::kWrite, true);
+  FileSizeLimit limit(1 << 20);
+  Future future;
+  ASSERT_NO_THROW(future = engine.Write(f, src.data(), kLen, 0));
+  try {
+    future.Wait();
+    ADD_FAILURE() << "a write past the file size limit succeeded";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), EFBIG) << e.what();
+    EXPECT_EQ(e.path(), f.path());
+  }
+  EXPECT_THROW(future.Wait(), IoError);                   // the same outcome again
+  EXPECT_NO_THROW(engine.WaitAll());                      // already thrown to its waiter
+  ASSERT_NO_THROW(engine.Write(g, src.data(), kLen, 0));  // dropped
+  EXPECT_THROW(engine.WaitAll(), IoError);
+  EXPECT_NO_THROW(engine.WaitAll());
+  // Within the limit the engine writes as before.
+  EXPECT_EQ(engine.Write(f, src.data(), 8192, 0).Wait().bytes, 8192u);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -173,6 +173,27 @@ def test_an_edited_checksum_value_is_refused(checked_safetensors: Path) -> None:
     assert_nothing_written(src.parent, {src.name})
 
 
+@pytest.mark.parametrize("data_flipped", [False, True])
+def test_a_damaged_tensor_checksums_key_does_not_hide_the_header_checksum(
+    checked_safetensors: Path, data_flipped: bool
+) -> None:
+    """One byte of the metadata key holding the tensors' checksums changed: the file no
+    longer seems to have tensor checksums, but its header checksum (which covers that key)
+    says the header was changed. convert refuses it, verify names the mismatch, as
+    load(verify=True) does; with a data byte flipped too nothing passes it on."""
+    src = checked_safetensors
+    edit_header(src, b'"tensortier.xxh64"', b'"tensortier.xxh65"')
+    if data_flipped:
+        begin, _ = safetensors_offsets(src)["w"]
+        flip(src, begin)
+    with pytest.raises(ValueError, match="header checksum mismatch"):
+        tensortier.load(src, verify=True)
+    r = run("verify", src)
+    assert r.returncode == 1 and "header: xxh64 mismatch" in r.stderr, r.stdout + r.stderr
+    assert_refused(run("convert", src, src.parent / "out.pt"), src, "header: xxh64 mismatch")
+    assert_nothing_written(src.parent, {src.name})
+
+
 def test_damaged_checksums_of_a_safetensors_file_are_refused(disk_dir: Path) -> None:
     """Without a header checksum, the per-tensor checksums themselves: changed, malformed,
     missing, or naming a tensor the file lacks."""

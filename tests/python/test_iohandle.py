@@ -983,3 +983,47 @@ def test_a_device_transfers_result_says_why_gds_was_not_gpudirect() -> None:
     assert r.result().stats["gds_reason"] == compat
     r = IOFuture(None, [], [piece("gds", "")], [(True, 0)])
     assert r.result().stats["gds_reason"] == ""
+
+
+def test_out_of_space_is_raised_once_by_the_wait_on_every_filesystem(small_fs: Path) -> None:
+    """One rule for out of space: pwrite_async never raises it itself, whether the filesystem
+    refuses the space when the engine reserves it at submission (tmpfs, ext4) or while the
+    write runs (ext2); the future's wait() raises it, or wait_all()/close() for a dropped
+    future, exactly once."""
+    path = small_fs / "big.bin"
+    big = torch.zeros(8 << 20, dtype=torch.uint8)  # twice the filesystem
+    io = IOHandle("threads")
+    try:
+        fut = io.pwrite_async(big, path)  # must not raise
+        with pytest.raises(OSError) as e:
+            fut.wait()
+        assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
+        with pytest.raises(OSError):  # the same outcome again, from the same future
+            fut.result()
+        io.wait_all()  # already raised to its waiter: not again
+        with pytest.raises(OSError) as e:
+            io.pwrite(big, small_fs / "sync.bin")
+        assert e.value.errno == errno.ENOSPC
+        io.wait_all()
+        # A dropped future: its error comes from the next wait_all(), once.
+        io.pwrite_async(big, small_fs / "dropped.bin")
+        with pytest.raises(OSError) as e:
+            io.wait_all()
+        assert e.value.errno == errno.ENOSPC
+        io.wait_all()
+        # The handle still works; what fits is written (once the failed files are gone: ext4
+        # keeps what a failed fallocate got).
+        for name in ("big.bin", "sync.bin", "dropped.bin"):
+            (small_fs / name).unlink(missing_ok=True)
+        small = torch.arange(100_000, dtype=torch.int32)
+        assert io.pwrite(small, small_fs / "small.bin") == small.numel() * 4
+        back = torch.empty_like(small)
+        io.pread(back, small_fs / "small.bin")
+        assert torch.equal(back, small)
+        # ... and a dropped one's error from close(), once.
+        io.pwrite_async(big, small_fs / "dropped2.bin")
+        with pytest.raises(OSError) as e:
+            io.close()
+        assert e.value.errno == errno.ENOSPC
+    finally:
+        io.close()

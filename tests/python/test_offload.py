@@ -1287,38 +1287,6 @@ def test_a_zero_size_tensor_of_foreign_memory_is_offloaded_without_a_resize(
 # ---- out of space and close() with writes in flight --------------------------------------------
 
 
-@pytest.fixture(params=["tmpfs", "ext2", "ext4"])
-def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB filesystem mounted on a fresh directory: tmpfs (reserves space with fallocate),
-    ext4 (fallocate too) and ext2 (no fallocate: ENOSPC comes from the write itself), each on
-    a loop device over an image file made here. Needs root; unmounted (and the loop device
-    freed) even when the test fails."""
-    fstype = str(request.param)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a filesystem needs root")
-    mnt = tmp_path / fstype
-    mnt.mkdir()
-    if fstype == "tmpfs":
-        command = ["mount", "-t", "tmpfs", "-o", "size=4m", "none", str(mnt)]
-    else:
-        image = tmp_path / f"{fstype}.img"
-        with open(image, "wb") as f:
-            f.truncate(4 << 20)
-        made = subprocess.run([f"mkfs.{fstype}", "-q", "-F", str(image)], capture_output=True,
-                              text=True, timeout=60)
-        if made.returncode != 0:
-            pytest.skip(f"mkfs.{fstype}: {made.stderr.strip()}")
-        # -o loop: mount sets up the loop device and frees it at unmount (autoclear).
-        command = ["mount", "-t", fstype, "-o", "loop", str(image), str(mnt)]
-    mounted = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount {fstype}: {mounted.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
-
-
 def test_out_of_space_raises_from_the_wait_on_every_filesystem(small_fs: Path) -> None:
     """One rule: async_write never raises an I/O error itself (where the filesystem reserves
     space up front as where the write runs out), the wait does, and the tensor keeps its memory
