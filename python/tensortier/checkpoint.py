@@ -62,7 +62,7 @@ from . import _core
 from .io import File, IOFuture, IOHandle
 
 # torch is imported inside the functions (see _torch()): `import tensortier` must not need it.
-__all__ = ["IncompatibleKeys", "load", "load_into", "save"]
+__all__ = ["IncompatibleKeys", "StateDictMismatchError", "load", "load_into", "save"]
 
 PathLike = str | os.PathLike[str]
 _T = TypeVar("_T")
@@ -145,6 +145,12 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+class StateDictMismatchError(RuntimeError, ValueError):
+    """:func:`load_into` found names or shapes that do not match the target. A ``RuntimeError``
+    worded as ``torch.nn.Module.load_state_dict``'s (``Error(s) in loading state_dict for
+    ...``), so code written for it keeps working; also a ``ValueError``, as before."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,9 +342,11 @@ def load_into(
         ``IncompatibleKeys(missing_keys, unexpected_keys)`` (both empty when strict).
 
     Raises:
-        ValueError: missing/unexpected names (strict), shape mismatches (all listed),
-            meta-device targets, a malformed file, a checksum mismatch. OSError: the file
-            cannot be read.
+        StateDictMismatchError: a ``RuntimeError`` (and ``ValueError``) worded as
+            ``load_state_dict``'s: missing/unexpected names (strict), shape mismatches (even
+            when not strict, as there), all listed, naming the file on its last line.
+        ValueError: meta-device targets, a malformed file, a checksum mismatch.
+        OSError: the file cannot be read.
         TypeError: the target is neither a module nor a mapping of tensors.
 
     Names and shapes are all checked before any byte is read. An error during the read
@@ -374,7 +382,8 @@ def load_into(
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
     try:
         sources = _describe_sources(fspath, io, files, verify)  # name -> _Source
-        return _load_into(targets, sources, strict, verify, progress, io, fspath, files)
+        return _load_into(targets, sources, strict, verify, progress, io, fspath, files,
+                          type(module_or_state_dict).__name__)
     finally:
         for f in files.values():
             f.close()
@@ -2254,6 +2263,7 @@ def _describe_sources(
 def _load_into(
     targets: dict[str, Any], sources: dict[str, _Source], strict: bool, verify: bool,
     progress: bool | None, io: IOHandle, path: str, files: Mapping[str, File],
+    target_name: str = "dict",
 ) -> IncompatibleKeys:
     torch = _torch()
     unexpected = [k for k in sources if k not in targets]
@@ -2269,20 +2279,27 @@ def _load_into(
         if (targets[k].data_ptr(), _nbytes(targets[k]), targets[k].dtype,
             tuple(targets[k].shape)) not in loaded_mem or _nbytes(targets[k]) == 0
     ]
-    if strict and (missing or unexpected):
-        raise ValueError(
-            f"{path} does not match the target: missing from the file: {missing}; "
-            f"not in the target: {unexpected} (load_into(..., strict=False) to skip them)"
-        )
-    problems = []
+    # The lines and their order are load_state_dict's: code parsing its message keeps working.
+    errors = []
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in missing)))
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in unexpected)))
     for k, src in sources.items():
         t = targets.get(k)
-        if t is None:
-            continue
-        if tuple(t.shape) != src.shape:
-            problems.append(f"{k}: file has shape {src.shape}, target {tuple(t.shape)}")
-    if problems:
-        raise ValueError(f"{path}: size mismatch: " + "; ".join(problems))
+        if t is not None and tuple(t.shape) != src.shape:
+            errors.append(
+                f"size mismatch for {k}: copying a param with shape {torch.Size(src.shape)} "
+                f"from checkpoint, the shape in current model is {t.shape}."
+            )
+    if errors:
+        hint = " (load_into(..., strict=False) skips missing and unexpected names)"
+        raise StateDictMismatchError(
+            f"Error(s) in loading state_dict for {target_name}:\n\t" + "\n\t".join(errors)
+            + f"\n\tfrom {path}" + (hint if strict and (missing or unexpected) else "")
+        )
 
     direct: list[_Piece] = []  # read straight into the target's memory
     staged: list[_Staged] = []  # read into a temporary, then copied (and converted) into it
