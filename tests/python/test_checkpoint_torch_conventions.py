@@ -61,3 +61,117 @@ def test_load_into_size_mismatch_raises_even_when_not_strict(disk_dir: Path) -> 
         tensortier.load_into(model, path, strict=False)
     assert str(ours.value).startswith(str(theirs.value) + "\n\t")
     assert "strict=False" not in str(ours.value)
+
+
+def _save_as_if_on(location: str, obj: object, path: Path,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save `obj` with every storage's location recorded as `location` ('cuda:0'...):
+    the file a GPU machine writes, made here without one."""
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: location)
+        torch.save(obj, path)
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.device == b.device and a.dtype == b.dtype
+                and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _cuda_saved(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, object]]:
+    base = torch.arange(12, dtype=torch.float32)
+    obj = {"w": torch.randn(3, 5), "shared": base, "view": base[2:8].view(2, 3),
+           "i": torch.arange(7, dtype=torch.int16), "step": 3}
+    path = tmp / "gpu.pt"
+    _save_as_if_on("cuda:0", obj, path, monkeypatch)
+    return path, obj
+
+
+def test_map_location_cpu_forms_load_a_cuda_saved_file_as_torch_does(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, obj = _cuda_saved(disk_dir, monkeypatch)
+    seen: list[str] = []
+
+    def to_cpu(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        seen.append(location)
+        assert storage.device.type == "cpu"
+        return storage
+
+    for ml in ["cpu", torch.device("cpu"), {"cuda:0": "cpu"}, to_cpu,
+               lambda storage, location: storage.cpu()]:
+        theirs = torch.load(path, map_location=ml, weights_only=True)
+        ours = tensortier.load(path, map_location=ml)
+        assert _equal(theirs, obj) and _equal(ours, theirs), ml
+        # shared storages stay shared, as from torch.load
+        assert ours["view"].untyped_storage().data_ptr() == \
+            ours["shared"].untyped_storage().data_ptr()
+    assert len(seen) == 6 and set(seen) == {"cuda:0"}  # 3 storages, torch.load's calls too
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a machine without CUDA")
+def test_map_location_to_cuda_is_refused_without_cuda(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = _cuda_saved(disk_dir, monkeypatch)
+    for ml in [{"cuda:1": "cpu"}, {}, lambda storage, location: None, "cuda:0",
+               {"cpu": "cuda:0"}]:
+        with pytest.raises(RuntimeError):
+            torch.load(path, map_location=ml, weights_only=True)
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            tensortier.load(path, map_location=ml)
+    # without map_location: the CPU (the documented difference from torch.load)
+    assert tensortier.load(path)["i"].device.type == "cpu"
+
+
+def test_map_location_on_safetensors_and_cpu_saved_files(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd = {"a": torch.randn(4, 3), "b": torch.arange(5)}
+    st = disk_dir / "m.safetensors"
+    pt = disk_dir / "m.pt"
+    tensortier.save(sd, st)
+    torch.save(sd, pt)
+    locations: list[str] = []
+
+    def keep(storage: torch.UntypedStorage, location: str) -> None:
+        locations.append(location)
+        return None
+
+    for path in (st, pt):
+        for ml in ["cpu", {"cuda:0": "cuda:1"}, keep]:
+            out = tensortier.load(path, map_location=ml)
+            assert _equal(out, sd), (path, ml)
+            if path == pt:
+                assert _equal(torch.load(path, map_location=ml, weights_only=True), out)
+    assert locations == ["cpu"] * 6  # 2 tensors: ours on both files, torch.load's on .pt
+
+
+def test_weights_only_false_is_refused_true_and_none_load(disk_dir: Path) -> None:
+    path = disk_dir / "m.pt"
+    sd = {"a": torch.randn(3)}
+    tensortier.save(sd, path)
+    for wo in (True, None):
+        assert _equal(tensortier.load(path, weights_only=wo), sd)
+    with pytest.raises(ValueError, match="never runs arbitrary pickled code"):
+        tensortier.load(path, weights_only=False)
+    with pytest.raises(TypeError, match="weights_only"):
+        tensortier.load(path, weights_only="yes")  # type: ignore[arg-type]
+
+
+def test_map_location_bad_arguments(disk_dir: Path) -> None:
+    path = disk_dir / "m.pt"
+    tensortier.save({"a": torch.randn(3)}, path)
+    with pytest.raises(ValueError, match="not both"):
+        tensortier.load(path, device="cpu", map_location="cpu")
+    with pytest.raises(TypeError, match="map_location must be"):
+        tensortier.load(path, map_location=3)
+    with pytest.raises(ValueError, match="mmap=True"):
+        tensortier.load(path, map_location={"cpu": "cpu"}, mmap=True)
+    with pytest.raises(ValueError, match="same size"):
+        tensortier.load(path, map_location=lambda s, loc: torch.UntypedStorage(1))
+    assert tensortier.load(path, map_location="cpu", mmap=True)["a"].numel() == 3
