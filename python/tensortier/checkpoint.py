@@ -41,6 +41,7 @@ Checksums (``save(..., checksum=True)``, checked by ``load(..., verify=True)``):
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import functools
@@ -49,14 +50,16 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import string
 import sys
+import tempfile
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 from . import _core
 from .io import File, IOFuture, IOHandle
@@ -160,7 +163,7 @@ class StateDictMismatchError(RuntimeError, ValueError):
 
 def save(
     state_dict: Mapping[str, Any],
-    path: PathLike,
+    path: PathLike | BinaryIO,
     format: str | None = None,
     metadata: Mapping[str, str] | None = None,
     checksum: bool = False,
@@ -178,9 +181,12 @@ def save(
         path: the file to write; its directory must exist. An existing file is replaced only
             once the new one is complete and synced, keeping its mode, owner and group (the
             owner where the caller may set it: root); one the caller may not write is not
-            replaced (``PermissionError``, as from ``torch.save``).
+            replaced (``PermissionError``, as from ``torch.save``). Or a writable binary
+            file object (``io.BytesIO``, an open file), as ``torch.save`` takes: the checkpoint
+            is written to a temporary file first, then copied to it from its current position.
         format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
-            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch).
+            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch; for a file object,
+            torch, as ``torch.save`` writes).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
             ``{"format": "pt"}`` is added unless given (transformers expects it).
         checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata,
@@ -197,6 +203,14 @@ def save(
         OSError: the file cannot be written (nothing is left under the final name then); the
             message names `path` as given first, then what failed.
     """
+    if _is_file_object(path, "write"):
+        fmt = _save_format("stream.pt" if format is None else "", format)
+        with tempfile.TemporaryDirectory(prefix="tensortier-save-") as tmp:
+            staged = os.path.join(tmp, "checkpoint")
+            save(state_dict, staged, fmt, metadata, checksum, _io=_io)
+            with open(staged, "rb") as f:
+                shutil.copyfileobj(f, path, _STREAM_CHUNK)  # type: ignore[misc]
+        return
     fmt = _save_format(path, format)
     if metadata is not None:
         if fmt != "safetensors":
@@ -234,7 +248,7 @@ def _save_error(e: OSError, given: str) -> OSError:
 
 
 def load(
-    path: PathLike,
+    path: PathLike | BinaryIO,
     device: Any = None,
     dtype: Any = None,
     verify: bool = False,
@@ -255,7 +269,10 @@ def load(
     torch's ``weights_only`` unpickler: no other pickle code ever runs.
 
     Args:
-        path: the file (format found from its contents) or the ``.index.json`` of shards.
+        path: the file (format found from its contents) or the ``.index.json`` of shards. Or
+            a readable binary file object (``io.BytesIO``, an open file), as ``torch.load``
+            takes: read from its current position to its end into anonymous memory (a
+            ``memfd``), then loaded from there (with `mmap`, tensors map that memory).
         device: ``"cpu"`` (the default) or ``"cuda:N"``. For CUDA each tensor is allocated on the device and
             filled by the engine's GPU path (GPUDirect Storage where cuFile accepts the file,
             else a ring of pinned bounce buffers; disk reads and copies overlap), never staging
@@ -344,8 +361,30 @@ def load(
             "(load to the GPU with mmap=False: its bytes go there without host copies)"
         )
     io = _io if _io is not None else _default_io()
-    fspath = os.fspath(path)
+    with contextlib.ExitStack() as stack:
+        streamed = _is_file_object(path, "read")
+        fspath = stack.enter_context(_memfd_copy(path)) if streamed else os.fspath(path)
+        try:
+            return _load_path(fspath, dev, target_dtype, verify, progress, io, mmap, placement,
+                              streamed)
+        except ValueError as e:
+            if not streamed or fspath not in str(e):
+                raise
+            # errors name the file: the caller's object, not the memfd it was copied to
+            name = getattr(path, "name", None)
+            label = repr(name) if isinstance(name, str) else f"<{type(path).__name__}>"
+            raise ValueError(str(e).replace(fspath, label)) from e
+
+
+def _load_path(
+    fspath: str, dev: Any, target_dtype: Any, verify: bool, progress: bool | None,
+    io: IOHandle, mmap: bool, placement: _Placement | None, streamed: bool,
+) -> Any:
     kind = _sniff(fspath)
+    if kind == "index" and streamed:
+        raise ValueError(
+            "a shard index names its shards by path: load it by its path, not from a file object"
+        )
     mapped = _Readahead() if mmap else None
     if kind == "index":
         return _load_index(fspath, dev, target_dtype, verify, progress, io, mapped, placement)
@@ -435,6 +474,27 @@ def load_into(
 # --------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------
+
+# File objects are copied to and from temporary files this many bytes at a time.
+_STREAM_CHUNK = 8 << 20
+
+
+def _is_file_object(obj: Any, method: str) -> bool:
+    """A file object given where a path may be (as torch.save/torch.load take them)."""
+    return not isinstance(obj, (str, bytes, os.PathLike)) and callable(getattr(obj, method, None))
+
+
+@contextlib.contextmanager
+def _memfd_copy(stream: Any) -> Iterator[str]:
+    """`stream` from its position to its end in anonymous memory, as a path the engine opens."""
+    fd = os.memfd_create("tensortier-load", os.MFD_CLOEXEC)
+    try:
+        with open(fd, "wb", closefd=False) as out:
+            shutil.copyfileobj(stream, out, _STREAM_CHUNK)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
 
 
 def _torch() -> Any:

@@ -175,3 +175,57 @@ def test_map_location_bad_arguments(disk_dir: Path) -> None:
     with pytest.raises(ValueError, match="same size"):
         tensortier.load(path, map_location=lambda s, loc: torch.UntypedStorage(1))
     assert tensortier.load(path, map_location="cpu", mmap=True)["a"].numel() == 3
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_save_and_load_file_objects(disk_dir: Path, fmt: str) -> None:
+    """io.BytesIO and open binary files, both ways, as torch.save/torch.load take them."""
+    import io
+
+    sd = {"a": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int64),
+          "empty": torch.zeros(0)}
+    buf = io.BytesIO()
+    tensortier.save(sd, buf, format=fmt)
+    buf.seek(0)
+    assert _equal(tensortier.load(buf), sd)
+    if fmt == "torch":
+        buf.seek(0)
+        assert _equal(torch.load(buf, weights_only=True), sd)
+    else:
+        from safetensors.torch import load as st_load
+        assert _equal(st_load(buf.getvalue()), sd)
+    path = disk_dir / "f.bin"
+    with open(path, "wb") as f:
+        tensortier.save(sd, f, format=fmt)
+    with open(path, "rb") as f:
+        assert _equal(tensortier.load(f, mmap=True), sd)
+    with open(path, "rb") as f:
+        assert _equal(tensortier.load(f, verify=fmt == "torch"), sd)
+
+
+def test_file_objects_default_to_torch_format_and_read_from_their_position(
+    disk_dir: Path,
+) -> None:
+    import io
+
+    sd = {"w": torch.randn(4)}
+    ours, theirs = io.BytesIO(b"head"), io.BytesIO()
+    ours.seek(4)
+    tensortier.save(sd, ours)  # torch's format, as torch.save writes to a file object
+    torch.save(sd, theirs)
+    ours.seek(4)
+    assert _equal(torch.load(ours, weights_only=True), sd)
+    ours.seek(4)
+    assert _equal(tensortier.load(ours, map_location="cpu"), sd)
+    with pytest.raises(ValueError, match=r"^<BytesIO>: .*not a safetensors file"):
+        tensortier.load(io.BytesIO(b"not a checkpoint at all"))
+    with pytest.raises(TypeError):  # a text file object, as torch.save refuses it
+        tensortier.save(sd, io.StringIO())
+
+
+def test_index_from_a_file_object_is_refused(disk_dir: Path) -> None:
+    import io
+
+    index = io.BytesIO(b'{"weight_map": {"a": "x.safetensors"}}')
+    with pytest.raises(ValueError, match="by its path"):
+        tensortier.load(index)
