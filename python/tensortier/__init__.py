@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from . import _core
-from .checkpoint import IncompatibleKeys, load, load_into, save
+from .checkpoint import IncompatibleKeys, StateDictMismatchError, load, load_into, save
 from .io import File, IOFuture, IOHandle, IOResult
 from .offload import DiskOffloader
 from .device import CuFileError, CudaError, cuda_info, cufile_info, pin, pinned_empty
@@ -36,6 +36,7 @@ __all__ = [
     "IOHandle",
     "IOResult",
     "IncompatibleKeys",
+    "StateDictMismatchError",
     "aligned_empty",
     "defaults",
     "load",

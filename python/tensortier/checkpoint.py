@@ -41,6 +41,7 @@ Checksums (``save(..., checksum=True)``, checked by ``load(..., verify=True)``):
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import functools
@@ -49,20 +50,22 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import string
 import sys
+import tempfile
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 from . import _core
 from .io import File, IOFuture, IOHandle
 
 # torch is imported inside the functions (see _torch()): `import tensortier` must not need it.
-__all__ = ["IncompatibleKeys", "load", "load_into", "save"]
+__all__ = ["IncompatibleKeys", "StateDictMismatchError", "load", "load_into", "save"]
 
 PathLike = str | os.PathLike[str]
 _T = TypeVar("_T")
@@ -147,6 +150,12 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
+class StateDictMismatchError(RuntimeError, ValueError):
+    """:func:`load_into` found names or shapes that do not match the target. A ``RuntimeError``
+    worded as ``torch.nn.Module.load_state_dict``'s (``Error(s) in loading state_dict for
+    ...``), so code written for it keeps working; also a ``ValueError``, as before."""
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
@@ -154,7 +163,7 @@ class IncompatibleKeys(NamedTuple):
 
 def save(
     state_dict: Mapping[str, Any],
-    path: PathLike,
+    path: PathLike | BinaryIO,
     format: str | None = None,
     metadata: Mapping[str, str] | None = None,
     checksum: bool = False,
@@ -172,9 +181,12 @@ def save(
         path: the file to write; its directory must exist. An existing file is replaced only
             once the new one is complete and synced, keeping its mode, owner and group (the
             owner where the caller may set it: root); one the caller may not write is not
-            replaced (``PermissionError``, as from ``torch.save``).
+            replaced (``PermissionError``, as from ``torch.save``). Or a writable binary
+            file object (``io.BytesIO``, an open file), as ``torch.save`` takes: the checkpoint
+            is written to a temporary file first, then copied to it from its current position.
         format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
-            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch).
+            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch; for a file object,
+            torch, as ``torch.save`` writes).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
             ``{"format": "pt"}`` is added unless given (transformers expects it).
         checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata,
@@ -191,6 +203,14 @@ def save(
         OSError: the file cannot be written (nothing is left under the final name then); the
             message names `path` as given first, then what failed.
     """
+    if _is_file_object(path, "write"):
+        fmt = _save_format("stream.pt" if format is None else "", format)
+        with tempfile.TemporaryDirectory(prefix="tensortier-save-") as tmp:
+            staged = os.path.join(tmp, "checkpoint")
+            save(state_dict, staged, fmt, metadata, checksum, _io=_io)
+            with open(staged, "rb") as f:
+                shutil.copyfileobj(f, path, _STREAM_CHUNK)  # type: ignore[misc]
+        return
     fmt = _save_format(path, format)
     if metadata is not None:
         if fmt != "safetensors":
@@ -228,11 +248,13 @@ def _save_error(e: OSError, given: str) -> OSError:
 
 
 def load(
-    path: PathLike,
-    device: Any = "cpu",
+    path: PathLike | BinaryIO,
+    device: Any = None,
     dtype: Any = None,
     verify: bool = False,
     *,
+    map_location: Any = None,
+    weights_only: bool | None = None,
     mmap: bool = False,
     progress: bool | None = None,
     _io: IOHandle | None = None,
@@ -247,8 +269,11 @@ def load(
     torch's ``weights_only`` unpickler: no other pickle code ever runs.
 
     Args:
-        path: the file (format found from its contents) or the ``.index.json`` of shards.
-        device: ``"cpu"`` or ``"cuda:N"``. For CUDA each tensor is allocated on the device and
+        path: the file (format found from its contents) or the ``.index.json`` of shards. Or
+            a readable binary file object (``io.BytesIO``, an open file), as ``torch.load``
+            takes: read from its current position to its end into anonymous memory (a
+            ``memfd``), then loaded from there (with `mmap`, tensors map that memory).
+        device: ``"cpu"`` (the default) or ``"cuda:N"``. For CUDA each tensor is allocated on the device and
             filled by the engine's GPU path (GPUDirect Storage where cuFile accepts the file,
             else a ring of pinned bounce buffers; disk reads and copies overlap), never staging
             the whole file in host memory. With ``verify`` each tensor is checked in a pinned
@@ -275,6 +300,16 @@ def load(
             SIGBUS. Replacing it by rename, as :func:`save` does, is safe.
         progress: show a progress bar on stderr; by default only for loads of 512 MiB or more
             when stderr is a terminal.
+        map_location: ``torch.load``'s, instead of `device`: a string or ``torch.device``
+            (every storage there), a dict of saved location -> location (``{"cuda:1":
+            "cuda:0"}``; unmapped locations stay as saved), or a callable ``(storage,
+            location) -> storage or None`` given each storage read on the CPU (None: as
+            saved). Locations are those a ``.pt`` file records for its storages; safetensors
+            files hold ``"cpu"`` ones. The one difference from ``torch.load``: without
+            `map_location` (nor `device`) tensors load to the CPU, not where they were saved.
+        weights_only: ``torch.load``'s: True and None (its default) load as always; False is
+            refused, as tensortier never runs arbitrary pickled code (use ``torch.load`` for a
+            trusted file that needs it).
 
     Returns:
         safetensors and index files: ``dict[str, Tensor]`` in the file's order. torch files:
@@ -287,7 +322,36 @@ def load(
         OSError: the file cannot be read, or is not a regular file (a FIFO is refused, never
             waited on).
     """
-    dev = _target_device(device)
+    torch = _torch()
+    if weights_only is False:
+        raise ValueError(
+            "weights_only=False is not supported: tensortier loads pickles with torch's "
+            "weights_only unpickler only and never runs arbitrary pickled code (a pickle can run "
+            "any program); use torch.load(..., weights_only=False) for a file you trust"
+        )
+    if weights_only not in (True, None):
+        raise TypeError(f"weights_only must be True or None, not {weights_only!r}")
+    placement = None
+    if map_location is not None:
+        if device is not None:
+            raise ValueError("give device or map_location, not both (they say the same thing)")
+        if isinstance(map_location, (str, torch.device)):
+            device = map_location
+        elif isinstance(map_location, Mapping):
+            placement = _Placement(mapping=dict(map_location))
+        elif callable(map_location):
+            placement = _Placement(restore=map_location)
+        else:
+            raise TypeError(
+                "map_location must be a string, torch.device, dict or callable, not "
+                f"{type(map_location).__name__}"
+            )
+        if placement is not None and mmap:
+            raise ValueError(
+                "mmap=True maps CPU tensors: use map_location='cpu' with it, not a "
+                f"{type(map_location).__name__}"
+            )
+    dev = _target_device(device if device is not None else "cpu")
     target_dtype = _target_dtype(dtype)
     if not isinstance(mmap, bool):
         raise TypeError(f"mmap must be a bool, not {type(mmap).__name__}")
@@ -297,14 +361,38 @@ def load(
             "(load to the GPU with mmap=False: its bytes go there without host copies)"
         )
     io = _io if _io is not None else _default_io()
-    fspath = os.fspath(path)
+    with contextlib.ExitStack() as stack:
+        streamed = _is_file_object(path, "read")
+        fspath = stack.enter_context(_memfd_copy(path)) if streamed else os.fspath(path)
+        try:
+            return _load_path(fspath, dev, target_dtype, verify, progress, io, mmap, placement,
+                              streamed)
+        except ValueError as e:
+            if not streamed or fspath not in str(e):
+                raise
+            # errors name the file: the caller's object, not the memfd it was copied to
+            name = getattr(path, "name", None)
+            label = repr(name) if isinstance(name, str) else f"<{type(path).__name__}>"
+            raise ValueError(str(e).replace(fspath, label)) from e
+
+
+def _load_path(
+    fspath: str, dev: Any, target_dtype: Any, verify: bool, progress: bool | None,
+    io: IOHandle, mmap: bool, placement: _Placement | None, streamed: bool,
+) -> Any:
     kind = _sniff(fspath)
+    if kind == "index" and streamed:
+        raise ValueError(
+            "a shard index names its shards by path: load it by its path, not from a file object"
+        )
     mapped = _Readahead() if mmap else None
     if kind == "index":
-        return _load_index(fspath, dev, target_dtype, verify, progress, io, mapped)
+        return _load_index(fspath, dev, target_dtype, verify, progress, io, mapped, placement)
     if kind == "torch":
-        return _load_torch(fspath, dev, target_dtype, verify, progress, io, mapped)
-    return _load_safetensors(fspath, dev, target_dtype, verify, progress, io, mapped=mapped)
+        return _load_torch(fspath, dev, target_dtype, verify, progress, io, mapped, placement)
+    return _load_safetensors(
+        fspath, dev, target_dtype, verify, progress, io, mapped=mapped, placement=placement
+    )
 
 
 def load_into(
@@ -336,9 +424,11 @@ def load_into(
         ``IncompatibleKeys(missing_keys, unexpected_keys)`` (both empty when strict).
 
     Raises:
-        ValueError: missing/unexpected names (strict), shape mismatches (all listed),
-            meta-device targets, a malformed file, a checksum mismatch. OSError: the file
-            cannot be read.
+        StateDictMismatchError: a ``RuntimeError`` (and ``ValueError``) worded as
+            ``load_state_dict``'s: missing/unexpected names (strict), shape mismatches (even
+            when not strict, as there), all listed, naming the file on its last line.
+        ValueError: meta-device targets, a malformed file, a checksum mismatch.
+        OSError: the file cannot be read.
         TypeError: the target is neither a module nor a mapping of tensors.
 
     Names and shapes are all checked before any byte is read. An error during the read
@@ -374,7 +464,8 @@ def load_into(
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
     try:
         sources = _describe_sources(fspath, io, files, verify)  # name -> _Source
-        return _load_into(targets, sources, strict, verify, progress, io, fspath, files)
+        return _load_into(targets, sources, strict, verify, progress, io, fspath, files,
+                          type(module_or_state_dict).__name__)
     finally:
         for f in files.values():
             f.close()
@@ -383,6 +474,27 @@ def load_into(
 # --------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------
+
+# File objects are copied to and from temporary files this many bytes at a time.
+_STREAM_CHUNK = 8 << 20
+
+
+def _is_file_object(obj: Any, method: str) -> bool:
+    """A file object given where a path may be (as torch.save/torch.load take them)."""
+    return not isinstance(obj, (str, bytes, os.PathLike)) and callable(getattr(obj, method, None))
+
+
+@contextlib.contextmanager
+def _memfd_copy(stream: Any) -> Iterator[str]:
+    """`stream` from its position to its end in anonymous memory, as a path the engine opens."""
+    fd = os.memfd_create("tensortier-load", os.MFD_CLOEXEC)
+    try:
+        with open(fd, "wb", closefd=False) as out:
+            shutil.copyfileobj(stream, out, _STREAM_CHUNK)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
 
 
 def _torch() -> Any:
@@ -1427,6 +1539,20 @@ def _same_file(file: File, path: str, parse: Callable[[str], _T]) -> _T:
 def _load_safetensors(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     _prog: _Progress | None = None, mapped: _Readahead | None = None,
+    placement: _Placement | None = None,
+) -> dict[str, Any]:
+    """`placement` (``map_location``): safetensors files hold CPU tensors (location "cpu")."""
+    if placement is not None and placement.restore is None:
+        dev = placement.device_for("cpu")
+    out = _load_safetensors_at(path, dev, dtype, verify, progress, io, _prog, mapped)
+    if placement is not None and placement.restore is not None:
+        out = {k: placement.restored_tensor(t, "cpu") for k, t in out.items()}
+    return out
+
+
+def _load_safetensors_at(
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
+    _prog: _Progress | None = None, mapped: _Readahead | None = None,
 ) -> dict[str, Any]:
     file = io.open(path, "r")
     try:
@@ -1596,9 +1722,55 @@ def _fill_now(ref: _StorageRef, path: str, verify: bool, big_endian: bool) -> No
     ref.filled = True
 
 
+@dataclass
+class _Placement:
+    """``load``'s `map_location` as torch.load applies it to a storage saved at `location`
+    ('cpu', 'cuda:1'...): a dict maps location strings (unmapped ones stay where they were
+    saved), a callable gets each storage, read on the CPU, and returns it placed (None: where
+    it was saved)."""
+
+    mapping: Mapping[str, Any] | None = None
+    restore: Callable[[Any, str], Any] | None = None
+
+    def device_for(self, location: str) -> Any:
+        if self.mapping is not None:
+            target = self.mapping.get(location, location)
+            return _target_device(str(target) if not isinstance(target, str) else target)
+        return _torch().device("cpu")  # read there, then given to `restore`
+
+    def restored(self, storage: Any, location: str) -> Any:
+        torch = _torch()
+        assert self.restore is not None
+        result = self.restore(storage, location)
+        if result is None:  # torch's default: where it was saved
+            dev = _target_device(location)
+            if dev.type == "cpu":
+                return storage
+            placed = torch.UntypedStorage(storage.nbytes(), device=dev)
+            placed.copy_(storage)
+            return placed
+        if isinstance(result, torch.storage.TypedStorage):
+            result = result._untyped_storage
+        if not isinstance(result, torch.UntypedStorage) or result.nbytes() != storage.nbytes():
+            raise ValueError(
+                f"map_location returned {type(result).__name__} for a storage of "
+                f"{storage.nbytes()} bytes: it must return a storage of the same size (or None)"
+            )
+        return result
+
+    def restored_tensor(self, t: Any, location: str) -> Any:
+        torch = _torch()
+        storage = self.restored(t.untyped_storage(), location)
+        if storage is t.untyped_storage() or storage.data_ptr() == t.untyped_storage().data_ptr():
+            return t
+        out = torch.empty(0, dtype=t.dtype, device=storage.device)
+        return out.set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
 def _unpickle_torch(
     path: str, storage_device: Any, label: str | None = None, verify: bool = False,
     mapped: Any = None, records: dict[str, _ZipRecord] | None = None,
+    placement: _Placement | None = None,
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
     `storage_device` (``meta``: not at all) and filled later, or, given `mapped` (the whole
@@ -1608,7 +1780,9 @@ def _unpickle_torch(
     key, the records, the archive prefix and whether the file is big-endian. The storage
     references carry `label` (the user's path when `path` is a /proc/self/fd link). With
     `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
-    there changes offsets, strides or non-tensor values without touching any storage."""
+    there changes offsets, strides or non-tensor values without touching any storage.
+    `placement` (``map_location``): the device of each storage from its saved location, or
+    the callable each storage is given to once read on the CPU."""
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
@@ -1638,7 +1812,9 @@ def _unpickle_torch(
         def persistent_load(saved_id: Any) -> Any:
             if not isinstance(saved_id, tuple) or len(saved_id) != 5:
                 raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
-            typename, storage_type, key, _location, numel = saved_id
+            typename, storage_type, key, location, numel = saved_id
+            if isinstance(location, bytes):
+                location = location.decode("ascii")
             if isinstance(typename, bytes):
                 typename = typename.decode("ascii")
             if isinstance(key, bytes):
@@ -1671,7 +1847,10 @@ def _unpickle_torch(
                 # A tensor set_ past the end of a resizable storage grows it: a few bytes of
                 # pickle would allocate any size. CPU storages are fixed-size: torch refuses
                 # then (as torch.load does).
-                if nbytes == 0 and (mapped is not None or device.type == "cpu"):
+                sdev = device
+                if placement is not None and device.type != "meta":
+                    sdev = placement.device_for(str(location))
+                if nbytes == 0 and (mapped is not None or sdev.type == "cpu"):
                     storage = _empty_fixed_storage()
                 elif mapped is not None:
                     # Only the storage is kept: quantized dtypes are mapped as bytes (a quantized
@@ -1686,15 +1865,22 @@ def _unpickle_torch(
                     ).untyped_storage()
                     if storage.resizable():  # a copy (misaligned record)
                         storage = _fixed_size(_storage_bytes(storage)).untyped_storage()
-                elif device.type == "cpu":
+                elif sdev.type == "cpu":
                     flat = _host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
                     if flat.untyped_storage().resizable():
                         flat = _fixed_size(flat)
                     storage = flat.untyped_storage()
                 else:
-                    storage = torch.UntypedStorage(nbytes, device=device)
+                    storage = torch.UntypedStorage(nbytes, device=sdev)
                 ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
-                if eager and nbytes and device.type != "meta":
+                restore = placement.restore if placement is not None else None
+                if restore is not None and device.type != "meta":
+                    # torch.load gives the callable each storage with its bytes, on the CPU
+                    if nbytes and mapped is None:
+                        _fill_now(ref, path, verify, big_endian)
+                    ref.storage = placement.restored(ref.storage, str(location))
+                    ref.filled = True
+                elif eager and nbytes and device.type != "meta":
                     _fill_now(ref, path, verify, big_endian)
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
@@ -1752,7 +1938,8 @@ def _unpickle_torch(
                 )
         return obj, storages
 
-    if mapped is None and storage_device.type not in ("cpu", "meta"):
+    if mapped is None and (storage_device.type not in ("cpu", "meta") or (
+            placement is not None and placement.mapping is not None)):
         # A CUDA storage grows to whatever a tensor set_ past its end asks for before the size
         # check can refuse the file: a few bytes of pickle would allocate any amount of GPU
         # memory. Meta storages grow for free: the same pickle is checked on them first.
@@ -1818,7 +2005,7 @@ def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
 
 def _load_torch(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
-    mapped: _Readahead | None = None,
+    mapped: _Readahead | None = None, placement: _Placement | None = None,
 ) -> Any:
     torch = _torch()
     file = io.open(path, "r")
@@ -1832,7 +2019,8 @@ def _load_torch(
             file,
             path,
             lambda name: _unpickle_torch(
-                name, dev, label=path, verify=verify, mapped=whole, records=records
+                name, dev, label=path, verify=verify, mapped=whole, records=records,
+                placement=placement,
             ),
         )
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
@@ -2139,7 +2327,7 @@ def _read_index(path: str) -> dict[str, list[str]]:
 
 def _load_index(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
-    mapped: _Readahead | None = None,
+    mapped: _Readahead | None = None, placement: _Placement | None = None,
 ) -> dict[str, Any]:
     """`mapped`: map the shards (``load(mmap=True)``), sharing this readahead budget."""
     out: dict[str, Any] = {}
@@ -2148,11 +2336,13 @@ def _load_index(
         if kind == "index":
             raise ValueError(f"{path}: shard {shard} is itself an index")
         if kind == "torch":
-            part = _load_torch(shard, dev, dtype, verify, progress, io, mapped)
+            part = _load_torch(shard, dev, dtype, verify, progress, io, mapped, placement)
             if not isinstance(part, Mapping):
                 raise ValueError(f"{shard}: holds a {type(part).__name__}, not a state dict")
         else:
-            part = _load_safetensors(shard, dev, dtype, verify, progress, io, mapped=mapped)
+            part = _load_safetensors(
+                shard, dev, dtype, verify, progress, io, mapped=mapped, placement=placement
+            )
         missing = [n for n in names if n not in part]
         if missing:
             raise ValueError(f"{path}: the index puts {missing[:8]} in {shard}, which lacks them")
@@ -2254,6 +2444,7 @@ def _describe_sources(
 def _load_into(
     targets: dict[str, Any], sources: dict[str, _Source], strict: bool, verify: bool,
     progress: bool | None, io: IOHandle, path: str, files: Mapping[str, File],
+    target_name: str = "dict",
 ) -> IncompatibleKeys:
     torch = _torch()
     unexpected = [k for k in sources if k not in targets]
@@ -2269,20 +2460,27 @@ def _load_into(
         if (targets[k].data_ptr(), _nbytes(targets[k]), targets[k].dtype,
             tuple(targets[k].shape)) not in loaded_mem or _nbytes(targets[k]) == 0
     ]
-    if strict and (missing or unexpected):
-        raise ValueError(
-            f"{path} does not match the target: missing from the file: {missing}; "
-            f"not in the target: {unexpected} (load_into(..., strict=False) to skip them)"
-        )
-    problems = []
+    # The lines and their order are load_state_dict's: code parsing its message keeps working.
+    errors = []
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in missing)))
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in unexpected)))
     for k, src in sources.items():
         t = targets.get(k)
-        if t is None:
-            continue
-        if tuple(t.shape) != src.shape:
-            problems.append(f"{k}: file has shape {src.shape}, target {tuple(t.shape)}")
-    if problems:
-        raise ValueError(f"{path}: size mismatch: " + "; ".join(problems))
+        if t is not None and tuple(t.shape) != src.shape:
+            errors.append(
+                f"size mismatch for {k}: copying a param with shape {torch.Size(src.shape)} "
+                f"from checkpoint, the shape in current model is {t.shape}."
+            )
+    if errors:
+        hint = " (load_into(..., strict=False) skips missing and unexpected names)"
+        raise StateDictMismatchError(
+            f"Error(s) in loading state_dict for {target_name}:\n\t" + "\n\t".join(errors)
+            + f"\n\tfrom {path}" + (hint if strict and (missing or unexpected) else "")
+        )
 
     direct: list[_Piece] = []  # read straight into the target's memory
     staged: list[_Staged] = []  # read into a temporary, then copied (and converted) into it

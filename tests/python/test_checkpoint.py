@@ -725,13 +725,15 @@ def test_load_into_strictness(disk_dir: Path) -> None:
     tensortier.save(sd, path)
     target = {"a": torch.zeros(4), "c": torch.zeros(1)}
     with pytest.raises(ValueError,
-                       match=r"missing from the file: \['c'\].*not in the target: \['b'\]"):
+                       match=r'Missing key\(s\) in state_dict: "c"\. \n\tUnexpected key\(s\) '
+                             r'in state_dict: "b"\.'):
         tensortier.load_into(target, path)
     assert torch.equal(target["a"], torch.zeros(4))  # nothing read on error
     res = tensortier.load_into(target, path, strict=False)
     assert res.missing_keys == ["c"] and res.unexpected_keys == ["b"]
     assert torch.equal(target["a"], sd["a"])
-    with pytest.raises(ValueError, match=r"a: file has shape \(4,\), target \(5,\)"):
+    with pytest.raises(ValueError, match=r"size mismatch for a: copying a param with shape "
+                                         r"torch.Size\(\[4\]\) from checkpoint"):
         tensortier.load_into({"a": torch.zeros(5), "b": torch.zeros(2, 2)}, path)
     with pytest.raises(TypeError, match="Module or a mapping"):
         tensortier.load_into([torch.zeros(4)], path)

@@ -1,0 +1,231 @@
+"""tensortier.load / save / load_into follow torch.load / torch.save / load_state_dict's
+conventions: their errors, map_location and weights_only, file-like objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensortier
+
+
+def _load_state_dict_error(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> str:
+    with pytest.raises(RuntimeError) as info:
+        module.load_state_dict(sd)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_load_into_strict_raises_load_state_dicts_runtime_error(
+    disk_dir: Path, name: str
+) -> None:
+    """The same RuntimeError, with load_state_dict's lines in its order, plus the file."""
+    saved = {"weight": torch.randn(3, 2), "extra": torch.randn(5)}
+    path = disk_dir / name
+    tensortier.save(saved, path)
+    model = torch.nn.Linear(2, 2)
+    expected = _load_state_dict_error(torch.nn.Linear(2, 2), saved)
+    with pytest.raises(RuntimeError) as info:
+        tensortier.load_into(model, path)
+    got = str(info.value)
+    assert got.startswith(expected + "\n\t"), got
+    assert str(path) in got.splitlines()[-1]
+    assert isinstance(info.value, tensortier.StateDictMismatchError)
+    assert isinstance(info.value, ValueError)  # what callers caught before
+
+
+def test_load_into_missing_unexpected_and_mapping_target(disk_dir: Path) -> None:
+    path = disk_dir / "s.safetensors"
+    tensortier.save({"weight": torch.randn(2, 2), "x": torch.randn(1)}, path)
+    expected = _load_state_dict_error(torch.nn.Linear(2, 2), {"weight": torch.randn(2, 2),
+                                                               "x": torch.randn(1)})
+    with pytest.raises(RuntimeError) as info:
+        tensortier.load_into(torch.nn.Linear(2, 2), path)
+    assert str(info.value).startswith(expected + "\n\t")
+    assert "strict=False" in str(info.value)
+    with pytest.raises(RuntimeError, match=r"^Error\(s\) in loading state_dict for dict:"):
+        tensortier.load_into({"weight": torch.zeros(2, 2)}, path)
+
+
+def test_load_into_size_mismatch_raises_even_when_not_strict(disk_dir: Path) -> None:
+    """load_state_dict(strict=False) still refuses shape mismatches: so does load_into."""
+    path = disk_dir / "s.pt"
+    saved = {"weight": torch.randn(3, 2)}
+    tensortier.save(saved, path)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError) as theirs:
+        torch.nn.Linear(2, 2).load_state_dict(saved, strict=False)
+    with pytest.raises(RuntimeError) as ours:
+        tensortier.load_into(model, path, strict=False)
+    assert str(ours.value).startswith(str(theirs.value) + "\n\t")
+    assert "strict=False" not in str(ours.value)
+
+
+def _save_as_if_on(location: str, obj: object, path: Path,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save `obj` with every storage's location recorded as `location` ('cuda:0'...):
+    the file a GPU machine writes, made here without one."""
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: location)
+        torch.save(obj, path)
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.device == b.device and a.dtype == b.dtype
+                and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _cuda_saved(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, object]]:
+    base = torch.arange(12, dtype=torch.float32)
+    obj = {"w": torch.randn(3, 5), "shared": base, "view": base[2:8].view(2, 3),
+           "i": torch.arange(7, dtype=torch.int16), "step": 3}
+    path = tmp / "gpu.pt"
+    _save_as_if_on("cuda:0", obj, path, monkeypatch)
+    return path, obj
+
+
+def test_map_location_cpu_forms_load_a_cuda_saved_file_as_torch_does(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, obj = _cuda_saved(disk_dir, monkeypatch)
+    seen: list[str] = []
+
+    def to_cpu(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        seen.append(location)
+        assert storage.device.type == "cpu"
+        return storage
+
+    for ml in ["cpu", torch.device("cpu"), {"cuda:0": "cpu"}, to_cpu,
+               lambda storage, location: storage.cpu()]:
+        theirs = torch.load(path, map_location=ml, weights_only=True)
+        ours = tensortier.load(path, map_location=ml)
+        assert _equal(theirs, obj) and _equal(ours, theirs), ml
+        # shared storages stay shared, as from torch.load
+        assert ours["view"].untyped_storage().data_ptr() == \
+            ours["shared"].untyped_storage().data_ptr()
+    assert len(seen) == 6 and set(seen) == {"cuda:0"}  # 3 storages, torch.load's calls too
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a machine without CUDA")
+def test_map_location_to_cuda_is_refused_without_cuda(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = _cuda_saved(disk_dir, monkeypatch)
+    for ml in [{"cuda:1": "cpu"}, {}, lambda storage, location: None, "cuda:0",
+               {"cpu": "cuda:0"}]:
+        with pytest.raises(RuntimeError):
+            torch.load(path, map_location=ml, weights_only=True)
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            tensortier.load(path, map_location=ml)
+    # without map_location: the CPU (the documented difference from torch.load)
+    assert tensortier.load(path)["i"].device.type == "cpu"
+
+
+def test_map_location_on_safetensors_and_cpu_saved_files(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd = {"a": torch.randn(4, 3), "b": torch.arange(5)}
+    st = disk_dir / "m.safetensors"
+    pt = disk_dir / "m.pt"
+    tensortier.save(sd, st)
+    torch.save(sd, pt)
+    locations: list[str] = []
+
+    def keep(storage: torch.UntypedStorage, location: str) -> None:
+        locations.append(location)
+        return None
+
+    for path in (st, pt):
+        for ml in ["cpu", {"cuda:0": "cuda:1"}, keep]:
+            out = tensortier.load(path, map_location=ml)
+            assert _equal(out, sd), (path, ml)
+            if path == pt:
+                assert _equal(torch.load(path, map_location=ml, weights_only=True), out)
+    assert locations == ["cpu"] * 6  # 2 tensors: ours on both files, torch.load's on .pt
+
+
+def test_weights_only_false_is_refused_true_and_none_load(disk_dir: Path) -> None:
+    path = disk_dir / "m.pt"
+    sd = {"a": torch.randn(3)}
+    tensortier.save(sd, path)
+    for wo in (True, None):
+        assert _equal(tensortier.load(path, weights_only=wo), sd)
+    with pytest.raises(ValueError, match="never runs arbitrary pickled code"):
+        tensortier.load(path, weights_only=False)
+    with pytest.raises(TypeError, match="weights_only"):
+        tensortier.load(path, weights_only="yes")  # type: ignore[arg-type]
+
+
+def test_map_location_bad_arguments(disk_dir: Path) -> None:
+    path = disk_dir / "m.pt"
+    tensortier.save({"a": torch.randn(3)}, path)
+    with pytest.raises(ValueError, match="not both"):
+        tensortier.load(path, device="cpu", map_location="cpu")
+    with pytest.raises(TypeError, match="map_location must be"):
+        tensortier.load(path, map_location=3)
+    with pytest.raises(ValueError, match="mmap=True"):
+        tensortier.load(path, map_location={"cpu": "cpu"}, mmap=True)
+    with pytest.raises(ValueError, match="same size"):
+        tensortier.load(path, map_location=lambda s, loc: torch.UntypedStorage(1))
+    assert tensortier.load(path, map_location="cpu", mmap=True)["a"].numel() == 3
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_save_and_load_file_objects(disk_dir: Path, fmt: str) -> None:
+    """io.BytesIO and open binary files, both ways, as torch.save/torch.load take them."""
+    import io
+
+    sd = {"a": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int64),
+          "empty": torch.zeros(0)}
+    buf = io.BytesIO()
+    tensortier.save(sd, buf, format=fmt)
+    buf.seek(0)
+    assert _equal(tensortier.load(buf), sd)
+    if fmt == "torch":
+        buf.seek(0)
+        assert _equal(torch.load(buf, weights_only=True), sd)
+    else:
+        from safetensors.torch import load as st_load
+        assert _equal(st_load(buf.getvalue()), sd)
+    path = disk_dir / "f.bin"
+    with open(path, "wb") as f:
+        tensortier.save(sd, f, format=fmt)
+    with open(path, "rb") as f:
+        assert _equal(tensortier.load(f, mmap=True), sd)
+    with open(path, "rb") as f:
+        assert _equal(tensortier.load(f, verify=fmt == "torch"), sd)
+
+
+def test_file_objects_default_to_torch_format_and_read_from_their_position(
+    disk_dir: Path,
+) -> None:
+    import io
+
+    sd = {"w": torch.randn(4)}
+    ours, theirs = io.BytesIO(b"head"), io.BytesIO()
+    ours.seek(4)
+    tensortier.save(sd, ours)  # torch's format, as torch.save writes to a file object
+    torch.save(sd, theirs)
+    ours.seek(4)
+    assert _equal(torch.load(ours, weights_only=True), sd)
+    ours.seek(4)
+    assert _equal(tensortier.load(ours, map_location="cpu"), sd)
+    with pytest.raises(ValueError, match=r"^<BytesIO>: .*not a safetensors file"):
+        tensortier.load(io.BytesIO(b"not a checkpoint at all"))
+    with pytest.raises(TypeError):  # a text file object, as torch.save refuses it
+        tensortier.save(sd, io.StringIO())
+
+
+def test_index_from_a_file_object_is_refused(disk_dir: Path) -> None:
+    import io
+
+    index = io.BytesIO(b'{"weight_map": {"a": "x.safetensors"}}')
+    with pytest.raises(ValueError, match="by its path"):
+        tensortier.load(index)
