@@ -5,14 +5,13 @@
 
 #include <optional>
 
+#include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "tensortier/extent_map.hpp"
 #include "tensortier/extent_reader.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
-
-BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f);  // module.cpp
 
 namespace {
 
@@ -42,18 +41,6 @@ py::dict DeviceDict(const MappedDevice& d) {
   out["filesystem"] = d.filesystem;
   out["block_size"] = d.block_size;
   return out;
-}
-
-py::dict IoStatsDict(const IoStats& s) {
-  py::dict d;
-  d["backend"] = s.backend;
-  d["requested_bytes"] = s.requested_bytes;
-  d["transferred_bytes"] = s.transferred_bytes;
-  d["direct_bytes"] = s.direct_bytes;
-  d["buffered_bytes"] = s.buffered_bytes;
-  d["bounced_bytes"] = s.bounced_bytes;
-  d["requests"] = s.requests;
-  return d;
 }
 
 }  // namespace
@@ -160,7 +147,7 @@ void RegisterExtents(py::module_& m) {
             for (const ExtentReadResult& f : batch.files) {
               out.append(py::make_tuple(f.bytes, f.raw, f.fallback));
             }
-            return py::make_tuple(out, IoStatsDict(batch.io));
+            return py::make_tuple(out, IoStatsToDict(batch.io));
           },
           py::arg("files"),
           "Reads (map index, address, capacity) files: [(bytes, raw, fallback reason)], stats.");

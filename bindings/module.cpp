@@ -9,6 +9,7 @@
 #include <optional>
 #include <system_error>
 
+#include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/backend.hpp"
@@ -29,9 +30,7 @@ void RegisterExtents(py::module_& m);     // bindings/extents.cpp
 void RegisterShared(py::module_& m);      // bindings/shared.cpp
 void RegisterData(py::module_& m);        // bindings/data.cpp
 
-namespace {
-
-py::dict StatsToDict(const IoStats& s) {
+py::dict tensortier::IoStatsToDict(const IoStats& s) {
   py::dict d;
   d["backend"] = s.backend;
   d["requested_bytes"] = s.requested_bytes;
@@ -48,6 +47,8 @@ py::dict StatsToDict(const IoStats& s) {
   d["residency_method"] = s.residency_method;
   return d;
 }
+
+namespace {
 
 IoOp ParseOp(const std::string& op) {
   if (op == "read") return IoOp::kRead;
@@ -104,7 +105,7 @@ py::dict OptionsDict(const EngineOptions& o) {
 
 // A backend factory that injects the faults described by `fault` (test hook; also used by
 // bindings/extents.cpp).
-BackendFactory FaultFactory(const EngineOptions& options, const py::dict& f) {
+BackendFactory tensortier::FaultFactory(const EngineOptions& options, const py::dict& f) {
   FaultPlan plan;
   plan.kind = ParseFaultKind(f["kind"].cast<std::string>());
   if (f.contains("errno")) plan.error = f["errno"].cast<int>();
@@ -266,7 +267,7 @@ PYBIND11_MODULE(_core, m) {
             py::dict out;
             out["bytes"] = r.bytes;
             out["segment_bytes"] = r.segment_bytes;
-            out["stats"] = StatsToDict(r.stats);
+            out["stats"] = IoStatsToDict(r.stats);
             return out;
           },
           py::arg("interruptible") = true);

@@ -11,6 +11,7 @@
 #include <string>
 #include <variant>
 
+#include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/cuda_driver.hpp"
@@ -53,19 +54,7 @@ struct PinnedMemory {
 };
 
 py::dict ResultToDict(const TransferResult& r) {
-  py::dict stats;
-  stats["backend"] = r.io.backend;
-  stats["requested_bytes"] = r.io.requested_bytes;
-  stats["transferred_bytes"] = r.io.transferred_bytes;
-  stats["direct_bytes"] = r.io.direct_bytes;
-  stats["buffered_bytes"] = r.io.buffered_bytes;
-  stats["bounced_bytes"] = r.io.bounced_bytes;
-  stats["cached_bytes"] = r.io.cached_bytes;
-  stats["requests"] = r.io.requests;
-  stats["resubmits"] = r.io.resubmits;
-  stats["eof"] = r.io.eof;
-  stats["direct_fallback"] = r.io.direct_fallback;
-  stats["residency_method"] = r.io.residency_method;
+  py::dict stats = IoStatsToDict(r.io);
   stats["path"] = r.path;
   stats["copier"] = r.copier;
   stats["chunks"] = r.chunks;
