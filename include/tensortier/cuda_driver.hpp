@@ -65,6 +65,38 @@ inline constexpr unsigned kMemHostRegisterPortable = 1;  // CU_MEMHOSTREGISTER_P
 inline constexpr unsigned kEventBlockingSync = 1;        // CU_EVENT_BLOCKING_SYNC
 inline constexpr unsigned kEventDisableTiming = 2;       // CU_EVENT_DISABLE_TIMING
 inline constexpr unsigned kStreamNonBlocking = 1;        // CU_STREAM_NON_BLOCKING
+
+// Virtual memory management (cuMemCreate & co; cuda.h's layouts, checked by static_asserts).
+using CUmemGenericAllocationHandle = unsigned long long;
+inline constexpr int kMemAllocationTypePinned = 1;  // CU_MEM_ALLOCATION_TYPE_PINNED
+inline constexpr int kMemHandleTypePosixFileDescriptor =
+    1;                                                 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+inline constexpr int kMemLocationTypeDevice = 1;       // CU_MEM_LOCATION_TYPE_DEVICE
+inline constexpr int kMemAccessFlagsReadWrite = 3;     // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+inline constexpr int kMemAllocGranularityMinimum = 0;  // CU_MEM_ALLOC_GRANULARITY_MINIMUM
+inline constexpr int kMemAllocGranularityRecommended = 1;  // CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+struct CUmemLocation {
+  int type = 0;
+  int id = 0;
+};
+struct CUmemAllocationProp {
+  int type = 0;
+  int requested_handle_types = 0;
+  CUmemLocation location;
+  void* win32_handle_meta_data = nullptr;
+  struct {
+    unsigned char compression_type = 0;
+    unsigned char gpu_direct_rdma_capable = 0;
+    unsigned short usage = 0;
+    unsigned char reserved[4] = {};
+  } alloc_flags;
+};
+struct CUmemAccessDesc {
+  CUmemLocation location;
+  int flags = 0;
+};
+static_assert(sizeof(CUmemLocation) == 8 && sizeof(CUmemAccessDesc) == 12);
+static_assert(sizeof(CUmemAllocationProp) == 32);
 }  // namespace cuda
 
 // The entry points we use, resolved by their exported names (the `_v2` ones where cuda.h maps a
@@ -101,6 +133,25 @@ struct CudaApi {
   CUresult (*MemFreeHost)(void* p) = nullptr;
   CUresult (*MemAlloc)(cuda::CUdeviceptr* p, size_t bytes) = nullptr;  // _v2
   CUresult (*MemFree)(cuda::CUdeviceptr p) = nullptr;                  // _v2
+  // Virtual memory management (CUDA 10.2+).
+  CUresult (*MemGetAllocationGranularity)(size_t* granularity,
+                                          const cuda::CUmemAllocationProp* prop,
+                                          int option) = nullptr;
+  CUresult (*MemCreate)(cuda::CUmemGenericAllocationHandle* handle, size_t bytes,
+                        const cuda::CUmemAllocationProp* prop, unsigned long long flags) = nullptr;
+  CUresult (*MemRelease)(cuda::CUmemGenericAllocationHandle handle) = nullptr;
+  CUresult (*MemExportToShareableHandle)(void* shareable, cuda::CUmemGenericAllocationHandle handle,
+                                         int handle_type, unsigned long long flags) = nullptr;
+  CUresult (*MemImportFromShareableHandle)(cuda::CUmemGenericAllocationHandle* handle,
+                                           void* os_handle, int handle_type) = nullptr;
+  CUresult (*MemAddressReserve)(cuda::CUdeviceptr* address, size_t bytes, size_t alignment,
+                                cuda::CUdeviceptr hint, unsigned long long flags) = nullptr;
+  CUresult (*MemAddressFree)(cuda::CUdeviceptr address, size_t bytes) = nullptr;
+  CUresult (*MemMap)(cuda::CUdeviceptr address, size_t bytes, size_t offset,
+                     cuda::CUmemGenericAllocationHandle handle, unsigned long long flags) = nullptr;
+  CUresult (*MemUnmap)(cuda::CUdeviceptr address, size_t bytes) = nullptr;
+  CUresult (*MemSetAccess)(cuda::CUdeviceptr address, size_t bytes,
+                           const cuda::CUmemAccessDesc* desc, size_t count) = nullptr;
 };
 
 // A failed driver call. what(): "<call> failed: CUDA_ERROR_X (code): <driver's description>", or

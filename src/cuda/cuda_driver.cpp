@@ -155,7 +155,20 @@ void CudaDriver::Open() {
       detail::DlSym(handle_, library_, "cuMemAllocHost_v2", api_.MemAllocHost, &why_) &&
       detail::DlSym(handle_, library_, "cuMemFreeHost", api_.MemFreeHost, &why_) &&
       detail::DlSym(handle_, library_, "cuMemAlloc_v2", api_.MemAlloc, &why_) &&
-      detail::DlSym(handle_, library_, "cuMemFree_v2", api_.MemFree, &why_);
+      detail::DlSym(handle_, library_, "cuMemFree_v2", api_.MemFree, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemGetAllocationGranularity",
+                    api_.MemGetAllocationGranularity, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemCreate", api_.MemCreate, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemRelease", api_.MemRelease, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemExportToShareableHandle",
+                    api_.MemExportToShareableHandle, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemImportFromShareableHandle",
+                    api_.MemImportFromShareableHandle, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemAddressReserve", api_.MemAddressReserve, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemAddressFree", api_.MemAddressFree, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemMap", api_.MemMap, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemUnmap", api_.MemUnmap, &why_) &&
+      detail::DlSym(handle_, library_, "cuMemSetAccess", api_.MemSetAccess, &why_);
   if (!resolved) return;
 
   if (cuda::CUresult r = api_.Init(0); r != cuda::kSuccess) {

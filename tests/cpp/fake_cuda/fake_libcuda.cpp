@@ -16,11 +16,18 @@
 //    memory a queued copy still uses, releasing a context more often than retained), is
 //    recorded: fakecuda_violations() returns it; fakecuda_live() counts what is still allocated,
 //    registered or retained, so tests can check that every RAII object gave its resource back.
+//  - Virtual memory management (cuMemCreate & co): a physical allocation is a memfd (named after
+//    its device), so its exported handle is a real descriptor that another process imports and
+//    maps onto the same bytes. Mapped addresses stay PROT_NONE like cuMemAlloc's; copies reach
+//    them only once cuMemSetAccess allowed it. Sizes, offsets and reservations are checked against
+//    the granularity (FAKE_CUDA_GRANULARITY, default 2 MiB, as GPUs answer).
+//  - Failures are injected per call (fakecuda_fail_next) and calls are counted (fakecuda_calls).
 //  - cuFile (libcufile.so.0) too, in the same library: load it with CuFile::Load(path, false).
 // Not modelled: the legacy default stream's implicit synchronisation with other streams (code
 // must not rely on it), managed memory, peer access, timing.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -72,6 +79,22 @@ struct DeviceAllocation {
   std::byte* shadow = nullptr;  // where the bytes live
   size_t mapped = 0;
   int device = 0;
+  bool vmm = false;        // a cuMemMap of a physical allocation (else cuMemAlloc)
+  bool accessible = true;  // cuMemMap'ped ranges: once cuMemSetAccess allowed it
+};
+
+// A cuMemCreate'd or imported allocation: its bytes are the memfd's.
+struct PhysicalAllocation {
+  int fd = -1;
+  size_t bytes = 0;
+  int device = 0;
+};
+
+// A cuMemAddressReserve'd range: PROT_NONE host addresses nobody else gets.
+struct Reservation {
+  size_t bytes = 0;
+  void* raw = nullptr;  // the mmap holding it (aligned inside)
+  size_t raw_bytes = 0;
 };
 
 struct HostRange {
@@ -124,6 +147,13 @@ struct Driver {
   int next_driver_open_result = 0;  // what the next cuFileDriverOpen answers
   bool bool_parameters[16] = {};    // cuFileGetParameterBool's answers, set by the hook below
   CUresult next_host_register_result = kSuccess;  // injected: what cuMemHostRegister answers
+  // Virtual memory management
+  size_t granularity = 2u << 20;
+  unsigned long long next_physical = 1;
+  std::map<unsigned long long, PhysicalAllocation> physical;
+  std::map<uintptr_t, Reservation> reservations;
+  std::map<std::string, CUresult> fail_next;  // call name -> what its next call answers
+  std::map<std::string, int> calls;           // call name -> how many times it was called
 };
 
 Driver& D() {
@@ -147,6 +177,7 @@ DeviceAllocation* FindDevice(uint64_t address, size_t bytes, uintptr_t* base = n
   auto it = memory.upper_bound(static_cast<uintptr_t>(address));
   if (it == memory.begin()) return nullptr;
   --it;
+  if (!it->second.accessible) return nullptr;
   if (address < it->first || address - it->first > it->second.bytes ||
       bytes > it->second.bytes - (address - it->first)) {
     return nullptr;
@@ -270,7 +301,8 @@ int fakecuda_violations(char* out, size_t size) {
 int fakecuda_live() {
   std::lock_guard lock(D().mu);
   size_t n = D().device_memory.size() + D().host_memory.size() + D().streams.size() +
-             D().events.size() - (D().null_stream != nullptr ? 1 : 0) + D().file_handles.size() +
+             D().physical.size() + D().reservations.size() + D().events.size() -
+             (D().null_stream != nullptr ? 1 : 0) + D().file_handles.size() +
              D().file_buffers.size();
   for (const Context& c : D().contexts) n += static_cast<size_t>(c.retained);
   return static_cast<int>(n);
@@ -310,6 +342,20 @@ void fakecuda_next_host_register_result(int result) {
   D().next_host_register_result = static_cast<CUresult>(result);
 }
 
+// The next call of `call` (e.g. "cuMemMap") in this process answers `result` and does nothing.
+void fakecuda_fail_next(const char* call, int result) {
+  std::lock_guard lock(D().mu);
+  D().fail_next[call] = static_cast<CUresult>(result);
+}
+
+// How many times `call` was made in this process (counted: host registration and the
+// virtual memory management calls).
+int fakecuda_calls(const char* call) {
+  std::lock_guard lock(D().mu);
+  auto it = D().calls.find(call);
+  return it == D().calls.end() ? 0 : it->second;
+}
+
 // What cuFileGetParameterBool answers for `param` from now on.
 void fakecuda_cufile_set_bool_parameter(int param, int value) {
   std::lock_guard lock(D().mu);
@@ -323,6 +369,9 @@ CUresult cuInit(unsigned flags) {
   std::lock_guard lock(D().mu);
   if (!D().initialized) {
     if (const char* v = std::getenv("FAKE_CUDA_DEVICES")) D().devices = std::atoi(v);
+    if (const char* v = std::getenv("FAKE_CUDA_GRANULARITY")) {
+      D().granularity = static_cast<size_t>(std::atoll(v));
+    }
     if (const char* v = std::getenv("FAKE_CUDA_COPY_DELAY_US")) {
       D().delay = std::chrono::microseconds(std::atoi(v));
     }
@@ -611,6 +660,7 @@ CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned flags) {
   if (!HasContext()) return kInvalidContext;
   if (p == nullptr || bytes == 0 || flags > 15) return kInvalidValue;
   std::lock_guard lock(D().mu);
+  ++D().calls["cuMemHostRegister"];
   if (CUresult injected = std::exchange(D().next_host_register_result, kSuccess)) return injected;
   const auto address = reinterpret_cast<uintptr_t>(p);
   for (const auto& [base, range] : D().host_memory) {
@@ -622,6 +672,7 @@ CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned flags) {
 
 CUresult cuMemHostUnregister(void* p) {
   std::unique_lock lock(D().mu);
+  ++D().calls["cuMemHostUnregister"];
   auto it = D().host_memory.find(reinterpret_cast<uintptr_t>(p));
   if (it == D().host_memory.end() || it->second.allocated) return kNotRegistered;
   const uintptr_t base = it->first;
@@ -684,13 +735,230 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
 CUresult cuMemFree_v2(CUdeviceptr p) {
   std::unique_lock lock(D().mu);
   auto it = D().device_memory.find(static_cast<uintptr_t>(p));
-  if (it == D().device_memory.end()) return kInvalidValue;
+  if (it == D().device_memory.end() || it->second.vmm) return kInvalidValue;
   const uintptr_t base = it->first;
   const DeviceAllocation a = it->second;
   WaitUntilUnused(lock, 0, 0, base, a.bytes);  // cuMemFree synchronises
   munmap(reinterpret_cast<void*>(base), a.mapped);
   munmap(a.shadow, a.mapped);
   D().device_memory.erase(base);
+  return kSuccess;
+}
+
+// ---- virtual memory management
+// ----------------------------------------------------------------------------------
+
+// Counts `call` and answers its injected failure, if any (0 otherwise). With D().mu held.
+static CUresult Enter(const char* call) {
+  ++D().calls[call];
+  auto it = D().fail_next.find(call);
+  if (it == D().fail_next.end()) return kSuccess;
+  const CUresult r = it->second;
+  D().fail_next.erase(it);
+  return r;
+}
+
+constexpr int kAllocationTypePinned = 1;
+constexpr int kHandleTypePosixFd = 1;
+constexpr int kLocationTypeDevice = 1;
+
+struct MemLocation {
+  int type;
+  int id;
+};
+struct AllocationProp {
+  int type;
+  int requested_handle_types;
+  MemLocation location;
+  void* win32_handle_meta_data;
+  unsigned char alloc_flags[8];
+};
+struct AccessDesc {
+  MemLocation location;
+  int flags;
+};
+
+static bool ValidProp(const AllocationProp* prop) {  // with D().mu held
+  return prop != nullptr && prop->type == kAllocationTypePinned &&
+         prop->location.type == kLocationTypeDevice && prop->location.id >= 0 &&
+         prop->location.id < D().devices;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t* granularity, const AllocationProp* prop,
+                                       int option) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemGetAllocationGranularity")) return r;
+  if (granularity == nullptr || !ValidProp(prop) || option < 0 || option > 1) return kInvalidValue;
+  *granularity = D().granularity;
+  return kSuccess;
+}
+
+CUresult cuMemCreate(unsigned long long* handle, size_t bytes, const AllocationProp* prop,
+                     unsigned long long flags) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemCreate")) return r;
+  if (handle == nullptr || !ValidProp(prop) || flags != 0 || bytes == 0 ||
+      bytes % D().granularity != 0) {
+    return kInvalidValue;
+  }
+  if (prop->requested_handle_types != kHandleTypePosixFd) return kInvalidValue;
+  // The name carries the device, so that an importer knows where the memory is.
+  const std::string name = "fakecuda-vmm." + std::to_string(prop->location.id);
+  const int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
+  if (fd < 0) return kOutOfMemory;
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    close(fd);
+    return kOutOfMemory;
+  }
+  *handle = D().next_physical++;
+  D().physical.emplace(*handle, PhysicalAllocation{fd, bytes, prop->location.id});
+  return kSuccess;
+}
+
+CUresult cuMemRelease(unsigned long long handle) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemRelease")) return r;
+  auto it = D().physical.find(handle);
+  if (it == D().physical.end()) return kInvalidValue;
+  close(it->second.fd);  // mappings keep the bytes, as the driver's do until cuMemUnmap
+  D().physical.erase(it);
+  return kSuccess;
+}
+
+CUresult cuMemExportToShareableHandle(void* shareable, unsigned long long handle, int type,
+                                      unsigned long long flags) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemExportToShareableHandle")) return r;
+  auto it = D().physical.find(handle);
+  if (shareable == nullptr || it == D().physical.end() || flags != 0) return kInvalidValue;
+  if (type != kHandleTypePosixFd) return kInvalidValue;
+  const int fd = fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return kOutOfMemory;
+  *static_cast<int*>(shareable) = fd;
+  return kSuccess;
+}
+
+CUresult cuMemImportFromShareableHandle(unsigned long long* handle, void* os_handle, int type) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemImportFromShareableHandle")) return r;
+  if (handle == nullptr || type != kHandleTypePosixFd) return kInvalidValue;
+  const int fd = static_cast<int>(reinterpret_cast<intptr_t>(os_handle));
+  // Only descriptors cuMemCreate made (in any process) are device memory.
+  char target[256] = {};
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  if (readlink(link.c_str(), target, sizeof(target) - 1) < 0) return kInvalidValue;
+  const std::string prefix = "/memfd:fakecuda-vmm.";
+  const std::string name = target;
+  struct stat st = {};
+  if (name.rfind(prefix, 0) != 0 || fstat(fd, &st) != 0 || st.st_size <= 0) return kInvalidValue;
+  const int device = std::atoi(name.c_str() + prefix.size());
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) return kOutOfMemory;
+  *handle = D().next_physical++;
+  D().physical.emplace(*handle, PhysicalAllocation{own, static_cast<size_t>(st.st_size), device});
+  return kSuccess;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr* address, size_t bytes, size_t alignment, CUdeviceptr hint,
+                             unsigned long long flags) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemAddressReserve")) return r;
+  const size_t g = D().granularity;
+  if (address == nullptr || bytes == 0 || bytes % g != 0 || flags != 0 ||
+      (alignment != 0 && alignment % g != 0)) {
+    return kInvalidValue;
+  }
+  (void)hint;  // a hint only
+  const size_t align = std::max(alignment, g);
+  const size_t raw_bytes = bytes + align;
+  void* raw =
+      mmap(nullptr, raw_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return kOutOfMemory;
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(raw) + align - 1) / align * align;
+  D().reservations.emplace(base, Reservation{bytes, raw, raw_bytes});
+  *address = base;
+  return kSuccess;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr address, size_t bytes) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemAddressFree")) return r;
+  auto it = D().reservations.find(static_cast<uintptr_t>(address));
+  if (it == D().reservations.end() || it->second.bytes != bytes) return kInvalidValue;
+  for (const auto& [base, a] : D().device_memory) {
+    if (a.vmm && Overlaps(base, a.bytes, it->first, bytes)) {
+      Violation("cuMemAddressFree of a range that still has mappings");
+      return kInvalidValue;
+    }
+  }
+  munmap(it->second.raw, it->second.raw_bytes);
+  D().reservations.erase(it);
+  return kSuccess;
+}
+
+CUresult cuMemMap(CUdeviceptr address, size_t bytes, size_t offset, unsigned long long handle,
+                  unsigned long long flags) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemMap")) return r;
+  const size_t g = D().granularity;
+  auto a = D().physical.find(handle);
+  if (a == D().physical.end()) return kInvalidHandle;
+  if (flags != 0 || bytes == 0 || bytes % g != 0 || offset % g != 0 || address % g != 0 ||
+      offset + bytes > a->second.bytes) {
+    return kInvalidValue;
+  }
+  // Inside one reservation, over nothing mapped.
+  auto r = D().reservations.upper_bound(static_cast<uintptr_t>(address));
+  if (r == D().reservations.begin()) return kInvalidValue;
+  --r;
+  if (address < r->first || address + bytes > r->first + r->second.bytes) return kInvalidValue;
+  for (const auto& [base, m] : D().device_memory) {
+    if (Overlaps(base, m.bytes, address, bytes)) return kInvalidValue;
+  }
+  void* shadow = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, a->second.fd,
+                      static_cast<off_t>(offset));
+  if (shadow == MAP_FAILED) return kOutOfMemory;
+  DeviceAllocation m{bytes, static_cast<std::byte*>(shadow), bytes, a->second.device, true, false};
+  D().device_memory.emplace(static_cast<uintptr_t>(address), m);
+  return kSuccess;
+}
+
+CUresult cuMemUnmap(CUdeviceptr address, size_t bytes) {
+  std::unique_lock lock(D().mu);
+  if (CUresult r = Enter("cuMemUnmap")) return r;
+  auto it = D().device_memory.find(static_cast<uintptr_t>(address));
+  if (it == D().device_memory.end() || !it->second.vmm || it->second.bytes != bytes) {
+    return kInvalidValue;
+  }
+  const DeviceAllocation m = it->second;
+  WaitUntilUnused(lock, 0, 0, address, bytes);  // cuMemUnmap synchronises
+  munmap(m.shadow, m.mapped);
+  D().device_memory.erase(static_cast<uintptr_t>(address));
+  return kSuccess;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr address, size_t bytes, const AccessDesc* desc, size_t count) {
+  std::lock_guard lock(D().mu);
+  if (CUresult r = Enter("cuMemSetAccess")) return r;
+  if (desc == nullptr || count == 0) return kInvalidValue;
+  for (size_t i = 0; i < count; ++i) {
+    if (desc[i].location.type != kLocationTypeDevice || desc[i].location.id < 0 ||
+        desc[i].location.id >= D().devices) {
+      return kInvalidDevice;
+    }
+    if (desc[i].flags != 3 && desc[i].flags != 1) return kInvalidValue;
+  }
+  // Every byte of the range must be mapped (the mappings it covers become accessible).
+  size_t covered = 0;
+  std::vector<DeviceAllocation*> mappings;
+  for (auto& [base, m] : D().device_memory) {
+    if (!m.vmm || !Overlaps(base, m.bytes, address, bytes)) continue;
+    if (base < address || base + m.bytes > address + bytes) return kInvalidValue;
+    covered += m.bytes;
+    mappings.push_back(&m);
+  }
+  if (covered != bytes) return kInvalidValue;
+  for (DeviceAllocation* m : mappings) m->accessible = true;
   return kSuccess;
 }
 
