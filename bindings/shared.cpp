@@ -78,6 +78,11 @@ struct SharedRegion {
   uint64_t size = 0;
 };
 
+// Keeps a device-memory shared tensor's mappings alive while a CUDA view of them lives.
+struct SharedDeviceKeeper {
+  std::shared_ptr<void> hold;
+};
+
 py::tuple PartitionTuple(const SharedPartition& p) {
   return py::make_tuple(p.rank, p.row_begin, p.rows, p.bytes,
                         reinterpret_cast<uintptr_t>(p.address));
@@ -111,6 +116,8 @@ void RegisterShared(py::module_& m) {
                                {static_cast<ssize_t>(r.size)}, {1});
       });
 
+  py::class_<SharedDeviceKeeper>(m, "SharedDeviceKeeper");
+
   py::class_<SharedTensor, std::shared_ptr<SharedTensor>>(m, "SharedTensor")
       .def_property_readonly("describe", [](const SharedTensor& t) { return t.spec().Describe(); })
       .def_property_readonly("name", [](const SharedTensor& t) { return t.spec().name; })
@@ -118,6 +125,8 @@ void RegisterShared(py::module_& m) {
       .def_property_readonly("shape", [](const SharedTensor& t) { return t.spec().shape; })
       .def_property_readonly(
           "layout", [](const SharedTensor& t) { return SharedLayoutName(t.spec().layout); })
+      .def_property_readonly(
+          "memory", [](const SharedTensor& t) { return SharedMemoryName(t.spec().memory); })
       .def_property_readonly("row_bytes",
                              [](const SharedTensor& t) { return t.spec().row_bytes(); })
       .def_property_readonly("rank", [](const SharedTensor& t) { return t.local().rank; })
@@ -133,12 +142,21 @@ void RegisterShared(py::module_& m) {
                                d["local_bytes"] = t.stats().local_bytes;
                                d["huge_pages"] = t.stats().huge_pages;
                                d["huge_pages_reason"] = t.stats().huge_pages_reason;
+                               d["cuda_registered"] = t.stats().cuda_registered;
+                               d["cuda_registered_reason"] = t.stats().cuda_registered_reason;
+                               if (t.spec().memory == SharedMemory::kDevice) {
+                                 d["device"] = t.stats().device;
+                                 d["granularity"] = t.stats().granularity;
+                               }
                                return d;
                              })
       .def_property_readonly("closed", &SharedTensor::closed)
       .def(
           "region",
           [](const SharedTensor& t, int rank) {
+            if (t.spec().memory == SharedMemory::kDevice) {
+              throw py::value_error("a device-memory shared tensor has no host buffer");
+            }
             SharedRegion r;
             r.hold = t.memory();
             if (rank < 0) {
@@ -153,6 +171,22 @@ void RegisterShared(py::module_& m) {
           },
           py::arg("rank"),
           "The memory of partition `rank`, or of the whole (continuous) tensor for -1.")
+      .def(
+          "device_region",
+          [](const SharedTensor& t, int rank) {
+            if (t.spec().memory != SharedMemory::kDevice) {
+              throw py::value_error("a host-memory shared tensor has no device addresses");
+            }
+            std::shared_ptr<void> hold = t.memory();
+            uint8_t* data = rank < 0 ? t.data() : t.partitions().at(rank).address;
+            uint64_t size =
+                rank < 0 ? t.spec().rows() * t.spec().row_bytes() : t.partitions().at(rank).bytes;
+            return py::make_tuple(reinterpret_cast<uintptr_t>(data), size,
+                                  SharedDeviceKeeper{std::move(hold)});
+          },
+          py::arg("rank"),
+          "(device address, bytes, keeper) of partition `rank`, or of the whole (continuous) "
+          "tensor for -1; the mapping stays while `keeper` lives.")
       .def(
           "gather",
           [](const SharedTensor& t, uintptr_t indices, size_t count, uintptr_t out) {
@@ -185,18 +219,20 @@ void RegisterShared(py::module_& m) {
       .def(
           "create",
           [](SharedGroup& g, const std::vector<int64_t>& shape, const std::string& dtype,
-             uint64_t element_size, const std::string& layout, const std::string& name) {
+             uint64_t element_size, const std::string& layout, const std::string& name,
+             const std::string& memory, int device) {
             SharedTensorSpec spec;
             spec.shape = shape;
             spec.dtype = dtype;
             spec.element_size = element_size;
             spec.layout = ParseSharedLayout(layout);
             spec.name = name;
+            spec.memory = ParseSharedMemory(memory);
             py::gil_scoped_release release;
-            return g.Create(spec);
+            return g.Create(spec, device);
           },
           py::arg("shape"), py::arg("dtype"), py::arg("element_size"), py::arg("layout"),
-          py::arg("name"))
+          py::arg("name"), py::arg("memory") = "host", py::arg("device") = 0)
       .def(
           "agree",
           [](SharedGroup& g, const std::vector<int64_t>& shape, const std::string& dtype,
@@ -212,7 +248,7 @@ void RegisterShared(py::module_& m) {
           },
           py::arg("shape"), py::arg("dtype"), py::arg("element_size"), py::arg("layout"),
           py::arg("name"), "Collective: ValueError on every rank unless all ask for this tensor.")
-      .def("attach", &SharedGroup::Attach, py::arg("name"),
+      .def("attach", &SharedGroup::Attach, py::arg("name"), py::arg("device") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("barrier", &SharedGroup::Barrier, py::arg("what"),
            py::call_guard<py::gil_scoped_release>())

@@ -1,4 +1,5 @@
-// Shared tensors: one tensor whose rows every process of a job sees, in shared host memory.
+// Shared tensors: one tensor whose rows every process of a job sees, in shared host memory or in
+// the memory of the job's GPUs.
 //
 // Each rank owns a partition of the rows: it creates the partition's memory (an anonymous
 // memfd, mode 0600, size sealed), faults it in first (so the pages sit near it) and hands the
@@ -6,6 +7,15 @@
 // token agreed through the job's Store. Peers must run as the same user (SO_PEERCRED). Nothing is
 // ever created in a filesystem (/dev/shm, /tmp): when the last process holding a partition exits,
 // however it exits, the memory goes back to the kernel.
+//
+// Device memory (SharedMemory::kDevice): each rank's partition is physical memory on its own GPU
+// (cuMemCreate, rounded up to the allocation granularity), exported as a POSIX descriptor and
+// passed the same way; every process imports its peers' partitions and maps them all into one
+// range of device addresses it reserved (cuMemAddressReserve, cuMemMap), readable and writable by
+// every GPU of the group this process can see (cuMemSetAccess). Partition addresses are then
+// device addresses: host code must not dereference them (Gather/Scatter throw; copy through
+// CUDA, or take a CUDA view from Python). Host memory is registered with CUDA (page-locked,
+// portable) when a driver is present, so copies to and from GPUs run at full speed.
 //
 // Layouts: kContinuous maps every partition, in rank order, into one reserved address range, so
 // each process sees the whole tensor as one array; kChunked maps each partition on its own.
@@ -22,6 +32,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,10 +43,14 @@
 namespace tensortier {
 
 enum class SharedLayout { kContinuous, kChunked, kDistributed };
+enum class SharedMemory { kHost, kDevice };
 
 // "continuous" / "chunked" / "distributed"; Parse throws std::invalid_argument for anything else.
 const char* SharedLayoutName(SharedLayout layout);
 SharedLayout ParseSharedLayout(const std::string& name);
+// "host" / "device"; Parse throws std::invalid_argument for anything else.
+const char* SharedMemoryName(SharedMemory memory);
+SharedMemory ParseSharedMemory(const std::string& name);
 
 // How long collective calls wait for the other ranks unless told otherwise.
 inline constexpr std::chrono::milliseconds kDefaultSharedTimeout{std::chrono::minutes(2)};
@@ -48,6 +63,7 @@ struct SharedTensorSpec {
   uint64_t element_size = 0;
   std::vector<int64_t> shape;
   SharedLayout layout = SharedLayout::kContinuous;
+  SharedMemory memory = SharedMemory::kHost;
 
   uint64_t rows() const;
   uint64_t row_bytes() const;
@@ -63,7 +79,7 @@ struct SharedPartition {
   uint64_t row_begin = 0;
   uint64_t rows = 0;
   uint64_t bytes = 0;
-  uint8_t* address = nullptr;  // nullptr when rows == 0
+  uint8_t* address = nullptr;  // nullptr when rows == 0; a device address for device memory
 };
 
 // Splits `rows` rows of `row_bytes` into `world_size` partitions in rank order. Every partition
@@ -76,6 +92,12 @@ struct SharedTensorStats {
   uint64_t local_bytes = 0;       // this rank's partition
   bool huge_pages = false;        // the local partition is on hugetlb pages
   std::string huge_pages_reason;  // why not, when not
+  // Host memory: every partition's mapping in this process is registered with CUDA (page-locked,
+  // portable); false without a CUDA driver, or when registering failed (then the reason says why).
+  bool cuda_registered = false;
+  std::string cuda_registered_reason;
+  int device = -1;           // device memory: this process's GPU (else -1)
+  uint64_t granularity = 0;  // device memory: what every partition's allocation is rounded up to
 };
 
 class SharedGroup;
@@ -88,7 +110,8 @@ class SharedTensor {
   const std::vector<SharedPartition>& partitions() const noexcept { return partitions_; }
   const SharedPartition& local() const { return partitions_.at(rank_); }
   const SharedTensorStats& stats() const noexcept { return stats_; }
-  // The whole tensor as one array (kContinuous only; throws std::logic_error otherwise).
+  // The whole tensor as one array (kContinuous only; throws std::logic_error otherwise). A device
+  // address for device memory.
   uint8_t* data() const;
   // Keeps every mapping of this tensor alive while held (views handed to Python hold one).
   // Throws std::logic_error after Close.
@@ -113,6 +136,9 @@ class SharedTensor {
   SharedTensor() = default;
   std::shared_ptr<Memory> Hold() const;
   void CopyRows(const int64_t* indices, size_t count, uint8_t* buffer, bool gather) const;
+  // Registers every partition's host mapping with CUDA through `device`'s context, when a
+  // driver is present; the stats say whether it did.
+  void RegisterWithCuda(int device);
 
   SharedTensorSpec spec_;
   std::vector<SharedPartition> partitions_;
@@ -145,10 +171,14 @@ class SharedGroup {
   uint64_t refused_peers() const;
 
   // Collective: every rank passes an equal spec (else std::invalid_argument on all). The
-  // layout is kContinuous or kChunked.
-  std::shared_ptr<SharedTensor> Create(const SharedTensorSpec& spec);
-  // Not collective: maps a named tensor that the group created (its owners must still hold it).
-  std::shared_ptr<SharedTensor> Attach(const std::string& name);
+  // layout is kContinuous or kChunked. `device` is this process's GPU: where its partition of a
+  // device-memory tensor lives, and the context host memory is registered through. A failure on
+  // any rank (CudaError, IoError) makes every rank throw: the failing rank its own error, the
+  // others std::runtime_error naming it. Nothing stays allocated, mapped or served after a throw.
+  std::shared_ptr<SharedTensor> Create(const SharedTensorSpec& spec, int device = 0);
+  // Not collective: maps a named host-memory tensor that the group created (its owners must
+  // still hold it). Device-memory tensors cannot be attached (std::invalid_argument).
+  std::shared_ptr<SharedTensor> Attach(const std::string& name, int device = 0);
   // Collective: returns when every rank has called it (IoError ETIMEDOUT otherwise).
   void Barrier(const std::string& what);
   // Collective exchange of one string per rank (the control path of the layers above).
@@ -165,7 +195,14 @@ class SharedGroup {
   friend class SharedTensor;
   struct Server;
   std::shared_ptr<SharedTensor> Map(const SharedTensorSpec& spec, const std::string& key,
-                                    bool own_partition);
+                                    bool own_partition, int device);
+  std::shared_ptr<SharedTensor> MapDevice(const SharedTensorSpec& spec, const std::string& key,
+                                          int device);
+  // Collective: every rank reports whether its step `what` worked (`failure` null) or not. Returns
+  // when all did; otherwise rethrows `failure` on the failing ranks and throws
+  // std::runtime_error naming them on the others.
+  std::vector<std::string> Settle(const std::string& what, std::exception_ptr failure,
+                                  const std::string& value = "");
 
   std::shared_ptr<Store> store_;
   int rank_;

@@ -15,10 +15,14 @@
 #include <exception>
 #include <map>
 #include <numeric>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
 
+#include "tensortier/cuda_driver.hpp"
+#include "tensortier/cuda_vmm.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/strings.hpp"
 #include "unix_socket.hpp"
@@ -96,6 +100,16 @@ SharedLayout ParseSharedLayout(const std::string& name) {
       StrCat("layout must be 'continuous', 'chunked' or 'distributed', not '", name, "'"));
 }
 
+const char* SharedMemoryName(SharedMemory memory) {
+  return memory == SharedMemory::kDevice ? "device" : "host";
+}
+
+SharedMemory ParseSharedMemory(const std::string& name) {
+  if (name == "host") return SharedMemory::kHost;
+  if (name == "device") return SharedMemory::kDevice;
+  throw std::invalid_argument(StrCat("memory must be 'host' or 'device', not '", name, "'"));
+}
+
 uint64_t SharedTensorSpec::rows() const {
   return shape.empty() ? 1 : shape[0];
 }
@@ -110,7 +124,8 @@ std::string SharedTensorSpec::Describe() const {
   std::string dims;
   for (size_t i = 0; i < shape.size(); ++i) dims += StrCat(i ? "," : "", shape[i]);
   return StrCat("shape=[", dims, "] dtype=", dtype, " element_size=", element_size,
-                " layout=", SharedLayoutName(layout), " name='", name, "'");
+                " layout=", SharedLayoutName(layout), " memory=", SharedMemoryName(memory),
+                " name='", name, "'");
 }
 
 SharedTensorSpec SharedTensorSpec::Parse(const std::string& described) {
@@ -135,6 +150,7 @@ SharedTensorSpec SharedTensorSpec::Parse(const std::string& described) {
   s.dtype = field("dtype", ' ');
   s.element_size = std::stoull(field("element_size", ' '));
   s.layout = ParseSharedLayout(field("layout", ' '));
+  s.memory = ParseSharedMemory(field("memory", ' '));
   std::string quoted = field("name", '\0');
   if (quoted.size() < 2) throw std::invalid_argument(StrCat("bad name in: ", described));
   s.name = quoted.substr(1, quoted.size() - 2);
@@ -164,11 +180,21 @@ std::vector<SharedPartition> PartitionRows(uint64_t rows, uint64_t row_bytes, in
 // Memory: the mappings of one tensor in this process
 
 struct SharedTensor::Memory {
+  // Host memory.
   uint8_t* reserved = nullptr;  // kContinuous: the whole range, partitions mapped inside it
   uint64_t reserved_bytes = 0;
   std::vector<std::pair<void*, uint64_t>> mappings;  // kChunked: each partition
+  std::vector<HostRegistration> registrations;       // of the partitions' mappings
+  // Device memory, given back in reverse: mappings, then allocations, then the range.
+  std::optional<DeviceAddressRange> device_range;
+  std::vector<DeviceAllocation> device_allocations;
+  std::vector<DeviceMapping> device_mappings;
 
   ~Memory() {
+    device_mappings.clear();
+    device_allocations.clear();
+    device_range.reset();
+    registrations.clear();  // CUDA lets go of the pages before they are unmapped
     if (reserved != nullptr) ::munmap(reserved, reserved_bytes);
     for (auto [address, length] : mappings) ::munmap(address, length);
   }
@@ -178,7 +204,9 @@ uint8_t* SharedTensor::data() const {
   if (spec_.layout != SharedLayout::kContinuous) {
     throw std::logic_error("a chunked shared tensor has no single address: use its partitions");
   }
-  return Hold()->reserved;
+  std::shared_ptr<Memory> hold = Hold();
+  if (hold->device_range) return reinterpret_cast<uint8_t*>(hold->device_range->address());
+  return hold->reserved;
 }
 
 std::shared_ptr<void> SharedTensor::memory() const {
@@ -204,6 +232,11 @@ bool SharedTensor::closed() const {
 void SharedTensor::CopyRows(const int64_t* indices, size_t count, uint8_t* buffer,
                             bool gather) const {
   std::shared_ptr<Memory> hold = Hold();
+  if (spec_.memory == SharedMemory::kDevice) {
+    throw std::logic_error(
+        StrCat("shared tensor ", spec_.Describe(),
+               " is in device memory: gather and scatter rows through a CUDA view"));
+  }
   const uint64_t rows = spec_.rows();
   const uint64_t row_bytes = spec_.row_bytes();
   for (size_t i = 0; i < count; ++i) {
@@ -254,6 +287,31 @@ void SharedTensor::Gather(const int64_t* indices, size_t count, void* out) const
 
 void SharedTensor::Scatter(const int64_t* indices, size_t count, const void* in) {
   CopyRows(indices, count, static_cast<uint8_t*>(const_cast<void*>(in)), false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host memory registered with CUDA (page-locked for fast copies), when a driver is present.
+
+void SharedTensor::RegisterWithCuda(int device) {
+  const CudaDriver& driver = CudaDriver::Get();
+  if (!driver.available()) {
+    stats_.cuda_registered_reason = StrCat("no CUDA driver (", driver.why_unavailable(), ")");
+    return;
+  }
+  const uint64_t page = PageSize();
+  std::vector<HostRegistration> registrations;
+  try {
+    PrimaryContext context(driver, device);
+    for (const SharedPartition& p : partitions_) {
+      if (p.bytes > 0) registrations.emplace_back(context, p.address, RoundUp(p.bytes, page));
+    }
+  } catch (const CudaError& e) {
+    // Registration only speeds copies up: the tensor works without it, and the stats say why.
+    stats_.cuda_registered_reason = e.what();
+    return;
+  }
+  memory_->registrations = std::move(registrations);
+  stats_.cuda_registered = true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -406,6 +464,29 @@ std::vector<std::string> SharedGroup::AllGather(const std::string& what, const s
   return all;
 }
 
+std::vector<std::string> SharedGroup::Settle(const std::string& what, std::exception_ptr failure,
+                                             const std::string& value) {
+  std::string mine = StrCat("+", value);
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      mine = StrCat("!", e.what());
+    }
+  }
+  std::vector<std::string> all = AllGather(what, mine);
+  std::string failed;
+  for (int r = 0; r < world_size_; ++r) {
+    if (!all[r].empty() && all[r][0] == '!') {
+      failed += StrCat(failed.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
+    }
+    all[r] = all[r].substr(1);
+  }
+  if (failure) std::rethrow_exception(failure);
+  if (!failed.empty()) throw std::runtime_error(StrCat(what, " failed on ", failed));
+  return all;
+}
+
 void SharedGroup::Barrier(const std::string& what) {
   AllGather(what, "");
 }
@@ -427,7 +508,7 @@ void SharedGroup::Agree(const std::string& what, const std::string& value) {
   throw std::invalid_argument(msg);
 }
 
-std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec) {
+std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, int device) {
   for (int64_t d : spec.shape) {
     if (d < 0) throw std::invalid_argument(StrCat("negative dimension in ", spec.Describe()));
   }
@@ -438,14 +519,15 @@ std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec) 
   }
   Agree("create_tensor", spec.Describe());
   std::string key = spec.name.empty() ? StrCat("#", next_collective_) : spec.name;
-  auto tensor = Map(spec, key, true);
+  auto tensor = spec.memory == SharedMemory::kDevice ? MapDevice(spec, key, device)
+                                                     : Map(spec, key, true, device);
   if (!spec.name.empty() && rank_ == 0) {
     store_->Set(StrCat(prefix_, "/named/", spec.name), spec.Describe());
   }
   return tensor;
 }
 
-std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name) {
+std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name, int device) {
   if (!server_) throw std::logic_error("attach: the shared group was closed");
   if (name.empty()) throw std::invalid_argument("attach needs the tensor's name");
   std::string described;
@@ -458,14 +540,20 @@ std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name) {
                         timeout_.count(), " ms"),
                  name);
   }
-  return Map(SharedTensorSpec::Parse(described), name, false);
+  SharedTensorSpec spec = SharedTensorSpec::Parse(described);
+  if (spec.memory == SharedMemory::kDevice) {
+    throw std::invalid_argument(StrCat("attach: '", name,
+                                       "' is in device memory, which only the processes that "
+                                       "created it collectively map"));
+  }
+  return Map(spec, name, false, device);
 }
 
 // Creates (when `own_partition`) and maps the partitions of `spec`; `key` names them on every
 // rank's server. With own_partition, ends with two barriers: every rank serves before any
 // fetches, and every rank has fetched before any may close.
 std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, const std::string& key,
-                                               bool own_partition) {
+                                               bool own_partition, int device) {
   const uint64_t page = PageSize();
   const uint64_t total = spec.rows() * spec.row_bytes();
   const bool huge = total >= kHugePartitionThreshold * static_cast<uint64_t>(world_size_);
@@ -577,7 +665,114 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
     }
   }
   tensor->memory_ = std::move(memory);
+  tensor->RegisterWithCuda(device);
   if (own_partition) Barrier(StrCat("create_tensor '", key, "' (mapped)"));
+  tensors_.push_back(tensor);
+  return tensor;
+}
+
+// Device memory: see the header. Every step that can fail on one rank ends in Settle, so that
+// the others throw at once instead of waiting out the timeout; `memory` (and, once served, the
+// tensor's Close) undoes whatever was done, in reverse.
+std::shared_ptr<SharedTensor> SharedGroup::MapDevice(const SharedTensorSpec& spec,
+                                                     const std::string& key, int device) {
+  const std::string what = StrCat("create_tensor '", key, "' in device memory");
+  std::optional<PrimaryContext> context;
+  uint64_t granularity = 0;
+  std::exception_ptr failure;
+  try {
+    context.emplace(CudaDriver::Get(), device);
+    granularity = DeviceAllocationGranularity(*context);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  // Every rank's GPU and granularity: access is granted to all of them, and partitions are
+  // rounded to the largest granularity so that they line up the same way in every process.
+  std::vector<std::string> peers =
+      Settle(StrCat(what, " (device)"), failure, StrCat(device, " ", granularity));
+  std::set<int> devices;
+  for (const std::string& p : peers) {
+    std::istringstream in(p);
+    int d = 0;
+    uint64_t g = 0;
+    in >> d >> g;
+    if (d >= 0 && d < CudaDriver::Get().device_count()) devices.insert(d);
+    granularity = std::max(granularity, g);
+  }
+  for (const std::string& p : peers) {
+    uint64_t g = std::stoull(p.substr(p.find(' ') + 1));
+    if (granularity % g != 0) {
+      throw std::invalid_argument(StrCat(what, ": the GPUs' allocation granularities differ (", g,
+                                         " does not divide ", granularity, ")"));
+    }
+  }
+  const std::vector<int> access(devices.begin(), devices.end());
+  const bool continuous = spec.layout == SharedLayout::kContinuous;
+
+  auto tensor = std::shared_ptr<SharedTensor>(new SharedTensor());
+  tensor->spec_ = spec;
+  tensor->rank_ = rank_;
+  tensor->key_ = key;
+  tensor->partitions_ =
+      PartitionRows(spec.rows(), spec.row_bytes(), world_size_, continuous ? granularity : 1);
+  tensor->stats_.device = device;
+  tensor->stats_.granularity = granularity;
+  tensor->stats_.local_bytes = tensor->partitions_[rank_].bytes;
+  auto memory = std::make_shared<SharedTensor::Memory>();
+  std::vector<uint64_t> offsets(world_size_);
+  uint64_t span = 0;
+  for (int r = 0; r < world_size_; ++r) {
+    offsets[r] = span;
+    span += RoundUp(tensor->partitions_[r].bytes, granularity);
+  }
+
+  // This rank's partition: created, exported, served.
+  std::optional<DeviceAllocation> own;
+  try {
+    const SharedPartition& p = tensor->partitions_[rank_];
+    UniqueFd fd;
+    if (p.bytes > 0) {
+      own.emplace(DeviceAllocation::Create(*context, RoundUp(p.bytes, granularity)));
+      fd = UniqueFd(own->Export());
+    }
+    server_->Serve(key, std::move(fd));
+    tensor->server_ = server_;
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  Settle(StrCat(what, " (serving)"), failure);
+
+  // Every partition, this rank's included, mapped into one reserved range.
+  try {
+    if (span > 0) memory->device_range.emplace(*context, span, granularity);
+    auto deadline = shared::DeadlineAfter(timeout_);
+    for (int r = 0; r < world_size_; ++r) {
+      SharedPartition& p = tensor->partitions_[r];
+      if (p.bytes == 0) continue;
+      if (r == rank_) {
+        memory->device_allocations.push_back(std::move(*own));
+        own.reset();
+      } else {
+        std::string peer = StrCat("tensortier.", token_, ".", r);
+        std::string from = StrCat("rank ", r, " (serving '", key, "')");
+        UniqueFd c = shared::ConnectAbstract(peer, deadline, false);
+        shared::RequireSameUser(c.get(), from);
+        shared::SendString(c.get(), key, deadline, from);
+        auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, from);
+        if (status != kServed || !fd)
+          ThrowIoError(ENOENT, StrCat("fetch partition from ", from), key);
+        memory->device_allocations.push_back(
+            DeviceAllocation::Import(*context, fd.get(), RoundUp(p.bytes, granularity)));
+      }
+      const cuda::CUdeviceptr at = memory->device_range->address() + offsets[r];
+      memory->device_mappings.emplace_back(*context, at, memory->device_allocations.back(), access);
+      p.address = reinterpret_cast<uint8_t*>(at);
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  Settle(StrCat(what, " (mapped)"), failure);
+  tensor->memory_ = std::move(memory);
   tensors_.push_back(tensor);
   return tensor;
 }
