@@ -7,7 +7,9 @@
 #             the preinstalled torch) holding the tensortier package and CLI (nothing else is
 #             installed anywhere);
 #   test-cpp  every C++ test (ctest), GPU suites included (they must run, not skip);
-#   test-py   every pytest test, GPU tests included (SKIP when pytest or numpy is missing);
+#   test-py   every pytest test, GPU tests included (SKIP when pytest or numpy is missing):
+#             test_gpu_transfer.py and test_gpu_shared.py (shared tensors in device memory,
+#             two processes on one GPU) must run, not skip;
 #   test      test-cpp then test-py;
 #   bench     the GPU benchmark (file->GPU and GPU->file, page cache warm and cold, against the
 #             py_ GPU scripts and torch.cuda.gds.GdsFile, with the file read rate and the pinned
@@ -325,13 +327,15 @@ import sys
 import xml.etree.ElementTree as ET
 
 cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
-gpu = [c for c in cases if c.get("classname", "").endswith("test_gpu_transfer")]
+files = ("test_gpu_transfer", "test_gpu_shared")
+gpu = {f: [c for c in cases if c.get("classname", "").endswith(f)] for f in files}
 skipped = [c for c in cases for s in c.findall("skipped")
            if "needs a CUDA" in (s.get("message") or "")]
-print(f"-- GPU tests: {len(gpu)} in test_gpu_transfer.py, {len(skipped)} skipped for want of CUDA")
+print("-- GPU tests: " + ", ".join(f"{len(gpu[f])} in {f}.py" for f in files) +
+      f", {len(skipped)} skipped for want of CUDA")
 for c in skipped[:10]:
     print(f"   skipped: {c.get('classname')}::{c.get('name')}")
-sys.exit(1 if skipped or not gpu else 0)
+sys.exit(1 if skipped or not all(gpu.values()) else 0)
 EOF
   return $rc
 }

@@ -143,14 +143,64 @@ def _check_cpu(device: Any, what: str) -> None:
     if dev.type == "cpu":
         return
     if dev.type == "cuda":
-        info = _core.cuda_driver()
-        if not info["available"]:
-            raise CudaError(
-                f"{what} on {dev}: no CUDA driver was found ({info['why_unavailable']}); "
-                "use host memory (device='cpu')"
-            )
+        _require_cuda_driver(dev, what)
         raise ValueError(f"{what} on {dev}: only host memory (device='cpu') is supported")
     raise ValueError(f"{what}: device must be 'cpu' or 'cuda', not {dev}")
+
+
+def _require_cuda_driver(dev: torch.device, what: str) -> None:
+    info = _core.cuda_driver()
+    if not info["available"]:
+        raise CudaError(
+            f"{what} on {dev}: no CUDA driver was found ({info['why_unavailable']}); "
+            "use host memory (device='cpu')"
+        )
+
+
+def _memory_of(device: Any, what: str) -> tuple[str, int]:
+    """``("host" | "device", CUDA device index)`` for a create_tensor/attach `device`: the index
+    is where device memory lives, and the context host memory is registered through."""
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: device must be 'cpu' or 'cuda', not {dev}")
+    if dev.type == "cuda":
+        _require_cuda_driver(dev, what)
+        index = dev.index
+        if index is None:
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return "device", index
+    # Host memory registers through the GPU torch already uses here (no new context elsewhere).
+    return "host", torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+
+
+class _CudaMemory:
+    """Device memory seen by torch through ``__cuda_array_interface__`` (bytes); holds `keeper`
+    (the mapping) for as long as a tensor made from it lives."""
+
+    def __init__(self, address: int, nbytes: int, keeper: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3,
+            "strides": None,
+        }
+        self._keeper = keeper
+
+
+def _require_torch_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{what}: this torch has no CUDA (torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}); it cannot make CUDA tensors over shared memory"
+        )
+
+
+def _cuda_tensor_over(address: int, nbytes: int, keeper: Any, dtype: torch.dtype,
+                      shape: tuple[int, ...], index: int) -> torch.Tensor:
+    """A CUDA tensor on device `index` over `nbytes` at device address `address`."""
+    device = torch.device("cuda", index)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=device)
+    return raw.view(dtype).view(shape)
 
 
 def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -267,6 +317,11 @@ class SharedTensor:
         return self._distributed.name if self._distributed else str(self._core.name)
 
     @property
+    def memory(self) -> str:
+        """``"host"`` (shared host memory) or ``"device"`` (each partition on its rank's GPU)."""
+        return "host" if self._distributed else str(self._core.memory)
+
+    @property
     def partitions(self) -> list[tuple[int, int]]:
         """Each rank's rows, in rank order, as ``(begin, end)`` (some may be empty)."""
         if self._distributed:
@@ -276,12 +331,16 @@ class SharedTensor:
     @property
     def stats(self) -> dict[str, Any]:
         """``local_bytes``, ``huge_pages`` (hugetlb pages back this rank's rows) and
-        ``huge_pages_reason`` (why not)."""
+        ``huge_pages_reason`` (why not); ``cuda_registered`` (host memory registered with CUDA
+        in this process: page-locked, fast copies to GPUs) and ``cuda_registered_reason`` (why
+        not); for device memory, ``device`` (this rank's GPU) and ``granularity`` (bytes each
+        partition's allocation is rounded up to)."""
         if self._distributed:
             local = self._distributed.local
             nbytes = 0 if local is None else local.numel() * local.element_size()
-            return {"local_bytes": nbytes, "huge_pages": False,
-                    "huge_pages_reason": "distributed layout: private memory of each rank"}
+            why = "distributed layout: private memory of each rank"
+            return {"local_bytes": nbytes, "huge_pages": False, "huge_pages_reason": why,
+                    "cuda_registered": False, "cuda_registered_reason": why}
         return dict(self._core.stats)
 
     @property
@@ -296,7 +355,13 @@ class SharedTensor:
 
     def _partition_tensor(self, rank: int) -> torch.Tensor:
         _, _, rows, _, _ = self._core.partitions[rank]
-        return _tensor_over(self._core.region(rank), self._dtype, (rows, *self._shape[1:]))
+        shape = (rows, *self._shape[1:])
+        if self.memory == "device":
+            _require_torch_cuda("a view of device memory")
+            address, nbytes, keeper = self._core.device_region(rank)
+            index = int(self._core.stats["device"])
+            return _cuda_tensor_over(address, nbytes, keeper, self._dtype, shape, index)
+        return _tensor_over(self._core.region(rank), self._dtype, shape)
 
     def local(self) -> tuple[torch.Tensor, tuple[int, int]]:
         """This rank's partition as a tensor over the shared memory, and its row range
@@ -312,17 +377,53 @@ class SharedTensor:
         """The whole tensor over the shared memory: one tensor for the ``continuous`` layout,
         one per rank (in rank order) for ``chunked``.
 
+        Device memory is viewed from ``"cuda"`` (a CUDA tensor over the mapping of every rank's
+        partition). Host memory is viewed from the CPU, and from ``"cuda"`` too when it is
+        registered with CUDA (``stats["cuda_registered"]``): the GPU then reads it in place.
+
         Raises:
             CudaError: a CUDA device without a CUDA driver.
-            ValueError: a device other than the CPU.
+            RuntimeError: a CUDA view where torch has no CUDA.
+            ValueError: a device the memory cannot be seen from.
         """
         self._require_open("view")
-        _check_cpu(device, "view")
+        dev = torch.device(device)
         if self._distributed:
+            _check_cpu(device, "view")
             raise ValueError(
                 "a distributed tensor has no view of all its rows in one process: use gather(), "
                 "or local() for this rank's rows"
             )
+        if self.memory == "device":
+            if dev.type != "cuda":
+                raise ValueError(
+                    f"view on {dev}: this shared tensor is in device memory; view it on 'cuda'"
+                )
+            _require_torch_cuda("view")
+            index = dev.index if dev.index is not None else int(self._core.stats["device"])
+            if self.layout == "continuous":
+                address, nbytes, keeper = self._core.device_region(-1)
+                return _cuda_tensor_over(address, nbytes, keeper, self._dtype, self._shape, index)
+            return [self._partition_tensor(r) for r in range(len(self._core.partitions))]
+        if dev.type == "cuda":
+            _require_cuda_driver(dev, "view")
+            if not self._core.stats["cuda_registered"]:
+                raise ValueError(
+                    f"view on {dev}: this host memory is not registered with CUDA "
+                    f"({self._core.stats['cuda_registered_reason']})"
+                )
+            _require_torch_cuda("view")
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            host = self.view("cpu")
+            parts = host if isinstance(host, list) else [host]
+            # Registered host memory has the same address on the GPU (unified addressing).
+            views = [
+                _cuda_tensor_over(t.data_ptr(), t.numel() * t.element_size(), t, self._dtype,
+                                  tuple(t.shape), index)
+                for t in parts
+            ]
+            return views if isinstance(host, list) else views[0]
+        _check_cpu(device, "view")
         if self.layout == "continuous":
             return _tensor_over(self._core.region(-1), self._dtype, self._shape)
         return [self._partition_tensor(r) for r in range(len(self._core.partitions))]
@@ -352,6 +453,8 @@ class SharedTensor:
         idx = self._indices(indices)
         if self._distributed:
             return self._distributed.gather(idx)
+        if self.memory == "device":
+            return self._device_rows(idx, None)
         out = torch.empty((idx.numel(), *self._shape[1:]), dtype=self._dtype)
         self._core.gather(idx.data_ptr(), idx.numel(), out.data_ptr())
         return out
@@ -374,12 +477,41 @@ class SharedTensor:
         want = (idx.numel(), *self._shape[1:])
         if tuple(values.shape) != want:
             raise ValueError(f"values have shape {tuple(values.shape)}; expected {want}")
+        if self.memory == "device":
+            self._device_rows(idx, values)
+            return
         if values.device.type != "cpu":
             raise ValueError(f"values must be on the CPU, not {values.device}")
         values = values.contiguous()
         if self._distributed:
             return self._distributed.scatter(idx, values)
         self._core.scatter(idx.data_ptr(), idx.numel(), values.data_ptr())
+
+    def _device_rows(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+        """Gathers (`values` None) or scatters rows `idx` of device memory on the GPU, through
+        CUDA views (the result is a CUDA tensor)."""
+        rows = self._shape[0]
+        if idx.numel() and bool((idx < 0).any() or (idx >= rows).any()):
+            bad = idx[(idx < 0) | (idx >= rows)][0].item()
+            raise IndexError(f"index {bad} is out of range for a shared tensor of {rows} rows")
+        view = self.view("cuda")
+        parts = view if isinstance(view, list) else [view]
+        bounds = self.partitions if isinstance(view, list) else [(0, rows)]
+        device = parts[0].device
+        idx = idx.to(device)
+        out = torch.empty((idx.numel(), *self._shape[1:]), dtype=self._dtype, device=device)
+        if values is not None:
+            values = values.to(device)
+        for part, (begin, end) in zip(parts, bounds):
+            where = ((idx >= begin) & (idx < end)).nonzero().squeeze(1)
+            if where.numel() == 0:
+                continue
+            local = idx.index_select(0, where) - begin
+            if values is None:
+                out.index_copy_(0, where, part.index_select(0, local))
+            else:
+                part.index_copy_(0, local, values.index_select(0, where))
+        return out
 
     # -- files ---------------------------------------------------------------------------------
     def _local_bytes(self) -> torch.Tensor:
@@ -568,7 +700,9 @@ class Group:
         Args:
             shape: the tensor's shape; rows (the first dimension) are split between ranks.
             dtype: any torch dtype.
-            device: ``"cpu"`` (shared host memory).
+            device: ``"cpu"`` (shared host memory, registered with CUDA when a driver is
+                present) or ``"cuda"``/``"cuda:N"`` (each rank's partition in its GPU's memory,
+                mapped by every process; needs a CUDA driver; ``continuous`` or ``chunked``).
             layout: ``"continuous"`` (every process sees one array) or ``"chunked"`` (one
                 array per rank's partition).
             name: lets :meth:`attach` find the tensor; unique in the group.
@@ -578,19 +712,24 @@ class Group:
                 names which asked for what; every rank raises).
             TimeoutError: a rank did not make the call within the group's timeout.
             OSError: the memory could not be had or shared.
+            CudaError: device memory without a CUDA driver, or a CUDA call failed (on the rank
+                where it failed; the others raise RuntimeError naming it).
         """
         self._require_open("create_tensor")
         dims = _check_shape(shape)
         _check_dtype(dtype)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-        _check_cpu(device, "create_tensor")
+        memory, index = _memory_of(device, "create_tensor")
+        if memory == "device" and layout == "distributed":
+            raise ValueError("the distributed layout keeps rows in host memory: use device='cpu'")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, not {name!r}")
         element_size = torch.empty((), dtype=dtype).element_size()
         if layout == "distributed":
             return self._create_distributed(dims, dtype, element_size, name or "")
-        core = self._core.create(list(dims), str(dtype), element_size, layout, name or "")
+        core = self._core.create(list(dims), str(dtype), element_size, layout, name or "", memory,
+                                 index)
         t = SharedTensor(core, dtype)
         t._group_barrier = self.barrier
         return t

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 FAKE_SOURCE = Path(__file__).resolve().parents[2] / "tests/cpp/fake_cuda/fake_libcuda.cpp"
 
@@ -120,6 +121,169 @@ def test_io_handle_moves_pinned_tensors(fake_driver: Path, tmp_path: Path) -> No
         io.close()
         del src, back
         check_clean()
+        """,
+        tmp_path,
+    )
+
+
+# Shared tensors on the stand-in driver: two real processes (a FileStore between them). The
+# stand-in's device memory is memfd-backed, so the partitions each rank creates and exports are
+# mapped by the other; the ranks write and read device memory through the driver's own copies
+# (ctypes), since a CPU-only torch cannot make CUDA tensors (views on "cuda" are checked to say
+# so, and run for real in scripts/gpu-test.sh).
+SHARED_RANK = """
+import ctypes, gc, os, sys
+import torch
+import torch.distributed as dist
+import tensortier
+from tensortier import _core, shared
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+fake = ctypes.CDLL(os.environ["TENSORTIER_CUDA_LIBRARY"])
+assert tensortier.cuda_info()["available"]
+start = fake.fakecuda_live()
+store = dist.FileStore(os.environ["STORE_PATH"], world)
+group = shared.Group(rank=rank, world_size=world, store=store, timeout=30)
+
+ctx = ctypes.c_void_p()
+assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert fake.cuCtxPushCurrent_v2(ctx) == 0
+def to_device(address, src):
+    assert fake.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(address), ctypes.c_void_p(src.data_ptr()),
+                                     ctypes.c_size_t(src.numel() * src.element_size()), None) == 0
+    assert fake.cuStreamSynchronize(None) == 0
+def from_device(dst, address):
+    assert fake.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(dst.data_ptr()), ctypes.c_uint64(address),
+                                     ctypes.c_size_t(dst.numel() * dst.element_size()), None) == 0
+    assert fake.cuStreamSynchronize(None) == 0
+"""
+
+
+def run_ranks_with_fake(fake_driver: Path, body: str, tmp_path: Path, world: int = 2) -> None:
+    env = dict(os.environ, TENSORTIER_CUDA_LIBRARY=str(fake_driver), WORLD_SIZE=str(world),
+               STORE_PATH=str(tmp_path / "store"))
+    env.pop("FAKE_CUDA_GRANULARITY", None)
+    code = textwrap.dedent(SHARED_RANK) + textwrap.dedent(body)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(r)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    errors = []
+    try:
+        for r, p in enumerate(procs):
+            _, err = p.communicate(timeout=240)
+            if p.returncode != 0:
+                errors.append(f"rank {r} exited {p.returncode}:\n{err[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("layout", ["continuous", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
+def test_device_shared_tensor_writes_are_seen_by_every_rank(
+    fake_driver: Path, tmp_path: Path, layout: str, dtype: torch.dtype
+) -> None:
+    run_ranks_with_fake(
+        fake_driver,
+        f"""
+        dtype, layout = {dtype}, {layout!r}
+        rows, cols = 3001, 5                   # unequal partitions
+        t = group.create_tensor((rows, cols), dtype, device="cuda", layout=layout)
+        assert t.memory == "device" and t.layout == layout
+        st = t.stats
+        assert st["device"] == 0 and st["granularity"] == 2 << 20 and not st["cuda_registered"]
+        parts = t._core.partitions
+        assert sum(p[2] for p in parts) == rows
+        full = (torch.arange(rows * cols) % 100).to(dtype).reshape(rows, cols)
+        _, begin, n, nbytes, address = parts[rank]
+        if n:
+            to_device(address, full[begin:begin + n].contiguous())
+        group.barrier()
+        for _, begin, n, nbytes, address in parts:
+            if n:
+                back = torch.empty((n, cols), dtype=dtype)
+                from_device(back, address)
+                assert torch.equal(back, full[begin:begin + n]), (rank, begin)
+        # Without torch CUDA, CUDA views and row access say why; host buffers are refused.
+        for call in (lambda: t.view("cuda"), lambda: t.gather([0]), lambda: t.local()):
+            try:
+                call()
+                raise AssertionError("a CUDA view on a CPU-only torch")
+            except RuntimeError as e:
+                assert "no CUDA" in str(e), e
+        try:
+            t.view("cpu")
+            raise AssertionError("a CPU view of device memory")
+        except ValueError as e:
+            assert "device memory" in str(e), e
+        group.barrier()
+        group.close()
+        gc.collect()
+        fake.cuCtxPopCurrent_v2(None)
+        fake.cuDevicePrimaryCtxRelease_v2(0)
+        assert fake.fakecuda_live() == start, (fake.fakecuda_live(), start)
+        assert fake.fakecuda_violations(None, 0) == 0
+        """,
+        tmp_path,
+    )
+
+
+def test_host_shared_tensor_is_registered_with_cuda(fake_driver: Path, tmp_path: Path) -> None:
+    run_ranks_with_fake(
+        fake_driver,
+        """
+        before = fake.fakecuda_calls(b"cuMemHostRegister")
+        t = group.create_tensor((4096, 3), torch.int32)
+        assert t.stats["cuda_registered"], t.stats["cuda_registered_reason"]
+        for _, begin, n, nbytes, address in t._core.partitions:
+            if n:
+                assert _core.locate(address)["type"] == "registered host"
+        assert fake.fakecuda_calls(b"cuMemHostRegister") - before == 2
+        t.local()[0][:] = rank + 1
+        group.barrier()
+        assert int(t.view()[0, 0]) == 1 and int(t.view()[-1, 0]) == 2
+        try:
+            t.view("cuda")
+            raise AssertionError("a CUDA view on a CPU-only torch")
+        except RuntimeError as e:
+            assert "no CUDA" in str(e), e
+        group.barrier()
+        unregisters = fake.fakecuda_calls(b"cuMemHostUnregister")
+        del t
+        group.close()
+        gc.collect()
+        assert fake.fakecuda_calls(b"cuMemHostUnregister") - unregisters == 2
+        fake.cuCtxPopCurrent_v2(None)
+        fake.cuDevicePrimaryCtxRelease_v2(0)
+        assert fake.fakecuda_live() == start, (fake.fakecuda_live(), start)
+        """,
+        tmp_path,
+    )
+
+
+def test_wholememory_device_memory_on_cpu_only_torch_says_why(
+    fake_driver: Path, tmp_path: Path
+) -> None:
+    run_ranks_with_fake(
+        fake_driver,
+        """
+        from tensortier.compat import wholememory as wm
+        wm.init_lib()
+        wm.mp_init(rank, world, store=store)
+        try:
+            wm.create_tensor([10, 4], [], torch.float32, False, [])
+            raise AssertionError("is_host=False on a CPU-only torch")
+        except RuntimeError as e:
+            assert "no CUDA" in str(e), e
+        t = wm.create_tensor([10, 4], [], torch.float32, True, [])
+        assert wm.get_tensor_view(t, torch.device("cpu")).data_ptr() == t.data_ptr()
+        wm.finalize_lib()
+        fake.cuCtxPopCurrent_v2(None)
+        fake.cuDevicePrimaryCtxRelease_v2(0)
         """,
         tmp_path,
     )

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tensortier.shared as shared
+from tensortier import _core
 
 WORKER = Path(__file__).with_name("shared_worker.py")
 TIMEOUT = 120  # seconds a whole multi-process run may take on a loaded machine
@@ -261,3 +262,18 @@ def test_wholememory_argument_handling_in_one_process() -> None:
     with pytest.raises(RuntimeError, match="init_lib"):
         wm.get_tensor_view(t, torch.device("cpu"))
     assert t[2, 3].item() == 9  # the tensor keeps its memory after finalize
+
+
+def test_example_device_memory_without_a_driver_says_so(tmp_path: Path) -> None:
+    """The seed's is_host=False path (--device) on a machine without a CUDA driver: every rank
+    fails with an error naming the missing driver (on a GPU it runs: tests/python/test_gpu_shared.py)."""
+    if _core.cuda_driver()["available"]:
+        pytest.skip("a CUDA driver is present")
+    examples = Path(__file__).resolve().parents[2] / "examples" / "shared"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(examples / "wholememory_seed.py"), "--rows", "1000", "--device"],
+        env=env_for(tmp_path), capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("no CUDA driver was found") >= 2, proc.stderr[-3000:]

@@ -74,7 +74,6 @@ def _require_cuda(what: str) -> None:
             f"wholememory: {what} needs device memory, but no CUDA driver was found "
             f"({info['why_unavailable']}); use host memory (is_host=True)"
         )
-    raise ValueError(f"wholememory: {what}: only host memory (is_host=True) is supported")
 
 
 def create_tensor(
@@ -110,8 +109,14 @@ def create_tensor(
         )
     if not is_host:
         _require_cuda("create_tensor(is_host=False)")
-    shared = group.create_tensor(dims, dtype, layout="continuous")
-    tensor = cast(torch.Tensor, shared.view())  # one tensor: the layout is continuous
+        if not torch.cuda.is_available():  # before the collective call, which would be wasted
+            raise RuntimeError(
+                f"wholememory: create_tensor(is_host=False) returns a CUDA tensor, but this "
+                f"torch has no CUDA (torch {torch.__version__})"
+            )
+    device = "cpu" if is_host else "cuda"
+    shared = group.create_tensor(dims, dtype, device=device, layout="continuous")
+    tensor = cast(torch.Tensor, shared.view(device))  # one tensor: the layout is continuous
     _tensors[tensor.data_ptr()] = (shared, tensor)
     return tensor
 
@@ -133,9 +138,9 @@ def get_tensor_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cuda":
         _require_cuda(f"get_tensor_view on {device}")
-    if device.type != "cpu":
+    elif device.type != "cpu":
         raise ValueError(f"wholememory: get_tensor_view: device must be cpu or cuda, not {device}")
-    return cast(torch.Tensor, entry[0].view("cpu"))
+    return cast(torch.Tensor, entry[0].view(device))
 
 
 def finalize_lib() -> None:
