@@ -98,6 +98,19 @@ TT_ENTRY(cuMemAllocHost, kCuda.MemAllocHost, "cuMemAllocHost_v2");
 TT_ENTRY(cuMemFreeHost, kCuda.MemFreeHost, "cuMemFreeHost");
 TT_ENTRY(cuMemAlloc, kCuda.MemAlloc, "cuMemAlloc_v2");
 TT_ENTRY(cuMemFree, kCuda.MemFree, "cuMemFree_v2");
+TT_ENTRY(cuMemGetAllocationGranularity, kCuda.MemGetAllocationGranularity,
+         "cuMemGetAllocationGranularity");
+TT_ENTRY(cuMemCreate, kCuda.MemCreate, "cuMemCreate");
+TT_ENTRY(cuMemRelease, kCuda.MemRelease, "cuMemRelease");
+TT_ENTRY(cuMemExportToShareableHandle, kCuda.MemExportToShareableHandle,
+         "cuMemExportToShareableHandle");
+TT_ENTRY(cuMemImportFromShareableHandle, kCuda.MemImportFromShareableHandle,
+         "cuMemImportFromShareableHandle");
+TT_ENTRY(cuMemAddressReserve, kCuda.MemAddressReserve, "cuMemAddressReserve");
+TT_ENTRY(cuMemAddressFree, kCuda.MemAddressFree, "cuMemAddressFree");
+TT_ENTRY(cuMemMap, kCuda.MemMap, "cuMemMap");
+TT_ENTRY(cuMemUnmap, kCuda.MemUnmap, "cuMemUnmap");
+TT_ENTRY(cuMemSetAccess, kCuda.MemSetAccess, "cuMemSetAccess");
 
 TT_ENTRY(cuFileDriverOpen, kCuFile.DriverOpen, "cuFileDriverOpen");
 TT_ENTRY(cuFileHandleRegister, kCuFile.HandleRegister, "cuFileHandleRegister");
@@ -136,6 +149,36 @@ static_assert(tc::kEventBlockingSync == CU_EVENT_BLOCKING_SYNC);
 static_assert(tc::kEventDisableTiming == CU_EVENT_DISABLE_TIMING);
 static_assert(tc::kStreamNonBlocking == CU_STREAM_NON_BLOCKING);
 static_assert(sizeof(tc::CUdeviceptr) == sizeof(CUdeviceptr));
+
+// Virtual memory management: values and the structs passed by pointer, field by field.
+static_assert(std::is_same_v<tc::CUmemGenericAllocationHandle, CUmemGenericAllocationHandle>);
+static_assert(tc::kMemAllocationTypePinned == CU_MEM_ALLOCATION_TYPE_PINNED);
+static_assert(tc::kMemHandleTypePosixFileDescriptor == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+static_assert(tc::kMemLocationTypeDevice == CU_MEM_LOCATION_TYPE_DEVICE);
+static_assert(tc::kMemAccessFlagsReadWrite == CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+static_assert(tc::kMemAllocGranularityMinimum == CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+static_assert(tc::kMemAllocGranularityRecommended == CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+static_assert(sizeof(CUmemAllocationType) == sizeof(int));
+static_assert(sizeof(CUmemAllocationHandleType) == sizeof(int));
+static_assert(sizeof(CUmemLocationType) == sizeof(int));
+static_assert(sizeof(CUmemAccess_flags) == sizeof(int));
+static_assert(sizeof(tc::CUmemLocation) == sizeof(CUmemLocation));
+static_assert(offsetof(tc::CUmemLocation, type) == offsetof(CUmemLocation, type));
+static_assert(offsetof(tc::CUmemLocation, id) == offsetof(CUmemLocation, id));
+static_assert(sizeof(tc::CUmemAllocationProp) == sizeof(CUmemAllocationProp));
+static_assert(alignof(tc::CUmemAllocationProp) == alignof(CUmemAllocationProp));
+static_assert(offsetof(tc::CUmemAllocationProp, type) == offsetof(CUmemAllocationProp, type));
+static_assert(offsetof(tc::CUmemAllocationProp, requested_handle_types) ==
+              offsetof(CUmemAllocationProp, requestedHandleTypes));
+static_assert(offsetof(tc::CUmemAllocationProp, location) ==
+              offsetof(CUmemAllocationProp, location));
+static_assert(offsetof(tc::CUmemAllocationProp, win32_handle_meta_data) ==
+              offsetof(CUmemAllocationProp, win32HandleMetaData));
+static_assert(offsetof(tc::CUmemAllocationProp, alloc_flags) ==
+              offsetof(CUmemAllocationProp, allocFlags));
+static_assert(sizeof(tc::CUmemAccessDesc) == sizeof(CUmemAccessDesc));
+static_assert(offsetof(tc::CUmemAccessDesc, location) == offsetof(CUmemAccessDesc, location));
+static_assert(offsetof(tc::CUmemAccessDesc, flags) == offsetof(CUmemAccessDesc, flags));
 
 // cuFile's structs and values.
 static_assert(sizeof(tf::CUfileError_t) == sizeof(CUfileError_t));
