@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tensortier/error.hpp"
+#include "tensortier/shared_checkpoint.hpp"
 #include "tensortier/shared_store.hpp"
 #include "tensortier/shared_tensor.hpp"
 #include "tensortier/strings.hpp"
@@ -99,6 +100,24 @@ void RegisterShared(py::module_& m) {
       },
       py::arg("rows"), py::arg("row_bytes"), py::arg("world_size"),
       "Each rank's rows [begin, end) of a tensor whose partitions are not mapped together.");
+
+  m.def(
+      "locate_torch_tensor",
+      [](const std::string& path, const std::string& key) -> py::object {
+        TorchTensorLookup found;
+        {
+          py::gil_scoped_release release;
+          found = LocateTorchTensor(path, key);
+        }
+        if (!found.found) return py::make_tuple(py::none(), py::cast(found.keys));
+        const TorchTensorBytes& t = *found.found;
+        return py::make_tuple(
+            py::make_tuple(t.dtype, py::tuple(py::cast(t.shape)), t.offset, t.nbytes), py::list());
+      },
+      py::arg("path"), py::arg("key"),
+      "Where tensor `key` of a torch.save file lies: ((dtype, shape, offset, nbytes), []) with "
+      "torch's dtype name and an absolute offset, or (None, [every key]) when there is no such "
+      "tensor. ValueError for a file or tensor that cannot be read in place (the reason).");
 
   py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "SharedStore").def(py::init<>());
 

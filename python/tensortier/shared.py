@@ -153,6 +153,14 @@ def _check_cpu(device: Any, what: str) -> None:
     raise ValueError(f"{what}: device must be 'cpu' or 'cuda', not {dev}")
 
 
+def _missing_key(path: str, key: str, keys: Sequence[str]) -> str:
+    """The KeyError message for a checkpoint without `key`: the keys it has (the first ones)."""
+    shown = ", ".join(repr(k) for k in keys[:20])
+    if len(keys) > 20:
+        shown += f", ... ({len(keys)} in all)"
+    return f"{path} has no tensor {key!r}; its tensors are: {shown or 'none'}"
+
+
 def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over `region`'s memory (which it keeps alive)."""
     if len(region) == 0:
@@ -453,35 +461,46 @@ class SharedTensor:
         return self._read_rows(sources, "load_files")
 
     def load_checkpoint(self, path: str | os.PathLike[str], key: str) -> dict[str, Any]:
-        """Collective: fills the tensor from tensor `key` of a safetensors checkpoint, each rank
-        reading only its rows (as :meth:`load_files`). The stored tensor must have this
-        tensor's shape and dtype.
+        """Collective: fills the tensor from tensor `key` of a checkpoint, each rank reading only
+        its rows (as :meth:`load_files`): a safetensors file, or a ``torch.save`` file whose
+        tensors are found by their key path (``"feat"``, ``"model.emb.weight"``, as
+        ``torch.load(path)`` nests them) without running its pickle. The stored tensor must
+        have this tensor's shape and dtype and be contiguous.
 
         Raises:
-            KeyError: no tensor `key` in the file.
-            ValueError: another shape or dtype, or a file that is not safetensors
-                (``torch.save`` checkpoints are not read here yet).
+            KeyError: no tensor `key` in the file (the message lists the keys there are).
+            ValueError: another shape or dtype; a tensor stored with strides that do not give
+                contiguous rows, or in a compressed zip entry; a legacy (pre-1.6) ``torch.save``
+                file; a file that is not a checkpoint.
+            OSError: the file cannot be read.
         """
-        from .checkpoint import _read_st_header
-
         self._require_open("load_checkpoint")
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, not {type(key).__name__}")
         path = os.fspath(path)
         with open(path, "rb") as f:
-            if f.read(2) == b"PK":
-                raise ValueError(
-                    f"{path}: a torch.save (zip) checkpoint; load_checkpoint reads safetensors "
-                    "files (tensortier convert turns one into the other)"
-                )
-        entries, _ = _read_st_header(path)
-        entry = next((e for e in entries if e.name == key), None)
-        if entry is None:
-            raise KeyError(f"{path} has no tensor {key!r}")
-        if tuple(entry.shape) != self._shape or entry.dtype != self._dtype:
+            head = f.read(2)
+        if head == b"PK" or head[:1] == b"\x80":  # torch.save: zip, or the legacy pickle
+            found, keys = _core.locate_torch_tensor(path, key)
+            if found is None:
+                raise KeyError(_missing_key(path, key, keys))
+            dtype_name, shape, offset, nbytes = found
+            dtype = getattr(torch, dtype_name, None)
+        else:
+            from .checkpoint import _read_st_header
+
+            entries, _ = _read_st_header(path)
+            entry = next((e for e in entries if e.name == key), None)
+            if entry is None:
+                raise KeyError(_missing_key(path, key, [e.name for e in entries]))
+            dtype, shape, offset, nbytes = entry.dtype, entry.shape, entry.offset, entry.nbytes
+            dtype_name = str(dtype).removeprefix("torch.")
+        if tuple(shape) != self._shape or dtype != self._dtype:
             raise ValueError(
-                f"{path}: {key!r} is {entry.dtype} of shape {tuple(entry.shape)}; this shared "
-                f"tensor is {self._dtype} of shape {self._shape}"
+                f"{path}: {key!r} is {dtype_name} of shape {tuple(shape)}; this shared "
+                f"tensor is {str(self._dtype).removeprefix('torch.')} of shape {self._shape}"
             )
-        return self._read_rows([(path, entry.offset, entry.nbytes)], "load_checkpoint")
+        return self._read_rows([(path, offset, nbytes)], "load_checkpoint")
 
     def store_files(self, prefix: str | os.PathLike[str]) -> list[str]:
         """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing

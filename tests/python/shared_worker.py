@@ -285,7 +285,7 @@ def scenario_files(group: shared.Group, result: dict[str, Any]) -> None:
         assert torch.equal(v.gather(torch.arange(shape[0])), want), f"{layout}: checkpoint"
         for bad, exc in ((lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "other"), ValueError),
                          (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "nope"), KeyError),
-                         (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.pt"), "feat"), ValueError),
+                         (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.pt"), "other"), KeyError),
                          (lambda: v.load_files(paths[:2]), ValueError)):
             try:
                 bad()
@@ -295,8 +295,87 @@ def scenario_files(group: shared.Group, result: dict[str, Any]) -> None:
     result["socket"] = group._core.socket_name
 
 
+def deflated_copy(src: str, dst: str) -> None:
+    """`src` (a torch.save zip) rewritten with every entry compressed (deflate)."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+
+
+def scenario_torch_checkpoints(group: shared.Group, result: dict[str, Any]) -> None:
+    """load_checkpoint from torch.save files: every dtype, odd and tiny row counts (unequal and
+    empty partitions), nested keys, a contiguous slice of a bigger storage; equal to
+    torch.load(path)[key]. Strided tensors, compressed entries, legacy files and missing keys
+    are refused on every rank."""
+    rank = group.rank
+    outdir = os.environ["SHARED_TEST_DIR"]
+    path = os.path.join(outdir, "all.pt")
+    shapes = [(1001, 3), (2, 5), (7,), (0, 3)]
+    if rank == 0:
+        state: dict[str, Any] = {}
+        for dtype in DTYPES:
+            for shape in shapes:
+                state[f"{dtype}_{shape}".replace("torch.", "")] = expected(shape, dtype)
+        base = expected((50, 4), torch.float32, salt=3)
+        state["nested"] = {"emb": {"weight": expected((333, 2), torch.int64)}, "step": 7}
+        state["slice"] = base[10:31]  # storage offset 40 elements, contiguous rows
+        state["strided"] = base[:, :2]  # rows are not contiguous
+        state["transposed"] = base.t()
+        torch.save(state, path)
+        deflated_copy(path, os.path.join(outdir, "deflated.pt"))
+        torch.save({"x": torch.ones(4, 2)}, os.path.join(outdir, "legacy.pt"),
+                   _use_new_zipfile_serialization=False)
+    group.barrier()
+    loaded = torch.load(path)
+    for layout in ("continuous", "chunked"):
+        for dtype in DTYPES:
+            for shape in shapes:
+                key = f"{dtype}_{shape}".replace("torch.", "")
+                t = group.create_tensor(shape, dtype, layout=layout)
+                t.load_checkpoint(path, key)
+                got = t.gather(torch.arange(shape[0]))
+                assert torch.equal(got, loaded[key]), f"{layout} {key}"
+                t.close()
+        for key, want in (("nested.emb.weight", loaded["nested"]["emb"]["weight"]), ("slice", loaded["slice"])):
+            t = group.create_tensor(tuple(want.shape), want.dtype, layout=layout)
+            t.load_checkpoint(path, key)
+            assert torch.equal(t.gather(torch.arange(want.shape[0])), want), f"{layout} {key}"
+            t.close()
+    t = group.create_tensor((50, 2), torch.float32)
+    for bad_key, says in (("strided", "do not give contiguous rows"), ("transposed", "do not give contiguous rows")):
+        try:
+            t.load_checkpoint(path, bad_key)
+            raise AssertionError(f"{bad_key}: no error")
+        except ValueError as e:
+            assert f"'{bad_key}'" in str(e) and says in str(e), str(e)
+    try:
+        t.load_checkpoint(path, "float32_(7,)")  # another shape
+        raise AssertionError("no error for another shape")
+    except ValueError as e:
+        assert "float32 of shape (7,)" in str(e), str(e)
+    try:
+        t.load_checkpoint(path, "nope")
+        raise AssertionError("no KeyError")
+    except KeyError as e:
+        assert "'nope'" in e.args[0] and "'float32_(7,)'" in e.args[0] and "52 in all" in e.args[0], e.args[0]
+    try:
+        t.load_checkpoint(os.path.join(outdir, "deflated.pt"), "slice")
+        raise AssertionError("a compressed entry was read")
+    except ValueError as e:
+        assert "'slice'" in str(e) and "compress" in str(e).lower(), str(e)
+    try:
+        t.load_checkpoint(os.path.join(outdir, "legacy.pt"), "x")
+        raise AssertionError("a legacy file was read")
+    except ValueError as e:
+        assert "legacy" in str(e), str(e)
+    result["socket"] = group._core.socket_name
+
+
 SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "files": scenario_files,
+    "torch_checkpoints": scenario_torch_checkpoints,
     "distributed": scenario_distributed,
     "layouts": scenario_layouts,
     "errors": scenario_errors,

@@ -102,6 +102,13 @@ def test_load_and_store_files_and_checkpoints_under_torchrun(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_load_checkpoint_from_torch_save_files_under_torchrun(tmp_path: Path, world: int) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    run_torchrun(tmp_path, "torch_checkpoints", world, SHARED_TEST_DIR=str(data))
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_distributed_layout_over_gloo_under_torchrun(tmp_path: Path, world: int) -> None:
     run_torchrun(tmp_path, "distributed", world)
 
