@@ -52,11 +52,13 @@ class PyStore : public Store {
   }
 
  private:
-  // Runs the Python method `name` with the GIL held; its exceptions become IoError (EIO) so
-  // they cross the C++ code, which runs with the GIL released, as plain C++ exceptions.
+  // Runs the Python method `name` with the GIL held; its exceptions become IoError so they
+  // cross the C++ code, which runs with the GIL released, as plain C++ exceptions: an OSError
+  // keeps its errno (a store that vanished stays a ConnectionResetError), anything else is EIO.
   template <typename Body>
   void Call(const char* name, const std::string& key, Body body) {
     std::string message;
+    int code = EIO;
     {
       py::gil_scoped_acquire gil;
       py::function f = py::get_override(static_cast<const Store*>(this), name);
@@ -66,9 +68,15 @@ class PyStore : public Store {
         return;
       } catch (py::error_already_set& e) {
         message = e.what();
+        if (e.matches(PyExc_OSError)) {
+          py::object err = e.value().attr("errno");
+          if (!err.is_none()) code = err.cast<int>();
+          py::object text = e.value().attr("strerror");
+          if (!text.is_none()) message = text.cast<std::string>();
+        }
       }
     }
-    ThrowIoError(EIO, StrCat("store ", name, " (", message, ")"), key);
+    ThrowIoError(code, StrCat("store ", name, ": ", message), key);
   }
 };
 

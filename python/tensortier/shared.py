@@ -19,9 +19,13 @@ the memory passes between them as file descriptors, never through a file: nothin
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import errno
 import operator
 import os
+import time
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -39,26 +43,62 @@ DEFAULT_TIMEOUT: float = _core.shared_default_timeout_s
 
 class _TorchStore(_core.SharedStore):
     """The C++ store interface over a ``torch.distributed.Store``. C++ calls it only from the
-    thread that made the collective call."""
+    thread that made the collective call.
 
-    def __init__(self, store: Any) -> None:
+    Failures are told apart by torch's exception types, never by their text: a store that
+    vanished (``DistNetworkError``: the process hosting a ``TCPStore`` died or exited) raises
+    ``ConnectionResetError``; a key that does not appear in time makes ``get`` return None (the
+    C++ side raises ``TimeoutError``). FileStore's wait raises a plain ``RuntimeError`` on a
+    timeout: that counts as one only once the time is up and the key is still absent."""
+
+    def __init__(self, store: Any, where: str) -> None:
         super().__init__()
         self._store = store
+        self._where = where  # who serves the store, for errors ("rank 0 (which hosts ...)")
+
+    def _gone(self, e: BaseException) -> ConnectionResetError:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return ConnectionResetError(
+            errno.ECONNRESET,
+            f"the store the processes meet through is gone: {self._where} died or exited "
+            f"({type(e).__name__}: {first})",
+        )
 
     def set(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
+        import torch.distributed as dist
+
+        try:
+            self._store.set(key, value)
+        except dist.DistNetworkError as e:
+            raise self._gone(e) from None
 
     def get(self, key: str, timeout_ms: int) -> bytes | None:
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + timeout_ms / 1000
         try:
-            self._store.wait([key], datetime.timedelta(milliseconds=max(timeout_ms, 1)))
-        except Exception as e:  # torch raises DistStoreError (a RuntimeError) on a timeout
-            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+            try:
+                self._store.wait([key], datetime.timedelta(milliseconds=max(timeout_ms, 1)))
+            except dist.DistNetworkError:
+                raise
+            except dist.DistStoreError:  # TCPStore, HashStore: the wait timed out
+                if not self._store.check([key]):
+                    return None
+            except RuntimeError:  # FileStore's timeout has no type of its own
+                if time.monotonic() < deadline or self._store.check([key]):
+                    raise
                 return None
-            raise
-        return bytes(self._store.get(key))
+            return bytes(self._store.get(key))
+        except dist.DistNetworkError as e:
+            raise self._gone(e) from None
 
     def add(self, key: str, delta: int) -> int:
-        return int(self._store.add(key, delta))
+        import torch.distributed as dist
+
+        try:
+            return int(self._store.add(key, delta))
+        except dist.DistNetworkError as e:
+            raise self._gone(e) from None
 
 
 def _env_int(name: str) -> int | None:
@@ -71,11 +111,46 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _describe_store(store: Any) -> str:
+    """The store's name for error messages."""
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if host is not None and port is not None:
+        return f"the process hosting the {type(store).__name__} at {host}:{port}"
+    return f"the process hosting the {type(store).__name__}"
+
+
+def _env_store(is_master: bool, world_size: int | None, timeout: float) -> tuple[Any, str]:
+    """A ``TCPStore`` at torchrun's MASTER_ADDR:MASTER_PORT (served here when `is_master`),
+    under the prefix of this restart attempt, and its name for error messages."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
+    if host is None or port is None:
+        raise ValueError(
+            "no store to meet the other processes: pass store=, initialise torch.distributed, "
+            "or set MASTER_ADDR and MASTER_PORT (torchrun does)"
+        )
+    tcp = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=is_master,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    who = "torchrun's agent" if agent else "rank 0"
+    where = f"{who} (which hosts the TCPStore at {host}:{port})"
+    return dist.PrefixStore(f"tensortier/attempt_{attempt}", tcp), where
+
+
 def _rendezvous(
     rank: int | None, world_size: int | None, store: Any, timeout: float
-) -> tuple[Any, int, int]:
-    """The store, rank and world size: given, else the default process group's, else torchrun's
-    environment (a ``TCPStore`` client of MASTER_ADDR:MASTER_PORT)."""
+) -> tuple[Any, int, int, str, bool]:
+    """The store, rank, world size, the store's name for errors and whether this process
+    serves it: given, else the default process group's, else torchrun's environment (a
+    ``TCPStore`` at MASTER_ADDR:MASTER_PORT, served by rank 0 unless torchrun's agent does)."""
     import torch.distributed as dist
 
     initialized = dist.is_available() and dist.is_initialized()
@@ -94,27 +169,15 @@ def _rendezvous(
     if store is not None:
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
-        return store, rank, world_size
+        return store, rank, world_size, _describe_store(store), False
     if initialized:
-        return dist.distributed_c10d._get_default_store(), rank, world_size
-    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
-    if host is None or port is None:
-        raise ValueError(
-            "no store to meet the other processes: pass store=, initialise torch.distributed, "
-            "or set MASTER_ADDR and MASTER_PORT (torchrun does)"
-        )
+        return (dist.distributed_c10d._get_default_store(), rank, world_size,
+                "the default process group's store", False)
     # Under torchrun the agent serves the store; otherwise rank 0 does, as init_process_group.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    tcp = dist.TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=rank == 0 and not agent,
-        timeout=datetime.timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"tensortier/attempt_{attempt}", tcp), rank, world_size
+    hosts = rank == 0 and not agent
+    tcp, where = _env_store(hosts, world_size, timeout)
+    return tcp, rank, world_size, where, hosts
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:
@@ -563,11 +626,19 @@ class Group:
         if not timeout > 0:
             raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
         self.timeout = float(timeout)
-        torch_store, self.rank, self.world_size = _rendezvous(rank, world_size, store, timeout)
+        torch_store, self.rank, self.world_size, where, self._hosts_store = _rendezvous(
+            rank, world_size, store, timeout
+        )
         self._torch_store = torch_store
-        self._adapter = _TorchStore(torch_store)  # referenced here as long as C++ may call it
+        # Referenced here as long as C++ may call it.
+        self._adapter = _TorchStore(torch_store, where)
         self._core = _core.SharedGroup(self._adapter, self.rank, self.world_size, self.timeout)
         self._closed = False
+        # Where each rank counts itself out on close, so that a rank serving the store keeps it
+        # until the others are done with it (at most the timeout: a dead rank never counts).
+        self._left_key = f"tensortier/shared/left/{self._core.socket_name.rsplit('.', 1)[0]}"
+        if self._hosts_store or self.world_size > 1:
+            atexit.register(_close_at_exit, weakref.ref(self))
         self._distributed_tensors: list[SharedTensor] = []
 
     def _require_open(self, what: str) -> None:
@@ -662,16 +733,39 @@ class Group:
         self._core.barrier("barrier")
 
     def close(self) -> None:
-        """Closes every tensor of this group and stops sharing (not collective). Idempotent."""
-        if not self._closed:
-            self._closed = True
-            for t in self._distributed_tensors:
-                t.close()
-            self._distributed_tensors.clear()
-            self._core.close()
+        """Closes every tensor of this group and stops sharing (not collective). Idempotent.
+
+        The rank that serves the group's store (rank 0 when no ``store`` is given outside
+        torchrun) keeps serving it until every other rank has closed its group, or the timeout
+        has passed: ranks still finishing a collective call do not lose the store under them.
+        Groups are closed at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._distributed_tensors:
+            t.close()
+        self._distributed_tensors.clear()
+        self._core.close()
+        try:
+            if not self._hosts_store:
+                self._torch_store.add(self._left_key, 1)
+                return
+            deadline = time.monotonic() + self.timeout
+            while (self._torch_store.add(self._left_key, 0) < self.world_size - 1
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)
+        except RuntimeError:  # the store is gone (its host died): nobody waits for this count
+            pass
 
     def __enter__(self) -> "Group":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _close_at_exit(ref: "weakref.ref[Group]") -> None:
+    group = ref()
+    if group is not None:
+        group.close()
+

@@ -202,6 +202,28 @@ def scenario_killed(group: shared.Group, result: dict[str, Any]) -> None:
     result["socket"] = group._core.socket_name
 
 
+def scenario_store_host(group: shared.Group, result: dict[str, Any]) -> None:
+    """Rank 0 serves the store (no torchrun agent). Rank SHARED_TEST_VICTIM kills itself after
+    the first tensor; the next collective raises on every survivor within the timeout: a
+    ConnectionError naming rank 0 when it was the victim (the store went with it), else a
+    TimeoutError naming the dead rank (rank 0 keeps the store until the survivors are done)."""
+    victim = int(os.environ["SHARED_TEST_VICTIM"])
+    t = group.create_tensor((64, 4), torch.float32)
+    t.local()[0].fill_(group.rank)
+    group.barrier()
+    if group.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        group.create_tensor((64, 4), torch.float32)
+        raise AssertionError("no error with a dead rank")
+    except (TimeoutError, ConnectionError) as e:
+        result["waited"] = time.monotonic() - start
+        result["error_type"] = type(e).__name__
+        result["message"] = str(e)
+    result["socket"] = group._core.socket_name
+
+
 def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
     """The distributed layout over Gloo: rows move by all-to-all; gather/scatter are collective."""
     import torch.distributed as dist
@@ -381,6 +403,7 @@ SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "errors": scenario_errors,
     "seed": scenario_seed,
     "killed": scenario_killed,
+    "store_host": scenario_store_host,
 }
 
 

@@ -177,6 +177,62 @@ def test_killed_rank_every_survivor_raises_and_nothing_is_left(tmp_path: Path, w
     assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:-1]])
 
 
+def start_ranks(tmp: Path, scenario: str, world: int, port: int, outdir: Path,
+                **extra: str) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for r in range(world):
+        env = env_for(tmp, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), **extra)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(outdir)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[bytes]]) -> list[str]:
+    """Each process's output once it exits (all killed after TIMEOUT seconds, even on failure)."""
+    try:
+        return [p.communicate(timeout=TIMEOUT)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("world,victim", [(3, 0), (3, 2), (2, 1)])
+def test_rank_zero_serving_the_store_survivors_raise_within_the_timeout(
+    tmp_path: Path, world: int, victim: int
+) -> None:
+    """Rank 0 serves the TCPStore itself (no torchrun agent). When rank 0 is killed the store
+    goes with it: every survivor raises ConnectionError naming rank 0 at once. When another
+    rank is killed, every survivor (rank 0 included) raises TimeoutError naming it, and rank 0
+    keeps the store until the others are done."""
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    shm_before = shm_entries()
+    timeout = 4
+    procs = start_ranks(tmp_path, "store_host", world, free_port(), outdir,
+                        SHARED_TEST_TIMEOUT=str(timeout), SHARED_TEST_VICTIM=str(victim))
+    outputs = finish(procs)
+    assert procs[victim].returncode == -signal.SIGKILL
+    results = reports(outdir, world)
+    for r in range(world):
+        if r == victim:
+            continue
+        res = results[r]
+        assert res["ok"], f"rank {r}: {res.get('error')}\n{outputs[r][-2000:]}"
+        assert res["waited"] < timeout + 20
+        assert procs[r].returncode == 0, outputs[r][-2000:]
+        if victim == 0:
+            assert res["error_type"] == "ConnectionResetError", res
+            assert "store the processes meet through is gone: rank 0" in res["message"], res
+            assert "Exception raised from" not in res["message"], res  # no C++ backtrace
+        else:
+            assert res["error_type"] == "TimeoutError", res
+            assert f"rank {victim} of {world} did not arrive" in res["message"], res
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results if "socket" in res])
+
+
 def test_group_without_a_rendezvous_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
