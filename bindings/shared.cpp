@@ -147,7 +147,7 @@ void RegisterShared(py::module_& m) {
           "layout", [](const SharedTensor& t) { return SharedLayoutName(t.spec().layout); })
       .def_property_readonly("row_bytes",
                              [](const SharedTensor& t) { return t.spec().row_bytes(); })
-      .def_property_readonly("rank", [](const SharedTensor& t) { return t.local().rank; })
+      .def_property_readonly("rank", &SharedTensor::rank)
       .def_property_readonly("partitions",
                              [](const SharedTensor& t) {
                                py::list out;
@@ -197,6 +197,17 @@ void RegisterShared(py::module_& m) {
           },
           py::arg("indices"), py::arg("count"), py::arg("values"))
       .def("close", &SharedTensor::Close);
+
+  m.def(
+      "shared_attach",
+      [](std::shared_ptr<Store> store, const std::string& name, double timeout_s) {
+        auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+        py::gil_scoped_release release;
+        return AttachSharedTensor(*store, name, timeout);
+      },
+      py::arg("store"), py::arg("name"), py::arg("timeout_s"),
+      "Maps the shared tensor some group created under `name` in `store`, from a process "
+      "outside that group (rank -1: no local partition).");
 
   py::class_<SharedGroup>(m, "SharedGroup")
       .def(py::init([](std::shared_ptr<Store> store, int rank, int world_size, double timeout_s) {

@@ -33,7 +33,7 @@ import torch
 from . import _core
 from .device import CudaError
 
-__all__ = ["Group", "SharedTensor", "LAYOUTS", "DEFAULT_TIMEOUT"]
+__all__ = ["Group", "SharedTensor", "attach", "LAYOUTS", "DEFAULT_TIMEOUT"]
 
 #: The layouts :meth:`Group.create_tensor` accepts.
 LAYOUTS = ("continuous", "chunked", "distributed")
@@ -130,14 +130,20 @@ def _env_store(is_master: bool, world_size: int | None, timeout: float) -> tuple
             "no store to meet the other processes: pass store=, initialise torch.distributed, "
             "or set MASTER_ADDR and MASTER_PORT (torchrun does)"
         )
-    tcp = dist.TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=is_master,
-        timeout=datetime.timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )
+    try:
+        tcp = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=is_master,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except dist.DistNetworkError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        what = f"the TCPStore at {host}:{port} (MASTER_ADDR:MASTER_PORT)"
+        doing = f"serve {what}" if is_master else f"reach {what} within {timeout:g} s"
+        raise ConnectionError(f"cannot {doing}: {first}") from None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     who = "torchrun's agent" if agent else "rank 0"
@@ -365,6 +371,15 @@ class SharedTensor:
         if self.closed:
             raise RuntimeError(f"{what}: the shared tensor was closed (finalized)")
 
+    def _require_member(self, what: str) -> None:
+        """Collective calls need a rank of the owning group."""
+        self._require_open(what)
+        if not self._distributed and self._core.rank < 0:
+            raise ValueError(
+                f"{what} is collective over the group that created {self.name!r}: this process "
+                "attached it from outside that group"
+            )
+
     def _partition_tensor(self, rank: int) -> torch.Tensor:
         _, _, rows, _, _ = self._core.partitions[rank]
         return _tensor_over(self._core.region(rank), self._dtype, (rows, *self._shape[1:]))
@@ -377,6 +392,11 @@ class SharedTensor:
             assert self._distributed.local is not None
             return self._distributed.local, self._distributed.parts[self._distributed.rank]
         rank = self._core.rank
+        if rank < 0:
+            raise ValueError(
+                f"shared tensor {self.name!r} was attached from outside its group: it owns no "
+                "rows here (use view(), gather() or scatter())"
+            )
         return self._partition_tensor(rank), self.partitions[rank]
 
     def view(self, device: Any = "cpu") -> torch.Tensor | list[torch.Tensor]:
@@ -517,7 +537,7 @@ class SharedTensor:
             ValueError: the files do not hold exactly the tensor's bytes (every rank raises).
             OSError: a file cannot be read.
         """
-        self._require_open("load_files")
+        self._require_member("load_files")
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         sources = [(os.fspath(p), 0, os.stat(p).st_size) for p in paths]
@@ -537,7 +557,7 @@ class SharedTensor:
                 file; a file that is not a checkpoint.
             OSError: the file cannot be read.
         """
-        self._require_open("load_checkpoint")
+        self._require_member("load_checkpoint")
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__}")
         path = os.fspath(path)
@@ -571,7 +591,7 @@ class SharedTensor:
         :meth:`load_files` takes back) once all are written."""
         from .io import IOHandle
 
-        self._require_open("store_files")
+        self._require_member("store_files")
         world = len(self.partitions)
         names = [f"{os.fspath(prefix)}_part_{r}_of_{world}" for r in range(world)]
         data = self._local_bytes()
@@ -716,15 +736,15 @@ class Group:
         return t
 
     def attach(self, name: str) -> SharedTensor:
-        """The shared tensor that this group created under `name` (not collective; its owners
-        must not have closed it). Raises TimeoutError when none appears in time."""
+        """The shared tensor created under `name` in this group's store (not collective; its
+        owners must not have closed it), waiting up to the group's timeout for it to appear.
+        One this group created has this rank's rows as :meth:`SharedTensor.local`; one another
+        group created is attached as :func:`attach` does. Raises TimeoutError when none
+        appears in time."""
         self._require_open("attach")
-        core = self._core.attach(name)
-        dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
-        t = SharedTensor(core, dtype)
-        t._group_barrier = self.barrier
+        t = _attached(self._core.attach(name), name)
+        if t._core.rank >= 0:
+            t._group_barrier = self.barrier
         return t
 
     def barrier(self) -> None:
@@ -769,3 +789,55 @@ def _close_at_exit(ref: "weakref.ref[Group]") -> None:
     if group is not None:
         group.close()
 
+
+def _attached(core: Any, name: str) -> SharedTensor:
+    dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
+    return SharedTensor(core, dtype)
+
+
+def attach(
+    name: str,
+    store: Any = None,
+    timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+) -> SharedTensor:
+    """Maps the shared tensor that a :class:`Group` created with ``name=`` from a process
+    outside that group: one started later (an evaluation process, a new job step, a notebook),
+    or a member of a group of another size. Not collective.
+
+    Args:
+        name: the ``name`` given to :meth:`Group.create_tensor`.
+        store: the store the creating group met through: a client of the same ``TCPStore``
+            (host and port), the same ``FileStore`` path... By default a ``TCPStore`` client
+            of ``MASTER_ADDR:MASTER_PORT``, as a group started by torchrun uses.
+        timeout: seconds to wait for the tensor to be created.
+
+    The owners must still run and hold the tensor while it is attached (each serves its rows
+    to processes of the same user only); afterwards the memory stays valid here until the
+    tensor is dropped, even after they exit. The result has :meth:`~SharedTensor.view`,
+    ``gather``, ``scatter`` (writes are seen by the owners and vice versa); it owns no rows,
+    so :meth:`~SharedTensor.local` and the collective file calls raise ``ValueError``.
+
+    Raises:
+        TimeoutError: no tensor of that name appeared in time.
+        ConnectionError: an owner exited (or the store is gone).
+        FileNotFoundError: an owner closed the tensor.
+        PermissionError: an owner runs as another user.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, not {name!r}")
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
+    if store is None:
+        store, where = _env_store(False, None, float(timeout))
+    elif not isinstance(store, dist.Store):
+        raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
+    else:
+        where = _describe_store(store)
+    core = _core.shared_attach(_TorchStore(store, where), name, float(timeout))
+    return _attached(core, name)

@@ -5,6 +5,7 @@ OUTDIR/rank<N>.json: {"ok": true, ...} or {"ok": false, "error": ...}."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -224,6 +225,71 @@ def scenario_store_host(group: shared.Group, result: dict[str, Any]) -> None:
     result["socket"] = group._core.socket_name
 
 
+def scenario_owners(group: shared.Group, result: dict[str, Any]) -> None:
+    """Creates named tensors for a process outside the group (scenario_attacher) to attach,
+    then checks that process's writes."""
+    store = group._torch_store
+    c = group.create_tensor((1001, 3), torch.float64, name="late_c")
+    k = group.create_tensor((5, 2), torch.int16, layout="chunked", name="late_k")
+    for t, shape, dtype in ((c, (1001, 3), torch.float64), (k, (5, 2), torch.int16)):
+        local, (begin, end) = t.local()
+        local.copy_(expected(shape, dtype)[begin:end])
+    group.barrier()
+    store.set("test/ready", b"")
+    store.wait(["test/wrote"], datetime.timedelta(seconds=60))
+    assert torch.equal(c.gather(torch.tensor([0, 1000])), torch.full((2, 3), -1.0, dtype=torch.float64))
+    assert torch.equal(k.gather(torch.tensor([4])), torch.full((1, 2), -2, dtype=torch.int16))
+    group.barrier()
+    result["socket"] = group._core.socket_name
+
+
+def scenario_attacher(group_unused: Any, result: dict[str, Any]) -> None:
+    """A process outside the owners' group (started after it, with the same MASTER_ADDR and
+    MASTER_PORT): attaches by name, reads the owners' rows, writes, and keeps its mapping
+    after the owners exit."""
+    c = shared.attach("late_c", timeout=20)
+    k = shared.attach("late_k", timeout=20)
+    assert c.shape == (1001, 3) and c.dtype == torch.float64 and c.layout == "continuous"
+    assert torch.equal(c.view(), expected((1001, 3), torch.float64))
+    assert torch.equal(torch.cat(k.view()), expected((5, 2), torch.int16))
+    for call in (c.local, lambda: c.load_files(["/dev/null"]), lambda: c.store_files("/tmp/x")):
+        try:
+            call()
+            raise AssertionError("a collective call from outside the group")
+        except ValueError as e:
+            assert "outside" in str(e), str(e)
+    # Another user's process is refused (SO_PEERCRED) before anything is mapped.
+    if os.geteuid() == 0:
+        assert fork_as_other("", attach_name="late_c") == 0, "another user attached"
+    c.scatter(torch.tensor([1000, 0]), torch.full((2, 3), -1.0, dtype=torch.float64))
+    k.view()[-1][-1] = -2  # the last row, owned by the last owner with rows
+    host = shared._env_store(False, None, 20.0)[0]
+    host.set("test/wrote", b"")
+    host.wait(["test/owners_exited"], datetime.timedelta(seconds=60))
+    # The owners are gone: the memory is still mapped here, readable and writable.
+    view = c.view()
+    assert view[0, 0].item() == -1.0 and view[5, 1].item() == expected((1001, 3), torch.float64)[5, 1].item()
+    view[3] = 4.0
+    assert c.gather(torch.tensor([3]))[0, 0].item() == 4.0
+    try:
+        shared.attach("late_c", store=host, timeout=5)
+        raise AssertionError("attached a tensor whose owners exited")
+    except ConnectionError:
+        pass
+    try:
+        shared.attach("never", timeout=1)
+        raise AssertionError("attached a tensor nobody created")
+    except TimeoutError:
+        pass
+    c.close()
+    try:
+        c.gather(torch.tensor([0]))
+        raise AssertionError("gather after close")
+    except RuntimeError:
+        pass
+    assert view[3, 0].item() == 4.0  # views taken before close keep their memory
+
+
 def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
     """The distributed layout over Gloo: rows move by all-to-all; gather/scatter are collective."""
     import torch.distributed as dist
@@ -404,6 +470,8 @@ SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "seed": scenario_seed,
     "killed": scenario_killed,
     "store_host": scenario_store_host,
+    "owners": scenario_owners,
+    "attacher": scenario_attacher,
 }
 
 
@@ -412,7 +480,7 @@ def run(scenario: str, outdir: str, rank: int | None = None, world: int | None =
     rank_for_file = rank if rank is not None else int(os.environ["RANK"])
     try:
         group = None
-        if scenario not in ("seed", "distributed"):
+        if scenario not in ("seed", "distributed", "attacher"):
             group = shared.Group(rank=rank, world_size=world, store=store, timeout=float(os.environ.get("SHARED_TEST_TIMEOUT", "20")))
         SCENARIOS[scenario](group, result)
         result["ok"] = True
@@ -430,8 +498,9 @@ def spawn_entry(index: int, scenario: str, outdir: str, world: int, port: int) -
     run(scenario, outdir, rank=index, world=world, store=store)
 
 
-def fork_as_other(name: str, timeout: float = 30.0) -> int:
-    """Runs fetch_as_other in a forked child as user and group 65534; returns its exit code."""
+def fork_as_other(name: str, timeout: float = 30.0, attach_name: str | None = None) -> int:
+    """Runs fetch_as_other (or, given `attach_name`, attach_as_other) in a forked child as user
+    and group 65534; returns its exit code."""
     import time
 
     pid = os.fork()
@@ -441,7 +510,7 @@ def fork_as_other(name: str, timeout: float = 30.0) -> int:
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
-            code = fetch_as_other(name)
+            code = attach_as_other(attach_name) if attach_name else fetch_as_other(name)
         finally:
             os._exit(code)
     deadline = time.monotonic() + timeout
@@ -454,6 +523,15 @@ def fork_as_other(name: str, timeout: float = 30.0) -> int:
             os.waitpid(pid, 0)
             raise AssertionError("the other user's process did not finish in time")
         time.sleep(0.05)
+
+
+def attach_as_other(name: str) -> int:
+    """Attaches `name` as this (other) user: 0 when refused with PermissionError."""
+    try:
+        shared.attach(name, timeout=10)
+    except PermissionError:
+        return 0
+    return 1
 
 
 def fetch_as_other(name: str) -> int:
