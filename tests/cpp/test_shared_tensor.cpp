@@ -375,6 +375,7 @@ TEST(SharedTensorTest, AttachFromOutsideTheGroup) {
       Check(got == 777, "the outsider's write is seen by the owners");
       t->Close();  // stops serving it; the group goes on
       store->Set(StrCat("closed/", rank), "");
+      store->Get("outsider/done", 30s);  // serving (nothing) until the outsider has tried
     } else {
       store->Get("written/0", 20s);
       store->Get("written/1", 20s);
@@ -405,6 +406,7 @@ TEST(SharedTensorTest, AttachFromOutsideTheGroup) {
       } catch (const IoError& e) {
         Check(e.error_code() == ETIMEDOUT, e.what());
       }
+      store->Set("outsider/done", "");
     }
   });
   ExpectAllZero(statuses);
