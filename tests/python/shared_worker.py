@@ -212,7 +212,14 @@ def scenario_store_host(group: shared.Group, result: dict[str, Any]) -> None:
     t = group.create_tensor((64, 4), torch.float32)
     t.local()[0].fill_(group.rank)
     group.barrier()
+    # The victim dies once every rank is out of the barrier (else rank 0's death could fail
+    # the barrier itself on a slow rank: right, but not the call this test times).
+    store = group._torch_store
+    store.add("test/past_barrier", 1)
     if group.rank == victim:
+        deadline = time.monotonic() + 60
+        while store.add("test/past_barrier", 0) < group.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
