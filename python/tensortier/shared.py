@@ -657,7 +657,12 @@ class Group:
         # Where each rank counts itself out on close, so that a rank serving the store keeps it
         # until the others are done with it (at most the timeout: a dead rank never counts).
         self._left_key = f"tensortier/shared/left/{self._core.socket_name.rsplit('.', 1)[0]}"
-        if self._hosts_store or self.world_size > 1:
+        if self._hosts_store:  # holds the store (its server) until exit, even if dropped
+            atexit.register(
+                _serve_until_others_leave, torch_store, self._left_key, self.world_size,
+                self.timeout,
+            )
+        if self.world_size > 1:  # runs before the above (atexit is last in, first out)
             atexit.register(_close_at_exit, weakref.ref(self))
         self._distributed_tensors: list[SharedTensor] = []
 
@@ -755,10 +760,10 @@ class Group:
     def close(self) -> None:
         """Closes every tensor of this group and stops sharing (not collective). Idempotent.
 
-        The rank that serves the group's store (rank 0 when no ``store`` is given outside
-        torchrun) keeps serving it until every other rank has closed its group, or the timeout
-        has passed: ranks still finishing a collective call do not lose the store under them.
-        Groups are closed at interpreter exit."""
+        Groups are closed at interpreter exit. The rank that serves the group's store (rank 0
+        when no ``store`` is given outside torchrun) then keeps serving it until every other
+        rank has closed its group or exited, at most the timeout: ranks still finishing a
+        collective call do not lose the store under them."""
         if self._closed:
             return
         self._closed = True
@@ -766,16 +771,11 @@ class Group:
             t.close()
         self._distributed_tensors.clear()
         self._core.close()
-        try:
-            if not self._hosts_store:
+        if not self._hosts_store:
+            try:
                 self._torch_store.add(self._left_key, 1)
-                return
-            deadline = time.monotonic() + self.timeout
-            while (self._torch_store.add(self._left_key, 0) < self.world_size - 1
-                   and time.monotonic() < deadline):
-                time.sleep(0.02)
-        except RuntimeError:  # the store is gone (its host died): nobody waits for this count
-            pass
+            except RuntimeError:  # the store is gone (its host died): nobody waits for this
+                pass
 
     def __enter__(self) -> "Group":
         return self
@@ -788,6 +788,17 @@ def _close_at_exit(ref: "weakref.ref[Group]") -> None:
     group = ref()
     if group is not None:
         group.close()
+
+
+def _serve_until_others_leave(store: Any, key: str, world_size: int, timeout: float) -> None:
+    """At exit of the rank serving a group's store: waits (at most `timeout` seconds: a dead
+    rank never counts itself out) until the other ranks have closed their groups."""
+    deadline = time.monotonic() + timeout
+    try:
+        while store.add(key, 0) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except RuntimeError:
+        pass
 
 
 def _attached(core: Any, name: str) -> SharedTensor:
