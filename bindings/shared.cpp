@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tensortier/error.hpp"
+#include "tensortier/shared_checkpoint.hpp"
 #include "tensortier/shared_store.hpp"
 #include "tensortier/shared_tensor.hpp"
 #include "tensortier/strings.hpp"
@@ -51,11 +52,13 @@ class PyStore : public Store {
   }
 
  private:
-  // Runs the Python method `name` with the GIL held; its exceptions become IoError (EIO) so
-  // they cross the C++ code, which runs with the GIL released, as plain C++ exceptions.
+  // Runs the Python method `name` with the GIL held; its exceptions become IoError so they
+  // cross the C++ code, which runs with the GIL released, as plain C++ exceptions: an OSError
+  // keeps its errno (a store that vanished stays a ConnectionResetError), anything else is EIO.
   template <typename Body>
   void Call(const char* name, const std::string& key, Body body) {
     std::string message;
+    int code = EIO;
     {
       py::gil_scoped_acquire gil;
       py::function f = py::get_override(static_cast<const Store*>(this), name);
@@ -65,9 +68,15 @@ class PyStore : public Store {
         return;
       } catch (py::error_already_set& e) {
         message = e.what();
+        if (e.matches(PyExc_OSError)) {
+          py::object err = e.value().attr("errno");
+          if (!err.is_none()) code = err.cast<int>();
+          py::object text = e.value().attr("strerror");
+          if (!text.is_none()) message = text.cast<std::string>();
+        }
       }
     }
-    ThrowIoError(EIO, StrCat("store ", name, " (", message, ")"), key);
+    ThrowIoError(code, StrCat("store ", name, ": ", message), key);
   }
 };
 
@@ -105,6 +114,24 @@ void RegisterShared(py::module_& m) {
       py::arg("rows"), py::arg("row_bytes"), py::arg("world_size"),
       "Each rank's rows [begin, end) of a tensor whose partitions are not mapped together.");
 
+  m.def(
+      "locate_torch_tensor",
+      [](const std::string& path, const std::string& key) -> py::object {
+        TorchTensorLookup found;
+        {
+          py::gil_scoped_release release;
+          found = LocateTorchTensor(path, key);
+        }
+        if (!found.found) return py::make_tuple(py::none(), py::cast(found.keys));
+        const TorchTensorBytes& t = *found.found;
+        return py::make_tuple(
+            py::make_tuple(t.dtype, py::tuple(py::cast(t.shape)), t.offset, t.nbytes), py::list());
+      },
+      py::arg("path"), py::arg("key"),
+      "Where tensor `key` of a torch.save file lies: ((dtype, shape, offset, nbytes), []) with "
+      "torch's dtype name and an absolute offset, or (None, [every key]) when there is no such "
+      "tensor. ValueError for a file or tensor that cannot be read in place (the reason).");
+
   py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "SharedStore").def(py::init<>());
 
   py::class_<SharedRegion>(m, "SharedRegion", py::buffer_protocol())
@@ -129,7 +156,7 @@ void RegisterShared(py::module_& m) {
           "memory", [](const SharedTensor& t) { return SharedMemoryName(t.spec().memory); })
       .def_property_readonly("row_bytes",
                              [](const SharedTensor& t) { return t.spec().row_bytes(); })
-      .def_property_readonly("rank", [](const SharedTensor& t) { return t.local().rank; })
+      .def_property_readonly("rank", &SharedTensor::rank)
       .def_property_readonly("partitions",
                              [](const SharedTensor& t) {
                                py::list out;
@@ -204,6 +231,17 @@ void RegisterShared(py::module_& m) {
           },
           py::arg("indices"), py::arg("count"), py::arg("values"))
       .def("close", &SharedTensor::Close);
+
+  m.def(
+      "shared_attach",
+      [](std::shared_ptr<Store> store, const std::string& name, double timeout_s) {
+        auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+        py::gil_scoped_release release;
+        return AttachSharedTensor(*store, name, timeout);
+      },
+      py::arg("store"), py::arg("name"), py::arg("timeout_s"),
+      "Maps the shared tensor some group created under `name` in `store`, from a process "
+      "outside that group (rank -1: no local partition).");
 
   py::class_<SharedGroup>(m, "SharedGroup")
       .def(py::init([](std::shared_ptr<Store> store, int rank, int world_size, double timeout_s) {

@@ -108,7 +108,10 @@ class SharedTensor {
  public:
   const SharedTensorSpec& spec() const noexcept { return spec_; }
   const std::vector<SharedPartition>& partitions() const noexcept { return partitions_; }
-  const SharedPartition& local() const { return partitions_.at(rank_); }
+  // This process's rank in the group that owns the tensor; -1 when attached from outside it.
+  int rank() const noexcept { return rank_; }
+  // This rank's partition. Throws std::logic_error when attached from outside the group.
+  const SharedPartition& local() const;
   const SharedTensorStats& stats() const noexcept { return stats_; }
   // The whole tensor as one array (kContinuous only; throws std::logic_error otherwise). A device
   // address for device memory.
@@ -132,6 +135,8 @@ class SharedTensor {
 
  private:
   friend class SharedGroup;
+  friend std::shared_ptr<SharedTensor> AttachSharedTensor(Store& store, const std::string& name,
+                                                          std::chrono::milliseconds timeout);
   struct Memory;
   SharedTensor() = default;
   std::shared_ptr<Memory> Hold() const;
@@ -176,8 +181,10 @@ class SharedGroup {
   // any rank (CudaError, IoError) makes every rank throw: the failing rank its own error, the
   // others std::runtime_error naming it. Nothing stays allocated, mapped or served after a throw.
   std::shared_ptr<SharedTensor> Create(const SharedTensorSpec& spec, int device = 0);
-  // Not collective: maps a named host-memory tensor that the group created (its owners must
-  // still hold it). Device-memory tensors cannot be attached (std::invalid_argument).
+  // Not collective: maps a named host-memory tensor (its owners must still hold it), waiting up
+  // to the group's timeout for it to be created. One that this group created has this rank's
+  // local() partition; one that another group created is attached as by AttachSharedTensor.
+  // Device-memory tensors cannot be attached (std::invalid_argument).
   std::shared_ptr<SharedTensor> Attach(const std::string& name, int device = 0);
   // Collective: returns when every rank has called it (IoError ETIMEDOUT otherwise).
   void Barrier(const std::string& what);
@@ -203,6 +210,17 @@ class SharedGroup {
   // std::runtime_error naming them on the others.
   std::vector<std::string> Settle(const std::string& what, std::exception_ptr failure,
                                   const std::string& value = "");
+  // The partitions of `spec` over `world_size` ranks and, for kContinuous, the reserved address
+  // range they are mapped into (nothing mapped yet); `rank` is -1 outside the owning group.
+  static std::shared_ptr<SharedTensor> Layout(const SharedTensorSpec& spec, const std::string& key,
+                                              int world_size, int rank);
+  // Maps descriptor `fd` as partition `r` of `t`; returns 0 or the errno of mmap.
+  static int MapPartition(SharedTensor& t, int r, int fd, bool populate);
+  // Fetches every non-empty partition but `skip_rank`'s from the ranks serving it under `token`.
+  static void FetchPartitions(SharedTensor& t, const std::string& token, int skip_rank,
+                              std::chrono::milliseconds timeout);
+  friend std::shared_ptr<SharedTensor> AttachSharedTensor(Store& store, const std::string& name,
+                                                          std::chrono::milliseconds timeout);
 
   std::shared_ptr<Store> store_;
   int rank_;
@@ -215,5 +233,17 @@ class SharedGroup {
   std::shared_ptr<Server> server_;
   std::vector<std::weak_ptr<SharedTensor>> tensors_;
 };
+
+// Maps the tensor that some group created under `name` in `store` from a process outside that
+// group (started later, in another job step, an evaluation process): it needs only the store the
+// group met through, not a group of its own. Not collective; waits up to `timeout` for the tensor
+// to be created. The owners must still hold it (each rank serves its partition to peers of the
+// same user until it closes the tensor or exits); once mapped, the memory stays valid here after
+// they exit, until this process drops the tensor. Names are unique per store: the last group to
+// create `name` is the one attached. The tensor has rank() -1 and no local() partition. Throws
+// IoError: ETIMEDOUT (no such tensor in time), ECONNREFUSED/ENOENT (an owner exited or closed
+// it), EACCES (an owner runs as another user).
+std::shared_ptr<SharedTensor> AttachSharedTensor(Store& store, const std::string& name,
+                                                 std::chrono::milliseconds timeout);
 
 }  // namespace tensortier

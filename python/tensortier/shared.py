@@ -19,9 +19,13 @@ the memory passes between them as file descriptors, never through a file: nothin
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import errno
 import operator
 import os
+import time
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -29,7 +33,7 @@ import torch
 from . import _core
 from .device import CudaError
 
-__all__ = ["Group", "SharedTensor", "LAYOUTS", "DEFAULT_TIMEOUT"]
+__all__ = ["Group", "SharedTensor", "attach", "LAYOUTS", "DEFAULT_TIMEOUT"]
 
 #: The layouts :meth:`Group.create_tensor` accepts.
 LAYOUTS = ("continuous", "chunked", "distributed")
@@ -39,26 +43,62 @@ DEFAULT_TIMEOUT: float = _core.shared_default_timeout_s
 
 class _TorchStore(_core.SharedStore):
     """The C++ store interface over a ``torch.distributed.Store``. C++ calls it only from the
-    thread that made the collective call."""
+    thread that made the collective call.
 
-    def __init__(self, store: Any) -> None:
+    Failures are told apart by torch's exception types, never by their text: a store that
+    vanished (``DistNetworkError``: the process hosting a ``TCPStore`` died or exited) raises
+    ``ConnectionResetError``; a key that does not appear in time makes ``get`` return None (the
+    C++ side raises ``TimeoutError``). FileStore's wait raises a plain ``RuntimeError`` on a
+    timeout: that counts as one only once the time is up and the key is still absent."""
+
+    def __init__(self, store: Any, where: str) -> None:
         super().__init__()
         self._store = store
+        self._where = where  # who serves the store, for errors ("rank 0 (which hosts ...)")
+
+    def _gone(self, e: BaseException) -> ConnectionResetError:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return ConnectionResetError(
+            errno.ECONNRESET,
+            f"the store the processes meet through is gone: {self._where} died or exited "
+            f"({type(e).__name__}: {first})",
+        )
 
     def set(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
+        import torch.distributed as dist
+
+        try:
+            self._store.set(key, value)
+        except dist.DistNetworkError as e:
+            raise self._gone(e) from None
 
     def get(self, key: str, timeout_ms: int) -> bytes | None:
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + timeout_ms / 1000
         try:
-            self._store.wait([key], datetime.timedelta(milliseconds=max(timeout_ms, 1)))
-        except Exception as e:  # torch raises DistStoreError (a RuntimeError) on a timeout
-            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+            try:
+                self._store.wait([key], datetime.timedelta(milliseconds=max(timeout_ms, 1)))
+            except dist.DistNetworkError:
+                raise
+            except dist.DistStoreError:  # TCPStore, HashStore: the wait timed out
+                if not self._store.check([key]):
+                    return None
+            except RuntimeError:  # FileStore's timeout has no type of its own
+                if time.monotonic() < deadline or self._store.check([key]):
+                    raise
                 return None
-            raise
-        return bytes(self._store.get(key))
+            return bytes(self._store.get(key))
+        except dist.DistNetworkError as e:
+            raise self._gone(e) from None
 
     def add(self, key: str, delta: int) -> int:
-        return int(self._store.add(key, delta))
+        import torch.distributed as dist
+
+        try:
+            return int(self._store.add(key, delta))
+        except dist.DistNetworkError as e:
+            raise self._gone(e) from None
 
 
 def _env_int(name: str) -> int | None:
@@ -71,11 +111,52 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _describe_store(store: Any) -> str:
+    """The store's name for error messages."""
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if host is not None and port is not None:
+        return f"the process hosting the {type(store).__name__} at {host}:{port}"
+    return f"the process hosting the {type(store).__name__}"
+
+
+def _env_store(is_master: bool, world_size: int | None, timeout: float) -> tuple[Any, str]:
+    """A ``TCPStore`` at torchrun's MASTER_ADDR:MASTER_PORT (served here when `is_master`),
+    under the prefix of this restart attempt, and its name for error messages."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
+    if host is None or port is None:
+        raise ValueError(
+            "no store to meet the other processes: pass store=, initialise torch.distributed, "
+            "or set MASTER_ADDR and MASTER_PORT (torchrun does)"
+        )
+    try:
+        tcp = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=is_master,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except dist.DistNetworkError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        what = f"the TCPStore at {host}:{port} (MASTER_ADDR:MASTER_PORT)"
+        doing = f"serve {what}" if is_master else f"reach {what} within {timeout:g} s"
+        raise ConnectionError(f"cannot {doing}: {first}") from None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    who = "torchrun's agent" if agent else "rank 0"
+    where = f"{who} (which hosts the TCPStore at {host}:{port})"
+    return dist.PrefixStore(f"tensortier/attempt_{attempt}", tcp), where
+
+
 def _rendezvous(
     rank: int | None, world_size: int | None, store: Any, timeout: float
-) -> tuple[Any, int, int]:
-    """The store, rank and world size: given, else the default process group's, else torchrun's
-    environment (a ``TCPStore`` client of MASTER_ADDR:MASTER_PORT)."""
+) -> tuple[Any, int, int, str, bool]:
+    """The store, rank, world size, the store's name for errors and whether this process
+    serves it: given, else the default process group's, else torchrun's environment (a
+    ``TCPStore`` at MASTER_ADDR:MASTER_PORT, served by rank 0 unless torchrun's agent does)."""
     import torch.distributed as dist
 
     initialized = dist.is_available() and dist.is_initialized()
@@ -94,27 +175,15 @@ def _rendezvous(
     if store is not None:
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
-        return store, rank, world_size
+        return store, rank, world_size, _describe_store(store), False
     if initialized:
-        return dist.distributed_c10d._get_default_store(), rank, world_size
-    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
-    if host is None or port is None:
-        raise ValueError(
-            "no store to meet the other processes: pass store=, initialise torch.distributed, "
-            "or set MASTER_ADDR and MASTER_PORT (torchrun does)"
-        )
+        return (dist.distributed_c10d._get_default_store(), rank, world_size,
+                "the default process group's store", False)
     # Under torchrun the agent serves the store; otherwise rank 0 does, as init_process_group.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    tcp = dist.TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=rank == 0 and not agent,
-        timeout=datetime.timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"tensortier/attempt_{attempt}", tcp), rank, world_size
+    hosts = rank == 0 and not agent
+    tcp, where = _env_store(hosts, world_size, timeout)
+    return tcp, rank, world_size, where, hosts
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:
@@ -201,6 +270,12 @@ def _cuda_tensor_over(address: int, nbytes: int, keeper: Any, dtype: torch.dtype
         return torch.empty(shape, dtype=dtype, device=device)
     raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=device)
     return raw.view(dtype).view(shape)
+def _missing_key(path: str, key: str, keys: Sequence[str]) -> str:
+    """The KeyError message for a checkpoint without `key`: the keys it has (the first ones)."""
+    shown = ", ".join(repr(k) for k in keys[:20])
+    if len(keys) > 20:
+        shown += f", ... ({len(keys)} in all)"
+    return f"{path} has no tensor {key!r}; its tensors are: {shown or 'none'}"
 
 
 def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -353,6 +428,15 @@ class SharedTensor:
         if self.closed:
             raise RuntimeError(f"{what}: the shared tensor was closed (finalized)")
 
+    def _require_member(self, what: str) -> None:
+        """Collective calls need a rank of the owning group."""
+        self._require_open(what)
+        if not self._distributed and self._core.rank < 0:
+            raise ValueError(
+                f"{what} is collective over the group that created {self.name!r}: this process "
+                "attached it from outside that group"
+            )
+
     def _partition_tensor(self, rank: int) -> torch.Tensor:
         _, _, rows, _, _ = self._core.partitions[rank]
         shape = (rows, *self._shape[1:])
@@ -371,6 +455,11 @@ class SharedTensor:
             assert self._distributed.local is not None
             return self._distributed.local, self._distributed.parts[self._distributed.rank]
         rank = self._core.rank
+        if rank < 0:
+            raise ValueError(
+                f"shared tensor {self.name!r} was attached from outside its group: it owns no "
+                "rows here (use view(), gather() or scatter())"
+            )
         return self._partition_tensor(rank), self.partitions[rank]
 
     def view(self, device: Any = "cpu") -> torch.Tensor | list[torch.Tensor]:
@@ -578,42 +667,53 @@ class SharedTensor:
             ValueError: the files do not hold exactly the tensor's bytes (every rank raises).
             OSError: a file cannot be read.
         """
-        self._require_open("load_files")
+        self._require_member("load_files")
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         sources = [(os.fspath(p), 0, os.stat(p).st_size) for p in paths]
         return self._read_rows(sources, "load_files")
 
     def load_checkpoint(self, path: str | os.PathLike[str], key: str) -> dict[str, Any]:
-        """Collective: fills the tensor from tensor `key` of a safetensors checkpoint, each rank
-        reading only its rows (as :meth:`load_files`). The stored tensor must have this
-        tensor's shape and dtype.
+        """Collective: fills the tensor from tensor `key` of a checkpoint, each rank reading only
+        its rows (as :meth:`load_files`): a safetensors file, or a ``torch.save`` file whose
+        tensors are found by their key path (``"feat"``, ``"model.emb.weight"``, as
+        ``torch.load(path)`` nests them) without running its pickle. The stored tensor must
+        have this tensor's shape and dtype and be contiguous.
 
         Raises:
-            KeyError: no tensor `key` in the file.
-            ValueError: another shape or dtype, or a file that is not safetensors
-                (``torch.save`` checkpoints are not read here yet).
+            KeyError: no tensor `key` in the file (the message lists the keys there are).
+            ValueError: another shape or dtype; a tensor stored with strides that do not give
+                contiguous rows, or in a compressed zip entry; a legacy (pre-1.6) ``torch.save``
+                file; a file that is not a checkpoint.
+            OSError: the file cannot be read.
         """
-        from .checkpoint import _read_st_header
-
-        self._require_open("load_checkpoint")
+        self._require_member("load_checkpoint")
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, not {type(key).__name__}")
         path = os.fspath(path)
         with open(path, "rb") as f:
-            if f.read(2) == b"PK":
-                raise ValueError(
-                    f"{path}: a torch.save (zip) checkpoint; load_checkpoint reads safetensors "
-                    "files (tensortier convert turns one into the other)"
-                )
-        entries, _ = _read_st_header(path)
-        entry = next((e for e in entries if e.name == key), None)
-        if entry is None:
-            raise KeyError(f"{path} has no tensor {key!r}")
-        if tuple(entry.shape) != self._shape or entry.dtype != self._dtype:
+            head = f.read(2)
+        if head == b"PK" or head[:1] == b"\x80":  # torch.save: zip, or the legacy pickle
+            found, keys = _core.locate_torch_tensor(path, key)
+            if found is None:
+                raise KeyError(_missing_key(path, key, keys))
+            dtype_name, shape, offset, nbytes = found
+            dtype = getattr(torch, dtype_name, None)
+        else:
+            from .checkpoint import _read_st_header
+
+            entries, _ = _read_st_header(path)
+            entry = next((e for e in entries if e.name == key), None)
+            if entry is None:
+                raise KeyError(_missing_key(path, key, [e.name for e in entries]))
+            dtype, shape, offset, nbytes = entry.dtype, entry.shape, entry.offset, entry.nbytes
+            dtype_name = str(dtype).removeprefix("torch.")
+        if tuple(shape) != self._shape or dtype != self._dtype:
             raise ValueError(
-                f"{path}: {key!r} is {entry.dtype} of shape {tuple(entry.shape)}; this shared "
-                f"tensor is {self._dtype} of shape {self._shape}"
+                f"{path}: {key!r} is {dtype_name} of shape {tuple(shape)}; this shared "
+                f"tensor is {str(self._dtype).removeprefix('torch.')} of shape {self._shape}"
             )
-        return self._read_rows([(path, entry.offset, entry.nbytes)], "load_checkpoint")
+        return self._read_rows([(path, offset, nbytes)], "load_checkpoint")
 
     def store_files(self, prefix: str | os.PathLike[str]) -> list[str]:
         """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
@@ -621,7 +721,7 @@ class SharedTensor:
         :meth:`load_files` takes back) once all are written."""
         from .io import IOHandle
 
-        self._require_open("store_files")
+        self._require_member("store_files")
         world = len(self.partitions)
         names = [f"{os.fspath(prefix)}_part_{r}_of_{world}" for r in range(world)]
         data = self._local_bytes()
@@ -676,11 +776,24 @@ class Group:
         if not timeout > 0:
             raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
         self.timeout = float(timeout)
-        torch_store, self.rank, self.world_size = _rendezvous(rank, world_size, store, timeout)
+        torch_store, self.rank, self.world_size, where, self._hosts_store = _rendezvous(
+            rank, world_size, store, timeout
+        )
         self._torch_store = torch_store
-        self._adapter = _TorchStore(torch_store)  # referenced here as long as C++ may call it
+        # Referenced here as long as C++ may call it.
+        self._adapter = _TorchStore(torch_store, where)
         self._core = _core.SharedGroup(self._adapter, self.rank, self.world_size, self.timeout)
         self._closed = False
+        # Where each rank counts itself out on close, so that a rank serving the store keeps it
+        # until the others are done with it (at most the timeout: a dead rank never counts).
+        self._left_key = f"tensortier/shared/left/{self._core.socket_name.rsplit('.', 1)[0]}"
+        if self._hosts_store:  # holds the store (its server) until exit, even if dropped
+            atexit.register(
+                _serve_until_others_leave, torch_store, self._left_key, self.world_size,
+                self.timeout,
+            )
+        if self.world_size > 1:  # runs before the above (atexit is last in, first out)
+            atexit.register(_close_at_exit, weakref.ref(self))
         self._distributed_tensors: list[SharedTensor] = []
 
     def _require_open(self, what: str) -> None:
@@ -765,15 +878,15 @@ class Group:
         return t
 
     def attach(self, name: str) -> SharedTensor:
-        """The shared tensor that this group created under `name` (not collective; its owners
-        must not have closed it). Raises TimeoutError when none appears in time."""
+        """The shared tensor created under `name` in this group's store (not collective; its
+        owners must not have closed it), waiting up to the group's timeout for it to appear.
+        One this group created has this rank's rows as :meth:`SharedTensor.local`; one another
+        group created is attached as :func:`attach` does. Raises TimeoutError when none
+        appears in time."""
         self._require_open("attach")
-        core = self._core.attach(name)
-        dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
-        t = SharedTensor(core, dtype)
-        t._group_barrier = self.barrier
+        t = _attached(self._core.attach(name), name)
+        if t._core.rank >= 0:
+            t._group_barrier = self.barrier
         return t
 
     def barrier(self) -> None:
@@ -782,16 +895,97 @@ class Group:
         self._core.barrier("barrier")
 
     def close(self) -> None:
-        """Closes every tensor of this group and stops sharing (not collective). Idempotent."""
-        if not self._closed:
-            self._closed = True
-            for t in self._distributed_tensors:
-                t.close()
-            self._distributed_tensors.clear()
-            self._core.close()
+        """Closes every tensor of this group and stops sharing (not collective). Idempotent.
+
+        Groups are closed at interpreter exit. The rank that serves the group's store (rank 0
+        when no ``store`` is given outside torchrun) then keeps serving it until every other
+        rank has closed its group or exited, at most the timeout: ranks still finishing a
+        collective call do not lose the store under them."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._distributed_tensors:
+            t.close()
+        self._distributed_tensors.clear()
+        self._core.close()
+        if not self._hosts_store:
+            try:
+                self._torch_store.add(self._left_key, 1)
+            except RuntimeError:  # the store is gone (its host died): nobody waits for this
+                pass
 
     def __enter__(self) -> "Group":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _close_at_exit(ref: "weakref.ref[Group]") -> None:
+    group = ref()
+    if group is not None:
+        group.close()
+
+
+def _serve_until_others_leave(store: Any, key: str, world_size: int, timeout: float) -> None:
+    """At exit of the rank serving a group's store: waits (at most `timeout` seconds: a dead
+    rank never counts itself out) until the other ranks have closed their groups."""
+    deadline = time.monotonic() + timeout
+    try:
+        while store.add(key, 0) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except RuntimeError:
+        pass
+
+
+def _attached(core: Any, name: str) -> SharedTensor:
+    dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
+    return SharedTensor(core, dtype)
+
+
+def attach(
+    name: str,
+    store: Any = None,
+    timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+) -> SharedTensor:
+    """Maps the shared tensor that a :class:`Group` created with ``name=`` from a process
+    outside that group: one started later (an evaluation process, a new job step, a notebook),
+    or a member of a group of another size. Not collective.
+
+    Args:
+        name: the ``name`` given to :meth:`Group.create_tensor`.
+        store: the store the creating group met through: a client of the same ``TCPStore``
+            (host and port), the same ``FileStore`` path... By default a ``TCPStore`` client
+            of ``MASTER_ADDR:MASTER_PORT``, as a group started by torchrun uses.
+        timeout: seconds to wait for the tensor to be created.
+
+    The owners must still run and hold the tensor while it is attached (each serves its rows
+    to processes of the same user only); afterwards the memory stays valid here until the
+    tensor is dropped, even after they exit. The result has :meth:`~SharedTensor.view`,
+    ``gather``, ``scatter`` (writes are seen by the owners and vice versa); it owns no rows,
+    so :meth:`~SharedTensor.local` and the collective file calls raise ``ValueError``.
+
+    Raises:
+        TimeoutError: no tensor of that name appeared in time.
+        ConnectionError: an owner exited (or the store is gone).
+        FileNotFoundError: an owner closed the tensor.
+        PermissionError: an owner runs as another user.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, not {name!r}")
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
+    if store is None:
+        store, where = _env_store(False, None, float(timeout))
+    elif not isinstance(store, dist.Store):
+        raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
+    else:
+        where = _describe_store(store)
+    core = _core.shared_attach(_TorchStore(store, where), name, float(timeout))
+    return _attached(core, name)

@@ -75,6 +75,55 @@ std::string RandomToken() {
 // The nth group a process creates uses the nth key prefix: ranks create groups in the same order.
 std::atomic<uint64_t> g_groups_created{0};
 
+// Whether a tensor is big enough per rank for huge-page partitions: every process that maps it
+// must decide alike, so it depends on the spec and the owners' world size only.
+bool IsHuge(const SharedTensorSpec& spec, int world_size) {
+  return spec.rows() * spec.row_bytes() >=
+         kHugePartitionThreshold * static_cast<uint64_t>(world_size);
+}
+
+// Named tensors are published store-wide (not under a group's prefix) so that processes outside
+// the group can find them: the owners' socket token and world size, then the spec.
+std::string NamedKey(const std::string& name) {
+  return StrCat("tensortier/shared/named/", name);
+}
+
+struct NamedRecord {
+  std::string token;
+  int world_size = 0;
+  SharedTensorSpec spec;
+
+  std::string Format() const { return StrCat(token, " ", world_size, " ", spec.Describe()); }
+
+  static NamedRecord Read(Store& store, const std::string& name,
+                          std::chrono::milliseconds timeout) {
+    if (name.empty()) throw std::invalid_argument("attach needs the tensor's name");
+    std::string value;
+    try {
+      value = store.Get(NamedKey(name), timeout);
+    } catch (const IoError& e) {
+      if (e.error_code() != ETIMEDOUT) throw;
+      ThrowIoError(ETIMEDOUT,
+                   StrCat("attach: no shared tensor named '", name, "' appeared within ",
+                          timeout.count(), " ms"),
+                   name);
+    }
+    size_t a = value.find(' ');
+    size_t b = a == std::string::npos ? a : value.find(' ', a + 1);
+    if (b == std::string::npos) {
+      throw std::invalid_argument(StrCat("bad shared tensor record for '", name, "': ", value));
+    }
+    NamedRecord r;
+    r.token = value.substr(0, a);
+    r.world_size = std::stoi(value.substr(a + 1, b - a - 1));
+    r.spec = SharedTensorSpec::Parse(value.substr(b + 1));
+    if (r.world_size <= 0 || r.spec.name != name) {
+      throw std::invalid_argument(StrCat("bad shared tensor record for '", name, "': ", value));
+    }
+    return r;
+  }
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -199,6 +248,14 @@ struct SharedTensor::Memory {
     for (auto [address, length] : mappings) ::munmap(address, length);
   }
 };
+
+const SharedPartition& SharedTensor::local() const {
+  if (rank_ < 0) {
+    throw std::logic_error(StrCat("shared tensor '", spec_.name,
+                                  "' was attached from outside its group: it owns no rows here"));
+  }
+  return partitions_.at(rank_);
+}
 
 uint8_t* SharedTensor::data() const {
   if (spec_.layout != SharedLayout::kContinuous) {
@@ -508,6 +565,20 @@ void SharedGroup::Agree(const std::string& what, const std::string& value) {
   throw std::invalid_argument(msg);
 }
 
+namespace {
+
+// Device memory is mapped collectively by the processes that made it (each imports every rank's
+// allocation into its own context); a later process has no way to join that.
+void RefuseDeviceAttach(const SharedTensorSpec& spec, const std::string& name) {
+  if (spec.memory == SharedMemory::kDevice) {
+    throw std::invalid_argument(StrCat("attach: '", name,
+                                       "' is in device memory, which only the processes that "
+                                       "created it collectively map"));
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, int device) {
   for (int64_t d : spec.shape) {
     if (d < 0) throw std::invalid_argument(StrCat("negative dimension in ", spec.Describe()));
@@ -522,57 +593,53 @@ std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, 
   auto tensor = spec.memory == SharedMemory::kDevice ? MapDevice(spec, key, device)
                                                      : Map(spec, key, true, device);
   if (!spec.name.empty() && rank_ == 0) {
-    store_->Set(StrCat(prefix_, "/named/", spec.name), spec.Describe());
+    // Published after every rank serves its partition: whoever reads it can map them all.
+    store_->Set(NamedKey(spec.name), NamedRecord{token_, world_size_, spec}.Format());
   }
   return tensor;
 }
 
 std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name, int device) {
   if (!server_) throw std::logic_error("attach: the shared group was closed");
-  if (name.empty()) throw std::invalid_argument("attach needs the tensor's name");
-  std::string described;
-  try {
-    described = store_->Get(StrCat(prefix_, "/named/", name), timeout_);
-  } catch (const IoError& e) {
-    if (e.error_code() != ETIMEDOUT) throw;
-    ThrowIoError(ETIMEDOUT,
-                 StrCat("attach: no shared tensor named '", name, "' appeared within ",
-                        timeout_.count(), " ms"),
-                 name);
+  NamedRecord record = NamedRecord::Read(*store_, name, timeout_);
+  RefuseDeviceAttach(record.spec, name);
+  std::shared_ptr<SharedTensor> tensor;
+  if (record.token == token_ && record.world_size == world_size_) {
+    tensor = Map(record.spec, name, false, device);
+  } else {
+    tensor = Layout(record.spec, name, record.world_size, -1);
+    FetchPartitions(*tensor, record.token, -1, timeout_);
+    tensor->RegisterWithCuda(device);
+    tensors_.push_back(tensor);
   }
-  SharedTensorSpec spec = SharedTensorSpec::Parse(described);
-  if (spec.memory == SharedMemory::kDevice) {
-    throw std::invalid_argument(StrCat("attach: '", name,
-                                       "' is in device memory, which only the processes that "
-                                       "created it collectively map"));
-  }
-  return Map(spec, name, false, device);
+  return tensor;
 }
 
-// Creates (when `own_partition`) and maps the partitions of `spec`; `key` names them on every
-// rank's server. With own_partition, ends with two barriers: every rank serves before any
-// fetches, and every rank has fetched before any may close.
-std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, const std::string& key,
-                                               bool own_partition, int device) {
+std::shared_ptr<SharedTensor> AttachSharedTensor(Store& store, const std::string& name,
+                                                 std::chrono::milliseconds timeout) {
+  NamedRecord record = NamedRecord::Read(store, name, timeout);
+  RefuseDeviceAttach(record.spec, name);
+  auto tensor = SharedGroup::Layout(record.spec, name, record.world_size, -1);
+  SharedGroup::FetchPartitions(*tensor, record.token, -1, timeout);
+  return tensor;
+}
+
+std::shared_ptr<SharedTensor> SharedGroup::Layout(const SharedTensorSpec& spec,
+                                                  const std::string& key, int world_size,
+                                                  int rank) {
   const uint64_t page = PageSize();
-  const uint64_t total = spec.rows() * spec.row_bytes();
-  const bool huge = total >= kHugePartitionThreshold * static_cast<uint64_t>(world_size_);
   const bool continuous = spec.layout == SharedLayout::kContinuous;
+  const bool huge = IsHuge(spec, world_size);
   uint64_t granule = continuous ? (huge ? kHugePage : page) : 1;
 
   auto tensor = std::shared_ptr<SharedTensor>(new SharedTensor());
   tensor->spec_ = spec;
-  tensor->rank_ = rank_;
+  tensor->rank_ = rank;
   tensor->key_ = key;
-  tensor->partitions_ = PartitionRows(spec.rows(), spec.row_bytes(), world_size_, granule);
+  tensor->partitions_ = PartitionRows(spec.rows(), spec.row_bytes(), world_size, granule);
   auto memory = std::make_shared<SharedTensor::Memory>();
-
-  std::vector<uint64_t> offsets(world_size_);
   uint64_t span = 0;
-  for (int r = 0; r < world_size_; ++r) {
-    offsets[r] = span;
-    span += RoundUp(tensor->partitions_[r].bytes, page);
-  }
+  for (const auto& p : tensor->partitions_) span += RoundUp(p.bytes, page);
   if (continuous && span > 0) {
     // One PROT_NONE range, aligned for huge pages, that the partitions are mapped into.
     uint64_t align = huge ? kHugePage : page;
@@ -586,22 +653,61 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
     memory->reserved = reinterpret_cast<uint8_t*>(aligned);
     memory->reserved_bytes = keep;
   }
+  // Not visible to anyone before it is returned; unmapped with the tensor if mapping fails.
+  tensor->memory_ = std::move(memory);
+  return tensor;
+}
 
-  auto map_fd = [&](int r, int fd, bool populate) {
-    SharedPartition& p = tensor->partitions_[r];
-    uint64_t length = RoundUp(p.bytes, page);
-    int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
-    void* want = nullptr;
-    if (continuous) {
-      want = memory->reserved + offsets[r];
-      flags |= MAP_FIXED;
+int SharedGroup::MapPartition(SharedTensor& t, int r, int fd, bool populate) {
+  const uint64_t page = PageSize();
+  SharedPartition& p = t.partitions_[r];
+  SharedTensor::Memory& memory = *t.memory_;
+  uint64_t length = RoundUp(p.bytes, page);
+  int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
+  void* want = nullptr;
+  if (memory.reserved != nullptr) {
+    uint64_t offset = 0;
+    for (int q = 0; q < r; ++q) offset += RoundUp(t.partitions_[q].bytes, page);
+    want = memory.reserved + offset;
+    flags |= MAP_FIXED;
+  }
+  void* got = ::mmap(want, length, PROT_READ | PROT_WRITE, flags, fd, 0);
+  if (got == MAP_FAILED) return errno;
+  if (memory.reserved == nullptr) memory.mappings.emplace_back(got, length);
+  p.address = static_cast<uint8_t*>(got);
+  return 0;
+}
+
+void SharedGroup::FetchPartitions(SharedTensor& t, const std::string& token, int skip_rank,
+                                  std::chrono::milliseconds timeout) {
+  auto deadline = shared::DeadlineAfter(timeout);
+  for (int r = 0; r < static_cast<int>(t.partitions_.size()); ++r) {
+    if (r == skip_rank || t.partitions_[r].bytes == 0) continue;
+    std::string peer = StrCat("tensortier.", token, ".", r);
+    std::string what = StrCat("rank ", r, " (serving '", t.key_, "')");
+    UniqueFd c = shared::ConnectAbstract(peer, deadline, false);
+    shared::RequireSameUser(c.get(), what);
+    shared::SendString(c.get(), t.key_, deadline, what);
+    auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, what);
+    if (status != kServed || !fd) {
+      ThrowIoError(ENOENT, StrCat("fetch partition from ", what, " (it closed the tensor)"),
+                   t.key_);
     }
-    void* got = ::mmap(want, length, PROT_READ | PROT_WRITE, flags, fd, 0);
-    if (got == MAP_FAILED) return errno;
-    if (!continuous) memory->mappings.emplace_back(got, length);
-    p.address = static_cast<uint8_t*>(got);
-    return 0;
-  };
+    if (int err = MapPartition(t, r, fd.get(), false); err != 0) {
+      ThrowIoError(err, StrCat("mmap partition of rank ", r, " of"), t.key_, 0,
+                   t.partitions_[r].bytes);
+    }
+  }
+}
+
+// Creates (when `own_partition`) and maps the partitions of `spec`; `key` names them on every
+// rank's server. With own_partition, ends with two barriers: every rank serves before any
+// fetches, and every rank has fetched before any may close.
+std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, const std::string& key,
+                                               bool own_partition, int device) {
+  const uint64_t page = PageSize();
+  const bool huge = IsHuge(spec, world_size_);
+  auto tensor = Layout(spec, key, world_size_, rank_);
 
   if (own_partition) {
     SharedPartition& p = tensor->partitions_[rank_];
@@ -617,7 +723,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
             ::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB));
         int err = !fd ? errno : 0;
         if (fd && ::ftruncate(fd.get(), RoundUp(p.bytes, kHugePage)) != 0) err = errno;
-        if (fd && err == 0) err = map_fd(rank_, fd.get(), true);
+        if (fd && err == 0) err = MapPartition(*tensor, rank_, fd.get(), true);
         if (err != 0) {
           fd = UniqueFd();
           tensor->stats_.huge_pages_reason =
@@ -633,7 +739,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
           ThrowIoError(errno, "ftruncate memfd of", key, 0, p.bytes);
         }
         // Pages this rank touches first (MAP_POPULATE) sit on its NUMA node.
-        if (int err = map_fd(rank_, fd.get(), true); err != 0) {
+        if (int err = MapPartition(*tensor, rank_, fd.get(), true); err != 0) {
           ThrowIoError(err, "mmap partition of", key, 0, p.bytes);
         }
       }
@@ -647,24 +753,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
     Barrier(StrCat("create_tensor '", key, "' (serving)"));
   }
 
-  auto deadline = shared::DeadlineAfter(timeout_);
-  for (int r = 0; r < world_size_; ++r) {
-    if ((own_partition && r == rank_) || tensor->partitions_[r].bytes == 0) continue;
-    std::string peer = StrCat("tensortier.", token_, ".", r);
-    std::string what = StrCat("rank ", r, " (serving '", key, "')");
-    UniqueFd c = shared::ConnectAbstract(peer, deadline, false);
-    shared::RequireSameUser(c.get(), what);
-    shared::SendString(c.get(), key, deadline, what);
-    auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, what);
-    if (status != kServed || !fd) {
-      ThrowIoError(ENOENT, StrCat("fetch partition from ", what), key);
-    }
-    if (int err = map_fd(r, fd.get(), false); err != 0) {
-      ThrowIoError(err, StrCat("mmap partition of rank ", r, " of"), key, 0,
-                   tensor->partitions_[r].bytes);
-    }
-  }
-  tensor->memory_ = std::move(memory);
+  FetchPartitions(*tensor, token_, own_partition ? rank_ : -1, timeout_);
   tensor->RegisterWithCuda(device);
   if (own_partition) Barrier(StrCat("create_tensor '", key, "' (mapped)"));
   tensors_.push_back(tensor);

@@ -284,6 +284,78 @@ TEST(SharedTensorTest, AttachByNameSeesTheSameMemory) {
   ExpectAllZero(statuses);
 }
 
+// Ranks 0-1 create "late" (with an odd row count: rank 1's partition is smaller); rank 2 maps it
+// from outside their group, and ranks 0-1 again through a second group of another size: all see
+// the owners' writes, and theirs are seen. The attached mappings outlive the owners' close.
+TEST(SharedTensorTest, AttachFromOutsideTheGroup) {
+  auto statuses = RunRanks(3, [](int rank, std::shared_ptr<Store> store) {
+    const uint64_t rows = 1031;
+    if (rank < 2) {
+      SharedGroup owners(store, rank, 2, 20s);
+      auto t =
+          owners.Create(Spec({static_cast<int64_t>(rows), 1}, 4, SharedLayout::kChunked, "late"));
+      const SharedPartition& mine = t->local();
+      for (uint64_t i = 0; i < mine.rows; ++i) {
+        reinterpret_cast<uint32_t*>(mine.address)[i] = RowValue(mine.row_begin + i, 0);
+      }
+      owners.Barrier("written");
+      store->Set(StrCat("written/", rank), "");
+      // A second group, of another size, over the same store: its own token.
+      SharedGroup pair(store, rank, 2, 20s);
+      auto other = pair.Attach("late");
+      Check(other->rank() == -1, "another group's tensor has no local partition");
+      try {
+        other->local();
+        Check(false, "local() of a tensor attached from outside");
+      } catch (const std::logic_error&) {
+      }
+      int64_t last = rows - 1;
+      uint32_t got = 0;
+      other->Gather(&last, 1, &got);
+      Check(got == RowValue(rows - 1, 0), "second group reads the owners' rows");
+      store->Get("outsider/wrote", 20s);
+      int64_t row = 7;
+      t->Gather(&row, 1, &got);
+      Check(got == 777, "the outsider's write is seen by the owners");
+      t->Close();  // stops serving it; the group goes on
+      store->Set(StrCat("closed/", rank), "");
+      store->Get("outsider/done", 30s);  // serving (nothing) until the outsider has tried
+    } else {
+      store->Get("written/0", 20s);
+      store->Get("written/1", 20s);
+      auto t = AttachSharedTensor(*store, "late", 20s);
+      Check(t->rank() == -1 && t->partitions().size() == 2, "two owners");
+      std::vector<int64_t> all(rows);
+      for (uint64_t i = 0; i < rows; ++i) all[i] = static_cast<int64_t>(i);
+      std::vector<uint32_t> got(rows);
+      t->Gather(all.data(), rows, got.data());
+      for (uint64_t i = 0; i < rows; ++i) Check(got[i] == RowValue(i, 0), StrCat("row ", i));
+      uint32_t value = 777;
+      int64_t row = 7;
+      t->Scatter(&row, 1, &value);
+      store->Set("outsider/wrote", "");
+      store->Get("closed/0", 20s);
+      store->Get("closed/1", 20s);
+      t->Gather(all.data(), rows, got.data());  // still mapped after the owners closed it
+      Check(got[7] == 777 && got[rows - 1] == RowValue(rows - 1, 0), "mapping outlives owners");
+      try {
+        AttachSharedTensor(*store, "late", 5s);
+        Check(false, "attached a tensor its owners closed");
+      } catch (const IoError& e) {
+        Check(e.error_code() == ENOENT, e.what());
+      }
+      try {
+        AttachSharedTensor(*store, "never", 300ms);
+        Check(false, "attached a tensor nobody created");
+      } catch (const IoError& e) {
+        Check(e.error_code() == ETIMEDOUT, e.what());
+      }
+      store->Set("outsider/done", "");
+    }
+  });
+  ExpectAllZero(statuses);
+}
+
 // Raw connection to `name`'s abstract socket: whether a descriptor came back for `key`.
 bool FetchAsCurrentUser(const std::string& name, const std::string& key) {
   int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);

@@ -5,6 +5,7 @@ OUTDIR/rank<N>.json: {"ok": true, ...} or {"ok": false, "error": ...}."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -202,6 +203,100 @@ def scenario_killed(group: shared.Group, result: dict[str, Any]) -> None:
     result["socket"] = group._core.socket_name
 
 
+def scenario_store_host(group: shared.Group, result: dict[str, Any]) -> None:
+    """Rank 0 serves the store (no torchrun agent). Rank SHARED_TEST_VICTIM kills itself after
+    the first tensor; the next collective raises on every survivor within the timeout: a
+    ConnectionError naming rank 0 when it was the victim (the store went with it), else a
+    TimeoutError naming the dead rank (rank 0 keeps the store until the survivors are done)."""
+    victim = int(os.environ["SHARED_TEST_VICTIM"])
+    t = group.create_tensor((64, 4), torch.float32)
+    t.local()[0].fill_(group.rank)
+    group.barrier()
+    # The victim dies once every rank is out of the barrier (else rank 0's death could fail
+    # the barrier itself on a slow rank: right, but not the call this test times).
+    store = group._torch_store
+    store.add("test/past_barrier", 1)
+    if group.rank == victim:
+        deadline = time.monotonic() + 60
+        while store.add("test/past_barrier", 0) < group.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        group.create_tensor((64, 4), torch.float32)
+        raise AssertionError("no error with a dead rank")
+    except (TimeoutError, ConnectionError) as e:
+        result["waited"] = time.monotonic() - start
+        result["error_type"] = type(e).__name__
+        result["message"] = str(e)
+    result["socket"] = group._core.socket_name
+
+
+def scenario_owners(group: shared.Group, result: dict[str, Any]) -> None:
+    """Creates named tensors for a process outside the group (scenario_attacher) to attach,
+    then checks that process's writes."""
+    store = group._torch_store
+    c = group.create_tensor((1001, 3), torch.float64, name="late_c")
+    k = group.create_tensor((5, 2), torch.int16, layout="chunked", name="late_k")
+    for t, shape, dtype in ((c, (1001, 3), torch.float64), (k, (5, 2), torch.int16)):
+        local, (begin, end) = t.local()
+        local.copy_(expected(shape, dtype)[begin:end])
+    group.barrier()
+    store.set("test/ready", b"")
+    store.wait(["test/wrote"], datetime.timedelta(seconds=60))
+    assert torch.equal(c.gather(torch.tensor([0, 1000])), torch.full((2, 3), -1.0, dtype=torch.float64))
+    assert torch.equal(k.gather(torch.tensor([4])), torch.full((1, 2), -2, dtype=torch.int16))
+    group.barrier()
+    result["socket"] = group._core.socket_name
+
+
+def scenario_attacher(group_unused: Any, result: dict[str, Any]) -> None:
+    """A process outside the owners' group (started after it, with the same MASTER_ADDR and
+    MASTER_PORT): attaches by name, reads the owners' rows, writes, and keeps its mapping
+    after the owners exit."""
+    c = shared.attach("late_c", timeout=20)
+    k = shared.attach("late_k", timeout=20)
+    assert c.shape == (1001, 3) and c.dtype == torch.float64 and c.layout == "continuous"
+    assert torch.equal(c.view(), expected((1001, 3), torch.float64))
+    assert torch.equal(torch.cat(k.view()), expected((5, 2), torch.int16))
+    for call in (c.local, lambda: c.load_files(["/dev/null"]), lambda: c.store_files("/tmp/x")):
+        try:
+            call()
+            raise AssertionError("a collective call from outside the group")
+        except ValueError as e:
+            assert "outside" in str(e), str(e)
+    # Another user's process is refused (SO_PEERCRED) before anything is mapped.
+    if os.geteuid() == 0:
+        assert fork_as_other("", attach_name="late_c") == 0, "another user attached"
+    c.scatter(torch.tensor([1000, 0]), torch.full((2, 3), -1.0, dtype=torch.float64))
+    k.view()[-1][-1] = -2  # the last row, owned by the last owner with rows
+    host = shared._env_store(False, None, 20.0)[0]
+    host.set("test/wrote", b"")
+    host.wait(["test/owners_exited"], datetime.timedelta(seconds=60))
+    # The owners are gone: the memory is still mapped here, readable and writable.
+    view = c.view()
+    assert view[0, 0].item() == -1.0 and view[5, 1].item() == expected((1001, 3), torch.float64)[5, 1].item()
+    view[3] = 4.0
+    assert c.gather(torch.tensor([3]))[0, 0].item() == 4.0
+    try:
+        shared.attach("late_c", store=host, timeout=5)
+        raise AssertionError("attached a tensor whose owners exited")
+    except ConnectionError:
+        pass
+    try:
+        shared.attach("never", timeout=1)
+        raise AssertionError("attached a tensor nobody created")
+    except TimeoutError:
+        pass
+    c.close()
+    try:
+        c.gather(torch.tensor([0]))
+        raise AssertionError("gather after close")
+    except RuntimeError:
+        pass
+    assert view[3, 0].item() == 4.0  # views taken before close keep their memory
+
+
 def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
     """The distributed layout over Gloo: rows move by all-to-all; gather/scatter are collective."""
     import torch.distributed as dist
@@ -285,7 +380,7 @@ def scenario_files(group: shared.Group, result: dict[str, Any]) -> None:
         assert torch.equal(v.gather(torch.arange(shape[0])), want), f"{layout}: checkpoint"
         for bad, exc in ((lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "other"), ValueError),
                          (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.safetensors"), "nope"), KeyError),
-                         (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.pt"), "feat"), ValueError),
+                         (lambda: v.load_checkpoint(os.path.join(outdir, "ckpt.pt"), "other"), KeyError),
                          (lambda: v.load_files(paths[:2]), ValueError)):
             try:
                 bad()
@@ -295,13 +390,95 @@ def scenario_files(group: shared.Group, result: dict[str, Any]) -> None:
     result["socket"] = group._core.socket_name
 
 
+def deflated_copy(src: str, dst: str) -> None:
+    """`src` (a torch.save zip) rewritten with every entry compressed (deflate)."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+
+
+def scenario_torch_checkpoints(group: shared.Group, result: dict[str, Any]) -> None:
+    """load_checkpoint from torch.save files: every dtype, odd and tiny row counts (unequal and
+    empty partitions), nested keys, a contiguous slice of a bigger storage; equal to
+    torch.load(path)[key]. Strided tensors, compressed entries, legacy files and missing keys
+    are refused on every rank."""
+    rank = group.rank
+    outdir = os.environ["SHARED_TEST_DIR"]
+    path = os.path.join(outdir, "all.pt")
+    shapes = [(1001, 3), (2, 5), (7,), (0, 3)]
+    if rank == 0:
+        state: dict[str, Any] = {}
+        for dtype in DTYPES:
+            for shape in shapes:
+                state[f"{dtype}_{shape}".replace("torch.", "")] = expected(shape, dtype)
+        base = expected((50, 4), torch.float32, salt=3)
+        state["nested"] = {"emb": {"weight": expected((333, 2), torch.int64)}, "step": 7}
+        state["slice"] = base[10:31]  # storage offset 40 elements, contiguous rows
+        state["strided"] = base[:, :2]  # rows are not contiguous
+        state["transposed"] = base.t()
+        torch.save(state, path)
+        deflated_copy(path, os.path.join(outdir, "deflated.pt"))
+        torch.save({"x": torch.ones(4, 2)}, os.path.join(outdir, "legacy.pt"),
+                   _use_new_zipfile_serialization=False)
+    group.barrier()
+    loaded = torch.load(path)
+    for layout in ("continuous", "chunked"):
+        for dtype in DTYPES:
+            for shape in shapes:
+                key = f"{dtype}_{shape}".replace("torch.", "")
+                t = group.create_tensor(shape, dtype, layout=layout)
+                t.load_checkpoint(path, key)
+                got = t.gather(torch.arange(shape[0]))
+                assert torch.equal(got, loaded[key]), f"{layout} {key}"
+                t.close()
+        for key, want in (("nested.emb.weight", loaded["nested"]["emb"]["weight"]), ("slice", loaded["slice"])):
+            t = group.create_tensor(tuple(want.shape), want.dtype, layout=layout)
+            t.load_checkpoint(path, key)
+            assert torch.equal(t.gather(torch.arange(want.shape[0])), want), f"{layout} {key}"
+            t.close()
+    t = group.create_tensor((50, 2), torch.float32)
+    for bad_key, says in (("strided", "do not give contiguous rows"), ("transposed", "do not give contiguous rows")):
+        try:
+            t.load_checkpoint(path, bad_key)
+            raise AssertionError(f"{bad_key}: no error")
+        except ValueError as e:
+            assert f"'{bad_key}'" in str(e) and says in str(e), str(e)
+    try:
+        t.load_checkpoint(path, "float32_(7,)")  # another shape
+        raise AssertionError("no error for another shape")
+    except ValueError as e:
+        assert "float32 of shape (7,)" in str(e), str(e)
+    try:
+        t.load_checkpoint(path, "nope")
+        raise AssertionError("no KeyError")
+    except KeyError as e:
+        assert "'nope'" in e.args[0] and "'float32_(7,)'" in e.args[0] and "52 in all" in e.args[0], e.args[0]
+    try:
+        t.load_checkpoint(os.path.join(outdir, "deflated.pt"), "slice")
+        raise AssertionError("a compressed entry was read")
+    except ValueError as e:
+        assert "'slice'" in str(e) and "compress" in str(e).lower(), str(e)
+    try:
+        t.load_checkpoint(os.path.join(outdir, "legacy.pt"), "x")
+        raise AssertionError("a legacy file was read")
+    except ValueError as e:
+        assert "legacy" in str(e), str(e)
+    result["socket"] = group._core.socket_name
+
+
 SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "files": scenario_files,
+    "torch_checkpoints": scenario_torch_checkpoints,
     "distributed": scenario_distributed,
     "layouts": scenario_layouts,
     "errors": scenario_errors,
     "seed": scenario_seed,
     "killed": scenario_killed,
+    "store_host": scenario_store_host,
+    "owners": scenario_owners,
+    "attacher": scenario_attacher,
 }
 
 
@@ -310,7 +487,7 @@ def run(scenario: str, outdir: str, rank: int | None = None, world: int | None =
     rank_for_file = rank if rank is not None else int(os.environ["RANK"])
     try:
         group = None
-        if scenario not in ("seed", "distributed"):
+        if scenario not in ("seed", "distributed", "attacher"):
             group = shared.Group(rank=rank, world_size=world, store=store, timeout=float(os.environ.get("SHARED_TEST_TIMEOUT", "20")))
         SCENARIOS[scenario](group, result)
         result["ok"] = True
@@ -328,8 +505,9 @@ def spawn_entry(index: int, scenario: str, outdir: str, world: int, port: int) -
     run(scenario, outdir, rank=index, world=world, store=store)
 
 
-def fork_as_other(name: str, timeout: float = 30.0) -> int:
-    """Runs fetch_as_other in a forked child as user and group 65534; returns its exit code."""
+def fork_as_other(name: str, timeout: float = 30.0, attach_name: str | None = None) -> int:
+    """Runs fetch_as_other (or, given `attach_name`, attach_as_other) in a forked child as user
+    and group 65534; returns its exit code."""
     import time
 
     pid = os.fork()
@@ -339,7 +517,7 @@ def fork_as_other(name: str, timeout: float = 30.0) -> int:
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
-            code = fetch_as_other(name)
+            code = attach_as_other(attach_name) if attach_name else fetch_as_other(name)
         finally:
             os._exit(code)
     deadline = time.monotonic() + timeout
@@ -352,6 +530,15 @@ def fork_as_other(name: str, timeout: float = 30.0) -> int:
             os.waitpid(pid, 0)
             raise AssertionError("the other user's process did not finish in time")
         time.sleep(0.05)
+
+
+def attach_as_other(name: str) -> int:
+    """Attaches `name` as this (other) user: 0 when refused with PermissionError."""
+    try:
+        shared.attach(name, timeout=10)
+    except PermissionError:
+        return 0
+    return 1
 
 
 def fetch_as_other(name: str) -> int:

@@ -103,6 +103,13 @@ def test_load_and_store_files_and_checkpoints_under_torchrun(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_load_checkpoint_from_torch_save_files_under_torchrun(tmp_path: Path, world: int) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    run_torchrun(tmp_path, "torch_checkpoints", world, SHARED_TEST_DIR=str(data))
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_distributed_layout_over_gloo_under_torchrun(tmp_path: Path, world: int) -> None:
     run_torchrun(tmp_path, "distributed", world)
 
@@ -171,6 +178,97 @@ def test_killed_rank_every_survivor_raises_and_nothing_is_left(tmp_path: Path, w
     assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:-1]])
 
 
+def start_ranks(tmp: Path, scenario: str, world: int, port: int, outdir: Path,
+                **extra: str) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for r in range(world):
+        env = env_for(tmp, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), **extra)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(outdir)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[bytes]]) -> list[str]:
+    """Each process's output once it exits (all killed after TIMEOUT seconds, even on failure)."""
+    try:
+        return [p.communicate(timeout=TIMEOUT)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("world,victim", [(3, 0), (3, 2), (2, 1)])
+def test_rank_zero_serving_the_store_survivors_raise_within_the_timeout(
+    tmp_path: Path, world: int, victim: int
+) -> None:
+    """Rank 0 serves the TCPStore itself (no torchrun agent). When rank 0 is killed the store
+    goes with it: every survivor raises ConnectionError naming rank 0 at once. When another
+    rank is killed, every survivor (rank 0 included) raises TimeoutError naming it, and rank 0
+    keeps the store until the others are done."""
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    shm_before = shm_entries()
+    timeout = 4
+    procs = start_ranks(tmp_path, "store_host", world, free_port(), outdir,
+                        SHARED_TEST_TIMEOUT=str(timeout), SHARED_TEST_VICTIM=str(victim))
+    outputs = finish(procs)
+    assert procs[victim].returncode == -signal.SIGKILL
+    results = reports(outdir, world)
+    for r in range(world):
+        if r == victim:
+            continue
+        res = results[r]
+        assert res["ok"], f"rank {r}: {res.get('error')}\n{outputs[r][-2000:]}"
+        assert res["waited"] < timeout + 20
+        assert procs[r].returncode == 0, outputs[r][-2000:]
+        if victim == 0:
+            assert res["error_type"] == "ConnectionResetError", res
+            assert "store the processes meet through is gone: rank 0" in res["message"], res
+            assert "Exception raised from" not in res["message"], res  # no C++ backtrace
+        else:
+            assert res["error_type"] == "TimeoutError", res
+            assert f"rank {victim} of {world} did not arrive" in res["message"], res
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results if "socket" in res])
+
+
+def test_attach_from_a_process_outside_the_group(tmp_path: Path) -> None:
+    """A process started after the group (same MASTER_ADDR/MASTER_PORT, no rank of its own)
+    attaches by name: it reads the owners' rows, its writes are seen by them, its mapping
+    stays valid after they exit; another user's process is refused."""
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    shm_before = shm_entries()
+    port = free_port()
+    world = 3
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, is_master=True,
+                                       timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    test_keys = torch.distributed.PrefixStore("tensortier/attempt_0", store)
+    owners = start_ranks(tmp_path, "owners", world, port, outdir, TORCHELASTIC_USE_AGENT_STORE="True")
+    attacher: list[subprocess.Popen[bytes]] = []
+    try:
+        test_keys.wait(["test/ready"], datetime.timedelta(seconds=TIMEOUT))
+        env = env_for(tmp_path, RANK=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        attacher.append(subprocess.Popen([sys.executable, str(WORKER), "attacher", str(outdir)],
+                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        owner_out = finish(owners)
+        test_keys.set("test/owners_exited", b"")
+        attacher_out = finish(attacher)
+    finally:
+        for p in owners + attacher:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = reports(outdir, world + 1)
+    for r in range(world):
+        assert results[r]["ok"], f"owner {r}: {results[r].get('error')}\n{owner_out[r][-2000:]}"
+    assert results[world]["ok"], f"attacher: {results[world].get('error')}\n{attacher_out[0][-2000:]}"
+    del test_keys, store
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:world]])
+
+
 def test_group_without_a_rendezvous_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
@@ -210,6 +308,39 @@ def test_one_process_group_with_a_hash_store() -> None:
             shared.Group(rank=0, world_size=1, store=store, timeout=5).attach("nope")
     with pytest.raises(RuntimeError, match="closed"):
         t.gather([0])
+
+
+@pytest.mark.parametrize("kind", ["file", "hash"])
+def test_a_name_that_never_appears_times_out_on_every_store_kind(tmp_path: Path, kind: str) -> None:
+    """FileStore's wait raises a plain RuntimeError on a timeout, HashStore's a DistStoreError:
+    both are a TimeoutError here, told apart from other failures without reading messages."""
+    store = (torch.distributed.FileStore(str(tmp_path / "store"), 1) if kind == "file"
+             else torch.distributed.HashStore())
+    with shared.Group(rank=0, world_size=1, store=store, timeout=1) as group:
+        t = group.create_tensor((3,), torch.int32, name="there")
+        with pytest.raises(TimeoutError, match="no shared tensor named 'nope'"):
+            group.attach("nope")
+        with pytest.raises(TimeoutError, match="no shared tensor named 'nope'"):
+            shared.attach("nope", store=store, timeout=0.5)
+        other = shared.attach("there", store=store, timeout=1)  # from outside: no rank here
+        t.view()[2] = 7
+        assert other.view()[2].item() == 7 and other.gather([2]).item() == 7
+        with pytest.raises(ValueError, match="outside its group"):
+            other.local()
+    with pytest.raises(TypeError, match="torch.distributed.Store"):
+        shared.attach("there", store=object())
+    with pytest.raises(ValueError, match="name"):
+        shared.attach("", store=store)
+
+
+def test_attach_without_a_store_to_reach_raises_connection_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nothing serves it
+    with pytest.raises(ConnectionError, match="cannot reach the TCPStore at 127.0.0.1:.* within 1 s"):
+        shared.attach("feat", timeout=1)
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT"):
+        shared.attach("feat", timeout=1)
 
 
 EXAMPLE_RUNS = {
