@@ -1,15 +1,25 @@
-"""A save to be killed: ``python crash_worker.py``, driven by test_checkpoint_crash.py.
+"""Saves to be killed: ``python crash_worker.py``, driven by test_checkpoint_crash.py.
 
-The worker imports torch and tensortier and builds both versions of the checkpoint first (the
-test starts the next worker while it checks the last one, so this cost is off the clock), prints
-``ready``, then reads one line ``PATH VERSION`` from stdin, saves version VERSION to PATH with
-``tensortier.save(..., checksum=True)``, prints ``saved`` and exits. The test kills it with
-SIGKILL somewhere between reading the line and past the end of the save.
+The worker imports torch and tensortier and builds both versions of the checkpoint once, prints
+``ready``, then serves commands read from stdin, one a line:
+
+- ``save PATH VERSION``: forks a child that saves version VERSION to PATH with
+  ``tensortier.save(..., checksum=True)``, prints ``saved PID`` and exits; the worker prints
+  ``started PID`` at once. The test kills the child with SIGKILL somewhere between its start and
+  past the end of its save. A fork is ready at once (the import and the tensors are the
+  parent's), so each kill costs only the save and the checks.
+- ``reap PID``: waits for that child and prints ``reaped PID STATUS`` (its exit code, or minus
+  the signal that killed it), so that its pid no longer names a process.
+
+The worker is single-threaded when it forks (torch's intra-op pool is kept to this thread, and
+no tensortier engine exists before a save), so the children start in a consistent state.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 import torch
 
@@ -46,17 +56,41 @@ def state(version: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def main() -> int:
+def save_in_child(versions: dict[int, dict[str, torch.Tensor]], path: str, version: int) -> None:
+    """The forked child: saves, says so, exits without running the parent's exit handlers."""
     import tensortier
+
+    code = 0
+    try:
+        tensortier.save(versions[version], path, checksum=True)
+        os.write(1, f"saved {os.getpid()}\n".encode())
+    except BaseException:  # noqa: BLE001 - reported to the test through stderr and the status
+        traceback.print_exc()
+        sys.stderr.flush()
+        code = 1
+    os._exit(code)
+
+
+def main() -> int:
+    torch.set_num_threads(1)  # no thread pool for fork() to leave behind
+    import tensortier  # noqa: F401 - imported before forking, not in each child
 
     versions = {v: state(v) for v in (0, 1)}
     print("ready", flush=True)
-    line = sys.stdin.readline().split()
-    if len(line) != 2:
-        return 0  # told to stop (stdin closed)
-    path, version = line[0], int(line[1])
-    tensortier.save(versions[version], path, checksum=True)
-    print("saved", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words[:1] == ["save"] and len(words) == 3:
+            pid = os.fork()
+            if pid == 0:
+                save_in_child(versions, words[1], int(words[2]))
+            print(f"started {pid}", flush=True)
+        elif words[:1] == ["reap"] and len(words) == 2:
+            pid = int(words[1])
+            _, status = os.waitpid(pid, 0)
+            print(f"reaped {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+        else:
+            print(f"bad command {line!r}", file=sys.stderr, flush=True)
+            return 2
     return 0
 
 

@@ -58,63 +58,94 @@ def versions() -> dict[int, dict[str, torch.Tensor]]:
     return {v: crash_worker.state(v) for v in (0, 1)}
 
 
-def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    """The next line `proc` prints, waiting at most `timeout` seconds."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"worker {proc.pid} printed nothing in {timeout:.0f} s")
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(timeout)
-        assert proc.stderr is not None
-        raise AssertionError(f"worker {proc.pid} exited {proc.returncode}: {proc.stderr.read()}")
-    return line.strip()
-
-
-class Workers:
-    """Started workers: a few are always importing and building their tensors while the test
-    checks what the last one left, so each kill costs little more than the save and the
-    checks. Every process started here is killed and reaped on close, failures included."""
-
-    AHEAD = 3  # workers started ahead of need
+class Worker:
+    """crash_worker.py: one process that forks a child per save. Reads its output unbuffered
+    (select() then os.read), so that no line waits in a buffer select() cannot see. Killed and
+    reaped on close, failures included."""
 
     def __init__(self) -> None:
-        self.started: list[subprocess.Popen[str]] = []
-        self.waiting: collections.deque[subprocess.Popen[str]] = collections.deque()
-
-    def _start(self) -> None:
-        proc = subprocess.Popen(
+        self.proc = subprocess.Popen(
             [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
         )
-        self.started.append(proc)
-        self.waiting.append(proc)
+        self.pending = b""
+        self.children: set[int] = set()
+        assert self.line(START_TIMEOUT_S) == "ready"
 
-    def go(self, path: Path, version: int) -> subprocess.Popen[str]:
-        """A ready worker, told to save `version` to `path` (and the next ones started)."""
-        while len(self.waiting) < self.AHEAD:
-            self._start()
-        proc = self.waiting.popleft()
-        assert read_line(proc, START_TIMEOUT_S) == "ready"
-        assert proc.stdin is not None
-        proc.stdin.write(f"{path} {version}\n")
-        proc.stdin.flush()
-        return proc
+    def line(self, timeout: float) -> str | None:
+        """The next line the worker or its children print, or None after `timeout` seconds."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                raise AssertionError(f"the worker exited {self.proc.wait(SAVE_TIMEOUT_S)}")
+            self.pending += chunk
+        text, self.pending = self.pending.split(b"\n", 1)
+        return text.decode()
+
+    def command(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{text}\n".encode())
+        self.proc.stdin.flush()
+
+    def start_save(self, path: Path, version: int) -> int:
+        """Starts a save of `version` to `path`; returns the saving child's pid."""
+        assert not any(c.isspace() for c in str(path))
+        self.command(f"save {path} {version}")
+        reply = self.line(START_TIMEOUT_S)
+        assert reply is not None and reply.startswith("started "), reply
+        pid = int(reply.split()[1])
+        self.children.add(pid)
+        return pid
+
+    def save_or_kill(self, pid: int, delay: float) -> bool:
+        """Waits `delay` seconds for child `pid` to finish its save, else SIGKILLs it; reaps it
+        (so that its pid and temporary file are stale). True when it finished first."""
+        saved = False
+        deadline = time.monotonic() + delay
+        while not saved:
+            reply = self.line(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                break
+            saved = reply == f"saved {pid}"
+        if not saved:
+            os.kill(pid, signal.SIGKILL)
+        self.command(f"reap {pid}")
+        while (reply := self.line(SAVE_TIMEOUT_S)) is not None:
+            saved = saved or reply == f"saved {pid}"
+            if reply.startswith(f"reaped {pid} "):
+                self.children.discard(pid)
+                status = int(reply.split()[2])
+                assert status in (0, -signal.SIGKILL), f"save {pid} exited {status}"
+                return saved
+        raise AssertionError(f"the worker did not reap {pid} in {SAVE_TIMEOUT_S:.0f} s")
+
+    def save(self, path: Path, version: int) -> float:
+        """An uninterrupted save; returns its duration in seconds."""
+        start = time.monotonic()
+        pid = self.start_save(path, version)
+        assert self.save_or_kill(pid, SAVE_TIMEOUT_S), f"the save to {path} did not finish"
+        return time.monotonic() - start
 
     def close(self) -> None:
-        for proc in self.started:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+        for pid in self.children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
 
 
 @pytest.fixture
-def workers() -> Iterator[Workers]:
-    w = Workers()
+def worker() -> Iterator[Worker]:
+    w = Worker()
     try:
         yield w
     finally:
@@ -167,16 +198,7 @@ def plant_bystanders(directory: Path, name: str) -> set[str]:
     return {p.name for p in files}
 
 
-def wait_saved(proc: subprocess.Popen[str]) -> float:
-    """Seconds from now until `proc` says its save is done (it must finish)."""
-    start = time.monotonic()
-    assert read_line(proc, SAVE_TIMEOUT_S) == "saved"
-    seconds = time.monotonic() - start
-    assert proc.wait(SAVE_TIMEOUT_S) == 0
-    return seconds
-
-
-def kill_after(proc: subprocess.Popen[str], delay: float) -> bool:
+def kill_after(proc: subprocess.Popen[bytes], delay: float) -> bool:
     """SIGKILLs `proc` `delay` seconds from now (and reaps it, so that its pid is free and its
     temporary file stale); True when it finished on its own first."""
     try:
@@ -205,14 +227,14 @@ def check_directory(directory: Path, name: str, bystanders: set[str], killed: se
 
 @pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
 def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(
-    disk_dir: Path, workers: Workers, versions: dict[int, dict[str, torch.Tensor]], name: str
+    disk_dir: Path, worker: Worker, versions: dict[int, dict[str, torch.Tensor]], name: str
 ) -> None:
     seed = crash_seed()
     rng = random.Random(seed)
     path = disk_dir / name
     bystanders = plant_bystanders(disk_dir, name)
-    wait_saved(workers.go(path, 0))
-    duration = wait_saved(workers.go(path, 1))  # a save over an existing checkpoint, timed
+    worker.save(path, 0)
+    duration = worker.save(path, 1)  # a save over an existing checkpoint, timed
     held = held_version(path, versions, "uninterrupted save")
     assert held == 1
     outcomes: collections.Counter[str] = collections.Counter()
@@ -222,10 +244,9 @@ def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(
         delay = rng.uniform(0, LATE * duration)
         context = f"seed {seed}, kill {i} at {delay:.3f} s of a {duration:.3f} s save"
         new = 1 - held
-        proc = workers.go(path, new)
-        finished = kill_after(proc, delay)
-        if not finished:
-            killed.add(proc.pid)
+        pid = worker.start_save(path, new)
+        if not worker.save_or_kill(pid, delay):
+            killed.add(pid)
         held_now = held_version(path, versions, context)
         outcomes["new" if held_now == new else "old"] += 1
         left = check_directory(disk_dir, name, bystanders, killed, context)
@@ -237,7 +258,7 @@ def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(
     print(f"{name}: {KILLS} kills over {duration:.3f} s saves: {dict(outcomes)}, "
           f"at most {leftovers_seen} temporary files left at once")
     # The next save, uninterrupted, removes what killed saves left and nothing else.
-    wait_saved(workers.go(path, 1 - held))
+    worker.save(path, 1 - held)
     assert held_version(path, versions, f"seed {seed}, the save after the kills") == 1 - held
     assert set(os.listdir(disk_dir)) == bystanders | {name}
 
