@@ -63,8 +63,8 @@ if [ $rc -eq 5 ]; then
 fi
 [ $rc -eq 0 ] || exit $rc
 
-# Seeded, so every run checks the same cases (~2 min on 2 cores; the agree mode, where
-# tensortier.load, verify, info and convert must agree on crafted files, ~30 s of it); a finding
+# Seeded, so every run checks the same cases (~2-3 min on 2 cores; ~1 min of it the agree mode,
+# where tensortier.load, verify, info and convert must agree on crafted files); a finding
 # not in the fuzzer's KNOWN_GAPS fails the step and is printed with the command that reruns its
 # case.
 cases="${DIFF_FUZZ_CASES:-1000}"
