@@ -30,7 +30,8 @@ Random objects and files are checked against what the ecosystem's own code does 
 
 Usage::
 
-    checkpoint_fuzz.py MODE SEED N [--stop] [--findings FILE]   MODE: torch, st, cli, craft, agree, all
+    checkpoint_fuzz.py MODE SEED N [--stop] [--findings FILE]   MODE: torch, st, cli, craft, agree,
+                                                                      all
     checkpoint_fuzz.py MODE SEED [N] --case I                   one case again, verbosely
 
 Case I of (MODE, SEED) draws everything from ``random.Random(f"{MODE}:{SEED}:{I}")`` (and
@@ -1707,7 +1708,8 @@ def shard_spellings(f: str) -> list[tuple[str, str | None, str]]:
         (f, f, "plain"), (f"./{f}", f, "dot-slash"), (f"sub/{f}", f"sub/{f}", "subdir"),
         (f"sub//{f}", f"sub/{f}", "double-slash"), (f"sub/./{f}", f"sub/{f}", "sub-dot"),
         (f"sub/../{f}", f, "dot-dot"), (f"/abs/{f}", None, "absolute"),
-        (f"sub\\{f}", f"sub\\{f}", "backslash"), (f"x\\..\\{f}", f"x\\..\\{f}", "backslash-dot-dot"),
+        (f"sub\\{f}", f"sub\\{f}", "backslash"),
+        (f"x\\..\\{f}", f"x\\..\\{f}", "backslash-dot-dot"),
         (f"{f} ", None, "trailing-space"), (f"\u00dfub {f}", f"\u00dfub {f}", "unicode-space"),
         ("", None, "empty"), (f"{f}/", None, "trailing-slash"), (f"../{f}", None, "parent"),
     ]

@@ -546,7 +546,8 @@ def test_info_refuses_a_shard_that_lacks_a_tensor_its_index_puts_there(disk_dir:
     with pytest.raises(ValueError, match="lacks"):
         tensortier.load(index)
     r = run("info", index)
-    assert r.returncode == 1 and "puts tensor 'b' in this file, which lacks it" in r.stderr, r.stderr
+    assert r.returncode == 1, r.stderr
+    assert "puts tensor 'b' in this file, which lacks it" in r.stderr, r.stderr
 
 
 def test_info_refuses_a_zip_entry_whose_sizes_disagree(disk_dir: Path) -> None:
