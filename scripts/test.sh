@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: set up, C++ tests (plain, ASan+UBSan, TSan for the
 # engine, the offloader, the transfer ring, shared tensors and the batch reader), Python tests,
-# then differential fuzzing of checkpoints against torch and safetensors (DIFF_FUZZ_CASES cases
-# per mode, DIFF_FUZZ_SEED). Any failure fails the script; "no tests ran" counts as a failure.
+# then differential fuzzing of checkpoints against torch and safetensors, and of the library
+# against the CLI on crafted files (DIFF_FUZZ_CASES cases per mode, DIFF_FUZZ_SEED). Any failure
+# fails the script; "no tests ran" counts as a failure.
 # Without a GPU the C++ GPU suites run against a stand-in driver (tests/cpp/fake_cuda) and the
 # Python GPU tests skip; scripts/gpu-test.sh runs them all on a GPU.
 set -euo pipefail
@@ -62,9 +63,11 @@ if [ $rc -eq 5 ]; then
 fi
 [ $rc -eq 0 ] || exit $rc
 
-# Seeded, so every run checks the same cases (~65-80 s on 2 cores); a finding not in the fuzzer's
-# KNOWN_GAPS fails the step and is printed with the command that reruns its case.
+# Seeded, so every run checks the same cases (~2-3 min on 2 cores; ~1 min of it the agree mode,
+# where tensortier.load, verify, info and convert must agree on crafted files); a finding
+# not in the fuzzer's KNOWN_GAPS fails the step and is printed with the command that reruns its
+# case.
 cases="${DIFF_FUZZ_CASES:-1000}"
 seed="${DIFF_FUZZ_SEED:-1}"
-echo "== Differential fuzzing of checkpoints ($cases cases per mode, seed $seed)"
+echo "== Differential fuzzing of checkpoints, and agreement of the library and the CLI ($cases cases per mode, seed $seed)"
 .venv/bin/python tests/differential/checkpoint_fuzz.py all "$seed" "$cases"

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -154,6 +155,9 @@ Loaded Load(const std::string& path) {
     return out;
   }
   out.torch = ReadTorchCheckpoint(source);
+  // Every entry, not only the storages' (a damaged archive is refused whole, as
+  // tensortier.load refuses it).
+  for (const auto& e : out.torch.zip.entries) RequireStored(e, path);
   for (const auto& t : out.torch.pickle.tensors) {
     if (t.meta) {
       out.items.push_back({t.path, t.dtype, std::vector<uint64_t>(t.shape.begin(), t.shape.end()),
@@ -170,8 +174,28 @@ Loaded Load(const std::string& path) {
   return out;
 }
 
-int InfoFile(const std::string& path, unsigned show) {
+// Those of `names` (tensors a shard index puts in the file) that the file lacks.
+std::vector<std::string> MissingNames(const Loaded& l, const std::vector<std::string>& names) {
+  std::set<std::string> held;
+  for (const auto& item : l.items) held.insert(item.name);
+  std::vector<std::string> missing;
+  for (const auto& name : names) {
+    if (!held.contains(name)) missing.push_back(name);
+  }
+  return missing;
+}
+
+std::string IndexLacks(const std::string& name) {
+  return StrCat("the index puts tensor '", name, "' in this file, which lacks it");
+}
+
+// `names`: tensors a shard index puts in this file (a missing one is an error, as for
+// tensortier.load).
+int InfoFile(const std::string& path, unsigned show, const std::vector<std::string>& names = {}) {
   Loaded l = Load(path);
+  if (auto missing = MissingNames(l, names); !missing.empty()) {
+    throw FormatError(StrCat(path, ": ", IndexLacks(missing.front())));
+  }
   uint64_t total = 0;
   std::map<std::string, uint64_t> dtypes;
   for (const auto& it : l.items) {
@@ -302,16 +326,7 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
               l.format == Format::kSafetensors ? "safetensors" : "torch.save zip",
               Count(l.items.size(), "tensor").c_str());
   std::vector<std::string> problems;
-  if (!names.empty()) {
-    std::set<std::string> held;
-    for (const auto& item : l.items) held.insert(item.name);
-    for (const auto& name : names) {
-      if (!held.contains(name)) {
-        problems.push_back(
-            StrCat("the index puts tensor '", name, "' in this file, which lacks it"));
-      }
-    }
-  }
+  for (const auto& name : MissingNames(l, names)) problems.push_back(IndexLacks(name));
   // Buffers before the engine: its destructor waits for reads still in flight into them.
   AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
                            AlignedBuffer(kChunk, Pages::kReused)};
@@ -854,9 +869,12 @@ std::vector<Shard> ReadShardIndex(const std::string& path) {
   return shards;
 }
 
-// The format a file name's suffix names (as tensortier.save reads it), if any.
+// The format a file name's suffix names (as tensortier.save reads it: in any case, ".PT" too),
+// if any.
 std::optional<Format> FormatOfSuffix(const std::string& path) {
-  const std::string name = std::filesystem::path(path).filename().string();
+  std::string name = std::filesystem::path(path).filename().string();
+  std::transform(name.begin(), name.end(), name.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   for (const char* suffix : {".safetensors", ".st"}) {
     if (name.ends_with(suffix)) return Format::kSafetensors;
   }
@@ -935,7 +953,7 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
               Count(tensors, "tensor").c_str());
   for (const auto& shard : shards) {
     std::printf("\n");
-    if (int rc = InfoFile(shard.path, show); rc != 0) return rc;
+    if (int rc = InfoFile(shard.path, show, shard.names); rc != 0) return rc;
   }
   return 0;
 }

@@ -17,10 +17,21 @@ Random objects and files are checked against what the ecosystem's own code does 
   slices of one storage) through ``tensortier convert`` to safetensors, ``info`` and ``verify``.
 - ``craft``: hand-written safetensors files (tensors in any order, header padding, metadata
   absent or empty) read by safetensors and by tensortier.
+- ``agree``: tensortier against itself. Crafted files (safetensors whose checksum metadata has
+  duplicate names, ``0x`` prefixes, ``_``, spaces, other lengths, upper case hex, unknown or
+  missing names; torch zips by tensortier and torch, with and without CRC-32s; shard indexes
+  with odd shard paths; any suffix case, ``.PT`` and ``.SafeTensors`` included; sometimes
+  truncated, a bit flipped or a recorded size lying) go through ``tensortier.load(verify=True)``
+  and ``tensortier verify`` (same accept/refuse), ``tensortier.load`` and ``tensortier info``
+  (same accept/refuse, same tensor count), and ``tensortier convert`` (accepts what
+  load(verify=True) accepts and nothing load refuses, to an output its suffix names the format
+  of by tensortier.save's rule; its output loads, verified, to load's values). What was crafted
+  is named by [tags] in each finding.
 
 Usage::
 
-    checkpoint_fuzz.py MODE SEED N [--stop] [--findings FILE]   MODE: torch, st, cli, craft, all
+    checkpoint_fuzz.py MODE SEED N [--stop] [--findings FILE]   MODE: torch, st, cli, craft, agree,
+                                                                      all
     checkpoint_fuzz.py MODE SEED [N] --case I                   one case again, verbosely
 
 Case I of (MODE, SEED) draws everything from ``random.Random(f"{MODE}:{SEED}:{I}")`` (and
@@ -75,7 +86,7 @@ import torch  # noqa: E402
 from torch import _weights_only_unpickler  # noqa: E402
 from torch.utils.serialization import config as serialization_config  # noqa: E402
 
-MODES = ("torch", "st", "cli", "craft")
+MODES = ("torch", "st", "cli", "craft", "agree")
 CLI_TIMEOUT_S = 60
 
 # ---------------------------------------------------------------------------- known gaps
@@ -107,6 +118,38 @@ KNOWN_GAPS: tuple[KnownGap, ...] = (
              "the CLI's pickle reader refuses nested tensors"),
     KnownGap("cli-bare-storage", _PICKLE_READER_CHECKS, (": a bare storage at ",),
              "the CLI's pickle reader reads storages only inside tensors"),
+)
+
+
+# Where tensortier.load (checkpoint.py) and the CLI (tools/checkpoint.cpp) read a file by rules of
+# their own: the agree mode's disagreements, until one C++ checkpoint core serves both (then
+# these entries go).
+_AGREE_VERIFY_CHECKS = ("agree.verify", "agree.convert")
+_AGREE_INDEX_CHECKS = ("agree.verify", "agree.info")
+KNOWN_GAPS += (
+    KnownGap("agree-checksum-hex-syntax", _AGREE_VERIFY_CHECKS,
+             ("load(verify=True) accepted", "[checksum-lenient]"),
+             "load(verify=True) reads checksums with int(v, 16), which takes '0x', '_', '+', "
+             "spaces, other lengths and non-ASCII digits; verify and convert demand 16 hex digits"),
+    KnownGap("agree-checksum-duplicate-key", _AGREE_VERIFY_CHECKS,
+             ("load(verify=True) accepted", "[checksum-duplicate-", "duplicate key"),
+             "load(verify=True) reads the checksums with json.loads, which keeps the last of a "
+             "duplicate name; verify and convert refuse duplicates"),
+    KnownGap("agree-checksum-unknown-name", _AGREE_VERIFY_CHECKS,
+             ("load(verify=True) accepted", "checksum for unknown tensor"),
+             "load(verify=True) ignores checksums of names the file does not hold; verify and "
+             "convert call the checksums damaged"),
+    KnownGap("agree-index-empty", _AGREE_INDEX_CHECKS,
+             ("accepted, `tensortier", "a shard index naming no tensors"),
+             "load returns {} for a shard index naming no tensors; info and verify refuse it"),
+    KnownGap("agree-index-duplicate-key", _AGREE_INDEX_CHECKS,
+             ("is listed twice in the shard index), `tensortier", "[index-duplicate-key]"),
+             "load refuses a shard index with any duplicate JSON key; info and verify refuse "
+             "only duplicate tensor names and weight maps"),
+    KnownGap("agree-index-backslash", _AGREE_INDEX_CHECKS,
+             ("lies outside the index's directory), `tensortier", "[index-path-backslash-dot-dot]"),
+             "load takes '\\' in a shard's path as a separator ('x\\..\\f' lies outside); "
+             "info and verify read it as part of a file name, as Linux does"),
 )
 
 
@@ -972,7 +1015,8 @@ class Case:
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Runs the `tensortier` CLI."""
         return subprocess.run(
-            [str(self.cli_path), *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S
+            [str(self.cli_path), *args], capture_output=True, text=True, errors="replace",
+            timeout=CLI_TIMEOUT_S,
         )
 
     def expect_cli_ok(self, label: str, *args: str) -> None:
@@ -1472,11 +1516,401 @@ def case_craft(case: Case) -> None:
     case.run_check("craft.info", lambda: case.expect_cli_ok("crafted file", "info", path))
 
 
+# agree mode ------------------------------------------------------------------
+#
+# One crafted file (or shard index) goes through the four readers that must agree:
+# `tensortier.load(verify=True)` and `tensortier verify` accept the same files, `tensortier.load`
+# and `tensortier info` accept the same files, both loads give the same values, and `tensortier
+# convert` accepts what load(verify=True) accepts (and nothing load refuses), writing a file
+# whose values are those load gives, to an output name whose suffix tensortier.save reads as the
+# format convert writes (else it refuses). What is crafted is described by [tags] in every
+# finding's message; KNOWN_GAPS entries match them.
+
+TENSORS_KEY = "tensortier.xxh64"
+HEADER_KEY = "tensortier.header_xxh64"
+# Names of crafted inputs: any suffix case, or none (formats go by content when loading).
+INPUT_SUFFIXES = (".safetensors", ".SafeTensors", ".ST", ".st", ".pt", ".PT", ".Pt", ".pth",
+                  ".bin", ".BIN", ".ckpt", "", ".data")
+OUTPUT_SUFFIXES = (".pt", ".PT", ".Pt", ".pth", ".Bin", ".safetensors", ".SafeTensors", ".ST",
+                   ".st", ".out", "")
+
+
+def agree_state(rng: random.Random) -> dict[str, torch.Tensor]:
+    """0 to 4 tensors of any safetensors dtype (zero-length ones included)."""
+    return {
+        random_name(rng, i): random_packed_tensor(rng, rng.choice(ST_DTYPES), random_shape(rng, 40))
+        for i in range(rng.randint(0, 4))
+    }
+
+
+def read_safetensors_parts(path: str) -> tuple[dict[str, Any], bytes]:
+    """A safetensors file's header (order kept) and data bytes."""
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack_from("<Q", raw)
+    return json.loads(raw[8 : 8 + n], object_pairs_hook=collections.OrderedDict), raw[8 + n :]
+
+
+def write_safetensors_parts(path: str, header_json: bytes, data: bytes) -> None:
+    header_json += b" " * (-len(header_json) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(header_json)) + header_json + data)
+
+
+def header_json_with(header: dict[str, Any], checksums_text: str | None) -> bytes:
+    """`header` serialized with its tensor checksums metadata replaced by `checksums_text` (a
+    JSON string's contents, written as they are: duplicate keys survive)."""
+    header = collections.OrderedDict(header)
+    metadata = collections.OrderedDict(header.get("__metadata__") or {})
+    metadata.pop(TENSORS_KEY, None)
+    header["__metadata__"] = metadata
+    text = json.dumps(header, ensure_ascii=False)
+    if checksums_text is None:
+        return text.encode()
+    # Spliced in as the metadata's first member (the digest of the header skips it).
+    marker = '"__metadata__": {'
+    at = text.index(marker) + len(marker)
+    member = f"{json.dumps(TENSORS_KEY)}: {json.dumps(checksums_text)}"
+    return (text[:at] + member + ("" if text[at] == "}" else ", ") + text[at:]).encode()
+
+
+def lenient_hex(rng: random.Random, hex16: str) -> tuple[str, str]:
+    """A spelling of the 16-digit `hex16` that Python's int(v, 16) reads as the same number but
+    that is not 16 hex digits; and its tag."""
+    choices = [
+        ("0x", lambda h: "0x" + h), ("0X", lambda h: "0X" + h),
+        ("underscore", lambda h: h[:8] + "_" + h[8:]),
+        ("spaces", lambda h: rng.choice([" ", "\t", "\n "]) + h + rng.choice(["", " "])),
+        ("plus", lambda h: "+" + h), ("long", lambda h: "0" * rng.randint(1, 3) + h),
+        ("unicode-digit", lambda h: h.replace("1", "\u0661").replace("7", "\uff17")),
+    ]
+    if hex16.startswith("0"):
+        choices.append(("short", lambda h: h.lstrip("0") or "0"))
+    tag, spell = rng.choice(choices)
+    spelled = spell(hex16)
+    return (spelled, tag) if spelled != hex16 else (hex16.upper() + " ", "spaces")
+
+
+def craft_checksums(rng: random.Random, sums: dict[str, str], tags: list[str]) -> str:
+    """The tensor checksums' JSON text with one edge case of its syntax (recorded in tags)."""
+    items = list(sums.items())
+    names = [k for k, _ in items]
+    edit = rng.choice(["upper", "lenient", "duplicate-last-right", "duplicate-first-right",
+                       "duplicate-same", "unknown-name", "missing", "number", "wrong",
+                       "not-json", "not-object", "empty-object"])
+    if not names and edit not in ("unknown-name", "not-json", "not-object"):
+        edit = "unknown-name"
+    tags.append(f"checksum-{edit}")
+    pairs = [(json.dumps(k), json.dumps(v)) for k, v in items]
+    victim = rng.randrange(len(items)) if items else 0
+    wrong = f"{(int(items[victim][1], 16) ^ (1 << rng.randrange(64))):016x}" if items else ""
+    if edit == "upper":
+        pairs = [(k, v.upper()) for k, v in pairs]
+    elif edit == "lenient":
+        spelled, tag = lenient_hex(rng, items[victim][1])
+        tags.append(f"checksum-lenient-{tag}")
+        pairs[victim] = (pairs[victim][0], json.dumps(spelled))
+    elif edit == "duplicate-last-right":
+        pairs.insert(victim, (pairs[victim][0], json.dumps(wrong)))
+    elif edit == "duplicate-first-right":
+        pairs.insert(victim + 1, (pairs[victim][0], json.dumps(wrong)))
+    elif edit == "duplicate-same":
+        pairs.insert(victim, pairs[victim])
+    elif edit == "unknown-name":
+        pairs.append((json.dumps("not.a.tensor"), json.dumps("0123456789abcdef")))
+    elif edit == "missing":
+        del pairs[victim]
+    elif edit == "number":
+        pairs[victim] = (pairs[victim][0], str(int(items[victim][1], 16)))
+    elif edit == "wrong":
+        pairs[victim] = (pairs[victim][0], json.dumps(wrong))
+    elif edit == "not-json":
+        return "{" + ",".join(f"{k}:{v}" for k, v in pairs)  # unterminated
+    elif edit == "not-object":
+        return json.dumps([v for _, v in items])
+    elif edit == "empty-object":
+        return "{}"
+    return "{" + ", ".join(f"{k}: {v}" for k, v in pairs) + "}"
+
+
+def craft_safetensors(rng: random.Random, path: str, tags: list[str]) -> None:
+    """A tensortier.save safetensors file (with checksums, mostly) and, half the time, its
+    tensor checksums' metadata rewritten with one edge case."""
+    state = agree_state(rng)
+    metadata = random_metadata(rng) if rng.random() < 0.3 else None
+    checksum = rng.random() < 0.85
+    tags.append("safetensors" + ("" if checksum else "-no-checksums"))
+    tensortier.save(state, path, format="safetensors", metadata=metadata, checksum=checksum)
+    if not checksum or rng.random() < 0.5:
+        return
+    header, data = read_safetensors_parts(path)
+    sums = json.loads(header["__metadata__"][TENSORS_KEY])
+    text = craft_checksums(rng, sums, tags)
+    if rng.random() < 0.2:
+        tags.append("no-header-checksum")
+        del header["__metadata__"][HEADER_KEY]
+    write_safetensors_parts(path, header_json_with(header, text), data)
+
+
+def craft_torch(rng: random.Random, path: str, tags: list[str]) -> None:
+    """A flat state dict saved by tensortier.save (with or without checksum=True) or
+    torch.save (CRC-32s on or off)."""
+    state = agree_state(rng)
+    writer = rng.choice(["tensortier", "tensortier-checksum", "torch", "torch-no-crc"])
+    tags.append(f"torch-by-{writer}")
+    if writer.startswith("tensortier"):
+        tensortier.save(state, path, format="torch", checksum=writer.endswith("checksum"))
+    else:
+        with serialization_config.patch({"save.compute_crc32": writer == "torch"}):
+            torch.save(state, path)
+
+
+def damage(rng: random.Random, path: str, tags: list[str]) -> None:
+    """Truncates the file, flips one of its bytes, appends bytes, or makes a size it records
+    lie (safetensors header length or data offsets; zip record sizes)."""
+    raw = bytearray(Path(path).read_bytes())
+    how = rng.choice(["truncate", "flip", "append", "lie"])
+    if how == "truncate" and raw:
+        cut = rng.choice([rng.randrange(len(raw)), max(0, len(raw) - rng.randint(1, 8)),
+                          rng.randint(0, 16)])
+        raw = raw[:cut]
+    elif how == "flip" and raw:
+        at = rng.randrange(len(raw)) if rng.random() < 0.5 else rng.randrange(
+            len(raw) // 2, len(raw))
+        raw[at] ^= 1 << rng.randrange(8)
+    elif how == "append":
+        raw += rng.choice([b"\0" * rng.randint(1, 9), rng.randbytes(rng.randint(1, 64))])
+    elif raw[:4] == b"PK\x03\x04":  # a zip: a local or central record's size lies
+        sig = rng.choice([b"PK\x03\x04", b"PK\x01\x02"])
+        spots = [i for i in range(len(raw) - 4) if raw[i : i + 4] == sig]
+        at = rng.choice(spots) + (18 if sig == b"PK\x03\x04" else 20) + rng.choice([0, 4])
+        if at + 4 <= len(raw):
+            (n,) = struct.unpack_from("<I", raw, at)
+            struct.pack_into("<I", raw, at, max(0, n + rng.choice([-1, 1, 64, 1 << 20])) % 2**32)
+    elif len(raw) >= 8:  # safetensors: the header length, or one tensor's data offsets
+        (n,) = struct.unpack_from("<Q", raw)
+        if rng.random() < 0.5 or n > len(raw):
+            struct.pack_into("<Q", raw, 0, max(0, n + rng.choice([-8, -1, 1, 8, 1 << 40])))
+        else:
+            header = json.loads(raw[8 : 8 + n], object_pairs_hook=collections.OrderedDict)
+            names = [k for k in header if k != "__metadata__"]
+            if names:
+                entry = header[rng.choice(names)]
+                entry["data_offsets"][rng.randrange(2)] += rng.choice([-1, 1, 2, 4096])
+            text = json.dumps(header, ensure_ascii=False).encode()
+            raw = bytearray(struct.pack("<Q", len(text)) + text) + raw[8 + n :]
+    tags.append(f"damaged-{how}")
+    Path(path).write_bytes(bytes(raw))
+
+
+# Shard paths as an index may spell them: (spelling of the file `f` in the index, where the file
+# really is relative to the index's directory, tag). None: no file is made.
+def shard_spellings(f: str) -> list[tuple[str, str | None, str]]:
+    return [
+        (f, f, "plain"), (f"./{f}", f, "dot-slash"), (f"sub/{f}", f"sub/{f}", "subdir"),
+        (f"sub//{f}", f"sub/{f}", "double-slash"), (f"sub/./{f}", f"sub/{f}", "sub-dot"),
+        (f"sub/../{f}", f, "dot-dot"), (f"/abs/{f}", None, "absolute"),
+        (f"sub\\{f}", f"sub\\{f}", "backslash"),
+        (f"x\\..\\{f}", f"x\\..\\{f}", "backslash-dot-dot"),
+        (f"{f} ", None, "trailing-space"), (f"\u00dfub {f}", f"\u00dfub {f}", "unicode-space"),
+        ("", None, "empty"), (f"{f}/", None, "trailing-slash"), (f"../{f}", None, "parent"),
+    ]
+
+
+def craft_index(rng: random.Random, directory: Path, tags: list[str]) -> str:
+    """A shard index of 1 to 3 shards (safetensors or torch files, paths spelled oddly, some
+    listed under two spellings, some tensors missing or extra) and its path."""
+    weight_map: list[tuple[str, str]] = []
+    for s in range(rng.randint(1, 3)):
+        spelling, real, tag = rng.choice(shard_spellings(f"shard-{s}"))
+        tags.append(f"index-path-{tag}")
+        state = {f"s{s}.{name}": t for name, t in agree_state(rng).items()}
+        if not state and rng.random() < 0.9:
+            state[f"s{s}.w"] = random_packed_tensor(rng, rng.choice(ST_DTYPES), [3])
+        if real is not None:
+            where = directory / real
+            where.parent.mkdir(parents=True, exist_ok=True)
+            fmt = rng.choice(["safetensors", "torch"])
+            tensortier.save(state, str(where), format=fmt, checksum=rng.random() < 0.9)
+        names = list(state)
+        if names and rng.random() < 0.15:
+            tags.append("index-extra-tensor")
+            names.pop()
+        if rng.random() < 0.1:
+            tags.append("index-missing-tensor")
+            names.append(f"s{s}.absent")
+        if len(names) >= 2 and rng.random() < 0.2:  # the same file under another spelling
+            tags.append("index-two-spellings")
+            weight_map.append((names.pop(), f"./{spelling}"))
+        weight_map += [(n, spelling) for n in names]
+    if rng.random() < 0.05:
+        tags.append("index-duplicate-tensor")
+        weight_map += weight_map[:1]
+    if rng.random() < 0.05:
+        tags.append("index-empty")
+        weight_map = []
+    members = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
+               for k, v in weight_map]
+    top = [f'"weight_map": {{{", ".join(members)}}}']
+    if rng.random() < 0.3:
+        top.insert(0, '"metadata": {"total_size": 1}')
+    if rng.random() < 0.05:
+        tags.append("index-duplicate-key")
+        top.insert(0, '"metadata": {"total_size": 2}')
+    text = rng.choice(["", " ", "\n"]) + "{" + ", ".join(top) + "}"
+    if rng.random() < 0.05:
+        tags.append("index-trailing-garbage")
+        text += " x"
+    suffix = rng.choice([".index.json", ".index.json", ".json", ".INDEX.JSON"])
+    tags.append(f"index-suffix{suffix}")
+    path = directory / f"model{suffix}"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def flat_tensors(obj: Any) -> dict[str, torch.Tensor] | None:
+    """A loaded checkpoint as name -> tensor (None if it is not a flat dict of tensors)."""
+    if isinstance(obj, dict) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        return dict(obj)
+    return None
+
+
+def format_save_writes(path: str) -> str | None:
+    """The format tensortier.save writes to a file named `path` by its suffix ("safetensors",
+    "torch"), or None where the name tells none; found by saving {} there (then removed)."""
+    try:
+        tensortier.save({}, path)
+    except ValueError:
+        return None
+    try:
+        return "torch" if Path(path).read_bytes()[:4] == b"PK\x03\x04" else "safetensors"
+    finally:
+        os.unlink(path)
+
+
+def cli_outcome(p: subprocess.CompletedProcess[str]) -> str:
+    """A CLI run's exit and the first line it printed to stderr."""
+    line = next((ln for ln in p.stderr.splitlines() if ln.strip()), "")
+    return f"exit {p.returncode}: {line[:240]}"
+
+
+def case_agree(case: Case) -> None:
+    """A crafted checkpoint (safetensors with checksum metadata edge cases, torch zip, shard
+    index with odd paths; any suffix case; sometimes truncated, flipped or with lying sizes):
+    load(verify=True), load, `tensortier verify`, `info` and `convert` must agree."""
+    rng = case.rng
+    tags: list[str] = []
+    kind = rng.choice(["safetensors", "safetensors", "safetensors", "torch", "torch", "index"])
+    if kind == "index":
+        path = craft_index(rng, case.dir, tags)
+    else:
+        suffix = rng.choice(INPUT_SUFFIXES)
+        tags.append(f"suffix{suffix or '-none'}")
+        path = case.path(f"model{suffix}")
+        staged = case.path("staged." + ("safetensors" if kind == "safetensors" else "pt"))
+        (craft_safetensors if kind == "safetensors" else craft_torch)(rng, staged, tags)
+        os.replace(staged, path)
+        if rng.random() < 0.25:
+            damage(rng, path, tags)
+    label = " ".join(f"[{t}]" for t in tags)
+    if case.verbose:
+        print("crafted:", path, label)
+
+    def check(name: str, fn: Callable[[], None]) -> None:
+        def tagged() -> None:
+            try:
+                fn()
+            except Mismatch as e:
+                raise Mismatch(f"{e} {label}") from e
+
+        case.run_check(name, tagged)
+
+    plain, plain_error = attempt(lambda: tensortier.load(path))
+    verified, verify_error = attempt(lambda: tensortier.load(path, verify=True))
+    info = case.cli("info", path)
+    verify = case.cli("verify", path)
+
+    def errors_are_refusals() -> None:
+        for what, e in (("load", plain_error), ("load(verify=True)", verify_error)):
+            if e is not None and not isinstance(e, (OSError, ValueError)):
+                raise Mismatch(f"{what} raised {describe(e)} (not OSError/ValueError)")
+        for what, p in (("info", info), ("verify", verify)):
+            if p.returncode not in (0, 1):
+                raise Mismatch(f"`tensortier {what}` {cli_outcome(p)} (a crash, not a refusal)")
+
+    def verify_agrees() -> None:
+        if (verify_error is None) != (verify.returncode == 0):
+            said = "accepted" if verify_error is None else f"refused ({describe(verify_error)})"
+            cli_said = "accepted" if verify.returncode == 0 else f"refused ({cli_outcome(verify)})"
+            raise Mismatch(f"load(verify=True) {said}, `tensortier verify` {cli_said}")
+
+    def info_agrees() -> None:
+        if (plain_error is None) != (info.returncode == 0):
+            said = "accepted" if plain_error is None else f"refused ({describe(plain_error)})"
+            cli_said = "accepted" if info.returncode == 0 else f"refused ({cli_outcome(info)})"
+            raise Mismatch(f"load {said}, `tensortier info` {cli_said}")
+        if plain_error is None and kind != "index":
+            flat = flat_tensors(plain)
+            shown = [int(ln.split()[1]) for ln in info.stdout.splitlines()
+                     if ln.startswith("tensors:")]
+            if flat is not None and shown != [len(flat)]:
+                raise Mismatch(f"`tensortier info` shows tensors: {shown}, load gives {len(flat)}")
+
+    def loads_agree() -> None:
+        if verify_error is None and plain_error is not None:
+            raise Mismatch(f"load(verify=True) accepted, load refused ({describe(plain_error)})")
+        if verify_error is None and plain_error is None:
+            compare_state_dicts(plain, verified, "load(verify=True) against load")
+
+    check("agree.refusals", errors_are_refusals)
+    check("agree.verify", verify_agrees)
+    check("agree.info", info_agrees)
+    check("agree.loads", loads_agree)
+    if kind == "index":
+        return  # convert converts one file: it refuses an index, by design
+
+    def convert_agrees() -> None:
+        out_suffix = rng.choice(OUTPUT_SUFFIXES)
+        out = case.path(f"converted{out_suffix}")
+        is_zip = Path(path).read_bytes()[:4] == b"PK\x03\x04"
+        writes = "safetensors" if is_zip else "torch"
+        named = format_save_writes(case.path(f"probe{out_suffix}"))
+        p = case.cli("convert", path, out)
+        where = f"`tensortier convert {os.path.basename(path)} {os.path.basename(out)}`"
+        if p.returncode not in (0, 1):
+            raise Mismatch(f"{where} {cli_outcome(p)} (a crash, not a refusal)")
+        if p.returncode != 0:
+            left = sorted(n for n in os.listdir(case.dir) if n.startswith(".converted"))
+            if os.path.exists(out) or left:
+                raise Mismatch(f"{where} refused but left {[os.path.basename(out), *left]}")
+        if named is not None and named != writes:
+            if p.returncode == 0:
+                raise Mismatch(f"{where} wrote {writes} to a name tensortier.save reads as "
+                               f"{named} [out-suffix{out_suffix}]")
+            return
+        if p.returncode != 0:
+            if verify_error is None:
+                raise Mismatch(f"load(verify=True) accepted, {where} refused ({cli_outcome(p)})")
+            return
+        if plain_error is not None:
+            raise Mismatch(f"load refused ({describe(plain_error)}), {where} accepted")
+        want = flat_tensors(plain)
+        if want is None:
+            raise Mismatch(f"{where} accepted what load reads as {sketch(plain)[:200]}")
+        got, error = attempt(lambda: tensortier.load(out, verify=True))
+        if error is not None:
+            raise Mismatch(f"convert's output: load(verify=True) refused ({describe(error)})")
+        compare_state_dicts(want, got, "load(verify=True) of convert's output against load")
+
+    check("agree.convert", convert_agrees)
+
+
 CASES: dict[str, Callable[[Case], None]] = {
     "torch": case_torch,
     "st": case_st,
     "cli": case_cli,
     "craft": case_craft,
+    "agree": case_agree,
 }
 
 # ---------------------------------------------------------------------------- driver

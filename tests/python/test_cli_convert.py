@@ -513,6 +513,9 @@ def test_convert_refuses_to_replace_its_input(disk_dir: Path) -> None:
 @pytest.mark.parametrize("src_name, out_name", [
     ("m.pt", "out.bin"), ("m.pt", "out.pth"), ("m.safetensors", "out.safetensors"),
     ("m.safetensors", "out.st"),
+    # Suffixes in any case, as tensortier.save reads them.
+    ("m.pt", "out.PT"), ("m.pt", "out.Bin"), ("m.safetensors", "out.SafeTensors"),
+    ("m.safetensors", "out.ST"),
 ])
 def test_convert_refuses_an_output_suffix_of_the_other_format(
     disk_dir: Path, src_name: str, out_name: str
@@ -529,7 +532,46 @@ def test_convert_refuses_an_output_suffix_of_the_other_format(
     assert not (disk_dir / out_name).exists()
     other = "out.safetensors" if src_name.endswith(".pt") else "out.pt"
     convert(src, disk_dir / other)  # the right suffix, or none, still converts
+    convert(src, disk_dir / other.upper())
     convert(src, disk_dir / "out")
+
+
+def test_info_refuses_a_shard_that_lacks_a_tensor_its_index_puts_there(disk_dir: Path) -> None:
+    """As tensortier.load: the index names a tensor its shard does not hold."""
+    import tensortier
+
+    tensortier.save({"a": torch.ones(2)}, disk_dir / "s1.safetensors")
+    index = disk_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}))
+    with pytest.raises(ValueError, match="lacks"):
+        tensortier.load(index)
+    r = run("info", index)
+    assert r.returncode == 1, r.stderr
+    assert "puts tensor 'b' in this file, which lacks it" in r.stderr, r.stderr
+
+
+def test_info_refuses_a_zip_entry_whose_sizes_disagree(disk_dir: Path) -> None:
+    """As tensortier.load: a stored record the tensors do not use (the pickle format version)
+    whose central directory entry gives two sizes is a damaged archive."""
+    import tensortier
+
+    path = disk_dir / "m.pt"
+    torch.save({"w": torch.ones(3)}, path)
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        name = next(i for i in z.infolist() if i.filename.endswith("/.format_version")).filename
+    entry, at = -1, 0
+    while entry < 0:  # the central directory entry naming it
+        at = raw.index(b"PK\x01\x02", at) + 4
+        if raw[at + 42 : at + 42 + len(name)] == name.encode():
+            entry = at - 4
+    (size,) = struct.unpack_from("<I", raw, entry + 20)
+    struct.pack_into("<I", raw, entry + 20, size + 1)  # compressed size, not the data's
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="damaged"):
+        tensortier.load(path)
+    r = run("info", path)
+    assert r.returncode == 1 and "damaged" in r.stderr, r.stderr
 
 
 def test_verify_fails_when_there_is_nothing_to_verify(disk_dir: Path) -> None:
