@@ -383,82 +383,6 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
   return 0;
 }
 
-// `path` with its symlinks resolved, as Python's os.path.realpath does: an existing file's
-// canonical path; else the canonical directory plus the name, following a dangling symlink to the
-// file it names. Saving then replaces a symlink's target, not the link (as tensortier.save does).
-std::string ResolveOutput(const std::string& path) {
-  namespace fs = std::filesystem;
-  fs::path p = fs::absolute(path);
-  for (int hops = 0; hops < 40; ++hops) {
-    std::error_code ec;
-    fs::path canonical = fs::canonical(p, ec);
-    if (!ec) return canonical.string();
-    if (!fs::is_symlink(fs::symlink_status(p, ec))) {
-      fs::path dir = fs::canonical(p.parent_path(), ec);
-      if (ec) ThrowIoError(ec.value(), "find the directory of", path);
-      return (dir / p.filename()).string();
-    }
-    fs::path target = fs::read_symlink(p, ec);
-    if (ec) ThrowIoError(ec.value(), "readlink", p.string());
-    p = target.is_absolute() ? target : p.parent_path() / target;
-  }
-  ThrowIoError(ELOOP, "resolve", path);
-}
-
-// A temporary file next to the destination (see checkpoint_file.hpp for its name; created here
-// with O_EXCL and O_NOFOLLOW), given the replaced file's owner, group and mode at Commit, as
-// tensortier.save does; removed unless Commit() renamed it into place. Only a file this object
-// created is ever removed; temporary files of killed saves into the same path go first.
-class PendingFile {
- public:
-  explicit PendingFile(const std::string& out) : final_(ResolveOutput(out)) {
-    old_ = CheckReplaceable(final_);
-    RemoveStaleTemporaryFiles(final_);
-    // The temporary file is made writable by its owner (an old file of mode 0444 would make one
-    // that cannot be opened for writing) and given the old file's mode at Commit.
-    const mode_t mode = old_ ? 0600 : 0666;
-    const std::string prefix = TemporaryPathPrefix(final_);
-    temp_ = CreateUniqueFile(
-        [&](uint32_t n) {
-          char suffix[9];
-          std::snprintf(suffix, sizeof(suffix), "%08x", n);
-          return prefix + suffix;
-        },
-        mode, "save (creating its temporary file)", final_);
-    created_ = true;
-  }
-  ~PendingFile() {
-    if (created_ && !committed_) unlink(temp_.c_str());
-  }
-  PendingFile(const PendingFile&) = delete;
-  PendingFile& operator=(const PendingFile&) = delete;
-  const std::string& temp() const { return temp_; }
-  // fsync'd data, then an atomic rename, then the directory entry made durable.
-  void Commit(const File& file) {
-    if (old_) KeepAttributes(file.buffered_fd(), *old_, final_);
-    file.DataSync();
-    if (rename(temp_.c_str(), final_.c_str()) != 0) ThrowIoError(errno, "rename", temp_);
-    committed_ = true;
-    std::string dir = std::filesystem::path(final_).parent_path().string();
-    int fd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) ThrowIoError(errno, "open the directory of", final_);
-    // Filesystems that cannot sync a directory say so (EINVAL...); anything else is a failure.
-    const int rc = fsync(fd);
-    const int fsync_errno = errno;
-    close(fd);
-    if (rc != 0 && fsync_errno != EINVAL && fsync_errno != ENOTSUP && fsync_errno != EBADF) {
-      ThrowIoError(fsync_errno, "fsync the directory of", final_);
-    }
-  }
-
- private:
-  std::string final_;
-  std::string temp_;
-  std::optional<ReplacedFile> old_;  // what is replaced
-  bool created_ = false;
-  bool committed_ = false;
-};
-
 int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std::string& out) {
   std::vector<SafetensorsEntry> entries;
   std::map<std::string, std::string> sums;
@@ -528,9 +452,9 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
                            AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File src = OpenCheckpointForReading(in, true);
-  PendingFile pending(out);
-  File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
-  dst.Allocate(0, data_start + data);
+  DurableFile out_file(out);
+  const File& dst = out_file.file();
+  out_file.Reserve(data_start + data);
   // Each zip entry is read once, start to end: its CRC-32 is checked from the same reads that copy
   // the tensors viewing it (several tensors may share an entry, or leave parts of it unviewed).
   const bool records_crcs = RecordsCrcs(l.torch.zip);
@@ -598,7 +522,7 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   header = header_for();
   if (header.size() != data_start) throw std::logic_error("convert: header size changed");
   engine.Write(dst, header.data(), header.size(), 0).Wait();
-  pending.Commit(dst);
+  out_file.Commit();
   std::printf("%s -> %s: %s, %llu data bytes at offset %llu (xxh64 checksums in %s)\n", in.c_str(),
               out.c_str(), Count(entries.size(), "tensor").c_str(),
               static_cast<unsigned long long>(data), static_cast<unsigned long long>(data_start),
@@ -698,9 +622,9 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
                            AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File src = OpenCheckpointForReading(in, true);
-  PendingFile pending(out);
-  File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
-  dst.Allocate(0, file_size);
+  DurableFile out_file(out);
+  const File& dst = out_file.file();
+  out_file.Reserve(file_size);
   Xxh64State names;
   Xxh64State crcs;
   for (size_t i = 0; i < l.items.size(); ++i) {
@@ -752,7 +676,7 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
     engine.Write(dst, blocks[i].data(), blocks[i].size(), offsets[i]);
   }
   engine.WaitAll();
-  pending.Commit(dst);
+  out_file.Commit();
   uint64_t data = 0;
   for (const auto& item : l.items) data += item.nbytes;
   std::printf(

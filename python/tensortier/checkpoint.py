@@ -49,7 +49,6 @@ import json
 import os
 import pickle
 import re
-import secrets
 import shutil
 import string
 import sys
@@ -785,185 +784,64 @@ def _crc32(t: Any, value: int = 0) -> int:
     return int(_require("crc32_address")(t.data_ptr(), n, value))
 
 
-def _tmp_name(final: str) -> str:
-    """A new temporary name for a save into `final` (see include/tensortier/checkpoint_file.hpp:
-    it names this process by pid and start time)."""
-    return _require("temporary_path_prefix")(final) + secrets.token_hex(4)
-
-
-# Replaced files whose blocks a thread is freeing: it closes the last descriptor of the old
-# inode. Freeing a 2 GiB file took ~0.3 s inside rename() on ext4 (a third of a save's time);
-# the save returns once its file is durable, and the next save in this process waits for the
-# freeing first, so at most the usual two copies (old and new) take disk space at once.
-_releasing_lock = threading.Lock()
-_releasing: list[threading.Thread] = []
-_held_fds: set[int] = set()  # descriptors of replaced files not yet closed
-# Local block filesystems, where freeing a big file's blocks is the cost (ext4, XFS, btrfs).
-# Elsewhere the rename frees as before: on NFS, an open descriptor of a replaced file makes
-# the client keep it as a ".nfsXXXX" entry until closed.
-_FREES_BLOCKS_IN_RENAME = {0xEF53, 0x58465342, 0x9123683E}
-
-
-def _close_held(fd: int) -> None:
-    # Unlisted first: close() takes the descriptor out of the table at once (the freeing
-    # comes after), so a fork meanwhile copies neither; a number closed while still listed
-    # could be reused by another open, which a forked child would then close.
-    with _releasing_lock:
-        _held_fds.discard(fd)
-    os.close(fd)
-
-
-_close_replaced = _close_held  # what the thread runs (tests hold it back)
-
-
-def _release_in_background(fd: int) -> None:
-    """Close `fd` (the last reference to a replaced file's inode) on a thread of its own."""
-    thread = threading.Thread(
-        target=_close_replaced, args=(fd,), name="tensortier-free", daemon=True
-    )
-    try:
-        thread.start()
-    except RuntimeError:  # no thread to be had: free it here, as the rename would have
-        _close_held(fd)
-        return
-    # Listed once started (a save on another thread joins what is listed).
-    with _releasing_lock:
-        _releasing.append(thread)
-
-
-def _after_fork_in_child() -> None:
-    """A child made by fork() while a replaced file was held would keep its blocks for its
-    whole life: its copies of the descriptors are closed (the threads did not follow it)."""
-    global _releasing_lock
-    _releasing_lock = threading.Lock()  # a parent's thread may have held it at the fork
-    _releasing.clear()
-    for fd in _held_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _held_fds.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _wait_for_replaced_files() -> None:
-    """Wait until the files earlier saves replaced are freed."""
-    with _releasing_lock:
-        threads = list(_releasing)
-        _releasing.clear()
-    for thread in threads:
-        thread.join()
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
 class _DurableFile:
-    """A new file under a temporary name next to `path`; ``commit()`` syncs it and renames it
-    over `path`, ``abort()`` (or an exception in the ``with`` body) removes it."""
+    """A save's new file (``_core.DurableFile``: temporary name next to `path`, fdatasync,
+    rename, directory fsync, background release of the replaced file, every system call
+    through `io`'s fault seam); ``commit()`` makes it the file at `path`, ``abort()`` (or an
+    exception in the ``with`` body) removes it."""
+
+    # False: the rename frees the replaced file, as before (bench/save_replace_cost.py's switch).
+    _free_in_background = True
 
     def __init__(self, path: PathLike, io: IOHandle) -> None:
-        # A symlink is followed (as open(path, "w") would): its target gets replaced.
-        self.final = os.path.realpath(os.fspath(path))
-        directory = os.path.dirname(self.final)
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(
-                errno.ENOENT, "the directory to save into does not exist", directory
-            )
-        self.directory = directory
-        # The replaced file's mode, owner and group go to the new one at commit. Refused here:
-        # a directory, a FIFO or device (the rename would replace it), a file this user may not
-        # write (a read-only checkpoint, as torch.save refuses it).
-        self._old: tuple[int, int, int] | None = _require("check_replaceable")(self.final)
-        _wait_for_replaced_files()
-        # Temporary files of saves into this path that were killed (each as large as the
-        # checkpoint, hidden, and removed by nothing else).
-        _require("remove_stale_temporary_files")(self.final)
-        self.tmp = _tmp_name(self.final)
-        # Created writable by its owner: from a 0444 file's mode it could not be opened for
-        # writing (root may replace such a file, as its open() may write it).
-        mode = 0o666 if self._old is None else 0o600
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        os.close(fd)
-        self._io = io
+        self._core = _core.DurableFile(
+            os.fspath(path), io._direct, io._file_system,  # noqa: SLF001 - same package
+            self._free_in_background,
+        )
+        self.final: str = self._core.path
+        self.tmp: str = self._core.temporary_path
         self.file: Any = None
-        self._done = False
 
     def open(self) -> Any:
         """The engine's handle on the temporary file (O_DIRECT where possible)."""
         if self.file is None:
-            self.file = self._io.open(self.tmp, "r+")
+            self.file = self._core.file
         return self.file
 
     def reserve(self, size: int) -> None:
         """Allocate `size` bytes up front: ENOSPC now rather than mid-write, contiguous extents."""
-        if size <= 0:
-            return
-        try:
-            self.open().allocate(0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
-                raise
+        self._core.reserve(size)
 
     def commit(self) -> None:
-        f = self.open()
-        if self._old is not None:
-            _require("keep_attributes")(f.fileno(), self._old, self.final)
-        f.datasync()
-        f.close()
-        old = self._hold_replaced()
-        try:
-            os.replace(self.tmp, self.final)
-            self._done = True
-            _fsync_dir(self.directory)
-        finally:
-            if old is not None:
-                _release_in_background(old)
-
-    def _hold_replaced(self) -> int | None:
-        """A descriptor keeping the file about to be replaced alive past the rename, so that
-        freeing its blocks happens when it closes instead of inside rename() (O_PATH: no read
-        permission needed). None where there is no such file or it cannot be opened."""
-        if self._old is None or not hasattr(os, "O_PATH"):
-            return None
-        try:
-            if _core.filesystem_magic(self.directory) not in _FREES_BLOCKS_IN_RENAME:
-                return None
-            with _releasing_lock:  # listed before a fork can copy it
-                fd = os.open(self.final, os.O_PATH | os.O_CLOEXEC)
-                _held_fds.add(fd)
-            return fd
-        except OSError:
-            return None  # gone meanwhile, or not ours to hold: the rename frees it as before
+        self._close()
+        self._core.commit()
 
     def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
+        self._close()
+        self._core.abort()
+
+    def _close(self) -> None:
         if self.file is not None:
             self.file.close()
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
+            self.file = None
 
     def __enter__(self) -> "_DurableFile":
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None or not self._done:
+        if exc_type is not None or not self._core.committed:
             self.abort()
+
+
+def _open_checkpoint(io: IOHandle, path: str) -> File:
+    """`path` opened for the engine's reads through `io`'s fault seam (a FIFO or a device is
+    refused, never waited on)."""
+    return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
+
+
+def _wait_for_replaced_files() -> None:
+    """Wait until the files earlier saves replaced are freed."""
+    _core.wait_for_replaced_files()
 
 
 class _Writer:
@@ -1554,7 +1432,7 @@ def _load_safetensors_at(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     _prog: _Progress | None = None, mapped: _Readahead | None = None,
 ) -> dict[str, Any]:
-    file = io.open(path, "r")
+    file = _open_checkpoint(io, path)
     try:
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
         sums = _parse_checksums(path, metadata) if verify else None
@@ -2008,7 +1886,7 @@ def _load_torch(
     mapped: _Readahead | None = None, placement: _Placement | None = None,
 ) -> Any:
     torch = _torch()
-    file = io.open(path, "r")
+    file = _open_checkpoint(io, path)
     try:
         whole = records = None
         if mapped is not None:
@@ -2391,7 +2269,7 @@ def _describe_sources(
             out.update(part)
         return out
     if path not in files:
-        files[path] = io.open(path, "r")
+        files[path] = _open_checkpoint(io, path)
     file = files[path]
     if kind == "safetensors":
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))

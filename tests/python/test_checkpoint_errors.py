@@ -475,32 +475,26 @@ def _descriptors_of(target: str) -> list[str]:
     return fds
 
 
-def _hold_the_freeing_of_replaced_files(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> Any:
-    """Replaced files stay held until the returned event is set (skips where the filesystem
-    frees them in the rename)."""
-    import threading
+# Local block filesystems, where a save frees the replaced file on a thread of its own.
+_FREES_BLOCKS_IN_RENAME = {0xEF53, 0x58465342, 0x9123683E}
 
-    if tensortier._core.filesystem_magic(str(disk_dir)) not in checkpoint._FREES_BLOCKS_IN_RENAME:
+
+def _releasing_slowly(disk_dir: Path, seconds: float) -> IOHandle:
+    """An IOHandle whose saves close the replaced file `seconds` late (the fault seam's delay
+    of the "release" step); skips where the filesystem frees replaced files in the rename."""
+    if tensortier._core.filesystem_magic(str(disk_dir)) not in _FREES_BLOCKS_IN_RENAME:
         pytest.skip("the test directory's filesystem frees replaced files in the rename")
-    gate = threading.Event()
-
-    def held_close(fd: int) -> None:
-        gate.wait()
-        checkpoint._close_held(fd)  # noqa: SLF001
-
-    monkeypatch.setattr(checkpoint, "_close_replaced", held_close)
-    return gate
+    fault = {"kind": "delay", "delay_us": int(seconds * 1e6), "steps": ["release"]}
+    return IOHandle("threads", _fault=fault)
 
 
 def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    disk_dir: Path,
 ) -> None:
     path = disk_dir / "m.safetensors"
-    gate = _hold_the_freeing_of_replaced_files(disk_dir, monkeypatch)
+    slow = _releasing_slowly(disk_dir, 3.0)
     tensortier.save({"w": torch.ones(1000)}, path)
-    tensortier.save({"w": torch.zeros(1000)}, path)  # returns while the old file is held
+    tensortier.save({"w": torch.zeros(1000)}, path, _io=slow)  # returns while the old is held
     assert len(_descriptors_of(f"{path} (deleted)")) == 1
     assert tensortier.load(path)["w"].sum().item() == 0.0
     import threading
@@ -509,7 +503,6 @@ def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
     second.start()
     second.join(0.3)
     assert second.is_alive()  # waits for the first replaced file to be freed
-    gate.set()
     second.join()
     checkpoint._wait_for_replaced_files()  # noqa: SLF001 - the test's own wait
     assert _descriptors_of(f"{path} (deleted)") == []
@@ -517,16 +510,14 @@ def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
     assert leftovers(disk_dir) == []
 
 
-def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(disk_dir: Path) -> None:
     """The descriptor holding a replaced file is closed in a child made by fork() (it would
     keep the old file's blocks for the child's whole life: DataLoader workers forked next to a
     thread that saves)."""
     path = disk_dir / "m.safetensors"
-    gate = _hold_the_freeing_of_replaced_files(disk_dir, monkeypatch)
+    slow = _releasing_slowly(disk_dir, 5.0)
     tensortier.save({"w": torch.ones(1000)}, path)
-    tensortier.save({"w": torch.zeros(1000)}, path)
+    tensortier.save({"w": torch.zeros(1000)}, path, _io=slow)
     try:
         assert len(_descriptors_of(f"{path} (deleted)")) == 1
         pid = os.fork()
@@ -541,28 +532,109 @@ def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
-        gate.set()
         checkpoint._wait_for_replaced_files()  # noqa: SLF001
     assert _descriptors_of(f"{path} (deleted)") == []
 
 
-def test_failed_rename_releases_the_replaced_file(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_failed_rename_releases_the_replaced_file(disk_dir: Path) -> None:
     path = disk_dir / "m.safetensors"
     tensortier.save({"w": torch.ones(4)}, path)
-
-    def refuse(src: object, dst: object) -> None:
-        raise OSError(errno.EIO, "injected rename failure")
-
-    monkeypatch.setattr(checkpoint.os, "replace", refuse)
-    with pytest.raises(OSError, match="injected rename"):
-        tensortier.save({"w": torch.zeros(4)}, path)
-    monkeypatch.undo()
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "steps": ["rename"]})
+    with pytest.raises(OSError, match="rename failed"):
+        tensortier.save({"w": torch.zeros(4)}, path, _io=io)
     checkpoint._wait_for_replaced_files()  # noqa: SLF001
     assert _descriptors_of(str(path)) == []
     assert tensortier.load(path)["w"].tolist() == [1.0] * 4
     assert leftovers(disk_dir) == []
+
+
+# Each system call of a save, failed in turn through the fault seam, and what the error says.
+_SAVE_STEPS = {
+    "open": "creating its temporary file",
+    "allocate": "fallocate failed",
+    "datasync": "fdatasync failed",
+    "rename": "rename failed",
+}
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+@pytest.mark.parametrize("step", sorted(_SAVE_STEPS))
+def test_each_failed_step_of_a_save_keeps_the_old_checkpoint(
+    disk_dir: Path, name: str, step: str
+) -> None:
+    path = disk_dir / name
+    old = {"w": torch.randn(64, 33)}
+    tensortier.save(old, path)
+    before = path.read_bytes()
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.ENOSPC, "steps": [step]})
+    with pytest.raises(OSError) as info:
+        tensortier.save({"w": torch.randn(100, 7), "v": torch.ones(3)}, path, _io=io)
+    assert info.value.errno == errno.ENOSPC
+    assert _SAVE_STEPS[step] in str(info.value) and str(path) in str(info.value), info.value
+    assert io._file_system.faults_injected == 1  # noqa: SLF001
+    assert path.read_bytes() == before
+    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    assert leftovers(disk_dir) == []
+    assert torch.equal(tensortier.load(path)["w"], old["w"])
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_failed_save_into_a_new_path_leaves_nothing(disk_dir: Path, name: str) -> None:
+    path = disk_dir / name
+    for step in sorted(_SAVE_STEPS):
+        io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "steps": [step]})
+        with pytest.raises(OSError, match=_SAVE_STEPS[step]):
+            tensortier.save({"w": torch.ones(5)}, path, _io=io)
+        assert os.listdir(disk_dir) == [], step
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_failed_directory_fsync_is_reported_after_the_rename(disk_dir: Path, name: str) -> None:
+    """The rename happened: the path holds the new checkpoint whole; only whether the rename
+    survives a power loss is unknown, which the error says."""
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(5)}, path)
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO,
+                                     "steps": ["sync_directory"]})
+    with pytest.raises(OSError, match="fsync the directory of") as info:
+        tensortier.save({"w": torch.zeros(7)}, path, _io=io)
+    assert info.value.errno == errno.EIO and str(path) in str(info.value)
+    assert torch.equal(tensortier.load(path)["w"], torch.zeros(7))
+    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    assert leftovers(disk_dir) == []
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_failed_open_of_a_load_names_the_path(disk_dir: Path, name: str, mmap: bool) -> None:
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(5)}, path)
+    fault = {"kind": "error", "errno": errno.EACCES, "steps": ["open"]}
+    with pytest.raises(PermissionError, match="open failed") as info:
+        tensortier.load(path, mmap=mmap, _io=IOHandle("threads", _fault=fault))
+    assert str(path) in str(info.value)
+    with pytest.raises(PermissionError, match="open failed"):
+        tensortier.load_into({"w": torch.empty(5)}, path, _io=IOHandle("threads", _fault=fault))
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_failed_read_of_a_load_names_the_path(disk_dir: Path, name: str) -> None:
+    path = disk_dir / name
+    tensortier.save({"w": torch.randn(100000)}, path)
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "writes": False})
+    with pytest.raises(OSError) as info:
+        tensortier.load(path, _io=io)
+    assert info.value.errno == errno.EIO and name in str(info.value), info.value
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_short_reads_of_a_load_are_completed_not_taken_as_data(disk_dir: Path, name: str) -> None:
+    path = disk_dir / name
+    saved = {"w": torch.randn(100000)}
+    tensortier.save(saved, path)
+    fault = {"kind": "short", "short_bytes": 1000, "count": 50, "writes": False}
+    io = IOHandle("threads", chunk_size=64 << 10, _fault=fault)
+    assert torch.equal(tensortier.load(path, _io=io)["w"], saved["w"])
 
 
 def test_save_through_symlink_replaces_its_target(disk_dir: Path) -> None:
