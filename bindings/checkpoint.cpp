@@ -14,6 +14,7 @@
 
 #include "binding_helpers.hpp"
 #include "tensortier/checkpoint_file.hpp"
+#include "tensortier/checkpoint_format.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/safetensors.hpp"
 #include "tensortier/torch_checkpoint.hpp"
@@ -284,6 +285,38 @@ void RegisterCheckpoint(py::module_& m) {
         "Removes the temporary files killed saves into path left behind (their process, pid and "
         "start time, no longer runs); returns how many.");
 
+  m.def(
+      "format_of_suffix",
+      [](const std::string& path) -> std::optional<std::string_view> {
+        const std::optional<CheckpointFormat> format = FormatOfSuffix(path);
+        if (!format) return std::nullopt;
+        return CheckpointFormatName(*format);
+      },
+      py::arg("path"),
+      "'safetensors' or 'torch' as the file name's suffix says (either case: .safetensors, .st; "
+      ".pt, .pth, .bin, .ckpt, .tar), else None.");
+  m.def(
+      "read_shard_index",
+      [](const std::string& path) {
+        std::vector<Shard> shards;
+        {
+          py::gil_scoped_release release;
+          shards = ReadShardIndex(path);
+        }
+        py::list out;
+        for (const Shard& s : shards) out.append(py::make_tuple(s.path, s.names));
+        return out;
+      },
+      py::arg("path"),
+      "A Hugging Face shard index as [(shard path, [tensor names])] in the index's order; "
+      "ValueError naming path for malformed JSON, a name listed twice, no or two weight_map "
+      "members, no tensors, a shard outside the index's directory.");
+  m.def("parse_stored_checksum", &ParseStoredChecksum, py::arg("text"),
+        "A stored checksum's value: exactly 16 hex digits (either case), else None (no '0x', "
+        "'_', spaces or signs).");
+  m.def("parse_tensor_checksums", &ParseTensorChecksums, py::arg("text"),
+        "The tensortier.xxh64 metadata value as {tensor name: checksum text}; ValueError for "
+        "anything but a JSON object of strings, or a name given twice.");
   m.def(
       "xxh64",
       [](const py::object& obj, uint64_t seed) {

@@ -18,6 +18,7 @@
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/byte_source.hpp"
 #include "tensortier/checkpoint_file.hpp"
+#include "tensortier/checkpoint_format.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
@@ -35,7 +36,7 @@ namespace {
 
 constexpr uint64_t kChunk = 16u << 20;
 
-enum class Format { kSafetensors, kTorch };
+using Format = CheckpointFormat;
 
 // By content, not by name: a zip is a torch file, a JSON object after 8 bytes is safetensors, a
 // pickle stream is a legacy torch file (refused with its own message); an empty file is neither
@@ -227,10 +228,6 @@ struct SafetensorsChecks {
   std::vector<std::optional<uint64_t>> want;  // per item: its xxh64, if it has a usable one
 };
 
-bool IsHex16(const std::string& s) {
-  return s.size() == 16 && s.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
-}
-
 SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   SafetensorsChecks c;
   c.want.resize(l.items.size());
@@ -240,9 +237,10 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   // the header checksum sees), as load(verify=True) does.
   if (auto hh = metadata.find(kHeaderChecksumKey); hh != metadata.end()) {
     const uint64_t actual = SafetensorsHeaderDigest(l.st.header.entries, metadata);
-    if (!IsHex16(hh->second)) {
+    const std::optional<uint64_t> stored = ParseStoredChecksum(hh->second);
+    if (!stored) {
       c.problems.push_back(StrCat("header checksum '", hh->second, "' is not 16 hex digits"));
-    } else if (std::stoull(hh->second, nullptr, 16) != actual) {
+    } else if (*stored != actual) {
       c.problems.push_back(StrCat("header: xxh64 mismatch (stored ", hh->second, ", header has ",
                                   Hex16(actual), ")"));
     }
@@ -251,7 +249,7 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   auto it = metadata.find(kTensorChecksumsKey);
   if (it == metadata.end()) return c;
   c.present = true;
-  std::map<std::string, std::string> sums = ParseJsonStringMap(it->second, kTensorChecksumsKey);
+  std::map<std::string, std::string> sums = ParseTensorChecksums(it->second);
   std::set<std::string> names;
   for (const auto& item : l.items) names.insert(item.name);
   for (const auto& [name, hex] : sums) {
@@ -263,11 +261,11 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
     auto s = sums.find(item.name);
     if (s == sums.end()) {
       c.problems.push_back(StrCat("tensor '", item.name, "' has no checksum"));
-    } else if (!IsHex16(s->second)) {
+    } else if (const std::optional<uint64_t> stored = ParseStoredChecksum(s->second); !stored) {
       c.problems.push_back(
           StrCat("tensor '", item.name, "': checksum '", s->second, "' is not 16 hex digits"));
     } else {
-      c.want[i] = std::stoull(s->second, nullptr, 16);
+      c.want[i] = *stored;
     }
   }
   return c;
@@ -695,99 +693,6 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
                  in.c_str(), kTensorChecksumsKey);
   }
   return 0;
-}
-
-// A Hugging Face shard index (model.safetensors.index.json): each shard file, in the order the
-// weight map first names it, with the tensors the map puts there. Shards are files next to the
-// index (no absolute paths, no ".."), as tensortier.load requires.
-struct Shard {
-  std::string path;
-  std::vector<std::string> names;
-};
-
-constexpr uint64_t kMaxIndexBytes = 64u << 20;
-
-// As tensortier.load tells them apart: a safetensors file has its JSON header after an 8-byte
-// length (whose bytes may be '{' or spaces themselves), an index is JSON from its first byte.
-bool IsShardIndex(const std::string& path) {
-  if (path.ends_with(".index.json")) return true;
-  FileSource source(OpenCheckpointForReading(path, false));
-  char head[16] = {};
-  const uint64_t n = std::min<uint64_t>(source.size(), sizeof(head));
-  source.ReadAt(0, head, n);
-  if (n >= 9 && head[8] == '{') return false;
-  for (uint64_t i = 0; i < n; ++i) {
-    if (head[i] == ' ' || head[i] == '\n' || head[i] == '\r' || head[i] == '\t') continue;
-    return head[i] == '{';
-  }
-  return false;
-}
-
-std::vector<Shard> ReadShardIndex(const std::string& path) {
-  FileSource source(OpenCheckpointForReading(path, false));
-  if (source.size() > kMaxIndexBytes) {
-    throw FormatError(
-        StrCat(path, ": larger than ", FormatSize(kMaxIndexBytes), ": not a shard index"));
-  }
-  std::string text(source.size(), '\0');
-  source.ReadAt(0, text.data(), text.size());
-  JsonReader r(text, path);
-  std::vector<Shard> shards;
-  std::map<std::string, size_t> by_file;
-  std::set<std::string> names;
-  bool has_map = false;
-  r.Expect('{');
-  if (!r.Consume('}')) {
-    do {
-      std::string key = r.ReadString();
-      r.Expect(':');
-      if (key != "weight_map") {
-        r.SkipValue();
-        continue;
-      }
-      if (has_map) r.Fail("two 'weight_map' members");
-      has_map = true;
-      r.Expect('{');
-      if (r.Consume('}')) continue;
-      do {
-        std::string name = r.ReadString();
-        if (!names.insert(name).second) r.Fail(StrCat("tensor '", name, "' is listed twice"));
-        r.Expect(':');
-        if (r.Peek() != '"') r.Fail(StrCat("the shard of '", name, "' is not a string"));
-        std::string file = r.ReadString();
-        std::filesystem::path rel(file);
-        bool outside = rel.is_absolute();
-        for (const auto& part : rel) outside = outside || part == "..";
-        if (outside) {
-          throw FormatError(
-              StrCat(path, ": shard '", file, "' lies outside the index's directory"));
-        }
-        auto [it, added] = by_file.emplace(file, shards.size());
-        if (added) {
-          shards.push_back({(std::filesystem::path(path).parent_path() / rel).string(), {}});
-        }
-        shards[it->second].names.push_back(std::move(name));
-      } while (r.Consume(','));
-      r.Expect('}');
-    } while (r.Consume(','));
-    r.Expect('}');
-  }
-  r.ExpectEnd();
-  if (!has_map) throw FormatError(StrCat(path, ": not a shard index: no 'weight_map'"));
-  if (shards.empty()) throw FormatError(StrCat(path, ": a shard index naming no tensors"));
-  return shards;
-}
-
-// The format a file name's suffix names (as tensortier.save reads it), if any.
-std::optional<Format> FormatOfSuffix(const std::string& path) {
-  const std::string name = std::filesystem::path(path).filename().string();
-  for (const char* suffix : {".safetensors", ".st"}) {
-    if (name.ends_with(suffix)) return Format::kSafetensors;
-  }
-  for (const char* suffix : {".pt", ".pth", ".bin", ".ckpt", ".tar"}) {
-    if (name.ends_with(suffix)) return Format::kTorch;
-  }
-  return std::nullopt;
 }
 
 const char* FormatName(Format format) {

@@ -50,7 +50,6 @@ import os
 import pickle
 import re
 import shutil
-import string
 import sys
 import tempfile
 import threading
@@ -75,8 +74,6 @@ CHECKSUM_KEY = "tensortier.xxh64"
 # SafetensorsHeaderDigest in include/tensortier/safetensors.hpp.
 HEADER_CHECKSUM_KEY = "tensortier.header_xxh64"
 _INDEX_SUFFIX = ".index.json"
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
-_SAFETENSORS_SUFFIXES = (".safetensors", ".st")
 
 # Reads are submitted in groups of about this many bytes: progress, checksums and device copies
 # of one group overlap the reads of the next ones (the engine bounds what is really in flight).
@@ -88,8 +85,6 @@ _STAGING_BYTES = 256 << 20
 _ALIGNED_ALLOC_MIN = 1 << 20
 # The progress bar shows for loads of at least this many bytes when stderr is a terminal.
 _PROGRESS_MIN_BYTES = 512 << 20
-# Shard indexes are small JSON files; anything larger is not one.
-_MAX_INDEX_BYTES = 64 << 20
 
 # safetensors dtype names -> torch dtype attribute names (those this torch lacks are skipped).
 _ST_DTYPES = {
@@ -532,11 +527,9 @@ def _save_format(path: PathLike, format: str | None) -> str:
         if format not in ("safetensors", "torch"):
             raise ValueError(f"format must be 'safetensors' or 'torch', not {format!r}")
         return format
-    name = os.fspath(path).lower()
-    if name.endswith(_SAFETENSORS_SUFFIXES):
-        return "safetensors"
-    if name.endswith(_TORCH_SUFFIXES):
-        return "torch"
+    named = _require("format_of_suffix")(os.fspath(path))
+    if named is not None:
+        return str(named)
     raise ValueError(
         f"cannot tell the format from the name {os.fspath(path)!r}: use a .safetensors or .pt "
         "suffix, or pass format='safetensors' or format='torch'"
@@ -1323,13 +1316,22 @@ def _parse_checksums(path: str, metadata: Mapping[str, str]) -> dict[str, int]:
             f"{path}: verify=True but the file stores no checksums (save it with "
             "tensortier.save(..., checksum=True), or load with verify=False)"
         )
+    # The rules `tensortier verify` applies (one parser, in C++): duplicate names are refused,
+    # and each value is exactly 16 hex digits.
     try:
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
-        return {str(k): int(v, 16) for k, v in raw.items()}
-    except (ValueError, TypeError) as e:
+        raw = _require("parse_tensor_checksums")(text)
+    except ValueError as e:
         raise ValueError(f"{path}: malformed {CHECKSUM_KEY} metadata: {e}") from e
+    sums = {}
+    for name, hex_digits in raw.items():
+        value = _core.parse_stored_checksum(hex_digits)
+        if value is None:
+            raise ValueError(
+                f"{path}: malformed {CHECKSUM_KEY} metadata: tensor {name!r}: checksum "
+                f"{hex_digits!r} is not 16 hex digits"
+            )
+        sums[name] = value
+    return sums
 
 
 @dataclass
@@ -1354,12 +1356,13 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
     stored = metadata.get(HEADER_CHECKSUM_KEY)
     if verify and stored is not None:
         actual = _require("safetensors_header_digest")(entries, metadata)
-        if len(stored) != 16 or any(c not in string.hexdigits for c in stored):
+        stored_value = _core.parse_stored_checksum(stored)
+        if stored_value is None:
             raise ValueError(
                 f"{path}: malformed {HEADER_CHECKSUM_KEY} metadata: {stored!r} is not 16 hex "
                 "digits"
             )
-        if int(stored, 16) != actual:
+        if stored_value != actual:
             raise ValueError(
                 f"{path}: header checksum mismatch (stored {stored}, the header gives "
                 f"{actual:016x}): names, shapes, dtypes, offsets or metadata were changed"
@@ -2171,36 +2174,11 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
 
 
 def _read_index(path: str) -> dict[str, list[str]]:
-    """shard file path -> names it must hold, from a ``*.index.json``."""
-    text = _require("read_checkpoint_head")(path, _MAX_INDEX_BYTES + 1)
-    if len(text) > _MAX_INDEX_BYTES:
-        raise ValueError(f"{path}: larger than {_MAX_INDEX_BYTES} bytes: not a shard index")
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        # json.loads would keep the last of a name listed twice; which shard holds it is then
-        # a guess (and `tensortier verify` refuses the index the same way).
-        seen: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in seen:
-                raise ValueError(f"{path}: {k!r} is listed twice in the shard index")
-            seen[k] = v
-        return seen
-
-    try:
-        index = json.loads(text.decode("utf-8"), object_pairs_hook=unique)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: malformed JSON: {e}") from e
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise ValueError(f"{path}: not a shard index: no 'weight_map' of name -> file")
-    base = os.path.dirname(os.path.abspath(path))
-    shards: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
-        if os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
-            raise ValueError(f"{path}: shard {shard!r} lies outside the index's directory")
-        shards.setdefault(os.path.join(base, shard), []).append(name)
-    return shards
+    """shard file path -> names it must hold, from a ``*.index.json`` (read by the rules of the
+    CLI's: include/tensortier/checkpoint_format.hpp)."""
+    return {
+        os.path.abspath(shard): names for shard, names in _require("read_shard_index")(path)
+    }
 
 
 def _load_index(

@@ -391,6 +391,95 @@ def test_verify_without_checksums(disk_dir: Path) -> None:
                             metadata={checkpoint.HEADER_CHECKSUM_KEY: "0"})
 
 
+def _stored_checksum_cases(good: str) -> dict[str, tuple[str, bool]]:
+    """name -> (the tensortier.xxh64 value, whether it is accepted) for tensor "a"."""
+    return {
+        "as written": (f'{{"a":"{good}"}}', True),
+        "upper case": (f'{{"a":"{good.upper()}"}}', True),
+        "a name twice": (f'{{"a":"{"0" * 16}","a":"{good}"}}', False),
+        "0x prefix": (f'{{"a":"0x{good}"}}', False),
+        "underscore": (f'{{"a":"{good[:8]}_{good[8:]}"}}', False),
+        "space": (f'{{"a":" {good}"}}', False),
+        "15 digits": (f'{{"a":"{good[1:]}"}}', False),
+        "not an object": ('["a"]', False),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_stored_checksum_cases("0" * 16)))
+def test_checksum_metadata_is_read_by_the_rules_of_tensortier_verify(
+    disk_dir: Path, case: str
+) -> None:
+    """One parser for load(verify=True) and `tensortier verify`: 16 hex digits exactly, a
+    name given twice refused (json.loads kept the last, int(v, 16) took "0x", "_", spaces)."""
+    save_file = pytest.importorskip("safetensors.torch").save_file  # optional peer
+    a = torch.arange(10, dtype=torch.float32)
+    good = f"{checkpoint._xxh64(a):016x}"  # noqa: SLF001
+    text, accepted = _stored_checksum_cases(good)[case]
+    path = disk_dir / "c.safetensors"
+    save_file({"a": a}, str(path), metadata={checkpoint.CHECKSUM_KEY: text})
+    from test_cli_convert import BIN, run
+
+    if accepted:
+        assert torch.equal(tensortier.load(path, verify=True)["a"], a)
+    else:
+        with pytest.raises(ValueError, match="malformed"):
+            tensortier.load(path, verify=True)
+    if BIN.is_file():
+        r = run("verify", path)
+        assert (r.returncode == 0) == accepted, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("stored", ["0x" + "0" * 14, "0" * 15 + "_", " " + "0" * 15, "0" * 17])
+def test_header_checksum_must_be_16_hex_digits(disk_dir: Path, stored: str) -> None:
+    save_file = pytest.importorskip("safetensors.torch").save_file  # optional peer
+    path = disk_dir / "h.safetensors"
+    save_file({"a": torch.ones(2)}, str(path), metadata={checkpoint.HEADER_CHECKSUM_KEY: stored})
+    with pytest.raises(ValueError, match="not 16 hex digits"):
+        tensortier.load(path, verify=True)
+
+
+@pytest.mark.parametrize("name,fmt", [("M.PT", "torch"), ("m.SafeTensors", "safetensors"),
+                                      ("m.Bin", "torch"), ("m.ST", "safetensors")])
+def test_a_suffix_names_its_format_in_either_case_for_save_and_convert(
+    disk_dir: Path, name: str, fmt: str
+) -> None:
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(3)}, path)
+    assert (path.read_bytes()[:4] == b"PK\x03\x04") == (fmt == "torch")
+    from test_cli_convert import BIN, run
+
+    if not BIN.is_file():
+        return
+    # convert writes the other format: an output named for this one is refused, by any case.
+    other = disk_dir / ("src.safetensors" if fmt == "torch" else "src.pt")
+    tensortier.save({"w": torch.ones(3)}, disk_dir / ("o" + name))
+    r = run("convert", disk_dir / ("o" + name), disk_dir / ("x" + name))
+    assert r.returncode != 0 and "by its suffix" in r.stderr, r.stderr
+    tensortier.save({"w": torch.ones(3)}, other)
+    r = run("convert", other, disk_dir / ("y" + name))
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(tensortier.load(disk_dir / ("y" + name))["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("weight_map,says", [
+    ({"a": "..\\x.safetensors"}, "outside the index's directory"),
+    ({"a": "sub/../../x.safetensors"}, "outside the index's directory"),
+    ({}, "naming no tensors"),
+])
+def test_shard_indexes_are_read_by_the_rules_of_the_cli(
+    disk_dir: Path, weight_map: dict[str, str], says: str
+) -> None:
+    index = disk_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=says):
+        tensortier.load(index)
+    from test_cli_convert import BIN, run
+
+    if BIN.is_file():
+        r = run("verify", index)
+        assert r.returncode == 1 and says in r.stderr, r.stderr
+
+
 # ---- durability --------------------------------------------------------------------------------
 
 
