@@ -832,6 +832,16 @@ def _open_checkpoint(io: IOHandle, path: str) -> File:
     return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
 
 
+def _read_at(file: File, size: int, offset: int, io: IOHandle | None = None) -> bytes:
+    """`size` bytes of `file` from `offset` (fewer at its end), read by the engine: faults can
+    be injected there and its errors name the file."""
+    if size == 0:
+        return b""
+    buf = bytearray(size)
+    got = (io if io is not None else _default_io()).pread(buf, file, offset)
+    return bytes(memoryview(buf)[:got])
+
+
 def _wait_for_replaced_files() -> None:
     """Wait until the files earlier saves replaced are freed."""
     _core.wait_for_replaced_files()
@@ -1540,10 +1550,11 @@ def _archive_prefix(path: str, records: Mapping[str, _ZipRecord]) -> str:
 
 
 def _read_record(
-    path: str, fd: int, records: Mapping[str, _ZipRecord], name: str, verify: bool = False
+    path: str, file: File, records: Mapping[str, _ZipRecord], name: str, verify: bool = False,
+    io: IOHandle | None = None,
 ) -> bytes:
     rec = records[name]
-    data = os.pread(fd, rec.size, rec.offset)  # small metadata records only
+    data = _read_at(file, rec.size, rec.offset, io)  # small metadata records only
     if len(data) != rec.size:
         raise ValueError(f"{path}: record {name} is truncated")
     if verify and rec.archive_has_crcs and zlib.crc32(data) != rec.crc32:
@@ -1576,23 +1587,25 @@ class _StorageRef:
 _DATA_DEPENDENT_REBUILDS = (b"_rebuild_nested_tensor",)
 
 
-def _fill_now(ref: _StorageRef, path: str, verify: bool, big_endian: bool) -> None:
+def _fill_now(
+    ref: _StorageRef, path: str, verify: bool, big_endian: bool, io: IOHandle | None = None
+) -> None:
     """Reads `ref`'s record into its storage now, checked with `verify` (a CUDA storage through
     host memory), in native byte order."""
     torch = _torch()
     dest = _storage_bytes(ref.storage)
     host = dest if dest.device.type == "cpu" else torch.empty(ref.nbytes, dtype=torch.uint8)
-    view = memoryview(host.numpy()).cast("B")
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < ref.nbytes:
-            got = os.preadv(f.fileno(), [view[done:]], ref.record.offset + done)
-            if got == 0:
-                raise ValueError(
-                    f"{ref.path}: file ended early: storage data/{ref.key} needs {ref.nbytes} "
-                    f"bytes at offset {ref.record.offset} (truncated file?)"
-                )
-            done += got
+    reader = io if io is not None else _default_io()
+    file = _open_checkpoint(reader, path)
+    try:
+        got = reader.pread(host, file, ref.record.offset) if ref.nbytes else 0
+    finally:
+        file.close()
+    if got < ref.nbytes:
+        raise ValueError(
+            f"{ref.path}: file ended early: storage data/{ref.key} needs {ref.nbytes} "
+            f"bytes at offset {ref.record.offset} (truncated file?)"
+        )
     if verify:
         _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
         _crc_check(ref.path, ref.key, ref.record.crc32)(host)
@@ -1651,7 +1664,7 @@ class _Placement:
 def _unpickle_torch(
     path: str, storage_device: Any, label: str | None = None, verify: bool = False,
     mapped: Any = None, records: dict[str, _ZipRecord] | None = None,
-    placement: _Placement | None = None,
+    placement: _Placement | None = None, io: IOHandle | None = None,
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
     `storage_device` (``meta``: not at all) and filled later, or, given `mapped` (the whole
@@ -1663,24 +1676,25 @@ def _unpickle_torch(
     `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
     there changes offsets, strides or non-tensor values without touching any storage.
     `placement` (``map_location``): the device of each storage from its saved location, or
-    the callable each storage is given to once read on the CPU."""
+    the callable each storage is given to once read on the CPU. `io` reads the records (the
+    default handle without)."""
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
     if records is None:
         records = _zip_records(path)
     prefix = _archive_prefix(path, records)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    file = _open_checkpoint(io if io is not None else _default_io(), path)
     try:
-        pkl = _read_record(path, fd, records, prefix + "data.pkl", verify)
+        pkl = _read_record(path, file, records, prefix + "data.pkl", verify, io)
         big_endian = False
         if prefix + "byteorder" in records:
-            order = _read_record(path, fd, records, prefix + "byteorder", verify)
+            order = _read_record(path, file, records, prefix + "byteorder", verify, io)
             if order not in (b"little", b"big"):
                 raise ValueError(f"{path}: unknown byte order {order[:16]!r}")
             big_endian = order == b"big"
     finally:
-        os.close(fd)
+        file.close()
     data_dependent = any(name in pkl for name in _DATA_DEPENDENT_REBUILDS)
     eager = mapped is None and data_dependent
     # Mapped storages hold their bytes already; a big-endian one must be swapped before a
@@ -1758,11 +1772,11 @@ def _unpickle_torch(
                 if restore is not None and device.type != "meta":
                     # torch.load gives the callable each storage with its bytes, on the CPU
                     if nbytes and mapped is None:
-                        _fill_now(ref, path, verify, big_endian)
+                        _fill_now(ref, path, verify, big_endian, io)
                     ref.storage = placement.restored(ref.storage, str(location))
                     ref.filled = True
                 elif eager and nbytes and device.type != "meta":
-                    _fill_now(ref, path, verify, big_endian)
+                    _fill_now(ref, path, verify, big_endian, io)
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
                         _verifiable(label or path, [ref])
@@ -1844,7 +1858,7 @@ def _crc_check(path: str, key: str, expected: int) -> Callable[[Any], None]:
 
 
 def _verify_other_records(
-    path: str, fd: int, records: Mapping[str, _ZipRecord], checked: set[str]
+    path: str, file: File, records: Mapping[str, _ZipRecord], checked: set[str], io: IOHandle
 ) -> None:
     """verify=True: the CRC-32 of every zip record not in `checked` (read and checked with the
     tensors): ``.format_version``, ``version``, ``.data/serialization_id``, records no tensor
@@ -1861,7 +1875,7 @@ def _verify_other_records(
             continue
         crc = pos = 0
         while pos < rec.size:
-            data = os.pread(fd, min(rec.size - pos, _GROUP_BYTES), rec.offset + pos)
+            data = _read_at(file, min(rec.size - pos, _GROUP_BYTES), rec.offset + pos, io)
             if not data:
                 raise ValueError(f"{path}: record {name} is truncated (file ended at offset "
                                  f"{rec.offset + pos})")
@@ -1901,7 +1915,7 @@ def _load_torch(
             path,
             lambda name: _unpickle_torch(
                 name, dev, label=path, verify=verify, mapped=whole, records=records,
-                placement=placement,
+                placement=placement, io=io,
             ),
         )
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
@@ -1909,7 +1923,7 @@ def _load_torch(
             _verifiable(path, refs)
             read = {f"{prefix}data/{r.key}" for r in refs}
             read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}  # checked while unpickling
-            _verify_other_records(path, file.fileno(), records, read)
+            _verify_other_records(path, file, records, read, io)
         pieces: list[_Piece] = []
         if whole is not None:
             if verify:
@@ -2160,11 +2174,12 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
             raise
         if crcs:
             # Hundreds of 4-byte patches into pages torch wrote through the page cache (the
-            # engine's writes, all complete, covered only the records' data): plain pwrites,
-            # flushed by commit's fdatasync like the rest.
-            with open(df.tmp, "r+b", buffering=0) as f:
-                for offset, packed in _zip_patch_crcs(df.tmp, crcs):
-                    os.pwrite(f.fileno(), packed, offset)
+            # engine's writes, all complete, covered only the records' data): one batch through
+            # the engine, flushed by commit's fdatasync like the rest.
+            patches = [(bytearray(packed), df.open(), offset)
+                       for offset, packed in _zip_patch_crcs(df.tmp, crcs)]
+            if patches:
+                io.pwrite_batch_async(patches).wait()
         df.commit()
 
 
@@ -2263,12 +2278,14 @@ def _describe_sources(
     obj, storages, records, prefix, big_endian = _same_file(
         file,
         path,
-        lambda name: _unpickle_torch(name, torch.device("meta"), label=path, verify=verify),
+        lambda name: _unpickle_torch(
+            name, torch.device("meta"), label=path, verify=verify, io=io
+        ),
     )
     if verify:  # storage records are checked as their tensors are read
         read = {f"{prefix}data/{r.key}" for r in storages.values()}
         read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}
-        _verify_other_records(path, file.fileno(), records, read)
+        _verify_other_records(path, file, records, read, io)
     if big_endian:
         raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")
     if not isinstance(obj, Mapping):

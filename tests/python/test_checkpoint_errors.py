@@ -726,6 +726,21 @@ def test_short_reads_of_a_load_are_completed_not_taken_as_data(disk_dir: Path, n
     assert torch.equal(tensortier.load(path, _io=io)["w"], saved["w"])
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_the_records_of_a_torch_file_are_read_through_the_engine(
+    disk_dir: Path, verify: bool
+) -> None:
+    """data.pkl and the other zip records are read by the engine, not os.pread: a fault there
+    fails a load whose tensors map the file (no other read), and the error names the file."""
+    path = disk_dir / "m.pt"
+    tensortier.save({"w": torch.ones(5)}, path)
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "writes": False})
+    with pytest.raises(OSError) as info:
+        tensortier.load(path, mmap=True, verify=verify, _io=io)
+    assert info.value.errno == errno.EIO and str(path) in str(info.value), info.value
+    assert torch.equal(tensortier.load(path, mmap=True, verify=verify)["w"], torch.ones(5))
+
+
 def test_save_through_symlink_replaces_its_target(disk_dir: Path) -> None:
     real = disk_dir / "real.safetensors"
     tensortier.save({"w": torch.ones(1)}, real)
