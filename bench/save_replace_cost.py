@@ -1,7 +1,7 @@
 """What replacing an existing checkpoint costs tensortier.save: one 2 GiB state dict (300
 tensors, checkpoint_bench's) saved over an existing file of the same size, with the replaced
 file's blocks freed on a background thread after the save returns (now) and inside the rename
-as before (``_DurableFile._hold_replaced`` returning None), alternating order, median GB/s
+as before (``_DurableFile._free_in_background`` False), alternating order, median GB/s
 until durable. Used for BENCHMARKS.md's checkpoint section (replacing a file)."""
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ def main() -> None:
     total = sum(t.numel() * t.element_size() for t in sd.values())
     path = os.path.join(args.dir, "replace_cost.safetensors")
     tensortier.save(sd, path)
-    hold = checkpoint._DurableFile._hold_replaced  # noqa: SLF001 - the A/B switch
     samples: dict[str, list[float]] = {"freed after the save": [], "freed in the rename": []}
     try:
         for r in range(args.repeats):
             for mode in list(samples) if r % 2 == 0 else list(samples)[::-1]:
-                checkpoint._DurableFile._hold_replaced = (  # noqa: SLF001
-                    hold if mode == "freed after the save" else (lambda self: None))
+                checkpoint._DurableFile._free_in_background = (  # noqa: SLF001 - the A/B switch
+                    mode == "freed after the save")
                 checkpoint._wait_for_replaced_files()  # noqa: SLF001 - start from quiet
                 os.sync()
                 time.sleep(2)
@@ -41,7 +40,7 @@ def main() -> None:
                 tensortier.save(sd, path)
                 samples[mode].append(total / (time.perf_counter() - start) / 1e9)
     finally:
-        checkpoint._DurableFile._hold_replaced = hold  # noqa: SLF001
+        checkpoint._DurableFile._free_in_background = True  # noqa: SLF001
         os.unlink(path)
     for mode, v in samples.items():
         print(f"{mode}: median {statistics.median(v):.2f} GB/s ("

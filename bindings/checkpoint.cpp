@@ -12,7 +12,9 @@
 #include <tuple>
 #include <vector>
 
+#include "binding_helpers.hpp"
 #include "tensortier/checkpoint_file.hpp"
+#include "tensortier/checkpoint_format.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/safetensors.hpp"
 #include "tensortier/torch_checkpoint.hpp"
@@ -223,6 +225,58 @@ void RegisterCheckpoint(py::module_& m) {
       py::arg("fd"), py::arg("old"), py::arg("path"),
       "Gives the new file fd the (mode, uid, gid) of the file at path it replaces: owner and "
       "group where this user may set them (the group alone, or neither, otherwise).");
+  py::class_<FileSystem>(
+      m, "FileSystem",
+      "The system calls a save or a load makes outside the engine (open, fallocate, fdatasync, "
+      "rename, directory fsync, closing a replaced file); with a test-only fault dict (as "
+      "IOHandle's _fault, naming 'steps') the chosen ones fail or are delayed.")
+      .def(py::init([](const std::optional<py::dict>& fault) {
+             if (!fault) return FileSystem();
+             return FileSystem(std::make_shared<FaultInjector>(FaultPlanFromDict(*fault)));
+           }),
+           py::arg("fault") = py::none())
+      .def(
+          "open",
+          [](const FileSystem& fs, const std::string& path, bool direct) {
+            py::gil_scoped_release release;
+            return OpenCheckpointForReading(path, direct, fs);
+          },
+          py::arg("path"), py::arg("direct") = true,
+          "Opens a checkpoint to read it (a File); OSError naming the path for anything but a "
+          "regular file (a FIFO is refused, never waited on).")
+      .def_property_readonly(
+          "faults_injected",
+          [](const FileSystem& fs) { return fs.faults() ? fs.faults()->hits() : 0; },
+          "How many calls the fault plan failed or delayed so far.");
+  py::class_<DurableFile>(
+      m, "DurableFile",
+      "A save's new file under a temporary name next to path: commit() fdatasyncs it, renames "
+      "it over path and fsyncs the directory; abort() (or a failed commit) removes it.")
+      .def(py::init([](const std::string& path, bool direct, const FileSystem& fs,
+                       bool free_in_background) {
+             py::gil_scoped_release release;
+             return std::make_unique<DurableFile>(path, direct, fs, free_in_background);
+           }),
+           py::arg("path"), py::arg("direct") = true, py::arg("fs") = FileSystem(),
+           py::arg("free_in_background") = true,
+           "Checks path may be replaced, waits for files earlier saves replaced to be freed, "
+           "removes killed saves' temporary files and creates this one. OSError naming the step "
+           "and the path.")
+      .def_property_readonly("path", &DurableFile::final_path,
+                             "The final path (symlinks resolved).")
+      .def_property_readonly("temporary_path", &DurableFile::temporary_path)
+      .def_property_readonly("committed", &DurableFile::committed)
+      .def_property_readonly(
+          "file", [](const DurableFile& d) { return d.file(); },
+                             "The temporary file, for the engine's writes (closed by commit).")
+      .def("reserve", &DurableFile::Reserve, py::arg("size"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Allocates size bytes up front (no failure where the filesystem cannot).")
+      .def("commit", &DurableFile::Commit, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &DurableFile::Abort, py::call_guard<py::gil_scoped_release>());
+  m.def("wait_for_replaced_files", &WaitForReplacedFiles, py::call_guard<py::gil_scoped_release>(),
+        "Waits until the files earlier saves replaced are freed (a background thread closes "
+        "each).");
   m.def("temporary_path_prefix", &TemporaryPathPrefix, py::arg("path"),
         "'DIR/.NAME.tmp-PID-START-TAG-' for this process: a save's temporary file for path is "
         "this followed by 8 random hex digits.");
@@ -231,6 +285,38 @@ void RegisterCheckpoint(py::module_& m) {
         "Removes the temporary files killed saves into path left behind (their process, pid and "
         "start time, no longer runs); returns how many.");
 
+  m.def(
+      "format_of_suffix",
+      [](const std::string& path) -> std::optional<std::string_view> {
+        const std::optional<CheckpointFormat> format = FormatOfSuffix(path);
+        if (!format) return std::nullopt;
+        return CheckpointFormatName(*format);
+      },
+      py::arg("path"),
+      "'safetensors' or 'torch' as the file name's suffix says (either case: .safetensors, .st; "
+      ".pt, .pth, .bin, .ckpt, .tar), else None.");
+  m.def(
+      "read_shard_index",
+      [](const std::string& path) {
+        std::vector<Shard> shards;
+        {
+          py::gil_scoped_release release;
+          shards = ReadShardIndex(path);
+        }
+        py::list out;
+        for (const Shard& s : shards) out.append(py::make_tuple(s.path, s.names));
+        return out;
+      },
+      py::arg("path"),
+      "A Hugging Face shard index as [(shard path, [tensor names])] in the index's order; "
+      "ValueError naming path for malformed JSON, a name listed twice, no or two weight_map "
+      "members, no tensors, a shard outside the index's directory.");
+  m.def("parse_stored_checksum", &ParseStoredChecksum, py::arg("text"),
+        "A stored checksum's value: exactly 16 hex digits (either case), else None (no '0x', "
+        "'_', spaces or signs).");
+  m.def("parse_tensor_checksums", &ParseTensorChecksums, py::arg("text"),
+        "The tensortier.xxh64 metadata value as {tensor name: checksum text}; ValueError for "
+        "anything but a JSON object of strings, or a name given twice.");
   m.def(
       "xxh64",
       [](const py::object& obj, uint64_t seed) {

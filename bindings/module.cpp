@@ -105,16 +105,27 @@ py::dict OptionsDict(const EngineOptions& o) {
 
 // A backend factory that injects the faults described by `fault` (test hook; also used by
 // bindings/extents.cpp).
-BackendFactory tensortier::FaultFactory(const EngineOptions& options, const py::dict& f) {
+FaultPlan tensortier::FaultPlanFromDict(const py::dict& f) {
   FaultPlan plan;
   plan.kind = ParseFaultKind(f["kind"].cast<std::string>());
   if (f.contains("errno")) plan.error = f["errno"].cast<int>();
   if (f.contains("nth")) plan.nth = f["nth"].cast<uint64_t>();
   if (f.contains("count")) plan.count = f["count"].cast<uint64_t>();
+  if (f.contains("steps")) {
+    plan.reads = plan.writes = false;
+    for (const auto& step : f["steps"].cast<std::vector<std::string>>()) {
+      plan.steps |= 1u << static_cast<unsigned>(ParseFileStep(step));
+    }
+  }
   if (f.contains("reads")) plan.reads = f["reads"].cast<bool>();
   if (f.contains("writes")) plan.writes = f["writes"].cast<bool>();
   if (f.contains("short_bytes")) plan.short_bytes = f["short_bytes"].cast<uint64_t>();
   if (f.contains("delay_us")) plan.delay = std::chrono::microseconds(f["delay_us"].cast<int64_t>());
+  return plan;
+}
+
+BackendFactory tensortier::FaultFactory(const EngineOptions& options, const py::dict& f) {
+  const FaultPlan plan = FaultPlanFromDict(f);
   BackendKind kind = ParseBackendKind(options.backend == "auto" ? "threads" : options.backend);
   auto injector = std::make_shared<FaultInjector>(plan);
   return [kind, injector](unsigned depth) {

@@ -19,6 +19,7 @@
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/byte_source.hpp"
 #include "tensortier/checkpoint_file.hpp"
+#include "tensortier/checkpoint_format.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
@@ -36,7 +37,7 @@ namespace {
 
 constexpr uint64_t kChunk = 16u << 20;
 
-enum class Format { kSafetensors, kTorch };
+using Format = CheckpointFormat;
 
 // By content, not by name: a zip is a torch file, a JSON object after 8 bytes is safetensors, a
 // pickle stream is a legacy torch file (refused with its own message); an empty file is neither
@@ -251,10 +252,6 @@ struct SafetensorsChecks {
   std::vector<std::optional<uint64_t>> want;  // per item: its xxh64, if it has a usable one
 };
 
-bool IsHex16(const std::string& s) {
-  return s.size() == 16 && s.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
-}
-
 SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   SafetensorsChecks c;
   c.want.resize(l.items.size());
@@ -264,9 +261,10 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   // the header checksum sees), as load(verify=True) does.
   if (auto hh = metadata.find(kHeaderChecksumKey); hh != metadata.end()) {
     const uint64_t actual = SafetensorsHeaderDigest(l.st.header.entries, metadata);
-    if (!IsHex16(hh->second)) {
+    const std::optional<uint64_t> stored = ParseStoredChecksum(hh->second);
+    if (!stored) {
       c.problems.push_back(StrCat("header checksum '", hh->second, "' is not 16 hex digits"));
-    } else if (std::stoull(hh->second, nullptr, 16) != actual) {
+    } else if (*stored != actual) {
       c.problems.push_back(StrCat("header: xxh64 mismatch (stored ", hh->second, ", header has ",
                                   Hex16(actual), ")"));
     }
@@ -275,7 +273,7 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   auto it = metadata.find(kTensorChecksumsKey);
   if (it == metadata.end()) return c;
   c.present = true;
-  std::map<std::string, std::string> sums = ParseJsonStringMap(it->second, kTensorChecksumsKey);
+  std::map<std::string, std::string> sums = ParseTensorChecksums(it->second);
   std::set<std::string> names;
   for (const auto& item : l.items) names.insert(item.name);
   for (const auto& [name, hex] : sums) {
@@ -287,11 +285,11 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
     auto s = sums.find(item.name);
     if (s == sums.end()) {
       c.problems.push_back(StrCat("tensor '", item.name, "' has no checksum"));
-    } else if (!IsHex16(s->second)) {
+    } else if (const std::optional<uint64_t> stored = ParseStoredChecksum(s->second); !stored) {
       c.problems.push_back(
           StrCat("tensor '", item.name, "': checksum '", s->second, "' is not 16 hex digits"));
     } else {
-      c.want[i] = std::stoull(s->second, nullptr, 16);
+      c.want[i] = *stored;
     }
   }
   return c;
@@ -398,82 +396,6 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
   return 0;
 }
 
-// `path` with its symlinks resolved, as Python's os.path.realpath does: an existing file's
-// canonical path; else the canonical directory plus the name, following a dangling symlink to the
-// file it names. Saving then replaces a symlink's target, not the link (as tensortier.save does).
-std::string ResolveOutput(const std::string& path) {
-  namespace fs = std::filesystem;
-  fs::path p = fs::absolute(path);
-  for (int hops = 0; hops < 40; ++hops) {
-    std::error_code ec;
-    fs::path canonical = fs::canonical(p, ec);
-    if (!ec) return canonical.string();
-    if (!fs::is_symlink(fs::symlink_status(p, ec))) {
-      fs::path dir = fs::canonical(p.parent_path(), ec);
-      if (ec) ThrowIoError(ec.value(), "find the directory of", path);
-      return (dir / p.filename()).string();
-    }
-    fs::path target = fs::read_symlink(p, ec);
-    if (ec) ThrowIoError(ec.value(), "readlink", p.string());
-    p = target.is_absolute() ? target : p.parent_path() / target;
-  }
-  ThrowIoError(ELOOP, "resolve", path);
-}
-
-// A temporary file next to the destination (see checkpoint_file.hpp for its name; created here
-// with O_EXCL and O_NOFOLLOW), given the replaced file's owner, group and mode at Commit, as
-// tensortier.save does; removed unless Commit() renamed it into place. Only a file this object
-// created is ever removed; temporary files of killed saves into the same path go first.
-class PendingFile {
- public:
-  explicit PendingFile(const std::string& out) : final_(ResolveOutput(out)) {
-    old_ = CheckReplaceable(final_);
-    RemoveStaleTemporaryFiles(final_);
-    // The temporary file is made writable by its owner (an old file of mode 0444 would make one
-    // that cannot be opened for writing) and given the old file's mode at Commit.
-    const mode_t mode = old_ ? 0600 : 0666;
-    const std::string prefix = TemporaryPathPrefix(final_);
-    temp_ = CreateUniqueFile(
-        [&](uint32_t n) {
-          char suffix[9];
-          std::snprintf(suffix, sizeof(suffix), "%08x", n);
-          return prefix + suffix;
-        },
-        mode, "save (creating its temporary file)", final_);
-    created_ = true;
-  }
-  ~PendingFile() {
-    if (created_ && !committed_) unlink(temp_.c_str());
-  }
-  PendingFile(const PendingFile&) = delete;
-  PendingFile& operator=(const PendingFile&) = delete;
-  const std::string& temp() const { return temp_; }
-  // fsync'd data, then an atomic rename, then the directory entry made durable.
-  void Commit(const File& file) {
-    if (old_) KeepAttributes(file.buffered_fd(), *old_, final_);
-    file.DataSync();
-    if (rename(temp_.c_str(), final_.c_str()) != 0) ThrowIoError(errno, "rename", temp_);
-    committed_ = true;
-    std::string dir = std::filesystem::path(final_).parent_path().string();
-    int fd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) ThrowIoError(errno, "open the directory of", final_);
-    // Filesystems that cannot sync a directory say so (EINVAL...); anything else is a failure.
-    const int rc = fsync(fd);
-    const int fsync_errno = errno;
-    close(fd);
-    if (rc != 0 && fsync_errno != EINVAL && fsync_errno != ENOTSUP && fsync_errno != EBADF) {
-      ThrowIoError(fsync_errno, "fsync the directory of", final_);
-    }
-  }
-
- private:
-  std::string final_;
-  std::string temp_;
-  std::optional<ReplacedFile> old_;  // what is replaced
-  bool created_ = false;
-  bool committed_ = false;
-};
-
 int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std::string& out) {
   std::vector<SafetensorsEntry> entries;
   std::map<std::string, std::string> sums;
@@ -543,9 +465,9 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
                            AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File src = OpenCheckpointForReading(in, true);
-  PendingFile pending(out);
-  File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
-  dst.Allocate(0, data_start + data);
+  DurableFile out_file(out);
+  const File& dst = out_file.file();
+  out_file.Reserve(data_start + data);
   // Each zip entry is read once, start to end: its CRC-32 is checked from the same reads that copy
   // the tensors viewing it (several tensors may share an entry, or leave parts of it unviewed).
   const bool records_crcs = RecordsCrcs(l.torch.zip);
@@ -613,7 +535,7 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   header = header_for();
   if (header.size() != data_start) throw std::logic_error("convert: header size changed");
   engine.Write(dst, header.data(), header.size(), 0).Wait();
-  pending.Commit(dst);
+  out_file.Commit();
   std::printf("%s -> %s: %s, %llu data bytes at offset %llu (xxh64 checksums in %s)\n", in.c_str(),
               out.c_str(), Count(entries.size(), "tensor").c_str(),
               static_cast<unsigned long long>(data), static_cast<unsigned long long>(data_start),
@@ -713,9 +635,9 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
                            AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File src = OpenCheckpointForReading(in, true);
-  PendingFile pending(out);
-  File dst = File::Open(pending.temp(), OpenMode::kReadWrite, true);
-  dst.Allocate(0, file_size);
+  DurableFile out_file(out);
+  const File& dst = out_file.file();
+  out_file.Reserve(file_size);
   Xxh64State names;
   Xxh64State crcs;
   for (size_t i = 0; i < l.items.size(); ++i) {
@@ -767,7 +689,7 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
     engine.Write(dst, blocks[i].data(), blocks[i].size(), offsets[i]);
   }
   engine.WaitAll();
-  pending.Commit(dst);
+  out_file.Commit();
   uint64_t data = 0;
   for (const auto& item : l.items) data += item.nbytes;
   std::printf(
@@ -786,102 +708,6 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
                  in.c_str(), kTensorChecksumsKey);
   }
   return 0;
-}
-
-// A Hugging Face shard index (model.safetensors.index.json): each shard file, in the order the
-// weight map first names it, with the tensors the map puts there. Shards are files next to the
-// index (no absolute paths, no ".."), as tensortier.load requires.
-struct Shard {
-  std::string path;
-  std::vector<std::string> names;
-};
-
-constexpr uint64_t kMaxIndexBytes = 64u << 20;
-
-// As tensortier.load tells them apart: a safetensors file has its JSON header after an 8-byte
-// length (whose bytes may be '{' or spaces themselves), an index is JSON from its first byte.
-bool IsShardIndex(const std::string& path) {
-  if (path.ends_with(".index.json")) return true;
-  FileSource source(OpenCheckpointForReading(path, false));
-  char head[16] = {};
-  const uint64_t n = std::min<uint64_t>(source.size(), sizeof(head));
-  source.ReadAt(0, head, n);
-  if (n >= 9 && head[8] == '{') return false;
-  for (uint64_t i = 0; i < n; ++i) {
-    if (head[i] == ' ' || head[i] == '\n' || head[i] == '\r' || head[i] == '\t') continue;
-    return head[i] == '{';
-  }
-  return false;
-}
-
-std::vector<Shard> ReadShardIndex(const std::string& path) {
-  FileSource source(OpenCheckpointForReading(path, false));
-  if (source.size() > kMaxIndexBytes) {
-    throw FormatError(
-        StrCat(path, ": larger than ", FormatSize(kMaxIndexBytes), ": not a shard index"));
-  }
-  std::string text(source.size(), '\0');
-  source.ReadAt(0, text.data(), text.size());
-  JsonReader r(text, path);
-  std::vector<Shard> shards;
-  std::map<std::string, size_t> by_file;
-  std::set<std::string> names;
-  bool has_map = false;
-  r.Expect('{');
-  if (!r.Consume('}')) {
-    do {
-      std::string key = r.ReadString();
-      r.Expect(':');
-      if (key != "weight_map") {
-        r.SkipValue();
-        continue;
-      }
-      if (has_map) r.Fail("two 'weight_map' members");
-      has_map = true;
-      r.Expect('{');
-      if (r.Consume('}')) continue;
-      do {
-        std::string name = r.ReadString();
-        if (!names.insert(name).second) r.Fail(StrCat("tensor '", name, "' is listed twice"));
-        r.Expect(':');
-        if (r.Peek() != '"') r.Fail(StrCat("the shard of '", name, "' is not a string"));
-        std::string file = r.ReadString();
-        std::filesystem::path rel(file);
-        bool outside = rel.is_absolute();
-        for (const auto& part : rel) outside = outside || part == "..";
-        if (outside) {
-          throw FormatError(
-              StrCat(path, ": shard '", file, "' lies outside the index's directory"));
-        }
-        auto [it, added] = by_file.emplace(file, shards.size());
-        if (added) {
-          shards.push_back({(std::filesystem::path(path).parent_path() / rel).string(), {}});
-        }
-        shards[it->second].names.push_back(std::move(name));
-      } while (r.Consume(','));
-      r.Expect('}');
-    } while (r.Consume(','));
-    r.Expect('}');
-  }
-  r.ExpectEnd();
-  if (!has_map) throw FormatError(StrCat(path, ": not a shard index: no 'weight_map'"));
-  if (shards.empty()) throw FormatError(StrCat(path, ": a shard index naming no tensors"));
-  return shards;
-}
-
-// The format a file name's suffix names (as tensortier.save reads it: in any case, ".PT" too),
-// if any.
-std::optional<Format> FormatOfSuffix(const std::string& path) {
-  std::string name = std::filesystem::path(path).filename().string();
-  std::transform(name.begin(), name.end(), name.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  for (const char* suffix : {".safetensors", ".st"}) {
-    if (name.ends_with(suffix)) return Format::kSafetensors;
-  }
-  for (const char* suffix : {".pt", ".pth", ".bin", ".ckpt", ".tar"}) {
-    if (name.ends_with(suffix)) return Format::kTorch;
-  }
-  return std::nullopt;
 }
 
 const char* FormatName(Format format) {

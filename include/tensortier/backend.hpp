@@ -62,8 +62,25 @@ std::unique_ptr<Backend> MakeBackend(BackendKind kind, unsigned depth);
 // Whether support for `kind` was compiled in (liburing / libaio found at build time).
 bool BackendCompiledIn(BackendKind kind);
 
+// The system calls outside the engine that a save or a load makes (file_system.hpp), each a
+// place a fault can be injected.
+enum class FileStep : uint8_t {
+  kOpen,           // creating or opening a file
+  kAllocate,       // fallocate
+  kDataSync,       // fdatasync
+  kRename,         // rename over the final name
+  kSyncDirectory,  // fsync of the directory
+  kRelease,        // closing a replaced file's last descriptor (frees its blocks)
+};
+inline constexpr size_t kFileStepCount = 6;
+std::string_view FileStepName(FileStep step);
+// "open", "allocate", "datasync", "rename", "sync_directory", "release". Throws
+// std::invalid_argument otherwise.
+FileStep ParseFileStep(std::string_view name);
+
 // Faults for tests: request number `nth` (1-based, counted over the requests this wrapper sees
-// whose op matches) and the `count - 1` following ones get the fault.
+// whose op matches, or the system calls whose step is in `steps`) and the `count - 1` following
+// ones get the fault.
 struct FaultPlan {
   enum class Kind { kNone, kError, kShort, kDelay };
   Kind kind = Kind::kNone;
@@ -72,6 +89,7 @@ struct FaultPlan {
   uint64_t count = 1;
   bool reads = true;  // which ops are eligible
   bool writes = true;
+  uint32_t steps = 0;  // FileStep bits (1 << step) whose system calls are eligible
   uint64_t short_bytes = 0;  // kShort: the completion reports at most this many bytes (0 = half)
   std::chrono::microseconds delay{1000};
 };
@@ -84,10 +102,12 @@ class FaultInjector {
   const FaultPlan& plan() const noexcept { return plan_; }
   // Counts an eligible request; true if it gets the fault.
   bool Hit(IoOp op) noexcept;
+  bool Hit(FileStep step) noexcept;
   // Faults injected so far.
   uint64_t hits() const noexcept { return hits_.load(); }
 
  private:
+  bool Count() noexcept;  // counts an eligible request or call; true if it gets the fault
   FaultPlan plan_;
   std::atomic<uint64_t> seen_{0};
   std::atomic<uint64_t> hits_{0};

@@ -14,12 +14,15 @@
 #include <string>
 
 #include "tensortier/file.hpp"
+#include "tensortier/file_system.hpp"
 
 namespace tensortier {
 
 // Opens `path` to read a checkpoint from it. Never blocks: a FIFO, a device, a socket or a
 // directory is refused (IoError naming the path: EINVAL, or EISDIR) before anything is read.
-File OpenCheckpointForReading(const std::string& path, bool direct);
+// The open goes through `fs` (step kOpen).
+File OpenCheckpointForReading(const std::string& path, bool direct,
+                              const FileSystem& fs = FileSystem());
 
 // The file a save is about to replace.
 struct ReplacedFile {
@@ -51,5 +54,67 @@ std::string TemporaryPathPrefix(const std::string& final_path);
 // no process has its pid and it was last written an hour ago or more. Files of other machines or
 // containers are left alone, and so is anything that cannot be removed. Returns how many went.
 size_t RemoveStaleTemporaryFiles(const std::string& final_path);
+
+// The path a save into `path` replaces: `path` with its symlinks resolved (a dangling one to
+// its target's name), as open(path, O_WRONLY | O_CREAT) would write it. Throws IoError naming
+// `path` (ENOENT: its directory does not exist; ELOOP).
+std::string ResolveSavePath(const std::string& path);
+
+// A save's new file, made durable the way a database commits: the data goes to a temporary
+// file next to the final path (see TemporaryPathPrefix), which Commit() syncs (fdatasync),
+// renames over the final path and makes durable in its directory (fsync). Until Commit()
+// returns, the final path holds what it held before; Abort() or the destructor removes the
+// temporary file. Only a file this object created is ever removed. Every system call goes
+// through `fs`, so tests can fail each step.
+class DurableFile {
+ public:
+  // Resolves `path` (ResolveSavePath), checks it may be replaced (CheckReplaceable), waits for
+  // the files earlier saves replaced to be freed (WaitForReplacedFiles), removes temporary files
+  // killed saves into it left (RemoveStaleTemporaryFiles), creates the temporary file and opens
+  // it for the engine (read and write; O_DIRECT where `direct` and the filesystem allow).
+  // Throws IoError naming the step and the path.
+  // `free_in_background` false: the rename frees the replaced file (for comparisons).
+  explicit DurableFile(const std::string& path, bool direct = true, FileSystem fs = {},
+                       bool free_in_background = true);
+  ~DurableFile();
+  DurableFile(const DurableFile&) = delete;
+  DurableFile& operator=(const DurableFile&) = delete;
+
+  const std::string& final_path() const noexcept { return final_; }
+  const std::string& temporary_path() const noexcept { return temp_; }
+  // The temporary file, for the engine's writes. Closed by Commit() and Abort().
+  const File& file() const;
+  // Reserves `size` bytes up front (fallocate): ENOSPC now rather than mid-write, contiguous
+  // extents. A filesystem that cannot (EOPNOTSUPP, EINVAL, ENOSYS) is no failure.
+  void Reserve(uint64_t size);
+  // Gives the file the replaced file's owner, group and mode (KeepAttributes), fdatasyncs it,
+  // renames it over the final path and fsyncs the directory. The replaced file's blocks are
+  // freed by a background thread on local block filesystems (ext4, XFS, btrfs: freeing a big
+  // file took a third of a save's time inside rename()); the next DurableFile waits for it. On
+  // failure the temporary file is removed (unless the rename happened: then the final path
+  // holds the new file and only the directory's fsync failed).
+  void Commit();
+  // Removes the temporary file (unless committed). Idempotent.
+  void Abort() noexcept;
+  bool committed() const noexcept { return committed_; }
+
+ private:
+  // A descriptor keeping the replaced file alive past the rename, or -1 where there is none or
+  // the rename should free it (other filesystems; on NFS an open replaced file would linger as
+  // a ".nfsXXXX" entry).
+  int HoldReplaced();
+
+  FileSystem fs_;
+  std::string final_;
+  std::string temp_;
+  std::optional<ReplacedFile> old_;
+  File file_;
+  bool free_in_background_;
+  bool created_ = false;
+  bool committed_ = false;
+};
+
+// Waits until the files earlier commits replaced (up to now) are freed. Any thread.
+void WaitForReplacedFiles();
 
 }  // namespace tensortier

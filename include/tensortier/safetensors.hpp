@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -58,6 +59,15 @@ std::string SerializeSafetensorsHeader(const std::vector<SafetensorsEntry>& entr
 // 16 hex digits), and the xxh64 of everything else the header says (SafetensorsHeaderDigest).
 inline constexpr const char* kTensorChecksumsKey = "tensortier.xxh64";
 inline constexpr const char* kHeaderChecksumKey = "tensortier.header_xxh64";
+
+// A stored checksum's text: exactly 16 hex digits (either case), as tensortier.save writes them.
+// nullopt for anything else: "0x", "_", spaces, signs, another length.
+std::optional<uint64_t> ParseStoredChecksum(std::string_view text);
+
+// The kTensorChecksumsKey metadata value: a JSON object of tensor name -> checksum text (each
+// for ParseStoredChecksum). Throws FormatError (message starting with the key) for anything but
+// a JSON object of strings, or a name given twice.
+std::map<std::string, std::string> ParseTensorChecksums(std::string_view text);
 
 // xxh64 of a canonical form of what a header says: each entry (sorted by name) as
 // "T<len>:<name><len>:<dtype><dims comma-separated>:<begin>:<end>\n", then each metadata item

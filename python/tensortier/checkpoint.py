@@ -49,9 +49,7 @@ import json
 import os
 import pickle
 import re
-import secrets
 import shutil
-import string
 import sys
 import tempfile
 import threading
@@ -76,8 +74,6 @@ CHECKSUM_KEY = "tensortier.xxh64"
 # SafetensorsHeaderDigest in include/tensortier/safetensors.hpp.
 HEADER_CHECKSUM_KEY = "tensortier.header_xxh64"
 _INDEX_SUFFIX = ".index.json"
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
-_SAFETENSORS_SUFFIXES = (".safetensors", ".st")
 
 # Reads are submitted in groups of about this many bytes: progress, checksums and device copies
 # of one group overlap the reads of the next ones (the engine bounds what is really in flight).
@@ -89,8 +85,6 @@ _STAGING_BYTES = 256 << 20
 _ALIGNED_ALLOC_MIN = 1 << 20
 # The progress bar shows for loads of at least this many bytes when stderr is a terminal.
 _PROGRESS_MIN_BYTES = 512 << 20
-# Shard indexes are small JSON files; anything larger is not one.
-_MAX_INDEX_BYTES = 64 << 20
 
 # safetensors dtype names -> torch dtype attribute names (those this torch lacks are skipped).
 _ST_DTYPES = {
@@ -533,11 +527,9 @@ def _save_format(path: PathLike, format: str | None) -> str:
         if format not in ("safetensors", "torch"):
             raise ValueError(f"format must be 'safetensors' or 'torch', not {format!r}")
         return format
-    name = os.fspath(path).lower()
-    if name.endswith(_SAFETENSORS_SUFFIXES):
-        return "safetensors"
-    if name.endswith(_TORCH_SUFFIXES):
-        return "torch"
+    named = _require("format_of_suffix")(os.fspath(path))
+    if named is not None:
+        return str(named)
     raise ValueError(
         f"cannot tell the format from the name {os.fspath(path)!r}: use a .safetensors or .pt "
         "suffix, or pass format='safetensors' or format='torch'"
@@ -785,185 +777,74 @@ def _crc32(t: Any, value: int = 0) -> int:
     return int(_require("crc32_address")(t.data_ptr(), n, value))
 
 
-def _tmp_name(final: str) -> str:
-    """A new temporary name for a save into `final` (see include/tensortier/checkpoint_file.hpp:
-    it names this process by pid and start time)."""
-    return _require("temporary_path_prefix")(final) + secrets.token_hex(4)
-
-
-# Replaced files whose blocks a thread is freeing: it closes the last descriptor of the old
-# inode. Freeing a 2 GiB file took ~0.3 s inside rename() on ext4 (a third of a save's time);
-# the save returns once its file is durable, and the next save in this process waits for the
-# freeing first, so at most the usual two copies (old and new) take disk space at once.
-_releasing_lock = threading.Lock()
-_releasing: list[threading.Thread] = []
-_held_fds: set[int] = set()  # descriptors of replaced files not yet closed
-# Local block filesystems, where freeing a big file's blocks is the cost (ext4, XFS, btrfs).
-# Elsewhere the rename frees as before: on NFS, an open descriptor of a replaced file makes
-# the client keep it as a ".nfsXXXX" entry until closed.
-_FREES_BLOCKS_IN_RENAME = {0xEF53, 0x58465342, 0x9123683E}
-
-
-def _close_held(fd: int) -> None:
-    # Unlisted first: close() takes the descriptor out of the table at once (the freeing
-    # comes after), so a fork meanwhile copies neither; a number closed while still listed
-    # could be reused by another open, which a forked child would then close.
-    with _releasing_lock:
-        _held_fds.discard(fd)
-    os.close(fd)
-
-
-_close_replaced = _close_held  # what the thread runs (tests hold it back)
-
-
-def _release_in_background(fd: int) -> None:
-    """Close `fd` (the last reference to a replaced file's inode) on a thread of its own."""
-    thread = threading.Thread(
-        target=_close_replaced, args=(fd,), name="tensortier-free", daemon=True
-    )
-    try:
-        thread.start()
-    except RuntimeError:  # no thread to be had: free it here, as the rename would have
-        _close_held(fd)
-        return
-    # Listed once started (a save on another thread joins what is listed).
-    with _releasing_lock:
-        _releasing.append(thread)
-
-
-def _after_fork_in_child() -> None:
-    """A child made by fork() while a replaced file was held would keep its blocks for its
-    whole life: its copies of the descriptors are closed (the threads did not follow it)."""
-    global _releasing_lock
-    _releasing_lock = threading.Lock()  # a parent's thread may have held it at the fork
-    _releasing.clear()
-    for fd in _held_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _held_fds.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _wait_for_replaced_files() -> None:
-    """Wait until the files earlier saves replaced are freed."""
-    with _releasing_lock:
-        threads = list(_releasing)
-        _releasing.clear()
-    for thread in threads:
-        thread.join()
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
 class _DurableFile:
-    """A new file under a temporary name next to `path`; ``commit()`` syncs it and renames it
-    over `path`, ``abort()`` (or an exception in the ``with`` body) removes it."""
+    """A save's new file (``_core.DurableFile``: temporary name next to `path`, fdatasync,
+    rename, directory fsync, background release of the replaced file, every system call
+    through `io`'s fault seam); ``commit()`` makes it the file at `path`, ``abort()`` (or an
+    exception in the ``with`` body) removes it."""
+
+    # False: the rename frees the replaced file, as before (bench/save_replace_cost.py's switch).
+    _free_in_background = True
 
     def __init__(self, path: PathLike, io: IOHandle) -> None:
-        # A symlink is followed (as open(path, "w") would): its target gets replaced.
-        self.final = os.path.realpath(os.fspath(path))
-        directory = os.path.dirname(self.final)
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(
-                errno.ENOENT, "the directory to save into does not exist", directory
-            )
-        self.directory = directory
-        # The replaced file's mode, owner and group go to the new one at commit. Refused here:
-        # a directory, a FIFO or device (the rename would replace it), a file this user may not
-        # write (a read-only checkpoint, as torch.save refuses it).
-        self._old: tuple[int, int, int] | None = _require("check_replaceable")(self.final)
-        _wait_for_replaced_files()
-        # Temporary files of saves into this path that were killed (each as large as the
-        # checkpoint, hidden, and removed by nothing else).
-        _require("remove_stale_temporary_files")(self.final)
-        self.tmp = _tmp_name(self.final)
-        # Created writable by its owner: from a 0444 file's mode it could not be opened for
-        # writing (root may replace such a file, as its open() may write it).
-        mode = 0o666 if self._old is None else 0o600
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        os.close(fd)
-        self._io = io
+        self._core = _core.DurableFile(
+            os.fspath(path), io._direct, io._file_system,  # noqa: SLF001 - same package
+            self._free_in_background,
+        )
+        self.final: str = self._core.path
+        self.tmp: str = self._core.temporary_path
         self.file: Any = None
-        self._done = False
 
     def open(self) -> Any:
         """The engine's handle on the temporary file (O_DIRECT where possible)."""
         if self.file is None:
-            self.file = self._io.open(self.tmp, "r+")
+            self.file = self._core.file
         return self.file
 
     def reserve(self, size: int) -> None:
         """Allocate `size` bytes up front: ENOSPC now rather than mid-write, contiguous extents."""
-        if size <= 0:
-            return
-        try:
-            self.open().allocate(0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
-                raise
+        self._core.reserve(size)
 
     def commit(self) -> None:
-        f = self.open()
-        if self._old is not None:
-            _require("keep_attributes")(f.fileno(), self._old, self.final)
-        f.datasync()
-        f.close()
-        old = self._hold_replaced()
-        try:
-            os.replace(self.tmp, self.final)
-            self._done = True
-            _fsync_dir(self.directory)
-        finally:
-            if old is not None:
-                _release_in_background(old)
-
-    def _hold_replaced(self) -> int | None:
-        """A descriptor keeping the file about to be replaced alive past the rename, so that
-        freeing its blocks happens when it closes instead of inside rename() (O_PATH: no read
-        permission needed). None where there is no such file or it cannot be opened."""
-        if self._old is None or not hasattr(os, "O_PATH"):
-            return None
-        try:
-            if _core.filesystem_magic(self.directory) not in _FREES_BLOCKS_IN_RENAME:
-                return None
-            with _releasing_lock:  # listed before a fork can copy it
-                fd = os.open(self.final, os.O_PATH | os.O_CLOEXEC)
-                _held_fds.add(fd)
-            return fd
-        except OSError:
-            return None  # gone meanwhile, or not ours to hold: the rename frees it as before
+        self._close()
+        self._core.commit()
 
     def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
+        self._close()
+        self._core.abort()
+
+    def _close(self) -> None:
         if self.file is not None:
             self.file.close()
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
+            self.file = None
 
     def __enter__(self) -> "_DurableFile":
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None or not self._done:
+        if exc_type is not None or not self._core.committed:
             self.abort()
+
+
+def _open_checkpoint(io: IOHandle, path: str) -> File:
+    """`path` opened for the engine's reads through `io`'s fault seam (a FIFO or a device is
+    refused, never waited on)."""
+    return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
+
+
+def _read_at(file: File, size: int, offset: int, io: IOHandle | None = None) -> bytes:
+    """`size` bytes of `file` from `offset` (fewer at its end), read by the engine: faults can
+    be injected there and its errors name the file."""
+    if size == 0:
+        return b""
+    buf = bytearray(size)
+    got = (io if io is not None else _default_io()).pread(buf, file, offset)
+    return bytes(memoryview(buf)[:got])
+
+
+def _wait_for_replaced_files() -> None:
+    """Wait until the files earlier saves replaced are freed."""
+    _core.wait_for_replaced_files()
 
 
 class _Writer:
@@ -1445,13 +1326,22 @@ def _parse_checksums(path: str, metadata: Mapping[str, str]) -> dict[str, int]:
             f"{path}: verify=True but the file stores no checksums (save it with "
             "tensortier.save(..., checksum=True), or load with verify=False)"
         )
+    # The rules `tensortier verify` applies (one parser, in C++): duplicate names are refused,
+    # and each value is exactly 16 hex digits.
     try:
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
-        return {str(k): int(v, 16) for k, v in raw.items()}
-    except (ValueError, TypeError) as e:
+        raw = _require("parse_tensor_checksums")(text)
+    except ValueError as e:
         raise ValueError(f"{path}: malformed {CHECKSUM_KEY} metadata: {e}") from e
+    sums = {}
+    for name, hex_digits in raw.items():
+        value = _core.parse_stored_checksum(hex_digits)
+        if value is None:
+            raise ValueError(
+                f"{path}: malformed {CHECKSUM_KEY} metadata: tensor {name!r}: checksum "
+                f"{hex_digits!r} is not 16 hex digits"
+            )
+        sums[name] = value
+    return sums
 
 
 @dataclass
@@ -1476,12 +1366,13 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
     stored = metadata.get(HEADER_CHECKSUM_KEY)
     if verify and stored is not None:
         actual = _require("safetensors_header_digest")(entries, metadata)
-        if len(stored) != 16 or any(c not in string.hexdigits for c in stored):
+        stored_value = _core.parse_stored_checksum(stored)
+        if stored_value is None:
             raise ValueError(
                 f"{path}: malformed {HEADER_CHECKSUM_KEY} metadata: {stored!r} is not 16 hex "
                 "digits"
             )
-        if int(stored, 16) != actual:
+        if stored_value != actual:
             raise ValueError(
                 f"{path}: header checksum mismatch (stored {stored}, the header gives "
                 f"{actual:016x}): names, shapes, dtypes, offsets or metadata were changed"
@@ -1554,7 +1445,7 @@ def _load_safetensors_at(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     _prog: _Progress | None = None, mapped: _Readahead | None = None,
 ) -> dict[str, Any]:
-    file = io.open(path, "r")
+    file = _open_checkpoint(io, path)
     try:
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
         sums = _parse_checksums(path, metadata) if verify else None
@@ -1659,10 +1550,11 @@ def _archive_prefix(path: str, records: Mapping[str, _ZipRecord]) -> str:
 
 
 def _read_record(
-    path: str, fd: int, records: Mapping[str, _ZipRecord], name: str, verify: bool = False
+    path: str, file: File, records: Mapping[str, _ZipRecord], name: str, verify: bool = False,
+    io: IOHandle | None = None,
 ) -> bytes:
     rec = records[name]
-    data = os.pread(fd, rec.size, rec.offset)  # small metadata records only
+    data = _read_at(file, rec.size, rec.offset, io)  # small metadata records only
     if len(data) != rec.size:
         raise ValueError(f"{path}: record {name} is truncated")
     if verify and rec.archive_has_crcs and zlib.crc32(data) != rec.crc32:
@@ -1695,23 +1587,25 @@ class _StorageRef:
 _DATA_DEPENDENT_REBUILDS = (b"_rebuild_nested_tensor",)
 
 
-def _fill_now(ref: _StorageRef, path: str, verify: bool, big_endian: bool) -> None:
+def _fill_now(
+    ref: _StorageRef, path: str, verify: bool, big_endian: bool, io: IOHandle | None = None
+) -> None:
     """Reads `ref`'s record into its storage now, checked with `verify` (a CUDA storage through
     host memory), in native byte order."""
     torch = _torch()
     dest = _storage_bytes(ref.storage)
     host = dest if dest.device.type == "cpu" else torch.empty(ref.nbytes, dtype=torch.uint8)
-    view = memoryview(host.numpy()).cast("B")
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < ref.nbytes:
-            got = os.preadv(f.fileno(), [view[done:]], ref.record.offset + done)
-            if got == 0:
-                raise ValueError(
-                    f"{ref.path}: file ended early: storage data/{ref.key} needs {ref.nbytes} "
-                    f"bytes at offset {ref.record.offset} (truncated file?)"
-                )
-            done += got
+    reader = io if io is not None else _default_io()
+    file = _open_checkpoint(reader, path)
+    try:
+        got = reader.pread(host, file, ref.record.offset) if ref.nbytes else 0
+    finally:
+        file.close()
+    if got < ref.nbytes:
+        raise ValueError(
+            f"{ref.path}: file ended early: storage data/{ref.key} needs {ref.nbytes} "
+            f"bytes at offset {ref.record.offset} (truncated file?)"
+        )
     if verify:
         _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
         _crc_check(ref.path, ref.key, ref.record.crc32)(host)
@@ -1770,7 +1664,7 @@ class _Placement:
 def _unpickle_torch(
     path: str, storage_device: Any, label: str | None = None, verify: bool = False,
     mapped: Any = None, records: dict[str, _ZipRecord] | None = None,
-    placement: _Placement | None = None,
+    placement: _Placement | None = None, io: IOHandle | None = None,
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
     `storage_device` (``meta``: not at all) and filled later, or, given `mapped` (the whole
@@ -1782,24 +1676,25 @@ def _unpickle_torch(
     `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
     there changes offsets, strides or non-tensor values without touching any storage.
     `placement` (``map_location``): the device of each storage from its saved location, or
-    the callable each storage is given to once read on the CPU."""
+    the callable each storage is given to once read on the CPU. `io` reads the records (the
+    default handle without)."""
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
     if records is None:
         records = _zip_records(path)
     prefix = _archive_prefix(path, records)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    file = _open_checkpoint(io if io is not None else _default_io(), path)
     try:
-        pkl = _read_record(path, fd, records, prefix + "data.pkl", verify)
+        pkl = _read_record(path, file, records, prefix + "data.pkl", verify, io)
         big_endian = False
         if prefix + "byteorder" in records:
-            order = _read_record(path, fd, records, prefix + "byteorder", verify)
+            order = _read_record(path, file, records, prefix + "byteorder", verify, io)
             if order not in (b"little", b"big"):
                 raise ValueError(f"{path}: unknown byte order {order[:16]!r}")
             big_endian = order == b"big"
     finally:
-        os.close(fd)
+        file.close()
     data_dependent = any(name in pkl for name in _DATA_DEPENDENT_REBUILDS)
     eager = mapped is None and data_dependent
     # Mapped storages hold their bytes already; a big-endian one must be swapped before a
@@ -1877,11 +1772,11 @@ def _unpickle_torch(
                 if restore is not None and device.type != "meta":
                     # torch.load gives the callable each storage with its bytes, on the CPU
                     if nbytes and mapped is None:
-                        _fill_now(ref, path, verify, big_endian)
+                        _fill_now(ref, path, verify, big_endian, io)
                     ref.storage = placement.restored(ref.storage, str(location))
                     ref.filled = True
                 elif eager and nbytes and device.type != "meta":
-                    _fill_now(ref, path, verify, big_endian)
+                    _fill_now(ref, path, verify, big_endian, io)
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
                         _verifiable(label or path, [ref])
@@ -1963,7 +1858,7 @@ def _crc_check(path: str, key: str, expected: int) -> Callable[[Any], None]:
 
 
 def _verify_other_records(
-    path: str, fd: int, records: Mapping[str, _ZipRecord], checked: set[str]
+    path: str, file: File, records: Mapping[str, _ZipRecord], checked: set[str], io: IOHandle
 ) -> None:
     """verify=True: the CRC-32 of every zip record not in `checked` (read and checked with the
     tensors): ``.format_version``, ``version``, ``.data/serialization_id``, records no tensor
@@ -1980,7 +1875,7 @@ def _verify_other_records(
             continue
         crc = pos = 0
         while pos < rec.size:
-            data = os.pread(fd, min(rec.size - pos, _GROUP_BYTES), rec.offset + pos)
+            data = _read_at(file, min(rec.size - pos, _GROUP_BYTES), rec.offset + pos, io)
             if not data:
                 raise ValueError(f"{path}: record {name} is truncated (file ended at offset "
                                  f"{rec.offset + pos})")
@@ -2008,7 +1903,7 @@ def _load_torch(
     mapped: _Readahead | None = None, placement: _Placement | None = None,
 ) -> Any:
     torch = _torch()
-    file = io.open(path, "r")
+    file = _open_checkpoint(io, path)
     try:
         whole = records = None
         if mapped is not None:
@@ -2020,7 +1915,7 @@ def _load_torch(
             path,
             lambda name: _unpickle_torch(
                 name, dev, label=path, verify=verify, mapped=whole, records=records,
-                placement=placement,
+                placement=placement, io=io,
             ),
         )
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
@@ -2028,7 +1923,7 @@ def _load_torch(
             _verifiable(path, refs)
             read = {f"{prefix}data/{r.key}" for r in refs}
             read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}  # checked while unpickling
-            _verify_other_records(path, file.fileno(), records, read)
+            _verify_other_records(path, file, records, read, io)
         pieces: list[_Piece] = []
         if whole is not None:
             if verify:
@@ -2279,11 +2174,12 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
             raise
         if crcs:
             # Hundreds of 4-byte patches into pages torch wrote through the page cache (the
-            # engine's writes, all complete, covered only the records' data): plain pwrites,
-            # flushed by commit's fdatasync like the rest.
-            with open(df.tmp, "r+b", buffering=0) as f:
-                for offset, packed in _zip_patch_crcs(df.tmp, crcs):
-                    os.pwrite(f.fileno(), packed, offset)
+            # engine's writes, all complete, covered only the records' data): one batch through
+            # the engine, flushed by commit's fdatasync like the rest.
+            patches = [(bytearray(packed), df.open(), offset)
+                       for offset, packed in _zip_patch_crcs(df.tmp, crcs)]
+            if patches:
+                io.pwrite_batch_async(patches).wait()
         df.commit()
 
 
@@ -2293,35 +2189,12 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
 
 
 def _read_index(path: str) -> dict[str, list[str]]:
-    """shard file path -> names it must hold, from a ``*.index.json``."""
-    text = _require("read_checkpoint_head")(path, _MAX_INDEX_BYTES + 1)
-    if len(text) > _MAX_INDEX_BYTES:
-        raise ValueError(f"{path}: larger than {_MAX_INDEX_BYTES} bytes: not a shard index")
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        # json.loads would keep the last of a name listed twice; which shard holds it is then
-        # a guess (and `tensortier verify` refuses the index the same way).
-        seen: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in seen:
-                raise ValueError(f"{path}: {k!r} is listed twice in the shard index")
-            seen[k] = v
-        return seen
-
-    try:
-        index = json.loads(text.decode("utf-8"), object_pairs_hook=unique)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: malformed JSON: {e}") from e
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise ValueError(f"{path}: not a shard index: no 'weight_map' of name -> file")
-    base = os.path.dirname(os.path.abspath(path))
+    """shard file path -> names it must hold, from a ``*.index.json`` (read by the rules of the
+    CLI's: include/tensortier/checkpoint_format.hpp). A shard the index spells two ways
+    ("s.safetensors", "./s.safetensors") is one file that must hold the names of both."""
     shards: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
-        if os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
-            raise ValueError(f"{path}: shard {shard!r} lies outside the index's directory")
-        shards.setdefault(os.path.join(base, shard), []).append(name)
+    for shard, names in _require("read_shard_index")(path):
+        shards.setdefault(os.path.abspath(shard), []).extend(names)
     return shards
 
 
@@ -2391,7 +2264,7 @@ def _describe_sources(
             out.update(part)
         return out
     if path not in files:
-        files[path] = io.open(path, "r")
+        files[path] = _open_checkpoint(io, path)
     file = files[path]
     if kind == "safetensors":
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
@@ -2407,12 +2280,14 @@ def _describe_sources(
     obj, storages, records, prefix, big_endian = _same_file(
         file,
         path,
-        lambda name: _unpickle_torch(name, torch.device("meta"), label=path, verify=verify),
+        lambda name: _unpickle_torch(
+            name, torch.device("meta"), label=path, verify=verify, io=io
+        ),
     )
     if verify:  # storage records are checked as their tensors are read
         read = {f"{prefix}data/{r.key}" for r in storages.values()}
         read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}
-        _verify_other_records(path, file.fileno(), records, read)
+        _verify_other_records(path, file, records, read, io)
     if big_endian:
         raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")
     if not isinstance(obj, Mapping):

@@ -294,6 +294,9 @@ class IOHandle:
             probe_dir=os.fspath(probe_dir) if probe_dir is not None else "",
             fault=_fault,
         )
+        # The system calls of saves and loads outside the engine (open, fallocate, fdatasync,
+        # rename, directory fsync), failed as the test-only `_fault` says where it names steps.
+        self._file_system = _core.FileSystem(_fault)
         self._pid = os.getpid()
         # Operations not yet known to be over, and finished ones whose error nobody has seen:
         # wait_all() raises it (an error is never lost with a dropped future).

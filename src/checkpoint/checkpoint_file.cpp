@@ -2,16 +2,25 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
+#include <condition_variable>
+#include <cstdio>
 #include <ctime>
 #include <filesystem>
 #include <limits>
+#include <mutex>
+#include <new>
+#include <set>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "tensortier/error.hpp"
@@ -85,6 +94,80 @@ bool IsStaleTemporary(int dir, const char* entry, std::string_view rest, const s
   return false;
 }
 
+// Local block filesystems, where freeing a big file's blocks is the cost: ext4, XFS, btrfs.
+bool FreesBlocksInRename(const std::string& dir) {
+  struct statfs st{};
+  if (statfs(dir.c_str(), &st) != 0) return false;
+  const auto magic = static_cast<uint64_t>(st.f_type);
+  return magic == 0xEF53 || magic == 0x58465342 || magic == 0x9123683E;
+}
+
+// Replaced files whose last descriptor a thread is closing (freeing their blocks), process-wide.
+// A child made by fork() while one is held would keep its blocks for its whole life: its copies
+// of the held descriptors are closed there (the threads do not follow it into the child).
+struct Releases {
+  std::mutex mu;
+  std::condition_variable finished;
+  std::set<uint64_t> running;  // sequence numbers of releases not yet done
+  uint64_t next = 0;
+  std::set<int> held;  // their descriptors, until closed
+};
+
+void ForkPrepare();
+void ForkParent();
+void ForkChild();
+
+Releases& TheReleases() {
+  // Never destroyed: a release thread may still run while the process exits.
+  static Releases* releases = [] {
+    auto* r = new Releases;
+    pthread_atfork(ForkPrepare, ForkParent, ForkChild);
+    return r;
+  }();
+  return *releases;
+}
+
+void ForkPrepare() { TheReleases().mu.lock(); }
+void ForkParent() { TheReleases().mu.unlock(); }
+void ForkChild() {
+  Releases& r = TheReleases();
+  for (int fd : r.held) close(fd);
+  r.held.clear();
+  r.running.clear();
+  // Only the forking thread exists here: no waiter can be on it, and a parent's waiter's state
+  // must not be.
+  new (&r.finished) std::condition_variable;
+  r.mu.unlock();
+}
+
+// Closes `fd` (the last reference to a replaced file) on a thread of its own.
+void ReleaseInBackground(const FileSystem& fs, int fd) {
+  Releases& r = TheReleases();
+  uint64_t id;
+  {
+    std::lock_guard lock(r.mu);
+    id = r.next++;
+    r.running.insert(id);
+  }
+  auto release = [fs, fd, id, &r] {
+    // Unlisted right before the close: close() takes the descriptor out of the table at once
+    // (the freeing comes after), while a number closed still listed could be reused by another
+    // open, which a forked child would then close.
+    fs.CloseReplaced(fd, [&] {
+      std::lock_guard lock(r.mu);
+      r.held.erase(fd);
+    });
+    std::lock_guard lock(r.mu);
+    r.running.erase(id);
+    r.finished.notify_all();
+  };
+  try {
+    std::thread(release).detach();
+  } catch (const std::system_error&) {
+    release();  // no thread to be had: freed here, as the rename would have
+  }
+}
+
 std::pair<std::string, std::string> SplitPath(const std::string& final_path) {
   const std::filesystem::path p(final_path);
   std::string dir = p.parent_path().string();
@@ -93,10 +176,31 @@ std::pair<std::string, std::string> SplitPath(const std::string& final_path) {
 
 }  // namespace
 
-File OpenCheckpointForReading(const std::string& path, bool direct) {
+// An existing file's canonical path; else the canonical directory plus the name, following a
+// dangling symlink to the file it names. Saving then replaces a symlink's target, not the link.
+std::string ResolveSavePath(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path p = fs::absolute(path);
+  for (int hops = 0; hops < 40; ++hops) {
+    std::error_code ec;
+    fs::path canonical = fs::canonical(p, ec);
+    if (!ec) return canonical.string();
+    if (!fs::is_symlink(fs::symlink_status(p, ec))) {
+      fs::path dir = fs::canonical(p.parent_path(), ec);
+      if (ec) ThrowIoError(ec.value(), "find the directory of", path);
+      return (dir / p.filename()).string();
+    }
+    fs::path target = fs::read_symlink(p, ec);
+    if (ec) ThrowIoError(ec.value(), "readlink", p.string());
+    p = target.is_absolute() ? target : p.parent_path() / target;
+  }
+  ThrowIoError(ELOOP, "resolve", path);
+}
+
+File OpenCheckpointForReading(const std::string& path, bool direct, const FileSystem& fs) {
   // File::Open never blocks on a FIFO (its open is non-blocking); what it opened is checked here
   // before a byte is read: a FIFO's reads would wait for a writer forever.
-  File file = File::Open(path, OpenMode::kRead, direct);
+  File file = fs.Open(path, OpenMode::kRead, direct);
   struct stat st{};
   if (fstat(file.buffered_fd(), &st) != 0) ThrowIoError(errno, "fstat", path);
   if (!S_ISREG(st.st_mode)) {
@@ -172,6 +276,101 @@ size_t RemoveStaleTemporaryFiles(const std::string& final_path) {
   }
   closedir(d);
   return removed;
+}
+
+void WaitForReplacedFiles() {
+  Releases& r = TheReleases();
+  std::unique_lock lock(r.mu);
+  const uint64_t upto = r.next;
+  r.finished.wait(lock, [&] { return r.running.empty() || *r.running.begin() >= upto; });
+}
+
+DurableFile::DurableFile(const std::string& path, bool direct, FileSystem fs,
+                         bool free_in_background)
+    : fs_(std::move(fs)), final_(ResolveSavePath(path)), free_in_background_(free_in_background) {
+  // Refused here: a directory, a FIFO or device (the rename would replace it), a file this user
+  // may not write (a read-only checkpoint, as torch.save refuses it).
+  old_ = CheckReplaceable(final_);
+  // At most two copies (old and new) take disk space at once.
+  WaitForReplacedFiles();
+  RemoveStaleTemporaryFiles(final_);
+  // Writable by its owner: from a 0444 file's mode it could not be opened for writing (root
+  // may replace such a file, as its open() may write it). The old mode is given at Commit.
+  const mode_t mode = old_ ? 0600 : 0666;
+  const std::string prefix = TemporaryPathPrefix(final_);
+  temp_ = fs_.CreateUniqueFile(
+      [&](uint32_t n) {
+        char suffix[9];
+        std::snprintf(suffix, sizeof(suffix), "%08x", n);
+        return prefix + suffix;
+      },
+      mode, "save (creating its temporary file)", final_);
+  created_ = true;
+  try {
+    file_ = fs_.Open(temp_, OpenMode::kReadWrite, direct);
+  } catch (...) {
+    Abort();
+    throw;
+  }
+}
+
+DurableFile::~DurableFile() { Abort(); }
+
+const File& DurableFile::file() const {
+  if (!file_.is_open()) {
+    throw std::logic_error(StrCat("the temporary file of '", final_, "' is closed"));
+  }
+  return file_;
+}
+
+void DurableFile::Reserve(uint64_t size) {
+  try {
+    fs_.Allocate(file(), 0, size);
+  } catch (const IoError& e) {
+    const int code = e.error_code();
+    if (code != EOPNOTSUPP && code != ENOTSUP && code != EINVAL && code != ENOSYS) throw;
+  }
+}
+
+void DurableFile::Commit() {
+  if (committed_) return;
+  try {
+    if (old_) KeepAttributes(file().buffered_fd(), *old_, final_);
+    fs_.DataSync(file());
+  } catch (...) {
+    Abort();
+    throw;
+  }
+  file_.Close();
+  const int old = HoldReplaced();
+  try {
+    fs_.Rename(temp_, final_);
+  } catch (...) {
+    if (old >= 0) ReleaseInBackground(fs_, old);
+    Abort();
+    throw;
+  }
+  committed_ = true;
+  if (old >= 0) ReleaseInBackground(fs_, old);
+  fs_.SyncDirectory(SplitPath(final_).first, final_);
+}
+
+int DurableFile::HoldReplaced() {
+  if (!old_ || !free_in_background_ || !FreesBlocksInRename(SplitPath(final_).first)) return -1;
+  Releases& r = TheReleases();
+  std::lock_guard lock(r.mu);  // listed before a fork can copy it
+  // O_PATH: no read permission needed. Gone meanwhile, or not ours to hold: the rename frees it.
+  const int fd = open(final_.c_str(), O_PATH | O_CLOEXEC);
+  if (fd >= 0) r.held.insert(fd);
+  return fd;
+}
+
+void DurableFile::Abort() noexcept {
+  file_.Close();
+  if (created_ && !committed_) {
+    unlink(temp_.c_str());
+    created_ = false;
+  }
 }
 
 }  // namespace tensortier

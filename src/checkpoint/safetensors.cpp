@@ -300,6 +300,29 @@ SafetensorsFileInfo ReadSafetensorsHeader(const File& file) {
   return ReadSafetensorsHeader(FileSource(file));
 }
 
+std::optional<uint64_t> ParseStoredChecksum(std::string_view text) {
+  if (text.size() != 16) return std::nullopt;
+  uint64_t value = 0;
+  for (const char c : text) {
+    unsigned digit;
+    if (c >= '0' && c <= '9') {
+      digit = static_cast<unsigned>(c - '0');
+    } else if (c >= 'a' && c <= 'f') {
+      digit = static_cast<unsigned>(c - 'a' + 10);
+    } else if (c >= 'A' && c <= 'F') {
+      digit = static_cast<unsigned>(c - 'A' + 10);
+    } else {
+      return std::nullopt;
+    }
+    value = value << 4 | digit;
+  }
+  return value;
+}
+
+std::map<std::string, std::string> ParseTensorChecksums(std::string_view text) {
+  return ParseJsonStringMap(text, kTensorChecksumsKey);
+}
+
 uint64_t SafetensorsHeaderDigest(const std::vector<SafetensorsEntry>& entries,
                                  const SafetensorsMetadata& metadata) {
   std::vector<const SafetensorsEntry*> by_name;

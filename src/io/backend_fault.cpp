@@ -1,11 +1,13 @@
 // Fault injection for tests (the LevelDB ErrorEnv idea at the backend seam): errors never reach
 // the kernel, short completions under-report what the kernel did (harmless to resubmit, and it
 // produces counts at any alignment), delays stall the submitting worker.
+#include <stdexcept>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "tensortier/backend.hpp"
+#include "tensortier/strings.hpp"
 
 namespace tensortier {
 namespace {
@@ -75,9 +77,33 @@ class FaultInjectingBackend final : public Backend {
 
 }  // namespace
 
+namespace {
+constexpr std::string_view kFileStepNames[kFileStepCount] = {
+    "open", "allocate", "datasync", "rename", "sync_directory", "release"};
+}  // namespace
+
+std::string_view FileStepName(FileStep step) { return kFileStepNames[static_cast<size_t>(step)]; }
+
+FileStep ParseFileStep(std::string_view name) {
+  for (size_t i = 0; i < kFileStepCount; ++i) {
+    if (kFileStepNames[i] == name) return static_cast<FileStep>(i);
+  }
+  throw std::invalid_argument(
+      StrCat("fault step must be open, allocate, datasync, rename, sync_directory or release, not '",
+             name, "'"));
+}
+
 bool FaultInjector::Hit(IoOp op) noexcept {
   bool eligible = op == IoOp::kRead ? plan_.reads : plan_.writes;
-  if (!eligible || plan_.kind == FaultPlan::Kind::kNone) return false;
+  return eligible && Count();
+}
+
+bool FaultInjector::Hit(FileStep step) noexcept {
+  return (plan_.steps & (1u << static_cast<unsigned>(step))) != 0 && Count();
+}
+
+bool FaultInjector::Count() noexcept {
+  if (plan_.kind == FaultPlan::Kind::kNone) return false;
   uint64_t n = seen_.fetch_add(1) + 1;
   bool hit = n >= plan_.nth && n < plan_.nth + plan_.count;
   if (hit) hits_.fetch_add(1);

@@ -121,35 +121,14 @@ KNOWN_GAPS: tuple[KnownGap, ...] = (
 )
 
 
-# Where tensortier.load (checkpoint.py) and the CLI (tools/checkpoint.cpp) read a file by rules of
-# their own: the agree mode's disagreements, until one C++ checkpoint core serves both (then
-# these entries go).
+# Where tensortier.load (checkpoint.py) and the CLI (tools/checkpoint.cpp) still read a file by
+# rules of their own: the agree mode's disagreements left.
 _AGREE_VERIFY_CHECKS = ("agree.verify", "agree.convert")
-_AGREE_INDEX_CHECKS = ("agree.verify", "agree.info")
 KNOWN_GAPS += (
-    KnownGap("agree-checksum-hex-syntax", _AGREE_VERIFY_CHECKS,
-             ("load(verify=True) accepted", "[checksum-lenient]"),
-             "load(verify=True) reads checksums with int(v, 16), which takes '0x', '_', '+', "
-             "spaces, other lengths and non-ASCII digits; verify and convert demand 16 hex digits"),
-    KnownGap("agree-checksum-duplicate-key", _AGREE_VERIFY_CHECKS,
-             ("load(verify=True) accepted", "[checksum-duplicate-", "duplicate key"),
-             "load(verify=True) reads the checksums with json.loads, which keeps the last of a "
-             "duplicate name; verify and convert refuse duplicates"),
     KnownGap("agree-checksum-unknown-name", _AGREE_VERIFY_CHECKS,
              ("load(verify=True) accepted", "checksum for unknown tensor"),
              "load(verify=True) ignores checksums of names the file does not hold; verify and "
              "convert call the checksums damaged"),
-    KnownGap("agree-index-empty", _AGREE_INDEX_CHECKS,
-             ("accepted, `tensortier", "a shard index naming no tensors"),
-             "load returns {} for a shard index naming no tensors; info and verify refuse it"),
-    KnownGap("agree-index-duplicate-key", _AGREE_INDEX_CHECKS,
-             ("is listed twice in the shard index), `tensortier", "[index-duplicate-key]"),
-             "load refuses a shard index with any duplicate JSON key; info and verify refuse "
-             "only duplicate tensor names and weight maps"),
-    KnownGap("agree-index-backslash", _AGREE_INDEX_CHECKS,
-             ("lies outside the index's directory), `tensortier", "[index-path-backslash-dot-dot]"),
-             "load takes '\\' in a shard's path as a separator ('x\\..\\f' lies outside); "
-             "info and verify read it as part of a file name, as Linux does"),
 )
 
 

@@ -391,6 +391,95 @@ def test_verify_without_checksums(disk_dir: Path) -> None:
                             metadata={checkpoint.HEADER_CHECKSUM_KEY: "0"})
 
 
+def _stored_checksum_cases(good: str) -> dict[str, tuple[str, bool]]:
+    """name -> (the tensortier.xxh64 value, whether it is accepted) for tensor "a"."""
+    return {
+        "as written": (f'{{"a":"{good}"}}', True),
+        "upper case": (f'{{"a":"{good.upper()}"}}', True),
+        "a name twice": (f'{{"a":"{"0" * 16}","a":"{good}"}}', False),
+        "0x prefix": (f'{{"a":"0x{good}"}}', False),
+        "underscore": (f'{{"a":"{good[:8]}_{good[8:]}"}}', False),
+        "space": (f'{{"a":" {good}"}}', False),
+        "15 digits": (f'{{"a":"{good[1:]}"}}', False),
+        "not an object": ('["a"]', False),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_stored_checksum_cases("0" * 16)))
+def test_checksum_metadata_is_read_by_the_rules_of_tensortier_verify(
+    disk_dir: Path, case: str
+) -> None:
+    """One parser for load(verify=True) and `tensortier verify`: 16 hex digits exactly, a
+    name given twice refused (json.loads kept the last, int(v, 16) took "0x", "_", spaces)."""
+    save_file = pytest.importorskip("safetensors.torch").save_file  # optional peer
+    a = torch.arange(10, dtype=torch.float32)
+    good = f"{checkpoint._xxh64(a):016x}"  # noqa: SLF001
+    text, accepted = _stored_checksum_cases(good)[case]
+    path = disk_dir / "c.safetensors"
+    save_file({"a": a}, str(path), metadata={checkpoint.CHECKSUM_KEY: text})
+    from test_cli_convert import BIN, run
+
+    if accepted:
+        assert torch.equal(tensortier.load(path, verify=True)["a"], a)
+    else:
+        with pytest.raises(ValueError, match="malformed"):
+            tensortier.load(path, verify=True)
+    if BIN.is_file():
+        r = run("verify", path)
+        assert (r.returncode == 0) == accepted, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("stored", ["0x" + "0" * 14, "0" * 15 + "_", " " + "0" * 15, "0" * 17])
+def test_header_checksum_must_be_16_hex_digits(disk_dir: Path, stored: str) -> None:
+    save_file = pytest.importorskip("safetensors.torch").save_file  # optional peer
+    path = disk_dir / "h.safetensors"
+    save_file({"a": torch.ones(2)}, str(path), metadata={checkpoint.HEADER_CHECKSUM_KEY: stored})
+    with pytest.raises(ValueError, match="not 16 hex digits"):
+        tensortier.load(path, verify=True)
+
+
+@pytest.mark.parametrize("name,fmt", [("M.PT", "torch"), ("m.SafeTensors", "safetensors"),
+                                      ("m.Bin", "torch"), ("m.ST", "safetensors")])
+def test_a_suffix_names_its_format_in_either_case_for_save_and_convert(
+    disk_dir: Path, name: str, fmt: str
+) -> None:
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(3)}, path)
+    assert (path.read_bytes()[:4] == b"PK\x03\x04") == (fmt == "torch")
+    from test_cli_convert import BIN, run
+
+    if not BIN.is_file():
+        return
+    # convert writes the other format: an output named for this one is refused, by any case.
+    other = disk_dir / ("src.safetensors" if fmt == "torch" else "src.pt")
+    tensortier.save({"w": torch.ones(3)}, disk_dir / ("o" + name))
+    r = run("convert", disk_dir / ("o" + name), disk_dir / ("x" + name))
+    assert r.returncode != 0 and "by its suffix" in r.stderr, r.stderr
+    tensortier.save({"w": torch.ones(3)}, other)
+    r = run("convert", other, disk_dir / ("y" + name))
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(tensortier.load(disk_dir / ("y" + name))["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("weight_map,says", [
+    ({"a": "..\\x.safetensors"}, "outside the index's directory"),
+    ({"a": "sub/../../x.safetensors"}, "outside the index's directory"),
+    ({}, "naming no tensors"),
+])
+def test_shard_indexes_are_read_by_the_rules_of_the_cli(
+    disk_dir: Path, weight_map: dict[str, str], says: str
+) -> None:
+    index = disk_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=says):
+        tensortier.load(index)
+    from test_cli_convert import BIN, run
+
+    if BIN.is_file():
+        r = run("verify", index)
+        assert r.returncode == 1 and says in r.stderr, r.stderr
+
+
 # ---- durability --------------------------------------------------------------------------------
 
 
@@ -475,32 +564,26 @@ def _descriptors_of(target: str) -> list[str]:
     return fds
 
 
-def _hold_the_freeing_of_replaced_files(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> Any:
-    """Replaced files stay held until the returned event is set (skips where the filesystem
-    frees them in the rename)."""
-    import threading
+# Local block filesystems, where a save frees the replaced file on a thread of its own.
+_FREES_BLOCKS_IN_RENAME = {0xEF53, 0x58465342, 0x9123683E}
 
-    if tensortier._core.filesystem_magic(str(disk_dir)) not in checkpoint._FREES_BLOCKS_IN_RENAME:
+
+def _releasing_slowly(disk_dir: Path, seconds: float) -> IOHandle:
+    """An IOHandle whose saves close the replaced file `seconds` late (the fault seam's delay
+    of the "release" step); skips where the filesystem frees replaced files in the rename."""
+    if tensortier._core.filesystem_magic(str(disk_dir)) not in _FREES_BLOCKS_IN_RENAME:
         pytest.skip("the test directory's filesystem frees replaced files in the rename")
-    gate = threading.Event()
-
-    def held_close(fd: int) -> None:
-        gate.wait()
-        checkpoint._close_held(fd)  # noqa: SLF001
-
-    monkeypatch.setattr(checkpoint, "_close_replaced", held_close)
-    return gate
+    fault = {"kind": "delay", "delay_us": int(seconds * 1e6), "steps": ["release"]}
+    return IOHandle("threads", _fault=fault)
 
 
 def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+    disk_dir: Path,
 ) -> None:
     path = disk_dir / "m.safetensors"
-    gate = _hold_the_freeing_of_replaced_files(disk_dir, monkeypatch)
+    slow = _releasing_slowly(disk_dir, 3.0)
     tensortier.save({"w": torch.ones(1000)}, path)
-    tensortier.save({"w": torch.zeros(1000)}, path)  # returns while the old file is held
+    tensortier.save({"w": torch.zeros(1000)}, path, _io=slow)  # returns while the old is held
     assert len(_descriptors_of(f"{path} (deleted)")) == 1
     assert tensortier.load(path)["w"].sum().item() == 0.0
     import threading
@@ -509,7 +592,6 @@ def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
     second.start()
     second.join(0.3)
     assert second.is_alive()  # waits for the first replaced file to be freed
-    gate.set()
     second.join()
     checkpoint._wait_for_replaced_files()  # noqa: SLF001 - the test's own wait
     assert _descriptors_of(f"{path} (deleted)") == []
@@ -517,16 +599,14 @@ def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
     assert leftovers(disk_dir) == []
 
 
-def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(disk_dir: Path) -> None:
     """The descriptor holding a replaced file is closed in a child made by fork() (it would
     keep the old file's blocks for the child's whole life: DataLoader workers forked next to a
     thread that saves)."""
     path = disk_dir / "m.safetensors"
-    gate = _hold_the_freeing_of_replaced_files(disk_dir, monkeypatch)
+    slow = _releasing_slowly(disk_dir, 5.0)
     tensortier.save({"w": torch.ones(1000)}, path)
-    tensortier.save({"w": torch.zeros(1000)}, path)
+    tensortier.save({"w": torch.zeros(1000)}, path, _io=slow)
     try:
         assert len(_descriptors_of(f"{path} (deleted)")) == 1
         pid = os.fork()
@@ -541,28 +621,124 @@ def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
-        gate.set()
         checkpoint._wait_for_replaced_files()  # noqa: SLF001
     assert _descriptors_of(f"{path} (deleted)") == []
 
 
-def test_failed_rename_releases_the_replaced_file(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_failed_rename_releases_the_replaced_file(disk_dir: Path) -> None:
     path = disk_dir / "m.safetensors"
     tensortier.save({"w": torch.ones(4)}, path)
-
-    def refuse(src: object, dst: object) -> None:
-        raise OSError(errno.EIO, "injected rename failure")
-
-    monkeypatch.setattr(checkpoint.os, "replace", refuse)
-    with pytest.raises(OSError, match="injected rename"):
-        tensortier.save({"w": torch.zeros(4)}, path)
-    monkeypatch.undo()
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "steps": ["rename"]})
+    with pytest.raises(OSError, match="rename failed"):
+        tensortier.save({"w": torch.zeros(4)}, path, _io=io)
     checkpoint._wait_for_replaced_files()  # noqa: SLF001
     assert _descriptors_of(str(path)) == []
     assert tensortier.load(path)["w"].tolist() == [1.0] * 4
     assert leftovers(disk_dir) == []
+
+
+# Each system call of a save, failed in turn through the fault seam, and what the error says.
+_SAVE_STEPS = {
+    "open": "creating its temporary file",
+    "allocate": "fallocate failed",
+    "datasync": "fdatasync failed",
+    "rename": "rename failed",
+}
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+@pytest.mark.parametrize("step", sorted(_SAVE_STEPS))
+def test_each_failed_step_of_a_save_keeps_the_old_checkpoint(
+    disk_dir: Path, name: str, step: str
+) -> None:
+    path = disk_dir / name
+    old = {"w": torch.randn(64, 33)}
+    tensortier.save(old, path)
+    before = path.read_bytes()
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.ENOSPC, "steps": [step]})
+    with pytest.raises(OSError) as info:
+        tensortier.save({"w": torch.randn(100, 7), "v": torch.ones(3)}, path, _io=io)
+    assert info.value.errno == errno.ENOSPC
+    assert _SAVE_STEPS[step] in str(info.value) and str(path) in str(info.value), info.value
+    assert io._file_system.faults_injected == 1  # noqa: SLF001
+    assert path.read_bytes() == before
+    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    assert leftovers(disk_dir) == []
+    assert torch.equal(tensortier.load(path)["w"], old["w"])
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_failed_save_into_a_new_path_leaves_nothing(disk_dir: Path, name: str) -> None:
+    path = disk_dir / name
+    for step in sorted(_SAVE_STEPS):
+        io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "steps": [step]})
+        with pytest.raises(OSError, match=_SAVE_STEPS[step]):
+            tensortier.save({"w": torch.ones(5)}, path, _io=io)
+        assert os.listdir(disk_dir) == [], step
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_failed_directory_fsync_is_reported_after_the_rename(disk_dir: Path, name: str) -> None:
+    """The rename happened: the path holds the new checkpoint whole; only whether the rename
+    survives a power loss is unknown, which the error says."""
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(5)}, path)
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO,
+                                     "steps": ["sync_directory"]})
+    with pytest.raises(OSError, match="fsync the directory of") as info:
+        tensortier.save({"w": torch.zeros(7)}, path, _io=io)
+    assert info.value.errno == errno.EIO and str(path) in str(info.value)
+    assert torch.equal(tensortier.load(path)["w"], torch.zeros(7))
+    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    assert leftovers(disk_dir) == []
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_failed_open_of_a_load_names_the_path(disk_dir: Path, name: str, mmap: bool) -> None:
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(5)}, path)
+    fault = {"kind": "error", "errno": errno.EACCES, "steps": ["open"]}
+    with pytest.raises(PermissionError, match="open failed") as info:
+        tensortier.load(path, mmap=mmap, _io=IOHandle("threads", _fault=fault))
+    assert str(path) in str(info.value)
+    with pytest.raises(PermissionError, match="open failed"):
+        tensortier.load_into({"w": torch.empty(5)}, path, _io=IOHandle("threads", _fault=fault))
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_failed_read_of_a_load_names_the_path(disk_dir: Path, name: str) -> None:
+    path = disk_dir / name
+    tensortier.save({"w": torch.randn(100000)}, path)
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "writes": False})
+    with pytest.raises(OSError) as info:
+        tensortier.load(path, _io=io)
+    assert info.value.errno == errno.EIO and name in str(info.value), info.value
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_short_reads_of_a_load_are_completed_not_taken_as_data(disk_dir: Path, name: str) -> None:
+    path = disk_dir / name
+    saved = {"w": torch.randn(100000)}
+    tensortier.save(saved, path)
+    fault = {"kind": "short", "short_bytes": 1000, "count": 50, "writes": False}
+    io = IOHandle("threads", chunk_size=64 << 10, _fault=fault)
+    assert torch.equal(tensortier.load(path, _io=io)["w"], saved["w"])
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_the_records_of_a_torch_file_are_read_through_the_engine(
+    disk_dir: Path, verify: bool
+) -> None:
+    """data.pkl and the other zip records are read by the engine, not os.pread: a fault there
+    fails a load whose tensors map the file (no other read), and the error names the file."""
+    path = disk_dir / "m.pt"
+    tensortier.save({"w": torch.ones(5)}, path)
+    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "writes": False})
+    with pytest.raises(OSError) as info:
+        tensortier.load(path, mmap=True, verify=verify, _io=io)
+    assert info.value.errno == errno.EIO and str(path) in str(info.value), info.value
+    assert torch.equal(tensortier.load(path, mmap=True, verify=verify)["w"], torch.ones(5))
 
 
 def test_save_through_symlink_replaces_its_target(disk_dir: Path) -> None:

@@ -1,0 +1,121 @@
+#include "tensortier/checkpoint_format.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "tensortier/byte_source.hpp"
+#include "tensortier/checkpoint_file.hpp"
+#include "tensortier/config.hpp"
+#include "tensortier/format_error.hpp"
+#include "tensortier/json.hpp"
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+bool EndsWithIgnoringCase(std::string_view text, std::string_view suffix) {
+  if (text.size() < suffix.size()) return false;
+  text.remove_prefix(text.size() - suffix.size());
+  return std::equal(text.begin(), text.end(), suffix.begin(), [](char a, char b) {
+    return std::tolower(static_cast<unsigned char>(a)) == b;
+  });
+}
+
+// An absolute name, or one with a ".." part ('/' or '\' separated: an index written on Windows).
+bool LeavesTheDirectory(std::string_view name) {
+  if (name.starts_with('/') || name.starts_with('\\')) return true;
+  size_t start = 0;
+  for (;;) {
+    const size_t end = name.find_first_of("/\\", start);
+    if (name.substr(start, end == std::string_view::npos ? end : end - start) == "..") return true;
+    if (end == std::string_view::npos) return false;
+    start = end + 1;
+  }
+}
+
+}  // namespace
+
+std::string_view CheckpointFormatName(CheckpointFormat format) {
+  return format == CheckpointFormat::kSafetensors ? "safetensors" : "torch";
+}
+
+std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path) {
+  for (const char* suffix : {".safetensors", ".st"}) {
+    if (EndsWithIgnoringCase(path, suffix)) return CheckpointFormat::kSafetensors;
+  }
+  for (const char* suffix : {".pt", ".pth", ".bin", ".ckpt", ".tar"}) {
+    if (EndsWithIgnoringCase(path, suffix)) return CheckpointFormat::kTorch;
+  }
+  return std::nullopt;
+}
+
+bool IsShardIndex(const std::string& path) {
+  if (path.ends_with(".index.json")) return true;
+  FileSource source(OpenCheckpointForReading(path, false));
+  char head[16] = {};
+  const uint64_t n = std::min<uint64_t>(source.size(), sizeof(head));
+  source.ReadAt(0, head, n);
+  if (n >= 9 && head[8] == '{') return false;
+  for (uint64_t i = 0; i < n; ++i) {
+    if (head[i] == ' ' || head[i] == '\n' || head[i] == '\r' || head[i] == '\t') continue;
+    return head[i] == '{';
+  }
+  return false;
+}
+
+std::vector<Shard> ReadShardIndex(const std::string& path) {
+  FileSource source(OpenCheckpointForReading(path, false));
+  if (source.size() > kMaxShardIndexBytes) {
+    throw FormatError(
+        StrCat(path, ": larger than ", FormatSize(kMaxShardIndexBytes), ": not a shard index"));
+  }
+  std::string text(source.size(), '\0');
+  source.ReadAt(0, text.data(), text.size());
+  JsonReader r(text, StrCat(path, ": shard index JSON"));
+  std::vector<Shard> shards;
+  std::map<std::string, size_t> by_file;
+  std::set<std::string> names;
+  bool has_map = false;
+  r.Expect('{');
+  if (!r.Consume('}')) {
+    do {
+      std::string key = r.ReadString();
+      r.Expect(':');
+      if (key != "weight_map") {
+        r.SkipValue();
+        continue;
+      }
+      if (has_map) r.Fail("two 'weight_map' members");
+      has_map = true;
+      r.Expect('{');
+      if (r.Consume('}')) continue;
+      do {
+        std::string name = r.ReadString();
+        if (!names.insert(name).second) r.Fail(StrCat("tensor '", name, "' is listed twice"));
+        r.Expect(':');
+        if (r.Peek() != '"') r.Fail(StrCat("the shard of '", name, "' is not a string"));
+        std::string file = r.ReadString();
+        if (LeavesTheDirectory(file)) {
+          throw FormatError(
+              StrCat(path, ": shard '", file, "' lies outside the index's directory"));
+        }
+        auto [it, added] = by_file.emplace(file, shards.size());
+        if (added) {
+          shards.push_back({(std::filesystem::path(path).parent_path() / file).string(), {}});
+        }
+        shards[it->second].names.push_back(std::move(name));
+      } while (r.Consume(','));
+      r.Expect('}');
+    } while (r.Consume(','));
+    r.Expect('}');
+  }
+  r.ExpectEnd();
+  if (!has_map) throw FormatError(StrCat(path, ": not a shard index: no 'weight_map'"));
+  if (shards.empty()) throw FormatError(StrCat(path, ": a shard index naming no tensors"));
+  return shards;
+}
+
+}  // namespace tensortier
