@@ -227,6 +227,7 @@ void DropFromCache(const std::vector<std::string>& paths) {
 BatchReaderOptions FailingRead(uint64_t nth, bool skip_errors) {
   BatchReaderOptions options = Options("threads");
   options.skip_errors = skip_errors;
+  options.prefetch = 1;  // a batch's reads start after the previous one's: the fault lands in it
   FaultPlan plan;
   plan.kind = FaultPlan::Kind::kError;
   plan.error = EIO;

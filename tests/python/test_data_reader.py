@@ -309,7 +309,8 @@ def test_a_read_error_in_the_middle_of_a_batch(disk_dir: Path) -> None:
     # The engine's fault-injecting backend fails the 5th read request of the first batch.
     fault = {"kind": "error", "errno": 5, "nth": 5, "count": 1, "writes": False}
     labels = [tree[p][1] for p in paths]
-    raising = FileReader(files=paths, labels=labels, batch_size=8, shuffle=False,
+    # prefetch=1: the next batch's reads start after this one's, so the fault lands in it.
+    raising = FileReader(files=paths, labels=labels, batch_size=8, shuffle=False, prefetch=1,
                          backend="threads", _fault=fault)
     it = iter(raising)
     with pytest.raises(OSError) as failure:
@@ -321,7 +322,7 @@ def test_a_read_error_in_the_middle_of_a_batch(disk_dir: Path) -> None:
     assert stream(raising, 1) == [[tree[p] for p in paths[:8]], [tree[p] for p in paths[8:]]]
 
     drop_from_cache(paths)
-    skipping = FileReader(files=paths, labels=labels, batch_size=8, shuffle=False,
+    skipping = FileReader(files=paths, labels=labels, batch_size=8, shuffle=False, prefetch=1,
                           backend="threads", on_error="skip", _fault=fault)
     batches = stream(skipping, 1)
     assert skipping.stats["skipped"] == 1
