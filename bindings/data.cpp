@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 
+#include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "tensortier/batch_reader.hpp"
 #include "tensortier/sample_list.hpp"
@@ -18,15 +19,23 @@ using namespace tensortier;
 void RegisterData(py::module_& m) {
   m.def(
       "list_file_root",
-      [](const std::string& root) {
+      [](const std::string& root, std::optional<std::vector<std::string>> file_filters,
+         bool case_sensitive_filter) {
+        FileFilter filter;
+        if (file_filters) filter.patterns = std::move(*file_filters);
+        filter.case_sensitive = case_sensitive_filter;
         SampleList list;
         {
           py::gil_scoped_release release;
-          list = ListFileRoot(root);
+          list = ListFileRoot(root, filter);
         }
         return py::make_tuple(list.paths, list.labels);
       },
-      py::arg("root"), "(paths, labels) of a folder with one subfolder per class (DALI's rule).");
+      py::arg("root"), py::arg("file_filters") = py::none(),
+      py::arg("case_sensitive_filter") = false,
+      "(paths, labels) of a folder with one subfolder per class (DALI's rule), the files whose "
+      "names match file_filters (default: DALI's).");
+  m.attr("default_file_filters") = DefaultFileFilters();
   m.def(
       "read_file_list",
       [](const std::string& list_path, const std::string& root) {
@@ -92,7 +101,8 @@ void RegisterData(py::module_& m) {
   py::class_<BatchReader, GilFreeHolder<BatchReader>>(m, "BatchReader")
       .def(py::init([](std::vector<std::string> paths, unsigned prefetch, unsigned open_threads,
                        bool skip_errors, bool direct, bool pin_memory, int device,
-                       std::optional<std::string> backend, std::optional<ExtentMap> extent_map) {
+                       std::optional<std::string> backend, std::optional<ExtentMap> extent_map,
+                       std::optional<py::dict> fault) {
              BatchReaderOptions options;
              options.prefetch = prefetch;
              options.open_threads = open_threads;
@@ -102,13 +112,14 @@ void RegisterData(py::module_& m) {
              options.device = device;
              if (backend) options.engine.backend = *backend;
              options.extent_map = std::move(extent_map);
+             if (fault) options.backend_factory = FaultFactory(options.engine, *fault);
              py::gil_scoped_release release;
              return GilFreeHolder<BatchReader>(new BatchReader(std::move(paths), options));
            }),
            py::arg("paths"), py::arg("prefetch") = 2, py::arg("open_threads") = 16,
            py::arg("skip_errors") = false, py::arg("direct") = true, py::arg("pin_memory") = false,
            py::arg("device") = 0, py::arg("backend") = py::none(),
-           py::arg("extent_map") = py::none())
+           py::arg("extent_map") = py::none(), py::arg("fault") = py::none())
       .def("start", &BatchReader::Start, py::arg("batches"),
            py::call_guard<py::gil_scoped_release>())
       .def("next",

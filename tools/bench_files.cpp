@@ -17,8 +17,9 @@ namespace {
 
 constexpr const char* kHelp = R"(usage: tensortier bench-files ROOT [options]
 
-Reads every file under ROOT's class folders (DALI's file_root layout) in batches, as
-tensortier.data.FileReader does, and reports files/s and GB/s.
+Reads the files under ROOT's class folders (DALI's file_root layout and default file_filters:
+image and audio extensions) in batches, as tensortier.data.FileReader does, and reports files/s
+and GB/s.
 
   --batch-size N      files per batch (default 256)
   --shuffle           a seeded permutation of the files (default: list order)

@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "tensortier/backend.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/extent_map.hpp"
@@ -60,6 +61,8 @@ struct BatchReaderOptions {
   bool pin_memory = false;
   int device = 0;
   EngineOptions engine = EngineOptions::FromEnvironment();
+  // Test seam: the engine's backends are made by this factory when set (fault injection).
+  BackendFactory backend_factory;
   // Read the files this map holds from its block devices (needs read access to them: root).
   std::optional<ExtentMap> extent_map;
 };

@@ -13,13 +13,24 @@ struct SampleList {
   std::vector<int32_t> labels;     // one per path
 };
 
+// DALI's default `file_filters` of fn.readers.file: image and audio file name globs.
+const std::vector<std::string>& DefaultFileFilters();
+
+// Which file names of a class folder are samples: those matching at least one glob (fnmatch(3),
+// no flags but FNM_CASEFOLD unless case_sensitive), as fn.readers.file's `file_filters` and
+// `case_sensitive_filter`. No patterns: no file matches.
+struct FileFilter {
+  std::vector<std::string> patterns = DefaultFileFilters();
+  bool case_sensitive = false;
+  bool Matches(const std::string& name) const;
+};
+
 // DALI's rule for file_root: the subdirectories of `root` in sorted (byte) order are the classes,
-// labelled 0, 1, ...; each class holds its regular files and symbolic links, in sorted order
-// (files directly under `root`, and subfolders, FIFOs, sockets and devices in a class, are not
-// samples). Unlike DALI no extension filter applies: every
-// file is a sample. Throws IoError when `root` cannot be listed, std::invalid_argument when it
-// holds no files.
-SampleList ListFileRoot(const std::string& root);
+// labelled 0, 1, ...; each class holds its regular files and symbolic links whose names pass
+// `filter`, in sorted order (files directly under `root`, and subfolders, FIFOs, sockets and
+// devices in a class, are not samples). Throws IoError when `root` cannot be listed,
+// std::invalid_argument when it holds no matching files.
+SampleList ListFileRoot(const std::string& root, const FileFilter& filter = {});
 
 // DALI's file_list text format: one sample per line, "path label" (the label is the last run of
 // digits, separated by white space; blank lines skipped). Relative paths are relative to `root`,

@@ -189,6 +189,48 @@ void PrepareMappedSlot(const std::string& path, const MappedFile& mapped, bool d
   OpenSlot(path, direct, slot);
 }
 
+// Per path: its file in `map`, or kNotMapped. A path is looked up as spelled (made absolute:
+// relative paths are the caller's, relative to the working directory, not the map root's), then
+// by its real folder under the map root's real path, so that a root reached through a symbolic
+// link (the reader's file_root or the map's) finds the same files; the identity check before each
+// raw read still decides whether the map's extents are the file's. Throws std::invalid_argument
+// when the map holds none of the paths: a map of other files would silently never be used.
+std::vector<uint64_t> MapIndices(const std::vector<std::string>& paths, const ExtentMap& map) {
+  namespace fs = std::filesystem;
+  std::vector<uint64_t> index(paths.size(), kNotMapped);
+  std::error_code ec;
+  const fs::path real_root = fs::canonical(map.root, ec);
+  std::unordered_map<std::string, std::optional<fs::path>> real_dirs;  // a few class folders
+  size_t found_count = 0;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    const fs::path absolute = fs::absolute(paths[i], ec).lexically_normal();
+    if (ec) continue;
+    std::optional<size_t> found = map.Find(absolute.string());
+    if (!found && !real_root.empty()) {
+      auto [dir, inserted] = real_dirs.try_emplace(absolute.parent_path().string());
+      if (inserted) {
+        fs::path real = fs::canonical(absolute.parent_path(), ec);
+        if (!ec) dir->second = std::move(real);
+      }
+      if (dir->second) {
+        const fs::path relative =
+            (*dir->second / absolute.filename()).lexically_relative(real_root);
+        if (!relative.empty() && *relative.begin() != "..") found = map.Find(relative.string());
+      }
+    }
+    if (found) {
+      index[i] = *found;
+      ++found_count;
+    }
+  }
+  if (found_count == 0) {
+    throw std::invalid_argument(StrCat("the extent map of '", map.root, "' holds none of the ",
+                                       paths.size(), " files read (the first: '", paths.front(),
+                                       "'): it was built for other files"));
+  }
+  return index;
+}
+
 std::string Message(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
@@ -218,16 +260,11 @@ BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions opti
   if (paths_.empty()) throw std::invalid_argument("the reader was given no files");
   if (options_.prefetch == 0) throw std::invalid_argument("prefetch must be at least 1");
   if (options_.open_threads == 0) throw std::invalid_argument("open_threads must be at least 1");
-  engine_ = std::make_unique<Engine>(options_.engine);
+  engine_ = options_.backend_factory
+                ? std::make_unique<Engine>(options_.engine, options_.backend_factory)
+                : std::make_unique<Engine>(options_.engine);
   if (options_.extent_map) {
-    map_index_.assign(paths_.size(), kNotMapped);
-    std::error_code ec;
-    for (size_t i = 0; i < paths_.size(); ++i) {
-      // Relative paths are the caller's (relative to the working directory), not the map root's.
-      const std::filesystem::path absolute = std::filesystem::absolute(paths_[i], ec);
-      if (ec) continue;
-      if (auto found = options_.extent_map->Find(absolute.string())) map_index_[i] = *found;
-    }
+    map_index_ = MapIndices(paths_, *options_.extent_map);
     extents_ = std::make_unique<ExtentReader>(std::move(*options_.extent_map), options_.engine);
     options_.extent_map.reset();
   }

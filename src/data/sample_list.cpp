@@ -1,6 +1,7 @@
 #include "tensortier/sample_list.hpp"
 
 #include <dirent.h>
+#include <fnmatch.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -27,9 +28,9 @@ struct DirCloser {
 
 // The subdirectories of `dir` (stat, following symbolic links, as DALI does) or the files DALI
 // would take from it (regular, link or unknown type, by the entry's type: no stat per file, which
-// on cold metadata would cost a disk read each). Not "." and "..".
+// on cold metadata would cost a disk read each; names passing `filter`). Not "." and "..".
 void ListDir(const std::string& dir, std::vector<std::string>* subdirs,
-             std::vector<std::string>* files) {
+             std::vector<std::string>* files, const FileFilter* filter = nullptr) {
   std::unique_ptr<DIR, DirCloser> handle(opendir(dir.c_str()));
   if (!handle) ThrowIoError(errno, "opendir", dir);
   errno = 0;
@@ -37,7 +38,9 @@ void ListDir(const std::string& dir, std::vector<std::string>* subdirs,
     std::string name = entry->d_name;
     if (name == "." || name == "..") continue;
     if (files != nullptr) {
-      if (entry->d_type == DT_REG || entry->d_type == DT_LNK || entry->d_type == DT_UNKNOWN) {
+      const bool file_type =
+          entry->d_type == DT_REG || entry->d_type == DT_LNK || entry->d_type == DT_UNKNOWN;
+      if (file_type && (filter == nullptr || filter->Matches(name))) {
         files->push_back(std::move(name));
       }
     } else {
@@ -51,9 +54,31 @@ void ListDir(const std::string& dir, std::vector<std::string>* subdirs,
   if (errno != 0) ThrowIoError(errno, "readdir", dir);
 }
 
+std::string Joined(const std::vector<std::string>& patterns) {
+  std::string out;
+  for (const std::string& p : patterns) out += (out.empty() ? "" : " ") + p;
+  return out;
+}
+
 }  // namespace
 
-SampleList ListFileRoot(const std::string& root) {
+const std::vector<std::string>& DefaultFileFilters() {
+  // fn.readers.file's default, DALI 2.4.
+  static const std::vector<std::string> filters = {"*.jpg",  "*.jpeg", "*.png",  "*.bmp", "*.tif",
+                                                   "*.tiff", "*.pnm",  "*.ppm",  "*.pgm", "*.pbm",
+                                                   "*.jp2",  "*.webp", "*.flac", "*.ogg", "*.wav"};
+  return filters;
+}
+
+bool FileFilter::Matches(const std::string& name) const {
+  const int flags = case_sensitive ? 0 : FNM_CASEFOLD;
+  for (const std::string& pattern : patterns) {
+    if (fnmatch(pattern.c_str(), name.c_str(), flags) == 0) return true;
+  }
+  return false;
+}
+
+SampleList ListFileRoot(const std::string& root, const FileFilter& filter) {
   std::vector<std::string> classes;
   ListDir(root, &classes, nullptr);
   std::sort(classes.begin(), classes.end());
@@ -61,7 +86,7 @@ SampleList ListFileRoot(const std::string& root) {
   for (size_t label = 0; label < classes.size(); ++label) {
     const std::string dir = JoinPath(root, classes[label]);
     std::vector<std::string> files;
-    ListDir(dir, nullptr, &files);
+    ListDir(dir, nullptr, &files, &filter);
     std::sort(files.begin(), files.end());
     for (const std::string& file : files) {
       list.paths.push_back(JoinPath(dir, file));
@@ -69,9 +94,10 @@ SampleList ListFileRoot(const std::string& root) {
     }
   }
   if (list.paths.empty()) {
-    throw std::invalid_argument(StrCat("file_root '", root, "' holds no files in ", classes.size(),
-                                       " class subdirectories (one per class "
-                                       "is expected, each with its files)"));
+    throw std::invalid_argument(StrCat(
+        "file_root '", root, "' holds no files matching file_filters (", Joined(filter.patterns),
+        filter.case_sensitive ? ", case-sensitive" : "", ") in ", classes.size(),
+        " class subdirectories (one per class is expected, each with its files)"));
   }
   return list;
 }

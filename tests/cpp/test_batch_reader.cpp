@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <fstream>
@@ -213,6 +214,68 @@ TEST(BatchReaderTest, FileThatChangesSizeWhileReadFailsByName) {
   EXPECT_TRUE(failed);
 }
 
+// Cold files, so that their reads go through the engine's backend (cached ones are copied).
+void DropFromCache(const std::vector<std::string>& paths) {
+  for (const std::string& path : paths) {
+    File file = File::Open(path, OpenMode::kRead, false);
+    file.DataSync();  // dirty pages would stay cached
+    file.DropCache();
+  }
+}
+
+// A reader whose engine fails the `nth` read request with EIO.
+BatchReaderOptions FailingRead(uint64_t nth, bool skip_errors) {
+  BatchReaderOptions options = Options("threads");
+  options.skip_errors = skip_errors;
+  options.prefetch = 1;  // a batch's reads start after the previous one's: the fault lands in it
+  FaultPlan plan;
+  plan.kind = FaultPlan::Kind::kError;
+  plan.error = EIO;
+  plan.nth = nth;
+  plan.writes = false;
+  auto injector = std::make_shared<FaultInjector>(plan);
+  options.backend_factory = [injector](unsigned depth) {
+    return MakeFaultInjectingBackend(MakeBackend(BackendKind::kThreads, depth), injector);
+  };
+  return options;
+}
+
+TEST(BatchReaderTest, ReadErrorInTheMiddleOfABatchNamesTheFile) {
+  Tree tree(10);
+  DropFromCache(tree.paths);
+  BatchReader reader(tree.paths, FailingRead(4, false));
+  reader.Start({{1, 2, 3, 4, 5, 6, 7, 8}, {9, 0}});
+  try {
+    reader.Next();
+    FAIL() << "no error for a failed read";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), EIO);
+    EXPECT_NE(std::find(tree.paths.begin() + 1, tree.paths.begin() + 9, e.path()),
+              tree.paths.begin() + 9)
+        << e.what();
+  }
+  ExpectBatch(*reader.Next(), tree, {9, 0});  // reading goes on
+}
+
+TEST(BatchReaderTest, SkipErrorsLeavesOutAFileWhoseReadFailed) {
+  Tree tree(10);
+  DropFromCache(tree.paths);
+  BatchReader reader(tree.paths, FailingRead(4, true));
+  const std::vector<uint64_t> order = {1, 2, 3, 4, 5, 6, 7, 8};
+  reader.Start({order});
+  auto batch = reader.Next();
+  ASSERT_EQ(batch->skipped().size(), 1u);
+  const uint64_t failed = batch->skipped()[0].index;
+  EXPECT_NE(batch->skipped()[0].message.find(tree.paths[failed]), std::string::npos);
+  std::vector<uint64_t> rest;
+  for (uint64_t i : order) {
+    if (i != failed) rest.push_back(i);
+  }
+  ASSERT_EQ(rest.size(), order.size() - 1);
+  ExpectBatch(*batch, tree, rest);  // the others intact, in order
+  EXPECT_EQ(reader.stats().skipped, 1u);
+}
+
 TEST(BatchReaderTest, CachedFilesAreReadBufferedAndColdOnesDirect) {
   Tree tree(8);
   BatchReader reader(tree.paths, Options());
@@ -313,14 +376,38 @@ TEST(SampleListTest, FileRootClassesInSortedOrder) {
   }
   WritePatternFile(dir.File("b/2.jpg"), 3, 0);
   WritePatternFile(dir.File("b/1.jpg"), 3, 0);
-  WritePatternFile(dir.File("a/z.bin"), 3, 0);
+  WritePatternFile(dir.File("a/z.JPEG"), 3, 0);            // DALI's filters ignore case
+  WritePatternFile(dir.File("a/notes.txt"), 3, 0);         // not an image: not a sample
   WritePatternFile(dir.File("loose.jpg"), 3, 0);           // not in a class: not a sample
   ASSERT_EQ(mkdir(dir.File("b/sub").c_str(), 0755), 0);    // nor a folder in a class
   ASSERT_EQ(mkfifo(dir.File("a/pipe").c_str(), 0644), 0);  // nor a FIFO
   SampleList list = ListFileRoot(dir.path());
-  EXPECT_EQ(list.paths, (std::vector<std::string>{dir.File("a/z.bin"), dir.File("b/1.jpg"),
+  EXPECT_EQ(list.paths, (std::vector<std::string>{dir.File("a/z.JPEG"), dir.File("b/1.jpg"),
                                                   dir.File("b/2.jpg")}));
   EXPECT_EQ(list.labels, (std::vector<int32_t>{0, 1, 1}));
+}
+
+TEST(SampleListTest, FileFiltersAreGlobsMatchedAsDaliDoes) {
+  TempDir dir;
+  ASSERT_EQ(mkdir(dir.File("a").c_str(), 0755), 0);
+  for (const char* name : {"x.TXT", "y.txt", "z.txt.jpg", ".hidden.txt", "w.wav", "v"}) {
+    WritePatternFile(dir.File(StrCat("a/", name)), 1, 0);
+  }
+  auto names = [&](const FileFilter& filter) {
+    std::vector<std::string> out;
+    for (const std::string& p : ListFileRoot(dir.path(), filter).paths) {
+      out.push_back(p.substr(dir.File("a/").size()));
+    }
+    return out;
+  };
+  EXPECT_EQ(names({}), (std::vector<std::string>{"w.wav", "z.txt.jpg"}));
+  // fnmatch without FNM_PERIOD: a leading dot is matched by '*'.
+  EXPECT_EQ(names({{"*.txt"}, false}), (std::vector<std::string>{".hidden.txt", "x.TXT", "y.txt"}));
+  EXPECT_EQ(names({{"*.txt"}, true}), (std::vector<std::string>{".hidden.txt", "y.txt"}));
+  EXPECT_EQ(names({{"?", "*.wav", "[xy].*"}, true}),
+            (std::vector<std::string>{"v", "w.wav", "x.TXT", "y.txt"}));
+  EXPECT_THROW(ListFileRoot(dir.path(), {{"*.png"}, false}), std::invalid_argument);
+  EXPECT_THROW(ListFileRoot(dir.path(), {{}, false}), std::invalid_argument);
 }
 
 TEST(SampleListTest, EmptyOrMissingRootIsRefused) {

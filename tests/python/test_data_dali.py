@@ -172,3 +172,25 @@ def test_decoded_images_equal_pils(disk_dir: Path) -> None:
         assert image.shape == want.shape
         # libjpeg-turbo in both; allow the IDCT's rounding differences.
         assert np.abs(image.astype(int) - want.astype(int)).max() <= 2
+
+
+@pytest.mark.parametrize("filters", [
+    {},
+    {"file_filters": ["*.txt", "*.PNG"]},
+    {"file_filters": "*.PNG", "case_sensitive_filter": True},
+    {"file_filters": ["*.jpg", "?oext"], "case_sensitive_filter": True},
+    {"case_sensitive_filter": True},
+])
+def test_file_filters_take_the_files_readers_file_takes(disk_dir: Path,
+                                                       filters: dict[str, object]) -> None:
+    make_tree(disk_dir, classes=3, per_class=3)
+    others = ["c0/notes.txt", "c0/UPPER.JPG", "c1/img.PNG", "c1/img2.png", "c1/noext",
+              "c2/a.jpeg.bak", "c2/.hidden.jpg", "c2/sound.WAV", "c1/x.webp", "c0/y.TXT"]
+    for i, name in enumerate(others):
+        (disk_dir / name).write_bytes(f"{name}/{i}".encode() * (i + 1))
+    reader = FileReader(file_root=disk_dir, batch_size=4, shuffle=False, **filters)
+    ours = sum(reader_stream(reader, 1), [])
+    theirs = sum(dali_file_stream(disk_dir, 4, len(ours) // 4 + 1, **filters), [])
+    assert ours == theirs[:len(ours)]
+    assert len(ours) != 9 + len(others)  # some file was left out
+    assert theirs[len(ours)] == ours[0]  # DALI's next epoch starts: no file of DALI's is missing

@@ -31,11 +31,11 @@ def _training_set(root: Path) -> dict[str, bytes]:
     for c in range(3):
         (root / f"c{c}").mkdir(parents=True)
         for i, size in enumerate(sizes):
-            name = f"c{c}/f{i}.bin"
+            name = f"c{c}/f{i}.jpg"
             files[name] = _bytes(size, 100 * c + i)
             (root / name).write_bytes(files[name])
     (root / "c3").mkdir()
-    fragments = {f"c3/g{i}.bin": bytearray() for i in range(5)}
+    fragments = {f"c3/g{i}.jpg": bytearray() for i in range(5)}
     handles = {name: open(root / name, "wb") for name in fragments}
     try:
         for r in range(8):
@@ -68,7 +68,7 @@ def test_batches_equal_the_reader_without_a_map(loop_fs: LoopFilesystem,
     extent_map = build_extent_map(root, tmp_path / "map.json")
     assert max(len(extent_map.file(extent_map.find(n))["extents"]) for n in files) > 1
     # A file added after the map: not in it, read as usual.
-    (root / "c1/late.bin").write_bytes(_bytes(5000, 9))
+    (root / "c1/late.jpg").write_bytes(_bytes(5000, 9))
     for shard_id in range(3):
         settings = dict(file_root=root, batch_size=4, shuffle=True, seed=7, shard_id=shard_id,
                         num_shards=3, pad_last_batch=shard_id == 1)
@@ -83,8 +83,8 @@ def test_batches_equal_the_reader_without_a_map(loop_fs: LoopFilesystem,
         assert stats["fallback_files"] == 0
         assert stats["raw_files"] > 0
         assert stats["files"] == plain.stats["files"]
-        # Every distinct file read per batch is either raw or read as usual (late.bin only).
-        late = raw.files.index(str(root / "c1/late.bin"))
+        # Every distinct file read per batch is either raw or read as usual (late.jpg only).
+        late = raw.files.index(str(root / "c1/late.jpg"))
         late_reads = sum(idx.count(late) > 0 for idx in _batch_indices(raw, 2))
         assert stats["raw_files"] + late_reads == _distinct_reads(raw, 2)
         assert plain.stats["raw_files"] == 0 and plain.stats["fallback_files"] == 0
@@ -116,17 +116,17 @@ def test_a_file_changed_after_the_map_falls_back(loop_fs: LoopFilesystem,
     extent_map = build_extent_map(root)
     # Rewritten in place (same size: only mtime tells), replaced by a rename, and grown.
     rewritten = _bytes(4097, 77)
-    with open(root / "c0/f4.bin", "r+b") as f:
+    with open(root / "c0/f4.jpg", "r+b") as f:
         f.write(rewritten)
     # mtime a second on: the clock's tick may be coarser than the time since the map was built.
-    st = os.stat(root / "c0/f4.bin")
-    os.utime(root / "c0/f4.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    st = os.stat(root / "c0/f4.jpg")
+    os.utime(root / "c0/f4.jpg", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     replacement = _bytes(4096, 78)
     (root / "new.tmp").write_bytes(replacement)
-    os.rename(root / "new.tmp", root / "c3/g1.bin")
-    grown = files["c2/f6.bin"] + b"more"
-    (root / "c2/f6.bin").write_bytes(grown)
-    now = {**files, "c0/f4.bin": rewritten, "c3/g1.bin": replacement, "c2/f6.bin": grown}
+    os.rename(root / "new.tmp", root / "c3/g1.jpg")
+    grown = files["c2/f6.jpg"] + b"more"
+    (root / "c2/f6.jpg").write_bytes(grown)
+    now = {**files, "c0/f4.jpg": rewritten, "c3/g1.jpg": replacement, "c2/f6.jpg": grown}
 
     names = sorted(files)
     reader = FileReader(files=[root / n for n in names], batch_size=8, shuffle=False,
@@ -150,21 +150,21 @@ def test_a_vanished_mapped_file_is_an_error_naming_it(loop_fs: LoopFilesystem) -
     names = sorted(files)
     reader = FileReader(files=[root / n for n in names], batch_size=len(names), shuffle=False,
                         extent_map=extent_map)
-    os.unlink(root / "c1/f3.bin")
-    with pytest.raises(FileNotFoundError, match="f3.bin"):
+    os.unlink(root / "c1/f3.jpg")
+    with pytest.raises(FileNotFoundError, match="f3.jpg"):
         list(reader)
-    names.remove("c1/f3.bin")
+    names.remove("c1/f3.jpg")
     reader = FileReader(files=[root / n for n in names], batch_size=len(names), shuffle=False,
                         extent_map=extent_map, on_error="skip")
-    os.unlink(root / "c2/f5.bin")
+    os.unlink(root / "c2/f5.jpg")
     (samples, _), = list(reader)
-    assert [s.numpy().tobytes() for s in samples] == [files[n] for n in names if n != "c2/f5.bin"]
+    assert [s.numpy().tobytes() for s in samples] == [files[n] for n in names if n != "c2/f5.jpg"]
     assert reader.stats["skipped"] == 1 and reader.stats["raw_files"] == len(names) - 1
 
 
 def test_bad_extent_map_arguments(tmp_path: Path) -> None:
     (tmp_path / "c0").mkdir()
-    (tmp_path / "c0/a.bin").write_bytes(b"abc")
+    (tmp_path / "c0/a.jpg").write_bytes(b"abc")
     with pytest.raises(TypeError, match="ExtentMap"):
         FileReader(file_root=tmp_path, extent_map=3)  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError):
@@ -205,3 +205,28 @@ def test_without_access_to_the_disk_the_reader_is_refused(loop_fs: LoopFilesyste
         assert loop_fs.device in r.stdout and "root" in r.stdout
     finally:
         shutil.rmtree(shared)
+
+
+def test_a_root_reached_through_a_symbolic_link_uses_the_map(loop_fs: LoopFilesystem,
+                                                             tmp_path: Path) -> None:
+    root = loop_fs.mount / "train"
+    files = _training_set(root)
+    link = tmp_path / "train-link"
+    link.symlink_to(root, target_is_directory=True)
+    # The map records its root as given and each file's path under it: a map built through the
+    # link is found from the real path and the other way round.
+    through_link = build_extent_map(link, tmp_path / "link.json")
+    direct = build_extent_map(root, tmp_path / "map.json")
+    for reader_root, extent_map in ((link, direct), (root, through_link), (link, through_link)):
+        reader = FileReader(file_root=reader_root, batch_size=len(files), shuffle=False,
+                            extent_map=extent_map)
+        (samples, _), = list(reader)
+        assert [s.numpy().tobytes() for s in samples] == [files[n] for n in sorted(files)]
+        assert reader.stats["raw_files"] == len(files), reader_root
+        assert reader.stats["fallback_files"] == 0
+    # A map of other files would never be used: refused, naming the map's root.
+    other = loop_fs.mount / "other"
+    (other / "c0").mkdir(parents=True)
+    (other / "c0/a.jpg").write_bytes(b"abc")
+    with pytest.raises(ValueError, match="holds none of the"):
+        FileReader(file_root=link, extent_map=build_extent_map(other, tmp_path / "other.json"))

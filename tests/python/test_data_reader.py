@@ -288,3 +288,76 @@ def test_check_files_false_defers_a_missing_file_to_its_batch(disk_dir: Path) ->
                         check_files=False)
     with pytest.raises(FileNotFoundError, match="missing.jpg"):
         next(iter(reader))
+
+
+def drop_from_cache(paths: list[str]) -> None:
+    """Cold files: read through the engine's backend (O_DIRECT), where faults are injected;
+    cached ones are copied from the page cache."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_a_read_error_in_the_middle_of_a_batch(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=2, per_class=6)
+    paths = sorted(tree)
+    drop_from_cache(paths)
+    # The engine's fault-injecting backend fails the 5th read request of the first batch.
+    fault = {"kind": "error", "errno": 5, "nth": 5, "count": 1, "writes": False}
+    labels = [tree[p][1] for p in paths]
+    # prefetch=1: the next batch's reads start after this one's, so the fault lands in it.
+    raising = FileReader(files=paths, labels=labels, batch_size=8, shuffle=False, prefetch=1,
+                         backend="threads", _fault=fault)
+    it = iter(raising)
+    with pytest.raises(OSError) as failure:
+        next(it)
+    assert failure.value.errno == 5
+    assert any(p in str(failure.value) for p in paths[:8]), str(failure.value)
+    # The failed batch was not given out: the next loop reads it again (the fault was once).
+    assert raising.state_dict()["position"] == 0
+    assert stream(raising, 1) == [[tree[p] for p in paths[:8]], [tree[p] for p in paths[8:]]]
+
+    drop_from_cache(paths)
+    skipping = FileReader(files=paths, labels=labels, batch_size=8, shuffle=False, prefetch=1,
+                          backend="threads", on_error="skip", _fault=fault)
+    batches = stream(skipping, 1)
+    assert skipping.stats["skipped"] == 1
+    first = batches[0]
+    assert len(first) == 7
+    wanted = [tree[p] for p in paths[:8]]
+    missing = [w for w in wanted if w not in first]
+    assert len(missing) == 1
+    assert first == [w for w in wanted if w != missing[0]]  # the rest intact, in order
+    assert batches[1] == [tree[p] for p in paths[8:]]
+
+
+def test_short_reads_in_a_batch_are_completed(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=2, per_class=6)
+    paths = sorted(tree)
+    fault = {"kind": "short", "short_bytes": 4096, "nth": 2, "count": 6, "writes": False}
+    drop_from_cache(paths)
+    reader = FileReader(files=paths, labels=[tree[p][1] for p in paths], batch_size=5,
+                        shuffle=False, backend="threads", _fault=fault)
+    assert sum(stream(reader, 2), []) == [tree[p] for p in paths] * 2
+    assert reader.stats["skipped"] == 0
+
+
+def test_file_filters_select_the_samples_of_a_file_root(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=2, per_class=3)
+    (disk_dir / "class_00/readme.txt").write_bytes(b"not an image")
+    (disk_dir / "class_01/b.BIN").write_bytes(b"bin")
+    # DALI's default: image and audio names only, whatever their case.
+    assert sorted(FileReader(file_root=disk_dir).files) == sorted(tree)
+    reader = FileReader(file_root=disk_dir, file_filters=["*.txt", "*.bin"], shuffle=False)
+    assert stream(reader, 1) == [[(b"not an image", 0), (b"bin", 1)]]
+    with pytest.raises(ValueError, match=r"no files matching file_filters \(\*\.bin, case-sens"):
+        FileReader(file_root=disk_dir, file_filters="*.bin", case_sensitive_filter=True)
+    dataset = FileDataset(file_root=disk_dir, file_filters="*.txt", batch_size=4)
+    assert [(bytes(s.numpy()), int(l)) for b, ls in dataset for s, l in zip(b, ls)] == [
+        (b"not an image", 0)]
+    with pytest.raises(TypeError, match="file_filters"):
+        FileReader(file_root=disk_dir, file_filters=[b"*.jpg"])  # type: ignore[list-item]

@@ -284,6 +284,45 @@ def test_wholememory_device_memory_on_cpu_only_torch_says_why(
         wm.finalize_lib()
         fake.cuCtxPopCurrent_v2(None)
         fake.cuDevicePrimaryCtxRelease_v2(0)
+def test_file_reader_pins_its_arenas_and_lets_them_go(fake_driver: Path, tmp_path: Path) -> None:
+    # What device="cuda" needs short of a GPU: batches in page-locked, CUDA-registered arenas
+    # (the one copy to the device is torch's); the copy itself needs a torch built with CUDA.
+    run_with_fake(
+        fake_driver,
+        """
+        import numpy as np
+        from tensortier.data import FileReader
+        root = os.path.join(os.environ["TMP_DIR"], "set")
+        os.makedirs(os.path.join(root, "c0"))
+        want = []
+        for i, size in enumerate([0, 1, 4095, 4097, 70001, 200003]):
+            data = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+            with open(os.path.join(root, "c0", f"{i}.jpg"), "wb") as f:
+                f.write(data)
+            want.append(data)
+        reader = FileReader(file_root=root, batch_size=4, shuffle=False, pin_memory=True)
+        got = []
+        for epoch in range(2):
+            for batch in reader.batches():
+                assert batch.pinned
+                arena = np.frombuffer(batch, dtype=np.uint8)
+                where = _core.locate(arena.ctypes.data)
+                assert where["type"] == "registered host", where
+                samples, labels = reader._tensors(batch)
+                got.extend(bytes(s.numpy()) for s in samples)
+                del arena, samples, labels, batch
+        assert got == want * 2
+        assert fake.fakecuda_live() > start
+        reader.close()
+        del reader
+        check_clean()
+        if not torch.cuda.is_available():
+            try:
+                FileReader(file_root=root, device="cuda")
+            except ValueError as e:
+                assert "CUDA" in str(e), e
+            else:
+                raise AssertionError("device='cuda' without CUDA in torch was accepted")
         """,
         tmp_path,
     )

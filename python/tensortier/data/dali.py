@@ -14,19 +14,21 @@ if TYPE_CHECKING:
 
 class DaliSource:
     """Feeds ``fn.external_source(source=reader.dali_source(), num_outputs=2, batch=True,
-    dtype=[types.UINT8, types.INT32])``: each batch is a list of uint8 numpy arrays (one per
-    file) and its labels as int32 arrays of shape (1,), as ``fn.readers.file`` gives them.
+    dtype=[types.UINT8, types.INT32])``: each batch is a DALI ``TensorListCPU`` of uint8
+    samples (one per file) and one of int32 labels of shape (1,), as ``fn.readers.file`` gives
+    them.
 
     An iterator that rewinds itself: the call after the one that raised ``StopIteration`` (the
     end of an epoch) starts the reader's next epoch. With DALI's default ``cycle="no"`` the
     source is iterated once and never rewound by DALI, so each ``pipe.reset()`` reads the next
     epoch; ``cycle="quiet"`` or ``"raise"`` work too.
 
-    The arrays are views of the batch arenas, not copies (numpy arrays, not torch tensors: DALI
-    fed torch CPU tensors asks for a CUDA stream and fails on CPU-only torch builds). DALI
-    copies them unless ``no_copy=True``; then the arenas must live until DALI has used them:
-    this source keeps the last ``queue_depth + 2`` batches alive, so pass at least the
-    pipeline's ``prefetch_queue_depth`` as ``queue_depth``.
+    The samples wrap the batch arenas in place (``TensorCPU`` views, gathered without a copy):
+    handed a list of arrays, ``external_source`` inspects and converts each in Python, which
+    cost more than reading the files when they are cached. DALI copies the batch unless
+    ``no_copy=True``; then the arenas must live until DALI has used them: this source keeps the
+    last ``queue_depth + 2`` batches alive, so pass at least the pipeline's
+    ``prefetch_queue_depth`` as ``queue_depth``.
 
     DALI asks for batches ahead of the outputs it returns (its prefetch queue): the reader's
     ``state_dict()`` counts the batches handed to DALI, not those the pipeline has returned.
@@ -35,6 +37,9 @@ class DaliSource:
     def __init__(self, reader: FileReader, queue_depth: int = 2) -> None:
         if not isinstance(queue_depth, int) or queue_depth < 1:
             raise ValueError(f"queue_depth must be a positive integer, not {queue_depth!r}")
+        from nvidia.dali import tensors  # DALI is needed only by this adapter
+
+        self._tensors = tensors
         self._reader = reader
         self._epoch: Iterator[Any] | None = None
         self._kept: collections.deque[Any] = collections.deque(maxlen=queue_depth + 2)
@@ -42,7 +47,7 @@ class DaliSource:
     def __iter__(self) -> DaliSource:
         return self
 
-    def __next__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def __next__(self) -> tuple[Any, Any]:
         if self._epoch is None:
             self._epoch = self._reader.batches()
         try:
@@ -50,8 +55,10 @@ class DaliSource:
         except StopIteration:
             self._epoch = None  # the next call reads the next epoch
             raise
-        self._kept.append(batch)
-        arena = np.frombuffer(batch, dtype=np.uint8)
-        samples = [arena[o:o + s] for o, s in zip(batch.offsets, batch.sizes)]
         labels = self._reader.batch_labels(batch).reshape(-1, 1)
-        return samples, list(labels)
+        self._kept.append((batch, labels))
+        arena = np.frombuffer(batch, dtype=np.uint8)
+        wrap = self._tensors.TensorCPU
+        samples = self._tensors.TensorListCPU(
+            [wrap(arena[o:o + s]) for o, s in zip(batch.offsets, batch.sizes)], contiguous=False)
+        return samples, self._tensors.TensorListCPU(labels)

@@ -21,14 +21,25 @@ def resolve_inputs(
     files: Sequence[str | os.PathLike[str]] | None,
     labels: Sequence[int] | None,
     check_files: bool = True,
+    file_filters: str | Sequence[str] | None = None,
+    case_sensitive_filter: bool = False,
 ) -> tuple[list[str], np.ndarray]:
     """The (paths, int32 labels) named by DALI's ``fn.readers.file`` inputs, checked to exist
-    (``check_files``).
+    (``check_files``). ``file_filters`` and ``case_sensitive_filter`` select the files of a
+    ``file_root``'s class folders as DALI does (ignored with ``file_list`` or ``files``).
 
     Raises:
         ValueError: inputs given in a combination DALI refuses, or an empty list or folder.
+        TypeError: ``file_filters`` is not a string or a list of strings.
         OSError: a listed file or the folder cannot be reached (``FileNotFoundError`` names it).
     """
+    if isinstance(file_filters, str):
+        file_filters = [file_filters]
+    elif file_filters is not None:
+        file_filters = list(file_filters)
+        if not all(isinstance(f, str) for f in file_filters):
+            raise TypeError(f"file_filters must be a glob string or a list of them, "
+                            f"not {file_filters!r}")
     root = os.fspath(file_root) if file_root is not None else None
     if files is not None and file_list is not None:
         raise ValueError("give file paths through files= or file_list=, not both")
@@ -49,7 +60,7 @@ def resolve_inputs(
     elif file_list is not None:
         paths, label_list = _core.read_file_list(os.fspath(file_list), root or "")
     elif root is not None:
-        paths, label_list = _core.list_file_root(root)
+        paths, label_list = _core.list_file_root(root, file_filters, bool(case_sensitive_filter))
         check_files = False  # just listed
     else:
         raise ValueError("give file_root=, file_list= or files=")
@@ -98,7 +109,10 @@ class FileReader:
     in flight together) instead of opening them. Each file's identity (device, inode, size, mtime,
     ctime) is checked against the map first; one that changed since is read through the
     filesystem. ``stats["raw_files"]`` and ``stats["fallback_files"]`` count the two; files the
-    map does not hold are read as usual. Raw reads need read access to the disk (root): without
+    map does not hold are read as usual, and a map that holds none of them is refused
+    (``ValueError``). Paths are looked up as spelled, then by their real folders under the map
+    root's real path: a ``file_root`` reached through a symbolic link finds a map built through
+    the real path, and the other way round. Raw reads need read access to the disk (root): without
     it the reader is refused with ``PermissionError`` naming the disk.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly: the next batch after a
@@ -129,12 +143,15 @@ class FileReader:
         pin_memory: bool = False,
         extent_map: ExtentMap | str | os.PathLike[str] | None = None,
         *,
+        file_filters: str | Sequence[str] | None = None,
+        case_sensitive_filter: bool = False,
         copy: bool = False,
         on_error: str = "raise",
         open_threads: int = 16,
         direct: bool = True,
         backend: str | None = None,
         check_files: bool = True,
+        _fault: dict[str, Any] | None = None,
     ) -> None:
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
@@ -151,7 +168,8 @@ class FileReader:
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' needs a torch build with CUDA and a GPU")
         self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels,
-                                                   check_files)
+                                                   check_files, file_filters,
+                                                   case_sensitive_filter)
         self._config = {
             "num_files": len(self._paths),
             "batch_size": batch_size,
@@ -176,6 +194,7 @@ class FileReader:
             device=device_index,
             backend=backend,
             extent_map=None if extent_map is None else _as_map(extent_map),
+            fault=_fault,  # tests: the engine's fault-injecting backend
         )
         self._epoch = 0
         self._position = 0  # batches of self._epoch given out
