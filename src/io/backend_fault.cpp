@@ -5,7 +5,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensortier/backend.hpp"
+#include "tensortier/fault_injection.hpp"
 
 namespace tensortier {
 namespace {
