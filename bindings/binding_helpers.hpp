@@ -3,7 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
-#include "tensortier/backend.hpp"
+#include "tensortier/fault_injection.hpp"
 #include "tensortier/engine.hpp"
 
 namespace tensortier {

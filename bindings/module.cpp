@@ -10,9 +10,11 @@
 #include <system_error>
 
 #include "binding_helpers.hpp"
+#include "errors.hpp"
 #include "gil_free_holder.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/backend.hpp"
+#include "tensortier/fault_injection.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/error.hpp"
@@ -147,22 +149,6 @@ GilFreeHolder<Engine> MakeEngine(const Overrides& overrides, const std::string& 
   return GilFreeHolder<Engine>(new Engine(options, factory));
 }
 
-// The Python exception for a C++ error, as an object (not raised): OSError for IoError.
-py::object PythonError(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const IoError& e) {
-    return py::reinterpret_steal<py::object>(
-        PyObject_CallFunction(PyExc_OSError, "iss", e.error_code(), e.what(), e.path().c_str()));
-  } catch (const std::invalid_argument& e) {
-    return py::reinterpret_steal<py::object>(
-        PyObject_CallFunction(PyExc_ValueError, "s", e.what()));
-  } catch (const std::exception& e) {
-    return py::reinterpret_steal<py::object>(
-        PyObject_CallFunction(PyExc_RuntimeError, "s", e.what()));
-  }
-}
-
 OffloadKind ParseOffloadKind(const std::string& kind) {
   if (kind == "write") return OffloadKind::kWrite;
   if (kind == "read") return OffloadKind::kRead;
@@ -194,24 +180,7 @@ uintptr_t BufferAddress(const py::object& obj, bool writable) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tensortier C++ core (internal; use the tensortier package)";
 
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const IoError& e) {
-      // OSError(errno, message, filename): Python picks the subclass (FileNotFoundError...).
-      py::object err = py::reinterpret_steal<py::object>(
-          PyObject_CallFunction(PyExc_OSError, "iss", e.error_code(), e.what(), e.path().c_str()));
-      PyErr_SetObject(PyExc_OSError, err.ptr());
-    } catch (const std::system_error& e) {  // errno failures without a file (memory, threads)
-      if (e.code().category() != std::generic_category() &&
-          e.code().category() != std::system_category()) {
-        throw;
-      }
-      py::object err = py::reinterpret_steal<py::object>(
-          PyObject_CallFunction(PyExc_OSError, "is", e.code().value(), e.what()));
-      PyErr_SetObject(PyExc_OSError, err.ptr());
-    }
-  });
+  RegisterErrors(m);
 
   py::class_<File>(m, "File",
                    "An open file for IOHandle transfers: a buffered descriptor, plus an O_DIRECT "
@@ -425,18 +394,34 @@ PYBIND11_MODULE(_core, m) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<ssize_t>(b.size())}, {1});
       });
-  m.def("defaults", [] {
-    py::list out;
-    for (const auto& d : Defaults()) {
-      py::dict row;
-      row["name"] = d.name;
-      row["env"] = d.env;
-      row["value"] = d.value;
-      row["description"] = d.description;
-      out.append(row);
-    }
-    return out;
-  });
+  m.def(
+      "defaults",
+      [] {
+        std::vector<DefaultSetting> rows;
+        {
+          py::gil_scoped_release release;
+          rows = Defaults();
+        }
+        py::list out;
+        for (const auto& d : rows) {
+          py::dict row;
+          row["name"] = d.name;
+          row["env"] = d.env;
+          row["value"] = d.value;
+          row["default"] = d.default_value;
+          row["allowed"] = d.allowed;
+          row["description"] = d.description;
+          row["from_environment"] = d.from_environment;
+          out.append(row);
+        }
+        return out;
+      },
+      "Every TENSORTIER_* setting: name, env, value in effect, default, allowed, description, "
+      "from_environment. Raises ValueError naming a variable whose value is bad.");
+  m.def(
+      "setting_is_set",
+      [](const std::string& env) { return SettingFromEnvironment(SettingFor(env)).has_value(); },
+      py::arg("env"), "Whether the TENSORTIER_* variable `env` is set (and not empty).");
   m.def(
       "probe_backends",
       [](const std::string& dir) {

@@ -104,8 +104,13 @@ std::unique_ptr<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_
 }  // namespace
 
 void RegisterTransfer(py::module_& m) {
-  py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
-  py::register_exception<CuFileError>(m, "CuFileError", PyExc_RuntimeError);
+  m.def(
+      "gds_mode",
+      [](const std::optional<std::string>& gds) {
+        return GdsModeName(gds ? ParseGdsMode(*gds) : GdsModeFromEnvironment());
+      },
+      py::arg("gds") = py::none(),
+      "'off', 'auto' or 'on': `gds` spelled canonically, or TENSORTIER_GDS's value when None.");
 
   m.def(
       "cuda_driver",
@@ -196,12 +201,13 @@ void RegisterTransfer(py::module_& m) {
           "Deregisters now (also done when the object is collected); idempotent.");
 
   py::class_<DeviceFile>(m, "DeviceFile")
-      .def(py::init([](const File& file, const std::string& gds) {
-             GdsMode mode = ParseGdsMode(gds);
+      .def(py::init([](const File& file, const std::optional<std::string>& gds) {
+             GdsMode mode = gds ? ParseGdsMode(*gds) : GdsModeFromEnvironment();
              py::gil_scoped_release release;
              return DeviceFile(file, mode);
            }),
-           py::arg("file"), py::arg("gds") = "auto")
+           py::arg("file"), py::arg("gds") = py::none(),
+           "`gds`: 'off', 'auto' or 'on'; None for TENSORTIER_GDS (default off).")
       .def_property_readonly("file", &DeviceFile::file)
       .def_property_readonly("gds", &DeviceFile::gds)
       .def_property_readonly("gds_reason", &DeviceFile::gds_reason);
@@ -257,10 +263,11 @@ void RegisterTransfer(py::module_& m) {
         return d;
       });
   py::class_<OffloadDeviceFiles>(m, "OffloadDeviceFiles")
-      .def(py::init([](const std::string& gds) {
-             return std::make_unique<OffloadDeviceFiles>(ParseGdsMode(gds));
+      .def(py::init([](const std::optional<std::string>& gds) {
+             return std::make_unique<OffloadDeviceFiles>(gds ? ParseGdsMode(*gds)
+                                                             : GdsModeFromEnvironment());
            }),
-           py::arg("gds") = "off",
+           py::arg("gds") = py::none(),
            "The DeviceFiles of an offloader's backing files under one GDS mode ('off', 'auto', "
            "'on'), each registered with cuFile once, on first use.");
   const auto move_key = [&m](const char* name, auto move, const char* doc) {

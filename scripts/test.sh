@@ -48,6 +48,18 @@ echo "== C++ install: find_package(tensortier) from a separate project"
 rm -rf build/install build/consumer
 ninja -C build/test -j "$JOBS" all  # the shared library and the tool, which the tests do not need
 cmake --install build/test --prefix build/install >/dev/null
+# Only the public API is installed, and each installed header builds on its own.
+for internal in strings.hpp json.hpp format_error.hpp fault_injection.hpp; do
+  if [ -e "build/install/include/tensortier/$internal" ]; then
+    echo "internal header $internal was installed" >&2
+    exit 1
+  fi
+done
+for header in build/install/include/tensortier/*.hpp; do
+  echo "#include \"tensortier/$(basename "$header")\"" |
+    c++ -std=c++20 -fsyntax-only -Ibuild/install/include -x c++ - ||
+    { echo "installed $header does not build on its own" >&2; exit 1; }
+done
 cmake -S examples/cpp_consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
 ninja -C build/consumer >/dev/null
 build/consumer/round_trip build/consumer/round_trip.dat

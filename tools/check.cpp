@@ -3,7 +3,6 @@
 #include <sys/utsname.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include "tensortier/strings.hpp"
@@ -114,20 +113,10 @@ int RunCheck(const std::vector<std::string>& argv) {
     gds_auto = StrCat("the bounce ring: cuFile would run in compatibility mode: ", gds.compat_mode,
                       " (unless its configuration sets use_pci_p2pdma)");
   }
-  // TENSORTIER_GDS is read by the Python API (IOHandle, DiskOffloader); checked here the same way.
-  const char* gds_env = std::getenv("TENSORTIER_GDS");
-  const std::string gds_setting = gds_env != nullptr && *gds_env != '\0' ? gds_env : "off";
-  GdsMode gds_mode;
-  try {
-    gds_mode = ParseGdsMode(gds_setting);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(StrCat("TENSORTIER_GDS: ", e.what()));
-  }
-  const char* gds_name = gds_mode == GdsMode::kOff    ? "off"
-                         : gds_mode == GdsMode::kAuto ? "auto"
-                                                      : "on";
-  std::printf("GDS for CUDA tensors (TENSORTIER_GDS): %s%s\n", gds_name,
-              gds_env != nullptr && *gds_env != '\0' ? "" : " (default)");
+  const Setting& gds_setting = SettingFor("TENSORTIER_GDS");
+  const GdsMode gds_mode = GdsModeFromEnvironment();
+  std::printf("GDS for CUDA tensors (TENSORTIER_GDS): %s%s\n", GdsModeName(gds_mode),
+              SettingFromEnvironment(gds_setting) ? "" : " (default)");
   std::printf("GDS with TENSORTIER_GDS=auto: %s\n", gds_auto.c_str());
   const DeviceTransferOptions transfer = DeviceTransferOptions::FromEnvironment();
   std::printf(
@@ -136,9 +125,10 @@ int RunCheck(const std::vector<std::string>& argv) {
       transfer.ring.slots, FormatSize(transfer.ring.slot_bytes).c_str(), transfer.max_rings);
   std::printf("huge pages (TENSORTIER_HUGE_PAGES): %s\n\n", HugePagesPolicy().c_str());
 
-  std::printf("defaults (environment overrides applied):\n");
+  std::printf("settings (environment overrides applied):\n");
   for (const auto& d : Defaults()) {
-    std::printf("  %-19s %-10s %-28s %s\n", d.name.c_str(), d.value.c_str(), d.env.c_str(),
+    std::printf("  %-28s %-15s %s\n", d.env.c_str(),
+                StrCat(d.value, d.from_environment ? "" : " (default)").c_str(),
                 d.description.c_str());
   }
   if (working == 0) {

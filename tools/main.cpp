@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "cli.hpp"
-#include "tensortier/config.hpp"
+#include "tensortier/settings.hpp"
 
 namespace {
 
@@ -34,18 +34,6 @@ commands:
   --version     the version
 
 Settings come from environment variables (bad values are rejected):
-)";
-
-// Settings read outside the engine's table (the README's settings table has them all).
-constexpr const char* kOtherSettings =
-    R"(  TENSORTIER_HUGE_PAGES        1/0: page-aligned buffers of 4 MiB+ ask for huge pages or not
-                               (default: by use and the VM, see README)
-  TENSORTIER_GDS               CUDA tensors of IOHandle/DiskOffloader: off (default), auto, on
-  TENSORTIER_BOUNCE_SLOTS      CUDA bounce ring slots per transfer (default 8)
-  TENSORTIER_BOUNCE_SLOT_SIZE  bytes per slot (default 8M)
-  TENSORTIER_BOUNCE_RINGS      concurrent CUDA bounce transfers per IOHandle (default 4)
-  TENSORTIER_CUDA_LIBRARY      CUDA driver library to load (default libcuda.so.1)
-  TENSORTIER_CUFILE_LIBRARY    cuFile library to load (default libcufile.so.0)
 )";
 
 // `tensortier COMMAND --help` for the commands whose options are parsed in one line.
@@ -113,11 +101,12 @@ int main(int argc, char** argv) {
   try {
     if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
       std::fputs(kUsage, args.empty() ? stderr : stdout);
-      for (const auto& d : tensortier::Defaults()) {
-        std::fprintf(args.empty() ? stderr : stdout, "  %-28s %s\n", d.env.c_str(),
-                     d.description.c_str());
+      for (const tensortier::Setting& s : tensortier::kSettings) {
+        std::fprintf(args.empty() ? stderr : stdout,
+                     "  %-28s %s\n  %-28s default %s; allowed: %s\n", std::string(s.env).c_str(),
+                     std::string(s.description).c_str(), "", std::string(s.default_text).c_str(),
+                     tensortier::AllowedValues(s).c_str());
       }
-      std::fputs(kOtherSettings, args.empty() ? stderr : stdout);
       return args.empty() ? 2 : 0;
     }
     if (args[0] == "--version" || args[0] == "version") {

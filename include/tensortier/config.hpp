@@ -1,12 +1,15 @@
-// Engine settings and their defaults. Every default can be overridden by a TENSORTIER_* environment
-// variable, read once per EngineOptions::FromEnvironment() call; bad values are rejected, never
-// ignored. The table returned by Defaults() is the single source for docs and `tensortier check`.
+// Engine settings. Their defaults, variables and limits are rows of the settings table
+// (settings.hpp); EngineOptions::FromEnvironment() reads the variables once per call, and bad
+// values are rejected, never ignored. Defaults() lists every row of the table with the value in
+// effect.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "tensortier/settings.hpp"
 
 namespace tensortier {
 
@@ -20,26 +23,26 @@ std::string_view ReadStagingName(ReadStaging staging);
 
 struct EngineOptions {
   // "auto", "io_uring", "libaio" or "threads". TENSORTIER_BACKEND.
-  std::string backend = "auto";
+  std::string backend{SettingFor("TENSORTIER_BACKEND").default_text};
   // Large transfers are split into chunks of this many bytes (a multiple of 4 KiB).
   // TENSORTIER_CHUNK_SIZE.
-  uint64_t chunk_size = 4u << 20;
+  uint64_t chunk_size = SettingFor("TENSORTIER_CHUNK_SIZE").default_number;
   // Requests in flight per worker ring. TENSORTIER_QUEUE_DEPTH.
-  unsigned queue_depth = 32;
+  unsigned queue_depth = SettingFor("TENSORTIER_QUEUE_DEPTH").default_number;
   // Worker threads, each with its own ring. TENSORTIER_WORKERS.
-  unsigned workers = 2;
+  unsigned workers = SettingFor("TENSORTIER_WORKERS").default_number;
   // Bound on bytes in flight over all workers. TENSORTIER_MAX_INFLIGHT.
-  uint64_t max_inflight_bytes = 128u << 20;
+  uint64_t max_inflight_bytes = SettingFor("TENSORTIER_MAX_INFLIGHT").default_number;
   // Read page-cache-resident ranges through the page cache instead of O_DIRECT.
   // TENSORTIER_PAGE_CACHE_CHECK (0/1).
-  bool page_cache_check = true;
+  bool page_cache_check = SettingFor("TENSORTIER_PAGE_CACHE_CHECK").default_text == "1";
   // TENSORTIER_STAGE_READS: off, auto, on.
-  ReadStaging stage_reads = ReadStaging::kAuto;
+  ReadStaging stage_reads = ReadStaging::kAuto;  // the table's default
   // Milliseconds a worker keeps a bounce buffer nothing uses before it frees it (each worker
   // keeps two); 0 frees them as soon as the worker is idle. Keeping them spares the next burst
   // faulting in up to max_inflight_bytes of huge pages again (a sharded checkpoint's next shard,
   // a loop of reads). TENSORTIER_BOUNCE_IDLE_MS.
-  uint32_t bounce_idle_ms = 1000;
+  uint32_t bounce_idle_ms = SettingFor("TENSORTIER_BOUNCE_IDLE_MS").default_number;
 
   // The built-in defaults, or `base`, overridden by the environment. Throws
   // std::invalid_argument on a malformed value.
@@ -49,21 +52,18 @@ struct EngineOptions {
   void Validate() const;
 };
 
-// One row of the defaults table.
+// One row of the settings table with the value in effect.
 struct DefaultSetting {
-  std::string name;         // field name, as accepted by the Python API
-  std::string env;          // environment variable
-  std::string value;        // effective value after the environment
-  std::string description;  // one line
+  std::string name;           // the option it sets, as the API spells it
+  std::string env;            // environment variable
+  std::string value;          // effective value after the environment
+  std::string default_value;  // the built-in default
+  std::string allowed;        // what the variable accepts
+  std::string description;    // one line
+  bool from_environment;      // the variable is set
 };
+// Every row of kSettings. Throws std::invalid_argument on a bad variable (the engine's are also
+// checked together, as EngineOptions::FromEnvironment does).
 std::vector<DefaultSetting> Defaults();
-
-// Parses "4096", "64K", "1M", "2G", "1T" (powers of 1024, optional trailing "B"/"iB").
-// Throws std::invalid_argument on anything else.
-uint64_t ParseSize(std::string_view text);
-// "1", "true", "on", "yes" / "0", "false", "off", "no". Throws std::invalid_argument naming `what`.
-bool ParseBool(std::string_view text, const char* what);
-// "4 MiB", "1.5 GiB": for messages and tables.
-std::string FormatSize(uint64_t bytes);
 
 }  // namespace tensortier

@@ -31,6 +31,8 @@ class OffloadDeviceFiles {
  public:
   // `cufile`: null for CuFile::Get() (loaded only for kAuto/kRequire); tests pass a stand-in.
   explicit OffloadDeviceFiles(GdsMode mode, const CuFile* cufile = nullptr);
+  // Under TENSORTIER_GDS (GdsModeFromEnvironment()).
+  OffloadDeviceFiles();
 
   // The DeviceFile of `file` (by its open descriptor). Throws CuFileError for kRequire when cuFile
   // cannot serve it (as DeviceFile does).

@@ -32,4 +32,9 @@ class IoError : public std::runtime_error {
 [[noreturn]] void ThrowIoError(int error_code, std::string_view op, const std::string& path,
                                uint64_t offset = 0, uint64_t length = 0);
 
+// Throws std::system_error (generic category) for a failure that concerns no file (a ring's
+// setup, a submission queue, memory, threads): Python gets OSError(errno, message) without a
+// filename. The message names the call and what it was given.
+[[noreturn]] void ThrowSystemError(int error_code, std::string_view what);
+
 }  // namespace tensortier

@@ -1,7 +1,7 @@
 // The system calls a durable save and a checkpoint load make outside the engine (creating and
 // opening files, fallocate, fdatasync, rename, the directory's fsync, closing a replaced file),
 // behind one seam so that tests can fail each of them in turn, as LevelDB's Env lets them. The
-// engine's reads and writes have their seam in the backend (backend.hpp); one FaultInjector
+// engine's reads and writes have their seam in the backend (fault_injection.hpp); one FaultInjector
 // serves both.
 #pragma once
 
@@ -13,10 +13,22 @@
 #include <string>
 #include <string_view>
 
-#include "tensortier/backend.hpp"
 #include "tensortier/file.hpp"
 
 namespace tensortier {
+
+class FaultInjector;  // fault_injection.hpp (internal: tests and the bindings' `_fault`)
+
+// The system calls outside the engine that a save or a load makes, each a place a fault can be
+// injected.
+enum class FileStep : uint8_t {
+  kOpen,           // creating or opening a file
+  kAllocate,       // fallocate
+  kDataSync,       // fdatasync
+  kRename,         // rename over the final name
+  kSyncDirectory,  // fsync of the directory
+  kRelease,        // closing a replaced file's last descriptor (frees its blocks)
+};
 
 // Without an injector every call goes straight to the kernel. With one, a call whose step the
 // injector picks fails with the plan's errno (IoError naming the step and the path) without

@@ -54,6 +54,7 @@
 #include "tensortier/engine.hpp"
 #include "tensortier/file.hpp"
 #include "tensortier/pinned_pool.hpp"
+#include "tensortier/settings.hpp"
 
 namespace tensortier {
 
@@ -70,8 +71,9 @@ struct TransferResult {
 };
 
 struct BounceRingOptions {
-  size_t slots = 8;                // chunks in flight
-  uint64_t slot_bytes = 8u << 20;  // a multiple of 4 KiB
+  size_t slots = SettingFor("TENSORTIER_BOUNCE_SLOTS").default_number;  // chunks in flight
+  // A multiple of 4 KiB.
+  uint64_t slot_bytes = SettingFor("TENSORTIER_BOUNCE_SLOT_SIZE").default_number;
   // Throws std::invalid_argument naming the bad field.
   void Validate() const;
   uint64_t bytes() const { return slots * slot_bytes; }
@@ -124,6 +126,10 @@ enum class GdsMode {
 };
 // "off", "auto", "on"/"require". Throws std::invalid_argument otherwise.
 GdsMode ParseGdsMode(const std::string& text);
+// TENSORTIER_GDS, else its default (off). Throws std::invalid_argument on a bad value.
+GdsMode GdsModeFromEnvironment();
+// "off", "auto", "on".
+const char* GdsModeName(GdsMode mode) noexcept;
 
 // A File, registered with cuFile when the mode asks for it and cuFile accepts it (through the
 // O_DIRECT descriptor; a file that refused O_DIRECT never uses GDS). Cheap to copy (copies share
@@ -135,6 +141,8 @@ class DeviceFile {
   // (CuFile::Get()) only for kAuto and kRequire: "off" never opens its driver.
   DeviceFile(File file, GdsMode mode);
   DeviceFile(File file, GdsMode mode, const CuFile& cufile);
+  // Under TENSORTIER_GDS (GdsModeFromEnvironment()).
+  explicit DeviceFile(File file);
   // Test seam: a file whose transfers take the GDS path (gds() is true) without a cuFile
   // registration (handle() is null): only a DeviceTransfer made with a GdsFunction can move it.
   static DeviceFile FakeGdsForTest(File file, GdsMode mode);
@@ -183,7 +191,8 @@ using GdsFunction =
 
 struct DeviceTransferOptions {
   BounceRingOptions ring;  // per concurrent transfer. TENSORTIER_BOUNCE_SLOTS, _SLOT_SIZE.
-  size_t max_rings = 4;    // concurrent bounce transfers. TENSORTIER_BOUNCE_RINGS.
+  // Concurrent bounce transfers. TENSORTIER_BOUNCE_RINGS.
+  size_t max_rings = SettingFor("TENSORTIER_BOUNCE_RINGS").default_number;
   // Defaults, overridden by the environment. Throws std::invalid_argument on a malformed value.
   static DeviceTransferOptions FromEnvironment();
   void Validate() const;

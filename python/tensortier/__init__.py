@@ -46,8 +46,14 @@ __all__ = [
 ]
 
 
-def defaults() -> list[dict[str, str]]:
-    """The engine settings in effect: name, environment variable, value, description."""
+def defaults() -> list[dict[str, Any]]:
+    """Every ``TENSORTIER_*`` setting, from the C++ settings table: ``name`` (the option it sets),
+    ``env``, ``value`` (in effect), ``default``, ``allowed``, ``description`` and
+    ``from_environment`` (the variable is set).
+
+    Raises:
+        ValueError: a variable holds a bad value (the message names it and what it allows).
+    """
     return list(_core.defaults())
 
 

@@ -606,13 +606,6 @@ def _forked_message(what: str, pid: int) -> str:
 
 
 def _gds_mode(gds: str | None) -> str:
-    what = "gds"
-    if gds is None:
-        gds = os.environ.get("TENSORTIER_GDS", "") or "off"
-        what = "TENSORTIER_GDS"
-    # The words of the C++ ParseGdsMode, which `tensortier check` applies to TENSORTIER_GDS.
-    modes = {"off": "off", "0": "off", "false": "off", "auto": "auto", "on": "on",
-             "require": "on", "1": "on", "true": "on"}
-    if gds not in modes:
-        raise ValueError(f"{what} must be 'off', 'auto' or 'on', not {gds!r}")
-    return modes[gds]
+    """``"off"``, ``"auto"`` or ``"on"``: `gds` spelled canonically, or ``TENSORTIER_GDS``'s value
+    (read by the C++ settings table) when None. Raises ValueError naming what is allowed."""
+    return str(_core.gds_mode(gds))

@@ -657,7 +657,9 @@ class DiskOffloader:
         core = self._open()
         if self._transfer is None or self._device_pool is None:
             # One ring per directory at least: the parts of a striped tensor move at once.
-            rings = None if os.environ.get("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
+            rings = (
+                None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
+            )
             transfer = _core.DeviceTransfer(
                 core.engine, max_rings=rings, copier=self._device_copier
             )

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "dl.hpp"
+#include "tensortier/settings.hpp"
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
@@ -110,8 +111,7 @@ const CudaDriver& CudaDriver::Get() noexcept {
 }
 
 std::string CudaDriver::DefaultLibrary() {
-  const char* path = std::getenv("TENSORTIER_CUDA_LIBRARY");
-  return path != nullptr && *path != '\0' ? path : "libcuda.so.1";
+  return WordSetting(SettingFor("TENSORTIER_CUDA_LIBRARY"));
 }
 
 std::unique_ptr<CudaDriver> CudaDriver::Load(const std::string& library) noexcept {

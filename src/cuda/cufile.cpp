@@ -14,6 +14,7 @@
 #include "dl.hpp"
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/settings.hpp"
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
@@ -183,8 +184,7 @@ const CuFile& CuFile::Get() noexcept {
 }
 
 std::string CuFile::DefaultLibrary() {
-  const char* path = std::getenv("TENSORTIER_CUFILE_LIBRARY");
-  return path != nullptr && *path != '\0' ? path : "libcufile.so.0";
+  return WordSetting(SettingFor("TENSORTIER_CUFILE_LIBRARY"));
 }
 
 std::unique_ptr<CuFile> CuFile::Load(const std::string& library, bool check_platform) noexcept {

@@ -5,6 +5,7 @@
 
 #include "tensortier/backend.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
 
 #ifdef TENSORTIER_HAVE_LIBAIO
 #include <libaio.h>
@@ -19,7 +20,7 @@ class AioBackend final : public Backend {
  public:
   explicit AioBackend(unsigned depth) : depth_(depth), iocbs_(depth), events_(depth) {
     int rc = io_setup(static_cast<int>(depth), &ctx_);
-    if (rc < 0) ThrowIoError(-rc, "io_setup", "(libaio)", 0, depth);
+    if (rc < 0) ThrowSystemError(-rc, StrCat("libaio io_setup (queue depth ", depth, ")"));
     free_.reserve(depth);
     for (auto& cb : iocbs_) free_.push_back(&cb);
   }
@@ -32,7 +33,7 @@ class AioBackend final : public Backend {
     std::vector<iocb*> batch;
     batch.reserve(requests.size());
     for (const IoRequest& r : requests) {
-      if (free_.empty()) ThrowIoError(EBUSY, "io_submit", "(libaio)", r.offset, r.len);
+      if (free_.empty()) ThrowSystemError(EBUSY, "libaio io_submit: no free iocb");
       iocb* cb = free_.back();
       free_.pop_back();
       if (r.op == IoOp::kRead) {
@@ -50,7 +51,7 @@ class AioBackend final : public Backend {
       if (rc < 0) {
         // The rest was not started: give its control blocks back before reporting.
         for (size_t i = done; i < batch.size(); ++i) free_.push_back(batch[i]);
-        ThrowIoError(-rc, "io_submit", "(libaio)", 0, batch.size() - done);
+        ThrowSystemError(-rc, StrCat("libaio io_submit (", batch.size() - done, " requests)"));
       }
       done += static_cast<size_t>(rc);
     }
@@ -62,7 +63,7 @@ class AioBackend final : public Backend {
     do {
       rc = io_getevents(ctx_, min_wait, max, events_.data(), nullptr);
     } while (rc == -EINTR);
-    if (rc < 0) ThrowIoError(-rc, "io_getevents", "(libaio)");
+    if (rc < 0) ThrowSystemError(-rc, "libaio io_getevents");
     for (int i = 0; i < rc; ++i) {
       const io_event& ev = events_[i];
       // res is the byte count or -errno, carried in an unsigned long.
@@ -94,8 +95,8 @@ bool AioCompiledIn() {
   return false;
 }
 std::unique_ptr<Backend> MakeAioBackend(unsigned depth) {
-  ThrowIoError(ENOTSUP, "libaio (not built: libaio was not found at build time)", "(libaio)", 0,
-               depth);
+  ThrowSystemError(ENOTSUP, StrCat("libaio (queue depth ", depth,
+                                   "): not built, libaio was not found at build time"));
 }
 #endif
 

@@ -6,7 +6,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensortier/backend.hpp"
+#include "tensortier/fault_injection.hpp"
 #include "tensortier/strings.hpp"
 
 namespace tensortier {

@@ -4,6 +4,7 @@
 
 #include "tensortier/backend.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
 
 #ifdef TENSORTIER_HAVE_LIBURING
 #include <liburing.h>
@@ -27,7 +28,7 @@ class UringBackend final : public Backend {
       params = {};
       rc = io_uring_queue_init_params(depth, &ring_, &params);
     }
-    if (rc < 0) ThrowIoError(-rc, "io_uring_queue_init", "(io_uring)", 0, depth);
+    if (rc < 0) ThrowSystemError(-rc, StrCat("io_uring_queue_init (queue depth ", depth, ")"));
   }
   ~UringBackend() override { io_uring_queue_exit(&ring_); }
 
@@ -37,7 +38,7 @@ class UringBackend final : public Backend {
   void Submit(std::span<const IoRequest> requests) override {
     for (const IoRequest& r : requests) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-      if (sqe == nullptr) ThrowIoError(EBUSY, "io_uring_get_sqe", "(io_uring)", r.offset, r.len);
+      if (sqe == nullptr) ThrowSystemError(EBUSY, "io_uring_get_sqe: the submission queue is full");
       if (r.op == IoOp::kRead) {
         io_uring_prep_read(sqe, r.fd, r.buf, static_cast<unsigned>(r.len), r.offset);
       } else {
@@ -49,7 +50,7 @@ class UringBackend final : public Backend {
     while (left > 0) {
       int rc = io_uring_submit(&ring_);
       if (rc == -EINTR) continue;
-      if (rc < 0) ThrowIoError(-rc, "io_uring_submit", "(io_uring)", 0, left);
+      if (rc < 0) ThrowSystemError(-rc, StrCat("io_uring_submit (", left, " requests)"));
       left -= std::min<unsigned>(left, static_cast<unsigned>(rc));
     }
   }
@@ -61,7 +62,7 @@ class UringBackend final : public Backend {
       int rc = n < min_wait ? io_uring_wait_cqe(&ring_, &cqe) : io_uring_peek_cqe(&ring_, &cqe);
       if (rc == -EAGAIN || (rc == -EINTR && n >= min_wait)) break;
       if (rc == -EINTR) continue;
-      if (rc < 0) ThrowIoError(-rc, "io_uring_wait_cqe", "(io_uring)");
+      if (rc < 0) ThrowSystemError(-rc, "io_uring_wait_cqe");
       out[n++] = {io_uring_cqe_get_data64(cqe), cqe->res};
       io_uring_cqe_seen(&ring_, cqe);
     }
@@ -86,8 +87,8 @@ bool UringCompiledIn() {
   return false;
 }
 std::unique_ptr<Backend> MakeUringBackend(unsigned depth) {
-  ThrowIoError(ENOTSUP, "io_uring (not built: liburing was not found at build time)", "(io_uring)",
-               0, depth);
+  ThrowSystemError(ENOTSUP, StrCat("io_uring (queue depth ", depth,
+                                   "): not built, liburing was not found at build time"));
 }
 #endif
 

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "tensortier/error.hpp"
+#include "tensortier/fault_injection.hpp"
 
 namespace tensortier {
 

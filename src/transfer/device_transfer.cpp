@@ -1,5 +1,3 @@
-#include <cerrno>
-#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -7,38 +5,11 @@
 #include <string>
 #include <utility>
 
-#include "tensortier/config.hpp"
+#include "tensortier/settings.hpp"
 #include "tensortier/strings.hpp"
 #include "tensortier/transfer.hpp"
 
 namespace tensortier {
-namespace {
-
-// A positive count from the environment variable `name`, or `fallback` when it is unset/empty.
-size_t CountFromEnv(const char* name, size_t fallback) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return fallback;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long value = std::strtoull(text, &end, 10);
-  if (errno != 0 || end == text || *end != '\0' || value == 0 || value > 4096 || *text == '-') {
-    throw std::invalid_argument(
-        StrCat(name, "='", text, "' is not a whole number between 1 and 4096"));
-  }
-  return static_cast<size_t>(value);
-}
-
-uint64_t SizeFromEnv(const char* name, uint64_t fallback) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return fallback;
-  try {
-    return ParseSize(text);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(StrCat(name, ": ", e.what()));
-  }
-}
-
-}  // namespace
 
 GdsMode ParseGdsMode(const std::string& text) {
   if (text == "off" || text == "0" || text == "false") return GdsMode::kOff;
@@ -46,8 +17,23 @@ GdsMode ParseGdsMode(const std::string& text) {
   if (text == "on" || text == "require" || text == "1" || text == "true") {
     return GdsMode::kRequire;
   }
-  throw std::invalid_argument(
-      StrCat("GDS mode must be 'off', 'auto' or 'on' (required), not '", text, "'"));
+  throw std::invalid_argument(StrCat("gds must be 'off', 'auto' or 'on', not '", text, "'"));
+}
+
+GdsMode GdsModeFromEnvironment() {
+  return ParseGdsMode(WordSetting(SettingFor("TENSORTIER_GDS")));
+}
+
+const char* GdsModeName(GdsMode mode) noexcept {
+  switch (mode) {
+    case GdsMode::kOff:
+      return "off";
+    case GdsMode::kAuto:
+      return "auto";
+    case GdsMode::kRequire:
+      break;
+  }
+  return "on";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -55,6 +41,8 @@ GdsMode ParseGdsMode(const std::string& text) {
 
 DeviceFile::DeviceFile(File file, GdsMode mode)
     : DeviceFile(std::move(file), mode, mode == GdsMode::kOff ? nullptr : &CuFile::Get()) {}
+
+DeviceFile::DeviceFile(File file) : DeviceFile(std::move(file), GdsModeFromEnvironment()) {}
 
 DeviceFile::DeviceFile(File file, GdsMode mode, const CuFile& cufile)
     : DeviceFile(std::move(file), mode, &cufile) {}
@@ -106,12 +94,12 @@ DeviceFile DeviceFile::FakeGdsForTest(File file, GdsMode mode) {
 
 DeviceTransferOptions DeviceTransferOptions::FromEnvironment() {
   DeviceTransferOptions o;
-  o.ring.slots = CountFromEnv("TENSORTIER_BOUNCE_SLOTS", o.ring.slots);
-  o.ring.slot_bytes = SizeFromEnv("TENSORTIER_BOUNCE_SLOT_SIZE", o.ring.slot_bytes);
-  o.max_rings = CountFromEnv("TENSORTIER_BOUNCE_RINGS", o.max_rings);
+  o.ring.slots = NumberSetting(SettingFor("TENSORTIER_BOUNCE_SLOTS"));
+  o.ring.slot_bytes = NumberSetting(SettingFor("TENSORTIER_BOUNCE_SLOT_SIZE"));
+  o.max_rings = NumberSetting(SettingFor("TENSORTIER_BOUNCE_RINGS"));
   try {
     o.Validate();
-  } catch (const std::invalid_argument& e) {  // only a setting can make the defaults invalid
+  } catch (const std::invalid_argument& e) {  // only a combination of settings fails here
     throw std::invalid_argument(
         StrCat("TENSORTIER_BOUNCE_SLOTS, TENSORTIER_BOUNCE_SLOT_SIZE, TENSORTIER_BOUNCE_RINGS: ",
                e.what()));

@@ -49,16 +49,10 @@ struct HugePageChoice {
 
 const HugePageChoice& Choice() {
   static const HugePageChoice choice = [] {
-    if (const char* v = std::getenv("TENSORTIER_HUGE_PAGES"); v != nullptr && *v != '\0') {
-      bool on = false;
-      try {
-        on = ParseBool(v, "TENSORTIER_HUGE_PAGES");
-      } catch (const std::invalid_argument&) {
-        throw std::invalid_argument(StrCat("TENSORTIER_HUGE_PAGES=", v,
-                                           " is invalid: use 1 or 0, or unset it for the "
-                                           "automatic choice"));
-      }
-      return HugePageChoice{on, on, StrCat("TENSORTIER_HUGE_PAGES=", v)};
+    const Setting& setting = SettingFor("TENSORTIER_HUGE_PAGES");
+    if (const std::string word = WordSetting(setting); word != "auto") {
+      const bool on = word == "1";
+      return HugePageChoice{on, on, StrCat(setting.env, "=", *SettingFromEnvironment(setting))};
     }
     const std::string device = FreePageReportingDevice();
     if (!device.empty()) {

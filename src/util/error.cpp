@@ -1,6 +1,8 @@
 #include "tensortier/error.hpp"
 
 #include <cstring>
+#include <system_error>
+
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
@@ -29,6 +31,10 @@ IoError::IoError(int error_code, std::string_view op, std::string path, uint64_t
 void ThrowIoError(int error_code, std::string_view op, const std::string& path, uint64_t offset,
                   uint64_t length) {
   throw IoError(error_code, op, path, offset, length);
+}
+
+[[noreturn]] void ThrowSystemError(int error_code, std::string_view what) {
+  throw std::system_error(error_code, std::generic_category(), std::string(what));
 }
 
 }  // namespace tensortier

@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "tensortier/backend.hpp"
+#include "tensortier/fault_injection.hpp"
 #include "tensortier/checkpoint_file.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/error.hpp"

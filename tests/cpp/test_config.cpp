@@ -21,12 +21,6 @@ namespace {
 
 using testing::ScopedEnv;
 
-constexpr const char* kAllEnvVars[] = {
-    "TENSORTIER_BACKEND",     "TENSORTIER_CHUNK_SIZE",     "TENSORTIER_QUEUE_DEPTH",
-    "TENSORTIER_WORKERS",     "TENSORTIER_MAX_INFLIGHT",   "TENSORTIER_PAGE_CACHE_CHECK",
-    "TENSORTIER_STAGE_READS", "TENSORTIER_BOUNCE_IDLE_MS",
-};
-
 // The message of the std::invalid_argument `fn` throws ("" and a test failure if none).
 template <typename Fn>
 std::string InvalidArgumentMessage(Fn&& fn) {
@@ -219,8 +213,8 @@ TEST(ValidateTest, UnknownBackendIsRejected) {
 class EnvironmentTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (const char* name : kAllEnvVars) {
-      cleared_.push_back(std::make_unique<ScopedEnv>(name, std::nullopt));
+    for (const Setting& s : kSettings) {
+      cleared_.push_back(std::make_unique<ScopedEnv>(std::string(s.env).c_str(), std::nullopt));
     }
   }
   std::vector<std::unique_ptr<ScopedEnv>> cleared_;
@@ -411,11 +405,15 @@ TEST_F(EnvironmentTest, DefaultsListEveryVariable) {
     EXPECT_FALSE(row.value.empty()) << row.env;
     EXPECT_FALSE(row.description.empty()) << row.env;
   }
-  EXPECT_EQ(rows.size(), std::size(kAllEnvVars));
-  for (const char* var : kAllEnvVars) EXPECT_EQ(envs.count(var), 1u) << var;
-  EXPECT_EQ(names, (std::set<std::string>{"backend", "chunk_size", "queue_depth", "workers",
-                                          "max_inflight_bytes", "page_cache_check", "stage_reads",
-                                          "bounce_idle_ms"}));
+  EXPECT_EQ(rows.size(), std::size(kSettings));
+  EXPECT_EQ(envs.size(), std::size(kSettings));
+  EXPECT_EQ(names.size(), std::size(kSettings));
+  for (const char* name :
+       {"backend", "chunk_size", "queue_depth", "workers", "max_inflight_bytes", "page_cache_check",
+        "stage_reads", "bounce_idle_ms", "huge_pages", "gds", "bounce_slots", "bounce_slot_bytes",
+        "bounce_rings", "cuda_library", "cufile_library"}) {
+    EXPECT_EQ(names.count(name), 1u) << name;
+  }
 }
 
 TEST_F(EnvironmentTest, DefaultsShowBuiltInValues) {
@@ -428,6 +426,13 @@ TEST_F(EnvironmentTest, DefaultsShowBuiltInValues) {
                                               {"TENSORTIER_PAGE_CACHE_CHECK", "1"},
                                               {"TENSORTIER_STAGE_READS", "auto"},
                                               {"TENSORTIER_BOUNCE_IDLE_MS", "1000"},
+                                              {"TENSORTIER_HUGE_PAGES", "auto"},
+                                              {"TENSORTIER_GDS", "off"},
+                                              {"TENSORTIER_BOUNCE_SLOTS", "8"},
+                                              {"TENSORTIER_BOUNCE_SLOT_SIZE", "8 MiB"},
+                                              {"TENSORTIER_BOUNCE_RINGS", "4"},
+                                              {"TENSORTIER_CUDA_LIBRARY", "libcuda.so.1"},
+                                              {"TENSORTIER_CUFILE_LIBRARY", "libcufile.so.0"},
                                           }));
 }
 
@@ -449,6 +454,13 @@ TEST_F(EnvironmentTest, DefaultsShowTheEffectiveValueOfEachVariable) {
                                               {"TENSORTIER_PAGE_CACHE_CHECK", "0"},
                                               {"TENSORTIER_STAGE_READS", "off"},
                                               {"TENSORTIER_BOUNCE_IDLE_MS", "0"},
+                                              {"TENSORTIER_HUGE_PAGES", "auto"},
+                                              {"TENSORTIER_GDS", "off"},
+                                              {"TENSORTIER_BOUNCE_SLOTS", "8"},
+                                              {"TENSORTIER_BOUNCE_SLOT_SIZE", "8 MiB"},
+                                              {"TENSORTIER_BOUNCE_RINGS", "4"},
+                                              {"TENSORTIER_CUDA_LIBRARY", "libcuda.so.1"},
+                                              {"TENSORTIER_CUFILE_LIBRARY", "libcufile.so.0"},
                                           }));
 }
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "tensortier/backend.hpp"
+#include "tensortier/fault_injection.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/strings.hpp"
 

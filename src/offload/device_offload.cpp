@@ -34,6 +34,8 @@ TransferResult ReadPart(DeviceTransfer& transfer, OffloadDeviceFiles* files, con
 
 }  // namespace
 
+OffloadDeviceFiles::OffloadDeviceFiles() : OffloadDeviceFiles(GdsModeFromEnvironment()) {}
+
 OffloadDeviceFiles::OffloadDeviceFiles(GdsMode mode, const CuFile* cufile)
     : mode_(mode), cufile_(cufile) {}
 

@@ -1,0 +1,64 @@
+// The fault-injecting backend: a wrapper around any backend that fails, shortens or delays chosen
+// requests, so every error path of the engine and the layers above it runs on CI. Internal: used
+// by the tests and the Python binding's test-only `_fault` argument; not installed.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+
+#include <string_view>
+
+#include "tensortier/backend.hpp"
+#include "tensortier/file_system.hpp"
+
+namespace tensortier {
+
+inline constexpr size_t kFileStepCount = 6;
+std::string_view FileStepName(FileStep step);
+// "open", "allocate", "datasync", "rename", "sync_directory", "release". Throws
+// std::invalid_argument otherwise.
+FileStep ParseFileStep(std::string_view name);
+
+// Faults for tests: request number `nth` (1-based, counted over the requests this wrapper sees
+// whose op matches, or the system calls whose step is in `steps`) and the `count - 1` following
+// ones get the fault.
+struct FaultPlan {
+  enum class Kind { kNone, kError, kShort, kDelay };
+  Kind kind = Kind::kNone;
+  int error = 5;  // errno for kError (EIO)
+  uint64_t nth = 1;
+  uint64_t count = 1;
+  bool reads = true;  // which ops are eligible
+  bool writes = true;
+  uint32_t steps = 0;  // FileStep bits (1 << step) whose system calls are eligible
+  uint64_t short_bytes = 0;  // kShort: the completion reports at most this many bytes (0 = half)
+  std::chrono::microseconds delay{1000};
+};
+
+// Decides which requests get the fault. Shared by the wrappers of all of an engine's workers, so
+// "the Nth request" counts over the whole engine. Thread-safe.
+class FaultInjector {
+ public:
+  explicit FaultInjector(FaultPlan plan) : plan_(plan) {}
+  const FaultPlan& plan() const noexcept { return plan_; }
+  // Counts an eligible request; true if it gets the fault.
+  bool Hit(IoOp op) noexcept;
+  bool Hit(FileStep step) noexcept;
+  // Faults injected so far.
+  uint64_t hits() const noexcept { return hits_.load(); }
+
+ private:
+  bool Count() noexcept;  // counts an eligible request or call; true if it gets the fault
+  FaultPlan plan_;
+  std::atomic<uint64_t> seen_{0};
+  std::atomic<uint64_t> hits_{0};
+};
+
+std::unique_ptr<Backend> MakeFaultInjectingBackend(std::unique_ptr<Backend> inner,
+                                                   std::shared_ptr<FaultInjector> injector);
+// Convenience: a private injector (counts only this backend's requests).
+std::unique_ptr<Backend> MakeFaultInjectingBackend(std::unique_ptr<Backend> inner, FaultPlan plan);
+
+}  // namespace tensortier

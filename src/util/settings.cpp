@@ -1,0 +1,216 @@
+#include "tensortier/settings.hpp"
+
+#include <charconv>
+#include <cstdlib>
+#include <stdexcept>
+#include <vector>
+
+#include "tensortier/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+constexpr std::string_view kTrueWords[] = {"1", "true", "on", "yes"};
+constexpr std::string_view kFalseWords[] = {"0", "false", "off", "no"};
+
+bool IsOneOf(std::string_view word, std::span<const std::string_view> words) {
+  for (std::string_view w : words) {
+    if (w == word) return true;
+  }
+  return false;
+}
+
+std::vector<std::string_view> Words(std::string_view text) {
+  std::vector<std::string_view> words;
+  while (!text.empty()) {
+    const size_t space = text.find(' ');
+    if (space != 0) words.push_back(text.substr(0, space));
+    if (space == std::string_view::npos) break;
+    text.remove_prefix(space + 1);
+  }
+  return words;
+}
+
+// "4K", "1G": the shortest exact spelling ParseSize accepts.
+std::string ShortSize(uint64_t bytes) {
+  constexpr const char* kSuffixes[] = {"", "K", "M", "G", "T"};
+  int unit = 0;
+  while (bytes != 0 && bytes % 1024 == 0 && unit < 4) {
+    bytes /= 1024;
+    ++unit;
+  }
+  return StrCat(bytes, kSuffixes[unit]);
+}
+
+uint64_t ParseUnsigned(std::string_view text, const char* what) {
+  uint64_t value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size()) {
+    throw std::invalid_argument(StrCat(what, ": '", text, "' is not a non-negative integer"));
+  }
+  return value;
+}
+
+[[noreturn]] void ThrowInvalid(const Setting& setting, std::string_view value,
+                               std::string_view why) {
+  throw std::invalid_argument(StrCat(setting.env, "=", value, " is invalid: ", why,
+                                     " (allowed: ", AllowedValues(setting), ")"));
+}
+
+// The canonical word of `text` for a kChoice row, or "" when the row does not accept it.
+std::string_view ChoiceWord(const Setting& setting, std::string_view text) {
+  const std::vector<std::string_view> choices = Words(setting.choices);
+  for (std::string_view c : choices) {
+    if (c == text) return c;
+  }
+  // Boolean spellings of the row's own off/on words.
+  for (const auto& [words, spellings] :
+       {std::pair{std::span<const std::string_view>(kTrueWords), std::pair{"on", "1"}},
+        std::pair{std::span<const std::string_view>(kFalseWords), std::pair{"off", "0"}}}) {
+    if (!IsOneOf(text, words)) continue;
+    for (std::string_view c : choices) {
+      if (c == spellings.first || c == spellings.second) return c;
+    }
+  }
+  return "";
+}
+
+uint64_t CheckedNumber(const Setting& setting, std::string_view text) {
+  uint64_t value = 0;
+  try {
+    value = setting.kind == SettingKind::kSize ? ParseSize(text) : ParseUnsigned(text, "value");
+  } catch (const std::invalid_argument&) {
+    ThrowInvalid(setting, text,
+                 setting.kind == SettingKind::kSize ? "not a size like 4096, 64K, 1M or 2G"
+                                                    : "not a whole number");
+  }
+  if (value < setting.min || value > setting.max) ThrowInvalid(setting, text, "out of range");
+  if (setting.kind == SettingKind::kSize && value % setting.multiple != 0) {
+    ThrowInvalid(setting, text, StrCat("not a multiple of ", ShortSize(setting.multiple)));
+  }
+  return value;
+}
+
+}  // namespace
+
+std::optional<std::string> SettingFromEnvironment(const Setting& setting) {
+  const std::string env(setting.env);
+  const char* v = std::getenv(env.c_str());
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+uint64_t NumberSetting(const Setting& setting) {
+  if (setting.kind != SettingKind::kSize && setting.kind != SettingKind::kCount) {
+    throw std::logic_error(StrCat(setting.env, " is not a number"));
+  }
+  const std::optional<std::string> text = SettingFromEnvironment(setting);
+  return text ? CheckedNumber(setting, *text) : setting.default_number;
+}
+
+std::string WordSetting(const Setting& setting) {
+  if (setting.kind != SettingKind::kChoice && setting.kind != SettingKind::kText) {
+    throw std::logic_error(StrCat(setting.env, " is not a word"));
+  }
+  const std::optional<std::string> text = SettingFromEnvironment(setting);
+  if (!text) return std::string(setting.default_text);
+  if (setting.kind == SettingKind::kText) return *text;
+  const std::string_view word = ChoiceWord(setting, *text);
+  if (word.empty()) ThrowInvalid(setting, *text, "not one of the allowed words");
+  return std::string(word);
+}
+
+std::string AllowedValues(const Setting& setting) {
+  switch (setting.kind) {
+    case SettingKind::kChoice: {
+      std::string out;
+      for (std::string_view w : Words(setting.choices)) out += StrCat(out.empty() ? "" : ", ", w);
+      return out;
+    }
+    case SettingKind::kSize: {
+      std::string out = StrCat(ShortSize(setting.min), " to ", ShortSize(setting.max));
+      if (setting.multiple > 1) out += StrCat(", a multiple of ", ShortSize(setting.multiple));
+      return out;
+    }
+    case SettingKind::kCount:
+      return StrCat(setting.min, " to ", setting.max);
+    case SettingKind::kText:
+      break;
+  }
+  return "a library name or path";
+}
+
+std::string EffectiveValue(const Setting& setting) {
+  switch (setting.kind) {
+    case SettingKind::kSize:
+      return FormatSize(NumberSetting(setting));
+    case SettingKind::kCount:
+      return std::to_string(NumberSetting(setting));
+    case SettingKind::kChoice:
+    case SettingKind::kText:
+      break;
+  }
+  return WordSetting(setting);
+}
+
+bool ParseBool(std::string_view text, const char* what) {
+  if (IsOneOf(text, kTrueWords)) return true;
+  if (IsOneOf(text, kFalseWords)) return false;
+  throw std::invalid_argument(StrCat(what, ": '", text, "' is not a boolean (use 0 or 1)"));
+}
+
+uint64_t ParseSize(std::string_view text) {
+  std::string_view digits = text;
+  for (std::string_view suffix : {"iB", "B"}) {
+    if (digits.size() > suffix.size() && digits.ends_with(suffix)) {
+      digits.remove_suffix(suffix.size());
+      break;
+    }
+  }
+  uint64_t multiplier = 1;
+  if (!digits.empty()) {
+    switch (digits.back()) {
+      case 'k':
+      case 'K':
+        multiplier = 1ull << 10;
+        break;
+      case 'm':
+      case 'M':
+        multiplier = 1ull << 20;
+        break;
+      case 'g':
+      case 'G':
+        multiplier = 1ull << 30;
+        break;
+      case 't':
+      case 'T':
+        multiplier = 1ull << 40;
+        break;
+      default:
+        break;
+    }
+    if (multiplier != 1) digits.remove_suffix(1);
+  }
+  uint64_t value = ParseUnsigned(digits, "size");
+  if (digits.empty() || (value != 0 && value > UINT64_MAX / multiplier)) {
+    throw std::invalid_argument(
+        StrCat("size: '", text, "' is not a size like 4096, 64K, 1M or 2G"));
+  }
+  return value * multiplier;
+}
+
+std::string FormatSize(uint64_t bytes) {
+  constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int unit = 0;
+  while (v >= 1024 && unit < 4) {
+    v /= 1024;
+    ++unit;
+  }
+  if (unit == 0 || v == static_cast<double>(static_cast<uint64_t>(v))) {
+    return StrCat(static_cast<uint64_t>(v), " ", kUnits[unit]);
+  }
+  return StrCat(Fixed(v, 1), " ", kUnits[unit]);
+}
+
+}  // namespace tensortier
