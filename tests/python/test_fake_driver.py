@@ -284,6 +284,11 @@ def test_wholememory_device_memory_on_cpu_only_torch_says_why(
         wm.finalize_lib()
         fake.cuCtxPopCurrent_v2(None)
         fake.cuDevicePrimaryCtxRelease_v2(0)
+        """,
+        tmp_path,
+    )
+
+
 def test_file_reader_pins_its_arenas_and_lets_them_go(fake_driver: Path, tmp_path: Path) -> None:
     # What device="cuda" needs short of a GPU: batches in page-locked, CUDA-registered arenas
     # (the one copy to the device is torch's); the copy itself needs a torch built with CUDA.
