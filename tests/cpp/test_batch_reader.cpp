@@ -191,15 +191,21 @@ TEST(BatchReaderTest, FileThatChangesSizeWhileReadFailsByName) {
   std::atomic<bool> stop{false};
   std::thread grower([&] {
     int fd = open(path.c_str(), O_WRONLY | O_APPEND);
-    char byte = 0;
+    char bytes[4096] = {};
     while (!stop.load()) {
-      if (write(fd, &byte, 1) != 1) break;
+      if (write(fd, bytes, sizeof(bytes)) != static_cast<ssize_t>(sizeof(bytes))) break;
+      // Bounded: back to 1 MiB now and then (a shrink is a change of size too).
+      struct stat st;
+      if (fstat(fd, &st) == 0 && st.st_size > (8 << 20) && ftruncate(fd, 1 << 20) != 0) break;
     }
     close(fd);
   });
   BatchReader reader({path}, Options());
   bool failed = false;
-  for (int attempt = 0; attempt < 50 && !failed; ++attempt) {
+  // Attempts for up to 30 s rather than a count: on a loaded machine the grower may get no CPU
+  // during a short run of reads.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!failed && std::chrono::steady_clock::now() < deadline) {
     reader.Start({{0}});
     try {
       reader.Next();
