@@ -17,11 +17,17 @@ row-gather rates against ``index_select`` on a private tensor, measured in the s
   pages dropped before each run), against fio's sequential O_DIRECT read of the same file, cold,
   alternating. The time is from a barrier after the table is created to the end of the
   collective call (the slowest rank's).
+
+Huge pages: by default the machine's settings serve (the report records vm.nr_hugepages,
+shmem_enabled and the shared table's ``stats``). As root, ``--reserve-huge-pages N`` (hugetlb
+pages for the shared tables) and ``--shmem-enabled advise`` (transparent huge pages on advice)
+change them for the run and restore them after.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -32,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -183,6 +189,28 @@ def run_procs(kind: str, procs: int, size: int, batch: int, seconds: float,
     return results
 
 
+#: What the run's memory had: the kernel's settings and the shared table's stats.
+PAGES: dict[str, Any] = {}
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+@contextlib.contextmanager
+def kernel_setting(path: Path, value: str | None) -> Iterator[None]:
+    """Writes `value` to the kernel setting `path` (root) for the duration, then restores it."""
+    if value is None:
+        yield
+        return
+    before = path.read_text().strip()
+    if "[" in before:  # "always [never]": the bracketed word is the current one
+        before = before[before.index("[") + 1 : before.index("]")]
+    path.write_text(value)
+    try:
+        yield
+    finally:
+        path.write_text(before)
+
+
 def gather_one_process(size: int, batch: int, seconds: float, repeats: int) -> dict[str, float]:
     import tensortier.shared as shared
 
@@ -193,6 +221,7 @@ def gather_one_process(size: int, batch: int, seconds: float, repeats: int) -> d
     private = torch.ones((rows, COLUMNS), dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, rows, (batch,), generator=gen) for _ in range(8)]
+    PAGES["shared table stats"] = dict(table.stats)
     rates: dict[str, list[float]] = {"shared.gather": [], "index_select": []}
     calls = {"shared.gather": table.gather, "index_select": lambda i: private.index_select(0, i)}
     for rep in range(repeats):
@@ -275,6 +304,12 @@ def main() -> None:
                    help="directory for the table file (on the disk to measure)")
     p.add_argument("--fio-bs", type=parse_size, default=parse_size("4M"), help="fio block size")
     p.add_argument("--fio-iodepth", type=int, default=32, help="fio iodepth (default 32)")
+    p.add_argument("--reserve-huge-pages", type=int, default=None, metavar="N",
+                   help="set vm.nr_hugepages to N during the run (root), restoring it after: "
+                        "shared tables then get hugetlb pages")
+    p.add_argument("--shmem-enabled", default=None, metavar="POLICY",
+                   help="set transparent_hugepage/shmem_enabled (e.g. advise) during the run "
+                        "(root), restoring it after")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default="shared", help=argparse.SUPPRESS)
@@ -284,6 +319,15 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    with kernel_setting(NR_HUGEPAGES, None if args.reserve_huge_pages is None
+                        else str(args.reserve_huge_pages)), \
+            kernel_setting(SHMEM_ENABLED, args.shmem_enabled):
+        PAGES["nr_hugepages"] = NR_HUGEPAGES.read_text().strip()
+        PAGES["shmem_enabled"] = SHMEM_ENABLED.read_text().strip()
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
 
     report: dict[str, Any] = {"size": args.size, "procs": args.procs, "columns": COLUMNS,
                               "loadavg_start": loadavg(), "memory": {}, "gather": {},
@@ -318,9 +362,11 @@ def main() -> None:
     load_procs = [int(n) for n in args.load_procs.split(",") if n and "load" in parts]
     report["load"] = load_against_fio(args, load_procs) if load_procs else {}
     report["loadavg_end"] = loadavg()
+    report["pages"] = PAGES
 
     gib = 1024**3
     print(f"load average {report['loadavg_start']} at the start, {report['loadavg_end']} at the end")
+    print(f"pages: {PAGES}")
     print(f"table {args.size / gib:.2f} GiB, {args.procs} processes, median of {args.repeats}")
     print(f"{'measure':<44}{'shared':>14}{'baseline':>14}{'ratio':>8}")
     m = report["memory"]
