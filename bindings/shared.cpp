@@ -131,6 +131,46 @@ void RegisterShared(py::module_& m) {
       "Where tensor `key` of a torch.save file lies: ((dtype, shape, offset, nbytes), []) with "
       "torch's dtype name and an absolute offset, or (None, [every key]) when there is no such "
       "tensor. ValueError for a file or tensor that cannot be read in place (the reason).");
+  // Row copies and routing on raw addresses (torch tensors' data_ptr()): the distributed
+  // layout's local work, done here rather than through torch's byte-view indexing.
+  m.def(
+      "gather_rows",
+      [](uintptr_t table, uint64_t table_rows, uint64_t row_bytes, uint64_t first_row,
+         uintptr_t indices, size_t count, uintptr_t out) {
+        py::gil_scoped_release release;
+        GatherRows(reinterpret_cast<const void*>(table), table_rows, row_bytes, first_row,
+                   reinterpret_cast<const int64_t*>(indices), count, reinterpret_cast<void*>(out));
+      },
+      py::arg("table"), py::arg("table_rows"), py::arg("row_bytes"), py::arg("first_row"),
+      py::arg("indices"), py::arg("count"), py::arg("out"),
+      "out[i] = table[indices[i] - first_row] for rows of row_bytes; IndexError if out of range.");
+  m.def(
+      "scatter_rows",
+      [](uintptr_t table, uint64_t table_rows, uint64_t row_bytes, uint64_t first_row,
+         uintptr_t indices, size_t count, uintptr_t in) {
+        py::gil_scoped_release release;
+        ScatterRows(reinterpret_cast<void*>(table), table_rows, row_bytes, first_row,
+                    reinterpret_cast<const int64_t*>(indices), count,
+                    reinterpret_cast<const void*>(in));
+      },
+      py::arg("table"), py::arg("table_rows"), py::arg("row_bytes"), py::arg("first_row"),
+      py::arg("indices"), py::arg("count"), py::arg("values"),
+      "table[indices[i] - first_row] = values[i] for rows of row_bytes; IndexError if out of "
+      "range.");
+  m.def(
+      "route_rows",
+      [](uintptr_t indices, size_t count, const std::vector<uint64_t>& ends, uintptr_t order) {
+        RowRoute route;
+        {
+          py::gil_scoped_release release;
+          route = RouteRows(reinterpret_cast<const int64_t*>(indices), count, ends,
+                            reinterpret_cast<int64_t*>(order));
+        }
+        return py::make_tuple(route.counts, route.bad);
+      },
+      py::arg("indices"), py::arg("count"), py::arg("ends"), py::arg("order"),
+      "Groups a batch by owning rank: writes the stable order to `order`; returns (rows per "
+      "rank, position of the first index out of range or -1).");
 
   py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "SharedStore").def(py::init<>());
 
@@ -175,6 +215,8 @@ void RegisterShared(py::module_& m) {
                                  d["device"] = t.stats().device;
                                  d["granularity"] = t.stats().granularity;
                                }
+                               d["shmem_huge_pages"] = t.stats().shmem_huge_pages;
+                               d["shmem_huge_pages_reason"] = t.stats().shmem_huge_pages_reason;
                                return d;
                              })
       .def_property_readonly("closed", &SharedTensor::closed)

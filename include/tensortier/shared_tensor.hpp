@@ -88,6 +88,29 @@ struct SharedPartition {
 std::vector<SharedPartition> PartitionRows(uint64_t rows, uint64_t row_bytes, int world_size,
                                            uint64_t granule_bytes);
 
+// Row copies by index: the loop under every gather and scatter of every layout. Rows
+// `indices[i] - first_row` of `table` (`table_rows` rows of `row_bytes`) go to row i of `out`, or
+// row i of `in` to them. Every index is checked first (std::out_of_range names the first bad
+// one; nothing is copied). Rows ahead are prefetched (random rows miss the caches and the TLB);
+// batches of at least kParallelRowCopyBytes run on several threads.
+inline constexpr uint64_t kParallelRowCopyBytes = 4ull << 20;
+void GatherRows(const void* table, uint64_t table_rows, uint64_t row_bytes, uint64_t first_row,
+                const int64_t* indices, size_t count, void* out);
+void ScatterRows(void* table, uint64_t table_rows, uint64_t row_bytes, uint64_t first_row,
+                 const int64_t* indices, size_t count, const void* in);
+
+// Routing of a batch of row indices to the ranks that own them (the distributed layout).
+// `ends[r]` is the end row of rank r's partition (rank order, so ends ascend). Writes the stable
+// permutation that groups the batch by owner to `order` (count entries) and returns how many
+// rows each rank owns; `bad` is the position of the first index outside [0, ends.back()), or -1
+// (the counts are then zero and `order` unspecified).
+struct RowRoute {
+  std::vector<uint64_t> counts;
+  int64_t bad = -1;
+};
+RowRoute RouteRows(const int64_t* indices, size_t count, const std::vector<uint64_t>& ends,
+                   int64_t* order);
+
 struct SharedTensorStats {
   uint64_t local_bytes = 0;       // this rank's partition
   bool huge_pages = false;        // the local partition is on hugetlb pages
@@ -98,6 +121,10 @@ struct SharedTensorStats {
   std::string cuda_registered_reason;
   int device = -1;           // device memory: this process's GPU (else -1)
   uint64_t granularity = 0;  // device memory: what every partition's allocation is rounded up to
+  // Otherwise: MADV_HUGEPAGE was given on the partition's mappings, where the kernel's
+  // shmem_enabled policy lets shared memory have transparent huge pages on advice.
+  bool shmem_huge_pages = false;
+  std::string shmem_huge_pages_reason;  // why not, when not
 };
 
 class SharedGroup;

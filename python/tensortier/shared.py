@@ -286,78 +286,150 @@ def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> tor
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
 
+#: Bytes of rows in flight that a distributed tensor keeps buffers for between calls.
+_SCRATCH_LIMIT = 256 << 20
+
+
+def _next_capacity(capacity: int, count: int) -> int:
+    """Index slots for the next request between two ranks, from the rows asked this time:
+    unchanged while the count fits and uses a quarter of them, else the count plus slack. Both
+    ends of a pair compute it from the same count, so they agree without talking."""
+    if count > capacity or 4 * count < capacity:
+        return count + count // 4 + 16
+    return capacity
+
+
 class _Distributed:
     """A ``distributed`` tensor's state: this rank's rows in private memory; other ranks' rows
-    come and go through all-to-all collectives of ``torch.distributed`` (Gloo on CPU)."""
+    come and go through all-to-all collectives of ``torch.distributed`` (Gloo on CPU).
+
+    A gather or scatter makes two all-to-alls in the steady state: the requests (each rank's
+    indices for each other rank, behind a header of counts and flags, in as many slots as the
+    pair agreed from earlier calls), then the rows. Indices that do not fit their slots travel
+    in one more all-to-all, which every rank then makes (the header says whether any rank needs
+    it), and the pair's slots grow."""
 
     def __init__(self, name: str, rank: int, parts: list[tuple[int, int]], local: torch.Tensor):
         self.name = name
         self.rank = rank
         self.parts = parts
+        self.ends = [end for _, end in parts]
         self.local: torch.Tensor | None = local
+        self.row_shape = tuple(local.shape[1:])
         self.row_elems = 1
-        for d in local.shape[1:]:
+        for d in self.row_shape:
             self.row_elems *= d
         self.row_bytes = self.row_elems * local.element_size()
+        world = len(parts)
+        self.send_slots = [0] * world  # index slots for what this rank asks of rank r
+        self.recv_slots = [0] * world  # index slots for what rank r asks of this rank
+        # Buffers for rows in flight, kept between calls: fresh ones of a large batch would
+        # be faulted in and zeroed by the kernel on every call.
+        self.scratch: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+
+    def _rows_buffer(self, which: int, rows: int) -> torch.Tensor:
+        """Scratch buffer `which` (0 or 1) as `rows` rows of this tensor's dtype."""
+        assert self.local is not None
+        nbytes = rows * self.row_bytes
+        if nbytes > _SCRATCH_LIMIT:  # a rare huge batch: not kept
+            return torch.empty((rows, *self.row_shape), dtype=self.local.dtype)
+        if self.scratch[which].numel() < nbytes:
+            self.scratch[which] = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8)
+        return self.scratch[which][:nbytes].view(self.local.dtype).view((rows, *self.row_shape))
+
+    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
+        """A byte view of the rows of contiguous `t` (no copy): Gloo moves few dtypes, all have
+        bytes."""
+        return t.reshape(t.shape[0], self.row_elems).view(torch.uint8)
 
     def _route(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
-        """Sorts `idx` by owner and exchanges the counts. Every rank learns whether any rank
-        passed an index out of range, so all raise together (none is left in a collective)."""
+        """Groups `idx` by owner and sends each owner its indices. Returns the grouping order,
+        the rows this rank asks of each rank, the rows each rank asks of this one, and those
+        requested rows (global indices, grouped by asking rank). Every rank learns whether any
+        rank passed an index out of range, so all raise together (none is left in a collective)."""
         import torch.distributed as dist
 
         world = len(self.parts)
-        rows = self.parts[-1][1]
-        bad = bool(idx.numel()) and bool((idx < 0).any() or (idx >= rows).any())
-        ends = torch.tensor([end for _, end in self.parts], dtype=torch.int64)
-        owner = torch.bucketize(idx, ends, right=True)
-        order = torch.argsort(owner, stable=True)
-        send = torch.zeros((world, 2), dtype=torch.int64)
-        if not bad:
-            send[:, 0] = torch.bincount(owner, minlength=world)
-        send[:, 1] = int(bad)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send)
-        offenders = [r for r in range(world) if recv[r, 1]]
+        n = idx.numel()
+        order = torch.empty(n, dtype=torch.int64)
+        counts, bad = _core.route_rows(idx.data_ptr(), n, self.ends, order.data_ptr())
+        grouped = idx.index_select(0, order) if bad < 0 else idx[:0]
+        overflow = any(c > s for c, s in zip(counts, self.send_slots))
+        pieces: list[torch.Tensor] = []
+        extra: list[torch.Tensor] = []
+        at = 0
+        for r in range(world):
+            fit = min(counts[r], self.send_slots[r])
+            head = [counts[r], int(bad >= 0), int(overflow)]
+            pieces.append(torch.tensor(head, dtype=torch.int64))
+            pieces.append(grouped[at : at + fit])
+            if fit < self.send_slots[r]:
+                pieces.append(torch.zeros(self.send_slots[r] - fit, dtype=torch.int64))
+            extra.append(grouped[at + fit : at + counts[r]])
+            at += counts[r]
+        send = torch.cat(pieces)
+        recv = torch.empty(3 * world + sum(self.recv_slots), dtype=torch.int64)
+        dist.all_to_all_single(recv, send, [3 + s for s in self.recv_slots],
+                               [3 + s for s in self.send_slots])
+        heads = [0] * world
+        for r in range(1, world):
+            heads[r] = heads[r - 1] + 3 + self.recv_slots[r - 1]
+        header = recv[torch.tensor(heads, dtype=torch.int64)[:, None] + torch.arange(3)].tolist()
+        offenders = [r for r in range(world) if header[r][1]]
         if offenders:
             raise IndexError(
                 f"rank {','.join(map(str, offenders))} passed an index out of range for a "
-                f"shared tensor of {rows} rows (nothing was moved)"
+                f"shared tensor of {self.ends[-1]} rows (nothing was moved)"
             )
-        return order, send[:, 0].tolist(), recv[:, 0].tolist(), idx[order]
-
-    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
-        """A byte view of the rows of contiguous `t`: Gloo moves few dtypes, all have bytes."""
-        return t.reshape(t.shape[0], self.row_elems).view(torch.uint8)
+        asked = [h[0] for h in header]
+        fits = [min(c, s) for c, s in zip(asked, self.recv_slots)]
+        late: torch.Tensor | None = None
+        if any(h[2] for h in header):
+            late = torch.empty(sum(asked) - sum(fits), dtype=torch.int64)
+            dist.all_to_all_single(late, torch.cat(extra), [a - f for a, f in zip(asked, fits)],
+                                   [c - min(c, s) for c, s in zip(counts, self.send_slots)])
+        parts: list[torch.Tensor] = []
+        taken = 0
+        for r in range(world):
+            parts.append(recv[heads[r] + 3 : heads[r] + 3 + fits[r]])
+            if late is not None and asked[r] > fits[r]:
+                parts.append(late[taken : taken + asked[r] - fits[r]])
+                taken += asked[r] - fits[r]
+        requested = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+        self.send_slots = [_next_capacity(s, c) for s, c in zip(self.send_slots, counts)]
+        self.recv_slots = [_next_capacity(s, a) for s, a in zip(self.recv_slots, asked)]
+        return order, counts, asked, requested
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         assert self.local is not None
-        order, send_counts, recv_counts, wanted = self._route(idx)
-        requested = torch.empty(sum(recv_counts), dtype=torch.int64)
-        dist.all_to_all_single(requested, wanted, recv_counts, send_counts)
-        begin = self.parts[self.rank][0]
-        rows = self._bytes(self.local.index_select(0, requested - begin).contiguous())
-        got = torch.empty((idx.numel(), self.row_bytes), dtype=torch.uint8)
-        dist.all_to_all_single(got, rows, send_counts, recv_counts)
-        out = torch.empty((idx.numel(), *self.local.shape[1:]), dtype=self.local.dtype)
-        out_bytes = self._bytes(out)
-        out_bytes[order] = got
+        order, counts, asked, requested = self._route(idx)
+        begin, end = self.parts[self.rank]
+        rows = self._rows_buffer(0, requested.numel())
+        _core.gather_rows(self.local.data_ptr(), end - begin, self.row_bytes, begin,
+                          requested.data_ptr(), requested.numel(), rows.data_ptr())
+        got = self._rows_buffer(1, idx.numel())
+        dist.all_to_all_single(self._bytes(got), self._bytes(rows), counts, asked)
+        out = torch.empty((idx.numel(), *self.row_shape), dtype=self.local.dtype)
+        # out[order[i]] = got[i]: rows come back grouped by owner.
+        _core.scatter_rows(out.data_ptr(), idx.numel(), self.row_bytes, 0, order.data_ptr(),
+                           idx.numel(), got.data_ptr())
         return out
 
     def scatter(self, idx: torch.Tensor, values: torch.Tensor) -> None:
         import torch.distributed as dist
 
         assert self.local is not None
-        order, send_counts, recv_counts, wanted = self._route(idx)
-        requested = torch.empty(sum(recv_counts), dtype=torch.int64)
-        dist.all_to_all_single(requested, wanted, recv_counts, send_counts)
-        sent = self._bytes(values)[order].contiguous()
-        got = torch.empty((sum(recv_counts), self.row_bytes), dtype=torch.uint8)
-        dist.all_to_all_single(got, sent, recv_counts, send_counts)
-        begin = self.parts[self.rank][0]
-        local_bytes = self._bytes(self.local)
-        local_bytes.index_copy_(0, requested - begin, got)
+        order, counts, asked, requested = self._route(idx)
+        sent = self._rows_buffer(0, idx.numel())
+        _core.gather_rows(values.data_ptr(), idx.numel(), self.row_bytes, 0, order.data_ptr(),
+                          idx.numel(), sent.data_ptr())
+        got = self._rows_buffer(1, requested.numel())
+        dist.all_to_all_single(self._bytes(got), self._bytes(sent), asked, counts)
+        begin, end = self.parts[self.rank]
+        _core.scatter_rows(self.local.data_ptr(), end - begin, self.row_bytes, begin,
+                           requested.data_ptr(), requested.numel(), got.data_ptr())
 
 
 class SharedTensor:
@@ -374,6 +446,8 @@ class SharedTensor:
         self._shape = tuple(core.shape)
         self._distributed: _Distributed | None = None
         self._group_barrier: Any = None  # the group's barrier (set by Group)
+        # Host memory takes gather's lean path; device memory goes through CUDA views.
+        self._host = core is not None and str(core.memory) == "host"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -406,15 +480,18 @@ class SharedTensor:
     @property
     def stats(self) -> dict[str, Any]:
         """``local_bytes``, ``huge_pages`` (hugetlb pages back this rank's rows) and
-        ``huge_pages_reason`` (why not); ``cuda_registered`` (host memory registered with CUDA
-        in this process: page-locked, fast copies to GPUs) and ``cuda_registered_reason`` (why
-        not); for device memory, ``device`` (this rank's GPU) and ``granularity`` (bytes each
-        partition's allocation is rounded up to)."""
+        ``huge_pages_reason`` (why not); ``shmem_huge_pages`` (otherwise: transparent huge
+        pages asked for, where the kernel's ``shmem_enabled`` gives them on advice) and
+        ``shmem_huge_pages_reason`` (why not); ``cuda_registered`` (host memory registered with
+        CUDA in this process: page-locked, fast copies to GPUs) and ``cuda_registered_reason``
+        (why not); for device memory, ``device`` (this rank's GPU) and ``granularity`` (bytes
+        each partition's allocation is rounded up to)."""
         if self._distributed:
             local = self._distributed.local
             nbytes = 0 if local is None else local.numel() * local.element_size()
             why = "distributed layout: private memory of each rank"
             return {"local_bytes": nbytes, "huge_pages": False, "huge_pages_reason": why,
+                    "shmem_huge_pages": False, "shmem_huge_pages_reason": why,
                     "cuda_registered": False, "cuda_registered_reason": why}
         return dict(self._core.stats)
 
@@ -538,6 +615,22 @@ class SharedTensor:
             IndexError: an index out of range (nothing is copied; with the ``distributed``
                 layout every rank raises, naming the ranks that passed one).
         """
+        core = self._core
+        if (
+            core is not None
+            and self._host
+            and type(indices) is torch.Tensor
+            and indices.dtype is torch.int64
+            and indices.dim() == 1
+            and indices.is_contiguous()
+            and indices.is_cpu
+        ):
+            # The common call, kept lean (small batches are a few tens of microseconds): C++
+            # checks the indices, and raises RuntimeError once the tensor is closed.
+            n = indices.shape[0]
+            out = torch.empty((n, *self._shape[1:]), dtype=self._dtype)
+            core.gather(indices.data_ptr(), n, out.data_ptr())
+            return out
         self._require_open("gather")
         idx = self._indices(indices)
         if self._distributed:
@@ -545,7 +638,7 @@ class SharedTensor:
         if self.memory == "device":
             return self._device_rows(idx, None)
         out = torch.empty((idx.numel(), *self._shape[1:]), dtype=self._dtype)
-        self._core.gather(idx.data_ptr(), idx.numel(), out.data_ptr())
+        core.gather(idx.data_ptr(), idx.numel(), out.data_ptr())
         return out
 
     def scatter(self, indices: Any, values: torch.Tensor) -> None:
@@ -871,6 +964,7 @@ class Group:
         begin, end = parts[self.rank]
         t = SharedTensor.__new__(SharedTensor)
         t._core, t._dtype, t._shape, t._group_barrier = None, dtype, dims, self.barrier
+        t._host = False
         t._distributed = _Distributed(
             name, self.rank, parts, torch.zeros((end - begin, *dims[1:]), dtype=dtype)
         )

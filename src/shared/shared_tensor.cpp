@@ -37,8 +37,6 @@ constexpr uint64_t kHugePage = 2ull << 20;
 // Tensors at least this large per rank are partitioned on huge-page boundaries (the unevenness it
 // costs is then small), and their partitions try hugetlb pages.
 constexpr uint64_t kHugePartitionThreshold = 64ull << 20;
-// Gathers and scatters of at least this many bytes are split over threads.
-constexpr uint64_t kParallelCopyBytes = 4ull << 20;
 constexpr char kServed = 'k';
 constexpr char kUnknown = 'n';
 constexpr char kEmpty = 'z';
@@ -70,6 +68,37 @@ std::string RandomToken() {
     token += kHex[b & 15];
   }
   return token;
+}
+
+// The kernel's policy for transparent huge pages in shared memory: the bracketed word of
+// shmem_enabled ("never", "advise", "always"...), or "" where it cannot be read.
+std::string ShmemHugePolicy() {
+  UniqueFd fd(::open("/sys/kernel/mm/transparent_hugepage/shmem_enabled", O_RDONLY | O_CLOEXEC));
+  if (!fd) return "";
+  char text[256];
+  ssize_t n = ::read(fd.get(), text, sizeof(text) - 1);
+  if (n <= 0) return "";
+  std::string all(text, static_cast<size_t>(n));
+  size_t open = all.find('['), close = all.find(']');
+  if (open == std::string::npos || close == std::string::npos || close < open) return "";
+  return all.substr(open + 1, close - open - 1);
+}
+
+// Whether MADV_HUGEPAGE on a shared-memory mapping gets it huge pages under `policy`.
+bool ShmemHugeOnAdvice(const std::string& policy) {
+  return policy == "advise" || policy == "always" || policy == "within_size" || policy == "force";
+}
+
+// Faults in [address, address + length) for writing: MADV_POPULATE_WRITE, or one write per page
+// on kernels without it (before 5.14).
+void PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;
+#endif
+  if (::madvise(address, length, MADV_POPULATE_WRITE) == 0) return;
+  for (uint64_t at = 0; at < length; at += page) {
+    reinterpret_cast<volatile uint8_t*>(address)[at] = 0;  // the memfd is zero-filled
+  }
 }
 
 // The nth group a process creates uses the nth key prefix: ranks create groups in the same order.
@@ -286,44 +315,64 @@ bool SharedTensor::closed() const {
 // ---------------------------------------------------------------------------------------------
 // Gather / scatter
 
-void SharedTensor::CopyRows(const int64_t* indices, size_t count, uint8_t* buffer,
-                            bool gather) const {
-  std::shared_ptr<Memory> hold = Hold();
-  if (spec_.memory == SharedMemory::kDevice) {
-    throw std::logic_error(
-        StrCat("shared tensor ", spec_.Describe(),
-               " is in device memory: gather and scatter rows through a CUDA view"));
-  }
-  const uint64_t rows = spec_.rows();
-  const uint64_t row_bytes = spec_.row_bytes();
+namespace {
+
+// Rows this far ahead are prefetched: enough misses in flight to cover memory latency.
+constexpr size_t kPrefetchAhead = 8;
+// Only a row's first cache lines: the hardware prefetcher follows a longer row by itself.
+constexpr uint64_t kPrefetchBytes = 512;
+
+template <bool kForWrite>
+inline void PrefetchRow(const uint8_t* row, uint64_t row_bytes) {
+  const uint64_t n = std::min(row_bytes, kPrefetchBytes);
+  for (uint64_t b = 0; b < n; b += 64) __builtin_prefetch(row + b, kForWrite ? 1 : 0, 3);
+}
+
+void CheckIndices(const int64_t* indices, size_t count, uint64_t first_row, uint64_t rows,
+                  const char* what) {
   for (size_t i = 0; i < count; ++i) {
-    if (indices[i] < 0 || static_cast<uint64_t>(indices[i]) >= rows) {
-      throw std::out_of_range(StrCat("index ", indices[i], " (position ", i,
-                                     ") is out of range for a shared tensor of ", rows, " rows"));
+    const int64_t v = indices[i];
+    if (v < 0 || static_cast<uint64_t>(v) < first_row ||
+        static_cast<uint64_t>(v) - first_row >= rows) {
+      throw std::out_of_range(
+          first_row == 0 ? StrCat("index ", v, " (position ", i, ") is out of range for ", what,
+                                  " of ", rows, " rows")
+                         : StrCat("index ", v, " (position ", i, ") is out of range for ", what,
+                                  " holding rows [", first_row, ", ", first_row + rows, ")"));
     }
   }
+}
+
+// Copies row `indices[i]` (at address(indices[i])) to or from row i of `packed`, for i in
+// [0, count), on one thread for small batches and several for large ones.
+template <typename Address>
+void CopyIndexedRows(Address address, const int64_t* indices, size_t count, uint64_t row_bytes,
+                     uint8_t* packed, bool gather) {
   if (count == 0 || row_bytes == 0) return;
-  // Row -> address: one array when continuous, else the partition holding the row.
-  std::vector<uint64_t> ends;
-  for (const auto& p : partitions_) ends.push_back(p.row_begin + p.rows);
-  auto address = [&](uint64_t row) -> uint8_t* {
-    if (hold->reserved != nullptr) return hold->reserved + row * row_bytes;
-    size_t r = std::upper_bound(ends.begin(), ends.end(), row) - ends.begin();
-    const SharedPartition& p = partitions_[r];
-    return p.address + (row - p.row_begin) * row_bytes;
-  };
   auto run = [&](size_t begin, size_t end) {
+    const size_t ahead = std::min(end, begin + kPrefetchAhead);
+    for (size_t i = begin; i < ahead; ++i) {
+      PrefetchRow<false>(address(static_cast<uint64_t>(indices[i])), row_bytes);
+    }
     for (size_t i = begin; i < end; ++i) {
+      if (i + kPrefetchAhead < end) {
+        const uint8_t* next = address(static_cast<uint64_t>(indices[i + kPrefetchAhead]));
+        if (gather) {
+          PrefetchRow<false>(next, row_bytes);
+        } else {
+          PrefetchRow<true>(next, row_bytes);
+        }
+      }
       uint8_t* row = address(static_cast<uint64_t>(indices[i]));
       if (gather) {
-        std::memcpy(buffer + i * row_bytes, row, row_bytes);
+        std::memcpy(packed + i * row_bytes, row, row_bytes);
       } else {
-        std::memcpy(row, buffer + i * row_bytes, row_bytes);
+        std::memcpy(row, packed + i * row_bytes, row_bytes);
       }
     }
   };
   size_t threads = 1;
-  if (count * row_bytes >= kParallelCopyBytes) {
+  if (count * row_bytes >= kParallelRowCopyBytes) {
     threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
     threads = std::min(threads, count);
   }
@@ -336,6 +385,82 @@ void SharedTensor::CopyRows(const int64_t* indices, size_t count, uint8_t* buffe
   }
   run(0, std::min(count, per));
   for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+void GatherRows(const void* table, uint64_t table_rows, uint64_t row_bytes, uint64_t first_row,
+                const int64_t* indices, size_t count, void* out) {
+  CheckIndices(indices, count, first_row, table_rows, "a table");
+  auto* base = static_cast<uint8_t*>(const_cast<void*>(table));
+  CopyIndexedRows([&](uint64_t row) { return base + (row - first_row) * row_bytes; }, indices,
+                  count, row_bytes, static_cast<uint8_t*>(out), true);
+}
+
+void ScatterRows(void* table, uint64_t table_rows, uint64_t row_bytes, uint64_t first_row,
+                 const int64_t* indices, size_t count, const void* in) {
+  CheckIndices(indices, count, first_row, table_rows, "a table");
+  auto* base = static_cast<uint8_t*>(table);
+  CopyIndexedRows([&](uint64_t row) { return base + (row - first_row) * row_bytes; }, indices,
+                  count, row_bytes, static_cast<uint8_t*>(const_cast<void*>(in)), false);
+}
+
+RowRoute RouteRows(const int64_t* indices, size_t count, const std::vector<uint64_t>& ends,
+                   int64_t* order) {
+  RowRoute route;
+  route.counts.assign(ends.size(), 0);
+  if (ends.empty()) {
+    if (count > 0) route.bad = 0;
+    return route;
+  }
+  const uint64_t rows = ends.back();
+  // Owners are found twice (count, then place) rather than stored: a batch's owners would be
+  // one more array as large as the batch.
+  auto owner = [&](uint64_t row) {
+    return static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), row) - ends.begin());
+  };
+  for (size_t i = 0; i < count; ++i) {
+    if (indices[i] < 0 || static_cast<uint64_t>(indices[i]) >= rows) {
+      route.bad = static_cast<int64_t>(i);
+      route.counts.assign(ends.size(), 0);
+      return route;
+    }
+    route.counts[owner(static_cast<uint64_t>(indices[i]))]++;
+  }
+  std::vector<uint64_t> next(ends.size(), 0);
+  for (size_t r = 1; r < ends.size(); ++r) next[r] = next[r - 1] + route.counts[r - 1];
+  for (size_t i = 0; i < count; ++i) {
+    order[next[owner(static_cast<uint64_t>(indices[i]))]++] = static_cast<int64_t>(i);
+  }
+  return route;
+}
+
+void SharedTensor::CopyRows(const int64_t* indices, size_t count, uint8_t* buffer,
+                            bool gather) const {
+  std::shared_ptr<Memory> hold = Hold();
+  if (spec_.memory == SharedMemory::kDevice) {
+    throw std::logic_error(
+        StrCat("shared tensor ", spec_.Describe(),
+               " is in device memory: gather and scatter rows through a CUDA view"));
+  }
+  const uint64_t rows = spec_.rows();
+  const uint64_t row_bytes = spec_.row_bytes();
+  CheckIndices(indices, count, 0, rows, "a shared tensor");
+  if (hold->reserved != nullptr) {
+    uint8_t* base = hold->reserved;
+    return CopyIndexedRows([&](uint64_t row) { return base + row * row_bytes; }, indices, count,
+                           row_bytes, buffer, gather);
+  }
+  // Chunked: the partition holding the row.
+  std::vector<uint64_t> ends;
+  for (const auto& p : partitions_) ends.push_back(p.row_begin + p.rows);
+  CopyIndexedRows(
+      [&](uint64_t row) {
+        size_t r = std::upper_bound(ends.begin(), ends.end(), row) - ends.begin();
+        const SharedPartition& p = partitions_[r];
+        return p.address + (row - p.row_begin) * row_bytes;
+      },
+      indices, count, row_bytes, buffer, gather);
 }
 
 void SharedTensor::Gather(const int64_t* indices, size_t count, void* out) const {
@@ -709,6 +834,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
   const bool huge = IsHuge(spec, world_size_);
   auto tensor = Layout(spec, key, world_size_, rank_);
 
+  const std::string shmem_policy = huge ? ShmemHugePolicy() : "";
   if (own_partition) {
     SharedPartition& p = tensor->partitions_[rank_];
     tensor->stats_.local_bytes = p.bytes;
@@ -738,9 +864,27 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
         if (::ftruncate(fd.get(), RoundUp(p.bytes, page)) != 0) {
           ThrowIoError(errno, "ftruncate memfd of", key, 0, p.bytes);
         }
-        // Pages this rank touches first (MAP_POPULATE) sit on its NUMA node.
-        if (int err = MapPartition(*tensor, rank_, fd.get(), true); err != 0) {
+        // Transparent huge pages where the kernel gives them to shared memory on advice: the
+        // advice must come before the pages are faulted in.
+        const bool advise = huge && ShmemHugeOnAdvice(shmem_policy);
+        // Pages this rank touches first (populated here) sit on its NUMA node.
+        if (int err = MapPartition(*tensor, rank_, fd.get(), !advise); err != 0) {
           ThrowIoError(err, "mmap partition of", key, 0, p.bytes);
+        }
+        if (advise) {
+          const uint64_t length = RoundUp(p.bytes, page);
+          tensor->stats_.shmem_huge_pages = ::madvise(p.address, length, MADV_HUGEPAGE) == 0;
+          if (!tensor->stats_.shmem_huge_pages) {
+            tensor->stats_.shmem_huge_pages_reason =
+                StrCat("madvise(MADV_HUGEPAGE) failed (", std::strerror(errno), ")");
+          }
+          PopulateForWrite(p.address, length, page);
+        } else if (!tensor->stats_.huge_pages) {
+          tensor->stats_.shmem_huge_pages_reason =
+              !huge ? tensor->stats_.huge_pages_reason
+              : shmem_policy.empty()
+                  ? std::string("the kernel's shmem_enabled policy cannot be read")
+                  : StrCat("the kernel's shmem_enabled is '", shmem_policy, "'");
         }
       }
       if (::fchmod(fd.get(), 0600) != 0) ThrowIoError(errno, "fchmod memfd of", key);
@@ -754,6 +898,15 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
   }
 
   FetchPartitions(*tensor, token_, own_partition ? rank_ : -1, timeout_);
+  if (huge && ShmemHugeOnAdvice(shmem_policy)) {
+    for (int r = 0; r < world_size_; ++r) {
+      if ((own_partition && r == rank_) || tensor->partitions_[r].bytes == 0) continue;
+      // The owner's huge pages are mapped huge here only where this mapping asks for them too;
+      // advice, so a refusal costs speed, not correctness.
+      ::madvise(tensor->partitions_[r].address, RoundUp(tensor->partitions_[r].bytes, page),
+                MADV_HUGEPAGE);
+    }
+  }
   tensor->RegisterWithCuda(device);
   if (own_partition) Barrier(StrCat("create_tensor '", key, "' (mapped)"));
   tensors_.push_back(tensor);

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -170,6 +171,10 @@ TEST(SharedTensorTest, LargeTensorsTryHugePagesAndReportTheFallback) {
     const SharedTensorStats& s = t->stats();
     Check(s.huge_pages || s.huge_pages_reason.find("hugetlb pages unavailable") == 0,
           s.huge_pages_reason);
+    // Without hugetlb pages: transparent huge pages asked for, or the kernel's policy named.
+    Check(s.huge_pages || s.shmem_huge_pages ||
+              s.shmem_huge_pages_reason.find("shmem_enabled") != std::string::npos,
+          s.shmem_huge_pages_reason);
     uint8_t* last = t->data() + static_cast<uint64_t>(rows) * 12 - 1;
     if (rank == 1) *last = 7;
     group.Barrier("written");
@@ -177,6 +182,112 @@ TEST(SharedTensorTest, LargeTensorsTryHugePagesAndReportTheFallback) {
     group.Barrier("read");
   });
   ExpectAllZero(statuses);
+}
+
+// GatherRows/ScatterRows against a plain per-row reference: unaligned row sizes (1 byte to past
+// the prefetched part of a row), a table that starts at a row other than 0, repeats, and batches
+// shorter and longer than the prefetch distance.
+TEST(SharedRowCopyTest, GatherAndScatterEqualAPerRowCopyForEveryRowSize) {
+  std::mt19937_64 rng(7);
+  for (uint64_t row_bytes :
+       {1ull, 3ull, 12ull, 63ull, 64ull, 100ull, 512ull, 515ull, 1000ull, 4099ull}) {
+    for (size_t count : {0ul, 1ul, 5ul, 9ul, 333ul}) {
+      const uint64_t rows = 257, first = 1000;
+      std::vector<uint8_t> table(rows * row_bytes);
+      for (auto& b : table) b = static_cast<uint8_t>(rng());
+      std::vector<int64_t> idx(count);
+      for (auto& i : idx) i = static_cast<int64_t>(first + rng() % rows);
+      std::vector<uint8_t> out(count * row_bytes + 1, 0xEE);
+      GatherRows(table.data(), rows, row_bytes, first, idx.data(), count, out.data());
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(0, std::memcmp(out.data() + i * row_bytes,
+                                 table.data() + (idx[i] - first) * row_bytes, row_bytes))
+            << "row_bytes " << row_bytes << " position " << i;
+      }
+      EXPECT_EQ(out.back(), 0xEE) << "wrote past the output";
+      // Scatter distinct indices (a permutation's prefix) and compare with a per-row write.
+      std::vector<int64_t> perm(rows);
+      for (uint64_t r = 0; r < rows; ++r) perm[r] = static_cast<int64_t>(first + r);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      perm.resize(std::min<size_t>(count, rows));
+      std::vector<uint8_t> in(perm.size() * row_bytes);
+      for (auto& b : in) b = static_cast<uint8_t>(rng());
+      std::vector<uint8_t> want = table;
+      for (size_t i = 0; i < perm.size(); ++i) {
+        std::memcpy(want.data() + (perm[i] - first) * row_bytes, in.data() + i * row_bytes,
+                    row_bytes);
+      }
+      ScatterRows(table.data(), rows, row_bytes, first, perm.data(), perm.size(), in.data());
+      ASSERT_EQ(table, want) << "row_bytes " << row_bytes << " count " << count;
+    }
+  }
+}
+
+TEST(SharedRowCopyTest, LargeBatchesOnThreadsEqualTheReference) {
+  const uint64_t rows = 3001, row_bytes = 1028;  // batches past kParallelRowCopyBytes
+  std::vector<uint8_t> table(rows * row_bytes);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<uint8_t>(i * 31 + i / 977);
+  const size_t count = kParallelRowCopyBytes / row_bytes * 2 + 7;
+  std::vector<int64_t> idx(count);
+  for (size_t i = 0; i < count; ++i) idx[i] = static_cast<int64_t>((i * 7919) % rows);
+  std::vector<uint8_t> out(count * row_bytes);
+  GatherRows(table.data(), rows, row_bytes, 0, idx.data(), count, out.data());
+  for (size_t i = 0; i < count; ++i) {
+    ASSERT_EQ(
+        0, std::memcmp(out.data() + i * row_bytes, table.data() + idx[i] * row_bytes, row_bytes));
+  }
+  std::vector<uint8_t> copy(table.size(), 0);
+  std::vector<int64_t> every(rows);
+  for (uint64_t r = 0; r < rows; ++r) every[r] = static_cast<int64_t>(rows - 1 - r);
+  std::vector<uint8_t> reversed(table.size());
+  GatherRows(table.data(), rows, row_bytes, 0, every.data(), rows, reversed.data());
+  ScatterRows(copy.data(), rows, row_bytes, 0, every.data(), rows, reversed.data());
+  EXPECT_EQ(copy, table);
+}
+
+TEST(SharedRowCopyTest, OutOfRangeIndicesAreRefusedBeforeAnyCopy) {
+  const uint64_t rows = 10, row_bytes = 8, first = 20;
+  std::vector<uint8_t> table(rows * row_bytes, 1);
+  for (int64_t bad : {int64_t{-1}, int64_t{19}, int64_t{30}, int64_t{1} << 62}) {
+    std::vector<int64_t> idx = {20, 29, bad, 21};
+    std::vector<uint8_t> out(idx.size() * row_bytes, 0);
+    try {
+      GatherRows(table.data(), rows, row_bytes, first, idx.data(), idx.size(), out.data());
+      FAIL() << "index " << bad << " accepted";
+    } catch (const std::out_of_range& e) {
+      EXPECT_NE(std::string(e.what()).find(StrCat("index ", bad, " (position 2)")),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(out, std::vector<uint8_t>(out.size(), 0)) << "copied before refusing";
+    std::vector<uint8_t> in(out.size(), 9);
+    EXPECT_THROW(
+        ScatterRows(table.data(), rows, row_bytes, first, idx.data(), idx.size(), in.data()),
+        std::out_of_range);
+    EXPECT_EQ(table, std::vector<uint8_t>(table.size(), 1)) << "written before refusing";
+  }
+}
+
+TEST(SharedRowCopyTest, RouteGroupsByOwnerStably) {
+  // Partitions [0,3) [3,3) [3,10) [10,11): one empty.
+  const std::vector<uint64_t> ends = {3, 3, 10, 11};
+  const std::vector<int64_t> idx = {9, 0, 10, 3, 2, 9, 5, 0};
+  std::vector<int64_t> order(idx.size(), -1);
+  RowRoute route = RouteRows(idx.data(), idx.size(), ends, order.data());
+  EXPECT_EQ(route.bad, -1);
+  EXPECT_EQ(route.counts, (std::vector<uint64_t>{3, 0, 4, 1}));
+  EXPECT_EQ(order, (std::vector<int64_t>{1, 4, 7, 0, 3, 5, 6, 2}));
+
+  route = RouteRows(nullptr, 0, ends, nullptr);
+  EXPECT_EQ(route.bad, -1);
+  EXPECT_EQ(route.counts, (std::vector<uint64_t>{0, 0, 0, 0}));
+
+  for (int64_t bad : {int64_t{11}, int64_t{-1}}) {
+    const std::vector<int64_t> with_bad = {1, 4, bad, 2};
+    route = RouteRows(with_bad.data(), with_bad.size(), ends, order.data());
+    EXPECT_EQ(route.bad, 2);
+    EXPECT_EQ(route.counts, (std::vector<uint64_t>{0, 0, 0, 0}));
+  }
 }
 
 TEST(SharedTensorTest, EmptyTensor) {

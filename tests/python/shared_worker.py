@@ -322,6 +322,25 @@ def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
         every = torch.arange(shape[0])
         assert torch.equal(t.gather(every), private), f"distributed {dtype}: scatter"
         assert torch.equal(t.gather(torch.empty(0, dtype=torch.int64)), private[:0])
+    # Batches that grow, shrink and vanish, one rank's far past its request slots while the
+    # others' fit: the slots of each pair follow the counts on both ends.
+    shape = (777, 5)
+    t = group.create_tensor(shape, torch.float64, layout="distributed")
+    want = expected(shape, torch.float64)
+    local, (begin, end) = t.local()
+    local.copy_(want[begin:end])
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step, n in enumerate([300, 300, 2, 0, 5000 if rank == 0 else 3, 40, 40, 1, 700]):
+        idx = torch.randint(0, shape[0], (n,), generator=gen)
+        assert torch.equal(t.gather(idx), want.index_select(0, idx)), f"batch {step} of {n}"
+    for step, n in enumerate([10, 300 if rank == 1 else 2, 0, 3]):
+        for r in range(world):  # every rank's writes of this step, rows r, r + world, ...
+            rows = torch.arange(r, shape[0], world)[: (300 if r == 1 else 2) if step == 1 else n]
+            values = expected((rows.numel(), 5), torch.float64, salt=10 * step + r)
+            if r == rank:
+                t.scatter(rows, values)
+            want.index_copy_(0, rows, values)
+        assert torch.equal(t.gather(torch.arange(shape[0])), want), f"scatter step {step}"
     # One rank's bad index: every rank raises, none is left waiting in a collective.
     t = group.create_tensor((5, 2), torch.float32, layout="distributed")
     try:

@@ -292,6 +292,8 @@ def test_one_process_group_with_a_hash_store() -> None:
         assert torch.equal(t.gather([0, 4]), torch.tensor([[3.0, 4.0], [1.0, 2.0]], dtype=torch.float64))
         assert t.stats["local_bytes"] == 80
         assert t.stats["huge_pages"] is False and t.stats["huge_pages_reason"]
+        assert t.stats["shmem_huge_pages"] is False
+        assert "MiB per rank" in t.stats["shmem_huge_pages_reason"]
         with pytest.raises(ValueError, match="layout"):
             group.create_tensor((1,), torch.float32, layout="striped")
         with pytest.raises(ValueError, match="init_process_group"):
@@ -341,6 +343,45 @@ def test_attach_without_a_store_to_reach_raises_connection_error(monkeypatch: py
     monkeypatch.delenv("MASTER_PORT")
     with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT"):
         shared.attach("feat", timeout=1)
+GATHER_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+]
+
+
+@pytest.mark.parametrize("layout", ["continuous", "chunked"])
+def test_small_batch_gather_equals_index_select_for_every_dtype(layout: str) -> None:
+    # Row sizes not a multiple of 8 or 64 bytes; batches shorter and longer than the prefetch
+    # distance; the lean path (contiguous int64 on the CPU) and the converting path.
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        gen = torch.Generator().manual_seed(3)
+        for dtype in GATHER_DTYPES:
+            for cols in (1, 3, 33):
+                t = group.create_tensor((1001, cols), dtype, layout=layout)
+                want = (torch.randint(0, 100, (1001, cols), generator=gen) % 2 == 1
+                        if dtype == torch.bool
+                        else torch.randint(0, 100, (1001, cols), generator=gen).to(dtype))
+                t.local()[0].copy_(want)
+                for n in (0, 1, 7, 9, 1024):
+                    idx = torch.randint(0, 1001, (n,), generator=gen)
+                    assert torch.equal(t.gather(idx), want.index_select(0, idx)), (dtype, cols, n)
+                idx = torch.randint(0, 1001, (64,), generator=gen)
+                assert torch.equal(t.gather(idx.to(torch.int32)), want.index_select(0, idx))
+                assert torch.equal(t.gather(idx[::2]), want.index_select(0, idx[::2]))
+                assert torch.equal(t.gather(idx.tolist()), want.index_select(0, idx))
+                t.close()
+        t = group.create_tensor((10, 4), torch.float32, layout=layout)
+        for bad in ([0, 10], [-1], [3, 2**40]):
+            with pytest.raises(IndexError, match=f"index {bad[-1]} .*out of range"):
+                t.gather(torch.tensor(bad))
+        with pytest.raises(ValueError, match="one-dimensional"):
+            t.gather(torch.zeros((2, 2), dtype=torch.int64))
+        with pytest.raises(TypeError, match="integers"):
+            t.gather(torch.zeros(2))
+        t.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            t.gather(torch.tensor([0]))
 
 
 EXAMPLE_RUNS = {
