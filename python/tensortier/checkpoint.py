@@ -86,37 +86,17 @@ _ALIGNED_ALLOC_MIN = 1 << 20
 # The progress bar shows for loads of at least this many bytes when stderr is a terminal.
 _PROGRESS_MIN_BYTES = 512 << 20
 
-# safetensors dtype names -> torch dtype attribute names (those this torch lacks are skipped).
-_ST_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F4": "float4_e2m1fn_x2",
-}
-# safetensors counts F4 values (4 bits each) where torch's float4_e2m1fn_x2 counts bytes of two:
-# the last dimension of a safetensors shape is this many times torch's.
-_ST_PER_TORCH_ELEMENT = {"F4": 2}
+@functools.lru_cache(maxsize=None)
+def _st_per_torch_element() -> dict[str, int]:
+    """safetensors dtype -> values one torch element packs, where more than one: safetensors
+    counts F4 values (4 bits each) where torch's float4_e2m1fn_x2 counts bytes of two, so the
+    last dimension of a safetensors shape is this many times torch's."""
+    return {st: int(per) for st, _, per in _require("safetensors_dtypes_for_torch")() if per != 1}
 
 
 def _torch_shape(name: str, dt: str, shape: Sequence[int], path: str) -> tuple[int, ...]:
     """The torch shape of a safetensors tensor of dtype `dt` and `shape`."""
-    per = _ST_PER_TORCH_ELEMENT.get(dt, 1)
+    per = _st_per_torch_element().get(dt, 1)
     if per == 1:
         return tuple(int(s) for s in shape)
     if not shape or shape[-1] % per:
@@ -129,7 +109,7 @@ def _torch_shape(name: str, dt: str, shape: Sequence[int], path: str) -> tuple[i
 
 def _st_shape(name: str, dt: str, shape: Sequence[int]) -> tuple[int, ...]:
     """The safetensors shape of a torch tensor of `shape` saved as `dt`."""
-    per = _ST_PER_TORCH_ELEMENT.get(dt, 1)
+    per = _st_per_torch_element().get(dt, 1)
     if per == 1:
         return tuple(int(s) for s in shape)
     if not shape:
@@ -600,7 +580,7 @@ def _st_dtype_maps() -> tuple[dict[Any, str], dict[str, Any]]:
     torch = _torch()
     to_st: dict[Any, str] = {}
     from_st: dict[str, Any] = {}
-    for st, attr in _ST_DTYPES.items():
+    for st, attr, _ in _require("safetensors_dtypes_for_torch")():
         dt = getattr(torch, attr, None)
         if dt is not None:
             to_st[dt] = st
@@ -1152,22 +1132,8 @@ def _sniff(path: str) -> str:
         raise IsADirectoryError(
             errno.EISDIR, "is a directory: pass a checkpoint file or a shard .index.json", path
         )
-    # The first bytes say what the file is; a FIFO or a device is refused (never waited on).
-    head = _require("read_checkpoint_head")(path, 16)
-    if len(head) >= 9 and head[8:9] == b"{" and not path.endswith(_INDEX_SUFFIX):
-        return "safetensors"  # 8-byte header length, then the JSON header
-    if path.endswith(_INDEX_SUFFIX) or head.lstrip()[:1] == b"{":
-        return "index"
-    if head[:4] == b"PK\x03\x04":
-        return "torch"
-    if head[:1] == b"\x80":
-        raise ValueError(
-            f"{path}: a legacy (non-zip) torch.save file, which tensortier does not read: load it "
-            "with torch.load and save it again (torch.save writes zip files since PyTorch 1.6)"
-        )
-    if len(head) < 8:
-        raise ValueError(f"{path}: {len(head)} bytes long: too short to be a checkpoint")
-    return "safetensors"
+    # By content (a FIFO or a device is refused, never waited on): the rule the CLI follows.
+    return str(_require("detect_checkpoint_kind")(path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -2045,41 +2011,6 @@ def _storages_in_save_order(obj: Any) -> list[Any]:
     return storages
 
 
-def _zip_patch_crcs(path: str, crcs: Mapping[str, int]) -> list[tuple[int, bytes]]:
-    """Where to write each record's CRC-32 in a zip torch just wrote (central directory entry
-    and data descriptor). Returns (file offset, 4 bytes) patches."""
-    import struct
-    import zipfile
-
-    patches: list[tuple[int, bytes]] = []
-    with open(path, "rb") as f, zipfile.ZipFile(f) as z:  # metadata only
-        pos = z.start_dir
-        for info in z.infolist():
-            raw_name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
-            entry_size = 46 + len(raw_name) + len(info.extra) + len(info.comment)
-            f.seek(pos)
-            if f.read(4) != b"PK\x01\x02":
-                raise RuntimeError(f"{path}: unexpected zip layout (central directory)")
-            crc = crcs.get(info.filename)
-            if crc is not None:
-                packed = struct.pack("<I", crc)
-                patches.append((pos + 16, packed))
-                if info.flag_bits & 0x08:  # CRC in a data descriptor after the data
-                    f.seek(info.header_offset)
-                    local = f.read(30)
-                    if local[:4] != b"PK\x03\x04":
-                        raise RuntimeError(f"{path}: unexpected zip layout (local header)")
-                    n_len, x_len = struct.unpack("<HH", local[26:30])
-                    end = info.header_offset + 30 + n_len + x_len + info.compress_size
-                    f.seek(end)
-                    sig = f.read(4)
-                    patches.append((end + 4 if sig == b"PK\x07\x08" else end, packed))
-                else:
-                    patches.append((info.header_offset + 14, packed))
-            pos += entry_size
-    return patches
-
-
 def _torch_writes_crcs(torch: Any) -> bool:
     """Whether torch.save would write CRC-32s now (``set_crc32_options``, torch >= 2.6)."""
     get = getattr(torch.serialization, "get_crc32_options", None)
@@ -2177,7 +2108,7 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
             # engine's writes, all complete, covered only the records' data): one batch through
             # the engine, flushed by commit's fdatasync like the rest.
             patches = [(bytearray(packed), df.open(), offset)
-                       for offset, packed in _zip_patch_crcs(df.tmp, crcs)]
+                       for offset, packed in _require("zip_crc_patches")(df.tmp, crcs)]
             if patches:
                 io.pwrite_batch_async(patches).wait()
         df.commit()
