@@ -1,6 +1,6 @@
 // tensortier._core checkpoint functions: safetensors headers, zip directories of torch.save files,
 // checksums. Parsing happens with the GIL released; results cross as plain tuples, lists and dicts
-// so the Python layer (python/tensortier/checkpoint.py) owns all torch glue. Format problems raise
+// so the Python layer (python/tensortier/checkpoint/) owns all torch glue. Format problems raise
 // ValueError (FormatError derives from std::invalid_argument), I/O problems OSError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
