@@ -368,7 +368,7 @@ class _HugePageTensors:
 
         def alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
             nbytes = numel * dtype.itemsize
-            if nbytes < checkpoint._ALIGNED_ALLOC_MIN:
+            if nbytes < checkpoint._format._ALIGNED_ALLOC_MIN:
                 return torch.empty(numel, dtype=dtype)
             misalign = 0 if misalign % dtype.itemsize else misalign
             buffer = _core.AlignedBuffer(nbytes + misalign, reused=True)

@@ -1,6 +1,6 @@
 // tensortier._core checkpoint functions: safetensors headers, zip directories of torch.save files,
 // checksums. Parsing happens with the GIL released; results cross as plain tuples, lists and dicts
-// so the Python layer (python/tensortier/checkpoint.py) owns all torch glue. Format problems raise
+// so the Python layer (python/tensortier/checkpoint/) owns all torch glue. Format problems raise
 // ValueError (FormatError derives from std::invalid_argument), I/O problems OSError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -18,6 +18,7 @@
 #include "tensortier/checksum.hpp"
 #include "tensortier/safetensors.hpp"
 #include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/torch_pickle.hpp"
 #include "tensortier/zip_archive.hpp"
 
 namespace py = pybind11;
@@ -154,6 +155,43 @@ void RegisterCheckpoint(py::module_& m) {
       "size, not the bytes at data_offset).");
 
   m.def(
+      "safetensors_dtypes_for_torch",
+      [] {
+        py::list out;
+        for (const TorchHeldDtype& d : SafetensorsDtypesForTorch()) {
+          out.append(py::make_tuple(d.safetensors, d.torch, d.values_per_element));
+        }
+        return out;
+      },
+      "[(safetensors dtype name, torch dtype attribute, safetensors values per torch element)] for "
+      "every safetensors dtype torch 2.x holds, in safetensors' order: the one table load, save "
+      "and "
+      "the CLI's convert use (F4 is float4_e2m1fn_x2, two values a byte).");
+
+  m.def(
+      "zip_crc_patches",
+      [](const std::string& path, const std::map<std::string, uint32_t>& crcs) {
+        std::vector<ZipCrcPatch> patches;
+        {
+          py::gil_scoped_release release;
+          FileSource source(OpenCheckpointForReading(path, false));
+          patches = ZipCrcPatches(source, ReadZipDirectory(source), crcs);
+        }
+        py::list out;
+        for (const auto& p : patches) {
+          const unsigned char le[4] = {
+              static_cast<unsigned char>(p.crc32), static_cast<unsigned char>(p.crc32 >> 8),
+              static_cast<unsigned char>(p.crc32 >> 16), static_cast<unsigned char>(p.crc32 >> 24)};
+          out.append(py::make_tuple(p.offset, py::bytes(reinterpret_cast<const char*>(le), 4)));
+        }
+        return out;
+      },
+      py::arg("path"), py::arg("crcs"),
+      "Where to write the CRC-32 of each entry named in crcs (name -> CRC-32) in a zip archive "
+      "written with its data left out: [(file offset, 4 little-endian bytes)] for its central "
+      "directory record and its local header or data descriptor. ValueError for a bad archive.");
+
+  m.def(
       "read_torch_checkpoint",
       [](const std::string& path) {
         TorchCheckpoint c;
@@ -182,20 +220,13 @@ void RegisterCheckpoint(py::module_& m) {
       "legacy files, bad archives.");
 
   m.def(
-      "read_checkpoint_head",
-      [](const std::string& path, size_t n) {
-        std::string head;
-        {
-          py::gil_scoped_release release;
-          FileSource source(OpenCheckpointForReading(path, false));
-          head.resize(static_cast<size_t>(std::min<uint64_t>(n, source.size())));
-          source.ReadAt(0, head.data(), head.size());
-        }
-        return py::bytes(head);
-      },
-      py::arg("path"), py::arg("n"),
-      "The first n bytes of a checkpoint file (fewer if it is shorter). OSError naming the path "
-      "for anything but a regular file (a FIFO is refused, never waited on).");
+      "detect_checkpoint_kind",
+      [](const std::string& path) { return CheckpointKindName(DetectCheckpointKind(path)); },
+      py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+      "'safetensors', 'torch' or 'index': what the checkpoint file at path holds, by the rule the "
+      "CLI follows (a .index.json name, then the first bytes). ValueError for an empty file or a "
+      "legacy (non-zip) torch.save file; OSError naming the path for anything but a regular file "
+      "(a FIFO is refused, never waited on).");
   m.def(
       "check_replaceable",
       [](const std::string& path) -> std::optional<std::tuple<uint32_t, uint32_t, uint32_t>> {
@@ -268,7 +299,7 @@ void RegisterCheckpoint(py::module_& m) {
       .def_property_readonly("committed", &DurableFile::committed)
       .def_property_readonly(
           "file", [](const DurableFile& d) { return d.file(); },
-                             "The temporary file, for the engine's writes (closed by commit).")
+          "The temporary file, for the engine's writes (closed by commit).")
       .def("reserve", &DurableFile::Reserve, py::arg("size"),
            py::call_guard<py::gil_scoped_release>(),
            "Allocates size bytes up front (no failure where the filesystem cannot).")

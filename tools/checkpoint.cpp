@@ -39,19 +39,17 @@ constexpr uint64_t kChunk = 16u << 20;
 
 using Format = CheckpointFormat;
 
-// By content, not by name: a zip is a torch file, a JSON object after 8 bytes is safetensors, a
-// pickle stream is a legacy torch file (refused with its own message); an empty file is neither
-// (said so, not left to a parser); anything else gets the safetensors parser's diagnosis.
+// What `source` holds (DetectCheckpointKind's rule); an index here is one passed where a file is
+// needed.
 Format Detect(const FileSource& source) {
-  if (source.size() == 0) {
-    throw FormatError(StrCat(source.name(),
-                             ": empty file (0 bytes): not a checkpoint (tried safetensors and "
-                             "torch.save zip)"));
+  switch (DetectCheckpointKind(source)) {
+    case CheckpointKind::kTorch:
+      return Format::kTorch;
+    case CheckpointKind::kShardIndex:
+      throw FormatError(StrCat(source.name(), ": a shard index, not a checkpoint file"));
+    case CheckpointKind::kSafetensors:
+      break;
   }
-  if (LooksLikeZip(source)) return Format::kTorch;
-  unsigned char head[9] = {};
-  if (source.size() >= sizeof(head)) source.ReadAt(0, head, sizeof(head));
-  if (head[8] != '{' && head[0] == 0x80) return Format::kTorch;
   return Format::kSafetensors;
 }
 
@@ -585,19 +583,21 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
     const Item& item = l.items[i];
     std::string dtype = item.dtype;
     std::vector<uint64_t> shape = item.shape;
-    if (dtype == "F4") {  // torch holds two F4 values per float4_e2m1fn_x2 element
-      if (shape.empty() || shape.back() % 2 != 0) {
-        throw std::invalid_argument(
-            StrCat("tensor '", item.name, "' of F4 has shape ", ShapeString(item.shape),
-                   ": torch's float4_e2m1fn_x2 needs an even last dimension: cannot convert"));
-      }
-      dtype = "F4_X2";
-      shape.back() /= 2;
-    }
-    if (!TorchSupportsDtype(dtype)) {
+    const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(dtype);
+    if (!held || !TorchSupportsDtype(held->name)) {
       throw std::invalid_argument(StrCat("tensor '", item.name, "' has dtype ", item.dtype,
                                          ", which torch has no dtype for: cannot convert"));
     }
+    if (held->values_per_element > 1) {  // F4: two values per float4_e2m1fn_x2 element
+      if (shape.empty() || shape.back() % held->values_per_element != 0) {
+        throw std::invalid_argument(StrCat("tensor '", item.name, "' of ", dtype, " has shape ",
+                                           ShapeString(item.shape), ": torch's ", held->torch,
+                                           " needs a last dimension that is a multiple of ",
+                                           held->values_per_element, ": cannot convert"));
+      }
+      shape.back() /= held->values_per_element;
+    }
+    dtype = held->name;
     tensors.push_back({item.name, dtype, std::move(shape), std::to_string(i)});
   }
   const std::string pickle = SerializeTorchPickle(tensors);
@@ -710,6 +710,10 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   return 0;
 }
 
+bool IsShardIndexFile(const std::string& path) {
+  return DetectCheckpointKind(path) == CheckpointKind::kShardIndex;
+}
+
 const char* FormatName(Format format) {
   return format == Format::kSafetensors ? "safetensors" : "a torch.save zip";
 }
@@ -739,7 +743,7 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
   }
   const std::string& in = args.positionals()[0];
   const std::string& out = args.positionals()[1];
-  if (IsShardIndex(in)) {
+  if (IsShardIndexFile(in)) {
     throw std::invalid_argument(
         StrCat("convert: '", in, "' is a shard index: convert each shard file it names"));
   }
@@ -771,7 +775,7 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
   if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier info FILE");
   const std::string& path = args.positionals()[0];
   const unsigned show = args.Unsigned("shapes", 20);
-  if (!IsShardIndex(path)) return InfoFile(path, show);
+  if (!IsShardIndexFile(path)) return InfoFile(path, show);
   const std::vector<Shard> shards = ReadShardIndex(path);
   size_t tensors = 0;
   for (const auto& shard : shards) tensors += shard.names.size();
@@ -788,7 +792,7 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
   if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier verify FILE");
   const std::string& path = args.positionals()[0];
-  if (!IsShardIndex(path)) return VerifyFile(path);
+  if (!IsShardIndexFile(path)) return VerifyFile(path);
   const std::vector<Shard> shards = ReadShardIndex(path);
   size_t failed = 0;
   for (const auto& shard : shards) {

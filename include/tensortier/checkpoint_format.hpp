@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include "tensortier/byte_source.hpp"
+
 namespace tensortier {
 
 enum class CheckpointFormat { kSafetensors, kTorch };
@@ -19,10 +21,22 @@ std::string_view CheckpointFormatName(CheckpointFormat format);
 // safetensors; .pt, .pth, .bin, .ckpt and .tar are torch.save zips. nullopt for anything else.
 std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path);
 
-// Whether `path` is a shard index: its name ends with ".index.json", or its content is JSON from
-// the first byte (a safetensors file has its JSON header after an 8-byte length, whose bytes may
-// be '{' or spaces themselves). Throws IoError naming `path`.
-bool IsShardIndex(const std::string& path);
+// What a checkpoint file holds.
+enum class CheckpointKind { kSafetensors, kTorch, kShardIndex };
+
+// "safetensors", "torch" or "index".
+std::string_view CheckpointKindName(CheckpointKind kind);
+
+// What `source` (named by source.name()) holds, the one rule tensortier.load and the CLI follow:
+// a name ending with ".index.json" is a shard index; then by content: a zip is a torch.save file,
+// a JSON object after the 8-byte header length is safetensors, JSON from the first byte (after
+// white space) is a shard index, anything else goes to the safetensors parser for its diagnosis.
+// Throws FormatError for an empty file and for a legacy (non-zip, PyTorch < 1.6) torch.save file.
+CheckpointKind DetectCheckpointKind(const ByteSource& source);
+
+// The same for the checkpoint file at `path`; IoError naming `path` for anything but a regular
+// file (a FIFO is refused, never waited on).
+CheckpointKind DetectCheckpointKind(const std::string& path);
 
 // One shard file of an index and the tensors the index puts in it, in the index's order.
 struct Shard {

@@ -28,6 +28,9 @@ inline constexpr size_t kSafetensorsMaxRank = 64;
 // Bits per element of a safetensors dtype name ("F32" -> 32, "F4" -> 4), 0 when unknown.
 unsigned SafetensorsDtypeBits(std::string_view dtype);
 
+// Every safetensors dtype name, in the safetensors package's order.
+std::vector<std::string_view> SafetensorsDtypeNames();
+
 struct SafetensorsEntry {
   std::string name;
   std::string dtype;  // safetensors name: "F32", "BF16", "F8_E4M3"...

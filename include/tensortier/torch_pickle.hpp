@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -61,6 +62,21 @@ unsigned TorchDtypeBytes(std::string_view dtype);
 // torch's name for a dtype name used above ("float32" for F32, "complex32" for C32); empty when
 // unknown.
 std::string_view TorchDtypeAttribute(std::string_view dtype);
+
+// A safetensors dtype as torch holds it.
+struct TorchHeldDtype {
+  std::string safetensors;      // "F32", "F4"...
+  std::string name;             // the name used above: "F32", "F4_X2"
+  std::string_view torch;       // torch's dtype attribute: "float32", "float4_e2m1fn_x2"
+  unsigned values_per_element;  // safetensors values one torch element packs: 2 for F4, else 1
+};
+
+// Every safetensors dtype torch 2.x has a dtype for, in safetensors' order: those of a byte or
+// more as themselves, those of fewer bits packed into bytes (F4 as float4_e2m1fn_x2; not F6_*).
+std::vector<TorchHeldDtype> SafetensorsDtypesForTorch();
+
+// The entry above for safetensors dtype `dtype`, or nullopt.
+std::optional<TorchHeldDtype> TorchHeldDtypeOf(std::string_view dtype);
 
 // One tensor of a flat state dict to pickle: contiguous, alone in its storage `storage_key`, which
 // holds exactly its elements (storage offset 0, contiguous strides, requires_grad False).

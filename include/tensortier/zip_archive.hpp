@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@ inline constexpr uint64_t kZipMaxDirectoryBytes = 1ull << 30;
 
 struct ZipEntry {
   std::string name;
+  uint64_t central_header_offset = 0;  // its record in the central directory
   uint64_t local_header_offset = 0;
   uint64_t data_offset = 0;      // absolute file offset of the entry's (possibly compressed) bytes
   uint64_t compressed_size = 0;  // bytes at data_offset
@@ -44,6 +46,20 @@ struct ZipDirectory {
 // single-disk zip archive: no end record, truncation, bad signatures, ranges past the file,
 // overlapping entries, duplicate names, counts over the limits above. IoError for read failures.
 ZipDirectory ReadZipDirectory(const ByteSource& source);
+
+// Where a CRC-32 is written for one entry: 4 little-endian bytes at `offset`.
+struct ZipCrcPatch {
+  uint64_t offset = 0;
+  uint32_t crc32 = 0;
+};
+
+// The writes that set the CRC-32 of each entry of `directory` named in `crcs` (entry name ->
+// CRC-32; names the archive lacks are ignored): in its central directory record, and in its local
+// header or, when flag bit 3 says the CRC follows the data, in its data descriptor (after the
+// descriptor's optional signature). For archives written with their data left out (torch.save's
+// skip_data) whose data is written afterwards. IoError for read failures.
+std::vector<ZipCrcPatch> ZipCrcPatches(const ByteSource& source, const ZipDirectory& directory,
+                                       const std::map<std::string, uint32_t>& crcs);
 
 // Throws FormatError naming the archive and entry unless `entry` is stored and unencrypted.
 void RequireStored(const ZipEntry& entry, const std::string& archive);

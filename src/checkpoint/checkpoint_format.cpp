@@ -12,6 +12,7 @@
 #include "tensortier/format_error.hpp"
 #include "tensortier/json.hpp"
 #include "tensortier/strings.hpp"
+#include "tensortier/torch_checkpoint.hpp"
 
 namespace tensortier {
 namespace {
@@ -52,18 +53,43 @@ std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path) {
   return std::nullopt;
 }
 
-bool IsShardIndex(const std::string& path) {
-  if (path.ends_with(".index.json")) return true;
-  FileSource source(OpenCheckpointForReading(path, false));
-  char head[16] = {};
+std::string_view CheckpointKindName(CheckpointKind kind) {
+  switch (kind) {
+    case CheckpointKind::kSafetensors:
+      return "safetensors";
+    case CheckpointKind::kTorch:
+      return "torch";
+    case CheckpointKind::kShardIndex:
+      return "index";
+  }
+  return "";
+}
+
+CheckpointKind DetectCheckpointKind(const ByteSource& source) {
+  if (source.name().ends_with(".index.json")) return CheckpointKind::kShardIndex;
+  if (source.size() == 0) {
+    throw FormatError(StrCat(source.name(),
+                             ": empty file (0 bytes): not a checkpoint (tried safetensors and "
+                             "torch.save zip)"));
+  }
+  if (LooksLikeZip(source)) return CheckpointKind::kTorch;
+  unsigned char head[16] = {};
   const uint64_t n = std::min<uint64_t>(source.size(), sizeof(head));
   source.ReadAt(0, head, n);
-  if (n >= 9 && head[8] == '{') return false;
+  // A safetensors file's JSON header follows its 8-byte length, whose bytes may be '{' or white
+  // space themselves: byte 8 decides first.
+  if (n >= 9 && head[8] == '{') return CheckpointKind::kSafetensors;
   for (uint64_t i = 0; i < n; ++i) {
     if (head[i] == ' ' || head[i] == '\n' || head[i] == '\r' || head[i] == '\t') continue;
-    return head[i] == '{';
+    if (head[i] == '{') return CheckpointKind::kShardIndex;
+    break;
   }
-  return false;
+  if (head[0] == 0x80) ThrowLegacyTorchFile(source.name());
+  return CheckpointKind::kSafetensors;
+}
+
+CheckpointKind DetectCheckpointKind(const std::string& path) {
+  return DetectCheckpointKind(FileSource(OpenCheckpointForReading(path, false)));
 }
 
 std::vector<Shard> ReadShardIndex(const std::string& path) {

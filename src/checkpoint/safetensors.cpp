@@ -143,6 +143,12 @@ void CheckSize(const SafetensorsEntry& e) {
 
 }  // namespace
 
+std::vector<std::string_view> SafetensorsDtypeNames() {
+  std::vector<std::string_view> names;
+  for (const auto& d : kDtypes) names.push_back(d.name);
+  return names;
+}
+
 unsigned SafetensorsDtypeBits(std::string_view dtype) {
   for (const auto& d : kDtypes) {
     if (d.name == dtype) return d.bits;

@@ -16,16 +16,18 @@ bool LooksLikeZip(const ByteSource& source) {
   return std::memcmp(magic, "PK\x03\x04", 4) == 0 || std::memcmp(magic, "PK\x05\x06", 4) == 0;
 }
 
+void ThrowLegacyTorchFile(const std::string& path) {
+  throw FormatError(StrCat(path,
+                           ": legacy torch.save format (PyTorch < 1.6, not a zip file) is not "
+                           "supported; load it with torch.load and save it again"));
+}
+
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
   const std::string& path = source.name();
   if (!LooksLikeZip(source)) {
     unsigned char first = 0;
     if (source.size() > 0) source.ReadAt(0, &first, 1);
-    if (first == 0x80) {
-      throw FormatError(StrCat(path,
-                               ": legacy torch.save format (PyTorch < 1.6, not a zip file) is not "
-                               "supported; load it with torch.load and save it again"));
-    }
+    if (first == 0x80) ThrowLegacyTorchFile(path);
     throw FormatError(StrCat(path, ": not a torch.save zip file"));
   }
   TorchCheckpoint out;

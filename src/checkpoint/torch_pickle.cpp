@@ -7,6 +7,7 @@
 
 #include "tensortier/format_error.hpp"
 #include "tensortier/json.hpp"
+#include "tensortier/safetensors.hpp"
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
@@ -940,6 +941,25 @@ std::string_view TorchDtypeAttribute(std::string_view dtype) {
     if (d.name == dtype) return d.torch;
   }
   return {};
+}
+
+std::optional<TorchHeldDtype> TorchHeldDtypeOf(std::string_view dtype) {
+  const unsigned bits = SafetensorsDtypeBits(dtype);
+  if (bits == 0) return std::nullopt;
+  const unsigned per = bits >= 8 ? 1 : 8 / bits;
+  if (bits < 8 && 8 % bits != 0) return std::nullopt;  // values that straddle bytes
+  std::string name = per == 1 ? std::string(dtype) : StrCat(dtype, "_X", per);
+  const std::string_view torch = TorchDtypeAttribute(name);
+  if (torch.empty()) return std::nullopt;
+  return TorchHeldDtype{std::string(dtype), std::move(name), torch, per};
+}
+
+std::vector<TorchHeldDtype> SafetensorsDtypesForTorch() {
+  std::vector<TorchHeldDtype> out;
+  for (std::string_view dtype : SafetensorsDtypeNames()) {
+    if (auto held = TorchHeldDtypeOf(dtype)) out.push_back(std::move(*held));
+  }
+  return out;
 }
 
 bool TorchTensor::contiguous() const {

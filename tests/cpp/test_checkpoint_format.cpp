@@ -3,10 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 #include <string>
 
+#include "tensortier/byte_source.hpp"
 #include "tensortier/checkpoint_format.hpp"
 #include "tensortier/format_error.hpp"
+#include "tensortier/safetensors.hpp"
+#include "tensortier/torch_pickle.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -53,7 +57,7 @@ TEST(CheckpointFormatTest, ShardIndexGroupsNamesByShardInOrder) {
   EXPECT_EQ(shards[0].names, (std::vector<std::string>{"b", "c"}));
   EXPECT_EQ(shards[1].names, std::vector<std::string>{"a"});
   EXPECT_EQ(shards[2].path, dir.File("sub/3.st"));
-  EXPECT_TRUE(IsShardIndex(path));
+  EXPECT_EQ(DetectCheckpointKind(path), CheckpointKind::kShardIndex);
 }
 
 TEST(CheckpointFormatTest, ShardIndexRefusals) {
@@ -74,6 +78,62 @@ TEST(CheckpointFormatTest, ShardIndexRefusals) {
     const std::string message = FormatErrorOf(WriteIndex(dir, text));
     EXPECT_NE(message.find(says), std::string::npos) << text << " -> " << message;
   }
+}
+
+CheckpointKind KindOf(std::string_view bytes, std::string name = "m.bin") {
+  return DetectCheckpointKind(MemorySource(bytes.data(), bytes.size(), std::move(name)));
+}
+
+std::string DetectErrorOf(std::string_view bytes) {
+  try {
+    KindOf(bytes);
+  } catch (const FormatError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(CheckpointFormatTest, DetectsKindByContent) {
+  using std::string_literals::operator""s;
+  EXPECT_EQ(KindOf("PK\x03\x04rest of a zip"s), CheckpointKind::kTorch);
+  EXPECT_EQ(KindOf("PK\x05\x06"s + std::string(18, '\0')), CheckpointKind::kTorch);
+  EXPECT_EQ(KindOf("\x02\0\0\0\0\0\0\0{}"s), CheckpointKind::kSafetensors);
+  // A header length whose bytes are '{' and spaces: byte 8 decides.
+  EXPECT_EQ(KindOf("{   \0\0\0\0{\"a\":1}"s), CheckpointKind::kSafetensors);
+  EXPECT_EQ(KindOf(" \n\t{\"weight_map\": {}}"s), CheckpointKind::kShardIndex);
+  EXPECT_EQ(KindOf("{}"s), CheckpointKind::kShardIndex);
+  // The name says index whatever the content (an index that is not JSON is diagnosed as one).
+  EXPECT_EQ(KindOf("\x02\0\0\0\0\0\0\0{}"s, "m.index.json"), CheckpointKind::kShardIndex);
+  // Neither: the safetensors parser diagnoses it (too short, bad length...).
+  EXPECT_EQ(KindOf("abc"s), CheckpointKind::kSafetensors);
+  EXPECT_EQ(KindOf(std::string(20, ' ')), CheckpointKind::kSafetensors);
+  EXPECT_NE(DetectErrorOf("").find("m.bin: empty file (0 bytes)"), std::string::npos);
+  EXPECT_NE(DetectErrorOf("\x80\x02}q\0"s).find("m.bin: legacy torch.save format"),
+            std::string::npos);
+  EXPECT_EQ(CheckpointKindName(CheckpointKind::kShardIndex), "index");
+  EXPECT_EQ(CheckpointKindName(CheckpointKind::kTorch), "torch");
+  EXPECT_EQ(CheckpointKindName(CheckpointKind::kSafetensors), "safetensors");
+}
+
+// The one table tensortier.load, save and convert read safetensors dtypes by.
+TEST(CheckpointFormatTest, SafetensorsDtypesAsTorchHoldsThem) {
+  std::map<std::string, std::pair<std::string, unsigned>> held;
+  for (const TorchHeldDtype& d : SafetensorsDtypesForTorch()) {
+    EXPECT_TRUE(TorchSupportsDtype(d.name)) << d.name;
+    EXPECT_EQ(TorchDtypeBytes(d.name) * 8,
+              SafetensorsDtypeBits(d.safetensors) * d.values_per_element)
+        << d.safetensors;
+    held[d.safetensors] = {std::string(d.torch), d.values_per_element};
+  }
+  EXPECT_EQ(held["F32"], std::make_pair(std::string("float32"), 1u));
+  EXPECT_EQ(held["BF16"], std::make_pair(std::string("bfloat16"), 1u));
+  EXPECT_EQ(held["F8_E8M0"], std::make_pair(std::string("float8_e8m0fnu"), 1u));
+  EXPECT_EQ(held["F4"], std::make_pair(std::string("float4_e2m1fn_x2"), 2u));
+  EXPECT_EQ(held.size(), 20u);  // safetensors' 22 less F6_E2M3 and F6_E3M2
+  EXPECT_EQ(held.count("F6_E2M3"), 0u);
+  EXPECT_EQ(TorchHeldDtypeOf("F4")->name, "F4_X2");
+  EXPECT_EQ(TorchHeldDtypeOf("F6_E3M2"), std::nullopt);
+  EXPECT_EQ(TorchHeldDtypeOf("nope"), std::nullopt);
 }
 
 }  // namespace

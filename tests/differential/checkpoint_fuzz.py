@@ -121,8 +121,8 @@ KNOWN_GAPS: tuple[KnownGap, ...] = (
 )
 
 
-# Where tensortier.load (checkpoint.py) and the CLI (tools/checkpoint.cpp) still read a file by
-# rules of their own: the agree mode's disagreements left.
+# Where tensortier.load (python/tensortier/checkpoint/) and the CLI (tools/checkpoint.cpp) still
+# read a file by rules of their own: the agree mode's disagreements left.
 _AGREE_VERIFY_CHECKS = ("agree.verify", "agree.convert")
 KNOWN_GAPS += (
     KnownGap("agree-checksum-unknown-name", _AGREE_VERIFY_CHECKS,

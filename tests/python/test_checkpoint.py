@@ -17,6 +17,7 @@ import torch
 
 import tensortier
 from tensortier import IOHandle, checkpoint
+from tensortier.checkpoint import _common, _format, _reading, loading_into, mapping
 
 # scripts/setup.sh installs safetensors: a missing one must fail the suite, not skip it.
 import safetensors.torch as st  # noqa: E402
@@ -84,9 +85,9 @@ def io(request: pytest.FixtureRequest) -> IOHandle:
 @pytest.fixture
 def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     """Exercise the grouping, staging and aligned-allocation paths with small tensors."""
-    monkeypatch.setattr(checkpoint, "_GROUP_BYTES", 64 << 10)
-    monkeypatch.setattr(checkpoint, "_STAGING_BYTES", 32 << 10)
-    monkeypatch.setattr(checkpoint, "_ALIGNED_ALLOC_MIN", 4096)
+    monkeypatch.setattr(_format, "_GROUP_BYTES", 64 << 10)
+    monkeypatch.setattr(_format, "_STAGING_BYTES", 32 << 10)
+    monkeypatch.setattr(_format, "_ALIGNED_ALLOC_MIN", 4096)
 
 
 def header_of(path: Path) -> tuple[int, dict]:
@@ -410,7 +411,7 @@ def test_dtype_conversion_frees_each_original_once_converted(
         resident.append(_resident_bytes())
         return real_convert(t, dtype)
 
-    monkeypatch.setattr(checkpoint, "_convert", measuring_convert)
+    monkeypatch.setattr(_common, "_convert", measuring_convert)
     for name in ("c.safetensors", "c.pt"):
         if name.endswith(".pt"):
             tensortier.save(sd, disk_dir / name)
@@ -478,7 +479,7 @@ def test_loaded_tensors_own_exact_page_placed_storages(disk_dir: Path) -> None:
     for e in entries:
         t = out[e.name]
         assert t.untyped_storage().nbytes() == e.nbytes, e.name
-        if e.nbytes >= checkpoint._ALIGNED_ALLOC_MIN:
+        if e.nbytes >= _format._ALIGNED_ALLOC_MIN:
             assert t.data_ptr() % 4096 == e.offset % 4096, e.name
     gc.collect()
     out["big"].add_(1)
@@ -588,7 +589,7 @@ def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyP
     without a GPU."""
     import contextlib
 
-    monkeypatch.setattr(checkpoint, "_pinned_buffer", lambda n: tensortier.aligned_empty(n))
+    monkeypatch.setattr(_reading, "_pinned_buffer", lambda n: tensortier.aligned_empty(n))
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
@@ -709,7 +710,7 @@ def test_load_into_module_reads_in_place(disk_dir: Path, name: str,
     def no_alloc(*args: object, **kwargs: object) -> None:
         raise AssertionError("load_into allocated a tensor")
 
-    monkeypatch.setattr(checkpoint, "_host_alloc", no_alloc)
+    monkeypatch.setattr(mapping, "_host_alloc", no_alloc)
     result = tensortier.load_into(dst, disk_dir / name, verify=True)
     assert result == tensortier.IncompatibleKeys([], [])
     after = dst.state_dict()
@@ -765,8 +766,8 @@ def test_load_into_converts_dtypes_like_load_state_dict(
             groups.append(sum(s.nbytes for s in group))
             yield group
 
-    monkeypatch.setattr(checkpoint, "_GROUP_BYTES", 100_000)
-    monkeypatch.setattr(checkpoint, "_staged_groups", spy)
+    monkeypatch.setattr(_format, "_GROUP_BYTES", 100_000)
+    monkeypatch.setattr(loading_into, "_staged_groups", spy)
     tensortier.load_into(dst, path, verify=True)
     for k, v in want.state_dict().items():
         got = dst.state_dict()[k]

@@ -17,6 +17,7 @@ import torch
 
 import tensortier
 from tensortier import IOHandle, checkpoint
+from tensortier.checkpoint import _format, _reading, safetensors, unpickler
 
 
 def write_safetensors(path: Path, header: dict, data: bytes, *, length: int | None = None) -> None:
@@ -808,7 +809,8 @@ def test_a_file_replaced_while_loading_is_read_from_one_version(
             os.replace(other, path)
         return out
 
-    monkeypatch.setattr(checkpoint, name, parse_then_replace)
+    monkeypatch.setattr(safetensors if name == "_read_st_header" else unpickler, name,
+                        parse_then_replace)
     if into:
         target = {"w": torch.empty(5000)}
         tensortier.load_into(target, path)
@@ -851,7 +853,7 @@ def test_a_failed_device_read_still_waits_for_the_other_reads(
 ) -> None:
     """A CUDA read fails with a RuntimeError (CudaError): the error reaches the caller, and every
     other read still in flight is waited for before its memory can be freed."""
-    monkeypatch.setattr(checkpoint, "_GROUP_BYTES", 1)  # one future per tensor
+    monkeypatch.setattr(_format, "_GROUP_BYTES", 1)  # one future per tensor
     waited: list[int] = []
 
     class Future:
@@ -891,9 +893,9 @@ def test_device_pieces_go_to_the_engine_unless_they_carry_a_checksum(
     unchecked device pieces go to the engine (its GPU path for CUDA), checked device pieces
     through the pinned host buffers, where their bytes can be hashed."""
     seen: dict[str, list[str]] = {}
-    monkeypatch.setattr(checkpoint, "_read_batched",
+    monkeypatch.setattr(_reading, "_read_batched",
                         lambda io, ps, prog, path: seen.setdefault("engine", [p.name for p in ps]))
-    monkeypatch.setattr(checkpoint, "_read_device_checked",
+    monkeypatch.setattr(_reading, "_read_device_checked",
                         lambda io, ps, prog, path: seen.setdefault("pinned", [p.name for p in ps]))
 
     def piece(name: str, device: str, checked: bool) -> checkpoint._Piece:

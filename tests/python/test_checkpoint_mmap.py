@@ -14,6 +14,7 @@ import torch
 
 import tensortier
 from tensortier import checkpoint
+from tensortier.checkpoint import _common, mapping, safetensors, unpickler
 
 pytest.importorskip("safetensors")
 import safetensors.torch as st  # noqa: E402
@@ -190,7 +191,8 @@ def test_file_truncated_after_its_header_was_read(
         os.truncate(path, 8192)
         return parsed
 
-    monkeypatch.setattr(checkpoint, parser, parse_then_truncate)
+    monkeypatch.setattr(safetensors if parser == "_read_st_header" else unpickler, parser,
+                        parse_then_truncate)
     with pytest.raises(ValueError, match=f"{name}: file ended early"):
         tensortier.load(path, mmap=True)
 
@@ -260,17 +262,17 @@ def test_readahead_budget(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> No
     path = disk_dir / "m.safetensors"
     sd = {"a": torch.randn(100_000), "b": torch.randn(3)}
     tensortier.save(sd, path)
-    monkeypatch.setattr(checkpoint, "_available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(mapping, "_available_memory", lambda: 1 << 40)
     assert torch.equal(tensortier.load(path, mmap=True)["a"], sd["a"])
     assert advised == [(4096, 400_012)]  # exactly the tensors' bytes
     advised.clear()
-    monkeypatch.setattr(checkpoint, "_available_memory", lambda: 4096)
+    monkeypatch.setattr(mapping, "_available_memory", lambda: 4096)
     assert torch.equal(tensortier.load(path, mmap=True)["a"], sd["a"])
     assert advised == []
     # One budget for all shards of an index: room for the first shard only.
     shards = make_shards(disk_dir)
     shard_bytes = 3 * 64 * 16 * 4
-    monkeypatch.setattr(checkpoint, "_available_memory", lambda: 2 * shard_bytes + 100)
+    monkeypatch.setattr(mapping, "_available_memory", lambda: 2 * shard_bytes + 100)
     out = tensortier.load(next(disk_dir.glob("*.index.json")), mmap=True)
     assert all(torch.equal(out[k], shards[k]) for k in shards)
     assert [length for _, length in advised] == [shard_bytes]
@@ -280,7 +282,7 @@ def test_readahead_budget(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> No
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(os, "posix_fadvise", failing)  # only a hint: the load goes on
-    monkeypatch.setattr(checkpoint, "_available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(mapping, "_available_memory", lambda: 1 << 40)
     assert torch.equal(tensortier.load(path, mmap=True)["a"], sd["a"])
 
 
@@ -297,7 +299,7 @@ def test_mmap_with_a_cuda_device_is_refused(disk_dir: Path, monkeypatch: pytest.
                                              ) -> None:
     path = disk_dir / "m.safetensors"
     tensortier.save({"a": torch.randn(10)}, path)
-    monkeypatch.setattr(checkpoint, "_target_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(_common, "_target_device", lambda device: torch.device("cuda", 0))
     with pytest.raises(ValueError, match="mmap=True .* needs device='cpu'"):
         tensortier.load(path, device="cuda:0", mmap=True)
 

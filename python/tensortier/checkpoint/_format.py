@@ -1,0 +1,104 @@
+"""Checkpoint facts: alignment, metadata keys, batching settings, dtype shapes, format detection
+(their rules live in C++: include/tensortier/checkpoint_format.hpp, torch_pickle.hpp), and the
+lazy torch and _core lookups every module uses."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from .. import _core
+
+
+PathLike = str | os.PathLike[str]
+
+_T = TypeVar("_T")
+
+
+ALIGNMENT = 4096
+
+CHECKSUM_KEY = "tensortier.xxh64"
+
+
+# The xxh64 of what the header says (names, dtypes, shapes, offsets, other metadata): see
+# SafetensorsHeaderDigest in include/tensortier/safetensors.hpp.
+HEADER_CHECKSUM_KEY = "tensortier.header_xxh64"
+
+_INDEX_SUFFIX = ".index.json"
+
+
+# Reads are submitted in groups of about this many bytes: progress, checksums and device copies
+# of one group overlap the reads of the next ones (the engine bounds what is really in flight).
+_GROUP_BYTES = 64 << 20
+
+# Copies made to write non-contiguous or GPU tensors: at most this many bytes are alive at once.
+_STAGING_BYTES = 256 << 20
+
+# Loaded tensors at least this large are placed at their file offset modulo the page size (read
+# O_DIRECT with no bounce copy the alignment rules would force); smaller ones are torch.empty.
+_ALIGNED_ALLOC_MIN = 1 << 20
+
+# The progress bar shows for loads of at least this many bytes when stderr is a terminal.
+_PROGRESS_MIN_BYTES = 512 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _st_per_torch_element() -> dict[str, int]:
+    """safetensors dtype -> values one torch element packs, where more than one: safetensors
+    counts F4 values (4 bits each) where torch's float4_e2m1fn_x2 counts bytes of two, so the
+    last dimension of a safetensors shape is this many times torch's."""
+    return {st: int(per) for st, _, per in _require("safetensors_dtypes_for_torch")() if per != 1}
+
+
+def _torch_shape(name: str, dt: str, shape: Sequence[int], path: str) -> tuple[int, ...]:
+    """The torch shape of a safetensors tensor of dtype `dt` and `shape`."""
+    per = _st_per_torch_element().get(dt, 1)
+    if per == 1:
+        return tuple(int(s) for s in shape)
+    if not shape or shape[-1] % per:
+        raise ValueError(
+            f"{path}: tensor {name!r} of {dt} has shape {tuple(shape)}: its last dimension must "
+            f"be a multiple of {per} to be held as torch's packed dtype"
+        )
+    return (*(int(s) for s in shape[:-1]), int(shape[-1]) // per)
+
+
+def _st_shape(name: str, dt: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """The safetensors shape of a torch tensor of `shape` saved as `dt`."""
+    per = _st_per_torch_element().get(dt, 1)
+    if per == 1:
+        return tuple(int(s) for s in shape)
+    if not shape:
+        raise ValueError(f"tensor {name!r}: a 0-dimensional {dt} tensor has no safetensors shape")
+    return (*(int(s) for s in shape[:-1]), int(shape[-1]) * per)
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is a dependency of this module
+        raise ImportError("tensortier checkpoints need PyTorch: pip install torch") from e
+    return torch
+
+
+def _require(name: str) -> Callable[..., Any]:
+    fn = getattr(_core, name, None)
+    if fn is None:
+        raise ImportError(
+            f"tensortier._core has no {name}(): the C++ extension is older than this Python "
+            "package; reinstall tensortier"
+        )
+    return fn
+
+
+def _sniff(path: str) -> str:
+    """'safetensors', 'torch' or 'index', from the file's first bytes."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            errno.EISDIR, "is a directory: pass a checkpoint file or a shard .index.json", path
+        )
+    # By content (a FIFO or a device is refused, never waited on): the rule the CLI follows.
+    return str(_require("detect_checkpoint_kind")(path))

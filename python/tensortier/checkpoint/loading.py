@@ -1,0 +1,165 @@
+"""tensortier.load."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any, BinaryIO
+
+from ..io import IOHandle
+from . import _common
+from ._common import _is_file_object, _memfd_copy, _target_dtype
+from ._format import _sniff, _torch, PathLike
+from .index import _load_index
+from .mapping import _Placement, _Readahead
+from .safetensors import _load_safetensors
+from .unpickler import _load_torch
+
+
+def load(
+    path: PathLike | BinaryIO,
+    device: Any = None,
+    dtype: Any = None,
+    verify: bool = False,
+    *,
+    map_location: Any = None,
+    weights_only: bool | None = None,
+    mmap: bool = False,
+    progress: bool | None = None,
+    _io: IOHandle | None = None,
+) -> Any:
+    """Load a checkpoint: a safetensors file, a zip-format ``torch.save`` file, or a Hugging Face
+    shard index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``).
+
+    Each tensor is allocated once, at its final place, and its bytes are read into it by the
+    engine (never the whole file staged in memory; on disks that cut requests into scattered
+    small pages, virtio ones, direct reads pass through the engine's reused huge-page buffers,
+    see ``TENSORTIER_STAGE_READS``). Pickled metadata of torch files is read with
+    torch's ``weights_only`` unpickler: no other pickle code ever runs.
+
+    Args:
+        path: the file (format found from its contents) or the ``.index.json`` of shards. Or
+            a readable binary file object (``io.BytesIO``, an open file), as ``torch.load``
+            takes: read from its current position to its end into anonymous memory (a
+            ``memfd``), then loaded from there (with `mmap`, tensors map that memory).
+        device: ``"cpu"`` (the default) or ``"cuda:N"``. For CUDA each tensor is allocated on the device and
+            filled by the engine's GPU path (GPUDirect Storage where cuFile accepts the file,
+            else a ring of pinned bounce buffers; disk reads and copies overlap), never staging
+            the whole file in host memory. With ``verify`` each tensor is checked in a pinned
+            host buffer on its way.
+        dtype: convert floating-point tensors to this torch dtype (integer, bool and complex
+            tensors keep theirs). Storage sharing between converted tensors is lost. Memory
+            (GPU memory for a CUDA device) holds the converted tensors plus ~64 MiB of
+            originals for safetensors files (read and converted a group at a time), plus one
+            original tensor for torch files (read whole, converted a tensor at a time).
+        verify: check the stored checksums (see :func:`save`); a file without checksums is an
+            error then.
+        mmap: return CPU tensors that map the file (copy-on-write, as
+            ``safetensors.torch.load_file`` and ``torch.load(mmap=True)`` do) instead of
+            reading it into memory of their own. Pages come from the page cache, read from the
+            disk as tensors touch them; readahead of all the tensors' bytes is queued when they
+            fit in half the available memory (one budget for all shards of an index).
+            Processes that map one file share its cached pages; writes to the tensors stay
+            private. Only for ``device="cpu"``. The call reads no tensor bytes itself, except
+            with `verify` (checks them now, as they are at load time), `dtype` (converted
+            tensors are copies), big-endian torch files (swapped into private copies) and
+            tensors whose offset is not a multiple of their element size (possible in other
+            writers' files; copied). The file must not be truncated or rewritten in place
+            while the tensors live: reading a page past its new end kills the process with
+            SIGBUS. Replacing it by rename, as :func:`save` does, is safe.
+        progress: show a progress bar on stderr; by default only for loads of 512 MiB or more
+            when stderr is a terminal.
+        map_location: ``torch.load``'s, instead of `device`: a string or ``torch.device``
+            (every storage there), a dict of saved location -> location (``{"cuda:1":
+            "cuda:0"}``; unmapped locations stay as saved), or a callable ``(storage,
+            location) -> storage or None`` given each storage read on the CPU (None: as
+            saved). Locations are those a ``.pt`` file records for its storages; safetensors
+            files hold ``"cpu"`` ones. The one difference from ``torch.load``: without
+            `map_location` (nor `device`) tensors load to the CPU, not where they were saved.
+        weights_only: ``torch.load``'s: True and None (its default) load as always; False is
+            refused, as tensortier never runs arbitrary pickled code (use ``torch.load`` for a
+            trusted file that needs it).
+
+    Returns:
+        safetensors and index files: ``dict[str, Tensor]`` in the file's order. torch files:
+        whatever was saved (shared storages stay shared).
+
+    Raises:
+        ValueError: not a checkpoint, a malformed or unsupported file (legacy torch format,
+            compressed zip entries, pickled globals ``weights_only`` refuses...), a checksum
+            mismatch (naming the tensor), or a bad argument (CUDA unavailable...).
+        OSError: the file cannot be read, or is not a regular file (a FIFO is refused, never
+            waited on).
+    """
+    torch = _torch()
+    if weights_only is False:
+        raise ValueError(
+            "weights_only=False is not supported: tensortier loads pickles with torch's "
+            "weights_only unpickler only and never runs arbitrary pickled code (a pickle can run "
+            "any program); use torch.load(..., weights_only=False) for a file you trust"
+        )
+    if weights_only not in (True, None):
+        raise TypeError(f"weights_only must be True or None, not {weights_only!r}")
+    placement = None
+    if map_location is not None:
+        if device is not None:
+            raise ValueError("give device or map_location, not both (they say the same thing)")
+        if isinstance(map_location, (str, torch.device)):
+            device = map_location
+        elif isinstance(map_location, Mapping):
+            placement = _Placement(mapping=dict(map_location))
+        elif callable(map_location):
+            placement = _Placement(restore=map_location)
+        else:
+            raise TypeError(
+                "map_location must be a string, torch.device, dict or callable, not "
+                f"{type(map_location).__name__}"
+            )
+        if placement is not None and mmap:
+            raise ValueError(
+                "mmap=True maps CPU tensors: use map_location='cpu' with it, not a "
+                f"{type(map_location).__name__}"
+            )
+    dev = _common._target_device(device if device is not None else "cpu")
+    target_dtype = _target_dtype(dtype)
+    if not isinstance(mmap, bool):
+        raise TypeError(f"mmap must be a bool, not {type(mmap).__name__}")
+    if mmap and dev.type != "cpu":
+        raise ValueError(
+            f"mmap=True maps the file into host memory: it needs device='cpu', not {dev} "
+            "(load to the GPU with mmap=False: its bytes go there without host copies)"
+        )
+    io = _io if _io is not None else _common._default_io()
+    with contextlib.ExitStack() as stack:
+        streamed = _is_file_object(path, "read")
+        fspath = stack.enter_context(_memfd_copy(path)) if streamed else os.fspath(path)
+        try:
+            return _load_path(fspath, dev, target_dtype, verify, progress, io, mmap, placement,
+                              streamed)
+        except ValueError as e:
+            if not streamed or fspath not in str(e):
+                raise
+            # errors name the file: the caller's object, not the memfd it was copied to
+            name = getattr(path, "name", None)
+            label = repr(name) if isinstance(name, str) else f"<{type(path).__name__}>"
+            raise ValueError(str(e).replace(fspath, label)) from e
+
+
+def _load_path(
+    fspath: str, dev: Any, target_dtype: Any, verify: bool, progress: bool | None,
+    io: IOHandle, mmap: bool, placement: _Placement | None, streamed: bool,
+) -> Any:
+    kind = _sniff(fspath)
+    if kind == "index" and streamed:
+        raise ValueError(
+            "a shard index names its shards by path: load it by its path, not from a file object"
+        )
+    mapped = _Readahead() if mmap else None
+    if kind == "index":
+        return _load_index(fspath, dev, target_dtype, verify, progress, io, mapped, placement)
+    if kind == "torch":
+        return _load_torch(fspath, dev, target_dtype, verify, progress, io, mapped, placement)
+    return _load_safetensors(
+        fspath, dev, target_dtype, verify, progress, io, mapped=mapped, placement=placement
+    )

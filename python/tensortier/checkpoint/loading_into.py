@@ -1,0 +1,379 @@
+"""tensortier.load_into: checkpoint tensors read straight into existing tensors."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ..io import File, IOHandle
+from . import _common, _format, _reading, safetensors, unpickler
+from ._common import _a, _checksum_mismatch, _crc32, _nbytes, _same_file
+from ._format import _sniff, _torch, CHECKSUM_KEY, PathLike
+from ._progress import _Progress
+from ._reading import _Piece
+from ._writing import _open_checkpoint
+from .index import _read_index
+from .safetensors import _xxh64_check
+from .unpickler import _crc_check, _StorageRef, _verifiable, _verify_other_records
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :func:`load_into` could not match (like ``torch.nn.Module.load_state_dict``)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class StateDictMismatchError(RuntimeError, ValueError):
+    """:func:`load_into` found names or shapes that do not match the target. A ``RuntimeError``
+    worded as ``torch.nn.Module.load_state_dict``'s (``Error(s) in loading state_dict for
+    ...``), so code written for it keeps working; also a ``ValueError``, as before."""
+
+
+def load_into(
+    module_or_state_dict: Any,
+    path: PathLike,
+    strict: bool = True,
+    verify: bool = False,
+    *,
+    progress: bool | None = None,
+    _io: IOHandle | None = None,
+) -> IncompatibleKeys:
+    """Read a checkpoint straight into existing tensors. Allocates nothing for contiguous CPU
+    targets of the file's dtype; contiguous CUDA targets are filled by the engine's GPU path
+    (GPUDirect Storage or the pinned bounce ring). Non-contiguous targets, and targets of
+    another dtype than the file's (converted as ``load_state_dict``'s ``copy_`` does), are read
+    into temporaries ~64 MiB at a time (or one tensor, if larger), then copied.
+
+    Args:
+        module_or_state_dict: a ``torch.nn.Module`` (its ``state_dict()``: parameters and
+            persistent buffers) or a mapping of name -> tensor.
+        path: a safetensors file, a zip-format ``torch.save`` file holding a flat
+            ``{name: tensor}`` dict, or a shard index.
+        strict: like ``load_state_dict``: names missing from the file or not in the target are
+            an error. A missing name whose tensor shares its memory with a loaded one (tied
+            weights that safetensors files store once) is not missing.
+        verify: check the stored checksums of what is read.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)`` (both empty when strict).
+
+    Raises:
+        StateDictMismatchError: a ``RuntimeError`` (and ``ValueError``) worded as
+            ``load_state_dict``'s: missing/unexpected names (strict), shape mismatches (even
+            when not strict, as there), all listed, naming the file on its last line.
+        ValueError: meta-device targets, a malformed file, a checksum mismatch.
+        OSError: the file cannot be read.
+        TypeError: the target is neither a module nor a mapping of tensors.
+
+    Names and shapes are all checked before any byte is read. An error during the read
+    itself (I/O error, checksum mismatch, interrupt) leaves the targets partly overwritten, as
+    ``load_state_dict`` would after a failed ``copy_``: load again, or load into copies, when
+    the old values must survive a failure.
+    """
+    torch = _torch()
+    if isinstance(module_or_state_dict, torch.nn.Module):
+        targets = dict(module_or_state_dict.state_dict())
+    elif isinstance(module_or_state_dict, Mapping):
+        targets = dict(module_or_state_dict)
+    else:
+        raise TypeError(
+            f"load_into needs a torch.nn.Module or a mapping of tensors, not "
+            f"{type(module_or_state_dict).__name__}"
+        )
+    meta = []
+    for name, t in targets.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"target {name!r} is {_a(type(t).__name__)}, not a tensor")
+        if t.is_meta:
+            meta.append(name)
+    if meta:
+        # Meta tensors have no memory to read into (and all share data_ptr 0, which would make
+        # them look tied to each other): materialise them first, e.g. module.to_empty(device=).
+        raise ValueError(
+            f"load_into: {len(meta)} target(s) on the meta device, e.g. {meta[:4]}: give them "
+            "memory first (module.to_empty(device='cpu'))"
+        )
+    io = _io if _io is not None else _common._default_io()
+    fspath = os.fspath(path)
+    files: dict[str, File] = {}  # opened once: what is parsed is what is read
+    try:
+        sources = _describe_sources(fspath, io, files, verify)  # name -> _Source
+        return _load_into(targets, sources, strict, verify, progress, io, fspath, files,
+                          type(module_or_state_dict).__name__)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+@dataclass
+class _Source:
+    """Where a saved tensor's bytes are: a contiguous run of `nbytes` at `offset` of `path`, or
+    (non-contiguous torch views) a tensor to copy from once its storage is read."""
+
+    path: str
+    dtype: Any
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    check: Callable[[Any], None] | None  # set per load (verify)
+    checksum: int | None  # xxh64 of the bytes (safetensors) or None
+    crc_storage: _StorageRef | None = None  # torch: the storage record (crc checks)
+    view: Any = None  # torch: a meta tensor describing the saved view
+
+
+def _describe_sources(
+    path: str, io: IOHandle, files: dict[str, File], verify: bool = False
+) -> dict[str, _Source]:
+    """The tensors of `path` (an index: of its shards). Every data file is opened into `files`
+    and parsed through that descriptor."""
+    kind = _sniff(path)
+    if kind == "index":
+        out: dict[str, _Source] = {}
+        for shard, names in _read_index(path).items():
+            if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
+                raise ValueError(f"{path}: shard {shard} is itself an index")
+            part = _describe_sources(shard, io, files, verify)
+            missing = [n for n in names if n not in part]
+            if missing:
+                raise ValueError(
+                    f"{path}: the index puts {missing[:8]} in {shard}, which lacks them"
+                )
+            out.update(part)
+        return out
+    if path not in files:
+        files[path] = _open_checkpoint(io, path)
+    file = files[path]
+    if kind == "safetensors":
+        entries, metadata = _same_file(
+            file, path, lambda name: safetensors._read_st_header(name, verify)
+        )
+        sums: dict[str, int] | None = None
+        if CHECKSUM_KEY in metadata:
+            sums = safetensors._parse_checksums(path, metadata)
+        return {
+            e.name: _Source(path, e.dtype, e.shape, e.offset, e.nbytes, None,
+                            None if sums is None else sums.get(e.name, -1))
+            for e in entries
+        }
+    torch = _torch()
+    obj, storages, records, prefix, big_endian = _same_file(
+        file,
+        path,
+        lambda name: unpickler._unpickle_torch(
+            name, torch.device("meta"), label=path, verify=verify, io=io
+        ),
+    )
+    if verify:  # storage records are checked as their tensors are read
+        read = {f"{prefix}data/{r.key}" for r in storages.values()}
+        read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}
+        _verify_other_records(path, file, records, read, io)
+    if big_endian:
+        raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")
+    if not isinstance(obj, Mapping):
+        raise ValueError(
+            f"{path}: holds a {type(obj).__name__}, not a flat state dict: use tensortier.load"
+        )
+    by_storage = {id(r.storage): r for r in storages.values()}
+    by_cdata = {r.storage._cdata: r for r in storages.values()}
+    out = {}
+    for name, t in obj.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(
+                f"{path}: {name!r} is {_a(type(t).__name__)}, not a tensor: load_into reads flat "
+                "state dicts; use tensortier.load"
+            )
+        ref = by_cdata.get(t.untyped_storage()._cdata) or by_storage.get(id(t.untyped_storage()))
+        if ref is None:
+            raise ValueError(f"{path}: cannot find the storage of {name!r}")
+        start = t.storage_offset() * t.element_size()
+        n = _nbytes(t)
+        # A conjugate or negative view's storage holds other numbers than its values: read
+        # through its storage, then copied with the bit applied, as non-contiguous views are.
+        contiguous = t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        out[name] = _Source(path, t.dtype, tuple(t.shape), ref.record.offset + start, n, None,
+                            None, ref, None if contiguous else t)
+    return out
+
+
+def _load_into(
+    targets: dict[str, Any], sources: dict[str, _Source], strict: bool, verify: bool,
+    progress: bool | None, io: IOHandle, path: str, files: Mapping[str, File],
+    target_name: str = "dict",
+) -> IncompatibleKeys:
+    torch = _torch()
+    unexpected = [k for k in sources if k not in targets]
+    missing = [k for k in targets if k not in sources]
+    # A name missing from the file whose tensor is the very same memory as a loaded one (tied
+    # weights, stored once in safetensors files) gets its data anyway.
+    loaded_mem = {
+        (t.data_ptr(), _nbytes(t), t.dtype, tuple(t.shape))
+        for k, t in targets.items() if k in sources
+    }
+    missing = [
+        k for k in missing
+        if (targets[k].data_ptr(), _nbytes(targets[k]), targets[k].dtype,
+            tuple(targets[k].shape)) not in loaded_mem or _nbytes(targets[k]) == 0
+    ]
+    # The lines and their order are load_state_dict's: code parsing its message keeps working.
+    errors = []
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in missing)))
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in unexpected)))
+    for k, src in sources.items():
+        t = targets.get(k)
+        if t is not None and tuple(t.shape) != src.shape:
+            errors.append(
+                f"size mismatch for {k}: copying a param with shape {torch.Size(src.shape)} "
+                f"from checkpoint, the shape in current model is {t.shape}."
+            )
+    if errors:
+        hint = " (load_into(..., strict=False) skips missing and unexpected names)"
+        raise StateDictMismatchError(
+            f"Error(s) in loading state_dict for {target_name}:\n\t" + "\n\t".join(errors)
+            + f"\n\tfrom {path}" + (hint if strict and (missing or unexpected) else "")
+        )
+
+    direct: list[_Piece] = []  # read straight into the target's memory
+    staged: list[_Staged] = []  # read into a temporary, then copied (and converted) into it
+    crc_refs: dict[tuple[str, str], _StorageRef] = {}
+    # The same memory under several names (tied weights) is read once, from the name that
+    # comes last in the target's order: the value load_state_dict leaves (it copies each name
+    # in turn, so the last one wins).
+    last_name: dict[tuple[int, int], str] = {}
+    for k, t in targets.items():
+        if k in sources and _nbytes(t) > 0:
+            last_name[(t.data_ptr(), _nbytes(t))] = k
+    for k, src in sources.items():
+        t = targets.get(k)
+        if t is None:
+            continue
+        mem = (t.data_ptr(), _nbytes(t))
+        if mem[1] > 0 and last_name[mem] != k:
+            continue
+        f = files[src.path]
+        if src.view is not None and src.crc_storage is not None:
+            # a non-contiguous saved view: read its whole storage, then copy the view out
+            ref = src.crc_storage
+            if verify:
+                _verifiable(src.path, [ref])
+            staged.append(_Staged(ref.nbytes, functools.partial(
+                _stage_saved_view, t, ref, src.view, f,
+                _crc_check(src.path, ref.key, ref.record.crc32) if verify else None)))
+            continue
+        check = None
+        if verify and src.crc_storage is not None:
+            ref = src.crc_storage
+            if src.offset == ref.record.offset and src.nbytes == ref.nbytes:
+                _verifiable(src.path, [ref])
+                check = _crc_check(src.path, ref.key, ref.record.crc32)
+            else:  # the CRC covers more than this tensor: checked on its own afterwards
+                crc_refs[(ref.path, ref.key)] = ref
+        elif verify:
+            if src.checksum is None:
+                safetensors._parse_checksums(src.path, {})  # raises: this file stores no checksums
+            check = _xxh64_check(src.path, k, None if src.checksum == -1 else src.checksum)
+        if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: engine's ring/GDS
+            direct.append(_Piece(k, f, src.offset, src.nbytes, t.detach(), check))
+        else:
+            staged.append(_Staged(src.nbytes, functools.partial(
+                _stage_tensor, t, k, f, src, check)))
+    total = sum(p.nbytes for p in direct) + sum(s.nbytes for s in staged)
+    prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
+    try:
+        with torch.no_grad():
+            _reading._read_pieces(io, direct, prog, path, close_progress=False)
+            # Temporaries a group at a time: the extra memory is one group (or one tensor),
+            # plus, for CUDA targets with verify, two pinned buffers of the largest piece.
+            for group in _staged_groups(staged):
+                made = [s.make() for s in group]
+                _reading._read_pieces(
+                    io, [piece for piece, _ in made], prog, path, close_progress=False
+                )
+                for _, finish in made:
+                    finish()
+                del made
+    finally:
+        prog.close()
+    if crc_refs:
+        _verify_torch_records(io, files, list(crc_refs.values()))
+    return IncompatibleKeys(missing, unexpected)
+
+
+@dataclass
+class _Staged:
+    """A load_into target read through a temporary: non-contiguous, another dtype than the
+    file's (converted as load_state_dict's copy_ does), or a view of a saved storage. `make`
+    allocates the temporary and returns the piece to read and the copy into the target."""
+
+    nbytes: int
+    make: Callable[[], tuple[_Piece, Callable[[], None]]]
+
+
+def _staged_groups(staged: Sequence[_Staged]) -> Iterator[list[_Staged]]:
+    group: list[_Staged] = []
+    size = 0
+    for s in staged:
+        if group and size + s.nbytes > _format._GROUP_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(s)
+        size += s.nbytes
+    if group:
+        yield group
+
+
+def _stage_tensor(
+    t: Any, name: str, f: File, src: _Source, check: Callable[[Any], None] | None
+) -> tuple[_Piece, Callable[[], None]]:
+    torch = _torch()
+    tmp = torch.empty(src.shape, dtype=src.dtype, device=t.device)
+    return _Piece(name, f, src.offset, src.nbytes, tmp, check), lambda: t.copy_(tmp)
+
+
+def _stage_saved_view(
+    t: Any, ref: _StorageRef, view: Any, f: File, check: Callable[[Any], None] | None
+) -> tuple[_Piece, Callable[[], None]]:
+    torch = _torch()
+    holder = torch.empty(ref.nbytes, dtype=torch.uint8)
+
+    def copy_view() -> None:
+        src_t = torch.empty(0, dtype=view.dtype).set_(
+            holder.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+        if view.is_conj():
+            src_t = src_t.conj()
+        if view.is_neg():
+            src_t = src_t.neg()
+        t.copy_(src_t)
+
+    return _Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, holder, check), copy_view
+
+
+def _verify_torch_records(io: IOHandle, files: Mapping[str, Any], refs: Sequence[_StorageRef]
+                          ) -> None:
+    """verify=True for load_into from torch files, for storage records the tensors read do not
+    cover whole: the CRC-32 covers the whole record, so it is read again through a bounded
+    buffer and checked."""
+    torch = _torch()
+    _verifiable(refs[0].path, refs)
+    size = min(max(r.nbytes for r in refs), _format._GROUP_BYTES) or 1
+    buf = torch.empty(size, dtype=torch.uint8)
+    for r in refs:
+        f = files[r.path]
+        crc = 0
+        pos = 0
+        while pos < r.nbytes:
+            n = min(buf.numel(), r.nbytes - pos)
+            got = io.pread(buf[:n], f, r.record.offset + pos)
+            if got != n:
+                raise ValueError(f"{r.path}: file ended early in record data/{r.key}")
+            crc = _crc32(buf[:n], crc)
+            pos += n
+        if crc != r.record.crc32:
+            raise _checksum_mismatch(r.path, f"data/{r.key}", "crc32", r.record.crc32, crc)

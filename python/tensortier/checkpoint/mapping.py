@@ -1,0 +1,196 @@
+"""Where loaded tensors live: host allocations placed for O_DIRECT, memory-mapped files with
+readahead, and the placement of tensors on their target device."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..io import File
+from . import _common, _format
+from ._common import _as_bytes, _storage_bytes
+from ._format import _torch, ALIGNMENT
+
+
+def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
+    """An uninitialised flat CPU tensor with a storage of its own. Large ones start `misalign`
+    bytes past a page boundary, so that address and file offset agree modulo the page size:
+    the engine then reads them O_DIRECT with no bounce copy the alignment rules would force.
+
+    The memory comes from torch's CPU allocator, as any tensor's. With glibc, tensors up to its
+    mmap threshold (at most 32 MiB) reuse heap memory the process freed, already faulted in (a
+    warm reload of 2 GiB in 300 tensors ran 3.7 -> 15 GB/s on the benchmark VM); larger ones
+    are fresh mappings either way. Where transparent huge pages are "madvise" (the common
+    default) the memory has small pages, the faster first touch on VMs that report free memory
+    to their host (BENCHMARKS.md)."""
+    torch = _torch()
+    nbytes = numel * dtype.itemsize
+    if nbytes < _format._ALIGNED_ALLOC_MIN:
+        return torch.empty(numel, dtype=dtype)
+    if misalign % dtype.itemsize:
+        misalign = 0  # keep elements naturally aligned; the engine bounces this one
+    base = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)  # skip < ALIGNMENT
+    skip = (misalign - base.data_ptr()) % ALIGNMENT
+    # A storage of exactly these bytes (torch files share storages between views, by byte
+    # offsets into them). torch.frombuffer keeps `window` alive, and `window` keeps `base`.
+    window = (ctypes.c_char * nbytes).from_address(base.data_ptr() + skip)
+    window.owner = base  # type: ignore[attr-defined]
+    return torch.frombuffer(window, dtype=torch.uint8).view(dtype)
+
+
+class _Readahead:
+    """What loads with ``mmap=True`` may still ask the kernel to read ahead: half the memory
+    available when the load began. The shards of one index share it, so that reading ahead for
+    a model larger than memory does not evict earlier shards' pages before they are touched."""
+
+    def __init__(self) -> None:
+        self.left = _available_memory() // 2
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+def _map_file(
+    file: File, path: str, ranges: Sequence[tuple[str, int, int]], readahead: _Readahead
+) -> Any:
+    """The whole file `file` has open, mapped copy-on-write, as a CPU UntypedStorage that keeps
+    the mapping alive (it is unmapped when the last tensor on it is gone; no descriptor stays
+    open). `ranges` are the (name, offset, length) the caller will use: each must lie inside the
+    file as mapped, since touching a mapped page past the end of a file is SIGBUS, not an
+    error. Starts readahead of the bytes they span when `readahead` allows."""
+    torch = _torch()
+    fd = file.fileno()
+    size = os.fstat(fd).st_size
+    for name, offset, length in ranges:
+        if offset < 0 or length < 0:
+            raise ValueError(f"{path}: {name!r} has offset {offset} and length {length}")
+        if offset + length > size:
+            raise ValueError(
+                f"{path}: file ended early: {name!r} needs {length} bytes at offset {offset}, "
+                f"the file has {size} (truncated file?)"
+            )
+    # Map the file the descriptor has open (`path` may name another one by now). torch maps it
+    # MAP_PRIVATE and closes its descriptor; Python's mmap would keep a duplicate open per file.
+    proc = f"/proc/self/fd/{fd}"
+    try:
+        whole = torch.UntypedStorage.from_file(
+            proc if os.path.exists(proc) else path, shared=False, nbytes=size
+        )
+    except RuntimeError as e:  # "unable to mmap N bytes from file <name>: <strerror> (<errno>)"
+        found = re.search(r"\((\d+)\)\s*$", str(e))
+        raise OSError(
+            int(found.group(1)) if found else errno.EIO,
+            f"cannot map the checkpoint ({str(e).replace(proc, path)}): load it with mmap=False",
+            path,
+        ) from None
+    used = [(offset, length) for _, offset, length in ranges if length]
+    if used:
+        start = min(o for o, _ in used)
+        end = max(o + n for o, n in used)
+        if readahead.take(end - start):
+            try:
+                # Queues large reads of the whole span and returns: on the benchmark VM a cold
+                # load that touches every page of 2 GiB ran 1.6 -> 2.6 GB/s with it.
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # only a hint: pages still come in as they are touched
+    return whole
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 when unknown)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _empty_fixed_storage() -> Any:
+    """A storage of 0 bytes that cannot be resized (a tensor set_ past its end is refused, as
+    torch.load refuses it, instead of growing it)."""
+    torch = _torch()
+    return torch.frombuffer(bytearray(1), dtype=torch.uint8).untyped_storage()[0:0]
+
+
+def _fixed_size(flat: Any) -> Any:
+    """`flat`'s bytes (a uint8 CPU tensor) in a storage that cannot be resized; keeps `flat`
+    alive."""
+    torch = _torch()
+    window = (ctypes.c_char * flat.numel()).from_address(flat.data_ptr())
+    window.owner = flat  # type: ignore[attr-defined]
+    return torch.frombuffer(window, dtype=torch.uint8)
+
+
+def _mapped_tensor(
+    whole: Any, offset: int, nbytes: int, dtype: Any, shape: Sequence[int]
+) -> Any:
+    """A tensor of `shape` over bytes [offset, offset + nbytes) of the mapped file `whole`, in a
+    storage of exactly those bytes (so that saving it, or checking it for shared memory as
+    safetensors does, sees only its own bytes). A copy where `offset` is not a multiple of the
+    element size: torch expects elements at their natural alignment."""
+    torch = _torch()
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    window = whole[offset : offset + nbytes]
+    if offset % dtype.itemsize:
+        flat = _host_alloc(nbytes // dtype.itemsize, dtype)
+        _as_bytes(flat).copy_(_storage_bytes(window))
+        return flat.view(tuple(shape))
+    return torch.empty(0, dtype=dtype).set_(window, 0, tuple(shape))
+
+
+@dataclass
+class _Placement:
+    """``load``'s `map_location` as torch.load applies it to a storage saved at `location`
+    ('cpu', 'cuda:1'...): a dict maps location strings (unmapped ones stay where they were
+    saved), a callable gets each storage, read on the CPU, and returns it placed (None: where
+    it was saved)."""
+
+    mapping: Mapping[str, Any] | None = None
+    restore: Callable[[Any, str], Any] | None = None
+
+    def device_for(self, location: str) -> Any:
+        if self.mapping is not None:
+            target = self.mapping.get(location, location)
+            return _common._target_device(str(target) if not isinstance(target, str) else target)
+        return _torch().device("cpu")  # read there, then given to `restore`
+
+    def restored(self, storage: Any, location: str) -> Any:
+        torch = _torch()
+        assert self.restore is not None
+        result = self.restore(storage, location)
+        if result is None:  # torch's default: where it was saved
+            dev = _common._target_device(location)
+            if dev.type == "cpu":
+                return storage
+            placed = torch.UntypedStorage(storage.nbytes(), device=dev)
+            placed.copy_(storage)
+            return placed
+        if isinstance(result, torch.storage.TypedStorage):
+            result = result._untyped_storage
+        if not isinstance(result, torch.UntypedStorage) or result.nbytes() != storage.nbytes():
+            raise ValueError(
+                f"map_location returned {type(result).__name__} for a storage of "
+                f"{storage.nbytes()} bytes: it must return a storage of the same size (or None)"
+            )
+        return result
+
+    def restored_tensor(self, t: Any, location: str) -> Any:
+        torch = _torch()
+        storage = self.restored(t.untyped_storage(), location)
+        if storage is t.untyped_storage() or storage.data_ptr() == t.untyped_storage().data_ptr():
+            return t
+        out = torch.empty(0, dtype=t.dtype, device=storage.device)
+        return out.set_(storage, t.storage_offset(), t.shape, t.stride())

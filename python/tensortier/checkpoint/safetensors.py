@@ -1,0 +1,334 @@
+"""safetensors files: the aligned layout a save writes, checksums in its metadata, and loads."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _core
+from ..io import File, IOHandle
+from . import _common, _reading, mapping
+from ._common import _as_bytes, _checksum_mismatch, _converts, _nbytes, _same_file, _st_dtype_maps
+from ._format import (
+    _require,
+    _st_shape,
+    _torch,
+    _torch_shape,
+    ALIGNMENT,
+    CHECKSUM_KEY,
+    HEADER_CHECKSUM_KEY,
+    PathLike,
+)
+from ._progress import _Progress
+from ._reading import _groups, _Piece
+from ._writing import _DurableFile, _host_contiguous, _open_checkpoint, _Writer
+from .mapping import _mapped_tensor, _Placement, _Readahead
+
+
+def _check_tensor_dict(state_dict: Any) -> Any:
+    torch = _torch()
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"a safetensors file holds a mapping of name -> tensor, not a "
+            f"{type(state_dict).__name__}: use format='torch' for other objects"
+        )
+    bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(
+            f"safetensors files hold tensors only; these values are not tensors: {bad[:8]}"
+            f"{' ...' if len(bad) > 8 else ''}: use format='torch' to keep them"
+        )
+    bad = [k for k in state_dict if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"safetensors tensor names must be str, not {bad[:8]}")
+    bad = [k for k, v in state_dict.items() if v.layout != torch.strided]
+    if bad:
+        raise TypeError(f"sparse or non-strided tensors cannot be saved as safetensors: {bad}")
+    bad = [k for k, v in state_dict.items() if v.device.type == "meta"]
+    if bad:
+        raise ValueError(f"meta tensors have no data to save: {bad}")
+    return state_dict
+
+
+def _shared_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
+    """Groups of names whose tensors overlap in memory (what safetensors refuses)."""
+    by_storage: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
+    for k, v in state_dict.items():
+        if _nbytes(v) == 0:
+            continue
+        by_storage[(str(v.device), v.untyped_storage().data_ptr())].append(k)
+    groups: list[list[str]] = []
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        areas = []
+        for k in names:
+            v = state_dict[k]
+            start = v.data_ptr()
+            # the furthest byte any element reaches (views may be strided)
+            span = sum((s - 1) * abs(st) for s, st in zip(v.shape, v.stride())) + 1
+            areas.append((start, start + span * v.element_size(), k))
+        areas.sort()
+        current = [areas[0][2]]
+        stop = areas[0][1]
+        for start, end, k in areas[1:]:
+            if start < stop:
+                current.append(k)
+            else:
+                if len(current) > 1:
+                    groups.append(current)
+                current = [k]
+            stop = max(stop, end)
+        if len(current) > 1:
+            groups.append(current)
+    return groups
+
+
+def _safetensors_layout(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """Offsets (relative to the data start) for each tensor. safetensors allows no gaps, so
+    tensors whose size is a multiple of 4 KiB go first (each then starts on a 4 KiB boundary);
+    the rest follow, widest elements first so every tensor stays naturally aligned."""
+    items = list(state_dict.items())
+    whole = [(k, v) for k, v in items if _nbytes(v) % ALIGNMENT == 0]
+    rest = [(k, v) for k, v in items if _nbytes(v) % ALIGNMENT != 0]
+    rest.sort(key=lambda kv: -kv[1].element_size())  # stable: keeps insertion order per width
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for k, v in whole + rest:
+        n = _nbytes(v)
+        offsets[k] = (pos, pos + n)
+        pos += n
+    return offsets
+
+
+def _save_safetensors(
+    state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
+    io: IOHandle,
+) -> None:
+    serialize = _require("serialize_safetensors_header")
+    _check_tensor_dict(state_dict)
+    to_st, _ = _st_dtype_maps()
+    bad = [f"{k} ({v.dtype})" for k, v in state_dict.items() if v.dtype not in to_st]
+    if bad:
+        raise TypeError(
+            f"safetensors has no dtype for: {', '.join(bad)}: convert them or use format='torch'"
+        )
+    shared = _shared_groups(state_dict)
+    if shared:
+        raise ValueError(
+            f"these tensors share memory, which safetensors files cannot express: {shared}; "
+            "save one name per group (or .clone() the others), or use format='torch', which "
+            "keeps the sharing"
+        )
+    reserved = [k for k in (CHECKSUM_KEY, HEADER_CHECKSUM_KEY) if k in metadata]
+    if reserved:
+        # Without checksum=True they would be stale checksums a later verify fails on.
+        raise ValueError(
+            f"metadata keys {reserved} are tensortier's checksums: leave them out "
+            "(save(..., checksum=True) writes fresh ones)"
+        )
+    offsets = _safetensors_layout(state_dict)
+    entries = [
+        (k, to_st[v.dtype], _st_shape(k, to_st[v.dtype], v.shape), *offsets[k])
+        for k, v in state_dict.items()
+    ]
+    data_bytes = max((end for _, end in offsets.values()), default=0)
+    md = dict(metadata)
+    md.setdefault("format", "pt")  # as save_model / save_pretrained write: transformers wants it
+    if checksum:  # placeholder of the final length: the real header replaces it at the end
+        md[CHECKSUM_KEY] = _checksum_json({k: 0 for k in state_dict})
+        digest = _require("safetensors_header_digest")(entries, md)  # skips the checksum keys
+        md[HEADER_CHECKSUM_KEY] = f"{digest:016x}"
+    header = bytes(serialize(entries, md, ALIGNMENT))
+    data_start = len(header)
+    sums: dict[str, int] = {}
+    with _DurableFile(path, io) as df:
+        df.reserve(data_start + data_bytes)
+        writer = _Writer(io, df.open())
+        try:
+            for k, v in state_dict.items():
+                data, staged = _host_contiguous(v.detach())
+                if checksum:
+                    sums[k] = _common._xxh64(data)
+                writer.add(_as_bytes(data), data_start + offsets[k][0], staged)
+            writer.finish()
+        except BaseException:
+            writer.drain()
+            raise
+        if checksum:
+            md[CHECKSUM_KEY] = _checksum_json(sums)
+            final = bytes(serialize(entries, md, ALIGNMENT))
+            if len(final) != data_start:  # cannot happen: fixed-width hex digits
+                raise RuntimeError("safetensors header changed length after checksumming")
+            header = final
+        io.pwrite(header, df.open(), 0)
+        df.commit()
+
+
+def _checksum_json(sums: Mapping[str, int]) -> str:
+    return json.dumps({k: f"{v:016x}" for k, v in sums.items()}, separators=(",", ":"))
+
+
+def _parse_checksums(path: str, metadata: Mapping[str, str]) -> dict[str, int]:
+    text = metadata.get(CHECKSUM_KEY)
+    if text is None:
+        raise ValueError(
+            f"{path}: verify=True but the file stores no checksums (save it with "
+            "tensortier.save(..., checksum=True), or load with verify=False)"
+        )
+    # The rules `tensortier verify` applies (one parser, in C++): duplicate names are refused,
+    # and each value is exactly 16 hex digits.
+    try:
+        raw = _require("parse_tensor_checksums")(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: malformed {CHECKSUM_KEY} metadata: {e}") from e
+    sums = {}
+    for name, hex_digits in raw.items():
+        value = _core.parse_stored_checksum(hex_digits)
+        if value is None:
+            raise ValueError(
+                f"{path}: malformed {CHECKSUM_KEY} metadata: tensor {name!r}: checksum "
+                f"{hex_digits!r} is not 16 hex digits"
+            )
+        sums[name] = value
+    return sums
+
+
+@dataclass
+class _STEntry:
+    name: str
+    dtype: Any
+    shape: tuple[int, ...]
+    offset: int  # absolute file offset
+    nbytes: int
+
+
+def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], dict[str, str]]:
+    """Parse a safetensors header; with `verify`, also check its stored header checksum (files
+    without one, from other writers or older versions, pass: their data checksums still
+    count)."""
+    read_header = _require("read_safetensors_header")
+    try:
+        data_start, entries, metadata = read_header(path)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if path in msg else f"{path}: {msg}") from e
+    stored = metadata.get(HEADER_CHECKSUM_KEY)
+    if verify and stored is not None:
+        actual = _require("safetensors_header_digest")(entries, metadata)
+        stored_value = _core.parse_stored_checksum(stored)
+        if stored_value is None:
+            raise ValueError(
+                f"{path}: malformed {HEADER_CHECKSUM_KEY} metadata: {stored!r} is not 16 hex "
+                "digits"
+            )
+        if stored_value != actual:
+            raise ValueError(
+                f"{path}: header checksum mismatch (stored {stored}, the header gives "
+                f"{actual:016x}): names, shapes, dtypes, offsets or metadata were changed"
+            )
+    _, from_st = _st_dtype_maps()
+    out: list[_STEntry] = []
+    for name, dt, shape, begin, end in entries:
+        dtype = from_st.get(dt)
+        if dtype is None:
+            raise ValueError(
+                f"{path}: tensor {name!r} has dtype {dt}, which this torch cannot hold"
+            )
+        torch_shape = _torch_shape(name, dt, shape, path)
+        numel = 1
+        for s in torch_shape:
+            numel *= s
+        if numel * dtype.itemsize != end - begin:
+            raise ValueError(
+                f"{path}: tensor {name!r}: shape {tuple(shape)} of {dt} needs "
+                f"{numel * dtype.itemsize} bytes, the header gives {end - begin}"
+            )
+        out.append(_STEntry(name, dtype, torch_shape, data_start + begin, end - begin))
+    return out, dict(metadata)
+
+
+def _xxh64_check(path: str, name: str, expected: int | None) -> Callable[[Any], None]:
+    def check(data: Any) -> None:
+        if expected is None:
+            raise ValueError(f"{path}: verify=True but tensor {name!r} has no stored checksum")
+        actual = _common._xxh64(data)
+        if actual != expected:
+            raise _checksum_mismatch(path, name, "xxh64", expected, actual)
+
+    return check
+
+
+def _load_safetensors(
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
+    _prog: _Progress | None = None, mapped: _Readahead | None = None,
+    placement: _Placement | None = None,
+) -> dict[str, Any]:
+    """`placement` (``map_location``): safetensors files hold CPU tensors (location "cpu")."""
+    if placement is not None and placement.restore is None:
+        dev = placement.device_for("cpu")
+    out = _load_safetensors_at(path, dev, dtype, verify, progress, io, _prog, mapped)
+    if placement is not None and placement.restore is not None:
+        out = {k: placement.restored_tensor(t, "cpu") for k, t in out.items()}
+    return out
+
+
+def _load_safetensors_at(
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
+    _prog: _Progress | None = None, mapped: _Readahead | None = None,
+) -> dict[str, Any]:
+    file = _open_checkpoint(io, path)
+    try:
+        entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
+        sums = _parse_checksums(path, metadata) if verify else None
+        if mapped is not None:
+            ranges = [(e.name, e.offset, e.nbytes) for e in entries]
+            whole = mapping._map_file(file, path, ranges, mapped)
+            mapped_out = {}
+            for e in entries:
+                t = _mapped_tensor(whole, e.offset, e.nbytes, e.dtype, e.shape)
+                if verify:
+                    _xxh64_check(path, e.name, sums.get(e.name))(t)
+                mapped_out[e.name] = t
+            return _common._convert_in_place(mapped_out, dtype) if dtype is not None else mapped_out
+        total = sum(e.nbytes for e in entries)
+        prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
+        out: dict[str, Any] = {}
+        # Without conversion every tensor is read in one go; with it, ~64 MiB of tensors at a
+        # time, each group converted before the next is allocated: memory (GPU memory, for a
+        # load to CUDA) then holds the converted tensors plus one group, not the whole file in
+        # its saved dtype as well.
+        converts = dtype is not None and any(_converts(e.dtype, dtype) for e in entries)
+        try:
+            for group in _groups(entries) if converts else [entries]:
+                out.update(_read_st_group(io, file, path, group, dev, dtype, sums, prog))
+        finally:
+            prog.close()
+    finally:
+        file.close()
+    return out
+
+
+def _read_st_group(
+    io: IOHandle, file: File, path: str, group: Sequence[_STEntry], dev: Any, dtype: Any,
+    sums: Mapping[str, Any] | None, prog: _Progress,
+) -> dict[str, Any]:
+    """`group`'s tensors read from `file` into new tensors on `dev` and converted to `dtype`
+    (when not None); checksums checked when `sums` is not None. The originals of converted
+    tensors go when this returns."""
+    torch = _torch()
+    pieces: list[_Piece] = []
+    for e in group:
+        numel = e.nbytes // e.dtype.itemsize
+        if dev.type == "cpu":
+            flat = mapping._host_alloc(numel, e.dtype, e.offset % ALIGNMENT)
+        else:
+            flat = torch.empty(numel, dtype=e.dtype, device=dev)
+        check = _xxh64_check(path, e.name, sums.get(e.name)) if sums is not None else None
+        pieces.append(_Piece(e.name, file, e.offset, e.nbytes, flat, check))
+    _reading._read_pieces(io, pieces, prog, path, close_progress=False)
+    return {e.name: _common._convert(p.dest.view(e.shape), dtype) for e, p in zip(group, pieces)}

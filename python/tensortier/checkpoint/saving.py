@@ -1,0 +1,102 @@
+"""tensortier.save."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any, BinaryIO
+
+from ..io import IOHandle
+from . import _common
+from ._common import _is_file_object, _save_format, _STREAM_CHUNK
+from ._format import PathLike
+from .safetensors import _save_safetensors
+from .torch_save import _save_torch
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: PathLike | BinaryIO,
+    format: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    checksum: bool = False,
+    *,
+    _io: IOHandle | None = None,
+) -> None:
+    """Save `state_dict` to `path`, durably (temporary file, fdatasync, rename, directory fsync).
+
+    Args:
+        state_dict: name -> tensor (CPU or GPU; non-contiguous tensors are saved contiguous).
+            With ``format="torch"`` any object ``torch.save`` accepts and ``torch.load(...,
+            weights_only=True)`` reads back (nested dicts/lists, ints, strings...). Objects
+            holding quantized or nested tensors, which torch cannot pickle without their data,
+            are written by ``torch.save`` itself (as durably, at its speed).
+        path: the file to write; its directory must exist. An existing file is replaced only
+            once the new one is complete and synced, keeping its mode, owner and group (the
+            owner where the caller may set it: root); one the caller may not write is not
+            replaced (``PermissionError``, as from ``torch.save``). Or a writable binary
+            file object (``io.BytesIO``, an open file), as ``torch.save`` takes: the checkpoint
+            is written to a temporary file first, then copied to it from its current position.
+        format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
+            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch; for a file object,
+            torch, as ``torch.save`` writes).
+        metadata: safetensors only: text metadata stored in the header (``__metadata__``);
+            ``{"format": "pt"}`` is added unless given (transformers expects it).
+        checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata,
+            plus one of the header's names, dtypes, shapes, offsets and metadata; torch: the zip
+            CRC-32 of each storage and of the pickle, written by default as ``torch.save``
+            does: ``checksum=True`` writes them even when
+            ``torch.serialization.set_crc32_options(False)`` is in effect), checked by
+            ``load(..., verify=True)`` and ``tensortier verify``.
+
+    Raises:
+        TypeError: a value the format cannot store (safetensors: only tensors of its dtypes).
+        ValueError: bad arguments, or tensors sharing memory in a safetensors file (save them
+            with ``format="torch"``, or ``.clone()`` the duplicates).
+        OSError: the file cannot be written (nothing is left under the final name then); the
+            message names `path` as given first, then what failed.
+    """
+    if _is_file_object(path, "write"):
+        fmt = _save_format("stream.pt" if format is None else "", format)
+        with tempfile.TemporaryDirectory(prefix="tensortier-save-") as tmp:
+            staged = os.path.join(tmp, "checkpoint")
+            save(state_dict, staged, fmt, metadata, checksum, _io=_io)
+            with open(staged, "rb") as f:
+                shutil.copyfileobj(f, path, _STREAM_CHUNK)  # type: ignore[misc]
+        return
+    fmt = _save_format(path, format)
+    if metadata is not None:
+        if fmt != "safetensors":
+            raise ValueError(
+                "metadata is stored in safetensors files only: use format='safetensors'"
+            )
+        if not isinstance(metadata, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise TypeError("metadata must be a mapping of str to str")
+    if not isinstance(checksum, bool):
+        raise TypeError(f"checksum must be a bool, not {type(checksum).__name__}")
+    io = _io if _io is not None else _common._default_io()
+    try:
+        if fmt == "safetensors":
+            _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
+        else:
+            _save_torch(state_dict, path, checksum, io)
+    except OSError as e:
+        raise _save_error(e, os.fspath(path)) from e
+
+
+def _save_error(e: OSError, given: str) -> OSError:
+    """`e` naming the path the caller gave first: a failure on the hidden temporary file is one
+    of saving `given`."""
+    final = os.path.realpath(given)
+    if e.filename in (given, final) and ".tmp-" not in str(e.strerror):
+        return e  # about the file itself already (read-only, a directory...)
+    detail = str(e.strerror) if e.strerror else str(e)
+    if e.filename is not None and str(e.filename) not in detail:
+        detail = f"{detail}: {e.filename!r}"
+    if e.errno is None:
+        return OSError(f"cannot save {given!r}: {detail}")
+    return OSError(e.errno, f"cannot save {given!r}: {detail}")  # the errno's subclass

@@ -1,0 +1,147 @@
+"""Saving torch.save files: torch pickles the metadata (skip_data), the engine writes the
+storages at their record offsets, and their CRC-32s are patched in."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+from ..io import IOHandle
+from . import unpickler
+from ._common import _crc32, _storage_bytes
+from ._format import _require, _torch, ALIGNMENT, PathLike
+from ._writing import _DurableFile, _Writer
+from .unpickler import _archive_prefix, _ZipRecord
+
+
+class _NullSink:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _storages_in_save_order(obj: Any) -> list[Any]:
+    """The storages ``torch.save(obj)`` writes, in the order of their keys ("0", "1", ...).
+
+    torch's ``_save`` numbers storages in the order its pickler meets them; pickling the same
+    object again with the same protocol meets them in the same order."""
+    torch = _torch()
+    seen: dict[int, int] = {}
+    storages: list[Any] = []
+
+    class Recorder(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
+                storage = o._untyped_storage if isinstance(o, torch.storage.TypedStorage) else o
+                if storage._cdata not in seen:
+                    seen[storage._cdata] = len(storages)
+                    storages.append(storage)
+                return ("storage", seen[storage._cdata])
+            return None
+
+    with torch.serialization.skip_data():
+        Recorder(_NullSink(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+    return storages
+
+
+def _torch_writes_crcs(torch: Any) -> bool:
+    """Whether torch.save would write CRC-32s now (``set_crc32_options``, torch >= 2.6)."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    return bool(get()) if get is not None else True
+
+
+def _save_torch_config(checksum: bool) -> dict[str, Any]:
+    """torch.save settings for our saves: storages 4 KiB aligned; with `checksum`, CRC-32s for
+    every record even where set_crc32_options(False) said not to. (torch's config patches are
+    per thread: saves on other threads, ours or torch.save's, keep their own settings.)"""
+    from torch.utils.serialization import config as ser_config
+
+    patch: dict[str, Any] = {"save.storage_alignment": ALIGNMENT}
+    if checksum and hasattr(ser_config.save, "compute_crc32"):  # torch >= 2.6
+        patch["save.compute_crc32"] = True
+    return patch
+
+
+def _save_torch_whole(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
+    """What torch cannot pickle without its data (quantized and nested tensors refuse
+    ``skip_data``): written by torch.save itself, data and all, with the same durability (a
+    temporary file, fsync, rename). Slower: torch's single-threaded buffered writes."""
+    torch = _torch()
+    from torch.utils.serialization import config as ser_config
+
+    with _DurableFile(path, io) as df:
+        with open(df.tmp, "r+b") as f:
+            try:
+                with ser_config.patch(_save_torch_config(checksum)):
+                    torch.save(obj, f)
+            except (RuntimeError, pickle.PicklingError, AttributeError) as e:
+                raise ValueError(f"torch.save cannot save this object: {e}") from e
+        df.commit()
+
+
+def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
+    torch = _torch()
+    if not hasattr(torch.serialization, "skip_data"):
+        raise ValueError(
+            f"format='torch' needs torch.serialization.skip_data (PyTorch >= 2.5); this is "
+            f"{torch.__version__}: use format='safetensors'"
+        )
+    from torch.utils.serialization import config as ser_config
+
+    try:
+        storages = _storages_in_save_order(obj)
+    except (RuntimeError, pickle.PicklingError, AttributeError) as e:
+        if "skip_data" in str(e):  # quantized and nested tensors: torch writes them itself
+            _save_torch_whole(obj, path, checksum, io)
+            return
+        raise ValueError(f"torch.save cannot save this object: {e}") from e
+    with _DurableFile(path, io) as df:
+        with open(df.tmp, "r+b") as f:  # torch writes the metadata records and leaves holes
+            try:
+                with ser_config.patch(_save_torch_config(checksum)):
+                    with torch.serialization.skip_data():
+                        torch.save(obj, f)
+            except (RuntimeError, pickle.PicklingError, AttributeError) as e:
+                raise ValueError(f"torch.save cannot save this object: {e}") from e
+        records = unpickler._zip_records(df.tmp)
+        prefix = _archive_prefix(df.tmp, records)
+        data_names = [n for n in records if n.startswith(prefix + "data/")]
+        if len(data_names) != len(storages):
+            raise RuntimeError(
+                f"tensortier found {len(storages)} storages, torch.save wrote {len(data_names)}"
+            )
+        places: list[tuple[Any, _ZipRecord]] = []
+        for key, storage in enumerate(storages):
+            rec = records.get(f"{prefix}data/{key}")
+            if rec is None or rec.size != storage.nbytes():
+                raise RuntimeError(f"torch.save wrote storage {key} differently than expected")
+            places.append((storage, rec))
+        file_size = os.path.getsize(df.tmp)
+        df.reserve(file_size)
+        writer = _Writer(io, df.open())
+        # torch.save writes every record's CRC-32 unless set_crc32_options(False) said not to;
+        # zip tools reject a record whose CRC does not match (skip_data leaves zeros).
+        with_crcs = checksum or _torch_writes_crcs(torch)
+        crcs: dict[str, int] = {}
+        try:
+            for key, (storage, rec) in enumerate(places):
+                data = _storage_bytes(storage)
+                staged = data.device.type != "cpu"
+                if staged:
+                    data = data.to("cpu")
+                writer.add(data, rec.offset, staged)
+                if with_crcs:  # while the engine writes the groups before this one
+                    crcs[f"{prefix}data/{key}"] = _crc32(data)
+            writer.finish()
+        except BaseException:
+            writer.drain()
+            raise
+        if crcs:
+            # Hundreds of 4-byte patches into pages torch wrote through the page cache (the
+            # engine's writes, all complete, covered only the records' data): one batch through
+            # the engine, flushed by commit's fdatasync like the rest.
+            patches = [(bytearray(packed), df.open(), offset)
+                       for offset, packed in _require("zip_crc_patches")(df.tmp, crcs)]
+            if patches:
+                io.pwrite_batch_async(patches).wait()
+        df.commit()

@@ -1,0 +1,445 @@
+"""torch.save zip files read without torch.load: the zip records, the restricted unpickler
+that places storages, their verification and byte order."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..io import File, IOHandle
+from . import _common, _format, _reading, mapping
+from ._common import _as_bytes, _checksum_mismatch, _crc32, _same_file, _storage_bytes
+from ._format import _require, _torch, ALIGNMENT
+from ._progress import _Progress
+from ._reading import _Piece
+from ._writing import _open_checkpoint, _read_at
+from .mapping import _empty_fixed_storage, _fixed_size, _mapped_tensor, _Placement, _Readahead
+
+
+@dataclass(frozen=True)
+class _ZipRecord:
+    offset: int  # of the record's data
+    size: int
+    crc32: int
+    # Whether the archive records CRC-32s at all: torch.save with set_crc32_options(False)
+    # writes 0 for every record, so 0 means "none" only when no non-empty record has another
+    # value (one record in 2**32 really has the CRC-32 0, and is checked).
+    archive_has_crcs: bool = True
+
+
+def _zip_records(path: str) -> dict[str, _ZipRecord]:
+    """The stored (uncompressed) records of a zip file, by name."""
+    zip_entries = _require("zip_entries")
+    try:
+        entries = zip_entries(path)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if path in msg else f"{path}: {msg}") from e
+    has_crcs = any(int(crc) != 0 for _, _, size, crc in entries if int(size) > 0)
+    return {
+        name: _ZipRecord(int(off), int(size), int(crc), has_crcs)
+        for name, off, size, crc in entries
+    }
+
+
+def _archive_prefix(path: str, records: Mapping[str, _ZipRecord]) -> str:
+    pkl = [n for n in records if n == "data.pkl" or n.endswith("/data.pkl")]
+    pkl = [n for n in pkl if n.count("/") <= 1]
+    if not pkl:
+        raise ValueError(f"{path}: a zip file without data.pkl: not a torch.save checkpoint")
+    if len(pkl) > 1:
+        raise ValueError(f"{path}: several data.pkl records ({pkl}): not a torch.save checkpoint")
+    prefix = pkl[0][: -len("data.pkl")]
+    if prefix + "constants.pkl" in records:
+        raise ValueError(
+            f"{path}: a TorchScript archive, not a torch.save checkpoint: use torch.jit.load"
+        )
+    return prefix
+
+
+def _read_record(
+    path: str, file: File, records: Mapping[str, _ZipRecord], name: str, verify: bool = False,
+    io: IOHandle | None = None,
+) -> bytes:
+    rec = records[name]
+    data = _read_at(file, rec.size, rec.offset, io)  # small metadata records only
+    if len(data) != rec.size:
+        raise ValueError(f"{path}: record {name} is truncated")
+    if verify and rec.archive_has_crcs and zlib.crc32(data) != rec.crc32:
+        raise ValueError(
+            f"{path}: checksum mismatch in record {name!r}: stored crc32 {rec.crc32:08x}, data "
+            f"has {zlib.crc32(data):08x}: the file is corrupt"
+        )
+    return data
+
+
+class _StorageOverrun(ValueError):
+    """A tensor in a torch file reaches past the end of its storage record."""
+
+
+@dataclass
+class _StorageRef:
+    path: str
+    key: str
+    record: _ZipRecord
+    nbytes: int
+    dtype: Any
+    storage: Any  # UntypedStorage (cpu, cuda or meta)
+    filled: bool = False  # read while unpickling (see _DATA_DEPENDENT_REBUILDS)
+
+
+# torch functions that read their tensor arguments' data while the pickle is loaded (a nested
+# tensor's sizes, strides and offsets are tensors): storages are normally filled after the whole
+# pickle is loaded, so in files naming one they are read as the unpickler meets them instead
+# (the rebuild read uninitialised memory: wrong nested shapes, or "size calculation overflowed").
+_DATA_DEPENDENT_REBUILDS = (b"_rebuild_nested_tensor",)
+
+
+def _fill_now(
+    ref: _StorageRef, path: str, verify: bool, big_endian: bool, io: IOHandle | None = None
+) -> None:
+    """Reads `ref`'s record into its storage now, checked with `verify` (a CUDA storage through
+    host memory), in native byte order."""
+    torch = _torch()
+    dest = _storage_bytes(ref.storage)
+    host = dest if dest.device.type == "cpu" else torch.empty(ref.nbytes, dtype=torch.uint8)
+    reader = io if io is not None else _common._default_io()
+    file = _open_checkpoint(reader, path)
+    try:
+        got = reader.pread(host, file, ref.record.offset) if ref.nbytes else 0
+    finally:
+        file.close()
+    if got < ref.nbytes:
+        raise ValueError(
+            f"{ref.path}: file ended early: storage data/{ref.key} needs {ref.nbytes} "
+            f"bytes at offset {ref.record.offset} (truncated file?)"
+        )
+    if verify:
+        _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
+        _crc_check(ref.path, ref.key, ref.record.crc32)(host)
+    if host is not dest:
+        dest.copy_(host)
+    if big_endian:
+        _byteswap_storages([ref])
+    ref.filled = True
+
+
+def _unpickle_torch(
+    path: str, storage_device: Any, label: str | None = None, verify: bool = False,
+    mapped: Any = None, records: dict[str, _ZipRecord] | None = None,
+    placement: _Placement | None = None, io: IOHandle | None = None,
+) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
+    """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
+    `storage_device` (``meta``: not at all) and filled later, or, given `mapped` (the whole
+    file as a CPU UntypedStorage), are slices of it (copies where a record's offset is not a
+    multiple of its element size). `records`: the zip's records when the caller has them
+    already (parsed from the same file). Returns the object, the storages by
+    key, the records, the archive prefix and whether the file is big-endian. The storage
+    references carry `label` (the user's path when `path` is a /proc/self/fd link). With
+    `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
+    there changes offsets, strides or non-tensor values without touching any storage.
+    `placement` (``map_location``): the device of each storage from its saved location, or
+    the callable each storage is given to once read on the CPU. `io` reads the records (the
+    default handle without)."""
+    torch = _torch()
+    from torch import _weights_only_unpickler as wou
+
+    if records is None:
+        records = _zip_records(path)
+    prefix = _archive_prefix(path, records)
+    file = _open_checkpoint(io if io is not None else _common._default_io(), path)
+    try:
+        pkl = _read_record(path, file, records, prefix + "data.pkl", verify, io)
+        big_endian = False
+        if prefix + "byteorder" in records:
+            order = _read_record(path, file, records, prefix + "byteorder", verify, io)
+            if order not in (b"little", b"big"):
+                raise ValueError(f"{path}: unknown byte order {order[:16]!r}")
+            big_endian = order == b"big"
+    finally:
+        file.close()
+    data_dependent = any(name in pkl for name in _DATA_DEPENDENT_REBUILDS)
+    eager = mapped is None and data_dependent
+    # Mapped storages hold their bytes already; a big-endian one must be swapped before a
+    # rebuild reads it, not after the pickle is loaded.
+    swap_now = mapped is not None and data_dependent and big_endian
+
+    def unpickle(device: Any) -> tuple[Any, dict[str, _StorageRef]]:
+        storages: dict[str, _StorageRef] = {}
+
+        def persistent_load(saved_id: Any) -> Any:
+            if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+                raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
+            typename, storage_type, key, location, numel = saved_id
+            if isinstance(location, bytes):
+                location = location.decode("ascii")
+            if isinstance(typename, bytes):
+                typename = typename.decode("ascii")
+            if isinstance(key, bytes):
+                key = key.decode("ascii")
+            if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int):
+                raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
+            if storage_type is torch.UntypedStorage:
+                dtype = torch.uint8
+            else:
+                dtype = getattr(storage_type, "dtype", None)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(
+                        f"{path}: storage {key} has an unknown type {storage_type!r}"
+                    )
+            if key in storages:
+                ref = storages[key]
+            else:
+                name = f"{prefix}data/{key}"
+                record = records.get(name)
+                if record is None:
+                    raise ValueError(f"{path}: storage record {name} is missing")
+                if numel < 0:
+                    raise ValueError(f"{path}: storage {key} has a negative size")
+                nbytes = numel * dtype.itemsize
+                if nbytes != record.size:
+                    raise ValueError(
+                        f"{path}: storage {key} should hold {nbytes} bytes, its record has "
+                        f"{record.size}"
+                    )
+                # A tensor set_ past the end of a resizable storage grows it: a few bytes of
+                # pickle would allocate any size. CPU storages are fixed-size: torch refuses
+                # then (as torch.load does).
+                sdev = device
+                if placement is not None and device.type != "meta":
+                    sdev = placement.device_for(str(location))
+                if nbytes == 0 and (mapped is not None or sdev.type == "cpu"):
+                    storage = _empty_fixed_storage()
+                elif mapped is not None:
+                    # Only the storage is kept: quantized dtypes are mapped as bytes (a quantized
+                    # tensor cannot be set_ to a storage), others in their dtype, so that a record
+                    # not at a multiple of their size is copied to one that is.
+                    quantized = dtype in (torch.quint8, torch.qint8, torch.qint32,
+                                          getattr(torch, "quint4x2", None),
+                                          getattr(torch, "quint2x4", None))
+                    storage = _mapped_tensor(
+                        mapped, record.offset, nbytes,
+                        torch.uint8 if quantized else dtype, (nbytes if quantized else numel,),
+                    ).untyped_storage()
+                    if storage.resizable():  # a copy (misaligned record)
+                        storage = _fixed_size(_storage_bytes(storage)).untyped_storage()
+                elif sdev.type == "cpu":
+                    flat = mapping._host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
+                    if flat.untyped_storage().resizable():
+                        flat = _fixed_size(flat)
+                    storage = flat.untyped_storage()
+                else:
+                    storage = torch.UntypedStorage(nbytes, device=sdev)
+                ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
+                restore = placement.restore if placement is not None else None
+                if restore is not None and device.type != "meta":
+                    # torch.load gives the callable each storage with its bytes, on the CPU
+                    if nbytes and mapped is None:
+                        _fill_now(ref, path, verify, big_endian, io)
+                    ref.storage = placement.restored(ref.storage, str(location))
+                    ref.filled = True
+                elif eager and nbytes and device.type != "meta":
+                    _fill_now(ref, path, verify, big_endian, io)
+                elif swap_now and nbytes:
+                    if verify:  # the CRC-32 is of the stored bytes
+                        _verifiable(label or path, [ref])
+                        _crc_check(label or path, key, record.crc32)(_storage_bytes(storage))
+                    _byteswap_storages([ref])
+                    ref.filled = True
+                storages[key] = ref
+            return torch.storage.TypedStorage(
+                wrap_storage=ref.storage, dtype=dtype, _internal=True
+            )
+
+        import io as pyio
+
+        stream = pyio.BytesIO(pkl)
+        unpickler = wou.Unpickler(stream, encoding="utf-8")
+        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+        # torch queues every sparse tensor it rebuilds for a check at the end of a load; meta
+        # ones (load_into's pass, the check before a GPU load) must not be queued: the check
+        # cannot read them.
+        sparse_queue = getattr(torch._utils, "_sparse_tensors_to_validate", None)
+        queued = len(sparse_queue) if isinstance(sparse_queue, list) else 0
+        try:
+            obj = unpickler.load()
+        except pickle.UnpicklingError as e:
+            raise ValueError(
+                f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier "
+                f"never runs other pickle code): {e}"
+            ) from None
+        except OSError:
+            raise
+        except ValueError as e:
+            if path in str(e) or (label is not None and label in str(e)):
+                raise
+            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped.
+            raise ValueError(
+                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
+            raise ValueError(
+                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        finally:
+            if device.type == "meta" and isinstance(sparse_queue, list):
+                del sparse_queue[queued:]
+        for key, ref in storages.items():
+            # Storages that can grow (meta, CUDA) grew to fit a tensor reaching past their
+            # end: its bytes would come from other records, or from nowhere.
+            if ref.storage.nbytes() != ref.nbytes:
+                raise _StorageOverrun(
+                    f"{label or path}: malformed data.pkl: a tensor reaches past the end of "
+                    f"storage data/{key} ({ref.nbytes} bytes)"
+                )
+        return obj, storages
+
+    if mapped is None and (storage_device.type not in ("cpu", "meta") or (
+            placement is not None and placement.mapping is not None)):
+        # A CUDA storage grows to whatever a tensor set_ past its end asks for before the size
+        # check can refuse the file: a few bytes of pickle would allocate any amount of GPU
+        # memory. Meta storages grow for free: the same pickle is checked on them first.
+        try:
+            unpickle(torch.device("meta"))
+        except _StorageOverrun:
+            raise
+        except ValueError:
+            pass  # what meta cannot rebuild (quantized tensors): the real pass decides
+    obj, storages = unpickle(storage_device)
+    return obj, storages, records, prefix, big_endian
+
+
+def _crc_check(path: str, key: str, expected: int) -> Callable[[Any], None]:
+    def check(data: Any) -> None:
+        actual = _crc32(_as_bytes(data))
+        if actual != expected:
+            raise _checksum_mismatch(path, f"data/{key}", "crc32", expected, actual)
+
+    return check
+
+
+def _verify_other_records(
+    path: str, file: File, records: Mapping[str, _ZipRecord], checked: set[str], io: IOHandle
+) -> None:
+    """verify=True: the CRC-32 of every zip record not in `checked` (read and checked with the
+    tensors): ``.format_version``, ``version``, ``.data/serialization_id``, records no tensor
+    uses... as ``tensortier verify`` checks every entry. An archive recording no CRC-32s
+    cannot be verified (nor can it there)."""
+    if any(r.size and not r.archive_has_crcs for r in records.values()):
+        raise ValueError(
+            f"{path}: verify=True but the file stores no CRC-32 for its records (it was saved "
+            "with torch.serialization.set_crc32_options(False); save it with "
+            "tensortier.save(..., checksum=True), or load with verify=False)"
+        )
+    for name, rec in records.items():
+        if name in checked:
+            continue
+        crc = pos = 0
+        while pos < rec.size:
+            data = _read_at(file, min(rec.size - pos, _format._GROUP_BYTES), rec.offset + pos, io)
+            if not data:
+                raise ValueError(f"{path}: record {name} is truncated (file ended at offset "
+                                 f"{rec.offset + pos})")
+            crc = zlib.crc32(data, crc)
+            pos += len(data)
+        if crc != rec.crc32:
+            raise ValueError(
+                f"{path}: checksum mismatch in record {name!r}: stored crc32 {rec.crc32:08x}, "
+                f"data has {crc:08x}: the file is corrupt"
+            )
+
+
+def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
+    if any(r.nbytes and not r.record.archive_has_crcs for r in storages):
+        # torch.save writes a CRC-32 for every record unless told not to (then all are 0)
+        raise ValueError(
+            f"{path}: verify=True but the file stores no CRC-32 for its storages (it was saved "
+            "with torch.serialization.set_crc32_options(False); save it with "
+            "tensortier.save(..., checksum=True), or load with verify=False)"
+        )
+
+
+def _load_torch(
+    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
+    mapped: _Readahead | None = None, placement: _Placement | None = None,
+) -> Any:
+    torch = _torch()
+    file = _open_checkpoint(io, path)
+    try:
+        whole = records = None
+        if mapped is not None:
+            records = _same_file(file, path, _zip_records)
+            ranges = [(name, r.offset, r.size) for name, r in records.items()]
+            whole = mapping._map_file(file, path, ranges, mapped)
+        obj, storages, records, prefix, big_endian = _same_file(
+            file,
+            path,
+            lambda name: _unpickle_torch(
+                name, dev, label=path, verify=verify, mapped=whole, records=records,
+                placement=placement, io=io,
+            ),
+        )
+        refs = sorted(storages.values(), key=lambda r: r.record.offset)
+        if verify:
+            _verifiable(path, refs)
+            read = {f"{prefix}data/{r.key}" for r in refs}
+            read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}  # checked while unpickling
+            _verify_other_records(path, file, records, read, io)
+        pieces: list[_Piece] = []
+        if whole is not None:
+            if verify:
+                for r in refs:
+                    if not r.filled:  # swapped while unpickling: checked then
+                        _crc_check(path, r.key, r.record.crc32)(_storage_bytes(r.storage))
+        else:
+            pieces = [
+                _Piece(
+                    f"data/{r.key}", file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
+                    _crc_check(path, r.key, r.record.crc32) if verify else None,
+                )
+                for r in refs
+                if not r.filled
+            ]
+        if pieces:
+            prog = _Progress(
+                f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
+            )
+            _reading._read_pieces(io, pieces, prog, path)
+    finally:
+        file.close()
+    if big_endian:
+        _byteswap_storages([r for r in refs if not r.filled])
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is not None:
+        validate()
+    if dtype is not None:
+        del storages, refs, pieces  # the originals' last references are obj's
+        obj = _common._convert_in_place(obj, dtype)
+    return obj
+
+
+def _byteswap_storages(refs: Sequence[_StorageRef]) -> None:
+    """Big-endian data in native order, on the storages' own devices."""
+    for r in refs:
+        if r.storage.device.type == "cpu":
+            r.storage.byteswap(r.dtype)
+        else:  # torch's byteswap writes through the pointer on the host
+            _swap_bytes(r.storage, r.dtype)
+
+
+def _swap_bytes(storage: Any, dtype: Any) -> None:
+    """``storage.byteswap(dtype)`` done with tensor operations on the storage's own device (each
+    element's bytes reversed; a complex number's two halves each on their own, as torch does)."""
+    width = dtype.itemsize // (2 if dtype.is_complex else 1)
+    if width <= 1:
+        return
+    flat = _storage_bytes(storage)
+    count = flat.numel() // width
+    elements = flat[: count * width].view(count, width)
+    elements.copy_(elements.flip(-1))

@@ -1,0 +1,143 @@
+"""The torch-free checkpoint rules tensortier.load/save take from the C++ core, checked against
+the CLI (which reads files by the same functions) and against the originals they replace:
+format detection, the safetensors dtype table, and the CRC-32 patches of a torch.save zip."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import tensortier
+from tensortier import _core
+from tensortier.checkpoint import _sniff
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
+
+
+def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
+    if not BIN.is_file():
+        pytest.skip(f"no tensortier binary at {BIN}")
+    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def _safetensors_bytes(header_len_bytes: bytes | None = None) -> bytes:
+    header = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    if header_len_bytes is not None:  # pad the header to the length those bytes say
+        n = struct.unpack("<Q", header_len_bytes)[0]
+        header = header + b" " * (n - len(header))
+    return struct.pack("<Q", len(header)) + header + b"\x07"
+
+
+INDEX = b'  \n{"weight_map": {"a": "shard.safetensors"}}'
+
+
+@pytest.mark.parametrize(
+    "name, content, kind",
+    [
+        ("m.bin", _safetensors_bytes(), "safetensors"),
+        ("m.pt", INDEX, "index"),  # JSON from the first byte, whatever the name
+        ("m.index.json", INDEX, "index"),
+        ("m.bin", b"abc", "safetensors"),  # too short: the safetensors parser says why
+    ],
+)
+def test_sniff_agrees_with_cli(disk_dir: Path, name: str, content: bytes, kind: str) -> None:
+    path = disk_dir / name
+    path.write_bytes(content)
+    (disk_dir / "shard.safetensors").write_bytes(_safetensors_bytes())
+    assert _sniff(str(path)) == kind
+    r = run_cli("info", path)
+    if kind == "index":
+        assert r.returncode == 0 and r.stdout.startswith("index:"), r.stdout + r.stderr
+    elif kind == "safetensors" and len(content) > 8:
+        assert r.returncode == 0 and "safetensors" in r.stdout, r.stdout + r.stderr
+    else:
+        says = "not a safetensors file: 3 bytes, shorter than the 8-byte header length"
+        assert r.returncode != 0 and says in r.stderr, r.stderr
+        with pytest.raises(ValueError, match=re.escape(says)):
+            tensortier.load(path)
+
+
+def test_sniff_header_length_that_looks_like_json(disk_dir: Path) -> None:
+    # An 8-byte header length starting with "{" (123) is still safetensors: byte 8 decides.
+    path = disk_dir / "m.bin"
+    path.write_bytes(_safetensors_bytes(b"{\0\0\0\0\0\0\0"))
+    assert _sniff(str(path)) == "safetensors"
+    assert tensortier.load(path)["a"].tolist() == [7]
+    r = run_cli("info", path)
+    assert r.returncode == 0 and not r.stdout.startswith("index:"), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [(b"", "empty file (0 bytes)"), (b"\x80\x02}q\x00.", "legacy torch.save format")],
+)
+def test_sniff_refusals_agree_with_cli(disk_dir: Path, content: bytes, says: str) -> None:
+    path = disk_dir / "m.pt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: {says}")):
+        tensortier.load(path)
+    r = run_cli("verify", path)
+    assert r.returncode != 0 and f"{path}: {says}" in r.stderr, r.stderr
+
+
+def test_dtype_table_matches_safetensors_package() -> None:
+    table = {name: (attr, per) for name, attr, per in _core.safetensors_dtypes_for_torch()}
+    for name, dtype in st._TYPES.items():  # the safetensors package's own name -> dtype table
+        assert getattr(torch, table[name][0]) == dtype, name
+        assert table[name][1] == 1
+    assert table["F4"] == ("float4_e2m1fn_x2", 2)
+    assert "F6_E2M3" not in table
+
+
+def test_f4_shapes_agree_with_cli_convert(disk_dir: Path) -> None:
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    t = torch.arange(6, dtype=torch.uint8).view(torch.float4_e2m1fn_x2).reshape(2, 3)
+    path = disk_dir / "f4.safetensors"
+    tensortier.save({"w": t}, path)
+    r = run_cli("convert", path, disk_dir / "f4.pt")
+    assert r.returncode == 0, r.stderr
+    for loaded in (tensortier.load(path)["w"], tensortier.load(disk_dir / "f4.pt")["w"]):
+        assert loaded.shape == (2, 3) and loaded.dtype == torch.float4_e2m1fn_x2
+        assert loaded.view(torch.uint8).tolist() == t.view(torch.uint8).tolist()
+
+
+def test_zip_crc_patches_restore_torch_save_crcs(disk_dir: Path) -> None:
+    path = disk_dir / "m.pt"
+    torch.save({"a": torch.arange(10), "b": torch.ones(3, 5), "e": torch.empty(0)}, path)
+    original = path.read_bytes()
+    with zipfile.ZipFile(path) as z:
+        crcs = {info.filename: info.CRC for info in z.infolist()}
+    patches = _core.zip_crc_patches(str(path), crcs)
+    assert len(patches) == 2 * len(crcs)  # central directory, and local header or descriptor
+    zeroed = bytearray(original)
+    for offset, packed in patches:
+        assert original[offset : offset + 4] == packed
+        zeroed[offset : offset + 4] = b"\0\0\0\0"
+    path.write_bytes(bytes(zeroed))
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is not None  # the zeroed CRCs are wrong
+    restored = bytearray(zeroed)
+    for offset, packed in _core.zip_crc_patches(str(path), crcs):
+        restored[offset : offset + 4] = packed
+    assert bytes(restored) == original
+    assert _core.zip_crc_patches(str(path), {"not/in/archive": 1}) == []
+
+
+def test_torch_save_with_checksums_passes_cli_verify(disk_dir: Path) -> None:
+    path = disk_dir / "m.pt"
+    tensortier.save({"a": torch.arange(1000), "b": torch.ones(7)}, path, checksum=True)
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None
+    r = run_cli("verify", path)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
