@@ -20,21 +20,22 @@ void RegisterData(py::module_& m) {
   m.def(
       "list_file_root",
       [](const std::string& root, std::optional<std::vector<std::string>> file_filters,
-         bool case_sensitive_filter) {
+         bool case_sensitive_filter, std::optional<std::vector<std::string>> dir_filters) {
         FileFilter filter;
         if (file_filters) filter.patterns = std::move(*file_filters);
         filter.case_sensitive = case_sensitive_filter;
         SampleList list;
         {
           py::gil_scoped_release release;
-          list = ListFileRoot(root, filter);
+          list = ListFileRoot(root, filter, dir_filters);
         }
         return py::make_tuple(list.paths, list.labels);
       },
       py::arg("root"), py::arg("file_filters") = py::none(),
-      py::arg("case_sensitive_filter") = false,
+      py::arg("case_sensitive_filter") = false, py::arg("dir_filters") = py::none(),
       "(paths, labels) of a folder with one subfolder per class (DALI's rule), the files whose "
-      "names match file_filters (default: DALI's).");
+      "names match file_filters (default: DALI's) in the subfolders matching dir_filters "
+      "(default: all).");
   m.attr("default_file_filters") = DefaultFileFilters();
   m.def(
       "read_file_list",

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,9 +29,13 @@ struct FileFilter {
 // DALI's rule for file_root: the subdirectories of `root` in sorted (byte) order are the classes,
 // labelled 0, 1, ...; each class holds its regular files and symbolic links whose names pass
 // `filter`, in sorted order (files directly under `root`, and subfolders, FIFOs, sockets and
-// devices in a class, are not samples). Throws IoError when `root` cannot be listed,
-// std::invalid_argument when it holds no matching files.
-SampleList ListFileRoot(const std::string& root, const FileFilter& filter = {});
+// devices in a class, are not samples). `dir_filters` (fn.readers.file's): when given, only the
+// subdirectories whose names match one of these globs are classes (fnmatch, case as
+// `filter.case_sensitive`; a subdirectory several patterns match is one class). Throws IoError
+// when `root` cannot be listed, std::invalid_argument when it holds no matching files or
+// `dir_filters` is an empty list (as DALI).
+SampleList ListFileRoot(const std::string& root, const FileFilter& filter = {},
+                        const std::optional<std::vector<std::string>>& dir_filters = std::nullopt);
 
 // DALI's file_list text format: one sample per line, "path label" (the label is the last run of
 // digits, separated by white space; blank lines skipped). Relative paths are relative to `root`,

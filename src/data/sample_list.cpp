@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 
 #include "tensortier/error.hpp"
@@ -60,6 +61,17 @@ std::string Joined(const std::vector<std::string>& patterns) {
   return out;
 }
 
+std::vector<std::string> FilterDirs(std::vector<std::string> dirs,
+                                    const std::vector<std::string>& patterns, bool case_sensitive) {
+  const int flags = case_sensitive ? 0 : FNM_CASEFOLD;
+  std::erase_if(dirs, [&](const std::string& dir) {
+    return std::none_of(patterns.begin(), patterns.end(), [&](const std::string& pattern) {
+      return fnmatch(pattern.c_str(), dir.c_str(), flags) == 0;
+    });
+  });
+  return dirs;
+}
+
 }  // namespace
 
 const std::vector<std::string>& DefaultFileFilters() {
@@ -78,9 +90,17 @@ bool FileFilter::Matches(const std::string& name) const {
   return false;
 }
 
-SampleList ListFileRoot(const std::string& root, const FileFilter& filter) {
+SampleList ListFileRoot(const std::string& root, const FileFilter& filter,
+                        const std::optional<std::vector<std::string>>& dir_filters) {
+  if (dir_filters && dir_filters->empty()) {
+    // DALI refuses it too: an empty list would choose no folder, or read as "all" by mistake.
+    throw std::invalid_argument(
+        "dir_filters is an empty list: give globs, or none for all folders");
+  }
   std::vector<std::string> classes;
   ListDir(root, &classes, nullptr);
+  const size_t listed = classes.size();
+  if (dir_filters) classes = FilterDirs(std::move(classes), *dir_filters, filter.case_sensitive);
   std::sort(classes.begin(), classes.end());
   SampleList list;
   for (size_t label = 0; label < classes.size(); ++label) {
@@ -97,7 +117,11 @@ SampleList ListFileRoot(const std::string& root, const FileFilter& filter) {
     throw std::invalid_argument(StrCat(
         "file_root '", root, "' holds no files matching file_filters (", Joined(filter.patterns),
         filter.case_sensitive ? ", case-sensitive" : "", ") in ", classes.size(),
-        " class subdirectories (one per class is expected, each with its files)"));
+        " class subdirectories",
+        dir_filters
+            ? StrCat(" (of ", listed, ", those matching dir_filters ", Joined(*dir_filters), ")")
+            : std::string(),
+        " (one per class is expected, each with its files)"));
   }
   return list;
 }

@@ -416,6 +416,46 @@ TEST(SampleListTest, FileFiltersAreGlobsMatchedAsDaliDoes) {
   EXPECT_THROW(ListFileRoot(dir.path(), {{}, false}), std::invalid_argument);
 }
 
+TEST(SampleListTest, DirFiltersChooseTheClassFoldersAsDaliDoes) {
+  TempDir dir;
+  for (const char* cls : {"train_b", "Train_a", "val", "train_c"}) {
+    ASSERT_EQ(mkdir(dir.File(cls).c_str(), 0755), 0);
+    WritePatternFile(dir.File(StrCat(cls, "/1.jpg")), 3, 0);
+  }
+  WritePatternFile(dir.File("train_x.jpg"), 3, 0);  // a file, not a folder: never a class
+  // No globs: no dir_filters.
+  auto classes = [&](const std::vector<std::string>& globs, bool case_sensitive) {
+    std::optional<std::vector<std::string>> dir_filters;
+    if (!globs.empty()) dir_filters = globs;
+    const SampleList list =
+        ListFileRoot(dir.path(), {DefaultFileFilters(), case_sensitive}, dir_filters);
+    std::vector<std::string> out;
+    for (size_t i = 0; i < list.paths.size(); ++i) {
+      out.push_back(StrCat(list.labels[i], ":", list.paths[i].substr(dir.path().size() + 1)));
+    }
+    return out;
+  };
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(classes({}, false),
+            (Names{"0:Train_a/1.jpg", "1:train_b/1.jpg", "2:train_c/1.jpg", "3:val/1.jpg"}));
+  // The case rule is case_sensitive_filter's; labels count the chosen folders only.
+  EXPECT_EQ(classes({"train*"}, false),
+            (Names{"0:Train_a/1.jpg", "1:train_b/1.jpg", "2:train_c/1.jpg"}));
+  EXPECT_EQ(classes({"train*"}, true), (Names{"0:train_b/1.jpg", "1:train_c/1.jpg"}));
+  EXPECT_EQ(classes({"val", "*_c"}, true), (Names{"0:train_c/1.jpg", "1:val/1.jpg"}));
+  // A folder two patterns match is one class.
+  EXPECT_EQ(classes({"*_b", "train_?"}, true), (Names{"0:train_b/1.jpg", "1:train_c/1.jpg"}));
+  EXPECT_THROW(ListFileRoot(dir.path(), {}, std::vector<std::string>{}), std::invalid_argument);
+  try {
+    ListFileRoot(dir.path(), {}, std::vector<std::string>{"test*"});
+    ADD_FAILURE() << "no folder matches: expected a refusal";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("of 4, those matching dir_filters test*"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(SampleListTest, EmptyOrMissingRootIsRefused) {
   TempDir dir;
   EXPECT_THROW(ListFileRoot(dir.path()), std::invalid_argument);

@@ -194,3 +194,33 @@ def test_file_filters_take_the_files_readers_file_takes(disk_dir: Path,
     assert ours == theirs[:len(ours)]
     assert len(ours) != 9 + len(others)  # some file was left out
     assert theirs[len(ours)] == ours[0]  # DALI's next epoch starts: no file of DALI's is missing
+
+
+@pytest.mark.parametrize("filters", [
+    {"dir_filters": "c*"},
+    {"dir_filters": ["C1", "t*"]},
+    {"dir_filters": ["C1", "t*"], "case_sensitive_filter": True},
+    {"dir_filters": ["c[02]", "*rain*"], "file_filters": ["*.jpg", "*.txt"]},
+    {"dir_filters": ["c*", "*1"]},  # c1 matches both: one class
+])
+def test_dir_filters_take_the_folders_readers_file_takes(disk_dir: Path,
+                                                        filters: dict[str, object]) -> None:
+    make_tree(disk_dir, classes=3, per_class=3)
+    others = ["train/a.jpg", "train/b.txt", "Tmp/c.jpg", "val1/d.jpg", "c3x/e.jpg"]
+    for i, name in enumerate(others):
+        (disk_dir / name).parent.mkdir(exist_ok=True)
+        (disk_dir / name).write_bytes(f"{name}/{i}".encode() * (i + 1))
+    (disk_dir / "c9.jpg").write_bytes(b"a file named like a folder the globs take")
+    reader = FileReader(file_root=disk_dir, batch_size=4, shuffle=False, **filters)
+    ours = sum(reader_stream(reader, 1), [])
+    theirs = sum(dali_file_stream(disk_dir, 4, len(ours) // 4 + 1, **filters), [])
+    assert ours == theirs[:len(ours)]
+    assert theirs[len(ours)] == ours[0]  # DALI's next epoch starts: no file of DALI's is missing
+
+
+def test_empty_dir_filters_are_refused_as_readers_file_refuses_them(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=2, per_class=2)
+    with pytest.raises(ValueError, match="dir_filters is an empty list"):
+        FileReader(file_root=disk_dir, dir_filters=[])
+    with pytest.raises(RuntimeError, match="dir_filters.. list cannot be empty"):
+        dali_file_stream(disk_dir, 2, 1, dir_filters=[])

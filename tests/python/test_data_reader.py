@@ -361,3 +361,23 @@ def test_file_filters_select_the_samples_of_a_file_root(disk_dir: Path) -> None:
         (b"not an image", 0)]
     with pytest.raises(TypeError, match="file_filters"):
         FileReader(file_root=disk_dir, file_filters=[b"*.jpg"])  # type: ignore[list-item]
+
+
+def test_dir_filters_select_the_class_folders_of_a_file_root(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=4, per_class=2)
+    (disk_dir / "Other").mkdir()
+    (disk_dir / "Other/a.jpg").write_bytes(b"other")
+    chosen = [p for p in sorted(tree) if "class_01" in p or "class_03" in p]
+    reader = FileReader(file_root=disk_dir, dir_filters=["*_01", "CLASS_03"], shuffle=False)
+    # Labels number the chosen folders only, in sorted order.
+    assert stream(reader, 1) == [[(tree[p][0], 0 if "class_01" in p else 1) for p in chosen]]
+    assert FileReader(file_root=disk_dir, dir_filters="o*").files == [str(disk_dir / "Other/a.jpg")]
+    with pytest.raises(ValueError, match=r"of 5, those matching dir_filters CLASS_03"):
+        FileReader(file_root=disk_dir, dir_filters="CLASS_03", case_sensitive_filter=True)
+    dataset = FileDataset(file_root=disk_dir, dir_filters="Other", batch_size=4)
+    assert [(bytes(s.numpy()), int(l)) for b, ls in dataset for s, l in zip(b, ls)] == [
+        (b"other", 0)]
+    with pytest.raises(TypeError, match="dir_filters"):
+        FileReader(file_root=disk_dir, dir_filters=[1])  # type: ignore[list-item]
+    # Ignored, as in DALI, when the files are listed.
+    assert FileReader(files=chosen, dir_filters="nothing").files == chosen

@@ -49,6 +49,7 @@ class FileDataset(torch.utils.data.IterableDataset):
         *,
         file_filters: str | Sequence[str] | None = None,
         case_sensitive_filter: bool = False,
+        dir_filters: str | Sequence[str] | None = None,
         copy: bool = True,
         on_error: str = "raise",
         **reader_options: Any,
@@ -56,7 +57,8 @@ class FileDataset(torch.utils.data.IterableDataset):
         super().__init__()
         self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels,
                                                    file_filters=file_filters,
-                                                   case_sensitive_filter=case_sensitive_filter)
+                                                   case_sensitive_filter=case_sensitive_filter,
+                                                   dir_filters=dir_filters)
         self._options = dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
                              pad_last_batch=pad_last_batch, drop_last=drop_last,
                              prefetch=prefetch, copy=copy, on_error=on_error, **reader_options)

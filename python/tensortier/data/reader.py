@@ -15,6 +15,16 @@ from .extents import ExtentMap, _as_map
 _ON_ERROR = ("raise", "skip")
 
 
+def _globs(name: str, value: str | Sequence[str] | None) -> list[str] | None:
+    """``value`` (one glob or a list of them) as a list; None stays None."""
+    if value is None:
+        return None
+    globs = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(g, str) for g in globs):
+        raise TypeError(f"{name} must be a glob string or a list of them, not {value!r}")
+    return globs
+
+
 def resolve_inputs(
     file_root: str | os.PathLike[str] | None,
     file_list: str | os.PathLike[str] | None,
@@ -23,23 +33,20 @@ def resolve_inputs(
     check_files: bool = True,
     file_filters: str | Sequence[str] | None = None,
     case_sensitive_filter: bool = False,
+    dir_filters: str | Sequence[str] | None = None,
 ) -> tuple[list[str], np.ndarray]:
     """The (paths, int32 labels) named by DALI's ``fn.readers.file`` inputs, checked to exist
-    (``check_files``). ``file_filters`` and ``case_sensitive_filter`` select the files of a
-    ``file_root``'s class folders as DALI does (ignored with ``file_list`` or ``files``).
+    (``check_files``). ``file_filters``, ``dir_filters`` and ``case_sensitive_filter`` select
+    the class folders of a ``file_root`` and their files as DALI does (ignored with
+    ``file_list`` or ``files``).
 
     Raises:
         ValueError: inputs given in a combination DALI refuses, or an empty list or folder.
-        TypeError: ``file_filters`` is not a string or a list of strings.
+        TypeError: ``file_filters`` or ``dir_filters`` is not a string or a list of strings.
         OSError: a listed file or the folder cannot be reached (``FileNotFoundError`` names it).
     """
-    if isinstance(file_filters, str):
-        file_filters = [file_filters]
-    elif file_filters is not None:
-        file_filters = list(file_filters)
-        if not all(isinstance(f, str) for f in file_filters):
-            raise TypeError(f"file_filters must be a glob string or a list of them, "
-                            f"not {file_filters!r}")
+    file_filters = _globs("file_filters", file_filters)
+    dir_filters = _globs("dir_filters", dir_filters)
     root = os.fspath(file_root) if file_root is not None else None
     if files is not None and file_list is not None:
         raise ValueError("give file paths through files= or file_list=, not both")
@@ -60,7 +67,8 @@ def resolve_inputs(
     elif file_list is not None:
         paths, label_list = _core.read_file_list(os.fspath(file_list), root or "")
     elif root is not None:
-        paths, label_list = _core.list_file_root(root, file_filters, bool(case_sensitive_filter))
+        paths, label_list = _core.list_file_root(root, file_filters, bool(case_sensitive_filter),
+                                                 dir_filters)
         check_files = False  # just listed
     else:
         raise ValueError("give file_root=, file_list= or files=")
@@ -79,7 +87,8 @@ class FileReader:
     """Reads a file set in batches, many files at once, ``prefetch`` batches ahead of the loop.
 
     Inputs as DALI's ``fn.readers.file`` takes them: ``file_root`` with one subfolder per class
-    (labels in sorted folder order; every file is a sample, there is no extension filter),
+    (labels in sorted folder order; the folders whose names match ``dir_filters``, default all,
+    and in them the files matching ``file_filters``, default DALI's image and audio globs),
     ``file_list`` (DALI's text format, ``path label`` per line, relative paths relative to
     ``file_root`` or the list's folder), or ``files`` with optional ``labels`` (default: each
     file's position).
@@ -145,6 +154,7 @@ class FileReader:
         *,
         file_filters: str | Sequence[str] | None = None,
         case_sensitive_filter: bool = False,
+        dir_filters: str | Sequence[str] | None = None,
         copy: bool = False,
         on_error: str = "raise",
         open_threads: int = 16,
@@ -169,7 +179,7 @@ class FileReader:
             raise ValueError("device='cuda' needs a torch build with CUDA and a GPU")
         self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels,
                                                    check_files, file_filters,
-                                                   case_sensitive_filter)
+                                                   case_sensitive_filter, dir_filters)
         self._config = {
             "num_files": len(self._paths),
             "batch_size": batch_size,
