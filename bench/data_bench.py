@@ -14,8 +14,10 @@ in --dir) is read in full epochs of shuffled batches by each tool:
   fio              fio random reads of 128 KiB at queue depth 64, O_DIRECT, over a scratch file
                    as large as the tree (the device's rate for this access pattern; cold only)
 
-Cold: the page cache is dropped before every timed epoch (/proc/sys/vm/drop_caches as root,
-else posix_fadvise DONTNEED per file). Warm: the tree is read once, untimed, first. Tools run in
+Cold: the page cache is dropped before every timed epoch (/proc/sys/vm/drop_caches 3 as root:
+file data, inodes and folders, as in a job's first epoch; else posix_fadvise DONTNEED per file).
+Cold_data: drop_caches 1, file data only, the inodes and folders stay cached (the later epochs of
+a data set larger than memory). Warm: the tree is read once, untimed, first. Tools run in
 a rotated order (repeat r starts with tool r mod n); each figure is the median of --repeats.
 Prints one Markdown table per mode and writes everything to --json-out.
 
@@ -77,9 +79,14 @@ def make_tree(root: Path, files: int, classes: int, min_kib: float, max_kib: flo
     return sorted(paths)
 
 
-def drop_caches(paths: list[Path]) -> None:
+# /proc/sys/vm/drop_caches level per cold mode.
+COLD_LEVELS = {"cold": 3, "cold_data": 1}
+
+
+def drop_caches(paths: list[Path], level: int = 3) -> None:
+    """Level 3 drops file data and cached inodes and folders; level 1 file data only."""
     try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        Path("/proc/sys/vm/drop_caches").write_text(f"{level}\n")
         return
     except OSError:
         pass
@@ -256,7 +263,7 @@ def main() -> int:
     parser.add_argument("--max-kib", type=float, default=400)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", default="cold,warm")
+    parser.add_argument("--modes", default="cold,cold_data,warm")
     parser.add_argument("--tools", default=",".join(ALL_TOOLS))
     parser.add_argument("--json-out", default="bench/results/data_bench.json")
     args = parser.parse_args()
@@ -265,6 +272,8 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown tools {sorted(unknown)}; use {ALL_TOOLS}")
     modes = args.modes.split(",")
+    if set(modes) - {"warm", *COLD_LEVELS}:
+        parser.error(f"unknown modes {sorted(set(modes) - {'warm', *COLD_LEVELS})}")
     # Imported before anything is timed: dropping the page cache would make a first import
     # read torch's and DALI's libraries from the disk inside a tool's time.
     import torch  # noqa: F401
@@ -298,8 +307,8 @@ def main() -> int:
             order = mode_tools[repeat % len(mode_tools):] + mode_tools[:repeat % len(mode_tools)]
             for tool in order:
                 settle()
-                if mode == "cold":
-                    drop_caches(paths + [scratch])
+                if mode in COLD_LEVELS:
+                    drop_caches(paths + [scratch], COLD_LEVELS[mode])
                 else:
                     warm(paths)
                 start = time.perf_counter()
