@@ -3,6 +3,7 @@
 // direct_fallback_reason() says why.
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -40,8 +41,10 @@ class File {
  public:
   File() = default;
   // Throws IoError (with the path and errno) if the file cannot be opened.
-  // `direct`: try O_DIRECT (the default); false opens buffered only.
-  static File Open(const std::string& path, OpenMode mode, bool direct = true);
+  // `direct`: try O_DIRECT (the default); false opens buffered only. `status`, when given,
+  // receives the opened file's fstat (saving the caller another).
+  static File Open(const std::string& path, OpenMode mode, bool direct = true,
+                   struct stat* status = nullptr);
 
   bool is_open() const noexcept { return impl_ != nullptr; }
   const std::string& path() const;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 namespace tensortier {
@@ -18,9 +19,11 @@ struct Residency {
 
 // Never throws: on failure returns method kUnknown (and the caller reads directly).
 // Uses cachestat(2) (Linux 6.5+), else mincore(2) on a temporary mapping; `method` forces one
-// (tests use it to reach the mincore path on new kernels).
+// (tests use it to reach the mincore path on new kernels). `file_size`: the file's size when the
+// caller knows it (no fstat then).
 Residency QueryResidency(int fd, uint64_t offset, uint64_t length,
-                         ResidencyMethod method = ResidencyMethod::kUnknown);
+                         ResidencyMethod method = ResidencyMethod::kUnknown,
+                         std::optional<uint64_t> file_size = std::nullopt);
 
 // The method QueryResidency uses on this kernel (probed once).
 ResidencyMethod ResidencyMethodInUse();

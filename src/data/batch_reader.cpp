@@ -115,31 +115,27 @@ using detail::PendingBatch;
 
 namespace {
 
-// Opens `path` for reading and sizes it; refuses anything but a regular file before opening
-// (opening a FIFO would block). A file wholly in the page cache is opened buffered only: its
-// O_DIRECT descriptor would never be used, and opening one costs more system calls than reading
-// a small cached file (the engine's residency check then has nothing to decide).
+// Opens `path` for reading and sizes it, refusing anything but a regular file (the open does not
+// block on a FIFO: File::Open opens non-blocking). A file wholly in the page cache is opened
+// buffered only: its O_DIRECT descriptor would never be used, and opening one costs more system
+// calls than reading a small cached file (the engine's residency check then has nothing to
+// decide). System calls per cached file: open, fcntl, fstat, cachestat (and the close).
 void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
   try {
-    struct stat st {};
-    if (stat(path.c_str(), &st) != 0) ThrowIoError(errno, "stat", path);
-    if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open (a directory, not a regular file)", path);
-    if (!S_ISREG(st.st_mode)) ThrowIoError(EINVAL, "open (not a regular file)", path);
-    slot.file = File::Open(path, OpenMode::kRead, /*direct=*/false);
     struct stat opened {};
-    if (fstat(slot.file.buffered_fd(), &opened) != 0) ThrowIoError(errno, "fstat", path);
+    slot.file = File::Open(path, OpenMode::kRead, /*direct=*/false, &opened);
     if (!S_ISREG(opened.st_mode)) ThrowIoError(EINVAL, "open (not a regular file)", path);
     slot.size = static_cast<uint64_t>(opened.st_size);
     if (!direct || slot.size == 0) return;
-    const Residency cached = QueryResidency(slot.file.buffered_fd(), 0, slot.size);
+    const Residency cached =
+        QueryResidency(slot.file.buffered_fd(), 0, slot.size, ResidencyMethod::kUnknown, slot.size);
     if (cached.method != ResidencyMethod::kUnknown &&
         cached.resident_bytes >= cached.checked_bytes) {
       slot.resident = true;
       return;
     }
-    File with_direct = File::Open(path, OpenMode::kRead, /*direct=*/true);
     struct stat again {};
-    if (fstat(with_direct.buffered_fd(), &again) != 0) ThrowIoError(errno, "fstat", path);
+    File with_direct = File::Open(path, OpenMode::kRead, /*direct=*/true, &again);
     if (again.st_ino != opened.st_ino || again.st_dev != opened.st_dev) {
       ThrowIoError(EIO, "open (the file was replaced while opened)", path);
     }

@@ -76,7 +76,7 @@ int RetryOpen(const char* path, int flags, mode_t perm) {
 
 }  // namespace
 
-File File::Open(const std::string& path, OpenMode mode, bool direct) {
+File File::Open(const std::string& path, OpenMode mode, bool direct, struct stat* status) {
   auto impl = std::make_shared<Impl>();
   impl->path = path;
   int flags = O_CLOEXEC;
@@ -112,13 +112,13 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
     }
   }
   if (impl->buffered_fd < 0) ThrowIoError(errno, "open", path);
-  const int status_flags = fcntl(impl->buffered_fd, F_GETFL);
-  if (status_flags < 0 || fcntl(impl->buffered_fd, F_SETFL, status_flags & ~O_NONBLOCK) != 0) {
-    ThrowIoError(errno, "fcntl", path);
-  }
-  struct stat st{};
+  // The status flags are the open's, less O_NONBLOCK (F_SETFL ignores the access mode and the
+  // creation flags): no F_GETFL needed.
+  if (fcntl(impl->buffered_fd, F_SETFL, flags) != 0) ThrowIoError(errno, "fcntl", path);
+  struct stat st {};
   if (fstat(impl->buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", path);
   if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open", path);
+  if (status != nullptr) *status = st;
   if (!direct) return File{std::move(impl)};
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
     // A FIFO, socket or character device: no O_DIRECT (nor a second, blocking open of a FIFO).
@@ -127,7 +127,7 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
   }
 
   // Ask the filesystem for its O_DIRECT rules; a zero alignment means it does not support it.
-  struct statx stx{};
+  struct statx stx {};
   bool have_dioalign = statx(impl->buffered_fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 &&
                        (stx.stx_mask & STATX_DIOALIGN) != 0;
   if (have_dioalign && (stx.stx_dio_offset_align == 0 || stx.stx_dio_mem_align == 0)) {
@@ -145,7 +145,7 @@ File File::Open(const std::string& path, OpenMode mode, bool direct) {
   impl->direct_fd = RetryOpen(StrCat("/proc/self/fd/", impl->buffered_fd).c_str(), direct_flags, 0);
   if (impl->direct_fd < 0 && errno == ENOENT) {  // no /proc: by path, then check it is the same
     impl->direct_fd = RetryOpen(path.c_str(), direct_flags, 0);
-    struct stat direct_st{};
+    struct stat direct_st {};
     if (impl->direct_fd >= 0 && (fstat(impl->direct_fd, &direct_st) != 0 ||
                                  direct_st.st_dev != st.st_dev || direct_st.st_ino != st.st_ino)) {
       ThrowIoError(ESTALE, "open (the file was replaced while being opened; open it again)", path);
@@ -196,7 +196,7 @@ const std::optional<BlockQueueLimits>& File::block_queue_limits() const {
 }
 
 uint64_t File::Size() const {
-  struct stat st{};
+  struct stat st {};
   if (fstat(impl().buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", impl().path);
   if (S_ISBLK(st.st_mode)) {  // st_size is 0 for a block device: the engine's reads stop at Size()
     uint64_t bytes = 0;

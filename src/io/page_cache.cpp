@@ -72,11 +72,15 @@ std::string_view ResidencyMethodName(ResidencyMethod method) {
   return "none";
 }
 
-Residency QueryResidency(int fd, uint64_t offset, uint64_t length, ResidencyMethod method) {
+Residency QueryResidency(int fd, uint64_t offset, uint64_t length, ResidencyMethod method,
+                         std::optional<uint64_t> file_size) {
   Residency r;
-  struct stat st {};
-  if (fstat(fd, &st) != 0) return r;
-  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (!file_size) {
+    struct stat st {};
+    if (fstat(fd, &st) != 0) return r;
+    file_size = static_cast<uint64_t>(st.st_size);
+  }
+  const uint64_t size = *file_size;
   if (offset >= size || length == 0) {
     r.method = method == ResidencyMethod::kUnknown ? ResidencyMethodInUse() : method;
     return r;
