@@ -963,6 +963,14 @@ class EnginePageCacheTest : public EngineTest {
     std::vector<uint8_t> data = ReadWholeFile(dir_.File("data"));
     ASSERT_EQ(data.size(), kSize);
     ASSERT_EQ(QueryResidency(file_.buffered_fd(), 0, kSize).resident_bytes, kSize);
+    // Given the file's size, the same answer without asking the file (and clamped to that size).
+    const Residency sized =
+        QueryResidency(file_.buffered_fd(), 0, kSize + 4096, ResidencyMethod::kUnknown, kSize);
+    ASSERT_EQ(sized.resident_bytes, kSize);
+    ASSERT_EQ(sized.checked_bytes, kSize);
+    ASSERT_EQ(QueryResidency(file_.buffered_fd(), 0, kSize, ResidencyMethod::kUnknown, kSize / 2)
+                  .checked_bytes,
+              kSize / 2);
   }
 
   EngineOptions CheckingOptions(bool check = true) const {

@@ -90,7 +90,7 @@ TEST(CreateUniqueFileTest, CreatesAnEmptyFileOfTheModeUnderTheNameItWasGiven) {
       [&](uint32_t n) { return dir.File("f-" + std::to_string(n)); }, 0640, "create");
   umask(old_mask);
   EXPECT_EQ(path.rfind(dir.File("f-"), 0), 0u) << path;
-  struct stat st{};
+  struct stat st {};
   ASSERT_EQ(lstat(path.c_str(), &st), 0);
   EXPECT_TRUE(S_ISREG(st.st_mode));
   EXPECT_EQ(st.st_size, 0);
@@ -154,6 +154,21 @@ TEST_F(FileTest, ReadModeOpensExistingFileReadOnly) {
   EXPECT_EQ(fcntl(f.buffered_fd(), F_GETFL) & O_ACCMODE, O_RDONLY);
 }
 
+TEST_F(FileTest, OpenGivesTheOpenedFilesStatus) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10001, 1));
+  struct stat by_path {};
+  ASSERT_EQ(stat(path.c_str(), &by_path), 0);
+  for (bool direct : {false, true}) {
+    struct stat status {};
+    File f = File::Open(path, OpenMode::kRead, direct, &status);
+    EXPECT_EQ(status.st_size, 10001);
+    EXPECT_EQ(status.st_ino, by_path.st_ino);
+    EXPECT_EQ(status.st_dev, by_path.st_dev);
+    EXPECT_TRUE(S_ISREG(status.st_mode));
+  }
+}
+
 // The race this guards against (a rename over the path between File::Open's two opens) has no
 // deterministic test; this checks the invariant the fix establishes.
 TEST_F(FileTest, DirectDescriptorIsTheSameInodeWithItsOwnFlags) {
@@ -164,7 +179,8 @@ TEST_F(FileTest, DirectDescriptorIsTheSameInodeWithItsOwnFlags) {
   // An atomic save replaces the path now: both descriptors must still be the old file.
   ASSERT_NO_FATAL_FAILURE(WritePatternFile(dir_.File("new"), 1 << 20, 2));
   ASSERT_EQ(rename(dir_.File("new").c_str(), path.c_str()), 0);
-  struct stat buffered{}, direct{};
+  struct stat buffered {
+  }, direct{};
   ASSERT_EQ(fstat(f.buffered_fd(), &buffered), 0);
   ASSERT_EQ(fstat(f.direct_fd(), &direct), 0);
   EXPECT_EQ(buffered.st_ino, direct.st_ino);
@@ -378,7 +394,7 @@ TEST_F(FileTest, AllocateExtendsAndReservesBlocks) {
   File f = File::Open(dir_.File("data"), OpenMode::kWrite);
   f.Allocate(0, 1 << 20);
   EXPECT_EQ(f.Size(), 1u << 20);
-  struct stat st{};
+  struct stat st {};
   ASSERT_EQ(fstat(f.buffered_fd(), &st), 0);
   EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, 1u << 20);
 }
