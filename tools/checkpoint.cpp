@@ -272,25 +272,11 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   auto it = metadata.find(kTensorChecksumsKey);
   if (it == metadata.end()) return c;
   c.present = true;
-  std::map<std::string, std::string> sums = ParseTensorChecksums(it->second);
-  std::set<std::string> names;
-  for (const auto& item : l.items) names.insert(item.name);
-  for (const auto& [name, hex] : sums) {
-    if (!names.contains(name))
-      c.problems.push_back(StrCat("checksum for unknown tensor '", name, "'"));
-  }
-  for (size_t i = 0; i < l.items.size(); ++i) {
-    const Item& item = l.items[i];
-    auto s = sums.find(item.name);
-    if (s == sums.end()) {
-      c.problems.push_back(StrCat("tensor '", item.name, "' has no checksum"));
-    } else if (const std::optional<uint64_t> stored = ParseStoredChecksum(s->second); !stored) {
-      c.problems.push_back(
-          StrCat("tensor '", item.name, "': checksum '", s->second, "' is not 16 hex digits"));
-    } else {
-      c.want[i] = *stored;
-    }
-  }
+  std::vector<std::string> names;
+  for (const auto& item : l.items) names.push_back(item.name);
+  TensorChecksums sums = ReadTensorChecksums(it->second, names);
+  c.want = std::move(sums.want);
+  c.problems.insert(c.problems.end(), sums.problems.begin(), sums.problems.end());
   return c;
 }
 

@@ -316,6 +316,32 @@ std::map<std::string, std::string> ParseTensorChecksums(std::string_view text) {
   return ParseJsonStringMap(text, kTensorChecksumsKey);
 }
 
+TensorChecksums ReadTensorChecksums(std::string_view text, const std::vector<std::string>& names) {
+  const std::map<std::string, std::string> sums = ParseTensorChecksums(text);
+  TensorChecksums out;
+  out.want.resize(names.size());
+  const std::set<std::string_view> held(names.begin(), names.end());
+  for (const auto& [name, hex] : sums) {
+    if (!held.contains(name)) {
+      out.problems.push_back(StrCat("checksum for unknown tensor '", name, "'",
+                                    " (the file holds no tensor of that name: the checksums are "
+                                    "not this file's)"));
+    }
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto s = sums.find(names[i]);
+    if (s == sums.end()) {
+      out.problems.push_back(StrCat("tensor '", names[i], "' has no checksum"));
+    } else if (const std::optional<uint64_t> stored = ParseStoredChecksum(s->second); !stored) {
+      out.problems.push_back(
+          StrCat("tensor '", names[i], "': checksum '", s->second, "' is not 16 hex digits"));
+    } else {
+      out.want[i] = *stored;
+    }
+  }
+  return out;
+}
+
 uint64_t SafetensorsHeaderDigest(const std::vector<SafetensorsEntry>& entries,
                                  const SafetensorsMetadata& metadata) {
   std::vector<const SafetensorsEntry*> by_name;

@@ -403,6 +403,9 @@ def _stored_checksum_cases(good: str) -> dict[str, tuple[str, bool]]:
         "space": (f'{{"a":" {good}"}}', False),
         "15 digits": (f'{{"a":"{good[1:]}"}}', False),
         "not an object": ('["a"]', False),
+        # A checksum for a tensor the file does not hold: the metadata is not this file's.
+        "an unknown name": (f'{{"a":"{good}","b":"{good}"}}', False),
+        "no checksum for a": ('{}', False),
     }
 
 
