@@ -4,7 +4,6 @@ lazy torch and _core lookups every module uses."""
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -118,9 +117,6 @@ def _require(name: str) -> Callable[..., Any]:
 
 def _sniff(path: str) -> str:
     """'safetensors', 'torch' or 'index', from the file's first bytes."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(
-            errno.EISDIR, "is a directory: pass a checkpoint file or a shard .index.json", path
-        )
-    # By content (a FIFO or a device is refused, never waited on): the rule the CLI follows.
+    # By content (a directory, a FIFO or a device is refused, never waited on): the rule the CLI
+    # follows.
     return str(_require("detect_checkpoint_kind")(path))
