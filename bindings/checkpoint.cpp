@@ -16,6 +16,7 @@
 #include "tensortier/checkpoint_file.hpp"
 #include "tensortier/checkpoint_format.hpp"
 #include "tensortier/checksum.hpp"
+#include "tensortier/dtypes.hpp"
 #include "tensortier/safetensors.hpp"
 #include "tensortier/torch_checkpoint.hpp"
 #include "tensortier/torch_pickle.hpp"
@@ -153,6 +154,29 @@ void RegisterCheckpoint(py::module_& m) {
       "directory order; data_offset is absolute. ValueError for a bad archive and, unless "
       "require_stored=False, for any compressed or encrypted entry (size is then the uncompressed "
       "size, not the bytes at data_offset).");
+
+  m.def(
+      "dtypes",
+      [] {
+        py::list out;
+        for (const Dtype& d : Dtypes()) {
+          py::dict row;
+          row["name"] = d.name;
+          row["safetensors"] = d.safetensors;
+          row["packing"] = d.packing;
+          row["torch"] = d.torch;
+          row["torch_alias"] = d.torch_alias;
+          row["storage"] = d.storage;
+          row["bits"] = d.bits;
+          row["quantized"] = d.quantized;
+          out.append(std::move(row));
+        }
+        return out;
+      },
+      "The dtype table (include/tensortier/dtypes.hpp), one dict per dtype: name (tensortier's), "
+      "safetensors (the dtype that stores it, '' when none), packing (values per element), torch "
+      "(torch's dtype attribute, '' when none), torch_alias, storage (typed storage class, '' when "
+      "torch pickles it untyped), bits (per element), quantized.");
 
   m.def(
       "safetensors_dtypes_for_torch",
@@ -348,6 +372,17 @@ void RegisterCheckpoint(py::module_& m) {
   m.def("parse_tensor_checksums", &ParseTensorChecksums, py::arg("text"),
         "The tensortier.xxh64 metadata value as {tensor name: checksum text}; ValueError for "
         "anything but a JSON object of strings, or a name given twice.");
+  m.def(
+      "read_tensor_checksums",
+      [](const std::string& text, const std::vector<std::string>& names) {
+        TensorChecksums sums = ReadTensorChecksums(text, names);
+        return py::make_tuple(py::cast(sums.want), py::cast(sums.problems));
+      },
+      py::arg("text"), py::arg("names"),
+      "What the tensortier.xxh64 metadata value says of a file holding the tensors `names` (the "
+      "rule `tensortier verify` follows): ([xxh64 or None per name], [problems]); problems are "
+      "checksums for names the file does not hold, tensors without a checksum, checksums that "
+      "are not 16 hex digits. ValueError as parse_tensor_checksums.");
   m.def(
       "xxh64",
       [](const py::object& obj, uint64_t seed) {

@@ -22,6 +22,7 @@
 #include "tensortier/checkpoint_format.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/config.hpp"
+#include "tensortier/dtypes.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/format_error.hpp"
@@ -271,25 +272,11 @@ SafetensorsChecks ReadSafetensorsChecks(const Loaded& l) {
   auto it = metadata.find(kTensorChecksumsKey);
   if (it == metadata.end()) return c;
   c.present = true;
-  std::map<std::string, std::string> sums = ParseTensorChecksums(it->second);
-  std::set<std::string> names;
-  for (const auto& item : l.items) names.insert(item.name);
-  for (const auto& [name, hex] : sums) {
-    if (!names.contains(name))
-      c.problems.push_back(StrCat("checksum for unknown tensor '", name, "'"));
-  }
-  for (size_t i = 0; i < l.items.size(); ++i) {
-    const Item& item = l.items[i];
-    auto s = sums.find(item.name);
-    if (s == sums.end()) {
-      c.problems.push_back(StrCat("tensor '", item.name, "' has no checksum"));
-    } else if (const std::optional<uint64_t> stored = ParseStoredChecksum(s->second); !stored) {
-      c.problems.push_back(
-          StrCat("tensor '", item.name, "': checksum '", s->second, "' is not 16 hex digits"));
-    } else {
-      c.want[i] = *stored;
-    }
-  }
+  std::vector<std::string> names;
+  for (const auto& item : l.items) names.push_back(item.name);
+  TensorChecksums sums = ReadTensorChecksums(it->second, names);
+  c.want = std::move(sums.want);
+  c.problems.insert(c.problems.end(), sums.problems.begin(), sums.problems.end());
   return c;
 }
 
@@ -412,10 +399,11 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
           " storage off its elements' boundaries; convert cannot swap its bytes: load it with "
           "tensortier.load and save that"));
     }
-    // torch's float4_e2m1fn_x2 is safetensors' F4 with the last dimension counted in bytes.
-    const bool packed_f4 = t.dtype == "F4_X2";
-    const std::string dtype = packed_f4 ? "F4" : t.dtype;
-    if (SafetensorsDtypeBits(dtype) == 0) {
+    // A packed dtype (float4_e2m1fn_x2: safetensors' F4) counts its last dimension in elements
+    // of several safetensors values.
+    const Dtype* row = DtypeNamed(t.dtype);
+    const std::string dtype(row != nullptr ? row->safetensors : std::string_view());
+    if (dtype.empty()) {
       throw std::invalid_argument(StrCat("tensor '", t.path, "' has dtype ", t.dtype, " (torch.",
                                          TorchDtypeAttribute(t.dtype),
                                          "), which safetensors cannot store"));
@@ -434,13 +422,13 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
                                          "tensors (call .contiguous() before torch.save)"));
     }
     std::vector<uint64_t> shape(t.shape.begin(), t.shape.end());
-    if (packed_f4) {
+    if (row->packing > 1) {
       if (shape.empty()) {
-        throw std::invalid_argument(StrCat("tensor '", t.path,
-                                           "' is a float4_e2m1fn_x2 scalar: safetensors' F4 "
-                                           "needs a last dimension to hold its two values"));
+        throw std::invalid_argument(
+            StrCat("tensor '", t.path, "' is a ", row->torch, " scalar: safetensors' ", dtype,
+                   " needs a last dimension to hold its ", row->packing, " values"));
       }
-      shape.back() *= 2;
+      shape.back() *= row->packing;
     }
     entries.push_back({t.path, dtype, std::move(shape), data, data + t.nbytes()});
     data += t.nbytes();

@@ -72,6 +72,18 @@ std::optional<uint64_t> ParseStoredChecksum(std::string_view text);
 // a JSON object of strings, or a name given twice.
 std::map<std::string, std::string> ParseTensorChecksums(std::string_view text);
 
+// What kTensorChecksumsKey metadata `text` says of a file holding the tensors `names`: the one
+// rule tensortier.load(verify=True), `tensortier verify` and `convert` follow. A checksum for a
+// name the file does not hold means the metadata is not this file's: a problem, as is a tensor
+// without a checksum or with one that is not 16 hex digits. Throws as ParseTensorChecksums.
+struct TensorChecksums {
+  std::vector<std::optional<uint64_t>> want;  // per tensor of `names`: its xxh64, if usable
+  // Every problem, one sentence each: the names the file does not hold (sorted), then the
+  // tensors' own in the order of `names`.
+  std::vector<std::string> problems;
+};
+TensorChecksums ReadTensorChecksums(std::string_view text, const std::vector<std::string>& names);
+
 // xxh64 of a canonical form of what a header says: each entry (sorted by name) as
 // "T<len>:<name><len>:<dtype><dims comma-separated>:<begin>:<end>\n", then each metadata item
 // (sorted by key) except the two checksum keys as "M<len>:<key><len>:<value>\n" (lengths in

@@ -87,14 +87,14 @@ struct TorchPickleTensor {
   std::string storage_key;  // "0", "1"...: a plain name (letters, digits, '_')
 };
 
-// True when torch (2.x) has a dtype for `dtype` (safetensors-style name, or F4_X2 for
-// float4_e2m1fn_x2): not F4 (torch packs two values per element), F6_*, unknowns.
+// True when torch (2.x) pickles a plain tensor of `dtype` (a name of dtypes.hpp): every torch
+// dtype but the quantized ones; not F4 (torch packs two values per element), F6_*, unknowns.
 bool TorchSupportsDtype(std::string_view dtype);
 
 // The data.pkl that torch.save writes for a plain dict {name: tensor} of `tensors` (in order, all
 // on the CPU): protocol 2, byte for byte what torch 2.x emits (its memo, its batching of items,
-// _rebuild_tensor_v2 with typed storages, _rebuild_tensor_v3 with an UntypedStorage for uint16/32/
-// 64 and float8 types). Throws std::invalid_argument naming the tensor for a dtype torch cannot
+// _rebuild_tensor_v2 with typed storages, _rebuild_tensor_v3 with an UntypedStorage for the
+// dtypes without one: uint16/32/64, float8 types...). Throws std::invalid_argument naming the tensor for a dtype torch cannot
 // hold, a duplicate name, a shape too large, or a bad storage key.
 std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors);
 

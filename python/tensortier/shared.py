@@ -777,24 +777,27 @@ class SharedTensor:
             KeyError: no tensor `key` in the file (the message lists the keys there are).
             ValueError: another shape or dtype; a tensor stored with strides that do not give
                 contiguous rows, or in a compressed zip entry; a legacy (pre-1.6) ``torch.save``
-                file; a file that is not a checkpoint.
+                file; a shard index or a file that is not a checkpoint.
             OSError: the file cannot be read.
         """
         self._require_member("load_checkpoint")
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__}")
+        from .checkpoint import _read_st_header, _sniff
+
         path = os.fspath(path)
-        with open(path, "rb") as f:
-            head = f.read(2)
-        if head == b"PK" or head[:1] == b"\x80":  # torch.save: zip, or the legacy pickle
+        kind = _sniff(path)  # the C++ detection tensortier.load and the CLI use
+        if kind == "index":
+            raise ValueError(
+                f"{path}: a shard index, not a checkpoint file: pass the shard holding {key!r}"
+            )
+        if kind == "torch":
             found, keys = _core.locate_torch_tensor(path, key)
             if found is None:
                 raise KeyError(_missing_key(path, key, keys))
             dtype_name, shape, offset, nbytes = found
             dtype = getattr(torch, dtype_name, None)
         else:
-            from .checkpoint import _read_st_header
-
             entries, _ = _read_st_header(path)
             entry = next((e for e in entries if e.name == key), None)
             if entry is None:

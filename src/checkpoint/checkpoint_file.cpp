@@ -200,7 +200,17 @@ std::string ResolveSavePath(const std::string& path) {
 File OpenCheckpointForReading(const std::string& path, bool direct, const FileSystem& fs) {
   // File::Open never blocks on a FIFO (its open is non-blocking); what it opened is checked here
   // before a byte is read: a FIFO's reads would wait for a writer forever.
-  File file = fs.Open(path, OpenMode::kRead, direct);
+  File file = [&] {
+    try {
+      return fs.Open(path, OpenMode::kRead, direct);
+    } catch (const IoError& e) {
+      if (e.error_code() != EISDIR) throw;
+      // The rule tensortier.load and the CLI share: say what to pass instead.
+      ThrowIoError(EISDIR,
+                   "read a checkpoint (a directory: pass a checkpoint file or a shard .index.json)",
+                   path);
+    }
+  }();
   struct stat st{};
   if (fstat(file.buffered_fd(), &st) != 0) ThrowIoError(errno, "fstat", path);
   if (!S_ISREG(st.st_mode)) {

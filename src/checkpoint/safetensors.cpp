@@ -10,6 +10,7 @@
 #include "tensortier/byte_source.hpp"
 #include "tensortier/checkpoint_file.hpp"
 #include "tensortier/checksum.hpp"
+#include "tensortier/dtypes.hpp"
 #include "tensortier/format_error.hpp"
 #include "tensortier/json.hpp"
 #include "tensortier/strings.hpp"
@@ -19,20 +20,6 @@ namespace {
 
 constexpr std::string_view kWhat = "safetensors header";
 constexpr std::string_view kMetadataKey = "__metadata__";
-
-struct DtypeBits {
-  std::string_view name;
-  unsigned bits;
-};
-
-// Every dtype the safetensors package (0.8) knows, with its size in bits.
-constexpr DtypeBits kDtypes[] = {
-    {"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
-    {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
-    {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
-    {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
-    {"I64", 64},        {"U64", 64},
-};
 
 std::string Quoted(std::string_view name) {
   // Names are shown as JSON strings so control characters and quotes stay visible.
@@ -145,15 +132,15 @@ void CheckSize(const SafetensorsEntry& e) {
 
 std::vector<std::string_view> SafetensorsDtypeNames() {
   std::vector<std::string_view> names;
-  for (const auto& d : kDtypes) names.push_back(d.name);
+  for (const Dtype& d : Dtypes()) {
+    if (d.name == d.safetensors) names.push_back(d.name);
+  }
   return names;
 }
 
 unsigned SafetensorsDtypeBits(std::string_view dtype) {
-  for (const auto& d : kDtypes) {
-    if (d.name == dtype) return d.bits;
-  }
-  return 0;
+  const Dtype* d = DtypeNamed(dtype);
+  return d != nullptr && d->name == d->safetensors ? d->bits : 0;
 }
 
 SafetensorsHeader ParseSafetensorsHeader(std::string_view json, uint64_t data_bytes) {
@@ -327,6 +314,32 @@ std::optional<uint64_t> ParseStoredChecksum(std::string_view text) {
 
 std::map<std::string, std::string> ParseTensorChecksums(std::string_view text) {
   return ParseJsonStringMap(text, kTensorChecksumsKey);
+}
+
+TensorChecksums ReadTensorChecksums(std::string_view text, const std::vector<std::string>& names) {
+  const std::map<std::string, std::string> sums = ParseTensorChecksums(text);
+  TensorChecksums out;
+  out.want.resize(names.size());
+  const std::set<std::string_view> held(names.begin(), names.end());
+  for (const auto& [name, hex] : sums) {
+    if (!held.contains(name)) {
+      out.problems.push_back(StrCat("checksum for unknown tensor '", name, "'",
+                                    " (the file holds no tensor of that name: the checksums are "
+                                    "not this file's)"));
+    }
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto s = sums.find(names[i]);
+    if (s == sums.end()) {
+      out.problems.push_back(StrCat("tensor '", names[i], "' has no checksum"));
+    } else if (const std::optional<uint64_t> stored = ParseStoredChecksum(s->second); !stored) {
+      out.problems.push_back(
+          StrCat("tensor '", names[i], "': checksum '", s->second, "' is not 16 hex digits"));
+    } else {
+      out.want[i] = *stored;
+    }
+  }
+  return out;
 }
 
 uint64_t SafetensorsHeaderDigest(const std::vector<SafetensorsEntry>& entries,

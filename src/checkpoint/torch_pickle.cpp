@@ -5,6 +5,7 @@
 #include <cstring>
 #include <optional>
 
+#include "tensortier/dtypes.hpp"
 #include "tensortier/format_error.hpp"
 #include "tensortier/json.hpp"
 #include "tensortier/safetensors.hpp"
@@ -32,112 +33,21 @@ constexpr size_t kBytesPerTensor = 16;  // tensors rebuilt <= input bytes / 16
 constexpr size_t kOutputBytesPerByte = 16;  // output tensors' estimated bytes <= 16 x input ...
 constexpr size_t kOutputSlack = 4u << 20;   // ... + 4 MiB
 
-struct DtypeName {
-  std::string_view torch;  // torch attribute name (dtype or storage type)
-  std::string_view name;   // our name
-};
+// A storage value's type: its row in Dtypes(), or this for an UntypedStorage (bytes).
+constexpr int64_t kUntypedStorage = -1;
 
-constexpr DtypeName kStorageTypes[] = {
-    {"FloatStorage", "F32"},
-    {"DoubleStorage", "F64"},
-    {"HalfStorage", "F16"},
-    {"BFloat16Storage", "BF16"},
-    {"LongStorage", "I64"},
-    {"IntStorage", "I32"},
-    {"ShortStorage", "I16"},
-    {"CharStorage", "I8"},
-    {"ByteStorage", "U8"},
-    {"BoolStorage", "BOOL"},
-    {"ComplexFloatStorage", "C64"},
-    {"ComplexDoubleStorage", "C128"},
-    {"UntypedStorage", "U8"},
-    // Quantized tensors' (_rebuild_qtensor): their integers, named in safetensors' style. Not
-    // quint4x2 and quint2x4, which pack two and four values a byte.
-    {"QInt8Storage", "QI8"},
-    {"QUInt8Storage", "QU8"},
-    {"QInt32Storage", "QI32"},
-};
-
-constexpr DtypeName kDtypes[] = {
-    {"float32", "F32"},
-    {"float", "F32"},
-    {"float64", "F64"},
-    {"double", "F64"},
-    {"float16", "F16"},
-    {"half", "F16"},
-    {"bfloat16", "BF16"},
-    {"int64", "I64"},
-    {"long", "I64"},
-    {"int32", "I32"},
-    {"int", "I32"},
-    {"int16", "I16"},
-    {"short", "I16"},
-    {"int8", "I8"},
-    {"uint8", "U8"},
-    {"bool", "BOOL"},
-    {"uint16", "U16"},
-    {"uint32", "U32"},
-    {"uint64", "U64"},
-    {"float8_e4m3fn", "F8_E4M3"},
-    {"float8_e5m2", "F8_E5M2"},
-    {"float8_e4m3fnuz", "F8_E4M3FNUZ"},
-    {"float8_e5m2fnuz", "F8_E5M2FNUZ"},
-    {"float8_e8m0fnu", "F8_E8M0"},
-    {"complex64", "C64"},
-    {"cfloat", "C64"},
-    {"complex128", "C128"},
-    {"cdouble", "C128"},
-    // torch dtypes safetensors has no name for: named here in its style.
-    {"complex32", "C32"},
-    {"chalf", "C32"},
-    {"float4_e2m1fn_x2", "F4_X2"},  // one byte holding two F4 values
-    {"bits8", "BITS8"},
-    {"bits16", "BITS16"},
-    {"bits1x8", "BITS1X8"},
-    {"bits2x4", "BITS2X4"},
-    {"bits4x2", "BITS4X2"},
-    {"qint8", "QI8"},
-    {"quint8", "QU8"},
-    {"qint32", "QI32"},
-};
-
-struct DtypeBytes {
-  std::string_view name;
-  unsigned bytes;
-};
-
-constexpr DtypeBytes kDtypeBytes[] = {
-    {"BOOL", 1},        {"U8", 1},          {"I8", 1},      {"F8_E4M3", 1}, {"F8_E5M2", 1},
-    {"F8_E4M3FNUZ", 1}, {"F8_E5M2FNUZ", 1}, {"F8_E8M0", 1}, {"F4_X2", 1},   {"BITS8", 1},
-    {"BITS1X8", 1},     {"BITS2X4", 1},     {"BITS4X2", 1}, {"QI8", 1},     {"QU8", 1},
-    {"F16", 2},         {"BF16", 2},        {"I16", 2},     {"U16", 2},     {"BITS16", 2},
-    {"F32", 4},         {"I32", 4},         {"U32", 4},     {"C32", 4},     {"QI32", 4},
-    {"F64", 8},         {"I64", 8},         {"U64", 8},     {"C64", 8},     {"C128", 16},
-};
-
-// Every name the two tables above give a tensor has a size.
-constexpr bool EveryDtypeHasASize() {
-  auto sized = [](std::string_view name) {
-    for (const auto& d : kDtypeBytes) {
-      if (d.name == name) return true;
-    }
-    return false;
-  };
-  for (const auto& d : kStorageTypes) {
-    if (!sized(d.name)) return false;
-  }
-  for (const auto& d : kDtypes) {
-    if (!sized(d.name)) return false;
-  }
-  return true;
+// `d` when this reader takes tensors of it, else nullptr: not quint4x2 and quint2x4, quantized
+// values packed several to a byte.
+const Dtype* Readable(const Dtype* d) {
+  return d != nullptr && !(d->quantized && d->packing > 1) ? d : nullptr;
 }
-static_assert(EveryDtypeHasASize());
 
-std::string_view Lookup(const DtypeName* table, size_t n, std::string_view torch) {
-  for (size_t i = 0; i < n; ++i) {
-    if (table[i].torch == torch) return table[i].name;
-  }
-  return {};
+// Our name of typed storage class `storage` ("FloatStorage" -> "F32"), "U8" for an
+// UntypedStorage, empty when it is no storage class this reader takes.
+std::string_view StorageDtype(std::string_view storage) {
+  if (storage == "UntypedStorage") return "U8";
+  const Dtype* d = Readable(DtypeOfStorage(storage));
+  return d != nullptr ? d->name : std::string_view();
 }
 
 enum class Kind : uint8_t {
@@ -207,8 +117,7 @@ bool Allowed(std::string_view g) {
   };
   if (g.starts_with("torch.") && g.find('.', 6) == std::string_view::npos) {
     std::string_view attr = g.substr(6);
-    return !Lookup(kStorageTypes, std::size(kStorageTypes), attr).empty() ||
-           !Lookup(kDtypes, std::size(kDtypes), attr).empty() ||
+    return !StorageDtype(attr).empty() || Readable(DtypeOfTorch(attr)) != nullptr ||
            std::find(std::begin(kQuantizationSchemes), std::end(kQuantizationSchemes), attr) !=
                std::end(kQuantizationSchemes);
   }
@@ -594,7 +503,7 @@ class Vm {
     const Value& location = Arg(a, 3, Kind::kStr, "storage location");
     const Value& numel = Arg(a, 4, Kind::kInt, "storage size");
     std::string_view type_name = std::string_view(type.s).substr(type.s.rfind('.') + 1);
-    std::string_view dtype = Lookup(kStorageTypes, std::size(kStorageTypes), type_name);
+    std::string_view dtype = StorageDtype(type_name);
     if (dtype.empty()) Fail(StrCat("'", type.s, "' is not a storage type"));
     if (key.s.empty() || key.s.size() > 64 ||
         key.s.find_first_not_of(
@@ -618,10 +527,8 @@ class Vm {
       Fail(StrCat("storage '", key.s, "' is described twice, differently"));
     }
     // The value remembers this description's type: a tensor rebuilt on it (v2) has its dtype.
-    const auto type_index = static_cast<int64_t>(
-        std::find_if(std::begin(kStorageTypes), std::end(kStorageTypes),
-                     [&](const DtypeName& d) { return d.torch == type_name; }) -
-        std::begin(kStorageTypes));
+    const Dtype* row = DtypeOfStorage(type_name);
+    const int64_t type_index = row != nullptr ? row - Dtypes().data() : kUntypedStorage;
     return Scalar(Kind::kStorage, type_index, key.s);
   }
 
@@ -660,9 +567,9 @@ class Vm {
   std::string DtypeArg(const std::vector<uint32_t>& a, size_t i) {
     const Value& dtype = Arg(a, i, Kind::kGlobal, "tensor dtype");
     std::string_view name = std::string_view(dtype.s).substr(dtype.s.rfind('.') + 1);
-    std::string_view ours = Lookup(kDtypes, std::size(kDtypes), name);
-    if (ours.empty()) Fail(StrCat("'", dtype.s, "' is not a supported dtype"));
-    return std::string(ours);
+    const Dtype* ours = Readable(DtypeOfTorch(name));
+    if (ours == nullptr) Fail(StrCat("'", dtype.s, "' is not a supported dtype"));
+    return std::string(ours->name);
   }
 
   // _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad): no data.
@@ -688,7 +595,9 @@ class Vm {
     t.requires_grad = Arg(a, 4, Kind::kBool, "requires_grad").i != 0;
     if (metadata) ReadTensorFlags(*metadata, t);
     const TorchStorage& s = out_.storages.at(storage.s);
-    if (dtype.empty()) dtype = kStorageTypes[storage.i].name;  // the storage's, as described
+    if (dtype.empty()) {  // the storage's, as described
+      dtype = storage.i == kUntypedStorage ? "U8" : Dtypes()[storage.i].name;
+    }
     t.dtype = std::move(dtype);
     // The furthest element the tensor touches must lie inside its storage. Empty tensors touch
     // nothing (whatever their other sizes). Otherwise every dimension that moves (size > 1,
@@ -777,8 +686,9 @@ class Vm {
       // per-channel tensors and axis) say how to read them, not where they are.
       need(7, 7);
       const Value& storage = Arg(a, 0, Kind::kStorage, "quantized tensor storage");
-      if (!kStorageTypes[storage.i].name.starts_with("Q")) {
-        Fail(StrCat("quantized tensor on a ", kStorageTypes[storage.i].torch));
+      if (storage.i == kUntypedStorage || !Dtypes()[storage.i].quantized) {
+        Fail(StrCat("quantized tensor on a ",
+                    storage.i == kUntypedStorage ? "UntypedStorage" : Dtypes()[storage.i].storage));
       }
       const Value& params = Arg(a, 4, Kind::kTuple, "quantizer parameters");
       if (params.items.empty() || values_[params.items[0]].kind != Kind::kGlobal ||
@@ -930,28 +840,23 @@ class Vm {
 }  // namespace
 
 unsigned TorchDtypeBytes(std::string_view dtype) {
-  for (const auto& d : kDtypeBytes) {
-    if (d.name == dtype) return d.bytes;
-  }
-  return 0;
+  const Dtype* d = DtypeNamed(dtype);
+  return d != nullptr && !d->torch.empty() ? d->bits / 8 : 0;
 }
 
 std::string_view TorchDtypeAttribute(std::string_view dtype) {
-  for (const auto& d : kDtypes) {  // the first of a dtype's spellings is its canonical name
-    if (d.name == dtype) return d.torch;
-  }
-  return {};
+  const Dtype* d = DtypeNamed(dtype);
+  return d != nullptr ? d->torch : std::string_view();
 }
 
 std::optional<TorchHeldDtype> TorchHeldDtypeOf(std::string_view dtype) {
-  const unsigned bits = SafetensorsDtypeBits(dtype);
-  if (bits == 0) return std::nullopt;
-  const unsigned per = bits >= 8 ? 1 : 8 / bits;
-  if (bits < 8 && 8 % bits != 0) return std::nullopt;  // values that straddle bytes
-  std::string name = per == 1 ? std::string(dtype) : StrCat(dtype, "_X", per);
-  const std::string_view torch = TorchDtypeAttribute(name);
-  if (torch.empty()) return std::nullopt;
-  return TorchHeldDtype{std::string(dtype), std::move(name), torch, per};
+  if (SafetensorsDtypeBits(dtype) == 0) return std::nullopt;
+  for (const Dtype& d : Dtypes()) {
+    if (d.safetensors == dtype && !d.torch.empty()) {
+      return TorchHeldDtype{std::string(dtype), std::string(d.name), d.torch, d.packing};
+    }
+  }
+  return std::nullopt;
 }
 
 std::vector<TorchHeldDtype> SafetensorsDtypesForTorch() {

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tensortier/dtypes.hpp"
 #include "tensortier/json.hpp"
 #include "tensortier/strings.hpp"
 #include "tensortier/torch_pickle.hpp"
@@ -20,44 +21,12 @@
 namespace tensortier {
 namespace {
 
-struct PickledDtype {
-  std::string_view ours;
-  std::string_view storage;  // typed storage class (_rebuild_tensor_v2), empty for v3
-  std::string_view torch;    // torch dtype attribute (_rebuild_tensor_v3)
-  unsigned bytes;
-};
-
-// torch.storage._dtype_to_storage_type_map() decides: dtypes with a typed storage class pickle
-// through _rebuild_tensor_v2, the others through v3 with an UntypedStorage counted in bytes.
-constexpr PickledDtype kPickledDtypes[] = {
-    {"F64", "DoubleStorage", "float64", 8},
-    {"F32", "FloatStorage", "float32", 4},
-    {"F16", "HalfStorage", "float16", 2},
-    {"BF16", "BFloat16Storage", "bfloat16", 2},
-    {"I64", "LongStorage", "int64", 8},
-    {"I32", "IntStorage", "int32", 4},
-    {"I16", "ShortStorage", "int16", 2},
-    {"I8", "CharStorage", "int8", 1},
-    {"U8", "ByteStorage", "uint8", 1},
-    {"BOOL", "BoolStorage", "bool", 1},
-    {"C64", "ComplexFloatStorage", "complex64", 8},
-    {"C128", "ComplexDoubleStorage", "complex128", 16},
-    {"U16", "", "uint16", 2},
-    {"U32", "", "uint32", 4},
-    {"U64", "", "uint64", 8},
-    {"F8_E4M3", "", "float8_e4m3fn", 1},
-    {"F8_E5M2", "", "float8_e5m2", 1},
-    {"F8_E4M3FNUZ", "", "float8_e4m3fnuz", 1},
-    {"F8_E5M2FNUZ", "", "float8_e5m2fnuz", 1},
-    {"F8_E8M0", "", "float8_e8m0fnu", 1},
-    {"F4_X2", "", "float4_e2m1fn_x2", 1},
-};
-
-const PickledDtype* FindDtype(std::string_view dtype) {
-  for (const auto& d : kPickledDtypes) {
-    if (d.ours == dtype) return &d;
-  }
-  return nullptr;
+// What torch.save pickles as a plain tensor: every dtype torch has but the quantized ones.
+// torch.storage._dtype_to_storage_type_map() decides the rest: dtypes with a typed storage class
+// pickle through _rebuild_tensor_v2, the others through v3 with an UntypedStorage counted in bytes.
+const Dtype* FindDtype(std::string_view dtype) {
+  const Dtype* d = DtypeNamed(dtype);
+  return d != nullptr && !d->torch.empty() && !d->quantized ? d : nullptr;
 }
 
 constexpr size_t kBatch = 1000;  // pickle's _BATCHSIZE for SETITEMS
@@ -168,7 +137,7 @@ class Emitter {
   std::map<std::string, uint32_t> shared_;
 };
 
-void EmitTensor(Emitter& e, const TorchPickleTensor& t, const PickledDtype& d, uint64_t numel) {
+void EmitTensor(Emitter& e, const TorchPickleTensor& t, const Dtype& d, uint64_t numel) {
   bool v3 = d.storage.empty();
   // Tensor.__reduce_ex__ -> (_rebuild_tensor_v2|v3, args); args > 3 items: MARK ... TUPLE.
   e.Global("torch._utils", v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
@@ -183,7 +152,7 @@ void EmitTensor(Emitter& e, const TorchPickleTensor& t, const PickledDtype& d, u
   }
   e.Str(t.storage_key);
   e.SharedStr("cpu");
-  e.Int(v3 ? numel * d.bytes : numel);
+  e.Int(v3 ? numel * (d.bits / 8) : numel);
   e.Op('t');
   e.Put();
   e.Op('Q');  // BINPERSID
@@ -222,7 +191,7 @@ std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors) 
   std::set<std::string_view> names;
   std::set<std::string_view> keys;
   for (const auto& t : tensors) {
-    const PickledDtype* d = FindDtype(t.dtype);
+    const Dtype* d = FindDtype(t.dtype);
     if (d == nullptr) {
       throw std::invalid_argument(
           StrCat("tensor '", t.name, "' has dtype ", t.dtype, ", which torch has no dtype for"));
@@ -261,7 +230,7 @@ std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors) 
       empty = empty || dim == 0;
     }
     numel = empty ? 0 : padded;
-    if (numel > kMax / d->bytes) {
+    if (numel > kMax / (d->bits / 8)) {
       throw std::invalid_argument(StrCat("tensor '", t.name, "': too many bytes for torch"));
     }
     numels.push_back(numel);

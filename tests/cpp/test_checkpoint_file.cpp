@@ -74,7 +74,18 @@ TEST(CheckpointFileTest, OpenForReadingRefusesAFifoWithoutBlocking) {
 TEST(CheckpointFileTest, OpenForReadingRefusesDevicesAndDirectories) {
   TempDir dir;
   EXPECT_EQ(ErrnoOf([] { OpenCheckpointForReading("/dev/null", false); }), EINVAL);
-  EXPECT_EQ(ErrnoOf([&] { OpenCheckpointForReading(dir.path(), false); }), EISDIR);
+  for (bool direct : {false, true}) {
+    try {
+      OpenCheckpointForReading(dir.path(), direct);
+      ADD_FAILURE() << "a directory was opened";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_code(), EISDIR);
+      EXPECT_EQ(e.path(), dir.path());
+      EXPECT_NE(std::string(e.what()).find("a directory: pass a checkpoint file or a shard"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   EXPECT_EQ(ErrnoOf([&] { OpenCheckpointForReading(dir.File("missing"), false); }), ENOENT);
   WriteText(dir.File("ok"), "");  // zero bytes: opened, the parsers judge the content
   EXPECT_EQ(OpenCheckpointForReading(dir.File("ok"), true).Size(), 0u);

@@ -282,6 +282,38 @@ TEST(CheckpointSafetensors, WriterRejectsWhatTheParserWould) {
   EXPECT_THROW(SerializeSafetensorsHeader({}, {}, 4), std::invalid_argument);
 }
 
+// The rule load(verify=True), verify and convert share: every tensor has a checksum of 16 hex
+// digits, and every checksum names a tensor of the file.
+TEST(CheckpointSafetensors, TensorChecksumsBelongToTheFile) {
+  const std::string a = "00000000000000aB", b = "0123456789abcdef";
+  TensorChecksums ok =
+      ReadTensorChecksums(R"({"a":")" + a + R"(","b":")" + b + R"("})", {"b", "a"});
+  EXPECT_TRUE(ok.problems.empty());
+  ASSERT_EQ(ok.want.size(), 2u);
+  EXPECT_EQ(ok.want[0], 0x0123456789abcdefu);
+  EXPECT_EQ(ok.want[1], 0xabu);
+
+  TensorChecksums other =
+      ReadTensorChecksums(R"({"a":")" + a + R"(","z":")" + b + R"(","y":"1"})", {"a", "b"});
+  ASSERT_EQ(other.problems.size(), 3u);
+  EXPECT_EQ(other.problems[0].rfind("checksum for unknown tensor 'y'", 0), 0u) << other.problems[0];
+  EXPECT_EQ(other.problems[1].rfind("checksum for unknown tensor 'z'", 0), 0u) << other.problems[1];
+  EXPECT_EQ(other.problems[2], "tensor 'b' has no checksum");
+  EXPECT_EQ(other.want[0], 0xabu);
+  EXPECT_EQ(other.want[1], std::nullopt);
+
+  TensorChecksums bad = ReadTensorChecksums(R"({"a":"0xab"})", {"a"});
+  ASSERT_EQ(bad.problems.size(), 1u);
+  EXPECT_EQ(bad.problems[0], "tensor 'a': checksum '0xab' is not 16 hex digits");
+  EXPECT_EQ(bad.want[0], std::nullopt);
+
+  EXPECT_TRUE(ReadTensorChecksums("{}", {}).problems.empty());  // a file without tensors
+  EXPECT_EQ(ReadTensorChecksums(R"({"a":")" + a + R"("})", {}).problems.size(), 1u);
+  EXPECT_THROW(ReadTensorChecksums(R"({"a":")" + a + R"(","a":")" + a + R"("})", {"a"}),
+               FormatError);
+  EXPECT_THROW(ReadTensorChecksums("[1]", {"a"}), FormatError);
+}
+
 TEST(CheckpointSafetensors, RejectsTruncatedAndOversizedFiles) {
   auto expect_error = [](const std::string& bytes, const std::string& needle) {
     try {

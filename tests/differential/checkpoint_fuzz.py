@@ -121,17 +121,6 @@ KNOWN_GAPS: tuple[KnownGap, ...] = (
 )
 
 
-# Where tensortier.load (python/tensortier/checkpoint/) and the CLI (tools/checkpoint.cpp) still
-# read a file by rules of their own: the agree mode's disagreements left.
-_AGREE_VERIFY_CHECKS = ("agree.verify", "agree.convert")
-KNOWN_GAPS += (
-    KnownGap("agree-checksum-unknown-name", _AGREE_VERIFY_CHECKS,
-             ("load(verify=True) accepted", "checksum for unknown tensor"),
-             "load(verify=True) ignores checksums of names the file does not hold; verify and "
-             "convert call the checksums damaged"),
-)
-
-
 def known_gap(check: str, message: str) -> KnownGap | None:
     """The entry of KNOWN_GAPS that explains a finding, or None."""
     for gap in KNOWN_GAPS:

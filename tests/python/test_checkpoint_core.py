@@ -4,6 +4,7 @@ format detection, the safetensors dtype table, and the CRC-32 patches of a torch
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -97,6 +98,70 @@ def test_dtype_table_matches_safetensors_package() -> None:
         assert table[name][1] == 1
     assert table["F4"] == ("float4_e2m1fn_x2", 2)
     assert "F6_E2M3" not in table
+
+
+# torch dtypes the C++ table leaves out: sub-byte integers no tensor can be made of.
+_LEFT_OUT = {f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)}
+
+
+def _every_torch_dtype() -> dict[torch.dtype, set[str]]:
+    """Every dtype this torch has, with the attribute names it goes by."""
+    out: dict[torch.dtype, set[str]] = {}
+    for name in dir(torch):
+        value = getattr(torch, name)
+        if isinstance(value, torch.dtype):
+            out.setdefault(value, set()).add(name)
+    return out
+
+
+def test_dtype_table_holds_every_torch_dtype() -> None:
+    rows = {row["torch"]: row for row in _core.dtypes() if row["torch"]}
+    storage_classes = torch.storage._dtype_to_storage_type_map()
+    seen = set()
+    for dtype, names in _every_torch_dtype().items():
+        canonical = str(dtype).removeprefix("torch.")
+        if canonical in _LEFT_OUT:
+            assert canonical not in rows
+            continue
+        assert canonical in rows, f"torch.{canonical} is not in include/tensortier/dtypes.hpp"
+        row = rows[canonical]
+        seen.add(canonical)
+        assert names == {row["torch"], row["torch_alias"]} - {""}, canonical
+        assert dtype.itemsize * 8 == row["bits"], canonical
+        assert row["storage"] == storage_classes.get(dtype, ""), canonical
+        assert row["quantized"] == row["storage"].startswith("Q"), canonical
+        if row["packing"] != 1 and not row["quantized"]:
+            packed = next(r for r in _core.dtypes() if r["name"] == row["safetensors"])
+            assert packed["bits"] * row["packing"] == row["bits"], canonical
+    assert seen == set(rows)  # no row names a dtype torch lacks
+
+
+def test_every_dtype_round_trips_through_both_formats(disk_dir: Path) -> None:
+    """Every table dtype torch holds as a plain tensor: saved by tensortier as safetensors (read
+    back by the safetensors package with the table's name in the header) and by torch.save,
+    each loaded back by tensortier with its dtype and bytes."""
+    rows = [r for r in _core.dtypes() if r["torch"] and not r["quantized"]]
+    assert rows
+    for row in rows:
+        dtype = getattr(torch, row["torch"])
+        t = torch.arange(96, dtype=torch.uint8).view(dtype).reshape(2, -1)
+        torch.save({"t": t}, disk_dir / "t.pt")
+        out = tensortier.load(disk_dir / "t.pt")["t"]
+        assert out.dtype == dtype and torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+        if not row["safetensors"]:
+            with pytest.raises(TypeError, match="safetensors has no dtype"):
+                tensortier.save({"t": t}, disk_dir / "t.safetensors")
+            continue
+        tensortier.save({"t": t}, disk_dir / "t.safetensors")
+        with open(disk_dir / "t.safetensors", "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        assert header["t"]["dtype"] == row["safetensors"], row["name"]
+        out = tensortier.load(disk_dir / "t.safetensors")["t"]
+        assert out.dtype == dtype and torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+        if row["packing"] == 1:
+            theirs = st.load_file(disk_dir / "t.safetensors")["t"]
+            assert theirs.dtype == dtype and torch.equal(theirs.view(torch.uint8), t.view(torch.uint8))
 
 
 def test_f4_shapes_agree_with_cli_convert(disk_dir: Path) -> None:

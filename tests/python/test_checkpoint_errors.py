@@ -95,6 +95,26 @@ def test_missing_file_is_oserror(disk_dir: Path) -> None:
         tensortier.load(disk_dir)
 
 
+@pytest.mark.parametrize("name", ["ckpt", "m.safetensors", "m.pt", "m.safetensors.index.json"])
+def test_a_directory_is_refused_alike_by_load_and_the_cli(disk_dir: Path, name: str) -> None:
+    """One rule (C++): EISDIR naming the path, with what to pass instead, whatever the name."""
+    path = disk_dir / name
+    path.mkdir()
+    said = "a directory: pass a checkpoint file or a shard .index.json"
+    for call in (lambda: tensortier.load(path), lambda: tensortier.load(path, mmap=True),
+                 lambda: tensortier.load_into({}, path, strict=False)):
+        with pytest.raises(IsADirectoryError) as info:
+            call()
+        assert info.value.errno == errno.EISDIR and info.value.filename == str(path)
+        assert said in str(info.value)
+    from test_cli_convert import run
+
+    for command in (("info", path), ("verify", path), ("convert", path, disk_dir / "out.pt")):
+        r = run(*command)
+        assert r.returncode != 0
+        assert f"'{path}'" in r.stderr and said in r.stderr and "errno 21" in r.stderr, r.stderr
+
+
 # ---- bad torch files ---------------------------------------------------------------------------
 
 
@@ -403,6 +423,9 @@ def _stored_checksum_cases(good: str) -> dict[str, tuple[str, bool]]:
         "space": (f'{{"a":" {good}"}}', False),
         "15 digits": (f'{{"a":"{good[1:]}"}}', False),
         "not an object": ('["a"]', False),
+        # A checksum for a tensor the file does not hold: the metadata is not this file's.
+        "an unknown name": (f'{{"a":"{good}","b":"{good}"}}', False),
+        "no checksum for a": ('{}', False),
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+import tensortier
 import tensortier.shared as shared
 from tensortier import _core
 
@@ -310,6 +312,33 @@ def test_one_process_group_with_a_hash_store() -> None:
             shared.Group(rank=0, world_size=1, store=store, timeout=5).attach("nope")
     with pytest.raises(RuntimeError, match="closed"):
         t.gather([0])
+
+
+def test_load_checkpoint_detects_the_format_as_tensortier_load_does(tmp_path: Path) -> None:
+    """A safetensors file whose header length starts with the byte 0x80 (a pickle's first byte)
+    is safetensors, by the detection tensortier.load and the CLI use; a shard index and a file
+    that is no checkpoint are refused with what they are."""
+    values = torch.arange(10, dtype=torch.float32).reshape(5, 2)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [5, 2], "data_offsets": [0, 40]}})
+    header = header.ljust(0x180).encode()  # 8-byte length 80 01 00 ...
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + values.numpy().tobytes())
+    assert tensortier.load(path)["w"].equal(values)
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": path.name}}))
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"\x80" + b"not a pickle")
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((5, 2), torch.float32, layout="chunked", name="w")
+        t.load_checkpoint(path, "w")
+        assert torch.equal(t.gather([0, 1, 2, 3, 4]), values)
+        with pytest.raises(ValueError, match="shard index"):
+            t.load_checkpoint(index, "w")
+        with pytest.raises(ValueError) as refused:
+            tensortier.load(other)
+        with pytest.raises(ValueError, match=re.escape(str(refused.value))):
+            t.load_checkpoint(other, "w")
 
 
 @pytest.mark.parametrize("kind", ["file", "hash"])

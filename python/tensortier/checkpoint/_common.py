@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..io import File, IOHandle
-from ._format import _require, _T, _torch, PathLike
+from ._format import _require, _T, _torch, _torch_dtypes, PathLike
 
 
 # File objects are copied to and from temporary files this many bytes at a time.
@@ -125,14 +125,15 @@ def _nbytes(t: Any) -> int:
 
 
 def _st_dtype_maps() -> tuple[dict[Any, str], dict[str, Any]]:
-    torch = _torch()
+    """torch.dtype -> safetensors dtype and back, for the C++ table's dtypes safetensors stores."""
+    dtypes = _torch_dtypes()
     to_st: dict[Any, str] = {}
     from_st: dict[str, Any] = {}
-    for st, attr, _ in _require("safetensors_dtypes_for_torch")():
-        dt = getattr(torch, attr, None)
-        if dt is not None:
-            to_st[dt] = st
-            from_st[st] = dt
+    for row in _require("dtypes")():
+        dt = dtypes.get(row["name"])
+        if dt is not None and row["safetensors"]:
+            to_st[dt] = row["safetensors"]
+            from_st[row["safetensors"]] = dt
     return to_st, from_st
 
 

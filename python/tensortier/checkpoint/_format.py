@@ -4,7 +4,6 @@ lazy torch and _core lookups every module uses."""
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -50,7 +49,29 @@ def _st_per_torch_element() -> dict[str, int]:
     """safetensors dtype -> values one torch element packs, where more than one: safetensors
     counts F4 values (4 bits each) where torch's float4_e2m1fn_x2 counts bytes of two, so the
     last dimension of a safetensors shape is this many times torch's."""
-    return {st: int(per) for st, _, per in _require("safetensors_dtypes_for_torch")() if per != 1}
+    return {row["safetensors"]: int(row["packing"]) for row in _require("dtypes")()
+            if row["safetensors"] and row["torch"] and row["packing"] != 1}
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtypes() -> dict[str, Any]:
+    """tensortier dtype name -> torch.dtype, for every row of the C++ dtype table
+    (include/tensortier/dtypes.hpp) this torch has: the one Python-side dtype mapping."""
+    torch = _torch()
+    out: dict[str, Any] = {}
+    for row in _require("dtypes")():
+        dt = getattr(torch, row["torch"], None) if row["torch"] else None
+        if isinstance(dt, torch.dtype):
+            out[row["name"]] = dt
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _quantized_dtypes() -> frozenset[Any]:
+    """The torch dtypes the C++ table marks quantized (qint8, quint4x2...)."""
+    dtypes = _torch_dtypes()
+    return frozenset(dtypes[row["name"]] for row in _require("dtypes")()
+                     if row["quantized"] and row["name"] in dtypes)
 
 
 def _torch_shape(name: str, dt: str, shape: Sequence[int], path: str) -> tuple[int, ...]:
@@ -96,9 +117,6 @@ def _require(name: str) -> Callable[..., Any]:
 
 def _sniff(path: str) -> str:
     """'safetensors', 'torch' or 'index', from the file's first bytes."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(
-            errno.EISDIR, "is a directory: pass a checkpoint file or a shard .index.json", path
-        )
-    # By content (a FIFO or a device is refused, never waited on): the rule the CLI follows.
+    # By content (a directory, a FIFO or a device is refused, never waited on): the rule the CLI
+    # follows.
     return str(_require("detect_checkpoint_kind")(path))

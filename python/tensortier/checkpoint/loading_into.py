@@ -152,8 +152,8 @@ def _describe_sources(
             file, path, lambda name: safetensors._read_st_header(name, verify)
         )
         sums: dict[str, int] | None = None
-        if CHECKSUM_KEY in metadata:
-            sums = safetensors._parse_checksums(path, metadata)
+        if verify and CHECKSUM_KEY in metadata:
+            sums = safetensors._parse_checksums(path, metadata, [e.name for e in entries])
         return {
             e.name: _Source(path, e.dtype, e.shape, e.offset, e.nbytes, None,
                             None if sums is None else sums.get(e.name, -1))
@@ -277,7 +277,7 @@ def _load_into(
                 crc_refs[(ref.path, ref.key)] = ref
         elif verify:
             if src.checksum is None:
-                safetensors._parse_checksums(src.path, {})  # raises: this file stores no checksums
+                safetensors._parse_checksums(src.path, {}, [])  # raises: the file stores none
             check = _xxh64_check(src.path, k, None if src.checksum == -1 else src.checksum)
         if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: engine's ring/GDS
             direct.append(_Piece(k, f, src.offset, src.nbytes, t.detach(), check))

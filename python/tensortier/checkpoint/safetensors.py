@@ -173,29 +173,24 @@ def _checksum_json(sums: Mapping[str, int]) -> str:
     return json.dumps({k: f"{v:016x}" for k, v in sums.items()}, separators=(",", ":"))
 
 
-def _parse_checksums(path: str, metadata: Mapping[str, str]) -> dict[str, int]:
+def _parse_checksums(path: str, metadata: Mapping[str, str], names: Sequence[str]) -> dict[str, int]:
+    """The stored xxh64 of each of the file's tensors `names`. ValueError unless every one has a
+    checksum of 16 hex digits and every checksum names one of them: the rule `tensortier verify`
+    applies (one reader, in C++)."""
     text = metadata.get(CHECKSUM_KEY)
     if text is None:
         raise ValueError(
             f"{path}: verify=True but the file stores no checksums (save it with "
             "tensortier.save(..., checksum=True), or load with verify=False)"
         )
-    # The rules `tensortier verify` applies (one parser, in C++): duplicate names are refused,
-    # and each value is exactly 16 hex digits.
     try:
-        raw = _require("parse_tensor_checksums")(text)
+        want, problems = _require("read_tensor_checksums")(text, list(names))
     except ValueError as e:
         raise ValueError(f"{path}: malformed {CHECKSUM_KEY} metadata: {e}") from e
-    sums = {}
-    for name, hex_digits in raw.items():
-        value = _core.parse_stored_checksum(hex_digits)
-        if value is None:
-            raise ValueError(
-                f"{path}: malformed {CHECKSUM_KEY} metadata: tensor {name!r}: checksum "
-                f"{hex_digits!r} is not 16 hex digits"
-            )
-        sums[name] = value
-    return sums
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise ValueError(f"{path}: malformed {CHECKSUM_KEY} metadata: {problems[0]}{more}")
+    return dict(zip(names, want))
 
 
 @dataclass
@@ -284,7 +279,7 @@ def _load_safetensors_at(
     file = _open_checkpoint(io, path)
     try:
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
-        sums = _parse_checksums(path, metadata) if verify else None
+        sums = _parse_checksums(path, metadata, [e.name for e in entries]) if verify else None
         if mapped is not None:
             ranges = [(e.name, e.offset, e.nbytes) for e in entries]
             whole = mapping._map_file(file, path, ranges, mapped)

@@ -13,7 +13,7 @@ from typing import Any
 from ..io import File, IOHandle
 from . import _common, _format, _reading, mapping
 from ._common import _as_bytes, _checksum_mismatch, _crc32, _same_file, _storage_bytes
-from ._format import _require, _torch, ALIGNMENT
+from ._format import _quantized_dtypes, _require, _torch, ALIGNMENT
 from ._progress import _Progress
 from ._reading import _Piece
 from ._writing import _open_checkpoint, _read_at
@@ -218,9 +218,7 @@ def _unpickle_torch(
                     # Only the storage is kept: quantized dtypes are mapped as bytes (a quantized
                     # tensor cannot be set_ to a storage), others in their dtype, so that a record
                     # not at a multiple of their size is copied to one that is.
-                    quantized = dtype in (torch.quint8, torch.qint8, torch.qint32,
-                                          getattr(torch, "quint4x2", None),
-                                          getattr(torch, "quint2x4", None))
+                    quantized = dtype in _quantized_dtypes()
                     storage = _mapped_tensor(
                         mapped, record.offset, nbytes,
                         torch.uint8 if quantized else dtype, (nbytes if quantized else numel,),
