@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checkpoint loads and saves in new processes: every sample a new Python process, cold cache.
+"""Checkpoint loads and saves in new processes: every sample a new Python process.
 
 A job loads its checkpoint once per process (a server starting, a job resuming), so here every
 sample, load and save alike, runs in a new Python process: no loader reuses memory, buffers or
@@ -14,6 +14,11 @@ recorded. Each child imports its libraries untimed, then times the load plus a r
 of every 4 KiB page of every loaded tensor (lazy or mapped loaders pay their reads), and reports
 its peak RSS (VmHWM) and the RSS it had before the timing (VmRSS). On the first round each child
 also hashes what it loaded (untimed) and the parent compares that with the state dict's hash.
+
+Warm loads (``--warm``): the same loaders, each sample again in a new process, with the file
+read once through the page cache just before (untimed; mincore's cached fraction is recorded):
+a job starting on a checkpoint another process just wrote or read. fio reads with psync through
+the page cache here. safetensors.load_file maps the file; the others copy it.
 
 Loads (cold, ``--loads``):
   tt-safetensors   tensortier.load("tt.safetensors")
@@ -51,11 +56,13 @@ printed line. The versions the figures in BENCHMARKS.md used:
 
 Targets checked (new-process loads and saves): tensortier's cold loads >= 1.2x the fastest other
 loader (fio is the disk's rate, reported, not a loader) and >= 1.5x safetensors.load_file; peak
-RSS growth of a cold load <= the file's size + 64 MiB; saves >= 5x torch.save and >= 1.0x fio.
+RSS growth of a cold load <= the file's size + 64 MiB; saves >= 5x torch.save and >= 1.0x fio;
+warm loads >= 1.3x the fastest copying loader (all but safetensors.load_file, which maps).
 
 Examples:
   .venv/bin/python bench/checkpoint_fresh_bench.py                    # 2.2 GB, 5 rounds
   .venv/bin/python bench/checkpoint_fresh_bench.py --size 64M --rounds 1 --saves none
+  .venv/bin/python bench/checkpoint_fresh_bench.py --size 256M --rounds 3 --loads none --saves none
 
 Progress goes to stderr, the Markdown report to stdout, everything (all samples, peak RSS, cache
 fractions, commands, versions, load averages) to ``--json``. Test files are removed at the end.
@@ -79,8 +86,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, from any directory
-from _benchlib import GB, drop_file_cache, fio_stats, loadavg, log  # noqa: E402
-from _benchlib import median, name_list, ratio, settle, tool_version  # noqa: E402
+from _benchlib import GB, cached_fraction, drop_file_cache, fio_stats, loadavg  # noqa: E402
+from _benchlib import log, median, name_list, ratio, settle, tool_version  # noqa: E402
+from _benchlib import warm_file  # noqa: E402
 from checkpoint_bench import OPTIONAL_MODULES, fsync_path, parse_size, runai_load  # noqa: E402
 from checkpoint_bench import state_digest, tensorizer_load, tensorizer_save  # noqa: E402
 from checkpoint_bench import touch_pages  # noqa: E402
@@ -90,6 +98,7 @@ LOADS = ("tt-safetensors", "tt-torch", "safetensors", "torch.load", "tensorizer"
          "runai-streamer", "fastsafetensors", "fio")
 SAVES = ("tt-safetensors", "tt-torch", "torch.save", "safetensors", "fio")
 OURS = ("tt-safetensors", "tt-torch")
+MAPPING = ("safetensors",)  # loaders whose tensors map the file rather than copy it
 LOAD_BASELINE, SAVE_BASELINE = "safetensors", "torch.save"
 LOAD_FILES = {"tt-safetensors": "tt.safetensors", "tt-torch": "tt.pt",
               "safetensors": "tt.safetensors", "torch.load": "tt.pt",
@@ -100,6 +109,8 @@ SAVE_FILES = {"tt-safetensors": "save-tt.safetensors", "tt-torch": "save-tt.pt",
               "fio": "fio-write.dat"}
 FIO_BS, FIO_IODEPTH = 1 << 20, 32
 RSS_SLACK = 64 << 20  # target: peak RSS growth of a load <= file size + this
+WARM_MINIMUM = 1.3  # target: warm load >= this x the fastest copying loader
+LOAD_OPS = ("load", "warm")  # cold and warm loads: same loaders, same files
 # Shape of the full-size state dict (a Llama-style 1.1B model, bf16 weights).
 LAYERS, HIDDEN, INTERMEDIATE, KV, VOCAB, HEAD_DIM = 22, 2048, 5632, 256, 32000, 64
 
@@ -247,7 +258,7 @@ def child_main(args: argparse.Namespace) -> int:
     if sd is not None:
         result["seconds"], result["rss_before"] = child_save(
             args.child, directory / SAVE_FILES[args.child], sd)
-    else:
+    else:  # cold or warm: the parent dropped or read the file's pages
         result["seconds"], result["rss_before"], out = child_load(
             args.child, directory / LOAD_FILES[args.child])
     result["peak_rss"] = memory_status()["VmHWM"]
@@ -268,6 +279,7 @@ class Settings:
     rounds: int
     loads: list[str]
     saves: list[str]
+    warm: list[str]
     json_path: Path
     fio: str
     seed: int
@@ -280,17 +292,19 @@ class Sample:
     seconds: float
     peak_rss: int | None  # bytes (VmHWM); None for fio
     rss_before: int | None  # bytes (VmRSS just before the timing); None for fio
-    cached_before: float | None = None  # fraction of the file cached after dropping it
+    cached_before: float | None = None  # fraction of the file cached (after dropping/reading it)
 
 
-def run_fio(s: Settings, path: Path, rw: str) -> Sample:
+def run_fio(s: Settings, path: Path, rw: str, warm: bool = False) -> Sample:
     """One fio job (its own process). Its peak RSS is not recorded: the kernel's figure for an
-    exec'd child starts from the forking parent's RSS, which says nothing about fio."""
+    exec'd child starts from the forking parent's RSS, which says nothing about fio. ``warm``:
+    psync reads through the page cache (O_DIRECT would skip the cached pages)."""
     size = -(-s.size // FIO_BS) * FIO_BS  # fio moves whole blocks: round up
+    engine = (["--ioengine=psync", "--direct=0", "--invalidate=0"] if warm else
+              ["--ioengine=io_uring", "--direct=1", f"--iodepth={FIO_IODEPTH}"])
     argv = [s.fio, f"--name=fresh-bench-{rw}", f"--filename={path}", f"--rw={rw}",
             f"--size={size}", f"--bs={FIO_BS}", "--numjobs=1", "--output-format=json",
-            "--ioengine=io_uring", "--direct=1", f"--iodepth={FIO_IODEPTH}",
-            *(["--end_fsync=1"] if rw == "write" else [])]
+            *engine, *(["--end_fsync=1"] if rw == "write" else [])]
     command = shlex.join(argv)
     start = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
@@ -382,7 +396,7 @@ def run_op(s: Settings, op: str, tools: list[str], expected: str
             errors[t] = f"skipped: {why}"
             log(f"  {op} {t}: {errors[t]}")
             tools.remove(t)
-    if op == "load":
+    if op in LOAD_OPS:
         import gc
 
         sd = llm_state_dict(s.requested_size, s.seed)
@@ -400,12 +414,16 @@ def run_op(s: Settings, op: str, tools: list[str], expected: str
             if op == "load":
                 cached = drop_file_cache(s.directory / LOAD_FILES[tool], sync=os.fdatasync)
             settle()
-            digest = s.verify and round_ == 0 and op == "load" and tool != "fio"
+            if op == "warm":  # after settle(): its sync must not write back anything now
+                warm_file(s.directory / LOAD_FILES[tool], 16 << 20, reuse=True)
+                cached = cached_fraction(s.directory / LOAD_FILES[tool])
+            digest = s.verify and round_ == 0 and op in LOAD_OPS and tool != "fio"
             try:
                 if tool == "fio":
-                    sample, got = run_fio(s, s.directory / (LOAD_FILES if op == "load"
+                    sample, got = run_fio(s, s.directory / (LOAD_FILES if op in LOAD_OPS
                                                             else SAVE_FILES)[tool],
-                                          "read" if op == "load" else "write"), None
+                                          "read" if op in LOAD_OPS else "write",
+                                          warm=op == "warm"), None
                 else:
                     sample, got = run_child(s, op, tool, digest)
             except Exception as e:  # noqa: BLE001 - another loader failing is reported
@@ -416,7 +434,7 @@ def run_op(s: Settings, op: str, tools: list[str], expected: str
                 continue
             if digest:
                 if got != expected:
-                    raise BenchError(f"load {tool}: loaded data differs from the state dict")
+                    raise BenchError(f"{op} {tool}: loaded data differs from the state dict")
                 verified.add(tool)
             if op == "save" and s.verify and round_ == 0 and tool in OURS + ("torch.save",
                                                                                "safetensors"):
@@ -435,11 +453,12 @@ def run_op(s: Settings, op: str, tools: list[str], expected: str
 def report(s: Settings, op: str, samples: dict[str, list[Sample]], errors: dict[str, str],
            verified: set[str]) -> tuple[str, dict[str, Any]]:
     """A Markdown table and the JSON rows of one op."""
-    baseline = LOAD_BASELINE if op == "load" else SAVE_BASELINE
+    baseline = LOAD_BASELINE if op in LOAD_OPS else SAVE_BASELINE
     gbps = {t: [s.size / x.seconds / GB for x in xs] for t, xs in samples.items()}
     base = median(gbps.get(baseline, []))
-    title = ("cold load to CPU, one load per new process" if op == "load"
-             else "save until durable, one save per new process")
+    title = {"load": "cold load to CPU, one load per new process",
+             "warm": "warm load to CPU (file in the page cache), one load per new process",
+             "save": "save until durable, one save per new process"}[op]
     lines = [f"### {title}", "",
              f"| tool | GB/s (median) | samples | vs {baseline} | peak RSS MiB (median) "
              "| RSS growth MiB (median) | verified |",
@@ -478,6 +497,7 @@ def targets(s: Settings, results: dict[str, Any]) -> tuple[str, list[dict[str, A
     missing)."""
     checks: list[dict[str, Any]] = []
     loads = results["ops"].get("load", {})
+    warm = results["ops"].get("warm", {})
     saves = results["ops"].get("save", {})
 
     def med(rows: dict[str, Any], tool: str) -> float | None:
@@ -486,6 +506,9 @@ def targets(s: Settings, results: dict[str, Any]) -> tuple[str, list[dict[str, A
     others = {t: med(loads, t) for t in loads if t not in OURS and t != "fio"}
     others = {t: v for t, v in others.items() if v is not None}
     fastest = max(others, key=lambda t: others[t]) if others else None
+    copying = {t: med(warm, t) for t in warm if t not in OURS + MAPPING and t != "fio"}
+    copying = {t: v for t, v in copying.items() if v is not None}
+    fastest_copying = max(copying, key=lambda t: copying[t]) if copying else None
     for tool in OURS:
         ours = med(loads, tool)
         if fastest is not None:
@@ -505,6 +528,12 @@ def targets(s: Settings, results: dict[str, Any]) -> tuple[str, list[dict[str, A
                        "ratio": ratio(ours_save, med(saves, "torch.save")), "minimum": 5.0})
         checks.append({"target": f"save {tool} >= 1.0x fio",
                        "ratio": ratio(ours_save, med(saves, "fio")), "minimum": 1.0})
+        if fastest_copying is not None:
+            checks.append({
+                "target": f"warm load {tool} >= {WARM_MINIMUM}x fastest copying loader "
+                          f"({fastest_copying})",
+                "ratio": ratio(med(warm, tool), copying[fastest_copying]),
+                "minimum": WARM_MINIMUM})
     lines = ["### targets", "", "| target | ratio | result |", "|---|---:|---|"]
     for c in checks:
         r = c["ratio"]
@@ -530,6 +559,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    + ")")
     p.add_argument("--saves", type=name_list(SAVES + none_or), default=list(SAVES),
                    help="comma-separated savers, or none (default: all: " + ",".join(SAVES) + ")")
+    p.add_argument("--warm", type=name_list(LOADS + none_or), default=list(LOADS),
+                   help="comma-separated loaders for warm loads (file in the page cache), or "
+                   "none (default: all: " + ",".join(LOADS) + ")")
     p.add_argument("--json", type=Path,
                    default=BENCH_DIR / "results" / "checkpoint_fresh_bench.json",
                    help="where to write all results (default: %(default)s)")
@@ -538,7 +570,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-verify", action="store_true",
                    help="do not hash what the first round loads and saves")
     p.add_argument("--child", choices=sorted(set(LOADS + SAVES)), help=argparse.SUPPRESS)
-    p.add_argument("--op", choices=("load", "save"), help=argparse.SUPPRESS)
+    p.add_argument("--op", choices=("load", "warm", "save"), help=argparse.SUPPRESS)
     p.add_argument("--child-digest", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.rounds <= 0:
@@ -558,6 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                for _, sh, d in llm_shapes())
     s = Settings(a.dir.resolve(), a.size or full, a.size or full, a.rounds,
                  [t for t in a.loads if t != "none"], [t for t in a.saves if t != "none"],
+                 [t for t in a.warm if t != "none"],
                  a.json, a.fio, a.seed, not a.no_verify, shlex.join([sys.executable, *sys.argv]))
     s.directory.mkdir(parents=True, exist_ok=True)
     sd = llm_state_dict(s.requested_size, s.seed)
@@ -579,15 +612,15 @@ def main(argv: Sequence[str] | None = None) -> int:
            f"every sample in a new process, median of {s.rounds} rounds\n", f"`{s.command}`\n"]
     status = 0
     try:
-        for op, tools in (("load", s.loads), ("save", s.saves)):
+        for op, tools in (("load", s.loads), ("warm", s.warm), ("save", s.saves)):
             if not tools:
                 continue
             log(f"{op}s: {', '.join(tools)}")
             results["loadavg"][f"before_{op}s"] = loadavg()
             samples, errors, verified = run_op(s, op, tools, expected)
             results["loadavg"][f"after_{op}s"] = loadavg()
-            if op == "load":
-                results["file_sizes"] = {
+            if op in LOAD_OPS:
+                results["file_sizes"] |= {
                     LOAD_FILES[t]: (s.directory / LOAD_FILES[t]).stat().st_size
                     for t in samples}
             table, rows = report(s, op, samples, errors, verified)

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "tensortier/aligned_buffer.hpp"
+#include "tensortier/backend.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/file.hpp"
@@ -223,6 +225,78 @@ TEST_P(EngineTest, UnalignedHostAddressWriteIsBounced) {
   std::vector<uint8_t> data = ReadWholeFile(path);
   ASSERT_EQ(data.size(), kLen);
   EXPECT_TRUE(MatchesPattern(data.data(), kLen, 6));
+}
+
+// A backend that forwards to a real one and records how many requests each Submit() carried.
+class SubmitRecorder : public Backend {
+ public:
+  SubmitRecorder(std::unique_ptr<Backend> inner, std::shared_ptr<std::vector<size_t>> calls,
+                 std::shared_ptr<std::mutex> mu)
+      : inner_(std::move(inner)), calls_(std::move(calls)), mu_(std::move(mu)) {}
+  std::string_view name() const noexcept override { return inner_->name(); }
+  unsigned depth() const noexcept override { return inner_->depth(); }
+  void Submit(std::span<const IoRequest> requests) override {
+    {
+      std::lock_guard lock(*mu_);
+      calls_->push_back(requests.size());
+    }
+    inner_->Submit(requests);
+  }
+  size_t Reap(std::span<IoCompletion> out, unsigned min_wait) override {
+    return inner_->Reap(out, min_wait);
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::shared_ptr<std::vector<size_t>> calls_;
+  std::shared_ptr<std::mutex> mu_;
+};
+
+// A bounced write copies each chunk into its bounce buffer before the request starts: each goes
+// to the disk as soon as it is copied rather than after the copies of everything that fits in
+// flight (in a new process those copies first-touch the bounce memory, and the disk sat idle).
+// Writes from aligned memory copy nothing and are still submitted together.
+TEST_P(EngineTest, BouncedWriteChunksAreSubmittedAsEachIsCopied) {
+  constexpr uint64_t kChunk = 64 << 10;
+  constexpr uint64_t kLen = 8 * kChunk;
+  EngineOptions o = Options(kChunk);
+  o.workers = 1;
+  o.queue_depth = 8;
+  o.max_inflight_bytes = kLen;
+  auto calls = std::make_shared<std::vector<size_t>>();
+  auto mu = std::make_shared<std::mutex>();
+  const BackendKind kind = GetParam();
+  Engine engine(o, [kind, calls, mu](unsigned depth) {
+    return std::make_unique<SubmitRecorder>(MakeBackend(kind, depth), calls, mu);
+  });
+  const std::string path = dir_.File("out");
+  File f = File::Open(path, OpenMode::kWrite);
+  ASSERT_TRUE(f.direct()) << f.direct_fallback_reason();
+  AlignedBuffer src(kLen + 64);
+  uint8_t* unaligned = reinterpret_cast<uint8_t*>(src.data()) + 17;
+  FillPattern(unaligned, kLen, 9);
+
+  const IoResult bounced = engine.Write(f, unaligned, kLen, 0).Wait();
+  EXPECT_EQ(bounced.bytes, kLen);
+  EXPECT_EQ(bounced.stats.bounced_bytes, kLen);
+  std::vector<size_t> bounced_calls;
+  {
+    std::lock_guard lock(*mu);
+    bounced_calls.swap(*calls);
+  }
+  EXPECT_EQ(bounced_calls, std::vector<size_t>(bounced.stats.requests, 1));
+  std::vector<uint8_t> data = ReadWholeFile(path);
+  ASSERT_EQ(data.size(), kLen);
+  EXPECT_TRUE(MatchesPattern(data.data(), kLen, 9));
+
+  AlignedBuffer aligned(kLen);
+  FillPattern(aligned.data(), kLen, 10);
+  const IoResult direct = engine.Write(f, aligned.data(), kLen, 0).Wait();
+  EXPECT_EQ(direct.bytes, kLen);
+  EXPECT_EQ(direct.stats.bounced_bytes, 0u);
+  std::lock_guard lock(*mu);
+  ASSERT_FALSE(calls->empty());
+  EXPECT_EQ((*calls)[0], 8u);  // all 8 chunks fit in flight: one submission
 }
 
 // Bounce buffers a burst made stay for the next burst while the worker has been idle less than
