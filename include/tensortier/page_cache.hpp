@@ -28,4 +28,9 @@ Residency QueryResidency(int fd, uint64_t offset, uint64_t length,
 // The method QueryResidency uses on this kernel (probed once).
 ResidencyMethod ResidencyMethodInUse();
 
+// Bytes of this process's memory [address, address + length) that are faulted in (page units,
+// at most `length`), by mincore(2). Memory never touched since it was mapped counts as absent. 0
+// when the query fails (part of the range unmapped). Never throws.
+uint64_t ResidentMemoryBytes(const void* address, uint64_t length);
+
 }  // namespace tensortier

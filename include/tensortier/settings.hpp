@@ -56,7 +56,8 @@ inline constexpr Setting kSettings[] = {
      "off auto on",
      "reads into new tensors (tensortier.load to CPU, pread_batch_async(stage_reads=True)) go "
      "through the engine's huge-page buffers and are copied out on its workers; auto: where the "
-     "disk cuts requests into scattered small pages (virtio); `tensortier check DIR` says which"},
+     "disk cuts requests into scattered small pages (virtio), into memory already faulted in; "
+     "`tensortier check DIR` says which disks"},
     {"TENSORTIER_BOUNCE_IDLE_MS", "bounce_idle_ms", SettingKind::kCount, "1000", 1000, 0,
      3'600'000, 1, "",
      "milliseconds a worker keeps a bounce buffer nothing uses before freeing it (two per worker "

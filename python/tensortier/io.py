@@ -207,7 +207,9 @@ class IOHandle:
         stage_reads: for reads started with ``stage_reads=True`` (into small-page memory,
             such as tensors from torch's allocator): ``"auto"`` stages them through the
             engine's huge-page buffers where the file's disk cuts requests into scattered pages
-            short (virtio disks), ``"on"`` (or
+            short (virtio disks) and the destination is mostly faulted in already (memory never
+            touched is read into directly: copying into it would fault every page on the
+            engine's threads), ``"on"`` (or
             ``True``) always, ``"off"`` (or ``False``) never.
         bounce_idle_ms: milliseconds a worker keeps an aligned bounce buffer that nothing uses
             (a burst of I/O into unaligned memory, or of staged reads, makes up to
@@ -386,7 +388,8 @@ class IOHandle:
         allocator; not huge-page buffers such as ``aligned_empty(..., reused=True)``):
         where the handle's ``stage_reads`` setting allows, direct reads then go through the
         engine's huge-page buffers and are copied out on its worker threads, which is faster on
-        disks that cut requests into scattered pages short (``stats["staged_bytes"]``)."""
+        disks that cut requests into scattered pages short, into memory already faulted in
+        (``stats["staged_bytes"]``)."""
         return self._submit("read", list(pieces), stage_reads)
 
     def pwrite_batch_async(self, pieces: Iterable[tuple[Any, PathOrFile, int]]) -> IOFuture:

@@ -109,4 +109,17 @@ ResidencyMethod ResidencyMethodInUse() {
   return method == 1 ? ResidencyMethod::kCachestat : ResidencyMethod::kMincore;
 }
 
+uint64_t ResidentMemoryBytes(const void* address, uint64_t length) {
+  if (length == 0) return 0;
+  const uint64_t page = SystemPageSize();
+  const auto begin = reinterpret_cast<uintptr_t>(address);
+  const uint64_t start = AlignDown(begin, page);
+  const uint64_t span = AlignUp(begin + length, page) - start;
+  std::vector<unsigned char> vec(span / page);
+  if (mincore(reinterpret_cast<void*>(start), span, vec.data()) != 0) return 0;
+  const auto pages = static_cast<uint64_t>(
+      std::count_if(vec.begin(), vec.end(), [](unsigned char v) { return (v & 1) != 0; }));
+  return std::min(pages * page, length);
+}
+
 }  // namespace tensortier

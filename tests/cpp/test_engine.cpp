@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 #include <fstream>
@@ -1224,6 +1225,60 @@ TEST_P(EngineTest, AutoStagingStagesWhereTheFilesBlockQueueSplitsScatteredMemory
   IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
   EXPECT_TRUE(buf.Holds(92, 0, 512 << 10));
   EXPECT_EQ(r.stats.staged_bytes, 512u << 10);
+}
+
+TEST_P(EngineTest, AutoStagingReadsStraightIntoMemoryNeverTouched) {
+  File f = PatternFile("data", 1 << 20, 95);
+  const EngineOptions o = StagingOptions(Options(4 << 20), ReadStaging::kAuto);
+  if (!StagesReads(o, f)) GTEST_SKIP() << "auto does not stage on the test directory's disk";
+  Engine engine(o);
+  // A new mapping, as a new process's tensors are: nothing of it faulted in yet.
+  AlignedBuffer fresh(1 << 20);
+  ASSERT_EQ(ResidentMemoryBytes(fresh.data(), 1 << 20), 0u);
+  IoDesc piece{f, fresh.data(), 0, 1 << 20};
+  IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+  EXPECT_TRUE(MatchesPattern(fresh.data(), 1 << 20, 95, 0));
+  EXPECT_EQ(r.stats.direct_bytes, 1u << 20);
+  EXPECT_EQ(r.stats.bounced_bytes, 0u);
+  EXPECT_EQ(r.stats.staged_bytes, 0u);
+  // Faulted in now: the same memory is staged.
+  r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+  EXPECT_TRUE(MatchesPattern(fresh.data(), 1 << 20, 95, 0));
+  EXPECT_EQ(r.stats.staged_bytes, 1u << 20);
+}
+
+TEST_P(EngineTest, StagingOnStagesMemoryNeverTouchedToo) {
+  File f = PatternFile("data", 1 << 20, 96);
+  Engine engine(StagingOptions(Options(4 << 20), ReadStaging::kOn));
+  AlignedBuffer fresh(1 << 20);
+  IoDesc piece{f, fresh.data(), 0, 1 << 20};
+  IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+  EXPECT_TRUE(MatchesPattern(fresh.data(), 1 << 20, 96, 0));
+  EXPECT_EQ(r.stats.staged_bytes, 1u << 20);
+}
+
+TEST(ResidentMemoryBytesTest, CountsThePagesFaultedIn) {
+  const uint64_t page = SystemPageSize();
+  AlignedBuffer mem(16 * page);
+  EXPECT_EQ(ResidentMemoryBytes(mem.data(), 16 * page), 0u);
+  for (uint64_t i = 0; i < 16; i += 2) mem.data()[i * page] = std::byte{1};
+  EXPECT_EQ(ResidentMemoryBytes(mem.data(), 16 * page), 8 * page);
+  // Unaligned ranges count whole pages, at most the length asked about.
+  EXPECT_EQ(ResidentMemoryBytes(mem.data() + 1, 10), 10u);
+  EXPECT_EQ(ResidentMemoryBytes(mem.data() + page + 1, page), page);
+  EXPECT_EQ(ResidentMemoryBytes(mem.data(), 0), 0u);
+}
+
+TEST(ResidentMemoryBytesTest, UnmappedMemoryCountsAsAbsent) {
+  const uint64_t page = SystemPageSize();
+  void* p = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  static_cast<volatile char*>(p)[0] = 1;
+  static_cast<volatile char*>(p)[page] = 1;
+  ASSERT_EQ(munmap(static_cast<char*>(p) + page, page), 0);
+  EXPECT_EQ(ResidentMemoryBytes(p, page), page);
+  EXPECT_EQ(ResidentMemoryBytes(p, 2 * page), 0u);
+  munmap(p, page);
 }
 
 TEST(StagesReadsTest, AutoNeedsHugePageBounceBuffersAndAQueueThatSplits) {

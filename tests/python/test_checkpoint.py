@@ -150,6 +150,27 @@ def test_cold_cpu_loads_stage_reads_into_new_tensors(disk_dir: Path, name: str) 
     assert stats[0]["staged_bytes"] > 0, stats[0]
 
 
+@pytest.mark.parametrize("name", ["big.safetensors", "big.pt"])
+def test_auto_staging_reads_straight_into_memory_never_touched(disk_dir: Path, name: str) -> None:
+    """With stage_reads="auto", a load's new tensors that are fresh memory (40 MiB: beyond
+    glibc's mmap threshold, a mapping of their own) are read into directly, never staged: the
+    copy out of staging buffers would fault in every page on the engine's threads."""
+    sd = {"w": random_tensor(((40 << 20) // 2,), torch.bfloat16), "b": torch.randn(7)}
+    path = disk_dir / name
+    tensortier.save(sd, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    with _RecordingIO(stage_reads="auto", page_cache_check=False) as io:
+        out = tensortier.load(path, _io=io)
+        stats = [f.result().stats for f in io.reads]
+    assert all(same(out[k], sd[k]) for k in sd)
+    assert sum(st["direct_bytes"] for st in stats) >= 40 << 20, stats
+    assert all(st["staged_bytes"] == 0 for st in stats), stats
+
+
 def test_safetensors_alignment(disk_dir: Path) -> None:
     sd = mixed_state_dict()
     path = disk_dir / "m.safetensors"
