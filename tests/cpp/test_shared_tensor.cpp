@@ -424,6 +424,9 @@ TEST(SharedTensorTest, AttachFromOutsideTheGroup) {
       uint32_t got = 0;
       other->Gather(&last, 1, &got);
       Check(got == RowValue(rows - 1, 0), "second group reads the owners' rows");
+      // Neither owner closes before both have attached through the second group: a slow rank
+      // would otherwise fetch a partition its peer has stopped serving.
+      owners.Barrier("attached");
       store->Get("outsider/wrote", 20s);
       int64_t row = 7;
       t->Gather(&row, 1, &got);
