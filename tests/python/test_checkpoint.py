@@ -124,6 +124,15 @@ class _RecordingIO(IOHandle):
         return fut
 
 
+def _drop_from_cache(path: Path) -> None:
+    """Drops the file's pages from the page cache, so that the next load reads the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
 def test_cold_cpu_loads_stage_reads_into_new_tensors(disk_dir: Path, name: str) -> None:
     """Loads to CPU ask the engine to stage their direct reads (new tensors are small-page
@@ -131,11 +140,7 @@ def test_cold_cpu_loads_stage_reads_into_new_tensors(disk_dir: Path, name: str) 
     sd = mixed_state_dict()
     path = disk_dir / name
     tensortier.save(sd, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _drop_from_cache(path)
     with _RecordingIO(stage_reads="on", page_cache_check=False) as io:
         out = tensortier.load(path, _io=io)
         dst = {k: torch.zeros_like(v) for k, v in sd.items()}
@@ -158,11 +163,7 @@ def test_auto_staging_reads_straight_into_memory_never_touched(disk_dir: Path, n
     sd = {"w": random_tensor(((40 << 20) // 2,), torch.bfloat16), "b": torch.randn(7)}
     path = disk_dir / name
     tensortier.save(sd, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _drop_from_cache(path)
     with _RecordingIO(stage_reads="auto", page_cache_check=False) as io:
         out = tensortier.load(path, _io=io)
         stats = [f.result().stats for f in io.reads]
