@@ -33,4 +33,12 @@ ResidencyMethod ResidencyMethodInUse();
 // when the query fails (part of the range unmapped). Never throws.
 uint64_t ResidentMemoryBytes(const void* address, uint64_t length);
 
+// Whether this process may write [address, address + length): false for read-only or unmapped
+// memory and for a shared file mapping past the end of its file, so that a copy on an engine
+// thread can fail with EFAULT instead of killing the process. Asked of the kernel with
+// MADV_POPULATE_WRITE, which faults the range in as the write would. True where the kernel cannot
+// tell: before Linux 5.14, and for driver mappings (VM_IO/VM_PFNMAP, such as CUDA's pinned host
+// memory), which refuse both populate requests. Never throws.
+bool MemoryIsWritable(void* address, uint64_t length);
+
 }  // namespace tensortier

@@ -178,6 +178,9 @@ class Worker {
           t->op->Fail(std::make_exception_ptr(IoError(ENOMEM, "allocate a bounce buffer",
                                                       piece.file.path(), t->offset, t->length)));
           Finish(t);
+        } catch (const IoError&) {  // a bounced read into memory it may not write
+          t->op->Fail(std::current_exception());
+          Finish(t);
         }
       }
       if (!requests.empty()) SubmitOrFail(requests);
@@ -201,6 +204,14 @@ class Worker {
   IoRequest Prepare(Task* t) {
     std::byte* target = t->user;
     if (t->direct && t->needs_bounce) {
+      // The copy out of the bounce buffer runs on this thread: memory the caller may not write
+      // fails the operation with EFAULT, as a direct read into it does, instead of the process.
+      if (t->op->op == IoOp::kRead && t->submissions == 0 &&
+          !MemoryIsWritable(t->user, t->length)) {
+        const IoDesc& piece = t->op->pieces[t->piece];
+        throw IoError(EFAULT, "read into memory that is not writable", piece.file.path(), t->offset,
+                      t->length);
+      }
       if (t->bounce == nullptr) t->bounce = TakeBounce(t->length);
       target = t->bounce->data();
       if (t->op->op == IoOp::kWrite) std::memcpy(target, t->user, t->length);

@@ -122,4 +122,48 @@ uint64_t ResidentMemoryBytes(const void* address, uint64_t length) {
   return std::min(pages * page, length);
 }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14; older headers lack the names
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace {
+
+// madvise(advice) over whole pages, retried on EINTR; 0 or the errno.
+int PopulatePages(uintptr_t start, uint64_t span, int advice) {
+  for (;;) {
+    if (madvise(reinterpret_cast<void*>(start), span, advice) == 0) return 0;
+    if (errno != EINTR) return errno;
+  }
+}
+
+// Whether MADV_POPULATE_WRITE works here: probed once on a page of our own, because an old kernel
+// answers EINVAL for every range, as a new one does for read-only memory.
+bool KernelPopulatesWrites() {
+  static const bool supported = [] {
+    alignas(4096) static std::byte probe[4096];
+    const uint64_t page = SystemPageSize();
+    return page <= sizeof(probe) &&
+           PopulatePages(reinterpret_cast<uintptr_t>(probe), page, MADV_POPULATE_WRITE) == 0;
+  }();
+  return supported;
+}
+
+}  // namespace
+
+bool MemoryIsWritable(void* address, uint64_t length) {
+  if (length == 0 || !KernelPopulatesWrites()) return true;
+  const uint64_t page = SystemPageSize();
+  const auto begin = reinterpret_cast<uintptr_t>(address);
+  const uint64_t start = AlignDown(begin, page);
+  const uint64_t span = AlignUp(begin + length, page) - start;
+  const int error = PopulatePages(start, span, MADV_POPULATE_WRITE);
+  if (error == 0) return true;
+  if (error != EINVAL) return false;  // ENOMEM: unmapped; EFAULT: past the end of a mapped file
+  // EINVAL: read-only memory, or a driver mapping that refuses reads the same way.
+  return PopulatePages(start, span, MADV_POPULATE_READ) == EINVAL;
+}
+
 }  // namespace tensortier

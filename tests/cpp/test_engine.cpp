@@ -1257,6 +1257,73 @@ TEST_P(EngineTest, StagingOnStagesMemoryNeverTouchedToo) {
   EXPECT_EQ(r.stats.staged_bytes, 1u << 20);
 }
 
+// A read-only mapping of its own, unmapped at the end of the test.
+class ReadOnlyMemory {
+ public:
+  explicit ReadOnlyMemory(size_t bytes) : bytes_(bytes) {
+    p_ = mmap(nullptr, bytes_, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p_ == MAP_FAILED) throw std::runtime_error("mmap");
+  }
+  ~ReadOnlyMemory() { munmap(p_, bytes_); }
+  ReadOnlyMemory(const ReadOnlyMemory&) = delete;
+  ReadOnlyMemory& operator=(const ReadOnlyMemory&) = delete;
+  std::byte* data() const { return static_cast<std::byte*>(p_); }
+
+ private:
+  size_t bytes_;
+  void* p_;
+};
+
+// A bounced read copies on an engine thread: into read-only memory it must fail with EFAULT, as
+// a direct read into it does, whether staged or bounced for alignment, and the engine goes on.
+TEST_P(EngineTest, BouncedReadIntoReadOnlyMemoryFailsWithEfault) {
+  File f = PatternFile("data", 1 << 20, 97);
+  for (ReadStaging staging : {ReadStaging::kOn, ReadStaging::kOff}) {
+    Engine engine(StagingOptions(Options(256 << 10), staging));
+    ReadOnlyMemory ro((1 << 20) + 4096);
+    // kOn stages the aligned read; kOff bounces the unaligned one.
+    std::byte* target = staging == ReadStaging::kOn ? ro.data() : ro.data() + 16;
+    IoDesc piece{f, target, 0, 1 << 20};
+    try {
+      engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+      ADD_FAILURE() << "read into read-only memory succeeded";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_code(), EFAULT) << e.what();
+      EXPECT_EQ(e.path(), f.path());
+    }
+    AlignedBuffer ok(1 << 20);
+    IoDesc good{f, ok.data(), 0, 1 << 20};
+    engine.Submit(IoOp::kRead, {&good, 1}, {.stage_reads = true}).Wait();
+    EXPECT_TRUE(MatchesPattern(ok.data(), 1 << 20, 97, 0));
+  }
+}
+
+TEST(MemoryIsWritableTest, TellsWritableFromReadOnlyAndUnmapped) {
+  const uint64_t page = SystemPageSize();
+  AlignedBuffer rw(4 * page);
+  EXPECT_TRUE(MemoryIsWritable(rw.data() + 1, 3 * page));
+  EXPECT_TRUE(MemoryIsWritable(nullptr, 0));
+  ReadOnlyMemory ro(2 * page);
+  EXPECT_FALSE(MemoryIsWritable(ro.data(), page));
+  EXPECT_FALSE(MemoryIsWritable(ro.data() + page - 1, 2));
+  void* gone = mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(gone, MAP_FAILED);
+  ASSERT_EQ(munmap(gone, page), 0);
+  EXPECT_FALSE(MemoryIsWritable(gone, page));
+}
+
+TEST(MemoryIsWritableTest, SharedFileMappingPastTheEndOfItsFileIsNot) {
+  const uint64_t page = SystemPageSize();
+  TempDir dir;
+  WritePatternFile(dir.File("f"), page, 1);
+  File f = File::Open(dir.File("f"), OpenMode::kReadWrite, false);
+  void* p = mmap(nullptr, 4 * page, PROT_READ | PROT_WRITE, MAP_SHARED, f.buffered_fd(), 0);
+  ASSERT_NE(p, MAP_FAILED);
+  EXPECT_TRUE(MemoryIsWritable(p, page));
+  EXPECT_FALSE(MemoryIsWritable(static_cast<std::byte*>(p) + 2 * page, page));
+  munmap(p, 4 * page);
+}
+
 TEST(ResidentMemoryBytesTest, CountsThePagesFaultedIn) {
   const uint64_t page = SystemPageSize();
   AlignedBuffer mem(16 * page);

@@ -3,11 +3,13 @@ torch.save/torch.load, shard indexes, dtype and device options, load_into."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
 import threading
 import time
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -170,6 +172,33 @@ def test_auto_staging_reads_straight_into_memory_never_touched(disk_dir: Path, n
     assert all(same(out[k], sd[k]) for k in sd)
     assert sum(st["direct_bytes"] for st in stats) >= 40 << 20, stats
     assert all(st["staged_bytes"] == 0 for st in stats), stats
+
+
+@pytest.mark.parametrize("stage_reads", ["auto", "on", "off"])
+@pytest.mark.parametrize("name", ["ro.safetensors", "ro.pt"])
+def test_load_into_read_only_memory_raises_efault(
+    disk_dir: Path, tmp_path: Path, name: str, stage_reads: str
+) -> None:
+    """A target backed by a read-only mapping (its file in the page cache, so that it looks
+    faulted in) fails with EFAULT naming the checkpoint, whether the read is staged, bounced or
+    direct: the copy out of a bounce buffer must not kill the process."""
+    import numpy as np
+
+    n = 1 << 20
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(n, dtype=torch.uint8)}, path)
+    backing = tmp_path / "backing.bin"
+    backing.write_bytes(bytes(n))  # cached by this write
+    array = np.memmap(backing, mode="r", shape=(n,), dtype=np.uint8)
+    with warnings.catch_warnings():  # torch warns (once) that the array is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        target = torch.from_numpy(array)
+    with IOHandle(stage_reads=stage_reads, page_cache_check=False) as io:
+        with pytest.raises(OSError) as err:
+            tensortier.load_into({"w": target}, path, _io=io)
+    assert err.value.errno == errno.EFAULT, err.value
+    assert str(path) in str(err.value)
+    assert not array.any()  # nothing written
 
 
 def test_safetensors_alignment(disk_dir: Path) -> None:
