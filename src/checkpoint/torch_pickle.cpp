@@ -117,7 +117,8 @@ bool Allowed(std::string_view g) {
   };
   if (g.starts_with("torch.") && g.find('.', 6) == std::string_view::npos) {
     std::string_view attr = g.substr(6);
-    return !StorageDtype(attr).empty() || Readable(DtypeOfTorch(attr)) != nullptr ||
+    // A dtype as a value (a config's torch.quint4x2) is fine even where its tensors are not.
+    return !StorageDtype(attr).empty() || DtypeOfTorch(attr) != nullptr ||
            std::find(std::begin(kQuantizationSchemes), std::end(kQuantizationSchemes), attr) !=
                std::end(kQuantizationSchemes);
   }

@@ -279,6 +279,14 @@ def test_quantized_tensors(disk_dir: Path) -> None:
     torch.save({"q4": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.quint4x2)}, packed)
     r = run("info", packed)
     assert r.returncode != 0 and "'torch.QUInt4x2Storage' is not allowed" in r.stderr
+    # The packed dtypes as plain values (a config naming them) are read, as torch.load reads them.
+    config = disk_dir / "config.pt"
+    torch.save({"dtype": torch.quint4x2, "other": torch.quint2x4, "w": torch.ones(3)}, config)
+    r = run("info", config)
+    assert r.returncode == 0, r.stderr
+    assert "2 non-tensor value" in r.stdout, r.stdout
+    r = run("verify", config)
+    assert r.returncode == 0 and "data OK" in r.stdout, r.stdout + r.stderr
 
 
 def test_torch_only_dtypes(disk_dir: Path) -> None:
