@@ -20,6 +20,7 @@
 namespace tensortier {
 namespace {
 constexpr size_t kHugePageThreshold = 4u << 20;
+constexpr size_t kHugePageSize = 2u << 20;  // x86-64's and arm64's (4 KiB granule) PMD size
 // Feature bit VIRTIO_BALLOON_F_REPORTING: the guest reports free pages, the host discards them.
 constexpr size_t kBalloonFreePageReportingBit = 5;
 
@@ -101,8 +102,22 @@ AlignedBuffer::AlignedBuffer(size_t size, Pages use, Populate populate) : size_(
   if (size == 0) return;
   const size_t mapped = AlignUp(size, kPageSize);
   const bool huge = GetsHugePages(size, use);  // may throw: map after
-  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // A huge page needs a 2 MiB-aligned range, which mmap does not promise (a 4 MiB mapping at an
+  // unaligned address got one huge page at most): map 2 MiB more, then unmap the ends around an
+  // aligned start.
+  const size_t slack = huge ? kHugePageSize : 0;
+  void* p =
+      mmap(nullptr, mapped + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
+  if (slack != 0) {
+    auto* start = static_cast<std::byte*>(p);
+    auto* aligned =
+        reinterpret_cast<std::byte*>(AlignUp(reinterpret_cast<uintptr_t>(start), kHugePageSize));
+    const size_t head = static_cast<size_t>(aligned - start);
+    if (head != 0) munmap(start, head);
+    if (slack - head != 0) munmap(aligned + mapped, slack - head);
+    p = aligned;
+  }
   data_ = static_cast<std::byte*>(p);
   mapped_ = mapped;
   // Advisory only. Saying no explicitly matters where transparent huge pages are "always".

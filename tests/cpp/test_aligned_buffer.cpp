@@ -80,6 +80,21 @@ TEST(AlignedBufferTest, HugePagesFollowThePolicy) {
   }
 }
 
+// A huge page needs a 2 MiB-aligned range: mmap alone gave 4 KiB-aligned addresses, so a 4 MiB
+// buffer held one huge page at most.
+TEST(AlignedBufferTest, HugePageBuffersStartOnAHugePageBoundary) {
+  if (!GetsHugePages(4 << 20, Pages::kReused)) GTEST_SKIP() << HugePagesPolicy();
+  std::vector<AlignedBuffer> buffers;
+  for (size_t size : {size_t{4} << 20, (size_t{4} << 20) + 4096, size_t{6} << 20}) {
+    for (int i = 0; i < 4; ++i) {  // several: one may land aligned by chance
+      buffers.emplace_back(size, Pages::kReused);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(buffers.back().data()) % (2 << 20), 0u) << size;
+      // The whole buffer is usable, and nothing past it was kept mapped.
+      std::fill_n(buffers.back().data(), size, std::byte{1});
+    }
+  }
+}
+
 // Bytes of [data, data + size) in memory now (mincore: per page, unlike smaps, which counts the
 // whole mapping the kernel may have merged neighbouring buffers into).
 size_t ResidentBytesOf(const std::byte* data, size_t size) {
