@@ -14,10 +14,10 @@
 #include "gil_free_holder.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/backend.hpp"
-#include "tensortier/fault_injection.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/fault_injection.hpp"
 #include "tensortier/file.hpp"
 #include "tensortier/offloader.hpp"
 #include "tensortier/page_cache.hpp"
@@ -100,6 +100,8 @@ py::dict OptionsDict(const EngineOptions& o) {
   d["page_cache_check"] = o.page_cache_check;
   d["stage_reads"] = std::string(ReadStagingName(o.stage_reads));
   d["bounce_idle_ms"] = o.bounce_idle_ms;
+  d["max_staged_bytes"] = o.max_staged_bytes;
+  d["copy_threads"] = o.copy_threads;
   return d;
 }
 

@@ -42,9 +42,18 @@ void PrintReadStaging(const File& f) {
                    FormatSize(limits->max_request));
   }
   const bool staged = StagesReads(o, f);
+  std::string how = "direct";
+  if (staged && o.copy_threads > 0) {
+    how = StrCat("staged through the engine's bounce buffers, copied out by ", o.copy_threads,
+                 " copy threads");
+  } else if (staged) {
+    how = o.stage_reads == ReadStaging::kOn
+              ? "staged through the engine's bounce buffers, copied out by its workers"
+              : "staged through the engine's bounce buffers where already faulted in, copied out "
+                "by its workers (no copy threads)";
+  }
   std::printf("reads into new tensors (TENSORTIER_STAGE_READS=%s): %s (%s)\n",
-              std::string(ReadStagingName(o.stage_reads)).c_str(),
-              staged ? "staged through the engine's bounce buffers" : "direct", queue.c_str());
+              std::string(ReadStagingName(o.stage_reads)).c_str(), how.c_str(), queue.c_str());
 }
 
 }  // namespace

@@ -72,6 +72,7 @@ struct IoResult {
 
 namespace detail {
 struct Operation;
+class CopyPool;
 class Worker;
 }  // namespace detail
 
@@ -139,6 +140,7 @@ class Engine {
   pid_t owner_pid_;  // the process that made the engine
   EngineOptions options_;
   std::string backend_;
+  std::unique_ptr<detail::CopyPool> copy_pool_;  // declared first: outlives the workers
   std::vector<std::unique_ptr<detail::Worker>> workers_;
   std::mutex mu_;  // guards outstanding_ and next_worker_
   std::vector<std::shared_ptr<detail::Operation>> outstanding_;

@@ -55,9 +55,16 @@ inline constexpr Setting kSettings[] = {
     {"TENSORTIER_STAGE_READS", "stage_reads", SettingKind::kChoice, "auto", 0, 0, 0, 1,
      "off auto on",
      "reads into new tensors (tensortier.load to CPU, pread_batch_async(stage_reads=True)) go "
-     "through the engine's huge-page buffers and are copied out on its workers; auto: where the "
-     "disk cuts requests into scattered small pages (virtio), into memory already faulted in; "
-     "`tensortier check DIR` says which disks"},
+     "through the engine's huge-page buffers and are copied out by its copy threads; auto: where "
+     "the disk cuts requests into scattered small pages (virtio; `tensortier check DIR` says "
+     "which disks), and without copy threads only into memory already faulted in"},
+    {"TENSORTIER_MAX_STAGED", "max_staged_bytes", SettingKind::kSize, "32M", 32ull << 20, 4096,
+     1ull << 40, 1, "",
+     "bound on bytes of staged reads in flight or being copied out over all workers: the bounce "
+     "buffers they hold (at least one chunk per worker)"},
+    {"TENSORTIER_COPY_THREADS", "copy_threads", SettingKind::kCount, "2", 2, 0, 256, 1, "",
+     "threads that copy staged reads out of the engine's bounce buffers, so that the workers "
+     "keep the disk busy meanwhile; 0: the workers copy"},
     {"TENSORTIER_BOUNCE_IDLE_MS", "bounce_idle_ms", SettingKind::kCount, "1000", 1000, 0,
      3'600'000, 1, "",
      "milliseconds a worker keeps a bounce buffer nothing uses before freeing it (two per worker "

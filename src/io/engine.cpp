@@ -62,12 +62,77 @@ struct Task {
   uint64_t offset;
   uint64_t length;
   std::byte* user;
-  uint64_t charged;  // bytes counted against the worker's in-flight budget
+  uint64_t charged;     // bytes counted against the worker's in-flight budget
+  bool staged = false;  // a staged read: `charged` also counts against the staging budget
   uint64_t done = 0;
   uint32_t submissions = 0;
   uint32_t retries = 0;  // EAGAIN/EINTR completions in a row
   uint32_t slot = 0;     // index in the worker's in-flight table while submitted
   AlignedBuffer* bounce = nullptr;
+};
+
+class Worker;
+
+// Copies `n` bytes read into `t`'s bounce buffer out to its destination. Memory the caller may
+// not write fails the operation with EFAULT, as a direct read into it does, instead of killing
+// the process; false then. Asked here, where the copy is about to fault the pages in anyway,
+// not before the read: on the worker that would fault them in with the disk waiting.
+bool CopyOut(const Task& t, uint64_t n) {
+  if (!MemoryIsWritable(t.user, n)) {
+    t.op->Fail(std::make_exception_ptr(IoError(EFAULT, "read into memory that is not writable",
+                                               t.op->pieces[t.piece].file.path(), t.offset, n)));
+    return false;
+  }
+  std::memcpy(t.user, t.bounce->data(), n);
+  return true;
+}
+
+// Threads that copy staged reads out of the workers' bounce buffers into their destinations.
+// The destination of a load in a new process is memory never touched: the copy faults in each
+// of its small pages, which on the worker itself kept it from reaping and submitting (the disk
+// idled). Each copy goes back to its worker (Worker::CopiedOut), which alone finishes the task.
+class CopyPool {
+ public:
+  explicit CopyPool(unsigned threads) {
+    threads_.reserve(threads);
+    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+  }
+
+  // REQUIRES: no copy is posted or in progress (the workers are gone).
+  ~CopyPool() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  CopyPool(const CopyPool&) = delete;
+  CopyPool& operator=(const CopyPool&) = delete;
+
+  void Post(Worker* worker, Task* task, uint64_t bytes) {
+    {
+      std::lock_guard lock(mu_);
+      jobs_.push_back({worker, task, bytes});
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Job {
+    Worker* worker;
+    Task* task;
+    uint64_t bytes;
+  };
+
+  void Run();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;   // guarded by mu_
+  bool stopping_ = false;  // guarded by mu_
+  std::vector<std::thread> threads_;
 };
 
 // A thread that owns one backend ring and the bounce buffers for it.
@@ -79,12 +144,14 @@ class Worker {
   static constexpr uint32_t kMaxRetries = 1000;
   static constexpr std::chrono::milliseconds kBusyBounceIdle{100};
 
-  Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t chunk,
-         std::chrono::milliseconds bounce_idle)
+  Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t staged_budget,
+         uint64_t chunk, std::chrono::milliseconds bounce_idle, CopyPool* copier)
       : depth_(depth),
         budget_(budget),
+        staged_budget_(staged_budget),
         chunk_(chunk),
         bounce_idle_(bounce_idle),
+        copier_(copier),
         slots_(depth, nullptr) {
     free_slots_.reserve(depth);
     for (unsigned i = depth; i > 0; --i) free_slots_.push_back(i - 1);
@@ -126,6 +193,14 @@ class Worker {
     return bounce_allocations_.load(std::memory_order_relaxed);
   }
 
+  // A copy posted by Complete() is done (a copier thread); `bytes` 0 when it failed.
+  void CopiedOut(Task* t, uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    copied_.push_back({t, bytes});
+    // Notified under the lock: once it is released the worker may finish and be destroyed.
+    cv_.notify_one();
+  }
+
   void Enqueue(std::vector<std::unique_ptr<Task>>& tasks) {
     {
       std::lock_guard lock(mu_);
@@ -139,20 +214,36 @@ class Worker {
     std::vector<IoCompletion> completions(depth_);
     std::vector<Task*> starting;
     std::vector<IoRequest> requests;
+    std::vector<CopiedTask> copied;
     for (;;) {
       starting.clear();
+      copied.clear();
       {
         std::unique_lock lock(mu_);
-        if (in_flight_ == 0 && retry_.empty()) {
+        if (in_flight_ == 0 && retry_.empty() && copied_.empty()) {
           WaitForWork(lock);
-          if (queue_.empty()) return;  // stopping, and nothing is left
+          // Stopping, and nothing is left.
+          if (queue_.empty() && copied_.empty() && copying_ == 0) return;
         }
+        copied.swap(copied_);
+      }
+      for (const CopiedTask& c : copied) {
+        --copying_;
+        if (c.bytes == 0) {
+          Finish(c.task);  // the copy failed its operation
+        } else {
+          Advance(c.task, c.bytes);  // may queue a retry, or free budget for the queue
+        }
+      }
+      {
+        std::unique_lock lock(mu_);
         starting.swap(retry_);
         while (!queue_.empty() && in_flight_ + starting.size() < depth_) {
-          uint64_t len = queue_.front()->charged;
-          bool idle = in_flight_ == 0 && starting.empty();
-          if (!idle && in_flight_bytes_ + len > budget_) break;
-          in_flight_bytes_ += len;
+          const Task& next = *queue_.front();
+          bool idle = in_flight_ == 0 && starting.empty() && copying_ == 0;
+          if (!idle && !Fits(next)) break;
+          in_flight_bytes_ += next.charged;
+          if (next.staged) staged_bytes_ += next.charged;
           starting.push_back(queue_.front().release());
           queue_.pop_front();
         }
@@ -178,9 +269,6 @@ class Worker {
           t->op->Fail(std::make_exception_ptr(IoError(ENOMEM, "allocate a bounce buffer",
                                                       piece.file.path(), t->offset, t->length)));
           Finish(t);
-        } catch (const IoError&) {  // a bounced read into memory it may not write
-          t->op->Fail(std::current_exception());
-          Finish(t);
         }
       }
       if (!requests.empty()) SubmitOrFail(requests);
@@ -204,14 +292,6 @@ class Worker {
   IoRequest Prepare(Task* t) {
     std::byte* target = t->user;
     if (t->direct && t->needs_bounce) {
-      // The copy out of the bounce buffer runs on this thread: memory the caller may not write
-      // fails the operation with EFAULT, as a direct read into it does, instead of the process.
-      if (t->op->op == IoOp::kRead && t->submissions == 0 &&
-          !MemoryIsWritable(t->user, t->length)) {
-        const IoDesc& piece = t->op->pieces[t->piece];
-        throw IoError(EFAULT, "read into memory that is not writable", piece.file.path(), t->offset,
-                      t->length);
-      }
       if (t->bounce == nullptr) t->bounce = TakeBounce(t->length);
       target = t->bounce->data();
       if (t->op->op == IoOp::kWrite) std::memcpy(target, t->user, t->length);
@@ -298,7 +378,24 @@ class Worker {
       Finish(t);
       return;
     }
-    if (t->bounce != nullptr && op.op == IoOp::kRead) std::memcpy(t->user, t->bounce->data(), n);
+    if (t->bounce != nullptr && op.op == IoOp::kRead) {
+      if (copier_ != nullptr) {
+        ++copying_;
+        copier_->Post(this, t, n);  // back through CopiedOut, then Advance
+        return;
+      }
+      if (!CopyOut(*t, n)) {
+        Finish(t);
+        return;
+      }
+    }
+    Advance(t, n);
+  }
+
+  // `n` more bytes of `t` are transferred (and copied out of its bounce buffer): finishes it, or
+  // continues a short transfer where it stopped.
+  void Advance(Task* t, uint64_t n) {
+    const Operation& op = *t->op;
     t->done += n;
     t->offset += n;
     t->user += n;
@@ -330,6 +427,7 @@ class Worker {
     {
       std::lock_guard lock(mu_);
       in_flight_bytes_ -= t->charged;
+      if (t->staged) staged_bytes_ -= t->charged;
     }
     Operation& op = *t->op;
     bool last;
@@ -363,7 +461,11 @@ class Worker {
   // buffer's release, not from the start of this wait, so a trickle of small requests that keeps
   // waking the worker does not keep a burst's buffers forever.
   void WaitForWork(std::unique_lock<std::mutex>& lock) {
-    auto has_work = [&] { return stopping_ || !queue_.empty(); };
+    // Queued tasks wait while copies out hold the budget; a stopping worker waits for its copies.
+    auto has_work = [&] {
+      return !copied_.empty() || (stopping_ && copying_ == 0) ||
+             (!queue_.empty() && (copying_ == 0 || Fits(*queue_.front())));
+    };
     while (free_bounce_.size() > kIdleBounce) {
       const Clock::time_point due = free_bounce_.front().released + bounce_idle_;
       if (cv_.wait_until(lock, due, has_work)) return;
@@ -372,6 +474,12 @@ class Worker {
       lock.lock();
     }
     cv_.wait(lock, has_work);
+  }
+
+  // Whether `t` may start within the budgets (under mu_).
+  bool Fits(const Task& t) const {
+    return in_flight_bytes_ + t.charged <= budget_ &&
+           (!t.staged || staged_bytes_ + t.charged <= staged_budget_);
   }
 
   // The most recently released free bounce buffer of at least `bytes` (tasks are chunk_ bytes, or
@@ -418,8 +526,10 @@ class Worker {
 
   const unsigned depth_;
   const uint64_t budget_;
+  const uint64_t staged_budget_;
   const uint64_t chunk_;
   const std::chrono::milliseconds bounce_idle_;
+  CopyPool* const copier_;    // null: this thread copies staged reads out
   std::vector<Task*> slots_;  // worker-thread only (constructed before the thread starts)
   std::vector<uint32_t> free_slots_;
   std::string name_;
@@ -431,10 +541,17 @@ class Worker {
   std::deque<std::unique_ptr<Task>> queue_;  // guarded by mu_
   bool stopping_ = false;                    // guarded by mu_
   uint64_t in_flight_bytes_ = 0;             // guarded by mu_
+  uint64_t staged_bytes_ = 0;                // guarded by mu_: of in_flight_bytes_, staged reads
+  struct CopiedTask {
+    Task* task;
+    uint64_t bytes;
+  };
+  std::vector<CopiedTask> copied_;  // guarded by mu_: copies out done, for Advance
 
   // Worker-thread only.
   std::exception_ptr broken_;  // set when the ring failed; every later task fails with it
   unsigned in_flight_ = 0;
+  unsigned copying_ = 0;  // tasks posted to the copier, not yet advanced (read under mu_ too)
   std::vector<Task*> retry_;
   std::vector<std::unique_ptr<AlignedBuffer>> bounce_;
   struct FreeBounce {
@@ -446,6 +563,21 @@ class Worker {
   std::atomic<uint64_t> bounce_bytes_{0};
   std::atomic<uint64_t> bounce_allocations_{0};
 };
+
+void CopyPool::Run() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;
+      job = jobs_.front();
+      jobs_.pop_front();
+    }
+    const bool copied = CopyOut(*job.task, job.bytes);
+    job.worker->CopiedOut(job.task, copied ? job.bytes : 0);
+  }
+}
 
 }  // namespace detail
 
@@ -591,6 +723,7 @@ class Planner {
         // least chunk_size), however few of its bytes it moves. Charged by length, a batch of
         // small unaligned pieces made one buffer per request slot, twice the budget.
         if (bounce) tasks_.back()->charged = std::max(n, options_.chunk_size);
+        tasks_.back()->staged = aligned && bounce;
         stats_.direct_bytes += n;
         if (bounce) stats_.bounced_bytes += n;
         if (aligned && bounce) stats_.staged_bytes += n;
@@ -628,13 +761,13 @@ class Planner {
   // Whether this operation's direct reads of `file` go through bounce buffers (see ReadStaging).
   bool Stages(const File& file) const { return stage_reads_ && StagesReads(options_, file); }
 
-  // Whether a staged chunk goes through a bounce buffer, given its destination: under kAuto only
-  // where most of the destination is faulted in already. Into memory never touched (the tensors
-  // of a load in a new process), the copy out would fault each small page on a worker thread,
-  // which then neither reaps nor submits (the disk sat idle for most of such loads); a direct read
-  // faults them in the kernel, without the copy, and was 1.7x faster in new processes.
+  // Whether a staged chunk goes through a bounce buffer, given its destination. With copy
+  // threads always: the workers only read, into huge pages. Without them, under kAuto only where
+  // most of the destination is faulted in already: into memory never touched (the tensors of a
+  // load in a new process) the copy out would fault each small page on a worker thread, which
+  // then neither reaps nor submits; a direct read faults them in the kernel, without the copy.
   bool StagesInto(const std::byte* user, uint64_t length) const {
-    if (options_.stage_reads == ReadStaging::kOn) return true;
+    if (options_.stage_reads == ReadStaging::kOn || options_.copy_threads > 0) return true;
     return ResidentMemoryBytes(user, length) * 2 >= length;
   }
 
@@ -791,12 +924,17 @@ Engine::Engine(EngineOptions options, BackendFactory factory)
 
 void Engine::Start(BackendFactory factory) {
   workers_.clear();
+  if (options_.copy_threads > 0 && copy_pool_ == nullptr) {
+    copy_pool_ = std::make_unique<detail::CopyPool>(options_.copy_threads);
+  }
   const uint64_t budget =
       std::max(options_.max_inflight_bytes / options_.workers, options_.chunk_size);
+  const uint64_t staged_budget =
+      std::max(options_.max_staged_bytes / options_.workers, options_.chunk_size);
   for (unsigned i = 0; i < options_.workers; ++i) {
-    workers_.push_back(
-        std::make_unique<detail::Worker>(factory, options_.queue_depth, budget, options_.chunk_size,
-                                         std::chrono::milliseconds(options_.bounce_idle_ms)));
+    workers_.push_back(std::make_unique<detail::Worker>(
+        factory, options_.queue_depth, budget, staged_budget, options_.chunk_size,
+        std::chrono::milliseconds(options_.bounce_idle_ms), copy_pool_.get()));
   }
   backend_ = workers_.front()->name();
 }
@@ -808,6 +946,7 @@ Engine::~Engine() {
     // condition variable with waiters can block). The workers and operations are left in place,
     // and the engine's own mutex is made anew, unheld, for its destructor.
     new std::vector<std::unique_ptr<detail::Worker>>(std::move(workers_));
+    copy_pool_.release();  // NOLINT(bugprone-unused-return-value): left in place, as the workers
     new std::vector<std::shared_ptr<Operation>>(std::move(outstanding_));
     new (&mu_) std::mutex;
     return;
@@ -818,7 +957,8 @@ Engine::~Engine() {
     ops.swap(outstanding_);
   }
   for (auto& op : ops) op->WaitComplete();
-  workers_.clear();  // joins
+  workers_.clear();  // joins, after their copies out
+  copy_pool_.reset();
 }
 
 Future Engine::Read(const File& file, void* buf, uint64_t length, uint64_t offset) {

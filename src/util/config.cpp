@@ -55,6 +55,8 @@ void EngineOptions::Validate() const {
   CheckNumber(SettingFor("TENSORTIER_QUEUE_DEPTH"), queue_depth);
   CheckNumber(SettingFor("TENSORTIER_WORKERS"), workers);
   CheckNumber(SettingFor("TENSORTIER_MAX_INFLIGHT"), max_inflight_bytes);
+  CheckNumber(SettingFor("TENSORTIER_MAX_STAGED"), max_staged_bytes);
+  CheckNumber(SettingFor("TENSORTIER_COPY_THREADS"), copy_threads);
   CheckNumber(SettingFor("TENSORTIER_BOUNCE_IDLE_MS"), bounce_idle_ms);
   if (max_inflight_bytes < chunk_size) {
     throw std::invalid_argument(
@@ -88,6 +90,10 @@ EngineOptions EngineOptions::FromEnvironment(EngineOptions base) {
   }
   if (const Setting* s = set("TENSORTIER_STAGE_READS")) {
     o.stage_reads = ParseReadStaging(WordSetting(*s));
+  }
+  if (const Setting* s = set("TENSORTIER_MAX_STAGED")) o.max_staged_bytes = NumberSetting(*s);
+  if (const Setting* s = set("TENSORTIER_COPY_THREADS")) {
+    o.copy_threads = static_cast<unsigned>(NumberSetting(*s));
   }
   if (const Setting* s = set("TENSORTIER_BOUNCE_IDLE_MS")) {
     o.bounce_idle_ms = static_cast<uint32_t>(NumberSetting(*s));

@@ -234,6 +234,8 @@ TEST_F(EnvironmentTest, NoVariablesGiveTheBuiltInDefaults) {
   EXPECT_EQ(env.stage_reads, built_in.stage_reads);
   EXPECT_EQ(env.bounce_idle_ms, 1000u);
   EXPECT_EQ(env.bounce_idle_ms, built_in.bounce_idle_ms);
+  EXPECT_EQ(env.max_staged_bytes, 32u << 20);
+  EXPECT_EQ(env.copy_threads, 2u);
 }
 
 TEST_F(EnvironmentTest, EmptyValueMeansUnset) {
@@ -336,6 +338,8 @@ TEST_F(EnvironmentTest, AllVariablesTogether) {
   ScopedEnv f("TENSORTIER_PAGE_CACHE_CHECK", "0");
   ScopedEnv g("TENSORTIER_STAGE_READS", "on");
   ScopedEnv h("TENSORTIER_BOUNCE_IDLE_MS", "5");
+  ScopedEnv i("TENSORTIER_MAX_STAGED", "16M");
+  ScopedEnv j("TENSORTIER_COPY_THREADS", "4");
   EngineOptions o = EngineOptions::FromEnvironment();
   EXPECT_EQ(o.backend, "libaio");
   EXPECT_EQ(o.chunk_size, 128u << 10);
@@ -345,6 +349,8 @@ TEST_F(EnvironmentTest, AllVariablesTogether) {
   EXPECT_FALSE(o.page_cache_check);
   EXPECT_EQ(o.stage_reads, ReadStaging::kOn);
   EXPECT_EQ(o.bounce_idle_ms, 5u);
+  EXPECT_EQ(o.max_staged_bytes, 16u << 20);
+  EXPECT_EQ(o.copy_threads, 4u);
 }
 
 // Each malformed or out-of-range value is rejected, and the message names the variable so the
@@ -384,7 +390,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "1s"},
         BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "-1"},
         BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "3600001"},
-        BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "99999999999999999999"}),
+        BadEnvValue{"TENSORTIER_BOUNCE_IDLE_MS", "99999999999999999999"},
+        BadEnvValue{"TENSORTIER_MAX_STAGED", "some"}, BadEnvValue{"TENSORTIER_MAX_STAGED", "0"},
+        BadEnvValue{"TENSORTIER_COPY_THREADS", "-1"},
+        BadEnvValue{"TENSORTIER_COPY_THREADS", "257"}),
     [](const ::testing::TestParamInfo<BadEnvValue>& info) {
       std::string name = std::string(info.param.var).substr(11) + "_" + std::to_string(info.index);
       return name;
@@ -411,7 +420,7 @@ TEST_F(EnvironmentTest, DefaultsListEveryVariable) {
   for (const char* name :
        {"backend", "chunk_size", "queue_depth", "workers", "max_inflight_bytes", "page_cache_check",
         "stage_reads", "bounce_idle_ms", "huge_pages", "gds", "bounce_slots", "bounce_slot_bytes",
-        "bounce_rings", "cuda_library", "cufile_library"}) {
+        "bounce_rings", "cuda_library", "cufile_library", "max_staged_bytes", "copy_threads"}) {
     EXPECT_EQ(names.count(name), 1u) << name;
   }
 }
@@ -426,6 +435,8 @@ TEST_F(EnvironmentTest, DefaultsShowBuiltInValues) {
                                               {"TENSORTIER_PAGE_CACHE_CHECK", "1"},
                                               {"TENSORTIER_STAGE_READS", "auto"},
                                               {"TENSORTIER_BOUNCE_IDLE_MS", "1000"},
+                                              {"TENSORTIER_MAX_STAGED", "32 MiB"},
+                                              {"TENSORTIER_COPY_THREADS", "2"},
                                               {"TENSORTIER_HUGE_PAGES", "auto"},
                                               {"TENSORTIER_GDS", "off"},
                                               {"TENSORTIER_BOUNCE_SLOTS", "8"},
@@ -445,6 +456,8 @@ TEST_F(EnvironmentTest, DefaultsShowTheEffectiveValueOfEachVariable) {
   ScopedEnv f("TENSORTIER_PAGE_CACHE_CHECK", "off");
   ScopedEnv g("TENSORTIER_STAGE_READS", "0");
   ScopedEnv h("TENSORTIER_BOUNCE_IDLE_MS", "0");
+  ScopedEnv i("TENSORTIER_MAX_STAGED", "8M");
+  ScopedEnv j("TENSORTIER_COPY_THREADS", "0");
   EXPECT_EQ(ValuesByVariable(Defaults()), (std::map<std::string, std::string>{
                                               {"TENSORTIER_BACKEND", "threads"},
                                               {"TENSORTIER_CHUNK_SIZE", "2 MiB"},
@@ -454,6 +467,8 @@ TEST_F(EnvironmentTest, DefaultsShowTheEffectiveValueOfEachVariable) {
                                               {"TENSORTIER_PAGE_CACHE_CHECK", "0"},
                                               {"TENSORTIER_STAGE_READS", "off"},
                                               {"TENSORTIER_BOUNCE_IDLE_MS", "0"},
+                                              {"TENSORTIER_MAX_STAGED", "8 MiB"},
+                                              {"TENSORTIER_COPY_THREADS", "0"},
                                               {"TENSORTIER_HUGE_PAGES", "auto"},
                                               {"TENSORTIER_GDS", "off"},
                                               {"TENSORTIER_BOUNCE_SLOTS", "8"},

@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tensortier/aligned_buffer.hpp"
@@ -1227,9 +1229,10 @@ TEST_P(EngineTest, AutoStagingStagesWhereTheFilesBlockQueueSplitsScatteredMemory
   EXPECT_EQ(r.stats.staged_bytes, 512u << 10);
 }
 
-TEST_P(EngineTest, AutoStagingReadsStraightIntoMemoryNeverTouched) {
+TEST_P(EngineTest, AutoStagingWithoutCopyThreadsReadsStraightIntoMemoryNeverTouched) {
   File f = PatternFile("data", 1 << 20, 95);
-  const EngineOptions o = StagingOptions(Options(4 << 20), ReadStaging::kAuto);
+  EngineOptions o = StagingOptions(Options(4 << 20), ReadStaging::kAuto);
+  o.copy_threads = 0;  // the copy would fault each page in on a worker
   if (!StagesReads(o, f)) GTEST_SKIP() << "auto does not stage on the test directory's disk";
   Engine engine(o);
   // A new mapping, as a new process's tensors are: nothing of it faulted in yet.
@@ -1245,6 +1248,81 @@ TEST_P(EngineTest, AutoStagingReadsStraightIntoMemoryNeverTouched) {
   r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
   EXPECT_TRUE(MatchesPattern(fresh.data(), 1 << 20, 95, 0));
   EXPECT_EQ(r.stats.staged_bytes, 1u << 20);
+}
+
+// With copy threads the faults of the copy out are theirs, not the workers': auto stages memory
+// never touched too (a new process's tensors).
+TEST_P(EngineTest, AutoStagingWithCopyThreadsStagesMemoryNeverTouched) {
+  File f = PatternFile("data", 1 << 20, 98);
+  EngineOptions o = StagingOptions(Options(4 << 20), ReadStaging::kAuto);
+  o.copy_threads = 1;
+  if (!StagesReads(o, f)) GTEST_SKIP() << "auto does not stage on the test directory's disk";
+  Engine engine(o);
+  AlignedBuffer fresh(1 << 20);
+  ASSERT_EQ(ResidentMemoryBytes(fresh.data(), 1 << 20), 0u);
+  IoDesc piece{f, fresh.data(), 0, 1 << 20};
+  IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+  EXPECT_TRUE(MatchesPattern(fresh.data(), 1 << 20, 98, 0));
+  EXPECT_EQ(r.stats.staged_bytes, 1u << 20);
+}
+
+// Staged reads hold at most max_staged_bytes of bounce buffers however much is read and however
+// slowly the copies go, with or without copy threads, and every byte lands.
+TEST_P(EngineTest, StagedReadsHoldAtMostMaxStagedBytesOfBounceBuffers) {
+  constexpr uint64_t kChunk = 64 << 10;
+  constexpr uint64_t kSize = 8 << 20;
+  File f = PatternFile("data", kSize, 99);
+  for (unsigned copiers : {0u, 1u, 3u}) {
+    SCOPED_TRACE(::testing::Message() << copiers << " copy threads");
+    EngineOptions o = StagingOptions(Options(kChunk), ReadStaging::kOn);
+    o.max_inflight_bytes = 64 * kChunk;  // the staging bound, not this one, must bite
+    o.max_staged_bytes = 4 * kChunk;     // two chunks per worker
+    o.copy_threads = copiers;
+    Engine engine(o);
+    AlignedBuffer dest(kSize);
+    // Many pieces in one operation, and a second operation at the same time.
+    std::vector<IoDesc> pieces;
+    for (uint64_t at = 0; at < kSize / 2; at += 1 << 20)
+      pieces.push_back({f, dest.data() + at, at, 1 << 20});
+    IoDesc rest{f, dest.data() + kSize / 2, kSize / 2, kSize / 2};
+    Future a = engine.Submit(IoOp::kRead, pieces, {.stage_reads = true});
+    Future b = engine.Submit(IoOp::kRead, {&rest, 1}, {.stage_reads = true});
+    EXPECT_EQ(a.Wait().stats.staged_bytes, kSize / 2);
+    EXPECT_EQ(b.Wait().stats.staged_bytes, kSize / 2);
+    EXPECT_TRUE(MatchesPattern(dest.data(), kSize, 99, 0));
+    EXPECT_LE(engine.bounce_bytes(), 4 * kChunk);
+    EXPECT_LE(engine.bounce_allocations(), 4u);
+  }
+}
+
+// Copy threads serve every worker and every caller: staged reads from several threads at once,
+// into fresh and reused memory, land exactly (TSan runs this).
+TEST_P(EngineTest, StagedReadsFromManyThreadsThroughCopyThreadsLandExactly) {
+  constexpr uint64_t kSize = 2 << 20;
+  File f = PatternFile("data", kSize, 100);
+  EngineOptions o = StagingOptions(Options(64 << 10), ReadStaging::kOn);
+  o.copy_threads = 2;
+  Engine engine(o);
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      for (int round = 0; round < 4; ++round) {
+        const uint64_t offset = static_cast<uint64_t>((i * 4 + round) % 8) * 4096;
+        const uint64_t length = kSize - offset - 4096 * static_cast<uint64_t>(i);
+        AlignedBuffer dest(length);
+        IoDesc piece{f, dest.data(), offset, length};
+        try {
+          IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+          if (r.bytes != length || !MatchesPattern(dest.data(), length, 100, offset)) ++wrong;
+        } catch (...) {
+          ++wrong;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
 }
 
 TEST_P(EngineTest, StagingOnStagesMemoryNeverTouchedToo) {
@@ -1278,8 +1356,12 @@ class ReadOnlyMemory {
 // a direct read into it does, whether staged or bounced for alignment, and the engine goes on.
 TEST_P(EngineTest, BouncedReadIntoReadOnlyMemoryFailsWithEfault) {
   File f = PatternFile("data", 1 << 20, 97);
-  for (ReadStaging staging : {ReadStaging::kOn, ReadStaging::kOff}) {
-    Engine engine(StagingOptions(Options(256 << 10), staging));
+  for (auto [staging, copiers] : {std::pair{ReadStaging::kOn, 2u}, std::pair{ReadStaging::kOn, 0u},
+                                  std::pair{ReadStaging::kOff, 2u}}) {
+    SCOPED_TRACE(::testing::Message() << ReadStagingName(staging) << ", " << copiers << " copiers");
+    EngineOptions o = StagingOptions(Options(256 << 10), staging);
+    o.copy_threads = copiers;
+    Engine engine(o);
     ReadOnlyMemory ro((1 << 20) + 4096);
     // kOn stages the aligned read; kOff bounces the unaligned one.
     std::byte* target = staging == ReadStaging::kOn ? ro.data() : ro.data() + 16;

@@ -7,6 +7,8 @@ import errno
 import json
 import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -158,20 +160,54 @@ def test_cold_cpu_loads_stage_reads_into_new_tensors(disk_dir: Path, name: str) 
 
 
 @pytest.mark.parametrize("name", ["big.safetensors", "big.pt"])
-def test_auto_staging_reads_straight_into_memory_never_touched(disk_dir: Path, name: str) -> None:
-    """With stage_reads="auto", a load's new tensors that are fresh memory (40 MiB: beyond
-    glibc's mmap threshold, a mapping of their own) are read into directly, never staged: the
-    copy out of staging buffers would fault in every page on the engine's threads."""
+def test_auto_staging_without_copy_threads_reads_straight_into_memory_never_touched(
+    disk_dir: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With stage_reads="auto" and no copy threads, a load's new tensors that are fresh memory
+    (40 MiB: beyond glibc's mmap threshold, a mapping of their own) are read into directly,
+    never staged: the copy out of staging buffers would fault in every page on the engine's
+    workers."""
+    monkeypatch.setenv("TENSORTIER_COPY_THREADS", "0")
     sd = {"w": random_tensor(((40 << 20) // 2,), torch.bfloat16), "b": torch.randn(7)}
     path = disk_dir / name
     tensortier.save(sd, path)
     _drop_from_cache(path)
     with _RecordingIO(stage_reads="auto", page_cache_check=False) as io:
+        assert io.options["copy_threads"] == 0
         out = tensortier.load(path, _io=io)
         stats = [f.result().stats for f in io.reads]
     assert all(same(out[k], sd[k]) for k in sd)
     assert sum(st["direct_bytes"] for st in stats) >= 40 << 20, stats
     assert all(st["staged_bytes"] == 0 for st in stats), stats
+
+
+@pytest.mark.parametrize("name", ["big.safetensors", "big.pt"])
+def test_auto_staging_with_copy_threads_stages_memory_never_touched_where_the_disk_asks(
+    disk_dir: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With copy threads (the default) the faults of the copy out are theirs: under "auto" a
+    load's fresh tensors are staged exactly where the disk cuts direct reads into scattered
+    memory short (the same files as with stage_reads="on", whose staging is the reference);
+    the bytes land exactly either way."""
+    monkeypatch.delenv("TENSORTIER_COPY_THREADS", raising=False)
+    sd = {"w": random_tensor(((40 << 20) // 2,), torch.bfloat16), "b": torch.randn(7)}
+    path = disk_dir / name
+    tensortier.save(sd, path)
+    staged = {}
+    for mode in ("on", "auto"):
+        _drop_from_cache(path)
+        with _RecordingIO(stage_reads=mode, page_cache_check=False) as io:
+            assert io.options["copy_threads"] == 2
+            out = tensortier.load(path, _io=io)
+            stats = [f.result().stats for f in io.reads]
+        assert all(same(out[k], sd[k]) for k in sd), mode
+        staged[mode] = sum(st["staged_bytes"] for st in stats)
+    assert staged["on"] >= 40 << 20, staged
+    check = subprocess.run([str(Path(sys.executable).parent / "tensortier"), "check",
+                            str(disk_dir)], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr
+    auto_stages = "STAGE_READS=auto): staged through the engine's bounce buffers, copied out by 2"
+    assert staged["auto"] == (staged["on"] if auto_stages in check.stdout else 0), check.stdout
 
 
 @pytest.mark.parametrize("stage_reads", ["auto", "on", "off"])

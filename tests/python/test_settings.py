@@ -47,7 +47,7 @@ def test_defaults_has_every_setting_with_its_fields() -> None:
                 "TENSORTIER_STAGE_READS", "TENSORTIER_BOUNCE_IDLE_MS", "TENSORTIER_HUGE_PAGES",
                 "TENSORTIER_GDS", "TENSORTIER_BOUNCE_SLOTS", "TENSORTIER_BOUNCE_SLOT_SIZE",
                 "TENSORTIER_BOUNCE_RINGS", "TENSORTIER_CUDA_LIBRARY",
-                "TENSORTIER_CUFILE_LIBRARY"):
+                "TENSORTIER_CUFILE_LIBRARY", "TENSORTIER_MAX_STAGED", "TENSORTIER_COPY_THREADS"):
         row = rows.pop(env)
         assert set(row) == {"name", "env", "value", "default", "allowed", "description",
                             "from_environment"}
