@@ -14,12 +14,24 @@ in --dir) is read in full epochs of shuffled batches by each tool:
   fio              fio random reads of 128 KiB at queue depth 64, O_DIRECT, over a scratch file
                    as large as the tree (the device's rate for this access pattern; cold only)
 
-Cold: the page cache is dropped before every timed epoch (/proc/sys/vm/drop_caches 3 as root:
-file data, inodes and folders, as in a job's first epoch; else posix_fadvise DONTNEED per file).
-Cold_data: drop_caches 1, file data only, the inodes and folders stay cached (the later epochs of
-a data set larger than memory). Warm: the tree is read once, untimed, first. Tools run in
-a rotated order (repeat r starts with tool r mod n); each figure is the median of --repeats.
-Prints one Markdown table per mode and writes everything to --json-out.
+Each tool is built once per repeat, untimed, as a training job builds its pipeline once: the
+reader or pipeline made and the tree listed (fn.readers.file lists it when its pipeline is
+built; no tool reads a file before its first epoch). Then whole epochs are timed: warm, one
+untimed epoch and then --epochs (3) epochs in a row on the same tool, the steady state of a
+job's later epochs (DALI pipelines reset() between them); cold, the tool's first epoch.
+
+The DALI pipelines return each sample's size and its label (--dali-output sizes), as a training
+pipeline passes the samples on to an operator that reads them in place (a decoder); with
+--dali-output bytes they return the samples, which DALI copies into its output buffers.
+
+Cold: the page cache is dropped after the tool is built, before its timed epoch
+(/proc/sys/vm/drop_caches 3 as root: file data, inodes and folders, as in a job's first epoch;
+else posix_fadvise DONTNEED per file). Cold_data: drop_caches 1, file data only, the inodes and
+folders stay cached (the later epochs of a data set larger than memory). One epoch per build:
+fn.readers.file reads ahead across the end of an epoch, so a second cold epoch would start with
+batches read before the drop. Warm: the tree is read once, untimed, before the first epoch.
+Tools run in a rotated order (repeat r starts with tool r mod n); each figure is the median of
+--repeats. Prints one Markdown table per mode and writes everything to --json-out.
 
     python bench/data_bench.py                          # 20,000 files, 3 repeats
     python bench/data_bench.py --files 2000 --repeats 3 # a quicker run
@@ -106,39 +118,74 @@ def warm(paths: list[Path]) -> None:
 
 
 # --------------------------------------------------------------------------- tools
-# Each reads one full epoch and returns (files, bytes).
+# Each tool is built once (untimed: the reader or pipeline made, the tree listed), as a training
+# job builds its pipeline once; what it returns reads one full epoch per call, returning
+# (files, bytes). Every loop counts files and bytes the cheapest way its API offers and leaves
+# the bytes untouched.
+#
+# The DALI pipelines return each sample's size (``data.shape()``) and the labels by default, as a
+# training pipeline hands its samples to an operator (a decoder) that reads them in place. With
+# --dali-output bytes they return the samples themselves: DALI then copies every byte into its
+# output buffers (the executor's MakeContiguous step, even for a dense batch fed with
+# ``no_copy=True``), a copy that no other tool here makes.
+
+Epoch = Callable[[], tuple[int, int]]
 
 
-def run_tensortier(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+def make_tensortier(root: Path, batch_size: int, seed: int, dali_output: str) -> Epoch:
     from tensortier.data import FileReader
 
-    reader = FileReader(file_root=root, batch_size=batch_size, shuffle=True, seed=epoch)
-    files = nbytes = 0
-    for samples, labels in reader:
-        files += len(samples)
-        nbytes += sum(s.numel() for s in samples)
-    return files, nbytes
+    reader = FileReader(file_root=root, batch_size=batch_size, shuffle=True, seed=seed)
+
+    def epoch() -> tuple[int, int]:
+        files = nbytes = 0
+        for samples, labels in reader:
+            files += len(samples)
+            nbytes += sum(s.numel() for s in samples)
+        return files, nbytes
+
+    return epoch
 
 
-def _run_dali(pipe: Any) -> tuple[int, int]:
+def _dali_outputs(data: Any, labels: Any, dali_output: str) -> tuple[Any, Any]:
+    from nvidia.dali import types
+
+    if dali_output == "bytes":
+        return data, labels
+    return data.shape(dtype=types.INT64), labels
+
+
+def _dali_epoch(pipe: Any, dali_output: str) -> Epoch:
+    """Runs ``pipe`` to the end of its source's epoch, then ``reset()``s it for the next."""
     pipe.build()
-    files = nbytes = 0
-    try:
-        while True:
-            data, labels = pipe.run()
-            files += len(data)
-            nbytes += sum(int(np.prod(s.shape())) for s in data)
-    except StopIteration:
-        pass
-    return files, nbytes
+
+    def epoch() -> tuple[int, int]:
+        files = nbytes = 0
+        try:
+            while True:
+                data, labels = pipe.run()
+                files += len(data)
+                nbytes += _dali_bytes(data, dali_output)
+        except StopIteration:
+            pass
+        pipe.reset()
+        return files, nbytes
+
+    return epoch
 
 
-def run_tensortier_dali(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+def _dali_bytes(data: Any, dali_output: str) -> int:
+    if dali_output == "bytes":
+        return sum(shape[0] for shape in data.shape())
+    return int(np.asarray(data.as_tensor()).sum())
+
+
+def make_tensortier_dali(root: Path, batch_size: int, seed: int, dali_output: str) -> Epoch:
     from nvidia.dali import fn, pipeline_def, types
 
     from tensortier.data import FileReader
 
-    reader = FileReader(file_root=root, batch_size=batch_size, shuffle=True, seed=epoch)
+    reader = FileReader(file_root=root, batch_size=batch_size, shuffle=True, seed=seed)
 
     # no_copy: DALI uses the batch arenas in place; dali_source keeps them alive for DALI's
     # prefetch queue (queue_depth = prefetch_queue_depth).
@@ -147,9 +194,9 @@ def run_tensortier_dali(root: Path, batch_size: int, epoch: int) -> tuple[int, i
         data, labels = fn.external_source(source=reader.dali_source(queue_depth=2),
                                           num_outputs=2, batch=True, no_copy=True,
                                           dtype=[types.UINT8, types.INT32])
-        return data, labels
+        return _dali_outputs(data, labels, dali_output)
 
-    return _run_dali(pipe())
+    return _dali_epoch(pipe(), dali_output)
 
 
 class SeedIterator:
@@ -182,62 +229,79 @@ def labelled(root: Path) -> list[tuple[str, int]]:
             for p in sorted((root / c).iterdir())]
 
 
-def run_seed_dali(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+def make_seed_dali(root: Path, batch_size: int, seed: int, dali_output: str) -> Epoch:
     from nvidia.dali import fn, pipeline_def, types
 
     source = SeedIterator(labelled(root), batch_size)
 
+    # cycle="raise": DALI iterates the source anew after each reset() (the seed's pipeline read
+    # one epoch; with DALI's default the second epoch would be empty).
     @pipeline_def(batch_size=batch_size, num_threads=2, device_id=None)
     def pipe():
         data, labels = fn.external_source(source=source, num_outputs=2, batch=True,
-                                          dtype=[types.UINT8, types.INT32])
-        return data, labels
+                                          cycle="raise", dtype=[types.UINT8, types.INT32])
+        return _dali_outputs(data, labels, dali_output)
 
-    return _run_dali(pipe())
-
-
-def run_loop(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
-    files = nbytes = 0
-    for batch, labels in SeedIterator(labelled(root), batch_size):
-        files += len(batch)
-        nbytes += sum(a.size for a in batch)
-    return files, nbytes
+    return _dali_epoch(pipe(), dali_output)
 
 
-def run_dali_reader(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+def make_loop(root: Path, batch_size: int, seed: int, dali_output: str) -> Epoch:
+    source = SeedIterator(labelled(root), batch_size)
+
+    def epoch() -> tuple[int, int]:
+        files = nbytes = 0
+        for batch, labels in source:
+            files += len(batch)
+            nbytes += sum(a.size for a in batch)
+        return files, nbytes
+
+    return epoch
+
+
+def make_dali_reader(root: Path, batch_size: int, seed: int, dali_output: str) -> Epoch:
+    """fn.readers.file lists the tree when the pipeline is built (untimed, as for every tool)
+    and streams across epochs: an epoch is its epoch_size rounded up to whole batches (the last
+    one filled from the next epoch)."""
     from nvidia.dali import fn, pipeline_def
 
-    @pipeline_def(batch_size=batch_size, num_threads=2, device_id=None, seed=epoch + 1)
+    @pipeline_def(batch_size=batch_size, num_threads=2, device_id=None, seed=seed + 1)
     def pipe():
         data, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="reader")
-        return data, labels
+        return _dali_outputs(data, labels, dali_output)
 
     p = pipe()
     p.build()
     size = p.epoch_size("reader")
-    files = nbytes = 0
-    for _ in range(-(-size // batch_size)):
-        data, labels = p.run()
-        files += len(data)
-        nbytes += sum(int(np.prod(s.shape())) for s in data)
-    return min(files, size), nbytes
+
+    def epoch() -> tuple[int, int]:
+        files = nbytes = 0
+        for _ in range(-(-size // batch_size)):
+            data, labels = p.run()
+            files += len(data)
+            nbytes += _dali_bytes(data, dali_output)
+        return min(files, size), nbytes
+
+    return epoch
 
 
-def run_pool16(root: Path, batch_size: int, epoch: int) -> tuple[int, int]:
+def make_pool16(root: Path, batch_size: int, seed: int, dali_output: str) -> Epoch:
     files = labelled(root)
-    random.shuffle(files)
+    pool = concurrent.futures.ThreadPoolExecutor(16)
 
     def read(item: tuple[str, int]) -> bytes:
         with open(item[0], "rb", buffering=0) as f:
             return f.read()
 
-    count = nbytes = 0
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    def epoch() -> tuple[int, int]:
+        random.shuffle(files)
+        count = nbytes = 0
         for i in range(0, len(files), batch_size):
             for data in pool.map(read, files[i:i + batch_size]):
                 count += 1
                 nbytes += len(data)
-    return count, nbytes
+        return count, nbytes
+
+    return epoch
 
 
 def run_fio(scratch: Path, total: int) -> tuple[dict[str, Any], str]:
@@ -264,6 +328,12 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="cold,cold_data,warm")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="warm epochs timed per repeat after one untimed epoch, on each tool "
+                             "built once (cold: its first epoch only)")
+    parser.add_argument("--dali-output", choices=["sizes", "bytes"], default="sizes",
+                        help="what the DALI pipelines return: each sample's size, or the "
+                             "samples (DALI copies them into its output buffers)")
     parser.add_argument("--tools", default=",".join(ALL_TOOLS))
     parser.add_argument("--json-out", default="bench/results/data_bench.json")
     args = parser.parse_args()
@@ -293,35 +363,50 @@ def main() -> int:
                        capture_output=True, check=True)
     log(f"{len(paths)} files, {total / GB:.2f} GB; tools {tools}; modes {modes}")
 
-    runners: dict[str, Callable[[Path, int, int], tuple[int, int]]] = {
-        "tensortier": run_tensortier, "tensortier_dali": run_tensortier_dali,
-        "seed_dali": run_seed_dali, "loop": run_loop, "dali_reader": run_dali_reader,
-        "pool16": run_pool16,
+    makers: dict[str, Callable[[Path, int, int, str], Epoch]] = {
+        "tensortier": make_tensortier, "tensortier_dali": make_tensortier_dali,
+        "seed_dali": make_seed_dali, "loop": make_loop, "dali_reader": make_dali_reader,
+        "pool16": make_pool16,
     }
     samples: dict[str, dict[str, list[dict[str, float]]]] = {m: {t: [] for t in tools}
                                                              for m in modes}
     commands: dict[str, str] = {}
     for mode in modes:
         mode_tools = [t for t in tools if not (t == "fio" and mode == "warm")]
+        epochs = args.epochs if mode == "warm" else 1
         for repeat in range(args.repeats):
             order = mode_tools[repeat % len(mode_tools):] + mode_tools[:repeat % len(mode_tools)]
             for tool in order:
                 settle()
-                if mode in COLD_LEVELS:
-                    drop_caches(paths + [scratch], COLD_LEVELS[mode])
-                else:
-                    warm(paths)
-                start = time.perf_counter()
                 if tool == "fio":
+                    drop_caches(paths + [scratch], COLD_LEVELS[mode])
                     stats, commands["fio"] = run_fio(scratch, total)
-                    files, nbytes = 0, stats["io_bytes"]
+                    nbytes = stats["io_bytes"]
                     seconds = stats["runtime"] / 1000
                     files = round(len(paths) * nbytes / total)
                 else:
-                    files, nbytes = runners[tool](root, args.batch_size, repeat)
-                    seconds = time.perf_counter() - start
-                    if files != len(paths):
-                        raise RuntimeError(f"{tool} read {files} files, not {len(paths)}")
+                    # Built once, untimed (no tool reads a file while it is built), then
+                    # timed over whole epochs.
+                    epoch = makers[tool](root, args.batch_size, repeat, args.dali_output)
+                    files = nbytes = 0
+                    seconds = 0.0
+                    if mode not in COLD_LEVELS:
+                        warm(paths)
+                        epoch()  # untimed: a job's first epoch (allocations, threads started)
+                    for _ in range(epochs):
+                        if mode in COLD_LEVELS:
+                            drop_caches(paths + [scratch], COLD_LEVELS[mode])
+                        start = time.perf_counter()
+                        epoch_files, epoch_bytes = epoch()
+                        seconds += time.perf_counter() - start
+                        if epoch_files != len(paths):
+                            raise RuntimeError(f"{tool} read {epoch_files} files, not {len(paths)}")
+                        # fn.readers.file fills an epoch's last batch from the next epoch.
+                        if tool != "dali_reader" and epoch_bytes != total:
+                            raise RuntimeError(f"{tool} read {epoch_bytes} bytes, not {total}")
+                        files += epoch_files
+                        nbytes += epoch_bytes
+                    del epoch
                 samples[mode][tool].append({"seconds": seconds, "files_per_s": files / seconds,
                                             "gbps": nbytes / seconds / GB})
                 log(f"{mode} r{repeat} {tool:16s} {files / seconds:9.0f} files/s "
@@ -331,11 +416,13 @@ def main() -> int:
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "kernel": platform.release(), "files": len(paths),
                               "bytes": total, "fio": tool_version(["fio", "--version"]),
-                              "fio_command": commands.get("fio"), "samples": samples,
+                              "fio_command": commands.get("fio"), "epochs": args.epochs,
+                              "dali_output": args.dali_output, "samples": samples,
                               "medians": {}}
     for mode in modes:
         print(f"\n### {mode}: {len(paths)} files, {total / GB:.2f} GB, batch {args.batch_size}, "
-              f"median of {args.repeats}\n")
+              f"median of {args.repeats} ({args.epochs if mode == 'warm' else 1} epoch(s) each, "
+              f"DALI pipelines returning {args.dali_output})\n")
         print("| tool | files/s | GB/s | tensortier / tool |")
         print("|---|---:|---:|---:|")
         ours = median([s["gbps"] for s in samples[mode].get("tensortier", [])])

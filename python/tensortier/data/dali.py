@@ -28,7 +28,9 @@ class DaliSource:
     cost more than reading the files when they are cached. DALI copies the batch unless
     ``no_copy=True``; then the arenas must live until DALI has used them: this source keeps the
     last ``queue_depth + 2`` batches alive, so pass at least the pipeline's
-    ``prefetch_queue_depth`` as ``queue_depth``.
+    ``prefetch_queue_depth`` as ``queue_depth``. With ``no_copy=True`` nothing is copied on the
+    way in; DALI copies a CPU pipeline's outputs into its own buffers, so pass the samples on to
+    an operator (a decoder) rather than returning them from the pipeline.
 
     DALI asks for batches ahead of the outputs it returns (its prefetch queue): the reader's
     ``state_dict()`` counts the batches handed to DALI, not those the pipeline has returned.
