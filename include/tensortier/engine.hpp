@@ -151,9 +151,10 @@ class Engine {
 // staged under `options`: kOn always, kOff never, kAuto where the file's block queue cuts
 // requests into scattered memory short (ScatteredMemorySplitsRequests) and the engine's bounce
 // buffers (chunk_size bytes, Pages::kReused) get huge pages, without which staging gains nothing.
-// Under kAuto a chunk is then staged only where most of its destination is faulted in already
-// (ResidentMemoryBytes): the copy into memory never touched pays a page fault per small page on
-// a worker thread, which costs more than the disk's slower reads into scattered pages.
+// Under kAuto every chunk is then staged when the engine has copy threads
+// (EngineOptions::copy_threads); without them only where most of its destination is faulted in
+// already (ResidentMemoryBytes): the copy into memory never touched pays a page fault per small
+// page on a worker thread, which costs more than the disk's slower reads into scattered pages.
 bool StagesReads(const EngineOptions& options, const File& file);
 
 // A verified round trip (8 KiB written and read back, with and without O_DIRECT) on a scratch file

@@ -79,8 +79,12 @@ class Worker;
 // not before the read: on the worker that would fault them in with the disk waiting.
 bool CopyOut(const Task& t, uint64_t n) {
   if (!MemoryIsWritable(t.user, n)) {
-    t.op->Fail(std::make_exception_ptr(IoError(EFAULT, "read into memory that is not writable",
-                                               t.op->pieces[t.piece].file.path(), t.offset, n)));
+    try {
+      t.op->Fail(std::make_exception_ptr(IoError(EFAULT, "read into memory that is not writable",
+                                                 t.op->pieces[t.piece].file.path(), t.offset, n)));
+    } catch (...) {  // building the error (bad_alloc): fail with that, not the thread
+      t.op->Fail(std::current_exception());
+    }
     return false;
   }
   std::memcpy(t.user, t.bounce->data(), n);
@@ -95,18 +99,16 @@ class CopyPool {
  public:
   explicit CopyPool(unsigned threads) {
     threads_.reserve(threads);
-    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+    try {
+      for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+    } catch (...) {  // no thread to be had (a pids limit): stop those started, then say so
+      Stop();
+      throw;
+    }
   }
 
   // REQUIRES: no copy is posted or in progress (the workers are gone).
-  ~CopyPool() {
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    for (std::thread& t : threads_) t.join();
-  }
+  ~CopyPool() { Stop(); }
 
   CopyPool(const CopyPool&) = delete;
   CopyPool& operator=(const CopyPool&) = delete;
@@ -127,6 +129,15 @@ class CopyPool {
   };
 
   void Run();
+
+  void Stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -237,7 +248,15 @@ class Worker {
       }
       {
         std::unique_lock lock(mu_);
-        starting.swap(retry_);
+        // Retries take ring slots too, and may be more than are free: a short transfer copied
+        // out by a copy thread comes back holding none. The rest wait for the next round.
+        const size_t room = depth_ - in_flight_;
+        if (retry_.size() <= room) {
+          starting.swap(retry_);
+        } else {
+          starting.assign(retry_.begin(), retry_.begin() + static_cast<ptrdiff_t>(room));
+          retry_.erase(retry_.begin(), retry_.begin() + static_cast<ptrdiff_t>(room));
+        }
         while (!queue_.empty() && in_flight_ + starting.size() < depth_) {
           const Task& next = *queue_.front();
           bool idle = in_flight_ == 0 && starting.empty() && copying_ == 0;

@@ -105,7 +105,9 @@ AlignedBuffer::AlignedBuffer(size_t size, Pages use, Populate populate) : size_(
   // A huge page needs a 2 MiB-aligned range, which mmap does not promise (a 4 MiB mapping at an
   // unaligned address got one huge page at most): map 2 MiB more, then unmap the ends around an
   // aligned start.
-  const size_t slack = huge ? kHugePageSize : 0;
+  // (Only with 4 KiB pages: elsewhere a huge page is another size, and `mapped` may not be a
+  // whole number of pages.)
+  const size_t slack = huge && SystemPageSize() == kPageSize ? kHugePageSize : 0;
   void* p =
       mmap(nullptr, mapped + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();

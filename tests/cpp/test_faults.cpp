@@ -379,6 +379,35 @@ TEST_P(FaultTest, ShortStagedReadsAreContinuedIntoTheRightPlace) {
   }
 }
 
+TEST_P(FaultTest, ShortStagedReadsCopiedOutNeverOverfillAOneSlotRing) {
+  // Short staged reads come back from the copy threads as retries holding no ring slot: with one
+  // slot, several may be due at once, and only as many as there are free slots may start.
+  for (unsigned copiers : {1u, 2u}) {
+    SCOPED_TRACE(::testing::Message() << copiers << " copy threads");
+    FaultPlan plan = Plan(FaultPlan::Kind::kShort, true, false, /*nth=*/1, /*count=*/6);
+    injector_ = std::make_shared<FaultInjector>(plan);
+    EngineOptions o = testing::SmallEngineOptions(GetParam(), kChunk);
+    o.stage_reads = ReadStaging::kOn;
+    o.queue_depth = 1;
+    o.workers = 1;
+    o.copy_threads = copiers;
+    o.max_staged_bytes = 8 * kChunk;
+    o.max_inflight_bytes = 8 * kChunk;
+    BackendKind kind = GetParam();
+    auto injector = injector_;
+    Engine engine(o, [kind, injector](unsigned depth) {
+      return MakeFaultInjectingBackend(MakeBackend(kind, depth), injector);
+    });
+    AlignedBuffer mem(480 << 10);
+    IoDesc piece{file_, mem.data(), 0, 480 << 10};
+    IoResult r = engine.Submit(IoOp::kRead, {&piece, 1}, {.stage_reads = true}).Wait();
+    EXPECT_EQ(r.bytes, 480u << 10);
+    EXPECT_TRUE(MatchesPattern(mem.data(), 480 << 10, 1, 0));
+    EXPECT_EQ(r.stats.staged_bytes, 480u << 10);
+    EXPECT_EQ(r.stats.resubmits, injector_->hits());
+  }
+}
+
 TEST_P(FaultTest, ShortWritesByHalfAreContinued) {
   auto engine = FaultyEngine(Plan(FaultPlan::Kind::kShort, false, true, /*nth=*/2, /*count=*/4));
   IoResult r = WriteOk(*engine, 4097, 500000, 0, 5);
