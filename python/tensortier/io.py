@@ -207,10 +207,11 @@ class IOHandle:
         stage_reads: for reads started with ``stage_reads=True`` (into small-page memory,
             such as tensors from torch's allocator): ``"auto"`` stages them through the
             engine's huge-page buffers where the file's disk cuts requests into scattered pages
-            short (virtio disks) and the destination is mostly faulted in already (memory never
-            touched is read into directly: copying into it would fault every page on the
-            engine's threads), ``"on"`` (or
-            ``True``) always, ``"off"`` (or ``False``) never.
+            short (virtio disks), copied out by the engine's copy threads
+            (``$TENSORTIER_COPY_THREADS``, at most ``$TENSORTIER_MAX_STAGED`` of buffers held;
+            with no copy threads only into memory faulted in already: the copy would fault
+            every page in on the workers), ``"on"`` (or ``True``) always, ``"off"`` (or
+            ``False``) never.
         bounce_idle_ms: milliseconds a worker keeps an aligned bounce buffer that nothing uses
             (a burst of I/O into unaligned memory, or of staged reads, makes up to
             ``max_inflight_bytes`` of them) before it frees it; each worker keeps two. ``0``
@@ -387,9 +388,8 @@ class IOHandle:
         ``stage_reads=True`` says the host buffers are small-page memory (tensors from torch's
         allocator; not huge-page buffers such as ``aligned_empty(..., reused=True)``):
         where the handle's ``stage_reads`` setting allows, direct reads then go through the
-        engine's huge-page buffers and are copied out on its worker threads, which is faster on
-        disks that cut requests into scattered pages short, into memory already faulted in
-        (``stats["staged_bytes"]``)."""
+        engine's huge-page buffers and are copied out by its copy threads, which is faster on
+        disks that cut requests into scattered pages short (``stats["staged_bytes"]``)."""
         return self._submit("read", list(pieces), stage_reads)
 
     def pwrite_batch_async(self, pieces: Iterable[tuple[Any, PathOrFile, int]]) -> IOFuture:
