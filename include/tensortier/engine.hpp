@@ -97,7 +97,8 @@ class Future {
 
 class Engine {
  public:
-  // Throws std::invalid_argument for bad options, IoError when the chosen backend cannot start.
+  // Throws std::invalid_argument for bad options, IoError when the chosen backend cannot start,
+  // std::system_error (EAGAIN) when its copy threads cannot be started.
   // With backend "auto", tries io_uring, libaio, threads in order; when `probe_dir` is given each
   // must also pass a verified write/read round trip on a scratch file in that directory.
   explicit Engine(EngineOptions options = EngineOptions::FromEnvironment(),
@@ -134,6 +135,7 @@ class Engine {
   const EngineOptions& options() const noexcept { return options_; }
 
  private:
+  void StartCopyThreads();
   void Start(BackendFactory factory);
   void CheckNotForked() const;
 

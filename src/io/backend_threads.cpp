@@ -22,16 +22,14 @@ class ThreadPoolBackend final : public Backend {
   explicit ThreadPoolBackend(unsigned depth) : depth_(depth) {
     unsigned n = std::min(depth, kMaxThreads);
     threads_.reserve(n);
-    for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { Serve(); });
-  }
-  ~ThreadPoolBackend() override {
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
+    try {
+      for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { Serve(); });
+    } catch (...) {  // no thread to be had (a pids limit): stop those started, then say so
+      Stop();
+      throw;
     }
-    work_cv_.notify_all();
-    for (auto& t : threads_) t.join();
   }
+  ~ThreadPoolBackend() override { Stop(); }
 
   std::string_view name() const noexcept override { return "threads"; }
   unsigned depth() const noexcept override { return depth_; }
@@ -58,6 +56,15 @@ class ThreadPoolBackend final : public Backend {
   }
 
  private:
+  void Stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
   static int64_t Run(const IoRequest& r) {
     ssize_t rc;
     do {

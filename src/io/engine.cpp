@@ -12,6 +12,7 @@
 #include <iterator>
 #include <new>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include "tensortier/strings.hpp"
@@ -907,6 +908,7 @@ Engine::Engine(EngineOptions options, const std::string& probe_dir)
   // Workers allocate bounce buffers: settle the page policy here, so that a malformed
   // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
   UsesHugePages(Pages::kReused);
+  StartCopyThreads();
   if (options_.backend != "auto") {
     BackendKind kind = ParseBackendKind(options_.backend);
     Start([kind](unsigned depth) { return MakeBackend(kind, depth); });
@@ -929,7 +931,7 @@ Engine::Engine(EngineOptions options, const std::string& probe_dir)
       why += StrCat(BackendName(kind), ": ", e.what(), "; ");
     }
   }
-  throw std::runtime_error("no I/O backend works here: " + why);
+  throw std::runtime_error("no I/O backend works here: " + why.substr(0, why.size() - 2));
 }
 
 Engine::Engine(EngineOptions options, BackendFactory factory)
@@ -938,14 +940,25 @@ Engine::Engine(EngineOptions options, BackendFactory factory)
   // Workers allocate bounce buffers: settle the page policy here, so that a malformed
   // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
   UsesHugePages(Pages::kReused);
+  StartCopyThreads();
   Start(std::move(factory));
+}
+
+// Once, before any backend is tried: a thread that cannot be had is no backend's failure.
+void Engine::StartCopyThreads() {
+  if (options_.copy_threads == 0) return;
+  try {
+    copy_pool_ = std::make_unique<detail::CopyPool>(options_.copy_threads);
+  } catch (const std::system_error& e) {
+    ThrowSystemError(e.code().value(),
+                     StrCat("start ", options_.copy_threads,
+                            " copy threads (TENSORTIER_COPY_THREADS; 0: the engine's workers "
+                            "copy staged reads out themselves)"));
+  }
 }
 
 void Engine::Start(BackendFactory factory) {
   workers_.clear();
-  if (options_.copy_threads > 0 && copy_pool_ == nullptr) {
-    copy_pool_ = std::make_unique<detail::CopyPool>(options_.copy_threads);
-  }
   const uint64_t budget =
       std::max(options_.max_inflight_bytes / options_.workers, options_.chunk_size);
   const uint64_t staged_budget =

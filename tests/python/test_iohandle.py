@@ -1028,3 +1028,60 @@ def test_out_of_space_is_raised_once_by_the_wait_on_every_filesystem(small_fs: P
         assert e.value.errno == errno.ENOSPC
     finally:
         io.close()
+
+
+def _pids_cgroup_root() -> Path | None:
+    """The cgroup v1 pids hierarchy, where this process may make groups (root), else None."""
+    root = Path("/sys/fs/cgroup/pids")
+    if os.geteuid() != 0 or not (root / "cgroup.procs").exists():
+        return None
+    return root
+
+
+def test_copy_threads_that_cannot_start_raise_oserror_naming_the_setting() -> None:
+    """A process out of threads (a pids cgroup here: root is exempt from RLIMIT_NPROC) gets an
+    OSError(EAGAIN) that says the copy threads could not start and how to go without them, not
+    a "no I/O backend works" blaming every backend; with TENSORTIER_COPY_THREADS=0 and room for
+    the workers the handle starts."""
+    root = _pids_cgroup_root()
+    if root is None:
+        pytest.skip("needs root and the cgroup v1 pids controller")
+    group = root / f"tensortier-test-{os.getpid()}"
+    group.mkdir()
+    child = textwrap.dedent(f"""
+        import errno, os, re
+        import tensortier
+        from tensortier import IOHandle
+        threads = int(re.search(r"Threads:\\s+(\\d+)", open("/proc/self/status").read())[1])
+        limit = "{group}/pids.max"
+        open(limit, "w").write(str(threads + 1))  # one copy thread of the two
+        try:
+            IOHandle(backend="threads", workers=1, queue_depth=2).close()
+            print("started")
+        except OSError as e:
+            print("oserror", e.errno == errno.EAGAIN, str(e))
+        os.environ["TENSORTIER_COPY_THREADS"] = "0"
+        open(limit, "w").write(str(threads + 2))  # a worker, one of its two I/O threads
+        try:
+            IOHandle(backend="threads", workers=1, queue_depth=2).close()
+            print("started")
+        except OSError as e:
+            print("oserror", e.errno == errno.EAGAIN)
+        open(limit, "w").write(str(threads + 3))  # a worker and its two I/O threads
+        IOHandle(backend="threads", workers=1, queue_depth=2).close()
+        print("started without copy threads")
+    """)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("TENSORTIER_")},
+                 "OMP_NUM_THREADS": "1"},
+            preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    finally:
+        group.rmdir()
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("oserror True"), r.stdout
+    assert "copy threads" in lines[0] and "TENSORTIER_COPY_THREADS" in lines[0], r.stdout
+    assert lines[1] == "oserror True", r.stdout  # the I/O threads' pool: stopped, not aborted
+    assert lines[2] == "started without copy threads", r.stdout
