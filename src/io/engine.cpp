@@ -250,7 +250,7 @@ class Worker {
       {
         std::unique_lock lock(mu_);
         // Retries take ring slots too, and may be more than are free: a short transfer copied
-        // out by a copy thread comes back holding none. The rest wait for the next round.
+        // out by a copy thread comes back holding none. The rest wait for the next pass.
         const size_t room = depth_ - in_flight_;
         if (retry_.size() <= room) {
           starting.swap(retry_);
