@@ -38,9 +38,9 @@ struct EngineOptions {
   bool page_cache_check = SettingFor("TENSORTIER_PAGE_CACHE_CHECK").default_text == "1";
   // TENSORTIER_STAGE_READS: off, auto, on.
   ReadStaging stage_reads = ReadStaging::kAuto;  // the table's default
-  // Bound on bytes of staged reads in flight or being copied out, over all workers: the memory
-  // of the bounce buffers they hold, on top of the destinations; at least one chunk per worker.
-  // TENSORTIER_MAX_STAGED.
+  // Bound on bytes of bounce buffers in use over all workers: staged reads in flight or being
+  // copied out, and unaligned reads and writes; memory on top of the destinations; at least one
+  // chunk per worker. TENSORTIER_MAX_STAGED.
   uint64_t max_staged_bytes = SettingFor("TENSORTIER_MAX_STAGED").default_number;
   // Threads that copy staged reads out of the bounce buffers (the copy faults in each small page
   // of memory never touched: on a worker thread it held up reaping and submitting); 0: the

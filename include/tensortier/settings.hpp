@@ -60,8 +60,9 @@ inline constexpr Setting kSettings[] = {
      "which disks), and without copy threads only into memory already faulted in"},
     {"TENSORTIER_MAX_STAGED", "max_staged_bytes", SettingKind::kSize, "32M", 32ull << 20, 4096,
      1ull << 40, 1, "",
-     "bound on bytes of staged reads in flight or being copied out over all workers: the bounce "
-     "buffers they hold (at least one chunk per worker)"},
+     "bound on bytes of bounce buffers in use over all workers (at least one chunk per worker): "
+     "staged reads in flight or being copied out, and reads and writes of memory O_DIRECT cannot "
+     "use (a save of tensors that are not block-aligned in memory)"},
     {"TENSORTIER_COPY_THREADS", "copy_threads", SettingKind::kCount, "2", 2, 0, 256, 1, "",
      "threads that copy staged reads out of the engine's bounce buffers, so that the workers "
      "keep the disk busy meanwhile; 0: the workers copy"},

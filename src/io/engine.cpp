@@ -63,8 +63,10 @@ struct Task {
   uint64_t offset;
   uint64_t length;
   std::byte* user;
-  uint64_t charged;     // bytes counted against the worker's in-flight budget
-  bool staged = false;  // a staged read: `charged` also counts against the staging budget
+  uint64_t charged;  // bytes counted against the worker's in-flight budget
+  // Holds a bounce buffer (a staged read, or an unaligned read or write): `charged` also counts
+  // against the bounce budget, TENSORTIER_MAX_STAGED.
+  bool bounced = false;
   uint64_t done = 0;
   uint32_t submissions = 0;
   uint32_t retries = 0;  // EAGAIN/EINTR completions in a row
@@ -156,11 +158,11 @@ class Worker {
   static constexpr uint32_t kMaxRetries = 1000;
   static constexpr std::chrono::milliseconds kBusyBounceIdle{100};
 
-  Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t staged_budget,
+  Worker(BackendFactory factory, unsigned depth, uint64_t budget, uint64_t bounce_budget,
          uint64_t chunk, std::chrono::milliseconds bounce_idle, CopyPool* copier)
       : depth_(depth),
         budget_(budget),
-        staged_budget_(staged_budget),
+        bounce_budget_(bounce_budget),
         chunk_(chunk),
         bounce_idle_(bounce_idle),
         copier_(copier),
@@ -263,7 +265,7 @@ class Worker {
           bool idle = in_flight_ == 0 && starting.empty() && copying_ == 0;
           if (!idle && !Fits(next)) break;
           in_flight_bytes_ += next.charged;
-          if (next.staged) staged_bytes_ += next.charged;
+          if (next.bounced) bounced_bytes_ += next.charged;
           starting.push_back(queue_.front().release());
           queue_.pop_front();
         }
@@ -447,7 +449,7 @@ class Worker {
     {
       std::lock_guard lock(mu_);
       in_flight_bytes_ -= t->charged;
-      if (t->staged) staged_bytes_ -= t->charged;
+      if (t->bounced) bounced_bytes_ -= t->charged;
     }
     Operation& op = *t->op;
     bool last;
@@ -499,7 +501,7 @@ class Worker {
   // Whether `t` may start within the budgets (under mu_).
   bool Fits(const Task& t) const {
     return in_flight_bytes_ + t.charged <= budget_ &&
-           (!t.staged || staged_bytes_ + t.charged <= staged_budget_);
+           (!t.bounced || bounced_bytes_ + t.charged <= bounce_budget_);
   }
 
   // The most recently released free bounce buffer of at least `bytes` (tasks are chunk_ bytes, or
@@ -546,7 +548,7 @@ class Worker {
 
   const unsigned depth_;
   const uint64_t budget_;
-  const uint64_t staged_budget_;
+  const uint64_t bounce_budget_;
   const uint64_t chunk_;
   const std::chrono::milliseconds bounce_idle_;
   CopyPool* const copier_;    // null: this thread copies staged reads out
@@ -561,7 +563,7 @@ class Worker {
   std::deque<std::unique_ptr<Task>> queue_;  // guarded by mu_
   bool stopping_ = false;                    // guarded by mu_
   uint64_t in_flight_bytes_ = 0;             // guarded by mu_
-  uint64_t staged_bytes_ = 0;                // guarded by mu_: of in_flight_bytes_, staged reads
+  uint64_t bounced_bytes_ = 0;               // guarded by mu_: of in_flight_bytes_, bounced tasks
   struct CopiedTask {
     Task* task;
     uint64_t bytes;
@@ -743,7 +745,7 @@ class Planner {
         // least chunk_size), however few of its bytes it moves. Charged by length, a batch of
         // small unaligned pieces made one buffer per request slot, twice the budget.
         if (bounce) tasks_.back()->charged = std::max(n, options_.chunk_size);
-        tasks_.back()->staged = aligned && bounce;
+        tasks_.back()->bounced = bounce;
         stats_.direct_bytes += n;
         if (bounce) stats_.bounced_bytes += n;
         if (aligned && bounce) stats_.staged_bytes += n;
@@ -961,11 +963,11 @@ void Engine::Start(BackendFactory factory) {
   workers_.clear();
   const uint64_t budget =
       std::max(options_.max_inflight_bytes / options_.workers, options_.chunk_size);
-  const uint64_t staged_budget =
+  const uint64_t bounce_budget =
       std::max(options_.max_staged_bytes / options_.workers, options_.chunk_size);
   for (unsigned i = 0; i < options_.workers; ++i) {
     workers_.push_back(std::make_unique<detail::Worker>(
-        factory, options_.queue_depth, budget, staged_budget, options_.chunk_size,
+        factory, options_.queue_depth, budget, bounce_budget, options_.chunk_size,
         std::chrono::milliseconds(options_.bounce_idle_ms), copy_pool_.get()));
   }
   backend_ = workers_.front()->name();
