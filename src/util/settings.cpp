@@ -1,7 +1,9 @@
 #include "tensortier/settings.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cstdlib>
+#include <span>
 #include <stdexcept>
 #include <vector>
 
@@ -57,6 +59,23 @@ uint64_t ParseUnsigned(std::string_view text, const char* what) {
                                      " (allowed: ", AllowedValues(setting), ")"));
 }
 
+// A boolean's spellings, and the words a kChoice row may have for it.
+struct BooleanSpelling {
+  std::span<const std::string_view> words;
+  std::string_view word;   // on / off
+  std::string_view digit;  // 1 / 0
+};
+constexpr BooleanSpelling kBooleanSpellings[] = {{kTrueWords, "on", "1"},
+                                                 {kFalseWords, "off", "0"}};
+
+// The row's own word for boolean `b` (its "on" or "1"), or "" when it has none.
+std::string_view RowWord(const std::vector<std::string_view>& choices, const BooleanSpelling& b) {
+  for (std::string_view c : choices) {
+    if (c == b.word || c == b.digit) return c;
+  }
+  return "";
+}
+
 // The canonical word of `text` for a kChoice row, or "" when the row does not accept it.
 std::string_view ChoiceWord(const Setting& setting, std::string_view text) {
   const std::vector<std::string_view> choices = Words(setting.choices);
@@ -64,15 +83,26 @@ std::string_view ChoiceWord(const Setting& setting, std::string_view text) {
     if (c == text) return c;
   }
   // Boolean spellings of the row's own off/on words.
-  for (const auto& [words, spellings] :
-       {std::pair{std::span<const std::string_view>(kTrueWords), std::pair{"on", "1"}},
-        std::pair{std::span<const std::string_view>(kFalseWords), std::pair{"off", "0"}}}) {
-    if (!IsOneOf(text, words)) continue;
-    for (std::string_view c : choices) {
-      if (c == spellings.first || c == spellings.second) return c;
-    }
+  for (const BooleanSpelling& b : kBooleanSpellings) {
+    if (IsOneOf(text, b.words)) return RowWord(choices, b);
   }
   return "";
+}
+
+// Whether `text` is well formed for `setting` (digits, and a unit for sizes) but failed to parse:
+// a number beyond 64 bits is out of range, not malformed.
+bool TooLargeToParse(const Setting& setting, std::string_view text) {
+  const size_t digits = std::min(text.find_first_not_of("0123456789"), text.size());
+  if (digits == 0) return false;
+  const std::string_view unit = text.substr(digits);
+  if (unit.empty()) return true;
+  if (setting.kind != SettingKind::kSize) return false;
+  try {
+    ParseSize(StrCat("1", unit));
+    return true;
+  } catch (const std::invalid_argument&) {
+    return false;
+  }
 }
 
 uint64_t CheckedNumber(const Setting& setting, std::string_view text) {
@@ -81,8 +111,9 @@ uint64_t CheckedNumber(const Setting& setting, std::string_view text) {
     value = setting.kind == SettingKind::kSize ? ParseSize(text) : ParseUnsigned(text, "value");
   } catch (const std::invalid_argument&) {
     ThrowInvalid(setting, text,
-                 setting.kind == SettingKind::kSize ? "not a size like 4096, 64K, 1M or 2G"
-                                                    : "not a whole number");
+                 TooLargeToParse(setting, text)       ? "out of range"
+                 : setting.kind == SettingKind::kSize ? "not a size like 4096, 64K, 1M or 2G"
+                                                      : "not a whole number");
   }
   if (value < setting.min || value > setting.max) ThrowInvalid(setting, text, "out of range");
   if (setting.kind == SettingKind::kSize && value % setting.multiple != 0) {
@@ -124,7 +155,20 @@ std::string AllowedValues(const Setting& setting) {
   switch (setting.kind) {
     case SettingKind::kChoice: {
       std::string out;
-      for (std::string_view w : Words(setting.choices)) out += StrCat(out.empty() ? "" : ", ", w);
+      const std::vector<std::string_view> choices = Words(setting.choices);
+      for (std::string_view w : choices) out += StrCat(out.empty() ? "" : ", ", w);
+      // The boolean spellings ChoiceWord takes for the row's own off/on words.
+      std::string aliases;
+      for (const BooleanSpelling& b : kBooleanSpellings) {
+        const std::string_view row = RowWord(choices, b);
+        if (row.empty()) continue;
+        std::string same;
+        for (std::string_view w : b.words) {
+          if (w != row) same += StrCat(same.empty() ? "" : "/", w);
+        }
+        aliases += StrCat(aliases.empty() ? "" : ", ", same, " for ", row);
+      }
+      if (!aliases.empty()) out += StrCat("; also ", aliases);
       return out;
     }
     case SettingKind::kSize: {

@@ -366,6 +366,35 @@ void PrintTo(const BadEnvValue& v, std::ostream* os) {
 class BadEnvironmentTest : public EnvironmentTest,
                            public ::testing::WithParamInterface<BadEnvValue> {};
 
+// A number too large for 64 bits is out of range, not malformed; the message lists every word
+// a choice takes, the boolean spellings of its on/off words included.
+TEST_F(EnvironmentTest, MessagesSayWhyAndListEveryAcceptedWord) {
+  auto expect_says = [](const char* var, const char* value, std::string_view text) {
+    ScopedEnv e(var, value);
+    const std::string msg = InvalidArgumentMessage([] { EngineOptions::FromEnvironment(); });
+    EXPECT_NE(msg.find(text), std::string::npos) << var << "=" << value << " gave: " << msg;
+  };
+  expect_says("TENSORTIER_QUEUE_DEPTH", "99999999999999999999",
+              "is invalid: out of range (allowed: 1 to 4096)");
+  expect_says("TENSORTIER_CHUNK_SIZE", "99999999999999999999K", "is invalid: out of range");
+  expect_says("TENSORTIER_QUEUE_DEPTH", "12abc", "is invalid: not a whole number");
+  expect_says("TENSORTIER_CHUNK_SIZE", "99999999999999999999X", "is invalid: not a size");
+  expect_says("TENSORTIER_STAGE_READS", "always",
+              "(allowed: off, auto, on; also 1/true/yes for on, 0/false/no for off)");
+  expect_says("TENSORTIER_PAGE_CACHE_CHECK", "2",
+              "(allowed: 0, 1; also true/on/yes for 1, false/off/no for 0)");
+  expect_says("TENSORTIER_BACKEND", "spdk", "(allowed: auto, io_uring, libaio, threads)");
+  // Every spelling the message lists is taken.
+  for (const char* word : {"1", "true", "yes", "on"}) {
+    ScopedEnv e("TENSORTIER_STAGE_READS", word);
+    EXPECT_EQ(EngineOptions::FromEnvironment().stage_reads, ReadStaging::kOn) << word;
+  }
+  for (const char* word : {"0", "false", "no", "off"}) {
+    ScopedEnv e("TENSORTIER_PAGE_CACHE_CHECK", word);
+    EXPECT_FALSE(EngineOptions::FromEnvironment().page_cache_check) << word;
+  }
+}
+
 TEST_P(BadEnvironmentTest, IsRejectedNamingTheVariable) {
   ScopedEnv e(GetParam().var, GetParam().value);
   std::string msg = InvalidArgumentMessage([] { EngineOptions::FromEnvironment(); });

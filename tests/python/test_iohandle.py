@@ -397,7 +397,7 @@ def test_huge_pages_bad_value() -> None:
                           capture_output=True, text=True)
     assert proc.returncode != 0
     assert "ValueError: TENSORTIER_HUGE_PAGES=maybe is invalid" in proc.stderr
-    assert "(allowed: auto, 0, 1)" in proc.stderr
+    assert "(allowed: auto, 0, 1; also true/on/yes for 1, false/off/no for 0)" in proc.stderr
     # The engine settles the policy when it starts: an error there, not on a worker thread.
     probe = ("import tensortier\ntry:\n    tensortier.IOHandle()\nexcept ValueError as e:\n"
              "    print('ValueError', e)\n")
