@@ -202,8 +202,9 @@ void Report(const Settings& s, const std::string& backend, const std::vector<Pha
     return;
   }
   std::printf("tensortier bench: %s of %s, block %s, queue depth %u, %u threads, %s, %s\n",
-              FormatSize(s.size).c_str(), FilePath(s).c_str(), FormatSize(s.block).c_str(), s.depth,
-              s.threads, backend.c_str(), s.buffered ? "buffered" : "O_DIRECT");
+              FormatSize(s.size).c_str(), TerminalText(FilePath(s)).c_str(),
+              FormatSize(s.block).c_str(), s.depth, s.threads, backend.c_str(),
+              s.buffered ? "buffered" : "O_DIRECT");
   std::printf("%-9s %12s %9s %10s %12s %12s %12s\n", "phase", "bytes", "seconds", "GB/s", "IOPS",
               "direct", "page cache");
   for (const Phase& p : phases) {
@@ -229,7 +230,7 @@ int RunSweep(Settings s) {
   s.mode = "both";
   s.json = true;
   std::printf("sweep: %s per point in %s\n%10s %6s %8s %10s %10s\n", FormatSize(s.size).c_str(),
-              s.dir.c_str(), "block", "depth", "threads", "write GB/s", "read GB/s");
+              TerminalText(s.dir).c_str(), "block", "depth", "threads", "write GB/s", "read GB/s");
   for (uint64_t block : {256ull << 10, 1ull << 20, 4ull << 20, 8ull << 20}) {
     if (block > s.size) break;  // a block larger than the file measures nothing more
     for (unsigned depth : {4u, 16u, 64u}) {

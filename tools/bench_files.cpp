@@ -8,6 +8,7 @@
 #include "cli.hpp"
 #include "tensortier/batch_reader.hpp"
 #include "tensortier/file.hpp"
+#include "tensortier/json.hpp"
 #include "tensortier/sample_list.hpp"
 #include "tensortier/shard_plan.hpp"
 #include "tensortier/strings.hpp"
@@ -60,6 +61,9 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
   spec.shuffle = args.Flag("shuffle");
   spec.seed = args.Unsigned("seed", 0);
   if (epochs == 0) throw std::invalid_argument("--epochs must be at least 1");
+  if (json && !IsUtf8(root)) {  // checked before the run: a JSON string holds only UTF-8
+    throw std::invalid_argument("--json: ROOT is not UTF-8, and JSON strings are UTF-8 only");
+  }
 
   SampleList list = ListFileRoot(root);
   ShardPlan plan(spec, list.paths.size());
@@ -90,22 +94,22 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
   const double gbps = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
   if (json) {
     std::printf(
-        "{\"root\": \"%s\", \"files\": %llu, \"bytes\": %llu, \"epochs\": %u, "
+        "{\"root\": %s, \"files\": %llu, \"bytes\": %llu, \"epochs\": %u, "
         "\"batch_size\": %llu, \"shuffle\": %s, \"cold\": %s, \"seconds\": %.6f, "
         "\"files_per_s\": %.1f, \"gbps\": %.4f, \"direct_bytes\": %llu, \"cached_bytes\": %llu, "
         "\"backend\": \"%s\"}\n",
-        root.c_str(), static_cast<unsigned long long>(files),
-        static_cast<unsigned long long>(bytes), epochs,
+        JsonQuote(root, JsonEscapes::kTerminalControls).c_str(),
+        static_cast<unsigned long long>(files), static_cast<unsigned long long>(bytes), epochs,
         static_cast<unsigned long long>(spec.batch_size), spec.shuffle ? "true" : "false",
         cold ? "true" : "false", seconds, files_per_s, gbps,
         static_cast<unsigned long long>(stats.direct_bytes),
         static_cast<unsigned long long>(stats.cached_bytes), reader.backend().c_str());
   } else {
-    std::printf("%s: %llu files, %s in %.3f s (%u epoch%s, batch %llu%s%s, %s)\n", root.c_str(),
-                static_cast<unsigned long long>(files), FormatSize(bytes).c_str(), seconds, epochs,
-                epochs == 1 ? "" : "s", static_cast<unsigned long long>(spec.batch_size),
-                spec.shuffle ? ", shuffled" : "", cold ? ", cold" : ", warm",
-                reader.backend().c_str());
+    std::printf("%s: %llu files, %s in %.3f s (%u epoch%s, batch %llu%s%s, %s)\n",
+                TerminalText(root).c_str(), static_cast<unsigned long long>(files),
+                FormatSize(bytes).c_str(), seconds, epochs, epochs == 1 ? "" : "s",
+                static_cast<unsigned long long>(spec.batch_size), spec.shuffle ? ", shuffled" : "",
+                cold ? ", cold" : ", warm", reader.backend().c_str());
     std::printf("  %.0f files/s  %.3f GB/s  (O_DIRECT %s, from page cache %s)\n", files_per_s, gbps,
                 FormatSize(stats.direct_bytes).c_str(), FormatSize(stats.cached_bytes).c_str());
   }

@@ -53,7 +53,8 @@ void PrintReadStaging(const File& f) {
                 "by its workers (no copy threads)";
   }
   std::printf("reads into new tensors (TENSORTIER_STAGE_READS=%s): %s (%s)\n",
-              std::string(ReadStagingName(o.stage_reads)).c_str(), how.c_str(), queue.c_str());
+              std::string(ReadStagingName(o.stage_reads)).c_str(), how.c_str(),
+              TerminalText(queue).c_str());
 }
 
 }  // namespace
@@ -64,12 +65,13 @@ int RunCheck(const std::vector<std::string>& argv) {
   if (args.positionals().size() > 1) throw std::invalid_argument("check takes one directory");
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
-    std::fprintf(stderr, "tensortier check: '%s' is not a directory\n", dir.c_str());
+    std::fprintf(stderr, "tensortier check: '%s' is not a directory\n", TerminalText(dir).c_str());
     return 2;
   }
   utsname u{};
   uname(&u);
-  std::printf("tensortier check: %s\n", std::filesystem::absolute(dir).c_str());
+  std::printf("tensortier check: %s\n",
+              TerminalText(std::filesystem::absolute(dir).string()).c_str());
   std::printf("kernel %s, page-cache residency via %s\n\n", u.release,
               std::string(ResidencyMethodName(ResidencyMethodInUse())).c_str());
 
@@ -85,7 +87,8 @@ int RunCheck(const std::vector<std::string>& argv) {
     std::printf("%-9s %-6s %-7s %-9s %-9s %s\n", std::string(BackendName(kind)).c_str(),
                 YesNo(BackendCompiledIn(kind)), YesNo(p.available),
                 p.available ? (p.direct_ok ? "ok" : "FAILED") : "-",
-                p.available ? (p.buffered_ok ? "ok" : "FAILED") : "-", p.detail.c_str());
+                p.available ? (p.buffered_ok ? "ok" : "FAILED") : "-",
+                TerminalText(p.detail).c_str());
   }
   std::printf("auto -> %s\n\n", first.empty() ? "(none)" : first.c_str());
 
@@ -97,20 +100,22 @@ int RunCheck(const std::vector<std::string>& argv) {
                   f.memory_alignment());
       PrintReadStaging(f);
     } else {
-      std::printf("O_DIRECT: not available (%s)\n", f.direct_fallback_reason().c_str());
+      std::printf("O_DIRECT: not available (%s)\n",
+                  TerminalText(f.direct_fallback_reason()).c_str());
     }
     f.Close();
     std::filesystem::remove(probe_path, ec);
   } catch (const std::exception& e) {
-    std::printf("O_DIRECT: could not test (%s)\n", e.what());
+    std::printf("O_DIRECT: could not test (%s)\n", TerminalText(e.what()).c_str());
   }
   // The libraries tensortier would load (TENSORTIER_CUDA_LIBRARY, TENSORTIER_CUFILE_LIBRARY).
   const std::string cuda_library = CudaDriver::DefaultLibrary();
   const std::string cufile_library = CuFile::DefaultLibrary();
   const std::string cufile_presence = LibraryPresence(cufile_library);
-  std::printf("CUDA driver (%s): %s\n", cuda_library.c_str(),
-              LibraryPresence(cuda_library).c_str());
-  std::printf("cuFile (%s): %s\n", cufile_library.c_str(), cufile_presence.c_str());
+  std::printf("CUDA driver (%s): %s\n", TerminalText(cuda_library).c_str(),
+              TerminalText(LibraryPresence(cuda_library)).c_str());
+  std::printf("cuFile (%s): %s\n", TerminalText(cufile_library).c_str(),
+              TerminalText(cufile_presence).c_str());
   // What the platform allows cuFile, without opening it (cuFileDriverOpen can take seconds).
   const CuFilePlatform gds = CuFilePlatform::Probe();
   std::string gds_auto = "cuFile where it opens the file (nvidia-fs loaded)";
@@ -126,7 +131,7 @@ int RunCheck(const std::vector<std::string>& argv) {
   const GdsMode gds_mode = GdsModeFromEnvironment();
   std::printf("GDS for CUDA tensors (TENSORTIER_GDS): %s%s\n", GdsModeName(gds_mode),
               SettingFromEnvironment(gds_setting) ? "" : " (default)");
-  std::printf("GDS with TENSORTIER_GDS=auto: %s\n", gds_auto.c_str());
+  std::printf("GDS with TENSORTIER_GDS=auto: %s\n", TerminalText(gds_auto).c_str());
   const DeviceTransferOptions transfer = DeviceTransferOptions::FromEnvironment();
   std::printf(
       "CUDA bounce rings (TENSORTIER_BOUNCE_SLOTS, _SLOT_SIZE, _RINGS): %zu x %s pinned per "
@@ -137,11 +142,12 @@ int RunCheck(const std::vector<std::string>& argv) {
   std::printf("settings (environment overrides applied):\n");
   for (const auto& d : Defaults()) {
     std::printf("  %-28s %-15s %s\n", d.env.c_str(),
-                StrCat(d.value, d.from_environment ? "" : " (default)").c_str(),
+                TerminalText(StrCat(d.value, d.from_environment ? "" : " (default)")).c_str(),
                 d.description.c_str());
   }
   if (working == 0) {
-    std::fprintf(stderr, "tensortier check: no I/O backend works on %s\n", dir.c_str());
+    std::fprintf(stderr, "tensortier check: no I/O backend works on %s\n",
+                 TerminalText(dir).c_str());
     return 1;
   }
   return 0;

@@ -202,13 +202,14 @@ int InfoFile(const std::string& path, unsigned show, const std::vector<std::stri
     total += it.nbytes;
     ++dtypes[it.dtype];
   }
-  std::printf("file:      %s\n", path.c_str());
+  std::printf("file:      %s\n", TerminalText(path).c_str());
   if (l.format == Format::kSafetensors) {
     std::printf("format:    safetensors (header %llu bytes, data at offset %llu)\n",
                 static_cast<unsigned long long>(l.st.data_start - 8),
                 static_cast<unsigned long long>(l.st.data_start));
   } else {
-    std::printf("format:    torch.save zip (folder '%s', %s, %s%s%s)\n", l.torch.prefix.c_str(),
+    std::printf("format:    torch.save zip (folder '%s', %s, %s%s%s)\n",
+                TerminalText(l.torch.prefix).c_str(),
                 Count(l.torch.pickle.storages.size(), "storage").c_str(),
                 Count(l.torch.pickle.other_values, "non-tensor value").c_str(),
                 l.torch.zip.zip64 ? ", zip64" : "", l.torch.big_endian ? ", big-endian" : "");
@@ -217,21 +218,21 @@ int InfoFile(const std::string& path, unsigned show, const std::vector<std::stri
   std::printf("bytes:     %llu\n", static_cast<unsigned long long>(total));
   std::string dt;
   for (const auto& [name, count] : dtypes) dt += StrCat(dt.empty() ? "" : ", ", name, " x", count);
-  std::printf("dtypes:    %s\n", dt.c_str());
+  std::printf("dtypes:    %s\n", TerminalText(dt).c_str());
   std::printf("alignment: %llu (largest power of two dividing every tensor's offset, max 4096)\n",
               static_cast<unsigned long long>(DataAlignment(l.items)));
   if (l.format == Format::kSafetensors) {
     std::printf("metadata:  %zu keys\n", l.st.header.metadata.size());
     for (const auto& [k, v] : l.st.header.metadata) {
       std::string shown = v.size() > 200 ? v.substr(0, 200) + "..." : v;
-      std::printf("  %s = %s\n", k.c_str(), shown.c_str());
+      std::printf("  %s = %s\n", TerminalText(k).c_str(), TerminalText(shown).c_str());
     }
   }
   std::printf("shapes (%s):\n", l.items.size() > show ? StrCat("first ", show).c_str() : "all");
   for (size_t i = 0; i < l.items.size() && i < show; ++i) {
     const Item& it = l.items[i];
-    std::printf("  %-40s %-6s %-20s %s\n", it.name.c_str(), it.dtype.c_str(),
-                ShapeString(it.shape).c_str(),
+    std::printf("  %-40s %-6s %-20s %s\n", TerminalText(it.name).c_str(),
+                TerminalText(it.dtype).c_str(), ShapeString(it.shape).c_str(),
                 it.meta ? "meta (no data)" : StrCat("offset ", it.offset).c_str());
   }
   if (l.items.size() > show) {
@@ -305,7 +306,8 @@ std::string CrcMismatch(const ZipEntry& e, uint32_t actual) {
 // `names`: tensors a shard index puts in this file (a missing one is a problem).
 int VerifyFile(const std::string& path, const std::vector<std::string>& names = {}) {
   Loaded l = Load(path);  // throws on any structural problem
-  std::printf("%s: structure OK (%s, %s)\n", path.c_str(),
+  const std::string shown_path = TerminalText(path);
+  std::printf("%s: structure OK (%s, %s)\n", shown_path.c_str(),
               l.format == Format::kSafetensors ? "safetensors" : "torch.save zip",
               Count(l.items.size(), "tensor").c_str());
   std::vector<std::string> problems;
@@ -331,7 +333,7 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
       std::printf(
           "%s: no header checksum (metadata key %s): names, shapes and metadata not "
           "checked\n",
-          path.c_str(), kHeaderChecksumKey);
+          shown_path.c_str(), kHeaderChecksumKey);
     }
     header_checked = sums.header_checked;
     problems.insert(problems.end(), sums.problems.begin(), sums.problems.end());
@@ -368,13 +370,15 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
                " its data cannot be verified"));
   }
   std::fflush(stdout);  // keep the lines in order where both streams go to one pipe
-  for (const auto& p : problems) std::fprintf(stderr, "%s: %s\n", path.c_str(), p.c_str());
+  for (const auto& p : problems) {
+    std::fprintf(stderr, "%s: %s\n", shown_path.c_str(), TerminalText(p).c_str());
+  }
   if (!problems.empty()) {
-    std::fprintf(stderr, "%s: verify FAILED (%zu %s)\n", path.c_str(), problems.size(),
+    std::fprintf(stderr, "%s: verify FAILED (%zu %s)\n", shown_path.c_str(), problems.size(),
                  problems.size() == 1 ? "problem" : "problems");
     return 1;
   }
-  std::printf("%s: data OK (%llu %s%s checked)\n", path.c_str(),
+  std::printf("%s: data OK (%llu %s%s checked)\n", shown_path.c_str(),
               static_cast<unsigned long long>(checked),
               l.format == Format::kSafetensors ? "tensor checksums" : "zip entry CRCs",
               header_checked ? " and the header checksum" : "");
@@ -522,10 +526,10 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   if (header.size() != data_start) throw std::logic_error("convert: header size changed");
   engine.Write(dst, header.data(), header.size(), 0).Wait();
   out_file.Commit();
-  std::printf("%s -> %s: %s, %llu data bytes at offset %llu (xxh64 checksums in %s)\n", in.c_str(),
-              out.c_str(), Count(entries.size(), "tensor").c_str(),
-              static_cast<unsigned long long>(data), static_cast<unsigned long long>(data_start),
-              kTensorChecksumsKey);
+  std::printf("%s -> %s: %s, %llu data bytes at offset %llu (xxh64 checksums in %s)\n",
+              TerminalText(in).c_str(), TerminalText(out).c_str(),
+              Count(entries.size(), "tensor").c_str(), static_cast<unsigned long long>(data),
+              static_cast<unsigned long long>(data_start), kTensorChecksumsKey);
   if (l.torch.pickle.other_values > 0) {
     std::fflush(stdout);
     std::fprintf(stderr, "note: %s not converted (safetensors holds only tensors)\n",
@@ -536,7 +540,7 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
     std::fprintf(stderr,
                  "note: %s records no CRC-32s (saved with "
                  "torch.serialization.set_crc32_options(False)): its data was not checked\n",
-                 in.c_str());
+                 TerminalText(in).c_str());
   }
   return 0;
 }
@@ -683,8 +687,8 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   std::printf(
       "%s -> %s: %s, %llu data bytes in torch.save zip format (folder '%s', "
       "storages 4096-byte aligned, CRC-32 recorded)\n",
-      in.c_str(), out.c_str(), Count(l.items.size(), "tensor").c_str(),
-      static_cast<unsigned long long>(data), prefix.c_str());
+      TerminalText(in).c_str(), TerminalText(out).c_str(), Count(l.items.size(), "tensor").c_str(),
+      static_cast<unsigned long long>(data), TerminalText(prefix).c_str());
   if (!l.st.header.metadata.empty()) {
     std::fflush(stdout);
     std::fprintf(stderr, "note: %s not converted (torch.load returns only the tensors)\n",
@@ -693,7 +697,7 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   if (!sums.present) {
     std::fflush(stdout);
     std::fprintf(stderr, "note: %s has no checksums (metadata key %s): its data was not checked\n",
-                 in.c_str(), kTensorChecksumsKey);
+                 TerminalText(in).c_str(), kTensorChecksumsKey);
   }
   return 0;
 }
@@ -767,8 +771,8 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
   const std::vector<Shard> shards = ReadShardIndex(path);
   size_t tensors = 0;
   for (const auto& shard : shards) tensors += shard.names.size();
-  std::printf("index:     %s (%s, %s)\n", path.c_str(), Count(shards.size(), "shard").c_str(),
-              Count(tensors, "tensor").c_str());
+  std::printf("index:     %s (%s, %s)\n", TerminalText(path).c_str(),
+              Count(shards.size(), "shard").c_str(), Count(tensors, "tensor").c_str());
   for (const auto& shard : shards) {
     std::printf("\n");
     if (int rc = InfoFile(shard.path, show, shard.names); rc != 0) return rc;
@@ -789,17 +793,17 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
     } catch (const std::exception& e) {  // FormatError, IoError: one bad shard does not hide
                                          // the others' state
       std::fflush(stdout);
-      std::fprintf(stderr, "tensortier verify: %s\n", e.what());
+      std::fprintf(stderr, "tensortier verify: %s\n", TerminalText(e.what()).c_str());
       ++failed;
     }
   }
   std::fflush(stdout);
   if (failed > 0) {
-    std::fprintf(stderr, "%s: verify FAILED (%zu of %zu shards)\n", path.c_str(), failed,
-                 shards.size());
+    std::fprintf(stderr, "%s: verify FAILED (%zu of %zu shards)\n", TerminalText(path).c_str(),
+                 failed, shards.size());
     return 1;
   }
-  std::printf("%s: all %zu shards OK\n", path.c_str(), shards.size());
+  std::printf("%s: all %zu shards OK\n", TerminalText(path).c_str(), shards.size());
   return 0;
 }
 
@@ -809,7 +813,7 @@ int Guard(const char* command, const std::function<int()>& body) {
     return body();
   } catch (const FormatError& e) {
     std::fflush(stdout);
-    std::fprintf(stderr, "tensortier %s: %s\n", command, e.what());
+    std::fprintf(stderr, "tensortier %s: %s\n", command, TerminalText(e.what()).c_str());
     return 1;
   }
 }

@@ -41,7 +41,8 @@ int Build(const std::vector<std::string>& argv) {
   const std::string output = parsed.Get("output", "");
   ExtentMap map = BuildExtentMap(root, BuildOptions{.allow_refused = true});
   for (const RefusedFile& r : map.refused) {
-    std::fprintf(stderr, "refused %s: %s\n", r.path.c_str(), r.reason.c_str());
+    std::fprintf(stderr, "refused %s: %s\n", TerminalText(r.path).c_str(),
+                 TerminalText(r.reason).c_str());
   }
   if (!map.refused.empty() && !parsed.Flag("allow-refused")) {
     std::fprintf(stderr,
@@ -58,16 +59,17 @@ int Build(const std::vector<std::string>& argv) {
   }
   SaveExtentMap(map, output);
   std::printf("mapped %s (%s, %s) under %s", Count(map.files.size(), "file").c_str(),
-              FormatSize(bytes).c_str(), Count(extents, "extent").c_str(), map.root.c_str());
+              FormatSize(bytes).c_str(), Count(extents, "extent").c_str(),
+              TerminalText(map.root).c_str());
   for (const MappedDevice& d : map.devices) {
-    std::printf("\n  %s on %s (device %llu:%llu, partition offset %llu)", d.filesystem.c_str(),
-                d.disk.c_str(), static_cast<unsigned long long>(d.major),
-                static_cast<unsigned long long>(d.minor),
+    std::printf("\n  %s on %s (device %llu:%llu, partition offset %llu)",
+                TerminalText(d.filesystem).c_str(), TerminalText(d.disk).c_str(),
+                static_cast<unsigned long long>(d.major), static_cast<unsigned long long>(d.minor),
                 static_cast<unsigned long long>(d.partition_offset));
   }
   std::printf("\n");
   if (!map.refused.empty()) std::printf("%s refused\n", Count(map.refused.size(), "file").c_str());
-  std::printf("map written to %s\n", output.c_str());
+  std::printf("map written to %s\n", TerminalText(output).c_str());
   return 0;
 }
 
@@ -79,8 +81,9 @@ int Verify(const std::vector<std::string>& argv) {
   }
   const ExtentMap map = LoadExtentMap(parsed.positionals()[0]);
   const std::vector<ChangedFile> changed = VerifyExtentMap(map);
-  for (const ChangedFile& c : changed)
-    std::printf("changed %s: %s\n", c.path.c_str(), c.what.c_str());
+  for (const ChangedFile& c : changed) {
+    std::printf("changed %s: %s\n", TerminalText(c.path).c_str(), TerminalText(c.what).c_str());
+  }
   if (changed.empty()) {
     std::printf("all %s match the map\n", Count(map.files.size(), "file").c_str());
     return 0;

@@ -6,6 +6,7 @@
 
 #include "cli.hpp"
 #include "tensortier/settings.hpp"
+#include "tensortier/strings.hpp"
 
 namespace {
 
@@ -129,11 +130,12 @@ int main(int argc, char** argv) {
     if (args[0] == "convert") return tensortier::cli::RunConvert(rest);
     if (args[0] == "extents") return tensortier::cli::RunExtents(rest);
     std::fprintf(stderr, "tensortier: unknown command '%s' (try 'tensortier help')\n",
-                 args[0].c_str());
+                 tensortier::TerminalText(args[0]).c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fflush(stdout);  // what was printed before the error comes first in a shared pipe
-    std::fprintf(stderr, "tensortier: %s\n", e.what());
+    // Messages embed names from files and arguments: escaped here, where every error ends up.
+    std::fprintf(stderr, "tensortier: %s\n", tensortier::TerminalText(e.what()).c_str());
     return 1;
   }
 }

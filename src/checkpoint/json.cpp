@@ -8,33 +8,6 @@
 namespace tensortier {
 namespace {
 
-// Length of the well-formed UTF-8 sequence starting at p (RFC 3629: no overlongs, no surrogates,
-// nothing above U+10FFFF; surrogates only with `surrogates`), or 0 when it is not one.
-size_t Utf8Length(const unsigned char* p, size_t avail, bool surrogates = false) {
-  unsigned char c = p[0];
-  if (c < 0x80) return 1;
-  size_t n;
-  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED && !surrogates) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
-  if (avail < n || p[1] < lo || p[1] > hi) return 0;
-  for (size_t i = 2; i < n; ++i) {
-    if (p[i] < 0x80 || p[i] > 0xBF) return 0;
-  }
-  return n;
-}
-
 void AppendCodePoint(std::string& out, uint32_t cp) {
   if (cp < 0x80) {
     out += static_cast<char>(cp);
@@ -297,19 +270,26 @@ bool IsUtf8(std::string_view s, bool surrogates) {
   return true;
 }
 
-std::string JsonQuote(std::string_view s) {
+std::string JsonQuote(std::string_view s, JsonEscapes escapes) {
   static constexpr char kHex[] = "0123456789abcdef";
+  const bool terminal = escapes == JsonEscapes::kTerminalControls;
   std::string out;
   out.reserve(s.size() + 2);
   out += '"';
   for (size_t i = 0; i < s.size();) {
     auto c = static_cast<unsigned char>(s[i]);
     if (c >= 0x80) {
-      size_t n = Utf8Length(reinterpret_cast<const unsigned char*>(s.data()) + i, s.size() - i);
+      const auto* p = reinterpret_cast<const unsigned char*>(s.data()) + i;
+      size_t n = Utf8Length(p, s.size() - i);
       if (n == 0) {
         throw std::invalid_argument(StrCat("string is not valid UTF-8 at byte ", i));
       }
-      out.append(s.substr(i, n));
+      if (const uint32_t cp = Utf8CodePoint(p, n); terminal && IsTerminalControl(cp)) {
+        out += "\\u";
+        for (int shift = 12; shift >= 0; shift -= 4) out += kHex[(cp >> shift) & 15];
+      } else {
+        out.append(s.substr(i, n));
+      }
       i += n;
       continue;
     }
@@ -337,7 +317,7 @@ std::string JsonQuote(std::string_view s) {
         out += "\\f";
         break;
       default:
-        if (c < 0x20) {
+        if (c < 0x20 || (terminal && c == 0x7F)) {
           out += "\\u00";
           out += kHex[c >> 4];
           out += kHex[c & 15];

@@ -57,8 +57,14 @@ class JsonReader {
 // unless `surrogates`, as Python's "surrogatepass" decoding of pickled strings allows).
 bool IsUtf8(std::string_view s, bool surrogates = false);
 
+// Which characters JsonQuote writes as escapes. kRequired: those JSON requires (", \\ and C0
+// controls; what file formats are written with). kTerminalControls: also DEL, C1 controls and the
+// other characters that act on a terminal (IsTerminalControl), for JSON printed where a person
+// may read it; the string decoded is the same.
+enum class JsonEscapes { kRequired, kTerminalControls };
+
 // `s` as a JSON string literal, quotes included. Throws std::invalid_argument if `s` is not UTF-8.
-std::string JsonQuote(std::string_view s);
+std::string JsonQuote(std::string_view s, JsonEscapes escapes = JsonEscapes::kRequired);
 
 // Parses a JSON object whose values are all strings ({"a": "x", ...}); duplicate keys are an
 // error. Throws FormatError prefixed with `what`.

@@ -342,6 +342,34 @@ def test_raw_reads_without_access_to_the_disk_name_it(loop_fs: LoopFilesystem) -
         shutil.rmtree(shared)
 
 
+def test_cli_shows_file_names_escaped(loop_fs: LoopFilesystem, tmp_path: Path) -> None:
+    """Paths found under ROOT reach the terminal with control characters and bytes that are not
+    UTF-8 escaped (test_cli_escapes.py covers the other commands)."""
+    root = loop_fs.mount
+    evil = "w\x1b]52;c;aGk=\x07\nforged\r\x9b.bin"
+    shown = "w\\x1b]52;c;aGk=\\x07\\nforged\\r\\u009b.bin"
+    _write(root, f"set/{evil}", _bytes(5000, 7))
+    with open(os.fsencode(root) + b"/set/latin\xff\x1b[2J.bin", "wb") as f:
+        f.write(_bytes(4096, 8))
+    out = tmp_path / "map.json"
+
+    def run(*args: str) -> str:
+        r = subprocess.run([str(BIN), "extents", *args], capture_output=True, timeout=TIMEOUT)
+        text = (r.stdout + r.stderr).decode("utf-8")  # strict: no byte that is not UTF-8
+        assert not [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F)]
+        assert "\nforged" not in text
+        return text
+
+    text = run("build", str(root), "-o", str(out))
+    assert "refused set/latin\\xff\\x1b[2J.bin: its name is not UTF-8" in text, text
+    os.unlink(os.fsencode(root) + b"/set/latin\xff\x1b[2J.bin")
+    assert "mapped 1 file" in run("build", str(root), "-o", str(out))
+    with open(root / "set" / evil, "ab") as f:
+        f.write(b"grown")
+    text = run("verify", str(out))
+    assert f"changed set/{shown}: " in text, text
+
+
 def _check_nobody_is_refused(out: Path, device: str) -> None:
     # The package is imported as root (the interpreter's own files may be out of nobody's
     # reach), then the process becomes nobody, who may not read the disk.
