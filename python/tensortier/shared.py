@@ -856,7 +856,14 @@ class Group:
         timeout: seconds a collective call waits for the other ranks.
 
     Creating a group is collective: every rank must do it, in the same order as its other
-    groups. Raises ``ValueError`` when the rank, world size or store cannot be found,
+    groups on the same store (as torch's ``new_group``). Each group's keys in the store are its
+    own (the nth group of its size that each rank makes on that store, counted by the store), so
+    groups made one after another on one store, by one job or several, never read each other's
+    keys. Processes of different groups that make them on one store at the same time (two jobs
+    started together) must give each its own ``torch.distributed.PrefixStore``.
+
+    Raises ``ValueError`` when the rank, world size or store cannot be found, or when a peer has
+    already made more groups of this size on the store (groups made in another order);
     ``TimeoutError`` when the other ranks do not arrive in time.
     """
 

@@ -487,6 +487,43 @@ def scenario_torch_checkpoints(group: shared.Group, result: dict[str, Any]) -> N
     result["socket"] = group._core.socket_name
 
 
+def scenario_two_jobs(group_unused: Any, result: dict[str, Any]) -> None:
+    """One of two jobs of 2 processes that meet through the same TCPStore (served by the test),
+    job B starting its group after job A made its own and a tensor: each group's keys are its
+    own (B's collectives never read A's), and B attaches A's named tensor. With
+    SHARED_TEST_PRIVATE_GROUP set, job A's rank 0 first makes a group on another store (its
+    other groups do not shift its keys on this store)."""
+    job, rank = os.environ["SHARED_TEST_JOB"], int(os.environ["RANK"])
+    host = shared._env_store(False, None, 20.0)[0]  # the jobs' store, for the test's own keys
+    if job == "A":
+        if rank == 0 and os.environ.get("SHARED_TEST_PRIVATE_GROUP"):
+            with shared.Group(rank=0, world_size=1, store=torch.distributed.HashStore(), timeout=5) as alone:
+                alone.create_tensor((3,), torch.int8)
+        group = shared.Group(timeout=20)
+        a = group.create_tensor((10, 2), torch.float32, name="a_feat")
+        local, (begin, end) = a.local()
+        local.copy_(expected((10, 2), torch.float32)[begin:end])
+        group.barrier()
+        host.set(f"test/a_ready/{rank}", b"")
+        host.wait(["test/b_done/0", "test/b_done/1"], datetime.timedelta(seconds=60))
+        assert torch.equal(a.view(), expected((10, 2), torch.float32)), "job A's rows changed"
+        group.barrier()  # A's own collectives still pair with A's
+    else:
+        host.wait(["test/a_ready/0", "test/a_ready/1"], datetime.timedelta(seconds=60))
+        group = shared.Group(timeout=20)
+        b = group.create_tensor((20, 3), torch.int64, layout="chunked", name="b_feat")
+        local, (begin, end) = b.local()
+        local.copy_(expected((20, 3), torch.int64, salt=5)[begin:end])
+        group.barrier()
+        assert torch.equal(torch.cat(b.view()), expected((20, 3), torch.int64, salt=5))
+        a = group.attach("a_feat")  # made by the other job's group: attached from outside
+        assert a.shape == (10, 2) and torch.equal(a.view(), expected((10, 2), torch.float32))
+        group.barrier()
+        host.set(f"test/b_done/{rank}", b"")
+    result["socket"] = group._core.socket_name
+    group.close()
+
+
 SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "files": scenario_files,
     "torch_checkpoints": scenario_torch_checkpoints,
@@ -498,6 +535,7 @@ SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "store_host": scenario_store_host,
     "owners": scenario_owners,
     "attacher": scenario_attacher,
+    "two_jobs": scenario_two_jobs,
 }
 
 
@@ -506,7 +544,7 @@ def run(scenario: str, outdir: str, rank: int | None = None, world: int | None =
     rank_for_file = rank if rank is not None else int(os.environ["RANK"])
     try:
         group = None
-        if scenario not in ("seed", "distributed", "attacher"):
+        if scenario not in ("seed", "distributed", "attacher", "two_jobs"):
             group = shared.Group(rank=rank, world_size=world, store=store, timeout=float(os.environ.get("SHARED_TEST_TIMEOUT", "20")))
         SCENARIOS[scenario](group, result)
         result["ok"] = True
