@@ -524,6 +524,86 @@ def scenario_two_jobs(group_unused: Any, result: dict[str, Any]) -> None:
     group.close()
 
 
+def scenario_threads(group_unused: Any, result: dict[str, Any]) -> None:
+    """Several threads of every rank gather and scatter one distributed tensor at once, each
+    rank's calls pairing with whatever calls the other ranks make at that moment (a gather
+    with a scatter, batches that outgrow their slots): every result is exact.
+
+    Rows [0, 400) are read only; rows [400, 960) are split between the (rank, thread) pairs,
+    each writing only its own; every thread writes the same values to rows [960, 1000). A
+    thread reads back its own rows (its writes are done when its scatter returns)."""
+    import threading
+
+    import torch.distributed as dist
+
+    threads, calls = 4, 24
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = shared.Group(timeout=60)
+    rank, world = group.rank, group.world_size
+    rows, cols = 1000, 3
+    for dtype in (torch.float64, torch.int16):
+        t = group.create_tensor((rows, cols), dtype, layout="distributed")
+        want = expected((rows, cols), dtype)
+        local, (begin, end) = t.local()
+        local.copy_(want[begin:end])
+        dist.barrier()
+        common = torch.arange(960, 1000)
+        common_values = expected((common.numel(), cols), dtype, salt=50)
+
+        def owned(r: int, k: int) -> torch.Tensor:
+            return torch.arange(400 + r * threads + k, 960, world * threads)
+
+        def value(row_ids: torch.Tensor, step: int) -> torch.Tensor:
+            return expected((row_ids.numel(), cols), dtype, salt=step) + row_ids[:, None].to(dtype)
+
+        errors: list[str] = []
+
+        def work(k: int) -> None:
+            gen = torch.Generator().manual_seed(1000 * rank + k)
+            mine = owned(rank, k)
+            current = want.index_select(0, mine)
+            for step in range(calls):
+                try:
+                    if step == calls - 1 or step % 3 == 2:
+                        pick = torch.randperm(mine.numel(), generator=gen)[: 1 + step * 3]
+                        if step == calls - 1:
+                            pick = torch.arange(mine.numel())
+                        new = value(mine[pick], step)
+                        t.scatter(mine[pick], new)
+                        current.index_copy_(0, pick, new)
+                    elif step % 6 == 1:
+                        t.scatter(common, common_values)
+                    else:
+                        n = [0, 5, 700, 40, 3000, 1][(step + k + rank) % 6]  # some outgrow slots
+                        ro = torch.randint(0, 400, (n,), generator=gen)
+                        pos = torch.randint(0, mine.numel(), (n // 4,), generator=gen)
+                        got = t.gather(torch.cat([ro, mine[pos], common[:2]]))
+                        assert torch.equal(got[:n], want.index_select(0, ro)), "read-only rows"
+                        assert torch.equal(got[n : n + pos.numel()], current.index_select(0, pos)), "own rows"
+                        for row, at in ((got[-2], 0), (got[-1], 1)):
+                            assert torch.equal(row, want[960 + at]) or torch.equal(row, common_values[at]), "common rows"
+                except BaseException as e:  # go on making calls: the other ranks wait for them
+                    errors.append(f"thread {k} step {step}: {type(e).__name__}: {e}")
+
+        pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+        assert not errors, "\n".join(errors[:5])
+        dist.barrier()
+        final = want.clone()
+        final[960:] = common_values
+        for r in range(world):
+            for k in range(threads):
+                ids = owned(r, k)
+                final[ids] = value(ids, calls - 1)
+        assert torch.equal(t.gather(torch.arange(rows)), final), f"{dtype}: final rows"
+    result["socket"] = group._core.socket_name
+    group.close()
+    dist.destroy_process_group()
+
+
 SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "files": scenario_files,
     "torch_checkpoints": scenario_torch_checkpoints,
@@ -536,6 +616,7 @@ SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "owners": scenario_owners,
     "attacher": scenario_attacher,
     "two_jobs": scenario_two_jobs,
+    "threads": scenario_threads,
 }
 
 
@@ -544,7 +625,7 @@ def run(scenario: str, outdir: str, rank: int | None = None, world: int | None =
     rank_for_file = rank if rank is not None else int(os.environ["RANK"])
     try:
         group = None
-        if scenario not in ("seed", "distributed", "attacher", "two_jobs"):
+        if scenario not in ("seed", "distributed", "attacher", "two_jobs", "threads"):
             group = shared.Group(rank=rank, world_size=world, store=store, timeout=float(os.environ.get("SHARED_TEST_TIMEOUT", "20")))
         SCENARIOS[scenario](group, result)
         result["ok"] = True

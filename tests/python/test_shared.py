@@ -526,3 +526,15 @@ def test_ranks_that_create_groups_out_of_order_are_told_so() -> None:
     with shared.Group(rank=0, world_size=1, store=store, timeout=5) as alone:
         assert alone.create_tensor((2,), torch.int8).gather([1]).item() == 0
 
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_threads_gather_and_scatter_one_distributed_tensor_at_once(tmp_path: Path, world: int) -> None:
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    shm_before = shm_entries()
+    procs = start_ranks(tmp_path, "threads", world, free_port(), outdir)
+    outputs = finish(procs)
+    results = reports(outdir, world)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('error')}\n{outputs[r][-2000:]}"
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results])
