@@ -187,7 +187,12 @@ class SharedTensor {
 class SharedGroup {
  public:
   // Collective. Rank 0 draws a random token and publishes it; every rank starts serving.
-  // `store` must outlive nothing: the group keeps a reference.
+  // `store` must outlive nothing: the group keeps a reference. The group's keys in the store are
+  // its own (the nth group of `world_size` processes each rank creates on this store, counted by
+  // the store), so groups made one after another on one store never meet each other's keys:
+  // every rank creates its groups on one store in the same order (std::invalid_argument when a
+  // peer is seen to have created more), and processes that are not in one group but create
+  // groups on one store at the same time (two jobs) must use distinct stores or key prefixes.
   SharedGroup(std::shared_ptr<Store> store, int rank, int world_size,
               std::chrono::milliseconds timeout = kDefaultSharedTimeout);
   ~SharedGroup();

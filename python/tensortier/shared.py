@@ -24,6 +24,7 @@ import datetime
 import errno
 import operator
 import os
+import threading
 import time
 import weakref
 from typing import Any, Sequence
@@ -299,15 +300,29 @@ def _next_capacity(capacity: int, count: int) -> int:
     return capacity
 
 
+#: One collective round at a time per process: every distributed tensor moves its rows through
+#: the default process group, whose collectives pair up by the order each process issues them.
+_ROUND_LOCK = threading.Lock()
+
+_GATHER, _SCATTER = 0, 1
+_HEADER = 4  # int64s ahead of a pair's request: rows asked, bad index, overflow, gather/scatter
+
+
 class _Distributed:
     """A ``distributed`` tensor's state: this rank's rows in private memory; other ranks' rows
     come and go through all-to-all collectives of ``torch.distributed`` (Gloo on CPU).
 
-    A gather or scatter makes two all-to-alls in the steady state: the requests (each rank's
-    indices for each other rank, behind a header of counts and flags, in as many slots as the
-    pair agreed from earlier calls), then the rows. Indices that do not fit their slots travel
-    in one more all-to-all, which every rank then makes (the header says whether any rank needs
-    it), and the pair's slots grow."""
+    Every gather or scatter is one round: two all-to-alls in the steady state, the requests
+    (each rank's indices for each other rank, behind a header of counts, flags and the call's
+    kind, in as many slots as the pair agreed from earlier rounds), then the rows. Indices that
+    do not fit their slots travel in one more all-to-all, which every rank then makes (the header
+    says whether any rank needs it), and the pair's slots grow.
+
+    Rounds pair up across ranks by their order in each process, not by the call that made them:
+    a rank's gather may meet another rank's scatter (threads of one process calling at once run
+    in any order). A round therefore serves every kind: rows go to the ranks that gather and
+    come from the ranks that scatter. Rounds of one process run one at a time (``_ROUND_LOCK``:
+    the slots, the scratch buffers and the collectives' order are shared)."""
 
     def __init__(self, name: str, rank: int, parts: list[tuple[int, int]], local: torch.Tensor):
         self.name = name
@@ -315,6 +330,7 @@ class _Distributed:
         self.parts = parts
         self.ends = [end for _, end in parts]
         self.local: torch.Tensor | None = local
+        self.dtype = local.dtype
         self.row_shape = tuple(local.shape[1:])
         self.row_elems = 1
         for d in self.row_shape:
@@ -323,30 +339,32 @@ class _Distributed:
         world = len(parts)
         self.send_slots = [0] * world  # index slots for what this rank asks of rank r
         self.recv_slots = [0] * world  # index slots for what rank r asks of this rank
-        # Buffers for rows in flight, kept between calls: fresh ones of a large batch would
+        # Buffers for rows in flight, kept between rounds: fresh ones of a large batch would
         # be faulted in and zeroed by the kernel on every call.
-        self.scratch: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+        self.scratch: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 3
 
     def _rows_buffer(self, which: int, rows: int) -> torch.Tensor:
-        """Scratch buffer `which` (0 or 1) as `rows` rows of this tensor's dtype."""
-        assert self.local is not None
+        """Scratch buffer `which` (0, 1 or 2) as `rows` rows of this tensor's dtype."""
         nbytes = rows * self.row_bytes
         if nbytes > _SCRATCH_LIMIT:  # a rare huge batch: not kept
-            return torch.empty((rows, *self.row_shape), dtype=self.local.dtype)
+            return torch.empty((rows, *self.row_shape), dtype=self.dtype)
         if self.scratch[which].numel() < nbytes:
             self.scratch[which] = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8)
-        return self.scratch[which][:nbytes].view(self.local.dtype).view((rows, *self.row_shape))
+        return self.scratch[which][:nbytes].view(self.dtype).view((rows, *self.row_shape))
 
     def _bytes(self, t: torch.Tensor) -> torch.Tensor:
         """A byte view of the rows of contiguous `t` (no copy): Gloo moves few dtypes, all have
         bytes."""
         return t.reshape(t.shape[0], self.row_elems).view(torch.uint8)
 
-    def _route(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
-        """Groups `idx` by owner and sends each owner its indices. Returns the grouping order,
-        the rows this rank asks of each rank, the rows each rank asks of this one, and those
-        requested rows (global indices, grouped by asking rank). Every rank learns whether any
-        rank passed an index out of range, so all raise together (none is left in a collective)."""
+    def _route(
+        self, idx: torch.Tensor, kind: int
+    ) -> tuple[torch.Tensor, list[int], list[int], list[int], torch.Tensor]:
+        """Groups `idx` by owner and sends each owner its indices and this call's `kind`.
+        Returns the grouping order, the rows this rank asks of each rank, the rows each rank
+        asks of this one, each rank's kind, and those requested rows (global indices, grouped
+        by asking rank). Every rank learns whether any rank passed an index out of range, so all
+        raise together (none is left in a collective)."""
         import torch.distributed as dist
 
         world = len(self.parts)
@@ -360,7 +378,7 @@ class _Distributed:
         at = 0
         for r in range(world):
             fit = min(counts[r], self.send_slots[r])
-            head = [counts[r], int(bad >= 0), int(overflow)]
+            head = [counts[r], int(bad >= 0), int(overflow), kind]
             pieces.append(torch.tensor(head, dtype=torch.int64))
             pieces.append(grouped[at : at + fit])
             if fit < self.send_slots[r]:
@@ -368,13 +386,14 @@ class _Distributed:
             extra.append(grouped[at + fit : at + counts[r]])
             at += counts[r]
         send = torch.cat(pieces)
-        recv = torch.empty(3 * world + sum(self.recv_slots), dtype=torch.int64)
-        dist.all_to_all_single(recv, send, [3 + s for s in self.recv_slots],
-                               [3 + s for s in self.send_slots])
+        recv = torch.empty(_HEADER * world + sum(self.recv_slots), dtype=torch.int64)
+        dist.all_to_all_single(recv, send, [_HEADER + s for s in self.recv_slots],
+                               [_HEADER + s for s in self.send_slots])
         heads = [0] * world
         for r in range(1, world):
-            heads[r] = heads[r - 1] + 3 + self.recv_slots[r - 1]
-        header = recv[torch.tensor(heads, dtype=torch.int64)[:, None] + torch.arange(3)].tolist()
+            heads[r] = heads[r - 1] + _HEADER + self.recv_slots[r - 1]
+        header = recv[torch.tensor(heads, dtype=torch.int64)[:, None]
+                      + torch.arange(_HEADER)].tolist()
         offenders = [r for r in range(world) if header[r][1]]
         if offenders:
             raise IndexError(
@@ -382,6 +401,7 @@ class _Distributed:
                 f"shared tensor of {self.ends[-1]} rows (nothing was moved)"
             )
         asked = [h[0] for h in header]
+        kinds = [h[3] for h in header]
         fits = [min(c, s) for c, s in zip(asked, self.recv_slots)]
         late: torch.Tensor | None = None
         if any(h[2] for h in header):
@@ -391,45 +411,91 @@ class _Distributed:
         parts: list[torch.Tensor] = []
         taken = 0
         for r in range(world):
-            parts.append(recv[heads[r] + 3 : heads[r] + 3 + fits[r]])
+            parts.append(recv[heads[r] + _HEADER : heads[r] + _HEADER + fits[r]])
             if late is not None and asked[r] > fits[r]:
                 parts.append(late[taken : taken + asked[r] - fits[r]])
                 taken += asked[r] - fits[r]
         requested = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
         self.send_slots = [_next_capacity(s, c) for s, c in zip(self.send_slots, counts)]
         self.recv_slots = [_next_capacity(s, a) for s, a in zip(self.recv_slots, asked)]
-        return order, counts, asked, requested
+        return order, counts, asked, kinds, requested
 
-    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+    def round(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's gather (`values` None: returns rows `idx`) or scatter (writes `values`,
+        contiguous, to rows `idx`), as one collective round."""
+        with _ROUND_LOCK:
+            local = self.local  # a close() from another thread leaves this round its memory
+            if local is None:
+                raise RuntimeError("the shared tensor was closed (finalized)")
+            return self._round(local, idx, values)
+
+    def _round(
+        self, local: torch.Tensor, idx: torch.Tensor, values: torch.Tensor | None
+    ) -> torch.Tensor | None:
         import torch.distributed as dist
 
-        assert self.local is not None
-        order, counts, asked, requested = self._route(idx)
+        world = len(self.parts)
+        kind = _GATHER if values is None else _SCATTER
+        order, counts, asked, kinds, requested = self._route(idx, kind)
         begin, end = self.parts[self.rank]
-        rows = self._rows_buffer(0, requested.numel())
-        _core.gather_rows(self.local.data_ptr(), end - begin, self.row_bytes, begin,
-                          requested.data_ptr(), requested.numel(), rows.data_ptr())
-        got = self._rows_buffer(1, idx.numel())
-        dist.all_to_all_single(self._bytes(got), self._bytes(rows), counts, asked)
-        out = torch.empty((idx.numel(), *self.row_shape), dtype=self.local.dtype)
-        # out[order[i]] = got[i]: rows come back grouped by owner.
-        _core.scatter_rows(out.data_ptr(), idx.numel(), self.row_bytes, 0, order.data_ptr(),
-                           idx.numel(), got.data_ptr())
+        n = idx.numel()
+        none = [0] * world
+        starts = _offsets(asked)  # where each rank's request lies in `requested`
+        serve = [a if k == _GATHER else 0 for a, k in zip(asked, kinds)]  # rows sent back
+        write = [a if k == _SCATTER else 0 for a, k in zip(asked, kinds)]  # rows written here
+        back = counts if kind == _GATHER else none  # rows the owners send this rank
+        own = counts if kind == _SCATTER else none  # rows this rank writes to their owners
+
+        served_idx = requested if not any(write) else _take(requested, starts, serve)
+        served = self._rows_buffer(0, served_idx.numel())
+        _core.gather_rows(local.data_ptr(), end - begin, self.row_bytes, begin,
+                          served_idx.data_ptr(), served_idx.numel(), served.data_ptr())
+        send = served
+        if kind == _SCATTER:
+            assert values is not None
+            mine = self._rows_buffer(2, n)  # grouped by owner
+            _core.gather_rows(values.data_ptr(), n, self.row_bytes, 0, order.data_ptr(), n,
+                              mine.data_ptr())
+            send = mine
+            if any(serve):  # to each rank: the rows it gathers, then this rank's writes
+                pieces: list[torch.Tensor] = []
+                for r, (s_at, m_at) in enumerate(zip(_offsets(serve), _offsets(own))):
+                    pieces += [served[s_at : s_at + serve[r]], mine[m_at : m_at + own[r]]]
+                send = torch.cat(pieces)
+        # From each rank: the rows this rank gathers from it, then the rows it writes here.
+        recv_counts = [b + w for b, w in zip(back, write)]
+        got = self._rows_buffer(1, sum(recv_counts))
+        dist.all_to_all_single(self._bytes(got), self._bytes(send), recv_counts,
+                               [s + o for s, o in zip(serve, own)])
+        at = _offsets(recv_counts)
+        if any(write):
+            written = got if not any(back) else _take(got, [a + b for a, b in zip(at, back)], write)
+            rows = requested if not any(serve) else _take(requested, starts, write)
+            _core.scatter_rows(local.data_ptr(), end - begin, self.row_bytes, begin,
+                               rows.data_ptr(), rows.numel(), written.data_ptr())
+        if kind == _SCATTER:
+            return None
+        fetched = got if not any(write) else _take(got, at, back)
+        out = torch.empty((n, *self.row_shape), dtype=self.dtype)
+        # out[order[i]] = fetched[i]: rows come back grouped by owner.
+        _core.scatter_rows(out.data_ptr(), n, self.row_bytes, 0, order.data_ptr(), n,
+                           fetched.data_ptr())
         return out
 
-    def scatter(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        import torch.distributed as dist
 
-        assert self.local is not None
-        order, counts, asked, requested = self._route(idx)
-        sent = self._rows_buffer(0, idx.numel())
-        _core.gather_rows(values.data_ptr(), idx.numel(), self.row_bytes, 0, order.data_ptr(),
-                          idx.numel(), sent.data_ptr())
-        got = self._rows_buffer(1, requested.numel())
-        dist.all_to_all_single(self._bytes(got), self._bytes(sent), asked, counts)
-        begin, end = self.parts[self.rank]
-        _core.scatter_rows(self.local.data_ptr(), end - begin, self.row_bytes, begin,
-                           requested.data_ptr(), requested.numel(), got.data_ptr())
+def _offsets(counts: list[int]) -> list[int]:
+    """Where each of pieces of `counts` rows laid end to end starts."""
+    at, out = 0, []
+    for c in counts:
+        out.append(at)
+        at += c
+    return out
+
+
+def _take(t: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """Pieces ``t[starts[i] : starts[i] + lengths[i]]`` laid end to end (contiguous)."""
+    pieces = [t[s : s + n] for s, n in zip(starts, lengths) if n]
+    return torch.cat(pieces) if pieces else t[:0].contiguous()
 
 
 class SharedTensor:
@@ -609,7 +675,9 @@ class SharedTensor:
         ``view().index_select(0, indices)``; large batches are copied on several threads.
 
         With the ``distributed`` layout this is collective: every rank calls it (with its own
-        indices) and rows move through ``torch.distributed`` (all-to-all).
+        indices) and rows move through ``torch.distributed`` (all-to-all). Threads may call
+        ``gather`` and ``scatter`` on one such tensor at once (a process runs its calls one at a
+        time; each rank makes as many calls in all as the others).
 
         Raises:
             IndexError: an index out of range (nothing is copied; with the ``distributed``
@@ -634,7 +702,7 @@ class SharedTensor:
         self._require_open("gather")
         idx = self._indices(indices)
         if self._distributed:
-            return self._distributed.gather(idx)
+            return self._distributed.round(idx, None)
         if self.memory == "device":
             return self._device_rows(idx, None)
         out = torch.empty((idx.numel(), *self._shape[1:]), dtype=self._dtype)
@@ -666,7 +734,8 @@ class SharedTensor:
             raise ValueError(f"values must be on the CPU, not {values.device}")
         values = values.contiguous()
         if self._distributed:
-            return self._distributed.scatter(idx, values)
+            self._distributed.round(idx, values)
+            return
         self._core.scatter(idx.data_ptr(), idx.numel(), values.data_ptr())
 
     def _device_rows(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
@@ -856,7 +925,14 @@ class Group:
         timeout: seconds a collective call waits for the other ranks.
 
     Creating a group is collective: every rank must do it, in the same order as its other
-    groups. Raises ``ValueError`` when the rank, world size or store cannot be found,
+    groups on the same store (as torch's ``new_group``). Each group's keys in the store are its
+    own (the nth group of its size that each rank makes on that store, counted by the store), so
+    groups made one after another on one store, by one job or several, never read each other's
+    keys. Processes of different groups that make them on one store at the same time (two jobs
+    started together) must give each its own ``torch.distributed.PrefixStore``.
+
+    Raises ``ValueError`` when the rank, world size or store cannot be found, or when a peer has
+    already made more groups of this size on the store (groups made in another order);
     ``TimeoutError`` when the other ranks do not arrive in time.
     """
 

@@ -101,8 +101,17 @@ void PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page) {
   }
 }
 
-// The nth group a process creates uses the nth key prefix: ranks create groups in the same order.
-std::atomic<uint64_t> g_groups_created{0};
+// How many groups of `world_size` processes rank `rank` has created on a store: counted in the
+// store itself (an atomic add), so that the nth such group of every rank gets the same keys
+// whatever groups the process made on other stores or of other sizes.
+std::string GroupCountKey(int world_size, int rank) {
+  return StrCat("tensortier/shared/groups/", world_size, "/rank", rank);
+}
+
+const char* OrdinalSuffix(uint64_t n) {
+  if (n % 100 >= 11 && n % 100 <= 13) return "th";
+  return n % 10 == 1 ? "st" : n % 10 == 2 ? "nd" : n % 10 == 3 ? "rd" : "th";
+}
 
 // Whether a tensor is big enough per rank for huge-page partitions: every process that maps it
 // must decide alike, so it depends on the spec and the owners' world size only.
@@ -581,7 +590,24 @@ SharedGroup::SharedGroup(std::shared_ptr<Store> store, int rank, int world_size,
         StrCat("rank ", rank, " is not in a group of ", world_size, " processes"));
   }
   if (!store_) throw std::invalid_argument("a shared group needs a store");
-  prefix_ = StrCat("tensortier/shared/", g_groups_created.fetch_add(1));
+  // The group's keys are its own: the nth group of world_size processes that each rank creates
+  // on this store. A peer already past this group (it created more such groups on this store)
+  // is never coming: it made its groups in another order, or gave up on this one.
+  const uint64_t ordinal = static_cast<uint64_t>(store_->Add(GroupCountKey(world_size_, rank_), 1));
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) continue;
+    const auto theirs = static_cast<uint64_t>(store_->Add(GroupCountKey(world_size_, r), 0));
+    if (theirs > ordinal) {
+      throw std::invalid_argument(
+          StrCat("shared group: this is rank ", rank_, "'s ", ordinal, OrdinalSuffix(ordinal),
+                 " group of ", world_size_, " processes on this store, but rank ", r,
+                 " has created ", theirs,
+                 " already: every rank must create its groups on one store in the same order "
+                 "(processes of different groups that create them on one store at the same time "
+                 "each need a PrefixStore of their own)"));
+    }
+  }
+  prefix_ = StrCat("tensortier/shared/group/", world_size_, "/", ordinal);
   std::string key = prefix_ + "/token";
   if (rank_ == 0) {
     token_ = RandomToken();
@@ -591,10 +617,12 @@ SharedGroup::SharedGroup(std::shared_ptr<Store> store, int rank, int world_size,
       token_ = store_->Get(key, timeout_);
     } catch (const IoError& e) {
       if (e.error_code() != ETIMEDOUT) throw;
-      ThrowIoError(ETIMEDOUT,
-                   StrCat("shared group: rank 0 did not publish the job token within ",
-                          timeout_.count(), " ms"),
-                   key);
+      ThrowIoError(
+          ETIMEDOUT,
+          StrCat("shared group: rank 0 did not publish the job token within ", timeout_.count(),
+                 " ms (it died, is not creating this group, or "
+                 "creates its groups on this store in another order)"),
+          key);
     }
   }
   socket_name_ = StrCat("tensortier.", token_, ".", rank_);

@@ -495,6 +495,81 @@ bool FetchAsCurrentUser(const std::string& name, const std::string& key) {
   return passed;
 }
 
+// Two jobs of 2 processes over one store: job B makes its group after job A made its own and a
+// tensor. B's collectives must meet only B's keys (A's tensor has another shape: a stale key of
+// A's read by B would fail B's agreement), and B attaches A's named tensor from outside.
+TEST(SharedTensorTest, TwoJobsOnOneStoreKeepTheirKeysApart) {
+  auto statuses = RunRanks(4, [](int process, std::shared_ptr<Store> store) {
+    const bool job_a = process < 2;
+    const int rank = process % 2;
+    if (job_a) {
+      SharedGroup group(store, rank, 2, 20s);
+      auto t = group.Create(Spec({10, 1}, 4, SharedLayout::kContinuous, "a"));
+      const SharedPartition& mine = t->local();
+      for (uint64_t i = 0; i < mine.rows; ++i) {
+        reinterpret_cast<uint32_t*>(mine.address)[i] = RowValue(mine.row_begin + i, 0);
+      }
+      group.Barrier("written");
+      store->Set(StrCat("a_ready/", rank), "");
+      store->Get("b_done/0", 30s);
+      store->Get("b_done/1", 30s);
+      group.Barrier("done");
+      return;
+    }
+    store->Get("a_ready/0", 20s);
+    store->Get("a_ready/1", 20s);
+    SharedGroup group(store, rank, 2, 20s);
+    auto t = group.Create(Spec({20, 2}, 4, SharedLayout::kChunked, "b"));
+    const SharedPartition& mine = t->local();
+    for (uint64_t i = 0; i < mine.rows * 2; ++i) {
+      reinterpret_cast<uint32_t*>(mine.address)[i] = RowValue(mine.row_begin + i / 2, i % 2);
+    }
+    group.Barrier("written");
+    std::vector<int64_t> all(20);
+    for (int64_t i = 0; i < 20; ++i) all[i] = i;
+    std::vector<uint32_t> got(40);
+    t->Gather(all.data(), all.size(), got.data());
+    for (size_t i = 0; i < got.size(); ++i) Check(got[i] == RowValue(i / 2, i % 2), "job B's rows");
+    auto a = group.Attach("a");
+    Check(a->rank() == -1, "job A's tensor is attached from outside");
+    a->Gather(all.data(), 10, got.data());
+    for (size_t i = 0; i < 10; ++i) Check(got[i] == RowValue(i, 0), "job A's rows");
+    group.Barrier("attached");
+    store->Set(StrCat("b_done/", rank), "");
+  });
+  ExpectAllZero(statuses);
+}
+
+// A rank whose peer has already created more groups of its size on the store is told so at
+// once (the peer gave up on two groups this rank never joined).
+TEST(SharedTensorTest, GroupsCreatedOutOfOrderAreRefused) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    if (rank == 0) {
+      for (int i = 0; i < 2; ++i) {
+        try {
+          SharedGroup lonely(store, 0, 2, 300ms);
+          Check(false, "a group without its peer");
+        } catch (const IoError& e) {
+          Check(e.error_code() == ETIMEDOUT, e.what());
+        }
+      }
+      store->Set("gave_up", "");
+      store->Get("refused", 20s);
+      return;
+    }
+    store->Get("gave_up", 20s);
+    try {
+      SharedGroup late(store, 1, 2, 20s);
+      Check(false, "joined a group its peer gave up on");
+    } catch (const std::invalid_argument& e) {
+      Check(std::string(e.what()).find("rank 0 has created 2 already") != std::string::npos,
+            e.what());
+    }
+    store->Set("refused", "");
+  });
+  ExpectAllZero(statuses);
+}
+
 TEST(SharedTensorTest, AnotherUsersProcessIsRefused) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another user";
   auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {

@@ -487,6 +487,123 @@ def scenario_torch_checkpoints(group: shared.Group, result: dict[str, Any]) -> N
     result["socket"] = group._core.socket_name
 
 
+def scenario_two_jobs(group_unused: Any, result: dict[str, Any]) -> None:
+    """One of two jobs of 2 processes that meet through the same TCPStore (served by the test),
+    job B starting its group after job A made its own and a tensor: each group's keys are its
+    own (B's collectives never read A's), and B attaches A's named tensor. With
+    SHARED_TEST_PRIVATE_GROUP set, job A's rank 0 first makes a group on another store (its
+    other groups do not shift its keys on this store)."""
+    job, rank = os.environ["SHARED_TEST_JOB"], int(os.environ["RANK"])
+    host = shared._env_store(False, None, 20.0)[0]  # the jobs' store, for the test's own keys
+    if job == "A":
+        if rank == 0 and os.environ.get("SHARED_TEST_PRIVATE_GROUP"):
+            with shared.Group(rank=0, world_size=1, store=torch.distributed.HashStore(), timeout=5) as alone:
+                alone.create_tensor((3,), torch.int8)
+        group = shared.Group(timeout=20)
+        a = group.create_tensor((10, 2), torch.float32, name="a_feat")
+        local, (begin, end) = a.local()
+        local.copy_(expected((10, 2), torch.float32)[begin:end])
+        group.barrier()
+        host.set(f"test/a_ready/{rank}", b"")
+        host.wait(["test/b_done/0", "test/b_done/1"], datetime.timedelta(seconds=60))
+        assert torch.equal(a.view(), expected((10, 2), torch.float32)), "job A's rows changed"
+        group.barrier()  # A's own collectives still pair with A's
+    else:
+        host.wait(["test/a_ready/0", "test/a_ready/1"], datetime.timedelta(seconds=60))
+        group = shared.Group(timeout=20)
+        b = group.create_tensor((20, 3), torch.int64, layout="chunked", name="b_feat")
+        local, (begin, end) = b.local()
+        local.copy_(expected((20, 3), torch.int64, salt=5)[begin:end])
+        group.barrier()
+        assert torch.equal(torch.cat(b.view()), expected((20, 3), torch.int64, salt=5))
+        a = group.attach("a_feat")  # made by the other job's group: attached from outside
+        assert a.shape == (10, 2) and torch.equal(a.view(), expected((10, 2), torch.float32))
+        group.barrier()
+        host.set(f"test/b_done/{rank}", b"")
+    result["socket"] = group._core.socket_name
+    group.close()
+
+
+def scenario_threads(group_unused: Any, result: dict[str, Any]) -> None:
+    """Several threads of every rank gather and scatter one distributed tensor at once, each
+    rank's calls pairing with whatever calls the other ranks make at that moment (a gather
+    with a scatter, batches that outgrow their slots): every result is exact.
+
+    Rows [0, 400) are read only; rows [400, 960) are split between the (rank, thread) pairs,
+    each writing only its own; every thread writes the same values to rows [960, 1000). A
+    thread reads back its own rows (its writes are done when its scatter returns)."""
+    import threading
+
+    import torch.distributed as dist
+
+    threads, calls = 4, 24
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = shared.Group(timeout=60)
+    rank, world = group.rank, group.world_size
+    rows, cols = 1000, 3
+    for dtype in (torch.float64, torch.int16):
+        t = group.create_tensor((rows, cols), dtype, layout="distributed")
+        want = expected((rows, cols), dtype)
+        local, (begin, end) = t.local()
+        local.copy_(want[begin:end])
+        dist.barrier()
+        common = torch.arange(960, 1000)
+        common_values = expected((common.numel(), cols), dtype, salt=50)
+
+        def owned(r: int, k: int) -> torch.Tensor:
+            return torch.arange(400 + r * threads + k, 960, world * threads)
+
+        def value(row_ids: torch.Tensor, step: int) -> torch.Tensor:
+            return expected((row_ids.numel(), cols), dtype, salt=step) + row_ids[:, None].to(dtype)
+
+        errors: list[str] = []
+
+        def work(k: int) -> None:
+            gen = torch.Generator().manual_seed(1000 * rank + k)
+            mine = owned(rank, k)
+            current = want.index_select(0, mine)
+            for step in range(calls):
+                try:
+                    if step == calls - 1 or step % 3 == 2:
+                        pick = torch.randperm(mine.numel(), generator=gen)[: 1 + step * 3]
+                        if step == calls - 1:
+                            pick = torch.arange(mine.numel())
+                        new = value(mine[pick], step)
+                        t.scatter(mine[pick], new)
+                        current.index_copy_(0, pick, new)
+                    elif step % 6 == 1:
+                        t.scatter(common, common_values)
+                    else:
+                        n = [0, 5, 700, 40, 3000, 1][(step + k + rank) % 6]  # some outgrow slots
+                        ro = torch.randint(0, 400, (n,), generator=gen)
+                        pos = torch.randint(0, mine.numel(), (n // 4,), generator=gen)
+                        got = t.gather(torch.cat([ro, mine[pos], common[:2]]))
+                        assert torch.equal(got[:n], want.index_select(0, ro)), "read-only rows"
+                        assert torch.equal(got[n : n + pos.numel()], current.index_select(0, pos)), "own rows"
+                        for row, at in ((got[-2], 0), (got[-1], 1)):
+                            assert torch.equal(row, want[960 + at]) or torch.equal(row, common_values[at]), "common rows"
+                except BaseException as e:  # go on making calls: the other ranks wait for them
+                    errors.append(f"thread {k} step {step}: {type(e).__name__}: {e}")
+
+        pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+        assert not errors, "\n".join(errors[:5])
+        dist.barrier()
+        final = want.clone()
+        final[960:] = common_values
+        for r in range(world):
+            for k in range(threads):
+                ids = owned(r, k)
+                final[ids] = value(ids, calls - 1)
+        assert torch.equal(t.gather(torch.arange(rows)), final), f"{dtype}: final rows"
+    result["socket"] = group._core.socket_name
+    group.close()
+    dist.destroy_process_group()
+
+
 SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "files": scenario_files,
     "torch_checkpoints": scenario_torch_checkpoints,
@@ -498,6 +615,8 @@ SCENARIOS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "store_host": scenario_store_host,
     "owners": scenario_owners,
     "attacher": scenario_attacher,
+    "two_jobs": scenario_two_jobs,
+    "threads": scenario_threads,
 }
 
 
@@ -506,7 +625,7 @@ def run(scenario: str, outdir: str, rank: int | None = None, world: int | None =
     rank_for_file = rank if rank is not None else int(os.environ["RANK"])
     try:
         group = None
-        if scenario not in ("seed", "distributed", "attacher"):
+        if scenario not in ("seed", "distributed", "attacher", "two_jobs", "threads"):
             group = shared.Group(rank=rank, world_size=world, store=store, timeout=float(os.environ.get("SHARED_TEST_TIMEOUT", "20")))
         SCENARIOS[scenario](group, result)
         result["ok"] = True

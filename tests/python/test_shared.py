@@ -478,3 +478,63 @@ def test_example_device_memory_without_a_driver_says_so(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0
     assert proc.stderr.count("no CUDA driver was found") >= 2, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("private_group", [False, True])
+def test_two_jobs_on_one_store_keep_their_keys_apart(tmp_path: Path, private_group: bool) -> None:
+    """Two jobs of 2 processes meet through one TCPStore; job B makes its group after job A
+    made its own (and, with `private_group`, after A's rank 0 made a group on another store
+    first): B's collectives never read A's keys, both jobs' rows stay right, and B attaches A's
+    named tensor."""
+    shm_before = shm_entries()
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, is_master=True,
+                                       timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    extra = {"TORCHELASTIC_USE_AGENT_STORE": "True", "SHARED_TEST_PRIVATE_GROUP": "1" if private_group else ""}
+    outdirs = {job: tmp_path / f"out_{job}" for job in "AB"}
+    procs: dict[str, list[subprocess.Popen[bytes]]] = {}
+    try:
+        for job, outdir in outdirs.items():
+            outdir.mkdir()
+            procs[job] = start_ranks(tmp_path, "two_jobs", 2, port, outdir, SHARED_TEST_JOB=job, **extra)
+        outputs = {job: finish(p) for job, p in procs.items()}
+    finally:
+        for p in [p for ps in procs.values() for p in ps]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    sockets = []
+    for job, outdir in outdirs.items():
+        for r, res in enumerate(reports(outdir, 2)):
+            assert res["ok"], f"job {job} rank {r}: {res.get('error')}\n{outputs[job][r][-2000:]}"
+            sockets.append(res["socket"])
+    assert len(set(sockets)) == 4  # every process served on its own socket
+    del store
+    assert_nothing_left(tmp_path, shm_before, sockets)
+
+
+def test_ranks_that_create_groups_out_of_order_are_told_so() -> None:
+    """The group keys are counted per store: rank 0 of 2 gave up on two groups (rank 1 never
+    came); rank 1's first group then cannot pair with rank 0's third and says why, at once."""
+    store = torch.distributed.HashStore()
+    for _ in range(2):
+        with pytest.raises(TimeoutError, match="rank 1 of 2 did not arrive"):
+            shared.Group(rank=0, world_size=2, store=store, timeout=0.5)
+    with pytest.raises(ValueError, match="rank 0 has created 2 already: every rank must create its groups"):
+        shared.Group(rank=1, world_size=2, store=store, timeout=5)
+    # Groups of another size, or on another store, have counts of their own.
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as alone:
+        assert alone.create_tensor((2,), torch.int8).gather([1]).item() == 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_threads_gather_and_scatter_one_distributed_tensor_at_once(tmp_path: Path, world: int) -> None:
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    shm_before = shm_entries()
+    procs = start_ranks(tmp_path, "threads", world, free_port(), outdir)
+    outputs = finish(procs)
+    results = reports(outdir, world)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('error')}\n{outputs[r][-2000:]}"
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results])
