@@ -155,7 +155,7 @@ void RegisterExtents(py::module_& m) {
             }
             py::list out;
             for (const ExtentReadResult& f : batch.files) {
-              out.append(py::make_tuple(f.bytes, f.raw, f.fallback));
+              out.append(py::make_tuple(f.bytes, f.raw, MessageToPython(f.fallback)));
             }
             return py::make_tuple(out, IoStatsToDict(batch.io));
           },

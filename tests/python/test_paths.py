@@ -234,3 +234,17 @@ def test_shared_tensor_files(base: bytes, form: int) -> None:
         u = group.create_tensor((6, 4), torch.float32, layout="chunked", name="u")
         u.load_files([_forms(os.fsencode(n))[form] for n in names])
         assert torch.equal(u.gather(list(range(6))), values)
+
+
+def test_shard_index_in_a_folder_that_is_not_utf8(base: bytes) -> None:
+    import json
+
+    parts = {"a.safetensors": {"a": torch.ones(3)}, "b.safetensors": {"b": torch.zeros(2, 2)}}
+    for name, sd in parts.items():
+        tensortier.save(sd, os.path.join(base, name.encode()))
+    index = os.path.join(base, NAME + b".safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"weight_map": {"a": "a.safetensors", "b": "b.safetensors"}}, f)
+    for path in _forms(index):
+        loaded = tensortier.load(path)
+        assert torch.equal(loaded["a"], torch.ones(3)) and torch.equal(loaded["b"], torch.zeros(2, 2))
