@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "binding_helpers.hpp"
+#include "paths.hpp"
 #include "tensortier/checkpoint_file.hpp"
 #include "tensortier/checkpoint_format.hpp"
 #include "tensortier/checksum.hpp"
@@ -83,7 +84,7 @@ void RegisterCheckpoint(py::module_& m) {
       "raises ValueError naming the tensor and the problem.");
   m.def(
       "read_safetensors_header",
-      [](const std::string& path) {
+      [](const FsPath& path) {
         SafetensorsFileInfo info;
         {
           py::gil_scoped_release release;
@@ -134,7 +135,7 @@ void RegisterCheckpoint(py::module_& m) {
 
   m.def(
       "zip_entries",
-      [](const std::string& path, bool require_stored) {
+      [](const FsPath& path, bool require_stored) {
         ZipDirectory dir;
         {
           py::gil_scoped_release release;
@@ -194,7 +195,7 @@ void RegisterCheckpoint(py::module_& m) {
 
   m.def(
       "zip_crc_patches",
-      [](const std::string& path, const std::map<std::string, uint32_t>& crcs) {
+      [](const FsPath& path, const std::map<std::string, uint32_t>& crcs) {
         std::vector<ZipCrcPatch> patches;
         {
           py::gil_scoped_release release;
@@ -217,7 +218,7 @@ void RegisterCheckpoint(py::module_& m) {
 
   m.def(
       "read_torch_checkpoint",
-      [](const std::string& path) {
+      [](const FsPath& path) {
         TorchCheckpoint c;
         {
           py::gil_scoped_release release;
@@ -245,7 +246,7 @@ void RegisterCheckpoint(py::module_& m) {
 
   m.def(
       "detect_checkpoint_kind",
-      [](const std::string& path) { return CheckpointKindName(DetectCheckpointKind(path)); },
+      [](const FsPath& path) { return CheckpointKindName(DetectCheckpointKind(path)); },
       py::arg("path"), py::call_guard<py::gil_scoped_release>(),
       "'safetensors', 'torch' or 'index': what the checkpoint file at path holds, by the rule the "
       "CLI follows (a .index.json name, then the first bytes). ValueError for an empty file or a "
@@ -253,7 +254,7 @@ void RegisterCheckpoint(py::module_& m) {
       "(a FIFO is refused, never waited on).");
   m.def(
       "check_replaceable",
-      [](const std::string& path) -> std::optional<std::tuple<uint32_t, uint32_t, uint32_t>> {
+      [](const FsPath& path) -> std::optional<std::tuple<uint32_t, uint32_t, uint32_t>> {
         std::optional<ReplacedFile> old;
         {
           py::gil_scoped_release release;
@@ -269,7 +270,7 @@ void RegisterCheckpoint(py::module_& m) {
       "or one this user may not write (PermissionError for a read-only file, as torch.save).");
   m.def(
       "keep_attributes",
-      [](int fd, const std::tuple<uint32_t, uint32_t, uint32_t>& old, const std::string& path) {
+      [](int fd, const std::tuple<uint32_t, uint32_t, uint32_t>& old, const FsPath& path) {
         const auto [mode, uid, gid] = old;
         py::gil_scoped_release release;
         KeepAttributes(fd,
@@ -292,7 +293,7 @@ void RegisterCheckpoint(py::module_& m) {
            py::arg("fault") = py::none())
       .def(
           "open",
-          [](const FileSystem& fs, const std::string& path, bool direct) {
+          [](const FileSystem& fs, const FsPath& path, bool direct) {
             py::gil_scoped_release release;
             return OpenCheckpointForReading(path, direct, fs);
           },
@@ -307,19 +308,21 @@ void RegisterCheckpoint(py::module_& m) {
       m, "DurableFile",
       "A save's new file under a temporary name next to path: commit() fdatasyncs it, renames "
       "it over path and fsyncs the directory; abort() (or a failed commit) removes it.")
-      .def(py::init([](const std::string& path, bool direct, const FileSystem& fs,
-                       bool free_in_background) {
-             py::gil_scoped_release release;
-             return std::make_unique<DurableFile>(path, direct, fs, free_in_background);
-           }),
+      .def(py::init(
+               [](const FsPath& path, bool direct, const FileSystem& fs, bool free_in_background) {
+                 py::gil_scoped_release release;
+                 return std::make_unique<DurableFile>(path, direct, fs, free_in_background);
+               }),
            py::arg("path"), py::arg("direct") = true, py::arg("fs") = FileSystem(),
            py::arg("free_in_background") = true,
            "Checks path may be replaced, waits for files earlier saves replaced to be freed, "
            "removes killed saves' temporary files and creates this one. OSError naming the step "
            "and the path.")
-      .def_property_readonly("path", &DurableFile::final_path,
-                             "The final path (symlinks resolved).")
-      .def_property_readonly("temporary_path", &DurableFile::temporary_path)
+      .def_property_readonly(
+          "path", [](const DurableFile& d) { return PathToPython(d.final_path()); },
+          "The final path (symlinks resolved).")
+      .def_property_readonly("temporary_path",
+                             [](const DurableFile& d) { return PathToPython(d.temporary_path()); })
       .def_property_readonly("committed", &DurableFile::committed)
       .def_property_readonly(
           "file", [](const DurableFile& d) { return d.file(); },
@@ -332,18 +335,22 @@ void RegisterCheckpoint(py::module_& m) {
   m.def("wait_for_replaced_files", &WaitForReplacedFiles, py::call_guard<py::gil_scoped_release>(),
         "Waits until the files earlier saves replaced are freed (a background thread closes "
         "each).");
-  m.def("temporary_path_prefix", &TemporaryPathPrefix, py::arg("path"),
-        "'DIR/.NAME.tmp-PID-START-TAG-' for this process: a save's temporary file for path is "
-        "this followed by 8 random hex digits.");
-  m.def("remove_stale_temporary_files", &RemoveStaleTemporaryFiles, py::arg("path"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Removes the temporary files killed saves into path left behind (their process, pid and "
-        "start time, no longer runs); returns how many.");
+  m.def(
+      "temporary_path_prefix",
+      [](const FsPath& path) { return PathToPython(TemporaryPathPrefix(path)); }, py::arg("path"),
+      "'DIR/.NAME.tmp-PID-START-TAG-' for this process: a save's temporary file for path is "
+      "this followed by 8 random hex digits.");
+  m.def(
+      "remove_stale_temporary_files",
+      [](const FsPath& path) { return RemoveStaleTemporaryFiles(path); }, py::arg("path"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Removes the temporary files killed saves into path left behind (their process, pid and "
+      "start time, no longer runs); returns how many.");
 
   m.def(
       "format_of_suffix",
-      [](const std::string& path) -> std::optional<std::string_view> {
-        const std::optional<CheckpointFormat> format = FormatOfSuffix(path);
+      [](const FsPath& path) -> std::optional<std::string_view> {
+        const std::optional<CheckpointFormat> format = FormatOfSuffix(path.bytes);
         if (!format) return std::nullopt;
         return CheckpointFormatName(*format);
       },
@@ -352,14 +359,14 @@ void RegisterCheckpoint(py::module_& m) {
       ".pt, .pth, .bin, .ckpt, .tar), else None.");
   m.def(
       "read_shard_index",
-      [](const std::string& path) {
+      [](const FsPath& path) {
         std::vector<Shard> shards;
         {
           py::gil_scoped_release release;
           shards = ReadShardIndex(path);
         }
         py::list out;
-        for (const Shard& s : shards) out.append(py::make_tuple(s.path, s.names));
+        for (const Shard& s : shards) out.append(py::make_tuple(PathToPython(s.path), s.names));
         return out;
       },
       py::arg("path"),

@@ -9,6 +9,7 @@
 
 #include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
+#include "paths.hpp"
 #include "tensortier/batch_reader.hpp"
 #include "tensortier/sample_list.hpp"
 #include "tensortier/shard_plan.hpp"
@@ -19,7 +20,7 @@ using namespace tensortier;
 void RegisterData(py::module_& m) {
   m.def(
       "list_file_root",
-      [](const std::string& root, std::optional<std::vector<std::string>> file_filters,
+      [](const FsPath& root, std::optional<std::vector<std::string>> file_filters,
          bool case_sensitive_filter, std::optional<std::vector<std::string>> dir_filters) {
         FileFilter filter;
         if (file_filters) filter.patterns = std::move(*file_filters);
@@ -29,7 +30,7 @@ void RegisterData(py::module_& m) {
           py::gil_scoped_release release;
           list = ListFileRoot(root, filter, dir_filters);
         }
-        return py::make_tuple(list.paths, list.labels);
+        return py::make_tuple(PathsToPython(list.paths), list.labels);
       },
       py::arg("root"), py::arg("file_filters") = py::none(),
       py::arg("case_sensitive_filter") = false, py::arg("dir_filters") = py::none(),
@@ -39,18 +40,24 @@ void RegisterData(py::module_& m) {
   m.attr("default_file_filters") = DefaultFileFilters();
   m.def(
       "read_file_list",
-      [](const std::string& list_path, const std::string& root) {
+      [](const FsPath& list_path, const FsPath& root) {
         SampleList list;
         {
           py::gil_scoped_release release;
           list = ReadFileList(list_path, root);
         }
-        return py::make_tuple(list.paths, list.labels);
+        return py::make_tuple(PathsToPython(list.paths), list.labels);
       },
       py::arg("list_path"), py::arg("root") = "",
       "(paths, labels) of a DALI file list ('path label' per line).");
-  m.def("check_files_exist", &CheckFilesExist, py::arg("paths"),
-        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "check_files_exist",
+      [](const std::vector<FsPath>& paths) {
+        const std::vector<std::string> bytes = PathBytes(paths);
+        py::gil_scoped_release release;
+        CheckFilesExist(bytes);
+      },
+      py::arg("paths"));
   m.def("epoch_permutation", &EpochPermutation, py::arg("size"), py::arg("seed"), py::arg("epoch"));
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
@@ -85,7 +92,7 @@ void RegisterData(py::module_& m) {
                              [](const Batch& b) {
                                py::list out;
                                for (const auto& s : b.skipped()) {
-                                 out.append(py::make_tuple(s.index, s.message));
+                                 out.append(py::make_tuple(s.index, MessageToPython(s.message)));
                                }
                                return out;
                              })
@@ -100,7 +107,7 @@ void RegisterData(py::module_& m) {
       });
 
   py::class_<BatchReader, GilFreeHolder<BatchReader>>(m, "BatchReader")
-      .def(py::init([](std::vector<std::string> paths, unsigned prefetch, unsigned open_threads,
+      .def(py::init([](const std::vector<FsPath>& paths, unsigned prefetch, unsigned open_threads,
                        bool skip_errors, bool direct, bool pin_memory, int device,
                        std::optional<std::string> backend, std::optional<ExtentMap> extent_map,
                        std::optional<py::dict> fault) {
@@ -115,7 +122,7 @@ void RegisterData(py::module_& m) {
              options.extent_map = std::move(extent_map);
              if (fault) options.backend_factory = FaultFactory(options.engine, *fault);
              py::gil_scoped_release release;
-             return GilFreeHolder<BatchReader>(new BatchReader(std::move(paths), options));
+             return GilFreeHolder<BatchReader>(new BatchReader(PathBytes(paths), options));
            }),
            py::arg("paths"), py::arg("prefetch") = 2, py::arg("open_threads") = 16,
            py::arg("skip_errors") = false, py::arg("direct") = true, py::arg("pin_memory") = false,

@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "paths.hpp"
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/cufile.hpp"
 #include "tensortier/error.hpp"
@@ -24,8 +25,11 @@ py::object Call(PyObject* type, py::tuple args) {
 }
 
 py::object OsError(const IoError& e) {
-  // OSError(errno, message, filename): Python picks the subclass (FileNotFoundError...).
-  py::object error = Call(PyExc_OSError, py::make_tuple(e.error_code(), e.what(), e.path()));
+  // OSError(errno, message, filename): Python picks the subclass (FileNotFoundError...). The
+  // path and the message quoting it may be any bytes: decoded as os.fsdecode, never failing,
+  // so e.filename is the str that names the file.
+  py::object error = Call(PyExc_OSError, py::make_tuple(e.error_code(), MessageToPython(e.what()),
+                                                        PathToPython(e.path())));
   error.attr("offset") = e.offset();
   error.attr("length") = e.length();
   error.attr("op") = e.op();
@@ -33,7 +37,7 @@ py::object OsError(const IoError& e) {
 }
 
 py::object WithCode(PyObject* type, const char* what, int code) {
-  py::object error = Call(type, py::make_tuple(what));
+  py::object error = Call(type, py::make_tuple(MessageToPython(what)));
   error.attr("code") = code;
   return error;
 }
@@ -49,9 +53,9 @@ std::optional<py::object> Translate(const std::exception_ptr& error) {
         e.code().category() != std::system_category()) {
       return std::nullopt;
     }
-    return Call(PyExc_OSError, py::make_tuple(e.code().value(), e.what()));
+    return Call(PyExc_OSError, py::make_tuple(e.code().value(), MessageToPython(e.what())));
   } catch (const std::invalid_argument& e) {  // FormatError too
-    return Call(PyExc_ValueError, py::make_tuple(e.what()));
+    return Call(PyExc_ValueError, py::make_tuple(MessageToPython(e.what())));
   } catch (const CudaError& e) {
     return WithCode(cuda_error_type, e.what(), e.code());
   } catch (const CuFileError& e) {
@@ -89,7 +93,7 @@ py::object PythonError(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
-    return Call(PyExc_RuntimeError, py::make_tuple(e.what()));
+    return Call(PyExc_RuntimeError, py::make_tuple(MessageToPython(e.what())));
   } catch (...) {
     return Call(PyExc_RuntimeError, py::make_tuple("unknown C++ exception"));
   }

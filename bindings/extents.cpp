@@ -7,6 +7,7 @@
 
 #include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
+#include "paths.hpp"
 #include "tensortier/extent_map.hpp"
 #include "tensortier/extent_reader.hpp"
 
@@ -17,7 +18,7 @@ namespace {
 
 py::dict FileDict(const MappedFile& f) {
   py::dict d;
-  d["path"] = f.path;
+  d["path"] = PathToPython(f.path);
   d["device"] = f.device;
   d["inode"] = f.identity.inode;
   d["size"] = f.identity.size;
@@ -34,7 +35,7 @@ py::dict DeviceDict(const MappedDevice& d) {
   py::dict out;
   out["major"] = d.major;
   out["minor"] = d.minor;
-  out["disk"] = d.disk;
+  out["disk"] = PathToPython(d.disk);
   out["disk_major"] = d.disk_major;
   out["disk_minor"] = d.disk_minor;
   out["partition_offset"] = d.partition_offset;
@@ -51,23 +52,28 @@ void RegisterExtents(py::module_& m) {
                         "file's identity (tensortier.data.build_extent_map makes one).")
       .def_static(
           "build",
-          [](const std::string& root, std::optional<std::vector<std::string>> files,
-             bool allow_refused) {
+          [](const FsPath& root, std::optional<std::vector<FsPath>> files, bool allow_refused) {
+            std::optional<std::vector<std::string>> listed;
+            if (files) listed = PathBytes(*files);
             py::gil_scoped_release release;  // FIEMAP_FLAG_SYNC writes data out: seconds
             const BuildOptions options{.allow_refused = allow_refused};
-            return files ? BuildExtentMap(root, *files, options) : BuildExtentMap(root, options);
+            return listed ? BuildExtentMap(root, *listed, options) : BuildExtentMap(root, options);
           },
           py::arg("root"), py::arg("files") = py::none(), py::arg("allow_refused") = false,
           "Maps the files under `root` (or `files`). Raises OSError (EOPNOTSUPP naming refused "
           "files unless allow_refused), ValueError for a file outside the root.")
-      .def_static("load", &LoadExtentMap, py::arg("path"), py::call_guard<py::gil_scoped_release>())
+      .def_static(
+          "load", [](const FsPath& path) { return LoadExtentMap(path); }, py::arg("path"),
+          py::call_guard<py::gil_scoped_release>())
       .def_static(
           "from_json", [](const std::string& text) { return ParseExtentMap(text, "extent map"); },
           py::arg("text"), "Parses a map's JSON text. Raises ValueError for a bad map.")
-      .def("save", &SaveExtentMap, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
-           "Writes the map as JSON, durably (temporary file, fsync, rename).")
+      .def(
+          "save", [](const ExtentMap& map, const FsPath& path) { SaveExtentMap(map, path); },
+          py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+          "Writes the map as JSON, durably (temporary file, fsync, rename).")
       .def("to_json", &ExtentMapToJson, "The map as JSON text.")
-      .def_readonly("root", &ExtentMap::root)
+      .def_property_readonly("root", [](const ExtentMap& map) { return PathToPython(map.root); })
       .def("__len__", [](const ExtentMap& map) { return map.files.size(); })
       .def("__eq__", [](const ExtentMap& a, const ExtentMap& b) { return a == b; })
       .def_property_readonly("devices",
@@ -79,7 +85,8 @@ void RegisterExtents(py::module_& m) {
       .def_property_readonly("paths",
                              [](const ExtentMap& map) {
                                py::list out;
-                               for (const MappedFile& f : map.files) out.append(f.path);
+                               for (const MappedFile& f : map.files)
+                                 out.append(PathToPython(f.path));
                                return out;
                              })
       .def(
@@ -89,17 +96,19 @@ void RegisterExtents(py::module_& m) {
                              [](const ExtentMap& map) {
                                py::list out;
                                for (const RefusedFile& r : map.refused) {
-                                 out.append(py::make_tuple(r.path, r.reason));
+                                 out.append(py::make_tuple(PathToPython(r.path), r.reason));
                                }
                                return out;
                              })
-      .def("find", &ExtentMap::Find, py::arg("path"),
-           "The index of the file at `path` (absolute or relative to the root), or None.")
+      .def(
+          "find", [](const ExtentMap& map, const FsPath& path) { return map.Find(path.bytes); },
+          py::arg("path"),
+          "The index of the file at `path` (absolute or relative to the root), or None.")
       .def(
           "full_path",
           [](const ExtentMap& map, size_t index) {
             if (index >= map.files.size()) throw py::index_error("file index out of range");
-            return map.FullPath(index);
+            return PathToPython(map.FullPath(index));
           },
           py::arg("index"))
       .def("verify", [](const ExtentMap& map) {
@@ -109,7 +118,8 @@ void RegisterExtents(py::module_& m) {
           changed = VerifyExtentMap(map);
         }
         py::list out;
-        for (const ChangedFile& c : changed) out.append(py::make_tuple(c.path, c.what));
+        for (const ChangedFile& c : changed)
+          out.append(py::make_tuple(PathToPython(c.path), c.what));
         return out;
       });
 
@@ -145,7 +155,7 @@ void RegisterExtents(py::module_& m) {
             }
             py::list out;
             for (const ExtentReadResult& f : batch.files) {
-              out.append(py::make_tuple(f.bytes, f.raw, f.fallback));
+              out.append(py::make_tuple(f.bytes, f.raw, MessageToPython(f.fallback)));
             }
             return py::make_tuple(out, IoStatsToDict(batch.io));
           },

@@ -12,6 +12,7 @@
 #include "binding_helpers.hpp"
 #include "errors.hpp"
 #include "gil_free_holder.hpp"
+#include "paths.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/backend.hpp"
 #include "tensortier/config.hpp"
@@ -189,7 +190,7 @@ PYBIND11_MODULE(_core, m) {
                    "one where the filesystem takes it. Open with IOHandle.open() or File.open().")
       .def_static(
           "open",
-          [](const std::string& path, const std::string& mode, bool direct) {
+          [](const FsPath& path, const std::string& mode, bool direct) {
             OpenMode parsed = ParseOpenMode(mode);
             py::gil_scoped_release release;
             return File::Open(path, parsed, direct);
@@ -199,13 +200,17 @@ PYBIND11_MODULE(_core, m) {
           "(create if missing, keep contents); 'w' and 'a' files can be read too. `direct`: also "
           "open O_DIRECT where the filesystem allows (else `direct_fallback_reason` says why). "
           "Raises OSError.")
-      .def_property_readonly("path", &File::path, "The path it was opened with.")
+      .def_property_readonly(
+          "path", [](const File& f) { return PathToPython(f.path()); },
+          "The path it was opened with.")
       .def_property_readonly(
           "closed", [](const File& f) { return !f.is_open(); }, "Whether close() was called.")
       .def_property_readonly("writable", &File::writable, "Whether the mode allows writes.")
       .def_property_readonly("direct", &File::direct, "Whether an O_DIRECT descriptor is open.")
-      .def_property_readonly("direct_fallback_reason", &File::direct_fallback_reason,
-                             "Why O_DIRECT was refused ('' when it was not, or not asked for).")
+      .def_property_readonly(
+          "direct_fallback_reason",
+          [](const File& f) { return MessageToPython(f.direct_fallback_reason()); },
+          "Why O_DIRECT was refused ('' when it was not, or not asked for).")
       .def_property_readonly("offset_alignment", &File::offset_alignment,
                              "File offset alignment O_DIRECT needs here (bytes).")
       .def_property_readonly("memory_alignment", &File::memory_alignment,
@@ -260,7 +265,7 @@ PYBIND11_MODULE(_core, m) {
                        std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
                        std::optional<uint64_t> max_inflight_bytes,
                        std::optional<bool> page_cache_check, std::optional<std::string> stage_reads,
-                       std::optional<uint32_t> bounce_idle_ms, const std::string& probe_dir,
+                       std::optional<uint32_t> bounce_idle_ms, const FsPath& probe_dir,
                        std::optional<py::dict> fault) {
              Overrides o{backend,          chunk_size,  queue_depth,   workers, max_inflight_bytes,
                          page_cache_check, stage_reads, bounce_idle_ms};
@@ -293,12 +298,12 @@ PYBIND11_MODULE(_core, m) {
       .def("wait_all", &Engine::WaitAll, py::call_guard<py::gil_scoped_release>());
 
   py::class_<Offloader>(m, "Offloader")
-      .def(py::init([](const std::vector<std::string>& dirs, std::optional<std::string> backend,
+      .def(py::init([](const std::vector<FsPath>& dirs, std::optional<std::string> backend,
                        std::optional<uint64_t> chunk_size, std::optional<unsigned> queue_depth,
                        std::optional<unsigned> workers, std::optional<uint64_t> max_inflight_bytes,
                        std::optional<uint64_t> stripe_threshold, std::optional<py::dict> fault) {
              OffloaderOptions o;
-             o.dirs = dirs;
+             o.dirs = PathBytes(dirs);
              o.engine =
                  Overrides{backend,      chunk_size,   queue_depth, workers, max_inflight_bytes,
                            std::nullopt, std::nullopt, std::nullopt}
@@ -354,23 +359,24 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("bounce_allocations", &Offloader::bounce_allocations)
       .def_property_readonly("engine_options",
                              [](const Offloader& o) { return OptionsDict(o.engine_options()); })
-      .def_property_readonly("paths", &Offloader::paths)
+      .def_property_readonly("paths", [](const Offloader& o) { return PathsToPython(o.paths()); })
       .def_property_readonly("backend", &Offloader::backend)
       .def_property_readonly(
           "engine", [](Offloader& o) -> Engine& { return o.engine(); },
           py::return_value_policy::reference_internal)
       .def("close", &Offloader::Close, py::call_guard<py::gil_scoped_release>());
-  m.def("remove_stale_offload_files", &RemoveStaleOffloadFiles, py::arg("dir"),
-        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "remove_stale_offload_files", [](const FsPath& dir) { return RemoveStaleOffloadFiles(dir); },
+      py::arg("dir"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "filesystem_magic",
-      [](const std::string& path) {
+      [](const FsPath& path) {
         struct statfs st {};
         int rc;
         {
           py::gil_scoped_release release;  // a network filesystem can take its time
-          rc = statfs(path.c_str(), &st);
+          rc = statfs(path.bytes.c_str(), &st);
         }
         if (rc != 0) ThrowIoError(errno, "statfs", path);
         return static_cast<uint64_t>(st.f_type);
@@ -426,7 +432,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("env"), "Whether the TENSORTIER_* variable `env` is set (and not empty).");
   m.def(
       "probe_backends",
-      [](const std::string& dir) {
+      [](const FsPath& dir) {
         py::list out;
         std::vector<BackendProbe> probes;
         {
@@ -440,7 +446,7 @@ PYBIND11_MODULE(_core, m) {
           row["available"] = p.available;
           row["direct_ok"] = p.direct_ok;
           row["buffered_ok"] = p.buffered_ok;
-          row["detail"] = p.detail;
+          row["detail"] = MessageToPython(p.detail);
           out.append(row);
         }
         return out;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "paths.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/shared_checkpoint.hpp"
 #include "tensortier/shared_store.hpp"
@@ -116,7 +117,7 @@ void RegisterShared(py::module_& m) {
 
   m.def(
       "locate_torch_tensor",
-      [](const std::string& path, const std::string& key) -> py::object {
+      [](const FsPath& path, const std::string& key) -> py::object {
         TorchTensorLookup found;
         {
           py::gil_scoped_release release;

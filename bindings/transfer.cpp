@@ -13,6 +13,7 @@
 
 #include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
+#include "paths.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/cufile.hpp"
@@ -58,7 +59,7 @@ py::dict ResultToDict(const TransferResult& r) {
   stats["path"] = r.path;
   stats["copier"] = r.copier;
   stats["chunks"] = r.chunks;
-  stats["gds_reason"] = r.gds_reason;
+  stats["gds_reason"] = MessageToPython(r.gds_reason);  // may quote the path
   py::dict out;
   out["bytes"] = r.bytes;
   out["eof"] = r.eof;
@@ -210,7 +211,8 @@ void RegisterTransfer(py::module_& m) {
            "`gds`: 'off', 'auto' or 'on'; None for TENSORTIER_GDS (default off).")
       .def_property_readonly("file", &DeviceFile::file)
       .def_property_readonly("gds", &DeviceFile::gds)
-      .def_property_readonly("gds_reason", &DeviceFile::gds_reason);
+      .def_property_readonly("gds_reason",
+                             [](const DeviceFile& f) { return MessageToPython(f.gds_reason()); });
 
   py::class_<DeviceTransfer>(m, "DeviceTransfer")
       .def(py::init([](Engine& engine, std::optional<size_t> slots,

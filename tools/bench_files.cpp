@@ -61,9 +61,6 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
   spec.shuffle = args.Flag("shuffle");
   spec.seed = args.Unsigned("seed", 0);
   if (epochs == 0) throw std::invalid_argument("--epochs must be at least 1");
-  if (json && !IsUtf8(root)) {  // checked before the run: a JSON string holds only UTF-8
-    throw std::invalid_argument("--json: ROOT is not UTF-8, and JSON strings are UTF-8 only");
-  }
 
   SampleList list = ListFileRoot(root);
   ShardPlan plan(spec, list.paths.size());
@@ -98,7 +95,7 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
         "\"batch_size\": %llu, \"shuffle\": %s, \"cold\": %s, \"seconds\": %.6f, "
         "\"files_per_s\": %.1f, \"gbps\": %.4f, \"direct_bytes\": %llu, \"cached_bytes\": %llu, "
         "\"backend\": \"%s\"}\n",
-        JsonQuote(root, JsonEscapes::kTerminalControls).c_str(),
+        JsonQuoteBytes(root, JsonEscapes::kTerminalControls).c_str(),
         static_cast<unsigned long long>(files), static_cast<unsigned long long>(bytes), epochs,
         static_cast<unsigned long long>(spec.batch_size), spec.shuffle ? "true" : "false",
         cold ? "true" : "false", seconds, files_per_s, gbps,

@@ -13,10 +13,10 @@ The native API::
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any
 
 from . import _core
+from ._paths import fspath, PathArg
 from .checkpoint import IncompatibleKeys, StateDictMismatchError, load, load_into, save
 from .io import File, IOFuture, IOHandle, IOResult
 from .offload import DiskOffloader
@@ -57,10 +57,10 @@ def defaults() -> list[dict[str, Any]]:
     return list(_core.defaults())
 
 
-def probe_backends(directory: str | os.PathLike[str] = ".") -> list[dict[str, Any]]:
+def probe_backends(directory: PathArg = ".") -> list[dict[str, Any]]:
     """For each backend: compiled in, starts, verified O_DIRECT and buffered round trips in
     `directory`, and why not. The Python form of ``tensortier check``."""
-    return list(_core.probe_backends(os.fspath(directory)))
+    return list(_core.probe_backends(fspath(directory, "directory")))
 
 
 def aligned_empty(

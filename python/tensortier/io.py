@@ -13,10 +13,11 @@ from typing import Any, Iterable, Sequence, Union
 from . import _core
 from ._buffers import HostBuffer, host_buffer
 from ._notes import add_note
+from ._paths import fspath, PathArg
 from .device import device_buffer, is_cuda_tensor
 
 File = _core.File
-PathOrFile = Union[str, "os.PathLike[str]", File]
+PathOrFile = Union[PathArg, File]
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ class IOHandle:
         stage_reads: str | bool | None = None,
         bounce_idle_ms: int | None = None,
         direct: bool = True,
-        probe_dir: str | os.PathLike[str] | None = None,
+        probe_dir: PathArg | None = None,
         gds: str | None = None,
         bounce_slots: int | None = None,
         bounce_slot_size: int | None = None,
@@ -294,7 +295,7 @@ class IOHandle:
             stage_reads=({True: "on", False: "off"}[stage_reads] if isinstance(stage_reads, bool)
                          else stage_reads),
             bounce_idle_ms=bounce_idle_ms,
-            probe_dir=os.fspath(probe_dir) if probe_dir is not None else "",
+            probe_dir=fspath(probe_dir, "probe_dir") if probe_dir is not None else "",
             fault=_fault,
         )
         # The system calls of saves and loads outside the engine (open, fallocate, fdatasync,
@@ -339,7 +340,7 @@ class IOHandle:
         return self._core().bounce_bytes
 
     # -- files -----------------------------------------------------------------------------
-    def open(self, path: str | os.PathLike[str], mode: str = "r", *, direct: bool | None = None) -> File:
+    def open(self, path: PathArg, mode: str = "r", *, direct: bool | None = None) -> File:
         """Open `path` for this handle: 'r' read only; 'r+' read and write; 'w' create or
         truncate; 'a' create if missing and keep the contents ('w' and 'a' files can be read
         too, unlike Python's; writes go where the offset says, never appended).
@@ -348,14 +349,14 @@ class IOHandle:
             OSError: the file cannot be opened (FileNotFoundError, PermissionError...).
             ValueError: a bad mode.
         """
-        return File.open(os.fspath(path), mode, self._direct if direct is None else direct)
+        return File.open(fspath(path), mode, self._direct if direct is None else direct)
 
     def _file(self, file: PathOrFile, write: bool) -> File:
         if isinstance(file, File):
             if file.closed:
                 raise ValueError("file is closed")
             return file
-        if isinstance(file, (str, os.PathLike)):
+        if isinstance(file, (str, bytes, os.PathLike)):
             return self.open(file, "a" if write else "r")
         raise TypeError(f"file must be a path or a tensortier.File, not {type(file).__name__}")
 

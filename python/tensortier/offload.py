@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 from . import _core
 from ._notes import add_note
+from ._paths import fspath, PathArg
 from .io import _gds_mode
 
 __all__ = ["DiskOffloader", "OffloadedDataLostWarning"]
@@ -54,7 +55,7 @@ _BACKENDS = {
     "pthread": "threads",
 }
 
-PathLike = str | os.PathLike[str]
+PathLike = PathArg
 
 
 class _Entry:
@@ -158,9 +159,9 @@ class DiskOffloader:
         _device_copier: str = "cuda",
     ) -> None:
         dirs = (
-            [os.path.abspath(dir_name)]
-            if isinstance(dir_name, (str, os.PathLike))
-            else [os.path.abspath(d) for d in dir_name]
+            [os.path.abspath(fspath(dir_name, "dir_name"))]
+            if isinstance(dir_name, (str, bytes, os.PathLike))
+            else [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
         )
         if not dirs:
             raise ValueError("DiskOffloader needs at least one directory")
@@ -949,4 +950,4 @@ def remove_stale_files(directories: PathLike | Iterable[PathLike]) -> int:
     they start."""
     if isinstance(directories, (str, bytes, os.PathLike)):
         directories = [directories]  # one directory, not the characters of its name
-    return sum(int(_core.remove_stale_offload_files(os.fspath(d))) for d in directories)
+    return sum(int(_core.remove_stale_offload_files(fspath(d, "directories"))) for d in directories)

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from . import _core
+from ._paths import fspath, PathArg
 from .device import CudaError
 
 __all__ = ["Group", "SharedTensor", "attach", "LAYOUTS", "DEFAULT_TIMEOUT"]
@@ -819,7 +820,7 @@ class SharedTensor:
         else:
             self._group_barrier()
 
-    def load_files(self, paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
+    def load_files(self, paths: PathArg | Sequence[PathArg]) -> dict[str, Any]:
         """Collective: fills the tensor from raw row files whose concatenation, in order, is
         the whole tensor (as :meth:`store_files` writes them, or one file). Each rank reads only
         its own rows, through the engine (O_DIRECT where the filesystem allows, in parallel);
@@ -830,12 +831,13 @@ class SharedTensor:
             OSError: a file cannot be read.
         """
         self._require_member("load_files")
-        if isinstance(paths, (str, os.PathLike)):
+        if isinstance(paths, (str, bytes, os.PathLike)):
             paths = [paths]
-        sources = [(os.fspath(p), 0, os.stat(p).st_size) for p in paths]
+        names = [fspath(p, "paths[i]") for p in paths]
+        sources = [(p, 0, os.stat(p).st_size) for p in names]
         return self._read_rows(sources, "load_files")
 
-    def load_checkpoint(self, path: str | os.PathLike[str], key: str) -> dict[str, Any]:
+    def load_checkpoint(self, path: PathArg, key: str) -> dict[str, Any]:
         """Collective: fills the tensor from tensor `key` of a checkpoint, each rank reading only
         its rows (as :meth:`load_files`): a safetensors file, or a ``torch.save`` file whose
         tensors are found by their key path (``"feat"``, ``"model.emb.weight"``, as
@@ -854,7 +856,7 @@ class SharedTensor:
             raise TypeError(f"key must be a str, not {type(key).__name__}")
         from .checkpoint import _read_st_header, _sniff
 
-        path = os.fspath(path)
+        path = fspath(path)
         kind = _sniff(path)  # the C++ detection tensortier.load and the CLI use
         if kind == "index":
             raise ValueError(
@@ -880,7 +882,7 @@ class SharedTensor:
             )
         return self._read_rows([(path, offset, nbytes)], "load_checkpoint")
 
-    def store_files(self, prefix: str | os.PathLike[str]) -> list[str]:
+    def store_files(self, prefix: PathArg) -> list[str]:
         """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
         it) through the engine; returns every rank's file name in rank order (what
         :meth:`load_files` takes back) once all are written."""
@@ -888,7 +890,7 @@ class SharedTensor:
 
         self._require_member("store_files")
         world = len(self.partitions)
-        names = [f"{os.fspath(prefix)}_part_{r}_of_{world}" for r in range(world)]
+        names = [f"{fspath(prefix, 'prefix')}_part_{r}_of_{world}" for r in range(world)]
         data = self._local_bytes()
         with IOHandle() as io:
             f = io.open(names[self._rank()], "w")

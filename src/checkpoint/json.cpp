@@ -162,7 +162,7 @@ uint32_t ReadHex4(std::string_view text, size_t pos, bool& ok) {
 
 }  // namespace
 
-void JsonReader::AppendEscape(std::string& out) {
+void JsonReader::AppendEscape(std::string& out, JsonStrings strings) {
   // pos_ is on the character after the backslash.
   if (pos_ >= text_.size()) Fail("unterminated string");
   char c = text_[pos_++];
@@ -197,6 +197,10 @@ void JsonReader::AppendEscape(std::string& out) {
   uint32_t cp = ReadHex4(text_, pos_, ok);
   if (!ok) Fail("invalid \\u escape (needs 4 hex digits)");
   pos_ += 4;
+  if (strings == JsonStrings::kBytes && cp >= 0xDC80 && cp <= 0xDCFF) {
+    out += static_cast<char>(cp - 0xDC00);  // a byte that is not UTF-8, as surrogateescape
+    return;
+  }
   if (cp >= 0xDC00 && cp <= 0xDFFF) Fail("lone low surrogate in \\u escape");
   if (cp >= 0xD800 && cp <= 0xDBFF) {
     uint32_t low = 0;
@@ -212,7 +216,7 @@ void JsonReader::AppendEscape(std::string& out) {
   AppendCodePoint(out, cp);
 }
 
-std::string JsonReader::ReadString() {
+std::string JsonReader::ReadString(JsonStrings strings) {
   SkipSpace();
   if (pos_ >= text_.size() || text_[pos_] != '"') Fail("expected a string");
   ++pos_;
@@ -226,7 +230,7 @@ std::string JsonReader::ReadString() {
     }
     if (c == '\\') {
       ++pos_;
-      AppendEscape(out);
+      AppendEscape(out, strings);
     } else if (c < 0x20) {
       Fail("control character in string (must be escaped)");
     } else if (c < 0x80) {
@@ -270,8 +274,16 @@ bool IsUtf8(std::string_view s, bool surrogates) {
   return true;
 }
 
-std::string JsonQuote(std::string_view s, JsonEscapes escapes) {
-  static constexpr char kHex[] = "0123456789abcdef";
+namespace {
+
+constexpr char kHex[] = "0123456789abcdef";
+
+void AppendUnicodeEscape(std::string& out, uint32_t cp) {
+  out += "\\u";
+  for (int shift = 12; shift >= 0; shift -= 4) out += kHex[(cp >> shift) & 15];
+}
+
+std::string Quote(std::string_view s, JsonEscapes escapes, JsonStrings strings) {
   const bool terminal = escapes == JsonEscapes::kTerminalControls;
   std::string out;
   out.reserve(s.size() + 2);
@@ -282,11 +294,15 @@ std::string JsonQuote(std::string_view s, JsonEscapes escapes) {
       const auto* p = reinterpret_cast<const unsigned char*>(s.data()) + i;
       size_t n = Utf8Length(p, s.size() - i);
       if (n == 0) {
-        throw std::invalid_argument(StrCat("string is not valid UTF-8 at byte ", i));
+        if (strings == JsonStrings::kUtf8) {
+          throw std::invalid_argument(StrCat("string is not valid UTF-8 at byte ", i));
+        }
+        AppendUnicodeEscape(out, 0xDC00 + c);  // surrogateescape (JsonStrings::kBytes)
+        ++i;
+        continue;
       }
       if (const uint32_t cp = Utf8CodePoint(p, n); terminal && IsTerminalControl(cp)) {
-        out += "\\u";
-        for (int shift = 12; shift >= 0; shift -= 4) out += kHex[(cp >> shift) & 15];
+        AppendUnicodeEscape(out, cp);
       } else {
         out.append(s.substr(i, n));
       }
@@ -328,6 +344,16 @@ std::string JsonQuote(std::string_view s, JsonEscapes escapes) {
   }
   out += '"';
   return out;
+}
+
+}  // namespace
+
+std::string JsonQuote(std::string_view s, JsonEscapes escapes) {
+  return Quote(s, escapes, JsonStrings::kUtf8);
+}
+
+std::string JsonQuoteBytes(std::string_view bytes, JsonEscapes escapes) {
+  return Quote(bytes, escapes, JsonStrings::kBytes);
 }
 
 std::map<std::string, std::string> ParseJsonStringMap(std::string_view text,

@@ -12,6 +12,14 @@
 
 namespace tensortier {
 
+// What a JSON string may hold. kUtf8: text (RFC 8259; a lone surrogate escape is an error).
+// kBytes: a file name, which on Linux is any bytes: each byte that is not part of well-formed
+// UTF-8 is the escape \udcXX of a lone low surrogate U+DC80..U+DCFF (byte 0x80..0xFF), the
+// "surrogateescape" of PEP 383. Python's json.dumps(os.fsdecode(name)) writes exactly this, and
+// os.fsencode(json.loads(text)) restores the bytes. Unambiguous: well-formed UTF-8 never holds a
+// surrogate, so a name's UTF-8 characters stay themselves and only its other bytes are escaped.
+enum class JsonStrings { kUtf8, kBytes };
+
 class JsonReader {
  public:
   // `what` prefixes every error message ("safetensors header").
@@ -26,7 +34,8 @@ class JsonReader {
   bool Consume(char c);
   // Consumes the literal `null` if it is next.
   bool ConsumeNull();
-  std::string ReadString();
+  // kBytes also takes a lone \udc80..\udcff escape, as the byte 0x80..0xff (JsonStrings).
+  std::string ReadString(JsonStrings strings = JsonStrings::kUtf8);
   // A non-negative integer without sign, fraction or exponent, fitting in 64 bits.
   uint64_t ReadUint();
   // Checks and passes over one value of any kind (containers nested at most kMaxSkipDepth deep,
@@ -41,7 +50,7 @@ class JsonReader {
   [[noreturn]] void Fail(std::string_view message) const;
 
  private:
-  void AppendEscape(std::string& out);
+  void AppendEscape(std::string& out, JsonStrings strings);
   void SkipNumber();
   void SkipLiteral();
   // Reads `"key":` of an object member.
@@ -65,6 +74,9 @@ enum class JsonEscapes { kRequired, kTerminalControls };
 
 // `s` as a JSON string literal, quotes included. Throws std::invalid_argument if `s` is not UTF-8.
 std::string JsonQuote(std::string_view s, JsonEscapes escapes = JsonEscapes::kRequired);
+// `bytes` (a file name) as a JSON string literal: like JsonQuote, and each byte that is not part
+// of well-formed UTF-8 written \udcXX (JsonStrings::kBytes). Never throws.
+std::string JsonQuoteBytes(std::string_view bytes, JsonEscapes escapes = JsonEscapes::kRequired);
 
 // Parses a JSON object whose values are all strings ({"a": "x", ...}); duplicate keys are an
 // error. Throws FormatError prefixed with `what`.

@@ -292,12 +292,6 @@ class Mapper {
   MapOutcome Map(const std::string& relative) {
     MapOutcome out;
     const std::string full = (fs::path(map_.root) / relative).string();
-    try {
-      (void)JsonQuote(relative);
-    } catch (const std::invalid_argument&) {
-      out.refusal = "its name is not UTF-8 (a map is JSON text)";
-      return out;
-    }
     // Looked at before it is opened: sockets cannot be opened, and devices and FIFOs should not be.
     struct stat first{};
     if (stat(full.c_str(), &first) != 0) ThrowIoError(errno, "stat", full);

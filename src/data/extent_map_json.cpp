@@ -49,7 +49,7 @@ class MapParser {
                                 ExtentMap::kVersion, ")"));
                }
              } else if (key == "root") {
-               map.root = String(key);
+               map.root = Path(key);
                if (!fs::path(map.root).is_absolute() ||
                    fs::path(map.root).lexically_normal().string() != map.root ||
                    map.root.find('\0') != std::string::npos) {
@@ -71,7 +71,7 @@ class MapParser {
     // Sorted by path, each once: ExtentMap::Find searches by halves.
     for (size_t i = 1; i < map.files.size(); ++i) {
       if (map.files[i].path <= map.files[i - 1].path) {
-        r_.Fail(StrCat("file ", JsonQuote(map.files[i].path),
+        r_.Fail(StrCat("file ", JsonQuoteBytes(map.files[i].path),
                        " is out of order or listed twice (files are sorted by path)"));
       }
     }
@@ -112,6 +112,12 @@ class MapParser {
   std::string String(const std::string& key) {
     if (r_.Peek() != '"') r_.Fail(StrCat(key, " is not a string"));
     return r_.ReadString();
+  }
+
+  // A file name: any bytes, those that are not UTF-8 written \udcXX (JsonStrings::kBytes).
+  std::string Path(const std::string& key) {
+    if (r_.Peek() != '"') r_.Fail(StrCat(key, " is not a string"));
+    return r_.ReadString(JsonStrings::kBytes);
   }
 
   uint64_t Uint(const std::string& key, uint64_t max = kMaxOffset) {
@@ -195,7 +201,7 @@ class MapParser {
     Object("a file",
            [&](const std::string& key) {
              if (key == "path") {
-               f.path = String(key);
+               f.path = Path(key);
              } else if (key == "device") {
                f.device = static_cast<uint32_t>(Uint(key, UINT32_MAX));
                have_device = true;
@@ -225,7 +231,7 @@ class MapParser {
              return true;
            },
            {"path", "device", "inode", "size", "mtime_ns", "ctime_ns", "extents"});
-    const std::string name = StrCat("file ", JsonQuote(f.path));  // escaped: it may hold a NUL
+    const std::string name = StrCat("file ", JsonQuoteBytes(f.path));  // escaped: it may hold a NUL
     if (!ValidRelativePath(f.path)) {
       r_.Fail(StrCat(name, ": path is not relative to the root (or has '.', '..' or '//')"));
     }
@@ -272,7 +278,7 @@ class MapParser {
     Object("a refused file",
            [&](const std::string& key) {
              if (key == "path")
-               f.path = String(key);
+               f.path = Path(key);
              else if (key == "reason")
                f.reason = String(key);
              else
@@ -281,7 +287,7 @@ class MapParser {
            },
            {"path", "reason"});
     if (!ValidRelativePath(f.path))
-      r_.Fail(StrCat("refused file ", JsonQuote(f.path), ": bad path"));
+      r_.Fail(StrCat("refused file ", JsonQuoteBytes(f.path), ": bad path"));
     return f;
   }
 
@@ -294,7 +300,7 @@ class MapParser {
 std::string ExtentMapToJson(const ExtentMap& map) {
   std::string out;
   out += StrCat("{\n  \"format\": ", JsonQuote(kFormat), ",\n  \"version\": ", ExtentMap::kVersion,
-                ",\n  \"root\": ", JsonQuote(map.root), ",\n  \"devices\": [");
+                ",\n  \"root\": ", JsonQuoteBytes(map.root), ",\n  \"devices\": [");
   for (size_t i = 0; i < map.devices.size(); ++i) {
     const MappedDevice& d = map.devices[i];
     out += StrCat(
@@ -306,7 +312,7 @@ std::string ExtentMapToJson(const ExtentMap& map) {
   out += map.devices.empty() ? "],\n  \"files\": [" : "\n  ],\n  \"files\": [";
   for (size_t i = 0; i < map.files.size(); ++i) {
     const MappedFile& f = map.files[i];
-    out += StrCat(i == 0 ? "\n" : ",\n", "    {\"path\": ", JsonQuote(f.path),
+    out += StrCat(i == 0 ? "\n" : ",\n", "    {\"path\": ", JsonQuoteBytes(f.path),
                   ", \"device\": ", f.device, ", \"inode\": ", f.identity.inode,
                   ", \"size\": ", f.identity.size, ", \"mtime_ns\": ", f.identity.mtime_ns,
                   ", \"ctime_ns\": ", f.identity.ctime_ns, ", \"extents\": [");
@@ -318,7 +324,7 @@ std::string ExtentMapToJson(const ExtentMap& map) {
   }
   out += map.files.empty() ? "],\n  \"refused\": [" : "\n  ],\n  \"refused\": [";
   for (size_t i = 0; i < map.refused.size(); ++i) {
-    out += StrCat(i == 0 ? "\n" : ",\n", "    {\"path\": ", JsonQuote(map.refused[i].path),
+    out += StrCat(i == 0 ? "\n" : ",\n", "    {\"path\": ", JsonQuoteBytes(map.refused[i].path),
                   ", \"reason\": ", JsonQuote(map.refused[i].reason), "}");
   }
   out += map.refused.empty() ? "]\n}\n" : "\n  ]\n}\n";

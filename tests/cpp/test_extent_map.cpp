@@ -18,6 +18,7 @@
 #include "tensortier/extent_map.hpp"
 #include "tensortier/extent_reader.hpp"
 #include "tensortier/format_error.hpp"
+#include "tensortier/json.hpp"
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
@@ -154,6 +155,53 @@ TEST(ExtentMapTest, ParseRefusesBadMaps) {
   ExpectRefused(json + "x", "");
 }
 
+// File names are bytes: what is not UTF-8 is written \udcXX, as Python's json.dumps writes a name
+// os.fsdecode gave, and read back to the same bytes; text fields stay strict.
+TEST(ExtentMapTest, JsonStringsOfBytes) {
+  EXPECT_EQ(JsonQuoteBytes("a\xFF/b\x80"), R"("a\udcff/b\udc80")");
+  EXPECT_EQ(JsonQuoteBytes("\xC3\xA9\xE6\xA8\xA1"), "\"\xC3\xA9\xE6\xA8\xA1\"");  // UTF-8 stays
+  // The UTF-8 form of a surrogate, and a truncated sequence, are not UTF-8: each byte escaped.
+  EXPECT_EQ(JsonQuoteBytes("\xED\xB3\xBF"), R"("\udced\udcb3\udcbf")");
+  EXPECT_EQ(JsonQuoteBytes("x\xC3"), R"("x\udcc3")");
+  EXPECT_EQ(JsonQuoteBytes("\x1B\xFF", JsonEscapes::kTerminalControls), R"("\u001b\udcff")");
+  EXPECT_THROW(JsonQuote("a\xFF"), std::invalid_argument);
+  for (const std::string& bytes : {std::string("a\xFF\x80z"), std::string("\xED\xB3\xBF"),
+                                   std::string("\xC3\xA9\xC3"), std::string("\0\x7F\x80\"", 4)}) {
+    const std::string quoted = JsonQuoteBytes(bytes);
+    JsonReader r(quoted, "test");  // it reads the text in place: kept alive here
+    EXPECT_EQ(r.ReadString(JsonStrings::kBytes), bytes);
+    r.ExpectEnd();
+  }
+  // Escaped bytes that together are UTF-8 decode to those bytes (as os.fsencode does).
+  EXPECT_EQ(JsonReader(R"("\udcc3\udca9")", "t").ReadString(JsonStrings::kBytes), "\xC3\xA9");
+  // A pair is a character, in both modes.
+  EXPECT_EQ(JsonReader(R"("\ud83d\ude00")", "t").ReadString(JsonStrings::kBytes),
+            "\xF0\x9F\x98\x80");
+  // Only U+DC80..U+DCFF stand for bytes; text strings take no lone surrogate at all.
+  EXPECT_THROW(JsonReader(R"("\udcff")", "t").ReadString(), FormatError);
+  EXPECT_THROW(JsonReader(R"("\udc7f")", "t").ReadString(JsonStrings::kBytes), FormatError);
+  EXPECT_THROW(JsonReader(R"("\udd00")", "t").ReadString(JsonStrings::kBytes), FormatError);
+  EXPECT_THROW(JsonReader(R"("\ud800")", "t").ReadString(JsonStrings::kBytes), FormatError);
+  EXPECT_THROW(JsonReader("\"\xFF\"", "t").ReadString(JsonStrings::kBytes), FormatError);
+}
+
+TEST(ExtentMapTest, PathsThatAreNotUtf8RoundTrip) {
+  ExtentMap map = SampleMap();
+  map.root = "/data/s\xE9t";
+  map.files[0].path = "a/one\xFF.jpg";  // still before "a/two..."
+  map.refused.push_back({"\x80\xED\xB3\xBF", "not a regular file"});
+  const std::string json = ExtentMapToJson(map);
+  EXPECT_NE(json.find(R"("root": "/data/s\udce9t")"), std::string::npos) << json;
+  EXPECT_NE(json.find(R"("a/one\udcff.jpg")"), std::string::npos) << json;
+  EXPECT_TRUE(IsUtf8(json));
+  EXPECT_EQ(ParseExtentMap(json, "test"), map);
+  EXPECT_EQ(map.FullPath(0), "/data/s\xE9t/a/one\xFF.jpg");
+  // Other strings stay text, and other lone surrogates stay refused.
+  ExpectRefused(Edited("\"ext4\"", "\"ext\\udcff\""), "lone low surrogate");
+  ExpectRefused(Edited("a/one.jpg", "a/one\\udc41.jpg"), "lone low surrogate");
+  ExpectRefused(Edited("\"reason\"", "\"\\udcffreason\""), "lone low surrogate");
+}
+
 TEST(ExtentMapTest, ParseTakesTheSmallestTime) {
   const ExtentMap map =
       ParseExtentMap(Edited("\"ctime_ns\": -5", "\"ctime_ns\": -9223372036854775808"), "map.json");
@@ -254,6 +302,23 @@ TEST_F(ExtentMapDiskTest, BuildVerifyAndReadRaw) {
   EXPECT_THROW(reader.ReadBatch({&small, 1}), std::invalid_argument);
   const ExtentReadRequest bad{map.files.size(), out[0].data(), 10};
   EXPECT_THROW(reader.ReadBatch({&bad, 1}), std::out_of_range);
+}
+
+TEST_F(ExtentMapDiskTest, NamesThatAreNotUtf8AreMapped) {
+  Write("c\xFF/\xE9.bin", RandomBytes(5000, 7));
+  Write("ok", RandomBytes(100, 8));
+  ExtentMap map;
+  try {
+    map = BuildExtentMap(dir_.string());
+  } catch (const IoError& e) {
+    GTEST_SKIP() << "the scratch folder cannot be mapped here: " << e.what();
+  }
+  ASSERT_EQ(map.files.size(), 2u);
+  EXPECT_TRUE(map.refused.empty());
+  EXPECT_EQ(map.files[0].path, "c\xFF/\xE9.bin");
+  EXPECT_EQ(map.Find((dir_ / "c\xFF/\xE9.bin").string()), 0u);
+  EXPECT_EQ(ParseExtentMap(ExtentMapToJson(map), "x"), map);
+  EXPECT_TRUE(VerifyExtentMap(map).empty());
 }
 
 TEST_F(ExtentMapDiskTest, RefusalsNameTheFile) {

@@ -4,6 +4,7 @@ extents, on a loop-mounted ext4 image (test_extents.py's fixtures; root only).""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from test_extents import (  # noqa: F401  (loop_fs is a fixture)
     loop_fs,
 )
 
-from tensortier.data import FileReader, build_extent_map, load_extent_map
+from tensortier.data import FileReader, build_extent_map, load_extent_map, verify_extent_map
 
 
 def _training_set(root: Path) -> dict[str, bytes]:
@@ -230,3 +231,38 @@ def test_a_root_reached_through_a_symbolic_link_uses_the_map(loop_fs: LoopFilesy
     (other / "c0/a.jpg").write_bytes(b"abc")
     with pytest.raises(ValueError, match="holds none of the"):
         FileReader(file_root=link, extent_map=build_extent_map(other, tmp_path / "other.json"))
+
+
+def test_names_that_are_not_utf8_are_mapped_and_read_raw(loop_fs: LoopFilesystem,
+                                                         tmp_path: Path) -> None:
+    """A file name is bytes: the map holds one that is not UTF-8 as \\udcXX escapes (what
+    json.dumps(os.fsdecode(name)) writes), and the reader finds and reads it by its map."""
+    root = os.fsencode(loop_fs.mount / "train")
+    names = [b"c\xff/a\xe9.jpg", b"c\xff/ok.jpg", b"d/\xed\xb3\xbf.jpg"]
+    files = {}
+    for i, name in enumerate(names):
+        os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+        files[name] = _bytes(4096 * (i + 1) + 7, 50 + i)
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(files[name])
+    out = tmp_path / "map.json"
+    extent_map = build_extent_map(root, os.fsencode(out))
+    assert extent_map.refused == []
+    assert sorted(os.fsencode(p) for p in extent_map.paths) == sorted(names)
+    doc = json.loads(out.read_text(encoding="utf-8"))  # the file is UTF-8 text
+    assert "\\udcff" in out.read_text(encoding="utf-8")
+    assert sorted(os.fsencode(f["path"]) for f in doc["files"]) == sorted(names)
+    assert os.fsencode(doc["root"]) == root
+    assert load_extent_map(out) == extent_map
+    assert verify_extent_map(out) == []
+    reader = FileReader(file_root=root, batch_size=8, shuffle=False, extent_map=out)
+    (samples, labels), = list(reader)
+    got = {os.fsencode(p): s.numpy().tobytes() for p, s in zip(reader.files, samples)}
+    assert got == {os.path.join(root, n): files[n] for n in names}
+    assert labels.tolist() == [0, 0, 1]  # classes c\xff and d, in DALI's (byte) order
+    assert reader.stats["raw_files"] == 3 and reader.stats["fallback_files"] == 0
+    # verify names a changed file as the str that encodes back to its bytes.
+    with open(os.path.join(root, names[0]), "ab") as f:
+        f.write(b"more")
+    (changed, _), = verify_extent_map(extent_map)
+    assert os.fsencode(changed) == names[0]

@@ -10,9 +10,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from .. import _core
+from .._paths import PathArg
 
 
-PathLike = str | os.PathLike[str]
+PathLike = PathArg
 
 _T = TypeVar("_T")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Mapping
 from typing import Any, BinaryIO
 
@@ -11,6 +10,7 @@ from ..io import IOHandle
 from . import _common
 from ._common import _is_file_object, _memfd_copy, _target_dtype
 from ._format import _sniff, _torch, PathLike
+from .._paths import fspath as _fspath
 from .index import _load_index
 from .mapping import _Placement, _Readahead
 from .safetensors import _load_safetensors
@@ -133,7 +133,7 @@ def load(
     io = _io if _io is not None else _common._default_io()
     with contextlib.ExitStack() as stack:
         streamed = _is_file_object(path, "read")
-        fspath = stack.enter_context(_memfd_copy(path)) if streamed else os.fspath(path)
+        fspath = stack.enter_context(_memfd_copy(path)) if streamed else _fspath(path)
         try:
             return _load_path(fspath, dev, target_dtype, verify, progress, io, mmap, placement,
                               streamed)

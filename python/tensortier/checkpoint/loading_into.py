@@ -12,6 +12,7 @@ from ..io import File, IOHandle
 from . import _common, _format, _reading, safetensors, unpickler
 from ._common import _a, _checksum_mismatch, _crc32, _nbytes, _same_file
 from ._format import _sniff, _torch, CHECKSUM_KEY, PathLike
+from .._paths import fspath as _fspath
 from ._progress import _Progress
 from ._reading import _Piece
 from ._writing import _open_checkpoint
@@ -98,7 +99,7 @@ def load_into(
             "memory first (module.to_empty(device='cpu'))"
         )
     io = _io if _io is not None else _common._default_io()
-    fspath = os.fspath(path)
+    fspath = _fspath(path)
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
     try:
         sources = _describe_sources(fspath, io, files, verify)  # name -> _Source

@@ -12,6 +12,7 @@ from ..io import IOHandle
 from . import _common
 from ._common import _is_file_object, _save_format, _STREAM_CHUNK
 from ._format import PathLike
+from .._paths import fspath
 from .safetensors import _save_safetensors
 from .torch_save import _save_torch
 
@@ -66,6 +67,7 @@ def save(
             with open(staged, "rb") as f:
                 shutil.copyfileobj(f, path, _STREAM_CHUNK)  # type: ignore[misc]
         return
+    path = fspath(path)
     fmt = _save_format(path, format)
     if metadata is not None:
         if fmt != "safetensors":
@@ -85,7 +87,7 @@ def save(
         else:
             _save_torch(state_dict, path, checksum, io)
     except OSError as e:
-        raise _save_error(e, os.fspath(path)) from e
+        raise _save_error(e, path) from e
 
 
 def _save_error(e: OSError, given: str) -> OSError:

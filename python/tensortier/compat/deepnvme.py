@@ -41,6 +41,7 @@ import weakref
 from typing import Any, NamedTuple
 
 from .. import _core
+from .._paths import fspath
 from ..io import IOFuture, IOHandle
 
 __all__ = [
@@ -384,7 +385,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             if op == "write" and flags & os.O_ACCMODE == os.O_RDONLY:
                 raise OSError(errno.EBADF, f"{what}: file descriptor {descriptor} is read-only")
             filename = f"/proc/self/fd/{descriptor}"
-        path = os.fspath(filename)
+        path = fspath(filename, "filename")
         if op == "read":
             try:
                 os.stat(path)

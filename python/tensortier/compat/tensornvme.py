@@ -21,6 +21,7 @@ parameter's ``.data``, ``ValueError`` for misuse).
 
 from __future__ import annotations
 
+import os
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from typing import Any
 
 from .. import _core
 from .. import offload as _offload
+from .._paths import fspath
 
 __all__ = ["DiskOffloader", "get_backends"]
 
@@ -52,6 +54,10 @@ class DiskOffloader(_offload.DiskOffloader):
     Takes the arguments of ``tensortier.DiskOffloader``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        dir_name = args[0] if args else kwargs.get("dir_name")
+        if isinstance(dir_name, (str, bytes, os.PathLike)):
+            # TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
+            fspath(dir_name, "dir_name", bytes_ok=False)
         super().__init__(*args, **kwargs)
         self._groups: dict[_Key, tuple[weakref.ref[Any], ...]] = {}
         self._member: dict[int, _Key] = {}  # id(tensor) -> the key it was last written under

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.utils.data
 
+from .._paths import PathArg
 from .reader import FileReader, resolve_inputs
 
 
@@ -36,9 +36,9 @@ class FileDataset(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        file_root: str | os.PathLike[str] | None = None,
-        file_list: str | os.PathLike[str] | None = None,
-        files: Sequence[str | os.PathLike[str]] | None = None,
+        file_root: PathArg | None = None,
+        file_list: PathArg | None = None,
+        files: Sequence[PathArg] | None = None,
         labels: Sequence[int] | None = None,
         batch_size: int = 256,
         shuffle: bool = True,

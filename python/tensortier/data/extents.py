@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Sequence, Union
+from typing import Any, Sequence
 
 from .. import _core
+from .._paths import fspath, PathArg
 from .._buffers import host_buffer
 
 ExtentMap = _core.ExtentMap
-PathLike = Union[str, "os.PathLike[str]"]
+PathLike = PathArg
 
 __all__ = [
     "ExtentMap",
@@ -58,10 +59,10 @@ def build_extent_map(
             refused files, unless `allow_refused`).
         ValueError: a file of `files` is not under `root`, or is listed twice.
     """
-    listed = None if files is None else [os.fspath(f) for f in files]
-    extent_map = _core.ExtentMap.build(os.fspath(root), listed, allow_refused)
+    listed = None if files is None else [fspath(f, "files[i]") for f in files]
+    extent_map = _core.ExtentMap.build(fspath(root, "root"), listed, allow_refused)
     if output is not None:
-        extent_map.save(os.fspath(output))
+        extent_map.save(fspath(output, "output"))
     return extent_map
 
 
@@ -72,13 +73,13 @@ def load_extent_map(path: PathLike) -> ExtentMap:
         OSError: the file cannot be read.
         ValueError: it is not a valid extent map (the message says where and why).
     """
-    return _core.ExtentMap.load(os.fspath(path))
+    return _core.ExtentMap.load(fspath(path))
 
 
 def _as_map(extent_map: ExtentMap | PathLike) -> ExtentMap:
     if isinstance(extent_map, _core.ExtentMap):
         return extent_map
-    if isinstance(extent_map, (str, os.PathLike)):
+    if isinstance(extent_map, (str, bytes, os.PathLike)):
         return load_extent_map(extent_map)
     raise TypeError(f"{type(extent_map).__name__} is not an ExtentMap or a path to one")
 
@@ -123,14 +124,15 @@ class ExtentReader:
         self.last_stats: dict[str, Any] = {}
 
     def _index(self, file: int | PathLike) -> int:
-        if not isinstance(file, (str, os.PathLike)):
+        if not isinstance(file, (str, bytes, os.PathLike)):
             index = operator.index(file)
             if not 0 <= index < len(self.map):
                 raise IndexError(f"file index {index} is not in the map ({len(self.map)} files)")
             return index
-        found = self.map.find(os.fspath(file))
+        path = fspath(file, "file")
+        found = self.map.find(path)
         if found is None:
-            raise ValueError(f"{os.fspath(file)!r} is not in the extent map of {self.map.root}")
+            raise ValueError(f"{path!r} is not in the extent map of {self.map.root!r}")
         return int(found)
 
     def read(self, files: Sequence[int | PathLike], out: Sequence[Any] | None = None) -> list[Any]:

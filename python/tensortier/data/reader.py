@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .. import _core
+from .._paths import fspath, PathArg
 from .extents import ExtentMap, _as_map
 
 _ON_ERROR = ("raise", "skip")
@@ -26,9 +27,9 @@ def _globs(name: str, value: str | Sequence[str] | None) -> list[str] | None:
 
 
 def resolve_inputs(
-    file_root: str | os.PathLike[str] | None,
-    file_list: str | os.PathLike[str] | None,
-    files: Sequence[str | os.PathLike[str]] | None,
+    file_root: PathArg | None,
+    file_list: PathArg | None,
+    files: Sequence[PathArg] | None,
     labels: Sequence[int] | None,
     check_files: bool = True,
     file_filters: str | Sequence[str] | None = None,
@@ -47,13 +48,13 @@ def resolve_inputs(
     """
     file_filters = _globs("file_filters", file_filters)
     dir_filters = _globs("dir_filters", dir_filters)
-    root = os.fspath(file_root) if file_root is not None else None
+    root = fspath(file_root, "file_root") if file_root is not None else None
     if files is not None and file_list is not None:
         raise ValueError("give file paths through files= or file_list=, not both")
     if labels is not None and files is None:
         raise ValueError("labels= is valid only with files=")
     if files is not None:
-        paths = [os.fspath(f) for f in files]
+        paths = [fspath(f, "files[i]") for f in files]
         if not paths:
             raise ValueError("files= is an empty list")
         if root is not None:
@@ -65,7 +66,7 @@ def resolve_inputs(
             if len(label_list) != len(paths):
                 raise ValueError(f"{len(label_list)} labels given for {len(paths)} files")
     elif file_list is not None:
-        paths, label_list = _core.read_file_list(os.fspath(file_list), root or "")
+        paths, label_list = _core.read_file_list(fspath(file_list, "file_list"), root or "")
     elif root is not None:
         paths, label_list = _core.list_file_root(root, file_filters, bool(case_sensitive_filter),
                                                  dir_filters)
@@ -135,9 +136,9 @@ class FileReader:
 
     def __init__(
         self,
-        file_root: str | os.PathLike[str] | None = None,
-        file_list: str | os.PathLike[str] | None = None,
-        files: Sequence[str | os.PathLike[str]] | None = None,
+        file_root: PathArg | None = None,
+        file_list: PathArg | None = None,
+        files: Sequence[PathArg] | None = None,
         labels: Sequence[int] | None = None,
         batch_size: int = 256,
         shuffle: bool = True,
@@ -150,7 +151,7 @@ class FileReader:
         prefetch: int = 2,
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
-        extent_map: ExtentMap | str | os.PathLike[str] | None = None,
+        extent_map: ExtentMap | PathArg | None = None,
         *,
         file_filters: str | Sequence[str] | None = None,
         case_sensitive_filter: bool = False,
