@@ -3,8 +3,7 @@
 //
 // Contract (like liburing): per-request results are a byte count or -errno, delivered as
 // completions; only a failure of the submission mechanism itself throws. A backend instance is
-// used by one thread at a time (each engine worker owns one), except Wake(), which any thread
-// may call.
+// used by one thread at a time (each engine worker owns one).
 #pragma once
 
 #include <atomic>
@@ -27,11 +26,8 @@ struct IoRequest {
   void* buf;
   uint64_t len;
   uint64_t offset;
-  uint64_t user_data;  // returned in the completion; any value but kWakeUserData
+  uint64_t user_data;
 };
-
-// Reserved: a backend's own wait for Wake() carries it in its ring.
-inline constexpr uint64_t kWakeUserData = UINT64_MAX;
 
 struct IoCompletion {
   uint64_t user_data;
@@ -56,15 +52,8 @@ class Backend {
   // Starts all `requests`. REQUIRES: in-flight count + requests.size() <= depth().
   // Throws IoError if the submission itself fails; then none of `requests` is in flight.
   virtual void Submit(std::span<const IoRequest> requests) = 0;
-  // Stores up to out.size() completions; blocks until at least `min_wait` exist, or until a
-  // Wake(): then returns those at hand, possibly fewer than `min_wait` (none). With fewer than
-  // `min_wait` requests in flight only a Wake() ends the wait.
+  // Stores up to out.size() completions; blocks until at least `min_wait` (<= in flight) exist.
   virtual size_t Reap(std::span<IoCompletion> out, unsigned min_wait) = 0;
-  // Makes the Reap() in progress on the owning thread return without waiting for `min_wait`, or
-  // else the next one. Several Wake()s may end one Reap(), and one may also end the Reap() after
-  // (callers loop). Thread-safe: another thread that made work for the owner (a copy out of a
-  // bounce buffer finished) calls it while the owner waits for the disk.
-  virtual void Wake() noexcept = 0;
 };
 
 // Creates a backend of `depth` entries. Throws std::system_error (e.g. ENOSYS, EPERM when

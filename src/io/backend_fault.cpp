@@ -67,8 +67,6 @@ class FaultInjectingBackend final : public Backend {
     return n;
   }
 
-  void Wake() noexcept override { inner_->Wake(); }
-
  private:
   std::unique_ptr<Backend> inner_;
   std::shared_ptr<FaultInjector> injector_;

@@ -43,20 +43,11 @@ class ThreadPoolBackend final : public Backend {
 
   size_t Reap(std::span<IoCompletion> out, unsigned min_wait) override {
     std::unique_lock lock(mu_);
-    done_cv_.wait(lock, [&] { return done_.size() >= min_wait || woken_; });
-    woken_ = false;
+    done_cv_.wait(lock, [&] { return done_.size() >= min_wait; });
     size_t n = std::min(out.size(), done_.size());
     std::copy_n(done_.begin(), n, out.begin());
     done_.erase(done_.begin(), done_.begin() + static_cast<ptrdiff_t>(n));
     return n;
-  }
-
-  void Wake() noexcept override {
-    {
-      std::lock_guard lock(mu_);
-      woken_ = true;
-    }
-    done_cv_.notify_one();
   }
 
  private:
@@ -99,7 +90,6 @@ class ThreadPoolBackend final : public Backend {
   std::deque<IoRequest> queue_;
   std::deque<IoCompletion> done_;
   bool stopping_ = false;
-  bool woken_ = false;   // a Wake() not yet seen by Reap()
   ThreadGroup threads_;  // last: stopped and joined before the members they use go
 };
 

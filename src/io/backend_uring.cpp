@@ -8,9 +8,6 @@
 
 #ifdef TENSORTIER_HAVE_LIBURING
 #include <liburing.h>
-#include <poll.h>
-
-#include "wake_event.hpp"
 #endif
 
 namespace tensortier {
@@ -60,50 +57,21 @@ class UringBackend final : public Backend {
 
   size_t Reap(std::span<IoCompletion> out, unsigned min_wait) override {
     size_t n = 0;
-    bool woken = false;
     while (n < out.size()) {
-      const bool wait = n < min_wait && !woken;
-      if (wait && !wake_polled_) PollWake();
       io_uring_cqe* cqe = nullptr;
-      int rc = wait ? io_uring_wait_cqe(&ring_, &cqe) : io_uring_peek_cqe(&ring_, &cqe);
-      if (rc == -EAGAIN || (rc == -EINTR && !wait)) break;
+      int rc = n < min_wait ? io_uring_wait_cqe(&ring_, &cqe) : io_uring_peek_cqe(&ring_, &cqe);
+      if (rc == -EAGAIN || (rc == -EINTR && n >= min_wait)) break;
       if (rc == -EINTR) continue;
       if (rc < 0) ThrowSystemError(-rc, "io_uring_wait_cqe");
-      const uint64_t data = io_uring_cqe_get_data64(cqe);
-      if (data == kWakeUserData) {
-        wake_.Clear();  // before the next poll, which then fires for any later Wake()
-        wake_polled_ = false;
-        woken = true;
-      } else {
-        out[n++] = {data, cqe->res};
-      }
+      out[n++] = {io_uring_cqe_get_data64(cqe), cqe->res};
       io_uring_cqe_seen(&ring_, cqe);
     }
     return n;
   }
 
-  void Wake() noexcept override { wake_.Signal(); }
-
  private:
-  // Polls the wake event in this ring (one shot: polled again before the next wait after it
-  // fires). Other threads never touch the ring: they signal the event.
-  void PollWake() {
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    if (sqe == nullptr) ThrowSystemError(EBUSY, "io_uring_get_sqe: the submission queue is full");
-    io_uring_prep_poll_add(sqe, wake_.fd(), POLLIN);
-    io_uring_sqe_set_data64(sqe, kWakeUserData);
-    int rc;
-    do {
-      rc = io_uring_submit(&ring_);
-    } while (rc == -EINTR);
-    if (rc < 0) ThrowSystemError(-rc, "io_uring_submit (poll of the wake event)");
-    wake_polled_ = true;
-  }
-
   unsigned depth_;
   io_uring ring_{};
-  WakeEvent wake_;
-  bool wake_polled_ = false;  // a poll of wake_ is in the ring
 };
 
 }  // namespace

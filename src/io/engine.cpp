@@ -208,10 +208,7 @@ class Worker {
     std::lock_guard lock(mu_);
     copied_.push_back({t, bytes});
     // Notified under the lock: once it is released the worker may finish and be destroyed.
-    // Idle, it waits on cv_; with requests in flight, in the backend's Reap, where the staging
-    // budget this copy frees would otherwise wait for the next disk completion.
     cv_.notify_one();
-    backend_->Wake();
   }
 
   void Enqueue(std::vector<std::unique_ptr<Task>>& tasks) {

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -249,7 +248,6 @@ class SubmitRecorder : public Backend {
   size_t Reap(std::span<IoCompletion> out, unsigned min_wait) override {
     return inner_->Reap(out, min_wait);
   }
-  void Wake() noexcept override { inner_->Wake(); }
 
  private:
   std::unique_ptr<Backend> inner_;
@@ -1495,176 +1493,6 @@ TEST_P(EngineTest, StagedScatterReadOfManyPiecesFromThreads) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(failures, std::vector<int>(4, 0));
 }
-
-// ---------------------------------------------------------------------------------------------
-// Waking a worker that waits for the disk
-
-// Requests on one descriptor held back from the disk until Open(): a request in flight for as
-// long as a test wants. Shared by the test and the GatedBackend of an engine's one worker, which
-// counts the other requests it sends on.
-class Gate {
- public:
-  explicit Gate(int fd) : fd_(fd) {}
-  int fd() const { return fd_; }
-  bool is_open() const {
-    std::lock_guard lock(mu_);
-    return open_;
-  }
-  // Lets the held requests go to the disk (any thread): wakes the backend to send them.
-  void Open() {
-    std::lock_guard lock(mu_);
-    open_ = true;
-    if (backend_ != nullptr) backend_->Wake();
-  }
-  void Attach(Backend* backend) {
-    std::lock_guard lock(mu_);
-    backend_ = backend;
-  }
-  void Forwarded(size_t n) {
-    {
-      std::lock_guard lock(mu_);
-      forwarded_ += n;
-    }
-    cv_.notify_all();
-  }
-  // Whether `n` requests on other descriptors were sent on within `timeout`.
-  bool WaitForwarded(size_t n, std::chrono::seconds timeout) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return forwarded_ >= n; });
-  }
-
- private:
-  const int fd_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;           // guarded by mu_
-  Backend* backend_ = nullptr;  // guarded by mu_
-  size_t forwarded_ = 0;        // guarded by mu_
-};
-
-// Forwards to a real backend, holding the requests on the gate's descriptor until it opens.
-class GatedBackend : public Backend {
- public:
-  GatedBackend(std::unique_ptr<Backend> inner, std::shared_ptr<Gate> gate)
-      : inner_(std::move(inner)), gate_(std::move(gate)) {
-    gate_->Attach(this);
-  }
-  ~GatedBackend() override { gate_->Attach(nullptr); }
-  std::string_view name() const noexcept override { return inner_->name(); }
-  unsigned depth() const noexcept override { return inner_->depth(); }
-  void Submit(std::span<const IoRequest> requests) override {
-    std::vector<IoRequest> now;
-    for (const IoRequest& r : requests) (r.fd == gate_->fd() ? held_ : now).push_back(r);
-    if (now.empty()) return;
-    inner_->Submit(now);
-    gate_->Forwarded(now.size());
-  }
-  size_t Reap(std::span<IoCompletion> out, unsigned min_wait) override {
-    if (!held_.empty() && gate_->is_open()) {
-      inner_->Submit(held_);
-      held_.clear();
-    }
-    // With only held requests in flight, the inner backend waits for a Wake().
-    return inner_->Reap(out, min_wait);
-  }
-  void Wake() noexcept override { inner_->Wake(); }
-
- private:
-  std::unique_ptr<Backend> inner_;
-  std::shared_ptr<Gate> gate_;
-  std::vector<IoRequest> held_;
-};
-
-// A worker with one staged read in flight (the staging budget's worth) and another request
-// waiting on the disk: when a copy thread has copied the staged chunk out, the worker submits
-// the next one at once, not when the other request completes. Here that request is held until
-// every chunk has been submitted: before, the worker sat in Reap waiting for it. Through the
-// fault wrapper too, which must pass the wake on.
-TEST_P(EngineTest, AFinishedCopyWakesAWorkerWaitingForTheDiskToStartTheNextStagedRead) {
-  constexpr uint64_t kChunk = 1 << 20;
-  constexpr uint64_t kChunks = 4;
-  File data = PatternFile("data", kChunks * kChunk, 110);
-  File slow = PatternFile("slow", 4096, 111, OpenMode::kRead, false);
-  EngineOptions o = StagingOptions(Options(kChunk), ReadStaging::kOn);
-  o.workers = 1;
-  o.max_inflight_bytes = 4 * kChunks * kChunk;
-  o.max_staged_bytes = kChunk;  // one staged chunk at a time
-  o.copy_threads = 1;
-  auto gate = std::make_shared<Gate>(slow.buffered_fd());
-  const BackendKind kind = GetParam();
-  Engine engine(o, [kind, gate](unsigned depth) {
-    return MakeFaultInjectingBackend(std::make_unique<GatedBackend>(MakeBackend(kind, depth), gate),
-                                     FaultPlan{});
-  });
-  // One operation, so that its tasks reach the worker together: the held read, then the chunks.
-  GuardedBuffer held_into(4096, 0);
-  AlignedBuffer fresh(kChunks * kChunk);  // never touched: each copy out faults its pages in
-  const IoDesc pieces[] = {{slow, held_into.data(), 0, 4096},
-                           {data, fresh.data(), 0, kChunks * kChunk}};
-  Future read = engine.Submit(IoOp::kRead, pieces, {.stage_reads = true});
-  const bool all_submitted = gate->WaitForwarded(kChunks, std::chrono::seconds(60));
-  EXPECT_FALSE(read.done());
-  gate->Open();
-  const IoResult r = read.Wait();
-  EXPECT_TRUE(all_submitted)
-      << "a staged chunk waited for the held request: the copies did not wake the worker";
-  EXPECT_EQ(r.bytes, 4096 + kChunks * kChunk);
-  EXPECT_EQ(r.stats.staged_bytes, kChunks * kChunk);
-  EXPECT_TRUE(held_into.Holds(111, 0, 4096));
-  EXPECT_TRUE(MatchesPattern(fresh.data(), kChunks * kChunk, 110, 0));
-}
-
-// Backend::Wake on each backend, without an engine.
-class BackendWakeTest : public testing::BackendTest {
- protected:
-  void SetUp() override {
-    testing::BackendTest::SetUp();
-    if (!IsSkipped()) backend_ = MakeBackend(GetParam(), 4);
-  }
-  std::unique_ptr<Backend> backend_;
-  std::vector<IoCompletion> out_ = std::vector<IoCompletion>(4);
-};
-
-TEST_P(BackendWakeTest, AWakeBeforeReapEndsItsWaitAtOnce) {
-  backend_->Wake();
-  backend_->Wake();  // several count as one
-  EXPECT_EQ(backend_->Reap(out_, 1), 0u);
-}
-
-// The thread that made the backend reaps (io_uring's single issuer); another one wakes it.
-TEST_P(BackendWakeTest, AWakeFromAnotherThreadEndsAReapWaitingWithNothingInFlight) {
-  for (int round = 0; round < 3; ++round) {  // the wait is armed again after each wake
-    std::thread waker([&] { backend_->Wake(); });
-    EXPECT_EQ(backend_->Reap(out_, 1), 0u);
-    waker.join();
-  }
-}
-
-// A wake is used up by the Reap it ends: the next Reap waits for `min_wait` completions as before.
-TEST_P(BackendWakeTest, ReapAfterAWakeStillWaitsForMinWaitCompletions) {
-  TempDir dir;
-  ASSERT_NO_FATAL_FAILURE(WritePatternFile(dir.File("f"), 3 * 4096, 5));
-  File f = File::Open(dir.File("f"), OpenMode::kRead, false);
-  backend_->Wake();
-  EXPECT_EQ(backend_->Reap(out_, 1), 0u);
-  std::vector<std::vector<uint8_t>> bufs(3, std::vector<uint8_t>(4096));
-  std::vector<IoRequest> requests;
-  for (uint64_t i = 0; i < 3; ++i) {
-    requests.push_back({IoOp::kRead, f.buffered_fd(), bufs[i].data(), 4096, i * 4096, 10 + i});
-  }
-  backend_->Submit(requests);
-  ASSERT_EQ(backend_->Reap(out_, 3), 3u);
-  std::sort(out_.begin(), out_.begin() + 3,
-            [](const IoCompletion& a, const IoCompletion& b) { return a.user_data < b.user_data; });
-  for (uint64_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(out_[i].user_data, 10 + i);
-    EXPECT_EQ(out_[i].result, 4096);
-    EXPECT_TRUE(MatchesPattern(bufs[i].data(), 4096, 5, i * 4096));
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Backends, BackendWakeTest, ::testing::ValuesIn(CompiledBackends()),
-                         testing::BackendParamName());
 
 INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(CompiledBackends()),
                          testing::BackendParamName());
