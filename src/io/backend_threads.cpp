@@ -7,10 +7,9 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
-#include <thread>
-#include <vector>
 
 #include "tensortier/backend.hpp"
+#include "tensortier/thread_group.hpp"
 
 namespace tensortier {
 namespace {
@@ -19,17 +18,13 @@ constexpr unsigned kMaxThreads = 32;
 
 class ThreadPoolBackend final : public Backend {
  public:
-  explicit ThreadPoolBackend(unsigned depth) : depth_(depth) {
-    unsigned n = std::min(depth, kMaxThreads);
-    threads_.reserve(n);
-    try {
-      for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { Serve(); });
-    } catch (...) {  // no thread to be had (a pids limit): stop those started, then say so
-      Stop();
-      throw;
-    }
-  }
-  ~ThreadPoolBackend() override { Stop(); }
+  explicit ThreadPoolBackend(unsigned depth)
+      : depth_(depth),
+        threads_(
+            std::min(depth, kMaxThreads),
+            "I/O threads of the threads backend (one per queue entry, at most 32: "
+            "TENSORTIER_QUEUE_DEPTH)",
+            [this] { Serve(); }, [this] { Stop(); }) {}
 
   std::string_view name() const noexcept override { return "threads"; }
   unsigned depth() const noexcept override { return depth_; }
@@ -62,7 +57,6 @@ class ThreadPoolBackend final : public Backend {
       stopping_ = true;
     }
     work_cv_.notify_all();
-    for (auto& t : threads_) t.join();
   }
 
   static int64_t Run(const IoRequest& r) {
@@ -96,7 +90,7 @@ class ThreadPoolBackend final : public Backend {
   std::deque<IoRequest> queue_;
   std::deque<IoCompletion> done_;
   bool stopping_ = false;
-  std::vector<std::thread> threads_;
+  ThreadGroup threads_;  // last: stopped and joined before the members they use go
 };
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/page_cache.hpp"
+#include "tensortier/thread_group.hpp"
 
 namespace tensortier {
 namespace detail {
@@ -100,18 +101,16 @@ bool CopyOut(const Task& t, uint64_t n) {
 // idled). Each copy goes back to its worker (Worker::CopiedOut), which alone finishes the task.
 class CopyPool {
  public:
-  explicit CopyPool(unsigned threads) {
-    threads_.reserve(threads);
-    try {
-      for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
-    } catch (...) {  // no thread to be had (a pids limit): stop those started, then say so
-      Stop();
-      throw;
-    }
-  }
+  // Throws std::system_error (EAGAIN, naming TENSORTIER_COPY_THREADS) when a thread cannot start.
+  explicit CopyPool(unsigned threads)
+      : threads_(
+            threads,
+            "copy threads (TENSORTIER_COPY_THREADS; 0: the engine's workers copy staged "
+            "reads out themselves)",
+            [this] { Run(); }, [this] { Stop(); }) {}
 
   // REQUIRES: no copy is posted or in progress (the workers are gone).
-  ~CopyPool() { Stop(); }
+  ~CopyPool() = default;
 
   CopyPool(const CopyPool&) = delete;
   CopyPool& operator=(const CopyPool&) = delete;
@@ -139,14 +138,13 @@ class CopyPool {
       stopping_ = true;
     }
     cv_.notify_all();
-    for (std::thread& t : threads_) t.join();
   }
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;   // guarded by mu_
   bool stopping_ = false;  // guarded by mu_
-  std::vector<std::thread> threads_;
+  ThreadGroup threads_;    // last: stopped and joined before the members they use go
 };
 
 // A thread that owns one backend ring and the bounce buffers for it.
@@ -949,14 +947,7 @@ Engine::Engine(EngineOptions options, BackendFactory factory)
 // Once, before any backend is tried: a thread that cannot be had is no backend's failure.
 void Engine::StartCopyThreads() {
   if (options_.copy_threads == 0) return;
-  try {
-    copy_pool_ = std::make_unique<detail::CopyPool>(options_.copy_threads);
-  } catch (const std::system_error& e) {
-    ThrowSystemError(e.code().value(),
-                     StrCat("start ", options_.copy_threads,
-                            " copy threads (TENSORTIER_COPY_THREADS; 0: the engine's workers "
-                            "copy staged reads out themselves)"));
-  }
+  copy_pool_ = std::make_unique<detail::CopyPool>(options_.copy_threads);
 }
 
 void Engine::Start(BackendFactory factory) {

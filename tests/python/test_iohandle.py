@@ -1069,7 +1069,7 @@ def test_copy_threads_that_cannot_start_raise_oserror_naming_the_setting() -> No
             IOHandle(backend="threads", workers=1, queue_depth=2).close()
             print("started")
         except OSError as e:
-            print("oserror", e.errno == errno.EAGAIN)
+            print("oserror", e.errno == errno.EAGAIN, str(e))
         open(limit, "w").write(str(threads + 3))  # a worker and its two I/O threads
         IOHandle(backend="threads", workers=1, queue_depth=2).close()
         print("started without copy threads")
@@ -1086,5 +1086,7 @@ def test_copy_threads_that_cannot_start_raise_oserror_naming_the_setting() -> No
     lines = r.stdout.splitlines()
     assert lines[0].startswith("oserror True"), r.stdout
     assert "copy threads" in lines[0] and "TENSORTIER_COPY_THREADS" in lines[0], r.stdout
-    assert lines[1] == "oserror True", r.stdout  # the I/O threads' pool: stopped, not aborted
+    # The I/O threads' pool: stopped, not aborted, and the message names the setting.
+    assert lines[1].startswith("oserror True"), r.stdout
+    assert "I/O threads" in lines[1] and "TENSORTIER_QUEUE_DEPTH" in lines[1], r.stdout
     assert lines[2] == "started without copy threads", r.stdout
