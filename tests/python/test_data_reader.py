@@ -381,3 +381,17 @@ def test_dir_filters_select_the_class_folders_of_a_file_root(disk_dir: Path) -> 
         FileReader(file_root=disk_dir, dir_filters=[1])  # type: ignore[list-item]
     # Ignored, as in DALI, when the files are listed.
     assert FileReader(files=chosen, dir_filters="nothing").files == chosen
+
+
+def test_file_list_labels_take_every_int32_value_as_dali_does(disk_dir: Path) -> None:
+    (disk_dir / "a.jpg").write_bytes(b"a")
+    lst = disk_dir / "list.txt"
+    # Ten digits, leading zeros, CRLF and tabs: fn.readers.file takes all of them.
+    lst.write_bytes(b"a.jpg 2147483647\r\na.jpg\t0000000000007\n\na.jpg 1000000000\n")
+    batches = stream(FileReader(file_list=lst, batch_size=3, shuffle=False), 1)
+    assert batches == [[(b"a", 2147483647), (b"a", 7), (b"a", 1000000000)]]
+    # Past int32 DALI wraps the label round to a negative one; it is refused here instead.
+    for label in ("2147483648", "99999999999999999999999"):
+        lst.write_text(f"a.jpg {label}\n")
+        with pytest.raises(ValueError, match="line 1.*int32"):
+            FileReader(file_list=lst)
