@@ -395,3 +395,18 @@ def test_file_list_labels_take_every_int32_value_as_dali_does(disk_dir: Path) ->
         lst.write_text(f"a.jpg {label}\n")
         with pytest.raises(ValueError, match="line 1.*int32"):
             FileReader(file_list=lst)
+
+
+def test_state_dict_of_other_files_of_the_same_count_is_refused(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=2, per_class=3)
+    paths = sorted(tree)
+    reader = FileReader(files=paths[:3], batch_size=2, seed=1)
+    next(iter(reader))
+    state = reader.state_dict()
+    with pytest.raises(ValueError, match="other files"):
+        FileReader(files=paths[3:], batch_size=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="other files"):
+        FileReader(files=paths[:3], labels=[9, 9, 9], batch_size=2, seed=1).load_state_dict(state)
+    same = FileReader(files=paths[:3], batch_size=2, seed=1)
+    same.load_state_dict(state)
+    assert same.state_dict() == state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -81,6 +82,16 @@ def resolve_inputs(
     if check_files:
         _core.check_files_exist(paths)
     return paths, label_array.astype(np.int32)
+
+
+def _files_digest(paths: Sequence[str], labels: np.ndarray) -> str:
+    """SHA-256 of the paths (as spelled) and int32 labels, in list order: what a state dict
+    is checked against, so that it resumes only a reader of the same samples."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(os.fsencode(path) + b"\0")
+    digest.update(np.ascontiguousarray(labels, dtype="<i4").tobytes())
+    return digest.hexdigest()
 
 
 class FileReader:
@@ -192,6 +203,7 @@ class FileReader:
             "drop_last": bool(drop_last),
         }
         self._plan = _core.ShardPlan(**self._config)
+        self._files_digest = _files_digest(self._paths, self._labels)
         self._copy = copy
         device_index = self._device.index if self._device.index is not None else 0
         self._core = _core.BatchReader(
@@ -250,8 +262,11 @@ class FileReader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the reader is: the epoch, the batches of it already given out, the settings
-        that fix the order (checked again by ``load_state_dict``)."""
-        return {"epoch": self._epoch, "position": self._position, **self._config}
+        that fix the order and a digest of the paths and labels (``files_digest``), all
+        checked again by ``load_state_dict``: a state resumes only a reader of the same files,
+        named by the same paths, with the same labels."""
+        return {"epoch": self._epoch, "position": self._position, **self._config,
+                "files_digest": self._files_digest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resumes at ``state``; the next iteration starts with the batch after the last one
@@ -260,7 +275,7 @@ class FileReader:
         Raises:
             ValueError: the state was taken from a reader with other files or settings.
         """
-        for key, value in self._config.items():
+        for key, value in {**self._config, "files_digest": self._files_digest}.items():
             if state.get(key) != value:
                 raise ValueError(
                     f"state_dict has {key}={state.get(key)!r}, this reader {value!r}: "
