@@ -4,6 +4,7 @@ extents, on a loop-mounted ext4 image (test_extents.py's fixtures; root only).""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -230,3 +231,22 @@ def test_a_root_reached_through_a_symbolic_link_uses_the_map(loop_fs: LoopFilesy
     (other / "c0/a.jpg").write_bytes(b"abc")
     with pytest.raises(ValueError, match="holds none of the"):
         FileReader(file_root=link, extent_map=build_extent_map(other, tmp_path / "other.json"))
+
+
+def test_a_map_placing_the_filesystem_elsewhere_on_the_disk_is_refused(loop_fs: LoopFilesystem,
+                                                                      tmp_path: Path) -> None:
+    root = loop_fs.mount / "data"
+    files = _training_set(root)
+    good = tmp_path / "good.json"
+    build_extent_map(str(root), str(good))
+    assert _epochs(FileReader(file_root=root, extent_map=good, shuffle=False, batch_size=64),
+                   1)[0][0] == [files[k] for k in sorted(files)]
+    # Every file's identity still matches: only the device's place on its disk is wrong, which
+    # would read other bytes for every file.
+    edited = json.loads(good.read_text())
+    edited["devices"][0]["partition_offset"] = 1 << 20
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(edited))
+    with pytest.raises(OSError, match="rebuild the extent map") as info:
+        FileReader(file_root=root, extent_map=bad)
+    assert info.value.errno == errno.ENODEV
