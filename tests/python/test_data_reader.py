@@ -3,8 +3,13 @@ errors; FileDataset in a DataLoader with workers."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -410,3 +415,24 @@ def test_state_dict_of_other_files_of_the_same_count_is_refused(disk_dir: Path) 
     same = FileReader(files=paths[:3], batch_size=2, seed=1)
     same.load_state_dict(state)
     assert same.state_dict() == state
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None
+                    or shutil.which("prlimit") is None,
+                    reason="needs root to run a process as another user under a thread limit")
+def test_a_refused_open_thread_is_an_os_error_not_an_abort() -> None:
+    # RLIMIT_NPROC binds only a non-root user: the reader runs as nobody, allowed 40 threads.
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chmod(scratch, 0o755)
+        path = Path(scratch) / "a.jpg"
+        path.write_bytes(b"a")
+        code = ("from tensortier.data import FileReader\n"
+                "try:\n"
+                f"    FileReader(files=[{str(path)!r}], open_threads=200)\n"
+                "except OSError as e:\n"
+                "    print('OSError', e.errno, e)\n")
+        r = subprocess.run(["prlimit", "--nproc=40", "setpriv", "--reuid=65534", "--regid=65534",
+                            "--clear-groups", sys.executable, "-c", code],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"OSError {errno.EAGAIN}" in r.stdout and "open_threads" in r.stdout, r.stdout
