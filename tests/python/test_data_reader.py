@@ -436,3 +436,14 @@ def test_a_refused_open_thread_is_an_os_error_not_an_abort() -> None:
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert f"OSError {errno.EAGAIN}" in r.stdout and "open_threads" in r.stdout, r.stdout
+
+
+def test_counts_past_64_bits_are_value_errors(disk_dir: Path) -> None:
+    (disk_dir / "a.jpg").write_bytes(b"a")
+    files = [str(disk_dir / "a.jpg")]
+    for name, kw in (("seed", dict(seed=2**64)), ("num_shards", dict(num_shards=2**64)),
+                     ("shard_id", dict(shard_id=2**64, num_shards=2)),
+                     ("batch_size", dict(batch_size=2**64))):
+        with pytest.raises(ValueError, match=name):
+            FileReader(files=files, **kw)
+    assert len(list(FileReader(files=files, seed=2**64 - 1))) == 1

@@ -178,11 +178,11 @@ class FileReader:
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         for name, value in (("batch_size", batch_size), ("prefetch", prefetch),
                             ("num_shards", num_shards), ("open_threads", open_threads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**64:
+                raise ValueError(f"{name} must be a positive 64-bit integer, not {value!r}")
         for name, value in (("seed", seed), ("shard_id", shard_id)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+                raise ValueError(f"{name} must be a non-negative 64-bit integer, not {value!r}")
         self._device = torch.device(device)
         if self._device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
