@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <charconv>
 #include <stdexcept>
 #include "tensortier/strings.hpp"
 
@@ -61,13 +62,12 @@ uint64_t Args::Size(const std::string& name, uint64_t fallback) const {
 unsigned Args::Unsigned(const std::string& name, unsigned fallback) const {
   auto it = values_.find(name);
   if (it == values_.end()) return fallback;
+  // from_chars, not stoull: stoull takes "-3" as 2^64 - 3 and skips leading blanks.
+  const std::string& text = it->second;
   uint64_t v = 0;
-  try {
-    size_t used = 0;
-    v = std::stoull(it->second, &used);
-    if (used != it->second.size()) throw std::invalid_argument("trailing characters");
-  } catch (const std::exception&) {
-    throw std::invalid_argument(StrCat("--", name, ": '", it->second, "' is not a number"));
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
+    throw std::invalid_argument(StrCat("--", name, ": '", text, "' is not a number"));
   }
   if (v > 1u << 20) throw std::invalid_argument(StrCat("--", name, ": ", v, " is too large"));
   return static_cast<unsigned>(v);

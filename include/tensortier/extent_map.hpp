@@ -87,6 +87,11 @@ struct ExtentMap {
   std::optional<size_t> Find(std::string_view path) const;
 };
 
+// Why device `d.major:d.minor` no longer lies on disk `d.disk_major:d.disk_minor` at
+// `d.partition_offset` (from sysfs), or "" when it does. Raw reads at a wrong offset would
+// return other bytes for every file, with every file's identity unchanged.
+std::string DevicePlacementChange(const MappedDevice& d);
+
 // Appends the extents of a FIEMAP reply to `out`, merging each with the previous one when it
 // continues it both in the file and on the device. REQUIRES: `extent` starts at or after the end
 // of out.back(). Throws FormatError when it overlaps or goes backwards, or its end overflows.

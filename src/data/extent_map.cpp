@@ -98,6 +98,22 @@ std::optional<std::pair<uint64_t, uint64_t>> ParseDevNumbers(const std::string& 
   return std::make_pair(*maj, *min);
 }
 
+// A partition (a `partition` file in its sysfs folder `dir`) lies in its whole disk (the
+// parent folder) at its `start`; anything else is its own disk, at 0. False when the start
+// cannot be read.
+bool PartitionPlacement(const fs::path& dir, fs::path* disk_dir, uint64_t* offset) {
+  std::error_code ec;
+  *disk_dir = dir;
+  *offset = 0;
+  if (!fs::exists(dir / "partition", ec)) return true;
+  auto start = ReadSysfs(dir / "start");
+  auto sectors = start ? ParseDecimal(*start) : std::nullopt;
+  if (!sectors || *sectors > UINT64_MAX / kSector) return false;
+  *offset = *sectors * kSector;
+  *disk_dir = dir.parent_path();
+  return true;
+}
+
 // The device a filesystem lives on, from sysfs: a partition (a `partition` file) is reached
 // through its whole disk (the parent folder) at its `start`; anything else is its own disk.
 // Either the device, or why its files cannot be mapped.
@@ -108,7 +124,7 @@ struct DeviceLookup {
 
 DeviceLookup LookUpDevice(dev_t dev, int fd) {
   DeviceLookup out;
-  struct statfs sfs{};
+  struct statfs sfs {};
   if (fstatfs(fd, &sfs) != 0) {
     out.refusal = StrCat("statfs failed: ", std::strerror(errno));
     return out;
@@ -146,15 +162,9 @@ DeviceLookup LookUpDevice(dev_t dev, int fd) {
   d.filesystem = filesystem;
   d.block_size = static_cast<uint64_t>(sfs.f_bsize);
   fs::path disk_dir = dir;
-  if (fs::exists(dir / "partition", ec)) {
-    auto start = ReadSysfs(dir / "start");
-    auto sectors = start ? ParseDecimal(*start) : std::nullopt;
-    if (!sectors || *sectors > UINT64_MAX / kSector) {
-      out.refusal = StrCat("cannot read the partition start ", (dir / "start").string());
-      return out;
-    }
-    d.partition_offset = *sectors * kSector;
-    disk_dir = dir.parent_path();
+  if (!PartitionPlacement(dir, &disk_dir, &d.partition_offset)) {
+    out.refusal = StrCat("cannot read the partition start ", (dir / "start").string());
+    return out;
   }
   auto numbers = ReadSysfs(disk_dir / "dev");
   auto parsed = numbers ? ParseDevNumbers(*numbers) : std::nullopt;
@@ -171,7 +181,7 @@ DeviceLookup LookUpDevice(dev_t dev, int fd) {
   d.disk_major = parsed->first;
   d.disk_minor = parsed->second;
   d.disk = "/dev/" + devname;
-  struct stat node{};
+  struct stat node {};
   if (stat(d.disk.c_str(), &node) != 0 || !S_ISBLK(node.st_mode) ||
       major(node.st_rdev) != d.disk_major || minor(node.st_rdev) != d.disk_minor) {
     out.refusal = StrCat("its disk's device node ", d.disk, " is missing or is not device ",
@@ -184,7 +194,7 @@ DeviceLookup LookUpDevice(dev_t dev, int fd) {
 
 // Why `fd` (on an XFS filesystem) cannot be mapped, or "".
 std::string XfsRefusal(int fd) {
-  struct fsxattr attr{};
+  struct fsxattr attr {};
   if (ioctl(fd, FS_IOC_FSGETXATTR, &attr) == 0 && (attr.fsx_xflags & FS_XFLAG_REALTIME) != 0) {
     // Realtime files live on the realtime device, not on st_dev's: FIEMAP's offsets are there.
     return "on XFS's realtime device (not the filesystem's data device)";
@@ -293,7 +303,7 @@ class Mapper {
     MapOutcome out;
     const std::string full = (fs::path(map_.root) / relative).string();
     // Looked at before it is opened: sockets cannot be opened, and devices and FIFOs should not be.
-    struct stat first{};
+    struct stat first {};
     if (stat(full.c_str(), &first) != 0) ThrowIoError(errno, "stat", full);
     if (!S_ISREG(first.st_mode)) {
       out.refusal = "not a regular file";
@@ -308,7 +318,7 @@ class Mapper {
       int fd;
       ~CloseFd() { close(fd); }
     } closer{fd};
-    struct stat before{};
+    struct stat before {};
     if (fstat(fd, &before) != 0) ThrowIoError(errno, "fstat", full);
     if (!S_ISREG(before.st_mode)) {
       out.refusal = "not a regular file";
@@ -332,7 +342,7 @@ class Mapper {
       out.refusal = extents.refusal;
       return out;
     }
-    struct stat after{};
+    struct stat after {};
     if (fstat(fd, &after) != 0) ThrowIoError(errno, "fstat", full);
     if (IdentityOf(after) != IdentityOf(before)) {
       out.refusal = "changed while being mapped";
@@ -414,6 +424,27 @@ ExtentMap BuildFrom(const std::string& root, std::vector<std::string> relative,
 }
 
 }  // namespace
+
+std::string DevicePlacementChange(const MappedDevice& d) {
+  const fs::path link = StrCat("/sys/dev/block/", d.major, ":", d.minor);
+  std::error_code ec;
+  const fs::path dir = fs::canonical(link, ec);
+  fs::path disk_dir;
+  uint64_t offset = 0;
+  if (ec || !PartitionPlacement(dir, &disk_dir, &offset)) {
+    return StrCat("device ", d.major, ":", d.minor, " is not in ", link.string());
+  }
+  auto numbers = ReadSysfs(disk_dir / "dev");
+  auto parsed = numbers ? ParseDevNumbers(*numbers) : std::nullopt;
+  if (!parsed || parsed->first != d.disk_major || parsed->second != d.disk_minor ||
+      offset != d.partition_offset) {
+    return StrCat("device ", d.major, ":", d.minor, " lies on disk ",
+                  parsed ? StrCat(parsed->first, ":", parsed->second) : std::string("?"), " at ",
+                  offset, ", not on ", d.disk_major, ":", d.disk_minor, " at ", d.partition_offset,
+                  " as the map says");
+  }
+  return "";
+}
 
 void AppendExtent(std::vector<FileExtent>& out, const FileExtent& x) {
   if (x.length == 0) throw FormatError(StrCat("empty extent at file offset ", x.logical));
@@ -511,7 +542,7 @@ ExtentMap BuildExtentMap(const std::string& root, std::span<const std::string> p
 }
 
 std::optional<FileIdentity> StatIdentity(const std::string& path) {
-  struct stat st{};
+  struct stat st {};
   if (stat(path.c_str(), &st) != 0) {
     if (errno == ENOENT || errno == ENOTDIR) return std::nullopt;
     ThrowIoError(errno, "stat", path);

@@ -28,7 +28,7 @@ std::string IdentityChange(const FileIdentity& was, const std::optional<FileIden
 
 // The disk node the map names, checked to still be that disk, opened read-only O_DIRECT.
 File OpenDisk(const MappedDevice& d) {
-  struct stat st{};
+  struct stat st {};
   if (stat(d.disk.c_str(), &st) != 0) {
     ThrowIoError(errno, "open the disk for raw extent reads", d.disk);
   }
@@ -38,6 +38,11 @@ File OpenDisk(const MappedDevice& d) {
                  StrCat("open the disk for raw extent reads (it is not block device ", d.disk_major,
                         ":", d.disk_minor, " any more: rebuild the extent map)"),
                  d.disk);
+  }
+  if (const std::string change = DevicePlacementChange(d); !change.empty()) {
+    ThrowIoError(
+        ENODEV, StrCat("open the disk for raw extent reads (", change, ": rebuild the extent map)"),
+        d.disk);
   }
   File disk;
   try {

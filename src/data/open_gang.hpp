@@ -25,6 +25,8 @@ class OpenGang {
 
  private:
   void Loop();
+  // Stops and joins the threads started so far.
+  void Stop() noexcept;
   // Takes indices of the current job until none is left; returns how many it ran.
   size_t Drain(const std::function<void(size_t)>& fn, uint64_t generation);
 

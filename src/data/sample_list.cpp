@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cerrno>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -146,14 +147,24 @@ SampleList ReadFileList(const std::string& list_path, const std::string& root) {
     const int64_t label_start = i + 1;
     while (i >= 0 && std::isspace(static_cast<unsigned char>(line[i]))) --i;
     const int64_t name_end = i + 1;
-    if (name_end <= 0 || name_end >= label_start || label_end <= label_start ||
-        label_end - label_start > 9) {
+    if (name_end <= 0 || name_end >= label_start || label_end <= label_start) {
       throw std::invalid_argument(StrCat("file_list '", list_path, "' line ", number,
                                          ": expected a file name followed by a label, got '", line,
                                          "'"));
     }
+    // Any number of digits (leading zeros included) up to int32's largest, as DALI takes them;
+    // DALI wraps a larger label round to a negative one, which is refused here.
+    int64_t label = 0;
+    for (int64_t d = label_start; d < label_end; ++d) {
+      label = label * 10 + (line[d] - '0');
+      if (label > std::numeric_limits<int32_t>::max()) {
+        throw std::invalid_argument(StrCat("file_list '", list_path, "' line ", number, ": label '",
+                                           line.substr(label_start, label_end - label_start),
+                                           "' does not fit in int32"));
+      }
+    }
     list.paths.push_back(JoinPath(base, line.substr(0, name_end)));
-    list.labels.push_back(std::stoi(line.substr(label_start, label_end - label_start)));
+    list.labels.push_back(static_cast<int32_t>(label));
   }
   if (in.bad()) ThrowIoError(EIO, "read", list_path);
   if (list.paths.empty()) {

@@ -150,3 +150,16 @@ def test_bench_table_shows_iops_for_random_reads_only(disk_dir: Path) -> None:
     r = run("bench", "--dir", str(disk_dir), "--size", "16M")
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:]}
     assert rows["write"][5] == "-" and rows["read"][5] == "-", r.stdout
+
+
+def test_count_options_refuse_signs_and_spaces(disk_dir: Path) -> None:
+    (disk_dir / "c").mkdir()
+    (disk_dir / "c" / "a.jpg").write_bytes(b"a")
+    # strtoull reads "-3" as 2^64 - 3 and skips leading blanks: neither is a count.
+    for value in ("-3", "-0", " 5", "+5"):
+        r = run("bench-files", str(disk_dir), "--batch-size", value)
+        assert r.returncode != 0
+        assert f"--batch-size: '{value}' is not a number" in r.stderr, r.stderr
+    r = run("bench-files", str(disk_dir), "--batch-size", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["batch_size"] == 2

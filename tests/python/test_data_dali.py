@@ -224,3 +224,21 @@ def test_empty_dir_filters_are_refused_as_readers_file_refuses_them(disk_dir: Pa
         FileReader(file_root=disk_dir, dir_filters=[])
     with pytest.raises(RuntimeError, match="dir_filters.. list cannot be empty"):
         dali_file_stream(disk_dir, 2, 1, dir_filters=[])
+
+
+def test_parallel_external_source_is_refused_with_the_reason(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=1, per_class=3)
+    reader = FileReader(file_root=disk_dir, batch_size=3)
+
+    @pipeline_def(batch_size=3, num_threads=1, device_id=None, py_num_workers=1,
+                  py_start_method="spawn")
+    def pipe():
+        samples, labels = fn.external_source(source=reader.dali_source(), num_outputs=2,
+                                             batch=True, parallel=True,
+                                             dtype=[types.UINT8, types.INT32])
+        return samples, labels
+
+    # DALI pickles a parallel source into its worker processes; the reader's C++ state and
+    # batch memory cannot go there, and the error says what to do instead.
+    with pytest.raises(TypeError, match="parallel=False"):
+        pipe().build()

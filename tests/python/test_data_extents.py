@@ -266,3 +266,22 @@ def test_names_that_are_not_utf8_are_mapped_and_read_raw(loop_fs: LoopFilesystem
         f.write(b"more")
     (changed, _), = verify_extent_map(extent_map)
     assert os.fsencode(changed) == names[0]
+
+
+def test_a_map_placing_the_filesystem_elsewhere_on_the_disk_is_refused(loop_fs: LoopFilesystem,
+                                                                      tmp_path: Path) -> None:
+    root = loop_fs.mount / "data"
+    files = _training_set(root)
+    good = tmp_path / "good.json"
+    build_extent_map(str(root), str(good))
+    assert _epochs(FileReader(file_root=root, extent_map=good, shuffle=False, batch_size=64),
+                   1)[0][0] == [files[k] for k in sorted(files)]
+    # Every file's identity still matches: only the device's place on its disk is wrong, which
+    # would read other bytes for every file.
+    edited = json.loads(good.read_text())
+    edited["devices"][0]["partition_offset"] = 1 << 20
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(edited))
+    with pytest.raises(OSError, match="rebuild the extent map") as info:
+        FileReader(file_root=root, extent_map=bad)
+    assert info.value.errno == errno.ENODEV

@@ -3,8 +3,13 @@ errors; FileDataset in a DataLoader with workers."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -381,3 +386,64 @@ def test_dir_filters_select_the_class_folders_of_a_file_root(disk_dir: Path) -> 
         FileReader(file_root=disk_dir, dir_filters=[1])  # type: ignore[list-item]
     # Ignored, as in DALI, when the files are listed.
     assert FileReader(files=chosen, dir_filters="nothing").files == chosen
+
+
+def test_file_list_labels_take_every_int32_value_as_dali_does(disk_dir: Path) -> None:
+    (disk_dir / "a.jpg").write_bytes(b"a")
+    lst = disk_dir / "list.txt"
+    # Ten digits, leading zeros, CRLF and tabs: fn.readers.file takes all of them.
+    lst.write_bytes(b"a.jpg 2147483647\r\na.jpg\t0000000000007\n\na.jpg 1000000000\n")
+    batches = stream(FileReader(file_list=lst, batch_size=3, shuffle=False), 1)
+    assert batches == [[(b"a", 2147483647), (b"a", 7), (b"a", 1000000000)]]
+    # Past int32 DALI wraps the label round to a negative one; it is refused here instead.
+    for label in ("2147483648", "99999999999999999999999"):
+        lst.write_text(f"a.jpg {label}\n")
+        with pytest.raises(ValueError, match="line 1.*int32"):
+            FileReader(file_list=lst)
+
+
+def test_state_dict_of_other_files_of_the_same_count_is_refused(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=2, per_class=3)
+    paths = sorted(tree)
+    reader = FileReader(files=paths[:3], batch_size=2, seed=1)
+    next(iter(reader))
+    state = reader.state_dict()
+    with pytest.raises(ValueError, match="other files"):
+        FileReader(files=paths[3:], batch_size=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="other files"):
+        FileReader(files=paths[:3], labels=[9, 9, 9], batch_size=2, seed=1).load_state_dict(state)
+    same = FileReader(files=paths[:3], batch_size=2, seed=1)
+    same.load_state_dict(state)
+    assert same.state_dict() == state
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None
+                    or shutil.which("prlimit") is None,
+                    reason="needs root to run a process as another user under a thread limit")
+def test_a_refused_open_thread_is_an_os_error_not_an_abort() -> None:
+    # RLIMIT_NPROC binds only a non-root user: the reader runs as nobody, allowed 40 threads.
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chmod(scratch, 0o755)
+        path = Path(scratch) / "a.jpg"
+        path.write_bytes(b"a")
+        code = ("from tensortier.data import FileReader\n"
+                "try:\n"
+                f"    FileReader(files=[{str(path)!r}], open_threads=200)\n"
+                "except OSError as e:\n"
+                "    print('OSError', e.errno, e)\n")
+        r = subprocess.run(["prlimit", "--nproc=40", "setpriv", "--reuid=65534", "--regid=65534",
+                            "--clear-groups", sys.executable, "-c", code],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"OSError {errno.EAGAIN}" in r.stdout and "open_threads" in r.stdout, r.stdout
+
+
+def test_counts_past_64_bits_are_value_errors(disk_dir: Path) -> None:
+    (disk_dir / "a.jpg").write_bytes(b"a")
+    files = [str(disk_dir / "a.jpg")]
+    for name, kw in (("seed", dict(seed=2**64)), ("num_shards", dict(num_shards=2**64)),
+                     ("shard_id", dict(shard_id=2**64, num_shards=2)),
+                     ("batch_size", dict(batch_size=2**64))):
+        with pytest.raises(ValueError, match=name):
+            FileReader(files=files, **kw)
+    assert len(list(FileReader(files=files, seed=2**64 - 1))) == 1

@@ -32,6 +32,9 @@ class DaliSource:
     way in; DALI copies a CPU pipeline's outputs into its own buffers, so pass the samples on to
     an operator (a decoder) rather than returning them from the pipeline.
 
+    Not for ``parallel=True``, which pickles the source into DALI's worker processes: that is
+    refused with a ``TypeError`` (the reader reads ahead on its own threads already).
+
     DALI asks for batches ahead of the outputs it returns (its prefetch queue): the reader's
     ``state_dict()`` counts the batches handed to DALI, not those the pipeline has returned.
     """
@@ -45,6 +48,14 @@ class DaliSource:
         self._reader = reader
         self._epoch: Iterator[Any] | None = None
         self._kept: collections.deque[Any] = collections.deque(maxlen=queue_depth + 2)
+
+    def __reduce__(self) -> Any:
+        # DALI pickles the source of ``fn.external_source(..., parallel=True)`` into worker
+        # processes: the reader's threads, engine and batch memory cannot follow it there.
+        raise TypeError(
+            "a FileReader's dali_source() cannot be pickled into DALI's worker processes: "
+            "use it with external_source's parallel=False (the default); the reader already "
+            "reads ahead on its own threads (prefetch=)")
 
     def __iter__(self) -> DaliSource:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -82,6 +83,16 @@ def resolve_inputs(
     if check_files:
         _core.check_files_exist(paths)
     return paths, label_array.astype(np.int32)
+
+
+def _files_digest(paths: Sequence[str], labels: np.ndarray) -> str:
+    """SHA-256 of the paths (as spelled) and int32 labels, in list order: what a state dict
+    is checked against, so that it resumes only a reader of the same samples."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(os.fsencode(path) + b"\0")
+    digest.update(np.ascontiguousarray(labels, dtype="<i4").tobytes())
+    return digest.hexdigest()
 
 
 class FileReader:
@@ -168,11 +179,11 @@ class FileReader:
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         for name, value in (("batch_size", batch_size), ("prefetch", prefetch),
                             ("num_shards", num_shards), ("open_threads", open_threads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**64:
+                raise ValueError(f"{name} must be a positive 64-bit integer, not {value!r}")
         for name, value in (("seed", seed), ("shard_id", shard_id)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+                raise ValueError(f"{name} must be a non-negative 64-bit integer, not {value!r}")
         self._device = torch.device(device)
         if self._device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
@@ -193,6 +204,7 @@ class FileReader:
             "drop_last": bool(drop_last),
         }
         self._plan = _core.ShardPlan(**self._config)
+        self._files_digest = _files_digest(self._paths, self._labels)
         self._copy = copy
         device_index = self._device.index if self._device.index is not None else 0
         self._core = _core.BatchReader(
@@ -251,8 +263,11 @@ class FileReader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the reader is: the epoch, the batches of it already given out, the settings
-        that fix the order (checked again by ``load_state_dict``)."""
-        return {"epoch": self._epoch, "position": self._position, **self._config}
+        that fix the order and a digest of the paths and labels (``files_digest``), all
+        checked again by ``load_state_dict``: a state resumes only a reader of the same files,
+        named by the same paths, with the same labels."""
+        return {"epoch": self._epoch, "position": self._position, **self._config,
+                "files_digest": self._files_digest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resumes at ``state``; the next iteration starts with the batch after the last one
@@ -261,7 +276,7 @@ class FileReader:
         Raises:
             ValueError: the state was taken from a reader with other files or settings.
         """
-        for key, value in self._config.items():
+        for key, value in {**self._config, "files_digest": self._files_digest}.items():
             if state.get(key) != value:
                 raise ValueError(
                     f"state_dict has {key}={state.get(key)!r}, this reader {value!r}: "
