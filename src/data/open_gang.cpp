@@ -1,38 +1,18 @@
 #include "open_gang.hpp"
 
-#include <system_error>
-
-#include "tensortier/strings.hpp"
-
 namespace tensortier::detail {
 
-OpenGang::OpenGang(unsigned threads) {
-  threads_.reserve(threads);
-  try {
-    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
-  } catch (const std::system_error& e) {
-    // A thread the system refused (EAGAIN: a process or memory limit): the destructor does not
-    // run for a half-made gang, and a joinable std::thread destroyed would terminate the process.
-    const size_t started = threads_.size();
-    Stop();
-    throw std::system_error(e.code(),
-                            StrCat("start file-opening thread ", started + 1, " of ", threads,
-                                   " (a limit on threads: pass a smaller open_threads)"));
-  }
-}
-
-OpenGang::~OpenGang() {
-  Stop();
-}
-
-void OpenGang::Stop() noexcept {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  for (std::thread& t : threads_) t.join();
-}
+OpenGang::OpenGang(unsigned threads)
+    : threads_(
+          threads, "file-opening threads (a limit on threads: pass a smaller open_threads)",
+          [this] { Loop(); },
+          [this] {
+            {
+              std::lock_guard<std::mutex> lock(mu_);
+              stop_ = true;
+            }
+            cv_.notify_all();
+          }) {}
 
 size_t OpenGang::Drain(const std::function<void(size_t)>& fn, uint64_t generation) {
   size_t ran = 0;

@@ -8,15 +8,15 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
-#include <thread>
-#include <vector>
+
+#include "tensortier/thread_group.hpp"
 
 namespace tensortier::detail {
 
 class OpenGang {
  public:
+  // Throws std::system_error (EAGAIN naming open_threads) when the threads cannot all start.
   explicit OpenGang(unsigned threads);
-  ~OpenGang();
   OpenGang(const OpenGang&) = delete;
   OpenGang& operator=(const OpenGang&) = delete;
 
@@ -25,8 +25,6 @@ class OpenGang {
 
  private:
   void Loop();
-  // Stops and joins the threads started so far.
-  void Stop() noexcept;
   // Takes indices of the current job until none is left; returns how many it ran.
   size_t Drain(const std::function<void(size_t)>& fn, uint64_t generation);
 
@@ -38,7 +36,7 @@ class OpenGang {
   size_t finished_ = 0;
   uint64_t generation_ = 0;
   bool stop_ = false;
-  std::vector<std::thread> threads_;
+  ThreadGroup threads_;  // last: stopped and joined before the members they use go
 };
 
 }  // namespace tensortier::detail

@@ -415,6 +415,13 @@ def test_state_dict_of_other_files_of_the_same_count_is_refused(disk_dir: Path) 
     same = FileReader(files=paths[:3], batch_size=2, seed=1)
     same.load_state_dict(state)
     assert same.state_dict() == state
+    # A state taken before states carried the digest still resumes (settings and count checked).
+    older = {k: v for k, v in state.items() if k != "files_digest"}
+    resumed = FileReader(files=paths[:3], batch_size=2, seed=1)
+    resumed.load_state_dict(older)
+    assert resumed.state_dict() == state
+    with pytest.raises(ValueError, match="other files or settings"):
+        FileReader(files=paths[:2], batch_size=2, seed=1).load_state_dict(older)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None

@@ -273,10 +273,16 @@ class FileReader:
         """Resumes at ``state``; the next iteration starts with the batch after the last one
         given out before ``state_dict()`` was taken.
 
+        A state without ``files_digest`` (taken before states carried one) is checked by the
+        settings and the file count only.
+
         Raises:
             ValueError: the state was taken from a reader with other files or settings.
         """
-        for key, value in {**self._config, "files_digest": self._files_digest}.items():
+        expected = dict(self._config)
+        if "files_digest" in state:
+            expected["files_digest"] = self._files_digest
+        for key, value in expected.items():
             if state.get(key) != value:
                 raise ValueError(
                     f"state_dict has {key}={state.get(key)!r}, this reader {value!r}: "
