@@ -425,7 +425,8 @@ class _Distributed:
         """This rank's gather (`values` None: returns rows `idx`) or scatter (writes `values`,
         contiguous, to rows `idx`), as one collective round."""
         with _ROUND_LOCK:
-            local = self.local  # a close() from another thread leaves this round its memory
+            # A close() from another thread leaves the exchange under way its memory.
+            local = self.local
             if local is None:
                 raise RuntimeError("the shared tensor was closed (finalized)")
             return self._round(local, idx, values)
