@@ -454,3 +454,34 @@ def test_counts_past_64_bits_are_value_errors(disk_dir: Path) -> None:
         with pytest.raises(ValueError, match=name):
             FileReader(files=files, **kw)
     assert len(list(FileReader(files=files, seed=2**64 - 1))) == 1
+
+
+def test_labels_that_are_not_integers_are_refused_not_converted(disk_dir: Path) -> None:
+    """np.asarray(..., dtype=int64) turned "1" into 1 and 1.5 into 1; DALI takes integers only."""
+    (disk_dir / "a.jpg").write_bytes(b"a")
+    (disk_dir / "b.jpg").write_bytes(b"b")
+    files = [str(disk_dir / "a.jpg"), str(disk_dir / "b.jpg")]
+    for bad in (["1", "2"], [1.5, 2.0], [True, False], [[1], [2]], [1, None]):
+        with pytest.raises(TypeError, match="labels must be"):
+            FileReader(files=files, labels=bad)
+    for big in ([2**31, 0], [2**70, 0], [-(2**31) - 1, 0]):
+        with pytest.raises(ValueError, match="int32"):
+            FileReader(files=files, labels=big)
+    reader = FileReader(files=files, labels=np.array([7, 2**31 - 1], dtype=np.uint32),
+                        shuffle=False)
+    (_, labels), = list(reader)
+    assert labels.tolist() == [7, 2**31 - 1]
+
+
+def test_thread_and_prefetch_counts_past_32_bits_and_boolean_positions_are_refused(
+        disk_dir: Path) -> None:
+    (disk_dir / "a.jpg").write_bytes(b"a")
+    files = [str(disk_dir / "a.jpg")]
+    for name in ("prefetch", "open_threads"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive 32-bit integer"):
+            FileReader(files=files, **{name: 2**32})
+    reader = FileReader(files=files)
+    state = reader.state_dict()
+    for key in ("epoch", "position"):
+        with pytest.raises(ValueError, match="bad position"):
+            reader.load_state_dict({**state, key: True})

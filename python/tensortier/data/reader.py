@@ -75,9 +75,18 @@ def resolve_inputs(
     else:
         raise ValueError("give file_root=, file_list= or files=")
     try:
-        label_array = np.asarray(label_list, dtype=np.int64)
-    except (TypeError, ValueError) as e:
+        label_array = np.asarray(label_list)
+    except (TypeError, ValueError, OverflowError) as e:
         raise TypeError(f"labels must be integers: {e}") from None
+    if label_array.dtype.kind == "O" and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in label_array.flat):
+        raise ValueError("labels must fit in int32")  # integers past 64 bits
+    if label_array.size and label_array.dtype.kind not in "iu":
+        # np.asarray(..., dtype=int64) would turn "1" into 1 and 1.5 into 1: DALI refuses both.
+        raise TypeError(f"labels must be integers, not {label_array.dtype} values "
+                        f"such as {label_array.flat[0]!r}")
+    if label_array.ndim != 1 and label_array.size:
+        raise TypeError("labels must be a flat sequence of integers, one per file")
     if label_array.size and (label_array.min() < -(2**31) or label_array.max() >= 2**31):
         raise ValueError("labels must fit in int32")
     if check_files:
@@ -177,10 +186,11 @@ class FileReader:
     ) -> None:
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
-        for name, value in (("batch_size", batch_size), ("prefetch", prefetch),
-                            ("num_shards", num_shards), ("open_threads", open_threads)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**64:
-                raise ValueError(f"{name} must be a positive 64-bit integer, not {value!r}")
+        for name, value, bits in (("batch_size", batch_size, 64), ("prefetch", prefetch, 32),
+                                  ("num_shards", num_shards, 64),
+                                  ("open_threads", open_threads, 32)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**bits:
+                raise ValueError(f"{name} must be a positive {bits}-bit integer, not {value!r}")
         for name, value in (("seed", seed), ("shard_id", shard_id)):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
                 raise ValueError(f"{name} must be a non-negative 64-bit integer, not {value!r}")
@@ -288,7 +298,9 @@ class FileReader:
                     f"state_dict has {key}={state.get(key)!r}, this reader {value!r}: "
                     "it was taken from a reader of other files or settings")
         epoch, position = state.get("epoch"), state.get("position")
-        if not isinstance(epoch, int) or not isinstance(position, int) or epoch < 0 or position < 0:
+        if (not isinstance(epoch, int) or not isinstance(position, int)
+                or isinstance(epoch, bool) or isinstance(position, bool)
+                or epoch < 0 or position < 0):
             raise ValueError(f"state_dict has a bad position: epoch={epoch!r}, "
                              f"position={position!r}")
         self._epoch, self._position = epoch, position
