@@ -34,6 +34,12 @@ struct IoDesc {
   void* buf;
   uint64_t offset;
   uint64_t length;
+  // A read whose `length` runs past end of file into memory the caller does not need there (a
+  // batch arena rounding each file up to the O_DIRECT alignment): it may go direct through the
+  // block holding end of file, the kernel zeroing buf's bytes past EOF within that block, and stops
+  // there. One request per file instead of a direct read and a buffered tail, which on a cold
+  // file is a second, synchronous request to the disk. Otherwise no byte past EOF is written.
+  bool may_fill_past_eof = false;
 };
 
 // Per operation.

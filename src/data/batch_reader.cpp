@@ -148,11 +148,18 @@ void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
 
 // The bytes asked of the engine for a file: with O_DIRECT, the whole file rounded up to the
 // alignment (the arena has room: samples start 4 KiB apart at least), so that it is one direct
-// read which stops at end of file, rather than a direct middle and a buffered tail (a second
-// request, and on a cold file a synchronous page-cache miss).
+// read which stops at end of file (IoDesc::may_fill_past_eof), rather than a direct middle and a
+// buffered tail (a second request, and on a cold file a synchronous page-cache miss).
 uint64_t ReadLength(const FileSlot& slot) {
   if (!slot.file.direct() || slot.file.offset_alignment() > kSampleAlignment) return slot.size;
   return AlignUp(slot.size, slot.file.offset_alignment());
+}
+
+// The engine's request for a file's bytes, into its place in the arena.
+IoDesc ReadPiece(const FileSlot& slot, const detail::Arena& arena) {
+  IoDesc piece{slot.file, arena.data() + slot.offset, 0, ReadLength(slot)};
+  piece.may_fill_past_eof = piece.length > slot.size;
+  return piece;
 }
 
 [[noreturn]] void ThrowSizeChanged(const std::string& path, uint64_t was, uint64_t now) {
@@ -424,7 +431,7 @@ std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& 
   for (size_t i = 0; i < pending->slots.size(); ++i) {
     FileSlot& slot = pending->slots[i];
     if (slot.error || slot.raw || slot.size == 0) continue;
-    pieces.push_back({slot.file, pending->arena->data() + slot.offset, 0, ReadLength(slot)});
+    pieces.push_back(ReadPiece(slot, *pending->arena));
     pending->submitted.push_back(i);
   }
   if (!pieces.empty()) pending->future = engine_->Submit(IoOp::kRead, pieces);
@@ -519,7 +526,7 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
       std::vector<IoDesc> pieces;
       for (size_t i : pending.submitted) {
         FileSlot& slot = pending.slots[i];
-        pieces.push_back({slot.file, pending.arena->data() + slot.offset, 0, ReadLength(slot)});
+        pieces.push_back(ReadPiece(slot, *pending.arena));
       }
       if (!pieces.empty()) pending.future = engine_->Submit(IoOp::kRead, pieces);
     }

@@ -68,6 +68,10 @@ struct Task {
   // Holds a bounce buffer (a staged read, or an unaligned read or write): `charged` also counts
   // against the bounce budget, TENSORTIER_MAX_STAGED.
   bool bounced = false;
+  // A direct read that may end inside the block holding end of file (IoDesc::may_fill_past_eof):
+  // the file's size when planned, UINT64_MAX otherwise. A count that stops off the alignment at
+  // or past it is end of file, not a remainder to read buffered (elsewhere it still is).
+  uint64_t eof_block_size = UINT64_MAX;
   uint64_t done = 0;
   uint32_t submissions = 0;
   uint32_t retries = 0;  // EAGAIN/EINTR completions in a row
@@ -427,6 +431,14 @@ class Worker {
     // Short transfer: continue where it stopped. A remainder that breaks the O_DIRECT rules (the
     // kernel returned a count that is not block-aligned) continues through the page cache.
     const File& file = op.pieces[t->piece].file;
+    if (t->direct && t->offset >= t->eof_block_size && t->offset % file.offset_alignment() != 0) {
+      {
+        std::lock_guard lock(t->op->mu);
+        t->op->result.stats.eof = true;
+      }
+      Finish(t);
+      return;
+    }
     if (t->direct &&
         (t->offset % file.offset_alignment() != 0 || t->length % file.offset_alignment() != 0 ||
          (t->bounce == nullptr && !IsAligned(t->user, file.memory_alignment())))) {
@@ -682,7 +694,9 @@ class Planner {
     // the caller's bytes past EOF. Reads stop going direct at the last whole block before EOF; the
     // rest goes through the page cache, which copies only what exists (and sees a file that grew).
     uint64_t direct_end = end;
-    if (op_->op == IoOp::kRead) direct_end = std::min(end, std::max(piece.offset, SizeOf(file)));
+    if (op_->op == IoOp::kRead && !piece.may_fill_past_eof) {
+      direct_end = std::min(end, std::max(piece.offset, SizeOf(file)));
+    }
     const uint64_t mid_begin = AlignUp(piece.offset, align);
     const uint64_t mid_end = AlignDown(direct_end, align);
     if (mid_begin >= mid_end) {  // smaller than one aligned block: the page cache does it exactly
@@ -744,6 +758,9 @@ class Planner {
         // small unaligned pieces made one buffer per request slot, twice the budget.
         if (bounce) tasks_.back()->charged = std::max(n, options_.chunk_size);
         tasks_.back()->bounced = bounce;
+        if (op_->op == IoOp::kRead && op_->pieces[index].may_fill_past_eof) {
+          tasks_.back()->eof_block_size = SizeOf(file);
+        }
         stats_.direct_bytes += n;
         if (bounce) stats_.bounced_bytes += n;
         if (aligned && bounce) stats_.staged_bytes += n;

@@ -644,6 +644,49 @@ TEST_P(EngineTest, ReadEndingExactlyAtEofIsNotEof) {
   EXPECT_FALSE(r.stats.eof);
 }
 
+// A batch arena rounds each file up to the O_DIRECT alignment (IoDesc::may_fill_past_eof): such a
+// read goes direct through the block holding end of file, with no buffered tail (on a cold file a
+// second, synchronous request), stops at end of file, and writes nothing past the rounded length.
+TEST_P(EngineTest, ReadThatMayFillPastEofGoesDirectThroughTheLastBlock) {
+  Engine engine(Options());
+  for (uint64_t size : {uint64_t{10000}, uint64_t{4097}, uint64_t{16384}, uint64_t{(64 << 10) + 1},
+                        uint64_t{200000}}) {
+    SCOPED_TRACE(::testing::Message() << "size " << size);
+    File f = PatternFile("data", size, 21);
+    const uint64_t length = AlignUp(size, f.offset_alignment());
+    GuardedBuffer buf(length, 0);
+    IoDesc piece{f, buf.data(), 0, length};
+    piece.may_fill_past_eof = true;
+    const IoResult& r = engine.Submit(IoOp::kRead, {&piece, 1}).Wait();
+    EXPECT_EQ(r.bytes, size);
+    EXPECT_EQ(r.segment_bytes, std::vector<uint64_t>{size});
+    EXPECT_EQ(r.stats.direct_bytes, length);
+    EXPECT_EQ(r.stats.buffered_bytes, 0u);
+    EXPECT_EQ(r.stats.requests, (length + (64 << 10) - 1) / (64 << 10));  // one per chunk
+    EXPECT_EQ(r.stats.eof, length > size);
+    EXPECT_TRUE(MatchesPattern(buf.data(), size, 21, 0));
+    EXPECT_TRUE(AllBytesAre(buf.data() + length, kGuard, kSentinel)) << "past the rounded length";
+  }
+}
+
+// Without the flag the same read keeps the caller's bytes past end of file (the tail goes through
+// the page cache), and with it a buffer the engine must bounce gets only the file's bytes.
+TEST_P(EngineTest, ReadThatMayFillPastEofIntoUnalignedMemoryWritesOnlyTheFile) {
+  Engine engine(Options());
+  File f = PatternFile("data", 10000, 22);
+  const uint64_t length = AlignUp(10000, f.offset_alignment());
+  for (bool may_fill : {false, true}) {
+    SCOPED_TRACE(may_fill ? "may fill past EOF, bounced" : "may not fill past EOF");
+    GuardedBuffer buf(length, may_fill ? 1 : 0);
+    IoDesc piece{f, buf.data(), 0, length};
+    piece.may_fill_past_eof = may_fill;
+    const IoResult& r = engine.Submit(IoOp::kRead, {&piece, 1}).Wait();
+    EXPECT_EQ(r.bytes, 10000u);
+    EXPECT_TRUE(r.stats.eof);
+    EXPECT_TRUE(buf.Holds(22, 0, 10000));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writes
 

@@ -353,6 +353,23 @@ TEST_P(FaultTest, ShortReadOfUnalignedCountOnDirectRequestContinuesBuffered) {
   }
 }
 
+// A read that may fill past end of file takes a count off the O_DIRECT block as end of file only
+// at the file's size: before it, the rest is still read (through the page cache).
+TEST_P(FaultTest, ShortUnalignedCountBeforeEofOfReadThatMayFillPastEofIsNotEof) {
+  FaultPlan plan = Plan(FaultPlan::Kind::kShort, true, false, /*nth=*/1, /*count=*/2);
+  plan.short_bytes = 1000;
+  auto engine = FaultyEngine(plan);
+  AlignedBuffer mem(256 << 10);
+  IoDesc piece{file_, mem.data(), 0, 256 << 10};
+  piece.may_fill_past_eof = true;
+  IoResult r = engine->Submit(IoOp::kRead, {&piece, 1}).Wait();
+  EXPECT_EQ(r.bytes, 256u << 10);
+  EXPECT_FALSE(r.stats.eof);
+  EXPECT_TRUE(MatchesPattern(mem.data(), 256 << 10, 1, 0));
+  EXPECT_EQ(injector_->hits(), 2u);
+  EXPECT_EQ(r.stats.resubmits, 2u);
+}
+
 TEST_P(FaultTest, ShortStagedReadsAreContinuedIntoTheRightPlace) {
   // A staged task continues in its bounce buffer from the start: the copy out must follow
   // the task's advancing destination.
