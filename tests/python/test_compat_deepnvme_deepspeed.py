@@ -1,0 +1,217 @@
+"""DeepSpeed's own DeepNVMe unit tests (tests/unit/v1/nvme/test_aio.py and
+test_pinned_manager.py), the cases that run without an accelerator, against
+tensortier.compat.deepnvme. Their assertions are kept as DeepSpeed wrote them: return values of
+the calls and of wait(), the handle's getters, the files' bytes and what is_pinned says."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensortier.compat.deepnvme import AsyncIOBuilder
+
+KILO_BYTE = 1024
+BLOCK_SIZE = KILO_BYTE
+QUEUE_DEPTH = 2
+IO_SIZE = 4 * BLOCK_SIZE
+IO_PARALLEL = 2
+
+
+def _handle(single_submit: bool = True, overlap_events: bool = True, parallel: int = IO_PARALLEL):  # type: ignore[no-untyped-def]
+    return AsyncIOBuilder().load().aio_handle(BLOCK_SIZE, QUEUE_DEPTH, single_submit,
+                                              overlap_events, parallel)
+
+
+def _ref_write(tmpdir: Path, index: int = 0, num_bytes: int = IO_SIZE) -> tuple[str, bytes]:
+    ref_file = str(tmpdir / f"_py_random_0_{index}.pt")
+    ref_buffer = os.urandom(num_bytes)
+    with open(ref_file, "wb") as f:
+        f.write(ref_buffer)
+    return ref_file, ref_buffer
+
+
+def _write_file_and_tensor(tmpdir: Path, ref_buffer: bytes, h, locked: bool, index: int = 0):  # type: ignore[no-untyped-def]
+    test_file = str(tmpdir / f"_aio_write_random_0_{index}.pt")
+    if not locked:
+        return test_file, torch.ByteTensor(list(ref_buffer))
+    tmp_buffer = torch.ByteTensor(list(ref_buffer))
+    test_buffer = h.new_cpu_locked_tensor(len(ref_buffer), tmp_buffer)
+    test_buffer.data.copy_(tmp_buffer)
+    return test_file, test_buffer
+
+
+def _validate_handle_state(h, single_submit: bool, overlap_events: bool) -> None:  # type: ignore[no-untyped-def]
+    assert h.get_single_submit() == single_submit
+    assert h.get_overlap_events() == overlap_events
+    assert h.get_intra_op_parallelism() == IO_PARALLEL
+    assert h.get_block_size() == BLOCK_SIZE
+    assert h.get_queue_depth() == QUEUE_DEPTH
+
+
+def _read_buffer(h, locked: bool):  # type: ignore[no-untyped-def]
+    if locked:
+        return h.new_cpu_locked_tensor(IO_SIZE, torch.empty(0, dtype=torch.uint8))
+    return torch.empty(IO_SIZE, dtype=torch.uint8, device="cpu")
+
+
+@pytest.mark.parametrize("use_unpinned_tensor", [True, False])
+@pytest.mark.parametrize("single_submit", [True, False])
+@pytest.mark.parametrize("overlap_events", [True, False])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["parallel", "async"])
+def test_read(disk_dir: Path, use_unpinned_tensor: bool, single_submit: bool,
+              overlap_events: bool, asynchronous: bool) -> None:
+    h = _handle(single_submit, overlap_events)
+    aio_buffer = _read_buffer(h, locked=not use_unpinned_tensor)
+    _validate_handle_state(h, single_submit, overlap_events)
+    ref_file, _ = _ref_write(disk_dir)
+    if asynchronous:
+        assert h.async_pread(aio_buffer, ref_file, 0) == 0
+        assert h.wait() == 1
+    else:
+        assert h.sync_pread(aio_buffer, ref_file, 0) == 1
+    with open(ref_file, "rb") as f:
+        assert list(f.read()) == aio_buffer.tolist()
+    if not use_unpinned_tensor:
+        assert h.free_cpu_locked_tensor(aio_buffer)
+
+
+@pytest.mark.parametrize("use_unpinned_tensor", [True, False])
+@pytest.mark.parametrize("single_submit", [True, False])
+@pytest.mark.parametrize("overlap_events", [True, False])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["parallel", "async"])
+def test_write(disk_dir: Path, use_unpinned_tensor: bool, single_submit: bool,
+               overlap_events: bool, asynchronous: bool) -> None:
+    ref_file, ref_buffer = _ref_write(disk_dir)
+    h = _handle(single_submit, overlap_events)
+    aio_file, aio_buffer = _write_file_and_tensor(disk_dir, ref_buffer, h,
+                                                  locked=not use_unpinned_tensor)
+    _validate_handle_state(h, single_submit, overlap_events)
+    if asynchronous:
+        assert h.async_pwrite(aio_buffer, aio_file, 0) == 0
+        assert h.wait() == 1
+    else:
+        assert h.sync_pwrite(aio_buffer, aio_file, 0) == 1
+    if not use_unpinned_tensor:
+        assert h.free_cpu_locked_tensor(aio_buffer)
+    assert os.path.isfile(aio_file)
+    filecmp.clear_cache()
+    assert filecmp.cmp(ref_file, aio_file, shallow=False)
+
+
+@pytest.mark.parametrize("use_unpinned_tensor", [True, False])
+@pytest.mark.parametrize("async_queue", [2, 3])
+def test_async_queue_read(disk_dir: Path, use_unpinned_tensor: bool, async_queue: int) -> None:
+    ref_files = [_ref_write(disk_dir, i)[0] for i in range(async_queue)]
+    h = _handle()
+    aio_buffers = [_read_buffer(h, locked=not use_unpinned_tensor) for _ in range(async_queue)]
+    _validate_handle_state(h, True, True)
+    for i in range(async_queue):
+        assert h.async_pread(aio_buffers[i], ref_files[i], 0) == 0
+    assert h.wait() == async_queue
+    for i in range(async_queue):
+        with open(ref_files[i], "rb") as f:
+            assert list(f.read()) == aio_buffers[i].tolist()
+    if not use_unpinned_tensor:
+        for t in aio_buffers:
+            assert h.free_cpu_locked_tensor(t)
+
+
+@pytest.mark.parametrize("use_unpinned_tensor", [True, False])
+@pytest.mark.parametrize("async_queue", [2, 3])
+def test_async_queue_write(disk_dir: Path, use_unpinned_tensor: bool, async_queue: int) -> None:
+    refs = [_ref_write(disk_dir, i) for i in range(async_queue)]
+    h = _handle()
+    written = [_write_file_and_tensor(disk_dir, refs[i][1], h, not use_unpinned_tensor, i)
+               for i in range(async_queue)]
+    _validate_handle_state(h, True, True)
+    for aio_file, aio_buffer in written:
+        assert h.async_pwrite(aio_buffer, aio_file, 0) == 0
+    assert h.wait() == async_queue
+    if not use_unpinned_tensor:
+        for _, t in written:
+            assert h.free_cpu_locked_tensor(t)
+    for (ref_file, _), (aio_file, _) in zip(refs, written):
+        assert os.path.isfile(aio_file)
+        filecmp.clear_cache()
+        assert filecmp.cmp(ref_file, aio_file, shallow=False)
+
+
+PARTITIONS = [[1, 1, 1], [1, 1, 2], [1, 2, 1], [2, 1, 1]]
+
+
+@pytest.mark.parametrize("file_partitions", PARTITIONS, ids=str)
+@pytest.mark.parametrize("use_fd", [False, True])
+def test_offset_write(disk_dir: Path, file_partitions: list[int], use_fd: bool) -> None:
+    ref_file = str(disk_dir / "_py_random_0_0.pt")
+    aio_file = str(disk_dir / "_aio_random_0_0.pt")
+    file_size = sum(file_partitions) * BLOCK_SIZE
+    h = _handle()
+    data_buffer = h.new_cpu_locked_tensor(file_size, torch.empty(0, dtype=torch.uint8))
+    data_buffer.copy_(torch.frombuffer(bytearray(os.urandom(file_size)), dtype=torch.uint8))
+    offsets = [sum(file_partitions[:i]) * BLOCK_SIZE for i in range(len(file_partitions))]
+    with open(ref_file, "wb") as ref_fd:
+        for i, offset in enumerate(offsets):
+            src_buffer = torch.narrow(data_buffer, 0, offset, file_partitions[i] * BLOCK_SIZE)
+            ref_fd.write(src_buffer.numpy().tobytes())
+            ref_fd.flush()
+            if use_fd:
+                aio_fd = os.open(aio_file, flags=os.O_DIRECT | os.O_CREAT | os.O_WRONLY)
+                try:
+                    status = h.async_pwrite(buffer=src_buffer, fd=aio_fd, file_offset=offset)
+                    assert status == 0
+                    assert h.wait() == 1
+                finally:
+                    os.close(aio_fd)
+            else:
+                status = h.async_pwrite(buffer=src_buffer, filename=aio_file, file_offset=offset)
+                assert status == 0
+                assert h.wait() == 1
+            filecmp.clear_cache()
+            assert filecmp.cmp(ref_file, aio_file, shallow=False)
+    assert h.free_cpu_locked_tensor(data_buffer)
+
+
+@pytest.mark.parametrize("file_partitions", PARTITIONS, ids=str)
+def test_offset_read(disk_dir: Path, file_partitions: list[int]) -> None:
+    file_size = sum(file_partitions) * BLOCK_SIZE
+    ref_file, _ = _ref_write(disk_dir, 0, file_size)
+    h = _handle()
+    data_buffer = h.new_cpu_locked_tensor(file_size, torch.empty(0, dtype=torch.uint8))
+    offsets = [sum(file_partitions[:i]) * BLOCK_SIZE for i in range(len(file_partitions))]
+    with open(ref_file, "rb") as ref_fd:
+        for i, offset in enumerate(offsets):
+            ref_fd.seek(offset)
+            bytes_to_read = file_partitions[i] * BLOCK_SIZE
+            ref_buf = list(ref_fd.read(bytes_to_read))
+            dst_tensor = torch.narrow(data_buffer, 0, 0, bytes_to_read)
+            assert h.sync_pread(dst_tensor, ref_file, offset) == 1
+            assert dst_tensor.tolist() == ref_buf
+    assert h.free_cpu_locked_tensor(data_buffer)
+
+
+# ---- test_pinned_manager.py ---------------------------------------------------------------
+
+NUM_ELEMS = 4 * BLOCK_SIZE
+
+
+def _pin_handle():  # type: ignore[no-untyped-def]
+    return AsyncIOBuilder().load().aio_handle(BLOCK_SIZE, QUEUE_DEPTH, False, False, 1)
+
+
+def test_narrow_of_locked_buffer_is_pinned() -> None:
+    handle = _pin_handle()
+    buffer = handle.new_cpu_locked_tensor(NUM_ELEMS, torch.empty(0, dtype=torch.float))
+    try:
+        assert handle.is_pinned(buffer)
+        assert handle.is_pinned(buffer.narrow(0, BLOCK_SIZE, BLOCK_SIZE))
+    finally:
+        handle.free_cpu_locked_tensor(buffer)
+
+
+def test_unmanaged_buffer_is_not_pinned() -> None:
+    handle = _pin_handle()
+    assert not handle.is_pinned(torch.empty(NUM_ELEMS, dtype=torch.float))
