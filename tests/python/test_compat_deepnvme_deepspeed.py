@@ -193,7 +193,7 @@ def test_offset_read(disk_dir: Path, file_partitions: list[int]) -> None:
     assert h.free_cpu_locked_tensor(data_buffer)
 
 
-# ---- test_pinned_manager.py ---------------------------------------------------------------
+# ---- test_pinned_manager.py: one pinned-tensor manager per process ------------------------
 
 NUM_ELEMS = 4 * BLOCK_SIZE
 
@@ -210,6 +210,29 @@ def test_narrow_of_locked_buffer_is_pinned() -> None:
         assert handle.is_pinned(buffer.narrow(0, BLOCK_SIZE, BLOCK_SIZE))
     finally:
         handle.free_cpu_locked_tensor(buffer)
+
+
+def test_buffer_is_shared_across_handles() -> None:
+    handle_a = _pin_handle()
+    handle_b = _pin_handle()
+    buffer = handle_a.new_cpu_locked_tensor(NUM_ELEMS, torch.empty(0, dtype=torch.float))
+    try:
+        assert handle_b.is_pinned(buffer)
+    finally:
+        handle_a.free_cpu_locked_tensor(buffer)
+
+
+def test_a_locked_buffer_is_freed_through_any_handle_and_any_tensor_at_its_address() -> None:
+    """DeepNVMe's manager frees by address, whichever handle allocated the buffer."""
+    handle_a = _pin_handle()
+    handle_b = _pin_handle()
+    buffer = handle_a.new_cpu_locked_tensor(NUM_ELEMS, torch.empty(0, dtype=torch.float))
+    assert handle_b.free_cpu_locked_tensor(buffer.view(torch.uint8))
+    assert not handle_a.is_pinned(buffer) and not handle_b.is_pinned(buffer)
+    assert not handle_a.free_cpu_locked_tensor(buffer)  # freed already
+    empty = handle_a.new_cpu_locked_tensor(0, torch.empty(0, dtype=torch.float))
+    assert not handle_b.free_cpu_locked_tensor(torch.empty(0))  # another zero-byte tensor
+    assert handle_b.free_cpu_locked_tensor(empty)
 
 
 def test_unmanaged_buffer_is_not_pinned() -> None:

@@ -61,6 +61,12 @@ _MAX_INFLIGHT = 1 << 30
 # DeepNVMe's get_alignment(): intra_op_parallelism x its O_DIRECT alignment.
 _O_DIRECT_ALIGNMENT = 512
 
+# new_cpu_locked_tensor's tensors, of every handle (DeepNVMe's pinned-tensor manager is one per
+# process): data_ptr -> (bytes, the tensor, weakly). Writes from them are not copied first;
+# free_cpu_locked_tensor frees only them.
+_locked: dict[int, tuple[int, weakref.ref[Any]]] = {}
+_locked_mutex = threading.Lock()
+
 
 def _nbytes(buffer: Any) -> int:
     return int(buffer.numel() * buffer.element_size())
@@ -142,10 +148,6 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             gds=self._GDS,
         )
         self._pending: list[_Pending] = []
-        # new_cpu_locked_tensor's tensors: data_ptr -> (bytes, the tensor, weakly). Writes from
-        # them are not copied first; free_cpu_locked_tensor frees only them.
-        self._locked: dict[int, tuple[int, weakref.ref[Any]]] = {}
-        self._locked_mutex = threading.Lock()
 
     # ---- settings -------------------------------------------------------------------------
     def get_block_size(self) -> int:
@@ -299,19 +301,23 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
         else:
             tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
-        with self._locked_mutex:
-            self._locked[int(tensor.data_ptr())] = (_nbytes(tensor), weakref.ref(tensor))
+        with _locked_mutex:
+            _locked[int(tensor.data_ptr())] = (_nbytes(tensor), weakref.ref(tensor))
         return tensor
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        """Releases a tensor from ``new_cpu_locked_tensor`` and returns True: pinned memory is
-        freed now (the tensor, and views of it, must not be used afterwards), page-aligned
-        memory with the tensor's last reference. Any other tensor is left alone: False."""
-        with self._locked_mutex:
-            entry = self._locked.get(int(tensor.data_ptr()))
-            if entry is None or entry[1]() is not tensor:
+        """Releases a tensor from ``new_cpu_locked_tensor`` of any handle (DeepNVMe has one
+        manager per process), or a tensor starting at its address, and returns True: pinned
+        memory is freed now (the tensor, and views of it, must not be used afterwards),
+        page-aligned memory with the tensor's last reference. Any other tensor is left alone:
+        False."""
+        with _locked_mutex:
+            entry = _locked.get(int(tensor.data_ptr()))
+            owner = None if entry is None else entry[1]()
+            # Zero-byte tensors may share an address: only the tensor itself frees one.
+            if owner is None or (entry[0] == 0 and owner is not tensor):  # type: ignore[index]
                 return False
-            del self._locked[int(tensor.data_ptr())]
+            del _locked[int(tensor.data_ptr())]
         storage = tensor.untyped_storage()
         if storage.resizable():
             storage.resize_(0)
@@ -319,7 +325,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
 
     def is_pinned(self, buffer: Any) -> bool:
         """Whether `buffer` is page-locked host memory: pinned by torch, or (a view of) a tensor
-        from ``new_cpu_locked_tensor``."""
+        from ``new_cpu_locked_tensor`` of any handle."""
         return buffer.device.type == "cpu" and (bool(buffer.is_pinned()) or self._managed(buffer))
 
     def close(self) -> None:
@@ -330,10 +336,10 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     def _managed(self, buffer: Any) -> bool:
         """Whether `buffer` lies in a live tensor from ``new_cpu_locked_tensor``."""
         address = int(buffer.data_ptr())
-        with self._locked_mutex:
-            for base, (nbytes, ref) in list(self._locked.items()):
+        with _locked_mutex:
+            for base, (nbytes, ref) in list(_locked.items()):
                 if ref() is None:
-                    del self._locked[base]
+                    del _locked[base]
                 elif base <= address < base + nbytes:
                     return True
         return False
