@@ -269,3 +269,29 @@ def test_the_native_offloader_stays_lenient(disk_dir: Path) -> None:
         off.sync_readv([x])
         with pytest.raises(ValueError, match="not offloaded"):
             off.sync_read(x)
+
+
+def test_constructor_errors_are_tensornvme_s(disk_dir: Path) -> None:
+    """TensorNVMe asserts that dir_name is a directory, its binding takes n_entries as an
+    unsigned int (TypeError for anything else) and its C++ refuses a backend it does not know
+    with a RuntimeError ("Unsupported backend: ...")."""
+    a_file = disk_dir / "a_file"
+    a_file.write_bytes(b"x")
+    with pytest.raises(AssertionError):
+        DiskOffloader(str(a_file))
+    for n_entries in (-1, 8.0, "16", None, [8]):
+        with pytest.raises(TypeError):
+            DiskOffloader(str(disk_dir), n_entries)  # type: ignore[arg-type]
+    for backend in ("bogus", "", "URING"):
+        with pytest.raises(RuntimeError, match="backend"):
+            DiskOffloader(str(disk_dir), 8, backend)
+    assert a_file.read_bytes() == b"x" and sorted(p.name for p in disk_dir.iterdir()) == ["a_file"]
+    with DiskOffloader(str(disk_dir / "made"), n_entries=4, backend="pthread") as of:
+        x = torch.arange(5.0)
+        of.sync_write(x)
+        of.sync_read(x)
+        assert torch.equal(x, torch.arange(5.0))
+    import numpy as np
+
+    with DiskOffloader(str(disk_dir / "made"), np.uint32(4)) as of:  # as pybind11 takes it
+        assert of.backend in ("io_uring", "libaio", "threads")

@@ -12,6 +12,10 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
   torch when iterating an offloaded tensor, else ``TypeError``); writing a tensor without memory
   (offloaded already, or with no elements) raises ``AssertionError``; a non-contiguous tensor
   ``RuntimeError``.
+- The constructor fails as TensorNVMe's: ``AssertionError`` when `dir_name` exists and is not
+  a directory, ``TypeError`` for an `n_entries` that is not an unsigned integer,
+  ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
+  ``uring``, ``aio``, ``pthread`` and tensortier's own work).
 - Every refused call leaves its tensors exactly as they were (TensorNVMe resizes the storage of
   a tensor it then fails to read).
 
@@ -21,6 +25,7 @@ parameter's ``.data``, ``ValueError`` for misuse).
 
 from __future__ import annotations
 
+import operator
 import os
 import tempfile
 import weakref
@@ -53,12 +58,33 @@ class DiskOffloader(_offload.DiskOffloader):
     """TensorNVMe's ``DiskOffloader(dir_name, n_entries=16, backend=...)``: see the module.
     Takes the arguments of ``tensortier.DiskOffloader``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        dir_name = args[0] if args else kwargs.get("dir_name")
+    def __init__(
+        self,
+        dir_name: Any,
+        n_entries: int = 16,
+        backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
         if isinstance(dir_name, (str, bytes, os.PathLike)):
             # TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
-            fspath(dir_name, "dir_name", bytes_ok=False)
-        super().__init__(*args, **kwargs)
+            path = fspath(dir_name, "dir_name", bytes_ok=False)
+            # TensorNVMe: `assert os.path.isdir(dir_name)` once it exists.
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise AssertionError(f"dir_name {path!r} exists and is not a directory")
+        # Its binding takes an unsigned int: anything else is pybind11's TypeError.
+        try:
+            entries = operator.index(n_entries)
+        except TypeError:
+            entries = -1
+        if entries < 0:
+            raise TypeError(f"n_entries must be an unsigned integer, not {n_entries!r}")
+        # Its C++ refuses a backend it does not know with a RuntimeError.
+        known = _offload._BACKENDS  # noqa: SLF001 - same package
+        if not isinstance(backend, str) or backend not in known:
+            raise RuntimeError(
+                f"Unsupported backend: {backend!r} (one of {', '.join(sorted(known))})"
+            )
+        super().__init__(dir_name, entries, backend, **kwargs)
         self._groups: dict[_Key, tuple[weakref.ref[Any], ...]] = {}
         self._member: dict[int, _Key] = {}  # id(tensor) -> the key it was last written under
         self._groups_kept = 64  # prune dead groups when there are twice as many
