@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import filecmp
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -238,3 +240,62 @@ def test_a_locked_buffer_is_freed_through_any_handle_and_any_tensor_at_its_addre
 def test_unmanaged_buffer_is_not_pinned() -> None:
     handle = _pin_handle()
     assert not handle.is_pinned(torch.empty(NUM_ELEMS, dtype=torch.float))
+
+
+# ---- test_aio_gil.py: one handle shared by threads -----------------------------------------
+
+
+@pytest.mark.parametrize("op", ["sync_pread", "pread", "sync_pwrite", "pwrite"])
+def test_concurrent_blocking_calls_on_a_shared_handle(disk_dir: Path, op: str) -> None:
+    """DeepNVMe holds the handle's mutex from the start of a blocking call to the end of its
+    wait: each of several threads' calls returns 1, once its own operation is done (not 0 when
+    another thread's wait took it). Threads switch as often as Python allows, to meet the calls
+    at every point; a deadline bounds the test."""
+    threads, rounds = 8, 2000
+    h = _handle(parallel=1)
+    payloads = [os.urandom(BLOCK_SIZE) for _ in range(threads)]
+    paths = [str(disk_dir / f"shared-{i}.bin") for i in range(threads)]
+    for path, payload in zip(paths, payloads):
+        with open(path, "wb") as f:
+            f.write(payload)
+    failures: list[str] = []
+    start = threading.Barrier(threads, timeout=60)
+
+    def run(i: int) -> None:
+        try:
+            source = torch.frombuffer(bytearray(payloads[i]), dtype=torch.uint8)
+            buffer = torch.zeros(BLOCK_SIZE, dtype=torch.uint8)
+            start.wait()
+            for _ in range(rounds):
+                if op == "sync_pread":
+                    status = h.sync_pread(buffer, paths[i], 0)
+                elif op == "pread":
+                    status = h.pread(buffer, paths[i], False, False, 0)
+                elif op == "sync_pwrite":
+                    status = h.sync_pwrite(source, paths[i], 0)
+                else:
+                    status = h.pwrite(source, paths[i], False, False, 0)
+                if status != 1:
+                    failures.append(f"{op} returned {status}")
+                    return
+                if "read" in op and bytes(buffer.numpy()) != payloads[i]:
+                    failures.append(f"{op} returned before its data was read")
+                    return
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(repr(e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(w.is_alive() for w in workers), "a blocking call hung"
+    assert not failures, failures[:3]
+    for path, payload in zip(paths, payloads):
+        with open(path, "rb") as f:
+            assert f.read() == payload

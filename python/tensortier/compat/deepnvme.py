@@ -108,6 +108,10 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         single_submit: accepted for compatibility (requests are always batched).
         overlap_events: accepted for compatibility (completions are always overlapped).
         intra_op_parallelism: worker threads (``num_threads=`` as in older releases also works).
+
+    Threads may share a handle: as DeepNVMe's, a blocking call (``sync_pread``, ``pread`` with
+    ``async=False``...) holds the handle from its start to the end of its wait, which also
+    completes the operations started before it (its count includes them).
     """
 
     _GDS = "off"
@@ -148,6 +152,10 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             gds=self._GDS,
         )
         self._pending: list[_Pending] = []
+        # DeepNVMe's handle mutex: held while an operation starts, and from the start of a
+        # blocking call to the end of its wait, so that each thread's blocking call waits for
+        # its own operation (another thread's wait() cannot take it away half done).
+        self._mutex = threading.Lock()
 
     # ---- settings -------------------------------------------------------------------------
     def get_block_size(self) -> int:
@@ -178,22 +186,25 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """Reads ``buffer.nbytes`` bytes at `file_offset` of `filename` (what the file holds of
         them); returns the count of completed operations (1), or -1 when the file cannot be
         opened."""
-        if self.async_pread(buffer, filename, file_offset) < 0:
-            return -1
-        return self.wait()
+        with self._mutex:
+            if self._start("read", buffer, filename, file_offset, validate=False) < 0:
+                return -1
+            return self._wait_locked()
 
     def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Writes all of `buffer` at `file_offset` of `filename` (created if missing, never
         truncated); returns the count of completed operations (1), or -1 when the file cannot
         be opened."""
-        if self.async_pwrite(buffer, filename, file_offset) < 0:
-            return -1
-        return self.wait()
+        with self._mutex:
+            if self._start("write", buffer, filename, file_offset, validate=False) < 0:
+                return -1
+            return self._wait_locked()
 
     def async_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Starts a read; ``wait()`` completes it. Returns 0, or -1 when the file cannot be
         opened (nothing started)."""
-        return self._start("read", buffer, filename, file_offset, validate=False)
+        with self._mutex:
+            return self._start("read", buffer, filename, file_offset, validate=False)
 
     def async_pwrite(
         self,
@@ -213,7 +224,9 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         if (filename is None) == (fd is None):
             raise TypeError("async_pwrite: give a filename or an fd (one of them)")
         target = filename if fd is None else fd
-        return self._start("write", buffer, target, file_offset, validate=False, snapshot=True)
+        with self._mutex:
+            return self._start("write", buffer, target, file_offset, validate=False,
+                               snapshot=True)
 
     def pread(
         self,
@@ -227,9 +240,10 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """DeepNVMe's ``pread(buffer, filename, validate, async, file_offset=0)`` (``async`` is a
         keyword Python reserves: pass it by position, as ``async_op=``, or ``**{"async": x}``)."""
         async_op = _async_argument("pread", async_op, kwargs)
-        if self._start("read", buffer, filename, file_offset, validate) < 0:
-            return -1
-        return 0 if async_op else self.wait()
+        with self._mutex:
+            if self._start("read", buffer, filename, file_offset, validate) < 0:
+                return -1
+            return 0 if async_op else self._wait_locked()
 
     def pwrite(
         self,
@@ -243,9 +257,11 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """DeepNVMe's ``pwrite(buffer, filename, validate, async, file_offset=0)``. An async write
         copies the tensor first where ``async_pwrite`` does."""
         async_op = _async_argument("pwrite", async_op, kwargs)
-        if self._start("write", buffer, filename, file_offset, validate, snapshot=async_op) < 0:
-            return -1
-        return 0 if async_op else self.wait()
+        with self._mutex:
+            if self._start("write", buffer, filename, file_offset, validate,
+                           snapshot=async_op) < 0:
+                return -1
+            return 0 if async_op else self._wait_locked()
 
     def read(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
         """DeepNVMe's synchronous ``read``: at offset 0 the file's size must be the buffer's;
@@ -268,6 +284,11 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     def wait(self) -> int:
         """Waits for every operation started; returns how many completed. Raises the first
         error (``OSError``, or ``CudaError``/``CuFileError``) after all have finished."""
+        with self._mutex:
+            return self._wait_locked()
+
+    def _wait_locked(self) -> int:
+        """wait(), the mutex held."""
         pending, self._pending = self._pending, []
         first: BaseException | None = None
         for future, buffer, filename, offset, validate, copy_to in pending:
@@ -330,7 +351,8 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
 
     def close(self) -> None:
         """Waits for everything in flight and stops the workers."""
-        self._io.close()
+        with self._mutex:
+            self._io.close()
 
     # ---- internals ------------------------------------------------------------------------
     def _managed(self, buffer: Any) -> bool:
