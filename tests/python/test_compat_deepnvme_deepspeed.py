@@ -299,3 +299,105 @@ def test_concurrent_blocking_calls_on_a_shared_handle(disk_dir: Path, op: str) -
     for path, payload in zip(paths, payloads):
         with open(path, "rb") as f:
             assert f.read() == payload
+
+
+@pytest.mark.parametrize("operation_name", ["pread", "pwrite", "sync_pread", "sync_pwrite"])
+def test_blocking_aio_releases_gil(disk_dir: Path, operation_name: str) -> None:
+    """A thread waiting for the GIL runs while blocking calls wait (DeepSpeed's test, with a
+    locked tensor where it takes CUDA-pinned memory)."""
+    payload = os.urandom(BLOCK_SIZE)
+    source_path = disk_dir / "source.bin"
+    source_path.write_bytes(payload)
+    target_path = disk_dir / "target.bin"
+    handle = _handle()
+
+    def invoke(buffer: torch.Tensor, filename: str) -> int:
+        if operation_name == "pread":
+            return handle.pread(buffer, filename, False, False, 0)
+        if operation_name == "pwrite":
+            return handle.pwrite(buffer, filename, False, False, 0)
+        if operation_name == "sync_pread":
+            return handle.sync_pread(buffer, filename, 0)
+        return handle.sync_pwrite(buffer, filename, 0)
+
+    buffer = handle.new_cpu_locked_tensor(BLOCK_SIZE, torch.empty(0, dtype=torch.uint8))
+    if "pread" in operation_name:
+        buffer.zero_()
+        filename = str(source_path)
+    else:
+        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        filename = str(target_path)
+        assert invoke(buffer, filename) == 1
+
+    peer_ready = threading.Event()
+    peer_ran = threading.Event()
+    gate = threading.Lock()
+    gate.acquire()
+
+    def run_peer() -> None:
+        peer_ready.set()
+        with gate:
+            peer_ran.set()
+
+    peer = threading.Thread(target=run_peer, daemon=True)
+    peer.start()
+    assert peer_ready.wait(timeout=30)
+    original_switch_interval = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(60)
+        gate.release()
+        for _ in range(32):
+            assert invoke(buffer, filename) == 1
+            if peer_ran.is_set():
+                break
+        assert peer_ran.is_set(), f"{operation_name} held the GIL across all blocking calls"
+    finally:
+        sys.setswitchinterval(original_switch_interval)
+        if gate.locked():
+            gate.release()
+        peer.join(timeout=30)
+    assert not peer.is_alive()
+    if "pread" in operation_name:
+        assert bytes(buffer.tolist()) == payload
+    else:
+        assert target_path.read_bytes() == payload
+    assert handle.free_cpu_locked_tensor(buffer)
+
+
+def test_concurrent_unpinned_read_and_locked_tensor_management(disk_dir: Path) -> None:
+    payload = os.urandom(BLOCK_SIZE)
+    source_path = disk_dir / "source.bin"
+    source_path.write_bytes(payload)
+    buffer = torch.zeros(BLOCK_SIZE, dtype=torch.uint8)
+    example_tensor = torch.empty(1, dtype=torch.uint8)
+    handle = _handle()
+    start = threading.Barrier(3, timeout=30)
+    errors: list[BaseException] = []
+
+    def run_reads() -> None:
+        try:
+            start.wait()
+            for _ in range(32):
+                assert handle.sync_pread(buffer, str(source_path), 0) == 1
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    def manage_locked_tensors() -> None:
+        try:
+            start.wait()
+            for _ in range(32):
+                locked_tensor = handle.new_cpu_locked_tensor(BLOCK_SIZE, example_tensor)
+                assert handle.free_cpu_locked_tensor(locked_tensor)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    workers = [threading.Thread(target=run_reads, daemon=True),
+               threading.Thread(target=manage_locked_tensors, daemon=True)]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert not errors
+    assert all(not worker.is_alive() for worker in workers)
+    assert bytes(buffer.tolist()) == payload
