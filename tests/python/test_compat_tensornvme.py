@@ -3,6 +3,7 @@ tensors left exactly as they were)."""
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -295,3 +296,33 @@ def test_constructor_errors_are_tensornvme_s(disk_dir: Path) -> None:
 
     with DiskOffloader(str(disk_dir / "made"), np.uint32(4)) as of:  # as pybind11 takes it
         assert of.backend in ("io_uring", "libaio", "threads")
+
+
+def test_out_of_space_raises_and_leaves_the_tensors_as_they_were(small_fs: Path) -> None:
+    """TensorNVMe ignores write errors (the tensor's memory is freed, its data lost); here the
+    wait raises OSError (ENOSPC), the tensors keep memory and data, and their reads are
+    TensorNVMe's "not found"."""
+    with DiskOffloader(str(small_fs), 8) as of:
+        big = torch.rand(2 << 20)  # 8 MiB on a 4 MiB filesystem
+        big0 = big.clone()
+        with pytest.raises(OSError) as e:
+            of.sync_write(big)
+        assert e.value.errno == errno.ENOSPC
+        assert storage_bytes(big) == big.nbytes and torch.equal(big, big0)
+        with pytest.raises(RuntimeError, match="not found"):
+            of.sync_read(big)
+        of.async_write(big)
+        with pytest.raises(OSError) as e:
+            of.sync_write_events()
+        assert e.value.errno == errno.ENOSPC and torch.equal(big, big0)
+        small = torch.rand(100)
+        small0 = small.clone()
+        with pytest.raises(OSError):
+            of.sync_writev([small, big])
+        assert torch.equal(small, small0) and torch.equal(big, big0)
+        with pytest.raises(RuntimeError, match="not found"):
+            of.sync_readv([small, big])
+        of.sync_writev([small])  # the space is free again
+        of.sync_readv([small])
+        assert torch.equal(small, small0)
+    assert [p.name for p in small_fs.iterdir() if p.name != "lost+found"] == []
