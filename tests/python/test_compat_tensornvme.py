@@ -326,3 +326,65 @@ def test_out_of_space_raises_and_leaves_the_tensors_as_they_were(small_fs: Path)
         of.sync_readv([small])
         assert torch.equal(small, small0)
     assert [p.name for p in small_fs.iterdir() if p.name != "lost+found"] == []
+
+
+_REFUSE_IO_URING = r"""
+import ctypes, struct, sys, tempfile
+
+def ins(code, jt, jf, k):
+    return struct.pack("HBBI", code, jt, jf, k)
+
+# A seccomp filter refusing io_uring_setup (425 on every Linux architecture) with EPERM, as
+# Docker's default profile does.
+prog = b"".join([
+    ins(0x20, 0, 0, 0),                 # load the syscall number
+    ins(0x15, 0, 1, 425),               # io_uring_setup?
+    ins(0x06, 0, 0, 0x00050000 | 1),    # then fail it with EPERM
+    ins(0x06, 0, 0, 0x7FFF0000),        # else allow
+])
+buf = ctypes.create_string_buffer(prog)
+
+class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+libc = ctypes.CDLL(None, use_errno=True)
+fprog = Fprog(len(prog) // 8, ctypes.addressof(buf))
+if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
+    print("SKIP seccomp", ctypes.get_errno())
+    sys.exit(0)
+
+import errno
+import torch
+from tensortier.compat.tensornvme import DiskOffloader, get_backends
+
+assert "uring" not in get_backends(), get_backends()
+d = sys.argv[1]
+for backend in ("uring", "io_uring"):
+    try:
+        DiskOffloader(d, 16, backend)
+    except RuntimeError as e:
+        assert isinstance(e, OSError) and e.errno == errno.EPERM, e
+        assert "not install correctly" in str(e), e
+    else:
+        raise AssertionError("io_uring started under the filter")
+with DiskOffloader(d, 16) as of:  # the default takes a backend that starts
+    x = torch.arange(10.0)
+    of.sync_write(x)
+    of.sync_read(x)
+    assert torch.equal(x, torch.arange(10.0)) and of.backend != "io_uring"
+print("OK")
+"""
+
+
+def test_a_backend_the_kernel_refuses_is_tensornvme_s_runtime_error(disk_dir: Path) -> None:
+    """TensorNVMe probes the backend named and raises RuntimeError when it does not start
+    (io_uring in a Docker container, say); ours is also an OSError with the kernel's errno.
+    Run in a child process whose seccomp filter refuses io_uring."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _REFUSE_IO_URING, str(disk_dir)],
+                         capture_output=True, text=True, timeout=120)
+    if run.stdout.startswith("SKIP"):
+        pytest.skip(f"cannot install a seccomp filter here: {run.stdout.strip()}")
+    assert run.returncode == 0 and run.stdout.strip() == "OK", run.stdout + run.stderr

@@ -15,7 +15,8 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
 - The constructor fails as TensorNVMe's: ``AssertionError`` when `dir_name` exists and is not
   a directory, ``TypeError`` for an `n_entries` that is not an unsigned integer,
   ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
-  ``uring``, ``aio``, ``pthread`` and tensortier's own work).
+  ``uring``, ``aio``, ``pthread`` and tensortier's own work), ``BackendUnavailableError`` (a
+  ``RuntimeError``, and an ``OSError`` with errno) for one the kernel refuses here.
 - Every refused call leaves its tensors exactly as they were (TensorNVMe resizes the storage of
   a tensor it then fails to read).
 
@@ -36,12 +37,18 @@ from .. import _core
 from .. import offload as _offload
 from .._paths import fspath
 
-__all__ = ["DiskOffloader", "get_backends"]
+__all__ = ["BackendUnavailableError", "DiskOffloader", "get_backends"]
 
 _TENSORNVME_NAMES = {"io_uring": "uring", "libaio": "aio", "threads": "pthread"}
 
 # How TensorNVMe keys what a call wrote: one tensor by its id, a vector by its tuple.
 _Key = tuple[str, tuple[int, ...]]
+
+
+class BackendUnavailableError(OSError, RuntimeError):
+    """A backend named to the constructor does not start here (the kernel refuses io_uring
+    under a container's seccomp profile, say): TensorNVMe's ``RuntimeError`` ("Backend ... is
+    not install correctly"), and an ``OSError`` with the kernel's errno."""
 
 
 def get_backends() -> set[str]:
@@ -84,7 +91,14 @@ class DiskOffloader(_offload.DiskOffloader):
             raise RuntimeError(
                 f"Unsupported backend: {backend!r} (one of {', '.join(sorted(known))})"
             )
-        super().__init__(dir_name, entries, backend, **kwargs)
+        try:
+            super().__init__(dir_name, entries, backend, **kwargs)
+        except OSError as e:
+            if known[backend] == "auto" or _starts(known[backend]):
+                raise  # not the backend's failure: the directory's, say
+            raise BackendUnavailableError(
+                e.errno, f"Backend {backend!r} is not install correctly: {e.strerror or e}"
+            ) from e
         self._groups: dict[_Key, tuple[weakref.ref[Any], ...]] = {}
         self._member: dict[int, _Key] = {}  # id(tensor) -> the key it was last written under
         self._groups_kept = 64  # prune dead groups when there are twice as many
@@ -205,6 +219,14 @@ class DiskOffloader(_offload.DiskOffloader):
             live = {k for refs in self._groups.values() for k in [id(r()) for r in refs]}
             self._member = {i: k for i, k in self._member.items() if i in live}
             self._groups_kept = max(64, len(self._groups))
+
+
+def _starts(backend: str) -> bool:
+    """Whether tensortier's `backend` starts on this machine."""
+    return any(
+        p["backend"] == backend and p["available"]
+        for p in _core.probe_backends(tempfile.gettempdir())
+    )
 
 
 def _key(tensors: list[Any], vector: bool) -> _Key:
