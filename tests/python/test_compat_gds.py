@@ -71,3 +71,20 @@ def test_argument_types(disk_dir: Path) -> None:
             gds.gds_register_buffer(b"bytes")
     with pytest.raises(FileNotFoundError):
         gds.GdsFile(disk_dir / "missing.bin", os.O_RDONLY)
+
+
+def test_integers_of_numpy_and_torch_are_taken_as_torch_s_are(disk_dir: Path) -> None:
+    """torch's GdsFile passes flags to os.open and offsets to a pybind11 int64: anything with
+    __index__ works there (offsets summed with numpy, say)."""
+    import numpy as np
+
+    flags = np.int64(os.O_CREAT | os.O_RDWR)
+    with gds.GdsFile(disk_dir / "n.bin", flags) as f:  # type: ignore[arg-type]
+        s = torch.arange(16, dtype=torch.uint8).untyped_storage()
+        f.save_storage(s, np.int64(4096))  # type: ignore[arg-type]
+        back = torch.zeros(16, dtype=torch.uint8)
+        f.load_storage(back.untyped_storage(), torch.tensor(4096).item())
+        f.load_storage(back.untyped_storage(), np.uint32(4096))  # type: ignore[arg-type]
+        assert back.tolist() == list(range(16))
+        with pytest.raises(TypeError):
+            f.load_storage(back.untyped_storage(), np.float64(0.0))  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ without a CUDA driver raises ``CudaError`` (naming what is missing).
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import threading
 from typing import Any
@@ -59,6 +60,15 @@ def _check_storage(storage: Any, what: str) -> None:
         raise TypeError(
             f"{what} needs a torch storage (tensor.untyped_storage()), not {type(storage).__name__}"
         )
+
+
+def _index(value: Any, what: str) -> int:
+    """`value` as an int where torch takes it as one (os.open, a pybind11 int64): anything
+    with ``__index__`` (numpy and torch integers too), else TypeError."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}, not {type(value).__name__}") from None
 
 
 def _as_tensor(storage: Any) -> Any:
@@ -115,8 +125,7 @@ class GdsFile:
     """
 
     def __init__(self, filename: str | os.PathLike[str], flags: int) -> None:
-        if not isinstance(flags, int) or isinstance(flags, bool):
-            raise TypeError(f"flags must be os.open flags (an int), not {type(flags).__name__}")
+        flags = _index(flags, "flags must be os.open flags (an int)")
         self.filename = os.fspath(filename)
         self.flags = flags
         fd = os.open(self.filename, flags | os.O_CLOEXEC, 0o644)  # create/truncate as asked
@@ -233,8 +242,7 @@ class GdsFile:
             verb = "load data from" if op == "read" else "save data to"
             raise AssertionError(f"Cannot {verb} a file that is not registered.")
         _check_storage(storage, what)
-        if not isinstance(offset, int) or isinstance(offset, bool):
-            raise TypeError(f"{what}: offset must be an int, not {type(offset).__name__}")
+        offset = _index(offset, f"{what}: offset must be an int")
         tensor = _as_tensor(storage)
         nbytes = int(tensor.numel())
         call = "cuFileRead" if op == "read" else "cuFileWrite"
