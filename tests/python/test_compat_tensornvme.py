@@ -388,3 +388,26 @@ def test_a_backend_the_kernel_refuses_is_tensornvme_s_runtime_error(disk_dir: Pa
     if run.stdout.startswith("SKIP"):
         pytest.skip(f"cannot install a seccomp filter here: {run.stdout.strip()}")
     assert run.returncode == 0 and run.stdout.strip() == "OK", run.stdout + run.stderr
+
+
+def test_the_environment_names_the_backend_as_with_tensornvme(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TENSORNVME_BACKEND, when set and not empty, takes the place of the backend argument
+    (the way to change a backend that code names, as ColossalAI's "uring")."""
+    monkeypatch.setenv("TENSORNVME_BACKEND", "pthread")
+    with DiskOffloader(str(disk_dir), 16, "uring") as of:
+        assert of.backend == "threads"
+        x = torch.arange(6.0)
+        of.sync_write(x)
+        of.sync_read(x)
+        assert torch.equal(x, torch.arange(6.0))
+    monkeypatch.setenv("TENSORNVME_BACKEND", "bogus")
+    with pytest.raises(RuntimeError, match="bogus"):
+        DiskOffloader(str(disk_dir), 16, "pthread")
+    monkeypatch.setenv("TENSORNVME_BACKEND", "")
+    with DiskOffloader(str(disk_dir), 16, "pthread") as of:
+        assert of.backend == "threads"
+    monkeypatch.setenv("TENSORNVME_BACKEND", "bogus")
+    with NativeOffloader(disk_dir, backend="threads") as native:  # TensorNVMe's variable only
+        assert native.backend == "threads"

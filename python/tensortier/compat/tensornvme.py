@@ -12,6 +12,8 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
   torch when iterating an offloaded tensor, else ``TypeError``); writing a tensor without memory
   (offloaded already, or with no elements) raises ``AssertionError``; a non-contiguous tensor
   ``RuntimeError``.
+- ``TENSORNVME_BACKEND``, when set and not empty, takes the place of the `backend` argument,
+  as with TensorNVMe.
 - The constructor fails as TensorNVMe's: ``AssertionError`` when `dir_name` exists and is not
   a directory, ``TypeError`` for an `n_entries` that is not an unsigned integer,
   ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
@@ -85,6 +87,8 @@ class DiskOffloader(_offload.DiskOffloader):
             entries = -1
         if entries < 0:
             raise TypeError(f"n_entries must be an unsigned integer, not {n_entries!r}")
+        # TensorNVMe's environment variable, when set, takes the place of the argument.
+        backend = os.environ.get("TENSORNVME_BACKEND") or backend
         # Its C++ refuses a backend it does not know with a RuntimeError.
         known = _offload._BACKENDS  # noqa: SLF001 - same package
         if not isinstance(backend, str) or backend not in known:
