@@ -411,3 +411,21 @@ def test_the_environment_names_the_backend_as_with_tensornvme(
     monkeypatch.setenv("TENSORNVME_BACKEND", "bogus")
     with NativeOffloader(disk_dir, backend="threads") as native:  # TensorNVMe's variable only
         assert native.backend == "threads"
+
+
+def test_a_tensor_being_read_is_not_found_again(of: DiskOffloader) -> None:
+    """TensorNVMe takes a tensor's key when its read starts: reading it again while the first
+    read runs is its "not found" (prefetching windows that overlap meet this)."""
+    x = torch.rand(1 << 16)
+    a, b = torch.rand(10), torch.rand(3)
+    x0, a0, b0 = x.clone(), a.clone(), b.clone()
+    of.sync_write(x)
+    of.sync_writev([a, b])
+    of.async_read(x)
+    of.async_readv([a, b])
+    for again in (lambda: of.async_read(x), lambda: of.sync_read(x),
+                  lambda: of.async_readv([a, b]), lambda: of.sync_readv([a, b])):
+        with pytest.raises(RuntimeError, match="tensor not found"):
+            again()
+    of.sync_read_events()
+    assert torch.equal(x, x0) and torch.equal(a, a0) and torch.equal(b, b0)

@@ -191,7 +191,9 @@ class DiskOffloader(_offload.DiskOffloader):
                 or len(group) != len(tensors)
                 or any(ref() is not t or self._member.get(id(t)) != key
                        for ref, t in zip(group, tensors))
-                or any(self._lookup(t) is None for t in tensors)
+                # TensorNVMe takes a tensor's key when its read starts: a second read of it
+                # finds nothing, even while the first runs.
+                or any((e := self._lookup(t)) is None or e.state == "reading" for t in tensors)
             ):
                 raise RuntimeError(
                     "Read error, tensor not found"
