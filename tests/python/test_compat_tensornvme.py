@@ -429,3 +429,24 @@ def test_a_tensor_being_read_is_not_found_again(of: DiskOffloader) -> None:
             again()
     of.sync_read_events()
     assert torch.equal(x, x0) and torch.equal(a, a0) and torch.equal(b, b0)
+
+
+def test_tensors_that_cannot_be_offloaded_are_runtime_errors(of: DiskOffloader) -> None:
+    """TensorNVMe fails on numpy's memory when torch refuses to resize it, and on a tensor not
+    on the CPU, with RuntimeError; ours refuses before writing (a RuntimeError and a
+    ValueError, as the native offloader's), the tensors as they were."""
+    import numpy as np
+
+    from tensortier.compat.tensornvme import WriteRefusedError
+
+    foreign = torch.from_numpy(np.arange(8, dtype=np.float32))
+    meta = torch.empty(4, device="meta")
+    other = torch.rand(3)
+    for call, arg in ((of.sync_write, foreign), (of.async_write, foreign),
+                      (of.sync_writev, [other, foreign]), (of.sync_write, meta)):
+        with pytest.raises(RuntimeError) as e:
+            call(arg)  # type: ignore[operator]
+        assert isinstance(e.value, ValueError) and isinstance(e.value, WriteRefusedError)
+    assert foreign.tolist() == list(range(8)) and storage_bytes(other) == 12
+    of.synchronize()
+    assert of.stored_bytes == 0

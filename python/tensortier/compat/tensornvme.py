@@ -11,7 +11,8 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
 - A tensor given where a list is expected raises what TensorNVMe raises (``RuntimeError`` from
   torch when iterating an offloaded tensor, else ``TypeError``); writing a tensor without memory
   (offloaded already, or with no elements) raises ``AssertionError``; a non-contiguous tensor
-  ``RuntimeError``.
+  ``RuntimeError``; a tensor that cannot be offloaded otherwise (numpy's memory, say: TensorNVMe
+  fails to resize it) ``WriteRefusedError``, a ``RuntimeError`` and a ``ValueError``.
 - ``TENSORNVME_BACKEND``, when set and not empty, takes the place of the `backend` argument,
   as with TensorNVMe.
 - The constructor fails as TensorNVMe's: ``AssertionError`` when `dir_name` exists and is not
@@ -39,7 +40,7 @@ from .. import _core
 from .. import offload as _offload
 from .._paths import fspath
 
-__all__ = ["BackendUnavailableError", "DiskOffloader", "get_backends"]
+__all__ = ["BackendUnavailableError", "DiskOffloader", "WriteRefusedError", "get_backends"]
 
 _TENSORNVME_NAMES = {"io_uring": "uring", "libaio": "aio", "threads": "pthread"}
 
@@ -51,6 +52,14 @@ class BackendUnavailableError(OSError, RuntimeError):
     """A backend named to the constructor does not start here (the kernel refuses io_uring
     under a container's seccomp profile, say): TensorNVMe's ``RuntimeError`` ("Backend ... is
     not install correctly"), and an ``OSError`` with the kernel's errno."""
+
+
+class WriteRefusedError(ValueError, RuntimeError):
+    """A tensor that cannot be offloaded (its storage cannot be resized, as numpy's; it is not
+    in CPU or CUDA memory; it is part of a larger storage; its write runs already): where
+    TensorNVMe fails it does so with ``RuntimeError`` (from torch, or its "Tensor must be
+    contiguous and on cpu"); tensortier's offloader with ``ValueError``. This is both, and
+    nothing was written."""
 
 
 def get_backends() -> set[str]:
@@ -167,7 +176,10 @@ class DiskOffloader(_offload.DiskOffloader):
                     "elements)"
                 )
         with self._lock:
-            self._write(tensors, callback)
+            try:
+                self._write(tensors, callback)
+            except ValueError as e:
+                raise WriteRefusedError(f"{what}: {e}") from e
             self._remember(tensors, vector)
         if sync:
             self.sync_write_events()
