@@ -538,7 +538,15 @@ class IOHandle:
         native: list[tuple[File, int, int, int]] = []
         device: list[tuple[Any, File, int]] = []
         order: list[tuple[bool, int]] = []
-        for buf, file, offset in pieces:
+        for index, piece in enumerate(pieces):
+            if not isinstance(piece, (tuple, list)) or len(piece) != 3:
+                # A tensor or array of three elements would unpack as one piece.
+                raise TypeError(
+                    f"piece {index} of the batch is a {type(piece).__name__}"
+                    f"{f' of {len(piece)}' if isinstance(piece, (tuple, list)) else ''}: "
+                    "each piece is a (buffer, file, offset) tuple"
+                )
+            buf, file, offset = piece
             if isinstance(offset, bool):
                 raise TypeError("offset must be an int, not bool")
             try:

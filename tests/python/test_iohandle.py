@@ -434,6 +434,13 @@ def test_bad_input(disk_dir: Path) -> None:
             io.open(path, "x")
         with pytest.raises(IsADirectoryError):
             io.open(disk_dir, "r")
+        # A batch's pieces are (buffer, file, offset): a buffer given alone (a tensor or array of
+        # three elements unpacks as one) or a piece short of its offset says so, naming it.
+        for bad in ([torch.zeros(3)], [np.zeros(3)], [(bytearray(4), path)], [bytearray(4)]):
+            with pytest.raises(TypeError, match=r"piece 0 .*\(buffer, file, offset\)"):
+                io.pread_batch_async(bad)
+        with pytest.raises(TypeError, match=r"piece 1 "):
+            io.pwrite_batch_async([(b"ab", path, 0), (b"cd", path)])
     with pytest.raises(ValueError, match="closed"):
         io.pread(bytearray(4), path)
     with pytest.raises(ValueError, match="backend"):
