@@ -275,6 +275,15 @@ class IOHandle:
             if flag is not None and (isinstance(flag, (str, bytes)) or flag not in (0, 1)):
                 raise TypeError(f"{name} must be True or False, not {flag!r}")
         page_cache_check = None if page_cache_check is None else bool(page_cache_check)
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, not {type(backend).__name__}")
+        if stage_reads is not None and not isinstance(stage_reads, str):
+            if isinstance(stage_reads, bytes) or stage_reads not in (0, 1):
+                raise TypeError(
+                    "stage_reads must be 'auto', 'on', 'off', True or False, "
+                    f"not {stage_reads!r}"
+                )
+            stage_reads = "on" if stage_reads else "off"
         direct = bool(direct)
         if bounce_idle_ms is not None and (
             not isinstance(bounce_idle_ms, int) or isinstance(bounce_idle_ms, bool)
@@ -292,8 +301,7 @@ class IOHandle:
             workers=workers,
             max_inflight_bytes=max_inflight_bytes,
             page_cache_check=page_cache_check,
-            stage_reads=({True: "on", False: "off"}[stage_reads] if isinstance(stage_reads, bool)
-                         else stage_reads),
+            stage_reads=stage_reads,
             bounce_idle_ms=bounce_idle_ms,
             probe_dir=fspath(probe_dir, "probe_dir") if probe_dir is not None else "",
             fault=_fault,

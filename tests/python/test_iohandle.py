@@ -449,6 +449,15 @@ def test_bad_input(disk_dir: Path) -> None:
         IOHandle(chunk_size=1000)
     with pytest.raises(ValueError, match="queue_depth"):
         IOHandle(queue_depth=0)
+    # Wrong types name the argument (not pybind's listing of the binding's signature).
+    with pytest.raises(TypeError, match="backend must be a str"):
+        IOHandle(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="stage_reads must be"):
+        IOHandle(stage_reads=2.5)  # type: ignore[arg-type]
+    # 0 and 1 are off and on, as for the flags (what a config file hands over).
+    for flag, word in ((1, "on"), (0, "off"), (np.bool_(True), "on")):
+        with IOHandle(stage_reads=flag) as io:  # type: ignore[arg-type]
+            assert io.options["stage_reads"] == word
 
 
 def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
