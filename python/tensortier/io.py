@@ -268,13 +268,8 @@ class IOHandle:
                 not isinstance(value, int) or isinstance(value, bool) or value <= 0
             ):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        flags = {"page_cache_check": page_cache_check, "direct": direct}
-        for name, flag in flags.items():
-            # bool, 0/1 and numpy's bools (what a config file or argparse hands over); not
-            # strings such as "no", which pybind would refuse with a message naming no argument.
-            if flag is not None and (isinstance(flag, (str, bytes)) or flag not in (0, 1)):
-                raise TypeError(f"{name} must be True or False, not {flag!r}")
-        page_cache_check = None if page_cache_check is None else bool(page_cache_check)
+        page_cache_check = _flag("page_cache_check", page_cache_check)
+        direct = bool(_flag("direct", direct))
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend must be a str, not {type(backend).__name__}")
         if stage_reads is not None and not isinstance(stage_reads, str):
@@ -284,7 +279,6 @@ class IOHandle:
                     f"not {stage_reads!r}"
                 )
             stage_reads = "on" if stage_reads else "off"
-        direct = bool(direct)
         if bounce_idle_ms is not None and (
             not isinstance(bounce_idle_ms, int) or isinstance(bounce_idle_ms, bool)
             or not 0 <= bounce_idle_ms <= 3_600_000
@@ -357,6 +351,9 @@ class IOHandle:
             OSError: the file cannot be opened (FileNotFoundError, PermissionError...).
             ValueError: a bad mode.
         """
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a str such as 'r' or 'w', not {type(mode).__name__}")
+        direct = _flag("direct", direct)
         return File.open(fspath(path), mode, self._direct if direct is None else direct)
 
     def _file(self, file: PathOrFile, write: bool) -> File:
@@ -596,6 +593,21 @@ class IOHandle:
             self._pending = [p for p in self._pending if not p.done() or p._has_unseen_error()]
             self._pending.append(result)
         return result
+
+
+def _flag(name: str, value: Any) -> bool | None:
+    """`value` as a bool, None kept. Takes bools, 0/1 and numpy's bools (what a config file or
+    argparse hands over); not strings such as "no", which pybind would refuse with a message
+    naming no argument.
+
+    Raises:
+        TypeError: naming the argument.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or value not in (0, 1):
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return bool(value)
 
 
 def _bump_versions(buffers: Sequence[Any]) -> None:

@@ -432,6 +432,11 @@ def test_bad_input(disk_dir: Path) -> None:
         assert e.value.errno == errno.EBADF
         with pytest.raises(ValueError, match="mode"):
             io.open(path, "x")
+        with pytest.raises(TypeError, match="mode must be a str"):
+            io.open(path, 3)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="direct must be True or False"):
+            io.open(path, "r", direct="yes")  # type: ignore[arg-type]
+        assert io.open(path, "r", direct=0).direct is False
         with pytest.raises(IsADirectoryError):
             io.open(disk_dir, "r")
         # A batch's pieces are (buffer, file, offset): a buffer given alone (a tensor or array of
