@@ -30,7 +30,8 @@ constexpr const char* kHelp = R"(usage: tensortier bench [options]
   --ops N             random reads for --mode randread (default 20000)
   --buffered          page cache instead of O_DIRECT (cache dropped before cold reads)
   --warm              read: read the file once first, then time a page-cache-aware read
-  --keep              keep the scratch file afterwards
+  --keep              keep the scratch file afterwards (one that was there before the run,
+                      such as a file of one's own to time reading, is never removed)
   --json              print one JSON object on stdout
   --sweep             try block size x queue depth x threads and print the best settings
 )";
@@ -101,6 +102,27 @@ Phase Stream(Engine& engine, const File& file, IoOp op, const Settings& s, Align
 std::string FilePath(const Settings& s) {
   return (std::filesystem::path(s.dir) / s.file).string();
 }
+
+// Removes the scratch file when the run ends, failed or not, unless --keep, and only if the run
+// made it: a file that was there before (`--mode read --file data.bin`, timing one's own file)
+// is the user's.
+class ScratchFile {
+ public:
+  explicit ScratchFile(const Settings& s) : path_(FilePath(s)) {
+    std::error_code ec;
+    remove_ = !s.keep && !std::filesystem::exists(std::filesystem::symlink_status(path_, ec));
+  }
+  ~ScratchFile() {
+    std::error_code ec;  // a failed removal must not hide the run's outcome
+    if (remove_) std::filesystem::remove(path_, ec);
+  }
+  ScratchFile(const ScratchFile&) = delete;
+  ScratchFile& operator=(const ScratchFile&) = delete;
+
+ private:
+  std::string path_;
+  bool remove_;
+};
 
 Phase RunWrite(Engine& engine, const Settings& s, AlignedBuffer& buf) {
   File f = File::Open(FilePath(s), OpenMode::kWrite, !s.buffered);
@@ -226,6 +248,7 @@ int RunSweep(Settings s) {
   if (s.size < (256u << 10)) {
     throw std::invalid_argument("--sweep needs --size of at least 256K (its smallest block)");
   }
+  ScratchFile scratch(s);
   std::vector<Point> points;
   s.mode = "both";
   s.json = true;
@@ -256,7 +279,6 @@ int RunSweep(Settings s) {
   std::printf("best read:  --block-size %s --queue-depth %u --threads %u (%.3f GB/s)\n",
               FormatSize(best_read.block).c_str(), best_read.depth, best_read.threads,
               best_read.read);
-  if (!s.keep) std::filesystem::remove(FilePath(s));
   return 0;
 }
 
@@ -299,6 +321,7 @@ int RunBench(const std::vector<std::string>& argv) {
   }
   std::filesystem::create_directories(s.dir);
   if (args.Flag("sweep")) return RunSweep(s);
+  ScratchFile scratch(s);
   std::string backend;
   std::vector<Phase> phases;
   {
@@ -308,7 +331,6 @@ int RunBench(const std::vector<std::string>& argv) {
   s.backend = backend;
   phases = RunOnce(s);
   Report(s, backend, phases);
-  if (!s.keep) std::filesystem::remove(FilePath(s));
   return 0;
 }
 

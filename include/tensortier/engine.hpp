@@ -122,7 +122,9 @@ class Engine {
   // Throws std::invalid_argument (bad piece) or IoError (write to a read-only file) up front.
   // An I/O error while preparing the transfer (no space for the range a write extends the file
   // by, where the filesystem reserves it up front; a failed fstat) is the operation's outcome,
-  // thrown by Wait() as a failed transfer's error is, nothing having been transferred.
+  // thrown by Wait() as a failed transfer's error is, nothing having been transferred; a refused
+  // reservation gives back what the filesystem kept of it (the file's size comes back to what it
+  // was, or to the write's offset past it).
   Future Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptions& submit = {});
   // Waits for every operation submitted so far; throws the first error not yet seen by a Wait().
   void WaitAll();

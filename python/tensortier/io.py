@@ -268,14 +268,17 @@ class IOHandle:
                 not isinstance(value, int) or isinstance(value, bool) or value <= 0
             ):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        flags = {"page_cache_check": page_cache_check, "direct": direct}
-        for name, flag in flags.items():
-            # bool, 0/1 and numpy's bools (what a config file or argparse hands over); not
-            # strings such as "no", which pybind would refuse with a message naming no argument.
-            if flag is not None and (isinstance(flag, (str, bytes)) or flag not in (0, 1)):
-                raise TypeError(f"{name} must be True or False, not {flag!r}")
-        page_cache_check = None if page_cache_check is None else bool(page_cache_check)
-        direct = bool(direct)
+        page_cache_check = _flag("page_cache_check", page_cache_check)
+        direct = bool(_flag("direct", direct))
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, not {type(backend).__name__}")
+        if stage_reads is not None and not isinstance(stage_reads, str):
+            if isinstance(stage_reads, bytes) or stage_reads not in (0, 1):
+                raise TypeError(
+                    "stage_reads must be 'auto', 'on', 'off', True or False, "
+                    f"not {stage_reads!r}"
+                )
+            stage_reads = "on" if stage_reads else "off"
         if bounce_idle_ms is not None and (
             not isinstance(bounce_idle_ms, int) or isinstance(bounce_idle_ms, bool)
             or not 0 <= bounce_idle_ms <= 3_600_000
@@ -292,8 +295,7 @@ class IOHandle:
             workers=workers,
             max_inflight_bytes=max_inflight_bytes,
             page_cache_check=page_cache_check,
-            stage_reads=({True: "on", False: "off"}[stage_reads] if isinstance(stage_reads, bool)
-                         else stage_reads),
+            stage_reads=stage_reads,
             bounce_idle_ms=bounce_idle_ms,
             probe_dir=fspath(probe_dir, "probe_dir") if probe_dir is not None else "",
             fault=_fault,
@@ -349,6 +351,9 @@ class IOHandle:
             OSError: the file cannot be opened (FileNotFoundError, PermissionError...).
             ValueError: a bad mode.
         """
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a str such as 'r' or 'w', not {type(mode).__name__}")
+        direct = _flag("direct", direct)
         return File.open(fspath(path), mode, self._direct if direct is None else direct)
 
     def _file(self, file: PathOrFile, write: bool) -> File:
@@ -538,7 +543,15 @@ class IOHandle:
         native: list[tuple[File, int, int, int]] = []
         device: list[tuple[Any, File, int]] = []
         order: list[tuple[bool, int]] = []
-        for buf, file, offset in pieces:
+        for index, piece in enumerate(pieces):
+            if not isinstance(piece, (tuple, list)) or len(piece) != 3:
+                # A tensor or array of three elements would unpack as one piece.
+                raise TypeError(
+                    f"piece {index} of the batch is a {type(piece).__name__}"
+                    f"{f' of {len(piece)}' if isinstance(piece, (tuple, list)) else ''}: "
+                    "each piece is a (buffer, file, offset) tuple"
+                )
+            buf, file, offset = piece
             if isinstance(offset, bool):
                 raise TypeError("offset must be an int, not bool")
             try:
@@ -580,6 +593,21 @@ class IOHandle:
             self._pending = [p for p in self._pending if not p.done() or p._has_unseen_error()]
             self._pending.append(result)
         return result
+
+
+def _flag(name: str, value: Any) -> bool | None:
+    """`value` as a bool, None kept. Takes bools, 0/1 and numpy's bools (what a config file or
+    argparse hands over); not strings such as "no", which pybind would refuse with a message
+    naming no argument.
+
+    Raises:
+        TypeError: naming the argument.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or value not in (0, 1):
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return bool(value)
 
 
 def _bump_versions(buffers: Sequence[Any]) -> None:

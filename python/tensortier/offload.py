@@ -170,6 +170,13 @@ class DiskOffloader:
         gds = _gds_mode(gds)
         if not isinstance(n_entries, int) or n_entries <= 0:
             raise ValueError(f"n_entries must be a positive integer, not {n_entries!r}")
+        if (
+            not isinstance(stripe_threshold, int) or isinstance(stripe_threshold, bool)
+            or not 0 < stripe_threshold < 1 << 64
+        ):
+            raise ValueError(
+                f"stripe_threshold must be a positive integer (bytes), not {stripe_threshold!r}"
+            )
         if pin_memory:
             import torch
 

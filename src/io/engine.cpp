@@ -844,6 +844,20 @@ void ValidatePiece(IoOp op, const IoDesc& piece) {
   }
 }
 
+// A refused fallocate may have kept what fit: ext4 allocates up to the full filesystem and moves
+// the size there before it says ENOSPC, which left a write that moved no byte holding the space.
+// The file goes back to `keep` (its size before, or the write's offset past it) while its size
+// still lies within the range [keep, end): a size beyond it is another operation's, and so is
+// anything below the write's offset, which a concurrent write may have reserved since. Best
+// effort: the refusal is the error to report, whatever happens here.
+void GiveBackPartialReservation(const File& file, uint64_t keep, uint64_t end) noexcept {
+  try {
+    const uint64_t now = file.Size();
+    if (now > keep && now <= end) file.Truncate(keep);
+  } catch (...) {  // the refusal is what the caller hears about
+  }
+}
+
 // O_DIRECT writes past end of file are serialised by the filesystem (ext4 and XFS take the inode
 // lock to update the size), which halves sequential write speed. Reserving the range first
 // (fallocate mode 0 also moves the size) makes the writes non-extending and fully parallel, and
@@ -861,7 +875,10 @@ void ReserveExtendingWrites(std::span<const IoDesc> pieces) {
       size->second = end;  // fallocate mode 0 moved the size
     } catch (const IoError& e) {
       // A filesystem without fallocate still takes plain writes; real failures are reported.
-      if (e.error_code() != EOPNOTSUPP && e.error_code() != ENOSYS) throw;
+      if (e.error_code() != EOPNOTSUPP && e.error_code() != ENOSYS) {
+        GiveBackPartialReservation(piece.file, std::max(size->second, piece.offset), end);
+        throw;
+      }
     }
   }
 }

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -635,6 +636,50 @@ TEST_P(EngineTest, ReadOfEmptyFileReturnsNothing) {
   Engine engine(Options());
   IoResult r = CheckedRead(engine, f, 0, 128 << 10, 0, 15, 0);
   EXPECT_TRUE(r.stats.eof);
+}
+
+// Some files take read(2) but not the kernel's asynchronous interface: procfs files with a plain
+// read handler, such as /proc/self/cmdline, which io_submit refuses (EINVAL). Every backend reads
+// them as read(2) does, alone and within a batch, where the other pieces, submitted in the same
+// call, complete as usual.
+TEST_P(EngineTest, FilesWithoutAsyncReadSupportAreReadAsByRead) {
+  const std::string proc = "/proc/self/cmdline";
+  std::string expect;
+  {
+    std::FILE* in = std::fopen(proc.c_str(), "rb");
+    ASSERT_NE(in, nullptr);
+    char chunk[4096];
+    for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, in)) > 0;) expect.append(chunk, n);
+    std::fclose(in);
+  }
+  ASSERT_FALSE(expect.empty());
+  File cmdline = File::Open(proc, OpenMode::kRead);
+  File data = PatternFile("data", 1 << 20, 21);
+  Engine engine(Options());
+  std::vector<char> alone(expect.size() + 4096, 'x');
+  IoResult r = engine.Read(cmdline, alone.data(), alone.size(), 0).Wait();
+  ASSERT_EQ(r.bytes, expect.size());
+  EXPECT_EQ(std::string(alone.data(), r.bytes), expect);
+  EXPECT_EQ(alone[r.bytes], 'x');
+
+  constexpr size_t kPieces = 8, kLength = 100000;
+  std::vector<std::vector<char>> bufs(kPieces, std::vector<char>(kLength, 'x'));
+  std::vector<IoDesc> pieces;
+  for (size_t i = 0; i < kPieces; ++i) {
+    pieces.push_back(
+        {i % 2 == 0 ? data : cmdline, bufs[i].data(), i % 2 == 0 ? i * 1000 : 0, kLength});
+  }
+  IoResult batch = engine.Submit(IoOp::kRead, pieces).Wait();
+  for (size_t i = 0; i < kPieces; ++i) {
+    SCOPED_TRACE(i);
+    if (i % 2 == 0) {
+      EXPECT_EQ(batch.segment_bytes[i], kLength);
+      EXPECT_TRUE(MatchesPattern(bufs[i].data(), kLength, 21, i * 1000));
+    } else {
+      ASSERT_EQ(batch.segment_bytes[i], expect.size());
+      EXPECT_EQ(std::string(bufs[i].data(), expect.size()), expect);
+    }
+  }
 }
 
 TEST_P(EngineTest, ReadEndingExactlyAtEofIsNotEof) {

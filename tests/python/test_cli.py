@@ -141,6 +141,30 @@ def test_bench_rejects_bad_options(disk_dir: Path) -> None:
     assert not (disk_dir / "tensortier-bench.dat").exists()
 
 
+def test_bench_removes_only_the_scratch_file_it_made(disk_dir: Path) -> None:
+    """A file that was there before the run (`--mode read --file data.bin` to time reading
+    one's own file) is the user's: it stays, with its contents. The file a run makes goes,
+    when the run fails too."""
+    data = disk_dir / "data.bin"
+    payload = os.urandom(2 << 20)
+    data.write_bytes(payload)
+    for mode in ("read", "randread"):
+        r = run("bench", "--dir", str(disk_dir), "--file", "data.bin", "--size", "1M",
+                "--mode", mode, "--ops", "10", "--json")
+        assert r.returncode == 0, r.stderr
+        assert data.read_bytes() == payload, mode
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["data.bin"]
+
+
+def test_bench_out_of_space_removes_its_scratch_file(small_fs: Path) -> None:
+    """A run that fails after making its scratch file (out of space) removes it: a full
+    filesystem is not left full of it."""
+    for mode in ("write", "read", "randread"):
+        r = run("bench", "--dir", str(small_fs), "--size", "64M", "--mode", mode, "--ops", "10")
+        assert r.returncode != 0 and "No space left" in r.stderr, (mode, r.stderr)
+        assert not (small_fs / "tensortier-bench.dat").exists(), mode
+
+
 def test_bench_table_shows_iops_for_random_reads_only(disk_dir: Path) -> None:
     r = run("bench", "--dir", str(disk_dir), "--size", "16M", "--mode", "randread",
             "--ops", "200")

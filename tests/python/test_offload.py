@@ -665,6 +665,10 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
         DiskOffloader(disk_dir, backend="spdk")
     with pytest.raises(ValueError, match="n_entries"):
         DiskOffloader(disk_dir, n_entries=0)
+    # Not pybind's "incompatible constructor arguments" listing: the argument, and what it takes.
+    for threshold in (0, -1, 1.5, True, "16M", 1 << 64):
+        with pytest.raises(ValueError, match="stripe_threshold must be a positive integer"):
+            DiskOffloader(disk_dir, stripe_threshold=threshold)
     off.close()
     with pytest.raises(ValueError, match="closed"):
         off.sync_write(torch.randn(3))
