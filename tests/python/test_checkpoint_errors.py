@@ -504,6 +504,48 @@ def test_shard_indexes_are_read_by_the_rules_of_the_cli(
         assert r.returncode == 1 and says in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("first", ["m-1", "m-2"])
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into"])
+def test_a_tensor_in_two_shards_comes_from_the_one_the_index_names(
+    tmp_path: Path, first: str, how: str
+) -> None:
+    # m-2 also holds an "a" (a stale copy): whichever shard is read last, "a" is m-1's.
+    one, two = tmp_path / "m-1.safetensors", tmp_path / "m-2.safetensors"
+    tensortier.save({"a": torch.full((3,), 1.0), "b": torch.arange(4)}, one)
+    tensortier.save({"c": torch.ones(2), "a": torch.full((3,), 2.0)}, two)
+    weight_map = {"a": "m-1.safetensors", "b": "m-1.safetensors", "c": "m-2.safetensors"}
+    if first == "m-2":
+        weight_map = {"c": weight_map.pop("c"), **weight_map}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    if how == "load_into":
+        out = {"a": torch.zeros(3), "b": torch.zeros(4, dtype=torch.int64), "c": torch.zeros(2)}
+        tensortier.load_into(out, index)
+    else:
+        out = tensortier.load(index, mmap=how == "mmap")
+        assert sorted(out) == ["a", "b", "c"]
+    assert torch.equal(out["a"], torch.full((3,), 1.0))
+    assert torch.equal(out["c"], torch.ones(2))
+
+
+@pytest.mark.parametrize("how", ["load", "load_into"])
+def test_a_tensor_the_index_does_not_list_in_two_shards_is_refused(
+    tmp_path: Path, how: str
+) -> None:
+    tensortier.save({"a": torch.ones(3), "x": torch.zeros(1)}, tmp_path / "m-1.safetensors")
+    tensortier.save({"b": torch.ones(3), "x": torch.ones(1)}, tmp_path / "m-2.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}}))
+    with pytest.raises(ValueError, match="'x' is in two shards"):
+        if how == "load":
+            tensortier.load(index)
+        else:
+            tensortier.load_into({"a": torch.empty(3), "b": torch.empty(3)}, index, strict=False)
+    # held by one shard only, a name the index does not list still loads (as before)
+    tensortier.save({"b": torch.ones(3)}, tmp_path / "m-2.safetensors")
+    assert torch.equal(tensortier.load(index)["x"], torch.zeros(1))
+
+
 # ---- durability --------------------------------------------------------------------------------
 
 
