@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -140,6 +141,40 @@ def rezip(src: Path, dst: Path, *, compress: str | None = None, drop: str | None
             ctype = zipfile.ZIP_DEFLATED if compress and info.filename.endswith(compress) \
                 else zipfile.ZIP_STORED
             zout.writestr(info.filename, data, compress_type=ctype)
+
+
+@pytest.mark.parametrize("record", ["/version", "/.data/version"])
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
+def test_format_version_torch_does_not_read_is_refused(
+    disk_dir: Path, record: str, how: str
+) -> None:
+    # A later format version may lay data out differently: torch.load refuses it, so do we
+    # rather than load tensors that may be wrong. ".data/version" is read first, as by torch.
+    src = disk_dir / "ok.pt"
+    torch.save({"a": torch.arange(10.0)}, src)
+    bad = disk_dir / "v99.pt"
+    rezip(src, bad, replace={"/version": b"99\n"} if record == "/version" else None)
+    if record == "/.data/version":
+        with zipfile.ZipFile(bad, "a") as z:
+            z.writestr(z.namelist()[0].split("/")[0] + record, b"11")
+    with pytest.raises(RuntimeError, match="maximum supported version"):
+        torch.load(bad, weights_only=True)
+    says = "torch.save format version (99|11) .*is not one torch reads"
+    if how == "cli":
+        from test_cli_convert import BIN, run
+
+        if not BIN.is_file():
+            pytest.skip("the tensortier CLI is not built")
+        r = run("info", bad)
+        assert r.returncode == 1 and re.search(says, r.stderr), r.stderr
+        return
+    with pytest.raises(ValueError, match=says):
+        if how == "load_into":
+            tensortier.load_into({"a": torch.empty(10)}, bad)
+        else:
+            tensortier.load(bad, mmap=how == "mmap")
+    rezip(src, bad, replace={"/version": b"10"})  # the last version torch reads
+    assert torch.equal(tensortier.load(bad)["a"], torch.arange(10.0))
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])

@@ -151,6 +151,7 @@ def _unpickle_torch(
     if records is None:
         records = _zip_records(path)
     prefix = _archive_prefix(path, records)
+    _require("check_torch_file_version")(path, prefix[:-1])
     file = _open_checkpoint(io if io is not None else _common._default_io(), path)
     try:
         pkl = _read_record(path, file, records, prefix + "data.pkl", verify, io)
