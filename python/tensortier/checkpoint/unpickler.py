@@ -81,6 +81,16 @@ class _StorageOverrun(ValueError):
     """A tensor in a torch file reaches past the end of its storage record."""
 
 
+class _PlacementError(Exception):
+    """What `map_location` raised (the caller's callable or devices), carried out of the
+    unpickler unchanged: code catching its own error types around ``torch.load`` catches them
+    here too, and the file is not blamed for them."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass
 class _StorageRef:
     path: str
@@ -212,7 +222,10 @@ def _unpickle_torch(
                 # then (as torch.load does).
                 sdev = device
                 if placement is not None and device.type != "meta":
-                    sdev = placement.device_for(str(location))
+                    try:
+                        sdev = placement.device_for(str(location))
+                    except Exception as e:  # noqa: BLE001 - passed on as raised
+                        raise _PlacementError(e) from None
                 if nbytes == 0 and (mapped is not None or sdev.type == "cpu"):
                     storage = _empty_fixed_storage()
                 elif mapped is not None:
@@ -239,7 +252,10 @@ def _unpickle_torch(
                     # torch.load gives the callable each storage with its bytes, on the CPU
                     if nbytes and mapped is None:
                         _fill_now(ref, path, verify, big_endian, io)
-                    ref.storage = placement.restored(ref.storage, str(location))
+                    try:
+                        ref.storage = placement.restored(ref.storage, str(location))
+                    except Exception as e:  # noqa: BLE001 - passed on as raised
+                        raise _PlacementError(e) from None
                     ref.filled = True
                 elif eager and nbytes and device.type != "meta":
                     _fill_now(ref, path, verify, big_endian, io)
@@ -266,6 +282,8 @@ def _unpickle_torch(
         queued = len(sparse_queue) if isinstance(sparse_queue, list) else 0
         try:
             obj = unpickler.load()
+        except _PlacementError as e:
+            raise e.error from None
         except pickle.UnpicklingError as e:
             raise ValueError(
                 f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier "
