@@ -177,6 +177,35 @@ def test_format_version_torch_does_not_read_is_refused(
     assert torch.equal(tensortier.load(bad)["a"], torch.arange(10.0))
 
 
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
+def test_a_storage_described_twice_differently_is_refused(disk_dir: Path, how: str) -> None:
+    # data.pkl puts an int16 tensor on the float32 storage "0" (torch.save refuses to write
+    # that): torch.load would give it float32 values, reading its bytes as int16 is no better.
+    src = disk_dir / "ok.pt"
+    torch.save({"a": torch.arange(8.0), "c": torch.arange(7, dtype=torch.int16)}, src)
+    with zipfile.ZipFile(src) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    short_key = rb"(ShortStorage\n(?:q.|r....)X\x01\x00\x00\x00)1"  # its storage key, "1"
+    twice = re.sub(short_key, rb"\g<1>0", pkl, flags=re.S)
+    assert twice != pkl
+    bad = disk_dir / "twice.pt"
+    rezip(src, bad, replace={"/data.pkl": twice})  # with the right CRC-32s: verify passes them
+    if how == "cli":
+        from test_cli_convert import BIN, run
+
+        if not BIN.is_file():
+            pytest.skip("the tensortier CLI is not built")
+        r = run("info", bad)
+        assert r.returncode == 1 and "described twice, differently" in r.stderr, r.stderr
+        return
+    with pytest.raises(ValueError, match="storage '0' is described twice, differently"):
+        if how == "load_into":
+            tensortier.load_into({"a": torch.empty(8), "c": torch.empty(7, dtype=torch.int16)},
+                                 bad)
+        else:
+            tensortier.load(bad, mmap=how == "mmap", verify=True)
+
+
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
 def test_compressed_zip_entry(disk_dir: Path, mapped: bool) -> None:
     src = disk_dir / "ok.pt"

@@ -204,6 +204,15 @@ def _unpickle_torch(
                     )
             if key in storages:
                 ref = storages[key]
+                # The rule of the CLI's pickle reader (src/checkpoint/torch_pickle.cpp): torch.save
+                # never describes a storage with bytes two ways; read as either, the other
+                # description's tensors would get wrong values.
+                nbytes = numel * dtype.itemsize
+                if (ref.nbytes or nbytes) and (ref.dtype != dtype or ref.nbytes != nbytes):
+                    raise ValueError(
+                        f"{path}: storage '{key}' is described twice, differently ({ref.dtype}, "
+                        f"{ref.nbytes} bytes; {dtype}, {nbytes} bytes): the file is damaged"
+                    )
             else:
                 name = f"{prefix}data/{key}"
                 record = records.get(name)
