@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "tensortier/checksum.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/process_identity.hpp"
 #include "tensortier/strings.hpp"
@@ -259,11 +260,26 @@ void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_pa
   if (fchmod(fd, old.mode) != 0) ThrowIoError(errno, "keep the mode of", final_path);
 }
 
+std::string TemporaryNameStem(std::string_view name) {
+  // After the stem at most: PID (10 digits), START (20), TAG (8), RANDOM (8) and 3 dashes.
+  constexpr size_t kNameMax = 255;
+  constexpr size_t kAfterStem = 10 + 20 + 8 + 8 + 3;
+  constexpr size_t kRoom = kNameMax - kAfterStem - std::string_view("..tmp-").size();
+  if (name.size() <= kRoom) return StrCat(".", name, ".tmp-");
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016llx",
+                static_cast<unsigned long long>(Xxh64(name.data(), name.size())));
+  size_t keep = kRoom - 1 - 16;
+  // Whole characters: a UTF-8 continuation byte (10xxxxxx) must not start the cut-off part.
+  while (keep > 0 && (static_cast<unsigned char>(name[keep]) & 0xC0) == 0x80) --keep;
+  return StrCat(".", name.substr(0, keep), "~", hash, ".tmp-");
+}
+
 std::string TemporaryPathPrefix(const std::string& final_path) {
   const auto [dir, name] = SplitPath(final_path);
   const pid_t pid = getpid();  // not cached: a forked child is another process
-  return (std::filesystem::path(dir) /
-          StrCat(".", name, ".tmp-", pid, "-", ProcessStartTime(pid), "-", PidNamespaceTag(), "-"))
+  return (std::filesystem::path(dir) / StrCat(TemporaryNameStem(name), pid, "-",
+                                              ProcessStartTime(pid), "-", PidNamespaceTag(), "-"))
       .string();
 }
 
@@ -272,7 +288,7 @@ size_t RemoveStaleTemporaryFiles(const std::string& final_path) {
   // Without /proc no process can be told alive: nothing is removed.
   if (ProcessStartTime(getpid()).empty()) return 0;
   const std::string tag = PidNamespaceTag();
-  const std::string prefix = StrCat(".", name, ".tmp-");
+  const std::string prefix = TemporaryNameStem(name);
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return 0;  // the save itself reports what is wrong with the directory
   size_t removed = 0;

@@ -613,6 +613,29 @@ def test_a_tensor_the_index_does_not_list_in_two_shards_is_refused(
 # ---- durability --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_saves_to_names_of_the_longest_length_a_file_may_have(
+    disk_dir: Path, suffix: str
+) -> None:
+    # 255 bytes (the most a name may have, as torch.save writes it): the temporary file of the
+    # save needs a shorter name than ".NAME.tmp-...".
+    path = disk_dir / ("m" * (255 - len(suffix)) + suffix)
+    sd = {"w": torch.arange(1000, dtype=torch.float32)}
+    tensortier.save(sd, path)
+    tensortier.save(sd, path)  # over the first
+    assert torch.equal(tensortier.load(path)["w"], sd["w"])
+    assert leftovers(disk_dir) == []
+    from test_cli_convert import BIN, run
+
+    if BIN.is_file():
+        other = ".pt" if suffix == ".safetensors" else ".safetensors"
+        out = disk_dir / ("c" * (255 - len(other)) + other)
+        r = run("convert", path, out)
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(tensortier.load(out)["w"], sd["w"])
+        assert leftovers(disk_dir) == []
+
+
 @pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
 @pytest.mark.parametrize("nth", [1, 3])
 def test_failed_write_keeps_old_checkpoint(disk_dir: Path, name: str, nth: int) -> None:
