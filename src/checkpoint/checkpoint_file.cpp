@@ -241,8 +241,12 @@ std::optional<ReplacedFile> CheckReplaceable(const std::string& final_path) {
   // As open(final_path, O_WRONLY) decides (permission bits, ACLs, root's override, read-only
   // mounts): torch.save opens the file so, and a read-only checkpoint stays as it is.
   if (faccessat(AT_FDCWD, final_path.c_str(), W_OK, AT_EACCESS) != 0) {
-    ThrowIoError(errno,
-                 "save (the file may not be written by this user: make it writable to replace it)",
+    const int error = errno;
+    ThrowIoError(error,
+                 error == EROFS
+                     ? "save (the file system is read-only: save elsewhere or remount it)"
+                     : "save (the file may not be written by this user: make it writable to "
+                       "replace it)",
                  final_path);
   }
   return ReplacedFile{st.st_mode & 07777, st.st_uid, st.st_gid};

@@ -637,6 +637,38 @@ def test_saves_to_names_of_the_longest_length_a_file_may_have(
 
 
 @pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_full_or_read_only_filesystem_keeps_the_old_checkpoint(
+    small_fs: Path, name: str
+) -> None:
+    # A real 4 MiB filesystem: ENOSPC from fallocate (tmpfs, ext4) or from the writes (ext2),
+    # then a read-only remount (EROFS). The old checkpoint stays whole, nothing is left behind.
+    path = small_fs / name
+    old = {"w": torch.arange(1000, dtype=torch.float32)}
+    tensortier.save(old, path)
+    before = path.read_bytes()
+    with pytest.raises(OSError) as info:
+        tensortier.save({"w": torch.ones(3 << 20)}, path)  # 12 MiB
+    assert info.value.errno == errno.ENOSPC and f"cannot save '{path}'" in str(info.value)
+    assert path.read_bytes() == before and leftovers(small_fs) == []
+    from test_cli_convert import BIN, run
+
+    if BIN.is_file():
+        src = small_fs.parent / ("big.pt" if name.endswith(".safetensors") else "big.safetensors")
+        tensortier.save({"w": torch.ones(3 << 20)}, src)
+        r = run("convert", src, path)
+        assert r.returncode == 1 and "errno 28" in r.stderr, r.stderr
+        assert path.read_bytes() == before and leftovers(small_fs) == []
+    remount = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True,
+                             text=True, timeout=60)
+    assert remount.returncode == 0, remount.stderr
+    with pytest.raises(OSError) as info:
+        tensortier.save({"w": torch.ones(3)}, path)
+    assert info.value.errno == errno.EROFS and "read-only" in str(info.value)
+    assert "this user" not in str(info.value)  # not a permission the user could change
+    assert torch.equal(tensortier.load(path, verify=name.endswith(".pt"))["w"], old["w"])
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
 @pytest.mark.parametrize("nth", [1, 3])
 def test_failed_write_keeps_old_checkpoint(disk_dir: Path, name: str, nth: int) -> None:
     path = disk_dir / name
