@@ -188,7 +188,12 @@ std::string ResolveSavePath(const std::string& path) {
     if (!ec) return canonical.string();
     if (!fs::is_symlink(fs::symlink_status(p, ec))) {
       fs::path dir = fs::canonical(p.parent_path(), ec);
-      if (ec) ThrowIoError(ec.value(), "find the directory of", path);
+      if (ec) {
+        ThrowIoError(ec.value(),
+                     ec.value() == ENOENT ? "save (its directory does not exist: create it first)"
+                                          : "save (its directory cannot be reached)",
+                     path);
+      }
       return (dir / p.filename()).string();
     }
     fs::path target = fs::read_symlink(p, ec);

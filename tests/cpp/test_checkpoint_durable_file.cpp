@@ -141,6 +141,8 @@ TEST(DurableFileTest, MissingDirectoryIsENOENT) {
   } catch (const IoError& e) {
     EXPECT_EQ(e.error_code(), ENOENT);
     EXPECT_NE(std::string(e.what()).find("no/m.pt"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("directory does not exist"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -719,8 +719,12 @@ def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
 
 
 def test_save_into_missing_directory(disk_dir: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="directory does not exist: create it first"):
         tensortier.save({"w": torch.ones(1)}, disk_dir / "no" / "m.safetensors")
+    (disk_dir / "f").write_bytes(b"")  # a file where a directory should be: ENOTDIR
+    with pytest.raises(NotADirectoryError, match="m.pt"):
+        tensortier.save({"w": torch.ones(1)}, disk_dir / "f" / "m.pt")
+    assert sorted(os.listdir(disk_dir)) == ["f"]
     with pytest.raises(IsADirectoryError):
         os.mkdir(disk_dir / "d.safetensors")
         tensortier.save({"w": torch.ones(1)}, disk_dir / "d.safetensors")
