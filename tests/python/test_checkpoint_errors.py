@@ -961,6 +961,21 @@ def test_torch_pickle_failures_are_valueerrors(disk_dir: Path) -> None:
     assert leftovers(disk_dir) == [] and not path.exists()
 
 
+@pytest.mark.parametrize("empty", [False, True])
+def test_load_into_a_file_with_quantized_tensors_is_a_clear_error(
+    tmp_path: Path, empty: bool
+) -> None:
+    # A valid torch.save file (tensortier.load reads it), not a malformed one.
+    path = tmp_path / "q.pt"
+    q = torch.quantize_per_tensor(torch.zeros(0 if empty else 4), 0.1, 0, torch.quint8)
+    torch.save({"q": q, "w": torch.ones(3)}, path)
+    assert tensortier.load(path)["q"].is_quantized
+    with pytest.raises(ValueError) as info:
+        tensortier.load_into({"w": torch.zeros(3)}, path, strict=False)
+    assert "holds quantized tensors" in str(info.value) and str(path) in str(info.value)
+    assert "malformed" not in str(info.value)
+
+
 def test_load_into_meta_targets_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     tensortier.save({"a": torch.ones(4), "b": torch.ones(4)}, path)

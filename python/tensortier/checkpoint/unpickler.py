@@ -308,6 +308,18 @@ def _unpickle_torch(
                 f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
                 f"{type(e).__name__}: {e}"
             ) from e
+        except NotImplementedError as e:
+            if device.type == "meta" and b"_rebuild_qtensor" in pkl:
+                # torch has no quantized meta tensors: a valid file, which a description
+                # without the data (load_into's) cannot hold
+                raise ValueError(
+                    f"{path}: holds quantized tensors, which cannot be described without "
+                    "reading them (load_into reads plain tensors): use tensortier.load"
+                ) from e
+            raise ValueError(
+                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
         except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
             raise ValueError(
                 f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
