@@ -961,19 +961,33 @@ def test_torch_pickle_failures_are_valueerrors(disk_dir: Path) -> None:
     assert leftovers(disk_dir) == [] and not path.exists()
 
 
-@pytest.mark.parametrize("empty", [False, True])
-def test_load_into_a_file_with_quantized_tensors_is_a_clear_error(
-    tmp_path: Path, empty: bool
+@pytest.mark.parametrize("kind,says", [
+    ("quantized", "holds quantized tensors"),
+    ("empty quantized", "holds quantized tensors"),
+    ("nested", "holds nested tensors"),
+    ("sparse", "'x' is a sparse_coo tensor: load_into reads dense tensors"),
+    ("sparse_csr", "'x' is a sparse_csr tensor: load_into reads dense tensors"),
+    ("meta", "'x' has no data in the file"),
+])
+def test_load_into_a_file_with_tensors_it_cannot_read_is_a_clear_error(
+    tmp_path: Path, kind: str, says: str
 ) -> None:
     # A valid torch.save file (tensortier.load reads it), not a malformed one.
-    path = tmp_path / "q.pt"
-    q = torch.quantize_per_tensor(torch.zeros(0 if empty else 4), 0.1, 0, torch.quint8)
-    torch.save({"q": q, "w": torch.ones(3)}, path)
-    assert tensortier.load(path)["q"].is_quantized
+    x = {
+        "quantized": lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8),
+        "empty quantized": lambda: torch.quantize_per_tensor(torch.ones(0), 0.1, 0, torch.quint8),
+        "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "sparse": lambda: torch.eye(3).to_sparse(),
+        "sparse_csr": lambda: torch.eye(3).to_sparse_csr(),
+        "meta": lambda: torch.empty(2, device="meta"),
+    }[kind]()
+    path = tmp_path / "x.pt"
+    torch.save({"x": x, "w": torch.ones(3)}, path)
+    assert set(tensortier.load(path)) == {"x", "w"}
     with pytest.raises(ValueError) as info:
         tensortier.load_into({"w": torch.zeros(3)}, path, strict=False)
-    assert "holds quantized tensors" in str(info.value) and str(path) in str(info.value)
-    assert "malformed" not in str(info.value)
+    assert says in str(info.value) and str(path) in str(info.value)
+    assert "malformed" not in str(info.value) and "use tensortier.load" in str(info.value)
 
 
 def test_load_into_meta_targets_is_a_clear_error(tmp_path: Path) -> None:

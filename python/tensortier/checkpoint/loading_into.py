@@ -182,9 +182,17 @@ def _describe_sources(
                 f"{path}: {name!r} is {_a(type(t).__name__)}, not a tensor: load_into reads flat "
                 "state dicts; use tensortier.load"
             )
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"{path}: {name!r} is a {str(t.layout).replace('torch.', '')} tensor: load_into "
+                "reads dense tensors; use tensortier.load"
+            )
         ref = by_cdata.get(t.untyped_storage()._cdata) or by_storage.get(id(t.untyped_storage()))
         if ref is None:
-            raise ValueError(f"{path}: cannot find the storage of {name!r}")
+            raise ValueError(
+                f"{path}: {name!r} has no data in the file (a tensor saved from the meta "
+                "device): load_into cannot read it; use tensortier.load"
+            )
         start = t.storage_offset() * t.element_size()
         n = _nbytes(t)
         # A conjugate or negative view's storage holds other numbers than its values: read

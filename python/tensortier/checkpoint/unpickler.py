@@ -309,12 +309,14 @@ def _unpickle_torch(
                 f"{type(e).__name__}: {e}"
             ) from e
         except NotImplementedError as e:
-            if device.type == "meta" and b"_rebuild_qtensor" in pkl:
-                # torch has no quantized meta tensors: a valid file, which a description
-                # without the data (load_into's) cannot hold
+            kinds = [k for k, rebuild in (("quantized", b"_rebuild_qtensor"),
+                                          ("nested", b"_rebuild_nested_tensor")) if rebuild in pkl]
+            if device.type == "meta" and kinds:
+                # torch has no quantized meta tensors, and nested ones need their data: a valid
+                # file, which a description without the data (load_into's) cannot hold
                 raise ValueError(
-                    f"{path}: holds quantized tensors, which cannot be described without "
-                    "reading them (load_into reads plain tensors): use tensortier.load"
+                    f"{path}: holds {' or '.join(kinds)} tensors, which cannot be described "
+                    "without reading them (load_into reads plain tensors): use tensortier.load"
                 ) from e
             raise ValueError(
                 f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
