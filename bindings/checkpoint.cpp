@@ -217,6 +217,18 @@ void RegisterCheckpoint(py::module_& m) {
       "directory record and its local header or data descriptor. ValueError for a bad archive.");
 
   m.def(
+      "check_torch_file_version",
+      [](const FsPath& path, const std::string& prefix) {
+        py::gil_scoped_release release;
+        FileSource source(OpenCheckpointForReading(path, false));
+        CheckTorchFileVersion(source, ReadZipDirectory(source), prefix);
+      },
+      py::arg("path"), py::arg("prefix"),
+      "Refuses (ValueError) a torch.save zip whose format version record (under the folder "
+      "prefix, '' for the top) is not one torch reads: the rule of read_torch_checkpoint and "
+      "the CLI.");
+
+  m.def(
       "read_torch_checkpoint",
       [](const FsPath& path) {
         TorchCheckpoint c;

@@ -756,7 +756,7 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
     // A failure on the hidden temporary file is one of writing OUT: named so first.
     const std::string name = std::filesystem::path(e.path()).filename().string();
     const std::string out_name = std::filesystem::path(out).filename().string();
-    if (!name.starts_with(StrCat(".", out_name, ".tmp-"))) throw;
+    if (!name.starts_with(TemporaryNameStem(out_name))) throw;
     throw IoError(e.error_code(), StrCat("write '", out, "': ", e.op()), e.path(), e.offset(),
                   e.length());
   }

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "tensortier/file.hpp"
 #include "tensortier/file_system.hpp"
@@ -44,8 +45,14 @@ std::optional<ReplacedFile> CheckReplaceable(const std::string& final_path);
 // `final_path` for any other failure.
 void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_path);
 
-// "DIR/.NAME.tmp-PID-START-TAG-" for this process: a save's temporary file is this followed by
-// 8 random hex digits.
+// ".NAME.tmp-", the start of the names of the temporary files of saves into DIR/NAME. A NAME
+// too long for the whole temporary name (PID-START-TAG-RANDOM follow) to fit in 255 bytes, the
+// limit of a file name, is cut to its first whole UTF-8 characters plus "~" and the xxh64 of the
+// whole NAME: every name a file may have can be saved to, as with torch.save.
+std::string TemporaryNameStem(std::string_view name);
+
+// "DIR/.NAME.tmp-PID-START-TAG-" for this process (TemporaryNameStem): a save's temporary file
+// is this followed by 8 random hex digits.
 std::string TemporaryPathPrefix(const std::string& final_path);
 
 // Removes the temporary files that saves into `final_path` left behind when they were killed:

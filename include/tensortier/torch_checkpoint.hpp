@@ -24,8 +24,21 @@ struct TorchCheckpoint {
   bool big_endian = false;
 };
 
+// The file format versions torch's reader accepts (caffe2/serialize/versions.h): a later
+// version may lay data out in ways this reader does not know, so it is refused, as torch refuses
+// it, rather than read into possibly wrong tensors.
+inline constexpr uint64_t kTorchMinFileVersion = 1;
+inline constexpr uint64_t kTorchMaxFileVersion = 10;
+
+// Checks the archive's format version: the "<prefix>/.data/version" record, else
+// "<prefix>/version" (a decimal number, as torch parses it; an empty prefix: at the top), from
+// kTorchMinFileVersion to kTorchMaxFileVersion. An archive with neither record is read (torch
+// refuses it; nothing in it is read differently). Throws FormatError naming the file, IoError.
+void CheckTorchFileVersion(const ByteSource& source, const ZipDirectory& zip,
+                           const std::string& prefix);
+
 // Reads the zip directory and data.pkl, checks that every storage has a stored entry of the right
-// size and reads the byte order. Throws FormatError / IoError.
+// size and reads the byte order and the format version. Throws FormatError / IoError.
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source);
 
 // True when the first bytes look like a zip file (local header or empty-archive end record).

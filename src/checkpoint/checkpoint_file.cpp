@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "tensortier/checksum.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/process_identity.hpp"
 #include "tensortier/strings.hpp"
@@ -187,7 +188,12 @@ std::string ResolveSavePath(const std::string& path) {
     if (!ec) return canonical.string();
     if (!fs::is_symlink(fs::symlink_status(p, ec))) {
       fs::path dir = fs::canonical(p.parent_path(), ec);
-      if (ec) ThrowIoError(ec.value(), "find the directory of", path);
+      if (ec) {
+        ThrowIoError(ec.value(),
+                     ec.value() == ENOENT ? "save (its directory does not exist: create it first)"
+                                          : "save (its directory cannot be reached)",
+                     path);
+      }
       return (dir / p.filename()).string();
     }
     fs::path target = fs::read_symlink(p, ec);
@@ -240,8 +246,12 @@ std::optional<ReplacedFile> CheckReplaceable(const std::string& final_path) {
   // As open(final_path, O_WRONLY) decides (permission bits, ACLs, root's override, read-only
   // mounts): torch.save opens the file so, and a read-only checkpoint stays as it is.
   if (faccessat(AT_FDCWD, final_path.c_str(), W_OK, AT_EACCESS) != 0) {
-    ThrowIoError(errno,
-                 "save (the file may not be written by this user: make it writable to replace it)",
+    const int error = errno;
+    ThrowIoError(error,
+                 error == EROFS
+                     ? "save (the file system is read-only: save elsewhere or remount it)"
+                     : "save (the file may not be written by this user: make it writable to "
+                       "replace it)",
                  final_path);
   }
   return ReplacedFile{st.st_mode & 07777, st.st_uid, st.st_gid};
@@ -259,11 +269,26 @@ void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_pa
   if (fchmod(fd, old.mode) != 0) ThrowIoError(errno, "keep the mode of", final_path);
 }
 
+std::string TemporaryNameStem(std::string_view name) {
+  // After the stem at most: PID (10 digits), START (20), TAG (8), RANDOM (8) and 3 dashes.
+  constexpr size_t kNameMax = 255;
+  constexpr size_t kAfterStem = 10 + 20 + 8 + 8 + 3;
+  constexpr size_t kRoom = kNameMax - kAfterStem - std::string_view("..tmp-").size();
+  if (name.size() <= kRoom) return StrCat(".", name, ".tmp-");
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016llx",
+                static_cast<unsigned long long>(Xxh64(name.data(), name.size())));
+  size_t keep = kRoom - 1 - 16;
+  // Whole characters: a UTF-8 continuation byte (10xxxxxx) must not start the cut-off part.
+  while (keep > 0 && (static_cast<unsigned char>(name[keep]) & 0xC0) == 0x80) --keep;
+  return StrCat(".", name.substr(0, keep), "~", hash, ".tmp-");
+}
+
 std::string TemporaryPathPrefix(const std::string& final_path) {
   const auto [dir, name] = SplitPath(final_path);
   const pid_t pid = getpid();  // not cached: a forked child is another process
-  return (std::filesystem::path(dir) /
-          StrCat(".", name, ".tmp-", pid, "-", ProcessStartTime(pid), "-", PidNamespaceTag(), "-"))
+  return (std::filesystem::path(dir) / StrCat(TemporaryNameStem(name), pid, "-",
+                                              ProcessStartTime(pid), "-", PidNamespaceTag(), "-"))
       .string();
 }
 
@@ -272,7 +297,7 @@ size_t RemoveStaleTemporaryFiles(const std::string& final_path) {
   // Without /proc no process can be told alive: nothing is removed.
   if (ProcessStartTime(getpid()).empty()) return 0;
   const std::string tag = PidNamespaceTag();
-  const std::string prefix = StrCat(".", name, ".tmp-");
+  const std::string prefix = TemporaryNameStem(name);
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return 0;  // the save itself reports what is wrong with the directory
   size_t removed = 0;

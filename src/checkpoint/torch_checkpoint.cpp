@@ -1,5 +1,6 @@
 #include "tensortier/torch_checkpoint.hpp"
 
+#include <cctype>
 #include <cstring>
 #include <string_view>
 #include <unordered_map>
@@ -20,6 +21,38 @@ void ThrowLegacyTorchFile(const std::string& path) {
   throw FormatError(StrCat(path,
                            ": legacy torch.save format (PyTorch < 1.6, not a zip file) is not "
                            "supported; load it with torch.load and save it again"));
+}
+
+void CheckTorchFileVersion(const ByteSource& source, const ZipDirectory& zip,
+                           const std::string& prefix) {
+  const std::string folder = prefix.empty() ? prefix : prefix + "/";
+  const ZipEntry* record = zip.Find(folder + ".data/version");
+  if (record == nullptr) record = zip.Find(folder + "version");
+  if (record == nullptr) return;
+  const std::string& path = source.name();
+  RequireStored(*record, path);
+  // torch reads it with std::stoull: leading white space, digits, anything after them ignored.
+  std::string text(record->size > 32 ? 32 : record->size, '\0');
+  source.ReadAt(record->data_offset, text.data(), text.size());
+  size_t i = 0;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  if (i < text.size() && text[i] == '+') ++i;
+  size_t first = i;
+  uint64_t version = 0;  // stops growing past the limit: only whether it is in range matters
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    if (version <= kTorchMaxFileVersion)
+      version = version * 10 + static_cast<uint64_t>(text[i] - '0');
+  }
+  if (i == first) {
+    throw FormatError(StrCat(path, ": zip entry '", record->name,
+                             "' is not a format version number: not a torch.save file"));
+  }
+  if (version < kTorchMinFileVersion || version > kTorchMaxFileVersion) {
+    throw FormatError(StrCat(path, ": torch.save format version ", text.substr(first, i - first),
+                             " (zip entry '", record->name, "') is not one torch reads (",
+                             kTorchMinFileVersion, " to ", kTorchMaxFileVersion,
+                             "): written by a newer PyTorch, or damaged"));
+  }
 }
 
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
@@ -52,6 +85,7 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
     throw FormatError(StrCat(path, ": data.pkl of ", pkl->size, " bytes is over the limit of ",
                              kTorchMaxPickleBytes));
   }
+  CheckTorchFileVersion(source, out.zip, out.prefix);
   if (const ZipEntry* order = out.zip.Find(out.prefix + "/byteorder")) {
     RequireStored(*order, path);
     std::string value(order->size > 16 ? 16 : order->size, '\0');

@@ -86,6 +86,42 @@ TEST(DurableFileTest, ZeroLengthSave) {
   EXPECT_EQ(Leftovers(dir.path(), "empty.pt"), std::vector<std::string>{});
 }
 
+TEST(DurableFileTest, SavesToANameOfTheLongestLengthAFileMayHave) {
+  TempDir dir;
+  // 255 bytes, the most a name may have: its temporary file needs a shorter stem.
+  const std::string name = std::string(255 - 3, 'm') + ".pt";
+  const std::string path = dir.File(name);
+  Save(path, 1000, 1);
+  Save(path, kSize, 2);
+  EXPECT_TRUE(testing::MatchesPattern(testing::ReadWholeFile(path).data(), kSize, 2, 0));
+  WaitForReplacedFiles();
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    names.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(names, std::vector<std::string>{name});
+}
+
+TEST(DurableFileTest, TemporaryNameStemsFitEveryNameAndKeepThemApart) {
+  EXPECT_EQ(TemporaryNameStem("m.pt"), ".m.pt.tmp-");
+  const std::string longest(200, 'a');  // the longest name kept whole
+  EXPECT_EQ(TemporaryNameStem(longest), "." + longest + ".tmp-");
+  // 20 digits of start time and 10 of pid: the most a temporary name can add to the stem
+  const size_t after_stem = std::string("4294967295-18446744073709551615-0123abcd-0123abcd").size();
+  for (size_t n = 190; n <= 255; ++n) {
+    EXPECT_LE(TemporaryNameStem(std::string(n, 'x')).size() + after_stem, 255u) << n;
+  }
+  const std::string a = std::string(254, 'x') + "a", b = std::string(254, 'x') + "b";
+  EXPECT_NE(TemporaryNameStem(a), TemporaryNameStem(b));  // cut alike, told apart by the hash
+  // UTF-8 names are cut between characters (3 bytes each here), never inside one.
+  std::string han;
+  while (han.size() < 240) han += "\xe6\xa8\xa1";
+  const std::string stem = TemporaryNameStem(han);
+  const size_t kept = stem.find('~') - 1;
+  EXPECT_EQ(kept % 3, 0u);
+  EXPECT_EQ(stem.substr(1, kept), han.substr(0, kept));
+}
+
 TEST(DurableFileTest, AbandonedWithoutCommitLeavesNothing) {
   TempDir dir;
   const std::string path = dir.File("m.pt");
@@ -105,6 +141,8 @@ TEST(DurableFileTest, MissingDirectoryIsENOENT) {
   } catch (const IoError& e) {
     EXPECT_EQ(e.error_code(), ENOENT);
     EXPECT_NE(std::string(e.what()).find("no/m.pt"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("directory does not exist"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -215,7 +253,7 @@ TEST(DurableFileTest, AFailedOpenForReadingNamesThePath) {
 }
 
 bool FreesBlocksInRename(const std::string& dir) {
-  struct statfs st{};
+  struct statfs st {};
   if (statfs(dir.c_str(), &st) != 0) return false;
   const auto magic = static_cast<uint64_t>(st.f_type);
   return magic == 0xEF53 || magic == 0x58465342 || magic == 0x9123683E;
@@ -244,7 +282,7 @@ TEST(DurableFileTest, TheReplacedFileIsFreedInTheBackgroundBeforeTheNextSave) {
   plan.reads = plan.writes = false;
   plan.steps = 1u << static_cast<unsigned>(FileStep::kRelease);
   Save(path, 1000, 4, FileSystem(std::make_shared<FaultInjector>(plan)));
-  EXPECT_EQ(HeldDeleted(path), 1);  // the commit returned while the old file is held
+  EXPECT_EQ(HeldDeleted(path), 1);    // the commit returned while the old file is held
   Save(dir.File("other.pt"), 10, 5);  // waits for it first
   EXPECT_EQ(HeldDeleted(path), 0);
 }

@@ -424,13 +424,13 @@ TEST(CheckpointTorch, ReadsMetaTensors) {
   EXPECT_TRUE(PickleRejects(bad, "is not allowed"));
 }
 
-// A torch.save zip holding {} whose byteorder record says `order`.
-std::string ZipWithByteOrder(const std::string& order) {
+// A torch.save zip holding {} and one more record, `name` (under "a/"), holding `value`.
+std::string ZipWithRecord(const std::string& name, const std::string& value) {
   const std::string pickle = kProto + "}q\x00."s;
-  const std::string* data[] = {&pickle, &order};
+  const std::string* data[] = {&pickle, &value};
   ZipPlanner z;
   z.Add("a/data.pkl", pickle.size());
-  z.Add("a/byteorder", order.size());
+  z.Add("a/" + name, value.size());
   std::string out(z.directory_offset(), '\0');
   for (size_t i = 0; i < 2; ++i) {
     z.SetCrc(i, Crc32(data[i]->data(), data[i]->size()));
@@ -440,6 +440,11 @@ std::string ZipWithByteOrder(const std::string& order) {
     out.replace(e.data_offset, data[i]->size(), *data[i]);
   }
   return out + z.Directory();
+}
+
+// A torch.save zip holding {} whose byteorder record says `order`.
+std::string ZipWithByteOrder(const std::string& order) {
+  return ZipWithRecord("byteorder", order);
 }
 
 TEST(CheckpointTorch, ReadsTheByteOrderRecord) {
@@ -459,6 +464,47 @@ TEST(CheckpointTorch, ReadsTheByteOrderRecord) {
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(CheckpointTorch, RefusesFormatVersionsTorchDoesNotRead) {
+  // torch.save writes "3\n"; torch's reader takes 1 to 10, read as std::stoull reads them.
+  for (const char* ok : {"3\n", "1", "10", " +7x"}) {
+    for (const char* record : {"version", ".data/version"}) {
+      std::string zip = ZipWithRecord(record, ok);
+      EXPECT_NO_THROW(ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "v.pt")))
+          << record << " " << ok;
+    }
+  }
+  EXPECT_EQ(ReadFixture("small.pt").prefix, "small");  // version 3
+  for (const char* bad : {"11\n", "0", "99999999999999999999999", "-1", "x3", ""}) {
+    std::string zip = ZipWithRecord("version", bad);
+    try {
+      ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "v.pt"));
+      ADD_FAILURE() << "accepted version '" << bad << "'";
+    } catch (const FormatError& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.rfind("v.pt: ", 0), 0u) << what;
+      EXPECT_NE(what.find("'a/version'"), std::string::npos) << what;
+    }
+  }
+  // .data/version wins over version, as in torch's reader
+  const std::string pickle = kProto + "}q\x00."s;
+  const std::string eleven = "11", three = "3";
+  const std::string* data[] = {&pickle, &three, &eleven};
+  ZipPlanner z;
+  z.Add("a/data.pkl", pickle.size());
+  z.Add("a/version", three.size());
+  z.Add("a/.data/version", eleven.size());
+  std::string zip(z.directory_offset(), '\0');
+  for (size_t i = 0; i < 3; ++i) {
+    z.SetCrc(i, Crc32(data[i]->data(), data[i]->size()));
+    const ZipPlanEntry& e = z.entries()[i];
+    std::string h = z.LocalHeader(i);
+    zip.replace(e.local_header_offset, h.size(), h);
+    zip.replace(e.data_offset, data[i]->size(), *data[i]);
+  }
+  zip += z.Directory();
+  EXPECT_THROW(ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "v.pt")), FormatError);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -140,6 +141,69 @@ def rezip(src: Path, dst: Path, *, compress: str | None = None, drop: str | None
             ctype = zipfile.ZIP_DEFLATED if compress and info.filename.endswith(compress) \
                 else zipfile.ZIP_STORED
             zout.writestr(info.filename, data, compress_type=ctype)
+
+
+@pytest.mark.parametrize("record", ["/version", "/.data/version"])
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
+def test_format_version_torch_does_not_read_is_refused(
+    disk_dir: Path, record: str, how: str
+) -> None:
+    # A later format version may lay data out differently: torch.load refuses it, so do we
+    # rather than load tensors that may be wrong. ".data/version" is read first, as by torch.
+    src = disk_dir / "ok.pt"
+    torch.save({"a": torch.arange(10.0)}, src)
+    bad = disk_dir / "v99.pt"
+    rezip(src, bad, replace={"/version": b"99\n"} if record == "/version" else None)
+    if record == "/.data/version":
+        with zipfile.ZipFile(bad, "a") as z:
+            z.writestr(z.namelist()[0].split("/")[0] + record, b"11")
+    with pytest.raises(RuntimeError, match="maximum supported version"):
+        torch.load(bad, weights_only=True)
+    says = "torch.save format version (99|11) .*is not one torch reads"
+    if how == "cli":
+        from test_cli_convert import BIN, run
+
+        if not BIN.is_file():
+            pytest.skip("the tensortier CLI is not built")
+        r = run("info", bad)
+        assert r.returncode == 1 and re.search(says, r.stderr), r.stderr
+        return
+    with pytest.raises(ValueError, match=says):
+        if how == "load_into":
+            tensortier.load_into({"a": torch.empty(10)}, bad)
+        else:
+            tensortier.load(bad, mmap=how == "mmap")
+    rezip(src, bad, replace={"/version": b"10"})  # the last version torch reads
+    assert torch.equal(tensortier.load(bad)["a"], torch.arange(10.0))
+
+
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
+def test_a_storage_described_twice_differently_is_refused(disk_dir: Path, how: str) -> None:
+    # data.pkl puts an int16 tensor on the float32 storage "0" (torch.save refuses to write
+    # that): torch.load would give it float32 values, reading its bytes as int16 is no better.
+    src = disk_dir / "ok.pt"
+    torch.save({"a": torch.arange(8.0), "c": torch.arange(7, dtype=torch.int16)}, src)
+    with zipfile.ZipFile(src) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    short_key = rb"(ShortStorage\n(?:q.|r....)X\x01\x00\x00\x00)1"  # its storage key, "1"
+    twice = re.sub(short_key, rb"\g<1>0", pkl, flags=re.S)
+    assert twice != pkl
+    bad = disk_dir / "twice.pt"
+    rezip(src, bad, replace={"/data.pkl": twice})  # with the right CRC-32s: verify passes them
+    if how == "cli":
+        from test_cli_convert import BIN, run
+
+        if not BIN.is_file():
+            pytest.skip("the tensortier CLI is not built")
+        r = run("info", bad)
+        assert r.returncode == 1 and "described twice, differently" in r.stderr, r.stderr
+        return
+    with pytest.raises(ValueError, match="storage '0' is described twice, differently"):
+        if how == "load_into":
+            tensortier.load_into({"a": torch.empty(8), "c": torch.empty(7, dtype=torch.int16)},
+                                 bad)
+        else:
+            tensortier.load(bad, mmap=how == "mmap", verify=True)
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
@@ -504,7 +568,104 @@ def test_shard_indexes_are_read_by_the_rules_of_the_cli(
         assert r.returncode == 1 and says in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("first", ["m-1", "m-2"])
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into"])
+def test_a_tensor_in_two_shards_comes_from_the_one_the_index_names(
+    tmp_path: Path, first: str, how: str
+) -> None:
+    # m-2 also holds an "a" (a stale copy): whichever shard is read last, "a" is m-1's.
+    one, two = tmp_path / "m-1.safetensors", tmp_path / "m-2.safetensors"
+    tensortier.save({"a": torch.full((3,), 1.0), "b": torch.arange(4)}, one)
+    tensortier.save({"c": torch.ones(2), "a": torch.full((3,), 2.0)}, two)
+    weight_map = {"a": "m-1.safetensors", "b": "m-1.safetensors", "c": "m-2.safetensors"}
+    if first == "m-2":
+        weight_map = {"c": weight_map.pop("c"), **weight_map}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    if how == "load_into":
+        out = {"a": torch.zeros(3), "b": torch.zeros(4, dtype=torch.int64), "c": torch.zeros(2)}
+        tensortier.load_into(out, index)
+    else:
+        out = tensortier.load(index, mmap=how == "mmap")
+        assert sorted(out) == ["a", "b", "c"]
+    assert torch.equal(out["a"], torch.full((3,), 1.0))
+    assert torch.equal(out["c"], torch.ones(2))
+
+
+@pytest.mark.parametrize("how", ["load", "load_into"])
+def test_a_tensor_the_index_does_not_list_in_two_shards_is_refused(
+    tmp_path: Path, how: str
+) -> None:
+    tensortier.save({"a": torch.ones(3), "x": torch.zeros(1)}, tmp_path / "m-1.safetensors")
+    tensortier.save({"b": torch.ones(3), "x": torch.ones(1)}, tmp_path / "m-2.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}}))
+    with pytest.raises(ValueError, match="'x' is in two shards"):
+        if how == "load":
+            tensortier.load(index)
+        else:
+            tensortier.load_into({"a": torch.empty(3), "b": torch.empty(3)}, index, strict=False)
+    # held by one shard only, a name the index does not list still loads (as before)
+    tensortier.save({"b": torch.ones(3)}, tmp_path / "m-2.safetensors")
+    assert torch.equal(tensortier.load(index)["x"], torch.zeros(1))
+
+
 # ---- durability --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_saves_to_names_of_the_longest_length_a_file_may_have(
+    disk_dir: Path, suffix: str
+) -> None:
+    # 255 bytes (the most a name may have, as torch.save writes it): the temporary file of the
+    # save needs a shorter name than ".NAME.tmp-...".
+    path = disk_dir / ("m" * (255 - len(suffix)) + suffix)
+    sd = {"w": torch.arange(1000, dtype=torch.float32)}
+    tensortier.save(sd, path)
+    tensortier.save(sd, path)  # over the first
+    assert torch.equal(tensortier.load(path)["w"], sd["w"])
+    assert leftovers(disk_dir) == []
+    from test_cli_convert import BIN, run
+
+    if BIN.is_file():
+        other = ".pt" if suffix == ".safetensors" else ".safetensors"
+        out = disk_dir / ("c" * (255 - len(other)) + other)
+        r = run("convert", path, out)
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(tensortier.load(out)["w"], sd["w"])
+        assert leftovers(disk_dir) == []
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_full_or_read_only_filesystem_keeps_the_old_checkpoint(
+    small_fs: Path, name: str
+) -> None:
+    # A real 4 MiB filesystem: ENOSPC from fallocate (tmpfs, ext4) or from the writes (ext2),
+    # then a read-only remount (EROFS). The old checkpoint stays whole, nothing is left behind.
+    path = small_fs / name
+    old = {"w": torch.arange(1000, dtype=torch.float32)}
+    tensortier.save(old, path)
+    before = path.read_bytes()
+    with pytest.raises(OSError) as info:
+        tensortier.save({"w": torch.ones(3 << 20)}, path)  # 12 MiB
+    assert info.value.errno == errno.ENOSPC and f"cannot save '{path}'" in str(info.value)
+    assert path.read_bytes() == before and leftovers(small_fs) == []
+    from test_cli_convert import BIN, run
+
+    if BIN.is_file():
+        src = small_fs.parent / ("big.pt" if name.endswith(".safetensors") else "big.safetensors")
+        tensortier.save({"w": torch.ones(3 << 20)}, src)
+        r = run("convert", src, path)
+        assert r.returncode == 1 and "errno 28" in r.stderr, r.stderr
+        assert path.read_bytes() == before and leftovers(small_fs) == []
+    remount = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True,
+                             text=True, timeout=60)
+    assert remount.returncode == 0, remount.stderr
+    with pytest.raises(OSError) as info:
+        tensortier.save({"w": torch.ones(3)}, path)
+    assert info.value.errno == errno.EROFS and "read-only" in str(info.value)
+    assert "this user" not in str(info.value)  # not a permission the user could change
+    assert torch.equal(tensortier.load(path, verify=name.endswith(".pt"))["w"], old["w"])
 
 
 @pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
@@ -558,8 +719,12 @@ def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
 
 
 def test_save_into_missing_directory(disk_dir: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="directory does not exist: create it first"):
         tensortier.save({"w": torch.ones(1)}, disk_dir / "no" / "m.safetensors")
+    (disk_dir / "f").write_bytes(b"")  # a file where a directory should be: ENOTDIR
+    with pytest.raises(NotADirectoryError, match="m.pt"):
+        tensortier.save({"w": torch.ones(1)}, disk_dir / "f" / "m.pt")
+    assert sorted(os.listdir(disk_dir)) == ["f"]
     with pytest.raises(IsADirectoryError):
         os.mkdir(disk_dir / "d.safetensors")
         tensortier.save({"w": torch.ones(1)}, disk_dir / "d.safetensors")
@@ -794,6 +959,35 @@ def test_torch_pickle_failures_are_valueerrors(disk_dir: Path) -> None:
     with pytest.raises(ValueError, match="different types"):  # torch refuses mixed-dtype views
         tensortier.save({"a": a, "b": a.view(torch.int32)}, path)
     assert leftovers(disk_dir) == [] and not path.exists()
+
+
+@pytest.mark.parametrize("kind,says", [
+    ("quantized", "holds quantized tensors"),
+    ("empty quantized", "holds quantized tensors"),
+    ("nested", "holds nested tensors"),
+    ("sparse", "'x' is a sparse_coo tensor: load_into reads dense tensors"),
+    ("sparse_csr", "'x' is a sparse_csr tensor: load_into reads dense tensors"),
+    ("meta", "'x' has no data in the file"),
+])
+def test_load_into_a_file_with_tensors_it_cannot_read_is_a_clear_error(
+    tmp_path: Path, kind: str, says: str
+) -> None:
+    # A valid torch.save file (tensortier.load reads it), not a malformed one.
+    x = {
+        "quantized": lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8),
+        "empty quantized": lambda: torch.quantize_per_tensor(torch.ones(0), 0.1, 0, torch.quint8),
+        "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "sparse": lambda: torch.eye(3).to_sparse(),
+        "sparse_csr": lambda: torch.eye(3).to_sparse_csr(),
+        "meta": lambda: torch.empty(2, device="meta"),
+    }[kind]()
+    path = tmp_path / "x.pt"
+    torch.save({"x": x, "w": torch.ones(3)}, path)
+    assert set(tensortier.load(path)) == {"x", "w"}
+    with pytest.raises(ValueError) as info:
+        tensortier.load_into({"w": torch.zeros(3)}, path, strict=False)
+    assert says in str(info.value) and str(path) in str(info.value)
+    assert "malformed" not in str(info.value) and "use tensortier.load" in str(info.value)
 
 
 def test_load_into_meta_targets_is_a_clear_error(tmp_path: Path) -> None:

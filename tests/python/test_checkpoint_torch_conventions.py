@@ -163,6 +163,29 @@ def test_weights_only_false_is_refused_true_and_none_load(disk_dir: Path) -> Non
         tensortier.load(path, weights_only="yes")  # type: ignore[arg-type]
 
 
+class _PlacementRefused(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", ["m.pt", "m.safetensors"])
+def test_errors_of_map_location_reach_the_caller_as_raised(disk_dir: Path, name: str) -> None:
+    # torch.load lets what the map_location callable raises through: code catching its own
+    # error type around it must catch it here too, and the file is not called malformed.
+    path = disk_dir / name
+    tensortier.save({"a": torch.randn(3)}, path)
+
+    def refuse(storage: torch.UntypedStorage, location: str) -> None:
+        raise _PlacementRefused(f"no room for {location}")
+
+    loaders = [tensortier.load] + ([torch.load] if name.endswith(".pt") else [])
+    for load in loaders:
+        with pytest.raises(_PlacementRefused, match="no room for cpu"):
+            load(path, map_location=refuse)
+    with pytest.raises(ValueError) as info:
+        tensortier.load(path, map_location={"cpu": "nowhere"})
+    assert "'nowhere'" in str(info.value) and "malformed" not in str(info.value)
+
+
 def test_map_location_bad_arguments(disk_dir: Path) -> None:
     path = disk_dir / "m.pt"
     tensortier.save({"a": torch.randn(3)}, path)

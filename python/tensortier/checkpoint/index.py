@@ -23,13 +23,42 @@ def _read_index(path: str) -> dict[str, list[str]]:
     return shards
 
 
+def _take_shard(
+    out: dict[str, Any], part: Mapping[str, Any], shard: str, shards: dict[str, list[str]],
+    index: str,
+) -> None:
+    """Adds the tensors of `shard` (`part`, as read) to `out`. The index says where each tensor
+    lives: a name it puts in another shard is taken from that one, never from this shard's copy
+    (the order shards are read in must not decide the bytes); a name it puts in no shard, held
+    by two, is refused, as nothing says which copy is meant."""
+    names = shards[shard]
+    missing = [n for n in names if n not in part]
+    if missing:
+        raise ValueError(f"{index}: the index puts {missing[:8]} in {shard}, which lacks them")
+    mine = set(names)
+    elsewhere = None
+    for name, value in part.items():
+        if name not in mine:
+            if elsewhere is None:
+                elsewhere = {n for s, ns in shards.items() if s != shard for n in ns}
+            if name in elsewhere:
+                continue
+            if name in out:
+                raise ValueError(
+                    f"{index}: tensor {name!r} is in two shards, {shard} among them, and the "
+                    "index puts it in neither: list it in the weight_map or remove one copy"
+                )
+        out[name] = value
+
+
 def _load_index(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     mapped: _Readahead | None = None, placement: _Placement | None = None,
 ) -> dict[str, Any]:
     """`mapped`: map the shards (``load(mmap=True)``), sharing this readahead budget."""
     out: dict[str, Any] = {}
-    for shard, names in _read_index(path).items():
+    shards = _read_index(path)
+    for shard in shards:
         kind = _sniff(shard)
         if kind == "index":
             raise ValueError(f"{path}: shard {shard} is itself an index")
@@ -41,8 +70,5 @@ def _load_index(
             part = _load_safetensors(
                 shard, dev, dtype, verify, progress, io, mapped=mapped, placement=placement
             )
-        missing = [n for n in names if n not in part]
-        if missing:
-            raise ValueError(f"{path}: the index puts {missing[:8]} in {shard}, which lacks them")
-        out.update(part)
+        _take_shard(out, part, shard, shards, path)
     return out

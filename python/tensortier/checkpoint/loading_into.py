@@ -16,7 +16,7 @@ from .._paths import fspath as _fspath
 from ._progress import _Progress
 from ._reading import _Piece
 from ._writing import _open_checkpoint
-from .index import _read_index
+from .index import _read_index, _take_shard
 from .safetensors import _xxh64_check
 from .unpickler import _crc_check, _StorageRef, _verifiable, _verify_other_records
 
@@ -134,16 +134,11 @@ def _describe_sources(
     kind = _sniff(path)
     if kind == "index":
         out: dict[str, _Source] = {}
-        for shard, names in _read_index(path).items():
+        shards = _read_index(path)
+        for shard in shards:
             if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
                 raise ValueError(f"{path}: shard {shard} is itself an index")
-            part = _describe_sources(shard, io, files, verify)
-            missing = [n for n in names if n not in part]
-            if missing:
-                raise ValueError(
-                    f"{path}: the index puts {missing[:8]} in {shard}, which lacks them"
-                )
-            out.update(part)
+            _take_shard(out, _describe_sources(shard, io, files, verify), shard, shards, path)
         return out
     if path not in files:
         files[path] = _open_checkpoint(io, path)
@@ -187,9 +182,17 @@ def _describe_sources(
                 f"{path}: {name!r} is {_a(type(t).__name__)}, not a tensor: load_into reads flat "
                 "state dicts; use tensortier.load"
             )
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"{path}: {name!r} is a {str(t.layout).replace('torch.', '')} tensor: load_into "
+                "reads dense tensors; use tensortier.load"
+            )
         ref = by_cdata.get(t.untyped_storage()._cdata) or by_storage.get(id(t.untyped_storage()))
         if ref is None:
-            raise ValueError(f"{path}: cannot find the storage of {name!r}")
+            raise ValueError(
+                f"{path}: {name!r} has no data in the file (a tensor saved from the meta "
+                "device): load_into cannot read it; use tensortier.load"
+            )
         start = t.storage_offset() * t.element_size()
         n = _nbytes(t)
         # A conjugate or negative view's storage holds other numbers than its values: read

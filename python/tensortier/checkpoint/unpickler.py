@@ -81,6 +81,16 @@ class _StorageOverrun(ValueError):
     """A tensor in a torch file reaches past the end of its storage record."""
 
 
+class _PlacementError(Exception):
+    """What `map_location` raised (the caller's callable or devices), carried out of the
+    unpickler unchanged: code catching its own error types around ``torch.load`` catches them
+    here too, and the file is not blamed for them."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass
 class _StorageRef:
     path: str
@@ -151,6 +161,7 @@ def _unpickle_torch(
     if records is None:
         records = _zip_records(path)
     prefix = _archive_prefix(path, records)
+    _require("check_torch_file_version")(path, prefix[:-1])
     file = _open_checkpoint(io if io is not None else _common._default_io(), path)
     try:
         pkl = _read_record(path, file, records, prefix + "data.pkl", verify, io)
@@ -193,6 +204,15 @@ def _unpickle_torch(
                     )
             if key in storages:
                 ref = storages[key]
+                # The rule of the CLI's pickle reader (src/checkpoint/torch_pickle.cpp): torch.save
+                # never describes a storage with bytes two ways; read as either, the other
+                # description's tensors would get wrong values.
+                nbytes = numel * dtype.itemsize
+                if (ref.nbytes or nbytes) and (ref.dtype != dtype or ref.nbytes != nbytes):
+                    raise ValueError(
+                        f"{path}: storage '{key}' is described twice, differently ({ref.dtype}, "
+                        f"{ref.nbytes} bytes; {dtype}, {nbytes} bytes): the file is damaged"
+                    )
             else:
                 name = f"{prefix}data/{key}"
                 record = records.get(name)
@@ -211,7 +231,10 @@ def _unpickle_torch(
                 # then (as torch.load does).
                 sdev = device
                 if placement is not None and device.type != "meta":
-                    sdev = placement.device_for(str(location))
+                    try:
+                        sdev = placement.device_for(str(location))
+                    except Exception as e:  # noqa: BLE001 - passed on as raised
+                        raise _PlacementError(e) from None
                 if nbytes == 0 and (mapped is not None or sdev.type == "cpu"):
                     storage = _empty_fixed_storage()
                 elif mapped is not None:
@@ -238,7 +261,10 @@ def _unpickle_torch(
                     # torch.load gives the callable each storage with its bytes, on the CPU
                     if nbytes and mapped is None:
                         _fill_now(ref, path, verify, big_endian, io)
-                    ref.storage = placement.restored(ref.storage, str(location))
+                    try:
+                        ref.storage = placement.restored(ref.storage, str(location))
+                    except Exception as e:  # noqa: BLE001 - passed on as raised
+                        raise _PlacementError(e) from None
                     ref.filled = True
                 elif eager and nbytes and device.type != "meta":
                     _fill_now(ref, path, verify, big_endian, io)
@@ -265,6 +291,8 @@ def _unpickle_torch(
         queued = len(sparse_queue) if isinstance(sparse_queue, list) else 0
         try:
             obj = unpickler.load()
+        except _PlacementError as e:
+            raise e.error from None
         except pickle.UnpicklingError as e:
             raise ValueError(
                 f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier "
@@ -276,6 +304,20 @@ def _unpickle_torch(
             if path in str(e) or (label is not None and label in str(e)):
                 raise
             # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped.
+            raise ValueError(
+                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        except NotImplementedError as e:
+            kinds = [k for k, rebuild in (("quantized", b"_rebuild_qtensor"),
+                                          ("nested", b"_rebuild_nested_tensor")) if rebuild in pkl]
+            if device.type == "meta" and kinds:
+                # torch has no quantized meta tensors, and nested ones need their data: a valid
+                # file, which a description without the data (load_into's) cannot hold
+                raise ValueError(
+                    f"{path}: holds {' or '.join(kinds)} tensors, which cannot be described "
+                    "without reading them (load_into reads plain tensors): use tensortier.load"
+                ) from e
             raise ValueError(
                 f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
                 f"{type(e).__name__}: {e}"
