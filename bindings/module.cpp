@@ -8,6 +8,7 @@
 #include <chrono>
 #include <optional>
 #include <system_error>
+#include <utility>
 
 #include "binding_helpers.hpp"
 #include "errors.hpp"
@@ -430,6 +431,15 @@ PYBIND11_MODULE(_core, m) {
       "setting_is_set",
       [](const std::string& env) { return SettingFromEnvironment(SettingFor(env)).has_value(); },
       py::arg("env"), "Whether the TENSORTIER_* variable `env` is set (and not empty).");
+  m.def(
+      "setting_range",
+      [](const std::string& env) {
+        const Setting& s = SettingFor(env);
+        return std::pair<uint64_t, uint64_t>(s.min, s.max);
+      },
+      py::arg("env"),
+      "(smallest, largest) value the numeric TENSORTIER_* setting `env` allows, from the "
+      "settings table.");
   m.def(
       "probe_backends",
       [](const FsPath& dir) {

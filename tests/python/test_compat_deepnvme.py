@@ -378,6 +378,44 @@ def test_deepspeed_spellings(disk_dir: Path) -> None:
     assert mod.deepspeed_memcpy(v, t) == 0 and torch.equal(v.reshape(-1), t)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [((1 << 31) - 1, 8, 1), ((1 << 30) + 1, 1, 1), (1 << 16, 8192, 1), (1 << 16, 1, 257)],
+    ids=["block_size_2G", "block_size_1G_plus_1", "queue_depth_8192", "parallelism_257"],
+)
+def test_settings_past_the_engine_s_limits_work_as_deepnvme_s(
+    disk_dir: Path, settings: tuple[int, int, int]
+) -> None:
+    """DeepNVMe takes any C int for block_size, queue_depth and intra_op_parallelism: so does
+    the handle (the engine runs with its nearest limits), and answers what was given."""
+    block_size, queue_depth, parallelism = settings
+    for make in (AsyncIOBuilder().load().aio_handle, GDSBuilder().load().gds_handle):
+        h = make(block_size, queue_depth, False, False, parallelism)
+        try:
+            assert (h.get_block_size(), h.get_queue_depth(), h.get_intra_op_parallelism()) == (
+                block_size, queue_depth, parallelism)
+            path = str(disk_dir / "limits.bin")
+            t = torch.arange(100_003, dtype=torch.int16)  # unaligned size
+            assert h.sync_pwrite(t, path) == 1
+            u = torch.empty_like(t)
+            assert h.async_pread(u, path) == 0 and h.wait() == 1
+            assert torch.equal(u, t)
+        finally:
+            h.close()
+
+
+def test_settings_deepnvme_s_binding_refuses() -> None:
+    """Past a C int, DeepSpeed's pybind11 binding refuses the constructor: TypeError."""
+    for make in (AsyncIOBuilder().load().aio_handle, GDSBuilder().load().gds_handle):
+        for position, name in ((0, "block_size"), (1, "queue_depth"),
+                               (4, "intra_op_parallelism")):
+            for value in (1 << 31, -(1 << 31) - 1, 1 << 64):
+                args: list[object] = [1 << 20, 8, False, False, 1]
+                args[position] = value
+                with pytest.raises(TypeError, match=name):
+                    make(*args)
+
+
 def test_gds_handle_moves_host_tensors_and_rejects_pinning_them(disk_dir: Path) -> None:
     h = GDSBuilder().load().gds_handle(1 << 20, 32, True, True, 1)
     t = torch.randn(1000)

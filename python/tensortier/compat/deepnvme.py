@@ -60,6 +60,9 @@ _DEFAULT_QUEUE_DEPTH = 128
 _MAX_INFLIGHT = 1 << 30
 # DeepNVMe's get_alignment(): intra_op_parallelism x its O_DIRECT alignment.
 _O_DIRECT_ALIGNMENT = 512
+# DeepSpeed's bindings take the handle's settings as C ints: pybind11 refuses others (TypeError).
+_C_INT_MIN = -(1 << 31)
+_C_INT_MAX = (1 << 31) - 1
 
 # new_cpu_locked_tensor's tensors, of every handle (DeepNVMe's pinned-tensor manager is one per
 # process): data_ptr -> (bytes, the tensor, weakly). Writes from them are not copied first;
@@ -72,9 +75,12 @@ def _nbytes(buffer: Any) -> int:
     return int(buffer.numel() * buffer.element_size())
 
 
-def _integer(value: Any, what: str, name: str, minimum: int) -> int:
+def _integer(
+    value: Any, what: str, name: str, minimum: int, c_int: bool = False
+) -> int:
     """`value` as an int (numpy and torch integers too, as DeepSpeed's pybind11 bindings take
-    them); ValueError below `minimum`, TypeError for what is not an integer."""
+    them); ValueError below `minimum`, TypeError for what is not an integer (or, with `c_int`,
+    does not fit a C int, as pybind11 refuses it)."""
     if isinstance(value, bool):
         raise TypeError(f"{what}: {name} must be an integer, not bool")
     try:
@@ -83,6 +89,8 @@ def _integer(value: Any, what: str, name: str, minimum: int) -> int:
         raise TypeError(
             f"{what}: {name} must be an integer, not {type(value).__name__}"
         ) from None
+    if c_int and not _C_INT_MIN <= number <= _C_INT_MAX:
+        raise TypeError(f"{what}: {name} must fit a C int (32 bits), not {number}")
     if number < minimum:
         raise ValueError(f"{what}: {name} must be at least {minimum}, not {number}")
     return number
@@ -103,11 +111,17 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     """DeepNVMe's ``aio_handle``: parallel async file I/O of whole tensors.
 
     Args:
-        block_size: bytes per request (DeepNVMe's ``block_size``); rounded up to 4 KiB.
-        queue_depth: requests in flight per worker.
+        block_size: bytes per request (DeepNVMe's ``block_size``); rounded up to 4 KiB, at most
+            the engine's largest chunk (1 GiB).
+        queue_depth: requests in flight per worker (at most the engine's 4096 run at once).
         single_submit: accepted for compatibility (requests are always batched).
         overlap_events: accepted for compatibility (completions are always overlapped).
-        intra_op_parallelism: worker threads (``num_threads=`` as in older releases also works).
+        intra_op_parallelism: worker threads, at most the engine's 256 (``num_threads=`` as in
+            older releases also works).
+
+    Every C int DeepNVMe's constructor takes is taken (the getters answer it), and what its
+    binding refuses is a ``TypeError`` here too (not an integer, or not a 32-bit one); a value
+    below 1, with which DeepNVMe's handle fails at its first transfer, is a ``ValueError``.
 
     Threads may share a handle: as DeepNVMe's, a blocking call (``sync_pread``, ``pread`` with
     ``async=False``...) holds the handle from its start to the end of its wait, which also
@@ -131,24 +145,27 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             intra_op_parallelism = kwargs.pop("num_threads")
         if kwargs:
             raise TypeError(f"aio_handle() got unexpected keyword arguments: {sorted(kwargs)}")
-        block_size = _integer(block_size, "aio_handle", "block_size", 1)
-        queue_depth = _integer(queue_depth, "aio_handle", "queue_depth", 1)
+        block_size = _integer(block_size, "aio_handle", "block_size", 1, c_int=True)
+        queue_depth = _integer(queue_depth, "aio_handle", "queue_depth", 1, c_int=True)
         intra_op_parallelism = _integer(
-            intra_op_parallelism, "aio_handle", "intra_op_parallelism", 1
+            intra_op_parallelism, "aio_handle", "intra_op_parallelism", 1, c_int=True
         )
         self._block_size = block_size
         self._queue_depth = queue_depth
         self._single_submit = bool(single_submit)
         self._overlap_events = bool(overlap_events)
         self._parallelism = intra_op_parallelism
-        chunk = -(-block_size // 4096) * 4096
+        # Every size DeepNVMe takes works: the engine runs with the nearest it allows (requests
+        # of at most its largest chunk, its deepest queue, its most workers); the getters
+        # answer what was given.
+        chunk = _clamp(-(-block_size // 4096) * 4096, "TENSORTIER_CHUNK_SIZE")
+        depth = _clamp(queue_depth, "TENSORTIER_QUEUE_DEPTH")
+        workers = _clamp(intra_op_parallelism, "TENSORTIER_WORKERS")
         self._io = IOHandle(
             chunk_size=chunk,
-            queue_depth=queue_depth,
-            workers=intra_op_parallelism,
-            max_inflight_bytes=max(
-                chunk, min(chunk * queue_depth * intra_op_parallelism, _MAX_INFLIGHT)
-            ),
+            queue_depth=depth,
+            workers=workers,
+            max_inflight_bytes=max(chunk, min(chunk * depth * workers, _MAX_INFLIGHT)),
             gds=self._GDS,
         )
         self._pending: list[_Pending] = []
@@ -445,6 +462,12 @@ class _Pending(NamedTuple):
     offset: int
     validate: bool
     copy_to: Any  # the non-contiguous tensor a read fills at wait(), or None
+
+
+def _clamp(value: int, setting: str) -> int:
+    """`value` within the range the engine's `setting` allows."""
+    low, high = _core.setting_range(setting)
+    return min(max(value, low), high)
 
 
 def _failed(path: str, step: str, error: OSError) -> int:
