@@ -272,6 +272,22 @@ def test_the_native_offloader_stays_lenient(disk_dir: Path) -> None:
             off.sync_read(x)
 
 
+def test_every_unsigned_n_entries_works_as_with_tensornvme(disk_dir: Path) -> None:
+    """TensorNVMe's binding takes any 32-bit unsigned n_entries (io_uring rings up to 32768,
+    libaio contexts and thread pools larger): so does this offloader, whose rings take the
+    nearest depth they allow; past 32 bits, or negative, is pybind11's TypeError."""
+    for n_entries in (0, 4097, 32768, (1 << 32) - 1):
+        with DiskOffloader(str(disk_dir), n_entries) as of:
+            x = torch.arange(1001, dtype=torch.float32)
+            of.sync_write(x)
+            assert storage_bytes(x) == 0
+            of.sync_read(x)
+            assert torch.equal(x, torch.arange(1001, dtype=torch.float32))
+    for n_entries in (1 << 32, -1, 1 << 64):
+        with pytest.raises(TypeError, match="n_entries"):
+            DiskOffloader(str(disk_dir), n_entries)
+
+
 def test_constructor_errors_are_tensornvme_s(disk_dir: Path) -> None:
     """TensorNVMe asserts that dir_name is a directory, its binding takes n_entries as an
     unsigned int (TypeError for anything else) and its C++ refuses a backend it does not know

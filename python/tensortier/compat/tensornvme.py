@@ -16,7 +16,8 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
 - ``TENSORNVME_BACKEND``, when set and not empty, takes the place of the `backend` argument,
   as with TensorNVMe.
 - The constructor fails as TensorNVMe's: ``AssertionError`` when `dir_name` exists and is not
-  a directory, ``TypeError`` for an `n_entries` that is not an unsigned integer,
+  a directory, ``TypeError`` for an `n_entries` that is not a 32-bit unsigned integer (any
+  that is works: the engine's rings take the nearest depth they allow, 1 to 4096),
   ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
   ``uring``, ``aio``, ``pthread`` and tensortier's own work), ``BackendUnavailableError`` (a
   ``RuntimeError``, and an ``OSError`` with errno) for one the kernel refuses here.
@@ -43,6 +44,7 @@ from .._paths import fspath
 __all__ = ["BackendUnavailableError", "DiskOffloader", "WriteRefusedError", "get_backends"]
 
 _TENSORNVME_NAMES = {"io_uring": "uring", "libaio": "aio", "threads": "pthread"}
+_C_UINT_MAX = (1 << 32) - 1
 
 # How TensorNVMe keys what a call wrote: one tensor by its id, a vector by its tuple.
 _Key = tuple[str, tuple[int, ...]]
@@ -94,8 +96,13 @@ class DiskOffloader(_offload.DiskOffloader):
             entries = operator.index(n_entries)
         except TypeError:
             entries = -1
-        if entries < 0:
-            raise TypeError(f"n_entries must be an unsigned integer, not {n_entries!r}")
+        if not 0 <= entries <= _C_UINT_MAX:
+            raise TypeError(
+                f"n_entries must be an unsigned integer (32 bits), not {n_entries!r}"
+            )
+        # Every such count is taken; the engine's rings run with the nearest depth they allow.
+        low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
+        entries = min(max(entries, low), high)
         # TensorNVMe's environment variable, when set, takes the place of the argument.
         backend = os.environ.get("TENSORNVME_BACKEND") or backend
         # Its C++ refuses a backend it does not know with a RuntimeError.
