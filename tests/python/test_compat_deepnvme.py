@@ -416,6 +416,21 @@ def test_settings_deepnvme_s_binding_refuses() -> None:
                     make(*args)
 
 
+def test_gds_handle_alignment_is_deepnvme_s() -> None:
+    """DeepNVMe's gds_handle gives its host I/O one thread: get_alignment() is 512 whatever its
+    intra_op_parallelism (aio_handle's is parallelism x 512)."""
+    for parallelism in (1, 4, 16):
+        g = GDSBuilder().load().gds_handle(1 << 20, 8, False, False, parallelism)
+        a = AsyncIOBuilder().load().aio_handle(1 << 20, 8, False, False, parallelism)
+        try:
+            assert g.get_alignment() == 512
+            assert g.get_intra_op_parallelism() == parallelism
+            assert a.get_alignment() == 512 * parallelism
+        finally:
+            g.close()
+            a.close()
+
+
 def test_gds_handle_moves_host_tensors_and_rejects_pinning_them(disk_dir: Path) -> None:
     h = GDSBuilder().load().gds_handle(1 << 20, 32, True, True, 1)
     t = torch.randn(1000)

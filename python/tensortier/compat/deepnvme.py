@@ -534,6 +534,11 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         super().__init__(*args, **kwargs)
         self._pinned: dict[int, Any] = {}  # data_ptr -> _core.CuFileBuffer
 
+    def get_alignment(self) -> int:
+        """DeepNVMe's: 512 whatever ``intra_op_parallelism`` (its GDS handle gives its host I/O
+        one thread and leaves the parallelism to cuFile)."""
+        return _O_DIRECT_ALIGNMENT
+
     def pin_device_tensor(self, tensor: Any) -> bool:
         """Registers a CUDA tensor's memory with cuFile (skipped without cuFile, or where it would
         run in its compatibility mode: nothing DMAs into registered memory then), through the
