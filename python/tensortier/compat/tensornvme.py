@@ -30,18 +30,27 @@ parameter's ``.data``, ``ValueError`` for misuse).
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import os
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from .. import _core
 from .. import offload as _offload
 from .._paths import fspath
+from ..io import IOFuture, IOHandle
 
-__all__ = ["BackendUnavailableError", "DiskOffloader", "WriteRefusedError", "get_backends"]
+__all__ = [
+    "AsyncFileWriter",
+    "BackendUnavailableError",
+    "DiskOffloader",
+    "WriteRefusedError",
+    "get_backends",
+]
 
 _TENSORNVME_NAMES = {"io_uring": "uring", "libaio": "aio", "threads": "pthread"}
 _C_UINT_MAX = (1 << 32) - 1
@@ -91,34 +100,15 @@ class DiskOffloader(_offload.DiskOffloader):
             # TensorNVMe: `assert os.path.isdir(dir_name)` once it exists.
             if os.path.exists(path) and not os.path.isdir(path):
                 raise AssertionError(f"dir_name {path!r} exists and is not a directory")
-        # Its binding takes an unsigned int: anything else is pybind11's TypeError.
-        try:
-            entries = operator.index(n_entries)
-        except TypeError:
-            entries = -1
-        if not 0 <= entries <= _C_UINT_MAX:
-            raise TypeError(
-                f"n_entries must be an unsigned integer (32 bits), not {n_entries!r}"
-            )
-        # Every such count is taken; the engine's rings run with the nearest depth they allow.
-        low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
-        entries = min(max(entries, low), high)
-        # TensorNVMe's environment variable, when set, takes the place of the argument.
-        backend = os.environ.get("TENSORNVME_BACKEND") or backend
-        # Its C++ refuses a backend it does not know with a RuntimeError.
-        known = _offload._BACKENDS  # noqa: SLF001 - same package
-        if not isinstance(backend, str) or backend not in known:
-            raise RuntimeError(
-                f"Unsupported backend: {backend!r} (one of {', '.join(sorted(known))})"
-            )
+        entries = _queue_depth(n_entries)
+        backend = _backend(backend)
         try:
             super().__init__(dir_name, entries, backend, **kwargs)
         except OSError as e:
-            if known[backend] == "auto" or _starts(known[backend]):
-                raise  # not the backend's failure: the directory's, say
-            raise BackendUnavailableError(
-                e.errno, f"Backend {backend!r} is not install correctly: {e.strerror or e}"
-            ) from e
+            error = _backend_error(backend, e)
+            if error is e:
+                raise
+            raise error from e
         self._groups: dict[_Key, tuple[weakref.ref[Any], ...]] = {}
         self._member: dict[int, _Key] = {}  # id(tensor) -> the key it was last written under
         self._groups_kept = 64  # prune dead groups when there are twice as many
@@ -246,6 +236,48 @@ class DiskOffloader(_offload.DiskOffloader):
             self._groups_kept = max(64, len(self._groups))
 
 
+def _unsigned(value: Any, name: str) -> int:
+    """`value` as TensorNVMe's bindings take an unsigned int: anything else is pybind11's
+    TypeError."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = -1
+    if not 0 <= number <= _C_UINT_MAX:
+        raise TypeError(f"{name} must be an unsigned integer (32 bits), not {value!r}")
+    return number
+
+
+def _queue_depth(n_entries: Any) -> int:
+    """TensorNVMe's `n_entries` as the engine's queue depth: every count its binding takes
+    works, as the nearest depth the engine's rings allow."""
+    low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
+    return min(max(_unsigned(n_entries, "n_entries"), low), high)
+
+
+def _backend(backend: Any) -> str:
+    """The backend TensorNVMe would run: ``TENSORNVME_BACKEND`` when set takes the place of
+    `backend`; one it does not know is its ``RuntimeError``."""
+    backend = os.environ.get("TENSORNVME_BACKEND") or backend
+    known = _offload._BACKENDS  # noqa: SLF001 - same package
+    if not isinstance(backend, str) or backend not in known:
+        raise RuntimeError(
+            f"Unsupported backend: {backend!r} (one of {', '.join(sorted(known))})"
+        )
+    return backend
+
+
+def _backend_error(backend: str, error: OSError) -> OSError:
+    """What an engine that did not start on `backend` raises: TensorNVMe's error when the
+    backend does not start here, else `error` (the directory's or file's failure, say)."""
+    tensortier_name = _offload._BACKENDS[backend]  # noqa: SLF001 - same package
+    if tensortier_name == "auto" or _starts(tensortier_name):
+        return error
+    return BackendUnavailableError(
+        error.errno, f"Backend {backend!r} is not install correctly: {error.strerror or error}"
+    )
+
+
 def _starts(backend: str) -> bool:
     """Whether tensortier's `backend` starts on this machine."""
     return any(
@@ -285,3 +317,249 @@ def _tensors(what: str, given: Any, vector: bool) -> list[Any]:
 def _require_contiguous(tensor: Any) -> None:
     if not tensor.is_contiguous():
         raise RuntimeError("Tensor must be contiguous")
+
+
+# ---- tensornvme.async_file_io -------------------------------------------------------------
+
+
+class _AsyncFileWriterCore:
+    """TensorNVMe's C++ ``AsyncFileWriter`` (``tensornvme._C``) on tensortier's engine: writes
+    at given offsets of an open file descriptor; ``synchronize()`` waits for them and then runs
+    their callbacks, in order."""
+
+    def __init__(self, fd: int, n_entries: int, backend: str = "aio", n_tasks: int = 0) -> None:
+        if isinstance(fd, bool) or not isinstance(fd, int):
+            raise TypeError(f"fd must be an int, not {type(fd).__name__}")
+        depth = _queue_depth(n_entries)
+        _unsigned(n_tasks, "n_tasks")  # TensorNVMe counts them for its debug log only
+        backend = _backend(backend)
+        self._io: IOHandle | None = None
+        try:
+            self._io = IOHandle(_offload._BACKENDS[backend], queue_depth=depth)  # noqa: SLF001
+        except OSError as e:
+            error = _backend_error(backend, e)
+            if error is e:
+                raise
+            raise error from e
+        # The descriptor's file opened again by the engine, buffered as TensorNVMe's: writes of
+        # any size land at any offset, side by side, without read-modify-write of blocks.
+        self._file = self._io.open(f"/proc/self/fd/{fd}", "a", direct=False)
+        self._pending: list[tuple[IOFuture, Callable[[], None] | None]] = []
+
+    def write(
+        self,
+        buffer: int,
+        n_bytes: int,
+        offset: int,
+        callback: Callable[[], None] | None = None,
+    ) -> None:
+        """Starts writing `n_bytes` from address `buffer` at `offset`; the memory must stay
+        until ``synchronize()``."""
+        address = _unsigned_64(buffer, "buffer")
+        size = _unsigned_64(n_bytes, "n_bytes")
+        if address == 0 and size > 0:
+            raise ValueError("buffer is a null address")
+        self._start((ctypes.c_char * size).from_address(address), offset, callback)
+
+    def write_tensor(
+        self,
+        tensor: Any,
+        offset: int,
+        callback: Callable[[], None] | None = None,
+        pinned: Any = None,
+    ) -> None:
+        """Starts writing `tensor`'s values at `offset`. A CUDA tensor is copied to the host
+        first (into `pinned` when given), before this returns."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"write_tensor() takes a torch.Tensor, not {type(tensor).__name__}")
+        if tensor.is_cuda:
+            if pinned is not None:
+                pinned.copy_(tensor)
+                tensor = pinned
+            else:
+                tensor = tensor.to("cpu")
+        self._start(tensor.contiguous(), offset, callback)
+
+    def _write_buffer(
+        self, data: Any, offset: int, callback: Callable[[], None] | None
+    ) -> None:
+        """Starts writing an object with the buffer protocol."""
+        self._start(data, offset, callback)
+
+    def _start(self, data: Any, offset: int, callback: Callable[[], None] | None) -> None:
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
+        assert self._io is not None
+        future = self._io.pwrite_async(data, self._file, _unsigned_64(offset, "offset"))
+        self._pending.append((future, callback))
+
+    def synchronize(self) -> None:
+        """Waits for every write started, then runs their callbacks in order. Raises the first
+        write's error (``OSError``, where TensorNVMe ignores it) after all are done."""
+        pending, self._pending = self._pending, []
+        first: OSError | None = None
+        for future, callback in pending:
+            try:
+                future.wait()
+            except OSError as e:
+                first = first or e
+        for index, (_, callback) in enumerate(pending):
+            if callback is not None:
+                try:
+                    callback()
+                except BaseException:
+                    # TensorNVMe's loop stops at the exception: the callbacks after it run
+                    # at the next synchronize().
+                    self._pending[:0] = [(f, c) for f, c in pending[index + 1:]]
+                    raise
+        if first is not None:
+            raise first
+
+    def register_h2d(self, num_tensors: int) -> None:
+        """Accepted: ``write_tensor`` copies a CUDA tensor to the host before it returns."""
+        _unsigned(num_tensors, "num_tensors")
+
+    def sync_h2d(self) -> None:
+        """Returns at once: every device-to-host copy ended in its ``write_tensor`` call."""
+
+    def register_tasks(self, num_tasks: int) -> None:
+        """Accepted (TensorNVMe counts tasks for its debug log only)."""
+        _unsigned(num_tasks, "num_tasks")
+
+    def close(self) -> None:
+        """Waits for the writes and stops the engine (their errors were ``synchronize()``'s)."""
+        io, self._io = self._io, None
+        if io is not None:
+            try:
+                self._file.close()
+            finally:
+                io.close()
+
+
+class AsyncFileWriter:
+    """TensorNVMe's ``tensornvme.async_file_io.AsyncFileWriter``, as ColossalAI's asynchronous
+    checkpoint saving uses it: ``write`` appends bytes, ``write_raw`` writes memory at an
+    offset, ``write_tensor`` appends a tensor (a CUDA one through `pinned`); all of them start
+    the write and return, ``synchronize()`` waits for every write.
+
+    The file is opened as TensorNVMe opens it (created with mode 0664 if missing, never
+    truncated), `backend` takes TensorNVMe's names (``aio`` by default;
+    ``TENSORNVME_BACKEND`` takes its place when set). Differences, on the side of safety: a
+    write that fails raises ``OSError`` from ``synchronize()`` (TensorNVMe ignores it); a
+    CUDA tensor is copied to the host before ``write_tensor`` returns (``sync_before_step()``
+    has nothing left to wait for, whatever ``register_h2d`` was told); ``write`` takes any
+    bytes-like object (TensorNVMe: ``bytes``); a non-contiguous tensor is written as its
+    values in order.
+    """
+
+    def __init__(
+        self, path: str, n_entries: int = 16, backend: str | None = None, n_tasks: int = 0
+    ) -> None:
+        import torch
+
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, mode=0o664)
+        try:
+            if backend is not None:
+                self.io = _AsyncFileWriterCore(self.fd, n_entries, backend=backend,
+                                               n_tasks=n_tasks)
+            else:
+                self.io = _AsyncFileWriterCore(self.fd, n_entries, n_tasks=n_tasks)
+        except BaseException:
+            os.close(self.fd)
+            del self.fd
+            raise
+        self.offset = 0
+        # Each write's source, kept alive until its write is done.
+        self.buffers: list[Any] = []
+        # TensorNVMe copies CUDA tensors on a stream of its own; without CUDA there is none.
+        self.comm_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def write(self, data: bytes) -> int:
+        """Starts writing `data` at the writer's offset, which moves past it; returns its
+        length in bytes."""
+        if isinstance(data, str):
+            raise TypeError("write() takes bytes, not str")
+        nbytes = memoryview(data).nbytes
+        self.buffers.append(data)  # append before callback is called
+        self.io._write_buffer(  # noqa: SLF001 - the writer's own engine
+            data, self.offset, partial(AsyncFileWriter.gc_callback, self.buffers,
+                                       len(self.buffers) - 1)
+        )
+        self.offset += nbytes
+        return nbytes
+
+    def write_raw(self, py_ref: object, buffer: int, n_bytes: int, offset: int) -> None:
+        """Starts writing `n_bytes` from address `buffer` at `offset`, keeping `py_ref` (the
+        memory's owner) alive until done; the writer's offset moves by `n_bytes`."""
+        self.buffers.append(py_ref)  # append before callback is called
+        self.io.write(
+            buffer, n_bytes, offset,
+            partial(AsyncFileWriter.gc_callback, self.buffers, len(self.buffers) - 1),
+        )
+        self.offset += n_bytes
+
+    def write_tensor(self, tensor: Any, pinned: Any = None) -> None:
+        """Starts writing `tensor` at the writer's offset, which moves past it. A CUDA tensor
+        is copied to host memory first (into `pinned`, a pinned tensor of its size, when
+        given)."""
+        import torch
+
+        with torch.cuda.stream(self.comm_stream):
+            self.buffers.append(tensor)  # append before callback is called
+            self.io.write_tensor(
+                tensor, self.offset,
+                partial(AsyncFileWriter.gc_callback, self.buffers, len(self.buffers) - 1),
+                pinned,
+            )
+            self.offset += tensor.numel() * tensor.element_size()
+
+    def register_h2d(self, num_tensors: int) -> None:
+        """How many ``write_tensor`` calls ``sync_before_step()`` waits for (TensorNVMe)."""
+        self.io.register_h2d(num_tensors)
+
+    def sync_before_step(self) -> None:
+        """Returns once the tensors given to ``write_tensor`` may change."""
+        self.io.sync_h2d()
+
+    @staticmethod
+    def gc_callback(listt: list[Any], idx: int) -> None:
+        """Drops the writer's reference to a write's source once it is written."""
+        listt[idx] = None
+
+    def flush(self) -> None:
+        """Does nothing, as TensorNVMe's (``synchronize()`` waits for the writes)."""
+
+    def synchronize(self) -> None:
+        """Waits for every write started; raises the first write's ``OSError``."""
+        self.io.synchronize()
+        self.buffers.clear()
+
+    def register_tasks(self, num_tasks: int) -> None:
+        """Accepted (TensorNVMe counts tasks for its debug log only)."""
+        self.io.register_tasks(num_tasks)
+
+    def __del__(self) -> None:
+        if not hasattr(self, "fd"):
+            return
+        try:
+            if hasattr(self, "io"):
+                try:
+                    self.synchronize()
+                finally:
+                    self.io.close()
+        finally:
+            os.close(self.fd)
+            del self.fd
+
+
+def _unsigned_64(value: Any, name: str) -> int:
+    """`value` as TensorNVMe's bindings take a size_t or unsigned long long."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = -1
+    if not 0 <= number < 1 << 64:
+        raise TypeError(f"{name} must be an unsigned integer (64 bits), not {value!r}")
+    return number

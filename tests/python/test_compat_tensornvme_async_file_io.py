@@ -1,0 +1,200 @@
+"""tensortier.compat.tensornvme.AsyncFileWriter: TensorNVMe's tensornvme.async_file_io writer, as
+ColossalAI's asynchronous checkpoint saving drives it (CPU tensors; CUDA paths skip)."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensortier.compat.tensornvme import AsyncFileWriter, BackendUnavailableError
+
+from conftest import require_backend
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.complex64]
+_BACKENDS = {"uring": "io_uring", "aio": "libaio", "pthread": "threads"}
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("backend", ["uring", "aio", "pthread", None])
+def test_safetensors_file_as_colossalai_writes_it(disk_dir: Path, backend: str | None) -> None:
+    """ColossalAI's safetensors saving: the header's length and the header with ``write``, each
+    tensor with ``write_raw`` at the writer's offset (or ``write_tensor``), then
+    ``synchronize()``; the file is exactly what safetensors reads back."""
+    require_backend(_BACKENDS[backend or "aio"])
+    from safetensors.torch import load_file
+
+    tensors = {f"t{i}": torch.randn(3 + 17 * i, dtype=torch.float32) for i in range(6)}
+    tensors["odd"] = torch.arange(1001, dtype=torch.int16)  # unaligned size
+    tensors["empty"] = torch.empty(0)
+    header: dict[str, object] = {}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        dtype = {torch.float32: "F32", torch.int16: "I16"}[t.dtype]
+        header[name] = {"dtype": dtype, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    path = disk_dir / "model.safetensors"
+    f_writer = AsyncFileWriter(str(path), n_entries=64, backend=backend)
+    assert f_writer.write(struct.pack("<Q", len(header_bytes))) == 8
+    assert f_writer.write(header_bytes) == len(header_bytes)
+    for i, t in enumerate(tensors.values()):
+        if i % 2:
+            f_writer.write_tensor(t)
+        else:
+            f_writer.write_raw(t, t.data_ptr(), t.numel() * t.element_size(), f_writer.offset)
+    f_writer.flush()
+    f_writer.synchronize()
+    assert f_writer.buffers == []
+    assert f_writer.offset == path.stat().st_size == 8 + len(header_bytes) + offset
+    back = load_file(str(path))
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert torch.equal(back[name], t), name
+    del f_writer
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_tensor_every_dtype(disk_dir: Path, dtype: torch.dtype) -> None:
+    path = disk_dir / "t.bin"
+    w = AsyncFileWriter(str(path), backend="pthread")
+    t = (torch.arange(777) % 7).to(dtype)
+    strided = (torch.arange(40) % 5).to(dtype).reshape(5, 8)[:, ::2]  # its values, in order
+    w.register_h2d(2)
+    w.write_tensor(t)
+    w.write_tensor(strided)
+    w.sync_before_step()
+    w.synchronize()
+    assert path.read_bytes() == as_bytes(t) + as_bytes(strided)
+    assert w.offset == path.stat().st_size
+
+
+def test_writes_side_by_side_and_the_file_is_not_truncated(disk_dir: Path) -> None:
+    """Many small writes next to each other in one block (no read-modify-write between them),
+    a file's bytes past the writes kept (TensorNVMe opens without O_TRUNC), and a new file
+    made with mode 0664 less the umask."""
+    path = disk_dir / "kept.bin"
+    path.write_bytes(b"#" * 10_000)
+    w = AsyncFileWriter(str(path), n_entries=8, backend="pthread")
+    pieces = [bytes([i % 251]) * (1 + i % 5) for i in range(1000)]
+    for piece in pieces:
+        w.write(bytearray(piece))
+    w.synchronize()
+    written = b"".join(pieces)
+    assert path.read_bytes() == written + b"#" * (10_000 - len(written))
+    del w
+    umask = os.umask(0)
+    os.umask(umask)
+    fresh = disk_dir / "fresh.bin"
+    w = AsyncFileWriter(str(fresh), backend="pthread")
+    w.write(b"")
+    w.synchronize()
+    assert fresh.stat().st_size == 0 and fresh.stat().st_mode & 0o777 == 0o664 & ~umask
+
+
+def test_callbacks_run_at_synchronize_and_free_the_sources(disk_dir: Path) -> None:
+    w = AsyncFileWriter(str(disk_dir / "c.bin"), backend="pthread")
+    done: list[int] = []
+    w.write(b"abc")
+    t = torch.ones(100)
+    w.io.write_tensor(t, 3, lambda: done.append(1))
+    w.io.write(t.data_ptr(), 8, 403, lambda: done.append(2))
+    assert w.buffers == [b"abc"]
+    w.io.synchronize()
+    assert done == [1, 2] and w.buffers == [None]
+
+    def fails() -> None:
+        raise KeyError("callback")
+
+    w.io.write(t.data_ptr(), 4, 0, fails)
+    w.io.write(t.data_ptr(), 4, 4, lambda: done.append(3))
+    with pytest.raises(KeyError):
+        w.synchronize()
+    w.synchronize()  # the callback after the failed one runs now
+    assert done == [1, 2, 3]
+
+
+def test_a_failed_write_raises_from_synchronize() -> None:
+    """/dev/full refuses every write (ENOSPC): TensorNVMe ignores it; this raises OSError."""
+    w = AsyncFileWriter("/dev/full", backend="pthread")
+    w.write(b"x" * 5000)
+    with pytest.raises(OSError) as raised:
+        w.synchronize()
+    assert raised.value.errno == errno.ENOSPC
+    w.synchronize()  # nothing left
+
+
+def test_errors_are_tensornvme_s(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(FileNotFoundError):
+        AsyncFileWriter(str(disk_dir / "missing" / "f.bin"))
+    for backend in ("bogus", "", "URING"):
+        with pytest.raises(RuntimeError, match="backend"):
+            AsyncFileWriter(str(disk_dir / "b.bin"), backend=backend)
+    for n_entries in (-1, 1 << 32, 8.0, None):
+        with pytest.raises(TypeError, match="n_entries"):
+            AsyncFileWriter(str(disk_dir / "b.bin"), n_entries, backend="pthread")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="n_tasks"):
+        AsyncFileWriter(str(disk_dir / "b.bin"), backend="pthread", n_tasks=-1)
+    w = AsyncFileWriter(str(disk_dir / "b.bin"), 0, backend="pthread", n_tasks=3)
+    for value in (-1, 1.5):
+        with pytest.raises(TypeError, match="offset"):
+            w.io.write(0, 0, value)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        w.write("text")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        w.write_tensor([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="null"):
+        w.io.write(0, 8, 0)
+    w.register_tasks(5)
+    w.synchronize()
+    assert w.offset == 0 and (disk_dir / "b.bin").stat().st_size == 0
+    # TENSORNVME_BACKEND takes the place of the argument, as with TensorNVMe.
+    monkeypatch.setenv("TENSORNVME_BACKEND", "bogus")
+    with pytest.raises(RuntimeError, match="bogus"):
+        AsyncFileWriter(str(disk_dir / "b.bin"), backend="pthread")
+    monkeypatch.setenv("TENSORNVME_BACKEND", "pthread")
+    w = AsyncFileWriter(str(disk_dir / "b.bin"), backend="uring")
+    assert w.io._io.backend == "threads"  # noqa: SLF001
+    assert issubclass(BackendUnavailableError, RuntimeError)
+
+
+def test_dropping_the_writer_waits_and_closes_its_descriptor(disk_dir: Path) -> None:
+    path = disk_dir / "d.bin"
+    w = AsyncFileWriter(str(path), backend="pthread")
+    fd = w.fd
+    data = os.urandom(300_001)
+    w.write(data)
+    del w
+    gc.collect()
+    assert path.read_bytes() == data
+    with pytest.raises(OSError) as raised:
+        os.fstat(fd)
+    assert raised.value.errno == errno.EBADF
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensor_through_pinned(disk_dir: Path) -> None:
+    path = disk_dir / "g.bin"
+    w = AsyncFileWriter(str(path), backend="pthread")
+    t = torch.arange(1000, dtype=torch.float32, device="cuda")
+    pinned = torch.empty(1000, dtype=torch.float32, pin_memory=True)
+    w.register_h2d(2)
+    w.write_tensor(t, pinned)
+    w.write_tensor(t * 2)
+    w.sync_before_step()
+    t.zero_()
+    w.synchronize()
+    assert path.read_bytes() == as_bytes(torch.arange(1000.0)) + as_bytes(torch.arange(1000.0) * 2)
