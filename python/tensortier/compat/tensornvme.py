@@ -1,4 +1,5 @@
-"""TensorNVMe's Python API: ``from tensortier.compat.tensornvme import DiskOffloader``.
+"""TensorNVMe's Python API: ``from tensortier.compat.tensornvme import DiskOffloader``, and
+``AsyncFileWriter`` (TensorNVMe's ``tensornvme.async_file_io``; see the class).
 
 Code written for ``tensornvme`` runs with only its import changed, the errors it catches
 included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
@@ -343,7 +344,11 @@ class _AsyncFileWriterCore:
             raise error from e
         # The descriptor's file opened again by the engine, buffered as TensorNVMe's: writes of
         # any size land at any offset, side by side, without read-modify-write of blocks.
-        self._file = self._io.open(f"/proc/self/fd/{fd}", "a", direct=False)
+        try:
+            self._file = self._io.open(f"/proc/self/fd/{fd}", "a", direct=False)
+        except BaseException:
+            self._io.close()
+            raise
         self._pending: list[tuple[IOFuture, Callable[[], None] | None]] = []
 
     def write(
