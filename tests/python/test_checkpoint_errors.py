@@ -178,6 +178,36 @@ def test_format_version_torch_does_not_read_is_refused(
 
 
 @pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
+def test_an_archive_without_a_format_version_is_refused(disk_dir: Path, how: str) -> None:
+    # torch's reader requires a "version" (or ".data/version") record and refuses the file
+    # without one: a file that loads here must load in torch too.
+    src = disk_dir / "ok.pt"
+    torch.save({"a": torch.arange(10.0)}, src)
+    bad = disk_dir / "noversion.pt"
+    rezip(src, bad, drop="/version")
+    with zipfile.ZipFile(bad) as z:
+        assert not any(n.endswith("version") and not n.endswith("format_version")
+                       for n in z.namelist())
+    with pytest.raises(RuntimeError, match='hasRecord\\("version"\\)'):
+        torch.load(bad, weights_only=True)
+    says = (r"noversion.pt: zip file without a format version record "
+            r"\('ok/version' or 'ok/.data/version'\)")
+    if how == "cli":
+        from test_cli_convert import BIN, run
+
+        if not BIN.is_file():
+            pytest.skip("the tensortier CLI is not built")
+        r = run("info", bad)
+        assert r.returncode == 1 and re.search(says, r.stderr), r.stderr
+        return
+    with pytest.raises(ValueError, match=says):
+        if how == "load_into":
+            tensortier.load_into({"a": torch.empty(10)}, bad)
+        else:
+            tensortier.load(bad, mmap=how == "mmap")
+
+
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
 def test_a_storage_described_twice_differently_is_refused(disk_dir: Path, how: str) -> None:
     # data.pkl puts an int16 tensor on the float32 storage "0" (torch.save refuses to write
     # that): torch.load would give it float32 values, reading its bytes as int16 is no better.
