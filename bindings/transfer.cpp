@@ -77,15 +77,23 @@ DeviceSpan Span(uintptr_t address, int device, std::optional<uintptr_t> stream) 
   return s;
 }
 
-std::unique_ptr<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t> slots,
-                                             std::optional<uint64_t> slot_bytes,
-                                             std::optional<size_t> max_rings,
-                                             const std::string& copier) {
+// The environment's options with the caller's in their place, checked (std::invalid_argument).
+DeviceTransferOptions TransferOptions(std::optional<size_t> slots,
+                                      std::optional<uint64_t> slot_bytes,
+                                      std::optional<size_t> max_rings) {
   DeviceTransferOptions o = DeviceTransferOptions::FromEnvironment();
   if (slots) o.ring.slots = *slots;
   if (slot_bytes) o.ring.slot_bytes = *slot_bytes;
   if (max_rings) o.max_rings = *max_rings;
   o.Validate();
+  return o;
+}
+
+std::unique_ptr<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t> slots,
+                                             std::optional<uint64_t> slot_bytes,
+                                             std::optional<size_t> max_rings,
+                                             const std::string& copier) {
+  const DeviceTransferOptions o = TransferOptions(slots, slot_bytes, max_rings);
   if (copier == "cuda") return std::make_unique<DeviceTransfer>(engine, o);
   if (copier == "memcpy") {
     // Test seam: "device" addresses are host addresses, copies run on a thread of their own.
@@ -213,6 +221,24 @@ void RegisterTransfer(py::module_& m) {
       .def_property_readonly("gds", &DeviceFile::gds)
       .def_property_readonly("gds_reason",
                              [](const DeviceFile& f) { return MessageToPython(f.gds_reason()); });
+
+  m.def(
+      "device_transfer_options",
+      [](std::optional<size_t> slots, std::optional<uint64_t> slot_bytes,
+         std::optional<size_t> max_rings) {
+        const DeviceTransferOptions o = TransferOptions(slots, slot_bytes, max_rings);
+        py::dict d;
+        d["slots"] = o.ring.slots;
+        d["slot_bytes"] = o.ring.slot_bytes;
+        d["max_rings"] = o.max_rings;
+        return d;
+      },
+      py::arg("slots") = py::none(), py::arg("slot_bytes") = py::none(),
+      py::arg("max_rings") = py::none(),
+      "The bounce ring options a DeviceTransfer made now would take (TENSORTIER_BOUNCE_* with "
+      "the given ones in their place): {slots, slot_bytes, max_rings}. ValueError for a value "
+      "its settings row refuses, so a handle refuses it when made, not at its first CUDA "
+      "transfer.");
 
   py::class_<DeviceTransfer>(m, "DeviceTransfer")
       .def(py::init([](Engine& engine, std::optional<size_t> slots,

@@ -110,6 +110,9 @@ std::optional<std::string> SettingFromEnvironment(const Setting& setting);
 // Throws std::invalid_argument "TENSORTIER_X=value is invalid: ... (allowed: ...)".
 uint64_t NumberSetting(const Setting& setting);   // kSize, kCount
 std::string WordSetting(const Setting& setting);  // kChoice (the canonical word), kText
+// Checks a value given through the API (not the environment) against the row: throws
+// std::invalid_argument "name: value is out of range (allowed: ...)".
+void CheckNumberSetting(const Setting& setting, uint64_t value);  // kSize, kCount
 
 // What the row accepts, for messages and tables: "auto, io_uring, libaio, threads",
 // "4K to 1G, a multiple of 4K", "1 to 4096", "a library name or path".

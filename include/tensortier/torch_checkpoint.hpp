@@ -32,8 +32,8 @@ inline constexpr uint64_t kTorchMaxFileVersion = 10;
 
 // Checks the archive's format version: the "<prefix>/.data/version" record, else
 // "<prefix>/version" (a decimal number, as torch parses it; an empty prefix: at the top), from
-// kTorchMinFileVersion to kTorchMaxFileVersion. An archive with neither record is read (torch
-// refuses it; nothing in it is read differently). Throws FormatError naming the file, IoError.
+// kTorchMinFileVersion to kTorchMaxFileVersion. An archive with neither record is refused, as
+// torch refuses it. Throws FormatError naming the file, IoError.
 void CheckTorchFileVersion(const ByteSource& source, const ZipDirectory& zip,
                            const std::string& prefix);
 

@@ -230,7 +230,8 @@ class IOHandle:
         bounce_slots, bounce_slot_size, bounce_rings: the pinned bounce ring of CUDA transfers:
             buffers per ring, bytes per buffer, rings (concurrent CUDA transfers). Defaults:
             ``$TENSORTIER_BOUNCE_SLOTS`` (8), ``$TENSORTIER_BOUNCE_SLOT_SIZE`` (8 MiB),
-            ``$TENSORTIER_BOUNCE_RINGS`` (4).
+            ``$TENSORTIER_BOUNCE_RINGS`` (4). Checked (variables included) when the handle is
+            made, against the settings table's ranges, not at its first CUDA transfer.
 
     Raises:
         ValueError: a bad setting. OSError: the requested backend cannot start here.
@@ -309,7 +310,11 @@ class IOHandle:
         self._pending: list[IOFuture] = []
         self._pending_lock = threading.Lock()
         self._gds = _gds_mode(gds)
-        self._ring_options = (bounce_slots, bounce_slot_size, bounce_rings)
+        # Checked now (the TENSORTIER_BOUNCE_* variables too), used at the first CUDA transfer.
+        ring = _core.device_transfer_options(
+            slots=bounce_slots, slot_bytes=bounce_slot_size, max_rings=bounce_rings
+        )
+        self._ring_options = (ring["slots"], ring["slot_bytes"], ring["max_rings"])
         self._transfer: Any = None  # _core.DeviceTransfer, made on the first CUDA tensor
         self._transfer_lock = threading.Lock()
         self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -184,6 +184,8 @@ class DiskOffloader:
                 raise ValueError(
                     "pin_memory=True needs a CUDA device, and torch.cuda.is_available() is False"
                 )
+        # The TENSORTIER_BOUNCE_* variables are checked now, not at the first CUDA tensor.
+        _core.device_transfer_options()
         for d in dirs:
             os.makedirs(d, exist_ok=True)
         self._core: _core.Offloader | None = _core.Offloader(

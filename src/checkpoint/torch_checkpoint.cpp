@@ -28,8 +28,14 @@ void CheckTorchFileVersion(const ByteSource& source, const ZipDirectory& zip,
   const std::string folder = prefix.empty() ? prefix : prefix + "/";
   const ZipEntry* record = zip.Find(folder + ".data/version");
   if (record == nullptr) record = zip.Find(folder + "version");
-  if (record == nullptr) return;
   const std::string& path = source.name();
+  if (record == nullptr) {
+    // torch's reader requires the record (PyTorchStreamReader::init): without it torch.load
+    // refuses the file, so a file that loads here would not load in torch.
+    throw FormatError(StrCat(path, ": zip file without a format version record ('", folder,
+                             "version' or '", folder,
+                             ".data/version'): not a torch.save file (torch.load refuses it)"));
+  }
   RequireStored(*record, path);
   // torch reads it with std::stoull: leading white space, digits, anything after them ignored.
   std::string text(record->size > 32 ? 32 : record->size, '\0');

@@ -858,11 +858,29 @@ void GiveBackPartialReservation(const File& file, uint64_t keep, uint64_t end) n
   }
 }
 
+// A range ReserveExtendingWrites asked the filesystem for: what to give back if the operation
+// fails before any byte of it is written (see GiveBackPartialReservation).
+struct Reservation {
+  const File* file;
+  uint64_t keep;  // the file's size before, or the piece's offset past it
+  uint64_t end;   // the piece's end
+};
+
+// Gives back `reserved`, latest first: each piece then finds the size its own reservation left,
+// and the file ends at the size it had before the operation (or at a piece's offset past it).
+void GiveBackReservations(const std::vector<Reservation>& reserved) noexcept {
+  for (auto it = reserved.rbegin(); it != reserved.rend(); ++it) {
+    GiveBackPartialReservation(*it->file, it->keep, it->end);
+  }
+}
+
 // O_DIRECT writes past end of file are serialised by the filesystem (ext4 and XFS take the inode
 // lock to update the size), which halves sequential write speed. Reserving the range first
 // (fallocate mode 0 also moves the size) makes the writes non-extending and fully parallel, and
-// reports ENOSPC before any byte is written. Holes before the range stay holes.
-void ReserveExtendingWrites(std::span<const IoDesc> pieces) {
+// reports ENOSPC before any byte is written. Holes before the range stay holes. Each range asked
+// for is added to `reserved` (the refused one included: it may have kept what fit), so that a
+// failure of the operation before it writes gives all of them back, not only the refused one.
+void ReserveExtendingWrites(std::span<const IoDesc> pieces, std::vector<Reservation>& reserved) {
   std::unordered_map<int, uint64_t> sizes;  // one fstat per file, not per piece
   for (const IoDesc& piece : pieces) {
     if (piece.length == 0 || !piece.file.direct()) continue;
@@ -870,15 +888,14 @@ void ReserveExtendingWrites(std::span<const IoDesc> pieces) {
     auto [size, inserted] = sizes.try_emplace(piece.file.buffered_fd(), 0);
     if (inserted) size->second = piece.file.Size();
     if (end <= size->second) continue;
+    reserved.push_back({&piece.file, std::max(size->second, piece.offset), end});
     try {
       piece.file.Allocate(piece.offset, piece.length);
       size->second = end;  // fallocate mode 0 moved the size
     } catch (const IoError& e) {
       // A filesystem without fallocate still takes plain writes; real failures are reported.
-      if (e.error_code() != EOPNOTSUPP && e.error_code() != ENOSYS) {
-        GiveBackPartialReservation(piece.file, std::max(size->second, piece.offset), end);
-        throw;
-      }
+      if (e.error_code() != EOPNOTSUPP && e.error_code() != ENOSYS) throw;
+      reserved.pop_back();  // nothing was reserved
     }
   }
 }
@@ -1054,20 +1071,25 @@ Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptio
   operation->result.stats.backend = backend_;
 
   std::vector<std::unique_ptr<Task>> tasks;
+  std::vector<Reservation> reserved;
   try {
-    if (op == IoOp::kWrite) ReserveExtendingWrites(pieces);
+    if (op == IoOp::kWrite) ReserveExtendingWrites(pieces, reserved);
     Planner planner(options_, submit, operation, tasks);
     for (uint32_t i = 0; i < pieces.size(); ++i) planner.Plan(i);
   } catch (const IoError&) {
     // An I/O error while preparing (fallocate's ENOSPC, a failed fstat) is the operation's
     // outcome, raised once by Wait() (or WaitAll() for a dropped future) as a failed transfer
     // is: which call raises must not depend on whether the filesystem reserves space up front.
-    // Nothing was transferred.
+    // Nothing was transferred, so no space the operation reserved stays taken.
+    GiveBackReservations(reserved);
     tasks.clear();
     operation->Fail(std::current_exception());
     std::lock_guard lock(operation->mu);
     operation->complete = true;
     operation->pieces.clear();
+  } catch (...) {  // anything else (a bad piece, no memory) is thrown to the caller, as before
+    GiveBackReservations(reserved);
+    throw;
   }
 
   if (operation->failed.load(std::memory_order_relaxed)) {

@@ -9,6 +9,7 @@
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/settings.hpp"
 #include "tensortier/strings.hpp"
 #include "tensortier/transfer.hpp"
 
@@ -36,11 +37,10 @@ void WaitQuietly(const Future& f) noexcept {
 }  // namespace
 
 void BounceRingOptions::Validate() const {
-  if (slots == 0) throw std::invalid_argument("BounceRing: slots must be at least 1");
-  if (slot_bytes == 0 || slot_bytes % kPageSize != 0) {
-    throw std::invalid_argument(StrCat("BounceRing: slot_bytes (", slot_bytes,
-                                       ") must be a positive multiple of ", kPageSize));
-  }
+  // Each field by its row of the settings table (whether it came from there or from the API).
+  CheckNumberSetting(SettingFor("TENSORTIER_BOUNCE_SLOTS"), slots);
+  CheckNumberSetting(SettingFor("TENSORTIER_BOUNCE_SLOT_SIZE"), slot_bytes);
+  static_assert(SettingFor("TENSORTIER_BOUNCE_SLOT_SIZE").multiple % kPageSize == 0);
   if (slot_bytes > (uint64_t{1} << 40) / slots) {
     throw std::invalid_argument("BounceRing: slots x slot_bytes is over 1 TiB");
   }

@@ -109,7 +109,7 @@ DeviceTransferOptions DeviceTransferOptions::FromEnvironment() {
 
 void DeviceTransferOptions::Validate() const {
   ring.Validate();
-  if (max_rings == 0) throw std::invalid_argument("DeviceTransfer: max_rings must be at least 1");
+  CheckNumberSetting(SettingFor("TENSORTIER_BOUNCE_RINGS"), max_rings);
   if (ring.bytes() > (uint64_t{1} << 40) / max_rings) {
     throw std::invalid_argument("DeviceTransfer: max_rings x slots x slot_bytes is over 1 TiB");
   }

@@ -31,33 +31,19 @@ std::string_view ReadStagingName(ReadStaging staging) {
   return "auto";
 }
 
-namespace {
-
-// The check of one field against its row of the settings table, by the field's name.
-[[noreturn]] void ThrowOutOfRange(const Setting& s, uint64_t value) {
-  throw std::invalid_argument(
-      StrCat(s.name, ": ", value, " is out of range (allowed: ", AllowedValues(s), ")"));
-}
-
-void CheckNumber(const Setting& s, uint64_t value) {
-  if (value < s.min || value > s.max || value % s.multiple != 0) ThrowOutOfRange(s, value);
-}
-
-}  // namespace
-
 void EngineOptions::Validate() const {
   const Setting& backend_row = SettingFor("TENSORTIER_BACKEND");
   if (backend != "auto" && backend != "io_uring" && backend != "libaio" && backend != "threads") {
     throw std::invalid_argument(
         StrCat("backend: '", backend, "' is not one of ", AllowedValues(backend_row)));
   }
-  CheckNumber(SettingFor("TENSORTIER_CHUNK_SIZE"), chunk_size);
-  CheckNumber(SettingFor("TENSORTIER_QUEUE_DEPTH"), queue_depth);
-  CheckNumber(SettingFor("TENSORTIER_WORKERS"), workers);
-  CheckNumber(SettingFor("TENSORTIER_MAX_INFLIGHT"), max_inflight_bytes);
-  CheckNumber(SettingFor("TENSORTIER_MAX_STAGED"), max_staged_bytes);
-  CheckNumber(SettingFor("TENSORTIER_COPY_THREADS"), copy_threads);
-  CheckNumber(SettingFor("TENSORTIER_BOUNCE_IDLE_MS"), bounce_idle_ms);
+  CheckNumberSetting(SettingFor("TENSORTIER_CHUNK_SIZE"), chunk_size);
+  CheckNumberSetting(SettingFor("TENSORTIER_QUEUE_DEPTH"), queue_depth);
+  CheckNumberSetting(SettingFor("TENSORTIER_WORKERS"), workers);
+  CheckNumberSetting(SettingFor("TENSORTIER_MAX_INFLIGHT"), max_inflight_bytes);
+  CheckNumberSetting(SettingFor("TENSORTIER_MAX_STAGED"), max_staged_bytes);
+  CheckNumberSetting(SettingFor("TENSORTIER_COPY_THREADS"), copy_threads);
+  CheckNumberSetting(SettingFor("TENSORTIER_BOUNCE_IDLE_MS"), bounce_idle_ms);
   if (max_inflight_bytes < chunk_size) {
     throw std::invalid_argument(
         StrCat("max_inflight_bytes (TENSORTIER_MAX_INFLIGHT): ", max_inflight_bytes,

@@ -139,6 +139,13 @@ uint64_t NumberSetting(const Setting& setting) {
   return text ? CheckedNumber(setting, *text) : setting.default_number;
 }
 
+void CheckNumberSetting(const Setting& setting, uint64_t value) {
+  if (value < setting.min || value > setting.max || value % setting.multiple != 0) {
+    throw std::invalid_argument(StrCat(setting.name, " (", setting.env, "): ", value,
+                                       " is out of range (allowed: ", AllowedValues(setting), ")"));
+  }
+}
+
 std::string WordSetting(const Setting& setting) {
   if (setting.kind != SettingKind::kChoice && setting.kind != SettingKind::kText) {
     throw std::logic_error(StrCat(setting.env, " is not a word"));

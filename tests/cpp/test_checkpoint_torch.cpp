@@ -4,6 +4,8 @@
 
 #include <filesystem>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "tensortier/byte_source.hpp"
 #include "tensortier/checksum.hpp"
@@ -424,15 +426,18 @@ TEST(CheckpointTorch, ReadsMetaTensors) {
   EXPECT_TRUE(PickleRejects(bad, "is not allowed"));
 }
 
-// A torch.save zip holding {} and one more record, `name` (under "a/"), holding `value`.
-std::string ZipWithRecord(const std::string& name, const std::string& value) {
+// A torch.save zip holding {} and the records `records` (name under "a/", value).
+std::string ZipWithRecords(const std::vector<std::pair<std::string, std::string>>& records) {
   const std::string pickle = kProto + "}q\x00."s;
-  const std::string* data[] = {&pickle, &value};
+  std::vector<const std::string*> data = {&pickle};
   ZipPlanner z;
   z.Add("a/data.pkl", pickle.size());
-  z.Add("a/" + name, value.size());
+  for (const auto& [name, value] : records) {
+    z.Add("a/" + name, value.size());
+    data.push_back(&value);
+  }
   std::string out(z.directory_offset(), '\0');
-  for (size_t i = 0; i < 2; ++i) {
+  for (size_t i = 0; i < data.size(); ++i) {
     z.SetCrc(i, Crc32(data[i]->data(), data[i]->size()));
     const ZipPlanEntry& e = z.entries()[i];
     std::string h = z.LocalHeader(i);
@@ -440,6 +445,13 @@ std::string ZipWithRecord(const std::string& name, const std::string& value) {
     out.replace(e.data_offset, data[i]->size(), *data[i]);
   }
   return out + z.Directory();
+}
+
+// A torch.save zip holding {} and one more record, `name` (under "a/"), holding `value`, with
+// the format version record torch.save writes unless `name` is a version record itself.
+std::string ZipWithRecord(const std::string& name, const std::string& value) {
+  if (name == "version" || name == ".data/version") return ZipWithRecords({{name, value}});
+  return ZipWithRecords({{"version", "3\n"}, {name, value}});
 }
 
 // A torch.save zip holding {} whose byteorder record says `order`.
@@ -488,23 +500,28 @@ TEST(CheckpointTorch, RefusesFormatVersionsTorchDoesNotRead) {
     }
   }
   // .data/version wins over version, as in torch's reader
-  const std::string pickle = kProto + "}q\x00."s;
-  const std::string eleven = "11", three = "3";
-  const std::string* data[] = {&pickle, &three, &eleven};
-  ZipPlanner z;
-  z.Add("a/data.pkl", pickle.size());
-  z.Add("a/version", three.size());
-  z.Add("a/.data/version", eleven.size());
-  std::string zip(z.directory_offset(), '\0');
-  for (size_t i = 0; i < 3; ++i) {
-    z.SetCrc(i, Crc32(data[i]->data(), data[i]->size()));
-    const ZipPlanEntry& e = z.entries()[i];
-    std::string h = z.LocalHeader(i);
-    zip.replace(e.local_header_offset, h.size(), h);
-    zip.replace(e.data_offset, data[i]->size(), *data[i]);
-  }
-  zip += z.Directory();
+  std::string zip = ZipWithRecords({{"version", "3"}, {".data/version", "11"}});
   EXPECT_THROW(ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "v.pt")), FormatError);
+  zip = ZipWithRecords({{"version", "11"}, {".data/version", "3"}});
+  EXPECT_NO_THROW(ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "v.pt")));
+}
+
+TEST(CheckpointTorch, RefusesAnArchiveWithoutAFormatVersion) {
+  // torch's reader requires "version" or ".data/version" (PyTorchStreamReader::init).
+  for (const std::string& zip : {ZipWithRecords({}), ZipWithRecords({{"byteorder", "little"}})}) {
+    try {
+      ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "v.pt"));
+      ADD_FAILURE() << "accepted an archive without a version record";
+    } catch (const FormatError& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.rfind("v.pt: ", 0), 0u) << what;
+      EXPECT_NE(what.find("'a/version' or 'a/.data/version'"), std::string::npos) << what;
+    }
+  }
+  std::string zip = ZipWithRecords({});
+  MemorySource source(zip.data(), zip.size(), "v.pt");
+  EXPECT_THROW(CheckTorchFileVersion(source, ReadZipDirectory(source), "a"), FormatError);
+  EXPECT_THROW(CheckTorchFileVersion(source, ReadZipDirectory(source), ""), FormatError);
 }
 
 }  // namespace

@@ -747,6 +747,41 @@ TEST(TransferDeviceTest, WithoutDriverTheCudaTransferNamesWhatIsMissing) {
   EXPECT_THROW(CudaCopier(*driver, 0), CudaError);
 }
 
+TEST(TransferDeviceTest, OptionsGivenThroughTheApiFollowTheSettingsTable) {
+  // Values set in code are held to the same rows as the environment's, named by their row.
+  const auto refused = [](DeviceTransferOptions o, const std::string& says) {
+    try {
+      o.Validate();
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  DeviceTransferOptions o;
+  o.ring.slot_bytes = 5000;
+  refused(o, "bounce_slot_bytes (TENSORTIER_BOUNCE_SLOT_SIZE): 5000 is out of range");
+  o = {};
+  o.ring.slot_bytes = 0;
+  refused(o, "bounce_slot_bytes (TENSORTIER_BOUNCE_SLOT_SIZE): 0 is out of range");
+  o = {};
+  o.ring.slots = 4097;  // over the row's 4096 though slots x slot_bytes is small
+  o.ring.slot_bytes = 4096;
+  refused(o, "bounce_slots (TENSORTIER_BOUNCE_SLOTS): 4097 is out of range (allowed: 1 to 4096)");
+  o = {};
+  o.ring.slots = 0;
+  refused(o, "bounce_slots (TENSORTIER_BOUNCE_SLOTS): 0 is out of range");
+  o = {};
+  o.max_rings = 0;
+  refused(o, "bounce_rings (TENSORTIER_BOUNCE_RINGS): 0 is out of range");
+  o.max_rings = 4097;
+  refused(o, "bounce_rings (TENSORTIER_BOUNCE_RINGS): 4097 is out of range");
+  o = {};
+  o.ring.slots = 4096;
+  o.ring.slot_bytes = 4096;
+  o.max_rings = 4096;
+  EXPECT_NO_THROW(o.Validate());
+}
+
 TEST(TransferDeviceTest, OptionsFromEnvironment) {
   {
     ScopedEnv slots("TENSORTIER_BOUNCE_SLOTS", "3");

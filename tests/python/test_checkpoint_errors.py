@@ -12,6 +12,7 @@ import sys
 import zipfile
 from pathlib import Path
 from typing import Any
+from typing import Any
 
 import pytest
 import torch
@@ -175,6 +176,36 @@ def test_format_version_torch_does_not_read_is_refused(
             tensortier.load(bad, mmap=how == "mmap")
     rezip(src, bad, replace={"/version": b"10"})  # the last version torch reads
     assert torch.equal(tensortier.load(bad)["a"], torch.arange(10.0))
+
+
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
+def test_an_archive_without_a_format_version_is_refused(disk_dir: Path, how: str) -> None:
+    # torch's reader requires a "version" (or ".data/version") record and refuses the file
+    # without one: a file that loads here must load in torch too.
+    src = disk_dir / "ok.pt"
+    torch.save({"a": torch.arange(10.0)}, src)
+    bad = disk_dir / "noversion.pt"
+    rezip(src, bad, drop="/version")
+    with zipfile.ZipFile(bad) as z:
+        assert not any(n.endswith("version") and not n.endswith("format_version")
+                       for n in z.namelist())
+    with pytest.raises(RuntimeError, match='hasRecord\\("version"\\)'):
+        torch.load(bad, weights_only=True)
+    says = (r"noversion.pt: zip file without a format version record "
+            r"\('ok/version' or 'ok/.data/version'\)")
+    if how == "cli":
+        from test_cli_convert import BIN, run
+
+        if not BIN.is_file():
+            pytest.skip("the tensortier CLI is not built")
+        r = run("info", bad)
+        assert r.returncode == 1 and re.search(says, r.stderr), r.stderr
+        return
+    with pytest.raises(ValueError, match=says):
+        if how == "load_into":
+            tensortier.load_into({"a": torch.empty(10)}, bad)
+        else:
+            tensortier.load(bad, mmap=how == "mmap")
 
 
 @pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
@@ -1280,3 +1311,37 @@ def test_safetensors_with_other_fields_of_a_tensor_load(disk_dir: Path) -> None:
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k])
+
+
+# ---- the meta device ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["map_location", "device", "torch.device", "dict"])
+def test_a_load_to_the_meta_device_gives_shapes_and_dtypes_as_torch_does(
+    disk_dir: Path, where: str
+) -> None:
+    state = {"a": torch.arange(10.0), "b": torch.ones(3, 4, dtype=torch.int16),
+             "c": torch.zeros(0, dtype=torch.bfloat16)}
+    state["v"] = state["a"][2:6]  # a view: shares a's storage
+    pt = disk_dir / "m.pt"
+    torch.save(state, pt)
+    st = disk_dir / "m.safetensors"
+    tensortier.save({k: v for k, v in state.items() if k != "v"}, st)
+    how: dict[str, Any] = {
+        "map_location": {"map_location": "meta"},
+        "device": {"device": "meta"},
+        "torch.device": {"map_location": torch.device("meta")},
+        "dict": {"map_location": {"cpu": "meta"}},
+    }[where]
+    expected = torch.load(pt, map_location="meta", weights_only=True)
+    for path in (pt, st):
+        got = tensortier.load(path, **how)
+        for name, t in got.items():
+            assert t.device.type == "meta", (path, name)
+            assert t.shape == expected[name].shape and t.dtype == expected[name].dtype
+            assert t.stride() == expected[name].stride(), (path, name)
+            assert t.storage_offset() == expected[name].storage_offset(), (path, name)
+    with pytest.raises(ValueError, match="verify=True .* meta device reads none"):
+        tensortier.load(pt, map_location="meta", verify=True)
+    with pytest.raises(ValueError, match="needs device='cpu'"):
+        tensortier.load(pt, map_location="meta", mmap=True)

@@ -13,6 +13,7 @@ import pytest
 
 import tensortier
 from tensortier import _core
+from tensortier.compat import tensornvme
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(tensortier.__file__).resolve().parent
@@ -89,3 +90,40 @@ def test_the_package_reads_no_setting_itself() -> None:
     found = [f"{p.relative_to(PACKAGE)}: {m.group(0)}" for p in PACKAGE.rglob("*.py")
              for m in reads.finditer(p.read_text())]
     assert found == []
+
+
+@pytest.mark.parametrize("option,value,says", [
+    ("bounce_slot_size", 5000, r"bounce_slot_bytes \(TENSORTIER_BOUNCE_SLOT_SIZE\): 5000 is out "
+                               r"of range \(allowed: 4K to 1T, a multiple of 4K\)"),
+    ("bounce_slots", 4097, r"bounce_slots \(TENSORTIER_BOUNCE_SLOTS\): 4097 is out of range"),
+    ("bounce_rings", 5000, r"bounce_rings \(TENSORTIER_BOUNCE_RINGS\): 5000 is out of range"),
+    ("bounce_slots", 0, "bounce_slots must be a positive integer"),
+])
+def test_a_bad_bounce_option_is_refused_when_the_handle_is_made(option: str, value: int,
+                                                                says: str) -> None:
+    # Not at the first CUDA transfer, which may come much later (or never, on this machine).
+    with pytest.raises(ValueError, match=says):
+        tensortier.IOHandle(**{option: value})
+
+
+@pytest.mark.parametrize("env,value", [("TENSORTIER_BOUNCE_SLOTS", "5000"),
+                                       ("TENSORTIER_BOUNCE_SLOT_SIZE", "5000"),
+                                       ("TENSORTIER_BOUNCE_RINGS", "0")])
+def test_a_bad_bounce_variable_is_refused_when_a_handle_is_made(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: str, value: str) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=f"{env}={value} is invalid: .*allowed: "):
+        tensortier.IOHandle()
+    with pytest.raises(ValueError, match=f"{env}={value} is invalid: .*allowed: "):
+        tensortier.DiskOffloader(str(tmp_path / "off"))
+    with pytest.raises(ValueError, match=f"{env}={value} is invalid: .*allowed: "):
+        tensornvme.DiskOffloader(str(tmp_path / "off"))
+
+
+def test_the_bounce_options_a_handle_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENSORTIER_BOUNCE_SLOTS", "3")
+    with tensortier.IOHandle(bounce_slot_size=1 << 20) as io:
+        assert io._ring_options == (3, 1 << 20, 4)
+    # A combination of valid values can still be too much: refused at once too.
+    with pytest.raises(ValueError, match="over 1 TiB"):
+        tensortier.IOHandle(bounce_slots=4096, bounce_slot_size=1 << 30, bounce_rings=1)

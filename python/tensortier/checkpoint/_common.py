@@ -70,10 +70,10 @@ def _target_device(device: Any) -> Any:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a device: {e}") from e
-    if dev.type == "cpu":
-        return dev
+    if dev.type in ("cpu", "meta"):  # meta: shapes and dtypes only, as torch.load gives them
+        return torch.device(dev.type)
     if dev.type != "cuda":
-        raise ValueError(f"device {str(dev)!r} is not supported: use 'cpu' or 'cuda:N'")
+        raise ValueError(f"device {str(dev)!r} is not supported: use 'cpu', 'cuda:N' or 'meta'")
     if not torch.cuda.is_available():
         raise ValueError(
             f"device {str(dev)!r} was asked for but CUDA is not available "

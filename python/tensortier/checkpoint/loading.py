@@ -43,7 +43,8 @@ def load(
             a readable binary file object (``io.BytesIO``, an open file), as ``torch.load``
             takes: read from its current position to its end into anonymous memory (a
             ``memfd``), then loaded from there (with `mmap`, tensors map that memory).
-        device: ``"cpu"`` (the default) or ``"cuda:N"``. For CUDA each tensor is allocated on the device and
+        device: ``"cpu"`` (the default), ``"cuda:N"`` or ``"meta"`` (shapes and dtypes only, as
+            ``torch.load(map_location="meta")`` gives them: no tensor byte is read). For CUDA each tensor is allocated on the device and
             filled by the engine's GPU path (GPUDirect Storage where cuFile accepts the file,
             else a ring of pinned bounce buffers; disk reads and copies overlap), never staging
             the whole file in host memory. With ``verify`` each tensor is checked in a pinned
@@ -125,6 +126,11 @@ def load(
     target_dtype = _target_dtype(dtype)
     if not isinstance(mmap, bool):
         raise TypeError(f"mmap must be a bool, not {type(mmap).__name__}")
+    if verify and dev.type == "meta":
+        raise ValueError(
+            "verify=True checks the tensors' bytes, and a load to the meta device reads none: "
+            "load with verify=False"
+        )
     if mmap and dev.type != "cpu":
         raise ValueError(
             f"mmap=True maps the file into host memory: it needs device='cpu', not {dev} "

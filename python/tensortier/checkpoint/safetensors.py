@@ -279,6 +279,12 @@ def _load_safetensors_at(
     file = _open_checkpoint(io, path)
     try:
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
+        if dev.type == "meta":  # shapes and dtypes only: no byte is read
+            torch = _torch()
+            return {
+                e.name: _common._convert(torch.empty(e.shape, dtype=e.dtype, device=dev), dtype)
+                for e in entries
+            }
         sums = _parse_checksums(path, metadata, [e.name for e in entries]) if verify else None
         if mapped is not None:
             ranges = [(e.name, e.offset, e.nbytes) for e in entries]

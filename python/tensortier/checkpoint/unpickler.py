@@ -444,7 +444,7 @@ def _load_torch(
                     _crc_check(path, r.key, r.record.crc32) if verify else None,
                 )
                 for r in refs
-                if not r.filled
+                if not r.filled and r.storage.device.type != "meta"  # meta: nothing to read
             ]
         if pieces:
             prog = _Progress(
@@ -454,7 +454,7 @@ def _load_torch(
     finally:
         file.close()
     if big_endian:
-        _byteswap_storages([r for r in refs if not r.filled])
+        _byteswap_storages([r for r in refs if not r.filled and r.storage.device.type != "meta"])
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if validate is not None:
         validate()
