@@ -12,7 +12,6 @@ import sys
 import zipfile
 from pathlib import Path
 from typing import Any
-from typing import Any
 
 import pytest
 import torch
@@ -144,6 +143,26 @@ def rezip(src: Path, dst: Path, *, compress: str | None = None, drop: str | None
             zout.writestr(info.filename, data, compress_type=ctype)
 
 
+def _refused(bad: Path, how: str, says: str, into: dict[str, Any],
+             cli_says: str | None = None, **load_kwargs: Any) -> None:
+    """Opens `bad` as `how` says (``load``, ``mmap``, ``load_into`` into `into`, or the CLI's
+    ``info``) and expects it refused: a ValueError matching `says`, or the CLI's exit status 1
+    with `cli_says` (default `says`, a regular expression) on stderr."""
+    if how == "cli":
+        from test_cli_convert import BIN, run
+
+        if not BIN.is_file():
+            pytest.skip("the tensortier CLI is not built")
+        r = run("info", bad)
+        assert r.returncode == 1 and re.search(cli_says or says, r.stderr), r.stderr
+        return
+    with pytest.raises(ValueError, match=says):
+        if how == "load_into":
+            tensortier.load_into(into, bad)
+        else:
+            tensortier.load(bad, mmap=how == "mmap", **load_kwargs)
+
+
 @pytest.mark.parametrize("record", ["/version", "/.data/version"])
 @pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
 def test_format_version_torch_does_not_read_is_refused(
@@ -161,19 +180,7 @@ def test_format_version_torch_does_not_read_is_refused(
     with pytest.raises(RuntimeError, match="maximum supported version"):
         torch.load(bad, weights_only=True)
     says = "torch.save format version (99|11) .*is not one torch reads"
-    if how == "cli":
-        from test_cli_convert import BIN, run
-
-        if not BIN.is_file():
-            pytest.skip("the tensortier CLI is not built")
-        r = run("info", bad)
-        assert r.returncode == 1 and re.search(says, r.stderr), r.stderr
-        return
-    with pytest.raises(ValueError, match=says):
-        if how == "load_into":
-            tensortier.load_into({"a": torch.empty(10)}, bad)
-        else:
-            tensortier.load(bad, mmap=how == "mmap")
+    _refused(bad, how, says, into={"a": torch.empty(10)})
     rezip(src, bad, replace={"/version": b"10"})  # the last version torch reads
     assert torch.equal(tensortier.load(bad)["a"], torch.arange(10.0))
 
@@ -193,19 +200,7 @@ def test_an_archive_without_a_format_version_is_refused(disk_dir: Path, how: str
         torch.load(bad, weights_only=True)
     says = (r"noversion.pt: zip file without a format version record "
             r"\('ok/version' or 'ok/.data/version'\)")
-    if how == "cli":
-        from test_cli_convert import BIN, run
-
-        if not BIN.is_file():
-            pytest.skip("the tensortier CLI is not built")
-        r = run("info", bad)
-        assert r.returncode == 1 and re.search(says, r.stderr), r.stderr
-        return
-    with pytest.raises(ValueError, match=says):
-        if how == "load_into":
-            tensortier.load_into({"a": torch.empty(10)}, bad)
-        else:
-            tensortier.load(bad, mmap=how == "mmap")
+    _refused(bad, how, says, into={"a": torch.empty(10)})
 
 
 @pytest.mark.parametrize("how", ["load", "mmap", "load_into", "cli"])
@@ -221,20 +216,9 @@ def test_a_storage_described_twice_differently_is_refused(disk_dir: Path, how: s
     assert twice != pkl
     bad = disk_dir / "twice.pt"
     rezip(src, bad, replace={"/data.pkl": twice})  # with the right CRC-32s: verify passes them
-    if how == "cli":
-        from test_cli_convert import BIN, run
-
-        if not BIN.is_file():
-            pytest.skip("the tensortier CLI is not built")
-        r = run("info", bad)
-        assert r.returncode == 1 and "described twice, differently" in r.stderr, r.stderr
-        return
-    with pytest.raises(ValueError, match="storage '0' is described twice, differently"):
-        if how == "load_into":
-            tensortier.load_into({"a": torch.empty(8), "c": torch.empty(7, dtype=torch.int16)},
-                                 bad)
-        else:
-            tensortier.load(bad, mmap=how == "mmap", verify=True)
+    _refused(bad, how, "storage '0' is described twice, differently",
+             into={"a": torch.empty(8), "c": torch.empty(7, dtype=torch.int16)},
+             cli_says="described twice, differently", verify=True)
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
