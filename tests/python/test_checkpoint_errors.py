@@ -607,22 +607,33 @@ def test_a_tensor_in_two_shards_comes_from_the_one_the_index_names(
     assert torch.equal(out["c"], torch.ones(2))
 
 
-@pytest.mark.parametrize("how", ["load", "load_into"])
-def test_a_tensor_the_index_does_not_list_in_two_shards_is_refused(
-    tmp_path: Path, how: str
+@pytest.mark.parametrize("how", ["load", "mmap", "load_into", "meta"])
+@pytest.mark.parametrize("held_by", [1, 2])
+def test_a_tensor_the_index_does_not_list_is_left_out(
+    tmp_path: Path, how: str, held_by: int
 ) -> None:
+    # The weight_map is the checkpoint's list of tensors (transformers' load_sharded_checkpoint
+    # takes its keys as the checkpoint's): "x", in one shard or two, is not part of it.
     tensortier.save({"a": torch.ones(3), "x": torch.zeros(1)}, tmp_path / "m-1.safetensors")
-    tensortier.save({"b": torch.ones(3), "x": torch.ones(1)}, tmp_path / "m-2.safetensors")
+    second = {"b": torch.ones(3), "x": torch.ones(1)} if held_by == 2 else {"b": torch.ones(3)}
+    torch.save(second, tmp_path / "m-2.bin")
     index = tmp_path / "model.safetensors.index.json"
-    index.write_text(json.dumps({"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}}))
-    with pytest.raises(ValueError, match="'x' is in two shards"):
-        if how == "load":
-            tensortier.load(index)
+    index.write_text(json.dumps({"weight_map": {"a": "m-1.safetensors", "b": "m-2.bin"}}))
+    if how == "load_into":
+        out = {"a": torch.zeros(3), "b": torch.zeros(3), "x": torch.full((1,), 5.0)}
+        keys = tensortier.load_into(out, index, strict=False)
+        assert keys.missing_keys == ["x"] and keys.unexpected_keys == []
+        assert torch.equal(out["x"], torch.full((1,), 5.0))
+        with pytest.raises(ValueError, match="x"):
+            tensortier.load_into(out, index)
+    else:
+        if how == "meta":
+            out = tensortier.load(index, map_location="meta")
         else:
-            tensortier.load_into({"a": torch.empty(3), "b": torch.empty(3)}, index, strict=False)
-    # held by one shard only, a name the index does not list still loads (as before)
-    tensortier.save({"b": torch.ones(3)}, tmp_path / "m-2.safetensors")
-    assert torch.equal(tensortier.load(index)["x"], torch.zeros(1))
+            out = tensortier.load(index, mmap=how == "mmap")
+        assert list(out) == ["a", "b"]
+    if how != "meta":
+        assert torch.equal(out["a"], torch.ones(3)) and torch.equal(out["b"], torch.ones(3))
 
 
 # ---- durability --------------------------------------------------------------------------------
@@ -1329,3 +1340,4 @@ def test_a_load_to_the_meta_device_gives_shapes_and_dtypes_as_torch_does(
         tensortier.load(pt, map_location="meta", verify=True)
     with pytest.raises(ValueError, match="needs device='cpu'"):
         tensortier.load(pt, map_location="meta", mmap=True)
+

@@ -27,28 +27,20 @@ def _take_shard(
     out: dict[str, Any], part: Mapping[str, Any], shard: str, shards: dict[str, list[str]],
     index: str,
 ) -> None:
-    """Adds the tensors of `shard` (`part`, as read) to `out`. The index says where each tensor
-    lives: a name it puts in another shard is taken from that one, never from this shard's copy
-    (the order shards are read in must not decide the bytes); a name it puts in no shard, held
-    by two, is refused, as nothing says which copy is meant."""
+    """Adds to `out` the tensors of `shard` (`part`, as read) that the index puts there, in the
+    shard's order. The index's weight_map is the checkpoint's list of tensors, as for
+    transformers' ``load_sharded_checkpoint`` (its keys are the checkpoint's keys): a tensor a
+    shard holds and the index puts in another shard, or in none, is not taken from it (the
+    order shards are read in must not decide the bytes, and a name the index omits is not part
+    of the checkpoint)."""
     names = shards[shard]
     missing = [n for n in names if n not in part]
     if missing:
         raise ValueError(f"{index}: the index puts {missing[:8]} in {shard}, which lacks them")
     mine = set(names)
-    elsewhere = None
     for name, value in part.items():
-        if name not in mine:
-            if elsewhere is None:
-                elsewhere = {n for s, ns in shards.items() if s != shard for n in ns}
-            if name in elsewhere:
-                continue
-            if name in out:
-                raise ValueError(
-                    f"{index}: tensor {name!r} is in two shards, {shard} among them, and the "
-                    "index puts it in neither: list it in the weight_map or remove one copy"
-                )
-        out[name] = value
+        if name in mine:
+            out[name] = value
 
 
 def _load_index(
