@@ -1341,3 +1341,20 @@ def test_a_load_to_the_meta_device_gives_shapes_and_dtypes_as_torch_does(
     with pytest.raises(ValueError, match="needs device='cpu'"):
         tensortier.load(pt, map_location="meta", mmap=True)
 
+
+@pytest.mark.parametrize("to", ["meta", torch.device("meta"), "meta:0"])
+def test_verify_refuses_a_map_location_dict_that_sends_storages_to_meta(
+    disk_dir: Path, to: Any
+) -> None:
+    pt, st = disk_dir / "m.pt", disk_dir / "m.safetensors"
+    tensortier.save({"a": torch.arange(10.0)}, pt, checksum=True)
+    tensortier.save({"a": torch.arange(10.0)}, st, checksum=True)
+    for path in (pt, st):
+        # A location the file does not use is refused too: the request contradicts itself.
+        for mapping in ({"cpu": to}, {"cuda:1": to, "cpu": "cpu"}):
+            with pytest.raises(ValueError, match=r"verify=True .* to the meta device"):
+                tensortier.load(path, map_location=mapping, verify=True)
+        # Mapped elsewhere, the bytes are read and checked.
+        got = tensortier.load(path, map_location={"cpu": "cpu", "cuda:1": "cpu"}, verify=True)
+        assert torch.equal(got["a"], torch.arange(10.0))
+        assert tensortier.load(path, map_location={"cpu": to})["a"].is_meta

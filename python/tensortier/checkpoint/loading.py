@@ -131,6 +131,14 @@ def load(
             "verify=True checks the tensors' bytes, and a load to the meta device reads none: "
             "load with verify=False"
         )
+    if verify and placement is not None and placement.mapping is not None:
+        to_meta = sorted(str(k) for k, v in placement.mapping.items() if _is_meta(v))
+        if to_meta:
+            raise ValueError(
+                f"verify=True checks the tensors' bytes, and map_location sends the storages "
+                f"saved at {to_meta} to the meta device, which reads none of theirs: load with "
+                "verify=False, or map them elsewhere"
+            )
     if mmap and dev.type != "cpu":
         raise ValueError(
             f"mmap=True maps the file into host memory: it needs device='cpu', not {dev} "
@@ -150,6 +158,15 @@ def load(
             name = getattr(path, "name", None)
             label = repr(name) if isinstance(name, str) else f"<{type(path).__name__}>"
             raise ValueError(str(e).replace(fspath, label)) from e
+
+
+def _is_meta(location: Any) -> bool:
+    """Whether a map_location dict value names the meta device (a value that names no device
+    is refused where it is used)."""
+    try:
+        return _torch().device(location).type == "meta"
+    except (TypeError, RuntimeError, ValueError):
+        return False
 
 
 def _load_path(
