@@ -47,7 +47,9 @@ struct Shard {
 inline constexpr uint64_t kMaxShardIndexBytes = 64u << 20;
 
 // Reads a shard index: a JSON object whose "weight_map" member maps each tensor name to the file
-// holding it. Throws FormatError naming `path` for malformed JSON, a name listed twice, two
+// holding it. A file name may hold any bytes: those that are not UTF-8 are written \udcXX, as
+// Python's json.dumps(os.fsdecode(name)) writes them (JsonStrings::kBytes, the rule extent maps
+// follow too). Throws FormatError naming `path` for malformed JSON, a name listed twice, two
 // "weight_map" members, none, one naming no tensors, a shard that is not a string or lies outside
 // the index's directory (an absolute path, a ".." part, '/' or '\' separated), an index over
 // kMaxShardIndexBytes; IoError for I/O failures.

@@ -123,7 +123,9 @@ std::vector<Shard> ReadShardIndex(const std::string& path) {
         if (!names.insert(name).second) r.Fail(StrCat("tensor '", name, "' is listed twice"));
         r.Expect(':');
         if (r.Peek() != '"') r.Fail(StrCat("the shard of '", name, "' is not a string"));
-        std::string file = r.ReadString();
+        // A file name: any bytes, those that are not UTF-8 written \udcXX, as extent maps
+        // store theirs (JsonStrings::kBytes).
+        std::string file = r.ReadString(JsonStrings::kBytes);
         if (LeavesTheDirectory(file)) {
           throw FormatError(
               StrCat(path, ": shard '", file, "' lies outside the index's directory"));

@@ -60,6 +60,24 @@ TEST(CheckpointFormatTest, ShardIndexGroupsNamesByShardInOrder) {
   EXPECT_EQ(DetectCheckpointKind(path), CheckpointKind::kShardIndex);
 }
 
+TEST(CheckpointFormatTest, ShardIndexFileNamesMayHoldBytesThatAreNotUtf8) {
+  TempDir dir;
+  // json.dumps(os.fsdecode(b"w\xff.st")): the byte 0xff as the escape \udcff. Tensor names are
+  // text: the escape is refused there.
+  const std::string path =
+      WriteIndex(dir, R"({"weight_map": {"a": "w\udcff.st", "b": "\u00e9\udc80/x.st"}})");
+  const std::vector<Shard> shards = ReadShardIndex(path);
+  ASSERT_EQ(shards.size(), 2u);
+  EXPECT_EQ(shards[0].path, dir.File("w\xff.st"));
+  EXPECT_EQ(shards[1].path, dir.File("\xc3\xa9\x80/x.st"));
+  EXPECT_NE(FormatErrorOf(WriteIndex(dir, R"({"weight_map": {"\udcff": "w.st"}})"))
+                .find("lone low surrogate"),
+            std::string::npos);
+  EXPECT_NE(FormatErrorOf(WriteIndex(dir, R"({"weight_map": {"a": "../w\udcff.st"}})"))
+                .find("outside the index's directory"),
+            std::string::npos);
+}
+
 TEST(CheckpointFormatTest, ShardIndexRefusals) {
   TempDir dir;
   const std::pair<const char*, const char*> cases[] = {

@@ -248,3 +248,32 @@ def test_shard_index_in_a_folder_that_is_not_utf8(base: bytes) -> None:
     for path in _forms(index):
         loaded = tensortier.load(path)
         assert torch.equal(loaded["a"], torch.ones(3)) and torch.equal(loaded["b"], torch.zeros(2, 2))
+
+
+def test_shard_index_naming_shards_that_are_not_utf8(base: bytes) -> None:
+    import json
+
+    # Written as extent maps write names: json.dumps(os.fsdecode(name)) gives \udcXX escapes.
+    parts = {NAME + b"-1.safetensors": {"a": torch.ones(3)},
+             b"sub\xfe/" + NAME + b"-2.pt": {"b": torch.zeros(2, 2)}}
+    os.mkdir(os.path.join(base, b"sub\xfe"))
+    for name, sd in parts.items():
+        tensortier.save(sd, os.path.join(base, name))
+    weight_map = dict(zip("ab", (os.fsdecode(n) for n in parts)))
+    index = os.path.join(base, b"model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    assert "\\udcff" in open(index).read()
+    for path in _forms(index):
+        loaded = tensortier.load(path)
+        assert torch.equal(loaded["a"], torch.ones(3))
+        assert torch.equal(loaded["b"], torch.zeros(2, 2))
+        out = {"a": torch.empty(3), "b": torch.empty(2, 2)}
+        tensortier.load_into(out, path)
+        assert torch.equal(out["b"], torch.zeros(2, 2))
+    # The CLI reads the index by the same rule.
+    from test_cli_convert import BIN, run
+
+    if BIN.is_file():
+        r = run("info", os.fsdecode(index))
+        assert r.returncode == 0 and "(2 shards, 2 tensors)" in r.stdout, r.stderr
