@@ -40,6 +40,15 @@ py::list EntriesToList(const std::vector<SafetensorsEntry>& entries) {
   return out;
 }
 
+// [(name, data_offset, size, crc32)] in directory order.
+py::list ZipEntriesToPython(const ZipDirectory& dir) {
+  py::list out;
+  for (const auto& e : dir.entries) {
+    out.append(py::make_tuple(e.name, e.data_offset, e.size, e.crc32));
+  }
+  return out;
+}
+
 py::dict MetadataToDict(const SafetensorsMetadata& metadata) {
   py::dict out;
   for (const auto& [k, v] : metadata) out[py::str(k)] = py::str(v);
@@ -144,11 +153,7 @@ void RegisterCheckpoint(py::module_& m) {
             for (const auto& e : dir.entries) RequireStored(e, path);
           }
         }
-        py::list out;
-        for (const auto& e : dir.entries) {
-          out.append(py::make_tuple(e.name, e.data_offset, e.size, e.crc32));
-        }
-        return out;
+        return ZipEntriesToPython(dir);
       },
       py::arg("path"), py::arg("require_stored") = true,
       "The entries of a zip archive (torch.save file): [(name, data_offset, size, crc32)] in "
@@ -217,16 +222,26 @@ void RegisterCheckpoint(py::module_& m) {
       "directory record and its local header or data descriptor. ValueError for a bad archive.");
 
   m.def(
-      "check_torch_file_version",
-      [](const FsPath& path, const std::string& prefix) {
-        py::gil_scoped_release release;
-        FileSource source(OpenCheckpointForReading(path, false));
-        CheckTorchFileVersion(source, ReadZipDirectory(source), prefix);
+      "torch_zip_entries",
+      [](const FsPath& path) {
+        std::string prefix;
+        ZipDirectory dir;
+        {
+          py::gil_scoped_release release;
+          FileSource source(OpenCheckpointForReading(path, false));
+          dir = ReadZipDirectory(source);
+          for (const auto& e : dir.entries) RequireStored(e, path);
+          prefix = TorchArchivePrefix(dir, path);
+          CheckTorchFileVersion(source, dir, prefix);
+        }
+        return py::make_tuple(prefix, ZipEntriesToPython(dir));
       },
-      py::arg("path"), py::arg("prefix"),
-      "Refuses (ValueError) a torch.save zip whose format version record (under the folder "
-      "prefix, '' for the top) is not one torch reads: the rule of read_torch_checkpoint and "
-      "the CLI.");
+      py::arg("path"),
+      "A torch.save zip file's records from one read of its directory: (folder, [(name, "
+      "data_offset, size, crc32)] in directory order), the folder holding data.pkl. ValueError, "
+      "by the rules of read_torch_checkpoint and the CLI, for a bad archive, a compressed or "
+      "encrypted entry, no or several data.pkl, a TorchScript archive, a format version torch "
+      "does not read.");
 
   m.def(
       "read_torch_checkpoint",

@@ -37,6 +37,11 @@ inline constexpr uint64_t kTorchMaxFileVersion = 10;
 void CheckTorchFileVersion(const ByteSource& source, const ZipDirectory& zip,
                            const std::string& prefix);
 
+// The folder of the archive's records: that of its one "<folder>/data.pkl" entry (torch's reader
+// takes records only inside a folder). Throws FormatError naming `path` for an archive without
+// one or with several, and for a TorchScript archive (a "constants.pkl" beside it).
+std::string TorchArchivePrefix(const ZipDirectory& zip, const std::string& path);
+
 // Reads the zip directory and data.pkl, checks that every storage has a stored entry of the right
 // size and reads the byte order and the format version. Throws FormatError / IoError.
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source);

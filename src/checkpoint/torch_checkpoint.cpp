@@ -61,6 +61,33 @@ void CheckTorchFileVersion(const ByteSource& source, const ZipDirectory& zip,
   }
 }
 
+std::string TorchArchivePrefix(const ZipDirectory& zip, const std::string& path) {
+  // data.pkl sits one folder deep; the folder name is whatever the writer chose. torch's reader
+  // takes records only inside a folder: a data.pkl at the top is not a torch.save file.
+  const ZipEntry* pkl = nullptr;
+  for (const auto& e : zip.entries) {
+    const size_t slash = e.name.find('/');
+    if (slash != std::string::npos && e.name.substr(slash) == "/data.pkl") {
+      if (pkl != nullptr) {
+        throw FormatError(StrCat(path, ": more than one data.pkl ('", pkl->name, "', '", e.name,
+                                 "'): not a torch.save file"));
+      }
+      pkl = &e;
+    }
+  }
+  if (pkl == nullptr) {
+    throw FormatError(StrCat(path,
+                             ": zip file without a <folder>/data.pkl entry: not a torch.save "
+                             "file (missing entry)"));
+  }
+  std::string prefix = pkl->name.substr(0, pkl->name.find('/'));
+  if (zip.Find(prefix + "/constants.pkl") != nullptr) {
+    throw FormatError(
+        StrCat(path, ": a TorchScript archive, not a torch.save checkpoint: use torch.jit.load"));
+  }
+  return prefix;
+}
+
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
   const std::string& path = source.name();
   if (!LooksLikeZip(source)) {
@@ -71,21 +98,8 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
   }
   TorchCheckpoint out;
   out.zip = ReadZipDirectory(source);
-  // data.pkl sits one folder deep; the folder name is whatever the writer chose.
-  const ZipEntry* pkl = nullptr;
-  for (const auto& e : out.zip.entries) {
-    size_t slash = e.name.find('/');
-    if (slash != std::string::npos && e.name.substr(slash) == "/data.pkl") {
-      if (pkl != nullptr) throw FormatError(StrCat(path, ": more than one data.pkl"));
-      pkl = &e;
-      out.prefix = e.name.substr(0, slash);
-    }
-  }
-  if (pkl == nullptr) {
-    throw FormatError(StrCat(path,
-                             ": zip file without a <folder>/data.pkl entry: not a torch.save "
-                             "file (missing entry)"));
-  }
+  out.prefix = TorchArchivePrefix(out.zip, path);
+  const ZipEntry* pkl = out.zip.Find(out.prefix + "/data.pkl");
   RequireStored(*pkl, path);
   if (pkl->size > kTorchMaxPickleBytes) {
     throw FormatError(StrCat(path, ": data.pkl of ", pkl->size, " bytes is over the limit of ",

@@ -426,25 +426,27 @@ TEST(CheckpointTorch, ReadsMetaTensors) {
   EXPECT_TRUE(PickleRejects(bad, "is not allowed"));
 }
 
-// A torch.save zip holding {} and the records `records` (name under "a/", value).
-std::string ZipWithRecords(const std::vector<std::pair<std::string, std::string>>& records) {
-  const std::string pickle = kProto + "}q\x00."s;
-  std::vector<const std::string*> data = {&pickle};
+// A zip archive of `records` (full name, value), stored, with their CRC-32s.
+std::string ZipOf(const std::vector<std::pair<std::string, std::string>>& records) {
   ZipPlanner z;
-  z.Add("a/data.pkl", pickle.size());
-  for (const auto& [name, value] : records) {
-    z.Add("a/" + name, value.size());
-    data.push_back(&value);
-  }
+  for (const auto& [name, value] : records) z.Add(name, value.size());
   std::string out(z.directory_offset(), '\0');
-  for (size_t i = 0; i < data.size(); ++i) {
-    z.SetCrc(i, Crc32(data[i]->data(), data[i]->size()));
+  for (size_t i = 0; i < records.size(); ++i) {
+    const std::string& value = records[i].second;
+    z.SetCrc(i, Crc32(value.data(), value.size()));
     const ZipPlanEntry& e = z.entries()[i];
     std::string h = z.LocalHeader(i);
     out.replace(e.local_header_offset, h.size(), h);
-    out.replace(e.data_offset, data[i]->size(), *data[i]);
+    out.replace(e.data_offset, value.size(), value);
   }
   return out + z.Directory();
+}
+
+// A torch.save zip holding {} and the records `records` (name under "a/", value).
+std::string ZipWithRecords(const std::vector<std::pair<std::string, std::string>>& records) {
+  std::vector<std::pair<std::string, std::string>> all = {{"a/data.pkl", kProto + "}q\x00."s}};
+  for (const auto& [name, value] : records) all.emplace_back("a/" + name, value);
+  return ZipOf(all);
 }
 
 // A torch.save zip holding {} and one more record, `name` (under "a/"), holding `value`, with
@@ -522,6 +524,35 @@ TEST(CheckpointTorch, RefusesAnArchiveWithoutAFormatVersion) {
   MemorySource source(zip.data(), zip.size(), "v.pt");
   EXPECT_THROW(CheckTorchFileVersion(source, ReadZipDirectory(source), "a"), FormatError);
   EXPECT_THROW(CheckTorchFileVersion(source, ReadZipDirectory(source), ""), FormatError);
+}
+
+TEST(CheckpointTorch, TheArchiveFolderIsThatOfItsOneDataPkl) {
+  const std::string pickle = kProto + "}q\x00."s;
+  auto prefix_of = [](const std::string& zip) {
+    MemorySource source(zip.data(), zip.size(), "p.pt");
+    return TorchArchivePrefix(ReadZipDirectory(source), source.name());
+  };
+  auto refusal = [&](const std::string& zip) -> std::string {
+    try {
+      prefix_of(zip);
+    } catch (const FormatError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(prefix_of(ZipOf({{"x/version", "3"}, {"x/data.pkl", pickle}})), "x");
+  EXPECT_EQ(prefix_of(ZipOf({{"x/data/data.pkl", "0"}, {"y/data.pkl", pickle}})), "y");
+  // torch's reader takes records only inside a folder.
+  EXPECT_NE(refusal(ZipOf({{"version", "3"}, {"data.pkl", pickle}})).find("<folder>/data.pkl"),
+            std::string::npos);
+  EXPECT_NE(refusal(ZipOf({{"x/data.pkl", pickle}, {"y/data.pkl", pickle}}))
+                .find("p.pt: more than one data.pkl ('x/data.pkl', 'y/data.pkl')"),
+            std::string::npos);
+  const std::string script =
+      ZipOf({{"m/version", "3"}, {"m/data.pkl", pickle}, {"m/constants.pkl", pickle}});
+  EXPECT_NE(refusal(script).find("TorchScript archive"), std::string::npos);
+  EXPECT_THROW(ReadTorchCheckpoint(MemorySource(script.data(), script.size(), "p.pt")),
+               FormatError);
 }
 
 }  // namespace

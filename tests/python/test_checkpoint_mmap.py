@@ -183,7 +183,7 @@ def test_file_truncated_after_its_header_was_read(
     # when a tensor is touched.
     path = disk_dir / name
     tensortier.save({"a": torch.randn(100_000)}, path)
-    parser = "_read_st_header" if name.endswith(".safetensors") else "_zip_records"
+    parser = "_read_st_header" if name.endswith(".safetensors") else "_torch_records"
     real = getattr(checkpoint, parser)
 
     def parse_then_truncate(*args: object, **kwargs: object) -> object:

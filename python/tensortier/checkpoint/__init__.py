@@ -66,7 +66,7 @@ from ._reading import (# noqa: F401
     _read_device_checked,
     _read_pieces,
 )
-from .unpickler import _swap_bytes, _unpickle_torch, _zip_records  # noqa: F401
+from .unpickler import _swap_bytes, _torch_records, _unpickle_torch, _zip_records  # noqa: F401
 from .safetensors import _parse_checksums, _read_st_header, _xxh64_check  # noqa: F401
 from .loading_into import _staged_groups  # noqa: F401
 

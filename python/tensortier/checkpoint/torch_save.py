@@ -12,7 +12,7 @@ from . import unpickler
 from ._common import _crc32, _storage_bytes
 from ._format import _require, _torch, ALIGNMENT, PathLike
 from ._writing import _DurableFile, _Writer
-from .unpickler import _archive_prefix, _ZipRecord
+from .unpickler import _ZipRecord
 
 
 class _NullSink:
@@ -103,8 +103,7 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
                         torch.save(obj, f)
             except (RuntimeError, pickle.PicklingError, AttributeError) as e:
                 raise ValueError(f"torch.save cannot save this object: {e}") from e
-        records = unpickler._zip_records(df.tmp)
-        prefix = _archive_prefix(df.tmp, records)
+        records, prefix = unpickler._torch_records(df.tmp)
         data_names = [n for n in records if n.startswith(prefix + "data/")]
         if len(data_names) != len(storages):
             raise RuntimeError(

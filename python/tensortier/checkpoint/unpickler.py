@@ -31,6 +31,14 @@ class _ZipRecord:
     archive_has_crcs: bool = True
 
 
+def _records(entries: Sequence[tuple[str, int, int, int]]) -> dict[str, _ZipRecord]:
+    has_crcs = any(int(crc) != 0 for _, _, size, crc in entries if int(size) > 0)
+    return {
+        name: _ZipRecord(int(off), int(size), int(crc), has_crcs)
+        for name, off, size, crc in entries
+    }
+
+
 def _zip_records(path: str) -> dict[str, _ZipRecord]:
     """The stored (uncompressed) records of a zip file, by name."""
     zip_entries = _require("zip_entries")
@@ -39,26 +47,15 @@ def _zip_records(path: str) -> dict[str, _ZipRecord]:
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if path in msg else f"{path}: {msg}") from e
-    has_crcs = any(int(crc) != 0 for _, _, size, crc in entries if int(size) > 0)
-    return {
-        name: _ZipRecord(int(off), int(size), int(crc), has_crcs)
-        for name, off, size, crc in entries
-    }
+    return _records(entries)
 
 
-def _archive_prefix(path: str, records: Mapping[str, _ZipRecord]) -> str:
-    pkl = [n for n in records if n == "data.pkl" or n.endswith("/data.pkl")]
-    pkl = [n for n in pkl if n.count("/") <= 1]
-    if not pkl:
-        raise ValueError(f"{path}: a zip file without data.pkl: not a torch.save checkpoint")
-    if len(pkl) > 1:
-        raise ValueError(f"{path}: several data.pkl records ({pkl}): not a torch.save checkpoint")
-    prefix = pkl[0][: -len("data.pkl")]
-    if prefix + "constants.pkl" in records:
-        raise ValueError(
-            f"{path}: a TorchScript archive, not a torch.save checkpoint: use torch.jit.load"
-        )
-    return prefix
+def _torch_records(path: str) -> tuple[dict[str, _ZipRecord], str]:
+    """The records of a torch.save zip file and its archive prefix ("<folder>/"), from one read
+    of its directory, its format version checked (C++: TorchArchivePrefix and
+    CheckTorchFileVersion, the CLI's rules)."""
+    prefix, entries = _require("torch_zip_entries")(path)
+    return _records(entries), prefix + "/"
 
 
 def _read_record(
@@ -140,14 +137,14 @@ def _fill_now(
 
 def _unpickle_torch(
     path: str, storage_device: Any, label: str | None = None, verify: bool = False,
-    mapped: Any = None, records: dict[str, _ZipRecord] | None = None,
+    mapped: Any = None, archive: tuple[dict[str, _ZipRecord], str] | None = None,
     placement: _Placement | None = None, io: IOHandle | None = None,
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
     `storage_device` (``meta``: not at all) and filled later, or, given `mapped` (the whole
     file as a CPU UntypedStorage), are slices of it (copies where a record's offset is not a
-    multiple of its element size). `records`: the zip's records when the caller has them
-    already (parsed from the same file). Returns the object, the storages by
+    multiple of its element size). `archive`: the zip's records and prefix when the caller has
+    them already (``_torch_records`` of the same file). Returns the object, the storages by
     key, the records, the archive prefix and whether the file is big-endian. The storage
     references carry `label` (the user's path when `path` is a /proc/self/fd link). With
     `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
@@ -158,10 +155,7 @@ def _unpickle_torch(
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
-    if records is None:
-        records = _zip_records(path)
-    prefix = _archive_prefix(path, records)
-    _require("check_torch_file_version")(path, prefix[:-1])
+    records, prefix = archive if archive is not None else _torch_records(path)
     file = _open_checkpoint(io if io is not None else _common._default_io(), path)
     try:
         pkl = _read_record(path, file, records, prefix + "data.pkl", verify, io)
@@ -412,16 +406,16 @@ def _load_torch(
     torch = _torch()
     file = _open_checkpoint(io, path)
     try:
-        whole = records = None
+        whole = archive = None
         if mapped is not None:
-            records = _same_file(file, path, _zip_records)
-            ranges = [(name, r.offset, r.size) for name, r in records.items()]
+            archive = _same_file(file, path, _torch_records)
+            ranges = [(name, r.offset, r.size) for name, r in archive[0].items()]
             whole = mapping._map_file(file, path, ranges, mapped)
         obj, storages, records, prefix, big_endian = _same_file(
             file,
             path,
             lambda name: _unpickle_torch(
-                name, dev, label=path, verify=verify, mapped=whole, records=records,
+                name, dev, label=path, verify=verify, mapped=whole, archive=archive,
                 placement=placement, io=io,
             ),
         )
