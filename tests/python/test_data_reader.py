@@ -485,3 +485,44 @@ def test_thread_and_prefetch_counts_past_32_bits_and_boolean_positions_are_refus
     for key in ("epoch", "position"):
         with pytest.raises(ValueError, match="bad position"):
             reader.load_state_dict({**state, key: True})
+
+
+def test_state_dict_resumes_a_root_spelled_another_way(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_tree(disk_dir / "data" / "train", classes=2, per_class=3)
+    root = disk_dir / "data" / "train"
+    (disk_dir / "link").symlink_to(disk_dir / "data")
+    reader = FileReader(file_root=str(root), batch_size=2, seed=3, shuffle=True)
+    next(iter(reader))
+    state = reader.state_dict()
+    expected = [bytes(t.numpy()) for t in next(iter(reader))[0]]
+    monkeypatch.chdir(disk_dir / "data")
+    for spelling in (f"{root}/", f"{disk_dir}/data/./train", f"{disk_dir}//data/../data/train",
+                     "train", "./train/", f"{disk_dir}/link/train"):
+        resumed = FileReader(file_root=spelling, batch_size=2, seed=3, shuffle=True)
+        resumed.load_state_dict(state)
+        assert [bytes(t.numpy()) for t in next(iter(resumed))[0]] == expected, spelling
+        assert resumed.state_dict()["files_digest"] == state["files_digest"]
+    # files= relative to another working directory, and the same names in another tree
+    monkeypatch.chdir(disk_dir)
+    names = [os.path.relpath(p, disk_dir) for p in reader.files]
+    FileReader(files=names, labels=reader.labels, batch_size=2, seed=3,
+               shuffle=True).load_state_dict(state)
+    shutil.copytree(root, disk_dir / "copy")
+    with pytest.raises(ValueError, match="other files"):
+        FileReader(file_root=disk_dir / "copy", batch_size=2, seed=3,
+                   shuffle=True).load_state_dict(state)
+    # A state whose digest was taken of the paths as spelled resumes the same spelling.
+    import hashlib
+
+    linked = FileReader(file_root=disk_dir / "link" / "train", batch_size=2, seed=3, shuffle=True)
+    digest = hashlib.sha256()
+    for p in linked.files:
+        assert "/link/" in p
+        digest.update(os.fsencode(p) + b"\0")
+    digest.update(linked.labels.astype("<i4").tobytes())
+    spelled = {**state, "files_digest": digest.hexdigest()}
+    linked.load_state_dict(spelled)
+    with pytest.raises(ValueError, match="other files"):
+        FileReader(file_root=root, batch_size=2, seed=3, shuffle=True).load_state_dict(spelled)

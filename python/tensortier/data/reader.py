@@ -94,11 +94,25 @@ def resolve_inputs(
     return paths, label_array.astype(np.int32)
 
 
-def _files_digest(paths: Sequence[str], labels: np.ndarray) -> str:
-    """SHA-256 of the paths (as spelled) and int32 labels, in list order: what a state dict
-    is checked against, so that it resumes only a reader of the same samples."""
+def _files_digest(paths: Sequence[str], labels: np.ndarray, spelled: bool = False) -> str:
+    """SHA-256 of the paths and int32 labels, in list order: what a state dict is checked
+    against, so that it resumes only a reader of the same samples. Each path counts as its
+    folder's real path (``os.path.realpath``: the working directory, ``.``, ``..``, repeated
+    slashes and symbolic links resolved) joined with its name, so that a root spelled another
+    way (``"/a/b/"``, ``"/a/./b"``, relative from another working directory, through a link)
+    resumes, and another tree does not. `spelled`: the paths as spelled (the digest of states
+    taken before paths were resolved)."""
     digest = hashlib.sha256()
+    real_folders: dict[str, str] = {}  # a tree has few folders: each is resolved once
     for path in paths:
+        if not spelled:
+            folder, slash, name = path.rpartition("/")
+            folder = folder or slash  # "/x": the root; "x": the working directory
+            real = real_folders.get(folder)
+            if real is None:
+                real = os.path.realpath(folder or os.curdir).rstrip("/") + "/"
+                real_folders[folder] = real
+            path = real + name
         digest.update(os.fsencode(path) + b"\0")
     digest.update(np.ascontiguousarray(labels, dtype="<i4").tobytes())
     return digest.hexdigest()
@@ -274,8 +288,10 @@ class FileReader:
     def state_dict(self) -> dict[str, Any]:
         """Where the reader is: the epoch, the batches of it already given out, the settings
         that fix the order and a digest of the paths and labels (``files_digest``), all
-        checked again by ``load_state_dict``: a state resumes only a reader of the same files,
-        named by the same paths, with the same labels."""
+        checked again by ``load_state_dict``: a state resumes only a reader of the same files
+        (the same real paths: a root spelled another way, ``"/a/b/"`` or ``"/a/./b"``, relative
+        from another working directory or through a symbolic link, is the same root), with the
+        same labels."""
         return {"epoch": self._epoch, "position": self._position, **self._config,
                 "files_digest": self._files_digest}
 
@@ -292,6 +308,9 @@ class FileReader:
         expected = dict(self._config)
         if "files_digest" in state:
             expected["files_digest"] = self._files_digest
+            if state["files_digest"] != self._files_digest and state[
+                    "files_digest"] == _files_digest(self._paths, self._labels, spelled=True):
+                del expected["files_digest"]  # taken before paths were resolved: as spelled
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ValueError(
