@@ -304,12 +304,27 @@ def make_pool16(root: Path, batch_size: int, seed: int, dali_output: str) -> Epo
     return epoch
 
 
+FIO_READ_BLOCK = 128 << 10
+FIO_FILL_BLOCK = 1 << 20
+
+
+def fio_sizes(total: int) -> tuple[int, int]:
+    """(scratch file size, bytes fio reads) for a tree of `total` bytes: the reads are as many
+    bytes as the tree holds, rounded down to whole 128 KiB blocks, at least one block; the file
+    is whole 1 MiB fill blocks holding them (fio refuses a file smaller than its block size,
+    and O_DIRECT a size that is not a multiple of the disk's block)."""
+    io_size = max(FIO_READ_BLOCK, total // FIO_READ_BLOCK * FIO_READ_BLOCK)
+    size = max(total, io_size)
+    return -(-size // FIO_FILL_BLOCK) * FIO_FILL_BLOCK, io_size
+
+
 def run_fio(scratch: Path, total: int) -> tuple[dict[str, Any], str]:
-    """Reads as many bytes as the tree holds (rounded down to whole 128 KiB blocks)."""
-    io_size = total // (128 << 10) * (128 << 10)
-    argv = ["fio", "--name=randread", f"--filename={scratch}", "--rw=randread", "--bs=128k",
-            "--iodepth=64", "--direct=1", "--ioengine=io_uring", f"--size={total}",
-            f"--io_size={io_size}", "--randrepeat=0", "--norandommap", "--output-format=json"]
+    """Reads as many bytes as the tree holds (see fio_sizes) at random over the scratch file."""
+    size, io_size = fio_sizes(total)
+    argv = ["fio", "--name=randread", f"--filename={scratch}", "--rw=randread",
+            f"--bs={FIO_READ_BLOCK >> 10}k", "--iodepth=64", "--direct=1", "--ioengine=io_uring",
+            f"--size={size}", f"--io_size={io_size}", "--randrepeat=0", "--norandommap",
+            "--output-format=json"]
     command = shlex.join(argv)
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     return fio_stats(proc, command, "read", io_size), command
@@ -357,9 +372,11 @@ def main() -> int:
     root = base / "train"
     total = sum(p.stat().st_size for p in paths)
     scratch = base / "fio-scratch.dat"
-    if "fio" in tools and (not scratch.exists() or scratch.stat().st_size != total):
+    scratch_size = fio_sizes(total)[0]
+    if "fio" in tools and (not scratch.exists() or scratch.stat().st_size != scratch_size):
         subprocess.run(["fio", "--name=fill", f"--filename={scratch}", "--rw=write",
-                        "--bs=1M", f"--size={total}", "--direct=1", "--output-format=json"],
+                        f"--bs={FIO_FILL_BLOCK >> 20}M", f"--size={scratch_size}", "--direct=1",
+                        "--output-format=json"],
                        capture_output=True, check=True)
     log(f"{len(paths)} files, {total / GB:.2f} GB; tools {tools}; modes {modes}")
 
