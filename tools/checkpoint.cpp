@@ -298,6 +298,17 @@ std::string CrcMismatch(const ZipEntry& e, uint32_t actual) {
                 Hex8(actual), ")");
 }
 
+// The CRC-32 of zip entry `e` of `torch`'s file: data.pkl's from the read that parsed it, any
+// other's streamed from `file`.
+uint32_t EntryCrc(Engine& engine, const File& file, const TorchCheckpoint& torch, const ZipEntry& e,
+                  AlignedBuffer (&bufs)[2]) {
+  if (e.name == StrCat(torch.prefix, "/data.pkl")) return torch.pickle_crc32;
+  uint32_t crc = 0;
+  Stream(engine, file, e.data_offset, e.size, bufs,
+         [&](const std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
+  return crc;
+}
+
 // convert's refusal of a file its own checksums say is damaged.
 [[noreturn]] void RefuseDamaged(const std::string& in, const std::string& problem) {
   throw FormatError(StrCat(in, ": ", problem, ": the file is damaged; nothing was written"));
@@ -355,9 +366,7 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
         ++unrecorded;
         continue;
       }
-      uint32_t crc = 0;
-      Stream(engine, file, e.data_offset, e.size, bufs,
-             [&](const std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
+      const uint32_t crc = EntryCrc(engine, file, l.torch, e, bufs);
       if (crc != e.crc32) problems.push_back(CrcMismatch(e, crc));
       ++checked;
     }
@@ -477,12 +486,14 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
     auto v = views.find(e->name);
     if (v == views.end() && !records_crcs) continue;
     RequireStored(*e, in);
-    std::vector<size_t> pending;  // this entry's views, by start
-    if (v != views.end()) {
-      pending = std::move(v->second);
-      std::stable_sort(pending.begin(), pending.end(),
-                       [&](size_t a, size_t b) { return l.items[a].offset < l.items[b].offset; });
+    if (v == views.end()) {  // no tensor's bytes: only its CRC-32 to check
+      const uint32_t crc = EntryCrc(engine, src, l.torch, *e, bufs);
+      if (crc != e->crc32) RefuseDamaged(in, CrcMismatch(*e, crc));
+      continue;
     }
+    std::vector<size_t> pending = std::move(v->second);  // this entry's views, by start
+    std::stable_sort(pending.begin(), pending.end(),
+                     [&](size_t a, size_t b) { return l.items[a].offset < l.items[b].offset; });
     std::vector<size_t> active;  // views reaching into the current chunk
     size_t next = 0;
     uint64_t at = e->data_offset;

@@ -18,6 +18,9 @@ struct TorchCheckpoint {
   std::string prefix;  // the archive's top folder ("archive" by default)
   ZipDirectory zip;
   TorchPickle pickle;  // storages have data_offset set
+  // The CRC-32 of data.pkl's bytes as read: its entry's record is checked against it without
+  // reading the entry again.
+  uint32_t pickle_crc32 = 0;
   // The "byteorder" record says "big": every element's bytes are in big-endian order (torch.save
   // on a big-endian machine). Files without the record are read as little-endian, as torch does
   // on little-endian machines.

@@ -5,6 +5,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "tensortier/checksum.hpp"
 #include "tensortier/format_error.hpp"
 #include "tensortier/strings.hpp"
 
@@ -118,6 +119,7 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
   }
   std::string data(pkl->size, '\0');
   source.ReadAt(pkl->data_offset, data.data(), data.size());
+  out.pickle_crc32 = Crc32(data.data(), data.size());
   out.pickle = ParseTorchPickle(data, StrCat(path, ": ", pkl->name));
   std::unordered_map<std::string_view, const ZipEntry*> by_name;
   for (const auto& e : out.zip.entries) by_name.emplace(e.name, &e);

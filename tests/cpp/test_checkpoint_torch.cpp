@@ -50,6 +50,9 @@ const TorchTensor& Get(const TorchPickle& p, const std::string& path) {
 TEST(CheckpointTorch, ReadsTorchSaveFile) {
   TorchCheckpoint c = ReadFixture("small.pt");
   EXPECT_EQ(c.prefix, "small");
+  // The CRC-32 of the data.pkl bytes read, which torch.save recorded (nonzero).
+  EXPECT_EQ(c.pickle_crc32, c.zip.Find("small/data.pkl")->crc32);
+  EXPECT_NE(c.pickle_crc32, 0u);
   const TorchPickle& p = c.pickle;
   ASSERT_EQ(p.tensors.size(), 7u);
   const TorchTensor& w = Get(p, "model.layer.weight");

@@ -662,3 +662,40 @@ def test_a_safetensors_file_whose_length_bytes_look_like_json_is_not_an_index(
     assert st.load_file(str(path))["w"].tolist() == [1.0, 2.0]
     r = run("info", path)
     assert r.returncode == 0 and "tensors:   1" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_data_pkl_is_read_once(disk_dir: Path, command: str) -> None:
+    # Its CRC-32 is checked from the read that parses it. Counted as the threads backend's
+    # preads (io_uring reads make no system call to trace) at data.pkl's offset and size.
+    import shutil
+
+    import tensortier
+    from tensortier import checkpoint
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed")
+    path = disk_dir / "m.pt"
+    tensortier.save({"a": torch.ones(1000), "b": torch.arange(5)}, path, checksum=True)
+    records, prefix = checkpoint._torch_records(str(path))
+    pkl = records[prefix + "data.pkl"]
+    log = disk_dir / "strace.log"
+    args = [path, disk_dir / "m.safetensors"] if command == "convert" else [path]
+    r = subprocess.run(
+        [strace, "-f", "-e", "trace=pread64", "-o", str(log), str(BIN), command,
+         *map(str, args)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TENSORTIER_BACKEND": "threads"},
+    )
+    if r.returncode != 0 and "ptrace" in r.stderr:
+        pytest.skip(f"strace cannot trace here: {r.stderr.strip()[-200:]}")
+    assert r.returncode == 0, r.stderr
+    assert log.read_text().count(f", {pkl.size}, {pkl.offset}) ") == 1
+    # A damaged data.pkl is still found, from that one read: the name "a" becomes "c".
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"X\x01\x00\x00\x00a", pkl.offset, pkl.offset + pkl.size) + 5
+    raw[at] = ord("c")
+    path.write_bytes(bytes(raw))
+    r = run(command, *args)
+    assert r.returncode == 1 and "data.pkl': CRC-32 mismatch" in r.stderr, r.stderr
