@@ -60,6 +60,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import struct
@@ -1823,6 +1824,12 @@ def case_agree(case: Case) -> None:
                      if ln.startswith("tensors:")]
             if flat is not None and shown != [len(flat)]:
                 raise Mismatch(f"`tensortier info` shows tensors: {shown}, load gives {len(flat)}")
+        if plain_error is None and kind == "index":
+            # An index's tensors are its weight_map's names, for load as for info.
+            listed = re.findall(r"^index: .* shards?, (\d+) tensors?\)$", info.stdout, re.M)
+            if listed != [str(len(plain))]:
+                raise Mismatch(f"`tensortier info` shows an index of {listed} tensors, load "
+                               f"gives {len(plain)}")
 
     def loads_agree() -> None:
         if verify_error is None and plain_error is not None:
