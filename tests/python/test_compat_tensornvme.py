@@ -466,3 +466,48 @@ def test_tensors_that_cannot_be_offloaded_are_runtime_errors(of: DiskOffloader) 
     assert foreign.tolist() == list(range(8)) and storage_bytes(other) == 12
     of.synchronize()
     assert of.stored_bytes == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tensors_of_one_storage_in_one_vector_call(of: DiskOffloader, mode: str) -> None:
+    """TensorNVMe keys a vector by the tuple of its tensors and moves each one's whole storage:
+    a tensor and a view of all of it (or the same tensor twice) go in one writev and come back
+    by the readv of the same list; other groupings are its "not found"."""
+    t = torch.rand(4, 4)
+    flat = t.view(-1)
+    other = torch.rand(3)
+    t0, other0 = t.clone(), other.clone()
+    group: list[torch.Tensor] = [t, flat, other, other]
+    if mode == "sync":
+        of.sync_writev(group)
+    else:
+        of.async_writev(group)
+        of.sync_write_events()
+    assert storage_bytes(t) == storage_bytes(other) == 0
+    assert of.stored_bytes == 64 + 12  # each storage once
+    for wrong in ([t, other], [flat, t, other, other], [t]):
+        with pytest.raises(RuntimeError, match="tensor not found"):
+            of.sync_readv(wrong)
+    with pytest.raises(RuntimeError, match="tensor not found"):
+        of.sync_read(flat)
+    if mode == "sync":
+        of.sync_readv(group)
+    else:
+        of.async_readv(group)
+        of.sync_read_events()
+    assert torch.equal(t, t0) and torch.equal(flat, t0.view(-1)) and torch.equal(other, other0)
+    assert of.stored_bytes == 0
+
+
+def test_a_view_of_part_of_a_storage_stays_refused_in_a_vector(of: DiskOffloader) -> None:
+    """TensorNVMe moves a view's whole storage from the view's address: past the storage's end
+    for a view that does not start it, and its read is a "shape mismatch". Refused before
+    anything moves here."""
+    from tensortier.compat.tensornvme import WriteRefusedError
+
+    base = torch.rand(2, 8)
+    base0 = base.clone()
+    for group in ([base, base[1]], [base[0], base[1]], [base, base[0]]):
+        with pytest.raises(WriteRefusedError):
+            of.sync_writev(group)
+    assert torch.equal(base, base0) and of.stored_bytes == 0

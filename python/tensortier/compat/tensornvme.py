@@ -8,7 +8,10 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
   ``sync_read``/``async_read``, ``sync_writev``/``async_writev`` by the vector reads of the same
   tensors in the same order (TensorNVMe keys a vector by the tuple of its tensors). Anything else
   is "not found": ``RuntimeError``, as is reading a tensor not offloaded, and reading into a
-  tensor whose size changed ("shape mismatch").
+  tensor whose size changed ("shape mismatch"). A vector may hold tensors of one storage that
+  each cover all of it (a tensor and a view of it, the same tensor twice): the storage moves
+  once. A view of part of a storage is refused (``WriteRefusedError``): TensorNVMe moves the
+  whole storage from the view's address, past its end.
 - A tensor given where a list is expected raises what TensorNVMe raises (``RuntimeError`` from
   torch when iterating an offloaded tensor, else ``TypeError``); writing a tensor without memory
   (offloaded already, or with no elements) raises ``AssertionError``; a non-contiguous tensor
@@ -175,7 +178,7 @@ class DiskOffloader(_offload.DiskOffloader):
                 )
         with self._lock:
             try:
-                self._write(tensors, callback)
+                self._write(_one_per_storage(tensors), callback)
             except ValueError as e:
                 raise WriteRefusedError(f"{what}: {e}") from e
             self._remember(tensors, vector)
@@ -211,7 +214,7 @@ class DiskOffloader(_offload.DiskOffloader):
                        if vector else "")
                 )
             try:
-                self._read(tensors, callback)
+                self._read(_one_per_storage(tensors), callback)
             except ValueError as e:  # its memory was replaced: TensorNVMe's size check
                 raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
         if sync:
@@ -313,6 +316,27 @@ def _tensors(what: str, given: Any, vector: bool) -> list[Any]:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}() takes a list of torch.Tensor, not of {type(t).__name__}")
     return tensors
+
+
+def _one_per_storage(tensors: list[Any]) -> list[Any]:
+    """The tensors whose storages a call moves. TensorNVMe moves each tensor's whole storage: a
+    tensor that covers all of an earlier one's storage (a view of all of it, the same tensor
+    again) adds nothing to move. Other tensors of one storage stay, for the offloader to refuse
+    (TensorNVMe would move bytes past the storage's end)."""
+    first: dict[int, tuple[Any, Any]] = {}  # id(storage) -> (storage, its first tensor)
+    moved = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen = first.get(id(storage))
+        if seen is None:
+            first[id(storage)] = (storage, t)
+        elif (
+            t.storage_offset() == seen[1].storage_offset() == 0
+            and t.numel() * t.element_size() == seen[1].numel() * seen[1].element_size()
+        ):
+            continue
+        moved.append(t)
+    return moved
 
 
 def _require_contiguous(tensor: Any) -> None:
