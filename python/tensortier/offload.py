@@ -69,7 +69,8 @@ class _Entry:
     the storage lives.)"""
 
     __slots__ = ("key", "tensor_id", "tensor_ref", "storage_id", "storage_ref", "storage_gen",
-                 "alive", "nbytes", "state", "tensor", "storage", "callback", "finalizers")
+                 "alive", "nbytes", "state", "tensor", "storage", "callback", "finalizers",
+                 "superseded")
 
     def __init__(self, key: int, tensor: Any, nbytes: int) -> None:
         storage = tensor.untyped_storage()
@@ -88,6 +89,9 @@ class _Entry:
         self.storage: Any = storage
         self.callback: Callable[[], None] | None = None
         self.finalizers: dict[str, weakref.finalize] = {}
+        # A write whose tensor was written again before it was waited for: the later write's
+        # entry holds the tensor; this one only waits for its write, then gives its space back.
+        self.superseded = False
 
     def watch(self, offloader: "DiskOffloader", part: str, obj: Any) -> None:
         """Tell `offloader` when `obj` (the tensor or the storage) dies."""
@@ -484,7 +488,15 @@ class DiskOffloader:
         self._unmap(entry, "storage")
         entry.detach()
 
-    def _write(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
+    def _write(
+        self,
+        tensors: list[Any],
+        callback: Callable[[], None] | None,
+        supersede: bool = False,
+    ) -> None:
+        """Starts writing `tensors`. With `supersede` (TensorNVMe's rule), a tensor whose write
+        runs is written again: the later write is the one read back, the earlier one's space is
+        given back when it is waited for, and the memory is freed once both are done."""
         with self._lock:
             core = self._open()
             self._drain_forgotten()
@@ -494,9 +506,12 @@ class DiskOffloader:
             _check_distinct(tensors)
             if any((e := self._lookup(t)) is not None and e.state == "reading" for t in tensors):
                 self._settle("read")
+            superseded = []
             for t in tensors:
                 entry = self._lookup(t)
-                if entry is not None:
+                if entry is not None and supersede and entry.state == "writing":
+                    superseded.append(entry)
+                elif entry is not None:
                     raise ValueError(
                         "tensor is already offloaded"
                         if entry.state == "stored"
@@ -540,6 +555,9 @@ class DiskOffloader:
             for e, span in zip(entries, spans):
                 if span is not None:
                     self._submit_device("write", e, span)
+            for old in superseded:
+                old.superseded = True
+                old.detach()  # the later entry watches the tensor and its storage
             for e, t in zip(entries, tensors):
                 storage = t.untyped_storage()
                 self._by_id[id(t)] = e
@@ -781,6 +799,18 @@ class DiskOffloader:
                     continue
                 tensor, entry.tensor = entry.tensor, None
                 storage, entry.storage = entry.storage, None
+                if entry.superseded:
+                    # The later write holds the tensor (and frees its memory once done: it is
+                    # waited for with this one); this copy is not the one to read back.
+                    self._remove(entry)
+                    if error is None:
+                        self._core.discard(key)
+                    else:
+                        errors.append(error)
+                    if entry.callback is not None and not cancel_writes:
+                        callbacks.append(entry.callback)
+                    entry.callback = None
+                    continue
                 if error is not None:
                     errors.append(error)
                     if kind == "write":  # nothing was stored; the tensor is as it was

@@ -511,3 +511,41 @@ def test_a_view_of_part_of_a_storage_stays_refused_in_a_vector(of: DiskOffloader
         with pytest.raises(WriteRefusedError):
             of.sync_writev(group)
     assert torch.equal(base, base0) and of.stored_bytes == 0
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_writing_a_tensor_again_while_its_write_runs(disk_dir: Path, path: str) -> None:
+    """TensorNVMe takes a second async_write of a tensor whose write still runs (its key then
+    names the later write): both writes run, both callbacks run at the wait, the memory is
+    freed once both are done, and a read brings back the later write's data. "device": the
+    path of CUDA tensors, its copies done by memcpy."""
+    copier = {"host": "cuda", "device": "memcpy"}[path]
+    with DiskOffloader(str(disk_dir), backend="threads", _device_copier=copier) as of:
+        _write_again_while_written(of)
+        z = torch.rand(10)
+        z0 = z.clone()
+        of.async_write(z)
+        of.async_write(z)
+    # Closed with both writes not waited for: cancelled, the tensor keeps its memory and data.
+    assert torch.equal(z, z0)
+
+
+def _write_again_while_written(of: DiskOffloader) -> None:
+    x = torch.rand(1 << 16)
+    x0 = x.clone()
+    calls: list[int] = []
+    of.async_write(x, lambda: calls.append(1))
+    of.async_write(x, lambda: calls.append(2))
+    assert storage_bytes(x) == 4 << 16 and not calls
+    of.sync_write_events()
+    assert sorted(calls) == [1, 2] and storage_bytes(x) == 0
+    assert of.stored_bytes == 4 << 16  # the earlier copy's space is given back
+    of.sync_read(x)
+    assert torch.equal(x, x0) and of.stored_bytes == 0
+    y = torch.rand(100)
+    y0 = y.clone()
+    of.async_writev([x, y])
+    of.async_writev([x, y])
+    of.synchronize()
+    of.sync_readv([x, y])
+    assert torch.equal(x, x0) and torch.equal(y, y0) and of.stored_bytes == 0

@@ -25,6 +25,9 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
   ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
   ``uring``, ``aio``, ``pthread`` and tensortier's own work), ``BackendUnavailableError`` (a
   ``RuntimeError``, and an ``OSError`` with errno) for one the kernel refuses here.
+- A tensor whose write runs may be written again, as with TensorNVMe: both writes run, both
+  callbacks run when the writes are waited for, the memory is freed once both are done, and a
+  read brings back the later write.
 - Every refused call leaves its tensors exactly as they were (TensorNVMe resizes the storage of
   a tensor it then fails to read).
 
@@ -71,7 +74,7 @@ class BackendUnavailableError(OSError, RuntimeError):
 
 class WriteRefusedError(ValueError, RuntimeError):
     """A tensor that cannot be offloaded (its storage cannot be resized, as numpy's; it is not
-    in CPU or CUDA memory; it is part of a larger storage; its write runs already): where
+    in CPU or CUDA memory; it is part of a larger storage): where
     TensorNVMe fails it does so with ``RuntimeError`` (from torch, or its "Tensor must be
     contiguous and on cpu"); tensortier's offloader with ``ValueError``. This is both, and
     nothing was written."""
@@ -178,7 +181,7 @@ class DiskOffloader(_offload.DiskOffloader):
                 )
         with self._lock:
             try:
-                self._write(_one_per_storage(tensors), callback)
+                self._write(_one_per_storage(tensors), callback, supersede=True)
             except ValueError as e:
                 raise WriteRefusedError(f"{what}: {e}") from e
             self._remember(tensors, vector)
