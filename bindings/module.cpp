@@ -336,12 +336,13 @@ PYBIND11_MODULE(_core, m) {
           py::arg("pieces"), "Starts reading (key, address, length) pieces in one submission.")
       .def(
           "wait",
-          [](Offloader& o, const std::string& kind) {
+          [](Offloader& o, const std::string& kind,
+             const std::optional<std::vector<uint64_t>>& keys) {
             OffloadKind parsed = ParseOffloadKind(kind);
             std::vector<OffloadOutcome> outcomes;
             {
               py::gil_scoped_release release;
-              outcomes = o.Wait(parsed);
+              outcomes = keys ? o.Wait(parsed, *keys) : o.Wait(parsed);
             }
             py::list out;
             for (const OffloadOutcome& r : outcomes) {
@@ -349,7 +350,9 @@ PYBIND11_MODULE(_core, m) {
             }
             return out;
           },
-          py::arg("kind"), "Waits for all operations of a kind: [(key, exception or None)].")
+          py::arg("kind"), py::arg("keys") = py::none(),
+          "Waits for the operations of a kind (those moving any of `keys` when given): [(key, "
+          "exception or None)].")
       .def("discard", &Offloader::Discard, py::arg("key"))
       .def("trim", &Offloader::Trim, py::call_guard<py::gil_scoped_release>())
       .def("stored", &Offloader::stored, py::arg("key"))

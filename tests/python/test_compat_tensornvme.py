@@ -549,3 +549,33 @@ def _write_again_while_written(of: DiskOffloader) -> None:
     of.synchronize()
     of.sync_readv([x, y])
     assert torch.equal(x, x0) and torch.equal(y, y0) and of.stored_bytes == 0
+
+
+def test_a_sync_call_leaves_asynchronous_operations_to_their_wait(of: DiskOffloader) -> None:
+    """TensorNVMe's sync_write/sync_read move their own tensors with a plain write()/read():
+    an async_write or async_read of another tensor is done (memory freed, callback run) only by
+    sync_write_events()/sync_read_events()/synchronize()."""
+    a, b, c = torch.rand(1000), torch.rand(10), torch.rand(20)
+    a0, b0, c0 = a.clone(), b.clone(), c.clone()
+    calls: list[str] = []
+    of.async_write(a, lambda: calls.append("write a"))
+    of.sync_write(b)
+    of.sync_writev([c])
+    assert storage_bytes(b) == storage_bytes(c) == 0
+    assert storage_bytes(a) == 4000 and not calls and not of.is_offloaded(a)
+    of.sync_read(b)
+    assert storage_bytes(a) == 4000 and not calls
+    of.sync_write_events()
+    assert calls == ["write a"] and storage_bytes(a) == 0
+    of.async_read(a, lambda: calls.append("read a"))
+    of.sync_readv([c])
+    assert calls == ["write a"]
+    of.sync_read_events()
+    assert calls == ["write a", "read a"]
+    assert torch.equal(a, a0) and torch.equal(b, b0) and torch.equal(c, c0)
+    # A tensor written again by a sync call: both of its writes are done when it returns.
+    of.async_write(a)
+    of.sync_write(a)
+    assert storage_bytes(a) == 0 and of.stored_bytes == 4000
+    of.sync_read(a)
+    assert torch.equal(a, a0) and of.stored_bytes == 0

@@ -181,12 +181,12 @@ class DiskOffloader(_offload.DiskOffloader):
                 )
         with self._lock:
             try:
-                self._write(_one_per_storage(tensors), callback, supersede=True)
+                keys = self._write(_one_per_storage(tensors), callback, supersede=True)
             except ValueError as e:
                 raise WriteRefusedError(f"{what}: {e}") from e
             self._remember(tensors, vector)
-        if sync:
-            self.sync_write_events()
+        if sync:  # TensorNVMe's sync calls leave the asynchronous ones to their waits
+            self._wait("write", keys)
 
     def _compat_read(
         self,
@@ -217,11 +217,11 @@ class DiskOffloader(_offload.DiskOffloader):
                        if vector else "")
                 )
             try:
-                self._read(_one_per_storage(tensors), callback)
+                keys = self._read(_one_per_storage(tensors), callback)
             except ValueError as e:  # its memory was replaced: TensorNVMe's size check
                 raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
         if sync:
-            self.sync_read_events()
+            self._wait("read", keys)
 
     def _remember(self, tensors: list[Any], vector: bool) -> None:
         """Records the key the tensors were written under (a later write of one of them makes
