@@ -201,6 +201,17 @@ PYBIND11_MODULE(_core, m) {
           "(create if missing, keep contents); 'w' and 'a' files can be read too. `direct`: also "
           "open O_DIRECT where the filesystem allows (else `direct_fallback_reason` says why). "
           "Raises OSError.")
+      .def_static(
+          "open_descriptor",
+          [](int fd, const std::string& mode, bool direct) {
+            OpenMode parsed = ParseOpenMode(mode);
+            py::gil_scoped_release release;
+            return File::OpenDescriptor(fd, parsed, direct);
+          },
+          py::arg("fd"), py::arg("mode") = "r", py::arg("direct") = true,
+          "Opens again the file the descriptor `fd` refers to (it stays the caller's), as open() "
+          "does; named, in `path` and errors, by the descriptor's file. Raises OSError (EBADF "
+          "for a descriptor not open).")
       .def_property_readonly(
           "path", [](const File& f) { return PathToPython(f.path()); },
           "The path it was opened with.")

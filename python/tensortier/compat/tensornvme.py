@@ -49,7 +49,7 @@ from typing import Any
 from .. import _core
 from .. import offload as _offload
 from .._paths import fspath
-from ..io import IOFuture, IOHandle
+from ..io import File, IOFuture, IOHandle
 
 __all__ = [
     "AsyncFileWriter",
@@ -370,9 +370,10 @@ class _AsyncFileWriterCore:
                 raise
             raise error from e
         # The descriptor's file opened again by the engine, buffered as TensorNVMe's: writes of
-        # any size land at any offset, side by side, without read-modify-write of blocks.
+        # any size land at any offset, side by side, without read-modify-write of blocks. Errors
+        # name the descriptor's file.
         try:
-            self._file = self._io.open(f"/proc/self/fd/{fd}", "a", direct=False)
+            self._file = File.open_descriptor(fd, "a", direct=False)
         except BaseException:
             self._io.close()
             raise
@@ -481,9 +482,11 @@ class AsyncFileWriter:
     ``TENSORNVME_BACKEND`` takes its place when set). Differences, on the side of safety: a
     write that fails raises ``OSError`` from ``synchronize()`` (TensorNVMe ignores it); a
     CUDA tensor is copied to the host before ``write_tensor`` returns (``sync_before_step()``
-    has nothing left to wait for, whatever ``register_h2d`` was told); ``write`` takes any
-    bytes-like object (TensorNVMe: ``bytes``); a non-contiguous tensor is written as its
-    values in order.
+    has nothing left to wait for, whatever ``register_h2d`` was told: TensorNVMe's ``pthread``
+    backend blocks for good when fewer tensors than told were written, or more); ``write``
+    takes any bytes-like object (TensorNVMe: ``bytes``); a non-contiguous tensor is written as
+    its values in order; it runs without CUDA (TensorNVMe's makes a CUDA stream and fails).
+    Errors name the file: its path when the writer was made (where it is now if renamed).
     """
 
     def __init__(
