@@ -296,6 +296,8 @@ def test_constructor_errors_are_tensornvme_s(disk_dir: Path) -> None:
     a_file.write_bytes(b"x")
     with pytest.raises(AssertionError):
         DiskOffloader(str(a_file))
+    with pytest.raises(FileNotFoundError):  # os.mkdir: the directory, not its parents
+        DiskOffloader(str(disk_dir / "missing" / "dir"))
     for n_entries in (-1, 8.0, "16", None, [8]):
         with pytest.raises(TypeError):
             DiskOffloader(str(disk_dir), n_entries)  # type: ignore[arg-type]

@@ -19,9 +19,11 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
   fails to resize it) ``WriteRefusedError``, a ``RuntimeError`` and a ``ValueError``.
 - ``TENSORNVME_BACKEND``, when set and not empty, takes the place of the `backend` argument,
   as with TensorNVMe.
-- The constructor fails as TensorNVMe's: ``AssertionError`` when `dir_name` exists and is not
-  a directory, ``TypeError`` for an `n_entries` that is not a 32-bit unsigned integer (any
-  that is works: the engine's rings take the nearest depth they allow, 1 to 4096),
+- The constructor fails as TensorNVMe's: ``FileNotFoundError`` when the parent of a missing
+  `dir_name` is missing (it makes the directory, not its parents), ``AssertionError`` when
+  `dir_name` exists and is not a directory, ``TypeError`` for an `n_entries` that is not a
+  32-bit unsigned integer (any that is works: the engine's rings take the nearest depth they
+  allow, 1 to 4096),
   ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
   ``uring``, ``aio``, ``pthread`` and tensortier's own work), ``BackendUnavailableError`` (a
   ``RuntimeError``, and an ``OSError`` with errno) for one the kernel refuses here.
@@ -104,8 +106,11 @@ class DiskOffloader(_offload.DiskOffloader):
         if isinstance(dir_name, (str, bytes, os.PathLike)):
             # TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
             path = fspath(dir_name, "dir_name", bytes_ok=False)
-            # TensorNVMe: `assert os.path.isdir(dir_name)` once it exists.
-            if os.path.exists(path) and not os.path.isdir(path):
+            # TensorNVMe makes the directory first, not its parents (FileNotFoundError), then
+            # asserts it is one.
+            if not os.path.exists(path):
+                os.mkdir(path)
+            if not os.path.isdir(path):
                 raise AssertionError(f"dir_name {path!r} exists and is not a directory")
         entries = _queue_depth(n_entries)
         backend = _backend(backend)
