@@ -81,16 +81,13 @@ File File::Open(const std::string& path, OpenMode mode, bool direct, struct stat
 }
 
 File File::OpenDescriptor(int fd, OpenMode mode, bool direct, struct stat* status) {
-  const std::string link = StrCat("/proc/self/fd/", fd);
   std::string name = StrCat("fd ", fd);
-  if (fd >= 0) {
-    char target[4096];
-    const ssize_t n = readlink(link.c_str(), target, sizeof(target));
-    if (n > 0 && static_cast<size_t>(n) < sizeof(target)) name.assign(target, n);
-  }
-  if (fd < 0 || (access(link.c_str(), F_OK) != 0 && errno == ENOENT)) {
-    ThrowIoError(EBADF, "open (a descriptor not open)", name);
-  }
+  if (fd < 0 || fcntl(fd, F_GETFD) == -1) ThrowIoError(EBADF, "open (a descriptor not open)", name);
+  // Named once, by what the descriptor refers to now (where the file is if renamed).
+  const std::string link = StrCat("/proc/self/fd/", fd);
+  char target[4096];
+  const ssize_t n = readlink(link.c_str(), target, sizeof(target));
+  if (n > 0 && static_cast<size_t>(n) < sizeof(target)) name.assign(target, static_cast<size_t>(n));
   return OpenNamed(link, name, mode, direct, status);
 }
 
