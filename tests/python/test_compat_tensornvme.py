@@ -563,12 +563,16 @@ def test_a_sync_call_leaves_asynchronous_operations_to_their_wait(of: DiskOffloa
     of.async_write(a, lambda: calls.append("write a"))
     of.sync_write(b)
     of.sync_writev([c])
-    assert storage_bytes(b) == storage_bytes(c) == 0
-    assert storage_bytes(a) == 4000 and not calls and not of.is_offloaded(a)
+    # Byte counts taken first: a failed assert shows its operands, and showing a freed tensor
+    # reads memory it no longer has.
+    held = [storage_bytes(t) for t in (a, b, c)]
+    assert held == [4000, 0, 0] and not calls and not of.is_offloaded(a)
     of.sync_read(b)
-    assert storage_bytes(a) == 4000 and not calls
+    held = [storage_bytes(t) for t in (a, b)]
+    assert held == [4000, 40] and not calls
     of.sync_write_events()
-    assert calls == ["write a"] and storage_bytes(a) == 0
+    held = [storage_bytes(a)]
+    assert calls == ["write a"] and held == [0]
     of.async_read(a, lambda: calls.append("read a"))
     of.sync_readv([c])
     assert calls == ["write a"]
@@ -578,6 +582,7 @@ def test_a_sync_call_leaves_asynchronous_operations_to_their_wait(of: DiskOffloa
     # A tensor written again by a sync call: both of its writes are done when it returns.
     of.async_write(a)
     of.sync_write(a)
-    assert storage_bytes(a) == 0 and of.stored_bytes == 4000
+    held = [storage_bytes(a)]
+    assert held == [0] and of.stored_bytes == 4000
     of.sync_read(a)
     assert torch.equal(a, a0) and of.stored_bytes == 0
