@@ -485,7 +485,8 @@ def test_tensors_of_one_storage_in_one_vector_call(of: DiskOffloader, mode: str)
     else:
         of.async_writev(group)
         of.sync_write_events()
-    assert storage_bytes(t) == storage_bytes(other) == 0
+    held = [storage_bytes(t), storage_bytes(other)]  # not shown freed by a failing assert
+    assert held == [0, 0]
     assert of.stored_bytes == 64 + 12  # each storage once
     for wrong in ([t, other], [flat, t, other, other], [t]):
         with pytest.raises(RuntimeError, match="tensor not found"):
@@ -538,9 +539,11 @@ def _write_again_while_written(of: DiskOffloader) -> None:
     calls: list[int] = []
     of.async_write(x, lambda: calls.append(1))
     of.async_write(x, lambda: calls.append(2))
-    assert storage_bytes(x) == 4 << 16 and not calls
+    held = [storage_bytes(x)]  # not shown freed by a failing assert
+    assert held == [4 << 16] and not calls
     of.sync_write_events()
-    assert sorted(calls) == [1, 2] and storage_bytes(x) == 0
+    held = [storage_bytes(x)]
+    assert sorted(calls) == [1, 2] and held == [0]
     assert of.stored_bytes == 4 << 16  # the earlier copy's space is given back
     of.sync_read(x)
     assert torch.equal(x, x0) and of.stored_bytes == 0
