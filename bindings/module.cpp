@@ -201,6 +201,17 @@ PYBIND11_MODULE(_core, m) {
           "(create if missing, keep contents); 'w' and 'a' files can be read too. `direct`: also "
           "open O_DIRECT where the filesystem allows (else `direct_fallback_reason` says why). "
           "Raises OSError.")
+      .def_static(
+          "open_descriptor",
+          [](int fd, const std::string& mode, bool direct) {
+            OpenMode parsed = ParseOpenMode(mode);
+            py::gil_scoped_release release;
+            return File::OpenDescriptor(fd, parsed, direct);
+          },
+          py::arg("fd"), py::arg("mode") = "r", py::arg("direct") = true,
+          "Opens again the file the descriptor `fd` refers to (it stays the caller's), as open() "
+          "does; named, in `path` and errors, by the descriptor's file. Raises OSError (EBADF "
+          "for a descriptor not open).")
       .def_property_readonly(
           "path", [](const File& f) { return PathToPython(f.path()); },
           "The path it was opened with.")
@@ -336,12 +347,13 @@ PYBIND11_MODULE(_core, m) {
           py::arg("pieces"), "Starts reading (key, address, length) pieces in one submission.")
       .def(
           "wait",
-          [](Offloader& o, const std::string& kind) {
+          [](Offloader& o, const std::string& kind,
+             const std::optional<std::vector<uint64_t>>& keys) {
             OffloadKind parsed = ParseOffloadKind(kind);
             std::vector<OffloadOutcome> outcomes;
             {
               py::gil_scoped_release release;
-              outcomes = o.Wait(parsed);
+              outcomes = keys ? o.Wait(parsed, *keys) : o.Wait(parsed);
             }
             py::list out;
             for (const OffloadOutcome& r : outcomes) {
@@ -349,7 +361,9 @@ PYBIND11_MODULE(_core, m) {
             }
             return out;
           },
-          py::arg("kind"), "Waits for all operations of a kind: [(key, exception or None)].")
+          py::arg("kind"), py::arg("keys") = py::none(),
+          "Waits for the operations of a kind (those moving any of `keys` when given): [(key, "
+          "exception or None)].")
       .def("discard", &Offloader::Discard, py::arg("key"))
       .def("trim", &Offloader::Trim, py::call_guard<py::gil_scoped_release>())
       .def("stored", &Offloader::stored, py::arg("key"))

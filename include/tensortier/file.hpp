@@ -45,6 +45,12 @@ class File {
   // receives the opened file's fstat (saving the caller another).
   static File Open(const std::string& path, OpenMode mode, bool direct = true,
                    struct stat* status = nullptr);
+  // Opens again the file the caller's descriptor `fd` refers to (through /proc/self/fd, so a
+  // file renamed or unlinked since is still the one), as Open() does; `fd` stays the caller's.
+  // The File, and its errors, are named by the descriptor's target when /proc can say it, else
+  // "fd <n>". A descriptor not open is EBADF.
+  static File OpenDescriptor(int fd, OpenMode mode, bool direct = true,
+                             struct stat* status = nullptr);
 
   bool is_open() const noexcept { return impl_ != nullptr; }
   const std::string& path() const;
@@ -79,6 +85,9 @@ class File {
  private:
   struct Impl;
   explicit File(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  // Open() of `path`, named `name` (in path() and errors).
+  static File OpenNamed(const std::string& path, const std::string& name, OpenMode mode,
+                        bool direct, struct stat* status);
   std::shared_ptr<const Impl> impl_;
   const Impl& impl() const;
 };

@@ -24,6 +24,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -124,6 +125,9 @@ class Offloader {
   // When several threads wait for the same kind at once, each outcome goes to exactly one of them
   // (the one that applies it), and none returns before all operations it covers are applied.
   std::vector<OffloadOutcome> Wait(OffloadKind kind);
+  // Wait(kind) for the operations of `kind` started before the call that move any of `keys`
+  // (each whole: the other keys of a vector operation too); the others stay in flight.
+  std::vector<OffloadOutcome> Wait(OffloadKind kind, std::span<const uint64_t> keys);
   // Waits for both kinds; throws the first error.
   void Synchronize();
 
@@ -185,6 +189,9 @@ class Offloader {
   };
 
   void Start(OffloadKind kind, std::span<const OffloadPiece> pieces);
+  // Wait() for the operations of `kind` started before the call that `wanted` selects.
+  std::vector<OffloadOutcome> WaitFor(OffloadKind kind,
+                                      const std::function<bool(const Pending&)>& wanted);
   // Checks the pieces and claims their keys for `kind` (writes: placed too); undoes everything
   // and throws on any failure. REQUIRES: `lock` holds mu_.
   void Claim(OffloadKind kind, std::span<const OffloadPiece> pieces,

@@ -69,7 +69,8 @@ class _Entry:
     the storage lives.)"""
 
     __slots__ = ("key", "tensor_id", "tensor_ref", "storage_id", "storage_ref", "storage_gen",
-                 "alive", "nbytes", "state", "tensor", "storage", "callback", "finalizers")
+                 "alive", "nbytes", "state", "tensor", "storage", "callback", "finalizers",
+                 "superseded")
 
     def __init__(self, key: int, tensor: Any, nbytes: int) -> None:
         storage = tensor.untyped_storage()
@@ -88,6 +89,9 @@ class _Entry:
         self.storage: Any = storage
         self.callback: Callable[[], None] | None = None
         self.finalizers: dict[str, weakref.finalize] = {}
+        # A write whose tensor was written again before it was waited for: the later write's
+        # entry holds the tensor; this one only waits for its write, then gives its space back.
+        self.superseded = False
 
     def watch(self, offloader: "DiskOffloader", part: str, obj: Any) -> None:
         """Tell `offloader` when `obj` (the tensor or the storage) dies."""
@@ -229,25 +233,23 @@ class DiskOffloader:
     # ---- TensorNVMe's API -----------------------------------------------------------------
 
     def sync_write(self, tensor: Any) -> None:
-        """Writes `tensor` to disk, then frees its memory (its shape and dtype stay)."""
-        self._write([tensor], None)
-        self.sync_write_events()
+        """Writes `tensor` to disk, then frees its memory (its shape and dtype stay). As with
+        TensorNVMe, asynchronous writes of other tensors are left to their wait."""
+        self._wait("write", self._write([tensor], None))
 
     def sync_read(self, tensor: Any) -> None:
-        """Restores the memory and data of an offloaded `tensor`."""
-        self._read([tensor], None)
-        self.sync_read_events()
+        """Restores the memory and data of an offloaded `tensor` (asynchronous reads of other
+        tensors are left to their wait)."""
+        self._wait("read", self._read([tensor], None))
 
     def sync_writev(self, tensors: Sequence[Any]) -> None:
         """Writes several tensors in one submission, then frees their memory."""
-        self._write(list(tensors), None)
-        self.sync_write_events()
+        self._wait("write", self._write(list(tensors), None))
 
     def sync_readv(self, tensors: Sequence[Any]) -> None:
         """Restores several offloaded tensors in one submission (any order works; TensorNVMe
         needs the order they were written in)."""
-        self._read(list(tensors), None)
-        self.sync_read_events()
+        self._wait("read", self._read(list(tensors), None))
 
     def async_write(self, tensor: Any, callback: Callable[[], None] | None = None) -> None:
         """Starts writing `tensor`; its memory is freed when ``sync_write_events()`` or
@@ -484,7 +486,16 @@ class DiskOffloader:
         self._unmap(entry, "storage")
         entry.detach()
 
-    def _write(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
+    def _write(
+        self,
+        tensors: list[Any],
+        callback: Callable[[], None] | None,
+        supersede: bool = False,
+    ) -> list[int]:
+        """Starts writing `tensors`; returns the keys whose writes free their memory. With
+        `supersede` (TensorNVMe's rule), a tensor whose write runs is written again: the later
+        write is the one read back, the earlier one's space is given back when it is waited
+        for, and the memory is freed once both are done."""
         with self._lock:
             core = self._open()
             self._drain_forgotten()
@@ -494,9 +505,12 @@ class DiskOffloader:
             _check_distinct(tensors)
             if any((e := self._lookup(t)) is not None and e.state == "reading" for t in tensors):
                 self._settle("read")
+            superseded = []
             for t in tensors:
                 entry = self._lookup(t)
-                if entry is not None:
+                if entry is not None and supersede and entry.state == "writing":
+                    superseded.append(entry)
+                elif entry is not None:
                     raise ValueError(
                         "tensor is already offloaded"
                         if entry.state == "stored"
@@ -540,6 +554,9 @@ class DiskOffloader:
             for e, span in zip(entries, spans):
                 if span is not None:
                     self._submit_device("write", e, span)
+            for old in superseded:
+                old.superseded = True
+                old.detach()  # the later entry watches the tensor and its storage
             for e, t in zip(entries, tensors):
                 storage = t.untyped_storage()
                 self._by_id[id(t)] = e
@@ -547,8 +564,10 @@ class DiskOffloader:
                 self._by_key[e.key] = e
                 e.watch(self, "tensor", t)
                 e.watch(self, "storage", storage)
+            return [e.key for e in entries] + [e.key for e in superseded]
 
-    def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
+    def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> list[int]:
+        """Starts reading `tensors`; returns their keys."""
         import torch
 
         with self._lock:
@@ -578,6 +597,7 @@ class DiskOffloader:
             for t, e in zip(tensors, entries):
                 _check_read_target(t, e.nbytes)
             self._start_read(core, entries, tensors, callback, torch)
+            return [e.key for e in entries]
 
     def _start_read(
         self,
@@ -708,15 +728,19 @@ class DiskOffloader:
                 future.set_exception(e)
         self._device_jobs[kind].append((key, future))
 
-    def _wait(self, kind: str) -> None:
+    def _wait(self, kind: str, keys: Sequence[int] | None = None) -> None:
         """Waits for the operations of `kind`, runs their callbacks (every one, even if one
         raises), then raises the first I/O error (callbacks' errors as notes on it), else the
         first callback's error. An interrupt (Ctrl-C) raised by a callback is raised once the
-        others ran, the I/O errors kept for the next wait."""
-        errors, callbacks = self._collect(kind)
+        others ran, the I/O errors kept for the next wait. With `keys`, only the operations
+        moving them are waited for (and no error held for the next wait is raised)."""
+        errors, callbacks = self._collect(kind, keys=keys)
         with self._lock:
-            held_errors, held_callback_errors = self._undelivered[kind]
-            self._undelivered[kind] = ([], [])
+            if keys is None:
+                held_errors, held_callback_errors = self._undelivered[kind]
+                self._undelivered[kind] = ([], [])
+            else:
+                held_errors, held_callback_errors = [], []
         errors = held_errors + errors
         callback_errors = held_callback_errors + _run_callbacks(callbacks)
         interrupt = next((e for e in callback_errors if not isinstance(e, Exception)), None)
@@ -749,11 +773,12 @@ class DiskOffloader:
             raise interrupt
 
     def _collect(
-        self, kind: str, cancel_writes: bool = False
+        self, kind: str, cancel_writes: bool = False, keys: Sequence[int] | None = None
     ) -> tuple[list[BaseException], list[Callable[[], None]]]:
-        """Waits for every operation of `kind` in flight and applies the outcomes; returns the
-        errors and the callbacks due. With `cancel_writes` (close()), a finished write leaves
-        its tensor's memory and data as they are, and its callback does not run."""
+        """Waits for every operation of `kind` in flight (those moving `keys`, when given) and
+        applies the outcomes; returns the errors and the callbacks due. With `cancel_writes`
+        (close()), a finished write leaves its tensor's memory and data as they are, and its
+        callback does not run."""
         with self._lock:
             if self._core is None:
                 return [], []
@@ -761,9 +786,13 @@ class DiskOffloader:
             self._drain_forgotten()
             # Everything is waited for before any outcome is taken: an interrupt (Ctrl-C) while
             # waiting leaves them all to the next wait.
-            concurrent.futures.wait([f for _, f in self._device_jobs[kind]])
-            outcomes = list(self._core.wait(kind))
-            jobs, self._device_jobs[kind] = self._device_jobs[kind], []
+            wanted = None if keys is None else set(keys)
+            jobs = [j for j in self._device_jobs[kind] if wanted is None or j[0] in wanted]
+            concurrent.futures.wait([f for _, f in jobs])
+            outcomes = list(self._core.wait(kind, None if keys is None else sorted(wanted)))
+            self._device_jobs[kind] = (
+                [] if wanted is None else [j for j in self._device_jobs[kind] if j[0] not in wanted]
+            )
             for key, future in jobs:  # the C++ calls applied their outcome to the core already
                 error = future.exception()
                 outcomes.append((key, error))
@@ -781,6 +810,18 @@ class DiskOffloader:
                     continue
                 tensor, entry.tensor = entry.tensor, None
                 storage, entry.storage = entry.storage, None
+                if entry.superseded:
+                    # The later write holds the tensor (and frees its memory once done: it is
+                    # waited for with this one); this copy is not the one to read back.
+                    self._remove(entry)
+                    if error is None:
+                        self._core.discard(key)
+                    else:
+                        errors.append(error)
+                    if entry.callback is not None and not cancel_writes:
+                        callbacks.append(entry.callback)
+                    entry.callback = None
+                    continue
                 if error is not None:
                     errors.append(error)
                     if kind == "write":  # nothing was stored; the tensor is as it was

@@ -77,8 +77,24 @@ int RetryOpen(const char* path, int flags, mode_t perm) {
 }  // namespace
 
 File File::Open(const std::string& path, OpenMode mode, bool direct, struct stat* status) {
+  return OpenNamed(path, path, mode, direct, status);
+}
+
+File File::OpenDescriptor(int fd, OpenMode mode, bool direct, struct stat* status) {
+  std::string name = StrCat("fd ", fd);
+  if (fd < 0 || fcntl(fd, F_GETFD) == -1) ThrowIoError(EBADF, "open (a descriptor not open)", name);
+  // Named once, by what the descriptor refers to now (where the file is if renamed).
+  const std::string link = StrCat("/proc/self/fd/", fd);
+  char target[4096];
+  const ssize_t n = readlink(link.c_str(), target, sizeof(target));
+  if (n > 0 && static_cast<size_t>(n) < sizeof(target)) name.assign(target, static_cast<size_t>(n));
+  return OpenNamed(link, name, mode, direct, status);
+}
+
+File File::OpenNamed(const std::string& path, const std::string& name, OpenMode mode, bool direct,
+                     struct stat* status) {
   auto impl = std::make_shared<Impl>();
-  impl->path = path;
+  impl->path = name;
   int flags = O_CLOEXEC;
   switch (mode) {
     case OpenMode::kRead:
@@ -111,13 +127,13 @@ File File::Open(const std::string& path, OpenMode mode, bool direct, struct stat
       errno = access_error;
     }
   }
-  if (impl->buffered_fd < 0) ThrowIoError(errno, "open", path);
+  if (impl->buffered_fd < 0) ThrowIoError(errno, "open", name);
   // The status flags are the open's, less O_NONBLOCK (F_SETFL ignores the access mode and the
   // creation flags): no F_GETFL needed.
-  if (fcntl(impl->buffered_fd, F_SETFL, flags) != 0) ThrowIoError(errno, "fcntl", path);
+  if (fcntl(impl->buffered_fd, F_SETFL, flags) != 0) ThrowIoError(errno, "fcntl", name);
   struct stat st {};
-  if (fstat(impl->buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", path);
-  if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open", path);
+  if (fstat(impl->buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", name);
+  if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open", name);
   if (status != nullptr) *status = st;
   if (!direct) return File{std::move(impl)};
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
@@ -148,7 +164,7 @@ File File::Open(const std::string& path, OpenMode mode, bool direct, struct stat
     struct stat direct_st {};
     if (impl->direct_fd >= 0 && (fstat(impl->direct_fd, &direct_st) != 0 ||
                                  direct_st.st_dev != st.st_dev || direct_st.st_ino != st.st_ino)) {
-      ThrowIoError(ESTALE, "open (the file was replaced while being opened; open it again)", path);
+      ThrowIoError(ESTALE, "open (the file was replaced while being opened; open it again)", name);
     }
   }
   if (impl->direct_fd < 0) {

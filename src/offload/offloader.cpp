@@ -400,15 +400,29 @@ void Offloader::AsyncReadv(std::span<const OffloadPiece> pieces) {
 }
 
 std::vector<OffloadOutcome> Offloader::Wait(OffloadKind kind) {
+  return WaitFor(kind, [](const Pending&) { return true; });
+}
+
+std::vector<OffloadOutcome> Offloader::Wait(OffloadKind kind, std::span<const uint64_t> keys) {
+  return WaitFor(kind, [keys](const Pending& p) {
+    return std::any_of(p.keys.begin(), p.keys.end(), [keys](uint64_t k) {
+      return std::find(keys.begin(), keys.end(), k) != keys.end();
+    });
+  });
+}
+
+std::vector<OffloadOutcome> Offloader::WaitFor(OffloadKind kind,
+                                               const std::function<bool(const Pending&)>& wanted) {
   // Operations stay in pending_ while waited for: another thread's Wait may take them first, and
   // it must then also wait for them (and see them applied) before it returns.
   std::vector<Future> futures;
-  uint64_t limit;
+  std::vector<uint64_t> ids;  // of the operations this call waits for
   {
     std::lock_guard lock(mu_);
-    limit = next_pending_id_;
     for (const Pending& p : pending_) {
-      if (p.kind == kind && p.future.valid()) futures.push_back(p.future);
+      if (p.kind != kind || !wanted(p)) continue;
+      ids.push_back(p.id);
+      if (p.future.valid()) futures.push_back(p.future);
     }
   }
   for (const Future& f : futures) {
@@ -421,7 +435,7 @@ std::vector<OffloadOutcome> Offloader::Wait(OffloadKind kind) {
   // Those of our operations no other Wait (or Close) has applied meanwhile; all complete.
   std::vector<Pending> mine;
   auto split = std::stable_partition(pending_.begin(), pending_.end(), [&](const Pending& p) {
-    return p.kind != kind || p.id >= limit;
+    return p.kind != kind || !std::binary_search(ids.begin(), ids.end(), p.id);
   });
   std::move(split, pending_.end(), std::back_inserter(mine));
   pending_.erase(split, pending_.end());

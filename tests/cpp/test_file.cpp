@@ -18,6 +18,7 @@
 #include "tensortier/engine.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/file.hpp"
+#include "tensortier/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -238,6 +239,28 @@ TEST_F(FileTest, MissingFileThrowsENOENTNamingThePath) {
     EXPECT_EQ(e.path(), path);
     EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
     EXPECT_EQ(access(path.c_str(), F_OK), -1) << "a read open must not create the file";
+  }
+}
+
+TEST_F(FileTest, OpenDescriptorIsNamedByTheDescriptorsFile) {
+  const std::string path = dir_.File("data");
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10000, 5));
+  const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const std::string moved = dir_.File("moved");
+  ASSERT_EQ(rename(path.c_str(), moved.c_str()), 0);  // still the descriptor's file
+  {
+    File f = File::OpenDescriptor(fd, OpenMode::kCreate, /*direct=*/false);
+    EXPECT_EQ(f.path(), moved);
+    EXPECT_EQ(f.Size(), 10000u);
+    EXPECT_TRUE(f.readable()) << "opened again: not limited to the descriptor's access mode";
+  }
+  close(fd);
+  EXPECT_EQ(access(moved.c_str(), F_OK), 0) << "the file stays";
+  for (int bad : {fd, -1}) {  // closed now, and never a descriptor
+    IoError e = CaptureIoError([&] { File::OpenDescriptor(bad, OpenMode::kCreate); });
+    EXPECT_EQ(e.error_code(), EBADF);
+    EXPECT_EQ(e.path(), StrCat("fd ", bad));
   }
 }
 

@@ -352,6 +352,35 @@ TEST_P(OffloaderTest, WriteOfStoredOrInFlightKeyThrows) {
   Load(off, 1, 10000, 1);  // the first data, not overwritten
 }
 
+TEST_P(OffloaderTest, WaitForKeysAppliesOnlyTheirOperations) {
+  Offloader off(Options());
+  HostBuffer a = PatternBuffer(20000, 0, 1);
+  HostBuffer b = PatternBuffer(5000, 3, 2);
+  HostBuffer c = PatternBuffer(4096, 0, 3);
+  off.AsyncWrite(1, a.data(), a.size());
+  std::vector<OffloadPiece> vector{{2, b.data(), b.size()}, {3, c.data(), c.size()}};
+  off.AsyncWritev(vector);
+  off.AsyncWrite(4, c.data(), c.size());
+
+  const uint64_t none[] = {99};
+  EXPECT_TRUE(off.Wait(OffloadKind::kWrite, none).empty()) << "no operation moves key 99";
+  const uint64_t three[] = {3};
+  EXPECT_TRUE(AllOk(off.Wait(OffloadKind::kWrite, three), {2, 3})) << "the whole vector";
+  EXPECT_TRUE(off.stored(2) && off.stored(3));
+  EXPECT_TRUE(off.pending(1) && off.pending(4)) << "the others stay in flight";
+  EXPECT_FALSE(off.stored(1));
+  EXPECT_TRUE(off.Wait(OffloadKind::kRead, three).empty()) << "another kind";
+
+  HostBuffer back(5000, 0);
+  off.AsyncRead(2, back.data(), back.size());
+  const uint64_t two[] = {2};
+  EXPECT_TRUE(off.Wait(OffloadKind::kWrite, two).empty()) << "applied already";
+  EXPECT_TRUE(AllOk(off.Wait(OffloadKind::kRead, two), {2}));
+  EXPECT_TRUE(MatchesPattern(back.data(), back.size(), 2));
+  EXPECT_TRUE(AllOk(off.Wait(OffloadKind::kWrite), {1, 4}));
+  EXPECT_EQ(off.stored_bytes(), 20000u + 4096u + 4096u);
+}
+
 TEST_P(OffloaderTest, FailingWritevStartsNone) {
   Offloader off(Options());
   Store(off, 5, 5000, 5);

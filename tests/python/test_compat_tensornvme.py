@@ -296,6 +296,8 @@ def test_constructor_errors_are_tensornvme_s(disk_dir: Path) -> None:
     a_file.write_bytes(b"x")
     with pytest.raises(AssertionError):
         DiskOffloader(str(a_file))
+    with pytest.raises(FileNotFoundError):  # os.mkdir: the directory, not its parents
+        DiskOffloader(str(disk_dir / "missing" / "dir"))
     for n_entries in (-1, 8.0, "16", None, [8]):
         with pytest.raises(TypeError):
             DiskOffloader(str(disk_dir), n_entries)  # type: ignore[arg-type]
@@ -466,3 +468,124 @@ def test_tensors_that_cannot_be_offloaded_are_runtime_errors(of: DiskOffloader) 
     assert foreign.tolist() == list(range(8)) and storage_bytes(other) == 12
     of.synchronize()
     assert of.stored_bytes == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tensors_of_one_storage_in_one_vector_call(of: DiskOffloader, mode: str) -> None:
+    """TensorNVMe keys a vector by the tuple of its tensors and moves each one's whole storage:
+    a tensor and a view of all of it (or the same tensor twice) go in one writev and come back
+    by the readv of the same list; other groupings are its "not found"."""
+    t = torch.rand(4, 4)
+    flat = t.view(-1)
+    other = torch.rand(3)
+    t0, other0 = t.clone(), other.clone()
+    group: list[torch.Tensor] = [t, flat, other, other]
+    if mode == "sync":
+        of.sync_writev(group)
+    else:
+        of.async_writev(group)
+        of.sync_write_events()
+    held = [storage_bytes(t), storage_bytes(other)]  # not shown freed by a failing assert
+    assert held == [0, 0]
+    assert of.stored_bytes == 64 + 12  # each storage once
+    for wrong in ([t, other], [flat, t, other, other], [t]):
+        with pytest.raises(RuntimeError, match="tensor not found"):
+            of.sync_readv(wrong)
+    with pytest.raises(RuntimeError, match="tensor not found"):
+        of.sync_read(flat)
+    if mode == "sync":
+        of.sync_readv(group)
+    else:
+        of.async_readv(group)
+        of.sync_read_events()
+    assert torch.equal(t, t0) and torch.equal(flat, t0.view(-1)) and torch.equal(other, other0)
+    assert of.stored_bytes == 0
+
+
+def test_a_view_of_part_of_a_storage_stays_refused_in_a_vector(of: DiskOffloader) -> None:
+    """TensorNVMe moves a view's whole storage from the view's address: past the storage's end
+    for a view that does not start it, and its read is a "shape mismatch". Refused before
+    anything moves here."""
+    from tensortier.compat.tensornvme import WriteRefusedError
+
+    base = torch.rand(2, 8)
+    base0 = base.clone()
+    for group in ([base, base[1]], [base[0], base[1]], [base, base[0]]):
+        with pytest.raises(WriteRefusedError):
+            of.sync_writev(group)
+    assert torch.equal(base, base0) and of.stored_bytes == 0
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_writing_a_tensor_again_while_its_write_runs(disk_dir: Path, path: str) -> None:
+    """TensorNVMe takes a second async_write of a tensor whose write still runs (its key then
+    names the later write): both writes run, both callbacks run at the wait, the memory is
+    freed once both are done, and a read brings back the later write's data. "device": the
+    path of CUDA tensors, its copies done by memcpy."""
+    copier = {"host": "cuda", "device": "memcpy"}[path]
+    with DiskOffloader(str(disk_dir), backend="threads", _device_copier=copier) as of:
+        _write_again_while_written(of)
+        z = torch.rand(10)
+        z0 = z.clone()
+        of.async_write(z)
+        of.async_write(z)
+    # Closed with both writes not waited for: cancelled, the tensor keeps its memory and data.
+    assert torch.equal(z, z0)
+
+
+def _write_again_while_written(of: DiskOffloader) -> None:
+    x = torch.rand(1 << 16)
+    x0 = x.clone()
+    calls: list[int] = []
+    of.async_write(x, lambda: calls.append(1))
+    of.async_write(x, lambda: calls.append(2))
+    held = [storage_bytes(x)]  # not shown freed by a failing assert
+    assert held == [4 << 16] and not calls
+    of.sync_write_events()
+    held = [storage_bytes(x)]
+    assert sorted(calls) == [1, 2] and held == [0]
+    assert of.stored_bytes == 4 << 16  # the earlier copy's space is given back
+    of.sync_read(x)
+    assert torch.equal(x, x0) and of.stored_bytes == 0
+    y = torch.rand(100)
+    y0 = y.clone()
+    of.async_writev([x, y])
+    of.async_writev([x, y])
+    of.synchronize()
+    of.sync_readv([x, y])
+    assert torch.equal(x, x0) and torch.equal(y, y0) and of.stored_bytes == 0
+
+
+def test_a_sync_call_leaves_asynchronous_operations_to_their_wait(of: DiskOffloader) -> None:
+    """TensorNVMe's sync_write/sync_read move their own tensors with a plain write()/read():
+    an async_write or async_read of another tensor is done (memory freed, callback run) only by
+    sync_write_events()/sync_read_events()/synchronize()."""
+    a, b, c = torch.rand(1000), torch.rand(10), torch.rand(20)
+    a0, b0, c0 = a.clone(), b.clone(), c.clone()
+    calls: list[str] = []
+    of.async_write(a, lambda: calls.append("write a"))
+    of.sync_write(b)
+    of.sync_writev([c])
+    # Byte counts taken first: a failed assert shows its operands, and showing a freed tensor
+    # reads memory it no longer has.
+    held = [storage_bytes(t) for t in (a, b, c)]
+    assert held == [4000, 0, 0] and not calls and not of.is_offloaded(a)
+    of.sync_read(b)
+    held = [storage_bytes(t) for t in (a, b)]
+    assert held == [4000, 40] and not calls
+    of.sync_write_events()
+    held = [storage_bytes(a)]
+    assert calls == ["write a"] and held == [0]
+    of.async_read(a, lambda: calls.append("read a"))
+    of.sync_readv([c])
+    assert calls == ["write a"]
+    of.sync_read_events()
+    assert calls == ["write a", "read a"]
+    assert torch.equal(a, a0) and torch.equal(b, b0) and torch.equal(c, c0)
+    # A tensor written again by a sync call: both of its writes are done when it returns.
+    of.async_write(a)
+    of.sync_write(a)
+    held = [storage_bytes(a)]
+    assert held == [0] and of.stored_bytes == 4000
+    of.sync_read(a)
+    assert torch.equal(a, a0) and of.stored_bytes == 0

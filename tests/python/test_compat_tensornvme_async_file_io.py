@@ -7,6 +7,7 @@ import errno
 import gc
 import json
 import os
+import resource
 import struct
 from pathlib import Path
 
@@ -128,13 +129,39 @@ def test_callbacks_run_at_synchronize_and_free_the_sources(disk_dir: Path) -> No
 
 
 def test_a_failed_write_raises_from_synchronize() -> None:
-    """/dev/full refuses every write (ENOSPC): TensorNVMe ignores it; this raises OSError."""
+    """/dev/full refuses every write (ENOSPC): TensorNVMe ignores it; this raises OSError,
+    naming the file (not the descriptor's /proc link)."""
     w = AsyncFileWriter("/dev/full", backend="pthread")
     w.write(b"x" * 5000)
     with pytest.raises(OSError) as raised:
         w.synchronize()
     assert raised.value.errno == errno.ENOSPC
+    assert raised.value.filename == "/dev/full" and "/proc" not in str(raised.value)
     w.synchronize()  # nothing left
+
+
+def test_the_writer_names_the_file_of_its_descriptor(disk_dir: Path) -> None:
+    """TensorNVMe's C++ writer takes a descriptor; ours names its file (renamed since, too),
+    or the descriptor's number when it is not open."""
+    from tensortier.compat.tensornvme import _AsyncFileWriterCore
+
+    path, moved = disk_dir / "n.bin", disk_dir / "renamed.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o664)
+    try:
+        os.rename(path, moved)
+        core = _AsyncFileWriterCore(fd, 8, backend="pthread")
+        try:
+            assert core._file.path == str(moved)  # noqa: SLF001
+            core.write(0, 0, 0)
+            core.synchronize()
+        finally:
+            core.close()
+    finally:
+        os.close(fd)
+    never_open = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # descriptors are below it
+    with pytest.raises(OSError) as raised:
+        _AsyncFileWriterCore(never_open, 8, backend="pthread")
+    assert raised.value.errno == errno.EBADF and raised.value.filename == f"fd {never_open}"
 
 
 def test_errors_are_tensornvme_s(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,10 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
   ``sync_read``/``async_read``, ``sync_writev``/``async_writev`` by the vector reads of the same
   tensors in the same order (TensorNVMe keys a vector by the tuple of its tensors). Anything else
   is "not found": ``RuntimeError``, as is reading a tensor not offloaded, and reading into a
-  tensor whose size changed ("shape mismatch").
+  tensor whose size changed ("shape mismatch"). A vector may hold tensors of one storage that
+  each cover all of it (a tensor and a view of it, the same tensor twice): the storage moves
+  once. A view of part of a storage is refused (``WriteRefusedError``): TensorNVMe moves the
+  whole storage from the view's address, past its end.
 - A tensor given where a list is expected raises what TensorNVMe raises (``RuntimeError`` from
   torch when iterating an offloaded tensor, else ``TypeError``); writing a tensor without memory
   (offloaded already, or with no elements) raises ``AssertionError``; a non-contiguous tensor
@@ -16,12 +19,17 @@ included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
   fails to resize it) ``WriteRefusedError``, a ``RuntimeError`` and a ``ValueError``.
 - ``TENSORNVME_BACKEND``, when set and not empty, takes the place of the `backend` argument,
   as with TensorNVMe.
-- The constructor fails as TensorNVMe's: ``AssertionError`` when `dir_name` exists and is not
-  a directory, ``TypeError`` for an `n_entries` that is not a 32-bit unsigned integer (any
-  that is works: the engine's rings take the nearest depth they allow, 1 to 4096),
+- The constructor fails as TensorNVMe's: ``FileNotFoundError`` when the parent of a missing
+  `dir_name` is missing (it makes the directory, not its parents), ``AssertionError`` when
+  `dir_name` exists and is not a directory, ``TypeError`` for an `n_entries` that is not a
+  32-bit unsigned integer (any that is works: the engine's rings take the nearest depth they
+  allow, 1 to 4096),
   ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
   ``uring``, ``aio``, ``pthread`` and tensortier's own work), ``BackendUnavailableError`` (a
   ``RuntimeError``, and an ``OSError`` with errno) for one the kernel refuses here.
+- A tensor whose write runs may be written again, as with TensorNVMe: both writes run, both
+  callbacks run when the writes are waited for, the memory is freed once both are done, and a
+  read brings back the later write.
 - Every refused call leaves its tensors exactly as they were (TensorNVMe resizes the storage of
   a tensor it then fails to read).
 
@@ -43,7 +51,7 @@ from typing import Any
 from .. import _core
 from .. import offload as _offload
 from .._paths import fspath
-from ..io import IOFuture, IOHandle
+from ..io import File, IOFuture, IOHandle
 
 __all__ = [
     "AsyncFileWriter",
@@ -68,7 +76,7 @@ class BackendUnavailableError(OSError, RuntimeError):
 
 class WriteRefusedError(ValueError, RuntimeError):
     """A tensor that cannot be offloaded (its storage cannot be resized, as numpy's; it is not
-    in CPU or CUDA memory; it is part of a larger storage; its write runs already): where
+    in CPU or CUDA memory; it is part of a larger storage): where
     TensorNVMe fails it does so with ``RuntimeError`` (from torch, or its "Tensor must be
     contiguous and on cpu"); tensortier's offloader with ``ValueError``. This is both, and
     nothing was written."""
@@ -98,8 +106,11 @@ class DiskOffloader(_offload.DiskOffloader):
         if isinstance(dir_name, (str, bytes, os.PathLike)):
             # TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
             path = fspath(dir_name, "dir_name", bytes_ok=False)
-            # TensorNVMe: `assert os.path.isdir(dir_name)` once it exists.
-            if os.path.exists(path) and not os.path.isdir(path):
+            # TensorNVMe makes the directory first, not its parents (FileNotFoundError), then
+            # asserts it is one.
+            if not os.path.exists(path):
+                os.mkdir(path)
+            if not os.path.isdir(path):
                 raise AssertionError(f"dir_name {path!r} exists and is not a directory")
         entries = _queue_depth(n_entries)
         backend = _backend(backend)
@@ -175,12 +186,12 @@ class DiskOffloader(_offload.DiskOffloader):
                 )
         with self._lock:
             try:
-                self._write(tensors, callback)
+                keys = self._write(_one_per_storage(tensors), callback, supersede=True)
             except ValueError as e:
                 raise WriteRefusedError(f"{what}: {e}") from e
             self._remember(tensors, vector)
-        if sync:
-            self.sync_write_events()
+        if sync:  # TensorNVMe's sync calls leave the asynchronous ones to their waits
+            self._wait("write", keys)
 
     def _compat_read(
         self,
@@ -211,11 +222,11 @@ class DiskOffloader(_offload.DiskOffloader):
                        if vector else "")
                 )
             try:
-                self._read(tensors, callback)
+                keys = self._read(_one_per_storage(tensors), callback)
             except ValueError as e:  # its memory was replaced: TensorNVMe's size check
                 raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
         if sync:
-            self.sync_read_events()
+            self._wait("read", keys)
 
     def _remember(self, tensors: list[Any], vector: bool) -> None:
         """Records the key the tensors were written under (a later write of one of them makes
@@ -315,6 +326,27 @@ def _tensors(what: str, given: Any, vector: bool) -> list[Any]:
     return tensors
 
 
+def _one_per_storage(tensors: list[Any]) -> list[Any]:
+    """The tensors whose storages a call moves. TensorNVMe moves each tensor's whole storage: a
+    tensor that covers all of an earlier one's storage (a view of all of it, the same tensor
+    again) adds nothing to move. Other tensors of one storage stay, for the offloader to refuse
+    (TensorNVMe would move bytes past the storage's end)."""
+    first: dict[int, tuple[Any, Any]] = {}  # id(storage) -> (storage, its first tensor)
+    moved = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen = first.get(id(storage))
+        if seen is None:
+            first[id(storage)] = (storage, t)
+        elif (
+            t.storage_offset() == seen[1].storage_offset() == 0
+            and t.numel() * t.element_size() == seen[1].numel() * seen[1].element_size()
+        ):
+            continue
+        moved.append(t)
+    return moved
+
+
 def _require_contiguous(tensor: Any) -> None:
     if not tensor.is_contiguous():
         raise RuntimeError("Tensor must be contiguous")
@@ -343,9 +375,10 @@ class _AsyncFileWriterCore:
                 raise
             raise error from e
         # The descriptor's file opened again by the engine, buffered as TensorNVMe's: writes of
-        # any size land at any offset, side by side, without read-modify-write of blocks.
+        # any size land at any offset, side by side, without read-modify-write of blocks. Errors
+        # name the descriptor's file.
         try:
-            self._file = self._io.open(f"/proc/self/fd/{fd}", "a", direct=False)
+            self._file = File.open_descriptor(fd, "a", direct=False)
         except BaseException:
             self._io.close()
             raise
@@ -454,9 +487,11 @@ class AsyncFileWriter:
     ``TENSORNVME_BACKEND`` takes its place when set). Differences, on the side of safety: a
     write that fails raises ``OSError`` from ``synchronize()`` (TensorNVMe ignores it); a
     CUDA tensor is copied to the host before ``write_tensor`` returns (``sync_before_step()``
-    has nothing left to wait for, whatever ``register_h2d`` was told); ``write`` takes any
-    bytes-like object (TensorNVMe: ``bytes``); a non-contiguous tensor is written as its
-    values in order.
+    has nothing left to wait for, whatever ``register_h2d`` was told: TensorNVMe's ``pthread``
+    backend blocks for good when fewer tensors than told were written, or more); ``write``
+    takes any bytes-like object (TensorNVMe: ``bytes``); a non-contiguous tensor is written as
+    its values in order; it runs without CUDA (TensorNVMe's makes a CUDA stream and fails).
+    Errors name the file: its path when the writer was made (where it is now if renamed).
     """
 
     def __init__(
