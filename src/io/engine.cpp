@@ -308,7 +308,7 @@ class Worker {
       for (size_t i = 0; i < n; ++i) {
         Task* t = reinterpret_cast<Task*>(completions[i].user_data);
         Unslot(t);
-        Complete(t, completions[i].result);
+        Complete(t, completions[i]);
       }
     }
   }
@@ -364,8 +364,20 @@ class Worker {
     }
   }
 
-  void Complete(Task* t, int64_t result) {
+  void Complete(Task* t, const IoCompletion& completion) {
     const Operation& op = *t->op;
+    const int64_t result = completion.result;
+    if (completion.refused) {
+      // The ring could not take it (EAGAIN: out of resources, EBUSY: completion queue overflow):
+      // the caller hears why, rather than the worker resubmitting into a ring that refuses.
+      t->op->Fail(
+          std::make_exception_ptr(IoError(static_cast<int>(-result),
+                                          StrCat(op.op == IoOp::kRead ? "read" : "write", " (",
+                                                 backend_->name(), " refused to submit it)"),
+                                          op.pieces[t->piece].file.path(), t->offset, t->length)));
+      Finish(t);
+      return;
+    }
     if (result == -EINTR || result == -EAGAIN) {  // not an error: the kernel asks to try again
       if (++t->retries <= kMaxRetries) {
         retry_.push_back(t);
