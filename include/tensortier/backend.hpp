@@ -32,6 +32,9 @@ struct IoRequest {
 struct IoCompletion {
   uint64_t user_data;
   int64_t result;  // bytes transferred, or -errno
+  // The submission refused the request (result says why): it never started. Final, even for
+  // EAGAIN, which in a completion asks for the request again.
+  bool refused = false;
 };
 
 enum class BackendKind { kIoUring, kLibaio, kThreads };
@@ -50,7 +53,8 @@ class Backend {
   // Most requests that may be in flight at once.
   virtual unsigned depth() const noexcept = 0;
   // Starts all `requests`. REQUIRES: in-flight count + requests.size() <= depth().
-  // Throws IoError if the submission itself fails; then none of `requests` is in flight.
+  // A request the kernel refuses to start completes (once, through Reap) with `refused` set.
+  // Throws if the submission itself cannot be made; then none of `requests` is in flight.
   virtual void Submit(std::span<const IoRequest> requests) = 0;
   // Stores up to out.size() completions; blocks until at least `min_wait` (<= in flight) exist.
   virtual size_t Reap(std::span<IoCompletion> out, unsigned min_wait) = 0;

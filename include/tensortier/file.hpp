@@ -76,6 +76,10 @@ class File {
   void Truncate(uint64_t size) const;
   // Reserves [offset, offset+length) on disk (posix fallocate mode 0). Throws IoError (ENOSPC...).
   void Allocate(uint64_t offset, uint64_t length) const;
+  // Gives back the disk space of [offset, offset+length), which then reads as zeros; the size
+  // stays (fallocate PUNCH_HOLE | KEEP_SIZE). Throws IoError (EOPNOTSUPP where the filesystem
+  // cannot).
+  void PunchHole(uint64_t offset, uint64_t length) const;
   void DataSync() const;
   // Drops clean page-cache pages of the file (posix_fadvise DONTNEED); used for cold reads.
   void DropCache() const;

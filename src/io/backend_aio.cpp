@@ -72,8 +72,11 @@ class AioBackend final : public Backend {
       if (rc == -EINTR) continue;
       if (rc < 0) {
         iocb* refused = batch[done++];
-        refused_.push_back({reinterpret_cast<uint64_t>(refused->data),
-                            rc == -EINVAL ? Synchronously(*refused) : rc});
+        if (rc == -EINVAL) {
+          refused_.push_back({reinterpret_cast<uint64_t>(refused->data), Synchronously(*refused)});
+        } else {
+          refused_.push_back({reinterpret_cast<uint64_t>(refused->data), rc, /*refused=*/true});
+        }
         free_.push_back(refused);
         continue;
       }

@@ -308,7 +308,7 @@ class Worker {
       for (size_t i = 0; i < n; ++i) {
         Task* t = reinterpret_cast<Task*>(completions[i].user_data);
         Unslot(t);
-        Complete(t, completions[i].result);
+        Complete(t, completions[i]);
       }
     }
   }
@@ -364,8 +364,20 @@ class Worker {
     }
   }
 
-  void Complete(Task* t, int64_t result) {
+  void Complete(Task* t, const IoCompletion& completion) {
     const Operation& op = *t->op;
+    const int64_t result = completion.result;
+    if (completion.refused) {
+      // The ring could not take it (EAGAIN: out of resources, EBUSY: completion queue overflow):
+      // the caller hears why, rather than the worker resubmitting into a ring that refuses.
+      t->op->Fail(
+          std::make_exception_ptr(IoError(static_cast<int>(-result),
+                                          StrCat(op.op == IoOp::kRead ? "read" : "write", " (",
+                                                 backend_->name(), " refused to submit it)"),
+                                          op.pieces[t->piece].file.path(), t->offset, t->length)));
+      Finish(t);
+      return;
+    }
     if (result == -EINTR || result == -EAGAIN) {  // not an error: the kernel asks to try again
       if (++t->retries <= kMaxRetries) {
         retry_.push_back(t);
@@ -847,13 +859,19 @@ void ValidatePiece(IoOp op, const IoDesc& piece) {
 // A refused fallocate may have kept what fit: ext4 allocates up to the full filesystem and moves
 // the size there before it says ENOSPC, which left a write that moved no byte holding the space.
 // The file goes back to `keep` (its size before, or the write's offset past it) while its size
-// still lies within the range [keep, end): a size beyond it is another operation's, and so is
-// anything below the write's offset, which a concurrent write may have reserved since. Best
-// effort: the refusal is the error to report, whatever happens here.
+// still lies within the range [keep, end): anything below the write's offset may have been
+// reserved since by a concurrent write. A size beyond the range (a later piece of the operation
+// past a gap kept it there, or another operation moved it) cannot come back: the range's blocks
+// are given back instead, the size staying. Best effort: the refusal is the error to report,
+// whatever happens here.
 void GiveBackPartialReservation(const File& file, uint64_t keep, uint64_t end) noexcept {
   try {
     const uint64_t now = file.Size();
-    if (now > keep && now <= end) file.Truncate(keep);
+    if (now > keep && now <= end) {
+      file.Truncate(keep);
+    } else if (now > end) {
+      file.PunchHole(keep, end - keep);
+    }
   } catch (...) {  // the refusal is what the caller hears about
   }
 }

@@ -32,7 +32,7 @@ struct FaultPlan {
   uint64_t count = 1;
   bool reads = true;  // which ops are eligible
   bool writes = true;
-  uint32_t steps = 0;  // FileStep bits (1 << step) whose system calls are eligible
+  uint32_t steps = 0;        // FileStep bits (1 << step) whose system calls are eligible
   uint64_t short_bytes = 0;  // kShort: the completion reports at most this many bytes (0 = half)
   std::chrono::microseconds delay{1000};
 };
@@ -55,6 +55,15 @@ class FaultInjector {
   std::atomic<uint64_t> seen_{0};
   std::atomic<uint64_t> hits_{0};
 };
+
+// A fault inside the io_uring backend, below the seam the wrapper above works at: liburing makes
+// its system calls itself, so neither that wrapper nor LD_PRELOAD reaches them. The next
+// submission of any io_uring backend in this process hands the kernel at most `accepted` of its
+// entries, and the kernel's answer for the rest is -`error` (EAGAIN: out of resources; EBUSY:
+// completion queue overflow), leaving the ring as a real short or refused io_uring_enter does.
+void InjectUringSubmitFault(unsigned accepted, int error) noexcept;
+// Whether the injected fault still waits for a submission.
+bool UringSubmitFaultPending() noexcept;
 
 std::unique_ptr<Backend> MakeFaultInjectingBackend(std::unique_ptr<Backend> inner,
                                                    std::shared_ptr<FaultInjector> injector);

@@ -239,6 +239,16 @@ void File::Allocate(uint64_t offset, uint64_t length) const {
   if (rc != 0) ThrowIoError(errno, "fallocate", impl().path, offset, length);
 }
 
+void File::PunchHole(uint64_t offset, uint64_t length) const {
+  if (length == 0) return;
+  int rc;
+  do {
+    rc = fallocate(impl().buffered_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                   static_cast<off_t>(offset), static_cast<off_t>(length));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) ThrowIoError(errno, "fallocate(PUNCH_HOLE)", impl().path, offset, length);
+}
+
 void File::DataSync() const {
   int rc;
   do {

@@ -9,15 +9,18 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/backend.hpp"
 #include "tensortier/engine.hpp"
 #include "tensortier/error.hpp"
+#include "tensortier/fault_injection.hpp"
 #include "tensortier/file.hpp"
 #include "test_util.hpp"
 
@@ -551,6 +554,168 @@ TEST(BounceAllocationTest, ABounceBufferThatCannotBeMappedFailsTheOperationWithE
   EXPECT_EQ(WEXITSTATUS(status), 0)
       << "11: no limit set, 12: the read succeeded, 13: wrong error, 14: not an IoError";
 #endif
+}
+
+// A refused or short io_uring submission, injected inside the io_uring backend (the seam above
+// cannot reach liburing's own system calls). The ring must not keep the entries the kernel did
+// not take: the next submission would start them, for requests already completed.
+class UringSubmitFaultTest : public ::testing::Test {
+ protected:
+  static constexpr unsigned kDepth = 8;
+  static constexpr uint64_t kBlock = 4096;
+
+  void SetUp() override {
+    if (!BackendCompiledIn(BackendKind::kIoUring)) GTEST_SKIP() << "io_uring not built";
+    const std::string& why = testing::BackendRefusedHere(BackendKind::kIoUring);
+    if (!why.empty() && std::getenv("CI") == nullptr) GTEST_SKIP() << why;
+    ASSERT_NO_FATAL_FAILURE(WritePatternFile(path_, kDepth * kBlock, 7));
+    file_ = File::Open(path_, OpenMode::kReadWrite, /*direct=*/false);
+    backend_ = MakeBackend(BackendKind::kIoUring, kDepth);
+  }
+  void TearDown() override { InjectUringSubmitFault(0, 0); }  // disarmed, whatever happened
+
+  // Block `block` of the file into buffer `slot`, the request's user data the slot.
+  IoRequest ReadBlock(unsigned slot, unsigned block) {
+    return {IoOp::kRead, file_.buffered_fd(), buffers_.data() + slot * kBlock,
+            kBlock,      block * kBlock,      slot};
+  }
+
+  // Every completion of the `expected` requests in flight, then whatever else the ring holds.
+  std::vector<IoCompletion> ReapAll(size_t expected) {
+    std::vector<IoCompletion> all;
+    std::vector<IoCompletion> out(kDepth);
+    while (all.size() < expected) {
+      const size_t n = backend_->Reap(out, 1);
+      all.insert(all.end(), out.begin(), out.begin() + static_cast<ptrdiff_t>(n));
+    }
+    const size_t extra = backend_->Reap(out, 0);
+    all.insert(all.end(), out.begin(), out.begin() + static_cast<ptrdiff_t>(extra));
+    return all;
+  }
+
+  // Submits reads of blocks 0..count-1 into slots 0..count-1 with the fault armed; expects the
+  // first `accepted` to read their block and the rest to complete once, refused with `error`.
+  void ExpectRefusedAfter(unsigned count, unsigned accepted, int error) {
+    std::memset(buffers_.data(), 0xEE, buffers_.size());
+    std::vector<IoRequest> batch;
+    for (unsigned i = 0; i < count; ++i) batch.push_back(ReadBlock(i, i));
+    InjectUringSubmitFault(accepted, error);
+    backend_->Submit(batch);
+    EXPECT_FALSE(UringSubmitFaultPending());
+    std::vector<int> seen(count, 0);
+    for (const IoCompletion& c : ReapAll(count)) {
+      ASSERT_LT(c.user_data, count);
+      ++seen[c.user_data];
+      if (c.user_data < accepted) {
+        EXPECT_FALSE(c.refused);
+        EXPECT_EQ(c.result, static_cast<int64_t>(kBlock));
+        EXPECT_TRUE(MatchesPattern(buffers_.data() + c.user_data * kBlock, kBlock, 7,
+                                   c.user_data * kBlock));
+      } else {
+        EXPECT_TRUE(c.refused) << c.user_data;
+        EXPECT_EQ(c.result, -error) << c.user_data;
+      }
+    }
+    for (unsigned i = 0; i < count; ++i) EXPECT_EQ(seen[i], 1) << "request " << i;
+  }
+
+  // A batch after the refusal, into other slots: each reads its block, and no completion comes
+  // for the refused requests, whose buffers nobody writes.
+  void ExpectTheNextBatchRunsAlone(unsigned refused_from, unsigned refused_to) {
+    std::vector<IoRequest> batch;
+    for (unsigned i = 0; i < kDepth - refused_to; ++i) {
+      batch.push_back(ReadBlock(refused_to + i, kDepth - 1 - i));
+    }
+    backend_->Submit(batch);
+    std::vector<int> seen(kDepth, 0);
+    for (const IoCompletion& c : ReapAll(batch.size())) {
+      ASSERT_LT(c.user_data, kDepth);
+      ASSERT_GE(c.user_data, refused_to) << "a completion for a request that was refused";
+      ++seen[c.user_data];
+      EXPECT_FALSE(c.refused);
+      EXPECT_EQ(c.result, static_cast<int64_t>(kBlock));
+      const uint64_t block = kDepth - 1 - (c.user_data - refused_to);
+      EXPECT_TRUE(
+          MatchesPattern(buffers_.data() + c.user_data * kBlock, kBlock, 7, block * kBlock));
+    }
+    for (unsigned i = refused_to; i < kDepth; ++i) EXPECT_EQ(seen[i], 1) << "request " << i;
+    for (unsigned i = refused_from; i < refused_to; ++i) {
+      EXPECT_TRUE(testing::AllBytesAre(buffers_.data() + i * kBlock, kBlock, 0xEE))
+          << "refused request " << i << " ran";
+    }
+  }
+
+  TempDir dir_;
+  std::string path_ = dir_.File("data");
+  File file_;
+  AlignedBuffer buffers_{kDepth * kBlock};
+  std::unique_ptr<Backend> backend_;
+};
+
+TEST_F(UringSubmitFaultTest, ARefusedBatchCompletesEachRequestOnceWithTheError) {
+  ASSERT_NO_FATAL_FAILURE(ExpectRefusedAfter(4, 0, EAGAIN));
+  ExpectTheNextBatchRunsAlone(0, 4);
+}
+
+TEST_F(UringSubmitFaultTest, AShortSubmissionRefusedAfterTwoLeavesNothingInTheRing) {
+  ASSERT_NO_FATAL_FAILURE(ExpectRefusedAfter(5, 2, EBUSY));
+  ExpectTheNextBatchRunsAlone(2, 5);
+}
+
+TEST_F(UringSubmitFaultTest, AFullRingRefusedLeavesRoomForTheNextFullBatch) {
+  ASSERT_NO_FATAL_FAILURE(ExpectRefusedAfter(kDepth, 3, EAGAIN));
+  // Every entry taken back: a batch of the whole depth fits again.
+  std::vector<IoRequest> batch;
+  for (unsigned i = 0; i < kDepth; ++i) batch.push_back(ReadBlock(i, i));
+  std::memset(buffers_.data(), 0, buffers_.size());
+  backend_->Submit(batch);
+  const std::vector<IoCompletion> all = ReapAll(kDepth);
+  ASSERT_EQ(all.size(), kDepth);
+  for (const IoCompletion& c : all) {
+    EXPECT_FALSE(c.refused);
+    EXPECT_EQ(c.result, static_cast<int64_t>(kBlock));
+  }
+  EXPECT_TRUE(MatchesPattern(buffers_.data(), kDepth * kBlock, 7, 0));
+}
+
+TEST_F(UringSubmitFaultTest, ABatchLargerThanTheFreeRingIsRefusedWholeAndLeavesNothing) {
+  std::vector<IoRequest> batch;
+  for (unsigned i = 0; i <= kDepth; ++i) batch.push_back(ReadBlock(i % kDepth, i % kDepth));
+  EXPECT_THROW(backend_->Submit(batch), std::system_error);
+  std::vector<IoCompletion> out(kDepth);
+  EXPECT_EQ(backend_->Reap(out, 0), 0u);
+  std::memset(buffers_.data(), 0xEE, buffers_.size());
+  ExpectTheNextBatchRunsAlone(0, 0);
+}
+
+// Through the engine: the refusal is the caller's error (errno, path, range), raised by the
+// wait, and not a retry loop (the fault is one-shot: a retry would have succeeded silently).
+// The engine goes on working.
+TEST_F(UringSubmitFaultTest, TheEngineReportsARefusedSubmissionAndGoesOn) {
+  EngineOptions o = testing::SmallEngineOptions(BackendKind::kIoUring, 4 * kBlock);
+  o.workers = 1;
+  Engine engine(o);
+  for (int error : {EAGAIN, EBUSY}) {
+    for (IoOp op : {IoOp::kRead, IoOp::kWrite}) {
+      SCOPED_TRACE(::testing::Message() << (op == IoOp::kRead ? "read " : "write ") << error);
+      AlignedBuffer mem(kDepth * kBlock);
+      FillPattern(mem.data(), mem.size(), 7);
+      InjectUringSubmitFault(0, error);
+      IoDesc piece{file_, mem.data(), 0, mem.size()};
+      try {
+        engine.Submit(op, {&piece, 1}).Wait();
+        ADD_FAILURE() << "the refused submission was not reported";
+      } catch (const IoError& e) {
+        EXPECT_EQ(e.error_code(), error);
+        EXPECT_NE(std::string(e.what()).find("refused"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(path_), std::string::npos) << e.what();
+      }
+      EXPECT_FALSE(UringSubmitFaultPending());
+      std::memset(mem.data(), 0, mem.size());
+      EXPECT_EQ(engine.Read(file_, mem.data(), mem.size(), 0).Wait().bytes, mem.size());
+      EXPECT_TRUE(MatchesPattern(mem.data(), mem.size(), 7, 0));
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, FaultTest, ::testing::ValuesIn(CompiledBackends()),

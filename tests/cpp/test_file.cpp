@@ -336,6 +336,36 @@ TEST_F(FileTest, AFileWeMayWriteButNotReadOpensWriteOnlyForWriting) {
 #endif
 }
 
+TEST_F(FileTest, PunchHoleGivesBackTheRangesBlocksAndKeepsTheSize) {
+  const std::string path = dir_.File("data");
+  constexpr uint64_t kSize = 1 << 20;
+  ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, kSize, 4));
+  File f = File::Open(path, OpenMode::kReadWrite);
+  struct stat before {};
+  ASSERT_EQ(fstat(f.buffered_fd(), &before), 0);
+  try {
+    f.PunchHole(64 << 10, 512 << 10);
+  } catch (const IoError& e) {
+    if (e.error_code() == EOPNOTSUPP) GTEST_SKIP() << "no hole punching here: " << e.what();
+    throw;
+  }
+  EXPECT_EQ(f.Size(), kSize);
+  struct stat after {};
+  ASSERT_EQ(fstat(f.buffered_fd(), &after), 0);
+  EXPECT_LE(after.st_blocks * 512, before.st_blocks * 512 - (512 << 10));
+  const std::vector<uint8_t> data = ReadWholeFile(path);
+  ASSERT_EQ(data.size(), kSize);
+  EXPECT_TRUE(MatchesPattern(data.data(), 64 << 10, 4, 0));
+  EXPECT_TRUE(testing::AllBytesAre(data.data() + (64 << 10), 512 << 10, 0));
+  EXPECT_TRUE(MatchesPattern(data.data() + (576 << 10), kSize - (576 << 10), 4, 576 << 10));
+  f.PunchHole(0, 0);  // nothing
+  EXPECT_EQ(f.Size(), kSize);
+  File read_only = File::Open(path, OpenMode::kRead);
+  const IoError refused = CaptureIoError([&] { read_only.PunchHole(0, 4096); });
+  EXPECT_EQ(refused.error_code(), EBADF);
+  EXPECT_EQ(refused.path(), path);
+}
+
 TEST_F(FileTest, DefaultConstructedFileIsNotOpen) {
   File f;
   EXPECT_FALSE(f.is_open());
