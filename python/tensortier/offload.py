@@ -485,6 +485,7 @@ class DiskOffloader:
         entry.detach()
 
     def _write(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
+        _check_callback(callback)
         with self._lock:
             core = self._open()
             self._drain_forgotten()
@@ -549,6 +550,7 @@ class DiskOffloader:
                 e.watch(self, "storage", storage)
 
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> None:
+        _check_callback(callback)
         import torch
 
         with self._lock:
@@ -808,6 +810,13 @@ class DiskOffloader:
             tensor = storage = None
             self._drain_forgotten()
         return errors, callbacks
+
+
+def _check_callback(callback: Any) -> None:
+    """A callback runs after the wait that sees its operation done: refused when given, not
+    then (with the tensor's memory already freed and the error out of place)."""
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
 
 
 def _check_tensor(tensor: Any, what: str) -> None:

@@ -674,6 +674,28 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
         off.sync_write(torch.randn(3))
 
 
+@pytest.mark.parametrize("cls", [DiskOffloader, tensornvme.DiskOffloader])
+def test_a_callback_that_cannot_be_called_is_refused_by_the_call(cls: type, disk_dir: Path) -> None:
+    """Refused at once, as TensorNVMe's binding refuses it, and nothing starts: not by the wait,
+    after the write has freed the tensor's memory."""
+    with cls(disk_dir / "offload") as o:
+        x = torch.randn(100)
+        x0 = x.clone()
+        for call in (o.async_write, o.async_writev):
+            with pytest.raises(TypeError, match="callback must be callable or None, not int"):
+                call(x if call is o.async_write else [x], callback=5)
+            assert not o.is_offloaded(x) and torch.equal(x, x0)
+        o.sync_write_events()
+        o.async_writev([x])
+        o.sync_write_events()
+        for call in (o.async_read, o.async_readv):
+            with pytest.raises(TypeError, match="callback must be callable or None, not str"):
+                call(x if call is o.async_read else [x], callback="done")
+            assert o.is_offloaded(x)
+        o.sync_readv([x])
+        assert torch.equal(x, x0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_pin_memory_without_cuda_is_a_clear_error(disk_dir: Path) -> None:
     with pytest.raises(ValueError, match="CUDA"):
