@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import errno
 import functools
 import os
 import threading
@@ -158,11 +159,15 @@ class DiskOffloader:
         _fault: dict[str, Any] | None = None,
         _device_copier: str = "cuda",
     ) -> None:
-        dirs = (
-            [os.path.abspath(fspath(dir_name, "dir_name"))]
-            if isinstance(dir_name, (str, bytes, os.PathLike))
-            else [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
-        )
+        if isinstance(dir_name, (str, bytes, os.PathLike)):
+            dirs = [os.path.abspath(fspath(dir_name, "dir_name"))]
+        elif isinstance(dir_name, Iterable):
+            dirs = [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
+        else:
+            raise TypeError(
+                "dir_name must be a path (str, bytes or os.PathLike) or a list of paths, not "
+                f"{type(dir_name).__name__}"
+            )
         if not dirs:
             raise ValueError("DiskOffloader needs at least one directory")
         if backend not in _BACKENDS:
@@ -187,6 +192,9 @@ class DiskOffloader:
         # The TENSORTIER_BOUNCE_* variables are checked now, not at the first CUDA tensor.
         _core.device_transfer_options()
         for d in dirs:
+            if os.path.exists(d) and not os.path.isdir(d):
+                # makedirs would say "File exists", which reads as if all were well.
+                raise NotADirectoryError(errno.ENOTDIR, "dir_name is not a directory", d)
             os.makedirs(d, exist_ok=True)
         self._core: _core.Offloader | None = _core.Offloader(
             dirs,

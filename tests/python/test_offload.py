@@ -674,6 +674,22 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
         off.sync_write(torch.randn(3))
 
 
+def test_a_dir_name_that_is_no_directory_says_so(tmp_path: Path) -> None:
+    """Not makedirs's "File exists" (which reads as if all were well) nor "'NoneType' object is
+    not iterable"."""
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_bytes(b"x")
+    for given in (a_file, [tmp_path / "ok", a_file]):
+        with pytest.raises(NotADirectoryError, match="dir_name is not a directory") as e:
+            DiskOffloader(given)
+        assert e.value.filename == str(a_file)
+    for wrong in (None, 5, 1.5):
+        with pytest.raises(TypeError, match="dir_name must be a path .* or a list of paths"):
+            DiskOffloader(wrong)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError):  # TensorNVMe's own error stays
+        tensornvme.DiskOffloader(str(a_file))
+
+
 @pytest.mark.parametrize("cls", [DiskOffloader, tensornvme.DiskOffloader])
 def test_a_callback_that_cannot_be_called_is_refused_by_the_call(cls: type, disk_dir: Path) -> None:
     """Refused at once, as TensorNVMe's binding refuses it, and nothing starts: not by the wait,
