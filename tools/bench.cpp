@@ -31,7 +31,8 @@ constexpr const char* kHelp = R"(usage: tensortier bench [options]
   --buffered          page cache instead of O_DIRECT (cache dropped before cold reads)
   --warm              read: read the file once first, then time a page-cache-aware read
   --keep              keep the scratch file afterwards (one that was there before the run,
-                      such as a file of one's own to time reading, is never removed)
+                      such as a file of one's own to time reading, is never removed;
+                      read modes never write it: one smaller than --size is refused)
   --json              print one JSON object on stdout
   --sweep             try block size x queue depth x threads and print the best settings
 )";
@@ -43,6 +44,7 @@ struct Settings {
   uint64_t size, block;
   unsigned depth, threads, ops;
   bool buffered, warm, keep, json;
+  bool users_file = false;  // the file was there before the run: read as it is, never written
 };
 
 struct Phase {
@@ -108,10 +110,7 @@ std::string FilePath(const Settings& s) {
 // is the user's.
 class ScratchFile {
  public:
-  explicit ScratchFile(const Settings& s) : path_(FilePath(s)) {
-    std::error_code ec;
-    remove_ = !s.keep && !std::filesystem::exists(std::filesystem::symlink_status(path_, ec));
-  }
+  explicit ScratchFile(const Settings& s) : path_(FilePath(s)), remove_(!s.keep && !s.users_file) {}
   ~ScratchFile() {
     std::error_code ec;  // a failed removal must not hide the run's outcome
     if (remove_) std::filesystem::remove(path_, ec);
@@ -131,9 +130,15 @@ Phase RunWrite(Engine& engine, const Settings& s, AlignedBuffer& buf) {
 
 void EnsureFile(Engine& engine, const Settings& s, AlignedBuffer& buf) {
   std::error_code ec;
-  if (std::filesystem::exists(FilePath(s), ec) &&
-      std::filesystem::file_size(FilePath(s), ec) >= s.size)
-    return;
+  const uint64_t size = std::filesystem::file_size(FilePath(s), ec);
+  if (!ec && size >= s.size) return;
+  if (s.users_file) {
+    // Filling it would overwrite the user's data with the benchmark's.
+    throw std::invalid_argument(StrCat(
+        "bench: '", FilePath(s), "' holds ", ec ? 0 : size, " bytes, fewer than --size ", s.size,
+        ": a file that was there before the run is only read, never written (give a --size it "
+        "holds, or another --file)"));
+  }
   Settings quiet = s;
   quiet.json = true;  // no progress bar for the untimed fill
   RunWrite(engine, quiet, buf);
@@ -320,6 +325,8 @@ int RunBench(const std::vector<std::string>& argv) {
     throw std::invalid_argument("--warm times reads: use it with --mode read, both or randread");
   }
   std::filesystem::create_directories(s.dir);
+  std::error_code ec;
+  s.users_file = std::filesystem::exists(std::filesystem::symlink_status(FilePath(s), ec));
   if (args.Flag("sweep")) return RunSweep(s);
   ScratchFile scratch(s);
   std::string backend;

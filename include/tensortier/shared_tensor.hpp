@@ -238,8 +238,8 @@ class SharedGroup {
   std::shared_ptr<SharedTensor> MapDevice(const SharedTensorSpec& spec, const std::string& key,
                                           int device);
   // Collective: every rank reports whether its step `what` worked (`failure` null) or not. Returns
-  // when all did; otherwise rethrows `failure` on the failing ranks and throws
-  // std::runtime_error naming them on the others.
+  // when all did; otherwise rethrows `failure` on the failing ranks (even when a peer never
+  // arrives) and throws std::runtime_error naming them on the others.
   std::vector<std::string> Settle(const std::string& what, std::exception_ptr failure,
                                   const std::string& value = "");
   // The partitions of `spec` over `world_size` ranks and, for kContinuous, the reserved address

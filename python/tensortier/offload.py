@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import errno
 import functools
 import os
 import threading
@@ -162,11 +163,15 @@ class DiskOffloader:
         _fault: dict[str, Any] | None = None,
         _device_copier: str = "cuda",
     ) -> None:
-        dirs = (
-            [os.path.abspath(fspath(dir_name, "dir_name"))]
-            if isinstance(dir_name, (str, bytes, os.PathLike))
-            else [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
-        )
+        if isinstance(dir_name, (str, bytes, os.PathLike)):
+            dirs = [os.path.abspath(fspath(dir_name, "dir_name"))]
+        elif isinstance(dir_name, Iterable):
+            dirs = [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
+        else:
+            raise TypeError(
+                "dir_name must be a path (str, bytes or os.PathLike) or a list of paths, not "
+                f"{type(dir_name).__name__}"
+            )
         if not dirs:
             raise ValueError("DiskOffloader needs at least one directory")
         if backend not in _BACKENDS:
@@ -191,6 +196,9 @@ class DiskOffloader:
         # The TENSORTIER_BOUNCE_* variables are checked now, not at the first CUDA tensor.
         _core.device_transfer_options()
         for d in dirs:
+            if os.path.exists(d) and not os.path.isdir(d):
+                # makedirs would say "File exists", which reads as if all were well.
+                raise NotADirectoryError(errno.ENOTDIR, "dir_name is not a directory", d)
             os.makedirs(d, exist_ok=True)
         self._core: _core.Offloader | None = _core.Offloader(
             dirs,
@@ -496,6 +504,7 @@ class DiskOffloader:
         `supersede` (TensorNVMe's rule), a tensor whose write runs is written again: the later
         write is the one read back, the earlier one's space is given back when it is waited
         for, and the memory is freed once both are done."""
+        _check_callback(callback)
         with self._lock:
             core = self._open()
             self._drain_forgotten()
@@ -568,6 +577,7 @@ class DiskOffloader:
 
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> list[int]:
         """Starts reading `tensors`; returns their keys."""
+        _check_callback(callback)
         import torch
 
         with self._lock:
@@ -849,6 +859,13 @@ class DiskOffloader:
             tensor = storage = None
             self._drain_forgotten()
         return errors, callbacks
+
+
+def _check_callback(callback: Any) -> None:
+    """A callback runs after the wait that sees its operation done: refused when given, not
+    then (with the tensor's memory already freed and the error out of place)."""
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
 
 
 def _check_tensor(tensor: Any, what: str) -> None:

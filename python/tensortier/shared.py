@@ -663,7 +663,17 @@ class SharedTensor:
         return [self._partition_tensor(r) for r in range(len(self._core.partitions))]
 
     def _indices(self, indices: Any) -> torch.Tensor:
-        idx = torch.as_tensor(indices)
+        if isinstance(indices, torch.Tensor):
+            idx = indices
+        else:
+            try:
+                idx = torch.as_tensor(indices)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise TypeError(
+                    f"indices must be a tensor or a sequence of integers, not {indices!r:.60}"
+                ) from e
+            if idx.numel() == 0:
+                idx = idx.to(torch.int64)  # an empty list has no type: torch calls it float
         if idx.device.type != "cpu":
             raise ValueError(f"indices must be on the CPU, not {idx.device}")
         if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):

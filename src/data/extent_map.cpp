@@ -509,17 +509,22 @@ ExtentMap BuildExtentMap(const std::string& root, const BuildOptions& options) {
   std::vector<std::string> relative;
   fs::recursive_directory_iterator it(abs_root, fs::directory_options::none, ec);
   if (ec) ThrowIoError(ec.value(), "list", abs_root);
+  // The directory the next step opens or reads: a failed step names it, not the root (the
+  // iterator is at its end by then).
+  std::string listing = abs_root;
   for (; it != fs::recursive_directory_iterator(); it.increment(ec)) {
     if (ec) break;
     // Directories are walked (symbolic links to them are not: no cycles); everything else is
     // listed, and Mapper refuses what is not a regular file.
     std::error_code type_error;
-    if (it->is_directory(type_error)) continue;
+    if (it->is_directory(type_error)) {
+      listing = it->path().string();
+      continue;
+    }
+    listing = it->path().parent_path().string();
     relative.push_back(fs::path(it->path()).lexically_relative(abs_root).generic_string());
   }
-  if (ec)
-    ThrowIoError(ec.value(), "list",
-                 it == fs::recursive_directory_iterator() ? abs_root : it->path().string());
+  if (ec) ThrowIoError(ec.value(), "list", listing);
   std::sort(relative.begin(), relative.end());
   return BuildFrom(abs_root, std::move(relative), options);
 }

@@ -359,7 +359,10 @@ void SaveExtentMap(const ExtentMap& map, const std::string& path) {
       done += static_cast<size_t>(n);
     }
     f.DataSync();
-    if (rename(temp.c_str(), path.c_str()) != 0) ThrowIoError(errno, "rename", temp);
+    // The error names the map the user asked for (a directory there, say), not the temporary.
+    if (rename(temp.c_str(), path.c_str()) != 0) {
+      ThrowIoError(errno, "save the extent map (renaming its temporary file into place)", path);
+    }
   } catch (...) {
     unlink(temp.c_str());
     throw;

@@ -683,6 +683,14 @@ std::vector<std::string> SharedGroup::Settle(const std::string& what, std::excep
     } catch (const std::exception& e) {
       mine = StrCat("!", e.what());
     }
+    // A failing rank still waits for the others (it keeps serving what they may be fetching
+    // from it), but raises its own error even when a peer never arrives: a peer gone is often
+    // why it failed, and the timeout would hide that.
+    try {
+      AllGather(what, mine);
+    } catch (...) {
+    }
+    std::rethrow_exception(failure);
   }
   std::vector<std::string> all = AllGather(what, mine);
   std::string failed;
@@ -692,7 +700,6 @@ std::vector<std::string> SharedGroup::Settle(const std::string& what, std::excep
     }
     all[r] = all[r].substr(1);
   }
-  if (failure) std::rethrow_exception(failure);
   if (!failed.empty()) throw std::runtime_error(StrCat(what, " failed on ", failed));
   return all;
 }
@@ -838,7 +845,17 @@ void SharedGroup::FetchPartitions(SharedTensor& t, const std::string& token, int
     if (r == skip_rank || t.partitions_[r].bytes == 0) continue;
     std::string peer = StrCat("tensortier.", token, ".", r);
     std::string what = StrCat("rank ", r, " (serving '", t.key_, "')");
-    UniqueFd c = shared::ConnectAbstract(peer, deadline, false);
+    UniqueFd c;
+    try {
+      c = shared::ConnectAbstract(peer, deadline, false);
+    } catch (const IoError& e) {
+      if (e.error_code() != ECONNREFUSED && e.error_code() != ENOENT) throw;
+      // Nothing listens under the rank's name: its process is gone.
+      ThrowIoError(
+          e.error_code(),
+          StrCat("connect to ", what, ", which is gone (its process exited or closed its group),"),
+          peer);
+    }
     shared::RequireSameUser(c.get(), what);
     shared::SendString(c.get(), t.key_, deadline, what);
     auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, what);
@@ -860,83 +877,97 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
                                                bool own_partition, int device) {
   const uint64_t page = PageSize();
   const bool huge = IsHuge(spec, world_size_);
-  auto tensor = Layout(spec, key, world_size_, rank_);
-
   const std::string shmem_policy = huge ? ShmemHugePolicy() : "";
-  if (own_partition) {
-    SharedPartition& p = tensor->partitions_[rank_];
-    tensor->stats_.local_bytes = p.bytes;
-    UniqueFd fd;
-    if (p.bytes > 0) {
-      // hugetlb where the partitioning allows and the kernel has pages; else ordinary pages.
-      if (!huge) {
-        tensor->stats_.huge_pages_reason =
-            StrCat("tensor under ", kHugePartitionThreshold >> 20, " MiB per rank");
-      } else {
-        fd = UniqueFd(
-            ::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB));
-        int err = !fd ? errno : 0;
-        if (fd && ::ftruncate(fd.get(), RoundUp(p.bytes, kHugePage)) != 0) err = errno;
-        if (fd && err == 0) err = MapPartition(*tensor, rank_, fd.get(), true);
-        if (err != 0) {
-          fd = UniqueFd();
+  // With own_partition every step that can fail on one rank ends in Settle, as in MapDevice: the
+  // others throw at once naming it, instead of waiting out the timeout for a rank that never
+  // arrives (and blaming it for not arriving).
+  std::shared_ptr<SharedTensor> tensor;
+  std::exception_ptr failure;
+  try {
+    tensor = Layout(spec, key, world_size_, rank_);
+    if (own_partition) {
+      SharedPartition& p = tensor->partitions_[rank_];
+      tensor->stats_.local_bytes = p.bytes;
+      UniqueFd fd;
+      if (p.bytes > 0) {
+        // hugetlb where the partitioning allows and the kernel has pages; else ordinary pages.
+        if (!huge) {
           tensor->stats_.huge_pages_reason =
-              StrCat("hugetlb pages unavailable (", std::strerror(err), ")");
+              StrCat("tensor under ", kHugePartitionThreshold >> 20, " MiB per rank");
         } else {
-          tensor->stats_.huge_pages = true;
-        }
-      }
-      if (!fd) {
-        fd = UniqueFd(::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-        if (!fd) ThrowIoError(errno, "memfd_create for", key, 0, p.bytes);
-        if (::ftruncate(fd.get(), RoundUp(p.bytes, page)) != 0) {
-          ThrowIoError(errno, "ftruncate memfd of", key, 0, p.bytes);
-        }
-        // Transparent huge pages where the kernel gives them to shared memory on advice: the
-        // advice must come before the pages are faulted in.
-        const bool advise = huge && ShmemHugeOnAdvice(shmem_policy);
-        // Pages this rank touches first (populated here) sit on its NUMA node.
-        if (int err = MapPartition(*tensor, rank_, fd.get(), !advise); err != 0) {
-          ThrowIoError(err, "mmap partition of", key, 0, p.bytes);
-        }
-        if (advise) {
-          const uint64_t length = RoundUp(p.bytes, page);
-          tensor->stats_.shmem_huge_pages = ::madvise(p.address, length, MADV_HUGEPAGE) == 0;
-          if (!tensor->stats_.shmem_huge_pages) {
-            tensor->stats_.shmem_huge_pages_reason =
-                StrCat("madvise(MADV_HUGEPAGE) failed (", std::strerror(errno), ")");
+          fd = UniqueFd(
+              ::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB));
+          int err = !fd ? errno : 0;
+          if (fd && ::ftruncate(fd.get(), RoundUp(p.bytes, kHugePage)) != 0) err = errno;
+          if (fd && err == 0) err = MapPartition(*tensor, rank_, fd.get(), true);
+          if (err != 0) {
+            fd = UniqueFd();
+            tensor->stats_.huge_pages_reason =
+                StrCat("hugetlb pages unavailable (", std::strerror(err), ")");
+          } else {
+            tensor->stats_.huge_pages = true;
           }
-          PopulateForWrite(p.address, length, page);
-        } else if (!tensor->stats_.huge_pages) {
-          tensor->stats_.shmem_huge_pages_reason =
-              !huge ? tensor->stats_.huge_pages_reason
-              : shmem_policy.empty()
-                  ? std::string("the kernel's shmem_enabled policy cannot be read")
-                  : StrCat("the kernel's shmem_enabled is '", shmem_policy, "'");
+        }
+        if (!fd) {
+          fd = UniqueFd(::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+          if (!fd) ThrowIoError(errno, "memfd_create for", key, 0, p.bytes);
+          if (::ftruncate(fd.get(), RoundUp(p.bytes, page)) != 0) {
+            ThrowIoError(errno, "ftruncate memfd of", key, 0, p.bytes);
+          }
+          // Transparent huge pages where the kernel gives them to shared memory on advice: the
+          // advice must come before the pages are faulted in.
+          const bool advise = huge && ShmemHugeOnAdvice(shmem_policy);
+          // Pages this rank touches first (populated here) sit on its NUMA node.
+          if (int err = MapPartition(*tensor, rank_, fd.get(), !advise); err != 0) {
+            ThrowIoError(err, "mmap partition of", key, 0, p.bytes);
+          }
+          if (advise) {
+            const uint64_t length = RoundUp(p.bytes, page);
+            tensor->stats_.shmem_huge_pages = ::madvise(p.address, length, MADV_HUGEPAGE) == 0;
+            if (!tensor->stats_.shmem_huge_pages) {
+              tensor->stats_.shmem_huge_pages_reason =
+                  StrCat("madvise(MADV_HUGEPAGE) failed (", std::strerror(errno), ")");
+            }
+            PopulateForWrite(p.address, length, page);
+          } else if (!tensor->stats_.huge_pages) {
+            tensor->stats_.shmem_huge_pages_reason =
+                !huge ? tensor->stats_.huge_pages_reason
+                : shmem_policy.empty()
+                    ? std::string("the kernel's shmem_enabled policy cannot be read")
+                    : StrCat("the kernel's shmem_enabled is '", shmem_policy, "'");
+          }
+        }
+        if (::fchmod(fd.get(), 0600) != 0) ThrowIoError(errno, "fchmod memfd of", key);
+        if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+          ThrowIoError(errno, "seal memfd of", key);
         }
       }
-      if (::fchmod(fd.get(), 0600) != 0) ThrowIoError(errno, "fchmod memfd of", key);
-      if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-        ThrowIoError(errno, "seal memfd of", key);
+      server_->Serve(key, std::move(fd));
+      tensor->server_ = server_;
+    }
+  } catch (...) {
+    if (!own_partition) throw;
+    failure = std::current_exception();
+  }
+  if (own_partition) Settle(StrCat("create_tensor '", key, "' (serving)"), failure);
+
+  try {
+    FetchPartitions(*tensor, token_, own_partition ? rank_ : -1, timeout_);
+    if (huge && ShmemHugeOnAdvice(shmem_policy)) {
+      for (int r = 0; r < world_size_; ++r) {
+        if ((own_partition && r == rank_) || tensor->partitions_[r].bytes == 0) continue;
+        // The owner's huge pages are mapped huge here only where this mapping asks for them
+        // too; advice, so a refusal costs speed, not correctness.
+        ::madvise(tensor->partitions_[r].address, RoundUp(tensor->partitions_[r].bytes, page),
+                  MADV_HUGEPAGE);
       }
     }
-    server_->Serve(key, std::move(fd));
-    tensor->server_ = server_;
-    Barrier(StrCat("create_tensor '", key, "' (serving)"));
+    tensor->RegisterWithCuda(device);
+  } catch (...) {
+    if (!own_partition) throw;
+    failure = std::current_exception();
   }
-
-  FetchPartitions(*tensor, token_, own_partition ? rank_ : -1, timeout_);
-  if (huge && ShmemHugeOnAdvice(shmem_policy)) {
-    for (int r = 0; r < world_size_; ++r) {
-      if ((own_partition && r == rank_) || tensor->partitions_[r].bytes == 0) continue;
-      // The owner's huge pages are mapped huge here only where this mapping asks for them too;
-      // advice, so a refusal costs speed, not correctness.
-      ::madvise(tensor->partitions_[r].address, RoundUp(tensor->partitions_[r].bytes, page),
-                MADV_HUGEPAGE);
-    }
-  }
-  tensor->RegisterWithCuda(device);
-  if (own_partition) Barrier(StrCat("create_tensor '", key, "' (mapped)"));
+  if (own_partition) Settle(StrCat("create_tensor '", key, "' (mapped)"), failure);
   tensors_.push_back(tensor);
   return tensor;
 }

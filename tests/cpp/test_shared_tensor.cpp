@@ -2,6 +2,7 @@
 // rendezvous through the built-in Unix-socket store.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <iostream>
@@ -346,6 +348,52 @@ TEST(SharedTensorTest, DeadRankMakesEverySurvivorFailWithinTheTimeout) {
     Check(false, "no error");
   });
   ExpectAllZero(statuses);
+}
+
+// Rank 1 cannot map memory past `headroom` bytes more than it has (RLIMIT_AS): with 32 MiB
+// chunked partitions, 16 MiB fails making its own, 48 MiB mapping its peers'. Rank 1 throws
+// that ENOMEM; every other rank throws too, naming rank 1 and the step, long before the group's
+// timeout (they used to wait it out, then blame rank 1 for not arriving).
+void OneRankCannotMap(uint64_t headroom, const std::string& step) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizers reserve address space that RLIMIT_AS would refuse";
+#endif
+  constexpr auto kTimeout = 60s;
+  auto statuses = RunRanks(3, [&](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, kTimeout);
+    const auto spec = Spec({3 * 8192, 1024}, 4, SharedLayout::kChunked);  // 32 MiB per rank
+    if (rank == 1) {
+      uint64_t pages = 0;
+      std::FILE* statm = std::fopen("/proc/self/statm", "r");
+      Check(statm != nullptr && std::fscanf(statm, "%lu", &pages) == 1, "read /proc/self/statm");
+      std::fclose(statm);
+      const rlimit limit{pages * ::sysconf(_SC_PAGESIZE) + headroom, RLIM_INFINITY};
+      Check(::setrlimit(RLIMIT_AS, &limit) == 0, "setrlimit");
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      group.Create(spec);
+      Check(false, "no error");
+    } catch (const IoError& e) {
+      Check(rank == 1, StrCat("rank ", rank, " threw an IoError: ", e.what()));
+      Check(e.error_code() == ENOMEM, e.what());
+    } catch (const std::runtime_error& e) {
+      Check(rank != 1, StrCat("rank 1 threw: ", e.what()));
+      const std::string msg = e.what();
+      Check(msg.find(StrCat("(", step, ") failed on rank 1: ")) != std::string::npos, msg);
+      Check(msg.find("Cannot allocate memory") != std::string::npos, msg);
+    }
+    Check(std::chrono::steady_clock::now() - start < kTimeout / 2, "thrown at once");
+  });
+  ExpectAllZero(statuses);
+}
+
+TEST(SharedTensorTest, RankThatCannotMakeItsPartitionFailsEveryRankAtOnce) {
+  OneRankCannotMap(16 << 20, "serving");
+}
+
+TEST(SharedTensorTest, RankThatCannotMapItsPeersFailsEveryRankAtOnce) {
+  OneRankCannotMap(48 << 20, "mapped");
 }
 
 TEST(SharedTensorTest, UseAfterCloseThrows) {

@@ -156,6 +156,21 @@ def test_bench_removes_only_the_scratch_file_it_made(disk_dir: Path) -> None:
     assert sorted(p.name for p in disk_dir.iterdir()) == ["data.bin"]
 
 
+def test_bench_never_fills_a_users_file_smaller_than_size(disk_dir: Path) -> None:
+    """Reading one's own file with a --size larger than it: refused naming the file, whose
+    contents stay (the run used to fill it up to --size with the benchmark's bytes)."""
+    data = disk_dir / "mine.bin"
+    payload = os.urandom(100_000)
+    data.write_bytes(payload)
+    for mode in ("read", "randread"):
+        r = run("bench", "--dir", str(disk_dir), "--file", "mine.bin", "--size", "1M",
+                "--mode", mode, "--ops", "10")
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"'{data}' holds 100000 bytes, fewer than --size 1048576" in r.stderr, r.stderr
+        assert data.read_bytes() == payload, mode
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["mine.bin"]
+
+
 def test_bench_out_of_space_removes_its_scratch_file(small_fs: Path) -> None:
     """A run that fails after making its scratch file (out of space) removes it: a full
     filesystem is not left full of it."""

@@ -342,6 +342,47 @@ def test_raw_reads_without_access_to_the_disk_name_it(loop_fs: LoopFilesystem) -
         shutil.rmtree(shared)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the tool as another user")
+def test_a_folder_that_cannot_be_listed_is_named() -> None:
+    """The walk's error names the folder it could not open, not ROOT: the user must know which
+    of thousands of class folders to fix."""
+    shared = Path(tempfile.mkdtemp(prefix="tensortier-extents-"))  # listable by nobody
+    try:
+        os.chmod(shared, 0o755)
+        for name in ("a", "b", "c"):
+            (shared / name).mkdir()
+            (shared / name / "x.bin").write_bytes(b"x" * 5000)
+        locked = shared / "b"
+        os.chmod(locked, 0o700)
+        out = shared / "map.json"
+        r = subprocess.run([str(BIN), "extents", "build", str(shared), "-o", str(out)],
+                           capture_output=True, text=True, timeout=TIMEOUT,
+                           user=65534, group=65534, extra_groups=[])
+        assert r.returncode == 1 and not out.exists(), r.stdout + r.stderr
+        assert f"list failed on '{locked}': Permission denied" in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_a_map_that_cannot_be_put_in_place_names_the_output(tmp_path: Path) -> None:
+    """-o naming a folder: the error names it (not the temporary file beside it), and no
+    temporary file stays."""
+    root = tmp_path / "set"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "x.bin").write_bytes(b"x" * 5000)
+    out = tmp_path / "maps"
+    out.mkdir()
+    r = subprocess.run([str(BIN), "extents", "build", str(root), "-o", str(out)],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"failed on '{out}': Is a directory" in r.stderr, r.stderr
+    with pytest.raises(IsADirectoryError) as e:
+        build_extent_map(root, out)
+    assert e.value.filename == str(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["maps", "set"]
+    assert list(out.iterdir()) == []
+
+
 def test_cli_shows_file_names_escaped(loop_fs: LoopFilesystem, tmp_path: Path) -> None:
     """Paths found under ROOT reach the terminal with control characters and bytes that are not
     UTF-8 escaped (test_cli_escapes.py covers the other commands)."""

@@ -671,6 +671,44 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
         off.sync_write(torch.randn(3))
 
 
+def test_a_dir_name_that_is_no_directory_says_so(tmp_path: Path) -> None:
+    """Not makedirs's "File exists" (which reads as if all were well) nor "'NoneType' object is
+    not iterable"."""
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_bytes(b"x")
+    for given in (a_file, [tmp_path / "ok", a_file]):
+        with pytest.raises(NotADirectoryError, match="dir_name is not a directory") as e:
+            DiskOffloader(given)
+        assert e.value.filename == str(a_file)
+    for wrong in (None, 5, 1.5):
+        with pytest.raises(TypeError, match="dir_name must be a path .* or a list of paths"):
+            DiskOffloader(wrong)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError):  # TensorNVMe's own error stays
+        tensornvme.DiskOffloader(str(a_file))
+
+
+@pytest.mark.parametrize("cls", [DiskOffloader, tensornvme.DiskOffloader])
+def test_a_callback_that_cannot_be_called_is_refused_by_the_call(cls: type, disk_dir: Path) -> None:
+    """Refused at once, as TensorNVMe's binding refuses it, and nothing starts: not by the wait,
+    after the write has freed the tensor's memory."""
+    with cls(disk_dir / "offload") as o:
+        x = torch.randn(100)
+        x0 = x.clone()
+        for call in (o.async_write, o.async_writev):
+            with pytest.raises(TypeError, match="callback must be callable or None, not int"):
+                call(x if call is o.async_write else [x], callback=5)
+            assert not o.is_offloaded(x) and torch.equal(x, x0)
+        o.sync_write_events()
+        o.async_writev([x])
+        o.sync_write_events()
+        for call in (o.async_read, o.async_readv):
+            with pytest.raises(TypeError, match="callback must be callable or None, not str"):
+                call(x if call is o.async_read else [x], callback="done")
+            assert o.is_offloaded(x)
+        o.sync_readv([x])
+        assert torch.equal(x, x0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_pin_memory_without_cuda_is_a_clear_error(disk_dir: Path) -> None:
     with pytest.raises(ValueError, match="CUDA"):

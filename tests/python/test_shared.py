@@ -314,6 +314,26 @@ def test_one_process_group_with_a_hash_store() -> None:
         t.gather([0])
 
 
+@pytest.mark.parametrize("layout", ["continuous", "chunked"])
+def test_an_empty_list_of_indices_is_an_empty_batch(layout: str) -> None:
+    """`[]` (an empty batch, which torch makes a float tensor) gathers no rows and scatters
+    none, as an empty int64 tensor does; what is not indices is a TypeError saying so."""
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((4, 3), torch.int32, layout=layout)
+        t.scatter([1], torch.tensor([[1, 2, 3]], dtype=torch.int32))
+        for empty in ([], (), torch.tensor([], dtype=torch.int64)):
+            got = t.gather(empty)
+            assert got.shape == (0, 3) and got.dtype == torch.int32
+            t.scatter(empty, torch.zeros(0, 3, dtype=torch.int32))
+        assert torch.equal(t.gather([1]), torch.tensor([[1, 2, 3]], dtype=torch.int32))
+        for bad in (None, "ab", [[1], [2, 3]]):
+            with pytest.raises(TypeError, match="indices must be"):
+                t.gather(bad)
+        with pytest.raises(TypeError, match="indices must be integers, not torch.float32"):
+            t.gather([1.0])
+
+
 def test_load_checkpoint_detects_the_format_as_tensortier_load_does(tmp_path: Path) -> None:
     """A safetensors file whose header length starts with the byte 0x80 (a pickle's first byte)
     is safetensors, by the detection tensortier.load and the CLI use; a shard index and a file

@@ -175,6 +175,7 @@ class DiskOffloader(_offload.DiskOffloader):
         callback: Callable[[], None] | None,
         sync: bool,
     ) -> None:
+        _offload._check_callback(callback)  # noqa: SLF001 - as pybind, before all else
         tensors = _tensors(what, given, vector)
         for t in tensors:
             _require_contiguous(t)
@@ -201,6 +202,7 @@ class DiskOffloader(_offload.DiskOffloader):
         callback: Callable[[], None] | None,
         sync: bool,
     ) -> None:
+        _offload._check_callback(callback)  # noqa: SLF001 - as pybind, before all else
         tensors = _tensors(what, given, vector)
         for t in tensors:
             _require_contiguous(t)
