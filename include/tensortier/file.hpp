@@ -42,9 +42,10 @@ class File {
   File() = default;
   // Throws IoError (with the path and errno) if the file cannot be opened.
   // `direct`: try O_DIRECT (the default); false opens buffered only. `status`, when given,
-  // receives the opened file's fstat (saving the caller another).
+  // receives the opened file's fstat (saving the caller another). `permissions`: the mode bits
+  // of a file the open creates (less the umask); an existing file keeps its own.
   static File Open(const std::string& path, OpenMode mode, bool direct = true,
-                   struct stat* status = nullptr);
+                   struct stat* status = nullptr, mode_t permissions = 0644);
   // Opens again the file the caller's descriptor `fd` refers to (through /proc/self/fd, so a
   // file renamed or unlinked since is still the one), as Open() does; `fd` stays the caller's.
   // The File, and its errors, are named by the descriptor's target when /proc can say it, else
@@ -91,7 +92,7 @@ class File {
   explicit File(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
   // Open() of `path`, named `name` (in path() and errors).
   static File OpenNamed(const std::string& path, const std::string& name, OpenMode mode,
-                        bool direct, struct stat* status);
+                        bool direct, struct stat* status, mode_t permissions = 0644);
   std::shared_ptr<const Impl> impl_;
   const Impl& impl() const;
 };

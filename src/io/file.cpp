@@ -76,8 +76,9 @@ int RetryOpen(const char* path, int flags, mode_t perm) {
 
 }  // namespace
 
-File File::Open(const std::string& path, OpenMode mode, bool direct, struct stat* status) {
-  return OpenNamed(path, path, mode, direct, status);
+File File::Open(const std::string& path, OpenMode mode, bool direct, struct stat* status,
+                mode_t permissions) {
+  return OpenNamed(path, path, mode, direct, status, permissions);
 }
 
 File File::OpenDescriptor(int fd, OpenMode mode, bool direct, struct stat* status) {
@@ -92,7 +93,7 @@ File File::OpenDescriptor(int fd, OpenMode mode, bool direct, struct stat* statu
 }
 
 File File::OpenNamed(const std::string& path, const std::string& name, OpenMode mode, bool direct,
-                     struct stat* status) {
+                     struct stat* status, mode_t permissions) {
   auto impl = std::make_shared<Impl>();
   impl->path = name;
   int flags = O_CLOEXEC;
@@ -113,13 +114,13 @@ File File::OpenNamed(const std::string& path, const std::string& name, OpenMode 
   impl->writable = mode != OpenMode::kRead;
   // Non-blocking for the open only: opening a FIFO would otherwise wait for its other end forever
   // (the engine's preads then fail on it at once, with ESPIPE).
-  impl->buffered_fd = RetryOpen(path.c_str(), flags | O_NONBLOCK, 0644);
+  impl->buffered_fd = RetryOpen(path.c_str(), flags | O_NONBLOCK, permissions);
   if (impl->buffered_fd < 0 && errno == EACCES && impl->writable) {
     // A file we may write but not read (mode 0200, as DeepNVMe's O_WRONLY opens allow): opened
     // write-only; reads through it are refused by the engine with EBADF.
     const int access_error = errno;
     const int write_only = (flags & ~O_RDWR) | O_WRONLY;
-    impl->buffered_fd = RetryOpen(path.c_str(), write_only | O_NONBLOCK, 0644);
+    impl->buffered_fd = RetryOpen(path.c_str(), write_only | O_NONBLOCK, permissions);
     if (impl->buffered_fd >= 0) {
       flags = write_only;  // the O_DIRECT descriptor too
       impl->readable = false;

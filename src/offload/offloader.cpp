@@ -84,7 +84,9 @@ Offloader::Offloader(OffloaderOptions options)
       RemoveStaleOffloadFiles(options_.dirs[i]);
       std::string path =
           StrCat(options_.dirs[i], "/", ProcessFileStem(), instance, "-", i, kFileSuffix);
-      File file = File::Open(path, OpenMode::kWrite);
+      // The owner's only, as shared tensors' memory is: parked weights and optimizer state are
+      // not for other users of the machine to read.
+      File file = File::Open(path, OpenMode::kWrite, /*direct=*/true, /*status=*/nullptr, 0600);
       backings_.push_back(Backing{std::move(path), std::move(file), SpaceManager(kPageSize)});
     }
   } catch (...) {

@@ -1402,3 +1402,23 @@ def test_close_with_a_failed_write_in_flight_keeps_the_tensor(disk_dir: Path) ->
     with pytest.warns(OffloadedDataLostWarning, match="1 operation"):
         off.close()
     assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("make", [DiskOffloader, tensornvme.DiskOffloader],
+                         ids=["tensortier", "tensornvme"])
+def test_backing_files_are_the_owners_only(
+    disk_dir: Path, make: Callable[..., DiskOffloader]
+) -> None:
+    """Parked weights and optimizer state are readable by their owner alone (mode 0600), as
+    shared tensors' memory is, whatever the umask lets files be (0022: 0644 by default)."""
+    previous = os.umask(0o022)
+    try:
+        with make(str(disk_dir / "offload")) as off:
+            t = random_tensor((1000,), torch.float32)
+            off.sync_write(t)
+            assert off.paths
+            for path in off.paths:
+                assert os.stat(path).st_mode & 0o777 == 0o600, path
+            off.sync_read(t)
+    finally:
+        os.umask(previous)
