@@ -644,5 +644,8 @@ def _forked_message(what: str, pid: int) -> str:
 
 def _gds_mode(gds: str | None) -> str:
     """``"off"``, ``"auto"`` or ``"on"``: `gds` spelled canonically, or ``TENSORTIER_GDS``'s value
-    (read by the C++ settings table) when None. Raises ValueError naming what is allowed."""
+    (read by the C++ settings table) when None. Raises ValueError naming what is allowed, and
+    TypeError for what is not a str."""
+    if gds is not None and not isinstance(gds, str):
+        raise TypeError(f"gds must be a str (or None for TENSORTIER_GDS), not {type(gds).__name__}")
     return str(_core.gds_mode(gds))

@@ -177,8 +177,17 @@ class DiskOffloader:
         if backend not in _BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(sorted(_BACKENDS))}")
         gds = _gds_mode(gds)
-        if not isinstance(n_entries, int) or n_entries <= 0:
-            raise ValueError(f"n_entries must be a positive integer, not {n_entries!r}")
+        low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
+        if not isinstance(n_entries, int) or isinstance(n_entries, bool):
+            raise TypeError(
+                f"n_entries must be an integer from {low} to {high} (requests in flight per "
+                f"worker, as TENSORTIER_QUEUE_DEPTH), not {type(n_entries).__name__}"
+            )
+        if not low <= n_entries <= high:
+            raise ValueError(
+                f"n_entries must be from {low} to {high} (requests in flight per worker, as "
+                f"TENSORTIER_QUEUE_DEPTH), not {n_entries}"
+            )
         if (
             not isinstance(stripe_threshold, int) or isinstance(stripe_threshold, bool)
             or not 0 < stripe_threshold < 1 << 64

@@ -660,8 +660,20 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
         off.sync_write(torch.from_numpy(np.zeros(1000, dtype=np.float32)))
     with pytest.raises(ValueError, match="backend"):
         DiskOffloader(disk_dir, backend="spdk")
-    with pytest.raises(ValueError, match="n_entries"):
-        DiskOffloader(disk_dir, n_entries=0)
+    low, high = tensortier._core.setting_range("TENSORTIER_QUEUE_DEPTH")
+    for entries in (0, -1, high + 1, 1 << 40, 1 << 64):
+        with pytest.raises(ValueError, match=f"n_entries must be from {low} to {high} .*, not "):
+            DiskOffloader(disk_dir, n_entries=entries)
+    for entries in (True, 1.0, "16", None):
+        with pytest.raises(TypeError, match=f"n_entries must be an integer from {low} to {high}"):
+            DiskOffloader(disk_dir, n_entries=entries)  # type: ignore[arg-type]
+    for gds in (3, True, b"on"):
+        with pytest.raises(TypeError, match="gds must be a str"):
+            DiskOffloader(disk_dir, gds=gds)  # type: ignore[arg-type]
+    with DiskOffloader(disk_dir / "edges", n_entries=high) as edge:
+        t = torch.randn(5)
+        edge.sync_write(t)
+        edge.sync_read(t)
     # Not pybind's "incompatible constructor arguments" listing: the argument, and what it takes.
     for threshold in (0, -1, 1.5, True, "16M", 1 << 64):
         with pytest.raises(ValueError, match="stripe_threshold must be a positive integer"):

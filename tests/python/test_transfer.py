@@ -230,6 +230,8 @@ def test_locate_without_driver_says_host() -> None:
 def test_gds_setting_errors_name_where_the_value_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="gds must be 'off', 'auto' or 'on', not 'sometimes'"):
         tensortier.IOHandle(gds="sometimes")
+    with pytest.raises(TypeError, match="gds must be a str .*, not int"):
+        tensortier.IOHandle(gds=3)  # type: ignore[arg-type]
     monkeypatch.setenv("TENSORTIER_GDS", "maybe")
     with pytest.raises(ValueError,
                        match=r"TENSORTIER_GDS=maybe is invalid: .*\(allowed: off, auto, on"):
