@@ -13,13 +13,19 @@ Args::Args(const std::vector<std::string>& argv, const std::vector<std::string>&
   auto known = [](const std::vector<std::string>& list, const std::string& name) {
     return std::find(list.begin(), list.end(), name) != list.end();
   };
+  bool options_end = false;
   for (size_t i = 0; i < argv.size(); ++i) {
     const std::string& a = argv[i];
-    if (!a.starts_with("--")) {
+    if (options_end || a == "-" || !a.starts_with("-")) {
       positionals_.push_back(a);
       continue;
     }
-    std::string name = a.substr(2);
+    if (a == "--") {  // what follows is positional, as with getopt: a file named "-x"
+      options_end = true;
+      continue;
+    }
+    // A single-dash "-x" is no option of ours: unknown, not a file named so.
+    std::string name = a.starts_with("--") ? a.substr(2) : std::string();
     std::string value;
     bool has_value = false;
     if (auto eq = name.find('='); eq != std::string::npos) {
@@ -27,20 +33,24 @@ Args::Args(const std::vector<std::string>& argv, const std::vector<std::string>&
       name = name.substr(0, eq);
       has_value = true;
     }
-    if (known(flags, name) && !has_value) {
+    if (!name.empty() && known(flags, name) && !has_value) {
       flags_[name] = true;
-    } else if (known(options, name)) {
+      continue;
+    }
+    if (!name.empty() && known(options, name)) {
       if (!has_value) {
-        if (i + 1 >= argv.size()) throw std::invalid_argument(StrCat("--", name, " needs a value"));
+        if (i + 1 >= argv.size()) throw UsageError(StrCat("--", name, " needs a value"));
         value = argv[++i];
       }
       values_[name] = value;
-    } else {
-      std::string all;
-      for (const auto& f : flags) all += " --" + f;
-      for (const auto& o : options) all += " --" + o;
-      throw std::invalid_argument(StrCat("unknown option '", a, "' (known:", all, ")"));
+      continue;
     }
+    std::string all;
+    for (const auto& f : flags) all += " --" + f;
+    for (const auto& o : options) all += " --" + o;
+    throw UsageError(
+        StrCat("unknown option '", a, "'",
+               all.empty() ? " (the command takes none)" : StrCat(" (known:", all, ")")));
   }
 }
 
@@ -55,7 +65,7 @@ uint64_t Args::Size(const std::string& name, uint64_t fallback) const {
   try {
     return ParseSize(it->second);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(StrCat("--", name, ": ", e.what()));
+    throw UsageError(StrCat("--", name, ": ", e.what()));
   }
 }
 
@@ -67,9 +77,9 @@ unsigned Args::Unsigned(const std::string& name, unsigned fallback) const {
   uint64_t v = 0;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
-    throw std::invalid_argument(StrCat("--", name, ": '", text, "' is not a number"));
+    throw UsageError(StrCat("--", name, ": '", text, "' is not a number"));
   }
-  if (v > 1u << 20) throw std::invalid_argument(StrCat("--", name, ": ", v, " is too large"));
+  if (v > 1u << 20) throw UsageError(StrCat("--", name, ": ", v, " is too large"));
   return static_cast<unsigned>(v);
 }
 

@@ -251,7 +251,7 @@ int RunSweep(Settings s) {
     double write, read;
   };
   if (s.size < (256u << 10)) {
-    throw std::invalid_argument("--sweep needs --size of at least 256K (its smallest block)");
+    throw UsageError("--sweep needs --size of at least 256K (its smallest block)");
   }
   ScratchFile scratch(s);
   std::vector<Point> points;
@@ -289,6 +289,10 @@ int RunSweep(Settings s) {
 
 }  // namespace
 
+const char* BenchHelp() {
+  return kHelp;
+}
+
 int RunBench(const std::vector<std::string>& argv) {
   Args args(
       argv, {"buffered", "warm", "keep", "json", "sweep", "help"},
@@ -298,8 +302,7 @@ int RunBench(const std::vector<std::string>& argv) {
     return 0;
   }
   if (!args.positionals().empty()) {
-    throw std::invalid_argument(StrCat("bench takes options only, not '", args.positionals()[0],
-                                       "' (tensortier bench --help lists them)"));
+    throw UsageError(StrCat("bench takes options only, not '", args.positionals()[0], "'"));
   }
   Settings s{args.Get("dir", "."),
              args.Get("file", "tensortier-bench.dat"),
@@ -315,14 +318,14 @@ int RunBench(const std::vector<std::string>& argv) {
              args.Flag("keep"),
              args.Flag("json")};
   if (s.mode != "write" && s.mode != "read" && s.mode != "both" && s.mode != "randread") {
-    throw std::invalid_argument("--mode must be write, read, both or randread");
+    throw UsageError("--mode must be write, read, both or randread");
   }
   if (s.size == 0 || s.block == 0 || s.block % kPageSize != 0) {
-    throw std::invalid_argument("--size must be > 0 and --block-size a multiple of 4K");
+    throw UsageError("--size must be > 0 and --block-size a multiple of 4K");
   }
-  if (s.ops == 0) throw std::invalid_argument("--ops must be > 0");
+  if (s.ops == 0) throw UsageError("--ops must be > 0");
   if (s.warm && s.mode == "write") {
-    throw std::invalid_argument("--warm times reads: use it with --mode read, both or randread");
+    throw UsageError("--warm times reads: use it with --mode read, both or randread");
   }
   std::filesystem::create_directories(s.dir);
   std::error_code ec;

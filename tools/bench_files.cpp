@@ -41,6 +41,10 @@ void DropFromCache(const std::vector<std::string>& paths) {
 
 }  // namespace
 
+const char* BenchFilesHelp() {
+  return kHelp;
+}
+
 int RunBenchFiles(const std::vector<std::string>& argv) {
   Args args(argv, {"shuffle", "cold", "buffered", "json", "help"},
             {"batch-size", "seed", "epochs", "prefetch", "open-threads"});
@@ -49,8 +53,7 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
     return 0;
   }
   if (args.positionals().size() != 1) {
-    throw std::invalid_argument(
-        "bench-files takes one ROOT folder (tensortier bench-files --help)");
+    throw UsageError("bench-files takes one ROOT folder");
   }
   const std::string root = args.positionals()[0];
   const unsigned epochs = args.Unsigned("epochs", 1);
@@ -60,7 +63,7 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
   spec.batch_size = args.Unsigned("batch-size", 256);
   spec.shuffle = args.Flag("shuffle");
   spec.seed = args.Unsigned("seed", 0);
-  if (epochs == 0) throw std::invalid_argument("--epochs must be at least 1");
+  if (epochs == 0) throw UsageError("--epochs must be at least 1");
 
   SampleList list = ListFileRoot(root);
   ShardPlan plan(spec, list.paths.size());

@@ -62,7 +62,7 @@ void PrintReadStaging(const File& f) {
 int RunCheck(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
   std::string dir = args.positionals().empty() ? "." : args.positionals()[0];
-  if (args.positionals().size() > 1) throw std::invalid_argument("check takes one directory");
+  if (args.positionals().size() > 1) throw UsageError("check takes one directory");
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
     std::fprintf(stderr, "tensortier check: '%s' is not a directory\n", TerminalText(dir).c_str());

@@ -742,7 +742,7 @@ void RequireConvertibleOutput(const std::string& in, const std::string& out, For
 int RunConvertImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
   if (args.positionals().size() != 2) {
-    throw std::invalid_argument("usage: tensortier convert IN OUT");
+    throw UsageError("convert takes IN and OUT");
   }
   const std::string& in = args.positionals()[0];
   const std::string& out = args.positionals()[1];
@@ -775,7 +775,7 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
 
 int RunInfoImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {"shapes"});
-  if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier info FILE");
+  if (args.positionals().size() != 1) throw UsageError("info takes one FILE");
   const std::string& path = args.positionals()[0];
   const unsigned show = args.Unsigned("shapes", 20);
   if (!IsShardIndexFile(path)) return InfoFile(path, show);
@@ -793,7 +793,7 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
 
 int RunVerifyImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
-  if (args.positionals().size() != 1) throw std::invalid_argument("usage: tensortier verify FILE");
+  if (args.positionals().size() != 1) throw UsageError("verify takes one FILE");
   const std::string& path = args.positionals()[0];
   if (!IsShardIndexFile(path)) return VerifyFile(path);
   const std::vector<Shard> shards = ReadShardIndex(path);

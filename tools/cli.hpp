@@ -6,14 +6,24 @@
 #include <cstdint>
 #include <cstdio>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace tensortier::cli {
 
+// A command line the command cannot run: missing or extra arguments, an unknown option, a bad
+// option value. main() prints it with the command's usage line and exits 2, as getopt and
+// argparse tools do; a damaged file or a failed I/O is any other exception, exit status 1.
+class UsageError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
 // "--name value", "--name=value" and bare "--flag" arguments, plus positionals. Unknown options are
-// an error (reported with the list of known ones), so a typo never silently changes a benchmark.
+// a UsageError (reported with the list of known ones), so a typo never silently changes a
+// benchmark; so are bad values of Size() and Unsigned() options.
 class Args {
  public:
   // `flags`: options that take no value. `options`: options that take one.
@@ -53,14 +63,18 @@ class Progress {
 
 int RunCheck(const std::vector<std::string>& argv);
 int RunBench(const std::vector<std::string>& argv);
+// `tensortier bench --help`.
+const char* BenchHelp();
 // tools/bench_files.cpp
 int RunBenchFiles(const std::vector<std::string>& argv);
+const char* BenchFilesHelp();
 // tools/checkpoint.cpp
 int RunInfo(const std::vector<std::string>& argv);
 int RunVerify(const std::vector<std::string>& argv);
 int RunConvert(const std::vector<std::string>& argv);
 // tools/extents.cpp
 int RunExtents(const std::vector<std::string>& argv);
+const char* ExtentsHelp();
 // "1 tensor", "3 tensors": `n` and `noun`, plural unless n is 1.
 std::string Count(uint64_t n, const std::string& noun);
 // 8 lowercase hex digits, as CRC-32s are shown.

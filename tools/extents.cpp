@@ -33,10 +33,8 @@ int Build(const std::vector<std::string>& argv) {
   std::vector<std::string> args;
   for (const std::string& a : argv) args.push_back(a == "-o" ? "--output" : a);
   Args parsed(args, {"allow-refused"}, {"output"});
-  if (parsed.positionals().size() != 1 || parsed.Get("output", "").empty()) {
-    std::fputs(kExtentsHelp, stderr);
-    return 2;
-  }
+  if (parsed.positionals().size() != 1) throw UsageError("extents build takes one ROOT");
+  if (parsed.Get("output", "").empty()) throw UsageError("extents build needs -o MAP");
   const std::string& root = parsed.positionals()[0];
   const std::string output = parsed.Get("output", "");
   ExtentMap map = BuildExtentMap(root, BuildOptions{.allow_refused = true});
@@ -75,10 +73,7 @@ int Build(const std::vector<std::string>& argv) {
 
 int Verify(const std::vector<std::string>& argv) {
   Args parsed(argv, {}, {});
-  if (parsed.positionals().size() != 1) {
-    std::fputs(kExtentsHelp, stderr);
-    return 2;
-  }
+  if (parsed.positionals().size() != 1) throw UsageError("extents verify takes one MAP");
   const ExtentMap map = LoadExtentMap(parsed.positionals()[0]);
   const std::vector<ChangedFile> changed = VerifyExtentMap(map);
   for (const ChangedFile& c : changed) {
@@ -94,11 +89,12 @@ int Verify(const std::vector<std::string>& argv) {
 
 }  // namespace
 
+const char* ExtentsHelp() {
+  return kExtentsHelp;
+}
+
 int RunExtents(const std::vector<std::string>& argv) {
-  if (argv.empty()) {
-    std::fputs(kExtentsHelp, stderr);
-    return 2;
-  }
+  if (argv.empty()) throw UsageError("extents needs a command: build or verify");
   for (const std::string& a : argv) {
     if (a == "--help" || a == "-h") {
       std::fputs(kExtentsHelp, stdout);
@@ -108,7 +104,7 @@ int RunExtents(const std::vector<std::string>& argv) {
   const std::vector<std::string> rest(argv.begin() + 1, argv.end());
   if (argv[0] == "build") return Build(rest);
   if (argv[0] == "verify") return Verify(rest);
-  throw std::invalid_argument(StrCat("unknown extents command '", argv[0], "' (build or verify)"));
+  throw UsageError(StrCat("unknown extents command '", argv[0], "' (build or verify)"));
 }
 
 }  // namespace tensortier::cli

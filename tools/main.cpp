@@ -34,6 +34,10 @@ commands:
   help          this text (`tensortier COMMAND --help`: one command's)
   --version     the version
 
+Exit status: 0 on success; 2 for a command line a command cannot run (a missing or extra
+argument, an unknown option, a bad option value), printed with the command's usage line; 1 for
+anything else (a damaged file, a failed read or write, a check that found a problem).
+
 Settings come from environment variables (bad values are rejected):
 )";
 
@@ -88,6 +92,25 @@ const char* CommandHelpText(const std::string& command) {
   return nullptr;
 }
 
+// The "usage:" lines at the top of `command`'s help (the tool's own for a command it lacks).
+std::string UsageLines(const std::string& command) {
+  const char* help = CommandHelpText(command);
+  if (command == "bench") help = tensortier::cli::BenchHelp();
+  if (command == "bench-files") help = tensortier::cli::BenchFilesHelp();
+  if (command == "extents") help = tensortier::cli::ExtentsHelp();
+  const std::string text = help != nullptr ? help : kUsage;
+  std::string lines;
+  for (size_t at = 0; at < text.size();) {
+    size_t end = text.find('\n', at);
+    end = end == std::string::npos ? text.size() : end + 1;
+    const std::string line = text.substr(at, end - at);
+    if (!line.starts_with(at == 0 ? "usage: " : "       tensortier ")) break;
+    lines += line;
+    at = end;
+  }
+  return lines;
+}
+
 bool AsksForHelp(const std::vector<std::string>& args) {
   for (const auto& a : args) {
     if (a == "--help" || a == "-h") return true;
@@ -130,6 +153,13 @@ int main(int argc, char** argv) {
     if (args[0] == "convert") return tensortier::cli::RunConvert(rest);
     if (args[0] == "extents") return tensortier::cli::RunExtents(rest);
     std::fprintf(stderr, "tensortier: unknown command '%s' (try 'tensortier help')\n",
+                 tensortier::TerminalText(args[0]).c_str());
+    return 2;
+  } catch (const tensortier::cli::UsageError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "tensortier %s: %s\n%s(tensortier %s --help for more)\n",
+                 tensortier::TerminalText(args[0]).c_str(),
+                 tensortier::TerminalText(e.what()).c_str(), UsageLines(args[0]).c_str(),
                  tensortier::TerminalText(args[0]).c_str());
     return 2;
   } catch (const std::exception& e) {

@@ -184,7 +184,7 @@ def test_arguments_and_directories_are_shown_escaped(disk_dir: Path) -> None:
     assert r.returncode == 2
     assert f"unknown command 'bogus{EVIL_SHOWN}'" in assert_terminal_safe(r)
     r = run("info", disk_dir / "x.safetensors", f"--{EVIL}")
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert f"unknown option '--{EVIL_SHOWN}'" in assert_terminal_safe(r)
     r = run("check", disk_dir / f"missing{EVIL}")
     assert r.returncode == 2

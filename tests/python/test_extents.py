@@ -541,7 +541,7 @@ def test_cli_help_and_bad_commands() -> None:
     assert r.returncode == 0 and "usage: tensortier extents build ROOT -o MAP" in r.stdout
     r = subprocess.run([str(BIN), "extents", "shrink"], capture_output=True, text=True,
                        timeout=TIMEOUT)
-    assert r.returncode == 1 and "unknown extents command 'shrink'" in r.stderr
+    assert r.returncode == 2 and "unknown extents command 'shrink'" in r.stderr
     r = subprocess.run([str(BIN), "extents", "build", "/tmp"], capture_output=True, text=True,
                        timeout=TIMEOUT)
     assert r.returncode == 2 and "usage:" in r.stderr
