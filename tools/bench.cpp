@@ -19,7 +19,7 @@ namespace tensortier::cli {
 namespace {
 
 constexpr const char* kHelp = R"(usage: tensortier bench [options]
-  --dir DIR           where the scratch file goes (default .)
+  --dir DIR           where the scratch file goes (default .; an existing directory)
   --file NAME         scratch file name (default tensortier-bench.dat)
   --size SIZE         bytes to write/read, e.g. 2G (default 1G)
   --block-size SIZE   request size (default 1M)
@@ -327,7 +327,13 @@ int RunBench(const std::vector<std::string>& argv) {
   if (s.warm && s.mode == "write") {
     throw UsageError("--warm times reads: use it with --mode read, both or randread");
   }
-  std::filesystem::create_directories(s.dir);
+  // As fio's --directory: the directory is the user's to make (a typo would otherwise fill a
+  // new folder on whatever disk holds it, and time that disk).
+  if (std::error_code dir_error; !std::filesystem::is_directory(s.dir, dir_error)) {
+    throw UsageError(StrCat("--dir '", s.dir,
+                            "' is not a directory (bench makes none: create it "
+                            "on the disk to measure)"));
+  }
   std::error_code ec;
   s.users_file = std::filesystem::exists(std::filesystem::symlink_status(FilePath(s), ec));
   if (args.Flag("sweep")) return RunSweep(s);

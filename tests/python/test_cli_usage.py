@@ -102,6 +102,19 @@ def test_bench_usage_errors(disk_dir: Path) -> None:
     assert not list(disk_dir.iterdir())  # nothing was run
 
 
+def test_bench_refuses_a_missing_dir_naming_it(disk_dir: Path) -> None:
+    """As fio's --directory: a typo does not make a folder and time whatever disk holds it."""
+    missing = disk_dir / "no" / "such"
+    r = run("bench", "--dir", missing, "--size", "1M")
+    assert_usage_error(r, "bench", f"--dir '{missing}' is not a directory")
+    assert not (disk_dir / "no").exists()
+    a_file = disk_dir / "f"
+    a_file.write_bytes(b"x")
+    assert_usage_error(run("bench", "--dir", a_file, "--size", "1M"), "bench",
+                       f"--dir '{a_file}' is not a directory")
+    assert a_file.read_bytes() == b"x"
+
+
 def test_bench_files_usage_errors(class_root: Path) -> None:
     cases = [
         ((), "bench-files takes one ROOT folder"),
