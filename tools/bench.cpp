@@ -8,12 +8,14 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <tuple>
 #include "tensortier/strings.hpp"
 
 #include "cli.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/config.hpp"
 #include "tensortier/engine.hpp"
+#include "tensortier/settings.hpp"
 
 namespace tensortier::cli {
 namespace {
@@ -326,6 +328,23 @@ int RunBench(const std::vector<std::string>& argv) {
   if (s.ops == 0) throw UsageError("--ops must be > 0");
   if (s.warm && s.mode == "write") {
     throw UsageError("--warm times reads: use it with --mode read, both or randread");
+  }
+  // The engine's ranges (the settings table's), named by this command's options.
+  for (const auto& [option, env, value] : {std::tuple<const char*, const char*, uint64_t>{
+                                               "--block-size", "TENSORTIER_CHUNK_SIZE", s.block},
+                                           {"--queue-depth", "TENSORTIER_QUEUE_DEPTH", s.depth},
+                                           {"--threads", "TENSORTIER_WORKERS", s.threads}}) {
+    try {
+      CheckNumberSetting(SettingFor(env), value);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(StrCat(option, ": ", e.what()));
+    }
+  }
+  const EngineOptions options = OptionsFor(s);  // a bad TENSORTIER_* variable: not a usage error
+  try {
+    options.Validate();  // --backend, and what the options ask for together
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
   }
   // As fio's --directory: the directory is the user's to make (a typo would otherwise fill a
   // new folder on whatever disk holds it, and time that disk).

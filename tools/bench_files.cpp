@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "cli.hpp"
 #include "tensortier/batch_reader.hpp"
@@ -63,14 +64,21 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
   spec.batch_size = args.Unsigned("batch-size", 256);
   spec.shuffle = args.Flag("shuffle");
   spec.seed = args.Unsigned("seed", 0);
-  if (epochs == 0) throw UsageError("--epochs must be at least 1");
-
-  SampleList list = ListFileRoot(root);
-  ShardPlan plan(spec, list.paths.size());
   BatchReaderOptions options;
   options.prefetch = args.Unsigned("prefetch", 2);
   options.open_threads = args.Unsigned("open-threads", 16);
   options.direct = !args.Flag("buffered");
+  // Refused before ROOT is listed, as the command line's errors (ShardPlan and BatchReader
+  // would refuse these zeros too, once ROOT's files were found).
+  for (const auto& [option, value] : {std::pair<const char*, unsigned>{"--epochs", epochs},
+                                      {"--batch-size", spec.batch_size},
+                                      {"--prefetch", options.prefetch},
+                                      {"--open-threads", options.open_threads}}) {
+    if (value == 0) throw UsageError(StrCat(option, " must be at least 1"));
+  }
+
+  SampleList list = ListFileRoot(root);
+  ShardPlan plan(spec, list.paths.size());
   BatchReader reader(list.paths, options);
 
   double seconds = 0;

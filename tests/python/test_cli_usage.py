@@ -3,6 +3,7 @@ command cannot run, 1 for damaged files and failed I/O, as getopt and argparse t
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,10 +97,20 @@ def test_bench_usage_errors(disk_dir: Path) -> None:
         (("--warm", "--mode", "write"), "--warm times reads"),
         (("--sweep", "--size", "64K"), "at least 256K"),
         (("--json=yes",), "unknown option '--json=yes'"),
+        # The engine's ranges, from the settings table, named by the option.
+        (("--threads", "0"), "--threads: workers (TENSORTIER_WORKERS): 0 is out of range"),
+        (("--queue-depth", "0"), "--queue-depth: queue_depth (TENSORTIER_QUEUE_DEPTH): 0 is out"),
+        (("--queue-depth", "5000"), "--queue-depth: queue_depth (TENSORTIER_QUEUE_DEPTH): 5000"),
+        (("--backend", "spdk"), "backend: 'spdk' is not one of auto, io_uring, libaio, threads"),
     ]
     for args, says in cases:
         assert_usage_error(run("bench", *d, *args), "bench", says)
     assert not list(disk_dir.iterdir())  # nothing was run
+    # A bad TENSORTIER_* variable is the environment's, not the command line's: status 1.
+    r = subprocess.run([str(BIN), "bench", *map(str, d), "--size", "1M"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "TENSORTIER_WORKERS": "0"})
+    assert r.returncode == 1 and "TENSORTIER_WORKERS" in r.stderr, r.stderr
+    assert "usage:" not in r.stderr, r.stderr
 
 
 def test_bench_refuses_a_missing_dir_naming_it(disk_dir: Path) -> None:
@@ -120,6 +131,11 @@ def test_bench_files_usage_errors(class_root: Path) -> None:
         ((), "bench-files takes one ROOT folder"),
         ((class_root, class_root), "bench-files takes one ROOT folder"),
         ((class_root, "--epochs", "0"), "--epochs must be at least 1"),
+        ((class_root, "--batch-size", "0"), "--batch-size must be at least 1"),
+        ((class_root, "--prefetch", "0"), "--prefetch must be at least 1"),
+        ((class_root, "--open-threads", "0"), "--open-threads must be at least 1"),
+        # Before ROOT is looked at: the command line is wrong whatever ROOT holds.
+        ((class_root / "missing", "--batch-size", "0"), "--batch-size must be at least 1"),
         ((class_root, "--batch-size", "-3"), "--batch-size: '-3' is not a number"),
         ((class_root, "--prefetch", str(1 << 30)), "--prefetch: 1073741824 is too large"),
         ((class_root, "--fast"), "unknown option '--fast'"),
