@@ -23,9 +23,10 @@ build   maps every regular file under ROOT (recursively) to its extents on its b
         blocks (unwritten, inline, encoded, encrypted, shared or sparse) are refused by name:
         the map is not written, unless --allow-refused, which lists them in the map as refused
         (readers then read them through the filesystem). Only ext4 and XFS are mapped.
-        Exit status: 0 when the map was written, 1 otherwise.
+        Exit status: 0 when the map was written, 1 otherwise (2: a usage error).
 verify  re-checks MAP against the files: identity and extents. Lists each file that changed.
-        Exit status: 0 when every file matches, 1 when any changed.
+        Exit status: 0 when every file matches, 1 when any changed or MAP cannot be read
+        (2: a usage error).
 )";
 
 int Build(const std::vector<std::string>& argv) {

@@ -54,7 +54,7 @@ read round trip with each on DIR (default .), O_DIRECT support and alignment of 
 filesystem, the CUDA driver and cuFile libraries tensortier would load, what GDS would do, and
 every setting in effect (environment overrides applied; a bad value is an error).
 Exit status: 0 when at least one backend works on DIR, 1 otherwise, 2 when DIR is not a
-directory.
+directory or the command line is wrong (extra arguments, an option).
 )"},
     {"info", R"(usage: tensortier info FILE [--shapes N]
 
@@ -69,7 +69,8 @@ Checks FILE's whole structure (header, zip directory, pickle, every tensor insid
 then its data: each tensor's xxh64 (safetensors saved with checksum=True, plus the header's own
 checksum) or each zip record's CRC-32 (torch.save files).
 Exit status: 0 when the data was verified, 1 on a problem or when FILE stores no checksums
-(nothing to verify; tensortier.load(..., verify=True) refuses such files too).
+(nothing to verify; tensortier.load(..., verify=True) refuses such files too), 2 when the
+command line is wrong (no FILE or more than one, an option).
 )"},
     {"convert", R"(usage: tensortier convert IN OUT
 

@@ -196,3 +196,8 @@ def test_help_states_the_exit_statuses() -> None:
     text = " ".join(r.stdout.split())
     assert "Exit status: 0 on success; 2 for a command line a command cannot run" in text
     assert "1 for anything else (a damaged file, a failed read or write" in text
+    for command, says in (("check", "2 when DIR is not a directory or the command line is wrong"),
+                          ("verify", "2 when the command line is wrong"),
+                          ("extents", "1 otherwise (2: a usage error)")):
+        r = run(command, "--help")
+        assert r.returncode == 0 and says in " ".join(r.stdout.split()), r.stdout
