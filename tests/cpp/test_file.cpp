@@ -155,6 +155,26 @@ TEST_F(FileTest, ReadModeOpensExistingFileReadOnly) {
   EXPECT_EQ(fcntl(f.buffered_fd(), F_GETFL) & O_ACCMODE, O_RDONLY);
 }
 
+TEST_F(FileTest, CreatedFilesTakeTheGivenPermissionsLessTheUmask) {
+  const mode_t umask_before = umask(022);
+  struct stat st {};
+  File::Open(dir_.File("default"), OpenMode::kWrite);
+  ASSERT_EQ(stat(dir_.File("default").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0644u);
+  File::Open(dir_.File("private"), OpenMode::kCreate, true, nullptr, 0600);
+  ASSERT_EQ(stat(dir_.File("private").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  umask(077);
+  File::Open(dir_.File("masked"), OpenMode::kWrite, false, nullptr, 0644);
+  ASSERT_EQ(stat(dir_.File("masked").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // An existing file keeps its own mode: the permissions are for a file the open creates.
+  File::Open(dir_.File("default"), OpenMode::kWrite, true, nullptr, 0600);
+  ASSERT_EQ(stat(dir_.File("default").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0644u);
+  umask(umask_before);
+}
+
 TEST_F(FileTest, OpenGivesTheOpenedFilesStatus) {
   const std::string path = dir_.File("data");
   ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10001, 1));

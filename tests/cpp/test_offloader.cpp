@@ -211,6 +211,19 @@ TEST(OffloaderEngineDefaultsTest, BounceBuffersGoAtOnceUnlessTheEnvironmentSays)
 // ---------------------------------------------------------------------------------------------
 // Round trips and space
 
+TEST_P(OffloaderTest, BackingFilesAreTheOwnersOnly) {
+  // Parked tensors are no other user's to read, whatever the umask allows (0644 under 022).
+  const mode_t umask_before = umask(022);
+  Offloader off(Options());
+  umask(umask_before);
+  ASSERT_FALSE(off.paths().empty());
+  for (const std::string& path : off.paths()) {
+    struct stat st {};
+    ASSERT_EQ(stat(path.c_str(), &st), 0) << path;
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << path;
+  }
+}
+
 TEST_P(OffloaderTest, RoundTripSizesAndAlignments) {
   Offloader off(Options());
   ASSERT_EQ(off.paths().size(), 1u);
