@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "binding_helpers.hpp"
+#include "dlpack_abi.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/batch_reader.hpp"
@@ -16,6 +17,58 @@
 
 namespace py = pybind11;
 using namespace tensortier;
+
+namespace {
+
+// One sample of a batch as a DLPack tensor. It owns a reference to the batch, so the arena is
+// returned to the reader only when the last consumer (DALI, which frees its inputs on its own
+// threads) lets go: the deleter touches no Python.
+struct SampleExport {
+  dlpack::ManagedTensor managed{};
+  int64_t shape[1] = {0};
+  std::shared_ptr<Batch> batch;
+};
+
+void DeleteSampleExport(dlpack::ManagedTensor* managed) {
+  delete static_cast<SampleExport*>(managed->manager_ctx);
+}
+
+// A capsule nobody consumed still owns its tensor; a consumer renames it when it takes it.
+void DeleteUnusedCapsule(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, dlpack::kCapsuleName)) return;
+  auto* managed =
+      static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleName));
+  managed->deleter(managed);
+}
+
+py::list SamplesAsDlpack(const std::shared_ptr<Batch>& batch) {
+  static std::byte empty{};  // a pointer for samples of an empty arena (all files empty)
+  auto* base = const_cast<std::byte*>(batch->data());
+  if (base == nullptr) base = &empty;
+  const auto& offsets = batch->offsets();
+  const auto& sizes = batch->sizes();
+  py::list out(offsets.size());
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    auto sample = std::make_unique<SampleExport>();
+    sample->batch = batch;
+    sample->shape[0] = static_cast<int64_t>(sizes[i]);
+    dlpack::Tensor& t = sample->managed.dl_tensor;
+    t.data = base + offsets[i];
+    t.device = {dlpack::kCpu, 0};
+    t.ndim = 1;
+    t.dtype = {dlpack::kUInt, 8, 1};
+    t.shape = sample->shape;
+    sample->managed.manager_ctx = sample.get();
+    sample->managed.deleter = DeleteSampleExport;
+    PyObject* capsule = PyCapsule_New(&sample->managed, dlpack::kCapsuleName, DeleteUnusedCapsule);
+    if (capsule == nullptr) throw py::error_already_set();
+    sample.release();  // the capsule owns it now
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), capsule);
+  }
+  return out;
+}
+
+}  // namespace
 
 void RegisterData(py::module_& m) {
   m.def(
@@ -97,6 +150,9 @@ void RegisterData(py::module_& m) {
                                return out;
                              })
       .def("__len__", [](const Batch& b) { return b.size(); })
+      .def("dlpack_samples", &SamplesAsDlpack,
+           "One DLPack capsule per sample (uint8, 1-D, CPU), each keeping the batch's arena "
+           "alive until its consumer frees it.")
       .def_buffer([](Batch& b) {
         // Writable: the arena is the batch's own, and torch warns on read-only buffers.
         auto* data = const_cast<std::byte*>(b.data());

@@ -114,6 +114,22 @@ def test_dali_source_epochs_with_reset(disk_dir: Path, no_copy: bool, shuffle: b
     assert all(len(epoch) == 4 for epoch in got)  # 18 samples + padding: 4 batches of 5
 
 
+def test_no_copy_samples_outlive_the_sources_own_queue(disk_dir: Path) -> None:
+    """With no_copy=True DALI's inputs are the arenas themselves: each one must stay the batch's
+    until DALI frees it, however far the source has read past it."""
+    make_tree(disk_dir, classes=3, per_class=8)  # 24 files
+    reader = FileReader(file_root=disk_dir, batch_size=2, shuffle=True, seed=3, prefetch=1)
+    reference = FileReader(file_root=disk_dir, batch_size=2, shuffle=True, seed=3)
+    source = reader.dali_source(queue_depth=1)
+    fed = [next(source) for _ in range(4)]  # the source keeps the last three
+    for _ in range(6):
+        next(source)  # arenas given back would be refilled by these reads
+    want = reader_stream(reference, 1)[:4]
+    got = [[(bytes(np.array(samples[i])), int(np.array(labels[i])[0])) for i in range(len(samples))]
+           for samples, labels in fed]
+    assert [[data for data, _ in batch] for batch in got] == [[d for d, _ in b] for b in want]
+
+
 def test_dali_source_covers_every_shard_once(disk_dir: Path) -> None:
     make_tree(disk_dir, classes=3, per_class=9)  # 27 files
     everything = set()

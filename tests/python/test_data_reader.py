@@ -124,6 +124,28 @@ def test_copy_and_views(disk_dir: Path) -> None:
     assert labels.tolist() == [0, 0, 0]
 
 
+def test_dlpack_samples_hold_their_arena_until_the_consumer_lets_go(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=2, per_class=8, empty=True)
+    reader = FileReader(file_root=disk_dir, batch_size=4, shuffle=False, prefetch=1)
+    want = expected(reader, tree, 0, 4)
+    batches = reader.batches()
+    first = next(batches)
+    taken = [torch.from_dlpack(c) for c in first.dlpack_samples()]
+    assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in taken)
+    # An arena given back would be refilled by the next batches: these tensors keep theirs.
+    del first
+    rest = [[bytes(memoryview(b)[o:o + n]) for o, n in zip(b.offsets, b.sizes)] for b in batches]
+    assert [bytes(t.numpy()) for t in taken] == [data for data, _ in want[0]]
+    assert rest == [[data for data, _ in batch] for batch in want[1:]]
+    assert b"" in [data for data, _ in want[0]]  # an empty file's sample is an empty tensor
+    # Capsules never consumed give their batch back when dropped.
+    unused = FileReader(file_root=disk_dir, batch_size=4, shuffle=False)
+    for batch in unused.batches():
+        capsules = batch.dlpack_samples()
+        assert len(capsules) == len(batch.sizes)
+        del capsules
+
+
 def test_drop_last(disk_dir: Path) -> None:
     make_tree(disk_dir, classes=1, per_class=7)
     assert [len(s) for s, _ in FileReader(file_root=disk_dir, batch_size=3, drop_last=True)] == [3, 3]

@@ -6,8 +6,6 @@ import collections
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:
     from .reader import FileReader
 
@@ -23,11 +21,12 @@ class DaliSource:
     source is iterated once and never rewound by DALI, so each ``pipe.reset()`` reads the next
     epoch; ``cycle="quiet"`` or ``"raise"`` work too.
 
-    The samples wrap the batch arenas in place (``TensorCPU`` views, gathered without a copy):
-    handed a list of arrays, ``external_source`` inspects and converts each in Python, which
-    cost more than reading the files when they are cached. DALI copies the batch unless
-    ``no_copy=True``; then the arenas must live until DALI has used them: this source keeps the
-    last ``queue_depth + 2`` batches alive, so pass at least the pipeline's
+    The samples wrap the batch arenas in place (``TensorCPU`` views made from DLPack capsules,
+    gathered without a copy): handed a list of arrays, ``external_source`` inspects and converts
+    each in Python, which cost more than reading the files when they are cached. DALI copies the
+    batch unless ``no_copy=True``; then the arenas must live until DALI has used them: each
+    sample holds its batch's arena until DALI frees it, and this source keeps the last
+    ``queue_depth + 2`` batches' labels alive, so pass at least the pipeline's
     ``prefetch_queue_depth`` as ``queue_depth``. With ``no_copy=True`` nothing is copied on the
     way in; DALI copies a CPU pipeline's outputs into its own buffers, so pass the samples on to
     an operator (a decoder) rather than returning them from the pipeline.
@@ -70,8 +69,7 @@ class DaliSource:
             raise
         labels = self._reader.batch_labels(batch).reshape(-1, 1)
         self._kept.append((batch, labels))
-        arena = np.frombuffer(batch, dtype=np.uint8)
         wrap = self._tensors.TensorCPU
-        samples = self._tensors.TensorListCPU(
-            [wrap(arena[o:o + s]) for o, s in zip(batch.offsets, batch.sizes)], contiguous=False)
+        samples = self._tensors.TensorListCPU([wrap(c) for c in batch.dlpack_samples()],
+                                              contiguous=False)
         return samples, self._tensors.TensorListCPU(labels)
