@@ -252,3 +252,36 @@ def test_index_from_a_file_object_is_refused(disk_dir: Path) -> None:
     index = io.BytesIO(b'{"weight_map": {"a": "x.safetensors"}}')
     with pytest.raises(ValueError, match="by its path"):
         tensortier.load(index)
+
+
+class _NotAllowed:
+    """A class of the test's own: torch.load(weights_only=True) refuses it unless allowed."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+
+def test_what_weights_only_refuses_raises_torchs_unpickling_error(disk_dir: Path) -> None:
+    # Code written for torch.load catches pickle.UnpicklingError; the error is also the
+    # ValueError tensortier raised before. Allowed globals load, as they do for torch.load.
+    import io
+    import pickle
+
+    import numpy as np
+
+    for name, obj in [("own_class.pt", {"x": _NotAllowed()}), ("numpy.pt", {"step": np.int64(3)})]:
+        path = disk_dir / name
+        torch.save(obj, path)
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(path, weights_only=True)
+        with pytest.raises(pickle.UnpicklingError, match="weights_only") as info:
+            tensortier.load(path)
+        assert isinstance(info.value, ValueError)
+        assert isinstance(info.value, tensortier.WeightsOnlyUnpicklingError)
+        assert str(path) in str(info.value)
+        with pytest.raises(pickle.UnpicklingError, match="BytesIO"):
+            tensortier.load(io.BytesIO(path.read_bytes()))
+        with pytest.raises(pickle.UnpicklingError, match=name):
+            tensortier.load_into({"x": torch.zeros(1)}, path)
+    with torch.serialization.safe_globals([_NotAllowed]):
+        assert tensortier.load(disk_dir / "own_class.pt")["x"].value == 1

@@ -8,7 +8,7 @@ from typing import Any, BinaryIO
 
 from ..io import IOHandle
 from . import _common
-from ._common import _is_file_object, _memfd_copy, _target_dtype
+from ._common import _is_file_object, _memfd_copy, _renamed, _target_dtype
 from ._format import _sniff, _torch, PathLike
 from .._paths import fspath as _fspath
 from .index import _load_index
@@ -87,9 +87,13 @@ def load(
         whatever was saved (shared storages stay shared).
 
     Raises:
+        WeightsOnlyUnpicklingError: a torch file's pickle holds globals or opcodes that
+            ``torch.load(weights_only=True)`` refuses (those ``torch.serialization.
+            add_safe_globals`` allows load): a ``pickle.UnpicklingError``, as ``torch.load``
+            raises, and a ``ValueError``.
         ValueError: not a checkpoint, a malformed or unsupported file (legacy torch format,
-            compressed zip entries, pickled globals ``weights_only`` refuses...), a checksum
-            mismatch (naming the tensor), or a bad argument (CUDA unavailable...).
+            compressed zip entries...), a checksum mismatch (naming the tensor), or a bad
+            argument (CUDA unavailable...).
         OSError: the file cannot be read, or is not a regular file (a FIFO is refused, never
             waited on).
     """
@@ -157,7 +161,7 @@ def load(
             # errors name the file: the caller's object, not the memfd it was copied to
             name = getattr(path, "name", None)
             label = repr(name) if isinstance(name, str) else f"<{type(path).__name__}>"
-            raise ValueError(str(e).replace(fspath, label)) from e
+            raise _renamed(e, str(e).replace(fspath, label)) from e
 
 
 def _is_meta(location: Any) -> bool:
