@@ -285,3 +285,49 @@ def test_what_weights_only_refuses_raises_torchs_unpickling_error(disk_dir: Path
             tensortier.load_into({"x": torch.zeros(1)}, path)
     with torch.serialization.safe_globals([_NotAllowed]):
         assert tensortier.load(disk_dir / "own_class.pt")["x"].value == 1
+
+
+class _WithExtraState(torch.nn.Module):
+    """A module with extra state (get_extra_state), as TransformerEngine's layers have: any
+    object, or a tensor whose size changes with what it holds."""
+
+    def __init__(self, state: object) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.state = state
+
+    def get_extra_state(self) -> object:
+        return self.state
+
+    def set_extra_state(self, state: object) -> None:
+        self.state = state
+
+
+@pytest.mark.parametrize("saved", [{"scale": 2.5, "steps": 7}, torch.arange(5, dtype=torch.uint8)])
+def test_load_into_gives_extra_state_to_set_extra_state(disk_dir: Path, saved: object) -> None:
+    outer = torch.nn.Sequential(_WithExtraState(saved), torch.nn.ReLU())
+    path = disk_dir / "extra.pt"
+    tensortier.save(outer.state_dict(), path)
+    assert "0._extra_state" in torch.load(path, weights_only=True)
+    for empty in ({}, torch.zeros(2, dtype=torch.uint8)):  # another shape than the saved one
+        theirs = torch.nn.Sequential(_WithExtraState(empty), torch.nn.ReLU())
+        theirs.load_state_dict(torch.load(path, weights_only=True))
+        ours = torch.nn.Sequential(_WithExtraState(empty), torch.nn.ReLU())
+        assert tensortier.load_into(ours, path) == ([], [])
+        for got in (ours[0].state, theirs[0].state):
+            if isinstance(saved, torch.Tensor):
+                assert isinstance(got, torch.Tensor) and torch.equal(got, saved)
+            else:
+                assert got == saved
+        assert torch.equal(ours[0].lin.weight, outer[0].lin.weight)
+    # A file without it (safetensors holds tensors only): missing, as for load_state_dict.
+    st_path = disk_dir / "no_extra.safetensors"
+    lin_only = {f"lin.{k}": v for k, v in outer[0].lin.state_dict().items()}
+    tensortier.save(lin_only, st_path)
+    with pytest.raises(RuntimeError, match='Missing key.*"_extra_state"'):
+        _WithExtraState({}).load_state_dict(lin_only)
+    with pytest.raises(RuntimeError, match='Missing key.*"_extra_state"'):
+        tensortier.load_into(_WithExtraState({}), st_path)
+    target = _WithExtraState({"kept": 1})
+    assert tensortier.load_into(target, st_path, strict=False) == (["_extra_state"], [])
+    assert target.state == {"kept": 1}

@@ -51,7 +51,10 @@ def load_into(
 
     Args:
         module_or_state_dict: a ``torch.nn.Module`` (its ``state_dict()``: parameters and
-            persistent buffers) or a mapping of name -> tensor.
+            persistent buffers) or a mapping of name -> tensor. A submodule's extra state
+            (``get_extra_state``, named ``..._extra_state``) is given to its
+            ``set_extra_state`` as saved, as ``load_state_dict`` does: any object a torch file
+            holds there, or a tensor of the saved shape.
         path: a safetensors file, a zip-format ``torch.save`` file holding a flat
             ``{name: tensor}`` dict, or a shard index.
         strict: like ``load_state_dict``: names missing from the file or not in the target are
@@ -76,8 +79,10 @@ def load_into(
     the old values must survive a failure.
     """
     torch = _torch()
+    extra_states: dict[str, Any] = {}  # name -> the module whose get_extra_state gave it
     if isinstance(module_or_state_dict, torch.nn.Module):
         targets = dict(module_or_state_dict.state_dict())
+        extra_states = _extra_state_modules(module_or_state_dict, targets)
     elif isinstance(module_or_state_dict, Mapping):
         targets = dict(module_or_state_dict)
     else:
@@ -87,6 +92,8 @@ def load_into(
         )
     meta = []
     for name, t in targets.items():
+        if name in extra_states:
+            continue  # any object: given to set_extra_state, never read into
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"target {name!r} is {_a(type(t).__name__)}, not a tensor")
         if t.is_meta:
@@ -102,12 +109,46 @@ def load_into(
     fspath = _fspath(path)
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
     try:
-        sources = _describe_sources(fspath, io, files, verify)  # name -> _Source
-        return _load_into(targets, sources, strict, verify, progress, io, fspath, files,
-                          type(module_or_state_dict).__name__)
+        saved_states: dict[str, Any] = {}  # extra states the file holds as other objects
+        sources = _describe_sources(  # name -> _Source
+            fspath, io, files, verify, frozenset(extra_states), saved_states
+        )
+        for name in extra_states:
+            src = sources.get(name)
+            if name in saved_states:
+                del targets[name]
+            elif src is not None:  # a tensor: read whole, whatever the module holds now
+                targets[name] = torch.empty(src.shape, dtype=src.dtype)
+            else:  # missing, as load_state_dict reports it
+                targets[name] = torch.empty(0)
+        result = _load_into(targets, sources, strict, verify, progress, io, fspath, files,
+                            type(module_or_state_dict).__name__)
     finally:
         for f in files.values():
             f.close()
+    for name, module in extra_states.items():
+        if name in saved_states:
+            module.set_extra_state(saved_states[name])
+        elif name in sources:
+            module.set_extra_state(targets[name])
+    return result
+
+
+def _extra_state_modules(module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The state dict names that hold a submodule's ``get_extra_state()`` (``..._extra_state``),
+    and their modules: ``load_state_dict`` gives the saved value to ``set_extra_state``, whatever
+    object it is, rather than copying it into a tensor."""
+    nn = _torch().nn
+    base = nn.Module.get_extra_state
+    suffix = getattr(nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
+    out = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        if getattr(type(sub), "get_extra_state", base) is base:
+            continue
+        name = f"{prefix}.{suffix}" if prefix else suffix
+        if name in state_dict:
+            out[name] = sub
+    return out
 
 
 @dataclass
@@ -127,10 +168,12 @@ class _Source:
 
 
 def _describe_sources(
-    path: str, io: IOHandle, files: dict[str, File], verify: bool = False
+    path: str, io: IOHandle, files: dict[str, File], verify: bool = False,
+    extra_names: frozenset[str] = frozenset(), saved_states: dict[str, Any] | None = None,
 ) -> dict[str, _Source]:
     """The tensors of `path` (an index: of its shards). Every data file is opened into `files`
-    and parsed through that descriptor."""
+    and parsed through that descriptor. Values of `extra_names` (modules' extra states) that
+    are not tensors go into `saved_states`."""
     kind = _sniff(path)
     if kind == "index":
         out: dict[str, _Source] = {}
@@ -138,7 +181,8 @@ def _describe_sources(
         for shard in shards:
             if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
                 raise ValueError(f"{path}: shard {shard} is itself an index")
-            _take_shard(out, _describe_sources(shard, io, files, verify), shard, shards, path)
+            part = _describe_sources(shard, io, files, verify, extra_names, saved_states)
+            _take_shard(out, part, shard, shards, path)
         return out
     if path not in files:
         files[path] = _open_checkpoint(io, path)
@@ -177,6 +221,9 @@ def _describe_sources(
     by_cdata = {r.storage._cdata: r for r in storages.values()}
     out = {}
     for name, t in obj.items():
+        if name in extra_names and not isinstance(t, torch.Tensor) and saved_states is not None:
+            saved_states[name] = t
+            continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(
                 f"{path}: {name!r} is {_a(type(t).__name__)}, not a tensor: load_into reads flat "
