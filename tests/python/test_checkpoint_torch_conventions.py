@@ -331,3 +331,38 @@ def test_load_into_gives_extra_state_to_set_extra_state(disk_dir: Path, saved: o
     target = _WithExtraState({"kept": 1})
     assert tensortier.load_into(target, st_path, strict=False) == (["_extra_state"], [])
     assert target.state == {"kept": 1}
+
+
+def test_load_into_names_modules_whose_older_entries_load_state_dict_upgrades(
+    disk_dir: Path,
+) -> None:
+    """BatchNorm files of version 1 (its _metadata records it) lack num_batches_tracked:
+    load_state_dict's _load_from_state_dict adds it, which load_into does not run. Its error
+    says so and what to call instead; a mismatch elsewhere gets no such note."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    old = model.state_dict()
+    del old["1.num_batches_tracked"]
+    old._metadata["1"]["version"] = 1  # type: ignore[attr-defined]
+    path = disk_dir / "bn_v1.pt"
+    torch.save(old, path)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    fresh.load_state_dict(torch.load(path, weights_only=True))  # upgraded
+    fresh.load_state_dict(tensortier.load(path))  # _metadata kept: upgraded too
+    with pytest.raises(RuntimeError) as info:
+        tensortier.load_into(fresh, path)
+    message = str(info.value)
+    assert '"1.num_batches_tracked"' in message
+    assert "'1' (BatchNorm1d, saved with version 1, now 2)" in message
+    assert "module.load_state_dict(tensortier.load(path))" in message
+    # safetensors files record no versions
+    st_path = disk_dir / "bn.safetensors"
+    tensortier.save(dict(old), st_path)
+    with pytest.raises(RuntimeError, match="'1' \\(BatchNorm1d, saved with no version, now 2\\)"):
+        tensortier.load_into(fresh, st_path)
+    # a mismatch that is not a BatchNorm's: no note
+    current = model.state_dict()
+    current["extra"] = torch.zeros(1)
+    torch.save(current, path)
+    with pytest.raises(RuntimeError) as info:
+        tensortier.load_into(fresh, path)
+    assert '"extra"' in str(info.value) and "older version" not in str(info.value)

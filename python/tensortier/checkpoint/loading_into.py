@@ -59,7 +59,11 @@ def load_into(
             ``{name: tensor}`` dict, or a shard index.
         strict: like ``load_state_dict``: names missing from the file or not in the target are
             an error. A missing name whose tensor shares its memory with a loaded one (tied
-            weights that safetensors files store once) is not missing.
+            weights that safetensors files store once) is not missing. Modules'
+            ``_load_from_state_dict`` and ``load_state_dict`` hooks are not run (the tensors
+            are read in place): entries that ``load_state_dict`` would upgrade (older module
+            versions, by the state dict's ``_metadata``) are missing or unexpected here, and
+            the error names the modules saved at an older version.
         verify: check the stored checksums of what is read.
 
     Returns:
@@ -110,8 +114,9 @@ def load_into(
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
     try:
         saved_states: dict[str, Any] = {}  # extra states the file holds as other objects
+        saved_versions: dict[str, Any] = {}  # module prefix -> version, from `_metadata`
         sources = _describe_sources(  # name -> _Source
-            fspath, io, files, verify, frozenset(extra_states), saved_states
+            fspath, io, files, verify, frozenset(extra_states), saved_states, saved_versions
         )
         for name in extra_states:
             src = sources.get(name)
@@ -121,8 +126,11 @@ def load_into(
                 targets[name] = torch.empty(src.shape, dtype=src.dtype)
             else:  # missing, as load_state_dict reports it
                 targets[name] = torch.empty(0)
+        explain = None
+        if isinstance(module_or_state_dict, torch.nn.Module):
+            explain = functools.partial(_upgrade_note, module_or_state_dict, saved_versions)
         result = _load_into(targets, sources, strict, verify, progress, io, fspath, files,
-                            type(module_or_state_dict).__name__)
+                            type(module_or_state_dict).__name__, explain)
     finally:
         for f in files.values():
             f.close()
@@ -132,6 +140,33 @@ def load_into(
         elif name in sources:
             module.set_extra_state(targets[name])
     return result
+
+
+def _upgrade_note(module: Any, saved_versions: Mapping[str, Any], names: Sequence[str]) -> str:
+    """Why `names` (missing or unexpected) may load with ``load_state_dict``: a submodule whose
+    ``_version`` is newer than the one the file records for it (in the state dict's
+    ``_metadata``; none recorded reads as older) gets its entries upgraded by its
+    ``_load_from_state_dict`` (BatchNorm adds ``num_batches_tracked`` to version 1 files),
+    which load_into does not run. Empty when no such submodule holds one of `names`."""
+    holders = {name.rpartition(".")[0] for name in names}
+    older = []
+    for prefix, sub in module.named_modules():
+        current = getattr(type(sub), "_version", 1)
+        if not isinstance(current, int) or current <= 1 or prefix not in holders:
+            continue
+        saved = saved_versions.get(prefix)
+        if isinstance(saved, int) and saved >= current:
+            continue
+        was = "no version" if saved is None else f"version {saved!r}"
+        older.append(f"'{prefix}' ({type(sub).__name__}, saved with {was}, now {current})")
+    if not older:
+        return ""
+    more = f" and {len(older) - 4} more" if len(older) > 4 else ""
+    return (
+        f"\n\tmodules saved at an older version: {', '.join(older[:4])}{more}; load_state_dict "
+        "upgrades their entries (their _load_from_state_dict), which load_into does not run: "
+        "load this file with module.load_state_dict(tensortier.load(path))"
+    )
 
 
 def _extra_state_modules(module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -170,10 +205,12 @@ class _Source:
 def _describe_sources(
     path: str, io: IOHandle, files: dict[str, File], verify: bool = False,
     extra_names: frozenset[str] = frozenset(), saved_states: dict[str, Any] | None = None,
+    saved_versions: dict[str, Any] | None = None,
 ) -> dict[str, _Source]:
     """The tensors of `path` (an index: of its shards). Every data file is opened into `files`
     and parsed through that descriptor. Values of `extra_names` (modules' extra states) that
-    are not tensors go into `saved_states`."""
+    are not tensors go into `saved_states`; the module versions a torch file's state dict
+    records (its ``_metadata``) into `saved_versions`."""
     kind = _sniff(path)
     if kind == "index":
         out: dict[str, _Source] = {}
@@ -181,7 +218,9 @@ def _describe_sources(
         for shard in shards:
             if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
                 raise ValueError(f"{path}: shard {shard} is itself an index")
-            part = _describe_sources(shard, io, files, verify, extra_names, saved_states)
+            part = _describe_sources(
+                shard, io, files, verify, extra_names, saved_states, saved_versions
+            )
             _take_shard(out, part, shard, shards, path)
         return out
     if path not in files:
@@ -217,6 +256,11 @@ def _describe_sources(
         raise ValueError(
             f"{path}: holds a {type(obj).__name__}, not a flat state dict: use tensortier.load"
         )
+    recorded = getattr(obj, "_metadata", None)
+    if saved_versions is not None and isinstance(recorded, Mapping):
+        for prefix, local in recorded.items():
+            if isinstance(local, Mapping):
+                saved_versions[prefix] = local.get("version")
     by_storage = {id(r.storage): r for r in storages.values()}
     by_cdata = {r.storage._cdata: r for r in storages.values()}
     out = {}
@@ -253,8 +297,10 @@ def _describe_sources(
 def _load_into(
     targets: dict[str, Any], sources: dict[str, _Source], strict: bool, verify: bool,
     progress: bool | None, io: IOHandle, path: str, files: Mapping[str, File],
-    target_name: str = "dict",
+    target_name: str = "dict", explain: Callable[[Sequence[str]], str] | None = None,
 ) -> IncompatibleKeys:
+    """`explain`: given the missing and unexpected names of a mismatch, a note to end its
+    error with (or "")."""
     torch = _torch()
     unexpected = [k for k in sources if k not in targets]
     missing = [k for k in targets if k not in sources]
@@ -289,6 +335,7 @@ def _load_into(
         raise StateDictMismatchError(
             f"Error(s) in loading state_dict for {target_name}:\n\t" + "\n\t".join(errors)
             + f"\n\tfrom {path}" + (hint if strict and (missing or unexpected) else "")
+            + (explain((missing + unexpected) if strict else []) if explain else "")
         )
 
     direct: list[_Piece] = []  # read straight into the target's memory
