@@ -400,6 +400,15 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   uint64_t data = 0;
   for (size_t index = 0; index < l.torch.pickle.tensors.size(); ++index) {
     const TorchTensor& t = l.torch.pickle.tensors[index];
+    if (sums.contains(t.path)) {
+      // Names are key paths joined by '.': {"a": {"b": x}} and {"a.b": y} meet, and keys that
+      // are neither str nor int all read "<key>". A safetensors file names each tensor once.
+      throw std::invalid_argument(
+          StrCat("two tensors get the name '", t.path,
+                 "' (safetensors names are the key paths joined by '.'; keys other than str "
+                 "and int read '<key>'), and a safetensors file names each tensor once: give "
+                 "them distinct string keys before torch.save"));
+    }
     if (t.meta) {
       throw std::invalid_argument(StrCat("tensor '", t.path,
                                          "' is a meta tensor (no data): safetensors cannot "

@@ -17,7 +17,14 @@ from typing import Any
 
 from . import _core
 from ._paths import fspath, PathArg
-from .checkpoint import IncompatibleKeys, StateDictMismatchError, load, load_into, save
+from .checkpoint import (
+    IncompatibleKeys,
+    StateDictMismatchError,
+    WeightsOnlyUnpicklingError,
+    load,
+    load_into,
+    save,
+)
 from .io import File, IOFuture, IOHandle, IOResult
 from .offload import DiskOffloader
 from .device import CuFileError, CudaError, cuda_info, cufile_info, pin, pinned_empty
@@ -37,6 +44,7 @@ __all__ = [
     "IOResult",
     "IncompatibleKeys",
     "StateDictMismatchError",
+    "WeightsOnlyUnpicklingError",
     "aligned_empty",
     "defaults",
     "load",

@@ -345,3 +345,26 @@ def test_no_descriptor_or_mapping_outlives_the_tensors(disk_dir: Path) -> None:
     assert torch.isfinite(keep).all()
     del keep
     assert mapped() == 0
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_mmap_none_follows_torchs_setting_as_torch_load_does(disk_dir: Path, name: str) -> None:
+    """torch.load's mmap defaults to None: torch.utils.serialization.config.load.mmap decides.
+    Code passing mmap=None on (or setting the config) gets what torch.load gives."""
+    from torch.utils.serialization import config
+
+    path = disk_dir / name
+    sd = {"a": torch.randn(1024)}
+    tensortier.save(sd, path)
+    out = tensortier.load(path, mmap=None)
+    assert torch.equal(out["a"], sd["a"]) and not storage_is_file_mapping(out["a"], path)
+    with config.patch({"load.mmap": True}):
+        if name.endswith(".pt"):
+            assert storage_is_file_mapping(torch.load(path, mmap=None)["a"], path)
+        for out in (tensortier.load(path), tensortier.load(path, mmap=None)):
+            assert torch.equal(out["a"], sd["a"]) and storage_is_file_mapping(out["a"], path)
+        # Where a mapping cannot serve the load, the setting does not make it an error.
+        out = tensortier.load(path, map_location={"cpu": "cpu"})
+        assert not storage_is_file_mapping(out["a"], path)
+        assert tensortier.load(path, device="meta")["a"].is_meta
+        assert not storage_is_file_mapping(tensortier.load(path, mmap=False)["a"], path)

@@ -252,3 +252,117 @@ def test_index_from_a_file_object_is_refused(disk_dir: Path) -> None:
     index = io.BytesIO(b'{"weight_map": {"a": "x.safetensors"}}')
     with pytest.raises(ValueError, match="by its path"):
         tensortier.load(index)
+
+
+class _NotAllowed:
+    """A class of the test's own: torch.load(weights_only=True) refuses it unless allowed."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+
+def test_what_weights_only_refuses_raises_torchs_unpickling_error(disk_dir: Path) -> None:
+    # Code written for torch.load catches pickle.UnpicklingError; the error is also the
+    # ValueError tensortier raised before. Allowed globals load, as they do for torch.load.
+    import io
+    import pickle
+
+    import numpy as np
+
+    for name, obj in [("own_class.pt", {"x": _NotAllowed()}), ("numpy.pt", {"step": np.int64(3)})]:
+        path = disk_dir / name
+        torch.save(obj, path)
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(path, weights_only=True)
+        with pytest.raises(pickle.UnpicklingError, match="weights_only") as info:
+            tensortier.load(path)
+        assert isinstance(info.value, ValueError)
+        assert isinstance(info.value, tensortier.WeightsOnlyUnpicklingError)
+        assert str(path) in str(info.value)
+        with pytest.raises(pickle.UnpicklingError, match="BytesIO"):
+            tensortier.load(io.BytesIO(path.read_bytes()))
+        with pytest.raises(pickle.UnpicklingError, match=name):
+            tensortier.load_into({"x": torch.zeros(1)}, path)
+    with torch.serialization.safe_globals([_NotAllowed]):
+        assert tensortier.load(disk_dir / "own_class.pt")["x"].value == 1
+
+
+class _WithExtraState(torch.nn.Module):
+    """A module with extra state (get_extra_state), as TransformerEngine's layers have: any
+    object, or a tensor whose size changes with what it holds."""
+
+    def __init__(self, state: object) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.state = state
+
+    def get_extra_state(self) -> object:
+        return self.state
+
+    def set_extra_state(self, state: object) -> None:
+        self.state = state
+
+
+@pytest.mark.parametrize("saved", [{"scale": 2.5, "steps": 7}, torch.arange(5, dtype=torch.uint8)])
+def test_load_into_gives_extra_state_to_set_extra_state(disk_dir: Path, saved: object) -> None:
+    outer = torch.nn.Sequential(_WithExtraState(saved), torch.nn.ReLU())
+    path = disk_dir / "extra.pt"
+    tensortier.save(outer.state_dict(), path)
+    assert "0._extra_state" in torch.load(path, weights_only=True)
+    for empty in ({}, torch.zeros(2, dtype=torch.uint8)):  # another shape than the saved one
+        theirs = torch.nn.Sequential(_WithExtraState(empty), torch.nn.ReLU())
+        theirs.load_state_dict(torch.load(path, weights_only=True))
+        ours = torch.nn.Sequential(_WithExtraState(empty), torch.nn.ReLU())
+        assert tensortier.load_into(ours, path) == ([], [])
+        for got in (ours[0].state, theirs[0].state):
+            if isinstance(saved, torch.Tensor):
+                assert isinstance(got, torch.Tensor) and torch.equal(got, saved)
+            else:
+                assert got == saved
+        assert torch.equal(ours[0].lin.weight, outer[0].lin.weight)
+    # A file without it (safetensors holds tensors only): missing, as for load_state_dict.
+    st_path = disk_dir / "no_extra.safetensors"
+    lin_only = {f"lin.{k}": v for k, v in outer[0].lin.state_dict().items()}
+    tensortier.save(lin_only, st_path)
+    with pytest.raises(RuntimeError, match='Missing key.*"_extra_state"'):
+        _WithExtraState({}).load_state_dict(lin_only)
+    with pytest.raises(RuntimeError, match='Missing key.*"_extra_state"'):
+        tensortier.load_into(_WithExtraState({}), st_path)
+    target = _WithExtraState({"kept": 1})
+    assert tensortier.load_into(target, st_path, strict=False) == (["_extra_state"], [])
+    assert target.state == {"kept": 1}
+
+
+def test_load_into_names_modules_whose_older_entries_load_state_dict_upgrades(
+    disk_dir: Path,
+) -> None:
+    """BatchNorm files of version 1 (its _metadata records it) lack num_batches_tracked:
+    load_state_dict's _load_from_state_dict adds it, which load_into does not run. Its error
+    says so and what to call instead; a mismatch elsewhere gets no such note."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    old = model.state_dict()
+    del old["1.num_batches_tracked"]
+    old._metadata["1"]["version"] = 1  # type: ignore[attr-defined]
+    path = disk_dir / "bn_v1.pt"
+    torch.save(old, path)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    fresh.load_state_dict(torch.load(path, weights_only=True))  # upgraded
+    fresh.load_state_dict(tensortier.load(path))  # _metadata kept: upgraded too
+    with pytest.raises(RuntimeError) as info:
+        tensortier.load_into(fresh, path)
+    message = str(info.value)
+    assert '"1.num_batches_tracked"' in message
+    assert "'1' (BatchNorm1d, saved with version 1, now 2)" in message
+    assert "module.load_state_dict(tensortier.load(path))" in message
+    # safetensors files record no versions
+    st_path = disk_dir / "bn.safetensors"
+    tensortier.save(dict(old), st_path)
+    with pytest.raises(RuntimeError, match="'1' \\(BatchNorm1d, saved with no version, now 2\\)"):
+        tensortier.load_into(fresh, st_path)
+    # a mismatch that is not a BatchNorm's: no note
+    current = model.state_dict()
+    current["extra"] = torch.zeros(1)
+    torch.save(current, path)
+    with pytest.raises(RuntimeError) as info:
+        tensortier.load_into(fresh, path)
+    assert '"extra"' in str(info.value) and "older version" not in str(info.value)

@@ -699,3 +699,23 @@ def test_data_pkl_is_read_once(disk_dir: Path, command: str) -> None:
     path.write_bytes(bytes(raw))
     r = run(command, *args)
     assert r.returncode == 1 and "data.pkl': CRC-32 mismatch" in r.stderr, r.stderr
+
+
+def test_convert_refuses_two_tensors_that_get_one_name(disk_dir: Path) -> None:
+    """Tensor names are key paths joined by '.', and keys other than str and int read '<key>':
+    two tensors may get one name, which a safetensors file cannot hold twice. The error says
+    so (not that a safetensors header is damaged), and nothing is written."""
+    cases = {
+        "dotted": ({"s": {"3": torch.ones(1)}, "s.3": torch.zeros(1)}, "'s.3'"),
+        "tuples": ({(1,): torch.ones(1), (2,): torch.zeros(1)}, "'<key>'"),
+    }
+    for name, (obj, label) in cases.items():
+        src = disk_dir / f"{name}.pt"
+        torch.save(obj, src)
+        dst = disk_dir / f"{name}.safetensors"
+        r = run("convert", src, dst)
+        assert r.returncode == 1, r.stderr
+        assert f"two tensors get the name {label}" in r.stderr, r.stderr
+        assert "header" not in r.stderr, r.stderr
+        assert not dst.exists()
+        assert [p.name for p in disk_dir.glob(".*tmp*")] == []

@@ -51,6 +51,7 @@ from __future__ import annotations
 from .loading import load
 from .loading_into import IncompatibleKeys, StateDictMismatchError, load_into
 from .saving import save
+from .unpickler import WeightsOnlyUnpicklingError
 
 # Names reached through the package (each lives in the module named). Settings such as
 # _GROUP_BYTES are not repeated here: they are read from their module at each use.
@@ -70,4 +71,11 @@ from .unpickler import _swap_bytes, _torch_records, _unpickle_torch, _zip_record
 from .safetensors import _parse_checksums, _read_st_header, _xxh64_check  # noqa: F401
 from .loading_into import _staged_groups  # noqa: F401
 
-__all__ = ["IncompatibleKeys", "StateDictMismatchError", "load", "load_into", "save"]
+__all__ = [
+    "IncompatibleKeys",
+    "StateDictMismatchError",
+    "WeightsOnlyUnpicklingError",
+    "load",
+    "load_into",
+    "save",
+]

@@ -201,7 +201,17 @@ def _same_file(file: File, path: str, parse: Callable[[str], _T]) -> _T:
         message = str(e).replace(proc, path)
         if isinstance(e, OSError):
             raise OSError(e.errno, message) from e
-        raise ValueError(message) from e
+        raise _renamed(e, message) from e
+
+
+def _renamed(e: ValueError, message: str) -> ValueError:
+    """`e`'s type with `message` (the file named as the caller gave it): code catches the types
+    (``WeightsOnlyUnpicklingError`` as ``pickle.UnpicklingError``, as from ``torch.load``).
+    Types that need more than a message (``UnicodeDecodeError``) become a plain ValueError."""
+    try:
+        return type(e)(message)
+    except TypeError:
+        return ValueError(message)
 
 
 def _converts(saved: Any, dtype: Any) -> bool:

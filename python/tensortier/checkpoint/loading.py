@@ -8,7 +8,7 @@ from typing import Any, BinaryIO
 
 from ..io import IOHandle
 from . import _common
-from ._common import _is_file_object, _memfd_copy, _target_dtype
+from ._common import _is_file_object, _memfd_copy, _renamed, _target_dtype
 from ._format import _sniff, _torch, PathLike
 from .._paths import fspath as _fspath
 from .index import _load_index
@@ -25,7 +25,7 @@ def load(
     *,
     map_location: Any = None,
     weights_only: bool | None = None,
-    mmap: bool = False,
+    mmap: bool | None = None,
     progress: bool | None = None,
     _io: IOHandle | None = None,
 ) -> Any:
@@ -68,7 +68,10 @@ def load(
             tensors whose offset is not a multiple of their element size (possible in other
             writers' files; copied). The file must not be truncated or rewritten in place
             while the tensors live: reading a page past its new end kills the process with
-            SIGBUS. Replacing it by rename, as :func:`save` does, is safe.
+            SIGBUS. Replacing it by rename, as :func:`save` does, is safe. None (the default,
+            as for ``torch.load``): torch's setting
+            ``torch.utils.serialization.config.load.mmap`` (False unless changed) for loads to
+            the CPU without a dict or callable `map_location`, False for others.
         progress: show a progress bar on stderr; by default only for loads of 512 MiB or more
             when stderr is a terminal.
         map_location: ``torch.load``'s, instead of `device`: a string or ``torch.device``
@@ -87,9 +90,13 @@ def load(
         whatever was saved (shared storages stay shared).
 
     Raises:
+        WeightsOnlyUnpicklingError: a torch file's pickle holds globals or opcodes that
+            ``torch.load(weights_only=True)`` refuses (those ``torch.serialization.
+            add_safe_globals`` allows load): a ``pickle.UnpicklingError``, as ``torch.load``
+            raises, and a ``ValueError``.
         ValueError: not a checkpoint, a malformed or unsupported file (legacy torch format,
-            compressed zip entries, pickled globals ``weights_only`` refuses...), a checksum
-            mismatch (naming the tensor), or a bad argument (CUDA unavailable...).
+            compressed zip entries...), a checksum mismatch (naming the tensor), or a bad
+            argument (CUDA unavailable...).
         OSError: the file cannot be read, or is not a regular file (a FIFO is refused, never
             waited on).
     """
@@ -124,8 +131,10 @@ def load(
             )
     dev = _common._target_device(device if device is not None else "cpu")
     target_dtype = _target_dtype(dtype)
+    if mmap is None:  # torch.load's default: its setting, where a mapping can serve the load
+        mmap = placement is None and dev.type == "cpu" and _torch_default_mmap()
     if not isinstance(mmap, bool):
-        raise TypeError(f"mmap must be a bool, not {type(mmap).__name__}")
+        raise TypeError(f"mmap must be a bool or None, not {type(mmap).__name__}")
     if verify and dev.type == "meta":
         raise ValueError(
             "verify=True checks the tensors' bytes, and a load to the meta device reads none: "
@@ -157,7 +166,17 @@ def load(
             # errors name the file: the caller's object, not the memfd it was copied to
             name = getattr(path, "name", None)
             label = repr(name) if isinstance(name, str) else f"<{type(path).__name__}>"
-            raise ValueError(str(e).replace(fspath, label)) from e
+            raise _renamed(e, str(e).replace(fspath, label)) from e
+
+
+def _torch_default_mmap() -> bool:
+    """What ``torch.load(mmap=None)`` does: ``torch.utils.serialization.config.load.mmap``
+    (torch >= 2.5; False before)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return False
+    return bool(getattr(config.load, "mmap", False))
 
 
 def _is_meta(location: Any) -> bool:

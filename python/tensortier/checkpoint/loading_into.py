@@ -51,12 +51,19 @@ def load_into(
 
     Args:
         module_or_state_dict: a ``torch.nn.Module`` (its ``state_dict()``: parameters and
-            persistent buffers) or a mapping of name -> tensor.
+            persistent buffers) or a mapping of name -> tensor. A submodule's extra state
+            (``get_extra_state``, named ``..._extra_state``) is given to its
+            ``set_extra_state`` as saved, as ``load_state_dict`` does: any object a torch file
+            holds there, or a tensor of the saved shape.
         path: a safetensors file, a zip-format ``torch.save`` file holding a flat
             ``{name: tensor}`` dict, or a shard index.
         strict: like ``load_state_dict``: names missing from the file or not in the target are
             an error. A missing name whose tensor shares its memory with a loaded one (tied
-            weights that safetensors files store once) is not missing.
+            weights that safetensors files store once) is not missing. Modules'
+            ``_load_from_state_dict`` and ``load_state_dict`` hooks are not run (the tensors
+            are read in place): entries that ``load_state_dict`` would upgrade (older module
+            versions, by the state dict's ``_metadata``) are missing or unexpected here, and
+            the error names the modules saved at an older version.
         verify: check the stored checksums of what is read.
 
     Returns:
@@ -76,8 +83,10 @@ def load_into(
     the old values must survive a failure.
     """
     torch = _torch()
+    extra_states: dict[str, Any] = {}  # name -> the module whose get_extra_state gave it
     if isinstance(module_or_state_dict, torch.nn.Module):
         targets = dict(module_or_state_dict.state_dict())
+        extra_states = _extra_state_modules(module_or_state_dict, targets)
     elif isinstance(module_or_state_dict, Mapping):
         targets = dict(module_or_state_dict)
     else:
@@ -87,6 +96,8 @@ def load_into(
         )
     meta = []
     for name, t in targets.items():
+        if name in extra_states:
+            continue  # any object: given to set_extra_state, never read into
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"target {name!r} is {_a(type(t).__name__)}, not a tensor")
         if t.is_meta:
@@ -102,12 +113,77 @@ def load_into(
     fspath = _fspath(path)
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
     try:
-        sources = _describe_sources(fspath, io, files, verify)  # name -> _Source
-        return _load_into(targets, sources, strict, verify, progress, io, fspath, files,
-                          type(module_or_state_dict).__name__)
+        saved_states: dict[str, Any] = {}  # extra states the file holds as other objects
+        saved_versions: dict[str, Any] = {}  # module prefix -> version, from `_metadata`
+        sources = _describe_sources(  # name -> _Source
+            fspath, io, files, verify, frozenset(extra_states), saved_states, saved_versions
+        )
+        for name in extra_states:
+            src = sources.get(name)
+            if name in saved_states:
+                del targets[name]
+            elif src is not None:  # a tensor: read whole, whatever the module holds now
+                targets[name] = torch.empty(src.shape, dtype=src.dtype)
+            else:  # missing, as load_state_dict reports it
+                targets[name] = torch.empty(0)
+        explain = None
+        if isinstance(module_or_state_dict, torch.nn.Module):
+            explain = functools.partial(_upgrade_note, module_or_state_dict, saved_versions)
+        result = _load_into(targets, sources, strict, verify, progress, io, fspath, files,
+                            type(module_or_state_dict).__name__, explain)
     finally:
         for f in files.values():
             f.close()
+    for name, module in extra_states.items():
+        if name in saved_states:
+            module.set_extra_state(saved_states[name])
+        elif name in sources:
+            module.set_extra_state(targets[name])
+    return result
+
+
+def _upgrade_note(module: Any, saved_versions: Mapping[str, Any], names: Sequence[str]) -> str:
+    """Why `names` (missing or unexpected) may load with ``load_state_dict``: a submodule whose
+    ``_version`` is newer than the one the file records for it (in the state dict's
+    ``_metadata``; none recorded reads as older) gets its entries upgraded by its
+    ``_load_from_state_dict`` (BatchNorm adds ``num_batches_tracked`` to version 1 files),
+    which load_into does not run. Empty when no such submodule holds one of `names`."""
+    holders = {name.rpartition(".")[0] for name in names}
+    older = []
+    for prefix, sub in module.named_modules():
+        current = getattr(type(sub), "_version", 1)
+        if not isinstance(current, int) or current <= 1 or prefix not in holders:
+            continue
+        saved = saved_versions.get(prefix)
+        if isinstance(saved, int) and saved >= current:
+            continue
+        was = "no version" if saved is None else f"version {saved!r}"
+        older.append(f"'{prefix}' ({type(sub).__name__}, saved with {was}, now {current})")
+    if not older:
+        return ""
+    more = f" and {len(older) - 4} more" if len(older) > 4 else ""
+    return (
+        f"\n\tmodules saved at an older version: {', '.join(older[:4])}{more}; load_state_dict "
+        "upgrades their entries (their _load_from_state_dict), which load_into does not run: "
+        "load this file with module.load_state_dict(tensortier.load(path))"
+    )
+
+
+def _extra_state_modules(module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The state dict names that hold a submodule's ``get_extra_state()`` (``..._extra_state``),
+    and their modules: ``load_state_dict`` gives the saved value to ``set_extra_state``, whatever
+    object it is, rather than copying it into a tensor."""
+    nn = _torch().nn
+    base = nn.Module.get_extra_state
+    suffix = getattr(nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
+    out = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        if getattr(type(sub), "get_extra_state", base) is base:
+            continue
+        name = f"{prefix}.{suffix}" if prefix else suffix
+        if name in state_dict:
+            out[name] = sub
+    return out
 
 
 @dataclass
@@ -127,10 +203,14 @@ class _Source:
 
 
 def _describe_sources(
-    path: str, io: IOHandle, files: dict[str, File], verify: bool = False
+    path: str, io: IOHandle, files: dict[str, File], verify: bool = False,
+    extra_names: frozenset[str] = frozenset(), saved_states: dict[str, Any] | None = None,
+    saved_versions: dict[str, Any] | None = None,
 ) -> dict[str, _Source]:
     """The tensors of `path` (an index: of its shards). Every data file is opened into `files`
-    and parsed through that descriptor."""
+    and parsed through that descriptor. Values of `extra_names` (modules' extra states) that
+    are not tensors go into `saved_states`; the module versions a torch file's state dict
+    records (its ``_metadata``) into `saved_versions`."""
     kind = _sniff(path)
     if kind == "index":
         out: dict[str, _Source] = {}
@@ -138,7 +218,10 @@ def _describe_sources(
         for shard in shards:
             if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
                 raise ValueError(f"{path}: shard {shard} is itself an index")
-            _take_shard(out, _describe_sources(shard, io, files, verify), shard, shards, path)
+            part = _describe_sources(
+                shard, io, files, verify, extra_names, saved_states, saved_versions
+            )
+            _take_shard(out, part, shard, shards, path)
         return out
     if path not in files:
         files[path] = _open_checkpoint(io, path)
@@ -173,10 +256,18 @@ def _describe_sources(
         raise ValueError(
             f"{path}: holds a {type(obj).__name__}, not a flat state dict: use tensortier.load"
         )
+    recorded = getattr(obj, "_metadata", None)
+    if saved_versions is not None and isinstance(recorded, Mapping):
+        for prefix, local in recorded.items():
+            if isinstance(local, Mapping):
+                saved_versions[prefix] = local.get("version")
     by_storage = {id(r.storage): r for r in storages.values()}
     by_cdata = {r.storage._cdata: r for r in storages.values()}
     out = {}
     for name, t in obj.items():
+        if name in extra_names and not isinstance(t, torch.Tensor) and saved_states is not None:
+            saved_states[name] = t
+            continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(
                 f"{path}: {name!r} is {_a(type(t).__name__)}, not a tensor: load_into reads flat "
@@ -206,8 +297,10 @@ def _describe_sources(
 def _load_into(
     targets: dict[str, Any], sources: dict[str, _Source], strict: bool, verify: bool,
     progress: bool | None, io: IOHandle, path: str, files: Mapping[str, File],
-    target_name: str = "dict",
+    target_name: str = "dict", explain: Callable[[Sequence[str]], str] | None = None,
 ) -> IncompatibleKeys:
+    """`explain`: given the missing and unexpected names of a mismatch, a note to end its
+    error with (or "")."""
     torch = _torch()
     unexpected = [k for k in sources if k not in targets]
     missing = [k for k in targets if k not in sources]
@@ -242,6 +335,7 @@ def _load_into(
         raise StateDictMismatchError(
             f"Error(s) in loading state_dict for {target_name}:\n\t" + "\n\t".join(errors)
             + f"\n\tfrom {path}" + (hint if strict and (missing or unexpected) else "")
+            + (explain((missing + unexpected) if strict else []) if explain else "")
         )
 
     direct: list[_Piece] = []  # read straight into the target's memory

@@ -74,6 +74,12 @@ def _read_record(
     return data
 
 
+class WeightsOnlyUnpicklingError(pickle.UnpicklingError, ValueError):
+    """A torch file's pickle holds what ``torch.load(weights_only=True)`` refuses (a global not
+    allowed, an unsupported opcode): a ``pickle.UnpicklingError``, the type ``torch.load``
+    raises, so code written for it catches it; also a ``ValueError``, as before."""
+
+
 class _StorageOverrun(ValueError):
     """A tensor in a torch file reaches past the end of its storage record."""
 
@@ -288,7 +294,7 @@ def _unpickle_torch(
         except _PlacementError as e:
             raise e.error from None
         except pickle.UnpicklingError as e:
-            raise ValueError(
+            raise WeightsOnlyUnpicklingError(
                 f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier "
                 f"never runs other pickle code): {e}"
             ) from None
