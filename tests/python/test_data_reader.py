@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -260,6 +261,48 @@ def test_dataset_in_a_dataloader_with_two_workers(disk_dir: Path) -> None:
         assert sorted(seen) == sorted(tree.values())
     # In the main process: one shard, the whole set.
     assert sorted(sum(stream_dataset(dataset), [])) == sorted(tree.values())
+
+
+def sorted_batches(batches: Any) -> list[tuple[tuple[bytes, int], ...]]:
+    return sorted(tuple((bytes(s.numpy()), int(l)) for s, l in zip(samples, labels))
+                  for samples, labels in batches)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(disk_dir: Path, context: str) -> None:
+    """Persistent workers hold their own copy of the dataset: the epoch set in the main process
+    after they started (a resume, epochs skipped or repeated) must still be the one they read,
+    or ranks whose workers counted differently would read overlapping shards."""
+    make_tree(disk_dir, classes=3, per_class=9)
+    dataset = FileDataset(file_root=disk_dir, batch_size=4, seed=3)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                         persistent_workers=True,
+                                         multiprocessing_context=context, timeout=60)
+    for epoch in (0, 5, 5, 2):
+        dataset.set_epoch(epoch)
+        want = []
+        for worker in range(2):
+            reader = FileReader(file_root=disk_dir, batch_size=4, seed=3, shard_id=worker,
+                                num_shards=2)
+            reader.set_epoch(epoch)
+            want += sorted_batches(reader)
+        assert sorted_batches(loader) == sorted(want), f"epoch {epoch}"
+
+
+def test_dataset_reads_the_epoch_set_in_every_mode(disk_dir: Path) -> None:
+    """In the main process as in workers: the epoch last set, 0 until then (DistributedSampler's
+    rule), not one that advances by itself only where the dataset is not copied."""
+    make_tree(disk_dir, classes=2, per_class=6)
+    dataset = FileDataset(file_root=disk_dir, batch_size=4, seed=1)
+    first = sorted_batches(dataset)
+    assert sorted_batches(dataset) == first
+    reader = FileReader(file_root=disk_dir, batch_size=4, seed=1)
+    assert first == sorted_batches(reader)
+    dataset.set_epoch(1)
+    assert sorted_batches(dataset) == sorted_batches(reader)  # the reader's epoch 1
+    for bad in (-1, True, 1.0, 2**63):
+        with pytest.raises(ValueError, match="epoch must be"):
+            dataset.set_epoch(bad)  # type: ignore[arg-type]
 
 
 def stream_dataset(dataset: FileDataset) -> list[list[tuple[bytes, int]]]:

@@ -28,8 +28,10 @@ class FileDataset(torch.utils.data.IterableDataset):
     per-epoch shuffle everywhere, so no two read the same file in an epoch. Each item is one
     ``(samples, labels)`` batch as ``FileReader`` yields it; ``copy=True`` (the default) gives
     sample memory of its own, which is what crosses from workers to the main process. Call
-    ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: workers are new
-    processes each epoch unless ``persistent_workers=True``.
+    ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: every iteration
+    reads the epoch last set (0 until then), in the main process and in workers alike,
+    ``persistent_workers=True`` included (the epoch lives in shared memory, which workers
+    read when each iteration starts).
 
     The arguments are ``FileReader``'s; the file list is made (and checked) once, here.
     """
@@ -62,11 +64,16 @@ class FileDataset(torch.utils.data.IterableDataset):
         self._options = dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
                              pad_last_batch=pad_last_batch, drop_last=drop_last,
                              prefetch=prefetch, copy=copy, on_error=on_error, **reader_options)
-        self._epoch = 0
+        # Shared memory: persistent workers, which hold their own copy of the dataset, see
+        # the epoch set after they started (torch passes it to spawned workers by handle).
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration reads (its shuffle and shards)."""
-        self._epoch = epoch
+        """The epoch the next iteration reads (its shuffle and shards), in this process and in
+        the DataLoader's workers, persistent ones included."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**63:
+            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
+        self._epoch.fill_(epoch)
 
     def shard(self) -> tuple[int, int]:
         """(shard_id, num_shards) of the calling process and DataLoader worker."""
@@ -80,8 +87,7 @@ class FileDataset(torch.utils.data.IterableDataset):
         # The files were checked when the dataset was made; each worker does not stat them again.
         reader = FileReader(files=self._paths, labels=self._labels.tolist(), shard_id=shard_id,
                             num_shards=num_shards, check_files=False, **self._options)
-        reader.set_epoch(self._epoch)
-        self._epoch += 1  # for the next iteration in this process (persistent workers)
+        reader.set_epoch(int(self._epoch))
         try:
             yield from reader
         finally:
