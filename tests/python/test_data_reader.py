@@ -552,6 +552,23 @@ def test_thread_and_prefetch_counts_past_32_bits_and_boolean_positions_are_refus
             reader.load_state_dict({**state, key: True})
 
 
+def test_a_state_past_its_epoch_or_the_64_bit_epochs_is_refused(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=2, per_class=5)  # 10 files: 3 batches of 4
+    reader = FileReader(file_root=disk_dir, batch_size=4, seed=1)
+    for _ in reader:
+        state = reader.state_dict()  # inside the last batch: position 3 of 3
+    assert (state["epoch"], state["position"]) == (0, 3)
+    resumed = FileReader(file_root=disk_dir, batch_size=4, seed=1)
+    resumed.load_state_dict(state)  # the end of epoch 0 is a place to resume from
+    assert stream(resumed, 2) == stream(FileReader(file_root=disk_dir, batch_size=4, seed=1), 2)[3:]
+    for bad in ({"position": 4}, {"epoch": 2**64}, {"epoch": 1.0}):
+        with pytest.raises(ValueError, match="bad position"):
+            resumed.load_state_dict({**state, **bad})
+    for epoch in (True, 2**64, -1):
+        with pytest.raises(ValueError, match="epoch must be"):
+            resumed.set_epoch(epoch)  # type: ignore[arg-type]
+
+
 def test_state_dict_resumes_a_root_spelled_another_way(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -94,6 +94,11 @@ def resolve_inputs(
     return paths, label_array.astype(np.int32)
 
 
+def _is_epoch(value: Any) -> bool:
+    """Whether `value` can number an epoch (the shard plan's 64-bit unsigned epoch)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
+
 def _files_digest(paths: Sequence[str], labels: np.ndarray, spelled: bool = False) -> str:
     """SHA-256 of the paths and int32 labels, in list order: what a state dict is checked
     against, so that it resumes only a reader of the same samples. Each path counts as its
@@ -274,8 +279,8 @@ class FileReader:
 
     def set_epoch(self, epoch: int) -> None:
         """Starts ``epoch`` from its first batch at the next iteration."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
+        if not _is_epoch(epoch):
+            raise ValueError(f"epoch must be a non-negative 64-bit integer, not {epoch!r}")
         self._epoch, self._position = epoch, 0
 
     @property
@@ -325,9 +330,9 @@ class FileReader:
                     f"state_dict has {key}={state.get(key)!r}, this reader {value!r}: "
                     "it was taken from a reader of other files or settings")
         epoch, position = state.get("epoch"), state.get("position")
-        if (not isinstance(epoch, int) or not isinstance(position, int)
-                or isinstance(epoch, bool) or isinstance(position, bool)
-                or epoch < 0 or position < 0):
+        if (not _is_epoch(epoch) or not isinstance(position, int) or isinstance(position, bool)
+                or not 0 <= position <= len(self._plan.epoch_batches(epoch))):
+            # A position past the epoch's batches would silently skip to the next epoch.
             raise ValueError(f"state_dict has a bad position: epoch={epoch!r}, "
                              f"position={position!r}")
         self._epoch, self._position = epoch, position
