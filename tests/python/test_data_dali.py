@@ -130,6 +130,49 @@ def test_no_copy_samples_outlive_the_sources_own_queue(disk_dir: Path) -> None:
     assert [[data for data, _ in batch] for batch in got] == [[d for d, _ in b] for b in want]
 
 
+def test_a_state_loaded_after_dali_asked_for_batches_is_where_the_source_goes_on(
+        disk_dir: Path) -> None:
+    """A DALI iterator runs its pipeline when made, so the source is under way before a training
+    script loads its checkpoint: the source must go on from the loaded state (after the batches
+    DALI already holds), not from its own epoch, and the reader's state must then be the
+    loaded one's."""
+    make_tree(disk_dir, classes=3, per_class=8)  # 24 files: 8 batches of 3
+    args = dict(file_root=disk_dir, batch_size=3, seed=6)
+    whole = reader_stream(FileReader(**args), 2)
+    saved = FileReader(**args)
+    reader_stream(saved, 1)
+    it = iter(saved)
+    for _ in range(2):
+        next(it)
+    state = saved.state_dict()  # epoch 1, two batches in
+    reader = FileReader(**args)
+    depth = 2
+
+    @pipeline_def(batch_size=3, num_threads=1, device_id=None, prefetch_queue_depth=depth)
+    def pipe():
+        data, labels = fn.external_source(source=reader.dali_source(), num_outputs=2,
+                                          batch=True, dtype=[types.UINT8, types.INT32])
+        return data, labels
+
+    p = pipe()
+    p.build()
+    got = [run_one(p)]  # DALI asked for `depth` batches
+    reader.load_state_dict(state)
+    try:
+        while True:
+            got.append(run_one(p))
+    except StopIteration:
+        pass
+    assert got[:depth] == whole[:depth]  # what DALI had asked for before the load
+    assert got[depth:] == whole[8 + 2:16]
+    assert (reader.epoch, reader.state_dict()["position"]) == (2, 0)
+
+
+def run_one(pipe) -> list[tuple[bytes, int]]:
+    data, labels = pipe.run()
+    return [(bytes(np.array(data[i])), int(np.array(labels[i])[0])) for i in range(len(data))]
+
+
 def test_dali_source_covers_every_shard_once(disk_dir: Path) -> None:
     make_tree(disk_dir, classes=3, per_class=9)  # 27 files
     everything = set()

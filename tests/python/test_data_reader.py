@@ -552,6 +552,42 @@ def test_thread_and_prefetch_counts_past_32_bits_and_boolean_positions_are_refus
             reader.load_state_dict({**state, key: True})
 
 
+def test_a_state_loaded_during_an_iteration_moves_it(disk_dir: Path) -> None:
+    """A loop (or DALI source) under way follows load_state_dict and set_epoch: it must not go
+    on with its own epoch and overwrite the loaded position with it."""
+    make_tree(disk_dir, classes=3, per_class=8)  # 24 files: 8 batches of 3
+    args = dict(file_root=disk_dir, batch_size=3, seed=4)
+    whole = stream(FileReader(**args), 3)
+    source = FileReader(**args)
+    stream(source, 1)
+    it = iter(source)
+    next(it)
+    state = source.state_dict()  # epoch 1, after its first batch
+    reader = FileReader(**args)
+    it = iter(reader)
+    next(it)  # epoch 0's first batch
+    reader.load_state_dict(state)
+    rest = [[(bytes(s.numpy()), int(l)) for s, l in zip(*batch)] for batch in it]
+    assert rest == whole[9:16]  # the rest of epoch 1, then the loop ends
+    assert (reader.epoch, reader.state_dict()["position"]) == (2, 0)
+    it = iter(reader)
+    next(it)
+    reader.set_epoch(0)
+    assert [[(bytes(s.numpy()), int(l)) for s, l in zip(*batch)] for batch in it] == whole[:8]
+    assert reader.epoch == 1
+    # A later iteration takes the read-ahead over; close() ends the one under way.
+    first, second = iter(reader), iter(reader)
+    as_pairs = lambda batch: [(bytes(s.numpy()), int(l)) for s, l in zip(*batch)]  # noqa: E731
+    assert as_pairs(next(first)) == whole[8]
+    assert as_pairs(next(second)) == whole[9]  # on from where the first left off
+    assert list(first) == []
+    assert [as_pairs(batch) for batch in second] == whole[10:16]
+    it = iter(reader)
+    next(it)
+    reader.close()
+    assert list(it) == []
+
+
 def test_a_state_past_its_epoch_or_the_64_bit_epochs_is_refused(disk_dir: Path) -> None:
     make_tree(disk_dir, classes=2, per_class=5)  # 10 files: 3 batches of 4
     reader = FileReader(file_root=disk_dir, batch_size=4, seed=1)

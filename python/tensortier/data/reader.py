@@ -250,6 +250,10 @@ class FileReader:
         )
         self._epoch = 0
         self._position = 0  # batches of self._epoch given out
+        # set_epoch() and load_state_dict() calls, so that an iteration under way continues from
+        # the new place rather than from its own; and the iteration the read-ahead serves.
+        self._moves = 0
+        self._iteration: object | None = None
 
     # ---------------------------------------------------------------------------------------
     # Sizes and state
@@ -278,10 +282,12 @@ class FileReader:
         return list(self._plan.epoch_samples(epoch))
 
     def set_epoch(self, epoch: int) -> None:
-        """Starts ``epoch`` from its first batch at the next iteration."""
+        """Starts ``epoch`` from its first batch: the next batch, of a new iteration or of one
+        under way, is its first."""
         if not _is_epoch(epoch):
             raise ValueError(f"epoch must be a non-negative 64-bit integer, not {epoch!r}")
         self._epoch, self._position = epoch, 0
+        self._moves += 1
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -309,8 +315,9 @@ class FileReader:
                 "files_digest": self._files_digest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resumes at ``state``; the next iteration starts with the batch after the last one
-        given out before ``state_dict()`` was taken.
+        """Resumes at ``state``: the next batch, of a new iteration or of one under way (a
+        loop, a ``dali_source()``), is the one after the last one given out before
+        ``state_dict()`` was taken.
 
         A state without ``files_digest`` (taken before states carried one) is checked by the
         settings and the file count only.
@@ -336,6 +343,7 @@ class FileReader:
             raise ValueError(f"state_dict has a bad position: epoch={epoch!r}, "
                              f"position={position!r}")
         self._epoch, self._position = epoch, position
+        self._moves += 1
 
     # ---------------------------------------------------------------------------------------
     # Iteration
@@ -343,15 +351,25 @@ class FileReader:
     def batches(self) -> Iterator[Any]:
         """The current epoch's remaining batches as ``_core.Batch`` objects (arena, offsets,
         sizes, file indices), without tensors: what the adapters build on."""
-        batches = self._plan.epoch_batches(self._epoch)
-        start = min(self._position, len(batches))
-        self._core.start(batches[start:])
-        for number in range(start, len(batches)):
-            batch = self._core.next()
-            self._position = number + 1
-            yield batch
-        self._epoch += 1
-        self._position = 0
+        token = object()
+        self._iteration = token  # the reader's read-ahead now serves this iteration only
+        while True:
+            moves = self._moves
+            batches = self._plan.epoch_batches(self._epoch)
+            start = min(self._position, len(batches))
+            self._core.start(batches[start:])
+            for number in range(start, len(batches)):
+                batch = self._core.next()
+                self._position = number + 1
+                yield batch
+                if self._iteration is not token:
+                    return  # a later iteration (or close()) took the read-ahead over
+                if self._moves != moves:
+                    break  # set_epoch() or load_state_dict() meanwhile: go on from there
+            else:
+                self._epoch += 1
+                self._position = 0
+                return
 
     def batch_labels(self, batch: Any) -> np.ndarray:
         """The int32 labels of a ``_core.Batch``'s samples."""
@@ -379,5 +397,7 @@ class FileReader:
         return DaliSource(self, queue_depth=queue_depth)
 
     def close(self) -> None:
-        """Stops reading ahead (also done when the reader is dropped)."""
+        """Stops reading ahead (also done when the reader is dropped); an iteration under way
+        ends."""
+        self._iteration = None
         self._core.start([])
