@@ -73,6 +73,41 @@ def test_same_samples_as_readers_file(disk_dir: Path, num_shards: int, shard_id:
         assert flat_ours == sum(theirs, [])[:len(flat_ours)]
 
 
+def test_a_shuffled_reader_stuck_to_its_shard_reads_its_files_each_epoch(disk_dir: Path) -> None:
+    """stick_to_shard with shuffling: fn.readers.file reads the same files every epoch (what a
+    node caches), in another order; so must the reader, while its shards still split the set."""
+    make_tree(disk_dir, classes=2, per_class=10)  # 20 files, 10 per shard
+    everything: set[tuple[bytes, int]] = set()
+    for shard in range(2):
+        args = dict(shard_id=shard, num_shards=2, stick_to_shard=True)
+        ours = FileReader(file_root=disk_dir, batch_size=5, shuffle=True, seed=3, **args)
+        epochs = [sum(reader_stream(ours, 1), []) for _ in range(4)]
+        assert all(sorted(epoch) == sorted(epochs[0]) for epoch in epochs)
+        assert any(epoch != epochs[0] for epoch in epochs)
+        everything.update(epochs[0])
+
+        @pipeline_def(batch_size=5, num_threads=1, device_id=None)
+        def pipe():
+            data, labels = fn.readers.file(file_root=str(disk_dir), random_shuffle=True,
+                                           initial_fill=10, **args)
+            return data, labels
+
+        p = pipe()
+        p.build()
+        theirs = [sum(dali_file_stream_of(p, 2), []) for _ in range(4)]
+        assert all(sorted(epoch) == sorted(theirs[0]) for epoch in theirs)
+    assert len(everything) == 20
+
+
+def dali_file_stream_of(pipe, batches: int) -> list[list[tuple[bytes, int]]]:
+    out = []
+    for _ in range(batches):
+        data, labels = pipe.run()
+        out.append([(bytes(np.array(data[i])), int(np.array(labels[i])[0]))
+                    for i in range(len(data))])
+    return out
+
+
 def run_epochs(pipe, epochs: int) -> list[list[list[tuple[bytes, int]]]]:
     out = []
     for _ in range(epochs):

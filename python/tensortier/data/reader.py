@@ -139,7 +139,8 @@ class FileReader:
     number of batches; without ``stick_to_shard`` the reader reads shard ``(shard_id + epoch) %
     n`` in each epoch. ``shuffle`` permutes the whole list each epoch by a function of
     ``(seed, epoch)`` only (``_core.epoch_permutation``), the same on every rank, so shards
-    never overlap; there is no shuffle buffer.
+    never overlap; there is no shuffle buffer. With ``stick_to_shard`` a shuffled shard keeps
+    the files it has in epoch 0 and reads them in a new order each epoch, as DALI's does.
 
     Iterating gives one epoch of ``(samples, labels)``: ``samples`` a list of uint8 tensors, one
     per file, ``labels`` an int32 tensor. The next ``for`` loop reads the next epoch; a loop
