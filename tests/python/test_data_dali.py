@@ -208,6 +208,28 @@ def run_one(pipe) -> list[tuple[bytes, int]]:
     return [(bytes(np.array(data[i])), int(np.array(labels[i])[0])) for i in range(len(data))]
 
 
+def test_after_a_read_error_the_source_goes_on_from_the_failed_batch(disk_dir: Path) -> None:
+    """An error ends the reader's iteration under the source; the source must not then report
+    an empty epoch (DALI would run one) but read again from the batch that failed."""
+    (disk_dir / "k").mkdir()
+    for i in range(6):
+        (disk_dir / "k" / f"{i}.jpg").write_bytes(bytes([65 + i]) * 10)
+    reader = FileReader(file_root=disk_dir, batch_size=2, shuffle=False, prefetch=1)
+    source = reader.dali_source()
+    (disk_dir / "k" / "2.jpg").rename(disk_dir / "k" / "2.bak")
+    next(source)
+    with pytest.raises(FileNotFoundError, match="2.jpg"):
+        next(source)
+    (disk_dir / "k" / "2.bak").rename(disk_dir / "k" / "2.jpg")  # back: the job tries again
+    rest = []
+    with pytest.raises(StopIteration):
+        while True:
+            samples, _ = next(source)
+            rest.append([bytes(np.array(samples[i])) for i in range(len(samples))])
+    assert rest == [[b"C" * 10, b"D" * 10], [b"E" * 10, b"F" * 10]]
+    assert reader.epoch == 1
+
+
 def test_dali_source_covers_every_shard_once(disk_dir: Path) -> None:
     make_tree(disk_dir, classes=3, per_class=9)  # 27 files
     everything = set()

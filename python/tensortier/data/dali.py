@@ -70,6 +70,11 @@ class DaliSource:
         except StopIteration:
             self._epoch = None  # the next call reads the next epoch
             raise
+        except BaseException:
+            # The epoch's iteration ended with the error: the next call goes on from the batch
+            # that failed, rather than from the ended iteration (an empty epoch).
+            self._epoch = None
+            raise
         labels = self._reader.batch_labels(batch).reshape(-1, 1)
         self._kept.append((batch, labels))
         wrap = self._tensors.TensorCPU
