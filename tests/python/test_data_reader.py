@@ -4,6 +4,7 @@ errors; FileDataset in a DataLoader with workers."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import shutil
@@ -287,6 +288,35 @@ def test_set_epoch_reaches_persistent_workers(disk_dir: Path, context: str) -> N
             reader.set_epoch(epoch)
             want += sorted_batches(reader)
         assert sorted_batches(loader) == sorted(want), f"epoch {epoch}"
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_ranks_and_workers_under_torchrun_read_every_file_once(disk_dir: Path,
+                                                               context: str) -> None:
+    """Two ranks of two DataLoader workers each: every file once per epoch. A worker started by
+    spawn or forkserver has no process group of its own: it must still read its rank's part."""
+    tree = make_tree(disk_dir / "data", classes=3, per_class=7)
+    out = disk_dir / "out"
+    out.mkdir()
+    epochs = 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__).with_name("data_worker.py")), str(disk_dir / "data"), str(out), "2",
+           context, str(epochs)]
+    (disk_dir / "tmp").mkdir()  # torchrun's agent leaves its logs there: removed with disk_dir
+    env = dict(os.environ, TMPDIR=str(disk_dir / "tmp"))
+    proc = subprocess.Popen(cmd, cwd=disk_dir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # timed out, or the test was interrupted: no rank left behind
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    everything = sorted(data.hex() for data, _ in tree.values())
+    for epoch in range(epochs):
+        assert sorted(ranks[0][epoch] + ranks[1][epoch]) == everything, f"epoch {epoch}"
 
 
 def test_dataset_reads_the_epoch_set_in_every_mode(disk_dir: Path) -> None:

@@ -12,19 +12,21 @@ from .._paths import PathArg
 from .reader import FileReader, resolve_inputs
 
 
-def _rank_and_world() -> tuple[int, int]:
+def _rank_and_world() -> tuple[int, int] | None:
+    """(rank, world size) of this process's torch.distributed group; None without one."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return None
 
 
 class FileDataset(torch.utils.data.IterableDataset):
     """Batches of files for ``torch.utils.data.DataLoader(dataset, batch_size=None, ...)``.
 
     Every (rank, DataLoader worker) pair reads its own shard (``num_shards = world_size *
-    num_workers``; torch.distributed's rank when it is initialised), with the same seeded
+    num_workers``; torch.distributed's rank when it is initialised in the process that makes
+    the DataLoader, whichever way its workers are started), with the same seeded
     per-epoch shuffle everywhere, so no two read the same file in an epoch. Each item is one
     ``(samples, labels)`` batch as ``FileReader`` yields it; ``copy=True`` (the default) gives
     sample memory of its own, which is what crosses from workers to the main process. Call
@@ -67,6 +69,7 @@ class FileDataset(torch.utils.data.IterableDataset):
         # Shared memory: persistent workers, which hold their own copy of the dataset, see
         # the epoch set after they started (torch passes it to spawned workers by handle).
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._parent_rank: tuple[int, int] | None = None  # set in copies sent to workers
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (its shuffle and shards), in this process and in
@@ -75,9 +78,17 @@ class FileDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
         self._epoch.fill_(epoch)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # Pickled into a DataLoader worker started by spawn or forkserver, where the process
+        # group is not initialised: the worker reads the rank of the process that started it.
+        state["_parent_rank"] = _rank_and_world() or self._parent_rank
+        return state
+
     def shard(self) -> tuple[int, int]:
-        """(shard_id, num_shards) of the calling process and DataLoader worker."""
-        rank, world = _rank_and_world()
+        """(shard_id, num_shards) of the calling process and DataLoader worker: the rank is
+        torch.distributed's, in a DataLoader worker its parent's (however it was started)."""
+        rank, world = _rank_and_world() or self._parent_rank or (0, 1)
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank * workers + worker, world * workers
