@@ -319,6 +319,32 @@ def test_ranks_and_workers_under_torchrun_read_every_file_once(disk_dir: Path,
         assert sorted(ranks[0][epoch] + ranks[1][epoch]) == everything, f"epoch {epoch}"
 
 
+class ReaderDataset(torch.utils.data.IterableDataset):
+    """A training script's own dataset around a reader made before the DataLoader's workers."""
+
+    def __init__(self, reader: FileReader) -> None:
+        self.reader = reader
+
+    def __iter__(self) -> Any:
+        return iter(self.reader)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_reader_made_before_the_workers_is_refused_in_them_by_name(disk_dir: Path,
+                                                                    context: str) -> None:
+    """A forked worker's copy of the reader has none of its threads (reading from it hung until
+    the DataLoader's timeout); a spawned worker cannot be sent it. Both say what to do."""
+    make_tree(disk_dir, classes=2, per_class=4)
+    reader = FileReader(file_root=disk_dir, batch_size=3)
+    next(iter(reader))  # reading ahead in this process
+    loader = torch.utils.data.DataLoader(ReaderDataset(reader), batch_size=None, num_workers=1,
+                                         multiprocessing_context=context, timeout=120)
+    error = RuntimeError if context == "fork" else TypeError
+    with pytest.raises(error, match="make the reader in the process that reads|make it in the"):
+        list(loader)
+    assert len(list(reader)) == 2  # the rest of the epoch, here
+
+
 def test_dataset_reads_the_epoch_set_in_every_mode(disk_dir: Path) -> None:
     """In the main process as in workers: the epoch last set, 0 until then (DistributedSampler's
     rule), not one that advances by itself only where the dataset is not copied."""

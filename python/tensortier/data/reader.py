@@ -397,6 +397,14 @@ class FileReader:
 
         return DaliSource(self, queue_depth=queue_depth)
 
+    def __reduce__(self) -> Any:
+        # A DataLoader worker started by spawn or forkserver gets its dataset pickled: the
+        # reader's threads, engine and batch memory cannot follow it there.
+        raise TypeError(
+            "a FileReader cannot be pickled (into a DataLoader worker, for one): make it in the "
+            "process that reads from it, e.g. in an IterableDataset's __iter__, or use "
+            "tensortier.data.FileDataset, which makes one reader per worker")
+
     def close(self) -> None:
         """Stops reading ahead (also done when the reader is dropped); an iteration under way
         ends."""
