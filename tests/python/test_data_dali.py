@@ -203,6 +203,38 @@ def test_a_state_loaded_after_dali_asked_for_batches_is_where_the_source_goes_on
     assert (reader.epoch, reader.state_dict()["position"]) == (2, 0)
 
 
+@pytest.mark.parametrize("sized", [False, True])
+def test_setting_each_epoch_while_dali_reads_ahead_gives_each_batch_once(disk_dir: Path,
+                                                                         sized: bool) -> None:
+    """A script that calls reader.set_epoch(epoch) as each epoch starts (DistributedSampler's
+    habit), after the DALI iterator's reset has already asked for that epoch's first batches."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    make_tree(disk_dir, classes=3, per_class=7)  # 21 files: 6 batches of 4, padded
+    args = dict(file_root=disk_dir, batch_size=4, seed=1, pad_last_batch=True)
+    want = reader_stream(FileReader(**args), 1), reader_stream(FileReader(**args), 2)[6:]
+    reader = FileReader(**args)
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None, prefetch_queue_depth=2)
+    def pipe():
+        data, labels = fn.external_source(source=reader.dali_source(), num_outputs=2,
+                                          batch=True, dtype=[types.UINT8, types.INT32])
+        return fn.pad(data), data.shape(), labels
+
+    p = pipe()
+    p.build()
+    sizing = dict(size=21, last_batch_padded=True, last_batch_policy=LastBatchPolicy.FILL)
+    it = DALIGenericIterator([p], ["data", "shape", "label"], auto_reset=True,
+                             **(sizing if sized else {}))
+    for epoch in range(2):
+        reader.set_epoch(epoch)
+        got = [[(bytes(data[i][:int(shape[i][0])].numpy()), int(label[i][0]))
+                for i in range(data.shape[0])]
+               for data, shape, label in ((b[0]["data"], b[0]["shape"], b[0]["label"])
+                                          for b in it)]
+        assert got == want[epoch], f"epoch {epoch}"
+
+
 def run_one(pipe) -> list[tuple[bytes, int]]:
     data, labels = pipe.run()
     return [(bytes(np.array(data[i])), int(np.array(labels[i])[0])) for i in range(len(data))]

@@ -284,9 +284,13 @@ class FileReader:
 
     def set_epoch(self, epoch: int) -> None:
         """Starts ``epoch`` from its first batch: the next batch, of a new iteration or of one
-        under way, is its first."""
+        under way, is its first. The epoch an iteration has under way keeps its place: a script
+        that sets each epoch as it starts, while DALI already reads ahead into it, gets each
+        batch once."""
         if not _is_epoch(epoch):
             raise ValueError(f"epoch must be a non-negative 64-bit integer, not {epoch!r}")
+        if epoch == self._epoch and self._iteration is not None:
+            return
         self._epoch, self._position = epoch, 0
         self._moves += 1
 
@@ -354,23 +358,27 @@ class FileReader:
         sizes, file indices), without tensors: what the adapters build on."""
         token = object()
         self._iteration = token  # the reader's read-ahead now serves this iteration only
-        while True:
-            moves = self._moves
-            batches = self._plan.epoch_batches(self._epoch)
-            start = min(self._position, len(batches))
-            self._core.start(batches[start:])
-            for number in range(start, len(batches)):
-                batch = self._core.next()
-                self._position = number + 1
-                yield batch
-                if self._iteration is not token:
-                    return  # a later iteration (or close()) took the read-ahead over
-                if self._moves != moves:
-                    break  # set_epoch() or load_state_dict() meanwhile: go on from there
-            else:
-                self._epoch += 1
-                self._position = 0
-                return
+        try:
+            while True:
+                moves = self._moves
+                batches = self._plan.epoch_batches(self._epoch)
+                start = min(self._position, len(batches))
+                self._core.start(batches[start:])
+                for number in range(start, len(batches)):
+                    batch = self._core.next()
+                    self._position = number + 1
+                    yield batch
+                    if self._iteration is not token:
+                        return  # a later iteration (or close()) took the read-ahead over
+                    if self._moves != moves:
+                        break  # set_epoch() or load_state_dict() meanwhile: go on from there
+                else:
+                    self._epoch += 1
+                    self._position = 0
+                    return
+        finally:
+            if self._iteration is token:
+                self._iteration = None  # ended, left or failed: no iteration is under way
 
     def batch_labels(self, batch: Any) -> np.ndarray:
         """The int32 labels of a ``_core.Batch``'s samples."""
