@@ -20,8 +20,12 @@
 // hold are read as usual.
 //
 // Thread-safety: one consumer thread calls Start() and Next(); stats() from any thread. Batches
-// may outlive the reader.
+// may outlive the reader. In a child made by fork() the reader's threads do not exist: Start()
+// and Next() there throw std::logic_error, and the destructor leaves the threads' state as it is
+// (joining them would never return).
 #pragma once
+
+#include <sys/types.h>
 
 #include <condition_variable>
 #include <cstdint>
@@ -131,16 +135,20 @@ class BatchReader {
   std::shared_ptr<const Batch> Next();
 
   BatchReaderStats stats() const;
+  // Whether this process is a child made by fork() since the reader was made.
+  bool forked() const noexcept;
   const std::vector<std::string>& paths() const noexcept { return paths_; }
   const std::string& backend() const noexcept { return engine_->backend(); }
 
  private:
   void Stop();
+  void CheckNotForked() const;
   void Produce();
   std::unique_ptr<detail::PendingBatch> Prepare(const std::vector<uint64_t>& batch);
   std::shared_ptr<const Batch> Finish(detail::PendingBatch& pending);
   void ReadRaw(detail::PendingBatch& pending, IoStats& io);
 
+  pid_t owner_pid_;  // the process whose threads read ahead
   std::vector<std::string> paths_;
   BatchReaderOptions options_;
   std::unique_ptr<Engine> engine_;

@@ -9,7 +9,10 @@
 //
 // Shuffle: every epoch the whole list is permuted by EpochPermutation(size, seed, epoch) before
 // the shard is cut out of it. The permutation is a function of (size, seed, epoch) only, the same
-// on every rank, so shards never overlap within an epoch. Pure functions; thread-safe.
+// on every rank, so shards never overlap within an epoch. With stick_to_shard the shard keeps
+// the files it has in epoch 0 (cut from EpochPermutation(size, seed, 0)), as a DALI reader stuck
+// to its shard reads the same files every epoch; in a later epoch e they come in the order
+// EpochPermutation(shard size, seed, e). Pure functions; thread-safe.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 #include "tensortier/batch_reader.hpp"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -259,7 +260,7 @@ bool Batch::pinned() const noexcept {
 }
 
 BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions options)
-    : paths_(std::move(paths)), options_(std::move(options)) {
+    : owner_pid_(getpid()), paths_(std::move(paths)), options_(std::move(options)) {
   if (paths_.empty()) throw std::invalid_argument("the reader was given no files");
   if (options_.prefetch == 0) throw std::invalid_argument("prefetch must be at least 1");
   if (options_.open_threads == 0) throw std::invalid_argument("open_threads must be at least 1");
@@ -284,7 +285,33 @@ BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions opti
 }
 
 BatchReader::~BatchReader() {
+  if (forked()) {
+    // Only the thread that called fork() was copied into this child: the producer and the open
+    // gang are gone, and the locks and condition variables they held or waited on stay so
+    // (joining, or destroying a condition variable with waiters, would block). Their state is
+    // left in place; the engines see the fork themselves.
+    if (producer_.joinable()) producer_.detach();
+    gang_.release();  // NOLINT(bugprone-unused-return-value): left in place
+    new std::deque<Ready>(std::move(ready_));
+    new std::shared_ptr<detail::ArenaPoolState>(std::move(arenas_));  // pinned: the parent's
+    new (&mu_) std::mutex;
+    new (&cv_) std::condition_variable;
+    return;
+  }
   Stop();
+}
+
+bool BatchReader::forked() const noexcept {
+  return getpid() != owner_pid_;
+}
+
+void BatchReader::CheckNotForked() const {
+  if (forked()) {
+    throw std::logic_error(StrCat(
+        "this batch reader was made in process ", owner_pid_, "; in process ", getpid(),
+        ", a child made by fork(), its read-ahead threads do not exist: make the reader in the "
+        "process that reads from it (in a DataLoader worker, not before the workers start)"));
+  }
 }
 
 void BatchReader::Stop() {
@@ -300,6 +327,7 @@ void BatchReader::Stop() {
 }
 
 void BatchReader::Start(std::vector<std::vector<uint64_t>> batches) {
+  CheckNotForked();
   for (const auto& batch : batches) {
     for (uint64_t index : batch) {
       if (index >= paths_.size()) {
@@ -319,6 +347,7 @@ void BatchReader::Start(std::vector<std::vector<uint64_t>> batches) {
 }
 
 std::shared_ptr<const Batch> BatchReader::Next() {
+  CheckNotForked();
   std::unique_lock<std::mutex> lock(mu_);
   if (next_to_return_ >= batches_.size()) return nullptr;
   cv_.wait(lock, [&] { return !ready_.empty(); });

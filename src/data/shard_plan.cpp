@@ -74,7 +74,20 @@ std::vector<uint64_t> ShardPlan::EpochSamples(uint64_t epoch) const {
   const uint64_t begin = ShardStart(shard, spec_.num_shards, num_files_);
   const uint64_t end = ShardStart(shard + 1, spec_.num_shards, num_files_);
   std::vector<uint64_t> samples;
-  if (spec_.shuffle) {
+  if (spec_.shuffle && spec_.stick_to_shard) {
+    // The shard keeps its files in every epoch, as DALI's does (a node reads, and may cache,
+    // only its shard): cut from epoch 0's permutation, then put in a new order each epoch.
+    std::vector<uint64_t> order = EpochPermutation(num_files_, spec_.seed, 0);
+    const std::vector<uint64_t> files(order.begin() + static_cast<ptrdiff_t>(begin),
+                                      order.begin() + static_cast<ptrdiff_t>(end));
+    if (epoch == 0) {
+      samples = files;
+    } else {
+      for (uint64_t i : EpochPermutation(files.size(), spec_.seed, epoch)) {
+        samples.push_back(files[i]);
+      }
+    }
+  } else if (spec_.shuffle) {
     std::vector<uint64_t> order = EpochPermutation(num_files_, spec_.seed, epoch);
     samples.assign(order.begin() + static_cast<ptrdiff_t>(begin),
                    order.begin() + static_cast<ptrdiff_t>(end));

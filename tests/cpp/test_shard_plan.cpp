@@ -75,6 +75,30 @@ TEST(ShardPlanTest, StickToShardKeepsTheShard) {
   }
 }
 
+TEST(ShardPlanTest, AShuffledShardStuckToKeepsItsFilesInANewOrderEachEpoch) {
+  // DALI's stick_to_shard: a reader reads (and may cache) the same files every epoch.
+  std::set<uint64_t> all;
+  for (uint64_t shard = 0; shard < 3; ++shard) {
+    Spec spec{.batch_size = 4, .seed = 9, .shard_id = shard, .num_shards = 3};
+    spec.stick_to_shard = true;
+    ShardPlan stuck(spec, 41);
+    spec.stick_to_shard = false;
+    const std::vector<uint64_t> first = stuck.EpochSamples(0);
+    EXPECT_EQ(first, ShardPlan(spec, 41).EpochSamples(0));  // epoch 0 as without sticking
+    const std::set<uint64_t> files(first.begin(), first.end());
+    bool reordered = false;
+    for (uint64_t epoch = 1; epoch < 5; ++epoch) {
+      const std::vector<uint64_t> samples = stuck.EpochSamples(epoch);
+      EXPECT_EQ(std::set<uint64_t>(samples.begin(), samples.end()), files) << "epoch " << epoch;
+      EXPECT_EQ(samples.size(), first.size());
+      reordered = reordered || samples != first;
+    }
+    EXPECT_TRUE(reordered);
+    all.insert(files.begin(), files.end());
+  }
+  EXPECT_EQ(all.size(), 41u);  // the shards still split the files
+}
+
 TEST(ShardPlanTest, PaddingRepeatsTheLastSampleToTheShardSizeThenTheBatch) {
   // 10 files, 3 shards: shards of 3, 3, 4; padded to 4, then to a multiple of 3.
   ShardPlan plan(

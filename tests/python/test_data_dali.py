@@ -73,6 +73,41 @@ def test_same_samples_as_readers_file(disk_dir: Path, num_shards: int, shard_id:
         assert flat_ours == sum(theirs, [])[:len(flat_ours)]
 
 
+def test_a_shuffled_reader_stuck_to_its_shard_reads_its_files_each_epoch(disk_dir: Path) -> None:
+    """stick_to_shard with shuffling: fn.readers.file reads the same files every epoch (what a
+    node caches), in another order; so must the reader, while its shards still split the set."""
+    make_tree(disk_dir, classes=2, per_class=10)  # 20 files, 10 per shard
+    everything: set[tuple[bytes, int]] = set()
+    for shard in range(2):
+        args = dict(shard_id=shard, num_shards=2, stick_to_shard=True)
+        ours = FileReader(file_root=disk_dir, batch_size=5, shuffle=True, seed=3, **args)
+        epochs = [sum(reader_stream(ours, 1), []) for _ in range(4)]
+        assert all(sorted(epoch) == sorted(epochs[0]) for epoch in epochs)
+        assert any(epoch != epochs[0] for epoch in epochs)
+        everything.update(epochs[0])
+
+        @pipeline_def(batch_size=5, num_threads=1, device_id=None)
+        def pipe():
+            data, labels = fn.readers.file(file_root=str(disk_dir), random_shuffle=True,
+                                           initial_fill=10, **args)
+            return data, labels
+
+        p = pipe()
+        p.build()
+        theirs = [sum(dali_file_stream_of(p, 2), []) for _ in range(4)]
+        assert all(sorted(epoch) == sorted(theirs[0]) for epoch in theirs)
+    assert len(everything) == 20
+
+
+def dali_file_stream_of(pipe, batches: int) -> list[list[tuple[bytes, int]]]:
+    out = []
+    for _ in range(batches):
+        data, labels = pipe.run()
+        out.append([(bytes(np.array(data[i])), int(np.array(labels[i])[0]))
+                    for i in range(len(data))])
+    return out
+
+
 def run_epochs(pipe, epochs: int) -> list[list[list[tuple[bytes, int]]]]:
     out = []
     for _ in range(epochs):
@@ -128,6 +163,103 @@ def test_no_copy_samples_outlive_the_sources_own_queue(disk_dir: Path) -> None:
     got = [[(bytes(np.array(samples[i])), int(np.array(labels[i])[0])) for i in range(len(samples))]
            for samples, labels in fed]
     assert [[data for data, _ in batch] for batch in got] == [[d for d, _ in b] for b in want]
+
+
+def test_a_state_loaded_after_dali_asked_for_batches_is_where_the_source_goes_on(
+        disk_dir: Path) -> None:
+    """A DALI iterator runs its pipeline when made, so the source is under way before a training
+    script loads its checkpoint: the source must go on from the loaded state (after the batches
+    DALI already holds), not from its own epoch, and the reader's state must then be the
+    loaded one's."""
+    make_tree(disk_dir, classes=3, per_class=8)  # 24 files: 8 batches of 3
+    args = dict(file_root=disk_dir, batch_size=3, seed=6)
+    whole = reader_stream(FileReader(**args), 2)
+    saved = FileReader(**args)
+    reader_stream(saved, 1)
+    it = iter(saved)
+    for _ in range(2):
+        next(it)
+    state = saved.state_dict()  # epoch 1, two batches in
+    reader = FileReader(**args)
+    depth = 2
+
+    @pipeline_def(batch_size=3, num_threads=1, device_id=None, prefetch_queue_depth=depth)
+    def pipe():
+        data, labels = fn.external_source(source=reader.dali_source(), num_outputs=2,
+                                          batch=True, dtype=[types.UINT8, types.INT32])
+        return data, labels
+
+    p = pipe()
+    p.build()
+    got = [run_one(p)]  # DALI asked for `depth` batches
+    reader.load_state_dict(state)
+    try:
+        while True:
+            got.append(run_one(p))
+    except StopIteration:
+        pass
+    assert got[:depth] == whole[:depth]  # what DALI had asked for before the load
+    assert got[depth:] == whole[8 + 2:16]
+    assert (reader.epoch, reader.state_dict()["position"]) == (2, 0)
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_setting_each_epoch_while_dali_reads_ahead_gives_each_batch_once(disk_dir: Path,
+                                                                         sized: bool) -> None:
+    """A script that calls reader.set_epoch(epoch) as each epoch starts (DistributedSampler's
+    habit), after the DALI iterator's reset has already asked for that epoch's first batches."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    make_tree(disk_dir, classes=3, per_class=7)  # 21 files: 6 batches of 4, padded
+    args = dict(file_root=disk_dir, batch_size=4, seed=1, pad_last_batch=True)
+    want = reader_stream(FileReader(**args), 1), reader_stream(FileReader(**args), 2)[6:]
+    reader = FileReader(**args)
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None, prefetch_queue_depth=2)
+    def pipe():
+        data, labels = fn.external_source(source=reader.dali_source(), num_outputs=2,
+                                          batch=True, dtype=[types.UINT8, types.INT32])
+        return fn.pad(data), data.shape(), labels
+
+    p = pipe()
+    p.build()
+    sizing = dict(size=21, last_batch_padded=True, last_batch_policy=LastBatchPolicy.FILL)
+    it = DALIGenericIterator([p], ["data", "shape", "label"], auto_reset=True,
+                             **(sizing if sized else {}))
+    for epoch in range(2):
+        reader.set_epoch(epoch)
+        got = [[(bytes(data[i][:int(shape[i][0])].numpy()), int(label[i][0]))
+                for i in range(data.shape[0])]
+               for data, shape, label in ((b[0]["data"], b[0]["shape"], b[0]["label"])
+                                          for b in it)]
+        assert got == want[epoch], f"epoch {epoch}"
+
+
+def run_one(pipe) -> list[tuple[bytes, int]]:
+    data, labels = pipe.run()
+    return [(bytes(np.array(data[i])), int(np.array(labels[i])[0])) for i in range(len(data))]
+
+
+def test_after_a_read_error_the_source_goes_on_from_the_failed_batch(disk_dir: Path) -> None:
+    """An error ends the reader's iteration under the source; the source must not then report
+    an empty epoch (DALI would run one) but read again from the batch that failed."""
+    (disk_dir / "k").mkdir()
+    for i in range(6):
+        (disk_dir / "k" / f"{i}.jpg").write_bytes(bytes([65 + i]) * 10)
+    reader = FileReader(file_root=disk_dir, batch_size=2, shuffle=False, prefetch=1)
+    source = reader.dali_source()
+    (disk_dir / "k" / "2.jpg").rename(disk_dir / "k" / "2.bak")
+    next(source)
+    with pytest.raises(FileNotFoundError, match="2.jpg"):
+        next(source)
+    (disk_dir / "k" / "2.bak").rename(disk_dir / "k" / "2.jpg")  # back: the job tries again
+    rest = []
+    with pytest.raises(StopIteration):
+        while True:
+            samples, _ = next(source)
+            rest.append([bytes(np.array(samples[i])) for i in range(len(samples))])
+    assert rest == [[b"C" * 10, b"D" * 10], [b"E" * 10, b"F" * 10]]
+    assert reader.epoch == 1
 
 
 def test_dali_source_covers_every_shard_once(disk_dir: Path) -> None:

@@ -4,6 +4,7 @@ errors; FileDataset in a DataLoader with workers."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -262,6 +264,103 @@ def test_dataset_in_a_dataloader_with_two_workers(disk_dir: Path) -> None:
     assert sorted(sum(stream_dataset(dataset), [])) == sorted(tree.values())
 
 
+def sorted_batches(batches: Any) -> list[tuple[tuple[bytes, int], ...]]:
+    return sorted(tuple((bytes(s.numpy()), int(l)) for s, l in zip(samples, labels))
+                  for samples, labels in batches)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(disk_dir: Path, context: str) -> None:
+    """Persistent workers hold their own copy of the dataset: the epoch set in the main process
+    after they started (a resume, epochs skipped or repeated) must still be the one they read,
+    or ranks whose workers counted differently would read overlapping shards."""
+    make_tree(disk_dir, classes=3, per_class=9)
+    dataset = FileDataset(file_root=disk_dir, batch_size=4, seed=3)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                         persistent_workers=True,
+                                         multiprocessing_context=context, timeout=60)
+    for epoch in (0, 5, 5, 2):
+        dataset.set_epoch(epoch)
+        want = []
+        for worker in range(2):
+            reader = FileReader(file_root=disk_dir, batch_size=4, seed=3, shard_id=worker,
+                                num_shards=2)
+            reader.set_epoch(epoch)
+            want += sorted_batches(reader)
+        assert sorted_batches(loader) == sorted(want), f"epoch {epoch}"
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_ranks_and_workers_under_torchrun_read_every_file_once(disk_dir: Path,
+                                                               context: str) -> None:
+    """Two ranks of two DataLoader workers each: every file once per epoch. A worker started by
+    spawn or forkserver has no process group of its own: it must still read its rank's part."""
+    tree = make_tree(disk_dir / "data", classes=3, per_class=7)
+    out = disk_dir / "out"
+    out.mkdir()
+    epochs = 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__).with_name("data_worker.py")), str(disk_dir / "data"), str(out), "2",
+           context, str(epochs)]
+    (disk_dir / "tmp").mkdir()  # torchrun's agent leaves its logs there: removed with disk_dir
+    env = dict(os.environ, TMPDIR=str(disk_dir / "tmp"))
+    proc = subprocess.Popen(cmd, cwd=disk_dir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # timed out, or the test was interrupted: no rank left behind
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    everything = sorted(data.hex() for data, _ in tree.values())
+    for epoch in range(epochs):
+        assert sorted(ranks[0][epoch] + ranks[1][epoch]) == everything, f"epoch {epoch}"
+
+
+class ReaderDataset(torch.utils.data.IterableDataset):
+    """A training script's own dataset around a reader made before the DataLoader's workers."""
+
+    def __init__(self, reader: FileReader) -> None:
+        self.reader = reader
+
+    def __iter__(self) -> Any:
+        return iter(self.reader)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_reader_made_before_the_workers_is_refused_in_them_by_name(disk_dir: Path,
+                                                                    context: str) -> None:
+    """A forked worker's copy of the reader has none of its threads (reading from it hung until
+    the DataLoader's timeout); a spawned worker cannot be sent it. Both say what to do."""
+    make_tree(disk_dir, classes=2, per_class=4)
+    reader = FileReader(file_root=disk_dir, batch_size=3)
+    next(iter(reader))  # reading ahead in this process
+    loader = torch.utils.data.DataLoader(ReaderDataset(reader), batch_size=None, num_workers=1,
+                                         multiprocessing_context=context, timeout=120)
+    error = RuntimeError if context == "fork" else TypeError
+    with pytest.raises(error, match="make the reader in the process that reads|make it in the"):
+        list(loader)
+    assert len(list(reader)) == 2  # the rest of the epoch, here
+
+
+def test_dataset_reads_the_epoch_set_in_every_mode(disk_dir: Path) -> None:
+    """In the main process as in workers: the epoch last set, 0 until then (DistributedSampler's
+    rule), not one that advances by itself only where the dataset is not copied."""
+    make_tree(disk_dir, classes=2, per_class=6)
+    dataset = FileDataset(file_root=disk_dir, batch_size=4, seed=1)
+    first = sorted_batches(dataset)
+    assert sorted_batches(dataset) == first
+    reader = FileReader(file_root=disk_dir, batch_size=4, seed=1)
+    assert first == sorted_batches(reader)
+    dataset.set_epoch(1)
+    assert sorted_batches(dataset) == sorted_batches(reader)  # the reader's epoch 1
+    for bad in (-1, True, 1.0, 2**63):
+        with pytest.raises(ValueError, match="epoch must be"):
+            dataset.set_epoch(bad)  # type: ignore[arg-type]
+
+
 def stream_dataset(dataset: FileDataset) -> list[list[tuple[bytes, int]]]:
     return [[(bytes(s.numpy()), int(l)) for s, l in zip(samples, labels)]
             for samples, labels in dataset]
@@ -507,6 +606,59 @@ def test_thread_and_prefetch_counts_past_32_bits_and_boolean_positions_are_refus
     for key in ("epoch", "position"):
         with pytest.raises(ValueError, match="bad position"):
             reader.load_state_dict({**state, key: True})
+
+
+def test_a_state_loaded_during_an_iteration_moves_it(disk_dir: Path) -> None:
+    """A loop (or DALI source) under way follows load_state_dict and set_epoch: it must not go
+    on with its own epoch and overwrite the loaded position with it."""
+    make_tree(disk_dir, classes=3, per_class=8)  # 24 files: 8 batches of 3
+    args = dict(file_root=disk_dir, batch_size=3, seed=4)
+    whole = stream(FileReader(**args), 3)
+    source = FileReader(**args)
+    stream(source, 1)
+    it = iter(source)
+    next(it)
+    state = source.state_dict()  # epoch 1, after its first batch
+    reader = FileReader(**args)
+    it = iter(reader)
+    next(it)  # epoch 0's first batch
+    reader.load_state_dict(state)
+    rest = [[(bytes(s.numpy()), int(l)) for s, l in zip(*batch)] for batch in it]
+    assert rest == whole[9:16]  # the rest of epoch 1, then the loop ends
+    assert (reader.epoch, reader.state_dict()["position"]) == (2, 0)
+    it = iter(reader)
+    next(it)
+    reader.set_epoch(0)
+    assert [[(bytes(s.numpy()), int(l)) for s, l in zip(*batch)] for batch in it] == whole[:8]
+    assert reader.epoch == 1
+    # A later iteration takes the read-ahead over; close() ends the one under way.
+    first, second = iter(reader), iter(reader)
+    as_pairs = lambda batch: [(bytes(s.numpy()), int(l)) for s, l in zip(*batch)]  # noqa: E731
+    assert as_pairs(next(first)) == whole[8]
+    assert as_pairs(next(second)) == whole[9]  # on from where the first left off
+    assert list(first) == []
+    assert [as_pairs(batch) for batch in second] == whole[10:16]
+    it = iter(reader)
+    next(it)
+    reader.close()
+    assert list(it) == []
+
+
+def test_a_state_past_its_epoch_or_the_64_bit_epochs_is_refused(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=2, per_class=5)  # 10 files: 3 batches of 4
+    reader = FileReader(file_root=disk_dir, batch_size=4, seed=1)
+    for _ in reader:
+        state = reader.state_dict()  # inside the last batch: position 3 of 3
+    assert (state["epoch"], state["position"]) == (0, 3)
+    resumed = FileReader(file_root=disk_dir, batch_size=4, seed=1)
+    resumed.load_state_dict(state)  # the end of epoch 0 is a place to resume from
+    assert stream(resumed, 2) == stream(FileReader(file_root=disk_dir, batch_size=4, seed=1), 2)[3:]
+    for bad in ({"position": 4}, {"epoch": 2**64}, {"epoch": 1.0}):
+        with pytest.raises(ValueError, match="bad position"):
+            resumed.load_state_dict({**state, **bad})
+    for epoch in (True, 2**64, -1):
+        with pytest.raises(ValueError, match="epoch must be"):
+            resumed.set_epoch(epoch)  # type: ignore[arg-type]
 
 
 def test_state_dict_resumes_a_root_spelled_another_way(

@@ -36,6 +36,9 @@ class DaliSource:
 
     DALI asks for batches ahead of the outputs it returns (its prefetch queue): the reader's
     ``state_dict()`` counts the batches handed to DALI, not those the pipeline has returned.
+    Load a state into the reader before the pipeline first runs (before a DALI iterator is made:
+    it runs the pipeline at once); loaded later, the source goes on from the state, after the
+    batches DALI has already asked for.
     """
 
     def __init__(self, reader: FileReader, queue_depth: int = 2) -> None:
@@ -66,6 +69,11 @@ class DaliSource:
             batch = next(self._epoch)
         except StopIteration:
             self._epoch = None  # the next call reads the next epoch
+            raise
+        except BaseException:
+            # The epoch's iteration ended with the error: the next call goes on from the batch
+            # that failed, rather than from the ended iteration (an empty epoch).
+            self._epoch = None
             raise
         labels = self._reader.batch_labels(batch).reshape(-1, 1)
         self._kept.append((batch, labels))

@@ -12,24 +12,28 @@ from .._paths import PathArg
 from .reader import FileReader, resolve_inputs
 
 
-def _rank_and_world() -> tuple[int, int]:
+def _rank_and_world() -> tuple[int, int] | None:
+    """(rank, world size) of this process's torch.distributed group; None without one."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return None
 
 
 class FileDataset(torch.utils.data.IterableDataset):
     """Batches of files for ``torch.utils.data.DataLoader(dataset, batch_size=None, ...)``.
 
     Every (rank, DataLoader worker) pair reads its own shard (``num_shards = world_size *
-    num_workers``; torch.distributed's rank when it is initialised), with the same seeded
+    num_workers``; torch.distributed's rank when it is initialised in the process that makes
+    the DataLoader, whichever way its workers are started), with the same seeded
     per-epoch shuffle everywhere, so no two read the same file in an epoch. Each item is one
     ``(samples, labels)`` batch as ``FileReader`` yields it; ``copy=True`` (the default) gives
     sample memory of its own, which is what crosses from workers to the main process. Call
-    ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: workers are new
-    processes each epoch unless ``persistent_workers=True``.
+    ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: every iteration
+    reads the epoch last set (0 until then), in the main process and in workers alike,
+    ``persistent_workers=True`` included (the epoch lives in shared memory, which workers
+    read when each iteration starts).
 
     The arguments are ``FileReader``'s; the file list is made (and checked) once, here.
     """
@@ -62,15 +66,29 @@ class FileDataset(torch.utils.data.IterableDataset):
         self._options = dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
                              pad_last_batch=pad_last_batch, drop_last=drop_last,
                              prefetch=prefetch, copy=copy, on_error=on_error, **reader_options)
-        self._epoch = 0
+        # Shared memory: persistent workers, which hold their own copy of the dataset, see
+        # the epoch set after they started (torch passes it to spawned workers by handle).
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._parent_rank: tuple[int, int] | None = None  # set in copies sent to workers
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration reads (its shuffle and shards)."""
-        self._epoch = epoch
+        """The epoch the next iteration reads (its shuffle and shards), in this process and in
+        the DataLoader's workers, persistent ones included."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**63:
+            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
+        self._epoch.fill_(epoch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # Pickled into a DataLoader worker started by spawn or forkserver, where the process
+        # group is not initialised: the worker reads the rank of the process that started it.
+        state["_parent_rank"] = _rank_and_world() or self._parent_rank
+        return state
 
     def shard(self) -> tuple[int, int]:
-        """(shard_id, num_shards) of the calling process and DataLoader worker."""
-        rank, world = _rank_and_world()
+        """(shard_id, num_shards) of the calling process and DataLoader worker: the rank is
+        torch.distributed's, in a DataLoader worker its parent's (however it was started)."""
+        rank, world = _rank_and_world() or self._parent_rank or (0, 1)
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank * workers + worker, world * workers
@@ -80,8 +98,7 @@ class FileDataset(torch.utils.data.IterableDataset):
         # The files were checked when the dataset was made; each worker does not stat them again.
         reader = FileReader(files=self._paths, labels=self._labels.tolist(), shard_id=shard_id,
                             num_shards=num_shards, check_files=False, **self._options)
-        reader.set_epoch(self._epoch)
-        self._epoch += 1  # for the next iteration in this process (persistent workers)
+        reader.set_epoch(int(self._epoch))
         try:
             yield from reader
         finally:

@@ -94,6 +94,11 @@ def resolve_inputs(
     return paths, label_array.astype(np.int32)
 
 
+def _is_epoch(value: Any) -> bool:
+    """Whether `value` can number an epoch (the shard plan's 64-bit unsigned epoch)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
+
 def _files_digest(paths: Sequence[str], labels: np.ndarray, spelled: bool = False) -> str:
     """SHA-256 of the paths and int32 labels, in list order: what a state dict is checked
     against, so that it resumes only a reader of the same samples. Each path counts as its
@@ -134,7 +139,8 @@ class FileReader:
     number of batches; without ``stick_to_shard`` the reader reads shard ``(shard_id + epoch) %
     n`` in each epoch. ``shuffle`` permutes the whole list each epoch by a function of
     ``(seed, epoch)`` only (``_core.epoch_permutation``), the same on every rank, so shards
-    never overlap; there is no shuffle buffer.
+    never overlap; there is no shuffle buffer. With ``stick_to_shard`` a shuffled shard keeps
+    the files it has in epoch 0 and reads them in a new order each epoch, as DALI's does.
 
     Iterating gives one epoch of ``(samples, labels)``: ``samples`` a list of uint8 tensors, one
     per file, ``labels`` an int32 tensor. The next ``for`` loop reads the next epoch; a loop
@@ -245,6 +251,10 @@ class FileReader:
         )
         self._epoch = 0
         self._position = 0  # batches of self._epoch given out
+        # set_epoch() and load_state_dict() calls, so that an iteration under way continues from
+        # the new place rather than from its own; and the iteration the read-ahead serves.
+        self._moves = 0
+        self._iteration: object | None = None
 
     # ---------------------------------------------------------------------------------------
     # Sizes and state
@@ -273,10 +283,16 @@ class FileReader:
         return list(self._plan.epoch_samples(epoch))
 
     def set_epoch(self, epoch: int) -> None:
-        """Starts ``epoch`` from its first batch at the next iteration."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
+        """Starts ``epoch`` from its first batch: the next batch, of a new iteration or of one
+        under way, is its first. The epoch an iteration has under way keeps its place: a script
+        that sets each epoch as it starts, while DALI already reads ahead into it, gets each
+        batch once."""
+        if not _is_epoch(epoch):
+            raise ValueError(f"epoch must be a non-negative 64-bit integer, not {epoch!r}")
+        if epoch == self._epoch and self._iteration is not None:
+            return
         self._epoch, self._position = epoch, 0
+        self._moves += 1
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -304,8 +320,9 @@ class FileReader:
                 "files_digest": self._files_digest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resumes at ``state``; the next iteration starts with the batch after the last one
-        given out before ``state_dict()`` was taken.
+        """Resumes at ``state``: the next batch, of a new iteration or of one under way (a
+        loop, a ``dali_source()``), is the one after the last one given out before
+        ``state_dict()`` was taken.
 
         A state without ``files_digest`` (taken before states carried one) is checked by the
         settings and the file count only.
@@ -325,12 +342,13 @@ class FileReader:
                     f"state_dict has {key}={state.get(key)!r}, this reader {value!r}: "
                     "it was taken from a reader of other files or settings")
         epoch, position = state.get("epoch"), state.get("position")
-        if (not isinstance(epoch, int) or not isinstance(position, int)
-                or isinstance(epoch, bool) or isinstance(position, bool)
-                or epoch < 0 or position < 0):
+        if (not _is_epoch(epoch) or not isinstance(position, int) or isinstance(position, bool)
+                or not 0 <= position <= len(self._plan.epoch_batches(epoch))):
+            # A position past the epoch's batches would silently skip to the next epoch.
             raise ValueError(f"state_dict has a bad position: epoch={epoch!r}, "
                              f"position={position!r}")
         self._epoch, self._position = epoch, position
+        self._moves += 1
 
     # ---------------------------------------------------------------------------------------
     # Iteration
@@ -338,15 +356,29 @@ class FileReader:
     def batches(self) -> Iterator[Any]:
         """The current epoch's remaining batches as ``_core.Batch`` objects (arena, offsets,
         sizes, file indices), without tensors: what the adapters build on."""
-        batches = self._plan.epoch_batches(self._epoch)
-        start = min(self._position, len(batches))
-        self._core.start(batches[start:])
-        for number in range(start, len(batches)):
-            batch = self._core.next()
-            self._position = number + 1
-            yield batch
-        self._epoch += 1
-        self._position = 0
+        token = object()
+        self._iteration = token  # the reader's read-ahead now serves this iteration only
+        try:
+            while True:
+                moves = self._moves
+                batches = self._plan.epoch_batches(self._epoch)
+                start = min(self._position, len(batches))
+                self._core.start(batches[start:])
+                for number in range(start, len(batches)):
+                    batch = self._core.next()
+                    self._position = number + 1
+                    yield batch
+                    if self._iteration is not token:
+                        return  # a later iteration (or close()) took the read-ahead over
+                    if self._moves != moves:
+                        break  # set_epoch() or load_state_dict() meanwhile: go on from there
+                else:
+                    self._epoch += 1
+                    self._position = 0
+                    return
+        finally:
+            if self._iteration is token:
+                self._iteration = None  # ended, left or failed: no iteration is under way
 
     def batch_labels(self, batch: Any) -> np.ndarray:
         """The int32 labels of a ``_core.Batch``'s samples."""
@@ -373,6 +405,16 @@ class FileReader:
 
         return DaliSource(self, queue_depth=queue_depth)
 
+    def __reduce__(self) -> Any:
+        # A DataLoader worker started by spawn or forkserver gets its dataset pickled: the
+        # reader's threads, engine and batch memory cannot follow it there.
+        raise TypeError(
+            "a FileReader cannot be pickled (into a DataLoader worker, for one): make it in the "
+            "process that reads from it, e.g. in an IterableDataset's __iter__, or use "
+            "tensortier.data.FileDataset, which makes one reader per worker")
+
     def close(self) -> None:
-        """Stops reading ahead (also done when the reader is dropped)."""
+        """Stops reading ahead (also done when the reader is dropped); an iteration under way
+        ends."""
+        self._iteration = None
         self._core.start([])
