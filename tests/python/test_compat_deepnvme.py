@@ -444,3 +444,23 @@ def test_gds_handle_moves_host_tensors_and_rejects_pinning_them(disk_dir: Path) 
     assert h.unpin_device_tensor(t) is True  # never pinned: nothing to undo
     assert h.get_alignment() == 512
     h.close()
+
+
+@pytest.mark.parametrize("call", ["sync_pwrite", "pwrite", "write"])
+def test_only_async_pwrite_takes_a_descriptor(handle, disk_dir: Path, call: str) -> None:  # type: ignore[no-untyped-def]
+    """DeepNVMe's sync_pwrite/pwrite/write take a file name (a C string): an int there is its
+    binding's TypeError, never a write into whatever file that descriptor number holds."""
+    path = disk_dir / "victim.bin"
+    path.write_bytes(b"k" * 64)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        args = {"sync_pwrite": (), "pwrite": (False, False), "write": (False,)}[call]
+        with pytest.raises(TypeError, match="filename"):
+            getattr(handle, call)(torch.zeros(16, dtype=torch.uint8), fd, *args)
+        with pytest.raises(TypeError, match="filename"):
+            getattr(handle, call)(torch.zeros(16, dtype=torch.uint8), None, *args)
+    finally:
+        os.close(fd)
+    assert handle.wait() == 0
+    assert path.read_bytes() == b"k" * 64
+

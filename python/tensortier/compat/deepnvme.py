@@ -243,7 +243,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         target = filename if fd is None else fd
         with self._mutex:
             return self._start("write", buffer, target, file_offset, validate=False,
-                               snapshot=True)
+                               snapshot=True, descriptor_ok=True)
 
     def pread(
         self,
@@ -284,6 +284,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """DeepNVMe's synchronous ``read``: at offset 0 the file's size must be the buffer's;
         at `file_offset` > 0 the buffer's bytes from there must be in the file. Returns 0."""
         _check_tensor(buffer, "read")
+        _filename(filename, "read")
         try:
             size = os.path.getsize(filename)
         except OSError as e:
@@ -400,9 +401,14 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         offset: int,
         validate: bool,
         snapshot: bool = False,
+        descriptor_ok: bool = False,
     ) -> int:
+        """Starts `op`; `filename` may be an open descriptor only with `descriptor_ok`
+        (``async_pwrite``'s second overload: every other call takes a name)."""
         what = f"{'pread' if op == 'read' else 'pwrite'}"
         _check_tensor(buffer, what)
+        if not descriptor_ok:
+            _filename(filename, what)
         offset = _integer(offset, what, "file_offset", 0)
         copy_to = None
         if not buffer.is_contiguous():
@@ -417,8 +423,6 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             # work the caller queues meanwhile; a host tensor would be read while it runs.
             buffer = buffer.detach().to("cpu", copy=True)
         descriptor = None
-        if not isinstance(filename, (str, bytes, os.PathLike)) and op == "read":
-            raise TypeError(f"{what}: filename must be a path, not {type(filename).__name__}")
         if not isinstance(filename, (str, bytes, os.PathLike)):
             # DeepNVMe's async_pwrite(buffer, fd): the caller's descriptor stays open and
             # untouched; the engine opens the same file again, with its own flags (O_DIRECT).
@@ -462,6 +466,13 @@ class _Pending(NamedTuple):
     offset: int
     validate: bool
     copy_to: Any  # the non-contiguous tensor a read fills at wait(), or None
+
+
+def _filename(filename: Any, what: str) -> None:
+    """TypeError unless `filename` is a path: DeepNVMe's calls take a C string (only
+    ``async_pwrite`` also takes a descriptor), so an int is never a descriptor to write."""
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        raise TypeError(f"{what}: filename must be a path, not {type(filename).__name__}")
 
 
 def _clamp(value: int, setting: str) -> int:
