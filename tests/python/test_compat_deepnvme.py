@@ -464,3 +464,61 @@ def test_only_async_pwrite_takes_a_descriptor(handle, disk_dir: Path, call: str)
     assert handle.wait() == 0
     assert path.read_bytes() == b"k" * 64
 
+
+def test_what_is_no_tensor_is_a_type_error_for_the_locked_tensor_calls(handle) -> None:  # type: ignore[no-untyped-def]
+    """DeepNVMe's binding takes a torch.Tensor in is_pinned and free_cpu_locked_tensor: anything
+    else is its TypeError (not an AttributeError from deep inside)."""
+    np = pytest.importorskip("numpy")
+    for value in (None, 3, np.zeros(3), [torch.zeros(3)]):
+        with pytest.raises(TypeError, match="tensor"):
+            handle.is_pinned(value)
+        with pytest.raises(TypeError, match="tensor"):
+            handle.free_cpu_locked_tensor(value)
+
+
+def test_integers_past_the_binding_s_c_types_are_type_errors(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """file_offset is an int64_t and the descriptor a C int in DeepNVMe's binding: pybind11
+    refuses a Python int outside them with a TypeError (a negative offset that fits stays our
+    ValueError: DeepNVMe takes it and aborts)."""
+    path = str(disk_dir / "t.bin")
+    t = torch.zeros(8, dtype=torch.uint8)
+    for offset in (1 << 63, 1 << 64, -(1 << 63) - 1):
+        for call in (handle.sync_pread, handle.sync_pwrite, handle.async_pread,
+                     handle.async_pwrite):
+            with pytest.raises(TypeError, match="file_offset"):
+                call(t, path, offset)
+    with pytest.raises(TypeError, match="fd"):
+        handle.async_pwrite(t, 1 << 32)
+    with pytest.raises(TypeError, match="fd"):
+        handle.async_pwrite(t, fd=-(1 << 31) - 1)
+    assert handle.wait() == 0
+
+
+@pytest.mark.parametrize("value", ["no", [], [1], {}, object()], ids=repr)
+def test_flags_take_what_pybind11_s_bool_takes(disk_dir: Path, value: object) -> None:
+    """DeepNVMe's bool arguments (single_submit, overlap_events, validate, async) take what
+    pybind11 converts to a C++ bool: True/False, None, and objects with a number's truth
+    (ints, floats, numpy bools); a str, a list or a dict is its TypeError."""
+    builder = AsyncIOBuilder().load()
+    with pytest.raises(TypeError, match="single_submit"):
+        builder.aio_handle(1 << 20, 8, value, False, 1)
+    with pytest.raises(TypeError, match="overlap_events"):
+        builder.aio_handle(1 << 20, 8, False, value, 1)
+    h = builder.aio_handle(1 << 20, 8, None, 1.0, 1)
+    try:
+        assert h.get_single_submit() is False and h.get_overlap_events() is True
+        path = str(disk_dir / "t.bin")
+        t = torch.arange(8, dtype=torch.uint8)
+        with pytest.raises(TypeError, match="validate"):
+            h.pwrite(t, path, value, False)
+        with pytest.raises(TypeError, match="async"):
+            h.pwrite(t, path, False, value)
+        with pytest.raises(TypeError, match="validate"):
+            h.pread(t, path, value, False)
+        with pytest.raises(TypeError, match="validate"):
+            h.write(t, path, value)
+        assert h.wait() == 0
+        assert h.pwrite(t, path, None, 0) == 1  # numbers and None convert
+        assert h.pread(t, path, 1.0, 0) == 1
+    finally:
+        h.close()
