@@ -522,3 +522,21 @@ def test_flags_take_what_pybind11_s_bool_takes(disk_dir: Path, value: object) ->
         assert h.pread(t, path, 1.0, 0) == 1
     finally:
         h.close()
+
+
+def test_read_at_an_offset_needs_the_buffer_s_bytes_in_the_file(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """read() is the whole-buffer call: at an offset, a file that ends before the buffer does is
+    a ValueError, not a return of 0 with the buffer's tail left as it was."""
+    path = str(disk_dir / "t.bin")
+    assert handle.sync_pwrite(torch.arange(100, dtype=torch.uint8), path) == 1
+    buffer = torch.zeros(10, dtype=torch.uint8)
+    assert handle.read(buffer, path, False, 90) == 0  # the file's last 10 bytes
+    assert buffer.tolist() == list(range(90, 100))
+    for offset in (95, 100, 4096):
+        buffer.fill_(7)
+        with pytest.raises(ValueError, match="from offset"):
+            handle.read(buffer, path, False, offset)
+        assert buffer.eq(7).all()
+    with pytest.raises(TypeError, match="file_offset"):
+        handle.read(buffer, path, False, "90")
+    assert handle.wait() == 0

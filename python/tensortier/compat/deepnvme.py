@@ -22,11 +22,11 @@ rest of the buffer stays as it was: DeepNVMe lets buffers exceed the file for al
 
 Differences, all on the side of safety: an I/O error of a transfer started raises ``OSError``
 (errno and path) from ``wait()`` where DeepNVMe ignores it, and what DeepNVMe aborts the process
-for (a negative ``file_offset``; ``read()`` of a file whose size is not the buffer's) raises
-``ValueError``; any alignment of size, offset and memory works (no multiple of
-``intra_op_parallelism`` needed); an asynchronous read fills the tensor itself while it runs
-(DeepNVMe reads unpinned tensors through a bounce buffer copied out at ``wait()``): either way,
-use it only after ``wait()``.
+for (a negative ``file_offset``; ``read()`` of a file whose size is not the buffer's, or that
+ends before the buffer does when read at an offset) raises ``ValueError``; any alignment of
+size, offset and memory works (no multiple of ``intra_op_parallelism`` needed); an
+asynchronous read fills the tensor itself while it runs (DeepNVMe reads unpinned tensors
+through a bounce buffer copied out at ``wait()``): either way, use it only after ``wait()``.
 """
 
 from __future__ import annotations
@@ -308,12 +308,20 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         _check_tensor(buffer, "read")
         validate = _c_bool(validate, "read", "validate")
         _filename(filename, "read")
+        file_offset = _integer(file_offset, "read", "file_offset", 0, bits=_OFFSET_BITS)
         try:
             size = os.path.getsize(filename)
         except OSError as e:
             return _failed(filename, "fstat for read", e)
-        if file_offset == 0 and size != _nbytes(buffer):
-            raise ValueError(f"read: {filename} holds {size} bytes, buffer {_nbytes(buffer)}")
+        nbytes = _nbytes(buffer)
+        if file_offset == 0 and size != nbytes:
+            raise ValueError(f"read: {filename} holds {size} bytes, buffer {nbytes}")
+        if file_offset + nbytes > size:
+            # A read that stopped at the end would leave the buffer's tail as it was, unseen.
+            raise ValueError(
+                f"read: {filename} holds {size} bytes, fewer than the buffer's {nbytes} "
+                f"from offset {file_offset}"
+            )
         return 0 if self.pread(buffer, filename, validate, False, file_offset) >= 0 else -1
 
     def write(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
