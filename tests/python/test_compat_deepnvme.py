@@ -540,3 +540,35 @@ def test_read_at_an_offset_needs_the_buffer_s_bytes_in_the_file(handle, disk_dir
     with pytest.raises(TypeError, match="file_offset"):
         handle.read(buffer, path, False, "90")
     assert handle.wait() == 0
+
+
+@pytest.mark.parametrize("call", ["wait", "sync_pread"])
+def test_an_interrupted_wait_leaves_the_operations_to_the_next(disk_dir: Path, alarm_interrupt, call: str) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C during wait() (or a blocking call) stops the wait, not the reads: the next wait()
+    still waits for them, counts them and finishes them (a non-contiguous tensor gets its data
+    copied in), as DeepSpeed's ``assert wait() == n`` expects."""
+    from tensortier import IOHandle
+
+    data = torch.arange(1 << 16, dtype=torch.int32)
+    path = str(disk_dir / "slow.bin")
+    data.numpy().tofile(path)
+    h = AsyncIOBuilder().load().aio_handle()
+    h._io.close()  # the engine with its first request delayed (the fault-injecting backend)
+    h._io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 1_500_000, "nth": 1})
+    try:
+        flat = torch.zeros_like(data)
+        strided = torch.zeros(256, 256, dtype=torch.int32).t()  # not contiguous: read via a copy
+        assert h.async_pread(flat, path) == 0
+        alarm_interrupt(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            if call == "wait":
+                assert h.async_pread(strided, path) == 0
+                h.wait()
+            else:
+                h.sync_pread(strided, path)
+        assert h.wait() == 2
+        assert torch.equal(flat, data)
+        assert torch.equal(strided, data.reshape(256, 256))
+        assert h.wait() == 0
+    finally:
+        h.close()

@@ -838,28 +838,6 @@ def test_ctrl_c_interrupts_a_wait(disk_dir: Path) -> None:
     assert float(words[2]) < 1.5, done.stdout
 
 
-@pytest.fixture
-def alarm_interrupt():  # type: ignore[no-untyped-def]
-    """Calls `arm(seconds, linger)`: SIGALRM then raises KeyboardInterrupt after `linger` s (a
-    handler that logs before raising; the operation may finish meanwhile)."""
-    import signal
-
-    def handler(signum: int, frame: object) -> None:
-        time.sleep(state["linger"])
-        raise KeyboardInterrupt
-
-    state = {"linger": 0.0}
-    old = signal.signal(signal.SIGALRM, handler)
-
-    def arm(seconds: float, linger: float = 0.0) -> None:
-        state["linger"] = linger
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-
-    yield arm
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
-
-
 def test_an_interrupt_is_never_an_operations_outcome(disk_dir: Path, alarm_interrupt) -> None:  # type: ignore[no-untyped-def]
     """Ctrl-C arriving as the operation finishes: the next result() gives the result, not the
     KeyboardInterrupt again."""

@@ -338,7 +338,13 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             return self._wait_locked()
 
     def _wait_locked(self) -> int:
-        """wait(), the mutex held."""
+        """wait(), the mutex held. Ctrl-C interrupts it with every operation still pending: the
+        next wait() waits for them, counts them and finishes them (copies, validation)."""
+        for entry in self._pending:
+            try:
+                entry.future.wait()
+            except (OSError, RuntimeError):  # raised below, in order
+                pass
         pending, self._pending = self._pending, []
         first: BaseException | None = None
         for future, buffer, filename, offset, validate, copy_to in pending:
