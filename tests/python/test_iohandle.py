@@ -343,6 +343,11 @@ def test_aligned_empty_resident_has_its_pages_before_first_use(
 def test_aligned_empty_too_large_is_memory_error() -> None:
     with pytest.raises(MemoryError, match=str(1 << 60)):
         tensortier.aligned_empty(1 << 60, resident=True)
+    # Byte counts past what a size_t holds: the same MemoryError, not pybind11's TypeError.
+    for shape, dtype in [((1 << 62,), torch.float32), ((1 << 32, 1 << 32), torch.uint8),
+                         ((1 << 70,), torch.uint8)]:
+        with pytest.raises(MemoryError, match="cannot allocate"):
+            tensortier.aligned_empty(shape, dtype)
 
 
 _HUGE_PAGE_PROBE = """
