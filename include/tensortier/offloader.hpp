@@ -4,7 +4,10 @@
 // that died are recognised and removed by the next offloader on that directory. Space comes from a
 // SpaceManager per file (page-aligned extents, reused after reads, file shrunk when its tail is
 // free). Ranges of at least `stripe_threshold` bytes are striped over all directories, as over
-// several drives; smaller ones go to the directory with the least data.
+// several drives; smaller ones go to the directory with the least data. A directory whose
+// filesystem refused a write for want of space (ENOSPC) is passed over, striping included, while
+// another has not refused, until space is freed in its file or every directory has refused: the
+// write that met the refusal fails, the next ones go where there is room.
 //
 // Operations are asynchronous and of two kinds, waited for separately (TensorNVMe's model): a
 // write makes its key "stored" only when the data is on disk; a read frees the key's space only
@@ -176,6 +179,7 @@ class Offloader {
     bool shrinking = false;  // a truncate to shrink_to runs without mu_ held
     uint64_t shrink_to = 0;
     uint64_t failed_shrink_to = UINT64_MAX;  // not retried until the used end changes
+    bool refused_space = false;  // a write here met ENOSPC since space was last freed in it
   };
   struct Pending {
     uint64_t id;  // start order
@@ -205,7 +209,10 @@ class Offloader {
   // REQUIRES: `lock` holds mu_ (released while waiting for a shrink of the file to finish).
   std::vector<Part> Place(uint64_t length, std::unique_lock<std::mutex>& lock);
   void Release(const std::vector<Part>& parts);  // REQUIRES: mu_ held
-  void CheckOpen() const;                        // REQUIRES: mu_ held
+  // Marks the backings of a write that failed with `error` as out of space if it is ENOSPC (the
+  // one the error names, else all of `parts`'). REQUIRES: mu_ held.
+  void NoteRefusedSpace(const std::vector<Part>& parts, const std::exception_ptr& error);
+  void CheckOpen() const;  // REQUIRES: mu_ held
   // Truncates `b` by one step towards its used end, with mu_ released during the syscall.
   std::exception_ptr ShrinkStep(Backing& b, std::unique_lock<std::mutex>& lock);
   void JanitorLoop();

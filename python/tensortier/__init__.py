@@ -116,6 +116,8 @@ def aligned_empty(
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype)
+    if nbytes >= 1 << 63:  # past any address space (and what the binding's size_t takes)
+        raise MemoryError(f"aligned_empty: cannot allocate {nbytes} bytes")
     try:
         buffer = _core.AlignedBuffer(nbytes, reused=reused, resident=resident)
     except MemoryError as e:

@@ -108,8 +108,16 @@ void Offloader::CheckOpen() const {
 std::vector<Offloader::Part> Offloader::Place(uint64_t length, std::unique_lock<std::mutex>& lock) {
   std::vector<Part> parts;
   if (length == 0) return parts;
+  // Directories that refused space are passed over while another has not; once all have, each
+  // may have room again.
+  if (std::all_of(backings_.begin(), backings_.end(),
+                  [](const Backing& b) { return b.refused_space; })) {
+    for (Backing& b : backings_) b.refused_space = false;
+  }
+  const bool any_refused = std::any_of(backings_.begin(), backings_.end(),
+                                       [](const Backing& b) { return b.refused_space; });
   try {
-    if (backings_.size() > 1 && length >= options_.stripe_threshold) {
+    if (backings_.size() > 1 && length >= options_.stripe_threshold && !any_refused) {
       const uint64_t n = backings_.size();
       const uint64_t stripe = AlignUp((length + n - 1) / n, kPageSize);
       for (uint64_t i = 0, done = 0; done < length; ++i, done += stripe) {
@@ -117,9 +125,11 @@ std::vector<Offloader::Part> Offloader::Place(uint64_t length, std::unique_lock<
         parts.push_back(Part{static_cast<uint32_t>(i), backings_[i].space.Allocate(part), part});
       }
     } else {
-      uint32_t least = 0;
-      for (uint32_t i = 1; i < backings_.size(); ++i) {
-        if (backings_[i].space.allocated_bytes() < backings_[least].space.allocated_bytes()) {
+      uint32_t least = UINT32_MAX;
+      for (uint32_t i = 0; i < backings_.size(); ++i) {
+        if (backings_[i].refused_space) continue;
+        if (least == UINT32_MAX ||
+            backings_[i].space.allocated_bytes() < backings_[least].space.allocated_bytes()) {
           least = i;
         }
       }
@@ -145,6 +155,7 @@ void Offloader::Release(const std::vector<Part>& parts) {
   for (const Part& p : parts) {
     Backing& b = backings_[p.file];
     b.space.Free(p.extent);
+    b.refused_space = false;  // the freed extent takes a write without asking the filesystem
     shrinkable |= b.space.end() < b.file_size;
   }
   if (shrinkable) shrink_cv_.notify_all();
@@ -468,6 +479,23 @@ std::vector<OffloadOutcome> Offloader::WaitFor(OffloadKind kind,
   return outcomes;
 }
 
+void Offloader::NoteRefusedSpace(const std::vector<Part>& parts, const std::exception_ptr& error) {
+  std::string path;
+  try {
+    std::rethrow_exception(error);
+  } catch (const IoError& e) {
+    if (e.error_code() != ENOSPC) return;
+    path = e.path();
+  } catch (...) {
+    return;
+  }
+  const bool named = std::any_of(parts.begin(), parts.end(),
+                                 [&](const Part& p) { return backings_[p.file].path == path; });
+  for (const Part& p : parts) {
+    if (!named || backings_[p.file].path == path) backings_[p.file].refused_space = true;
+  }
+}
+
 void Offloader::Apply(OffloadKind kind, uint64_t key, const std::exception_ptr& error) {
   auto it = entries_.find(key);
   if (it == entries_.end()) return;  // closed meanwhile
@@ -478,6 +506,7 @@ void Offloader::Apply(OffloadKind kind, uint64_t key, const std::exception_ptr& 
       stored_bytes_ += e.length;
     } else {
       Release(e.parts);
+      NoteRefusedSpace(e.parts, error);
       entries_.erase(it);
     }
   } else if (error == nullptr) {

@@ -661,6 +661,45 @@ TEST_P(OffloaderTest, LargeRangeIsStripedOverAllDirectories) {
   EXPECT_EQ(off.file_bytes(), 0u);
 }
 
+// A directory whose filesystem is full is passed over while another has room: the write that met
+// ENOSPC fails (no retry elsewhere behind the caller's back), the next ones go to the other
+// directory, striped ones included, instead of failing there again and again; space freed in the
+// full directory's file makes it a candidate again.
+TEST_P(OffloaderTest, ADirectoryOutOfSpaceIsPassedOverWhileAnotherHasRoom) {
+  testing::ScopedMount tmpfs(dir_.path(), "tmpfs", "size=1m");
+  if (!tmpfs.error().empty()) GTEST_SKIP() << tmpfs.error();
+  TempDir roomy;
+  OffloaderOptions o = Options({tmpfs.path(), roomy.path()});
+  o.stripe_threshold = 4 * kMiB;
+  Offloader off(o);
+  const std::vector<std::string> paths = off.paths();
+  Store(off, 10, 512 << 10, 10);  // directory 0 (both empty)
+  Store(off, 11, 600 << 10, 11);  // directory 1 (less data)
+  ASSERT_EQ(FileSize(paths[0]), 512 << 10);
+  // Directory 0 has less data, but its filesystem cannot hold 2 MiB more.
+  HostBuffer big = PatternBuffer(2 * kMiB, 0, 1);
+  off.AsyncWrite(1, big.data(), big.size());
+  std::vector<OffloadOutcome> outcomes = off.Wait(OffloadKind::kWrite);
+  ASSERT_EQ(outcomes.size(), 1u);
+  EXPECT_EQ(ErrnoOf(outcomes[0].error), ENOSPC) << Describe(outcomes[0].error);
+  EXPECT_FALSE(off.stored(1));
+  // Still the directory with less data: the next ranges go to directory 1 all the same.
+  Store(off, 1, 2 * kMiB, 1);
+  Store(off, 2, 5 * kMiB + 3, 2);  // past the striping threshold: not striped onto directory 0
+  EXPECT_EQ(FileSize(paths[0]), 512 << 10);
+  EXPECT_GE(FileSize(paths[1]), static_cast<int64_t>((600 << 10) + 7 * kMiB));
+  // Space freed in directory 0 makes it a candidate again (it now has the least data).
+  Load(off, 10, 512 << 10, 10);
+  off.Trim();
+  ASSERT_EQ(FileSize(paths[0]), 0);
+  Store(off, 3, 4096, 3);
+  EXPECT_EQ(FileSize(paths[0]), 4096);
+  Load(off, 1, 2 * kMiB, 1);
+  Load(off, 2, 5 * kMiB + 3, 2);
+  Load(off, 3, 4096, 3);
+  Load(off, 11, 600 << 10, 11);
+}
+
 TEST_P(OffloaderTest, SmallRangeGoesToTheDirectoryWithLeastData) {
   TempDir d1, d2;
   OffloaderOptions o = Options({dir_.path(), d1.path(), d2.path()});

@@ -7,6 +7,7 @@ import ctypes
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -141,3 +142,25 @@ def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def alarm_interrupt():  # type: ignore[no-untyped-def]
+    """Calls `arm(seconds, linger)`: SIGALRM then raises KeyboardInterrupt after `linger` s (a
+    handler that logs before raising; the operation may finish meanwhile)."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        time.sleep(state["linger"])
+        raise KeyboardInterrupt
+
+    state = {"linger": 0.0}
+    old = signal.signal(signal.SIGALRM, handler)
+
+    def arm(seconds: float, linger: float = 0.0) -> None:
+        state["linger"] = linger
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    yield arm
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)

@@ -444,3 +444,131 @@ def test_gds_handle_moves_host_tensors_and_rejects_pinning_them(disk_dir: Path) 
     assert h.unpin_device_tensor(t) is True  # never pinned: nothing to undo
     assert h.get_alignment() == 512
     h.close()
+
+
+@pytest.mark.parametrize("call", ["sync_pwrite", "pwrite", "write"])
+def test_only_async_pwrite_takes_a_descriptor(handle, disk_dir: Path, call: str) -> None:  # type: ignore[no-untyped-def]
+    """DeepNVMe's sync_pwrite/pwrite/write take a file name (a C string): an int there is its
+    binding's TypeError, never a write into whatever file that descriptor number holds."""
+    path = disk_dir / "victim.bin"
+    path.write_bytes(b"k" * 64)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        args = {"sync_pwrite": (), "pwrite": (False, False), "write": (False,)}[call]
+        with pytest.raises(TypeError, match="filename"):
+            getattr(handle, call)(torch.zeros(16, dtype=torch.uint8), fd, *args)
+        with pytest.raises(TypeError, match="filename"):
+            getattr(handle, call)(torch.zeros(16, dtype=torch.uint8), None, *args)
+    finally:
+        os.close(fd)
+    assert handle.wait() == 0
+    assert path.read_bytes() == b"k" * 64
+
+
+def test_what_is_no_tensor_is_a_type_error_for_the_locked_tensor_calls(handle) -> None:  # type: ignore[no-untyped-def]
+    """DeepNVMe's binding takes a torch.Tensor in is_pinned and free_cpu_locked_tensor: anything
+    else is its TypeError (not an AttributeError from deep inside)."""
+    np = pytest.importorskip("numpy")
+    for value in (None, 3, np.zeros(3), [torch.zeros(3)]):
+        with pytest.raises(TypeError, match="tensor"):
+            handle.is_pinned(value)
+        with pytest.raises(TypeError, match="tensor"):
+            handle.free_cpu_locked_tensor(value)
+
+
+def test_integers_past_the_binding_s_c_types_are_type_errors(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """file_offset is an int64_t and the descriptor a C int in DeepNVMe's binding: pybind11
+    refuses a Python int outside them with a TypeError (a negative offset that fits stays our
+    ValueError: DeepNVMe takes it and aborts)."""
+    path = str(disk_dir / "t.bin")
+    t = torch.zeros(8, dtype=torch.uint8)
+    for offset in (1 << 63, 1 << 64, -(1 << 63) - 1):
+        for call in (handle.sync_pread, handle.sync_pwrite, handle.async_pread,
+                     handle.async_pwrite):
+            with pytest.raises(TypeError, match="file_offset"):
+                call(t, path, offset)
+    with pytest.raises(TypeError, match="fd"):
+        handle.async_pwrite(t, 1 << 32)
+    with pytest.raises(TypeError, match="fd"):
+        handle.async_pwrite(t, fd=-(1 << 31) - 1)
+    assert handle.wait() == 0
+
+
+@pytest.mark.parametrize("value", ["no", [], [1], {}, object()], ids=repr)
+def test_flags_take_what_pybind11_s_bool_takes(disk_dir: Path, value: object) -> None:
+    """DeepNVMe's bool arguments (single_submit, overlap_events, validate, async) take what
+    pybind11 converts to a C++ bool: True/False, None, and objects with a number's truth
+    (ints, floats, numpy bools); a str, a list or a dict is its TypeError."""
+    builder = AsyncIOBuilder().load()
+    with pytest.raises(TypeError, match="single_submit"):
+        builder.aio_handle(1 << 20, 8, value, False, 1)
+    with pytest.raises(TypeError, match="overlap_events"):
+        builder.aio_handle(1 << 20, 8, False, value, 1)
+    h = builder.aio_handle(1 << 20, 8, None, 1.0, 1)
+    try:
+        assert h.get_single_submit() is False and h.get_overlap_events() is True
+        path = str(disk_dir / "t.bin")
+        t = torch.arange(8, dtype=torch.uint8)
+        with pytest.raises(TypeError, match="validate"):
+            h.pwrite(t, path, value, False)
+        with pytest.raises(TypeError, match="async"):
+            h.pwrite(t, path, False, value)
+        with pytest.raises(TypeError, match="validate"):
+            h.pread(t, path, value, False)
+        with pytest.raises(TypeError, match="validate"):
+            h.write(t, path, value)
+        assert h.wait() == 0
+        assert h.pwrite(t, path, None, 0) == 1  # numbers and None convert
+        assert h.pread(t, path, 1.0, 0) == 1
+    finally:
+        h.close()
+
+
+def test_read_at_an_offset_needs_the_buffer_s_bytes_in_the_file(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """read() is the whole-buffer call: at an offset, a file that ends before the buffer does is
+    a ValueError, not a return of 0 with the buffer's tail left as it was."""
+    path = str(disk_dir / "t.bin")
+    assert handle.sync_pwrite(torch.arange(100, dtype=torch.uint8), path) == 1
+    buffer = torch.zeros(10, dtype=torch.uint8)
+    assert handle.read(buffer, path, False, 90) == 0  # the file's last 10 bytes
+    assert buffer.tolist() == list(range(90, 100))
+    for offset in (95, 100, 4096):
+        buffer.fill_(7)
+        with pytest.raises(ValueError, match="from offset"):
+            handle.read(buffer, path, False, offset)
+        assert buffer.eq(7).all()
+    with pytest.raises(TypeError, match="file_offset"):
+        handle.read(buffer, path, False, "90")
+    assert handle.wait() == 0
+
+
+@pytest.mark.parametrize("call", ["wait", "sync_pread"])
+def test_an_interrupted_wait_leaves_the_operations_to_the_next(disk_dir: Path, alarm_interrupt, call: str) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C during wait() (or a blocking call) stops the wait, not the reads: the next wait()
+    still waits for them, counts them and finishes them (a non-contiguous tensor gets its data
+    copied in), as DeepSpeed's ``assert wait() == n`` expects."""
+    from tensortier import IOHandle
+
+    data = torch.arange(1 << 16, dtype=torch.int32)
+    path = str(disk_dir / "slow.bin")
+    data.numpy().tofile(path)
+    h = AsyncIOBuilder().load().aio_handle()
+    h._io.close()  # the engine with its first request delayed (the fault-injecting backend)
+    h._io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 1_500_000, "nth": 1})
+    try:
+        flat = torch.zeros_like(data)
+        strided = torch.zeros(256, 256, dtype=torch.int32).t()  # not contiguous: read via a copy
+        assert h.async_pread(flat, path) == 0
+        alarm_interrupt(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            if call == "wait":
+                assert h.async_pread(strided, path) == 0
+                h.wait()
+            else:
+                h.sync_pread(strided, path)
+        assert h.wait() == 2
+        assert torch.equal(flat, data)
+        assert torch.equal(strided, data.reshape(256, 256))
+        assert h.wait() == 0
+    finally:
+        h.close()

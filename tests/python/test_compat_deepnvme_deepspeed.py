@@ -401,3 +401,47 @@ def test_concurrent_unpinned_read_and_locked_tensor_management(disk_dir: Path) -
     assert not errors
     assert all(not worker.is_alive() for worker in workers)
     assert bytes(buffer.tolist()) == payload
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_the_swappers_call_sequence(disk_dir: Path, parallel: int) -> None:
+    """The calls ZeRO-Infinity's swappers make (runtime/swap_tensor): a read handle and a write
+    handle, one locked buffer cut into swap buffers of `numel` rounded up to the handle's
+    alignment (narrow views at unaligned addresses), a round of async_pwrite of every swap
+    buffer then ``assert wait() == n``, then async_pread of them all from the other handle into
+    other swap buffers, ``assert wait() == n``; a second round with other values rewrites the
+    files in place. Every element comes back, the padding included."""
+    dtype = torch.float16
+    read_h, write_h = _handle(False, True, parallel), _handle(False, True, parallel)
+    numel_alignment = 1024 * parallel // torch.empty((), dtype=dtype).element_size()
+    numels = [1, 999, 4097, 65536 + 3, 200_001]
+    aligned = [-(-n // numel_alignment) * numel_alignment for n in numels]
+    buffer = read_h.new_cpu_locked_tensor(2 * sum(aligned) + 7, torch.empty(0, dtype=dtype))
+    assert write_h.is_pinned(buffer) and read_h.is_pinned(buffer)
+    # Out of one locked buffer (DeepSpeed's SwapBufferPool): views past an odd first element.
+    views, start = [], 7
+    for length in aligned * 2:
+        views.append(buffer.narrow(0, start, length))
+        start += length
+    out_views, in_views = views[: len(numels)], views[len(numels):]
+    assert all(write_h.is_pinned(v) for v in views)
+    paths = [str(disk_dir / f"param_{i}.tensor.swp") for i in range(len(numels))]
+    for round_ in range(2):
+        for i, v in enumerate(out_views):
+            v.copy_(torch.arange(v.numel(), dtype=torch.float32).remainder(2039).to(dtype) + i
+                    + 100 * round_)
+        for v, p in zip(out_views, paths):
+            assert write_h.async_pwrite(v, p, 0) == 0
+        assert write_h.wait() == len(paths)
+        for v in in_views:
+            v.fill_(-1)
+        for v, p in zip(in_views, paths):
+            assert read_h.async_pread(v, p, 0) == 0
+        assert read_h.wait() == len(paths)
+        for v_in, v_out, p, length in zip(in_views, out_views, paths, aligned):
+            assert torch.equal(v_in, v_out)
+            assert os.path.getsize(p) == length * 2
+    assert read_h.wait() == 0 and write_h.wait() == 0
+    assert read_h.free_cpu_locked_tensor(buffer)
+    read_h.close()
+    write_h.close()

@@ -225,3 +225,27 @@ def test_cuda_tensor_through_pinned(disk_dir: Path) -> None:
     t.zero_()
     w.synchronize()
     assert path.read_bytes() == as_bytes(torch.arange(1000.0)) + as_bytes(torch.arange(1000.0) * 2)
+
+
+def test_an_interrupted_synchronize_leaves_the_writes_to_the_next(disk_dir: Path, alarm_interrupt) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C in synchronize() stops the wait, not the writes: the next synchronize() waits for
+    them and runs their callbacks, in order."""
+    from tensortier import IOHandle
+
+    path = disk_dir / "slow.bin"
+    w = AsyncFileWriter(str(path), backend="pthread")
+    w.io._io.close()  # the engine with its first request delayed (the fault-injecting backend)
+    w.io._io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 1_500_000, "nth": 1})
+    done: list[int] = []
+    t = torch.arange(1000, dtype=torch.int32)
+    w.io.write_tensor(t, 0, lambda: done.append(1))
+    w.io.write_tensor(t[:10], 4000, lambda: done.append(2))
+    alarm_interrupt(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        w.synchronize()
+    assert done == []
+    w.synchronize()
+    assert done == [1, 2]
+    assert path.read_bytes() == as_bytes(t) + as_bytes(t[:10])
+    del w
+    gc.collect()

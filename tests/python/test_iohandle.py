@@ -343,6 +343,11 @@ def test_aligned_empty_resident_has_its_pages_before_first_use(
 def test_aligned_empty_too_large_is_memory_error() -> None:
     with pytest.raises(MemoryError, match=str(1 << 60)):
         tensortier.aligned_empty(1 << 60, resident=True)
+    # Byte counts past what a size_t holds: the same MemoryError, not pybind11's TypeError.
+    for shape, dtype in [((1 << 62,), torch.float32), ((1 << 32, 1 << 32), torch.uint8),
+                         ((1 << 70,), torch.uint8)]:
+        with pytest.raises(MemoryError, match="cannot allocate"):
+            tensortier.aligned_empty(shape, dtype)
 
 
 _HUGE_PAGE_PROBE = """
@@ -836,28 +841,6 @@ def test_ctrl_c_interrupts_a_wait(disk_dir: Path) -> None:
     words = done.stdout.split()
     assert words[:2] == ["interrupted", "after"], done.stdout
     assert float(words[2]) < 1.5, done.stdout
-
-
-@pytest.fixture
-def alarm_interrupt():  # type: ignore[no-untyped-def]
-    """Calls `arm(seconds, linger)`: SIGALRM then raises KeyboardInterrupt after `linger` s (a
-    handler that logs before raising; the operation may finish meanwhile)."""
-    import signal
-
-    def handler(signum: int, frame: object) -> None:
-        time.sleep(state["linger"])
-        raise KeyboardInterrupt
-
-    state = {"linger": 0.0}
-    old = signal.signal(signal.SIGALRM, handler)
-
-    def arm(seconds: float, linger: float = 0.0) -> None:
-        state["linger"] = linger
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-
-    yield arm
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
 
 
 def test_an_interrupt_is_never_an_operations_outcome(disk_dir: Path, alarm_interrupt) -> None:  # type: ignore[no-untyped-def]

@@ -22,11 +22,11 @@ rest of the buffer stays as it was: DeepNVMe lets buffers exceed the file for al
 
 Differences, all on the side of safety: an I/O error of a transfer started raises ``OSError``
 (errno and path) from ``wait()`` where DeepNVMe ignores it, and what DeepNVMe aborts the process
-for (a negative ``file_offset``; ``read()`` of a file whose size is not the buffer's) raises
-``ValueError``; any alignment of size, offset and memory works (no multiple of
-``intra_op_parallelism`` needed); an asynchronous read fills the tensor itself while it runs
-(DeepNVMe reads unpinned tensors through a bounce buffer copied out at ``wait()``): either way,
-use it only after ``wait()``.
+for (a negative ``file_offset``; ``read()`` of a file whose size is not the buffer's, or that
+ends before the buffer does when read at an offset) raises ``ValueError``; any alignment of
+size, offset and memory works (no multiple of ``intra_op_parallelism`` needed); an
+asynchronous read fills the tensor itself while it runs (DeepNVMe reads unpinned tensors
+through a bounce buffer copied out at ``wait()``): either way, use it only after ``wait()``.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ _MAX_INFLIGHT = 1 << 30
 # DeepNVMe's get_alignment(): intra_op_parallelism x its O_DIRECT alignment.
 _O_DIRECT_ALIGNMENT = 512
 # DeepSpeed's bindings take the handle's settings as C ints: pybind11 refuses others (TypeError).
-_C_INT_MIN = -(1 << 31)
-_C_INT_MAX = (1 << 31) - 1
+_C_INT_BITS = 32
+# file_offset is an int64_t there.
+_OFFSET_BITS = 64
 
 # new_cpu_locked_tensor's tensors, of every handle (DeepNVMe's pinned-tensor manager is one per
 # process): data_ptr -> (bytes, the tensor, weakly). Writes from them are not copied first;
@@ -76,11 +77,11 @@ def _nbytes(buffer: Any) -> int:
 
 
 def _integer(
-    value: Any, what: str, name: str, minimum: int, c_int: bool = False
+    value: Any, what: str, name: str, minimum: int, bits: int | None = None
 ) -> int:
     """`value` as an int (numpy and torch integers too, as DeepSpeed's pybind11 bindings take
-    them); ValueError below `minimum`, TypeError for what is not an integer (or, with `c_int`,
-    does not fit a C int, as pybind11 refuses it)."""
+    them); ValueError below `minimum`, TypeError for what is not an integer (or, with `bits`,
+    does not fit a signed C integer of that many bits, as pybind11 refuses it)."""
     if isinstance(value, bool):
         raise TypeError(f"{what}: {name} must be an integer, not bool")
     try:
@@ -89,18 +90,37 @@ def _integer(
         raise TypeError(
             f"{what}: {name} must be an integer, not {type(value).__name__}"
         ) from None
-    if c_int and not _C_INT_MIN <= number <= _C_INT_MAX:
-        raise TypeError(f"{what}: {name} must fit a C int (32 bits), not {number}")
+    if bits is not None and not -(1 << (bits - 1)) <= number < 1 << (bits - 1):
+        raise TypeError(f"{what}: {name} must fit a signed {bits}-bit integer, not {number}")
     if number < minimum:
         raise ValueError(f"{what}: {name} must be at least {minimum}, not {number}")
     return number
 
 
-def _check_tensor(buffer: Any, what: str, contiguous: bool = False) -> None:
+def _require_tensor(value: Any, what: str, name: str = "buffer") -> None:
+    """TypeError unless `value` is a torch tensor (what DeepNVMe's binding takes)."""
     import torch
 
-    if not isinstance(buffer, torch.Tensor):
-        raise TypeError(f"{what}: buffer must be a torch tensor, not {type(buffer).__name__}")
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch tensor, not {type(value).__name__}")
+
+
+def _c_bool(value: Any, what: str, name: str) -> bool:
+    """`value` as pybind11 converts it to a C++ bool: None is False, and an object whose type
+    has a number's truth (``__bool__``: bools, ints, floats, numpy bools, one-element tensors)
+    is its truth; anything else (a str, a list, a dict) is a TypeError."""
+    if value is None:
+        return False
+    if not hasattr(type(value), "__bool__"):
+        raise TypeError(f"{what}: {name} must be a bool, not {type(value).__name__}")
+    try:
+        return bool(value)
+    except Exception as e:  # noqa: BLE001 - pybind11 refuses it likewise
+        raise TypeError(f"{what}: {name} must be a bool, not {value!r} ({e})") from None
+
+
+def _check_tensor(buffer: Any, what: str, contiguous: bool = False) -> None:
+    _require_tensor(buffer, what)
     if contiguous and not buffer.is_contiguous():
         raise ValueError(f"{what}: buffer of shape {tuple(buffer.shape)} is not contiguous")
     if buffer.device.type not in ("cpu", "cuda"):
@@ -145,15 +165,15 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             intra_op_parallelism = kwargs.pop("num_threads")
         if kwargs:
             raise TypeError(f"aio_handle() got unexpected keyword arguments: {sorted(kwargs)}")
-        block_size = _integer(block_size, "aio_handle", "block_size", 1, c_int=True)
-        queue_depth = _integer(queue_depth, "aio_handle", "queue_depth", 1, c_int=True)
+        block_size = _integer(block_size, "aio_handle", "block_size", 1, bits=_C_INT_BITS)
+        queue_depth = _integer(queue_depth, "aio_handle", "queue_depth", 1, bits=_C_INT_BITS)
         intra_op_parallelism = _integer(
-            intra_op_parallelism, "aio_handle", "intra_op_parallelism", 1, c_int=True
+            intra_op_parallelism, "aio_handle", "intra_op_parallelism", 1, bits=_C_INT_BITS
         )
         self._block_size = block_size
         self._queue_depth = queue_depth
-        self._single_submit = bool(single_submit)
-        self._overlap_events = bool(overlap_events)
+        self._single_submit = _c_bool(single_submit, "aio_handle", "single_submit")
+        self._overlap_events = _c_bool(overlap_events, "aio_handle", "overlap_events")
         self._parallelism = intra_op_parallelism
         # Every size DeepNVMe takes works: the engine runs with the nearest it allows (requests
         # of at most its largest chunk, its deepest queue, its most workers); the getters
@@ -243,7 +263,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         target = filename if fd is None else fd
         with self._mutex:
             return self._start("write", buffer, target, file_offset, validate=False,
-                               snapshot=True)
+                               snapshot=True, descriptor_ok=True)
 
     def pread(
         self,
@@ -257,6 +277,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """DeepNVMe's ``pread(buffer, filename, validate, async, file_offset=0)`` (``async`` is a
         keyword Python reserves: pass it by position, as ``async_op=``, or ``**{"async": x}``)."""
         async_op = _async_argument("pread", async_op, kwargs)
+        validate = _c_bool(validate, "pread", "validate")
         with self._mutex:
             if self._start("read", buffer, filename, file_offset, validate) < 0:
                 return -1
@@ -274,6 +295,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """DeepNVMe's ``pwrite(buffer, filename, validate, async, file_offset=0)``. An async write
         copies the tensor first where ``async_pwrite`` does."""
         async_op = _async_argument("pwrite", async_op, kwargs)
+        validate = _c_bool(validate, "pwrite", "validate")
         with self._mutex:
             if self._start("write", buffer, filename, file_offset, validate,
                            snapshot=async_op) < 0:
@@ -284,18 +306,29 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """DeepNVMe's synchronous ``read``: at offset 0 the file's size must be the buffer's;
         at `file_offset` > 0 the buffer's bytes from there must be in the file. Returns 0."""
         _check_tensor(buffer, "read")
+        validate = _c_bool(validate, "read", "validate")
+        _filename(filename, "read")
+        file_offset = _integer(file_offset, "read", "file_offset", 0, bits=_OFFSET_BITS)
         try:
             size = os.path.getsize(filename)
         except OSError as e:
             return _failed(filename, "fstat for read", e)
-        if file_offset == 0 and size != _nbytes(buffer):
-            raise ValueError(f"read: {filename} holds {size} bytes, buffer {_nbytes(buffer)}")
+        nbytes = _nbytes(buffer)
+        if file_offset == 0 and size != nbytes:
+            raise ValueError(f"read: {filename} holds {size} bytes, buffer {nbytes}")
+        if file_offset + nbytes > size:
+            # A read that stopped at the end would leave the buffer's tail as it was, unseen.
+            raise ValueError(
+                f"read: {filename} holds {size} bytes, fewer than the buffer's {nbytes} "
+                f"from offset {file_offset}"
+            )
         return 0 if self.pread(buffer, filename, validate, False, file_offset) >= 0 else -1
 
     def write(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
         """DeepNVMe's synchronous ``write``: all of `buffer` at `file_offset` (the file is created
         if missing, never truncated: bytes past the write stay). Returns 0."""
         _check_tensor(buffer, "write")
+        validate = _c_bool(validate, "write", "validate")
         return 0 if self.pwrite(buffer, filename, validate, False, file_offset) >= 0 else -1
 
     def wait(self) -> int:
@@ -305,7 +338,13 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             return self._wait_locked()
 
     def _wait_locked(self) -> int:
-        """wait(), the mutex held."""
+        """wait(), the mutex held. Ctrl-C interrupts it with every operation still pending: the
+        next wait() waits for them, counts them and finishes them (copies, validation)."""
+        for entry in self._pending:
+            try:
+                entry.future.wait()
+            except (OSError, RuntimeError):  # raised below, in order
+                pass
         pending, self._pending = self._pending, []
         first: BaseException | None = None
         for future, buffer, filename, offset, validate, copy_to in pending:
@@ -349,6 +388,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         memory is freed now (the tensor, and views of it, must not be used afterwards),
         page-aligned memory with the tensor's last reference. Any other tensor is left alone:
         False."""
+        _require_tensor(tensor, "free_cpu_locked_tensor", "tensor")
         with _locked_mutex:
             entry = _locked.get(int(tensor.data_ptr()))
             owner = None if entry is None else entry[1]()
@@ -364,6 +404,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     def is_pinned(self, buffer: Any) -> bool:
         """Whether `buffer` is page-locked host memory: pinned by torch, or (a view of) a tensor
         from ``new_cpu_locked_tensor`` of any handle."""
+        _require_tensor(buffer, "is_pinned")
         return buffer.device.type == "cpu" and (bool(buffer.is_pinned()) or self._managed(buffer))
 
     def close(self) -> None:
@@ -400,10 +441,15 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         offset: int,
         validate: bool,
         snapshot: bool = False,
+        descriptor_ok: bool = False,
     ) -> int:
+        """Starts `op`; `filename` may be an open descriptor only with `descriptor_ok`
+        (``async_pwrite``'s second overload: every other call takes a name)."""
         what = f"{'pread' if op == 'read' else 'pwrite'}"
         _check_tensor(buffer, what)
-        offset = _integer(offset, what, "file_offset", 0)
+        if not descriptor_ok:
+            _filename(filename, what)
+        offset = _integer(offset, what, "file_offset", 0, bits=_OFFSET_BITS)
         copy_to = None
         if not buffer.is_contiguous():
             # DeepNVMe moves such a tensor through a contiguous bounce buffer, copied in at the
@@ -417,12 +463,10 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             # work the caller queues meanwhile; a host tensor would be read while it runs.
             buffer = buffer.detach().to("cpu", copy=True)
         descriptor = None
-        if not isinstance(filename, (str, bytes, os.PathLike)) and op == "read":
-            raise TypeError(f"{what}: filename must be a path, not {type(filename).__name__}")
         if not isinstance(filename, (str, bytes, os.PathLike)):
             # DeepNVMe's async_pwrite(buffer, fd): the caller's descriptor stays open and
             # untouched; the engine opens the same file again, with its own flags (O_DIRECT).
-            descriptor = _integer(filename, what, "fd", 0)
+            descriptor = _integer(filename, what, "fd", 0, bits=_C_INT_BITS)
             try:
                 flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
             except OSError as e:
@@ -464,6 +508,13 @@ class _Pending(NamedTuple):
     copy_to: Any  # the non-contiguous tensor a read fills at wait(), or None
 
 
+def _filename(filename: Any, what: str) -> None:
+    """TypeError unless `filename` is a path: DeepNVMe's calls take a C string (only
+    ``async_pwrite`` also takes a descriptor), so an int is never a descriptor to write."""
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        raise TypeError(f"{what}: filename must be a path, not {type(filename).__name__}")
+
+
 def _clamp(value: int, setting: str) -> int:
     """`value` within the range the engine's `setting` allows."""
     low, high = _core.setting_range(setting)
@@ -500,7 +551,7 @@ def _aliased_argument(
 
 def _async_argument(what: str, async_op: bool | None, kwargs: dict[str, Any]) -> bool:
     """DeepNVMe's ``async`` argument, given as `async_op` or as the keyword ``async``."""
-    return bool(_aliased_argument(what, async_op, kwargs, "async_op", "async"))
+    return _c_bool(_aliased_argument(what, async_op, kwargs, "async_op", "async"), what, "async")
 
 
 def _example_argument(what: str, example: Any, kwargs: dict[str, Any]) -> Any:

@@ -437,12 +437,18 @@ class _AsyncFileWriterCore:
 
     def synchronize(self) -> None:
         """Waits for every write started, then runs their callbacks in order. Raises the first
-        write's error (``OSError``, where TensorNVMe ignores it) after all are done."""
+        write's error (``OSError``, where TensorNVMe ignores it) after all are done. Ctrl-C
+        interrupts the wait with every write still pending: the next call waits for them."""
+        for future, _ in self._pending:
+            try:
+                future.wait()
+            except OSError:  # raised below
+                pass
         pending, self._pending = self._pending, []
         first: OSError | None = None
         for future, callback in pending:
             try:
-                future.wait()
+                future.wait()  # over: its outcome at once
             except OSError as e:
                 first = first or e
         for index, (_, callback) in enumerate(pending):
