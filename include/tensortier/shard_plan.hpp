@@ -45,7 +45,7 @@ struct ShardSpec {
 class ShardPlan {
  public:
   // Throws std::invalid_argument for a zero batch size or shard count, shard_id >= num_shards,
-  // or fewer files than shards (DALI's rule).
+  // fewer files than shards (DALI's rule), or a pad_last_batch padding past what a list holds.
   ShardPlan(ShardSpec spec, uint64_t num_files);
 
   const ShardSpec& spec() const noexcept { return spec_; }
@@ -60,6 +60,7 @@ class ShardPlan {
  private:
   ShardSpec spec_;
   uint64_t num_files_;
+  uint64_t padded_size_ = 0;  // samples of every epoch with pad_last_batch
 };
 
 }  // namespace tensortier

@@ -62,6 +62,20 @@ ShardPlan::ShardPlan(ShardSpec spec, uint64_t num_files) : spec_(spec), num_file
     throw std::invalid_argument(StrCat("there are ", num_files_, " files, fewer than the ",
                                        spec_.num_shards, " shards asked for"));
   }
+  if (spec_.pad_last_batch) {
+    // DALI pads to ceil(size / num_shards), then on to the end of the batch. Every epoch lists
+    // its padded samples, so a padding past what a list can hold is refused here, not wrapped.
+    const uint64_t shard = ShardPaddedSize(spec_.num_shards, num_files_);
+    const unsigned __int128 batches = shard / spec_.batch_size + (shard % spec_.batch_size != 0);
+    const unsigned __int128 padded = batches * spec_.batch_size;
+    if (padded > std::vector<uint64_t>().max_size()) {
+      throw std::invalid_argument(StrCat(
+          "batch_size ", spec_.batch_size, " with pad_last_batch pads each shard of up to ", shard,
+          " files to a whole batch, more samples than an epoch can list: use a batch "
+          "size near the shard's file count, or pad_last_batch=False"));
+    }
+    padded_size_ = static_cast<uint64_t>(padded);
+  }
 }
 
 uint64_t ShardPlan::ShardOfEpoch(uint64_t epoch) const {
@@ -95,11 +109,8 @@ std::vector<uint64_t> ShardPlan::EpochSamples(uint64_t epoch) const {
     for (uint64_t i = begin; i < end; ++i) samples.push_back(i);
   }
   if (spec_.pad_last_batch) {
-    // DALI pads to ceil(size / num_shards), then on to the end of the batch.
-    uint64_t padded = ShardPaddedSize(spec_.num_shards, num_files_);
-    padded = (padded + spec_.batch_size - 1) / spec_.batch_size * spec_.batch_size;
     const uint64_t last = samples.back();  // shards are never empty: num_files >= num_shards
-    samples.resize(padded, last);
+    samples.resize(padded_size_, last);
   }
   return samples;
 }

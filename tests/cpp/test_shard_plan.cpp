@@ -111,6 +111,18 @@ TEST(ShardPlanTest, PaddingRepeatsTheLastSampleToTheShardSizeThenTheBatch) {
   EXPECT_EQ(plan.EpochSamples(2), (std::vector<uint64_t>{6, 7, 8, 9, 9, 9}));
 }
 
+TEST(ShardPlanTest, APaddingPastWhatAListHoldsIsRefusedNotWrapped) {
+  // ceil(3 / b) * b wrapped to 0 for b near 2^64: an epoch of no samples, silently.
+  for (uint64_t batch_size : {UINT64_MAX, UINT64_MAX / 2 + 1, uint64_t{1} << 62}) {
+    EXPECT_THROW(ShardPlan({.batch_size = batch_size, .shuffle = false, .pad_last_batch = true}, 3),
+                 std::invalid_argument)
+        << batch_size;
+    // Without padding the one batch holds the three files.
+    ShardPlan plain({.batch_size = batch_size, .shuffle = false}, 3);
+    EXPECT_EQ(plain.EpochBatches(0), (std::vector<std::vector<uint64_t>>{{0, 1, 2}}));
+  }
+}
+
 TEST(ShardPlanTest, DropLastLeavesOutTheShortBatch) {
   Spec spec{.batch_size = 4, .shuffle = false};
   EXPECT_EQ(ShardPlan(spec, 10).EpochBatches(0).size(), 3u);

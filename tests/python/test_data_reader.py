@@ -577,6 +577,15 @@ def test_counts_past_64_bits_are_value_errors(disk_dir: Path) -> None:
     assert len(list(FileReader(files=files, seed=2**64 - 1))) == 1
 
 
+def test_a_padding_past_what_an_epoch_can_list_is_refused_when_made(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=1, per_class=3)
+    for batch_size in (2**64 - 1, 2**62):  # 2**64 - 1 padded to an empty epoch, silently
+        with pytest.raises(ValueError, match="pad_last_batch"):
+            FileReader(file_root=disk_dir, batch_size=batch_size, pad_last_batch=True)
+    samples, _ = next(iter(FileReader(file_root=disk_dir, batch_size=2**64 - 1)))
+    assert len(samples) == 3
+
+
 def test_labels_that_are_not_integers_are_refused_not_converted(disk_dir: Path) -> None:
     """np.asarray(..., dtype=int64) turned "1" into 1 and 1.5 into 1; DALI takes integers only."""
     (disk_dir / "a.jpg").write_bytes(b"a")
