@@ -195,6 +195,8 @@ void RegisterShared(py::module_& m) {
           "layout", [](const SharedTensor& t) { return SharedLayoutName(t.spec().layout); })
       .def_property_readonly(
           "memory", [](const SharedTensor& t) { return SharedMemoryName(t.spec().memory); })
+      .def_property_readonly("element_size",
+                             [](const SharedTensor& t) { return t.spec().element_size; })
       .def_property_readonly("row_bytes",
                              [](const SharedTensor& t) { return t.spec().row_bytes(); })
       .def_property_readonly("rank", &SharedTensor::rank)

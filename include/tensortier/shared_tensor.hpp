@@ -54,6 +54,12 @@ SharedMemory ParseSharedMemory(const std::string& name);
 
 // How long collective calls wait for the other ranks unless told otherwise.
 inline constexpr std::chrono::milliseconds kDefaultSharedTimeout{std::chrono::minutes(2)};
+// The most bytes a shared tensor may span: more than any address space maps (x86-64 and arm64
+// user space end below 2^57), and far enough from 2^64 that sizes rounded up never wrap.
+inline constexpr uint64_t kMaxSharedTensorBytes = 1ull << 56;
+// The most processes a tensor mapped in host memory can have: they run on one machine, which
+// never runs more (Linux's PID_MAX_LIMIT on 64-bit).
+inline constexpr int kMaxSharedWorldSize = 1 << 22;
 
 // What a collective Create asks for. Row-major, dense; the first dimension is the row dimension
 // partitioned across ranks (a 0-d tensor is one row).
@@ -69,8 +75,13 @@ struct SharedTensorSpec {
   uint64_t row_bytes() const;
   // One line naming every field: what ranks compare and what error messages show.
   std::string Describe() const;
-  // The round trip of Describe (attach reads it back from the store). Throws invalid_argument.
+  // The round trip of Describe (attach reads it back from the store). Throws invalid_argument
+  // naming the field that is missing or not a number; the values are not checked (Validate).
   static SharedTensorSpec Parse(const std::string& described);
+  // Throws std::invalid_argument naming the first field no tensor can have: a negative
+  // dimension, element_size 0, more than kMaxSharedTensorBytes in all or in a row, an empty
+  // dtype or one with a space, or a torch dtype ("torch.float32") of another element size.
+  void Validate() const;
 };
 
 // One rank's rows [row_begin, row_begin + rows) at `address` in this process.
@@ -274,7 +285,9 @@ class SharedGroup {
 // they exit, until this process drops the tensor. Names are unique per store: the last group to
 // create `name` is the one attached. The tensor has rank() -1 and no local() partition. Throws
 // IoError: ETIMEDOUT (no such tensor in time), ECONNREFUSED/ENOENT (an owner exited or closed
-// it), EACCES (an owner runs as another user).
+// it), EACCES (an owner runs as another user); std::invalid_argument naming the field when the
+// record in the store (which anyone who reaches the store can write) describes no tensor, or more
+// memory than an owner serves.
 std::shared_ptr<SharedTensor> AttachSharedTensor(Store& store, const std::string& name,
                                                  std::chrono::milliseconds timeout);
 

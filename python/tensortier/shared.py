@@ -1125,9 +1125,17 @@ def _serve_until_others_leave(store: Any, key: str, world_size: int, timeout: fl
 
 
 def _attached(core: Any, name: str) -> SharedTensor:
+    """The tensor over `core`, attached by `name`: its dtype, read from the store's record (which
+    anyone who reaches the store can write), must be torch's and of the record's element size
+    (the C++ side copies rows of that size into buffers torch sizes)."""
     dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
+    if int(core.element_size) != dtype.itemsize:
+        raise ValueError(
+            f"shared tensor {name!r}: its record's element_size {core.element_size} is not the "
+            f"size of {dtype} ({dtype.itemsize})"
+        )
     return SharedTensor(core, dtype)
 
 

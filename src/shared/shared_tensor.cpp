@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -23,6 +25,7 @@
 
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/cuda_vmm.hpp"
+#include "tensortier/dtypes.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/strings.hpp"
 #include "unix_socket.hpp"
@@ -126,6 +129,20 @@ std::string NamedKey(const std::string& name) {
   return StrCat("tensortier/shared/named/", name);
 }
 
+// The decimal integer `text` is, all of it; std::invalid_argument naming `field` otherwise (out of
+// range included: a record in the store is anyone's writing).
+template <typename T>
+T ParseField(const std::string& field, const std::string& text, const std::string& record) {
+  T v{};
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
+    throw std::invalid_argument(
+        StrCat("shared tensor record: ", field, " '", text, "' is not a number in range: ",
+               record));
+  }
+  return v;
+}
+
 struct NamedRecord {
   std::string token;
   int world_size = 0;
@@ -133,6 +150,8 @@ struct NamedRecord {
 
   std::string Format() const { return StrCat(token, " ", world_size, " ", spec.Describe()); }
 
+  // What attach reads from the store: the store has no authentication, so every field is
+  // checked before anything is mapped (the served memory's size is checked as it arrives).
   static NamedRecord Read(Store& store, const std::string& name,
                           std::chrono::milliseconds timeout) {
     if (name.empty()) throw std::invalid_argument("attach needs the tensor's name");
@@ -153,10 +172,32 @@ struct NamedRecord {
     }
     NamedRecord r;
     r.token = value.substr(0, a);
-    r.world_size = std::stoi(value.substr(a + 1, b - a - 1));
+    auto is_hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+    const bool hex =
+        r.token.size() == 32 && std::all_of(r.token.begin(), r.token.end(), is_hex);
+    if (!hex) {
+      throw std::invalid_argument(
+          StrCat("shared tensor record for '", name, "': token is not 32 hex digits: ", value));
+    }
+    r.world_size = ParseField<int>("world_size", value.substr(a + 1, b - a - 1), value);
+    if (r.world_size <= 0 || r.world_size > kMaxSharedWorldSize) {
+      throw std::invalid_argument(StrCat("shared tensor record for '", name, "': world_size ",
+                                         r.world_size, " is not in [1, ", kMaxSharedWorldSize,
+                                         "]: ", value));
+    }
     r.spec = SharedTensorSpec::Parse(value.substr(b + 1));
-    if (r.world_size <= 0 || r.spec.name != name) {
-      throw std::invalid_argument(StrCat("bad shared tensor record for '", name, "': ", value));
+    if (r.spec.name != name) {
+      throw std::invalid_argument(StrCat("shared tensor record for '", name, "': name is '",
+                                         r.spec.name, "': ", value));
+    }
+    if (r.spec.layout == SharedLayout::kDistributed) {
+      throw std::invalid_argument(StrCat("shared tensor record for '", name,
+                                         "': layout distributed is never published: ", value));
+    }
+    try {
+      r.spec.Validate();
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(StrCat("shared tensor record for '", name, "': ", e.what()));
     }
     return r;
   }
@@ -233,15 +274,54 @@ SharedTensorSpec SharedTensorSpec::Parse(const std::string& described) {
     throw std::invalid_argument(StrCat("bad shape in shared tensor record: ", described));
   }
   std::stringstream in(dims.substr(1, dims.size() - 2));
-  for (std::string d; std::getline(in, d, ',');) s.shape.push_back(std::stoll(d));
+  for (std::string d; std::getline(in, d, ',');) {
+    s.shape.push_back(ParseField<int64_t>("shape", d, described));
+  }
   s.dtype = field("dtype", ' ');
-  s.element_size = std::stoull(field("element_size", ' '));
+  s.element_size = ParseField<uint64_t>("element_size", field("element_size", ' '), described);
   s.layout = ParseSharedLayout(field("layout", ' '));
   s.memory = ParseSharedMemory(field("memory", ' '));
   std::string quoted = field("name", '\0');
   if (quoted.size() < 2) throw std::invalid_argument(StrCat("bad name in: ", described));
   s.name = quoted.substr(1, quoted.size() - 2);
   return s;
+}
+
+void SharedTensorSpec::Validate() const {
+  for (int64_t d : shape) {
+    if (d < 0) throw std::invalid_argument(StrCat("shape has a negative dimension: ", Describe()));
+  }
+  if (element_size == 0) {
+    throw std::invalid_argument(StrCat("element_size must be positive: ", Describe()));
+  }
+  // Every product is checked before it is formed: rows x row_bytes must not wrap.
+  uint64_t bytes = element_size;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    const auto d = static_cast<uint64_t>(shape[i]);
+    if (i == 0 && d == 0) continue;  // no rows: the row's size must still be sane
+    if (bytes > kMaxSharedTensorBytes || (d != 0 && bytes > kMaxSharedTensorBytes / d)) {
+      throw std::invalid_argument(StrCat("shape and element_size make more than 2^56 bytes, ",
+                                         "more than an address space holds: ", Describe()));
+    }
+    bytes *= d;
+  }
+  if (bytes > kMaxSharedTensorBytes) {
+    throw std::invalid_argument(StrCat("shape and element_size make more than 2^56 bytes, ",
+                                       "more than an address space holds: ", Describe()));
+  }
+  if (dtype.empty() || std::any_of(dtype.begin(), dtype.end(), [](char c) {
+        return std::isspace(static_cast<unsigned char>(c));
+      })) {
+    throw std::invalid_argument(StrCat("dtype must be a word: ", Describe()));
+  }
+  constexpr std::string_view kTorch = "torch.";
+  if (dtype.rfind(kTorch, 0) == 0) {
+    const Dtype* known = DtypeOfTorch(std::string_view(dtype).substr(kTorch.size()));
+    if (known != nullptr && known->bits % 8 == 0 && known->bits / 8 != element_size) {
+      throw std::invalid_argument(StrCat("element_size ", element_size, " is not the size of ",
+                                         dtype, " (", known->bits / 8, "): ", Describe()));
+    }
+  }
 }
 
 std::vector<SharedPartition> PartitionRows(uint64_t rows, uint64_t row_bytes, int world_size,
@@ -740,10 +820,7 @@ void RefuseDeviceAttach(const SharedTensorSpec& spec, const std::string& name) {
 }  // namespace
 
 std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, int device) {
-  for (int64_t d : spec.shape) {
-    if (d < 0) throw std::invalid_argument(StrCat("negative dimension in ", spec.Describe()));
-  }
-  if (spec.element_size == 0) throw std::invalid_argument("element_size must be positive");
+  spec.Validate();
   if (spec.layout == SharedLayout::kDistributed) {
     throw std::invalid_argument(
         "the distributed layout is not mapped: tensortier.shared builds it");
@@ -840,6 +917,7 @@ int SharedGroup::MapPartition(SharedTensor& t, int r, int fd, bool populate) {
 
 void SharedGroup::FetchPartitions(SharedTensor& t, const std::string& token, int skip_rank,
                                   std::chrono::milliseconds timeout) {
+  const uint64_t page = PageSize();
   auto deadline = shared::DeadlineAfter(timeout);
   for (int r = 0; r < static_cast<int>(t.partitions_.size()); ++r) {
     if (r == skip_rank || t.partitions_[r].bytes == 0) continue;
@@ -862,6 +940,24 @@ void SharedGroup::FetchPartitions(SharedTensor& t, const std::string& token, int
     if (status != kServed || !fd) {
       ThrowIoError(ENOENT, StrCat("fetch partition from ", what, " (it closed the tensor)"),
                    t.key_);
+    }
+    // The size the partition needs comes from the record: the memory served must hold it all
+    // (a mapping past its end faults with SIGBUS), and must not be able to shrink later.
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) {
+      ThrowIoError(errno, StrCat("fstat partition of ", what), t.key_);
+    }
+    const uint64_t need = RoundUp(t.partitions_[r].bytes, page);
+    if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < need) {
+      throw std::invalid_argument(
+          StrCat("shared tensor '", t.key_, "': its shape ", t.spec_.Describe(), " needs ", need,
+                 " bytes in ", what, ", which serves ",
+                 S_ISREG(st.st_mode) ? StrCat(st.st_size, " bytes") : std::string("no file")));
+    }
+    const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      throw std::invalid_argument(StrCat("shared tensor '", t.key_, "': ", what,
+                                         " serves memory that is not sealed against shrinking"));
     }
     if (int err = MapPartition(t, r, fd.get(), false); err != 0) {
       ThrowIoError(err, StrCat("mmap partition of rank ", r, " of"), t.key_, 0,

@@ -640,6 +640,59 @@ TEST(SharedTensorTest, AnotherUsersProcessIsRefused) {
   ExpectAllZero(statuses);
 }
 
+// The record attach reads is anyone's writing (a TCPStore has no authentication): a field no
+// tensor has, or a shape needing more memory than the owners serve, is refused with
+// std::invalid_argument naming the field, before anything is read (no SIGBUS, no segfault, no
+// uninitialised bytes, no bad_alloc).
+TEST(SharedTensorTest, AttachRefusesARecordThatIsNoTensorOrNeedsMoreThanIsServed) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 20s);
+    auto t = group.Create(Spec({10, 4}, 4, SharedLayout::kContinuous, "t"));
+    group.Barrier("created");
+    if (rank == 1) {
+      const std::string key = "tensortier/shared/named/t";
+      const std::string good = store->Get(key, 5s);
+      auto with = [&](const std::string& from, const std::string& to) {
+        const size_t at = good.find(from);
+        Check(at != std::string::npos, StrCat(from, " in ", good));
+        return good.substr(0, at) + to + good.substr(at + from.size());
+      };
+      const std::pair<std::string, std::string> cases[] = {
+          {with("shape=[10,4]", "shape=[-5,4]"), "negative dimension"},
+          {with("shape=[10,4]", "shape=[100000,4]"), "needs 802816 bytes in rank 0"},
+          {with("element_size=4", "element_size=0"), "element_size must be positive"},
+          {with(" 2 shape=", " 2147483647 shape="), "world_size 2147483647 is not in"},
+          {with(" 2 shape=", " 99999999999 shape="), "world_size '99999999999'"},
+          {with(" 2 shape=", " 0 shape="), "world_size 0 is not in"},
+          {with("shape=[10,4]", "shape=[1e3,4]"), "shape '1e3'"},
+          {with("shape=[10,4]", "shape=[4294967296,4294967296]"), "more than 2^56 bytes"},
+          {with("shape=[10,4]", "shape=[0,4294967296,4294967296]"), "more than 2^56 bytes"},
+          {with("dtype=bytes4", "dtype=torch.float64"), "not the size of torch.float64 (8)"},
+          {with("layout=continuous", "layout=distributed"), "layout distributed"},
+          {"zz" + good.substr(2), "token"},
+          {good.substr(0, 32) + "/x" + good.substr(32), "token"},
+      };
+      for (const auto& [record, says] : cases) {
+        store->Set(key, record);
+        try {
+          AttachSharedTensor(*store, "t", 5s);
+          Check(false, StrCat("attached record ", record));
+        } catch (const std::invalid_argument& e) {
+          Check(std::string(e.what()).find(says) != std::string::npos,
+                StrCat("'", e.what(), "' does not say ", says));
+        }
+      }
+      store->Set(key, good);
+      auto again = AttachSharedTensor(*store, "t", 5s);
+      int64_t last = 9;
+      uint32_t out[4];
+      again->Gather(&last, 1, out);
+    }
+    group.Barrier("attached");
+  });
+  ExpectAllZero(statuses);
+}
+
 TEST(UnixSocketStoreTest, SetGetAddAndTimeout) {
   auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
     if (rank == 1) store->Set("k", std::string("v\0w", 3));

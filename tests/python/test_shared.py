@@ -558,3 +558,33 @@ def test_threads_gather_and_scatter_one_distributed_tensor_at_once(tmp_path: Pat
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('error')}\n{outputs[r][-2000:]}"
     assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results])
+
+
+def test_attach_refuses_a_store_record_that_is_no_tensor_or_needs_more_than_is_served() -> None:
+    """The record attach reads is anyone's writing (a TCPStore has no authentication): a field
+    no tensor has, or a shape needing more memory than the owners serve, is a ValueError naming
+    the field, never a crash (SIGBUS, a segfault), uninitialised bytes or a MemoryError."""
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((10, 4), torch.float32, name="t")
+        t.view()[9] = 3.0
+        key = "tensortier/shared/named/t"
+        good = store.get(key).decode()
+        cases = [
+            (good.replace("shape=[10,4]", "shape=[-5,4]"), "shape has a negative dimension"),
+            (good.replace("shape=[10,4]", "shape=[100000,4]"), "needs 1601536 bytes in rank 0"),
+            (good.replace("element_size=4", "element_size=0"), "element_size must be positive"),
+            (good.replace("element_size=4", "element_size=8"),
+             "element_size 8 is not the size of torch.float32 (4)"),
+            (good.replace(" 1 shape=", " 2147483647 shape="), "world_size 2147483647 is not in"),
+            (good.replace("shape=[10,4]", "shape=[99999999999999999999,4]"), "shape '9999"),
+        ]
+        for record, says in cases:
+            assert record != good
+            store.set(key, record)
+            with pytest.raises(ValueError, match=re.escape(says)):
+                shared.attach("t", store=store, timeout=2)
+        store.set(key, good)
+        again = shared.attach("t", store=store, timeout=2)
+        assert torch.equal(again.gather([9]), torch.full((1, 4), 3.0))
+
