@@ -24,9 +24,10 @@
 // so that ranks agree on it (Agree) and partition it (PartitionRows) the same way.
 //
 // Collective calls (the SharedGroup constructor, Create, Barrier) must be made by every rank in
-// the same order. Ranks that disagree on a call all get std::invalid_argument naming who asked
-// for what; a rank that dies or does not arrive makes the others throw IoError (ETIMEDOUT, or
-// ECONNREFUSED/ECONNRESET) within the group's timeout. Nothing waits forever.
+// the same order. Ranks that disagree on a call, or make different calls at one point, all get
+// std::invalid_argument naming who asked for what; a rank that dies or does not arrive makes the
+// others throw IoError (ETIMEDOUT, or ECONNREFUSED/ECONNRESET) within the group's timeout.
+// Nothing waits forever.
 #pragma once
 
 #include <chrono>
@@ -231,7 +232,9 @@ class SharedGroup {
   std::shared_ptr<SharedTensor> Attach(const std::string& name, int device = 0);
   // Collective: returns when every rank has called it (IoError ETIMEDOUT otherwise).
   void Barrier(const std::string& what);
-  // Collective exchange of one string per rank (the control path of the layers above).
+  // Collective exchange of one string per rank (the control path of the layers above). `what`
+  // names the call: when ranks make different calls at one point (one a barrier, another a
+  // create), every rank throws std::invalid_argument naming which ranks called what.
   std::vector<std::string> AllGather(const std::string& what, const std::string& value);
   // Collective: returns when every rank passed an equal `value`; otherwise every rank throws
   // std::invalid_argument naming which ranks passed what (`what` starts the message).

@@ -732,17 +732,32 @@ void SharedGroup::Close() {
 
 std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value) {
   if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
-  std::string base = StrCat(prefix_, "/c", next_collective_++, "/");
-  store_->Set(base + std::to_string(rank_), value);
+  const uint64_t n = next_collective_++;
+  std::string base = StrCat(prefix_, "/c", n, "/");
+  // Each rank's entry names its call ahead of its value: a rank making another call at this
+  // point (a barrier where the others create a tensor) is seen by every rank, itself included.
+  store_->Set(base + std::to_string(rank_), StrCat(what.size(), ":", what, value));
   auto deadline = shared::DeadlineAfter(timeout_);
   std::vector<std::string> all(world_size_);
+  std::vector<std::string> calls(world_size_);
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) {
       all[r] = value;
+      calls[r] = what;
       continue;
     }
     try {
-      all[r] = store_->Get(base + std::to_string(r), Remaining(deadline));
+      std::string entry = store_->Get(base + std::to_string(r), Remaining(deadline));
+      const size_t colon = std::min(entry.find(':'), entry.size());
+      uint64_t length = 0;
+      auto [end, ec] = std::from_chars(entry.data(), entry.data() + colon, length);
+      if (colon == entry.size() || ec != std::errc() || end != entry.data() + colon ||
+          length > entry.size() - colon - 1) {
+        throw std::invalid_argument(StrCat(what, ": rank ", r, " left an entry of no call at ",
+                                           base, r, " in the store"));
+      }
+      calls[r] = entry.substr(colon + 1, length);
+      all[r] = entry.substr(colon + 1 + length);
     } catch (const IoError& e) {
       if (e.error_code() != ETIMEDOUT) throw;
       ThrowIoError(ETIMEDOUT,
@@ -750,6 +765,21 @@ std::vector<std::string> SharedGroup::AllGather(const std::string& what, const s
                           timeout_.count(), " ms (it died, or is not making the same call)"),
                    base + std::to_string(r));
     }
+  }
+  if (std::any_of(calls.begin(), calls.end(), [&](const std::string& c) { return c != what; })) {
+    std::map<std::string, std::string> ranks_by_call;
+    for (int r = 0; r < world_size_; ++r) {
+      auto& ranks = ranks_by_call[calls[r]];
+      ranks += StrCat(ranks.empty() ? "" : ",", r);
+    }
+    std::string msg =
+        StrCat("collective call ", n + 1, " of the shared group: ranks made different calls ",
+               "(every rank must make the same collective calls in the same order):");
+    for (const auto& [call, ranks] : ranks_by_call) {
+      msg += StrCat(" rank ", ranks, " called ", call, ";");
+    }
+    msg.pop_back();
+    throw std::invalid_argument(msg);
   }
   return all;
 }

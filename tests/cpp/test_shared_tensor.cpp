@@ -693,6 +693,31 @@ TEST(SharedTensorTest, AttachRefusesARecordThatIsNoTensorOrNeedsMoreThanIsServed
   ExpectAllZero(statuses);
 }
 
+// Ranks 0 and 2 create a tensor while rank 1 calls a barrier at that point: every rank throws
+// std::invalid_argument naming who called what (rank 1's barrier used to return).
+TEST(SharedTensorTest, RanksMakingDifferentCollectiveCallsAllThrow) {
+  auto statuses = RunRanks(3, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, 20s);
+    try {
+      if (rank == 1) {
+        group.Barrier("barrier");
+      } else {
+        group.Create(Spec({10, 4}, 4, SharedLayout::kContinuous));
+      }
+      Check(false, "no error");
+    } catch (const std::invalid_argument& e) {
+      const std::string msg = e.what();
+      Check(msg.find("rank 1 called barrier") != std::string::npos, msg);
+      Check(msg.find("rank 0,2 called create_tensor") != std::string::npos, msg);
+    }
+    // The group goes on: the next calls pair up again.
+    group.Barrier("after");
+    auto t = group.Create(Spec({10, 4}, 4, SharedLayout::kChunked));
+    Check(t->partitions().size() == 3, "created after the mismatch");
+  });
+  ExpectAllZero(statuses);
+}
+
 TEST(UnixSocketStoreTest, SetGetAddAndTimeout) {
   auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
     if (rank == 1) store->Set("k", std::string("v\0w", 3));

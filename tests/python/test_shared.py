@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -587,4 +588,46 @@ def test_attach_refuses_a_store_record_that_is_no_tensor_or_needs_more_than_is_s
         store.set(key, good)
         again = shared.attach("t", store=store, timeout=2)
         assert torch.equal(again.gather([9]), torch.full((1, 4), 3.0))
+
+
+def run_ranks_in_threads(world: int, body: Any, timeout: float) -> list[Any]:
+    """Runs `body(group)` for every rank of a group of `world` threads of this process over one
+    HashStore; returns what each returned or raised."""
+    store = torch.distributed.HashStore()
+    results: list[Any] = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            with shared.Group(rank=rank, world_size=world, store=store, timeout=timeout) as group:
+                results[rank] = body(group)
+        except BaseException as e:  # reported to the test
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(3 * timeout)
+    assert not any(th.is_alive() for th in threads), "ranks did not finish"
+    return results
+
+
+def test_every_rank_of_a_mismatched_collective_call_raises() -> None:
+    """Ranks 0 and 2 create a tensor while rank 1 calls barrier(): all three raise ValueError
+    naming who called what (rank 1's barrier used to return normally)."""
+
+    def body(group: shared.Group) -> str:
+        try:
+            if group.rank == 1:
+                group.barrier()
+            else:
+                group.create_tensor((10, 4), torch.float32)
+        except ValueError as e:
+            group.barrier()  # the group goes on
+            return str(e)
+        return "no error"
+
+    for rank, said in enumerate(run_ranks_in_threads(3, body, 20)):
+        assert isinstance(said, str), f"rank {rank}: {said!r}"
+        assert "rank 1 called barrier" in said and "rank 0,2 called create_tensor" in said, (rank, said)
 
