@@ -288,9 +288,9 @@ class SharedGroup {
 // they exit, until this process drops the tensor. Names are unique per store: the last group to
 // create `name` is the one attached. The tensor has rank() -1 and no local() partition. Throws
 // IoError: ETIMEDOUT (no such tensor in time), ECONNREFUSED/ENOENT (an owner exited or closed
-// it), EACCES (an owner runs as another user); std::invalid_argument naming the field when the
-// record in the store (which anyone who reaches the store can write) describes no tensor, or more
-// memory than an owner serves.
+// it), EACCES (an owner runs as another user), EMFILE (this process or an owner is out of
+// descriptors); std::invalid_argument naming the field when the record in the store (which anyone
+// who reaches the store can write) describes no tensor, or more memory than an owner serves.
 std::shared_ptr<SharedTensor> AttachSharedTensor(Store& store, const std::string& name,
                                                  std::chrono::milliseconds timeout);
 

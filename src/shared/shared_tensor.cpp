@@ -43,6 +43,10 @@ constexpr uint64_t kHugePartitionThreshold = 64ull << 20;
 constexpr char kServed = 'k';
 constexpr char kUnknown = 'n';
 constexpr char kEmpty = 'z';
+// The server's process had no descriptor free to take the connection (EMFILE, ENFILE); a string
+// follows saying which limit.
+constexpr char kOutOfDescriptors = 'm';
+constexpr char kOutOfSystemFiles = 'f';
 
 uint64_t PageSize() {
   return static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
@@ -631,18 +635,50 @@ struct SharedGroup::Server {
   }
 
   void Run() {
+    shared::SpareFd spare;
+    bool pause = false;
     for (;;) {
       pollfd p[2] = {{wake_read.get(), POLLIN, 0}, {listener.get(), POLLIN, 0}};
-      if (::poll(p, 2, -1) < 0) {
+      // After a connection that could not be taken at all (out of descriptors, the spare
+      // gone), the listener, still ready, is left alone a moment: polling it would spin.
+      if (::poll(p, pause ? 1 : 2, pause ? 50 : -1) < 0) {
         if (errno == EINTR) continue;
         return;
       }
+      pause = false;
       if (p[0].revents) return;
-      UniqueFd c(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!c) continue;
+      if (p[1].revents == 0) continue;
+      shared::Accepted accepted = shared::AcceptWithSpare(listener.get(), spare);
+      UniqueFd c = std::move(accepted.connection);
+      if (!c) {
+        pause = accepted.error == EMFILE || accepted.error == ENFILE;
+        continue;
+      }
       if (!shared::PeerIsSameUser(c.get())) {
         refused.fetch_add(1);
+        c = UniqueFd();
+        spare.Refill();
         continue;  // closed unanswered
+      }
+      if (accepted.error != 0) {
+        // Taken with the spare descriptor: the peer learns at once why it cannot be served
+        // (it would pass a descriptor it could not receive anyway) instead of waiting out its
+        // timeout.
+        try {
+          auto deadline = shared::DeadlineAfter(std::chrono::seconds(5));
+          // The request is read first: closing a socket with unread data resets the peer's
+          // end before it reads the answer.
+          shared::RecvString(c.get(), deadline, name, 4096);
+          shared::SendStatusAndFd(
+              c.get(), accepted.error == ENFILE ? kOutOfSystemFiles : kOutOfDescriptors, -1,
+              deadline, name);
+          shared::SendString(c.get(), shared::WithDescriptorLimit("accept", accepted.error),
+                             deadline, name);
+        } catch (const std::exception&) {
+        }
+        c = UniqueFd();
+        spare.Refill();
+        continue;
       }
       try {
         auto deadline = shared::DeadlineAfter(std::chrono::seconds(5));
@@ -945,6 +981,42 @@ int SharedGroup::MapPartition(SharedTensor& t, int r, int fd, bool populate) {
   return 0;
 }
 
+namespace {
+
+// The descriptor rank `what` serves under `key` at abstract socket `peer`. Throws IoError:
+// ECONNREFUSED/ENOENT (gone), ENOENT (not served), EMFILE/ENFILE (either side out of
+// descriptors, naming the limit), ETIMEDOUT.
+UniqueFd FetchDescriptor(const std::string& peer, const std::string& key,
+                         Clock::time_point deadline, const std::string& what) {
+  UniqueFd c;
+  try {
+    c = shared::ConnectAbstract(peer, deadline, false);
+  } catch (const IoError& e) {
+    if (e.error_code() != ECONNREFUSED && e.error_code() != ENOENT) throw;
+    // Nothing listens under the rank's name: its process is gone.
+    ThrowIoError(
+        e.error_code(),
+        StrCat("connect to ", what, ", which is gone (its process exited or closed its group),"),
+        peer);
+  }
+  shared::RequireSameUser(c.get(), what);
+  shared::SendString(c.get(), key, deadline, what);
+  auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, what);
+  if (status == kOutOfDescriptors || status == kOutOfSystemFiles) {
+    const std::string why = shared::RecvString(c.get(), deadline, what, 4096);
+    ThrowIoError(status == kOutOfSystemFiles ? ENFILE : EMFILE,
+                 StrCat("fetch partition from ", what, ", which is out of descriptors (its ", why,
+                        ")"),
+                 key);
+  }
+  if (status != kServed || !fd) {
+    ThrowIoError(ENOENT, StrCat("fetch partition from ", what, " (it closed the tensor)"), key);
+  }
+  return std::move(fd);
+}
+
+}  // namespace
+
 void SharedGroup::FetchPartitions(SharedTensor& t, const std::string& token, int skip_rank,
                                   std::chrono::milliseconds timeout) {
   const uint64_t page = PageSize();
@@ -953,24 +1025,7 @@ void SharedGroup::FetchPartitions(SharedTensor& t, const std::string& token, int
     if (r == skip_rank || t.partitions_[r].bytes == 0) continue;
     std::string peer = StrCat("tensortier.", token, ".", r);
     std::string what = StrCat("rank ", r, " (serving '", t.key_, "')");
-    UniqueFd c;
-    try {
-      c = shared::ConnectAbstract(peer, deadline, false);
-    } catch (const IoError& e) {
-      if (e.error_code() != ECONNREFUSED && e.error_code() != ENOENT) throw;
-      // Nothing listens under the rank's name: its process is gone.
-      ThrowIoError(
-          e.error_code(),
-          StrCat("connect to ", what, ", which is gone (its process exited or closed its group),"),
-          peer);
-    }
-    shared::RequireSameUser(c.get(), what);
-    shared::SendString(c.get(), t.key_, deadline, what);
-    auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, what);
-    if (status != kServed || !fd) {
-      ThrowIoError(ENOENT, StrCat("fetch partition from ", what, " (it closed the tensor)"),
-                   t.key_);
-    }
+    UniqueFd fd = FetchDescriptor(peer, t.key_, deadline, what);
     // The size the partition needs comes from the record: the memory served must hold it all
     // (a mapping past its end faults with SIGBUS), and must not be able to shrink later.
     struct stat st {};
@@ -1036,7 +1091,11 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
         }
         if (!fd) {
           fd = UniqueFd(::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-          if (!fd) ThrowIoError(errno, "memfd_create for", key, 0, p.bytes);
+          if (!fd) {
+            const int err = errno;
+            ThrowIoError(err, shared::WithDescriptorLimit("memfd_create for", err), key, 0,
+                         p.bytes);
+          }
           if (::ftruncate(fd.get(), RoundUp(p.bytes, page)) != 0) {
             ThrowIoError(errno, "ftruncate memfd of", key, 0, p.bytes);
           }
@@ -1182,12 +1241,7 @@ std::shared_ptr<SharedTensor> SharedGroup::MapDevice(const SharedTensorSpec& spe
       } else {
         std::string peer = StrCat("tensortier.", token_, ".", r);
         std::string from = StrCat("rank ", r, " (serving '", key, "')");
-        UniqueFd c = shared::ConnectAbstract(peer, deadline, false);
-        shared::RequireSameUser(c.get(), from);
-        shared::SendString(c.get(), key, deadline, from);
-        auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, from);
-        if (status != kServed || !fd)
-          ThrowIoError(ENOENT, StrCat("fetch partition from ", from), key);
+        UniqueFd fd = FetchDescriptor(peer, key, deadline, from);
         memory->device_allocations.push_back(
             DeviceAllocation::Import(*context, fd.get(), RoundUp(p.bytes, granularity)));
       }

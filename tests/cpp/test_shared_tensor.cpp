@@ -1,5 +1,6 @@
 // Shared tensors across real processes: each test forks its ranks (bounded by alarm()), which
 // rendezvous through the built-in Unix-socket store.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -714,6 +715,108 @@ TEST(SharedTensorTest, RanksMakingDifferentCollectiveCallsAllThrow) {
     group.Barrier("after");
     auto t = group.Create(Spec({10, 4}, 4, SharedLayout::kChunked));
     Check(t->partitions().size() == 3, "created after the mismatch");
+  });
+  ExpectAllZero(statuses);
+}
+
+// Opens /dev/null until this process is out of descriptors; returns what it opened.
+std::vector<int> ExhaustDescriptors() {
+  std::vector<int> fds;
+  for (;;) {
+    int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      Check(errno == EMFILE, StrCat("open: ", std::strerror(errno)));
+      return fds;
+    }
+    fds.push_back(fd);
+  }
+}
+
+// Lowers this process's soft RLIMIT_NOFILE so that `headroom` descriptors are left to open.
+void LimitDescriptors(int headroom) {
+  int highest = 0;
+  for (int fd = 0; fd < 1 << 16; ++fd) {
+    if (::fcntl(fd, F_GETFD) >= 0) highest = fd;
+  }
+  rlimit limit{};
+  Check(::getrlimit(RLIMIT_NOFILE, &limit) == 0, "getrlimit");
+  limit.rlim_cur = static_cast<rlim_t>(highest + 1 + headroom);
+  Check(::setrlimit(RLIMIT_NOFILE, &limit) == 0, "setrlimit");
+}
+
+// Rank 1 has no descriptor free: its partition server cannot accept a peer's connection. The
+// peers fetching from it learn that at once (EMFILE, naming ulimit -n) instead of waiting out
+// the timeout while its server retries accept in a busy loop; its own fetch says so too.
+TEST(SharedTensorTest, ARankOutOfDescriptorsSaysSoAtOnce) {
+  constexpr auto kTimeout = 60s;
+  auto statuses = RunRanks(3, [&](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, kTimeout);
+    auto t = group.Create(Spec({3 * 1024, 1024}, 4, SharedLayout::kChunked, "t"));
+    auto attach_fails = [&](const std::string& naming) {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        group.Attach("t");
+        Check(false, "attached through a rank out of descriptors");
+      } catch (const IoError& e) {
+        Check(e.error_code() == EMFILE, e.what());
+        Check(std::string(e.what()).find("ulimit -n") != std::string::npos, e.what());
+        Check(std::string(e.what()).find(naming) != std::string::npos, e.what());
+      }
+      Check(std::chrono::steady_clock::now() - start < kTimeout / 2, "said at once");
+    };
+    std::vector<int> held;
+    if (rank == 1) {
+      LimitDescriptors(16);
+      held = ExhaustDescriptors();
+      attach_fails("socket");  // its own connection to rank 0
+    }
+    group.Barrier("rank 1 tried");
+    if (rank != 1) attach_fails("rank 1");
+    group.Barrier("peers tried");
+    for (int fd : held) ::close(fd);
+    group.Barrier("freed");
+    auto again = group.Attach("t");  // served again once descriptors are free
+    group.Barrier("attached");
+  });
+  ExpectAllZero(statuses);
+}
+
+// Rank 1 has 24 descriptors left and every rank keeps creating tensors (each holds one): the
+// call that runs out fails on every rank at once, each error naming ulimit -n.
+TEST(SharedTensorTest, RunningOutOfDescriptorsFailsTheCallOnEveryRankAtOnce) {
+  constexpr auto kTimeout = 60s;
+  auto statuses = RunRanks(3, [&](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, kTimeout);
+    std::vector<int> held;
+    if (rank == 1) {
+      LimitDescriptors(64);
+      held = ExhaustDescriptors();
+      Check(held.size() >= 24, "descriptors to free");
+      for (int i = 0; i < 24; ++i) {
+        ::close(held.back());
+        held.pop_back();
+      }
+    }
+    std::vector<std::shared_ptr<SharedTensor>> kept;
+    for (int i = 0;; ++i) {
+      Check(i < 100, "never ran out");
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        kept.push_back(group.Create(Spec({3, 1024}, 4, SharedLayout::kChunked)));
+      } catch (const std::exception& e) {
+        Check(std::chrono::steady_clock::now() - start < kTimeout / 2, "failed at once");
+        Check(std::string(e.what()).find("ulimit -n") != std::string::npos, e.what());
+        store->Set(StrCat("failed_at/", rank), std::to_string(i));
+        break;
+      }
+    }
+    const std::string mine = store->Get(StrCat("failed_at/", rank), 5s);
+    for (int r = 0; r < 3; ++r) {
+      Check(store->Get(StrCat("failed_at/", r), 30s) == mine, "every rank failed the same call");
+    }
+    kept.clear();
+    for (int fd : held) ::close(fd);
+    group.Barrier("done");
   });
   ExpectAllZero(statuses);
 }
