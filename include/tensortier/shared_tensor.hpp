@@ -239,6 +239,12 @@ class SharedGroup {
   // Collective: returns when every rank passed an equal `value`; otherwise every rank throws
   // std::invalid_argument naming which ranks passed what (`what` starts the message).
   void Agree(const std::string& what, const std::string& value);
+  // Collective: every rank reports whether its step `what` worked (`failure` null) or not. Returns
+  // every rank's `value` when all did; otherwise rethrows `failure` on the failing ranks (even
+  // when a peer never arrives) and throws std::runtime_error on the others naming each failing
+  // rank, in rank order, with its error's text.
+  std::vector<std::string> Settle(const std::string& what, std::exception_ptr failure,
+                                  const std::string& value = "");
 
   // Closes every tensor this group created or attached and stops serving. Idempotent; not
   // collective (peers still mapping this rank's memory keep it).
@@ -251,11 +257,6 @@ class SharedGroup {
                                     bool own_partition, int device);
   std::shared_ptr<SharedTensor> MapDevice(const SharedTensorSpec& spec, const std::string& key,
                                           int device);
-  // Collective: every rank reports whether its step `what` worked (`failure` null) or not. Returns
-  // when all did; otherwise rethrows `failure` on the failing ranks (even when a peer never
-  // arrives) and throws std::runtime_error naming them on the others.
-  std::vector<std::string> Settle(const std::string& what, std::exception_ptr failure,
-                                  const std::string& value = "");
   // The partitions of `spec` over `world_size` ranks and, for kContinuous, the reserved address
   // range they are mapped into (nothing mapped yet); `rank` is -1 outside the owning group.
   static std::shared_ptr<SharedTensor> Layout(const SharedTensorSpec& spec, const std::string& key,
