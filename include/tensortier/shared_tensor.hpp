@@ -257,6 +257,8 @@ class SharedGroup {
                                     bool own_partition, int device);
   std::shared_ptr<SharedTensor> MapDevice(const SharedTensorSpec& spec, const std::string& key,
                                           int device);
+  // Keeps a weak reference to `tensor` (closed with the group), forgetting those dropped.
+  void Remember(const std::shared_ptr<SharedTensor>& tensor);
   // The partitions of `spec` over `world_size` ranks and, for kContinuous, the reserved address
   // range they are mapped into (nothing mapped yet); `rank` is -1 outside the owning group.
   static std::shared_ptr<SharedTensor> Layout(const SharedTensorSpec& spec, const std::string& key,

@@ -820,6 +820,12 @@ std::vector<std::string> SharedGroup::AllGather(const std::string& what, const s
   return all;
 }
 
+void SharedGroup::Remember(const std::shared_ptr<SharedTensor>& tensor) {
+  // Tensors dropped since are forgotten: a job that makes and drops many keeps no trace of them.
+  std::erase_if(tensors_, [](const std::weak_ptr<SharedTensor>& t) { return t.expired(); });
+  tensors_.push_back(tensor);
+}
+
 std::vector<std::string> SharedGroup::Settle(const std::string& what, std::exception_ptr failure,
                                              const std::string& value) {
   std::string mine = StrCat("+", value);
@@ -913,7 +919,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name, int d
     tensor = Layout(record.spec, name, record.world_size, -1);
     FetchPartitions(*tensor, record.token, -1, timeout_);
     tensor->RegisterWithCuda(device);
-    tensors_.push_back(tensor);
+    Remember(tensor);
   }
   return tensor;
 }
@@ -1153,7 +1159,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
     failure = std::current_exception();
   }
   if (own_partition) Settle(StrCat("create_tensor '", key, "' (mapped)"), failure);
-  tensors_.push_back(tensor);
+  Remember(tensor);
   return tensor;
 }
 
@@ -1254,7 +1260,7 @@ std::shared_ptr<SharedTensor> SharedGroup::MapDevice(const SharedTensorSpec& spe
   }
   Settle(StrCat(what, " (mapped)"), failure);
   tensor->memory_ = std::move(memory);
-  tensors_.push_back(tensor);
+  Remember(tensor);
   return tensor;
 }
 

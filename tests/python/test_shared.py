@@ -591,6 +591,64 @@ def test_attach_refuses_a_store_record_that_is_no_tensor_or_needs_more_than_is_s
         assert torch.equal(again.gather([9]), torch.full((1, 4), 3.0))
 
 
+def wholememory_shared_memory() -> tuple[int, int]:
+    """This process's descriptors and mappings of shared tensors' memory."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "memfd:tensortier-shared" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    with open("/proc/self/maps") as f:
+        maps = sum("memfd:tensortier-shared" in line for line in f)
+    return fds, maps
+
+
+def test_wholememory_tensors_nobody_references_release_their_memory() -> None:
+    """compat.wholememory keeps only weak references: a dropped tensor (and the views taken of it)
+    gives back its memory and descriptors before finalize_lib(), as torch tensors do; one still
+    referenced keeps them, and get_tensor_view still finds it."""
+    from tensortier.compat import wholememory as wm
+
+    wm.init_lib()
+    wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    try:
+        before = wholememory_shared_memory()
+        kept = wm.create_tensor([16, 4], [], torch.float32, True, [])
+        kept[3] = 7.0
+        held = wholememory_shared_memory()
+        assert held[0] > before[0] and held[1] > before[1]
+        for _ in range(30):
+            t = wm.create_tensor([4096, 256], [], torch.float32, True, [])
+            v = wm.get_tensor_view(t, torch.device("cpu"))
+            v[0, 0] = 1.0
+            assert wm.get_tensor_view(v, torch.device("cpu"))[0, 0].item() == 1.0
+            del t, v
+        assert wholememory_shared_memory() == held
+        assert wm.get_tensor_view(kept, torch.device("cpu"))[3, 1].item() == 7.0
+        del kept
+        assert wholememory_shared_memory() == before
+    finally:
+        wm.finalize_lib()
+
+
+def test_wholememory_views_of_empty_tensors_are_their_own() -> None:
+    """Empty tensors all have data pointer 0: get_tensor_view finds each by the tensor itself."""
+    from tensortier.compat import wholememory as wm
+
+    wm.init_lib()
+    wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    try:
+        a = wm.create_tensor([0, 4], [], torch.float32, True, [])
+        b = wm.create_tensor([0, 8], [], torch.int64, True, [])
+        va = wm.get_tensor_view(a, torch.device("cpu"))
+        vb = wm.get_tensor_view(b, torch.device("cpu"))
+        assert (va.shape, va.dtype) == ((0, 4), torch.float32)
+        assert (vb.shape, vb.dtype) == ((0, 8), torch.int64)
+    finally:
+        wm.finalize_lib()
+
+
 def run_ranks_in_threads(world: int, body: Any, timeout: float) -> list[Any]:
     """Runs `body(group)` for every rank of a group of `world` threads of this process over one
     HashStore; returns what each returned or raised."""
