@@ -1,7 +1,8 @@
 """Shared tensors across real processes: started as torchrun starts them, by
 torch.multiprocessing.spawn, and as plain processes that a test kills. Each rank runs a scenario
 of shared_worker.py and reports in a JSON file; the test checks every rank's report and that
-nothing was left behind (/dev/shm, the processes' TMPDIR, abstract sockets)."""
+nothing the processes made was left behind (in /dev/shm by name, in their private TMPDIR, their
+abstract sockets): what other programs on the machine make there is not looked at."""
 
 from __future__ import annotations
 
@@ -40,8 +41,13 @@ def abstract_sockets() -> set[str]:
         return {line.split()[-1] for line in f.readlines()[1:] if line.split()[-1].startswith("@tensortier.")}
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def shm_entries(pids: list[int] | None = None) -> set[str]:
+    """The entries of /dev/shm our processes may have made: tensortier's name prefix, and torch's
+    shared-memory files of processes `pids` (torch_<pid>_...). Other programs' entries (another
+    job's buffers, Python's multiprocessing semaphores) are none of ours."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    prefixes = ("tensortier",) + tuple(f"torch_{pid}_" for pid in pids or [])
+    return {n for n in names if n.startswith(prefixes)}
 
 
 def reports(outdir: Path, world: int) -> list[dict[str, Any]]:
@@ -62,8 +68,11 @@ def env_for(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def assert_nothing_left(tmp: Path, shm_before: set[str], sockets: list[str]) -> None:
-    assert shm_entries() - shm_before == set()
+def assert_nothing_left(tmp: Path, shm_before: set[str], sockets: list[str],
+                        pids: list[int] | None = None) -> None:
+    """Nothing that our processes (`pids`) made is left: in /dev/shm by name, in their private
+    TMPDIR, or among abstract sockets (theirs by name)."""
+    assert shm_entries(pids) - shm_before == set()
     # torchrun's agent keeps its own log folder (torchelastic_*) there: not ours.
     left_files = [p.name for p in (tmp / "private_tmp").iterdir() if not p.name.startswith("torchelastic_")]
     assert left_files == []
@@ -85,7 +94,8 @@ def run_torchrun(tmp: Path, scenario: str, world: int, **extra: str) -> list[dic
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('error')}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_nothing_left(tmp, shm_before, [res["socket"] for res in results if "socket" in res])
+    assert_nothing_left(tmp, shm_before, [res["socket"] for res in results if "socket" in res],
+                        [res["pid"] for res in results if "pid" in res])
     return results
 
 
@@ -179,7 +189,8 @@ def test_killed_rank_every_survivor_raises_and_nothing_is_left(tmp_path: Path, w
     for r in range(world - 1):
         assert results[r]["ok"], f"rank {r}: {results[r].get('error')}\n{outputs[r][-2000:]}"
         assert results[r]["waited"] < 30
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:-1]])
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:-1]],
+                        [p.pid for p in procs])
 
 
 def start_ranks(tmp: Path, scenario: str, world: int, port: int, outdir: Path,
@@ -235,7 +246,8 @@ def test_rank_zero_serving_the_store_survivors_raise_within_the_timeout(
         else:
             assert res["error_type"] == "TimeoutError", res
             assert f"rank {victim} of {world} did not arrive" in res["message"], res
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results if "socket" in res])
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results if "socket" in res],
+                        [p.pid for p in procs])
 
 
 def test_attach_from_a_process_outside_the_group(tmp_path: Path) -> None:
@@ -270,7 +282,8 @@ def test_attach_from_a_process_outside_the_group(tmp_path: Path) -> None:
         assert results[r]["ok"], f"owner {r}: {results[r].get('error')}\n{owner_out[r][-2000:]}"
     assert results[world]["ok"], f"attacher: {results[world].get('error')}\n{attacher_out[0][-2000:]}"
     del test_keys, store
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:world]])
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:world]],
+                        [p.pid for p in owners + attacher])
 
 
 def test_group_without_a_rendezvous_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -532,7 +545,8 @@ def test_two_jobs_on_one_store_keep_their_keys_apart(tmp_path: Path, private_gro
             sockets.append(res["socket"])
     assert len(set(sockets)) == 4  # every process served on its own socket
     del store
-    assert_nothing_left(tmp_path, shm_before, sockets)
+    assert_nothing_left(tmp_path, shm_before, sockets,
+                        [p.pid for ps in procs.values() for p in ps])
 
 
 def test_ranks_that_create_groups_out_of_order_are_told_so() -> None:
@@ -559,7 +573,31 @@ def test_threads_gather_and_scatter_one_distributed_tensor_at_once(tmp_path: Pat
     results = reports(outdir, world)
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('error')}\n{outputs[r][-2000:]}"
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results])
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results],
+                        [p.pid for p in procs])
+
+
+def test_nothing_left_checks_look_only_at_what_our_processes_make(tmp_path: Path) -> None:
+    """Another program's entry in /dev/shm (a multiprocessing semaphore of another job) made while
+    our processes ran is not blamed on them; one under tensortier's prefix, or torch's file of one
+    of our processes, is."""
+    (tmp_path / "private_tmp").mkdir()
+    shm_before = shm_entries()
+    made = []
+    try:
+        for name in (f"sem.mp-other-job-{os.getpid()}", f"torch_{os.getpid() + 1}_other"):
+            made.append(Path("/dev/shm") / name)
+            made[-1].write_bytes(b"")
+        assert_nothing_left(tmp_path, shm_before, [], [os.getpid()])
+        for name in (f"tensortier-left-{os.getpid()}", f"torch_{os.getpid()}_left"):
+            made.append(Path("/dev/shm") / name)
+            made[-1].write_bytes(b"")
+            with pytest.raises(AssertionError):
+                assert_nothing_left(tmp_path, shm_before, [], [os.getpid()])
+            made.pop().unlink()
+    finally:
+        for path in made:
+            path.unlink(missing_ok=True)
 
 
 def test_attach_refuses_a_store_record_that_is_no_tensor_or_needs_more_than_is_served() -> None:
