@@ -648,6 +648,7 @@ struct SharedGroup::Server {
       pause = false;
       if (p[0].revents) return;
       if (p[1].revents == 0) continue;
+      spare.Refill();  // lost to another thread the last time descriptors ran out
       shared::Accepted accepted = shared::AcceptWithSpare(listener.get(), spare);
       UniqueFd c = std::move(accepted.connection);
       if (!c) {

@@ -69,6 +69,7 @@ struct UnixSocketStore::Server {
       }
       if (polls[0].revents) return;
       if (polls[1].revents & POLLIN) {
+        spare.Refill();  // lost to another thread the last time descriptors ran out
         shared::Accepted a = shared::AcceptWithSpare(listener.get(), spare);
         if (a.connection && a.error == 0 && shared::PeerIsSameUser(a.connection.get())) {
           clients.push_back(std::move(a.connection));
