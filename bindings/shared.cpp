@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -195,6 +197,8 @@ void RegisterShared(py::module_& m) {
           "layout", [](const SharedTensor& t) { return SharedLayoutName(t.spec().layout); })
       .def_property_readonly(
           "memory", [](const SharedTensor& t) { return SharedMemoryName(t.spec().memory); })
+      .def_property_readonly("element_size",
+                             [](const SharedTensor& t) { return t.spec().element_size; })
       .def_property_readonly("row_bytes",
                              [](const SharedTensor& t) { return t.spec().row_bytes(); })
       .def_property_readonly("rank", &SharedTensor::rank)
@@ -347,5 +351,23 @@ void RegisterShared(py::module_& m) {
             return out;
           },
           py::arg("what"), py::arg("value"))
+      .def(
+          "settle",
+          [](SharedGroup& g, const std::string& what, const std::optional<std::string>& failure) {
+            py::gil_scoped_release release;
+            if (!failure) {
+              g.Settle(what, nullptr);
+              return;
+            }
+            try {
+              g.Settle(what, std::make_exception_ptr(std::runtime_error(*failure)));
+            } catch (const std::runtime_error&) {
+              // This rank's own failure given back: the caller raises its own exception.
+            }
+          },
+          py::arg("what"), py::arg("failure"),
+          "Collective: every rank says whether its step `what` worked (failure None) or why not. "
+          "Returns on a rank that failed (it raises its own error); elsewhere returns when all "
+          "worked, else raises RuntimeError naming each failing rank with its text.")
       .def("close", &SharedGroup::Close, py::call_guard<py::gil_scoped_release>());
 }

@@ -24,9 +24,10 @@
 // so that ranks agree on it (Agree) and partition it (PartitionRows) the same way.
 //
 // Collective calls (the SharedGroup constructor, Create, Barrier) must be made by every rank in
-// the same order. Ranks that disagree on a call all get std::invalid_argument naming who asked
-// for what; a rank that dies or does not arrive makes the others throw IoError (ETIMEDOUT, or
-// ECONNREFUSED/ECONNRESET) within the group's timeout. Nothing waits forever.
+// the same order. Ranks that disagree on a call, or make different calls at one point, all get
+// std::invalid_argument naming who asked for what; a rank that dies or does not arrive makes the
+// others throw IoError (ETIMEDOUT, or ECONNREFUSED/ECONNRESET) within the group's timeout.
+// Nothing waits forever.
 #pragma once
 
 #include <chrono>
@@ -54,6 +55,12 @@ SharedMemory ParseSharedMemory(const std::string& name);
 
 // How long collective calls wait for the other ranks unless told otherwise.
 inline constexpr std::chrono::milliseconds kDefaultSharedTimeout{std::chrono::minutes(2)};
+// The most bytes a shared tensor may span: more than any address space maps (x86-64 and arm64
+// user space end below 2^57), and far enough from 2^64 that sizes rounded up never wrap.
+inline constexpr uint64_t kMaxSharedTensorBytes = 1ull << 56;
+// The most processes a tensor mapped in host memory can have: they run on one machine, which
+// never runs more (Linux's PID_MAX_LIMIT on 64-bit).
+inline constexpr int kMaxSharedWorldSize = 1 << 22;
 
 // What a collective Create asks for. Row-major, dense; the first dimension is the row dimension
 // partitioned across ranks (a 0-d tensor is one row).
@@ -69,8 +76,13 @@ struct SharedTensorSpec {
   uint64_t row_bytes() const;
   // One line naming every field: what ranks compare and what error messages show.
   std::string Describe() const;
-  // The round trip of Describe (attach reads it back from the store). Throws invalid_argument.
+  // The round trip of Describe (attach reads it back from the store). Throws invalid_argument
+  // naming the field that is missing or not a number; the values are not checked (Validate).
   static SharedTensorSpec Parse(const std::string& described);
+  // Throws std::invalid_argument naming the first field no tensor can have: a negative
+  // dimension, element_size 0, more than kMaxSharedTensorBytes in all or in a row, an empty
+  // dtype or one with a space, or a torch dtype ("torch.float32") of another element size.
+  void Validate() const;
 };
 
 // One rank's rows [row_begin, row_begin + rows) at `address` in this process.
@@ -220,11 +232,19 @@ class SharedGroup {
   std::shared_ptr<SharedTensor> Attach(const std::string& name, int device = 0);
   // Collective: returns when every rank has called it (IoError ETIMEDOUT otherwise).
   void Barrier(const std::string& what);
-  // Collective exchange of one string per rank (the control path of the layers above).
+  // Collective exchange of one string per rank (the control path of the layers above). `what`
+  // names the call: when ranks make different calls at one point (one a barrier, another a
+  // create), every rank throws std::invalid_argument naming which ranks called what.
   std::vector<std::string> AllGather(const std::string& what, const std::string& value);
   // Collective: returns when every rank passed an equal `value`; otherwise every rank throws
   // std::invalid_argument naming which ranks passed what (`what` starts the message).
   void Agree(const std::string& what, const std::string& value);
+  // Collective: every rank reports whether its step `what` worked (`failure` null) or not. Returns
+  // every rank's `value` when all did; otherwise rethrows `failure` on the failing ranks (even
+  // when a peer never arrives) and throws std::runtime_error on the others naming each failing
+  // rank, in rank order, with its error's text.
+  std::vector<std::string> Settle(const std::string& what, std::exception_ptr failure,
+                                  const std::string& value = "");
 
   // Closes every tensor this group created or attached and stops serving. Idempotent; not
   // collective (peers still mapping this rank's memory keep it).
@@ -237,11 +257,8 @@ class SharedGroup {
                                     bool own_partition, int device);
   std::shared_ptr<SharedTensor> MapDevice(const SharedTensorSpec& spec, const std::string& key,
                                           int device);
-  // Collective: every rank reports whether its step `what` worked (`failure` null) or not. Returns
-  // when all did; otherwise rethrows `failure` on the failing ranks (even when a peer never
-  // arrives) and throws std::runtime_error naming them on the others.
-  std::vector<std::string> Settle(const std::string& what, std::exception_ptr failure,
-                                  const std::string& value = "");
+  // Keeps a weak reference to `tensor` (closed with the group), forgetting those dropped.
+  void Remember(const std::shared_ptr<SharedTensor>& tensor);
   // The partitions of `spec` over `world_size` ranks and, for kContinuous, the reserved address
   // range they are mapped into (nothing mapped yet); `rank` is -1 outside the owning group.
   static std::shared_ptr<SharedTensor> Layout(const SharedTensorSpec& spec, const std::string& key,
@@ -274,7 +291,9 @@ class SharedGroup {
 // they exit, until this process drops the tensor. Names are unique per store: the last group to
 // create `name` is the one attached. The tensor has rank() -1 and no local() partition. Throws
 // IoError: ETIMEDOUT (no such tensor in time), ECONNREFUSED/ENOENT (an owner exited or closed
-// it), EACCES (an owner runs as another user).
+// it), EACCES (an owner runs as another user), EMFILE (this process or an owner is out of
+// descriptors); std::invalid_argument naming the field when the record in the store (which anyone
+// who reaches the store can write) describes no tensor, or more memory than an owner serves.
 std::shared_ptr<SharedTensor> AttachSharedTensor(Store& store, const std::string& name,
                                                  std::chrono::milliseconds timeout);
 

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -36,6 +36,8 @@ from ._paths import fspath, PathArg
 from .device import CudaError
 
 __all__ = ["Group", "SharedTensor", "attach", "LAYOUTS", "DEFAULT_TIMEOUT"]
+
+_T = TypeVar("_T")
 
 #: The layouts :meth:`Group.create_tensor` accepts.
 LAYOUTS = ("continuous", "chunked", "distributed")
@@ -513,7 +515,7 @@ class SharedTensor:
         self._dtype = dtype
         self._shape = tuple(core.shape)
         self._distributed: _Distributed | None = None
-        self._group_barrier: Any = None  # the group's barrier (set by Group)
+        self._group_settle: Any = None  # the group's Group._settle (set by Group)
         # Host memory takes gather's lean path; device memory goes through CUDA views.
         self._host = core is not None and str(core.memory) == "host"
 
@@ -817,19 +819,23 @@ class SharedTensor:
             if result.bytes != want_hi - want_lo:
                 raise OSError(f"{what}: read {result.bytes} of {want_hi - want_lo} bytes (a file shrank?)")
             stats = dict(result.stats)
-        self._barrier()
         return stats
 
     def _rank(self) -> int:
         return self._distributed.rank if self._distributed else int(self._core.rank)
 
-    def _barrier(self) -> None:
-        if self._distributed:
-            import torch.distributed as dist
-
-            dist.barrier()
-        else:
-            self._group_barrier()
+    def _collective(self, what: str, step: Callable[[], _T]) -> _T:
+        """Runs this rank's part of collective call `what`, then waits for every rank's: an
+        error on any rank reaches all of them at once (the failing rank raises its own, the
+        others ``RuntimeError`` naming it with its text), instead of leaving them waiting out
+        the timeout for a rank that is alive."""
+        try:
+            result = step()
+        except Exception as e:
+            self._group_settle(what, e)
+            raise
+        self._group_settle(what, None)
+        return result
 
     def load_files(self, paths: PathArg | Sequence[PathArg]) -> dict[str, Any]:
         """Collective: fills the tensor from raw row files whose concatenation, in order, is
@@ -838,15 +844,20 @@ class SharedTensor:
         returns when every rank has read its rows, with this rank's I/O stats.
 
         Raises:
-            ValueError: the files do not hold exactly the tensor's bytes (every rank raises).
+            ValueError: the files do not hold exactly the tensor's bytes.
             OSError: a file cannot be read.
+            RuntimeError: another rank failed; the message names it and quotes its error (every
+                rank raises as soon as one fails).
         """
         self._require_member("load_files")
-        if isinstance(paths, (str, bytes, os.PathLike)):
-            paths = [paths]
-        names = [fspath(p, "paths[i]") for p in paths]
-        sources = [(p, 0, os.stat(p).st_size) for p in names]
-        return self._read_rows(sources, "load_files")
+
+        def step() -> dict[str, Any]:
+            files = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else paths
+            names = [fspath(p, "paths[i]") for p in files]
+            sources = [(p, 0, os.stat(p).st_size) for p in names]
+            return self._read_rows(sources, "load_files")
+
+        return self._collective("load_files", step)
 
     def load_checkpoint(self, path: PathArg, key: str) -> dict[str, Any]:
         """Collective: fills the tensor from tensor `key` of a checkpoint, each rank reading only
@@ -861,8 +872,14 @@ class SharedTensor:
                 contiguous rows, or in a compressed zip entry; a legacy (pre-1.6) ``torch.save``
                 file; a shard index or a file that is not a checkpoint.
             OSError: the file cannot be read.
+            RuntimeError: another rank failed; the message names it and quotes its error (every
+                rank raises as soon as one fails).
         """
         self._require_member("load_checkpoint")
+        return self._collective("load_checkpoint", lambda: self._load_checkpoint_rows(path, key))
+
+    def _load_checkpoint_rows(self, path: PathArg, key: str) -> dict[str, Any]:
+        """This rank's part of :meth:`load_checkpoint`."""
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__}")
         from .checkpoint import _read_st_header, _sniff
@@ -896,23 +913,32 @@ class SharedTensor:
     def store_files(self, prefix: PathArg) -> list[str]:
         """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
         it) through the engine; returns every rank's file name in rank order (what
-        :meth:`load_files` takes back) once all are written."""
+        :meth:`load_files` takes back) once all are written.
+
+        Raises:
+            OSError: this rank's file cannot be written.
+            RuntimeError: another rank failed; the message names it and quotes its error (every
+                rank raises as soon as one fails).
+        """
         from .io import IOHandle
 
         self._require_member("store_files")
-        world = len(self.partitions)
-        names = [f"{fspath(prefix, 'prefix')}_part_{r}_of_{world}" for r in range(world)]
-        data = self._local_bytes()
-        with IOHandle() as io:
-            f = io.open(names[self._rank()], "w")
-            try:
-                if data.numel():
-                    io.pwrite(data, f, 0)
-                f.datasync()
-            finally:
-                f.close()
-        self._barrier()
-        return names
+
+        def step() -> list[str]:
+            world = len(self.partitions)
+            names = [f"{fspath(prefix, 'prefix')}_part_{r}_of_{world}" for r in range(world)]
+            data = self._local_bytes()
+            with IOHandle() as io:
+                f = io.open(names[self._rank()], "w")
+                try:
+                    if data.numel():
+                        io.pwrite(data, f, 0)
+                    f.datasync()
+                finally:
+                    f.close()
+            return names
+
+        return self._collective("store_files", step)
 
     def close(self) -> None:
         """Stops sharing this rank's rows with processes that attach later and releases this
@@ -1029,7 +1055,7 @@ class Group:
         core = self._core.create(list(dims), str(dtype), element_size, layout, name or "", memory,
                                  index)
         t = SharedTensor(core, dtype)
-        t._group_barrier = self.barrier
+        t._group_settle = self._settle
         return t
 
     def _create_distributed(
@@ -1055,7 +1081,7 @@ class Group:
                                                          self.world_size)]
         begin, end = parts[self.rank]
         t = SharedTensor.__new__(SharedTensor)
-        t._core, t._dtype, t._shape, t._group_barrier = None, dtype, dims, self.barrier
+        t._core, t._dtype, t._shape, t._group_settle = None, dtype, dims, self._settle
         t._host = False
         t._distributed = _Distributed(
             name, self.rank, parts, torch.zeros((end - begin, *dims[1:]), dtype=dtype)
@@ -1072,13 +1098,20 @@ class Group:
         self._require_open("attach")
         t = _attached(self._core.attach(name), name)
         if t._core.rank >= 0:
-            t._group_barrier = self.barrier
+            t._group_settle = self._settle
         return t
 
     def barrier(self) -> None:
         """Collective: returns once every rank has called it (``TimeoutError`` otherwise)."""
         self._require_open("barrier")
         self._core.barrier("barrier")
+
+    def _settle(self, what: str, error: BaseException | None) -> None:
+        """Collective: every rank says whether its part of `what` worked (`error` None). Returns
+        on a rank that failed (it raises its own error); elsewhere returns when every rank's
+        worked, else raises ``RuntimeError`` naming each failing rank with its error."""
+        self._require_open(what)
+        self._core.settle(what, None if error is None else f"{type(error).__name__}: {error}")
 
     def close(self) -> None:
         """Closes every tensor of this group and stops sharing (not collective). Idempotent.
@@ -1125,9 +1158,17 @@ def _serve_until_others_leave(store: Any, key: str, world_size: int, timeout: fl
 
 
 def _attached(core: Any, name: str) -> SharedTensor:
+    """The tensor over `core`, attached by `name`: its dtype, read from the store's record (which
+    anyone who reaches the store can write), must be torch's and of the record's element size
+    (the C++ side copies rows of that size into buffers torch sizes)."""
     dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
+    if int(core.element_size) != dtype.itemsize:
+        raise ValueError(
+            f"shared tensor {name!r}: its record's element_size {core.element_size} is not the "
+            f"size of {dtype} ({dtype.itemsize})"
+        )
     return SharedTensor(core, dtype)
 
 

@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -23,6 +25,7 @@
 
 #include "tensortier/cuda_driver.hpp"
 #include "tensortier/cuda_vmm.hpp"
+#include "tensortier/dtypes.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/strings.hpp"
 #include "unix_socket.hpp"
@@ -40,6 +43,10 @@ constexpr uint64_t kHugePartitionThreshold = 64ull << 20;
 constexpr char kServed = 'k';
 constexpr char kUnknown = 'n';
 constexpr char kEmpty = 'z';
+// The server's process had no descriptor free to take the connection (EMFILE, ENFILE); a string
+// follows saying which limit.
+constexpr char kOutOfDescriptors = 'm';
+constexpr char kOutOfSystemFiles = 'f';
 
 uint64_t PageSize() {
   return static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
@@ -126,6 +133,20 @@ std::string NamedKey(const std::string& name) {
   return StrCat("tensortier/shared/named/", name);
 }
 
+// The decimal integer `text` is, all of it; std::invalid_argument naming `field` otherwise (out of
+// range included: a record in the store is anyone's writing).
+template <typename T>
+T ParseField(const std::string& field, const std::string& text, const std::string& record) {
+  T v{};
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
+    throw std::invalid_argument(
+        StrCat("shared tensor record: ", field, " '", text, "' is not a number in range: ",
+               record));
+  }
+  return v;
+}
+
 struct NamedRecord {
   std::string token;
   int world_size = 0;
@@ -133,6 +154,8 @@ struct NamedRecord {
 
   std::string Format() const { return StrCat(token, " ", world_size, " ", spec.Describe()); }
 
+  // What attach reads from the store: the store has no authentication, so every field is
+  // checked before anything is mapped (the served memory's size is checked as it arrives).
   static NamedRecord Read(Store& store, const std::string& name,
                           std::chrono::milliseconds timeout) {
     if (name.empty()) throw std::invalid_argument("attach needs the tensor's name");
@@ -153,10 +176,32 @@ struct NamedRecord {
     }
     NamedRecord r;
     r.token = value.substr(0, a);
-    r.world_size = std::stoi(value.substr(a + 1, b - a - 1));
+    auto is_hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+    const bool hex =
+        r.token.size() == 32 && std::all_of(r.token.begin(), r.token.end(), is_hex);
+    if (!hex) {
+      throw std::invalid_argument(
+          StrCat("shared tensor record for '", name, "': token is not 32 hex digits: ", value));
+    }
+    r.world_size = ParseField<int>("world_size", value.substr(a + 1, b - a - 1), value);
+    if (r.world_size <= 0 || r.world_size > kMaxSharedWorldSize) {
+      throw std::invalid_argument(StrCat("shared tensor record for '", name, "': world_size ",
+                                         r.world_size, " is not in [1, ", kMaxSharedWorldSize,
+                                         "]: ", value));
+    }
     r.spec = SharedTensorSpec::Parse(value.substr(b + 1));
-    if (r.world_size <= 0 || r.spec.name != name) {
-      throw std::invalid_argument(StrCat("bad shared tensor record for '", name, "': ", value));
+    if (r.spec.name != name) {
+      throw std::invalid_argument(StrCat("shared tensor record for '", name, "': name is '",
+                                         r.spec.name, "': ", value));
+    }
+    if (r.spec.layout == SharedLayout::kDistributed) {
+      throw std::invalid_argument(StrCat("shared tensor record for '", name,
+                                         "': layout distributed is never published: ", value));
+    }
+    try {
+      r.spec.Validate();
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(StrCat("shared tensor record for '", name, "': ", e.what()));
     }
     return r;
   }
@@ -233,15 +278,54 @@ SharedTensorSpec SharedTensorSpec::Parse(const std::string& described) {
     throw std::invalid_argument(StrCat("bad shape in shared tensor record: ", described));
   }
   std::stringstream in(dims.substr(1, dims.size() - 2));
-  for (std::string d; std::getline(in, d, ',');) s.shape.push_back(std::stoll(d));
+  for (std::string d; std::getline(in, d, ',');) {
+    s.shape.push_back(ParseField<int64_t>("shape", d, described));
+  }
   s.dtype = field("dtype", ' ');
-  s.element_size = std::stoull(field("element_size", ' '));
+  s.element_size = ParseField<uint64_t>("element_size", field("element_size", ' '), described);
   s.layout = ParseSharedLayout(field("layout", ' '));
   s.memory = ParseSharedMemory(field("memory", ' '));
   std::string quoted = field("name", '\0');
   if (quoted.size() < 2) throw std::invalid_argument(StrCat("bad name in: ", described));
   s.name = quoted.substr(1, quoted.size() - 2);
   return s;
+}
+
+void SharedTensorSpec::Validate() const {
+  for (int64_t d : shape) {
+    if (d < 0) throw std::invalid_argument(StrCat("shape has a negative dimension: ", Describe()));
+  }
+  if (element_size == 0) {
+    throw std::invalid_argument(StrCat("element_size must be positive: ", Describe()));
+  }
+  // Every product is checked before it is formed: rows x row_bytes must not wrap.
+  uint64_t bytes = element_size;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    const auto d = static_cast<uint64_t>(shape[i]);
+    if (i == 0 && d == 0) continue;  // no rows: the row's size must still be sane
+    if (bytes > kMaxSharedTensorBytes || (d != 0 && bytes > kMaxSharedTensorBytes / d)) {
+      throw std::invalid_argument(StrCat("shape and element_size make more than 2^56 bytes, ",
+                                         "more than an address space holds: ", Describe()));
+    }
+    bytes *= d;
+  }
+  if (bytes > kMaxSharedTensorBytes) {
+    throw std::invalid_argument(StrCat("shape and element_size make more than 2^56 bytes, ",
+                                       "more than an address space holds: ", Describe()));
+  }
+  if (dtype.empty() || std::any_of(dtype.begin(), dtype.end(), [](char c) {
+        return std::isspace(static_cast<unsigned char>(c));
+      })) {
+    throw std::invalid_argument(StrCat("dtype must be a word: ", Describe()));
+  }
+  constexpr std::string_view kTorch = "torch.";
+  if (dtype.rfind(kTorch, 0) == 0) {
+    const Dtype* known = DtypeOfTorch(std::string_view(dtype).substr(kTorch.size()));
+    if (known != nullptr && known->bits % 8 == 0 && known->bits / 8 != element_size) {
+      throw std::invalid_argument(StrCat("element_size ", element_size, " is not the size of ",
+                                         dtype, " (", known->bits / 8, "): ", Describe()));
+    }
+  }
 }
 
 std::vector<SharedPartition> PartitionRows(uint64_t rows, uint64_t row_bytes, int world_size,
@@ -551,18 +635,51 @@ struct SharedGroup::Server {
   }
 
   void Run() {
+    shared::SpareFd spare;
+    bool pause = false;
     for (;;) {
       pollfd p[2] = {{wake_read.get(), POLLIN, 0}, {listener.get(), POLLIN, 0}};
-      if (::poll(p, 2, -1) < 0) {
+      // After a connection that could not be taken at all (out of descriptors, the spare
+      // gone), the listener, still ready, is left alone a moment: polling it would spin.
+      if (::poll(p, pause ? 1 : 2, pause ? 50 : -1) < 0) {
         if (errno == EINTR) continue;
         return;
       }
+      pause = false;
       if (p[0].revents) return;
-      UniqueFd c(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!c) continue;
+      if (p[1].revents == 0) continue;
+      spare.Refill();  // lost to another thread the last time descriptors ran out
+      shared::Accepted accepted = shared::AcceptWithSpare(listener.get(), spare);
+      UniqueFd c = std::move(accepted.connection);
+      if (!c) {
+        pause = accepted.error == EMFILE || accepted.error == ENFILE;
+        continue;
+      }
       if (!shared::PeerIsSameUser(c.get())) {
         refused.fetch_add(1);
+        c = UniqueFd();
+        spare.Refill();
         continue;  // closed unanswered
+      }
+      if (accepted.error != 0) {
+        // Taken with the spare descriptor: the peer learns at once why it cannot be served
+        // (it would pass a descriptor it could not receive anyway) instead of waiting out its
+        // timeout.
+        try {
+          auto deadline = shared::DeadlineAfter(std::chrono::seconds(5));
+          // The request is read first: closing a socket with unread data resets the peer's
+          // end before it reads the answer.
+          shared::RecvString(c.get(), deadline, name, 4096);
+          shared::SendStatusAndFd(
+              c.get(), accepted.error == ENFILE ? kOutOfSystemFiles : kOutOfDescriptors, -1,
+              deadline, name);
+          shared::SendString(c.get(), shared::WithDescriptorLimit("accept", accepted.error),
+                             deadline, name);
+        } catch (const std::exception&) {
+        }
+        c = UniqueFd();
+        spare.Refill();
+        continue;
       }
       try {
         auto deadline = shared::DeadlineAfter(std::chrono::seconds(5));
@@ -652,17 +769,32 @@ void SharedGroup::Close() {
 
 std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value) {
   if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
-  std::string base = StrCat(prefix_, "/c", next_collective_++, "/");
-  store_->Set(base + std::to_string(rank_), value);
+  const uint64_t n = next_collective_++;
+  std::string base = StrCat(prefix_, "/c", n, "/");
+  // Each rank's entry names its call ahead of its value: a rank making another call at this
+  // point (a barrier where the others create a tensor) is seen by every rank, itself included.
+  store_->Set(base + std::to_string(rank_), StrCat(what.size(), ":", what, value));
   auto deadline = shared::DeadlineAfter(timeout_);
   std::vector<std::string> all(world_size_);
+  std::vector<std::string> calls(world_size_);
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) {
       all[r] = value;
+      calls[r] = what;
       continue;
     }
     try {
-      all[r] = store_->Get(base + std::to_string(r), Remaining(deadline));
+      std::string entry = store_->Get(base + std::to_string(r), Remaining(deadline));
+      const size_t colon = std::min(entry.find(':'), entry.size());
+      uint64_t length = 0;
+      auto [end, ec] = std::from_chars(entry.data(), entry.data() + colon, length);
+      if (colon == entry.size() || ec != std::errc() || end != entry.data() + colon ||
+          length > entry.size() - colon - 1) {
+        throw std::invalid_argument(StrCat(what, ": rank ", r, " left an entry of no call at ",
+                                           base, r, " in the store"));
+      }
+      calls[r] = entry.substr(colon + 1, length);
+      all[r] = entry.substr(colon + 1 + length);
     } catch (const IoError& e) {
       if (e.error_code() != ETIMEDOUT) throw;
       ThrowIoError(ETIMEDOUT,
@@ -671,7 +803,28 @@ std::vector<std::string> SharedGroup::AllGather(const std::string& what, const s
                    base + std::to_string(r));
     }
   }
+  if (std::any_of(calls.begin(), calls.end(), [&](const std::string& c) { return c != what; })) {
+    std::map<std::string, std::string> ranks_by_call;
+    for (int r = 0; r < world_size_; ++r) {
+      auto& ranks = ranks_by_call[calls[r]];
+      ranks += StrCat(ranks.empty() ? "" : ",", r);
+    }
+    std::string msg =
+        StrCat("collective call ", n + 1, " of the shared group: ranks made different calls ",
+               "(every rank must make the same collective calls in the same order):");
+    for (const auto& [call, ranks] : ranks_by_call) {
+      msg += StrCat(" rank ", ranks, " called ", call, ";");
+    }
+    msg.pop_back();
+    throw std::invalid_argument(msg);
+  }
   return all;
+}
+
+void SharedGroup::Remember(const std::shared_ptr<SharedTensor>& tensor) {
+  // Tensors dropped since are forgotten: a job that makes and drops many keeps no trace of them.
+  std::erase_if(tensors_, [](const std::weak_ptr<SharedTensor>& t) { return t.expired(); });
+  tensors_.push_back(tensor);
 }
 
 std::vector<std::string> SharedGroup::Settle(const std::string& what, std::exception_ptr failure,
@@ -740,10 +893,7 @@ void RefuseDeviceAttach(const SharedTensorSpec& spec, const std::string& name) {
 }  // namespace
 
 std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, int device) {
-  for (int64_t d : spec.shape) {
-    if (d < 0) throw std::invalid_argument(StrCat("negative dimension in ", spec.Describe()));
-  }
-  if (spec.element_size == 0) throw std::invalid_argument("element_size must be positive");
+  spec.Validate();
   if (spec.layout == SharedLayout::kDistributed) {
     throw std::invalid_argument(
         "the distributed layout is not mapped: tensortier.shared builds it");
@@ -770,7 +920,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name, int d
     tensor = Layout(record.spec, name, record.world_size, -1);
     FetchPartitions(*tensor, record.token, -1, timeout_);
     tensor->RegisterWithCuda(device);
-    tensors_.push_back(tensor);
+    Remember(tensor);
   }
   return tensor;
 }
@@ -838,30 +988,68 @@ int SharedGroup::MapPartition(SharedTensor& t, int r, int fd, bool populate) {
   return 0;
 }
 
+namespace {
+
+// The descriptor rank `what` serves under `key` at abstract socket `peer`. Throws IoError:
+// ECONNREFUSED/ENOENT (gone), ENOENT (not served), EMFILE/ENFILE (either side out of
+// descriptors, naming the limit), ETIMEDOUT.
+UniqueFd FetchDescriptor(const std::string& peer, const std::string& key,
+                         Clock::time_point deadline, const std::string& what) {
+  UniqueFd c;
+  try {
+    c = shared::ConnectAbstract(peer, deadline, false);
+  } catch (const IoError& e) {
+    if (e.error_code() != ECONNREFUSED && e.error_code() != ENOENT) throw;
+    // Nothing listens under the rank's name: its process is gone.
+    ThrowIoError(
+        e.error_code(),
+        StrCat("connect to ", what, ", which is gone (its process exited or closed its group),"),
+        peer);
+  }
+  shared::RequireSameUser(c.get(), what);
+  shared::SendString(c.get(), key, deadline, what);
+  auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, what);
+  if (status == kOutOfDescriptors || status == kOutOfSystemFiles) {
+    const std::string why = shared::RecvString(c.get(), deadline, what, 4096);
+    ThrowIoError(status == kOutOfSystemFiles ? ENFILE : EMFILE,
+                 StrCat("fetch partition from ", what, ", which is out of descriptors (its ", why,
+                        ")"),
+                 key);
+  }
+  if (status != kServed || !fd) {
+    ThrowIoError(ENOENT, StrCat("fetch partition from ", what, " (it closed the tensor)"), key);
+  }
+  return std::move(fd);
+}
+
+}  // namespace
+
 void SharedGroup::FetchPartitions(SharedTensor& t, const std::string& token, int skip_rank,
                                   std::chrono::milliseconds timeout) {
+  const uint64_t page = PageSize();
   auto deadline = shared::DeadlineAfter(timeout);
   for (int r = 0; r < static_cast<int>(t.partitions_.size()); ++r) {
     if (r == skip_rank || t.partitions_[r].bytes == 0) continue;
     std::string peer = StrCat("tensortier.", token, ".", r);
     std::string what = StrCat("rank ", r, " (serving '", t.key_, "')");
-    UniqueFd c;
-    try {
-      c = shared::ConnectAbstract(peer, deadline, false);
-    } catch (const IoError& e) {
-      if (e.error_code() != ECONNREFUSED && e.error_code() != ENOENT) throw;
-      // Nothing listens under the rank's name: its process is gone.
-      ThrowIoError(
-          e.error_code(),
-          StrCat("connect to ", what, ", which is gone (its process exited or closed its group),"),
-          peer);
+    UniqueFd fd = FetchDescriptor(peer, t.key_, deadline, what);
+    // The size the partition needs comes from the record: the memory served must hold it all
+    // (a mapping past its end faults with SIGBUS), and must not be able to shrink later.
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) {
+      ThrowIoError(errno, StrCat("fstat partition of ", what), t.key_);
     }
-    shared::RequireSameUser(c.get(), what);
-    shared::SendString(c.get(), t.key_, deadline, what);
-    auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, what);
-    if (status != kServed || !fd) {
-      ThrowIoError(ENOENT, StrCat("fetch partition from ", what, " (it closed the tensor)"),
-                   t.key_);
+    const uint64_t need = RoundUp(t.partitions_[r].bytes, page);
+    if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < need) {
+      throw std::invalid_argument(
+          StrCat("shared tensor '", t.key_, "': its shape ", t.spec_.Describe(), " needs ", need,
+                 " bytes in ", what, ", which serves ",
+                 S_ISREG(st.st_mode) ? StrCat(st.st_size, " bytes") : std::string("no file")));
+    }
+    const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      throw std::invalid_argument(StrCat("shared tensor '", t.key_, "': ", what,
+                                         " serves memory that is not sealed against shrinking"));
     }
     if (int err = MapPartition(t, r, fd.get(), false); err != 0) {
       ThrowIoError(err, StrCat("mmap partition of rank ", r, " of"), t.key_, 0,
@@ -910,7 +1098,11 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
         }
         if (!fd) {
           fd = UniqueFd(::memfd_create("tensortier-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-          if (!fd) ThrowIoError(errno, "memfd_create for", key, 0, p.bytes);
+          if (!fd) {
+            const int err = errno;
+            ThrowIoError(err, shared::WithDescriptorLimit("memfd_create for", err), key, 0,
+                         p.bytes);
+          }
           if (::ftruncate(fd.get(), RoundUp(p.bytes, page)) != 0) {
             ThrowIoError(errno, "ftruncate memfd of", key, 0, p.bytes);
           }
@@ -968,7 +1160,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
     failure = std::current_exception();
   }
   if (own_partition) Settle(StrCat("create_tensor '", key, "' (mapped)"), failure);
-  tensors_.push_back(tensor);
+  Remember(tensor);
   return tensor;
 }
 
@@ -1056,12 +1248,7 @@ std::shared_ptr<SharedTensor> SharedGroup::MapDevice(const SharedTensorSpec& spe
       } else {
         std::string peer = StrCat("tensortier.", token_, ".", r);
         std::string from = StrCat("rank ", r, " (serving '", key, "')");
-        UniqueFd c = shared::ConnectAbstract(peer, deadline, false);
-        shared::RequireSameUser(c.get(), from);
-        shared::SendString(c.get(), key, deadline, from);
-        auto [status, fd] = shared::RecvStatusAndFd(c.get(), deadline, from);
-        if (status != kServed || !fd)
-          ThrowIoError(ENOENT, StrCat("fetch partition from ", from), key);
+        UniqueFd fd = FetchDescriptor(peer, key, deadline, from);
         memory->device_allocations.push_back(
             DeviceAllocation::Import(*context, fd.get(), RoundUp(p.bytes, granularity)));
       }
@@ -1074,7 +1261,7 @@ std::shared_ptr<SharedTensor> SharedGroup::MapDevice(const SharedTensorSpec& spe
   }
   Settle(StrCat(what, " (mapped)"), failure);
   tensor->memory_ = std::move(memory);
-  tensors_.push_back(tensor);
+  Remember(tensor);
   return tensor;
 }
 

@@ -1,6 +1,8 @@
 #include "unix_socket.hpp"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -11,6 +13,7 @@
 #include <thread>
 
 #include "tensortier/error.hpp"
+#include "tensortier/strings.hpp"
 
 namespace tensortier::shared {
 namespace {
@@ -61,9 +64,48 @@ Clock::time_point DeadlineAfter(std::chrono::milliseconds timeout) {
   return now + timeout;
 }
 
+std::string WithDescriptorLimit(std::string_view op, int err) {
+  if (err == ENFILE) {
+    return StrCat(op, " [the system has reached its limit on open files: raise fs.file-max]");
+  }
+  if (err != EMFILE) return std::string(op);
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
+    return StrCat(op, " [this process has reached its limit on open descriptors: raise ulimit -n]");
+  }
+  return StrCat(op, " [this process has reached its limit of ", limit.rlim_cur,
+                " open descriptors: raise ulimit -n]");
+}
+
+void SpareFd::Refill() {
+  if (!fd_) fd_ = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+}
+
+bool SpareFd::Release() {
+  if (!fd_) return false;
+  fd_ = UniqueFd();
+  return true;
+}
+
+Accepted AcceptWithSpare(int listener, SpareFd& spare) {
+  Accepted a;
+  a.connection = UniqueFd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
+  if (a.connection) return a;
+  a.error = errno;
+  if ((a.error == EMFILE || a.error == ENFILE) && spare.Release()) {
+    // Another thread may take the freed number first: then nothing is accepted this time.
+    a.connection = UniqueFd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
+    if (!a.connection) spare.Refill();
+  }
+  return a;
+}
+
 UniqueFd ListenAbstract(const std::string& name) {
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd) ThrowIoError(errno, "socket", name);
+  if (!fd) {
+    const int err = errno;
+    ThrowIoError(err, WithDescriptorLimit("socket", err), name);
+  }
   sockaddr_un addr;
   socklen_t len = AbstractAddress(name, &addr);
   if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
@@ -78,7 +120,10 @@ UniqueFd ConnectAbstract(const std::string& name, Clock::time_point deadline, bo
   socklen_t len = AbstractAddress(name, &addr);
   for (;;) {
     UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (!fd) ThrowIoError(errno, "socket", name);
+    if (!fd) {
+      const int err = errno;
+      ThrowIoError(err, WithDescriptorLimit("socket", err), name);
+    }
     if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0) return fd;
     int err = errno;
     if (err == EINTR) continue;
@@ -189,7 +234,12 @@ std::pair<char, UniqueFd> RecvStatusAndFd(int fd, Clock::time_point deadline,
       received = UniqueFd(passed);
     }
   }
-  if (msg.msg_flags & MSG_CTRUNC) ThrowIoError(EMSGSIZE, "receive descriptor (truncated)", what);
+  if (msg.msg_flags & MSG_CTRUNC) {
+    // The control buffer holds one descriptor: a passed one is dropped only when this process
+    // has no number free for it (the kernel says no more).
+    ThrowIoError(EMFILE, WithDescriptorLimit("receive descriptor (dropped by the kernel)", EMFILE),
+                 what);
+  }
   return {status, std::move(received)};
 }
 

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace tensortier::shared {
@@ -27,6 +28,36 @@ class UniqueFd {
  private:
   int fd_ = -1;
 };
+
+// `op` with, for EMFILE/ENFILE, which limit on open descriptors was reached and how to raise it
+// (ulimit -n, or the system's fs.file-max): the text an IoError of `err` starts with.
+std::string WithDescriptorLimit(std::string_view op, int err);
+
+// A descriptor kept in reserve by a server, so that when its process is out of descriptors
+// (EMFILE/ENFILE) it can still take a pending connection long enough to say so, instead of
+// leaving it queued (the peer would wait out its timeout) while poll reports it ready (a busy
+// loop). Empty when /dev/null could not be opened, or while lent out.
+class SpareFd {
+ public:
+  SpareFd() { Refill(); }
+  // Opens /dev/null again if the spare is lent out (no-op when held; stays empty if it fails).
+  void Refill();
+  // Gives the descriptor back to the kernel so that the next open/accept may take its number.
+  // Whether there was one to give.
+  bool Release();
+
+ private:
+  UniqueFd fd_;
+};
+
+// A connection accepted from `listener`, and 0; or the errno of the refusal with no connection;
+// or, when the process was out of descriptors and the spare let one be taken, the connection and
+// EMFILE/ENFILE: the caller answers that it cannot serve, closes it, and refills the spare.
+struct Accepted {
+  UniqueFd connection;
+  int error = 0;
+};
+Accepted AcceptWithSpare(int listener, SpareFd& spare);
 
 // A listening socket at abstract name `name` (without the leading NUL). Throws IoError
 // (EADDRINUSE when another process serves that name).

@@ -54,18 +54,33 @@ struct UnixSocketStore::Server {
     std::map<std::string, std::string> values;
     std::map<std::string, std::vector<int>> waiters;  // key -> clients waiting in Get
     std::vector<shared::UniqueFd> clients;
+    shared::SpareFd spare;
+    // Until then the listener is left alone: a connection this process has no descriptor for
+    // keeps it ready, and polling it would spin.
+    auto listen_again = shared::Clock::now();
     for (;;) {
-      std::vector<pollfd> polls{{wake_read.get(), POLLIN, 0}, {listener.get(), POLLIN, 0}};
+      const bool listening = shared::Clock::now() >= listen_again;
+      std::vector<pollfd> polls{{wake_read.get(), POLLIN, 0},
+                                {listening ? listener.get() : -1, POLLIN, 0}};
       for (const auto& c : clients) polls.push_back({c.get(), POLLIN, 0});
-      if (::poll(polls.data(), polls.size(), -1) < 0) {
+      if (::poll(polls.data(), polls.size(), listening ? -1 : 50) < 0) {
         if (errno == EINTR) continue;
         return;  // nothing sensible left to do: clients see the connection close
       }
       if (polls[0].revents) return;
       if (polls[1].revents & POLLIN) {
-        shared::UniqueFd c(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-        // Another user's process gets a closed connection and nothing else.
-        if (c && shared::PeerIsSameUser(c.get())) clients.push_back(std::move(c));
+        spare.Refill();  // lost to another thread the last time descriptors ran out
+        shared::Accepted a = shared::AcceptWithSpare(listener.get(), spare);
+        if (a.connection && a.error == 0 && shared::PeerIsSameUser(a.connection.get())) {
+          clients.push_back(std::move(a.connection));
+        } else if (a.connection) {
+          // Another user's process, or one taken with the spare descriptor (this process has
+          // none to keep it): a closed connection, at once, and nothing else.
+          a.connection = shared::UniqueFd();
+          spare.Refill();
+        } else if (a.error == EMFILE || a.error == ENFILE) {
+          listen_again = shared::Clock::now() + std::chrono::milliseconds(50);
+        }
       }
       std::vector<int> dead;
       for (size_t i = 2; i < polls.size(); ++i) {

@@ -1,5 +1,6 @@
 // Shared tensors across real processes: each test forks its ranks (bounded by alarm()), which
 // rendezvous through the built-in Unix-socket store.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -635,6 +636,186 @@ TEST(SharedTensorTest, AnotherUsersProcessIsRefused) {
       Check(WIFEXITED(st) && WEXITSTATUS(st) == 0, StrCat("other user's fetch: status ", st));
       Check(group.refused_peers() == 1, "refusal counted");
     }
+    group.Barrier("done");
+  });
+  ExpectAllZero(statuses);
+}
+
+// The record attach reads is anyone's writing (a TCPStore has no authentication): a field no
+// tensor has, or a shape needing more memory than the owners serve, is refused with
+// std::invalid_argument naming the field, before anything is read (no SIGBUS, no segfault, no
+// uninitialised bytes, no bad_alloc).
+TEST(SharedTensorTest, AttachRefusesARecordThatIsNoTensorOrNeedsMoreThanIsServed) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 20s);
+    auto t = group.Create(Spec({10, 4}, 4, SharedLayout::kContinuous, "t"));
+    group.Barrier("created");
+    if (rank == 1) {
+      const std::string key = "tensortier/shared/named/t";
+      const std::string good = store->Get(key, 5s);
+      auto with = [&](const std::string& from, const std::string& to) {
+        const size_t at = good.find(from);
+        Check(at != std::string::npos, StrCat(from, " in ", good));
+        return good.substr(0, at) + to + good.substr(at + from.size());
+      };
+      const std::pair<std::string, std::string> cases[] = {
+          {with("shape=[10,4]", "shape=[-5,4]"), "negative dimension"},
+          {with("shape=[10,4]", "shape=[100000,4]"), "needs 802816 bytes in rank 0"},
+          {with("element_size=4", "element_size=0"), "element_size must be positive"},
+          {with(" 2 shape=", " 2147483647 shape="), "world_size 2147483647 is not in"},
+          {with(" 2 shape=", " 99999999999 shape="), "world_size '99999999999'"},
+          {with(" 2 shape=", " 0 shape="), "world_size 0 is not in"},
+          {with("shape=[10,4]", "shape=[1e3,4]"), "shape '1e3'"},
+          {with("shape=[10,4]", "shape=[4294967296,4294967296]"), "more than 2^56 bytes"},
+          {with("shape=[10,4]", "shape=[0,4294967296,4294967296]"), "more than 2^56 bytes"},
+          {with("dtype=bytes4", "dtype=torch.float64"), "not the size of torch.float64 (8)"},
+          {with("layout=continuous", "layout=distributed"), "layout distributed"},
+          {"zz" + good.substr(2), "token"},
+          {good.substr(0, 32) + "/x" + good.substr(32), "token"},
+      };
+      for (const auto& [record, says] : cases) {
+        store->Set(key, record);
+        try {
+          AttachSharedTensor(*store, "t", 5s);
+          Check(false, StrCat("attached record ", record));
+        } catch (const std::invalid_argument& e) {
+          Check(std::string(e.what()).find(says) != std::string::npos,
+                StrCat("'", e.what(), "' does not say ", says));
+        }
+      }
+      store->Set(key, good);
+      auto again = AttachSharedTensor(*store, "t", 5s);
+      int64_t last = 9;
+      uint32_t out[4];
+      again->Gather(&last, 1, out);
+    }
+    group.Barrier("attached");
+  });
+  ExpectAllZero(statuses);
+}
+
+// Ranks 0 and 2 create a tensor while rank 1 calls a barrier at that point: every rank throws
+// std::invalid_argument naming who called what (rank 1's barrier used to return).
+TEST(SharedTensorTest, RanksMakingDifferentCollectiveCallsAllThrow) {
+  auto statuses = RunRanks(3, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, 20s);
+    try {
+      if (rank == 1) {
+        group.Barrier("barrier");
+      } else {
+        group.Create(Spec({10, 4}, 4, SharedLayout::kContinuous));
+      }
+      Check(false, "no error");
+    } catch (const std::invalid_argument& e) {
+      const std::string msg = e.what();
+      Check(msg.find("rank 1 called barrier") != std::string::npos, msg);
+      Check(msg.find("rank 0,2 called create_tensor") != std::string::npos, msg);
+    }
+    // The group goes on: the next calls pair up again.
+    group.Barrier("after");
+    auto t = group.Create(Spec({10, 4}, 4, SharedLayout::kChunked));
+    Check(t->partitions().size() == 3, "created after the mismatch");
+  });
+  ExpectAllZero(statuses);
+}
+
+// Opens /dev/null until this process is out of descriptors; returns what it opened.
+std::vector<int> ExhaustDescriptors() {
+  std::vector<int> fds;
+  for (;;) {
+    int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      Check(errno == EMFILE, StrCat("open: ", std::strerror(errno)));
+      return fds;
+    }
+    fds.push_back(fd);
+  }
+}
+
+// Lowers this process's soft RLIMIT_NOFILE so that `headroom` descriptors are left to open.
+void LimitDescriptors(int headroom) {
+  int highest = 0;
+  for (int fd = 0; fd < 1 << 16; ++fd) {
+    if (::fcntl(fd, F_GETFD) >= 0) highest = fd;
+  }
+  rlimit limit{};
+  Check(::getrlimit(RLIMIT_NOFILE, &limit) == 0, "getrlimit");
+  limit.rlim_cur = static_cast<rlim_t>(highest + 1 + headroom);
+  Check(::setrlimit(RLIMIT_NOFILE, &limit) == 0, "setrlimit");
+}
+
+// Rank 1 has no descriptor free: its partition server cannot accept a peer's connection. The
+// peers fetching from it learn that at once (EMFILE, naming ulimit -n) instead of waiting out
+// the timeout while its server retries accept in a busy loop; its own fetch says so too.
+TEST(SharedTensorTest, ARankOutOfDescriptorsSaysSoAtOnce) {
+  constexpr auto kTimeout = 60s;
+  auto statuses = RunRanks(3, [&](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, kTimeout);
+    auto t = group.Create(Spec({3 * 1024, 1024}, 4, SharedLayout::kChunked, "t"));
+    auto attach_fails = [&](const std::string& naming) {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        group.Attach("t");
+        Check(false, "attached through a rank out of descriptors");
+      } catch (const IoError& e) {
+        Check(e.error_code() == EMFILE, e.what());
+        Check(std::string(e.what()).find("ulimit -n") != std::string::npos, e.what());
+        Check(std::string(e.what()).find(naming) != std::string::npos, e.what());
+      }
+      Check(std::chrono::steady_clock::now() - start < kTimeout / 2, "said at once");
+    };
+    std::vector<int> held;
+    if (rank == 1) {
+      LimitDescriptors(16);
+      held = ExhaustDescriptors();
+      attach_fails("socket");  // its own connection to rank 0
+    }
+    group.Barrier("rank 1 tried");
+    if (rank != 1) attach_fails("rank 1");
+    group.Barrier("peers tried");
+    for (int fd : held) ::close(fd);
+    group.Barrier("freed");
+    auto again = group.Attach("t");  // served again once descriptors are free
+    group.Barrier("attached");
+  });
+  ExpectAllZero(statuses);
+}
+
+// Rank 1 has 24 descriptors left and every rank keeps creating tensors (each holds one): the
+// call that runs out fails on every rank at once, each error naming ulimit -n.
+TEST(SharedTensorTest, RunningOutOfDescriptorsFailsTheCallOnEveryRankAtOnce) {
+  constexpr auto kTimeout = 60s;
+  auto statuses = RunRanks(3, [&](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 3, kTimeout);
+    std::vector<int> held;
+    if (rank == 1) {
+      LimitDescriptors(64);
+      held = ExhaustDescriptors();
+      Check(held.size() >= 24, "descriptors to free");
+      for (int i = 0; i < 24; ++i) {
+        ::close(held.back());
+        held.pop_back();
+      }
+    }
+    std::vector<std::shared_ptr<SharedTensor>> kept;
+    for (int i = 0;; ++i) {
+      Check(i < 100, "never ran out");
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        kept.push_back(group.Create(Spec({3, 1024}, 4, SharedLayout::kChunked)));
+      } catch (const std::exception& e) {
+        Check(std::chrono::steady_clock::now() - start < kTimeout / 2, "failed at once");
+        Check(std::string(e.what()).find("ulimit -n") != std::string::npos, e.what());
+        store->Set(StrCat("failed_at/", rank), std::to_string(i));
+        break;
+      }
+    }
+    const std::string mine = store->Get(StrCat("failed_at/", rank), 5s);
+    for (int r = 0; r < 3; ++r) {
+      Check(store->Get(StrCat("failed_at/", r), 30s) == mine, "every rank failed the same call");
+    }
+    kept.clear();
+    for (int fd : held) ::close(fd);
     group.Barrier("done");
   });
   ExpectAllZero(statuses);

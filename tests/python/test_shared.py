@@ -1,7 +1,8 @@
 """Shared tensors across real processes: started as torchrun starts them, by
 torch.multiprocessing.spawn, and as plain processes that a test kills. Each rank runs a scenario
 of shared_worker.py and reports in a JSON file; the test checks every rank's report and that
-nothing was left behind (/dev/shm, the processes' TMPDIR, abstract sockets)."""
+nothing the processes made was left behind (in /dev/shm by name, in their private TMPDIR, their
+abstract sockets): what other programs on the machine make there is not looked at."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,13 @@ def abstract_sockets() -> set[str]:
         return {line.split()[-1] for line in f.readlines()[1:] if line.split()[-1].startswith("@tensortier.")}
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def shm_entries(pids: list[int] | None = None) -> set[str]:
+    """The entries of /dev/shm our processes may have made: tensortier's name prefix, and torch's
+    shared-memory files of processes `pids` (torch_<pid>_...). Other programs' entries (another
+    job's buffers, Python's multiprocessing semaphores) are none of ours."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    prefixes = ("tensortier",) + tuple(f"torch_{pid}_" for pid in pids or [])
+    return {n for n in names if n.startswith(prefixes)}
 
 
 def reports(outdir: Path, world: int) -> list[dict[str, Any]]:
@@ -60,8 +68,11 @@ def env_for(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def assert_nothing_left(tmp: Path, shm_before: set[str], sockets: list[str]) -> None:
-    assert shm_entries() - shm_before == set()
+def assert_nothing_left(tmp: Path, shm_before: set[str], sockets: list[str],
+                        pids: list[int] | None = None) -> None:
+    """Nothing that our processes (`pids`) made is left: in /dev/shm by name, in their private
+    TMPDIR, or among abstract sockets (theirs by name)."""
+    assert shm_entries(pids) - shm_before == set()
     # torchrun's agent keeps its own log folder (torchelastic_*) there: not ours.
     left_files = [p.name for p in (tmp / "private_tmp").iterdir() if not p.name.startswith("torchelastic_")]
     assert left_files == []
@@ -83,7 +94,8 @@ def run_torchrun(tmp: Path, scenario: str, world: int, **extra: str) -> list[dic
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('error')}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_nothing_left(tmp, shm_before, [res["socket"] for res in results if "socket" in res])
+    assert_nothing_left(tmp, shm_before, [res["socket"] for res in results if "socket" in res],
+                        [res["pid"] for res in results if "pid" in res])
     return results
 
 
@@ -177,7 +189,8 @@ def test_killed_rank_every_survivor_raises_and_nothing_is_left(tmp_path: Path, w
     for r in range(world - 1):
         assert results[r]["ok"], f"rank {r}: {results[r].get('error')}\n{outputs[r][-2000:]}"
         assert results[r]["waited"] < 30
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:-1]])
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:-1]],
+                        [p.pid for p in procs])
 
 
 def start_ranks(tmp: Path, scenario: str, world: int, port: int, outdir: Path,
@@ -233,7 +246,8 @@ def test_rank_zero_serving_the_store_survivors_raise_within_the_timeout(
         else:
             assert res["error_type"] == "TimeoutError", res
             assert f"rank {victim} of {world} did not arrive" in res["message"], res
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results if "socket" in res])
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results if "socket" in res],
+                        [p.pid for p in procs])
 
 
 def test_attach_from_a_process_outside_the_group(tmp_path: Path) -> None:
@@ -268,7 +282,8 @@ def test_attach_from_a_process_outside_the_group(tmp_path: Path) -> None:
         assert results[r]["ok"], f"owner {r}: {results[r].get('error')}\n{owner_out[r][-2000:]}"
     assert results[world]["ok"], f"attacher: {results[world].get('error')}\n{attacher_out[0][-2000:]}"
     del test_keys, store
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:world]])
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results[:world]],
+                        [p.pid for p in owners + attacher])
 
 
 def test_group_without_a_rendezvous_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -530,7 +545,8 @@ def test_two_jobs_on_one_store_keep_their_keys_apart(tmp_path: Path, private_gro
             sockets.append(res["socket"])
     assert len(set(sockets)) == 4  # every process served on its own socket
     del store
-    assert_nothing_left(tmp_path, shm_before, sockets)
+    assert_nothing_left(tmp_path, shm_before, sockets,
+                        [p.pid for ps in procs.values() for p in ps])
 
 
 def test_ranks_that_create_groups_out_of_order_are_told_so() -> None:
@@ -557,4 +573,214 @@ def test_threads_gather_and_scatter_one_distributed_tensor_at_once(tmp_path: Pat
     results = reports(outdir, world)
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('error')}\n{outputs[r][-2000:]}"
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results])
+    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results],
+                        [p.pid for p in procs])
+
+
+def test_nothing_left_checks_look_only_at_what_our_processes_make(tmp_path: Path) -> None:
+    """Another program's entry in /dev/shm (a multiprocessing semaphore of another job) made while
+    our processes ran is not blamed on them; one under tensortier's prefix, or torch's file of one
+    of our processes, is."""
+    (tmp_path / "private_tmp").mkdir()
+    shm_before = shm_entries()
+    made = []
+    try:
+        for name in (f"sem.mp-other-job-{os.getpid()}", f"torch_{os.getpid() + 1}_other"):
+            made.append(Path("/dev/shm") / name)
+            made[-1].write_bytes(b"")
+        assert_nothing_left(tmp_path, shm_before, [], [os.getpid()])
+        for name in (f"tensortier-left-{os.getpid()}", f"torch_{os.getpid()}_left"):
+            made.append(Path("/dev/shm") / name)
+            made[-1].write_bytes(b"")
+            with pytest.raises(AssertionError):
+                assert_nothing_left(tmp_path, shm_before, [], [os.getpid()])
+            made.pop().unlink()
+    finally:
+        for path in made:
+            path.unlink(missing_ok=True)
+
+
+def test_attach_refuses_a_store_record_that_is_no_tensor_or_needs_more_than_is_served() -> None:
+    """The record attach reads is anyone's writing (a TCPStore has no authentication): a field
+    no tensor has, or a shape needing more memory than the owners serve, is a ValueError naming
+    the field, never a crash (SIGBUS, a segfault), uninitialised bytes or a MemoryError."""
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((10, 4), torch.float32, name="t")
+        t.view()[9] = 3.0
+        key = "tensortier/shared/named/t"
+        good = store.get(key).decode()
+        cases = [
+            (good.replace("shape=[10,4]", "shape=[-5,4]"), "shape has a negative dimension"),
+            (good.replace("shape=[10,4]", "shape=[100000,4]"), "needs 1601536 bytes in rank 0"),
+            (good.replace("element_size=4", "element_size=0"), "element_size must be positive"),
+            (good.replace("element_size=4", "element_size=8"),
+             "element_size 8 is not the size of torch.float32 (4)"),
+            (good.replace(" 1 shape=", " 2147483647 shape="), "world_size 2147483647 is not in"),
+            (good.replace("shape=[10,4]", "shape=[99999999999999999999,4]"), "shape '9999"),
+        ]
+        for record, says in cases:
+            assert record != good
+            store.set(key, record)
+            with pytest.raises(ValueError, match=re.escape(says)):
+                shared.attach("t", store=store, timeout=2)
+        store.set(key, good)
+        again = shared.attach("t", store=store, timeout=2)
+        assert torch.equal(again.gather([9]), torch.full((1, 4), 3.0))
+
+
+def wholememory_shared_memory() -> tuple[int, int]:
+    """This process's descriptors and mappings of shared tensors' memory."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "memfd:tensortier-shared" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    with open("/proc/self/maps") as f:
+        maps = sum("memfd:tensortier-shared" in line for line in f)
+    return fds, maps
+
+
+def test_wholememory_tensors_nobody_references_release_their_memory() -> None:
+    """compat.wholememory keeps only weak references: a dropped tensor (and the views taken of it)
+    gives back its memory and descriptors before finalize_lib(), as torch tensors do; one still
+    referenced keeps them, and get_tensor_view still finds it."""
+    from tensortier.compat import wholememory as wm
+
+    wm.init_lib()
+    wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    try:
+        before = wholememory_shared_memory()
+        kept = wm.create_tensor([16, 4], [], torch.float32, True, [])
+        kept[3] = 7.0
+        held = wholememory_shared_memory()
+        assert held[0] > before[0] and held[1] > before[1]
+        for _ in range(30):
+            t = wm.create_tensor([4096, 256], [], torch.float32, True, [])
+            v = wm.get_tensor_view(t, torch.device("cpu"))
+            v[0, 0] = 1.0
+            assert wm.get_tensor_view(v, torch.device("cpu"))[0, 0].item() == 1.0
+            del t, v
+        assert wholememory_shared_memory() == held
+        assert wm.get_tensor_view(kept, torch.device("cpu"))[3, 1].item() == 7.0
+        del kept
+        assert wholememory_shared_memory() == before
+    finally:
+        wm.finalize_lib()
+
+
+def test_wholememory_views_of_empty_tensors_are_their_own() -> None:
+    """Empty tensors all have data pointer 0: get_tensor_view finds each by the tensor itself."""
+    from tensortier.compat import wholememory as wm
+
+    wm.init_lib()
+    wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    try:
+        a = wm.create_tensor([0, 4], [], torch.float32, True, [])
+        b = wm.create_tensor([0, 8], [], torch.int64, True, [])
+        va = wm.get_tensor_view(a, torch.device("cpu"))
+        vb = wm.get_tensor_view(b, torch.device("cpu"))
+        assert (va.shape, va.dtype) == ((0, 4), torch.float32)
+        assert (vb.shape, vb.dtype) == ((0, 8), torch.int64)
+    finally:
+        wm.finalize_lib()
+
+
+def run_ranks_in_threads(world: int, body: Any, timeout: float) -> list[Any]:
+    """Runs `body(group)` for every rank of a group of `world` threads of this process over one
+    HashStore; returns what each returned or raised."""
+    store = torch.distributed.HashStore()
+    results: list[Any] = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            with shared.Group(rank=rank, world_size=world, store=store, timeout=timeout) as group:
+                results[rank] = body(group)
+        except BaseException as e:  # reported to the test
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(3 * timeout)
+    assert not any(th.is_alive() for th in threads), "ranks did not finish"
+    return results
+
+
+def test_every_rank_of_a_mismatched_collective_call_raises() -> None:
+    """Ranks 0 and 2 create a tensor while rank 1 calls barrier(): all three raise ValueError
+    naming who called what (rank 1's barrier used to return normally)."""
+
+    def body(group: shared.Group) -> str:
+        try:
+            if group.rank == 1:
+                group.barrier()
+            else:
+                group.create_tensor((10, 4), torch.float32)
+        except ValueError as e:
+            group.barrier()  # the group goes on
+            return str(e)
+        return "no error"
+
+    for rank, said in enumerate(run_ranks_in_threads(3, body, 20)):
+        assert isinstance(said, str), f"rank {rank}: {said!r}"
+        assert "rank 1 called barrier" in said and "rank 0,2 called create_tensor" in said, (rank, said)
+
+
+class _ShrinkingOs:
+    """The os module, except that stat() of `path` truncates that file to half once it has
+    looked (a file that shrinks between stat and read)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = str(path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def stat(self, path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        st = os.stat(path, *args, **kwargs)
+        if os.fspath(path) == self._path:
+            os.truncate(path, st.st_size // 2)
+        return st
+
+
+def test_a_rank_failing_load_files_or_store_files_fails_every_rank_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's file shrinks between stat and read: rank 1 raises its OSError and the others a
+    RuntimeError naming rank 1 with its error's text, at once (they used to wait out the timeout,
+    then blame rank 1 for not arriving). Then rank 1 cannot write its part of store_files."""
+    want = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    path, shrinking = tmp_path / "rows", tmp_path / "rows_of_rank_1"
+    path.write_bytes(want.numpy().tobytes())
+    shrinking.write_bytes(want.numpy().tobytes())
+    monkeypatch.setattr(shared, "os", _ShrinkingOs(shrinking))
+    timeout = 30.0
+
+    def body(group: shared.Group) -> list[tuple[str, str, float]]:
+        t = group.create_tensor((10, 4), torch.float32, layout="chunked")  # rows on every rank
+        said = []
+        for call in (lambda: t.load_files([shrinking if group.rank == 1 else path]),
+                     lambda: t.store_files(tmp_path / ("missing/x" if group.rank == 1 else "x"))):
+            start = time.monotonic()
+            try:
+                call()
+                said.append(("no error", "", 0.0))
+            except Exception as e:
+                said.append((type(e).__name__, str(e), time.monotonic() - start))
+        return said
+
+    results = run_ranks_in_threads(3, body, timeout)
+    for rank, said in enumerate(results):
+        assert isinstance(said, list), f"rank {rank}: {said!r}"
+        (load_type, load_text, load_waited), (store_type, store_text, store_waited) = said
+        assert load_waited < timeout / 2 and store_waited < timeout / 2, (rank, said)
+        if rank == 1:
+            assert load_type == "OSError" and "shrank" in load_text, said
+            assert store_type == "FileNotFoundError", said
+        else:
+            assert load_type == "RuntimeError", (rank, said)
+            assert "load_files failed on rank 1: OSError: " in load_text and "shrank" in load_text, said
+            assert store_type == "RuntimeError" and "store_files failed on rank 1: " in store_text, said

@@ -20,6 +20,7 @@ import operator
 from typing import Any, Sequence, cast
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import shared as _shared
 from .._core import cuda_driver as _cuda_driver
@@ -29,8 +30,10 @@ __all__ = ["init_lib", "mp_init", "create_tensor", "get_tensor_view", "finalize_
 
 _initialized = False
 _group: _shared.Group | None = None
-# Every tensor create_tensor returned, by its data pointer: get_tensor_view finds it there.
-_tensors: dict[int, tuple[_shared.SharedTensor, torch.Tensor]] = {}
+# The shared tensor behind each tensor create_tensor or get_tensor_view returned, keyed by the
+# tensor object itself (not its data pointer: every empty tensor's is 0) and held weakly: a tensor
+# nobody references goes, and its shared tensor with it (memory and descriptors), as torch's do.
+_tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def init_lib() -> None:
@@ -117,7 +120,7 @@ def create_tensor(
     device = "cpu" if is_host else "cuda"
     shared = group.create_tensor(dims, dtype, device=device, layout="continuous")
     tensor = cast(torch.Tensor, shared.view(device))  # one tensor: the layout is continuous
-    _tensors[tensor.data_ptr()] = (shared, tensor)
+    _tensors[tensor] = shared
     return tensor
 
 
@@ -132,15 +135,17 @@ def get_tensor_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     _require_group("get_tensor_view")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"wholememory: get_tensor_view needs a torch.Tensor, not {type(tensor)}")
-    entry = _tensors.get(tensor.data_ptr())
-    if entry is None:
+    shared = _tensors.get(tensor)
+    if shared is None:
         raise ValueError("wholememory: get_tensor_view needs a tensor returned by create_tensor")
     device = torch.device(device)
     if device.type == "cuda":
         _require_cuda(f"get_tensor_view on {device}")
     elif device.type != "cpu":
         raise ValueError(f"wholememory: get_tensor_view: device must be cpu or cuda, not {device}")
-    return cast(torch.Tensor, entry[0].view(device))
+    view = cast(torch.Tensor, shared.view(device))
+    _tensors[view] = shared  # a view of a view is the same memory
+    return view
 
 
 def finalize_lib() -> None:
