@@ -709,3 +709,12 @@ def test_state_dict_resumes_a_root_spelled_another_way(
     linked.load_state_dict(spelled)
     with pytest.raises(ValueError, match="other files"):
         FileReader(file_root=root, batch_size=2, seed=3, shuffle=True).load_state_dict(spelled)
+
+
+@pytest.mark.parametrize("state", [None, [("epoch", 0), ("position", 0)], "state", 3])
+def test_load_state_dict_of_something_else_than_a_dict_is_a_type_error(disk_dir: Path,
+                                                                       state: Any) -> None:
+    make_tree(disk_dir, classes=1, per_class=3)
+    reader = FileReader(file_root=disk_dir, batch_size=2)
+    with pytest.raises(TypeError, match=r"dict that FileReader.state_dict\(\) returns"):
+        reader.load_state_dict(state)

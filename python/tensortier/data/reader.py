@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -319,7 +319,7 @@ class FileReader:
         return {"epoch": self._epoch, "position": self._position, **self._config,
                 "files_digest": self._files_digest}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at ``state``: the next batch, of a new iteration or of one under way (a
         loop, a ``dali_source()``), is the one after the last one given out before
         ``state_dict()`` was taken.
@@ -328,8 +328,13 @@ class FileReader:
         settings and the file count only.
 
         Raises:
+            TypeError: ``state`` is not a dict (what ``state_dict()`` returns).
             ValueError: the state was taken from a reader with other files or settings.
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"load_state_dict takes the dict that FileReader.state_dict() returns (epoch, "
+                f"position, settings and files_digest), not {type(state).__name__}")
         expected = dict(self._config)
         if "files_digest" in state:
             expected["files_digest"] = self._files_digest
