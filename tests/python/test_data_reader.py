@@ -718,3 +718,39 @@ def test_load_state_dict_of_something_else_than_a_dict_is_a_type_error(disk_dir:
     reader = FileReader(file_root=disk_dir, batch_size=2)
     with pytest.raises(TypeError, match=r"dict that FileReader.state_dict\(\) returns"):
         reader.load_state_dict(state)
+
+
+def test_a_file_list_that_is_not_a_regular_file_is_refused_by_name_before_reading(
+        disk_dir: Path) -> None:
+    (disk_dir / "a.jpg").write_bytes(b"x")
+    fifo = disk_dir / "list.fifo"
+    os.mkfifo(fifo)
+    folder = disk_dir / "list.d"
+    folder.mkdir()
+    # In a child bounded in time: a FIFO read would wait for a writer forever, /dev/zero never ends.
+    script = (
+        "import sys\n"
+        "from tensortier.data import FileReader\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        FileReader(file_list=name)\n"
+        "    except OSError as e:\n"
+        "        print(type(e).__name__, e.errno, e.filename == name, 'regular file' in str(e)\n"
+        "              or 'directory' in str(e))\n")
+    r = subprocess.run([sys.executable, "-c", script, str(fifo), "/dev/zero", str(folder)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        f"OSError {errno.EINVAL} True True",
+        f"OSError {errno.EINVAL} True True",
+        f"IsADirectoryError {errno.EISDIR} True True",
+    ]
+
+
+def test_a_file_list_past_its_size_bound_is_refused(disk_dir: Path) -> None:
+    lst = disk_dir / "huge.txt"
+    with open(lst, "wb") as f:
+        f.truncate((4 << 30) + 1)  # sparse: no disk space used
+    with pytest.raises(OSError) as e:
+        FileReader(file_list=lst)
+    assert e.value.errno == errno.EFBIG and e.value.filename == str(lst)
