@@ -136,6 +136,9 @@ std::string ExtentMapToJson(const ExtentMap& map);
 ExtentMap ParseExtentMap(std::string_view json, const std::string& what);
 
 // File helpers: written durably (temporary file, fsync, rename); read whole. IoError on failure.
+// A map is a list of disk offsets to read with the rights of whoever reads it (root), so, as ssh
+// does with its keys, LoadExtentMap refuses (IoError EPERM) a map owned by another user than the
+// caller or root, or writable by its group or others; anything but a regular file is EINVAL.
 void SaveExtentMap(const ExtentMap& map, const std::string& path);
 ExtentMap LoadExtentMap(const std::string& path);
 

@@ -371,6 +371,28 @@ void SaveExtentMap(const ExtentMap& map, const std::string& path) {
 
 ExtentMap LoadExtentMap(const std::string& path) {
   tensortier::File f = tensortier::File::Open(path, OpenMode::kRead, false);
+  struct stat st {};
+  if (fstat(f.buffered_fd(), &st) != 0) ThrowIoError(errno, "fstat", path);
+  if (!S_ISREG(st.st_mode)) ThrowIoError(EINVAL, "load the extent map (not a regular file)", path);
+  // Its offsets become reads of a raw disk with the reader's rights: only a map its user (or
+  // root) owns and nobody else may change is trusted, as ssh trusts its keys.
+  if (st.st_uid != geteuid() && st.st_uid != 0) {
+    ThrowIoError(EPERM,
+                 StrCat("load the extent map (owned by uid ", st.st_uid, ", not by this user (uid ",
+                        geteuid(), ") or root: a map names disk blocks to read, so only its "
+                        "user's own maps are trusted; rebuild it or chown it)"),
+                 path);
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    ThrowIoError(EPERM,
+                 StrCat("load the extent map (mode ", mode, ": writable by ",
+                        (st.st_mode & S_IWOTH) != 0 ? "others" : "its group",
+                        "; a map names disk blocks to read, so only one nobody else may change "
+                        "is trusted: chmod go-w it)"),
+                 path);
+  }
   const uint64_t size = f.Size();
   if (size > kMaxMapBytes) {
     throw FormatError(StrCat(path, ": ", size, " bytes is too large for an extent map"));

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/fiemap.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <climits>
@@ -352,6 +353,45 @@ TEST_F(ExtentMapDiskTest, RefusalsNameTheFile) {
 
 namespace tensortier {
 namespace {
+
+// A map is a list of disk offsets read with root's rights: as ssh with its keys, only a map its
+// user (or root) owns and nobody else may write is loaded.
+TEST_F(ExtentMapDiskTest, LoadRefusesAMapOthersCanWriteOrOwn) {
+  const std::string path = (dir_ / "map.json").string();
+  SaveExtentMap(SampleMap(), path);
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  EXPECT_EQ(LoadExtentMap(path), SampleMap());
+  for (mode_t mode : {0664, 0646, 0666}) {
+    ASSERT_EQ(chmod(path.c_str(), mode), 0);
+    try {
+      LoadExtentMap(path);
+      ADD_FAILURE() << "loaded a map of mode " << mode;
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_code(), EPERM);
+      EXPECT_EQ(e.path(), path);
+      EXPECT_NE(std::string(e.what()).find("chmod go-w"), std::string::npos) << e.what();
+    }
+  }
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  if (geteuid() == 0) {
+    ASSERT_EQ(chown(path.c_str(), 4321, 4321), 0);
+    try {
+      LoadExtentMap(path);
+      ADD_FAILURE() << "loaded another user's map";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_code(), EPERM);
+      EXPECT_NE(std::string(e.what()).find("uid 4321"), std::string::npos) << e.what();
+    }
+  }
+  const std::string fifo = (dir_ / "map.fifo").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  try {
+    LoadExtentMap(fifo);  // refused before any read: it would wait for a writer
+    ADD_FAILURE() << "loaded a FIFO";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), EINVAL);
+  }
+}
 
 TEST(ExtentReaderTest, RefusesADiskNodeThatIsNotTheMapsDisk) {
   ExtentMap map = SampleMap();
