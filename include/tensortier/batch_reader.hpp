@@ -76,6 +76,9 @@ struct BatchReaderOptions {
   BackendFactory backend_factory;
   // Read the files this map holds from its block devices (needs read access to them: root).
   std::optional<ExtentMap> extent_map;
+  // Check each raw read against the file's checksum in the map (ExtentReader); false only for
+  // files known never to move.
+  bool extent_checksums = true;
 };
 
 struct SkippedFile {

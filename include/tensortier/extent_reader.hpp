@@ -5,7 +5,11 @@
 // so a changed file never yields stale bytes.
 //
 // What identity cannot see: tools that move a file's blocks without changing its times (online
-// defragmentation, deduplication). Run VerifyExtentMap (`tensortier extents verify`) after them.
+// defragmentation, deduplication), after which the old blocks may hold anything. So each raw
+// read is also checked against the file's XXH64 in the map, and a file whose bytes differ is read
+// through the filesystem instead (as is a file the map has no checksum for). verify_checksums =
+// false skips both, for files known never to move (a read-only filesystem): then a moved file
+// reads wrong bytes.
 //
 // Thread-safe: any thread may call ReadBatch; the reader's state is fixed at construction.
 #pragma once
@@ -48,9 +52,13 @@ class ExtentReader {
   // the node is no longer the disk the map names (ENODEV), or when it refuses O_DIRECT
   // (EOPNOTSUPP). The engine is made from `options` with its page-cache check off: a disk's page
   // cache is not the files' and may hold stale blocks, so every device read goes direct.
-  explicit ExtentReader(ExtentMap map, EngineOptions options = EngineOptions::FromEnvironment());
+  // Throws std::invalid_argument for an extent past the end of its filesystem's device (a map
+  // edited to read other blocks of the disk).
+  explicit ExtentReader(ExtentMap map, EngineOptions options = EngineOptions::FromEnvironment(),
+                        bool verify_checksums = true);
   // Test seam: the engine's backends are made by `factory` (a fault-injecting backend).
-  ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory);
+  ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory,
+               bool verify_checksums = true);
   ~ExtentReader();
   ExtentReader(const ExtentReader&) = delete;
   ExtentReader& operator=(const ExtentReader&) = delete;
@@ -68,6 +76,7 @@ class ExtentReader {
  private:
   struct Plan;
   ExtentMap map_;
+  bool verify_checksums_;
   std::vector<File> devices_;  // per map_.devices
   std::unique_ptr<Engine> engine_;
 };

@@ -376,7 +376,8 @@ BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions opti
                 : std::make_unique<Engine>(options_.engine);
   if (options_.extent_map) {
     map_index_ = MapIndices(paths_, *options_.extent_map);
-    extents_ = std::make_unique<ExtentReader>(std::move(*options_.extent_map), options_.engine);
+    extents_ = std::make_unique<ExtentReader>(std::move(*options_.extent_map), options_.engine,
+                                              options_.extent_checksums);
     options_.extent_map.reset();
   }
   open_window_ = OpenFileWindow();

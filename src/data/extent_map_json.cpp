@@ -126,6 +126,24 @@ class MapParser {
     return v;
   }
 
+  // 64 bits as 16 hexadecimal digits in a string (JSON numbers past 2^53 lose bits elsewhere).
+  uint64_t Hex64(const std::string& key) {
+    const std::string text = String(key);
+    uint64_t v = 0;
+    bool ok = text.size() == 16;
+    for (char c : text) {
+      if (c >= '0' && c <= '9') {
+        v = v << 4 | static_cast<uint64_t>(c - '0');
+      } else if (c >= 'a' && c <= 'f') {
+        v = v << 4 | static_cast<uint64_t>(c - 'a' + 10);
+      } else {
+        ok = false;
+      }
+    }
+    if (!ok) r_.Fail(StrCat(key, " '", text, "' is not 16 lowercase hexadecimal digits"));
+    return v;
+  }
+
   // A signed integer: '-' directly followed by the digits ReadUint takes.
   int64_t Int(const std::string& key) {
     if (r_.Peek() == '-') {
@@ -213,6 +231,8 @@ class MapParser {
                f.identity.mtime_ns = Int(key);
              } else if (key == "ctime_ns") {
                f.identity.ctime_ns = Int(key);
+             } else if (key == "xxh64") {
+               f.xxh64 = Hex64(key);
              } else if (key == "extents") {
                Array([&] {
                  FileExtent x;
@@ -315,7 +335,13 @@ std::string ExtentMapToJson(const ExtentMap& map) {
     out += StrCat(i == 0 ? "\n" : ",\n", "    {\"path\": ", JsonQuoteBytes(f.path),
                   ", \"device\": ", f.device, ", \"inode\": ", f.identity.inode,
                   ", \"size\": ", f.identity.size, ", \"mtime_ns\": ", f.identity.mtime_ns,
-                  ", \"ctime_ns\": ", f.identity.ctime_ns, ", \"extents\": [");
+                  ", \"ctime_ns\": ", f.identity.ctime_ns);
+    if (f.xxh64) {
+      char hex[17];
+      std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(*f.xxh64));
+      out += StrCat(", \"xxh64\": \"", hex, "\"");
+    }
+    out += ", \"extents\": [";
     for (size_t j = 0; j < f.extents.size(); ++j) {
       const FileExtent& x = f.extents[j];
       out += StrCat(j == 0 ? "[" : ", [", x.logical, ", ", x.physical, ", ", x.length, "]");

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "tensortier/aligned_buffer.hpp"
+#include "tensortier/checksum.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/strings.hpp"
 
@@ -63,6 +64,28 @@ File OpenDisk(const MappedDevice& d) {
   return disk;
 }
 
+// Refuses a map whose extents leave their filesystem's device: with root's right to read the
+// whole disk, an edited offset would read any block of it (another partition, another user's
+// files).
+void CheckExtentsInside(const ExtentMap& map) {
+  std::vector<std::optional<uint64_t>> bytes;
+  for (const MappedDevice& d : map.devices) bytes.push_back(DeviceBytes(d));
+  for (size_t i = 0; i < map.files.size(); ++i) {
+    const MappedFile& f = map.files[i];
+    const MappedDevice& d = map.devices.at(f.device);
+    const std::optional<uint64_t>& limit = bytes[f.device];
+    for (const FileExtent& x : f.extents) {
+      if (!limit || x.physical > *limit || x.length > *limit - x.physical) {
+        throw std::invalid_argument(StrCat(
+            "the extent map's file '", map.FullPath(i), "' has an extent at device offset ",
+            x.physical, " of ", x.length, " bytes, outside its filesystem's device ", d.major, ":",
+            d.minor, limit ? StrCat(" (", *limit, " bytes)") : std::string(" (of unknown size)"),
+            ": the map does not describe that filesystem (rebuild it)"));
+      }
+    }
+  }
+}
+
 // A device range read into the batch's staging buffer, then copied: a file's last partial
 // sector, or an extent off the device's O_DIRECT alignment.
 struct Staged {
@@ -108,13 +131,15 @@ struct ExtentReader::Plan {
   }
 };
 
-ExtentReader::ExtentReader(ExtentMap map, EngineOptions options)
-    : ExtentReader(std::move(map), std::move(options), BackendFactory{}) {}
+ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, bool verify_checksums)
+    : ExtentReader(std::move(map), std::move(options), BackendFactory{}, verify_checksums) {}
 
-ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory)
-    : map_(std::move(map)) {
+ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory,
+                           bool verify_checksums)
+    : map_(std::move(map)), verify_checksums_(verify_checksums) {
   options.page_cache_check = false;
   for (const MappedDevice& d : map_.devices) devices_.push_back(OpenDisk(d));
+  CheckExtentsInside(map_);
   engine_ = factory ? std::make_unique<Engine>(options, std::move(factory))
                     : std::make_unique<Engine>(options);
 }
@@ -143,7 +168,12 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     std::optional<FileIdentity> now = StatIdentity(map_.FullPath(r.file));
     Plan::PerFile& p = plan.files[i];
     p.raw = now && *now == f.identity;
-    if (!p.raw) p.fallback = IdentityChange(f.identity, now);
+    if (!p.raw) {
+      p.fallback = IdentityChange(f.identity, now);
+    } else if (verify_checksums_ && !f.xxh64) {
+      p.raw = false;
+      p.fallback = "the map has no checksum of it to check raw reads by (an older map: rebuild it)";
+    }
   }
   // Raw pieces: each extent (trimmed to the file's size) at its place on the disk. What is not on
   // the device's O_DIRECT alignment (a last partial sector, odd extents) is read whole-aligned
@@ -258,9 +288,13 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     // its bytes come from the filesystem instead.
     const MappedFile& f = map_.files[requests[i].file];
     std::optional<FileIdentity> now = StatIdentity(path);
-    if (!now || *now != f.identity) {
+    const bool changed = !now || *now != f.identity;
+    if (changed || (verify_checksums_ && Xxh64(requests[i].dest, p.expected) != *f.xxh64)) {
       p.raw = false;
-      p.fallback = StrCat("changed while read raw: ", IdentityChange(f.identity, now));
+      p.fallback =
+          changed ? StrCat("changed while read raw: ", IdentityChange(f.identity, now))
+                  : "its blocks on the disk no longer hold its bytes (they differ from the map's "
+                    "checksum: moved by defragmentation or deduplication?): rebuild the map";
       read_file(i);
       IoResult r = p.future.Wait();
       batch.io += r.stats;

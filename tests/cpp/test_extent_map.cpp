@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tensortier/checksum.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/extent_map.hpp"
 #include "tensortier/extent_reader.hpp"
@@ -66,9 +67,10 @@ ExtentMap SampleMap() {
   ExtentMap map;
   map.root = "/data/set";
   map.devices.push_back({259, 1, "/dev/nvme0n1", 259, 0, 1 << 20, "ext4", 4096});
-  map.files.push_back({"a/one.jpg", 0, {259, 1, 12, 10000, 1700000000123456789, -5}, {}});
+  map.files.push_back({"a/one.jpg", 0, {259, 1, 12, 10000, 1700000000123456789, -5}, {}, {}});
   map.files[0].extents = {{0, 4096 * 100, 8192}, {8192, 4096 * 300, 4096}};
-  map.files.push_back({"a/two \"q\" é.jpg", 0, {259, 1, 13, 0, 0, 0}, {}});
+  map.files[0].xxh64 = 0x0123456789abcdefull;
+  map.files.push_back({"a/two \"q\" é.jpg", 0, {259, 1, 13, 0, 0, 0}, {}, {}});
   map.refused.push_back({"b/inline.txt", "data stored inline in the inode"});
   return map;
 }
@@ -151,6 +153,9 @@ TEST(ExtentMapTest, ParseRefusesBadMaps) {
   ExpectRefused(Edited("\"mtime_ns\": 1700000000123456789", "\"mtime_ns\": -9223372036854775809"),
                 "64 bits");
   ExpectRefused(Edited("\"mtime_ns\": 1700000000123456789", "\"mtime_ns\": 1.5"), "fraction");
+  ExpectRefused(Edited("\"0123456789abcdef\"", "\"0123456789ABCDEF\""), "hexadecimal");
+  ExpectRefused(Edited("\"0123456789abcdef\"", "\"0123\""), "hexadecimal");
+  ExpectRefused(Edited("\"0123456789abcdef\"", "81985529216486895"), "not a string");
   const std::string json = ExtentMapToJson(SampleMap());
   ExpectRefused(json.substr(0, json.size() / 2), "");
   ExpectRefused(json + "x", "");
@@ -257,6 +262,10 @@ TEST_F(ExtentMapDiskTest, BuildVerifyAndReadRaw) {
     uint64_t covered = 0;
     for (const FileExtent& x : f.extents) covered += x.length;
     EXPECT_GE(covered, f.identity.size) << f.path;
+  }
+  for (const MappedFile& f : map.files) {
+    const std::string bytes = RandomBytes(f.identity.size, static_cast<uint32_t>(f.identity.size));
+    EXPECT_EQ(f.xxh64, Xxh64(bytes.data(), bytes.size())) << f.path;
   }
   EXPECT_EQ(ParseExtentMap(ExtentMapToJson(map), "x"), map);
   EXPECT_TRUE(VerifyExtentMap(map).empty());

@@ -160,7 +160,9 @@ class FileReader:
     ctime) is checked against the map first; one that changed since is read through the
     filesystem. ``stats["raw_files"]`` and ``stats["fallback_files"]`` count the two; files the
     map does not hold are read as usual, and a map that holds none of them is refused
-    (``ValueError``). Paths are looked up as spelled, then by their real folders under the map
+    (``ValueError``). Each raw read is checked against the file's checksum in the map, so a file
+    whose blocks moved (online defragmentation) is read through the filesystem too;
+    ``extent_checksums=False`` skips that check, for files that never move. Paths are looked up as spelled, then by their real folders under the map
     root's real path: a ``file_root`` reached through a symbolic link finds a map built through
     the real path, and the other way round. Raw reads need read access to the disk (root): without
     it the reader is refused with ``PermissionError`` naming the disk.
@@ -193,6 +195,7 @@ class FileReader:
         pin_memory: bool = False,
         extent_map: ExtentMap | PathArg | None = None,
         *,
+        extent_checksums: bool = True,
         file_filters: str | Sequence[str] | None = None,
         case_sensitive_filter: bool = False,
         dir_filters: str | Sequence[str] | None = None,
@@ -247,6 +250,7 @@ class FileReader:
             device=device_index,
             backend=backend,
             extent_map=None if extent_map is None else _as_map(extent_map),
+            extent_checksums=bool(extent_checksums),
             fault=_fault,  # tests: the engine's fault-injecting backend
         )
         self._epoch = 0
