@@ -115,9 +115,9 @@ struct BuildOptions {
 };
 
 // Maps every regular file under `root` (recursively, in path order; symbolic links to files are
-// followed, to directories not), reading each once for its checksum. Throws IoError when `root` cannot be walked or a file cannot be
-// opened or mapped for a reason other than a refusal (EIO...), and IoError(EOPNOTSUPP) naming
-// the refused files unless options.allow_refused.
+// followed, to directories not), reading each once for its checksum. Throws IoError when `root`
+// cannot be walked or a file cannot be opened or mapped for a reason other than a refusal
+// (EIO...), and IoError(EOPNOTSUPP) naming the refused files unless options.allow_refused.
 ExtentMap BuildExtentMap(const std::string& root, const BuildOptions& options = {});
 
 // The same for the files `paths` (absolute, or relative to `root`; under it, each once).

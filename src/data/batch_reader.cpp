@@ -710,9 +710,9 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
       } catch (const IoError& e) {
         if (!options_.skip_errors || IsResourceError(std::current_exception())) throw;
         // Leave the failed file out and read the others again (their reads may not have run).
-        auto failed = std::find_if(pending.submitted.begin(), pending.submitted.end(), [&](size_t i) {
-          return pending.slots[i].file.path() == e.path();
-        });
+        auto failed =
+            std::find_if(pending.submitted.begin(), pending.submitted.end(),
+                         [&](size_t i) { return pending.slots[i].file.path() == e.path(); });
         if (failed == pending.submitted.end()) throw;
         pending.slots[*failed].error = std::current_exception();
         pending.submitted.erase(failed);
@@ -729,7 +729,9 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
       if (slot.error || !slot.file.is_open()) continue;
       try {
         struct stat now {};
-        if (fstat(slot.file.buffered_fd(), &now) != 0) ThrowIoError(errno, "fstat", slot.file.path());
+        if (fstat(slot.file.buffered_fd(), &now) != 0) {
+          ThrowIoError(errno, "fstat", slot.file.path());
+        }
         if (static_cast<uint64_t>(now.st_size) != slot.size) {
           ThrowSizeChanged(slot, static_cast<uint64_t>(now.st_size));
         }

@@ -152,7 +152,10 @@ class FileReader:
 
     A file that vanished, cannot be read, is not a regular file or changes size while read
     raises ``OSError`` naming it, or with ``on_error="skip"`` is left out of its batch (the batch
-    is smaller) and counted in ``stats["skipped"]``. Empty files give empty samples.
+    is smaller) and counted in ``stats["skipped"]``. Running out of descriptors or memory
+    (EMFILE, ENFILE, ENOMEM) raises even then: files open at once follow ``RLIMIT_NOFILE``,
+    not the batch size. Empty files give empty samples; a file that reports 0 bytes but has
+    data (``/proc``) raises ``OSError(EINVAL)``.
 
     ``extent_map`` (an ``ExtentMap`` or the path of one, ``build_extent_map``) reads the files
     the map holds straight from their block device by their extents (O_DIRECT, the batch's reads
@@ -162,9 +165,10 @@ class FileReader:
     map does not hold are read as usual, and a map that holds none of them is refused
     (``ValueError``). Each raw read is checked against the file's checksum in the map, so a file
     whose blocks moved (online defragmentation) is read through the filesystem too;
-    ``extent_checksums=False`` skips that check, for files that never move. Paths are looked up as spelled, then by their real folders under the map
-    root's real path: a ``file_root`` reached through a symbolic link finds a map built through
-    the real path, and the other way round. Raw reads need read access to the disk (root): without
+    ``extent_checksums=False`` skips that check, for files that never move. Paths are looked
+    up as spelled, then by their real folders under the map root's real path: a ``file_root``
+    reached through a symbolic link finds a map built through the real path, and the other way
+    round. Raw reads need read access to the disk (root): without
     it the reader is refused with ``PermissionError`` naming the disk.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly: the next batch after a
