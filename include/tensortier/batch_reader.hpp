@@ -9,8 +9,8 @@
 // reading batch k. Each arena is sized by its batch's real bytes (every sample starts on a
 // 4 KiB boundary, as O_DIRECT needs) and reused when its batch is released.
 //
-// Files open at once are bounded, whatever the batch size: half of the descriptors RLIMIT_NOFILE
-// leaves when the reader is made, two per file. A batch that does not fit is read in windows
+// Files open at once are bounded, whatever the batch size: a quarter of the descriptors
+// RLIMIT_NOFILE leaves when the reader is made, two per file (open_files.hpp). A batch that does not fit is read in windows
 // (its files sized by stat first, then opened, read and closed a window at a time).
 //
 // A file that vanished, cannot be read, is not a regular file, or changes size while read fails

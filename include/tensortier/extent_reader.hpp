@@ -64,7 +64,8 @@ class ExtentReader {
   ExtentReader& operator=(const ExtentReader&) = delete;
 
   // Reads every requested file, all of them in flight together, and returns when all are in
-  // their buffers. Throws std::out_of_range for a file index not in the map,
+  // their buffers (files read through the filesystem are opened a window at a time, bounded
+  // by RLIMIT_NOFILE when the reader was made). Throws std::out_of_range for a file index not in the map,
   // std::invalid_argument when a capacity is smaller than the file's size in the map (a file that
   // changed and grew past its capacity: IoError EFBIG naming it), IoError naming the file for a
   // failed read (a file that vanished: ENOENT). REQUIRES: buffers do not overlap.
@@ -77,6 +78,7 @@ class ExtentReader {
   struct Plan;
   ExtentMap map_;
   bool verify_checksums_;
+  size_t fallback_window_;  // files read through the filesystem open at once (RLIMIT_NOFILE)
   std::vector<File> devices_;  // per map_.devices
   std::unique_ptr<Engine> engine_;
 };

@@ -1,7 +1,5 @@
 #include "tensortier/batch_reader.hpp"
 
-#include <dirent.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,6 +12,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "open_files.hpp"
 #include "open_gang.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/error.hpp"
@@ -34,8 +33,6 @@ constexpr uint64_t kSampleAlignment = 4096;
 constexpr uint64_t kPinnedBudget = 64ull << 30;
 // BatchReader::map_index_ of a path the extent map does not hold.
 constexpr uint64_t kNotMapped = std::numeric_limits<uint64_t>::max();
-// The most files a reader keeps open at once, however many descriptors it may have.
-constexpr size_t kMaxOpenFiles = size_t{1} << 16;
 
 struct Arena {
   AlignedBuffer plain;
@@ -119,7 +116,6 @@ struct PendingBatch {
 }  // namespace detail
 
 using detail::FileSlot;
-using detail::kMaxOpenFiles;
 using detail::kNotMapped;
 using detail::kSampleAlignment;
 using detail::PendingBatch;
@@ -226,31 +222,6 @@ bool IsResourceError(const std::exception_ptr& error) {
   } catch (...) {
     return false;
   }
-}
-
-// Descriptors open in this process now (/proc/self/fd), or 0 when they cannot be counted.
-size_t OpenDescriptors() {
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return 0;
-  size_t count = 0;
-  while (const dirent* entry = readdir(dir)) {
-    if (entry->d_name[0] != '.') ++count;
-  }
-  closedir(dir);
-  return count > 0 ? count - 1 : 0;  // less the listing's own
-}
-
-// Files a reader keeps open at once, over all the batches it has in flight: half of the
-// descriptors the process may still open (RLIMIT_NOFILE's soft limit less those open now; the
-// other half is the application's), each file counted as two (buffered and O_DIRECT).
-size_t OpenFileWindow() {
-  struct rlimit limit {};
-  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
-    return kMaxOpenFiles;
-  }
-  const size_t used = OpenDescriptors();
-  const size_t free = limit.rlim_cur > used ? static_cast<size_t>(limit.rlim_cur) - used : 0;
-  return std::clamp<size_t>(free / 4, 1, kMaxOpenFiles);
 }
 
 // The bytes asked of the engine for a file: with O_DIRECT, the whole file rounded up to the
@@ -380,7 +351,7 @@ BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions opti
                                               options_.extent_checksums);
     options_.extent_map.reset();
   }
-  open_window_ = OpenFileWindow();
+  open_window_ = detail::OpenFileWindow();
   // The caller's thread opens files too: the gang adds open_threads - 1.
   gang_ = std::make_unique<detail::OpenGang>(options_.open_threads - 1);
   arenas_ = std::make_shared<detail::ArenaPoolState>();

@@ -9,6 +9,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "open_files.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/error.hpp"
@@ -136,7 +137,9 @@ ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, bool verify_che
 
 ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory,
                            bool verify_checksums)
-    : map_(std::move(map)), verify_checksums_(verify_checksums) {
+    : map_(std::move(map)),
+      verify_checksums_(verify_checksums),
+      fallback_window_(detail::OpenFileWindow()) {
   options.page_cache_check = false;
   for (const MappedDevice& d : map_.devices) devices_.push_back(OpenDisk(d));
   CheckExtentsInside(map_);
@@ -235,9 +238,28 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     }
     p.future = engine_->Read(p.file, requests[i].dest, size, 0);
   };
+  // A window of them at a time (opened, read, closed): however many changed, the files open at
+  // once stay bounded.
+  auto read_files = [&](const std::vector<size_t>& which) {
+    for (size_t at = 0; at < which.size(); at += fallback_window_) {
+      const size_t end = std::min(which.size(), at + fallback_window_);
+      for (size_t k = at; k < end; ++k) read_file(which[k]);
+      for (size_t k = at; k < end; ++k) {
+        Plan::PerFile& p = plan.files[which[k]];
+        IoResult r = p.future.Wait();
+        p.future = Future();
+        p.file.Close();
+        batch.io += r.stats;
+        batch.files[which[k]].bytes = r.bytes;
+        batch.files[which[k]].fallback = p.fallback;
+      }
+    }
+  };
+  std::vector<size_t> changed_before;  // read while the raw pieces are in flight
   for (size_t i = 0; i < requests.size(); ++i) {
-    if (!plan.files[i].raw) read_file(i);
+    if (!plan.files[i].raw) changed_before.push_back(i);
   }
+  read_files(changed_before);
   IoResult raw;
   if (plan.raw.valid()) {
     try {
@@ -258,17 +280,12 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     }
     batch.io += raw.stats;
   }
+  std::vector<size_t> changed_after;  // changed while read raw, or not the map's bytes
   for (size_t i = 0; i < requests.size(); ++i) {
     Plan::PerFile& p = plan.files[i];
     ExtentReadResult& out = batch.files[i];
     const std::string path = map_.FullPath(requests[i].file);
-    if (!p.raw) {
-      IoResult r = p.future.Wait();
-      batch.io += r.stats;
-      out.bytes = r.bytes;
-      out.fallback = p.fallback;
-      continue;
-    }
+    if (!p.raw) continue;  // read above
     uint64_t wanted = 0;
     uint64_t got = 0;
     for (size_t k = p.first_piece; k < p.first_piece + p.piece_count; ++k) {
@@ -295,16 +312,13 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
           changed ? StrCat("changed while read raw: ", IdentityChange(f.identity, now))
                   : "its blocks on the disk no longer hold its bytes (they differ from the map's "
                     "checksum: moved by defragmentation or deduplication?): rebuild the map";
-      read_file(i);
-      IoResult r = p.future.Wait();
-      batch.io += r.stats;
-      out.bytes = r.bytes;
-      out.fallback = p.fallback;
+      changed_after.push_back(i);
       continue;
     }
     out.raw = true;
     out.bytes = p.expected;
   }
+  read_files(changed_after);
   return batch;
 }
 

@@ -407,3 +407,39 @@ def test_a_map_others_can_write_or_own_is_refused(loop_fs: LoopFilesystem,
     os.chown(path, 4321, 4321)  # the fixture runs as root only
     with pytest.raises(PermissionError, match="uid 4321"):
         load_extent_map(path)
+
+
+def test_files_read_through_the_filesystem_stay_within_rlimit_nofile(loop_fs: LoopFilesystem,
+                                                                    tmp_path: Path) -> None:
+    root = loop_fs.mount / "train"
+    (root / "c").mkdir(parents=True)
+    files = {f"c/{i:03d}.jpg": _bytes(1000 + 37 * i, i) for i in range(200)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    good = tmp_path / "good.json"
+    build_extent_map(root, good)
+    # Every checksum wrong: each raw read is read again through the filesystem after the batch's
+    # raw reads, all 200 of them in one batch, in a child that may open 128 descriptors.
+    edited = json.loads(good.read_text())
+    for f in edited["files"]:
+        f["xxh64"] = "0000000000000000"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(edited))
+    script = (
+        "import resource, sys\n"
+        "from tensortier.data import ExtentReader, FileReader\n"
+        "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))\n"
+        "names = sys.argv[3:]\n"
+        "reader = FileReader(files=[sys.argv[1] + '/' + n for n in names], batch_size=len(names),\n"
+        "                    shuffle=False, extent_map=sys.argv[2])\n"
+        "(samples, _), = list(reader)\n"
+        "raw = ExtentReader(sys.argv[2]).read(names)\n"
+        "for s, a, n in zip(samples, raw, names):\n"
+        "    data = open(sys.argv[1] + '/' + n, 'rb').read()\n"
+        "    assert s.numpy().tobytes() == data and a.tobytes() == data, n\n"
+        "print(reader.stats['fallback_files'], reader.stats['raw_files'])\n")
+    r = subprocess.run([sys.executable, "-c", script, str(root), str(bad), *sorted(files)],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["200", "0"]
