@@ -6,7 +6,9 @@ folders (sizes log-uniform between --min-size and --max-size), maps them
 (``tensortier.data.build_extent_map``) and reads every file once per run, in a shuffled order
 and in batches, by each method:
 
-  raw          ExtentReader.read: O_DIRECT reads of the loop device by the map, a batch in flight
+  raw          ExtentReader.read: O_DIRECT reads of the loop device by the map, a batch in flight,
+               each file's bytes checked against its XXH64 in the map (the default)
+  raw-unchecked the same without the checksum check (verify_checksums=False): its cost
   engine-files the same engine reading the files through the filesystem (File.open + one submit
                of the batch): what the map saves is the filesystem's open, lookup and mapping
   python-loop  open + readinto one file at a time (the seed's np.fromfile loop)
@@ -43,7 +45,7 @@ from tensortier import _core  # noqa: E402
 from tensortier.data import ExtentReader, build_extent_map  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("raw", "engine-files", "python-loop")
+METHODS = ("raw", "raw-unchecked", "engine-files", "python-loop")
 
 
 def run(*args: str) -> str:
@@ -112,7 +114,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=str(REPO / "build"), help="where the image goes")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated, of {', '.join(METHODS)} (raw always runs)")
     args = p.parse_args()
+    chosen = [m for m in args.methods.split(",") if m]
+    unknown = set(chosen) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods: {', '.join(sorted(unknown))}")
+    methods_run = tuple(m for m in METHODS if m == "raw" or m in chosen)
     if os.geteuid() != 0:
         raise SystemExit("needs root: loop devices and raw device reads")
 
@@ -156,19 +165,22 @@ def main() -> None:
         log(f"{len(sizes)} files, {total_bytes / GB:.2f} GB, {extents} extents, map built in "
             f"{build_s:.2f} s; {device} (loop direct I/O {'on' if direct_io else 'off'})")
         reader = ExtentReader(extent_map)
+        unchecked = ExtentReader(extent_map, verify_checksums=False)
         engine = _core.Engine(page_cache_check=True)
         shuffled = sorted(sizes)
         rng.shuffle(shuffled)
         batches = [shuffled[i:i + args.batch] for i in range(0, len(shuffled), args.batch)]
         methods: dict[str, Callable[[], int]] = {
             "raw": lambda: read_raw(reader, batches),
+            "raw-unchecked": lambda: read_raw(unchecked, batches),
             "engine-files": lambda: read_engine_files(engine, mnt, batches, sizes),
             "python-loop": lambda: read_python_loop(mnt, batches, sizes),
         }
-        times: dict[str, dict[str, list[float]]] = {s: {m: [] for m in METHODS}
+        times: dict[str, dict[str, list[float]]] = {s: {m: [] for m in methods_run}
                                                      for s in ("cold", "warm")}
         for rep in range(args.repeats):
-            rotated = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
+            k = rep % len(methods_run)
+            rotated = methods_run[k:] + methods_run[:k]
             for state in ("cold", "warm"):
                 for m in rotated:
                     if state == "cold":
@@ -182,16 +194,16 @@ def main() -> None:
                     if got != total_bytes:
                         raise SystemExit(f"{m} read {got} bytes, not {total_bytes}")
                     times[state][m].append(dt)
-                    log(f"repeat {rep + 1} {state:4s} {m:13s} {len(sizes) / dt:9.0f} files/s "
+                    log(f"repeat {rep + 1} {state:4s} {m:14s} {len(sizes) / dt:9.0f} files/s "
                         f"{total_bytes / dt / GB:6.2f} GB/s")
         print(f"\n{len(sizes)} files, {total_bytes / GB:.2f} GB, batch {args.batch}, "
               f"median of {args.repeats} (loop direct I/O {'on' if direct_io else 'off'})")
-        print(f"{'state':5s} {'method':13s} {'files/s':>9s} {'GB/s':>6s} {'raw/this':>9s}")
+        print(f"{'state':5s} {'method':14s} {'files/s':>9s} {'GB/s':>6s} {'raw/this':>9s}")
         for state in ("cold", "warm"):
-            med = {m: median(times[state][m]) for m in METHODS}
-            for m in METHODS:
+            med = {m: median(times[state][m]) for m in methods_run}
+            for m in methods_run:
                 r = ratio(med[m], med["raw"])
-                print(f"{state:5s} {m:13s} {len(sizes) / med[m]:9.0f} "
+                print(f"{state:5s} {m:14s} {len(sizes) / med[m]:9.0f} "
                       f"{total_bytes / med[m] / GB:6.2f} {r:9.2f}")
                 results.setdefault(state, {})[m] = {
                     "seconds": times[state][m], "median_s": med[m],

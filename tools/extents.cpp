@@ -18,13 +18,15 @@ constexpr const char* kExtentsHelp =
 
 build   maps every regular file under ROOT (recursively) to its extents on its block device
         (FIEMAP with FIEMAP_FLAG_SYNC, every extent, neighbours merged), with the device, its
-        partition offset and each file's identity (device, inode, size, mtime, ctime), and
-        writes the map as JSON to MAP. Files whose bytes the filesystem does not keep at fixed
+        partition offset, each file's identity (device, inode, size, mtime, ctime) and the
+        XXH64 of its bytes (every file is read once; raw reads are checked against it), and
+        writes the map as JSON to MAP (readers refuse a MAP others can write or own). Files whose bytes the filesystem does not keep at fixed
         blocks (unwritten, inline, encoded, encrypted, shared or sparse) are refused by name:
         the map is not written, unless --allow-refused, which lists them in the map as refused
         (readers then read them through the filesystem). Only ext4 and XFS are mapped.
         Exit status: 0 when the map was written, 1 otherwise (2: a usage error).
-verify  re-checks MAP against the files: identity and extents. Lists each file that changed.
+verify  re-checks MAP against the files: identity, extents and checksum. Lists each file
+        that changed.
         Exit status: 0 when every file matches, 1 when any changed or MAP cannot be read
         (2: a usage error).
 )";

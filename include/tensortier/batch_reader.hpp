@@ -9,9 +9,16 @@
 // reading batch k. Each arena is sized by its batch's real bytes (every sample starts on a
 // 4 KiB boundary, as O_DIRECT needs) and reused when its batch is released.
 //
+// Files open at once are bounded, whatever the batch size: a quarter of the descriptors
+// RLIMIT_NOFILE leaves when the reader is made, two per file (open_files.hpp). A batch that does not fit is read in windows
+// (its files sized by stat first, then opened, read and closed a window at a time).
+//
 // A file that vanished, cannot be read, is not a regular file, or changes size while read fails
 // its batch with an IoError naming it; with skip_errors it is left out of the batch instead, and
-// reported in Batch::skipped and stats(). Empty files give empty samples. No sample is short.
+// reported in Batch::skipped and stats(). Running out of descriptors or memory (EMFILE, ENFILE,
+// ENOMEM) is never a file's fault: it fails the batch even with skip_errors. Empty files give
+// empty samples; a file that reports 0 bytes but has data (/proc) is refused (EINVAL). No sample
+// is short.
 //
 // With an extent map (extent_map.hpp) the files the map holds are read from the block device by
 // their extents (ExtentReader: O_DIRECT, the batch's reads in flight together) instead of being
@@ -69,6 +76,9 @@ struct BatchReaderOptions {
   BackendFactory backend_factory;
   // Read the files this map holds from its block devices (needs read access to them: root).
   std::optional<ExtentMap> extent_map;
+  // Check each raw read against the file's checksum in the map (ExtentReader); false only for
+  // files known never to move.
+  bool extent_checksums = true;
 };
 
 struct SkippedFile {
@@ -144,7 +154,9 @@ class BatchReader {
   void Stop();
   void CheckNotForked() const;
   void Produce();
-  std::unique_ptr<detail::PendingBatch> Prepare(const std::vector<uint64_t>& batch);
+  // Opens up to `budget` of the batch's files (sizing the rest by stat) and submits their reads.
+  std::unique_ptr<detail::PendingBatch> Prepare(const std::vector<uint64_t>& batch, size_t budget);
+  void OpenWindow(detail::PendingBatch& pending);
   std::shared_ptr<const Batch> Finish(detail::PendingBatch& pending);
   void ReadRaw(detail::PendingBatch& pending, IoStats& io);
 
@@ -153,6 +165,7 @@ class BatchReader {
   BatchReaderOptions options_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<detail::OpenGang> gang_;
+  size_t open_window_ = 1;  // files open at once, over every batch in flight (RLIMIT_NOFILE)
   std::unique_ptr<ExtentReader> extents_;  // with an extent map
   std::vector<uint64_t> map_index_;        // per path: its file in the map, or kNotMapped
   std::shared_ptr<detail::ArenaPoolState> arenas_;

@@ -62,6 +62,10 @@ struct MappedFile {
   // Sorted by `logical`, covering [0, size) without gaps; neighbours that continue each other on
   // the device are merged. The last may run past `size` to the end of its block.
   std::vector<FileExtent> extents;
+  // XXH64 of the file's bytes when it was mapped: a raw read is checked against it, since tools
+  // that move blocks (online defragmentation, deduplication) keep the file's identity. Absent
+  // in maps made before maps carried checksums.
+  std::optional<uint64_t> xxh64;
   bool operator==(const MappedFile&) const = default;
 };
 
@@ -92,6 +96,10 @@ struct ExtentMap {
 // return other bytes for every file, with every file's identity unchanged.
 std::string DevicePlacementChange(const MappedDevice& d);
 
+// Bytes of device `d.major:d.minor` (the filesystem's: a partition's own size), from sysfs, or
+// nothing when sysfs does not say.
+std::optional<uint64_t> DeviceBytes(const MappedDevice& d);
+
 // Appends the extents of a FIEMAP reply to `out`, merging each with the previous one when it
 // continues it both in the file and on the device. REQUIRES: `extent` starts at or after the end
 // of out.back(). Throws FormatError when it overlaps or goes backwards, or its end overflows.
@@ -107,9 +115,9 @@ struct BuildOptions {
 };
 
 // Maps every regular file under `root` (recursively, in path order; symbolic links to files are
-// followed, to directories not). Throws IoError when `root` cannot be walked or a file cannot be
-// opened or mapped for a reason other than a refusal (EIO...), and IoError(EOPNOTSUPP) naming
-// the refused files unless options.allow_refused.
+// followed, to directories not), reading each once for its checksum. Throws IoError when `root`
+// cannot be walked or a file cannot be opened or mapped for a reason other than a refusal
+// (EIO...), and IoError(EOPNOTSUPP) naming the refused files unless options.allow_refused.
 ExtentMap BuildExtentMap(const std::string& root, const BuildOptions& options = {});
 
 // The same for the files `paths` (absolute, or relative to `root`; under it, each once).
@@ -123,8 +131,9 @@ struct ChangedFile {
   std::string what;  // "missing", "size 10 -> 12", "extents differ"...
 };
 
-// Checks each file of `map` against the filesystem: identity (stat) and extents (FIEMAP, with
-// FIEMAP_FLAG_SYNC). Returns the files that changed, in map order; empty when all match.
+// Checks each file of `map` against the filesystem: identity (stat), extents (FIEMAP, with
+// FIEMAP_FLAG_SYNC) and content (its checksum, when the map has one). Returns the files that
+// changed, in map order; empty when all match.
 // Throws IoError only for failures other than a file gone missing or no longer mappable.
 std::vector<ChangedFile> VerifyExtentMap(const ExtentMap& map);
 
@@ -136,6 +145,9 @@ std::string ExtentMapToJson(const ExtentMap& map);
 ExtentMap ParseExtentMap(std::string_view json, const std::string& what);
 
 // File helpers: written durably (temporary file, fsync, rename); read whole. IoError on failure.
+// A map is a list of disk offsets to read with the rights of whoever reads it (root), so, as ssh
+// does with its keys, LoadExtentMap refuses (IoError EPERM) a map owned by another user than the
+// caller or root, or writable by its group or others; anything but a regular file is EINVAL.
 void SaveExtentMap(const ExtentMap& map, const std::string& path);
 ExtentMap LoadExtentMap(const std::string& path);
 

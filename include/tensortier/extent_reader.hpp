@@ -5,7 +5,11 @@
 // so a changed file never yields stale bytes.
 //
 // What identity cannot see: tools that move a file's blocks without changing its times (online
-// defragmentation, deduplication). Run VerifyExtentMap (`tensortier extents verify`) after them.
+// defragmentation, deduplication), after which the old blocks may hold anything. So each raw
+// read is also checked against the file's XXH64 in the map, and a file whose bytes differ is read
+// through the filesystem instead (as is a file the map has no checksum for). verify_checksums =
+// false skips both, for files known never to move (a read-only filesystem): then a moved file
+// reads wrong bytes.
 //
 // Thread-safe: any thread may call ReadBatch; the reader's state is fixed at construction.
 #pragma once
@@ -48,15 +52,20 @@ class ExtentReader {
   // the node is no longer the disk the map names (ENODEV), or when it refuses O_DIRECT
   // (EOPNOTSUPP). The engine is made from `options` with its page-cache check off: a disk's page
   // cache is not the files' and may hold stale blocks, so every device read goes direct.
-  explicit ExtentReader(ExtentMap map, EngineOptions options = EngineOptions::FromEnvironment());
+  // Throws std::invalid_argument for an extent past the end of its filesystem's device (a map
+  // edited to read other blocks of the disk).
+  explicit ExtentReader(ExtentMap map, EngineOptions options = EngineOptions::FromEnvironment(),
+                        bool verify_checksums = true);
   // Test seam: the engine's backends are made by `factory` (a fault-injecting backend).
-  ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory);
+  ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory,
+               bool verify_checksums = true);
   ~ExtentReader();
   ExtentReader(const ExtentReader&) = delete;
   ExtentReader& operator=(const ExtentReader&) = delete;
 
   // Reads every requested file, all of them in flight together, and returns when all are in
-  // their buffers. Throws std::out_of_range for a file index not in the map,
+  // their buffers (files read through the filesystem are opened a window at a time, bounded
+  // by RLIMIT_NOFILE when the reader was made). Throws std::out_of_range for a file index not in the map,
   // std::invalid_argument when a capacity is smaller than the file's size in the map (a file that
   // changed and grew past its capacity: IoError EFBIG naming it), IoError naming the file for a
   // failed read (a file that vanished: ENOENT). REQUIRES: buffers do not overlap.
@@ -68,6 +77,8 @@ class ExtentReader {
  private:
   struct Plan;
   ExtentMap map_;
+  bool verify_checksums_;
+  size_t fallback_window_;  // files read through the filesystem open at once (RLIMIT_NOFILE)
   std::vector<File> devices_;  // per map_.devices
   std::unique_ptr<Engine> engine_;
 };

@@ -39,8 +39,10 @@ SampleList ListFileRoot(const std::string& root, const FileFilter& filter = {},
 
 // DALI's file_list text format: one sample per line, "path label" (the label is the last run of
 // digits, separated by white space; blank lines skipped). Relative paths are relative to `root`,
-// or to the list's own folder when `root` is empty. Throws IoError when the list cannot be read,
-// std::invalid_argument (naming the line) for a malformed line or an empty list.
+// or to the list's own folder when `root` is empty. Throws IoError when the list cannot be read:
+// EISDIR for a folder, EINVAL for anything else that is not a regular file (a FIFO, a device; it
+// is never read), EFBIG past 4 GiB; std::invalid_argument (naming the line) for a malformed line
+// or an empty list.
 SampleList ReadFileList(const std::string& list_path, const std::string& root = "");
 
 // Throws IoError (ENOENT...) naming the first path that does not exist or cannot be reached.

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
 #include <limits>
@@ -11,6 +12,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "open_files.hpp"
 #include "open_gang.hpp"
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/error.hpp"
@@ -94,6 +96,9 @@ struct FileSlot {
   bool resident = false;  // wholly in the page cache when opened (read buffered)
   bool raw = false;       // read from the block device by the extent map (not opened)
   bool fallback = false;  // the map holds it, but it changed: read through the filesystem
+  bool deferred = false;  // sized by stat, to be opened in a later window of the batch
+  dev_t device = 0;       // of a deferred file, checked when it is opened
+  ino_t inode = 0;
   std::exception_ptr error;
 };
 
@@ -102,6 +107,7 @@ struct PendingBatch {
   std::vector<size_t> slot_of;    // per position of `order`: its slot
   std::vector<FileSlot> slots;    // distinct files
   std::vector<size_t> submitted;  // slots submitted to the engine, in piece order
+  std::vector<size_t> deferred;   // slots sized but not opened yet, in order
   std::unique_ptr<Arena> arena;
   Future future;
   std::exception_ptr error;  // the batch fails with this (set before submission)
@@ -127,7 +133,24 @@ void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
     slot.file = File::Open(path, OpenMode::kRead, /*direct=*/false, &opened);
     if (!S_ISREG(opened.st_mode)) ThrowIoError(EINVAL, "open (not a regular file)", path);
     slot.size = static_cast<uint64_t>(opened.st_size);
-    if (!direct || slot.size == 0) return;
+    if (slot.size == 0) {
+      // Sizes come from stat: a file that says 0 bytes but has some (/proc, /sys) would give an
+      // empty sample. One byte read tells it from an empty file.
+      std::byte probe{};
+      ssize_t n;
+      do {
+        n = pread(slot.file.buffered_fd(), &probe, 1, 0);
+      } while (n < 0 && errno == EINTR);
+      if (n < 0) ThrowIoError(errno, "read", path, 0, 1);
+      if (n > 0) {
+        ThrowIoError(EINVAL,
+                     "read (the file reports a size of 0 bytes but has data, as /proc and /sys "
+                     "files do: its size is unknown; copy it to a regular file)",
+                     path);
+      }
+      return;
+    }
+    if (!direct) return;
     const Residency cached =
         QueryResidency(slot.file.buffered_fd(), 0, slot.size, ResidencyMethod::kUnknown, slot.size);
     if (cached.method != ResidencyMethod::kUnknown &&
@@ -144,6 +167,60 @@ void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
   } catch (...) {
     slot.file.Close();
     slot.error = std::current_exception();
+  }
+}
+
+// Sizes `path` by stat without opening it, for a window of the batch after the first:
+// OpenDeferredSlot opens it then. The same refusals as OpenSlot's.
+void SizeSlot(const std::string& path, FileSlot& slot) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    slot.error = std::make_exception_ptr(IoError(errno, "stat", path, 0, 0));
+    return;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    slot.error = std::make_exception_ptr(IoError(EINVAL, "open (not a regular file)", path, 0, 0));
+    return;
+  }
+  slot.size = static_cast<uint64_t>(st.st_size);
+  slot.device = st.st_dev;
+  slot.inode = st.st_ino;
+  slot.deferred = true;
+}
+
+// Opens a file SizeSlot sized, checking that it is still the file it sized.
+void OpenDeferredSlot(const std::string& path, bool direct, FileSlot& slot) {
+  const uint64_t sized = slot.size;
+  OpenSlot(path, direct, slot);
+  slot.deferred = false;
+  if (slot.error) return;
+  struct stat now {};
+  if (fstat(slot.file.buffered_fd(), &now) != 0) {
+    slot.error = std::make_exception_ptr(IoError(errno, "fstat", path, 0, 0));
+  } else if (now.st_dev != slot.device || now.st_ino != slot.inode) {
+    slot.error = std::make_exception_ptr(
+        IoError(EIO, "open (the file was replaced after it was sized)", path, 0, sized));
+  } else if (slot.size != sized) {
+    slot.error = std::make_exception_ptr(IoError(
+        EIO,
+        StrCat("read (the file changed size while read: ", sized, " bytes when sized, ", slot.size,
+               " when opened)"),
+        path, 0, sized));
+  }
+  if (slot.error) slot.file.Close();
+}
+
+// Whether `error` says the process or the machine ran out of something (descriptors, memory):
+// not a fault of the file, so never a file to leave out.
+bool IsResourceError(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const IoError& e) {
+    return e.error_code() == EMFILE || e.error_code() == ENFILE || e.error_code() == ENOMEM;
+  } catch (const std::bad_alloc&) {
+    return true;
+  } catch (...) {
+    return false;
   }
 }
 
@@ -176,8 +253,9 @@ IoDesc ReadPiece(const FileSlot& slot, const detail::Arena& arena) {
 
 // A file the extent map holds: read raw when its identity is still the map's (sized by the map,
 // not opened), else opened and read as any other file.
-void PrepareMappedSlot(const std::string& path, const MappedFile& mapped, bool direct,
-                       FileSlot& slot) {
+template <typename Open>
+void PrepareMappedSlot(const std::string& path, const MappedFile& mapped, FileSlot& slot,
+                       const Open& open) {
   try {
     std::optional<FileIdentity> now = StatIdentity(path);
     if (now && *now == mapped.identity) {
@@ -190,7 +268,7 @@ void PrepareMappedSlot(const std::string& path, const MappedFile& mapped, bool d
     return;
   }
   slot.fallback = true;
-  OpenSlot(path, direct, slot);
+  open();
 }
 
 // Per path: its file in `map`, or kNotMapped. A path is looked up as spelled (made absolute:
@@ -269,9 +347,11 @@ BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions opti
                 : std::make_unique<Engine>(options_.engine);
   if (options_.extent_map) {
     map_index_ = MapIndices(paths_, *options_.extent_map);
-    extents_ = std::make_unique<ExtentReader>(std::move(*options_.extent_map), options_.engine);
+    extents_ = std::make_unique<ExtentReader>(std::move(*options_.extent_map), options_.engine,
+                                              options_.extent_checksums);
     options_.extent_map.reset();
   }
+  open_window_ = detail::OpenFileWindow();
   // The caller's thread opens files too: the gang adds open_threads - 1.
   gang_ = std::make_unique<detail::OpenGang>(options_.open_threads - 1);
   arenas_ = std::make_shared<detail::ArenaPoolState>();
@@ -371,13 +451,26 @@ void BatchReader::Produce() {
   // would let the disk idle at each batch's end). A batch in flight is waited for in short
   // slices: the caller may make room meanwhile.
   constexpr auto kRecheck = std::chrono::milliseconds(1);
+  // Open files are bounded by open_window_ over all batches in flight: a batch is opened with
+  // what the batches before it leave; the files it cannot open yet are sized by stat and opened
+  // in windows when it is finished, and no batch is started after one that has such files (so
+  // that its windows have the whole budget, and a later batch never holds descriptors it waits
+  // for).
   std::deque<std::unique_ptr<PendingBatch>> in_flight;
   while (true) {
     std::vector<uint64_t> batch;
     bool take = false;
+    size_t held = 0;
+    for (const auto& pending : in_flight) {
+      for (const FileSlot& slot : pending->slots) held += slot.file.is_open() ? 1 : 0;
+    }
+    const size_t budget = held < open_window_ ? open_window_ - held : 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      auto room = [&] { return ready_.size() + in_flight.size() < options_.prefetch; };
+      auto room = [&] {
+        return ready_.size() + in_flight.size() < options_.prefetch &&
+               (in_flight.empty() || in_flight.back()->deferred.empty());
+      };
       auto more = [&] { return next_to_read_ < batches_.size(); };
       if (in_flight.empty()) {
         cv_.wait(lock, [&] { return stop_ || (more() && room()); });
@@ -391,7 +484,7 @@ void BatchReader::Produce() {
     if (take) {
       std::unique_ptr<PendingBatch> pending;
       try {
-        pending = Prepare(batch);
+        pending = Prepare(batch, budget);
       } catch (...) {
         pending = std::make_unique<PendingBatch>();
         pending->error = std::current_exception();
@@ -421,7 +514,8 @@ void BatchReader::Produce() {
   }
 }
 
-std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& batch) {
+std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& batch,
+                                                   size_t budget) {
   auto pending = std::make_unique<PendingBatch>();
   pending->order = batch;
   std::unordered_map<uint64_t, size_t> seen;
@@ -433,24 +527,35 @@ std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& 
     }
     pending->slot_of.push_back(it->second);
   }
+  std::atomic<size_t> opening{0};  // files this batch opens now, of `budget`
   gang_->Run(pending->slots.size(), [&](size_t i) {
     FileSlot& slot = pending->slots[i];
+    const std::string& path = paths_[slot.index];
+    auto open = [&] {
+      if (opening.fetch_add(1) < budget) {
+        OpenSlot(path, options_.direct, slot);
+      } else {
+        SizeSlot(path, slot);
+      }
+    };
     const uint64_t mapped = map_index_.empty() ? kNotMapped : map_index_[slot.index];
     if (mapped == kNotMapped) {
-      OpenSlot(paths_[slot.index], options_.direct, slot);
+      open();
     } else {
-      PrepareMappedSlot(paths_[slot.index], extents_->map().files[mapped], options_.direct, slot);
+      PrepareMappedSlot(path, extents_->map().files[mapped], slot, open);
     }
   });
   uint64_t total = 0;
-  for (FileSlot& slot : pending->slots) {
+  for (size_t i = 0; i < pending->slots.size(); ++i) {
+    FileSlot& slot = pending->slots[i];
     if (slot.error) {
-      if (!options_.skip_errors) {
+      if (!options_.skip_errors || IsResourceError(slot.error)) {
         pending->error = slot.error;
         return pending;
       }
       continue;
     }
+    if (slot.deferred) pending->deferred.push_back(i);
     slot.offset = total;
     total += AlignUp(slot.size, kSampleAlignment);
   }
@@ -459,7 +564,7 @@ std::unique_ptr<PendingBatch> BatchReader::Prepare(const std::vector<uint64_t>& 
   std::vector<IoDesc> pieces;
   for (size_t i = 0; i < pending->slots.size(); ++i) {
     FileSlot& slot = pending->slots[i];
-    if (slot.error || slot.raw || slot.size == 0) continue;
+    if (slot.error || slot.raw || slot.deferred || slot.size == 0) continue;
     pieces.push_back(ReadPiece(slot, *pending->arena));
     pending->submitted.push_back(i);
   }
@@ -499,7 +604,7 @@ void BatchReader::ReadRaw(PendingBatch& pending, IoStats& io) {
     for (size_t j = 0; j < raw.size(); ++j) check(raw[j], batch.files[j]);
     return;
   } catch (const std::exception&) {
-    if (!options_.skip_errors) throw;
+    if (!options_.skip_errors || IsResourceError(std::current_exception())) throw;
   }
   // A raw read failed and failures are skipped: read the files one by one to leave out only
   // those that fail (rare: a disk error, a file that vanished or grew).
@@ -510,9 +615,37 @@ void BatchReader::ReadRaw(PendingBatch& pending, IoStats& io) {
       io += batch.io;
       check(i, batch.files[0]);
     } catch (const std::exception&) {
+      if (IsResourceError(std::current_exception())) throw;
       pending.slots[i].error = std::current_exception();
     }
   }
+}
+
+// Opens the next window of a batch's deferred files (as many as open_window_) and submits their
+// reads. Only the batch at the front of the queue has deferred files when it is finished, and no
+// other batch holds files then: the window may take the whole budget.
+void BatchReader::OpenWindow(PendingBatch& pending) {
+  const size_t count = std::min(pending.deferred.size(), open_window_);
+  gang_->Run(count, [&](size_t j) {
+    FileSlot& slot = pending.slots[pending.deferred[j]];
+    OpenDeferredSlot(paths_[slot.index], options_.direct, slot);
+  });
+  std::vector<IoDesc> pieces;
+  pending.submitted.clear();
+  for (size_t j = 0; j < count; ++j) {
+    const size_t i = pending.deferred[j];
+    FileSlot& slot = pending.slots[i];
+    if (slot.error) {
+      if (!options_.skip_errors || IsResourceError(slot.error)) std::rethrow_exception(slot.error);
+      continue;
+    }
+    if (slot.size == 0) continue;
+    pieces.push_back(ReadPiece(slot, *pending.arena));
+    pending.submitted.push_back(i);
+  }
+  pending.deferred.erase(pending.deferred.begin(),
+                         pending.deferred.begin() + static_cast<std::ptrdiff_t>(count));
+  if (!pieces.empty()) pending.future = engine_->Submit(IoOp::kRead, pieces);
 }
 
 std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
@@ -532,48 +665,55 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
       throw;
     }
   }
-  while (pending.future.valid()) {
-    try {
-      IoResult result = pending.future.Wait();
-      pending.future = Future();
-      io += result.stats;
-      for (size_t j = 0; j < pending.submitted.size(); ++j) {
-        FileSlot& slot = pending.slots[pending.submitted[j]];
-        if (result.segment_bytes[j] != slot.size) {
-          ThrowSizeChanged(slot, result.segment_bytes[j]);
+  // Window by window: the files opened, read, checked and closed, then the next ones opened.
+  while (true) {
+    while (pending.future.valid()) {
+      try {
+        IoResult result = pending.future.Wait();
+        pending.future = Future();
+        io += result.stats;
+        for (size_t j = 0; j < pending.submitted.size(); ++j) {
+          FileSlot& slot = pending.slots[pending.submitted[j]];
+          if (result.segment_bytes[j] != slot.size) {
+            ThrowSizeChanged(slot, result.segment_bytes[j]);
+          }
         }
+      } catch (const IoError& e) {
+        if (!options_.skip_errors || IsResourceError(std::current_exception())) throw;
+        // Leave the failed file out and read the others again (their reads may not have run).
+        auto failed =
+            std::find_if(pending.submitted.begin(), pending.submitted.end(),
+                         [&](size_t i) { return pending.slots[i].file.path() == e.path(); });
+        if (failed == pending.submitted.end()) throw;
+        pending.slots[*failed].error = std::current_exception();
+        pending.submitted.erase(failed);
+        std::vector<IoDesc> pieces;
+        for (size_t i : pending.submitted) {
+          FileSlot& slot = pending.slots[i];
+          pieces.push_back(ReadPiece(slot, *pending.arena));
+        }
+        if (!pieces.empty()) pending.future = engine_->Submit(IoOp::kRead, pieces);
       }
-    } catch (const IoError& e) {
-      if (!options_.skip_errors) throw;
-      // Leave the failed file out and read the others again (their reads may not have run).
-      auto failed = std::find_if(pending.submitted.begin(), pending.submitted.end(), [&](size_t i) {
-        return pending.slots[i].file.path() == e.path();
-      });
-      if (failed == pending.submitted.end()) throw;
-      pending.slots[*failed].error = std::current_exception();
-      pending.submitted.erase(failed);
-      std::vector<IoDesc> pieces;
-      for (size_t i : pending.submitted) {
-        FileSlot& slot = pending.slots[i];
-        pieces.push_back(ReadPiece(slot, *pending.arena));
-      }
-      if (!pieces.empty()) pending.future = engine_->Submit(IoOp::kRead, pieces);
     }
-  }
-  // A file that grew while read gave its old size in full: ask again.
-  for (FileSlot& slot : pending.slots) {
-    if (slot.error || !slot.file.is_open()) continue;
-    try {
-      struct stat now {};
-      if (fstat(slot.file.buffered_fd(), &now) != 0) ThrowIoError(errno, "fstat", slot.file.path());
-      if (static_cast<uint64_t>(now.st_size) != slot.size) {
-        ThrowSizeChanged(slot, static_cast<uint64_t>(now.st_size));
+    // A file that grew while read gave its old size in full: ask again.
+    for (FileSlot& slot : pending.slots) {
+      if (slot.error || !slot.file.is_open()) continue;
+      try {
+        struct stat now {};
+        if (fstat(slot.file.buffered_fd(), &now) != 0) {
+          ThrowIoError(errno, "fstat", slot.file.path());
+        }
+        if (static_cast<uint64_t>(now.st_size) != slot.size) {
+          ThrowSizeChanged(slot, static_cast<uint64_t>(now.st_size));
+        }
+      } catch (const IoError&) {
+        if (!options_.skip_errors || IsResourceError(std::current_exception())) throw;
+        slot.error = std::current_exception();
       }
-    } catch (const IoError&) {
-      if (!options_.skip_errors) throw;
-      slot.error = std::current_exception();
+      slot.file.Close();
     }
-    slot.file.Close();
+    if (pending.deferred.empty()) break;
+    OpenWindow(pending);
   }
 
   std::shared_ptr<Batch> batch(new Batch());

@@ -20,6 +20,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "tensortier/checksum.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/file.hpp"
 #include "tensortier/format_error.hpp"
@@ -289,6 +290,23 @@ FileExtents ReadExtents(int fd, const std::string& path, uint64_t size, uint64_t
   return out;
 }
 
+// XXH64 of the first `size` bytes of the file open at `fd` (fewer when it ends sooner: the
+// caller's identity check then sees it changed).
+uint64_t ContentChecksum(int fd, const std::string& path, uint64_t size) {
+  std::vector<std::byte> chunk(size_t{1} << 20);
+  Xxh64State state;
+  for (uint64_t done = 0; done < size;) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(chunk.size(), size - done));
+    const ssize_t n = pread(fd, chunk.data(), want, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) ThrowIoError(errno, "read (for the extent map's checksum)", path, done, want);
+    if (n == 0) break;
+    state.Update(chunk.data(), static_cast<size_t>(n));
+    done += static_cast<uint64_t>(n);
+  }
+  return state.Digest();
+}
+
 // One file mapped from its path, or refused; IoError for failures that are not refusals.
 struct MapOutcome {
   std::optional<MappedFile> file;
@@ -342,13 +360,15 @@ class Mapper {
       out.refusal = extents.refusal;
       return out;
     }
+    const uint64_t checksum = ContentChecksum(fd, full, size);
     struct stat after {};
     if (fstat(fd, &after) != 0) ThrowIoError(errno, "fstat", full);
     if (IdentityOf(after) != IdentityOf(before)) {
       out.refusal = "changed while being mapped";
       return out;
     }
-    out.file = MappedFile{relative, *device, IdentityOf(before), std::move(extents.extents)};
+    out.file =
+        MappedFile{relative, *device, IdentityOf(before), std::move(extents.extents), checksum};
     return out;
   }
 
@@ -444,6 +464,13 @@ std::string DevicePlacementChange(const MappedDevice& d) {
                   " as the map says");
   }
   return "";
+}
+
+std::optional<uint64_t> DeviceBytes(const MappedDevice& d) {
+  auto sectors = ReadSysfs(StrCat("/sys/dev/block/", d.major, ":", d.minor, "/size"));
+  auto parsed = sectors ? ParseDecimal(*sectors) : std::nullopt;
+  if (!parsed || *parsed > UINT64_MAX / kSector) return std::nullopt;
+  return *parsed * kSector;  // sysfs counts 512-byte sectors whatever the device's block size
 }
 
 void AppendExtent(std::vector<FileExtent>& out, const FileExtent& x) {
@@ -595,6 +622,8 @@ std::vector<ChangedFile> VerifyExtentMap(const ExtentMap& map) {
       changed.push_back({f.path, DescribeChange(f.identity, outcome.file->identity)});
     } else if (outcome.file->extents != f.extents) {
       changed.push_back({f.path, "extents differ (the file's blocks moved)"});
+    } else if (f.xxh64 && outcome.file->xxh64 != f.xxh64) {
+      changed.push_back({f.path, "content differs from the map's checksum"});
     }
   }
   return changed;

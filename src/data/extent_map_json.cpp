@@ -126,6 +126,24 @@ class MapParser {
     return v;
   }
 
+  // 64 bits as 16 hexadecimal digits in a string (JSON numbers past 2^53 lose bits elsewhere).
+  uint64_t Hex64(const std::string& key) {
+    const std::string text = String(key);
+    uint64_t v = 0;
+    bool ok = text.size() == 16;
+    for (char c : text) {
+      if (c >= '0' && c <= '9') {
+        v = v << 4 | static_cast<uint64_t>(c - '0');
+      } else if (c >= 'a' && c <= 'f') {
+        v = v << 4 | static_cast<uint64_t>(c - 'a' + 10);
+      } else {
+        ok = false;
+      }
+    }
+    if (!ok) r_.Fail(StrCat(key, " '", text, "' is not 16 lowercase hexadecimal digits"));
+    return v;
+  }
+
   // A signed integer: '-' directly followed by the digits ReadUint takes.
   int64_t Int(const std::string& key) {
     if (r_.Peek() == '-') {
@@ -213,6 +231,8 @@ class MapParser {
                f.identity.mtime_ns = Int(key);
              } else if (key == "ctime_ns") {
                f.identity.ctime_ns = Int(key);
+             } else if (key == "xxh64") {
+               f.xxh64 = Hex64(key);
              } else if (key == "extents") {
                Array([&] {
                  FileExtent x;
@@ -315,7 +335,13 @@ std::string ExtentMapToJson(const ExtentMap& map) {
     out += StrCat(i == 0 ? "\n" : ",\n", "    {\"path\": ", JsonQuoteBytes(f.path),
                   ", \"device\": ", f.device, ", \"inode\": ", f.identity.inode,
                   ", \"size\": ", f.identity.size, ", \"mtime_ns\": ", f.identity.mtime_ns,
-                  ", \"ctime_ns\": ", f.identity.ctime_ns, ", \"extents\": [");
+                  ", \"ctime_ns\": ", f.identity.ctime_ns);
+    if (f.xxh64) {
+      char hex[17];
+      std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(*f.xxh64));
+      out += StrCat(", \"xxh64\": \"", hex, "\"");
+    }
+    out += ", \"extents\": [";
     for (size_t j = 0; j < f.extents.size(); ++j) {
       const FileExtent& x = f.extents[j];
       out += StrCat(j == 0 ? "[" : ", [", x.logical, ", ", x.physical, ", ", x.length, "]");
@@ -371,6 +397,28 @@ void SaveExtentMap(const ExtentMap& map, const std::string& path) {
 
 ExtentMap LoadExtentMap(const std::string& path) {
   tensortier::File f = tensortier::File::Open(path, OpenMode::kRead, false);
+  struct stat st {};
+  if (fstat(f.buffered_fd(), &st) != 0) ThrowIoError(errno, "fstat", path);
+  if (!S_ISREG(st.st_mode)) ThrowIoError(EINVAL, "load the extent map (not a regular file)", path);
+  // Its offsets become reads of a raw disk with the reader's rights: only a map its user (or
+  // root) owns and nobody else may change is trusted, as ssh trusts its keys.
+  if (st.st_uid != geteuid() && st.st_uid != 0) {
+    ThrowIoError(EPERM,
+                 StrCat("load the extent map (owned by uid ", st.st_uid, ", not by this user (uid ",
+                        geteuid(), ") or root: a map names disk blocks to read, so only its "
+                        "user's own maps are trusted; rebuild it or chown it)"),
+                 path);
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    ThrowIoError(EPERM,
+                 StrCat("load the extent map (mode ", mode, ": writable by ",
+                        (st.st_mode & S_IWOTH) != 0 ? "others" : "its group",
+                        "; a map names disk blocks to read, so only one nobody else may change "
+                        "is trusted: chmod go-w it)"),
+                 path);
+  }
   const uint64_t size = f.Size();
   if (size > kMaxMapBytes) {
     throw FormatError(StrCat(path, ": ", size, " bytes is too large for an extent map"));

@@ -9,7 +9,9 @@
 #include <optional>
 #include <stdexcept>
 
+#include "open_files.hpp"
 #include "tensortier/aligned_buffer.hpp"
+#include "tensortier/checksum.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/strings.hpp"
 
@@ -63,6 +65,28 @@ File OpenDisk(const MappedDevice& d) {
   return disk;
 }
 
+// Refuses a map whose extents leave their filesystem's device: with root's right to read the
+// whole disk, an edited offset would read any block of it (another partition, another user's
+// files).
+void CheckExtentsInside(const ExtentMap& map) {
+  std::vector<std::optional<uint64_t>> bytes;
+  for (const MappedDevice& d : map.devices) bytes.push_back(DeviceBytes(d));
+  for (size_t i = 0; i < map.files.size(); ++i) {
+    const MappedFile& f = map.files[i];
+    const MappedDevice& d = map.devices.at(f.device);
+    const std::optional<uint64_t>& limit = bytes[f.device];
+    for (const FileExtent& x : f.extents) {
+      if (!limit || x.physical > *limit || x.length > *limit - x.physical) {
+        throw std::invalid_argument(StrCat(
+            "the extent map's file '", map.FullPath(i), "' has an extent at device offset ",
+            x.physical, " of ", x.length, " bytes, outside its filesystem's device ", d.major, ":",
+            d.minor, limit ? StrCat(" (", *limit, " bytes)") : std::string(" (of unknown size)"),
+            ": the map does not describe that filesystem (rebuild it)"));
+      }
+    }
+  }
+}
+
 // A device range read into the batch's staging buffer, then copied: a file's last partial
 // sector, or an extent off the device's O_DIRECT alignment.
 struct Staged {
@@ -108,13 +132,17 @@ struct ExtentReader::Plan {
   }
 };
 
-ExtentReader::ExtentReader(ExtentMap map, EngineOptions options)
-    : ExtentReader(std::move(map), std::move(options), BackendFactory{}) {}
+ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, bool verify_checksums)
+    : ExtentReader(std::move(map), std::move(options), BackendFactory{}, verify_checksums) {}
 
-ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory)
-    : map_(std::move(map)) {
+ExtentReader::ExtentReader(ExtentMap map, EngineOptions options, BackendFactory factory,
+                           bool verify_checksums)
+    : map_(std::move(map)),
+      verify_checksums_(verify_checksums),
+      fallback_window_(detail::OpenFileWindow()) {
   options.page_cache_check = false;
   for (const MappedDevice& d : map_.devices) devices_.push_back(OpenDisk(d));
+  CheckExtentsInside(map_);
   engine_ = factory ? std::make_unique<Engine>(options, std::move(factory))
                     : std::make_unique<Engine>(options);
 }
@@ -143,7 +171,12 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     std::optional<FileIdentity> now = StatIdentity(map_.FullPath(r.file));
     Plan::PerFile& p = plan.files[i];
     p.raw = now && *now == f.identity;
-    if (!p.raw) p.fallback = IdentityChange(f.identity, now);
+    if (!p.raw) {
+      p.fallback = IdentityChange(f.identity, now);
+    } else if (verify_checksums_ && !f.xxh64) {
+      p.raw = false;
+      p.fallback = "the map has no checksum of it to check raw reads by (an older map: rebuild it)";
+    }
   }
   // Raw pieces: each extent (trimmed to the file's size) at its place on the disk. What is not on
   // the device's O_DIRECT alignment (a last partial sector, odd extents) is read whole-aligned
@@ -205,9 +238,28 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     }
     p.future = engine_->Read(p.file, requests[i].dest, size, 0);
   };
+  // A window of them at a time (opened, read, closed): however many changed, the files open at
+  // once stay bounded.
+  auto read_files = [&](const std::vector<size_t>& which) {
+    for (size_t at = 0; at < which.size(); at += fallback_window_) {
+      const size_t end = std::min(which.size(), at + fallback_window_);
+      for (size_t k = at; k < end; ++k) read_file(which[k]);
+      for (size_t k = at; k < end; ++k) {
+        Plan::PerFile& p = plan.files[which[k]];
+        IoResult r = p.future.Wait();
+        p.future = Future();
+        p.file.Close();
+        batch.io += r.stats;
+        batch.files[which[k]].bytes = r.bytes;
+        batch.files[which[k]].fallback = p.fallback;
+      }
+    }
+  };
+  std::vector<size_t> changed_before;  // read while the raw pieces are in flight
   for (size_t i = 0; i < requests.size(); ++i) {
-    if (!plan.files[i].raw) read_file(i);
+    if (!plan.files[i].raw) changed_before.push_back(i);
   }
+  read_files(changed_before);
   IoResult raw;
   if (plan.raw.valid()) {
     try {
@@ -228,17 +280,12 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     }
     batch.io += raw.stats;
   }
+  std::vector<size_t> changed_after;  // changed while read raw, or not the map's bytes
   for (size_t i = 0; i < requests.size(); ++i) {
     Plan::PerFile& p = plan.files[i];
     ExtentReadResult& out = batch.files[i];
     const std::string path = map_.FullPath(requests[i].file);
-    if (!p.raw) {
-      IoResult r = p.future.Wait();
-      batch.io += r.stats;
-      out.bytes = r.bytes;
-      out.fallback = p.fallback;
-      continue;
-    }
+    if (!p.raw) continue;  // read above
     uint64_t wanted = 0;
     uint64_t got = 0;
     for (size_t k = p.first_piece; k < p.first_piece + p.piece_count; ++k) {
@@ -258,19 +305,20 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
     // its bytes come from the filesystem instead.
     const MappedFile& f = map_.files[requests[i].file];
     std::optional<FileIdentity> now = StatIdentity(path);
-    if (!now || *now != f.identity) {
+    const bool changed = !now || *now != f.identity;
+    if (changed || (verify_checksums_ && Xxh64(requests[i].dest, p.expected) != *f.xxh64)) {
       p.raw = false;
-      p.fallback = StrCat("changed while read raw: ", IdentityChange(f.identity, now));
-      read_file(i);
-      IoResult r = p.future.Wait();
-      batch.io += r.stats;
-      out.bytes = r.bytes;
-      out.fallback = p.fallback;
+      p.fallback =
+          changed ? StrCat("changed while read raw: ", IdentityChange(f.identity, now))
+                  : "its blocks on the disk no longer hold its bytes (they differ from the map's "
+                    "checksum: moved by defragmentation or deduplication?): rebuild the map";
+      changed_after.push_back(i);
       continue;
     }
     out.raw = true;
     out.bytes = p.expected;
   }
+  read_files(changed_after);
   return batch;
 }
 

@@ -1,23 +1,39 @@
 #include "tensortier/sample_list.hpp"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <fnmatch.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
+#include <vector>
 
 #include "tensortier/error.hpp"
 #include "tensortier/strings.hpp"
 
 namespace tensortier {
 namespace {
+
+// A file list is read whole into memory: the largest one read (ImageNet-21k's 14 M lines of
+// "path label" take ~1 GB).
+constexpr uint64_t kMaxListBytes = uint64_t{4} << 30;
+
+// open(2) read-only, non-blocking (a FIFO would block the open itself), retried on EINTR.
+int RetryOpen(const std::string& path) {
+  int fd;
+  do {
+    fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
 
 std::string JoinPath(const std::string& dir, const std::string& name) {
   if (dir.empty() || name.front() == '/') return name;
@@ -73,6 +89,42 @@ std::vector<std::string> FilterDirs(std::vector<std::string> dirs,
   return dirs;
 }
 
+
+// The whole text of a file list. Only a regular file is read (looked at before any read: a FIFO
+// would block, a device such as /dev/zero never ends), and only up to kMaxListBytes.
+std::string ReadListText(const std::string& path) {
+  const int fd = RetryOpen(path);
+  if (fd < 0) ThrowIoError(errno, "open the file list", path);
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (fstat(fd, &st) != 0) ThrowIoError(errno, "fstat", path);
+  if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "read the file list (a directory)", path);
+  if (!S_ISREG(st.st_mode)) {
+    ThrowIoError(EINVAL, "read the file list (not a regular file: a FIFO, socket or device)", path);
+  }
+  auto too_large = [&](uint64_t size) {
+    ThrowIoError(EFBIG,
+                 StrCat("read the file list (", size, " bytes or more; a file list may hold up to ",
+                        kMaxListBytes, ")"),
+                 path, 0, size);
+  };
+  if (static_cast<uint64_t>(st.st_size) > kMaxListBytes) too_large(st.st_size);
+  // Read to its end, not to its stat size (which may be 0 or stale), but never past the bound.
+  std::string text;
+  std::vector<char> chunk(1 << 20);
+  while (true) {
+    const ssize_t n = read(fd, chunk.data(), chunk.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) ThrowIoError(errno, "read the file list", path, text.size(), chunk.size());
+    if (n == 0) break;
+    if (text.size() + static_cast<uint64_t>(n) > kMaxListBytes) too_large(text.size() + n);
+    text.append(chunk.data(), static_cast<size_t>(n));
+  }
+  return text;
+}
 }  // namespace
 
 const std::vector<std::string>& DefaultFileFilters() {
@@ -128,8 +180,7 @@ SampleList ListFileRoot(const std::string& root, const FileFilter& filter,
 }
 
 SampleList ReadFileList(const std::string& list_path, const std::string& root) {
-  std::ifstream in(list_path);
-  if (!in) ThrowIoError(errno != 0 ? errno : EIO, "open", list_path);
+  std::istringstream in(ReadListText(list_path));
   std::string base = root;
   if (base.empty()) {
     const size_t slash = list_path.rfind('/');
@@ -166,7 +217,6 @@ SampleList ReadFileList(const std::string& list_path, const std::string& root) {
     list.paths.push_back(JoinPath(base, line.substr(0, name_end)));
     list.labels.push_back(static_cast<int32_t>(label));
   }
-  if (in.bad()) ThrowIoError(EIO, "read", list_path);
   if (list.paths.empty()) {
     throw std::invalid_argument(StrCat("file_list '", list_path, "' names no files"));
   }

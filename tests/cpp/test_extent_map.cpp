@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/fiemap.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <climits>
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tensortier/checksum.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/extent_map.hpp"
 #include "tensortier/extent_reader.hpp"
@@ -65,9 +67,10 @@ ExtentMap SampleMap() {
   ExtentMap map;
   map.root = "/data/set";
   map.devices.push_back({259, 1, "/dev/nvme0n1", 259, 0, 1 << 20, "ext4", 4096});
-  map.files.push_back({"a/one.jpg", 0, {259, 1, 12, 10000, 1700000000123456789, -5}, {}});
+  map.files.push_back({"a/one.jpg", 0, {259, 1, 12, 10000, 1700000000123456789, -5}, {}, {}});
   map.files[0].extents = {{0, 4096 * 100, 8192}, {8192, 4096 * 300, 4096}};
-  map.files.push_back({"a/two \"q\" é.jpg", 0, {259, 1, 13, 0, 0, 0}, {}});
+  map.files[0].xxh64 = 0x0123456789abcdefull;
+  map.files.push_back({"a/two \"q\" é.jpg", 0, {259, 1, 13, 0, 0, 0}, {}, {}});
   map.refused.push_back({"b/inline.txt", "data stored inline in the inode"});
   return map;
 }
@@ -150,6 +153,9 @@ TEST(ExtentMapTest, ParseRefusesBadMaps) {
   ExpectRefused(Edited("\"mtime_ns\": 1700000000123456789", "\"mtime_ns\": -9223372036854775809"),
                 "64 bits");
   ExpectRefused(Edited("\"mtime_ns\": 1700000000123456789", "\"mtime_ns\": 1.5"), "fraction");
+  ExpectRefused(Edited("\"0123456789abcdef\"", "\"0123456789ABCDEF\""), "hexadecimal");
+  ExpectRefused(Edited("\"0123456789abcdef\"", "\"0123\""), "hexadecimal");
+  ExpectRefused(Edited("\"0123456789abcdef\"", "81985529216486895"), "not a string");
   const std::string json = ExtentMapToJson(SampleMap());
   ExpectRefused(json.substr(0, json.size() / 2), "");
   ExpectRefused(json + "x", "");
@@ -257,6 +263,10 @@ TEST_F(ExtentMapDiskTest, BuildVerifyAndReadRaw) {
     for (const FileExtent& x : f.extents) covered += x.length;
     EXPECT_GE(covered, f.identity.size) << f.path;
   }
+  for (const MappedFile& f : map.files) {
+    const std::string bytes = RandomBytes(f.identity.size, static_cast<uint32_t>(f.identity.size));
+    EXPECT_EQ(f.xxh64, Xxh64(bytes.data(), bytes.size())) << f.path;
+  }
   EXPECT_EQ(ParseExtentMap(ExtentMapToJson(map), "x"), map);
   EXPECT_TRUE(VerifyExtentMap(map).empty());
   std::unique_ptr<ExtentReader> opened;
@@ -352,6 +362,45 @@ TEST_F(ExtentMapDiskTest, RefusalsNameTheFile) {
 
 namespace tensortier {
 namespace {
+
+// A map is a list of disk offsets read with root's rights: as ssh with its keys, only a map its
+// user (or root) owns and nobody else may write is loaded.
+TEST_F(ExtentMapDiskTest, LoadRefusesAMapOthersCanWriteOrOwn) {
+  const std::string path = (dir_ / "map.json").string();
+  SaveExtentMap(SampleMap(), path);
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  EXPECT_EQ(LoadExtentMap(path), SampleMap());
+  for (mode_t mode : {0664, 0646, 0666}) {
+    ASSERT_EQ(chmod(path.c_str(), mode), 0);
+    try {
+      LoadExtentMap(path);
+      ADD_FAILURE() << "loaded a map of mode " << mode;
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_code(), EPERM);
+      EXPECT_EQ(e.path(), path);
+      EXPECT_NE(std::string(e.what()).find("chmod go-w"), std::string::npos) << e.what();
+    }
+  }
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  if (geteuid() == 0) {
+    ASSERT_EQ(chown(path.c_str(), 4321, 4321), 0);
+    try {
+      LoadExtentMap(path);
+      ADD_FAILURE() << "loaded another user's map";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_code(), EPERM);
+      EXPECT_NE(std::string(e.what()).find("uid 4321"), std::string::npos) << e.what();
+    }
+  }
+  const std::string fifo = (dir_ / "map.fifo").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  try {
+    LoadExtentMap(fifo);  // refused before any read: it would wait for a writer
+    ADD_FAILURE() << "loaded a FIFO";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), EINVAL);
+  }
+}
 
 TEST(ExtentReaderTest, RefusesADiskNodeThatIsNotTheMapsDisk) {
   ExtentMap map = SampleMap();

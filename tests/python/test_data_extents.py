@@ -21,7 +21,8 @@ from test_extents import (  # noqa: F401  (loop_fs is a fixture)
     loop_fs,
 )
 
-from tensortier.data import FileReader, build_extent_map, load_extent_map, verify_extent_map
+from tensortier.data import (ExtentReader, FileReader, build_extent_map, load_extent_map,
+                             verify_extent_map)
 
 
 def _training_set(root: Path) -> dict[str, bytes]:
@@ -285,3 +286,160 @@ def test_a_map_placing_the_filesystem_elsewhere_on_the_disk_is_refused(loop_fs: 
     with pytest.raises(OSError, match="rebuild the extent map") as info:
         FileReader(file_root=root, extent_map=bad)
     assert info.value.errno == errno.ENODEV
+
+
+def _fill_free_space(directory: Path, byte: int) -> None:
+    """Writes files of `byte` until the filesystem is full, then syncs: every free block (those
+    a defragmentation left behind included) now holds `byte`."""
+    chunk = bytes([byte]) * (1 << 20)
+    for n in range(1 << 20):
+        try:
+            with open(directory / f"fill{n}", "wb") as f:
+                for _ in range(16):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            break
+    os.sync()
+
+
+def test_blocks_moved_by_online_defragmentation_are_not_read_raw(loop_fs: LoopFilesystem,
+                                                                 tmp_path: Path) -> None:
+    if shutil.which("e4defrag") is None:
+        pytest.skip("e4defrag is not installed")
+    from test_extents import _fragmented_files
+    root = loop_fs.mount / "train"
+    root.mkdir()
+    files = _fragmented_files(root)
+    names = sorted(files)
+    extent_map = build_extent_map(root, tmp_path / "map.json")
+    assert min(len(extent_map.file(i)["extents"]) for i in range(len(extent_map))) > 1
+    before = {n: os.stat(root / n) for n in names}
+    r = subprocess.run(["e4defrag", str(root / "frag")], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for n in names:  # the identity the map checks is unchanged...
+        now = os.stat(root / n)
+        assert (now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns) == (
+            before[n].st_ino, before[n].st_size, before[n].st_mtime_ns, before[n].st_ctime_ns)
+    moved = [path for path, _ in verify_extent_map(extent_map)]  # ...but blocks moved
+    assert moved, "e4defrag moved no file"
+    os.sync()  # ext4 reuses blocks freed by a transaction only once it is committed
+    _fill_free_space(loop_fs.mount, 0x5A)  # the old blocks now hold other bytes
+    reader = FileReader(files=[root / n for n in names], batch_size=len(names), shuffle=False,
+                        extent_map=tmp_path / "map.json")
+    (samples, _), = list(reader)
+    assert [s.numpy().tobytes() for s in samples] == [files[n] for n in names]
+    # A moved file whose old blocks were not reused yet still reads right raw.
+    assert 1 <= reader.stats["fallback_files"] <= len(moved)
+    raw = ExtentReader(extent_map)
+    assert [a.tobytes() for a in raw.read(names)] == [files[n] for n in names]
+    assert {os.path.relpath(p, root) for p, _ in raw.last_stats["fallbacks"]} <= set(moved)
+    assert all("checksum" in why for _, why in raw.last_stats["fallbacks"])
+    # Opted out (files promised never to move): the moved blocks are read as they are.
+    unchecked = ExtentReader(extent_map, verify_checksums=False)
+    assert [a.tobytes() for a in unchecked.read(names)] != [files[n] for n in names]
+
+
+def test_a_map_pointing_a_file_at_other_blocks_gives_the_files_bytes(loop_fs: LoopFilesystem,
+                                                                     tmp_path: Path) -> None:
+    root = loop_fs.mount / "train"
+    (root / "c").mkdir(parents=True)
+    a, b = _bytes(20000, 1), _bytes(20000, 2)
+    (root / "c/a.jpg").write_bytes(a)
+    (root / "c/b.jpg").write_bytes(b)
+    good = tmp_path / "good.json"
+    build_extent_map(root, good)
+    edited = json.loads(good.read_text())
+    # a's extents now name b's blocks: what a move of a's blocks looks like (identity unchanged).
+    edited["files"][0]["extents"] = edited["files"][1]["extents"]
+    bad = tmp_path / "moved.json"
+    bad.write_text(json.dumps(edited))
+    reader = FileReader(file_root=root, batch_size=2, shuffle=False, file_filters="*.jpg",
+                        extent_map=bad)
+    (samples, _), = list(reader)
+    assert [s.numpy().tobytes() for s in samples] == [a, b]
+    assert reader.stats["fallback_files"] == 1 and reader.stats["raw_files"] == 1
+    # A map made before maps carried checksums is read through the filesystem, saying why.
+    for f in edited["files"]:
+        del f["xxh64"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(edited))
+    raw = ExtentReader(old)
+    assert [x.tobytes() for x in raw.read(["c/a.jpg", "c/b.jpg"])] == [a, b]
+    assert raw.last_stats["raw_files"] == 0
+    assert all("no checksum" in why for _, why in raw.last_stats["fallbacks"])
+
+
+def test_an_extent_outside_the_filesystems_device_is_refused(loop_fs: LoopFilesystem,
+                                                             tmp_path: Path) -> None:
+    root = loop_fs.mount / "train"
+    (root / "c").mkdir(parents=True)
+    (root / "c/a.jpg").write_bytes(_bytes(8192, 3))
+    good = tmp_path / "good.json"
+    build_extent_map(root, good)
+    edited = json.loads(good.read_text())
+    size = 256 << 20  # the fixture's image: the device ends there
+    edited["files"][0]["extents"] = [[0, size, 8192]]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(edited))
+    for make in (lambda: FileReader(file_root=root, file_filters="*.jpg", extent_map=bad),
+                 lambda: ExtentReader(bad)):
+        with pytest.raises(ValueError, match="outside its filesystem's device"):
+            make()
+
+
+def test_a_map_others_can_write_or_own_is_refused(loop_fs: LoopFilesystem,
+                                                  tmp_path: Path) -> None:
+    root = loop_fs.mount / "train"
+    (root / "c").mkdir(parents=True)
+    (root / "c/a.jpg").write_bytes(_bytes(100, 4))
+    path = tmp_path / "map.json"
+    build_extent_map(root, path)
+    os.chmod(path, 0o666)
+    with pytest.raises(PermissionError, match="chmod go-w") as info:
+        FileReader(file_root=root, file_filters="*.jpg", extent_map=path)
+    assert info.value.filename == str(path)
+    os.chmod(path, 0o644)
+    os.chown(path, 4321, 4321)  # the fixture runs as root only
+    with pytest.raises(PermissionError, match="uid 4321"):
+        load_extent_map(path)
+
+
+def test_files_read_through_the_filesystem_stay_within_rlimit_nofile(loop_fs: LoopFilesystem,
+                                                                    tmp_path: Path) -> None:
+    root = loop_fs.mount / "train"
+    (root / "c").mkdir(parents=True)
+    files = {f"c/{i:03d}.jpg": _bytes(1000 + 37 * i, i) for i in range(200)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    good = tmp_path / "good.json"
+    build_extent_map(root, good)
+    # Every checksum wrong: each raw read is read again through the filesystem after the batch's
+    # raw reads, all 200 of them in one batch, in a child that may open 128 descriptors.
+    edited = json.loads(good.read_text())
+    for f in edited["files"]:
+        f["xxh64"] = "0000000000000000"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(edited))
+    script = (
+        "import resource, sys\n"
+        "from tensortier.data import ExtentReader, FileReader\n"
+        "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))\n"
+        "names = sys.argv[3:]\n"
+        "reader = FileReader(files=[sys.argv[1] + '/' + n for n in names], batch_size=len(names),\n"
+        "                    shuffle=False, extent_map=sys.argv[2])\n"
+        "(samples, _), = list(reader)\n"
+        "raw = ExtentReader(sys.argv[2]).read(names)\n"
+        "for s, a, n in zip(samples, raw, names):\n"
+        "    data = open(sys.argv[1] + '/' + n, 'rb').read()\n"
+        "    assert s.numpy().tobytes() == data and a.tobytes() == data, n\n"
+        "print(reader.stats['fallback_files'], reader.stats['raw_files'])\n")
+    r = subprocess.run([sys.executable, "-c", script, str(root), str(bad), *sorted(files)],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["200", "0"]

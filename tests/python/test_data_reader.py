@@ -4,6 +4,7 @@ errors; FileDataset in a DataLoader with workers."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import random
@@ -709,3 +710,113 @@ def test_state_dict_resumes_a_root_spelled_another_way(
     linked.load_state_dict(spelled)
     with pytest.raises(ValueError, match="other files"):
         FileReader(file_root=root, batch_size=2, seed=3, shuffle=True).load_state_dict(spelled)
+
+
+@pytest.mark.parametrize("state", [None, [("epoch", 0), ("position", 0)], "state", 3])
+def test_load_state_dict_of_something_else_than_a_dict_is_a_type_error(disk_dir: Path,
+                                                                       state: Any) -> None:
+    make_tree(disk_dir, classes=1, per_class=3)
+    reader = FileReader(file_root=disk_dir, batch_size=2)
+    with pytest.raises(TypeError, match=r"dict that FileReader.state_dict\(\) returns"):
+        reader.load_state_dict(state)
+
+
+def test_a_file_list_that_is_not_a_regular_file_is_refused_by_name_before_reading(
+        disk_dir: Path) -> None:
+    (disk_dir / "a.jpg").write_bytes(b"x")
+    fifo = disk_dir / "list.fifo"
+    os.mkfifo(fifo)
+    folder = disk_dir / "list.d"
+    folder.mkdir()
+    # In a child bounded in time: a FIFO read would wait for a writer forever, /dev/zero never ends.
+    script = (
+        "import sys\n"
+        "from tensortier.data import FileReader\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        FileReader(file_list=name)\n"
+        "    except OSError as e:\n"
+        "        print(type(e).__name__, e.errno, e.filename == name, 'regular file' in str(e)\n"
+        "              or 'directory' in str(e))\n")
+    r = subprocess.run([sys.executable, "-c", script, str(fifo), "/dev/zero", str(folder)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        f"OSError {errno.EINVAL} True True",
+        f"OSError {errno.EINVAL} True True",
+        f"IsADirectoryError {errno.EISDIR} True True",
+    ]
+
+
+def test_a_file_list_past_its_size_bound_is_refused(disk_dir: Path) -> None:
+    lst = disk_dir / "huge.txt"
+    with open(lst, "wb") as f:
+        f.truncate((4 << 30) + 1)  # sparse: no disk space used
+    with pytest.raises(OSError) as e:
+        FileReader(file_list=lst)
+    assert e.value.errno == errno.EFBIG and e.value.filename == str(lst)
+
+
+def _child(script: str, *args: str) -> list[str]:
+    """Runs `script` in a new Python (bounded in time), returning its output lines."""
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.splitlines()
+
+
+def test_open_files_are_bounded_by_rlimit_nofile_not_by_the_batch(disk_dir: Path) -> None:
+    tree = make_tree(disk_dir, classes=3, per_class=100)
+    # 300 files in batches of 150 read 4 ahead would keep 750 files open: the child may open 128.
+    script = (
+        "import hashlib, resource, sys\n"
+        "from tensortier.data import FileReader\n"
+        "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))\n"
+        "for on_error in ('skip', 'raise'):\n"
+        "    reader = FileReader(file_root=sys.argv[1], batch_size=150, prefetch=4, seed=3,\n"
+        "                        on_error=on_error)\n"
+        "    digest, count = hashlib.sha256(), 0\n"
+        "    for epoch in range(2):\n"
+        "        for samples, labels in reader:\n"
+        "            count += len(samples)\n"
+        "            for s, l in zip(samples, labels):\n"
+        "                digest.update(s.numpy().tobytes() + int(l).to_bytes(4, 'little'))\n"
+        "    print(count, reader.stats['skipped'], digest.hexdigest())\n")
+    want = hashlib.sha256()
+    reader = FileReader(file_root=disk_dir, batch_size=150, prefetch=4, seed=3)
+    for _ in range(2):
+        for samples, labels in reader:
+            for s, l in zip(samples, labels):
+                want.update(s.numpy().tobytes() + int(l).to_bytes(4, "little"))
+    assert len(tree) == 300
+    assert _child(script, str(disk_dir)) == [f"600 0 {want.hexdigest()}"] * 2
+
+
+def test_running_out_of_descriptors_raises_even_when_errors_are_skipped(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=2, per_class=10)
+    script = (
+        "import resource, sys\n"
+        "from tensortier.data import FileReader\n"
+        "reader = FileReader(file_root=sys.argv[1], batch_size=20, on_error='skip')\n"
+        "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # no open can succeed now\n"
+        "try:\n"
+        "    samples, _ = next(iter(reader))\n"
+        "    print('read', len(samples), reader.stats['skipped'])\n"
+        "except OSError as e:\n"
+        "    print('raised', e.errno)\n")
+    assert _child(script, str(disk_dir)) == [f"raised {errno.EMFILE}"]
+
+
+def test_a_file_that_reports_no_size_but_has_bytes_is_refused_by_name(disk_dir: Path) -> None:
+    (disk_dir / "a.bin").write_bytes(b"abc")
+    (disk_dir / "empty.bin").write_bytes(b"")
+    files = ["/proc/self/status", disk_dir / "a.bin", disk_dir / "empty.bin"]
+    with pytest.raises(OSError, match="size of 0 bytes but has data") as e:
+        list(FileReader(files=files, batch_size=3, shuffle=False))
+    assert e.value.errno == errno.EINVAL and e.value.filename == "/proc/self/status"
+    reader = FileReader(files=files, batch_size=3, shuffle=False, on_error="skip")
+    (samples, labels), = list(reader)
+    assert [s.numpy().tobytes() for s in samples] == [b"abc", b""]  # an empty file stays a sample
+    assert labels.tolist() == [1, 2] and reader.stats["skipped"] == 1

@@ -96,15 +96,20 @@ def verify_extent_map(extent_map: ExtentMap | PathLike) -> list[tuple[str, str]]
 class ExtentReader:
     """Reads files by an extent map from their block device (O_DIRECT, many in flight).
 
-    Each file's identity is checked (stat by path) before and after its raw read; a file that
-    changed since the map was built is read through the filesystem instead. ``last_stats``
-    says how the last batch went.
+    Each file's identity is checked (stat by path) before and after its raw read, and its bytes
+    against the map's checksum (XXH64) after it; a file that changed since the map was built, or
+    whose blocks moved (online defragmentation, deduplication), is read through the filesystem
+    instead. ``last_stats`` says how the last batch went.
 
     Args:
-        extent_map: an ExtentMap, or the path of one.
+        extent_map: an ExtentMap, or the path of one (refused unless owned by this user or root
+            and writable by nobody else: ``PermissionError``).
         backend, queue_depth, workers: engine settings (default: the environment's).
+        verify_checksums: False skips the checksum check (and reads raw the files of an older
+            map without checksums): only for files that never move, e.g. a read-only filesystem.
 
     Raises:
+        ValueError: an extent of the map lies outside its filesystem's device.
         OSError: a disk cannot be opened for reading (EACCES: raw reads need read access to
             the block device, usually root), is no longer the disk the map names, or refuses
             O_DIRECT. The message names the device.
@@ -117,10 +122,12 @@ class ExtentReader:
         backend: str | None = None,
         queue_depth: int | None = None,
         workers: int | None = None,
+        verify_checksums: bool = True,
         _fault: dict[str, Any] | None = None,
     ) -> None:
         self.map = _as_map(extent_map)
-        self._reader = _core.ExtentReader(self.map, backend, queue_depth, workers, _fault)
+        self._reader = _core.ExtentReader(self.map, backend, queue_depth, workers,
+                                          bool(verify_checksums), _fault)
         self.last_stats: dict[str, Any] = {}
 
     def _index(self, file: int | PathLike) -> int:

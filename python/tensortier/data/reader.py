@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -152,7 +152,10 @@ class FileReader:
 
     A file that vanished, cannot be read, is not a regular file or changes size while read
     raises ``OSError`` naming it, or with ``on_error="skip"`` is left out of its batch (the batch
-    is smaller) and counted in ``stats["skipped"]``. Empty files give empty samples.
+    is smaller) and counted in ``stats["skipped"]``. Running out of descriptors or memory
+    (EMFILE, ENFILE, ENOMEM) raises even then: files open at once follow ``RLIMIT_NOFILE``,
+    not the batch size. Empty files give empty samples; a file that reports 0 bytes but has
+    data (``/proc``) raises ``OSError(EINVAL)``.
 
     ``extent_map`` (an ``ExtentMap`` or the path of one, ``build_extent_map``) reads the files
     the map holds straight from their block device by their extents (O_DIRECT, the batch's reads
@@ -160,9 +163,12 @@ class FileReader:
     ctime) is checked against the map first; one that changed since is read through the
     filesystem. ``stats["raw_files"]`` and ``stats["fallback_files"]`` count the two; files the
     map does not hold are read as usual, and a map that holds none of them is refused
-    (``ValueError``). Paths are looked up as spelled, then by their real folders under the map
-    root's real path: a ``file_root`` reached through a symbolic link finds a map built through
-    the real path, and the other way round. Raw reads need read access to the disk (root): without
+    (``ValueError``). Each raw read is checked against the file's checksum in the map, so a file
+    whose blocks moved (online defragmentation) is read through the filesystem too;
+    ``extent_checksums=False`` skips that check, for files that never move. Paths are looked
+    up as spelled, then by their real folders under the map root's real path: a ``file_root``
+    reached through a symbolic link finds a map built through the real path, and the other way
+    round. Raw reads need read access to the disk (root): without
     it the reader is refused with ``PermissionError`` naming the disk.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly: the next batch after a
@@ -193,6 +199,7 @@ class FileReader:
         pin_memory: bool = False,
         extent_map: ExtentMap | PathArg | None = None,
         *,
+        extent_checksums: bool = True,
         file_filters: str | Sequence[str] | None = None,
         case_sensitive_filter: bool = False,
         dir_filters: str | Sequence[str] | None = None,
@@ -247,6 +254,7 @@ class FileReader:
             device=device_index,
             backend=backend,
             extent_map=None if extent_map is None else _as_map(extent_map),
+            extent_checksums=bool(extent_checksums),
             fault=_fault,  # tests: the engine's fault-injecting backend
         )
         self._epoch = 0
@@ -319,7 +327,7 @@ class FileReader:
         return {"epoch": self._epoch, "position": self._position, **self._config,
                 "files_digest": self._files_digest}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at ``state``: the next batch, of a new iteration or of one under way (a
         loop, a ``dali_source()``), is the one after the last one given out before
         ``state_dict()`` was taken.
@@ -328,8 +336,13 @@ class FileReader:
         settings and the file count only.
 
         Raises:
+            TypeError: ``state`` is not a dict (what ``state_dict()`` returns).
             ValueError: the state was taken from a reader with other files or settings.
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"load_state_dict takes the dict that FileReader.state_dict() returns (epoch, "
+                f"position, settings and files_digest), not {type(state).__name__}")
         expected = dict(self._config)
         if "files_digest" in state:
             expected["files_digest"] = self._files_digest
