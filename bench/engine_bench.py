@@ -52,7 +52,8 @@ PYIO_SCRIPT = BENCH_DIR / "pyio_baseline.py"
 SUBJECT = "tensortier"
 TOOL_FAMILIES = ("tensortier", "fio", "python")
 SCENARIOS = ("seq", "rand", "warm")
-# fio huge-page buffer memory, in order of preference (DESIGN.md: buffer memory matters here).
+# fio huge-page buffer memory, in order of preference (our virtio disk splits a request at the
+# physical-contiguity boundaries of its buffer: buffer memory decides request sizes here).
 HUGE_IOMEM = ("mmaphuge", "shmhuge")
 STDERR_TAIL = 2000  # characters of a failed tool's stderr kept in the report
 

@@ -279,35 +279,6 @@ void RegisterCheckpoint(py::module_& m) {
       "CLI follows (a .index.json name, then the first bytes). ValueError for an empty file or a "
       "legacy (non-zip) torch.save file; OSError naming the path for anything but a regular file "
       "(a FIFO is refused, never waited on).");
-  m.def(
-      "check_replaceable",
-      [](const FsPath& path) -> std::optional<std::tuple<uint32_t, uint32_t, uint32_t>> {
-        std::optional<ReplacedFile> old;
-        {
-          py::gil_scoped_release release;
-          old = CheckReplaceable(path);
-        }
-        if (!old) return std::nullopt;
-        return std::make_tuple(static_cast<uint32_t>(old->mode), static_cast<uint32_t>(old->uid),
-                               static_cast<uint32_t>(old->gid));
-      },
-      py::arg("path"),
-      "Whether a save may replace path (symlinks resolved): None when no file is there, else "
-      "its (mode, uid, gid). OSError naming path for a directory, a file that is not regular, "
-      "or one this user may not write (PermissionError for a read-only file, as torch.save).");
-  m.def(
-      "keep_attributes",
-      [](int fd, const std::tuple<uint32_t, uint32_t, uint32_t>& old, const FsPath& path) {
-        const auto [mode, uid, gid] = old;
-        py::gil_scoped_release release;
-        KeepAttributes(fd,
-                       ReplacedFile{static_cast<mode_t>(mode), static_cast<uid_t>(uid),
-                                    static_cast<gid_t>(gid)},
-                       path);
-      },
-      py::arg("fd"), py::arg("old"), py::arg("path"),
-      "Gives the new file fd the (mode, uid, gid) of the file at path it replaces: owner and "
-      "group where this user may set them (the group alone, or neither, otherwise).");
   py::class_<FileSystem>(
       m, "FileSystem",
       "The system calls a save or a load makes outside the engine (open, fallocate, fdatasync, "
@@ -367,12 +338,6 @@ void RegisterCheckpoint(py::module_& m) {
       [](const FsPath& path) { return PathToPython(TemporaryPathPrefix(path)); }, py::arg("path"),
       "'DIR/.NAME.tmp-PID-START-TAG-' for this process: a save's temporary file for path is "
       "this followed by 8 random hex digits.");
-  m.def(
-      "remove_stale_temporary_files",
-      [](const FsPath& path) { return RemoveStaleTemporaryFiles(path); }, py::arg("path"),
-      py::call_guard<py::gil_scoped_release>(),
-      "Removes the temporary files killed saves into path left behind (their process, pid and "
-      "start time, no longer runs); returns how many.");
 
   m.def(
       "format_of_suffix",
@@ -403,9 +368,6 @@ void RegisterCheckpoint(py::module_& m) {
   m.def("parse_stored_checksum", &ParseStoredChecksum, py::arg("text"),
         "A stored checksum's value: exactly 16 hex digits (either case), else None (no '0x', "
         "'_', spaces or signs).");
-  m.def("parse_tensor_checksums", &ParseTensorChecksums, py::arg("text"),
-        "The tensortier.xxh64 metadata value as {tensor name: checksum text}; ValueError for "
-        "anything but a JSON object of strings, or a name given twice.");
   m.def(
       "read_tensor_checksums",
       [](const std::string& text, const std::vector<std::string>& names) {
@@ -416,7 +378,8 @@ void RegisterCheckpoint(py::module_& m) {
       "What the tensortier.xxh64 metadata value says of a file holding the tensors `names` (the "
       "rule `tensortier verify` follows): ([xxh64 or None per name], [problems]); problems are "
       "checksums for names the file does not hold, tensors without a checksum, checksums that "
-      "are not 16 hex digits. ValueError as parse_tensor_checksums.");
+      "are not 16 hex digits. ValueError for anything but a JSON object of strings, or a name "
+      "given twice.");
   m.def(
       "xxh64",
       [](const py::object& obj, uint64_t seed) {

@@ -170,6 +170,15 @@ void RegisterTransfer(py::module_& m) {
         return out;
       },
       py::arg("address"), "Where memory lives: host, registered host, device or managed.");
+  m.def(
+      "pinned_host",
+      [](uintptr_t address, size_t nbytes) {
+        py::gil_scoped_release release;
+        return CudaDriver::Get().IsPinnedHost(reinterpret_cast<const void*>(address), nbytes);
+      },
+      py::arg("address"), py::arg("nbytes"),
+      "Whether host memory [address, address + nbytes) is page-locked memory the CUDA driver "
+      "knows, whoever pinned it; False without a driver.");
 
   py::class_<PinnedMemory, GilFreeHolder<PinnedMemory>>(m, "PinnedMemory", py::buffer_protocol())
       .def(py::init([](size_t size, int device) {

@@ -220,6 +220,12 @@ class CudaDriver {
   // primary context current before concluding host memory. Throws CudaError only when the driver
   // fails in an unexpected way.
   PointerLocation Locate(const void* p) const;
+  // Whether [p, p + bytes) is page-locked host memory the driver knows, whoever pinned it
+  // (cuMemHostRegister, cuMemAllocHost, cudaHostAlloc of any library): its first and its last
+  // byte locate as kRegisteredHost (a range over two registrations with a gap between them would
+  // pass; asking per page would cost a driver call per 4 KiB). A zero-byte range asks about p.
+  // False without a driver. Throws as Locate does.
+  bool IsPinnedHost(const void* p, size_t bytes) const;
 
  private:
   explicit CudaDriver(std::string library) : library_(std::move(library)) {}

@@ -1,11 +1,14 @@
 // Naming a process so that the name stays unique after its pid is reused: files a process leaves
-// behind (offloader backing files, temporary checkpoint files) carry its pid and start time, and
-// are recognised as left over once no process with both runs.
+// behind (offloader backing files, temporary checkpoint files) carry its stamp (pid, start time,
+// pid namespace), and are recognised as left over once no process with that stamp runs.
 #pragma once
 
 #include <sys/types.h>
 
+#include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 
 namespace tensortier {
 
@@ -17,5 +20,22 @@ std::string ProcessStartTime(pid_t pid);
 // time name the same process only where this tag is the same (another machine sharing the
 // directory, or another container, has pids of its own). "" when neither can be read.
 std::string PidNamespaceTag();
+
+// "PID-START-TAG": this process's pid, start time and PidNamespaceTag(), the stamp the files it
+// leaves behind carry in their names. Not cached: a child made by fork() is another process, whose
+// files must carry its own stamp to be recognised once it dies.
+std::string ProcessStamp();
+
+// Splits "PID-START-TAG-REST" into the stamp "PID-START-TAG" and REST; nullopt when `text` has
+// fewer than three dashes.
+std::optional<std::pair<std::string_view, std::string_view>> SplitProcessStamp(
+    std::string_view text);
+
+// The one rule for files of dead processes: whether `stamp`, as ProcessStamp() writes it, names a
+// process that no longer runs. Only a stamp of this boot and pid namespace can (its TAG is
+// PidNamespaceTag()): another machine's or container's pids and start times mean nothing here.
+// False for text that is no stamp (a pid no process can have included: no process wrote it), for
+// a process that runs, and where /proc cannot tell (this process's own start time is unreadable).
+bool IsDeadProcessStamp(std::string_view stamp);
 
 }  // namespace tensortier

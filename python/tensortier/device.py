@@ -130,7 +130,8 @@ def pin(tensor: Any, *, device: int | None = None) -> Any:
     if tensor.device.type != "cpu":
         raise ValueError(f"pin needs a CPU tensor; this one is on {tensor.device}")
     _require_driver("tensortier.pin")
-    if tensor.numel() > 0 and _core.locate(tensor.data_ptr())["type"] == "registered host":
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes > 0 and _core.pinned_host(tensor.data_ptr(), nbytes):
         return tensor
     out = pinned_empty(tuple(tensor.shape), tensor.dtype, device=device)
     out.copy_(tensor)

@@ -45,16 +45,14 @@ class OffloadedDataLostWarning(UserWarning):
     gone. A UserWarning (shown by default), not a ResourceWarning (hidden by default): the
     data was the user's."""
 
-# TensorNVMe's backend names are accepted too.
-_BACKENDS = {
-    "auto": "auto",
-    "io_uring": "io_uring",
-    "uring": "io_uring",
-    "libaio": "libaio",
-    "aio": "libaio",
-    "threads": "threads",
-    "pthread": "threads",
+# Each engine backend by its name and by TensorNVMe's, both accepted.
+_BACKEND_NAMES = (("io_uring", "uring"), ("libaio", "aio"), ("threads", "pthread"))
+# A backend's name as given -> the engine's name for it.
+_BACKENDS = {"auto": "auto"} | {
+    given: name for name, alias in _BACKEND_NAMES for given in (name, alias)
 }
+# The engine's name -> TensorNVMe's.
+_TENSORNVME_NAMES = dict(_BACKEND_NAMES)
 
 PathLike = PathArg
 

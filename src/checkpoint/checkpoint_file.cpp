@@ -74,15 +74,11 @@ std::optional<pid_t> ParsePid(std::string_view text) {
 }
 
 // `rest` is what follows ".NAME.tmp-" in a directory entry; `dir` holds it.
-bool IsStaleTemporary(int dir, const char* entry, std::string_view rest, const std::string& tag) {
+bool IsStaleTemporary(int dir, const char* entry, std::string_view rest) {
   const std::vector<std::string_view> parts = SplitDashes(rest);
-  if (parts.size() == 4) {  // PID-START-TAG-RANDOM
-    const std::optional<pid_t> pid = ParsePid(parts[0]);
-    // Another machine's or container's pids and start times mean nothing here.
-    if (!pid || !IsDecimal(parts[1]) || tag.empty() || parts[2] != tag || !IsHex8(parts[3])) {
-      return false;
-    }
-    return ProcessStartTime(*pid) != parts[1];
+  if (parts.size() == 4) {  // PID-START-TAG-RANDOM: a process stamp, then the random part
+    const auto stamp = SplitProcessStamp(rest);
+    return stamp && IsHex8(stamp->second) && IsDeadProcessStamp(stamp->first);
   }
   if (parts.size() == 2) {  // PID-RANDOM, written before start times were in the name
     const std::optional<pid_t> pid = ParsePid(parts[0]);
@@ -286,9 +282,8 @@ std::string TemporaryNameStem(std::string_view name) {
 
 std::string TemporaryPathPrefix(const std::string& final_path) {
   const auto [dir, name] = SplitPath(final_path);
-  const pid_t pid = getpid();  // not cached: a forked child is another process
-  return (std::filesystem::path(dir) / StrCat(TemporaryNameStem(name), pid, "-",
-                                              ProcessStartTime(pid), "-", PidNamespaceTag(), "-"))
+  // ProcessStamp() is not cached: a forked child is another process.
+  return (std::filesystem::path(dir) / StrCat(TemporaryNameStem(name), ProcessStamp(), "-"))
       .string();
 }
 
@@ -296,7 +291,6 @@ size_t RemoveStaleTemporaryFiles(const std::string& final_path) {
   const auto [dir, name] = SplitPath(final_path);
   // Without /proc no process can be told alive: nothing is removed.
   if (ProcessStartTime(getpid()).empty()) return 0;
-  const std::string tag = PidNamespaceTag();
   const std::string prefix = TemporaryNameStem(name);
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return 0;  // the save itself reports what is wrong with the directory
@@ -304,7 +298,7 @@ size_t RemoveStaleTemporaryFiles(const std::string& final_path) {
   while (const dirent* e = readdir(d)) {
     const std::string_view entry(e->d_name);
     if (!entry.starts_with(prefix)) continue;
-    if (IsStaleTemporary(dirfd(d), e->d_name, entry.substr(prefix.size()), tag) &&
+    if (IsStaleTemporary(dirfd(d), e->d_name, entry.substr(prefix.size())) &&
         unlinkat(dirfd(d), e->d_name, 0) == 0) {
       ++removed;
     }

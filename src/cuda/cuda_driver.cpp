@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <sys/stat.h>
 
+#include <cstddef>
 #include <cstdlib>
 #include <utility>
 
@@ -253,6 +254,13 @@ PointerLocation CudaDriver::Locate(const void* p) const {
     where.type = MemoryType::kRegisteredHost;
   }
   return where;
+}
+
+bool CudaDriver::IsPinnedHost(const void* p, size_t bytes) const {
+  if (!available_ || p == nullptr) return false;
+  const auto* first = static_cast<const std::byte*>(p);
+  if (Locate(first).type != MemoryType::kRegisteredHost) return false;
+  return bytes <= 1 || Locate(first + (bytes - 1)).type == MemoryType::kRegisteredHost;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,9 +6,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
-#include <limits>
 #include <stdexcept>
+#include <string_view>
 #include <unordered_set>
 
 #include "tensortier/aligned_buffer.hpp"
@@ -22,31 +21,29 @@ namespace {
 constexpr std::string_view kFilePrefix = "tensortier-offload-";
 constexpr std::string_view kFileSuffix = ".bin";
 
-// "<prefix><pid>-<start>-" for this process. Not cached: a child made by fork() is another
-// process, and its files must carry its own pid to be recognised as stale once it dies.
-std::string ProcessFileStem() {
-  const std::string pid = std::to_string(getpid());
-  return StrCat(kFilePrefix, pid, "-", ProcessStartTime(getpid()), "-");
-}
+// "<prefix><stamp>-" for this process (see ProcessStamp, not cached: a child made by fork() is
+// another process, and its files must carry its own stamp to be recognised as stale once it dies).
+std::string ProcessFileStem() { return StrCat(kFilePrefix, ProcessStamp(), "-"); }
 
 std::atomic<uint64_t> next_instance{0};
 
-// For "<prefix><pid>-<start>-<n><suffix>": whether that process is gone.
+bool IsDecimal(std::string_view s) {
+  return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
+// For "<prefix><stamp>-<instance>-<dir index><suffix>": whether that process is gone.
 bool IsStale(std::string_view name) {
   if (!name.starts_with(kFilePrefix) || !name.ends_with(kFileSuffix)) return false;
   name.remove_prefix(kFilePrefix.size());
-  const size_t dash1 = name.find('-');
-  if (dash1 == std::string_view::npos) return false;
-  const size_t dash2 = name.find('-', dash1 + 1);
-  if (dash2 == std::string_view::npos) return false;
-  const std::string_view pid = name.substr(0, dash1);
-  const std::string_view start = name.substr(dash1 + 1, dash2 - dash1 - 1);
-  uint64_t pid_number = 0;
-  auto [end, ec] = std::from_chars(pid.data(), pid.data() + pid.size(), pid_number);
-  if (ec != std::errc() || end != pid.data() + pid.size() || pid_number == 0) return false;
-  // A number no pid can be names no running process.
-  if (pid_number > static_cast<uint64_t>(std::numeric_limits<pid_t>::max())) return true;
-  return ProcessStartTime(static_cast<pid_t>(pid_number)) != start;
+  name.remove_suffix(kFileSuffix.size());
+  const auto stamp = SplitProcessStamp(name);
+  if (!stamp) return false;
+  const size_t dash = stamp->second.find('-');
+  if (dash == std::string_view::npos || !IsDecimal(stamp->second.substr(0, dash)) ||
+      !IsDecimal(stamp->second.substr(dash + 1))) {
+    return false;
+  }
+  return IsDeadProcessStamp(stamp->first);
 }
 
 }  // namespace

@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 
+#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
+#include <system_error>
 
 namespace tensortier {
 
@@ -37,6 +40,54 @@ std::string PidNamespaceTag() {
   char tag[9];
   std::snprintf(tag, sizeof(tag), "%08x", hash);
   return tag;
+}
+
+namespace {
+
+bool IsDecimal(std::string_view s) {
+  return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
+bool IsHex8(std::string_view s) {
+  return s.size() == 8 && s.find_first_not_of("0123456789abcdef") == std::string_view::npos;
+}
+
+}  // namespace
+
+std::string ProcessStamp() {
+  const pid_t pid = getpid();
+  return std::to_string(pid) + "-" + ProcessStartTime(pid) + "-" + PidNamespaceTag();
+}
+
+std::optional<std::pair<std::string_view, std::string_view>> SplitProcessStamp(
+    std::string_view text) {
+  size_t dash = std::string_view::npos;
+  for (int i = 0; i < 3; ++i) {
+    dash = text.find('-', dash == std::string_view::npos ? 0 : dash + 1);
+    if (dash == std::string_view::npos) return std::nullopt;
+  }
+  return std::make_pair(text.substr(0, dash), text.substr(dash + 1));
+}
+
+bool IsDeadProcessStamp(std::string_view stamp) {
+  const size_t dash1 = stamp.find('-');
+  if (dash1 == std::string_view::npos) return false;
+  const size_t dash2 = stamp.find('-', dash1 + 1);
+  if (dash2 == std::string_view::npos) return false;
+  const std::string_view pid_text = stamp.substr(0, dash1);
+  const std::string_view start = stamp.substr(dash1 + 1, dash2 - dash1 - 1);
+  const std::string_view tag = stamp.substr(dash2 + 1);
+  if (!IsDecimal(pid_text) || !IsDecimal(start) || !IsHex8(tag)) return false;
+  uint64_t pid = 0;
+  const auto [end, ec] = std::from_chars(pid_text.data(), pid_text.data() + pid_text.size(), pid);
+  if (ec != std::errc() || end != pid_text.data() + pid_text.size() || pid == 0 ||
+      pid > static_cast<uint64_t>(std::numeric_limits<pid_t>::max())) {
+    return false;
+  }
+  if (tag != PidNamespaceTag()) return false;
+  // Without /proc no process can be told alive.
+  if (ProcessStartTime(getpid()).empty()) return false;
+  return ProcessStartTime(static_cast<pid_t>(pid)) != start;
 }
 
 }  // namespace tensortier

@@ -131,6 +131,7 @@ TEST(CudaDriverTest, LocateWithoutDriverReportsHost) {
     PointerLocation where = driver->Locate(p);
     EXPECT_EQ(where.type, MemoryType::kHost);
     EXPECT_EQ(where.device, -1);
+    EXPECT_FALSE(driver->IsPinnedHost(p, 100));
   }
   EXPECT_EQ(MemoryTypeName(MemoryType::kHost), "host");
   EXPECT_EQ(MemoryTypeName(MemoryType::kDevice), "device");
@@ -285,6 +286,38 @@ TEST_F(CudaGpuTest, LocateTellsDeviceRegisteredAndPageableMemoryApart) {
 
   PinnedHostMemory pinned(context, 1 << 20);
   EXPECT_EQ(driver_.Locate(pinned.data()).type, MemoryType::kRegisteredHost);
+}
+
+TEST_F(CudaGpuTest, IsPinnedHostAnswersForMemoryPinnedByAnyoneOverItsWholeRange) {
+  PrimaryContext context(driver_, 0);
+  constexpr size_t kBytes = 1 << 20;
+  AlignedBuffer pageable(2 * kBytes);
+  auto* base = static_cast<std::byte*>(pageable.data());
+  EXPECT_FALSE(driver_.IsPinnedHost(base, kBytes));
+  {
+    // Registered straight through the driver, as another library would: no tensortier object
+    // records it.
+    const CudaApi& api = driver_.api();
+    {
+      ScopedContext current(context);
+      driver_.Check(api.MemHostRegister(base, kBytes, cuda::kMemHostRegisterPortable),
+                    "cuMemHostRegister");
+    }
+    EXPECT_TRUE(driver_.IsPinnedHost(base, kBytes));
+    EXPECT_TRUE(driver_.IsPinnedHost(base + 4096, kBytes - 4096));  // a part of it
+    EXPECT_TRUE(driver_.IsPinnedHost(base + kBytes - 1, 1));
+    EXPECT_TRUE(driver_.IsPinnedHost(base + 8, 0));
+    // Starts in the registration, ends past it: its tail is pageable.
+    EXPECT_FALSE(driver_.IsPinnedHost(base + 4096, kBytes));
+    EXPECT_FALSE(driver_.IsPinnedHost(base + kBytes, 4096));
+    ScopedContext current(context);
+    driver_.Check(api.MemHostUnregister(base), "cuMemHostUnregister");
+  }
+  EXPECT_FALSE(driver_.IsPinnedHost(base, kBytes));
+  PinnedHostMemory pinned(context, kBytes);
+  EXPECT_TRUE(driver_.IsPinnedHost(pinned.data(), kBytes));
+  DeviceMemory device(context, kBytes);
+  EXPECT_FALSE(driver_.IsPinnedHost(reinterpret_cast<const void*>(device.address()), kBytes));
 }
 
 TEST_F(CudaGpuTest, StreamAndEventRoundTripThroughDeviceMemory) {

@@ -29,6 +29,7 @@
 #include "tensortier/backend.hpp"
 #include "tensortier/error.hpp"
 #include "tensortier/offloader.hpp"
+#include "tensortier/process_identity.hpp"
 #include "tensortier/strings.hpp"
 #include "test_util.hpp"
 
@@ -1025,7 +1026,8 @@ OffloaderOptions ThreadsOptions(const std::string& dir) {
 class OffloaderStaleFilesTest : public ::testing::Test {
  protected:
   void CreateFiles() {
-    for (const std::string& name : {dead_, reused_pid_, unrelated_, prefix_only_, bad_pid_}) {
+    for (const std::string& name :
+         {dead_, reused_pid_, unrelated_, prefix_only_, bad_pid_, other_namespace_, no_tag_}) {
       Touch(dir_.File(name));
       ASSERT_TRUE(Exists(dir_.File(name))) << name;
     }
@@ -1036,17 +1038,27 @@ class OffloaderStaleFilesTest : public ::testing::Test {
     EXPECT_TRUE(Exists(dir_.File(unrelated_)));
     EXPECT_TRUE(Exists(dir_.File(prefix_only_)));
     EXPECT_TRUE(Exists(dir_.File(bad_pid_)));
+    EXPECT_TRUE(Exists(dir_.File(other_namespace_)));
+    EXPECT_TRUE(Exists(dir_.File(no_tag_)));
+  }
+  void SetUp() override {
+    if (tag_ == "ffffffff") GTEST_SKIP() << "this machine's tag is the one standing for another's";
   }
 
   TempDir dir_;
+  const std::string tag_ = PidNamespaceTag();
   // A pid above any pid_max: no such process.
-  const std::string dead_ = "tensortier-offload-999999999-12345-0-0.bin";
+  const std::string dead_ = StrCat("tensortier-offload-999999999-12345-", tag_, "-0-0.bin");
   // This process's pid with another start time: a dead process whose pid was reused.
   const std::string reused_pid_ =
-      StrCat("tensortier-offload-", getpid(), "-", OwnStartTime() + 1, "-0-0.bin");
+      StrCat("tensortier-offload-", getpid(), "-", OwnStartTime() + 1, "-", tag_, "-0-0.bin");
   const std::string unrelated_ = "unrelated.bin";
   const std::string prefix_only_ = "tensortier-offload-notes.txt";
-  const std::string bad_pid_ = "tensortier-offload-x1-12345-0-0.bin";
+  const std::string bad_pid_ = StrCat("tensortier-offload-x1-12345-", tag_, "-0-0.bin");
+  // Another container's or machine's process sharing the directory: its pids mean nothing here.
+  const std::string other_namespace_ = "tensortier-offload-999999999-12345-ffffffff-0-0.bin";
+  // No namespace tag: nothing tells where its pid was.
+  const std::string no_tag_ = "tensortier-offload-999999999-12345-0-0.bin";
 };
 
 TEST_F(OffloaderStaleFilesTest, RemoveStaleOffloadFilesRemovesFilesOfDeadProcessesOnly) {
@@ -1064,7 +1076,9 @@ TEST_F(OffloaderStaleFilesTest, ConstructorRemovesStaleFiles) {
   ASSERT_EQ(off.paths().size(), 1u);
   EXPECT_TRUE(Exists(off.paths()[0]));
   const std::string name = off.paths()[0].substr(dir_.path().size() + 1);
-  EXPECT_EQ(name.rfind(StrCat("tensortier-offload-", getpid(), "-", OwnStartTime(), "-"), 0), 0u)
+  EXPECT_EQ(name.rfind(StrCat("tensortier-offload-", getpid(), "-", OwnStartTime(), "-", tag_, "-"),
+                       0),
+            0u)
       << name;
 }
 

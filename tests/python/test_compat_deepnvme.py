@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensortier.compat.deepnvme import AsyncIOBuilder, GDSBuilder, aio_read
+from tensortier.compat.deepnvme import AsyncIOBuilder, GDSBuilder, PinMemoryBuilder, aio_read
+from test_fake_driver import fake_driver, run_with_fake  # noqa: F401 - a fixture
 
 DTYPES = [torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
           torch.float64, torch.bool, torch.complex64]
@@ -572,3 +573,96 @@ def test_an_interrupted_wait_leaves_the_operations_to_the_next(disk_dir: Path, a
         assert h.wait() == 0
     finally:
         h.close()
+
+
+def test_is_pinned_needs_all_of_the_buffer_locked(handle) -> None:  # type: ignore[no-untyped-def]
+    """As DeepSpeed's manager: a buffer that starts in a locked tensor and ends past it has an
+    unlocked tail, so it is not pinned (its writes are copied first)."""
+    ctypes = pytest.importorskip("ctypes")
+    np = pytest.importorskip("numpy")
+    t = handle.new_cpu_locked_tensor(8192, torch.empty(0, dtype=torch.uint8))
+    try:
+        assert handle.is_pinned(t[4096:]) and handle.is_pinned(t[:4096])
+        # A tensor made over the address, running 4 KiB past the end (is_pinned reads nothing).
+        past = torch.from_numpy(np.ctypeslib.as_array(
+            (ctypes.c_uint8 * 8192).from_address(t.data_ptr() + 4096)))
+        assert not handle.is_pinned(past)
+        assert not PinMemoryBuilder().load().pin_handle().is_pinned(past)
+    finally:
+        handle.free_cpu_locked_tensor(t)
+
+
+def test_pin_handle_frees_by_address_as_deepspeed_native_pinning_does(handle) -> None:  # type: ignore[no-untyped-def]
+    """DeepSpeed's DS_PIN_MEMORY_BACKEND=native (deepspeed/utils/pin_memory.py): a tensor from
+    the pin_memory op, used through a reshaped view of it, freed by its address while only the
+    view holds it; the aio handle sees the same registry throughout."""
+    assert PinMemoryBuilder().is_compatible() and PinMemoryBuilder.NAME == "pin_memory"
+    pins = PinMemoryBuilder().load().pin_handle()
+    tensor = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    base = pins.new_cpu_locked_tensor(tensor.numel(), tensor)
+    begin = base.data_ptr()
+    locked = base[: tensor.numel()]
+    locked.copy_(tensor.reshape(-1))
+    locked = locked.view(tensor.shape)
+    del base  # the view keeps it
+    assert handle.is_pinned(locked) and handle.is_pinned(locked[1]) and pins.is_pinned(locked)
+    assert torch.equal(locked, tensor)
+    assert pins.free_cpu_locked_tensor_by_ptr(begin) is True
+    assert not handle.is_pinned(locked) and not pins.is_pinned(locked)
+    assert pins.free_cpu_locked_tensor_by_ptr(begin) is False  # once
+    assert handle.free_cpu_locked_tensor(locked) is False
+    # Freed through the aio handle, too, whichever handle made it.
+    other = handle.new_cpu_locked_tensor(16, torch.empty(0))
+    assert pins.free_cpu_locked_tensor(other) is True and not handle.is_pinned(other)
+    # What pybind11 refuses for a uintptr_t or a tensor.
+    for value in (-1, 1 << 64, "0", 1.0, True):
+        with pytest.raises(TypeError, match="address"):
+            pins.free_cpu_locked_tensor_by_ptr(value)
+    for call in (pins.is_pinned, pins.free_cpu_locked_tensor):
+        with pytest.raises(TypeError, match="tensor"):
+            call([1])  # type: ignore[operator]
+    with pytest.raises(TypeError, match="example_tensor"):
+        pins.new_cpu_locked_tensor(4, None)
+
+
+def test_is_pinned_asks_the_cuda_driver_about_memory_pinned_by_anyone(
+    fake_driver: Path, tmp_path: Path  # noqa: F811 - the fixture
+) -> None:
+    """With a CUDA driver, host memory another library page-locked (cuMemHostRegister straight
+    through the driver: nothing of tensortier's records it) is pinned for every handle, as far as
+    the registration goes."""
+    run_with_fake(
+        fake_driver,
+        """
+        from tensortier.compat.deepnvme import AsyncIOBuilder, GDSBuilder, PinMemoryBuilder
+        aio = AsyncIOBuilder().load().aio_handle(1 << 20, 8, False, False, 1)
+        gds = GDSBuilder().load().gds_handle(1 << 20, 8, False, False, 1)
+        pins = PinMemoryBuilder().load().pin_handle()
+        memory = tensortier.aligned_empty(8192)
+        address = memory.data_ptr()
+        head = memory[:4096]
+        assert not aio.is_pinned(head) and not pins.is_pinned(head)
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        assert fake.cuDeviceGet(ctypes.byref(device), 0) == 0
+        assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
+        assert fake.cuCtxPushCurrent_v2(context) == 0
+        assert fake.cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(4096), 1) == 0
+        try:
+            for h in (aio, gds, pins):
+                assert h.is_pinned(head) and h.is_pinned(head[100:200]), h
+                assert not h.is_pinned(memory), h  # its second page is pageable
+                assert not h.is_pinned(memory[4096:]), h
+            assert tensortier.pin(head) is head
+            assert tensortier.pin(memory) is not memory
+        finally:
+            assert fake.cuMemHostUnregister(ctypes.c_void_p(address)) == 0
+            popped = ctypes.c_void_p()
+            assert fake.cuCtxPopCurrent_v2(ctypes.byref(popped)) == 0
+            assert fake.cuDevicePrimaryCtxRelease_v2(device) == 0
+        assert not aio.is_pinned(head) and not pins.is_pinned(head)
+        aio.close()
+        gds.close()
+        check_clean()
+        """,
+        tmp_path,
+    )

@@ -1,5 +1,5 @@
 """DeepSpeed's own DeepNVMe unit tests (tests/unit/v1/nvme/test_aio.py and
-test_pinned_manager.py), the cases that run without an accelerator, against
+test_pinned_manager.py, tests/unit/v1/pin_memory/test_pin_memory_op.py), the cases that run without an accelerator, against
 tensortier.compat.deepnvme. Their assertions are kept as DeepSpeed wrote them: return values of
 the calls and of wait(), the handle's getters, the files' bytes and what is_pinned says."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensortier.compat.deepnvme import AsyncIOBuilder
+from tensortier.compat.deepnvme import AsyncIOBuilder, PinMemoryBuilder
 
 KILO_BYTE = 1024
 BLOCK_SIZE = KILO_BYTE
@@ -240,6 +240,42 @@ def test_a_locked_buffer_is_freed_through_any_handle_and_any_tensor_at_its_addre
 def test_unmanaged_buffer_is_not_pinned() -> None:
     handle = _pin_handle()
     assert not handle.is_pinned(torch.empty(NUM_ELEMS, dtype=torch.float))
+
+
+def test_pin_handle_buffer_recognized_by_aio_handle() -> None:
+    """Buffers of the pin_memory op share the process-wide manager with async_io."""
+    pin_handle = PinMemoryBuilder().load().pin_handle()
+    aio_handle = _pin_handle()
+    buffer = pin_handle.new_cpu_locked_tensor(NUM_ELEMS, torch.empty(0, dtype=torch.float))
+    try:
+        assert pin_handle.is_pinned(buffer)
+        assert aio_handle.is_pinned(buffer)
+        assert aio_handle.is_pinned(buffer.narrow(0, BLOCK_SIZE, BLOCK_SIZE))
+    finally:
+        pin_handle.free_cpu_locked_tensor(buffer)
+
+
+def test_aio_handle_buffer_recognized_by_pin_handle() -> None:
+    pin_handle = PinMemoryBuilder().load().pin_handle()
+    aio_handle = _pin_handle()
+    buffer = aio_handle.new_cpu_locked_tensor(NUM_ELEMS, torch.empty(0, dtype=torch.float))
+    try:
+        assert aio_handle.is_pinned(buffer)
+        assert pin_handle.is_pinned(buffer)
+    finally:
+        aio_handle.free_cpu_locked_tensor(buffer)
+
+
+def test_pin_handle_alloc_free_and_is_pinned() -> None:
+    """test_pin_memory_op.py: pin_memory works without async_io."""
+    handle = PinMemoryBuilder().load().pin_handle()
+    buffer = handle.new_cpu_locked_tensor(NUM_ELEMS, torch.empty(0, dtype=torch.float))
+    try:
+        assert handle.is_pinned(buffer)
+        assert handle.is_pinned(buffer.narrow(0, 16, 16))
+        assert not handle.is_pinned(torch.empty(NUM_ELEMS, dtype=torch.float))
+    finally:
+        assert handle.free_cpu_locked_tensor(buffer) is True
 
 
 # ---- test_aio_gil.py: one handle shared by threads -----------------------------------------

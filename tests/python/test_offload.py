@@ -833,7 +833,9 @@ def test_remove_stale_files_takes_one_directory_as_a_str(
 ) -> None:
     """A str is one directory, not a sequence of one-letter directory names."""
     (disk_dir / "off").mkdir()
-    stale = "tensortier-offload-999999999-1-0-0.bin"  # a pid that cannot be running
+    with DiskOffloader(disk_dir / "probe") as probe:  # names this boot's and namespace's tag
+        tag = os.path.basename(probe.paths[0]).split("-")[4]
+    stale = f"tensortier-offload-999999999-1-{tag}-0-0.bin"  # a pid that cannot be running
     (disk_dir / "off" / stale).write_bytes(b"x")
     (disk_dir / stale).write_bytes(b"x")
     monkeypatch.chdir(disk_dir)

@@ -7,6 +7,12 @@ Code written for DeepNVMe runs with its import changed::
     h.sync_pwrite(tensor, "/nvme/t.bin")
     h.sync_pread(tensor, "/nvme/t.bin")
 
+``PinMemoryBuilder().load().pin_handle()`` is DeepSpeed's ``pin_memory`` op (its
+``DS_PIN_MEMORY_BACKEND=native``): its locked tensors and those of every ``aio_handle`` and
+``gds_handle`` are one registry, as DeepSpeed's one pinned-tensor manager per process, so each
+handle's ``is_pinned`` knows the others' tensors; where a CUDA driver is loaded, ``is_pinned`` is
+also True for host memory that anyone page-locked with CUDA.
+
 Both handles take CPU and CUDA tensors. A CUDA tensor moves through tensortier's ring of pinned
 bounce buffers (disk and PCIe overlap; copies ordered on the tensor's device's current stream);
 ``gds_handle`` uses GPUDirect Storage where cuFile accepts the file and falls back to the ring
@@ -47,11 +53,13 @@ from ..io import IOFuture, IOHandle
 __all__ = [
     "AsyncIOBuilder",
     "GDSBuilder",
+    "PinMemoryBuilder",
     "aio_handle",
     "aio_read",
     "aio_write",
     "deepspeed_memcpy",
     "gds_handle",
+    "pin_handle",
 ]
 
 # The handles' defaults in DeepSpeed's bindings (csrc/aio/py_lib/py_ds_aio.cpp).
@@ -65,11 +73,15 @@ _C_INT_BITS = 32
 # file_offset is an int64_t there.
 _OFFSET_BITS = 64
 
-# new_cpu_locked_tensor's tensors, of every handle (DeepNVMe's pinned-tensor manager is one per
-# process): data_ptr -> (bytes, the tensor, weakly). Writes from them are not copied first;
+# new_cpu_locked_tensor's tensors, of every aio_handle, gds_handle and pin_handle (DeepSpeed's
+# pinned-tensor manager is one per process, shared by its async_io, gds and pin_memory ops):
+# data_ptr -> (bytes, the tensor's storage, weakly: it lives as long as any view of the tensor,
+# which the tensor's Python object need not). Writes from them are not copied first;
 # free_cpu_locked_tensor frees only them.
 _locked: dict[int, tuple[int, weakref.ref[Any]]] = {}
 _locked_mutex = threading.Lock()
+# A uintptr_t, as free_cpu_locked_tensor_by_ptr takes it.
+_ADDRESS_BITS = 64
 
 
 def _nbytes(buffer: Any) -> int:
@@ -369,43 +381,24 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         page faulted in and locked where ``RLIMIT_MEMLOCK`` allows, as DeepNVMe's are. Its memory
         goes with ``free_cpu_locked_tensor`` or with its last reference. (DeepSpeed spells the
         second argument ``example_tenosr``; both names work.)"""
-        import torch
-
-        from .. import aligned_empty
-
         example_tensor = _example_argument("new_cpu_locked_tensor", example_tensor, kwargs)
-        if torch.cuda.is_available():
-            tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
-        else:
-            tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
-        with _locked_mutex:
-            _locked[int(tensor.data_ptr())] = (_nbytes(tensor), weakref.ref(tensor))
-        return tensor
+        return _new_locked(num_elem, example_tensor)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        """Releases a tensor from ``new_cpu_locked_tensor`` of any handle (DeepNVMe has one
-        manager per process), or a tensor starting at its address, and returns True: pinned
-        memory is freed now (the tensor, and views of it, must not be used afterwards),
-        page-aligned memory with the tensor's last reference. Any other tensor is left alone:
-        False."""
+        """Releases a tensor from ``new_cpu_locked_tensor`` of any handle (``pin_handle``'s
+        too: DeepSpeed has one manager per process), or a tensor starting at its address, and
+        returns True: pinned memory is freed now (the tensor, and views of it, must not be used
+        afterwards), page-aligned memory with the tensor's last reference. Any other tensor is
+        left alone: False."""
         _require_tensor(tensor, "free_cpu_locked_tensor", "tensor")
-        with _locked_mutex:
-            entry = _locked.get(int(tensor.data_ptr()))
-            owner = None if entry is None else entry[1]()
-            # Zero-byte tensors may share an address: only the tensor itself frees one.
-            if owner is None or (entry[0] == 0 and owner is not tensor):  # type: ignore[index]
-                return False
-            del _locked[int(tensor.data_ptr())]
-        storage = tensor.untyped_storage()
-        if storage.resizable():
-            storage.resize_(0)
-        return True
+        return _free_locked(int(tensor.data_ptr()), tensor)
 
     def is_pinned(self, buffer: Any) -> bool:
-        """Whether `buffer` is page-locked host memory: pinned by torch, or (a view of) a tensor
-        from ``new_cpu_locked_tensor`` of any handle."""
+        """Whether all of `buffer` is page-locked host memory: pinned by torch, in (a view of) a
+        tensor from ``new_cpu_locked_tensor`` of any handle (``pin_handle``'s too), or, where a
+        CUDA driver is loaded, page-locked with CUDA by anyone."""
         _require_tensor(buffer, "is_pinned")
-        return buffer.device.type == "cpu" and (bool(buffer.is_pinned()) or self._managed(buffer))
+        return _is_pinned(buffer)
 
     def close(self) -> None:
         """Waits for everything in flight and stops the workers."""
@@ -413,17 +406,6 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             self._io.close()
 
     # ---- internals ------------------------------------------------------------------------
-    def _managed(self, buffer: Any) -> bool:
-        """Whether `buffer` lies in a live tensor from ``new_cpu_locked_tensor``."""
-        address = int(buffer.data_ptr())
-        with _locked_mutex:
-            for base, (nbytes, ref) in list(_locked.items()):
-                if ref() is None:
-                    del _locked[base]
-                elif base <= address < base + nbytes:
-                    return True
-        return False
-
     def _snapshot(self, buffer: Any) -> bool:
         """Whether an async write copies `buffer` first (DeepNVMe's cpu_op_desc_t copies any
         buffer that is not locked host memory when the write is submitted, and DeepSpeed relies
@@ -495,6 +477,64 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             future = self._io.pwrite_async(buffer, path, offset)
         self._pending.append(_Pending(future, buffer, path, offset, validate, copy_to))
         return 0
+
+
+def _new_locked(num_elem: int, example_tensor: Any) -> Any:
+    """``new_cpu_locked_tensor`` of every handle: a tensor in locked memory, in the registry."""
+    import torch
+
+    from .. import aligned_empty
+
+    if torch.cuda.is_available():
+        tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
+    else:
+        tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
+    with _locked_mutex:
+        _locked[int(tensor.data_ptr())] = (_nbytes(tensor), weakref.ref(tensor.untyped_storage()))
+    return tensor
+
+
+def _free_locked(address: int, tensor: Any = None) -> bool:
+    """Frees the live tensor from ``new_cpu_locked_tensor`` at `address` (its storage shrinks to
+    nothing where torch allows, as pinned storages do; page-aligned memory goes with its last
+    reference). A zero-byte one only through `tensor`, a view of it: such tensors may share an
+    address. False, and nothing freed, when there is none."""
+    with _locked_mutex:
+        entry = _locked.get(address)
+        storage = None if entry is None else entry[1]()
+        if storage is None or (
+            entry[0] == 0  # type: ignore[index]
+            and (tensor is None or tensor.untyped_storage() is not storage)
+        ):
+            return False
+        del _locked[address]
+    if storage.resizable():
+        storage.resize_(0)
+    return True
+
+
+def _managed(buffer: Any) -> bool:
+    """Whether all of `buffer`'s bytes lie in one live tensor from ``new_cpu_locked_tensor``
+    (DeepSpeed's manager likewise refuses a buffer that starts in a region and ends past it)."""
+    start = int(buffer.data_ptr())
+    end = start + _nbytes(buffer)
+    with _locked_mutex:
+        for base, (nbytes, ref) in list(_locked.items()):
+            if ref() is None:
+                del _locked[base]
+            elif base <= start and end <= base + nbytes:
+                return True
+    return False
+
+
+def _is_pinned(buffer: Any) -> bool:
+    """``is_pinned`` of every handle: a CPU tensor pinned by torch, in the registry, or (asked
+    of the CUDA driver, where one is loaded) page-locked with CUDA by anyone."""
+    if buffer.device.type != "cpu":
+        return False
+    if bool(buffer.is_pinned()) or _managed(buffer):
+        return True
+    return bool(_core.pinned_host(int(buffer.data_ptr()), _nbytes(buffer)))
 
 
 class _Pending(NamedTuple):
@@ -689,6 +729,70 @@ class _Loaded:
     aio_read = staticmethod(aio_read)
     aio_write = staticmethod(aio_write)
     deepspeed_memcpy = staticmethod(deepspeed_memcpy)
+
+
+class pin_handle:  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed's ``pin_memory`` op handle (``PinMemoryBuilder().load().pin_handle()``): locked
+    host tensors, in the one registry the ``aio_handle`` and ``gds_handle`` use."""
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        """An uninitialised 1-D tensor of `num_elem` elements of `example_tensor`'s dtype in
+        locked memory, as ``aio_handle.new_cpu_locked_tensor``'s."""
+        _require_tensor(example_tensor, "new_cpu_locked_tensor", "example_tensor")
+        return _new_locked(num_elem, example_tensor)
+
+    def free_cpu_locked_tensor(self, locked_tensor: Any) -> bool:
+        """As ``aio_handle.free_cpu_locked_tensor``: True when `locked_tensor` starts at a locked
+        tensor of any handle, which is freed."""
+        _require_tensor(locked_tensor, "free_cpu_locked_tensor", "locked_tensor")
+        return _free_locked(int(locked_tensor.data_ptr()), locked_tensor)
+
+    def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
+        """Frees the locked tensor (of any handle) whose memory starts at `address`, even where
+        the tensor's ``.data`` has since been pointed elsewhere; True when there was one."""
+        if isinstance(address, bool):
+            raise TypeError("free_cpu_locked_tensor_by_ptr: address must be an integer, not bool")
+        try:
+            number = operator.index(address)
+        except TypeError:
+            raise TypeError(
+                "free_cpu_locked_tensor_by_ptr: address must be an integer, not "
+                f"{type(address).__name__}"
+            ) from None
+        if not 0 <= number < 1 << _ADDRESS_BITS:
+            # pybind11 refuses what does not fit a uintptr_t likewise.
+            raise TypeError(
+                f"free_cpu_locked_tensor_by_ptr: address must fit an unsigned {_ADDRESS_BITS}-bit "
+                f"integer, not {number}"
+            )
+        return _free_locked(number)
+
+    def is_pinned(self, buffer: Any) -> bool:
+        """As ``aio_handle.is_pinned``: whether all of `buffer` is page-locked host memory."""
+        _require_tensor(buffer, "is_pinned")
+        return _is_pinned(buffer)
+
+
+class _PinMemoryLoaded:
+    """What ``PinMemoryBuilder().load()`` returns: the op module's handle class."""
+
+    pin_handle = pin_handle
+
+
+class PinMemoryBuilder:
+    """``PinMemoryBuilder().load().pin_handle()``, as in DeepSpeed."""
+
+    BUILD_VAR = "DS_BUILD_PIN_MEMORY"
+    NAME = "pin_memory"
+
+    def absolute_name(self) -> str:
+        return f"deepspeed.ops.pin_memory.{self.NAME}_op"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return True
+
+    def load(self, verbose: bool = False) -> type[_PinMemoryLoaded]:
+        return _PinMemoryLoaded
 
 
 class AsyncIOBuilder:

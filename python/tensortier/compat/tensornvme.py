@@ -61,7 +61,6 @@ __all__ = [
     "get_backends",
 ]
 
-_TENSORNVME_NAMES = {"io_uring": "uring", "libaio": "aio", "threads": "pthread"}
 _C_UINT_MAX = (1 << 32) - 1
 
 # How TensorNVMe keys what a call wrote: one tensor by its id, a vector by its tuple.
@@ -86,7 +85,7 @@ def get_backends() -> set[str]:
     """The backends that work on this machine, by TensorNVMe's names (``uring``, ``aio``,
     ``pthread``); each is verified with a round trip in the temporary directory."""
     return {
-        _TENSORNVME_NAMES[p["backend"]]
+        _offload._TENSORNVME_NAMES[p["backend"]]  # noqa: SLF001 - same package
         for p in _core.probe_backends(tempfile.gettempdir())
         if p["available"] and (p["direct_ok"] or p["buffered_ok"])
     }
