@@ -1,6 +1,8 @@
 #include "tensortier/offloader.hpp"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include <stdexcept>
 #include <string_view>
 #include <unordered_set>
+#include <vector>
 
 #include "tensortier/aligned_buffer.hpp"
 #include "tensortier/error.hpp"
@@ -31,19 +34,52 @@ bool IsDecimal(std::string_view s) {
   return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
 }
 
-// For "<prefix><stamp>-<instance>-<dir index><suffix>": whether that process is gone.
-bool IsStale(std::string_view name) {
+// Whether no process holds `name` (in `dir_fd`) open: a live offloader keeps a shared flock on
+// each of its files, which the kernel drops when the process dies, in any pid namespace or
+// container (and through NFS's lock manager across machines). Only a lock taken proves it.
+bool NobodyHolds(int dir_fd, const char* name) {
+  const int fd = openat(dir_fd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return false;
+  const bool free = flock(fd, LOCK_EX | LOCK_NB) == 0;
+  close(fd);
+  return free;
+}
+
+// For "<prefix><stamp>-<instance>-<dir index><suffix>": whether the process that made it is gone.
+// A stamp of this pid namespace is judged by its pid and start time; one of another namespace
+// (another container, or this machine before a reboot) by its lock alone, since its pid means
+// nothing here. Names without a namespace tag (made before stamps had one) are judged by both.
+bool IsStale(int dir_fd, const char* file_name) {
+  std::string_view name = file_name;
   if (!name.starts_with(kFilePrefix) || !name.ends_with(kFileSuffix)) return false;
   name.remove_prefix(kFilePrefix.size());
   name.remove_suffix(kFileSuffix.size());
-  const auto stamp = SplitProcessStamp(name);
-  if (!stamp) return false;
-  const size_t dash = stamp->second.find('-');
-  if (dash == std::string_view::npos || !IsDecimal(stamp->second.substr(0, dash)) ||
-      !IsDecimal(stamp->second.substr(dash + 1))) {
+  // <pid>-<start>-[<tag>-]<instance>-<dir index>
+  std::vector<std::string_view> fields;
+  for (size_t begin = 0;;) {
+    const size_t dash = name.find('-', begin);
+    fields.push_back(name.substr(begin, dash == std::string_view::npos ? dash : dash - begin));
+    if (dash == std::string_view::npos) break;
+    begin = dash + 1;
+  }
+  if (fields.size() != 4 && fields.size() != 5) return false;
+  for (size_t i : {size_t{0}, size_t{1}, fields.size() - 2, fields.size() - 1}) {
+    if (!IsDecimal(fields[i])) return false;
+  }
+  if (fields.size() == 4) {
+    // Untagged: a pid of this namespace whose start time differs, and nobody holds the file.
+    const std::string tag = PidNamespaceTag();
+    if (tag.empty()) return false;
+    return IsDeadProcessStamp(StrCat(fields[0], "-", fields[1], "-", tag)) &&
+           NobodyHolds(dir_fd, file_name);
+  }
+  const std::string_view stamp = name.substr(0, name.size() - fields[3].size() -
+                                                    fields[4].size() - 2);
+  if (fields[2] == PidNamespaceTag()) return IsDeadProcessStamp(stamp);
+  if (fields[2].size() != 8 || fields[2].find_first_not_of("0123456789abcdef") != std::string_view::npos) {
     return false;
   }
-  return IsDeadProcessStamp(stamp->first);
+  return NobodyHolds(dir_fd, file_name);
 }
 
 }  // namespace
@@ -53,7 +89,7 @@ size_t RemoveStaleOffloadFiles(const std::string& dir) {
   if (d == nullptr) return 0;
   size_t removed = 0;
   while (const dirent* e = readdir(d)) {
-    if (IsStale(e->d_name) && unlinkat(dirfd(d), e->d_name, 0) == 0) ++removed;
+    if (IsStale(dirfd(d), e->d_name) && unlinkat(dirfd(d), e->d_name, 0) == 0) ++removed;
   }
   closedir(d);
   return removed;
@@ -84,6 +120,9 @@ Offloader::Offloader(OffloaderOptions options)
       // The owner's only, as shared tensors' memory is: parked weights and optimizer state are
       // not for other users of the machine to read.
       File file = File::Open(path, OpenMode::kWrite, /*direct=*/true, /*status=*/nullptr, 0600);
+      // Held while the file is open, so that cleanups in other pid namespaces see it in use
+      // (NobodyHolds). A filesystem without locks leaves those cleanups unable to lock it too.
+      (void)flock(file.buffered_fd(), LOCK_SH | LOCK_NB);
       backings_.push_back(Backing{std::move(path), std::move(file), SpaceManager(kPageSize)});
     }
   } catch (...) {

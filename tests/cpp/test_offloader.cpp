@@ -3,7 +3,9 @@
 // that must change nothing, injected I/O faults and a backing file cut short behind its back
 // (failed writes leave the key unknown, failed reads leave it stored), striping over several
 // directories, Discard, Close and the destructor, removal of stale files, and concurrent use.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1027,10 +1029,21 @@ class OffloaderStaleFilesTest : public ::testing::Test {
  protected:
   void CreateFiles() {
     for (const std::string& name :
-         {dead_, reused_pid_, unrelated_, prefix_only_, bad_pid_, other_namespace_, no_tag_}) {
+         {dead_, reused_pid_, unrelated_, prefix_only_, bad_pid_, other_namespace_, no_tag_,
+          held_other_namespace_, held_no_tag_}) {
       Touch(dir_.File(name));
       ASSERT_TRUE(Exists(dir_.File(name))) << name;
     }
+    // A live offloader of another container (or this one before an upgrade) holds its file.
+    for (const std::string& name : {held_other_namespace_, held_no_tag_}) {
+      const int fd = open(dir_.File(name).c_str(), O_RDONLY | O_CLOEXEC);
+      ASSERT_GE(fd, 0) << name;
+      held_.push_back(fd);
+      ASSERT_EQ(flock(fd, LOCK_SH), 0) << name;
+    }
+  }
+  void TearDown() override {
+    for (int fd : held_) close(fd);
   }
   void ExpectOnlyStaleRemoved() {
     EXPECT_FALSE(Exists(dir_.File(dead_)));
@@ -1038,8 +1051,10 @@ class OffloaderStaleFilesTest : public ::testing::Test {
     EXPECT_TRUE(Exists(dir_.File(unrelated_)));
     EXPECT_TRUE(Exists(dir_.File(prefix_only_)));
     EXPECT_TRUE(Exists(dir_.File(bad_pid_)));
-    EXPECT_TRUE(Exists(dir_.File(other_namespace_)));
-    EXPECT_TRUE(Exists(dir_.File(no_tag_)));
+    EXPECT_FALSE(Exists(dir_.File(other_namespace_)));
+    EXPECT_FALSE(Exists(dir_.File(no_tag_)));
+    EXPECT_TRUE(Exists(dir_.File(held_other_namespace_)));
+    EXPECT_TRUE(Exists(dir_.File(held_no_tag_)));
   }
   void SetUp() override {
     if (tag_ == "ffffffff") GTEST_SKIP() << "this machine's tag is the one standing for another's";
@@ -1055,15 +1070,21 @@ class OffloaderStaleFilesTest : public ::testing::Test {
   const std::string unrelated_ = "unrelated.bin";
   const std::string prefix_only_ = "tensortier-offload-notes.txt";
   const std::string bad_pid_ = StrCat("tensortier-offload-x1-12345-", tag_, "-0-0.bin");
-  // Another container's or machine's process sharing the directory: its pids mean nothing here.
+  // Another container's process, or this machine's before a reboot: its pid means nothing here,
+  // its lock tells. Nobody holds this one: its process is gone (kill -9, then a new container).
   const std::string other_namespace_ = "tensortier-offload-999999999-12345-ffffffff-0-0.bin";
-  // No namespace tag: nothing tells where its pid was.
+  // No namespace tag (named before names had one): a dead pid here and nobody holds it.
   const std::string no_tag_ = "tensortier-offload-999999999-12345-0-0.bin";
+  // The same, held open with a lock by a live process: kept.
+  const std::string held_other_namespace_ =
+      "tensortier-offload-999999999-12345-ffffffff-1-0.bin";
+  const std::string held_no_tag_ = "tensortier-offload-999999999-12345-1-0.bin";
+  std::vector<int> held_;
 };
 
 TEST_F(OffloaderStaleFilesTest, RemoveStaleOffloadFilesRemovesFilesOfDeadProcessesOnly) {
   ASSERT_NO_FATAL_FAILURE(CreateFiles());
-  EXPECT_EQ(RemoveStaleOffloadFiles(dir_.path()), 2u);
+  EXPECT_EQ(RemoveStaleOffloadFiles(dir_.path()), 4u);
   ExpectOnlyStaleRemoved();
   EXPECT_EQ(RemoveStaleOffloadFiles(dir_.path()), 0u);
   EXPECT_EQ(RemoveStaleOffloadFiles(dir_.File("missing")), 0u);
@@ -1094,6 +1115,14 @@ TEST_F(OffloaderStaleFilesTest, FilesOfLiveOffloadersAreNeverRemoved) {
   EXPECT_TRUE(Exists(b.paths()[0]));
   EXPECT_EQ(RemoveStaleOffloadFiles(dir_.path()), 0u);
   EXPECT_TRUE(Exists(a.paths()[0]));
+  // Each holds its file's lock while it runs: what a cleanup in another container looks at.
+  for (const std::string& path : {a.paths()[0], b.paths()[0]}) {
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    EXPECT_EQ(flock(fd, LOCK_EX | LOCK_NB), -1) << path;
+    EXPECT_EQ(errno, EWOULDBLOCK);
+    close(fd);
+  }
 
   HostBuffer src_b = PatternBuffer(7000, 0, 2);
   b.AsyncWrite(1, src_b.data(), 7000);  // keys are per offloader
