@@ -172,7 +172,7 @@ void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
 
 // Sizes `path` by stat without opening it, for a window of the batch after the first:
 // OpenDeferredSlot opens it then. The same refusals as OpenSlot's.
-void SizeSlot(const std::string& path, FileSlot& slot) {
+void SizeSlot(const std::string& path, FileSlot& slot) noexcept try {
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) {
     slot.error = std::make_exception_ptr(IoError(errno, "stat", path, 0, 0));
@@ -186,10 +186,12 @@ void SizeSlot(const std::string& path, FileSlot& slot) {
   slot.device = st.st_dev;
   slot.inode = st.st_ino;
   slot.deferred = true;
+} catch (...) {  // runs on the open gang's threads, which must not throw (bad_alloc)
+  slot.error = std::current_exception();
 }
 
 // Opens a file SizeSlot sized, checking that it is still the file it sized.
-void OpenDeferredSlot(const std::string& path, bool direct, FileSlot& slot) {
+void OpenDeferredSlot(const std::string& path, bool direct, FileSlot& slot) noexcept try {
   const uint64_t sized = slot.size;
   OpenSlot(path, direct, slot);
   slot.deferred = false;
@@ -208,6 +210,9 @@ void OpenDeferredSlot(const std::string& path, bool direct, FileSlot& slot) {
         path, 0, sized));
   }
   if (slot.error) slot.file.Close();
+} catch (...) {  // runs on the open gang's threads, which must not throw (bad_alloc)
+  slot.error = std::current_exception();
+  slot.file.Close();
 }
 
 // Whether `error` says the process or the machine ran out of something (descriptors, memory):
@@ -686,6 +691,7 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
                          [&](size_t i) { return pending.slots[i].file.path() == e.path(); });
         if (failed == pending.submitted.end()) throw;
         pending.slots[*failed].error = std::current_exception();
+        pending.slots[*failed].file.Close();  // its descriptor counts against the window
         pending.submitted.erase(failed);
         std::vector<IoDesc> pieces;
         for (size_t i : pending.submitted) {
@@ -707,6 +713,7 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
           ThrowSizeChanged(slot, static_cast<uint64_t>(now.st_size));
         }
       } catch (const IoError&) {
+        slot.file.Close();
         if (!options_.skip_errors || IsResourceError(std::current_exception())) throw;
         slot.error = std::current_exception();
       }
