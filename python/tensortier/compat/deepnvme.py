@@ -534,7 +534,10 @@ def _is_pinned(buffer: Any) -> bool:
         return False
     if bool(buffer.is_pinned()) or _managed(buffer):
         return True
-    return bool(_core.pinned_host(int(buffer.data_ptr()), _nbytes(buffer)))
+    try:
+        return bool(_core.pinned_host(int(buffer.data_ptr()), _nbytes(buffer)))
+    except (RuntimeError, OSError):  # a driver that cannot answer: DeepNVMe's answer, not pinned
+        return False
 
 
 class _Pending(NamedTuple):
