@@ -687,6 +687,25 @@ def test_wholememory_views_of_empty_tensors_are_their_own() -> None:
         wm.finalize_lib()
 
 
+def test_wholememory_views_of_aliases_of_a_created_tensor() -> None:
+    """An alias of a created tensor (view, detach, reshape) shares its memory: get_tensor_view
+    takes it, as WholeMemory's lookup by memory did."""
+    from tensortier.compat import wholememory as wm
+
+    wm.init_lib()
+    wm.mp_init(0, 1, store=torch.distributed.HashStore())
+    try:
+        t = wm.create_tensor([16, 4], [], torch.float32, True, [])
+        t.copy_(torch.arange(64, dtype=torch.float32).view(16, 4))
+        for alias in (t.view(-1), t.detach(), t.reshape(8, 8)):
+            view = wm.get_tensor_view(alias, torch.device("cpu"))
+            assert view.shape == (16, 4) and torch.equal(view, t)
+        with pytest.raises(ValueError, match="create_tensor"):
+            wm.get_tensor_view(torch.zeros(16, 4), torch.device("cpu"))
+    finally:
+        wm.finalize_lib()
+
+
 def run_ranks_in_threads(world: int, body: Any, timeout: float) -> list[Any]:
     """Runs `body(group)` for every rank of a group of `world` threads of this process over one
     HashStore; returns what each returned or raised."""

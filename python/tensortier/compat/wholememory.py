@@ -136,6 +136,13 @@ def get_tensor_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"wholememory: get_tensor_view needs a torch.Tensor, not {type(tensor)}")
     shared = _tensors.get(tensor)
+    if shared is None and tensor.untyped_storage().nbytes() > 0:
+        # An alias (t.view(-1), t.detach()) shares the storage of the tensor create_tensor made.
+        # Empty tensors all share address 0, so only the object itself names one of them.
+        address = tensor.untyped_storage().data_ptr()
+        shared = next((s for t, s in list(_tensors.items())
+                       if t.untyped_storage().nbytes() > 0
+                       and t.untyped_storage().data_ptr() == address), None)
     if shared is None:
         raise ValueError("wholememory: get_tensor_view needs a tensor returned by create_tensor")
     device = torch.device(device)
