@@ -73,10 +73,11 @@ bool IsStale(int dir_fd, const char* file_name) {
     return IsDeadProcessStamp(StrCat(fields[0], "-", fields[1], "-", tag)) &&
            NobodyHolds(dir_fd, file_name);
   }
-  const std::string_view stamp = name.substr(0, name.size() - fields[3].size() -
-                                                    fields[4].size() - 2);
+  const std::string_view stamp =
+      name.substr(0, name.size() - fields[3].size() - fields[4].size() - 2);
   if (fields[2] == PidNamespaceTag()) return IsDeadProcessStamp(stamp);
-  if (fields[2].size() != 8 || fields[2].find_first_not_of("0123456789abcdef") != std::string_view::npos) {
+  if (fields[2].size() != 8 ||
+      fields[2].find_first_not_of("0123456789abcdef") != std::string_view::npos) {
     return false;
   }
   return NobodyHolds(dir_fd, file_name);
