@@ -241,15 +241,23 @@ std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors) 
   e.Le(2, 1);
   e.Op('}');  // EMPTY_DICT
   e.Put();
-  // _batch_setitems: batches of 1000; MARK ... SETITEMS for more than one, SETITEM for one.
-  for (size_t begin = 0; begin < tensors.size(); begin += kBatch) {
-    size_t end = std::min(tensors.size(), begin + kBatch);
-    if (end - begin > 1) e.Op('(');
-    for (size_t i = begin; i < end; ++i) {
-      e.Str(tensors[i].name);
-      EmitTensor(e, tensors[i], *FindDtype(tensors[i].dtype), numels[i]);
-    }
-    e.Op(end - begin > 1 ? 'u' : 's');
+  // The C pickler's batch_dict_exact: one item is a SETITEM; more go in batches of 1000, each
+  // MARK ... SETITEMS, and a full batch is always followed by another (empty after the last).
+  auto item = [&](size_t i) {
+    e.Str(tensors[i].name);
+    EmitTensor(e, tensors[i], *FindDtype(tensors[i].dtype), numels[i]);
+  };
+  if (tensors.size() == 1) {
+    item(0);
+    e.Op('s');
+  } else if (!tensors.empty()) {
+    size_t next = 0;
+    size_t count = 0;
+    do {
+      e.Op('(');
+      for (count = 0; count < kBatch && next < tensors.size(); ++count) item(next++);
+      e.Op('u');
+    } while (count == kBatch);
   }
   e.Op('.');
   return e.Take();

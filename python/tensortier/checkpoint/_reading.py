@@ -10,7 +10,7 @@ from typing import Any
 from ..io import IOFuture, IOHandle
 from . import _format
 from ._common import _as_bytes
-from ._format import _T, _torch, ALIGNMENT
+from ._format import _require, _T, _torch, ALIGNMENT
 from ._progress import _Progress
 
 
@@ -35,8 +35,8 @@ def _read_pieces(
     checked as they complete. CPU destinations are read in place; CUDA ones through the
     engine's GPU path (pinned bounce ring or GPUDirect Storage, copies on the current stream),
     except those with a checksum to check, which come through a pinned host buffer."""
-    batched = [p for p in pieces if p.dest.device.type == "cpu" or p.check is None]
-    checked_device = [p for p in pieces if p.dest.device.type != "cpu" and p.check is not None]
+    batched = [p for p in pieces if p.dest.is_cpu or p.check is None]
+    checked_device = [p for p in pieces if not p.dest.is_cpu and p.check is not None]
     try:
         if batched:
             _read_batched(io, batched, progress, path)
@@ -72,6 +72,15 @@ def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
 def _read_batched(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
 ) -> None:
+    # Small CPU destinations (the tensors of optimizer states, adapters, norms) are read by C++
+    # in large requests and copied out (one request each would cost more than its bytes).
+    small = [p for p in pieces if 0 < p.nbytes < _format._ALIGNED_ALLOC_MIN and p.dest.is_cpu]
+    if small:
+        _read_scattered(io, small, progress, path)
+        if len(small) == len(pieces):
+            return
+        taken = {id(p) for p in small}
+        pieces = [p for p in pieces if id(p) not in taken]
     submitted: list[tuple[list[_Piece], IOFuture]] = []
     try:
         for group in _groups(pieces):
@@ -102,6 +111,27 @@ def _read_batched(
                     fut.wait()
                 except (OSError, RuntimeError):  # CUDA failures are RuntimeErrors (CudaError)
                     pass
+
+
+def _read_scattered(
+    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
+) -> None:
+    """`pieces` (contiguous CPU destinations) read by ``_core.read_scattered``, a call per file,
+    then checked."""
+    by_file: dict[int, list[_Piece]] = {}
+    for p in pieces:
+        by_file.setdefault(id(p.file), []).append(p)
+    read = _require("read_scattered")
+    engine = io._core()  # noqa: SLF001 - same package
+    for group in by_file.values():
+        got = read(engine, group[0].file, [p.offset for p in group], [p.nbytes for p in group],
+                   [p.dest.data_ptr() for p in group])
+        for p, n in zip(group, got):
+            if n != p.nbytes:
+                raise _short_read(path, p, n)
+            if p.check is not None:
+                p.check(p.dest)
+        progress.update(sum(p.nbytes for p in group))
 
 
 def _pinned_buffer(size: int) -> Any:
