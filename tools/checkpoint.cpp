@@ -1,16 +1,15 @@
 // `tensortier info|verify|convert`: inspect, check and convert checkpoint files (safetensors and
 // torch.save zip). Tensor bytes move through the engine; headers go through the parsers in
 // src/checkpoint, which validate everything before any data is touched.
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <unordered_map>
@@ -565,9 +564,8 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   return 0;
 }
 
-// The folder torch.save names its records under: the output file's name without its last
-// extension (as PyTorchStreamWriter does), or "archive" when that is empty or holds characters
-// that are not printable ASCII. torch.load accepts any folder name.
+// The folder torch.save names its records under: the file's name without its last extension
+// (as PyTorchStreamWriter does), or "archive" when that is empty or not printable ASCII.
 std::string ArchiveName(const std::string& out) {
   std::string name = std::filesystem::path(out).filename().string();
   size_t dot = name.rfind('.');
@@ -587,43 +585,40 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   const SafetensorsChecks sums = ReadSafetensorsChecks(l);
   if (!sums.problems.empty()) RefuseDamaged(in, sums.problems.front());
   std::vector<TorchPickleTensor> tensors;
-  std::vector<uint64_t> offsets;
-  std::vector<uint64_t> sizes;
+  std::vector<uint64_t> offsets, sizes;
   for (size_t i = 0; i < l.items.size(); ++i) {
     const Item& item = l.items[i];
-    std::string dtype = item.dtype;
     std::vector<uint64_t> shape = item.shape;
-    const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(dtype);
+    const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(item.dtype);
     if (!held || !TorchSupportsDtype(held->name)) {
       throw std::invalid_argument(StrCat("tensor '", item.name, "' has dtype ", item.dtype,
                                          ", which torch has no dtype for: cannot convert"));
     }
     if (held->values_per_element > 1) {  // F4: two values per float4_e2m1fn_x2 element
       if (shape.empty() || shape.back() % held->values_per_element != 0) {
-        throw std::invalid_argument(StrCat("tensor '", item.name, "' of ", dtype, " has shape ",
-                                           ShapeString(item.shape), ": torch's ", held->torch,
-                                           " needs a last dimension that is a multiple of ",
-                                           held->values_per_element, ": cannot convert"));
+        throw std::invalid_argument(StrCat(
+            "tensor '", item.name, "' of ", item.dtype, " has shape ", ShapeString(item.shape),
+            ": torch's ", held->torch, " needs a last dimension that is a multiple of ",
+            held->values_per_element, ": cannot convert"));
       }
       shape.back() /= held->values_per_element;
     }
-    dtype = held->name;
-    tensors.push_back({item.name, dtype, std::move(shape), std::to_string(i)});
+    tensors.push_back({item.name, held->name, std::move(shape), std::to_string(i)});
     offsets.push_back(item.offset);
     sizes.push_back(item.nbytes);
   }
   const std::string prefix = ArchiveName(out);
   TorchFileWriter writer(tensors, sizes, {.folder = prefix, .crc32 = true});
 
-  // The input's bytes, read front to back in large reads, each tensor's xxh64 computed as it is
-  // copied into the output (whose records are in the same order).
-  class CheckedBytes : public FileTensorBytes {
-   public:
+  // The input's bytes, read front to back in large reads, the xxh64 of each tensor with one to
+  // check computed as it is copied into the output (whose records are in the same order).
+  struct CheckedBytes : FileTensorBytes {
     using FileTensorBytes::FileTensorBytes;
+    const SafetensorsChecks* sums = nullptr;
     std::vector<Xxh64State> hashes;
     void Copy(size_t index, std::byte* dst, size_t n) override {
       FileTensorBytes::Copy(index, dst, n);
-      hashes[index].Update(dst, n);
+      if (sums->want[index]) hashes[index].Update(dst, n);
     }
   };
   Engine engine;
@@ -632,6 +627,7 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
   out_file.Reserve(writer.size());
   {
     CheckedBytes source(engine, src, offsets, sizes);
+    source.sums = &sums;
     source.hashes.resize(l.items.size());
     writer.Write(engine, out_file.file(), source);
     for (size_t i = 0; i < l.items.size(); ++i) {
@@ -642,8 +638,7 @@ int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std:
     }
   }
   out_file.Commit();
-  uint64_t data = 0;
-  for (const auto& item : l.items) data += item.nbytes;
+  const uint64_t data = std::accumulate(sizes.begin(), sizes.end(), uint64_t{0});
   std::printf(
       "%s -> %s: %s, %llu data bytes in torch.save zip format (folder '%s', "
       "storages 4096-byte aligned, CRC-32 recorded)\n",

@@ -72,15 +72,6 @@ def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
 def _read_batched(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
 ) -> None:
-    # Small CPU destinations (the tensors of optimizer states, adapters, norms) are read by C++
-    # in large requests and copied out (one request each would cost more than its bytes).
-    small = [p for p in pieces if 0 < p.nbytes < _format._ALIGNED_ALLOC_MIN and p.dest.is_cpu]
-    if small:
-        _read_scattered(io, small, progress, path)
-        if len(small) == len(pieces):
-            return
-        taken = {id(p) for p in small}
-        pieces = [p for p in pieces if id(p) not in taken]
     submitted: list[tuple[list[_Piece], IOFuture]] = []
     try:
         for group in _groups(pieces):
@@ -113,25 +104,23 @@ def _read_batched(
                     pass
 
 
-def _read_scattered(
-    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
+def _read_small(
+    io: IOHandle, file: Any, path: str, pieces: Sequence[tuple[str, int, int]],
+    addresses: Sequence[int], progress: _Progress,
 ) -> None:
-    """`pieces` (contiguous CPU destinations) read by ``_core.read_scattered``, a call per file,
-    then checked."""
-    by_file: dict[int, list[_Piece]] = {}
-    for p in pieces:
-        by_file.setdefault(id(p.file), []).append(p)
-    read = _require("read_scattered")
-    engine = io._core()  # noqa: SLF001 - same package
-    for group in by_file.values():
-        got = read(engine, group[0].file, [p.offset for p in group], [p.nbytes for p in group],
-                   [p.dest.data_ptr() for p in group])
-        for p, n in zip(group, got):
-            if n != p.nbytes:
-                raise _short_read(path, p, n)
-            if p.check is not None:
-                p.check(p.dest)
-        progress.update(sum(p.nbytes for p in group))
+    """(name, offset, nbytes) `pieces` of `file` read by ``_core.read_scattered`` into host
+    memory at `addresses` (the caller's tensors, kept alive meanwhile): small tensors (optimizer
+    states, adapters, norms) in large requests copied out, not one request each."""
+    got = _require("read_scattered")(io._core(), file,  # noqa: SLF001 - same package
+                                     [o for _, o, _ in pieces], [n for _, _, n in pieces],
+                                     addresses)
+    for (name, offset, n), g in zip(pieces, got):
+        if g != n:
+            raise ValueError(
+                f"{path}: file ended early: tensor {name!r} needs {n} bytes at offset {offset}, "
+                f"got {g} (truncated file?)"
+            )
+    progress.update(sum(n for _, _, n in pieces))
 
 
 def _pinned_buffer(size: int) -> Any:

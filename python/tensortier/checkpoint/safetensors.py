@@ -381,17 +381,32 @@ def _read_st_group(
     pieces: list[_Piece] = []
     out: dict[str, Any] = {}
     cpu = dev.type == "cpu"
+    # Small CPU tensors: one C++ read of them all, then their checksums.
+    small: list[tuple[str, int, int]] = []
+    small_addresses: list[int] = []
+    small_checks: list[tuple[Callable[[Any], None], Any]] = []
     for e in group:
         if not cpu:
             t = torch.empty(e.shape, dtype=e.dtype, device=dev)
         elif e.nbytes < _format._ALIGNED_ALLOC_MIN:
             t = torch.empty(e.shape, dtype=e.dtype)  # what _host_alloc gives, shaped
+            out[e.name] = t
+            if e.nbytes:
+                small.append((e.name, e.offset, e.nbytes))
+                small_addresses.append(t.data_ptr())
+            if sums is not None:
+                small_checks.append((_xxh64_check(path, e.name, sums.get(e.name)), t))
+            continue
         else:
             t = mapping._host_alloc(e.nbytes // e.dtype.itemsize, e.dtype,
                                     e.offset % ALIGNMENT).view(e.shape)
         check = _xxh64_check(path, e.name, sums.get(e.name)) if sums is not None else None
         pieces.append(_Piece(e.name, file, e.offset, e.nbytes, t, check))
         out[e.name] = t
+    if small:
+        _reading._read_small(io, file, path, small, small_addresses, prog)
+    for check, t in small_checks:
+        check(t)
     _reading._read_pieces(io, pieces, prog, path, close_progress=False)
     if dtype is not None:
         return {k: _common._convert(t, dtype) for k, t in out.items()}

@@ -437,16 +437,14 @@ def _load_plain_dict(
     chunk_storages = [c.untyped_storage() for c in chunks]
     bases = [c.data_ptr() for c in chunks]
     out: dict[str, Any] = {}
-    small_offsets: list[int] = []
-    small_sizes: list[int] = []
+    small: list[tuple[str, int, int]] = []
     small_addresses: list[int] = []
     pieces: list[_Piece] = []
     for name, dt, shape, offset, n, (chunk, pos) in zip(
             names, dtypes, shapes, offsets, sizes, places):
         if chunk >= 0:
             storage = chunk_storages[chunk][pos : pos + n]
-            small_offsets.append(offset)
-            small_sizes.append(n)
+            small.append((name, offset, n))
             small_addresses.append(bases[chunk] + pos)
         elif n == 0:
             storage = _empty_fixed_storage()
@@ -459,15 +457,8 @@ def _load_plain_dict(
         out[name] = torch.empty(0, dtype=to_torch[dt]).set_(storage, 0, shape)
     prog = _Progress(f"loading {os.path.basename(path)}", sum(sizes), progress)
     try:
-        if small_offsets:
-            got = _require("read_scattered")(io._core(), file, small_offsets,  # noqa: SLF001
-                                             small_sizes, small_addresses)
-            for k, (offset, n, g) in enumerate(zip(small_offsets, small_sizes, got)):
-                if g != n:
-                    name = [m for m, (c, _) in zip(names, places) if c >= 0][k]
-                    raise ValueError(f"{path}: file ended early: tensor {name!r} needs {n} bytes "
-                                     f"at offset {offset}, got {g} (truncated file?)")
-            prog.update(sum(small_sizes))
+        if small:
+            _reading._read_small(io, file, path, small, small_addresses, prog)
         if pieces:
             _reading._read_pieces(io, pieces, prog, path, close_progress=False)
     finally:
@@ -529,6 +520,14 @@ def _load_torch(
             prog = _Progress(
                 f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
             )
+            # Small unchecked CPU storages in one C++ read; the rest through the engine.
+            small = [p for p in pieces if 0 < p.nbytes < _format._ALIGNED_ALLOC_MIN
+                     and p.check is None and p.dest.is_cpu]
+            if small:
+                _reading._read_small(io, file, path, [(p.name, p.offset, p.nbytes) for p in small],
+                                     [p.dest.data_ptr() for p in small], prog)
+                taken = {id(p) for p in small}
+                pieces = [p for p in pieces if id(p) not in taken]
             _reading._read_pieces(io, pieces, prog, path)
     finally:
         file.close()
