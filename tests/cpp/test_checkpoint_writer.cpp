@@ -24,6 +24,8 @@
 namespace tensortier {
 namespace {
 
+using testing::TempDir;
+
 struct Tensors {
   std::vector<TorchPickleTensor> pickled;
   std::vector<uint64_t> nbytes;
