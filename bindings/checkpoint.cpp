@@ -21,6 +21,7 @@
 #include "tensortier/dtypes.hpp"
 #include "tensortier/safetensors.hpp"
 #include "tensortier/small_pieces.hpp"
+#include "tensortier/strings.hpp"
 #include "tensortier/torch_checkpoint.hpp"
 #include "tensortier/torch_file_writer.hpp"
 #include "tensortier/torch_pickle.hpp"
@@ -312,24 +313,31 @@ void RegisterCheckpoint(py::module_& m) {
       .def(py::init([](const std::vector<std::string>& names,
                        const std::vector<std::string>& dtypes,
                        const std::vector<std::vector<uint64_t>>& shapes,
+                       const std::vector<std::vector<uint64_t>>& strides,
                        const std::vector<uint64_t>& nbytes, bool crc32) {
-             if (dtypes.size() != names.size() || shapes.size() != names.size()) {
-               throw std::invalid_argument("TorchFileWriter: one dtype and shape per name");
+             if (dtypes.size() != names.size() || shapes.size() != names.size() ||
+                 strides.size() != names.size()) {
+               throw std::invalid_argument(
+                   "TorchFileWriter: one dtype, shape and stride per name");
              }
              std::vector<TorchPickleTensor> tensors;
              tensors.reserve(names.size());
              for (size_t i = 0; i < names.size(); ++i) {
+               if (strides[i] != ContiguousStrides(shapes[i])) {
+                 throw std::invalid_argument(StrCat("tensor '", names[i],
+                                                    "' has strides torch.save keeps as they are"));
+               }
                tensors.push_back({names[i], dtypes[i], shapes[i], std::to_string(i)});
              }
              py::gil_scoped_release release;
              return std::make_unique<TorchFileWriter>(
                  tensors, nbytes, TorchFileOptions{.folder = "archive", .crc32 = crc32});
            }),
-           py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
-           py::arg("crc32"),
-           "Tensor i is names[i] of dtypes[i] (dtype table names: 'F32'...) and shapes[i], "
-           "nbytes[i] bytes, in storage 'i'; crc32: record CRC-32s. ValueError for what a plain "
-           "dict cannot hold (before anything is written).")
+           py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("strides"),
+           py::arg("nbytes"), py::arg("crc32"),
+           "Tensor i is names[i] of dtypes[i] (dtype table names: 'F32'...), shapes[i] and "
+           "strides[i] (contiguous ones only), nbytes[i] bytes, in storage 'i'; crc32: record "
+           "CRC-32s. ValueError for what a plain dict cannot hold (before anything is written).")
       .def_property_readonly("size", &TorchFileWriter::size, "The file's size in bytes.")
       .def(
           "write",

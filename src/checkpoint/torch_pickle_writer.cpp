@@ -158,14 +158,7 @@ void EmitTensor(Emitter& e, const TorchPickleTensor& t, const Dtype& d, uint64_t
   e.Op('Q');  // BINPERSID
   e.Int(0);   // storage offset
   e.IntTuple(t.shape);
-  // Contiguous strides as torch computes them: sizes of 0 count as 1.
-  std::vector<uint64_t> stride(t.shape.size());
-  uint64_t step = 1;
-  for (size_t i = t.shape.size(); i > 0; --i) {
-    stride[i - 1] = step;
-    step *= t.shape[i - 1] == 0 ? 1 : t.shape[i - 1];
-  }
-  e.IntTuple(stride);
+  e.IntTuple(ContiguousStrides(t.shape));
   e.Op('\x89');  // requires_grad: NEWFALSE
   // backward hooks: collections.OrderedDict(), a new object each time.
   e.Global("collections", "OrderedDict");
@@ -180,6 +173,16 @@ void EmitTensor(Emitter& e, const TorchPickleTensor& t, const Dtype& d, uint64_t
 }
 
 }  // namespace
+
+std::vector<uint64_t> ContiguousStrides(const std::vector<uint64_t>& shape) {
+  std::vector<uint64_t> stride(shape.size());
+  uint64_t step = 1;
+  for (size_t i = shape.size(); i > 0; --i) {
+    stride[i - 1] = step;
+    step *= shape[i - 1] == 0 ? 1 : shape[i - 1];
+  }
+  return stride;
+}
 
 bool TorchSupportsDtype(std::string_view dtype) {
   return FindDtype(dtype) != nullptr;

@@ -94,7 +94,7 @@ def test_a_plain_dict_is_saved_and_loaded_without_torchs_pickler(
 
 
 @pytest.mark.parametrize("case", ["OrderedDict", "Parameter", "requires_grad", "view",
-                                  "shared", "nested", "attribute"])
+                                  "shared", "nested", "attribute", "strides"])
 def test_what_a_plain_dict_is_not_goes_through_torch(disk_dir: Path, case: str) -> None:
     base = torch.arange(12.0)
     sd: Any = {"a": torch.ones(3), "b": torch.zeros(2, dtype=torch.int64)}
@@ -112,6 +112,9 @@ def test_what_a_plain_dict_is_not_goes_through_torch(disk_dir: Path, case: str) 
         sd["s1"], sd["s2"] = base, base
     elif case == "nested":
         sd = {"model": sd}
+    elif case == "strides":  # contiguous, but a size-1 dimension's stride is not torch's own
+        sd["t"] = torch.randn(1, 3).t()
+        sd["u"] = torch.randn(4, 1, 2)[:, :, :1]
     else:
         t = torch.ones(2)
         t.note = "kept"  # type: ignore[attr-defined]
@@ -120,6 +123,7 @@ def test_what_a_plain_dict_is_not_goes_through_torch(disk_dir: Path, case: str) 
     tensortier.save(sd, path)
     assert _pickle_of(path).count(b"storage") >= 1
     ours, theirs = tensortier.load(path), torch.load(path, weights_only=False)
+    sd_flat = sd["model"] if case == "nested" else sd
     assert type(ours) is type(theirs)
     flat_ours = ours["model"] if case == "nested" else ours
     flat_theirs = theirs["model"] if case == "nested" else theirs
@@ -128,6 +132,7 @@ def test_what_a_plain_dict_is_not_goes_through_torch(disk_dir: Path, case: str) 
         assert type(flat_ours[k]) is type(flat_theirs[k]), k
         assert torch.equal(flat_ours[k].detach(), flat_theirs[k].detach()), k
         assert flat_ours[k].requires_grad == flat_theirs[k].requires_grad, k
+        assert flat_ours[k].stride() == flat_theirs[k].stride() == sd_flat[k].stride(), k
     if case == "shared":
         assert ours["s1"].untyped_storage().data_ptr() == ours["s2"].untyped_storage().data_ptr()
     if case == "attribute":

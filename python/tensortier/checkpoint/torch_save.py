@@ -104,6 +104,7 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
     names: list[str] = []
     dtypes: list[str] = []
     shapes: list[Any] = []
+    strides: list[Any] = []
     sizes: list[int] = []
     addresses: list[int] = []
     empty: set[int] = set()  # the storages of empty tensors (their addresses tell nothing)
@@ -125,13 +126,14 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
         names.append(k)
         dtypes.append(dt)
         shapes.append(v.shape)
+        strides.append(v.stride())  # a size-1 dimension's may be anything: C++ checks them
         sizes.append(n)
         addresses.append(v.data_ptr())
     nonempty = [a for a, n in zip(addresses, sizes) if n]
     if len(set(nonempty)) != len(nonempty):  # one storage twice: torch.save shares it
         return None
     try:
-        return _require("TorchFileWriter")(names, dtypes, shapes, sizes, crc32), addresses
+        return _require("TorchFileWriter")(names, dtypes, shapes, strides, sizes, crc32), addresses
     except (ValueError, UnicodeEncodeError):  # what only torch's pickler writes
         return None
 
