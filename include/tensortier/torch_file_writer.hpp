@@ -1,7 +1,7 @@
 // Writes a torch.save zip file holding a plain dict {name: tensor} from front to back in large
 // aligned writes: the pickle (SerializeTorchPickle), the records torch.save writes and each
 // tensor's storage on a 4 KiB boundary, its CRC-32 computed as its bytes go by. Small tensors are
-// gathered into the file's image in memory (one write per ~16 MiB, whatever their count); large
+// gathered into the file's image in memory (one write per ~8 MiB, whatever their count); large
 // ones held in memory are written straight from it. tensortier.save and `tensortier convert` both
 // write .pt files of plain tensors through it.
 #pragma once

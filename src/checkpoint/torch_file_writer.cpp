@@ -14,25 +14,33 @@ namespace {
 
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kChunk = 16u << 20;
+// The file's image: this many buffers of up to kImageBuffer bytes, all but one being written
+// while one fills (on our virtio disk, a few writes in flight keep it busy).
+constexpr int kImageBuffers = 4;
+constexpr uint64_t kImageBuffer = 8u << 20;
 // Tensors with an address and at least this many bytes are written from their own memory; the
 // others are copied into the file's image (a write per tensor would cost more than the copy).
 constexpr uint64_t kDirectMin = 1u << 20;
 constexpr size_t kIdDigits = 40;
 
 size_t BufferSize(uint64_t file_size) {
-  return static_cast<size_t>(std::clamp<uint64_t>(AlignUp(file_size, kPage), kPage, kChunk));
+  return static_cast<size_t>(std::clamp<uint64_t>(AlignUp(file_size, kPage), kPage, kImageBuffer));
 }
 
-// The file from offset 0 to its end: bytes are appended to one of two buffers, each written out
-// (at a page-aligned offset, in whole pages but for the file's last) when full while the other
-// fills. Bytes of a buffer already written out are patched at the end, after its write.
+// The file from offset 0 to its end: bytes are appended to one of kImageBuffers buffers, each
+// written out (at a page-aligned offset, in whole pages but for the file's last) when full while
+// the next fills. Bytes of a buffer already written out are patched at the end, after its write.
 class ImageWriter {
  public:
   ImageWriter(Engine& engine, const File& out, uint64_t file_size)
       : engine_(engine), out_(out) {
     const size_t size = BufferSize(file_size);
-    bufs_[0] = AlignedBuffer(size, Pages::kReused);
-    bufs_[1] = AlignedBuffer(size, Pages::kReused);
+    // Only as many buffers as the file fills.
+    const uint64_t needed = std::max<uint64_t>(1, (file_size + size - 1) / size);
+    for (uint64_t b = 0; b < std::min<uint64_t>(kImageBuffers, needed); ++b) {
+      bufs_.emplace_back(size, Pages::kReused);
+    }
+    pending_.resize(bufs_.size());
   }
   // Writes in flight read the buffers: wait for them before the buffers go (on an error).
   ~ImageWriter() {
@@ -135,15 +143,15 @@ class ImageWriter {
     pending_[slot_] = engine_.Write(out_, bufs_[slot_].data(), used_, base_);
     base_ += used_;
     used_ = 0;
-    slot_ ^= 1;
+    slot_ = (slot_ + 1) % bufs_.size();
     Wait(pending_[slot_]);  // its earlier write read from it
   }
 
   Engine& engine_;
   const File& out_;
-  AlignedBuffer bufs_[2];
-  Future pending_[2];
-  int slot_ = 0;
+  std::vector<AlignedBuffer> bufs_;
+  std::vector<Future> pending_;
+  size_t slot_ = 0;
   uint64_t base_ = 0;  // file offset of the current buffer's first byte
   size_t used_ = 0;
   std::vector<Future> direct_;
@@ -229,14 +237,15 @@ TorchFileWriter::TorchFileWriter(const std::vector<TorchPickleTensor>& tensors,
   if (nbytes_.size() != tensors.size()) {
     throw std::invalid_argument("TorchFileWriter: one size per tensor");
   }
-  const std::string& f = options_.folder;
-  zip_.Add(StrCat(f, "/data.pkl"), pickle_.size());
-  zip_.Add(StrCat(f, "/byteorder"), 6);
+  const std::string& f = options_.folder;  // names concatenated: StrCat costs per tensor
+  zip_.Add(f + "/data.pkl", pickle_.size());
+  zip_.Add(f + "/byteorder", 6);
+  const std::string data = f + "/data/";
   for (size_t i = 0; i < tensors.size(); ++i) {
-    storage_entries_.push_back(zip_.Add(StrCat(f, "/data/", tensors[i].storage_key), nbytes_[i]));
+    storage_entries_.push_back(zip_.Add(data + tensors[i].storage_key, nbytes_[i]));
   }
-  zip_.Add(StrCat(f, "/version"), 2);
-  zip_.Add(StrCat(f, "/.data/serialization_id"), kIdDigits);
+  zip_.Add(f + "/version", 2);
+  zip_.Add(f + "/.data/serialization_id", kIdDigits);
 }
 
 uint64_t TorchFileWriter::size() const {

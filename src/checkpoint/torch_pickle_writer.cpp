@@ -71,12 +71,13 @@ class Emitter {
   }
   // A string that is one Python object however often it is pickled ('storage', 'cpu').
   void SharedStr(std::string_view s) {
-    Shared(StrCat("str:", s), [&] { Str(s); });
+    // Keys built by concatenation, not StrCat: this runs several times per tensor.
+    Shared(std::string("str:").append(s), [&] { Str(s); });
   }
 
   // save_global: GLOBAL 'module\nname\n', memoized; later occurrences fetch it.
   void Global(std::string_view module, std::string_view name) {
-    Shared(StrCat("global:", module, ".", name), [&] {
+    Shared(std::string("global:").append(module).append(".").append(name), [&] {
       Op('c');
       out_ += module;
       out_ += '\n';
