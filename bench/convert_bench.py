@@ -2,7 +2,8 @@
 release), in the same run: rotated order, median seconds per conversion.
 
 Scenarios:
-  many   safetensors files of N tiny tensors (4 bytes each) -> .pt, for each N in --counts
+  many   safetensors files of N tiny tensors (--tiny-bytes each: 4, or 1) -> .pt, for each N in
+         --counts
          (the .pt writer's cost per tensor; each storage is 4 KiB aligned, so the output is
          ~N * 4 KiB).
   large  one safetensors file of --size bytes (--large-tensors fp32 tensors, saved with
@@ -33,11 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import format_size, loadavg, log, parse_size, tool_version  # noqa: E402
 
 
-def many_tensors_file(path: Path, n: int) -> None:
-    header = {f"layer.{i}.w": {"dtype": "I32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+def many_tensors_file(path: Path, n: int, width: int = 4) -> None:
+    dtype, fmt = {1: ("U8", "<B"), 4: ("I32", "<i")}[width]
+    header = {f"layer.{i}.w": {"dtype": dtype, "shape": [1],
+                               "data_offsets": [width * i, width * i + width]}
               for i in range(n)}
     text = json.dumps(header).encode()
-    data = b"".join(struct.pack("<i", i) for i in range(n))
+    data = b"".join(struct.pack(fmt, i % (1 << (8 * width - 1))) for i in range(n))
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
@@ -115,6 +118,8 @@ def main() -> None:
                         help="directory on the disk under test")
     parser.add_argument("--scenarios", default="many,large")
     parser.add_argument("--counts", default="10000,30000,100000")
+    parser.add_argument("--tiny-bytes", type=int, choices=(1, 4), default=4,
+                        help="bytes per tensor in the many scenario")
     parser.add_argument("--size", type=parse_size, default=parse_size("1G"))
     parser.add_argument("--large-tensors", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
@@ -134,7 +139,7 @@ def main() -> None:
             rows = []
             for n in (int(x) for x in args.counts.split(",")):
                 src = d / f"many-{n}.safetensors"
-                many_tensors_file(src, n)
+                many_tensors_file(src, n, args.tiny_bytes)
                 rows.append((f"{n} tensors -> .pt", measure(tools, src, d / "out.pt",
                                                             args.repeats)))
                 src.unlink()

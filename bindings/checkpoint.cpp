@@ -13,13 +13,17 @@
 #include <vector>
 
 #include "binding_helpers.hpp"
+#include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/checkpoint_file.hpp"
 #include "tensortier/checkpoint_format.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/dtypes.hpp"
 #include "tensortier/safetensors.hpp"
+#include "tensortier/small_pieces.hpp"
+#include "tensortier/strings.hpp"
 #include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/torch_file_writer.hpp"
 #include "tensortier/torch_pickle.hpp"
 #include "tensortier/zip_archive.hpp"
 
@@ -47,6 +51,23 @@ py::list ZipEntriesToPython(const ZipDirectory& dir) {
     out.append(py::make_tuple(e.name, e.data_offset, e.size, e.crc32));
   }
   return out;
+}
+
+// TorchCheckpoint::plain_dict's tensors: ([name], [dtype], [shape], [data offset], [nbytes]).
+py::tuple PlainDictToPython(const TorchCheckpoint& c) {
+  const size_t n = c.pickle.tensors.size();
+  py::list names(n), dtypes(n), shapes(n), offsets(n), sizes(n);
+  for (size_t i = 0; i < n; ++i) {
+    const TorchTensor& t = c.pickle.tensors[i];
+    names[i] = py::str(t.path);
+    dtypes[i] = py::str(t.dtype);
+    py::tuple shape(t.shape.size());
+    for (size_t d = 0; d < t.shape.size(); ++d) shape[d] = py::int_(t.shape[d]);
+    shapes[i] = std::move(shape);
+    offsets[i] = py::int_(c.pickle.storages.at(t.storage_key).data_offset);
+    sizes[i] = py::int_(t.nbytes());
+  }
+  return py::make_tuple(names, dtypes, shapes, offsets, sizes);
 }
 
 py::dict MetadataToDict(const SafetensorsMetadata& metadata) {
@@ -223,9 +244,10 @@ void RegisterCheckpoint(py::module_& m) {
 
   m.def(
       "torch_zip_entries",
-      [](const FsPath& path) {
+      [](const FsPath& path, bool plain) -> py::tuple {
         std::string prefix;
         ZipDirectory dir;
+        TorchCheckpoint c;
         {
           py::gil_scoped_release release;
           FileSource source(OpenCheckpointForReading(path, false));
@@ -233,15 +255,27 @@ void RegisterCheckpoint(py::module_& m) {
           for (const auto& e : dir.entries) RequireStored(e, path);
           prefix = TorchArchivePrefix(dir, path);
           CheckTorchFileVersion(source, dir, prefix);
+          if (plain) {
+            try {
+              c = ReadTorchCheckpoint(source, dir);
+            } catch (const std::exception&) {  // the general reader reports it, in its words
+              c.plain_dict = false;
+            }
+          }
         }
-        return py::make_tuple(prefix, ZipEntriesToPython(dir));
+        if (!plain) return py::make_tuple(prefix, ZipEntriesToPython(dir));
+        if (!c.plain_dict) return py::make_tuple(prefix, ZipEntriesToPython(dir), py::none());
+        return py::make_tuple(prefix, py::none(), PlainDictToPython(c));
       },
-      py::arg("path"),
+      py::arg("path"), py::arg("plain") = false,
       "A torch.save zip file's records from one read of its directory: (folder, [(name, "
       "data_offset, size, crc32)] in directory order), the folder holding data.pkl. ValueError, "
       "by the rules of read_torch_checkpoint and the CLI, for a bad archive, a compressed or "
       "encrypted entry, no or several data.pkl, a TorchScript archive, a format version torch "
-      "does not read.");
+      "does not read. With plain=True, a third member: for a file whose data.pkl is exactly what "
+      "torch.save writes for a plain dict of tensors, each alone in its storage "
+      "(TorchCheckpoint::plain_dict), ([name], [dtype], [shape], [data offset], [nbytes]) in the "
+      "dict's order (dtype table names), and None in place of the records; else None.");
 
   m.def(
       "read_torch_checkpoint",
@@ -270,6 +304,98 @@ void RegisterCheckpoint(py::module_& m) {
       "order). Dtypes use safetensors names (F32, BF16, ..., C128; C32, F4_X2, BITS8... for "
       "torch's own); strides and offsets are in elements. ValueError for disallowed globals, "
       "legacy files, bad archives.");
+
+  py::class_<TorchFileWriter>(
+      m, "TorchFileWriter",
+      "A torch.save zip file of a plain dict {name: tensor}, planned: the pickle torch.save "
+      "writes for it, the records, each storage 4 KiB aligned (include/tensortier/"
+      "torch_file_writer.hpp).")
+      .def(py::init([](const std::vector<std::string>& names,
+                       const std::vector<std::string>& dtypes,
+                       const std::vector<std::vector<uint64_t>>& shapes,
+                       const std::vector<std::vector<uint64_t>>& strides,
+                       const std::vector<uint64_t>& nbytes, bool crc32) {
+             if (dtypes.size() != names.size() || shapes.size() != names.size() ||
+                 strides.size() != names.size()) {
+               throw std::invalid_argument(
+                   "TorchFileWriter: one dtype, shape and stride per name");
+             }
+             std::vector<TorchPickleTensor> tensors;
+             tensors.reserve(names.size());
+             for (size_t i = 0; i < names.size(); ++i) {
+               if (strides[i] != ContiguousStrides(shapes[i])) {
+                 throw std::invalid_argument(StrCat("tensor '", names[i],
+                                                    "' has strides torch.save keeps as they are"));
+               }
+               tensors.push_back({names[i], dtypes[i], shapes[i], std::to_string(i)});
+             }
+             py::gil_scoped_release release;
+             return std::make_unique<TorchFileWriter>(
+                 tensors, nbytes, TorchFileOptions{.folder = "archive", .crc32 = crc32});
+           }),
+           py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("strides"),
+           py::arg("nbytes"), py::arg("crc32"),
+           "Tensor i is names[i] of dtypes[i] (dtype table names: 'F32'...), shapes[i] and "
+           "strides[i] (contiguous ones only), nbytes[i] bytes, in storage 'i'; crc32: record "
+           "CRC-32s. ValueError for what a plain dict cannot hold (before anything is written).")
+      .def_property_readonly("size", &TorchFileWriter::size, "The file's size in bytes.")
+      .def(
+          "write",
+          [](TorchFileWriter& w, Engine& engine, DurableFile& out,
+             const std::vector<uintptr_t>& addresses) {
+            std::vector<const std::byte*> host;
+            host.reserve(addresses.size());
+            for (uintptr_t a : addresses) host.push_back(reinterpret_cast<const std::byte*>(a));
+            py::gil_scoped_release release;
+            HostTensorBytes bytes(std::move(host));
+            out.Reserve(w.size());
+            w.Write(engine, out.file(), bytes);
+          },
+          py::arg("engine"), py::arg("out"), py::arg("addresses"),
+          "Writes the file into out (a DurableFile, reserved first) with engine, tensor i's "
+          "bytes at host address addresses[i] (kept alive by the caller). OSError for I/O "
+          "errors.");
+
+  m.def(
+      "read_scattered",
+      [](Engine& engine, const File& file, const std::vector<uint64_t>& offsets,
+         const std::vector<uint64_t>& lengths, const std::vector<uintptr_t>& addresses) {
+        if (lengths.size() != offsets.size() || addresses.size() != offsets.size()) {
+          throw std::invalid_argument("read_scattered: one length and address per offset");
+        }
+        std::vector<ScatteredRead> reads(offsets.size());
+        for (size_t i = 0; i < reads.size(); ++i) {
+          reads[i] = {offsets[i], lengths[i], reinterpret_cast<std::byte*>(addresses[i])};
+        }
+        py::gil_scoped_release release;
+        return ReadScattered(engine, file, reads);
+      },
+      py::arg("engine"), py::arg("file"), py::arg("offsets"), py::arg("lengths"),
+      py::arg("addresses"),
+      "Reads lengths[i] bytes at offsets[i] of file into host memory at addresses[i] (kept "
+      "alive by the caller), ranges close together in one request (ReadScattered). Returns "
+      "the bytes each got (fewer where the file ends). OSError for I/O errors.");
+
+  m.def(
+      "write_gathered",
+      [](Engine& engine, const File& file, const std::vector<uint64_t>& offsets,
+         const std::vector<uint64_t>& lengths, const std::vector<uintptr_t>& addresses,
+         bool xxh64) {
+        if (lengths.size() != offsets.size() || addresses.size() != offsets.size()) {
+          throw std::invalid_argument("write_gathered: one length and address per offset");
+        }
+        std::vector<GatheredWrite> writes(offsets.size());
+        for (size_t i = 0; i < writes.size(); ++i) {
+          writes[i] = {offsets[i], lengths[i], reinterpret_cast<const std::byte*>(addresses[i])};
+        }
+        py::gil_scoped_release release;
+        return WriteGathered(engine, file, writes, xxh64);
+      },
+      py::arg("engine"), py::arg("file"), py::arg("offsets"), py::arg("lengths"),
+      py::arg("addresses"), py::arg("xxh64") = false,
+      "Writes lengths[i] bytes of host memory at addresses[i] (kept alive by the caller) at "
+      "offsets[i] of file, pieces that meet end to end in one request (WriteGathered). Returns "
+      "each piece's xxh64 with xxh64=True, else []. OSError for I/O errors.");
 
   m.def(
       "detect_checkpoint_kind",

@@ -1,16 +1,15 @@
 // `tensortier info|verify|convert`: inspect, check and convert checkpoint files (safetensors and
 // torch.save zip). Tensor bytes move through the engine; headers go through the parsers in
 // src/checkpoint, which validate everything before any data is touched.
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <unordered_map>
@@ -30,8 +29,8 @@
 #include "tensortier/safetensors.hpp"
 #include "tensortier/strings.hpp"
 #include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/torch_file_writer.hpp"
 #include "tensortier/torch_pickle.hpp"
-#include "tensortier/zip_writer.hpp"
 
 namespace tensortier::cli {
 namespace {
@@ -565,9 +564,8 @@ int ConvertTorchToSafetensors(const Loaded& l, const std::string& in, const std:
   return 0;
 }
 
-// The folder torch.save names its records under: the output file's name without its last
-// extension (as PyTorchStreamWriter does), or "archive" when that is empty or holds characters
-// that are not printable ASCII. torch.load accepts any folder name.
+// The folder torch.save names its records under: the file's name without its last extension
+// (as PyTorchStreamWriter does), or "archive" when that is empty or not printable ASCII.
 std::string ArchiveName(const std::string& out) {
   std::string name = std::filesystem::path(out).filename().string();
   size_t dot = name.rfind('.');
@@ -579,131 +577,68 @@ std::string ArchiveName(const std::string& out) {
 }
 
 // A torch.save zip file holding the safetensors file's tensors in a plain dict, in file order, each
-// in its own storage ("<folder>/data/<i>") whose data starts on a 4 KiB boundary. The records are
-// the ones torch.save writes (data.pkl, byteorder, data/*, version, .data/serialization_id), minus
-// .format_version and .storage_alignment: with those, torch.load may compute storage offsets
-// itself (utils.serialization.config.load.calculate_storage_offsets) assuming miniz's exact layout
-// (data descriptors after each record), which this file does not have; without them it always
-// reads each record's real offset from the zip directory.
+// in its own storage ("<folder>/data/<i>") whose data starts on a 4 KiB boundary (TorchFileWriter:
+// why there is no .format_version there).
 int ConvertSafetensorsToTorch(const Loaded& l, const std::string& in, const std::string& out) {
   // The input's own checksums, checked as its bytes are copied: a damaged file is refused, not
   // passed on with fresh CRC-32s that would make it look sound.
   const SafetensorsChecks sums = ReadSafetensorsChecks(l);
   if (!sums.problems.empty()) RefuseDamaged(in, sums.problems.front());
   std::vector<TorchPickleTensor> tensors;
+  std::vector<uint64_t> offsets, sizes;
   for (size_t i = 0; i < l.items.size(); ++i) {
     const Item& item = l.items[i];
-    std::string dtype = item.dtype;
     std::vector<uint64_t> shape = item.shape;
-    const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(dtype);
+    const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(item.dtype);
     if (!held || !TorchSupportsDtype(held->name)) {
       throw std::invalid_argument(StrCat("tensor '", item.name, "' has dtype ", item.dtype,
                                          ", which torch has no dtype for: cannot convert"));
     }
     if (held->values_per_element > 1) {  // F4: two values per float4_e2m1fn_x2 element
       if (shape.empty() || shape.back() % held->values_per_element != 0) {
-        throw std::invalid_argument(StrCat("tensor '", item.name, "' of ", dtype, " has shape ",
-                                           ShapeString(item.shape), ": torch's ", held->torch,
-                                           " needs a last dimension that is a multiple of ",
-                                           held->values_per_element, ": cannot convert"));
+        throw std::invalid_argument(StrCat(
+            "tensor '", item.name, "' of ", item.dtype, " has shape ", ShapeString(item.shape),
+            ": torch's ", held->torch, " needs a last dimension that is a multiple of ",
+            held->values_per_element, ": cannot convert"));
       }
       shape.back() /= held->values_per_element;
     }
-    dtype = held->name;
-    tensors.push_back({item.name, dtype, std::move(shape), std::to_string(i)});
+    tensors.push_back({item.name, held->name, std::move(shape), std::to_string(i)});
+    offsets.push_back(item.offset);
+    sizes.push_back(item.nbytes);
   }
-  const std::string pickle = SerializeTorchPickle(tensors);
   const std::string prefix = ArchiveName(out);
-  const std::string byteorder = "little";
-  const std::string version = "3\n";
-  constexpr size_t kIdDigits = 40;
+  TorchFileWriter writer(tensors, sizes, {.folder = prefix, .crc32 = true});
 
-  ZipPlanner zip(4096);
-  struct Small {
-    size_t index;
-    const std::string* data;
+  // The input's bytes, read front to back in large reads, the xxh64 of each tensor with one to
+  // check computed as it is copied into the output (whose records are in the same order).
+  struct CheckedBytes : FileTensorBytes {
+    using FileTensorBytes::FileTensorBytes;
+    const SafetensorsChecks* sums = nullptr;
+    std::vector<Xxh64State> hashes;
+    void Copy(size_t index, std::byte* dst, size_t n) override {
+      FileTensorBytes::Copy(index, dst, n);
+      if (sums->want[index]) hashes[index].Update(dst, n);
+    }
   };
-  std::vector<Small> smalls;
-  auto add_small = [&](const std::string& name, const std::string& data) {
-    size_t index = zip.Add(StrCat(prefix, "/", name), data.size());
-    zip.SetCrc(index, Crc32(data.data(), data.size()));
-    smalls.push_back({index, &data});
-  };
-  add_small("data.pkl", pickle);
-  add_small("byteorder", byteorder);
-  std::vector<size_t> storage_entries;
-  for (size_t i = 0; i < l.items.size(); ++i) {
-    storage_entries.push_back(zip.Add(StrCat(prefix, "/data/", i), l.items[i].nbytes));
-  }
-  add_small("version", version);
-  std::string serialization_id(kIdDigits, '0');  // filled in once the CRCs are known
-  add_small(".data/serialization_id", serialization_id);
-  const uint64_t file_size = zip.directory_offset() + zip.Directory().size();
-
-  // Declared before the engine: its destructor waits for I/O still in flight from these.
-  std::vector<std::string> blocks;
-  std::vector<uint64_t> offsets;
-  AlignedBuffer bufs[2] = {AlignedBuffer(kChunk, Pages::kReused),
-                           AlignedBuffer(kChunk, Pages::kReused)};
   Engine engine;
   File src = OpenCheckpointForReading(in, true);
   DurableFile out_file(out);
-  const File& dst = out_file.file();
-  out_file.Reserve(file_size);
-  Xxh64State names;
-  Xxh64State crcs;
-  for (size_t i = 0; i < l.items.size(); ++i) {
-    const Item& item = l.items[i];
-    const ZipPlanEntry& entry = zip.entries()[storage_entries[i]];
-    uint32_t crc = 0;
-    uint64_t written = 0;
-    // As in the other direction: Stream fills the other buffer while this one is written.
-    Xxh64State h;
-    Stream(engine, src, item.offset, item.nbytes, bufs, [&](const std::byte* p, size_t n) {
-      crc = Crc32(p, n, crc);
-      if (sums.want[i]) h.Update(p, n);
-      engine.Write(dst, p, n, entry.data_offset + written).Wait();
-      written += n;
-    });
-    if (sums.want[i] && h.Digest() != *sums.want[i]) {
-      RefuseDamaged(in, XxhMismatch(item, *sums.want[i], h.Digest()));
+  out_file.Reserve(writer.size());
+  {
+    CheckedBytes source(engine, src, offsets, sizes);
+    source.sums = &sums;
+    source.hashes.resize(l.items.size());
+    writer.Write(engine, out_file.file(), source);
+    for (size_t i = 0; i < l.items.size(); ++i) {
+      const uint64_t actual = source.hashes[i].Digest();
+      if (sums.want[i] && actual != *sums.want[i]) {
+        RefuseDamaged(in, XxhMismatch(l.items[i], *sums.want[i], actual));
+      }
     }
-    zip.SetCrc(storage_entries[i], crc);
   }
-  // Like torch's id: a hash of the record names and one of their CRCs, 20 decimal digits each.
-  for (const auto& e : zip.entries()) {
-    if (e.name.ends_with("/.data/serialization_id")) continue;
-    names.Update(e.name.data(), e.name.size() + 1);  // with the NUL: names stay delimited
-    crcs.Update(&e.crc32, sizeof(e.crc32));
-  }
-  char id[kIdDigits + 1];
-  std::snprintf(id, sizeof(id), "%020llu%020llu", static_cast<unsigned long long>(names.Digest()),
-                static_cast<unsigned long long>(crcs.Digest()));
-  serialization_id.assign(id, kIdDigits);
-  zip.SetCrc(smalls.back().index, Crc32(serialization_id.data(), serialization_id.size()));
-
-  // Headers: a small record's local header and data are one write (the header ends where its
-  // data starts); a storage's header is written alone, in front of the data already there.
-  for (const Small& s : smalls) {
-    blocks.push_back(zip.LocalHeader(s.index) + *s.data);
-    offsets.push_back(zip.entries()[s.index].local_header_offset);
-  }
-  for (size_t index : storage_entries) {
-    blocks.push_back(zip.LocalHeader(index));
-    offsets.push_back(zip.entries()[index].local_header_offset);
-  }
-  blocks.push_back(zip.Directory());
-  offsets.push_back(zip.directory_offset());
-  if (offsets.back() + blocks.back().size() != file_size) {
-    throw std::logic_error("convert: zip directory size changed");
-  }
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    engine.Write(dst, blocks[i].data(), blocks[i].size(), offsets[i]);
-  }
-  engine.WaitAll();
   out_file.Commit();
-  uint64_t data = 0;
-  for (const auto& item : l.items) data += item.nbytes;
+  const uint64_t data = std::accumulate(sizes.begin(), sizes.end(), uint64_t{0});
   std::printf(
       "%s -> %s: %s, %llu data bytes in torch.save zip format (folder '%s', "
       "storages 4096-byte aligned, CRC-32 recorded)\n",

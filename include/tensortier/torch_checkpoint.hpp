@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "tensortier/byte_source.hpp"
 #include "tensortier/torch_pickle.hpp"
@@ -25,7 +26,15 @@ struct TorchCheckpoint {
   // on a big-endian machine). Files without the record are read as little-endian, as torch does
   // on little-endian machines.
   bool big_endian = false;
+  // data.pkl is byte for byte what torch.save writes for a plain dict {name: tensor} of its
+  // tensors (SerializeTorchPickle), little-endian: torch.load gives that dict, each tensor
+  // contiguous in a storage of its own.
+  bool plain_dict = false;
 };
+
+// Whether `data` (data.pkl, parsed as `pickle`) is exactly what SerializeTorchPickle writes for
+// pickle's tensors: a plain dict of tensors, each alone in its storage, nothing else.
+bool IsPlainDict(const TorchPickle& pickle, std::string_view data);
 
 // The file format versions torch's reader accepts (caffe2/serialize/versions.h): a later
 // version may lay data out in ways this reader does not know, so it is refused, as torch refuses
@@ -48,6 +57,8 @@ std::string TorchArchivePrefix(const ZipDirectory& zip, const std::string& path)
 // Reads the zip directory and data.pkl, checks that every storage has a stored entry of the right
 // size and reads the byte order and the format version. Throws FormatError / IoError.
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source);
+// The same with the archive's directory read already (ReadZipDirectory of `source`).
+TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip);
 
 // True when the first bytes look like a zip file (local header or empty-archive end record).
 bool LooksLikeZip(const ByteSource& source);

@@ -91,6 +91,11 @@ struct TorchPickleTensor {
 // dtype but the quantized ones; not F4 (torch packs two values per element), F6_*, unknowns.
 bool TorchSupportsDtype(std::string_view dtype);
 
+// The strides torch gives a contiguous tensor of `shape` (sizes of 0 count as 1), in elements:
+// those SerializeTorchPickle writes. A tensor with other strides (a size-1 dimension's may be
+// anything in a tensor torch calls contiguous) is pickled with its own.
+std::vector<uint64_t> ContiguousStrides(const std::vector<uint64_t>& shape);
+
 // The data.pkl that torch.save writes for a plain dict {name: tensor} of `tensors` (in order, all
 // on the CPU): protocol 2, byte for byte what torch 2.x emits (its memo, its batching of items,
 // _rebuild_tensor_v2 with typed storages, _rebuild_tensor_v3 with an UntypedStorage for the

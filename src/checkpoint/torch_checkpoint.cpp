@@ -2,8 +2,10 @@
 
 #include <cctype>
 #include <cstring>
+#include <stdexcept>
 #include <string_view>
 #include <unordered_map>
+#include <vector>
 
 #include "tensortier/checksum.hpp"
 #include "tensortier/format_error.hpp"
@@ -89,6 +91,25 @@ std::string TorchArchivePrefix(const ZipDirectory& zip, const std::string& path)
   return prefix;
 }
 
+bool IsPlainDict(const TorchPickle& pickle, std::string_view data) {
+  if (pickle.other_values != 0 || pickle.tensors.empty()) return false;
+  std::vector<TorchPickleTensor> plain;
+  plain.reserve(pickle.tensors.size());
+  for (const TorchTensor& t : pickle.tensors) {
+    if (t.meta || t.requires_grad || t.parameter || t.conj || t.neg || t.storage_offset != 0 ||
+        !t.contiguous()) {
+      return false;
+    }
+    plain.push_back({t.path, t.dtype, std::vector<uint64_t>(t.shape.begin(), t.shape.end()),
+                     t.storage_key});
+  }
+  try {
+    return SerializeTorchPickle(plain) == data;
+  } catch (const std::invalid_argument&) {  // what SerializeTorchPickle cannot write
+    return false;
+  }
+}
+
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
   const std::string& path = source.name();
   if (!LooksLikeZip(source)) {
@@ -97,8 +118,13 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
     if (first == 0x80) ThrowLegacyTorchFile(path);
     throw FormatError(StrCat(path, ": not a torch.save zip file"));
   }
+  return ReadTorchCheckpoint(source, ReadZipDirectory(source));
+}
+
+TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip) {
+  const std::string& path = source.name();
   TorchCheckpoint out;
-  out.zip = ReadZipDirectory(source);
+  out.zip = std::move(zip);
   out.prefix = TorchArchivePrefix(out.zip, path);
   const ZipEntry* pkl = out.zip.Find(out.prefix + "/data.pkl");
   RequireStored(*pkl, path);
@@ -135,6 +161,7 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
     }
     storage.data_offset = e->data_offset;
   }
+  out.plain_dict = !out.big_endian && IsPlainDict(out.pickle, data);
   return out;
 }
 

@@ -71,12 +71,13 @@ class Emitter {
   }
   // A string that is one Python object however often it is pickled ('storage', 'cpu').
   void SharedStr(std::string_view s) {
-    Shared(StrCat("str:", s), [&] { Str(s); });
+    // Keys built by concatenation, not StrCat: this runs several times per tensor.
+    Shared(std::string("str:").append(s), [&] { Str(s); });
   }
 
   // save_global: GLOBAL 'module\nname\n', memoized; later occurrences fetch it.
   void Global(std::string_view module, std::string_view name) {
-    Shared(StrCat("global:", module, ".", name), [&] {
+    Shared(std::string("global:").append(module).append(".").append(name), [&] {
       Op('c');
       out_ += module;
       out_ += '\n';
@@ -158,14 +159,7 @@ void EmitTensor(Emitter& e, const TorchPickleTensor& t, const Dtype& d, uint64_t
   e.Op('Q');  // BINPERSID
   e.Int(0);   // storage offset
   e.IntTuple(t.shape);
-  // Contiguous strides as torch computes them: sizes of 0 count as 1.
-  std::vector<uint64_t> stride(t.shape.size());
-  uint64_t step = 1;
-  for (size_t i = t.shape.size(); i > 0; --i) {
-    stride[i - 1] = step;
-    step *= t.shape[i - 1] == 0 ? 1 : t.shape[i - 1];
-  }
-  e.IntTuple(stride);
+  e.IntTuple(ContiguousStrides(t.shape));
   e.Op('\x89');  // requires_grad: NEWFALSE
   // backward hooks: collections.OrderedDict(), a new object each time.
   e.Global("collections", "OrderedDict");
@@ -180,6 +174,16 @@ void EmitTensor(Emitter& e, const TorchPickleTensor& t, const Dtype& d, uint64_t
 }
 
 }  // namespace
+
+std::vector<uint64_t> ContiguousStrides(const std::vector<uint64_t>& shape) {
+  std::vector<uint64_t> stride(shape.size());
+  uint64_t step = 1;
+  for (size_t i = shape.size(); i > 0; --i) {
+    stride[i - 1] = step;
+    step *= shape[i - 1] == 0 ? 1 : shape[i - 1];
+  }
+  return stride;
+}
 
 bool TorchSupportsDtype(std::string_view dtype) {
   return FindDtype(dtype) != nullptr;
@@ -241,15 +245,23 @@ std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors) 
   e.Le(2, 1);
   e.Op('}');  // EMPTY_DICT
   e.Put();
-  // _batch_setitems: batches of 1000; MARK ... SETITEMS for more than one, SETITEM for one.
-  for (size_t begin = 0; begin < tensors.size(); begin += kBatch) {
-    size_t end = std::min(tensors.size(), begin + kBatch);
-    if (end - begin > 1) e.Op('(');
-    for (size_t i = begin; i < end; ++i) {
-      e.Str(tensors[i].name);
-      EmitTensor(e, tensors[i], *FindDtype(tensors[i].dtype), numels[i]);
-    }
-    e.Op(end - begin > 1 ? 'u' : 's');
+  // The C pickler's batch_dict_exact: one item is a SETITEM; more go in batches of 1000, each
+  // MARK ... SETITEMS, and a full batch is always followed by another (empty after the last).
+  auto item = [&](size_t i) {
+    e.Str(tensors[i].name);
+    EmitTensor(e, tensors[i], *FindDtype(tensors[i].dtype), numels[i]);
+  };
+  if (tensors.size() == 1) {
+    item(0);
+    e.Op('s');
+  } else if (!tensors.empty()) {
+    size_t next = 0;
+    size_t count = 0;
+    do {
+      e.Op('(');
+      for (count = 0; count < kBatch && next < tensors.size(); ++count) item(next++);
+      e.Op('u');
+    } while (count == kBatch);
   }
   e.Op('.');
   return e.Take();

@@ -10,7 +10,7 @@ from typing import Any
 from ..io import IOFuture, IOHandle
 from . import _format
 from ._common import _as_bytes
-from ._format import _T, _torch, ALIGNMENT
+from ._format import _require, _T, _torch, ALIGNMENT
 from ._progress import _Progress
 
 
@@ -35,8 +35,8 @@ def _read_pieces(
     checked as they complete. CPU destinations are read in place; CUDA ones through the
     engine's GPU path (pinned bounce ring or GPUDirect Storage, copies on the current stream),
     except those with a checksum to check, which come through a pinned host buffer."""
-    batched = [p for p in pieces if p.dest.device.type == "cpu" or p.check is None]
-    checked_device = [p for p in pieces if p.dest.device.type != "cpu" and p.check is not None]
+    batched = [p for p in pieces if p.dest.is_cpu or p.check is None]
+    checked_device = [p for p in pieces if not p.dest.is_cpu and p.check is not None]
     try:
         if batched:
             _read_batched(io, batched, progress, path)
@@ -102,6 +102,25 @@ def _read_batched(
                     fut.wait()
                 except (OSError, RuntimeError):  # CUDA failures are RuntimeErrors (CudaError)
                     pass
+
+
+def _read_small(
+    io: IOHandle, file: Any, path: str, pieces: Sequence[tuple[str, int, int]],
+    addresses: Sequence[int], progress: _Progress,
+) -> None:
+    """(name, offset, nbytes) `pieces` of `file` read by ``_core.read_scattered`` into host
+    memory at `addresses` (the caller's tensors, kept alive meanwhile): small tensors (optimizer
+    states, adapters, norms) in large requests copied out, not one request each."""
+    got = _require("read_scattered")(io._core(), file,  # noqa: SLF001 - same package
+                                     [o for _, o, _ in pieces], [n for _, _, n in pieces],
+                                     addresses)
+    for (name, offset, n), g in zip(pieces, got):
+        if g != n:
+            raise ValueError(
+                f"{path}: file ended early: tensor {name!r} needs {n} bytes at offset {offset}, "
+                f"got {g} (truncated file?)"
+            )
+    progress.update(sum(n for _, _, n in pieces))
 
 
 def _pinned_buffer(size: int) -> Any:

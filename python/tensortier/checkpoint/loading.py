@@ -158,8 +158,9 @@ def load(
         streamed = _is_file_object(path, "read")
         fspath = stack.enter_context(_memfd_copy(path)) if streamed else _fspath(path)
         try:
-            return _load_path(fspath, dev, target_dtype, verify, progress, io, mmap, placement,
-                              streamed)
+            with _common._gc_paused():
+                return _load_path(fspath, dev, target_dtype, verify, progress, io, mmap,
+                                  placement, streamed)
         except ValueError as e:
             if not streamed or fspath not in str(e):
                 raise

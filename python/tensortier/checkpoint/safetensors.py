@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -11,10 +12,11 @@ from typing import Any
 
 from .. import _core
 from ..io import File, IOHandle
-from . import _common, _reading, mapping
+from . import _common, _format, _reading, mapping
 from ._common import _as_bytes, _checksum_mismatch, _converts, _nbytes, _same_file, _st_dtype_maps
 from ._format import (
     _require,
+    _st_per_torch_element,
     _st_shape,
     _torch,
     _torch_shape,
@@ -36,26 +38,64 @@ def _check_tensor_dict(state_dict: Any) -> Any:
             f"a safetensors file holds a mapping of name -> tensor, not a "
             f"{type(state_dict).__name__}: use format='torch' for other objects"
         )
-    bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
-    if bad:
+    # One pass; each kind of problem is reported in this order, naming all its keys.
+    not_tensors: list[Any] = []
+    bad_names: list[Any] = []
+    not_strided: list[Any] = []
+    meta: list[Any] = []
+    tensor, strided = torch.Tensor, torch.strided
+    for k, v in state_dict.items():
+        if not isinstance(k, str):
+            bad_names.append(k)
+        if not isinstance(v, tensor):
+            not_tensors.append(k)
+            continue
+        if v.layout != strided:
+            not_strided.append(k)
+        elif v.is_meta:
+            meta.append(k)
+    if not_tensors:
         raise TypeError(
-            f"safetensors files hold tensors only; these values are not tensors: {bad[:8]}"
-            f"{' ...' if len(bad) > 8 else ''}: use format='torch' to keep them"
+            f"safetensors files hold tensors only; these values are not tensors: "
+            f"{not_tensors[:8]}{' ...' if len(not_tensors) > 8 else ''}: use format='torch' to "
+            "keep them"
         )
-    bad = [k for k in state_dict if not isinstance(k, str)]
-    if bad:
-        raise TypeError(f"safetensors tensor names must be str, not {bad[:8]}")
-    bad = [k for k, v in state_dict.items() if v.layout != torch.strided]
-    if bad:
-        raise TypeError(f"sparse or non-strided tensors cannot be saved as safetensors: {bad}")
-    bad = [k for k, v in state_dict.items() if v.device.type == "meta"]
-    if bad:
-        raise ValueError(f"meta tensors have no data to save: {bad}")
+    if bad_names:
+        raise TypeError(f"safetensors tensor names must be str, not {bad_names[:8]}")
+    if not_strided:
+        raise TypeError(
+            f"sparse or non-strided tensors cannot be saved as safetensors: {not_strided}"
+        )
+    if meta:
+        raise ValueError(f"meta tensors have no data to save: {meta}")
     return state_dict
+
+
+def _overlap(state_dict: Mapping[str, Any]) -> bool:
+    """Whether any two tensors may share memory: False only when every tensor is contiguous
+    and their byte ranges, one device at a time, are disjoint (then ``_shared_groups`` finds
+    nothing either)."""
+    areas = []
+    for v in state_dict.values():
+        n = v.nbytes
+        if n == 0:
+            continue
+        if not v.is_contiguous():
+            return True
+        start = v.data_ptr()
+        areas.append((v.is_cpu, start, start + n))
+    if len(areas) < 2:
+        return False
+    if not all(cpu for cpu, _, _ in areas):
+        return True  # devices to tell apart: the full check
+    areas.sort()
+    return any(areas[i][1] < areas[i - 1][2] for i in range(1, len(areas)))
 
 
 def _shared_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
     """Groups of names whose tensors overlap in memory (what safetensors refuses)."""
+    if not _overlap(state_dict):
+        return []
     by_storage: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
     for k, v in state_dict.items():
         if _nbytes(v) == 0:
@@ -88,21 +128,20 @@ def _shared_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
     return groups
 
 
-def _safetensors_layout(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
-    """Offsets (relative to the data start) for each tensor. safetensors allows no gaps, so
-    tensors whose size is a multiple of 4 KiB go first (each then starts on a 4 KiB boundary);
-    the rest follow, widest elements first so every tensor stays naturally aligned."""
-    items = list(state_dict.items())
-    whole = [(k, v) for k, v in items if _nbytes(v) % ALIGNMENT == 0]
-    rest = [(k, v) for k, v in items if _nbytes(v) % ALIGNMENT != 0]
-    rest.sort(key=lambda kv: -kv[1].element_size())  # stable: keeps insertion order per width
-    offsets: dict[str, tuple[int, int]] = {}
+def _safetensors_layout(sizes: Sequence[int], widths: Sequence[int]) -> list[int]:
+    """The offset (relative to the data start) of each tensor, of `sizes` bytes and elements of
+    `widths` bytes. safetensors allows no gaps, so tensors whose size is a multiple of 4 KiB go
+    first (each then starts on a 4 KiB boundary); the rest follow, widest elements first so
+    every tensor stays naturally aligned."""
+    whole = [i for i, n in enumerate(sizes) if n % ALIGNMENT == 0]
+    rest = [i for i, n in enumerate(sizes) if n % ALIGNMENT != 0]
+    rest.sort(key=lambda i: -widths[i])  # stable: keeps insertion order per width
+    starts = [0] * len(sizes)
     pos = 0
-    for k, v in whole + rest:
-        n = _nbytes(v)
-        offsets[k] = (pos, pos + n)
-        pos += n
-    return offsets
+    for i in whole + rest:
+        starts[i] = pos
+        pos += sizes[i]
+    return starts
 
 
 def _save_safetensors(
@@ -131,16 +170,21 @@ def _save_safetensors(
             f"metadata keys {reserved} are tensortier's checksums: leave them out "
             "(save(..., checksum=True) writes fresh ones)"
         )
-    offsets = _safetensors_layout(state_dict)
-    entries = [
-        (k, to_st[v.dtype], _st_shape(k, to_st[v.dtype], v.shape), *offsets[k])
-        for k, v in state_dict.items()
-    ]
-    data_bytes = max((end for _, end in offsets.values()), default=0)
+    names = list(state_dict)
+    tensors = list(state_dict.values())
+    sizes = [v.nbytes for v in tensors]
+    starts = _safetensors_layout(sizes, [v.itemsize for v in tensors])
+    packed = _st_per_torch_element()
+    entries = []
+    for k, v, start, n in zip(names, tensors, starts, sizes):
+        dt = to_st[v.dtype]
+        shape = _st_shape(k, dt, v.shape) if dt in packed else v.shape
+        entries.append((k, dt, shape, start, start + n))
+    data_bytes = max((start + n for start, n in zip(starts, sizes)), default=0)
     md = dict(metadata)
     md.setdefault("format", "pt")  # as save_model / save_pretrained write: transformers wants it
     if checksum:  # placeholder of the final length: the real header replaces it at the end
-        md[CHECKSUM_KEY] = _checksum_json({k: 0 for k in state_dict})
+        md[CHECKSUM_KEY] = _checksum_json({k: 0 for k in names})
         digest = _require("safetensors_header_digest")(entries, md)  # skips the checksum keys
         md[HEADER_CHECKSUM_KEY] = f"{digest:016x}"
     header = bytes(serialize(entries, md, ALIGNMENT))
@@ -148,19 +192,33 @@ def _save_safetensors(
     sums: dict[str, int] = {}
     with _DurableFile(path, io) as df:
         df.reserve(data_start + data_bytes)
+        # Small contiguous CPU tensors are gathered into large writes by C++ (their checksums
+        # computed on the way); the others go through the engine writer, staged where needed.
+        small = [i for i, (v, n) in enumerate(zip(tensors, sizes))
+                 if 0 < n < _format._ALIGNED_ALLOC_MIN and v.is_cpu and v.is_contiguous()
+                 and not v.is_conj() and not v.is_neg()]
+        if small:
+            hashes = _require("write_gathered")(
+                io._core(), df.open(), [data_start + starts[i] for i in small],  # noqa: SLF001
+                [sizes[i] for i in small], [tensors[i].data_ptr() for i in small], checksum)
+            if checksum:
+                sums.update((names[i], h) for i, h in zip(small, hashes))
+        gathered = set(small)
         writer = _Writer(io, df.open())
         try:
-            for k, v in state_dict.items():
+            for i, (k, v) in enumerate(zip(names, tensors)):
+                if i in gathered:
+                    continue
                 data, staged = _host_contiguous(v.detach())
                 if checksum:
                     sums[k] = _common._xxh64(data)
-                writer.add(_as_bytes(data), data_start + offsets[k][0], staged)
+                writer.add(_as_bytes(data), data_start + starts[i], staged)
             writer.finish()
         except BaseException:
             writer.drain()
             raise
         if checksum:
-            md[CHECKSUM_KEY] = _checksum_json(sums)
+            md[CHECKSUM_KEY] = _checksum_json({k: sums[k] for k in names})
             final = bytes(serialize(entries, md, ALIGNMENT))
             if len(final) != data_start:  # cannot happen: fixed-width hex digits
                 raise RuntimeError("safetensors header changed length after checksumming")
@@ -227,6 +285,7 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
                 f"{actual:016x}): names, shapes, dtypes, offsets or metadata were changed"
             )
     _, from_st = _st_dtype_maps()
+    packed = _st_per_torch_element()
     out: list[_STEntry] = []
     for name, dt, shape, begin, end in entries:
         dtype = from_st.get(dt)
@@ -234,11 +293,8 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
             raise ValueError(
                 f"{path}: tensor {name!r} has dtype {dt}, which this torch cannot hold"
             )
-        torch_shape = _torch_shape(name, dt, shape, path)
-        numel = 1
-        for s in torch_shape:
-            numel *= s
-        if numel * dtype.itemsize != end - begin:
+        torch_shape = _torch_shape(name, dt, shape, path) if dt in packed else tuple(shape)
+        if math.prod(torch_shape) * dtype.itemsize != end - begin:
             raise ValueError(
                 f"{path}: tensor {name!r}: shape {tuple(shape)} of {dt} needs "
                 f"{numel * dtype.itemsize} bytes, the header gives {end - begin}"
@@ -323,13 +379,35 @@ def _read_st_group(
     tensors go when this returns."""
     torch = _torch()
     pieces: list[_Piece] = []
+    out: dict[str, Any] = {}
+    cpu = dev.type == "cpu"
+    # Small CPU tensors: one C++ read of them all, then their checksums.
+    small: list[tuple[str, int, int]] = []
+    small_addresses: list[int] = []
+    small_checks: list[tuple[Callable[[Any], None], Any]] = []
     for e in group:
-        numel = e.nbytes // e.dtype.itemsize
-        if dev.type == "cpu":
-            flat = mapping._host_alloc(numel, e.dtype, e.offset % ALIGNMENT)
+        if not cpu:
+            t = torch.empty(e.shape, dtype=e.dtype, device=dev)
+        elif e.nbytes < _format._ALIGNED_ALLOC_MIN:
+            t = torch.empty(e.shape, dtype=e.dtype)  # what _host_alloc gives, shaped
+            out[e.name] = t
+            if e.nbytes:
+                small.append((e.name, e.offset, e.nbytes))
+                small_addresses.append(t.data_ptr())
+            if sums is not None:
+                small_checks.append((_xxh64_check(path, e.name, sums.get(e.name)), t))
+            continue
         else:
-            flat = torch.empty(numel, dtype=e.dtype, device=dev)
+            t = mapping._host_alloc(e.nbytes // e.dtype.itemsize, e.dtype,
+                                    e.offset % ALIGNMENT).view(e.shape)
         check = _xxh64_check(path, e.name, sums.get(e.name)) if sums is not None else None
-        pieces.append(_Piece(e.name, file, e.offset, e.nbytes, flat, check))
+        pieces.append(_Piece(e.name, file, e.offset, e.nbytes, t, check))
+        out[e.name] = t
+    if small:
+        _reading._read_small(io, file, path, small, small_addresses, prog)
+    for check, t in small_checks:
+        check(t)
     _reading._read_pieces(io, pieces, prog, path, close_progress=False)
-    return {e.name: _common._convert(p.dest.view(e.shape), dtype) for e, p in zip(group, pieces)}
+    if dtype is not None:
+        return {k: _common._convert(t, dtype) for k, t in out.items()}
+    return out

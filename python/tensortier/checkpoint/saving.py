@@ -82,10 +82,11 @@ def save(
         raise TypeError(f"checksum must be a bool, not {type(checksum).__name__}")
     io = _io if _io is not None else _common._default_io()
     try:
-        if fmt == "safetensors":
-            _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
-        else:
-            _save_torch(state_dict, path, checksum, io)
+        with _common._gc_paused():
+            if fmt == "safetensors":
+                _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
+            else:
+                _save_torch(state_dict, path, checksum, io)
     except OSError as e:
         raise _save_error(e, path) from e
 

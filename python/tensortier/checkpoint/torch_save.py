@@ -1,8 +1,11 @@
-"""Saving torch.save files: torch pickles the metadata (skip_data), the engine writes the
-storages at their record offsets, and their CRC-32s are patched in."""
+"""Saving torch.save files. A plain dict of CPU tensors is written by C++ (TorchFileWriter: the
+pickle torch.save writes for it, the records, the storages gathered into large writes); anything
+else is pickled by torch (skip_data), the engine writes the storages at their record offsets,
+and their CRC-32s are patched in."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 from typing import Any
@@ -10,7 +13,7 @@ from typing import Any
 from ..io import IOHandle
 from . import unpickler
 from ._common import _crc32, _storage_bytes
-from ._format import _require, _torch, ALIGNMENT, PathLike
+from ._format import _require, _torch, _torch_dtypes, ALIGNMENT, PathLike
 from ._writing import _DurableFile, _Writer
 from .unpickler import _ZipRecord
 
@@ -79,8 +82,71 @@ def _save_torch_whole(obj: Any, path: PathLike, checksum: bool, io: IOHandle) ->
         df.commit()
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_dtype_names() -> dict[Any, str]:
+    """torch.dtype -> the dtype table's name, for the dtypes torch pickles as plain tensors (not
+    quantized ones; C++ refuses the others it cannot write)."""
+    quantized = {row["name"] for row in _require("dtypes")() if row["quantized"]}
+    return {dt: name for name, dt in _torch_dtypes().items() if name not in quantized}
+
+
+def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
+    """A C++ writer of `obj` and its tensors' addresses when `obj` is what torch.save pickles as a
+    plain dict: a ``dict`` of str -> CPU tensors of type ``torch.Tensor`` (no Parameters or
+    subclasses, no requires_grad, no Python attributes, no conjugate or negative bit), each
+    contiguous and alone in a storage of exactly its bytes. None for anything else (torch
+    pickles it)."""
+    if type(obj) is not dict or not obj:
+        return None
+    torch = _torch()
+    tensor_type, strided = torch.Tensor, torch.strided
+    dtype_names = _plain_dtype_names()
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[Any] = []
+    strides: list[Any] = []
+    sizes: list[int] = []
+    addresses: list[int] = []
+    empty: set[int] = set()  # the storages of empty tensors (their addresses tell nothing)
+    for k, v in obj.items():
+        if type(k) is not str or type(v) is not tensor_type:
+            return None
+        dt = dtype_names.get(v.dtype)
+        if (dt is None or not v.is_cpu or v.layout is not strided or v.requires_grad
+                or v.is_conj() or v.is_neg() or v.__dict__):
+            return None
+        n = v.nbytes
+        storage = v.untyped_storage()
+        if v.storage_offset() != 0 or not v.is_contiguous() or storage.nbytes() != n:
+            return None
+        if n == 0:
+            if storage._cdata in empty:
+                return None
+            empty.add(storage._cdata)
+        names.append(k)
+        dtypes.append(dt)
+        shapes.append(v.shape)
+        strides.append(v.stride())  # a size-1 dimension's may be anything: C++ checks them
+        sizes.append(n)
+        addresses.append(v.data_ptr())
+    nonempty = [a for a, n in zip(addresses, sizes) if n]
+    if len(set(nonempty)) != len(nonempty):  # one storage twice: torch.save shares it
+        return None
+    try:
+        return _require("TorchFileWriter")(names, dtypes, shapes, strides, sizes, crc32), addresses
+    except (ValueError, UnicodeEncodeError):  # what only torch's pickler writes
+        return None
+
+
 def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
     torch = _torch()
+    plain = _plain_dict_writer(obj, checksum or _torch_writes_crcs(torch))
+    if plain is not None:
+        writer, addresses = plain
+        with _DurableFile(path, io) as df:
+            writer.write(io._core(), df._core, addresses)  # noqa: SLF001 - same package
+            df.commit()
+        return
     if not hasattr(torch.serialization, "skip_data"):
         raise ValueError(
             f"format='torch' needs torch.serialization.skip_data (PyTorch >= 2.5); this is "

@@ -13,7 +13,7 @@ from typing import Any
 from ..io import File, IOHandle
 from . import _common, _format, _reading, mapping
 from ._common import _as_bytes, _checksum_mismatch, _crc32, _same_file, _storage_bytes
-from ._format import _quantized_dtypes, _require, _torch, ALIGNMENT
+from ._format import _quantized_dtypes, _require, _torch, _torch_dtypes, ALIGNMENT
 from ._progress import _Progress
 from ._reading import _Piece
 from ._writing import _open_checkpoint, _read_at
@@ -405,6 +405,67 @@ def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
         )
 
 
+# Tensors of a plain dict smaller than this share chunks of up to _CHUNK_BYTES of memory, each in
+# a storage of exactly its bytes sliced from its chunk (one allocation and one read per chunk, not
+# per tensor); a tensor kept alive keeps at most its chunk. Larger ones get memory of their own.
+_CHUNKED_MAX = 64 << 10
+_CHUNK_BYTES = 1 << 20
+
+
+def _load_plain_dict(
+    path: str, file: File, plain: tuple[list[str], list[str], list[Any], list[int], list[int]],
+    progress: bool | None, io: IOHandle,
+) -> dict[str, Any]:
+    """The dict ``torch.load`` gives for a file whose data.pkl is exactly what torch.save writes
+    for a plain dict of tensors (``_core.plain_torch_dict``), made without unpickling: each
+    tensor contiguous in a fixed-size storage of its own bytes, as torch.load's."""
+    torch = _torch()
+    names, dtypes, shapes, offsets, sizes = plain
+    to_torch = _torch_dtypes()
+    # Where each chunked tensor goes: (chunk, byte position); positions 64-byte aligned.
+    chunk_bytes: list[int] = []
+    places: list[tuple[int, int]] = []
+    for n in sizes:
+        if n == 0 or n >= _CHUNKED_MAX:
+            places.append((-1, 0))
+            continue
+        if not chunk_bytes or chunk_bytes[-1] + n > _CHUNK_BYTES:
+            chunk_bytes.append(0)
+        places.append((len(chunk_bytes) - 1, chunk_bytes[-1]))
+        chunk_bytes[-1] += (n + 63) & ~63
+    chunks = [torch.empty(b, dtype=torch.uint8) for b in chunk_bytes]
+    chunk_storages = [c.untyped_storage() for c in chunks]
+    bases = [c.data_ptr() for c in chunks]
+    out: dict[str, Any] = {}
+    small: list[tuple[str, int, int]] = []
+    small_addresses: list[int] = []
+    pieces: list[_Piece] = []
+    for name, dt, shape, offset, n, (chunk, pos) in zip(
+            names, dtypes, shapes, offsets, sizes, places):
+        if chunk >= 0:
+            storage = chunk_storages[chunk][pos : pos + n]
+            small.append((name, offset, n))
+            small_addresses.append(bases[chunk] + pos)
+        elif n == 0:
+            storage = _empty_fixed_storage()
+        else:
+            flat = mapping._host_alloc(n, torch.uint8, offset % ALIGNMENT)
+            if flat.untyped_storage().resizable():
+                flat = _fixed_size(flat)
+            storage = flat.untyped_storage()
+            pieces.append(_Piece(name, file, offset, n, flat))
+        out[name] = torch.empty(0, dtype=to_torch[dt]).set_(storage, 0, shape)
+    prog = _Progress(f"loading {os.path.basename(path)}", sum(sizes), progress)
+    try:
+        if small:
+            _reading._read_small(io, file, path, small, small_addresses, prog)
+        if pieces:
+            _reading._read_pieces(io, pieces, prog, path, close_progress=False)
+    finally:
+        prog.close()
+    return out
+
+
 def _load_torch(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     mapped: _Readahead | None = None, placement: _Placement | None = None,
@@ -413,6 +474,15 @@ def _load_torch(
     file = _open_checkpoint(io, path)
     try:
         whole = archive = None
+        if mapped is None and placement is None and not verify and dev.type == "cpu":
+            # One read of the zip directory: a plain dict is made without unpickling (C++ read
+            # its pickle); for anything else the records serve the unpickler.
+            prefix, entries, plain = _same_file(
+                file, path, lambda name: _require("torch_zip_entries")(name, True))
+            if plain is not None:
+                obj = _load_plain_dict(path, file, plain, progress, io)
+                return _common._convert_in_place(obj, dtype) if dtype is not None else obj
+            archive = _records(entries), prefix + "/"
         if mapped is not None:
             archive = _same_file(file, path, _torch_records)
             ranges = [(name, r.offset, r.size) for name, r in archive[0].items()]
@@ -450,6 +520,14 @@ def _load_torch(
             prog = _Progress(
                 f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
             )
+            # Small unchecked CPU storages in one C++ read; the rest through the engine.
+            small = [p for p in pieces if 0 < p.nbytes < _format._ALIGNED_ALLOC_MIN
+                     and p.check is None and p.dest.is_cpu]
+            if small:
+                _reading._read_small(io, file, path, [(p.name, p.offset, p.nbytes) for p in small],
+                                     [p.dest.data_ptr() for p in small], prog)
+                taken = {id(p) for p in small}
+                pieces = [p for p in pieces if id(p) not in taken]
             _reading._read_pieces(io, pieces, prog, path)
     finally:
         file.close()

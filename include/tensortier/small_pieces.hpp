@@ -1,0 +1,43 @@
+// Many small pieces of one file moved to or from memory of their own (the tensors of a checkpoint
+// with thousands of small ones): pieces close together in the file go through a staging buffer in
+// one large request, so the cost is that of a few large reads or writes, not of one request per
+// piece.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tensortier/engine.hpp"
+#include "tensortier/file.hpp"
+
+namespace tensortier {
+
+struct ScatteredRead {
+  uint64_t offset = 0;  // in the file
+  uint64_t length = 0;
+  std::byte* dest = nullptr;  // `length` bytes of the caller's, alive until ReadScattered returns
+};
+
+// Reads every range of `reads` (in any order; ranges may overlap) of `file` into its `dest` with
+// `engine`, through staging buffers of a few MiB, reading the next one while the last is copied
+// out. Returns the bytes each range got: its length, fewer where the file ends before its end.
+// Throws IoError (after every read in flight has finished).
+std::vector<uint64_t> ReadScattered(Engine& engine, const File& file,
+                                    std::span<const ScatteredRead> reads);
+
+struct GatheredWrite {
+  uint64_t offset = 0;  // in the file
+  uint64_t length = 0;
+  const std::byte* src = nullptr;  // `length` bytes, alive until WriteGathered returns
+};
+
+// Writes every piece of `writes` (in any order, not overlapping) to `file` with `engine`: pieces
+// that meet end to end in the file are copied into staging buffers of a few MiB, each written with
+// one request while the next fills. With `xxh64`, returns each piece's XXH64 (computed as it is
+// copied); else an empty vector. Throws IoError (after every write in flight has finished).
+std::vector<uint64_t> WriteGathered(Engine& engine, const File& file,
+                                    std::span<const GatheredWrite> writes, bool xxh64 = false);
+
+}  // namespace tensortier
