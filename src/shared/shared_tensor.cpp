@@ -598,6 +598,8 @@ struct SharedGroup::Server {
   std::mutex mutex;
   std::map<std::string, int> served;  // key -> descriptor (-1: an empty partition)
   std::atomic<uint64_t> refused{0};
+  // Opened here, before the thread: the group's descriptors are all open once it is made.
+  shared::SpareFd spare;
   std::thread thread;
 
   explicit Server(std::string socket_name) : name(std::move(socket_name)) {
@@ -635,7 +637,6 @@ struct SharedGroup::Server {
   }
 
   void Run() {
-    shared::SpareFd spare;
     bool pause = false;
     for (;;) {
       pollfd p[2] = {{wake_read.get(), POLLIN, 0}, {listener.get(), POLLIN, 0}};

@@ -31,6 +31,8 @@ constexpr std::chrono::seconds kRequestTime{5};
 struct UnixSocketStore::Server {
   shared::UniqueFd listener;
   shared::UniqueFd wake_read, wake_write;
+  // Opened here, before the thread: the store's descriptors are all open once it is made.
+  shared::SpareFd spare;
   std::thread thread;
   std::string name;
 
@@ -54,7 +56,6 @@ struct UnixSocketStore::Server {
     std::map<std::string, std::string> values;
     std::map<std::string, std::vector<int>> waiters;  // key -> clients waiting in Get
     std::vector<shared::UniqueFd> clients;
-    shared::SpareFd spare;
     // Until then the listener is left alone: a connection this process has no descriptor for
     // keeps it ready, and polling it would spin.
     auto listen_again = shared::Clock::now();
