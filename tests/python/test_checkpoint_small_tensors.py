@@ -194,3 +194,18 @@ def test_many_tensors_set_off_no_garbage_collection(disk_dir: Path, name: str) -
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_dict_holding_a_nested_tensor_goes_through_torch(disk_dir: Path) -> None:
+    # A nested tensor is a torch.Tensor with a strided layout but no sizes to ask: the plain-dict
+    # check must leave it to torch's pickler rather than fail on it.
+    nested = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)])
+    sd = {"a": torch.ones(3), "n": nested}
+    path = disk_dir / "nested.pt"
+    tensortier.save(sd, path)
+    theirs = torch.load(path, weights_only=True)
+    ours = tensortier.load(path)
+    assert torch.equal(ours["a"], sd["a"]) and torch.equal(theirs["a"], sd["a"])
+    for got in (ours["n"], theirs["n"]):
+        assert got.is_nested
+        assert all(torch.equal(x, y) for x, y in zip(got.unbind(), nested.unbind()))

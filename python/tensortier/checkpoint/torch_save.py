@@ -109,8 +109,8 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
     addresses: list[int] = []
     empty: set[int] = set()  # the storages of empty tensors (their addresses tell nothing)
     for k, v in obj.items():
-        if type(k) is not str or type(v) is not tensor_type:
-            return None
+        if type(k) is not str or type(v) is not tensor_type or v.is_nested:
+            return None  # a nested tensor has no sizes to ask (torch pickles it)
         dt = dtype_names.get(v.dtype)
         if (dt is None or not v.is_cpu or v.layout is not strided or v.requires_grad
                 or v.is_conj() or v.is_neg() or v.__dict__):
