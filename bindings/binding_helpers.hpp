@@ -3,8 +3,8 @@
 
 #include <pybind11/pybind11.h>
 
-#include "tensortier/fault_injection.hpp"
-#include "tensortier/engine.hpp"
+#include "tensortier/io/fault_injection.hpp"
+#include "tensortier/io/engine.hpp"
 
 namespace tensortier {
 

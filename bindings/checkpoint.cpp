@@ -15,17 +15,17 @@
 #include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
-#include "tensortier/checkpoint_file.hpp"
-#include "tensortier/checkpoint_format.hpp"
-#include "tensortier/checksum.hpp"
-#include "tensortier/dtypes.hpp"
-#include "tensortier/safetensors.hpp"
-#include "tensortier/small_pieces.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/torch_checkpoint.hpp"
-#include "tensortier/torch_file_writer.hpp"
-#include "tensortier/torch_pickle.hpp"
-#include "tensortier/zip_archive.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/checkpoint/checkpoint_format.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/checkpoint/small_pieces.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
+#include "tensortier/checkpoint/torch_file_writer.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
+#include "tensortier/checkpoint/zip_archive.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -200,7 +200,7 @@ void RegisterCheckpoint(py::module_& m) {
         }
         return out;
       },
-      "The dtype table (include/tensortier/dtypes.hpp), one dict per dtype: name (tensortier's), "
+      "The dtype table (include/tensortier/checkpoint/dtypes.hpp), one dict per dtype: name (tensortier's), "
       "safetensors (the dtype that stores it, '' when none), packing (values per element), torch "
       "(torch's dtype attribute, '' when none), torch_alias, storage (typed storage class, '' when "
       "torch pickles it untyped), bits (per element), quantized.");

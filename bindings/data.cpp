@@ -11,9 +11,9 @@
 #include "dlpack_abi.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
-#include "tensortier/batch_reader.hpp"
-#include "tensortier/sample_list.hpp"
-#include "tensortier/shard_plan.hpp"
+#include "tensortier/data/batch_reader.hpp"
+#include "tensortier/data/sample_list.hpp"
+#include "tensortier/data/shard_plan.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;

@@ -5,9 +5,9 @@
 #include <system_error>
 
 #include "paths.hpp"
-#include "tensortier/cuda_driver.hpp"
-#include "tensortier/cufile.hpp"
-#include "tensortier/error.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/cuda/cufile.hpp"
+#include "tensortier/util/error.hpp"
 
 namespace py = pybind11;
 

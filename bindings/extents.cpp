@@ -8,8 +8,8 @@
 #include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
-#include "tensortier/extent_map.hpp"
-#include "tensortier/extent_reader.hpp"
+#include "tensortier/data/extent_map.hpp"
+#include "tensortier/data/extent_reader.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;

@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "paths.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/shared_checkpoint.hpp"
-#include "tensortier/shared_store.hpp"
-#include "tensortier/shared_tensor.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/shared/shared_checkpoint.hpp"
+#include "tensortier/shared/shared_store.hpp"
+#include "tensortier/shared/shared_tensor.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;

@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 JOBS="${JOBS:-$(nproc)}"
+phase() { echo "== $* (at ${SECONDS} s)"; }
+trap 'echo "== done in ${SECONDS} s"' EXIT
 
 build_and_test() {  # build_and_test DIR FILTER [cmake args...]
   local dir=$1 filter=$2
@@ -21,12 +23,12 @@ build_and_test() {  # build_and_test DIR FILTER [cmake args...]
   (cd "$dir" && ctest --output-on-failure --no-tests=error -j "$JOBS" "${filter_args[@]}")
 }
 
-echo "== C++ tests"
+phase "C++ tests"
 build_and_test build/test "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
-echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+phase "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   build_and_test build/asan "" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=address,undefined
-echo "== Parser fuzz targets under AddressSanitizer + UndefinedBehaviorSanitizer (${FUZZ_SECONDS:-20} s each)"
+phase "Parser fuzz targets under AddressSanitizer + UndefinedBehaviorSanitizer (${FUZZ_SECONDS:-20} s each)"
 cmake -S . -B build/asan -DTENSORTIER_BUILD_FUZZ=ON >/dev/null
 ninja -C build/asan -j "$JOBS" fuzz_safetensors_header fuzz_zip_directory fuzz_torch_pickle \
   fuzz_extent_map
@@ -39,24 +41,25 @@ for target in safetensors_header zip_directory torch_pickle extent_map; do
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     "build/asan/tests/fuzz/fuzz_$target" -max_total_time="${FUZZ_SECONDS:-20}" "$corpus"
 done
-echo "== C++ engine, offloader, transfer, shared-tensor and batch reader tests under ThreadSanitizer"
+phase "C++ engine, offloader, transfer, shared-tensor and batch reader tests under ThreadSanitizer"
 TSAN_OPTIONS=halt_on_error=1 \
   build_and_test build/tsan "Engine|Fault|Offload|Transfer|Shared|UnixSocketStore|BatchReader" \
   -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=thread
 
-echo "== C++ install: find_package(tensortier) from a separate project"
+phase "C++ install: find_package(tensortier) from a separate project"
 rm -rf build/install build/consumer
 ninja -C build/test -j "$JOBS" all  # the shared library and the tool, which the tests do not need
 cmake --install build/test --prefix build/install >/dev/null
-# Only the public API is installed, and each installed header builds on its own.
-for internal in strings.hpp json.hpp format_error.hpp fault_injection.hpp; do
-  if [ -e "build/install/include/tensortier/$internal" ]; then
+# Only the public API is installed (no internal header of src/), and each installed header builds
+# on its own.
+for internal in src/*/*.hpp; do
+  if [ -e "build/install/include/tensortier/$(basename "$(dirname "$internal")")/$(basename "$internal")" ]; then
     echo "internal header $internal was installed" >&2
     exit 1
   fi
 done
-for header in build/install/include/tensortier/*.hpp; do
-  echo "#include \"tensortier/$(basename "$header")\"" |
+for header in build/install/include/tensortier/*/*.hpp; do
+  echo "#include \"${header#build/install/include/}\"" |
     c++ -std=c++20 -fsyntax-only -Ibuild/install/include -x c++ - ||
     { echo "installed $header does not build on its own" >&2; exit 1; }
 done
@@ -64,9 +67,9 @@ cmake -S examples/cpp_consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$
 ninja -C build/consumer >/dev/null
 build/consumer/round_trip build/consumer/round_trip.dat
 
-echo "== Python tests"
+phase "Python tests"
 set +e
-.venv/bin/python -m pytest -q tests/python
+.venv/bin/python -m pytest -q --durations=25 tests/python
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then
@@ -81,5 +84,5 @@ fi
 # case.
 cases="${DIFF_FUZZ_CASES:-1000}"
 seed="${DIFF_FUZZ_SEED:-1}"
-echo "== Differential fuzzing of checkpoints, and agreement of the library and the CLI ($cases cases per mode, seed $seed)"
+phase "Differential fuzzing of checkpoints, and agreement of the library and the CLI ($cases cases per mode, seed $seed)"
 .venv/bin/python tests/differential/checkpoint_fuzz.py all "$seed" "$cases"

@@ -1,10 +1,10 @@
 #include <algorithm>
 #include <charconv>
 #include <stdexcept>
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 #include "cli.hpp"
-#include "tensortier/config.hpp"
+#include "tensortier/io/config.hpp"
 
 namespace tensortier::cli {
 

@@ -9,13 +9,13 @@
 #include <random>
 #include <string>
 #include <tuple>
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 #include "cli.hpp"
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/settings.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/config.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/util/settings.hpp"
 
 namespace tensortier::cli {
 namespace {

@@ -7,12 +7,12 @@
 #include <utility>
 
 #include "cli.hpp"
-#include "tensortier/batch_reader.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/sample_list.hpp"
-#include "tensortier/shard_plan.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/data/batch_reader.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/data/sample_list.hpp"
+#include "tensortier/data/shard_plan.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier::cli {
 namespace {

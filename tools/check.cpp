@@ -5,17 +5,17 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 #include "cli.hpp"
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/block_device.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/cufile.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/page_cache.hpp"
-#include "tensortier/transfer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/block_device.hpp"
+#include "tensortier/io/config.hpp"
+#include "tensortier/cuda/cufile.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/io/page_cache.hpp"
+#include "tensortier/transfer/transfer.hpp"
 
 namespace tensortier::cli {
 namespace {

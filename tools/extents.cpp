@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "cli.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/extent_map.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/io/config.hpp"
+#include "tensortier/data/extent_map.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier::cli {
 namespace {

@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "cli.hpp"
-#include "tensortier/settings.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace {
 

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <vector>
 
-#include "tensortier/engine.hpp"
+#include "tensortier/io/engine.hpp"
 
 int main(int argc, char** argv) {
   if (argc != 2) {

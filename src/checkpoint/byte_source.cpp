@@ -1,13 +1,13 @@
-#include "tensortier/byte_source.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
 
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 
-#include "tensortier/error.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "tensortier/checkpoint_file.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -23,10 +23,10 @@
 #include <thread>
 #include <vector>
 
-#include "tensortier/checksum.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/process_identity.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/process_identity.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "tensortier/checkpoint_format.hpp"
+#include "tensortier/checkpoint/checkpoint_format.hpp"
 
 #include <algorithm>
 #include <cctype>
@@ -6,13 +6,13 @@
 #include <map>
 #include <set>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/checkpoint_file.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
 
 namespace tensortier {
 namespace {

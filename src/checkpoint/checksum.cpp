@@ -1,4 +1,4 @@
-#include "tensortier/checksum.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
 
 #include <algorithm>
 #include <array>

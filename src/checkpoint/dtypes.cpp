@@ -1,4 +1,4 @@
-#include "tensortier/dtypes.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
 
 #include <iterator>
 

@@ -1,4 +1,4 @@
-#include "tensortier/safetensors.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -6,14 +6,14 @@
 #include <set>
 #include <utility>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/byte_source.hpp"
-#include "tensortier/checkpoint_file.hpp"
-#include "tensortier/checksum.hpp"
-#include "tensortier/dtypes.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

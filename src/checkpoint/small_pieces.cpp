@@ -1,11 +1,11 @@
-#include "tensortier/small_pieces.hpp"
+#include "tensortier/checkpoint/small_pieces.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <numeric>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/checksum.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
 
 namespace tensortier {
 namespace {

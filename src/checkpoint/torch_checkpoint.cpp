@@ -1,4 +1,4 @@
-#include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
 
 #include <cctype>
 #include <cstring>
@@ -7,9 +7,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensortier/checksum.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 

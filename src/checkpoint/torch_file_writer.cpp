@@ -1,13 +1,13 @@
-#include "tensortier/torch_file_writer.hpp"
+#include "tensortier/checkpoint/torch_file_writer.hpp"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
-#include "tensortier/checksum.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

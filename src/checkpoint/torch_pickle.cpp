@@ -1,15 +1,15 @@
-#include "tensortier/torch_pickle.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 
 #include <algorithm>
 #include <bit>
 #include <cstring>
 #include <optional>
 
-#include "tensortier/dtypes.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/safetensors.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

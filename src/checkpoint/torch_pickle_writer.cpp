@@ -13,10 +13,10 @@
 #include <string_view>
 #include <vector>
 
-#include "tensortier/dtypes.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/torch_pickle.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 
 namespace tensortier {
 namespace {

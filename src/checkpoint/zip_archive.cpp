@@ -1,12 +1,12 @@
-#include "tensortier/zip_archive.hpp"
+#include "tensortier/checkpoint/zip_archive.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <set>
 #include <string_view>
 
-#include "tensortier/format_error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

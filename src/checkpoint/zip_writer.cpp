@@ -1,9 +1,9 @@
-#include "tensortier/zip_writer.hpp"
+#include "tensortier/checkpoint/zip_writer.hpp"
 
 #include <bit>
 #include <stdexcept>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "tensortier/cuda_driver.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
 
 #include <dlfcn.h>
 #include <sys/stat.h>
@@ -7,9 +7,9 @@
 #include <cstdlib>
 #include <utility>
 
-#include "dl.hpp"
-#include "tensortier/settings.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/cuda/dl.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

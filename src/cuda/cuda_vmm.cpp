@@ -1,9 +1,9 @@
-#include "tensortier/cuda_vmm.hpp"
+#include "tensortier/cuda/cuda_vmm.hpp"
 
 #include <cstdint>
 #include <utility>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "tensortier/cufile.hpp"
+#include "tensortier/cuda/cufile.hpp"
 
 #include <unistd.h>
 
@@ -11,11 +11,11 @@
 #include <stdexcept>
 #include <utility>
 
-#include "dl.hpp"
-#include "tensortier/cuda_driver.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/settings.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/cuda/dl.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "dl.hpp"
+#include "tensortier/cuda/dl.hpp"
 
 #include <sys/stat.h>
 

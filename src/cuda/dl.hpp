@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier::detail {
 

@@ -1,4 +1,4 @@
-#include "tensortier/batch_reader.hpp"
+#include "tensortier/data/batch_reader.hpp"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,15 +12,15 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "open_files.hpp"
-#include "open_gang.hpp"
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/extent_reader.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/page_cache.hpp"
-#include "tensortier/pinned_pool.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/data/open_files.hpp"
+#include "tensortier/data/open_gang.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/data/extent_reader.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/io/page_cache.hpp"
+#include "tensortier/transfer/pinned_pool.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace detail {

@@ -1,4 +1,4 @@
-#include "tensortier/extent_map.hpp"
+#include "tensortier/data/extent_map.hpp"
 
 #include <fcntl.h>
 #include <linux/fiemap.h>
@@ -20,12 +20,12 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "tensortier/checksum.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

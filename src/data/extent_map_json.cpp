@@ -12,12 +12,12 @@
 #include <functional>
 #include <set>
 
-#include "tensortier/error.hpp"
-#include "tensortier/extent_map.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/data/extent_map.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "tensortier/extent_reader.hpp"
+#include "tensortier/data/extent_reader.hpp"
 
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -9,11 +9,11 @@
 #include <optional>
 #include <stdexcept>
 
-#include "open_files.hpp"
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/checksum.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/data/open_files.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "open_files.hpp"
+#include "tensortier/data/open_files.hpp"
 
 #include <dirent.h>
 #include <sys/resource.h>

@@ -1,4 +1,4 @@
-#include "open_gang.hpp"
+#include "tensortier/data/open_gang.hpp"
 
 namespace tensortier::detail {
 

@@ -9,7 +9,7 @@
 #include <functional>
 #include <mutex>
 
-#include "tensortier/thread_group.hpp"
+#include "tensortier/util/thread_group.hpp"
 
 namespace tensortier::detail {
 

@@ -1,4 +1,4 @@
-#include "tensortier/sample_list.hpp"
+#include "tensortier/data/sample_list.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -16,8 +16,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "tensortier/error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

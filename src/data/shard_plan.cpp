@@ -1,10 +1,10 @@
-#include "tensortier/shard_plan.hpp"
+#include "tensortier/data/shard_plan.hpp"
 
 #include <algorithm>
 #include <stdexcept>
 #include <utility>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

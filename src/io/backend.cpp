@@ -1,7 +1,7 @@
-#include "tensortier/backend.hpp"
+#include "tensortier/io/backend.hpp"
 
 #include <stdexcept>
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 

@@ -6,9 +6,9 @@
 #include <cerrno>
 #include <vector>
 
-#include "tensortier/backend.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 #ifdef TENSORTIER_HAVE_LIBAIO
 #include <libaio.h>

@@ -6,8 +6,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensortier/fault_injection.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/io/fault_injection.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

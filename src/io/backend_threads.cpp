@@ -8,8 +8,8 @@
 #include <deque>
 #include <mutex>
 
-#include "tensortier/backend.hpp"
-#include "tensortier/thread_group.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/util/thread_group.hpp"
 
 namespace tensortier {
 namespace {

@@ -6,10 +6,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "tensortier/backend.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/fault_injection.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/fault_injection.hpp"
+#include "tensortier/util/strings.hpp"
 
 #ifdef TENSORTIER_HAVE_LIBURING
 #include <liburing.h>

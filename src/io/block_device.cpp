@@ -1,4 +1,4 @@
-#include "tensortier/block_device.hpp"
+#include "tensortier/io/block_device.hpp"
 
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -9,7 +9,7 @@
 #include <fstream>
 #include <string_view>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

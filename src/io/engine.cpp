@@ -1,4 +1,4 @@
-#include "tensortier/engine.hpp"
+#include "tensortier/io/engine.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -15,15 +15,15 @@
 #include <system_error>
 #include <thread>
 #include <unordered_map>
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/page_cache.hpp"
-#include "tensortier/thread_group.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/page_cache.hpp"
+#include "tensortier/util/thread_group.hpp"
 
 namespace tensortier {
 namespace detail {

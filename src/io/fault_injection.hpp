@@ -10,8 +10,8 @@
 
 #include <string_view>
 
-#include "tensortier/backend.hpp"
-#include "tensortier/file_system.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/io/file_system.hpp"
 
 namespace tensortier {
 

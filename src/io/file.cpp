@@ -1,4 +1,4 @@
-#include "tensortier/file.hpp"
+#include "tensortier/io/file.hpp"
 
 #include <fcntl.h>
 #include <linux/fs.h>
@@ -11,9 +11,9 @@
 #include <mutex>
 #include <random>
 #include <stdexcept>
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
-#include "tensortier/error.hpp"
+#include "tensortier/util/error.hpp"
 
 namespace tensortier {
 

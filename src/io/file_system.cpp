@@ -1,4 +1,4 @@
-#include "tensortier/file_system.hpp"
+#include "tensortier/io/file_system.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <thread>
 
-#include "tensortier/error.hpp"
-#include "tensortier/fault_injection.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/fault_injection.hpp"
 
 namespace tensortier {
 

@@ -1,4 +1,4 @@
-#include "tensortier/page_cache.hpp"
+#include "tensortier/io/page_cache.hpp"
 
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -11,7 +11,7 @@
 #include <cerrno>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,11 +1,11 @@
-#include "tensortier/device_offload.hpp"
+#include "tensortier/offload/device_offload.hpp"
 
 #include <cerrno>
 #include <exception>
 #include <thread>
 #include <vector>
 
-#include "tensortier/error.hpp"
+#include "tensortier/util/error.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "tensortier/offloader.hpp"
+#include "tensortier/offload/offloader.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -13,10 +13,10 @@
 #include <unordered_set>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/process_identity.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/process_identity.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

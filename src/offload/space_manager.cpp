@@ -1,4 +1,4 @@
-#include "tensortier/space_manager.hpp"
+#include "tensortier/offload/space_manager.hpp"
 
 #include <cstdint>
 #include <iterator>
@@ -6,8 +6,8 @@
 #include <stdexcept>
 #include <utility>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

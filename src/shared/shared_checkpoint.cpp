@@ -1,10 +1,10 @@
-#include "tensortier/shared_checkpoint.hpp"
+#include "tensortier/shared/shared_checkpoint.hpp"
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/checkpoint_file.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
 
 namespace tensortier {
 

@@ -1,4 +1,4 @@
-#include "tensortier/shared_tensor.hpp"
+#include "tensortier/shared/shared_tensor.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -23,12 +23,12 @@
 #include <stdexcept>
 #include <thread>
 
-#include "tensortier/cuda_driver.hpp"
-#include "tensortier/cuda_vmm.hpp"
-#include "tensortier/dtypes.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/strings.hpp"
-#include "unix_socket.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/cuda/cuda_vmm.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/shared/unix_socket.hpp"
 
 namespace tensortier {
 namespace {

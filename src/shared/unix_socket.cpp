@@ -1,4 +1,4 @@
-#include "unix_socket.hpp"
+#include "tensortier/shared/unix_socket.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -12,8 +12,8 @@
 #include <cstring>
 #include <thread>
 
-#include "tensortier/error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier::shared {
 namespace {

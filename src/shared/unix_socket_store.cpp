@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "tensortier/error.hpp"
-#include "tensortier/shared_store.hpp"
-#include "tensortier/strings.hpp"
-#include "unix_socket.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/shared/shared_store.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/shared/unix_socket.hpp"
 
 namespace tensortier {
 namespace {

@@ -6,12 +6,12 @@
 #include <stdexcept>
 #include <utility>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/settings.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/transfer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/transfer/transfer.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,10 +1,10 @@
-#include "tensortier/device_copier.hpp"
+#include "tensortier/transfer/device_copier.hpp"
 
 #include <cstring>
 #include <exception>
 #include <stdexcept>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 

@@ -5,9 +5,9 @@
 #include <string>
 #include <utility>
 
-#include "tensortier/settings.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/transfer.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/transfer/transfer.hpp"
 
 namespace tensortier {
 

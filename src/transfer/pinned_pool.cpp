@@ -1,4 +1,4 @@
-#include "tensortier/pinned_pool.hpp"
+#include "tensortier/transfer/pinned_pool.hpp"
 
 #include <condition_variable>
 #include <cstdint>
@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace detail {

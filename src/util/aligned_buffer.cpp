@@ -1,4 +1,4 @@
-#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -14,8 +14,8 @@
 #include <system_error>
 #include <utility>
 
-#include "tensortier/config.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,9 +1,9 @@
-#include "tensortier/error.hpp"
+#include "tensortier/util/error.hpp"
 
 #include <cstring>
 #include <system_error>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

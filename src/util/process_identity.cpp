@@ -1,4 +1,4 @@
-#include "tensortier/process_identity.hpp"
+#include "tensortier/util/process_identity.hpp"
 
 #include <unistd.h>
 

@@ -1,4 +1,4 @@
-#include "tensortier/settings.hpp"
+#include "tensortier/util/settings.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -1,4 +1,4 @@
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 #include <cstdint>
 

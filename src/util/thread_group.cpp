@@ -1,10 +1,10 @@
-#include "tensortier/thread_group.hpp"
+#include "tensortier/util/thread_group.hpp"
 
 #include <system_error>
 #include <utility>
 
-#include "tensortier/error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 

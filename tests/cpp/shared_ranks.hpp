@@ -16,9 +16,9 @@
 
 #include <gtest/gtest.h>
 
-#include "tensortier/error.hpp"
-#include "tensortier/shared_store.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/shared/shared_store.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 
 namespace tensortier {
 namespace {

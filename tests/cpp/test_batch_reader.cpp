@@ -14,12 +14,12 @@
 #include <memory>
 #include <thread>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/batch_reader.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/extent_map.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/sample_list.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/data/batch_reader.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/data/extent_map.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/data/sample_list.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

@@ -9,8 +9,8 @@
 #include <fstream>
 #include <string>
 
-#include "tensortier/block_device.hpp"
-#include "tensortier/file.hpp"
+#include "tensortier/io/block_device.hpp"
+#include "tensortier/io/file.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

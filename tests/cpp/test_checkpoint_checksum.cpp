@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/checksum.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

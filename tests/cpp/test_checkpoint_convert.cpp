@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/safetensors.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/torch_pickle.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 
 namespace tensortier {
 namespace {

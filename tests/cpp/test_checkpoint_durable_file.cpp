@@ -18,11 +18,11 @@
 #include <thread>
 #include <vector>
 
-#include "tensortier/fault_injection.hpp"
-#include "tensortier/checkpoint_file.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/file_system.hpp"
+#include "tensortier/io/fault_injection.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/file_system.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

@@ -13,9 +13,9 @@
 #include <functional>
 #include <string>
 
-#include "tensortier/checkpoint_file.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/process_identity.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/process_identity.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

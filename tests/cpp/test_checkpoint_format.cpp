@@ -6,11 +6,11 @@
 #include <map>
 #include <string>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/checkpoint_format.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/safetensors.hpp"
-#include "tensortier/torch_pickle.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/checkpoint_format.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

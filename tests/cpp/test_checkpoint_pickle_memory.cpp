@@ -12,8 +12,8 @@
 #include <new>
 #include <string>
 
-#include "tensortier/format_error.hpp"
-#include "tensortier/torch_pickle.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 
 namespace {
 

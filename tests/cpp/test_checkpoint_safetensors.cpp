@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/safetensors.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/util/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

@@ -7,12 +7,12 @@
 #include <utility>
 #include <vector>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/checksum.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/torch_checkpoint.hpp"
-#include "tensortier/torch_pickle.hpp"
-#include "tensortier/zip_writer.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
+#include "tensortier/checkpoint/zip_writer.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

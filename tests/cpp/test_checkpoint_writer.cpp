@@ -9,16 +9,16 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/checkpoint_file.hpp"
-#include "tensortier/checksum.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/small_pieces.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/torch_checkpoint.hpp"
-#include "tensortier/torch_file_writer.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/small_pieces.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
+#include "tensortier/checkpoint/torch_file_writer.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/checksum.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/zip_archive.hpp"
-#include "tensortier/zip_writer.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/zip_archive.hpp"
+#include "tensortier/checkpoint/zip_writer.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

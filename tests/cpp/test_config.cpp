@@ -12,8 +12,8 @@
 
 #include <unistd.h>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/config.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/config.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

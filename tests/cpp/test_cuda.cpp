@@ -23,11 +23,11 @@
 #include <vector>
 
 #include "fake_cuda/fake_cuda_hooks.hpp"
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/cuda_driver.hpp"
-#include "tensortier/cufile.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/cuda/cufile.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

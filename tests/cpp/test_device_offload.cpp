@@ -21,14 +21,14 @@
 #include <vector>
 
 #include "fake_cuda/fake_cuda_hooks.hpp"
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/backend.hpp"
-#include "tensortier/device_copier.hpp"
-#include "tensortier/device_offload.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/offloader.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/transfer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/transfer/device_copier.hpp"
+#include "tensortier/offload/device_offload.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/offload/offloader.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/transfer/transfer.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

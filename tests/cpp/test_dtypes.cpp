@@ -1,5 +1,5 @@
 // The dtype table (dtypes.hpp): each fact once, and every reader and writer agreeing with it.
-#include "tensortier/dtypes.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
 
 #include <gtest/gtest.h>
 
@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/safetensors.hpp"
-#include "tensortier/torch_pickle.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 
 namespace tensortier {
 namespace {

@@ -26,12 +26,12 @@
 #include <utility>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/backend.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/page_cache.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/io/page_cache.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

@@ -15,13 +15,13 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/checksum.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/extent_map.hpp"
-#include "tensortier/extent_reader.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/json.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/data/extent_map.hpp"
+#include "tensortier/data/extent_reader.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -16,12 +16,12 @@
 #include <system_error>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/backend.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/fault_injection.hpp"
-#include "tensortier/file.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/fault_injection.hpp"
+#include "tensortier/io/file.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

@@ -14,11 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

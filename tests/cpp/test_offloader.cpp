@@ -27,12 +27,12 @@
 #include <thread>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/backend.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/offloader.hpp"
-#include "tensortier/process_identity.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/offload/offloader.hpp"
+#include "tensortier/util/process_identity.hpp"
+#include "tensortier/util/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

@@ -9,8 +9,8 @@
 #include <limits>
 #include <string>
 
-#include "tensortier/process_identity.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/process_identity.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -6,10 +6,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "tensortier/cufile.hpp"
-#include "tensortier/device_offload.hpp"
-#include "tensortier/settings.hpp"
-#include "tensortier/transfer.hpp"
+#include "tensortier/cuda/cufile.hpp"
+#include "tensortier/offload/device_offload.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/transfer/transfer.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

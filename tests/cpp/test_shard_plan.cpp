@@ -6,7 +6,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "tensortier/shard_plan.hpp"
+#include "tensortier/data/shard_plan.hpp"
 
 namespace tensortier {
 namespace {

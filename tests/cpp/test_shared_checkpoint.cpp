@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/shared_checkpoint.hpp"
-#include "tensortier/torch_checkpoint.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/shared/shared_checkpoint.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
 
 namespace tensortier {
 namespace {

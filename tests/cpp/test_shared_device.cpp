@@ -14,8 +14,8 @@
 
 #include "fake_cuda/fake_cuda_hooks.hpp"
 #include "shared_ranks.hpp"
-#include "tensortier/cuda_driver.hpp"
-#include "tensortier/shared_tensor.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/shared/shared_tensor.hpp"
 
 namespace tensortier {
 namespace {

@@ -22,10 +22,10 @@
 #include <vector>
 
 #include "shared_ranks.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/shared_store.hpp"
-#include "tensortier/shared_tensor.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/shared/shared_store.hpp"
+#include "tensortier/shared/shared_tensor.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/space_manager.hpp"
+#include "tensortier/offload/space_manager.hpp"
 
 namespace tensortier {
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/json.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/json.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

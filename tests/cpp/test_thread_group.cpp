@@ -16,8 +16,8 @@
 
 #include <gtest/gtest.h>
 
-#include "tensortier/strings.hpp"
-#include "tensortier/thread_group.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/util/thread_group.hpp"
 
 namespace tensortier {
 namespace {

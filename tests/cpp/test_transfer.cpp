@@ -20,16 +20,16 @@
 #include <vector>
 
 #include "fake_cuda/fake_cuda_hooks.hpp"
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/backend.hpp"
-#include "tensortier/cufile.hpp"
-#include "tensortier/device_copier.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/error.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/pinned_pool.hpp"
-#include "tensortier/strings.hpp"
-#include "tensortier/transfer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/cuda/cufile.hpp"
+#include "tensortier/transfer/device_copier.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/transfer/pinned_pool.hpp"
+#include "tensortier/util/strings.hpp"
+#include "tensortier/transfer/transfer.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {

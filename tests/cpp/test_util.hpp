@@ -20,10 +20,10 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/backend.hpp"
-#include "tensortier/fault_injection.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/io/fault_injection.hpp"
+#include "tensortier/io/config.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier::testing {
 

@@ -4,8 +4,8 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "tensortier/extent_map.hpp"
-#include "tensortier/format_error.hpp"
+#include "tensortier/data/extent_map.hpp"
+#include "tensortier/util/format_error.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace tensortier;

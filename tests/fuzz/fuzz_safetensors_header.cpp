@@ -4,9 +4,9 @@
 #include <cstdlib>
 #include <stdexcept>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/safetensors.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace tensortier;

@@ -3,8 +3,8 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "tensortier/format_error.hpp"
-#include "tensortier/torch_pickle.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace tensortier;

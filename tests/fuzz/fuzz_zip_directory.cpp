@@ -3,10 +3,10 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/format_error.hpp"
-#include "tensortier/torch_checkpoint.hpp"
-#include "tensortier/zip_archive.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
+#include "tensortier/checkpoint/zip_archive.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace tensortier;

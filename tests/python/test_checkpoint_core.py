@@ -124,7 +124,7 @@ def test_dtype_table_holds_every_torch_dtype() -> None:
         if canonical in _LEFT_OUT:
             assert canonical not in rows
             continue
-        assert canonical in rows, f"torch.{canonical} is not in include/tensortier/dtypes.hpp"
+        assert canonical in rows, f"torch.{canonical} is not in include/tensortier/checkpoint/dtypes.hpp"
         row = rows[canonical]
         seen.add(canonical)
         assert names == {row["torch"], row["torch_alias"]} - {""}, canonical

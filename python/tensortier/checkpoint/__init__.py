@@ -24,7 +24,7 @@ final name and the directory is fsynced. On any error the temporary file is remo
 existing file under the final name is left untouched; the temporary files of saves into the same
 path that were killed (their process no longer runs) are removed by the next save. The replaced
 file's mode, owner and group are kept; a file the caller may not write is not replaced (as
-``torch.save`` refuses it). These rules live in C++ (include/tensortier/checkpoint_file.hpp),
+``torch.save`` refuses it). These rules live in C++ (include/tensortier/checkpoint/checkpoint_file.hpp),
 shared with the ``tensortier`` CLI.
 
 Checksums (``save(..., checksum=True)``, checked by ``load(..., verify=True)``):

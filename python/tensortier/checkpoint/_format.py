@@ -1,5 +1,5 @@
 """Checkpoint facts: alignment, metadata keys, batching settings, dtype shapes, format detection
-(their rules live in C++: include/tensortier/checkpoint_format.hpp, torch_pickle.hpp), and the
+(their rules live in C++: include/tensortier/checkpoint/checkpoint_format.hpp, torch_pickle.hpp), and the
 lazy torch and _core lookups every module uses."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ CHECKSUM_KEY = "tensortier.xxh64"
 
 
 # The xxh64 of what the header says (names, dtypes, shapes, offsets, other metadata): see
-# SafetensorsHeaderDigest in include/tensortier/safetensors.hpp.
+# SafetensorsHeaderDigest in include/tensortier/checkpoint/safetensors.hpp.
 HEADER_CHECKSUM_KEY = "tensortier.header_xxh64"
 
 _INDEX_SUFFIX = ".index.json"
@@ -57,7 +57,7 @@ def _st_per_torch_element() -> dict[str, int]:
 @functools.lru_cache(maxsize=None)
 def _torch_dtypes() -> dict[str, Any]:
     """tensortier dtype name -> torch.dtype, for every row of the C++ dtype table
-    (include/tensortier/dtypes.hpp) this torch has: the one Python-side dtype mapping."""
+    (include/tensortier/checkpoint/dtypes.hpp) this torch has: the one Python-side dtype mapping."""
     torch = _torch()
     out: dict[str, Any] = {}
     for row in _require("dtypes")():

@@ -15,7 +15,7 @@ from .unpickler import _load_torch
 
 def _read_index(path: str) -> dict[str, list[str]]:
     """shard file path -> names it must hold, from a ``*.index.json`` (read by the rules of the
-    CLI's: include/tensortier/checkpoint_format.hpp). A shard the index spells two ways
+    CLI's: include/tensortier/checkpoint/checkpoint_format.hpp). A shard the index spells two ways
     ("s.safetensors", "./s.safetensors") is one file that must hold the names of both."""
     shards: dict[str, list[str]] = {}
     for shard, names in _require("read_shard_index")(path):

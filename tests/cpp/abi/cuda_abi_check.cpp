@@ -9,8 +9,8 @@
 #include <string_view>
 #include <type_traits>
 
-#include "tensortier/cuda_driver.hpp"
-#include "tensortier/cufile.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/cuda/cufile.hpp"
 
 namespace {
 

@@ -11,8 +11,8 @@
 #include <memory>
 #include <string>
 
-#include "tensortier/cuda_driver.hpp"
-#include "tensortier/cufile.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/cuda/cufile.hpp"
 
 namespace tensortier::testing {
 

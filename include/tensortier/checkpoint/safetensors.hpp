@@ -17,8 +17,8 @@
 #include <string_view>
 #include <vector>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/file.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/io/file.hpp"
 
 namespace tensortier {
 

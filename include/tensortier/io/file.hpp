@@ -13,7 +13,7 @@
 #include <string>
 #include <utility>
 
-#include "tensortier/block_device.hpp"
+#include "tensortier/io/block_device.hpp"
 
 namespace tensortier {
 

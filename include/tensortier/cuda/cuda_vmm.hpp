@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "tensortier/cuda_driver.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
 
 namespace tensortier {
 

@@ -1,9 +1,9 @@
-#include "tensortier/json.hpp"
+#include "tensortier/util/json.hpp"
 
 #include <stdexcept>
 
-#include "tensortier/format_error.hpp"
-#include "tensortier/strings.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {

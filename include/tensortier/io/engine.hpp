@@ -22,9 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/backend.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/file.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/io/config.hpp"
+#include "tensortier/io/file.hpp"
 
 namespace tensortier {
 

@@ -45,10 +45,10 @@
 #include <thread>
 #include <vector>
 
-#include "tensortier/backend.hpp"
-#include "tensortier/config.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/extent_map.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/io/config.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/data/extent_map.hpp"
 
 namespace tensortier {
 

@@ -17,7 +17,7 @@
 #include <memory>
 #include <optional>
 
-#include "tensortier/cuda_driver.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
 
 namespace tensortier {
 

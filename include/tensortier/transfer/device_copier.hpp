@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "tensortier/cuda_driver.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
 
 namespace tensortier {
 

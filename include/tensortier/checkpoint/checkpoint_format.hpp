@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "tensortier/byte_source.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
 
 namespace tensortier {
 

@@ -49,12 +49,12 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/cufile.hpp"
-#include "tensortier/device_copier.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/pinned_pool.hpp"
-#include "tensortier/settings.hpp"
+#include "tensortier/cuda/cufile.hpp"
+#include "tensortier/transfer/device_copier.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/transfer/pinned_pool.hpp"
+#include "tensortier/util/settings.hpp"
 
 namespace tensortier {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <string_view>
 
-#include "tensortier/byte_source.hpp"
-#include "tensortier/torch_pickle.hpp"
-#include "tensortier/zip_archive.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
+#include "tensortier/checkpoint/zip_archive.hpp"
 
 namespace tensortier {
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <string_view>
 
-#include "tensortier/file.hpp"
+#include "tensortier/io/file.hpp"
 
 namespace tensortier {
 

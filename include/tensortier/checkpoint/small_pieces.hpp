@@ -9,8 +9,8 @@
 #include <span>
 #include <vector>
 
-#include "tensortier/engine.hpp"
-#include "tensortier/file.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
 
 namespace tensortier {
 

@@ -14,8 +14,8 @@
 #include <string>
 #include <string_view>
 
-#include "tensortier/file.hpp"
-#include "tensortier/file_system.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/io/file_system.hpp"
 
 namespace tensortier {
 

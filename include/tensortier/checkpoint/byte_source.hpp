@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "tensortier/file.hpp"
+#include "tensortier/io/file.hpp"
 
 namespace tensortier {
 

@@ -39,7 +39,7 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/shared_store.hpp"
+#include "tensortier/shared/shared_store.hpp"
 
 namespace tensortier {
 

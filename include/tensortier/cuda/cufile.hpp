@@ -28,8 +28,8 @@
 #include <string>
 #include <string_view>
 
-#include "tensortier/cuda_driver.hpp"
-#include "tensortier/error.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/util/error.hpp"
 
 namespace tensortier {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/byte_source.hpp"
+#include "tensortier/checkpoint/byte_source.hpp"
 
 namespace tensortier {
 

@@ -18,9 +18,9 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "tensortier/cufile.hpp"
-#include "tensortier/offloader.hpp"
-#include "tensortier/transfer.hpp"
+#include "tensortier/cuda/cufile.hpp"
+#include "tensortier/offload/offloader.hpp"
+#include "tensortier/transfer/transfer.hpp"
 
 namespace tensortier {
 

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "tensortier/settings.hpp"
+#include "tensortier/util/settings.hpp"
 
 namespace tensortier {
 

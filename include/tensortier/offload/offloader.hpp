@@ -36,10 +36,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensortier/config.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/space_manager.hpp"
+#include "tensortier/io/config.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/offload/space_manager.hpp"
 
 namespace tensortier {
 

@@ -20,10 +20,10 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/config.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/extent_map.hpp"
-#include "tensortier/file.hpp"
+#include "tensortier/io/config.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/data/extent_map.hpp"
+#include "tensortier/io/file.hpp"
 
 namespace tensortier {
 

@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "tensortier/aligned_buffer.hpp"
-#include "tensortier/engine.hpp"
-#include "tensortier/file.hpp"
-#include "tensortier/torch_pickle.hpp"
-#include "tensortier/zip_writer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
+#include "tensortier/checkpoint/zip_writer.hpp"
 
 namespace tensortier {
 

@@ -1,9 +1,9 @@
-#include "tensortier/config.hpp"
+#include "tensortier/io/config.hpp"
 
 #include <stdexcept>
 #include <utility>
 
-#include "tensortier/strings.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 
