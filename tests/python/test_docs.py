@@ -135,7 +135,8 @@ for n, (page, blocks) in enumerate(pages.items()):
     results[page] = []
     for b in blocks:
         if failed:
-            results[page].append({"ok": False, "error": "not run: an earlier block of the page failed"})
+            results[page].append({"ok": False,
+                                  "error": "not run: an earlier block of the page failed"})
             continue
         try:
             if b["kind"] == "python":
@@ -240,3 +241,24 @@ def test_no_page_cites_a_missing_document() -> None:
     for path in pages():
         for target in link.findall(path.read_text()):
             assert (path.parent / target).exists(), f"{path.relative_to(REPO)}: {target}"
+
+
+def test_no_file_cites_a_document_missing_from_the_repository() -> None:
+    """A name such as DESIGN.md or STYLE.md in any tracked file is a file of the repository."""
+    r = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, timeout=60)
+    if r.returncode != 0:
+        pytest.skip("not a git checkout")
+    tracked = [Path(p) for p in r.stdout.decode().split("\0") if p]
+    names = {p.name for p in tracked}
+    cited = re.compile(r"\b([A-Z][A-Z0-9_-]*\.md)\b")
+    missing = []
+    for rel in tracked:
+        path = REPO / rel
+        if path == Path(__file__).resolve() or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        missing += [f"{rel}: {name}" for name in set(cited.findall(text)) if name not in names]
+    assert missing == []
