@@ -262,3 +262,21 @@ def test_no_file_cites_a_document_missing_from_the_repository() -> None:
             continue
         missing += [f"{rel}: {name}" for name in set(cited.findall(text)) if name not in names]
     assert missing == []
+
+
+@pytest.mark.parametrize("module", ["tensortier", "tensortier.offload", "tensortier.shared",
+                                    "tensortier.data"])
+def test_api_reference_lists_every_public_name(module: str) -> None:
+    """docs/api.md has a `::: module.name` entry for each name in the module's __all__ (or a
+    `::: tensortier.name` one, for a name the package itself exports)."""
+    import importlib
+
+    import tensortier
+
+    listed = set(re.findall(r"^::: (\S+)", (REPO / "docs" / "api.md").read_text(), re.M))
+    mod = importlib.import_module(module)
+    missing = [f"{module}.{name}" for name in mod.__all__
+               if f"{module}.{name}" not in listed
+               and not (f"tensortier.{name}" in listed
+                        and getattr(tensortier, name, None) is getattr(mod, name))]
+    assert missing == []
