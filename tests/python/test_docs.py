@@ -122,7 +122,7 @@ def output_pattern(expected: list[str]) -> re.Pattern[str]:
 # directory of its own with a namespace of its own (a later block sees an earlier one's names).
 # It reads the pages' blocks as JSON and writes one result per block.
 RUNNER = r'''
-import json, os, subprocess, sys, traceback
+import json, linecache, os, subprocess, sys, traceback
 pages = json.load(open(sys.argv[1]))
 results = {}
 base = os.getcwd()
@@ -140,6 +140,9 @@ for n, (page, blocks) in enumerate(pages.items()):
             continue
         try:
             if b["kind"] == "python":
+                # Tracebacks show the block's lines (line n of the block "page:fence").
+                linecache.cache[b["id"]] = (len(b["code"]), None, b["code"].splitlines(True),
+                                            b["id"])
                 exec(compile(b["code"], b["id"], "exec"), namespace)
                 sys.stdout.flush(); sys.stderr.flush()
                 results[page].append({"ok": True})
@@ -156,6 +159,7 @@ json.dump(results, open(sys.argv[2], "w"))
 '''
 
 _results: dict[str, dict[int, dict[str, Any]]] = {}
+_runner_error: str | None = None
 
 
 def payload_of(block: Block) -> dict[str, Any]:
@@ -171,32 +175,44 @@ def payload_of(block: Block) -> dict[str, Any]:
 def results_of(page: str) -> dict[int, dict[str, Any]]:
     """Runs every runnable block of every page once, in order; `page`'s results by the line
     of each block's opening fence."""
+    global _runner_error
+    if _runner_error is not None:  # the runner is not started again for each block
+        raise AssertionError(_runner_error)
     if not _results:
-        todo: dict[str, list[Block]] = {}
-        for b in RUN_BLOCKS:
-            if b.skip is None:
-                todo.setdefault(b.page, []).append(b)
-        base = REPO / "build"  # the repository's disk, which takes O_DIRECT (as tests' disk_dir)
-        base.mkdir(exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORTIER_")}
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        env["COLUMNS"] = "100"
-        with tempfile.TemporaryDirectory(dir=base, prefix="docs-") as d:
-            blocks_file, results_file = Path(d) / "blocks.json", Path(d) / "results.json"
-            blocks_file.write_text(json.dumps(
-                {name: [payload_of(b) for b in blocks] for name, blocks in todo.items()}))
-            work = Path(d) / "work"
-            work.mkdir()
-            r = subprocess.run([sys.executable, "-c", RUNNER, str(blocks_file), str(results_file)],
-                               cwd=work, env=env, capture_output=True, text=True,
-                               timeout=RUN_TIMEOUT_S)
-            if not results_file.exists():
-                raise AssertionError(f"the block runner died (exit {r.returncode}):\n"
-                                     f"{r.stdout}\n{r.stderr}")
-            found = json.loads(results_file.read_text())
-        for name, blocks in todo.items():
-            _results[name] = {b.line: res for b, res in zip(blocks, found[name])}
+        try:
+            _run_all()
+        except Exception as e:
+            _runner_error = f"the block runner failed: {e}"
+            raise
     return _results.get(page, {})
+
+
+def _run_all() -> None:
+    """Runs the blocks of every page in one interpreter; fills _results."""
+    todo: dict[str, list[Block]] = {}
+    for b in RUN_BLOCKS:
+        if b.skip is None:
+            todo.setdefault(b.page, []).append(b)
+    base = REPO / "build"  # the repository's disk, which takes O_DIRECT (as tests' disk_dir)
+    base.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORTIER_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["COLUMNS"] = "100"
+    with tempfile.TemporaryDirectory(dir=base, prefix="docs-") as d:
+        blocks_file, results_file = Path(d) / "blocks.json", Path(d) / "results.json"
+        blocks_file.write_text(json.dumps(
+            {name: [payload_of(b) for b in blocks] for name, blocks in todo.items()}))
+        work = Path(d) / "work"
+        work.mkdir()
+        r = subprocess.run([sys.executable, "-c", RUNNER, str(blocks_file), str(results_file)],
+                           cwd=work, env=env, capture_output=True, text=True,
+                           timeout=RUN_TIMEOUT_S)
+        if not results_file.exists():
+            raise AssertionError(f"the block runner died (exit {r.returncode}):\n"
+                                 f"{r.stdout}\n{r.stderr}")
+        found = json.loads(results_file.read_text())
+    for name, blocks in todo.items():
+        _results[name] = {b.line: res for b, res in zip(blocks, found[name])}
 
 
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
