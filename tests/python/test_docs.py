@@ -296,3 +296,21 @@ def test_api_reference_lists_every_public_name(module: str) -> None:
                and not (f"tensortier.{name}" in listed
                         and getattr(tensortier, name, None) is getattr(mod, name))]
     assert missing == []
+
+
+def test_cli_reference_finds_every_command() -> None:
+    """The site's hook finds each command `tensortier --help` lists, `extents`' two included."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks",
+                                                  REPO / "docs" / "hooks" / "generated.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    top = subprocess.run([str(Path(sys.executable).parent / "tensortier"), "--help"],
+                         capture_output=True, text=True, timeout=60).stdout
+    section = top.split("commands:\n", 1)[1].split("\n\n", 1)[0]
+    listed = {line.split()[0] for line in section.splitlines() if re.match(r"  [a-z]", line)}
+    found = hooks.commands(top)
+    assert {words[0] for words in found} == listed - {"help"}
+    assert ("extents", "build") in found and ("extents", "verify") in found
