@@ -36,6 +36,11 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest safetensors \
   "scikit-build-core>=0.10" "pybind11>=2.12" ninja "nvidia-cufile==1.20.0.107" \
   "nvidia-cuda-runtime==13.0.96" "nvidia-dali-cuda130==2.4.0" Pillow
+# The documentation site's tools, pinned with the libraries whose warnings --strict turns into
+# errors (griffelib reads the docstrings): scripts/test.sh builds the site with mkdocs --strict.
+.venv/bin/python -m pip install -q "mkdocs==1.6.1" "mkdocs-material==9.8.1" "mkdocstrings==1.0.8" \
+  "mkdocstrings-python==2.0.11" "griffelib==2.4.1" "mkdocs-autorefs==1.4.5" \
+  "pymdown-extensions==13.1.2" "Markdown==3.11.3"
 echo "setup: building and installing tensortier into .venv"
 .venv/bin/python -m pip install -q --no-build-isolation .
 .venv/bin/python -c "import tensortier; print('setup: tensortier', tensortier.__version__, 'ready')"
