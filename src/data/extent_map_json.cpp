@@ -1,4 +1,4 @@
-// The JSON form of an extent map (README, "Extent maps"), and its checks: a map comes from a
+// The JSON form of an extent map (docs/extents.md), and its checks: a map comes from a
 // file anyone may have edited, and its offsets become reads of a raw device.
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -6,7 +6,7 @@
 // ctime in nanoseconds) so that a reader can tell a file that changed since and read that one
 // through the filesystem instead. Files whose bytes the filesystem does not promise to keep at
 // the reported blocks are refused by name (RefusalReason in extent_map.cpp says which and why).
-// The JSON form is described in the README ("Extent maps").
+// The JSON form is described in docs/extents.md.
 #pragma once
 
 #include <sys/types.h>
@@ -137,7 +137,7 @@ struct ChangedFile {
 // Throws IoError only for failures other than a file gone missing or no longer mappable.
 std::vector<ChangedFile> VerifyExtentMap(const ExtentMap& map);
 
-// The map as JSON text (README, "Extent maps").
+// The map as JSON text (docs/extents.md).
 std::string ExtentMapToJson(const ExtentMap& map);
 // Parses and checks JSON text from an untrusted source: unknown keys, bad values, overflowing
 // ranges, extents that do not cover their file, paths leaving the root and duplicates are all
