@@ -4,6 +4,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -13,6 +14,23 @@
 #include "tensortier/fault_injection.hpp"
 
 namespace tensortier {
+
+// Waits with the GIL released until `wait_for(50 ms)` says the work is over; meanwhile, with
+// `interruptible`, signal handlers run every 50 ms (Ctrl-C raises KeyboardInterrupt, the work
+// going on, its memory kept by the caller). Requires the GIL.
+template <typename WaitFor>
+void WaitInterruptibly(const WaitFor& wait_for, bool interruptible) {
+  for (;;) {
+    bool done;
+    {
+      pybind11::gil_scoped_release release;
+      done = interruptible ? wait_for(std::chrono::milliseconds(50))
+                           : wait_for(std::chrono::hours(24 * 365));
+    }
+    if (done) return;
+    if (interruptible && PyErr_CheckSignals() != 0) throw pybind11::error_already_set();
+  }
+}
 
 // The Python view of an operation's I/O statistics (`stats` of results and futures).
 pybind11::dict IoStatsToDict(const IoStats& s);

@@ -83,17 +83,7 @@ void RegisterEngine(py::module_& m) {
       .def(
           "wait",
           [](const Future& f, bool interruptible) {
-            // Interruptible: signal handlers run every 50 ms while it waits (Ctrl-C raises
-            // KeyboardInterrupt; the operation goes on, its memory kept by the caller).
-            while (interruptible) {
-              bool done;
-              {
-                py::gil_scoped_release release;
-                done = f.WaitFor(std::chrono::milliseconds(50));
-              }
-              if (done) break;
-              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-            }
+            WaitInterruptibly([&](auto timeout) { return f.WaitFor(timeout); }, interruptible);
             IoResult r;
             {
               py::gil_scoped_release release;

@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "tensortier/device_jobs.hpp"
 #include "tensortier/settings.hpp"
 #include "tensortier/strings.hpp"
 #include "tensortier/transfer.hpp"
@@ -165,7 +166,35 @@ DeviceTransfer::DeviceTransfer(Engine& engine, DeviceTransferOptions options, Co
   if (!factory_) throw std::invalid_argument("DeviceTransfer: no copier factory");
 }
 
-DeviceTransfer::~DeviceTransfer() = default;  // transfers are synchronous: every ring is back
+DeviceTransfer::~DeviceTransfer() {
+  // The queued jobs run first (they use the rings); then every ring is back.
+  std::unique_ptr<DeviceJobQueue> jobs;
+  {
+    std::lock_guard lock(mu_);
+    jobs = std::move(jobs_);
+  }
+  jobs.reset();
+}
+
+DeviceJob DeviceTransfer::Submit(std::function<TransferResult()> work) {
+  DeviceJobQueue* jobs;
+  {
+    std::lock_guard lock(mu_);
+    if (!jobs_) {
+      jobs_ = std::make_unique<DeviceJobQueue>(
+          static_cast<unsigned>(options_.max_rings),
+          "device transfer threads (one per bounce ring: TENSORTIER_BOUNCE_RINGS)");
+    }
+    jobs = jobs_.get();
+  }
+  return jobs->Submit(std::move(work));
+}
+
+DeviceFile LazyDeviceFile::Get() {
+  std::lock_guard lock(mu_);
+  if (!made_) made_.emplace(file_, mode_);
+  return *made_;
+}
 
 const PinnedPool* DeviceTransfer::pool() const {
   std::lock_guard lock(mu_);
