@@ -167,13 +167,9 @@ DeviceTransfer::DeviceTransfer(Engine& engine, DeviceTransferOptions options, Co
 }
 
 DeviceTransfer::~DeviceTransfer() {
-  // The queued jobs run first (they use the rings); then every ring is back.
-  std::unique_ptr<DeviceJobQueue> jobs;
-  {
-    std::lock_guard lock(mu_);
-    jobs = std::move(jobs_);
-  }
-  jobs.reset();
+  // The queued jobs run first (they use the rings); then every ring is back. No lock: nothing
+  // else calls Submit() now, and in a child made by fork() mu_ may be held for good.
+  jobs_.reset();
 }
 
 DeviceJob DeviceTransfer::Submit(std::function<TransferResult()> work) {
