@@ -12,12 +12,14 @@
 #include <variant>
 
 #include "binding_helpers.hpp"
+#include "errors.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
 #include "tensortier/transfer/device_copier.hpp"
+#include "tensortier/transfer/device_jobs.hpp"
 #include "tensortier/offload/device_offload.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
@@ -67,7 +69,17 @@ py::dict ResultToDict(const TransferResult& r) {
   return out;
 }
 
-using AnyFile = std::variant<DeviceFile, File>;
+using AnyFile = std::variant<DeviceFile, File, std::shared_ptr<LazyDeviceFile>>;
+
+// A transfer of `file`, whichever kind it is (a LazyDeviceFile registers on first use, here).
+template <typename Move>
+TransferResult WithFile(const AnyFile& file, const Move& move) {
+  if (const auto* lazy = std::get_if<std::shared_ptr<LazyDeviceFile>>(&file)) {
+    return move((*lazy)->Get());
+  }
+  if (const auto* device = std::get_if<DeviceFile>(&file)) return move(*device);
+  return move(std::get<File>(file));
+}
 
 DeviceSpan Span(uintptr_t address, int device, std::optional<uintptr_t> stream) {
   DeviceSpan s;
@@ -89,23 +101,23 @@ DeviceTransferOptions TransferOptions(std::optional<size_t> slots,
   return o;
 }
 
-std::unique_ptr<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t> slots,
+GilFreeHolder<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t> slots,
                                              std::optional<uint64_t> slot_bytes,
                                              std::optional<size_t> max_rings,
                                              const std::string& copier) {
   const DeviceTransferOptions o = TransferOptions(slots, slot_bytes, max_rings);
-  if (copier == "cuda") return std::make_unique<DeviceTransfer>(engine, o);
+  if (copier == "cuda") return GilFreeHolder<DeviceTransfer>(new DeviceTransfer(engine, o));
   if (copier == "memcpy") {
     // Test seam: "device" addresses are host addresses, copies run on a thread of their own.
     PinnedPoolOptions pool;
     pool.budget_bytes = o.max_rings * o.ring.bytes();
     pool.register_with_cuda = false;
-    return std::make_unique<DeviceTransfer>(
+    return GilFreeHolder<DeviceTransfer>(new DeviceTransfer(
         engine, o,
         [](const DeviceSpan&) -> std::unique_ptr<DeviceCopier> {
           return std::make_unique<MemcpyCopier>();
         },
-        pool);
+        pool));
   }
   throw std::invalid_argument(StrCat("copier must be 'cuda' or 'memcpy', not '", copier, "'"));
 }
@@ -249,7 +261,63 @@ void RegisterTransfer(py::module_& m) {
       "its settings row refuses, so a handle refuses it when made, not at its first CUDA "
       "transfer.");
 
-  py::class_<DeviceTransfer>(m, "DeviceTransfer")
+  py::class_<LazyDeviceFile, std::shared_ptr<LazyDeviceFile>>(m, "LazyDeviceFile")
+      .def(py::init([](const File& file, const std::string& gds) {
+             return std::make_shared<LazyDeviceFile>(file, ParseGdsMode(gds));
+           }),
+           py::arg("file"), py::arg("gds"),
+           "`file` under GDS mode `gds` ('off', 'auto', 'on'), registered with cuFile by its first "
+           "transfer, on the thread running it (a CuFileError is that transfer's error).")
+      .def_property_readonly("file", &LazyDeviceFile::file);
+
+  // A device job is waited for with the GIL released; its work is C++ only.
+  py::class_<DeviceJob>(m, "DeviceJob")
+      .def("done", &DeviceJob::done, "Whether the job is over (never blocks).")
+      .def(
+          "wait",
+          [](const DeviceJob& j, bool interruptible) {
+            WaitInterruptibly([&](auto timeout) { return j.WaitFor(timeout); }, interruptible);
+          },
+          py::arg("interruptible") = true,
+          "Waits until the job is over, without raising its error. Interruptible: Ctrl-C raises "
+          "KeyboardInterrupt every 50 ms of waiting, the job going on.")
+      .def(
+          "result",
+          [](const DeviceJob& j, bool interruptible) {
+            WaitInterruptibly([&](auto timeout) { return j.WaitFor(timeout); }, interruptible);
+            TransferResult r;
+            {
+              py::gil_scoped_release release;
+              r = j.Wait();
+            }
+            return ResultToDict(r);
+          },
+          py::arg("interruptible") = true,
+          "Waits (as wait()) and returns {bytes, eof, stats}, or raises the job's error.")
+      .def(
+          "outcome",
+          [](const DeviceJob& j) -> py::tuple {
+            WaitInterruptibly([&](auto timeout) { return j.WaitFor(timeout); }, true);
+            TransferResult r;
+            try {
+              py::gil_scoped_release release;
+              r = j.Wait();
+            } catch (...) {
+              return py::make_tuple(py::none(), PythonError(std::current_exception()));
+            }
+            // The job's outcome is applied already (an offloader's key stored or gone): an
+            // error making the dict now (out of memory) must not read as the job's. Only the
+            // stats are lost: None.
+            try {
+              return py::make_tuple(ResultToDict(r), py::none());
+            } catch (const std::exception&) {
+              return py::make_tuple(py::none(), py::none());
+            }
+          },
+          "Waits (as wait()) and returns (result dict, None), or (None, the job's error); the "
+          "dict is None when it could not be made.");
+
+  py::class_<DeviceTransfer, GilFreeHolder<DeviceTransfer>>(m, "DeviceTransfer")
       .def(py::init([](Engine& engine, std::optional<size_t> slots,
                        std::optional<uint64_t> slot_bytes, std::optional<size_t> max_rings,
                        const std::string& copier) {
@@ -265,7 +333,7 @@ void RegisterTransfer(py::module_& m) {
             TransferResult r;
             {
               py::gil_scoped_release release;
-              r = std::visit([&](const auto& f) { return t.Read(f, offset, length, span); }, file);
+              r = WithFile(file, [&](const auto& f) { return t.Read(f, offset, length, span); });
             }
             return ResultToDict(r);
           },
@@ -280,13 +348,43 @@ void RegisterTransfer(py::module_& m) {
             TransferResult r;
             {
               py::gil_scoped_release release;
-              r = std::visit([&](const auto& f) { return t.Write(span, length, f, offset); }, file);
+              r = WithFile(file, [&](const auto& f) { return t.Write(span, length, f, offset); });
             }
             return ResultToDict(r);
           },
           py::arg("address"), py::arg("length"), py::arg("file"), py::arg("offset"),
           py::arg("device") = 0, py::arg("stream") = py::none(),
           "Writes device memory to the file; returns {bytes, eof, stats}.")
+      .def(
+          "read_async",
+          [](DeviceTransfer& t, const AnyFile& file, uint64_t offset, uint64_t length,
+             uintptr_t address, int device, std::optional<uintptr_t> stream) {
+            DeviceSpan span = Span(address, device, stream);
+            py::gil_scoped_release release;
+            return t.Submit([&t, file, offset, length, span] {
+              return WithFile(file, [&](const auto& f) { return t.Read(f, offset, length, span); });
+            });
+          },
+          py::arg("file"), py::arg("offset"), py::arg("length"), py::arg("address"),
+          py::arg("device") = 0, py::arg("stream") = py::none(), py::keep_alive<0, 1>(),
+          "read() on the transfer's job queue: returns a DeviceJob. The memory must stay alive "
+          "until the job is over.")
+      .def(
+          "write_async",
+          [](DeviceTransfer& t, uintptr_t address, uint64_t length, const AnyFile& file,
+             uint64_t offset, int device, std::optional<uintptr_t> stream) {
+            DeviceSpan span = Span(address, device, stream);
+            py::gil_scoped_release release;
+            return t.Submit([&t, file, offset, length, span] {
+              return WithFile(file, [&](const auto& f) { return t.Write(span, length, f, offset); });
+            });
+          },
+          py::arg("address"), py::arg("length"), py::arg("file"), py::arg("offset"),
+          py::arg("device") = 0, py::arg("stream") = py::none(), py::keep_alive<0, 1>(),
+          "write() on the transfer's job queue: returns a DeviceJob.")
+      .def_property_readonly(
+          "threads", [](const DeviceTransfer& t) { return t.options().max_rings; },
+          "Threads of the job queue (one per ring).")
       .def_property_readonly("rings", &DeviceTransfer::rings)
       .def_property_readonly("options", [](const DeviceTransfer& t) {
         py::dict d;
@@ -314,31 +412,19 @@ void RegisterTransfer(py::module_& m) {
                uint64_t length, int device, std::optional<uintptr_t> stream,
                OffloadDeviceFiles* files) {
           DeviceSpan span = Span(address, device, stream);
-          TransferResult r;
-          {
-            py::gil_scoped_release release;
-            r = move(offloader, transfer, key, span, length, files);
-          }
-          // The key's new state is applied: an error now (out of memory) would report a
-          // finished move as failed, and the caller would undo it (a restored tensor's memory
-          // freed, its key gone). Only the stats are lost: None.
-          try {
-            return py::object(ResultToDict(r));
-          } catch (const py::error_already_set&) {
-            return py::object(py::none());
-          } catch (const std::exception&) {
-            return py::object(py::none());
-          }
+          py::gil_scoped_release release;
+          return move(offloader, transfer, key, span, length, files);
         },
         py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
         py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
-        py::arg("files") = nullptr, doc);
+        py::arg("files") = nullptr, py::keep_alive<0, 1>(), py::keep_alive<0, 2>(),
+        py::keep_alive<0, 8>(), doc);
   };
-  move_key("offload_from_device", &OffloadFromDevice,
-           "Writes device memory under an offloader key through the transfer's bounce rings (or "
-           "GDS, as `files` says); the key is stored when this returns, unknown when it raises. "
-           "Returns {'bytes', 'eof', 'stats'}, or None when that dict could not be made.");
-  move_key("restore_to_device", &RestoreToDevice,
-           "Reads an offloader key's bytes into device memory; the key is gone when this returns, "
-           "still stored when it raises. Returns as offload_from_device.");
+  move_key("offload_from_device", &OffloadFromDeviceAsync,
+           "Starts writing device memory under an offloader key through the transfer's bounce "
+           "rings (or GDS, as `files` says), on the transfer's job queue; returns a DeviceJob. "
+           "When the job is over the key is stored, or unknown if it failed.");
+  move_key("restore_to_device", &RestoreToDeviceAsync,
+           "Starts reading an offloader key's bytes into device memory; returns a DeviceJob. When "
+           "it is over the key is gone, or still stored if it failed.");
 }

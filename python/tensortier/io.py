@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import operator
 import os
 import threading
@@ -40,14 +39,14 @@ class IOFuture:
     """A submitted operation. Keeps its buffers and files alive until it has completed.
 
     Host pieces go to the engine as one submission; pieces in CUDA tensors each run through the
-    transfer layer (pinned bounce ring or GDS) on a thread of the handle's pool.
+    transfer layer (pinned bounce ring or GDS) as a job of its C++ job queue.
     """
 
     def __init__(
         self,
         future: _core.Future | None,
         keepalive: list[Any],
-        device_jobs: Sequence[concurrent.futures.Future[dict[str, Any]]] = (),
+        device_jobs: Sequence[Any] = (),  # _core.DeviceJob: done() and result()
         order: Sequence[tuple[bool, int]] = (),
     ) -> None:
         self._future = future
@@ -177,7 +176,8 @@ class IOFuture:
                     self._future.wait(interruptible=False)
                 except Exception:  # noqa: BLE001 - the error belongs to whoever waits; nobody will
                     pass
-            concurrent.futures.wait(self._device_jobs)
+            for job in self._device_jobs:
+                job.wait(interruptible=False)
 
 
 class IOHandle:
@@ -317,10 +317,9 @@ class IOHandle:
         self._ring_options = (ring["slots"], ring["slot_bytes"], ring["max_rings"])
         self._transfer: Any = None  # _core.DeviceTransfer, made on the first CUDA tensor
         self._transfer_lock = threading.Lock()
-        self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        # File -> its _core.DeviceFile (cuFile handle registration, or why there is none), made
-        # on the file's first CUDA transfer; an entry goes when its File is collected or is seen
-        # closed (see _device_file).
+        # File -> its _core.LazyDeviceFile (registered with cuFile by the file's first CUDA
+        # transfer); an entry goes when its File is collected or is seen closed (see
+        # _device_file).
         self._device_files: weakref.WeakKeyDictionary[File, Any] = weakref.WeakKeyDictionary()
         self._device_files_lock = threading.Lock()
 
@@ -449,17 +448,13 @@ class IOHandle:
             # everything without waiting (the engine leaves its workers alone there), and
             # without locks (a thread of the parent may have held one at the fork).
             self._pending = []
-            self._device_pool = None
             self._transfer = None
             self._engine = None
             return
         try:
             self.wait_all()
         finally:
-            if self._device_pool is not None:
-                self._device_pool.shutdown(wait=True)
-                self._device_pool = None
-            self._transfer = None
+            self._transfer = None  # its jobs are over: the wait above saw every future done
             with self._device_files_lock:
                 self._device_files.clear()
             self._engine = None
@@ -487,57 +482,43 @@ class IOHandle:
         return self._engine
 
     def _device_transfer(self) -> Any:
-        # Several threads may start the first CUDA transfer at once: build both under a lock
-        # and publish the transfer last, so whoever sees it also sees the pool.
+        # Several threads may start the first CUDA transfer at once: one makes it.
         with self._transfer_lock:
             if self._transfer is None:
                 slots, slot_size, rings = self._ring_options
-                transfer = _core.DeviceTransfer(
+                self._transfer = _core.DeviceTransfer(
                     self._core(), slots=slots, slot_bytes=slot_size, max_rings=rings
                 )
-                self._device_pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=int(transfer.options["max_rings"]),
-                    thread_name_prefix="tensortier-device",
-                )
-                self._transfer = transfer
         return self._transfer
 
     def _device_file(self, file: File) -> Any:
-        """The cached ``_core.DeviceFile`` of `file` for this handle's GDS mode (registered with
-        cuFile once per file, not per transfer). Entries of closed files are dropped here (their
-        DeviceFile holds the descriptors open), so a closed file lets go of them at the handle's
-        next CUDA transfer, or when it is collected, or when the handle closes.
-
-        Raises:
-            CuFileError: ``gds="on"`` and cuFile cannot serve the file.
-        """
+        """The cached ``_core.LazyDeviceFile`` of `file` for this handle's GDS mode (registered
+        with cuFile once per file, by its first transfer, not per transfer). Entries of closed
+        files are dropped here (they hold the descriptors open), so a closed file lets go of them
+        at the handle's next CUDA transfer, or when it is collected, or when the handle closes."""
         with self._device_files_lock:
             for closed in [f for f in self._device_files if f.closed]:
                 del self._device_files[closed]
             target = self._device_files.get(file)
             if target is None:
-                target = _core.DeviceFile(file, self._gds)  # releases the GIL while registering
+                target = _core.LazyDeviceFile(file, self._gds)
                 self._device_files[file] = target
             return target
 
     def _device_job(
-        self, op: str, buf: Any, file: File, offset: int
-    ) -> concurrent.futures.Future[dict[str, Any]]:
-        # Its own stream, ordered after the work queued so far: the copies, queued chunk by
-        # chunk on a pool thread, are not held up behind work the caller queues meanwhile.
+        self, op: str, buf: Any, file: File, offset: int, keepalive: list[Any]
+    ) -> Any:
+        """Starts moving a CUDA tensor piece on the transfer's job queue: a ``_core.DeviceJob``.
+        Its own stream, ordered after the work queued so far: the copies, queued chunk by chunk
+        by the job, are not held up behind work the caller queues meanwhile. A CuFileError
+        (``gds="on"``) is the job's error. `keepalive` gets what must live until it is over."""
         db = device_buffer(buf, own_stream=True)  # raises CudaError without a driver
+        keepalive.append(db.owner)
         transfer = self._device_transfer()
-        assert self._device_pool is not None
-        gds = self._gds
-
-        def run() -> dict[str, Any]:
-            # Runs on a pool thread; the C++ calls release the GIL.
-            target: Any = file if gds == "off" else self._device_file(file)
-            if op == "read":
-                return transfer.read(target, offset, db.nbytes, db.address, db.device, db.stream)
-            return transfer.write(db.address, db.nbytes, target, offset, db.device, db.stream)
-
-        return self._device_pool.submit(run)
+        target: Any = file if self._gds == "off" else self._device_file(file)
+        if op == "read":
+            return transfer.read_async(target, offset, db.nbytes, db.address, db.device, db.stream)
+        return transfer.write_async(db.address, db.nbytes, target, offset, db.device, db.stream)
 
     def _submit(
         self, op: str, pieces: Sequence[tuple[Any, PathOrFile, int]], stage_reads: bool = False
@@ -580,10 +561,10 @@ class IOHandle:
         for buf, _, _ in device:  # fail before anything starts
             device_buffer(buf)
         future = engine.submit(op, native, stage_reads) if native or not device else None
-        jobs: list[concurrent.futures.Future[dict[str, Any]]] = []
+        jobs: list[Any] = []
         try:
             for buf, f, offset in device:
-                jobs.append(self._device_job(op, buf, f, offset))
+                jobs.append(self._device_job(op, buf, f, offset, keepalive))
         except BaseException:
             # What started (the host pieces, the first CUDA ones) still uses the memory: it
             # stays with the pending operations, which keep it alive until it is over.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import concurrent.futures
 import errno
 import functools
 import os
@@ -224,9 +223,8 @@ class DiskOffloader:
         self._transfer: Any = None  # _core.DeviceTransfer, made for the first device tensor
         self._device_files: Any = None  # _core.OffloadDeviceFiles, with the transfer
         self._device_bytes: dict[str, int] = {}
-        self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        # Device operations in flight, per kind: (key, future of the C++ call).
-        self._device_jobs: dict[str, list[tuple[int, concurrent.futures.Future[Any]]]] = {
+        # Device operations in flight, per kind: (key, _core.DeviceJob, what it uses).
+        self._device_jobs: dict[str, list[tuple[int, Any, Any]]] = {
             "write": [],
             "read": [],
         }
@@ -381,9 +379,6 @@ class DiskOffloader:
                 failed += len(errors) + len(self._undelivered[kind][0])
                 self._undelivered[kind] = ([], [])
             core, self._core = self._core, None
-            if self._device_pool is not None:
-                self._device_pool.shutdown(wait=True)
-                self._device_pool = None
             # Lets go of the ring's pinned memory and the files' cuFile registrations.
             self._transfer = self._device_files = None
             core.close()
@@ -435,7 +430,6 @@ class DiskOffloader:
         core, self._core = self._core, None
         if core is None:
             return
-        self._device_pool = None
         self._transfer = self._device_files = None
         self._device_jobs = {"write": [], "read": []}
         self._undelivered = {"write": ([], []), "read": ([], [])}  # the parent's to raise
@@ -694,56 +688,32 @@ class DiskOffloader:
             self._device_transfer()
         return device
 
-    def _device_transfer(self) -> tuple[Any, concurrent.futures.ThreadPoolExecutor]:
-        """The bounce rings of device tensors and the threads that run their transfers, made on
-        first use. REQUIRES: self._lock held.
+    def _device_transfer(self) -> Any:
+        """The bounce rings of device tensors and their job queue, made on first use.
+        REQUIRES: self._lock held.
 
         Raises:
             CudaError: no CUDA driver (the message says what is missing).
         """
         core = self._open()
-        if self._transfer is None or self._device_pool is None:
+        if self._transfer is None:
             # One ring per directory at least: the parts of a striped tensor move at once.
             rings = (
                 None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
             )
-            transfer = _core.DeviceTransfer(
+            self._device_files = _core.OffloadDeviceFiles(self._gds)
+            self._transfer = _core.DeviceTransfer(
                 core.engine, max_rings=rings, copier=self._device_copier
             )
-            self._device_files = _core.OffloadDeviceFiles(self._gds)
-            self._device_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=int(transfer.options["max_rings"]),
-                thread_name_prefix="tensortier-offload-device",
-            )
-            self._transfer = transfer
-        return self._transfer, self._device_pool
+        return self._transfer
 
     def _submit_device(self, kind: str, entry: _Entry, span: _Span) -> None:
-        """Starts moving `entry`'s bytes between device memory and the files on a worker thread;
-        ``_wait(kind)`` collects the outcome. REQUIRES: self._lock held."""
-        core = self._open()
-        transfer, pool = self._device_transfer()
+        """Starts moving `entry`'s bytes between device memory and the files on the transfer's
+        job queue; ``_wait(kind)`` collects the outcome. REQUIRES: self._lock held."""
         move = _core.offload_from_device if kind == "write" else _core.restore_to_device
-        files, key, nbytes = self._device_files, entry.key, entry.nbytes
-        once = threading.Lock()  # a refused submit may still have queued the job: run it once
-
-        def run() -> Any:
-            # On a pool thread: a C++ call that releases the GIL (`span` keeps the tensor and
-            # its stream alive until it returns).
-            if not once.acquire(blocking=False):
-                return None  # run by the fallback below already
-            return move(core, transfer, key, span.address, nbytes, span.device, span.stream, files)
-
-        future: concurrent.futures.Future[Any]
-        try:
-            future = pool.submit(run)
-        except RuntimeError:  # no new thread (the interpreter is exiting...): run it here
-            future = concurrent.futures.Future()
-            try:
-                future.set_result(run())
-            except Exception as e:  # noqa: BLE001 - delivered by the wait, as from a thread
-                future.set_exception(e)
-        self._device_jobs[kind].append((key, future))
+        job = move(self._open(), self._device_transfer(), entry.key, span.address, entry.nbytes,
+                   span.device, span.stream, self._device_files)
+        self._device_jobs[kind].append((entry.key, job, span))  # `span` keeps tensor and stream
 
     def _wait(self, kind: str, keys: Sequence[int] | None = None) -> None:
         """Waits for the operations of `kind`, runs their callbacks (every one, even if one
@@ -805,16 +775,16 @@ class DiskOffloader:
             # waiting leaves them all to the next wait.
             wanted = None if keys is None else set(keys)
             jobs = [j for j in self._device_jobs[kind] if wanted is None or j[0] in wanted]
-            concurrent.futures.wait([f for _, f in jobs])
+            for _, job, _ in jobs:
+                job.wait()
             outcomes = list(self._core.wait(kind, None if keys is None else sorted(wanted)))
             self._device_jobs[kind] = (
                 [] if wanted is None else [j for j in self._device_jobs[kind] if j[0] not in wanted]
             )
-            for key, future in jobs:  # the C++ calls applied their outcome to the core already
-                error = future.exception()
+            for key, job, _ in jobs:  # the C++ jobs applied their outcome to the core already
+                moved, error = job.outcome()
                 outcomes.append((key, error))
-                moved = future.result() if error is None else None
-                if moved is not None:  # None: done, its stats lost (see the binding)
+                if moved is not None:  # None: failed, or done with its stats lost
                     path = moved["stats"]["path"] or "bounce"  # zero bytes: no path taken
                     self._device_bytes[path] = self._device_bytes.get(path, 0) + moved["bytes"]
             errors = []

@@ -5,6 +5,7 @@
 #include <thread>
 #include <vector>
 
+#include "tensortier/transfer/device_jobs.hpp"
 #include "tensortier/util/error.hpp"
 
 namespace tensortier {
@@ -114,6 +115,22 @@ TransferResult OffloadFromDevice(Offloader& offloader, DeviceTransfer& transfer,
 TransferResult RestoreToDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
                                const DeviceSpan& span, uint64_t length, OffloadDeviceFiles* files) {
   return MoveKey(OffloadKind::kRead, offloader, transfer, key, span, length, files);
+}
+
+DeviceJob OffloadFromDeviceAsync(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
+                                 const DeviceSpan& span, uint64_t length,
+                                 OffloadDeviceFiles* files) {
+  return transfer.Submit([&offloader, &transfer, key, span, length, files] {
+    return OffloadFromDevice(offloader, transfer, key, span, length, files);
+  });
+}
+
+DeviceJob RestoreToDeviceAsync(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
+                               const DeviceSpan& span, uint64_t length,
+                               OffloadDeviceFiles* files) {
+  return transfer.Submit([&offloader, &transfer, key, span, length, files] {
+    return RestoreToDevice(offloader, transfer, key, span, length, files);
+  });
 }
 
 }  // namespace tensortier

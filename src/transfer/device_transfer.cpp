@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "tensortier/transfer/device_jobs.hpp"
 #include "tensortier/util/settings.hpp"
 #include "tensortier/util/strings.hpp"
 #include "tensortier/transfer/transfer.hpp"
@@ -165,7 +166,31 @@ DeviceTransfer::DeviceTransfer(Engine& engine, DeviceTransferOptions options, Co
   if (!factory_) throw std::invalid_argument("DeviceTransfer: no copier factory");
 }
 
-DeviceTransfer::~DeviceTransfer() = default;  // transfers are synchronous: every ring is back
+DeviceTransfer::~DeviceTransfer() {
+  // The queued jobs run first (they use the rings); then every ring is back. No lock: nothing
+  // else calls Submit() now, and in a child made by fork() mu_ may be held for good.
+  jobs_.reset();
+}
+
+DeviceJob DeviceTransfer::Submit(std::function<TransferResult()> work) {
+  DeviceJobQueue* jobs;
+  {
+    std::lock_guard lock(mu_);
+    if (!jobs_) {
+      jobs_ = std::make_unique<DeviceJobQueue>(
+          static_cast<unsigned>(options_.max_rings),
+          "device transfer threads (one per bounce ring: TENSORTIER_BOUNCE_RINGS)");
+    }
+    jobs = jobs_.get();
+  }
+  return jobs->Submit(std::move(work));
+}
+
+DeviceFile LazyDeviceFile::Get() {
+  std::lock_guard lock(mu_);
+  if (!made_) made_.emplace(file_, mode_);
+  return *made_;
+}
 
 const PinnedPool* DeviceTransfer::pool() const {
   std::lock_guard lock(mu_);

@@ -24,6 +24,7 @@
 #include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/io/backend.hpp"
 #include "tensortier/transfer/device_copier.hpp"
+#include "tensortier/transfer/device_jobs.hpp"
 #include "tensortier/offload/device_offload.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/offload/offloader.hpp"
@@ -136,6 +137,42 @@ TEST_P(DeviceOffloadTest, RoundTripSizesAndAlignments) {
   // Space is reused: everything was read back, so nothing is allocated any more.
   off.Trim();
   EXPECT_EQ(off.file_bytes(), 0u);
+}
+
+// The async forms run on the transfer's job queue and apply the same outcome when their job is
+// over: stored keys after the writes, gone after the reads, errors kept by their jobs.
+TEST_P(DeviceOffloadTest, AsyncJobsApplyTheirOutcomeWhenOver) {
+  Offloader off(Options());
+  auto transfer = Transfer(off);
+  constexpr uint64_t kKeys = 6;
+  const uint64_t length = 2 * kSlot + 99;
+  std::vector<std::unique_ptr<HostDevice>> src, dst;
+  std::vector<DeviceJob> writes;
+  for (uint64_t key = 1; key <= kKeys; ++key) {
+    src.push_back(std::make_unique<HostDevice>(length, key));
+    FillPattern(src.back()->data(), length, key);
+    writes.push_back(OffloadFromDeviceAsync(off, *transfer, key, src.back()->span(), length));
+  }
+  for (uint64_t key = 1; key <= kKeys; ++key) {
+    EXPECT_EQ(writes[key - 1].Wait().bytes, length);
+    EXPECT_TRUE(off.stored(key));
+  }
+  EXPECT_EQ(off.stored_bytes(), kKeys * length);
+  // A key never written: the job's error, nothing else changes.
+  HostDevice stray(length, 0);
+  DeviceJob bad = RestoreToDeviceAsync(off, *transfer, 99, stray.span(), length);
+  EXPECT_THROW(bad.Wait(), std::invalid_argument);
+  std::vector<DeviceJob> reads;
+  for (uint64_t key = 1; key <= kKeys; ++key) {
+    dst.push_back(std::make_unique<HostDevice>(length, key + 3));
+    reads.push_back(RestoreToDeviceAsync(off, *transfer, key, dst.back()->span(), length));
+  }
+  for (uint64_t key = 1; key <= kKeys; ++key) {
+    EXPECT_EQ(reads[key - 1].Wait().path, "bounce");
+    EXPECT_TRUE(MatchesPattern(dst[key - 1]->data(), length, key));
+    EXPECT_FALSE(off.stored(key));
+  }
+  EXPECT_EQ(off.stored_bytes(), 0u);
 }
 
 TEST_P(DeviceOffloadTest, DeviceAndHostKeysShareTheFiles) {
@@ -525,6 +562,48 @@ TEST_F(TransferGpuOffloadTest, RoundTripThroughDeviceMemoryOnTheCallersStream) {
   }
   ASSERT_NE(transfer.pool(), nullptr);
   EXPECT_TRUE(transfer.pool()->registers());
+}
+
+// The job queue with CUDA copies: several keys in flight at once, each on the caller's stream.
+TEST_F(TransferGpuOffloadTest, AsyncRoundTripsOnTheJobQueue) {
+  const CudaDriver& driver = CudaDriver::Get();
+  PrimaryContext context(driver, 0);
+  OffloaderOptions o;
+  o.dirs = {dir_.path()};
+  o.engine = testing::SmallEngineOptions(BackendKind::kThreads, kMiB);
+  Offloader off(o);
+  DeviceTransferOptions t;
+  t.ring.slots = 4;
+  t.ring.slot_bytes = kMiB;
+  t.max_rings = 2;
+  DeviceTransfer transfer(off.engine(), t, driver);
+  Stream stream(context);
+  const std::vector<uint64_t> lengths = {1, 4097, 3333333, 5 << 20};
+  std::vector<std::unique_ptr<DeviceMemory>> device, back;
+  std::vector<DeviceJob> writes, reads;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    device.push_back(std::make_unique<DeviceMemory>(context, lengths[i]));
+    std::vector<uint8_t> src = testing::Pattern(lengths[i], i + 1);
+    stream.CopyToDevice(device.back()->address(), src.data(), lengths[i]);
+    stream.Synchronize();
+    writes.push_back(OffloadFromDeviceAsync(off, transfer, i + 1,
+                                            {device.back()->address(), 0, stream.get()},
+                                            lengths[i]));
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    EXPECT_EQ(writes[i].Wait().copier, "cuda");
+    back.push_back(std::make_unique<DeviceMemory>(context, lengths[i]));
+    reads.push_back(RestoreToDeviceAsync(off, transfer, i + 1,
+                                         {back.back()->address(), 0, stream.get()}, lengths[i]));
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    EXPECT_EQ(reads[i].Wait().bytes, lengths[i]);
+    std::vector<uint8_t> out(lengths[i]);
+    stream.CopyFromDevice(out.data(), back[i]->address(), lengths[i]);
+    stream.Synchronize();
+    EXPECT_TRUE(MatchesPattern(out.data(), lengths[i], i + 1));
+  }
+  EXPECT_EQ(off.stored_bytes(), 0u);
 }
 
 // GDS where cuFile takes the backing files (the stand-in's cuFile on CI, whose failures can be

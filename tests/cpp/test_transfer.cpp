@@ -24,6 +24,7 @@
 #include "tensortier/io/backend.hpp"
 #include "tensortier/cuda/cufile.hpp"
 #include "tensortier/transfer/device_copier.hpp"
+#include "tensortier/transfer/device_jobs.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/io/file.hpp"
@@ -663,6 +664,60 @@ TEST(TransferDeviceTest, DeviceFileWithoutCuFileFallsBackOrThrows) {
   TransferResult r = transfer->Write({d.address(), 0, std::nullopt}, 5000, autof, 0);
   EXPECT_EQ(r.path, "bounce");
   EXPECT_EQ(r.gds_reason, autof.gds_reason());
+}
+
+// Submit() runs transfers on the DeviceTransfer's job queue while the caller goes on; a
+// LazyDeviceFile is registered by its first transfer and kept.
+TEST(TransferDeviceTest, SubmittedTransfersRunOnTheJobQueue) {
+  TempDir dir;
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  auto transfer = MemcpyTransfer(engine, /*max_rings=*/2);
+  auto lazy = std::make_shared<LazyDeviceFile>(File::Open(dir.File("f"), OpenMode::kWrite),
+                                               GdsMode::kOff);
+  constexpr int kPieces = 5;
+  constexpr uint64_t kLength = 3 * kSlot + 11;
+  std::vector<std::unique_ptr<FakeDevice>> src, dst;
+  std::vector<DeviceJob> writes;
+  for (int i = 0; i < kPieces; ++i) {
+    src.push_back(std::make_unique<FakeDevice>(kLength, i));
+    FillPattern(src.back()->data(), kLength, 40 + i, 0);
+    DeviceSpan s{src.back()->address(), 0, std::nullopt};
+    const uint64_t offset = i * (kLength + 1);
+    writes.push_back(transfer->Submit(
+        [&transfer, lazy, s, offset] { return transfer->Write(s, kLength, lazy->Get(), offset); }));
+  }
+  for (const DeviceJob& w : writes) EXPECT_EQ(w.Wait().bytes, kLength);
+  EXPECT_EQ(lazy->Get().gds_reason(), "GDS off");
+  std::vector<DeviceJob> reads;
+  for (int i = 0; i < kPieces; ++i) {
+    dst.push_back(std::make_unique<FakeDevice>(kLength, i + 1));
+    DeviceSpan s{dst.back()->address(), 0, std::nullopt};
+    const uint64_t offset = i * (kLength + 1);
+    reads.push_back(transfer->Submit(
+        [&transfer, lazy, s, offset] { return transfer->Read(lazy->Get(), offset, kLength, s); }));
+  }
+  for (int i = 0; i < kPieces; ++i) {
+    EXPECT_EQ(reads[i].Wait().bytes, kLength);
+    EXPECT_TRUE(MatchesPattern(dst[i]->data(), kLength, 40 + i, 0));
+    EXPECT_TRUE(dst[i]->GuardsIntact());
+  }
+  EXPECT_LE(transfer->rings(), 2u);
+}
+
+// A file cuFile cannot serve under "on": the LazyDeviceFile's error is its transfer's, and a
+// later Get() tries again.
+TEST(TransferDeviceTest, LazyDeviceFileErrorsAreTheTransfersAndNotKept) {
+  if (CuFile::Get().available()) GTEST_SKIP() << "cuFile serves files in this process";
+  TempDir dir;
+  LazyDeviceFile lazy(File::Open(dir.File("f"), OpenMode::kWrite), GdsMode::kRequire);
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  auto transfer = MemcpyTransfer(engine, 1);
+  FakeDevice d(5000, 0);
+  DeviceJob job = transfer->Submit([&] {
+    return transfer->Write({d.address(), 0, std::nullopt}, 5000, lazy.Get(), 0);
+  });
+  EXPECT_THROW(job.Wait(), CuFileError);
+  EXPECT_THROW(lazy.Get(), CuFileError);
 }
 
 // GDS transfers come from a fake (no cuFile on CI): in "auto" mode a cuFile status failure reruns

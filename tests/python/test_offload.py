@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -851,17 +852,29 @@ def test_public_exports() -> None:
 def test_a_finished_device_move_whose_stats_are_lost_is_not_undone(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The bindings return None when the stats of a move already applied cannot be made (out of
-    memory): the move stands. Taking it for a failure would free a restored tensor's memory
-    while its key is gone (data lost)."""
+    """A device job's outcome has no result (None) and no error when the stats of a move already
+    applied cannot be made (out of memory): the move stands. Taking it for a failure would free
+    a restored tensor's memory while its key is gone (data lost)."""
     from tensortier import _core
+
+    class StatsLost:
+        """A job whose outcome's stats could not be made."""
+
+        def __init__(self, job: Any) -> None:
+            self._job = job
+
+        def wait(self, interruptible: bool = True) -> None:
+            self._job.wait(interruptible)
+
+        def outcome(self) -> tuple[None, None]:
+            self._job.outcome()
+            return None, None
 
     for name in ("offload_from_device", "restore_to_device"):
         real = getattr(_core, name)
 
-        def stats_lost(*args: object, _real: object = real) -> None:
-            _real(*args)  # type: ignore[operator]
-            return None
+        def stats_lost(*args: object, _real: object = real) -> StatsLost:
+            return StatsLost(_real(*args))  # type: ignore[operator]
 
         monkeypatch.setattr(_core, name, stats_lost)
     t = torch.randn(100_000)

@@ -135,6 +135,48 @@ def test_ring_engine_fault_raises_oserror_with_path(disk_dir: Path) -> None:
     assert transfer.read(f, 0, 4096, _addr(dst))["bytes"] == 4096
 
 
+def test_jobs_run_on_the_transfers_queue_and_raise_their_errors_when_waited_for(
+    disk_dir: Path,
+) -> None:
+    """read_async/write_async return C++ jobs: several in flight at once over the transfer's
+    threads, results as read/write give them, an I/O error raised by result() (as often as
+    asked), and outcome() giving it back instead of raising."""
+    path = disk_dir / "jobs.bin"
+    engine = _core.Engine(
+        backend="threads", chunk_size=64 << 10, fault={"kind": "error", "nth": 10, "writes": False}
+    )
+    transfer = _core.DeviceTransfer(engine, slots=2, slot_bytes=64 << 10, max_rings=2,
+                                    copier="memcpy")
+    assert transfer.threads == 2
+    f = _core.File.open(str(path), "w")
+    lazy = _core.LazyDeviceFile(f, "off")
+    size = 200001
+    sources = [_fake_device(size, i)[1] for i in range(4)]
+    jobs = []
+    for i, src in enumerate(sources):
+        src[:] = _rand(size, 10 + i)
+        target = (f, lazy, _core.DeviceFile(f, "off"))[i % 3]
+        jobs.append(transfer.write_async(_addr(src), size, target, i * size))
+    for job in jobs:
+        r = job.result()
+        assert job.done() and r["bytes"] == size and r["stats"]["path"] == "bounce"
+    reads = []
+    targets = [_fake_device(size, i + 1)[1] for i in range(4)]
+    for i, dst in enumerate(targets):
+        reads.append(transfer.read_async(lazy, i * size, size, _addr(dst)))
+    outcomes = [job.outcome() for job in reads]
+    failed = [error for result, error in outcomes if error is not None]
+    assert len(failed) == 1 and isinstance(failed[0], OSError)  # the 10th engine read
+    assert failed[0].errno == errno.EIO and failed[0].filename == str(path)
+    for i, (result, error) in enumerate(outcomes):
+        if error is None:
+            assert result["bytes"] == size and np.array_equal(targets[i], sources[i])
+        else:
+            for _ in range(2):
+                with pytest.raises(OSError):
+                    reads[i].result()
+
+
 def test_ring_write_fault_leaves_bytes_outside_the_range(disk_dir: Path) -> None:
     path = disk_dir / "f.bin"
     before = _rand(1 << 20, 3)

@@ -19,6 +19,7 @@
 #include <unordered_map>
 
 #include "tensortier/cuda/cufile.hpp"
+#include "tensortier/transfer/device_jobs.hpp"
 #include "tensortier/offload/offloader.hpp"
 #include "tensortier/transfer/transfer.hpp"
 
@@ -54,6 +55,16 @@ TransferResult OffloadFromDevice(Offloader& offloader, DeviceTransfer& transfer,
                                  const DeviceSpan& span, uint64_t length,
                                  OffloadDeviceFiles* files = nullptr);
 TransferResult RestoreToDevice(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
+                               const DeviceSpan& span, uint64_t length,
+                               OffloadDeviceFiles* files = nullptr);
+
+// The same, run on `transfer`'s job queue (DeviceTransfer::Submit): the outcome is applied to
+// the offloader when the job is over, and DeviceJob::Wait() returns or throws what the call
+// above would. `offloader`, `transfer`, `files` and the device memory must outlive the job.
+DeviceJob OffloadFromDeviceAsync(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
+                                 const DeviceSpan& span, uint64_t length,
+                                 OffloadDeviceFiles* files = nullptr);
+DeviceJob RestoreToDeviceAsync(Offloader& offloader, DeviceTransfer& transfer, uint64_t key,
                                const DeviceSpan& span, uint64_t length,
                                OffloadDeviceFiles* files = nullptr);
 

@@ -36,7 +36,8 @@
 // TransferResult::gds_reason, while errno failures (-1) stay errors), keeps a few rings (one per
 // concurrent transfer, their slots from one pool with a byte budget) and makes a copier per
 // transfer for the caller's device and stream. Thread-safe: transfers from several threads run at
-// once, up to `max_rings` through rings (more wait for a free ring).
+// once, up to `max_rings` through rings (more wait for a free ring). Submit() runs a transfer on
+// the DeviceTransfer's job queue (device_jobs.hpp), `max_rings` threads, so the caller goes on.
 #pragma once
 
 #include <condition_variable>
@@ -57,6 +58,9 @@
 #include "tensortier/util/settings.hpp"
 
 namespace tensortier {
+
+class DeviceJob;       // device_jobs.hpp
+class DeviceJobQueue;  // device_jobs.hpp
 
 struct TransferResult {
   uint64_t bytes = 0;   // transferred (for reads: up to end of file)
@@ -169,6 +173,23 @@ class DeviceFile {
   std::string compat_mode_;
 };
 
+// A File whose DeviceFile (under `mode`) is made on the first Get(), by the transfer that needs it
+// (on the thread running it), then kept: a file's cuFile registration happens once, and its
+// error (CuFileError for GdsMode::kRequire) is the error of that transfer. A failed Get() keeps
+// nothing: the next tries again. Thread-safe.
+class LazyDeviceFile {
+ public:
+  LazyDeviceFile(File file, GdsMode mode) : file_(std::move(file)), mode_(mode) {}
+  DeviceFile Get();
+  const File& file() const noexcept { return file_; }
+
+ private:
+  std::mutex mu_;
+  const File file_;
+  const GdsMode mode_;
+  std::optional<DeviceFile> made_;  // guarded by mu_
+};
+
 // Where device memory is, for a DeviceTransfer.
 struct DeviceSpan {
   uint64_t address = 0;
@@ -229,6 +250,11 @@ class DeviceTransfer {
   TransferResult Write(const DeviceSpan& span, uint64_t length, const File& file,
                        uint64_t file_offset);
 
+  // Runs `work` (transfers through this DeviceTransfer, or anything else that moves device
+  // bytes) on this transfer's job queue: max_rings threads, started on the first call. What
+  // `work` uses must outlive its job; the destructor runs every job submitted first.
+  DeviceJob Submit(std::function<TransferResult()> work);
+
   const DeviceTransferOptions& options() const noexcept { return options_; }
   // The pool of the rings' slots (made with the first bounce transfer, registered through the
   // primary context of that transfer's device; registrations are portable). Null before.
@@ -257,6 +283,7 @@ class DeviceTransfer {
   std::condition_variable ring_returned_;
   std::vector<std::unique_ptr<BounceRing>> idle_rings_;  // guarded by mu_
   size_t made_rings_ = 0;                                // guarded by mu_
+  std::unique_ptr<DeviceJobQueue> jobs_;                 // guarded by mu_ (made once)
 };
 
 }  // namespace tensortier
