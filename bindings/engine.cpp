@@ -1,0 +1,170 @@
+// The I/O engine: engines, their futures and the probe of the backends a directory takes.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "binding_helpers.hpp"
+#include "gil_free_holder.hpp"
+#include "paths.hpp"
+#include "register.hpp"
+#include "tensortier/backend.hpp"
+#include "tensortier/config.hpp"
+#include "tensortier/engine.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/strings.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+py::dict tensortier::IoStatsToDict(const IoStats& s) {
+  py::dict d;
+  d["backend"] = s.backend;
+  d["requested_bytes"] = s.requested_bytes;
+  d["transferred_bytes"] = s.transferred_bytes;
+  d["direct_bytes"] = s.direct_bytes;
+  d["buffered_bytes"] = s.buffered_bytes;
+  d["bounced_bytes"] = s.bounced_bytes;
+  d["staged_bytes"] = s.staged_bytes;
+  d["cached_bytes"] = s.cached_bytes;
+  d["requests"] = s.requests;
+  d["resubmits"] = s.resubmits;
+  d["eof"] = s.eof;
+  d["direct_fallback"] = s.direct_fallback;
+  d["residency_method"] = s.residency_method;
+  return d;
+}
+
+// The Python view of engine settings (IOHandle.options).
+py::dict tensortier::OptionsDict(const EngineOptions& o) {
+  py::dict d;
+  d["backend"] = o.backend;
+  d["chunk_size"] = o.chunk_size;
+  d["queue_depth"] = o.queue_depth;
+  d["workers"] = o.workers;
+  d["max_inflight_bytes"] = o.max_inflight_bytes;
+  d["page_cache_check"] = o.page_cache_check;
+  d["stage_reads"] = std::string(ReadStagingName(o.stage_reads));
+  d["bounce_idle_ms"] = o.bounce_idle_ms;
+  d["max_staged_bytes"] = o.max_staged_bytes;
+  d["copy_threads"] = o.copy_threads;
+  return d;
+}
+
+namespace {
+
+IoOp ParseOp(const std::string& op) {
+  if (op == "read") return IoOp::kRead;
+  if (op == "write") return IoOp::kWrite;
+  throw std::invalid_argument(StrCat("op must be 'read' or 'write', not '", op, "'"));
+}
+
+// The engine's start (backend probes with verified O_DIRECT round trips in `probe_dir`, worker
+// threads) runs with the GIL released.
+GilFreeHolder<Engine> MakeEngine(const Overrides& overrides, const std::string& probe_dir,
+                                 const std::optional<py::dict>& fault) {
+  EngineOptions options = overrides.Apply();
+  BackendFactory factory;
+  if (fault) factory = FaultFactory(options, *fault);
+  py::gil_scoped_release release;
+  if (!factory) return GilFreeHolder<Engine>(new Engine(options, probe_dir));
+  return GilFreeHolder<Engine>(new Engine(options, factory));
+}
+
+}  // namespace
+
+void RegisterEngine(py::module_& m) {
+  py::class_<Future>(m, "Future")
+      .def("done", &Future::done)
+      .def(
+          "wait",
+          [](const Future& f, bool interruptible) {
+            // Interruptible: signal handlers run every 50 ms while it waits (Ctrl-C raises
+            // KeyboardInterrupt; the operation goes on, its memory kept by the caller).
+            while (interruptible) {
+              bool done;
+              {
+                py::gil_scoped_release release;
+                done = f.WaitFor(std::chrono::milliseconds(50));
+              }
+              if (done) break;
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+            }
+            IoResult r;
+            {
+              py::gil_scoped_release release;
+              r = f.Wait();
+            }
+            py::dict out;
+            out["bytes"] = r.bytes;
+            out["segment_bytes"] = r.segment_bytes;
+            out["stats"] = IoStatsToDict(r.stats);
+            return out;
+          },
+          py::arg("interruptible") = true);
+
+  // Dropping an engine waits for its I/O and joins its threads: with the GIL released.
+  py::class_<Engine, GilFreeHolder<Engine>>(m, "Engine")
+      .def(py::init([](std::optional<std::string> backend, std::optional<uint64_t> chunk_size,
+                       std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
+                       std::optional<uint64_t> max_inflight_bytes,
+                       std::optional<bool> page_cache_check, std::optional<std::string> stage_reads,
+                       std::optional<uint32_t> bounce_idle_ms, const FsPath& probe_dir,
+                       std::optional<py::dict> fault) {
+             Overrides o{backend,          chunk_size,  queue_depth,   workers, max_inflight_bytes,
+                         page_cache_check, stage_reads, bounce_idle_ms};
+             return MakeEngine(o, probe_dir, fault);
+           }),
+           py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
+           py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
+           py::arg("max_inflight_bytes") = py::none(), py::arg("page_cache_check") = py::none(),
+           py::arg("stage_reads") = py::none(), py::arg("bounce_idle_ms") = py::none(),
+           py::arg("probe_dir") = "", py::arg("fault") = py::none())
+      .def_property_readonly("backend", &Engine::backend)
+      .def_property_readonly("options", [](const Engine& e) { return OptionsDict(e.options()); })
+      .def_property_readonly("bounce_bytes", &Engine::bounce_bytes)
+      .def_property_readonly("bounce_allocations", &Engine::bounce_allocations)
+      .def(
+          "submit",
+          [](Engine& e, const std::string& op,
+             const std::vector<std::tuple<File, uintptr_t, uint64_t, uint64_t>>& pieces,
+             bool stage_reads) {
+            IoOp parsed = ParseOp(op);
+            std::vector<IoDesc> descs;
+            descs.reserve(pieces.size());
+            for (const auto& [file, address, length, offset] : pieces) {
+              descs.push_back({file, reinterpret_cast<void*>(address), offset, length});
+            }
+            py::gil_scoped_release release;
+            return e.Submit(parsed, descs, SubmitOptions{.stage_reads = stage_reads});
+          },
+          py::arg("op"), py::arg("pieces"), py::arg("stage_reads") = false)
+      .def("wait_all", &Engine::WaitAll, py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "probe_backends",
+      [](const FsPath& dir) {
+        py::list out;
+        std::vector<BackendProbe> probes;
+        {
+          py::gil_scoped_release release;
+          for (BackendKind k : kAllBackends) probes.push_back(ProbeBackend(k, dir));
+        }
+        for (const auto& p : probes) {
+          py::dict row;
+          row["backend"] = std::string(BackendName(p.kind));
+          row["compiled_in"] = BackendCompiledIn(p.kind);
+          row["available"] = p.available;
+          row["direct_ok"] = p.direct_ok;
+          row["buffered_ok"] = p.buffered_ok;
+          row["detail"] = MessageToPython(p.detail);
+          out.append(row);
+        }
+        return out;
+      },
+      py::arg("dir"));
+}

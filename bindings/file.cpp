@@ -1,0 +1,97 @@
+// Files for IOHandle transfers (File) and what is asked of a file system: its type, and how much
+// of a file's range the page cache holds.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sys/statfs.h>
+
+#include <cerrno>
+#include <string>
+
+#include "paths.hpp"
+#include "register.hpp"
+#include "tensortier/error.hpp"
+#include "tensortier/file.hpp"
+#include "tensortier/page_cache.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+void RegisterFile(py::module_& m) {
+  py::class_<File>(m, "File",
+                   "An open file for IOHandle transfers: a buffered descriptor, plus an O_DIRECT "
+                   "one where the filesystem takes it. Open with IOHandle.open() or File.open().")
+      .def_static(
+          "open",
+          [](const FsPath& path, const std::string& mode, bool direct) {
+            OpenMode parsed = ParseOpenMode(mode);
+            py::gil_scoped_release release;
+            return File::Open(path, parsed, direct);
+          },
+          py::arg("path"), py::arg("mode") = "r", py::arg("direct") = true,
+          "Opens `path`: mode 'r' (read), 'r+' (read and write), 'w' (create or truncate), 'a' "
+          "(create if missing, keep contents); 'w' and 'a' files can be read too. `direct`: also "
+          "open O_DIRECT where the filesystem allows (else `direct_fallback_reason` says why). "
+          "Raises OSError.")
+      .def_static(
+          "open_descriptor",
+          [](int fd, const std::string& mode, bool direct) {
+            OpenMode parsed = ParseOpenMode(mode);
+            py::gil_scoped_release release;
+            return File::OpenDescriptor(fd, parsed, direct);
+          },
+          py::arg("fd"), py::arg("mode") = "r", py::arg("direct") = true,
+          "Opens again the file the descriptor `fd` refers to (it stays the caller's), as open() "
+          "does; named, in `path` and errors, by the descriptor's file. Raises OSError (EBADF "
+          "for a descriptor not open).")
+      .def_property_readonly(
+          "path", [](const File& f) { return PathToPython(f.path()); },
+          "The path it was opened with.")
+      .def_property_readonly(
+          "closed", [](const File& f) { return !f.is_open(); }, "Whether close() was called.")
+      .def_property_readonly("writable", &File::writable, "Whether the mode allows writes.")
+      .def_property_readonly("direct", &File::direct, "Whether an O_DIRECT descriptor is open.")
+      .def_property_readonly(
+          "direct_fallback_reason",
+          [](const File& f) { return MessageToPython(f.direct_fallback_reason()); },
+          "Why O_DIRECT was refused ('' when it was not, or not asked for).")
+      .def_property_readonly("offset_alignment", &File::offset_alignment,
+                             "File offset alignment O_DIRECT needs here (bytes).")
+      .def_property_readonly("memory_alignment", &File::memory_alignment,
+                             "Memory address alignment O_DIRECT needs here (bytes).")
+      .def("fileno", &File::buffered_fd, "The buffered descriptor (valid until close()).")
+      .def("size", &File::Size, "The file's size in bytes.")
+      .def("truncate", &File::Truncate, py::arg("size"), py::call_guard<py::gil_scoped_release>(),
+           "Sets the file's size to `size` bytes.")
+      .def("allocate", &File::Allocate, py::arg("offset"), py::arg("length"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Reserves [offset, offset+length) on disk (posix fallocate): ENOSPC now rather than "
+           "mid-write. Raises OSError.")
+      .def("datasync", &File::DataSync, py::call_guard<py::gil_scoped_release>(),
+           "fdatasync: the data written so far is durable when it returns.")
+      .def("drop_cache", &File::DropCache, py::call_guard<py::gil_scoped_release>(),
+           "Drops the file's clean page-cache pages (the next read is cold).")
+      .def("close", &File::Close,
+           "Closes this handle; operations in flight keep the descriptors until they end.");
+
+  m.def(
+      "filesystem_magic",
+      [](const FsPath& path) {
+        struct statfs st {};
+        int rc;
+        {
+          py::gil_scoped_release release;  // a network filesystem can take its time
+          rc = statfs(path.bytes.c_str(), &st);
+        }
+        if (rc != 0) ThrowIoError(errno, "statfs", path);
+        return static_cast<uint64_t>(st.f_type);
+      },
+      py::arg("path"), "statfs(2)'s f_type of the filesystem holding `path` (EXT4 0xEF53...).");
+  m.def(
+      "query_residency",
+      [](int fd, uint64_t offset, uint64_t length) {
+        Residency r = QueryResidency(fd, offset, length);
+        return py::make_tuple(r.resident_bytes, r.checked_bytes,
+                              std::string(ResidencyMethodName(r.method)));
+      },
+      py::arg("fd"), py::arg("offset"), py::arg("length"));
+}

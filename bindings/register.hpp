@@ -1,0 +1,16 @@
+// The registration function of each binding file: module.cpp calls them, in this order, to fill
+// tensortier._core. A file that defines a function here includes this header.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+void RegisterFile(pybind11::module_& m);        // bindings/file.cpp
+void RegisterEngine(pybind11::module_& m);      // bindings/engine.cpp
+void RegisterOffload(pybind11::module_& m);     // bindings/offload.cpp
+void RegisterBuffers(pybind11::module_& m);     // bindings/buffers.cpp
+void RegisterSettings(pybind11::module_& m);    // bindings/settings.cpp
+void RegisterCheckpoint(pybind11::module_& m);  // bindings/checkpoint.cpp
+void RegisterTransfer(pybind11::module_& m);    // bindings/transfer.cpp
+void RegisterExtents(pybind11::module_& m);     // bindings/extents.cpp
+void RegisterShared(pybind11::module_& m);      // bindings/shared.cpp
+void RegisterData(pybind11::module_& m);        // bindings/data.cpp
