@@ -1,6 +1,8 @@
 #include "tensortier/io/backend.hpp"
 
 #include <stdexcept>
+
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
@@ -13,23 +15,13 @@ bool UringCompiledIn();
 bool AioCompiledIn();
 
 std::string_view BackendName(BackendKind kind) {
-  switch (kind) {
-    case BackendKind::kIoUring:
-      return "io_uring";
-    case BackendKind::kLibaio:
-      return "libaio";
-    case BackendKind::kThreads:
-      return "threads";
-  }
-  return "unknown";
+  return NameOf(kBackendKindNames, kind, "unknown");
 }
 
 BackendKind ParseBackendKind(std::string_view name) {
-  for (BackendKind k : kAllBackends) {
-    if (BackendName(k) == name) return k;
-  }
+  if (const auto kind = ValueOf(kBackendKindNames, name)) return *kind;
   throw std::invalid_argument(
-      StrCat("backend '", name, "' is not one of io_uring, libaio, threads"));
+      StrCat("backend '", name, "' is not one of ", JoinNames(kBackendKindNames)));
 }
 
 bool BackendCompiledIn(BackendKind kind) {

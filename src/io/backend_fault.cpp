@@ -1,11 +1,13 @@
 // Fault injection for tests (the LevelDB ErrorEnv idea at the backend seam): errors never reach
 // the kernel, short completions under-report what the kernel did (harmless to resubmit, and it
 // produces counts at any alignment), delays stall the submitting worker.
+#include <iterator>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/io/fault_injection.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -78,19 +80,23 @@ class FaultInjectingBackend final : public Backend {
 }  // namespace
 
 namespace {
-constexpr std::string_view kFileStepNames[kFileStepCount] = {
-    "open", "allocate", "datasync", "rename", "sync_directory", "release"};
+constexpr EnumName<FileStep> kFileStepNames[] = {{FileStep::kOpen, "open"},
+                                                 {FileStep::kAllocate, "allocate"},
+                                                 {FileStep::kDataSync, "datasync"},
+                                                 {FileStep::kRename, "rename"},
+                                                 {FileStep::kSyncDirectory, "sync_directory"},
+                                                 {FileStep::kRelease, "release"}};
+static_assert(std::size(kFileStepNames) == kFileStepCount);
 }  // namespace
 
-std::string_view FileStepName(FileStep step) { return kFileStepNames[static_cast<size_t>(step)]; }
+std::string_view FileStepName(FileStep step) {
+  return NameOf(kFileStepNames, step);
+}
 
 FileStep ParseFileStep(std::string_view name) {
-  for (size_t i = 0; i < kFileStepCount; ++i) {
-    if (kFileStepNames[i] == name) return static_cast<FileStep>(i);
-  }
+  if (const auto step = ValueOf(kFileStepNames, name)) return *step;
   throw std::invalid_argument(
-      StrCat("fault step must be open, allocate, datasync, rename, sync_directory or release, not '",
-             name, "'"));
+      StrCat("fault step must be ", JoinNames(kFileStepNames, ", ", " or "), ", not '", name, "'"));
 }
 
 bool FaultInjector::Hit(IoOp op) noexcept {

@@ -1,5 +1,6 @@
 #include "tensortier/io/config.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 #include <utility>
 
@@ -7,33 +8,23 @@
 
 namespace tensortier {
 
-static_assert(SettingFor("TENSORTIER_STAGE_READS").default_text == "auto",
-              "EngineOptions::stage_reads starts at the table's default");
-
 ReadStaging ParseReadStaging(std::string_view text) {
-  if (text == "auto") return ReadStaging::kAuto;
-  try {
+  if (const auto staging = ValueOf(kReadStagingNames, text)) return *staging;
+  try {  // the other boolean spellings of off and on
     return ParseBool(text, "stage_reads") ? ReadStaging::kOn : ReadStaging::kOff;
   } catch (const std::invalid_argument&) {
-    throw std::invalid_argument(StrCat("stage_reads: '", text, "' is not one of off, auto, on"));
+    throw std::invalid_argument(
+        StrCat("stage_reads: '", text, "' is not one of ", JoinNames(kReadStagingNames)));
   }
 }
 
 std::string_view ReadStagingName(ReadStaging staging) {
-  switch (staging) {
-    case ReadStaging::kOff:
-      return "off";
-    case ReadStaging::kOn:
-      return "on";
-    case ReadStaging::kAuto:
-      break;
-  }
-  return "auto";
+  return NameOf(kReadStagingNames, staging, "auto");
 }
 
 void EngineOptions::Validate() const {
   const Setting& backend_row = SettingFor("TENSORTIER_BACKEND");
-  if (backend != "auto" && backend != "io_uring" && backend != "libaio" && backend != "threads") {
+  if (std::ranges::find(backend_row.choices, backend) == backend_row.choices.end()) {
     throw std::invalid_argument(
         StrCat("backend: '", backend, "' is not one of ", AllowedValues(backend_row)));
   }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/enum_names.hpp"
 
 namespace tensortier {
 namespace {
@@ -60,16 +61,17 @@ bool TryMincore(int fd, uint64_t offset, uint64_t length, uint64_t* pages) {
 
 }  // namespace
 
+namespace {
+
+constexpr EnumName<ResidencyMethod> kResidencyMethodNames[] = {
+    {ResidencyMethod::kCachestat, "cachestat"},
+    {ResidencyMethod::kMincore, "mincore"},
+    {ResidencyMethod::kUnknown, "none"}};
+
+}  // namespace
+
 std::string_view ResidencyMethodName(ResidencyMethod method) {
-  switch (method) {
-    case ResidencyMethod::kCachestat:
-      return "cachestat";
-    case ResidencyMethod::kMincore:
-      return "mincore";
-    case ResidencyMethod::kUnknown:
-      return "none";
-  }
-  return "none";
+  return NameOf(kResidencyMethodNames, method, "none");
 }
 
 Residency QueryResidency(int fd, uint64_t offset, uint64_t length, ResidencyMethod method,

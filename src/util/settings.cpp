@@ -5,8 +5,8 @@
 #include <cstdlib>
 #include <span>
 #include <stdexcept>
-#include <vector>
 
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
@@ -20,17 +20,6 @@ bool IsOneOf(std::string_view word, std::span<const std::string_view> words) {
     if (w == word) return true;
   }
   return false;
-}
-
-std::vector<std::string_view> Words(std::string_view text) {
-  std::vector<std::string_view> words;
-  while (!text.empty()) {
-    const size_t space = text.find(' ');
-    if (space != 0) words.push_back(text.substr(0, space));
-    if (space == std::string_view::npos) break;
-    text.remove_prefix(space + 1);
-  }
-  return words;
 }
 
 // "4K", "1G": the shortest exact spelling ParseSize accepts.
@@ -69,7 +58,7 @@ constexpr BooleanSpelling kBooleanSpellings[] = {{kTrueWords, "on", "1"},
                                                  {kFalseWords, "off", "0"}};
 
 // The row's own word for boolean `b` (its "on" or "1"), or "" when it has none.
-std::string_view RowWord(const std::vector<std::string_view>& choices, const BooleanSpelling& b) {
+std::string_view RowWord(std::span<const std::string_view> choices, const BooleanSpelling& b) {
   for (std::string_view c : choices) {
     if (c == b.word || c == b.digit) return c;
   }
@@ -78,13 +67,12 @@ std::string_view RowWord(const std::vector<std::string_view>& choices, const Boo
 
 // The canonical word of `text` for a kChoice row, or "" when the row does not accept it.
 std::string_view ChoiceWord(const Setting& setting, std::string_view text) {
-  const std::vector<std::string_view> choices = Words(setting.choices);
-  for (std::string_view c : choices) {
+  for (std::string_view c : setting.choices) {
     if (c == text) return c;
   }
   // Boolean spellings of the row's own off/on words.
   for (const BooleanSpelling& b : kBooleanSpellings) {
-    if (IsOneOf(text, b.words)) return RowWord(choices, b);
+    if (IsOneOf(text, b.words)) return RowWord(setting.choices, b);
   }
   return "";
 }
@@ -161,13 +149,11 @@ std::string WordSetting(const Setting& setting) {
 std::string AllowedValues(const Setting& setting) {
   switch (setting.kind) {
     case SettingKind::kChoice: {
-      std::string out;
-      const std::vector<std::string_view> choices = Words(setting.choices);
-      for (std::string_view w : choices) out += StrCat(out.empty() ? "" : ", ", w);
+      std::string out = JoinWords(setting.choices);
       // The boolean spellings ChoiceWord takes for the row's own off/on words.
       std::string aliases;
       for (const BooleanSpelling& b : kBooleanSpellings) {
-        const std::string_view row = RowWord(choices, b);
+        const std::string_view row = RowWord(setting.choices, b);
         if (row.empty()) continue;
         std::string same;
         for (std::string_view w : b.words) {

@@ -16,6 +16,9 @@
 #include <string_view>
 #include <vector>
 
+#include "tensortier/util/enum_names.hpp"
+#include "tensortier/util/settings.hpp"
+
 namespace tensortier {
 
 enum class IoOp : uint8_t { kRead, kWrite };
@@ -38,6 +41,11 @@ struct IoCompletion {
 };
 
 enum class BackendKind { kIoUring, kLibaio, kThreads };
+// The kinds' names: the words of TENSORTIER_BACKEND after "auto".
+static_assert(SettingFor("TENSORTIER_BACKEND").choices.front() == "auto");
+inline constexpr auto kBackendKindNames =
+    NamesFromWords(SettingFor("TENSORTIER_BACKEND").choices.subspan(1),
+                   {BackendKind::kIoUring, BackendKind::kLibaio, BackendKind::kThreads});
 
 std::string_view BackendName(BackendKind kind);
 // "io_uring", "libaio", "threads". Throws std::invalid_argument otherwise.

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/settings.hpp"
 
 namespace tensortier {
@@ -17,6 +18,10 @@ namespace tensortier {
 // destinations such as torch tensors) are staged through the engine's huge-page bounce buffers and
 // copied out on its worker threads. kAuto: see StagesReads (engine.hpp).
 enum class ReadStaging { kOff, kAuto, kOn };
+// The words of TENSORTIER_STAGE_READS.
+inline constexpr auto kReadStagingNames =
+    NamesFromWords(SettingFor("TENSORTIER_STAGE_READS").choices,
+                   {ReadStaging::kOff, ReadStaging::kAuto, ReadStaging::kOn});
 // "off", "auto", "on" (also the ParseBool words for off and on). Throws std::invalid_argument.
 ReadStaging ParseReadStaging(std::string_view text);
 std::string_view ReadStagingName(ReadStaging staging);
@@ -37,7 +42,8 @@ struct EngineOptions {
   // TENSORTIER_PAGE_CACHE_CHECK (0/1).
   bool page_cache_check = SettingFor("TENSORTIER_PAGE_CACHE_CHECK").default_text == "1";
   // TENSORTIER_STAGE_READS: off, auto, on.
-  ReadStaging stage_reads = ReadStaging::kAuto;  // the table's default
+  ReadStaging stage_reads =
+      *ValueOf(kReadStagingNames, SettingFor("TENSORTIER_STAGE_READS").default_text);
   // Bound on bytes of bounce buffers in use over all workers: staged reads in flight or being
   // copied out, and unaligned reads and writes; memory on top of the destinations; at least one
   // chunk per worker. TENSORTIER_MAX_STAGED.

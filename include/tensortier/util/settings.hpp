@@ -24,73 +24,82 @@ struct Setting {
   std::string_view env;   // the environment variable
   std::string_view name;  // the option it sets, as the API spells it
   SettingKind kind;
-  std::string_view default_text;  // the default, as a user writes it
-  uint64_t default_number = 0;    // kSize, kCount: the default
-  uint64_t min = 0;               // kSize, kCount: the smallest value allowed
-  uint64_t max = 0;               // kSize, kCount: the largest value allowed
-  uint64_t multiple = 1;          // kSize: values are a multiple of this
-  std::string_view choices;       // kChoice: the words allowed, separated by spaces
-  std::string_view description;   // one line
+  std::string_view default_text;              // the default, as a user writes it
+  uint64_t default_number = 0;                // kSize, kCount: the default
+  uint64_t min = 0;                           // kSize, kCount: the smallest value allowed
+  uint64_t max = 0;                           // kSize, kCount: the largest value allowed
+  uint64_t multiple = 1;                      // kSize: values are a multiple of this
+  std::span<const std::string_view> choices;  // kChoice: the words allowed
+  std::string_view description;               // one line
 };
+
+// The words of the kChoice rows. An enum set by a row takes its names from these words
+// (NamesFromWords, enum_names.hpp).
+inline constexpr std::string_view kBackendWords[] = {"auto", "io_uring", "libaio", "threads"};
+inline constexpr std::string_view kOffOnDigits[] = {"0", "1"};
+inline constexpr std::string_view kStageReadsWords[] = {"off", "auto", "on"};
+inline constexpr std::string_view kHugePagesWords[] = {"auto", "0", "1"};
+inline constexpr std::string_view kGdsWords[] = {"off", "auto", "on", "require"};
 
 // clang-format off
 inline constexpr Setting kSettings[] = {
     // The I/O engine (EngineOptions).
     {"TENSORTIER_BACKEND", "backend", SettingKind::kChoice, "auto", 0, 0, 0, 1,
-     "auto io_uring libaio threads",
+     kBackendWords,
      "I/O backend; auto takes the first that works on the directory: io_uring, libaio, threads"},
     {"TENSORTIER_CHUNK_SIZE", "chunk_size", SettingKind::kSize, "4M", 4ull << 20, 4096,
-     1ull << 30, 4096, "",
+     1ull << 30, 4096, {},
      "large transfers are split into page-aligned chunks of this size"},
-    {"TENSORTIER_QUEUE_DEPTH", "queue_depth", SettingKind::kCount, "32", 32, 1, 4096, 1, "",
+    {"TENSORTIER_QUEUE_DEPTH", "queue_depth", SettingKind::kCount, "32", 32, 1, 4096, 1, {},
      "requests in flight per worker ring"},
-    {"TENSORTIER_WORKERS", "workers", SettingKind::kCount, "2", 2, 1, 256, 1, "",
+    {"TENSORTIER_WORKERS", "workers", SettingKind::kCount, "2", 2, 1, 256, 1, {},
      "worker threads, each with its own ring"},
     {"TENSORTIER_MAX_INFLIGHT", "max_inflight_bytes", SettingKind::kSize, "128M", 128ull << 20,
-     4096, 1ull << 40, 1, "",
+     4096, 1ull << 40, 1, {},
      "bound on bytes in flight over all workers (at least the chunk size)"},
     {"TENSORTIER_PAGE_CACHE_CHECK", "page_cache_check", SettingKind::kChoice, "1", 0, 0, 0, 1,
-     "0 1",
+     kOffOnDigits,
      "read page-cache-resident ranges buffered instead of O_DIRECT"},
     {"TENSORTIER_STAGE_READS", "stage_reads", SettingKind::kChoice, "auto", 0, 0, 0, 1,
-     "off auto on",
+     kStageReadsWords,
      "reads into new tensors (tensortier.load to CPU, pread_batch_async(stage_reads=True)) go "
      "through the engine's huge-page buffers and are copied out by its copy threads; auto: where "
      "the disk cuts requests into scattered small pages (virtio; `tensortier check DIR` says "
      "which disks), and without copy threads only into memory already faulted in"},
     {"TENSORTIER_MAX_STAGED", "max_staged_bytes", SettingKind::kSize, "32M", 32ull << 20, 4096,
-     1ull << 40, 1, "",
+     1ull << 40, 1, {},
      "bound on bytes of bounce buffers in use over all workers (at least one chunk per worker): "
      "staged reads in flight or being copied out, and reads and writes of memory O_DIRECT cannot "
      "use (a save of tensors that are not block-aligned in memory)"},
-    {"TENSORTIER_COPY_THREADS", "copy_threads", SettingKind::kCount, "2", 2, 0, 256, 1, "",
+    {"TENSORTIER_COPY_THREADS", "copy_threads", SettingKind::kCount, "2", 2, 0, 256, 1, {},
      "threads that copy staged reads out of the engine's bounce buffers, so that the workers "
      "keep the disk busy meanwhile; 0: the workers copy"},
     {"TENSORTIER_BOUNCE_IDLE_MS", "bounce_idle_ms", SettingKind::kCount, "1000", 1000, 0,
-     3'600'000, 1, "",
+     3'600'000, 1, {},
      "milliseconds a worker keeps a bounce buffer nothing uses before freeing it (two per worker "
      "stay); 0 frees them when the worker is idle; DiskOffloader frees them at once unless set"},
     // Memory (AlignedBuffer).
-    {"TENSORTIER_HUGE_PAGES", "huge_pages", SettingKind::kChoice, "auto", 0, 0, 0, 1, "auto 0 1",
+    {"TENSORTIER_HUGE_PAGES", "huge_pages", SettingKind::kChoice, "auto", 0, 0, 0, 1,
+     kHugePagesWords,
      "page-aligned buffers of 4 MiB+ ask for transparent huge pages (1) or not (0); auto: reused "
      "buffers do, buffers filled once do unless the VM reports free pages to its host"},
     // CUDA tensors (DeviceFile, DeviceTransfer, DiskOffloader).
-    {"TENSORTIER_GDS", "gds", SettingKind::kChoice, "off", 0, 0, 0, 1, "off auto on require",
+    {"TENSORTIER_GDS", "gds", SettingKind::kChoice, "off", 0, 0, 0, 1, kGdsWords,
      "CUDA tensors of IOHandle and DiskOffloader: off (the pinned bounce ring), auto (GPUDirect "
      "Storage where cuFile opens the file outside compatibility mode, else the ring), on or "
      "require (cuFile, or an error)"},
-    {"TENSORTIER_BOUNCE_SLOTS", "bounce_slots", SettingKind::kCount, "8", 8, 1, 4096, 1, "",
+    {"TENSORTIER_BOUNCE_SLOTS", "bounce_slots", SettingKind::kCount, "8", 8, 1, 4096, 1, {},
      "slots (chunks in flight) per pinned bounce ring of a CUDA transfer"},
     {"TENSORTIER_BOUNCE_SLOT_SIZE", "bounce_slot_bytes", SettingKind::kSize, "8M", 8ull << 20,
-     4096, 1ull << 40, 4096, "",
+     4096, 1ull << 40, 4096, {},
      "bytes per bounce ring slot"},
-    {"TENSORTIER_BOUNCE_RINGS", "bounce_rings", SettingKind::kCount, "4", 4, 1, 4096, 1, "",
+    {"TENSORTIER_BOUNCE_RINGS", "bounce_rings", SettingKind::kCount, "4", 4, 1, 4096, 1, {},
      "bounce rings (concurrent CUDA transfers) per IOHandle; a DiskOffloader makes one per "
      "directory, at least 2, unless this is set"},
     {"TENSORTIER_CUDA_LIBRARY", "cuda_library", SettingKind::kText, "libcuda.so.1", 0, 0, 0, 1,
-     "", "the CUDA driver library loaded at run time"},
+     {}, "the CUDA driver library loaded at run time"},
     {"TENSORTIER_CUFILE_LIBRARY", "cufile_library", SettingKind::kText, "libcufile.so.0", 0, 0,
-     0, 1, "", "the cuFile library loaded at run time (only where the CUDA driver sees a device)"},
+     0, 1, {}, "the cuFile library loaded at run time (only where the CUDA driver sees a device)"},
 };
 // clang-format on
 
