@@ -17,6 +17,7 @@
 #include "paths.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/shared/shared_checkpoint.hpp"
+#include "tensortier/shared/shared_exchange.hpp"
 #include "tensortier/shared/shared_store.hpp"
 #include "tensortier/shared/shared_tensor.hpp"
 #include "tensortier/util/strings.hpp"
@@ -95,6 +96,16 @@ struct SharedDeviceKeeper {
   std::shared_ptr<void> hold;
 };
 
+py::tuple SplitsTuple(const SharedRowExchange::Splits& splits) {
+  return py::make_tuple(splits.send, splits.recv);
+}
+
+// The exchange's buffer as writable bytes; valid until its next step.
+py::memoryview BufferView(const SharedRowExchange::Buffer& b) {
+  static uint8_t none = 0;
+  return py::memoryview::from_memory(b.bytes == 0 ? &none : b.data, static_cast<ssize_t>(b.bytes));
+}
+
 py::tuple PartitionTuple(const SharedPartition& p) {
   return py::make_tuple(p.rank, p.row_begin, p.rows, p.bytes,
                         reinterpret_cast<uintptr_t>(p.address));
@@ -134,46 +145,52 @@ void RegisterShared(py::module_& m) {
       "Where tensor `key` of a torch.save file lies: ((dtype, shape, offset, nbytes), []) with "
       "torch's dtype name and an absolute offset, or (None, [every key]) when there is no such "
       "tensor. ValueError for a file or tensor that cannot be read in place (the reason).");
-  // Row copies and routing on raw addresses (torch tensors' data_ptr()): the distributed
-  // layout's local work, done here rather than through torch's byte-view indexing.
-  m.def(
-      "gather_rows",
-      [](uintptr_t table, uint64_t table_rows, uint64_t row_bytes, uint64_t first_row,
-         uintptr_t indices, size_t count, uintptr_t out) {
-        py::gil_scoped_release release;
-        GatherRows(reinterpret_cast<const void*>(table), table_rows, row_bytes, first_row,
-                   reinterpret_cast<const int64_t*>(indices), count, reinterpret_cast<void*>(out));
-      },
-      py::arg("table"), py::arg("table_rows"), py::arg("row_bytes"), py::arg("first_row"),
-      py::arg("indices"), py::arg("count"), py::arg("out"),
-      "out[i] = table[indices[i] - first_row] for rows of row_bytes; IndexError if out of range.");
-  m.def(
-      "scatter_rows",
-      [](uintptr_t table, uint64_t table_rows, uint64_t row_bytes, uint64_t first_row,
-         uintptr_t indices, size_t count, uintptr_t in) {
-        py::gil_scoped_release release;
-        ScatterRows(reinterpret_cast<void*>(table), table_rows, row_bytes, first_row,
-                    reinterpret_cast<const int64_t*>(indices), count,
-                    reinterpret_cast<const void*>(in));
-      },
-      py::arg("table"), py::arg("table_rows"), py::arg("row_bytes"), py::arg("first_row"),
-      py::arg("indices"), py::arg("count"), py::arg("values"),
-      "table[indices[i] - first_row] = values[i] for rows of row_bytes; IndexError if out of "
-      "range.");
-  m.def(
-      "route_rows",
-      [](uintptr_t indices, size_t count, const std::vector<uint64_t>& ends, uintptr_t order) {
-        RowRoute route;
-        {
-          py::gil_scoped_release release;
-          route = RouteRows(reinterpret_cast<const int64_t*>(indices), count, ends,
-                            reinterpret_cast<int64_t*>(order));
-        }
-        return py::make_tuple(route.counts, route.bad);
-      },
-      py::arg("indices"), py::arg("count"), py::arg("ends"), py::arg("order"),
-      "Groups a batch by owning rank: writes the stable order to `order`; returns (rows per "
-      "rank, position of the first index out of range or -1).");
+  // The distributed layout's rounds: the bookkeeping here, the all-to-alls in Python (through
+  // torch.distributed) over the exchange's buffers.
+  py::class_<SharedRowExchange>(m, "SharedRowExchange")
+      .def(py::init<std::vector<uint64_t>, int, uint64_t>(), py::arg("ends"), py::arg("rank"),
+           py::arg("row_bytes"))
+      .def(
+          "route",
+          [](SharedRowExchange& x, uintptr_t indices, size_t count, bool scatter) {
+            SharedRowExchange::Splits splits;
+            {
+              py::gil_scoped_release release;
+              splits = x.Route(reinterpret_cast<const int64_t*>(indices), count,
+                               scatter ? SharedRowExchange::kScatter : SharedRowExchange::kGather);
+            }
+            return SplitsTuple(splits);
+          },
+          py::arg("indices"), py::arg("count"), py::arg("scatter"),
+          "Step 1 of a round: the requests for rows `indices`; (send splits, recv splits) in "
+          "int64s of the buffers.")
+      .def("read_requests", &SharedRowExchange::ReadRequests,
+           py::call_guard<py::gil_scoped_release>(),
+           "Step 2: True when an overflow all-to-all (late_splits) must run first. IndexError "
+           "naming the ranks that passed an index out of range.")
+      .def("late_splits", [](const SharedRowExchange& x) { return SplitsTuple(x.LateSplits()); })
+      .def(
+          "serve",
+          [](SharedRowExchange& x, uintptr_t local, uintptr_t values) {
+            SharedRowExchange::Splits splits;
+            {
+              py::gil_scoped_release release;
+              splits = x.Serve(reinterpret_cast<const uint8_t*>(local),
+                               reinterpret_cast<const uint8_t*>(values));
+            }
+            return SplitsTuple(splits);
+          },
+          py::arg("local"), py::arg("values"),
+          "Step 3: the rows this rank sends; (send splits, recv splits) in rows.")
+      .def(
+          "finish",
+          [](SharedRowExchange& x, uintptr_t local, uintptr_t out) {
+            py::gil_scoped_release release;
+            x.Finish(reinterpret_cast<uint8_t*>(local), reinterpret_cast<uint8_t*>(out));
+          },
+          py::arg("local"), py::arg("out"), "Step 4: the rows received, written.")
+      .def("send_buffer", [](const SharedRowExchange& x) { return BufferView(x.send_buffer()); })
+      .def("recv_buffer", [](const SharedRowExchange& x) { return BufferView(x.recv_buffer()); });
 
   py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "SharedStore").def(py::init<>());
 

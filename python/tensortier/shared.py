@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import errno
+import math
 import operator
 import os
 import threading
@@ -274,6 +275,8 @@ def _cuda_tensor_over(address: int, nbytes: int, keeper: Any, dtype: torch.dtype
         return torch.empty(shape, dtype=dtype, device=device)
     raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=device)
     return raw.view(dtype).view(shape)
+
+
 def _missing_key(path: str, key: str, keys: Sequence[str]) -> str:
     """The KeyError message for a checkpoint without `key`: the keys it has (the first ones)."""
     shown = ", ".join(repr(k) for k in keys[:20])
@@ -290,138 +293,30 @@ def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> tor
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
 
-#: Bytes of rows in flight that a distributed tensor keeps buffers for between calls.
-_SCRATCH_LIMIT = 256 << 20
-
-
-def _next_capacity(capacity: int, count: int) -> int:
-    """Index slots for the next request between two ranks, from the rows asked this time:
-    unchanged while the count fits and uses a quarter of them, else the count plus slack. Both
-    ends of a pair compute it from the same count, so they agree without talking."""
-    if count > capacity or 4 * count < capacity:
-        return count + count // 4 + 16
-    return capacity
-
-
 #: One collective round at a time per process: every distributed tensor moves its rows through
 #: the default process group, whose collectives pair up by the order each process issues them.
 _ROUND_LOCK = threading.Lock()
-
-_GATHER, _SCATTER = 0, 1
-_HEADER = 4  # int64s ahead of a pair's request: rows asked, bad index, overflow, gather/scatter
 
 
 class _Distributed:
     """A ``distributed`` tensor's state: this rank's rows in private memory; other ranks' rows
     come and go through all-to-all collectives of ``torch.distributed`` (Gloo on CPU).
 
-    Every gather or scatter is one round: two all-to-alls in the steady state, the requests
-    (each rank's indices for each other rank, behind a header of counts, flags and the call's
-    kind, in as many slots as the pair agreed from earlier rounds), then the rows. Indices that
-    do not fit their slots travel in one more all-to-all, which every rank then makes (the header
-    says whether any rank needs it), and the pair's slots grow.
-
-    Rounds pair up across ranks by their order in each process, not by the call that made them:
-    a rank's gather may meet another rank's scatter (threads of one process calling at once run
-    in any order). A round therefore serves every kind: rows go to the ranks that gather and
-    come from the ranks that scatter. Rounds of one process run one at a time (``_ROUND_LOCK``:
-    the slots, the scratch buffers and the collectives' order are shared)."""
+    Every gather or scatter is one round: an all-to-all of the requests (the indices each rank
+    asks of each other), one more when a pair's index slots were too few, then one of the rows.
+    The bookkeeping is C++'s (``_core.SharedRowExchange``: which rows go where, in what buffers);
+    here are only the collectives. Rounds pair up across ranks by their order in each process, so
+    a rank's gather may meet another's scatter (a round serves both); rounds of one process run
+    one at a time (``_ROUND_LOCK``)."""
 
     def __init__(self, name: str, rank: int, parts: list[tuple[int, int]], local: torch.Tensor):
         self.name = name
         self.rank = rank
         self.parts = parts
-        self.ends = [end for _, end in parts]
         self.local: torch.Tensor | None = local
-        self.dtype = local.dtype
         self.row_shape = tuple(local.shape[1:])
-        self.row_elems = 1
-        for d in self.row_shape:
-            self.row_elems *= d
-        self.row_bytes = self.row_elems * local.element_size()
-        world = len(parts)
-        self.send_slots = [0] * world  # index slots for what this rank asks of rank r
-        self.recv_slots = [0] * world  # index slots for what rank r asks of this rank
-        # Buffers for rows in flight, kept between rounds: fresh ones of a large batch would
-        # be faulted in and zeroed by the kernel on every call.
-        self.scratch: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 3
-
-    def _rows_buffer(self, which: int, rows: int) -> torch.Tensor:
-        """Scratch buffer `which` (0, 1 or 2) as `rows` rows of this tensor's dtype."""
-        nbytes = rows * self.row_bytes
-        if nbytes > _SCRATCH_LIMIT:  # a rare huge batch: not kept
-            return torch.empty((rows, *self.row_shape), dtype=self.dtype)
-        if self.scratch[which].numel() < nbytes:
-            self.scratch[which] = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8)
-        return self.scratch[which][:nbytes].view(self.dtype).view((rows, *self.row_shape))
-
-    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
-        """A byte view of the rows of contiguous `t` (no copy): Gloo moves few dtypes, all have
-        bytes."""
-        return t.reshape(t.shape[0], self.row_elems).view(torch.uint8)
-
-    def _route(
-        self, idx: torch.Tensor, kind: int
-    ) -> tuple[torch.Tensor, list[int], list[int], list[int], torch.Tensor]:
-        """Groups `idx` by owner and sends each owner its indices and this call's `kind`.
-        Returns the grouping order, the rows this rank asks of each rank, the rows each rank
-        asks of this one, each rank's kind, and those requested rows (global indices, grouped
-        by asking rank). Every rank learns whether any rank passed an index out of range, so all
-        raise together (none is left in a collective)."""
-        import torch.distributed as dist
-
-        world = len(self.parts)
-        n = idx.numel()
-        order = torch.empty(n, dtype=torch.int64)
-        counts, bad = _core.route_rows(idx.data_ptr(), n, self.ends, order.data_ptr())
-        grouped = idx.index_select(0, order) if bad < 0 else idx[:0]
-        overflow = any(c > s for c, s in zip(counts, self.send_slots))
-        pieces: list[torch.Tensor] = []
-        extra: list[torch.Tensor] = []
-        at = 0
-        for r in range(world):
-            fit = min(counts[r], self.send_slots[r])
-            head = [counts[r], int(bad >= 0), int(overflow), kind]
-            pieces.append(torch.tensor(head, dtype=torch.int64))
-            pieces.append(grouped[at : at + fit])
-            if fit < self.send_slots[r]:
-                pieces.append(torch.zeros(self.send_slots[r] - fit, dtype=torch.int64))
-            extra.append(grouped[at + fit : at + counts[r]])
-            at += counts[r]
-        send = torch.cat(pieces)
-        recv = torch.empty(_HEADER * world + sum(self.recv_slots), dtype=torch.int64)
-        dist.all_to_all_single(recv, send, [_HEADER + s for s in self.recv_slots],
-                               [_HEADER + s for s in self.send_slots])
-        heads = [0] * world
-        for r in range(1, world):
-            heads[r] = heads[r - 1] + _HEADER + self.recv_slots[r - 1]
-        header = recv[torch.tensor(heads, dtype=torch.int64)[:, None]
-                      + torch.arange(_HEADER)].tolist()
-        offenders = [r for r in range(world) if header[r][1]]
-        if offenders:
-            raise IndexError(
-                f"rank {','.join(map(str, offenders))} passed an index out of range for a "
-                f"shared tensor of {self.ends[-1]} rows (nothing was moved)"
-            )
-        asked = [h[0] for h in header]
-        kinds = [h[3] for h in header]
-        fits = [min(c, s) for c, s in zip(asked, self.recv_slots)]
-        late: torch.Tensor | None = None
-        if any(h[2] for h in header):
-            late = torch.empty(sum(asked) - sum(fits), dtype=torch.int64)
-            dist.all_to_all_single(late, torch.cat(extra), [a - f for a, f in zip(asked, fits)],
-                                   [c - min(c, s) for c, s in zip(counts, self.send_slots)])
-        parts: list[torch.Tensor] = []
-        taken = 0
-        for r in range(world):
-            parts.append(recv[heads[r] + _HEADER : heads[r] + _HEADER + fits[r]])
-            if late is not None and asked[r] > fits[r]:
-                parts.append(late[taken : taken + asked[r] - fits[r]])
-                taken += asked[r] - fits[r]
-        requested = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-        self.send_slots = [_next_capacity(s, c) for s, c in zip(self.send_slots, counts)]
-        self.recv_slots = [_next_capacity(s, a) for s, a in zip(self.recv_slots, asked)]
-        return order, counts, asked, kinds, requested
+        self.row_bytes = local.element_size() * math.prod(self.row_shape)
+        self.exchange = _core.SharedRowExchange([end for _, end in parts], rank, self.row_bytes)
 
     def round(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's gather (`values` None: returns rows `idx`) or scatter (writes `values`,
@@ -431,75 +326,23 @@ class _Distributed:
             local = self.local
             if local is None:
                 raise RuntimeError("the shared tensor was closed (finalized)")
-            return self._round(local, idx, values)
+            ex, n = self.exchange, idx.numel()
+            self._all_to_all(*ex.route(idx.data_ptr(), n, values is not None), 8)
+            if ex.read_requests():
+                self._all_to_all(*ex.late_splits(), 8)
+            self._all_to_all(*ex.serve(local.data_ptr(), 0 if values is None else values.data_ptr()),
+                             self.row_bytes)
+            out = None if values is not None else torch.empty((n, *self.row_shape), dtype=local.dtype)
+            ex.finish(local.data_ptr(), 0 if out is None else out.data_ptr())
+            return out
 
-    def _round(
-        self, local: torch.Tensor, idx: torch.Tensor, values: torch.Tensor | None
-    ) -> torch.Tensor | None:
+    def _all_to_all(self, send_splits: list[int], recv_splits: list[int], width: int) -> None:
+        """One all-to-all of the exchange's buffers, in pieces of `width` bytes."""
         import torch.distributed as dist
 
-        world = len(self.parts)
-        kind = _GATHER if values is None else _SCATTER
-        order, counts, asked, kinds, requested = self._route(idx, kind)
-        begin, end = self.parts[self.rank]
-        n = idx.numel()
-        none = [0] * world
-        starts = _offsets(asked)  # where each rank's request lies in `requested`
-        serve = [a if k == _GATHER else 0 for a, k in zip(asked, kinds)]  # rows sent back
-        write = [a if k == _SCATTER else 0 for a, k in zip(asked, kinds)]  # rows written here
-        back = counts if kind == _GATHER else none  # rows the owners send this rank
-        own = counts if kind == _SCATTER else none  # rows this rank writes to their owners
-
-        served_idx = requested if not any(write) else _take(requested, starts, serve)
-        served = self._rows_buffer(0, served_idx.numel())
-        _core.gather_rows(local.data_ptr(), end - begin, self.row_bytes, begin,
-                          served_idx.data_ptr(), served_idx.numel(), served.data_ptr())
-        send = served
-        if kind == _SCATTER:
-            assert values is not None
-            mine = self._rows_buffer(2, n)  # grouped by owner
-            _core.gather_rows(values.data_ptr(), n, self.row_bytes, 0, order.data_ptr(), n,
-                              mine.data_ptr())
-            send = mine
-            if any(serve):  # to each rank: the rows it gathers, then this rank's writes
-                pieces: list[torch.Tensor] = []
-                for r, (s_at, m_at) in enumerate(zip(_offsets(serve), _offsets(own))):
-                    pieces += [served[s_at : s_at + serve[r]], mine[m_at : m_at + own[r]]]
-                send = torch.cat(pieces)
-        # From each rank: the rows this rank gathers from it, then the rows it writes here.
-        recv_counts = [b + w for b, w in zip(back, write)]
-        got = self._rows_buffer(1, sum(recv_counts))
-        dist.all_to_all_single(self._bytes(got), self._bytes(send), recv_counts,
-                               [s + o for s, o in zip(serve, own)])
-        at = _offsets(recv_counts)
-        if any(write):
-            written = got if not any(back) else _take(got, [a + b for a, b in zip(at, back)], write)
-            rows = requested if not any(serve) else _take(requested, starts, write)
-            _core.scatter_rows(local.data_ptr(), end - begin, self.row_bytes, begin,
-                               rows.data_ptr(), rows.numel(), written.data_ptr())
-        if kind == _SCATTER:
-            return None
-        fetched = got if not any(write) else _take(got, at, back)
-        out = torch.empty((n, *self.row_shape), dtype=self.dtype)
-        # out[order[i]] = fetched[i]: rows come back grouped by owner.
-        _core.scatter_rows(out.data_ptr(), n, self.row_bytes, 0, order.data_ptr(), n,
-                           fetched.data_ptr())
-        return out
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    """Where each of pieces of `counts` rows laid end to end starts."""
-    at, out = 0, []
-    for c in counts:
-        out.append(at)
-        at += c
-    return out
-
-
-def _take(t: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
-    """Pieces ``t[starts[i] : starts[i] + lengths[i]]`` laid end to end (contiguous)."""
-    pieces = [t[s : s + n] for s, n in zip(starts, lengths) if n]
-    return torch.cat(pieces) if pieces else t[:0].contiguous()
+        send = _tensor_over(self.exchange.send_buffer(), torch.uint8, (sum(send_splits), width))
+        recv = _tensor_over(self.exchange.recv_buffer(), torch.uint8, (sum(recv_splits), width))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits)
 
 
 class SharedTensor:
@@ -784,10 +627,7 @@ class SharedTensor:
         return local.reshape(-1).view(torch.uint8) if local.numel() else torch.empty(0, dtype=torch.uint8)
 
     def _row_bytes(self) -> int:
-        n = torch.empty((), dtype=self._dtype).element_size()
-        for d in self._shape[1:]:
-            n *= d
-        return n
+        return torch.empty((), dtype=self._dtype).element_size() * math.prod(self._shape[1:])
 
     def _read_rows(self, sources: list[tuple[str, int, int]], what: str) -> dict[str, Any]:
         """Reads this rank's rows from `sources`, ``(path, offset, length)`` pieces whose
@@ -1074,11 +914,8 @@ class Group:
                 f"default group is rank {dist.get_rank()} of {dist.get_world_size()}"
             )
         self._core.agree(list(dims), str(dtype), element_size, "distributed", name)
-        row_elems = 1
-        for d in dims[1:]:
-            row_elems *= d
-        parts = [tuple(p) for p in _core.partition_rows(dims[0], row_elems * element_size,
-                                                         self.world_size)]
+        row_bytes = math.prod(dims[1:]) * element_size
+        parts = [tuple(p) for p in _core.partition_rows(dims[0], row_bytes, self.world_size)]
         begin, end = parts[self.rank]
         t = SharedTensor.__new__(SharedTensor)
         t._core, t._dtype, t._shape, t._group_settle = None, dtype, dims, self._settle

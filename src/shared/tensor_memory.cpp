@@ -1,0 +1,62 @@
+#include "tensortier/shared/tensor_memory.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/shared/unix_socket.hpp"
+
+namespace tensortier {
+
+SharedTensor::Memory::~Memory() {
+  device_mappings.clear();
+  device_allocations.clear();
+  device_range.reset();
+  registrations.clear();  // CUDA lets go of the pages before they are unmapped
+  if (reserved != nullptr) ::munmap(reserved, reserved_bytes);
+  for (auto [address, length] : mappings) ::munmap(address, length);
+}
+
+void SharedTensor::Memory::Reserve(uint64_t span, uint64_t align, const std::string& key) {
+  const uint64_t ask = AlignUp(span, align) + align;
+  void* raw = ::mmap(nullptr, ask, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) ThrowIoError(errno, "reserve address range for", key, 0, ask);
+  auto base = reinterpret_cast<uintptr_t>(raw);
+  uintptr_t aligned = AlignUp(base, align);
+  if (aligned > base) ::munmap(raw, aligned - base);
+  reserved = reinterpret_cast<uint8_t*>(aligned);
+  reserved_bytes = ask - (aligned - base);
+}
+
+std::string ShmemHugePolicy() {
+  shared::UniqueFd fd(
+      ::open("/sys/kernel/mm/transparent_hugepage/shmem_enabled", O_RDONLY | O_CLOEXEC));
+  if (!fd) return "";
+  char text[256];
+  ssize_t n = ::read(fd.get(), text, sizeof(text) - 1);
+  if (n <= 0) return "";
+  std::string all(text, static_cast<size_t>(n));
+  size_t open = all.find('['), close = all.find(']');
+  if (open == std::string::npos || close == std::string::npos || close < open) return "";
+  return all.substr(open + 1, close - open - 1);
+}
+
+bool ShmemHugeOnAdvice(const std::string& policy) {
+  return policy == "advise" || policy == "always" || policy == "within_size" || policy == "force";
+}
+
+void PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;
+#endif
+  if (::madvise(address, length, MADV_POPULATE_WRITE) == 0) return;
+  for (uint64_t at = 0; at < length; at += page) {
+    reinterpret_cast<volatile uint8_t*>(address)[at] = 0;  // the memfd is zero-filled
+  }
+}
+
+}  // namespace tensortier
