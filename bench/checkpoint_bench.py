@@ -375,13 +375,13 @@ class _HugePageTensors:
             return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes,
                                     offset=misalign).view(dtype)
 
-        self._saved = checkpoint._host_alloc
-        checkpoint._host_alloc = alloc
+        self._saved = checkpoint.mapping._host_alloc
+        checkpoint.mapping._host_alloc = alloc
 
     def __exit__(self, *exc: object) -> None:
         from tensortier import checkpoint
 
-        checkpoint._host_alloc = self._saved
+        checkpoint.mapping._host_alloc = self._saved
 
 
 def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any] | None]:
@@ -404,7 +404,7 @@ def load_tool(s: Settings, tool: str, warm: bool) -> tuple[float, dict[str, Any]
     if tool == "safetensors":
         from safetensors.torch import load_file  # imported before the timing, as torch is
     if tool.startswith("tt-") and not s.child:
-        from tensortier.checkpoint import _default_io
+        from tensortier.checkpoint._engine import _default_io
 
         held = (handle or _default_io()).bounce_bytes
         log(f"    {tool}: engine holds {held / (1 << 20):.0f} MiB of bounce buffers at the start")

@@ -31,16 +31,16 @@ def main() -> None:
     try:
         for r in range(args.repeats):
             for mode in list(samples) if r % 2 == 0 else list(samples)[::-1]:
-                checkpoint._DurableFile._free_in_background = (  # noqa: SLF001 - the A/B switch
+                checkpoint._writing._DurableFile._free_in_background = (  # noqa: SLF001 - the A/B switch
                     mode == "freed after the save")
-                checkpoint._wait_for_replaced_files()  # noqa: SLF001 - start from quiet
+                checkpoint._writing._wait_for_replaced_files()  # noqa: SLF001 - start from quiet
                 os.sync()
                 time.sleep(2)
                 start = time.perf_counter()
                 tensortier.save(sd, path)
                 samples[mode].append(total / (time.perf_counter() - start) / 1e9)
     finally:
-        checkpoint._DurableFile._free_in_background = True  # noqa: SLF001
+        checkpoint._writing._DurableFile._free_in_background = True  # noqa: SLF001
         os.unlink(path)
     for mode, v in samples.items():
         print(f"{mode}: median {statistics.median(v):.2f} GB/s ("

@@ -77,9 +77,5 @@ int RunExtents(const std::vector<std::string>& argv);
 const char* ExtentsHelp();
 // "1 tensor", "3 tensors": `n` and `noun`, plural unless n is 1.
 std::string Count(uint64_t n, const std::string& noun);
-// 8 lowercase hex digits, as CRC-32s are shown.
-std::string Hex8(uint32_t v);
-// 16 lowercase hex digits, as checksums are stored in safetensors metadata.
-std::string Hex16(uint64_t v);
 
 }  // namespace tensortier::cli

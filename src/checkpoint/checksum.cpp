@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cstdio>
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -330,6 +331,18 @@ uint32_t Crc32(const void* data, size_t len, uint32_t crc) noexcept {
       : detail::CrcMethodAvailable(CrcMethod::kPclmul) ? CrcMethod::kPclmul
                                                        : CrcMethod::kTable;
   return detail::Crc32With(best, data, len, crc);
+}
+
+std::string Hex8(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08x", v);
+  return buf;
+}
+
+std::string Hex16(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
 }
 
 }  // namespace tensortier

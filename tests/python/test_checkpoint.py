@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import internals
 import tensortier
 from tensortier import IOHandle, checkpoint
-from tensortier.checkpoint import _common, _format, _reading, loading_into, mapping
+from tensortier.checkpoint import _dtype, _format, _reading, loading_into, mapping
 
 # scripts/setup.sh installs safetensors: a missing one must fail the suite, not skip it.
 import safetensors.torch as st  # noqa: E402
@@ -486,19 +487,18 @@ def test_dtype_conversion_frees_each_original_once_converted(
     memory holds the converted tensors plus one group. torch files (storages may be shared)
     are read whole, then converted a tensor at a time: memory must not grow from one
     conversion to the next."""
-    from tensortier import checkpoint
 
     mib = 1 << 20
     sd = {f"w{i}": torch.randn(16 * mib + i) for i in range(8)}  # 64 MiB each
     sd["tied"] = sd["w0"]  # one tensor under two names: loaded as one, converted once
     resident: list[int] = []
-    real_convert = checkpoint._convert
+    real_convert = internals._convert
 
     def measuring_convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         resident.append(_resident_bytes())
         return real_convert(t, dtype)
 
-    monkeypatch.setattr(_common, "_convert", measuring_convert)
+    monkeypatch.setattr(_dtype, "_convert", measuring_convert)
     for name in ("c.safetensors", "c.pt"):
         if name.endswith(".pt"):
             tensortier.save(sd, disk_dir / name)
@@ -526,12 +526,11 @@ def test_dtype_conversion_frees_each_original_once_converted(
 
 
 def test_convert_in_place_keeps_shared_objects_shared() -> None:
-    from tensortier import checkpoint
 
     t = torch.randn(4)
     inner = [t, torch.arange(3)]
     obj = {"a": t, "b": inner, "c": (t, inner), "d": inner, "s": "text"}
-    out = checkpoint._convert_in_place(obj, torch.float16)
+    out = internals._convert_in_place(obj, torch.float16)
     assert out is obj and out["b"] is inner and out["d"] is inner and out["c"][1] is inner
     assert out["a"].dtype == torch.float16 and out["a"] is out["b"][0] is out["c"][0]
     assert out["b"][1].dtype == torch.int64 and out["s"] == "text"
@@ -561,7 +560,7 @@ def test_loaded_tensors_own_exact_page_placed_storages(disk_dir: Path) -> None:
     sd = {"big": torch.randn(300_000), "odd": torch.randn(262_145).double(),
           "small": torch.arange(5)}
     tensortier.save(sd, disk_dir / "m.safetensors")
-    entries, _ = checkpoint._read_st_header(str(disk_dir / "m.safetensors"))
+    entries, _ = internals._read_st_header(str(disk_dir / "m.safetensors"))
     out = tensortier.load(disk_dir / "m.safetensors")
     for e in entries:
         t = out[e.name]
@@ -686,18 +685,18 @@ def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyP
           "empty": torch.empty(0), "mid": torch.randn(5000).double()}
     path = disk_dir / "m.safetensors"
     tensortier.save(sd, path, checksum=True)
-    entries, metadata = checkpoint._read_st_header(str(path))
-    sums = checkpoint._parse_checksums(str(path), metadata, [e.name for e in entries])
-    io = checkpoint._default_io()
+    entries, metadata = internals._read_st_header(str(path))
+    sums = internals._parse_checksums(str(path), metadata, [e.name for e in entries])
+    io = internals._default_io()
     f = io.open(path, "r")
     out = {e.name: torch.full((e.nbytes // e.dtype.itemsize,), 7, dtype=torch.uint8).view(e.dtype)
            if e.dtype.itemsize == 1 else torch.zeros(e.nbytes // e.dtype.itemsize, dtype=e.dtype)
            for e in entries}
-    pieces = [checkpoint._Piece(e.name, f, e.offset, e.nbytes, out[e.name],
-                                checkpoint._xxh64_check(str(path), e.name, sums[e.name]))
+    pieces = [internals._Piece(e.name, f, e.offset, e.nbytes, out[e.name],
+                                internals._xxh64_check(str(path), e.name, sums[e.name]))
               for e in entries]
-    progress = checkpoint._Progress("x", sum(p.nbytes for p in pieces), False)
-    checkpoint._read_device_checked(io, pieces, progress, str(path))
+    progress = internals._Progress("x", sum(p.nbytes for p in pieces), False)
+    internals._read_device_checked(io, pieces, progress, str(path))
     assert progress.done == sum(p.nbytes for p in pieces)
     # The copy stream waits for the current stream (where the destinations were allocated).
     assert [s.waited_for for s in _FakeStream.created] == [[_FakeStream.current]]
@@ -846,7 +845,7 @@ def test_load_into_converts_dtypes_like_load_state_dict(
     want[1].bias.data = want[1].bias.data.float()
     want.load_state_dict(src.state_dict())
     groups: list[int] = []
-    real = checkpoint._staged_groups
+    real = internals._staged_groups
 
     def spy(staged: list) -> object:
         for group in real(staged):

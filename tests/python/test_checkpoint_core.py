@@ -18,7 +18,7 @@ import pytest
 
 import tensortier
 from tensortier import _core
-from tensortier.checkpoint import _sniff
+from internals import _sniff
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")

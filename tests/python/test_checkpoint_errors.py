@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import internals
 import tensortier
 from tensortier import IOHandle, checkpoint
 from tensortier.checkpoint import _format, _reading, safetensors, unpickler
@@ -303,7 +304,7 @@ def test_verify_detects_flipped_byte_safetensors(disk_dir: Path) -> None:
     sd = {"first": torch.randn(1024), "victim": torch.randn(2048), "last": torch.arange(3)}
     path = disk_dir / "c.safetensors"
     tensortier.save(sd, path, checksum=True)
-    entries, _ = checkpoint._read_st_header(str(path))
+    entries, _ = internals._read_st_header(str(path))
     victim = next(e for e in entries if e.name == "victim")
     flip_byte(path, victim.offset + 4097)
     tensortier.load(path)  # without verify the damage goes unseen
@@ -399,7 +400,7 @@ def test_verify_of_files_without_a_header_checksum(disk_dir: Path) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415 - optional peer
 
     save_file({"t": t}, str(path), metadata={
-        checkpoint.CHECKSUM_KEY: json.dumps({"t": f"{checkpoint._xxh64(t):016x}"})})
+        checkpoint.CHECKSUM_KEY: json.dumps({"t": f"{internals._xxh64(t):016x}"})})
     assert torch.equal(tensortier.load(path, verify=True)["t"], t)
     from test_cli_convert import run
 
@@ -427,7 +428,7 @@ def test_a_record_whose_crc32_is_zero_is_checked(disk_dir: Path) -> None:
 
     r = verify_cli()
     assert r is None or r.returncode == 0, r
-    rec = checkpoint._zip_records(str(path))
+    rec = internals._zip_records(str(path))
     x_rec = next(r for name, r in rec.items() if name.endswith("data/0"))
     assert x_rec.crc32 == 0 and x_rec.archive_has_crcs
     with open(path, "r+b") as f:  # flip a bit of x: its CRC no longer matches 0
@@ -464,7 +465,7 @@ def test_concurrent_saves_replacing_files(disk_dir: Path) -> None:
     assert errors == []
     for i in range(3):
         assert tensortier.load(disk_dir / f"m{i}.safetensors")["w"][0].item() == 39.0
-    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    internals._wait_for_replaced_files()  # noqa: SLF001
     assert leftovers(disk_dir) == []
 
 
@@ -516,7 +517,7 @@ def test_checksum_metadata_is_read_by_the_rules_of_tensortier_verify(
     name given twice refused (json.loads kept the last, int(v, 16) took "0x", "_", spaces)."""
     save_file = pytest.importorskip("safetensors.torch").save_file  # optional peer
     a = torch.arange(10, dtype=torch.float32)
-    good = f"{checkpoint._xxh64(a):016x}"  # noqa: SLF001
+    good = f"{internals._xxh64(a):016x}"  # noqa: SLF001
     text, accepted = _stored_checksum_cases(good)[case]
     path = disk_dir / "c.safetensors"
     save_file({"a": a}, str(path), metadata={checkpoint.CHECKSUM_KEY: text})
@@ -723,15 +724,15 @@ def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
         raise OSError(errno.EIO, "injected fdatasync failure")
 
     with monkeypatch.context() as m:
-        m.setattr(checkpoint._DurableFile, "commit", lambda self: fail())
+        m.setattr(internals._DurableFile, "commit", lambda self: fail())
         with pytest.raises(OSError, match="injected"):
             tensortier.save({"w": torch.zeros(10)}, path)
     assert path.read_bytes() == before and leftovers(disk_dir) == []
 
     calls = []
-    real_write = checkpoint._Writer.add
+    real_write = internals._Writer.add
 
-    def fail_mid_way(self: checkpoint._Writer, *args: object, **kwargs: object) -> None:
+    def fail_mid_way(self: internals._Writer, *args: object, **kwargs: object) -> None:
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt  # even an interrupt leaves no partial file
@@ -753,7 +754,7 @@ def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
             raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(checkpoint._Writer, "add", fail_mid_way)
+        m.setattr(internals._Writer, "add", fail_mid_way)
         m.setattr(_core, "write_gathered", gathered_then_interrupt)
         m.setattr(_core, "TorchFileWriter", InterruptedWriter)
         with pytest.raises(KeyboardInterrupt):
@@ -825,7 +826,7 @@ def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
     second.join(0.3)
     assert second.is_alive()  # waits for the first replaced file to be freed
     second.join()
-    checkpoint._wait_for_replaced_files()  # noqa: SLF001 - the test's own wait
+    internals._wait_for_replaced_files()  # noqa: SLF001 - the test's own wait
     assert _descriptors_of(f"{path} (deleted)") == []
     assert tensortier.load(path)["w"].tolist() == [1.0] * 10
     assert leftovers(disk_dir) == []
@@ -853,7 +854,7 @@ def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(disk_dir:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
-        checkpoint._wait_for_replaced_files()  # noqa: SLF001
+        internals._wait_for_replaced_files()  # noqa: SLF001
     assert _descriptors_of(f"{path} (deleted)") == []
 
 
@@ -863,7 +864,7 @@ def test_failed_rename_releases_the_replaced_file(disk_dir: Path) -> None:
     io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "steps": ["rename"]})
     with pytest.raises(OSError, match="rename failed"):
         tensortier.save({"w": torch.zeros(4)}, path, _io=io)
-    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    internals._wait_for_replaced_files()  # noqa: SLF001
     assert _descriptors_of(str(path)) == []
     assert tensortier.load(path)["w"].tolist() == [1.0] * 4
     assert leftovers(disk_dir) == []
@@ -894,7 +895,7 @@ def test_each_failed_step_of_a_save_keeps_the_old_checkpoint(
     assert _SAVE_STEPS[step] in str(info.value) and str(path) in str(info.value), info.value
     assert io._file_system.faults_injected == 1  # noqa: SLF001
     assert path.read_bytes() == before
-    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    internals._wait_for_replaced_files()  # noqa: SLF001
     assert leftovers(disk_dir) == []
     assert torch.equal(tensortier.load(path)["w"], old["w"])
 
@@ -921,7 +922,7 @@ def test_a_failed_directory_fsync_is_reported_after_the_rename(disk_dir: Path, n
         tensortier.save({"w": torch.zeros(7)}, path, _io=io)
     assert info.value.errno == errno.EIO and str(path) in str(info.value)
     assert torch.equal(tensortier.load(path)["w"], torch.zeros(7))
-    checkpoint._wait_for_replaced_files()  # noqa: SLF001
+    internals._wait_for_replaced_files()  # noqa: SLF001
     assert leftovers(disk_dir) == []
 
 
@@ -1061,7 +1062,7 @@ def test_a_file_replaced_while_loading_is_read_from_one_version(
     tensortier.save(old, path)
     tensortier.save(new, other)
     name = "_read_st_header" if suffix == ".safetensors" else "_unpickle_torch"
-    real = getattr(checkpoint, name)
+    real = getattr(internals, name)
 
     def parse_then_replace(*args: object, **kwargs: object) -> object:
         out = real(*args, **kwargs)
@@ -1138,11 +1139,11 @@ def test_a_failed_device_read_still_waits_for_the_other_reads(
             self.count += 1
             return Future(self.count - 1)
 
-    pieces = [checkpoint._Piece(f"t{i}", None, 0, 16, torch.zeros(16, dtype=torch.uint8))
+    pieces = [internals._Piece(f"t{i}", None, 0, 16, torch.zeros(16, dtype=torch.uint8))
               for i in range(3)]
-    progress = checkpoint._Progress("x", 48, False)
+    progress = internals._Progress("x", 48, False)
     with pytest.raises(RuntimeError, match="injected"):
-        checkpoint._read_batched(FakeIO(), pieces, progress, "m.safetensors")  # type: ignore[arg-type]
+        internals._read_batched(FakeIO(), pieces, progress, "m.safetensors")  # type: ignore[arg-type]
     assert waited == [0, 1, 2]
 
 
@@ -1158,14 +1159,14 @@ def test_device_pieces_go_to_the_engine_unless_they_carry_a_checksum(
     monkeypatch.setattr(_reading, "_read_device_checked",
                         lambda io, ps, prog, path: seen.setdefault("pinned", [p.name for p in ps]))
 
-    def piece(name: str, device: str, checked: bool) -> checkpoint._Piece:
-        return checkpoint._Piece(name, None, 0, 4, torch.empty(4, device=device),
+    def piece(name: str, device: str, checked: bool) -> internals._Piece:
+        return internals._Piece(name, None, 0, 4, torch.empty(4, device=device),
                                  (lambda data: None) if checked else None)
 
     pieces = [piece("cpu", "cpu", False), piece("cpu-checked", "cpu", True),
               piece("dev", "meta", False), piece("dev-checked", "meta", True)]
-    progress = checkpoint._Progress("x", 16, False)
-    checkpoint._read_pieces(None, pieces, progress, "m")  # type: ignore[arg-type]
+    progress = internals._Progress("x", 16, False)
+    internals._read_pieces(None, pieces, progress, "m")  # type: ignore[arg-type]
     assert seen == {"engine": ["cpu", "cpu-checked", "dev"], "pinned": ["dev-checked"]}
 
 
@@ -1209,7 +1210,7 @@ def _huge_view_file(disk_dir: Path, misaligned: bool) -> Path:
     for pad in range(4):  # bytes after the pickle's STOP shift the record; pickle ignores them
         bad = disk_dir / f"huge{pad}.pt"
         rezip(ok, bad, replace={"data.pkl": data + b"\0" * pad, "data/0": b"\0" * 16})
-        offset = next(r.offset for n, r in checkpoint._zip_records(str(bad)).items()
+        offset = next(r.offset for n, r in internals._zip_records(str(bad)).items()
                       if n.endswith("data/0"))
         if (offset % 4 != 0) == misaligned:
             return bad
@@ -1267,7 +1268,7 @@ def test_sparse_tensors_load_with_invariant_checks_after_meta_passes(disk_dir: P
     check_sparse_tensor_invariants the next load would fail reading them."""
     path = disk_dir / "sparse.pt"
     torch.save({"s": torch.eye(3).to_sparse(), "d": torch.ones(2)}, path)
-    checkpoint._unpickle_torch(str(path), torch.device("meta"))
+    internals._unpickle_torch(str(path), torch.device("meta"))
     with torch.sparse.check_sparse_tensor_invariants():
         out = tensortier.load(path)
     assert torch.equal(out["s"].to_dense(), torch.eye(3))

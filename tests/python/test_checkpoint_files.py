@@ -76,10 +76,10 @@ def kill_mid_save(path: Path, nbytes: int) -> int:
     and before the rename; returns its pid."""
     r = python(f"""
         import os, signal, torch, tensortier
-        from tensortier import checkpoint
+        from tensortier.checkpoint import _writing
         def killed(self):
             os.kill(os.getpid(), signal.SIGKILL)
-        checkpoint._DurableFile.commit = killed
+        _writing._DurableFile.commit = killed
         print(os.getpid(), flush=True)
         tensortier.save({{"w": torch.ones({nbytes // 4})}}, {str(path)!r})
     """)

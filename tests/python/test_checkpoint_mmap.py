@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import internals
 import tensortier
-from tensortier import checkpoint
-from tensortier.checkpoint import _common, mapping, safetensors, unpickler
+from tensortier.checkpoint import mapping, safetensors, unpickler
 
 pytest.importorskip("safetensors")
 import safetensors.torch as st  # noqa: E402
@@ -150,7 +150,7 @@ def test_verify_detects_a_flipped_byte(disk_dir: Path) -> None:
         if name.endswith(".safetensors"):
             offset = 4096 + 100
         else:
-            records = checkpoint._zip_records(str(path))
+            records = internals._zip_records(str(path))
             offset = next(r.offset for n, r in records.items() if n.endswith("data/0")) + 100
         raw[offset] ^= 0x40
         path.write_bytes(bytes(raw))
@@ -165,12 +165,12 @@ def test_ranges_past_the_end_are_errors_not_sigbus(disk_dir: Path) -> None:
     with tensortier.IOHandle() as io:
         f = io.open(path)
         try:
-            budget = checkpoint._Readahead()
-            checkpoint._map_file(f, str(path), [("a", 0, size)], budget)  # the whole file: fine
+            budget = internals._Readahead()
+            internals._map_file(f, str(path), [("a", 0, size)], budget)  # the whole file: fine
             with pytest.raises(ValueError, match="file ended early.*'a'"):
-                checkpoint._map_file(f, str(path), [("a", size - 8, 16)], budget)
+                internals._map_file(f, str(path), [("a", size - 8, 16)], budget)
             with pytest.raises(ValueError, match="'a' has offset -8"):
-                checkpoint._map_file(f, str(path), [("a", -8, 16)], budget)
+                internals._map_file(f, str(path), [("a", -8, 16)], budget)
         finally:
             f.close()
 
@@ -184,7 +184,7 @@ def test_file_truncated_after_its_header_was_read(
     path = disk_dir / name
     tensortier.save({"a": torch.randn(100_000)}, path)
     parser = "_read_st_header" if name.endswith(".safetensors") else "_torch_records"
-    real = getattr(checkpoint, parser)
+    real = getattr(internals, parser)
 
     def parse_then_truncate(*args: object, **kwargs: object) -> object:
         parsed = real(*args, **kwargs)
@@ -238,11 +238,10 @@ def test_big_endian_torch_file(disk_dir: Path) -> None:
 def test_swap_bytes_matches_torchs_byteswap(dtype: torch.dtype) -> None:
     """Big-endian files loaded to a GPU are swapped there by tensor operations (torch's
     byteswap writes through the storage's pointer on the host); same bytes as torch's."""
-    from tensortier import checkpoint
 
     raw = torch.randint(0, 256, (37 * dtype.itemsize,), dtype=torch.uint8)
     ours, theirs = raw.clone(), raw.clone()
-    checkpoint._swap_bytes(ours.untyped_storage(), dtype)
+    internals._swap_bytes(ours.untyped_storage(), dtype)
     theirs.untyped_storage().byteswap(dtype)
     assert torch.equal(ours, theirs)
     if dtype.itemsize > 1:
@@ -299,7 +298,7 @@ def test_mmap_with_a_cuda_device_is_refused(disk_dir: Path, monkeypatch: pytest.
                                              ) -> None:
     path = disk_dir / "m.safetensors"
     tensortier.save({"a": torch.randn(10)}, path)
-    monkeypatch.setattr(_common, "_target_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(mapping, "_target_device", lambda device: torch.device("cuda", 0))
     with pytest.raises(ValueError, match="mmap=True .* needs device='cpu'"):
         tensortier.load(path, device="cuda:0", mmap=True)
 

@@ -671,14 +671,14 @@ def test_data_pkl_is_read_once(disk_dir: Path, command: str) -> None:
     import shutil
 
     import tensortier
-    from tensortier import checkpoint
+    import internals
 
     strace = shutil.which("strace")
     if strace is None:
         pytest.skip("strace is not installed")
     path = disk_dir / "m.pt"
     tensortier.save({"a": torch.ones(1000), "b": torch.arange(5)}, path, checksum=True)
-    records, prefix = checkpoint._torch_records(str(path))
+    records, prefix = internals._torch_records(str(path))
     pkl = records[prefix + "data.pkl"]
     log = disk_dir / "strace.log"
     args = [path, disk_dir / "m.safetensors"] if command == "convert" else [path]

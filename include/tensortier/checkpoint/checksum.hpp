@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace tensortier {
 
@@ -31,6 +32,11 @@ class Xxh64State {
 // The fastest method this CPU has: carry-less multiply folding (AVX-512 VPCLMULQDQ, else
 // PCLMULQDQ) for the bulk, slicing-by-8 tables for the rest.
 uint32_t Crc32(const void* data, size_t len, uint32_t crc = 0) noexcept;
+
+// 8 lowercase hex digits, as CRC-32s are shown.
+std::string Hex8(uint32_t v);
+// 16 lowercase hex digits, as xxh64 checksums are stored in safetensors metadata.
+std::string Hex16(uint64_t v);
 
 namespace detail {
 // The ways Crc32() can compute (tests check each one the CPU has against the others).

@@ -38,12 +38,15 @@ Checksums (``save(..., checksum=True)``, checked by ``load(..., verify=True)``):
   overrides. ``verify=True`` also checks plain ``torch.save`` files.
 
 The package holds one module per concept: ``_format`` (constants, settings, dtype shapes,
-format detection), ``_common`` (engine, devices, dtypes, checksums), ``mapping`` (allocation,
-memory maps, placement), ``_writing`` and ``_reading`` (engine I/O), ``_progress``,
+format detection), ``_engine`` (the process's engine), ``_files`` (file objects, the file a
+descriptor names), ``_dtype`` (conversion to a dtype), ``_tensor_bytes`` (tensor bytes and their
+checksums), ``mapping`` (allocation, memory maps, devices and placement), ``_writing`` and
+``_reading`` (engine I/O), ``_progress``,
 ``safetensors``, ``unpickler`` (torch.save zips read without torch.load), ``torch_save``,
 ``index`` (shard indexes), and ``saving``, ``loading`` and ``loading_into`` (the public
 functions).
 Module-level settings (``_GROUP_BYTES``...) are read from their owning module at each use.
+The package exports its public API only; tests reach private names through their modules.
 """
 
 from __future__ import annotations
@@ -53,23 +56,8 @@ from .loading_into import IncompatibleKeys, StateDictMismatchError, load_into
 from .saving import save
 from .unpickler import WeightsOnlyUnpicklingError
 
-# Names reached through the package (each lives in the module named). Settings such as
-# _GROUP_BYTES are not repeated here: they are read from their module at each use.
-from ._format import _sniff, ALIGNMENT, CHECKSUM_KEY, HEADER_CHECKSUM_KEY  # noqa: F401
-from ._common import _convert, _convert_in_place, _default_io, _target_device, _xxh64  # noqa: F401
-from ._progress import _Progress  # noqa: F401
-from .mapping import _available_memory, _host_alloc, _map_file, _Readahead  # noqa: F401
-from ._writing import _DurableFile, _wait_for_replaced_files, _Writer  # noqa: F401
-from ._reading import (# noqa: F401
-    _Piece,
-    _pinned_buffer,
-    _read_batched,
-    _read_device_checked,
-    _read_pieces,
-)
-from .unpickler import _swap_bytes, _torch_records, _unpickle_torch, _zip_records  # noqa: F401
-from .safetensors import _parse_checksums, _read_st_header, _xxh64_check  # noqa: F401
-from .loading_into import _staged_groups  # noqa: F401
+# Constants of the file formats (their values live in C++, include/tensortier/checkpoint/safetensors.hpp).
+from ._format import ALIGNMENT, CHECKSUM_KEY, HEADER_CHECKSUM_KEY  # noqa: F401
 
 __all__ = [
     "IncompatibleKeys",

@@ -121,3 +121,30 @@ def _sniff(path: str) -> str:
     # By content (a directory, a FIFO or a device is refused, never waited on): the rule the CLI
     # follows.
     return str(_require("detect_checkpoint_kind")(path))
+
+
+def _save_format(path: PathLike, format: str | None) -> str:
+    if format is not None:
+        if format not in ("safetensors", "torch"):
+            raise ValueError(f"format must be 'safetensors' or 'torch', not {format!r}")
+        return format
+    named = _require("format_of_suffix")(os.fspath(path))
+    if named is not None:
+        return str(named)
+    raise ValueError(
+        f"cannot tell the format from the name {os.fspath(path)!r}: use a .safetensors or .pt "
+        "suffix, or pass format='safetensors' or format='torch'"
+    )
+
+
+def _st_dtype_maps() -> tuple[dict[Any, str], dict[str, Any]]:
+    """torch.dtype -> safetensors dtype and back, for the C++ table's dtypes safetensors stores."""
+    dtypes = _torch_dtypes()
+    to_st: dict[Any, str] = {}
+    from_st: dict[str, Any] = {}
+    for row in _require("dtypes")():
+        dt = dtypes.get(row["name"])
+        if dt is not None and row["safetensors"]:
+            to_st[dt] = row["safetensors"]
+            from_st[row["safetensors"]] = dt
+    return to_st, from_st

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..io import IOFuture, IOHandle
 from . import _format
-from ._common import _as_bytes
+from ._tensor_bytes import _as_bytes
 from ._format import _require, _T, _torch, ALIGNMENT
 from ._progress import _Progress
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from .. import _core
 from ..io import File, IOFuture, IOHandle
-from . import _common, _format
-from ._common import _nbytes
+from . import _engine, _format
+from ._tensor_bytes import _nbytes
 from ._format import PathLike
 
 
@@ -75,7 +75,7 @@ def _read_at(file: File, size: int, offset: int, io: IOHandle | None = None) -> 
     if size == 0:
         return b""
     buf = bytearray(size)
-    got = (io if io is not None else _common._default_io()).pread(buf, file, offset)
+    got = (io if io is not None else _engine._default_io()).pread(buf, file, offset)
     return bytes(memoryview(buf)[:got])
 
 

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 from ..io import IOHandle
-from . import _common
-from ._common import _is_file_object, _memfd_copy, _renamed, _target_dtype
+from . import _engine, mapping
+from ._dtype import _target_dtype
+from ._files import _is_file_object, _memfd_copy, _renamed
 from ._format import _sniff, _torch, PathLike
 from .._paths import fspath as _fspath
 from .index import _load_index
@@ -129,7 +130,7 @@ def load(
                 "mmap=True maps CPU tensors: use map_location='cpu' with it, not a "
                 f"{type(map_location).__name__}"
             )
-    dev = _common._target_device(device if device is not None else "cpu")
+    dev = mapping._target_device(device if device is not None else "cpu")
     target_dtype = _target_dtype(dtype)
     if mmap is None:  # torch.load's default: its setting, where a mapping can serve the load
         mmap = placement is None and dev.type == "cpu" and _torch_default_mmap()
@@ -153,12 +154,12 @@ def load(
             f"mmap=True maps the file into host memory: it needs device='cpu', not {dev} "
             "(load to the GPU with mmap=False: its bytes go there without host copies)"
         )
-    io = _io if _io is not None else _common._default_io()
+    io = _io if _io is not None else _engine._default_io()
     with contextlib.ExitStack() as stack:
         streamed = _is_file_object(path, "read")
         fspath = stack.enter_context(_memfd_copy(path)) if streamed else _fspath(path)
         try:
-            with _common._gc_paused():
+            with _engine._gc_paused():
                 return _load_path(fspath, dev, target_dtype, verify, progress, io, mmap,
                                   placement, streamed)
         except ValueError as e:

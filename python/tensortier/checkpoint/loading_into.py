@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..io import File, IOHandle
-from . import _common, _format, _reading, safetensors, unpickler
-from ._common import _a, _checksum_mismatch, _crc32, _nbytes, _same_file
+from . import _engine, _format, _reading, safetensors, unpickler
+from ._files import _same_file
+from ._tensor_bytes import _checksum_mismatch, _crc32, _nbytes
 from ._format import _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
 from ._progress import _Progress
@@ -19,6 +20,11 @@ from ._writing import _open_checkpoint
 from .index import _read_index, _take_shard
 from .safetensors import _xxh64_check
 from .unpickler import _crc_check, _StorageRef, _verifiable, _verify_other_records
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article, for messages ("an OrderedDict", "a dict")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 class IncompatibleKeys(NamedTuple):
@@ -109,7 +115,7 @@ def load_into(
             f"load_into: {len(meta)} target(s) on the meta device, e.g. {meta[:4]}: give them "
             "memory first (module.to_empty(device='cpu'))"
         )
-    io = _io if _io is not None else _common._default_io()
+    io = _io if _io is not None else _engine._default_io()
     fspath = _fspath(path)
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
     try:

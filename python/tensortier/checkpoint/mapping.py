@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..io import File
-from . import _common, _format
-from ._common import _as_bytes, _storage_bytes
+from . import _format
+from ._tensor_bytes import _as_bytes, _storage_bytes
 from ._format import _torch, ALIGNMENT
 
 
@@ -164,7 +164,7 @@ class _Placement:
     def device_for(self, location: str) -> Any:
         if self.mapping is not None:
             target = self.mapping.get(location, location)
-            return _common._target_device(str(target) if not isinstance(target, str) else target)
+            return _target_device(str(target) if not isinstance(target, str) else target)
         return _torch().device("cpu")  # read there, then given to `restore`
 
     def restored(self, storage: Any, location: str) -> Any:
@@ -172,7 +172,7 @@ class _Placement:
         assert self.restore is not None
         result = self.restore(storage, location)
         if result is None:  # torch's default: where it was saved
-            dev = _common._target_device(location)
+            dev = _target_device(location)
             if dev.type == "cpu":
                 return storage
             placed = torch.UntypedStorage(storage.nbytes(), device=dev)
@@ -194,3 +194,24 @@ class _Placement:
             return t
         out = torch.empty(0, dtype=t.dtype, device=storage.device)
         return out.set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+def _target_device(device: Any) -> Any:
+    torch = _torch()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a device: {e}") from e
+    if dev.type in ("cpu", "meta"):  # meta: shapes and dtypes only, as torch.load gives them
+        return torch.device(dev.type)
+    if dev.type != "cuda":
+        raise ValueError(f"device {str(dev)!r} is not supported: use 'cpu', 'cuda:N' or 'meta'")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(dev)!r} was asked for but CUDA is not available "
+            "(torch.cuda.is_available() is False): load with device='cpu'"
+        )
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(dev)!r}: there are only {torch.cuda.device_count()} GPUs")
+    return torch.device("cuda", index)

@@ -12,8 +12,11 @@ from typing import Any
 
 from .. import _core
 from ..io import File, IOHandle
-from . import _common, _format, _reading, mapping
-from ._common import _as_bytes, _checksum_mismatch, _converts, _nbytes, _same_file, _st_dtype_maps
+from . import _dtype, _format, _reading, _tensor_bytes, mapping
+from ._dtype import _converts
+from ._files import _same_file
+from ._format import _st_dtype_maps
+from ._tensor_bytes import _as_bytes, _checksum_mismatch, _nbytes
 from ._format import (
     _require,
     _st_per_torch_element,
@@ -211,7 +214,7 @@ def _save_safetensors(
                     continue
                 data, staged = _host_contiguous(v.detach())
                 if checksum:
-                    sums[k] = _common._xxh64(data)
+                    sums[k] = _tensor_bytes._xxh64(data)
                 writer.add(_as_bytes(data), data_start + starts[i], staged)
             writer.finish()
         except BaseException:
@@ -294,10 +297,11 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
                 f"{path}: tensor {name!r} has dtype {dt}, which this torch cannot hold"
             )
         torch_shape = _torch_shape(name, dt, shape, path) if dt in packed else tuple(shape)
-        if math.prod(torch_shape) * dtype.itemsize != end - begin:
+        need = math.prod(torch_shape) * dtype.itemsize
+        if need != end - begin:
             raise ValueError(
                 f"{path}: tensor {name!r}: shape {tuple(shape)} of {dt} needs "
-                f"{numel * dtype.itemsize} bytes, the header gives {end - begin}"
+                f"{need} bytes, the header gives {end - begin}"
             )
         out.append(_STEntry(name, dtype, torch_shape, data_start + begin, end - begin))
     return out, dict(metadata)
@@ -307,7 +311,7 @@ def _xxh64_check(path: str, name: str, expected: int | None) -> Callable[[Any], 
     def check(data: Any) -> None:
         if expected is None:
             raise ValueError(f"{path}: verify=True but tensor {name!r} has no stored checksum")
-        actual = _common._xxh64(data)
+        actual = _tensor_bytes._xxh64(data)
         if actual != expected:
             raise _checksum_mismatch(path, name, "xxh64", expected, actual)
 
@@ -338,7 +342,7 @@ def _load_safetensors_at(
         if dev.type == "meta":  # shapes and dtypes only: no byte is read
             torch = _torch()
             return {
-                e.name: _common._convert(torch.empty(e.shape, dtype=e.dtype, device=dev), dtype)
+                e.name: _dtype._convert(torch.empty(e.shape, dtype=e.dtype, device=dev), dtype)
                 for e in entries
             }
         sums = _parse_checksums(path, metadata, [e.name for e in entries]) if verify else None
@@ -351,7 +355,7 @@ def _load_safetensors_at(
                 if verify:
                     _xxh64_check(path, e.name, sums.get(e.name))(t)
                 mapped_out[e.name] = t
-            return _common._convert_in_place(mapped_out, dtype) if dtype is not None else mapped_out
+            return _dtype._convert_in_place(mapped_out, dtype) if dtype is not None else mapped_out
         total = sum(e.nbytes for e in entries)
         prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
         out: dict[str, Any] = {}
@@ -409,5 +413,5 @@ def _read_st_group(
         check(t)
     _reading._read_pieces(io, pieces, prog, path, close_progress=False)
     if dtype is not None:
-        return {k: _common._convert(t, dtype) for k, t in out.items()}
+        return {k: _dtype._convert(t, dtype) for k, t in out.items()}
     return out

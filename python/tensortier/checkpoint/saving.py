@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 from ..io import IOHandle
-from . import _common
-from ._common import _is_file_object, _save_format, _STREAM_CHUNK
+from . import _engine
+from ._files import _is_file_object, _STREAM_CHUNK
+from ._format import _save_format
 from ._format import PathLike
 from .._paths import fspath
 from .safetensors import _save_safetensors
@@ -80,9 +81,9 @@ def save(
             raise TypeError("metadata must be a mapping of str to str")
     if not isinstance(checksum, bool):
         raise TypeError(f"checksum must be a bool, not {type(checksum).__name__}")
-    io = _io if _io is not None else _common._default_io()
+    io = _io if _io is not None else _engine._default_io()
     try:
-        with _common._gc_paused():
+        with _engine._gc_paused():
             if fmt == "safetensors":
                 _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
             else:

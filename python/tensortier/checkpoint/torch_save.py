@@ -12,7 +12,7 @@ from typing import Any
 
 from ..io import IOHandle
 from . import unpickler
-from ._common import _crc32, _storage_bytes
+from ._tensor_bytes import _crc32, _storage_bytes
 from ._format import _require, _torch, _torch_dtypes, ALIGNMENT, PathLike
 from ._writing import _DurableFile, _Writer
 from .unpickler import _ZipRecord

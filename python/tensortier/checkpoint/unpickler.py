@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..io import File, IOHandle
-from . import _common, _format, _reading, mapping
-from ._common import _as_bytes, _checksum_mismatch, _crc32, _same_file, _storage_bytes
+from . import _dtype, _engine, _format, _reading, mapping
+from ._files import _same_file
+from ._tensor_bytes import _as_bytes, _checksum_mismatch, _crc32, _storage_bytes
 from ._format import _quantized_dtypes, _require, _torch, _torch_dtypes, ALIGNMENT
 from ._progress import _Progress
 from ._reading import _Piece
@@ -120,7 +121,7 @@ def _fill_now(
     torch = _torch()
     dest = _storage_bytes(ref.storage)
     host = dest if dest.device.type == "cpu" else torch.empty(ref.nbytes, dtype=torch.uint8)
-    reader = io if io is not None else _common._default_io()
+    reader = io if io is not None else _engine._default_io()
     file = _open_checkpoint(reader, path)
     try:
         got = reader.pread(host, file, ref.record.offset) if ref.nbytes else 0
@@ -162,7 +163,7 @@ def _unpickle_torch(
     from torch import _weights_only_unpickler as wou
 
     records, prefix = archive if archive is not None else _torch_records(path)
-    file = _open_checkpoint(io if io is not None else _common._default_io(), path)
+    file = _open_checkpoint(io if io is not None else _engine._default_io(), path)
     try:
         pkl = _read_record(path, file, records, prefix + "data.pkl", verify, io)
         big_endian = False
@@ -481,7 +482,7 @@ def _load_torch(
                 file, path, lambda name: _require("torch_zip_entries")(name, True))
             if plain is not None:
                 obj = _load_plain_dict(path, file, plain, progress, io)
-                return _common._convert_in_place(obj, dtype) if dtype is not None else obj
+                return _dtype._convert_in_place(obj, dtype) if dtype is not None else obj
             archive = _records(entries), prefix + "/"
         if mapped is not None:
             archive = _same_file(file, path, _torch_records)
@@ -538,7 +539,7 @@ def _load_torch(
         validate()
     if dtype is not None:
         del storages, refs, pieces  # the originals' last references are obj's
-        obj = _common._convert_in_place(obj, dtype)
+        obj = _dtype._convert_in_place(obj, dtype)
     return obj
 
 

@@ -1,0 +1,62 @@
+"""Where a checkpoint's bytes are when it is not a path: file objects (copied through anonymous
+memory), and the one file an open descriptor names (so a header describes the bytes read)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..io import File
+from ._format import _T
+
+
+# File objects are copied to and from temporary files this many bytes at a time.
+_STREAM_CHUNK = 8 << 20
+
+
+def _is_file_object(obj: Any, method: str) -> bool:
+    """A file object given where a path may be (as torch.save/torch.load take them)."""
+    return not isinstance(obj, (str, bytes, os.PathLike)) and callable(getattr(obj, method, None))
+
+
+@contextlib.contextmanager
+def _memfd_copy(stream: Any) -> Iterator[str]:
+    """`stream` from its position to its end in anonymous memory, as a path the engine opens."""
+    fd = os.memfd_create("tensortier-load", os.MFD_CLOEXEC)
+    try:
+        with open(fd, "wb", closefd=False) as out:
+            shutil.copyfileobj(stream, out, _STREAM_CHUNK)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def _same_file(file: File, path: str, parse: Callable[[str], _T]) -> _T:
+    """``parse(name)`` where `name` is exactly the file `file` has open (its /proc/self/fd link):
+    the header or zip directory then describes the bytes the engine reads, even if `path` is
+    replaced meanwhile (an atomic save by another process). Messages name `path`."""
+    proc = f"/proc/self/fd/{file.fileno()}"
+    if not os.path.exists(proc):
+        return parse(path)
+    try:
+        return parse(proc)
+    except (OSError, ValueError) as e:
+        if proc not in str(e):
+            raise
+        message = str(e).replace(proc, path)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, message) from e
+        raise _renamed(e, message) from e
+
+
+def _renamed(e: ValueError, message: str) -> ValueError:
+    """`e`'s type with `message` (the file named as the caller gave it): code catches the types
+    (``WeightsOnlyUnpicklingError`` as ``pickle.UnpicklingError``, as from ``torch.load``).
+    Types that need more than a message (``UnicodeDecodeError``) become a plain ValueError."""
+    try:
+        return type(e)(message)
+    except TypeError:
+        return ValueError(message)
