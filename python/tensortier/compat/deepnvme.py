@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from .. import _core
 from .._paths import fspath
+from ..device import _cufile_registration
 from ..io import IOFuture, IOHandle
 
 __all__ = [
@@ -89,11 +90,13 @@ def _nbytes(buffer: Any) -> int:
 
 
 def _integer(
-    value: Any, what: str, name: str, minimum: int, bits: int | None = None
+    value: Any, what: str, name: str, minimum: int, bits: int | None = None,
+    unsigned: bool = False,
 ) -> int:
     """`value` as an int (numpy and torch integers too, as DeepSpeed's pybind11 bindings take
     them); ValueError below `minimum`, TypeError for what is not an integer (or, with `bits`,
-    does not fit a signed C integer of that many bits, as pybind11 refuses it)."""
+    does not fit a C integer of that many bits, signed unless `unsigned`, as pybind11 refuses
+    it)."""
     if isinstance(value, bool):
         raise TypeError(f"{what}: {name} must be an integer, not bool")
     try:
@@ -102,8 +105,11 @@ def _integer(
         raise TypeError(
             f"{what}: {name} must be an integer, not {type(value).__name__}"
         ) from None
-    if bits is not None and not -(1 << (bits - 1)) <= number < 1 << (bits - 1):
-        raise TypeError(f"{what}: {name} must fit a signed {bits}-bit integer, not {number}")
+    if bits is not None:
+        low, high = (0, 1 << bits) if unsigned else (-(1 << (bits - 1)), 1 << (bits - 1))
+        if not low <= number < high:
+            kind = "an unsigned" if unsigned else "a signed"
+            raise TypeError(f"{what}: {name} must fit {kind} {bits}-bit integer, not {number}")
     if number < minimum:
         raise ValueError(f"{what}: {name} must be at least {minimum}, not {number}")
     return number
@@ -641,12 +647,10 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         if tensor.device.type != "cuda":
             raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
         address = int(tensor.data_ptr())
-        cufile = _core.cufile()
-        if address in self._pinned or not cufile["available"] or cufile["compat_mode_reason"]:
-            return True
-        nbytes = _nbytes(tensor)
-        if nbytes > 0:
-            self._pinned[address] = (_core.CuFileBuffer(address, nbytes), tensor)
+        if address not in self._pinned:
+            registration = _cufile_registration(address, _nbytes(tensor))
+            if registration is not None:
+                self._pinned[address] = (registration, tensor)
         return True
 
     def unpin_device_tensor(self, tensor: Any) -> bool:
@@ -753,22 +757,9 @@ class pin_handle:  # noqa: N801 - DeepSpeed's name
     def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
         """Frees the locked tensor (of any handle) whose memory starts at `address`, even where
         the tensor's ``.data`` has since been pointed elsewhere; True when there was one."""
-        if isinstance(address, bool):
-            raise TypeError("free_cpu_locked_tensor_by_ptr: address must be an integer, not bool")
-        try:
-            number = operator.index(address)
-        except TypeError:
-            raise TypeError(
-                "free_cpu_locked_tensor_by_ptr: address must be an integer, not "
-                f"{type(address).__name__}"
-            ) from None
-        if not 0 <= number < 1 << _ADDRESS_BITS:
-            # pybind11 refuses what does not fit a uintptr_t likewise.
-            raise TypeError(
-                f"free_cpu_locked_tensor_by_ptr: address must fit an unsigned {_ADDRESS_BITS}-bit "
-                f"integer, not {number}"
-            )
-        return _free_locked(number)
+        return _free_locked(
+            _integer(address, "free_cpu_locked_tensor_by_ptr", "address", 0, _ADDRESS_BITS, True)
+        )
 
     def is_pinned(self, buffer: Any) -> bool:
         """As ``aio_handle.is_pinned``: whether all of `buffer` is page-locked host memory."""
