@@ -14,8 +14,9 @@ CUDA tensors work too: offloading frees their GPU memory (back to torch's cachin
 ``torch.cuda.empty_cache()`` gives it to the driver), reading allocates it again and restores the
 data. Their bytes go between the GPU and the files through a ring of reused pinned bounce buffers
 (disk I/O and PCIe copies overlap; no host copy of the whole tensor is made), or through
-GPUDirect Storage with ``gds=``, on worker threads while the caller goes on; the copies run on
-a stream of their own, after the work queued on the tensor's current stream before the call.
+GPUDirect Storage with ``gds=``, on the C++ threads of a job queue while the caller goes on; the
+copies run on a stream of their own, after the work queued on the tensor's current stream before
+the call.
 """
 
 from __future__ import annotations
