@@ -47,6 +47,19 @@ def cufile_info() -> dict[str, Any]:
     return dict(_core.cufile())
 
 
+def _cufile_registration(address: int, nbytes: int) -> Any:
+    """Device memory registered with cuFile (``_core.CuFileBuffer``), or None where nothing DMAs
+    into registered memory: no bytes, cuFile unavailable, or in its compatibility mode.
+
+    Raises:
+        CuFileError: cuFile is available but refuses the memory.
+    """
+    cufile = _core.cufile()
+    if nbytes == 0 or not cufile["available"] or cufile["compat_mode_reason"]:
+        return None
+    return _core.CuFileBuffer(address, nbytes)
+
+
 def _require_driver(what: str) -> None:
     info = _core.cuda_driver()
     if not info["available"]:

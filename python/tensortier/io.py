@@ -189,10 +189,10 @@ class IOHandle:
     device's current stream) or, with ``gds``, through GPUDirect Storage where cuFile accepts
     the file; the result's ``stats["path"]`` says which. Without a CUDA driver a CUDA tensor raises
     ``CudaError`` naming what is missing. A CUDA transfer follows the work queued on that stream
-    before the call: its copies, queued later from the handle's threads, go on a stream of their
-    own that waits for that work, so work queued afterwards does not hold them up. Until its
-    future completes, that work must not change a tensor being written nor use a tensor being
-    read (as with KvikIO's futures).
+    before the call: its copies, queued later from the C++ threads of its job queue, go on a
+    stream of their own that waits for that work, so work queued afterwards does not hold them
+    up. Until its future completes, that work must not change a tensor being written nor use a
+    tensor being read (as with KvikIO's futures).
 
     Every argument left as ``None`` takes its default, which ``TENSORTIER_*`` environment
     variables override (see :func:`tensortier.defaults`).

@@ -14,8 +14,9 @@ CUDA tensors work too: offloading frees their GPU memory (back to torch's cachin
 ``torch.cuda.empty_cache()`` gives it to the driver), reading allocates it again and restores the
 data. Their bytes go between the GPU and the files through a ring of reused pinned bounce buffers
 (disk I/O and PCIe copies overlap; no host copy of the whole tensor is made), or through
-GPUDirect Storage with ``gds=``, on worker threads while the caller goes on; the copies run on
-a stream of their own, after the work queued on the tensor's current stream before the call.
+GPUDirect Storage with ``gds=``, on the C++ threads of a job queue while the caller goes on; the
+copies run on a stream of their own, after the work queued on the tensor's current stream before
+the call.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ from __future__ import annotations
 import atexit
 import collections
 import errno
-import functools
 import os
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from . import _core
 from ._notes import add_note
+from ._offloaded import (
+    _check_callback, _check_distinct, _check_read_target, _check_sizes, _check_tensor, _Entry,
+    _free, _host_pieces, _require_preserved_storages, _resize, _run_callbacks, _span, _Span,
+)
 from ._paths import fspath, PathArg
 from .io import _gds_mode
 
@@ -54,69 +58,6 @@ _BACKENDS = {"auto": "auto"} | {
 _TENSORNVME_NAMES = dict(_BACKEND_NAMES)
 
 PathLike = PathArg
-
-
-class _Entry:
-    """One offloaded tensor: its key, weak references to the tensor given and to its storage,
-    and while an operation runs, the tensor.
-
-    An entry is found through either: ``param.data`` (a temporary sharing ``param``'s storage)
-    written, then ``param`` read, is one entry; so is a tensor whose storage was replaced
-    (``x.data = ...``) while offloaded. Its data is dropped only when both have died, that is
-    when no tensor can read it back. (torch keeps one Python object per storage for as long as
-    the storage lives.)"""
-
-    __slots__ = ("key", "tensor_id", "tensor_ref", "storage_id", "storage_ref", "storage_gen",
-                 "alive", "nbytes", "state", "tensor", "storage", "callback", "finalizers",
-                 "superseded")
-
-    def __init__(self, key: int, tensor: Any, nbytes: int) -> None:
-        storage = tensor.untyped_storage()
-        self.key = key
-        self.tensor_id = id(tensor)
-        self.tensor_ref = weakref.ref(tensor)
-        self.storage_id = id(storage)
-        self.storage_ref = weakref.ref(storage)
-        self.storage_gen = 0  # +1 when a pinned read gives the tensor a new storage
-        self.alive = {"tensor", "storage"}  # what still can read the data back
-        self.nbytes = nbytes
-        self.state = "writing"  # then "stored", "reading"
-        # Strong while an operation is in flight: the tensor, and the storage whose memory the
-        # operation uses (`x.data = ...` meanwhile must not free it under the engine).
-        self.tensor: Any = tensor
-        self.storage: Any = storage
-        self.callback: Callable[[], None] | None = None
-        self.finalizers: dict[str, weakref.finalize] = {}
-        # A write whose tensor was written again before it was waited for: the later write's
-        # entry holds the tensor; this one only waits for its write, then gives its space back.
-        self.superseded = False
-
-    def watch(self, offloader: "DiskOffloader", part: str, obj: Any) -> None:
-        """Tell `offloader` when `obj` (the tensor or the storage) dies."""
-        old = self.finalizers.pop(part, None)
-        if old is not None:
-            old.detach()
-        gen = self.storage_gen if part == "storage" else 0
-        finalizer = weakref.finalize(obj, _part_died, weakref.ref(offloader), self.key, part, gen)
-        # Not at interpreter exit: depending on import order weakref's exit hook ran before the
-        # offloaders' close, discarding keys in flight and losing data without the warning.
-        finalizer.atexit = False
-        self.finalizers[part] = finalizer
-
-    def detach(self) -> None:
-        for finalizer in self.finalizers.values():
-            finalizer.detach()
-        self.finalizers.clear()
-
-
-def _part_died(
-    offloader_ref: "weakref.ref[DiskOffloader]", key: int, part: str, gen: int
-) -> None:
-    """A stored tensor, or its storage (of generation `gen`), died; once both have, its data can
-    never be read back and its file space is freed."""
-    offloader = offloader_ref()
-    if offloader is not None:
-        offloader._forget(key, part, gen)
 
 
 class DiskOffloader:
@@ -174,24 +115,7 @@ class DiskOffloader:
         if backend not in _BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(sorted(_BACKENDS))}")
         gds = _gds_mode(gds)
-        low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
-        if not isinstance(n_entries, int) or isinstance(n_entries, bool):
-            raise TypeError(
-                f"n_entries must be an integer from {low} to {high} (requests in flight per "
-                f"worker, as TENSORTIER_QUEUE_DEPTH), not {type(n_entries).__name__}"
-            )
-        if not low <= n_entries <= high:
-            raise ValueError(
-                f"n_entries must be from {low} to {high} (requests in flight per worker, as "
-                f"TENSORTIER_QUEUE_DEPTH), not {n_entries}"
-            )
-        if (
-            not isinstance(stripe_threshold, int) or isinstance(stripe_threshold, bool)
-            or not 0 < stripe_threshold < 1 << 64
-        ):
-            raise ValueError(
-                f"stripe_threshold must be a positive integer (bytes), not {stripe_threshold!r}"
-            )
+        _check_sizes(n_entries, stripe_threshold)
         if pin_memory:
             import torch
 
@@ -836,135 +760,6 @@ class DiskOffloader:
             tensor = storage = None
             self._drain_forgotten()
         return errors, callbacks
-
-
-def _check_callback(callback: Any) -> None:
-    """A callback runs after the wait that sees its operation done: refused when given, not
-    then (with the tensor's memory already freed and the error out of place)."""
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
-
-
-def _check_tensor(tensor: Any, what: str) -> None:
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"DiskOffloader can {what} torch tensors only, not {type(tensor).__name__}")
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"tensor is on {tensor.device}; DiskOffloader offloads CPU and CUDA tensors only"
-        )
-    if tensor.is_nested:
-        raise ValueError("nested tensors cannot be offloaded: offload their components")
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"tensor of shape {tuple(tensor.shape)} is not contiguous: only contiguous tensors "
-            "can be offloaded (call .contiguous() first)"
-        )
-
-
-@functools.cache
-def _require_preserved_storages() -> None:
-    """Entries follow storages by identity, and drop their data when the storage's Python object
-    dies: torch must keep one Python object per storage for as long as the storage lives (recent
-    releases do); with a fresh wrapper per call the data would be dropped at once."""
-    import torch
-
-    probe = torch.empty(1)
-    if probe.untyped_storage() is not probe.untyped_storage():
-        raise RuntimeError(
-            f"torch {torch.__version__} makes a new Python object per untyped_storage() call; "
-            "DiskOffloader needs one per storage (newer PyTorch releases keep it): upgrade torch"
-        )
-
-
-def _free(storage: Any) -> None:
-    """Gives an offloaded storage's memory back (0 bytes: nothing to give, and a zero-size
-    tensor's storage may not be resizable, as numpy's)."""
-    if storage.nbytes():
-        storage.resize_(0)
-
-
-def _resize(storage: Any, nbytes: int) -> None:
-    """Gives a storage `nbytes` of memory for a read (a zero-size tensor's storage may not be
-    resizable, as numpy's: it has its 0 bytes already)."""
-    if storage.nbytes() != nbytes:
-        storage.resize_(nbytes)
-
-
-def _run_callbacks(callbacks: Sequence[Callable[[], None]]) -> list[BaseException]:
-    """Runs every callback; returns what they raised (Ctrl-C included), in order."""
-    raised: list[BaseException] = []
-    for cb in callbacks:
-        try:
-            cb()
-        except BaseException as e:  # noqa: BLE001 - the caller raises them after all ran
-            raised.append(e)
-    return raised
-
-
-def _check_read_target(tensor: Any, nbytes: int) -> None:
-    """The read fills `nbytes` at the start of `tensor`'s storage, resized to that: the tensor
-    must still cover a storage of its own of 0 (offloaded) or `nbytes` bytes. Its memory may
-    have been replaced while offloaded (``x.data = ...``, ``set_``, ``resize_``); into a part
-    of a larger storage, the read would write past the tensor (other tensors' memory) or
-    shrink that storage under the tensors using it."""
-    storage = tensor.untyped_storage()
-    size = tensor.numel() * tensor.element_size()
-    if tensor.storage_offset() != 0 or size != nbytes or storage.nbytes() not in (0, nbytes):
-        raise ValueError(
-            f"tensor's memory was replaced while it was offloaded (now {size} bytes at offset "
-            f"{tensor.storage_offset()} of a storage of {storage.nbytes()}): its {nbytes} bytes "
-            "can be read back only into a storage of its own of that size; give it one "
-            f"(x.data = torch.empty_like(x)) and read again"
-        )
-    if nbytes and not storage.resizable():
-        raise ValueError(
-            "tensor's memory was replaced while it was offloaded by memory that cannot be "
-            "resized (numpy or foreign memory); give it a torch storage of its own "
-            "(x.data = torch.empty_like(x)) and read again"
-        )
-
-
-def _check_distinct(tensors: Sequence[Any]) -> None:
-    """One operation moves each storage once."""
-    if len({id(t.untyped_storage()) for t in tensors}) != len(tensors):
-        raise ValueError(
-            "the same tensor (or two tensors of one storage, such as a parameter and its .data) "
-            "is given twice"
-        )
-
-
-def _host_pieces(entries: list[_Entry], tensors: list[Any], device: list[bool]) -> list[Any]:
-    """The (key, address, bytes) the engine moves itself: the tensors not on the device path."""
-    return [
-        (e.key, int(t.data_ptr()), e.nbytes) for e, t, d in zip(entries, tensors, device) if not d
-    ]
-
-
-class _Span(NamedTuple):
-    """Where a device tensor's bytes are, for the C++ transfer."""
-
-    address: int
-    device: int
-    stream: int | None
-    owner: Any  # kept alive while the transfer runs: the tensor and its transfer's stream
-
-
-def _span(tensor: Any) -> _Span:
-    """The device range of `tensor` and a stream of its own for the transfer, ordered after the
-    work queued so far on the current stream, so that work queued after the call does not hold
-    the transfer up (CPU tensors, under the memcpy test copier: host memory, no stream).
-
-    Raises:
-        CudaError: tensortier cannot reach the CUDA driver (the message says what is missing).
-    """
-    if tensor.device.type != "cuda":
-        return _Span(int(tensor.data_ptr()), 0, None, tensor)
-    from .device import device_buffer
-
-    db = device_buffer(tensor, own_stream=True)
-    return _Span(db.address, db.device, db.stream, db.owner)
 
 
 _live: "weakref.WeakSet[DiskOffloader]" = weakref.WeakSet()

@@ -2,6 +2,10 @@
 
 #include <unistd.h>
 
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>

@@ -11,14 +11,12 @@
 //   TransferResult or throws its exception, as often as it is called.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <sys/types.h>
+#include <string>
 
 #include "tensortier/transfer/transfer.hpp"
 

@@ -43,12 +43,13 @@ import operator
 import os
 import threading
 import warnings
-import weakref
 from typing import Any, NamedTuple
 
 from .. import _core
 from .._paths import fspath
+from ..device import _cufile_registration
 from ..io import IOFuture, IOHandle
+from ._locked import _free_locked, _is_pinned, _nbytes, _new_locked
 
 __all__ = [
     "AsyncIOBuilder",
@@ -72,28 +73,18 @@ _O_DIRECT_ALIGNMENT = 512
 _C_INT_BITS = 32
 # file_offset is an int64_t there.
 _OFFSET_BITS = 64
-
-# new_cpu_locked_tensor's tensors, of every aio_handle, gds_handle and pin_handle (DeepSpeed's
-# pinned-tensor manager is one per process, shared by its async_io, gds and pin_memory ops):
-# data_ptr -> (bytes, the tensor's storage, weakly: it lives as long as any view of the tensor,
-# which the tensor's Python object need not). Writes from them are not copied first;
-# free_cpu_locked_tensor frees only them.
-_locked: dict[int, tuple[int, weakref.ref[Any]]] = {}
-_locked_mutex = threading.Lock()
 # A uintptr_t, as free_cpu_locked_tensor_by_ptr takes it.
 _ADDRESS_BITS = 64
 
 
-def _nbytes(buffer: Any) -> int:
-    return int(buffer.numel() * buffer.element_size())
-
-
 def _integer(
-    value: Any, what: str, name: str, minimum: int, bits: int | None = None
+    value: Any, what: str, name: str, minimum: int, bits: int | None = None,
+    unsigned: bool = False,
 ) -> int:
     """`value` as an int (numpy and torch integers too, as DeepSpeed's pybind11 bindings take
     them); ValueError below `minimum`, TypeError for what is not an integer (or, with `bits`,
-    does not fit a signed C integer of that many bits, as pybind11 refuses it)."""
+    does not fit a C integer of that many bits, signed unless `unsigned`, as pybind11 refuses
+    it)."""
     if isinstance(value, bool):
         raise TypeError(f"{what}: {name} must be an integer, not bool")
     try:
@@ -102,8 +93,11 @@ def _integer(
         raise TypeError(
             f"{what}: {name} must be an integer, not {type(value).__name__}"
         ) from None
-    if bits is not None and not -(1 << (bits - 1)) <= number < 1 << (bits - 1):
-        raise TypeError(f"{what}: {name} must fit a signed {bits}-bit integer, not {number}")
+    if bits is not None:
+        low, high = (0, 1 << bits) if unsigned else (-(1 << (bits - 1)), 1 << (bits - 1))
+        if not low <= number < high:
+            kind = "an unsigned" if unsigned else "a signed"
+            raise TypeError(f"{what}: {name} must fit {kind} {bits}-bit integer, not {number}")
     if number < minimum:
         raise ValueError(f"{what}: {name} must be at least {minimum}, not {number}")
     return number
@@ -479,67 +473,6 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         return 0
 
 
-def _new_locked(num_elem: int, example_tensor: Any) -> Any:
-    """``new_cpu_locked_tensor`` of every handle: a tensor in locked memory, in the registry."""
-    import torch
-
-    from .. import aligned_empty
-
-    if torch.cuda.is_available():
-        tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
-    else:
-        tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
-    with _locked_mutex:
-        _locked[int(tensor.data_ptr())] = (_nbytes(tensor), weakref.ref(tensor.untyped_storage()))
-    return tensor
-
-
-def _free_locked(address: int, tensor: Any = None) -> bool:
-    """Frees the live tensor from ``new_cpu_locked_tensor`` at `address` (its storage shrinks to
-    nothing where torch allows, as pinned storages do; page-aligned memory goes with its last
-    reference). A zero-byte one only through `tensor`, a view of it: such tensors may share an
-    address. False, and nothing freed, when there is none."""
-    with _locked_mutex:
-        entry = _locked.get(address)
-        storage = None if entry is None else entry[1]()
-        if storage is None or (
-            entry[0] == 0  # type: ignore[index]
-            and (tensor is None or tensor.untyped_storage() is not storage)
-        ):
-            return False
-        del _locked[address]
-    if storage.resizable():
-        storage.resize_(0)
-    return True
-
-
-def _managed(buffer: Any) -> bool:
-    """Whether all of `buffer`'s bytes lie in one live tensor from ``new_cpu_locked_tensor``
-    (DeepSpeed's manager likewise refuses a buffer that starts in a region and ends past it)."""
-    start = int(buffer.data_ptr())
-    end = start + _nbytes(buffer)
-    with _locked_mutex:
-        for base, (nbytes, ref) in list(_locked.items()):
-            if ref() is None:
-                del _locked[base]
-            elif base <= start and end <= base + nbytes:
-                return True
-    return False
-
-
-def _is_pinned(buffer: Any) -> bool:
-    """``is_pinned`` of every handle: a CPU tensor pinned by torch, in the registry, or (asked
-    of the CUDA driver, where one is loaded) page-locked with CUDA by anyone."""
-    if buffer.device.type != "cpu":
-        return False
-    if bool(buffer.is_pinned()) or _managed(buffer):
-        return True
-    try:
-        return bool(_core.pinned_host(int(buffer.data_ptr()), _nbytes(buffer)))
-    except (RuntimeError, OSError):  # a driver that cannot answer: DeepNVMe's answer, not pinned
-        return False
-
-
 class _Pending(NamedTuple):
     """An operation started, for wait()."""
 
@@ -641,12 +574,10 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         if tensor.device.type != "cuda":
             raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
         address = int(tensor.data_ptr())
-        cufile = _core.cufile()
-        if address in self._pinned or not cufile["available"] or cufile["compat_mode_reason"]:
-            return True
-        nbytes = _nbytes(tensor)
-        if nbytes > 0:
-            self._pinned[address] = (_core.CuFileBuffer(address, nbytes), tensor)
+        if address not in self._pinned:
+            registration = _cufile_registration(address, _nbytes(tensor))
+            if registration is not None:
+                self._pinned[address] = (registration, tensor)
         return True
 
     def unpin_device_tensor(self, tensor: Any) -> bool:
@@ -753,22 +684,9 @@ class pin_handle:  # noqa: N801 - DeepSpeed's name
     def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
         """Frees the locked tensor (of any handle) whose memory starts at `address`, even where
         the tensor's ``.data`` has since been pointed elsewhere; True when there was one."""
-        if isinstance(address, bool):
-            raise TypeError("free_cpu_locked_tensor_by_ptr: address must be an integer, not bool")
-        try:
-            number = operator.index(address)
-        except TypeError:
-            raise TypeError(
-                "free_cpu_locked_tensor_by_ptr: address must be an integer, not "
-                f"{type(address).__name__}"
-            ) from None
-        if not 0 <= number < 1 << _ADDRESS_BITS:
-            # pybind11 refuses what does not fit a uintptr_t likewise.
-            raise TypeError(
-                f"free_cpu_locked_tensor_by_ptr: address must fit an unsigned {_ADDRESS_BITS}-bit "
-                f"integer, not {number}"
-            )
-        return _free_locked(number)
+        return _free_locked(
+            _integer(address, "free_cpu_locked_tensor_by_ptr", "address", 0, _ADDRESS_BITS, True)
+        )
 
     def is_pinned(self, buffer: Any) -> bool:
         """As ``aio_handle.is_pinned``: whether all of `buffer` is page-locked host memory."""

@@ -29,6 +29,7 @@ import threading
 from typing import Any
 
 from .. import _core
+from ..device import _cufile_registration
 from ..io import IOHandle
 
 __all__ = ["GdsFile", "GdsIOError", "gds_deregister_buffer", "gds_register_buffer"]
@@ -91,15 +92,14 @@ def gds_register_buffer(s: Any) -> None:
         TypeError: not a storage. CuFileError: cuFile is available but refuses the memory.
     """
     _check_storage(s, "gds_register_buffer")
-    cufile = _core.cufile()
-    if s.device.type != "cuda" or s.nbytes() == 0 or not cufile["available"]:
-        return
-    if cufile["compat_mode_reason"]:  # no nvidia-fs: nothing DMAs into registered memory
+    if s.device.type != "cuda":
         return
     address = int(s.data_ptr())
     with _lock:
         if address not in _registered:
-            _registered[address] = _core.CuFileBuffer(address, int(s.nbytes()))
+            registration = _cufile_registration(address, int(s.nbytes()))
+            if registration is not None:
+                _registered[address] = registration
 
 
 def gds_deregister_buffer(s: Any) -> None:

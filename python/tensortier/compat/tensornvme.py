@@ -61,8 +61,6 @@ __all__ = [
     "get_backends",
 ]
 
-_C_UINT_MAX = (1 << 32) - 1
-
 # How TensorNVMe keys what a call wrote: one tensor by its id, a vector by its tuple.
 _Key = tuple[str, tuple[int, ...]]
 
@@ -249,15 +247,15 @@ class DiskOffloader(_offload.DiskOffloader):
             self._groups_kept = max(64, len(self._groups))
 
 
-def _unsigned(value: Any, name: str) -> int:
-    """`value` as TensorNVMe's bindings take an unsigned int: anything else is pybind11's
-    TypeError."""
+def _unsigned(value: Any, name: str, bits: int = 32) -> int:
+    """`value` as TensorNVMe's bindings take an unsigned int (or, with `bits=64`, a size_t or
+    unsigned long long): anything else is pybind11's TypeError."""
     try:
         number = operator.index(value)
     except TypeError:
         number = -1
-    if not 0 <= number <= _C_UINT_MAX:
-        raise TypeError(f"{name} must be an unsigned integer (32 bits), not {value!r}")
+    if not 0 <= number < 1 << bits:
+        raise TypeError(f"{name} must be an unsigned integer ({bits} bits), not {value!r}")
     return number
 
 
@@ -394,8 +392,8 @@ class _AsyncFileWriterCore:
     ) -> None:
         """Starts writing `n_bytes` from address `buffer` at `offset`; the memory must stay
         until ``synchronize()``."""
-        address = _unsigned_64(buffer, "buffer")
-        size = _unsigned_64(n_bytes, "n_bytes")
+        address = _unsigned(buffer, "buffer", 64)
+        size = _unsigned(n_bytes, "n_bytes", 64)
         if address == 0 and size > 0:
             raise ValueError("buffer is a null address")
         self._start((ctypes.c_char * size).from_address(address), offset, callback)
@@ -431,7 +429,7 @@ class _AsyncFileWriterCore:
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
         assert self._io is not None
-        future = self._io.pwrite_async(data, self._file, _unsigned_64(offset, "offset"))
+        future = self._io.pwrite_async(data, self._file, _unsigned(offset, "offset", 64))
         self._pending.append((future, callback))
 
     def synchronize(self) -> None:
@@ -599,14 +597,3 @@ class AsyncFileWriter:
         finally:
             os.close(self.fd)
             del self.fd
-
-
-def _unsigned_64(value: Any, name: str) -> int:
-    """`value` as TensorNVMe's bindings take a size_t or unsigned long long."""
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = -1
-    if not 0 <= number < 1 << 64:
-        raise TypeError(f"{name} must be an unsigned integer (64 bits), not {value!r}")
-    return number
