@@ -327,12 +327,14 @@ class _Distributed:
             if local is None:
                 raise RuntimeError("the shared tensor was closed (finalized)")
             ex, n = self.exchange, idx.numel()
-            self._all_to_all(*ex.route(idx.data_ptr(), n, values is not None), 8)
+            self._all_to_all(*ex.route(idx.data_ptr(), n, values is not None), 8)  # the requests
             if ex.read_requests():
-                self._all_to_all(*ex.late_splits(), 8)
-            self._all_to_all(*ex.serve(local.data_ptr(), 0 if values is None else values.data_ptr()),
-                             self.row_bytes)
-            out = None if values is not None else torch.empty((n, *self.row_shape), dtype=local.dtype)
+                self._all_to_all(*ex.late_splits(), 8)  # those past the pairs' slots
+            mine = 0 if values is None else values.data_ptr()
+            self._all_to_all(*ex.serve(local.data_ptr(), mine), self.row_bytes)  # the rows
+            out = None
+            if values is None:
+                out = torch.empty((n, *self.row_shape), dtype=local.dtype)
             ex.finish(local.data_ptr(), 0 if out is None else out.data_ptr())
             return out
 
