@@ -386,5 +386,20 @@ void RegisterShared(py::module_& m) {
           "Collective: every rank says whether its step `what` worked (failure None) or why not. "
           "Returns on a rank that failed (it raises its own error); elsewhere returns when all "
           "worked, else raises RuntimeError naming each failing rank with its text.")
-      .def("close", &SharedGroup::Close, py::call_guard<py::gil_scoped_release>());
+      .def("close", &SharedGroup::Close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("leave_key", &SharedGroup::leave_key)
+      .def("count_out", &SharedGroup::CountOut, py::call_guard<py::gil_scoped_release>(),
+           "Counts this rank out of the store the group met through (see "
+           "shared_wait_for_leavers); never raises.");
+  m.def(
+      "shared_wait_for_leavers",
+      [](std::shared_ptr<Store> store, const std::string& leave_key, int world_size,
+         double timeout_s) {
+        auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+        py::gil_scoped_release release;
+        SharedGroup::WaitForOthersToLeave(*store, leave_key, world_size, timeout);
+      },
+      py::arg("store"), py::arg("leave_key"), py::arg("world_size"), py::arg("timeout_s"),
+      "At exit of the rank serving a group's store: waits (at most timeout_s: a dead rank never "
+      "counts itself out) until the other ranks have counted themselves out; never raises.");
 }

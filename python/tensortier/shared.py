@@ -327,12 +327,14 @@ class _Distributed:
             if local is None:
                 raise RuntimeError("the shared tensor was closed (finalized)")
             ex, n = self.exchange, idx.numel()
-            self._all_to_all(*ex.route(idx.data_ptr(), n, values is not None), 8)
+            self._all_to_all(*ex.route(idx.data_ptr(), n, values is not None), 8)  # the requests
             if ex.read_requests():
-                self._all_to_all(*ex.late_splits(), 8)
-            self._all_to_all(*ex.serve(local.data_ptr(), 0 if values is None else values.data_ptr()),
-                             self.row_bytes)
-            out = None if values is not None else torch.empty((n, *self.row_shape), dtype=local.dtype)
+                self._all_to_all(*ex.late_splits(), 8)  # those past the pairs' slots
+            mine = 0 if values is None else values.data_ptr()
+            self._all_to_all(*ex.serve(local.data_ptr(), mine), self.row_bytes)  # the rows
+            out = None
+            if values is None:
+                out = torch.empty((n, *self.row_shape), dtype=local.dtype)
             ex.finish(local.data_ptr(), 0 if out is None else out.data_ptr())
             return out
 
@@ -835,14 +837,11 @@ class Group:
         self._adapter = _TorchStore(torch_store, where)
         self._core = _core.SharedGroup(self._adapter, self.rank, self.world_size, self.timeout)
         self._closed = False
-        # Where each rank counts itself out on close, so that a rank serving the store keeps it
-        # until the others are done with it (at most the timeout: a dead rank never counts).
-        self._left_key = f"tensortier/shared/left/{self._core.socket_name.rsplit('.', 1)[0]}"
+        # The other ranks count themselves out on close: a rank serving the store keeps it until
+        # they are done with it (at most the timeout: a dead rank never counts).
         if self._hosts_store:  # holds the store (its server) until exit, even if dropped
-            atexit.register(
-                _serve_until_others_leave, torch_store, self._left_key, self.world_size,
-                self.timeout,
-            )
+            atexit.register(_core.shared_wait_for_leavers, self._adapter, self._core.leave_key,
+                            self.world_size, self.timeout)
         if self.world_size > 1:  # runs before the above (atexit is last in, first out)
             atexit.register(_close_at_exit, weakref.ref(self))
         self._distributed_tensors: list[SharedTensor] = []
@@ -965,10 +964,7 @@ class Group:
         self._distributed_tensors.clear()
         self._core.close()
         if not self._hosts_store:
-            try:
-                self._torch_store.add(self._left_key, 1)
-            except RuntimeError:  # the store is gone (its host died): nobody waits for this
-                pass
+            self._core.count_out()  # a store that is gone has nobody waiting
 
     def __enter__(self) -> "Group":
         return self
@@ -981,17 +977,6 @@ def _close_at_exit(ref: "weakref.ref[Group]") -> None:
     group = ref()
     if group is not None:
         group.close()
-
-
-def _serve_until_others_leave(store: Any, key: str, world_size: int, timeout: float) -> None:
-    """At exit of the rank serving a group's store: waits (at most `timeout` seconds: a dead
-    rank never counts itself out) until the other ranks have closed their groups."""
-    deadline = time.monotonic() + timeout
-    try:
-        while store.add(key, 0) < world_size - 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-    except RuntimeError:
-        pass
 
 
 def _attached(core: Any, name: str) -> SharedTensor:

@@ -9,6 +9,7 @@
 #include <exception>
 #include <map>
 #include <stdexcept>
+#include <thread>
 
 #include "tensortier/shared/partition_server.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
@@ -132,6 +133,7 @@ SharedGroup::SharedGroup(std::shared_ptr<Store> store, int rank, int world_size,
     }
   }
   socket_name_ = shared::PartitionSocketName(token_, rank_);
+  leave_key_ = StrCat("tensortier/shared/left/tensortier.", token_);
   server_ = std::make_shared<shared::PartitionServer>(socket_name_);
   Barrier("shared group start");
 }
@@ -154,6 +156,26 @@ void SharedGroup::Close() {
   }
   tensors_.clear();
   server_.reset();
+}
+
+void SharedGroup::CountOut() noexcept {
+  try {
+    store_->Add(leave_key_, 1);
+  } catch (const std::exception&) {
+    // The store is gone (its host died): nobody waits for this rank.
+  }
+}
+
+void SharedGroup::WaitForOthersToLeave(Store& store, const std::string& leave_key,
+                                       int world_size, std::chrono::milliseconds timeout) noexcept {
+  const auto deadline = Clock::now() + timeout;
+  try {
+    while (store.Add(leave_key, 0) < world_size - 1 && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const std::exception&) {
+    // The store is gone: nobody is left to serve.
+  }
 }
 
 std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value) {

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -829,6 +830,57 @@ TEST(SharedTensorTest, RunningOutOfDescriptorsFailsTheCallOnEveryRankAtOnce) {
     group.Barrier("done");
   });
   ExpectAllZero(statuses);
+}
+
+// A store in this process: what the leaving tests count with.
+class CountingStore : public Store {
+ public:
+  explicit CountingStore(bool gone = false) : gone_(gone) {}
+  void Set(const std::string&, const std::string&) override {}
+  std::string Get(const std::string& key, std::chrono::milliseconds) override {
+    ThrowIoError(ETIMEDOUT, "get", key);
+  }
+  int64_t Add(const std::string& key, int64_t delta) override {
+    if (gone_) ThrowIoError(ECONNRESET, "the store is gone", key);
+    return counts_[key] += delta;
+  }
+
+ private:
+  bool gone_;
+  std::map<std::string, int64_t> counts_;
+};
+
+TEST(SharedGroupLeaveTest, TheStoreHostWaitsForTheOthersToCountOutAtMostTheTimeout) {
+  CountingStore store;
+  auto waited = [&](int world, std::chrono::milliseconds timeout) {
+    const auto start = std::chrono::steady_clock::now();
+    SharedGroup::WaitForOthersToLeave(store, "left", world, timeout);
+    return std::chrono::steady_clock::now() - start;
+  };
+  EXPECT_GE(waited(3, 200ms), 200ms);  // nobody counted out: the timeout
+  store.Add("left", 1);
+  EXPECT_GE(waited(3, 200ms), 200ms);  // one of two
+  store.Add("left", 1);
+  EXPECT_LT(waited(3, 20s), 5s);  // both
+  CountingStore gone(true);
+  const auto start = std::chrono::steady_clock::now();
+  SharedGroup::WaitForOthersToLeave(gone, "left", 3, 20s);  // a store gone: nobody to wait for
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+}
+
+TEST(SharedGroupLeaveTest, RanksCountThemselvesOutUnderTheGroupsOwnKey) {
+  ExpectAllZero(RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 20s);
+    Check(group.leave_key().find("tensortier/shared/left/") == 0, group.leave_key());
+    group.Barrier("start");
+    const int64_t before = store->Add(group.leave_key(), 0);
+    group.Barrier("read");
+    group.Close();
+    if (rank == 1) group.CountOut();
+    if (rank == 0) SharedGroup::WaitForOthersToLeave(*store, group.leave_key(), 2, 20s);
+    Check(before == 0, StrCat("counted before leaving: ", before));
+    Check(store->Add(group.leave_key(), 0) == 1, "rank 1 counted out once");
+  }));
 }
 
 TEST(UnixSocketStoreTest, SetGetAddAndTimeout) {

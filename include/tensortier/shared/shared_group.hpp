@@ -80,6 +80,15 @@ class SharedGroup {
   // collective (peers still mapping this rank's memory keep it).
   void Close();
 
+  // Leaving a job whose store one rank serves: every other rank counts itself out (CountOut)
+  // once it is done with the store, and the serving rank keeps serving until all have
+  // (WaitForOthersToLeave, at most `timeout`: a dead rank never counts). Neither throws: a store
+  // that is gone has nobody left to wait for. The key is the group's own (leave_key).
+  const std::string& leave_key() const noexcept { return leave_key_; }
+  void CountOut() noexcept;
+  static void WaitForOthersToLeave(Store& store, const std::string& leave_key, int world_size,
+                                   std::chrono::milliseconds timeout) noexcept;
+
  private:
   // Creates (when `own_partition`) and maps the host-memory partitions of `spec`; `key` names
   // them on every rank's server.
@@ -98,6 +107,7 @@ class SharedGroup {
   std::string prefix_;
   std::string token_;
   std::string socket_name_;
+  std::string leave_key_;
   uint64_t next_collective_ = 0;
   std::shared_ptr<shared::PartitionServer> server_;
   std::vector<std::weak_ptr<SharedTensor>> tensors_;

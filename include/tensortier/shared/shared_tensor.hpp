@@ -20,8 +20,9 @@
 // Layouts: kContinuous maps every partition, in rank order, into one reserved address range, so
 // each process sees the whole tensor as one array; kChunked maps each partition on its own.
 // kDistributed partitions are never mapped by other processes (they may be on other machines):
-// the Python layer moves their rows through torch.distributed; here it only names the layout,
-// so that ranks agree on it (Agree) and partition it (PartitionRows) the same way.
+// the Python layer moves their rows through torch.distributed's all-to-alls, which
+// SharedRowExchange (shared_exchange.hpp) plans; here it only names the layout, so that ranks
+// agree on it (Agree) and partition it (PartitionRows) the same way.
 //
 #pragma once
 
