@@ -11,6 +11,7 @@
 #include "binding_helpers.hpp"
 #include "tensortier/io/backend.hpp"
 #include "tensortier/io/engine.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/io/fault_injection.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/util/strings.hpp"
@@ -20,11 +21,14 @@ using namespace tensortier;
 
 namespace {
 
+constexpr EnumName<FaultPlan::Kind> kFaultKindNames[] = {{FaultPlan::Kind::kError, "error"},
+                                                         {FaultPlan::Kind::kShort, "short"},
+                                                         {FaultPlan::Kind::kDelay, "delay"}};
+
 FaultPlan::Kind ParseFaultKind(const std::string& kind) {
-  if (kind == "error") return FaultPlan::Kind::kError;
-  if (kind == "short") return FaultPlan::Kind::kShort;
-  if (kind == "delay") return FaultPlan::Kind::kDelay;
-  throw std::invalid_argument(StrCat("fault kind must be error, short or delay, not '", kind, "'"));
+  if (const auto parsed = ValueOf(kFaultKindNames, kind)) return *parsed;
+  throw std::invalid_argument(StrCat(
+      "fault kind must be ", JoinNames(kFaultKindNames, ", ", " or "), ", not '", kind, "'"));
 }
 
 }  // namespace

@@ -58,6 +58,13 @@ for internal in src/*/*.hpp; do
     exit 1
   fi
 done
+# The test seams (fault injection) are not part of the installed library.
+library=$(find build/install -name 'libtensortier.so*' -type f | head -n 1)
+[ -n "$library" ] || { echo "no libtensortier.so was installed" >&2; exit 1; }
+if nm -DC "$library" | grep "FaultInjector\|MakeFaultInjectingBackend" >/dev/null; then
+  echo "the installed library holds the test-only fault injection" >&2
+  exit 1
+fi
 for header in build/install/include/tensortier/*/*.hpp; do
   echo "#include \"${header#build/install/include/}\"" |
     c++ -std=c++20 -fsyntax-only -Ibuild/install/include -x c++ - ||

@@ -29,7 +29,7 @@ class AioBackend final : public Backend {
   }
   ~AioBackend() override { io_destroy(ctx_); }
 
-  std::string_view name() const noexcept override { return "libaio"; }
+  std::string_view name() const noexcept override { return BackendName(BackendKind::kLibaio); }
 
   // A request io_submit refused with EINVAL, done by pread/pwrite: the file takes plain reads
   // and writes only (as io_uring does for it, falling back to its read and write handlers).

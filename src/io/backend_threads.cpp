@@ -26,7 +26,7 @@ class ThreadPoolBackend final : public Backend {
             "TENSORTIER_QUEUE_DEPTH)",
             [this] { Serve(); }, [this] { Stop(); }) {}
 
-  std::string_view name() const noexcept override { return "threads"; }
+  std::string_view name() const noexcept override { return BackendName(BackendKind::kThreads); }
   unsigned depth() const noexcept override { return depth_; }
 
   void Submit(std::span<const IoRequest> requests) override {

@@ -52,7 +52,7 @@ class UringBackend final : public Backend {
   }
   ~UringBackend() override { io_uring_queue_exit(&ring_); }
 
-  std::string_view name() const noexcept override { return "io_uring"; }
+  std::string_view name() const noexcept override { return BackendName(BackendKind::kIoUring); }
   unsigned depth() const noexcept override { return depth_; }
 
   void Submit(std::span<const IoRequest> requests) override {

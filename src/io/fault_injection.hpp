@@ -1,6 +1,9 @@
 // The fault-injecting backend: a wrapper around any backend that fails, shortens or delays chosen
-// requests, so every error path of the engine and the layers above it runs on CI. Internal: used
-// by the tests and the Python binding's test-only `_fault` argument; not installed.
+// requests, so every error path of the engine and the layers above it runs on CI; and the faults
+// of the file steps (FileSystem). Internal: built from src/io/testing/ into the test targets and
+// the Python binding's test-only `_fault` argument (tensortier_test_seams in CMakeLists.txt), not
+// into the library; not installed. The io_uring submission fault alone lives in the library's
+// io_uring backend, below any seam.
 #pragma once
 
 #include <atomic>
@@ -39,15 +42,17 @@ struct FaultPlan {
 
 // Decides which requests get the fault. Shared by the wrappers of all of an engine's workers, so
 // "the Nth request" counts over the whole engine. Thread-safe.
-class FaultInjector {
+class FaultInjector final : public FileStepFaults {
  public:
   explicit FaultInjector(FaultPlan plan) : plan_(plan) {}
   const FaultPlan& plan() const noexcept { return plan_; }
   // Counts an eligible request; true if it gets the fault.
   bool Hit(IoOp op) noexcept;
   bool Hit(FileStep step) noexcept;
+  // Throws the plan's error or sleeps its delay when the call of `step` gets the fault.
+  void Before(FileStep step, std::string_view what, const std::string& path) override;
   // Faults injected so far.
-  uint64_t hits() const noexcept { return hits_.load(); }
+  uint64_t hits() const noexcept override { return hits_.load(); }
 
  private:
   bool Count() noexcept;  // counts an eligible request or call; true if it gets the fault

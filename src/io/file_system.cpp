@@ -5,21 +5,13 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <thread>
 
 #include "tensortier/util/error.hpp"
-#include "tensortier/io/fault_injection.hpp"
 
 namespace tensortier {
 
 void FileSystem::Inject(FileStep step, std::string_view what, const std::string& path) const {
-  if (!faults_ || !faults_->Hit(step)) return;
-  const FaultPlan& plan = faults_->plan();
-  if (plan.kind == FaultPlan::Kind::kDelay) {
-    std::this_thread::sleep_for(plan.delay);
-    return;
-  }
-  ThrowIoError(plan.error, what, path);
+  if (faults_) faults_->Before(step, what, path);
 }
 
 std::string FileSystem::CreateUniqueFile(const std::function<std::string(uint32_t n)>& path_for,

@@ -1,8 +1,9 @@
 // The system calls a durable save and a checkpoint load make outside the engine (creating and
 // opening files, fallocate, fdatasync, rename, the directory's fsync, closing a replaced file),
 // behind one seam so that tests can fail each of them in turn, as LevelDB's Env lets them. The
-// engine's reads and writes have their seam in the backend (fault_injection.hpp); one FaultInjector
-// serves both.
+// engine's reads and writes have their seam in the backend (BackendFactory, engine.hpp). The
+// faults themselves (fault_injection.hpp, one FaultInjector serving both seams) are built into
+// the test targets only, not into the library.
 #pragma once
 
 #include <sys/types.h>
@@ -17,8 +18,6 @@
 
 namespace tensortier {
 
-class FaultInjector;  // fault_injection.hpp (internal: tests and the bindings' `_fault`)
-
 // The system calls outside the engine that a save or a load makes, each a place a fault can be
 // injected.
 enum class FileStep : uint8_t {
@@ -30,13 +29,24 @@ enum class FileStep : uint8_t {
   kRelease,        // closing a replaced file's last descriptor (frees its blocks)
 };
 
+// Where faults are injected into the steps: consulted before each step's system call.
+class FileStepFaults {
+ public:
+  virtual ~FileStepFaults() = default;
+  // Before the system call of `step` on `path`: throws the step's IoError (naming `what` and
+  // `path`), waits, or returns to let the call go ahead.
+  virtual void Before(FileStep step, std::string_view what, const std::string& path) = 0;
+  // Faults injected so far.
+  virtual uint64_t hits() const noexcept = 0;
+};
+
 // Without an injector every call goes straight to the kernel. With one, a call whose step the
 // injector picks fails with the plan's errno (IoError naming the step and the path) without
 // reaching the kernel, or is delayed by the plan's delay first. Thread-safe; cheap to copy.
 class FileSystem {
  public:
   FileSystem() = default;
-  explicit FileSystem(std::shared_ptr<FaultInjector> faults) : faults_(std::move(faults)) {}
+  explicit FileSystem(std::shared_ptr<FileStepFaults> faults) : faults_(std::move(faults)) {}
 
   // CreateUniqueFile (file.hpp) as step kOpen.
   std::string CreateUniqueFile(const std::function<std::string(uint32_t n)>& path_for, mode_t mode,
@@ -58,12 +68,12 @@ class FileSystem {
   // runs right before the close, after any injected delay.
   void CloseReplaced(int fd, const std::function<void()>& before_close) const noexcept;
 
-  const std::shared_ptr<FaultInjector>& faults() const noexcept { return faults_; }
+  const std::shared_ptr<FileStepFaults>& faults() const noexcept { return faults_; }
 
  private:
   // Throws the injected error for `step`, or sleeps the injected delay.
   void Inject(FileStep step, std::string_view what, const std::string& path) const;
-  std::shared_ptr<FaultInjector> faults_;
+  std::shared_ptr<FileStepFaults> faults_;
 };
 
 }  // namespace tensortier

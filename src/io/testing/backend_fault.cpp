@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "tensortier/util/enum_names.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/io/fault_injection.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -106,6 +107,15 @@ bool FaultInjector::Hit(IoOp op) noexcept {
 
 bool FaultInjector::Hit(FileStep step) noexcept {
   return (plan_.steps & (1u << static_cast<unsigned>(step))) != 0 && Count();
+}
+
+void FaultInjector::Before(FileStep step, std::string_view what, const std::string& path) {
+  if (!Hit(step)) return;
+  if (plan_.kind == FaultPlan::Kind::kDelay) {
+    std::this_thread::sleep_for(plan_.delay);
+    return;
+  }
+  ThrowIoError(plan_.error, what, path);
 }
 
 bool FaultInjector::Count() noexcept {
