@@ -724,7 +724,8 @@ class SharedTensor:
         """This rank's part of :meth:`load_checkpoint`."""
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__}")
-        from .checkpoint import _read_st_header, _sniff
+        from .checkpoint._format import _sniff
+        from .checkpoint.safetensors import _read_st_header
 
         path = fspath(path)
         kind = _sniff(path)  # the C++ detection tensortier.load and the CLI use
