@@ -17,6 +17,7 @@
 #include "paths.hpp"
 #include "tensortier/checkpoint_file.hpp"
 #include "tensortier/checkpoint_format.hpp"
+#include "tensortier/checkpoint_pipeline.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/dtypes.hpp"
 #include "tensortier/safetensors.hpp"
@@ -97,6 +98,18 @@ class BufferView {
 }  // namespace
 
 void RegisterCheckpoint(py::module_& m) {
+  // The pipeline's settings and format constants (checkpoint_pipeline.hpp, safetensors.hpp).
+  m.attr("CHECKPOINT_GROUP_BYTES") = kCheckpointGroupBytes;
+  m.attr("CHECKPOINT_ALIGNMENT") = kCheckpointAlignment;
+  m.attr("TENSOR_CHECKSUMS_KEY") = kTensorChecksumsKey;
+  m.attr("HEADER_CHECKSUM_KEY") = kHeaderChecksumKey;
+  m.def("plan_safetensors_layout", &PlanSafetensorsLayout, py::arg("sizes"), py::arg("widths"),
+        "The offset (relative to the data section) of each tensor of a safetensors file, of "
+        "sizes bytes and elements of widths bytes: tensors whose size is a multiple of "
+        "CHECKPOINT_ALIGNMENT first, then the rest, widest elements first.");
+  m.def("tensor_checksums_json", &TensorChecksumsJson, py::arg("sums"),
+        "The tensortier.xxh64 metadata value for [(name, xxh64)]: a JSON object of name -> 16 "
+        "hex digits, in that order.");
   m.def(
       "parse_safetensors_header",
       [](const py::bytes& header, uint64_t data_bytes) {
@@ -144,7 +157,7 @@ void RegisterCheckpoint(py::module_& m) {
         }
         return py::bytes(out);
       },
-      py::arg("entries"), py::arg("metadata") = py::none(), py::arg("alignment") = 4096,
+      py::arg("entries"), py::arg("metadata") = py::none(), py::arg("alignment") = kCheckpointAlignment,
       "The 8-byte length plus the JSON header, space-padded to a multiple of alignment, for "
       "[(name, dtype, shape, begin, end)] entries whose ranges tile the data section.");
 

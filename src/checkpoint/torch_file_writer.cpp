@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "tensortier/checkpoint_pipeline.hpp"
 #include "tensortier/checksum.hpp"
 #include "tensortier/format_error.hpp"
 #include "tensortier/strings.hpp"
@@ -13,7 +14,7 @@ namespace tensortier {
 namespace {
 
 constexpr uint64_t kPage = 4096;
-constexpr uint64_t kChunk = 16u << 20;
+constexpr uint64_t kChunk = kCheckpointGroupBytes;  // the input's reads
 // The file's image: this many buffers of up to kImageBuffer bytes, all but one being written
 // while one fills (on our virtio disk, a few writes in flight keep it busy).
 constexpr int kImageBuffers = 4;

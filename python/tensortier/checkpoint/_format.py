@@ -18,21 +18,21 @@ PathLike = PathArg
 _T = TypeVar("_T")
 
 
-ALIGNMENT = 4096
+# The data alignment of the files tensortier writes (include/tensortier/checkpoint_pipeline.hpp).
+ALIGNMENT = int(_core.CHECKPOINT_ALIGNMENT)
 
-CHECKSUM_KEY = "tensortier.xxh64"
-
-
-# The xxh64 of what the header says (names, dtypes, shapes, offsets, other metadata): see
-# SafetensorsHeaderDigest in include/tensortier/safetensors.hpp.
-HEADER_CHECKSUM_KEY = "tensortier.header_xxh64"
+# Metadata keys of the safetensors checksums: per-tensor xxh64s, and the xxh64 of what the header
+# says (SafetensorsHeaderDigest in include/tensortier/safetensors.hpp).
+CHECKSUM_KEY = str(_core.TENSOR_CHECKSUMS_KEY)
+HEADER_CHECKSUM_KEY = str(_core.HEADER_CHECKSUM_KEY)
 
 _INDEX_SUFFIX = ".index.json"
 
 
 # Reads are submitted in groups of about this many bytes: progress, checksums and device copies
 # of one group overlap the reads of the next ones (the engine bounds what is really in flight).
-_GROUP_BYTES = 64 << 20
+# The pipeline's one setting (kCheckpointGroupBytes), the CLI's reads too.
+_GROUP_BYTES = int(_core.CHECKPOINT_GROUP_BYTES)
 
 # Copies made to write non-contiguous or GPU tensors: at most this many bytes are alive at once.
 _STAGING_BYTES = 256 << 20
