@@ -107,6 +107,20 @@ void RegisterCheckpoint(py::module_& m) {
         "The offset (relative to the data section) of each tensor of a safetensors file, of "
         "sizes bytes and elements of widths bytes: tensors whose size is a multiple of "
         "CHECKPOINT_ALIGNMENT first, then the rest, widest elements first.");
+  m.def(
+      "safetensors_shape",
+      [](const std::string& name, const std::string& st_dtype, std::vector<uint64_t> shape) {
+        const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(st_dtype);
+        return SafetensorsShape(name, held ? held->name : st_dtype, std::move(shape));
+      },
+      py::arg("name"), py::arg("st_dtype"), py::arg("shape"),
+      "The safetensors shape of tensor name held by torch with shape, saved as safetensors dtype "
+      "st_dtype: a packed dtype's last dimension counts its values (F4: two per "
+      "float4_e2m1fn_x2 element). ValueError for a 0-dimensional packed tensor.");
+  m.def("torch_shape", &TorchShape, py::arg("name"), py::arg("st_dtype"), py::arg("shape"),
+        "The torch shape of a safetensors tensor of dtype st_dtype and shape (the inverse of "
+        "safetensors_shape). ValueError when the last dimension is not a multiple of the values "
+        "one torch element packs.");
   m.def("tensor_checksums_json", &TensorChecksumsJson, py::arg("sums"),
         "The tensortier.xxh64 metadata value for [(name, xxh64)]: a JSON object of name -> 16 "
         "hex digits, in that order.");

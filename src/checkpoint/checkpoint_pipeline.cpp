@@ -145,8 +145,8 @@ std::vector<uint64_t> SafetensorsShape(std::string_view name, std::string_view d
   const Dtype* row = DtypeNamed(dtype);
   if (row == nullptr || row->packing <= 1) return shape;
   if (shape.empty()) {
-    throw std::invalid_argument(StrCat("tensor '", name, "' is a ", row->torch,
-                                       " scalar: safetensors' ", row->safetensors,
+    throw std::invalid_argument(StrCat("tensor '", name, "' is a 0-dimensional ", row->torch,
+                                       " tensor: safetensors' ", row->safetensors,
                                        " needs a last dimension to hold its ", row->packing,
                                        " values"));
   }

@@ -1,4 +1,4 @@
-"""Checkpoint facts: alignment, metadata keys, batching settings, dtype shapes, format detection
+"""Checkpoint facts: alignment, metadata keys, batching settings, dtype packing, format detection
 (their rules live in C++: include/tensortier/checkpoint_format.hpp, torch_pickle.hpp), and the
 lazy torch and _core lookups every module uses."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _core
@@ -73,29 +73,6 @@ def _quantized_dtypes() -> frozenset[Any]:
     dtypes = _torch_dtypes()
     return frozenset(dtypes[row["name"]] for row in _require("dtypes")()
                      if row["quantized"] and row["name"] in dtypes)
-
-
-def _torch_shape(name: str, dt: str, shape: Sequence[int], path: str) -> tuple[int, ...]:
-    """The torch shape of a safetensors tensor of dtype `dt` and `shape`."""
-    per = _st_per_torch_element().get(dt, 1)
-    if per == 1:
-        return tuple(int(s) for s in shape)
-    if not shape or shape[-1] % per:
-        raise ValueError(
-            f"{path}: tensor {name!r} of {dt} has shape {tuple(shape)}: its last dimension must "
-            f"be a multiple of {per} to be held as torch's packed dtype"
-        )
-    return (*(int(s) for s in shape[:-1]), int(shape[-1]) // per)
-
-
-def _st_shape(name: str, dt: str, shape: Sequence[int]) -> tuple[int, ...]:
-    """The safetensors shape of a torch tensor of `shape` saved as `dt`."""
-    per = _st_per_torch_element().get(dt, 1)
-    if per == 1:
-        return tuple(int(s) for s in shape)
-    if not shape:
-        raise ValueError(f"tensor {name!r}: a 0-dimensional {dt} tensor has no safetensors shape")
-    return (*(int(s) for s in shape[:-1]), int(shape[-1]) * per)
 
 
 def _torch() -> Any:

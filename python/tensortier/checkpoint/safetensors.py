@@ -19,9 +19,7 @@ from ._tensor_bytes import _as_bytes, _checksum_mismatch, _nbytes
 from ._format import (
     _require,
     _st_per_torch_element,
-    _st_shape,
     _torch,
-    _torch_shape,
     ALIGNMENT,
     CHECKSUM_KEY,
     HEADER_CHECKSUM_KEY,
@@ -165,7 +163,7 @@ def _save_safetensors(
     entries = []
     for k, v, start, n in zip(names, tensors, starts, sizes):
         dt = to_st[v.dtype]
-        shape = _st_shape(k, dt, v.shape) if dt in packed else v.shape
+        shape = _require("safetensors_shape")(k, dt, list(v.shape)) if dt in packed else v.shape
         entries.append((k, dt, shape, start, start + n))
     data_bytes = max((start + n for start, n in zip(starts, sizes)), default=0)
     md = dict(metadata)
@@ -276,7 +274,12 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
             raise ValueError(
                 f"{path}: tensor {name!r} has dtype {dt}, which this torch cannot hold"
             )
-        torch_shape = _torch_shape(name, dt, shape, path) if dt in packed else tuple(shape)
+        torch_shape = tuple(shape)
+        if dt in packed:  # the pipeline's rule (TorchShape)
+            try:
+                torch_shape = tuple(_require("torch_shape")(name, dt, list(shape)))
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from e
         need = math.prod(torch_shape) * dtype.itemsize
         if need != end - begin:
             raise ValueError(
