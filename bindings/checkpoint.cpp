@@ -121,6 +121,24 @@ void RegisterCheckpoint(py::module_& m) {
         "The torch shape of a safetensors tensor of dtype st_dtype and shape (the inverse of "
         "safetensors_shape). ValueError when the last dimension is not a multiple of the values "
         "one torch element packs.");
+  m.def("big_endian_swap_width", &BigEndianSwapWidth, py::arg("storage_dtype"),
+        "The width of the units torch.load reverses in a big-endian storage of dtype "
+        "storage_dtype (tensortier's name): the element size, a complex number's half; 0 for "
+        "bytes and untyped data.");
+  m.def(
+      "reverse_units_address",
+      [](uintptr_t address, uint64_t nbytes, unsigned width) {
+        if (width > 0 && nbytes % width != 0) {
+          throw std::invalid_argument(StrCat("reverse_units_address: ", nbytes,
+                                             " bytes are no whole number of ", width,
+                                             "-byte units"));
+        }
+        py::gil_scoped_release release;
+        ReverseUnits(reinterpret_cast<std::byte*>(address), nbytes, width);
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("width"),
+      "Reverses the bytes of each width-byte unit of nbytes bytes of host memory at address "
+      "(big-endian data to this machine's order; GIL released).");
   m.def("tensor_checksums_json", &TensorChecksumsJson, py::arg("sums"),
         "The tensortier.xxh64 metadata value for [(name, xxh64)]: a JSON object of name -> 16 "
         "hex digits, in that order.");

@@ -68,6 +68,12 @@ def _torch_dtypes() -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
+def _dtype_names() -> dict[Any, str]:
+    """torch.dtype -> tensortier dtype name: the inverse of ``_torch_dtypes``."""
+    return {dt: name for name, dt in _torch_dtypes().items()}
+
+
+@functools.lru_cache(maxsize=None)
 def _quantized_dtypes() -> frozenset[Any]:
     """The torch dtypes the C++ table marks quantized (qint8, quint4x2...)."""
     dtypes = _torch_dtypes()
