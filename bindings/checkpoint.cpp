@@ -139,6 +139,10 @@ void RegisterCheckpoint(py::module_& m) {
       py::arg("address"), py::arg("nbytes"), py::arg("width"),
       "Reverses the bytes of each width-byte unit of nbytes bytes of host memory at address "
       "(big-endian data to this machine's order; GIL released).");
+  m.def("progress_line", &ProgressLine, py::arg("label"), py::arg("done"), py::arg("total"),
+        py::arg("seconds"),
+        "One drawing of a transfer's progress bar: '\\rLABEL [###   ]  42.0% 0.50/1.20 GiB "
+        "1.23 GB/s' (the CLI draws the same).");
   m.def("tensor_checksums_json", &TensorChecksumsJson, py::arg("sums"),
         "The tensortier.xxh64 metadata value for [(name, xxh64)]: a JSON object of name -> 16 "
         "hex digits, in that order.");

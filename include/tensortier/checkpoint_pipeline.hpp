@@ -128,6 +128,11 @@ struct StreamBuffers {
 void StreamRange(Engine& engine, const File& file, uint64_t offset, uint64_t length,
                  StreamBuffers& buffers, const std::function<void(std::byte*, size_t)>& consume);
 
+// One drawing of the progress bar of a long transfer (tensortier.load's and the CLI's):
+// "\rLABEL [####      ]  42.0% 0.50/1.20 GiB 1.23 GB/s", 30 characters of bar, the rate from
+// `seconds` since the start. The caller writes it (Python through sys.stderr).
+std::string ProgressLine(std::string_view label, uint64_t done, uint64_t total, double seconds);
+
 // ---- checks -----------------------------------------------------------------------------------
 
 // What a safetensors file's own checksums (tensortier.save(..., checksum=True)) say: the xxh64

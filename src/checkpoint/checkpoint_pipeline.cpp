@@ -2,6 +2,7 @@
 #include "tensortier/checkpoint_pipeline.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <exception>
 #include <set>
 #include <stdexcept>
@@ -207,6 +208,19 @@ void StreamRange(Engine& engine, const File& file, uint64_t offset, uint64_t len
     done += n;
     slot = 1 - slot;
   }
+}
+
+std::string ProgressLine(std::string_view label, uint64_t done, uint64_t total, double seconds) {
+  constexpr int kWidth = 30;
+  const double frac = total > 0 ? static_cast<double>(done) / static_cast<double>(total) : 1.0;
+  const int filled = std::clamp(static_cast<int>(frac * kWidth), 0, kWidth);
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  char tail[160];
+  std::snprintf(tail, sizeof(tail), "] %5.1f%% %.2f/%.2f GiB %.2f GB/s", frac * 100,
+                static_cast<double>(done) / kGiB, static_cast<double>(total) / kGiB,
+                static_cast<double>(done) / std::max(seconds, 1e-9) / 1e9);
+  return StrCat("\r", label, " [", std::string(filled, '#'), std::string(kWidth - filled, ' '),
+                tail);
 }
 
 SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout) {

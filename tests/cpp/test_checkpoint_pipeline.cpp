@@ -84,6 +84,15 @@ TEST(CheckpointPipeline, BigEndianUnitsAreReversedByElementOrComplexHalf) {
   EXPECT_EQ(b[0], std::byte(3));
 }
 
+TEST(CheckpointPipeline, ProgressLineShowsBarPercentBytesAndRate) {
+  const uint64_t gib = 1ull << 30;
+  EXPECT_EQ(ProgressLine("loading m", gib / 2, gib, 0.5),
+            "\rloading m [" + std::string(15, '#') + std::string(15, ' ') +
+                "]  50.0% 0.50/1.00 GiB 1.07 GB/s");
+  EXPECT_EQ(ProgressLine("x", 0, 0, 0),
+            "\rx [" + std::string(30, '#') + "] 100.0% 0.00/0.00 GiB 0.00 GB/s");
+}
+
 TEST(CheckpointPipeline, HexDigitsHaveFixedWidths) {
   EXPECT_EQ(Hex8(0xab), "000000ab");
   EXPECT_EQ(Hex16(0x1234), "0000000000001234");
