@@ -116,11 +116,13 @@ std::vector<uint64_t> TorchShape(std::string_view name, std::string_view st_dtyp
 
 // ---- stream -----------------------------------------------------------------------------------
 
-// Two buffers of kCheckpointGroupBytes: the engine fills one while the other is consumed. Made
-// before the engine that reads into them (its destructor waits for reads still in flight).
+// Two buffers of kCheckpointGroupBytes, or of `largest` bytes (the longest range to stream) where
+// that is less: the engine fills one while the other is consumed. Made before the engine that
+// reads into them (its destructor waits for reads still in flight).
 struct StreamBuffers {
+  explicit StreamBuffers(uint64_t largest = kCheckpointGroupBytes);
+  uint64_t size;
   AlignedBuffer bufs[2];
-  StreamBuffers();
 };
 
 // Streams [offset, offset+length) of `file` through `buffers`, calling `consume` on each group

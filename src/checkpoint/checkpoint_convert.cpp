@@ -106,7 +106,9 @@ ConvertReport TorchToSafetensors(const CheckpointLayout& l, const std::string& i
   std::string header = SerializeSafetensorsHeader(entries, metadata, kCheckpointAlignment);
   const uint64_t data_start = header.size();
 
-  StreamBuffers buffers;  // before the engine: its destructor waits for I/O still in flight
+  uint64_t largest = 0;  // the longest zip entry streamed
+  for (const auto& e : l.torch.zip.entries) largest = std::max(largest, e.size);
+  StreamBuffers buffers(largest);  // before the engine: it waits for I/O still in flight
   Engine engine;
   File src = OpenCheckpointForReading(in, true);
   DurableFile out_file(out);

@@ -169,15 +169,15 @@ std::vector<uint64_t> TorchShape(std::string_view name, std::string_view st_dtyp
   return shape;
 }
 
-StreamBuffers::StreamBuffers()
-    : bufs{AlignedBuffer(kCheckpointGroupBytes, Pages::kReused),
-           AlignedBuffer(kCheckpointGroupBytes, Pages::kReused)} {}
+StreamBuffers::StreamBuffers(uint64_t largest)
+    : size(std::min(largest, kCheckpointGroupBytes)),
+      bufs{AlignedBuffer(size, Pages::kReused), AlignedBuffer(size, Pages::kReused)} {}
 
 void StreamRange(Engine& engine, const File& file, uint64_t offset, uint64_t length,
                  StreamBuffers& buffers, const std::function<void(std::byte*, size_t)>& consume) {
   if (length == 0) return;
   auto submit = [&](uint64_t done, int slot) {
-    uint64_t n = std::min<uint64_t>(kCheckpointGroupBytes, length - done);
+    uint64_t n = std::min<uint64_t>(buffers.size, length - done);
     return std::pair(engine.Read(file, buffers.bufs[slot].data(), n, offset + done), n);
   };
   auto pending = submit(0, 0);
@@ -283,7 +283,10 @@ VerifyReport VerifyCheckpointData(const std::string& path, const CheckpointLayou
   VerifyReport report;
   report.problems = MissingTensorProblems(layout, names);
   std::vector<std::string>& problems = report.problems;
-  StreamBuffers buffers;  // before the engine: its destructor waits for reads into them
+  uint64_t largest = 0;  // the longest range streamed: a tensor's, or a zip entry's
+  for (const auto& item : layout.items) largest = std::max(largest, item.nbytes);
+  for (const auto& e : layout.torch.zip.entries) largest = std::max(largest, e.size);
+  StreamBuffers buffers(largest);  // before the engine: its destructor waits for reads into them
   Engine engine;
   File file = OpenCheckpointForReading(path, true);
   if (layout.format == CheckpointFormat::kSafetensors) {

@@ -176,8 +176,10 @@ FileTensorBytes::FileTensorBytes(Engine& engine, const File& file, std::vector<u
     }
     if (nbytes[i] > 0) end_ = offsets_[i] + nbytes[i];
   }
-  bufs_[0] = AlignedBuffer(kChunk, Pages::kReused);
-  bufs_[1] = AlignedBuffer(kChunk, Pages::kReused);
+  // No larger than what there is to read: a file of tiny tensors maps no 64 MiB buffers.
+  const uint64_t span = !offsets_.empty() && end_ > offsets_.front() ? end_ - offsets_.front() : 0;
+  bufs_[0] = AlignedBuffer(std::min(kChunk, span), Pages::kReused);
+  bufs_[1] = AlignedBuffer(std::min(kChunk, span), Pages::kReused);
 }
 
 FileTensorBytes::~FileTensorBytes() {
