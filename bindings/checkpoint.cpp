@@ -17,6 +17,7 @@
 #include "paths.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checkpoint_format.hpp"
+#include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
@@ -97,6 +98,54 @@ class BufferView {
 }  // namespace
 
 void RegisterCheckpoint(py::module_& m) {
+  // The pipeline's settings and format constants (checkpoint_pipeline.hpp, safetensors.hpp).
+  m.attr("CHECKPOINT_GROUP_BYTES") = kCheckpointGroupBytes;
+  m.attr("CHECKPOINT_ALIGNMENT") = kCheckpointAlignment;
+  m.attr("TENSOR_CHECKSUMS_KEY") = kTensorChecksumsKey;
+  m.attr("HEADER_CHECKSUM_KEY") = kHeaderChecksumKey;
+  m.def("plan_safetensors_layout", &PlanSafetensorsLayout, py::arg("sizes"), py::arg("widths"),
+        "The offset (relative to the data section) of each tensor of a safetensors file, of "
+        "sizes bytes and elements of widths bytes: tensors whose size is a multiple of "
+        "CHECKPOINT_ALIGNMENT first, then the rest, widest elements first.");
+  m.def(
+      "safetensors_shape",
+      [](const std::string& name, const std::string& st_dtype, std::vector<uint64_t> shape) {
+        const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(st_dtype);
+        return SafetensorsShape(name, held ? held->name : st_dtype, std::move(shape));
+      },
+      py::arg("name"), py::arg("st_dtype"), py::arg("shape"),
+      "The safetensors shape of tensor name held by torch with shape, saved as safetensors dtype "
+      "st_dtype: a packed dtype's last dimension counts its values (F4: two per "
+      "float4_e2m1fn_x2 element). ValueError for a 0-dimensional packed tensor.");
+  m.def("torch_shape", &TorchShape, py::arg("name"), py::arg("st_dtype"), py::arg("shape"),
+        "The torch shape of a safetensors tensor of dtype st_dtype and shape (the inverse of "
+        "safetensors_shape). ValueError when the last dimension is not a multiple of the values "
+        "one torch element packs.");
+  m.def("big_endian_swap_width", &BigEndianSwapWidth, py::arg("storage_dtype"),
+        "The width of the units torch.load reverses in a big-endian storage of dtype "
+        "storage_dtype (tensortier's name): the element size, a complex number's half; 0 for "
+        "bytes and untyped data.");
+  m.def(
+      "reverse_units_address",
+      [](uintptr_t address, uint64_t nbytes, unsigned width) {
+        if (width > 0 && nbytes % width != 0) {
+          throw std::invalid_argument(StrCat("reverse_units_address: ", nbytes,
+                                             " bytes are no whole number of ", width,
+                                             "-byte units"));
+        }
+        py::gil_scoped_release release;
+        ReverseUnits(reinterpret_cast<std::byte*>(address), nbytes, width);
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("width"),
+      "Reverses the bytes of each width-byte unit of nbytes bytes of host memory at address "
+      "(big-endian data to this machine's order; GIL released).");
+  m.def("progress_line", &ProgressLine, py::arg("label"), py::arg("done"), py::arg("total"),
+        py::arg("seconds"),
+        "One drawing of a transfer's progress bar: '\\rLABEL [###   ]  42.0% 0.50/1.20 GiB "
+        "1.23 GB/s' (the CLI draws the same).");
+  m.def("tensor_checksums_json", &TensorChecksumsJson, py::arg("sums"),
+        "The tensortier.xxh64 metadata value for [(name, xxh64)]: a JSON object of name -> 16 "
+        "hex digits, in that order.");
   m.def(
       "parse_safetensors_header",
       [](const py::bytes& header, uint64_t data_bytes) {
@@ -144,7 +193,7 @@ void RegisterCheckpoint(py::module_& m) {
         }
         return py::bytes(out);
       },
-      py::arg("entries"), py::arg("metadata") = py::none(), py::arg("alignment") = 4096,
+      py::arg("entries"), py::arg("metadata") = py::none(), py::arg("alignment") = kCheckpointAlignment,
       "The 8-byte length plus the JSON header, space-padded to a multiple of alignment, for "
       "[(name, dtype, shape, begin, end)] entries whose ranges tile the data section.");
 

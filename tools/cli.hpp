@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <map>
@@ -10,6 +11,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 
 namespace tensortier::cli {
 
@@ -41,16 +44,16 @@ class Args {
   std::vector<std::string> positionals_;
 };
 
-// A progress bar on stderr, drawn only when stderr is a terminal and `enabled`; erased at 100%.
+// A progress bar on stderr (the pipeline's ProgressLine), drawn only when stderr is a terminal
+// and `enabled`; erased at 100%.
 class Progress {
  public:
   Progress(std::string label, uint64_t total, bool enabled)
       : label_(std::move(label)), total_(total), enabled_(enabled && isatty(STDERR_FILENO)) {}
   void Update(uint64_t done) {
     if (!enabled_ || total_ == 0) return;
-    int width = 30, filled = static_cast<int>(width * done / total_);
-    std::fprintf(stderr, "\r%-6s [%s%s] %3d%%", label_.c_str(), std::string(filled, '#').c_str(),
-                 std::string(width - filled, '.').c_str(), static_cast<int>(100 * done / total_));
+    const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start_;
+    std::fputs(ProgressLine(label_, done, total_, elapsed.count()).c_str(), stderr);
     if (done >= total_) std::fputs("\r\033[K", stderr);
     std::fflush(stderr);
   }
@@ -59,6 +62,7 @@ class Progress {
   std::string label_;
   uint64_t total_;
   bool enabled_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
 int RunCheck(const std::vector<std::string>& argv);

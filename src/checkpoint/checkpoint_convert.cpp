@@ -67,7 +67,8 @@ SafetensorsEntry SafetensorsEntryOf(const TorchCheckpoint& torch, const TorchTen
   return {t.path, dtype, SafetensorsShape(t.path, t.dtype, item.shape), 0, t.nbytes()};
 }
 
-// A safetensors file of the torch file's tensors, each zip entry read once, start to end: its
+// A safetensors file of the torch file's tensors (laid out by PlanSafetensorsLayout), each zip
+// entry read once, start to end: its
 // CRC-32 is checked from the same reads that copy the tensors viewing it (several tensors may
 // share an entry, or leave parts of it unviewed).
 ConvertReport TorchToSafetensors(const CheckpointLayout& l, const std::string& in,
@@ -75,6 +76,8 @@ ConvertReport TorchToSafetensors(const CheckpointLayout& l, const std::string& i
   std::vector<SafetensorsEntry> entries;
   std::vector<std::pair<std::string, uint64_t>> sums;
   std::set<std::string_view> named;
+  std::vector<uint64_t> sizes;
+  std::vector<unsigned> widths;
   uint64_t data = 0;
   for (size_t index = 0; index < l.torch.pickle.tensors.size(); ++index) {
     const TorchTensor& t = l.torch.pickle.tensors[index];
@@ -88,17 +91,24 @@ ConvertReport TorchToSafetensors(const CheckpointLayout& l, const std::string& i
                  "them distinct string keys before torch.save"));
     }
     entries.push_back(SafetensorsEntryOf(l.torch, t, l.items[index]));
-    entries.back().begin = data;
-    entries.back().end = data + t.nbytes();
-    data += t.nbytes();
+    sizes.push_back(t.nbytes());
+    widths.push_back(TorchDtypeBytes(t.dtype));
     sums.emplace_back(t.path, 0);  // fixed width: the header size does not change later
+  }
+  const std::vector<uint64_t> starts = PlanSafetensorsLayout(sizes, widths);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    entries[i].begin = starts[i];
+    entries[i].end = starts[i] + sizes[i];
+    data += sizes[i];
   }
   SafetensorsMetadata metadata = {{"format", "pt"}};
   SetChecksumMetadata(entries, sums, metadata);
   std::string header = SerializeSafetensorsHeader(entries, metadata, kCheckpointAlignment);
   const uint64_t data_start = header.size();
 
-  StreamBuffers buffers;  // before the engine: its destructor waits for I/O still in flight
+  uint64_t largest = 0;  // the longest zip entry streamed
+  for (const auto& e : l.torch.zip.entries) largest = std::max(largest, e.size);
+  StreamBuffers buffers(largest);  // before the engine: it waits for I/O still in flight
   Engine engine;
   File src = OpenCheckpointForReading(in, true);
   DurableFile out_file(out);

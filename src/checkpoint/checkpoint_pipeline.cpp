@@ -2,6 +2,7 @@
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <exception>
 #include <set>
 #include <stdexcept>
@@ -145,8 +146,8 @@ std::vector<uint64_t> SafetensorsShape(std::string_view name, std::string_view d
   const Dtype* row = DtypeNamed(dtype);
   if (row == nullptr || row->packing <= 1) return shape;
   if (shape.empty()) {
-    throw std::invalid_argument(StrCat("tensor '", name, "' is a ", row->torch,
-                                       " scalar: safetensors' ", row->safetensors,
+    throw std::invalid_argument(StrCat("tensor '", name, "' is a 0-dimensional ", row->torch,
+                                       " tensor: safetensors' ", row->safetensors,
                                        " needs a last dimension to hold its ", row->packing,
                                        " values"));
   }
@@ -168,15 +169,15 @@ std::vector<uint64_t> TorchShape(std::string_view name, std::string_view st_dtyp
   return shape;
 }
 
-StreamBuffers::StreamBuffers()
-    : bufs{AlignedBuffer(kCheckpointGroupBytes, Pages::kReused),
-           AlignedBuffer(kCheckpointGroupBytes, Pages::kReused)} {}
+StreamBuffers::StreamBuffers(uint64_t largest)
+    : size(std::min(largest, kCheckpointGroupBytes)),
+      bufs{AlignedBuffer(size, Pages::kReused), AlignedBuffer(size, Pages::kReused)} {}
 
 void StreamRange(Engine& engine, const File& file, uint64_t offset, uint64_t length,
                  StreamBuffers& buffers, const std::function<void(std::byte*, size_t)>& consume) {
   if (length == 0) return;
   auto submit = [&](uint64_t done, int slot) {
-    uint64_t n = std::min<uint64_t>(kCheckpointGroupBytes, length - done);
+    uint64_t n = std::min<uint64_t>(buffers.size, length - done);
     return std::pair(engine.Read(file, buffers.bufs[slot].data(), n, offset + done), n);
   };
   auto pending = submit(0, 0);
@@ -207,6 +208,19 @@ void StreamRange(Engine& engine, const File& file, uint64_t offset, uint64_t len
     done += n;
     slot = 1 - slot;
   }
+}
+
+std::string ProgressLine(std::string_view label, uint64_t done, uint64_t total, double seconds) {
+  constexpr int kWidth = 30;
+  const double frac = total > 0 ? static_cast<double>(done) / static_cast<double>(total) : 1.0;
+  const int filled = std::clamp(static_cast<int>(frac * kWidth), 0, kWidth);
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  char tail[160];
+  std::snprintf(tail, sizeof(tail), "] %5.1f%% %.2f/%.2f GiB %.2f GB/s", frac * 100,
+                static_cast<double>(done) / kGiB, static_cast<double>(total) / kGiB,
+                static_cast<double>(done) / std::max(seconds, 1e-9) / 1e9);
+  return StrCat("\r", label, " [", std::string(filled, '#'), std::string(kWidth - filled, ' '),
+                tail);
 }
 
 SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout) {
@@ -269,7 +283,10 @@ VerifyReport VerifyCheckpointData(const std::string& path, const CheckpointLayou
   VerifyReport report;
   report.problems = MissingTensorProblems(layout, names);
   std::vector<std::string>& problems = report.problems;
-  StreamBuffers buffers;  // before the engine: its destructor waits for reads into them
+  uint64_t largest = 0;  // the longest range streamed: a tensor's, or a zip entry's
+  for (const auto& item : layout.items) largest = std::max(largest, item.nbytes);
+  for (const auto& e : layout.torch.zip.entries) largest = std::max(largest, e.size);
+  StreamBuffers buffers(largest);  // before the engine: its destructor waits for reads into them
   Engine engine;
   File file = OpenCheckpointForReading(path, true);
   if (layout.format == CheckpointFormat::kSafetensors) {

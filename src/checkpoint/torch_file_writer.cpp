@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
@@ -13,7 +14,7 @@ namespace tensortier {
 namespace {
 
 constexpr uint64_t kPage = 4096;
-constexpr uint64_t kChunk = 16u << 20;
+constexpr uint64_t kChunk = kCheckpointGroupBytes;  // the input's reads
 // The file's image: this many buffers of up to kImageBuffer bytes, all but one being written
 // while one fills (on our virtio disk, a few writes in flight keep it busy).
 constexpr int kImageBuffers = 4;
@@ -175,8 +176,10 @@ FileTensorBytes::FileTensorBytes(Engine& engine, const File& file, std::vector<u
     }
     if (nbytes[i] > 0) end_ = offsets_[i] + nbytes[i];
   }
-  bufs_[0] = AlignedBuffer(kChunk, Pages::kReused);
-  bufs_[1] = AlignedBuffer(kChunk, Pages::kReused);
+  // No larger than what there is to read: a file of tiny tensors maps no 64 MiB buffers.
+  const uint64_t span = !offsets_.empty() && end_ > offsets_.front() ? end_ - offsets_.front() : 0;
+  bufs_[0] = AlignedBuffer(std::min(kChunk, span), Pages::kReused);
+  bufs_[1] = AlignedBuffer(std::min(kChunk, span), Pages::kReused);
 }
 
 FileTensorBytes::~FileTensorBytes() {

@@ -154,6 +154,42 @@ def test_torch_to_safetensors_and_back(disk_dir: Path) -> None:
         assert a.read("back/data.pkl") == b.read("back2/data.pkl")
 
 
+def tensor_ranges(path: Path) -> dict[str, list[int]]:
+    """Each tensor's [begin, end) in a safetensors file's data section, from its header."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    return {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_convert_lays_out_tensors_as_tensortier_save_does(disk_dir: Path) -> None:
+    """One layout rule for every safetensors writer: tensors whose size is a multiple of 4 KiB
+    first (each then starts on a 4 KiB boundary), the rest after them, widest elements first."""
+    import tensortier
+
+    sd = {
+        "f16": torch.ones(3, dtype=torch.float16),
+        "page": torch.ones(1024),
+        "i8": torch.ones(5, dtype=torch.int8),
+        "f64": torch.ones(3, dtype=torch.float64),
+        "two_pages": torch.ones(2048),
+    }
+    pt = disk_dir / "m.pt"
+    torch.save(sd, pt)
+    converted = disk_dir / "converted.safetensors"
+    convert(pt, converted)
+    saved = disk_dir / "saved.safetensors"
+    tensortier.save(sd, saved, checksum=True)
+    assert tensor_ranges(converted) == tensor_ranges(saved) == {
+        "page": [0, 4096],
+        "two_pages": [4096, 12288],
+        "f64": [12288, 12312],
+        "f16": [12312, 12318],
+        "i8": [12318, 12323],
+    }
+    assert_same(st.load_file(str(converted)), sd)
+
+
 def test_empty_safetensors_file(disk_dir: Path) -> None:
     src = disk_dir / "none.safetensors"
     st.save_file({}, str(src))

@@ -116,17 +116,24 @@ std::vector<uint64_t> TorchShape(std::string_view name, std::string_view st_dtyp
 
 // ---- stream -----------------------------------------------------------------------------------
 
-// Two buffers of kCheckpointGroupBytes: the engine fills one while the other is consumed. Made
-// before the engine that reads into them (its destructor waits for reads still in flight).
+// Two buffers of kCheckpointGroupBytes, or of `largest` bytes (the longest range to stream) where
+// that is less: the engine fills one while the other is consumed. Made before the engine that
+// reads into them (its destructor waits for reads still in flight).
 struct StreamBuffers {
+  explicit StreamBuffers(uint64_t largest = kCheckpointGroupBytes);
+  uint64_t size;
   AlignedBuffer bufs[2];
-  StreamBuffers();
 };
 
 // Streams [offset, offset+length) of `file` through `buffers`, calling `consume` on each group
 // in order while the next one is read. A file that ends early is a FormatError.
 void StreamRange(Engine& engine, const File& file, uint64_t offset, uint64_t length,
                  StreamBuffers& buffers, const std::function<void(std::byte*, size_t)>& consume);
+
+// One drawing of the progress bar of a long transfer (tensortier.load's and the CLI's):
+// "\rLABEL [####      ]  42.0% 0.50/1.20 GiB 1.23 GB/s", 30 characters of bar, the rate from
+// `seconds` since the start. The caller writes it (Python through sys.stderr).
+std::string ProgressLine(std::string_view label, uint64_t done, uint64_t total, double seconds);
 
 // ---- checks -----------------------------------------------------------------------------------
 

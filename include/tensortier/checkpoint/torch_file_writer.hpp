@@ -45,7 +45,7 @@ class HostTensorBytes : public TensorBytes {
 };
 
 // A file: tensor i's bytes at [offsets[i], offsets[i] + nbytes[i]), offsets in increasing order
-// and not overlapping (a safetensors data section). Read front to back in ~16 MiB reads, the next
+// and not overlapping (a safetensors data section). Read front to back in reads of kCheckpointGroupBytes, the next
 // one in flight while the current one is copied out. A file that ends early is a FormatError.
 class FileTensorBytes : public TensorBytes {
  public:

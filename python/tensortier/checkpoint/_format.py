@@ -1,4 +1,4 @@
-"""Checkpoint facts: alignment, metadata keys, batching settings, dtype shapes, format detection
+"""Checkpoint facts: alignment, metadata keys, batching settings, dtype packing, format detection
 (their rules live in C++: include/tensortier/checkpoint/checkpoint_format.hpp, torch_pickle.hpp), and the
 lazy torch and _core lookups every module uses."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _core
@@ -18,21 +18,21 @@ PathLike = PathArg
 _T = TypeVar("_T")
 
 
-ALIGNMENT = 4096
+# The data alignment of the files tensortier writes (include/tensortier/checkpoint/checkpoint_pipeline.hpp).
+ALIGNMENT = int(_core.CHECKPOINT_ALIGNMENT)
 
-CHECKSUM_KEY = "tensortier.xxh64"
-
-
-# The xxh64 of what the header says (names, dtypes, shapes, offsets, other metadata): see
-# SafetensorsHeaderDigest in include/tensortier/checkpoint/safetensors.hpp.
-HEADER_CHECKSUM_KEY = "tensortier.header_xxh64"
+# Metadata keys of the safetensors checksums: per-tensor xxh64s, and the xxh64 of what the header
+# says (SafetensorsHeaderDigest in include/tensortier/checkpoint/safetensors.hpp).
+CHECKSUM_KEY = str(_core.TENSOR_CHECKSUMS_KEY)
+HEADER_CHECKSUM_KEY = str(_core.HEADER_CHECKSUM_KEY)
 
 _INDEX_SUFFIX = ".index.json"
 
 
 # Reads are submitted in groups of about this many bytes: progress, checksums and device copies
 # of one group overlap the reads of the next ones (the engine bounds what is really in flight).
-_GROUP_BYTES = 64 << 20
+# The pipeline's one setting (kCheckpointGroupBytes), the CLI's reads too.
+_GROUP_BYTES = int(_core.CHECKPOINT_GROUP_BYTES)
 
 # Copies made to write non-contiguous or GPU tensors: at most this many bytes are alive at once.
 _STAGING_BYTES = 256 << 20
@@ -68,34 +68,17 @@ def _torch_dtypes() -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
+def _dtype_names() -> dict[Any, str]:
+    """torch.dtype -> tensortier dtype name: the inverse of ``_torch_dtypes``."""
+    return {dt: name for name, dt in _torch_dtypes().items()}
+
+
+@functools.lru_cache(maxsize=None)
 def _quantized_dtypes() -> frozenset[Any]:
     """The torch dtypes the C++ table marks quantized (qint8, quint4x2...)."""
     dtypes = _torch_dtypes()
     return frozenset(dtypes[row["name"]] for row in _require("dtypes")()
                      if row["quantized"] and row["name"] in dtypes)
-
-
-def _torch_shape(name: str, dt: str, shape: Sequence[int], path: str) -> tuple[int, ...]:
-    """The torch shape of a safetensors tensor of dtype `dt` and `shape`."""
-    per = _st_per_torch_element().get(dt, 1)
-    if per == 1:
-        return tuple(int(s) for s in shape)
-    if not shape or shape[-1] % per:
-        raise ValueError(
-            f"{path}: tensor {name!r} of {dt} has shape {tuple(shape)}: its last dimension must "
-            f"be a multiple of {per} to be held as torch's packed dtype"
-        )
-    return (*(int(s) for s in shape[:-1]), int(shape[-1]) // per)
-
-
-def _st_shape(name: str, dt: str, shape: Sequence[int]) -> tuple[int, ...]:
-    """The safetensors shape of a torch tensor of `shape` saved as `dt`."""
-    per = _st_per_torch_element().get(dt, 1)
-    if per == 1:
-        return tuple(int(s) for s in shape)
-    if not shape:
-        raise ValueError(f"tensor {name!r}: a 0-dimensional {dt} tensor has no safetensors shape")
-    return (*(int(s) for s in shape[:-1]), int(shape[-1]) * per)
 
 
 def _torch() -> Any:

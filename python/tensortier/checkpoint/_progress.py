@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ._format import _PROGRESS_MIN_BYTES
+from ._format import _PROGRESS_MIN_BYTES, _require
 
 
 class _Progress:
@@ -33,14 +33,10 @@ class _Progress:
 
     def _draw(self, now: float) -> None:
         self.drawn = self.done
-        frac = self.done / self.total if self.total else 1.0
-        width = 30
-        bar = "#" * int(frac * width)
-        rate = self.done / max(now - self.start, 1e-9) / 1e9
-        sys.stderr.write(
-            f"\r{self.label} [{bar:<{width}}] {frac * 100:5.1f}% "
-            f"{self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB {rate:.2f} GB/s"
-        )
+        # The line is the pipeline's (ProgressLine in C++, the CLI's too); written here, through
+        # sys.stderr.
+        sys.stderr.write(_require("progress_line")(self.label, self.done, self.total,
+                                                   now - self.start))
         sys.stderr.flush()
 
     def close(self) -> None:

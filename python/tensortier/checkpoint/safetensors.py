@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -20,9 +19,7 @@ from ._tensor_bytes import _as_bytes, _checksum_mismatch, _nbytes
 from ._format import (
     _require,
     _st_per_torch_element,
-    _st_shape,
     _torch,
-    _torch_shape,
     ALIGNMENT,
     CHECKSUM_KEY,
     HEADER_CHECKSUM_KEY,
@@ -131,22 +128,6 @@ def _shared_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
     return groups
 
 
-def _safetensors_layout(sizes: Sequence[int], widths: Sequence[int]) -> list[int]:
-    """The offset (relative to the data start) of each tensor, of `sizes` bytes and elements of
-    `widths` bytes. safetensors allows no gaps, so tensors whose size is a multiple of 4 KiB go
-    first (each then starts on a 4 KiB boundary); the rest follow, widest elements first so
-    every tensor stays naturally aligned."""
-    whole = [i for i, n in enumerate(sizes) if n % ALIGNMENT == 0]
-    rest = [i for i, n in enumerate(sizes) if n % ALIGNMENT != 0]
-    rest.sort(key=lambda i: -widths[i])  # stable: keeps insertion order per width
-    starts = [0] * len(sizes)
-    pos = 0
-    for i in whole + rest:
-        starts[i] = pos
-        pos += sizes[i]
-    return starts
-
-
 def _save_safetensors(
     state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
     io: IOHandle,
@@ -176,18 +157,19 @@ def _save_safetensors(
     names = list(state_dict)
     tensors = list(state_dict.values())
     sizes = [v.nbytes for v in tensors]
-    starts = _safetensors_layout(sizes, [v.itemsize for v in tensors])
+    # The pipeline's layout rule (PlanSafetensorsLayout): 4 KiB multiples first, then the rest.
+    starts = _require("plan_safetensors_layout")(sizes, [v.itemsize for v in tensors])
     packed = _st_per_torch_element()
     entries = []
     for k, v, start, n in zip(names, tensors, starts, sizes):
         dt = to_st[v.dtype]
-        shape = _st_shape(k, dt, v.shape) if dt in packed else v.shape
+        shape = _require("safetensors_shape")(k, dt, list(v.shape)) if dt in packed else v.shape
         entries.append((k, dt, shape, start, start + n))
     data_bytes = max((start + n for start, n in zip(starts, sizes)), default=0)
     md = dict(metadata)
     md.setdefault("format", "pt")  # as save_model / save_pretrained write: transformers wants it
     if checksum:  # placeholder of the final length: the real header replaces it at the end
-        md[CHECKSUM_KEY] = _checksum_json({k: 0 for k in names})
+        md[CHECKSUM_KEY] = _require("tensor_checksums_json")([(k, 0) for k in names])
         digest = _require("safetensors_header_digest")(entries, md)  # skips the checksum keys
         md[HEADER_CHECKSUM_KEY] = f"{digest:016x}"
     header = bytes(serialize(entries, md, ALIGNMENT))
@@ -221,17 +203,13 @@ def _save_safetensors(
             writer.drain()
             raise
         if checksum:
-            md[CHECKSUM_KEY] = _checksum_json({k: sums[k] for k in names})
+            md[CHECKSUM_KEY] = _require("tensor_checksums_json")([(k, sums[k]) for k in names])
             final = bytes(serialize(entries, md, ALIGNMENT))
             if len(final) != data_start:  # cannot happen: fixed-width hex digits
                 raise RuntimeError("safetensors header changed length after checksumming")
             header = final
         io.pwrite(header, df.open(), 0)
         df.commit()
-
-
-def _checksum_json(sums: Mapping[str, int]) -> str:
-    return json.dumps({k: f"{v:016x}" for k, v in sums.items()}, separators=(",", ":"))
 
 
 def _parse_checksums(path: str, metadata: Mapping[str, str], names: Sequence[str]) -> dict[str, int]:
@@ -296,7 +274,12 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
             raise ValueError(
                 f"{path}: tensor {name!r} has dtype {dt}, which this torch cannot hold"
             )
-        torch_shape = _torch_shape(name, dt, shape, path) if dt in packed else tuple(shape)
+        torch_shape = tuple(shape)
+        if dt in packed:  # the pipeline's rule (TorchShape)
+            try:
+                torch_shape = tuple(_require("torch_shape")(name, dt, list(shape)))
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from e
         need = math.prod(torch_shape) * dtype.itemsize
         if need != end - begin:
             raise ValueError(

@@ -14,7 +14,7 @@ from ..io import File, IOHandle
 from . import _dtype, _engine, _format, _reading, mapping
 from ._files import _same_file
 from ._tensor_bytes import _as_bytes, _checksum_mismatch, _crc32, _storage_bytes
-from ._format import _quantized_dtypes, _require, _torch, _torch_dtypes, ALIGNMENT
+from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes, ALIGNMENT
 from ._progress import _Progress
 from ._reading import _Piece
 from ._writing import _open_checkpoint, _read_at
@@ -546,19 +546,20 @@ def _load_torch(
 def _byteswap_storages(refs: Sequence[_StorageRef]) -> None:
     """Big-endian data in native order, on the storages' own devices."""
     for r in refs:
-        if r.storage.device.type == "cpu":
-            r.storage.byteswap(r.dtype)
-        else:  # torch's byteswap writes through the pointer on the host
-            _swap_bytes(r.storage, r.dtype)
+        _swap_bytes(r.storage, r.dtype)
 
 
 def _swap_bytes(storage: Any, dtype: Any) -> None:
-    """``storage.byteswap(dtype)`` done with tensor operations on the storage's own device (each
-    element's bytes reversed; a complex number's two halves each on their own, as torch does)."""
-    width = dtype.itemsize // (2 if dtype.is_complex else 1)
+    """``storage.byteswap(dtype)`` by the pipeline's rule (BigEndianSwapWidth, ReverseUnits in
+    C++, as the CLI's convert swaps): each element's bytes reversed, a complex number's two
+    halves each on their own. A device storage is swapped through a host copy."""
+    width = int(_require("big_endian_swap_width")(_dtype_names()[dtype]))
     if width <= 1:
         return
     flat = _storage_bytes(storage)
-    count = flat.numel() // width
-    elements = flat[: count * width].view(count, width)
-    elements.copy_(elements.flip(-1))
+    host = flat if flat.device.type == "cpu" else flat.cpu()
+    n = host.numel() - host.numel() % width
+    if n:
+        _require("reverse_units_address")(host.data_ptr(), n, width)
+    if host is not flat:
+        flat.copy_(host)
