@@ -16,6 +16,7 @@
 #include "tensortier/io/config.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -58,9 +59,9 @@ py::dict tensortier::OptionsDict(const EngineOptions& o) {
 namespace {
 
 IoOp ParseOp(const std::string& op) {
-  if (op == "read") return IoOp::kRead;
-  if (op == "write") return IoOp::kWrite;
-  throw std::invalid_argument(StrCat("op must be 'read' or 'write', not '", op, "'"));
+  if (const auto parsed = ValueOf(kIoOpNames, op)) return *parsed;
+  throw std::invalid_argument(
+      StrCat("op must be ", JoinNames(kIoOpNames, ", ", " or ", "'"), ", not '", op, "'"));
 }
 
 // The engine's start (backend probes with verified O_DIRECT round trips in `probe_dir`, worker

@@ -16,6 +16,7 @@
 #include "register.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/offload/offloader.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -24,9 +25,9 @@ using namespace tensortier;
 namespace {
 
 OffloadKind ParseOffloadKind(const std::string& kind) {
-  if (kind == "write") return OffloadKind::kWrite;
-  if (kind == "read") return OffloadKind::kRead;
-  throw std::invalid_argument(StrCat("kind must be 'write' or 'read', not '", kind, "'"));
+  if (const auto parsed = ValueOf(kOffloadKindNames, kind)) return *parsed;
+  throw std::invalid_argument(StrCat(
+      "kind must be ", JoinNames(kOffloadKindNames, ", ", " or ", "'"), ", not '", kind, "'"));
 }
 
 std::vector<OffloadPiece> ToPieces(

@@ -8,12 +8,14 @@
 #include <numeric>
 #include <set>
 #include <stdexcept>
+#include <string_view>
 #include <unordered_map>
 
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
@@ -271,8 +273,14 @@ ConvertReport SafetensorsToTorch(const CheckpointLayout& l, const std::string& i
   return report;
 }
 
-const char* FormatPhrase(CheckpointFormat format) {
-  return format == CheckpointFormat::kSafetensors ? "safetensors" : "a torch.save zip";
+// Each format as convert's messages say it.
+constexpr EnumName<CheckpointFormat> kFormatPhrases[] = {
+    {CheckpointFormat::kSafetensors, "safetensors"},
+    {CheckpointFormat::kTorch, "a torch.save zip"},
+};
+
+std::string_view FormatPhrase(CheckpointFormat format) {
+  return NameOf(kFormatPhrases, format, "a torch.save zip");
 }
 
 // convert writes the other format than IN's: an OUT that is IN (replaced by a file of another

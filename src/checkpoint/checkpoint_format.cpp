@@ -40,7 +40,7 @@ bool LeavesTheDirectory(std::string_view name) {
 }  // namespace
 
 std::string_view CheckpointFormatName(CheckpointFormat format) {
-  return format == CheckpointFormat::kSafetensors ? "safetensors" : "torch";
+  return NameOf(kCheckpointFormatNames, format, "torch");
 }
 
 std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path) {
@@ -54,15 +54,7 @@ std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path) {
 }
 
 std::string_view CheckpointKindName(CheckpointKind kind) {
-  switch (kind) {
-    case CheckpointKind::kSafetensors:
-      return "safetensors";
-    case CheckpointKind::kTorch:
-      return "torch";
-    case CheckpointKind::kShardIndex:
-      return "index";
-  }
-  return "";
+  return NameOf(kCheckpointKindNames, kind);
 }
 
 CheckpointKind DetectCheckpointKind(const ByteSource& source) {

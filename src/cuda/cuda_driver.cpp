@@ -90,17 +90,7 @@ CudaError::CudaError(cuda::CUresult code, std::string call, const std::string& d
     : std::runtime_error(StrCat(call, " failed: ", detail)), code_(code), call_(std::move(call)) {}
 
 std::string_view MemoryTypeName(MemoryType type) {
-  switch (type) {
-    case MemoryType::kHost:
-      return "host";
-    case MemoryType::kRegisteredHost:
-      return "registered host";
-    case MemoryType::kDevice:
-      return "device";
-    case MemoryType::kManaged:
-      return "managed";
-  }
-  return "unknown";
+  return NameOf(kMemoryTypeNames, type, "unknown");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <iterator>
 #include <new>
 
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/util/strings.hpp"
@@ -228,7 +229,7 @@ void Worker::Complete(Task* t, const IoCompletion& completion) {
     // the caller hears why, rather than the worker resubmitting into a ring that refuses.
     t->op->Fail(
         std::make_exception_ptr(IoError(static_cast<int>(-result),
-                                        StrCat(op.op == IoOp::kRead ? "read" : "write", " (",
+                                        StrCat(NameOf(kIoOpNames, op.op, "write"), " (",
                                                backend_->name(), " refused to submit it)"),
                                         op.pieces[t->piece].file.path(), t->offset, t->length)));
     Finish(t);
@@ -242,7 +243,7 @@ void Worker::Complete(Task* t, const IoCompletion& completion) {
     // Asked again and again: say so rather than spin on it for good.
     t->op->Fail(
         std::make_exception_ptr(IoError(static_cast<int>(-result),
-                                        StrCat(op.op == IoOp::kRead ? "read" : "write", " (",
+                                        StrCat(NameOf(kIoOpNames, op.op, "write"), " (",
                                                kMaxRetries, " retries asked for in a row)"),
                                         op.pieces[t->piece].file.path(), t->offset, t->length)));
     Finish(t);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
@@ -260,7 +261,7 @@ void Offloader::Trim() {
 void Offloader::Claim(OffloadKind kind, std::span<const OffloadPiece> pieces,
                       std::unique_lock<std::mutex>& lock) {
   CheckOpen();
-  const char* verb = kind == OffloadKind::kWrite ? "write" : "read";
+  const std::string_view verb = NameOf(kOffloadKindNames, kind, "read");
   std::unordered_set<uint64_t> seen;
   for (const OffloadPiece& p : pieces) {
     if (!seen.insert(p.key).second) {

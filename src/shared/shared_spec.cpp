@@ -31,34 +31,25 @@ T ParseField(const std::string& field, const std::string& text, const std::strin
 
 }  // namespace
 
+// The names are string literals, so data() is NUL-terminated.
 const char* SharedLayoutName(SharedLayout layout) {
-  switch (layout) {
-    case SharedLayout::kContinuous:
-      return "continuous";
-    case SharedLayout::kChunked:
-      return "chunked";
-    case SharedLayout::kDistributed:
-      return "distributed";
-  }
-  return "?";
+  return NameOf(kSharedLayoutNames, layout, "?").data();
 }
 
 SharedLayout ParseSharedLayout(const std::string& name) {
-  if (name == "continuous") return SharedLayout::kContinuous;
-  if (name == "chunked") return SharedLayout::kChunked;
-  if (name == "distributed") return SharedLayout::kDistributed;
-  throw std::invalid_argument(
-      StrCat("layout must be 'continuous', 'chunked' or 'distributed', not '", name, "'"));
+  if (const auto layout = ValueOf(kSharedLayoutNames, name)) return *layout;
+  throw std::invalid_argument(StrCat(
+      "layout must be ", JoinNames(kSharedLayoutNames, ", ", " or ", "'"), ", not '", name, "'"));
 }
 
 const char* SharedMemoryName(SharedMemory memory) {
-  return memory == SharedMemory::kDevice ? "device" : "host";
+  return NameOf(kSharedMemoryNames, memory, "host").data();
 }
 
 SharedMemory ParseSharedMemory(const std::string& name) {
-  if (name == "host") return SharedMemory::kHost;
-  if (name == "device") return SharedMemory::kDevice;
-  throw std::invalid_argument(StrCat("memory must be 'host' or 'device', not '", name, "'"));
+  if (const auto memory = ValueOf(kSharedMemoryNames, name)) return *memory;
+  throw std::invalid_argument(StrCat(
+      "memory must be ", JoinNames(kSharedMemoryNames, ", ", " or ", "'"), ", not '", name, "'"));
 }
 
 uint64_t SharedTensorSpec::rows() const {

@@ -3,9 +3,11 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "tensortier/transfer/device_jobs.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/settings.hpp"
 #include "tensortier/util/strings.hpp"
 #include "tensortier/transfer/transfer.hpp"
@@ -13,12 +15,15 @@
 namespace tensortier {
 
 GdsMode ParseGdsMode(const std::string& text) {
-  if (text == "off" || text == "0" || text == "false") return GdsMode::kOff;
-  if (text == "auto") return GdsMode::kAuto;
-  if (text == "on" || text == "require" || text == "1" || text == "true") {
-    return GdsMode::kRequire;
-  }
-  throw std::invalid_argument(StrCat("gds must be 'off', 'auto' or 'on', not '", text, "'"));
+  if (const auto mode = ValueOf(kGdsModeNames, text)) return *mode;
+  // The digit and true/false spellings of off and on (not yes/no, which ParseBool also takes).
+  if (text == "0" || text == "false") return GdsMode::kOff;
+  if (text == "1" || text == "true") return GdsMode::kRequire;
+  // Each mode once, by its name: 'off', 'auto' or 'on'.
+  const std::string_view modes[] = {GdsModeName(GdsMode::kOff), GdsModeName(GdsMode::kAuto),
+                                    GdsModeName(GdsMode::kRequire)};
+  throw std::invalid_argument(
+      StrCat("gds must be ", JoinWords(modes, ", ", " or ", "'"), ", not '", text, "'"));
 }
 
 GdsMode GdsModeFromEnvironment() {
@@ -26,15 +31,8 @@ GdsMode GdsModeFromEnvironment() {
 }
 
 const char* GdsModeName(GdsMode mode) noexcept {
-  switch (mode) {
-    case GdsMode::kOff:
-      return "off";
-    case GdsMode::kAuto:
-      return "auto";
-    case GdsMode::kRequire:
-      break;
-  }
-  return "on";
+  // The table's words are string literals, so data() is NUL-terminated.
+  return NameOf(kGdsModeNames, mode, "on").data();
 }
 
 // ---------------------------------------------------------------------------------------------

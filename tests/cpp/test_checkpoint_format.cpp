@@ -31,6 +31,18 @@ TEST(CheckpointFormatTest, SuffixesInEitherCase) {
   EXPECT_EQ(CheckpointFormatName(CheckpointFormat::kTorch), "torch");
 }
 
+TEST(CheckpointFormatTest, FormatAndKindNamesBothWays) {
+  EXPECT_EQ(CheckpointFormatName(CheckpointFormat::kSafetensors), "safetensors");
+  for (CheckpointFormat format : {CheckpointFormat::kSafetensors, CheckpointFormat::kTorch}) {
+    EXPECT_EQ(ValueOf(kCheckpointFormatNames, CheckpointFormatName(format)), format);
+  }
+  for (CheckpointKind kind :
+       {CheckpointKind::kSafetensors, CheckpointKind::kTorch, CheckpointKind::kShardIndex}) {
+    EXPECT_EQ(ValueOf(kCheckpointKindNames, CheckpointKindName(kind)), kind);
+  }
+  EXPECT_EQ(ValueOf(kCheckpointKindNames, "zip"), std::nullopt);
+}
+
 std::string WriteIndex(const TempDir& dir, const std::string& text) {
   const std::string path = dir.File("model.safetensors.index.json");
   std::ofstream(path) << text;

@@ -137,6 +137,15 @@ TEST(CudaDriverTest, LocateWithoutDriverReportsHost) {
   EXPECT_EQ(MemoryTypeName(MemoryType::kDevice), "device");
 }
 
+TEST(CudaDriverTest, MemoryTypeNamesBothWays) {
+  EXPECT_EQ(MemoryTypeName(MemoryType::kRegisteredHost), "registered host");
+  EXPECT_EQ(MemoryTypeName(MemoryType::kManaged), "managed");
+  for (MemoryType type : {MemoryType::kHost, MemoryType::kRegisteredHost, MemoryType::kDevice,
+                          MemoryType::kManaged}) {
+    EXPECT_EQ(ValueOf(kMemoryTypeNames, MemoryTypeName(type)), type) << MemoryTypeName(type);
+  }
+}
+
 TEST(CudaDriverTest, ObjectsWithoutDriverThrowCudaErrorNamingTheCall) {
   auto driver = CudaDriver::Load("/nonexistent/libcuda.so.1");
   try {

@@ -85,6 +85,33 @@ TEST(SharedPartitionTest, SpecDescribeParsesBack) {
   EXPECT_EQ(ParseSharedLayout("distributed"), SharedLayout::kDistributed);
 }
 
+TEST(SharedPartitionTest, LayoutAndMemoryNamesBothWays) {
+  for (SharedLayout layout :
+       {SharedLayout::kContinuous, SharedLayout::kChunked, SharedLayout::kDistributed}) {
+    EXPECT_EQ(ParseSharedLayout(SharedLayoutName(layout)), layout) << SharedLayoutName(layout);
+  }
+  EXPECT_STREQ(SharedLayoutName(SharedLayout::kContinuous), "continuous");
+  EXPECT_STREQ(SharedLayoutName(SharedLayout::kChunked), "chunked");
+  EXPECT_STREQ(SharedLayoutName(SharedLayout::kDistributed), "distributed");
+  for (SharedMemory memory : {SharedMemory::kHost, SharedMemory::kDevice}) {
+    EXPECT_EQ(ParseSharedMemory(SharedMemoryName(memory)), memory) << SharedMemoryName(memory);
+  }
+  EXPECT_STREQ(SharedMemoryName(SharedMemory::kHost), "host");
+  EXPECT_STREQ(SharedMemoryName(SharedMemory::kDevice), "device");
+  try {
+    ParseSharedLayout("rows");
+    ADD_FAILURE();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "layout must be 'continuous', 'chunked' or 'distributed', not 'rows'");
+  }
+  try {
+    ParseSharedMemory("gpu");
+    ADD_FAILURE();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "memory must be 'host' or 'device', not 'gpu'");
+  }
+}
+
 // Each rank writes its own rows; after a barrier every rank reads every row, directly (where the
 // layout gives one array) and through Gather in a shuffled order, then scatters and re-checks.
 void WritesSeenByAll(SharedLayout layout, uint64_t rows, uint64_t columns, int world) {

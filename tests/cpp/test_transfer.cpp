@@ -861,6 +861,29 @@ TEST(TransferDeviceTest, OptionsFromEnvironment) {
   EXPECT_THROW(ParseGdsMode("yes please"), std::invalid_argument);
 }
 
+TEST(TransferDeviceTest, GdsModeNamesBothWays) {
+  for (GdsMode mode : {GdsMode::kOff, GdsMode::kAuto, GdsMode::kRequire}) {
+    EXPECT_EQ(ParseGdsMode(GdsModeName(mode)), mode) << GdsModeName(mode);
+  }
+  EXPECT_STREQ(GdsModeName(GdsMode::kOff), "off");
+  EXPECT_STREQ(GdsModeName(GdsMode::kAuto), "auto");
+  EXPECT_STREQ(GdsModeName(GdsMode::kRequire), "on");
+  EXPECT_EQ(ParseGdsMode("require"), GdsMode::kRequire);
+  EXPECT_EQ(ParseGdsMode("1"), GdsMode::kRequire);
+  EXPECT_EQ(ParseGdsMode("true"), GdsMode::kRequire);
+  EXPECT_EQ(ParseGdsMode("0"), GdsMode::kOff);
+  EXPECT_EQ(ParseGdsMode("false"), GdsMode::kOff);
+  for (const char* bad : {"yes", "no", "On", ""}) {
+    try {
+      ParseGdsMode(bad);
+      ADD_FAILURE() << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()),
+                StrCat("gds must be 'off', 'auto' or 'on', not '", bad, "'"));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // With a GPU: the same ring with CUDA copies (skipped without a driver)
 

@@ -115,6 +115,13 @@ def test_unaligned_address_uses_bounce(disk_dir: Path) -> None:
         assert torch.equal(src, dst[1:])
 
 
+
+def test_the_engine_names_its_operations() -> None:
+    """The extension's words for an engine operation; anything else is named in the error."""
+    with IOHandle("threads") as io:
+        with pytest.raises(ValueError, match=r"^op must be 'read' or 'write', not 'Read'$"):
+            io._core().submit("Read", [], False)
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_staged_reads_land_exactly_and_are_counted(backend: str, disk_dir: Path) -> None:
     """stage_reads=True reads go through the engine's huge-page buffers where the handle's

@@ -339,6 +339,15 @@ def test_space_of_a_tensor_released_by_the_wait_is_freed_by_it(off: DiskOffloade
     assert off._core is not None and off._core.stored_bytes == 0  # not through a draining call
 
 
+
+def test_the_core_names_the_kinds_of_operation(disk_dir: Path) -> None:
+    """The extension's words for the kinds an offloader waits on; anything else is named."""
+    with DiskOffloader(disk_dir) as o:
+        assert o._core is not None
+        assert o._core.wait("write") == [] and o._core.wait("read") == []
+        with pytest.raises(ValueError, match=r"^kind must be 'write' or 'read', not 'Write'$"):
+            o._core.wait("Write")
+
 def test_device_path_moves_bytes_through_the_ring(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

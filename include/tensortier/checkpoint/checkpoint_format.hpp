@@ -9,10 +9,16 @@
 #include <vector>
 
 #include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/util/enum_names.hpp"
 
 namespace tensortier {
 
 enum class CheckpointFormat { kSafetensors, kTorch };
+
+inline constexpr EnumName<CheckpointFormat> kCheckpointFormatNames[] = {
+    {CheckpointFormat::kSafetensors, "safetensors"},
+    {CheckpointFormat::kTorch, "torch"},
+};
 
 // "safetensors" or "torch".
 std::string_view CheckpointFormatName(CheckpointFormat format);
@@ -23,6 +29,12 @@ std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path);
 
 // What a checkpoint file holds.
 enum class CheckpointKind { kSafetensors, kTorch, kShardIndex };
+
+inline constexpr EnumName<CheckpointKind> kCheckpointKindNames[] = {
+    {CheckpointKind::kSafetensors, "safetensors"},
+    {CheckpointKind::kTorch, "torch"},
+    {CheckpointKind::kShardIndex, "index"},
+};
 
 // "safetensors", "torch" or "index".
 std::string_view CheckpointKindName(CheckpointKind kind);

@@ -22,6 +22,8 @@
 #include <string_view>
 #include <utility>
 
+#include "tensortier/util/enum_names.hpp"
+
 namespace tensortier {
 
 // Our own declarations of the driver API's ABI (cuda.h is not needed to build). Type names follow
@@ -173,6 +175,12 @@ enum class MemoryType {
   kRegisteredHost,  // page-locked host memory known to CUDA (cuMemHostRegister, cuMemAllocHost)
   kDevice,          // device memory of `device`
   kManaged,         // managed (unified) memory
+};
+inline constexpr EnumName<MemoryType> kMemoryTypeNames[] = {
+    {MemoryType::kHost, "host"},
+    {MemoryType::kRegisteredHost, "registered host"},
+    {MemoryType::kDevice, "device"},
+    {MemoryType::kManaged, "managed"},
 };
 std::string_view MemoryTypeName(MemoryType type);
 

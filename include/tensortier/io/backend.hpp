@@ -22,6 +22,7 @@
 namespace tensortier {
 
 enum class IoOp : uint8_t { kRead, kWrite };
+inline constexpr EnumName<IoOp> kIoOpNames[] = {{IoOp::kRead, "read"}, {IoOp::kWrite, "write"}};
 
 struct IoRequest {
   IoOp op;

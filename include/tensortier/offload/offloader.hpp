@@ -40,6 +40,7 @@
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/offload/space_manager.hpp"
+#include "tensortier/util/enum_names.hpp"
 
 namespace tensortier {
 
@@ -63,6 +64,8 @@ struct OffloaderOptions {
 };
 
 enum class OffloadKind { kWrite, kRead };
+inline constexpr EnumName<OffloadKind> kOffloadKindNames[] = {{OffloadKind::kWrite, "write"},
+                                                              {OffloadKind::kRead, "read"}};
 
 // One tensor's bytes in an Async*v call.
 struct OffloadPiece {

@@ -8,10 +8,22 @@
 #include <string>
 #include <vector>
 
+#include "tensortier/util/enum_names.hpp"
+
 namespace tensortier {
 
 enum class SharedLayout { kContinuous, kChunked, kDistributed };
 enum class SharedMemory { kHost, kDevice };
+
+inline constexpr EnumName<SharedLayout> kSharedLayoutNames[] = {
+    {SharedLayout::kContinuous, "continuous"},
+    {SharedLayout::kChunked, "chunked"},
+    {SharedLayout::kDistributed, "distributed"},
+};
+inline constexpr EnumName<SharedMemory> kSharedMemoryNames[] = {
+    {SharedMemory::kHost, "host"},
+    {SharedMemory::kDevice, "device"},
+};
 
 // "continuous" / "chunked" / "distributed"; Parse throws std::invalid_argument for anything else.
 const char* SharedLayoutName(SharedLayout layout);

@@ -55,6 +55,7 @@
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/transfer/pinned_pool.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/settings.hpp"
 
 namespace tensortier {
@@ -128,7 +129,13 @@ enum class GdsMode {
   kAuto,     // when cuFile is available and registers the file, else the bounce ring
   kRequire,  // always: DeviceFile throws CuFileError when cuFile cannot serve the file
 };
-// "off", "auto", "on"/"require". Throws std::invalid_argument otherwise.
+// The words of TENSORTIER_GDS: "on" and "require" both name kRequire, and "on", first, is the
+// name GdsModeName gives it.
+inline constexpr auto kGdsModeNames =
+    NamesFromWords(SettingFor("TENSORTIER_GDS").choices,
+                   {GdsMode::kOff, GdsMode::kAuto, GdsMode::kRequire, GdsMode::kRequire});
+// "off", "auto", "on"/"require" (also "0"/"false", "1"/"true"). Throws std::invalid_argument
+// otherwise.
 GdsMode ParseGdsMode(const std::string& text);
 // TENSORTIER_GDS, else its default (off). Throws std::invalid_argument on a bad value.
 GdsMode GdsModeFromEnvironment();
