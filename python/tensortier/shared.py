@@ -21,19 +21,22 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import errno
 import math
 import operator
 import os
-import threading
-import time
 import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
 from . import _core
+from . import _shared_files as _files
 from ._paths import fspath, PathArg
+from ._shared_files import _missing_key  # noqa: F401  (importable from here as before)
+from ._shared_rows import _CudaMemory, _ROUND_LOCK  # noqa: F401  (importable from here as before)
+from ._shared_rows import _cuda_tensor_over, _Distributed, _require_torch_cuda, _tensor_over
+from ._shared_store import _env_int  # noqa: F401  (importable from here as before)
+from ._shared_store import _describe_store, _env_store, _rendezvous, _TorchStore
 from .device import CudaError
 
 __all__ = ["Group", "SharedTensor", "attach", "LAYOUTS", "DEFAULT_TIMEOUT"]
@@ -44,151 +47,6 @@ _T = TypeVar("_T")
 LAYOUTS = ("continuous", "chunked", "distributed")
 #: Seconds a collective call waits for the other ranks before raising ``TimeoutError``.
 DEFAULT_TIMEOUT: float = _core.shared_default_timeout_s
-
-
-class _TorchStore(_core.SharedStore):
-    """The C++ store interface over a ``torch.distributed.Store``. C++ calls it only from the
-    thread that made the collective call.
-
-    Failures are told apart by torch's exception types, never by their text: a store that
-    vanished (``DistNetworkError``: the process hosting a ``TCPStore`` died or exited) raises
-    ``ConnectionResetError``; a key that does not appear in time makes ``get`` return None (the
-    C++ side raises ``TimeoutError``). FileStore's wait raises a plain ``RuntimeError`` on a
-    timeout: that counts as one only once the time is up and the key is still absent."""
-
-    def __init__(self, store: Any, where: str) -> None:
-        super().__init__()
-        self._store = store
-        self._where = where  # who serves the store, for errors ("rank 0 (which hosts ...)")
-
-    def _gone(self, e: BaseException) -> ConnectionResetError:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return ConnectionResetError(
-            errno.ECONNRESET,
-            f"the store the processes meet through is gone: {self._where} died or exited "
-            f"({type(e).__name__}: {first})",
-        )
-
-    def set(self, key: str, value: bytes) -> None:
-        import torch.distributed as dist
-
-        try:
-            self._store.set(key, value)
-        except dist.DistNetworkError as e:
-            raise self._gone(e) from None
-
-    def get(self, key: str, timeout_ms: int) -> bytes | None:
-        import torch.distributed as dist
-
-        deadline = time.monotonic() + timeout_ms / 1000
-        try:
-            try:
-                self._store.wait([key], datetime.timedelta(milliseconds=max(timeout_ms, 1)))
-            except dist.DistNetworkError:
-                raise
-            except dist.DistStoreError:  # TCPStore, HashStore: the wait timed out
-                if not self._store.check([key]):
-                    return None
-            except RuntimeError:  # FileStore's timeout has no type of its own
-                if time.monotonic() < deadline or self._store.check([key]):
-                    raise
-                return None
-            return bytes(self._store.get(key))
-        except dist.DistNetworkError as e:
-            raise self._gone(e) from None
-
-    def add(self, key: str, delta: int) -> int:
-        import torch.distributed as dist
-
-        try:
-            return int(self._store.add(key, delta))
-        except dist.DistNetworkError as e:
-            raise self._gone(e) from None
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def _describe_store(store: Any) -> str:
-    """The store's name for error messages."""
-    host, port = getattr(store, "host", None), getattr(store, "port", None)
-    if host is not None and port is not None:
-        return f"the process hosting the {type(store).__name__} at {host}:{port}"
-    return f"the process hosting the {type(store).__name__}"
-
-
-def _env_store(is_master: bool, world_size: int | None, timeout: float) -> tuple[Any, str]:
-    """A ``TCPStore`` at torchrun's MASTER_ADDR:MASTER_PORT (served here when `is_master`),
-    under the prefix of this restart attempt, and its name for error messages."""
-    import torch.distributed as dist
-
-    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
-    if host is None or port is None:
-        raise ValueError(
-            "no store to meet the other processes: pass store=, initialise torch.distributed, "
-            "or set MASTER_ADDR and MASTER_PORT (torchrun does)"
-        )
-    try:
-        tcp = dist.TCPStore(
-            host,
-            port,
-            world_size,
-            is_master=is_master,
-            timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
-    except dist.DistNetworkError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        what = f"the TCPStore at {host}:{port} (MASTER_ADDR:MASTER_PORT)"
-        doing = f"serve {what}" if is_master else f"reach {what} within {timeout:g} s"
-        raise ConnectionError(f"cannot {doing}: {first}") from None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    who = "torchrun's agent" if agent else "rank 0"
-    where = f"{who} (which hosts the TCPStore at {host}:{port})"
-    return dist.PrefixStore(f"tensortier/attempt_{attempt}", tcp), where
-
-
-def _rendezvous(
-    rank: int | None, world_size: int | None, store: Any, timeout: float
-) -> tuple[Any, int, int, str, bool]:
-    """The store, rank, world size, the store's name for errors and whether this process
-    serves it: given, else the default process group's, else torchrun's environment (a
-    ``TCPStore`` at MASTER_ADDR:MASTER_PORT, served by rank 0 unless torchrun's agent does)."""
-    import torch.distributed as dist
-
-    initialized = dist.is_available() and dist.is_initialized()
-    if rank is None:
-        rank = dist.get_rank() if initialized else _env_int("RANK")
-    if world_size is None:
-        world_size = dist.get_world_size() if initialized else _env_int("WORLD_SIZE")
-    if rank is None or world_size is None:
-        raise ValueError(
-            "cannot tell this process's rank and the world size: pass rank= and world_size=, "
-            "initialise torch.distributed, or start the processes with torchrun (which sets "
-            "RANK and WORLD_SIZE)"
-        )
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a group of {world_size} processes")
-    if store is not None:
-        if not isinstance(store, dist.Store):
-            raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
-        return store, rank, world_size, _describe_store(store), False
-    if initialized:
-        return (dist.distributed_c10d._get_default_store(), rank, world_size,
-                "the default process group's store", False)
-    # Under torchrun the agent serves the store; otherwise rank 0 does, as init_process_group.
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    hosts = rank == 0 and not agent
-    tcp, where = _env_store(hosts, world_size, timeout)
-    return tcp, rank, world_size, where, hosts
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:
@@ -245,106 +103,6 @@ def _memory_of(device: Any, what: str) -> tuple[str, int]:
         return "device", index
     # Host memory registers through the GPU torch already uses here (no new context elsewhere).
     return "host", torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-
-
-class _CudaMemory:
-    """Device memory seen by torch through ``__cuda_array_interface__`` (bytes); holds `keeper`
-    (the mapping) for as long as a tensor made from it lives."""
-
-    def __init__(self, address: int, nbytes: int, keeper: Any) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3,
-            "strides": None,
-        }
-        self._keeper = keeper
-
-
-def _require_torch_cuda(what: str) -> None:
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"{what}: this torch has no CUDA (torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}); it cannot make CUDA tensors over shared memory"
-        )
-
-
-def _cuda_tensor_over(address: int, nbytes: int, keeper: Any, dtype: torch.dtype,
-                      shape: tuple[int, ...], index: int) -> torch.Tensor:
-    """A CUDA tensor on device `index` over `nbytes` at device address `address`."""
-    device = torch.device("cuda", index)
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=device)
-    return raw.view(dtype).view(shape)
-
-
-def _missing_key(path: str, key: str, keys: Sequence[str]) -> str:
-    """The KeyError message for a checkpoint without `key`: the keys it has (the first ones)."""
-    shown = ", ".join(repr(k) for k in keys[:20])
-    if len(keys) > 20:
-        shown += f", ... ({len(keys)} in all)"
-    return f"{path} has no tensor {key!r}; its tensors are: {shown or 'none'}"
-
-
-def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor over `region`'s memory (which it keeps alive)."""
-    if len(region) == 0:
-        return torch.empty(shape, dtype=dtype)
-    # Bytes first: torch.frombuffer does not take every dtype, a byte view can be any.
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
-
-
-#: One collective round at a time per process: every distributed tensor moves its rows through
-#: the default process group, whose collectives pair up by the order each process issues them.
-_ROUND_LOCK = threading.Lock()
-
-
-class _Distributed:
-    """A ``distributed`` tensor's state: this rank's rows in private memory; other ranks' rows
-    come and go through all-to-all collectives of ``torch.distributed`` (Gloo on CPU).
-
-    Every gather or scatter is one round: an all-to-all of the requests (the indices each rank
-    asks of each other), one more when a pair's index slots were too few, then one of the rows.
-    The bookkeeping is C++'s (``_core.SharedRowExchange``: which rows go where, in what buffers);
-    here are only the collectives. Rounds pair up across ranks by their order in each process, so
-    a rank's gather may meet another's scatter (a round serves both); rounds of one process run
-    one at a time (``_ROUND_LOCK``)."""
-
-    def __init__(self, name: str, rank: int, parts: list[tuple[int, int]], local: torch.Tensor):
-        self.name = name
-        self.rank = rank
-        self.parts = parts
-        self.local: torch.Tensor | None = local
-        self.row_shape = tuple(local.shape[1:])
-        self.row_bytes = local.element_size() * math.prod(self.row_shape)
-        self.exchange = _core.SharedRowExchange([end for _, end in parts], rank, self.row_bytes)
-
-    def round(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
-        """This rank's gather (`values` None: returns rows `idx`) or scatter (writes `values`,
-        contiguous, to rows `idx`), as one collective round."""
-        with _ROUND_LOCK:
-            # A close() from another thread leaves the exchange under way its memory.
-            local = self.local
-            if local is None:
-                raise RuntimeError("the shared tensor was closed (finalized)")
-            ex, n = self.exchange, idx.numel()
-            self._all_to_all(*ex.route(idx.data_ptr(), n, values is not None), 8)  # the requests
-            if ex.read_requests():
-                self._all_to_all(*ex.late_splits(), 8)  # those past the pairs' slots
-            mine = 0 if values is None else values.data_ptr()
-            self._all_to_all(*ex.serve(local.data_ptr(), mine), self.row_bytes)  # the rows
-            out = None
-            if values is None:
-                out = torch.empty((n, *self.row_shape), dtype=local.dtype)
-            ex.finish(local.data_ptr(), 0 if out is None else out.data_ptr())
-            return out
-
-    def _all_to_all(self, send_splits: list[int], recv_splits: list[int], width: int) -> None:
-        """One all-to-all of the exchange's buffers, in pieces of `width` bytes."""
-        import torch.distributed as dist
-
-        send = _tensor_over(self.exchange.send_buffer(), torch.uint8, (sum(send_splits), width))
-        recv = _tensor_over(self.exchange.recv_buffer(), torch.uint8, (sum(recv_splits), width))
-        dist.all_to_all_single(recv, send, recv_splits, send_splits)
 
 
 class SharedTensor:
@@ -624,44 +382,11 @@ class SharedTensor:
         return out
 
     # -- files ---------------------------------------------------------------------------------
-    def _local_bytes(self) -> torch.Tensor:
-        local, _ = self.local()
-        return local.reshape(-1).view(torch.uint8) if local.numel() else torch.empty(0, dtype=torch.uint8)
-
-    def _row_bytes(self) -> int:
-        return torch.empty((), dtype=self._dtype).element_size() * math.prod(self._shape[1:])
-
     def _read_rows(self, sources: list[tuple[str, int, int]], what: str) -> dict[str, Any]:
         """Reads this rank's rows from `sources`, ``(path, offset, length)`` pieces whose
         concatenation is the whole tensor, through the engine (O_DIRECT, parallel), then waits
         for every rank. Returns the engine's stats for this rank's reads."""
-        from .io import IOHandle
-
-        row_bytes = self._row_bytes()
-        total = sum(length for _, _, length in sources)
-        if total != self._shape[0] * row_bytes:
-            raise ValueError(
-                f"{what}: the sources hold {total} bytes; a tensor of shape {self._shape} and "
-                f"dtype {self._dtype} needs {self._shape[0] * row_bytes}"
-            )
-        begin, end = self.partitions[self._rank()]
-        want_lo, want_hi = begin * row_bytes, end * row_bytes
-        dest = self._local_bytes()
-        pieces = []
-        at = 0
-        for path, offset, length in sources:
-            lo, hi = max(at, want_lo), min(at + length, want_hi)
-            if lo < hi:
-                pieces.append((dest[lo - want_lo : hi - want_lo], path, offset + lo - at))
-            at += length
-        stats: dict[str, Any] = {}
-        if pieces:
-            with IOHandle() as io:
-                result = io.pread_batch_async(pieces).result()
-            if result.bytes != want_hi - want_lo:
-                raise OSError(f"{what}: read {result.bytes} of {want_hi - want_lo} bytes (a file shrank?)")
-            stats = dict(result.stats)
-        return stats
+        return _files.read_rows(sources, what, self._shape, self._dtype, self.local)
 
     def _rank(self) -> int:
         return self._distributed.rank if self._distributed else int(self._core.rank)
@@ -722,36 +447,8 @@ class SharedTensor:
 
     def _load_checkpoint_rows(self, path: PathArg, key: str) -> dict[str, Any]:
         """This rank's part of :meth:`load_checkpoint`."""
-        if not isinstance(key, str):
-            raise TypeError(f"key must be a str, not {type(key).__name__}")
-        from .checkpoint._format import _sniff
-        from .checkpoint.safetensors import _read_st_header
-
-        path = fspath(path)
-        kind = _sniff(path)  # the C++ detection tensortier.load and the CLI use
-        if kind == "index":
-            raise ValueError(
-                f"{path}: a shard index, not a checkpoint file: pass the shard holding {key!r}"
-            )
-        if kind == "torch":
-            found, keys = _core.locate_torch_tensor(path, key)
-            if found is None:
-                raise KeyError(_missing_key(path, key, keys))
-            dtype_name, shape, offset, nbytes = found
-            dtype = getattr(torch, dtype_name, None)
-        else:
-            entries, _ = _read_st_header(path)
-            entry = next((e for e in entries if e.name == key), None)
-            if entry is None:
-                raise KeyError(_missing_key(path, key, [e.name for e in entries]))
-            dtype, shape, offset, nbytes = entry.dtype, entry.shape, entry.offset, entry.nbytes
-            dtype_name = str(dtype).removeprefix("torch.")
-        if tuple(shape) != self._shape or dtype != self._dtype:
-            raise ValueError(
-                f"{path}: {key!r} is {dtype_name} of shape {tuple(shape)}; this shared "
-                f"tensor is {str(self._dtype).removeprefix('torch.')} of shape {self._shape}"
-            )
-        return self._read_rows([(path, offset, nbytes)], "load_checkpoint")
+        sources = _files.checkpoint_source(path, key, self._shape, self._dtype)
+        return self._read_rows(sources, "load_checkpoint")
 
     def store_files(self, prefix: PathArg) -> list[str]:
         """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
@@ -763,23 +460,10 @@ class SharedTensor:
             RuntimeError: another rank failed; the message names it and quotes its error (every
                 rank raises as soon as one fails).
         """
-        from .io import IOHandle
-
         self._require_member("store_files")
 
         def step() -> list[str]:
-            world = len(self.partitions)
-            names = [f"{fspath(prefix, 'prefix')}_part_{r}_of_{world}" for r in range(world)]
-            data = self._local_bytes()
-            with IOHandle() as io:
-                f = io.open(names[self._rank()], "w")
-                try:
-                    if data.numel():
-                        io.pwrite(data, f, 0)
-                    f.datasync()
-                finally:
-                    f.close()
-            return names
+            return _files.write_rows(prefix, self._rank(), len(self.partitions), self.local)
 
         return self._collective("store_files", step)
 
