@@ -144,8 +144,10 @@ bool SharedRowExchange::ReadRequests() {
       late_splits_.send.push_back(counts_[r] - std::min(counts_[r], send_slots_[r]));
       late_splits_.recv.push_back(asked_[r] - fits_[r]);
     }
-    std::memcpy(send_.Size(extra_.size() * sizeof(int64_t)), extra_.data(),
-                extra_.size() * sizeof(int64_t));
+    uint8_t* late_send = send_.Size(extra_.size() * sizeof(int64_t));
+    if (!extra_.empty()) {  // memcpy's pointers must not be null, even for no bytes
+      std::memcpy(late_send, extra_.data(), extra_.size() * sizeof(int64_t));
+    }
     recv_.Size((Sum(asked_) - Sum(fits_)) * sizeof(int64_t));
   }
   for (int r = 0; r < world_; ++r) {
