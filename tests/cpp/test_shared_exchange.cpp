@@ -155,7 +155,7 @@ TEST(SharedExchangeTest, AnIndexOutOfRangeFailsEveryRankNamingWhoPassedIt) {
                    "(nothing was moved)");
     }
   }
-  // The next round starts afresh: the failed one left no slots behind.
+  // The next exchange starts afresh: the one that failed left no index slots behind.
   auto out = job.Round({{9}, {0}, {}}, {{}, {}, {}});
   EXPECT_EQ(out[0], Rows({9}, 0));
   EXPECT_EQ(out[1], Rows({0}, 0));
