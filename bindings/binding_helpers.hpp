@@ -1,5 +1,5 @@
 // Helpers that several binding files need, each defined once: IoStatsToDict and OptionsDict in
-// engine.cpp, the fault plans in faults.cpp.
+// engine.cpp, the test hooks' objects in test_hooks.cpp.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -11,7 +11,7 @@
 
 #include "tensortier/io/config.hpp"
 #include "tensortier/io/engine.hpp"
-#include "tensortier/io/fault_injection.hpp"
+#include "tensortier/io/file_system.hpp"
 
 namespace tensortier {
 
@@ -63,13 +63,12 @@ struct Overrides {
 // The Python view of engine settings (IOHandle.options).
 pybind11::dict OptionsDict(const EngineOptions& o);
 
-// The test-only `_fault` dict as a plan: "kind" (error, short, delay), "errno", "nth", "count",
-// "reads", "writes" (which engine requests are eligible), "steps" (names of the FileSteps whose
-// system calls are: open, allocate, datasync, rename, sync_directory, release; a dict naming
-// steps makes reads and writes ineligible unless it says otherwise), "short_bytes", "delay_us".
-FaultPlan FaultPlanFromDict(const pybind11::dict& f);
+// The backends of an engine being made with `options`: empty (the engine chooses its own) unless
+// a test installed hooks (src/io/test_hooks.hpp, through tensortier._testing) that wrap them;
+// then those the options name ("auto": threads), wrapped.
+BackendFactory TestBackends(const EngineOptions& options);
 
-// An engine backend that fails or shortens requests as the test-only `_fault` dict says.
-BackendFactory FaultFactory(const EngineOptions& options, const pybind11::dict& f);
+// A FileSystem with the step faults the installed test hooks give it (none without hooks).
+FileSystem TestFileSystem();
 
 }  // namespace tensortier

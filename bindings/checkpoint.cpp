@@ -457,13 +457,8 @@ void RegisterCheckpoint(py::module_& m) {
   py::class_<FileSystem>(
       m, "FileSystem",
       "The system calls a save or a load makes outside the engine (open, fallocate, fdatasync, "
-      "rename, directory fsync, closing a replaced file); with a test-only fault dict (as "
-      "IOHandle's _fault, naming 'steps') the chosen ones fail or are delayed.")
-      .def(py::init([](const std::optional<py::dict>& fault) {
-             if (!fault) return FileSystem();
-             return FileSystem(std::make_shared<FaultInjector>(FaultPlanFromDict(*fault)));
-           }),
-           py::arg("fault") = py::none())
+      "rename, directory fsync, closing a replaced file).")
+      .def(py::init(&TestFileSystem))
       .def(
           "open",
           [](const FileSystem& fs, const FsPath& path, bool direct) {
@@ -472,11 +467,7 @@ void RegisterCheckpoint(py::module_& m) {
           },
           py::arg("path"), py::arg("direct") = true,
           "Opens a checkpoint to read it (a File); OSError naming the path for anything but a "
-          "regular file (a FIFO is refused, never waited on).")
-      .def_property_readonly(
-          "faults_injected",
-          [](const FileSystem& fs) { return fs.faults() ? fs.faults()->hits() : 0; },
-          "How many calls the fault plan failed or delayed so far.");
+          "regular file (a FIFO is refused, never waited on).");
   py::class_<DurableFile>(
       m, "DurableFile",
       "A save's new file under a temporary name next to path: commit() fdatasyncs it, renames "

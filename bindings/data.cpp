@@ -166,7 +166,7 @@ void RegisterData(py::module_& m) {
       .def(py::init([](const std::vector<FsPath>& paths, unsigned prefetch, unsigned open_threads,
                        bool skip_errors, bool direct, bool pin_memory, int device,
                        std::optional<std::string> backend, std::optional<ExtentMap> extent_map,
-                       bool extent_checksums, std::optional<py::dict> fault) {
+                       bool extent_checksums) {
              BatchReaderOptions options;
              options.prefetch = prefetch;
              options.open_threads = open_threads;
@@ -177,15 +177,14 @@ void RegisterData(py::module_& m) {
              if (backend) options.engine.backend = *backend;
              options.extent_map = std::move(extent_map);
              options.extent_checksums = extent_checksums;
-             if (fault) options.backend_factory = FaultFactory(options.engine, *fault);
+             options.backend_factory = TestBackends(options.engine);
              py::gil_scoped_release release;
              return GilFreeHolder<BatchReader>(new BatchReader(PathBytes(paths), options));
            }),
            py::arg("paths"), py::arg("prefetch") = 2, py::arg("open_threads") = 16,
            py::arg("skip_errors") = false, py::arg("direct") = true, py::arg("pin_memory") = false,
            py::arg("device") = 0, py::arg("backend") = py::none(),
-           py::arg("extent_map") = py::none(), py::arg("extent_checksums") = true,
-           py::arg("fault") = py::none())
+           py::arg("extent_map") = py::none(), py::arg("extent_checksums") = true)
       .def("start", &BatchReader::Start, py::arg("batches"),
            py::call_guard<py::gil_scoped_release>())
       .def("next",

@@ -66,11 +66,9 @@ IoOp ParseOp(const std::string& op) {
 
 // The engine's start (backend probes with verified O_DIRECT round trips in `probe_dir`, worker
 // threads) runs with the GIL released.
-GilFreeHolder<Engine> MakeEngine(const Overrides& overrides, const std::string& probe_dir,
-                                 const std::optional<py::dict>& fault) {
+GilFreeHolder<Engine> MakeEngine(const Overrides& overrides, const std::string& probe_dir) {
   EngineOptions options = overrides.Apply();
-  BackendFactory factory;
-  if (fault) factory = FaultFactory(options, *fault);
+  BackendFactory factory = TestBackends(options);
   py::gil_scoped_release release;
   if (!factory) return GilFreeHolder<Engine>(new Engine(options, probe_dir));
   return GilFreeHolder<Engine>(new Engine(options, factory));
@@ -104,17 +102,16 @@ void RegisterEngine(py::module_& m) {
                        std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
                        std::optional<uint64_t> max_inflight_bytes,
                        std::optional<bool> page_cache_check, std::optional<std::string> stage_reads,
-                       std::optional<uint32_t> bounce_idle_ms, const FsPath& probe_dir,
-                       std::optional<py::dict> fault) {
+                       std::optional<uint32_t> bounce_idle_ms, const FsPath& probe_dir) {
              Overrides o{backend,          chunk_size,  queue_depth,   workers, max_inflight_bytes,
                          page_cache_check, stage_reads, bounce_idle_ms};
-             return MakeEngine(o, probe_dir, fault);
+             return MakeEngine(o, probe_dir);
            }),
            py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
            py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
            py::arg("max_inflight_bytes") = py::none(), py::arg("page_cache_check") = py::none(),
            py::arg("stage_reads") = py::none(), py::arg("bounce_idle_ms") = py::none(),
-           py::arg("probe_dir") = "", py::arg("fault") = py::none())
+           py::arg("probe_dir") = "")
       .def_property_readonly("backend", &Engine::backend)
       .def_property_readonly("options", [](const Engine& e) { return OptionsDict(e.options()); })
       .def_property_readonly("bounce_bytes", &Engine::bounce_bytes)

@@ -127,20 +127,18 @@ void RegisterExtents(py::module_& m) {
   py::class_<ExtentReader, GilFreeHolder<ExtentReader>>(m, "ExtentReader")
       .def(py::init([](const ExtentMap& map, std::optional<std::string> backend,
                        std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
-                       bool verify_checksums, std::optional<py::dict> fault) {
+                       bool verify_checksums) {
              EngineOptions options = EngineOptions::FromEnvironment();
              if (backend) options.backend = *backend;
              if (queue_depth) options.queue_depth = *queue_depth;
              if (workers) options.workers = *workers;
-             BackendFactory factory;
-             if (fault) factory = FaultFactory(options, *fault);
+             BackendFactory factory = TestBackends(options);
              py::gil_scoped_release release;
              return GilFreeHolder<ExtentReader>(
                  new ExtentReader(map, options, factory, verify_checksums));
            }),
            py::arg("map"), py::arg("backend") = py::none(), py::arg("queue_depth") = py::none(),
-           py::arg("workers") = py::none(), py::arg("verify_checksums") = true,
-           py::arg("fault") = py::none())
+           py::arg("workers") = py::none(), py::arg("verify_checksums") = true)
       .def_property_readonly("backend", [](const ExtentReader& r) { return r.engine().backend(); })
       .def(
           "read",

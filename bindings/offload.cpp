@@ -47,7 +47,7 @@ void RegisterOffload(py::module_& m) {
       .def(py::init([](const std::vector<FsPath>& dirs, std::optional<std::string> backend,
                        std::optional<uint64_t> chunk_size, std::optional<unsigned> queue_depth,
                        std::optional<unsigned> workers, std::optional<uint64_t> max_inflight_bytes,
-                       std::optional<uint64_t> stripe_threshold, std::optional<py::dict> fault) {
+                       std::optional<uint64_t> stripe_threshold) {
              OffloaderOptions o;
              o.dirs = PathBytes(dirs);
              o.engine =
@@ -55,14 +55,13 @@ void RegisterOffload(py::module_& m) {
                            std::nullopt, std::nullopt, std::nullopt}
                      .Apply(OffloaderEngineDefaults());
              if (stripe_threshold) o.stripe_threshold = *stripe_threshold;
-             if (fault) o.backend_factory = FaultFactory(o.engine, *fault);
+             o.backend_factory = TestBackends(o.engine);
              py::gil_scoped_release release;
              return std::make_unique<Offloader>(std::move(o));
            }),
            py::arg("dirs"), py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
            py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
-           py::arg("max_inflight_bytes") = py::none(), py::arg("stripe_threshold") = py::none(),
-           py::arg("fault") = py::none())
+           py::arg("max_inflight_bytes") = py::none(), py::arg("stripe_threshold") = py::none())
       .def(
           "write",
           [](Offloader& o, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {

@@ -42,5 +42,8 @@ fi
   "mkdocstrings-python==2.0.11" "griffelib==2.4.1" "mkdocs-autorefs==1.4.5" \
   "pymdown-extensions==13.1.2" "Markdown==3.11.3"
 echo "setup: building and installing tensortier into .venv"
-.venv/bin/python -m pip install -q --no-build-isolation .
+# With tensortier._testing, the test-only module through which the tests inject faults (a plain
+# `pip install .` leaves it out).
+.venv/bin/python -m pip install -q --no-build-isolation \
+  -C cmake.define.TENSORTIER_PYTHON_TEST_SEAMS=ON .
 .venv/bin/python -c "import tensortier; print('setup: tensortier', tensortier.__version__, 'ready')"

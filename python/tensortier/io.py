@@ -254,7 +254,6 @@ class IOHandle:
         bounce_slots: int | None = None,
         bounce_slot_size: int | None = None,
         bounce_rings: int | None = None,
-        _fault: dict[str, Any] | None = None,
     ) -> None:
         for name, value in (
             ("chunk_size", chunk_size),
@@ -299,11 +298,10 @@ class IOHandle:
             stage_reads=stage_reads,
             bounce_idle_ms=bounce_idle_ms,
             probe_dir=fspath(probe_dir, "probe_dir") if probe_dir is not None else "",
-            fault=_fault,
         )
         # The system calls of saves and loads outside the engine (open, fallocate, fdatasync,
-        # rename, directory fsync), failed as the test-only `_fault` says where it names steps.
-        self._file_system = _core.FileSystem(_fault)
+        # rename, directory fsync).
+        self._file_system = _core.FileSystem()
         self._pid = os.getpid()
         # Operations not yet known to be over, and finished ones whose error nobody has seen:
         # wait_all() raises it (an error is never lost with a dropped future).

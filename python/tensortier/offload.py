@@ -98,7 +98,6 @@ class DiskOffloader:
         pin_memory: bool = False,
         stripe_threshold: int = 16 << 20,
         gds: str | None = None,
-        _fault: dict[str, Any] | None = None,
         _device_copier: str = "cuda",
     ) -> None:
         if isinstance(dir_name, (str, bytes, os.PathLike)):
@@ -135,7 +134,6 @@ class DiskOffloader:
             backend=_BACKENDS[backend],
             queue_depth=n_entries,
             stripe_threshold=stripe_threshold,
-            fault=_fault,
         )
         self._pid = os.getpid()
         self._pin = pin_memory

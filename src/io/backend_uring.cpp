@@ -1,14 +1,13 @@
 // io_uring backend (liburing). Built only when liburing is found; otherwise creation reports
 // ENOTSUP and `auto` moves on.
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <vector>
 
 #include "tensortier/io/backend.hpp"
+#include "tensortier/io/test_hooks.hpp"
 #include "tensortier/util/error.hpp"
-#include "tensortier/io/fault_injection.hpp"
 #include "tensortier/util/strings.hpp"
 
 #ifdef TENSORTIER_HAVE_LIBURING
@@ -16,20 +15,6 @@
 #endif
 
 namespace tensortier {
-namespace {
-
-// InjectUringSubmitFault's armed fault: accepted << 32 | error, 0 when none.
-std::atomic<uint64_t> g_submit_fault{0};
-
-}  // namespace
-
-void InjectUringSubmitFault(unsigned accepted, int error) noexcept {
-  g_submit_fault.store(static_cast<uint64_t>(accepted) << 32 | static_cast<uint32_t>(error));
-}
-
-bool UringSubmitFaultPending() noexcept {
-  return g_submit_fault.load() != 0;
-}
 
 #ifdef TENSORTIER_HAVE_LIBURING
 namespace {
@@ -119,11 +104,13 @@ class UringBackend final : public Backend {
     int error = 0;
   };
 
+  // A test's fault for this submission (test_hooks.hpp), below the seam the fault-injecting
+  // backend works at: liburing makes its system calls itself.
   static SubmitFault TakeSubmitFault() noexcept {
-    if (g_submit_fault.load(std::memory_order_relaxed) == 0) return {};
-    const uint64_t f = g_submit_fault.exchange(0);
-    if (f == 0) return {};
-    return {true, static_cast<unsigned>(f >> 32), static_cast<int>(static_cast<uint32_t>(f))};
+    TestHooks* hooks = InstalledTestHooks();
+    SubmitFault fault;
+    if (hooks != nullptr) fault.armed = hooks->TakeUringSubmitFault(&fault.accepted, &fault.error);
+    return fault;
   }
 
   // io_uring_submit as a kernel that takes `fault.accepted` entries and then refuses the rest

@@ -1,20 +1,23 @@
 // The fault-injecting backend: a wrapper around any backend that fails, shortens or delays chosen
-// requests, so every error path of the engine and the layers above it runs on CI; and the faults
-// of the file steps (FileSystem). Internal: built from src/io/testing/ into the test targets and
-// the Python binding's test-only `_fault` argument (tensortier_test_seams in CMakeLists.txt), not
-// into the library; not installed. The io_uring submission fault alone lives in the library's
-// io_uring backend, below any seam.
+// requests, so every error path of the engine and the layers above it runs on CI; the faults of
+// the file steps (FileSystem); and the test hooks (test_hooks.hpp) that carry them, and a fault of
+// the io_uring backend's submissions, into what the library makes. Internal: built from
+// src/io/testing/ into the test targets and the test-only Python module tensortier._testing
+// (tensortier_test_seams in CMakeLists.txt), never into the library or tensortier._core; not
+// installed.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
-
+#include <mutex>
+#include <optional>
 #include <string_view>
 
 #include "tensortier/io/backend.hpp"
 #include "tensortier/io/file_system.hpp"
+#include "tensortier/io/test_hooks.hpp"
 
 namespace tensortier {
 
@@ -49,8 +52,9 @@ class FaultInjector final : public FileStepFaults {
   // Counts an eligible request; true if it gets the fault.
   bool Hit(IoOp op) noexcept;
   bool Hit(FileStep step) noexcept;
-  // Throws the plan's error or sleeps its delay when the call of `step` gets the fault.
-  void Before(FileStep step, std::string_view what, const std::string& path) override;
+  // The plan's error, or 0 after sleeping its delay, when the call of `step` gets the fault;
+  // otherwise 0.
+  int Before(FileStep step) override;
   // Faults injected so far.
   uint64_t hits() const noexcept override { return hits_.load(); }
 
@@ -66,9 +70,36 @@ class FaultInjector final : public FileStepFaults {
 // submission of any io_uring backend in this process hands the kernel at most `accepted` of its
 // entries, and the kernel's answer for the rest is -`error` (EAGAIN: out of resources; EBUSY:
 // completion queue overflow), leaving the ring as a real short or refused io_uring_enter does.
+// Installs FaultHooks::Get() in this process; (0, 0) disarms.
 void InjectUringSubmitFault(unsigned accepted, int error) noexcept;
 // Whether the injected fault still waits for a submission.
 bool UringSubmitFaultPending() noexcept;
+
+// The test hooks that inject these faults: the io_uring submission fault above, and a plan armed
+// while a test makes objects through the Python binding (each engine's backends, each
+// FileSystem made meanwhile gets an injector of its own for it). Thread-safe.
+class FaultHooks final : public TestHooks {
+ public:
+  // The one instance of this copy of the test seams (a Python module linking them installs its
+  // own into tensortier._core's copy of the library).
+  static FaultHooks& Get();
+
+  void ArmUringSubmitFault(unsigned accepted, int error) noexcept;
+  bool UringSubmitFaultPending() const noexcept;
+  // Objects made from now until Disarm() get `plan`'s faults.
+  void Arm(const FaultPlan& plan);
+  void Disarm();
+
+  bool TakeUringSubmitFault(unsigned* accepted, int* error) noexcept override;
+  BackendFactory Backends(BackendFactory inner) override;
+  std::shared_ptr<FileStepFaults> FileFaults() override;
+
+ private:
+  std::optional<FaultPlan> Armed();
+  std::atomic<uint64_t> submit_fault_{0};  // accepted << 32 | error, 0 when none
+  std::mutex mu_;
+  std::optional<FaultPlan> armed_;  // guarded by mu_
+};
 
 std::unique_ptr<Backend> MakeFaultInjectingBackend(std::unique_ptr<Backend> inner,
                                                    std::shared_ptr<FaultInjector> injector);

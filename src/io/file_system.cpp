@@ -11,7 +11,8 @@
 namespace tensortier {
 
 void FileSystem::Inject(FileStep step, std::string_view what, const std::string& path) const {
-  if (faults_) faults_->Before(step, what, path);
+  if (!faults_) return;
+  if (const int error = faults_->Before(step); error != 0) ThrowIoError(error, what, path);
 }
 
 std::string FileSystem::CreateUniqueFile(const std::function<std::string(uint32_t n)>& path_for,

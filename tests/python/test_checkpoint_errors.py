@@ -21,6 +21,8 @@ import tensortier
 from tensortier import IOHandle, checkpoint
 from tensortier.checkpoint import _format, _reading, safetensors, unpickler
 
+from faults import faults_injected, with_faults
+
 
 def write_safetensors(path: Path, header: dict, data: bytes, *, length: int | None = None) -> None:
     text = json.dumps(header).encode()
@@ -704,7 +706,8 @@ def test_failed_write_keeps_old_checkpoint(disk_dir: Path, name: str, nth: int) 
     before = path.read_bytes()
     new = {"w": torch.randn(256, 1024), "v": torch.randn(100000)}
     fault = {"kind": "error", "errno": errno.ENOSPC, "nth": nth, "reads": False}
-    io = IOHandle("threads", chunk_size=64 << 10, _fault=fault)  # (close() re-raises the fault)
+    # (close() re-raises the fault)
+    io = with_faults(fault, IOHandle, "threads", chunk_size=64 << 10)
     with pytest.raises(OSError) as info:
         tensortier.save(new, path, _io=io)
     assert info.value.errno == errno.ENOSPC
@@ -807,7 +810,7 @@ def _releasing_slowly(disk_dir: Path, seconds: float) -> IOHandle:
     if tensortier._core.filesystem_magic(str(disk_dir)) not in _FREES_BLOCKS_IN_RENAME:
         pytest.skip("the test directory's filesystem frees replaced files in the rename")
     fault = {"kind": "delay", "delay_us": int(seconds * 1e6), "steps": ["release"]}
-    return IOHandle("threads", _fault=fault)
+    return with_faults(fault, IOHandle, "threads")
 
 
 def test_replaced_file_is_freed_after_save_returns_and_before_the_next_save(
@@ -861,7 +864,8 @@ def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(disk_dir:
 def test_failed_rename_releases_the_replaced_file(disk_dir: Path) -> None:
     path = disk_dir / "m.safetensors"
     tensortier.save({"w": torch.ones(4)}, path)
-    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "steps": ["rename"]})
+    io = with_faults({"kind": "error", "errno": errno.EIO, "steps": ["rename"]}, IOHandle,
+                     "threads")
     with pytest.raises(OSError, match="rename failed"):
         tensortier.save({"w": torch.zeros(4)}, path, _io=io)
     internals._wait_for_replaced_files()  # noqa: SLF001
@@ -888,12 +892,12 @@ def test_each_failed_step_of_a_save_keeps_the_old_checkpoint(
     old = {"w": torch.randn(64, 33)}
     tensortier.save(old, path)
     before = path.read_bytes()
-    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.ENOSPC, "steps": [step]})
+    io = with_faults({"kind": "error", "errno": errno.ENOSPC, "steps": [step]}, IOHandle, "threads")
     with pytest.raises(OSError) as info:
         tensortier.save({"w": torch.randn(100, 7), "v": torch.ones(3)}, path, _io=io)
     assert info.value.errno == errno.ENOSPC
     assert _SAVE_STEPS[step] in str(info.value) and str(path) in str(info.value), info.value
-    assert io._file_system.faults_injected == 1  # noqa: SLF001
+    assert faults_injected(io._file_system) == 1  # noqa: SLF001
     assert path.read_bytes() == before
     internals._wait_for_replaced_files()  # noqa: SLF001
     assert leftovers(disk_dir) == []
@@ -904,7 +908,8 @@ def test_each_failed_step_of_a_save_keeps_the_old_checkpoint(
 def test_a_failed_save_into_a_new_path_leaves_nothing(disk_dir: Path, name: str) -> None:
     path = disk_dir / name
     for step in sorted(_SAVE_STEPS):
-        io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "steps": [step]})
+        io = with_faults({"kind": "error", "errno": errno.EIO, "steps": [step]}, IOHandle,
+                         "threads")
         with pytest.raises(OSError, match=_SAVE_STEPS[step]):
             tensortier.save({"w": torch.ones(5)}, path, _io=io)
         assert os.listdir(disk_dir) == [], step
@@ -916,8 +921,8 @@ def test_a_failed_directory_fsync_is_reported_after_the_rename(disk_dir: Path, n
     survives a power loss is unknown, which the error says."""
     path = disk_dir / name
     tensortier.save({"w": torch.ones(5)}, path)
-    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO,
-                                     "steps": ["sync_directory"]})
+    io = with_faults({"kind": "error", "errno": errno.EIO, "steps": ["sync_directory"]},
+                     IOHandle, "threads")
     with pytest.raises(OSError, match="fsync the directory of") as info:
         tensortier.save({"w": torch.zeros(7)}, path, _io=io)
     assert info.value.errno == errno.EIO and str(path) in str(info.value)
@@ -933,17 +938,18 @@ def test_a_failed_open_of_a_load_names_the_path(disk_dir: Path, name: str, mmap:
     tensortier.save({"w": torch.ones(5)}, path)
     fault = {"kind": "error", "errno": errno.EACCES, "steps": ["open"]}
     with pytest.raises(PermissionError, match="open failed") as info:
-        tensortier.load(path, mmap=mmap, _io=IOHandle("threads", _fault=fault))
+        tensortier.load(path, mmap=mmap, _io=with_faults(fault, IOHandle, "threads"))
     assert str(path) in str(info.value)
     with pytest.raises(PermissionError, match="open failed"):
-        tensortier.load_into({"w": torch.empty(5)}, path, _io=IOHandle("threads", _fault=fault))
+        tensortier.load_into({"w": torch.empty(5)}, path,
+                             _io=with_faults(fault, IOHandle, "threads"))
 
 
 @pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
 def test_a_failed_read_of_a_load_names_the_path(disk_dir: Path, name: str) -> None:
     path = disk_dir / name
     tensortier.save({"w": torch.randn(100000)}, path)
-    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "writes": False})
+    io = with_faults({"kind": "error", "errno": errno.EIO, "writes": False}, IOHandle, "threads")
     with pytest.raises(OSError) as info:
         tensortier.load(path, _io=io)
     assert info.value.errno == errno.EIO and name in str(info.value), info.value
@@ -955,7 +961,7 @@ def test_short_reads_of_a_load_are_completed_not_taken_as_data(disk_dir: Path, n
     saved = {"w": torch.randn(100000)}
     tensortier.save(saved, path)
     fault = {"kind": "short", "short_bytes": 1000, "count": 50, "writes": False}
-    io = IOHandle("threads", chunk_size=64 << 10, _fault=fault)
+    io = with_faults(fault, IOHandle, "threads", chunk_size=64 << 10)
     assert torch.equal(tensortier.load(path, _io=io)["w"], saved["w"])
 
 
@@ -967,7 +973,7 @@ def test_the_records_of_a_torch_file_are_read_through_the_engine(
     fails a load whose tensors map the file (no other read), and the error names the file."""
     path = disk_dir / "m.pt"
     tensortier.save({"w": torch.ones(5)}, path)
-    io = IOHandle("threads", _fault={"kind": "error", "errno": errno.EIO, "writes": False})
+    io = with_faults({"kind": "error", "errno": errno.EIO, "writes": False}, IOHandle, "threads")
     with pytest.raises(OSError) as info:
         tensortier.load(path, mmap=True, verify=verify, _io=io)
     assert info.value.errno == errno.EIO and str(path) in str(info.value), info.value
@@ -988,7 +994,7 @@ def test_read_error_is_oserror(disk_dir: Path) -> None:
     path = disk_dir / "m.safetensors"
     tensortier.save({"w": torch.randn(100000)}, path)
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "writes": False}
-    io = IOHandle("threads", _fault=fault)
+    io = with_faults(fault, IOHandle, "threads")
     with pytest.raises(OSError) as info:
         tensortier.load(path, _io=io)
     assert info.value.errno == errno.EIO

@@ -11,6 +11,7 @@ import torch
 
 from tensortier.compat.deepnvme import AsyncIOBuilder, GDSBuilder, PinMemoryBuilder, aio_read
 from test_fake_driver import fake_driver, run_with_fake  # noqa: F401 - a fixture
+from faults import with_faults
 
 DTYPES = [torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
           torch.float64, torch.bool, torch.complex64]
@@ -555,7 +556,7 @@ def test_an_interrupted_wait_leaves_the_operations_to_the_next(disk_dir: Path, a
     data.numpy().tofile(path)
     h = AsyncIOBuilder().load().aio_handle()
     h._io.close()  # the engine with its first request delayed (the fault-injecting backend)
-    h._io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 1_500_000, "nth": 1})
+    h._io = with_faults({"kind": "delay", "delay_us": 1_500_000, "nth": 1}, IOHandle, "threads")
     try:
         flat = torch.zeros_like(data)
         strided = torch.zeros(256, 256, dtype=torch.int32).t()  # not contiguous: read via a copy

@@ -17,6 +17,7 @@ import torch
 from tensortier.compat.tensornvme import AsyncFileWriter, BackendUnavailableError
 
 from conftest import require_backend
+from faults import with_faults
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.complex64]
@@ -235,7 +236,7 @@ def test_an_interrupted_synchronize_leaves_the_writes_to_the_next(disk_dir: Path
     path = disk_dir / "slow.bin"
     w = AsyncFileWriter(str(path), backend="pthread")
     w.io._io.close()  # the engine with its first request delayed (the fault-injecting backend)
-    w.io._io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 1_500_000, "nth": 1})
+    w.io._io = with_faults({"kind": "delay", "delay_us": 1_500_000, "nth": 1}, IOHandle, "threads")
     done: list[int] = []
     t = torch.arange(1000, dtype=torch.int32)
     w.io.write_tensor(t, 0, lambda: done.append(1))

@@ -23,6 +23,8 @@ import tensortier
 from tensortier import _core
 from tensortier.data import FileDataset, FileReader
 
+from faults import with_faults
+
 # Around page and O_DIRECT boundaries.
 SIZES = [1, 511, 4095, 4096, 4097, 8192, 12289, 70001, 131072, 200003]
 
@@ -437,8 +439,8 @@ def test_a_read_error_in_the_middle_of_a_batch(disk_dir: Path) -> None:
     fault = {"kind": "error", "errno": 5, "nth": 5, "count": 1, "writes": False}
     labels = [tree[p][1] for p in paths]
     # prefetch=1: the next batch's reads start after this one's, so the fault lands in it.
-    raising = FileReader(files=paths, labels=labels, batch_size=8, shuffle=False, prefetch=1,
-                         backend="threads", _fault=fault)
+    raising = with_faults(fault, FileReader, files=paths, labels=labels, batch_size=8,
+                          shuffle=False, prefetch=1, backend="threads")
     it = iter(raising)
     with pytest.raises(OSError) as failure:
         next(it)
@@ -449,8 +451,8 @@ def test_a_read_error_in_the_middle_of_a_batch(disk_dir: Path) -> None:
     assert stream(raising, 1) == [[tree[p] for p in paths[:8]], [tree[p] for p in paths[8:]]]
 
     drop_from_cache(paths)
-    skipping = FileReader(files=paths, labels=labels, batch_size=8, shuffle=False, prefetch=1,
-                          backend="threads", on_error="skip", _fault=fault)
+    skipping = with_faults(fault, FileReader, files=paths, labels=labels, batch_size=8,
+                           shuffle=False, prefetch=1, backend="threads", on_error="skip")
     batches = stream(skipping, 1)
     assert skipping.stats["skipped"] == 1
     first = batches[0]
@@ -467,8 +469,8 @@ def test_short_reads_in_a_batch_are_completed(disk_dir: Path) -> None:
     paths = sorted(tree)
     fault = {"kind": "short", "short_bytes": 4096, "nth": 2, "count": 6, "writes": False}
     drop_from_cache(paths)
-    reader = FileReader(files=paths, labels=[tree[p][1] for p in paths], batch_size=5,
-                        shuffle=False, backend="threads", _fault=fault)
+    reader = with_faults(fault, FileReader, files=paths, labels=[tree[p][1] for p in paths],
+                         batch_size=5, shuffle=False, backend="threads")
     assert sum(stream(reader, 2), []) == [tree[p] for p in paths] * 2
     assert reader.stats["skipped"] == 0
 

@@ -13,6 +13,8 @@ import pytest
 import tensortier
 from tensortier import IOHandle, _core
 
+from faults import with_faults
+
 NO_DRIVER = not _core.cuda_driver()["available"]
 
 
@@ -20,7 +22,7 @@ def test_io_error_is_oserror_with_errno_path_offset_and_length(disk_dir: Path) -
     path = disk_dir / "faulty.bin"
     path.write_bytes(os.urandom(3 << 20))
     fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "writes": False}
-    with IOHandle("threads", chunk_size=1 << 20, page_cache_check=False, _fault=fault) as io:
+    with with_faults(fault, IOHandle, "threads", chunk_size=1 << 20, page_cache_check=False) as io:
         with pytest.raises(OSError) as caught:
             io.pread(bytearray(3 << 20), path)
     e = caught.value
@@ -78,7 +80,7 @@ def test_a_failed_write_keeps_its_errno_subclass_and_range(disk_dir: Path) -> No
     path = disk_dir / "full.bin"
     path.write_bytes(os.urandom(1 << 20))
     fault = {"kind": "error", "errno": errno.ENOSPC, "nth": 1, "reads": False}
-    with IOHandle("threads", _fault=fault) as io:
+    with with_faults(fault, IOHandle, "threads") as io:
         with pytest.raises(OSError) as caught:
             io.pwrite(bytearray(1 << 20), path)
     e = caught.value

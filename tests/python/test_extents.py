@@ -24,6 +24,8 @@ from tensortier.data import (
     verify_extent_map,
 )
 
+from faults import with_faults
+
 BIN = Path(sys.executable).parent / "tensortier"
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 120  # seconds for any one command: mkfs, mount and umount take well under one
@@ -479,7 +481,7 @@ def test_injected_device_faults(loop_fs: LoopFilesystem) -> None:
     extent_map = build_extent_map(root)
     names = sorted(files)
     fault = {"kind": "error", "errno": errno.EIO, "nth": 3, "reads": True, "writes": False}
-    reader = ExtentReader(extent_map, backend="threads", _fault=fault)
+    reader = with_faults(fault, ExtentReader, extent_map, backend="threads")
     with pytest.raises(OSError) as info:
         reader.read(names)
     assert info.value.errno == errno.EIO
@@ -490,7 +492,7 @@ def test_injected_device_faults(loop_fs: LoopFilesystem) -> None:
         assert array.tobytes() == files[name], name
     fault = {"kind": "short", "short_bytes": 4096, "nth": 1, "count": 1000, "reads": True,
              "writes": False}
-    reader = ExtentReader(extent_map, backend="threads", _fault=fault)
+    reader = with_faults(fault, ExtentReader, extent_map, backend="threads")
     for name, array in zip(names, reader.read(names)):
         assert array.tobytes() == files[name], name
     assert reader.last_stats["buffered_bytes"] == 0

@@ -18,6 +18,8 @@ import torch
 import tensortier
 from tensortier import _core
 
+from faults import with_faults
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda)"),
@@ -346,7 +348,7 @@ def test_disk_offloader_keeps_data_when_the_gpu_restore_fails(disk_dir: Path) ->
     # A disk read failing under the ring (an injected EIO): the wait raises it, the tensor stays
     # offloaded with its file space, and the next read restores it.
     fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "count": 1, "writes": False}
-    with tensortier.DiskOffloader(disk_dir / "fault", backend="threads", _fault=fault) as off:
+    with with_faults(fault, tensortier.DiskOffloader, disk_dir / "fault", backend="threads") as off:
         x = _rand_bytes((24 << 20) + 5, 22)
         ref = x.clone()
         off.sync_write(x)

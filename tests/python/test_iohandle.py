@@ -21,6 +21,7 @@ import tensortier
 from tensortier import IOHandle
 
 from conftest import require_backend
+from faults import require_faults, with_faults
 
 BACKENDS = [p["backend"] for p in tensortier.probe_backends(".") if p["available"]]
 
@@ -497,7 +498,7 @@ def test_injected_errors_raise_and_handle_stays_usable(disk_dir: Path, backend: 
     data = os.urandom(3 << 20)
     fault = {"kind": "error", "errno": err, "nth": 2, "writes": err == errno.ENOSPC,
              "reads": err == errno.EIO}
-    with IOHandle(backend, chunk_size=1 << 20, _fault=fault) as io:
+    with with_faults(fault, IOHandle, backend, chunk_size=1 << 20) as io:
         if err == errno.EIO:
             path.write_bytes(data)
             with pytest.raises(OSError) as e:
@@ -519,7 +520,7 @@ def test_injected_short_io_is_continued(disk_dir: Path, short_bytes: int) -> Non
     path = disk_dir / "short.bin"
     data = os.urandom((2 << 20) + 333)
     fault = {"kind": "short", "nth": 1, "count": 4, "short_bytes": short_bytes}
-    with IOHandle("threads", chunk_size=1 << 20, page_cache_check=False, _fault=fault) as io:
+    with with_faults(fault, IOHandle, "threads", chunk_size=1 << 20, page_cache_check=False) as io:
         fut = io.pwrite_async(data, path, 7)
         assert fut.wait() == len(data)
         assert fut.result().stats["resubmits"] > 0
@@ -531,7 +532,7 @@ def test_injected_short_io_is_continued(disk_dir: Path, short_bytes: int) -> Non
 def test_wait_all_raises_unseen_error(disk_dir: Path) -> None:
     path = disk_dir / "w.bin"
     path.write_bytes(os.urandom(1 << 20))
-    with IOHandle("threads", _fault={"kind": "error", "nth": 1, "writes": False}) as io:
+    with with_faults({"kind": "error", "nth": 1, "writes": False}, IOHandle, "threads") as io:
         io.pread_async(bytearray(1 << 20), path)
         with pytest.raises(OSError):
             io.wait_all()
@@ -550,7 +551,7 @@ def test_gil_released_during_io(disk_dir: Path) -> None:
             ticks += 1
             time.sleep(0.001)
 
-    with IOHandle("threads", _fault={"kind": "delay", "delay_us": 300000, "nth": 1}) as io:
+    with with_faults({"kind": "delay", "delay_us": 300000, "nth": 1}, IOHandle, "threads") as io:
         spinner = threading.Thread(target=spin)
         spinner.start()
         start_ticks = ticks
@@ -607,7 +608,7 @@ def test_error_of_a_dropped_future_is_raised_by_wait_all(disk_dir: Path) -> None
     path = disk_dir / "dropped.bin"
     path.write_bytes(os.urandom(1 << 20))
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "writes": False}
-    io = IOHandle("threads", _fault=fault)
+    io = with_faults(fault, IOHandle, "threads")
     io.pread_async(bytearray(1 << 20), path)  # fails; the future is dropped at once
     time.sleep(0.2)
     io.pwrite(b"x" * 10, path, 0)  # a later submission prunes finished futures
@@ -653,14 +654,14 @@ def test_a_failing_with_block_keeps_its_exception_over_a_dropped_operations(
     path.write_bytes(os.urandom(1 << 20))
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "writes": False}
     with pytest.raises(KeyError) as e:
-        with IOHandle("threads", _fault=fault) as io:
+        with with_faults(fault, IOHandle, "threads") as io:
             io.pread_async(bytearray(1 << 20), path)  # fails; the future is dropped
             time.sleep(0.2)
             raise KeyError("the block's own error")
     assert any("closing the IOHandle raised" in n and ("EIO" in n or "Input/output" in n)
                for n in getattr(e.value, "__notes__", [])), getattr(e.value, "__notes__", None)
     with pytest.raises(OSError):
-        with IOHandle("threads", _fault=fault) as io:
+        with with_faults(fault, IOHandle, "threads") as io:
             io.pread_async(bytearray(1 << 20), path)
 
 
@@ -670,7 +671,7 @@ def test_an_error_already_raised_is_not_raised_again(disk_dir: Path) -> None:
     path = disk_dir / "seen.bin"
     path.write_bytes(os.urandom(8192))
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "writes": False}
-    with IOHandle("threads", _fault=fault) as io:
+    with with_faults(fault, IOHandle, "threads") as io:
         fut = io.pread_async(bytearray(8192), path)
         with pytest.raises(OSError):
             fut.wait()
@@ -678,7 +679,7 @@ def test_an_error_already_raised_is_not_raised_again(disk_dir: Path) -> None:
             fut.result()
         io.wait_all()
     # A second failure, not waited for: close() raises it.
-    io = IOHandle("threads", _fault=fault)
+    io = with_faults(fault, IOHandle, "threads")
     io.pread_async(bytearray(8192), path)
     with pytest.raises(OSError):
         io.close()
@@ -690,7 +691,7 @@ def test_a_tensor_whose_storage_is_swapped_meanwhile_keeps_the_memory(disk_dir: 
     n = 32 << 10
     path = disk_dir / "swap.bin"
     path.write_bytes(b"\xab" * n)
-    with IOHandle("threads", _fault={"kind": "delay", "delay_us": 300_000, "nth": 1}) as io:
+    with with_faults({"kind": "delay", "delay_us": 300_000, "nth": 1}, IOHandle, "threads") as io:
         t = torch.empty(n, dtype=torch.uint8)
         fut = io.pread_async(t, path)
         old = t.untyped_storage()
@@ -803,7 +804,7 @@ def test_a_batch_failing_to_start_a_cuda_piece_keeps_what_started(
     monkeypatch.setattr(IOHandle, "_device_job", refuse)
     data = torch.arange(1 << 16, dtype=torch.int32)
     path = disk_dir / "partial.bin"
-    with IOHandle("threads", _fault={"kind": "delay", "delay_us": 200_000, "nth": 1}) as io:
+    with with_faults({"kind": "delay", "delay_us": 200_000, "nth": 1}, IOHandle, "threads") as io:
         buf = data.clone()
         with pytest.raises(RuntimeError, match="pinned"):
             io.pwrite_batch_async([(buf, path, 0), (marker, path, 1 << 20)])
@@ -817,11 +818,13 @@ INTERRUPT_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, threading, time
     import tensortier
+    from tensortier._testing import with_faults
     path = sys.argv[1]
     data = os.urandom(1 << 20)
     with open(path, "wb") as f:
         f.write(data)
-    io = tensortier.IOHandle("threads", _fault={"kind": "delay", "delay_us": 3_000_000, "nth": 1})
+    io = with_faults({"kind": "delay", "delay_us": 3_000_000, "nth": 1}, tensortier.IOHandle,
+                     "threads")
     buf = bytearray(len(data))
     fut = io.pread_async(buf, path)
     threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
@@ -840,6 +843,7 @@ INTERRUPT_SCRIPT = textwrap.dedent(
 def test_ctrl_c_interrupts_a_wait(disk_dir: Path) -> None:
     """A wait answers Ctrl-C at once (the C++ wait ignored signals until the operation was
     over); the operation goes on and can be waited for again."""
+    require_faults()
     done = subprocess.run(
         [sys.executable, "-c", INTERRUPT_SCRIPT, str(disk_dir / "slow.bin")],
         capture_output=True, text=True, timeout=60,
@@ -855,7 +859,7 @@ def test_an_interrupt_is_never_an_operations_outcome(disk_dir: Path, alarm_inter
     KeyboardInterrupt again."""
     path = disk_dir / "ki.bin"
     path.write_bytes(b"x" * 4096)
-    with IOHandle("threads", _fault={"kind": "delay", "delay_us": 300_000, "nth": 1}) as io:
+    with with_faults({"kind": "delay", "delay_us": 300_000, "nth": 1}, IOHandle, "threads") as io:
         buf = bytearray(4096)
         fut = io.pread_async(buf, path)
         alarm_interrupt(0.1, linger=0.4)  # the read is over when the interrupt is raised
@@ -873,7 +877,8 @@ def _fifo_file(io: IOHandle, disk_dir: Path) -> "tensortier.File":
 def test_an_interrupted_wait_all_loses_no_error(disk_dir: Path, alarm_interrupt) -> None:  # type: ignore[no-untyped-def]
     path = disk_dir / "slow.bin"
     path.write_bytes(b"x" * 4096)
-    io = IOHandle("threads", workers=1, _fault={"kind": "delay", "delay_us": 500_000, "nth": 2})
+    io = with_faults({"kind": "delay", "delay_us": 500_000, "nth": 2}, IOHandle, "threads",
+                     workers=1)
     io.pread_async(bytearray(4096), _fifo_file(io, disk_dir), 0)  # fails; future dropped
     io.pread_async(bytearray(4096), path)  # slow
     alarm_interrupt(0.2)
@@ -890,7 +895,7 @@ def test_an_error_is_raised_once_with_wait_all_on_another_thread(disk_dir: Path)
     error from the engine as well: it is raised once, by the next wait_all()."""
     path = disk_dir / "g.bin"
     path.write_bytes(b"x" * 8192)
-    io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 500_000, "nth": 1})
+    io = with_faults({"kind": "delay", "delay_us": 500_000, "nth": 1}, IOHandle, "threads")
     io.pread_async(bytearray(4096), path)  # slow
     outcome: list[str] = []
 
@@ -949,7 +954,7 @@ def test_dropping_a_handle_with_io_in_flight_releases_the_gil(disk_dir: Path) ->
     Python threads must keep running meanwhile (the default holder waited with the GIL held)."""
     path = disk_dir / "drop.bin"
     path.write_bytes(b"x" * 8192)
-    io = IOHandle("threads", _fault={"kind": "delay", "delay_us": 500_000, "nth": 1})
+    io = with_faults({"kind": "delay", "delay_us": 500_000, "nth": 1}, IOHandle, "threads")
     buf = bytearray(8192)
     fut = io.pread_async(buf, path)  # kept: its own wait is not what is measured
     ticks = 0

@@ -25,6 +25,7 @@ from tensortier.compat import tensornvme
 from tensortier.offload import OffloadedDataLostWarning, remove_stale_files
 
 from conftest import require_backend
+from faults import with_faults
 
 BACKENDS = ["io_uring", "libaio", "threads"]
 
@@ -426,7 +427,7 @@ def test_close_applies_outcomes_not_waited_for(
     """A read that failed and was never waited for leaves no tensor with unspecified bytes
     behind: close() applies it (memory freed again) and says so."""
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
-    o = DiskOffloader(disk_dir, backend="threads", _fault=fault, _device_copier=copier)
+    o = with_faults(fault, DiskOffloader, disk_dir, backend="threads", _device_copier=copier)
     x, y = torch.randn(100_000), torch.randn(1000)
     o.sync_writev([x, y])
     o.async_read(x)  # fails: x's memory, allocated for it, holds no data
@@ -579,7 +580,7 @@ def test_failed_write_keeps_memory_and_data(
 ) -> None:
     require_backend(backend)
     fault = {"kind": "error", "errno": code, "nth": 1, "count": 1, "reads": False}
-    with DiskOffloader(disk_dir, backend=backend, _fault=fault, _device_copier=copier) as o:
+    with with_faults(fault, DiskOffloader, disk_dir, backend=backend, _device_copier=copier) as o:
         x = torch.randn(300_000)
         x0 = x.clone()
         with pytest.raises(OSError) as e:
@@ -594,7 +595,7 @@ def test_failed_write_keeps_memory_and_data(
 
 def test_failed_async_write_raises_on_the_wait(disk_dir: Path, copier: str) -> None:
     fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "count": 1, "reads": False}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault, _device_copier=copier) as o:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads", _device_copier=copier) as o:
         xs = [torch.full((10_000,), float(i)) for i in range(3)]
         for x in xs:
             o.async_write(x)
@@ -615,7 +616,7 @@ def test_failed_async_write_raises_on_the_wait(disk_dir: Path, copier: str) -> N
 def test_failed_read_keeps_the_data_on_disk(disk_dir: Path, backend: str, copier: str) -> None:
     require_backend(backend)
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
-    with DiskOffloader(disk_dir, backend=backend, _fault=fault, _device_copier=copier) as o:
+    with with_faults(fault, DiskOffloader, disk_dir, backend=backend, _device_copier=copier) as o:
         x = torch.randn(300_000)
         x0 = x.clone()
         o.sync_write(x)
@@ -629,7 +630,7 @@ def test_failed_read_keeps_the_data_on_disk(disk_dir: Path, backend: str, copier
 
 def test_short_io_is_completed(disk_dir: Path, copier: str) -> None:
     fault = {"kind": "short", "nth": 1, "count": 1000, "short_bytes": 1000}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault, _device_copier=copier) as o:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads", _device_copier=copier) as o:
         x = random_tensor((1 << 20,), torch.uint8, seed=5)
         x0 = x.clone()
         o.sync_write(x)
@@ -1013,7 +1014,7 @@ def test_pinned_reads_move_the_entry_to_the_new_storage(
         gc.collect()
         assert torch.equal(x, want_x) and not off.is_offloaded(x) and off.stored_bytes == 0
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads") as off:
         off._pin = True  # noqa: SLF001
         y = torch.randn(50_000)
         want_y = y.clone()
@@ -1106,7 +1107,7 @@ def test_a_storage_death_queued_before_a_pinned_read_is_not_the_new_storages(
     before the read gives the tensor a new storage; that death must not count for the new one
     (it unmapped it, and the data went when the tensor died while the new storage lived)."""
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": False}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads") as off:
         _pinned_stand_in(monkeypatch, off, before_alloc=gc.collect)
         x = torch.arange(1024.0)
 
@@ -1168,7 +1169,7 @@ def test_a_read_of_b_does_not_raise_a_failed_write_of_a(disk_dir: Path) -> None:
     """sync_read(b) waits for b's write in flight; a's failed write is a's error, raised by the
     next write wait, not by the read of b (which is done)."""
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads") as off:
         a, b = torch.randn(1000), torch.randn(1000)
         wants = {id(a): a.clone(), id(b): b.clone()}
         off.async_write(a)
@@ -1191,7 +1192,7 @@ def test_a_read_of_b_does_not_raise_a_failed_write_of_a(disk_dir: Path) -> None:
 
 def test_a_raising_callback_loses_neither_errors_nor_other_callbacks(disk_dir: Path) -> None:
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads") as off:
         a, b, c = torch.randn(1000), torch.randn(1000), torch.randn(1000)
         ran: list[str] = []
 
@@ -1291,7 +1292,7 @@ def _one_of_two_writes_failed(off: DiskOffloader, x: torch.Tensor, z: torch.Tens
 def test_close_counts_failures_a_read_held_and_clears_them(disk_dir: Path) -> None:
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True,
              "reads": False}
-    off = DiskOffloader(disk_dir, backend="threads", _fault=fault)
+    off = with_faults(fault, DiskOffloader, disk_dir, backend="threads")
     z, x = torch.randn(1000), torch.randn(1000)
     off.async_write(z)
     off.async_write(x)
@@ -1304,7 +1305,7 @@ def test_close_counts_failures_a_read_held_and_clears_them(disk_dir: Path) -> No
 def test_a_held_callback_error_does_not_take_the_place_of_an_io_error(disk_dir: Path) -> None:
     fault = {"kind": "error", "errno": errno.EIO, "nth": 2, "count": 1, "writes": True,
              "reads": False}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads") as off:
         def bad() -> None:
             raise RuntimeError("callback of a raised")
 
@@ -1322,7 +1323,7 @@ def test_an_interrupt_in_a_callback_loses_no_error_and_skips_no_callback(
 ) -> None:
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "writes": True,
              "reads": False}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault) as off:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads") as off:
         z = torch.randn(1000)
         off.async_write(z)  # fails: the only write in flight
         with pytest.raises(ValueError, match="write failed"):
@@ -1396,7 +1397,8 @@ def test_out_of_space_raises_from_the_wait_on_every_filesystem(small_fs: Path) -
 
 def test_injected_out_of_space_raises_from_the_wait(disk_dir: Path, copier: str) -> None:
     fault = {"kind": "error", "errno": errno.ENOSPC, "nth": 1, "count": 1, "reads": False}
-    with DiskOffloader(disk_dir, backend="threads", _fault=fault, _device_copier=copier) as off:
+    with with_faults(fault, DiskOffloader, disk_dir, backend="threads",
+                     _device_copier=copier) as off:
         x = torch.randn(300_000)
         x0 = x.clone()
         off.async_write(x)
@@ -1431,7 +1433,7 @@ def test_close_with_writes_in_flight_keeps_every_tensor(disk_dir: Path, copier: 
 
 def test_close_with_a_failed_write_in_flight_keeps_the_tensor(disk_dir: Path) -> None:
     fault = {"kind": "error", "errno": errno.EIO, "nth": 1, "count": 1, "reads": False}
-    off = DiskOffloader(disk_dir, backend="threads", _fault=fault)
+    off = with_faults(fault, DiskOffloader, disk_dir, backend="threads")
     x = torch.randn(300_000)
     x0 = x.clone()
     off.async_write(x)

@@ -19,6 +19,8 @@ import tensortier
 from tensortier import _core
 from tensortier.compat import gds
 
+from faults import with_faults
+
 NO_DRIVER = not _core.cuda_driver()["available"]
 needs_no_driver = pytest.mark.skipif(not NO_DRIVER, reason="a CUDA driver is installed here")
 
@@ -121,8 +123,9 @@ def test_ring_several_files_and_offsets_from_threads(
 def test_ring_engine_fault_raises_oserror_with_path(disk_dir: Path) -> None:
     path = disk_dir / "f.bin"
     path.write_bytes(_rand(1 << 20, 2).tobytes())
-    engine = _core.Engine(
-        backend="threads", chunk_size=64 << 10, fault={"kind": "error", "nth": 3, "writes": False}
+    engine = with_faults(
+        {"kind": "error", "nth": 3, "writes": False}, _core.Engine, backend="threads",
+        chunk_size=64 << 10,
     )
     transfer = _core.DeviceTransfer(engine, slots=2, slot_bytes=64 << 10, copier="memcpy")
     f = _core.File.open(str(path), "r")
@@ -142,8 +145,9 @@ def test_jobs_run_on_the_transfers_queue_and_raise_their_errors_when_waited_for(
     threads, results as read/write give them, an I/O error raised by result() (as often as
     asked), and outcome() giving it back instead of raising."""
     path = disk_dir / "jobs.bin"
-    engine = _core.Engine(
-        backend="threads", chunk_size=64 << 10, fault={"kind": "error", "nth": 10, "writes": False}
+    engine = with_faults(
+        {"kind": "error", "nth": 10, "writes": False}, _core.Engine, backend="threads",
+        chunk_size=64 << 10,
     )
     transfer = _core.DeviceTransfer(engine, slots=2, slot_bytes=64 << 10, max_rings=2,
                                     copier="memcpy")
@@ -181,10 +185,11 @@ def test_ring_write_fault_leaves_bytes_outside_the_range(disk_dir: Path) -> None
     path = disk_dir / "f.bin"
     before = _rand(1 << 20, 3)
     path.write_bytes(before.tobytes())
-    engine = _core.Engine(
+    engine = with_faults(
+        {"kind": "error", "errno": errno.ENOSPC, "nth": 2, "reads": False},
+        _core.Engine,
         backend="threads",
         chunk_size=64 << 10,
-        fault={"kind": "error", "errno": errno.ENOSPC, "nth": 2, "reads": False},
     )
     transfer = _core.DeviceTransfer(engine, slots=2, slot_bytes=64 << 10, copier="memcpy")
     f = _core.File.open(str(path), "r+")

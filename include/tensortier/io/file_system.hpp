@@ -2,8 +2,8 @@
 // opening files, fallocate, fdatasync, rename, the directory's fsync, closing a replaced file),
 // behind one seam so that tests can fail each of them in turn, as LevelDB's Env lets them. The
 // engine's reads and writes have their seam in the backend (BackendFactory, engine.hpp). The
-// faults themselves (fault_injection.hpp, one FaultInjector serving both seams) are built into
-// the test targets only, not into the library.
+// faults themselves (one FaultInjector serving both seams) are built into the test targets and
+// the test-only Python module only, not into the library.
 #pragma once
 
 #include <sys/types.h>
@@ -33,9 +33,9 @@ enum class FileStep : uint8_t {
 class FileStepFaults {
  public:
   virtual ~FileStepFaults() = default;
-  // Before the system call of `step` on `path`: throws the step's IoError (naming `what` and
-  // `path`), waits, or returns to let the call go ahead.
-  virtual void Before(FileStep step, std::string_view what, const std::string& path) = 0;
+  // Before the system call of `step`: the errno the call fails with (FileSystem throws the
+  // step's IoError without making the call), or 0 to let it go ahead. May wait first.
+  virtual int Before(FileStep step) = 0;
   // Faults injected so far.
   virtual uint64_t hits() const noexcept = 0;
 };

@@ -123,11 +123,10 @@ class ExtentReader:
         queue_depth: int | None = None,
         workers: int | None = None,
         verify_checksums: bool = True,
-        _fault: dict[str, Any] | None = None,
     ) -> None:
         self.map = _as_map(extent_map)
         self._reader = _core.ExtentReader(self.map, backend, queue_depth, workers,
-                                          bool(verify_checksums), _fault)
+                                          bool(verify_checksums))
         self.last_stats: dict[str, Any] = {}
 
     def _index(self, file: int | PathLike) -> int:

@@ -209,7 +209,6 @@ class FileReader:
         direct: bool = True,
         backend: str | None = None,
         check_files: bool = True,
-        _fault: dict[str, Any] | None = None,
     ) -> None:
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
@@ -255,7 +254,6 @@ class FileReader:
             backend=backend,
             extent_map=None if extent_map is None else _as_map(extent_map),
             extent_checksums=bool(extent_checksums),
-            fault=_fault,  # tests: the engine's fault-injecting backend
         )
         self._epoch = 0
         self._position = 0  # batches of self._epoch given out

@@ -7,9 +7,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensortier/util/enum_names.hpp"
-#include "tensortier/util/error.hpp"
 #include "tensortier/io/fault_injection.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
@@ -109,13 +108,13 @@ bool FaultInjector::Hit(FileStep step) noexcept {
   return (plan_.steps & (1u << static_cast<unsigned>(step))) != 0 && Count();
 }
 
-void FaultInjector::Before(FileStep step, std::string_view what, const std::string& path) {
-  if (!Hit(step)) return;
+int FaultInjector::Before(FileStep step) {
+  if (!Hit(step)) return 0;
   if (plan_.kind == FaultPlan::Kind::kDelay) {
     std::this_thread::sleep_for(plan_.delay);
-    return;
+    return 0;
   }
-  ThrowIoError(plan_.error, what, path);
+  return plan_.error;
 }
 
 bool FaultInjector::Count() noexcept {
