@@ -211,6 +211,7 @@ build() {
   # -Werror off: a warning new to that machine's compiler must not waste the GPU time we get.
   cmake -S . -B "$BUILD" ${gen[@]+"${gen[@]}"} -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTENSORTIER_WERROR=OFF \
     -DTENSORTIER_BUILD_TESTS=$tests -DTENSORTIER_BUILD_PYTHON=ON -DTENSORTIER_BUILD_CLI=ON \
+    -DTENSORTIER_PYTHON_TEST_SEAMS=ON \
     -DPython_EXECUTABLE="$(command -v "$PY")" ${pybind[@]+"${pybind[@]}"} \
     ${prefix[@]+"${prefix[@]}"} || return 1
   cmake --build "$BUILD" -j "$JOBS" || return 1
@@ -232,7 +233,7 @@ if sys.prefix != sys.base_prefix:
   "$VENV/bin/python" -c 'import torch' || { echo "the venv $VENV does not see torch"; return 1; }
   rm -rf "$site/tensortier"
   cp -r python/tensortier "$site/tensortier"
-  cp "$BUILD"/_core*.so "$site/tensortier/"
+  cp "$BUILD"/_core*.so "$BUILD"/_testing*.so "$site/tensortier/"  # _testing: the tests' faults
   cp "$BUILD/tensortier" "$VENV/bin/tensortier"
   local wheels="${WHEELS:-$ROOT/build/gpu-wheels}" wheel module
   if compgen -G "$wheels/*.whl" > /dev/null; then
