@@ -9,7 +9,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import _core
 
 if TYPE_CHECKING:
     from .offload import DiskOffloader
@@ -205,27 +204,3 @@ def _span(tensor: Any) -> _Span:
 
     db = device_buffer(tensor, own_stream=True)
     return _Span(db.address, db.device, db.stream, db.owner)
-
-
-def _check_sizes(n_entries: Any, stripe_threshold: Any) -> None:
-    """DiskOffloader's `n_entries` and `stripe_threshold`, checked: TypeError for an `n_entries`
-    that is not an integer, ValueError for one out of the queue depth's range or a
-    `stripe_threshold` that is not a positive 64-bit integer."""
-    low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
-    if not isinstance(n_entries, int) or isinstance(n_entries, bool):
-        raise TypeError(
-            f"n_entries must be an integer from {low} to {high} (requests in flight per "
-            f"worker, as TENSORTIER_QUEUE_DEPTH), not {type(n_entries).__name__}"
-        )
-    if not low <= n_entries <= high:
-        raise ValueError(
-            f"n_entries must be from {low} to {high} (requests in flight per worker, as "
-            f"TENSORTIER_QUEUE_DEPTH), not {n_entries}"
-        )
-    if (
-        not isinstance(stripe_threshold, int) or isinstance(stripe_threshold, bool)
-        or not 0 < stripe_threshold < 1 << 64
-    ):
-        raise ValueError(
-            f"stripe_threshold must be a positive integer (bytes), not {stripe_threshold!r}"
-        )

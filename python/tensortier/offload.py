@@ -34,11 +34,10 @@ from typing import Any
 from . import _core
 from ._notes import add_note
 from ._offloaded import (
-    _check_callback, _check_distinct, _check_read_target, _check_sizes, _check_tensor, _Entry,
+    _check_callback, _check_distinct, _check_read_target, _check_tensor, _Entry,
     _free, _host_pieces, _require_preserved_storages, _resize, _run_callbacks, _span, _Span,
 )
 from ._paths import fspath, PathArg
-from .io import _gds_mode
 
 __all__ = ["DiskOffloader", "OffloadedDataLostWarning"]
 
@@ -47,15 +46,6 @@ class OffloadedDataLostWarning(UserWarning):
     """A DiskOffloader was closed, or collected, with tensors still offloaded: their data is
     gone. A UserWarning (shown by default), not a ResourceWarning (hidden by default): the
     data was the user's."""
-
-# Each engine backend by its name and by TensorNVMe's, both accepted.
-_BACKEND_NAMES = (("io_uring", "uring"), ("libaio", "aio"), ("threads", "pthread"))
-# A backend's name as given -> the engine's name for it.
-_BACKENDS = {"auto": "auto"} | {
-    given: name for name, alias in _BACKEND_NAMES for given in (name, alias)
-}
-# The engine's name -> TensorNVMe's.
-_TENSORNVME_NAMES = dict(_BACKEND_NAMES)
 
 PathLike = PathArg
 
@@ -112,10 +102,7 @@ class DiskOffloader:
             )
         if not dirs:
             raise ValueError("DiskOffloader needs at least one directory")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend {backend!r} is not one of {', '.join(sorted(_BACKENDS))}")
-        gds = _gds_mode(gds)
-        _check_sizes(n_entries, stripe_threshold)
+        gds = _core.gds_mode(gds)
         if pin_memory:
             import torch
 
@@ -130,12 +117,9 @@ class DiskOffloader:
                 # makedirs would say "File exists", which reads as if all were well.
                 raise NotADirectoryError(errno.ENOTDIR, "dir_name is not a directory", d)
             os.makedirs(d, exist_ok=True)
+        # Checks backend, n_entries and stripe_threshold (ValueError or TypeError naming them).
         self._core: _core.Offloader | None = _core.Offloader(
-            dirs,
-            backend=_BACKENDS[backend],
-            queue_depth=n_entries,
-            stripe_threshold=stripe_threshold,
-            fault=_fault,
+            dirs, backend, n_entries, stripe_threshold, fault=_fault
         )
         self._pid = os.getpid()
         self._pin = pin_memory

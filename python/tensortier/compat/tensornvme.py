@@ -83,7 +83,7 @@ def get_backends() -> set[str]:
     """The backends that work on this machine, by TensorNVMe's names (``uring``, ``aio``,
     ``pthread``); each is verified with a round trip in the temporary directory."""
     return {
-        _offload._TENSORNVME_NAMES[p["backend"]]  # noqa: SLF001 - same package
+        _core.tensornvme_backend_name(p["backend"])
         for p in _core.probe_backends(tempfile.gettempdir())
         if p["available"] and (p["direct_ok"] or p["buffered_ok"])
     }
@@ -267,33 +267,26 @@ def _queue_depth(n_entries: Any) -> int:
 
 
 def _backend(backend: Any) -> str:
-    """The backend TensorNVMe would run: ``TENSORNVME_BACKEND`` when set takes the place of
-    `backend`; one it does not know is its ``RuntimeError``."""
+    """The engine's name of the backend TensorNVMe would run: ``TENSORNVME_BACKEND`` when set
+    takes the place of `backend`; one it does not know is its ``RuntimeError``."""
     backend = os.environ.get("TENSORNVME_BACKEND") or backend
-    known = _offload._BACKENDS  # noqa: SLF001 - same package
-    if not isinstance(backend, str) or backend not in known:
-        raise RuntimeError(
-            f"Unsupported backend: {backend!r} (one of {', '.join(sorted(known))})"
-        )
-    return backend
+    try:
+        return str(_core.offload_backend(backend if isinstance(backend, str) else repr(backend)))
+    except ValueError as e:
+        raise RuntimeError(f"Unsupported backend: {e}") from None
 
 
 def _backend_error(backend: str, error: OSError) -> OSError:
-    """What an engine that did not start on `backend` raises: TensorNVMe's error when the
-    backend does not start here, else `error` (the directory's or file's failure, say)."""
-    tensortier_name = _offload._BACKENDS[backend]  # noqa: SLF001 - same package
-    if tensortier_name == "auto" or _starts(tensortier_name):
+    """What an engine that did not start on `backend` (the engine's name) raises: TensorNVMe's
+    error when the backend does not start here, else `error` (the directory's or file's
+    failure, say)."""
+    starts = any(p["backend"] == backend and p["available"]
+                 for p in _core.probe_backends(tempfile.gettempdir()))
+    if backend == "auto" or starts:
         return error
     return BackendUnavailableError(
-        error.errno, f"Backend {backend!r} is not install correctly: {error.strerror or error}"
-    )
-
-
-def _starts(backend: str) -> bool:
-    """Whether tensortier's `backend` starts on this machine."""
-    return any(
-        p["backend"] == backend and p["available"]
-        for p in _core.probe_backends(tempfile.gettempdir())
+        error.errno, f"Backend {_core.tensornvme_backend_name(backend)!r} is not install "
+        f"correctly: {error.strerror or error}"
     )
 
 
@@ -367,7 +360,7 @@ class _AsyncFileWriterCore:
         backend = _backend(backend)
         self._io: IOHandle | None = None
         try:
-            self._io = IOHandle(_offload._BACKENDS[backend], queue_depth=depth)  # noqa: SLF001
+            self._io = IOHandle(backend, queue_depth=depth)
         except OSError as e:
             error = _backend_error(backend, e)
             if error is e:
