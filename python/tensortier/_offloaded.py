@@ -7,8 +7,9 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from .device import device_buffer, DeviceBuffer
 
 if TYPE_CHECKING:
     from .offload import DiskOffloader
@@ -181,16 +182,7 @@ def _host_pieces(entries: list[_Entry], tensors: list[Any], device: list[bool]) 
     ]
 
 
-class _Span(NamedTuple):
-    """Where a device tensor's bytes are, for the C++ transfer."""
-
-    address: int
-    device: int
-    stream: int | None
-    owner: Any  # kept alive while the transfer runs: the tensor and its transfer's stream
-
-
-def _span(tensor: Any) -> _Span:
+def _span(tensor: Any) -> DeviceBuffer:
     """The device range of `tensor` and a stream of its own for the transfer, ordered after the
     work queued so far on the current stream, so that work queued after the call does not hold
     the transfer up (CPU tensors, under the memcpy test copier: host memory, no stream).
@@ -199,8 +191,5 @@ def _span(tensor: Any) -> _Span:
         CudaError: tensortier cannot reach the CUDA driver (the message says what is missing).
     """
     if tensor.device.type != "cuda":
-        return _Span(int(tensor.data_ptr()), 0, None, tensor)
-    from .device import device_buffer
-
-    db = device_buffer(tensor, own_stream=True)
-    return _Span(db.address, db.device, db.stream, db.owner)
+        return DeviceBuffer(int(tensor.data_ptr()), tensor.nbytes, 0, None, tensor)
+    return device_buffer(tensor, own_stream=True)

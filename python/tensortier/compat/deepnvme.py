@@ -41,6 +41,7 @@ import errno
 import fcntl
 import operator
 import os
+import sys
 import threading
 import warnings
 from typing import Any, NamedTuple
@@ -229,25 +230,18 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """Reads ``buffer.nbytes`` bytes at `file_offset` of `filename` (what the file holds of
         them); returns the count of completed operations (1), or -1 when the file cannot be
         opened."""
-        with self._mutex:
-            if self._start("read", buffer, filename, file_offset, validate=False) < 0:
-                return -1
-            return self._wait_locked()
+        return self.pread(buffer, filename, False, False, file_offset)
 
     def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Writes all of `buffer` at `file_offset` of `filename` (created if missing, never
         truncated); returns the count of completed operations (1), or -1 when the file cannot
         be opened."""
-        with self._mutex:
-            if self._start("write", buffer, filename, file_offset, validate=False) < 0:
-                return -1
-            return self._wait_locked()
+        return self.pwrite(buffer, filename, False, False, file_offset)
 
     def async_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Starts a read; ``wait()`` completes it. Returns 0, or -1 when the file cannot be
         opened (nothing started)."""
-        with self._mutex:
-            return self._start("read", buffer, filename, file_offset, validate=False)
+        return self.pread(buffer, filename, False, True, file_offset)
 
     def async_pwrite(
         self,
@@ -501,10 +495,13 @@ def _failed(path: str, step: str, error: OSError) -> int:
     """DeepNVMe's answer to a file it cannot open or stat: -1, with its message (printed there,
     a RuntimeWarning here)."""
     code = error.errno if error.errno is not None else 0
+    level, frame = 2, sys._getframe(1)  # the warning names the caller's line, not this module's
+    while frame is not None and frame.f_code.co_filename == __file__:
+        level, frame = level + 1, frame.f_back
     warnings.warn(
         f"deepspeed_aio:  {step} failed on {path} error = {code} ({os.strerror(code)})",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=level,
     )
     return -1
 
