@@ -62,4 +62,55 @@ inline std::optional<bool> FlagArgument(const pybind11::object& value, const cha
   throw pybind11::type_error(std::string(name) + " must be True or False, not " + ReprOf(value));
 }
 
+// `value` as a C integer of `bits` bits, signed unless `is_unsigned`, as a pybind11 binding of a
+// compatible API (DeepSpeed's) takes one: any integer, numpy's and torch's too (through
+// __index__), but a bool. TypeError "<what>: <name> must be an integer" or "must fit ...";
+// ValueError below `minimum`.
+inline pybind11::int_ CIntegerArgument(const pybind11::object& value, const std::string& what,
+                                       const std::string& name, long long minimum, int bits,
+                                       bool is_unsigned) {
+  namespace py = pybind11;
+  const std::string prefix = what + ": " + name;
+  if (PyBool_Check(value.ptr())) throw py::type_error(prefix + " must be an integer, not bool");
+  PyObject* index = PyNumber_Index(value.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(prefix + " must be an integer, not " + TypeName(value));
+  }
+  const auto number = py::reinterpret_steal<py::int_>(index);
+  const auto high = py::reinterpret_steal<py::object>(
+      PyNumber_Lshift(py::int_(1).ptr(), py::int_(is_unsigned ? bits : bits - 1).ptr()));
+  const auto low = is_unsigned ? py::object(py::int_(0))
+                               : py::reinterpret_steal<py::object>(PyNumber_Negative(high.ptr()));
+  const std::string shown = py::str(number).cast<std::string>();
+  if (number < low || !(number < high)) {
+    throw py::type_error(prefix + " must fit " + (is_unsigned ? "an unsigned " : "a signed ") +
+                         std::to_string(bits) + "-bit integer, not " + shown);
+  }
+  if (number < py::int_(minimum)) {
+    throw py::value_error(prefix + " must be at least " + std::to_string(minimum) + ", not " +
+                          shown);
+  }
+  return number;
+}
+
+// `value` as pybind11 converts it to a C++ bool: None is False, and an object whose type has a
+// number's truth (__bool__: bools, ints, floats, numpy bools, one-element tensors) is its truth;
+// anything else (a str, a list) is a TypeError "<what>: <name> must be a bool".
+inline bool CBoolArgument(const pybind11::object& value, const std::string& what,
+                          const std::string& name) {
+  namespace py = pybind11;
+  if (value.is_none()) return false;
+  const std::string prefix = what + ": " + name + " must be a bool, not ";
+  const py::handle type(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())));
+  if (!py::hasattr(type, "__bool__")) throw py::type_error(prefix + TypeName(value));
+  const int truth = PyObject_IsTrue(value.ptr());
+  if (truth < 0) {
+    py::error_already_set error;  // takes the error raised
+    throw py::type_error(prefix + ReprOf(value) + " (" +
+                         py::str(error.value()).cast<std::string>() + ")");
+  }
+  return truth == 1;
+}
+
 }  // namespace tensortier

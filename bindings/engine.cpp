@@ -185,6 +185,14 @@ void RegisterEngine(py::module_& m) {
           py::arg("op"), py::arg("pieces"), py::arg("stage_reads") = false)
       .def("wait_all", &Engine::WaitAll, py::call_guard<py::gil_scoped_release>());
 
+  m.def("c_integer", &CIntegerArgument, py::arg("value"), py::arg("what"), py::arg("name"),
+        py::arg("minimum"), py::arg("bits"), py::arg("unsigned") = false,
+        "`value` as a C integer of `bits` bits, as a compatible API's pybind11 binding takes one "
+        "(not a bool): TypeError when it is not one or does not fit, ValueError below `minimum`; "
+        "messages start with '<what>: <name>'.");
+  m.def("c_bool", &CBoolArgument, py::arg("value"), py::arg("what"), py::arg("name"),
+        "`value` as pybind11 converts it to a C++ bool (None is False; a str or list is a "
+        "TypeError starting with '<what>: <name>').");
   m.def(
       "probe_backends",
       [](const FsPath& dir) {

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import operator
 import os
 import sys
 import threading
@@ -78,30 +77,11 @@ _OFFSET_BITS = 64
 _ADDRESS_BITS = 64
 
 
-def _integer(
-    value: Any, what: str, name: str, minimum: int, bits: int | None = None,
-    unsigned: bool = False,
-) -> int:
-    """`value` as an int (numpy and torch integers too, as DeepSpeed's pybind11 bindings take
-    them); ValueError below `minimum`, TypeError for what is not an integer (or, with `bits`,
-    does not fit a C integer of that many bits, signed unless `unsigned`, as pybind11 refuses
-    it)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what}: {name} must be an integer, not bool")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{what}: {name} must be an integer, not {type(value).__name__}"
-        ) from None
-    if bits is not None:
-        low, high = (0, 1 << bits) if unsigned else (-(1 << (bits - 1)), 1 << (bits - 1))
-        if not low <= number < high:
-            kind = "an unsigned" if unsigned else "a signed"
-            raise TypeError(f"{what}: {name} must fit {kind} {bits}-bit integer, not {number}")
-    if number < minimum:
-        raise ValueError(f"{what}: {name} must be at least {minimum}, not {number}")
-    return number
+# DeepSpeed's bindings take C ints, int64s and uintptr_ts, and C++ bools, as pybind11 converts
+# them: ``_integer(value, what, name, minimum, bits, unsigned=False)`` and
+# ``_c_bool(value, what, name)`` (TypeError or ValueError naming the argument).
+_integer = _core.c_integer
+_c_bool = _core.c_bool
 
 
 def _require_tensor(value: Any, what: str, name: str = "buffer") -> None:
@@ -110,20 +90,6 @@ def _require_tensor(value: Any, what: str, name: str = "buffer") -> None:
 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch tensor, not {type(value).__name__}")
-
-
-def _c_bool(value: Any, what: str, name: str) -> bool:
-    """`value` as pybind11 converts it to a C++ bool: None is False, and an object whose type
-    has a number's truth (``__bool__``: bools, ints, floats, numpy bools, one-element tensors)
-    is its truth; anything else (a str, a list, a dict) is a TypeError."""
-    if value is None:
-        return False
-    if not hasattr(type(value), "__bool__"):
-        raise TypeError(f"{what}: {name} must be a bool, not {type(value).__name__}")
-    try:
-        return bool(value)
-    except Exception as e:  # noqa: BLE001 - pybind11 refuses it likewise
-        raise TypeError(f"{what}: {name} must be a bool, not {value!r} ({e})") from None
 
 
 def _check_tensor(buffer: Any, what: str, contiguous: bool = False) -> None:
