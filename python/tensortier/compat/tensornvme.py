@@ -44,7 +44,7 @@ import operator
 import os
 import tempfile
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
