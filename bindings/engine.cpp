@@ -8,6 +8,7 @@
 #include <tuple>
 #include <vector>
 
+#include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
@@ -17,6 +18,7 @@
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/util/enum_names.hpp"
+#include "tensortier/util/settings.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -74,6 +76,51 @@ GilFreeHolder<Engine> MakeEngine(const Overrides& overrides, const std::string& 
   return GilFreeHolder<Engine>(new Engine(options, factory));
 }
 
+// IOHandle's settings as given: positive integers, flags (bools, 0, 1), stage_reads as a word
+// or a flag, bounce_idle_ms within its row's range. Ranges and words are the settings table's
+// (checked when the engine starts).
+Overrides EngineArguments(const py::object& backend, const py::object& chunk_size,
+                          const py::object& queue_depth, const py::object& workers,
+                          const py::object& max_inflight_bytes, const py::object& page_cache_check,
+                          const py::object& stage_reads, const py::object& bounce_idle_ms) {
+  Overrides o;
+  if (!backend.is_none()) {
+    if (!py::isinstance<py::str>(backend)) {
+      throw py::type_error(StrCat("backend must be a str, not ", TypeName(backend)));
+    }
+    o.backend = backend.cast<std::string>();
+  }
+  o.chunk_size = PositiveArgument<uint64_t>(chunk_size, "chunk_size");
+  o.queue_depth = PositiveArgument<unsigned>(queue_depth, "queue_depth");
+  o.workers = PositiveArgument<unsigned>(workers, "workers");
+  o.max_inflight_bytes = PositiveArgument<uint64_t>(max_inflight_bytes, "max_inflight_bytes");
+  o.page_cache_check = FlagArgument(page_cache_check, "page_cache_check");
+  if (py::isinstance<py::str>(stage_reads)) {
+    o.stage_reads = stage_reads.cast<std::string>();
+  } else if (!stage_reads.is_none()) {
+    try {
+      o.stage_reads = *FlagArgument(stage_reads, "stage_reads") ? "on" : "off";
+    } catch (const py::type_error&) {
+      throw py::type_error(StrCat("stage_reads must be 'auto', 'on', 'off', True or False, not ",
+                                  ReprOf(stage_reads)));
+    }
+  }
+  if (!bounce_idle_ms.is_none()) {
+    const Setting& row = SettingFor("TENSORTIER_BOUNCE_IDLE_MS");
+    int overflow = 0;
+    const long long ms = IsPlainInt(bounce_idle_ms)
+                             ? PyLong_AsLongLongAndOverflow(bounce_idle_ms.ptr(), &overflow)
+                             : -1;
+    if (overflow != 0 || ms < static_cast<long long>(row.min) ||
+        ms > static_cast<long long>(row.max)) {
+      throw py::value_error(StrCat("bounce_idle_ms must be an integer from ", row.min, " to ",
+                                   row.max, " (an hour), not ", ReprOf(bounce_idle_ms)));
+    }
+    o.bounce_idle_ms = static_cast<uint32_t>(ms);
+  }
+  return o;
+}
+
 }  // namespace
 
 void RegisterEngine(py::module_& m) {
@@ -98,20 +145,23 @@ void RegisterEngine(py::module_& m) {
 
   // Dropping an engine waits for its I/O and joins its threads: with the GIL released.
   py::class_<Engine, GilFreeHolder<Engine>>(m, "Engine")
-      .def(py::init([](std::optional<std::string> backend, std::optional<uint64_t> chunk_size,
-                       std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
-                       std::optional<uint64_t> max_inflight_bytes,
-                       std::optional<bool> page_cache_check, std::optional<std::string> stage_reads,
-                       std::optional<uint32_t> bounce_idle_ms, const FsPath& probe_dir) {
-             Overrides o{backend,          chunk_size,  queue_depth,   workers, max_inflight_bytes,
-                         page_cache_check, stage_reads, bounce_idle_ms};
-             return MakeEngine(o, probe_dir);
+      .def(py::init([](const py::object& backend, const py::object& chunk_size,
+                       const py::object& queue_depth, const py::object& workers,
+                       const py::object& max_inflight_bytes, const py::object& page_cache_check,
+                       const py::object& stage_reads, const py::object& bounce_idle_ms,
+                       const FsPath& probe_dir) {
+             return MakeEngine(
+                 EngineArguments(backend, chunk_size, queue_depth, workers, max_inflight_bytes,
+                                 page_cache_check, stage_reads, bounce_idle_ms),
+                 probe_dir);
            }),
            py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
            py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
            py::arg("max_inflight_bytes") = py::none(), py::arg("page_cache_check") = py::none(),
            py::arg("stage_reads") = py::none(), py::arg("bounce_idle_ms") = py::none(),
-           py::arg("probe_dir") = "")
+           py::arg("probe_dir") = "",
+           "IOHandle's engine settings, checked here (None: the default or TENSORTIER_* "
+           "variable): ValueError or TypeError naming the argument.")
       .def_property_readonly("backend", &Engine::backend)
       .def_property_readonly("options", [](const Engine& e) { return OptionsDict(e.options()); })
       .def_property_readonly("bounce_bytes", &Engine::bounce_bytes)
@@ -133,6 +183,14 @@ void RegisterEngine(py::module_& m) {
           py::arg("op"), py::arg("pieces"), py::arg("stage_reads") = false)
       .def("wait_all", &Engine::WaitAll, py::call_guard<py::gil_scoped_release>());
 
+  m.def("c_integer", &CIntegerArgument, py::arg("value"), py::arg("what"), py::arg("name"),
+        py::arg("minimum"), py::arg("bits"), py::arg("unsigned") = false,
+        "`value` as a C integer of `bits` bits, as a compatible API's pybind11 binding takes one "
+        "(not a bool): TypeError when it is not one or does not fit, ValueError below `minimum`; "
+        "messages start with '<what>: <name>'.");
+  m.def("c_bool", &CBoolArgument, py::arg("value"), py::arg("what"), py::arg("name"),
+        "`value` as pybind11 converts it to a C++ bool (None is False; a str or list is a "
+        "TypeError starting with '<what>: <name>').");
   m.def(
       "probe_backends",
       [](const FsPath& dir) {

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "errors.hpp"
 #include "paths.hpp"
@@ -17,6 +18,7 @@
 #include "tensortier/io/engine.hpp"
 #include "tensortier/offload/offloader.hpp"
 #include "tensortier/util/enum_names.hpp"
+#include "tensortier/util/settings.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -40,28 +42,62 @@ std::vector<OffloadPiece> ToPieces(
   return out;
 }
 
+// DiskOffloader's `n_entries`: TypeError for what is not an int, ValueError outside the queue
+// depth's range.
+unsigned QueueDepthArgument(const py::object& value) {
+  const Setting& row = SettingFor("TENSORTIER_QUEUE_DEPTH");
+  const std::string what = StrCat(row.min, " to ", row.max,
+                                  " (requests in flight per worker, as TENSORTIER_QUEUE_DEPTH)");
+  if (!IsPlainInt(value)) {
+    throw py::type_error(
+        StrCat("n_entries must be an integer from ", what, ", not ", TypeName(value)));
+  }
+  int overflow = 0;
+  const long long depth = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  if (overflow != 0 || depth < static_cast<long long>(row.min) ||
+      depth > static_cast<long long>(row.max)) {
+    throw py::value_error(StrCat("n_entries must be from ", what, ", not ", ReprOf(value)));
+  }
+  return static_cast<unsigned>(depth);
+}
+
+// DiskOffloader's `stripe_threshold`: a positive 64-bit integer, else ValueError.
+uint64_t StripeThresholdArgument(const py::object& value) {
+  uint64_t bytes = IsPlainInt(value) ? PyLong_AsUnsignedLongLong(value.ptr()) : 0;
+  if (PyErr_Occurred() != nullptr) {  // negative, or past 64 bits
+    PyErr_Clear();
+    bytes = 0;
+  }
+  if (bytes == 0) {
+    throw py::value_error(
+        StrCat("stripe_threshold must be a positive integer (bytes), not ", ReprOf(value)));
+  }
+  return bytes;
+}
+
 }  // namespace
 
 void RegisterOffload(py::module_& m) {
   py::class_<Offloader>(m, "Offloader")
-      .def(py::init([](const std::vector<FsPath>& dirs, std::optional<std::string> backend,
-                       std::optional<uint64_t> chunk_size, std::optional<unsigned> queue_depth,
-                       std::optional<unsigned> workers, std::optional<uint64_t> max_inflight_bytes,
-                       std::optional<uint64_t> stripe_threshold) {
+      .def(py::init([](const std::vector<FsPath>& dirs, const py::object& backend,
+                       const py::object& n_entries, const py::object& stripe_threshold) {
              OffloaderOptions o;
              o.dirs = PathBytes(dirs);
-             o.engine =
-                 Overrides{backend,      chunk_size,   queue_depth, workers, max_inflight_bytes,
-                           std::nullopt, std::nullopt, std::nullopt}
-                     .Apply(OffloaderEngineDefaults());
-             if (stripe_threshold) o.stripe_threshold = *stripe_threshold;
+             Overrides engine;
+             // Not a str: refused with its repr in the message.
+             engine.backend = std::string(OffloadBackendName(
+                 py::isinstance<py::str>(backend) ? backend.cast<std::string>() : ReprOf(backend)));
+             engine.queue_depth = QueueDepthArgument(n_entries);
+             o.engine = engine.Apply(OffloaderEngineDefaults());
+             o.stripe_threshold = StripeThresholdArgument(stripe_threshold);
              o.backend_factory = TestBackends(o.engine);
              py::gil_scoped_release release;
              return std::make_unique<Offloader>(std::move(o));
            }),
-           py::arg("dirs"), py::arg("backend") = py::none(), py::arg("chunk_size") = py::none(),
-           py::arg("queue_depth") = py::none(), py::arg("workers") = py::none(),
-           py::arg("max_inflight_bytes") = py::none(), py::arg("stripe_threshold") = py::none())
+           py::arg("dirs"), py::arg("backend") = "auto", py::arg("n_entries") = 16,
+           py::arg("stripe_threshold") = 16 << 20,
+           "DiskOffloader's arguments, checked here: `backend` by the engine's names or "
+           "TensorNVMe's, `n_entries` the queue depth. ValueError or TypeError naming them.")
       .def(
           "write",
           [](Offloader& o, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
@@ -113,6 +149,18 @@ void RegisterOffload(py::module_& m) {
           "engine", [](Offloader& o) -> Engine& { return o.engine(); },
           py::return_value_policy::reference_internal)
       .def("close", &Offloader::Close, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "offload_backend",
+      [](const std::string& name) { return std::string(OffloadBackendName(name)); },
+      py::arg("name"),
+      "The engine's name of the backend `name` names ('auto', an engine backend's name or "
+      "TensorNVMe's: 'uring', 'aio', 'pthread'); ValueError listing the names taken.");
+  m.def(
+      "tensornvme_backend_name",
+      [](const std::string& engine_name) {
+        return std::string(NameOf(kTensorNvmeBackendNames, ParseBackendKind(engine_name)));
+      },
+      py::arg("engine_name"), "TensorNVMe's name of an engine backend ('io_uring' -> 'uring').");
   m.def(
       "remove_stale_offload_files", [](const FsPath& dir) { return RemoveStaleOffloadFiles(dir); },
       py::arg("dir"), py::call_guard<py::gil_scoped_release>());

@@ -11,6 +11,7 @@
 #include <string>
 #include <variant>
 
+#include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "errors.hpp"
 #include "gil_free_holder.hpp"
@@ -20,6 +21,7 @@
 #include "tensortier/cuda/cufile.hpp"
 #include "tensortier/transfer/device_copier.hpp"
 #include "tensortier/transfer/device_jobs.hpp"
+#include "tensortier/transfer/operation.hpp"
 #include "tensortier/offload/device_offload.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
@@ -65,6 +67,32 @@ py::dict ResultToDict(const TransferResult& r) {
   py::dict out;
   out["bytes"] = r.bytes;
   out["eof"] = r.eof;
+  out["stats"] = stats;
+  return out;
+}
+
+// IOResult's fields: the engine's stats, and with device pieces, each one's stats
+// (device_pieces), the first one's path, the first reason given for not using GDS, and eof when
+// any part reached it.
+py::dict OperationResultToDict(const OperationResult& r) {
+  py::dict stats = r.host ? IoStatsToDict(r.stats) : py::dict();
+  if (!r.device.empty()) {
+    py::list pieces;
+    std::string reason;
+    bool eof = r.host && r.stats.eof;
+    for (const TransferResult& d : r.device) {
+      pieces.append(ResultToDict(d)["stats"]);
+      if (reason.empty()) reason = d.gds_reason;
+      eof = eof || d.eof;
+    }
+    stats["device_pieces"] = pieces;
+    stats["path"] = r.device.front().path;
+    stats["gds_reason"] = MessageToPython(reason);
+    stats["eof"] = eof;
+  }
+  py::dict out;
+  out["bytes"] = r.bytes;
+  out["segment_bytes"] = r.segment_bytes;
   out["stats"] = stats;
   return out;
 }
@@ -127,8 +155,13 @@ GilFreeHolder<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t>
 void RegisterTransfer(py::module_& m) {
   m.def(
       "gds_mode",
-      [](const std::optional<std::string>& gds) {
-        return GdsModeName(gds ? ParseGdsMode(*gds) : GdsModeFromEnvironment());
+      [](const py::object& gds) {
+        if (gds.is_none()) return GdsModeName(GdsModeFromEnvironment());
+        if (!py::isinstance<py::str>(gds)) {
+          throw py::type_error(
+              StrCat("gds must be a str (or None for TENSORTIER_GDS), not ", TypeName(gds)));
+        }
+        return GdsModeName(ParseGdsMode(gds.cast<std::string>()));
       },
       py::arg("gds") = py::none(),
       "'off', 'auto' or 'on': `gds` spelled canonically, or TENSORTIER_GDS's value when None.");
@@ -245,9 +278,11 @@ void RegisterTransfer(py::module_& m) {
 
   m.def(
       "device_transfer_options",
-      [](std::optional<size_t> slots, std::optional<uint64_t> slot_bytes,
-         std::optional<size_t> max_rings) {
-        const DeviceTransferOptions o = TransferOptions(slots, slot_bytes, max_rings);
+      [](const py::object& slots, const py::object& slot_bytes, const py::object& max_rings) {
+        const DeviceTransferOptions o =
+            TransferOptions(PositiveArgument<size_t>(slots, "bounce_slots"),
+                            PositiveArgument<uint64_t>(slot_bytes, "bounce_slot_size"),
+                            PositiveArgument<size_t>(max_rings, "bounce_rings"));
         py::dict d;
         d["slots"] = o.ring.slots;
         d["slot_bytes"] = o.ring.slot_bytes;
@@ -272,6 +307,15 @@ void RegisterTransfer(py::module_& m) {
 
   // A device job is waited for with the GIL released; its work is C++ only.
   py::class_<DeviceJob>(m, "DeviceJob")
+      .def(py::init([](uint64_t bytes, const std::string& path, const std::string& gds_reason) {
+             TransferResult r;
+             r.bytes = bytes;
+             r.path = path;
+             r.gds_reason = gds_reason;
+             return DeviceJob(std::move(r));
+           }),
+           py::arg("bytes"), py::arg("path"), py::arg("gds_reason") = "",
+           "A job done already, with a result of `bytes` moved by `path` ('bounce' or 'gds').")
       .def("done", &DeviceJob::done, "Whether the job is over (never blocks).")
       .def(
           "wait",
@@ -316,6 +360,50 @@ void RegisterTransfer(py::module_& m) {
           },
           "Waits (as wait()) and returns (result dict, None), or (None, the job's error); the "
           "dict is None when it could not be made.");
+
+  // An IOHandle operation (operation.hpp): waited for with the GIL released, Ctrl-C interrupting
+  // the wait (every 50 ms), never the operation.
+  py::class_<Operation>(m, "Operation")
+      .def(py::init([](std::optional<Future> host, std::vector<DeviceJob> jobs,
+                       std::vector<bool> device_piece) {
+             return Operation(host ? *host : Future(), std::move(jobs), std::move(device_piece));
+           }),
+           py::arg("host"), py::arg("jobs"), py::arg("device_piece"))
+      .def("done", &Operation::done, "Whether every part is over (never blocks).")
+      .def(
+          "wait",
+          [](const Operation& o, bool interruptible) {
+            WaitInterruptibly([&](auto timeout) { return o.WaitFor(timeout); }, interruptible);
+          },
+          py::arg("interruptible") = true, "Waits until every part is over; raises nothing.")
+      .def(
+          "result",
+          [](const Operation& o) {
+            WaitInterruptibly([&](auto timeout) { return o.WaitFor(timeout); }, true);
+            OperationResult r;
+            {
+              py::gil_scoped_release release;
+              r = o.Wait();
+            }
+            return OperationResultToDict(r);
+          },
+          "Waits, then returns {bytes, segment_bytes, stats} or raises the error (delivered).")
+      .def(
+          "take_undelivered_error",
+          [](const Operation& o) -> py::object {
+            WaitInterruptibly([&](auto timeout) { return o.WaitFor(timeout); }, true);
+            std::exception_ptr error;
+            {
+              py::gil_scoped_release release;
+              error = o.TakeUndeliveredError();
+            }
+            return error ? PythonError(error) : py::none();
+          },
+          "Waits, then returns the error nobody was given yet (now given), else None.")
+      .def("return_error", &Operation::ReturnError, "Undoes take_undelivered_error().")
+      .def("has_undelivered_error", &Operation::HasUndeliveredError,
+           py::call_guard<py::gil_scoped_release>(),
+           "For an operation that is over: whether its error is still to be given.");
 
   py::class_<DeviceTransfer, GilFreeHolder<DeviceTransfer>>(m, "DeviceTransfer")
       .def(py::init([](Engine& engine, std::optional<size_t> slots,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from . import _core
+from .device import device_buffer, DeviceBuffer
 
 if TYPE_CHECKING:
     from .offload import DiskOffloader
@@ -182,16 +182,7 @@ def _host_pieces(entries: list[_Entry], tensors: list[Any], device: list[bool]) 
     ]
 
 
-class _Span(NamedTuple):
-    """Where a device tensor's bytes are, for the C++ transfer."""
-
-    address: int
-    device: int
-    stream: int | None
-    owner: Any  # kept alive while the transfer runs: the tensor and its transfer's stream
-
-
-def _span(tensor: Any) -> _Span:
+def _span(tensor: Any) -> DeviceBuffer:
     """The device range of `tensor` and a stream of its own for the transfer, ordered after the
     work queued so far on the current stream, so that work queued after the call does not hold
     the transfer up (CPU tensors, under the memcpy test copier: host memory, no stream).
@@ -200,32 +191,5 @@ def _span(tensor: Any) -> _Span:
         CudaError: tensortier cannot reach the CUDA driver (the message says what is missing).
     """
     if tensor.device.type != "cuda":
-        return _Span(int(tensor.data_ptr()), 0, None, tensor)
-    from .device import device_buffer
-
-    db = device_buffer(tensor, own_stream=True)
-    return _Span(db.address, db.device, db.stream, db.owner)
-
-
-def _check_sizes(n_entries: Any, stripe_threshold: Any) -> None:
-    """DiskOffloader's `n_entries` and `stripe_threshold`, checked: TypeError for an `n_entries`
-    that is not an integer, ValueError for one out of the queue depth's range or a
-    `stripe_threshold` that is not a positive 64-bit integer."""
-    low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
-    if not isinstance(n_entries, int) or isinstance(n_entries, bool):
-        raise TypeError(
-            f"n_entries must be an integer from {low} to {high} (requests in flight per "
-            f"worker, as TENSORTIER_QUEUE_DEPTH), not {type(n_entries).__name__}"
-        )
-    if not low <= n_entries <= high:
-        raise ValueError(
-            f"n_entries must be from {low} to {high} (requests in flight per worker, as "
-            f"TENSORTIER_QUEUE_DEPTH), not {n_entries}"
-        )
-    if (
-        not isinstance(stripe_threshold, int) or isinstance(stripe_threshold, bool)
-        or not 0 < stripe_threshold < 1 << 64
-    ):
-        raise ValueError(
-            f"stripe_threshold must be a positive integer (bytes), not {stripe_threshold!r}"
-        )
+        return DeviceBuffer(int(tensor.data_ptr()), tensor.nbytes, 0, None, tensor)
+    return device_buffer(tensor, own_stream=True)

@@ -158,7 +158,7 @@ class DeviceBuffer:
     address: int
     nbytes: int
     device: int
-    stream: int  # the handle of the stream the copies are ordered on (see device_buffer)
+    stream: int | None  # the stream the copies are ordered on (see device_buffer); None: host
     owner: Any  # what must stay alive while the transfer runs (the tensor, its stream)
 
 

@@ -39,37 +39,22 @@ class IOFuture:
     """A submitted operation. Keeps its buffers and files alive until it has completed.
 
     Host pieces go to the engine as one submission; pieces in CUDA tensors each run through the
-    transfer layer (pinned bounce ring or GDS) as a job of its C++ job queue.
+    transfer layer (pinned bounce ring or GDS) as a job of its C++ job queue. The C++ operation
+    (``_core.Operation``) merges their outcomes and gives each error once (see
+    ``IOHandle.wait_all``).
     """
 
-    def __init__(
-        self,
-        future: _core.Future | None,
-        keepalive: list[Any],
-        device_jobs: Sequence[Any] = (),  # _core.DeviceJob: done() and result()
-        order: Sequence[tuple[bool, int]] = (),
-    ) -> None:
-        self._future = future
-        self._device_jobs = list(device_jobs)
-        # For each piece in submission order: (is a device piece, index among its kind).
-        self._order = list(order)
+    def __init__(self, operation: Any, keepalive: list[Any]) -> None:
+        self._op = operation  # _core.Operation
         self._keepalive: list[Any] | None = keepalive
-        self._result: IOResult | None = None
-        # The outcome, once collected: a result, or the operation's error (an Exception; an
-        # interrupt of a wait, KeyboardInterrupt, is never an outcome) and whether it has been
-        # raised to anyone (each error is raised once: see IOHandle.wait_all).
-        self._error: Exception | None = None
-        self._error_raised = False
-        self._host_raw: dict[str, Any] | None = None  # the engine's part, once taken
-        self._host_error: Exception | None = None
-        self._lock = threading.Lock()  # one collector at a time
+        # The outcome once taken: a result, or the operation's error (an Exception; an interrupt
+        # of a wait, KeyboardInterrupt, is never an outcome).
+        self._outcome: IOResult | Exception | None = None
         self._pid = os.getpid()
 
     def done(self) -> bool:
         """True once the operation has completed (successfully or not); never blocks."""
-        return (self._future is None or self._future.done()) and all(
-            j.done() for j in self._device_jobs
-        )
+        return bool(self._op.done())
 
     def result(self) -> IOResult:
         """Wait (GIL released; Ctrl-C interrupts the wait, not the operation) and return the
@@ -80,83 +65,30 @@ class IOFuture:
             CudaError: a CUDA copy failed or the driver is missing.
         """
         self._check_process()
-        with self._lock:
-            self._take_outcome()
-            if self._error is not None:
-                self._error_raised = True
-                raise self._error
-            assert self._result is not None
-            return self._result
+        if self._outcome is None:
+            try:
+                raw = self._op.result()
+                self._outcome = IOResult(raw["bytes"], raw["segment_bytes"], raw["stats"])
+            except Exception as e:  # noqa: BLE001 - the operation's error: its outcome
+                self._outcome = e
+            self._keepalive = None  # every part is over
+        if isinstance(self._outcome, Exception):
+            raise self._outcome
+        return self._outcome
 
     def _unseen_error(self) -> Exception | None:
         """Waits for the operation and returns its error if nobody has been given it yet (it is
         then counted as given: the caller raises it); None otherwise."""
         self._check_process()
-        with self._lock:
-            self._take_outcome()
-            if self._error is None or self._error_raised:
-                return None
-            self._error_raised = True
-            return self._error
-
-    def _give_back_error(self) -> None:
-        """Undoes _unseen_error()'s giving (its caller could not raise it)."""
-        with self._lock:
-            self._error_raised = False
-
-    def _check_process(self) -> None:
-        # Before any lock: in a child made by fork() a lock may be held for good.
-        if os.getpid() != self._pid and self._result is None and self._error is None:
-            raise ValueError(_forked_message("IOFuture", self._pid))
-
-    def _has_unseen_error(self) -> bool:
-        """For a finished operation (REQUIRES: done()): whether its error is still to be given
-        to someone. Takes the outcome without raising it."""
-        with self._lock:
-            self._take_outcome()
-            return self._error is not None and not self._error_raised
-
-    def _take_outcome(self) -> None:
-        """Waits for every part and keeps the outcome. An interrupt (KeyboardInterrupt) passes
-        through with what was taken so far kept. REQUIRES: self._lock held."""
-        if self._result is not None or self._error is not None:
-            return
-        if self._host_raw is None and self._host_error is None:
-            if self._future is None:
-                self._host_raw = {"bytes": 0, "segment_bytes": [], "stats": {}}
-            else:
-                try:
-                    self._host_raw = self._future.wait()
-                except Exception as e:  # noqa: BLE001 - the engine's error: part of the outcome
-                    self._host_error = e
-        error: Exception | None = self._host_error
-        device: list[dict[str, Any]] = []
-        for job in self._device_jobs:  # a finished job's outcome can be asked for again
-            try:
-                device.append(job.result())
-            except Exception as e:  # noqa: BLE001 - CudaError, OSError...: part of the outcome
-                error = error or e
+        error = self._op.take_undelivered_error()
         self._keepalive = None  # every part is over
         if error is not None:
-            self._error = error
-            return
-        raw = self._host_raw or {"bytes": 0, "segment_bytes": [], "stats": {}}
-        if not device:
-            self._result = IOResult(raw["bytes"], list(raw["segment_bytes"]), dict(raw["stats"]))
-            return
-        host_segments = list(raw["segment_bytes"])
-        segments = [
-            device[i]["bytes"] if is_device else host_segments[i] for is_device, i in self._order
-        ]
-        stats = dict(raw["stats"])
-        stats["device_pieces"] = [dict(d["stats"]) for d in device]
-        stats["path"] = device[0]["stats"]["path"]
-        # Why a piece took the ring, or ran in cuFile's compatibility mode: the first said.
-        stats["gds_reason"] = next(
-            (d["stats"]["gds_reason"] for d in device if d["stats"].get("gds_reason")), ""
-        )
-        stats["eof"] = bool(stats.get("eof", False)) or any(d["eof"] for d in device)
-        self._result = IOResult(sum(segments), segments, stats)
+            self._outcome = error
+        return error
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid and self._outcome is None:
+            raise ValueError(_forked_message("IOFuture", self._pid))
 
     def wait(self) -> int:
         """Wait for completion and return the number of bytes transferred.
@@ -168,16 +100,10 @@ class IOFuture:
 
     def __del__(self) -> None:
         # Memory handed to the kernel must outlive the I/O, even if the future is dropped. (In a
-        # child made by fork() nothing runs the operation: waiting would never return.)
+        # child made by fork() nothing runs the operation: waiting would never return.) Not
+        # interruptible: the memory must outlive the operation, Ctrl-C or not.
         if getattr(self, "_keepalive", None) is not None and os.getpid() == self._pid:
-            if self._future is not None:
-                try:
-                    # Not interruptible: the memory must outlive the operation, Ctrl-C or not.
-                    self._future.wait(interruptible=False)
-                except Exception:  # noqa: BLE001 - the error belongs to whoever waits; nobody will
-                    pass
-            for job in self._device_jobs:
-                job.wait(interruptible=False)
+            self._op.wait(interruptible=False)
 
 
 class IOHandle:
@@ -255,39 +181,9 @@ class IOHandle:
         bounce_slot_size: int | None = None,
         bounce_rings: int | None = None,
     ) -> None:
-        for name, value in (
-            ("chunk_size", chunk_size),
-            ("queue_depth", queue_depth),
-            ("workers", workers),
-            ("max_inflight_bytes", max_inflight_bytes),
-            ("bounce_slots", bounce_slots),
-            ("bounce_slot_size", bounce_slot_size),
-            ("bounce_rings", bounce_rings),
-        ):
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value <= 0
-            ):
-                raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        page_cache_check = _flag("page_cache_check", page_cache_check)
         direct = bool(_flag("direct", direct))
-        if backend is not None and not isinstance(backend, str):
-            raise TypeError(f"backend must be a str, not {type(backend).__name__}")
-        if stage_reads is not None and not isinstance(stage_reads, str):
-            if isinstance(stage_reads, bytes) or stage_reads not in (0, 1):
-                raise TypeError(
-                    "stage_reads must be 'auto', 'on', 'off', True or False, "
-                    f"not {stage_reads!r}"
-                )
-            stage_reads = "on" if stage_reads else "off"
-        if bounce_idle_ms is not None and (
-            not isinstance(bounce_idle_ms, int) or isinstance(bounce_idle_ms, bool)
-            or not 0 <= bounce_idle_ms <= 3_600_000
-        ):
-            raise ValueError(
-                "bounce_idle_ms must be an integer from 0 to 3600000 (an hour), "
-                f"not {bounce_idle_ms!r}"
-            )
         self._direct = direct
+        # Checks the settings (ValueError or TypeError naming the argument).
         self._engine: _core.Engine | None = _core.Engine(
             backend=backend,
             chunk_size=chunk_size,
@@ -307,7 +203,7 @@ class IOHandle:
         # wait_all() raises it (an error is never lost with a dropped future).
         self._pending: list[IOFuture] = []
         self._pending_lock = threading.Lock()
-        self._gds = _gds_mode(gds)
+        self._gds = _core.gds_mode(gds)
         # Checked now (the TENSORTIER_BOUNCE_* variables too), used at the first CUDA transfer.
         ring = _core.device_transfer_options(
             slots=bounce_slots, slot_bytes=bounce_slot_size, max_rings=bounce_rings
@@ -414,10 +310,13 @@ class IOHandle:
         with self._pending_lock:
             pending, self._pending = self._pending, []
         failed: list[IOFuture] = []
+        errors: list[Exception] = []
         try:
             while pending:
-                if pending[0]._unseen_error() is not None:  # noqa: SLF001 - same module
+                error = pending[0]._unseen_error()  # noqa: SLF001 - same module
+                if error is not None:
                     failed.append(pending[0])
+                    errors.append(error)
                 pending.pop(0)
             # Operations that other threads started meanwhile (their futures are pending):
             # waited for, their errors left to their futures.
@@ -429,12 +328,12 @@ class IOHandle:
             # Interrupted (Ctrl-C): the errors taken are given back, and they and what is not
             # over stay pending for the next wait.
             for future in failed:
-                future._give_back_error()  # noqa: SLF001
+                future._op.return_error()  # noqa: SLF001
             with self._pending_lock:
                 self._pending[:0] = failed + pending
             raise
-        if failed:
-            raise _with_others([f._error for f in failed if f._error is not None])  # noqa: SLF001
+        if errors:
+            raise _with_others(errors)
 
     def close(self) -> None:
         """Wait for everything in flight, then stop the workers. Idempotent. Raises the first
@@ -566,15 +465,17 @@ class IOHandle:
         except BaseException:
             # What started (the host pieces, the first CUDA ones) still uses the memory: it
             # stays with the pending operations, which keep it alive until it is over.
-            started = [(d, i) for d, i in order if not d or i < len(jobs)]
+            started = [d for d, i in order if not d or i < len(jobs)]
             with self._pending_lock:
-                self._pending.append(IOFuture(future, keepalive, jobs, started))
+                self._pending.append(IOFuture(_core.Operation(future, jobs, started), keepalive))
             raise
         if not write:
             _bump_versions([buf for buf, _, _ in pieces])
-        result = IOFuture(future, keepalive, jobs, order)
+        result = IOFuture(_core.Operation(future, jobs, [d for d, _ in order]), keepalive)
         with self._pending_lock:
-            self._pending = [p for p in self._pending if not p.done() or p._has_unseen_error()]
+            self._pending = [
+                p for p in self._pending if not p.done() or p._op.has_undelivered_error()
+            ]
             self._pending.append(result)
         return result
 
@@ -619,12 +520,3 @@ def _forked_message(what: str, pid: int) -> str:
         f"this {what} was made in process {pid}; in process {os.getpid()}, a child made by "
         "fork(), its engine's worker threads do not exist: make a new IOHandle in the child"
     )
-
-
-def _gds_mode(gds: str | None) -> str:
-    """``"off"``, ``"auto"`` or ``"on"``: `gds` spelled canonically, or ``TENSORTIER_GDS``'s value
-    (read by the C++ settings table) when None. Raises ValueError naming what is allowed, and
-    TypeError for what is not a str."""
-    if gds is not None and not isinstance(gds, str):
-        raise TypeError(f"gds must be a str (or None for TENSORTIER_GDS), not {type(gds).__name__}")
-    return str(_core.gds_mode(gds))

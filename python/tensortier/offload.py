@@ -34,11 +34,11 @@ from typing import Any
 from . import _core
 from ._notes import add_note
 from ._offloaded import (
-    _check_callback, _check_distinct, _check_read_target, _check_sizes, _check_tensor, _Entry,
-    _free, _host_pieces, _require_preserved_storages, _resize, _run_callbacks, _span, _Span,
+    _check_callback, _check_distinct, _check_read_target, _check_tensor, _Entry,
+    _free, _host_pieces, _require_preserved_storages, _resize, _run_callbacks, _span,
 )
 from ._paths import fspath, PathArg
-from .io import _gds_mode
+from .device import DeviceBuffer
 
 __all__ = ["DiskOffloader", "OffloadedDataLostWarning"]
 
@@ -47,15 +47,6 @@ class OffloadedDataLostWarning(UserWarning):
     """A DiskOffloader was closed, or collected, with tensors still offloaded: their data is
     gone. A UserWarning (shown by default), not a ResourceWarning (hidden by default): the
     data was the user's."""
-
-# Each engine backend by its name and by TensorNVMe's, both accepted.
-_BACKEND_NAMES = (("io_uring", "uring"), ("libaio", "aio"), ("threads", "pthread"))
-# A backend's name as given -> the engine's name for it.
-_BACKENDS = {"auto": "auto"} | {
-    given: name for name, alias in _BACKEND_NAMES for given in (name, alias)
-}
-# The engine's name -> TensorNVMe's.
-_TENSORNVME_NAMES = dict(_BACKEND_NAMES)
 
 PathLike = PathArg
 
@@ -111,10 +102,7 @@ class DiskOffloader:
             )
         if not dirs:
             raise ValueError("DiskOffloader needs at least one directory")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend {backend!r} is not one of {', '.join(sorted(_BACKENDS))}")
-        gds = _gds_mode(gds)
-        _check_sizes(n_entries, stripe_threshold)
+        gds = _core.gds_mode(gds)
         if pin_memory:
             import torch
 
@@ -129,11 +117,9 @@ class DiskOffloader:
                 # makedirs would say "File exists", which reads as if all were well.
                 raise NotADirectoryError(errno.ENOTDIR, "dir_name is not a directory", d)
             os.makedirs(d, exist_ok=True)
+        # Checks backend, n_entries and stripe_threshold (ValueError or TypeError naming them).
         self._core: _core.Offloader | None = _core.Offloader(
-            dirs,
-            backend=_BACKENDS[backend],
-            queue_depth=n_entries,
-            stripe_threshold=stripe_threshold,
+            dirs, backend, n_entries, stripe_threshold
         )
         self._pid = os.getpid()
         self._pin = pin_memory
@@ -170,44 +156,44 @@ class DiskOffloader:
     def sync_write(self, tensor: Any) -> None:
         """Writes `tensor` to disk, then frees its memory (its shape and dtype stay). As with
         TensorNVMe, asynchronous writes of other tensors are left to their wait."""
-        self._wait("write", self._write([tensor], None))
+        self._call("sync_write", tensor)
 
     def sync_read(self, tensor: Any) -> None:
         """Restores the memory and data of an offloaded `tensor` (asynchronous reads of other
         tensors are left to their wait)."""
-        self._wait("read", self._read([tensor], None))
+        self._call("sync_read", tensor)
 
     def sync_writev(self, tensors: Sequence[Any]) -> None:
         """Writes several tensors in one submission, then frees their memory."""
-        self._wait("write", self._write(list(tensors), None))
+        self._call("sync_writev", tensors)
 
     def sync_readv(self, tensors: Sequence[Any]) -> None:
         """Restores several offloaded tensors in one submission (any order works; TensorNVMe
         needs the order they were written in)."""
-        self._wait("read", self._read(list(tensors), None))
+        self._call("sync_readv", tensors)
 
     def async_write(self, tensor: Any, callback: Callable[[], None] | None = None) -> None:
         """Starts writing `tensor`; its memory is freed when ``sync_write_events()`` or
         ``synchronize()`` sees the write done, after which `callback` runs. An I/O error, out
         of space included, is raised by that wait on every filesystem, never by this call."""
-        self._write([tensor], callback)
+        self._call("async_write", tensor, callback)
 
     def async_read(self, tensor: Any, callback: Callable[[], None] | None = None) -> None:
         """Allocates `tensor`'s memory and starts reading its data into it; the data is there
         once ``sync_read_events()`` or ``synchronize()`` returns, after which `callback` runs."""
-        self._read([tensor], callback)
+        self._call("async_read", tensor, callback)
 
     def async_writev(
         self, tensors: Sequence[Any], callback: Callable[[], None] | None = None
     ) -> None:
         """``async_write`` of several tensors in one submission."""
-        self._write(list(tensors), callback)
+        self._call("async_writev", tensors, callback)
 
     def async_readv(
         self, tensors: Sequence[Any], callback: Callable[[], None] | None = None
     ) -> None:
         """``async_read`` of several tensors in one submission."""
-        self._read(list(tensors), callback)
+        self._call("async_readv", tensors, callback)
 
     def sync_write_events(self) -> None:
         """Waits for every write in flight; frees the memory of the tensors written. Raises the
@@ -333,6 +319,15 @@ class DiskOffloader:
             pass
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _call(self, what: str, given: Any, callback: Callable[[], None] | None = None) -> None:
+        """One of TensorNVMe's eight calls, named `what`: a write or a read, of one tensor or
+        of a vector (``...v``), waited for (``sync_...``: only its own tensors) or not."""
+        kind = "write" if "write" in what else "read"
+        tensors = list(given) if what.endswith("v") else [given]
+        keys = (self._write if kind == "write" else self._read)(tensors, callback)
+        if what.startswith("sync"):
+            self._wait(kind, keys)
 
     def _open(self) -> _core.Offloader:
         if self._core is None:
@@ -629,7 +624,7 @@ class DiskOffloader:
             )
         return self._transfer
 
-    def _submit_device(self, kind: str, entry: _Entry, span: _Span) -> None:
+    def _submit_device(self, kind: str, entry: _Entry, span: DeviceBuffer) -> None:
         """Starts moving `entry`'s bytes between device memory and the files on the transfer's
         job queue; ``_wait(kind)`` collects the outcome. REQUIRES: self._lock held."""
         move = _core.offload_from_device if kind == "write" else _core.restore_to_device

@@ -13,6 +13,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "tensortier/io/backend.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/error.hpp"
@@ -95,6 +96,17 @@ size_t RemoveStaleOffloadFiles(const std::string& dir) {
   }
   closedir(d);
   return removed;
+}
+
+std::string_view OffloadBackendName(std::string_view name) {
+  if (name == "auto") return "auto";
+  if (const auto kind = ValueOf(kBackendKindNames, name)) return BackendName(*kind);
+  if (const auto kind = ValueOf(kTensorNvmeBackendNames, name)) return BackendName(*kind);
+  std::vector<std::string_view> names = {"auto"};
+  for (const auto& n : kBackendKindNames) names.push_back(n.name);
+  for (const auto& n : kTensorNvmeBackendNames) names.push_back(n.name);
+  std::ranges::sort(names);
+  throw std::invalid_argument(StrCat("backend '", name, "' is not one of ", JoinWords(names)));
 }
 
 EngineOptions OffloaderEngineDefaults() {

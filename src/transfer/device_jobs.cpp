@@ -33,6 +33,10 @@ struct DeviceJob::State {
 
 DeviceJob::DeviceJob() : state_(std::make_shared<State>()) { state_->over = true; }
 
+DeviceJob::DeviceJob(TransferResult result) : DeviceJob() {
+  state_->result = std::move(result);
+}
+
 bool DeviceJob::done() const {
   std::lock_guard lock(state_->mu);
   return state_->over;

@@ -71,7 +71,7 @@ def test_check_prints_the_cuda_settings_in_effect(disk_dir: Path) -> None:
     r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
                        timeout=300, env=env)
     assert "(TENSORTIER_GDS): on\n" in r.stdout, r.stdout
-    from tensortier.io import _gds_mode
+    from tensortier._core import gds_mode as _gds_mode
 
     assert _gds_mode("true") == "on" and _gds_mode("false") == "off"
     env.pop("TENSORTIER_GDS")

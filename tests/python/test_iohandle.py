@@ -985,21 +985,17 @@ def test_dropping_a_handle_with_io_in_flight_releases_the_gil(disk_dir: Path) ->
 def test_a_device_transfers_result_says_why_gds_was_not_gpudirect() -> None:
     """A CUDA tensor's transfer result carries its pieces' gds_reason up (a bounce piece: why
     GDS was not used; a "gds" one: cuFile's compatibility mode), as the README says."""
-    import concurrent.futures
-
+    from tensortier import _core
     from tensortier.io import IOFuture
 
-    def piece(path: str, reason: str) -> concurrent.futures.Future:
-        f: concurrent.futures.Future = concurrent.futures.Future()
-        f.set_result({"bytes": 4096, "eof": False,
-                      "stats": {"path": path, "gds_reason": reason, "copier": "", "chunks": 1}})
-        return f
+    def piece(path: str, reason: str) -> _core.DeviceJob:
+        return _core.DeviceJob(4096, path, reason)  # a job done already
 
     compat = "cuFile compatibility mode (not GPUDirect): no nvidia-fs"
-    r = IOFuture(None, [], [piece("gds", ""), piece("gds", compat)], [(True, 0), (True, 1)])
+    r = IOFuture(_core.Operation(None, [piece("gds", ""), piece("gds", compat)], [True, True]), [])
     assert r.result().stats["path"] == "gds"
     assert r.result().stats["gds_reason"] == compat
-    r = IOFuture(None, [], [piece("gds", "")], [(True, 0)])
+    r = IOFuture(_core.Operation(None, [piece("gds", "")], [True]), [])
     assert r.result().stats["gds_reason"] == ""
 
 

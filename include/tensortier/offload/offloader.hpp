@@ -32,10 +32,12 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "tensortier/io/backend.hpp"
 #include "tensortier/io/config.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
@@ -43,6 +45,16 @@
 #include "tensortier/util/enum_names.hpp"
 
 namespace tensortier {
+
+// TensorNVMe's names of the engine's backends, which an offloader takes as well as the engine's.
+inline constexpr EnumName<BackendKind> kTensorNvmeBackendNames[] = {
+    {BackendKind::kIoUring, "uring"},
+    {BackendKind::kLibaio, "aio"},
+    {BackendKind::kThreads, "pthread"}};
+
+// The engine's name of the backend `name` names: "auto", an engine backend's name or TensorNVMe's.
+// Throws std::invalid_argument listing the names taken.
+std::string_view OffloadBackendName(std::string_view name);
 
 // EngineOptions::FromEnvironment(), except that bounce_idle_ms is 0 unless
 // TENSORTIER_BOUNCE_IDLE_MS sets it: a caller offloads tensors to get their memory back, the

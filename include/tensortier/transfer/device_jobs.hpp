@@ -26,6 +26,8 @@ class DeviceJob {
  public:
   // A job that has no work: done, with an empty result.
   DeviceJob();
+  // A job done already, with `result` as its outcome.
+  explicit DeviceJob(TransferResult result);
 
   bool done() const;
   // Waits up to `timeout`; true once the job is over.

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import operator
 import os
+import sys
 import threading
 import warnings
 from typing import Any, NamedTuple
@@ -77,30 +77,11 @@ _OFFSET_BITS = 64
 _ADDRESS_BITS = 64
 
 
-def _integer(
-    value: Any, what: str, name: str, minimum: int, bits: int | None = None,
-    unsigned: bool = False,
-) -> int:
-    """`value` as an int (numpy and torch integers too, as DeepSpeed's pybind11 bindings take
-    them); ValueError below `minimum`, TypeError for what is not an integer (or, with `bits`,
-    does not fit a C integer of that many bits, signed unless `unsigned`, as pybind11 refuses
-    it)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what}: {name} must be an integer, not bool")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{what}: {name} must be an integer, not {type(value).__name__}"
-        ) from None
-    if bits is not None:
-        low, high = (0, 1 << bits) if unsigned else (-(1 << (bits - 1)), 1 << (bits - 1))
-        if not low <= number < high:
-            kind = "an unsigned" if unsigned else "a signed"
-            raise TypeError(f"{what}: {name} must fit {kind} {bits}-bit integer, not {number}")
-    if number < minimum:
-        raise ValueError(f"{what}: {name} must be at least {minimum}, not {number}")
-    return number
+# DeepSpeed's bindings take C ints, int64s and uintptr_ts, and C++ bools, as pybind11 converts
+# them: ``_integer(value, what, name, minimum, bits, unsigned=False)`` and
+# ``_c_bool(value, what, name)`` (TypeError or ValueError naming the argument).
+_integer = _core.c_integer
+_c_bool = _core.c_bool
 
 
 def _require_tensor(value: Any, what: str, name: str = "buffer") -> None:
@@ -109,20 +90,6 @@ def _require_tensor(value: Any, what: str, name: str = "buffer") -> None:
 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch tensor, not {type(value).__name__}")
-
-
-def _c_bool(value: Any, what: str, name: str) -> bool:
-    """`value` as pybind11 converts it to a C++ bool: None is False, and an object whose type
-    has a number's truth (``__bool__``: bools, ints, floats, numpy bools, one-element tensors)
-    is its truth; anything else (a str, a list, a dict) is a TypeError."""
-    if value is None:
-        return False
-    if not hasattr(type(value), "__bool__"):
-        raise TypeError(f"{what}: {name} must be a bool, not {type(value).__name__}")
-    try:
-        return bool(value)
-    except Exception as e:  # noqa: BLE001 - pybind11 refuses it likewise
-        raise TypeError(f"{what}: {name} must be a bool, not {value!r} ({e})") from None
 
 
 def _check_tensor(buffer: Any, what: str, contiguous: bool = False) -> None:
@@ -229,25 +196,18 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         """Reads ``buffer.nbytes`` bytes at `file_offset` of `filename` (what the file holds of
         them); returns the count of completed operations (1), or -1 when the file cannot be
         opened."""
-        with self._mutex:
-            if self._start("read", buffer, filename, file_offset, validate=False) < 0:
-                return -1
-            return self._wait_locked()
+        return self.pread(buffer, filename, False, False, file_offset)
 
     def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Writes all of `buffer` at `file_offset` of `filename` (created if missing, never
         truncated); returns the count of completed operations (1), or -1 when the file cannot
         be opened."""
-        with self._mutex:
-            if self._start("write", buffer, filename, file_offset, validate=False) < 0:
-                return -1
-            return self._wait_locked()
+        return self.pwrite(buffer, filename, False, False, file_offset)
 
     def async_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
         """Starts a read; ``wait()`` completes it. Returns 0, or -1 when the file cannot be
         opened (nothing started)."""
-        with self._mutex:
-            return self._start("read", buffer, filename, file_offset, validate=False)
+        return self.pread(buffer, filename, False, True, file_offset)
 
     def async_pwrite(
         self,
@@ -501,10 +461,13 @@ def _failed(path: str, step: str, error: OSError) -> int:
     """DeepNVMe's answer to a file it cannot open or stat: -1, with its message (printed there,
     a RuntimeWarning here)."""
     code = error.errno if error.errno is not None else 0
+    level, frame = 2, sys._getframe(1)  # the warning names the caller's line, not this module's
+    while frame is not None and frame.f_code.co_filename == __file__:
+        level, frame = level + 1, frame.f_back
     warnings.warn(
         f"deepspeed_aio:  {step} failed on {path} error = {code} ({os.strerror(code)})",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=level,
     )
     return -1
 

@@ -44,7 +44,7 @@ import operator
 import os
 import tempfile
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -83,7 +83,7 @@ def get_backends() -> set[str]:
     """The backends that work on this machine, by TensorNVMe's names (``uring``, ``aio``,
     ``pthread``); each is verified with a round trip in the temporary directory."""
     return {
-        _offload._TENSORNVME_NAMES[p["backend"]]  # noqa: SLF001 - same package
+        _core.tensornvme_backend_name(p["backend"])
         for p in _core.probe_backends(tempfile.gettempdir())
         if p["available"] and (p["direct_ok"] or p["buffered_ok"])
     }
@@ -122,66 +122,35 @@ class DiskOffloader(_offload.DiskOffloader):
         self._member: dict[int, _Key] = {}  # id(tensor) -> the key it was last written under
         self._groups_kept = 64  # prune dead groups when there are twice as many
 
-    # ---- TensorNVMe's API -----------------------------------------------------------------
-
-    def sync_write(self, tensor: Any) -> None:
-        """Writes `tensor` to disk, then frees its memory (its shape and dtype stay)."""
-        self._compat_write("sync_write", tensor, False, None, sync=True)
-
-    def sync_read(self, tensor: Any) -> None:
-        """Restores a tensor written by ``sync_write``/``async_write``."""
-        self._compat_read("sync_read", tensor, False, None, sync=True)
-
-    def sync_writev(self, tensors: Sequence[Any]) -> None:
-        """Writes several tensors in one submission, then frees their memory."""
-        self._compat_write("sync_writev", tensors, True, None, sync=True)
-
-    def sync_readv(self, tensors: Sequence[Any]) -> None:
-        """Restores tensors written by one ``sync_writev``/``async_writev``, given in the same
-        order."""
-        self._compat_read("sync_readv", tensors, True, None, sync=True)
-
-    def async_write(self, tensor: Any, callback: Callable[[], None] | None = None) -> None:
-        """Starts writing `tensor`; its memory is freed when ``sync_write_events()`` or
-        ``synchronize()`` sees the write done, after which `callback` runs."""
-        self._compat_write("async_write", tensor, False, callback, sync=False)
-
-    def async_read(self, tensor: Any, callback: Callable[[], None] | None = None) -> None:
-        """Starts restoring a tensor written by ``sync_write``/``async_write``."""
-        self._compat_read("async_read", tensor, False, callback, sync=False)
-
-    def async_writev(
-        self, tensors: Sequence[Any], callback: Callable[[], None] | None = None
-    ) -> None:
-        """``async_write`` of several tensors in one submission."""
-        self._compat_write("async_writev", tensors, True, callback, sync=False)
-
-    def async_readv(
-        self, tensors: Sequence[Any], callback: Callable[[], None] | None = None
-    ) -> None:
-        """Starts restoring tensors written by one vector write, given in the same order."""
-        self._compat_read("async_readv", tensors, True, callback, sync=False)
-
     # ---- internals ------------------------------------------------------------------------
 
-    def _compat_write(
-        self,
-        what: str,
-        given: Any,
-        vector: bool,
-        callback: Callable[[], None] | None,
-        sync: bool,
-    ) -> None:
+    def _call(self, what: str, given: Any, callback: Callable[[], None] | None = None) -> None:
+        """TensorNVMe's call `what`, its arguments checked as its binding checks them before
+        anything moves: a tensor is read back by the kind of call that wrote it."""
         _offload._check_callback(callback)  # noqa: SLF001 - as pybind, before all else
+        vector, sync = what.endswith("v"), what.startswith("sync")
         tensors = _tensors(what, given, vector)
         for t in tensors:
             _require_contiguous(t)
-            # TensorNVMe: `assert tensor.storage().size() > 0`.
-            if t.untyped_storage().nbytes() == 0:
+            # TensorNVMe's writes: `assert tensor.storage().size() > 0`.
+            if "write" in what and t.untyped_storage().nbytes() == 0:
                 raise AssertionError(
                     f"{what}: tensor has no memory to write (it is offloaded already, or has no "
                     "elements)"
                 )
+        if "write" in what:
+            self._compat_write(what, tensors, vector, callback, sync)
+        else:
+            self._compat_read(tensors, vector, callback, sync)
+
+    def _compat_write(
+        self,
+        what: str,
+        tensors: list[Any],
+        vector: bool,
+        callback: Callable[[], None] | None,
+        sync: bool,
+    ) -> None:
         with self._lock:
             try:
                 keys = self._write(_one_per_storage(tensors), callback, supersede=True)
@@ -192,17 +161,8 @@ class DiskOffloader(_offload.DiskOffloader):
             self._wait("write", keys)
 
     def _compat_read(
-        self,
-        what: str,
-        given: Any,
-        vector: bool,
-        callback: Callable[[], None] | None,
-        sync: bool,
+        self, tensors: list[Any], vector: bool, callback: Callable[[], None] | None, sync: bool
     ) -> None:
-        _offload._check_callback(callback)  # noqa: SLF001 - as pybind, before all else
-        tensors = _tensors(what, given, vector)
-        for t in tensors:
-            _require_contiguous(t)
         with self._lock:
             key = _key(tensors, vector)
             group = self._groups.get(key)
@@ -267,33 +227,26 @@ def _queue_depth(n_entries: Any) -> int:
 
 
 def _backend(backend: Any) -> str:
-    """The backend TensorNVMe would run: ``TENSORNVME_BACKEND`` when set takes the place of
-    `backend`; one it does not know is its ``RuntimeError``."""
+    """The engine's name of the backend TensorNVMe would run: ``TENSORNVME_BACKEND`` when set
+    takes the place of `backend`; one it does not know is its ``RuntimeError``."""
     backend = os.environ.get("TENSORNVME_BACKEND") or backend
-    known = _offload._BACKENDS  # noqa: SLF001 - same package
-    if not isinstance(backend, str) or backend not in known:
-        raise RuntimeError(
-            f"Unsupported backend: {backend!r} (one of {', '.join(sorted(known))})"
-        )
-    return backend
+    try:
+        return str(_core.offload_backend(backend if isinstance(backend, str) else repr(backend)))
+    except ValueError as e:
+        raise RuntimeError(f"Unsupported backend: {e}") from None
 
 
 def _backend_error(backend: str, error: OSError) -> OSError:
-    """What an engine that did not start on `backend` raises: TensorNVMe's error when the
-    backend does not start here, else `error` (the directory's or file's failure, say)."""
-    tensortier_name = _offload._BACKENDS[backend]  # noqa: SLF001 - same package
-    if tensortier_name == "auto" or _starts(tensortier_name):
+    """What an engine that did not start on `backend` (the engine's name) raises: TensorNVMe's
+    error when the backend does not start here, else `error` (the directory's or file's
+    failure, say)."""
+    starts = any(p["backend"] == backend and p["available"]
+                 for p in _core.probe_backends(tempfile.gettempdir()))
+    if backend == "auto" or starts:
         return error
     return BackendUnavailableError(
-        error.errno, f"Backend {backend!r} is not install correctly: {error.strerror or error}"
-    )
-
-
-def _starts(backend: str) -> bool:
-    """Whether tensortier's `backend` starts on this machine."""
-    return any(
-        p["backend"] == backend and p["available"]
-        for p in _core.probe_backends(tempfile.gettempdir())
+        error.errno, f"Backend {_core.tensornvme_backend_name(backend)!r} is not install "
+        f"correctly: {error.strerror or error}"
     )
 
 
@@ -367,7 +320,7 @@ class _AsyncFileWriterCore:
         backend = _backend(backend)
         self._io: IOHandle | None = None
         try:
-            self._io = IOHandle(_offload._BACKENDS[backend], queue_depth=depth)  # noqa: SLF001
+            self._io = IOHandle(backend, queue_depth=depth)
         except OSError as e:
             error = _backend_error(backend, e)
             if error is e:
@@ -426,8 +379,7 @@ class _AsyncFileWriterCore:
         self._start(data, offset, callback)
 
     def _start(self, data: Any, offset: int, callback: Callable[[], None] | None) -> None:
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
+        _offload._check_callback(callback)  # noqa: SLF001 - same package
         assert self._io is not None
         future = self._io.pwrite_async(data, self._file, _unsigned(offset, "offset", 64))
         self._pending.append((future, callback))
@@ -436,18 +388,13 @@ class _AsyncFileWriterCore:
         """Waits for every write started, then runs their callbacks in order. Raises the first
         write's error (``OSError``, where TensorNVMe ignores it) after all are done. Ctrl-C
         interrupts the wait with every write still pending: the next call waits for them."""
-        for future, _ in self._pending:
+        first: OSError | None = None
+        for future, _ in self._pending:  # a wait interrupted leaves every write pending
             try:
                 future.wait()
-            except OSError:  # raised below
-                pass
-        pending, self._pending = self._pending, []
-        first: OSError | None = None
-        for future, callback in pending:
-            try:
-                future.wait()  # over: its outcome at once
-            except OSError as e:
+            except OSError as e:  # raised below, after the callbacks
                 first = first or e
+        pending, self._pending = self._pending, []
         for index, (_, callback) in enumerate(pending):
             if callback is not None:
                 try:
