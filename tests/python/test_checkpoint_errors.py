@@ -729,34 +729,24 @@ def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
             tensortier.save({"w": torch.zeros(10)}, path)
     assert path.read_bytes() == before and leftovers(disk_dir) == []
 
-    calls = []
-    real_write = internals._Writer.add
-
-    def fail_mid_way(self: internals._Writer, *args: object, **kwargs: object) -> None:
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # even an interrupt leaves no partial file
-        real_write(self, *args, **kwargs)
-
-    # Small tensors are written by C++ in one call (gathered; a plain dict's whole .pt file):
-    # the interrupt comes once their bytes are in the file.
+    # Every file is written by one C++ writer (a .pt's TorchFileWriter, a .safetensors'
+    # SafetensorsFileWriter): the interrupt comes once the bytes are in the file, before the
+    # commit.
     from tensortier import _core
 
-    real_gathered = _core.write_gathered
+    class InterruptedTorchWriter(_core.TorchFileWriter):  # type: ignore[misc]
+        def write(self, *args: object) -> None:
+            super().write(*args)
+            raise KeyboardInterrupt
 
-    def gathered_then_interrupt(*args: object, **kwargs: object) -> object:
-        real_gathered(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    class InterruptedWriter(_core.TorchFileWriter):  # type: ignore[misc]
+    class InterruptedSafetensorsWriter(_core.SafetensorsFileWriter):  # type: ignore[misc]
         def write(self, *args: object) -> None:
             super().write(*args)
             raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(internals._Writer, "add", fail_mid_way)
-        m.setattr(_core, "write_gathered", gathered_then_interrupt)
-        m.setattr(_core, "TorchFileWriter", InterruptedWriter)
+        m.setattr(_core, "TorchFileWriter", InterruptedTorchWriter)
+        m.setattr(_core, "SafetensorsFileWriter", InterruptedSafetensorsWriter)
         with pytest.raises(KeyboardInterrupt):
             tensortier.save({"w": torch.zeros(10), "v": torch.zeros(5), "u": torch.ones(2)}, path)
     assert path.read_bytes() == before and leftovers(disk_dir) == []
