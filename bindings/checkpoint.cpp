@@ -401,7 +401,10 @@ void RegisterCheckpoint(py::module_& m) {
           "Writes the next len(addresses) storages from host memory at addresses (free again "
           "once this returns).")
       .def("end", &TorchFileWriter::End, py::call_guard<py::gil_scoped_release>(),
-           "Writes the records after the storages and waits for every write.");
+           "Writes the records after the storages and waits for every write.")
+      .def("abandon", &TorchFileWriter::Abandon, py::call_guard<py::gil_scoped_release>(),
+           "Waits for the writes in flight: call it when failing between begin() and end(), "
+           "before out is aborted.");
 
   py::class_<SafetensorsFileWriter>(
       m, "SafetensorsFileWriter",

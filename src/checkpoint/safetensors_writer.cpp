@@ -74,7 +74,8 @@ SafetensorsFileWriter::SafetensorsFileWriter(std::vector<SafetensorsTensor> tens
     for (const auto& e : entries_) zeros.emplace_back(e.name, 0);
     SetChecksumMetadata(entries_, zeros, metadata_);
   }
-  data_start_ = SerializeSafetensorsHeader(entries_, metadata_, kCheckpointAlignment).size();
+  header_ = SerializeSafetensorsHeader(entries_, metadata_, kCheckpointAlignment);
+  data_start_ = header_.size();
 }
 
 void SafetensorsFileWriter::WriteTensors(Engine& engine, const File& out,
@@ -138,12 +139,12 @@ void SafetensorsFileWriter::WriteHeader(Engine& engine, const File& out) {
     sums.reserve(entries_.size());
     for (size_t i = 0; i < entries_.size(); ++i) sums.emplace_back(entries_[i].name, sums_[i]);
     SetChecksumMetadata(entries_, sums, metadata_);
+    header_ = SerializeSafetensorsHeader(entries_, metadata_, kCheckpointAlignment);
+    if (header_.size() != data_start_) {  // cannot happen: fixed-width hex digits
+      throw std::logic_error("safetensors header changed length after checksumming");
+    }
   }
-  const std::string header = SerializeSafetensorsHeader(entries_, metadata_, kCheckpointAlignment);
-  if (header.size() != data_start_) {  // cannot happen: fixed-width hex digits
-    throw std::logic_error("safetensors header changed length after checksumming");
-  }
-  engine.Write(out, header.data(), header.size(), 0).Wait();
+  engine.Write(out, header_.data(), header_.size(), 0).Wait();
 }
 
 }  // namespace tensortier

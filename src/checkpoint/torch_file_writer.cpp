@@ -310,8 +310,17 @@ void SmallRecord(ZipPlanner& zip, TorchImageWriter& image, size_t index, std::st
 void TorchFileWriter::Begin(Engine& engine, const File& out) {
   if (image_ != nullptr || next_entry_ != 0) throw std::logic_error("TorchFileWriter: written");
   image_ = std::make_unique<TorchImageWriter>(engine, out, size());
-  SmallRecord(zip_, *image_, next_entry_++, pickle_, options_.crc32);
-  SmallRecord(zip_, *image_, next_entry_++, kByteorder, options_.crc32);
+  try {
+    SmallRecord(zip_, *image_, next_entry_++, pickle_, options_.crc32);
+    SmallRecord(zip_, *image_, next_entry_++, kByteorder, options_.crc32);
+  } catch (...) {
+    image_.reset();  // waits for every write in flight
+    throw;
+  }
+}
+
+void TorchFileWriter::Abandon() noexcept {
+  image_.reset();
 }
 
 void TorchFileWriter::WriteStorages(TensorBytes& bytes, size_t count) {

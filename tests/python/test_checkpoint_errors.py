@@ -995,6 +995,16 @@ def test_torch_pickle_failures_are_valueerrors(disk_dir: Path) -> None:
     assert leftovers(disk_dir) == [] and not path.exists()
 
 
+def test_a_storage_without_data_is_a_valueerror_leaving_nothing(disk_dir: Path) -> None:
+    # A storage outside host memory is staged after the first records are written (a meta one
+    # has nothing to stage): the writes in flight finish before the file is removed.
+    path = disk_dir / "m.pt"
+    sd = {"w": torch.ones(1 << 20), "s": torch.UntypedStorage(8, device="meta")}
+    with pytest.raises(ValueError, match="no data"):
+        tensortier.save(sd, path)
+    assert leftovers(disk_dir) == [] and not path.exists()
+
+
 @pytest.mark.parametrize("kind,says", [
     ("quantized", "holds quantized tensors"),
     ("empty quantized", "holds quantized tensors"),

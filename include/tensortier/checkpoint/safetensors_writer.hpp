@@ -50,6 +50,7 @@ class SafetensorsFileWriter {
  private:
   std::vector<SafetensorsEntry> entries_;
   SafetensorsMetadata metadata_;
+  std::string header_;  // with zeros for the checksums until WriteHeader
   bool checksum_;
   std::vector<uint64_t> sums_;
   std::vector<bool> written_;

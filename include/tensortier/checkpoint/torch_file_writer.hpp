@@ -110,10 +110,14 @@ class TorchFileWriter {
   // records before the storages; each WriteStorages() the next `count` storages (from `bytes`,
   // indexed from 0 for the first of them), returning once it no longer reads their memory;
   // End() the records after them, waiting for every write. `engine` and `out` stay alive until
-  // End() returns or the writer goes. After an exception, the writer is done.
+  // End() or Abandon() returns, or the writer goes. After an exception, the writer is done and
+  // has no write in flight.
   void Begin(Engine& engine, const File& out);
   void WriteStorages(TensorBytes& bytes, size_t count);
   void End();
+  // Waits for the writes in flight: a caller failing between steps calls it before `out` goes.
+  // The writer is done.
+  void Abandon() noexcept;
   // Storages written so far.
   size_t storages_written() const { return next_storage_; }
   size_t storages() const { return nbytes_.size(); }

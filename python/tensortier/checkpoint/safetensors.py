@@ -123,7 +123,7 @@ def _save_safetensors(
     tensors = list(state_dict.values())
     names = _dtype_names()
     writer = _require("SafetensorsFileWriter")(
-        list(state_dict), [names[v.dtype] for v in tensors], [list(v.shape) for v in tensors],
+        list(state_dict), [names[v.dtype] for v in tensors], [v.shape for v in tensors],
         [v.nbytes for v in tensors], metadata, checksum)
     # Contiguous CPU tensors are written from their memory; the others (GPU, non-contiguous,
     # conjugate or negative views) from host copies, about _STAGING_BYTES at a time.

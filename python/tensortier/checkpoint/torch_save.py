@@ -124,20 +124,24 @@ def _write_staged(writer: Any, engine: Any, out: Any, storages: list[Any]) -> No
     """Writes `storages` where some are not in host memory: copied to it in groups of about
     ``_STAGING_BYTES``, each group's copies freed once C++ has written them."""
     writer.begin(engine, out)
-    group: list[Any] = []  # keeps the copies alive while C++ reads them
-    staged = 0
-    for storage in storages:
-        if storage.device.type != "cpu":
-            if storage.device.type == "meta":
-                raise ValueError("meta tensors have no data to save")
-            storage = storage.cpu()
-            staged += storage.nbytes()
-        group.append(storage)
-        if staged >= _format._STAGING_BYTES:
-            writer.write_storages([s.data_ptr() for s in group])
-            group, staged = [], 0
-    writer.write_storages([s.data_ptr() for s in group])
-    writer.end()
+    try:
+        group: list[Any] = []  # keeps the copies alive while C++ reads them
+        staged = 0
+        for storage in storages:
+            if storage.device.type != "cpu":
+                if storage.device.type == "meta":
+                    raise ValueError("meta tensors have no data to save")
+                storage = storage.cpu()
+                staged += storage.nbytes()
+            group.append(storage)
+            if staged >= _format._STAGING_BYTES:
+                writer.write_storages([s.data_ptr() for s in group])
+                group, staged = [], 0
+        writer.write_storages([s.data_ptr() for s in group])
+        writer.end()
+    except BaseException:
+        writer.abandon()  # no write in flight when the file is removed
+        raise
 
 
 def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
