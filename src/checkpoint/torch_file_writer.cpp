@@ -290,7 +290,7 @@ uint64_t TorchFileWriter::size() const {
 
 void TorchFileWriter::Write(Engine& engine, const File& out, TensorBytes& bytes) {
   Begin(engine, out);
-  WriteStorages(bytes, nbytes_.size());
+  WriteStorages(bytes, nbytes_.size(), false);  // End() waits for the direct writes
   End();
 }
 
@@ -324,6 +324,10 @@ void TorchFileWriter::Abandon() noexcept {
 }
 
 void TorchFileWriter::WriteStorages(TensorBytes& bytes, size_t count) {
+  WriteStorages(bytes, count, true);
+}
+
+void TorchFileWriter::WriteStorages(TensorBytes& bytes, size_t count, bool release) {
   if (image_ == nullptr || next_storage_ + count > nbytes_.size()) {
     throw std::logic_error("TorchFileWriter: storages out of turn");
   }
@@ -357,7 +361,7 @@ void TorchFileWriter::WriteStorages(TensorBytes& bytes, size_t count) {
       zip_.SetCrc(index, crc);
       image.Put(header_at, zip_.LocalHeader(index));
     }
-    image.WaitDirect();  // the callers' memory is theirs again
+    if (release) image.WaitDirect();  // the callers' memory is theirs again
   } catch (...) {
     image_.reset();  // waits for every write in flight
     throw;

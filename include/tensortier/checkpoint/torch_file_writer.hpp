@@ -124,6 +124,8 @@ class TorchFileWriter {
 
  private:
   void AddRecords();
+  // `release`: wait for the writes from `bytes`' memory before returning.
+  void WriteStorages(TensorBytes& bytes, size_t count, bool release);
 
   std::string pickle_;
   std::vector<uint64_t> nbytes_;
