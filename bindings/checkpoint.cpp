@@ -21,6 +21,7 @@
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/checkpoint/safetensors_writer.hpp"
 #include "tensortier/checkpoint/small_pieces.hpp"
 #include "tensortier/util/strings.hpp"
 #include "tensortier/checkpoint/torch_checkpoint.hpp"
@@ -95,6 +96,13 @@ class BufferView {
   Py_buffer view_{};
 };
 
+std::vector<const std::byte*> HostAddresses(const std::vector<uintptr_t>& addresses) {
+  std::vector<const std::byte*> host;
+  host.reserve(addresses.size());
+  for (uintptr_t a : addresses) host.push_back(reinterpret_cast<const std::byte*>(a));
+  return host;
+}
+
 }  // namespace
 
 void RegisterCheckpoint(py::module_& m) {
@@ -103,20 +111,6 @@ void RegisterCheckpoint(py::module_& m) {
   m.attr("CHECKPOINT_ALIGNMENT") = kCheckpointAlignment;
   m.attr("TENSOR_CHECKSUMS_KEY") = kTensorChecksumsKey;
   m.attr("HEADER_CHECKSUM_KEY") = kHeaderChecksumKey;
-  m.def("plan_safetensors_layout", &PlanSafetensorsLayout, py::arg("sizes"), py::arg("widths"),
-        "The offset (relative to the data section) of each tensor of a safetensors file, of "
-        "sizes bytes and elements of widths bytes: tensors whose size is a multiple of "
-        "CHECKPOINT_ALIGNMENT first, then the rest, widest elements first.");
-  m.def(
-      "safetensors_shape",
-      [](const std::string& name, const std::string& st_dtype, std::vector<uint64_t> shape) {
-        const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(st_dtype);
-        return SafetensorsShape(name, held ? held->name : st_dtype, std::move(shape));
-      },
-      py::arg("name"), py::arg("st_dtype"), py::arg("shape"),
-      "The safetensors shape of tensor name held by torch with shape, saved as safetensors dtype "
-      "st_dtype: a packed dtype's last dimension counts its values (F4: two per "
-      "float4_e2m1fn_x2 element). ValueError for a 0-dimensional packed tensor.");
   m.def("torch_shape", &TorchShape, py::arg("name"), py::arg("st_dtype"), py::arg("shape"),
         "The torch shape of a safetensors tensor of dtype st_dtype and shape (the inverse of "
         "safetensors_shape). ValueError when the last dimension is not a multiple of the values "
@@ -143,9 +137,6 @@ void RegisterCheckpoint(py::module_& m) {
         py::arg("seconds"),
         "One drawing of a transfer's progress bar: '\\rLABEL [###   ]  42.0% 0.50/1.20 GiB "
         "1.23 GB/s' (the CLI draws the same).");
-  m.def("tensor_checksums_json", &TensorChecksumsJson, py::arg("sums"),
-        "The tensortier.xxh64 metadata value for [(name, xxh64)]: a JSON object of name -> 16 "
-        "hex digits, in that order.");
   m.def(
       "parse_safetensors_header",
       [](const py::bytes& header, uint64_t data_bytes) {
@@ -176,27 +167,6 @@ void RegisterCheckpoint(py::module_& m) {
       "Reads and validates a safetensors file's header: (data_start, entries, metadata). "
       "Entry offsets are relative to data_start. OSError for I/O errors, ValueError for bad "
       "files.");
-  m.def(
-      "serialize_safetensors_header",
-      [](const std::vector<EntryTuple>& entries,
-         const std::optional<std::map<std::string, std::string>>& metadata, uint64_t alignment) {
-        std::vector<SafetensorsEntry> parsed;
-        parsed.reserve(entries.size());
-        for (const auto& [name, dtype, shape, begin, end] : entries) {
-          parsed.push_back({name, dtype, shape, begin, end});
-        }
-        std::string out;
-        {
-          py::gil_scoped_release release;
-          out = SerializeSafetensorsHeader(parsed, metadata.value_or(SafetensorsMetadata{}),
-                                           alignment);
-        }
-        return py::bytes(out);
-      },
-      py::arg("entries"), py::arg("metadata") = py::none(), py::arg("alignment") = kCheckpointAlignment,
-      "The 8-byte length plus the JSON header, space-padded to a multiple of alignment, for "
-      "[(name, dtype, shape, begin, end)] entries whose ranges tile the data section.");
-
   m.def(
       "safetensors_header_digest",
       [](const std::vector<EntryTuple>& entries,
@@ -356,9 +326,9 @@ void RegisterCheckpoint(py::module_& m) {
 
   py::class_<TorchFileWriter>(
       m, "TorchFileWriter",
-      "A torch.save zip file of a plain dict {name: tensor}, planned: the pickle torch.save "
-      "writes for it, the records, each storage 4 KiB aligned (include/tensortier/"
-      "torch_file_writer.hpp).")
+      "A torch.save zip file, planned: data.pkl, the records torch.save writes, each storage 4 "
+      "KiB aligned (include/tensortier/checkpoint/torch_file_writer.hpp). Its bytes are written "
+      "with write(), or with begin(), write_storages() for each group of storages, end().")
       .def(py::init([](const std::vector<std::string>& names,
                        const std::vector<std::string>& dtypes,
                        const std::vector<std::vector<uint64_t>>& shapes,
@@ -384,26 +354,99 @@ void RegisterCheckpoint(py::module_& m) {
            }),
            py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("strides"),
            py::arg("nbytes"), py::arg("crc32"),
-           "Tensor i is names[i] of dtypes[i] (dtype table names: 'F32'...), shapes[i] and "
-           "strides[i] (contiguous ones only), nbytes[i] bytes, in storage 'i'; crc32: record "
-           "CRC-32s. ValueError for what a plain dict cannot hold (before anything is written).")
+           "A plain dict: tensor i is names[i] of dtypes[i] (dtype table names: 'F32'...), "
+           "shapes[i] and strides[i] (contiguous ones only), nbytes[i] bytes, in storage 'i'; "
+           "crc32: record CRC-32s. ValueError for what a plain dict cannot hold (before anything "
+           "is written).")
+      .def(py::init([](const py::bytes& pickle, const std::vector<uint64_t>& nbytes, bool crc32) {
+             std::string data(pickle);
+             py::gil_scoped_release release;
+             return std::make_unique<TorchFileWriter>(
+                 std::move(data), nbytes, TorchFileOptions{.folder = "archive", .crc32 = crc32});
+           }),
+           py::arg("pickle"), py::arg("nbytes"), py::arg("crc32"),
+           "Any object: pickle is the data.pkl torch's pickler wrote for it, naming storages "
+           "'0' ... 'n-1' of nbytes[i] bytes; crc32: record CRC-32s.")
       .def_property_readonly("size", &TorchFileWriter::size, "The file's size in bytes.")
       .def(
           "write",
           [](TorchFileWriter& w, Engine& engine, DurableFile& out,
              const std::vector<uintptr_t>& addresses) {
-            std::vector<const std::byte*> host;
-            host.reserve(addresses.size());
-            for (uintptr_t a : addresses) host.push_back(reinterpret_cast<const std::byte*>(a));
+            HostTensorBytes bytes(HostAddresses(addresses));
             py::gil_scoped_release release;
-            HostTensorBytes bytes(std::move(host));
             out.Reserve(w.size());
             w.Write(engine, out.file(), bytes);
           },
           py::arg("engine"), py::arg("out"), py::arg("addresses"),
-          "Writes the file into out (a DurableFile, reserved first) with engine, tensor i's "
+          "Writes the file into out (a DurableFile, reserved first) with engine, storage i's "
           "bytes at host address addresses[i] (kept alive by the caller). OSError for I/O "
-          "errors.");
+          "errors.")
+      .def(
+          "begin",
+          [](TorchFileWriter& w, Engine& engine, DurableFile& out) {
+            py::gil_scoped_release release;
+            out.Reserve(w.size());
+            w.Begin(engine, out.file());
+          },
+          py::arg("engine"), py::arg("out"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
+          "write() in steps: reserves out and writes the records before the storages.")
+      .def(
+          "write_storages",
+          [](TorchFileWriter& w, const std::vector<uintptr_t>& addresses) {
+            HostTensorBytes bytes(HostAddresses(addresses));
+            py::gil_scoped_release release;
+            w.WriteStorages(bytes, addresses.size());
+          },
+          py::arg("addresses"),
+          "Writes the next len(addresses) storages from host memory at addresses (free again "
+          "once this returns).")
+      .def("end", &TorchFileWriter::End, py::call_guard<py::gil_scoped_release>(),
+           "Writes the records after the storages and waits for every write.")
+      .def("abandon", &TorchFileWriter::Abandon, py::call_guard<py::gil_scoped_release>(),
+           "Waits for the writes in flight: call it when failing between begin() and end(), "
+           "before out is aborted.");
+
+  py::class_<SafetensorsFileWriter>(
+      m, "SafetensorsFileWriter",
+      "A safetensors file, planned: the layout (plan_safetensors_layout), the header with its "
+      "metadata and checksums (include/tensortier/checkpoint/safetensors_writer.hpp).")
+      .def(py::init([](std::vector<std::string> names, const std::vector<std::string>& dtypes,
+                       std::vector<std::vector<uint64_t>> shapes,
+                       const std::vector<uint64_t>& nbytes, SafetensorsMetadata metadata,
+                       bool checksum) {
+             if (dtypes.size() != names.size() || shapes.size() != names.size() ||
+                 nbytes.size() != names.size()) {
+               throw std::invalid_argument(
+                   "SafetensorsFileWriter: one dtype, shape and size per name");
+             }
+             std::vector<SafetensorsTensor> tensors(names.size());
+             for (size_t i = 0; i < names.size(); ++i) {
+               tensors[i] = {std::move(names[i]), dtypes[i], std::move(shapes[i]), nbytes[i]};
+             }
+             py::gil_scoped_release release;
+             return std::make_unique<SafetensorsFileWriter>(std::move(tensors), std::move(metadata),
+                                                            checksum);
+           }),
+           py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
+           py::arg("metadata"), py::arg("checksum"),
+           "Tensor i is names[i] of dtypes[i] (dtype table names), torch shape shapes[i], "
+           "nbytes[i] bytes. ValueError for a dtype safetensors cannot store, metadata naming "
+           "tensortier's checksum keys, a name given twice.")
+      .def_property_readonly("size", &SafetensorsFileWriter::size, "The file's size in bytes.")
+      .def(
+          "write",
+          [](SafetensorsFileWriter& w, Engine& engine, DurableFile& out,
+             const std::vector<size_t>& indices, const std::vector<uintptr_t>& addresses) {
+            std::vector<const std::byte*> host = HostAddresses(addresses);
+            py::gil_scoped_release release;
+            if (w.tensors_left() == w.tensors()) out.Reserve(w.size());
+            w.WriteTensors(engine, out.file(), indices, host);
+            if (w.tensors_left() == 0) w.WriteHeader(engine, out.file());
+          },
+          py::arg("engine"), py::arg("out"), py::arg("indices"), py::arg("addresses"),
+          "Writes tensors indices[k] from host memory at addresses[k] (free again once this "
+          "returns) into out (a DurableFile, reserved by the first call); the call that writes "
+          "the last tensor writes the header too. OSError for I/O errors.");
 
   m.def(
       "read_scattered",
@@ -424,27 +467,6 @@ void RegisterCheckpoint(py::module_& m) {
       "Reads lengths[i] bytes at offsets[i] of file into host memory at addresses[i] (kept "
       "alive by the caller), ranges close together in one request (ReadScattered). Returns "
       "the bytes each got (fewer where the file ends). OSError for I/O errors.");
-
-  m.def(
-      "write_gathered",
-      [](Engine& engine, const File& file, const std::vector<uint64_t>& offsets,
-         const std::vector<uint64_t>& lengths, const std::vector<uintptr_t>& addresses,
-         bool xxh64) {
-        if (lengths.size() != offsets.size() || addresses.size() != offsets.size()) {
-          throw std::invalid_argument("write_gathered: one length and address per offset");
-        }
-        std::vector<GatheredWrite> writes(offsets.size());
-        for (size_t i = 0; i < writes.size(); ++i) {
-          writes[i] = {offsets[i], lengths[i], reinterpret_cast<const std::byte*>(addresses[i])};
-        }
-        py::gil_scoped_release release;
-        return WriteGathered(engine, file, writes, xxh64);
-      },
-      py::arg("engine"), py::arg("file"), py::arg("offsets"), py::arg("lengths"),
-      py::arg("addresses"), py::arg("xxh64") = false,
-      "Writes lengths[i] bytes of host memory at addresses[i] (kept alive by the caller) at "
-      "offsets[i] of file, pieces that meet end to end in one request (WriteGathered). Returns "
-      "each piece's xxh64 with xxh64=True, else []. OSError for I/O errors.");
 
   m.def(
       "detect_checkpoint_kind",
@@ -470,8 +492,9 @@ void RegisterCheckpoint(py::module_& m) {
           "regular file (a FIFO is refused, never waited on).");
   py::class_<DurableFile>(
       m, "DurableFile",
-      "A save's new file under a temporary name next to path: commit() fdatasyncs it, renames "
-      "it over path and fsyncs the directory; abort() (or a failed commit) removes it.")
+      "A save's new file under a temporary name next to path, which the writers fill "
+      "(TorchFileWriter, SafetensorsFileWriter): commit() fdatasyncs it, renames it over path "
+      "and fsyncs the directory; abort() (or a failed commit) removes it.")
       .def(py::init(
                [](const FsPath& path, bool direct, const FileSystem& fs, bool free_in_background) {
                  py::gil_scoped_release release;
@@ -482,18 +505,7 @@ void RegisterCheckpoint(py::module_& m) {
            "Checks path may be replaced, waits for files earlier saves replaced to be freed, "
            "removes killed saves' temporary files and creates this one. OSError naming the step "
            "and the path.")
-      .def_property_readonly(
-          "path", [](const DurableFile& d) { return PathToPython(d.final_path()); },
-          "The final path (symlinks resolved).")
-      .def_property_readonly("temporary_path",
-                             [](const DurableFile& d) { return PathToPython(d.temporary_path()); })
       .def_property_readonly("committed", &DurableFile::committed)
-      .def_property_readonly(
-          "file", [](const DurableFile& d) { return d.file(); },
-          "The temporary file, for the engine's writes (closed by commit).")
-      .def("reserve", &DurableFile::Reserve, py::arg("size"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Allocates size bytes up front (no failure where the filesystem cannot).")
       .def("commit", &DurableFile::Commit, py::call_guard<py::gil_scoped_release>())
       .def("abort", &DurableFile::Abort, py::call_guard<py::gil_scoped_release>());
   m.def("wait_for_replaced_files", &WaitForReplacedFiles, py::call_guard<py::gil_scoped_release>(),

@@ -242,7 +242,11 @@ std::string SerializeSafetensorsHeader(const std::vector<SafetensorsEntry>& entr
       if (i > 0) json += ',';
       json += std::to_string(e.shape[i]);
     }
-    json += StrCat("],\"data_offsets\":[", e.begin, ",", e.end, "]}");
+    json += "],\"data_offsets\":[";  // appended: StrCat's stream costs per tensor
+    json += std::to_string(e.begin);
+    json += ',';
+    json += std::to_string(e.end);
+    json += "]}";
     data_bytes = std::max(data_bytes, e.end);
   }
   json += '}';

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <string_view>
 
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
@@ -28,12 +29,14 @@ size_t BufferSize(uint64_t file_size) {
   return static_cast<size_t>(std::clamp<uint64_t>(AlignUp(file_size, kPage), kPage, kImageBuffer));
 }
 
+}  // namespace
+
 // The file from offset 0 to its end: bytes are appended to one of kImageBuffers buffers, each
 // written out (at a page-aligned offset, in whole pages but for the file's last) when full while
 // the next fills. Bytes of a buffer already written out are patched at the end, after its write.
-class ImageWriter {
+class TorchImageWriter {
  public:
-  ImageWriter(Engine& engine, const File& out, uint64_t file_size)
+  TorchImageWriter(Engine& engine, const File& out, uint64_t file_size)
       : engine_(engine), out_(out) {
     const size_t size = BufferSize(file_size);
     // Only as many buffers as the file fills.
@@ -44,13 +47,13 @@ class ImageWriter {
     pending_.resize(bufs_.size());
   }
   // Writes in flight read the buffers: wait for them before the buffers go (on an error).
-  ~ImageWriter() {
+  ~TorchImageWriter() {
     for (auto& f : pending_) Settle(f);
     for (auto& f : direct_) Settle(f);
     for (auto& f : patch_writes_) Settle(f);
   }
-  ImageWriter(const ImageWriter&) = delete;
-  ImageWriter& operator=(const ImageWriter&) = delete;
+  TorchImageWriter(const TorchImageWriter&) = delete;
+  TorchImageWriter& operator=(const TorchImageWriter&) = delete;
 
   uint64_t pos() const { return base_ + used_; }
 
@@ -93,10 +96,10 @@ class ImageWriter {
     patches_.push_back({at, data});
   }
 
-  // `n` bytes at `data` (alive until Finish) appended at pos(), which must be page aligned:
-  // written from there in whole pages, the rest copied into the next buffer.
+  // `n` bytes at `data` (alive until WaitDirect or Finish) appended at pos(), which must be page
+  // aligned: written from there in whole pages, the rest copied into the next buffer.
   void AppendDirect(const std::byte* data, uint64_t n) {
-    if (pos() % kPage != 0) throw std::logic_error("ImageWriter: direct bytes off a page");
+    if (pos() % kPage != 0) throw std::logic_error("TorchImageWriter: direct bytes off a page");
     Flush();
     const uint64_t whole = AlignDown(n, kPage);
     if (whole > 0) {
@@ -104,6 +107,12 @@ class ImageWriter {
       base_ += whole;
     }
     Append(data + whole, n - whole);
+  }
+
+  // Waits for the writes from the callers' memory (AppendDirect). Throws the first error.
+  void WaitDirect() {
+    for (auto& f : direct_) Wait(f);
+    direct_.clear();
   }
 
   // Writes what is left and the patches; waits for every write. Throws the first error.
@@ -160,6 +169,11 @@ class ImageWriter {
   std::vector<Future> patch_writes_;
 };
 
+namespace {
+
+constexpr const char* kByteorder = "little";
+constexpr const char* kVersion = "3\n";
+
 }  // namespace
 
 void HostTensorBytes::Copy(size_t index, std::byte* dst, size_t n) {
@@ -205,8 +219,8 @@ void FileTensorBytes::Advance() {
   pending_[next] = Future();
   const IoResult r = f.Wait();
   if (r.bytes != chunk_bytes_[next]) {
-    throw FormatError(StrCat(file_.path(), ": truncated: end of file at offset ",
-                             chunk_offset_[next] + r.bytes));
+    throw FormatError(
+        StrCat(file_.path(), ": truncated: end of file at offset ", chunk_offset_[next] + r.bytes));
   }
   current_ = next;
   const uint64_t after = chunk_offset_[next] + chunk_bytes_[next];
@@ -240,14 +254,33 @@ TorchFileWriter::TorchFileWriter(const std::vector<TorchPickleTensor>& tensors,
   if (nbytes_.size() != tensors.size()) {
     throw std::invalid_argument("TorchFileWriter: one size per tensor");
   }
+  keys_.reserve(tensors.size());
+  for (const auto& t : tensors) keys_.push_back(t.storage_key);
+  AddRecords();
+}
+
+TorchFileWriter::TorchFileWriter(std::string pickle, std::vector<uint64_t> nbytes,
+                                 TorchFileOptions options)
+    : pickle_(std::move(pickle)),
+      nbytes_(std::move(nbytes)),
+      options_(std::move(options)),
+      zip_(kPage) {
+  keys_.reserve(nbytes_.size());
+  for (size_t i = 0; i < nbytes_.size(); ++i) keys_.push_back(std::to_string(i));
+  AddRecords();
+}
+
+TorchFileWriter::~TorchFileWriter() = default;
+
+void TorchFileWriter::AddRecords() {
   const std::string& f = options_.folder;  // names concatenated: StrCat costs per tensor
   zip_.Add(f + "/data.pkl", pickle_.size());
-  zip_.Add(f + "/byteorder", 6);
+  zip_.Add(f + "/byteorder", std::strlen(kByteorder));
   const std::string data = f + "/data/";
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    storage_entries_.push_back(zip_.Add(data + tensors[i].storage_key, nbytes_[i]));
+  for (size_t i = 0; i < keys_.size(); ++i) {
+    storage_entries_.push_back(zip_.Add(data + keys_[i], nbytes_[i]));
   }
-  zip_.Add(f + "/version", 2);
+  zip_.Add(f + "/version", std::strlen(kVersion));
   zip_.Add(f + "/.data/serialization_id", kIdDigits);
 }
 
@@ -256,51 +289,96 @@ uint64_t TorchFileWriter::size() const {
 }
 
 void TorchFileWriter::Write(Engine& engine, const File& out, TensorBytes& bytes) {
-  const std::string byteorder = "little";
-  const std::string version = "3\n";
-  const bool crcs = options_.crc32;
-  auto crc_of = [&](const std::string& s) { return crcs ? Crc32(s.data(), s.size()) : 0u; };
-  ImageWriter image(engine, out, size());
-  // A record whose bytes are known: its header, then them.
-  auto small = [&](size_t index, const std::string& data) {
-    zip_.SetCrc(index, crc_of(data));
-    image.Append(zip_.LocalHeader(index).data(), zip_.LocalHeader(index).size());
-    image.Append(data.data(), data.size());
-  };
-  size_t index = 0;
-  small(index++, pickle_);
-  small(index++, byteorder);
-  for (size_t i = 0; i < storage_entries_.size(); ++i, ++index) {
-    const ZipPlanEntry& e = zip_.entries()[index];
-    const uint64_t n = nbytes_[i];
-    const std::byte* address = n >= kDirectMin ? bytes.Address(i) : nullptr;
-    if (address != nullptr) {
-      zip_.SetCrc(index, crcs ? Crc32(address, n) : 0u);
-      const std::string header = zip_.LocalHeader(index);
-      image.Append(header.data(), header.size());
-      image.AppendDirect(address, n);
-      continue;
-    }
-    // Copied into the image, its CRC-32 computed on the way: the header goes in front after.
-    const uint64_t header_at = image.pos();
-    image.Zeros(e.data_offset - e.local_header_offset);
-    uint32_t crc = 0;
-    for (uint64_t left = n; left > 0;) {
-      size_t k = static_cast<size_t>(std::min<uint64_t>(left, kChunk));
-      std::byte* p = image.Room(&k);
-      bytes.Copy(i, p, k);
-      if (crcs) crc = Crc32(p, k, crc);
-      image.Advance(k);
-      left -= k;
-    }
-    zip_.SetCrc(index, crc);
-    image.Put(header_at, zip_.LocalHeader(index));
+  Begin(engine, out);
+  WriteStorages(bytes, nbytes_.size(), false);  // End() waits for the direct writes
+  End();
+}
+
+namespace {
+
+// A record whose bytes are known: its header, then them.
+void SmallRecord(ZipPlanner& zip, TorchImageWriter& image, size_t index, std::string_view data,
+                 bool crcs) {
+  zip.SetCrc(index, crcs ? Crc32(data.data(), data.size()) : 0u);
+  const std::string header = zip.LocalHeader(index);
+  image.Append(header.data(), header.size());
+  image.Append(data.data(), data.size());
+}
+
+}  // namespace
+
+void TorchFileWriter::Begin(Engine& engine, const File& out) {
+  if (image_ != nullptr || next_entry_ != 0) throw std::logic_error("TorchFileWriter: written");
+  image_ = std::make_unique<TorchImageWriter>(engine, out, size());
+  try {
+    SmallRecord(zip_, *image_, next_entry_++, pickle_, options_.crc32);
+    SmallRecord(zip_, *image_, next_entry_++, kByteorder, options_.crc32);
+  } catch (...) {
+    image_.reset();  // waits for every write in flight
+    throw;
   }
-  small(index++, version);
+}
+
+void TorchFileWriter::Abandon() noexcept {
+  image_.reset();
+}
+
+void TorchFileWriter::WriteStorages(TensorBytes& bytes, size_t count) {
+  WriteStorages(bytes, count, true);
+}
+
+void TorchFileWriter::WriteStorages(TensorBytes& bytes, size_t count, bool release) {
+  if (image_ == nullptr || next_storage_ + count > nbytes_.size()) {
+    throw std::logic_error("TorchFileWriter: storages out of turn");
+  }
+  TorchImageWriter& image = *image_;
+  const bool crcs = options_.crc32;
+  try {
+    for (size_t j = 0; j < count; ++j, ++next_storage_, ++next_entry_) {
+      const size_t index = next_entry_;
+      const ZipPlanEntry& e = zip_.entries()[index];
+      const uint64_t n = nbytes_[next_storage_];
+      const std::byte* address = n >= kDirectMin ? bytes.Address(j) : nullptr;
+      if (address != nullptr) {
+        zip_.SetCrc(index, crcs ? Crc32(address, n) : 0u);
+        const std::string header = zip_.LocalHeader(index);
+        image.Append(header.data(), header.size());
+        image.AppendDirect(address, n);
+        continue;
+      }
+      // Copied into the image, its CRC-32 computed on the way: the header goes in front after.
+      const uint64_t header_at = image.pos();
+      image.Zeros(e.data_offset - e.local_header_offset);
+      uint32_t crc = 0;
+      for (uint64_t left = n; left > 0;) {
+        size_t k = static_cast<size_t>(std::min<uint64_t>(left, kChunk));
+        std::byte* p = image.Room(&k);
+        bytes.Copy(j, p, k);
+        if (crcs) crc = Crc32(p, k, crc);
+        image.Advance(k);
+        left -= k;
+      }
+      zip_.SetCrc(index, crc);
+      image.Put(header_at, zip_.LocalHeader(index));
+    }
+    if (release) image.WaitDirect();  // the callers' memory is theirs again
+  } catch (...) {
+    image_.reset();  // waits for every write in flight
+    throw;
+  }
+}
+
+void TorchFileWriter::End() {
+  if (image_ == nullptr || next_storage_ != nbytes_.size()) {
+    throw std::logic_error("TorchFileWriter: storages left to write");
+  }
+  std::unique_ptr<TorchImageWriter> image = std::move(image_);
+  const bool crcs = options_.crc32;
+  SmallRecord(zip_, *image, next_entry_++, kVersion, crcs);
   // Like torch's id: a hash of the record names and one of their CRCs, 20 decimal digits each.
   Xxh64State names;
   Xxh64State crc_hash;
-  for (size_t k = 0; k < index; ++k) {
+  for (size_t k = 0; k < next_entry_; ++k) {
     const ZipPlanEntry& e = zip_.entries()[k];
     names.Update(e.name.data(), e.name.size() + 1);  // with the NUL: names stay delimited
     crc_hash.Update(&e.crc32, sizeof(e.crc32));
@@ -308,11 +386,11 @@ void TorchFileWriter::Write(Engine& engine, const File& out, TensorBytes& bytes)
   char id[kIdDigits + 1];
   std::snprintf(id, sizeof(id), "%020llu%020llu", static_cast<unsigned long long>(names.Digest()),
                 static_cast<unsigned long long>(crc_hash.Digest()));
-  small(index++, std::string(id, kIdDigits));
+  SmallRecord(zip_, *image, next_entry_++, std::string_view(id, kIdDigits), crcs);
   const std::string directory = zip_.Directory();
-  image.Append(directory.data(), directory.size());
-  if (image.pos() != size()) throw std::logic_error("TorchFileWriter: file size changed");
-  image.Finish();
+  image->Append(directory.data(), directory.size());
+  if (image->pos() != size()) throw std::logic_error("TorchFileWriter: file size changed");
+  image->Finish();
 }
 
 }  // namespace tensortier

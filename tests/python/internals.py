@@ -16,11 +16,7 @@ from tensortier.checkpoint._reading import (  # noqa: F401
     _read_device_checked,
     _read_pieces,
 )
-from tensortier.checkpoint._writing import (  # noqa: F401
-    _DurableFile,
-    _wait_for_replaced_files,
-    _Writer,
-)
+from tensortier.checkpoint._writing import _DurableFile, _wait_for_replaced_files  # noqa: F401
 from tensortier.checkpoint.loading_into import _staged_groups  # noqa: F401
 from tensortier.checkpoint.mapping import (  # noqa: F401
     _available_memory,

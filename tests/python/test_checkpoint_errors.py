@@ -732,34 +732,24 @@ def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
             tensortier.save({"w": torch.zeros(10)}, path)
     assert path.read_bytes() == before and leftovers(disk_dir) == []
 
-    calls = []
-    real_write = internals._Writer.add
-
-    def fail_mid_way(self: internals._Writer, *args: object, **kwargs: object) -> None:
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # even an interrupt leaves no partial file
-        real_write(self, *args, **kwargs)
-
-    # Small tensors are written by C++ in one call (gathered; a plain dict's whole .pt file):
-    # the interrupt comes once their bytes are in the file.
+    # Every file is written by one C++ writer (a .pt's TorchFileWriter, a .safetensors'
+    # SafetensorsFileWriter): the interrupt comes once the bytes are in the file, before the
+    # commit.
     from tensortier import _core
 
-    real_gathered = _core.write_gathered
+    class InterruptedTorchWriter(_core.TorchFileWriter):  # type: ignore[misc]
+        def write(self, *args: object) -> None:
+            super().write(*args)
+            raise KeyboardInterrupt
 
-    def gathered_then_interrupt(*args: object, **kwargs: object) -> object:
-        real_gathered(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    class InterruptedWriter(_core.TorchFileWriter):  # type: ignore[misc]
+    class InterruptedSafetensorsWriter(_core.SafetensorsFileWriter):  # type: ignore[misc]
         def write(self, *args: object) -> None:
             super().write(*args)
             raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(internals._Writer, "add", fail_mid_way)
-        m.setattr(_core, "write_gathered", gathered_then_interrupt)
-        m.setattr(_core, "TorchFileWriter", InterruptedWriter)
+        m.setattr(_core, "TorchFileWriter", InterruptedTorchWriter)
+        m.setattr(_core, "SafetensorsFileWriter", InterruptedSafetensorsWriter)
         with pytest.raises(KeyboardInterrupt):
             tensortier.save({"w": torch.zeros(10), "v": torch.zeros(5), "u": torch.ones(2)}, path)
     assert path.read_bytes() == before and leftovers(disk_dir) == []
@@ -1008,6 +998,16 @@ def test_torch_pickle_failures_are_valueerrors(disk_dir: Path) -> None:
     a = torch.zeros(8)
     with pytest.raises(ValueError, match="different types"):  # torch refuses mixed-dtype views
         tensortier.save({"a": a, "b": a.view(torch.int32)}, path)
+    assert leftovers(disk_dir) == [] and not path.exists()
+
+
+def test_a_storage_without_data_is_a_valueerror_leaving_nothing(disk_dir: Path) -> None:
+    # A storage outside host memory is staged after the first records are written (a meta one
+    # has nothing to stage): the writes in flight finish before the file is removed.
+    path = disk_dir / "m.pt"
+    sd = {"w": torch.ones(1 << 20), "s": torch.UntypedStorage(8, device="meta")}
+    with pytest.raises(ValueError, match="no data"):
+        tensortier.save(sd, path)
     assert leftovers(disk_dir) == [] and not path.exists()
 
 

@@ -11,9 +11,10 @@ Files are written in formats the ecosystem already reads:
 - **safetensors**: a valid file for the ``safetensors`` package, whose header is padded with spaces
   so that the data starts on a 4 KiB boundary. Tensors whose size is a multiple of 4 KiB come
   first, so they start on 4 KiB boundaries as well (the format allows no gaps between tensors).
-- **torch**: a ``torch.load(path, weights_only=True)`` file. torch's own pickler writes the
-  metadata (``torch.serialization.skip_data`` with a storage alignment of 4096), then the engine
-  writes the storage bytes at their record offsets.
+- **torch**: a ``torch.load(path, weights_only=True)`` file. The object is pickled as
+  ``torch.save`` pickles it (Python's pickler with torch's persistent ids; a plain dict of CPU
+  tensors by C++, byte for byte the same), and one C++ writer writes the zip records, each
+  storage 4 KiB aligned, with their CRC-32s.
 
 Tensor bytes always move through the I/O engine (O_DIRECT where the filesystem allows it, large
 transfers split over its workers, with the GIL released), never through Python file objects.

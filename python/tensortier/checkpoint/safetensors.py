@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -15,7 +14,8 @@ from . import _dtype, _format, _reading, _tensor_bytes, mapping
 from ._dtype import _converts
 from ._files import _same_file
 from ._format import _st_dtype_maps
-from ._tensor_bytes import _as_bytes, _checksum_mismatch, _nbytes
+from ._format import _dtype_names
+from ._tensor_bytes import _checksum_mismatch
 from ._format import (
     _require,
     _st_per_torch_element,
@@ -27,7 +27,7 @@ from ._format import (
 )
 from ._progress import _Progress
 from ._reading import _groups, _Piece
-from ._writing import _DurableFile, _host_contiguous, _open_checkpoint, _Writer
+from ._writing import _DurableFile, _open_checkpoint
 from .mapping import _mapped_tensor, _Placement, _Readahead
 
 
@@ -71,60 +71,32 @@ def _check_tensor_dict(state_dict: Any) -> Any:
     return state_dict
 
 
-def _overlap(state_dict: Mapping[str, Any]) -> bool:
-    """Whether any two tensors may share memory: False only when every tensor is contiguous
-    and their byte ranges, one device at a time, are disjoint (then ``_shared_groups`` finds
-    nothing either)."""
+def _shared_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
+    """Groups of names whose tensors overlap in memory (what safetensors refuses): byte ranges,
+    device by device, that meet; a strided view's reaches its furthest element."""
     areas = []
-    for v in state_dict.values():
+    for k, v in state_dict.items():
         n = v.nbytes
         if n == 0:
             continue
         if not v.is_contiguous():
-            return True
+            n = (sum((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1) * v.element_size()
         start = v.data_ptr()
-        areas.append((v.is_cpu, start, start + n))
-    if len(areas) < 2:
-        return False
-    if not all(cpu for cpu, _, _ in areas):
-        return True  # devices to tell apart: the full check
+        areas.append(("" if v.is_cpu else str(v.device), start, start + n, k))
     areas.sort()
-    return any(areas[i][1] < areas[i - 1][2] for i in range(1, len(areas)))
-
-
-def _shared_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
-    """Groups of names whose tensors overlap in memory (what safetensors refuses)."""
-    if not _overlap(state_dict):
-        return []
-    by_storage: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
-    for k, v in state_dict.items():
-        if _nbytes(v) == 0:
-            continue
-        by_storage[(str(v.device), v.untyped_storage().data_ptr())].append(k)
     groups: list[list[str]] = []
-    for names in by_storage.values():
-        if len(names) < 2:
-            continue
-        areas = []
-        for k in names:
-            v = state_dict[k]
-            start = v.data_ptr()
-            # the furthest byte any element reaches (views may be strided)
-            span = sum((s - 1) * abs(st) for s, st in zip(v.shape, v.stride())) + 1
-            areas.append((start, start + span * v.element_size(), k))
-        areas.sort()
-        current = [areas[0][2]]
-        stop = areas[0][1]
-        for start, end, k in areas[1:]:
-            if start < stop:
-                current.append(k)
-            else:
-                if len(current) > 1:
-                    groups.append(current)
-                current = [k]
+    current: list[str] = []
+    device, stop = "", 0
+    for dev, start, end, k in areas:
+        if current and dev == device and start < stop:
+            current.append(k)
             stop = max(stop, end)
+            continue
         if len(current) > 1:
             groups.append(current)
+        current, device, stop = [k], dev, end
+    if len(current) > 1:
+        groups.append(current)
     return groups
 
 
@@ -132,7 +104,8 @@ def _save_safetensors(
     state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
     io: IOHandle,
 ) -> None:
-    serialize = _require("serialize_safetensors_header")
+    """What needs torch (the values' types, dtypes, shared memory) is checked here; C++
+    (``SafetensorsFileWriter``) plans the layout, the header and its checksums, and writes."""
     _check_tensor_dict(state_dict)
     to_st, _ = _st_dtype_maps()
     bad = [f"{k} ({v.dtype})" for k, v in state_dict.items() if v.dtype not in to_st]
@@ -147,68 +120,29 @@ def _save_safetensors(
             "save one name per group (or .clone() the others), or use format='torch', which "
             "keeps the sharing"
         )
-    reserved = [k for k in (CHECKSUM_KEY, HEADER_CHECKSUM_KEY) if k in metadata]
-    if reserved:
-        # Without checksum=True they would be stale checksums a later verify fails on.
-        raise ValueError(
-            f"metadata keys {reserved} are tensortier's checksums: leave them out "
-            "(save(..., checksum=True) writes fresh ones)"
-        )
-    names = list(state_dict)
     tensors = list(state_dict.values())
-    sizes = [v.nbytes for v in tensors]
-    # The pipeline's layout rule (PlanSafetensorsLayout): 4 KiB multiples first, then the rest.
-    starts = _require("plan_safetensors_layout")(sizes, [v.itemsize for v in tensors])
-    packed = _st_per_torch_element()
-    entries = []
-    for k, v, start, n in zip(names, tensors, starts, sizes):
-        dt = to_st[v.dtype]
-        shape = _require("safetensors_shape")(k, dt, list(v.shape)) if dt in packed else v.shape
-        entries.append((k, dt, shape, start, start + n))
-    data_bytes = max((start + n for start, n in zip(starts, sizes)), default=0)
-    md = dict(metadata)
-    md.setdefault("format", "pt")  # as save_model / save_pretrained write: transformers wants it
-    if checksum:  # placeholder of the final length: the real header replaces it at the end
-        md[CHECKSUM_KEY] = _require("tensor_checksums_json")([(k, 0) for k in names])
-        digest = _require("safetensors_header_digest")(entries, md)  # skips the checksum keys
-        md[HEADER_CHECKSUM_KEY] = f"{digest:016x}"
-    header = bytes(serialize(entries, md, ALIGNMENT))
-    data_start = len(header)
-    sums: dict[str, int] = {}
+    names = _dtype_names()
+    writer = _require("SafetensorsFileWriter")(
+        list(state_dict), [names[v.dtype] for v in tensors], [v.shape for v in tensors],
+        [v.nbytes for v in tensors], metadata, checksum)
+    # Contiguous CPU tensors are written from their memory; the others (GPU, non-contiguous,
+    # conjugate or negative views) from host copies, about _STAGING_BYTES at a time.
+    ready = [i for i, v in enumerate(tensors)
+             if v.is_cpu and v.is_contiguous() and not v.is_conj() and not v.is_neg()]
+    engine = io._core()  # noqa: SLF001 - same package
     with _DurableFile(path, io) as df:
-        df.reserve(data_start + data_bytes)
-        # Small contiguous CPU tensors are gathered into large writes by C++ (their checksums
-        # computed on the way); the others go through the engine writer, staged where needed.
-        small = [i for i, (v, n) in enumerate(zip(tensors, sizes))
-                 if 0 < n < _format._ALIGNED_ALLOC_MIN and v.is_cpu and v.is_contiguous()
-                 and not v.is_conj() and not v.is_neg()]
-        if small:
-            hashes = _require("write_gathered")(
-                io._core(), df.open(), [data_start + starts[i] for i in small],  # noqa: SLF001
-                [sizes[i] for i in small], [tensors[i].data_ptr() for i in small], checksum)
-            if checksum:
-                sums.update((names[i], h) for i, h in zip(small, hashes))
-        gathered = set(small)
-        writer = _Writer(io, df.open())
-        try:
-            for i, (k, v) in enumerate(zip(names, tensors)):
-                if i in gathered:
-                    continue
-                data, staged = _host_contiguous(v.detach())
-                if checksum:
-                    sums[k] = _tensor_bytes._xxh64(data)
-                writer.add(_as_bytes(data), data_start + starts[i], staged)
-            writer.finish()
-        except BaseException:
-            writer.drain()
-            raise
-        if checksum:
-            md[CHECKSUM_KEY] = _require("tensor_checksums_json")([(k, sums[k]) for k in names])
-            final = bytes(serialize(entries, md, ALIGNMENT))
-            if len(final) != data_start:  # cannot happen: fixed-width hex digits
-                raise RuntimeError("safetensors header changed length after checksumming")
-            header = final
-        io.pwrite(header, df.open(), 0)
+        out = df._core  # noqa: SLF001
+        writer.write(engine, out, ready, [tensors[i].data_ptr() for i in ready])
+        left = sorted(set(range(len(tensors))) - set(ready))
+        group: list[tuple[int, Any]] = []  # the copies, alive while C++ reads them
+        staged = 0
+        for n, i in enumerate(left):
+            copy = tensors[i].detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+            group.append((i, copy))
+            staged += copy.nbytes
+            if staged >= _format._STAGING_BYTES or n == len(left) - 1:
+                writer.write(engine, out, [k for k, _ in group], [c.data_ptr() for _, c in group])
+                group, staged = [], 0
         df.commit()
 
 

@@ -32,9 +32,8 @@ def save(
     Args:
         state_dict: name -> tensor (CPU or GPU; non-contiguous tensors are saved contiguous).
             With ``format="torch"`` any object ``torch.save`` accepts and ``torch.load(...,
-            weights_only=True)`` reads back (nested dicts/lists, ints, strings...). Objects
-            holding quantized or nested tensors, which torch cannot pickle without their data,
-            are written by ``torch.save`` itself (as durably, at its speed).
+            weights_only=True)`` reads back (nested dicts/lists, ints, strings...), pickled
+            as ``torch.save`` pickles it.
         path: the file to write; its directory must exist. An existing file is replaced only
             once the new one is complete and synced, keeping its mode, owner and group (the
             owner where the caller may set it: root); one the caller may not write is not

@@ -1,50 +1,19 @@
-"""Saving torch.save files. A plain dict of CPU tensors is written by C++ (TorchFileWriter: the
-pickle torch.save writes for it, the records, the storages gathered into large writes); anything
-else is pickled by torch (skip_data), the engine writes the storages at their record offsets,
-and their CRC-32s are patched in."""
+"""Saving torch.save files: the object is pickled as torch.save pickles it (a plain dict of CPU
+tensors by C++, anything else by Python's pickler with torch's persistent ids), then one C++
+writer (``TorchFileWriter``) writes the records, the storages' bytes and their CRC-32s through
+the engine."""
 
 from __future__ import annotations
 
 import functools
-import os
+import io as _io
 import pickle
 from typing import Any
 
 from ..io import IOHandle
-from . import unpickler
-from ._tensor_bytes import _crc32, _storage_bytes
-from ._format import _require, _torch, _torch_dtypes, ALIGNMENT, PathLike
-from ._writing import _DurableFile, _Writer
-from .unpickler import _ZipRecord
-
-
-class _NullSink:
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-
-def _storages_in_save_order(obj: Any) -> list[Any]:
-    """The storages ``torch.save(obj)`` writes, in the order of their keys ("0", "1", ...).
-
-    torch's ``_save`` numbers storages in the order its pickler meets them; pickling the same
-    object again with the same protocol meets them in the same order."""
-    torch = _torch()
-    seen: dict[int, int] = {}
-    storages: list[Any] = []
-
-    class Recorder(pickle.Pickler):
-        def persistent_id(self, o: Any) -> Any:
-            if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
-                storage = o._untyped_storage if isinstance(o, torch.storage.TypedStorage) else o
-                if storage._cdata not in seen:
-                    seen[storage._cdata] = len(storages)
-                    storages.append(storage)
-                return ("storage", seen[storage._cdata])
-            return None
-
-    with torch.serialization.skip_data():
-        Recorder(_NullSink(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
-    return storages
+from . import _format
+from ._format import _require, _torch, _torch_dtypes, PathLike
+from ._writing import _DurableFile
 
 
 def _torch_writes_crcs(torch: Any) -> bool:
@@ -53,33 +22,46 @@ def _torch_writes_crcs(torch: Any) -> bool:
     return bool(get()) if get is not None else True
 
 
-def _save_torch_config(checksum: bool) -> dict[str, Any]:
-    """torch.save settings for our saves: storages 4 KiB aligned; with `checksum`, CRC-32s for
-    every record even where set_crc32_options(False) said not to. (torch's config patches are
-    per thread: saves on other threads, ours or torch.save's, keep their own settings.)"""
-    from torch.utils.serialization import config as ser_config
-
-    patch: dict[str, Any] = {"save.storage_alignment": ALIGNMENT}
-    if checksum and hasattr(ser_config.save, "compute_crc32"):  # torch >= 2.6
-        patch["save.compute_crc32"] = True
-    return patch
-
-
-def _save_torch_whole(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
-    """What torch cannot pickle without its data (quantized and nested tensors refuse
-    ``skip_data``): written by torch.save itself, data and all, with the same durability (a
-    temporary file, fsync, rename). Slower: torch's single-threaded buffered writes."""
+def _pickled(obj: Any) -> tuple[bytes, list[Any]]:
+    """The data.pkl torch.save writes for `obj`, and the untyped storages its persistent ids
+    name "0", "1"... in that order: the rules of ``torch.serialization._save`` (protocol,
+    persistent ids, locations, the refusal of one memory viewed as two dtypes)."""
     torch = _torch()
-    from torch.utils.serialization import config as ser_config
+    serialization = torch.serialization
+    storages: list[Any] = []
+    keys: dict[int, str] = {}
+    dtypes: dict[int, Any] = {}
 
-    with _DurableFile(path, io) as df:
-        with open(df.tmp, "r+b") as f:
-            try:
-                with ser_config.patch(_save_torch_config(checksum)):
-                    torch.save(obj, f)
-            except (RuntimeError, pickle.PicklingError, AttributeError) as e:
-                raise ValueError(f"torch.save cannot save this object: {e}") from e
-        df.commit()
+    def persistent_id(o: Any) -> Any:
+        if isinstance(o, torch.storage.TypedStorage):
+            storage, dtype = o._untyped_storage, o.dtype
+            storage_type = getattr(torch, o._pickle_storage_type())
+            numel = o._size()
+        elif torch.is_storage(o):
+            storage, dtype = o, torch.uint8
+            storage_type = serialization.normalize_storage_type(type(o))
+            numel = storage.nbytes()
+        else:
+            return None
+        if str(storage.device) != "meta" and storage.data_ptr() != 0:
+            if dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
+                raise RuntimeError("Cannot save multiple tensors or storages that view the same "
+                                   "data as different types")
+        key = keys.get(storage._cdata)
+        if key is None:
+            key = keys[storage._cdata] = str(len(storages))
+            storages.append(storage)
+        fake = getattr(o, "_fake_device", None)
+        location = str(fake) if fake is not None else serialization.location_tag(storage)
+        return ("storage", storage_type, key, location, numel)
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            return persistent_id(o)
+
+    buf = _io.BytesIO()
+    Pickler(buf, protocol=serialization.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue(), storages
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,8 +76,8 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
     """A C++ writer of `obj` and its tensors' addresses when `obj` is what torch.save pickles as a
     plain dict: a ``dict`` of str -> CPU tensors of type ``torch.Tensor`` (no Parameters or
     subclasses, no requires_grad, no Python attributes, no conjugate or negative bit), each
-    contiguous and alone in a storage of exactly its bytes. None for anything else (torch
-    pickles it)."""
+    contiguous and alone in a storage of exactly its bytes. C++ writes its pickle then. None for
+    anything else (torch's pickler rules pickle it)."""
     if type(obj) is not dict or not obj:
         return None
     torch = _torch()
@@ -138,75 +120,48 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
         return None
 
 
+def _write_staged(writer: Any, engine: Any, out: Any, storages: list[Any]) -> None:
+    """Writes `storages` where some are not in host memory: copied to it in groups of about
+    ``_STAGING_BYTES``, each group's copies freed once C++ has written them."""
+    writer.begin(engine, out)
+    try:
+        group: list[Any] = []  # keeps the copies alive while C++ reads them
+        staged = 0
+        for storage in storages:
+            if storage.device.type != "cpu":
+                if storage.device.type == "meta":
+                    raise ValueError("meta tensors have no data to save")
+                storage = storage.cpu()
+                staged += storage.nbytes()
+            group.append(storage)
+            if staged >= _format._STAGING_BYTES:
+                writer.write_storages([s.data_ptr() for s in group])
+                group, staged = [], 0
+        writer.write_storages([s.data_ptr() for s in group])
+        writer.end()
+    except BaseException:
+        writer.abandon()  # no write in flight when the file is removed
+        raise
+
+
 def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
     torch = _torch()
-    plain = _plain_dict_writer(obj, checksum or _torch_writes_crcs(torch))
+    crc32 = checksum or _torch_writes_crcs(torch)
+    plain = _plain_dict_writer(obj, crc32)
+    storages: list[Any] = []
     if plain is not None:
         writer, addresses = plain
-        with _DurableFile(path, io) as df:
-            writer.write(io._core(), df._core, addresses)  # noqa: SLF001 - same package
-            df.commit()
-        return
-    if not hasattr(torch.serialization, "skip_data"):
-        raise ValueError(
-            f"format='torch' needs torch.serialization.skip_data (PyTorch >= 2.5); this is "
-            f"{torch.__version__}: use format='safetensors'"
-        )
-    from torch.utils.serialization import config as ser_config
-
-    try:
-        storages = _storages_in_save_order(obj)
-    except (RuntimeError, pickle.PicklingError, AttributeError) as e:
-        if "skip_data" in str(e):  # quantized and nested tensors: torch writes them itself
-            _save_torch_whole(obj, path, checksum, io)
-            return
-        raise ValueError(f"torch.save cannot save this object: {e}") from e
-    with _DurableFile(path, io) as df:
-        with open(df.tmp, "r+b") as f:  # torch writes the metadata records and leaves holes
-            try:
-                with ser_config.patch(_save_torch_config(checksum)):
-                    with torch.serialization.skip_data():
-                        torch.save(obj, f)
-            except (RuntimeError, pickle.PicklingError, AttributeError) as e:
-                raise ValueError(f"torch.save cannot save this object: {e}") from e
-        records, prefix = unpickler._torch_records(df.tmp)
-        data_names = [n for n in records if n.startswith(prefix + "data/")]
-        if len(data_names) != len(storages):
-            raise RuntimeError(
-                f"tensortier found {len(storages)} storages, torch.save wrote {len(data_names)}"
-            )
-        places: list[tuple[Any, _ZipRecord]] = []
-        for key, storage in enumerate(storages):
-            rec = records.get(f"{prefix}data/{key}")
-            if rec is None or rec.size != storage.nbytes():
-                raise RuntimeError(f"torch.save wrote storage {key} differently than expected")
-            places.append((storage, rec))
-        file_size = os.path.getsize(df.tmp)
-        df.reserve(file_size)
-        writer = _Writer(io, df.open())
-        # torch.save writes every record's CRC-32 unless set_crc32_options(False) said not to;
-        # zip tools reject a record whose CRC does not match (skip_data leaves zeros).
-        with_crcs = checksum or _torch_writes_crcs(torch)
-        crcs: dict[str, int] = {}
+    else:
         try:
-            for key, (storage, rec) in enumerate(places):
-                data = _storage_bytes(storage)
-                staged = data.device.type != "cpu"
-                if staged:
-                    data = data.to("cpu")
-                writer.add(data, rec.offset, staged)
-                if with_crcs:  # while the engine writes the groups before this one
-                    crcs[f"{prefix}data/{key}"] = _crc32(data)
-            writer.finish()
-        except BaseException:
-            writer.drain()
-            raise
-        if crcs:
-            # Hundreds of 4-byte patches into pages torch wrote through the page cache (the
-            # engine's writes, all complete, covered only the records' data): one batch through
-            # the engine, flushed by commit's fdatasync like the rest.
-            patches = [(bytearray(packed), df.open(), offset)
-                       for offset, packed in _require("zip_crc_patches")(df.tmp, crcs)]
-            if patches:
-                io.pwrite_batch_async(patches).wait()
+            data, storages = _pickled(obj)
+        except (RuntimeError, pickle.PicklingError, AttributeError) as e:
+            raise ValueError(f"torch.save cannot save this object: {e}") from e
+        writer = _require("TorchFileWriter")(data, [s.nbytes() for s in storages], crc32)
+        addresses = [s.data_ptr() for s in storages]
+    engine = io._core()  # noqa: SLF001 - same package
+    with _DurableFile(path, io) as df:
+        if all(s.device.type == "cpu" for s in storages):
+            writer.write(engine, df._core, addresses)  # noqa: SLF001
+        else:
+            _write_staged(writer, engine, df._core, storages)  # noqa: SLF001
         df.commit()
