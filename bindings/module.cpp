@@ -23,4 +23,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterExtents(m);
   RegisterShared(m);
   RegisterData(m);
+  RegisterDcp(m);
 }

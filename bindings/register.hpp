@@ -14,3 +14,4 @@ void RegisterTransfer(pybind11::module_& m);    // bindings/transfer.cpp
 void RegisterExtents(pybind11::module_& m);     // bindings/extents.cpp
 void RegisterShared(pybind11::module_& m);      // bindings/shared.cpp
 void RegisterData(pybind11::module_& m);        // bindings/data.cpp
+void RegisterDcp(pybind11::module_& m);         // bindings/dcp.cpp
