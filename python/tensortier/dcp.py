@@ -200,12 +200,13 @@ class Reader(StorageReader):
 
     Args:
         path: the checkpoint directory (written by ``Writer`` or torch's ``FileSystemWriter``).
-        verify: check each item read against its xxh64 in the metadata (``Writer``'s
+        verify: check each item read whole against its xxh64 in the metadata (``Writer``'s
             checkpoints) or its zip CRC-32 (torch's); a mismatch raises ValueError naming the
-            file, the item and its byte range.
+            file, the item and its byte range. A load into another sharding reads only the rows
+            of an item it needs, unchecked; ``"full"`` reads such items whole to check them.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool | str = True) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.verify = verify
@@ -267,8 +268,23 @@ class Reader(StorageReader):
         dtypes = _torch_dtypes()
         bufs: dict[Any, tuple[Any, Any, bool]] = {}
         args: list[list[Any]] = [[] for _ in range(8)]
+        partial: list[tuple[Any, Any, Any, Any]] = []  # (request, its rows, target, dtype)
         for index, info in infos.items():
             layout = layouts.get(index)
+            dtype = None if layout is None else dtypes.get(layout[0])
+            rows = None if dtype is None or self.verify == "full" else \
+                _row_ranges(reqs_of[index], layout, dtype.itemsize)
+            if rows is not None:  # only the rows each request needs, unchecked
+                for req, (start, n) in zip(reqs_of[index], rows):
+                    target = planner.resolve_tensor(req).detach()
+                    into = (target.dtype == dtype and target.device.type == "cpu"
+                            and target.is_contiguous() and target.nbytes == n)
+                    buf = target if into else torch.empty(n, dtype=torch.uint8)
+                    partial.append((req, buf, None if into else target, dtype))
+                    for column, value in zip(args, (_item_name(index), start, n, start, n,
+                                                    buf.data_ptr(), None, None)):
+                        column.append(value)
+                continue
             target = None
             if layout is None:
                 data_offset, nbytes, crc = info.offset, info.length, None
@@ -284,7 +300,13 @@ class Reader(StorageReader):
                     crc if self.verify else None)):
                 column.append(value)
         _core.read_dcp_items(_default_io()._core(), path, *args)
+        for req, buf, target, dtype in partial:
+            if target is not None:
+                target.copy_(buf.view(dtype).view(list(req.lengths)))
+            planner.commit_tensor(req, buf if target is None else target)
         for req in reqs:
+            if req.storage_index not in bufs:
+                continue
             buf, layout, whole = bufs[req.storage_index]
             if whole:  # read straight into the target
                 planner.commit_tensor(req, buf)
@@ -309,6 +331,34 @@ class Reader(StorageReader):
                                  f"{tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+def _row_ranges(reqs: list[Any], layout: Any, itemsize: int) -> list[tuple[int, int]] | None:
+    """The byte range of each request's rows, when every request of a contiguous stored tensor
+    asks for whole rows (a slab along dimension 0) and not all of them for the whole item; else
+    None (the item is read whole)."""
+    _, shape, stride, storage_offset, data_offset, nbytes, _ = layout
+    if not shape or shape[0] == 0 or storage_offset != 0 or list(stride) != _strides(shape):
+        return None
+    row = itemsize
+    for d in shape[1:]:
+        row *= d
+    if row * shape[0] != nbytes:
+        return None
+    out = []
+    for req in reqs:
+        if any(req.storage_offsets[1:]) or list(req.lengths[1:]) != list(shape[1:]):
+            return None
+        out.append((data_offset + req.storage_offsets[0] * row, req.lengths[0] * row))
+    return None if len(out) == 1 and out[0][1] == nbytes else out
+
+
+def _strides(shape: list[int]) -> list[int]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(d, 1)
+    return out[::-1]
 
 
 def _whole_target(reqs: list[Any], layout: Any, dtype: Any, planner: LoadPlanner) -> Any:
