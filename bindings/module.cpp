@@ -24,4 +24,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterShared(m);
   RegisterData(m);
   RegisterTestHooks(m);
+  RegisterDcp(m);
 }

@@ -15,3 +15,4 @@ void RegisterExtents(pybind11::module_& m);     // bindings/extents.cpp
 void RegisterShared(pybind11::module_& m);      // bindings/shared.cpp
 void RegisterData(pybind11::module_& m);        // bindings/data.cpp
 void RegisterTestHooks(pybind11::module_& m);   // bindings/test_hooks.cpp
+void RegisterDcp(pybind11::module_& m);         // bindings/dcp.cpp

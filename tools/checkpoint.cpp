@@ -8,8 +8,10 @@
 #include "cli.hpp"
 #include "tensortier/checkpoint/checkpoint_format.hpp"
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
-#include "tensortier/util/format_error.hpp"
+#include "tensortier/checkpoint/dcp_file.hpp"
+#include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier::cli {
@@ -116,6 +118,57 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
   return 0;
 }
 
+// A torch.distributed.checkpoint directory: its metadata's items, per data file.
+int InfoDcp(const std::string& dir, unsigned show) {
+  const DcpMetadata md = ReadDcpMetadata(dir);
+  std::map<std::string, std::pair<size_t, uint64_t>> files;  // items, bytes
+  size_t summed = 0;
+  for (const auto& it : md.items) {
+    auto& f = files[it.relative_path];
+    ++f.first;
+    f.second += it.length;
+    summed += it.xxh64.has_value();
+  }
+  std::printf("directory: %s\n", TerminalText(dir).c_str());
+  std::printf("format:    torch.distributed.checkpoint (version %s)\n",
+              md.version.empty() ? "unset" : TerminalText(md.version).c_str());
+  std::printf("items:     %zu (%zu with an xxh64)\n", md.items.size(), summed);
+  std::printf("files:     %zu\n", files.size());
+  for (const auto& [name, f] : files) {
+    std::printf("  %-40s %s, %llu bytes\n", TerminalText(name).c_str(),
+                Count(f.first, "item").c_str(), static_cast<unsigned long long>(f.second));
+  }
+  std::printf("items (%s):\n", md.items.size() > show ? StrCat("first ", show).c_str() : "all");
+  for (size_t i = 0; i < md.items.size() && i < show; ++i) {
+    const DcpStoredItem& it = md.items[i];
+    std::printf("  %-40s %-5s %s offset %llu length %llu\n", TerminalText(it.name).c_str(),
+                it.bytes ? "bytes" : "tensor", TerminalText(it.relative_path).c_str(),
+                static_cast<unsigned long long>(it.offset),
+                static_cast<unsigned long long>(it.length));
+  }
+  if (md.items.size() > show) {
+    std::printf("  ... %zu more (--shapes N shows more)\n", md.items.size() - show);
+  }
+  return 0;
+}
+
+int VerifyDcp(const std::string& dir) {
+  const DcpMetadata md = ReadDcpMetadata(dir);
+  Engine engine;
+  const DcpVerifyReport r = VerifyDcpCheckpoint(engine, dir, md);
+  const std::string shown = TerminalText(dir);
+  std::fflush(stdout);
+  for (const auto& p : r.problems) std::fprintf(stderr, "%s\n", TerminalText(p).c_str());
+  if (!r.problems.empty()) {
+    std::fprintf(stderr, "%s: verify FAILED (%zu %s)\n", shown.c_str(), r.problems.size(),
+                 r.problems.size() == 1 ? "problem" : "problems");
+    return 1;
+  }
+  std::printf("%s: DCP checkpoint OK (%s checked, %llu without a checksum)\n", shown.c_str(),
+              Count(r.checked, "item").c_str(), static_cast<unsigned long long>(r.unchecked));
+  return 0;
+}
+
 int RunConvertImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
   if (args.positionals().size() != 2) {
@@ -162,6 +215,7 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
   if (args.positionals().size() != 1) throw UsageError("info takes one FILE");
   const std::string& path = args.positionals()[0];
   const unsigned show = args.Unsigned("shapes", 20);
+  if (IsDcpDirectory(path)) return InfoDcp(path, show);
   if (!IsShardIndexFile(path)) return InfoFile(path, show);
   const std::vector<Shard> shards = ReadShardIndex(path);
   size_t tensors = 0;
@@ -179,6 +233,7 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
   if (args.positionals().size() != 1) throw UsageError("verify takes one FILE");
   const std::string& path = args.positionals()[0];
+  if (IsDcpDirectory(path)) return VerifyDcp(path);
   if (!IsShardIndexFile(path)) return VerifyFile(path);
   const std::vector<Shard> shards = ReadShardIndex(path);
   size_t failed = 0;

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 #include "tensortier/util/json.hpp"
 #include "tensortier/util/strings.hpp"
-#include "tensortier/checkpoint/torch_pickle.hpp"
 
 namespace tensortier {
 namespace {
@@ -173,6 +173,41 @@ void EmitTensor(Emitter& e, const TorchPickleTensor& t, const Dtype& d, uint64_t
   e.Put();
 }
 
+// The elements of `t` (of dtype `d`), after checking what torch needs of it: a UTF-8 name, a
+// plain storage key, sizes and byte counts within int64.
+uint64_t CheckedNumel(const TorchPickleTensor& t, const Dtype& d) {
+  try {
+    JsonQuote(t.name);  // Python's unpickler decodes BINUNICODE strictly
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument("a tensor name is not valid UTF-8");
+  }
+  if (t.storage_key.empty() || t.storage_key.size() > 64 ||
+      t.storage_key.find_first_not_of(
+          "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_") != std::string::npos) {
+    throw std::invalid_argument(
+        StrCat("tensor '", t.name, "': storage key '", t.storage_key, "' is not a plain name"));
+  }
+  // torch sizes, strides and byte counts are int64.
+  constexpr uint64_t kMax = INT64_MAX;
+  uint64_t numel = 1;
+  bool empty = false;
+  uint64_t padded = 1;  // product with zeros counted as 1: the largest stride
+  for (uint64_t dim : t.shape) {
+    if (dim > kMax) throw std::invalid_argument(StrCat("tensor '", t.name, "': size too large"));
+    uint64_t eff = dim == 0 ? 1 : dim;
+    if (padded > kMax / eff) {
+      throw std::invalid_argument(StrCat("tensor '", t.name, "': shape too large for torch"));
+    }
+    padded *= eff;
+    empty = empty || dim == 0;
+  }
+  numel = empty ? 0 : padded;
+  if (numel > kMax / (d.bits / 8)) {
+    throw std::invalid_argument(StrCat("tensor '", t.name, "': too many bytes for torch"));
+  }
+  return numel;
+}
+
 }  // namespace
 
 std::vector<uint64_t> ContiguousStrides(const std::vector<uint64_t>& shape) {
@@ -200,43 +235,14 @@ std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors) 
       throw std::invalid_argument(
           StrCat("tensor '", t.name, "' has dtype ", t.dtype, ", which torch has no dtype for"));
     }
-    try {
-      JsonQuote(t.name);  // Python's unpickler decodes BINUNICODE strictly
-    } catch (const std::invalid_argument&) {
-      throw std::invalid_argument("a tensor name is not valid UTF-8");
-    }
     if (!names.insert(t.name).second) {
       throw std::invalid_argument(StrCat("tensor '", t.name, "' appears twice"));
-    }
-    if (t.storage_key.empty() || t.storage_key.size() > 64 ||
-        t.storage_key.find_first_not_of(
-            "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_") !=
-            std::string::npos) {
-      throw std::invalid_argument(
-          StrCat("tensor '", t.name, "': storage key '", t.storage_key, "' is not a plain name"));
     }
     if (!keys.insert(t.storage_key).second) {
       throw std::invalid_argument(
           StrCat("tensor '", t.name, "': storage key '", t.storage_key, "' used twice"));
     }
-    // torch sizes, strides and byte counts are int64.
-    constexpr uint64_t kMax = INT64_MAX;
-    uint64_t numel = 1;
-    bool empty = false;
-    uint64_t padded = 1;  // product with zeros counted as 1: the largest stride
-    for (uint64_t dim : t.shape) {
-      if (dim > kMax) throw std::invalid_argument(StrCat("tensor '", t.name, "': size too large"));
-      uint64_t eff = dim == 0 ? 1 : dim;
-      if (padded > kMax / eff) {
-        throw std::invalid_argument(StrCat("tensor '", t.name, "': shape too large for torch"));
-      }
-      padded *= eff;
-      empty = empty || dim == 0;
-    }
-    numel = empty ? 0 : padded;
-    if (numel > kMax / (d->bits / 8)) {
-      throw std::invalid_argument(StrCat("tensor '", t.name, "': too many bytes for torch"));
-    }
+    const uint64_t numel = CheckedNumel(t, *d);
     numels.push_back(numel);
   }
 
@@ -263,6 +269,21 @@ std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors) 
       e.Op('u');
     } while (count == kBatch);
   }
+  e.Op('.');
+  return e.Take();
+}
+
+std::string SerializeTorchTensorPickle(const TorchPickleTensor& tensor) {
+  const Dtype* d = FindDtype(tensor.dtype);
+  if (d == nullptr) {
+    throw std::invalid_argument(StrCat("tensor '", tensor.name, "' has dtype ", tensor.dtype,
+                                       ", which torch has no dtype for"));
+  }
+  const uint64_t numel = CheckedNumel(tensor, *d);
+  Emitter e;
+  e.Op('\x80');  // PROTO 2
+  e.Le(2, 1);
+  EmitTensor(e, tensor, *d, numel);
   e.Op('.');
   return e.Take();
 }

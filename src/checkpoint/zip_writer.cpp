@@ -39,7 +39,12 @@ ZipPlanner::ZipPlanner(uint64_t alignment, bool force_zip64)
   }
 }
 
-size_t ZipPlanner::Add(const std::string& name, uint64_t size) {
+size_t ZipPlanner::Add(const std::string& name, uint64_t size, uint64_t alignment, uint64_t base) {
+  if (alignment == 0) alignment = alignment_;
+  if (!std::has_single_bit(alignment) || alignment > (1u << 20)) {
+    throw std::invalid_argument(
+        StrCat("zip alignment must be a power of two up to 1 MiB, not ", alignment));
+  }
   if (name.size() > 0xFFFF) throw std::invalid_argument("zip entry name longer than 65535 bytes");
   if (names_.contains(name)) {
     throw std::invalid_argument(StrCat("zip entry '", name, "' added twice"));
@@ -50,9 +55,9 @@ size_t ZipPlanner::Add(const std::string& name, uint64_t size) {
   e.local_header_offset = end_;
   e.zip64 = force_zip64_ || size >= kMax32 || end_ >= kMax32;
   uint64_t data = end_ + LocalFixed(e);
-  if (data % alignment_ != 0) {
+  if ((base + data) % alignment != 0) {
     // Padding needs a 4-byte field header of its own.
-    data = ((data + 4 + alignment_ - 1) / alignment_) * alignment_;
+    data = ((base + data + 4 + alignment - 1) / alignment) * alignment - base;
   }
   e.data_offset = data;
   end_ = data + size;

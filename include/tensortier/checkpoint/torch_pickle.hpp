@@ -99,9 +99,14 @@ std::vector<uint64_t> ContiguousStrides(const std::vector<uint64_t>& shape);
 // The data.pkl that torch.save writes for a plain dict {name: tensor} of `tensors` (in order, all
 // on the CPU): protocol 2, byte for byte what torch 2.x emits (its memo, its batching of items,
 // _rebuild_tensor_v2 with typed storages, _rebuild_tensor_v3 with an UntypedStorage for the
-// dtypes without one: uint16/32/64, float8 types...). Throws std::invalid_argument naming the tensor for a dtype torch cannot
-// hold, a duplicate name, a shape too large, or a bad storage key.
+// dtypes without one: uint16/32/64, float8 types...). Throws std::invalid_argument naming the
+// tensor for a dtype torch cannot hold, a duplicate name, a shape too large, or a bad storage key.
 std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors);
+
+// The data.pkl torch.save writes for the one tensor `tensor` (not in a dict; its name only
+// names it in errors): what torch.distributed.checkpoint stores for each tensor item. Throws
+// std::invalid_argument as SerializeTorchPickle does.
+std::string SerializeTorchTensorPickle(const TorchPickleTensor& tensor);
 
 // Parses `data` (the bytes of data.pkl). `what` names it in errors. Throws FormatError.
 // Every tensor is checked to lie inside its storage.

@@ -27,9 +27,11 @@ class ZipPlanner {
   // even when nothing needs them (tests; readers must accept both).
   explicit ZipPlanner(uint64_t alignment = 64, bool force_zip64 = false);
 
-  // Plans an entry of `size` bytes; returns its index. Throws std::invalid_argument for names
-  // longer than 65535 bytes or duplicates.
-  size_t Add(const std::string& name, uint64_t size);
+  // Plans an entry of `size` bytes; returns its index. `alignment` (0: the planner's) applies to
+  // this entry's data at `base` + its offset: an archive stored at offset `base` of a larger file
+  // aligns its data in that file. Throws std::invalid_argument for names longer than 65535
+  // bytes, duplicates or a bad alignment.
+  size_t Add(const std::string& name, uint64_t size, uint64_t alignment = 0, uint64_t base = 0);
   // The CRC-32 of entry `index`'s data (needed before LocalHeader() and Directory()).
   void SetCrc(size_t index, uint32_t crc);
 

@@ -1,0 +1,124 @@
+// tensortier._core DCP functions: the rank files and the commit of torch.distributed.checkpoint
+// checkpoints (dcp_file.hpp). Each call does all of its I/O with the GIL released; items cross as
+// lists of plain values and addresses the Python layer keeps alive.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "paths.hpp"
+#include "register.hpp"
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/checkpoint/dcp_file.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+void SameLength(size_t n, std::initializer_list<size_t> others, const char* fn) {
+  for (size_t k : others) {
+    if (k != n) throw std::invalid_argument(std::string(fn) + ": one value per item in each list");
+  }
+}
+
+}  // namespace
+
+void RegisterDcp(py::module_& m) {
+  m.def(
+      "write_dcp_file",
+      [](Engine& engine, const FsPath& path, const std::vector<std::string>& dtypes,
+         const std::vector<std::vector<uint64_t>>& shapes, const std::vector<uint64_t>& nbytes,
+         const std::vector<uintptr_t>& addresses, bool direct) {
+        SameLength(dtypes.size(), {shapes.size(), nbytes.size(), addresses.size()},
+                   "write_dcp_file");
+        std::vector<DcpWriteItem> items(dtypes.size());
+        for (size_t i = 0; i < items.size(); ++i) {
+          items[i] = {dtypes[i], shapes[i], nbytes[i],
+                      reinterpret_cast<const std::byte*>(addresses[i])};
+        }
+        std::vector<DcpItemPlace> places;
+        {
+          py::gil_scoped_release release;
+          places = WriteDcpFile(engine, path, std::move(items), direct);
+        }
+        py::list out;
+        for (const auto& p : places) out.append(py::make_tuple(p.offset, p.length, p.xxh64));
+        return out;
+      },
+      py::arg("engine"), py::arg("path"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
+      py::arg("addresses"), py::arg("direct") = true,
+      "Writes a DCP rank file durably at path: item i is a tensor of dtypes[i] (tensortier's "
+      "name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] bytes of host memory at "
+      "addresses[i]. Returns [(offset, length, xxh64)] per item. ValueError for a dtype torch "
+      "cannot pickle, OSError naming the step and path.");
+  m.def(
+      "read_dcp_tensor_items",
+      [](const FsPath& path, const std::vector<std::string>& names,
+         const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths) {
+        SameLength(names.size(), {offsets.size(), lengths.size()}, "read_dcp_tensor_items");
+        std::vector<DcpTensorItem> items;
+        {
+          py::gil_scoped_release release;
+          const File file = OpenCheckpointForReading(path, /*direct=*/false);
+          for (size_t i = 0; i < offsets.size(); ++i) {
+            items.push_back(ReadDcpTensorItem(file, names[i], offsets[i], lengths[i]));
+          }
+        }
+        py::list out;
+        for (const auto& t : items) {
+          out.append(py::make_tuple(t.dtype, t.shape, t.stride, t.storage_offset, t.data_offset,
+                                    t.nbytes, t.crc32));
+        }
+        return out;
+      },
+      py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
+      "The tensor of each torch.save zip (item names[i]) at [offsets[i], offsets[i] + lengths[i]) "
+      "of path: "
+      "[(dtype, shape, stride, storage_offset, data_offset, nbytes, crc32 or None)]. ValueError "
+      "naming the path, item and byte range for anything but a zip of one plain tensor.");
+  m.def(
+      "read_dcp_items",
+      [](Engine& engine, const FsPath& path, const std::vector<std::string>& names,
+         const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
+         const std::vector<uint64_t>& data_offsets, const std::vector<uint64_t>& data_lengths,
+         const std::vector<uintptr_t>& addresses, const std::vector<std::optional<uint64_t>>& xxh64,
+         const std::vector<std::optional<uint32_t>>& crc32) {
+        SameLength(names.size(),
+                   {offsets.size(), lengths.size(), data_offsets.size(), data_lengths.size(),
+                    addresses.size(), xxh64.size(), crc32.size()},
+                   "read_dcp_items");
+        std::vector<DcpRead> reads(names.size());
+        for (size_t i = 0; i < reads.size(); ++i) {
+          reads[i] = {names[i],        offsets[i],      lengths[i],
+                      data_offsets[i], data_lengths[i], reinterpret_cast<std::byte*>(addresses[i]),
+                      xxh64[i],        crc32[i]};
+        }
+        py::gil_scoped_release release;
+        const File file = OpenCheckpointForReading(path, /*direct=*/true);
+        ReadDcpItems(engine, file, reads);
+      },
+      py::arg("engine"), py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
+      py::arg("data_offsets"), py::arg("data_lengths"), py::arg("addresses"), py::arg("xxh64"),
+      py::arg("crc32"),
+      "Reads item i's data [data_offsets[i], +data_lengths[i]) into addresses[i] and checks the "
+      "item: the xxh64 of [offsets[i], +lengths[i]) where xxh64[i] is set, else the CRC-32 of its "
+      "data where crc32[i] is. ValueError naming the file, the item and its byte range for a "
+      "mismatch or a truncated file; OSError for I/O errors.");
+  m.def(
+      "commit_dcp_checkpoint",
+      [](Engine& engine, const FsPath& dir, const py::bytes& metadata,
+         const std::vector<std::string>& referenced) {
+        std::string data = metadata;
+        py::gil_scoped_release release;
+        return CommitDcpCheckpoint(engine, dir, data, referenced);
+      },
+      py::arg("engine"), py::arg("dir"), py::arg("metadata"), py::arg("referenced"),
+      "Writes dir/.metadata durably, then removes the data files it does not name (referenced: "
+      "relative paths) and dead saves' temporary files. Returns how many files went. OSError "
+      "naming the step and path.");
+}

@@ -1,0 +1,139 @@
+// The data files of torch.distributed.checkpoint (DCP) checkpoints: one per rank (and per writer
+// thread, for torch's writer), each a run of items located by the (offset, length) pairs of the
+// pickled `.metadata`. A tensor item is a torch.save zip of that one tensor, which torch's
+// FileSystemReader loads with torch.load; a bytes item is a pickle of a non-tensor value.
+//
+// Files tensortier writes: items in the writer's order, each tensor's storage on a 4 KiB
+// boundary of the file once it has 4 KiB or more (read with O_DIRECT, no bounce), smaller ones
+// packed on 64-byte boundaries; zip CRC-32s left 0 (torch.save's set_crc32_options(False)), the
+// xxh64 of each item's whole byte range going to the metadata instead. Reading accepts any
+// torch.save zip of one tensor (torch's own writer's items included) and checks either the
+// item's xxh64 or, without one, its zip CRC-32 as the bytes come in.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensortier/checkpoint/dcp_metadata.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+
+namespace tensortier {
+
+// One item to write: a tensor's contiguous bytes, or a bytes item (`dtype` empty).
+struct DcpWriteItem {
+  std::string dtype;  // tensortier's dtype name (dtypes.hpp); empty for a bytes item
+  std::vector<uint64_t> shape;
+  uint64_t nbytes = 0;
+  const std::byte* src = nullptr;  // nbytes of host memory, alive until Write() returns
+};
+
+// Where an item lies in its file.
+struct DcpItemPlace {
+  uint64_t offset = 0;       // the item's first byte (what _StorageInfo.offset holds)
+  uint64_t length = 0;       // _StorageInfo.length
+  uint64_t data_offset = 0;  // the tensor's bytes (a bytes item: its offset)
+  uint64_t xxh64 = 0;        // of [offset, offset + length), set by Write()
+};
+
+// The plan of one rank file: made from the items' sizes alone, before any byte is written.
+class DcpFilePlan {
+ public:
+  // Throws std::invalid_argument naming the item for a dtype torch cannot pickle as a plain tensor
+  // or a size that does not match its shape.
+  explicit DcpFilePlan(std::vector<DcpWriteItem> items);
+
+  uint64_t size() const { return size_; }
+  const std::vector<DcpItemPlace>& places() const { return places_; }
+
+  // Writes every item to `file` (reserved to size() or empty) with `engine`: large tensors
+  // straight from their memory, everything else gathered into few large writes. Sets each place's
+  // xxh64. Throws IoError after every write in flight has finished. Once only.
+  void Write(Engine& engine, const File& file);
+
+ private:
+  std::vector<DcpWriteItem> items_;
+  std::vector<DcpItemPlace> places_;
+  std::vector<std::string> heads_;  // tensor items: the bytes before the data
+  std::vector<std::string> tails_;  // ... and after it
+  uint64_t size_ = 0;
+};
+
+// Writes `items` to a new file at `path` durably (DurableFile: a temporary name, fdatasync,
+// rename, directory fsync) and returns their places. Throws IoError naming the step and path.
+std::vector<DcpItemPlace> WriteDcpFile(Engine& engine, const std::string& path,
+                                       std::vector<DcpWriteItem> items, bool direct = true);
+
+// A tensor item as stored: the one tensor torch.load gives back from the item's zip.
+struct DcpTensorItem {
+  std::string dtype;  // tensortier's dtype name of the storage's elements
+  std::vector<int64_t> shape;
+  std::vector<int64_t> stride;
+  int64_t storage_offset = 0;     // elements
+  uint64_t data_offset = 0;       // absolute offset of the storage's bytes in the file
+  uint64_t nbytes = 0;            // the storage's bytes
+  std::optional<uint32_t> crc32;  // the storage's zip CRC-32, when the zip records them
+};
+
+// Reads the zip directory and pickle of the tensor item `name` at [offset, offset + length) of
+// `file`. Throws FormatError naming the path, the item and its byte range: not a zip of exactly one
+// tensor (a dict, a meta tensor, a big-endian file, a compressed entry), a range past the end of
+// the file.
+DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
+                                uint64_t length);
+
+// One item to read: [offset, offset + length) of the file, of which [data_offset, data_offset +
+// data_length) goes to `dest` (a bytes item: the whole range).
+struct DcpRead {
+  std::string name;  // for errors ("model.weight", chunk offsets...)
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t data_offset = 0;
+  uint64_t data_length = 0;
+  std::byte* dest = nullptr;
+  std::optional<uint64_t> xxh64;  // of the whole range: checked when set
+  std::optional<uint32_t> crc32;  // of the data: checked when set and xxh64 is not
+};
+
+// Reads every item of `reads` from `file` with `engine` and checks it (xxh64 of the item, else
+// CRC-32 of its data). Throws FormatError naming the file, the item and its byte range for a
+// mismatch or a file that ends inside an item; IoError for I/O errors.
+void ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads);
+
+// The xxh64 of [offset, offset + length) of `file`, streamed (verify, info).
+uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64_t length);
+
+// Commits a DCP checkpoint whose data files are written: `metadata` (the pickled Metadata) goes to
+// DIR/.metadata durably (temporary file, fdatasync, rename, directory fsync), which makes the new
+// checkpoint the directory's; only then are the data files it does not name removed
+// (RemoveUnreferencedDcpFiles). Returns how many went. Throws IoError naming the step and path
+// (the old checkpoint stays whole).
+size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
+                           const std::vector<std::string>& referenced);
+
+// The data files of a DCP checkpoint directory `dir` that its new metadata does not name
+// (`referenced`, relative paths): the files of the checkpoint the new one replaced, or of a save
+// that died. Removes those ("__*.distcp") and the temporary files of dead processes' saves into
+// the directory, then fsyncs it. Returns how many files went. Files it cannot remove are left.
+size_t RemoveUnreferencedDcpFiles(const std::string& dir,
+                                  const std::vector<std::string>& referenced);
+
+// What `tensortier verify DIR` found in a DCP checkpoint directory.
+struct DcpVerifyReport {
+  uint64_t checked = 0;    // items whose xxh64 or zip CRC-32 was compared
+  uint64_t unchecked = 0;  // items with neither (torch's bytes items; zips without CRC-32s)
+  std::vector<std::string> problems;  // one sentence each; none: the checkpoint is sound
+};
+
+// Checks every item `metadata` (DIR/.metadata) names: its file exists and holds its byte range,
+// its bytes match its xxh64 (tensortier's checkpoints) or a tensor's data its zip CRC-32
+// (torch's). Problems are collected, not thrown, so one damaged item does not hide another.
+DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
+                                    const DcpMetadata& metadata);
+
+}  // namespace tensortier

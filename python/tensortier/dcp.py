@@ -1,0 +1,387 @@
+"""A ``torch.distributed.checkpoint`` (DCP) storage backend on tensortier's engine.
+
+Pass ``Writer`` and ``Reader`` to the stock DCP calls; nothing else changes::
+
+    import torch.distributed.checkpoint as dcp
+    from tensortier.dcp import Reader, Writer
+
+    dcp.save(state_dict, storage_writer=Writer("ckpt/step-1000"))
+    dcp.load(state_dict, storage_reader=Reader("ckpt/step-1000"))
+
+The directory keeps DCP's layout (``.metadata`` and one ``.distcp`` file per rank, located by
+the same ``_StorageInfo``): torch's ``FileSystemReader`` loads what ``Writer`` writes, and
+``Reader`` loads what ``FileSystemWriter`` writes (``torch_save`` serialization). Each rank's
+file is planned, written, checksummed (xxh64 per item) and made durable in C++, in one call; the
+coordinator's metadata commit is the checkpoint's single point of replacement.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import os
+import pathlib
+import pickle
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import filesystem as _fs
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import _core
+from .checkpoint._engine import _default_io
+from .checkpoint._format import _dtype_names, _torch_dtypes
+
+__all__ = ["Reader", "Writer"]
+
+_METADATA = ".metadata"
+_VERSION = "1.0.0"  # DCP's CURRENT_DCP_VERSION for this layout
+
+
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _item_name(index: _md.MetadataIndex) -> str:
+    """The item's key, with its chunk's offsets where they are not all 0 ("w at [8, 0]")."""
+    return f"{index.fqn} at {list(index.offset)}" if index.offset and any(index.offset) \
+        else index.fqn
+
+
+class Writer(StorageWriter):
+    """A DCP ``StorageWriter`` writing each rank's items through tensortier's engine.
+
+    Args:
+        path: the checkpoint directory (made if missing). A save over an existing checkpoint
+            leaves it whole until the new one is committed, then removes its files.
+        direct: write with O_DIRECT where the filesystem allows it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.direct = direct
+        self.save_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Starts a new save (into `checkpoint_id` when given)."""
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Refuses saves without rank coordination (each rank would need its own metadata)."""
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError("tensortier.dcp.Writer needs use_collectives=True (the default)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Makes the checkpoint directory."""
+        os.makedirs(self.path, exist_ok=True)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Gives rank i's file the name prefix ``__i_``."""
+        return [dataclasses.replace(p, storage_data=_fs._StoragePrefix(f"__{i}_"))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Writes this rank's items to a new file (one C++ call, GIL released)."""
+        # A name no earlier save used: the old checkpoint's files stay as they are.
+        name = f"{plan.storage_data.prefix}{self.save_id[:16]}{_fs.DEFAULT_SUFFIX}"
+        names = _dtype_names()
+        dtypes: list[str] = []
+        shapes: list[list[int]] = []
+        keep: list[Any] = []  # the memory written from, alive until the call returns
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+                    torch.empty(0, dtype=torch.uint8)
+                dtypes.append("")
+                shapes.append([])
+            else:
+                t = data.detach().cpu().resolve_conj().resolve_neg().contiguous()
+                dt = names.get(t.dtype)
+                if dt is None:
+                    raise TypeError(f"{item.index.fqn}: tensors of {t.dtype} cannot be saved")
+                dtypes.append(dt)
+                shapes.append(list(t.shape))
+            keep.append(t)
+        places = _core.write_dcp_file(
+            _default_io()._core(), os.path.join(self.path, name), dtypes, shapes,
+            [t.nbytes for t in keep], [t.data_ptr() for t in keep], self.direct)
+        results = []
+        for item, (offset, length, xxh64) in zip(plan.items, places):
+            info = _fs._StorageInfo(name, offset, length)
+            info.xxh64 = xxh64  # type: ignore[attr-defined]  # stock readers ignore it
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+        return _done(results)
+
+    def finish(self, metadata: _md.Metadata, results: list[list[WriteResult]]) -> None:
+        """Commits the checkpoint (coordinator only): ``.metadata`` written durably, then the
+        files it does not name (the replaced checkpoint's, dead saves') removed."""
+        storage = {r.index: r.storage_data for rs in results for r in rs}
+        metadata.storage_data = storage
+        metadata.version = _VERSION
+        metadata.storage_meta = self.storage_meta()
+        files = sorted({s.relative_path for s in storage.values()})
+        _core.commit_dcp_checkpoint(_default_io()._core(), self.path, pickle.dumps(metadata),
+                                    files)
+
+    def storage_meta(self) -> _md.StorageMeta:
+        """The checkpoint's id (its path) and this save's id."""
+        return _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether `checkpoint_id` is a local path (DCP's rule for its file system writer)."""
+        return bool(_fs.FileSystem.validate_checkpoint_id(checkpoint_id))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """The weights_only rule for DCP metadata: only DCP's metadata classes, torch's value types
+    (Size, dtypes, layouts by name, memory formats) and a path may be named; anything else
+    (os.system, builtins.eval...) is refused before it is called. torch's own weights_only
+    unpickler reads only protocol 2, and DCP pickles its metadata with protocol 4."""
+
+    _modules = {_md.__name__: _md, _fs.__name__: _fs}
+    _classes = {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+                "MetadataIndex", "StorageMeta", "_StorageInfo"}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in self._modules and name in self._classes:
+            return getattr(self._modules[module], name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if value is torch.Size or isinstance(value, (torch.dtype, torch.layout,
+                                                         torch.memory_format)):
+                return value
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) == ("torch.serialization", "_get_layout"):  # a layout by its name
+            return torch.serialization._get_layout
+        if (module, name) == ("pathlib", "PosixPath"):  # torch's writer's checkpoint id
+            return pathlib.PosixPath
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
+
+
+def _load_metadata(data: bytes, path: str) -> _md.Metadata:
+    """The checkpoint's metadata, unpickled by ``_MetadataUnpickler``."""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise ValueError(f"{path}: not a DCP metadata file this reader accepts ({e})") from e
+    if not isinstance(md, _md.Metadata) or not isinstance(md.storage_data, dict):
+        raise ValueError(f"{path}: holds {type(md).__name__}, not DCP metadata with storage data")
+    return md
+
+
+class Reader(StorageReader):
+    """A DCP ``StorageReader`` reading through tensortier's engine.
+
+    Args:
+        path: the checkpoint directory (written by ``Writer`` or torch's ``FileSystemWriter``).
+        verify: check each item read whole against its xxh64 in the metadata (``Writer``'s
+            checkpoints) or its zip CRC-32 (torch's); a mismatch raises ValueError naming the
+            file, the item and its byte range. A load into another sharding reads only the rows
+            of an item it needs, unchecked; ``"full"`` reads such items whole to check them.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool | str = True) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.verify = verify
+        self.storage_data: dict[Any, Any] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Starts a new load (from `checkpoint_id` when given)."""
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
+        """The checkpoint's ``.metadata``. OSError when it is missing, ValueError when it is not
+        DCP metadata."""
+        path = os.path.join(self.path, _METADATA)
+        with open(path, "rb") as f:
+            md = _load_metadata(f.read(), path)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = _md.StorageMeta()
+        md.storage_meta.load_id = uuid.uuid4().hex
+        return md
+
+    def set_up_storage_reader(self, metadata: _md.Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        """Keeps the metadata's item locations."""
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """The plan, unchanged."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """The plans, unchanged."""
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether `checkpoint_id` is a local path (DCP's rule for its file system reader)."""
+        return bool(_fs.FileSystem.validate_checkpoint_id(checkpoint_id))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Reads the plan's items, file by file (one C++ read per file, GIL released)."""
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for relative_path, reqs in per_file.items():
+            self._read_file(os.path.join(self.path, relative_path), reqs, planner)
+        return _done(None)
+
+    def _read_file(self, path: str, reqs: list[Any], planner: LoadPlanner) -> None:
+        reqs_of: dict[Any, list[Any]] = {}  # each stored item read once, whoever asks for it
+        for r in reqs:
+            reqs_of.setdefault(r.storage_index, []).append(r)
+        infos = {i: self.storage_data[i] for i in reqs_of}
+        tensors = [i for i, rs in reqs_of.items() if rs[0].type != LoadItemType.BYTE_IO]
+        layouts = dict(zip(tensors, _core.read_dcp_tensor_items(
+            path, [_item_name(i) for i in tensors], [infos[i].offset for i in tensors],
+            [infos[i].length for i in tensors])))
+        dtypes = _torch_dtypes()
+        bufs: dict[Any, tuple[Any, Any, bool]] = {}
+        args: list[list[Any]] = [[] for _ in range(8)]
+        partial: list[tuple[Any, Any, Any, Any]] = []  # (request, its rows, target, dtype)
+        for index, info in infos.items():
+            layout = layouts.get(index)
+            dtype = None if layout is None else dtypes.get(layout[0])
+            rows = None if dtype is None or self.verify == "full" else \
+                _row_ranges(reqs_of[index], layout, dtype.itemsize)
+            if rows is not None:  # only the rows each request needs, unchecked
+                for req, (start, n) in zip(reqs_of[index], rows):
+                    target = planner.resolve_tensor(req).detach()
+                    into = (target.dtype == dtype and target.device.type == "cpu"
+                            and target.is_contiguous() and target.nbytes == n)
+                    buf = target if into else torch.empty(n, dtype=torch.uint8)
+                    partial.append((req, buf, None if into else target, dtype))
+                    for column, value in zip(args, (_item_name(index), start, n, start, n,
+                                                    buf.data_ptr(), None, None)):
+                        column.append(value)
+                continue
+            target = None
+            if layout is None:
+                data_offset, nbytes, crc = info.offset, info.length, None
+            else:
+                data_offset, nbytes, crc = layout[4], layout[5], layout[6]
+                target = _whole_target(reqs_of[index], layout, dtypes.get(layout[0]), planner)
+            buf = target if target is not None else torch.empty(nbytes, dtype=torch.uint8)
+            bufs[index] = (buf, layout, target is not None)
+            xxh64 = getattr(info, "xxh64", None)
+            for column, value in zip(args, (
+                    _item_name(index), info.offset, info.length, data_offset, nbytes,
+                    buf.data_ptr(), xxh64 if self.verify else None,
+                    crc if self.verify else None)):
+                column.append(value)
+        _core.read_dcp_items(_default_io()._core(), path, *args)
+        for req, buf, target, dtype in partial:
+            if target is not None:
+                target.copy_(buf.view(dtype).view(list(req.lengths)))
+            planner.commit_tensor(req, buf if target is None else target)
+        for req in reqs:
+            if req.storage_index not in bufs:
+                continue
+            buf, layout, whole = bufs[req.storage_index]
+            if whole:  # read straight into the target
+                planner.commit_tensor(req, buf)
+                continue
+            if layout is None:
+                raw = buf.numpy().tobytes()
+                _check_safe_pickle(raw, path, _item_name(req.storage_index))
+                planner.load_bytes(req, io.BytesIO(raw))
+                continue
+            dtype_name, shape, stride, storage_offset = layout[:4]
+            dtype = dtypes.get(dtype_name)
+            if dtype is None:
+                raise ValueError(f"{path}: {_item_name(req.storage_index)} has dtype "
+                                 f"{dtype_name}, which this torch lacks")
+            tensor = buf.view(dtype).as_strided(shape, stride, storage_offset)
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                tensor = tensor.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise ValueError(f"{path}: {_item_name(req.storage_index)} gives a tensor of "
+                                 f"{tuple(tensor.size())}, the load asks for "
+                                 f"{tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+
+
+def _row_ranges(reqs: list[Any], layout: Any, itemsize: int) -> list[tuple[int, int]] | None:
+    """The byte range of each request's rows, when every request of a contiguous stored tensor
+    asks for whole rows (a slab along dimension 0) and not all of them for the whole item; else
+    None (the item is read whole)."""
+    _, shape, stride, storage_offset, data_offset, nbytes, _ = layout
+    if not shape or shape[0] == 0 or storage_offset != 0 or list(stride) != _strides(shape):
+        return None
+    row = itemsize
+    for d in shape[1:]:
+        row *= d
+    if row * shape[0] != nbytes:
+        return None
+    out = []
+    for req in reqs:
+        if any(req.storage_offsets[1:]) or list(req.lengths[1:]) != list(shape[1:]):
+            return None
+        out.append((data_offset + req.storage_offsets[0] * row, req.lengths[0] * row))
+    return None if len(out) == 1 and out[0][1] == nbytes else out
+
+
+def _strides(shape: list[int]) -> list[int]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(d, 1)
+    return out[::-1]
+
+
+def _whole_target(reqs: list[Any], layout: Any, dtype: Any, planner: LoadPlanner) -> Any:
+    """The one request's target tensor when the stored item's bytes can be read straight into
+    it (it asks for the whole item, both contiguous CPU tensors of one dtype); else None."""
+    _, shape, stride, storage_offset, _, nbytes, _ = layout
+    req = reqs[0]
+    if (len(reqs) != 1 or storage_offset != 0 or any(req.storage_offsets)
+            or list(req.lengths) != list(shape)):
+        return None
+    target = planner.resolve_tensor(req).detach()
+    same = (target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
+            and list(target.shape) == list(shape) and list(target.stride()) == list(stride)
+            and target.nbytes == nbytes)
+    return target if same else None
+
+
+def _check_safe_pickle(raw: bytes, path: str, name: str) -> None:
+    """Refuses a bytes item that torch.load(weights_only=True) refuses: DCP's planner loads it
+    with weights_only=False, which would run any code a pickle names."""
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path}: the value {name} holds what torch.load(weights_only=True) "
+                         f"refuses ({e}); load it with torch's FileSystemReader if you trust "
+                         "the file") from e

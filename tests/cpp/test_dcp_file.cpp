@@ -1,0 +1,148 @@
+// DCP rank files (dcp_file.hpp): the plan's offsets and alignment, the zip each tensor item is
+// (read back by the torch zip reader), the checks of reads (xxh64, CRC-32, truncation) and the
+// removal of files a new metadata does not name.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/checkpoint/dcp_file.hpp"
+#include "tensortier/checkpoint/dcp_metadata.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "test_util.hpp"
+
+namespace tensortier {
+namespace {
+
+using testing::Pattern;
+using testing::TempDir;
+
+struct Written {
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<DcpItemPlace> places;
+};
+
+// A bytes item, a small tensor, a 2 MiB tensor (its own request), an empty tensor.
+Written WriteSample(Engine& engine, const std::string& path) {
+  Written w;
+  w.bytes = {Pattern(100, 1), Pattern(40, 2), Pattern(2u << 20, 3), {}};
+  std::vector<DcpWriteItem> items = {
+      {"", {}, 100, nullptr},
+      {"F32", {2, 5}, 40, nullptr},
+      {"BF16", {1024, 1024}, 2u << 20, nullptr},
+      {"F32", {0, 3}, 0, nullptr},
+  };
+  for (size_t i = 0; i < items.size(); ++i) {
+    items[i].src = reinterpret_cast<const std::byte*>(w.bytes[i].data());
+  }
+  w.places = WriteDcpFile(engine, path, items);
+  return w;
+}
+
+TEST(DcpFile, TensorItemsAreZipsOfOneTensorWithAlignedData) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  const Written w = WriteSample(engine, path);
+  EXPECT_EQ(w.places[0].offset, 0u);
+  EXPECT_EQ(w.places[0].length, 100u);
+  const File file = File::Open(path, OpenMode::kRead, false);
+  for (size_t i = 1; i < w.places.size(); ++i) {
+    const DcpItemPlace& p = w.places[i];
+    EXPECT_EQ(p.offset, w.places[i - 1].offset + w.places[i - 1].length);
+    const DcpTensorItem t = ReadDcpTensorItem(file, "t", p.offset, p.length);
+    EXPECT_EQ(t.data_offset, p.data_offset);
+    EXPECT_EQ(t.nbytes, w.bytes[i].size());
+    EXPECT_FALSE(t.crc32.has_value());  // 0s: the xxh64 goes to the metadata instead
+    EXPECT_EQ(t.storage_offset, 0);
+  }
+  EXPECT_EQ(w.places[2].data_offset % 4096, 0u);
+  EXPECT_EQ(w.places[1].data_offset % 64, 0u);
+  const DcpTensorItem big = ReadDcpTensorItem(file, "big", w.places[2].offset, w.places[2].length);
+  EXPECT_EQ(big.dtype, "BF16");
+  EXPECT_EQ(big.shape, (std::vector<int64_t>{1024, 1024}));
+  EXPECT_EQ(big.stride, (std::vector<int64_t>{1024, 1}));
+}
+
+TEST(DcpFile, ReadsCheckEveryItemAndNameTheDamage) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  const Written w = WriteSample(engine, path);
+  auto read_all = [&](std::vector<std::vector<uint8_t>>& out) {
+    const File file = File::Open(path, OpenMode::kRead, true);
+    std::vector<DcpRead> reads;
+    out.assign(w.places.size(), {});
+    for (size_t i = 0; i < w.places.size(); ++i) {
+      const DcpItemPlace& p = w.places[i];
+      out[i].resize(w.bytes[i].size());
+      reads.push_back({StrCat("item", i), p.offset, p.length, p.data_offset, w.bytes[i].size(),
+                       reinterpret_cast<std::byte*>(out[i].data()), p.xxh64, std::nullopt});
+    }
+    ReadDcpItems(engine, file, reads);
+  };
+  std::vector<std::vector<uint8_t>> got;
+  read_all(got);
+  EXPECT_EQ(got, w.bytes);
+  {  // a flipped bit in a zip record of the big tensor's item (before its data)
+    const File file = File::Open(path, OpenMode::kReadWrite, false);
+    const uint64_t at = w.places[2].offset + 3;
+    char c;
+    ASSERT_EQ(pread(file.buffered_fd(), &c, 1, static_cast<off_t>(at)), 1);
+    c ^= 1;
+    ASSERT_EQ(pwrite(file.buffered_fd(), &c, 1, static_cast<off_t>(at)), 1);
+  }
+  try {
+    read_all(got);
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    const std::string range =
+        StrCat("[", w.places[2].offset, ", ", w.places[2].offset + w.places[2].length, ")");
+    EXPECT_NE(std::string(e.what()).find("'item2'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(range), std::string::npos) << e.what();
+  }
+  std::filesystem::resize_file(path, w.places[3].offset - 10);
+  EXPECT_THROW(read_all(got), FormatError);
+}
+
+TEST(DcpFile, CommitRemovesOnlyWhatTheNewMetadataDoesNotName) {
+  TempDir dir;
+  Engine engine;
+  for (const char* name : {"__0_old.distcp", "__0_new.distcp", "other.bin"}) {
+    std::ofstream(dir.path() + "/" + name) << "x";
+  }
+  CommitDcpCheckpoint(engine, dir.path(), "metadata", {"__0_new.distcp"});
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/__0_old.distcp"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/__0_new.distcp"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/other.bin"));
+  EXPECT_EQ(std::filesystem::file_size(dir.path() + "/.metadata"), 8u);
+}
+
+TEST(DcpMetadata, RefusesGlobalsOutsideDcpAndTruncatedPickles) {
+  const std::string system(
+      "\x80\x02"
+      "cos\nsystem\n"
+      "X\x02\x00\x00\x00ls\x85R.",
+      23);
+  try {
+    ParseDcpMetadata(system, "m");
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("os.system is not allowed"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(ParseDcpMetadata(std::string("\x80\x04\x95", 3), "m"), FormatError);
+  EXPECT_THROW(ParseDcpMetadata("", "m"), FormatError);
+  // A dict is not Metadata.
+  EXPECT_THROW(ParseDcpMetadata(std::string("\x80\x02}.", 4), "m"), FormatError);
+}
+
+}  // namespace
+}  // namespace tensortier

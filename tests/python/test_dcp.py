@@ -1,0 +1,229 @@
+"""tensortier.dcp: torch.distributed.checkpoint's Writer and Reader on tensortier's engine, in
+real Gloo processes (dcp_worker.py) and, for single-process cases, without a process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tensortier import dcp as tdcp
+
+WORKER = Path(__file__).with_name("dcp_worker.py")
+TIMEOUT = 90  # seconds a 2-rank run may take on a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(tmp: Path, scenario: str, ckpt: Path, version: int = 1, world: int = 2,
+              **extra: str) -> list[dict[str, Any]]:
+    """Runs `world` ranks of dcp_worker.py and returns each rank's report (None for a rank that
+    wrote none). Every process is killed when the run ends, passed or failed."""
+    out = tmp / f"out-{scenario}-{version}-{len(list(tmp.iterdir()))}"
+    out.mkdir()
+    port = free_port()
+    procs = []
+    try:
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(ckpt), str(out), str(version)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [p.communicate(timeout=TIMEOUT)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    reports = []
+    for r in range(world):
+        path = out / f"rank{r}.json"
+        rep = json.loads(path.read_text()) if path.exists() else None
+        if rep is not None:
+            rep["output"] = outputs[r][-3000:]
+            rep["returncode"] = procs[r].returncode
+        reports.append(rep)
+    return reports
+
+
+def assert_ok(reports: list[dict[str, Any] | None]) -> None:
+    for r, rep in enumerate(reports):
+        assert rep is not None, f"rank {r} wrote no report"
+        assert rep["ok"], f"rank {r}: {rep.get('error')}\n{rep['output']}"
+
+
+@pytest.mark.parametrize("save,load", [("ours", "ours"), ("ours", "stock"), ("stock", "ours")])
+def test_two_gloo_ranks_save_and_load(tmp_path: Path, save: str, load: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    assert_ok(run_ranks(tmp_path, f"save-{save}", ckpt))
+    assert (ckpt / ".metadata").exists()
+    assert_ok(run_ranks(tmp_path, f"load-{load}", ckpt))
+
+
+@pytest.mark.parametrize("saved,loaded", [(1, 2), (2, 1)])
+def test_load_into_another_world_size(tmp_path: Path, saved: int, loaded: int) -> None:
+    """Shard(0) tensors saved by `saved` ranks load into `loaded` ranks (the same values: the
+    per-rank size DCP_BIG is scaled): 1 -> 2 reads only the rows each rank needs, 2 -> 1 reads
+    each stored chunk straight into its part of the target."""
+    ckpt = tmp_path / "ckpt"
+    assert_ok(run_ranks(tmp_path, "save-ours", ckpt, world=saved, DCP_BIG=str(600000 // saved)))
+    assert_ok(run_ranks(tmp_path, "load-ours", ckpt, world=loaded,
+                        DCP_BIG=str(600000 // loaded)))
+
+
+@pytest.mark.parametrize("rank,step", [("1", "write_data"), ("0", "finish")])
+def test_killed_rank_leaves_the_old_checkpoint_whole(tmp_path: Path, rank: str, step: str) -> None:
+    """A rank is SIGKILLed during a save over an existing checkpoint (rank 1 50 ms into writing
+    its file, or the coordinator as it starts the commit, every data file written); the other
+    rank fails on the group's timeout. The old checkpoint (or the new one, where the save was
+    committed before the kill came) loads whole, with our reader and torch's, and the next save
+    removes what the dead one left."""
+    ckpt = tmp_path / "ckpt"
+    assert_ok(run_ranks(tmp_path, "save-ours", ckpt, version=1))
+    before = sorted(p.name for p in ckpt.iterdir())
+    reports = run_ranks(tmp_path, "save-ours", ckpt, version=2, DCP_BIG="4000000",
+                        DCP_KILL_RANK=rank, DCP_KILL_IN=step,
+                        DCP_KILL_AFTER="0.05" if step == "write_data" else "0",
+                        DCP_PG_TIMEOUT="10")
+    assert reports[int(rank)] is None  # killed before it could report
+    md = tdcp.Reader(ckpt).read_metadata()
+    committed = 2 if md.state_dict_metadata["shard_big"].size[0] == 8_000_000 else 1
+    assert committed == 1 or step == "write_data"
+    size = {"DCP_BIG": "4000000"} if committed == 2 else {}
+    assert_ok(run_ranks(tmp_path, "load-ours", ckpt, version=committed, **size))
+    assert_ok(run_ranks(tmp_path, "load-stock", ckpt, version=committed, **size))
+    assert_ok(run_ranks(tmp_path, "save-ours", ckpt, version=3))
+    after = sorted(p.name for p in ckpt.iterdir())
+    assert not set(before) & set(after) - {".metadata"} or committed == 2
+    assert len([n for n in after if n.endswith(".distcp")]) == 2
+    assert not [n for n in after if ".tmp-" in n]
+    assert_ok(run_ranks(tmp_path, "load-ours", ckpt, version=3))
+
+
+def single_process_checkpoint(tmp_path: Path, writer: str = "ours") -> tuple[Path, dict[str, Any]]:
+    ckpt = tmp_path / "single"
+    sd = {"w": torch.arange(5000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int16),
+          "note": {"text": "hello"}}
+    dcp.save(sd, storage_writer=tdcp.Writer(ckpt) if writer == "ours"
+             else dcp.FileSystemWriter(ckpt))
+    return ckpt, sd
+
+
+def test_without_process_group(tmp_path: Path) -> None:
+    ckpt, sd = single_process_checkpoint(tmp_path)
+    got = {"w": torch.zeros(5000), "b": torch.zeros(3, dtype=torch.int16), "note": {"text": ""}}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
+    assert got["note"] == {"text": "hello"}
+    # Each tensor's data lies on a 4 KiB boundary once it has 4 KiB or more.
+    md = tdcp.Reader(ckpt).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
+    assert isinstance(info.xxh64, int)
+    items = tdcp._core.read_dcp_tensor_items(str(ckpt / info.relative_path), ["w"],
+                                             [info.offset], [info.length])
+    assert items[0][4] % 4096 == 0
+
+
+def flip_in(ckpt: Path, fqn: str, at: str) -> tuple[str, int, int]:
+    md = tdcp.Reader(ckpt).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+    path = ckpt / info.relative_path
+    data = bytearray(path.read_bytes())
+    pos = {"end": info.offset + info.length - 100, "start": info.offset + 10,
+           "middle": info.offset + info.length // 2}[at]
+    data[pos] ^= 0x40
+    path.write_bytes(bytes(data))
+    return info.relative_path, info.offset, info.offset + info.length
+
+
+@pytest.mark.parametrize("writer,at", [("ours", "end"), ("ours", "start"),
+                                           ("stock", "middle")])
+def test_flipped_byte_names_file_item_and_range(tmp_path: Path, writer: str, at: str) -> None:
+    """A flipped byte in tensor data (or in a zip record) of ours, found by the item's xxh64,
+    and in tensor data of torch's, found by its zip CRC-32."""
+    ckpt, _ = single_process_checkpoint(tmp_path, writer)
+    name, begin, end = flip_in(ckpt, "w", at)
+    got = {"w": torch.zeros(5000), "b": torch.zeros(3, dtype=torch.int16), "note": {"text": ""}}
+    with pytest.raises(CheckpointException) as e:  # DCP wraps each rank's error
+        dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    msg = str(e.value)
+    assert "ValueError" in msg, msg
+    assert name in msg and "'w'" in msg and f"[{begin}, {end})" in msg, msg
+
+
+def test_truncated_file_names_file_and_item(tmp_path: Path) -> None:
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    data_file = next(p for p in ckpt.iterdir() if p.name.endswith(".distcp"))
+    os.truncate(data_file, data_file.stat().st_size - 50)
+    got = {"w": torch.zeros(5000), "b": torch.zeros(3, dtype=torch.int16), "note": {"text": ""}}
+    with pytest.raises(CheckpointException, match=f"ValueError: .*{data_file.name}.*truncated"):
+        dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+
+
+def test_unsafe_pickle_in_bytes_item_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "unsafe"
+    dcp.save({"obj": {"cls": signal.Signals.SIGINT}}, storage_writer=tdcp.Writer(ckpt))
+    with pytest.raises(CheckpointException, match="ValueError: .*weights_only"):
+        dcp.load({"obj": {"cls": None}}, storage_reader=tdcp.Reader(ckpt))
+
+
+BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
+
+
+def cli(*args: object) -> subprocess.CompletedProcess[str]:
+    if not BIN.is_file():
+        pytest.skip(f"no tensortier binary at {BIN}")
+    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True,
+                          errors="replace", timeout=60)
+
+
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_cli_info_and_verify_read_dcp_directories(tmp_path: Path, writer: str) -> None:
+    ckpt = tmp_path / writer
+    sd = {"w": torch.arange(5000, dtype=torch.float32), "note": {"text": "hello"}}
+    make = tdcp.Writer(ckpt) if writer == "ours" else dcp.FileSystemWriter(ckpt)
+    dcp.save(sd, storage_writer=make)
+    info = cli("info", ckpt)
+    assert info.returncode == 0, info.stderr
+    assert "torch.distributed.checkpoint" in info.stdout and "w " in info.stdout
+    ok = cli("verify", ckpt)
+    assert ok.returncode == 0, ok.stderr
+    assert "DCP checkpoint OK (1 item checked" in ok.stdout or writer == "ours", ok.stdout
+    name, begin, end = flip_in(ckpt, "w", "end")
+    bad = cli("verify", ckpt)
+    assert bad.returncode == 1
+    assert name in bad.stderr and "'w'" in bad.stderr and "FAILED" in bad.stderr, bad.stderr
+
+
+def test_async_save_with_a_one_rank_group(tmp_path: Path) -> None:
+    """dcp.async_save with Writer (DCP's default staging): the values at the call are saved,
+    whatever the training step changes afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        sd = {"w": torch.arange(10.0), "step": 3}
+        fut = dcp.async_save(sd, storage_writer=tdcp.Writer(tmp_path / "ckpt"))
+        sd["w"].add_(1)
+        fut.result(timeout=60)
+        got = {"w": torch.zeros(10), "step": 0}
+        dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "ckpt"))
+        assert torch.equal(got["w"], torch.arange(10.0)) and got["step"] == 3
+    finally:
+        dist.destroy_process_group()
