@@ -145,18 +145,22 @@ def test_small_safetensors_tensors_move_in_few_requests(
     sd = {f"t{i}": torch.randn(1 + i % 300) for i in range(3000)}
     sd["big"] = torch.randn(400_000)
     calls: dict[str, int] = {}
-    for name in ("read_scattered", "write_gathered"):
+    results: dict[str, Any] = {}
+    for name in ("read_pieces", "write_gathered"):
         real = getattr(_core, name)
 
         def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
             calls[_name] = calls.get(_name, 0) + 1
-            return _real(*args, **kwargs)
+            results[_name] = _real(*args, **kwargs)
+            return results[_name]
 
         monkeypatch.setattr(_core, name, spy)
     path = disk_dir / "m.safetensors"
     tensortier.save(sd, path, checksum=True)
     out = tensortier.load(path, verify=True)
-    assert calls == {"write_gathered": 1, "read_scattered": 1}
+    assert calls == {"write_gathered": 1, "read_pieces": 1}
+    # One engine group, for "big": the 3,000 small tensors were gathered into large requests.
+    assert len(results["read_pieces"]) == 1, results["read_pieces"]
     theirs = st.load_file(str(path))
     assert list(out) == list(sd)
     assert all(torch.equal(out[k], v) and torch.equal(theirs[k], v) for k, v in sd.items())
