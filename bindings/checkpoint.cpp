@@ -46,11 +46,13 @@ py::list EntriesToList(const std::vector<SafetensorsEntry>& entries) {
   return out;
 }
 
-// [(name, data_offset, size, crc32)] in directory order.
+// [(name, data_offset, size, crc32, crcs_recorded)] in directory order; crcs_recorded: whether
+// the archive records CRC-32s at all (RecordsCrcs), the same for every entry.
 py::list ZipEntriesToPython(const ZipDirectory& dir) {
   py::list out;
+  const bool recorded = RecordsCrcs(dir);
   for (const auto& e : dir.entries) {
-    out.append(py::make_tuple(e.name, e.data_offset, e.size, e.crc32));
+    out.append(py::make_tuple(e.name, e.data_offset, e.size, e.crc32, recorded));
   }
   return out;
 }
@@ -235,8 +237,10 @@ void RegisterCheckpoint(py::module_& m) {
         return ZipEntriesToPython(dir);
       },
       py::arg("path"), py::arg("require_stored") = true,
-      "The entries of a zip archive (torch.save file): [(name, data_offset, size, crc32)] in "
-      "directory order; data_offset is absolute. ValueError for a bad archive and, unless "
+      "The entries of a zip archive (torch.save file): [(name, data_offset, size, crc32, "
+      "crcs_recorded)] in directory order; data_offset is absolute; crcs_recorded: whether the "
+      "archive records CRC-32s at all (torch.save with set_crc32_options(False) writes 0 for "
+      "every entry). ValueError for a bad archive and, unless "
       "require_stored=False, for any compressed or encrypted entry (size is then the uncompressed "
       "size, not the bytes at data_offset).");
 
@@ -327,7 +331,7 @@ void RegisterCheckpoint(py::module_& m) {
       },
       py::arg("path"), py::arg("plain") = false,
       "A torch.save zip file's records from one read of its directory: (folder, [(name, "
-      "data_offset, size, crc32)] in directory order), the folder holding data.pkl. ValueError, "
+      "data_offset, size, crc32, crcs_recorded)] in directory order, as zip_entries gives them), the folder holding data.pkl. ValueError, "
       "by the rules of read_torch_checkpoint and the CLI, for a bad archive, a compressed or "
       "encrypted entry, no or several data.pkl, a TorchScript archive, a format version torch "
       "does not read. With plain=True, a third member: for a file whose data.pkl is exactly what "

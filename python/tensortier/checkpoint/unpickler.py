@@ -24,18 +24,14 @@ class _ZipRecord:
     offset: int  # of the record's data
     size: int
     crc32: int
-    # Whether the archive records CRC-32s at all: torch.save with set_crc32_options(False)
-    # writes 0 for every record, so 0 means "none" only when no non-empty record has another
-    # value (one record in 2**32 really has the CRC-32 0, and is checked).
+    # Whether the archive records CRC-32s at all (the pipeline's rule, RecordsCrcs in C++):
+    # torch.save with set_crc32_options(False) writes 0 for every record.
     archive_has_crcs: bool = True
 
 
-def _records(entries: Sequence[tuple[str, int, int, int]]) -> dict[str, _ZipRecord]:
-    has_crcs = any(int(crc) != 0 for _, _, size, crc in entries if int(size) > 0)
-    return {
-        name: _ZipRecord(int(off), int(size), int(crc), has_crcs)
-        for name, off, size, crc in entries
-    }
+def _records(entries: Sequence[tuple[str, int, int, int, bool]]) -> dict[str, _ZipRecord]:
+    return {name: _ZipRecord(int(off), int(size), int(crc), bool(recorded))
+            for name, off, size, crc, recorded in entries}
 
 
 def _zip_records(path: str) -> dict[str, _ZipRecord]:
