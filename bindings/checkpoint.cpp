@@ -103,7 +103,8 @@ PieceCheck PieceCheckOf(const std::string& check) {
   if (check == "none") return PieceCheck::kNone;
   if (check == "xxh64") return PieceCheck::kXxh64;
   if (check == "crc32") return PieceCheck::kCrc32;
-  throw std::invalid_argument(StrCat("check must be 'none', 'xxh64' or 'crc32', not '", check, "'"));
+  throw std::invalid_argument(
+      StrCat("check must be 'none', 'xxh64' or 'crc32', not '", check, "'"));
 }
 
 }  // namespace
@@ -331,13 +332,14 @@ void RegisterCheckpoint(py::module_& m) {
       },
       py::arg("path"), py::arg("plain") = false,
       "A torch.save zip file's records from one read of its directory: (folder, [(name, "
-      "data_offset, size, crc32, crcs_recorded)] in directory order, as zip_entries gives them), the folder holding data.pkl. ValueError, "
-      "by the rules of read_torch_checkpoint and the CLI, for a bad archive, a compressed or "
-      "encrypted entry, no or several data.pkl, a TorchScript archive, a format version torch "
-      "does not read. With plain=True, a third member: for a file whose data.pkl is exactly what "
-      "torch.save writes for a plain dict of tensors, each alone in its storage "
-      "(TorchCheckpoint::plain_dict), ([name], [dtype], [shape], [data offset], [nbytes]) in the "
-      "dict's order (dtype table names), and None in place of the records; else None.");
+      "data_offset, size, crc32, crcs_recorded)] in directory order, as zip_entries gives them), "
+      "the folder holding data.pkl. ValueError, by the rules of read_torch_checkpoint and the "
+      "CLI, for a bad archive, a compressed or encrypted entry, no or several data.pkl, a "
+      "TorchScript archive, a format version torch does not read. With plain=True, a third "
+      "member: for a file whose data.pkl is exactly what torch.save writes for a plain dict of "
+      "tensors, each alone in its storage (TorchCheckpoint::plain_dict), ([name], [dtype], "
+      "[shape], [data offset], [nbytes]) in the dict's order (dtype table names), and None in "
+      "place of the records; else None.");
 
   m.def(
       "read_torch_checkpoint",
@@ -429,8 +431,8 @@ void RegisterCheckpoint(py::module_& m) {
         const size_t n = names.size();
         if (offsets.size() != n || lengths.size() != n || addresses.size() != n ||
             (expected && expected->size() != n)) {
-          throw std::invalid_argument("read_pieces: one offset, length, address and checksum "
-                                      "per name");
+          throw std::invalid_argument(
+              "read_pieces: one offset, length, address and checksum per name");
         }
         const PieceCheck kind = PieceCheckOf(check);
         if (kind != PieceCheck::kNone && !expected) {
@@ -438,12 +440,10 @@ void RegisterCheckpoint(py::module_& m) {
         }
         std::vector<PieceRead> pieces(n);
         for (size_t i = 0; i < n; ++i) {
-          pieces[i] = {names[i],
-                       offsets[i],
-                       lengths[i],
-                       reinterpret_cast<std::byte*>(addresses[i]),
-                       kind,
-                       kind == PieceCheck::kNone ? std::nullopt : (*expected)[i]};
+          std::byte* dest = reinterpret_cast<std::byte*>(addresses[i]);
+          std::optional<uint64_t> want;
+          if (kind != PieceCheck::kNone) want = (*expected)[i];
+          pieces[i] = {names[i], offsets[i], lengths[i], dest, kind, want};
         }
         std::function<void(uint64_t)> report;
         if (progress) {
@@ -490,8 +490,8 @@ void RegisterCheckpoint(py::module_& m) {
         const PieceCheck kind = PieceCheckOf(check);
         std::vector<PieceRead> pieces(n);
         for (size_t i = 0; i < n; ++i) {
-          pieces[i] = {names[i], 0, lengths[i], reinterpret_cast<std::byte*>(addresses[i]), kind,
-                       expected[i]};
+          std::byte* dest = reinterpret_cast<std::byte*>(addresses[i]);
+          pieces[i] = {names[i], 0, lengths[i], dest, kind, expected[i]};
         }
         py::gil_scoped_release release;
         CheckPieces(path, pieces);

@@ -37,8 +37,8 @@ void Check(const std::string& path, const PieceRead& p, const std::byte* data) {
       return;
     case PieceCheck::kXxh64: {
       if (!p.expected) {
-        throw FormatError(StrCat(path, ": verify=True but tensor ", Quoted(p.name),
-                                 " has no stored checksum"));
+        throw FormatError(
+            StrCat(path, ": verify=True but tensor ", Quoted(p.name), " has no stored checksum"));
       }
       const uint64_t actual = Xxh64(data, p.nbytes);
       if (actual != *p.expected) {
@@ -76,12 +76,10 @@ struct SettleOnUnwind {
 
 }  // namespace
 
-std::string LoadChecksumMismatch(const std::string& path, const std::string& name,
-                                 PieceCheck check, uint64_t stored, uint64_t actual) {
+std::string LoadChecksumMismatch(const std::string& path, const std::string& name, PieceCheck check,
+                                 uint64_t stored, uint64_t actual) {
   const bool crc = check == PieceCheck::kCrc32;
-  const auto hex = [crc](uint64_t v) {
-    return crc ? Hex8(static_cast<uint32_t>(v)) : Hex16(v);
-  };
+  const auto hex = [crc](uint64_t v) { return crc ? Hex8(static_cast<uint32_t>(v)) : Hex16(v); };
   return StrCat(path, ": checksum mismatch in ", crc ? "record " : "tensor ", Quoted(name),
                 ": stored ", crc ? "crc32 " : "xxh64 ", hex(stored), ", data has ", hex(actual),
                 ": the file is corrupt");
@@ -92,8 +90,7 @@ void CheckPieces(const std::string& path, std::span<const PieceRead> pieces) {
 }
 
 std::vector<IoStats> ReadPieces(Engine& engine, const File& file, const std::string& path,
-                                std::span<const PieceRead> pieces,
-                                const PieceReadOptions& options,
+                                std::span<const PieceRead> pieces, const PieceReadOptions& options,
                                 const std::function<void(uint64_t)>& progress) {
   // Small pieces first: one ReadScattered of them all, then their checks.
   std::vector<ScatteredRead> small;
@@ -181,8 +178,9 @@ void CheckRecords(Engine& engine, const File& file, const std::string& path,
       StreamRange(engine, file, r.offset, r.size, buffers,
                   [&](std::byte* data, size_t n) { crc = Crc32(data, n, crc); });
     } catch (const FormatError&) {  // the file ended inside the record
-      throw FormatError(StrCat(path, ": record ", r.name, " is truncated (the file ends before "
-                               "offset ", r.offset + r.size, ")"));
+      throw FormatError(StrCat(path, ": record ", r.name,
+                               " is truncated (the file ends before offset ", r.offset + r.size,
+                               ")"));
     }
     if (crc != r.crc32) {
       throw FormatError(LoadChecksumMismatch(path, r.name, PieceCheck::kCrc32, r.crc32, crc));

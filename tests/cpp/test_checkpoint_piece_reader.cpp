@@ -100,8 +100,8 @@ TEST(PieceReader, AMismatchNamesTheFileThePieceAndBothChecksums) {
   EXPECT_EQ(ErrorOf([&] { ReadPieces(engine, in, "m.safetensors", pieces); }),
             "m.safetensors: verify=True but tensor 'victim' has no stored checksum");
   const uint32_t crc = Crc32(f.data[0].data(), 100);
-  std::vector<PieceRead> record = {{"data/0", f.offsets[0], 100, a.data(), PieceCheck::kCrc32,
-                                    crc ^ 0x10u}};
+  std::vector<PieceRead> record = {
+      {"data/0", f.offsets[0], 100, a.data(), PieceCheck::kCrc32, crc ^ 0x10u}};
   EXPECT_EQ(ErrorOf([&] { ReadPieces(engine, in, "m.pt", record); }),
             StrCat("m.pt: checksum mismatch in record 'data/0': stored crc32 ", Hex8(crc ^ 0x10u),
                    ", data has ", Hex8(crc), ": the file is corrupt"));
@@ -145,8 +145,9 @@ TEST(PieceReader, RecordsAreStreamedAndChecked) {
             StrCat("m.pt: checksum mismatch in record 'x/data/1': stored crc32 ", Hex8(b ^ 4u),
                    ", data has ", Hex8(b), ": the file is corrupt"));
   records[1] = {"x/data/1", f.offsets[1], (5 << 20) + 1, b};
-  EXPECT_NE(ErrorOf([&] { CheckRecords(engine, in, "m.pt", records); })
-                .find("m.pt: record x/data/1 is truncated"),
+  EXPECT_NE(ErrorOf([&] {
+              CheckRecords(engine, in, "m.pt", records);
+            }).find("m.pt: record x/data/1 is truncated"),
             std::string::npos);
 }
 

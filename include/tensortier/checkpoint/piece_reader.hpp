@@ -78,7 +78,7 @@ void CheckRecords(Engine& engine, const File& file, const std::string& path,
 
 // "<path>: checksum mismatch in tensor 'name': stored xxh64 <16 hex>, data has <16 hex>: the file
 // is corrupt" (kCrc32: "record", 8 hex digits): what a load says of damaged bytes.
-std::string LoadChecksumMismatch(const std::string& path, const std::string& name,
-                                 PieceCheck check, uint64_t stored, uint64_t actual);
+std::string LoadChecksumMismatch(const std::string& path, const std::string& name, PieceCheck check,
+                                 uint64_t stored, uint64_t actual);
 
 }  // namespace tensortier
