@@ -20,6 +20,7 @@
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/piece_reader.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/checkpoint/safetensors_writer.hpp"
 #include "tensortier/checkpoint/small_pieces.hpp"
@@ -46,11 +47,13 @@ py::list EntriesToList(const std::vector<SafetensorsEntry>& entries) {
   return out;
 }
 
-// [(name, data_offset, size, crc32)] in directory order.
+// [(name, data_offset, size, crc32, crcs_recorded)] in directory order; crcs_recorded: whether
+// the archive records CRC-32s at all (RecordsCrcs), the same for every entry.
 py::list ZipEntriesToPython(const ZipDirectory& dir) {
   py::list out;
+  const bool recorded = RecordsCrcs(dir);
   for (const auto& e : dir.entries) {
-    out.append(py::make_tuple(e.name, e.data_offset, e.size, e.crc32));
+    out.append(py::make_tuple(e.name, e.data_offset, e.size, e.crc32, recorded));
   }
   return out;
 }
@@ -101,6 +104,15 @@ std::vector<const std::byte*> HostAddresses(const std::vector<uintptr_t>& addres
   host.reserve(addresses.size());
   for (uintptr_t a : addresses) host.push_back(reinterpret_cast<const std::byte*>(a));
   return host;
+}
+
+// "none", "xxh64" or "crc32".
+PieceCheck PieceCheckOf(const std::string& check) {
+  if (check == "none") return PieceCheck::kNone;
+  if (check == "xxh64") return PieceCheck::kXxh64;
+  if (check == "crc32") return PieceCheck::kCrc32;
+  throw std::invalid_argument(
+      StrCat("check must be 'none', 'xxh64' or 'crc32', not '", check, "'"));
 }
 
 }  // namespace
@@ -196,8 +208,10 @@ void RegisterCheckpoint(py::module_& m) {
         return ZipEntriesToPython(dir);
       },
       py::arg("path"), py::arg("require_stored") = true,
-      "The entries of a zip archive (torch.save file): [(name, data_offset, size, crc32)] in "
-      "directory order; data_offset is absolute. ValueError for a bad archive and, unless "
+      "The entries of a zip archive (torch.save file): [(name, data_offset, size, crc32, "
+      "crcs_recorded)] in directory order; data_offset is absolute; crcs_recorded: whether the "
+      "archive records CRC-32s at all (torch.save with set_crc32_options(False) writes 0 for "
+      "every entry). ValueError for a bad archive and, unless "
       "require_stored=False, for any compressed or encrypted entry (size is then the uncompressed "
       "size, not the bytes at data_offset).");
 
@@ -288,13 +302,14 @@ void RegisterCheckpoint(py::module_& m) {
       },
       py::arg("path"), py::arg("plain") = false,
       "A torch.save zip file's records from one read of its directory: (folder, [(name, "
-      "data_offset, size, crc32)] in directory order), the folder holding data.pkl. ValueError, "
-      "by the rules of read_torch_checkpoint and the CLI, for a bad archive, a compressed or "
-      "encrypted entry, no or several data.pkl, a TorchScript archive, a format version torch "
-      "does not read. With plain=True, a third member: for a file whose data.pkl is exactly what "
-      "torch.save writes for a plain dict of tensors, each alone in its storage "
-      "(TorchCheckpoint::plain_dict), ([name], [dtype], [shape], [data offset], [nbytes]) in the "
-      "dict's order (dtype table names), and None in place of the records; else None.");
+      "data_offset, size, crc32, crcs_recorded)] in directory order, as zip_entries gives them), "
+      "the folder holding data.pkl. ValueError, by the rules of read_torch_checkpoint and the "
+      "CLI, for a bad archive, a compressed or encrypted entry, no or several data.pkl, a "
+      "TorchScript archive, a format version torch does not read. With plain=True, a third "
+      "member: for a file whose data.pkl is exactly what torch.save writes for a plain dict of "
+      "tensors, each alone in its storage (TorchCheckpoint::plain_dict), ([name], [dtype], "
+      "[shape], [data offset], [nbytes]) in the dict's order (dtype table names), and None in "
+      "place of the records; else None.");
 
   m.def(
       "read_torch_checkpoint",
@@ -449,24 +464,101 @@ void RegisterCheckpoint(py::module_& m) {
           "the last tensor writes the header too. OSError for I/O errors.");
 
   m.def(
-      "read_scattered",
-      [](Engine& engine, const File& file, const std::vector<uint64_t>& offsets,
-         const std::vector<uint64_t>& lengths, const std::vector<uintptr_t>& addresses) {
-        if (lengths.size() != offsets.size() || addresses.size() != offsets.size()) {
-          throw std::invalid_argument("read_scattered: one length and address per offset");
+      "read_pieces",
+      [](Engine& engine, const File& file, const std::string& path,
+         const std::vector<std::string>& names, const std::vector<uint64_t>& offsets,
+         const std::vector<uint64_t>& lengths, const std::vector<uintptr_t>& addresses,
+         const std::optional<std::vector<std::optional<uint64_t>>>& expected,
+         const std::string& check, uint64_t group_bytes, uint64_t gather_below, bool stage_reads,
+         const std::optional<py::function>& progress) {
+        const size_t n = names.size();
+        if (offsets.size() != n || lengths.size() != n || addresses.size() != n ||
+            (expected && expected->size() != n)) {
+          throw std::invalid_argument(
+              "read_pieces: one offset, length, address and checksum per name");
         }
-        std::vector<ScatteredRead> reads(offsets.size());
-        for (size_t i = 0; i < reads.size(); ++i) {
-          reads[i] = {offsets[i], lengths[i], reinterpret_cast<std::byte*>(addresses[i])};
+        const PieceCheck kind = PieceCheckOf(check);
+        if (kind != PieceCheck::kNone && !expected) {
+          throw std::invalid_argument("read_pieces: a check needs the expected checksums");
+        }
+        std::vector<PieceRead> pieces(n);
+        for (size_t i = 0; i < n; ++i) {
+          std::byte* dest = reinterpret_cast<std::byte*>(addresses[i]);
+          std::optional<uint64_t> want;
+          if (kind != PieceCheck::kNone) want = (*expected)[i];
+          pieces[i] = {names[i], offsets[i], lengths[i], dest, kind, want};
+        }
+        std::function<void(uint64_t)> report;
+        if (progress) {
+          // Called on this thread between groups, the GIL taken back for it.
+          report = [&progress](uint64_t bytes) {
+            py::gil_scoped_acquire acquire;
+            (*progress)(bytes);
+          };
+        }
+        std::vector<IoStats> stats;
+        {
+          py::gil_scoped_release release;
+          stats = ReadPieces(engine, file, path, pieces,
+                             PieceReadOptions{.group_bytes = std::max<uint64_t>(group_bytes, 1),
+                                              .gather_below = gather_below,
+                                              .stage_reads = stage_reads},
+                             report);
+        }
+        py::list out;
+        for (const IoStats& s : stats) out.append(IoStatsToDict(s));
+        return out;
+      },
+      py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("names"), py::arg("offsets"),
+      py::arg("lengths"), py::arg("addresses"), py::arg("expected") = py::none(),
+      py::arg("check") = "none", py::arg("group_bytes") = kCheckpointGroupBytes,
+      py::arg("gather_below") = uint64_t{1} << 20, py::arg("stage_reads") = true,
+      py::arg("progress") = py::none(),
+      "Reads lengths[i] bytes at offsets[i] of file into host memory at addresses[i] (kept alive "
+      "by the caller) and checks them (ReadPieces): check 'xxh64' (expected[i]: the stored "
+      "checksum, None where the file stores none, an error), 'crc32' (of whole zip records) or "
+      "'none'. Pieces under gather_below bytes share large requests; the others are read in "
+      "groups of group_bytes, each checked while the next ones are read; progress(bytes) after "
+      "each. GIL released. Returns the engine's stats of each group. ValueError naming path and "
+      "the piece for a short file or a checksum mismatch; OSError for I/O errors.");
+  m.def(
+      "check_pieces",
+      [](const std::string& path, const std::vector<std::string>& names,
+         const std::vector<uintptr_t>& addresses, const std::vector<uint64_t>& lengths,
+         const std::vector<std::optional<uint64_t>>& expected, const std::string& check) {
+        const size_t n = names.size();
+        if (addresses.size() != n || lengths.size() != n || expected.size() != n) {
+          throw std::invalid_argument("check_pieces: one address, length and checksum per name");
+        }
+        const PieceCheck kind = PieceCheckOf(check);
+        std::vector<PieceRead> pieces(n);
+        for (size_t i = 0; i < n; ++i) {
+          std::byte* dest = reinterpret_cast<std::byte*>(addresses[i]);
+          pieces[i] = {names[i], 0, lengths[i], dest, kind, expected[i]};
         }
         py::gil_scoped_release release;
-        return ReadScattered(engine, file, reads);
+        CheckPieces(path, pieces);
       },
-      py::arg("engine"), py::arg("file"), py::arg("offsets"), py::arg("lengths"),
-      py::arg("addresses"),
-      "Reads lengths[i] bytes at offsets[i] of file into host memory at addresses[i] (kept "
-      "alive by the caller), ranges close together in one request (ReadScattered). Returns "
-      "the bytes each got (fewer where the file ends). OSError for I/O errors.");
+      py::arg("path"), py::arg("names"), py::arg("addresses"), py::arg("lengths"),
+      py::arg("expected"), py::arg("check"),
+      "Checks bytes already in host memory (lengths[i] at addresses[i]) as read_pieces does: "
+      "ValueError naming path and the piece for a mismatch.");
+  m.def(
+      "check_records",
+      [](Engine& engine, const File& file, const std::string& path,
+         const std::vector<std::tuple<std::string, uint64_t, uint64_t, uint32_t>>& records) {
+        std::vector<RecordCheck> checks;
+        checks.reserve(records.size());
+        for (const auto& [name, offset, size, crc] : records) {
+          checks.push_back({name, offset, size, crc});
+        }
+        py::gil_scoped_release release;
+        CheckRecords(engine, file, path, checks);
+      },
+      py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("records"),
+      "Streams each (name, offset, size, crc32) zip record of file through bounded buffers and "
+      "checks its CRC-32 (CheckRecords). ValueError naming path and the record for a mismatch "
+      "or a record the file ends inside; OSError for I/O errors.");
 
   m.def(
       "detect_checkpoint_kind",

@@ -25,11 +25,7 @@ from tensortier.checkpoint.mapping import (  # noqa: F401
     _Readahead,
     _target_device,
 )
-from tensortier.checkpoint.safetensors import (  # noqa: F401
-    _parse_checksums,
-    _read_st_header,
-    _xxh64_check,
-)
+from tensortier.checkpoint.safetensors import _parse_checksums, _read_st_header  # noqa: F401
 from tensortier.checkpoint.unpickler import (  # noqa: F401
     _swap_bytes,
     _torch_records,

@@ -21,7 +21,7 @@ import torch
 
 import internals
 import tensortier
-from tensortier import IOHandle, checkpoint
+from tensortier import _core, IOHandle, checkpoint
 from tensortier.checkpoint import _dtype, _format, _reading, loading_into, mapping
 
 # scripts/setup.sh installs safetensors: a missing one must fail the suite, not skip it.
@@ -117,16 +117,31 @@ def test_safetensors_round_trip_every_dtype(io: IOHandle, disk_dir: Path, small_
 
 
 class _RecordingIO(IOHandle):
-    """An IOHandle that keeps the futures of the batch reads it started."""
+    """An IOHandle that keeps the stats of the reads of new tensors' large pieces it made: the
+    pipeline's groups (``_core.read_pieces``, through `monkeypatch`) and its batch reads."""
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.reads: list[tensortier.IOFuture] = []
+        self.group_stats: list[dict] = []
+        real = _core.read_pieces
+        mine = self._core()
+
+        def spy(engine: object, *args: object, **kwargs: object) -> list[dict]:
+            stats = real(engine, *args, **kwargs)
+            if engine is mine:
+                self.group_stats.extend(stats)
+            return stats
+
+        monkeypatch.setattr(_core, "read_pieces", spy)
 
     def pread_batch_async(self, pieces, *, stage_reads=False):  # type: ignore[no-untyped-def]
         fut = super().pread_batch_async(pieces, stage_reads=stage_reads)
         self.reads.append(fut)
         return fut
+
+    def stats(self) -> list[dict]:
+        return self.group_stats + [f.result().stats for f in self.reads]
 
 
 def _drop_from_cache(path: Path) -> None:
@@ -139,18 +154,20 @@ def _drop_from_cache(path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
-def test_cold_cpu_loads_stage_reads_into_new_tensors(disk_dir: Path, name: str) -> None:
+def test_cold_cpu_loads_stage_reads_into_new_tensors(
+    disk_dir: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Loads to CPU ask the engine to stage their direct reads (new tensors are small-page
     memory); with staging on, the bytes come through bounce buffers and land exactly."""
     sd = mixed_state_dict()
     path = disk_dir / name
     tensortier.save(sd, path)
     _drop_from_cache(path)
-    with _RecordingIO(stage_reads="on", page_cache_check=False) as io:
+    with _RecordingIO(monkeypatch, stage_reads="on", page_cache_check=False) as io:
         out = tensortier.load(path, _io=io)
         dst = {k: torch.zeros_like(v) for k, v in sd.items()}
         tensortier.load_into(dst, path, _io=io)
-        stats = [f.result().stats for f in io.reads]
+        stats = io.stats()
     assert all(same(out[k], sd[k]) and same(dst[k], sd[k]) for k in sd)
     # Every direct byte went through bounce buffers: for load's tensors (placed at their file
     # offset modulo the page) by staging; load_into's targets may break the O_DIRECT alignment
@@ -173,10 +190,10 @@ def test_auto_staging_without_copy_threads_reads_straight_into_memory_never_touc
     path = disk_dir / name
     tensortier.save(sd, path)
     _drop_from_cache(path)
-    with _RecordingIO(stage_reads="auto", page_cache_check=False) as io:
+    with _RecordingIO(monkeypatch, stage_reads="auto", page_cache_check=False) as io:
         assert io.options["copy_threads"] == 0
         out = tensortier.load(path, _io=io)
-        stats = [f.result().stats for f in io.reads]
+        stats = io.stats()
     assert all(same(out[k], sd[k]) for k in sd)
     assert sum(st["direct_bytes"] for st in stats) >= 40 << 20, stats
     assert all(st["staged_bytes"] == 0 for st in stats), stats
@@ -197,10 +214,10 @@ def test_auto_staging_with_copy_threads_stages_memory_never_touched_where_the_di
     staged = {}
     for mode in ("on", "auto"):
         _drop_from_cache(path)
-        with _RecordingIO(stage_reads=mode, page_cache_check=False) as io:
+        with _RecordingIO(monkeypatch, stage_reads=mode, page_cache_check=False) as io:
             assert io.options["copy_threads"] == 2
             out = tensortier.load(path, _io=io)
-            stats = [f.result().stats for f in io.reads]
+            stats = io.stats()
         assert all(same(out[k], sd[k]) for k in sd), mode
         staged[mode] = sum(st["staged_bytes"] for st in stats)
     assert staged["on"] >= 40 << 20, staged
@@ -693,7 +710,7 @@ def test_device_staging_logic_on_cpu(disk_dir: Path, monkeypatch: pytest.MonkeyP
            if e.dtype.itemsize == 1 else torch.zeros(e.nbytes // e.dtype.itemsize, dtype=e.dtype)
            for e in entries}
     pieces = [internals._Piece(e.name, f, e.offset, e.nbytes, out[e.name],
-                                internals._xxh64_check(str(path), e.name, sums[e.name]))
+                                ("xxh64", sums[e.name]))
               for e in entries]
     progress = internals._Progress("x", sum(p.nbytes for p in pieces), False)
     internals._read_device_checked(io, pieces, progress, str(path))

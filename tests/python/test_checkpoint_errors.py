@@ -1156,10 +1156,13 @@ def test_a_failed_device_read_still_waits_for_the_other_reads(
 def test_device_pieces_go_to_the_engine_unless_they_carry_a_checksum(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Routing of _read_pieces, with meta tensors standing in for CUDA ones: CPU pieces and
-    unchecked device pieces go to the engine (its GPU path for CUDA), checked device pieces
-    through the pinned host buffers, where their bytes can be hashed."""
+    """Routing of _read_pieces, with meta tensors standing in for CUDA ones: CPU pieces, checked
+    or not, go to the pipeline in C++ (read and checked there), unchecked device pieces to the
+    engine's GPU path, checked device pieces through the pinned host buffers, where their bytes
+    can be hashed."""
     seen: dict[str, list[str]] = {}
+    monkeypatch.setattr(_reading, "_read_host_pieces",
+                        lambda io, ps, prog, path: seen.setdefault("host", [p.name for p in ps]))
     monkeypatch.setattr(_reading, "_read_batched",
                         lambda io, ps, prog, path: seen.setdefault("engine", [p.name for p in ps]))
     monkeypatch.setattr(_reading, "_read_device_checked",
@@ -1167,13 +1170,13 @@ def test_device_pieces_go_to_the_engine_unless_they_carry_a_checksum(
 
     def piece(name: str, device: str, checked: bool) -> internals._Piece:
         return internals._Piece(name, None, 0, 4, torch.empty(4, device=device),
-                                 (lambda data: None) if checked else None)
+                                 ("xxh64", 0) if checked else None)
 
     pieces = [piece("cpu", "cpu", False), piece("cpu-checked", "cpu", True),
               piece("dev", "meta", False), piece("dev-checked", "meta", True)]
     progress = internals._Progress("x", 16, False)
     internals._read_pieces(None, pieces, progress, "m")  # type: ignore[arg-type]
-    assert seen == {"engine": ["cpu", "cpu-checked", "dev"], "pinned": ["dev-checked"]}
+    assert seen == {"host": ["cpu", "cpu-checked"], "engine": ["dev"], "pinned": ["dev-checked"]}
 
 
 def _oversized_view_file(disk_dir: Path) -> Path:

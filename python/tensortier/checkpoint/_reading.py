@@ -1,45 +1,93 @@
-"""Reading: a plan of (destination, file offset) pieces executed with the engine, in groups,
-directly into device memory where that is possible."""
+"""Reading a load's pieces: (destination, file offset, stored checksum) read and checked by the
+pipeline in C++ (``_core.read_pieces``: grouped, checked as the bytes arrive, GIL released), CUDA
+destinations through the engine's GPU path."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..io import IOFuture, IOHandle
-from . import _format
+from ..io import _bump_versions, File, IOFuture, IOHandle
+from . import _engine, _format
 from ._tensor_bytes import _as_bytes
-from ._format import _require, _T, _torch, ALIGNMENT
+from ._format import _require, _torch, ALIGNMENT
 from ._progress import _Progress
 
 
 @dataclass
 class _Piece:
-    """Read `nbytes` at `offset` of `file` into `dest` (a tensor of exactly those bytes), then
-    call `done(dest_host_bytes)` (checksums)."""
+    """Read `nbytes` at `offset` of `file` into `dest` (a tensor of exactly those bytes), checked
+    against `checksum`: ("xxh64", stored or None where the file stores none) for a safetensors
+    tensor, ("crc32", stored) for a whole torch storage record, None for no check."""
 
     name: str
     file: Any
     offset: int
     nbytes: int
     dest: Any
-    check: Callable[[Any], None] | None = None
+    checksum: tuple[str, int | None] | None = None
+
+
+def _open_checkpoint(io: IOHandle, path: str) -> File:
+    """`path` opened for the engine's reads through `io`'s fault seam (a FIFO or a device is
+    refused, never waited on)."""
+    return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
+
+
+def _read_at(file: File, size: int, offset: int, io: IOHandle | None = None) -> bytes:
+    """`size` bytes of `file` from `offset` (fewer at its end), read by the engine: faults can
+    be injected there and its errors name the file."""
+    if size == 0:
+        return b""
+    buf = bytearray(size)
+    got = (io if io is not None else _engine._default_io()).pread(buf, file, offset)
+    return bytes(memoryview(buf)[:got])
+
+
+def _read_host(
+    io: IOHandle, file: File, path: str, names: Sequence[str], offsets: Sequence[int],
+    lengths: Sequence[int], addresses: Sequence[int], progress: _Progress,
+    check: str = "none", expected: Sequence[int | None] | None = None,
+) -> None:
+    """Host memory at `addresses` (the caller's tensors, kept alive meanwhile) filled from
+    `file` and checked (``check``: "xxh64", "crc32" or "none"; `expected`: the stored values),
+    by one call into the pipeline: small pieces gathered into large requests, the others in
+    groups of ``_GROUP_BYTES`` read while earlier ones are checked."""
+    report = progress.update if progress.enabled else None
+    _require("read_pieces")(
+        io._core(), file, path, names, offsets, lengths, addresses,  # noqa: SLF001
+        expected, check, _format._GROUP_BYTES, _format._ALIGNED_ALLOC_MIN, True, report)
+    if report is None:
+        progress.update(sum(lengths))
+
+
+def _check_host(path: str, pieces: Sequence[tuple[str, Any, tuple[str, int | None]]]) -> None:
+    """(name, CPU tensor, checksum) `pieces` whose bytes are in memory already (mapped, read
+    while unpickling) checked by the pipeline's rule, one call per kind of checksum."""
+    for kind in {c[0] for _, _, c in pieces}:
+        mine = [(n, t, c) for n, t, c in pieces if c[0] == kind]
+        _require("check_pieces")(path, [n for n, _, _ in mine], [t.data_ptr() for _, t, _ in mine],
+                                 [t.numel() * t.element_size() for _, t, _ in mine],
+                                 [c[1] for _, _, c in mine], kind)
 
 
 def _read_pieces(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str,
     close_progress: bool = True,
 ) -> None:
-    """Read every piece into its destination, in groups of ~64 MiB submitted together and
-    checked as they complete. CPU destinations are read in place; CUDA ones through the
-    engine's GPU path (pinned bounce ring or GPUDirect Storage, copies on the current stream),
-    except those with a checksum to check, which come through a pinned host buffer."""
-    batched = [p for p in pieces if p.dest.is_cpu or p.check is None]
-    checked_device = [p for p in pieces if not p.dest.is_cpu and p.check is not None]
+    """Read every piece into its destination. CPU destinations are read and checked in C++;
+    CUDA ones through the engine's GPU path (pinned bounce ring or GPUDirect Storage, copies on
+    the current stream), except those with a checksum to check, which come through a pinned
+    host buffer."""
+    host = [p for p in pieces if p.dest.is_cpu]
+    device = [p for p in pieces if not p.dest.is_cpu and p.checksum is None]
+    checked_device = [p for p in pieces if not p.dest.is_cpu and p.checksum is not None]
     try:
-        if batched:
-            _read_batched(io, batched, progress, path)
+        if host:
+            _read_host_pieces(io, host, progress, path)
+        if device:
+            _read_batched(io, device, progress, path)
         if checked_device:
             _read_device_checked(io, checked_device, progress, path)
     finally:
@@ -47,19 +95,19 @@ def _read_pieces(
             progress.close()
 
 
-def _groups(pieces: Sequence[_T]) -> Iterator[list[_T]]:
-    """`pieces` (anything with ``nbytes``) in runs of about _GROUP_BYTES (one piece when
-    larger)."""
-    group: list[_T] = []
-    size = 0
+def _read_host_pieces(
+    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
+) -> None:
+    """CPU `pieces`, one pipeline call per file and kind of checksum. Each read counts as an
+    in-place change of its tensor for autograd, as the engine's reads into tensors do."""
+    calls: dict[tuple[int, str], list[_Piece]] = {}
     for p in pieces:
-        group.append(p)
-        size += p.nbytes
-        if size >= _format._GROUP_BYTES:
-            yield group
-            group, size = [], 0
-    if group:
-        yield group
+        calls.setdefault((id(p.file), p.checksum[0] if p.checksum else "none"), []).append(p)
+    for (_, check), ps in calls.items():
+        _read_host(io, ps[0].file, path, [p.name for p in ps], [p.offset for p in ps],
+                   [p.nbytes for p in ps], [p.dest.data_ptr() for p in ps], progress, check,
+                   [p.checksum[1] for p in ps] if check != "none" else None)  # type: ignore[index]
+    _bump_versions([p.dest for p in pieces])
 
 
 def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
@@ -72,29 +120,29 @@ def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
 def _read_batched(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
 ) -> None:
-    submitted: list[tuple[list[_Piece], IOFuture]] = []
+    """Unchecked CUDA destinations through the engine's GPU path, in groups of ~64 MiB submitted
+    together; every read is waited for before an error is raised (it writes the tensors)."""
+    submitted: list[tuple[list[_Piece], IOFuture | None]] = []
     try:
-        for group in _groups(pieces):
-            batch = [(_as_bytes(p.dest), p.file, p.offset) for p in group if p.nbytes]
-            if batch:
-                # Tensors from torch's allocator (new ones, or load_into's targets) are small
-                # pages, which some disks read slowly: see IOHandle(stage_reads=...).
-                submitted.append((group, io.pread_batch_async(batch, stage_reads=True)))
-            else:
-                submitted.append((group, None))  # type: ignore[arg-type]
+        group: list[_Piece] = []
+        size = 0
+        for i, p in enumerate(pieces):
+            group.append(p)
+            size += p.nbytes
+            if size < _format._GROUP_BYTES and i + 1 < len(pieces):
+                continue
+            batch = [(_as_bytes(q.dest), q.file, q.offset) for q in group if q.nbytes]
+            submitted.append((group, io.pread_batch_async(batch) if batch else None))
+            group, size = [], 0
         for group, fut in submitted:
             if fut is not None:
-                result = fut.result()
-                got = iter(result.segment_bytes)
+                got = iter(fut.result().segment_bytes)
                 for p in group:
                     if p.nbytes:
                         n = next(got)
                         if n != p.nbytes:
                             raise _short_read(path, p, n)
-            for p in group:
-                if p.check is not None:
-                    p.check(p.dest)
-                progress.update(p.nbytes)
+            progress.update(sum(p.nbytes for p in group))
     finally:
         for _, fut in submitted:  # memory handed to the engine must outlive the reads
             if fut is not None:
@@ -104,29 +152,10 @@ def _read_batched(
                     pass
 
 
-def _read_small(
-    io: IOHandle, file: Any, path: str, pieces: Sequence[tuple[str, int, int]],
-    addresses: Sequence[int], progress: _Progress,
-) -> None:
-    """(name, offset, nbytes) `pieces` of `file` read by ``_core.read_scattered`` into host
-    memory at `addresses` (the caller's tensors, kept alive meanwhile): small tensors (optimizer
-    states, adapters, norms) in large requests copied out, not one request each."""
-    got = _require("read_scattered")(io._core(), file,  # noqa: SLF001 - same package
-                                     [o for _, o, _ in pieces], [n for _, _, n in pieces],
-                                     addresses)
-    for (name, offset, n), g in zip(pieces, got):
-        if g != n:
-            raise ValueError(
-                f"{path}: file ended early: tensor {name!r} needs {n} bytes at offset {offset}, "
-                f"got {g} (truncated file?)"
-            )
-    progress.update(sum(n for _, _, n in pieces))
-
-
 def _pinned_buffer(size: int) -> Any:
     """`size` bytes of tensortier's pinned host memory (exactly that size, unmapped when the
     tensor goes), as a uint8 tensor."""
-    from .device import pinned_empty
+    from ..device import pinned_empty
 
     return pinned_empty(size)
 
@@ -156,8 +185,8 @@ def _read_device_checked(
                 got = io.pread(view, p.file, p.offset)
                 if got != p.nbytes:
                     raise _short_read(path, p, got)
-            assert p.check is not None
-            p.check(view)
+            assert p.checksum is not None
+            _check_host(path, [(p.name, view, p.checksum)])
             if p.nbytes:
                 dev = p.dest.device
                 stream = streams.get(dev)

@@ -1,5 +1,4 @@
-"""Tensor bytes as flat uint8 tensors, their checksums (computed in C++), and the error a
-mismatch raises."""
+"""Tensor bytes as flat uint8 tensors, and their checksums (computed in C++)."""
 
 from __future__ import annotations
 
@@ -46,11 +45,3 @@ def _crc32(t: Any, value: int = 0) -> int:
         return value
     return int(_require("crc32_address")(t.data_ptr(), n, value))
 
-
-def _checksum_mismatch(path: str, name: str, kind: str, stored: int, actual: int) -> ValueError:
-    """`name`: the tensor (xxh64, per tensor) or the zip record of a storage (crc32)."""
-    what, width = ("record", 8) if kind == "crc32" else ("tensor", 16)
-    return ValueError(
-        f"{path}: checksum mismatch in {what} {name!r}: stored {kind} {stored:0{width}x}, data "
-        f"has {actual:0{width}x}: the file is corrupt"
-    )

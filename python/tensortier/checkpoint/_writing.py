@@ -1,13 +1,11 @@
-"""Checkpoint files through the engine: the durable file a save writes (C++), and plain reads of
-checkpoint files."""
+"""The durable file a save writes (C++), through the engine."""
 
 from __future__ import annotations
 
 import os
 
 from .. import _core
-from ..io import File, IOHandle
-from . import _engine
+from ..io import IOHandle
 from ._format import PathLike
 
 
@@ -35,22 +33,6 @@ class _DurableFile:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is not None or not self._core.committed:
             self._core.abort()
-
-
-def _open_checkpoint(io: IOHandle, path: str) -> File:
-    """`path` opened for the engine's reads through `io`'s fault seam (a FIFO or a device is
-    refused, never waited on)."""
-    return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
-
-
-def _read_at(file: File, size: int, offset: int, io: IOHandle | None = None) -> bytes:
-    """`size` bytes of `file` from `offset` (fewer at its end), read by the engine: faults can
-    be injected there and its errors name the file."""
-    if size == 0:
-        return b""
-    buf = bytearray(size)
-    got = (io if io is not None else _engine._default_io()).pread(buf, file, offset)
-    return bytes(memoryview(buf)[:got])
 
 
 def _wait_for_replaced_files() -> None:

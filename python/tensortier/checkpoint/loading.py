@@ -194,6 +194,10 @@ def _load_path(
     fspath: str, dev: Any, target_dtype: Any, verify: bool, progress: bool | None,
     io: IOHandle, mmap: bool, placement: _Placement | None, streamed: bool,
 ) -> Any:
+    """The load's one way down: this module picks the format's module (``index`` for shard
+    indexes, which loads each shard through the next two; ``safetensors``; ``unpickler`` for
+    torch zips), which allocates the tensors and hands their pieces to ``_reading``, which reads
+    and checks them in C++ (``load_into`` shares the same modules below it)."""
     kind = _sniff(fspath)
     if kind == "index" and streamed:
         raise ValueError(

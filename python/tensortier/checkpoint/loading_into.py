@@ -11,15 +11,13 @@ from typing import Any, NamedTuple
 from ..io import File, IOHandle
 from . import _engine, _format, _reading, safetensors, unpickler
 from ._files import _same_file
-from ._tensor_bytes import _checksum_mismatch, _crc32, _nbytes
-from ._format import _sniff, _torch, CHECKSUM_KEY, PathLike
+from ._tensor_bytes import _nbytes
+from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
 from ._progress import _Progress
-from ._reading import _Piece
-from ._writing import _open_checkpoint
+from ._reading import _open_checkpoint, _Piece
 from .index import _read_index, _take_shard
-from .safetensors import _xxh64_check
-from .unpickler import _crc_check, _StorageRef, _verifiable, _verify_other_records
+from .unpickler import _StorageRef, _verifiable, _verify_other_records
 
 
 def _a(noun: str) -> str:
@@ -202,7 +200,6 @@ class _Source:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    check: Callable[[Any], None] | None  # set per load (verify)
     checksum: int | None  # xxh64 of the bytes (safetensors) or None
     crc_storage: _StorageRef | None = None  # torch: the storage record (crc checks)
     view: Any = None  # torch: a meta tensor describing the saved view
@@ -240,7 +237,7 @@ def _describe_sources(
         if verify and CHECKSUM_KEY in metadata:
             sums = safetensors._parse_checksums(path, metadata, [e.name for e in entries])
         return {
-            e.name: _Source(path, e.dtype, e.shape, e.offset, e.nbytes, None,
+            e.name: _Source(path, e.dtype, e.shape, e.offset, e.nbytes,
                             None if sums is None else sums.get(e.name, -1))
             for e in entries
         }
@@ -296,7 +293,7 @@ def _describe_sources(
         # through its storage, then copied with the bit applied, as non-contiguous views are.
         contiguous = t.is_contiguous() and not t.is_conj() and not t.is_neg()
         out[name] = _Source(path, t.dtype, tuple(t.shape), ref.record.offset + start, n, None,
-                            None, ref, None if contiguous else t)
+                            ref, None if contiguous else t)
     return out
 
 
@@ -369,25 +366,27 @@ def _load_into(
                 _verifiable(src.path, [ref])
             staged.append(_Staged(ref.nbytes, functools.partial(
                 _stage_saved_view, t, ref, src.view, f,
-                _crc_check(src.path, ref.key, ref.record.crc32) if verify else None)))
+                ("crc32", ref.record.crc32) if verify else None)))
             continue
-        check = None
+        check: tuple[str, int | None] | None = None
         if verify and src.crc_storage is not None:
             ref = src.crc_storage
             if src.offset == ref.record.offset and src.nbytes == ref.nbytes:
                 _verifiable(src.path, [ref])
-                check = _crc_check(src.path, ref.key, ref.record.crc32)
+                check = ("crc32", ref.record.crc32)
             else:  # the CRC covers more than this tensor: checked on its own afterwards
                 crc_refs[(ref.path, ref.key)] = ref
         elif verify:
             if src.checksum is None:
                 safetensors._parse_checksums(src.path, {}, [])  # raises: the file stores none
-            check = _xxh64_check(src.path, k, None if src.checksum == -1 else src.checksum)
+            check = ("xxh64", None if src.checksum == -1 else src.checksum)
+        # A CRC-32 is a zip record's: a mismatch names the record.
+        name = f"data/{src.crc_storage.key}" if check and check[0] == "crc32" else k
         if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: engine's ring/GDS
-            direct.append(_Piece(k, f, src.offset, src.nbytes, t.detach(), check))
+            direct.append(_Piece(name, f, src.offset, src.nbytes, t.detach(), check))
         else:
             staged.append(_Staged(src.nbytes, functools.partial(
-                _stage_tensor, t, k, f, src, check)))
+                _stage_tensor, t, name, f, src, check)))
     total = sum(p.nbytes for p in direct) + sum(s.nbytes for s in staged)
     prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
     try:
@@ -434,7 +433,7 @@ def _staged_groups(staged: Sequence[_Staged]) -> Iterator[list[_Staged]]:
 
 
 def _stage_tensor(
-    t: Any, name: str, f: File, src: _Source, check: Callable[[Any], None] | None
+    t: Any, name: str, f: File, src: _Source, check: tuple[str, int | None] | None
 ) -> tuple[_Piece, Callable[[], None]]:
     torch = _torch()
     tmp = torch.empty(src.shape, dtype=src.dtype, device=t.device)
@@ -442,7 +441,7 @@ def _stage_tensor(
 
 
 def _stage_saved_view(
-    t: Any, ref: _StorageRef, view: Any, f: File, check: Callable[[Any], None] | None
+    t: Any, ref: _StorageRef, view: Any, f: File, check: tuple[str, int | None] | None
 ) -> tuple[_Piece, Callable[[], None]]:
     torch = _torch()
     holder = torch.empty(ref.nbytes, dtype=torch.uint8)
@@ -462,22 +461,9 @@ def _stage_saved_view(
 def _verify_torch_records(io: IOHandle, files: Mapping[str, Any], refs: Sequence[_StorageRef]
                           ) -> None:
     """verify=True for load_into from torch files, for storage records the tensors read do not
-    cover whole: the CRC-32 covers the whole record, so it is read again through a bounded
-    buffer and checked."""
-    torch = _torch()
+    cover whole: the CRC-32 covers the whole record, so the pipeline streams it again through
+    bounded buffers and checks it."""
     _verifiable(refs[0].path, refs)
-    size = min(max(r.nbytes for r in refs), _format._GROUP_BYTES) or 1
-    buf = torch.empty(size, dtype=torch.uint8)
     for r in refs:
-        f = files[r.path]
-        crc = 0
-        pos = 0
-        while pos < r.nbytes:
-            n = min(buf.numel(), r.nbytes - pos)
-            got = io.pread(buf[:n], f, r.record.offset + pos)
-            if got != n:
-                raise ValueError(f"{r.path}: file ended early in record data/{r.key}")
-            crc = _crc32(buf[:n], crc)
-            pos += n
-        if crc != r.record.crc32:
-            raise _checksum_mismatch(r.path, f"data/{r.key}", "crc32", r.record.crc32, crc)
+        _require("check_records")(io._core(), files[r.path], r.path, [  # noqa: SLF001
+            (f"data/{r.key}", r.record.offset, r.nbytes, r.record.crc32)])

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _core
 from ..io import File, IOHandle
-from . import _dtype, _format, _reading, _tensor_bytes, mapping
+from . import _dtype, _format, _reading, mapping
 from ._dtype import _converts
 from ._files import _same_file
 from ._format import _st_dtype_maps
 from ._format import _dtype_names
-from ._tensor_bytes import _checksum_mismatch
 from ._format import (
     _require,
     _st_per_torch_element,
@@ -26,8 +25,8 @@ from ._format import (
     PathLike,
 )
 from ._progress import _Progress
-from ._reading import _groups, _Piece
-from ._writing import _DurableFile, _open_checkpoint
+from ._reading import _open_checkpoint, _Piece
+from ._writing import _DurableFile
 from .mapping import _mapped_tensor, _Placement, _Readahead
 
 
@@ -224,17 +223,6 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
     return out, dict(metadata)
 
 
-def _xxh64_check(path: str, name: str, expected: int | None) -> Callable[[Any], None]:
-    def check(data: Any) -> None:
-        if expected is None:
-            raise ValueError(f"{path}: verify=True but tensor {name!r} has no stored checksum")
-        actual = _tensor_bytes._xxh64(data)
-        if actual != expected:
-            raise _checksum_mismatch(path, name, "xxh64", expected, actual)
-
-    return check
-
-
 def _load_safetensors(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     _prog: _Progress | None = None, mapped: _Readahead | None = None,
@@ -243,7 +231,7 @@ def _load_safetensors(
     """`placement` (``map_location``): safetensors files hold CPU tensors (location "cpu")."""
     if placement is not None and placement.restore is None:
         dev = placement.device_for("cpu")
-    out = _load_safetensors_at(path, dev, dtype, verify, progress, io, _prog, mapped)
+    out = _load_safetensors_at(path, dev, dtype, verify, progress, io, mapped)
     if placement is not None and placement.restore is not None:
         out = {k: placement.restored_tensor(t, "cpu") for k, t in out.items()}
     return out
@@ -251,7 +239,7 @@ def _load_safetensors(
 
 def _load_safetensors_at(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
-    _prog: _Progress | None = None, mapped: _Readahead | None = None,
+    mapped: _Readahead | None = None,
 ) -> dict[str, Any]:
     file = _open_checkpoint(io, path)
     try:
@@ -266,12 +254,11 @@ def _load_safetensors_at(
         if mapped is not None:
             ranges = [(e.name, e.offset, e.nbytes) for e in entries]
             whole = mapping._map_file(file, path, ranges, mapped)
-            mapped_out = {}
-            for e in entries:
-                t = _mapped_tensor(whole, e.offset, e.nbytes, e.dtype, e.shape)
-                if verify:
-                    _xxh64_check(path, e.name, sums.get(e.name))(t)
-                mapped_out[e.name] = t
+            mapped_out = {e.name: _mapped_tensor(whole, e.offset, e.nbytes, e.dtype, e.shape)
+                          for e in entries}
+            if sums is not None:
+                _reading._check_host(path, [(k, t, ("xxh64", sums.get(k)))
+                                            for k, t in mapped_out.items()])
             return _dtype._convert_in_place(mapped_out, dtype) if dtype is not None else mapped_out
         total = sum(e.nbytes for e in entries)
         prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
@@ -282,13 +269,27 @@ def _load_safetensors_at(
         # its saved dtype as well.
         converts = dtype is not None and any(_converts(e.dtype, dtype) for e in entries)
         try:
-            for group in _groups(entries) if converts else [entries]:
+            for group in _conversion_groups(entries) if converts else [entries]:
                 out.update(_read_st_group(io, file, path, group, dev, dtype, sums, prog))
         finally:
             prog.close()
     finally:
         file.close()
     return out
+
+
+def _conversion_groups(entries: Sequence[_STEntry]) -> list[list[_STEntry]]:
+    """`entries` in runs of about ``_GROUP_BYTES`` (one entry when larger): what a load that
+    converts dtypes holds in the saved dtype at once."""
+    groups: list[list[_STEntry]] = [[]]
+    size = 0
+    for e in entries:
+        if size >= _format._GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e.nbytes
+    return groups
 
 
 def _read_st_group(
@@ -299,36 +300,25 @@ def _read_st_group(
     (when not None); checksums checked when `sums` is not None. The originals of converted
     tensors go when this returns."""
     torch = _torch()
-    pieces: list[_Piece] = []
     out: dict[str, Any] = {}
-    cpu = dev.type == "cpu"
-    # Small CPU tensors: one C++ read of them all, then their checksums.
-    small: list[tuple[str, int, int]] = []
-    small_addresses: list[int] = []
-    small_checks: list[tuple[Callable[[Any], None], Any]] = []
-    for e in group:
-        if not cpu:
-            t = torch.empty(e.shape, dtype=e.dtype, device=dev)
-        elif e.nbytes < _format._ALIGNED_ALLOC_MIN:
-            t = torch.empty(e.shape, dtype=e.dtype)  # what _host_alloc gives, shaped
-            out[e.name] = t
-            if e.nbytes:
-                small.append((e.name, e.offset, e.nbytes))
-                small_addresses.append(t.data_ptr())
-            if sums is not None:
-                small_checks.append((_xxh64_check(path, e.name, sums.get(e.name)), t))
-            continue
-        else:
-            t = mapping._host_alloc(e.nbytes // e.dtype.itemsize, e.dtype,
-                                    e.offset % ALIGNMENT).view(e.shape)
-        check = _xxh64_check(path, e.name, sums.get(e.name)) if sums is not None else None
-        pieces.append(_Piece(e.name, file, e.offset, e.nbytes, t, check))
-        out[e.name] = t
-    if small:
-        _reading._read_small(io, file, path, small, small_addresses, prog)
-    for check, t in small_checks:
-        check(t)
-    _reading._read_pieces(io, pieces, prog, path, close_progress=False)
+    if dev.type == "cpu":  # one call into the pipeline reads and checks them all
+        small = _format._ALIGNED_ALLOC_MIN
+        for e in group:
+            out[e.name] = (torch.empty(e.shape, dtype=e.dtype) if e.nbytes < small else
+                           mapping._host_alloc(e.nbytes // e.dtype.itemsize, e.dtype,
+                                               e.offset % ALIGNMENT).view(e.shape))
+        _reading._read_host(
+            io, file, path, [e.name for e in group], [e.offset for e in group],
+            [e.nbytes for e in group], [t.data_ptr() for t in out.values()], prog,
+            "xxh64" if sums is not None else "none",
+            [sums.get(e.name) for e in group] if sums is not None else None)
+    else:
+        pieces: list[_Piece] = []
+        for e in group:
+            t = out[e.name] = torch.empty(e.shape, dtype=e.dtype, device=dev)
+            pieces.append(_Piece(e.name, file, e.offset, e.nbytes, t,
+                                 ("xxh64", sums.get(e.name)) if sums is not None else None))
+        _reading._read_pieces(io, pieces, prog, path, close_progress=False)
     if dtype is not None:
         return {k: _dtype._convert(t, dtype) for k, t in out.items()}
     return out

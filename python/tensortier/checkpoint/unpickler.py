@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import os
 import pickle
-import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..io import File, IOHandle
-from . import _dtype, _engine, _format, _reading, mapping
+from . import _dtype, _engine, _reading, mapping
 from ._files import _same_file
-from ._tensor_bytes import _as_bytes, _checksum_mismatch, _crc32, _storage_bytes
+from ._tensor_bytes import _storage_bytes
 from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes, ALIGNMENT
 from ._progress import _Progress
-from ._reading import _Piece
-from ._writing import _open_checkpoint, _read_at
+from ._reading import _open_checkpoint, _Piece, _read_at
 from .mapping import _empty_fixed_storage, _fixed_size, _mapped_tensor, _Placement, _Readahead
 
 
@@ -26,18 +24,14 @@ class _ZipRecord:
     offset: int  # of the record's data
     size: int
     crc32: int
-    # Whether the archive records CRC-32s at all: torch.save with set_crc32_options(False)
-    # writes 0 for every record, so 0 means "none" only when no non-empty record has another
-    # value (one record in 2**32 really has the CRC-32 0, and is checked).
+    # Whether the archive records CRC-32s at all (the pipeline's rule, RecordsCrcs in C++):
+    # torch.save with set_crc32_options(False) writes 0 for every record.
     archive_has_crcs: bool = True
 
 
-def _records(entries: Sequence[tuple[str, int, int, int]]) -> dict[str, _ZipRecord]:
-    has_crcs = any(int(crc) != 0 for _, _, size, crc in entries if int(size) > 0)
-    return {
-        name: _ZipRecord(int(off), int(size), int(crc), has_crcs)
-        for name, off, size, crc in entries
-    }
+def _records(entries: Sequence[tuple[str, int, int, int, bool]]) -> dict[str, _ZipRecord]:
+    return {name: _ZipRecord(int(off), int(size), int(crc), bool(recorded))
+            for name, off, size, crc, recorded in entries}
 
 
 def _zip_records(path: str) -> dict[str, _ZipRecord]:
@@ -67,11 +61,11 @@ def _read_record(
     data = _read_at(file, rec.size, rec.offset, io)  # small metadata records only
     if len(data) != rec.size:
         raise ValueError(f"{path}: record {name} is truncated")
-    if verify and rec.archive_has_crcs and zlib.crc32(data) != rec.crc32:
-        raise ValueError(
-            f"{path}: checksum mismatch in record {name!r}: stored crc32 {rec.crc32:08x}, data "
-            f"has {zlib.crc32(data):08x}: the file is corrupt"
-        )
+    if verify and rec.archive_has_crcs:
+        torch = _torch()
+        _reading._check_host(path, [(name, torch.frombuffer(bytearray(data) or bytearray(1),
+                                                            dtype=torch.uint8)[:len(data)],
+                                     ("crc32", rec.crc32))])
     return data
 
 
@@ -134,7 +128,7 @@ def _fill_now(
         )
     if verify:
         _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
-        _crc_check(ref.path, ref.key, ref.record.crc32)(host)
+        _reading._check_host(ref.path, [(f"data/{ref.key}", host, ("crc32", ref.record.crc32))])
     if host is not dest:
         dest.copy_(host)
     if big_endian:
@@ -272,7 +266,8 @@ def _unpickle_torch(
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
                         _verifiable(label or path, [ref])
-                        _crc_check(label or path, key, record.crc32)(_storage_bytes(storage))
+                        _reading._check_host(label or path, [
+                            (f"data/{key}", _storage_bytes(storage), ("crc32", record.crc32))])
                     _byteswap_storages([ref])
                     ref.filled = True
                 storages[key] = ref
@@ -356,15 +351,6 @@ def _unpickle_torch(
     return obj, storages, records, prefix, big_endian
 
 
-def _crc_check(path: str, key: str, expected: int) -> Callable[[Any], None]:
-    def check(data: Any) -> None:
-        actual = _crc32(_as_bytes(data))
-        if actual != expected:
-            raise _checksum_mismatch(path, f"data/{key}", "crc32", expected, actual)
-
-    return check
-
-
 def _verify_other_records(
     path: str, file: File, records: Mapping[str, _ZipRecord], checked: set[str], io: IOHandle
 ) -> None:
@@ -378,22 +364,8 @@ def _verify_other_records(
             "with torch.serialization.set_crc32_options(False); save it with "
             "tensortier.save(..., checksum=True), or load with verify=False)"
         )
-    for name, rec in records.items():
-        if name in checked:
-            continue
-        crc = pos = 0
-        while pos < rec.size:
-            data = _read_at(file, min(rec.size - pos, _format._GROUP_BYTES), rec.offset + pos, io)
-            if not data:
-                raise ValueError(f"{path}: record {name} is truncated (file ended at offset "
-                                 f"{rec.offset + pos})")
-            crc = zlib.crc32(data, crc)
-            pos += len(data)
-        if crc != rec.crc32:
-            raise ValueError(
-                f"{path}: checksum mismatch in record {name!r}: stored crc32 {rec.crc32:08x}, "
-                f"data has {crc:08x}: the file is corrupt"
-            )
+    _require("check_records")(io._core(), file, path, [  # noqa: SLF001 - same package
+        (name, r.offset, r.size, r.crc32) for name, r in records.items() if name not in checked])
 
 
 def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
@@ -438,30 +410,25 @@ def _load_plain_dict(
     chunk_storages = [c.untyped_storage() for c in chunks]
     bases = [c.data_ptr() for c in chunks]
     out: dict[str, Any] = {}
-    small: list[tuple[str, int, int]] = []
-    small_addresses: list[int] = []
-    pieces: list[_Piece] = []
+    addresses: list[int] = []
     for name, dt, shape, offset, n, (chunk, pos) in zip(
             names, dtypes, shapes, offsets, sizes, places):
         if chunk >= 0:
             storage = chunk_storages[chunk][pos : pos + n]
-            small.append((name, offset, n))
-            small_addresses.append(bases[chunk] + pos)
+            addresses.append(bases[chunk] + pos)
         elif n == 0:
             storage = _empty_fixed_storage()
+            addresses.append(0)
         else:
             flat = mapping._host_alloc(n, torch.uint8, offset % ALIGNMENT)
             if flat.untyped_storage().resizable():
                 flat = _fixed_size(flat)
             storage = flat.untyped_storage()
-            pieces.append(_Piece(name, file, offset, n, flat))
+            addresses.append(flat.data_ptr())
         out[name] = torch.empty(0, dtype=to_torch[dt]).set_(storage, 0, shape)
     prog = _Progress(f"loading {os.path.basename(path)}", sum(sizes), progress)
     try:
-        if small:
-            _reading._read_small(io, file, path, small, small_addresses, prog)
-        if pieces:
-            _reading._read_pieces(io, pieces, prog, path, close_progress=False)
+        _reading._read_host(io, file, path, names, offsets, sizes, addresses, prog)
     finally:
         prog.close()
     return out
@@ -504,15 +471,15 @@ def _load_torch(
             _verify_other_records(path, file, records, read, io)
         pieces: list[_Piece] = []
         if whole is not None:
-            if verify:
-                for r in refs:
-                    if not r.filled:  # swapped while unpickling: checked then
-                        _crc_check(path, r.key, r.record.crc32)(_storage_bytes(r.storage))
+            if verify:  # storages swapped while unpickling were checked then
+                _reading._check_host(path, [
+                    (f"data/{r.key}", _storage_bytes(r.storage), ("crc32", r.record.crc32))
+                    for r in refs if not r.filled])
         else:
             pieces = [
                 _Piece(
                     f"data/{r.key}", file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
-                    _crc_check(path, r.key, r.record.crc32) if verify else None,
+                    ("crc32", r.record.crc32) if verify else None,
                 )
                 for r in refs
                 if not r.filled and r.storage.device.type != "meta"  # meta: nothing to read
@@ -521,14 +488,6 @@ def _load_torch(
             prog = _Progress(
                 f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
             )
-            # Small unchecked CPU storages in one C++ read; the rest through the engine.
-            small = [p for p in pieces if 0 < p.nbytes < _format._ALIGNED_ALLOC_MIN
-                     and p.check is None and p.dest.is_cpu]
-            if small:
-                _reading._read_small(io, file, path, [(p.name, p.offset, p.nbytes) for p in small],
-                                     [p.dest.data_ptr() for p in small], prog)
-                taken = {id(p) for p in small}
-                pieces = [p for p in pieces if id(p) not in taken]
             _reading._read_pieces(io, pieces, prog, path)
     finally:
         file.close()
