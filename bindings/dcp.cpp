@@ -14,6 +14,8 @@
 #include "register.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
+#include "tensortier/checkpoint/dcp_metadata.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -121,4 +123,35 @@ void RegisterDcp(py::module_& m) {
       "Writes dir/.metadata durably, then removes the data files it does not name (referenced: "
       "relative paths) and dead saves' temporary files. Returns how many files went. OSError "
       "naming the step and path.");
+  m.def(
+      "read_dcp_metadata_bytes",
+      [](const FsPath& dir) {
+        std::string data;
+        {
+          py::gil_scoped_release release;
+          data = ReadDcpMetadataBytes(dir);
+        }
+        return py::bytes(data);
+      },
+      py::arg("dir"),
+      "The bytes of dir/.metadata. FileNotFoundError naming the path and what is missing (the "
+      "directory; its .metadata, saying whether an unfinished save's files are there), "
+      "NotADirectoryError for a file.");
+  m.def(
+      "check_dcp_format",
+      [](const py::object& format, const std::string& what) {
+        if (format.is_none()) return;
+        if (!py::isinstance<py::int_>(format) || py::isinstance<py::bool_>(format)) {
+          throw std::invalid_argument(StrCat(what, ": tensortier_format is a ",
+                                             py::str(py::type::of(format).attr("__name__"))
+                                                 .cast<std::string>(),
+                                             ", not a format version"));
+        }
+        CheckDcpFormat(format.cast<int64_t>(), what);
+      },
+      py::arg("format"), py::arg("what"),
+      "Refuses (ValueError naming `what`, the version found and the one read) a "
+      "tensortier_format newer than this build's DCP format (dcp_format), or not an integer; "
+      "None (torch's files) passes.");
+  m.attr("dcp_format") = kDcpFormat;
 }

@@ -3,8 +3,10 @@ real Gloo processes (dcp_worker.py) and, for single-process cases, without a pro
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -166,13 +168,74 @@ def test_flipped_byte_names_file_item_and_range(tmp_path: Path, writer: str, at:
     assert name in msg and "'w'" in msg and f"[{begin}, {end})" in msg, msg
 
 
+def zeros_like_single() -> dict[str, Any]:
+    return {"w": torch.zeros(5000), "b": torch.zeros(3, dtype=torch.int16), "note": {"text": ""}}
+
+
 def test_truncated_file_names_file_and_item(tmp_path: Path) -> None:
     ckpt, _ = single_process_checkpoint(tmp_path)
     data_file = next(p for p in ckpt.iterdir() if p.name.endswith(".distcp"))
     os.truncate(data_file, data_file.stat().st_size - 50)
-    got = {"w": torch.zeros(5000), "b": torch.zeros(3, dtype=torch.int16), "note": {"text": ""}}
     with pytest.raises(CheckpointException, match=f"ValueError: .*{data_file.name}.*truncated"):
-        dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+        dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(ckpt))
+
+
+def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:
+    """Writer stores its format version in the metadata's StorageMeta; a Reader refuses a newer
+    one before reading any item, naming the file, the version found and the one it reads."""
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    path = ckpt / ".metadata"
+    md = pickle.loads(path.read_bytes())  # our own test file: trusted
+    assert md.storage_meta.tensortier_format == tdcp._FORMAT == 1
+    md.storage_meta.tensortier_format = 7
+    path.write_bytes(pickle.dumps(md))
+    want = f"{path}: written in tensortier's DCP format 7; this tensortier reads format 1"
+    with pytest.raises(ValueError) as e:
+        tdcp.Reader(ckpt).read_metadata()
+    assert want in str(e.value), e.value
+    with pytest.raises(CheckpointException) as e:  # DCP reports the reader's error in its own
+        dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(ckpt))
+    assert want in str(e.value), e.value
+    if BIN.is_file():  # the CLI reads the same rule
+        info = cli("info", ckpt)
+        assert info.returncode != 0 and "DCP format 7" in info.stderr, info.stderr
+    md.storage_meta.tensortier_format = "1"
+    path.write_bytes(pickle.dumps(md))
+    with pytest.raises(ValueError, match="tensortier_format is a str, not a format version"):
+        tdcp.Reader(ckpt).read_metadata()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "unfinished", "a file", "json", "torch.save"])
+def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> None:
+    """A path that holds no DCP checkpoint: the error names the path and what is wrong."""
+    d = tmp_path / "ckpt"
+    if case == "a file":
+        d.write_bytes(b"x")
+    elif case != "missing":
+        d.mkdir()
+    if case == "unfinished":
+        (d / "__0_abc.distcp").write_bytes(b"x")
+    if case == "json":
+        (d / ".metadata").write_text('{"step": 3}')
+    if case == "torch.save":
+        buf = io.BytesIO()
+        torch.save({"w": torch.ones(2)}, buf)
+        (d / ".metadata").write_bytes(buf.getvalue())
+    error, what, where = {
+        "missing": (FileNotFoundError, "the directory cannot be reached", d),
+        "empty": (FileNotFoundError, "no .metadata: not a DCP checkpoint directory",
+                  d / ".metadata"),
+        "unfinished": (FileNotFoundError, "a save that did not finish", d / ".metadata"),
+        "a file": (NotADirectoryError, "a DCP checkpoint is a directory", d),
+        "json": (ValueError, "not a DCP metadata file", d / ".metadata"),
+        "torch.save": (ValueError, "not a DCP metadata file", d / ".metadata"),
+    }[case]
+    with pytest.raises(error) as e:
+        tdcp.Reader(d).read_metadata()
+    assert what in str(e.value) and str(where) in str(e.value), e.value
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(d))
+    assert what in str(e.value) and str(where) in str(e.value), e.value
 
 
 def test_unsafe_pickle_in_bytes_item_is_refused(tmp_path: Path) -> None:
