@@ -64,9 +64,9 @@ void RegisterDcp(py::module_& m) {
          const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths) {
         SameLength(names.size(), {offsets.size(), lengths.size()}, "read_dcp_tensor_items");
         std::vector<DcpTensorItem> items;
-        {
+        if (!names.empty()) {
           py::gil_scoped_release release;
-          const File file = OpenCheckpointForReading(path, /*direct=*/false);
+          const File file = OpenDcpDataFile(path, names, /*direct=*/false);
           for (size_t i = 0; i < offsets.size(); ++i) {
             items.push_back(ReadDcpTensorItem(file, names[i], offsets[i], lengths[i]));
           }
@@ -82,7 +82,8 @@ void RegisterDcp(py::module_& m) {
       "The tensor of each torch.save zip (item names[i]) at [offsets[i], offsets[i] + lengths[i]) "
       "of path: "
       "[(dtype, shape, stride, storage_offset, data_offset, nbytes, crc32 or None)]. ValueError "
-      "naming the path, item and byte range for anything but a zip of one plain tensor.");
+      "naming the path, item and byte range for anything but a zip of one plain tensor; OSError "
+      "naming the path and the first item where the file is missing.");
   m.def(
       "read_dcp_items",
       [](Engine& engine, const FsPath& path, const std::vector<std::string>& names,
@@ -101,7 +102,7 @@ void RegisterDcp(py::module_& m) {
                       xxh64[i],        crc32[i]};
         }
         py::gil_scoped_release release;
-        const File file = OpenCheckpointForReading(path, /*direct=*/true);
+        const File file = OpenDcpDataFile(path, names, /*direct=*/true);
         ReadDcpItems(engine, file, reads);
       },
       py::arg("engine"), py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
@@ -110,7 +111,8 @@ void RegisterDcp(py::module_& m) {
       "Reads item i's data [data_offsets[i], +data_lengths[i]) into addresses[i] and checks the "
       "item: the xxh64 of [offsets[i], +lengths[i]) where xxh64[i] is set, else the CRC-32 of its "
       "data where crc32[i] is. ValueError naming the file, the item and its byte range for a "
-      "mismatch or a truncated file; OSError for I/O errors.");
+      "mismatch or a truncated file; OSError for I/O errors (a missing file: naming its first "
+      "item).");
   m.def(
       "commit_dcp_checkpoint",
       [](Engine& engine, const FsPath& dir, const py::bytes& metadata,

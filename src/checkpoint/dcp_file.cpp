@@ -170,6 +170,19 @@ std::vector<DcpItemPlace> WriteDcpFile(Engine& engine, const std::string& path,
   return plan.places();
 }
 
+File OpenDcpDataFile(const std::string& path, std::span<const std::string> items, bool direct) {
+  try {
+    return OpenCheckpointForReading(path, direct);
+  } catch (const IoError& e) {
+    if (items.empty()) throw;
+    const std::string more = items.size() > 1 ? StrCat(" and ", items.size() - 1, " more") : "";
+    throw IoError(e.error_code(),
+                  StrCat(e.op(), " of the data file the metadata names for item '", items[0],
+                         "'", more),
+                  e.path(), e.offset(), e.length());
+  }
+}
+
 DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
                                 uint64_t length) {
   FileSource whole(file);

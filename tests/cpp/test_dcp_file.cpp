@@ -202,5 +202,18 @@ TEST(DcpMetadata, AMissingOrForeignDirectoryIsNamed) {
   EXPECT_EQ(ReadDcpMetadataBytes(dir.path()), "meta");
 }
 
+TEST(DcpFile, AMissingDataFileIsNamedWithItsItems) {
+  TempDir dir;
+  const std::vector<std::string> items = {"w", "b", "note"};
+  try {
+    OpenDcpDataFile(dir.path() + "/__1_x.distcp", items, true);
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_EQ(e.path(), dir.path() + "/__1_x.distcp");
+    EXPECT_NE(std::string(e.what()).find("item 'w' and 2 more"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace tensortier

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -172,12 +173,32 @@ def zeros_like_single() -> dict[str, Any]:
     return {"w": torch.zeros(5000), "b": torch.zeros(3, dtype=torch.int16), "note": {"text": ""}}
 
 
-def test_truncated_file_names_file_and_item(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut", ["last item", "w"])
+def test_truncated_file_names_file_and_item(tmp_path: Path, cut: str) -> None:
+    """A data file cut 50 bytes short (inside its last item) or in the middle of 'w' (only 'w'
+    loaded: the items after it are cut off too)."""
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    md = tdcp.Reader(ckpt).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
+    data_file = ckpt / info.relative_path
+    os.truncate(data_file, data_file.stat().st_size - 50 if cut == "last item"
+                else info.offset + info.length // 2)
+    item = "'w'" if cut == "w" else "item '"
+    with pytest.raises(CheckpointException,
+                       match=f"ValueError: .*{data_file.name}.*{item}.*truncated"):
+        dcp.load({"w": torch.zeros(5000)} if cut == "w" else zeros_like_single(),
+                 storage_reader=tdcp.Reader(ckpt))
+
+
+def test_missing_data_file_names_file_and_item(tmp_path: Path) -> None:
     ckpt, _ = single_process_checkpoint(tmp_path)
     data_file = next(p for p in ckpt.iterdir() if p.name.endswith(".distcp"))
-    os.truncate(data_file, data_file.stat().st_size - 50)
-    with pytest.raises(CheckpointException, match=f"ValueError: .*{data_file.name}.*truncated"):
+    data_file.unlink()
+    with pytest.raises(CheckpointException) as e:
         dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(ckpt))
+    msg = str(e.value)
+    assert "FileNotFoundError" in msg and str(data_file) in msg, msg
+    assert re.search(r"for item '(w|b|note)'", msg), msg
 
 
 def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:

@@ -69,6 +69,11 @@ class DcpFilePlan {
 std::vector<DcpItemPlace> WriteDcpFile(Engine& engine, const std::string& path,
                                        std::vector<DcpWriteItem> items, bool direct = true);
 
+// Opens the data file `path` that the metadata names for `items` (their names, for errors) to
+// read them. Throws IoError naming the path and the first item (and how many more) when the file
+// is missing or cannot be opened.
+File OpenDcpDataFile(const std::string& path, std::span<const std::string> items, bool direct);
+
 // A tensor item as stored: the one tensor torch.load gives back from the item's zip.
 struct DcpTensorItem {
   std::string dtype;  // tensortier's dtype name of the storage's elements
