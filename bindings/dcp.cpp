@@ -35,7 +35,7 @@ void RegisterDcp(py::module_& m) {
       "write_dcp_file",
       [](Engine& engine, const FsPath& path, const std::vector<std::string>& dtypes,
          const std::vector<std::vector<uint64_t>>& shapes, const std::vector<uint64_t>& nbytes,
-         const std::vector<uintptr_t>& addresses, bool direct) {
+         const std::vector<uintptr_t>& addresses, bool direct, const std::string& who) {
         SameLength(dtypes.size(), {shapes.size(), nbytes.size(), addresses.size()},
                    "write_dcp_file");
         std::vector<DcpWriteItem> items(dtypes.size());
@@ -46,18 +46,18 @@ void RegisterDcp(py::module_& m) {
         std::vector<DcpItemPlace> places;
         {
           py::gil_scoped_release release;
-          places = WriteDcpFile(engine, path, std::move(items), direct);
+          places = WriteDcpFile(engine, path, std::move(items), direct, who);
         }
         py::list out;
         for (const auto& p : places) out.append(py::make_tuple(p.offset, p.length, p.xxh64));
         return out;
       },
       py::arg("engine"), py::arg("path"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
-      py::arg("addresses"), py::arg("direct") = true,
+      py::arg("addresses"), py::arg("direct") = true, py::arg("who") = "",
       "Writes a DCP rank file durably at path: item i is a tensor of dtypes[i] (tensortier's "
       "name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] bytes of host memory at "
       "addresses[i]. Returns [(offset, length, xxh64)] per item. ValueError for a dtype torch "
-      "cannot pickle, OSError naming the step and path.");
+      "cannot pickle, OSError naming who ('rank 1'), the step and path (no temporary file left).");
   m.def(
       "read_dcp_tensor_items",
       [](const FsPath& path, const std::vector<std::string>& names,
@@ -116,15 +116,16 @@ void RegisterDcp(py::module_& m) {
   m.def(
       "commit_dcp_checkpoint",
       [](Engine& engine, const FsPath& dir, const py::bytes& metadata,
-         const std::vector<std::string>& referenced) {
+         const std::vector<std::string>& referenced, const std::string& who) {
         std::string data = metadata;
         py::gil_scoped_release release;
-        return CommitDcpCheckpoint(engine, dir, data, referenced);
+        return CommitDcpCheckpoint(engine, dir, data, referenced, who);
       },
       py::arg("engine"), py::arg("dir"), py::arg("metadata"), py::arg("referenced"),
+      py::arg("who") = "",
       "Writes dir/.metadata durably, then removes the data files it does not name (referenced: "
       "relative paths) and dead saves' temporary files. Returns how many files went. OSError "
-      "naming the step and path.");
+      "naming who ('rank 0'), the step and path (the old checkpoint stays whole).");
   m.def(
       "read_dcp_metadata_bytes",
       [](const FsPath& dir) {

@@ -79,6 +79,7 @@ class Writer(StorageWriter):
         self.path = os.fspath(path)
         self.direct = direct
         self.save_id = uuid.uuid4().hex
+        self.rank = 0  # this process's rank in the save, for errors
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new save (into `checkpoint_id` when given)."""
@@ -88,6 +89,7 @@ class Writer(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Refuses saves without rank coordination (each rank would need its own metadata)."""
+        self.rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives", True) is False:
             raise ValueError("tensortier.dcp.Writer needs use_collectives=True (the default)")
 
@@ -127,7 +129,8 @@ class Writer(StorageWriter):
             keep.append(t)
         places = _core.write_dcp_file(
             _default_io()._core(), os.path.join(self.path, name), dtypes, shapes,
-            [t.nbytes for t in keep], [t.data_ptr() for t in keep], self.direct)
+            [t.nbytes for t in keep], [t.data_ptr() for t in keep], self.direct,
+            f"rank {self.rank}")
         results = []
         for item, (offset, length, xxh64) in zip(plan.items, places):
             info = _fs._StorageInfo(name, offset, length)
@@ -144,7 +147,7 @@ class Writer(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         files = sorted({s.relative_path for s in storage.values()})
         _core.commit_dcp_checkpoint(_default_io()._core(), self.path, pickle.dumps(metadata),
-                                    files)
+                                    files, f"rank {self.rank} (the coordinator)")
 
     def storage_meta(self) -> _md.StorageMeta:
         """The checkpoint's id (its path), this save's id and tensortier's format version."""

@@ -215,5 +215,21 @@ TEST(DcpFile, AMissingDataFileIsNamedWithItsItems) {
   }
 }
 
+TEST(DcpFile, AFailedWriteNamesTheWriterAndTheFinalPath) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/gone/__3_x.distcp";  // its directory is missing
+  const std::vector<uint8_t> bytes(10, 1);
+  try {
+    WriteDcpFile(engine, path, {{"", {}, 10, reinterpret_cast<const std::byte*>(bytes.data())}},
+                 true, "rank 3");
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_NE(std::string(e.what()).find("rank 3 saving its DCP data file: "), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace tensortier

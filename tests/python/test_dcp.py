@@ -3,6 +3,7 @@ real Gloo processes (dcp_worker.py) and, for single-process cases, without a pro
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -257,6 +258,34 @@ def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> Non
     with pytest.raises(CheckpointException) as e:
         dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(d))
     assert what in str(e.value) and str(where) in str(e.value), e.value
+
+
+@pytest.mark.parametrize("small_fs", ["tmpfs", "ext2"], indirect=True)
+def test_full_disk_keeps_the_old_checkpoint(small_fs: Path) -> None:
+    """A save over a checkpoint on a 4 MiB filesystem runs out of space (tmpfs: at the file's
+    reservation; ext2, which cannot reserve: in the middle of its writes). The error is OSError
+    ENOSPC naming the rank and the file; the old checkpoint stays loadable, no temporary file is
+    left, and a save that fits goes through afterwards."""
+    ckpt = small_fs / "ckpt"
+    old = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    dcp.save(old, storage_writer=tdcp.Writer(ckpt))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"w": torch.ones(3 << 20), "step": 2}, storage_writer=tdcp.Writer(ckpt))
+    error = e.value.failures[0][0]
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC, repr(error)
+    assert "rank 0 saving its DCP data file" in str(error) and str(ckpt) in str(error), error
+    assert ".tmp-" not in str(error.filename), error.filename
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    for reader in (tdcp.Reader(ckpt), dcp.FileSystemReader(ckpt)):
+        got = {"w": torch.zeros(1000), "step": 0}
+        dcp.load(got, storage_reader=reader)
+        assert torch.equal(got["w"], old["w"]) and got["step"] == 1
+    dcp.save({"w": torch.ones(1000), "step": 3}, storage_writer=tdcp.Writer(ckpt))
+    got = {"w": torch.zeros(1000), "step": 0}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], torch.ones(1000)) and got["step"] == 3
+    assert not [p for p in ckpt.iterdir() if ".tmp-" in p.name]
 
 
 def test_unsafe_pickle_in_bytes_item_is_refused(tmp_path: Path) -> None:
