@@ -88,7 +88,11 @@ class Writer(StorageWriter):
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Refuses saves without rank coordination (each rank would need its own metadata)."""
+        """Starts a save: a new save id (the name of this rank's file; a Writer used again
+        without a new checkpoint_id must not write over the files of the checkpoint it saved
+        before). Refuses saves without rank coordination (each rank would need its own
+        metadata)."""
+        self.save_id = uuid.uuid4().hex
         self.rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives", True) is False:
             raise ValueError("tensortier.dcp.Writer needs use_collectives=True (the default)")

@@ -143,6 +143,20 @@ def test_without_process_group(tmp_path: Path) -> None:
     assert items[0][4] % 4096 == 0
 
 
+def test_a_writer_used_again_writes_new_files(tmp_path: Path) -> None:
+    """A second save through the same Writer (no new checkpoint_id) writes files of new names:
+    the committed checkpoint's files stay untouched until the new metadata replaces it."""
+    writer = tdcp.Writer(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(10)}, storage_writer=writer)
+    first = {p.name for p in (tmp_path / "ckpt").glob("*.distcp")}
+    dcp.save({"w": torch.full((10,), 2.0)}, storage_writer=writer)
+    second = {p.name for p in (tmp_path / "ckpt").glob("*.distcp")}
+    assert len(first) == len(second) == 1 and not first & second
+    got = {"w": torch.zeros(10)}
+    dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "ckpt"))
+    assert torch.equal(got["w"], torch.full((10,), 2.0))
+
+
 def flip_in(ckpt: Path, fqn: str, at: str) -> tuple[str, int, int]:
     md = tdcp.Reader(ckpt).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
