@@ -345,11 +345,26 @@ size_t RemoveUnreferencedDcpFiles(const std::string& dir,
 size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
                            const std::vector<std::string>& referenced, const std::string& who) {
   const std::string path = StrCat(dir, "/.metadata");
-  Naming(who.empty() ? who : StrCat(who, " committing the checkpoint"), path, [&] {
-    DurableFile out(path, /*direct=*/false);
-    if (!metadata.empty()) engine.Write(out.file(), metadata.data(), metadata.size(), 0).Wait();
-    out.Commit();
-  });
+  bool replaced = false;  // the rename made the new metadata the directory's
+  try {
+    Naming(who.empty() ? who : StrCat(who, " committing the checkpoint"), path, [&] {
+      DurableFile out(path, /*direct=*/false);
+      try {
+        if (!metadata.empty()) engine.Write(out.file(), metadata.data(), metadata.size(), 0).Wait();
+        out.Commit();
+      } catch (...) {
+        replaced = out.committed();
+        throw;
+      }
+    });
+  } catch (...) {
+    // The new checkpoint never became the directory's: its data files would only hold space
+    // (on a full disk, the space the next save needs).
+    if (!replaced) {
+      for (const auto& name : referenced) unlink(StrCat(dir, "/", name).c_str());
+    }
+    throw;
+  }
   return RemoveUnreferencedDcpFiles(dir, referenced);
 }
 

@@ -128,6 +128,23 @@ TEST(DcpFile, CommitRemovesOnlyWhatTheNewMetadataDoesNotName) {
   EXPECT_EQ(std::filesystem::file_size(dir.path() + "/.metadata"), 8u);
 }
 
+TEST(DcpFile, AFailedCommitRemovesTheNewSavesFiles) {
+  TempDir dir;
+  Engine engine;
+  std::filesystem::create_directory(dir.path() + "/.metadata");  // cannot be replaced by a file
+  std::ofstream(dir.path() + "/__0_old.distcp") << "x";
+  std::ofstream(dir.path() + "/__0_new.distcp") << "x";
+  try {
+    CommitDcpCheckpoint(engine, dir.path(), "metadata", {"__0_new.distcp"}, "rank 0");
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 committing the checkpoint: "), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/__0_old.distcp"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/__0_new.distcp"));
+}
+
 TEST(DcpMetadata, RefusesGlobalsOutsideDcpAndTruncatedPickles) {
   const std::string system(
       "\x80\x02"

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -300,6 +301,35 @@ def test_full_disk_keeps_the_old_checkpoint(small_fs: Path) -> None:
     dcp.load(got, storage_reader=tdcp.Reader(ckpt))
     assert torch.equal(got["w"], torch.ones(1000)) and got["step"] == 3
     assert not [p for p in ckpt.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("small_fs", ["tmpfs"], indirect=True)
+def test_full_disk_at_the_commit_keeps_the_old_checkpoint(small_fs: Path) -> None:
+    """The rank's data file takes the filesystem's last free blocks, so the coordinator's
+    .metadata does not fit: OSError ENOSPC naming the coordinator and .metadata; the old
+    checkpoint stays loadable and the new save's data file is removed with its temporaries."""
+    ckpt = small_fs / "ckpt"
+    old = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    dcp.save(old, storage_writer=tdcp.Writer(ckpt))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    new = {"w": torch.ones(200_000), "step": 2}
+    probe = small_fs / "probe"  # the same save elsewhere: how many blocks its data file takes
+    dcp.save(new, storage_writer=tdcp.Writer(probe))
+    data_bytes = sum(p.stat().st_blocks * 512 for p in probe.glob("*.distcp"))
+    shutil.rmtree(probe)
+    fs = os.statvfs(small_fs)
+    with open(small_fs / "filler", "wb") as f:
+        f.write(b"\0" * (fs.f_bavail * fs.f_frsize - data_bytes))
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(new, storage_writer=tdcp.Writer(ckpt))
+    error = e.value.failures[0][0]
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC, repr(error)
+    assert "rank 0 (the coordinator) committing the checkpoint" in str(error), error
+    assert error.filename == str(ckpt / ".metadata"), error.filename
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    got = {"w": torch.zeros(1000), "step": 0}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], old["w"]) and got["step"] == 1
 
 
 def test_unsafe_pickle_in_bytes_item_is_refused(tmp_path: Path) -> None:

@@ -120,7 +120,9 @@ uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64
 // DIR/.metadata durably (temporary file, fdatasync, rename, directory fsync), which makes the new
 // checkpoint the directory's; only then are the data files it does not name removed
 // (RemoveUnreferencedDcpFiles). Returns how many went. Throws IoError naming `who` (may be
-// empty), the step and DIR/.metadata (the old checkpoint stays whole, its temporary file gone).
+// empty), the step and DIR/.metadata: the old checkpoint stays whole, and the temporary file and
+// the data files `referenced` (the new save's own: no other checkpoint may name them) are removed
+// unless the new metadata was renamed into place.
 size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
                            const std::vector<std::string>& referenced, const std::string& who = "");
 
