@@ -14,6 +14,8 @@
 #include "register.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
+#include "tensortier/checkpoint/dcp_metadata.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -33,7 +35,7 @@ void RegisterDcp(py::module_& m) {
       "write_dcp_file",
       [](Engine& engine, const FsPath& path, const std::vector<std::string>& dtypes,
          const std::vector<std::vector<uint64_t>>& shapes, const std::vector<uint64_t>& nbytes,
-         const std::vector<uintptr_t>& addresses, bool direct) {
+         const std::vector<uintptr_t>& addresses, bool direct, const std::string& who) {
         SameLength(dtypes.size(), {shapes.size(), nbytes.size(), addresses.size()},
                    "write_dcp_file");
         std::vector<DcpWriteItem> items(dtypes.size());
@@ -44,27 +46,27 @@ void RegisterDcp(py::module_& m) {
         std::vector<DcpItemPlace> places;
         {
           py::gil_scoped_release release;
-          places = WriteDcpFile(engine, path, std::move(items), direct);
+          places = WriteDcpFile(engine, path, std::move(items), direct, who);
         }
         py::list out;
         for (const auto& p : places) out.append(py::make_tuple(p.offset, p.length, p.xxh64));
         return out;
       },
       py::arg("engine"), py::arg("path"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
-      py::arg("addresses"), py::arg("direct") = true,
+      py::arg("addresses"), py::arg("direct") = true, py::arg("who") = "",
       "Writes a DCP rank file durably at path: item i is a tensor of dtypes[i] (tensortier's "
       "name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] bytes of host memory at "
       "addresses[i]. Returns [(offset, length, xxh64)] per item. ValueError for a dtype torch "
-      "cannot pickle, OSError naming the step and path.");
+      "cannot pickle, OSError naming who ('rank 1'), the step and path (no temporary file left).");
   m.def(
       "read_dcp_tensor_items",
       [](const FsPath& path, const std::vector<std::string>& names,
          const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths) {
         SameLength(names.size(), {offsets.size(), lengths.size()}, "read_dcp_tensor_items");
         std::vector<DcpTensorItem> items;
-        {
+        if (!names.empty()) {
           py::gil_scoped_release release;
-          const File file = OpenCheckpointForReading(path, /*direct=*/false);
+          const File file = OpenDcpDataFile(path, names, /*direct=*/false);
           for (size_t i = 0; i < offsets.size(); ++i) {
             items.push_back(ReadDcpTensorItem(file, names[i], offsets[i], lengths[i]));
           }
@@ -80,7 +82,8 @@ void RegisterDcp(py::module_& m) {
       "The tensor of each torch.save zip (item names[i]) at [offsets[i], offsets[i] + lengths[i]) "
       "of path: "
       "[(dtype, shape, stride, storage_offset, data_offset, nbytes, crc32 or None)]. ValueError "
-      "naming the path, item and byte range for anything but a zip of one plain tensor.");
+      "naming the path, item and byte range for anything but a zip of one plain tensor; OSError "
+      "naming the path and the first item where the file is missing.");
   m.def(
       "read_dcp_items",
       [](Engine& engine, const FsPath& path, const std::vector<std::string>& names,
@@ -99,7 +102,7 @@ void RegisterDcp(py::module_& m) {
                       xxh64[i],        crc32[i]};
         }
         py::gil_scoped_release release;
-        const File file = OpenCheckpointForReading(path, /*direct=*/true);
+        const File file = OpenDcpDataFile(path, names, /*direct=*/true);
         ReadDcpItems(engine, file, reads);
       },
       py::arg("engine"), py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
@@ -108,17 +111,50 @@ void RegisterDcp(py::module_& m) {
       "Reads item i's data [data_offsets[i], +data_lengths[i]) into addresses[i] and checks the "
       "item: the xxh64 of [offsets[i], +lengths[i]) where xxh64[i] is set, else the CRC-32 of its "
       "data where crc32[i] is. ValueError naming the file, the item and its byte range for a "
-      "mismatch or a truncated file; OSError for I/O errors.");
+      "mismatch or a truncated file; OSError for I/O errors (a missing file: naming its first "
+      "item).");
   m.def(
       "commit_dcp_checkpoint",
       [](Engine& engine, const FsPath& dir, const py::bytes& metadata,
-         const std::vector<std::string>& referenced) {
+         const std::vector<std::string>& referenced, const std::string& who) {
         std::string data = metadata;
         py::gil_scoped_release release;
-        return CommitDcpCheckpoint(engine, dir, data, referenced);
+        return CommitDcpCheckpoint(engine, dir, data, referenced, who);
       },
       py::arg("engine"), py::arg("dir"), py::arg("metadata"), py::arg("referenced"),
+      py::arg("who") = "",
       "Writes dir/.metadata durably, then removes the data files it does not name (referenced: "
       "relative paths) and dead saves' temporary files. Returns how many files went. OSError "
-      "naming the step and path.");
+      "naming who ('rank 0'), the step and path (the old checkpoint stays whole).");
+  m.def(
+      "read_dcp_metadata_bytes",
+      [](const FsPath& dir) {
+        std::string data;
+        {
+          py::gil_scoped_release release;
+          data = ReadDcpMetadataBytes(dir);
+        }
+        return py::bytes(data);
+      },
+      py::arg("dir"),
+      "The bytes of dir/.metadata. FileNotFoundError naming the path and what is missing (the "
+      "directory; its .metadata, saying whether an unfinished save's files are there), "
+      "NotADirectoryError for a file.");
+  m.def(
+      "check_dcp_format",
+      [](const py::object& format, const std::string& what) {
+        if (format.is_none()) return;
+        if (!py::isinstance<py::int_>(format) || py::isinstance<py::bool_>(format)) {
+          throw std::invalid_argument(StrCat(what, ": tensortier_format is a ",
+                                             py::str(py::type::of(format).attr("__name__"))
+                                                 .cast<std::string>(),
+                                             ", not a format version"));
+        }
+        CheckDcpFormat(format.cast<int64_t>(), what);
+      },
+      py::arg("format"), py::arg("what"),
+      "Refuses (ValueError naming `what`, the version found and the one read) a "
+      "tensortier_format newer than this build's DCP format (dcp_format), or not an integer; "
+      "None (torch's files) passes.");
+  m.attr("dcp_format") = kDcpFormat;
 }

@@ -48,6 +48,9 @@ __all__ = ["Reader", "Writer"]
 
 _METADATA = ".metadata"
 _VERSION = "1.0.0"  # DCP's CURRENT_DCP_VERSION for this layout
+# tensortier's own format (the items' xxh64s and layout), stored as the StorageMeta attribute
+# "tensortier_format": a Reader refuses a newer one (dcp_metadata.hpp, kDcpFormat).
+_FORMAT: int = _core.dcp_format
 
 
 def _done(value: Any) -> Future[Any]:
@@ -76,6 +79,7 @@ class Writer(StorageWriter):
         self.path = os.fspath(path)
         self.direct = direct
         self.save_id = uuid.uuid4().hex
+        self.rank = 0  # this process's rank in the save, for errors
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new save (into `checkpoint_id` when given)."""
@@ -84,7 +88,12 @@ class Writer(StorageWriter):
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Refuses saves without rank coordination (each rank would need its own metadata)."""
+        """Starts a save: a new save id (the name of this rank's file; a Writer used again
+        without a new checkpoint_id must not write over the files of the checkpoint it saved
+        before). Refuses saves without rank coordination (each rank would need its own
+        metadata)."""
+        self.save_id = uuid.uuid4().hex
+        self.rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives", True) is False:
             raise ValueError("tensortier.dcp.Writer needs use_collectives=True (the default)")
 
@@ -124,7 +133,8 @@ class Writer(StorageWriter):
             keep.append(t)
         places = _core.write_dcp_file(
             _default_io()._core(), os.path.join(self.path, name), dtypes, shapes,
-            [t.nbytes for t in keep], [t.data_ptr() for t in keep], self.direct)
+            [t.nbytes for t in keep], [t.data_ptr() for t in keep], self.direct,
+            f"rank {self.rank}")
         results = []
         for item, (offset, length, xxh64) in zip(plan.items, places):
             info = _fs._StorageInfo(name, offset, length)
@@ -141,11 +151,13 @@ class Writer(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         files = sorted({s.relative_path for s in storage.values()})
         _core.commit_dcp_checkpoint(_default_io()._core(), self.path, pickle.dumps(metadata),
-                                    files)
+                                    files, f"rank {self.rank} (the coordinator)")
 
     def storage_meta(self) -> _md.StorageMeta:
-        """The checkpoint's id (its path) and this save's id."""
-        return _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        """The checkpoint's id (its path), this save's id and tensortier's format version."""
+        meta = _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        meta.tensortier_format = _FORMAT  # type: ignore[attr-defined]  # torch ignores it
+        return meta
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -192,6 +204,8 @@ def _load_metadata(data: bytes, path: str) -> _md.Metadata:
         raise ValueError(f"{path}: not a DCP metadata file this reader accepts ({e})") from e
     if not isinstance(md, _md.Metadata) or not isinstance(md.storage_data, dict):
         raise ValueError(f"{path}: holds {type(md).__name__}, not DCP metadata with storage data")
+    _core.check_dcp_format(getattr(getattr(md, "storage_meta", None), "tensortier_format", None),
+                           path)
     return md
 
 
@@ -219,11 +233,12 @@ class Reader(StorageReader):
             self.path = os.fspath(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
-        """The checkpoint's ``.metadata``. OSError when it is missing, ValueError when it is not
-        DCP metadata."""
+        """The checkpoint's ``.metadata``. FileNotFoundError naming the path when the directory
+        or its ``.metadata`` is missing, ValueError when it is not DCP metadata or comes from a
+        newer tensortier. (``dcp.load`` reports these inside an AssertionError or a
+        CheckpointException.)"""
         path = os.path.join(self.path, _METADATA)
-        with open(path, "rb") as f:
-            md = _load_metadata(f.read(), path)
+        md = _load_metadata(_core.read_dcp_metadata_bytes(self.path), path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = _md.StorageMeta()
         md.storage_meta.load_id = uuid.uuid4().hex

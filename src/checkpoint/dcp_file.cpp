@@ -79,6 +79,20 @@ void Settle(std::vector<Future>& futures) {
   }
 }
 
+// Runs `step`; an IoError from it is thrown again naming `who` and `path` where it named a
+// temporary file (removed by then: the user knows the file by its final name).
+template <class Step>
+auto Naming(const std::string& who, const std::string& path, Step&& step) {
+  try {
+    return step();
+  } catch (const IoError& e) {
+    if (who.empty()) throw;
+    const bool temporary = e.path().find(".tmp-") != std::string::npos;
+    throw IoError(e.error_code(), StrCat(who, ": ", e.op()), temporary ? path : e.path(),
+                  e.offset(), e.length());
+  }
+}
+
 }  // namespace
 
 DcpFilePlan::DcpFilePlan(std::vector<DcpWriteItem> items) : items_(std::move(items)) {
@@ -161,13 +175,29 @@ void DcpFilePlan::Write(Engine& engine, const File& file) {
 }
 
 std::vector<DcpItemPlace> WriteDcpFile(Engine& engine, const std::string& path,
-                                       std::vector<DcpWriteItem> items, bool direct) {
+                                       std::vector<DcpWriteItem> items, bool direct,
+                                       const std::string& who) {
   DcpFilePlan plan(std::move(items));
-  DurableFile out(path, direct);
-  out.Reserve(plan.size());
-  plan.Write(engine, out.file());
-  out.Commit();
+  Naming(who.empty() ? who : StrCat(who, " saving its DCP data file"), path, [&] {
+    DurableFile out(path, direct);
+    out.Reserve(plan.size());
+    plan.Write(engine, out.file());
+    out.Commit();
+  });
   return plan.places();
+}
+
+File OpenDcpDataFile(const std::string& path, std::span<const std::string> items, bool direct) {
+  try {
+    return OpenCheckpointForReading(path, direct);
+  } catch (const IoError& e) {
+    if (items.empty()) throw;
+    const std::string more = items.size() > 1 ? StrCat(" and ", items.size() - 1, " more") : "";
+    throw IoError(e.error_code(),
+                  StrCat(e.op(), " of the data file the metadata names for item '", items[0],
+                         "'", more),
+                  e.path(), e.offset(), e.length());
+  }
 }
 
 DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
@@ -313,11 +343,27 @@ size_t RemoveUnreferencedDcpFiles(const std::string& dir,
 }
 
 size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
-                           const std::vector<std::string>& referenced) {
-  {
-    DurableFile out(StrCat(dir, "/.metadata"), /*direct=*/false);
-    if (!metadata.empty()) engine.Write(out.file(), metadata.data(), metadata.size(), 0).Wait();
-    out.Commit();
+                           const std::vector<std::string>& referenced, const std::string& who) {
+  const std::string path = StrCat(dir, "/.metadata");
+  bool replaced = false;  // the rename made the new metadata the directory's
+  try {
+    Naming(who.empty() ? who : StrCat(who, " committing the checkpoint"), path, [&] {
+      DurableFile out(path, /*direct=*/false);
+      try {
+        if (!metadata.empty()) engine.Write(out.file(), metadata.data(), metadata.size(), 0).Wait();
+        out.Commit();
+      } catch (...) {
+        replaced = out.committed();
+        throw;
+      }
+    });
+  } catch (...) {
+    // The new checkpoint never became the directory's: its data files would only hold space
+    // (on a full disk, the space the next save needs).
+    if (!replaced) {
+      for (const auto& name : referenced) unlink(StrCat(dir, "/", name).c_str());
+    }
+    throw;
   }
   return RemoveUnreferencedDcpFiles(dir, referenced);
 }

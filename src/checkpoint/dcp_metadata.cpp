@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -400,6 +402,18 @@ class Walker {
 
 }  // namespace
 
+void CheckDcpFormat(std::optional<int64_t> format, const std::string& what) {
+  if (!format) return;
+  if (*format < 1) {
+    throw FormatError(StrCat(what, ": tensortier_format ", *format, " is not a format version"));
+  }
+  if (*format > kDcpFormat) {
+    throw FormatError(StrCat(what, ": written in tensortier's DCP format ", *format,
+                             "; this tensortier reads format ", kDcpFormat,
+                             " and torch's files: load it with a newer tensortier"));
+  }
+}
+
 DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   Machine m(data, what);
   const uint32_t root = m.Run();
@@ -409,6 +423,13 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   if (auto v = w.Attr(root, md, "version"); v && m.at(*v).kind == Node::kStr) {
     out.version = m.at(*v).s;
   }
+  if (auto sm = w.Attr(root, md, "storage_meta"); sm && m.at(*sm).kind == Node::kObject) {
+    if (auto f = w.Attr(*sm, StrCat(kMetadataModule, ".StorageMeta"), "tensortier_format"); f) {
+      if (m.at(*f).kind != Node::kInt) m.Fail("a tensortier_format that is not an integer");
+      out.format = m.at(*f).i;
+    }
+  }
+  CheckDcpFormat(out.format, what);
   std::set<std::string> bytes_items;
   const Node& sdm =
       w.Need(w.Attr(root, md, "state_dict_metadata"), Node::kDict, "state_dict_metadata");
@@ -462,8 +483,29 @@ bool IsDcpDirectory(const std::string& dir) {
          stat(StrCat(dir, "/.metadata").c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
-DcpMetadata ReadDcpMetadata(const std::string& dir) {
+std::string ReadDcpMetadataBytes(const std::string& dir) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) {
+    throw IoError(errno, "load DCP checkpoint (the directory cannot be reached)", dir, 0, 0);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    throw IoError(ENOTDIR, "load DCP checkpoint (a DCP checkpoint is a directory)", dir, 0, 0);
+  }
   const std::string path = StrCat(dir, "/.metadata");
+  if (stat(path.c_str(), &st) != 0 && errno == ENOENT) {
+    bool unfinished = false;  // data files, or temporary files of a save
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      unfinished = unfinished || (name.starts_with("__") && name.ends_with(".distcp")) ||
+                   name.starts_with(".__");
+    }
+    throw IoError(ENOENT,
+                  unfinished ? "load DCP checkpoint (no .metadata, only the data files of a save "
+                               "that did not finish: no checkpoint was committed here)"
+                             : "load DCP checkpoint (no .metadata: not a DCP checkpoint directory)",
+                  path, 0, 0);
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw IoError(errno, "open", path, 0, 0);
   in.seekg(0, std::ios::end);
@@ -474,7 +516,11 @@ DcpMetadata ReadDcpMetadata(const std::string& dir) {
   if (!in.read(data.data(), static_cast<std::streamsize>(size))) {
     throw IoError(errno ? errno : EIO, "read", path, 0, size);
   }
-  return ParseDcpMetadata(data, path);
+  return data;
+}
+
+DcpMetadata ReadDcpMetadata(const std::string& dir) {
+  return ParseDcpMetadata(ReadDcpMetadataBytes(dir), StrCat(dir, "/.metadata"));
 }
 
 }  // namespace tensortier

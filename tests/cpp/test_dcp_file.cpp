@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,7 +16,9 @@
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -125,6 +128,23 @@ TEST(DcpFile, CommitRemovesOnlyWhatTheNewMetadataDoesNotName) {
   EXPECT_EQ(std::filesystem::file_size(dir.path() + "/.metadata"), 8u);
 }
 
+TEST(DcpFile, AFailedCommitRemovesTheNewSavesFiles) {
+  TempDir dir;
+  Engine engine;
+  std::filesystem::create_directory(dir.path() + "/.metadata");  // cannot be replaced by a file
+  std::ofstream(dir.path() + "/__0_old.distcp") << "x";
+  std::ofstream(dir.path() + "/__0_new.distcp") << "x";
+  try {
+    CommitDcpCheckpoint(engine, dir.path(), "metadata", {"__0_new.distcp"}, "rank 0");
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 committing the checkpoint: "), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/__0_old.distcp"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/__0_new.distcp"));
+}
+
 TEST(DcpMetadata, RefusesGlobalsOutsideDcpAndTruncatedPickles) {
   const std::string system(
       "\x80\x02"
@@ -142,6 +162,90 @@ TEST(DcpMetadata, RefusesGlobalsOutsideDcpAndTruncatedPickles) {
   EXPECT_THROW(ParseDcpMetadata("", "m"), FormatError);
   // A dict is not Metadata.
   EXPECT_THROW(ParseDcpMetadata(std::string("\x80\x02}.", 4), "m"), FormatError);
+}
+
+// A pickled DCP Metadata with no items whose StorageMeta holds tensortier_format `format`.
+std::string MetadataOfFormat(int format) {
+  auto str = [](const std::string& v) {
+    const auto n = static_cast<uint32_t>(v.size());
+    return StrCat("X", std::string(reinterpret_cast<const char*>(&n), 4), v);
+  };
+  const std::string md = "ctorch.distributed.checkpoint.metadata\n";
+  return StrCat("\x80\x02", md, "Metadata\n)\x81}(", str("state_dict_metadata"), "}",
+                str("storage_data"), "}", str("storage_meta"), md, "StorageMeta\n)\x81}(",
+                str("tensortier_format"), "K", std::string(1, static_cast<char>(format)), "ub",
+                "ub.");
+}
+
+TEST(DcpMetadata, ANewerFormatIsRefusedNamingItsVersion) {
+  EXPECT_EQ(ParseDcpMetadata(MetadataOfFormat(1), "m").format, 1);
+  try {
+    ParseDcpMetadata(MetadataOfFormat(2), "ckpt/.metadata");
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt/.metadata: written in tensortier's DCP format 2; "
+                                         "this tensortier reads format 1"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(CheckDcpFormat(0, "m"), FormatError);
+  EXPECT_NO_THROW(CheckDcpFormat(std::nullopt, "m"));  // torch's files
+}
+
+TEST(DcpMetadata, AMissingOrForeignDirectoryIsNamed) {
+  TempDir dir;
+  auto error = [](const std::string& d) -> std::pair<int, std::string> {
+    try {
+      ReadDcpMetadataBytes(d);
+    } catch (const IoError& e) {
+      return {e.error_code(), e.what()};
+    }
+    return {0, ""};
+  };
+  const auto missing = error(dir.path() + "/nope");
+  EXPECT_EQ(missing.first, ENOENT);
+  EXPECT_NE(missing.second.find(dir.path() + "/nope'"), std::string::npos) << missing.second;
+  const auto empty = error(dir.path());
+  EXPECT_EQ(empty.first, ENOENT);
+  EXPECT_NE(empty.second.find("not a DCP checkpoint directory"), std::string::npos)
+      << empty.second;
+  EXPECT_NE(empty.second.find(dir.path() + "/.metadata'"), std::string::npos) << empty.second;
+  std::ofstream(dir.path() + "/__0_x.distcp") << "x";
+  const auto unfinished = error(dir.path());
+  EXPECT_NE(unfinished.second.find("a save that did not finish"), std::string::npos)
+      << unfinished.second;
+  EXPECT_EQ(error(dir.path() + "/__0_x.distcp").first, ENOTDIR);
+  std::ofstream(dir.path() + "/.metadata") << "meta";
+  EXPECT_EQ(ReadDcpMetadataBytes(dir.path()), "meta");
+}
+
+TEST(DcpFile, AMissingDataFileIsNamedWithItsItems) {
+  TempDir dir;
+  const std::vector<std::string> items = {"w", "b", "note"};
+  try {
+    OpenDcpDataFile(dir.path() + "/__1_x.distcp", items, true);
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_EQ(e.path(), dir.path() + "/__1_x.distcp");
+    EXPECT_NE(std::string(e.what()).find("item 'w' and 2 more"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DcpFile, AFailedWriteNamesTheWriterAndTheFinalPath) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/gone/__3_x.distcp";  // its directory is missing
+  const std::vector<uint8_t> bytes(10, 1);
+  try {
+    WriteDcpFile(engine, path, {{"", {}, 10, reinterpret_cast<const std::byte*>(bytes.data())}},
+                 true, "rank 3");
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_NE(std::string(e.what()).find("rank 3 saving its DCP data file: "), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

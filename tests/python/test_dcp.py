@@ -3,8 +3,13 @@ real Gloo processes (dcp_worker.py) and, for single-process cases, without a pro
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import pickle
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,6 +144,20 @@ def test_without_process_group(tmp_path: Path) -> None:
     assert items[0][4] % 4096 == 0
 
 
+def test_a_writer_used_again_writes_new_files(tmp_path: Path) -> None:
+    """A second save through the same Writer (no new checkpoint_id) writes files of new names:
+    the committed checkpoint's files stay untouched until the new metadata replaces it."""
+    writer = tdcp.Writer(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(10)}, storage_writer=writer)
+    first = {p.name for p in (tmp_path / "ckpt").glob("*.distcp")}
+    dcp.save({"w": torch.full((10,), 2.0)}, storage_writer=writer)
+    second = {p.name for p in (tmp_path / "ckpt").glob("*.distcp")}
+    assert len(first) == len(second) == 1 and not first & second
+    got = {"w": torch.zeros(10)}
+    dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "ckpt"))
+    assert torch.equal(got["w"], torch.full((10,), 2.0))
+
+
 def flip_in(ckpt: Path, fqn: str, at: str) -> tuple[str, int, int]:
     md = tdcp.Reader(ckpt).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
@@ -166,13 +185,151 @@ def test_flipped_byte_names_file_item_and_range(tmp_path: Path, writer: str, at:
     assert name in msg and "'w'" in msg and f"[{begin}, {end})" in msg, msg
 
 
-def test_truncated_file_names_file_and_item(tmp_path: Path) -> None:
+def zeros_like_single() -> dict[str, Any]:
+    return {"w": torch.zeros(5000), "b": torch.zeros(3, dtype=torch.int16), "note": {"text": ""}}
+
+
+@pytest.mark.parametrize("cut", ["last item", "w"])
+def test_truncated_file_names_file_and_item(tmp_path: Path, cut: str) -> None:
+    """A data file cut 50 bytes short (inside its last item) or in the middle of 'w' (only 'w'
+    loaded: the items after it are cut off too)."""
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    md = tdcp.Reader(ckpt).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
+    data_file = ckpt / info.relative_path
+    os.truncate(data_file, data_file.stat().st_size - 50 if cut == "last item"
+                else info.offset + info.length // 2)
+    item = "'w'" if cut == "w" else "item '"
+    with pytest.raises(CheckpointException,
+                       match=f"ValueError: .*{data_file.name}.*{item}.*truncated"):
+        dcp.load({"w": torch.zeros(5000)} if cut == "w" else zeros_like_single(),
+                 storage_reader=tdcp.Reader(ckpt))
+
+
+def test_missing_data_file_names_file_and_item(tmp_path: Path) -> None:
     ckpt, _ = single_process_checkpoint(tmp_path)
     data_file = next(p for p in ckpt.iterdir() if p.name.endswith(".distcp"))
-    os.truncate(data_file, data_file.stat().st_size - 50)
-    got = {"w": torch.zeros(5000), "b": torch.zeros(3, dtype=torch.int16), "note": {"text": ""}}
-    with pytest.raises(CheckpointException, match=f"ValueError: .*{data_file.name}.*truncated"):
-        dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    data_file.unlink()
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(ckpt))
+    msg = str(e.value)
+    assert "FileNotFoundError" in msg and str(data_file) in msg, msg
+    assert re.search(r"for item '(w|b|note)'", msg), msg
+
+
+def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:
+    """Writer stores its format version in the metadata's StorageMeta; a Reader refuses a newer
+    one before reading any item, naming the file, the version found and the one it reads."""
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    path = ckpt / ".metadata"
+    md = pickle.loads(path.read_bytes())  # our own test file: trusted
+    assert md.storage_meta.tensortier_format == tdcp._FORMAT == 1
+    md.storage_meta.tensortier_format = 7
+    path.write_bytes(pickle.dumps(md))
+    want = f"{path}: written in tensortier's DCP format 7; this tensortier reads format 1"
+    with pytest.raises(ValueError) as e:
+        tdcp.Reader(ckpt).read_metadata()
+    assert want in str(e.value), e.value
+    with pytest.raises(CheckpointException) as e:  # DCP reports the reader's error in its own
+        dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(ckpt))
+    assert want in str(e.value), e.value
+    if BIN.is_file():  # the CLI reads the same rule
+        info = cli("info", ckpt)
+        assert info.returncode != 0 and "DCP format 7" in info.stderr, info.stderr
+    md.storage_meta.tensortier_format = "1"
+    path.write_bytes(pickle.dumps(md))
+    with pytest.raises(ValueError, match="tensortier_format is a str, not a format version"):
+        tdcp.Reader(ckpt).read_metadata()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "unfinished", "a file", "json", "torch.save"])
+def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> None:
+    """A path that holds no DCP checkpoint: the error names the path and what is wrong."""
+    d = tmp_path / "ckpt"
+    if case == "a file":
+        d.write_bytes(b"x")
+    elif case != "missing":
+        d.mkdir()
+    if case == "unfinished":
+        (d / "__0_abc.distcp").write_bytes(b"x")
+    if case == "json":
+        (d / ".metadata").write_text('{"step": 3}')
+    if case == "torch.save":
+        buf = io.BytesIO()
+        torch.save({"w": torch.ones(2)}, buf)
+        (d / ".metadata").write_bytes(buf.getvalue())
+    error, what, where = {
+        "missing": (FileNotFoundError, "the directory cannot be reached", d),
+        "empty": (FileNotFoundError, "no .metadata: not a DCP checkpoint directory",
+                  d / ".metadata"),
+        "unfinished": (FileNotFoundError, "a save that did not finish", d / ".metadata"),
+        "a file": (NotADirectoryError, "a DCP checkpoint is a directory", d),
+        "json": (ValueError, "not a DCP metadata file", d / ".metadata"),
+        "torch.save": (ValueError, "not a DCP metadata file", d / ".metadata"),
+    }[case]
+    with pytest.raises(error) as e:
+        tdcp.Reader(d).read_metadata()
+    assert what in str(e.value) and str(where) in str(e.value), e.value
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(d))
+    assert what in str(e.value) and str(where) in str(e.value), e.value
+
+
+@pytest.mark.parametrize("small_fs", ["tmpfs", "ext2"], indirect=True)
+def test_full_disk_keeps_the_old_checkpoint(small_fs: Path) -> None:
+    """A save over a checkpoint on a 4 MiB filesystem runs out of space (tmpfs: at the file's
+    reservation; ext2, which cannot reserve: in the middle of its writes). The error is OSError
+    ENOSPC naming the rank and the file; the old checkpoint stays loadable, no temporary file is
+    left, and a save that fits goes through afterwards."""
+    ckpt = small_fs / "ckpt"
+    old = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    dcp.save(old, storage_writer=tdcp.Writer(ckpt))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"w": torch.ones(3 << 20), "step": 2}, storage_writer=tdcp.Writer(ckpt))
+    error = e.value.failures[0][0]
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC, repr(error)
+    assert "rank 0 saving its DCP data file" in str(error) and str(ckpt) in str(error), error
+    assert ".tmp-" not in str(error.filename), error.filename
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    for reader in (tdcp.Reader(ckpt), dcp.FileSystemReader(ckpt)):
+        got = {"w": torch.zeros(1000), "step": 0}
+        dcp.load(got, storage_reader=reader)
+        assert torch.equal(got["w"], old["w"]) and got["step"] == 1
+    dcp.save({"w": torch.ones(1000), "step": 3}, storage_writer=tdcp.Writer(ckpt))
+    got = {"w": torch.zeros(1000), "step": 0}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], torch.ones(1000)) and got["step"] == 3
+    assert not [p for p in ckpt.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("small_fs", ["tmpfs"], indirect=True)
+def test_full_disk_at_the_commit_keeps_the_old_checkpoint(small_fs: Path) -> None:
+    """The rank's data file takes the filesystem's last free blocks, so the coordinator's
+    .metadata does not fit: OSError ENOSPC naming the coordinator and .metadata; the old
+    checkpoint stays loadable and the new save's data file is removed with its temporaries."""
+    ckpt = small_fs / "ckpt"
+    old = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    dcp.save(old, storage_writer=tdcp.Writer(ckpt))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    new = {"w": torch.ones(200_000), "step": 2}
+    probe = small_fs / "probe"  # the same save elsewhere: how many blocks its data file takes
+    dcp.save(new, storage_writer=tdcp.Writer(probe))
+    data_bytes = sum(p.stat().st_blocks * 512 for p in probe.glob("*.distcp"))
+    shutil.rmtree(probe)
+    fs = os.statvfs(small_fs)
+    with open(small_fs / "filler", "wb") as f:
+        f.write(b"\0" * (fs.f_bavail * fs.f_frsize - data_bytes))
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(new, storage_writer=tdcp.Writer(ckpt))
+    error = e.value.failures[0][0]
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC, repr(error)
+    assert "rank 0 (the coordinator) committing the checkpoint" in str(error), error
+    assert error.filename == str(ckpt / ".metadata"), error.filename
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    got = {"w": torch.zeros(1000), "step": 0}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], old["w"]) and got["step"] == 1
 
 
 def test_unsafe_pickle_in_bytes_item_is_refused(tmp_path: Path) -> None:

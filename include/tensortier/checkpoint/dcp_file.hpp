@@ -65,9 +65,17 @@ class DcpFilePlan {
 };
 
 // Writes `items` to a new file at `path` durably (DurableFile: a temporary name, fdatasync,
-// rename, directory fsync) and returns their places. Throws IoError naming the step and path.
+// rename, directory fsync) and returns their places. Throws IoError naming `who` (the writer,
+// "rank 1"; may be empty), the step and `path` (not the temporary name, which is removed): a full
+// disk leaves nothing behind.
 std::vector<DcpItemPlace> WriteDcpFile(Engine& engine, const std::string& path,
-                                       std::vector<DcpWriteItem> items, bool direct = true);
+                                       std::vector<DcpWriteItem> items, bool direct = true,
+                                       const std::string& who = "");
+
+// Opens the data file `path` that the metadata names for `items` (their names, for errors) to
+// read them. Throws IoError naming the path and the first item (and how many more) when the file
+// is missing or cannot be opened.
+File OpenDcpDataFile(const std::string& path, std::span<const std::string> items, bool direct);
 
 // A tensor item as stored: the one tensor torch.load gives back from the item's zip.
 struct DcpTensorItem {
@@ -111,10 +119,12 @@ uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64
 // Commits a DCP checkpoint whose data files are written: `metadata` (the pickled Metadata) goes to
 // DIR/.metadata durably (temporary file, fdatasync, rename, directory fsync), which makes the new
 // checkpoint the directory's; only then are the data files it does not name removed
-// (RemoveUnreferencedDcpFiles). Returns how many went. Throws IoError naming the step and path
-// (the old checkpoint stays whole).
+// (RemoveUnreferencedDcpFiles). Returns how many went. Throws IoError naming `who` (may be
+// empty), the step and DIR/.metadata: the old checkpoint stays whole, and the temporary file and
+// the data files `referenced` (the new save's own: no other checkpoint may name them) are removed
+// unless the new metadata was renamed into place.
 size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
-                           const std::vector<std::string>& referenced);
+                           const std::vector<std::string>& referenced, const std::string& who = "");
 
 // The data files of a DCP checkpoint directory `dir` that its new metadata does not name
 // (`referenced`, relative paths): the files of the checkpoint the new one replaced, or of a save

@@ -27,17 +27,35 @@ struct DcpStoredItem {
   bool transformed = false;       // stream transforms (compression...) applied: not readable here
 };
 
+// The version of what tensortier's Writer stores beyond DCP's layout (the xxh64s, the items'
+// layout), kept as the attribute "tensortier_format" of the metadata's StorageMeta. Files without
+// one are torch's writer's. Readers refuse a newer format than theirs: it may place or check items
+// in ways they would misread.
+inline constexpr int64_t kDcpFormat = 1;
+
 struct DcpMetadata {
   std::string version;               // DCP's layout version ("1.0.0"); empty in older files
+  std::optional<int64_t> format;     // tensortier_format; none in torch's writer's files
   std::vector<DcpStoredItem> items;  // in the metadata's order
 };
 
+// Throws FormatError naming `what` (the .metadata file) for a tensortier_format this reader does
+// not read: newer than kDcpFormat, or not a positive integer. None (torch's files) is accepted.
+void CheckDcpFormat(std::optional<int64_t> format, const std::string& what);
+
 // Parses the bytes of a `.metadata` file (`what` names it in errors). Throws FormatError for
-// anything else: another pickle, a refused global, truncation, values past the bounds.
+// anything else: another pickle, a refused global, truncation, values past the bounds, a newer
+// tensortier_format (CheckDcpFormat).
 DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what);
 
 // Whether `dir` is a DCP checkpoint directory (it holds a `.metadata` file).
 bool IsDcpDirectory(const std::string& dir);
+
+// The bytes of DIR/.metadata. Throws IoError naming what is wrong and the path: no such
+// directory (ENOENT), not a directory (ENOTDIR), a directory without .metadata (ENOENT; its
+// message says whether data files of an unfinished save are there), a read that fails.
+// FormatError for a file over 1 GiB.
+std::string ReadDcpMetadataBytes(const std::string& dir);
 
 // Reads and parses DIR/.metadata. Throws IoError, FormatError.
 DcpMetadata ReadDcpMetadata(const std::string& dir);
