@@ -105,7 +105,9 @@ def test_killed_rank_leaves_the_old_checkpoint_whole(tmp_path: Path, rank: str, 
                         DCP_KILL_RANK=rank, DCP_KILL_IN=step,
                         DCP_KILL_AFTER="0.05" if step == "write_data" else "0",
                         DCP_PG_TIMEOUT="10")
-    assert reports[int(rank)] is None  # killed before it could report
+    # Killed before it could report; a rank killed during its file write may have finished its
+    # part first on a loaded machine (the timer fires late): the checks below allow for it.
+    assert reports[int(rank)] is None or step == "write_data"
     md = tdcp.Reader(ckpt).read_metadata()
     committed = 2 if md.state_dict_metadata["shard_big"].size[0] == 8_000_000 else 1
     assert committed == 1 or step == "write_data"

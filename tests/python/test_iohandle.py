@@ -823,7 +823,7 @@ INTERRUPT_SCRIPT = textwrap.dedent(
     data = os.urandom(1 << 20)
     with open(path, "wb") as f:
         f.write(data)
-    io = with_faults({"kind": "delay", "delay_us": 3_000_000, "nth": 1}, tensortier.IOHandle,
+    io = with_faults({"kind": "delay", "delay_us": 10_000_000, "nth": 1}, tensortier.IOHandle,
                      "threads")
     buf = bytearray(len(data))
     fut = io.pread_async(buf, path)
@@ -851,7 +851,8 @@ def test_ctrl_c_interrupts_a_wait(disk_dir: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     words = done.stdout.split()
     assert words[:2] == ["interrupted", "after"], done.stdout
-    assert float(words[2]) < 1.5, done.stdout
+    # Well before the 10 s the read takes (a loaded machine runs the timer late).
+    assert float(words[2]) < 5, done.stdout
 
 
 def test_an_interrupt_is_never_an_operations_outcome(disk_dir: Path, alarm_interrupt) -> None:  # type: ignore[no-untyped-def]
