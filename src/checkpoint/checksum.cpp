@@ -128,6 +128,7 @@ Xxh64State::Xxh64State(uint64_t seed) noexcept : seed_(seed) {
 }
 
 void Xxh64State::Update(const void* data, size_t len) noexcept {
+  if (len == 0) return;  // an empty tensor's address may be null: memcpy must not see it
   const auto* p = static_cast<const unsigned char*>(data);
   total_ += len;
   if (buffered_ > 0) {
