@@ -114,7 +114,7 @@ def test_killed_rank_leaves_the_old_checkpoint_whole(tmp_path: Path, rank: str, 
     assert_ok(run_ranks(tmp_path, "load-stock", ckpt, version=committed, **size))
     assert_ok(run_ranks(tmp_path, "save-ours", ckpt, version=3))
     after = sorted(p.name for p in ckpt.iterdir())
-    assert not set(before) & set(after) - {".metadata"} or committed == 2
+    assert not set(before) & set(after) - {".metadata", ".tensortier-dcp.lock"} or committed == 2
     assert len([n for n in after if n.endswith(".distcp")]) == 2
     assert not [n for n in after if ".tmp-" in n]
     assert_ok(run_ranks(tmp_path, "load-ours", ckpt, version=3))
@@ -382,5 +382,59 @@ def test_async_save_with_a_one_rank_group(tmp_path: Path) -> None:
         got = {"w": torch.zeros(10), "step": 0}
         dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "ckpt"))
         assert torch.equal(got["w"], torch.arange(10.0)) and got["step"] == 3
+    finally:
+        dist.destroy_process_group()
+
+
+class _SaveBetween(tdcp.Writer):
+    """A Writer that runs another whole save into its directory after writing its data file and
+    before its commit: the order in which overlapping saves remove each other's files."""
+
+    def __init__(self, path: Path, other: dict[str, Any]) -> None:
+        super().__init__(path)
+        self.other = other
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fut = super().write_data(plan, planner)
+        dcp.save(self.other, storage_writer=tdcp.Writer(self.path), no_dist=True)
+        return fut
+
+
+def test_overlapping_saves_keep_the_committed_checkpoint(tmp_path: Path) -> None:
+    """Save B writes its file, save A commits (removing B's file), B commits: B raises naming
+    its file, A's checkpoint loads whole."""
+    ckpt = tmp_path / "ckpt"
+    a = {"w": torch.full((100,), 1.0)}
+    with pytest.raises((CheckpointException, OSError), match="another save"):
+        dcp.save({"w": torch.full((100,), 2.0)}, storage_writer=_SaveBetween(ckpt, a),
+                 no_dist=True)
+    got = {"w": torch.zeros(100)}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], a["w"])
+    assert len(list(ckpt.glob("*.distcp"))) == 1
+
+
+def test_async_saves_in_flight_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
+    """Four dcp.async_save futures into one directory: each succeeds or raises, and the
+    directory ends with a checkpoint equal to one of the saves."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        saves = [{"w": torch.full((1000,), float(i))} for i in range(4)]
+        futs = [dcp.async_save(sd, storage_writer=tdcp.Writer(tmp_path / "ckpt"))
+                for sd in saves]
+        ok = 0
+        for f in futs:
+            try:
+                f.result(timeout=60)
+                ok += 1
+            except (CheckpointException, OSError) as e:
+                assert "another save" in str(e), e
+        assert ok >= 1
+        got = {"w": torch.full((1000,), -1.0)}
+        dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "ckpt"))
+        assert any(torch.equal(got["w"], sd["w"]) for sd in saves)
     finally:
         dist.destroy_process_group()

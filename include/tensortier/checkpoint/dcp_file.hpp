@@ -122,7 +122,9 @@ uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64
 // (RemoveUnreferencedDcpFiles). Returns how many went. Throws IoError naming `who` (may be
 // empty), the step and DIR/.metadata: the old checkpoint stays whole, and the temporary file and
 // the data files `referenced` (the new save's own: no other checkpoint may name them) are removed
-// unless the new metadata was renamed into place.
+// unless the new metadata was renamed into place. Commits into one directory take turns (an
+// exclusive flock on DIR/.tensortier-dcp.lock); a data file of `referenced` that is gone (another
+// save's commit removed it) throws IoError naming it before .metadata is touched.
 size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
                            const std::vector<std::string>& referenced, const std::string& who = "");
 
