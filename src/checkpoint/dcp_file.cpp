@@ -72,6 +72,12 @@ class RangeSource : public ByteSource {
   std::string name_;
 };
 
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += StrCat(i ? ", " : "", shape[i]);
+  return out + "]";
+}
+
 void Settle(std::vector<Future>& futures) {
   for (auto& f : futures) {
     if (!f.valid()) continue;
@@ -228,7 +234,8 @@ File OpenDcpDataFile(const std::string& path, std::span<const std::string> items
 }
 
 DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
-                                uint64_t length) {
+                                uint64_t length,
+                                const std::optional<std::vector<int64_t>>& expected_shape) {
   FileSource whole(file);
   RangeSource item(whole, name, offset, length);
   const TorchCheckpoint c = ReadTorchCheckpoint(item);
@@ -240,6 +247,11 @@ DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint6
   if (t.meta || c.big_endian || t.conj || t.neg) {
     throw FormatError(
         StrCat(item.name(), ": a meta, big-endian, conjugate or negative tensor (not supported)"));
+  }
+  if (expected_shape && *expected_shape != t.shape) {
+    throw FormatError(StrCat(item.name(), ": the metadata gives it the shape ",
+                             ShapeText(*expected_shape), ", the tensor stored in the file has ",
+                             ShapeText(t.shape), ": the metadata does not match the data file"));
   }
   const TorchStorage& s = c.pickle.storages.at(t.storage_key);
   const ZipEntry* e = c.zip.Find(StrCat(c.prefix, "/data/", t.storage_key));

@@ -74,6 +74,27 @@ TEST(DcpFile, TensorItemsAreZipsOfOneTensorWithAlignedData) {
   EXPECT_EQ(big.stride, (std::vector<int64_t>{1024, 1}));
 }
 
+TEST(DcpFile, AShapeOtherThanTheMetadataChunksIsRefusedNamingBoth) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  const Written w = WriteSample(engine, path);
+  const File file = File::Open(path, OpenMode::kRead, false);
+  const DcpItemPlace& p = w.places[1];
+  EXPECT_EQ(ReadDcpTensorItem(file, "w", p.offset, p.length, std::vector<int64_t>{2, 5}).shape,
+            (std::vector<int64_t>{2, 5}));
+  try {
+    ReadDcpTensorItem(file, "w", p.offset, p.length, std::vector<int64_t>{3, 5});
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'w'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[3, 5]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[2, 5]"), std::string::npos) << msg;
+  }
+}
+
 TEST(DcpFile, ReadsCheckEveryItemAndNameTheDamage) {
   TempDir dir;
   Engine engine;

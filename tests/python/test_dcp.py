@@ -438,3 +438,29 @@ def test_async_saves_in_flight_leave_a_loadable_checkpoint(tmp_path: Path) -> No
         assert any(torch.equal(got["w"], sd["w"]) for sd in saves)
     finally:
         dist.destroy_process_group()
+
+
+def rewrite_metadata(ckpt: Path, change: Any) -> None:
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    change(md)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_chunk_sizes_that_do_not_match_the_data_file_are_refused(tmp_path: Path) -> None:
+    """A .metadata giving an item more rows than its data file holds: ValueError naming the
+    file, the item and both shapes (no read past the stored tensor)."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(64 * 48.0).reshape(64, 48)}, storage_writer=tdcp.Writer(ckpt),
+             no_dist=True)
+
+    def grow(md: Any) -> None:
+        md.state_dict_metadata["w"].size = torch.Size([66, 48])
+        md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([66, 48])
+
+    rewrite_metadata(ckpt, grow)
+    name = next(ckpt.glob("*.distcp")).name
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"w": torch.full((66, 48), -1.0)}, storage_reader=tdcp.Reader(ckpt),
+                 no_dist=True)
+    msg = str(e.value)
+    assert name in msg and "'w'" in msg and "[66, 48]" in msg and "[64, 48]" in msg, msg

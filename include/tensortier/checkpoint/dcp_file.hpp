@@ -91,9 +91,11 @@ struct DcpTensorItem {
 // Reads the zip directory and pickle of the tensor item `name` at [offset, offset + length) of
 // `file`. Throws FormatError naming the path, the item and its byte range: not a zip of exactly one
 // tensor (a dict, a meta tensor, a big-endian file, a compressed entry), a range past the end of
-// the file.
+// the file, or a tensor whose shape is not `expected_shape` (where given: the chunk sizes the
+// metadata records for the item), naming both shapes.
 DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
-                                uint64_t length);
+                                uint64_t length,
+                                const std::optional<std::vector<int64_t>>& expected_shape = {});
 
 // One item to read: [offset, offset + length) of the file, of which [data_offset, data_offset +
 // data_length) goes to `dest` (a bytes item: the whole range).
