@@ -160,5 +160,20 @@ void RegisterDcp(py::module_& m) {
       "Refuses (ValueError naming `what`, the version found and the one read) a "
       "tensortier_format newer than this build's DCP format (dcp_format), or not an integer; "
       "None (torch's files) passes.");
+  m.def(
+      "check_dcp_data_files",
+      [](const py::list& relative_paths, const std::string& what) {
+        for (const py::handle& p : relative_paths) {
+          if (!py::isinstance<py::str>(p)) {
+            throw std::invalid_argument(StrCat(
+                what, ": a data file named by a ",
+                py::str(py::type::of(p).attr("__name__")).cast<std::string>(), ", not a str"));
+          }
+          CheckDcpDataFileName(p.cast<std::string>(), what);
+        }
+      },
+      py::arg("relative_paths"), py::arg("what"),
+      "Refuses (ValueError naming `what` and the path) a data file path of the metadata that is "
+      "not a plain file name inside the checkpoint directory ('../x', 'a/b', '.x', '').");
   m.attr("dcp_format") = kDcpFormat;
 }

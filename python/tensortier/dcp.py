@@ -206,6 +206,8 @@ def _load_metadata(data: bytes, path: str) -> _md.Metadata:
         raise ValueError(f"{path}: holds {type(md).__name__}, not DCP metadata with storage data")
     _core.check_dcp_format(getattr(getattr(md, "storage_meta", None), "tensortier_format", None),
                            path)
+    _core.check_dcp_data_files(
+        [getattr(s, "relative_path", None) for s in md.storage_data.values()], path)
     return md
 
 

@@ -402,6 +402,19 @@ class Walker {
 
 }  // namespace
 
+bool IsDcpDataFileName(std::string_view relative_path) {
+  return !relative_path.empty() && relative_path.find('/') == std::string_view::npos &&
+         relative_path.find('\0') == std::string_view::npos && !relative_path.starts_with(".");
+}
+
+void CheckDcpDataFileName(std::string_view relative_path, const std::string& what) {
+  if (!IsDcpDataFileName(relative_path)) {
+    throw FormatError(StrCat(what, ": names the data file '", relative_path,
+                             "', outside the checkpoint directory (a data file is named by a plain "
+                             "file name in the directory, as DCP's writers store it)"));
+  }
+}
+
 void CheckDcpFormat(std::optional<int64_t> format, const std::string& what) {
   if (!format) return;
   if (*format < 1) {
@@ -457,8 +470,7 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
     item.bytes = bytes_items.contains(fqn);
     item.relative_path =
         w.Need(w.Attr(info, info_cls, "relative_path"), Node::kStr, "relative_path").s;
-    if (item.relative_path.empty() || item.relative_path.find('/') != std::string::npos ||
-        item.relative_path.starts_with(".")) {
+    if (!IsDcpDataFileName(item.relative_path)) {
       m.Fail(StrCat("a data file name '", item.relative_path, "' outside the directory"));
     }
     item.offset = w.Unsigned(w.Attr(info, info_cls, "offset"), "offset");

@@ -269,5 +269,23 @@ TEST(DcpFile, AFailedWriteNamesTheWriterAndTheFinalPath) {
   }
 }
 
+TEST(DcpFile, DataFileNamesStayInsideTheDirectory) {
+  EXPECT_TRUE(IsDcpDataFileName("__0_0.distcp"));
+  for (const char* bad : {"", "../other/__0_x.distcp", "a/b", "/abs", ".hidden", ".."}) {
+    EXPECT_FALSE(IsDcpDataFileName(bad)) << bad;
+    EXPECT_THROW(CheckDcpDataFileName(bad, "d/.metadata"), FormatError) << bad;
+  }
+  EXPECT_FALSE(IsDcpDataFileName(std::string_view("a\0b", 3)));
+  try {
+    CheckDcpDataFileName("../x", "d/.metadata");
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("d/.metadata: names the data file '../x'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
+
 }  // namespace tensortier

@@ -464,3 +464,26 @@ def test_chunk_sizes_that_do_not_match_the_data_file_are_refused(tmp_path: Path)
                  no_dist=True)
     msg = str(e.value)
     assert name in msg and "'w'" in msg and "[66, 48]" in msg and "[64, 48]" in msg, msg
+
+
+@pytest.mark.parametrize("relative", ["../other/__0_x.distcp", "sub/__0_x.distcp", ".hidden",
+                                      "/abs/__0_x.distcp", ""])
+def test_data_file_outside_the_directory_is_refused(tmp_path: Path, relative: str) -> None:
+    """A .metadata naming a data file outside its directory: ValueError naming the .metadata
+    and the path, from the rule `tensortier verify` applies."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(10)}, storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(next(ckpt.glob("*.distcp")), other / "__0_x.distcp")
+
+    def move(md: Any) -> None:
+        for info in md.storage_data.values():
+            info.relative_path = relative
+
+    rewrite_metadata(ckpt, move)
+    with pytest.raises(ValueError, match="outside the checkpoint directory") as e:
+        tdcp.Reader(ckpt).read_metadata()
+    assert str(ckpt / ".metadata") in str(e.value) and f"'{relative}'" in str(e.value)
+    with pytest.raises(CheckpointException):
+        dcp.load({"w": torch.zeros(10)}, storage_reader=tdcp.Reader(ckpt), no_dist=True)

@@ -39,6 +39,14 @@ struct DcpMetadata {
   std::vector<DcpStoredItem> items;  // in the metadata's order
 };
 
+// Whether `relative_path` (a _StorageInfo's) names a file inside the checkpoint directory: a plain
+// file name, not empty, without '/', NUL or a leading '.' (no "..", no hidden files).
+bool IsDcpDataFileName(std::string_view relative_path);
+
+// Throws FormatError naming `what` (the .metadata file) and `relative_path` where it is not
+// IsDcpDataFileName: the one rule of ParseDcpMetadata (verify, info) and the Python Reader.
+void CheckDcpDataFileName(std::string_view relative_path, const std::string& what);
+
 // Throws FormatError naming `what` (the .metadata file) for a tensortier_format this reader does
 // not read: newer than kDcpFormat, or not a positive integer. None (torch's files) is accepted.
 void CheckDcpFormat(std::optional<int64_t> format, const std::string& what);
