@@ -235,7 +235,16 @@ TEST(DcpMetadata, AMissingOrForeignDirectoryIsNamed) {
   const auto unfinished = error(dir.path());
   EXPECT_NE(unfinished.second.find("a save that did not finish"), std::string::npos)
       << unfinished.second;
+  EXPECT_NE(unfinished.second.find("a DCP checkpoint directory whose .metadata is missing"),
+            std::string::npos)
+      << unfinished.second;
+  EXPECT_TRUE(IsDcpDirectory(dir.path()));  // info and verify say what is missing
   EXPECT_EQ(error(dir.path() + "/__0_x.distcp").first, ENOTDIR);
+  std::filesystem::create_directory(dir.path() + "/.metadata");
+  const auto is_dir = error(dir.path());
+  EXPECT_EQ(is_dir.first, EISDIR);
+  EXPECT_NE(is_dir.second.find(".metadata is a directory"), std::string::npos) << is_dir.second;
+  std::filesystem::remove(dir.path() + "/.metadata");
   std::ofstream(dir.path() + "/.metadata") << "meta";
   EXPECT_EQ(ReadDcpMetadataBytes(dir.path()), "meta");
 }

@@ -242,7 +242,8 @@ def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:
         tdcp.Reader(ckpt).read_metadata()
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "unfinished", "a file", "json", "torch.save"])
+@pytest.mark.parametrize("case", ["missing", "empty", "unfinished", "a file", "json", "torch.save",
+                                  "metadata dir"])
 def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> None:
     """A path that holds no DCP checkpoint: the error names the path and what is wrong."""
     d = tmp_path / "ckpt"
@@ -254,6 +255,8 @@ def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> Non
         (d / "__0_abc.distcp").write_bytes(b"x")
     if case == "json":
         (d / ".metadata").write_text('{"step": 3}')
+    if case == "metadata dir":
+        (d / ".metadata").mkdir()
     if case == "torch.save":
         buf = io.BytesIO()
         torch.save({"w": torch.ones(2)}, buf)
@@ -266,6 +269,7 @@ def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> Non
         "a file": (NotADirectoryError, "a DCP checkpoint is a directory", d),
         "json": (ValueError, "not a DCP metadata file", d / ".metadata"),
         "torch.save": (ValueError, "not a DCP metadata file", d / ".metadata"),
+        "metadata dir": (IsADirectoryError, ".metadata is a directory", d / ".metadata"),
     }[case]
     with pytest.raises(error) as e:
         tdcp.Reader(d).read_metadata()
@@ -487,3 +491,18 @@ def test_data_file_outside_the_directory_is_refused(tmp_path: Path, relative: st
     assert str(ckpt / ".metadata") in str(e.value) and f"'{relative}'" in str(e.value)
     with pytest.raises(CheckpointException):
         dcp.load({"w": torch.zeros(10)}, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+
+
+@pytest.mark.parametrize("case", ["unfinished", "metadata dir"])
+def test_cli_names_a_dcp_directory_without_usable_metadata(tmp_path: Path, case: str) -> None:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "__0_abc.distcp").write_bytes(b"x")
+    if case == "metadata dir":
+        (d / ".metadata").mkdir()
+    what = {"unfinished": "a DCP checkpoint directory whose .metadata is missing",
+            "metadata dir": ".metadata is a directory"}[case]
+    for command in ("info", "verify"):
+        r = cli(command, d)
+        assert r.returncode != 0 and what in r.stderr and str(d / ".metadata") in r.stderr, \
+            r.stderr

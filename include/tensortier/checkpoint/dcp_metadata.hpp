@@ -56,13 +56,15 @@ void CheckDcpFormat(std::optional<int64_t> format, const std::string& what);
 // tensortier_format (CheckDcpFormat).
 DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what);
 
-// Whether `dir` is a DCP checkpoint directory (it holds a `.metadata` file).
+// Whether `dir` is a DCP checkpoint directory: a directory holding `.metadata` (of any kind: reading
+// it says what is wrong), or, without one, the data files (__*.distcp) or temporary files of a
+// DCP save.
 bool IsDcpDirectory(const std::string& dir);
 
 // The bytes of DIR/.metadata. Throws IoError naming what is wrong and the path: no such
 // directory (ENOENT), not a directory (ENOTDIR), a directory without .metadata (ENOENT; its
-// message says whether data files of an unfinished save are there), a read that fails.
-// FormatError for a file over 1 GiB.
+// message says whether data files of an unfinished save are there), a .metadata that is a
+// directory (EISDIR), a read that fails. FormatError for a file over 1 GiB or not a regular file.
 std::string ReadDcpMetadataBytes(const std::string& dir);
 
 // Reads and parses DIR/.metadata. Throws IoError, FormatError.
