@@ -61,14 +61,17 @@ void RegisterDcp(py::module_& m) {
   m.def(
       "read_dcp_tensor_items",
       [](const FsPath& path, const std::vector<std::string>& names,
-         const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths) {
+         const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
+         const std::vector<std::optional<std::vector<int64_t>>>& shapes) {
         SameLength(names.size(), {offsets.size(), lengths.size()}, "read_dcp_tensor_items");
+        if (!shapes.empty()) SameLength(names.size(), {shapes.size()}, "read_dcp_tensor_items");
         std::vector<DcpTensorItem> items;
         if (!names.empty()) {
           py::gil_scoped_release release;
           const File file = OpenDcpDataFile(path, names, /*direct=*/false);
           for (size_t i = 0; i < offsets.size(); ++i) {
-            items.push_back(ReadDcpTensorItem(file, names[i], offsets[i], lengths[i]));
+            items.push_back(ReadDcpTensorItem(file, names[i], offsets[i], lengths[i],
+                                              shapes.empty() ? std::nullopt : shapes[i]));
           }
         }
         py::list out;
@@ -79,8 +82,9 @@ void RegisterDcp(py::module_& m) {
         return out;
       },
       py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
+      py::arg("shapes") = std::vector<std::optional<std::vector<int64_t>>>{},
       "The tensor of each torch.save zip (item names[i]) at [offsets[i], offsets[i] + lengths[i]) "
-      "of path: "
+      "of path, whose shape must be shapes[i] where given (the metadata's chunk sizes): "
       "[(dtype, shape, stride, storage_offset, data_offset, nbytes, crc32 or None)]. ValueError "
       "naming the path, item and byte range for anything but a zip of one plain tensor; OSError "
       "naming the path and the first item where the file is missing.");
@@ -156,5 +160,20 @@ void RegisterDcp(py::module_& m) {
       "Refuses (ValueError naming `what`, the version found and the one read) a "
       "tensortier_format newer than this build's DCP format (dcp_format), or not an integer; "
       "None (torch's files) passes.");
+  m.def(
+      "check_dcp_data_files",
+      [](const py::list& relative_paths, const std::string& what) {
+        for (const py::handle& p : relative_paths) {
+          if (!py::isinstance<py::str>(p)) {
+            throw std::invalid_argument(StrCat(
+                what, ": a data file named by a ",
+                py::str(py::type::of(p).attr("__name__")).cast<std::string>(), ", not a str"));
+          }
+          CheckDcpDataFileName(p.cast<std::string>(), what);
+        }
+      },
+      py::arg("relative_paths"), py::arg("what"),
+      "Refuses (ValueError naming `what` and the path) a data file path of the metadata that is "
+      "not a plain file name inside the checkpoint directory ('../x', 'a/b', '.x', '').");
   m.attr("dcp_format") = kDcpFormat;
 }

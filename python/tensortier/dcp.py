@@ -206,6 +206,8 @@ def _load_metadata(data: bytes, path: str) -> _md.Metadata:
         raise ValueError(f"{path}: holds {type(md).__name__}, not DCP metadata with storage data")
     _core.check_dcp_format(getattr(getattr(md, "storage_meta", None), "tensortier_format", None),
                            path)
+    _core.check_dcp_data_files(
+        [getattr(s, "relative_path", None) for s in md.storage_data.values()], path)
     return md
 
 
@@ -225,10 +227,12 @@ class Reader(StorageReader):
         self.path = os.fspath(path)
         self.verify = verify
         self.storage_data: dict[Any, Any] = {}
+        self.chunk_sizes: dict[tuple[str, tuple[int, ...]], list[int]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new load (from `checkpoint_id` when given)."""
         self.storage_data = {}
+        self.chunk_sizes = {}
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
 
@@ -246,8 +250,13 @@ class Reader(StorageReader):
 
     def set_up_storage_reader(self, metadata: _md.Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
-        """Keeps the metadata's item locations."""
+        """Keeps the metadata's item locations and its chunks' sizes (checked against the
+        tensors stored in the data files)."""
         self.storage_data = metadata.storage_data
+        self.chunk_sizes = {
+            (fqn, tuple(c.offsets)): list(c.sizes)
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, _md.TensorStorageMetadata) for c in md.chunks}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """The plan, unchanged."""
@@ -279,7 +288,8 @@ class Reader(StorageReader):
         tensors = [i for i, rs in reqs_of.items() if rs[0].type != LoadItemType.BYTE_IO]
         layouts = dict(zip(tensors, _core.read_dcp_tensor_items(
             path, [_item_name(i) for i in tensors], [infos[i].offset for i in tensors],
-            [infos[i].length for i in tensors])))
+            [infos[i].length for i in tensors],
+            [self.chunk_sizes.get((i.fqn, tuple(i.offset or ()))) for i in tensors])))
         dtypes = _torch_dtypes()
         bufs: dict[Any, tuple[Any, Any, bool]] = {}
         args: list[list[Any]] = [[] for _ in range(8)]
@@ -362,8 +372,9 @@ def _row_ranges(reqs: list[Any], layout: Any, itemsize: int) -> list[tuple[int, 
         return None
     out = []
     for req in reqs:
-        if any(req.storage_offsets[1:]) or list(req.lengths[1:]) != list(shape[1:]):
-            return None
+        if (any(req.storage_offsets[1:]) or list(req.lengths[1:]) != list(shape[1:])
+                or req.storage_offsets[0] + req.lengths[0] > shape[0]):
+            return None  # not whole rows of the stored tensor
         out.append((data_offset + req.storage_offsets[0] * row, req.lengths[0] * row))
     return None if len(out) == 1 and out[0][1] == nbytes else out
 

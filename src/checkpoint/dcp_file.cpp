@@ -1,6 +1,9 @@
 #include "tensortier/checkpoint/dcp_file.hpp"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -69,6 +72,12 @@ class RangeSource : public ByteSource {
   std::string name_;
 };
 
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += StrCat(i ? ", " : "", shape[i]);
+  return out + "]";
+}
+
 void Settle(std::vector<Future>& futures) {
   for (auto& f : futures) {
     if (!f.valid()) continue;
@@ -92,6 +101,30 @@ auto Naming(const std::string& who, const std::string& path, Step&& step) {
                   e.offset(), e.length());
   }
 }
+
+// An exclusive flock on DIR/.tensortier-dcp.lock, held while alive: commits into one directory
+// (the rename of .metadata and the cleanup after it) take turns. The cleanup and readers ignore
+// the file (not "__*.distcp", not ".__*").
+class CommitLock {
+ public:
+  explicit CommitLock(const std::string& dir) : path_(StrCat(dir, "/.tensortier-dcp.lock")) {
+    fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw IoError(errno, "open the commit lock", path_, 0, 0);
+    while (flock(fd_, LOCK_EX) != 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      close(fd_);
+      throw IoError(err, "lock the commit lock", path_, 0, 0);
+    }
+  }
+  ~CommitLock() { close(fd_); }  // closing releases the flock
+  CommitLock(const CommitLock&) = delete;
+  CommitLock& operator=(const CommitLock&) = delete;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 }  // namespace
 
@@ -201,7 +234,8 @@ File OpenDcpDataFile(const std::string& path, std::span<const std::string> items
 }
 
 DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
-                                uint64_t length) {
+                                uint64_t length,
+                                const std::optional<std::vector<int64_t>>& expected_shape) {
   FileSource whole(file);
   RangeSource item(whole, name, offset, length);
   const TorchCheckpoint c = ReadTorchCheckpoint(item);
@@ -213,6 +247,11 @@ DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint6
   if (t.meta || c.big_endian || t.conj || t.neg) {
     throw FormatError(
         StrCat(item.name(), ": a meta, big-endian, conjugate or negative tensor (not supported)"));
+  }
+  if (expected_shape && *expected_shape != t.shape) {
+    throw FormatError(StrCat(item.name(), ": the metadata gives it the shape ",
+                             ShapeText(*expected_shape), ", the tensor stored in the file has ",
+                             ShapeText(t.shape), ": the metadata does not match the data file"));
   }
   const TorchStorage& s = c.pickle.storages.at(t.storage_key);
   const ZipEntry* e = c.zip.Find(StrCat(c.prefix, "/data/", t.storage_key));
@@ -346,7 +385,21 @@ size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_v
                            const std::vector<std::string>& referenced, const std::string& who) {
   const std::string path = StrCat(dir, "/.metadata");
   bool replaced = false;  // the rename made the new metadata the directory's
+  const CommitLock lock(dir);
   try {
+    // A save that committed into the directory meanwhile removed the files its metadata does not
+    // name: this one's, if they were written before its commit. Committing would name them.
+    for (const auto& name : referenced) {
+      struct stat st;
+      const std::string file = StrCat(dir, "/", name);
+      if (stat(file.c_str(), &st) != 0) {
+        throw IoError(errno, StrCat(who.empty() ? "" : StrCat(who, ": "),
+                                    "commit the DCP checkpoint (its data file is gone: another "
+                                    "save into this directory committed meanwhile and removed it; "
+                                    "the directory keeps that save's checkpoint)"),
+                      file, 0, 0);
+      }
+    }
     Naming(who.empty() ? who : StrCat(who, " committing the checkpoint"), path, [&] {
       DurableFile out(path, /*direct=*/false);
       try {

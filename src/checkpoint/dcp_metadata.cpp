@@ -402,6 +402,19 @@ class Walker {
 
 }  // namespace
 
+bool IsDcpDataFileName(std::string_view relative_path) {
+  return !relative_path.empty() && relative_path.find('/') == std::string_view::npos &&
+         relative_path.find('\0') == std::string_view::npos && !relative_path.starts_with(".");
+}
+
+void CheckDcpDataFileName(std::string_view relative_path, const std::string& what) {
+  if (!IsDcpDataFileName(relative_path)) {
+    throw FormatError(StrCat(what, ": names the data file '", relative_path,
+                             "', outside the checkpoint directory (a data file is named by a plain "
+                             "file name in the directory, as DCP's writers store it)"));
+  }
+}
+
 void CheckDcpFormat(std::optional<int64_t> format, const std::string& what) {
   if (!format) return;
   if (*format < 1) {
@@ -457,8 +470,7 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
     item.bytes = bytes_items.contains(fqn);
     item.relative_path =
         w.Need(w.Attr(info, info_cls, "relative_path"), Node::kStr, "relative_path").s;
-    if (item.relative_path.empty() || item.relative_path.find('/') != std::string::npos ||
-        item.relative_path.starts_with(".")) {
+    if (!IsDcpDataFileName(item.relative_path)) {
       m.Fail(StrCat("a data file name '", item.relative_path, "' outside the directory"));
     }
     item.offset = w.Unsigned(w.Attr(info, info_cls, "offset"), "offset");
@@ -477,10 +489,24 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   return out;
 }
 
+namespace {
+
+// Whether `name` is a DCP data file ("__*.distcp") or the temporary file of a save (".__*").
+bool IsDcpSaveFile(const std::string& name) {
+  return (name.starts_with("__") && name.ends_with(".distcp")) || name.starts_with(".__");
+}
+
+}  // namespace
+
 bool IsDcpDirectory(const std::string& dir) {
   struct stat st;
-  return stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
-         stat(StrCat(dir, "/.metadata").c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
+  if (lstat(StrCat(dir, "/.metadata").c_str(), &st) == 0) return true;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (IsDcpSaveFile(e.path().filename().string())) return true;
+  }
+  return false;
 }
 
 std::string ReadDcpMetadataBytes(const std::string& dir) {
@@ -496,15 +522,24 @@ std::string ReadDcpMetadataBytes(const std::string& dir) {
     bool unfinished = false;  // data files, or temporary files of a save
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-      const std::string name = e.path().filename().string();
-      unfinished = unfinished || (name.starts_with("__") && name.ends_with(".distcp")) ||
-                   name.starts_with(".__");
+      unfinished = unfinished || IsDcpSaveFile(e.path().filename().string());
     }
     throw IoError(ENOENT,
-                  unfinished ? "load DCP checkpoint (no .metadata, only the data files of a save "
-                               "that did not finish: no checkpoint was committed here)"
+                  unfinished ? "load DCP checkpoint (a DCP checkpoint directory whose .metadata is "
+                               "missing: no .metadata, only the data files of a save that did not "
+                               "finish, so no checkpoint was committed here)"
                              : "load DCP checkpoint (no .metadata: not a DCP checkpoint directory)",
                   path, 0, 0);
+  }
+  if (stat(path.c_str(), &st) != 0) throw IoError(errno, "load DCP checkpoint (stat)", path, 0, 0);
+  if (S_ISDIR(st.st_mode)) {
+    throw IoError(EISDIR,
+                  "load DCP checkpoint (its .metadata is a directory, not the checkpoint's "
+                  "metadata file)",
+                  path, 0, 0);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    throw FormatError(StrCat(path, ": not a regular file (a DCP checkpoint's .metadata is one)"));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw IoError(errno, "open", path, 0, 0);

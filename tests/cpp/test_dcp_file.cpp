@@ -74,6 +74,27 @@ TEST(DcpFile, TensorItemsAreZipsOfOneTensorWithAlignedData) {
   EXPECT_EQ(big.stride, (std::vector<int64_t>{1024, 1}));
 }
 
+TEST(DcpFile, AShapeOtherThanTheMetadataChunksIsRefusedNamingBoth) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  const Written w = WriteSample(engine, path);
+  const File file = File::Open(path, OpenMode::kRead, false);
+  const DcpItemPlace& p = w.places[1];
+  EXPECT_EQ(ReadDcpTensorItem(file, "w", p.offset, p.length, std::vector<int64_t>{2, 5}).shape,
+            (std::vector<int64_t>{2, 5}));
+  try {
+    ReadDcpTensorItem(file, "w", p.offset, p.length, std::vector<int64_t>{3, 5});
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'w'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[3, 5]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[2, 5]"), std::string::npos) << msg;
+  }
+}
+
 TEST(DcpFile, ReadsCheckEveryItemAndNameTheDamage) {
   TempDir dir;
   Engine engine;
@@ -214,7 +235,16 @@ TEST(DcpMetadata, AMissingOrForeignDirectoryIsNamed) {
   const auto unfinished = error(dir.path());
   EXPECT_NE(unfinished.second.find("a save that did not finish"), std::string::npos)
       << unfinished.second;
+  EXPECT_NE(unfinished.second.find("a DCP checkpoint directory whose .metadata is missing"),
+            std::string::npos)
+      << unfinished.second;
+  EXPECT_TRUE(IsDcpDirectory(dir.path()));  // info and verify say what is missing
   EXPECT_EQ(error(dir.path() + "/__0_x.distcp").first, ENOTDIR);
+  std::filesystem::create_directory(dir.path() + "/.metadata");
+  const auto is_dir = error(dir.path());
+  EXPECT_EQ(is_dir.first, EISDIR);
+  EXPECT_NE(is_dir.second.find(".metadata is a directory"), std::string::npos) << is_dir.second;
+  std::filesystem::remove(dir.path() + "/.metadata");
   std::ofstream(dir.path() + "/.metadata") << "meta";
   EXPECT_EQ(ReadDcpMetadataBytes(dir.path()), "meta");
 }
@@ -248,5 +278,23 @@ TEST(DcpFile, AFailedWriteNamesTheWriterAndTheFinalPath) {
   }
 }
 
+TEST(DcpFile, DataFileNamesStayInsideTheDirectory) {
+  EXPECT_TRUE(IsDcpDataFileName("__0_0.distcp"));
+  for (const char* bad : {"", "../other/__0_x.distcp", "a/b", "/abs", ".hidden", ".."}) {
+    EXPECT_FALSE(IsDcpDataFileName(bad)) << bad;
+    EXPECT_THROW(CheckDcpDataFileName(bad, "d/.metadata"), FormatError) << bad;
+  }
+  EXPECT_FALSE(IsDcpDataFileName(std::string_view("a\0b", 3)));
+  try {
+    CheckDcpDataFileName("../x", "d/.metadata");
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("d/.metadata: names the data file '../x'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
+
 }  // namespace tensortier

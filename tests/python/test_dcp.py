@@ -116,7 +116,7 @@ def test_killed_rank_leaves_the_old_checkpoint_whole(tmp_path: Path, rank: str, 
     assert_ok(run_ranks(tmp_path, "load-stock", ckpt, version=committed, **size))
     assert_ok(run_ranks(tmp_path, "save-ours", ckpt, version=3))
     after = sorted(p.name for p in ckpt.iterdir())
-    assert not set(before) & set(after) - {".metadata"} or committed == 2
+    assert not set(before) & set(after) - {".metadata", ".tensortier-dcp.lock"} or committed == 2
     assert len([n for n in after if n.endswith(".distcp")]) == 2
     assert not [n for n in after if ".tmp-" in n]
     assert_ok(run_ranks(tmp_path, "load-ours", ckpt, version=3))
@@ -244,7 +244,8 @@ def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:
         tdcp.Reader(ckpt).read_metadata()
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "unfinished", "a file", "json", "torch.save"])
+@pytest.mark.parametrize("case", ["missing", "empty", "unfinished", "a file", "json", "torch.save",
+                                  "metadata dir"])
 def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> None:
     """A path that holds no DCP checkpoint: the error names the path and what is wrong."""
     d = tmp_path / "ckpt"
@@ -256,6 +257,8 @@ def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> Non
         (d / "__0_abc.distcp").write_bytes(b"x")
     if case == "json":
         (d / ".metadata").write_text('{"step": 3}')
+    if case == "metadata dir":
+        (d / ".metadata").mkdir()
     if case == "torch.save":
         buf = io.BytesIO()
         torch.save({"w": torch.ones(2)}, buf)
@@ -268,6 +271,7 @@ def test_missing_or_foreign_directory_is_named(tmp_path: Path, case: str) -> Non
         "a file": (NotADirectoryError, "a DCP checkpoint is a directory", d),
         "json": (ValueError, "not a DCP metadata file", d / ".metadata"),
         "torch.save": (ValueError, "not a DCP metadata file", d / ".metadata"),
+        "metadata dir": (IsADirectoryError, ".metadata is a directory", d / ".metadata"),
     }[case]
     with pytest.raises(error) as e:
         tdcp.Reader(d).read_metadata()
@@ -386,3 +390,121 @@ def test_async_save_with_a_one_rank_group(tmp_path: Path) -> None:
         assert torch.equal(got["w"], torch.arange(10.0)) and got["step"] == 3
     finally:
         dist.destroy_process_group()
+
+
+class _SaveBetween(tdcp.Writer):
+    """A Writer that runs another whole save into its directory after writing its data file and
+    before its commit: the order in which overlapping saves remove each other's files."""
+
+    def __init__(self, path: Path, other: dict[str, Any]) -> None:
+        super().__init__(path)
+        self.other = other
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fut = super().write_data(plan, planner)
+        dcp.save(self.other, storage_writer=tdcp.Writer(self.path), no_dist=True)
+        return fut
+
+
+def test_overlapping_saves_keep_the_committed_checkpoint(tmp_path: Path) -> None:
+    """Save B writes its file, save A commits (removing B's file), B commits: B raises naming
+    its file, A's checkpoint loads whole."""
+    ckpt = tmp_path / "ckpt"
+    a = {"w": torch.full((100,), 1.0)}
+    with pytest.raises((CheckpointException, OSError), match="another save"):
+        dcp.save({"w": torch.full((100,), 2.0)}, storage_writer=_SaveBetween(ckpt, a),
+                 no_dist=True)
+    got = {"w": torch.zeros(100)}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], a["w"])
+    assert len(list(ckpt.glob("*.distcp"))) == 1
+
+
+def test_async_saves_in_flight_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
+    """Four dcp.async_save futures into one directory: each succeeds or raises, and the
+    directory ends with a checkpoint equal to one of the saves."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        saves = [{"w": torch.full((1000,), float(i))} for i in range(4)]
+        futs = [dcp.async_save(sd, storage_writer=tdcp.Writer(tmp_path / "ckpt"))
+                for sd in saves]
+        ok = 0
+        for f in futs:
+            try:
+                f.result(timeout=60)
+                ok += 1
+            except (CheckpointException, OSError) as e:
+                assert "another save" in str(e), e
+        assert ok >= 1
+        got = {"w": torch.full((1000,), -1.0)}
+        dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "ckpt"))
+        assert any(torch.equal(got["w"], sd["w"]) for sd in saves)
+    finally:
+        dist.destroy_process_group()
+
+
+def rewrite_metadata(ckpt: Path, change: Any) -> None:
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    change(md)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_chunk_sizes_that_do_not_match_the_data_file_are_refused(tmp_path: Path) -> None:
+    """A .metadata giving an item more rows than its data file holds: ValueError naming the
+    file, the item and both shapes (no read past the stored tensor)."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(64 * 48.0).reshape(64, 48)}, storage_writer=tdcp.Writer(ckpt),
+             no_dist=True)
+
+    def grow(md: Any) -> None:
+        md.state_dict_metadata["w"].size = torch.Size([66, 48])
+        md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([66, 48])
+
+    rewrite_metadata(ckpt, grow)
+    name = next(ckpt.glob("*.distcp")).name
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"w": torch.full((66, 48), -1.0)}, storage_reader=tdcp.Reader(ckpt),
+                 no_dist=True)
+    msg = str(e.value)
+    assert name in msg and "'w'" in msg and "[66, 48]" in msg and "[64, 48]" in msg, msg
+
+
+@pytest.mark.parametrize("relative", ["../other/__0_x.distcp", "sub/__0_x.distcp", ".hidden",
+                                      "/abs/__0_x.distcp", ""])
+def test_data_file_outside_the_directory_is_refused(tmp_path: Path, relative: str) -> None:
+    """A .metadata naming a data file outside its directory: ValueError naming the .metadata
+    and the path, from the rule `tensortier verify` applies."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(10)}, storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(next(ckpt.glob("*.distcp")), other / "__0_x.distcp")
+
+    def move(md: Any) -> None:
+        for info in md.storage_data.values():
+            info.relative_path = relative
+
+    rewrite_metadata(ckpt, move)
+    with pytest.raises(ValueError, match="outside the checkpoint directory") as e:
+        tdcp.Reader(ckpt).read_metadata()
+    assert str(ckpt / ".metadata") in str(e.value) and f"'{relative}'" in str(e.value)
+    with pytest.raises(CheckpointException):
+        dcp.load({"w": torch.zeros(10)}, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+
+
+@pytest.mark.parametrize("case", ["unfinished", "metadata dir"])
+def test_cli_names_a_dcp_directory_without_usable_metadata(tmp_path: Path, case: str) -> None:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "__0_abc.distcp").write_bytes(b"x")
+    if case == "metadata dir":
+        (d / ".metadata").mkdir()
+    what = {"unfinished": "a DCP checkpoint directory whose .metadata is missing",
+            "metadata dir": ".metadata is a directory"}[case]
+    for command in ("info", "verify"):
+        r = cli(command, d)
+        assert r.returncode != 0 and what in r.stderr and str(d / ".metadata") in r.stderr, \
+            r.stderr

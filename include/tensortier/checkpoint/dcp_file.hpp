@@ -91,9 +91,11 @@ struct DcpTensorItem {
 // Reads the zip directory and pickle of the tensor item `name` at [offset, offset + length) of
 // `file`. Throws FormatError naming the path, the item and its byte range: not a zip of exactly one
 // tensor (a dict, a meta tensor, a big-endian file, a compressed entry), a range past the end of
-// the file.
+// the file, or a tensor whose shape is not `expected_shape` (where given: the chunk sizes the
+// metadata records for the item), naming both shapes.
 DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
-                                uint64_t length);
+                                uint64_t length,
+                                const std::optional<std::vector<int64_t>>& expected_shape = {});
 
 // One item to read: [offset, offset + length) of the file, of which [data_offset, data_offset +
 // data_length) goes to `dest` (a bytes item: the whole range).
@@ -122,7 +124,9 @@ uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64
 // (RemoveUnreferencedDcpFiles). Returns how many went. Throws IoError naming `who` (may be
 // empty), the step and DIR/.metadata: the old checkpoint stays whole, and the temporary file and
 // the data files `referenced` (the new save's own: no other checkpoint may name them) are removed
-// unless the new metadata was renamed into place.
+// unless the new metadata was renamed into place. Commits into one directory take turns (an
+// exclusive flock on DIR/.tensortier-dcp.lock); a data file of `referenced` that is gone (another
+// save's commit removed it) throws IoError naming it before .metadata is touched.
 size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
                            const std::vector<std::string>& referenced, const std::string& who = "");
 

@@ -39,6 +39,14 @@ struct DcpMetadata {
   std::vector<DcpStoredItem> items;  // in the metadata's order
 };
 
+// Whether `relative_path` (a _StorageInfo's) names a file inside the checkpoint directory: a plain
+// file name, not empty, without '/', NUL or a leading '.' (no "..", no hidden files).
+bool IsDcpDataFileName(std::string_view relative_path);
+
+// Throws FormatError naming `what` (the .metadata file) and `relative_path` where it is not
+// IsDcpDataFileName: the one rule of ParseDcpMetadata (verify, info) and the Python Reader.
+void CheckDcpDataFileName(std::string_view relative_path, const std::string& what);
+
 // Throws FormatError naming `what` (the .metadata file) for a tensortier_format this reader does
 // not read: newer than kDcpFormat, or not a positive integer. None (torch's files) is accepted.
 void CheckDcpFormat(std::optional<int64_t> format, const std::string& what);
@@ -48,13 +56,15 @@ void CheckDcpFormat(std::optional<int64_t> format, const std::string& what);
 // tensortier_format (CheckDcpFormat).
 DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what);
 
-// Whether `dir` is a DCP checkpoint directory (it holds a `.metadata` file).
+// Whether `dir` is a DCP checkpoint directory: a directory holding `.metadata` (of any kind: reading
+// it says what is wrong), or, without one, the data files (__*.distcp) or temporary files of a
+// DCP save.
 bool IsDcpDirectory(const std::string& dir);
 
 // The bytes of DIR/.metadata. Throws IoError naming what is wrong and the path: no such
 // directory (ENOENT), not a directory (ENOTDIR), a directory without .metadata (ENOENT; its
-// message says whether data files of an unfinished save are there), a read that fails.
-// FormatError for a file over 1 GiB.
+// message says whether data files of an unfinished save are there), a .metadata that is a
+// directory (EISDIR), a read that fails. FormatError for a file over 1 GiB or not a regular file.
 std::string ReadDcpMetadataBytes(const std::string& dir);
 
 // Reads and parses DIR/.metadata. Throws IoError, FormatError.
