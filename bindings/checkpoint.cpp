@@ -465,7 +465,7 @@ void RegisterCheckpoint(py::module_& m) {
 
   m.def(
       "read_pieces",
-      [](Engine& engine, const File& file, const std::string& path,
+      [](Engine& engine, const File& file, const FsPath& path,
          const std::vector<std::string>& names, const std::vector<uint64_t>& offsets,
          const std::vector<uint64_t>& lengths, const std::vector<uintptr_t>& addresses,
          const std::optional<std::vector<std::optional<uint64_t>>>& expected,
@@ -523,7 +523,7 @@ void RegisterCheckpoint(py::module_& m) {
       "the piece for a short file or a checksum mismatch; OSError for I/O errors.");
   m.def(
       "check_pieces",
-      [](const std::string& path, const std::vector<std::string>& names,
+      [](const FsPath& path, const std::vector<std::string>& names,
          const std::vector<uintptr_t>& addresses, const std::vector<uint64_t>& lengths,
          const std::vector<std::optional<uint64_t>>& expected, const std::string& check) {
         const size_t n = names.size();
@@ -545,7 +545,7 @@ void RegisterCheckpoint(py::module_& m) {
       "ValueError naming path and the piece for a mismatch.");
   m.def(
       "check_records",
-      [](Engine& engine, const File& file, const std::string& path,
+      [](Engine& engine, const File& file, const FsPath& path,
          const std::vector<std::tuple<std::string, uint64_t, uint64_t, uint32_t>>& records) {
         std::vector<RecordCheck> checks;
         checks.reserve(records.size());
