@@ -817,6 +817,9 @@ def test_a_batch_failing_to_start_a_cuda_piece_keeps_what_started(
 INTERRUPT_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, threading, time
+    # Ctrl-C as an interactive process gets it, whatever disposition or mask the parent left.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     import tensortier
     from tensortier._testing import with_faults
     path = sys.argv[1]
@@ -846,7 +849,7 @@ def test_ctrl_c_interrupts_a_wait(disk_dir: Path) -> None:
     require_faults()
     done = subprocess.run(
         [sys.executable, "-c", INTERRUPT_SCRIPT, str(disk_dir / "slow.bin")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, start_new_session=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     words = done.stdout.split()
