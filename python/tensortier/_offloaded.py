@@ -180,13 +180,8 @@ def _host_pieces(entries: list[_Entry], tensors: list[Any], device: list[bool]) 
 
 
 def _span(tensor: Any) -> DeviceBuffer:
-    """The device range of `tensor` and a stream of its own for the transfer, ordered after the
-    work queued so far on the current stream, so that work queued after the call does not hold
-    the transfer up (CPU tensors, under the memcpy test copier: host memory, no stream).
-
-    Raises:
-        CudaError: tensortier cannot reach the CUDA driver (the message says what is missing).
-    """
+    """`device_buffer(tensor, own_stream=True)` (CudaError without a driver); for CPU tensors,
+    under the memcpy test copier, host memory and no stream."""
     if tensor.device.type != "cuda":
         return DeviceBuffer(int(tensor.data_ptr()), tensor.nbytes, 0, None, tensor)
     return device_buffer(tensor, own_stream=True)

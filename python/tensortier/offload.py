@@ -93,14 +93,13 @@ class DiskOffloader:
         _device_copier: str = "cuda",
     ) -> None:
         if isinstance(dir_name, (str, bytes, os.PathLike)):
-            dirs = [os.path.abspath(fspath(dir_name, "dir_name"))]
-        elif isinstance(dir_name, Iterable):
-            dirs = [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
-        else:
+            dir_name = [dir_name]
+        elif not isinstance(dir_name, Iterable):
             raise TypeError(
                 "dir_name must be a path (str, bytes or os.PathLike) or a list of paths, not "
                 f"{type(dir_name).__name__}"
             )
+        dirs = [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
         if not dirs:
             raise ValueError("DiskOffloader needs at least one directory")
         gds = _core.gds_mode(gds)
@@ -108,9 +107,8 @@ class DiskOffloader:
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError(
-                    "pin_memory=True needs a CUDA device, and torch.cuda.is_available() is False"
-                )
+                raise ValueError("pin_memory=True needs a CUDA device, and "
+                                 "torch.cuda.is_available() is False")
         # The TENSORTIER_BOUNCE_* variables are checked now, not at the first CUDA tensor.
         _core.device_transfer_options()
         for d in dirs:
@@ -122,29 +120,19 @@ class DiskOffloader:
         self._core: _core.Offloader | None = _core.Offloader(
             dirs, backend, n_entries, stripe_threshold
         )
-        self._pid = os.getpid()
-        self._pin = pin_memory
-        self._dirs = len(dirs)
-        # "memcpy" (tests): CPU tensors take the device path, copied by memcpy, so its logic
-        # runs without a GPU.
+        self._pid, self._pin, self._dirs, self._gds = os.getpid(), pin_memory, len(dirs), gds
+        # "memcpy" (tests): CPU tensors take the device path, copied by memcpy (no GPU needed).
         self._device_copier = _device_copier
-        self._gds = gds
         self._transfer: Any = None  # _core.DeviceTransfer, made for the first device tensor
         self._device_files: Any = None  # _core.OffloadDeviceFiles, with the transfer
         self._device_bytes: dict[str, int] = {}
         # Device operations in flight, per kind: (key, _core.DeviceJob, what it uses).
-        self._device_jobs: dict[str, list[tuple[int, Any, Any]]] = {
-            "write": [],
-            "read": [],
-        }
+        self._device_jobs: dict[str, list[tuple[int, Any, Any]]] = {"write": [], "read": []}
         self._lock = threading.RLock()
-        # Errors of operations of one kind that a call of the other kind had to wait for (a
-        # read of a tensor still being written), and of their callbacks: raised by the next
-        # wait of their kind.
+        # Errors of operations of one kind that a call of the other kind waited for (a read of
+        # a tensor being written), and of their callbacks: raised by the next wait of the kind.
         self._undelivered: dict[str, tuple[list[BaseException], list[BaseException]]] = {
-            "write": ([], []),
-            "read": ([], []),
-        }
+            "write": ([], []), "read": ([], [])}
         self._forgotten: collections.deque[tuple[int, str, int]] = collections.deque()
         self._by_id: dict[int, _Entry] = {}  # by id() of the tensor given
         self._by_storage: dict[int, _Entry] = {}  # by id() of its storage
@@ -580,22 +568,15 @@ class DiskOffloader:
         return device
 
     def _device_transfer(self) -> Any:
-        """The bounce rings of device tensors and their job queue, made on first use.
-        REQUIRES: self._lock held.
-
-        Raises:
-            CudaError: no CUDA driver (the message says what is missing).
-        """
+        """The bounce rings of device tensors and their job queue, made on first use (CudaError
+        without a driver). REQUIRES: self._lock held."""
         core = self._open()
         if self._transfer is None:
             # One ring per directory at least: the parts of a striped tensor move at once.
-            rings = (
-                None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
-            )
+            rings = None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
             self._device_files = _core.OffloadDeviceFiles(self._gds)
-            self._transfer = _core.DeviceTransfer(
-                core.engine, max_rings=rings, copier=self._device_copier
-            )
+            self._transfer = _core.DeviceTransfer(core.engine, max_rings=rings,
+                                                  copier=self._device_copier)
         return self._transfer
 
     def _submit_device(self, kind: str, entry: _Entry, span: DeviceBuffer) -> None:
