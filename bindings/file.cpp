@@ -47,7 +47,9 @@ py::tuple DeepNvmeFile(const std::string& op, const py::object& target, const st
     const int code = errno;
     const std::string name = StrCat(what, ": file descriptor ", fd);
     if (flags < 0) RaiseOsError(code, StrCat(name, ": ", std::strerror(code)));
-    if (op == "write" && (flags & O_ACCMODE) == O_RDONLY) RaiseOsError(EBADF, name + " is read-only");
+    if (op == "write" && (flags & O_ACCMODE) == O_RDONLY) {
+      RaiseOsError(EBADF, name + " is read-only");
+    }
     path = StrCat("/proc/self/fd/", fd);
   }
   const char* step = "";

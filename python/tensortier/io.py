@@ -318,7 +318,8 @@ class IOHandle:
         if failed:
             first = failed[0]._outcome  # noqa: SLF001
             if len(failed) > 1:
-                add_note(first, f"{len(failed) - 1} other operation(s) of this IOHandle also failed")
+                add_note(first, f"{len(failed) - 1} other operation(s) of this IOHandle also "
+                         "failed")
             raise first
 
     def close(self) -> None:
@@ -422,7 +423,8 @@ class IOHandle:
         except BaseException:
             # What started (the host pieces, the first CUDA ones) still uses the memory: the
             # pending operations keep it alive until it is over.
-            started = [d for i, d in enumerate(on_device) if not d or sum(on_device[:i]) < len(jobs)]
+            started = [d for i, d in enumerate(on_device)
+                       if not d or sum(on_device[:i]) < len(jobs)]
             with self._pending_lock:
                 self._pending.append(IOFuture(_core.Operation(future, jobs, started), keepalive))
             raise
