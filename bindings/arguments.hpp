@@ -62,6 +62,25 @@ inline std::optional<bool> FlagArgument(const pybind11::object& value, const cha
   throw pybind11::type_error(std::string(name) + " must be True or False, not " + ReprOf(value));
 }
 
+// A file offset: an integer (numpy's and torch's too, through __index__) from 0 to 2**63 - 1.
+// TypeError "offset must be an int" for a bool or a non-integer, ValueError outside the range.
+inline uint64_t OffsetArgument(const pybind11::handle& value) {
+  namespace py = pybind11;
+  PyObject* index = PyBool_Check(value.ptr()) ? nullptr : PyNumber_Index(value.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
+    throw py::type_error("offset must be an int, not " + TypeName(value));
+  }
+  const auto number = py::reinterpret_steal<py::int_>(index);
+  int overflow = 0;
+  const long long offset = PyLong_AsLongLongAndOverflow(number.ptr(), &overflow);
+  if (overflow != 0 || offset < 0) {
+    throw py::value_error("offset must be from 0 to 2**63 - 1, not " +
+                          py::str(number).cast<std::string>());
+  }
+  return static_cast<uint64_t>(offset);
+}
+
 // `value` as a C integer of `bits` bits, signed unless `is_unsigned`, as a pybind11 binding of a
 // compatible API (DeepSpeed's) takes one: any integer, numpy's and torch's too (through
 // __index__), but a bool. TypeError "<what>: <name> must be an integer" or "must fit ...";

@@ -3,7 +3,9 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <string>
 
+#include "arguments.hpp"
 #include "register.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
 
@@ -12,14 +14,30 @@ using namespace tensortier;
 
 namespace {
 
-// Address of a C-contiguous buffer export (memoryview, bytearray, numpy array...).
-uintptr_t BufferAddress(const py::object& obj, bool writable) {
-  Py_buffer view;
-  int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-  if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw py::error_already_set();
-  auto address = reinterpret_cast<uintptr_t>(view.buf);
-  PyBuffer_Release(&view);
-  return address;
+// The memory of a buffer export (bytes, bytearray, memoryview, numpy array, mmap...) as
+// (address, nbytes, a memoryview holding the export: the object cannot be resized while it
+// lives), or None when `obj` has no buffer protocol. ValueError naming its type: read-only where
+// `writable` (a read target), not C-contiguous, or its export refused (BufferError).
+py::object HostRange(const py::object& obj, bool writable) {
+  if (PyObject_CheckBuffer(obj.ptr()) == 0) return py::none();
+  const std::string type = TypeName(obj);
+  PyObject* raw = PyMemoryView_FromObject(obj.ptr());
+  if (raw == nullptr) {
+    py::error_already_set error;
+    if (!error.matches(PyExc_BufferError)) throw error;
+    throw py::value_error(type + ": " + py::str(error.value()).cast<std::string>());
+  }
+  const auto view = py::reinterpret_steal<py::object>(raw);
+  const Py_buffer* b = PyMemoryView_GET_BUFFER(raw);
+  if (writable && b->readonly) {
+    throw py::value_error(type + " is read-only and cannot be read into: pass a writable buffer "
+                                 "(bytearray, numpy array, tensor)");
+  }
+  if (PyBuffer_IsContiguous(b, 'C') == 0) {
+    throw py::value_error(type + " is not C-contiguous: make a contiguous copy first");
+  }
+  const auto address = b->len == 0 ? uintptr_t{0} : reinterpret_cast<uintptr_t>(b->buf);
+  return py::make_tuple(address, static_cast<uint64_t>(b->len), view);
 }
 
 }  // namespace
@@ -27,8 +45,9 @@ uintptr_t BufferAddress(const py::object& obj, bool writable) {
 void RegisterBuffers(py::module_& m) {
   m.def("huge_pages_policy", &HugePagesPolicy,
         "Which page-aligned buffers ask for transparent huge pages in this process, and why.");
-  m.def("buffer_address", &BufferAddress, py::arg("obj"), py::arg("writable"),
-        "Address of a C-contiguous buffer export; raises BufferError if it is not one.");
+  m.def("host_range", &HostRange, py::arg("obj"), py::arg("writable"),
+        "(address, nbytes, memoryview) of a buffer export, or None for an object without the "
+        "buffer protocol; ValueError for a read-only (when `writable`) or non-contiguous one.");
   // Page-aligned host memory with the buffer protocol (numpy/torch.frombuffer wrap it).
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
       .def(py::init([](size_t size, bool reused, bool resident) {

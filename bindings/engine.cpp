@@ -183,6 +183,26 @@ void RegisterEngine(py::module_& m) {
           py::arg("op"), py::arg("pieces"), py::arg("stage_reads") = false)
       .def("wait_all", &Engine::WaitAll, py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "flag", [](const py::object& value, const char* name) { return FlagArgument(value, name); },
+      py::arg("value"), py::arg("name"),
+      "`value` as True or False (bools, 0, 1, numpy's bools), None kept: TypeError naming `name`.");
+  m.def(
+      "batch_piece",
+      [](size_t index, const py::handle& piece) {
+        // A tensor or array of three elements would unpack as one piece.
+        const bool sequence = PyTuple_Check(piece.ptr()) || PyList_Check(piece.ptr());
+        if (!sequence || py::len(piece) != 3) {
+          throw py::type_error(StrCat("piece ", index, " of the batch is a ", TypeName(piece),
+                                      sequence ? StrCat(" of ", py::len(piece)) : "",
+                                      ": each piece is a (buffer, file, offset) tuple"));
+        }
+        const auto items = py::reinterpret_borrow<py::sequence>(piece);
+        return py::make_tuple(items[0], items[1], OffsetArgument(items[2]));
+      },
+      py::arg("index"), py::arg("piece"),
+      "An IOHandle batch's piece `index` as (buffer, file, offset), the offset checked: "
+      "TypeError or ValueError naming it.");
   m.def("c_integer", &CIntegerArgument, py::arg("value"), py::arg("what"), py::arg("name"),
         py::arg("minimum"), py::arg("bits"), py::arg("unsigned") = false,
         "`value` as a C integer of `bits` bits, as a compatible API's pybind11 binding takes one "

@@ -12,7 +12,6 @@ The native API::
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 from . import _core
@@ -27,7 +26,7 @@ from .checkpoint import (
 )
 from .io import File, IOFuture, IOHandle, IOResult
 from .offload import DiskOffloader
-from .device import CuFileError, CudaError, cuda_info, cufile_info, pin, pinned_empty
+from .device import _shape, CuFileError, CudaError, cuda_info, cufile_info, pin, pinned_empty
 
 __version__ = "0.1.0"
 __all__ = [
@@ -98,22 +97,7 @@ def aligned_empty(
     """
     import torch
 
-    dtype = torch.uint8 if dtype is None else dtype
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
-    try:
-        dims: tuple[int, ...] = (operator.index(shape),)  # type: ignore[arg-type]
-    except TypeError:
-        try:
-            dims = tuple(operator.index(d) for d in shape)  # type: ignore[union-attr]
-        except TypeError:
-            raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape {dims} has a negative dimension")
-    numel = 1
-    for d in dims:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    dtype, dims, numel, nbytes = _shape(shape, dtype)
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype)
     if nbytes >= 1 << 63:  # past any address space (and what the binding's size_t takes)

@@ -73,19 +73,9 @@ def _from_tensor(tensor: Any, writable: bool) -> HostBuffer:
     )
 
 
-def _from_buffer(obj: Any, writable: bool) -> HostBuffer:
-    view = memoryview(obj)
-    if writable and view.readonly:
-        raise ValueError(
-            f"{type(obj).__name__} is read-only and cannot be read into: pass a writable buffer "
-            "(bytearray, numpy array, tensor)"
-        )
-    if not view.c_contiguous:
-        raise ValueError(f"{type(obj).__name__} is not C-contiguous: make a contiguous copy first")
-    if view.nbytes == 0:
-        return HostBuffer(0, 0, view)
-    # The memoryview holds the buffer export, so the object cannot be resized while in use.
-    return HostBuffer(_core.buffer_address(view, writable), view.nbytes, view)
+def _from_buffer(obj: Any, writable: bool) -> HostBuffer | None:
+    memory = _core.host_range(obj, writable)  # ValueError: read-only, not contiguous
+    return None if memory is None else HostBuffer(*memory)
 
 
 def _from_dlpack(obj: Any, writable: bool) -> HostBuffer:
@@ -96,7 +86,7 @@ def _from_dlpack(obj: Any, writable: bool) -> HostBuffer:
     except ImportError:
         import numpy
 
-        return _from_buffer(numpy.from_dlpack(obj), writable)
+        return _from_buffer(numpy.from_dlpack(obj), writable)  # type: ignore[return-value]
 
 
 def host_buffer(obj: Any, *, writable: bool) -> HostBuffer:
@@ -113,12 +103,9 @@ def host_buffer(obj: Any, *, writable: bool) -> HostBuffer:
     """
     if _torch_tensor(obj):
         return _from_tensor(obj, writable)
-    try:
-        return _from_buffer(obj, writable)
-    except TypeError:
-        pass
-    except BufferError as e:
-        raise ValueError(f"{type(obj).__name__}: {e}") from e
+    memory = _from_buffer(obj, writable)
+    if memory is not None:
+        return memory
     if hasattr(obj, "__dlpack__"):
         return _from_dlpack(obj, writable)
     raise TypeError(

@@ -118,29 +118,28 @@ def _require_preserved_storages() -> None:
         )
 
 
-def _free(storage: Any) -> None:
-    """Gives an offloaded storage's memory back (0 bytes: nothing to give, and a zero-size
-    tensor's storage may not be resizable, as numpy's)."""
-    if storage.nbytes():
-        storage.resize_(0)
-
-
-def _resize(storage: Any, nbytes: int) -> None:
-    """Gives a storage `nbytes` of memory for a read (a zero-size tensor's storage may not be
-    resizable, as numpy's: it has its 0 bytes already)."""
+def _resize(storage: Any, nbytes: int = 0) -> None:
+    """Gives a storage `nbytes` of memory (0: frees it). Resized only if its size differs: a
+    zero-size tensor's storage may not be resizable, as numpy's."""
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
 
 
-def _run_callbacks(callbacks: Sequence[Callable[[], None]]) -> list[BaseException]:
-    """Runs every callback; returns what they raised (Ctrl-C included), in order."""
+_free = _resize
+
+
+def _run_callbacks(
+    callbacks: Sequence[Callable[[], None]],
+) -> tuple[list[BaseException], BaseException | None]:
+    """Runs every callback; returns what they raised (in order) and the first interrupt among
+    them (Ctrl-C: not an Exception)."""
     raised: list[BaseException] = []
     for cb in callbacks:
         try:
             cb()
         except BaseException as e:  # noqa: BLE001 - the caller raises them after all ran
             raised.append(e)
-    return raised
+    return raised, next((e for e in raised if not isinstance(e, Exception)), None)
 
 
 def _check_read_target(tensor: Any, nbytes: int) -> None:
@@ -177,19 +176,12 @@ def _check_distinct(tensors: Sequence[Any]) -> None:
 
 def _host_pieces(entries: list[_Entry], tensors: list[Any], device: list[bool]) -> list[Any]:
     """The (key, address, bytes) the engine moves itself: the tensors not on the device path."""
-    return [
-        (e.key, int(t.data_ptr()), e.nbytes) for e, t, d in zip(entries, tensors, device) if not d
-    ]
+    return [(e.key, t.data_ptr(), e.nbytes) for e, t, d in zip(entries, tensors, device) if not d]
 
 
 def _span(tensor: Any) -> DeviceBuffer:
-    """The device range of `tensor` and a stream of its own for the transfer, ordered after the
-    work queued so far on the current stream, so that work queued after the call does not hold
-    the transfer up (CPU tensors, under the memcpy test copier: host memory, no stream).
-
-    Raises:
-        CudaError: tensortier cannot reach the CUDA driver (the message says what is missing).
-    """
+    """`device_buffer(tensor, own_stream=True)` (CudaError without a driver); for CPU tensors,
+    under the memcpy test copier, host memory and no stream."""
     if tensor.device.type != "cuda":
         return DeviceBuffer(int(tensor.data_ptr()), tensor.nbytes, 0, None, tensor)
     return device_buffer(tensor, own_stream=True)

@@ -12,6 +12,8 @@ at run time, and without it these functions raise :class:`CudaError` saying what
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,17 +72,25 @@ def _require_driver(what: str) -> None:
         )
 
 
-def _dims(shape: int | tuple[int, ...] | list[int] | Any) -> tuple[int, ...]:
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        dims: tuple[int, ...] = (shape,)
-    else:
+def _shape(shape: Any, dtype: Any) -> tuple[Any, tuple[int, ...], int, int]:
+    """(dtype, dims, numel, nbytes) of a new tensor: `dtype` a torch dtype (default uint8),
+    `shape` an int or a sequence of ints (anything with ``__index__``), none negative."""
+    import torch
+
+    dtype = torch.uint8 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+    try:
+        dims: tuple[int, ...] = (operator.index(shape),)
+    except TypeError:
         try:
-            dims = tuple(int(d) for d in shape)
-        except TypeError as e:
-            raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from e
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
     if any(d < 0 for d in dims):
         raise ValueError(f"shape {dims} has a negative dimension")
-    return dims
+    numel = math.prod(dims)
+    return dtype, dims, numel, numel * dtype.itemsize
 
 
 def _registering_device(device: int | None) -> int:
@@ -112,15 +122,8 @@ def pinned_empty(
     """
     import torch
 
-    dtype = torch.uint8 if dtype is None else dtype
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
-    dims = _dims(shape)
+    dtype, dims, _, nbytes = _shape(shape, dtype)
     _require_driver("tensortier.pinned_empty")
-    numel = 1
-    for d in dims:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     memory = _core.PinnedMemory(max(nbytes, 1), _registering_device(device))
     # torch.frombuffer keeps `memory` (and so the registration) alive as long as the storage.
     # (frombuffer refuses count=0, hence the slice: zero-byte shapes are valid tensors.)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import os
 import threading
 import weakref
@@ -46,10 +45,8 @@ class IOFuture:
 
     def __init__(self, operation: Any, keepalive: list[Any]) -> None:
         self._op = operation  # _core.Operation
-        self._keepalive: list[Any] | None = keepalive
-        # The outcome once taken: a result, or the operation's error (an Exception; an interrupt
-        # of a wait, KeyboardInterrupt, is never an outcome).
-        self._outcome: IOResult | Exception | None = None
+        self._keepalive: list[Any] | None = keepalive  # until every part is over
+        self._outcome: IOResult | Exception | None = None  # never an interrupt of a wait
         self._pid = os.getpid()
 
     def done(self) -> bool:
@@ -67,11 +64,10 @@ class IOFuture:
         self._check_process()
         if self._outcome is None:
             try:
-                raw = self._op.result()
-                self._outcome = IOResult(raw["bytes"], raw["segment_bytes"], raw["stats"])
+                self._outcome = IOResult(**self._op.result())
             except Exception as e:  # noqa: BLE001 - the operation's error: its outcome
                 self._outcome = e
-            self._keepalive = None  # every part is over
+            self._keepalive = None
         if isinstance(self._outcome, Exception):
             raise self._outcome
         return self._outcome
@@ -81,9 +77,8 @@ class IOFuture:
         then counted as given: the caller raises it); None otherwise."""
         self._check_process()
         error = self._op.take_undelivered_error()
-        self._keepalive = None  # every part is over
-        if error is not None:
-            self._outcome = error
+        self._keepalive = None
+        self._outcome = error or self._outcome
         return error
 
     def _check_process(self) -> None:
@@ -99,9 +94,7 @@ class IOFuture:
         return self.result().bytes
 
     def __del__(self) -> None:
-        # Memory handed to the kernel must outlive the I/O, even if the future is dropped. (In a
-        # child made by fork() nothing runs the operation: waiting would never return.) Not
-        # interruptible: the memory must outlive the operation, Ctrl-C or not.
+        # The memory must outlive the I/O, Ctrl-C or not (in a fork's child nothing runs it).
         if getattr(self, "_keepalive", None) is not None and os.getpid() == self._pid:
             self._op.wait(interruptible=False)
 
@@ -181,8 +174,7 @@ class IOHandle:
         bounce_slot_size: int | None = None,
         bounce_rings: int | None = None,
     ) -> None:
-        direct = bool(_flag("direct", direct))
-        self._direct = direct
+        self._direct = bool(_core.flag(direct, "direct"))
         # Checks the settings (ValueError or TypeError naming the argument).
         self._engine: _core.Engine | None = _core.Engine(
             backend=backend,
@@ -195,25 +187,20 @@ class IOHandle:
             bounce_idle_ms=bounce_idle_ms,
             probe_dir=fspath(probe_dir, "probe_dir") if probe_dir is not None else "",
         )
-        # The system calls of saves and loads outside the engine (open, fallocate, fdatasync,
-        # rename, directory fsync).
+        # Saves' and loads' system calls outside the engine (open, fallocate, fsync, rename).
         self._file_system = _core.FileSystem()
         self._pid = os.getpid()
-        # Operations not yet known to be over, and finished ones whose error nobody has seen:
-        # wait_all() raises it (an error is never lost with a dropped future).
+        # Operations not known to be over, and finished ones whose error nobody has seen.
         self._pending: list[IOFuture] = []
         self._pending_lock = threading.Lock()
         self._gds = _core.gds_mode(gds)
         # Checked now (the TENSORTIER_BOUNCE_* variables too), used at the first CUDA transfer.
-        ring = _core.device_transfer_options(
+        self._ring_options = tuple(_core.device_transfer_options(  # (slots, slot_bytes, rings)
             slots=bounce_slots, slot_bytes=bounce_slot_size, max_rings=bounce_rings
-        )
-        self._ring_options = (ring["slots"], ring["slot_bytes"], ring["max_rings"])
+        ).values())
         self._transfer: Any = None  # _core.DeviceTransfer, made on the first CUDA tensor
         self._transfer_lock = threading.Lock()
-        # File -> its _core.LazyDeviceFile (registered with cuFile by the file's first CUDA
-        # transfer); an entry goes when its File is collected or is seen closed (see
-        # _device_file).
+        # File -> its _core.LazyDeviceFile; entries of closed files go at the next lookup.
         self._device_files: weakref.WeakKeyDictionary[File, Any] = weakref.WeakKeyDictionary()
         self._device_files_lock = threading.Lock()
 
@@ -251,7 +238,7 @@ class IOHandle:
         """
         if not isinstance(mode, str):
             raise TypeError(f"mode must be a str such as 'r' or 'w', not {type(mode).__name__}")
-        direct = _flag("direct", direct)
+        direct = _core.flag(direct, "direct")
         return File.open(fspath(path), mode, self._direct if direct is None else direct)
 
     def _file(self, file: PathOrFile, write: bool) -> File:
@@ -310,16 +297,12 @@ class IOHandle:
         with self._pending_lock:
             pending, self._pending = self._pending, []
         failed: list[IOFuture] = []
-        errors: list[Exception] = []
         try:
             while pending:
-                error = pending[0]._unseen_error()  # noqa: SLF001 - same module
-                if error is not None:
+                if pending[0]._unseen_error() is not None:  # noqa: SLF001 - same module
                     failed.append(pending[0])
-                    errors.append(error)
                 pending.pop(0)
-            # Operations that other threads started meanwhile (their futures are pending):
-            # waited for, their errors left to their futures.
+            # Operations other threads started meanwhile: their errors are their futures'.
             try:
                 core.wait_all()
             except OSError:
@@ -332,8 +315,12 @@ class IOHandle:
             with self._pending_lock:
                 self._pending[:0] = failed + pending
             raise
-        if errors:
-            raise _with_others(errors)
+        if failed:
+            first = failed[0]._outcome  # noqa: SLF001
+            if len(failed) > 1:
+                add_note(first, f"{len(failed) - 1} other operation(s) of this IOHandle also "
+                         "failed")
+            raise first
 
     def close(self) -> None:
         """Wait for everything in flight, then stop the workers. Idempotent. Raises the first
@@ -341,12 +328,9 @@ class IOHandle:
         if self._engine is None:
             return
         if os.getpid() != self._pid:
-            # A child made by fork(): the operations and threads are the parent's. Let go of
-            # everything without waiting (the engine leaves its workers alone there), and
-            # without locks (a thread of the parent may have held one at the fork).
-            self._pending = []
-            self._transfer = None
-            self._engine = None
+            # A fork's child: the operations and threads are the parent's. Let go without
+            # waiting, and without locks (a thread of the parent may have held one).
+            self._pending, self._transfer, self._engine = [], None, None
             return
         try:
             self.wait_all()
@@ -363,8 +347,7 @@ class IOHandle:
         if exc is None:
             self.close()
             return
-        # The block is already failing: its exception is the one to see. An error of an
-        # operation it dropped is told in a note on it rather than replacing it.
+        # The block's exception is the one to see; a dropped operation's error is a note on it.
         try:
             self.close()
         except Exception as close_error:  # noqa: BLE001 - reported on the block's exception
@@ -382,17 +365,12 @@ class IOHandle:
         # Several threads may start the first CUDA transfer at once: one makes it.
         with self._transfer_lock:
             if self._transfer is None:
-                slots, slot_size, rings = self._ring_options
-                self._transfer = _core.DeviceTransfer(
-                    self._core(), slots=slots, slot_bytes=slot_size, max_rings=rings
-                )
+                self._transfer = _core.DeviceTransfer(self._core(), *self._ring_options)
         return self._transfer
 
     def _device_file(self, file: File) -> Any:
-        """The cached ``_core.LazyDeviceFile`` of `file` for this handle's GDS mode (registered
-        with cuFile once per file, by its first transfer, not per transfer). Entries of closed
-        files are dropped here (they hold the descriptors open), so a closed file lets go of them
-        at the handle's next CUDA transfer, or when it is collected, or when the handle closes."""
+        """The cached ``_core.LazyDeviceFile`` of `file` (registered with cuFile by its first
+        transfer). Entries of closed files, which hold the descriptors open, are dropped here."""
         with self._device_files_lock:
             for closed in [f for f in self._device_files if f.closed]:
                 del self._device_files[closed]
@@ -402,13 +380,10 @@ class IOHandle:
                 self._device_files[file] = target
             return target
 
-    def _device_job(
-        self, op: str, buf: Any, file: File, offset: int, keepalive: list[Any]
-    ) -> Any:
-        """Starts moving a CUDA tensor piece on the transfer's job queue: a ``_core.DeviceJob``.
-        Its own stream, ordered after the work queued so far: the copies, queued chunk by chunk
-        by the job, are not held up behind work the caller queues meanwhile. A CuFileError
-        (``gds="on"``) is the job's error. `keepalive` gets what must live until it is over."""
+    def _device_job(self, op: str, buf: Any, file: File, offset: int, keepalive: list[Any]) -> Any:
+        """Starts moving a CUDA tensor piece on the transfer's job queue (a ``_core.DeviceJob``),
+        on its own stream ordered after the work queued so far. `keepalive` gets what must live
+        until it is over."""
         db = device_buffer(buf, own_stream=True)  # raises CudaError without a driver
         keepalive.append(db.owner)
         transfer = self._device_transfer()
@@ -425,35 +400,18 @@ class IOHandle:
         keepalive: list[Any] = []
         native: list[tuple[File, int, int, int]] = []
         device: list[tuple[Any, File, int]] = []
-        order: list[tuple[bool, int]] = []
+        on_device: list[bool] = []
         for index, piece in enumerate(pieces):
-            if not isinstance(piece, (tuple, list)) or len(piece) != 3:
-                # A tensor or array of three elements would unpack as one piece.
-                raise TypeError(
-                    f"piece {index} of the batch is a {type(piece).__name__}"
-                    f"{f' of {len(piece)}' if isinstance(piece, (tuple, list)) else ''}: "
-                    "each piece is a (buffer, file, offset) tuple"
-                )
-            buf, file, offset = piece
-            if isinstance(offset, bool):
-                raise TypeError("offset must be an int, not bool")
-            try:
-                offset = operator.index(offset)  # numpy integers too
-            except TypeError:
-                raise TypeError(f"offset must be an int, not {type(offset).__name__}") from None
-            if not 0 <= offset < 1 << 63:
-                raise ValueError(f"offset must be from 0 to 2**63 - 1, not {offset}")
-            if is_cuda_tensor(buf):
+            buf, file, offset = _core.batch_piece(index, piece)  # TypeError/ValueError
+            on_device.append(is_cuda_tensor(buf))
+            if on_device[-1]:
                 f = self._file(file, write)
                 keepalive.extend((buf, buf.untyped_storage(), f))
-                order.append((True, len(device)))
                 device.append((buf, f, offset))
                 continue
             hb: HostBuffer = host_buffer(buf, writable=not write)
             f = self._file(file, write)
-            keepalive.append(hb.owner)
-            keepalive.append(f)
-            order.append((False, len(native)))
+            keepalive.extend((hb.owner, f))
             native.append((f, hb.address, hb.nbytes, offset))
         for buf, _, _ in device:  # fail before anything starts
             device_buffer(buf)
@@ -463,36 +421,22 @@ class IOHandle:
             for buf, f, offset in device:
                 jobs.append(self._device_job(op, buf, f, offset, keepalive))
         except BaseException:
-            # What started (the host pieces, the first CUDA ones) still uses the memory: it
-            # stays with the pending operations, which keep it alive until it is over.
-            started = [d for d, i in order if not d or i < len(jobs)]
+            # What started (the host pieces, the first CUDA ones) still uses the memory: the
+            # pending operations keep it alive until it is over.
+            started = [d for i, d in enumerate(on_device)
+                       if not d or sum(on_device[:i]) < len(jobs)]
             with self._pending_lock:
                 self._pending.append(IOFuture(_core.Operation(future, jobs, started), keepalive))
             raise
         if not write:
-            _bump_versions([buf for buf, _, _ in pieces])
-        result = IOFuture(_core.Operation(future, jobs, [d for d, _ in order]), keepalive)
+            _bump_versions([piece[0] for piece in pieces])
+        result = IOFuture(_core.Operation(future, jobs, on_device), keepalive)
         with self._pending_lock:
             self._pending = [
                 p for p in self._pending if not p.done() or p._op.has_undelivered_error()
             ]
             self._pending.append(result)
         return result
-
-
-def _flag(name: str, value: Any) -> bool | None:
-    """`value` as a bool, None kept. Takes bools, 0/1 and numpy's bools (what a config file or
-    argparse hands over); not strings such as "no", which pybind would refuse with a message
-    naming no argument.
-
-    Raises:
-        TypeError: naming the argument.
-    """
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes)) or value not in (0, 1):
-        raise TypeError(f"{name} must be True or False, not {value!r}")
-    return bool(value)
 
 
 def _bump_versions(buffers: Sequence[Any]) -> None:
@@ -505,14 +449,6 @@ def _bump_versions(buffers: Sequence[Any]) -> None:
             if increment is None:
                 from torch.autograd.graph import increment_version as increment
             increment(buf)
-
-
-def _with_others(errors: list[Exception]) -> Exception:
-    """The first of `errors`, with a note counting the others."""
-    first = errors[0]
-    if len(errors) > 1:
-        add_note(first, f"{len(errors) - 1} other operation(s) of this IOHandle also failed")
-    return first
 
 
 def _forked_message(what: str, pid: int) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import collections
 import errno
+import itertools
 import os
 import threading
 import warnings
@@ -92,14 +93,13 @@ class DiskOffloader:
         _device_copier: str = "cuda",
     ) -> None:
         if isinstance(dir_name, (str, bytes, os.PathLike)):
-            dirs = [os.path.abspath(fspath(dir_name, "dir_name"))]
-        elif isinstance(dir_name, Iterable):
-            dirs = [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
-        else:
+            dir_name = [dir_name]
+        elif not isinstance(dir_name, Iterable):
             raise TypeError(
                 "dir_name must be a path (str, bytes or os.PathLike) or a list of paths, not "
                 f"{type(dir_name).__name__}"
             )
+        dirs = [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
         if not dirs:
             raise ValueError("DiskOffloader needs at least one directory")
         gds = _core.gds_mode(gds)
@@ -107,9 +107,8 @@ class DiskOffloader:
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError(
-                    "pin_memory=True needs a CUDA device, and torch.cuda.is_available() is False"
-                )
+                raise ValueError("pin_memory=True needs a CUDA device, and "
+                                 "torch.cuda.is_available() is False")
         # The TENSORTIER_BOUNCE_* variables are checked now, not at the first CUDA tensor.
         _core.device_transfer_options()
         for d in dirs:
@@ -121,34 +120,24 @@ class DiskOffloader:
         self._core: _core.Offloader | None = _core.Offloader(
             dirs, backend, n_entries, stripe_threshold
         )
-        self._pid = os.getpid()
-        self._pin = pin_memory
-        self._dirs = len(dirs)
-        # "memcpy" (tests): CPU tensors take the device path, copied by memcpy, so its logic
-        # runs without a GPU.
+        self._pid, self._pin, self._dirs, self._gds = os.getpid(), pin_memory, len(dirs), gds
+        # "memcpy" (tests): CPU tensors take the device path, copied by memcpy (no GPU needed).
         self._device_copier = _device_copier
-        self._gds = gds
         self._transfer: Any = None  # _core.DeviceTransfer, made for the first device tensor
         self._device_files: Any = None  # _core.OffloadDeviceFiles, with the transfer
         self._device_bytes: dict[str, int] = {}
         # Device operations in flight, per kind: (key, _core.DeviceJob, what it uses).
-        self._device_jobs: dict[str, list[tuple[int, Any, Any]]] = {
-            "write": [],
-            "read": [],
-        }
+        self._device_jobs: dict[str, list[tuple[int, Any, Any]]] = {"write": [], "read": []}
         self._lock = threading.RLock()
-        # Errors of operations of one kind that a call of the other kind had to wait for (a
-        # read of a tensor still being written), and of their callbacks: raised by the next
-        # wait of their kind.
+        # Errors of operations of one kind that a call of the other kind waited for (a read of
+        # a tensor being written), and of their callbacks: raised by the next wait of the kind.
         self._undelivered: dict[str, tuple[list[BaseException], list[BaseException]]] = {
-            "write": ([], []),
-            "read": ([], []),
-        }
+            "write": ([], []), "read": ([], [])}
         self._forgotten: collections.deque[tuple[int, str, int]] = collections.deque()
         self._by_id: dict[int, _Entry] = {}  # by id() of the tensor given
         self._by_storage: dict[int, _Entry] = {}  # by id() of its storage
         self._by_key: dict[int, _Entry] = {}
-        self._next_key = 1
+        self._keys = itertools.count(1)
         _live.add(self)
 
     # ---- TensorNVMe's API -----------------------------------------------------------------
@@ -276,7 +265,12 @@ class DiskOffloader:
         In a child made by fork() it only lets go: the files, the data and the operations are
         the parent's."""
         if os.getpid() != self._pid:
-            self._let_go_after_fork()
+            # A fork's child: no lock (a thread of the parent may have held it at the fork), no
+            # wait (the threads are the parent's), no file removed (the C++ offloader leaves them
+            # when closed in another process); the errors are the parent's to raise.
+            self._device_jobs = {"write": [], "read": []}
+            self._undelivered = {"write": ([], []), "read": ([], [])}
+            self._let_go()
             return
         with self._lock:
             if self._core is None:
@@ -286,25 +280,16 @@ class DiskOffloader:
                 errors = self._collect(kind, cancel_writes=True)[0]
                 failed += len(errors) + len(self._undelivered[kind][0])
                 self._undelivered[kind] = ([], [])
-            core, self._core = self._core, None
-            # Lets go of the ring's pinned memory and the files' cuFile registrations.
-            self._transfer = self._device_files = None
-            core.close()
             lost = sum(1 for e in self._by_key.values() if e.state == "stored")
-            for entry in self._by_key.values():
-                entry.detach()
-            self._by_id.clear()
-            self._by_storage.clear()
-            self._by_key.clear()
-        if lost or failed:
-            failures = f"{failed} operation(s) not waited for had failed" if failed else ""
-            message = (
+            self._let_go()
+        failures = f"{failed} operation(s) not waited for had failed" if failed else ""
+        if lost:
+            warnings.warn(
                 f"DiskOffloader closed with {lost} tensor(s) still offloaded; their data is gone"
-                + (f" ({failures})" if failures else "")
-                if lost
-                else f"DiskOffloader closed: {failures}"
-            )
-            warnings.warn(message, OffloadedDataLostWarning, stacklevel=2)
+                + (f" ({failures})" if failures else ""), OffloadedDataLostWarning, stacklevel=2)
+        elif failures:
+            warnings.warn(f"DiskOffloader closed: {failures}", OffloadedDataLostWarning,
+                          stacklevel=2)
 
     def __enter__(self) -> "DiskOffloader":
         return self
@@ -340,22 +325,19 @@ class DiskOffloader:
             )
         return self._core
 
-    def _let_go_after_fork(self) -> None:
-        """close() in a child made by fork(): no lock is taken (a thread of the parent may have
-        held it at the fork), nothing is waited for (the threads are the parent's) and no file
-        is removed (the C++ offloader leaves them when closed in another process)."""
+    def _let_go(self) -> None:
+        """Closes the C++ offloader and forgets every entry; lets go of the ring's pinned memory
+        and the files' cuFile registrations."""
         core, self._core = self._core, None
         if core is None:
             return
         self._transfer = self._device_files = None
-        self._device_jobs = {"write": [], "read": []}
-        self._undelivered = {"write": ([], []), "read": ([], [])}  # the parent's to raise
+        core.close()
         for entry in self._by_key.values():
             entry.detach()
         self._by_id.clear()
         self._by_storage.clear()
         self._by_key.clear()
-        core.close()
 
     def _lookup(self, tensor: Any) -> _Entry | None:
         entry = self._by_id.get(id(tensor))
@@ -372,15 +354,13 @@ class DiskOffloader:
         return entry
 
     def _forget(self, key: int, part: str, gen: int) -> None:
-        # A finalizer: it may run on any thread, the device workers' included (garbage
-        # collection), while another thread holds the lock waiting for those workers, or on this
-        # thread in the middle of code holding the lock (and iterating the entries). Never block
-        # or change the entries here then: leave the key to the next call that takes the lock.
+        # A finalizer: it may run on any thread (garbage collection) while another holds the
+        # lock waiting for it, or on this one amid code holding the lock. Never block or change
+        # the entries then: the key is left to the next call that takes the lock.
+        self._forgotten.append((key, part, gen))
         if self._lock._is_owned() or not self._lock.acquire(blocking=False):  # type: ignore
-            self._forgotten.append((key, part, gen))
             return
         try:
-            self._forgotten.append((key, part, gen))
             self._drain_forgotten()
         finally:
             self._lock.release()
@@ -412,12 +392,8 @@ class DiskOffloader:
         self._unmap(entry, "storage")
         entry.detach()
 
-    def _write(
-        self,
-        tensors: list[Any],
-        callback: Callable[[], None] | None,
-        supersede: bool = False,
-    ) -> list[int]:
+    def _write(self, tensors: list[Any], callback: Callable[[], None] | None,
+               supersede: bool = False) -> list[int]:
         """Starts writing `tensors`; returns the keys whose writes free their memory. With
         `supersede` (TensorNVMe's rule), a tensor whose write runs is written again: the later
         write is the one read back, the earlier one's space is given back when it is waited
@@ -467,12 +443,9 @@ class DiskOffloader:
                         "numpy or torch.frombuffer); offloading frees memory by resizing it: "
                         "use .clone()"
                     )
-            entries = []
-            for t in tensors:
-                entry = _Entry(self._next_key, t, t.numel() * t.element_size())
-                self._next_key += 1
-                entry.callback = callback if t is tensors[-1] else None
-                entries.append(entry)
+            entries = [_Entry(next(self._keys), t, t.numel() * t.element_size()) for t in tensors]
+            if entries:
+                entries[-1].callback = callback
             device = self._route(tensors)
             spans = [_span(t) if d else None for t, d in zip(tensors, device)]  # CudaError
             host = _host_pieces(entries, tensors, device)
@@ -496,8 +469,6 @@ class DiskOffloader:
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> list[int]:
         """Starts reading `tensors`; returns their keys."""
         _check_callback(callback)
-        import torch
-
         with self._lock:
             core = self._open()
             self._drain_forgotten()
@@ -524,32 +495,22 @@ class DiskOffloader:
                 raise ValueError("tensor is already being read")
             for t, e in zip(tensors, entries):
                 _check_read_target(t, e.nbytes)
-            self._start_read(core, entries, tensors, callback, torch)
+            self._start_read(core, entries, tensors, callback)
             return [e.key for e in entries]
 
-    def _start_read(
-        self,
-        core: _core.Offloader,
-        entries: list[_Entry],
-        tensors: list[Any],
-        callback: Callable[[], None] | None,
-        torch: Any,
-    ) -> None:
+    def _start_read(self, core: _core.Offloader, entries: list[_Entry], tensors: list[Any],
+                    callback: Callable[[], None] | None) -> None:
         device = self._route(tensors)
         spans: list[Any] = []
         try:
+            # The memory is allocated here, on the caller's thread and stream, while the data
+            # is still on disk: out of memory leaves it offloaded.
             for e, t, d in zip(entries, tensors, device):
-                if d:
-                    # The memory is allocated here, on the caller's thread and stream, while the
-                    # data is still on disk: out of memory leaves it offloaded.
-                    _resize(t.untyped_storage(), e.nbytes)
-                    spans.append(_span(t))  # CudaError without a driver
-                elif self._pin and e.tensor_ref() is t:
-                    self._allocate_pinned(e, t, torch)
-                    spans.append(None)
+                if not d and self._pin and e.tensor_ref() is t:
+                    self._allocate_pinned(e, t)
                 else:
                     _resize(t.untyped_storage(), e.nbytes)
-                    spans.append(None)
+                spans.append(_span(t) if d else None)  # CudaError without a driver
             host = _host_pieces(entries, tensors, device)
             if host:
                 core.read(host)
@@ -558,19 +519,20 @@ class DiskOffloader:
                 _free(t.untyped_storage())
             raise
         for e, t in zip(entries, tensors):
-            e.state = "reading"
-            e.tensor = t
-            e.storage = t.untyped_storage()
-            e.callback = callback if t is tensors[-1] else None
+            e.state, e.tensor, e.storage, e.callback = "reading", t, t.untyped_storage(), None
+        if entries:
+            entries[-1].callback = callback
         for e, span in zip(entries, spans):
             if span is not None:
                 self._submit_device("read", e, span)
 
-    def _allocate_pinned(self, entry: _Entry, tensor: Any, torch: Any) -> None:
+    def _allocate_pinned(self, entry: _Entry, tensor: Any) -> None:
         """Gives `tensor` (the tensor written: another tensor of the storage would take the data
         away from it) a new storage of pinned memory for its read, and moves `entry`'s
         storage part to it (the old storage, now unused and 0 bytes, may die at once; other
         tensors of it keep it, 0 bytes). REQUIRES: self._lock."""
+        import torch
+
         memory = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
         # The old storage may die inside set_(): its finalizer goes first, so that its death
         # is not taken for the new storage's.
@@ -606,22 +568,15 @@ class DiskOffloader:
         return device
 
     def _device_transfer(self) -> Any:
-        """The bounce rings of device tensors and their job queue, made on first use.
-        REQUIRES: self._lock held.
-
-        Raises:
-            CudaError: no CUDA driver (the message says what is missing).
-        """
+        """The bounce rings of device tensors and their job queue, made on first use (CudaError
+        without a driver). REQUIRES: self._lock held."""
         core = self._open()
         if self._transfer is None:
             # One ring per directory at least: the parts of a striped tensor move at once.
-            rings = (
-                None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
-            )
+            rings = None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
             self._device_files = _core.OffloadDeviceFiles(self._gds)
-            self._transfer = _core.DeviceTransfer(
-                core.engine, max_rings=rings, copier=self._device_copier
-            )
+            self._transfer = _core.DeviceTransfer(core.engine, max_rings=rings,
+                                                  copier=self._device_copier)
         return self._transfer
 
     def _submit_device(self, kind: str, entry: _Entry, span: DeviceBuffer) -> None:
@@ -646,8 +601,8 @@ class DiskOffloader:
             else:
                 held_errors, held_callback_errors = [], []
         errors = held_errors + errors
-        callback_errors = held_callback_errors + _run_callbacks(callbacks)
-        interrupt = next((e for e in callback_errors if not isinstance(e, Exception)), None)
+        callback_errors, interrupt = _run_callbacks(callbacks)
+        callback_errors[:0] = held_callback_errors
         if interrupt is not None:
             with self._lock:
                 self._undelivered[kind][0][:0] = errors
@@ -670,8 +625,7 @@ class DiskOffloader:
         errors, callbacks = self._collect(kind)
         held_errors, held_callback_errors = self._undelivered[kind]
         held_errors.extend(errors)  # kept before any callback runs: an interrupt loses none
-        callback_errors = _run_callbacks(callbacks)
-        interrupt = next((e for e in callback_errors if not isinstance(e, Exception)), None)
+        callback_errors, interrupt = _run_callbacks(callbacks)
         held_callback_errors.extend(e for e in callback_errors if e is not interrupt)
         if interrupt is not None:
             raise interrupt
@@ -707,46 +661,36 @@ class DiskOffloader:
             errors = []
             callbacks = []
             for key, error in outcomes:
+                if error is not None:
+                    errors.append(error)  # never dropped, whatever became of the entry
                 entry = self._by_key.get(key)
                 if entry is None:
-                    if error is not None:
-                        errors.append(error)  # never dropped, whatever became of the entry
                     continue
                 tensor, entry.tensor = entry.tensor, None
                 storage, entry.storage = entry.storage, None
+                callback, entry.callback = entry.callback, None
                 if entry.superseded:
                     # The later write holds the tensor (and frees its memory once done: it is
                     # waited for with this one); this copy is not the one to read back.
                     self._remove(entry)
                     if error is None:
                         self._core.discard(key)
-                    else:
-                        errors.append(error)
-                    if entry.callback is not None and not cancel_writes:
-                        callbacks.append(entry.callback)
-                    entry.callback = None
+                elif error is not None and kind == "read":  # still on disk: offloaded again
+                    _free(storage)
+                    entry.state = "stored"
                     continue
-                if error is not None:
-                    errors.append(error)
-                    if kind == "write":  # nothing was stored; the tensor is as it was
-                        self._remove(entry)
-                    else:  # the data is still on disk: offloaded again
-                        _free(storage)
-                        entry.state = "stored"
-                    continue
-                if kind == "write" and cancel_writes:
-                    # Closing: the file goes, so the memory keeps the only copy of the data.
+                elif error is not None or cancel_writes:
+                    # A failed write stored nothing; closing removes the files, so the memory
+                    # keeps the only copy of the data. The tensor is as it was.
                     self._remove(entry)
-                    entry.callback = None
                     continue
-                if kind == "write":
+                elif kind == "write":
                     _free(storage)  # the memory written, whatever the tensor holds now
                     entry.state = "stored"
                 else:
                     self._remove(entry)
-                if entry.callback is not None:
-                    callbacks.append(entry.callback)
-                    entry.callback = None
+                if callback is not None and not cancel_writes:
+                    callbacks.append(callback)
             # Tensors whose last reference this wait held died here, under the lock: their
             # finalizers left their keys for now.
             del outcomes, jobs

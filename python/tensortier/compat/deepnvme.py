@@ -38,18 +38,16 @@ through a bounce buffer copied out at ``wait()``): either way, use it only after
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 from .. import _core
-from .._paths import fspath
 from ..device import _cufile_registration
 from ..io import IOFuture, IOHandle
-from ._locked import _free_locked, _is_pinned, _nbytes, _new_locked
 
 __all__ = [
     "AsyncIOBuilder",
@@ -138,22 +136,17 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             intra_op_parallelism = kwargs.pop("num_threads")
         if kwargs:
             raise TypeError(f"aio_handle() got unexpected keyword arguments: {sorted(kwargs)}")
-        block_size = _integer(block_size, "aio_handle", "block_size", 1, bits=_C_INT_BITS)
-        queue_depth = _integer(queue_depth, "aio_handle", "queue_depth", 1, bits=_C_INT_BITS)
-        intra_op_parallelism = _integer(
-            intra_op_parallelism, "aio_handle", "intra_op_parallelism", 1, bits=_C_INT_BITS
-        )
-        self._block_size = block_size
-        self._queue_depth = queue_depth
+        self._block_size, self._queue_depth, self._parallelism = (
+            _integer(value, "aio_handle", name, 1, bits=_C_INT_BITS) for value, name in (
+                (block_size, "block_size"), (queue_depth, "queue_depth"),
+                (intra_op_parallelism, "intra_op_parallelism")))
         self._single_submit = _c_bool(single_submit, "aio_handle", "single_submit")
         self._overlap_events = _c_bool(overlap_events, "aio_handle", "overlap_events")
-        self._parallelism = intra_op_parallelism
-        # Every size DeepNVMe takes works: the engine runs with the nearest it allows (requests
-        # of at most its largest chunk, its deepest queue, its most workers); the getters
-        # answer what was given.
-        chunk = _clamp(-(-block_size // 4096) * 4096, "TENSORTIER_CHUNK_SIZE")
-        depth = _clamp(queue_depth, "TENSORTIER_QUEUE_DEPTH")
-        workers = _clamp(intra_op_parallelism, "TENSORTIER_WORKERS")
+        # Every size DeepNVMe takes works: the engine runs with the nearest it allows; the
+        # getters answer what was given.
+        chunk = _clamp(-(-self._block_size // 4096) * 4096, "TENSORTIER_CHUNK_SIZE")
+        depth = _clamp(self._queue_depth, "TENSORTIER_QUEUE_DEPTH")
+        workers = _clamp(self._parallelism, "TENSORTIER_WORKERS")
         self._io = IOHandle(
             chunk_size=chunk,
             queue_depth=depth,
@@ -162,9 +155,8 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             gds=self._GDS,
         )
         self._pending: list[_Pending] = []
-        # DeepNVMe's handle mutex: held while an operation starts, and from the start of a
-        # blocking call to the end of its wait, so that each thread's blocking call waits for
-        # its own operation (another thread's wait() cannot take it away half done).
+        # DeepNVMe's handle mutex: held while an operation starts, and by a blocking call to the
+        # end of its wait (another thread's wait() cannot take its operation half done).
         self._mutex = threading.Lock()
 
     # ---- settings -------------------------------------------------------------------------
@@ -242,12 +234,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     ) -> int:
         """DeepNVMe's ``pread(buffer, filename, validate, async, file_offset=0)`` (``async`` is a
         keyword Python reserves: pass it by position, as ``async_op=``, or ``**{"async": x}``)."""
-        async_op = _async_argument("pread", async_op, kwargs)
-        validate = _c_bool(validate, "pread", "validate")
-        with self._mutex:
-            if self._start("read", buffer, filename, file_offset, validate) < 0:
-                return -1
-            return 0 if async_op else self._wait_locked()
+        return self._call("read", buffer, filename, validate, async_op, file_offset, kwargs)
 
     def pwrite(
         self,
@@ -260,13 +247,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
     ) -> int:
         """DeepNVMe's ``pwrite(buffer, filename, validate, async, file_offset=0)``. An async write
         copies the tensor first where ``async_pwrite`` does."""
-        async_op = _async_argument("pwrite", async_op, kwargs)
-        validate = _c_bool(validate, "pwrite", "validate")
-        with self._mutex:
-            if self._start("write", buffer, filename, file_offset, validate,
-                           snapshot=async_op) < 0:
-                return -1
-            return 0 if async_op else self._wait_locked()
+        return self._call("write", buffer, filename, validate, async_op, file_offset, kwargs)
 
     def read(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
         """DeepNVMe's synchronous ``read``: at offset 0 the file's size must be the buffer's;
@@ -278,7 +259,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         try:
             size = os.path.getsize(filename)
         except OSError as e:
-            return _failed(filename, "fstat for read", e)
+            return _failed(filename, "fstat for read", e.errno)
         nbytes = _nbytes(buffer)
         if file_offset == 0 and size != nbytes:
             raise ValueError(f"read: {filename} holds {size} bytes, buffer {nbytes}")
@@ -360,28 +341,32 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             self._io.close()
 
     # ---- internals ------------------------------------------------------------------------
+    def _call(self, op: str, buffer: Any, filename: str, validate: bool, async_op: bool | None,
+              file_offset: int, kwargs: dict[str, Any]) -> int:
+        """``pread``/``pwrite``: starts `op`, then waits for it unless `async_op`."""
+        what = "pread" if op == "read" else "pwrite"
+        async_op = _c_bool(_aliased_argument(what, async_op, kwargs, "async_op", "async"), what,
+                           "async")
+        validate = _c_bool(validate, what, "validate")
+        with self._mutex:
+            if self._start(op, buffer, filename, file_offset, validate,
+                           snapshot=async_op and op == "write") < 0:
+                return -1
+            return 0 if async_op else self._wait_locked()
+
     def _snapshot(self, buffer: Any) -> bool:
-        """Whether an async write copies `buffer` first (DeepNVMe's cpu_op_desc_t copies any
-        buffer that is not locked host memory when the write is submitted, and DeepSpeed relies
-        on it: it may reuse the buffer before wait())."""
+        """Whether an async write copies `buffer` first, as DeepNVMe copies any buffer that is
+        not locked host memory (DeepSpeed may reuse it before wait()); our device path would
+        queue a CUDA tensor's copies after work the caller queues meanwhile."""
         if buffer.device.type == "cuda":
-            # gds_handle's GDS ops read device memory while they run, as DeepNVMe's do.
             return self._SNAPSHOT_CUDA_WRITES
         return not self.is_pinned(buffer)
 
-    def _start(
-        self,
-        op: str,
-        buffer: Any,
-        filename: str | int,
-        offset: int,
-        validate: bool,
-        snapshot: bool = False,
-        descriptor_ok: bool = False,
-    ) -> int:
+    def _start(self, op: str, buffer: Any, filename: str | int, offset: int, validate: bool,
+               snapshot: bool = False, descriptor_ok: bool = False) -> int:
         """Starts `op`; `filename` may be an open descriptor only with `descriptor_ok`
         (``async_pwrite``'s second overload: every other call takes a name)."""
-        what = f"{'pread' if op == 'read' else 'pwrite'}"
+        what = "pread" if op == "read" else "pwrite"
         _check_tensor(buffer, what)
         if not descriptor_ok:
             _filename(filename, what)
@@ -395,40 +380,14 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
             else:
                 buffer, snapshot = buffer.contiguous(), False
         if snapshot and buffer.numel() > 0 and self._snapshot(buffer):
-            # Our device path would queue a CUDA tensor's copies later on its stream, after
-            # work the caller queues meanwhile; a host tensor would be read while it runs.
             buffer = buffer.detach().to("cpu", copy=True)
-        descriptor = None
-        if not isinstance(filename, (str, bytes, os.PathLike)):
-            # DeepNVMe's async_pwrite(buffer, fd): the caller's descriptor stays open and
-            # untouched; the engine opens the same file again, with its own flags (O_DIRECT).
-            descriptor = _integer(filename, what, "fd", 0, bits=_C_INT_BITS)
-            try:
-                flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
-            except OSError as e:
-                raise OSError(e.errno, f"{what}: file descriptor {descriptor}: {e.strerror}") from e
-            if op == "write" and flags & os.O_ACCMODE == os.O_RDONLY:
-                raise OSError(errno.EBADF, f"{what}: file descriptor {descriptor} is read-only")
-            filename = f"/proc/self/fd/{descriptor}"
-        path = fspath(filename, "filename")
-        if op == "read":
-            try:
-                os.stat(path)
-            except OSError as e:
-                return _failed(path, "fstat for read", e)
-        try:
-            if op == "read":
-                # DeepNVMe's open_file (O_RDONLY): a file we may not read is its -1 too.
-                os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK))
-            elif descriptor is None:
-                # A new file is its owner's only, as DeepNVMe creates them (mode 0600).
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        except OSError as e:
-            return _failed(path, f"open for {op}", e)
-        if op == "read":
-            future = self._io.pread_async(buffer, path, offset)  # past the end: what exists
-        else:
-            future = self._io.pwrite_async(buffer, path, offset)
+        # An async_pwrite descriptor stays the caller's: the engine opens its file again.
+        path, step, code = _core.deepnvme_file(op, filename, what)
+        if step:
+            return _failed(path, step, code)
+        # A read past the end fills what exists.
+        future = (self._io.pread_async if op == "read" else self._io.pwrite_async)(
+            buffer, path, offset)
         self._pending.append(_Pending(future, buffer, path, offset, validate, copy_to))
         return 0
 
@@ -445,8 +404,7 @@ class _Pending(NamedTuple):
 
 
 def _filename(filename: Any, what: str) -> None:
-    """TypeError unless `filename` is a path: DeepNVMe's calls take a C string (only
-    ``async_pwrite`` also takes a descriptor), so an int is never a descriptor to write."""
+    """DeepNVMe's calls take a C string: an int is not a descriptor (but async_pwrite's)."""
     if not isinstance(filename, (str, bytes, os.PathLike)):
         raise TypeError(f"{what}: filename must be a path, not {type(filename).__name__}")
 
@@ -457,10 +415,10 @@ def _clamp(value: int, setting: str) -> int:
     return min(max(value, low), high)
 
 
-def _failed(path: str, step: str, error: OSError) -> int:
+def _failed(path: str, step: str, code: int | None) -> int:
     """DeepNVMe's answer to a file it cannot open or stat: -1, with its message (printed there,
     a RuntimeWarning here)."""
-    code = error.errno if error.errno is not None else 0
+    code = code or 0
     level, frame = 2, sys._getframe(1)  # the warning names the caller's line, not this module's
     while frame is not None and frame.f_code.co_filename == __file__:
         level, frame = level + 1, frame.f_back
@@ -486,11 +444,6 @@ def _aliased_argument(
     if value is None:
         raise TypeError(f"{what}() missing its argument '{name}'")
     return value
-
-
-def _async_argument(what: str, async_op: bool | None, kwargs: dict[str, Any]) -> bool:
-    """DeepNVMe's ``async`` argument, given as `async_op` or as the keyword ``async``."""
-    return _c_bool(_aliased_argument(what, async_op, kwargs, "async_op", "async"), what, "async")
 
 
 def _example_argument(what: str, example: Any, kwargs: dict[str, Any]) -> Any:
@@ -575,39 +528,28 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         super().close()
 
 
-def aio_read(
-    buffer: Any,
-    filename: str,
-    block_size: int,
-    queue_depth: int,
-    single_submit: bool,
-    overlap_events: bool,
-    validate: bool,
-) -> int:
+def _one_shot(method: str, buffer: Any, filename: str, block_size: int, queue_depth: int,
+              single_submit: bool, overlap_events: bool, validate: bool) -> int:
+    h = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
+    try:
+        return int(getattr(h, method)(buffer, filename, validate))
+    finally:
+        h.close()
+
+
+def aio_read(buffer: Any, filename: str, block_size: int, queue_depth: int,
+             single_submit: bool, overlap_events: bool, validate: bool) -> int:
     """DeepNVMe's one-shot ``aio_read``: the whole file (its size must be the buffer's) into
     `buffer`. Returns 0."""
-    h = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
-    try:
-        return h.read(buffer, filename, validate)
-    finally:
-        h.close()
+    return _one_shot("read", buffer, filename, block_size, queue_depth, single_submit,
+                     overlap_events, validate)
 
 
-def aio_write(
-    buffer: Any,
-    filename: str,
-    block_size: int,
-    queue_depth: int,
-    single_submit: bool,
-    overlap_events: bool,
-    validate: bool,
-) -> int:
+def aio_write(buffer: Any, filename: str, block_size: int, queue_depth: int,
+              single_submit: bool, overlap_events: bool, validate: bool) -> int:
     """DeepNVMe's one-shot ``aio_write``: all of `buffer` at the start of `filename`. Returns 0."""
-    h = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
-    try:
-        return h.write(buffer, filename, validate)
-    finally:
-        h.close()
+    return _one_shot("write", buffer, filename, block_size, queue_depth, single_submit,
+                     overlap_events, validate)
 
 
 def deepspeed_memcpy(dest: Any, src: Any) -> int:
@@ -626,6 +568,79 @@ class _Loaded:
     aio_read = staticmethod(aio_read)
     aio_write = staticmethod(aio_write)
     deepspeed_memcpy = staticmethod(deepspeed_memcpy)
+
+
+# DeepSpeed's pinned-tensor manager, one per process: new_cpu_locked_tensor's tensors of every
+# aio_handle, gds_handle and pin_handle, so that each handle's is_pinned knows the others' and
+# free_cpu_locked_tensor frees only them. data_ptr -> (bytes, the tensor's storage, weakly: it
+# lives as long as any view of the tensor, which the tensor's Python object need not).
+_locked: dict[int, tuple[int, weakref.ref[Any]]] = {}
+_locked_mutex = threading.Lock()
+
+
+def _nbytes(buffer: Any) -> int:
+    return int(buffer.numel() * buffer.element_size())
+
+
+def _new_locked(num_elem: int, example_tensor: Any) -> Any:
+    """``new_cpu_locked_tensor`` of every handle: a tensor in locked memory, in the registry."""
+    import torch
+
+    from .. import aligned_empty
+
+    if torch.cuda.is_available():
+        tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
+    else:
+        tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
+    with _locked_mutex:
+        _locked[int(tensor.data_ptr())] = (_nbytes(tensor), weakref.ref(tensor.untyped_storage()))
+    return tensor
+
+
+def _free_locked(address: int, tensor: Any = None) -> bool:
+    """Frees the live tensor from ``new_cpu_locked_tensor`` at `address` (its storage shrinks to
+    nothing where torch allows, as pinned storages do; page-aligned memory goes with its last
+    reference). A zero-byte one only through `tensor`, a view of it: such tensors may share an
+    address. False, and nothing freed, when there is none."""
+    with _locked_mutex:
+        entry = _locked.get(address)
+        storage = None if entry is None else entry[1]()
+        if storage is None or (
+            entry[0] == 0  # type: ignore[index]
+            and (tensor is None or tensor.untyped_storage() is not storage)
+        ):
+            return False
+        del _locked[address]
+    if storage.resizable():
+        storage.resize_(0)
+    return True
+
+
+def _managed(buffer: Any) -> bool:
+    """Whether all of `buffer`'s bytes lie in one live tensor from ``new_cpu_locked_tensor``
+    (DeepSpeed's manager likewise refuses a buffer that starts in a region and ends past it)."""
+    start = int(buffer.data_ptr())
+    end = start + _nbytes(buffer)
+    with _locked_mutex:
+        for base, (nbytes, ref) in list(_locked.items()):
+            if ref() is None:
+                del _locked[base]
+            elif base <= start and end <= base + nbytes:
+                return True
+    return False
+
+
+def _is_pinned(buffer: Any) -> bool:
+    """``is_pinned`` of every handle: a CPU tensor pinned by torch, in the registry, or (asked
+    of the CUDA driver, where one is loaded) page-locked with CUDA by anyone."""
+    if buffer.device.type != "cpu":
+        return False
+    if bool(buffer.is_pinned()) or _managed(buffer):
+        return True
+    try:
+        return bool(_core.pinned_host(int(buffer.data_ptr()), _nbytes(buffer)))
+    except (RuntimeError, OSError):  # a driver that cannot answer: DeepNVMe's answer, not pinned
+        return False
 
 
 class pin_handle:  # noqa: N801 - DeepSpeed's name

@@ -29,7 +29,7 @@ import threading
 from typing import Any
 
 from .. import _core
-from ..device import _cufile_registration
+from ..device import _cufile_registration, device_buffer
 from ..io import IOHandle
 
 __all__ = ["GdsFile", "GdsIOError", "gds_deregister_buffer", "gds_register_buffer"]
@@ -58,9 +58,8 @@ def _check_storage(storage: Any, what: str) -> None:
     import torch
 
     if not isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
-        raise TypeError(
-            f"{what} needs a torch storage (tensor.untyped_storage()), not {type(storage).__name__}"
-        )
+        raise TypeError(f"{what} needs a torch storage (tensor.untyped_storage()), not "
+                        f"{type(storage).__name__}")
 
 
 def _index(value: Any, what: str) -> int:
@@ -128,11 +127,9 @@ class GdsFile:
         flags = _index(flags, "flags must be os.open flags (an int)")
         self.filename = os.fspath(filename)
         self.flags = flags
-        fd = os.open(self.filename, flags | os.O_CLOEXEC, 0o644)  # create/truncate as asked
-        os.close(fd)
+        os.close(os.open(self.filename, flags | os.O_CLOEXEC, 0o644))  # create/truncate as asked
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        io = _io()
-        self._file: Any = io.open(self.filename, "r+" if writable else "r")
+        self._file: Any = _io().open(self.filename, "r+" if writable else "r")
         # The cuFile registration (or the reason there is none), decided once per file.
         self._device_file: Any = None
         # torch's GdsFile registers its handle here; ours is made on the first CUDA transfer,
@@ -144,9 +141,7 @@ class GdsFile:
     def fd(self) -> int:
         """The file's descriptor (torch's ``GdsFile.fd``; opened read-write when `flags` allow
         writing, and with O_DIRECT where the filesystem takes it); -1 once closed, as torch's."""
-        if self._file is None:
-            return -1
-        return int(self._file.fileno())
+        return -1 if self._file is None else int(self._file.fileno())
 
     @property
     def handle(self) -> Any:
@@ -237,9 +232,9 @@ class GdsFile:
         return self._device_file
 
     def _transfer(self, op: str, storage: Any, offset: int) -> None:
-        what = "load_storage" if op == "read" else "save_storage"
+        what, verb = ("load_storage", "load data from") if op == "read" else (
+            "save_storage", "save data to")
         if not self._registered or self._file is None:
-            verb = "load data from" if op == "read" else "save data to"
             raise AssertionError(f"Cannot {verb} a file that is not registered.")
         _check_storage(storage, what)
         offset = _index(offset, f"{what}: offset must be an int")
@@ -251,27 +246,18 @@ class GdsFile:
                              self.filename)
         io = _io()
         try:
-            if tensor.device.type == "cuda":
-                from ..device import device_buffer
-
-                db = device_buffer(tensor)  # CudaError without a driver
-                transfer = io._device_transfer()  # noqa: SLF001 - same package
-                target = self._cufile_handle()
-                if op == "read":
-                    result = transfer.read(target, offset, nbytes, db.address, db.device,
-                                           db.stream)
-                else:
-                    result = transfer.write(db.address, nbytes, target, offset, db.device,
-                                            db.stream)
-                self.last_path = str(result["stats"]["path"])
-            else:
-                if op == "read":
-                    io.pread(tensor, self._file, offset)
-                else:
-                    io.pwrite(tensor, self._file, offset)
+            if tensor.device.type != "cuda":
+                (io.pread if op == "read" else io.pwrite)(tensor, self._file, offset)
                 self.last_path = "host"
-        except GdsIOError:
-            raise
+                return
+            db = device_buffer(tensor)  # CudaError without a driver
+            transfer = io._device_transfer()  # noqa: SLF001 - same package
+            target = self._cufile_handle()
+            if op == "read":
+                result = transfer.read(target, offset, nbytes, db.address, db.device, db.stream)
+            else:
+                result = transfer.write(db.address, nbytes, target, offset, db.device, db.stream)
+            self.last_path = str(result["stats"]["path"])
         except OSError as e:
             error = GdsIOError(e.errno or errno.EIO, f"{call} failed: {e.strerror or e}",
                                e.filename or self.filename)

@@ -39,12 +39,13 @@ parameter's ``.data``, ``ValueError`` for misuse).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import operator
 import os
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -111,13 +112,8 @@ class DiskOffloader(_offload.DiskOffloader):
                 raise AssertionError(f"dir_name {path!r} exists and is not a directory")
         entries = _queue_depth(n_entries)
         backend = _backend(backend)
-        try:
+        with _starting(backend):
             super().__init__(dir_name, entries, backend, **kwargs)
-        except OSError as e:
-            error = _backend_error(backend, e)
-            if error is e:
-                raise
-            raise error from e
         self._groups: dict[_Key, tuple[weakref.ref[Any], ...]] = {}
         self._member: dict[int, _Key] = {}  # id(tensor) -> the key it was last written under
         self._groups_kept = 64  # prune dead groups when there are twice as many
@@ -128,41 +124,34 @@ class DiskOffloader(_offload.DiskOffloader):
         """TensorNVMe's call `what`, its arguments checked as its binding checks them before
         anything moves: a tensor is read back by the kind of call that wrote it."""
         _offload._check_callback(callback)  # noqa: SLF001 - as pybind, before all else
-        vector, sync = what.endswith("v"), what.startswith("sync")
+        vector, write = what.endswith("v"), "write" in what
         tensors = _tensors(what, given, vector)
         for t in tensors:
-            _require_contiguous(t)
+            if not t.is_contiguous():
+                raise RuntimeError("Tensor must be contiguous")
             # TensorNVMe's writes: `assert tensor.storage().size() > 0`.
-            if "write" in what and t.untyped_storage().nbytes() == 0:
+            if write and t.untyped_storage().nbytes() == 0:
                 raise AssertionError(
                     f"{what}: tensor has no memory to write (it is offloaded already, or has no "
                     "elements)"
                 )
-        if "write" in what:
-            self._compat_write(what, tensors, vector, callback, sync)
-        else:
-            self._compat_read(tensors, vector, callback, sync)
+        keys = (self._compat_write if write else self._compat_read)(what, tensors, vector,
+                                                                     callback)
+        if what.startswith("sync"):  # only its own tensors: async ones are left to their waits
+            self._wait("write" if write else "read", keys)
 
-    def _compat_write(
-        self,
-        what: str,
-        tensors: list[Any],
-        vector: bool,
-        callback: Callable[[], None] | None,
-        sync: bool,
-    ) -> None:
+    def _compat_write(self, what: str, tensors: list[Any], vector: bool,
+                      callback: Callable[[], None] | None) -> list[int]:
         with self._lock:
             try:
                 keys = self._write(_one_per_storage(tensors), callback, supersede=True)
             except ValueError as e:
                 raise WriteRefusedError(f"{what}: {e}") from e
             self._remember(tensors, vector)
-        if sync:  # TensorNVMe's sync calls leave the asynchronous ones to their waits
-            self._wait("write", keys)
+            return keys
 
-    def _compat_read(
-        self, tensors: list[Any], vector: bool, callback: Callable[[], None] | None, sync: bool
-    ) -> None:
+    def _compat_read(self, what: str, tensors: list[Any], vector: bool,
+                     callback: Callable[[], None] | None) -> list[int]:
         with self._lock:
             key = _key(tensors, vector)
             group = self._groups.get(key)
@@ -181,11 +170,9 @@ class DiskOffloader(_offload.DiskOffloader):
                        if vector else "")
                 )
             try:
-                keys = self._read(_one_per_storage(tensors), callback)
+                return self._read(_one_per_storage(tensors), callback)
             except ValueError as e:  # its memory was replaced: TensorNVMe's size check
                 raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
-        if sync:
-            self._wait("read", keys)
 
     def _remember(self, tensors: list[Any], vector: bool) -> None:
         """Records the key the tensors were written under (a later write of one of them makes
@@ -236,18 +223,20 @@ def _backend(backend: Any) -> str:
         raise RuntimeError(f"Unsupported backend: {e}") from None
 
 
-def _backend_error(backend: str, error: OSError) -> OSError:
-    """What an engine that did not start on `backend` (the engine's name) raises: TensorNVMe's
-    error when the backend does not start here, else `error` (the directory's or file's
-    failure, say)."""
-    starts = any(p["backend"] == backend and p["available"]
-                 for p in _core.probe_backends(tempfile.gettempdir()))
-    if backend == "auto" or starts:
-        return error
-    return BackendUnavailableError(
-        error.errno, f"Backend {_core.tensornvme_backend_name(backend)!r} is not install "
-        f"correctly: {error.strerror or error}"
-    )
+@contextlib.contextmanager
+def _starting(backend: str) -> Iterator[None]:
+    """Starting an engine on `backend` (the engine's name): an OSError is TensorNVMe's error
+    when the backend does not start here, else itself (the directory's failure, say)."""
+    try:
+        yield
+    except OSError as e:
+        if backend == "auto" or any(p["backend"] == backend and p["available"]
+                                    for p in _core.probe_backends(tempfile.gettempdir())):
+            raise
+        raise BackendUnavailableError(
+            e.errno, f"Backend {_core.tensornvme_backend_name(backend)!r} is not install "
+            f"correctly: {e.strerror or e}"
+        ) from e
 
 
 def _key(tensors: list[Any], vector: bool) -> _Key:
@@ -299,11 +288,6 @@ def _one_per_storage(tensors: list[Any]) -> list[Any]:
     return moved
 
 
-def _require_contiguous(tensor: Any) -> None:
-    if not tensor.is_contiguous():
-        raise RuntimeError("Tensor must be contiguous")
-
-
 # ---- tensornvme.async_file_io -------------------------------------------------------------
 
 
@@ -318,17 +302,10 @@ class _AsyncFileWriterCore:
         depth = _queue_depth(n_entries)
         _unsigned(n_tasks, "n_tasks")  # TensorNVMe counts them for its debug log only
         backend = _backend(backend)
-        self._io: IOHandle | None = None
-        try:
-            self._io = IOHandle(backend, queue_depth=depth)
-        except OSError as e:
-            error = _backend_error(backend, e)
-            if error is e:
-                raise
-            raise error from e
-        # The descriptor's file opened again by the engine, buffered as TensorNVMe's: writes of
-        # any size land at any offset, side by side, without read-modify-write of blocks. Errors
-        # name the descriptor's file.
+        with _starting(backend):
+            self._io: IOHandle | None = IOHandle(backend, queue_depth=depth)
+        # The descriptor's file opened again, buffered as TensorNVMe's: writes of any size land
+        # at any offset without read-modify-write of blocks. Errors name the descriptor's file.
         try:
             self._file = File.open_descriptor(fd, "a", direct=False)
         except BaseException:
@@ -336,13 +313,8 @@ class _AsyncFileWriterCore:
             raise
         self._pending: list[tuple[IOFuture, Callable[[], None] | None]] = []
 
-    def write(
-        self,
-        buffer: int,
-        n_bytes: int,
-        offset: int,
-        callback: Callable[[], None] | None = None,
-    ) -> None:
+    def write(self, buffer: int, n_bytes: int, offset: int,
+              callback: Callable[[], None] | None = None) -> None:
         """Starts writing `n_bytes` from address `buffer` at `offset`; the memory must stay
         until ``synchronize()``."""
         address = _unsigned(buffer, "buffer", 64)
@@ -351,13 +323,8 @@ class _AsyncFileWriterCore:
             raise ValueError("buffer is a null address")
         self._start((ctypes.c_char * size).from_address(address), offset, callback)
 
-    def write_tensor(
-        self,
-        tensor: Any,
-        offset: int,
-        callback: Callable[[], None] | None = None,
-        pinned: Any = None,
-    ) -> None:
+    def write_tensor(self, tensor: Any, offset: int, callback: Callable[[], None] | None = None,
+                     pinned: Any = None) -> None:
         """Starts writing `tensor`'s values at `offset`. A CUDA tensor is copied to the host
         first (into `pinned` when given), before this returns."""
         import torch
@@ -365,18 +332,8 @@ class _AsyncFileWriterCore:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"write_tensor() takes a torch.Tensor, not {type(tensor).__name__}")
         if tensor.is_cuda:
-            if pinned is not None:
-                pinned.copy_(tensor)
-                tensor = pinned
-            else:
-                tensor = tensor.to("cpu")
+            tensor = tensor.to("cpu") if pinned is None else pinned.copy_(tensor)
         self._start(tensor.contiguous(), offset, callback)
-
-    def _write_buffer(
-        self, data: Any, offset: int, callback: Callable[[], None] | None
-    ) -> None:
-        """Starts writing an object with the buffer protocol."""
-        self._start(data, offset, callback)
 
     def _start(self, data: Any, offset: int, callback: Callable[[], None] | None) -> None:
         _offload._check_callback(callback)  # noqa: SLF001 - same package
@@ -453,11 +410,8 @@ class AsyncFileWriter:
 
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, mode=0o664)
         try:
-            if backend is not None:
-                self.io = _AsyncFileWriterCore(self.fd, n_entries, backend=backend,
-                                               n_tasks=n_tasks)
-            else:
-                self.io = _AsyncFileWriterCore(self.fd, n_entries, n_tasks=n_tasks)
+            self.io = _AsyncFileWriterCore(
+                self.fd, n_entries, "aio" if backend is None else backend, n_tasks)
         except BaseException:
             os.close(self.fd)
             del self.fd
@@ -474,22 +428,14 @@ class AsyncFileWriter:
         if isinstance(data, str):
             raise TypeError("write() takes bytes, not str")
         nbytes = memoryview(data).nbytes
-        self.buffers.append(data)  # append before callback is called
-        self.io._write_buffer(  # noqa: SLF001 - the writer's own engine
-            data, self.offset, partial(AsyncFileWriter.gc_callback, self.buffers,
-                                       len(self.buffers) - 1)
-        )
+        self.io._start(data, self.offset, self._keep(data))  # noqa: SLF001 - its own engine
         self.offset += nbytes
         return nbytes
 
     def write_raw(self, py_ref: object, buffer: int, n_bytes: int, offset: int) -> None:
         """Starts writing `n_bytes` from address `buffer` at `offset`, keeping `py_ref` (the
         memory's owner) alive until done; the writer's offset moves by `n_bytes`."""
-        self.buffers.append(py_ref)  # append before callback is called
-        self.io.write(
-            buffer, n_bytes, offset,
-            partial(AsyncFileWriter.gc_callback, self.buffers, len(self.buffers) - 1),
-        )
+        self.io.write(buffer, n_bytes, offset, self._keep(py_ref))
         self.offset += n_bytes
 
     def write_tensor(self, tensor: Any, pinned: Any = None) -> None:
@@ -499,13 +445,13 @@ class AsyncFileWriter:
         import torch
 
         with torch.cuda.stream(self.comm_stream):
-            self.buffers.append(tensor)  # append before callback is called
-            self.io.write_tensor(
-                tensor, self.offset,
-                partial(AsyncFileWriter.gc_callback, self.buffers, len(self.buffers) - 1),
-                pinned,
-            )
+            self.io.write_tensor(tensor, self.offset, self._keep(tensor), pinned)
             self.offset += tensor.numel() * tensor.element_size()
+
+    def _keep(self, source: Any) -> Callable[[], None]:
+        """Keeps a write's `source` alive until its callback drops it (TensorNVMe's)."""
+        self.buffers.append(source)
+        return partial(AsyncFileWriter.gc_callback, self.buffers, len(self.buffers) - 1)
 
     def register_h2d(self, num_tensors: int) -> None:
         """How many ``write_tensor`` calls ``sync_before_step()`` waits for (TensorNVMe)."""
