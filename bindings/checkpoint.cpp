@@ -253,29 +253,6 @@ void RegisterCheckpoint(py::module_& m) {
       "the CLI's convert use (F4 is float4_e2m1fn_x2, two values a byte).");
 
   m.def(
-      "zip_crc_patches",
-      [](const FsPath& path, const std::map<std::string, uint32_t>& crcs) {
-        std::vector<ZipCrcPatch> patches;
-        {
-          py::gil_scoped_release release;
-          FileSource source(OpenCheckpointForReading(path, false));
-          patches = ZipCrcPatches(source, ReadZipDirectory(source), crcs);
-        }
-        py::list out;
-        for (const auto& p : patches) {
-          const unsigned char le[4] = {
-              static_cast<unsigned char>(p.crc32), static_cast<unsigned char>(p.crc32 >> 8),
-              static_cast<unsigned char>(p.crc32 >> 16), static_cast<unsigned char>(p.crc32 >> 24)};
-          out.append(py::make_tuple(p.offset, py::bytes(reinterpret_cast<const char*>(le), 4)));
-        }
-        return out;
-      },
-      py::arg("path"), py::arg("crcs"),
-      "Where to write the CRC-32 of each entry named in crcs (name -> CRC-32) in a zip archive "
-      "written with its data left out: [(file offset, 4 little-endian bytes)] for its central "
-      "directory record and its local header or data descriptor. ValueError for a bad archive.");
-
-  m.def(
       "torch_zip_entries",
       [](const FsPath& path, bool plain) -> py::tuple {
         std::string prefix;
