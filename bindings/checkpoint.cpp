@@ -363,15 +363,17 @@ void RegisterCheckpoint(py::module_& m) {
       .def(
           "write",
           [](TorchFileWriter& w, Engine& engine, DurableFile& out,
-             const std::vector<uintptr_t>& addresses) {
+             const std::vector<uintptr_t>& addresses, bool commit) {
             HostTensorBytes bytes(HostAddresses(addresses));
             py::gil_scoped_release release;
             out.Reserve(w.size());
             w.Write(engine, out.file(), bytes);
+            if (commit) out.Commit();
           },
-          py::arg("engine"), py::arg("out"), py::arg("addresses"),
+          py::arg("engine"), py::arg("out"), py::arg("addresses"), py::arg("commit") = false,
           "Writes the file into out (a DurableFile, reserved first) with engine, storage i's "
-          "bytes at host address addresses[i] (kept alive by the caller). OSError for I/O "
+          "bytes at host address addresses[i] (kept alive by the caller), and with commit "
+          "commits out in the same call (fdatasync, rename, directory fsync). OSError for I/O "
           "errors.")
       .def(
           "begin",
