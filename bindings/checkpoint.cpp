@@ -35,7 +35,6 @@ using namespace tensortier;
 
 namespace {
 
-using EntryTuple = std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t, uint64_t>;
 
 py::list EntriesToList(const std::vector<SafetensorsEntry>& entries) {
   py::list out;
@@ -123,10 +122,6 @@ void RegisterCheckpoint(py::module_& m) {
   m.attr("CHECKPOINT_ALIGNMENT") = kCheckpointAlignment;
   m.attr("TENSOR_CHECKSUMS_KEY") = kTensorChecksumsKey;
   m.attr("HEADER_CHECKSUM_KEY") = kHeaderChecksumKey;
-  m.def("torch_shape", &TorchShape, py::arg("name"), py::arg("st_dtype"), py::arg("shape"),
-        "The torch shape of a safetensors tensor of dtype st_dtype and shape (the inverse of "
-        "safetensors_shape). ValueError when the last dimension is not a multiple of the values "
-        "one torch element packs.");
   m.def("big_endian_swap_width", &BigEndianSwapWidth, py::arg("storage_dtype"),
         "The width of the units torch.load reverses in a big-endian storage of dtype "
         "storage_dtype (tensortier's name): the element size, a complex number's half; 0 for "
@@ -166,34 +161,30 @@ void RegisterCheckpoint(py::module_& m) {
       "raises ValueError naming the tensor and the problem.");
   m.def(
       "read_safetensors_header",
-      [](const FsPath& path) {
+      [](const FsPath& path, bool verify) {
         SafetensorsFileInfo info;
         {
           py::gil_scoped_release release;
           info = ReadSafetensorsHeader(path);
+          if (verify) CheckSafetensorsHeaderChecksum(path, info.header);
+          for (SafetensorsEntry& e : info.header.entries) {
+            try {
+              e.shape = TorchShape(e.name, e.dtype, std::move(e.shape));
+            } catch (const std::invalid_argument& x) {
+              throw std::invalid_argument(StrCat(path.bytes, ": ", x.what()));
+            }
+            const uint64_t size = e.end - e.begin;
+            e.begin += info.data_start;
+            e.end = size;
+          }
         }
-        return py::make_tuple(info.data_start, EntriesToList(info.header.entries),
+        return py::make_tuple(EntriesToList(info.header.entries),
                               MetadataToDict(info.header.metadata));
       },
-      py::arg("path"),
-      "Reads and validates a safetensors file's header: (data_start, entries, metadata). "
-      "Entry offsets are relative to data_start. OSError for I/O errors, ValueError for bad "
-      "files.");
-  m.def(
-      "safetensors_header_digest",
-      [](const std::vector<EntryTuple>& entries,
-         const std::map<std::string, std::string>& metadata) {
-        std::vector<SafetensorsEntry> parsed;
-        parsed.reserve(entries.size());
-        for (const auto& [name, dtype, shape, begin, end] : entries) {
-          parsed.push_back({name, dtype, shape, begin, end});
-        }
-        return SafetensorsHeaderDigest(parsed, metadata);
-      },
-      py::arg("entries"), py::arg("metadata"),
-      "xxh64 of what a safetensors header says (entries and metadata, without tensortier's "
-      "checksum keys), independent of its JSON layout: the tensortier.header_xxh64 value.");
-
+      py::arg("path"), py::arg("verify") = false,
+      "Reads and validates a safetensors file's header: ([(name, dtype, torch shape, file "
+      "offset, size)], metadata); with verify, also its stored header checksum. OSError for I/O "
+      "errors, ValueError for bad files.");
   m.def(
       "zip_entries",
       [](const FsPath& path, bool require_stored) {
