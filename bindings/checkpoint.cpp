@@ -434,6 +434,15 @@ void RegisterCheckpoint(py::module_& m) {
           "the last tensor writes the header too. OSError for I/O errors.");
 
   m.def(
+      "plan_shared_chunks",
+      [](const std::vector<uint64_t>& sizes) {
+        ChunkPlan plan = PlanSharedChunks(sizes);
+        return py::make_tuple(plan.chunk_bytes, plan.chunk, plan.position);
+      },
+      py::arg("sizes"),
+      "Where a load's tensors of these byte sizes go: (chunk sizes, per tensor its chunk or -1 "
+      "for memory of its own, per tensor its position in its chunk).");
+  m.def(
       "read_pieces",
       [](Engine& engine, const File& file, const FsPath& path,
          const std::vector<std::string>& names, const std::vector<uint64_t>& offsets,

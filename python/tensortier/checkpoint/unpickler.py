@@ -372,13 +372,6 @@ def _no_crcs(path: str, what: str) -> ValueError:
     )
 
 
-# Tensors of a plain dict smaller than this share chunks of up to _CHUNK_BYTES of memory, each in
-# a storage of exactly its bytes sliced from its chunk (one allocation and one read per chunk, not
-# per tensor); a tensor kept alive keeps at most its chunk. Larger ones get memory of their own.
-_CHUNKED_MAX = 64 << 10
-_CHUNK_BYTES = 1 << 20
-
-
 def _load_plain_dict(
     path: str, file: File, plain: tuple[list[str], list[str], list[Any], list[int], list[int]],
     progress: bool | None, io: IOHandle,
@@ -389,24 +382,15 @@ def _load_plain_dict(
     torch = _torch()
     names, dtypes, shapes, offsets, sizes = plain
     to_torch = _torch_dtypes()
-    # Where each chunked tensor goes: (chunk, byte position); positions 64-byte aligned.
-    chunk_bytes: list[int] = []
-    places: list[tuple[int, int]] = []
-    for n in sizes:
-        if n == 0 or n >= _CHUNKED_MAX:
-            places.append((-1, 0))
-            continue
-        if not chunk_bytes or chunk_bytes[-1] + n > _CHUNK_BYTES:
-            chunk_bytes.append(0)
-        places.append((len(chunk_bytes) - 1, chunk_bytes[-1]))
-        chunk_bytes[-1] += (n + 63) & ~63
+    # Small tensors share chunks of memory (C++'s plan: one allocation and one read per chunk).
+    chunk_bytes, chunk_of, positions = _require("plan_shared_chunks")(sizes)
     chunks = [torch.empty(b, dtype=torch.uint8) for b in chunk_bytes]
     chunk_storages = [c.untyped_storage() for c in chunks]
     bases = [c.data_ptr() for c in chunks]
     out: dict[str, Any] = {}
     addresses: list[int] = []
-    for name, dt, shape, offset, n, (chunk, pos) in zip(
-            names, dtypes, shapes, offsets, sizes, places):
+    for name, dt, shape, offset, n, chunk, pos in zip(
+            names, dtypes, shapes, offsets, sizes, chunk_of, positions):
         if chunk >= 0:
             storage = chunk_storages[chunk][pos : pos + n]
             addresses.append(bases[chunk] + pos)
