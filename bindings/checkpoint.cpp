@@ -35,7 +35,6 @@ using namespace tensortier;
 
 namespace {
 
-using EntryTuple = std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t, uint64_t>;
 
 py::list EntriesToList(const std::vector<SafetensorsEntry>& entries) {
   py::list out;
@@ -123,10 +122,6 @@ void RegisterCheckpoint(py::module_& m) {
   m.attr("CHECKPOINT_ALIGNMENT") = kCheckpointAlignment;
   m.attr("TENSOR_CHECKSUMS_KEY") = kTensorChecksumsKey;
   m.attr("HEADER_CHECKSUM_KEY") = kHeaderChecksumKey;
-  m.def("torch_shape", &TorchShape, py::arg("name"), py::arg("st_dtype"), py::arg("shape"),
-        "The torch shape of a safetensors tensor of dtype st_dtype and shape (the inverse of "
-        "safetensors_shape). ValueError when the last dimension is not a multiple of the values "
-        "one torch element packs.");
   m.def("big_endian_swap_width", &BigEndianSwapWidth, py::arg("storage_dtype"),
         "The width of the units torch.load reverses in a big-endian storage of dtype "
         "storage_dtype (tensortier's name): the element size, a complex number's half; 0 for "
@@ -166,34 +161,30 @@ void RegisterCheckpoint(py::module_& m) {
       "raises ValueError naming the tensor and the problem.");
   m.def(
       "read_safetensors_header",
-      [](const FsPath& path) {
+      [](const FsPath& path, bool verify) {
         SafetensorsFileInfo info;
         {
           py::gil_scoped_release release;
           info = ReadSafetensorsHeader(path);
+          if (verify) CheckSafetensorsHeaderChecksum(path, info.header);
+          for (SafetensorsEntry& e : info.header.entries) {
+            try {
+              e.shape = TorchShape(e.name, e.dtype, std::move(e.shape));
+            } catch (const std::invalid_argument& x) {
+              throw std::invalid_argument(StrCat(path.bytes, ": ", x.what()));
+            }
+            const uint64_t size = e.end - e.begin;
+            e.begin += info.data_start;
+            e.end = size;
+          }
         }
-        return py::make_tuple(info.data_start, EntriesToList(info.header.entries),
+        return py::make_tuple(EntriesToList(info.header.entries),
                               MetadataToDict(info.header.metadata));
       },
-      py::arg("path"),
-      "Reads and validates a safetensors file's header: (data_start, entries, metadata). "
-      "Entry offsets are relative to data_start. OSError for I/O errors, ValueError for bad "
-      "files.");
-  m.def(
-      "safetensors_header_digest",
-      [](const std::vector<EntryTuple>& entries,
-         const std::map<std::string, std::string>& metadata) {
-        std::vector<SafetensorsEntry> parsed;
-        parsed.reserve(entries.size());
-        for (const auto& [name, dtype, shape, begin, end] : entries) {
-          parsed.push_back({name, dtype, shape, begin, end});
-        }
-        return SafetensorsHeaderDigest(parsed, metadata);
-      },
-      py::arg("entries"), py::arg("metadata"),
-      "xxh64 of what a safetensors header says (entries and metadata, without tensortier's "
-      "checksum keys), independent of its JSON layout: the tensortier.header_xxh64 value.");
-
+      py::arg("path"), py::arg("verify") = false,
+      "Reads and validates a safetensors file's header: ([(name, dtype, torch shape, file "
+      "offset, size)], metadata); with verify, also its stored header checksum. OSError for I/O "
+      "errors, ValueError for bad files.");
   m.def(
       "zip_entries",
       [](const FsPath& path, bool require_stored) {
@@ -251,29 +242,6 @@ void RegisterCheckpoint(py::module_& m) {
       "every safetensors dtype torch 2.x holds, in safetensors' order: the one table load, save "
       "and "
       "the CLI's convert use (F4 is float4_e2m1fn_x2, two values a byte).");
-
-  m.def(
-      "zip_crc_patches",
-      [](const FsPath& path, const std::map<std::string, uint32_t>& crcs) {
-        std::vector<ZipCrcPatch> patches;
-        {
-          py::gil_scoped_release release;
-          FileSource source(OpenCheckpointForReading(path, false));
-          patches = ZipCrcPatches(source, ReadZipDirectory(source), crcs);
-        }
-        py::list out;
-        for (const auto& p : patches) {
-          const unsigned char le[4] = {
-              static_cast<unsigned char>(p.crc32), static_cast<unsigned char>(p.crc32 >> 8),
-              static_cast<unsigned char>(p.crc32 >> 16), static_cast<unsigned char>(p.crc32 >> 24)};
-          out.append(py::make_tuple(p.offset, py::bytes(reinterpret_cast<const char*>(le), 4)));
-        }
-        return out;
-      },
-      py::arg("path"), py::arg("crcs"),
-      "Where to write the CRC-32 of each entry named in crcs (name -> CRC-32) in a zip archive "
-      "written with its data left out: [(file offset, 4 little-endian bytes)] for its central "
-      "directory record and its local header or data descriptor. ValueError for a bad archive.");
 
   m.def(
       "torch_zip_entries",
@@ -386,15 +354,17 @@ void RegisterCheckpoint(py::module_& m) {
       .def(
           "write",
           [](TorchFileWriter& w, Engine& engine, DurableFile& out,
-             const std::vector<uintptr_t>& addresses) {
+             const std::vector<uintptr_t>& addresses, bool commit) {
             HostTensorBytes bytes(HostAddresses(addresses));
             py::gil_scoped_release release;
             out.Reserve(w.size());
             w.Write(engine, out.file(), bytes);
+            if (commit) out.Commit();
           },
-          py::arg("engine"), py::arg("out"), py::arg("addresses"),
+          py::arg("engine"), py::arg("out"), py::arg("addresses"), py::arg("commit") = false,
           "Writes the file into out (a DurableFile, reserved first) with engine, storage i's "
-          "bytes at host address addresses[i] (kept alive by the caller). OSError for I/O "
+          "bytes at host address addresses[i] (kept alive by the caller), and with commit "
+          "commits out in the same call (fdatasync, rename, directory fsync). OSError for I/O "
           "errors.")
       .def(
           "begin",
@@ -463,6 +433,15 @@ void RegisterCheckpoint(py::module_& m) {
           "returns) into out (a DurableFile, reserved by the first call); the call that writes "
           "the last tensor writes the header too. OSError for I/O errors.");
 
+  m.def(
+      "plan_shared_chunks",
+      [](const std::vector<uint64_t>& sizes) {
+        ChunkPlan plan = PlanSharedChunks(sizes);
+        return py::make_tuple(plan.chunk_bytes, plan.chunk, plan.position);
+      },
+      py::arg("sizes"),
+      "Where a load's tensors of these byte sizes go: (chunk sizes, per tensor its chunk or -1 "
+      "for memory of its own, per tensor its position in its chunk).");
   m.def(
       "read_pieces",
       [](Engine& engine, const File& file, const FsPath& path,

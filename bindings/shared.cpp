@@ -14,9 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "binding_helpers.hpp"
 #include "paths.hpp"
 #include "tensortier/util/error.hpp"
-#include "tensortier/shared/shared_checkpoint.hpp"
+#include "tensortier/shared/shared_files.hpp"
 #include "tensortier/shared/shared_exchange.hpp"
 #include "tensortier/shared/shared_store.hpp"
 #include "tensortier/shared/shared_tensor.hpp"
@@ -128,23 +129,48 @@ void RegisterShared(py::module_& m) {
       py::arg("rows"), py::arg("row_bytes"), py::arg("world_size"),
       "Each rank's rows [begin, end) of a tensor whose partitions are not mapped together.");
 
+  // The ranks' parts of load_files, load_checkpoint and store_files: the bytes move in C++.
   m.def(
-      "locate_torch_tensor",
-      [](const FsPath& path, const std::string& key) -> py::object {
-        TorchTensorLookup found;
+      "shared_read_rows",
+      [](const std::string& what, const std::vector<std::pair<FsPath, uint64_t>>& files,
+         std::optional<FsPath> checkpoint,
+         const std::string& key, const std::string& dtype, uint64_t element_size,
+         const std::vector<uint64_t>& shape, uint64_t begin, uint64_t end,
+         uintptr_t dest) -> py::object {
+        std::optional<IoStats> stats;
+        try {
+          py::gil_scoped_release release;
+          std::vector<RowSource> sources;
+          for (const auto& [path, size] : files) sources.push_back({path.bytes, 0, size});
+          if (checkpoint) sources = {CheckpointRowSource(*checkpoint, key, dtype, shape)};
+          stats = ReadRows(sources, what, dtype, element_size, shape, begin, end,
+                           reinterpret_cast<void*>(dest));
+        } catch (const MissingTensorError& e) {
+          throw py::key_error(e.what());
+        }
+        return stats ? py::object(IoStatsToDict(*stats)) : py::object(py::dict());
+      },
+      py::arg("what"), py::arg("files"), py::arg("checkpoint"), py::arg("key"), py::arg("dtype"),
+      py::arg("element_size"), py::arg("shape"), py::arg("begin"), py::arg("end"),
+      py::arg("dest"),
+      "Reads rows [begin, end) of a tensor (torch dtype name, element size, shape) into host "
+      "memory at dest: from raw row files ((path, size) each) whose concatenation is the tensor, "
+      "or from tensor key "
+      "of a checkpoint (safetensors or torch.save, its pickle never run). Returns the engine's "
+      "stats ({} when there is nothing to read). KeyError: no such tensor (the keys there are); "
+      "ValueError: another shape or dtype, a shard index, sources of the wrong size; OSError.");
+  m.def(
+      "shared_write_rows",
+      [](const FsPath& prefix, int rank, int world, uintptr_t data, uint64_t nbytes) {
+        std::vector<std::string> names;
         {
           py::gil_scoped_release release;
-          found = LocateTorchTensor(path, key);
+          names = WriteRowFile(prefix, rank, world, reinterpret_cast<const void*>(data), nbytes);
         }
-        if (!found.found) return py::make_tuple(py::none(), py::cast(found.keys));
-        const TorchTensorBytes& t = *found.found;
-        return py::make_tuple(
-            py::make_tuple(t.dtype, py::tuple(py::cast(t.shape)), t.offset, t.nbytes), py::list());
+        return PathsToPython(names);
       },
-      py::arg("path"), py::arg("key"),
-      "Where tensor `key` of a torch.save file lies: ((dtype, shape, offset, nbytes), []) with "
-      "torch's dtype name and an absolute offset, or (None, [every key]) when there is no such "
-      "tensor. ValueError for a file or tensor that cannot be read in place (the reason).");
+      py::arg("prefix"), py::arg("rank"), py::arg("world"), py::arg("data"), py::arg("nbytes"),
+      "Writes nbytes at data to {prefix}_part_{rank}_of_{world}, synced; every rank's name.");
   // The distributed layout's rounds: the bookkeeping here, the all-to-alls in Python (through
   // torch.distributed) over the exchange's buffers.
   py::class_<SharedRowExchange>(m, "SharedRowExchange")

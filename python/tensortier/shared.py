@@ -30,9 +30,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from . import _core
-from . import _shared_files as _files
 from ._paths import fspath, PathArg
-from ._shared_files import _missing_key  # noqa: F401  (importable from here as before)
 from ._shared_rows import _CudaMemory, _ROUND_LOCK  # noqa: F401  (importable from here as before)
 from ._shared_rows import _cuda_tensor_over, _Distributed, _require_torch_cuda, _tensor_over
 from ._shared_store import _env_int  # noqa: F401  (importable from here as before)
@@ -382,11 +380,20 @@ class SharedTensor:
         return out
 
     # -- files ---------------------------------------------------------------------------------
-    def _read_rows(self, sources: list[tuple[str, int, int]], what: str) -> dict[str, Any]:
-        """Reads this rank's rows from `sources`, ``(path, offset, length)`` pieces whose
-        concatenation is the whole tensor, through the engine (O_DIRECT, parallel), then waits
-        for every rank. Returns the engine's stats for this rank's reads."""
-        return _files.read_rows(sources, what, self._shape, self._dtype, self.local)
+    def _read_rows(self, what: str, files: list[tuple[str, int]], checkpoint: str | None = None,
+                   key: str = "") -> dict[str, Any]:
+        """Reads this rank's rows in C++ (``_core.shared_read_rows``: through the engine,
+        O_DIRECT, parallel) from raw row `files`, ``(path, size)`` each, or from tensor `key` of
+        `checkpoint`; device memory through a host copy. Returns the engine's stats for this
+        rank's reads."""
+        rows, (begin, end) = self.local()
+        dest = rows if rows.is_cpu else torch.empty(rows.shape, dtype=rows.dtype)
+        stats = _core.shared_read_rows(
+            what, files, checkpoint, key, str(self._dtype).removeprefix("torch."),
+            self._dtype.itemsize, list(self._shape), begin, end, dest.data_ptr())
+        if dest is not rows:
+            rows.copy_(dest)
+        return stats
 
     def _rank(self) -> int:
         return self._distributed.rank if self._distributed else int(self._core.rank)
@@ -421,8 +428,7 @@ class SharedTensor:
         def step() -> dict[str, Any]:
             files = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else paths
             names = [fspath(p, "paths[i]") for p in files]
-            sources = [(p, 0, os.stat(p).st_size) for p in names]
-            return self._read_rows(sources, "load_files")
+            return self._read_rows("load_files", [(p, os.stat(p).st_size) for p in names])
 
         return self._collective("load_files", step)
 
@@ -447,8 +453,9 @@ class SharedTensor:
 
     def _load_checkpoint_rows(self, path: PathArg, key: str) -> dict[str, Any]:
         """This rank's part of :meth:`load_checkpoint`."""
-        sources = _files.checkpoint_source(path, key, self._shape, self._dtype)
-        return self._read_rows(sources, "load_checkpoint")
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, not {type(key).__name__}")
+        return self._read_rows("load_checkpoint", [], fspath(path), key)
 
     def store_files(self, prefix: PathArg) -> list[str]:
         """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
@@ -463,7 +470,11 @@ class SharedTensor:
         self._require_member("store_files")
 
         def step() -> list[str]:
-            return _files.write_rows(prefix, self._rank(), len(self.partitions), self.local)
+            rows = self.local()[0]
+            rows = rows if rows.is_cpu else rows.cpu()
+            return _core.shared_write_rows(fspath(prefix, "prefix"), self._rank(),
+                                           len(self.partitions), rows.data_ptr(),
+                                           rows.numel() * rows.element_size())
 
         return self._collective("store_files", step)
 

@@ -253,6 +253,22 @@ SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout) {
   return c;
 }
 
+void CheckSafetensorsHeaderChecksum(const std::string& path, const SafetensorsHeader& header) {
+  const auto hh = header.metadata.find(kHeaderChecksumKey);
+  if (hh == header.metadata.end()) return;
+  const std::optional<uint64_t> stored = ParseStoredChecksum(hh->second);
+  if (!stored) {
+    throw FormatError(StrCat(path, ": malformed ", kHeaderChecksumKey, " metadata: ",
+                             PyRepr(hh->second), " is not 16 hex digits"));
+  }
+  const uint64_t actual = SafetensorsHeaderDigest(header.entries, header.metadata);
+  if (*stored != actual) {
+    throw FormatError(StrCat(path, ": header checksum mismatch (stored ", hh->second,
+                             ", the header gives ", Hex16(actual),
+                             "): names, shapes, dtypes, offsets or metadata were changed"));
+  }
+}
+
 // 0 means "none" only when every entry records 0; one entry in 2^32 really has the CRC-32 0.
 bool RecordsCrcs(const ZipDirectory& zip) {
   return std::any_of(zip.entries.begin(), zip.entries.end(),

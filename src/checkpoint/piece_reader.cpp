@@ -11,22 +11,8 @@
 namespace tensortier {
 namespace {
 
-// `name` quoted as Python's repr() quotes a string ('a', "it's"), as the messages of the Python
-// layer always named tensors.
-std::string Quoted(const std::string& name) {
-  const bool single = name.find('\'') != std::string::npos;
-  const char q = single && name.find('"') == std::string::npos ? '"' : '\'';
-  std::string out(1, q);
-  for (char c : name) {
-    if (c == '\\' || c == q) out += '\\';
-    out += c;
-  }
-  out += q;
-  return out;
-}
-
 FormatError EndedEarly(const std::string& path, const PieceRead& p, uint64_t got) {
-  return FormatError(StrCat(path, ": file ended early: tensor ", Quoted(p.name), " needs ",
+  return FormatError(StrCat(path, ": file ended early: tensor ", PyRepr(p.name), " needs ",
                             p.nbytes, " bytes at offset ", p.offset, ", got ", got,
                             " (truncated file?)"));
 }
@@ -38,7 +24,7 @@ void Check(const std::string& path, const PieceRead& p, const std::byte* data) {
     case PieceCheck::kXxh64: {
       if (!p.expected) {
         throw FormatError(
-            StrCat(path, ": verify=True but tensor ", Quoted(p.name), " has no stored checksum"));
+            StrCat(path, ": verify=True but tensor ", PyRepr(p.name), " has no stored checksum"));
       }
       const uint64_t actual = Xxh64(data, p.nbytes);
       if (actual != *p.expected) {
@@ -80,7 +66,7 @@ std::string LoadChecksumMismatch(const std::string& path, const std::string& nam
                                  uint64_t stored, uint64_t actual) {
   const bool crc = check == PieceCheck::kCrc32;
   const auto hex = [crc](uint64_t v) { return crc ? Hex8(static_cast<uint32_t>(v)) : Hex16(v); };
-  return StrCat(path, ": checksum mismatch in ", crc ? "record " : "tensor ", Quoted(name),
+  return StrCat(path, ": checksum mismatch in ", crc ? "record " : "tensor ", PyRepr(name),
                 ": stored ", crc ? "crc32 " : "xxh64 ", hex(stored), ", data has ", hex(actual),
                 ": the file is corrupt");
 }

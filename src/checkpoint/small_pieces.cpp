@@ -159,4 +159,24 @@ std::vector<uint64_t> WriteGathered(Engine& engine, const File& file,
   return hashes;
 }
 
+ChunkPlan PlanSharedChunks(std::span<const uint64_t> sizes) {
+  ChunkPlan plan;
+  plan.chunk.reserve(sizes.size());
+  plan.position.reserve(sizes.size());
+  for (const uint64_t n : sizes) {
+    if (n == 0 || n >= kSharedChunkMax) {
+      plan.chunk.push_back(-1);
+      plan.position.push_back(0);
+      continue;
+    }
+    if (plan.chunk_bytes.empty() || plan.chunk_bytes.back() + n > kSharedChunkBytes) {
+      plan.chunk_bytes.push_back(0);
+    }
+    plan.chunk.push_back(static_cast<int64_t>(plan.chunk_bytes.size()) - 1);
+    plan.position.push_back(plan.chunk_bytes.back());
+    plan.chunk_bytes.back() += (n + 63) & ~uint64_t{63};
+  }
+  return plan;
+}
+
 }  // namespace tensortier

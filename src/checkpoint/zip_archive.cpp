@@ -271,29 +271,6 @@ ZipDirectory ReadZipDirectory(const ByteSource& source) {
   return Parser(source).Run();
 }
 
-std::vector<ZipCrcPatch> ZipCrcPatches(const ByteSource& source, const ZipDirectory& directory,
-                                       const std::map<std::string, uint32_t>& crcs) {
-  constexpr uint64_t kCentralCrc = 16, kLocalCrc = 14;
-  constexpr uint32_t kDescriptorSig = 0x08074b50;
-  constexpr uint16_t kCrcInDescriptor = 0x08;
-  std::vector<ZipCrcPatch> patches;
-  for (const ZipEntry& e : directory.entries) {
-    const auto it = crcs.find(e.name);
-    if (it == crcs.end()) continue;
-    patches.push_back({e.central_header_offset + kCentralCrc, it->second});
-    if ((e.flags & kCrcInDescriptor) == 0) {
-      patches.push_back({e.local_header_offset + kLocalCrc, it->second});
-      continue;
-    }
-    uint64_t descriptor = e.data_offset + e.compressed_size;
-    unsigned char sig[4] = {};
-    if (descriptor + sizeof(sig) <= source.size()) source.ReadAt(descriptor, sig, sizeof(sig));
-    if (Le32(sig) == kDescriptorSig) descriptor += sizeof(sig);
-    patches.push_back({descriptor, it->second});
-  }
-  return patches;
-}
-
 void RequireStored(const ZipEntry& entry, const std::string& archive) {
   if (entry.flags & 1) {
     throw FormatError(StrCat(archive, ": zip entry '", entry.name,

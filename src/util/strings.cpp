@@ -89,4 +89,16 @@ std::string TerminalText(std::string_view bytes) {
   return out;
 }
 
+std::string PyRepr(std::string_view text) {
+  const bool single = text.find('\'') != std::string_view::npos;
+  const char q = single && text.find('"') == std::string_view::npos ? '"' : '\'';
+  std::string out(1, q);
+  for (char c : text) {
+    if (c == '\\' || c == q) out += '\\';
+    out += c;
+  }
+  out += q;
+  return out;
+}
+
 }  // namespace tensortier

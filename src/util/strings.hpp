@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 namespace tensortier {
 
@@ -45,5 +46,17 @@ bool IsTerminalControl(uint32_t cp);
 // other C0 controls, DEL and bytes that are not UTF-8, \uHHHH for the others. A backslash is
 // doubled, so the renderings of two different strings always differ.
 std::string TerminalText(std::string_view bytes);
+
+// `text` quoted as Python's repr() quotes a str ('a', "it's"), as the Python layer's messages
+// name tensors and keys.
+std::string PyRepr(std::string_view text);
+
+// `dims` written as Python writes a tuple of ints: "()", "(7,)", "(2, 3)".
+template <typename Int>
+std::string PyTuple(const std::vector<Int>& dims) {
+  std::string out = "(";
+  for (size_t i = 0; i < dims.size(); ++i) out += StrCat(i ? ", " : "", dims[i]);
+  return out + (dims.size() == 1 ? ",)" : ")");
+}
 
 }  // namespace tensortier

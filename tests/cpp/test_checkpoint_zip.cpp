@@ -260,30 +260,5 @@ TEST(CheckpointZip, ReadsTorchSaveArchive) {
   }
 }
 
-// Zeroed CRCs (an archive written with its data left out) patched back: the bytes come back
-// whole, and only entries named get patches.
-TEST(CheckpointZip, CrcPatchesRestoreZeroedCrcs) {
-  for (bool zip64 : {false, true}) {
-    const Built b = Build({"a/data.pkl", "a/data/0", "a/data/1"}, 64, zip64);
-    const ZipDirectory dir = Read(b.bytes);
-    std::string zeroed = b.bytes;
-    std::map<std::string, uint32_t> crcs;
-    for (const ZipEntry& e : dir.entries) {
-      crcs[e.name] = e.crc32;
-      zeroed.replace(e.central_header_offset + 16, 4, 4, '\0');
-      zeroed.replace(e.local_header_offset + 14, 4, 4, '\0');
-    }
-    crcs["not/in/archive"] = 7;
-    const MemorySource source(zeroed.data(), zeroed.size(), "mem.zip");
-    const std::vector<ZipCrcPatch> patches = ZipCrcPatches(source, Read(zeroed), crcs);
-    ASSERT_EQ(patches.size(), 2 * dir.entries.size());
-    for (const ZipCrcPatch& p : patches) {
-      for (int i = 0; i < 4; ++i) zeroed[p.offset + i] = static_cast<char>(p.crc32 >> (8 * i));
-    }
-    EXPECT_EQ(zeroed, b.bytes) << "zip64 " << zip64;
-    EXPECT_TRUE(ZipCrcPatches(source, Read(b.bytes), {}).empty());
-  }
-}
-
 }  // namespace
 }  // namespace tensortier

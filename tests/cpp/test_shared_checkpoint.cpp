@@ -1,5 +1,6 @@
 // LocateTorchTensor: where a tensor of a real torch.save file lies, for in-place loads into a
-// shared tensor (tests/data/checkpoint/make_fixtures.py writes the files).
+// shared tensor (tests/data/checkpoint/make_fixtures.py writes the files); a rank's rows read
+// from and written to files (shared_files.hpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,8 @@
 #include "tensortier/io/file.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/shared/shared_checkpoint.hpp"
+#include "tensortier/shared/shared_files.hpp"
+#include "test_util.hpp"
 #include "tensortier/checkpoint/torch_checkpoint.hpp"
 
 namespace tensortier {
@@ -71,6 +74,49 @@ TEST(SharedCheckpoint, RefusesLegacyAndNonTorchFilesNamingTheKey) {
       EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
     }
   }
+}
+
+TEST(SharedFiles, ARanksRowsComeFromAnyCutOfTheFilesAndGoBackToItsPart) {
+  testing::TempDir dir;
+  std::vector<float> all(30);  // 10 rows of 3
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<float>(i);
+  const std::vector<float> part = {all.begin() + 12, all.begin() + 21};  // rows 4..7 of rank 1
+  const std::vector<std::string> names =
+      WriteRowFile(dir.File("rows"), 1, 3, part.data(), part.size() * sizeof(float));
+  ASSERT_EQ(names.size(), 3u);
+  EXPECT_EQ(names[1], dir.File("rows") + "_part_1_of_3");
+  WriteRowFile(dir.File("rows"), 0, 3, all.data(), 12 * sizeof(float));
+  WriteRowFile(dir.File("rows"), 2, 3, all.data() + 21, 9 * sizeof(float));
+  const std::vector<RowSource> sources = {
+      {names[0], 0, 48}, {names[1], 0, 36}, {names[2], 0, 36}};
+  std::vector<float> rows(3 * 3);
+  const auto stats = ReadRows(sources, "load_files", "float32", 4, {10, 3}, 3, 6, rows.data());
+  ASSERT_TRUE(stats.has_value());
+  EXPECT_EQ(rows, (std::vector<float>{all.begin() + 9, all.begin() + 18}));
+  EXPECT_FALSE(ReadRows(sources, "load_files", "float32", 4, {10, 3}, 5, 5, rows.data()));
+  try {
+    ReadRows(sources, "load_files", "float32", 4, {11, 3}, 0, 1, rows.data());
+    ADD_FAILURE() << "sources of the wrong size accepted";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("shape (11, 3) and dtype torch.float32 needs 132"),
+              std::string::npos) << e.what();
+  }
+}
+
+TEST(SharedFiles, ACheckpointSourceIsCheckedAgainstTheTensor) {
+  const RowSource s = CheckpointRowSource(Fixture("small.pt"), "model.layer.weight", "float32",
+                                          {4, 3});
+  EXPECT_EQ(s.length, 48u);
+  try {
+    CheckpointRowSource(Fixture("small.pt"), "model.layer.weight", "float32", {12});
+    ADD_FAILURE() << "another shape accepted";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("is float32 of shape (4, 3); this shared tensor is "
+                                         "float32 of shape (12,)"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_THROW(CheckpointRowSource(Fixture("small.pt"), "nope", "float32", {1}),
+               MissingTensorError);
 }
 
 }  // namespace

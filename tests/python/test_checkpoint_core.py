@@ -178,28 +178,6 @@ def test_f4_shapes_agree_with_cli_convert(disk_dir: Path) -> None:
         assert loaded.view(torch.uint8).tolist() == t.view(torch.uint8).tolist()
 
 
-def test_zip_crc_patches_restore_torch_save_crcs(disk_dir: Path) -> None:
-    path = disk_dir / "m.pt"
-    torch.save({"a": torch.arange(10), "b": torch.ones(3, 5), "e": torch.empty(0)}, path)
-    original = path.read_bytes()
-    with zipfile.ZipFile(path) as z:
-        crcs = {info.filename: info.CRC for info in z.infolist()}
-    patches = _core.zip_crc_patches(str(path), crcs)
-    assert len(patches) == 2 * len(crcs)  # central directory, and local header or descriptor
-    zeroed = bytearray(original)
-    for offset, packed in patches:
-        assert original[offset : offset + 4] == packed
-        zeroed[offset : offset + 4] = b"\0\0\0\0"
-    path.write_bytes(bytes(zeroed))
-    with zipfile.ZipFile(path) as z:
-        assert z.testzip() is not None  # the zeroed CRCs are wrong
-    restored = bytearray(zeroed)
-    for offset, packed in _core.zip_crc_patches(str(path), crcs):
-        restored[offset : offset + 4] = packed
-    assert bytes(restored) == original
-    assert _core.zip_crc_patches(str(path), {"not/in/archive": 1}) == []
-
-
 def test_torch_save_with_checksums_passes_cli_verify(disk_dir: Path) -> None:
     path = disk_dir / "m.pt"
     tensortier.save({"a": torch.arange(1000), "b": torch.ones(7)}, path, checksum=True)
@@ -254,7 +232,7 @@ def test_a_torch_load_reads_the_zip_directory_once(
     path = disk_dir / "m.pt"
     torch.save({f"t{i}": torch.full((3,), float(i)) for i in range(50)}, path)
     reads: list[str] = []
-    for name in ("zip_entries", "torch_zip_entries", "read_torch_checkpoint", "zip_crc_patches"):
+    for name in ("zip_entries", "torch_zip_entries", "read_torch_checkpoint"):
         real = getattr(_core, name)
 
         def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:

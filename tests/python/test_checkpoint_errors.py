@@ -723,23 +723,20 @@ def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
     tensortier.save({"w": torch.ones(10)}, path)
     before = path.read_bytes()
 
-    def fail(*args: object) -> None:
-        raise OSError(errno.EIO, "injected fdatasync failure")
-
-    with monkeypatch.context() as m:
-        m.setattr(internals._DurableFile, "commit", lambda self: fail())
-        with pytest.raises(OSError, match="injected"):
-            tensortier.save({"w": torch.zeros(10)}, path)
+    io = with_faults({"kind": "error", "errno": errno.EIO, "steps": ["datasync"]}, IOHandle,
+                     "threads")
+    with pytest.raises(OSError, match="fdatasync failed"):
+        tensortier.save({"w": torch.zeros(10)}, path, _io=io)
     assert path.read_bytes() == before and leftovers(disk_dir) == []
 
     # Every file is written by one C++ writer (a .pt's TorchFileWriter, a .safetensors'
     # SafetensorsFileWriter): the interrupt comes once the bytes are in the file, before the
-    # commit.
+    # commit (a .pt's writer commits in its write call unless told not to).
     from tensortier import _core
 
     class InterruptedTorchWriter(_core.TorchFileWriter):  # type: ignore[misc]
-        def write(self, *args: object) -> None:
-            super().write(*args)
+        def write(self, engine: object, out: object, addresses: object, commit: bool) -> None:
+            super().write(engine, out, addresses, False)
             raise KeyboardInterrupt
 
     class InterruptedSafetensorsWriter(_core.SafetensorsFileWriter):  # type: ignore[misc]

@@ -148,6 +148,11 @@ struct SafetensorsChecks {
 };
 SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout);
 
+// load(verify=True)'s check of a safetensors header against its own checksum, where it has one
+// (files from other writers pass: their data checksums still count). Throws FormatError naming
+// `path` for a checksum that is not 16 hex digits or does not match.
+void CheckSafetensorsHeaderChecksum(const std::string& path, const SafetensorsHeader& header);
+
 // torch.save with set_crc32_options(False) records 0 for every entry: nothing to check against.
 bool RecordsCrcs(const ZipDirectory& zip);
 

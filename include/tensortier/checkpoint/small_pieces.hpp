@@ -40,4 +40,17 @@ struct GatheredWrite {
 std::vector<uint64_t> WriteGathered(Engine& engine, const File& file,
                                     std::span<const GatheredWrite> writes, bool xxh64 = false);
 
+// Where the small tensors of a load go: tensors of fewer than kSharedChunkMax bytes share chunks
+// of up to kSharedChunkBytes of memory (each at a 64-byte aligned position), so that a chunk is one
+// allocation and one read, not one per tensor; a tensor kept alive keeps at most its chunk. Empty
+// and larger tensors get memory of their own (chunk -1).
+inline constexpr uint64_t kSharedChunkMax = 64 << 10;
+inline constexpr uint64_t kSharedChunkBytes = 1 << 20;
+struct ChunkPlan {
+  std::vector<uint64_t> chunk_bytes;  // each chunk's size
+  std::vector<int64_t> chunk;         // per tensor: its chunk, or -1
+  std::vector<uint64_t> position;     // per tensor: its byte position in its chunk
+};
+ChunkPlan PlanSharedChunks(std::span<const uint64_t> sizes);
+
 }  // namespace tensortier

@@ -47,20 +47,6 @@ struct ZipDirectory {
 // overlapping entries, duplicate names, counts over the limits above. IoError for read failures.
 ZipDirectory ReadZipDirectory(const ByteSource& source);
 
-// Where a CRC-32 is written for one entry: 4 little-endian bytes at `offset`.
-struct ZipCrcPatch {
-  uint64_t offset = 0;
-  uint32_t crc32 = 0;
-};
-
-// The writes that set the CRC-32 of each entry of `directory` named in `crcs` (entry name ->
-// CRC-32; names the archive lacks are ignored): in its central directory record, and in its local
-// header or, when flag bit 3 says the CRC follows the data, in its data descriptor (after the
-// descriptor's optional signature). For archives written with their data left out (torch.save's
-// skip_data) whose data is written afterwards. IoError for read failures.
-std::vector<ZipCrcPatch> ZipCrcPatches(const ByteSource& source, const ZipDirectory& directory,
-                                       const std::map<std::string, uint32_t>& crcs);
-
 // Throws FormatError naming the archive and entry unless `entry` is stored and unencrypted.
 void RequireStored(const ZipEntry& entry, const std::string& archive);
 

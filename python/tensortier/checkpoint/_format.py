@@ -46,15 +46,6 @@ _PROGRESS_MIN_BYTES = 512 << 20
 
 
 @functools.lru_cache(maxsize=None)
-def _st_per_torch_element() -> dict[str, int]:
-    """safetensors dtype -> values one torch element packs, where more than one: safetensors
-    counts F4 values (4 bits each) where torch's float4_e2m1fn_x2 counts bytes of two, so the
-    last dimension of a safetensors shape is this many times torch's."""
-    return {row["safetensors"]: int(row["packing"]) for row in _require("dtypes")()
-            if row["safetensors"] and row["torch"] and row["packing"] != 1}
-
-
-@functools.lru_cache(maxsize=None)
 def _torch_dtypes() -> dict[str, Any]:
     """tensortier dtype name -> torch.dtype, for every row of the C++ dtype table
     (include/tensortier/checkpoint/dtypes.hpp) this torch has: the one Python-side dtype mapping."""

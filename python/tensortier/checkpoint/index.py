@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..io import IOHandle
@@ -43,24 +43,33 @@ def _take_shard(
             out[name] = value
 
 
+def _each_shard(path: str, read: Callable[[str, str], Mapping[str, Any]]) -> dict[str, Any]:
+    """What ``read(shard, kind)`` gives for each shard of index `path` ("safetensors" or
+    "torch"), taken into one dict by the index's rules (``_take_shard``)."""
+    out: dict[str, Any] = {}
+    shards = _read_index(path)
+    for shard in shards:
+        kind = _sniff(shard)
+        if kind == "index":  # also stops an index naming itself (endless recursion)
+            raise ValueError(f"{path}: shard {shard} is itself an index")
+        _take_shard(out, read(shard, kind), shard, shards, path)
+    return out
+
+
 def _load_index(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
     mapped: _Readahead | None = None, placement: _Placement | None = None,
 ) -> dict[str, Any]:
     """`mapped`: map the shards (``load(mmap=True)``), sharing this readahead budget."""
-    out: dict[str, Any] = {}
-    shards = _read_index(path)
-    for shard in shards:
-        kind = _sniff(shard)
-        if kind == "index":
-            raise ValueError(f"{path}: shard {shard} is itself an index")
+
+    def read(shard: str, kind: str) -> Mapping[str, Any]:
         if kind == "torch":
             part = _load_torch(shard, dev, dtype, verify, progress, io, mapped, placement)
             if not isinstance(part, Mapping):
                 raise ValueError(f"{shard}: holds a {type(part).__name__}, not a state dict")
-        else:
-            part = _load_safetensors(
-                shard, dev, dtype, verify, progress, io, mapped=mapped, placement=placement
-            )
-        _take_shard(out, part, shard, shards, path)
-    return out
+            return part
+        return _load_safetensors(
+            shard, dev, dtype, verify, progress, io, mapped=mapped, placement=placement
+        )
+
+    return _each_shard(path, read)

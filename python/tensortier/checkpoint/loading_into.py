@@ -16,7 +16,7 @@ from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
 from ._progress import _Progress
 from ._reading import _open_checkpoint, _Piece
-from .index import _read_index, _take_shard
+from .index import _each_shard
 from .unpickler import _StorageRef, _verifiable, _verify_other_records
 
 
@@ -216,16 +216,8 @@ def _describe_sources(
     records (its ``_metadata``) into `saved_versions`."""
     kind = _sniff(path)
     if kind == "index":
-        out: dict[str, _Source] = {}
-        shards = _read_index(path)
-        for shard in shards:
-            if _sniff(shard) == "index":  # also stops an index naming itself (endless recursion)
-                raise ValueError(f"{path}: shard {shard} is itself an index")
-            part = _describe_sources(
-                shard, io, files, verify, extra_names, saved_states, saved_versions
-            )
-            _take_shard(out, part, shard, shards, path)
-        return out
+        return _each_shard(path, lambda shard, _: _describe_sources(
+            shard, io, files, verify, extra_names, saved_states, saved_versions))
     if path not in files:
         files[path] = _open_checkpoint(io, path)
     file = files[path]

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _core
 from ..io import File, IOHandle
 from . import _dtype, _format, _reading, mapping
 from ._dtype import _converts
 from ._files import _same_file
-from ._format import _st_dtype_maps
-from ._format import _dtype_names
-from ._format import (
-    _require,
-    _st_per_torch_element,
-    _torch,
-    ALIGNMENT,
-    CHECKSUM_KEY,
-    HEADER_CHECKSUM_KEY,
-    PathLike,
-)
+from ._format import _dtype_names, _require, _st_dtype_maps, _torch
+from ._format import ALIGNMENT, CHECKSUM_KEY, PathLike
 from ._progress import _Progress
 from ._reading import _open_checkpoint, _Piece
 from ._writing import _DurableFile
@@ -175,51 +164,23 @@ class _STEntry:
 
 
 def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], dict[str, str]]:
-    """Parse a safetensors header; with `verify`, also check its stored header checksum (files
-    without one, from other writers or older versions, pass: their data checksums still
-    count)."""
-    read_header = _require("read_safetensors_header")
+    """Parse a safetensors header (C++: torch shapes, file offsets); with `verify`, also check
+    its stored header checksum (files without one, from other writers or older versions, pass:
+    their data checksums still count)."""
     try:
-        data_start, entries, metadata = read_header(path)
+        entries, metadata = _require("read_safetensors_header")(path, verify)
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if path in msg else f"{path}: {msg}") from e
-    stored = metadata.get(HEADER_CHECKSUM_KEY)
-    if verify and stored is not None:
-        actual = _require("safetensors_header_digest")(entries, metadata)
-        stored_value = _core.parse_stored_checksum(stored)
-        if stored_value is None:
-            raise ValueError(
-                f"{path}: malformed {HEADER_CHECKSUM_KEY} metadata: {stored!r} is not 16 hex "
-                "digits"
-            )
-        if stored_value != actual:
-            raise ValueError(
-                f"{path}: header checksum mismatch (stored {stored}, the header gives "
-                f"{actual:016x}): names, shapes, dtypes, offsets or metadata were changed"
-            )
     _, from_st = _st_dtype_maps()
-    packed = _st_per_torch_element()
     out: list[_STEntry] = []
-    for name, dt, shape, begin, end in entries:
+    for name, dt, shape, offset, nbytes in entries:
         dtype = from_st.get(dt)
         if dtype is None:
             raise ValueError(
                 f"{path}: tensor {name!r} has dtype {dt}, which this torch cannot hold"
             )
-        torch_shape = tuple(shape)
-        if dt in packed:  # the pipeline's rule (TorchShape)
-            try:
-                torch_shape = tuple(_require("torch_shape")(name, dt, list(shape)))
-            except ValueError as e:
-                raise ValueError(f"{path}: {e}") from e
-        need = math.prod(torch_shape) * dtype.itemsize
-        if need != end - begin:
-            raise ValueError(
-                f"{path}: tensor {name!r}: shape {tuple(shape)} of {dt} needs "
-                f"{need} bytes, the header gives {end - begin}"
-            )
-        out.append(_STEntry(name, dtype, torch_shape, data_start + begin, end - begin))
+        out.append(_STEntry(name, dtype, tuple(shape), offset, nbytes))
     return out, dict(metadata)
 
 

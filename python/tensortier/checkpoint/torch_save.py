@@ -160,8 +160,8 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
         addresses = [s.data_ptr() for s in storages]
     engine = io._core()  # noqa: SLF001 - same package
     with _DurableFile(path, io) as df:
-        if all(s.device.type == "cpu" for s in storages):
-            writer.write(engine, df._core, addresses)  # noqa: SLF001
+        if all(s.device.type == "cpu" for s in storages):  # written and committed in one call
+            writer.write(engine, df._core, addresses, True)  # noqa: SLF001
         else:
             _write_staged(writer, engine, df._core, storages)  # noqa: SLF001
-        df.commit()
+            df.commit()

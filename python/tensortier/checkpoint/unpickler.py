@@ -127,13 +127,18 @@ def _fill_now(
             f"bytes at offset {ref.record.offset} (truncated file?)"
         )
     if verify:
-        _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
-        _reading._check_host(ref.path, [(f"data/{ref.key}", host, ("crc32", ref.record.crc32))])
+        _check_crc(ref, host)
     if host is not dest:
         dest.copy_(host)
     if big_endian:
         _byteswap_storages([ref])
     ref.filled = True
+
+
+def _check_crc(ref: _StorageRef, data: Any) -> None:
+    """verify=True: `ref`'s stored bytes, `data` in host memory, against its record's CRC-32."""
+    _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
+    _reading._check_host(ref.path, [(f"data/{ref.key}", data, ("crc32", ref.record.crc32))])
 
 
 def _unpickle_torch(
@@ -265,9 +270,7 @@ def _unpickle_torch(
                     _fill_now(ref, path, verify, big_endian, io)
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
-                        _verifiable(label or path, [ref])
-                        _reading._check_host(label or path, [
-                            (f"data/{key}", _storage_bytes(storage), ("crc32", record.crc32))])
+                        _check_crc(ref, _storage_bytes(storage))
                     _byteswap_storages([ref])
                     ref.filled = True
                 storages[key] = ref
@@ -296,29 +299,20 @@ def _unpickle_torch(
             ) from None
         except OSError:
             raise
-        except ValueError as e:
-            if path in str(e) or (label is not None and label in str(e)):
+        except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
+            if isinstance(e, ValueError) and (
+                    path in str(e) or (label is not None and label in str(e))):
                 raise
-            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped.
-            raise ValueError(
-                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        except NotImplementedError as e:
             kinds = [k for k, rebuild in (("quantized", b"_rebuild_qtensor"),
                                           ("nested", b"_rebuild_nested_tensor")) if rebuild in pkl]
-            if device.type == "meta" and kinds:
+            if isinstance(e, NotImplementedError) and device.type == "meta" and kinds:
                 # torch has no quantized meta tensors, and nested ones need their data: a valid
                 # file, which a description without the data (load_into's) cannot hold
                 raise ValueError(
                     f"{path}: holds {' or '.join(kinds)} tensors, which cannot be described "
                     "without reading them (load_into reads plain tensors): use tensortier.load"
                 ) from e
-            raise ValueError(
-                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        except Exception as e:  # noqa: BLE001 - a malformed pickle can fail in many ways
+            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped.
             raise ValueError(
                 f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
                 f"{type(e).__name__}: {e}"
@@ -359,30 +353,23 @@ def _verify_other_records(
     uses... as ``tensortier verify`` checks every entry. An archive recording no CRC-32s
     cannot be verified (nor can it there)."""
     if any(r.size and not r.archive_has_crcs for r in records.values()):
-        raise ValueError(
-            f"{path}: verify=True but the file stores no CRC-32 for its records (it was saved "
-            "with torch.serialization.set_crc32_options(False); save it with "
-            "tensortier.save(..., checksum=True), or load with verify=False)"
-        )
+        raise _no_crcs(path, "records")
     _require("check_records")(io._core(), file, path, [  # noqa: SLF001 - same package
         (name, r.offset, r.size, r.crc32) for name, r in records.items() if name not in checked])
 
 
 def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
     if any(r.nbytes and not r.record.archive_has_crcs for r in storages):
-        # torch.save writes a CRC-32 for every record unless told not to (then all are 0)
-        raise ValueError(
-            f"{path}: verify=True but the file stores no CRC-32 for its storages (it was saved "
-            "with torch.serialization.set_crc32_options(False); save it with "
-            "tensortier.save(..., checksum=True), or load with verify=False)"
-        )
+        raise _no_crcs(path, "storages")
 
 
-# Tensors of a plain dict smaller than this share chunks of up to _CHUNK_BYTES of memory, each in
-# a storage of exactly its bytes sliced from its chunk (one allocation and one read per chunk, not
-# per tensor); a tensor kept alive keeps at most its chunk. Larger ones get memory of their own.
-_CHUNKED_MAX = 64 << 10
-_CHUNK_BYTES = 1 << 20
+def _no_crcs(path: str, what: str) -> ValueError:
+    # torch.save writes a CRC-32 for every record unless told not to (then all are 0)
+    return ValueError(
+        f"{path}: verify=True but the file stores no CRC-32 for its {what} (it was saved with "
+        "torch.serialization.set_crc32_options(False); save it with "
+        "tensortier.save(..., checksum=True), or load with verify=False)"
+    )
 
 
 def _load_plain_dict(
@@ -395,24 +382,15 @@ def _load_plain_dict(
     torch = _torch()
     names, dtypes, shapes, offsets, sizes = plain
     to_torch = _torch_dtypes()
-    # Where each chunked tensor goes: (chunk, byte position); positions 64-byte aligned.
-    chunk_bytes: list[int] = []
-    places: list[tuple[int, int]] = []
-    for n in sizes:
-        if n == 0 or n >= _CHUNKED_MAX:
-            places.append((-1, 0))
-            continue
-        if not chunk_bytes or chunk_bytes[-1] + n > _CHUNK_BYTES:
-            chunk_bytes.append(0)
-        places.append((len(chunk_bytes) - 1, chunk_bytes[-1]))
-        chunk_bytes[-1] += (n + 63) & ~63
+    # Small tensors share chunks of memory (C++'s plan: one allocation and one read per chunk).
+    chunk_bytes, chunk_of, positions = _require("plan_shared_chunks")(sizes)
     chunks = [torch.empty(b, dtype=torch.uint8) for b in chunk_bytes]
     chunk_storages = [c.untyped_storage() for c in chunks]
     bases = [c.data_ptr() for c in chunks]
     out: dict[str, Any] = {}
     addresses: list[int] = []
-    for name, dt, shape, offset, n, (chunk, pos) in zip(
-            names, dtypes, shapes, offsets, sizes, places):
+    for name, dt, shape, offset, n, chunk, pos in zip(
+            names, dtypes, shapes, offsets, sizes, chunk_of, positions):
         if chunk >= 0:
             storage = chunk_storages[chunk][pos : pos + n]
             addresses.append(bases[chunk] + pos)

@@ -1,0 +1,131 @@
+#include "tensortier/shared/shared_files.hpp"
+
+#include <algorithm>
+#include <cerrno>
+
+#include "tensortier/checkpoint/checkpoint_format.hpp"
+#include "tensortier/checkpoint/checkpoint_pipeline.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/shared/shared_checkpoint.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
+
+namespace tensortier {
+namespace {
+
+MissingTensorError Missing(const std::string& path, const std::string& key,
+                           const std::vector<std::string>& keys) {
+  std::string shown;
+  for (size_t i = 0; i < keys.size() && i < 20; ++i) {
+    shown += StrCat(i ? ", " : "", PyRepr(keys[i]));
+  }
+  if (keys.size() > 20) shown += StrCat(", ... (", keys.size(), " in all)");
+  return MissingTensorError(StrCat(path, " has no tensor ", PyRepr(key), "; its tensors are: ",
+                                   shown.empty() ? "none" : shown));
+}
+
+}  // namespace
+
+RowSource CheckpointRowSource(const std::string& path, const std::string& key,
+                              std::string_view dtype, const std::vector<uint64_t>& shape) {
+  std::string stored_dtype;
+  std::vector<uint64_t> stored_shape;
+  RowSource out{path, 0, 0};
+  switch (DetectCheckpointKind(path)) {  // the detection tensortier.load and the CLI use
+    case CheckpointKind::kShardIndex:
+      throw FormatError(StrCat(path, ": a shard index, not a checkpoint file: pass the shard "
+                               "holding ", PyRepr(key)));
+    case CheckpointKind::kTorch: {
+      TorchTensorLookup found = LocateTorchTensor(path, key);
+      if (!found.found) throw Missing(path, key, found.keys);
+      stored_dtype = found.found->dtype;
+      stored_shape.assign(found.found->shape.begin(), found.found->shape.end());
+      out.offset = found.found->offset;
+      out.length = found.found->nbytes;
+      break;
+    }
+    case CheckpointKind::kSafetensors: {
+      const SafetensorsFileInfo info = ReadSafetensorsHeader(path);
+      const auto& entries = info.header.entries;
+      auto e = std::find_if(entries.begin(), entries.end(),
+                            [&](const SafetensorsEntry& x) { return x.name == key; });
+      if (e == entries.end()) {
+        std::vector<std::string> keys;
+        for (const SafetensorsEntry& x : entries) keys.push_back(x.name);
+        throw Missing(path, key, keys);
+      }
+      for (const Dtype& row : Dtypes()) {
+        if (row.safetensors == e->dtype && !row.torch.empty()) stored_dtype = row.torch;
+      }
+      if (stored_dtype.empty()) {
+        throw FormatError(StrCat(path, ": tensor ", PyRepr(key), " has dtype ", e->dtype,
+                                 ", which torch cannot hold"));
+      }
+      try {
+        stored_shape = TorchShape(key, e->dtype, e->shape);
+      } catch (const std::invalid_argument& x) {
+        throw FormatError(StrCat(path, ": ", x.what()));
+      }
+      out.offset = info.data_start + e->begin;
+      out.length = e->end - e->begin;
+      break;
+    }
+  }
+  if (stored_shape != shape || stored_dtype != dtype) {
+    throw FormatError(StrCat(path, ": ", PyRepr(key), " is ", stored_dtype, " of shape ",
+                             PyTuple(stored_shape), "; this shared tensor is ", dtype,
+                             " of shape ", PyTuple(shape)));
+  }
+  return out;
+}
+
+std::optional<IoStats> ReadRows(const std::vector<RowSource>& sources, std::string_view what,
+                                std::string_view dtype, uint64_t element_size,
+                                const std::vector<uint64_t>& shape, uint64_t begin, uint64_t end,
+                                void* dest) {
+  uint64_t row_bytes = element_size;
+  for (size_t i = 1; i < shape.size(); ++i) row_bytes *= shape[i];
+  const uint64_t need = (shape.empty() ? 0 : shape[0]) * row_bytes;
+  uint64_t total = 0;
+  for (const RowSource& s : sources) total += s.length;
+  if (total != need) {
+    throw FormatError(StrCat(what, ": the sources hold ", total, " bytes; a tensor of shape ",
+                             PyTuple(shape), " and dtype torch.", dtype, " needs ", need));
+  }
+  const uint64_t lo = begin * row_bytes, hi = end * row_bytes;
+  std::vector<IoDesc> pieces;
+  uint64_t at = 0;
+  for (const RowSource& s : sources) {
+    const uint64_t from = std::max(at, lo), to = std::min(at + s.length, hi);
+    if (from < to) {
+      pieces.push_back({File::Open(s.path, OpenMode::kRead), static_cast<char*>(dest) + (from - lo),
+                        s.offset + from - at, to - from});
+    }
+    at += s.length;
+  }
+  if (pieces.empty()) return std::nullopt;
+  Engine engine;
+  IoResult result = engine.Submit(IoOp::kRead, pieces).Wait();
+  if (result.bytes != hi - lo) {
+    ThrowIoError(EIO, StrCat(what, ": read ", result.bytes, " of ", hi - lo,
+                             " bytes (a file shrank?)"), pieces.front().file.path());
+  }
+  return result.stats;
+}
+
+std::vector<std::string> WriteRowFile(const std::string& prefix, int rank, int world,
+                                      const void* data, uint64_t nbytes) {
+  std::vector<std::string> names;
+  for (int r = 0; r < world; ++r) names.push_back(StrCat(prefix, "_part_", r, "_of_", world));
+  File file = File::Open(names.at(static_cast<size_t>(rank)), OpenMode::kWrite);
+  if (nbytes) {
+    Engine engine;
+    engine.Write(file, data, nbytes, 0).Wait();
+  }
+  file.DataSync();
+  return names;
+}
+
+}  // namespace tensortier
