@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _core
+from .._runtime import dtype_names as _dtype_names, torch_dtypes as _torch_dtypes  # noqa: F401
 from .._paths import PathArg
 
 
@@ -52,25 +53,6 @@ def _st_per_torch_element() -> dict[str, int]:
     last dimension of a safetensors shape is this many times torch's."""
     return {row["safetensors"]: int(row["packing"]) for row in _require("dtypes")()
             if row["safetensors"] and row["torch"] and row["packing"] != 1}
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_dtypes() -> dict[str, Any]:
-    """tensortier dtype name -> torch.dtype, for every row of the C++ dtype table
-    (include/tensortier/checkpoint/dtypes.hpp) this torch has: the one Python-side dtype mapping."""
-    torch = _torch()
-    out: dict[str, Any] = {}
-    for row in _require("dtypes")():
-        dt = getattr(torch, row["torch"], None) if row["torch"] else None
-        if isinstance(dt, torch.dtype):
-            out[row["name"]] = dt
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_names() -> dict[Any, str]:
-    """torch.dtype -> tensortier dtype name: the inverse of ``_torch_dtypes``."""
-    return {dt: name for name, dt in _torch_dtypes().items()}
 
 
 @functools.lru_cache(maxsize=None)
