@@ -11,9 +11,9 @@ Pass ``Writer`` and ``Reader`` to the stock DCP calls; nothing else changes::
 The directory keeps DCP's layout (``.metadata`` and one ``.distcp`` file per rank, located by
 the same ``_StorageInfo``): torch's ``FileSystemReader`` loads what ``Writer`` writes, and
 ``Reader`` loads what ``FileSystemWriter`` writes (``torch_save`` and ``safetensors``
-serialization). Each rank's
-file is planned, written, checksummed (xxh64 per item) and made durable in C++, in one call; the
-coordinator's metadata commit is the checkpoint's single point of replacement.
+serialization). Each rank's file is planned, written, checksummed (xxh64 per item) and made
+durable in C++, in one call; the coordinator's metadata commit is the checkpoint's single point
+of replacement.
 """
 
 from __future__ import annotations
@@ -227,8 +227,9 @@ class Reader(StorageReader):
         verify: ``True`` (the default) checks each item read whole against its xxh64 in the
             metadata (``Writer``'s checkpoints) or its zip CRC-32 (torch's); a mismatch raises
             ValueError naming the file, the item and its byte range. Items read in part are not
-            checked, nor are torch's ``SAFETENSORS`` items (they carry no checksum); ``"full"`` reads every item whole, so that all are checked. ``False``
-            checks nothing.
+            checked, nor are torch's ``SAFETENSORS`` items (they carry no checksum);
+            ``"full"`` reads every item whole, so that all are checked. ``False`` checks
+            nothing.
 
     Attributes:
         bytes_read: the bytes this process's Reader read from data files in its last

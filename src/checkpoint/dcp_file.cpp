@@ -381,7 +381,9 @@ std::vector<DcpRun> DcpSliceRuns(const DcpSlice& slice, uint64_t data_offset,
   std::vector<int64_t> index(k, 0);  // within the part, row-major
   for (uint64_t n = 0; n < count; ++n) {
     uint64_t at = data_offset + first;
-    for (size_t d = 0; d < k; ++d) at += stride[d] * static_cast<uint64_t>(slice.offsets[d] + index[d]);
+    for (size_t d = 0; d < k; ++d) {
+      at += stride[d] * static_cast<uint64_t>(slice.offsets[d] + index[d]);
+    }
     runs.push_back({at, run, n * run});
     for (size_t d = k; d-- > 0;) {
       if (++index[d] < slice.lengths[d]) break;
