@@ -185,6 +185,29 @@ TEST(DcpFile, ReadsOfSlicesReadOnlyTheirRuns) {
   EXPECT_EQ(0, std::memcmp(got.data() + 1023 * 1024, w.bytes[2].data() + 1023 * 2048, 1024));
 }
 
+TEST(DcpMetadata, ChunksMustHoldEveryElementAndFilesMustBeThere) {
+  EXPECT_NO_THROW(CheckDcpChunksCover("w", {4, 6}, {{0, 0}, {2, 0}}, {{2, 6}, {2, 6}}, "m"));
+  try {
+    CheckDcpChunksCover("w", {4, 6}, {{0, 0}}, {{2, 6}}, "m");
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("'w' hold 12 of its 24"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(CheckDcpChunksCover("w", {4, 6}, {{3, 0}}, {{2, 6}}, "m"), FormatError);
+  TempDir dir;
+  std::ofstream(dir.path() + "/__0_new.distcp") << "x";
+  EXPECT_NO_THROW(CheckDcpDataFilesPresent(dir.path(), {"__0_new.distcp"}));
+  try {
+    CheckDcpDataFilesPresent(dir.path(), {"__0_old.distcp"});
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("stale"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("__0_new.distcp"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(dir.path() + "/__0_old.distcp"), std::string::npos) << msg;
+  }
+}
+
 TEST(DcpFile, CommitRemovesOnlyWhatTheNewMetadataDoesNotName) {
   TempDir dir;
   Engine engine;
