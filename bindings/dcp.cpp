@@ -62,61 +62,82 @@ void RegisterDcp(py::module_& m) {
       "read_dcp_tensor_items",
       [](const FsPath& path, const std::vector<std::string>& names,
          const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
-         const std::vector<std::optional<std::vector<int64_t>>>& shapes) {
+         const std::vector<std::optional<std::vector<int64_t>>>& shapes,
+         const std::vector<std::string>& fqns) {
         SameLength(names.size(), {offsets.size(), lengths.size()}, "read_dcp_tensor_items");
         if (!shapes.empty()) SameLength(names.size(), {shapes.size()}, "read_dcp_tensor_items");
+        if (!fqns.empty()) SameLength(names.size(), {fqns.size()}, "read_dcp_tensor_items");
         std::vector<DcpTensorItem> items;
         if (!names.empty()) {
           py::gil_scoped_release release;
           const File file = OpenDcpDataFile(path, names, /*direct=*/false);
           for (size_t i = 0; i < offsets.size(); ++i) {
             items.push_back(ReadDcpTensorItem(file, names[i], offsets[i], lengths[i],
-                                              shapes.empty() ? std::nullopt : shapes[i]));
+                                              shapes.empty() ? std::nullopt : shapes[i],
+                                              fqns.empty() ? std::string() : fqns[i]));
           }
         }
         py::list out;
         for (const auto& t : items) {
           out.append(py::make_tuple(t.dtype, t.shape, t.stride, t.storage_offset, t.data_offset,
-                                    t.nbytes, t.crc32));
+                                    t.nbytes, t.crc32, t.bytes_read, t.conj, t.neg,
+                                    t.safetensors));
         }
         return out;
       },
       py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
       py::arg("shapes") = std::vector<std::optional<std::vector<int64_t>>>{},
+      py::arg("fqns") = std::vector<std::string>{},
       "The tensor of each torch.save zip (item names[i]) at [offsets[i], offsets[i] + lengths[i]) "
-      "of path, whose shape must be shapes[i] where given (the metadata's chunk sizes): "
-      "[(dtype, shape, stride, storage_offset, data_offset, nbytes, crc32 or None)]. ValueError "
-      "naming the path, item and byte range for anything but a zip of one plain tensor; OSError "
-      "naming the path and the first item where the file is missing.");
+      "of path, whose shape must be shapes[i] where given (the metadata's chunk sizes), or, where "
+      "fqns[i] is given and the item is no zip, the tensor fqns[i] of the safetensors section at "
+      "offsets[i] (torch's SAFETENSORS serialization): [(dtype, shape, stride, storage_offset, "
+      "data_offset, nbytes, crc32 or None, bytes read to find it, conj, neg, safetensors)]. "
+      "ValueError naming the path, item and byte range for anything but a zip of one plain "
+      "tensor; OSError naming the path and the first item where the file is missing.");
   m.def(
       "read_dcp_items",
       [](Engine& engine, const FsPath& path, const std::vector<std::string>& names,
          const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
          const std::vector<uint64_t>& data_offsets, const std::vector<uint64_t>& data_lengths,
          const std::vector<uintptr_t>& addresses, const std::vector<std::optional<uint64_t>>& xxh64,
-         const std::vector<std::optional<uint32_t>>& crc32) {
+         const std::vector<std::optional<uint32_t>>& crc32,
+         const std::vector<std::optional<py::tuple>>& slices) {
         SameLength(names.size(),
                    {offsets.size(), lengths.size(), data_offsets.size(), data_lengths.size(),
                     addresses.size(), xxh64.size(), crc32.size()},
                    "read_dcp_items");
+        if (!slices.empty()) SameLength(names.size(), {slices.size()}, "read_dcp_items");
         std::vector<DcpRead> reads(names.size());
         for (size_t i = 0; i < reads.size(); ++i) {
           reads[i] = {names[i],        offsets[i],      lengths[i],
                       data_offsets[i], data_lengths[i], reinterpret_cast<std::byte*>(addresses[i]),
-                      xxh64[i],        crc32[i]};
+                      xxh64[i],        crc32[i],        std::nullopt};
+          if (!slices.empty() && slices[i]) {
+            const py::tuple& t = *slices[i];
+            reads[i].slice = DcpSlice{t[0].cast<std::vector<int64_t>>(), t[1].cast<uint64_t>(),
+                                      t[2].cast<std::vector<int64_t>>(),
+                                      t[3].cast<std::vector<int64_t>>()};
+            if (xxh64[i] || crc32[i]) {
+              throw std::invalid_argument("read_dcp_items: a part of an item cannot be checked");
+            }
+          }
         }
         py::gil_scoped_release release;
         const File file = OpenDcpDataFile(path, names, /*direct=*/true);
-        ReadDcpItems(engine, file, reads);
+        return ReadDcpItems(engine, file, reads);
       },
       py::arg("engine"), py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
       py::arg("data_offsets"), py::arg("data_lengths"), py::arg("addresses"), py::arg("xxh64"),
-      py::arg("crc32"),
+      py::arg("crc32"), py::arg("slices") = std::vector<std::optional<py::tuple>>{},
       "Reads item i's data [data_offsets[i], +data_lengths[i]) into addresses[i] and checks the "
       "item: the xxh64 of [offsets[i], +lengths[i]) where xxh64[i] is set, else the CRC-32 of its "
-      "data where crc32[i] is. ValueError naming the file, the item and its byte range for a "
-      "mismatch or a truncated file; OSError for I/O errors (a missing file: naming its first "
-      "item).");
+      "data where crc32[i] is. Where slices[i] is (shape, itemsize, offsets, lengths), reads "
+      "only that block of the contiguous tensor of `shape` stored at data_offsets[i], as a "
+      "contiguous tensor of `lengths` (unchecked). Ranges are read sorted, near ones merged. "
+      "Returns the bytes read from the file. ValueError naming the file, the item and its byte "
+      "range for a mismatch, a truncated file or a block outside the tensor; OSError for I/O "
+      "errors (a missing file: naming its first item).");
   m.def(
       "commit_dcp_checkpoint",
       [](Engine& engine, const FsPath& dir, const py::bytes& metadata,
@@ -175,5 +196,19 @@ void RegisterDcp(py::module_& m) {
       py::arg("relative_paths"), py::arg("what"),
       "Refuses (ValueError naming `what` and the path) a data file path of the metadata that is "
       "not a plain file name inside the checkpoint directory ('../x', 'a/b', '.x', '').");
+  m.def(
+      "check_dcp_data_files_present",
+      [](const FsPath& dir, const std::vector<std::string>& relative_paths) {
+        py::gil_scoped_release release;
+        CheckDcpDataFilesPresent(dir, relative_paths);
+      },
+      py::arg("dir"), py::arg("relative_paths"),
+      "Refuses (FileNotFoundError naming dir/.metadata and the files) a metadata naming data files "
+      "that are not in dir, saying when it is stale (the directory holds data files of another "
+      "save).");
+  m.def("check_dcp_chunks_cover", &CheckDcpChunksCover, py::arg("name"), py::arg("size"),
+        py::arg("offsets"), py::arg("sizes"), py::arg("what"),
+        "Refuses (ValueError naming `what` and the tensor) chunks that lie outside the tensor's "
+        "size or do not hold all of its elements (data no file has).");
   m.attr("dcp_format") = kDcpFormat;
 }

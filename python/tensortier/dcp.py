@@ -10,9 +10,10 @@ Pass ``Writer`` and ``Reader`` to the stock DCP calls; nothing else changes::
 
 The directory keeps DCP's layout (``.metadata`` and one ``.distcp`` file per rank, located by
 the same ``_StorageInfo``): torch's ``FileSystemReader`` loads what ``Writer`` writes, and
-``Reader`` loads what ``FileSystemWriter`` writes (``torch_save`` serialization). Each rank's
-file is planned, written, checksummed (xxh64 per item) and made durable in C++, in one call; the
-coordinator's metadata commit is the checkpoint's single point of replacement.
+``Reader`` loads what ``FileSystemWriter`` writes (``torch_save`` and ``safetensors``
+serialization). Each rank's file is planned, written, checksummed (xxh64 per item) and made
+durable in C++, in one call; the coordinator's metadata commit is the checkpoint's single point
+of replacement.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _core
-from .checkpoint._engine import _default_io
-from .checkpoint._format import _dtype_names, _torch_dtypes
+from ._runtime import default_io, dtype_names, torch_dtypes
 
 __all__ = ["Reader", "Writer"]
 
@@ -111,7 +111,7 @@ class Writer(StorageWriter):
         """Writes this rank's items to a new file (one C++ call, GIL released)."""
         # A name no earlier save used: the old checkpoint's files stay as they are.
         name = f"{plan.storage_data.prefix}{self.save_id[:16]}{_fs.DEFAULT_SUFFIX}"
-        names = _dtype_names()
+        names = dtype_names()
         dtypes: list[str] = []
         shapes: list[list[int]] = []
         keep: list[Any] = []  # the memory written from, alive until the call returns
@@ -132,7 +132,7 @@ class Writer(StorageWriter):
                 shapes.append(list(t.shape))
             keep.append(t)
         places = _core.write_dcp_file(
-            _default_io()._core(), os.path.join(self.path, name), dtypes, shapes,
+            default_io()._core(), os.path.join(self.path, name), dtypes, shapes,
             [t.nbytes for t in keep], [t.data_ptr() for t in keep], self.direct,
             f"rank {self.rank}")
         results = []
@@ -150,7 +150,7 @@ class Writer(StorageWriter):
         metadata.version = _VERSION
         metadata.storage_meta = self.storage_meta()
         files = sorted({s.relative_path for s in storage.values()})
-        _core.commit_dcp_checkpoint(_default_io()._core(), self.path, pickle.dumps(metadata),
+        _core.commit_dcp_checkpoint(default_io()._core(), self.path, pickle.dumps(metadata),
                                     files, f"rank {self.rank} (the coordinator)")
 
     def storage_meta(self) -> _md.StorageMeta:
@@ -214,12 +214,26 @@ def _load_metadata(data: bytes, path: str) -> _md.Metadata:
 class Reader(StorageReader):
     """A DCP ``StorageReader`` reading through tensortier's engine.
 
+    Each rank reads only the bytes its targets need: an item a target takes whole is read whole
+    (straight into the target where both are contiguous CPU tensors of one dtype); a load into
+    another sharding (2 ranks into 4, ``Shard(0)`` into ``Shard(1)``...) reads only the runs of
+    each stored tensor that a target's block selects, sorted and merged with the other reads of
+    the file (runs a page or less apart share a request).
+
     Args:
-        path: the checkpoint directory (written by ``Writer`` or torch's ``FileSystemWriter``).
-        verify: check each item read whole against its xxh64 in the metadata (``Writer``'s
-            checkpoints) or its zip CRC-32 (torch's); a mismatch raises ValueError naming the
-            file, the item and its byte range. A load into another sharding reads only the rows
-            of an item it needs, unchecked; ``"full"`` reads such items whole to check them.
+        path: the checkpoint directory (written by ``Writer`` or torch's ``FileSystemWriter``,
+            with either ``serialization_format``; torch's own ``FileSystemReader`` reads only
+            ``TORCH_SAVE``).
+        verify: ``True`` (the default) checks each item read whole against its xxh64 in the
+            metadata (``Writer``'s checkpoints) or its zip CRC-32 (torch's); a mismatch raises
+            ValueError naming the file, the item and its byte range. Items read in part are not
+            checked, nor are torch's ``SAFETENSORS`` items (they carry no checksum);
+            ``"full"`` reads every item whole, so that all are checked. ``False`` checks
+            nothing.
+
+    Attributes:
+        bytes_read: the bytes this process's Reader read from data files in its last
+            ``read_data`` (zip records and tensor data; not the ``.metadata``).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool | str = True) -> None:
@@ -228,6 +242,7 @@ class Reader(StorageReader):
         self.verify = verify
         self.storage_data: dict[Any, Any] = {}
         self.chunk_sizes: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new load (from `checkpoint_id` when given)."""
@@ -237,12 +252,15 @@ class Reader(StorageReader):
             self.path = os.fspath(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
-        """The checkpoint's ``.metadata``. FileNotFoundError naming the path when the directory
-        or its ``.metadata`` is missing, ValueError when it is not DCP metadata or comes from a
+        """The checkpoint's ``.metadata``. FileNotFoundError naming the path when the directory,
+        its ``.metadata`` or a data file it names is missing (saying when the ``.metadata`` is of
+        another save than the data files), ValueError when it is not DCP metadata or comes from a
         newer tensortier. (``dcp.load`` reports these inside an AssertionError or a
         CheckpointException.)"""
         path = os.path.join(self.path, _METADATA)
         md = _load_metadata(_core.read_dcp_metadata_bytes(self.path), path)
+        _core.check_dcp_data_files_present(
+            self.path, sorted({s.relative_path for s in md.storage_data.values()}))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = _md.StorageMeta()
         md.storage_meta.load_id = uuid.uuid4().hex
@@ -251,7 +269,14 @@ class Reader(StorageReader):
     def set_up_storage_reader(self, metadata: _md.Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         """Keeps the metadata's item locations and its chunks' sizes (checked against the
-        tensors stored in the data files)."""
+        tensors stored in the data files). ValueError for a tensor whose chunks do not hold all
+        of its elements (a load would leave the rest as it was)."""
+        what = os.path.join(self.path, _METADATA)
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, _md.TensorStorageMetadata):
+                _core.check_dcp_chunks_cover(fqn, list(md.size),
+                                             [list(c.offsets) for c in md.chunks],
+                                             [list(c.sizes) for c in md.chunks], what)
         self.storage_data = metadata.storage_data
         self.chunk_sizes = {
             (fqn, tuple(c.offsets)): list(c.sizes)
@@ -272,7 +297,9 @@ class Reader(StorageReader):
         return bool(_fs.FileSystem.validate_checkpoint_id(checkpoint_id))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Reads the plan's items, file by file (one C++ read per file, GIL released)."""
+        """Reads the plan's items, file by file (one C++ read per file, GIL released), and
+        counts the bytes read from the files in ``bytes_read``."""
+        self.bytes_read = 0
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
@@ -289,25 +316,32 @@ class Reader(StorageReader):
         layouts = dict(zip(tensors, _core.read_dcp_tensor_items(
             path, [_item_name(i) for i in tensors], [infos[i].offset for i in tensors],
             [infos[i].length for i in tensors],
-            [self.chunk_sizes.get((i.fqn, tuple(i.offset or ()))) for i in tensors])))
-        dtypes = _torch_dtypes()
+            [self.chunk_sizes.get((i.fqn, tuple(i.offset or ()))) for i in tensors],
+            [i.fqn for i in tensors])))
+        self.bytes_read += sum(layout[7] for layout in layouts.values())
+        dtypes = torch_dtypes()
         bufs: dict[Any, tuple[Any, Any, bool]] = {}
-        args: list[list[Any]] = [[] for _ in range(8)]
-        partial: list[tuple[Any, Any, Any, Any]] = []  # (request, its rows, target, dtype)
+        args: list[list[Any]] = [[] for _ in range(9)]
+        partial: list[tuple[Any, Any, Any]] = []  # (request, what was read, target to copy into)
         for index, info in infos.items():
             layout = layouts.get(index)
             dtype = None if layout is None else dtypes.get(layout[0])
-            rows = None if dtype is None or self.verify == "full" else \
-                _row_ranges(reqs_of[index], layout, dtype.itemsize)
-            if rows is not None:  # only the rows each request needs, unchecked
-                for req, (start, n) in zip(reqs_of[index], rows):
+            # The item's bytes; of torch's safetensors serialization, the tensor's data alone.
+            offset, length = (layout[4], layout[5]) if layout and layout[10] else \
+                (info.offset, info.length)
+            if dtype is not None and self.verify != "full" and _in_parts(reqs_of[index], layout):
+                # Only the elements each request needs, unchecked.
+                for req in reqs_of[index]:
                     target = planner.resolve_tensor(req).detach()
                     into = (target.dtype == dtype and target.device.type == "cpu"
-                            and target.is_contiguous() and target.nbytes == n)
-                    buf = target if into else torch.empty(n, dtype=torch.uint8)
-                    partial.append((req, buf, None if into else target, dtype))
-                    for column, value in zip(args, (_item_name(index), start, n, start, n,
-                                                    buf.data_ptr(), None, None)):
+                            and target.is_contiguous() and list(target.shape) == list(req.lengths))
+                    buf = target if into else torch.empty(list(req.lengths), dtype=dtype)
+                    partial.append((req, buf, None if into else target))
+                    part = (list(layout[1]), dtype.itemsize, list(req.storage_offsets),
+                            list(req.lengths))
+                    for column, value in zip(args, (_item_name(index), offset, length,
+                                                    layout[4], layout[5], buf.data_ptr(), None,
+                                                    None, part)):
                         column.append(value)
                 continue
             target = None
@@ -320,14 +354,14 @@ class Reader(StorageReader):
             bufs[index] = (buf, layout, target is not None)
             xxh64 = getattr(info, "xxh64", None)
             for column, value in zip(args, (
-                    _item_name(index), info.offset, info.length, data_offset, nbytes,
+                    _item_name(index), offset, length, data_offset, nbytes,
                     buf.data_ptr(), xxh64 if self.verify else None,
-                    crc if self.verify else None)):
+                    crc if self.verify else None, None)):
                 column.append(value)
-        _core.read_dcp_items(_default_io()._core(), path, *args)
-        for req, buf, target, dtype in partial:
+        self.bytes_read += _core.read_dcp_items(default_io()._core(), path, *args)
+        for req, buf, target in partial:
             if target is not None:
-                target.copy_(buf.view(dtype).view(list(req.lengths)))
+                target.copy_(buf)
             planner.commit_tensor(req, buf if target is None else target)
         for req in reqs:
             if req.storage_index not in bufs:
@@ -347,6 +381,10 @@ class Reader(StorageReader):
                 raise ValueError(f"{path}: {_item_name(req.storage_index)} has dtype "
                                  f"{dtype_name}, which this torch lacks")
             tensor = buf.view(dtype).as_strided(shape, stride, storage_offset)
+            if layout[8]:  # torch's conjugate bit: the values are the stored ones' conjugates
+                tensor = tensor.conj()
+            if layout[9]:  # torch's negative bit
+                tensor = tensor.neg()
             for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
                 tensor = tensor.narrow(dim, start, length)
             target = planner.resolve_tensor(req).detach()
@@ -358,25 +396,15 @@ class Reader(StorageReader):
             planner.commit_tensor(req, target)
 
 
-def _row_ranges(reqs: list[Any], layout: Any, itemsize: int) -> list[tuple[int, int]] | None:
-    """The byte range of each request's rows, when every request of a contiguous stored tensor
-    asks for whole rows (a slab along dimension 0) and not all of them for the whole item; else
-    None (the item is read whole)."""
-    _, shape, stride, storage_offset, data_offset, nbytes, _ = layout
-    if not shape or shape[0] == 0 or storage_offset != 0 or list(stride) != _strides(shape):
-        return None
-    row = itemsize
-    for d in shape[1:]:
-        row *= d
-    if row * shape[0] != nbytes:
-        return None
-    out = []
-    for req in reqs:
-        if (any(req.storage_offsets[1:]) or list(req.lengths[1:]) != list(shape[1:])
-                or req.storage_offsets[0] + req.lengths[0] > shape[0]):
-            return None  # not whole rows of the stored tensor
-        out.append((data_offset + req.storage_offsets[0] * row, req.lengths[0] * row))
-    return None if len(out) == 1 and out[0][1] == nbytes else out
+def _in_parts(reqs: list[Any], layout: Any) -> bool:
+    """Whether the requests of a stored tensor are read part by part (only the elements each
+    needs): the tensor is stored contiguous from its storage's start and not one request asks
+    for all of it (that one is read whole, and checked)."""
+    _, shape, stride, storage_offset = layout[:4]
+    if storage_offset != 0 or list(stride) != _strides(shape) or layout[8] or layout[9]:
+        return False
+    return not (len(reqs) == 1 and not any(reqs[0].storage_offsets)
+                and list(reqs[0].lengths) == list(shape))
 
 
 def _strides(shape: list[int]) -> list[int]:
@@ -390,10 +418,10 @@ def _strides(shape: list[int]) -> list[int]:
 def _whole_target(reqs: list[Any], layout: Any, dtype: Any, planner: LoadPlanner) -> Any:
     """The one request's target tensor when the stored item's bytes can be read straight into
     it (it asks for the whole item, both contiguous CPU tensors of one dtype); else None."""
-    _, shape, stride, storage_offset, _, nbytes, _ = layout
+    shape, stride, storage_offset, _, nbytes = layout[1:6]
     req = reqs[0]
     if (len(reqs) != 1 or storage_offset != 0 or any(req.storage_offsets)
-            or list(req.lengths) != list(shape)):
+            or list(req.lengths) != list(shape) or layout[8] or layout[9]):
         return None
     target = planner.resolve_tensor(req).detach()
     same = (target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()

@@ -19,6 +19,7 @@
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/checkpoint/small_pieces.hpp"
 #include "tensortier/checkpoint/torch_checkpoint.hpp"
 #include "tensortier/checkpoint/torch_pickle.hpp"
@@ -63,13 +64,16 @@ class RangeSource : public ByteSource {
       throw FormatError(StrCat(name_, ": a read at ", Range(offset, len), " past the item"));
     }
     whole_.ReadAt(offset_ + offset, buf, len);
+    bytes_read_ += len;
   }
+  uint64_t bytes_read() const { return bytes_read_; }
 
  private:
   const ByteSource& whole_;
   uint64_t offset_;
   uint64_t length_;
   std::string name_;
+  mutable uint64_t bytes_read_ = 0;
 };
 
 std::string ShapeText(const std::vector<int64_t>& shape) {
@@ -233,10 +237,75 @@ File OpenDcpDataFile(const std::string& path, std::span<const std::string> items
   }
 }
 
+namespace {
+
+void CheckShape(const std::string& where, const std::optional<std::vector<int64_t>>& expected,
+                const std::vector<int64_t>& shape) {
+  if (expected && *expected != shape) {
+    throw FormatError(StrCat(where, ": the metadata gives it the shape ", ShapeText(*expected),
+                             ", the tensor stored in the file has ", ShapeText(shape),
+                             ": the metadata does not match the data file"));
+  }
+}
+
+// The item `fqn` of a safetensors section at `offset` (torch's SAFETENSORS serialization).
+DcpTensorItem ReadSafetensorsItem(const FileSource& whole, const std::string& name,
+                                  const std::string& fqn, uint64_t offset,
+                                  const std::optional<std::vector<int64_t>>& expected_shape) {
+  const std::string where = StrCat(whole.name(), ": item '", name, "' (safetensors data at ",
+                                   offset, ")");
+  unsigned char len[8];
+  if (whole.size() < 8 || offset > whole.size() - 8) {
+    throw FormatError(StrCat(where, ": past the end of the file (truncated)"));
+  }
+  whole.ReadAt(offset, len, 8);
+  uint64_t n = 0;
+  for (int k = 0; k < 8; ++k) n |= uint64_t{len[k]} << (8 * k);
+  if (n > kSafetensorsMaxHeader || n > whole.size() - offset - 8) {
+    throw FormatError(StrCat(where, ": neither a torch.save zip nor a safetensors header"));
+  }
+  std::string json(n, '\0');
+  whole.ReadAt(offset + 8, json.data(), n);
+  const uint64_t data = offset + 8 + n;
+  const SafetensorsHeader header = ParseSafetensorsHeader(json, whole.size() - data);
+  const auto e = std::find_if(header.entries.begin(), header.entries.end(),
+                              [&](const SafetensorsEntry& x) { return x.name == fqn; });
+  if (e == header.entries.end()) {
+    throw FormatError(StrCat(where, ": its safetensors data hold no tensor '", fqn, "'"));
+  }
+  const Dtype* dtype = DtypeNamed(e->dtype);
+  if (dtype == nullptr) throw FormatError(StrCat(where, ": dtype ", e->dtype, " is not read"));
+  DcpTensorItem out;
+  out.dtype = e->dtype;
+  out.shape.assign(e->shape.begin(), e->shape.end());
+  out.stride.assign(out.shape.size(), 1);
+  for (size_t d = out.shape.size(); d-- > 1;) {
+    out.stride[d - 1] = out.stride[d] * std::max<int64_t>(out.shape[d], 1);
+  }
+  out.data_offset = data + e->begin;
+  out.nbytes = e->end - e->begin;
+  out.bytes_read = 8 + n;
+  out.safetensors = true;
+  CheckShape(where, expected_shape, out.shape);
+  return out;
+}
+
+}  // namespace
+
 DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
                                 uint64_t length,
-                                const std::optional<std::vector<int64_t>>& expected_shape) {
+                                const std::optional<std::vector<int64_t>>& expected_shape,
+                                const std::string& fqn) {
   FileSource whole(file);
+  if (!fqn.empty() && offset <= whole.size() && whole.size() - offset >= 4) {
+    char magic[4];
+    whole.ReadAt(offset, magic, 4);
+    if (std::string_view(magic, 4) != std::string_view("PK\x03\x04", 4)) {
+      DcpTensorItem out = ReadSafetensorsItem(whole, name, fqn, offset, expected_shape);
+      out.bytes_read += 4;
+      return out;
+    }
+  }
   RangeSource item(whole, name, offset, length);
   const TorchCheckpoint c = ReadTorchCheckpoint(item);
   const auto& tensors = c.pickle.tensors;
@@ -244,15 +313,10 @@ DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint6
     throw FormatError(StrCat(item.name(), ": not a torch.save zip of one tensor"));
   }
   const TorchTensor& t = tensors[0];
-  if (t.meta || c.big_endian || t.conj || t.neg) {
-    throw FormatError(
-        StrCat(item.name(), ": a meta, big-endian, conjugate or negative tensor (not supported)"));
+  if (t.meta || c.big_endian) {
+    throw FormatError(StrCat(item.name(), ": a meta or big-endian tensor (not supported)"));
   }
-  if (expected_shape && *expected_shape != t.shape) {
-    throw FormatError(StrCat(item.name(), ": the metadata gives it the shape ",
-                             ShapeText(*expected_shape), ", the tensor stored in the file has ",
-                             ShapeText(t.shape), ": the metadata does not match the data file"));
-  }
+  CheckShape(item.name(), expected_shape, t.shape);
   const TorchStorage& s = c.pickle.storages.at(t.storage_key);
   const ZipEntry* e = c.zip.Find(StrCat(c.prefix, "/data/", t.storage_key));
   if (e == nullptr) throw FormatError(StrCat(item.name(), ": no storage record"));
@@ -264,64 +328,139 @@ DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint6
   out.storage_offset = t.storage_offset;
   out.data_offset = offset + s.data_offset;
   out.nbytes = s.nbytes;
+  out.conj = t.conj;
+  out.neg = t.neg;
   if (RecordsCrcs(c.zip)) out.crc32 = e->crc32;
+  out.bytes_read = item.bytes_read();
   return out;
 }
 
-void ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads) {
+std::vector<DcpRun> DcpSliceRuns(const DcpSlice& slice, uint64_t data_offset,
+                                 const std::string& where) {
+  const auto& shape = slice.shape;
+  const size_t rank = shape.size();
+  if (slice.offsets.size() != rank || slice.lengths.size() != rank || slice.itemsize == 0) {
+    throw FormatError(StrCat(where, ": a part of ", slice.offsets.size(), " offsets and ",
+                             slice.lengths.size(), " lengths of a tensor of ", rank,
+                             " dimensions"));
+  }
+  for (size_t d = 0; d < rank; ++d) {
+    if (slice.offsets[d] < 0 || slice.lengths[d] < 0 ||
+        slice.offsets[d] > shape[d] - slice.lengths[d]) {
+      throw FormatError(StrCat(where, ": the load asks for elements [", slice.offsets[d], ", ",
+                               slice.offsets[d] + slice.lengths[d], ") of dimension ", d,
+                               ", the stored tensor has ", ShapeText(shape)));
+    }
+  }
+  // The innermost dimensions the part takes whole, and the one outside them, make one run.
+  size_t k = rank;
+  uint64_t inner = slice.itemsize;  // bytes of one step along dimension k - 1
+  while (k > 0 && slice.offsets[k - 1] == 0 && slice.lengths[k - 1] == shape[k - 1]) {
+    inner *= static_cast<uint64_t>(shape[k - 1]);
+    --k;
+  }
+  std::vector<DcpRun> runs;
+  uint64_t run = inner;  // the run's bytes
+  uint64_t first = 0;    // its offset from the tensor's data at index 0 of the outer dimensions
+  if (k > 0) {
+    --k;  // the partly taken dimension: a run covers its lengths[k] steps
+    run = inner * static_cast<uint64_t>(slice.lengths[k]);
+    first = inner * static_cast<uint64_t>(slice.offsets[k]);
+  }
+  uint64_t count = 1;
+  for (size_t d = 0; d < k; ++d) count *= static_cast<uint64_t>(slice.lengths[d]);
+  if (run == 0 || count == 0) return runs;
+  // The stride of each outer dimension in bytes.
+  std::vector<uint64_t> stride(k);
+  uint64_t step = inner * (k < rank ? static_cast<uint64_t>(shape[k]) : 1);
+  for (size_t d = k; d-- > 0;) {
+    stride[d] = step;
+    step *= static_cast<uint64_t>(shape[d]);
+  }
+  runs.reserve(count);
+  std::vector<int64_t> index(k, 0);  // within the part, row-major
+  for (uint64_t n = 0; n < count; ++n) {
+    uint64_t at = data_offset + first;
+    for (size_t d = 0; d < k; ++d) {
+      at += stride[d] * static_cast<uint64_t>(slice.offsets[d] + index[d]);
+    }
+    runs.push_back({at, run, n * run});
+    for (size_t d = k; d-- > 0;) {
+      if (++index[d] < slice.lengths[d]) break;
+      index[d] = 0;
+    }
+  }
+  return runs;
+}
+
+uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads) {
   // Each item in up to three pieces: the zip records before its data (kept for the xxh64), the
-  // data into its destination, the records after it.
+  // data into its destination, the records after it. A slice: its runs into its destination.
   std::vector<std::string> heads(reads.size()), tails(reads.size());
   std::vector<ScatteredRead> scattered;
   std::vector<std::pair<size_t, uint64_t>> piece_of;  // scattered index -> (item, expected)
   std::vector<Future> own;
-  std::vector<size_t> own_item;
+  std::vector<std::pair<size_t, uint64_t>> own_of;  // own index -> (item, expected)
+  uint64_t bytes_read = 0;
   struct SettleOwn {
     std::vector<Future>& f;
     ~SettleOwn() { Settle(f); }
   } settle{own};
+  auto piece = [&](size_t i, uint64_t offset, uint64_t length, std::byte* dest) {
+    if (length >= kOwnRequest) {
+      own.push_back(engine.Read(file, dest, length, offset));
+      own_of.emplace_back(i, length);
+      bytes_read += length;
+    } else if (length > 0) {
+      scattered.push_back({offset, length, dest});
+      piece_of.emplace_back(i, length);
+    }
+  };
   for (size_t i = 0; i < reads.size(); ++i) {
     const DcpRead& r = reads[i];
     if (r.data_offset < r.offset || r.data_length > r.offset + r.length - r.data_offset) {
       throw std::invalid_argument(StrCat(file.path(), ": item '", r.name, "': data outside it"));
     }
-    if (r.data_length >= kOwnRequest) {
-      own.push_back(engine.Read(file, r.dest, r.data_length, r.data_offset));
-      own_item.push_back(i);
-    } else if (r.data_length > 0) {
-      scattered.push_back({r.data_offset, r.data_length, r.dest});
-      piece_of.emplace_back(i, r.data_length);
+    if (r.slice) {
+      const std::string where =
+          StrCat(file.path(), ": item '", r.name, "' at ", Range(r.offset, r.length));
+      const auto runs = DcpSliceRuns(*r.slice, r.data_offset, where);
+      for (const DcpRun& run : runs) {
+        if (run.offset + run.length > r.data_offset + r.data_length) {
+          throw FormatError(StrCat(where, ": the tensor's ", ShapeText(r.slice->shape),
+                                   " do not fit its ", r.data_length, " bytes of data"));
+        }
+        piece(i, run.offset, run.length, r.dest + run.dest_offset);
+      }
+      continue;
     }
+    piece(i, r.data_offset, r.data_length, r.dest);
     if (!r.xxh64) continue;
     heads[i].resize(r.data_offset - r.offset);
     tails[i].resize(r.offset + r.length - r.data_offset - r.data_length);
-    if (!heads[i].empty()) {
-      scattered.push_back(
-          {r.offset, heads[i].size(), reinterpret_cast<std::byte*>(heads[i].data())});
-      piece_of.emplace_back(i, heads[i].size());
-    }
-    if (!tails[i].empty()) {
-      scattered.push_back({r.data_offset + r.data_length, tails[i].size(),
-                           reinterpret_cast<std::byte*>(tails[i].data())});
-      piece_of.emplace_back(i, tails[i].size());
-    }
+    piece(i, r.offset, heads[i].size(), reinterpret_cast<std::byte*>(heads[i].data()));
+    piece(i, r.data_offset + r.data_length, tails[i].size(),
+          reinterpret_cast<std::byte*>(tails[i].data()));
   }
   auto truncated = [&](size_t i) {
     const DcpRead& r = reads[i];
     return FormatError(StrCat(file.path(), ": item '", r.name, "' at ", Range(r.offset, r.length),
                               ": the file ends inside it (truncated)"));
   };
-  const std::vector<uint64_t> got = ReadScattered(engine, file, scattered);
+  // Ranges a page or less apart share a request: no byte is read that a page-aligned read of
+  // each would not read too.
+  const std::vector<uint64_t> got = ReadScattered(engine, file, scattered, kPage, &bytes_read);
   for (size_t k = 0; k < got.size(); ++k) {
     if (got[k] != piece_of[k].second) throw truncated(piece_of[k].first);
   }
   for (size_t k = 0; k < own.size(); ++k) {
     Future f = std::move(own[k]);
     own[k] = Future();
-    if (f.Wait().bytes != reads[own_item[k]].data_length) throw truncated(own_item[k]);
+    if (f.Wait().bytes != own_of[k].second) throw truncated(own_of[k].first);
   }
   for (size_t i = 0; i < reads.size(); ++i) {
     const DcpRead& r = reads[i];
+    if (r.slice) continue;
     if (r.xxh64) {
       Xxh64State h;
       h.Update(heads[i].data(), heads[i].size());
@@ -343,6 +482,7 @@ void ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> rea
       }
     }
   }
+  return bytes_read;
 }
 
 uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64_t length) {
@@ -442,30 +582,35 @@ DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
     try {
       if (item.transformed) {
         report.problems.push_back(StrCat(where, ": stored through stream transforms (not read)"));
-      } else if (item.offset > file.Size() || item.length > file.Size() - item.offset) {
+        continue;
+      }
+      if (item.offset > file.Size() || item.length > file.Size() - item.offset) {
         report.problems.push_back(StrCat(where, ": past the end of the file (", file.Size(),
                                          " bytes): the file is truncated"));
-      } else if (item.xxh64) {
+        continue;
+      }
+      // A tensor's shape must be its chunk's as the metadata records it (the Reader's rule).
+      std::optional<DcpTensorItem> t;
+      if (!item.bytes) {
+        t = ReadDcpTensorItem(file, item.name, item.offset, item.length, item.chunk_sizes,
+                              item.fqn);
+      }
+      if (item.xxh64) {
         const uint64_t actual = DcpRangeXxh64(engine, file, item.offset, item.length);
         ++report.checked;
         if (actual != *item.xxh64) {
           report.problems.push_back(StrCat(where, ": its xxh64 is ", Hex16(actual),
                                            ", the metadata records ", Hex16(*item.xxh64)));
         }
-      } else if (!item.bytes) {
-        const DcpTensorItem t = ReadDcpTensorItem(file, item.name, item.offset, item.length);
-        if (!t.crc32) {
-          ++report.unchecked;
-          continue;
-        }
-        StreamBuffers buffers(std::max<uint64_t>(1, std::min(t.nbytes, kCheckpointGroupBytes)));
+      } else if (t && t->crc32) {
+        StreamBuffers buffers(std::max<uint64_t>(1, std::min(t->nbytes, kCheckpointGroupBytes)));
         uint32_t crc = 0;
-        StreamRange(engine, file, t.data_offset, t.nbytes, buffers,
+        StreamRange(engine, file, t->data_offset, t->nbytes, buffers,
                     [&](std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
         ++report.checked;
-        if (crc != *t.crc32) {
+        if (crc != *t->crc32) {
           report.problems.push_back(StrCat(where, ": its data's CRC-32 is ", Hex8(crc),
-                                           ", its zip records ", Hex8(*t.crc32)));
+                                           ", its zip records ", Hex8(*t->crc32)));
         }
       } else {
         ++report.unchecked;

@@ -381,6 +381,16 @@ class Walker {
     if (n.i < 0) m_.Fail(StrCat(what, " is negative"));
     return static_cast<uint64_t>(n.i);
   }
+  // A torch.Size's values.
+  std::vector<int64_t> SizeValues(uint32_t v) {
+    const Node& size = m_.at(v);
+    if (size.kind != Node::kObject || size.s != "torch.Size" || size.items.size() != 1) {
+      m_.Fail("a chunk size that is not a torch.Size");
+    }
+    std::vector<int64_t> out;
+    for (uint32_t e : m_.at(size.items[0]).items) out.push_back(m_.at(e).i);
+    return out;
+  }
   // A torch.Size's values ("[0, 8]"); empty when all are 0.
   std::string SizeText(uint32_t v) {
     const Node& size = m_.at(v);
@@ -444,14 +454,25 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   }
   CheckDcpFormat(out.format, what);
   std::set<std::string> bytes_items;
+  std::map<std::string, std::vector<int64_t>> chunk_sizes;  // "fqn at [offsets]" -> sizes
+  const std::string tensor_cls = StrCat(kMetadataModule, ".TensorStorageMetadata");
+  const std::string chunk_cls = StrCat(kMetadataModule, ".ChunkStorageMetadata");
   const Node& sdm =
       w.Need(w.Attr(root, md, "state_dict_metadata"), Node::kDict, "state_dict_metadata");
   for (size_t k = 0; k + 1 < sdm.items.size(); k += 2) {
     const Node& fqn = m.at(sdm.items[k]);
     const Node& value = m.at(sdm.items[k + 1]);
-    if (fqn.kind == Node::kStr && value.kind == Node::kObject &&
-        value.s == StrCat(kMetadataModule, ".BytesStorageMetadata")) {
-      bytes_items.insert(fqn.s);
+    if (fqn.kind != Node::kStr || value.kind != Node::kObject) continue;
+    if (value.s == StrCat(kMetadataModule, ".BytesStorageMetadata")) bytes_items.insert(fqn.s);
+    if (value.s != tensor_cls) continue;
+    const auto chunks = w.Attr(sdm.items[k + 1], tensor_cls, "chunks");
+    if (!chunks || m.at(*chunks).kind != Node::kList) continue;
+    for (uint32_t c : m.at(*chunks).items) {
+      const auto offsets = w.Attr(c, chunk_cls, "offsets");
+      const auto sizes = w.Attr(c, chunk_cls, "sizes");
+      if (!offsets || !sizes) m.Fail("a chunk without offsets or sizes");
+      const std::string at = w.SizeText(*offsets);
+      chunk_sizes[at.empty() ? fqn.s : StrCat(fqn.s, " at ", at)] = w.SizeValues(*sizes);
     }
   }
   const Node& storage = w.Need(w.Attr(root, md, "storage_data"), Node::kDict, "storage_data");
@@ -463,11 +484,15 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
     DcpStoredItem item;
     const std::string fqn = w.Need(w.Attr(index, index_cls, "fqn"), Node::kStr, "fqn").s;
     item.name = fqn;
+    item.fqn = fqn;
     if (auto offset = w.Attr(index, index_cls, "offset");
         offset && m.at(*offset).kind != Node::kNone) {
       if (std::string at = w.SizeText(*offset); !at.empty()) item.name += " at " + at;
     }
     item.bytes = bytes_items.contains(fqn);
+    if (auto c = chunk_sizes.find(item.name); !item.bytes && c != chunk_sizes.end()) {
+      item.chunk_sizes = c->second;
+    }
     item.relative_path =
         w.Need(w.Attr(info, info_cls, "relative_path"), Node::kStr, "relative_path").s;
     if (!IsDcpDataFileName(item.relative_path)) {
@@ -556,6 +581,70 @@ std::string ReadDcpMetadataBytes(const std::string& dir) {
 
 DcpMetadata ReadDcpMetadata(const std::string& dir) {
   return ParseDcpMetadata(ReadDcpMetadataBytes(dir), StrCat(dir, "/.metadata"));
+}
+
+void CheckDcpDataFilesPresent(const std::string& dir,
+                              const std::vector<std::string>& relative_paths) {
+  const std::set<std::string> named(relative_paths.begin(), relative_paths.end());
+  std::vector<std::string> missing;
+  for (const auto& name : named) {
+    struct stat st;
+    if (stat(StrCat(dir, "/", name).c_str(), &st) != 0 && errno == ENOENT) missing.push_back(name);
+  }
+  if (missing.empty()) return;
+  std::vector<std::string> others;  // data files of the directory the metadata does not name
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with("__") && name.ends_with(".distcp") && !named.contains(name)) {
+      others.push_back(name);
+    }
+  }
+  std::sort(others.begin(), others.end());
+  auto list = [](const std::vector<std::string>& names) {
+    std::string out;
+    for (size_t i = 0; i < names.size() && i < 3; ++i) out += StrCat(i ? ", " : "", names[i]);
+    return names.size() > 3 ? StrCat(out, " and ", names.size() - 3, " more") : out;
+  };
+  const std::string metadata = StrCat(dir, "/.metadata");
+  std::string what = StrCat("load DCP checkpoint (", metadata,
+                            " names data files that are missing: ", list(missing), ")");
+  if (!others.empty()) {
+    what = StrCat("load DCP checkpoint (", metadata,
+                  " is stale: it names data files of another save, missing here (",
+                  list(missing), "), and not the directory's own (", list(others), "))");
+  }
+  throw IoError(ENOENT, what, StrCat(dir, "/", missing[0]), 0, 0);
+}
+
+void CheckDcpChunksCover(const std::string& name, const std::vector<int64_t>& size,
+                         const std::vector<std::vector<int64_t>>& offsets,
+                         const std::vector<std::vector<int64_t>>& sizes, const std::string& what) {
+  __extension__ typedef unsigned __int128 Wide;  // volumes of up to 64 dims of int64
+  auto volume = [](const std::vector<int64_t>& dims) {
+    Wide v = 1;
+    for (int64_t d : dims) v *= static_cast<uint64_t>(std::max<int64_t>(d, 0));
+    return v;
+  };
+  Wide covered = 0;
+  for (size_t c = 0; c < offsets.size() && c < sizes.size(); ++c) {
+    bool inside = offsets[c].size() == size.size() && sizes[c].size() == size.size();
+    for (size_t d = 0; inside && d < size.size(); ++d) {
+      inside = offsets[c][d] >= 0 && sizes[c][d] >= 0 && offsets[c][d] <= size[d] - sizes[c][d];
+    }
+    if (!inside) {
+      throw FormatError(StrCat(what, ": a chunk of '", name, "' lies outside its size"));
+    }
+    covered += volume(sizes[c]);
+  }
+  const Wide all = volume(size);
+  if (covered < all) {
+    throw FormatError(StrCat(what, ": the chunks of '", name, "' hold ",
+                             static_cast<uint64_t>(covered), " of its ",
+                             static_cast<uint64_t>(all),
+                             " elements: the data of the others is in no file (a rank's chunks "
+                             "are missing from the metadata)"));
+  }
 }
 
 }  // namespace tensortier

@@ -13,8 +13,6 @@ namespace {
 constexpr uint64_t kPage = 4096;
 // A staging buffer's size: ranges are read in requests of up to this many bytes.
 constexpr uint64_t kRunBytes = 8u << 20;
-// Ranges at most this far apart share a request (the bytes between are read and dropped).
-constexpr uint64_t kMaxGap = 64u << 10;
 constexpr int kSlots = 2;
 
 // Consecutive ranges (in file order) read with one request: [begin, end) of the file, and the
@@ -29,7 +27,8 @@ struct Run {
 }  // namespace
 
 std::vector<uint64_t> ReadScattered(Engine& engine, const File& file,
-                                    std::span<const ScatteredRead> reads) {
+                                    std::span<const ScatteredRead> reads, uint64_t max_gap,
+                                    uint64_t* bytes_read) {
   std::vector<uint64_t> got(reads.size(), 0);
   std::vector<size_t> order(reads.size());
   std::iota(order.begin(), order.end(), size_t{0});
@@ -40,7 +39,7 @@ std::vector<uint64_t> ReadScattered(Engine& engine, const File& file,
   for (size_t k = 0; k < order.size(); ++k) {
     const ScatteredRead& r = reads[order[k]];
     // Requests start on a page: the engine then reads O_DIRECT with no bounce of its own.
-    if (!runs.empty() && r.offset <= runs.back().end + kMaxGap &&
+    if (!runs.empty() && r.offset <= runs.back().end + max_gap &&
         std::max(runs.back().end, r.offset + r.length) - runs.back().begin <= kRunBytes) {
       runs.back().end = std::max(runs.back().end, r.offset + r.length);
       runs.back().last = k + 1;
@@ -50,7 +49,10 @@ std::vector<uint64_t> ReadScattered(Engine& engine, const File& file,
   }
   if (runs.empty()) return got;
   uint64_t largest = 0;
-  for (const Run& run : runs) largest = std::max(largest, run.end - run.begin);
+  for (const Run& run : runs) {
+    largest = std::max(largest, run.end - run.begin);
+    if (bytes_read != nullptr) *bytes_read += run.end - run.begin;
+  }
   // A range longer than a run's limit is a run alone: its buffer is as large as it is.
   const size_t size = static_cast<size_t>(AlignUp(std::max<uint64_t>(largest, kPage), kPage));
   AlignedBuffer bufs[kSlots];

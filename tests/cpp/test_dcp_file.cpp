@@ -108,7 +108,8 @@ TEST(DcpFile, ReadsCheckEveryItemAndNameTheDamage) {
       const DcpItemPlace& p = w.places[i];
       out[i].resize(w.bytes[i].size());
       reads.push_back({StrCat("item", i), p.offset, p.length, p.data_offset, w.bytes[i].size(),
-                       reinterpret_cast<std::byte*>(out[i].data()), p.xxh64, std::nullopt});
+                       reinterpret_cast<std::byte*>(out[i].data()), p.xxh64, std::nullopt,
+                       std::nullopt});
     }
     ReadDcpItems(engine, file, reads);
   };
@@ -134,6 +135,77 @@ TEST(DcpFile, ReadsCheckEveryItemAndNameTheDamage) {
   }
   std::filesystem::resize_file(path, w.places[3].offset - 10);
   EXPECT_THROW(read_all(got), FormatError);
+}
+
+TEST(DcpFile, SliceRunsAreTheContiguousPiecesOfABlock) {
+  const DcpSlice rows{{8, 6}, 4, {2, 0}, {3, 6}};  // whole rows: one run
+  auto runs = DcpSliceRuns(rows, 4096, "t");
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_EQ(runs[0].offset, 4096u + 2 * 24);
+  EXPECT_EQ(runs[0].length, 3u * 24);
+  const DcpSlice cols{{4, 6}, 2, {1, 2}, {2, 3}};  // columns 2..4 of rows 1..2
+  runs = DcpSliceRuns(cols, 0, "t");
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0].offset, 12u + 4);
+  EXPECT_EQ(runs[1].offset, 24u + 4);
+  EXPECT_EQ(runs[1].length, 6u);
+  EXPECT_EQ(runs[1].dest_offset, 6u);
+  const DcpSlice cube{{2, 3, 4}, 1, {1, 0, 0}, {1, 3, 4}};  // the inner dims whole: one run
+  ASSERT_EQ(DcpSliceRuns(cube, 0, "t").size(), 1u);
+  EXPECT_EQ(DcpSliceRuns(cube, 0, "t")[0].offset, 12u);
+  EXPECT_TRUE(DcpSliceRuns({{4, 6}, 4, {0, 0}, {0, 6}}, 0, "t").empty());
+  EXPECT_EQ(DcpSliceRuns({{}, 8, {}, {}}, 64, "t")[0].length, 8u);  // a 0-d tensor
+  EXPECT_THROW(DcpSliceRuns({{4, 6}, 4, {3, 0}, {2, 6}}, 0, "t"), FormatError);
+  EXPECT_THROW(DcpSliceRuns({{4, 6}, 4, {0}, {2}}, 0, "t"), FormatError);
+}
+
+TEST(DcpFile, ReadsOfSlicesReadOnlyTheirRuns) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  const Written w = WriteSample(engine, path);  // item 2: BF16 [1024, 1024]
+  const File file = File::Open(path, OpenMode::kRead, true);
+  const DcpItemPlace& p = w.places[2];
+  // Columns [256, 768) of rows [0, 16): 16 runs of 1 KiB, 1 KiB apart, in one request.
+  std::vector<uint8_t> got(16 * 512 * 2);
+  DcpRead r{"big", p.offset, p.length, p.data_offset, 2u << 20,
+            reinterpret_cast<std::byte*>(got.data()), std::nullopt, std::nullopt,
+            DcpSlice{{1024, 1024}, 2, {0, 256}, {16, 512}}};
+  const uint64_t bytes = ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1));
+  EXPECT_LE(bytes, 16u * 4096);
+  for (size_t row = 0; row < 16; ++row) {
+    ASSERT_EQ(0, std::memcmp(got.data() + row * 1024, w.bytes[2].data() + row * 2048 + 512, 1024))
+        << row;
+  }
+  // Columns [0, 512) of every row: 1 KiB runs 2 KiB apart read a page or less apart, merged.
+  got.assign(1024 * 512 * 2, 0);
+  r.dest = reinterpret_cast<std::byte*>(got.data());
+  r.slice = DcpSlice{{1024, 1024}, 2, {0, 0}, {1024, 512}};
+  EXPECT_LE(ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1)), (2u << 20) + 4096);
+  EXPECT_EQ(0, std::memcmp(got.data() + 1023 * 1024, w.bytes[2].data() + 1023 * 2048, 1024));
+}
+
+TEST(DcpMetadata, ChunksMustHoldEveryElementAndFilesMustBeThere) {
+  EXPECT_NO_THROW(CheckDcpChunksCover("w", {4, 6}, {{0, 0}, {2, 0}}, {{2, 6}, {2, 6}}, "m"));
+  try {
+    CheckDcpChunksCover("w", {4, 6}, {{0, 0}}, {{2, 6}}, "m");
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("'w' hold 12 of its 24"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(CheckDcpChunksCover("w", {4, 6}, {{3, 0}}, {{2, 6}}, "m"), FormatError);
+  TempDir dir;
+  std::ofstream(dir.path() + "/__0_new.distcp") << "x";
+  EXPECT_NO_THROW(CheckDcpDataFilesPresent(dir.path(), {"__0_new.distcp"}));
+  try {
+    CheckDcpDataFilesPresent(dir.path(), {"__0_old.distcp"});
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("stale"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("__0_new.distcp"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(dir.path() + "/__0_old.distcp"), std::string::npos) << msg;
+  }
 }
 
 TEST(DcpFile, CommitRemovesOnlyWhatTheNewMetadataDoesNotName) {

@@ -1,12 +1,18 @@
-"""One rank of a torch.distributed.checkpoint test (Gloo on CPU; RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT set by the test): python dcp_worker.py SCENARIO CKPT_DIR OUT_DIR [VERSION].
+"""One rank of a torch.distributed.checkpoint test job (Gloo on CPU), forked by ranks.ForkServer:
+``main([JOB])``, JOB a JSON object {"out": DIR, "steps": [STEP...]} run in one process group.
 
-save-ours / save-stock: saves version VERSION of the state dict with tensortier's Writer / torch's
-FileSystemWriter. load-ours / load-stock: loads into a zeroed state dict and compares it with
-version VERSION. Each rank writes OUT_DIR/rank<r>.json: {"ok": bool, "error": str}. With
-DCP_KILL_RANK set, that rank kills itself (SIGKILL) DCP_KILL_AFTER seconds into its file write
-(DCP_KILL_IN=finish: as it starts the commit);
-DCP_PG_TIMEOUT: the process group's timeout (seconds).
+A STEP is {"do": "save" | "load", "with": "ours" | "stock", "dir": CKPT, "v": VERSION,
+"layout": "mixed" | "small", ...}: a save of version VERSION of the layout's state dict, or a load
+into a zeroed one compared with it. Options: "big": "S0" | "S1" (the placement of the layout's
+large tensor "big", Shard(0) by default: a load into another placement reshards it), "only":
+[KEYS] (a load of those keys alone), "format": "safetensors" (stock saves), "kill": SECONDS
+(with "victim": RANK: that rank SIGKILLs itself that long after the save starts, or as
+the save returns if that comes first), "fail": True (the
+step must raise; its error is reported). Each rank writes DIR/rank<r>.json: {"ok", "error",
+"steps": [{"seconds", "bytes_read", "needed", "error"}]}.
+
+The values of every layout are a function of the version alone (``full_state``), whatever the
+world size: a checkpoint of one world loads into another.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import datetime
 import json
 import os
 import signal
-import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -27,100 +33,182 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import tensortier.dcp as tdcp
+from tensortier._runtime import torch_dtypes
+
+BIG = (64, 32768)  # "big": 8 MiB of float32; half a row is 64 KiB
+SMALL = 20_000  # tensors of "small", 1 KiB per rank each
 
 
-def state(version: int, zeros: bool, world: int) -> dict[str, Any]:
-    """Version `version` of the state dict (every rank makes the same one), or its shape in
-    zeros to load into."""
-    mesh = init_device_mesh("cpu", (world,))
+def dtype_tensors(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A 3 x 5 tensor of every dtype tensortier saves and DCP plans for (random bytes; bool 0/1),
+    keyed "dt_<name>"."""
+    out = {}
+    quantized = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+    for name, dt in sorted(torch_dtypes().items()):
+        if dt in quantized:  # no plain tensors of these (torch.quantize_per_tensor makes them)
+            continue
+        try:
+            itemsize = torch._utils._element_size(dt)  # DCP's planner sizes items with it
+        except (TypeError, RuntimeError):  # bits dtypes: DCP cannot save them
+            continue
+        raw = torch.randint(0, 256, (15 * itemsize,), generator=g, dtype=torch.uint8)
+        if dt == torch.bool:
+            out[f"dt_{name}"] = (raw[:15] % 2).bool().reshape(3, 5)
+            continue
+        try:
+            out[f"dt_{name}"] = raw.view(dt).reshape(3, 5)
+        except (RuntimeError, TypeError):  # a dtype torch cannot view bytes as (quantized...)
+            continue
+    return out
+
+
+def full_state(version: int, layout: str = "mixed") -> dict[str, Any]:
+    """Version `version` of a layout's state dict as whole tensors (what every world saves)."""
     g = torch.Generator().manual_seed(1000 + version)
-    big = int(os.environ.get("DCP_BIG", "300000"))
-    full = {
-        "shard0": torch.randn(16, 8, generator=g),
-        "shard_big": torch.randn(world * big, generator=g),
+    if layout == "small":
+        return {"step": version}
+    sd: dict[str, Any] = {
+        "s0": torch.randn(16, 8, generator=g),
+        "s1": torch.randn(6, 20, generator=g),
+        "s0_bf16": torch.randn(12, 3, generator=g).to(torch.bfloat16),
         "repl": torch.arange(10, dtype=torch.int64) + version,
-        "plain_f16": torch.arange(7, dtype=torch.float16) + version,
-        "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
-        "bool": torch.tensor([True, False, version % 2 == 0]),
-        "u8": (torch.arange(300) % 251).to(torch.uint8),
-        "c64": torch.randn(4, generator=g, dtype=torch.complex64),
-        "f64": torch.randn(2, 3, generator=g, dtype=torch.float64).t(),
+        "big": torch.randn(*BIG, generator=g),
         "empty": torch.empty(0, 3),
+        "empty_s0": torch.empty(0, 4),
         "i32_scalar": torch.tensor(7 + version, dtype=torch.int32),
+        "f64_t": torch.randn(2, 3, generator=g, dtype=torch.float64).t(),
     }
-    if zeros:
-        full = {k: torch.zeros_like(v) for k, v in full.items()}
-    sd: dict[str, Any] = {}
-    for k, v in full.items():
-        if k.startswith("shard"):
-            sd[k] = distribute_tensor(v, mesh, [Shard(0)])
-        elif k == "repl":
-            sd[k] = distribute_tensor(v, mesh, [Replicate()])
-        else:
-            sd[k] = v
-    sd["step"] = -1 if zeros else version
-    sd["extra"] = {"lr": 0.0 if zeros else 0.1 * version, "name": "" if zeros else f"v{version}",
-                   "ids": [] if zeros else [1, 2, version]}
+    sd.update(dtype_tensors(g))
+    sd["step"] = version
+    sd["extra"] = {"lr": 0.1 * version, "name": f"v{version}", "ids": [1, 2, version]}
     return sd
 
 
+PLACEMENT = {"s0": Shard(0), "s0_bf16": Shard(0), "s1": Shard(1), "repl": Replicate(),
+             "empty_s0": Shard(0)}
+
+
+def zeroed(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {k: zeroed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return []
+    return type(value)()
+
+
+def small_state(version: int, zeros: bool) -> dict[str, Any]:
+    """SMALL tensors of 256 float32 on each rank, under keys of its own ("r<rank>.t<i>": DCP
+    saves each rank's, where it would save one copy of a plain tensor all ranks hold)."""
+    rank = dist.get_rank()
+    base = torch.arange(SMALL * 256, dtype=torch.float32).reshape(SMALL, 256)
+    local = torch.zeros_like(base) if zeros else base + (version * 10 + rank)
+    sd: dict[str, Any] = {f"r{rank}.t{i}": local[i] for i in range(SMALL)}
+    sd["step"] = -1 if zeros else version
+    return sd
+
+
+def state(step: dict[str, Any], zeros: bool, mesh: Any) -> dict[str, Any]:
+    """The step's state dict on this rank: DTensors placed as PLACEMENT says (and "big" as the
+    step's "big"), the rest plain."""
+    if step.get("layout") == "small":
+        return small_state(int(step["v"]), zeros)
+    full = full_state(int(step["v"]))
+    if "only" in step:
+        full = {k: full[k] for k in step["only"]}
+    placement = dict(PLACEMENT, big=Shard(1) if step.get("big") == "S1" else Shard(0))
+    sd: dict[str, Any] = {}
+    for k, v in full.items():
+        v = zeroed(v) if zeros else v
+        sd[k] = distribute_tensor(v, mesh, [placement[k]]) if k in placement else v
+    return sd
+
+
+def to_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def compare(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Equal keys, types, dtypes, shapes and bytes (NaNs of random bytes compare equal)."""
+    if set(got) != set(want):
+        raise AssertionError(f"keys differ: {sorted(set(got) ^ set(want))}")
     for k, w in want.items():
         g = got[k]
         if isinstance(w, DTensor):
-            w, g = w.full_tensor(), g.full_tensor()
+            w, g = w.to_local(), g.to_local()
         if isinstance(w, torch.Tensor):
-            if g.dtype != w.dtype or g.shape != w.shape or not torch.equal(g, w):
+            if g.dtype != w.dtype or g.shape != w.shape or not torch.equal(to_bytes(g),
+                                                                           to_bytes(w)):
                 raise AssertionError(f"{k}: got {g!r}, want {w!r}")
         elif g != w:
             raise AssertionError(f"{k}: got {g!r}, want {w!r}")
 
 
-def arm_kill(rank: int) -> None:
-    """Makes this rank kill itself (SIGKILL): DCP_KILL_AFTER seconds after its file write
-    starts, or, with DCP_KILL_IN=finish, as the coordinator starts its commit."""
-    if os.environ.get("DCP_KILL_RANK") != str(rank):
-        return
-    after = float(os.environ.get("DCP_KILL_AFTER", "0"))
-    step = os.environ.get("DCP_KILL_IN", "write_data")
-    original = getattr(tdcp.Writer, step)
-
-    def killed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if after == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        threading.Timer(after, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        return original(self, *args, **kwargs)
-
-    setattr(tdcp.Writer, step, killed)
+def local_bytes(sd: dict[str, Any]) -> int:
+    """The bytes of this rank's tensors (what a load of `sd` needs to read)."""
+    total = 0
+    for v in sd.values():
+        if isinstance(v, DTensor):
+            v = v.to_local()
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
 
 
-def main() -> None:
-    scenario, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    version = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    rank = int(os.environ["RANK"])
-    result: dict[str, Any] = {"ok": False}
-    try:
-        timeout = float(os.environ.get("DCP_PG_TIMEOUT", "30"))
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-        world = dist.get_world_size()
-        if scenario.startswith("save"):
-            arm_kill(rank)
-            writer = tdcp.Writer(ckpt) if scenario == "save-ours" else dcp.FileSystemWriter(ckpt)
-            dcp.save(state(version, False, world), storage_writer=writer)
+def run_step(step: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    rank = dist.get_rank()
+    report: dict[str, Any] = {}
+    start = time.monotonic()
+    if step["do"] == "save":
+        if "kill" in step and int(step.get("victim", 1)) == rank:
+            threading.Timer(float(step["kill"]), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if step["with"] == "ours":
+            writer: Any = tdcp.Writer(step["dir"])
         else:
-            reader = tdcp.Reader(ckpt) if scenario == "load-ours" else dcp.FileSystemReader(ckpt)
-            sd = state(version, True, world)
-            dcp.load(sd, storage_reader=reader)
-            compare(sd, state(version, False, world))
-        dist.barrier()
+            kwargs = {}
+            if step.get("format"):
+                from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+                kwargs["serialization_format"] = SerializationFormat[step["format"].upper()]
+            writer = dcp.FileSystemWriter(step["dir"], **kwargs)
+        dcp.save(state(step, False, mesh), storage_writer=writer)
+        if "kill" in step and int(step.get("victim", 1)) == rank:  # the timer came late
+            os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        reader: Any = tdcp.Reader(step["dir"], verify=step.get("verify", True)) \
+            if step["with"] == "ours" else dcp.FileSystemReader(step["dir"])
+        sd = state(step, True, mesh)
+        dcp.load(sd, storage_reader=reader)
+        compare(sd, state(step, False, mesh))
+        report["needed"] = local_bytes(sd)
+        report["bytes_read"] = getattr(reader, "bytes_read", None)
+    report["seconds"] = time.monotonic() - start
+    return report
+
+
+def main(args: list[str]) -> None:
+    job = json.loads(args[0])
+    rank = int(os.environ["RANK"])
+    result: dict[str, Any] = {"ok": False, "steps": []}
+    try:
+        timeout = float(os.environ.get("DCP_PG_TIMEOUT", "60"))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for step in job["steps"]:
+            try:
+                result["steps"].append(run_step(step, mesh))
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if not step.get("fail"):
+                    raise
+                result["steps"].append({"error": f"{type(e).__name__}: {e}"})
+            dist.barrier()
         result["ok"] = True
     except BaseException as e:  # reported to the test, which shows it
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    path = os.path.join(job["out"], f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:  # whole or absent, whenever the rank is killed
         json.dump(result, f)
+    os.rename(path + ".tmp", path)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -8,118 +8,260 @@ import io
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import dcp_worker
+from ranks import ForkServer
 from tensortier import dcp as tdcp
 
-WORKER = Path(__file__).with_name("dcp_worker.py")
-TIMEOUT = 90  # seconds a 2-rank run may take on a loaded 2-core machine
+TIMEOUT = 120  # seconds one job of ranks may take on a loaded 2-core machine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[ForkServer]:
+    """A fork server that has imported dcp_worker (and torch): a job's ranks start in well under
+    a second."""
+    with ForkServer("dcp_worker") as server:
+        yield server
 
 
-def run_ranks(tmp: Path, scenario: str, ckpt: Path, version: int = 1, world: int = 2,
-              **extra: str) -> list[dict[str, Any]]:
-    """Runs `world` ranks of dcp_worker.py and returns each rank's report (None for a rank that
-    wrote none). Every process is killed when the run ends, passed or failed."""
-    out = tmp / f"out-{scenario}-{version}-{len(list(tmp.iterdir()))}"
-    out.mkdir()
-    port = free_port()
-    procs = []
-    try:
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(ckpt), str(out), str(version)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outputs = [p.communicate(timeout=TIMEOUT)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+def run_job(server: ForkServer, tmp: Path, world: int, steps: list[dict[str, Any]],
+            ok: bool = True, **env: str) -> tuple[list[dict[str, Any] | None], list[int]]:
+    """Runs dcp_worker's `steps` in one process group of `world` ranks: each rank's report
+    (None for a rank that wrote none) and exit status. With `ok`, asserts every rank passed."""
+    out = tmp / f"job-{len(list(tmp.glob('job-*')))}"
+    steps = [{k: str(v) if isinstance(v, Path) else v for k, v in s.items()} for s in steps]
+    done = server.run(out, world, [json.dumps({"out": str(out), "steps": steps})], TIMEOUT,
+                      **env)
     reports = []
     for r in range(world):
         path = out / f"rank{r}.json"
         rep = json.loads(path.read_text()) if path.exists() else None
         if rep is not None:
-            rep["output"] = outputs[r][-3000:]
-            rep["returncode"] = procs[r].returncode
+            rep["output"] = (out / f"rank{r}.log").read_text(errors="replace")[-3000:]
         reports.append(rep)
-    return reports
+        if ok:
+            assert not done["timed_out"], f"the job ran past {TIMEOUT} s"
+            assert rep is not None, f"rank {r} wrote no report ({done})"
+            assert rep["ok"], f"rank {r}: {rep.get('error')}\n{rep['output']}"
+    return reports, done["returncodes"]
 
 
-def assert_ok(reports: list[dict[str, Any] | None]) -> None:
+@pytest.fixture(scope="module")
+def saved_by_two(ranks: ForkServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Version 1 of the mixed layout saved by 2 Gloo ranks with ours ("ours") and version 2
+    with torch's writer ("stock"). Tests that change them work on copies."""
+    tmp = tmp_path_factory.mktemp("saved_by_two")
+    ckpts = {"ours": tmp / "ours2", "stock": tmp / "stock2"}
+    run_job(ranks, tmp, 2, [{"do": "save", "with": "ours", "dir": ckpts["ours"], "v": 1},
+                            {"do": "save", "with": "stock", "dir": ckpts["stock"], "v": 2}])
+    return ckpts
+
+
+def assert_reads_about_what_it_needs(reports: list[Any], step: int) -> None:
+    """A resharded load read at most 1.1x the bytes of its targets, on every rank."""
     for r, rep in enumerate(reports):
-        assert rep is not None, f"rank {r} wrote no report"
-        assert rep["ok"], f"rank {r}: {rep.get('error')}\n{rep['output']}"
+        got = rep["steps"][step]
+        assert 0 < got["bytes_read"] <= 1.1 * got["needed"], (r, step, got)
 
 
-@pytest.mark.parametrize("save,load", [("ours", "ours"), ("ours", "stock"), ("stock", "ours")])
-def test_two_gloo_ranks_save_and_load(tmp_path: Path, save: str, load: str) -> None:
+def load_whole(ckpt: Path, version: int, reader: Any = None,
+               keys: list[str] | None = None) -> None:
+    """Loads the checkpoint in this process, into whole tensors (no process group), with our
+    Reader (or `reader`), and compares it with version `version` of the mixed layout (its
+    `keys`)."""
+    want = dcp_worker.full_state(version)
+    if keys is not None:
+        want = {k: want[k] for k in keys}
+    got = {k: dcp_worker.zeroed(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=reader or tdcp.Reader(ckpt), no_dist=True)
+    dcp_worker.compare(got, want)
+
+
+def test_two_and_four_ranks_round_trips_and_resharding(
+        tmp_path: Path, ranks: ForkServer, saved_by_two: dict[str, Path]) -> None:
+    """DTensor Shard(0), Shard(1) and Replicate, plain tensors of every dtype, empty tensors
+    and non-tensor values: saved by ours and by torch's writer, loaded by both, by 2 and 4 Gloo
+    ranks, and resharded 2 -> 4, 4 -> 2 and Shard(0) -> Shard(1), where each rank reads at most
+    1.1x the bytes of its targets."""
+    ours2, stock2 = saved_by_two["ours"], saved_by_two["stock"]
+    ours4, stock4, st2 = tmp_path / "ours4", tmp_path / "stock4", tmp_path / "safetensors2"
+    big_s1 = {"only": ["big"], "big": "S1"}
+    st = {"format": "safetensors", "only": SAFETENSORS_KEYS}
+    two = [
+        {"do": "load", "with": "ours", "dir": ours2, "v": 1},
+        {"do": "load", "with": "stock", "dir": ours2, "v": 1},
+        {"do": "load", "with": "ours", "dir": stock2, "v": 2},
+        {"do": "load", "with": "ours", "dir": ours2, "v": 1, **big_s1},  # Shard(0) -> Shard(1)
+        {"do": "save", "with": "stock", "dir": st2, "v": 5, **st},
+        {"do": "load", "with": "ours", "dir": st2, "v": 5, **st},
+    ]
+    reports, _ = run_job(ranks, tmp_path, 2, two)
+    assert_reads_about_what_it_needs(reports, 3)
+    four = [
+        {"do": "load", "with": "ours", "dir": ours2, "v": 1},  # 2 -> 4
+        {"do": "load", "with": "ours", "dir": ours2, "v": 1, "only": ["big"]},
+        {"do": "load", "with": "ours", "dir": ours2, "v": 1, **big_s1},
+        {"do": "load", "with": "ours", "dir": stock2, "v": 2},
+        {"do": "save", "with": "ours", "dir": ours4, "v": 3},
+        {"do": "load", "with": "stock", "dir": ours4, "v": 3},
+        {"do": "save", "with": "stock", "dir": stock4, "v": 4},
+        {"do": "load", "with": "ours", "dir": stock4, "v": 4},
+        {"do": "load", "with": "ours", "dir": st2, "v": 5, **st},
+        {"do": "load", "with": "ours", "dir": st2, "v": 5, **big_s1},
+    ]
+    reports, _ = run_job(ranks, tmp_path, 4, four)
+    assert_reads_about_what_it_needs(reports, 9)
+    assert_reads_about_what_it_needs(reports, 1)
+    assert_reads_about_what_it_needs(reports, 2)
+    back = [
+        {"do": "load", "with": "ours", "dir": ours4, "v": 3},  # 4 -> 2
+        {"do": "load", "with": "ours", "dir": ours4, "v": 3, **big_s1},
+        {"do": "load", "with": "ours", "dir": stock4, "v": 4},
+        {"do": "load", "with": "ours", "dir": ours4, "v": 3, "verify": "full", **big_s1},
+    ]
+    reports, _ = run_job(ranks, tmp_path, 2, back)
+    assert_reads_about_what_it_needs(reports, 1)
+    for rep in reports:  # verify="full" reads each stored chunk whole
+        assert rep["steps"][3]["bytes_read"] >= 2 * rep["steps"][3]["needed"], rep["steps"][3]
+    for ckpt, v in ((ours2, 1), (stock2, 2), (ours4, 3), (stock4, 4)):  # one process: 2/4 -> 1
+        load_whole(ckpt, v)
+    load_whole(ours4, 3, dcp.FileSystemReader(ours4))
+
+
+# What torch's writer stores with serialization_format=SAFETENSORS (safetensors has no complex
+# dtypes and wants contiguous tensors).
+SAFETENSORS_KEYS = ["s0", "s1", "s0_bf16", "repl", "big", "empty", "i32_scalar", "step", "extra"]
+
+
+def test_twenty_thousand_small_tensors_per_rank(tmp_path: Path, ranks: ForkServer) -> None:
+    ckpt = tmp_path / "small"
+    run_job(ranks, tmp_path, 2, [{"do": "save", "with": "ours", "dir": ckpt, "v": 1,
+                                  "layout": "small"},
+                                 {"do": "load", "with": "ours", "dir": ckpt, "v": 1,
+                                  "layout": "small"}])
+
+
+def test_twenty_kills_leave_the_old_or_the_new_checkpoint_whole(tmp_path: Path,
+                                                                ranks: ForkServer) -> None:
+    """Saves over an existing checkpoint, each SIGKILLing rank 1 or the coordinator (rank 0) at
+    a random moment of the save (the job's other rank dies with it, as under torchrun): after
+    every kill the directory holds the last committed checkpoint or the new one, whole, by our
+    reader and torch's; the next save removes what the dead ones left."""
     ckpt = tmp_path / "ckpt"
-    assert_ok(run_ranks(tmp_path, f"save-{save}", ckpt))
-    assert (ckpt / ".metadata").exists()
-    assert_ok(run_ranks(tmp_path, f"load-{load}", ckpt))
+    reports, _ = run_job(ranks, tmp_path, 2, [{"do": "save", "with": "ours", "dir": ckpt,
+                                               "v": 1, "only": KILL_KEYS}])
+    seconds = max(rep["steps"][0]["seconds"] for rep in reports)
+    rng = random.Random(int(os.environ.get("DCP_KILL_SEED", "37")))
+    committed, kills = 1, 0
+    for version in range(2, 22):
+        after = rng.uniform(0, 1.2 * seconds)
+        reports, codes = run_job(ranks, tmp_path, 2, [
+            {"do": "save", "with": "ours", "dir": ckpt, "v": version, "only": KILL_KEYS,
+             "kill": after, "victim": version % 2}], ok=False)
+        kills += codes[version % 2] == -signal.SIGKILL
+        found = _saved_step(ckpt)
+        assert found in (committed, version), (found, committed, version, after)
+        committed = found
+        load_whole(ckpt, committed, keys=KILL_KEYS)
+        if version % 5 == 0:
+            load_whole(ckpt, committed, dcp.FileSystemReader(ckpt), keys=KILL_KEYS)
+    assert kills == 20, kills
+    run_job(ranks, tmp_path, 2, [{"do": "save", "with": "ours", "dir": ckpt, "v": 30,
+                                  "only": KILL_KEYS}])
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert len([n for n in names if n.endswith(".distcp")]) == 2, names
+    assert set(names) - {n for n in names if n.endswith(".distcp")} == \
+        {".metadata", ".tensortier-dcp.lock"}, names
+    load_whole(ckpt, 30, keys=KILL_KEYS)
 
 
-@pytest.mark.parametrize("saved,loaded", [(1, 2), (2, 1)])
-def test_load_into_another_world_size(tmp_path: Path, saved: int, loaded: int) -> None:
-    """Shard(0) tensors saved by `saved` ranks load into `loaded` ranks (the same values: the
-    per-rank size DCP_BIG is scaled): 1 -> 2 reads only the rows each rank needs, 2 -> 1 reads
-    each stored chunk straight into its part of the target."""
-    ckpt = tmp_path / "ckpt"
-    assert_ok(run_ranks(tmp_path, "save-ours", ckpt, world=saved, DCP_BIG=str(600000 // saved)))
-    assert_ok(run_ranks(tmp_path, "load-ours", ckpt, world=loaded,
-                        DCP_BIG=str(600000 // loaded)))
+# A kill test's state dict: DTensors of each placement, 8 MiB in all, and non-tensor values.
+KILL_KEYS = ["s0", "s1", "repl", "big", "f64_t", "step", "extra"]
 
 
-@pytest.mark.parametrize("rank,step", [("1", "write_data"), ("0", "finish")])
-def test_killed_rank_leaves_the_old_checkpoint_whole(tmp_path: Path, rank: str, step: str) -> None:
-    """A rank is SIGKILLed during a save over an existing checkpoint (rank 1 50 ms into writing
-    its file, or the coordinator as it starts the commit, every data file written); the other
-    rank fails on the group's timeout. The old checkpoint (or the new one, where the save was
-    committed before the kill came) loads whole, with our reader and torch's, and the next save
-    removes what the dead one left."""
-    ckpt = tmp_path / "ckpt"
-    assert_ok(run_ranks(tmp_path, "save-ours", ckpt, version=1))
-    before = sorted(p.name for p in ckpt.iterdir())
-    reports = run_ranks(tmp_path, "save-ours", ckpt, version=2, DCP_BIG="4000000",
-                        DCP_KILL_RANK=rank, DCP_KILL_IN=step,
-                        DCP_KILL_AFTER="0.05" if step == "write_data" else "0",
-                        DCP_PG_TIMEOUT="10")
-    # Killed before it could report; a rank killed during its file write may have finished its
-    # part first on a loaded machine (the timer fires late): the checks below allow for it.
-    assert reports[int(rank)] is None or step == "write_data"
+def _saved_step(ckpt: Path) -> int:
+    got = {"step": 0}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+    return int(got["step"])
+
+
+def data_file_of(ckpt: Path, fqn: str, rank: int) -> tuple[Path, Any]:
+    """The data file holding rank `rank`'s chunk of `fqn`, and its _StorageInfo."""
     md = tdcp.Reader(ckpt).read_metadata()
-    committed = 2 if md.state_dict_metadata["shard_big"].size[0] == 8_000_000 else 1
-    assert committed == 1 or step == "write_data"
-    size = {"DCP_BIG": "4000000"} if committed == 2 else {}
-    assert_ok(run_ranks(tmp_path, "load-ours", ckpt, version=committed, **size))
-    assert_ok(run_ranks(tmp_path, "load-stock", ckpt, version=committed, **size))
-    assert_ok(run_ranks(tmp_path, "save-ours", ckpt, version=3))
-    after = sorted(p.name for p in ckpt.iterdir())
-    assert not set(before) & set(after) - {".metadata", ".tensortier-dcp.lock"} or committed == 2
-    assert len([n for n in after if n.endswith(".distcp")]) == 2
-    assert not [n for n in after if ".tmp-" in n]
-    assert_ok(run_ranks(tmp_path, "load-ours", ckpt, version=3))
+    info = next(v for k, v in md.storage_data.items()
+                if k.fqn == fqn and v.relative_path.startswith(f"__{rank}_"))
+    return ckpt / info.relative_path, info
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "stale", "chunk left out"])
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_damaged_two_rank_checkpoints_are_named(tmp_path: Path, saved_by_two: dict[str, Path],
+                                                damage: str, writer: str) -> None:
+    """A checkpoint of 2 ranks with a flipped byte or a cut in rank 1's file, rank 1's file
+    deleted, a .metadata of another save, or a .metadata that leaves rank 1's chunk of a tensor
+    out: the load raises naming the file (or the .metadata) and what is wrong."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_by_two[writer], ckpt)
+    version = 1 if writer == "ours" else 2
+    path, info = data_file_of(ckpt, "big", 1)
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[info.offset + info.length // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+        want = [str(path), "item 'big at [32, 0]'", "the file is damaged"]
+    elif damage == "truncate":
+        os.truncate(path, info.offset + info.length // 2)
+        want = [str(path), "item 'big at [32, 0]'", "truncated"]
+    elif damage == "delete":
+        path.unlink()
+        want = [str(ckpt / ".metadata"), f"data files that are missing: {path.name}", str(path)]
+    elif damage == "stale":
+        other = tmp_path / "other"
+        dcp.save({"w": torch.ones(3)}, storage_writer=tdcp.Writer(other), no_dist=True)
+        shutil.copy(other / ".metadata", ckpt / ".metadata")
+        want = [str(ckpt / ".metadata"), "is stale: it names data files of another save",
+                next(other.glob("*.distcp")).name]
+    else:
+        def leave_out(md: Any) -> None:
+            md.state_dict_metadata["big"].chunks = md.state_dict_metadata["big"].chunks[:1]
+
+        rewrite_metadata(ckpt, leave_out)
+        want = [str(ckpt / ".metadata"), "the chunks of 'big' hold 1048576 of its 2097152"]
+    with pytest.raises((CheckpointException, OSError, ValueError)) as e:
+        load_whole(ckpt, version)
+    assert all(w in str(e.value) for w in want), (want, str(e.value))
+
+
+@pytest.mark.parametrize("small_fs", ["tmpfs"], indirect=True)
+def test_full_disk_with_two_ranks_keeps_the_old_checkpoint(small_fs: Path, tmp_path: Path,
+                                                           ranks: ForkServer) -> None:
+    """Two ranks save 8 MiB over a small checkpoint on a 4 MiB tmpfs: the save fails on every
+    rank, the error names the rank that ran out of space and its file; the old checkpoint
+    loads whole and no temporary file is left."""
+    ckpt = small_fs / "ckpt"
+    small = ["s0", "s1", "step", "extra"]
+    reports, _ = run_job(ranks, tmp_path, 2, [
+        {"do": "save", "with": "ours", "dir": ckpt, "v": 1, "only": small},
+        {"do": "save", "with": "ours", "dir": ckpt, "v": 2, "fail": True},
+        {"do": "load", "with": "ours", "dir": ckpt, "v": 1, "only": small}])
+    errors = [rep["steps"][1].get("error", "") for rep in reports]
+    assert all(errors), errors
+    assert any(re.search(rf"rank {r} saving its DCP data file.*{re.escape(str(ckpt))}/__{r}_",
+                         e, re.S) and "No space left" in e for r in (0, 1) for e in errors), errors
+    assert not [p for p in ckpt.iterdir() if ".tmp-" in p.name]
 
 
 def single_process_checkpoint(tmp_path: Path, writer: str = "ours") -> tuple[Path, dict[str, Any]]:
@@ -209,11 +351,24 @@ def test_truncated_file_names_file_and_item(tmp_path: Path, cut: str) -> None:
 
 
 def test_missing_data_file_names_file_and_item(tmp_path: Path) -> None:
+    """A data file deleted before the load: FileNotFoundError naming the .metadata and the file;
+    deleted between the metadata and the data: naming the file and its first item."""
     ckpt, _ = single_process_checkpoint(tmp_path)
     data_file = next(p for p in ckpt.iterdir() if p.name.endswith(".distcp"))
+    md = tdcp.Reader(ckpt).read_metadata()
     data_file.unlink()
     with pytest.raises(CheckpointException) as e:
         dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(ckpt))
+    msg = str(e.value)
+    assert "[Errno 2]" in msg and f"data files that are missing: {data_file.name}" in msg, msg
+    assert str(ckpt / ".metadata") in msg and str(data_file) in msg, msg
+
+    class Late(tdcp.Reader):  # the file goes after the metadata was read
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return md
+
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(zeros_like_single(), storage_reader=Late(ckpt))
     msg = str(e.value)
     assert "FileNotFoundError" in msg and str(data_file) in msg, msg
     assert re.search(r"for item '(w|b|note)'", msg), msg
@@ -470,6 +625,10 @@ def test_chunk_sizes_that_do_not_match_the_data_file_are_refused(tmp_path: Path)
                  no_dist=True)
     msg = str(e.value)
     assert name in msg and "'w'" in msg and "[66, 48]" in msg and "[64, 48]" in msg, msg
+    if BIN.is_file():  # the CLI's verify applies the same rule
+        bad = cli("verify", ckpt)
+        assert bad.returncode == 1 and "'w'" in bad.stderr, bad.stderr
+        assert "[66, 48]" in bad.stderr and "[64, 48]" in bad.stderr, bad.stderr
 
 
 @pytest.mark.parametrize("relative", ["../other/__0_x.distcp", "sub/__0_x.distcp", ".hidden",
@@ -508,3 +667,39 @@ def test_cli_names_a_dcp_directory_without_usable_metadata(tmp_path: Path, case:
         r = cli(command, d)
         assert r.returncode != 0 and what in r.stderr and str(d / ".metadata") in r.stderr, \
             r.stderr
+
+
+def test_conjugate_and_negative_views_of_torch_files_load_resolved(tmp_path: Path) -> None:
+    """torch's writer stores a conjugate (or negative) view with its bit set: Reader loads the
+    values torch's reader gives, the bit resolved."""
+    ckpt = tmp_path / "ckpt"
+    c = torch.randn(6, dtype=torch.complex64)
+    sd = {"conj": c.conj(), "neg": torch._neg_view(torch.randn(5, dtype=torch.complex64)),
+          "plain": c}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(ckpt), no_dist=True)
+    for reader in (dcp.FileSystemReader(ckpt), tdcp.Reader(ckpt)):
+        got = {k: torch.zeros_like(v.resolve_conj().resolve_neg()) for k, v in sd.items()}
+        dcp.load(got, storage_reader=reader, no_dist=True)
+        for k, v in sd.items():
+            assert torch.equal(got[k], v.resolve_conj().resolve_neg()), (type(reader), k)
+
+
+def test_torch_safetensors_serialization_loads(tmp_path: Path) -> None:
+    """torch's writer with serialization_format=SAFETENSORS puts each rank file's tensors in
+    one safetensors section after its bytes items: Reader loads them (the 2- and 4-rank test
+    loads blocks of them), tensortier verify passes them (they carry no checksum)."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    ckpt = tmp_path / "ckpt"
+    w = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)
+    sd = {"w": w, "b": torch.ones(3, dtype=torch.int16), "note": {"text": "hi"}}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(
+        ckpt, serialization_format=SerializationFormat.SAFETENSORS), no_dist=True)
+    got = {"w": torch.zeros(64, 1024), "b": torch.zeros(3, dtype=torch.int16),
+           "note": {"text": ""}}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+    assert torch.equal(got["w"], w) and torch.equal(got["b"], sd["b"])
+    assert got["note"] == {"text": "hi"}
+    if BIN.is_file():
+        ok = cli("verify", ckpt)
+        assert ok.returncode == 0, ok.stderr

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,18 +21,14 @@ from typing import Any
 import pytest
 import torch
 
+import ranks
 import tensortier
 import tensortier.shared as shared
+from ranks import free_port
 from tensortier import _core
 
 WORKER = Path(__file__).with_name("shared_worker.py")
 TIMEOUT = 120  # seconds a whole multi-process run may take on a loaded machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def abstract_sockets() -> set[str]:
@@ -169,20 +164,9 @@ def test_killed_rank_every_survivor_raises_and_nothing_is_left(tmp_path: Path, w
     # must not take the store away from the others.
     store = torch.distributed.TCPStore("127.0.0.1", port, world + 1, is_master=True,
                                        timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    procs = []
-    try:
-        for r in range(world):
-            env = env_for(tmp_path, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port), SHARED_TEST_TIMEOUT="4",
-                          TORCHELASTIC_USE_AGENT_STORE="True")
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), "killed", str(outdir)],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outputs = [p.communicate(timeout=TIMEOUT)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs = start_ranks(tmp_path, "killed", world, port, outdir, SHARED_TEST_TIMEOUT="4",
+                        TORCHELASTIC_USE_AGENT_STORE="True")
+    outputs = finish(procs)
     del store
     assert procs[-1].returncode == -signal.SIGKILL
     results = reports(outdir, world)
@@ -195,24 +179,13 @@ def test_killed_rank_every_survivor_raises_and_nothing_is_left(tmp_path: Path, w
 
 def start_ranks(tmp: Path, scenario: str, world: int, port: int, outdir: Path,
                 **extra: str) -> list[subprocess.Popen[bytes]]:
-    procs = []
-    for r in range(world):
-        env = env_for(tmp, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), **extra)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(outdir)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    return procs
+    return ranks.start_ranks([str(WORKER), scenario, str(outdir)], world, port, env_for(tmp),
+                             **extra)
 
 
 def finish(procs: list[subprocess.Popen[bytes]]) -> list[str]:
     """Each process's output once it exits (all killed after TIMEOUT seconds, even on failure)."""
-    try:
-        return [p.communicate(timeout=TIMEOUT)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    return ranks.finish(procs, TIMEOUT)
 
 
 @pytest.mark.parametrize("world,victim", [(3, 0), (3, 2), (2, 1)])

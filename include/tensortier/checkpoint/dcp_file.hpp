@@ -86,6 +86,12 @@ struct DcpTensorItem {
   uint64_t data_offset = 0;       // absolute offset of the storage's bytes in the file
   uint64_t nbytes = 0;            // the storage's bytes
   std::optional<uint32_t> crc32;  // the storage's zip CRC-32, when the zip records them
+  uint64_t bytes_read = 0;        // read from the file to find all this (zip records, pickle)
+  bool conj = false;              // torch's conjugate bit: the values are the data's conjugates
+  bool neg = false;               // torch's negative bit: the values are the data's negatives
+  // Stored by torch's writer with serialization_format=SAFETENSORS: the data lies in the
+  // safetensors section at the item's offset, not inside [offset, offset + length).
+  bool safetensors = false;
 };
 
 // Reads the zip directory and pickle of the tensor item `name` at [offset, offset + length) of
@@ -93,12 +99,43 @@ struct DcpTensorItem {
 // tensor (a dict, a meta tensor, a big-endian file, a compressed entry), a range past the end of
 // the file, or a tensor whose shape is not `expected_shape` (where given: the chunk sizes the
 // metadata records for the item), naming both shapes.
+//
+// An item of torch's writer with serialization_format=SAFETENSORS is no zip: its offset is that of
+// a safetensors section (header and data of all the file's tensors, which follows its bytes
+// items), where the tensor named `fqn` is this item (a file holds one chunk of each tensor).
+// Such an item is read from there (`fqn` given); FormatError where the section holds no `fqn`.
 DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint64_t offset,
                                 uint64_t length,
-                                const std::optional<std::vector<int64_t>>& expected_shape = {});
+                                const std::optional<std::vector<int64_t>>& expected_shape = {},
+                                const std::string& fqn = "");
+
+// A part of a stored tensor (a contiguous tensor of `shape`, elements of `itemsize` bytes): the
+// block at `offsets` of `lengths` along each dimension, which a load into another sharding needs.
+struct DcpSlice {
+  std::vector<int64_t> shape;
+  uint64_t itemsize = 0;
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> lengths;
+};
+
+// A contiguous run of a slice's bytes: `length` bytes at `offset` of the file go to byte
+// `dest_offset` of the slice's contiguous copy (row-major, of shape `lengths`).
+struct DcpRun {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t dest_offset = 0;
+};
+
+// The runs of the file that `slice` of the tensor whose data starts at `data_offset` selects, in
+// the order of the slice's bytes: the innermost dimensions that the slice takes whole make one
+// run, the outer ones repeat it. Throws FormatError naming `where` (the file and item) for a slice
+// outside the tensor or offsets, lengths and shape of different ranks.
+std::vector<DcpRun> DcpSliceRuns(const DcpSlice& slice, uint64_t data_offset,
+                                 const std::string& where);
 
 // One item to read: [offset, offset + length) of the file, of which [data_offset, data_offset +
-// data_length) goes to `dest` (a bytes item: the whole range).
+// data_length) goes to `dest` (a bytes item: the whole range), or, with `slice`, only that part
+// of the tensor stored at data_offset, as a contiguous tensor of its lengths (unchecked).
 struct DcpRead {
   std::string name;  // for errors ("model.weight", chunk offsets...)
   uint64_t offset = 0;
@@ -108,12 +145,15 @@ struct DcpRead {
   std::byte* dest = nullptr;
   std::optional<uint64_t> xxh64;  // of the whole range: checked when set
   std::optional<uint32_t> crc32;  // of the data: checked when set and xxh64 is not
+  std::optional<DcpSlice> slice;  // read only this part (xxh64 and crc32 must be unset)
 };
 
 // Reads every item of `reads` from `file` with `engine` and checks it (xxh64 of the item, else
-// CRC-32 of its data). Throws FormatError naming the file, the item and its byte range for a
+// CRC-32 of its data). The byte ranges of all items are read sorted, those a page or less apart
+// in one request, the large ones (1 MiB or more) straight into their destination. Returns the
+// bytes read from the file. Throws FormatError naming the file, the item and its byte range for a
 // mismatch or a file that ends inside an item; IoError for I/O errors.
-void ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads);
+uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads);
 
 // The xxh64 of [offset, offset + length) of `file`, streamed (verify, info).
 uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64_t length);

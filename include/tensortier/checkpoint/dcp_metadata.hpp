@@ -19,12 +19,16 @@ namespace tensortier {
 // One stored item.
 struct DcpStoredItem {
   std::string name;           // "fqn", or "fqn at [8, 0]" for a chunk not at the origin
+  std::string fqn;
   bool bytes = false;         // a pickled non-tensor value (BytesStorageMetadata)
   std::string relative_path;  // its data file, relative to the directory
   uint64_t offset = 0;
   uint64_t length = 0;
   std::optional<uint64_t> xxh64;  // of [offset, offset + length), where tensortier wrote it
   bool transformed = false;       // stream transforms (compression...) applied: not readable here
+  // A tensor chunk's sizes as the metadata records them (its chunk of the tensor's
+  // TensorStorageMetadata), which the tensor stored in the file must have.
+  std::optional<std::vector<int64_t>> chunk_sizes;
 };
 
 // The version of what tensortier's Writer stores beyond DCP's layout (the xxh64s, the items'
@@ -66,6 +70,19 @@ bool IsDcpDirectory(const std::string& dir);
 // message says whether data files of an unfinished save are there), a .metadata that is a
 // directory (EISDIR), a read that fails. FormatError for a file over 1 GiB or not a regular file.
 std::string ReadDcpMetadataBytes(const std::string& dir);
+
+// Throws IoError (ENOENT) naming DIR/.metadata and the first missing file where data files it names
+// (`relative_paths`) are not in DIR: the first missing ones and how many, and, where DIR holds data
+// files (__*.distcp) that it does not name, that the .metadata is of another save (stale).
+void CheckDcpDataFilesPresent(const std::string& dir,
+                              const std::vector<std::string>& relative_paths);
+
+// Throws FormatError naming `what` (the .metadata) and the tensor `name` where its chunks (offsets
+// and sizes per chunk) do not lie inside its `size` or do not add up to all of its elements: data
+// of the tensor that no file has (a rank's chunks left out of the metadata).
+void CheckDcpChunksCover(const std::string& name, const std::vector<int64_t>& size,
+                         const std::vector<std::vector<int64_t>>& offsets,
+                         const std::vector<std::vector<int64_t>>& sizes, const std::string& what);
 
 // Reads and parses DIR/.metadata. Throws IoError, FormatError.
 DcpMetadata ReadDcpMetadata(const std::string& dir);

@@ -20,12 +20,20 @@ struct ScatteredRead {
   std::byte* dest = nullptr;  // `length` bytes of the caller's, alive until ReadScattered returns
 };
 
+// Ranges at most this far apart share a request by default (the bytes between are read and
+// dropped).
+inline constexpr uint64_t kScatterMaxGap = 64u << 10;
+
 // Reads every range of `reads` (in any order; ranges may overlap) of `file` into its `dest` with
 // `engine`, through staging buffers of a few MiB, reading the next one while the last is copied
-// out. Returns the bytes each range got: its length, fewer where the file ends before its end.
-// Throws IoError (after every read in flight has finished).
+// out; ranges at most `max_gap` bytes apart share a request. Returns the bytes each range got: its
+// length, fewer where the file ends before its end. Adds the bytes its requests asked the file for
+// (page-aligned spans, gaps included) to `*bytes_read` where given. Throws IoError (after every
+// read in flight has finished).
 std::vector<uint64_t> ReadScattered(Engine& engine, const File& file,
-                                    std::span<const ScatteredRead> reads);
+                                    std::span<const ScatteredRead> reads,
+                                    uint64_t max_gap = kScatterMaxGap,
+                                    uint64_t* bytes_read = nullptr);
 
 struct GatheredWrite {
   uint64_t offset = 0;  // in the file

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import threading
 from collections.abc import Iterator
 
-from ..io import IOHandle
+from .._runtime import default_io as _default_io  # noqa: F401  (the checkpoint modules' name)
 
 
 @contextlib.contextmanager
@@ -25,18 +23,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-_default_lock = threading.Lock()
-
-
-_default: tuple[int, IOHandle] | None = None
-
-
-def _default_io() -> IOHandle:
-    """One engine per process, made on first use (again after a fork: threads do not survive)."""
-    global _default
-    with _default_lock:
-        if _default is None or _default[0] != os.getpid():
-            _default = (os.getpid(), IOHandle())
-        return _default[1]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _core
+from .._runtime import dtype_names as _dtype_names, torch_dtypes as _torch_dtypes  # noqa: F401
 from .._paths import PathArg
 
 
@@ -43,25 +44,6 @@ _ALIGNED_ALLOC_MIN = 1 << 20
 
 # The progress bar shows for loads of at least this many bytes when stderr is a terminal.
 _PROGRESS_MIN_BYTES = 512 << 20
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_dtypes() -> dict[str, Any]:
-    """tensortier dtype name -> torch.dtype, for every row of the C++ dtype table
-    (include/tensortier/checkpoint/dtypes.hpp) this torch has: the one Python-side dtype mapping."""
-    torch = _torch()
-    out: dict[str, Any] = {}
-    for row in _require("dtypes")():
-        dt = getattr(torch, row["torch"], None) if row["torch"] else None
-        if isinstance(dt, torch.dtype):
-            out[row["name"]] = dt
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_names() -> dict[Any, str]:
-    """torch.dtype -> tensortier dtype name: the inverse of ``_torch_dtypes``."""
-    return {dt: name for name, dt in _torch_dtypes().items()}
 
 
 @functools.lru_cache(maxsize=None)
