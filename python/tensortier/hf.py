@@ -100,17 +100,15 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
         return None
     if mu.is_deepspeed_zero3_enabled():
         return None
-    device: Any = "cpu"
     places = set((cfg.device_map or {"": "cpu"}).values())
-    if len(places) == 1 and "disk" not in places:
+    if "disk" in places:
+        return None
+    device = torch.device("cpu")  # for several devices: transformers moves each tensor
+    if len(places) == 1:  # straight there (CUDA: the engine's GPU path)
         (place,) = places
         device = torch.device("cuda", place) if isinstance(place, int) else torch.device(place)
         if device.type not in ("cpu", "cuda"):
             return None
-    elif "disk" in places:
-        return None
-    else:
-        device = "cpu"  # several devices: transformers moves each tensor to its own
     # Converted as read where transformers would give every floating tensor that dtype.
     dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) and not cfg.dtype_plan else None
     if dtype is not None and any(
