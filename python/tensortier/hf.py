@@ -124,10 +124,11 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
 
 
 def _index_of(shard: str, weight_map: dict[str, str]) -> str:
-    """The ``*.safetensors.index.json`` beside `shard` whose weight map transformers read."""
+    """The shard index beside `shard` whose weight map transformers read
+    (``model.safetensors.index.json``, ``model.safetensors.index.VARIANT.json``)."""
     folder = os.path.dirname(shard)
     for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors.index.json"):
+        if name.startswith("model.safetensors.index") and name.endswith(".json"):  # variants
             path = os.path.join(folder, name)
             with open(path, encoding="utf-8") as f:
                 if json.load(f).get("weight_map") == weight_map:

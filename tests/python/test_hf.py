@@ -38,6 +38,27 @@ AUTO = transformers.AutoModel
 CLI = str(Path(sys.executable).parent / "tensortier")
 
 
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files tensortier.load read for tensortier.hf (none: transformers read them)."""
+    seen: list[str] = []
+    real = hf.load
+
+    def load(path: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append(os.path.basename(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "load", load)
+    return seen
+
+
+def ours(reads: list[str], cls: Any, path: Path, **kwargs: Any) -> Any:
+    """hf.from_pretrained, checked to have read the checkpoint with tensortier.load."""
+    model = hf.from_pretrained(cls, path, **kwargs)
+    assert len(reads) == 1 and reads.pop().startswith("model.safetensors")
+    return model
+
+
 def make(kind: str, directory: Path, shard: str | None = None) -> Any:
     """A random model of `kind`, saved by transformers into `directory` (sharded in pieces of
     `shard` bytes, or one file)."""
@@ -83,26 +104,35 @@ def assert_same(ours: Any, theirs: Any) -> None:
 @pytest.mark.parametrize("kind,shard", [
     ("llama", "20KB"), ("gpt2", None), ("bert", "30KB"), ("t5", "25KB"), ("mixtral", "40KB"),
 ])
-def test_from_pretrained_gives_transformers_model(tmp_path: Path, kind: str, shard: str | None) -> None:
+def test_from_pretrained_gives_transformers_model(tmp_path: Path, kind: str, shard: str | None,
+                                                  reads: list[str]) -> None:
     make(kind, tmp_path, shard)
     assert (tmp_path / "model.safetensors.index.json").exists() == (shard is not None)
     cls = type(MODELS[kind]())
     for dtype in (None, torch.bfloat16) if kind != "llama" else (None, "float32", torch.bfloat16,
                                                                  torch.float16):
         kw = {} if dtype is None else {"dtype": dtype}
-        assert_same(hf.from_pretrained(cls, tmp_path, **kw), cls.from_pretrained(tmp_path, **kw))
-    assert_same(hf.from_pretrained(AUTO, tmp_path), AUTO.from_pretrained(tmp_path))
+        assert_same(ours(reads, cls, tmp_path, **kw), cls.from_pretrained(tmp_path, **kw))
+    assert_same(ours(reads, AUTO, tmp_path), AUTO.from_pretrained(tmp_path))
 
 
-def test_t5_keeps_its_fp32_modules(tmp_path: Path) -> None:
+def test_variants_and_subfolders(tmp_path: Path, reads: list[str]) -> None:
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    model.save_pretrained(tmp_path / "sub", variant="v1", max_shard_size="20KB")
+    (tmp_path / "config.json").write_text((tmp_path / "sub" / "config.json").read_text())
+    kw = {"variant": "v1", "subfolder": "sub"}
+    assert_same(ours(reads, AUTO, tmp_path, **kw), AUTO.from_pretrained(tmp_path, **kw))
+
+
+def test_t5_keeps_its_fp32_modules(tmp_path: Path, reads: list[str]) -> None:
     make("t5", tmp_path, "25KB")
-    model = hf.from_pretrained(transformers.T5ForConditionalGeneration, tmp_path,
-                               dtype=torch.float16)
+    model = ours(reads, transformers.T5ForConditionalGeneration, tmp_path, dtype=torch.float16)
     wo = model.encoder.block[0].layer[1].DenseReluDense.wo.weight
     assert wo.dtype == torch.float32 and model.shared.weight.dtype == torch.float16
 
 
-def test_older_key_names_are_renamed(tmp_path: Path) -> None:
+def test_older_key_names_are_renamed(tmp_path: Path, reads: list[str]) -> None:
     """A BERT checkpoint with LayerNorm.gamma/beta: transformers' own renames apply."""
     make("bert", tmp_path)
     f = tmp_path / "model.safetensors"
@@ -112,7 +142,7 @@ def test_older_key_names_are_renamed(tmp_path: Path) -> None:
            for k, v in sd.items()}
     assert old.keys() != sd.keys()
     safetensors.torch.save_file(old, f, metadata={"format": "pt"})
-    assert_same(hf.from_pretrained(AUTO, tmp_path), AUTO.from_pretrained(tmp_path))
+    assert_same(ours(reads, AUTO, tmp_path), AUTO.from_pretrained(tmp_path))
 
 
 def test_save_pretrained_writes_transformers_files(tmp_path: Path) -> None:
