@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from . import _core
 from ._paths import fspath
 from .checkpoint import load, save
 
@@ -207,18 +207,14 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     with _ours():
         parent, name = os.path.split(final)
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{name}.tmp-hf-", dir=parent)
+        staging = os.path.join(parent, f".{name}.tmp-hf-{os.getpid()}-{secrets.token_hex(4)}")
+        os.mkdir(staging, 0o777)  # the mode transformers' makedirs gives (less the umask)
         try:
             if os.path.isdir(final):
                 shutil.copytree(final, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
                 shutil.copystat(final, staging)
-            else:
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(staging, 0o777 & ~umask)
             _originals["save_pretrained"](model, staging, **kwargs)
-            _sync_tree(staging)
-            _swap(staging, final)
+            _core.commit_directory(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # the old directory, once swapped
 
@@ -230,35 +226,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         with contextlib.suppress(OSError):  # another file system (a mount point): copied
             return os.link(src, dst)
     shutil.copy2(src, dst)
-
-
-def _sync_tree(top: str) -> None:
-    """fsync every file and directory under `top`."""
-    for folder, _, names in os.walk(top, topdown=False):
-        for p in [os.path.join(folder, n) for n in names] + [folder]:
-            _fsync(p)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _swap(new: str, final: str) -> None:
-    """Puts directory `new` at `final` in one rename; the old `final` (if any) ends at `new`."""
-    if not os.path.exists(final):
-        os.rename(new, final)
-    else:
-        libc = ctypes.CDLL(None, use_errno=True)
-        at_fdcwd, rename_exchange = -100, 2
-        if libc.renameat2(at_fdcwd, os.fsencode(new), at_fdcwd, os.fsencode(final),
-                          rename_exchange) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot replace the model directory: {os.strerror(err)}", final)
-    _fsync(os.path.dirname(final))
 
 
 def enable() -> None:
