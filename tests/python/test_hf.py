@@ -179,6 +179,8 @@ def test_save_pretrained_keeps_other_files_and_replaces_the_weights(tmp_path: Pa
     names = set(os.listdir(tmp_path / "m"))
     assert {"tokenizer.json", "model.safetensors", "config.json"} <= names
     assert not any("-of-" in n for n in names)
+    got = subprocess.run([CLI, "verify", str(tmp_path / "m")], capture_output=True, text=True)
+    assert got.returncode == 0 and "m/model.safetensors: data OK" in got.stdout, got.stderr
     assert_same(hf.from_pretrained(type(model), tmp_path / "m"), model.eval())
     assert [n for n in os.listdir(tmp_path) if n != "m"] == []
 
