@@ -19,6 +19,7 @@
 #include "tensortier/checkpoint/checkpoint_format.hpp"
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/piece_reader.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
@@ -582,6 +583,12 @@ void RegisterCheckpoint(py::module_& m) {
   m.def("wait_for_replaced_files", &WaitForReplacedFiles, py::call_guard<py::gil_scoped_release>(),
         "Waits until the files earlier saves replaced are freed (a background thread closes "
         "each).");
+  m.def(
+      "commit_directory",
+      [](const FsPath& staged, const FsPath& final_dir) { CommitDirectory(staged, final_dir); },
+      py::arg("staged"), py::arg("final_dir"), py::call_guard<py::gil_scoped_release>(),
+      "Makes the directory staged durable, then puts it at final_dir in one rename (exchanged "
+      "with a directory there, which staged then names). OSError naming what failed.");
   m.def(
       "temporary_path_prefix",
       [](const FsPath& path) { return PathToPython(TemporaryPathPrefix(path)); }, py::arg("path"),

@@ -36,6 +36,9 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest safetensors \
   "scikit-build-core>=0.10" "pybind11>=2.12" ninja "nvidia-cufile==1.20.0.107" \
   "nvidia-cuda-runtime==13.0.96" "nvidia-dali-cuda130==2.4.0" Pillow
+# transformers and accelerate are test-only: tensortier.hf's tests compare with transformers'
+# own from_pretrained/save_pretrained on tiny random-weight models (the versions hf.py supports).
+.venv/bin/python -m pip install -q "transformers==5.23.0" "accelerate==1.15.0"
 # The documentation site's tools, pinned with the libraries whose warnings --strict turns into
 # errors (griffelib reads the docstrings): scripts/test.sh builds the site with mkdocs --strict.
 .venv/bin/python -m pip install -q "mkdocs==1.6.1" "mkdocs-material==9.8.1" "mkdocstrings==1.0.8" \

@@ -1,6 +1,8 @@
 // `tensortier info|verify|convert`: inspect, check and convert checkpoint files (safetensors and
 // torch.save zip). The work is the checkpoint pipeline's (checkpoint_pipeline.hpp); this file
 // parses the command lines and prints what the pipeline reports.
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -30,6 +32,19 @@ std::string ShapeString(const std::vector<uint64_t>& shape) {
 void Note(const std::string& text) {
   std::fflush(stdout);
   std::fprintf(stderr, "note: %s\n", text.c_str());
+}
+
+// A Hugging Face model directory (as save_pretrained writes it) is read through the file
+// transformers' from_pretrained reads: its one weights file, else its shard index; any other path
+// is itself.
+std::string ModelDirectoryFile(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return path;
+  for (const char* name : {"model.safetensors", "model.safetensors.index.json"}) {
+    std::string file = StrCat(path, "/", name);
+    if (stat(file.c_str(), &st) == 0) return file;
+  }
+  return path;
 }
 
 bool IsShardIndexFile(const std::string& path) {
@@ -213,9 +228,9 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
 int RunInfoImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {"shapes"});
   if (args.positionals().size() != 1) throw UsageError("info takes one FILE");
-  const std::string& path = args.positionals()[0];
   const unsigned show = args.Unsigned("shapes", 20);
-  if (IsDcpDirectory(path)) return InfoDcp(path, show);
+  if (IsDcpDirectory(args.positionals()[0])) return InfoDcp(args.positionals()[0], show);
+  const std::string path = ModelDirectoryFile(args.positionals()[0]);
   if (!IsShardIndexFile(path)) return InfoFile(path, show);
   const std::vector<Shard> shards = ReadShardIndex(path);
   size_t tensors = 0;
@@ -232,8 +247,8 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
 int RunVerifyImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
   if (args.positionals().size() != 1) throw UsageError("verify takes one FILE");
-  const std::string& path = args.positionals()[0];
-  if (IsDcpDirectory(path)) return VerifyDcp(path);
+  if (IsDcpDirectory(args.positionals()[0])) return VerifyDcp(args.positionals()[0]);
+  const std::string path = ModelDirectoryFile(args.positionals()[0]);
   if (!IsShardIndexFile(path)) return VerifyFile(path);
   const std::vector<Shard> shards = ReadShardIndex(path);
   size_t failed = 0;

@@ -17,7 +17,8 @@ commands:
                 O_DIRECT support, CUDA driver and cuFile presence, effective defaults
   bench         sequential write and cold read (and random reads) on a scratch file
   info FILE     a checkpoint's format, tensors, dtypes, shapes, bytes, alignment, metadata
-                (safetensors or torch.save zip)
+                (safetensors or torch.save zip; a shard index, a Hugging Face model
+                directory or a DCP directory: every file)
   verify FILE   full structure check, then the data: xxh64 checksums stored by tensortier
                 (safetensors) or every zip entry's CRC-32 (torch.save); exit 1 on a problem
                 or when the file has no checksums to verify
@@ -60,6 +61,10 @@ directory or the command line is wrong (extra arguments, an option).
 
 A checkpoint's format (safetensors or torch.save zip), tensor count, bytes, dtypes, data
 alignment, safetensors metadata, and the first N tensors' names, dtypes, shapes and offsets.
+FILE may be a shard index (model.safetensors.index.json: every shard, each checked to hold
+what the index puts there), a Hugging Face model directory (the file transformers reads: its
+model.safetensors, else its model.safetensors.index.json) or a torch.distributed.checkpoint
+directory.
 
   --shapes N    how many tensors to list (default 20)
 )"},
@@ -67,7 +72,8 @@ alignment, safetensors metadata, and the first N tensors' names, dtypes, shapes 
 
 Checks FILE's whole structure (header, zip directory, pickle, every tensor inside the file),
 then its data: each tensor's xxh64 (safetensors saved with checksum=True, plus the header's own
-checksum) or each zip record's CRC-32 (torch.save files).
+checksum) or each zip record's CRC-32 (torch.save files). A shard index, a Hugging Face
+model directory (as for info) or a DCP directory: every file, and the index's coverage.
 Exit status: 0 when the data was verified, 1 on a problem or when FILE stores no checksums
 (nothing to verify; tensortier.load(..., verify=True) refuses such files too), 2 when the
 command line is wrong (no FILE or more than one, an option).

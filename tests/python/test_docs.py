@@ -281,7 +281,7 @@ def test_no_file_cites_a_document_missing_from_the_repository() -> None:
 
 
 @pytest.mark.parametrize("module", ["tensortier", "tensortier.offload", "tensortier.shared",
-                                    "tensortier.data", "tensortier.dcp"])
+                                    "tensortier.data", "tensortier.dcp", "tensortier.hf"])
 def test_api_reference_lists_every_public_name(module: str) -> None:
     """docs/api.md has a `::: module.name` entry for each name in the module's __all__ (or a
     `::: tensortier.name` one, for a name the package itself exports)."""

@@ -1,0 +1,18 @@
+// A directory of checkpoint files (a Hugging Face model directory) replaced as a whole: the new
+// directory is written completely beside the old one, then the two trade places in one rename.
+#pragma once
+
+#include <string>
+
+namespace tensortier {
+
+// Makes `staged` durable (every file under it fdatasynced, every directory fsynced), then puts it
+// at `final_dir` in one step: rename(2) where nothing is there, else
+// renameat2(RENAME_EXCHANGE), after which `staged` names the old directory (for the caller to
+// remove). The parent directory is fsynced last. A crash at any moment leaves `final_dir` the
+// old directory or the new one, whole. `staged` and `final_dir` must be on one file system.
+// Throws IoError naming the file or directory that failed (EINVAL or ENOSYS from the exchange:
+// a file system without RENAME_EXCHANGE; `final_dir` is then left as it was).
+void CommitDirectory(const std::string& staged, const std::string& final_dir);
+
+}  // namespace tensortier

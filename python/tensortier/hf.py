@@ -1,0 +1,256 @@
+"""Hugging Face transformers models read and written through tensortier.
+
+::
+
+    model = tensortier.hf.from_pretrained(AutoModelForCausalLM, "/models/llama", dtype="bfloat16")
+    tensortier.hf.save_pretrained(model, "/models/llama-tuned")
+    tensortier.hf.enable()   # transformers' own from_pretrained/save_pretrained go through us
+
+transformers does everything but the reading and writing of the safetensors files: its
+``from_pretrained`` resolves the files, builds the model without initialising it, renames keys,
+converts and places tensors, keeps ``_keep_in_fp32_modules`` and ties weights. Its
+``_load_pretrained_model`` is handed the state dict :func:`tensortier.load` read (its own
+``state_dict`` path), and its ``save_pretrained`` writes each shard with :func:`tensortier.save`.
+Only the transformers versions in ``SUPPORTED_TRANSFORMERS`` are used (their loading internals are
+the ones these hooks were written for); any other is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+from . import _core
+from ._paths import fspath
+from .checkpoint import load, save
+
+SUPPORTED_TRANSFORMERS = (">=5.23.0", "<5.24")
+"""The transformers versions this module works with (pinned in the tests)."""
+
+__all__ = ["SUPPORTED_TRANSFORMERS", "disable", "enable", "from_pretrained", "save_pretrained"]
+
+_enabled = False  # enable(): every load and save of the process
+_routed: contextvars.ContextVar[bool] = contextvars.ContextVar("tensortier_hf", default=False)
+_originals: dict[str, Any] = {}  # what the hooks replaced
+
+
+def _transformers() -> Any:
+    """transformers' ``modeling_utils``, once its version is known to be supported."""
+    try:
+        import transformers
+        from transformers import modeling_utils
+    except ImportError as e:
+        raise ImportError(
+            f"tensortier.hf needs transformers {','.join(SUPPORTED_TRANSFORMERS)}: "
+            "pip install 'transformers==5.23.0'"
+        ) from e
+    from packaging.version import Version
+
+    v = Version(transformers.__version__)
+    if not Version("5.23.0") <= v < Version("5.24"):
+        raise ImportError(
+            f"tensortier.hf supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, not "
+            f"{transformers.__version__} (its loading internals may differ): install "
+            "transformers==5.23.0, or load with transformers alone"
+        )
+    _install(modeling_utils)
+    return modeling_utils
+
+
+def _install(mu: Any) -> None:
+    """Puts the reading and writing hooks in place, once; they act only for :func:`enable` or
+    within our own calls."""
+    if _originals:
+        return
+    cls = mu.PreTrainedModel
+    _originals["load"] = cls.__dict__["_load_pretrained_model"].__func__
+    _originals["save_file"] = mu.safe_save_file
+    _originals["save_pretrained"] = cls.save_pretrained
+
+    def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any,
+                               load_config: Any, *args: Any, **kwargs: Any) -> Any:
+        if state_dict is None and (_enabled or _routed.get()):
+            state_dict = _read(mu, model, checkpoint_files, load_config)
+        return _originals["load"](model, state_dict, checkpoint_files, load_config, *args,
+                                  **kwargs)
+
+    def safe_save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
+        if not (_enabled or _routed.get()):
+            return _originals["save_file"](tensors, filename, metadata=metadata)
+        save(tensors, filename, metadata=metadata, checksum=True)
+
+    cls._load_pretrained_model = staticmethod(_load_pretrained_model)
+    mu.safe_save_file = safe_save_file
+
+
+def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, Any] | None:
+    """The checkpoint's state dict, read by :func:`tensortier.load`; None where transformers
+    reads it itself (no safetensors files, quantized or distributed loads, disk offload)."""
+    import torch
+
+    if not files or not all(f.endswith(".safetensors") for f in files):
+        return None
+    if cfg.hf_quantizer is not None or cfg.device_mesh is not None:
+        return None
+    if mu.is_deepspeed_zero3_enabled():
+        return None
+    places = set((cfg.device_map or {"": "cpu"}).values())
+    if "disk" in places:
+        return None
+    device = torch.device("cpu")  # for several devices: transformers moves each tensor
+    if len(places) == 1:  # straight there (CUDA: the engine's GPU path)
+        (place,) = places
+        device = torch.device("cuda", place) if isinstance(place, int) else torch.device(place)
+        if device.type not in ("cpu", "cuda"):
+            return None
+    # Converted as read where transformers would give every floating tensor that dtype.
+    dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) and not cfg.dtype_plan else None
+    if dtype is not None and any(
+        t.is_floating_point() and t.dtype != dtype for t in model.state_dict().values()
+    ):
+        dtype = None
+    meta = cfg.sharded_metadata
+    if meta is None:
+        return load(files[0], device, dtype) if len(files) == 1 else None
+    if {os.path.basename(f) for f in files} != set(meta["weight_map"].values()):
+        return None  # extra files beside the shards: transformers' own business
+    return load(_index_of(files[0], meta["weight_map"]), device, dtype)
+
+
+def _index_of(shard: str, weight_map: dict[str, str]) -> str:
+    """The shard index beside `shard` whose weight map transformers read
+    (``model.safetensors.index.json``, ``model.safetensors.index.VARIANT.json``)."""
+    folder = os.path.dirname(shard)
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("model.safetensors.index") and name.endswith(".json"):  # variants
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                if json.load(f).get("weight_map") == weight_map:
+                    return path
+    raise FileNotFoundError(f"{folder}: no shard index names the shards of {shard}")
+
+
+@contextlib.contextmanager
+def _ours() -> Iterator[Any]:
+    """Within: transformers reads and writes through us, in this thread."""
+    mu = _transformers()
+    token = _routed.set(True)
+    try:
+        yield mu
+    finally:
+        _routed.reset(token)
+
+
+def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(path, *args, **kwargs)`` with the weights read by tensortier.
+
+    Returns the model transformers returns (same parameters and buffers bit for bit, dtype,
+    tied weights, ``device_map`` placement); safetensors shards are read by
+    :func:`tensortier.load` (to the GPU straight, for a single-device CUDA ``device_map``),
+    converting to `dtype` on the way where transformers would give every tensor that dtype.
+    Directories of ``.bin`` files, quantized models and disk offload are read by transformers.
+
+    Args:
+        cls: an ``AutoModel*`` class or a concrete model class.
+        path: a local model directory (``config.json`` and ``model.safetensors`` or
+            ``model.safetensors.index.json`` with its shards).
+        *args: passed to ``cls.from_pretrained`` as they are, as is every keyword
+            (``dtype``, ``device_map``, ``subfolder``, ``variant``...).
+
+    Raises:
+        FileNotFoundError: `path` is not a local directory (a Hub model id: download it first
+            with ``huggingface_hub.snapshot_download``).
+        ImportError: transformers is missing or of a version outside
+            ``SUPPORTED_TRANSFORMERS``.
+        ValueError: a truncated or malformed shard, an index naming a tensor its shard lacks,
+            a ``dtype`` transformers refuses.
+        OSError: a shard cannot be read or is missing.
+    """
+    path = fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            2, f"tensortier.hf reads local model directories and {path!r} is none: for a Hugging "
+            "Face Hub model id, download it with huggingface_hub.snapshot_download(repo_id) and "
+            "pass the directory it returns", path)
+    with _ours():
+        return cls.from_pretrained(path, *args, **kwargs)
+
+
+def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """``model.save_pretrained(path, **kwargs)``: the same files (config, generation config,
+    shards of the same names and sizes, index), each shard written by :func:`tensortier.save`
+    with checksums (``tensortier verify`` checks them), readable by transformers and
+    ``safetensors``.
+
+    Durable as a whole: the directory is written beside `path` (files already in `path` are
+    kept, as transformers keeps them: the large ones linked, the others copied), every file
+    fsynced, then swapped with `path` in one rename (``renameat2(RENAME_EXCHANGE)``). A crash
+    leaves the old directory whole, and a leftover ``.<name>.tmp-hf-*`` beside it.
+
+    Raises:
+        ValueError: ``push_to_hub`` or ``distributed_checkpoint`` (save, then push or use
+            ``tensortier.dcp``).
+        OSError: the directory cannot be written (the old one is left as it was).
+    """
+    for unsupported in ("push_to_hub", "distributed_checkpoint"):
+        if kwargs.get(unsupported):
+            raise ValueError(f"tensortier.hf.save_pretrained does not take {unsupported}=True")
+    final = os.path.abspath(fspath(path))
+    if os.path.exists(final) and not os.path.isdir(final):
+        raise NotADirectoryError(20, "cannot save a model over a file", final)
+    with _ours():
+        parent, name = os.path.split(final)
+        os.makedirs(parent, exist_ok=True)
+        staging = os.path.join(parent, f".{name}.tmp-hf-{os.getpid()}-{secrets.token_hex(4)}")
+        os.mkdir(staging, 0o777)  # the mode transformers' makedirs gives (less the umask)
+        try:
+            if os.path.isdir(final):
+                shutil.copytree(final, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
+                shutil.copystat(final, staging)
+            _originals["save_pretrained"](model, staging, **kwargs)
+            _core.commit_directory(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # the old directory, once swapped
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Weight files are linked (replaced by rename or removed, never written in place), other
+    files copied (transformers rewrites ``config.json`` in place)."""
+    if src.endswith((".safetensors", ".bin")):
+        with contextlib.suppress(OSError):  # another file system (a mount point): copied
+            return os.link(src, dst)
+    shutil.copy2(src, dst)
+
+
+def enable() -> None:
+    """From now on, in every thread, transformers' own ``from_pretrained`` reads local
+    safetensors checkpoints through tensortier and ``save_pretrained`` saves as
+    :func:`save_pretrained` does. :func:`disable` undoes it.
+
+    Raises:
+        ImportError: transformers is missing or of an unsupported version.
+    """
+    global _enabled
+    mu = _transformers()
+    _enabled = True
+    mu.PreTrainedModel.save_pretrained = _enabled_save_pretrained
+
+
+def _enabled_save_pretrained(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+    if args or kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint"):
+        return _originals["save_pretrained"](self, save_directory, *args, **kwargs)
+    save_pretrained(self, save_directory, **kwargs)
+
+
+def disable() -> None:
+    """Undoes :func:`enable`: transformers reads and writes by itself again."""
+    global _enabled
+    _enabled = False
+    if _originals:
+        _transformers().PreTrainedModel.save_pretrained = _originals["save_pretrained"]

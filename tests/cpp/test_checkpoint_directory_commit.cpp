@@ -1,0 +1,71 @@
+// CommitDirectory: a staged directory put in place in one rename, exchanged with the old one.
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "tensortier/checkpoint/directory_commit.hpp"
+#include "tensortier/util/error.hpp"
+#include "test_util.hpp"
+
+namespace tensortier {
+namespace {
+
+using testing::TempDir;
+
+void Write(const std::string& path, const std::string& text) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::ofstream(path) << text;
+}
+
+std::string Read(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(DirectoryCommit, PutsTheStagedDirectoryWhereNoneIs) {
+  TempDir tmp;
+  Write(tmp.File(".m.staged/config.json"), "new");
+  Write(tmp.File(".m.staged/sub/shard"), "data");
+  CommitDirectory(tmp.File(".m.staged"), tmp.File("m"));
+  EXPECT_EQ(Read(tmp.File("m/config.json")), "new");
+  EXPECT_EQ(Read(tmp.File("m/sub/shard")), "data");
+  EXPECT_FALSE(std::filesystem::exists(tmp.File(".m.staged")));
+}
+
+TEST(DirectoryCommit, ExchangesWithTheOldDirectory) {
+  TempDir tmp;
+  Write(tmp.File("m/config.json"), "old");
+  Write(tmp.File("m/old-only"), "x");
+  Write(tmp.File(".m.staged/config.json"), "new");
+  CommitDirectory(tmp.File(".m.staged"), tmp.File("m"));
+  EXPECT_EQ(Read(tmp.File("m/config.json")), "new");
+  EXPECT_FALSE(std::filesystem::exists(tmp.File("m/old-only")));
+  EXPECT_EQ(Read(tmp.File(".m.staged/config.json")), "old");  // the old one, for the caller
+}
+
+TEST(DirectoryCommit, RefusesToReplaceAFileAndNamesWhatFailed) {
+  TempDir tmp;
+  Write(tmp.File("m"), "a file");
+  Write(tmp.File(".m.staged/config.json"), "new");
+  try {
+    CommitDirectory(tmp.File(".m.staged"), tmp.File("m"));
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOTDIR);
+    EXPECT_EQ(e.path(), tmp.File("m"));
+  }
+  EXPECT_EQ(Read(tmp.File("m")), "a file");
+  try {
+    CommitDirectory(tmp.File("missing"), tmp.File("n"));
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_EQ(e.path(), tmp.File("missing"));
+  }
+}
+
+}  // namespace
+}  // namespace tensortier

@@ -1,0 +1,267 @@
+"""tensortier.hf against transformers itself: tiny models built from configs with random weights
+(no downloads), loaded and saved both ways and compared bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import safetensors.torch  # noqa: E402
+
+from tensortier import hf  # noqa: E402
+
+KW = dict(vocab_size=96, max_position_embeddings=32)
+MODELS: dict[str, Any] = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, **KW)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=32)),
+    "bert": lambda: transformers.BertModel(transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, **KW)),
+    "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=96)),
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **KW)),
+}
+AUTO = transformers.AutoModel
+CLI = str(Path(sys.executable).parent / "tensortier")
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files tensortier.load read for tensortier.hf (none: transformers read them)."""
+    seen: list[str] = []
+    real = hf.load
+
+    def load(path: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append(os.path.basename(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "load", load)
+    return seen
+
+
+def ours(reads: list[str], cls: Any, path: Path, **kwargs: Any) -> Any:
+    """hf.from_pretrained, checked to have read the checkpoint with tensortier.load."""
+    model = hf.from_pretrained(cls, path, **kwargs)
+    assert len(reads) == 1 and reads.pop().startswith("model.safetensors")
+    return model
+
+
+def make(kind: str, directory: Path, shard: str | None = None) -> Any:
+    """A random model of `kind`, saved by transformers into `directory` (sharded in pieces of
+    `shard` bytes, or one file)."""
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def inputs(model: Any) -> dict[str, torch.Tensor]:
+    ids = torch.arange(1, 9).reshape(1, 8)
+    if model.config.is_encoder_decoder:
+        return {"input_ids": ids, "decoder_input_ids": ids}
+    return {"input_ids": ids}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def assert_same(ours: Any, theirs: Any) -> None:
+    """Same class, parameters and buffers (bit for bit, non-persistent ones too), tied weights
+    and forward outputs."""
+    assert type(ours) is type(theirs)
+    a = dict(ours.named_parameters(remove_duplicate=False)) | dict(ours.named_buffers())
+    b = dict(theirs.named_parameters(remove_duplicate=False)) | dict(theirs.named_buffers())
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].device == b[name].device, name
+        assert a[name].shape == b[name].shape and torch.equal(bits(a[name]), bits(b[name])), name
+    ties = {n: t.data_ptr() for n, t in a.items()}
+    theirs_ties = {n: t.data_ptr() for n, t in b.items()}
+    assert {(m, n) for m in ties for n in ties if m < n and ties[m] == ties[n]} == \
+        {(m, n) for m in b for n in b if m < n and theirs_ties[m] == theirs_ties[n]}
+    assert ours.training == theirs.training
+    with torch.no_grad():
+        x, y = ours(**inputs(ours)), theirs(**inputs(theirs))
+    key = "logits" if "logits" in x else "last_hidden_state"
+    assert torch.equal(x[key], y[key])
+
+
+@pytest.mark.parametrize("kind,shard", [
+    ("llama", "20KB"), ("gpt2", None), ("bert", "30KB"), ("t5", "25KB"), ("mixtral", "40KB"),
+])
+def test_from_pretrained_gives_transformers_model(tmp_path: Path, kind: str, shard: str | None,
+                                                  reads: list[str]) -> None:
+    make(kind, tmp_path, shard)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (shard is not None)
+    cls = type(MODELS[kind]())
+    for dtype in (None, torch.bfloat16) if kind != "llama" else (None, "float32", torch.bfloat16,
+                                                                 torch.float16):
+        kw = {} if dtype is None else {"dtype": dtype}
+        assert_same(ours(reads, cls, tmp_path, **kw), cls.from_pretrained(tmp_path, **kw))
+    assert_same(ours(reads, AUTO, tmp_path), AUTO.from_pretrained(tmp_path))
+
+
+def test_variants_and_subfolders(tmp_path: Path, reads: list[str]) -> None:
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    model.save_pretrained(tmp_path / "sub", variant="v1", max_shard_size="20KB")
+    (tmp_path / "config.json").write_text((tmp_path / "sub" / "config.json").read_text())
+    kw = {"variant": "v1", "subfolder": "sub"}
+    assert_same(ours(reads, AUTO, tmp_path, **kw), AUTO.from_pretrained(tmp_path, **kw))
+
+
+def test_t5_keeps_its_fp32_modules(tmp_path: Path, reads: list[str]) -> None:
+    make("t5", tmp_path, "25KB")
+    model = ours(reads, transformers.T5ForConditionalGeneration, tmp_path, dtype=torch.float16)
+    wo = model.encoder.block[0].layer[1].DenseReluDense.wo.weight
+    assert wo.dtype == torch.float32 and model.shared.weight.dtype == torch.float16
+
+
+def test_older_key_names_are_renamed(tmp_path: Path, reads: list[str]) -> None:
+    """A BERT checkpoint with LayerNorm.gamma/beta: transformers' own renames apply."""
+    make("bert", tmp_path)
+    f = tmp_path / "model.safetensors"
+    sd = safetensors.torch.load_file(f)
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
+                                                                    "LayerNorm.beta"): v
+           for k, v in sd.items()}
+    assert old.keys() != sd.keys()
+    safetensors.torch.save_file(old, f, metadata={"format": "pt"})
+    assert_same(ours(reads, AUTO, tmp_path), AUTO.from_pretrained(tmp_path))
+
+
+def test_save_pretrained_writes_transformers_files(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    for kind in ("gpt2", "mixtral"):
+        model = MODELS[kind]()
+        ours, theirs = tmp_path / f"ours-{kind}", tmp_path / f"theirs-{kind}"
+        hf.save_pretrained(model, ours, max_shard_size="20KB")
+        model.save_pretrained(theirs, max_shard_size="20KB")
+        assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+        index = json.loads((ours / "model.safetensors.index.json").read_text())
+        assert index == json.loads((theirs / "model.safetensors.index.json").read_text())
+        for shard in set(index["weight_map"].values()):
+            with safetensors.safe_open(ours / shard, "pt") as f:
+                assert "tensortier.xxh64" in f.metadata()
+            a, b = (safetensors.torch.load_file(d / shard) for d in (ours, theirs))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert_same(type(model).from_pretrained(ours), type(model).from_pretrained(theirs))
+        n = len(set(index["weight_map"].values()))
+        got = subprocess.run([CLI, "verify", str(ours)], capture_output=True, text=True)
+        assert got.returncode == 0 and f"all {n} shards OK" in got.stdout, got.stdout + got.stderr
+        got = subprocess.run([CLI, "info", str(ours)], capture_output=True, text=True)
+        assert got.returncode == 0 and f"({n} shards," in got.stdout, got.stdout + got.stderr
+
+
+def test_save_pretrained_keeps_other_files_and_replaces_the_weights(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    hf.save_pretrained(model, tmp_path / "m", max_shard_size="20KB")
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    with torch.no_grad():
+        model.lm_head.weight.add_(1)
+    hf.save_pretrained(model, tmp_path / "m")  # one file now: the shards go, as in transformers
+    names = set(os.listdir(tmp_path / "m"))
+    assert {"tokenizer.json", "model.safetensors", "config.json"} <= names
+    assert not any("-of-" in n for n in names)
+    got = subprocess.run([CLI, "verify", str(tmp_path / "m")], capture_output=True, text=True)
+    assert got.returncode == 0 and "m/model.safetensors: data OK" in got.stdout, got.stderr
+    assert_same(hf.from_pretrained(type(model), tmp_path / "m"), model.eval())
+    assert [n for n in os.listdir(tmp_path) if n != "m"] == []
+
+
+KILLED_SAVE = """
+import sys, time, torch, transformers
+from tensortier import hf
+torch.manual_seed(1)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=96, max_position_embeddings=32))
+written = hf.save
+def save(*args, **kwargs):
+    written(*args, **kwargs)
+    print("shard", flush=True)
+    time.sleep(60)
+hf.save = save
+hf.save_pretrained(model, sys.argv[1], max_shard_size="20KB")
+"""
+
+
+def test_a_killed_save_leaves_the_old_directory(tmp_path: Path) -> None:
+    old = make("llama", tmp_path / "m", "20KB")
+    child = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path / "m")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "shard\n"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert any(n.startswith(".m.tmp-hf-") for n in os.listdir(tmp_path))
+    assert_same(hf.from_pretrained(type(old), tmp_path / "m"), old.eval())
+
+
+def test_enable_and_disable(tmp_path: Path) -> None:
+    make("llama", tmp_path / "bad", "20KB")
+    index = tmp_path / "bad" / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    first = sorted(set(content["weight_map"].values()))[0]
+    content["weight_map"]["model.layers.9.extra.weight"] = first
+    index.write_text(json.dumps(content))
+    model = MODELS["llama"]()
+    save_pretrained = transformers.PreTrainedModel.save_pretrained
+    hf.enable()
+    try:
+        with pytest.raises(ValueError, match="model.layers.9.extra.weight"):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bad")
+        model.save_pretrained(tmp_path / "ours")
+        with safetensors.safe_open(tmp_path / "ours" / "model.safetensors", "pt") as f:
+            assert "tensortier.xxh64" in f.metadata()
+    finally:
+        hf.disable()
+    assert transformers.PreTrainedModel.save_pretrained is save_pretrained
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bad")  # transformers' reading
+    model.save_pretrained(tmp_path / "theirs")
+    with safetensors.safe_open(tmp_path / "theirs" / "model.safetensors", "pt") as f:
+        assert "tensortier.xxh64" not in f.metadata()
+
+
+def test_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(FileNotFoundError, match="huggingface_hub.snapshot_download"):
+        hf.from_pretrained(AUTO, "meta-llama/Llama-3.2-1B")
+    make("llama", tmp_path, "20KB")
+    with pytest.raises(ValueError, match="not a floating-point dtype"):
+        hf.from_pretrained(AUTO, tmp_path, dtype=torch.int32)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    os.truncate(shards[1], shards[1].stat().st_size - 100)
+    with pytest.raises((ValueError, OSError), match=shards[1].name):
+        hf.from_pretrained(AUTO, tmp_path)
+    shards[1].unlink()
+    with pytest.raises(OSError, match=shards[1].name):
+        hf.from_pretrained(AUTO, tmp_path)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.40.0")
+    with pytest.raises(ImportError, match=r">=5\.23\.0,<5\.24"):
+        hf.from_pretrained(AUTO, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_map(tmp_path: Path) -> None:
+    make("llama", tmp_path, "20KB")
+    cls = transformers.LlamaForCausalLM
+    for device_map in ("cuda", {"": 0}, "auto"):
+        assert_same(hf.from_pretrained(cls, tmp_path, device_map=device_map, dtype=torch.bfloat16),
+                    cls.from_pretrained(tmp_path, device_map=device_map, dtype=torch.bfloat16))
