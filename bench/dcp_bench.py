@@ -282,7 +282,8 @@ def report(cfg: Config, rounds: int, plan: list[tuple[str, list[str]]],
             continue
         base = med(op, "stock") if "stock" in tools else None
         fio = med(op, "fio") if "fio" in tools else None
-        print(f"{op:5} {'tool':12} {'GB/s':>6} {'x stock':>8} {'x fio':>6} {'bytes read':>12}")
+        print(f"{op:5} {'tool':12} {'seconds':>8} {'GB/s':>6} {'x stock':>8} {'x fio':>6} "
+              f"{'bytes read':>12}")
         for tool in tools:
             m = med(op, tool)
             assert m is not None
@@ -290,7 +291,8 @@ def report(cfg: Config, rounds: int, plan: list[tuple[str, list[str]]],
             vs_stock = f"{base / m:8.2f}" if base else f"{'':8}"
             vs_fio = f"{fio / m:6.2f}" if fio else f"{'':6}"
             read_text = f"{read:12.0f}" if read is not None else f"{'':12}"
-            print(f"{op:5} {tool:12} {nbytes / m / GB:6.2f} {vs_stock} {vs_fio} {read_text}")
+            print(f"{op:5} {tool:12} {m:8.3f} {nbytes / m / GB:6.2f} {vs_stock} {vs_fio} "
+                  f"{read_text}")
 
 
 def main() -> int:
