@@ -139,7 +139,7 @@ def stage(state_dict: Any) -> Any:
         devices: set[Any] = set()
         for t, offset in zip(sources, offsets):
             if offset is None:
-                staged.append(t.cpu() if t.is_cuda else t.clone())
+                staged.append(t.clone() if t.is_cpu else t.cpu())  # host memory in any case
                 continue
             dtype = t.dtype
             base = bases.get(dtype)
