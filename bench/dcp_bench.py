@@ -6,8 +6,9 @@ torch.multiprocessing). A configuration is RANKSxSIZE (each rank holds its ``Sha
 float32 DTensors on a one-dimensional CPU mesh, SIZE bytes per rank, matrices of 64 MiB or less
 as a model's layers) or RANKSxCOUNTxSIZE (COUNT plain float32 tensors of SIZE bytes per rank:
 optimizer states, adapters; under one key, ``{"model": {...}}``, as state dicts are passed to
-DCP: DCP's own per-key work on a flat dict of 20,000 keys costs every backend alike). The ranks build their tensors untimed, meet at a barrier, then rank
-0 times the call between two barriers: the time the job waits for its checkpoint.
+DCP: DCP's own per-key work on a flat dict of 20,000 keys costs every backend alike). The ranks
+build their tensors untimed, meet at a barrier, then rank 0 times the call between two barriers:
+the time the job waits for its checkpoint.
 
 Saves (``--saves``), each over the previous round's checkpoint of the same tool, as a job
 saving ``latest`` does; each is durable when timed (ours fsyncs; torch's FileSystemWriter is

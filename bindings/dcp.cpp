@@ -61,7 +61,8 @@ void RegisterDcp(py::module_& m) {
       "Writes a DCP rank file durably at path: item i is a tensor of dtypes[i] (tensortier's "
       "name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] bytes of host memory at "
       "addresses[i]. Returns [(offset, length, xxh64)] per item. ValueError naming the item "
-      "(names[i] where given) for a dtype torch cannot pickle, OSError naming who ('rank 1'), the step and path (no temporary file left).");
+      "(names[i] where given) for a dtype torch cannot pickle, OSError naming who ('rank 1'), "
+      "the step and path (no temporary file left).");
   m.def(
       "read_dcp_tensor_items",
       [](const FsPath& path, const std::vector<std::string>& names,

@@ -26,9 +26,13 @@ TEST(ParallelCopyTest, CopiesLargeAndManySmallRangesOverThreads) {
     std::vector<std::vector<std::byte>> dst;
     std::vector<CopyRange> ranges;
     for (const auto& s : src) dst.emplace_back(s.size());
-    for (size_t i = 0; i < src.size(); ++i) ranges.push_back({dst[i].data(), src[i].data(), src[i].size()});
+    for (size_t i = 0; i < src.size(); ++i) {
+      ranges.push_back({dst[i].data(), src[i].data(), src[i].size()});
+    }
     ParallelCopy(ranges, threads);
-    for (size_t i = 0; i < src.size(); ++i) ASSERT_EQ(dst[i], src[i]) << "range " << i << ", " << threads << " threads";
+    for (size_t i = 0; i < src.size(); ++i) {
+      ASSERT_EQ(dst[i], src[i]) << "range " << i << ", " << threads << " threads";
+    }
   }
 }
 
