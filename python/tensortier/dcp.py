@@ -72,27 +72,27 @@ def _write_source(item: Any, planner: SavePlanner, state_dict: dict[str, Any] | 
     """(tensortier's dtype name, or "" for a bytes item; the tensor or the bytes as a uint8
     tensor) of a write item. TypeError naming the item for what cannot be saved: a dtype
     tensortier cannot store (quantized tensors...), a value that does not pickle (a lambda, an
-    open file). `state_dict`: the default planner's (flattened) state dict, where its tensors
-    may be looked up directly (see _default_lookup)."""
-    what = _item_name(item.index)
+    open file). `state_dict`: the default planner's (flattened) state dict, where its plain
+    tensors are looked up directly (see _default_lookup)."""
     if item.type == WriteItemType.BYTE_IO:
         try:
             data = planner.resolve_data(item)
         except Exception as e:
-            raise TypeError(f"{what}: cannot be saved: pickling it failed ({type(e).__name__}: "
+            raise TypeError(f"{_item_name(item.index)}: cannot be saved: pickling it failed ({type(e).__name__}: "
                             f"{e}); store tensors, numbers, strings, lists or dicts") from e
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
         t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
             torch.empty(0, dtype=torch.uint8)
         return "", t
+    # A plain tensor is its item's data: the default planner gives it one item, at offset 0.
     t = state_dict.get(item.index.fqn) if state_dict is not None else None
-    if type(t) is not torch.Tensor or (item.index.offset is not None and any(item.index.offset)):
-        t = planner.resolve_data(item)  # a DTensor's shard, a tensor subclass, a chunk...
+    if type(t) is not torch.Tensor:
+        t = planner.resolve_data(item)  # a DTensor's shard, a tensor subclass...
     t = t.detach()
     dt = _dcp_staging.storable_dtype(t)
     if dt is None:
-        raise TypeError(f"{what}: tensors of {_dcp_staging.kind(t)} cannot be saved by "
-                        "tensortier.dcp (dense tensors of torch's plain dtypes only)")
+        raise TypeError(f"{_item_name(item.index)}: tensors of {_dcp_staging.kind(t)} cannot "
+                        "be saved by tensortier.dcp (dense tensors of torch's plain dtypes only)")
     if t.device.type == "cpu" and (not t.is_contiguous() or t.is_conj() or t.is_neg()):
         t = t.resolve_conj().resolve_neg().contiguous()
     return dt, t
@@ -172,7 +172,7 @@ class Writer(StorageWriter, AsyncStager):
             _default_io()._core(), os.path.join(self.path, name), [d for d, _ in items],
             [list(t.shape) for _, t in items], [t.nbytes for _, t in items],
             [t.data_ptr() for _, t in items], self.direct, f"rank {self.rank}",
-            [_item_name(item.index) for item in plan.items])
+            [item.index.fqn for item in plan.items])
         results = []
         for item, (offset, length, xxh64) in zip(plan.items, places):
             info = _fs._StorageInfo(name, offset, length)
