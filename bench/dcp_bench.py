@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """torch.distributed.checkpoint saves and loads: tensortier.dcp against torch's file backend.
 
-Every sample is a new job: a new Python process that spawns ``--ranks`` Gloo ranks on the CPU
-(torch.multiprocessing), each holding its ``Shard(0)`` part of DTensors on a one-dimensional CPU
-mesh, ``--size`` bytes per rank in total (float32 matrices of 64 MiB or less, as a model's
-layers). The ranks build their tensors untimed, meet at a barrier, then rank 0 times the
-``dcp.save`` (or ``dcp.load``) between two barriers: the time the job waits for its checkpoint.
+Every sample is a new job: a new Python process that spawns the ranks (Gloo on the CPU,
+torch.multiprocessing). A configuration is RANKSxSIZE (each rank holds its ``Shard(0)`` part of
+float32 DTensors on a one-dimensional CPU mesh, SIZE bytes per rank, matrices of 64 MiB or less
+as a model's layers) or RANKSxCOUNTxSIZE (COUNT plain float32 tensors of SIZE bytes per rank:
+optimizer states, adapters; under one key, ``{"model": {...}}``, as state dicts are passed to
+DCP: DCP's own per-key work on a flat dict of 20,000 keys costs every backend alike). The ranks
+build their tensors untimed, meet at a barrier, then rank 0 times the call between two barriers:
+the time the job waits for its checkpoint.
 
 Saves (``--saves``), each over the previous round's checkpoint of the same tool, as a job
 saving ``latest`` does; each is durable when timed (ours fsyncs; torch's FileSystemWriter is
@@ -13,18 +16,26 @@ timed with its default ``sync_files=True``):
   tt            tensortier.dcp.Writer
   stock         FileSystemWriter (thread_count=1, its default)
   stock4        FileSystemWriter(thread_count=4)
+  stock8        FileSystemWriter(thread_count=8)
   fio           fio: io_uring, direct=1, bs=1M, iodepth=32 sequential write of the same bytes,
                 plus an fsync (the disk's rate, for scale)
+Asynchronous saves (``--asyncs``): the time ``dcp.async_save`` blocks the caller (training), and
+the time until the checkpoint is committed on every rank (the background write):
+  tt            dcp.async_save(storage_writer=Writer(...)) (Writer stages the state dict)
+  stock         dcp.async_save(storage_writer=FileSystemWriter(...)) (torch's default stager)
+  copy          one parallel memory copy of the state dict into tensors allocated (and touched)
+                before the clock starts: torch._foreach_copy_, torch's intra-op threads
 Loads (``--loads``), cold: the checkpoint's files are dropped from the page cache first
 (POSIX_FADV_DONTNEED on those files only):
   tt            tensortier.dcp.Reader (verify=True, its default) of tt's checkpoint
   tt-noverify   tensortier.dcp.Reader(verify=False)
   stock         FileSystemReader of stock's checkpoint
   fio           fio sequential read with O_DIRECT of the same bytes
+Where Reader has ``bytes_read`` (the bytes its last load read), the table reports it per rank 0.
 
 Each round runs every tool once in an order rotated from round to round; the figures are
-medians over ``--rounds``. Prints one JSON object per sample and a table of GB/s (1e9 bytes per
-second over the job's bytes) with each tool's ratio to stock's and fio's.
+medians over ``--rounds``. Prints one JSON object per sample and, per configuration, a table of
+GB/s (1e9 bytes per second over the job's bytes) with each tool's ratio to stock's and fio's.
 """
 
 from __future__ import annotations
@@ -37,16 +48,50 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import GB, drop_file_cache, fio_stats, format_size, log, median, parse_size  # noqa: E402
 
-SAVES = ("tt", "stock", "stock4", "fio")
+SAVES = ("tt", "stock", "stock4", "stock8", "fio")
+ASYNCS = ("tt", "stock", "copy")
 LOADS = ("tt", "tt-noverify", "stock", "fio")
 MATRIX_BYTES = 64 << 20
 COLUMNS = 4096
+CONFIGS = "2x1G,4x512M,2x20000x1K"  # the figures BENCHMARKS.md reports
+
+
+@dataclass(frozen=True)
+class Config:
+    ranks: int
+    size: int  # bytes per rank
+    count: int = 0  # > 0: `count` plain tensors of `size` bytes each per rank
+
+    @property
+    def name(self) -> str:
+        if self.count:
+            return f"{self.ranks}x{self.count}x{format_size(self.size)}"
+        return f"{self.ranks}x{format_size(self.size)}"
+
+    @property
+    def job_bytes(self) -> int:
+        if self.count:
+            return self.ranks * self.count * (self.size // 4) * 4
+        return sum(r * c * 4 for r, c in shapes(self.size, self.ranks))
+
+    def argv(self) -> list[str]:
+        return ["--ranks", str(self.ranks), "--size", str(self.size), "--count", str(self.count)]
+
+
+def parse_config(text: str) -> Config:
+    parts = text.lower().split("x")
+    if len(parts) == 2:
+        return Config(int(parts[0]), parse_size(parts[1]))
+    if len(parts) == 3:
+        return Config(int(parts[0]), parse_size(parts[2]), int(parts[1]))
+    raise argparse.ArgumentTypeError(f"{text!r}: want RANKSxSIZE or RANKSxCOUNTxSIZE")
 
 
 def shapes(size: int, ranks: int) -> list[tuple[int, int]]:
@@ -60,41 +105,78 @@ def shapes(size: int, ranks: int) -> list[tuple[int, int]]:
     return out
 
 
-def rank_main(rank: int, ranks: int, op: str, tool: str, directory: str, size: int,
-              rendezvous: str, result: str) -> None:
+def state_dict(cfg: Config, rank: int, empty: bool) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
+    gen = torch.Generator().manual_seed(rank)
+    sd: dict[str, Any] = {}
+    if cfg.count:  # each rank's own tensors (keys differ by rank), under one key as a model's
+        n = cfg.size // 4
+        sd["model"] = {f"rank{rank}.t{i}": torch.empty(n) if empty else
+                       torch.randn(n, generator=gen) for i in range(cfg.count)}
+        return sd
+    mesh = init_device_mesh("cpu", (cfg.ranks,))
+    for i, (rows, cols) in enumerate(shapes(cfg.size, cfg.ranks)):
+        local = (torch.empty(rows // cfg.ranks, cols) if empty else
+                 torch.randn(rows // cfg.ranks, cols, generator=gen))
+        sd[f"layer{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    return sd
+
+
+def storage(op: str, tool: str, directory: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    if tool.startswith("tt"):
+        from tensortier.dcp import Reader, Writer
+        return Writer(directory) if op != "load" else Reader(
+            directory, verify=(tool != "tt-noverify"))
+    if op == "load":
+        return dcp.FileSystemReader(directory)
+    threads = {"stock4": 4, "stock8": 8}.get(tool, 1)
+    return dcp.FileSystemWriter(directory, thread_count=threads)
+
+
+def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendezvous: str,
+              result: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=ranks)
+                            world_size=cfg.ranks)
     try:
-        mesh = init_device_mesh("cpu", (ranks,))
-        sd: dict[str, Any] = {}
-        gen = torch.Generator().manual_seed(rank)
-        for i, (rows, cols) in enumerate(shapes(size, ranks)):
-            local = (torch.randn(rows // ranks, cols, generator=gen) if op == "save" else
-                     torch.empty(rows // ranks, cols))
-            sd[f"layer{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-        if tool.startswith("tt"):
-            from tensortier.dcp import Reader, Writer
-            storage = (Writer(directory) if op == "save" else
-                       Reader(directory, verify=(tool != "tt-noverify")))
+        sd = state_dict(cfg, rank, empty=(op == "load"))
+        out: dict[str, Any] = {}
+        if op == "async" and tool == "copy":
+            values = list(sd["model"].values()) if cfg.count else list(sd.values())
+            srcs = [v.to_local() if hasattr(v, "to_local") else v for v in values]
+            dsts = [torch.ones_like(s) for s in srcs]  # allocated and touched
+            dist.barrier()
+            start = time.perf_counter()
+            torch._foreach_copy_(dsts, srcs)
+            out["blocked"] = time.perf_counter() - start
+            dist.barrier()
+            out["seconds"] = time.perf_counter() - start
         else:
-            fs = dcp.FileSystemWriter if op == "save" else dcp.FileSystemReader
-            storage = (fs(directory, thread_count=4) if tool == "stock4" else fs(directory))
-        dist.barrier()
-        start = time.perf_counter()
-        if op == "save":
-            dcp.save(sd, storage_writer=storage)
-        else:
-            dcp.load(sd, storage_reader=storage)
-        dist.barrier()
-        seconds = time.perf_counter() - start
+            writer = storage(op, tool, directory)
+            dist.barrier()
+            start = time.perf_counter()
+            if op == "save":
+                dcp.save(sd, storage_writer=writer)
+            elif op == "async":
+                fut = dcp.async_save(sd, storage_writer=writer)
+                out["blocked"] = time.perf_counter() - start
+                (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+            else:
+                dcp.load(sd, storage_reader=writer)
+                if getattr(writer, "bytes_read", None) is not None:
+                    out["bytes_read"] = int(writer.bytes_read)
+            dist.barrier()
+            out["seconds"] = time.perf_counter() - start
         if rank == 0:
-            Path(result).write_text(json.dumps({"seconds": seconds}))
+            Path(result).write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
 
@@ -102,10 +184,11 @@ def rank_main(rank: int, ranks: int, op: str, tool: str, directory: str, size: i
 def child(args: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
+    cfg = Config(args.ranks, args.size, args.count)
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous, result = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result")
-        mp.spawn(rank_main, args=(args.ranks, args.op, args.tool, str(args.checkpoint),
-                                  args.size, rendezvous, result), nprocs=args.ranks)
+        mp.spawn(rank_main, args=(cfg, args.op, args.tool, str(args.checkpoint), rendezvous,
+                                  result), nprocs=cfg.ranks)
         print(Path(result).read_text())
     return 0
 
@@ -128,32 +211,105 @@ def fio_sample(fio_file: Path, rw: str, nbytes: int) -> float:
     return seconds * nbytes / size
 
 
-def sample(args: argparse.Namespace, op: str, tool: str, nbytes: int) -> float:
+def checkpoint_dir(args: argparse.Namespace, cfg: Config, op: str, tool: str) -> Path:
+    kind = "tt" if tool.startswith("tt") else "stock"
+    return args.dir / cfg.name / (f"async-{kind}" if op == "async" else kind)
+
+
+def sample(args: argparse.Namespace, cfg: Config, op: str, tool: str) -> dict[str, Any]:
     fio_file = args.dir / "fio.dat"
     if tool == "fio":
         if op == "load":
             drop_file_cache(fio_file)
-        return fio_sample(fio_file, "write" if op == "save" else "read", nbytes)
-    checkpoint = args.dir / ("tt" if tool.startswith("tt") else "stock")
+        rw = "write" if op == "save" else "read"
+        return {"seconds": fio_sample(fio_file, rw, cfg.job_bytes)}
+    checkpoint = checkpoint_dir(args, cfg, op, tool)
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
     if op == "load":
         for f in checkpoint.iterdir():
             drop_file_cache(f)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", op, tool,
-           "--checkpoint", str(checkpoint), "--ranks", str(args.ranks), "--size", str(args.size)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+           "--checkpoint", str(checkpoint), *cfg.argv()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"{op} {tool} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+        raise RuntimeError(f"{cfg.name} {op} {tool} failed ({out.returncode}):\n"
+                           f"{out.stderr[-3000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def run_config(args: argparse.Namespace, cfg: Config, plan: list[tuple[str, list[str]]]
+               ) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    # Each load reads the checkpoint its tool saved: saves come first in every round.
+    for r in range(args.rounds):
+        for op, tools in plan:
+            if op == "load":
+                for tool in tools:
+                    if tool != "fio" and not (checkpoint_dir(args, cfg, "save", tool)
+                                              / ".metadata").exists():
+                        sample(args, cfg, "save", "tt" if tool.startswith("tt") else "stock")
+            order = tools[r % len(tools):] + tools[:r % len(tools)]
+            for tool in order:
+                s = sample(args, cfg, op, tool)
+                samples.setdefault((op, tool), []).append(s)
+                print(json.dumps({"config": cfg.name, "round": r, "op": op, "tool": tool, **s,
+                                  "gb_s": cfg.job_bytes / s["seconds"] / GB}), flush=True)
+    return samples
+
+
+def report(cfg: Config, rounds: int, plan: list[tuple[str, list[str]]],
+           samples: dict[tuple[str, str], list[dict[str, Any]]]) -> None:
+    nbytes = cfg.job_bytes
+    print(f"\n{cfg.name}: {cfg.ranks} ranks, {nbytes / GB:.3f} GB per job, medians of {rounds}")
+
+    def med(op: str, tool: str, key: str = "seconds") -> float | None:
+        values = [s[key] for s in samples.get((op, tool), []) if key in s]
+        return median(values) if values else None
+
+    for op, tools in plan:
+        if op == "async":
+            print(f"{op:5} {'tool':12} {'blocked s':>9} {'x copy':>7} {'x stock':>8} "
+                  f"{'total GB/s':>10} {'x fio':>6}")
+            copy, stock = med(op, "copy", "blocked"), med(op, "stock", "blocked")
+            fio = med("save", "fio")
+            for tool in tools:
+                blocked, total = med(op, tool, "blocked"), med(op, tool)
+                assert blocked is not None and total is not None
+                print(f"{op:5} {tool:12} {blocked:9.3f} "
+                      f"{blocked / copy if copy else float('nan'):7.2f} "
+                      f"{blocked / stock if stock else float('nan'):8.2f} "
+                      f"{'' if tool == 'copy' else f'{nbytes / total / GB:10.2f}':>10} "
+                      f"{fio / total if fio and tool != 'copy' else float('nan'):6.2f}")
+            continue
+        base = med(op, "stock") if "stock" in tools else None
+        fio = med(op, "fio") if "fio" in tools else None
+        print(f"{op:5} {'tool':12} {'seconds':>8} {'GB/s':>6} {'x stock':>8} {'x fio':>6} "
+              f"{'bytes read':>12}")
+        for tool in tools:
+            m = med(op, tool)
+            assert m is not None
+            read = med(op, tool, "bytes_read")
+            vs_stock = f"{base / m:8.2f}" if base else f"{'':8}"
+            vs_fio = f"{fio / m:6.2f}" if fio else f"{'':6}"
+            read_text = f"{read:12.0f}" if read is not None else f"{'':12}"
+            print(f"{op:5} {tool:12} {m:8.3f} {nbytes / m / GB:6.2f} {vs_stock} {vs_fio} "
+                  f"{read_text}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", type=Path, default=Path("./tensortier-data/dcp-bench"))
+    p.add_argument("--configs", type=lambda s: [parse_config(c) for c in s.split(",") if c],
+                   help=f"configurations, e.g. {CONFIGS} (the issue's figures); default: one "
+                        "from --ranks, --size and --count")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--size", type=parse_size, default=parse_size("1G"),
-                   help="bytes per rank (default 1G)")
+                   help="bytes per rank (with --count: per tensor) (default 1G)")
+    p.add_argument("--count", type=int, default=0,
+                   help="per rank: this many plain tensors of --size bytes (default: DTensors)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--saves", default=",".join(SAVES))
+    p.add_argument("--asyncs", default=",".join(ASYNCS))
     p.add_argument("--loads", default=",".join(LOADS))
     p.add_argument("--child", nargs=2, metavar=("OP", "TOOL"))
     p.add_argument("--checkpoint", type=Path)
@@ -162,38 +318,16 @@ def main() -> int:
         args.op, args.tool = args.child
         return child(args)
     args.dir.mkdir(parents=True, exist_ok=True)
-    nbytes = sum(r * c * 4 for r, c in shapes(args.size, args.ranks))
-    saves = [t for t in args.saves.split(",") if t]
-    loads = [t for t in args.loads.split(",") if t]
-    log(f"{args.ranks} ranks x {format_size(args.size)}, {nbytes / GB:.2f} GB per job, "
-        f"{args.rounds} rounds")
-    times: dict[tuple[str, str], list[float]] = {}
-    # Each load reads the checkpoint its tool saved: saves come first in every round.
-    for r in range(args.rounds):
-        for op, tools in (("save", saves), ("load", loads)):
-            if op == "load":
-                missing = {"tt" if t.startswith("tt") else "stock" for t in tools if t != "fio"}
-                for m in missing:
-                    if not (args.dir / m / ".metadata").exists():
-                        sample(args, "save", m, nbytes)
-            order = tools[r % len(tools):] + tools[:r % len(tools)]
-            for tool in order:
-                s = sample(args, op, tool, nbytes)
-                times.setdefault((op, tool), []).append(s)
-                print(json.dumps({"round": r, "op": op, "tool": tool, "seconds": s,
-                                  "gb_s": nbytes / s / GB}), flush=True)
-    print(f"\n{args.ranks} ranks x {format_size(args.size)} ({nbytes / GB:.2f} GB), "
-          f"medians of {args.rounds}")
-    for op, tools in (("save", saves), ("load", loads)):
-        base = median(times.get((op, "stock"), [])) if "stock" in tools else None
-        fio = median(times.get((op, "fio"), [])) if "fio" in tools else None
-        print(f"{op:5} {'tool':12} {'GB/s':>6} {'x stock':>8} {'x fio':>6}")
-        for tool in tools:
-            m = median(times[(op, tool)])
-            assert m is not None
-            vs_stock = f"{base / m:8.2f}" if base else f"{'':8}"
-            vs_fio = f"{fio / m:6.2f}" if fio else f"{'':6}"
-            print(f"{op:5} {tool:12} {nbytes / m / GB:6.2f} {vs_stock} {vs_fio}")
+    configs = args.configs or [Config(args.ranks, args.size, args.count)]
+    plan = [(op, [t for t in tools.split(",") if t])
+            for op, tools in (("save", args.saves), ("async", args.asyncs), ("load", args.loads))]
+    plan = [(op, tools) for op, tools in plan if tools]
+    results = []
+    for cfg in configs:
+        log(f"{cfg.name}: {cfg.job_bytes / GB:.3f} GB per job, {args.rounds} rounds")
+        results.append((cfg, run_config(args, cfg, plan)))
+    for cfg, samples in results:
+        report(cfg, args.rounds, plan, samples)
     return 0
 
 

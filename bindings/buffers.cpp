@@ -3,11 +3,14 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "arguments.hpp"
 #include "register.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/parallel_copy.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -48,6 +51,24 @@ void RegisterBuffers(py::module_& m) {
   m.def("host_range", &HostRange, py::arg("obj"), py::arg("writable"),
         "(address, nbytes, memoryview) of a buffer export, or None for an object without the "
         "buffer protocol; ValueError for a read-only (when `writable`) or non-contiguous one.");
+  m.def(
+      "copy_ranges",
+      [](const std::vector<uintptr_t>& dst, const std::vector<uintptr_t>& src,
+         const std::vector<uint64_t>& nbytes, unsigned threads) {
+        if (src.size() != dst.size() || nbytes.size() != dst.size()) {
+          throw std::invalid_argument("copy_ranges: one value per range in each list");
+        }
+        std::vector<CopyRange> ranges(dst.size());
+        for (size_t i = 0; i < ranges.size(); ++i) {
+          ranges[i] = {reinterpret_cast<std::byte*>(dst[i]),
+                       reinterpret_cast<const std::byte*>(src[i]), static_cast<size_t>(nbytes[i])};
+        }
+        py::gil_scoped_release release;
+        ParallelCopy(ranges, threads);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("threads"),
+      "Copies nbytes[i] bytes of host memory from src[i] to dst[i] for every i, on up to "
+      "`threads` threads, the GIL released.");
   // Page-aligned host memory with the buffer protocol (numpy/torch.frombuffer wrap it).
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
       .def(py::init([](size_t size, bool reused, bool resident) {

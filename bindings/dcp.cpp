@@ -35,13 +35,16 @@ void RegisterDcp(py::module_& m) {
       "write_dcp_file",
       [](Engine& engine, const FsPath& path, const std::vector<std::string>& dtypes,
          const std::vector<std::vector<uint64_t>>& shapes, const std::vector<uint64_t>& nbytes,
-         const std::vector<uintptr_t>& addresses, bool direct, const std::string& who) {
+         const std::vector<uintptr_t>& addresses, bool direct, const std::string& who,
+         const std::vector<std::string>& names) {
         SameLength(dtypes.size(), {shapes.size(), nbytes.size(), addresses.size()},
                    "write_dcp_file");
+        if (!names.empty()) SameLength(dtypes.size(), {names.size()}, "write_dcp_file");
         std::vector<DcpWriteItem> items(dtypes.size());
         for (size_t i = 0; i < items.size(); ++i) {
           items[i] = {dtypes[i], shapes[i], nbytes[i],
-                      reinterpret_cast<const std::byte*>(addresses[i])};
+                      reinterpret_cast<const std::byte*>(addresses[i]),
+                      names.empty() ? std::string() : names[i]};
         }
         std::vector<DcpItemPlace> places;
         {
@@ -54,10 +57,12 @@ void RegisterDcp(py::module_& m) {
       },
       py::arg("engine"), py::arg("path"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
       py::arg("addresses"), py::arg("direct") = true, py::arg("who") = "",
+      py::arg("names") = std::vector<std::string>{},
       "Writes a DCP rank file durably at path: item i is a tensor of dtypes[i] (tensortier's "
       "name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] bytes of host memory at "
-      "addresses[i]. Returns [(offset, length, xxh64)] per item. ValueError for a dtype torch "
-      "cannot pickle, OSError naming who ('rank 1'), the step and path (no temporary file left).");
+      "addresses[i]. Returns [(offset, length, xxh64)] per item. ValueError naming the item "
+      "(names[i] where given) for a dtype torch cannot pickle, OSError naming who ('rank 1'), "
+      "the step and path (no temporary file left).");
   m.def(
       "read_dcp_tensor_items",
       [](const FsPath& path, const std::vector<std::string>& names,

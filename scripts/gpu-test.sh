@@ -8,8 +8,9 @@
 #             installed anywhere);
 #   test-cpp  every C++ test (ctest), GPU suites included (they must run, not skip);
 #   test-py   every pytest test, GPU tests included (SKIP when pytest or numpy is missing):
-#             test_gpu_transfer.py and test_gpu_shared.py (shared tensors in device memory,
-#             two processes on one GPU) must run, not skip;
+#             test_gpu_transfer.py, test_gpu_shared.py (shared tensors in device memory,
+#             two processes on one GPU) and test_dcp_save.py (DCP saves of CUDA state dicts)
+#             must run, not skip;
 #   test      test-cpp then test-py;
 #   bench     the GPU benchmark (file->GPU and GPU->file, page cache warm and cold, against the
 #             py_ GPU scripts and torch.cuda.gds.GdsFile, with the file read rate and the pinned
@@ -328,7 +329,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
-files = ("test_gpu_transfer", "test_gpu_shared")
+files = ("test_gpu_transfer", "test_gpu_shared", "test_dcp_save")
 gpu = {f: [c for c in cases if c.get("classname", "").endswith(f)] for f in files}
 skipped = [c for c in cases for s in c.findall("skipped")
            if "needs a CUDA" in (s.get("message") or "")]

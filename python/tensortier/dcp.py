@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -38,11 +39,12 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _core
-from ._runtime import default_io, dtype_names, torch_dtypes
+from . import _core, _dcp_staging
+from ._runtime import default_io, torch_dtypes
 
 __all__ = ["Reader", "Writer"]
 
@@ -65,14 +67,61 @@ def _item_name(index: _md.MetadataIndex) -> str:
         else index.fqn
 
 
-class Writer(StorageWriter):
-    """A DCP ``StorageWriter`` writing each rank's items through tensortier's engine.
+def _write_source(item: Any, planner: SavePlanner, state_dict: dict[str, Any] | None
+                  ) -> tuple[str, Any]:
+    """(tensortier's dtype name, or "" for a bytes item; the tensor or the bytes as a uint8
+    tensor) of a write item. TypeError naming the item for what cannot be saved: a dtype
+    tensortier cannot store (quantized tensors...), a value that does not pickle (a lambda, an
+    open file). `state_dict`: the default planner's (flattened) state dict, where its plain
+    tensors are looked up directly (see _default_lookup)."""
+    if item.type == WriteItemType.BYTE_IO:
+        try:
+            data = planner.resolve_data(item)
+        except Exception as e:
+            raise TypeError(f"{_item_name(item.index)}: cannot be saved: pickling it failed ({type(e).__name__}: "
+                            f"{e}); store tensors, numbers, strings, lists or dicts") from e
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+            torch.empty(0, dtype=torch.uint8)
+        return "", t
+    # A plain tensor is its item's data: the default planner gives it one item, at offset 0.
+    t = state_dict.get(item.index.fqn) if state_dict is not None else None
+    if type(t) is not torch.Tensor:
+        t = planner.resolve_data(item)  # a DTensor's shard, a tensor subclass...
+    t = t.detach()
+    dt = _dcp_staging.storable_dtype(t)
+    if dt is None:
+        raise TypeError(f"{_item_name(item.index)}: tensors of {_dcp_staging.kind(t)} cannot "
+                        "be saved by tensortier.dcp (dense tensors of torch's plain dtypes only)")
+    if t.device.type == "cpu" and (not t.is_contiguous() or t.is_conj() or t.is_neg()):
+        t = t.resolve_conj().resolve_neg().contiguous()
+    return dt, t
+
+
+def _default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
+    """The default planner's flattened state dict, where its tensors are what resolve_data
+    gives for a plain tensor's item (the planner's own lookup costs a ShardedTensor check per
+    item, most of the Python time of a save of many small tensors); None for other planners."""
+    cls = type(planner)
+    if any(getattr(cls, m, None) is not getattr(DefaultSavePlanner, m)
+           for m in ("resolve_data", "lookup_object", "transform_object")):
+        return None
+    sd = getattr(planner, "state_dict", None)
+    return sd if isinstance(sd, dict) else None
+
+
+class Writer(StorageWriter, AsyncStager):
+    """A DCP ``StorageWriter`` writing each rank's items through tensortier's engine, and the
+    ``AsyncStager`` of ``dcp.async_save(state_dict, storage_writer=Writer(path))``.
 
     Args:
         path: the checkpoint directory (made if missing). A save over an existing checkpoint
             leaves it whole until the new one is committed, then removes its files.
         direct: write with O_DIRECT where the filesystem allows it.
     """
+
+    # stage() returns once its copy is done: async_save has nothing to synchronize.
+    _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike[str], *, direct: bool = True) -> None:
         super().__init__()
@@ -108,39 +157,42 @@ class Writer(StorageWriter):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Writes this rank's items to a new file (one C++ call, GIL released)."""
+        """Writes this rank's items to a new file (one C++ call, GIL released). CUDA tensors
+        are copied into a reused pinned host arena first."""
         # A name no earlier save used: the old checkpoint's files stay as they are.
         name = f"{plan.storage_data.prefix}{self.save_id[:16]}{_fs.DEFAULT_SUFFIX}"
-        names = dtype_names()
-        dtypes: list[str] = []
-        shapes: list[list[int]] = []
-        keep: list[Any] = []  # the memory written from, alive until the call returns
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
-                    torch.empty(0, dtype=torch.uint8)
-                dtypes.append("")
-                shapes.append([])
-            else:
-                t = data.detach().cpu().resolve_conj().resolve_neg().contiguous()
-                dt = names.get(t.dtype)
-                if dt is None:
-                    raise TypeError(f"{item.index.fqn}: tensors of {t.dtype} cannot be saved")
-                dtypes.append(dt)
-                shapes.append(list(t.shape))
-            keep.append(t)
+        lookup = _default_lookup(planner)
+        items = [_write_source(item, planner, lookup) for item in plan.items]
+        on_device = [i for i, (_, t) in enumerate(items) if t.device.type != "cpu"]
+        if on_device:
+            staged = _dcp_staging.stage([items[i][1] for i in on_device])
+            for i, t in zip(on_device, staged):
+                items[i] = (items[i][0], t)
         places = _core.write_dcp_file(
-            default_io()._core(), os.path.join(self.path, name), dtypes, shapes,
-            [t.nbytes for t in keep], [t.data_ptr() for t in keep], self.direct,
-            f"rank {self.rank}")
+            default_io()._core(), os.path.join(self.path, name), [d for d, _ in items],
+            [list(t.shape) for _, t in items], [t.nbytes for _, t in items],
+            [t.data_ptr() for _, t in items], self.direct, f"rank {self.rank}",
+            [item.index.fqn for item in plan.items])
         results = []
         for item, (offset, length, xxh64) in zip(plan.items, places):
             info = _fs._StorageInfo(name, offset, length)
             info.xxh64 = xxh64  # type: ignore[attr-defined]  # stock readers ignore it
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return _done(results)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s staging step (DCP's ``AsyncStager``): a copy of `state_dict`
+        whose tensors are in host memory this process reuses from save to save (pinned where
+        the tensors are on CUDA), copied on several threads with the GIL released. Returns once
+        the copy is done: training may change the state dict while the save writes the copy.
+        A save that starts while another still writes gets memory of its own."""
+        return _dcp_staging.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once its copy is done."""
+
+    def close(self) -> None:
+        """Nothing to release: the host memory stays for the process's next save."""
 
     def finish(self, metadata: _md.Metadata, results: list[list[WriteResult]]) -> None:
         """Commits the checkpoint (coordinator only): ``.metadata`` written durably, then the

@@ -146,13 +146,13 @@ DcpFilePlan::DcpFilePlan(std::vector<DcpWriteItem> items) : items_(std::move(ite
       cursor += it.nbytes;
       continue;
     }
-    const std::string pickle =
-        SerializeTorchTensorPickle({StrCat("item ", i), it.dtype, it.shape, "0"});
+    const std::string what = it.name.empty() ? StrCat("item ", i) : it.name;
+    const std::string pickle = SerializeTorchTensorPickle({what, it.dtype, it.shape, "0"});
     uint64_t elements = 1;  // within int64: the pickle checked the shape
     for (uint64_t d : it.shape) elements *= d;
     if (elements * (DtypeNamed(it.dtype)->bits / 8) != it.nbytes) {
       throw std::invalid_argument(
-          StrCat("item ", i, ": ", it.nbytes, " bytes for ", elements, " elements of ", it.dtype));
+          StrCat(what, ": ", it.nbytes, " bytes for ", elements, " elements of ", it.dtype));
     }
     // The records torch.save writes for one tensor (CRC-32s 0, as with set_crc32_options(False)).
     ZipPlanner zip(1);

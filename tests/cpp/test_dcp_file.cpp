@@ -37,10 +37,10 @@ Written WriteSample(Engine& engine, const std::string& path) {
   Written w;
   w.bytes = {Pattern(100, 1), Pattern(40, 2), Pattern(2u << 20, 3), {}};
   std::vector<DcpWriteItem> items = {
-      {"", {}, 100, nullptr},
-      {"F32", {2, 5}, 40, nullptr},
-      {"BF16", {1024, 1024}, 2u << 20, nullptr},
-      {"F32", {0, 3}, 0, nullptr},
+      {"", {}, 100, nullptr, "blob"},
+      {"F32", {2, 5}, 40, nullptr, "small"},
+      {"BF16", {1024, 1024}, 2u << 20, nullptr, "big"},
+      {"F32", {0, 3}, 0, nullptr, "empty"},
   };
   for (size_t i = 0; i < items.size(); ++i) {
     items[i].src = reinterpret_cast<const std::byte*>(w.bytes[i].data());
@@ -72,6 +72,23 @@ TEST(DcpFile, TensorItemsAreZipsOfOneTensorWithAlignedData) {
   EXPECT_EQ(big.dtype, "BF16");
   EXPECT_EQ(big.shape, (std::vector<int64_t>{1024, 1024}));
   EXPECT_EQ(big.stride, (std::vector<int64_t>{1024, 1}));
+}
+
+TEST(DcpFile, AnItemThatCannotBeWrittenIsNamedByItsKey) {
+  const std::byte data[8] = {};
+  // A quantized dtype (torch pickles no plain tensor of it), a size that does not match.
+  for (const auto& [item, message] :
+       std::vector<std::pair<DcpWriteItem, std::string>>{
+           {{"QI8", {8}, 8, data, "model.q"}, "model.q"},
+           {{"F32", {3}, 8, data, "opt.m"}, "opt.m: 8 bytes for 3 elements"},
+           {{"F32", {3}, 8, data, ""}, "item 0: 8 bytes"}}) {
+    try {
+      DcpFilePlan plan({item});
+      FAIL() << message;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(DcpFile, AShapeOtherThanTheMetadataChunksIsRefusedNamingBoth) {
@@ -340,7 +357,8 @@ TEST(DcpFile, AFailedWriteNamesTheWriterAndTheFinalPath) {
   const std::string path = dir.path() + "/gone/__3_x.distcp";  // its directory is missing
   const std::vector<uint8_t> bytes(10, 1);
   try {
-    WriteDcpFile(engine, path, {{"", {}, 10, reinterpret_cast<const std::byte*>(bytes.data())}},
+    WriteDcpFile(engine, path,
+                 {{"", {}, 10, reinterpret_cast<const std::byte*>(bytes.data()), "blob"}},
                  true, "rank 3");
     FAIL() << "no error";
   } catch (const IoError& e) {

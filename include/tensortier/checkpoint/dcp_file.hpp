@@ -31,6 +31,7 @@ struct DcpWriteItem {
   std::vector<uint64_t> shape;
   uint64_t nbytes = 0;
   const std::byte* src = nullptr;  // nbytes of host memory, alive until Write() returns
+  std::string name;                // for errors (the state dict key); "item <i>" when empty
 };
 
 // Where an item lies in its file.
@@ -44,7 +45,7 @@ struct DcpItemPlace {
 // The plan of one rank file: made from the items' sizes alone, before any byte is written.
 class DcpFilePlan {
  public:
-  // Throws std::invalid_argument naming the item for a dtype torch cannot pickle as a plain tensor
+  // Throws std::invalid_argument naming the item (its name, else its index) for a dtype torch cannot pickle as a plain tensor
   // or a size that does not match its shape.
   explicit DcpFilePlan(std::vector<DcpWriteItem> items);
 

@@ -1,0 +1,221 @@
+"""Host staging of state dicts for tensortier.dcp's asynchronous saves.
+
+``stage(state_dict)`` returns a copy of the state dict whose tensors live in one block of host
+memory (an arena): the copy is what the background write reads, so training may change the
+originals as soon as it returns. The copy runs in C++ over several threads with the GIL released
+(CUDA tensors: device-to-host copies into pinned memory). Arenas are kept for the next save: an
+arena is reused only when no tensor staged in it is alive any more (the save that read it has
+finished and dropped its state dict), so a second save that starts while the first still writes
+gets an arena of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from . import _core
+from ._runtime import dtype_names
+from .checkpoint._format import _quantized_dtypes
+
+# Tensors of a page or more start on a page of the arena (written with O_DIRECT straight from
+# it); smaller ones on 64 bytes (every dtype's alignment).
+_PAGE = 4096
+_SMALL_ALIGN = 64
+# Threads that copy a state dict into its arena.
+_COPY_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+class _Arena:
+    """One block of host memory: pinned (CUDA-registered) where the state dict has CUDA
+    tensors, else page-aligned memory (the pages of memory touched once: each job's first save
+    faults them in while training waits, and huge pages cost more to fault in on some VMs)."""
+
+    def __init__(self, nbytes: int, pinned_device: int | None) -> None:
+        self.pinned_device = pinned_device
+        self.memory: Any = (_core.PinnedMemory(nbytes, pinned_device) if pinned_device is not None
+                            else _core.AlignedBuffer(nbytes))
+        self.nbytes = nbytes
+
+    def in_use(self) -> bool:
+        """Whether a tensor staged in the arena is alive (each holds the memory's buffer)."""
+        return sys.getrefcount(self.memory) > 2  # this object's reference and the call's
+
+
+_lock = threading.Lock()
+_arenas: list[_Arena] = []
+
+
+def _take(nbytes: int, pinned_device: int | None) -> _Arena:
+    """A free arena of `nbytes` or more of the kind asked for, or a new one; free arenas too
+    small for this save are given back to the system."""
+    with _lock:
+        free = [a for a in _arenas if not a.in_use() and a.pinned_device == pinned_device]
+        fits = [a for a in free if a.nbytes >= nbytes]
+        if fits:
+            return min(fits, key=lambda a: a.nbytes)
+        for a in free:
+            _arenas.remove(a)
+        arena = _Arena(max(nbytes, 1), pinned_device)
+        _arenas.append(arena)
+        return arena
+
+
+def arena_count() -> int:
+    """How many arenas this process keeps (in use or free)."""
+    with _lock:
+        return len(_arenas)
+
+
+def storable_dtype(t: Any) -> str | None:
+    """tensortier's name of `t`'s dtype where DCP items can hold `t` as torch.save would store
+    it (a dense tensor of a plain dtype, with data), else None."""
+    if t.layout != torch.strided or t.device.type == "meta" or t.dtype in _quantized_dtypes():
+        return None
+    return dtype_names().get(t.dtype)
+
+
+def kind(t: Any) -> str:
+    """What `t` is that storable_dtype refuses, for errors: its layout, meta, or its dtype."""
+    return str(t.layout if t.layout != torch.strided else "meta" if t.device.type == "meta"
+               else t.dtype)
+
+
+class _Slot:
+    """Where a staged tensor goes in the rebuilt state dict."""
+
+    __slots__ = ("index", "spec")
+
+    def __init__(self, index: int, spec: Any) -> None:
+        self.index = index
+        self.spec = spec  # a DTensor's spec, None for a plain tensor
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor
+        return ()
+    return DTensor
+
+
+def stage(state_dict: Any) -> Any:
+    """A copy of `state_dict` (nested dicts, lists and tuples) whose tensors are in a reused
+    arena, DTensors rebuilt around their staged local tensors; other values deep-copied (kept as
+    they are when they cannot be: the save then names them). Returns when every copy is done."""
+    dtensor = _dtensor_type()
+    sources: list[Any] = []
+    with torch.no_grad():
+        shaped = _collect(state_dict, sources, dtensor)
+        storable = _storable_dtypes()
+        # The arena's layout: each stageable tensor's offset (None: staged by torch, and
+        # refused by the save where it must be).
+        offsets: list[int | None] = []
+        size = 0
+        pinned_device = None
+        for t in sources:
+            if t.dtype not in storable or t.layout != torch.strided or not (t.is_cpu or t.is_cuda):
+                offsets.append(None)
+                continue
+            if t.is_cuda and pinned_device is None:
+                pinned_device = t.device.index if t.device.index is not None else \
+                    torch.cuda.current_device()
+            n = t.numel() * t.dtype.itemsize
+            align = _PAGE if n >= _PAGE else _SMALL_ALIGN
+            size = -(-size // align) * align
+            offsets.append(size)
+            size += n
+        arena = _take(-(-size // _PAGE) * _PAGE, pinned_device)
+        bases: dict[Any, Any] = {}  # the arena as a flat tensor of each dtype
+        staged: list[Any] = []
+        dst: list[int] = []
+        src: list[int] = []
+        nbytes: list[int] = []
+        devices: set[Any] = set()
+        for t, offset in zip(sources, offsets):
+            if offset is None:
+                staged.append(t.clone() if t.is_cpu else t.cpu())  # host memory in any case
+                continue
+            dtype = t.dtype
+            base = bases.get(dtype)
+            if base is None:
+                base = bases[dtype] = torch.frombuffer(arena.memory, dtype=dtype)
+            contiguous = t.is_contiguous()
+            shape = t.shape
+            out = base.as_strided(shape, t.stride() if contiguous else _strides(shape),
+                                  offset // dtype.itemsize)
+            staged.append(out)
+            if t.is_cuda:
+                out.copy_(t, non_blocking=True)
+                devices.add(t.device)
+            elif contiguous and not t.is_conj() and not t.is_neg():
+                dst.append(out.data_ptr())
+                src.append(t.data_ptr())
+                nbytes.append(t.numel() * dtype.itemsize)
+            else:
+                out.copy_(t)  # strided, conjugate or negative views: torch resolves them
+        _core.copy_ranges(dst, src, nbytes, _COPY_THREADS)
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+        del bases
+        return _rebuild(shaped, staged, dtensor)
+
+
+@functools.lru_cache(maxsize=None)
+def _storable_dtypes() -> frozenset[Any]:
+    """The torch dtypes storable_dtype accepts."""
+    return frozenset(dt for dt in dtype_names() if dt not in _quantized_dtypes())
+
+
+def _strides(shape: Any) -> list[int]:
+    """A contiguous tensor's strides for `shape`."""
+    out, step = [0] * len(shape), 1
+    for i in range(len(shape) - 1, -1, -1):
+        out[i] = step
+        step *= max(int(shape[i]), 1)
+    return out
+
+
+# (Module functions, not closures: a recursive closure is a reference cycle, which would keep
+# the tensors it saw, and the arena, alive until the cyclic collector runs.)
+def _collect(obj: Any, sources: list[Any], dtensor: Any) -> Any:
+    """`obj` with each tensor appended to `sources` (a DTensor's local tensor) and replaced by
+    its _Slot; other values deep-copied."""
+    kind = type(obj)  # exact types first: isinstance on torch.Tensor costs more
+    if kind is torch.Tensor or (kind not in (dict, list, tuple) and isinstance(obj, torch.Tensor)):
+        spec = None
+        if kind is not torch.Tensor and dtensor and isinstance(obj, dtensor):
+            spec, obj = obj._spec, obj._local_tensor  # noqa: SLF001 - DTensor's own parts
+        sources.append(obj)
+        return _Slot(len(sources) - 1, spec)
+    if kind is dict or isinstance(obj, dict):
+        return {k: _collect(v, sources, dtensor) for k, v in obj.items()}
+    if kind is list or isinstance(obj, list):
+        return [_collect(v, sources, dtensor) for v in obj]
+    if kind is tuple:
+        return tuple(_collect(v, sources, dtensor) for v in obj)
+    try:
+        return copy.deepcopy(obj)
+    except Exception:  # an open file, a lock...: the save's pickling names it
+        return obj
+
+
+def _rebuild(obj: Any, staged: list[Any], dtensor: Any) -> Any:
+    """`obj` (from _collect) with each _Slot replaced by its staged tensor (a DTensor around it
+    where the original was one)."""
+    if isinstance(obj, _Slot):
+        t = staged[obj.index]
+        return t if obj.spec is None else dtensor(t, obj.spec, requires_grad=False)
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, staged, dtensor) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rebuild(v, staged, dtensor) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_rebuild(v, staged, dtensor) for v in obj)
+    return obj

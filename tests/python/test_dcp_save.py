@@ -1,0 +1,195 @@
+"""tensortier.dcp.Writer's write side: staging for dcp.async_save (host memory reused from save
+to save, never while a save still reads it), errors naming the state dict's key, CUDA state
+dicts (on a GPU only), and examples/dcp/train.py killed and resumed for real."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tensortier import _dcp_staging
+from tensortier import dcp as tdcp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def state(version: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(version)
+    return {
+        "w": torch.randn(3000, generator=g),  # a page and more: 4 KiB aligned in the arena
+        "b": torch.arange(5, dtype=torch.int16) + version,
+        "t": torch.randn(4, 6, generator=g, dtype=torch.float64).t(),  # not contiguous
+        "empty": torch.empty(0, 2),
+        "nested": {"m": torch.full((7,), float(version)), "lr": 0.1 * version,
+                   "ids": [1, 2, version]},
+        "step": version,
+    }
+
+
+def load(ckpt: Path) -> dict[str, Any]:
+    got = {"w": torch.zeros(3000), "b": torch.zeros(5, dtype=torch.int16),
+           "t": torch.zeros(6, 4, dtype=torch.float64), "empty": torch.zeros(0, 2),
+           "nested": {"m": torch.zeros(7), "lr": 0.0, "ids": []}, "step": 0}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+    return got
+
+
+def assert_state(got: dict[str, Any], version: int) -> None:
+    want = state(version)
+    for k in ("w", "b", "t", "empty"):
+        assert torch.equal(got[k], want[k]), k
+    assert torch.equal(got["nested"]["m"], want["nested"]["m"])
+    assert got["nested"]["lr"] == want["nested"]["lr"] and got["step"] == version
+    assert list(got["nested"]["ids"]) == want["nested"]["ids"]
+
+
+def test_stage_copies_into_reused_host_memory() -> None:
+    gc.collect()
+    sd = state(1)
+    staged = _dcp_staging.stage(sd)
+    sd["w"].add_(1)  # training goes on: the staged copy keeps the values at stage time
+    sd["nested"]["m"].zero_()
+    sd["nested"]["ids"].append(9)
+    assert_state(staged, 1)
+    # (no tensor in an assert statement: pytest's rewriting would keep it, and its memory, alive)
+    contiguous, aligned = staged["t"].is_contiguous(), staged["w"].data_ptr() % 4096 == 0
+    assert contiguous and aligned
+    first = _dcp_staging.arena_count()
+    again = _dcp_staging.stage(state(2))  # the first copy is alive: new memory
+    assert _dcp_staging.arena_count() == first + 1
+    assert_state(staged, 1)
+    assert_state(again, 2)
+    used = {staged["w"].data_ptr(), again["w"].data_ptr()}
+    del staged, again
+    third = _dcp_staging.stage(state(3))  # both free: one of them is reused
+    assert third["w"].data_ptr() in used
+    assert _dcp_staging.arena_count() == first + 1
+    assert_state(third, 3)
+
+
+def test_async_save_while_another_still_writes(tmp_path: Path) -> None:
+    """A second async_save starts while the first's write is held: each checkpoint holds the
+    values of its own stage, and the training loop's state changed in between."""
+    go = threading.Event()
+
+    class HeldWriter(tdcp.Writer):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            assert go.wait(60)
+            return super().write_data(plan, planner)
+
+    sd = state(1)
+    first = dcp.async_save(sd, storage_writer=HeldWriter(tmp_path / "a"), no_dist=True)
+    for k, v in state(2).items():  # a training step: in place, as an optimizer does
+        if isinstance(v, torch.Tensor):
+            sd[k].copy_(v)
+    sd["nested"] = state(2)["nested"]
+    sd["step"] = 2
+    second = dcp.async_save(sd, storage_writer=tdcp.Writer(tmp_path / "b"), no_dist=True)
+    second.result(timeout=60)
+    assert not first.done()
+    go.set()
+    first.result(timeout=60)
+    assert_state(load(tmp_path / "a"), 1)
+    assert_state(load(tmp_path / "b"), 2)
+    got = load(tmp_path / "b")
+    dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "b"), no_dist=True)
+    assert_state(got, 2)
+
+
+def test_values_that_cannot_be_saved_name_their_key(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp.save(state(1), storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    with open(tmp_path / "f", "w") as f:
+        bad = [
+            ({"model": {"q": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)}},
+             r"model\.q: tensors of torch\.qint8 cannot be saved"),
+            ({"w": torch.ones(2), "opt": {"fn": lambda x: x}},
+             r"opt\.fn: cannot be saved: pickling it failed"),
+            ({"w": torch.ones(2), "log": f}, r"log: cannot be saved: pickling it failed"),
+        ]
+        for sd, message in bad:
+            with pytest.raises(CheckpointException, match=message):
+                dcp.save(sd, storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    # The old checkpoint is whole; nothing of the failed saves is left.
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert_state(load(ckpt), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_dict_saves_and_async_saves(tmp_path: Path) -> None:
+    sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in state(1).items()}
+    dcp.save(sd, storage_writer=tdcp.Writer(tmp_path / "sync"), no_dist=True)
+    assert_state(load(tmp_path / "sync"), 1)
+    fut = dcp.async_save(sd, storage_writer=tdcp.Writer(tmp_path / "async"), no_dist=True)
+    sd["w"].add_(1)  # after staging: the checkpoint keeps the staged values
+    fut.result(timeout=120)
+    assert_state(load(tmp_path / "async"), 1)
+    staged = _dcp_staging.stage(sd)
+    assert staged["w"].is_pinned()
+
+
+def run_example(ckpt: Path, *extra: str, until: str | None = None,
+                timeout: float = 60) -> str:
+    """Runs examples/dcp/train.py (2 ranks spawned) in a session of its own; with `until`, kills
+    the whole session (SIGKILL) once a line matches it. Returns the output."""
+    cmd = [sys.executable, str(ROOT / "examples" / "dcp" / "train.py"), str(ckpt), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    killer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if until and re.search(until, line):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=timeout)
+    finally:
+        killer.cancel()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    out = "".join(lines)
+    if until is None:
+        assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_example_is_killed_and_resumes_with_identical_state(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    # Killed (the whole job, SIGKILL) once rank 0 has seen checkpoint 4 committed, while the
+    # save of step 6 may be under way.
+    first = run_example(ckpt, "--steps", "40", "--every", "2", "--step-seconds", "0.05",
+                        until=r"rank 0 committed step 4 ")
+    saved = {(r, s): d for r, s, d in
+             re.findall(r"rank (\d) committed step (\d+) digest ([0-9a-f]{16})", first)}
+    assert ("0", "4") in saved, first[-3000:]
+    second = run_example(ckpt, "--steps", "6", "--every", "2")
+    resumed = re.findall(r"rank (\d) resumed step (\d+) digest ([0-9a-f]{16})", second)
+    assert len(resumed) == 2, second[-3000:]
+    for rank, step, digest in resumed:
+        assert int(step) >= 4
+        if (rank, step) in saved:
+            assert digest == saved[(rank, step)], second[-3000:]
+    # A step whose commit rank 0 printed: both ranks resumed the same step.
+    assert resumed[0][1] == resumed[1][1]
+    assert any((r, s) in saved for r, s, _ in resumed)
