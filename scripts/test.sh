@@ -32,15 +32,35 @@ phase "Parser fuzz targets under AddressSanitizer + UndefinedBehaviorSanitizer (
 cmake -S . -B build/asan -DTENSORTIER_BUILD_FUZZ=ON >/dev/null
 ninja -C build/asan -j "$JOBS" fuzz_safetensors_header fuzz_zip_directory fuzz_torch_pickle \
   fuzz_extent_map
-for target in safetensors_header zip_directory torch_pickle extent_map; do
+fuzz() {  # fuzz TARGET, its output into build/asan/fuzz-TARGET.log
   # A scratch corpus: libFuzzer (Clang builds) writes new inputs into its first directory.
-  corpus="build/asan/fuzz-corpus/$target"
+  local corpus="build/asan/fuzz-corpus/$1"
   rm -rf "$corpus" && mkdir -p "$corpus"
   cp tests/data/checkpoint/*.safetensors tests/data/checkpoint/*.pt tests/data/checkpoint/*.zip \
     tests/fuzz/corpus/torch_pickle/* tests/fuzz/corpus/extent_map/* "$corpus"/
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    "build/asan/tests/fuzz/fuzz_$target" -max_total_time="${FUZZ_SECONDS:-20}" "$corpus"
+    "build/asan/tests/fuzz/fuzz_$1" -max_total_time="${FUZZ_SECONDS:-20}" "$corpus" \
+    >"build/asan/fuzz-$1.log" 2>&1
+}
+# Each target is single-threaded: JOBS of them at a time, each with a core of its own.
+targets=(safetensors_header zip_directory torch_pickle extent_map)
+fuzz_failed=()
+for ((i = 0; i < ${#targets[@]}; i += JOBS)); do
+  batch=("${targets[@]:i:JOBS}")
+  pids=()
+  for target in "${batch[@]}"; do
+    fuzz "$target" &
+    pids+=($!)
+  done
+  for j in "${!batch[@]}"; do
+    wait "${pids[j]}" || fuzz_failed+=("${batch[j]}")
+    cat "build/asan/fuzz-${batch[j]}.log"
+  done
 done
+if [ ${#fuzz_failed[@]} -gt 0 ]; then
+  echo "fuzz targets failed: ${fuzz_failed[*]}" >&2
+  exit 1
+fi
 phase "C++ engine, offloader, transfer, shared-tensor and batch reader tests under ThreadSanitizer"
 TSAN_OPTIONS=halt_on_error=1 \
   build_and_test build/tsan "Engine|Fault|Offload|Transfer|Shared|UnixSocketStore|BatchReader|DeviceJob" \
