@@ -98,11 +98,14 @@ if [ "$(seams "$(module _testing)")" -eq 0 ]; then
   echo "no fault injection found in tensortier._testing: the check above is blind" >&2
   exit 1
 fi
-for header in build/install/include/tensortier/*/*.hpp; do
-  echo "#include \"${header#build/install/include/}\"" |
+header_builds() {  # header_builds HEADER: the installed header compiles on its own
+  echo "#include \"${1#build/install/include/}\"" |
     c++ -std=c++20 -fsyntax-only -Ibuild/install/include -x c++ - ||
-    { echo "installed $header does not build on its own" >&2; exit 1; }
-done
+    { echo "installed $1 does not build on its own" >&2; return 1; }
+}
+export -f header_builds
+printf '%s\0' build/install/include/tensortier/*/*.hpp |
+  xargs -0 -n 1 -P "$JOBS" bash -c 'header_builds "$1"' header_builds
 cmake -S examples/cpp_consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
 ninja -C build/consumer >/dev/null
 build/consumer/round_trip build/consumer/round_trip.dat
