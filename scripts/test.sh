@@ -17,7 +17,7 @@ build_and_test() {  # build_and_test DIR FILTER [cmake args...]
   local dir=$1 filter=$2
   shift 2
   cmake -S . -B "$dir" -G Ninja -DTENSORTIER_BUILD_TESTS=ON -DTENSORTIER_BUILD_PYTHON=OFF "$@" >/dev/null
-  ninja -C "$dir" -j "$JOBS" tensortier_tests tensortier_pickle_memory_test
+  ninja -C "$dir" -j "$JOBS" tests/cpp/all  # the test binaries the configuration has
   local filter_args=()
   [ -n "$filter" ] && filter_args=(-R "$filter")
   (cd "$dir" && ctest --output-on-failure --no-tests=error -j "$JOBS" "${filter_args[@]}")
