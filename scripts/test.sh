@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 # The package (built by scripts/setup.sh) and the plain C++ tests are Release builds of the same
 # library and tool sources with the same flags: through one compiler cache under build/, the tests'
 # build takes those objects from the package's build instead of compiling them again. The cache
-# keys on paths relative to the repository and on the compiler's name, so both builds name one.
+# keys on paths relative to the build directory (build/<name> for both) and on the compiler's
+# name, so both builds name one.
 export CCACHE_DIR="$PWD/build/ccache" CCACHE_BASEDIR="$PWD" CCACHE_DEPEND=1
 export CXX="${CXX:-g++}"
 CMAKE_CXX_COMPILER_LAUNCHER=ccache scripts/setup.sh
