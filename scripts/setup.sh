@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(build-essential cmake ninja-build pkg-config liburing-dev libaio-dev libgtest-dev fio
   e2fsprogs mount util-linux fdisk   # these four: mkfs.ext4, mount, losetup/partx and sfdisk
                                      # for the extent-map tests
-  strace)                            # the CLI tests count the reads of a file
+  strace                             # the CLI tests count the reads of a file
+  ccache)                            # scripts/test.sh: one build's objects reused by another
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

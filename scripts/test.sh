@@ -8,7 +8,14 @@
 # Python GPU tests skip; scripts/gpu-test.sh runs them all on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+# The package (built by scripts/setup.sh) and the plain C++ tests are Release builds of the same
+# library and tool sources with the same flags: through one compiler cache under build/, the tests'
+# build takes those objects from the package's build instead of compiling them again. The cache
+# keys on paths relative to the build directory (build/<name> for both) and on the compiler's
+# name, so both builds name one.
+export CCACHE_DIR="$PWD/build/ccache" CCACHE_BASEDIR="$PWD" CCACHE_DEPEND=1
+export CXX="${CXX:-g++}"
+CMAKE_CXX_COMPILER_LAUNCHER=ccache scripts/setup.sh
 JOBS="${JOBS:-$(nproc)}"
 phase() { echo "== $* (at ${SECONDS} s)"; }
 trap 'echo "== done in ${SECONDS} s"' EXIT
@@ -17,14 +24,14 @@ build_and_test() {  # build_and_test DIR FILTER [cmake args...]
   local dir=$1 filter=$2
   shift 2
   cmake -S . -B "$dir" -G Ninja -DTENSORTIER_BUILD_TESTS=ON -DTENSORTIER_BUILD_PYTHON=OFF "$@" >/dev/null
-  ninja -C "$dir" -j "$JOBS" tensortier_tests tensortier_pickle_memory_test
+  ninja -C "$dir" -j "$JOBS" tests/cpp/all  # the test binaries the configuration has
   local filter_args=()
   [ -n "$filter" ] && filter_args=(-R "$filter")
   (cd "$dir" && ctest --output-on-failure --no-tests=error -j "$JOBS" "${filter_args[@]}")
 }
 
 phase "C++ tests"
-build_and_test build/test "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+build_and_test build/test "" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
 phase "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   build_and_test build/asan "" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=address,undefined
@@ -32,15 +39,35 @@ phase "Parser fuzz targets under AddressSanitizer + UndefinedBehaviorSanitizer (
 cmake -S . -B build/asan -DTENSORTIER_BUILD_FUZZ=ON >/dev/null
 ninja -C build/asan -j "$JOBS" fuzz_safetensors_header fuzz_zip_directory fuzz_torch_pickle \
   fuzz_extent_map
-for target in safetensors_header zip_directory torch_pickle extent_map; do
+fuzz() {  # fuzz TARGET, its output into build/asan/fuzz-TARGET.log
   # A scratch corpus: libFuzzer (Clang builds) writes new inputs into its first directory.
-  corpus="build/asan/fuzz-corpus/$target"
+  local corpus="build/asan/fuzz-corpus/$1"
   rm -rf "$corpus" && mkdir -p "$corpus"
   cp tests/data/checkpoint/*.safetensors tests/data/checkpoint/*.pt tests/data/checkpoint/*.zip \
     tests/fuzz/corpus/torch_pickle/* tests/fuzz/corpus/extent_map/* "$corpus"/
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    "build/asan/tests/fuzz/fuzz_$target" -max_total_time="${FUZZ_SECONDS:-20}" "$corpus"
+    "build/asan/tests/fuzz/fuzz_$1" -max_total_time="${FUZZ_SECONDS:-20}" "$corpus" \
+    >"build/asan/fuzz-$1.log" 2>&1
+}
+# Each target is single-threaded: JOBS of them at a time, each with a core of its own.
+targets=(safetensors_header zip_directory torch_pickle extent_map)
+fuzz_failed=()
+for ((i = 0; i < ${#targets[@]}; i += JOBS)); do
+  batch=("${targets[@]:i:JOBS}")
+  pids=()
+  for target in "${batch[@]}"; do
+    fuzz "$target" &
+    pids+=($!)
+  done
+  for j in "${!batch[@]}"; do
+    wait "${pids[j]}" || fuzz_failed+=("${batch[j]}")
+    cat "build/asan/fuzz-${batch[j]}.log"
+  done
 done
+if [ ${#fuzz_failed[@]} -gt 0 ]; then
+  echo "fuzz targets failed: ${fuzz_failed[*]}" >&2
+  exit 1
+fi
 phase "C++ engine, offloader, transfer, shared-tensor and batch reader tests under ThreadSanitizer"
 TSAN_OPTIONS=halt_on_error=1 \
   build_and_test build/tsan "Engine|Fault|Offload|Transfer|Shared|UnixSocketStore|BatchReader|DeviceJob" \
@@ -78,11 +105,14 @@ if [ "$(seams "$(module _testing)")" -eq 0 ]; then
   echo "no fault injection found in tensortier._testing: the check above is blind" >&2
   exit 1
 fi
-for header in build/install/include/tensortier/*/*.hpp; do
-  echo "#include \"${header#build/install/include/}\"" |
+header_builds() {  # header_builds HEADER: the installed header compiles on its own
+  echo "#include \"${1#build/install/include/}\"" |
     c++ -std=c++20 -fsyntax-only -Ibuild/install/include -x c++ - ||
-    { echo "installed $header does not build on its own" >&2; exit 1; }
-done
+    { echo "installed $1 does not build on its own" >&2; return 1; }
+}
+export -f header_builds
+printf '%s\0' build/install/include/tensortier/*/*.hpp |
+  xargs -0 -n 1 -P "$JOBS" bash -c 'header_builds "$1"' header_builds
 cmake -S examples/cpp_consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
 ninja -C build/consumer >/dev/null
 build/consumer/round_trip build/consumer/round_trip.dat

@@ -130,8 +130,10 @@ TEST(CheckpointPickleMemory, LargePlainPicklesStillParse) {
   // A list of 300000 small ints, 300000 Nones and a dict of 20000 memoized empty lists.
   std::string p = kProto + "](" + Repeat("K\x07"s, 600000) + Repeat("N", 300000) + "e0}(";
   for (int i = 0; i < 20000; ++i) {
-    p += "J" + std::string(reinterpret_cast<const char*>(&i), 4) + "]r" +
-         std::string(reinterpret_cast<const char*>(&i), 4);
+    p += 'J';
+    p.append(reinterpret_cast<const char*>(&i), 4);
+    p += "]r";
+    p.append(reinterpret_cast<const char*>(&i), 4);
   }
   p += "u.";
   std::string error;
