@@ -41,6 +41,9 @@ __all__ = ["Group", "SharedTensor", "attach", "LAYOUTS", "DEFAULT_TIMEOUT"]
 
 _T = TypeVar("_T")
 
+# Device rows are read through a pinned host slab of at most this many bytes at a time.
+_DEVICE_SLAB_BYTES = 256 << 20
+
 #: The layouts :meth:`Group.create_tensor` accepts.
 LAYOUTS = ("continuous", "chunked", "distributed")
 #: Seconds a collective call waits for the other ranks before raising ``TimeoutError``.
@@ -384,15 +387,25 @@ class SharedTensor:
                    key: str = "") -> dict[str, Any]:
         """Reads this rank's rows in C++ (``_core.shared_read_rows``: through the engine,
         O_DIRECT, parallel) from raw row `files`, ``(path, size)`` each, or from tensor `key` of
-        `checkpoint`; device memory through a host copy. Returns the engine's stats for this
-        rank's reads."""
+        `checkpoint`. Device memory goes through a pinned host slab of at most
+        ``_DEVICE_SLAB_BYTES``, so a rank's part never needs a host copy of its own size.
+        Returns the engine's stats for this rank's reads (summed over the slabs)."""
         rows, (begin, end) = self.local()
-        dest = rows if rows.is_cpu else torch.empty(rows.shape, dtype=rows.dtype)
-        stats = _core.shared_read_rows(
-            what, files, checkpoint, key, str(self._dtype).removeprefix("torch."),
-            self._dtype.itemsize, list(self._shape), begin, end, dest.data_ptr())
-        if dest is not rows:
-            rows.copy_(dest)
+        args = (what, files, checkpoint, key, str(self._dtype).removeprefix("torch."),
+                self._dtype.itemsize, list(self._shape))
+        if rows.is_cpu or end == begin:
+            return _core.shared_read_rows(*args, begin, end, rows.data_ptr() if rows.is_cpu else 0)
+        row_bytes = max(1, math.prod(rows.shape[1:]) * rows.element_size())
+        slab_rows = max(1, min(end - begin, _DEVICE_SLAB_BYTES // row_bytes))
+        host = torch.empty((slab_rows, *rows.shape[1:]), dtype=rows.dtype, pin_memory=True)
+        stats: dict[str, Any] = {}
+        for b in range(begin, end, slab_rows):
+            e = min(b + slab_rows, end)
+            part = host[: e - b]
+            for name, value in _core.shared_read_rows(*args, b, e, part.data_ptr()).items():
+                summed = isinstance(value, int) and not isinstance(value, bool) and name in stats
+                stats[name] = stats[name] + value if summed else value
+            rows[b - begin : e - begin].copy_(part)  # synchronous: the slab is reused next
         return stats
 
     def _rank(self) -> int:
