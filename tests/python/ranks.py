@@ -114,7 +114,7 @@ class ForkServer:
         return self._reply(timeout + 30)
 
     def close(self) -> None:
-        """Ends the server and every rank it started (its whole session)."""
+        """Ends the server and every rank it started (its whole process group)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)

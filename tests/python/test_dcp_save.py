@@ -145,8 +145,8 @@ def test_cuda_state_dict_saves_and_async_saves(tmp_path: Path) -> None:
 
 def run_example(ckpt: Path, *extra: str, until: str | None = None,
                 timeout: float = 60) -> str:
-    """Runs examples/dcp/train.py (2 ranks spawned) in a session of its own; with `until`, kills
-    the whole session (SIGKILL) once a line matches it. Returns the output."""
+    """Runs examples/dcp/train.py (2 ranks spawned) in a process group of its own; with
+    `until`, kills the whole group (SIGKILL) once a line matches it. Returns the output."""
     cmd = [sys.executable, str(ROOT / "examples" / "dcp" / "train.py"), str(ckpt), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
