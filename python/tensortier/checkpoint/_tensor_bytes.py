@@ -7,10 +7,6 @@ from typing import Any
 from ._format import _torch
 
 
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size()
-
-
 def _as_bytes(t: Any) -> Any:
     """A flat uint8 view of a contiguous tensor's bytes."""
     torch = _torch()

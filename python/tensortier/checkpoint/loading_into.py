@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 from ..io import File, IOHandle
 from . import _engine, _reading, safetensors, unpickler
 from ._files import _same_file
-from ._tensor_bytes import _nbytes
 from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
 from ._progress import _Progress
@@ -278,7 +277,7 @@ def _describe_sources(
                 "device): load_into cannot read it; use tensortier.load"
             )
         start = t.storage_offset() * t.element_size()
-        n = _nbytes(t)
+        n = t.nbytes
         # A conjugate or negative view's storage holds other numbers than its values: read
         # through its storage, then copied with the bit applied, as non-contiguous views are.
         contiguous = t.is_contiguous() and not t.is_conj() and not t.is_neg()
@@ -296,7 +295,7 @@ def _load_into(
     error with (or "")."""
     torch = _torch()
     missing, unexpected, errors = _require("match_state_dict")(
-        [(k, t.shape, str(t.dtype), t.data_ptr(), _nbytes(t)) for k, t in targets.items()],
+        [(k, t.shape, str(t.dtype), t.data_ptr(), t.nbytes) for k, t in targets.items()],
         [(k, src.shape, "", 0, 0) for k, src in sources.items()], strict)
     if errors:  # the lines and their order are load_state_dict's: code parsing it keeps working
         hint = " (load_into(..., strict=False) skips missing and unexpected names)"
@@ -314,13 +313,13 @@ def _load_into(
     # in turn, so the last one wins).
     last_name: dict[tuple[int, int], str] = {}
     for k, t in targets.items():
-        if k in sources and _nbytes(t) > 0:
-            last_name[(t.data_ptr(), _nbytes(t))] = k
+        if k in sources and t.nbytes > 0:
+            last_name[(t.data_ptr(), t.nbytes)] = k
     for k, src in sources.items():
         t = targets.get(k)
         if t is None:
             continue
-        mem = (t.data_ptr(), _nbytes(t))
+        mem = (t.data_ptr(), t.nbytes)
         if mem[1] > 0 and last_name[mem] != k:
             continue
         f = files[src.path]
