@@ -19,6 +19,7 @@ PYBIND11_MODULE(_core, m) {
   RegisterBuffers(m);
   RegisterSettings(m);
   RegisterCheckpoint(m);
+  RegisterCheckpointChecks(m);
   RegisterTransfer(m);
   RegisterExtents(m);
   RegisterShared(m);

@@ -862,7 +862,7 @@ def test_load_into_converts_dtypes_like_load_state_dict(
     want[1].bias.data = want[1].bias.data.float()
     want.load_state_dict(src.state_dict())
     groups: list[int] = []
-    real = internals._staged_groups
+    real = internals._byte_groups
 
     def spy(staged: list) -> object:
         for group in real(staged):
@@ -870,7 +870,7 @@ def test_load_into_converts_dtypes_like_load_state_dict(
             yield group
 
     monkeypatch.setattr(_format, "_GROUP_BYTES", 100_000)
-    monkeypatch.setattr(loading_into, "_staged_groups", spy)
+    monkeypatch.setattr(loading_into, "_byte_groups", spy)
     tensortier.load_into(dst, path, verify=True)
     for k, v in want.state_dict().items():
         got = dst.state_dict()[k]

@@ -44,8 +44,8 @@ descriptor names), ``_dtype`` (conversion to a dtype), ``_tensor_bytes`` (tensor
 checksums), ``mapping`` (allocation, memory maps, devices and placement), ``_writing`` and
 ``_reading`` (engine I/O), ``_progress``,
 ``safetensors``, ``unpickler`` (torch.save zips read without torch.load), ``torch_save``,
-``index`` (shard indexes), and ``saving``, ``loading`` and ``loading_into`` (the public
-functions).
+``index`` (shard indexes; a load's way down to the format's module), and ``saving``,
+``loading`` and ``loading_into`` (the public functions).
 Module-level settings (``_GROUP_BYTES``...) are read from their owning module at each use.
 The package exports its public API only; tests reach private names through their modules.
 """

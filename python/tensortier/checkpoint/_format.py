@@ -27,9 +27,6 @@ ALIGNMENT = int(_core.CHECKPOINT_ALIGNMENT)
 CHECKSUM_KEY = str(_core.TENSOR_CHECKSUMS_KEY)
 HEADER_CHECKSUM_KEY = str(_core.HEADER_CHECKSUM_KEY)
 
-_INDEX_SUFFIX = ".index.json"
-
-
 # Reads are submitted in groups of about this many bytes: progress, checksums and device copies
 # of one group overlap the reads of the next ones (the engine bounds what is really in flight).
 # The pipeline's one setting (kCheckpointGroupBytes), the CLI's reads too.

@@ -13,7 +13,10 @@ class _Progress:
 
     def __init__(self, label: str, total: int, enabled: bool | None) -> None:
         if enabled is None:
-            enabled = total >= _PROGRESS_MIN_BYTES and _stderr_is_tty()
+            try:
+                enabled = total >= _PROGRESS_MIN_BYTES and sys.stderr.isatty()
+            except (AttributeError, ValueError):  # no stderr (None), or a closed one
+                enabled = False
         self.enabled = bool(enabled) and total > 0
         self.label = label
         self.total = total
@@ -45,10 +48,3 @@ class _Progress:
                 self._draw(time.perf_counter())
             sys.stderr.write("\n")
             sys.stderr.flush()
-
-
-def _stderr_is_tty() -> bool:
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False

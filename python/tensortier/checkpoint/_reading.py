@@ -4,15 +4,17 @@ destinations through the engine's GPU path."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..io import _bump_versions, File, IOFuture, IOHandle
 from . import _engine, _format
 from ._tensor_bytes import _as_bytes
 from ._format import _require, _torch, ALIGNMENT
 from ._progress import _Progress
+
+_I = TypeVar("_I")
 
 
 @dataclass
@@ -72,10 +74,7 @@ def _check_host(path: str, pieces: Sequence[tuple[str, Any, tuple[str, int | Non
                                  [c[1] for _, _, c in mine], kind)
 
 
-def _read_pieces(
-    io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str,
-    close_progress: bool = True,
-) -> None:
+def _read_pieces(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str) -> None:
     """Read every piece into its destination. CPU destinations are read and checked in C++;
     CUDA ones through the engine's GPU path (pinned bounce ring or GPUDirect Storage, copies on
     the current stream), except those with a checksum to check, which come through a pinned
@@ -83,16 +82,12 @@ def _read_pieces(
     host = [p for p in pieces if p.dest.is_cpu]
     device = [p for p in pieces if not p.dest.is_cpu and p.checksum is None]
     checked_device = [p for p in pieces if not p.dest.is_cpu and p.checksum is not None]
-    try:
-        if host:
-            _read_host_pieces(io, host, progress, path)
-        if device:
-            _read_batched(io, device, progress, path)
-        if checked_device:
-            _read_device_checked(io, checked_device, progress, path)
-    finally:
-        if close_progress:
-            progress.close()
+    if host:
+        _read_host_pieces(io, host, progress, path)
+    if device:
+        _read_batched(io, device, progress, path)
+    if checked_device:
+        _read_device_checked(io, checked_device, progress, path)
 
 
 def _read_host_pieces(
@@ -110,6 +105,21 @@ def _read_host_pieces(
     _bump_versions([p.dest for p in pieces])
 
 
+def _byte_groups(items: Sequence[_I]) -> Iterator[list[_I]]:
+    """`items` (anything with `nbytes`) in runs of at most ``_GROUP_BYTES`` (one item, if
+    larger): what is read, staged or converted at once."""
+    group: list[_I] = []
+    size = 0
+    for item in items:
+        if group and size + item.nbytes > _format._GROUP_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += item.nbytes
+    if group:
+        yield group
+
+
 def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
     return ValueError(
         f"{path}: file ended early: tensor {piece.name!r} needs {piece.nbytes} bytes at offset "
@@ -124,16 +134,9 @@ def _read_batched(
     together; every read is waited for before an error is raised (it writes the tensors)."""
     submitted: list[tuple[list[_Piece], IOFuture | None]] = []
     try:
-        group: list[_Piece] = []
-        size = 0
-        for i, p in enumerate(pieces):
-            group.append(p)
-            size += p.nbytes
-            if size < _format._GROUP_BYTES and i + 1 < len(pieces):
-                continue
+        for group in _byte_groups(pieces):
             batch = [(_as_bytes(q.dest), q.file, q.offset) for q in group if q.nbytes]
             submitted.append((group, io.pread_batch_async(batch) if batch else None))
-            group, size = [], 0
         for group, fut in submitted:
             if fut is not None:
                 got = iter(fut.result().segment_bytes)

@@ -12,10 +12,8 @@ from ._dtype import _target_dtype
 from ._files import _is_file_object, _memfd_copy, _renamed
 from ._format import _sniff, _torch, PathLike
 from .._paths import fspath as _fspath
-from .index import _load_index
+from .index import _load_kind
 from .mapping import _Placement, _Readahead
-from .safetensors import _load_safetensors
-from .unpickler import _load_torch
 
 
 def load(
@@ -159,9 +157,17 @@ def load(
         streamed = _is_file_object(path, "read")
         fspath = stack.enter_context(_memfd_copy(path)) if streamed else _fspath(path)
         try:
+            kind = _sniff(fspath)
+            if kind == "index" and streamed:
+                raise ValueError("a shard index names its shards by path: load it by its path, "
+                                 "not from a file object")
+            # The load's one way down: ``index`` picks the format's module (``safetensors``;
+            # ``unpickler`` for torch zips; each shard of an index through them), which
+            # allocates the tensors and hands their pieces to ``_reading``, which reads and
+            # checks them in C++ (``load_into`` shares the same modules below it).
             with _engine._gc_paused():
-                return _load_path(fspath, dev, target_dtype, verify, progress, io, mmap,
-                                  placement, streamed)
+                return _load_kind(fspath, kind, dev, target_dtype, verify, progress, io,
+                                  _Readahead() if mmap else None, placement)
         except ValueError as e:
             if not streamed or fspath not in str(e):
                 raise
@@ -188,26 +194,3 @@ def _is_meta(location: Any) -> bool:
         return _torch().device(location).type == "meta"
     except (TypeError, RuntimeError, ValueError):
         return False
-
-
-def _load_path(
-    fspath: str, dev: Any, target_dtype: Any, verify: bool, progress: bool | None,
-    io: IOHandle, mmap: bool, placement: _Placement | None, streamed: bool,
-) -> Any:
-    """The load's one way down: this module picks the format's module (``index`` for shard
-    indexes, which loads each shard through the next two; ``safetensors``; ``unpickler`` for
-    torch zips), which allocates the tensors and hands their pieces to ``_reading``, which reads
-    and checks them in C++ (``load_into`` shares the same modules below it)."""
-    kind = _sniff(fspath)
-    if kind == "index" and streamed:
-        raise ValueError(
-            "a shard index names its shards by path: load it by its path, not from a file object"
-        )
-    mapped = _Readahead() if mmap else None
-    if kind == "index":
-        return _load_index(fspath, dev, target_dtype, verify, progress, io, mapped, placement)
-    if kind == "torch":
-        return _load_torch(fspath, dev, target_dtype, verify, progress, io, mapped, placement)
-    return _load_safetensors(
-        fspath, dev, target_dtype, verify, progress, io, mapped=mapped, placement=placement
-    )

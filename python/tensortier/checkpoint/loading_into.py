@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..io import File, IOHandle
-from . import _engine, _format, _reading, safetensors, unpickler
+from . import _engine, _reading, safetensors, unpickler
 from ._files import _same_file
-from ._tensor_bytes import _nbytes
 from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
 from ._progress import _Progress
-from ._reading import _open_checkpoint, _Piece
+from ._reading import _byte_groups, _open_checkpoint, _Piece
 from .index import _each_shard
-from .unpickler import _StorageRef, _verifiable, _verify_other_records
+from .unpickler import _StorageRef, _verify_other_records
 
 
 def _a(noun: str) -> str:
@@ -242,9 +241,7 @@ def _describe_sources(
         ),
     )
     if verify:  # storage records are checked as their tensors are read
-        read = {f"{prefix}data/{r.key}" for r in storages.values()}
-        read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}
-        _verify_other_records(path, file, records, read, io)
+        _verify_other_records(path, file, records, prefix, storages.values(), io)
     if big_endian:
         raise ValueError(f"{path}: big-endian torch files are read by load(), not load_into()")
     if not isinstance(obj, Mapping):
@@ -280,7 +277,7 @@ def _describe_sources(
                 "device): load_into cannot read it; use tensortier.load"
             )
         start = t.storage_offset() * t.element_size()
-        n = _nbytes(t)
+        n = t.nbytes
         # A conjugate or negative view's storage holds other numbers than its values: read
         # through its storage, then copied with the bit applied, as non-contiguous views are.
         contiguous = t.is_contiguous() and not t.is_conj() and not t.is_neg()
@@ -297,35 +294,10 @@ def _load_into(
     """`explain`: given the missing and unexpected names of a mismatch, a note to end its
     error with (or "")."""
     torch = _torch()
-    unexpected = [k for k in sources if k not in targets]
-    missing = [k for k in targets if k not in sources]
-    # A name missing from the file whose tensor is the very same memory as a loaded one (tied
-    # weights, stored once in safetensors files) gets its data anyway.
-    loaded_mem = {
-        (t.data_ptr(), _nbytes(t), t.dtype, tuple(t.shape))
-        for k, t in targets.items() if k in sources
-    }
-    missing = [
-        k for k in missing
-        if (targets[k].data_ptr(), _nbytes(targets[k]), targets[k].dtype,
-            tuple(targets[k].shape)) not in loaded_mem or _nbytes(targets[k]) == 0
-    ]
-    # The lines and their order are load_state_dict's: code parsing its message keeps working.
-    errors = []
-    if strict and missing:
-        errors.append("Missing key(s) in state_dict: {}. ".format(
-            ", ".join(f'"{k}"' for k in missing)))
-    if strict and unexpected:
-        errors.append("Unexpected key(s) in state_dict: {}. ".format(
-            ", ".join(f'"{k}"' for k in unexpected)))
-    for k, src in sources.items():
-        t = targets.get(k)
-        if t is not None and tuple(t.shape) != src.shape:
-            errors.append(
-                f"size mismatch for {k}: copying a param with shape {torch.Size(src.shape)} "
-                f"from checkpoint, the shape in current model is {t.shape}."
-            )
-    if errors:
+    missing, unexpected, errors = _require("match_state_dict")(
+        [(k, t.shape, str(t.dtype), t.data_ptr(), t.nbytes) for k, t in targets.items()],
+        [(k, src.shape, "", 0, 0) for k, src in sources.items()], strict)
+    if errors:  # the lines and their order are load_state_dict's: code parsing it keeps working
         hint = " (load_into(..., strict=False) skips missing and unexpected names)"
         raise StateDictMismatchError(
             f"Error(s) in loading state_dict for {target_name}:\n\t" + "\n\t".join(errors)
@@ -341,21 +313,19 @@ def _load_into(
     # in turn, so the last one wins).
     last_name: dict[tuple[int, int], str] = {}
     for k, t in targets.items():
-        if k in sources and _nbytes(t) > 0:
-            last_name[(t.data_ptr(), _nbytes(t))] = k
+        if k in sources and t.nbytes > 0:
+            last_name[(t.data_ptr(), t.nbytes)] = k
     for k, src in sources.items():
         t = targets.get(k)
         if t is None:
             continue
-        mem = (t.data_ptr(), _nbytes(t))
+        mem = (t.data_ptr(), t.nbytes)
         if mem[1] > 0 and last_name[mem] != k:
             continue
         f = files[src.path]
         if src.view is not None and src.crc_storage is not None:
             # a non-contiguous saved view: read its whole storage, then copy the view out
             ref = src.crc_storage
-            if verify:
-                _verifiable(src.path, [ref])
             staged.append(_Staged(ref.nbytes, functools.partial(
                 _stage_saved_view, t, ref, src.view, f,
                 ("crc32", ref.record.crc32) if verify else None)))
@@ -364,7 +334,6 @@ def _load_into(
         if verify and src.crc_storage is not None:
             ref = src.crc_storage
             if src.offset == ref.record.offset and src.nbytes == ref.nbytes:
-                _verifiable(src.path, [ref])
                 check = ("crc32", ref.record.crc32)
             else:  # the CRC covers more than this tensor: checked on its own afterwards
                 crc_refs[(ref.path, ref.key)] = ref
@@ -383,21 +352,22 @@ def _load_into(
     prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
     try:
         with torch.no_grad():
-            _reading._read_pieces(io, direct, prog, path, close_progress=False)
+            _reading._read_pieces(io, direct, prog, path)
             # Temporaries a group at a time: the extra memory is one group (or one tensor),
             # plus, for CUDA targets with verify, two pinned buffers of the largest piece.
-            for group in _staged_groups(staged):
+            for group in _byte_groups(staged):
                 made = [s.make() for s in group]
-                _reading._read_pieces(
-                    io, [piece for piece, _ in made], prog, path, close_progress=False
-                )
+                _reading._read_pieces(io, [piece for piece, _ in made], prog, path)
                 for _, finish in made:
                     finish()
                 del made
     finally:
         prog.close()
-    if crc_refs:
-        _verify_torch_records(io, files, list(crc_refs.values()))
+    # Storage records the tensors read do not cover whole (a CRC-32 covers the whole record):
+    # streamed again by the pipeline through bounded buffers and checked.
+    for r in crc_refs.values():
+        _require("check_records")(io._core(), files[r.path], r.path, [  # noqa: SLF001
+            (f"data/{r.key}", r.record.offset, r.nbytes, r.record.crc32)])
     return IncompatibleKeys(missing, unexpected)
 
 
@@ -409,19 +379,6 @@ class _Staged:
 
     nbytes: int
     make: Callable[[], tuple[_Piece, Callable[[], None]]]
-
-
-def _staged_groups(staged: Sequence[_Staged]) -> Iterator[list[_Staged]]:
-    group: list[_Staged] = []
-    size = 0
-    for s in staged:
-        if group and size + s.nbytes > _format._GROUP_BYTES:
-            yield group
-            group, size = [], 0
-        group.append(s)
-        size += s.nbytes
-    if group:
-        yield group
 
 
 def _stage_tensor(
@@ -448,14 +405,3 @@ def _stage_saved_view(
         t.copy_(src_t)
 
     return _Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, holder, check), copy_view
-
-
-def _verify_torch_records(io: IOHandle, files: Mapping[str, Any], refs: Sequence[_StorageRef]
-                          ) -> None:
-    """verify=True for load_into from torch files, for storage records the tensors read do not
-    cover whole: the CRC-32 covers the whole record, so the pipeline streams it again through
-    bounded buffers and checks it."""
-    _verifiable(refs[0].path, refs)
-    for r in refs:
-        _require("check_records")(io._core(), files[r.path], r.path, [  # noqa: SLF001
-            (f"data/{r.key}", r.record.offset, r.nbytes, r.record.crc32)])

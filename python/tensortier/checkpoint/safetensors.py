@@ -59,35 +59,6 @@ def _check_tensor_dict(state_dict: Any) -> Any:
     return state_dict
 
 
-def _shared_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
-    """Groups of names whose tensors overlap in memory (what safetensors refuses): byte ranges,
-    device by device, that meet; a strided view's reaches its furthest element."""
-    areas = []
-    for k, v in state_dict.items():
-        n = v.nbytes
-        if n == 0:
-            continue
-        if not v.is_contiguous():
-            n = (sum((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1) * v.element_size()
-        start = v.data_ptr()
-        areas.append(("" if v.is_cpu else str(v.device), start, start + n, k))
-    areas.sort()
-    groups: list[list[str]] = []
-    current: list[str] = []
-    device, stop = "", 0
-    for dev, start, end, k in areas:
-        if current and dev == device and start < stop:
-            current.append(k)
-            stop = max(stop, end)
-            continue
-        if len(current) > 1:
-            groups.append(current)
-        current, device, stop = [k], dev, end
-    if len(current) > 1:
-        groups.append(current)
-    return groups
-
-
 def _save_safetensors(
     state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
     io: IOHandle,
@@ -101,7 +72,15 @@ def _save_safetensors(
         raise TypeError(
             f"safetensors has no dtype for: {', '.join(bad)}: convert them or use format='torch'"
         )
-    shared = _shared_groups(state_dict)
+    # Names whose tensors overlap in memory (C++: byte ranges that meet, device by device); a
+    # strided view's range reaches its furthest element.
+    areas = []
+    for k, v in state_dict.items():
+        n = v.nbytes
+        if n and not v.is_contiguous():
+            n = (sum((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1) * v.element_size()
+        areas.append(("" if v.is_cpu else str(v.device), v.data_ptr(), n, k))
+    shared = _require("overlapping_groups")(areas)
     if shared:
         raise ValueError(
             f"these tensors share memory, which safetensors files cannot express: {shared}; "
@@ -186,22 +165,12 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
 
 def _load_safetensors(
     path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
-    _prog: _Progress | None = None, mapped: _Readahead | None = None,
-    placement: _Placement | None = None,
+    mapped: _Readahead | None = None, placement: _Placement | None = None,
 ) -> dict[str, Any]:
     """`placement` (``map_location``): safetensors files hold CPU tensors (location "cpu")."""
-    if placement is not None and placement.restore is None:
+    restore = placement.restore if placement is not None else None
+    if placement is not None and restore is None:
         dev = placement.device_for("cpu")
-    out = _load_safetensors_at(path, dev, dtype, verify, progress, io, mapped)
-    if placement is not None and placement.restore is not None:
-        out = {k: placement.restored_tensor(t, "cpu") for k, t in out.items()}
-    return out
-
-
-def _load_safetensors_at(
-    path: str, dev: Any, dtype: Any, verify: bool, progress: bool | None, io: IOHandle,
-    mapped: _Readahead | None = None,
-) -> dict[str, Any]:
     file = _open_checkpoint(io, path)
     try:
         entries, metadata = _same_file(file, path, lambda name: _read_st_header(name, verify))
@@ -215,42 +184,32 @@ def _load_safetensors_at(
         if mapped is not None:
             ranges = [(e.name, e.offset, e.nbytes) for e in entries]
             whole = mapping._map_file(file, path, ranges, mapped)
-            mapped_out = {e.name: _mapped_tensor(whole, e.offset, e.nbytes, e.dtype, e.shape)
-                          for e in entries}
+            out = {e.name: _mapped_tensor(whole, e.offset, e.nbytes, e.dtype, e.shape)
+                   for e in entries}
             if sums is not None:
                 _reading._check_host(path, [(k, t, ("xxh64", sums.get(k)))
-                                            for k, t in mapped_out.items()])
-            return _dtype._convert_in_place(mapped_out, dtype) if dtype is not None else mapped_out
-        total = sum(e.nbytes for e in entries)
-        prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
-        out: dict[str, Any] = {}
-        # Without conversion every tensor is read in one go; with it, ~64 MiB of tensors at a
-        # time, each group converted before the next is allocated: memory (GPU memory, for a
-        # load to CUDA) then holds the converted tensors plus one group, not the whole file in
-        # its saved dtype as well.
-        converts = dtype is not None and any(_converts(e.dtype, dtype) for e in entries)
-        try:
-            for group in _conversion_groups(entries) if converts else [entries]:
-                out.update(_read_st_group(io, file, path, group, dev, dtype, sums, prog))
-        finally:
-            prog.close()
+                                            for k, t in out.items()])
+            if dtype is not None:
+                out = _dtype._convert_in_place(out, dtype)
+        else:
+            prog = _Progress(f"loading {os.path.basename(path)}", sum(e.nbytes for e in entries),
+                             progress)
+            out = {}
+            # Without conversion every tensor is read in one go; with it, ~64 MiB of tensors at
+            # a time, each group converted before the next is allocated: memory (GPU memory,
+            # for a load to CUDA) then holds the converted tensors plus one group, not the
+            # whole file in its saved dtype as well.
+            converts = dtype is not None and any(_converts(e.dtype, dtype) for e in entries)
+            try:
+                for group in _reading._byte_groups(entries) if converts else [entries]:
+                    out.update(_read_st_group(io, file, path, group, dev, dtype, sums, prog))
+            finally:
+                prog.close()
     finally:
         file.close()
+    if placement is not None and restore is not None:
+        out = {k: placement.restored_tensor(t, "cpu") for k, t in out.items()}
     return out
-
-
-def _conversion_groups(entries: Sequence[_STEntry]) -> list[list[_STEntry]]:
-    """`entries` in runs of about ``_GROUP_BYTES`` (one entry when larger): what a load that
-    converts dtypes holds in the saved dtype at once."""
-    groups: list[list[_STEntry]] = [[]]
-    size = 0
-    for e in entries:
-        if size >= _format._GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(e)
-        size += e.nbytes
-    return groups
 
 
 def _read_st_group(
@@ -279,7 +238,7 @@ def _read_st_group(
             t = out[e.name] = torch.empty(e.shape, dtype=e.dtype, device=dev)
             pieces.append(_Piece(e.name, file, e.offset, e.nbytes, t,
                                  ("xxh64", sums.get(e.name)) if sums is not None else None))
-        _reading._read_pieces(io, pieces, prog, path, close_progress=False)
+        _reading._read_pieces(io, pieces, prog, path)
     if dtype is not None:
         return {k: _dtype._convert(t, dtype) for k, t in out.items()}
     return out

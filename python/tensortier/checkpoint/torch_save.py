@@ -16,12 +16,6 @@ from ._format import _require, _torch, _torch_dtypes, PathLike
 from ._writing import _DurableFile
 
 
-def _torch_writes_crcs(torch: Any) -> bool:
-    """Whether torch.save would write CRC-32s now (``set_crc32_options``, torch >= 2.6)."""
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    return bool(get()) if get is not None else True
-
-
 def _pickled(obj: Any) -> tuple[bytes, list[Any]]:
     """The data.pkl torch.save writes for `obj`, and the untyped storages its persistent ids
     name "0", "1"... in that order: the rules of ``torch.serialization._save`` (protocol,
@@ -146,7 +140,9 @@ def _write_staged(writer: Any, engine: Any, out: Any, storages: list[Any]) -> No
 
 def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
     torch = _torch()
-    crc32 = checksum or _torch_writes_crcs(torch)
+    # Whether torch.save would write CRC-32s now (``set_crc32_options``, torch >= 2.6).
+    writes_crcs = getattr(torch.serialization, "get_crc32_options", lambda: True)
+    crc32 = checksum or bool(writes_crcs())
     plain = _plain_dict_writer(obj, crc32)
     storages: list[Any] = []
     if plain is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,10 +13,10 @@ from ..io import File, IOHandle
 from . import _dtype, _engine, _reading, mapping
 from ._files import _same_file
 from ._tensor_bytes import _storage_bytes
-from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes, ALIGNMENT
+from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes
 from ._progress import _Progress
 from ._reading import _open_checkpoint, _Piece, _read_at
-from .mapping import _empty_fixed_storage, _fixed_size, _mapped_tensor, _Placement, _Readahead
+from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead
 
 
 @dataclass(frozen=True)
@@ -32,17 +32,6 @@ class _ZipRecord:
 def _records(entries: Sequence[tuple[str, int, int, int, bool]]) -> dict[str, _ZipRecord]:
     return {name: _ZipRecord(int(off), int(size), int(crc), bool(recorded))
             for name, off, size, crc, recorded in entries}
-
-
-def _zip_records(path: str) -> dict[str, _ZipRecord]:
-    """The stored (uncompressed) records of a zip file, by name."""
-    zip_entries = _require("zip_entries")
-    try:
-        entries = zip_entries(path)
-    except ValueError as e:
-        msg = str(e)
-        raise ValueError(msg if path in msg else f"{path}: {msg}") from e
-    return _records(entries)
 
 
 def _torch_records(path: str) -> tuple[dict[str, _ZipRecord], str]:
@@ -131,7 +120,7 @@ def _fill_now(
     if host is not dest:
         dest.copy_(host)
     if big_endian:
-        _byteswap_storages([ref])
+        _swap_bytes(ref.storage, ref.dtype)
     ref.filled = True
 
 
@@ -185,13 +174,8 @@ def _unpickle_torch(
         def persistent_load(saved_id: Any) -> Any:
             if not isinstance(saved_id, tuple) or len(saved_id) != 5:
                 raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
-            typename, storage_type, key, location, numel = saved_id
-            if isinstance(location, bytes):
-                location = location.decode("ascii")
-            if isinstance(typename, bytes):
-                typename = typename.decode("ascii")
-            if isinstance(key, bytes):
-                key = key.decode("ascii")
+            typename, storage_type, key, location, numel = (
+                v.decode("ascii") if isinstance(v, bytes) else v for v in saved_id)
             if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int):
                 raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
             if storage_type is torch.UntypedStorage:
@@ -236,7 +220,7 @@ def _unpickle_torch(
                     except Exception as e:  # noqa: BLE001 - passed on as raised
                         raise _PlacementError(e) from None
                 if nbytes == 0 and (mapped is not None or sdev.type == "cpu"):
-                    storage = _empty_fixed_storage()
+                    storage = mapping._fixed_storage(0, 0)
                 elif mapped is not None:
                     # Only the storage is kept: quantized dtypes are mapped as bytes (a quantized
                     # tensor cannot be set_ to a storage), others in their dtype, so that a record
@@ -249,10 +233,7 @@ def _unpickle_torch(
                     if storage.resizable():  # a copy (misaligned record)
                         storage = _fixed_size(_storage_bytes(storage)).untyped_storage()
                 elif sdev.type == "cpu":
-                    flat = mapping._host_alloc(nbytes, torch.uint8, record.offset % ALIGNMENT)
-                    if flat.untyped_storage().resizable():
-                        flat = _fixed_size(flat)
-                    storage = flat.untyped_storage()
+                    storage = mapping._fixed_storage(nbytes, record.offset)
                 else:
                     storage = torch.UntypedStorage(nbytes, device=sdev)
                 ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
@@ -271,7 +252,7 @@ def _unpickle_torch(
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
                         _check_crc(ref, _storage_bytes(storage))
-                    _byteswap_storages([ref])
+                    _swap_bytes(ref.storage, ref.dtype)
                     ref.filled = True
                 storages[key] = ref
             return torch.storage.TypedStorage(
@@ -346,14 +327,17 @@ def _unpickle_torch(
 
 
 def _verify_other_records(
-    path: str, file: File, records: Mapping[str, _ZipRecord], checked: set[str], io: IOHandle
+    path: str, file: File, records: Mapping[str, _ZipRecord], prefix: str,
+    storages: Iterable[_StorageRef], io: IOHandle,
 ) -> None:
-    """verify=True: the CRC-32 of every zip record not in `checked` (read and checked with the
-    tensors): ``.format_version``, ``version``, ``.data/serialization_id``, records no tensor
-    uses... as ``tensortier verify`` checks every entry. An archive recording no CRC-32s
-    cannot be verified (nor can it there)."""
+    """verify=True: the CRC-32 of every zip record but data.pkl, byteorder (checked while
+    unpickling) and those of `storages` (checked as they are read): ``.format_version``,
+    ``version``, ``.data/serialization_id``, records no tensor uses... as ``tensortier verify``
+    checks every entry. An archive recording no CRC-32s cannot be verified (nor can it there)."""
     if any(r.size and not r.archive_has_crcs for r in records.values()):
         raise _no_crcs(path, "records")
+    checked = {f"{prefix}data/{r.key}" for r in storages}
+    checked |= {f"{prefix}data.pkl", f"{prefix}byteorder"}
     _require("check_records")(io._core(), file, path, [  # noqa: SLF001 - same package
         (name, r.offset, r.size, r.crc32) for name, r in records.items() if name not in checked])
 
@@ -394,15 +378,9 @@ def _load_plain_dict(
         if chunk >= 0:
             storage = chunk_storages[chunk][pos : pos + n]
             addresses.append(bases[chunk] + pos)
-        elif n == 0:
-            storage = _empty_fixed_storage()
-            addresses.append(0)
         else:
-            flat = mapping._host_alloc(n, torch.uint8, offset % ALIGNMENT)
-            if flat.untyped_storage().resizable():
-                flat = _fixed_size(flat)
-            storage = flat.untyped_storage()
-            addresses.append(flat.data_ptr())
+            storage = mapping._fixed_storage(n, offset)
+            addresses.append(storage.data_ptr() if n else 0)
         out[name] = torch.empty(0, dtype=to_torch[dt]).set_(storage, 0, shape)
     prog = _Progress(f"loading {os.path.basename(path)}", sum(sizes), progress)
     try:
@@ -444,9 +422,7 @@ def _load_torch(
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
         if verify:
             _verifiable(path, refs)
-            read = {f"{prefix}data/{r.key}" for r in refs}
-            read |= {f"{prefix}data.pkl", f"{prefix}byteorder"}  # checked while unpickling
-            _verify_other_records(path, file, records, read, io)
+            _verify_other_records(path, file, records, prefix, refs, io)
         pieces: list[_Piece] = []
         if whole is not None:
             if verify:  # storages swapped while unpickling were checked then
@@ -466,11 +442,16 @@ def _load_torch(
             prog = _Progress(
                 f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
             )
-            _reading._read_pieces(io, pieces, prog, path)
+            try:
+                _reading._read_pieces(io, pieces, prog, path)
+            finally:
+                prog.close()
     finally:
         file.close()
     if big_endian:
-        _byteswap_storages([r for r in refs if not r.filled and r.storage.device.type != "meta"])
+        for r in refs:
+            if not r.filled and r.storage.device.type != "meta":
+                _swap_bytes(r.storage, r.dtype)
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if validate is not None:
         validate()
@@ -478,12 +459,6 @@ def _load_torch(
         del storages, refs, pieces  # the originals' last references are obj's
         obj = _dtype._convert_in_place(obj, dtype)
     return obj
-
-
-def _byteswap_storages(refs: Sequence[_StorageRef]) -> None:
-    """Big-endian data in native order, on the storages' own devices."""
-    for r in refs:
-        _swap_bytes(r.storage, r.dtype)
 
 
 def _swap_bytes(storage: Any, dtype: Any) -> None:
