@@ -52,7 +52,9 @@ void RegisterDcp(py::module_& m) {
           places = WriteDcpFile(engine, path, std::move(items), direct, who);
         }
         py::list out;
-        for (const auto& p : places) out.append(py::make_tuple(p.offset, p.length, p.xxh64));
+        for (const auto& p : places) {
+          out.append(py::make_tuple(p.offset, p.length, p.xxh64, py::bytes(p.block_xxh64)));
+        }
         return out;
       },
       py::arg("engine"), py::arg("path"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
@@ -60,9 +62,10 @@ void RegisterDcp(py::module_& m) {
       py::arg("names") = std::vector<std::string>{},
       "Writes a DCP rank file durably at path: item i is a tensor of dtypes[i] (tensortier's "
       "name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] bytes of host memory at "
-      "addresses[i]. Returns [(offset, length, xxh64)] per item. ValueError naming the item "
-      "(names[i] where given) for a dtype torch cannot pickle, OSError naming who ('rank 1'), "
-      "the step and path (no temporary file left).");
+      "addresses[i]. Returns [(offset, length, xxh64, block xxh64s)] per item (the block sums: "
+      "packed little-endian, one per dcp_block_bytes of a tensor's data; b'' for bytes items). "
+      "ValueError naming the item (names[i] where given) for a dtype torch cannot pickle, "
+      "OSError naming who ('rank 1'), the step and path (no temporary file left).");
   m.def(
       "read_dcp_tensor_items",
       [](const FsPath& path, const std::vector<std::string>& names,
@@ -107,25 +110,30 @@ void RegisterDcp(py::module_& m) {
          const std::vector<uint64_t>& data_offsets, const std::vector<uint64_t>& data_lengths,
          const std::vector<uintptr_t>& addresses, const std::vector<std::optional<uint64_t>>& xxh64,
          const std::vector<std::optional<uint32_t>>& crc32,
-         const std::vector<std::optional<py::tuple>>& slices) {
+         const std::vector<std::optional<py::tuple>>& slices,
+         const std::vector<std::optional<std::string>>& blocks) {
         SameLength(names.size(),
                    {offsets.size(), lengths.size(), data_offsets.size(), data_lengths.size(),
                     addresses.size(), xxh64.size(), crc32.size()},
                    "read_dcp_items");
         if (!slices.empty()) SameLength(names.size(), {slices.size()}, "read_dcp_items");
+        if (!blocks.empty()) SameLength(names.size(), {blocks.size()}, "read_dcp_items");
         std::vector<DcpRead> reads(names.size());
         for (size_t i = 0; i < reads.size(); ++i) {
           reads[i] = {names[i],        offsets[i],      lengths[i],
                       data_offsets[i], data_lengths[i], reinterpret_cast<std::byte*>(addresses[i]),
-                      xxh64[i],        crc32[i],        std::nullopt};
+                      xxh64[i],        crc32[i],        std::nullopt,
+                      {}};
           if (!slices.empty() && slices[i]) {
             const py::tuple& t = *slices[i];
             reads[i].slice = DcpSlice{t[0].cast<std::vector<int64_t>>(), t[1].cast<uint64_t>(),
                                       t[2].cast<std::vector<int64_t>>(),
                                       t[3].cast<std::vector<int64_t>>()};
             if (xxh64[i] || crc32[i]) {
-              throw std::invalid_argument("read_dcp_items: a part of an item cannot be checked");
+              throw std::invalid_argument(
+                  "read_dcp_items: a part of an item is checked by its block sums alone");
             }
+            if (!blocks.empty() && blocks[i]) reads[i].blocks = *blocks[i];
           }
         }
         py::gil_scoped_release release;
@@ -135,11 +143,13 @@ void RegisterDcp(py::module_& m) {
       py::arg("engine"), py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
       py::arg("data_offsets"), py::arg("data_lengths"), py::arg("addresses"), py::arg("xxh64"),
       py::arg("crc32"), py::arg("slices") = std::vector<std::optional<py::tuple>>{},
+      py::arg("blocks") = std::vector<std::optional<std::string>>{},
       "Reads item i's data [data_offsets[i], +data_lengths[i]) into addresses[i] and checks the "
       "item: the xxh64 of [offsets[i], +lengths[i]) where xxh64[i] is set, else the CRC-32 of its "
       "data where crc32[i] is. Where slices[i] is (shape, itemsize, offsets, lengths), reads "
       "only that block of the contiguous tensor of `shape` stored at data_offsets[i], as a "
-      "contiguous tensor of `lengths` (unchecked). Ranges are read sorted, near ones merged. "
+      "contiguous tensor of `lengths`, checked where blocks[i] (the data's block sums) is given: "
+      "every block the part touches is read whole. Ranges are read sorted, near ones merged. "
       "Returns the bytes read from the file. ValueError naming the file, the item and its byte "
       "range for a mismatch, a truncated file or a block outside the tensor; OSError for I/O "
       "errors (a missing file: naming its first item).");
@@ -216,4 +226,5 @@ void RegisterDcp(py::module_& m) {
         "Refuses (ValueError naming `what` and the tensor) chunks that lie outside the tensor's "
         "size or do not hold all of its elements (data no file has).");
   m.attr("dcp_format") = kDcpFormat;
+  m.attr("dcp_block_bytes") = kDcpBlockBytes;
 }

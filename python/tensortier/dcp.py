@@ -174,9 +174,11 @@ class Writer(StorageWriter, AsyncStager):
             [t.data_ptr() for _, t in items], self.direct, f"rank {self.rank}",
             [item.index.fqn for item in plan.items])
         results = []
-        for item, (offset, length, xxh64) in zip(plan.items, places):
+        for item, (offset, length, xxh64, blocks) in zip(plan.items, places):
             info = _fs._StorageInfo(name, offset, length)
             info.xxh64 = xxh64  # type: ignore[attr-defined]  # stock readers ignore it
+            if blocks:  # a tensor's data's block sums (Reader checks the parts it reads)
+                info.xxh64_blocks = blocks  # type: ignore[attr-defined]
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return _done(results)
 
@@ -270,18 +272,21 @@ class Reader(StorageReader):
     (straight into the target where both are contiguous CPU tensors of one dtype); a load into
     another sharding (2 ranks into 4, ``Shard(0)`` into ``Shard(1)``...) reads only the runs of
     each stored tensor that a target's block selects, sorted and merged with the other reads of
-    the file (runs a page or less apart share a request).
+    the file (runs a page or less apart share a request); with ``verify``, the 32 KiB blocks of
+    the stored data that those runs touch are read whole, and checked.
 
     Args:
         path: the checkpoint directory (written by ``Writer`` or torch's ``FileSystemWriter``,
             with either ``serialization_format``; torch's own ``FileSystemReader`` reads only
             ``TORCH_SAVE``).
         verify: ``True`` (the default) checks each item read whole against its xxh64 in the
-            metadata (``Writer``'s checkpoints) or its zip CRC-32 (torch's); a mismatch raises
-            ValueError naming the file, the item and its byte range. Items read in part are not
-            checked, nor are torch's ``SAFETENSORS`` items (they carry no checksum);
-            ``"full"`` reads every item whole, so that all are checked. ``False`` checks
-            nothing.
+            metadata (``Writer``'s checkpoints) or its zip CRC-32 (torch's), and each item read
+            in part by the xxh64s of the 32 KiB blocks of its data that the part touches (read
+            whole for it; ``Writer``'s checkpoints record them); a mismatch raises ValueError
+            naming the file, the item and the byte range. Parts of items without block sums
+            (torch's checkpoints, older ones of ``Writer``) are not checked, nor are torch's
+            ``SAFETENSORS`` items (they carry no checksum); ``"full"`` reads every item whole,
+            so that all are checked. ``False`` checks nothing.
 
     Attributes:
         bytes_read: the bytes this process's Reader read from data files in its last
@@ -373,7 +378,7 @@ class Reader(StorageReader):
         self.bytes_read += sum(layout[7] for layout in layouts.values())
         dtypes = torch_dtypes()
         bufs: dict[Any, tuple[Any, Any, bool]] = {}
-        args: list[list[Any]] = [[] for _ in range(9)]
+        args: list[list[Any]] = [[] for _ in range(10)]
         partial: list[tuple[Any, Any, Any]] = []  # (request, what was read, target to copy into)
         for index, info in infos.items():
             layout = layouts.get(index)
@@ -382,7 +387,7 @@ class Reader(StorageReader):
             offset, length = (layout[4], layout[5]) if layout and layout[10] else \
                 (info.offset, info.length)
             if dtype is not None and self.verify != "full" and _in_parts(reqs_of[index], layout):
-                # Only the elements each request needs, unchecked.
+                # Only the elements each request needs, checked by the blocks they touch.
                 for req in reqs_of[index]:
                     target = planner.resolve_tensor(req).detach()
                     into = (target.dtype == dtype and target.device.type == "cpu"
@@ -391,9 +396,10 @@ class Reader(StorageReader):
                     partial.append((req, buf, None if into else target))
                     part = (list(layout[1]), dtype.itemsize, list(req.storage_offsets),
                             list(req.lengths))
+                    blocks = getattr(info, "xxh64_blocks", None) if self.verify else None
                     for column, value in zip(args, (_item_name(index), offset, length,
                                                     layout[4], layout[5], buf.data_ptr(), None,
-                                                    None, part)):
+                                                    None, part, blocks)):
                         column.append(value)
                 continue
             target = None
@@ -408,7 +414,7 @@ class Reader(StorageReader):
             for column, value in zip(args, (
                     _item_name(index), offset, length, data_offset, nbytes,
                     buf.data_ptr(), xxh64 if self.verify else None,
-                    crc if self.verify else None, None)):
+                    crc if self.verify else None, None, None)):
                 column.append(value)
         self.bytes_read += _core.read_dcp_items(default_io()._core(), path, *args)
         for req, buf, target in partial:
