@@ -273,7 +273,8 @@ class Reader(StorageReader):
     another sharding (2 ranks into 4, ``Shard(0)`` into ``Shard(1)``...) reads only the runs of
     each stored tensor that a target's block selects, sorted and merged with the other reads of
     the file (runs a page or less apart share a request); with ``verify``, the 32 KiB blocks of
-    the stored data that those runs touch are read whole, and checked.
+    the stored data that those runs touch are read whole, and checked. The small items read
+    whole are read in few large requests, once for their zip records and data alike.
 
     Args:
         path: the checkpoint directory (written by ``Writer`` or torch's ``FileSystemWriter``,
@@ -369,13 +370,20 @@ class Reader(StorageReader):
         for r in reqs:
             reqs_of.setdefault(r.storage_index, []).append(r)
         infos = {i: self.storage_data[i] for i in reqs_of}
-        tensors = [i for i, rs in reqs_of.items() if rs[0].type != LoadItemType.BYTE_IO]
-        layouts = dict(zip(tensors, _core.read_dcp_tensor_items(
-            path, [_item_name(i) for i in tensors], [infos[i].offset for i in tensors],
-            [infos[i].length for i in tensors],
-            [self.chunk_sizes.get((i.fqn, tuple(i.offset or ()))) for i in tensors],
-            [i.fqn for i in tensors])))
-        self.bytes_read += sum(layout[7] for layout in layouts.values())
+        is_tensor = [rs[0].type != LoadItemType.BYTE_IO for rs in reqs_of.values()]
+        chunk_sizes = self.chunk_sizes
+        engine = default_io()._core()
+        # The file's small items are read once, in few requests, for their records and data.
+        sizes = [chunk_sizes.get((i.fqn, tuple(i.offset or ()))) if t else None
+                 for i, t in zip(infos, is_tensor)]
+        whole = [not t or self.verify == "full" or _asks_whole(rs, s)
+                 for rs, t, s in zip(reqs_of.values(), is_tensor, sizes)]
+        reads = _core.DcpFileReads(
+            engine, path, [_item_name(i) for i in infos], [info.offset for info in infos.values()],
+            [info.length for info in infos.values()], is_tensor, whole, sizes,
+            [i.fqn for i in infos])
+        layouts = dict(zip([i for i, t in zip(infos, is_tensor) if t], reads.tensors()))
+        self.bytes_read += reads.bytes_read
         dtypes = torch_dtypes()
         bufs: dict[Any, tuple[Any, Any, bool]] = {}
         args: list[list[Any]] = [[] for _ in range(10)]
@@ -416,7 +424,7 @@ class Reader(StorageReader):
                     buf.data_ptr(), xxh64 if self.verify else None,
                     crc if self.verify else None, None, None)):
                 column.append(value)
-        self.bytes_read += _core.read_dcp_items(default_io()._core(), path, *args)
+        self.bytes_read += reads.read(engine, *args)
         for req, buf, target in partial:
             if target is not None:
                 target.copy_(buf)
@@ -452,6 +460,13 @@ class Reader(StorageReader):
                                  f"{tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+def _asks_whole(reqs: list[Any], sizes: list[int] | None) -> bool:
+    """Whether the requests of a stored tensor chunk of `sizes` (the metadata's) are one for all
+    of it."""
+    req = reqs[0]
+    return len(reqs) == 1 and not any(req.storage_offsets) and list(req.lengths) == sizes
 
 
 def _in_parts(reqs: list[Any], layout: Any) -> bool:

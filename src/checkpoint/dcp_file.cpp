@@ -315,7 +315,7 @@ void CheckShape(const std::string& where, const std::optional<std::vector<int64_
 }
 
 // The item `fqn` of a safetensors section at `offset` (torch's SAFETENSORS serialization).
-DcpTensorItem ReadSafetensorsItem(const FileSource& whole, const std::string& name,
+DcpTensorItem ReadSafetensorsItem(const ByteSource& whole, const std::string& name,
                                   const std::string& fqn, uint64_t offset,
                                   const std::optional<std::vector<int64_t>>& expected_shape) {
   const std::string where = StrCat(whole.name(), ": item '", name, "' (safetensors data at ",
@@ -362,7 +362,13 @@ DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint6
                                 uint64_t length,
                                 const std::optional<std::vector<int64_t>>& expected_shape,
                                 const std::string& fqn) {
-  FileSource whole(file);
+  return ReadDcpTensorItem(FileSource(file), name, offset, length, expected_shape, fqn);
+}
+
+DcpTensorItem ReadDcpTensorItem(const ByteSource& whole, const std::string& name, uint64_t offset,
+                                uint64_t length,
+                                const std::optional<std::vector<int64_t>>& expected_shape,
+                                const std::string& fqn) {
   if (!fqn.empty() && offset <= whole.size() && whole.size() - offset >= 4) {
     char magic[4];
     whole.ReadAt(offset, magic, 4);
@@ -459,7 +465,20 @@ std::vector<DcpRun> DcpSliceRuns(const DcpSlice& slice, uint64_t data_offset,
   return runs;
 }
 
-uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads) {
+const std::byte* FindDcpHeldBytes(std::span<const DcpHeldBytes> held, uint64_t offset,
+                                  uint64_t length) {
+  auto it = std::upper_bound(held.begin(), held.end(), offset,
+                             [](uint64_t o, const DcpHeldBytes& h) { return o < h.offset; });
+  if (it == held.begin()) return nullptr;
+  --it;
+  if (offset - it->offset > it->bytes.size() || length > it->bytes.size() - (offset - it->offset)) {
+    return nullptr;
+  }
+  return it->bytes.data() + (offset - it->offset);
+}
+
+uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads,
+                      std::span<const DcpHeldBytes> held) {
   // Each item in up to three pieces: the zip records before its data (kept for the xxh64), the
   // data into its destination, the records after it. A slice: its runs into its destination.
   std::vector<std::string> heads(reads.size()), tails(reads.size());
@@ -483,7 +502,9 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
     ~SettleOwn() { Settle(f); }
   } settle{own};
   auto piece = [&](size_t i, uint64_t offset, uint64_t length, std::byte* dest) {
-    if (length >= kOwnRequest) {
+    if (const std::byte* p = FindDcpHeldBytes(held, offset, length)) {
+      if (length > 0) std::memcpy(dest, p, length);
+    } else if (length >= kOwnRequest) {
       own.push_back(engine.Read(file, dest, length, offset));
       own_of.emplace_back(i, length);
       bytes_read += length;

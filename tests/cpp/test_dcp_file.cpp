@@ -14,6 +14,7 @@
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
+#include "tensortier/checkpoint/dcp_reads.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/util/error.hpp"
@@ -249,6 +250,43 @@ TEST(DcpFile, PartsAreCheckedByTheBlocksTheyTouch) {
   EXPECT_NO_THROW(ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1)));
   r.blocks = std::string_view(p.block_xxh64).substr(8);  // not one sum per block
   EXPECT_THROW(ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1)), FormatError);
+}
+
+TEST(DcpFile, SmallItemsAreReadOnceForTheirRecordsAndTheirData) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  constexpr size_t kItems = 500;
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<DcpWriteItem> items;
+  for (size_t i = 0; i < kItems; ++i) bytes.push_back(Pattern(1024, static_cast<int>(i)));
+  for (size_t i = 0; i < kItems; ++i) {
+    items.push_back({"F32", {256}, 1024, reinterpret_cast<const std::byte*>(bytes[i].data()),
+                     StrCat("t", i)});
+  }
+  const std::vector<DcpItemPlace> places = WriteDcpFile(engine, path, items);
+  std::vector<DcpFileReads::Item> wanted;
+  for (size_t i = 0; i < kItems; ++i) {
+    wanted.push_back({StrCat("t", i), places[i].offset, places[i].length, true, true,
+                      std::vector<int64_t>{256}, StrCat("t", i)});
+  }
+  const DcpFileReads reads(engine, path, wanted);
+  const uint64_t size = std::filesystem::file_size(path);
+  EXPECT_LE(reads.bytes_read(), size + 4096);  // the records parsed from the bytes held
+  ASSERT_EQ(reads.tensors().size(), kItems);
+  std::vector<std::vector<uint8_t>> out(kItems, std::vector<uint8_t>(1024));
+  std::vector<DcpRead> r;
+  for (size_t i = 0; i < kItems; ++i) {
+    const DcpTensorItem& t = reads.tensors()[i];
+    r.push_back({StrCat("t", i), places[i].offset, places[i].length, t.data_offset, t.nbytes,
+                 reinterpret_cast<std::byte*>(out[i].data()), places[i].xxh64, std::nullopt,
+                 std::nullopt, {}});
+  }
+  EXPECT_EQ(reads.Read(engine, r), 0u);  // all of it held
+  EXPECT_EQ(out, bytes);
+  // The held bytes are checked as the file's are: an xxh64 the item does not have is refused.
+  r[7].xxh64 = *r[7].xxh64 ^ 1;
+  EXPECT_THROW(reads.Read(engine, r), FormatError);
 }
 
 TEST(DcpMetadata, ChunksMustHoldEveryElementAndFilesMustBeThere) {

@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
@@ -128,6 +129,11 @@ DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint6
                                 uint64_t length,
                                 const std::optional<std::vector<int64_t>>& expected_shape = {},
                                 const std::string& fqn = "");
+// The same, from the bytes of `whole` (the file, or what of it is in memory).
+DcpTensorItem ReadDcpTensorItem(const ByteSource& whole, const std::string& name, uint64_t offset,
+                                uint64_t length,
+                                const std::optional<std::vector<int64_t>>& expected_shape,
+                                const std::string& fqn);
 
 // A part of a stored tensor (a contiguous tensor of `shape`, elements of `itemsize` bytes): the
 // block at `offsets` of `lengths` along each dimension, which a load into another sharding needs.
@@ -170,13 +176,25 @@ struct DcpRead {
   std::string_view blocks;        // with `slice`: the data's block sums (unchecked when empty)
 };
 
+// Bytes of a file already in memory: [offset, offset + bytes.size()) of it.
+struct DcpHeldBytes {
+  uint64_t offset = 0;
+  std::span<const std::byte> bytes;
+};
+
+// The bytes at [offset, offset + length) in `held` (sorted by offset, disjoint), or nullptr where
+// no one range holds them all.
+const std::byte* FindDcpHeldBytes(std::span<const DcpHeldBytes> held, uint64_t offset,
+                                  uint64_t length);
+
 // Reads every item of `reads` from `file` with `engine` and checks it (xxh64 of the item, else
 // CRC-32 of its data; a part: the sums of the blocks it touches). The byte ranges of all items
 // are read sorted, those a page or less apart in one request, the large ones (1 MiB or more)
 // straight into their destination. Returns the bytes read from the file. Throws FormatError
 // naming the file, the item and its byte range for a mismatch or a file that ends inside an item;
-// IoError for I/O errors.
-uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads);
+// IoError for I/O errors. Pieces that lie in one range of `held` are copied from it, not read.
+uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads,
+                      std::span<const DcpHeldBytes> held = {});
 
 // Commits a DCP checkpoint whose data files are written: `metadata` (the pickled Metadata) goes to
 // DIR/.metadata durably (temporary file, fdatasync, rename, directory fsync), which makes the new
