@@ -376,11 +376,12 @@ class Reader(StorageReader):
         # The file's small items are read once, in few requests, for their records and data.
         sizes = [chunk_sizes.get((i.fqn, tuple(i.offset or ()))) if t else None
                  for i, t in zip(infos, is_tensor)]
-        whole = [not t or self.verify == "full" or _asks_whole(rs, s)
-                 for rs, t, s in zip(reqs_of.values(), is_tensor, sizes)]
+        read_whole = [not t or self.verify == "full" or _asks_whole(rs, s)
+                      for rs, t, s in zip(reqs_of.values(), is_tensor, sizes)]
+        names = {i: _item_name(i) for i in infos}
         reads = _core.DcpFileReads(
-            engine, path, [_item_name(i) for i in infos], [info.offset for info in infos.values()],
-            [info.length for info in infos.values()], is_tensor, whole, sizes,
+            engine, path, list(names.values()), [info.offset for info in infos.values()],
+            [info.length for info in infos.values()], is_tensor, read_whole, sizes,
             [i.fqn for i in infos])
         layouts = dict(zip([i for i, t in zip(infos, is_tensor) if t], reads.tensors()))
         self.bytes_read += reads.bytes_read
@@ -405,7 +406,7 @@ class Reader(StorageReader):
                     part = (list(layout[1]), dtype.itemsize, list(req.storage_offsets),
                             list(req.lengths))
                     blocks = getattr(info, "xxh64_blocks", None) if self.verify else None
-                    for column, value in zip(args, (_item_name(index), offset, length,
+                    for column, value in zip(args, (names[index], offset, length,
                                                     layout[4], layout[5], buf.data_ptr(), None,
                                                     None, part, blocks)):
                         column.append(value)
@@ -420,7 +421,7 @@ class Reader(StorageReader):
             bufs[index] = (buf, layout, target is not None)
             xxh64 = getattr(info, "xxh64", None)
             for column, value in zip(args, (
-                    _item_name(index), offset, length, data_offset, nbytes,
+                    names[index], offset, length, data_offset, nbytes,
                     buf.data_ptr(), xxh64 if self.verify else None,
                     crc if self.verify else None, None, None)):
                 column.append(value)
