@@ -174,9 +174,11 @@ class Writer(StorageWriter, AsyncStager):
             [t.data_ptr() for _, t in items], self.direct, f"rank {self.rank}",
             [item.index.fqn for item in plan.items])
         results = []
-        for item, (offset, length, xxh64) in zip(plan.items, places):
+        for item, (offset, length, xxh64, blocks) in zip(plan.items, places):
             info = _fs._StorageInfo(name, offset, length)
             info.xxh64 = xxh64  # type: ignore[attr-defined]  # stock readers ignore it
+            if blocks:  # a tensor's data's block sums (Reader checks the parts it reads)
+                info.xxh64_blocks = blocks  # type: ignore[attr-defined]
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return _done(results)
 
@@ -270,18 +272,22 @@ class Reader(StorageReader):
     (straight into the target where both are contiguous CPU tensors of one dtype); a load into
     another sharding (2 ranks into 4, ``Shard(0)`` into ``Shard(1)``...) reads only the runs of
     each stored tensor that a target's block selects, sorted and merged with the other reads of
-    the file (runs a page or less apart share a request).
+    the file (runs a page or less apart share a request); with ``verify``, the 32 KiB blocks of
+    the stored data that those runs touch are read whole, and checked. The small items read
+    whole are read in few large requests, once for their zip records and data alike.
 
     Args:
         path: the checkpoint directory (written by ``Writer`` or torch's ``FileSystemWriter``,
             with either ``serialization_format``; torch's own ``FileSystemReader`` reads only
             ``TORCH_SAVE``).
         verify: ``True`` (the default) checks each item read whole against its xxh64 in the
-            metadata (``Writer``'s checkpoints) or its zip CRC-32 (torch's); a mismatch raises
-            ValueError naming the file, the item and its byte range. Items read in part are not
-            checked, nor are torch's ``SAFETENSORS`` items (they carry no checksum);
-            ``"full"`` reads every item whole, so that all are checked. ``False`` checks
-            nothing.
+            metadata (``Writer``'s checkpoints) or its zip CRC-32 (torch's), and each item read
+            in part by the xxh64s of the 32 KiB blocks of its data that the part touches (read
+            whole for it; ``Writer``'s checkpoints record them); a mismatch raises ValueError
+            naming the file, the item and the byte range. Parts of items without block sums
+            (torch's checkpoints, older ones of ``Writer``) are not checked, nor are torch's
+            ``SAFETENSORS`` items (they carry no checksum); ``"full"`` reads every item whole,
+            so that all are checked. ``False`` checks nothing.
 
     Attributes:
         bytes_read: the bytes this process's Reader read from data files in its last
@@ -364,16 +370,24 @@ class Reader(StorageReader):
         for r in reqs:
             reqs_of.setdefault(r.storage_index, []).append(r)
         infos = {i: self.storage_data[i] for i in reqs_of}
-        tensors = [i for i, rs in reqs_of.items() if rs[0].type != LoadItemType.BYTE_IO]
-        layouts = dict(zip(tensors, _core.read_dcp_tensor_items(
-            path, [_item_name(i) for i in tensors], [infos[i].offset for i in tensors],
-            [infos[i].length for i in tensors],
-            [self.chunk_sizes.get((i.fqn, tuple(i.offset or ()))) for i in tensors],
-            [i.fqn for i in tensors])))
-        self.bytes_read += sum(layout[7] for layout in layouts.values())
+        is_tensor = [rs[0].type != LoadItemType.BYTE_IO for rs in reqs_of.values()]
+        chunk_sizes = self.chunk_sizes
+        engine = default_io()._core()
+        # The file's small items are read once, in few requests, for their records and data.
+        sizes = [chunk_sizes.get((i.fqn, tuple(i.offset or ()))) if t else None
+                 for i, t in zip(infos, is_tensor)]
+        read_whole = [not t or self.verify == "full" or _asks_whole(rs, s)
+                      for rs, t, s in zip(reqs_of.values(), is_tensor, sizes)]
+        names = {i: _item_name(i) for i in infos}
+        reads = _core.DcpFileReads(
+            engine, path, list(names.values()), [info.offset for info in infos.values()],
+            [info.length for info in infos.values()], is_tensor, read_whole, sizes,
+            [i.fqn for i in infos])
+        layouts = dict(zip([i for i, t in zip(infos, is_tensor) if t], reads.tensors()))
+        self.bytes_read += reads.bytes_read
         dtypes = torch_dtypes()
         bufs: dict[Any, tuple[Any, Any, bool]] = {}
-        args: list[list[Any]] = [[] for _ in range(9)]
+        args: list[list[Any]] = [[] for _ in range(10)]
         partial: list[tuple[Any, Any, Any]] = []  # (request, what was read, target to copy into)
         for index, info in infos.items():
             layout = layouts.get(index)
@@ -382,7 +396,7 @@ class Reader(StorageReader):
             offset, length = (layout[4], layout[5]) if layout and layout[10] else \
                 (info.offset, info.length)
             if dtype is not None and self.verify != "full" and _in_parts(reqs_of[index], layout):
-                # Only the elements each request needs, unchecked.
+                # Only the elements each request needs, checked by the blocks they touch.
                 for req in reqs_of[index]:
                     target = planner.resolve_tensor(req).detach()
                     into = (target.dtype == dtype and target.device.type == "cpu"
@@ -391,9 +405,10 @@ class Reader(StorageReader):
                     partial.append((req, buf, None if into else target))
                     part = (list(layout[1]), dtype.itemsize, list(req.storage_offsets),
                             list(req.lengths))
-                    for column, value in zip(args, (_item_name(index), offset, length,
+                    blocks = getattr(info, "xxh64_blocks", None) if self.verify else None
+                    for column, value in zip(args, (names[index], offset, length,
                                                     layout[4], layout[5], buf.data_ptr(), None,
-                                                    None, part)):
+                                                    None, part, blocks)):
                         column.append(value)
                 continue
             target = None
@@ -406,11 +421,11 @@ class Reader(StorageReader):
             bufs[index] = (buf, layout, target is not None)
             xxh64 = getattr(info, "xxh64", None)
             for column, value in zip(args, (
-                    _item_name(index), offset, length, data_offset, nbytes,
+                    names[index], offset, length, data_offset, nbytes,
                     buf.data_ptr(), xxh64 if self.verify else None,
-                    crc if self.verify else None, None)):
+                    crc if self.verify else None, None, None)):
                 column.append(value)
-        self.bytes_read += _core.read_dcp_items(default_io()._core(), path, *args)
+        self.bytes_read += reads.read(engine, *args)
         for req, buf, target in partial:
             if target is not None:
                 target.copy_(buf)
@@ -446,6 +461,13 @@ class Reader(StorageReader):
                                  f"{tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+def _asks_whole(reqs: list[Any], sizes: list[int] | None) -> bool:
+    """Whether the requests of a stored tensor chunk of `sizes` (the metadata's) are one for all
+    of it."""
+    req = reqs[0]
+    return len(reqs) == 1 and not any(req.storage_offsets) and list(req.lengths) == sizes
 
 
 def _in_parts(reqs: list[Any], layout: Any) -> bool:

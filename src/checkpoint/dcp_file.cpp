@@ -130,7 +130,72 @@ class CommitLock {
   int fd_ = -1;
 };
 
+// The block sums of a stream of tensor data, fed in pieces of any size.
+class BlockHasher {
+ public:
+  void Update(const std::byte* p, uint64_t n) {
+    while (n > 0) {
+      const uint64_t take = std::min(n, kDcpBlockBytes - filled_);
+      state_.Update(p, take);
+      filled_ += take;
+      p += take;
+      n -= take;
+      if (filled_ == kDcpBlockBytes) Emit();
+    }
+  }
+  std::string Finish() {
+    if (filled_ > 0) Emit();
+    return std::move(out_);
+  }
+
+ private:
+  void Emit() {
+    const uint64_t v = state_.Digest();
+    for (int k = 0; k < 8; ++k) out_.push_back(static_cast<char>(v >> (8 * k)));
+    state_ = Xxh64State();
+    filled_ = 0;
+  }
+  Xxh64State state_;
+  uint64_t filled_ = 0;
+  std::string out_;
+};
+
+uint64_t LoadLe64(std::string_view packed, uint64_t k) {
+  uint64_t v = 0;
+  for (int b = 0; b < 8; ++b) {
+    v |= uint64_t{static_cast<unsigned char>(packed[8 * k + b])} << (8 * b);
+  }
+  return v;
+}
+
 }  // namespace
+
+std::string DcpBlockXxh64s(const std::byte* data, uint64_t n) {
+  BlockHasher h;
+  h.Update(data, n);
+  return h.Finish();
+}
+
+void CheckDcpBlockXxh64s(const std::string& where, std::string_view expected, uint64_t first,
+                         std::string_view actual, uint64_t data_offset, uint64_t data_length) {
+  const uint64_t blocks = (data_length + kDcpBlockBytes - 1) / kDcpBlockBytes;
+  if (expected.size() != 8 * blocks) {
+    throw FormatError(StrCat(where, ": the metadata records ", expected.size(),
+                             " bytes of block sums (xxh64_blocks) for ", data_length,
+                             " bytes of data, not 8 per ", kDcpBlockBytes, "-byte block"));
+  }
+  for (uint64_t k = 0; k < actual.size() / 8 && first + k < blocks; ++k) {
+    const uint64_t got = LoadLe64(actual, k);
+    const uint64_t want = LoadLe64(expected, first + k);
+    if (got != want) {
+      const uint64_t at = (first + k) * kDcpBlockBytes;
+      throw FormatError(StrCat(where, ": the xxh64 of its data's ",
+                               Range(data_offset + at, std::min(kDcpBlockBytes, data_length - at)),
+                               " is ", Hex16(got), ", the metadata records ", Hex16(want),
+                               ": the file is damaged"));
+    }
+  }
+}
 
 DcpFilePlan::DcpFilePlan(std::vector<DcpWriteItem> items) : items_(std::move(items)) {
   places_.resize(items_.size());
@@ -197,6 +262,7 @@ void DcpFilePlan::Write(Engine& engine, const File& file) {
     h.Update(it.src, it.nbytes);
     h.Update(tails_[i].data(), tails_[i].size());
     p.xxh64 = h.Digest();
+    if (!it.dtype.empty()) p.block_xxh64 = DcpBlockXxh64s(it.src, it.nbytes);
     const auto* head = reinterpret_cast<const std::byte*>(heads_[i].data());
     const auto* tail = reinterpret_cast<const std::byte*>(tails_[i].data());
     gathered.push_back({p.offset, heads_[i].size(), head});
@@ -249,7 +315,7 @@ void CheckShape(const std::string& where, const std::optional<std::vector<int64_
 }
 
 // The item `fqn` of a safetensors section at `offset` (torch's SAFETENSORS serialization).
-DcpTensorItem ReadSafetensorsItem(const FileSource& whole, const std::string& name,
+DcpTensorItem ReadSafetensorsItem(const ByteSource& whole, const std::string& name,
                                   const std::string& fqn, uint64_t offset,
                                   const std::optional<std::vector<int64_t>>& expected_shape) {
   const std::string where = StrCat(whole.name(), ": item '", name, "' (safetensors data at ",
@@ -296,7 +362,13 @@ DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint6
                                 uint64_t length,
                                 const std::optional<std::vector<int64_t>>& expected_shape,
                                 const std::string& fqn) {
-  FileSource whole(file);
+  return ReadDcpTensorItem(FileSource(file), name, offset, length, expected_shape, fqn);
+}
+
+DcpTensorItem ReadDcpTensorItem(const ByteSource& whole, const std::string& name, uint64_t offset,
+                                uint64_t length,
+                                const std::optional<std::vector<int64_t>>& expected_shape,
+                                const std::string& fqn) {
   if (!fqn.empty() && offset <= whole.size() && whole.size() - offset >= 4) {
     char magic[4];
     whole.ReadAt(offset, magic, 4);
@@ -393,7 +465,20 @@ std::vector<DcpRun> DcpSliceRuns(const DcpSlice& slice, uint64_t data_offset,
   return runs;
 }
 
-uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads) {
+const std::byte* FindDcpHeldBytes(std::span<const DcpHeldBytes> held, uint64_t offset,
+                                  uint64_t length) {
+  auto it = std::upper_bound(held.begin(), held.end(), offset,
+                             [](uint64_t o, const DcpHeldBytes& h) { return o < h.offset; });
+  if (it == held.begin()) return nullptr;
+  --it;
+  if (offset - it->offset > it->bytes.size() || length > it->bytes.size() - (offset - it->offset)) {
+    return nullptr;
+  }
+  return it->bytes.data() + (offset - it->offset);
+}
+
+uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads,
+                      std::span<const DcpHeldBytes> held) {
   // Each item in up to three pieces: the zip records before its data (kept for the xxh64), the
   // data into its destination, the records after it. A slice: its runs into its destination.
   std::vector<std::string> heads(reads.size()), tails(reads.size());
@@ -402,12 +487,24 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
   std::vector<Future> own;
   std::vector<std::pair<size_t, uint64_t>> own_of;  // own index -> (item, expected)
   uint64_t bytes_read = 0;
+  // Parts of items checked by their blocks: the spans of whole blocks read, and the runs to copy
+  // out of them once they are checked.
+  struct Span {
+    size_t item;
+    uint64_t first, last;  // blocks
+    std::string where;
+    std::unique_ptr<std::byte[]> buf;
+  };
+  std::vector<Span> spans;
+  std::vector<std::vector<DcpRun>> runs_of(reads.size());
   struct SettleOwn {
     std::vector<Future>& f;
     ~SettleOwn() { Settle(f); }
   } settle{own};
   auto piece = [&](size_t i, uint64_t offset, uint64_t length, std::byte* dest) {
-    if (length >= kOwnRequest) {
+    if (const std::byte* p = FindDcpHeldBytes(held, offset, length)) {
+      if (length > 0) std::memcpy(dest, p, length);
+    } else if (length >= kOwnRequest) {
       own.push_back(engine.Read(file, dest, length, offset));
       own_of.emplace_back(i, length);
       bytes_read += length;
@@ -430,8 +527,21 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
           throw FormatError(StrCat(where, ": the tensor's ", ShapeText(r.slice->shape),
                                    " do not fit its ", r.data_length, " bytes of data"));
         }
-        piece(i, run.offset, run.length, r.dest + run.dest_offset);
+        if (r.blocks.empty()) piece(i, run.offset, run.length, r.dest + run.dest_offset);
       }
+      if (r.blocks.empty()) continue;
+      // Checked: the blocks the runs touch, read whole into spans of consecutive blocks.
+      CheckDcpBlockXxh64s(where, r.blocks, 0, {}, r.data_offset, r.data_length);
+      for (const DcpRun& run : runs) {
+        const uint64_t first = (run.offset - r.data_offset) / kDcpBlockBytes;
+        const uint64_t last = (run.offset + run.length - 1 - r.data_offset) / kDcpBlockBytes;
+        if (!spans.empty() && spans.back().item == i && first <= spans.back().last + 1) {
+          spans.back().last = std::max(spans.back().last, last);
+        } else {
+          spans.push_back({i, first, last, where, nullptr});
+        }
+      }
+      runs_of[i] = runs;
       continue;
     }
     piece(i, r.data_offset, r.data_length, r.dest);
@@ -441,6 +551,17 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
     piece(i, r.offset, heads[i].size(), reinterpret_cast<std::byte*>(heads[i].data()));
     piece(i, r.data_offset + r.data_length, tails[i].size(),
           reinterpret_cast<std::byte*>(tails[i].data()));
+  }
+  auto span_place = [&](const Span& sp) {  // (offset in the file, length) of a span's blocks
+    const DcpRead& r = reads[sp.item];
+    const uint64_t begin = sp.first * kDcpBlockBytes;
+    return std::pair(r.data_offset + begin,
+                     std::min((sp.last + 1) * kDcpBlockBytes, r.data_length) - begin);
+  };
+  for (Span& sp : spans) {
+    const auto [offset, length] = span_place(sp);
+    sp.buf = std::make_unique_for_overwrite<std::byte[]>(length);
+    piece(sp.item, offset, length, sp.buf.get());
   }
   auto truncated = [&](size_t i) {
     const DcpRead& r = reads[i];
@@ -457,6 +578,26 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
     Future f = std::move(own[k]);
     own[k] = Future();
     if (f.Wait().bytes != own_of[k].second) throw truncated(own_of[k].first);
+  }
+  for (size_t k = 0; k < spans.size();) {  // each item's spans, then its runs out of them
+    const size_t i = spans[k].item;
+    const DcpRead& r = reads[i];
+    size_t end = k;
+    for (; end < spans.size() && spans[end].item == i; ++end) {
+      const auto [offset, length] = span_place(spans[end]);
+      CheckDcpBlockXxh64s(spans[end].where, r.blocks, spans[end].first,
+                          DcpBlockXxh64s(spans[end].buf.get(), length), r.data_offset,
+                          r.data_length);
+    }
+    size_t at = k;
+    for (const DcpRun& run : runs_of[i]) {
+      while (span_place(spans[at]).first + span_place(spans[at]).second < run.offset + run.length) {
+        ++at;
+      }
+      std::memcpy(r.dest + run.dest_offset,
+                  spans[at].buf.get() + (run.offset - span_place(spans[at]).first), run.length);
+    }
+    k = end;
   }
   for (size_t i = 0; i < reads.size(); ++i) {
     const DcpRead& r = reads[i];
@@ -483,14 +624,6 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
     }
   }
   return bytes_read;
-}
-
-uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64_t length) {
-  StreamBuffers buffers(std::max<uint64_t>(1, std::min(length, kCheckpointGroupBytes)));
-  Xxh64State h;
-  StreamRange(engine, file, offset, length, buffers,
-              [&](std::byte* p, size_t n) { h.Update(p, n); });
-  return h.Digest();
 }
 
 size_t RemoveUnreferencedDcpFiles(const std::string& dir,
@@ -596,8 +729,29 @@ DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
                               item.fqn);
       }
       if (item.xxh64) {
-        const uint64_t actual = DcpRangeXxh64(engine, file, item.offset, item.length);
+        // One pass: the item's xxh64, and its data's block sums where the metadata has them.
+        const bool blocks = t && !item.block_xxh64.empty();
+        StreamBuffers buffers(std::max<uint64_t>(1, std::min(item.length, kCheckpointGroupBytes)));
+        Xxh64State h;
+        BlockHasher block_sums;
+        uint64_t at = item.offset;
+        StreamRange(engine, file, item.offset, item.length, buffers, [&](std::byte* p, size_t n) {
+          h.Update(p, n);
+          if (blocks) {  // the part of [at, at + n) inside the data
+            const uint64_t begin = std::max(at, t->data_offset);
+            const uint64_t end = std::min(at + n, t->data_offset + t->nbytes);
+            if (begin < end) block_sums.Update(p + (begin - at), end - begin);
+          }
+          at += n;
+        });
+        const uint64_t actual = h.Digest();
         ++report.checked;
+        // A damaged block of the data is named by its range (the Reader's rule), before the
+        // item's sum (which also covers the zip records around the data).
+        if (blocks) {
+          CheckDcpBlockXxh64s(where, item.block_xxh64, 0, block_sums.Finish(), t->data_offset,
+                              t->nbytes);
+        }
         if (actual != *item.xxh64) {
           report.problems.push_back(StrCat(where, ": its xxh64 is ", Hex16(actual),
                                            ", the metadata records ", Hex16(*item.xxh64)));

@@ -505,6 +505,11 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
       if (n.kind != Node::kInt) m.Fail("an xxh64 that is not an integer");
       item.xxh64 = static_cast<uint64_t>(n.i);
     }
+    if (auto b = w.Attr(info, info_cls, "xxh64_blocks"); b) {
+      const Node& n = m.at(*b);
+      if (n.kind != Node::kBytes) m.Fail("block sums (xxh64_blocks) that are not bytes");
+      item.block_xxh64 = n.s;
+    }
     if (auto t = w.Attr(info, info_cls, "transform_descriptors"); t) {
       const Node& n = m.at(*t);
       item.transformed = n.kind != Node::kNone && !n.items.empty();

@@ -14,6 +14,7 @@
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
+#include "tensortier/checkpoint/dcp_reads.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/util/error.hpp"
@@ -126,7 +127,7 @@ TEST(DcpFile, ReadsCheckEveryItemAndNameTheDamage) {
       out[i].resize(w.bytes[i].size());
       reads.push_back({StrCat("item", i), p.offset, p.length, p.data_offset, w.bytes[i].size(),
                        reinterpret_cast<std::byte*>(out[i].data()), p.xxh64, std::nullopt,
-                       std::nullopt});
+                       std::nullopt, {}});
     }
     ReadDcpItems(engine, file, reads);
   };
@@ -187,7 +188,7 @@ TEST(DcpFile, ReadsOfSlicesReadOnlyTheirRuns) {
   std::vector<uint8_t> got(16 * 512 * 2);
   DcpRead r{"big", p.offset, p.length, p.data_offset, 2u << 20,
             reinterpret_cast<std::byte*>(got.data()), std::nullopt, std::nullopt,
-            DcpSlice{{1024, 1024}, 2, {0, 256}, {16, 512}}};
+            DcpSlice{{1024, 1024}, 2, {0, 256}, {16, 512}}, {}};
   const uint64_t bytes = ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1));
   EXPECT_LE(bytes, 16u * 4096);
   for (size_t row = 0; row < 16; ++row) {
@@ -200,6 +201,92 @@ TEST(DcpFile, ReadsOfSlicesReadOnlyTheirRuns) {
   r.slice = DcpSlice{{1024, 1024}, 2, {0, 0}, {1024, 512}};
   EXPECT_LE(ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1)), (2u << 20) + 4096);
   EXPECT_EQ(0, std::memcmp(got.data() + 1023 * 1024, w.bytes[2].data() + 1023 * 2048, 1024));
+}
+
+TEST(DcpFile, PartsAreCheckedByTheBlocksTheyTouch) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  const Written w = WriteSample(engine, path);  // item 2: BF16 [1024, 1024], rows of 2 KiB
+  const DcpItemPlace& p = w.places[2];
+  ASSERT_EQ(p.block_xxh64.size(), 8 * ((2u << 20) / kDcpBlockBytes));
+  EXPECT_EQ(w.places[1].block_xxh64.size(), 8u);  // one short block
+  EXPECT_TRUE(w.places[0].block_xxh64.empty());   // a bytes item
+  EXPECT_TRUE(w.places[3].block_xxh64.empty());   // no data
+  // Columns [256, 768) of rows [20, 40): the blocks of rows [16, 48), whole.
+  std::vector<uint8_t> got(20 * 512 * 2);
+  DcpRead r{"big", p.offset, p.length, p.data_offset, 2u << 20,
+            reinterpret_cast<std::byte*>(got.data()), std::nullopt, std::nullopt,
+            DcpSlice{{1024, 1024}, 2, {20, 256}, {20, 512}}, p.block_xxh64};
+  {
+    const File file = File::Open(path, OpenMode::kRead, true);
+    EXPECT_EQ(ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1)), 2 * kDcpBlockBytes);
+  }
+  for (size_t row = 0; row < 20; ++row) {
+    ASSERT_EQ(0, std::memcmp(got.data() + row * 1024,
+                             w.bytes[2].data() + (20 + row) * 2048 + 512, 1024))
+        << row;
+  }
+  // A byte of row 17 (in a touched block, outside the part) flipped: named by its block.
+  {
+    const File rw = File::Open(path, OpenMode::kReadWrite, false);
+    const uint8_t b = w.bytes[2][17 * 2048 + 3] ^ 0x40;
+    ASSERT_EQ(pwrite(rw.buffered_fd(), &b, 1, static_cast<off_t>(p.data_offset + 17 * 2048 + 3)),
+              1);
+  }
+  const File file = File::Open(path, OpenMode::kRead, true);
+  try {
+    ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1));
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    const std::string range =
+        StrCat("bytes [", p.data_offset + kDcpBlockBytes, ", ", p.data_offset + 2 * kDcpBlockBytes);
+    EXPECT_NE(std::string(e.what()).find(range), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'big'"), std::string::npos) << e.what();
+  }
+  got.assign(16 * 1024 * 2, 0);
+  r.dest = reinterpret_cast<std::byte*>(got.data());
+  r.slice = DcpSlice{{1024, 1024}, 2, {64, 0}, {16, 1024}};  // rows [64, 80): undamaged blocks
+  EXPECT_NO_THROW(ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1)));
+  r.blocks = std::string_view(p.block_xxh64).substr(8);  // not one sum per block
+  EXPECT_THROW(ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1)), FormatError);
+}
+
+TEST(DcpFile, SmallItemsAreReadOnceForTheirRecordsAndTheirData) {
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  constexpr size_t kItems = 500;
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<DcpWriteItem> items;
+  for (size_t i = 0; i < kItems; ++i) bytes.push_back(Pattern(1024, static_cast<int>(i)));
+  for (size_t i = 0; i < kItems; ++i) {
+    items.push_back({"F32", {256}, 1024, reinterpret_cast<const std::byte*>(bytes[i].data()),
+                     StrCat("t", i)});
+  }
+  const std::vector<DcpItemPlace> places = WriteDcpFile(engine, path, items);
+  std::vector<DcpFileReads::Item> wanted;
+  for (size_t i = 0; i < kItems; ++i) {
+    wanted.push_back({StrCat("t", i), places[i].offset, places[i].length, true, true,
+                      std::vector<int64_t>{256}, StrCat("t", i)});
+  }
+  const DcpFileReads reads(engine, path, wanted);
+  const uint64_t size = std::filesystem::file_size(path);
+  EXPECT_LE(reads.bytes_read(), size + 4096);  // the records parsed from the bytes held
+  ASSERT_EQ(reads.tensors().size(), kItems);
+  std::vector<std::vector<uint8_t>> out(kItems, std::vector<uint8_t>(1024));
+  std::vector<DcpRead> r;
+  for (size_t i = 0; i < kItems; ++i) {
+    const DcpTensorItem& t = reads.tensors()[i];
+    r.push_back({StrCat("t", i), places[i].offset, places[i].length, t.data_offset, t.nbytes,
+                 reinterpret_cast<std::byte*>(out[i].data()), places[i].xxh64, std::nullopt,
+                 std::nullopt, {}});
+  }
+  EXPECT_EQ(reads.Read(engine, r), 0u);  // all of it held
+  EXPECT_EQ(out, bytes);
+  // The held bytes are checked as the file's are: an xxh64 the item does not have is refused.
+  r[7].xxh64 = *r[7].xxh64 ^ 1;
+  EXPECT_THROW(reads.Read(engine, r), FormatError);
 }
 
 TEST(DcpMetadata, ChunksMustHoldEveryElementAndFilesMustBeThere) {

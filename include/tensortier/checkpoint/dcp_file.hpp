@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
@@ -34,12 +35,31 @@ struct DcpWriteItem {
   std::string name;                // for errors (the state dict key); "item <i>" when empty
 };
 
+// A tensor's data is also checksummed in blocks of this many bytes, counted from its first byte
+// (the last block may be shorter): a load that reads part of the tensor checks every block it
+// touches, reading the blocks whole. Runs narrower than a block cost the whole block (a column
+// of a row-major matrix: a block of each row), so it is small; its sums, 8 bytes per block, go to
+// the metadata (1/4096 of the data).
+inline constexpr uint64_t kDcpBlockBytes = 32u << 10;
+
+// The xxh64 of each kDcpBlockBytes block of `n` bytes at `data`, packed as little-endian 64-bit
+// values (what _StorageInfo.xxh64_blocks holds); empty for n == 0.
+std::string DcpBlockXxh64s(const std::byte* data, uint64_t n);
+
+// Throws FormatError naming `where` (the file and item) and the first block whose sum in
+// `actual` differs from `expected`'s (both packed, of the tensor data at `data_offset` of
+// `data_length` bytes; `actual` holds the sums of blocks `first`, `first` + 1...), by its byte
+// range in the file, and for an `expected` that is not one sum per block of the data.
+void CheckDcpBlockXxh64s(const std::string& where, std::string_view expected, uint64_t first,
+                         std::string_view actual, uint64_t data_offset, uint64_t data_length);
+
 // Where an item lies in its file.
 struct DcpItemPlace {
   uint64_t offset = 0;       // the item's first byte (what _StorageInfo.offset holds)
   uint64_t length = 0;       // _StorageInfo.length
   uint64_t data_offset = 0;  // the tensor's bytes (a bytes item: its offset)
   uint64_t xxh64 = 0;        // of [offset, offset + length), set by Write()
+  std::string block_xxh64;   // a tensor's DcpBlockXxh64s, set by Write()
 };
 
 // The plan of one rank file: made from the items' sizes alone, before any byte is written.
@@ -109,6 +129,11 @@ DcpTensorItem ReadDcpTensorItem(const File& file, const std::string& name, uint6
                                 uint64_t length,
                                 const std::optional<std::vector<int64_t>>& expected_shape = {},
                                 const std::string& fqn = "");
+// The same, from the bytes of `whole` (the file, or what of it is in memory).
+DcpTensorItem ReadDcpTensorItem(const ByteSource& whole, const std::string& name, uint64_t offset,
+                                uint64_t length,
+                                const std::optional<std::vector<int64_t>>& expected_shape,
+                                const std::string& fqn);
 
 // A part of a stored tensor (a contiguous tensor of `shape`, elements of `itemsize` bytes): the
 // block at `offsets` of `lengths` along each dimension, which a load into another sharding needs.
@@ -136,7 +161,8 @@ std::vector<DcpRun> DcpSliceRuns(const DcpSlice& slice, uint64_t data_offset,
 
 // One item to read: [offset, offset + length) of the file, of which [data_offset, data_offset +
 // data_length) goes to `dest` (a bytes item: the whole range), or, with `slice`, only that part
-// of the tensor stored at data_offset, as a contiguous tensor of its lengths (unchecked).
+// of the tensor stored at data_offset, as a contiguous tensor of its lengths: checked where
+// `blocks` (the data's DcpBlockXxh64s) is given, by reading whole every block the part touches.
 struct DcpRead {
   std::string name;  // for errors ("model.weight", chunk offsets...)
   uint64_t offset = 0;
@@ -147,17 +173,28 @@ struct DcpRead {
   std::optional<uint64_t> xxh64;  // of the whole range: checked when set
   std::optional<uint32_t> crc32;  // of the data: checked when set and xxh64 is not
   std::optional<DcpSlice> slice;  // read only this part (xxh64 and crc32 must be unset)
+  std::string_view blocks;        // with `slice`: the data's block sums (unchecked when empty)
 };
 
-// Reads every item of `reads` from `file` with `engine` and checks it (xxh64 of the item, else
-// CRC-32 of its data). The byte ranges of all items are read sorted, those a page or less apart
-// in one request, the large ones (1 MiB or more) straight into their destination. Returns the
-// bytes read from the file. Throws FormatError naming the file, the item and its byte range for a
-// mismatch or a file that ends inside an item; IoError for I/O errors.
-uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads);
+// Bytes of a file already in memory: [offset, offset + bytes.size()) of it.
+struct DcpHeldBytes {
+  uint64_t offset = 0;
+  std::span<const std::byte> bytes;
+};
 
-// The xxh64 of [offset, offset + length) of `file`, streamed (verify, info).
-uint64_t DcpRangeXxh64(Engine& engine, const File& file, uint64_t offset, uint64_t length);
+// The bytes at [offset, offset + length) in `held` (sorted by offset, disjoint), or nullptr where
+// no one range holds them all.
+const std::byte* FindDcpHeldBytes(std::span<const DcpHeldBytes> held, uint64_t offset,
+                                  uint64_t length);
+
+// Reads every item of `reads` from `file` with `engine` and checks it (xxh64 of the item, else
+// CRC-32 of its data; a part: the sums of the blocks it touches). The byte ranges of all items
+// are read sorted, those a page or less apart in one request, the large ones (1 MiB or more)
+// straight into their destination. Returns the bytes read from the file. Throws FormatError
+// naming the file, the item and its byte range for a mismatch or a file that ends inside an item;
+// IoError for I/O errors. Pieces that lie in one range of `held` are copied from it, not read.
+uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads,
+                      std::span<const DcpHeldBytes> held = {});
 
 // Commits a DCP checkpoint whose data files are written: `metadata` (the pickled Metadata) goes to
 // DIR/.metadata durably (temporary file, fdatasync, rename, directory fsync), which makes the new
@@ -186,8 +223,9 @@ struct DcpVerifyReport {
 };
 
 // Checks every item `metadata` (DIR/.metadata) names: its file exists and holds its byte range,
-// its bytes match its xxh64 (tensortier's checkpoints) or a tensor's data its zip CRC-32
-// (torch's). Problems are collected, not thrown, so one damaged item does not hide another.
+// its bytes match its xxh64 and its data its block sums (tensortier's checkpoints; the block rule
+// of ReadDcpItems) or a tensor's data its zip CRC-32 (torch's). Problems are collected, not
+// thrown, so one damaged item does not hide another.
 DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
                                     const DcpMetadata& metadata);
 

@@ -25,6 +25,7 @@ struct DcpStoredItem {
   uint64_t offset = 0;
   uint64_t length = 0;
   std::optional<uint64_t> xxh64;  // of [offset, offset + length), where tensortier wrote it
+  std::string block_xxh64;        // a tensor's data's block sums (dcp_file.hpp), where recorded
   bool transformed = false;       // stream transforms (compression...) applied: not readable here
   // A tensor chunk's sizes as the metadata records them (its chunk of the tensor's
   // TensorStorageMetadata), which the tensor stored in the file must have.

@@ -1,0 +1,111 @@
+"""tensortier.dcp.Reader's reads of parts of stored tensors (a load into another sharding), in
+one process: the requests DCP's planner makes for a target block, read by the Reader."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from tensortier import _core
+from tensortier import dcp as tdcp
+
+BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
+ROWS, COLS = 64, 2048  # float32: rows of 8 KiB, 512 KiB of data
+
+
+class _BlockPlanner:
+    """The planner's side of a read: each request's target is its block of `out`."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def resolve_tensor(self, req: Any) -> torch.Tensor:
+        t = self.out
+        for dim, (start, length) in enumerate(zip(req.dest_offsets, req.lengths)):
+            t = t.narrow(dim, start, length)
+        return t
+
+    def commit_tensor(self, req: Any, tensor: torch.Tensor) -> None:
+        pass
+
+
+def read_block(ckpt: Path, offsets: list[int], sizes: list[int],
+               verify: bool | str = True) -> tuple[torch.Tensor, int]:
+    """The block of "w" at `offsets` of `sizes`, as a rank of another sharding reads it, and the
+    bytes the Reader read."""
+    reader = tdcp.Reader(ckpt, verify=verify)
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    items = create_read_items_for_chunk_list("w", md.state_dict_metadata["w"], [chunk])
+    out = torch.full(sizes, -1.0)
+    reader.read_data(LoadPlan(items), _BlockPlanner(out)).wait()
+    return out, reader.bytes_read
+
+
+def test_parts_are_checked_by_the_blocks_they_touch(tmp_path: Path) -> None:
+    """A flipped byte inside the part a resharded target reads raises ValueError naming the file,
+    the item and the block's byte range (default verify; `tensortier verify` by the same rule);
+    one outside the blocks the part touches does not stop the load, which reads those blocks
+    alone. Torch's reader loads the checkpoint with its block sums."""
+    w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": w}, storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    info = next(iter(md.storage_data.values()))
+    block = _core.dcp_block_bytes
+    assert len(info.xxh64_blocks) == 8 * (w.nbytes // block)
+    got = {"w": torch.zeros(ROWS, COLS)}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+    assert torch.equal(got["w"], w)
+
+    # Rows 0-15, columns 0-1023: 64 KiB of the 4 blocks that hold rows 0-15, of 16.
+    part, bytes_read = read_block(ckpt, [0, 0], [16, 1024])
+    assert torch.equal(part, w[:16, :1024])
+    _, whole = read_block(ckpt, [0, 0], [16, 1024], verify="full")  # reads the item whole
+    assert 16 * COLS * 4 <= bytes_read < whole / 2, (bytes_read, whole)
+
+    path = ckpt / info.relative_path
+    raw = bytearray(path.read_bytes())
+    data = bytes(raw).find(w.numpy().tobytes())
+    assert data > 0
+    outside = tmp_path / "outside"
+    shutil.copytree(ckpt, outside)
+    flip = data + (40 * COLS + 5) * 4  # row 40: a block the part does not touch
+    (outside / info.relative_path).write_bytes(
+        bytes(raw[:flip]) + bytes([raw[flip] ^ 0x40]) + bytes(raw[flip + 1:]))
+    part, _ = read_block(outside, [0, 0], [16, 1024])
+    assert torch.equal(part, w[:16, :1024])
+
+    flip = data + (1 * COLS + 10) * 4  # row 1, column 10: inside the part, in block 0
+    raw[flip] ^= 0x40
+    path.write_bytes(bytes(raw))
+    start = info.offset
+    with pytest.raises(ValueError) as e:
+        read_block(ckpt, [0, 0], [16, 1024])
+    msg = str(e.value)
+    assert info.relative_path in msg and "'w'" in msg, msg
+    assert f"[{start}, {start + info.length})" in msg and f"[{data}, {data + block})" in msg, msg
+    part, _ = read_block(ckpt, [0, 0], [16, 1024], verify=False)  # unchecked: loads wrong
+    assert not torch.equal(part, w[:16, :1024])
+    part, _ = read_block(ckpt, [32, 0], [16, 1024])  # rows 32-47: blocks 8-11, undamaged
+    assert torch.equal(part, w[32:48, :1024])
+    if BIN.is_file():  # the CLI names the damaged block by the same rule
+        for where, at in ((ckpt, 0), (outside, 10)):
+            bad = subprocess.run([str(BIN), "verify", str(where)], capture_output=True,
+                                 text=True, errors="replace", timeout=60)
+            assert bad.returncode == 1, bad.stdout
+            begin = data + at * block
+            assert "'w'" in bad.stderr and f"[{begin}, {begin + block})" in bad.stderr, bad.stderr
