@@ -25,4 +25,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterData(m);
   RegisterTestHooks(m);
   RegisterDcp(m);
+  RegisterOperationLog(m);
 }
