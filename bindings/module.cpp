@@ -26,4 +26,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterTestHooks(m);
   RegisterDcp(m);
   RegisterOperationLog(m);
+  RegisterRegistries(m);
 }

@@ -209,8 +209,7 @@ def _unsigned(value: Any, name: str, bits: int = 32) -> int:
 def _queue_depth(n_entries: Any) -> int:
     """TensorNVMe's `n_entries` as the engine's queue depth: every count its binding takes
     works, as the nearest depth the engine's rings allow."""
-    low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
-    return min(max(_unsigned(n_entries, "n_entries"), low), high)
+    return _core.clamp_to_setting(_unsigned(n_entries, "n_entries"), "TENSORTIER_QUEUE_DEPTH")
 
 
 def _backend(backend: Any) -> str:
