@@ -222,27 +222,18 @@ void RegisterOffload(py::module_& m) {
       },
       py::arg("engine_name"), "TensorNVMe's name of an engine backend ('io_uring' -> 'uring').");
   m.def(
-      "check_offload_write",
-      [](const py::tuple& shape, uint64_t nbytes, uint64_t storage_nbytes, uint64_t storage_offset,
-         bool resizable, uintptr_t data_ptr) {
-        CheckOffloadWrite(Facts(shape, nbytes, storage_nbytes, storage_offset, resizable),
-                          data_ptr);
+      "check_offload_tensor",
+      [](const std::string& op, const py::tuple& shape, uint64_t nbytes, uint64_t storage_nbytes,
+         uint64_t storage_offset, bool resizable, uint64_t value) {
+        const TensorFacts facts = Facts(shape, nbytes, storage_nbytes, storage_offset, resizable);
+        if (ParseOffloadKind(op) == OffloadKind::kWrite) return CheckOffloadWrite(facts, value);
+        CheckOffloadReadTarget(facts, value);
       },
-      py::arg("shape"), py::arg("nbytes"), py::arg("storage_nbytes"), py::arg("storage_offset"),
-      py::arg("resizable"), py::arg("data_ptr"),
-      "ValueError unless a tensor so described owns all of its storage, with memory a write "
-      "can free by resizing it.");
-  m.def(
-      "check_offload_read_target",
-      [](const py::tuple& shape, uint64_t nbytes, uint64_t storage_nbytes, uint64_t storage_offset,
-         bool resizable, uint64_t stored) {
-        CheckOffloadReadTarget(Facts(shape, nbytes, storage_nbytes, storage_offset, resizable),
-                               stored);
-      },
-      py::arg("shape"), py::arg("nbytes"), py::arg("storage_nbytes"), py::arg("storage_offset"),
-      py::arg("resizable"), py::arg("stored"),
-      "ValueError unless a tensor so described can take the `stored` bytes of its offloaded "
-      "data back into a storage of its own.");
+      py::arg("op"), py::arg("shape"), py::arg("nbytes"), py::arg("storage_nbytes"),
+      py::arg("storage_offset"), py::arg("resizable"), py::arg("value"),
+      "ValueError unless a tensor so described can be written ('write'; `value`: its data_ptr: "
+      "it owns all of its storage, which a write can free by resizing it) or take back the "
+      "`value` bytes of its offloaded data into a storage of its own ('read').");
   m.def(
       "remove_stale_offload_files", [](const FsPath& dir) { return RemoveStaleOffloadFiles(dir); },
       py::arg("dir"), py::call_guard<py::gil_scoped_release>());

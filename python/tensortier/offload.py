@@ -415,7 +415,7 @@ class DiskOffloader:
                         if entry.state == "stored"
                         else "tensor is already being written"
                     )
-                _core.check_offload_write(*_facts(t), t.data_ptr())
+                _core.check_offload_tensor("write", *_facts(t), t.data_ptr())
             entries = [_Entry(next(self._keys), t, t.numel() * t.element_size()) for t in tensors]
             if entries:
                 entries[-1].callback = callback
@@ -468,7 +468,7 @@ class DiskOffloader:
             if any(e.state == "reading" for e in entries):
                 raise ValueError("tensor is already being read")
             for t, e in zip(tensors, entries):
-                _core.check_offload_read_target(*_facts(t), e.nbytes)
+                _core.check_offload_tensor("read", *_facts(t), e.nbytes)
             self._start_read(core, entries, tensors, callback)
             return [e.key for e in entries]
 
