@@ -3,16 +3,21 @@
 //     made by its handles, each as its size and a weak reference to its storage.
 //   CuFileRegistrations: device memory registered with cuFile (torch.cuda.gds's
 //     gds_register_buffer, DeepNVMe's pin_device_tensor), each with what keeps the memory alive.
+//   TensorGroups: the tensors of each write call of TensorNVMe's DiskOffloader, keyed as
+//     TensorNVMe keys them (one tensor by its id, a vector by the tuple of its ids), weakly.
 // Both are called with the GIL held; cuFile's calls run with it released, under the registry's
 // own lock (never waited for with the GIL held by its holder).
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <utility>
+#include <vector>
 
 #include "register.hpp"
 #include "tensortier/cuda/cufile.hpp"
@@ -115,6 +120,62 @@ class CuFileRegistrations {
   std::map<uintptr_t, Registered> buffers_;  // guarded by mu_
 };
 
+class TensorGroups {
+ public:
+  // Records the key `tensors` were written under; a later write of one of them makes its old
+  // group unreadable, as TensorNVMe's key would no longer be its. Dead groups are dropped when
+  // there are twice as many as after the last sweep.
+  void Remember(const py::list& tensors, bool vector) {
+    const Key key = KeyOf(tensors, vector);
+    std::vector<py::weakref> refs;
+    for (const py::handle t : tensors) {
+      const auto old = member_.find(Id(t));
+      if (old != member_.end()) groups_.erase(old->second);
+      member_.insert_or_assign(Id(t), key);
+      refs.emplace_back(t);
+    }
+    groups_.insert_or_assign(key, std::move(refs));
+    if (groups_.size() <= 2 * kept_) return;
+    std::erase_if(groups_, [](const auto& group) {
+      return std::any_of(group.second.begin(), group.second.end(),
+                         [](const py::weakref& r) { return r().is_none(); });
+    });
+    std::set<uintptr_t> live;
+    for (const auto& [k, group] : groups_) {
+      for (const py::weakref& r : group) live.insert(Id(r()));
+    }
+    std::erase_if(member_, [&live](const auto& m) { return !live.contains(m.first); });
+    kept_ = std::max<size_t>(64, groups_.size());
+  }
+
+  // Whether `tensors` are, in this order, the live tensors of one write call's group, each
+  // last written under it.
+  bool Matches(const py::list& tensors, bool vector) const {
+    const Key key = KeyOf(tensors, vector);
+    const auto group = groups_.find(key);
+    if (group == groups_.end() || group->second.size() != tensors.size()) return false;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto m = member_.find(Id(tensors[i]));
+      if (!group->second[i]().is(tensors[i]) || m == member_.end() || m->second != key) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  using Key = std::pair<bool, std::vector<uintptr_t>>;  // (a vector, the tensors' ids)
+  static uintptr_t Id(const py::handle& t) { return reinterpret_cast<uintptr_t>(t.ptr()); }
+  static Key KeyOf(const py::list& tensors, bool vector) {
+    Key key{vector, {}};
+    for (const py::handle t : tensors) key.second.push_back(Id(t));
+    return key;
+  }
+  std::map<Key, std::vector<py::weakref>> groups_;
+  std::map<uintptr_t, Key> member_;  // id of a tensor -> the key it was last written under
+  size_t kept_ = 64;
+};
+
 }  // namespace
 
 void RegisterRegistries(py::module_& m) {
@@ -127,6 +188,13 @@ void RegisterRegistries(py::module_& m) {
            "zero-byte one only when `storage` is it).")
       .def("covers", &LockedTensors::Covers, py::arg("address"), py::arg("nbytes"),
            "Whether all of the range lies in one live locked tensor.");
+  py::class_<TensorGroups>(m, "TensorGroups")
+      .def(py::init<>())
+      .def("remember", &TensorGroups::Remember, py::arg("tensors"), py::arg("vector"),
+           "Records the tensors of a write call (a vector call, or one tensor) as their group.")
+      .def("matches", &TensorGroups::Matches, py::arg("tensors"), py::arg("vector"),
+           "Whether the tensors are, in order, one write call's group, each last written under "
+           "it.");
   py::class_<CuFileRegistrations>(m, "CuFileRegistrations")
       .def(py::init<>())
       .def("add", &CuFileRegistrations::Add, py::arg("address"), py::arg("nbytes"),
