@@ -26,4 +26,6 @@ PYBIND11_MODULE(_core, m) {
   RegisterData(m);
   RegisterTestHooks(m);
   RegisterDcp(m);
+  RegisterOperationLog(m);
+  RegisterRegistries(m);
 }

@@ -17,3 +17,5 @@ void RegisterShared(pybind11::module_& m);      // bindings/shared.cpp
 void RegisterData(pybind11::module_& m);        // bindings/data.cpp
 void RegisterTestHooks(pybind11::module_& m);   // bindings/test_hooks.cpp
 void RegisterDcp(pybind11::module_& m);         // bindings/dcp.cpp
+void RegisterOperationLog(pybind11::module_& m);  // bindings/operation_log.cpp
+void RegisterRegistries(pybind11::module_& m);    // bindings/registries.cpp

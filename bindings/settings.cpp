@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -52,4 +53,13 @@ void RegisterSettings(py::module_& m) {
       py::arg("env"),
       "(smallest, largest) value the numeric TENSORTIER_* setting `env` allows, from the "
       "settings table.");
+  m.def(
+      "clamp_to_setting",
+      [](uint64_t value, const std::string& env) {
+        const Setting& s = SettingFor(env);
+        return std::clamp<uint64_t>(value, s.min, s.max);
+      },
+      py::arg("value"), py::arg("env"),
+      "`value` within the range the numeric TENSORTIER_* setting `env` allows (the nearest "
+      "value it takes), from the settings table.");
 }

@@ -125,9 +125,6 @@ def _resize(storage: Any, nbytes: int = 0) -> None:
         storage.resize_(nbytes)
 
 
-_free = _resize
-
-
 def _run_callbacks(
     callbacks: Sequence[Callable[[], None]],
 ) -> tuple[list[BaseException], BaseException | None]:
@@ -142,27 +139,12 @@ def _run_callbacks(
     return raised, next((e for e in raised if not isinstance(e, Exception)), None)
 
 
-def _check_read_target(tensor: Any, nbytes: int) -> None:
-    """The read fills `nbytes` at the start of `tensor`'s storage, resized to that: the tensor
-    must still cover a storage of its own of 0 (offloaded) or `nbytes` bytes. Its memory may
-    have been replaced while offloaded (``x.data = ...``, ``set_``, ``resize_``); into a part
-    of a larger storage, the read would write past the tensor (other tensors' memory) or
-    shrink that storage under the tensors using it."""
+def _facts(tensor: Any) -> tuple[tuple[int, ...], int, int, int, bool]:
+    """What the C++ checks of a write or a read target ask of `tensor`: its shape, bytes, its
+    storage's bytes, its offset in the storage and whether the storage can be resized."""
     storage = tensor.untyped_storage()
-    size = tensor.numel() * tensor.element_size()
-    if tensor.storage_offset() != 0 or size != nbytes or storage.nbytes() not in (0, nbytes):
-        raise ValueError(
-            f"tensor's memory was replaced while it was offloaded (now {size} bytes at offset "
-            f"{tensor.storage_offset()} of a storage of {storage.nbytes()}): its {nbytes} bytes "
-            "can be read back only into a storage of its own of that size; give it one "
-            f"(x.data = torch.empty_like(x)) and read again"
-        )
-    if nbytes and not storage.resizable():
-        raise ValueError(
-            "tensor's memory was replaced while it was offloaded by memory that cannot be "
-            "resized (numpy or foreign memory); give it a torch storage of its own "
-            "(x.data = torch.empty_like(x)) and read again"
-        )
+    return (tuple(tensor.shape), tensor.numel() * tensor.element_size(), storage.nbytes(),
+            tensor.storage_offset(), storage.resizable())
 
 
 def _check_distinct(tensors: Sequence[Any]) -> None:

@@ -49,19 +49,6 @@ def cufile_info() -> dict[str, Any]:
     return dict(_core.cufile())
 
 
-def _cufile_registration(address: int, nbytes: int) -> Any:
-    """Device memory registered with cuFile (``_core.CuFileBuffer``), or None where nothing DMAs
-    into registered memory: no bytes, cuFile unavailable, or in its compatibility mode.
-
-    Raises:
-        CuFileError: cuFile is available but refuses the memory.
-    """
-    cufile = _core.cufile()
-    if nbytes == 0 or not cufile["available"] or cufile["compat_mode_reason"]:
-        return None
-    return _core.CuFileBuffer(address, nbytes)
-
-
 def _require_driver(what: str) -> None:
     info = _core.cuda_driver()
     if not info["available"]:
@@ -93,17 +80,6 @@ def _shape(shape: Any, dtype: Any) -> tuple[Any, tuple[int, ...], int, int]:
     return dtype, dims, numel, numel * dtype.itemsize
 
 
-def _registering_device(device: int | None) -> int:
-    """The GPU whose primary context registers pinned memory: `device`, else torch's current
-    device. Not always 0: a context costs hundreds of MiB of that GPU's memory, and every rank of
-    a multi-GPU job would make one on GPU 0."""
-    if device is not None:
-        return device
-    import torch
-
-    return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
-
-
 def pinned_empty(
     shape: int | tuple[int, ...], dtype: Any = None, *, device: int | None = None
 ) -> Any:
@@ -124,7 +100,11 @@ def pinned_empty(
 
     dtype, dims, _, nbytes = _shape(shape, dtype)
     _require_driver("tensortier.pinned_empty")
-    memory = _core.PinnedMemory(max(nbytes, 1), _registering_device(device))
+    if device is None:
+        # torch's current device, not always 0: a context costs hundreds of MiB of that GPU's
+        # memory, and every rank of a multi-GPU job would make one on GPU 0.
+        device = int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+    memory = _core.PinnedMemory(max(nbytes, 1), device)
     # torch.frombuffer keeps `memory` (and so the registration) alive as long as the storage.
     # (frombuffer refuses count=0, hence the slice: zero-byte shapes are valid tensors.)
     return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes].view(dtype).view(dims)

@@ -72,15 +72,6 @@ class IOFuture:
             raise self._outcome
         return self._outcome
 
-    def _unseen_error(self) -> Exception | None:
-        """Waits for the operation and returns its error if nobody has been given it yet (it is
-        then counted as given: the caller raises it); None otherwise."""
-        self._check_process()
-        error = self._op.take_undelivered_error()
-        self._keepalive = None
-        self._outcome = error or self._outcome
-        return error
-
     def _check_process(self) -> None:
         if os.getpid() != self._pid and self._outcome is None:
             raise ValueError(_forked_message("IOFuture", self._pid))
@@ -191,8 +182,7 @@ class IOHandle:
         self._file_system = _core.FileSystem()
         self._pid = os.getpid()
         # Operations not known to be over, and finished ones whose error nobody has seen.
-        self._pending: list[IOFuture] = []
-        self._pending_lock = threading.Lock()
+        self._pending = _core.OperationLog()
         self._gds = _core.gds_mode(gds)
         # Checked now (the TENSORTIER_BOUNCE_* variables too), used at the first CUDA transfer.
         self._ring_options = tuple(_core.device_transfer_options(  # (slots, slot_bytes, rings)
@@ -293,34 +283,7 @@ class IOHandle:
         including those of futures dropped without waiting; the others, if several failed, are
         counted in a note on it. Ctrl-C interrupts the wait; nothing is lost (a later wait_all
         waits again)."""
-        core = self._core()
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
-        failed: list[IOFuture] = []
-        try:
-            while pending:
-                if pending[0]._unseen_error() is not None:  # noqa: SLF001 - same module
-                    failed.append(pending[0])
-                pending.pop(0)
-            # Operations other threads started meanwhile: their errors are their futures'.
-            try:
-                core.wait_all()
-            except OSError:
-                pass
-        except BaseException:
-            # Interrupted (Ctrl-C): the errors taken are given back, and they and what is not
-            # over stay pending for the next wait.
-            for future in failed:
-                future._op.return_error()  # noqa: SLF001
-            with self._pending_lock:
-                self._pending[:0] = failed + pending
-            raise
-        if failed:
-            first = failed[0]._outcome  # noqa: SLF001
-            if len(failed) > 1:
-                add_note(first, f"{len(failed) - 1} other operation(s) of this IOHandle also "
-                         "failed")
-            raise first
+        self._pending.wait_all(self._core())
 
     def close(self) -> None:
         """Wait for everything in flight, then stop the workers. Idempotent. Raises the first
@@ -330,7 +293,7 @@ class IOHandle:
         if os.getpid() != self._pid:
             # A fork's child: the operations and threads are the parent's. Let go without
             # waiting, and without locks (a thread of the parent may have held one).
-            self._pending, self._transfer, self._engine = [], None, None
+            self._pending, self._transfer, self._engine = _core.OperationLog(), None, None
             return
         try:
             self.wait_all()
@@ -425,17 +388,13 @@ class IOHandle:
             # pending operations keep it alive until it is over.
             started = [d for i, d in enumerate(on_device)
                        if not d or sum(on_device[:i]) < len(jobs)]
-            with self._pending_lock:
-                self._pending.append(IOFuture(_core.Operation(future, jobs, started), keepalive))
+            failed = IOFuture(_core.Operation(future, jobs, started), keepalive)
+            self._pending.add(failed._op, failed)
             raise
         if not write:
             _bump_versions([piece[0] for piece in pieces])
         result = IOFuture(_core.Operation(future, jobs, on_device), keepalive)
-        with self._pending_lock:
-            self._pending = [
-                p for p in self._pending if not p.done() or p._op.has_undelivered_error()
-            ]
-            self._pending.append(result)
+        self._pending.add(result._op, result)
         return result
 
 

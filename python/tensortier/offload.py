@@ -35,11 +35,10 @@ from typing import Any
 from . import _core
 from ._notes import add_note
 from ._offloaded import (
-    _check_callback, _check_distinct, _check_read_target, _check_tensor, _Entry,
-    _free, _host_pieces, _require_preserved_storages, _resize, _run_callbacks, _span,
+    _check_callback, _check_distinct, _check_tensor, _Entry, _facts, _host_pieces,
+    _require_preserved_storages, _resize, _run_callbacks, _span,
 )
 from ._paths import fspath, PathArg
-from .device import DeviceBuffer
 
 __all__ = ["DiskOffloader", "OffloadedDataLostWarning"]
 
@@ -48,8 +47,6 @@ class OffloadedDataLostWarning(UserWarning):
     """A DiskOffloader was closed, or collected, with tensors still offloaded: their data is
     gone. A UserWarning (shown by default), not a ResourceWarning (hidden by default): the
     data was the user's."""
-
-PathLike = PathArg
 
 
 class DiskOffloader:
@@ -83,7 +80,7 @@ class DiskOffloader:
 
     def __init__(
         self,
-        dir_name: PathLike | Sequence[PathLike],
+        dir_name: PathArg | Sequence[PathArg],
         n_entries: int = 16,
         backend: str = "auto",
         *,
@@ -120,14 +117,13 @@ class DiskOffloader:
         self._core: _core.Offloader | None = _core.Offloader(
             dirs, backend, n_entries, stripe_threshold
         )
-        self._pid, self._pin, self._dirs, self._gds = os.getpid(), pin_memory, len(dirs), gds
+        self._pid, self._pin = os.getpid(), pin_memory
         # "memcpy" (tests): CPU tensors take the device path, copied by memcpy (no GPU needed).
         self._device_copier = _device_copier
-        self._transfer: Any = None  # _core.DeviceTransfer, made for the first device tensor
-        self._device_files: Any = None  # _core.OffloadDeviceFiles, with the transfer
-        self._device_bytes: dict[str, int] = {}
-        # Device operations in flight, per kind: (key, _core.DeviceJob, what it uses).
-        self._device_jobs: dict[str, list[tuple[int, Any, Any]]] = {"write": [], "read": []}
+        # The bounce rings (one per directory at least: the parts of a striped tensor move at
+        # once) and the device operations in flight.
+        rings = None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, len(dirs))
+        self._device = _core.OffloadDevice(self._core, gds, rings, _device_copier)
         self._lock = threading.RLock()
         # Errors of operations of one kind that a call of the other kind waited for (a read of
         # a tensor being written), and of their callbacks: raised by the next wait of the kind.
@@ -236,7 +232,7 @@ class DiskOffloader:
         part of a tensor) or ``"bounce"`` (the pinned ring, for at least one part), counted when
         their operations are waited for."""
         with self._lock:
-            return dict(self._device_bytes)
+            return dict(self._device.device_bytes)
 
     def trim(self) -> None:
         """Gives the freed space at the ends of the backing files back to the filesystem now.
@@ -268,7 +264,7 @@ class DiskOffloader:
             # A fork's child: no lock (a thread of the parent may have held it at the fork), no
             # wait (the threads are the parent's), no file removed (the C++ offloader leaves them
             # when closed in another process); the errors are the parent's to raise.
-            self._device_jobs = {"write": [], "read": []}
+            self._device.forget()
             self._undelivered = {"write": ([], []), "read": ([], [])}
             self._let_go()
             return
@@ -331,7 +327,7 @@ class DiskOffloader:
         core, self._core = self._core, None
         if core is None:
             return
-        self._transfer = self._device_files = None
+        self._device.close()
         core.close()
         for entry in self._by_key.values():
             entry.detach()
@@ -419,30 +415,7 @@ class DiskOffloader:
                         if entry.state == "stored"
                         else "tensor is already being written"
                     )
-                storage = t.untyped_storage()
-                nbytes = t.numel() * t.element_size()
-                if nbytes > 0 and storage.nbytes() == 0:
-                    raise ValueError(
-                        "tensor has no memory (it is offloaded by another DiskOffloader, or its "
-                        "storage was freed)"
-                    )
-                if nbytes > 0 and t.data_ptr() == 0:
-                    raise ValueError(
-                        "tensor has no memory of its own to write (a functional or wrapper "
-                        "tensor?)"
-                    )
-                if t.storage_offset() != 0 or storage.nbytes() != nbytes:
-                    raise ValueError(
-                        f"tensor of shape {tuple(t.shape)} is a view into a storage of "
-                        f"{storage.nbytes()} bytes; offloading frees the whole storage, so only "
-                        "a tensor that owns its storage can be offloaded (use .clone())"
-                    )
-                if nbytes > 0 and not storage.resizable():
-                    raise ValueError(
-                        "tensor's storage cannot be resized (it wraps foreign memory, e.g. from "
-                        "numpy or torch.frombuffer); offloading frees memory by resizing it: "
-                        "use .clone()"
-                    )
+                _core.check_offload_tensor("write", *_facts(t), t.data_ptr())
             entries = [_Entry(next(self._keys), t, t.numel() * t.element_size()) for t in tensors]
             if entries:
                 entries[-1].callback = callback
@@ -453,7 +426,8 @@ class DiskOffloader:
                 core.write(host)
             for e, span in zip(entries, spans):
                 if span is not None:
-                    self._submit_device("write", e, span)
+                    self._device.submit("write", e.key, span.address, e.nbytes, span.device,
+                                        span.stream, span)  # `span` keeps tensor and stream
             for old in superseded:
                 old.superseded = True
                 old.detach()  # the later entry watches the tensor and its storage
@@ -494,7 +468,7 @@ class DiskOffloader:
             if any(e.state == "reading" for e in entries):
                 raise ValueError("tensor is already being read")
             for t, e in zip(tensors, entries):
-                _check_read_target(t, e.nbytes)
+                _core.check_offload_tensor("read", *_facts(t), e.nbytes)
             self._start_read(core, entries, tensors, callback)
             return [e.key for e in entries]
 
@@ -516,7 +490,7 @@ class DiskOffloader:
                 core.read(host)
         except BaseException:
             for t in tensors:
-                _free(t.untyped_storage())
+                _resize(t.untyped_storage())
             raise
         for e, t in zip(entries, tensors):
             e.state, e.tensor, e.storage, e.callback = "reading", t, t.untyped_storage(), None
@@ -524,7 +498,8 @@ class DiskOffloader:
             entries[-1].callback = callback
         for e, span in zip(entries, spans):
             if span is not None:
-                self._submit_device("read", e, span)
+                self._device.submit("read", e.key, span.address, e.nbytes, span.device,
+                                    span.stream, span)
 
     def _allocate_pinned(self, entry: _Entry, tensor: Any) -> None:
         """Gives `tensor` (the tensor written: another tensor of the storage would take the data
@@ -564,28 +539,8 @@ class DiskOffloader:
         CudaError). REQUIRES: self._lock held."""
         device = [t.device.type == "cuda" or self._device_copier == "memcpy" for t in tensors]
         if any(device):
-            self._device_transfer()
+            self._device.prepare()
         return device
-
-    def _device_transfer(self) -> Any:
-        """The bounce rings of device tensors and their job queue, made on first use (CudaError
-        without a driver). REQUIRES: self._lock held."""
-        core = self._open()
-        if self._transfer is None:
-            # One ring per directory at least: the parts of a striped tensor move at once.
-            rings = None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, self._dirs)
-            self._device_files = _core.OffloadDeviceFiles(self._gds)
-            self._transfer = _core.DeviceTransfer(core.engine, max_rings=rings,
-                                                  copier=self._device_copier)
-        return self._transfer
-
-    def _submit_device(self, kind: str, entry: _Entry, span: DeviceBuffer) -> None:
-        """Starts moving `entry`'s bytes between device memory and the files on the transfer's
-        job queue; ``_wait(kind)`` collects the outcome. REQUIRES: self._lock held."""
-        move = _core.offload_from_device if kind == "write" else _core.restore_to_device
-        job = move(self._open(), self._device_transfer(), entry.key, span.address, entry.nbytes,
-                   span.device, span.stream, self._device_files)
-        self._device_jobs[kind].append((entry.key, job, span))  # `span` keeps tensor and stream
 
     def _wait(self, kind: str, keys: Sequence[int] | None = None) -> None:
         """Waits for the operations of `kind`, runs their callbacks (every one, even if one
@@ -644,20 +599,7 @@ class DiskOffloader:
             self._drain_forgotten()
             # Everything is waited for before any outcome is taken: an interrupt (Ctrl-C) while
             # waiting leaves them all to the next wait.
-            wanted = None if keys is None else set(keys)
-            jobs = [j for j in self._device_jobs[kind] if wanted is None or j[0] in wanted]
-            for _, job, _ in jobs:
-                job.wait()
-            outcomes = list(self._core.wait(kind, None if keys is None else sorted(wanted)))
-            self._device_jobs[kind] = (
-                [] if wanted is None else [j for j in self._device_jobs[kind] if j[0] not in wanted]
-            )
-            for key, job, _ in jobs:  # the C++ jobs applied their outcome to the core already
-                moved, error = job.outcome()
-                outcomes.append((key, error))
-                if moved is not None:  # None: failed, or done with its stats lost
-                    path = moved["stats"]["path"] or "bounce"  # zero bytes: no path taken
-                    self._device_bytes[path] = self._device_bytes.get(path, 0) + moved["bytes"]
+            outcomes = self._device.wait(kind, None if keys is None else sorted(set(keys)))
             errors = []
             callbacks = []
             for key, error in outcomes:
@@ -676,7 +618,7 @@ class DiskOffloader:
                     if error is None:
                         self._core.discard(key)
                 elif error is not None and kind == "read":  # still on disk: offloaded again
-                    _free(storage)
+                    _resize(storage)
                     entry.state = "stored"
                     continue
                 elif error is not None or cancel_writes:
@@ -685,7 +627,7 @@ class DiskOffloader:
                     self._remove(entry)
                     continue
                 elif kind == "write":
-                    _free(storage)  # the memory written, whatever the tensor holds now
+                    _resize(storage)  # the memory written, whatever the tensor holds now
                     entry.state = "stored"
                 else:
                     self._remove(entry)
@@ -693,7 +635,7 @@ class DiskOffloader:
                     callbacks.append(callback)
             # Tensors whose last reference this wait held died here, under the lock: their
             # finalizers left their keys for now.
-            del outcomes, jobs
+            del outcomes
             tensor = storage = None
             self._drain_forgotten()
         return errors, callbacks
@@ -720,7 +662,7 @@ def _close_all() -> None:
         offloader.close()
 
 
-def remove_stale_files(directories: PathLike | Iterable[PathLike]) -> int:
+def remove_stale_files(directories: PathArg | Iterable[PathArg]) -> int:
     """Removes backing files left in `directories` (one directory, or several) by processes
     that no longer run; returns how many. Offloaders do this for their own directories when
     they start."""

@@ -279,7 +279,7 @@ def test_disk_offloader_on_a_side_stream_and_from_threads(disk_dir: Path) -> Non
             total = x.to(torch.int32).sum()
         stream.synchronize()
         assert int(total) == 7 * n
-        transfer = off._transfer
+        transfer = off._device.transfer
         assert transfer is not None and transfer.options["pinned_registered"]
         pinned = transfer.options["pinned_bytes"]
 

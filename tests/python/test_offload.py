@@ -327,7 +327,7 @@ def test_striping_over_several_directories(
         o.sync_read(big)
         assert same_bytes(big, big0)
         if copier == "memcpy":  # a ring per directory: the three parts move at once
-            assert o._transfer is not None and o._transfer.options["max_rings"] == 3
+            assert o._device.transfer is not None and o._device.transfer.options["max_rings"] == 3
 
 
 def test_space_of_a_tensor_released_by_the_wait_is_freed_by_it(off: DiskOffloader) -> None:
@@ -365,7 +365,7 @@ def test_device_path_moves_bytes_through_the_ring(
         o.sync_read(xs[0])  # waits for the writes first
         assert done == ["w"] and same_bytes(xs[0], refs[0])
         assert all(offloaded(x) for x in xs[1:]) and o.stored_bytes == 4097 + (1 << 20) + 3
-        transfer = o._transfer
+        transfer = o._device.transfer
         assert transfer is not None and transfer.rings >= 1
         pinned = transfer.options["pinned_bytes"]
         assert pinned > 0
@@ -377,7 +377,7 @@ def test_device_path_moves_bytes_through_the_ring(
             o.sync_writev(xs)
             o.sync_readv(xs)
         options = transfer.options
-        assert o._transfer is transfer and options["max_rings"] == 2
+        assert o._device.transfer is transfer and options["max_rings"] == 2
         # Two transfers at once make a second ring (64 MiB each by default), never more.
         assert 1 <= transfer.rings <= 2 and pinned <= options["pinned_bytes"]
         assert options["pinned_bytes"] == transfer.rings * options["slots"] * options["slot_bytes"]

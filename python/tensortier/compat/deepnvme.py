@@ -42,11 +42,9 @@ import os
 import sys
 import threading
 import warnings
-import weakref
 from typing import Any, NamedTuple
 
 from .. import _core
-from ..device import _cufile_registration
 from ..io import IOFuture, IOHandle
 
 __all__ = [
@@ -144,9 +142,9 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         self._overlap_events = _c_bool(overlap_events, "aio_handle", "overlap_events")
         # Every size DeepNVMe takes works: the engine runs with the nearest it allows; the
         # getters answer what was given.
-        chunk = _clamp(-(-self._block_size // 4096) * 4096, "TENSORTIER_CHUNK_SIZE")
-        depth = _clamp(self._queue_depth, "TENSORTIER_QUEUE_DEPTH")
-        workers = _clamp(self._parallelism, "TENSORTIER_WORKERS")
+        chunk = _core.clamp_to_setting(-(-self._block_size // 4096) * 4096, "TENSORTIER_CHUNK_SIZE")
+        depth = _core.clamp_to_setting(self._queue_depth, "TENSORTIER_QUEUE_DEPTH")
+        workers = _core.clamp_to_setting(self._parallelism, "TENSORTIER_WORKERS")
         self._io = IOHandle(
             chunk_size=chunk,
             queue_depth=depth,
@@ -409,12 +407,6 @@ def _filename(filename: Any, what: str) -> None:
         raise TypeError(f"{what}: filename must be a path, not {type(filename).__name__}")
 
 
-def _clamp(value: int, setting: str) -> int:
-    """`value` within the range the engine's `setting` allows."""
-    low, high = _core.setting_range(setting)
-    return min(max(value, low), high)
-
-
 def _failed(path: str, step: str, code: int | None) -> int:
     """DeepNVMe's answer to a file it cannot open or stat: -1, with its message (printed there,
     a RuntimeWarning here)."""
@@ -475,7 +467,7 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pinned: dict[int, Any] = {}  # data_ptr -> _core.CuFileBuffer
+        self._pinned = _core.CuFileRegistrations()  # by data_ptr, each with its tensor
 
     def get_alignment(self) -> int:
         """DeepNVMe's: 512 whatever ``intra_op_parallelism`` (its GDS handle gives its host I/O
@@ -489,19 +481,13 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         _check_tensor(tensor, "pin_device_tensor", contiguous=True)
         if tensor.device.type != "cuda":
             raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
-        address = int(tensor.data_ptr())
-        if address not in self._pinned:
-            registration = _cufile_registration(address, _nbytes(tensor))
-            if registration is not None:
-                self._pinned[address] = (registration, tensor)
+        self._pinned.add(int(tensor.data_ptr()), _nbytes(tensor), tensor)
         return True
 
     def unpin_device_tensor(self, tensor: Any) -> bool:
         """Undoes ``pin_device_tensor`` now (GIL released while cuFile deregisters). Returns
         True."""
-        entry = self._pinned.pop(int(tensor.data_ptr()), None)
-        if entry is not None:
-            entry[0].release()
+        self._pinned.remove(int(tensor.data_ptr()))
         return True
 
     def new_pinned_device_tensor(
@@ -522,8 +508,6 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         return self.unpin_device_tensor(tensor)
 
     def close(self) -> None:
-        for registration, _ in self._pinned.values():
-            registration.release()
         self._pinned.clear()
         super().close()
 
@@ -572,10 +556,9 @@ class _Loaded:
 
 # DeepSpeed's pinned-tensor manager, one per process: new_cpu_locked_tensor's tensors of every
 # aio_handle, gds_handle and pin_handle, so that each handle's is_pinned knows the others' and
-# free_cpu_locked_tensor frees only them. data_ptr -> (bytes, the tensor's storage, weakly: it
+# free_cpu_locked_tensor frees only them. By data_ptr: bytes, the tensor's storage, weakly (it
 # lives as long as any view of the tensor, which the tensor's Python object need not).
-_locked: dict[int, tuple[int, weakref.ref[Any]]] = {}
-_locked_mutex = threading.Lock()
+_locked = _core.LockedTensors()
 
 
 def _nbytes(buffer: Any) -> int:
@@ -592,8 +575,7 @@ def _new_locked(num_elem: int, example_tensor: Any) -> Any:
         tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
     else:
         tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
-    with _locked_mutex:
-        _locked[int(tensor.data_ptr())] = (_nbytes(tensor), weakref.ref(tensor.untyped_storage()))
+    _locked.add(int(tensor.data_ptr()), _nbytes(tensor), tensor.untyped_storage())
     return tensor
 
 
@@ -602,32 +584,12 @@ def _free_locked(address: int, tensor: Any = None) -> bool:
     nothing where torch allows, as pinned storages do; page-aligned memory goes with its last
     reference). A zero-byte one only through `tensor`, a view of it: such tensors may share an
     address. False, and nothing freed, when there is none."""
-    with _locked_mutex:
-        entry = _locked.get(address)
-        storage = None if entry is None else entry[1]()
-        if storage is None or (
-            entry[0] == 0  # type: ignore[index]
-            and (tensor is None or tensor.untyped_storage() is not storage)
-        ):
-            return False
-        del _locked[address]
+    storage = _locked.take(address, None if tensor is None else tensor.untyped_storage())
+    if storage is None:
+        return False
     if storage.resizable():
         storage.resize_(0)
     return True
-
-
-def _managed(buffer: Any) -> bool:
-    """Whether all of `buffer`'s bytes lie in one live tensor from ``new_cpu_locked_tensor``
-    (DeepSpeed's manager likewise refuses a buffer that starts in a region and ends past it)."""
-    start = int(buffer.data_ptr())
-    end = start + _nbytes(buffer)
-    with _locked_mutex:
-        for base, (nbytes, ref) in list(_locked.items()):
-            if ref() is None:
-                del _locked[base]
-            elif base <= start and end <= base + nbytes:
-                return True
-    return False
 
 
 def _is_pinned(buffer: Any) -> bool:
@@ -635,7 +597,9 @@ def _is_pinned(buffer: Any) -> bool:
     of the CUDA driver, where one is loaded) page-locked with CUDA by anyone."""
     if buffer.device.type != "cpu":
         return False
-    if bool(buffer.is_pinned()) or _managed(buffer):
+    # All of its bytes in one live tensor from new_cpu_locked_tensor (DeepSpeed's manager
+    # likewise refuses a buffer that starts in a region and ends past it).
+    if bool(buffer.is_pinned()) or _locked.covers(int(buffer.data_ptr()), _nbytes(buffer)):
         return True
     try:
         return bool(_core.pinned_host(int(buffer.data_ptr()), _nbytes(buffer)))

@@ -29,7 +29,7 @@ import threading
 from typing import Any
 
 from .. import _core
-from ..device import _cufile_registration, device_buffer
+from ..device import device_buffer
 from ..io import IOHandle
 
 __all__ = ["GdsFile", "GdsIOError", "gds_deregister_buffer", "gds_register_buffer"]
@@ -41,8 +41,8 @@ class GdsIOError(OSError, RuntimeError):
 
 _lock = threading.Lock()
 _handle: IOHandle | None = None
-# data_ptr -> cuFile registration of a storage, from gds_register_buffer.
-_registered: dict[int, Any] = {}
+# The cuFile registrations of gds_register_buffer, by data_ptr.
+_registered = _core.CuFileRegistrations()
 
 
 def _io() -> IOHandle:
@@ -93,22 +93,14 @@ def gds_register_buffer(s: Any) -> None:
     _check_storage(s, "gds_register_buffer")
     if s.device.type != "cuda":
         return
-    address = int(s.data_ptr())
-    with _lock:
-        if address not in _registered:
-            registration = _cufile_registration(address, int(s.nbytes()))
-            if registration is not None:
-                _registered[address] = registration
+    _registered.add(int(s.data_ptr()), int(s.nbytes()))
 
 
 def gds_deregister_buffer(s: Any) -> None:
     """Undoes ``gds_register_buffer`` (a storage never registered is ignored). Deregisters now,
     with the GIL released, rather than whenever the registration object is collected."""
     _check_storage(s, "gds_deregister_buffer")
-    with _lock:
-        registration = _registered.pop(int(s.data_ptr()), None)
-    if registration is not None:
-        registration.release()
+    _registered.remove(int(s.data_ptr()))
 
 
 class GdsFile:

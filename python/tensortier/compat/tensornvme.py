@@ -44,7 +44,6 @@ import ctypes
 import operator
 import os
 import tempfile
-import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -61,9 +60,6 @@ __all__ = [
     "WriteRefusedError",
     "get_backends",
 ]
-
-# How TensorNVMe keys what a call wrote: one tensor by its id, a vector by its tuple.
-_Key = tuple[str, tuple[int, ...]]
 
 
 class BackendUnavailableError(OSError, RuntimeError):
@@ -114,9 +110,9 @@ class DiskOffloader(_offload.DiskOffloader):
         backend = _backend(backend)
         with _starting(backend):
             super().__init__(dir_name, entries, backend, **kwargs)
-        self._groups: dict[_Key, tuple[weakref.ref[Any], ...]] = {}
-        self._member: dict[int, _Key] = {}  # id(tensor) -> the key it was last written under
-        self._groups_kept = 64  # prune dead groups when there are twice as many
+        # The tensors of each write call, as TensorNVMe keys them (a later write of one of them
+        # makes its old group unreadable, as TensorNVMe's key would no longer be its).
+        self._groups = _core.TensorGroups()
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -147,19 +143,14 @@ class DiskOffloader(_offload.DiskOffloader):
                 keys = self._write(_one_per_storage(tensors), callback, supersede=True)
             except ValueError as e:
                 raise WriteRefusedError(f"{what}: {e}") from e
-            self._remember(tensors, vector)
+            self._groups.remember(tensors, vector)
             return keys
 
     def _compat_read(self, what: str, tensors: list[Any], vector: bool,
                      callback: Callable[[], None] | None) -> list[int]:
         with self._lock:
-            key = _key(tensors, vector)
-            group = self._groups.get(key)
             if (
-                group is None
-                or len(group) != len(tensors)
-                or any(ref() is not t or self._member.get(id(t)) != key
-                       for ref, t in zip(group, tensors))
+                not self._groups.matches(tensors, vector)
                 # TensorNVMe takes a tensor's key when its read starts: a second read of it
                 # finds nothing, even while the first runs.
                 or any((e := self._lookup(t)) is None or e.state == "reading" for t in tensors)
@@ -173,25 +164,6 @@ class DiskOffloader(_offload.DiskOffloader):
                 return self._read(_one_per_storage(tensors), callback)
             except ValueError as e:  # its memory was replaced: TensorNVMe's size check
                 raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
-
-    def _remember(self, tensors: list[Any], vector: bool) -> None:
-        """Records the key the tensors were written under (a later write of one of them makes
-        its old group unreadable, as TensorNVMe's key would no longer be its). REQUIRES:
-        self._lock."""
-        key = _key(tensors, vector)
-        for t in tensors:
-            old = self._member.get(id(t))
-            if old is not None:
-                self._groups.pop(old, None)
-            self._member[id(t)] = key
-        self._groups[key] = tuple(weakref.ref(t) for t in tensors)
-        if len(self._groups) > 2 * self._groups_kept:
-            dead = [k for k, refs in self._groups.items() if any(r() is None for r in refs)]
-            for k in dead:
-                del self._groups[k]
-            live = {k for refs in self._groups.values() for k in [id(r()) for r in refs]}
-            self._member = {i: k for i, k in self._member.items() if i in live}
-            self._groups_kept = max(64, len(self._groups))
 
 
 def _unsigned(value: Any, name: str, bits: int = 32) -> int:
@@ -209,8 +181,7 @@ def _unsigned(value: Any, name: str, bits: int = 32) -> int:
 def _queue_depth(n_entries: Any) -> int:
     """TensorNVMe's `n_entries` as the engine's queue depth: every count its binding takes
     works, as the nearest depth the engine's rings allow."""
-    low, high = _core.setting_range("TENSORTIER_QUEUE_DEPTH")
-    return min(max(_unsigned(n_entries, "n_entries"), low), high)
+    return _core.clamp_to_setting(_unsigned(n_entries, "n_entries"), "TENSORTIER_QUEUE_DEPTH")
 
 
 def _backend(backend: Any) -> str:
@@ -237,10 +208,6 @@ def _starting(backend: str) -> Iterator[None]:
             e.errno, f"Backend {_core.tensornvme_backend_name(backend)!r} is not install "
             f"correctly: {e.strerror or e}"
         ) from e
-
-
-def _key(tensors: list[Any], vector: bool) -> _Key:
-    return ("vector" if vector else "tensor", tuple(id(t) for t in tensors))
 
 
 def _tensors(what: str, given: Any, vector: bool) -> list[Any]:

@@ -1,0 +1,113 @@
+// An IOHandle's record of its operations: those not known to be over, and finished ones whose
+// error nobody has been given yet, each with the Python future that keeps its memory alive.
+// wait_all() raises each failure once, whether its future was waited for or dropped. Every call
+// holds the GIL, which guards the record; waits release it, and Ctrl-C interrupts them with
+// nothing lost.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstddef>
+#include <exception>
+#include <iterator>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "binding_helpers.hpp"
+#include "errors.hpp"
+#include "register.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/transfer/operation.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+class OperationLog {
+ public:
+  // Records `op` (its future keeps its memory alive); forgets the operations over whose error
+  // was given, or that had none.
+  void Add(const Operation& op, py::object future) {
+    std::erase_if(pending_, [](const Pending& p) {
+      return p.op.done() && !p.op.HasUndeliveredError();
+    });
+    pending_.push_back({op, std::move(future)});
+  }
+
+  // Waits for every operation recorded, then for those other threads submit meanwhile (whose
+  // errors are their futures'); raises the first error nobody was given, the number of the
+  // others in a note on it. Interrupted (Ctrl-C), it gives back the errors it took and keeps
+  // every operation not yet seen over for the next wait.
+  void WaitAll(Engine& engine) {
+    std::vector<Pending> pending;
+    pending.swap(pending_);
+    std::vector<Pending> failed;
+    std::exception_ptr first;
+    size_t next = 0;
+    try {
+      for (; next < pending.size(); ++next) {
+        const Operation& op = pending[next].op;
+        WaitInterruptibly([&](auto timeout) { return op.WaitFor(timeout); }, true);
+        std::exception_ptr error;
+        {
+          py::gil_scoped_release release;
+          error = op.TakeUndeliveredError();
+        }
+        if (error) {
+          if (!first) first = error;
+          failed.push_back(std::move(pending[next]));
+        }
+      }
+      py::gil_scoped_release release;
+      try {
+        engine.WaitAll();
+      } catch (const IoError&) {
+      } catch (const std::system_error&) {
+      }
+    } catch (...) {
+      for (const Pending& p : failed) p.op.ReturnError();
+      failed.insert(failed.end(), std::make_move_iterator(pending.begin() + next),
+                    std::make_move_iterator(pending.end()));
+      pending_.insert(pending_.begin(), std::make_move_iterator(failed.begin()),
+                      std::make_move_iterator(failed.end()));
+      throw;
+    }
+    if (!first) return;
+    py::object error = PythonError(first);
+    if (failed.size() > 1) {
+      py::module_::import("tensortier._notes")
+          .attr("add_note")(error, StrCat(failed.size() - 1,
+                                          " other operation(s) of this IOHandle also failed"));
+    }
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    throw py::error_already_set();
+  }
+
+  size_t size() const { return pending_.size(); }
+  void Clear() { pending_.clear(); }
+
+ private:
+  struct Pending {
+    Operation op;
+    py::object future;
+  };
+  std::vector<Pending> pending_;
+};
+
+}  // namespace
+
+void RegisterOperationLog(py::module_& m) {
+  py::class_<OperationLog>(m, "OperationLog")
+      .def(py::init<>())
+      .def("add", &OperationLog::Add, py::arg("operation"), py::arg("future"),
+           "Records an operation and the future that keeps its memory alive.")
+      .def("wait_all", &OperationLog::WaitAll, py::arg("engine"),
+           "Waits for every operation, then for the engine's; raises the first error nobody was "
+           "given (a note counts the others).")
+      .def("__len__", &OperationLog::size)
+      .def("clear", &OperationLog::Clear, "Forgets every operation (no wait).");
+}

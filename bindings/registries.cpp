@@ -1,0 +1,208 @@
+// The buffer registries of the compatibility APIs, by address:
+//   LockedTensors: DeepSpeed's pinned-tensor manager (one per process): the locked host tensors
+//     made by its handles, each as its size and a weak reference to its storage.
+//   CuFileRegistrations: device memory registered with cuFile (torch.cuda.gds's
+//     gds_register_buffer, DeepNVMe's pin_device_tensor), each with what keeps the memory alive.
+//   TensorGroups: the tensors of each write call of TensorNVMe's DiskOffloader, keyed as
+//     TensorNVMe keys them (one tensor by its id, a vector by the tuple of its ids), weakly.
+// Both are called with the GIL held; cuFile's calls run with it released, under the registry's
+// own lock (never waited for with the GIL held by its holder).
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "register.hpp"
+#include "tensortier/cuda/cufile.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+class LockedTensors {
+ public:
+  void Add(uintptr_t address, size_t nbytes, const py::object& storage) {
+    tensors_.insert_or_assign(address, Locked{nbytes, py::weakref(storage)});
+  }
+
+  // The live storage of the tensor at `address`, taken out of the registry; None when there is
+  // none. A zero-byte one only when `storage` is it: such tensors may share an address.
+  py::object Take(uintptr_t address, const py::object& storage) {
+    const auto it = tensors_.find(address);
+    if (it == tensors_.end()) return py::none();
+    py::object live = it->second.storage();
+    if (live.is_none() || (it->second.nbytes == 0 && !live.is(storage))) return py::none();
+    tensors_.erase(it);
+    return live;
+  }
+
+  // Whether [address, address + nbytes) lies in one live tensor; forgets the dead ones.
+  bool Covers(uintptr_t address, size_t nbytes) {
+    bool covered = false;
+    for (auto it = tensors_.begin(); it != tensors_.end();) {
+      if (it->second.storage().is_none()) {
+        it = tensors_.erase(it);
+        continue;
+      }
+      const uintptr_t end = it->first + it->second.nbytes;
+      covered = covered || (it->first <= address && address + nbytes <= end);
+      ++it;
+    }
+    return covered;
+  }
+
+ private:
+  struct Locked {
+    size_t nbytes;
+    py::weakref storage;
+  };
+  std::map<uintptr_t, Locked> tensors_;
+};
+
+class CuFileRegistrations {
+ public:
+  // Registers [address, address + nbytes) with cuFile unless it is already, or nothing would
+  // DMA into registered memory (no bytes, cuFile unavailable or in its compatibility mode);
+  // `keep` stays referenced while it is. Throws CuFileError when cuFile refuses the memory.
+  void Add(uintptr_t address, size_t nbytes, const py::object& keep) {
+    {
+      py::gil_scoped_release release;
+      std::lock_guard lock(mu_);
+      if (buffers_.contains(address)) return;
+      const CuFile& cufile = CuFile::Get();
+      if (nbytes == 0 || !cufile.available() || !cufile.compat_mode_reason().empty()) return;
+      auto buffer = std::make_unique<CuFileBuffer>(
+          cufile, reinterpret_cast<const void*>(address), nbytes);
+      buffers_.emplace(address, Registered{std::move(buffer), py::object()});
+    }
+    std::lock_guard lock(mu_);
+    if (const auto it = buffers_.find(address); it != buffers_.end()) it->second.keep = keep;
+  }
+
+  // Deregisters the memory at `address` now (nothing when it is not registered).
+  void Remove(uintptr_t address) {
+    Registered gone;
+    {
+      std::lock_guard lock(mu_);
+      const auto it = buffers_.find(address);
+      if (it == buffers_.end()) return;
+      gone = std::move(it->second);
+      buffers_.erase(it);
+    }
+    py::gil_scoped_release release;
+    gone.buffer.reset();
+  }
+
+  void Clear() {
+    std::map<uintptr_t, Registered> gone;
+    {
+      std::lock_guard lock(mu_);
+      gone.swap(buffers_);
+    }
+    py::gil_scoped_release release;
+    for (auto& [address, registered] : gone) registered.buffer.reset();
+  }
+
+ private:
+  struct Registered {
+    std::unique_ptr<CuFileBuffer> buffer;
+    py::object keep;
+  };
+  std::mutex mu_;
+  std::map<uintptr_t, Registered> buffers_;  // guarded by mu_
+};
+
+class TensorGroups {
+ public:
+  // Records the key `tensors` were written under; a later write of one of them makes its old
+  // group unreadable, as TensorNVMe's key would no longer be its. Dead groups are dropped when
+  // there are twice as many as after the last sweep.
+  void Remember(const py::list& tensors, bool vector) {
+    const Key key = KeyOf(tensors, vector);
+    std::vector<py::weakref> refs;
+    for (const py::handle t : tensors) {
+      const auto old = member_.find(Id(t));
+      if (old != member_.end()) groups_.erase(old->second);
+      member_.insert_or_assign(Id(t), key);
+      refs.emplace_back(t);
+    }
+    groups_.insert_or_assign(key, std::move(refs));
+    if (groups_.size() <= 2 * kept_) return;
+    std::erase_if(groups_, [](const auto& group) {
+      return std::any_of(group.second.begin(), group.second.end(),
+                         [](const py::weakref& r) { return r().is_none(); });
+    });
+    std::set<uintptr_t> live;
+    for (const auto& [k, group] : groups_) {
+      for (const py::weakref& r : group) live.insert(Id(r()));
+    }
+    std::erase_if(member_, [&live](const auto& m) { return !live.contains(m.first); });
+    kept_ = std::max<size_t>(64, groups_.size());
+  }
+
+  // Whether `tensors` are, in this order, the live tensors of one write call's group, each
+  // last written under it.
+  bool Matches(const py::list& tensors, bool vector) const {
+    const Key key = KeyOf(tensors, vector);
+    const auto group = groups_.find(key);
+    if (group == groups_.end() || group->second.size() != tensors.size()) return false;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto m = member_.find(Id(tensors[i]));
+      if (!group->second[i]().is(tensors[i]) || m == member_.end() || m->second != key) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  using Key = std::pair<bool, std::vector<uintptr_t>>;  // (a vector, the tensors' ids)
+  static uintptr_t Id(const py::handle& t) { return reinterpret_cast<uintptr_t>(t.ptr()); }
+  static Key KeyOf(const py::list& tensors, bool vector) {
+    Key key{vector, {}};
+    for (const py::handle t : tensors) key.second.push_back(Id(t));
+    return key;
+  }
+  std::map<Key, std::vector<py::weakref>> groups_;
+  std::map<uintptr_t, Key> member_;  // id of a tensor -> the key it was last written under
+  size_t kept_ = 64;
+};
+
+}  // namespace
+
+void RegisterRegistries(py::module_& m) {
+  py::class_<LockedTensors>(m, "LockedTensors")
+      .def(py::init<>())
+      .def("add", &LockedTensors::Add, py::arg("address"), py::arg("nbytes"), py::arg("storage"),
+           "Records a locked tensor: its address, size and storage (weakly).")
+      .def("take", &LockedTensors::Take, py::arg("address"), py::arg("storage") = py::none(),
+           "The live storage of the tensor at `address`, forgotten; None when there is none (a "
+           "zero-byte one only when `storage` is it).")
+      .def("covers", &LockedTensors::Covers, py::arg("address"), py::arg("nbytes"),
+           "Whether all of the range lies in one live locked tensor.");
+  py::class_<TensorGroups>(m, "TensorGroups")
+      .def(py::init<>())
+      .def("remember", &TensorGroups::Remember, py::arg("tensors"), py::arg("vector"),
+           "Records the tensors of a write call (a vector call, or one tensor) as their group.")
+      .def("matches", &TensorGroups::Matches, py::arg("tensors"), py::arg("vector"),
+           "Whether the tensors are, in order, one write call's group, each last written under "
+           "it.");
+  py::class_<CuFileRegistrations>(m, "CuFileRegistrations")
+      .def(py::init<>())
+      .def("add", &CuFileRegistrations::Add, py::arg("address"), py::arg("nbytes"),
+           py::arg("keep") = py::none(),
+           "Registers device memory with cuFile through its device's primary context, unless it "
+           "is already or nothing would DMA into it (no bytes, no cuFile, compatibility mode); "
+           "CuFileError when cuFile refuses it.")
+      .def("remove", &CuFileRegistrations::Remove, py::arg("address"),
+           "Deregisters the memory at `address` now; nothing when it is not registered.")
+      .def("clear", &CuFileRegistrations::Clear, "Deregisters everything now.");
+}
