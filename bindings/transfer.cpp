@@ -630,34 +630,4 @@ void RegisterTransfer(py::module_& m) {
           py::return_value_policy::reference_internal, "The transfer, or None before one is made.")
       .def("forget", &OffloadDevice::Forget, "Lets go of the operations without waiting.")
       .def("close", &OffloadDevice::Close);
-  py::class_<OffloadDeviceFiles>(m, "OffloadDeviceFiles")
-      .def(py::init([](const std::optional<std::string>& gds) {
-             return std::make_unique<OffloadDeviceFiles>(gds ? ParseGdsMode(*gds)
-                                                             : GdsModeFromEnvironment());
-           }),
-           py::arg("gds") = py::none(),
-           "The DeviceFiles of an offloader's backing files under one GDS mode ('off', 'auto', "
-           "'on'), each registered with cuFile once, on first use.");
-  const auto move_key = [&m](const char* name, auto move, const char* doc) {
-    m.def(
-        name,
-        [move](Offloader& offloader, DeviceTransfer& transfer, uint64_t key, uintptr_t address,
-               uint64_t length, int device, std::optional<uintptr_t> stream,
-               OffloadDeviceFiles* files) {
-          DeviceSpan span = Span(address, device, stream);
-          py::gil_scoped_release release;
-          return move(offloader, transfer, key, span, length, files);
-        },
-        py::arg("offloader"), py::arg("transfer"), py::arg("key"), py::arg("address"),
-        py::arg("length"), py::arg("device") = 0, py::arg("stream") = py::none(),
-        py::arg("files") = nullptr, py::keep_alive<0, 1>(), py::keep_alive<0, 2>(),
-        py::keep_alive<0, 8>(), doc);
-  };
-  move_key("offload_from_device", &OffloadFromDeviceAsync,
-           "Starts writing device memory under an offloader key through the transfer's bounce "
-           "rings (or GDS, as `files` says), on the transfer's job queue; returns a DeviceJob. "
-           "When the job is over the key is stored, or unknown if it failed.");
-  move_key("restore_to_device", &RestoreToDeviceAsync,
-           "Starts reading an offloader key's bytes into device memory; returns a DeviceJob. When "
-           "it is over the key is gone, or still stored if it failed.");
 }

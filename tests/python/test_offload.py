@@ -859,44 +859,6 @@ def test_public_exports() -> None:
     assert issubclass(tensornvme.DiskOffloader, DiskOffloader)  # TensorNVMe's strict one
 
 
-def test_a_finished_device_move_whose_stats_are_lost_is_not_undone(
-    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A device job's outcome has no result (None) and no error when the stats of a move already
-    applied cannot be made (out of memory): the move stands. Taking it for a failure would free
-    a restored tensor's memory while its key is gone (data lost)."""
-    from tensortier import _core
-
-    class StatsLost:
-        """A job whose outcome's stats could not be made."""
-
-        def __init__(self, job: Any) -> None:
-            self._job = job
-
-        def wait(self, interruptible: bool = True) -> None:
-            self._job.wait(interruptible)
-
-        def outcome(self) -> tuple[None, None]:
-            self._job.outcome()
-            return None, None
-
-    for name in ("offload_from_device", "restore_to_device"):
-        real = getattr(_core, name)
-
-        def stats_lost(*args: object, _real: object = real) -> StatsLost:
-            return StatsLost(_real(*args))  # type: ignore[operator]
-
-        monkeypatch.setattr(_core, name, stats_lost)
-    t = torch.randn(100_000)
-    ref = t.clone()
-    with DiskOffloader(disk_dir, _device_copier="memcpy") as off:
-        off.sync_write(t)
-        assert off.is_offloaded(t) and t.untyped_storage().nbytes() == 0
-        off.sync_read(t)
-        assert not off.is_offloaded(t) and torch.equal(t, ref)
-        assert off.stored_bytes == 0
-
-
 FORK_WITH_LOCK_HELD = textwrap.dedent(
     """
     import os, signal, sys, threading, time
