@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from . import _core
-from ._runtime import dtype_names
-from .checkpoint._format import _quantized_dtypes
+from ._runtime import dtype_names, quantized_dtypes
 
 # Tensors of a page or more start on a page of the arena (written with O_DIRECT straight from
 # it); smaller ones on 64 bytes (every dtype's alignment).
@@ -76,7 +75,7 @@ def arena_count() -> int:
 def storable_dtype(t: Any) -> str | None:
     """tensortier's name of `t`'s dtype where DCP items can hold `t` as torch.save would store
     it (a dense tensor of a plain dtype, with data), else None."""
-    if t.layout != torch.strided or t.device.type == "meta" or t.dtype in _quantized_dtypes():
+    if t.layout != torch.strided or t.device.type == "meta" or t.dtype in quantized_dtypes():
         return None
     return dtype_names().get(t.dtype)
 
@@ -170,7 +169,7 @@ def stage(state_dict: Any) -> Any:
 @functools.lru_cache(maxsize=None)
 def _storable_dtypes() -> frozenset[Any]:
     """The torch dtypes storable_dtype accepts."""
-    return frozenset(dt for dt in dtype_names() if dt not in _quantized_dtypes())
+    return frozenset(dt for dt in dtype_names() if dt not in quantized_dtypes())
 
 
 def _strides(shape: Any) -> list[int]:

@@ -49,3 +49,12 @@ def torch_dtypes() -> dict[str, Any]:
 def dtype_names() -> dict[Any, str]:
     """torch.dtype -> tensortier dtype name: the inverse of ``torch_dtypes``."""
     return {dt: name for name, dt in torch_dtypes().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def quantized_dtypes() -> frozenset[Any]:
+    """The torch dtypes the C++ table marks quantized (qint8, quint4x2...): tensors whose
+    storage holds more than their values (scales, zero points), which no dtype name stores."""
+    dtypes = torch_dtypes()
+    return frozenset(dtypes[row["name"]] for row in _core.dtypes()
+                     if row["quantized"] and row["name"] in dtypes)
