@@ -4,9 +4,12 @@ include/tensortier/checkpoint/dtypes.hpp)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from . import _core
@@ -58,3 +61,18 @@ def quantized_dtypes() -> frozenset[Any]:
     dtypes = torch_dtypes()
     return frozenset(dtypes[row["name"]] for row in _core.dtypes()
                      if row["quantized"] and row["name"] in dtypes)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collection paused while the block runs (as it was after). For
+    blocks that make an object or more per tensor of a state dict: with tens of thousands of
+    tensors, the collections those allocations start walk every live object again and again
+    (half the time of a DCP save's own work on 20,000 small tensors)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
