@@ -3,10 +3,12 @@
 ``stage(state_dict)`` returns a copy of the state dict whose tensors live in one block of host
 memory (an arena): the copy is what the background write reads, so training may change the
 originals as soon as it returns. The copy runs in C++ over several threads with the GIL released
-(CUDA tensors: device-to-host copies into pinned memory). Arenas are kept for the next save: an
-arena is reused only when no tensor staged in it is alive any more (the save that read it has
-finished and dropped its state dict), so a second save that starts while the first still writes
-gets an arena of its own.
+(CUDA tensors: device-to-host copies into pinned memory). Arenas are kept, their pages faulted
+in, for the next save. An arena is free again once the save that staged into it has written its
+data file (``Writer.write_data`` marks it, see ``written``), or once no tensor staged in it is
+alive (a save that failed before writing): a staged copy is for one save, and a view of it kept
+after that save wrote it holds the next save's values. A second save that starts while the first
+still writes gets an arena of its own.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from typing import Any
 import torch
 
 from . import _core
-from ._runtime import dtype_names
-from .checkpoint._format import _quantized_dtypes
+from ._runtime import dtype_names, gc_paused, quantized_dtypes
 
 # Tensors of a page or more start on a page of the arena (written with O_DIRECT straight from
 # it); smaller ones on 64 bytes (every dtype's alignment).
@@ -42,10 +43,13 @@ class _Arena:
         self.memory: Any = (_core.PinnedMemory(nbytes, pinned_device) if pinned_device is not None
                             else _core.AlignedBuffer(nbytes))
         self.nbytes = nbytes
+        self.address = int(self.memory.address)
+        self.written = False  # the save that staged into it has written its file
 
     def in_use(self) -> bool:
-        """Whether a tensor staged in the arena is alive (each holds the memory's buffer)."""
-        return sys.getrefcount(self.memory) > 2  # this object's reference and the call's
+        """Whether a save may still read the arena: the save that staged into it has not
+        written its file, and a tensor staged in it is alive (each holds the memory's buffer)."""
+        return not self.written and sys.getrefcount(self.memory) > 2  # ours and the call's
 
 
 _lock = threading.Lock()
@@ -59,12 +63,24 @@ def _take(nbytes: int, pinned_device: int | None) -> _Arena:
         free = [a for a in _arenas if not a.in_use() and a.pinned_device == pinned_device]
         fits = [a for a in free if a.nbytes >= nbytes]
         if fits:
-            return min(fits, key=lambda a: a.nbytes)
+            arena = min(fits, key=lambda a: a.nbytes)
+            arena.written = False
+            return arena
         for a in free:
             _arenas.remove(a)
         arena = _Arena(max(nbytes, 1), pinned_device)
         _arenas.append(arena)
         return arena
+
+
+def written(addresses: list[int]) -> None:
+    """Marks free the arenas that hold any of `addresses` (the items a save has just written
+    to its file): the next stage() may overwrite them, whoever still holds a view."""
+    with _lock:
+        for a in _arenas:
+            if not a.written:
+                end = a.address + a.nbytes
+                a.written = any(a.address <= p < end for p in addresses)
 
 
 def arena_count() -> int:
@@ -76,7 +92,7 @@ def arena_count() -> int:
 def storable_dtype(t: Any) -> str | None:
     """tensortier's name of `t`'s dtype where DCP items can hold `t` as torch.save would store
     it (a dense tensor of a plain dtype, with data), else None."""
-    if t.layout != torch.strided or t.device.type == "meta" or t.dtype in _quantized_dtypes():
+    if t.layout != torch.strided or t.device.type == "meta" or t.dtype in quantized_dtypes():
         return None
     return dtype_names().get(t.dtype)
 
@@ -98,11 +114,10 @@ class _Slot:
 
 
 def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor
-        return ()
-    return DTensor
+    """torch's DTensor class; () where no DTensor can exist (a torch without it, or a process
+    that has not imported it: importing it costs seconds)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", ()) if module is not None else ()
 
 
 def stage(state_dict: Any) -> Any:
@@ -111,17 +126,19 @@ def stage(state_dict: Any) -> Any:
     they are when they cannot be: the save then names them). Returns when every copy is done."""
     dtensor = _dtensor_type()
     sources: list[Any] = []
-    with torch.no_grad():
+    with torch.no_grad(), gc_paused():
         shaped = _collect(state_dict, sources, dtensor)
         storable = _storable_dtypes()
         # The arena's layout: each stageable tensor's offset (None: staged by torch, and
         # refused by the save where it must be).
         offsets: list[int | None] = []
+        sizes: list[int] = []
         size = 0
         pinned_device = None
         for t in sources:
             if t.dtype not in storable or t.layout != torch.strided or not (t.is_cpu or t.is_cuda):
                 offsets.append(None)
+                sizes.append(0)
                 continue
             if t.is_cuda and pinned_device is None:
                 pinned_device = t.device.index if t.device.index is not None else \
@@ -130,15 +147,17 @@ def stage(state_dict: Any) -> Any:
             align = _PAGE if n >= _PAGE else _SMALL_ALIGN
             size = -(-size // align) * align
             offsets.append(size)
+            sizes.append(n)
             size += n
         arena = _take(-(-size // _PAGE) * _PAGE, pinned_device)
         bases: dict[Any, Any] = {}  # the arena as a flat tensor of each dtype
         staged: list[Any] = []
+        # Plain CPU tensors: one C++ copy of them all (their views made here, no copy each).
         dst: list[int] = []
         src: list[int] = []
         nbytes: list[int] = []
         devices: set[Any] = set()
-        for t, offset in zip(sources, offsets):
+        for t, offset, n in zip(sources, offsets, sizes):
             if offset is None:
                 staged.append(t.clone() if t.is_cpu else t.cpu())  # host memory in any case
                 continue
@@ -146,18 +165,20 @@ def stage(state_dict: Any) -> Any:
             base = bases.get(dtype)
             if base is None:
                 base = bases[dtype] = torch.frombuffer(arena.memory, dtype=dtype)
-            contiguous = t.is_contiguous()
-            shape = t.shape
-            out = base.as_strided(shape, t.stride() if contiguous else _strides(shape),
-                                  offset // dtype.itemsize)
+            if t.is_contiguous():
+                out = base.as_strided(t.shape, t.stride(), offset // dtype.itemsize)
+                if t.is_cpu and not t.is_conj() and not t.is_neg():
+                    staged.append(out)
+                    dst.append(arena.address + offset)
+                    src.append(t.data_ptr())
+                    nbytes.append(n)
+                    continue
+            else:
+                out = base.as_strided(t.shape, _strides(t.shape), offset // dtype.itemsize)
             staged.append(out)
             if t.is_cuda:
                 out.copy_(t, non_blocking=True)
                 devices.add(t.device)
-            elif contiguous and not t.is_conj() and not t.is_neg():
-                dst.append(out.data_ptr())
-                src.append(t.data_ptr())
-                nbytes.append(t.numel() * dtype.itemsize)
             else:
                 out.copy_(t)  # strided, conjugate or negative views: torch resolves them
         _core.copy_ranges(dst, src, nbytes, _COPY_THREADS)
@@ -170,7 +191,7 @@ def stage(state_dict: Any) -> Any:
 @functools.lru_cache(maxsize=None)
 def _storable_dtypes() -> frozenset[Any]:
     """The torch dtypes storable_dtype accepts."""
-    return frozenset(dt for dt in dtype_names() if dt not in _quantized_dtypes())
+    return frozenset(dt for dt in dtype_names() if dt not in quantized_dtypes())
 
 
 def _strides(shape: Any) -> list[int]:

@@ -18,6 +18,7 @@ of replacement.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import io
@@ -44,11 +45,13 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _core, _dcp_staging
-from ._runtime import default_io, torch_dtypes
+from ._runtime import default_io, dtype_names, gc_paused, quantized_dtypes, torch_dtypes
 
 __all__ = ["Reader", "Writer"]
 
 _METADATA = ".metadata"
+# The key of the one WriteResult each rank's write_data returns (_RankWrites).
+_RANK_WRITES = "tensortier: the rank's items"
 _VERSION = "1.0.0"  # DCP's CURRENT_DCP_VERSION for this layout
 # tensortier's own format (the items' xxh64s and layout), stored as the StorageMeta attribute
 # "tensortier_format": a Reader refuses a newer one (dcp_metadata.hpp, kDcpFormat).
@@ -110,6 +113,90 @@ def _default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
     return sd if isinstance(sd, dict) else None
 
 
+def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], list[Any]]:
+    """(dtype names, host tensors or bytes) of the write items (see _write_source); plain
+    contiguous CPU tensors of the default planner's state dict taken as they are, without a
+    call per item. CUDA tensors are staged into a pinned host arena."""
+    lookup = _default_lookup(planner)
+    names = dtype_names()
+    quantized = quantized_dtypes()
+    dtypes: list[str] = []
+    tensors: list[Any] = []
+    on_device: list[int] = []
+    for item in items:
+        t = lookup.get(item.index.fqn) if lookup is not None else None
+        if (type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided
+                and t.dtype not in quantized and t.is_contiguous() and not t.is_conj()
+                and not t.is_neg() and item.type != WriteItemType.BYTE_IO):
+            dt = names.get(t.dtype)
+            if dt is not None:
+                dtypes.append(dt)
+                tensors.append(t)
+                continue
+        dt, t = _write_source(item, planner, lookup)
+        if t.device.type != "cpu":
+            on_device.append(len(tensors))
+        dtypes.append(dt)
+        tensors.append(t)
+    if on_device:
+        for i, t in zip(on_device, _dcp_staging.stage([tensors[i] for i in on_device])):
+            tensors[i] = t
+    return dtypes, tensors
+
+
+class _RankWrites:
+    """Where one rank's items went, in one small object (the rank's only WriteResult's
+    storage_data): through DCP's gather of results it pickles as a few lists and three arrays,
+    not one WriteResult, MetadataIndex and _StorageInfo per item. ``items`` expands it on the
+    coordinator into the metadata's storage_data entries."""
+
+    __slots__ = ("relative_path", "fqns", "offsets", "indices", "places", "blocks")
+
+    def __init__(self, relative_path: str, fqns: list[str], offsets: list[Any],
+                 indices: list[Any], places: bytes, blocks: list[bytes]) -> None:
+        self.relative_path = relative_path
+        self.fqns = fqns
+        self.offsets = offsets  # each item's chunk offsets (a tuple; None for bytes items)
+        self.indices = indices
+        self.places = places  # (offset, length, xxh64) per item, uint64 each
+        self.blocks = blocks  # each item's packed block sums (b"" for none)
+
+    @classmethod
+    def of(cls, relative_path: str, items: list[Any], places: list[Any]) -> WriteResult:
+        """The WriteResult of a rank's `items` written to `relative_path` at `places`."""
+        flat = array.array("Q", [v for p in places for v in p[:3]])
+        index = _md.MetadataIndex(_RANK_WRITES)
+        return WriteResult(index=index, size_in_bytes=sum(p[1] for p in places),
+                           storage_data=cls(relative_path,
+                                            [i.index.fqn for i in items],
+                                            [None if i.index.offset is None
+                                             else tuple(i.index.offset) for i in items],
+                                            [i.index.index for i in items], flat.tobytes(),
+                                            [p[3] for p in places]))
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.relative_path, self.fqns, self.offsets, self.indices, self.places,
+                self.blocks)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (self.relative_path, self.fqns, self.offsets, self.indices, self.places,
+         self.blocks) = state
+
+    def items(self) -> dict[Any, Any]:
+        """MetadataIndex -> _StorageInfo (with its xxh64) of each item."""
+        flat = array.array("Q")
+        flat.frombytes(self.places)
+        out: dict[Any, Any] = {}
+        path = self.relative_path
+        for k, (fqn, offset, index) in enumerate(zip(self.fqns, self.offsets, self.indices)):
+            info = _fs._StorageInfo(path, flat[3 * k], flat[3 * k + 1])
+            info.xxh64 = flat[3 * k + 2]  # type: ignore[attr-defined]  # stock readers ignore it
+            if self.blocks[k]:  # a tensor's data's block sums (Reader checks the parts it reads)
+                info.xxh64_blocks = self.blocks[k]  # type: ignore[attr-defined]
+            out[_md.MetadataIndex(fqn, offset, index)] = info
+        return out
+
+
 class Writer(StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` writing each rank's items through tensortier's engine, and the
     ``AsyncStager`` of ``dcp.async_save(state_dict, storage_writer=Writer(path))``.
@@ -158,36 +245,31 @@ class Writer(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Writes this rank's items to a new file (one C++ call, GIL released). CUDA tensors
-        are copied into a reused pinned host arena first."""
+        are copied into a reused pinned host arena first. The result is one WriteResult for
+        all of the rank's items (a _RankWrites, which ``finish`` expands), not one per item."""
         # A name no earlier save used: the old checkpoint's files stay as they are.
         name = f"{plan.storage_data.prefix}{self.save_id[:16]}{_fs.DEFAULT_SUFFIX}"
-        lookup = _default_lookup(planner)
-        items = [_write_source(item, planner, lookup) for item in plan.items]
-        on_device = [i for i, (_, t) in enumerate(items) if t.device.type != "cpu"]
-        if on_device:
-            staged = _dcp_staging.stage([items[i][1] for i in on_device])
-            for i, t in zip(on_device, staged):
-                items[i] = (items[i][0], t)
-        places = _core.write_dcp_file(
-            default_io()._core(), os.path.join(self.path, name), [d for d, _ in items],
-            [list(t.shape) for _, t in items], [t.nbytes for _, t in items],
-            [t.data_ptr() for _, t in items], self.direct, f"rank {self.rank}",
-            [item.index.fqn for item in plan.items])
-        results = []
-        for item, (offset, length, xxh64, blocks) in zip(plan.items, places):
-            info = _fs._StorageInfo(name, offset, length)
-            info.xxh64 = xxh64  # type: ignore[attr-defined]  # stock readers ignore it
-            if blocks:  # a tensor's data's block sums (Reader checks the parts it reads)
-                info.xxh64_blocks = blocks  # type: ignore[attr-defined]
-            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
-        return _done(results)
+        with gc_paused():
+            dtypes, tensors = _write_sources(plan.items, planner)
+            shapes = [t.shape for t in tensors]
+            nbytes = [t.nbytes for t in tensors]
+            addresses = [t.data_ptr() for t in tensors]
+            fqns = [item.index.fqn for item in plan.items]
+        places = _core.write_dcp_file(default_io()._core(), os.path.join(self.path, name),
+                                      dtypes, shapes, nbytes, addresses, self.direct,
+                                      f"rank {self.rank}", fqns)
+        _dcp_staging.written(addresses)
+        with gc_paused():
+            return _done([_RankWrites.of(name, plan.items, places)])
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``dcp.async_save``'s staging step (DCP's ``AsyncStager``): a copy of `state_dict`
         whose tensors are in host memory this process reuses from save to save (pinned where
         the tensors are on CUDA), copied on several threads with the GIL released. Returns once
         the copy is done: training may change the state dict while the save writes the copy.
-        A save that starts while another still writes gets memory of its own."""
+        A save that starts while another still writes gets memory of its own; once the save
+        has written this rank's file, the next stage reuses the memory (a copy is for one save,
+        whoever still holds a view of it)."""
         return _dcp_staging.stage(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -199,13 +281,21 @@ class Writer(StorageWriter, AsyncStager):
     def finish(self, metadata: _md.Metadata, results: list[list[WriteResult]]) -> None:
         """Commits the checkpoint (coordinator only): ``.metadata`` written durably, then the
         files it does not name (the replaced checkpoint's, dead saves') removed."""
-        storage = {r.index: r.storage_data for rs in results for r in rs}
-        metadata.storage_data = storage
-        metadata.version = _VERSION
-        metadata.storage_meta = self.storage_meta()
-        files = sorted({s.relative_path for s in storage.values()})
-        _core.commit_dcp_checkpoint(default_io()._core(), self.path, pickle.dumps(metadata),
-                                    files, f"rank {self.rank} (the coordinator)")
+        with gc_paused():
+            storage: dict[Any, Any] = {}
+            for rs in results:
+                for r in rs:
+                    if isinstance(r.storage_data, _RankWrites):
+                        storage.update(r.storage_data.items())
+                    else:
+                        storage[r.index] = r.storage_data
+            metadata.storage_data = storage
+            metadata.version = _VERSION
+            metadata.storage_meta = self.storage_meta()
+            files = sorted({s.relative_path for s in storage.values()})
+            data = pickle.dumps(metadata)
+        _core.commit_dcp_checkpoint(default_io()._core(), self.path, data, files,
+                                    f"rank {self.rank} (the coordinator)")
 
     def storage_meta(self) -> _md.StorageMeta:
         """The checkpoint's id (its path), this save's id and tensortier's format version."""

@@ -80,6 +80,30 @@ def test_stage_copies_into_reused_host_memory() -> None:
     assert_state(third, 3)
 
 
+def test_memory_a_save_wrote_goes_to_the_next_stage(tmp_path: Path) -> None:
+    """Once a save has written its file, the next stage reuses its memory (pages faulted in),
+    though the caller still holds a view of the first copy: that view then shows the new
+    values. The checkpoint keeps the values staged for it."""
+    gc.collect()
+    big = 1 << 20  # larger than any earlier test's arena: only this test's fits
+    writer = tdcp.Writer(tmp_path / "a")
+    staged = writer.stage({"w": torch.full((big,), 1.0), "step": 1})
+    first = staged["w"].data_ptr()
+    kept = staged["w"][:4]
+    dcp.save(staged, storage_writer=writer, no_dist=True)
+    assert gc.isenabled()  # paused only while the Writer builds its many small objects
+    count = _dcp_staging.arena_count()
+    again = writer.stage({"w": torch.full((big,), 2.0), "step": 2})
+    same = again["w"].data_ptr() == first
+    assert same and _dcp_staging.arena_count() == count
+    assert kept.tolist() == [2.0] * 4
+    got = {"w": torch.zeros(big), "step": 0}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(tmp_path / "a"), no_dist=True)
+    ones = bool((got["w"] == 1.0).all())
+    assert ones and got["step"] == 1
+    del staged, again, kept
+
+
 def test_async_save_while_another_still_writes(tmp_path: Path) -> None:
     """A second async_save starts while the first's write is held: each checkpoint holds the
     values of its own stage, and the training loop's state changed in between."""

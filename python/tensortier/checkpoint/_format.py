@@ -4,13 +4,13 @@ lazy torch and _core lookups every module uses."""
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _core
 from .._runtime import dtype_names as _dtype_names, torch_dtypes as _torch_dtypes  # noqa: F401
+from .._runtime import quantized_dtypes as _quantized_dtypes  # noqa: F401
 from .._paths import PathArg
 
 
@@ -41,14 +41,6 @@ _ALIGNED_ALLOC_MIN = 1 << 20
 
 # The progress bar shows for loads of at least this many bytes when stderr is a terminal.
 _PROGRESS_MIN_BYTES = 512 << 20
-
-
-@functools.lru_cache(maxsize=None)
-def _quantized_dtypes() -> frozenset[Any]:
-    """The torch dtypes the C++ table marks quantized (qint8, quint4x2...)."""
-    dtypes = _torch_dtypes()
-    return frozenset(dtypes[row["name"]] for row in _require("dtypes")()
-                     if row["quantized"] and row["name"] in dtypes)
 
 
 def _torch() -> Any:
