@@ -1,17 +1,22 @@
 // tensortier._core's training-data reader: file lists, shard plans and the batch reader. Batches
 // cross as buffers (the arena) plus per-sample offsets and sizes; python/tensortier/data makes
 // the tensors.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "binding_helpers.hpp"
 #include "dlpack_abi.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/data/batch_reader.hpp"
+#include "tensortier/data/sample_inputs.hpp"
 #include "tensortier/data/sample_list.hpp"
 #include "tensortier/data/shard_plan.hpp"
 
@@ -68,6 +73,62 @@ py::list SamplesAsDlpack(const std::shared_ptr<Batch>& batch) {
   return out;
 }
 
+// `value` (one glob or a sequence of them) as a list; None stays nullopt.
+std::optional<std::vector<std::string>> Globs(const char* name, const py::handle& value) {
+  if (value.is_none()) return std::nullopt;
+  if (py::isinstance<py::str>(value)) return std::vector<std::string>{value.cast<std::string>()};
+  std::vector<std::string> globs;
+  bool valid = py::isinstance<py::iterable>(value) && !py::isinstance<py::bytes>(value);
+  if (valid) {
+    for (const py::handle glob : value) {
+      valid = py::isinstance<py::str>(glob);
+      if (!valid) break;
+      globs.push_back(glob.cast<std::string>());
+    }
+  }
+  if (!valid) {
+    throw py::type_error(std::string(name) + " must be a glob string or a list of them, not " +
+                         py::repr(value).cast<std::string>());
+  }
+  return globs;
+}
+
+// Labels as integers: Python ints or numpy integers, never bools, strings or floats (DALI takes
+// integers only; "1" and 1.5 are refused, not converted). Range is ResolveSampleInputs's check.
+std::vector<int64_t> LabelsFromPython(const py::handle& labels) {
+  const char* flat = "labels must be a flat sequence of integers, one per file";
+  if (py::isinstance<py::str>(labels) || py::isinstance<py::bytes>(labels) ||
+      !py::isinstance<py::iterable>(labels)) {
+    throw py::type_error(flat);
+  }
+  std::vector<int64_t> out;
+  for (const py::handle label : labels) {
+    const std::string type = Py_TYPE(label.ptr())->tp_name;
+    if (PyBool_Check(label.ptr()) || type == "numpy.bool" || type == "numpy.bool_" ||
+        !PyIndex_Check(label.ptr())) {
+      if (py::isinstance<py::sequence>(label) && !py::isinstance<py::str>(label)) {
+        throw py::type_error(flat);
+      }
+      throw py::type_error("labels must be integers, not " + type + " values such as " +
+                           py::repr(label).cast<std::string>());
+    }
+    const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(label.ptr()));
+    if (!index) throw py::error_already_set();
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+    if (overflow != 0) throw py::value_error("labels must fit in int32");
+    if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
+    out.push_back(value);
+  }
+  return out;
+}
+
+py::array_t<int32_t> LabelArray(const std::vector<int32_t>& labels) {
+  py::array_t<int32_t> out(static_cast<py::ssize_t>(labels.size()));
+  if (!labels.empty()) std::memcpy(out.mutable_data(), labels.data(), labels.size() * 4);
+  return out;
+}
+
 }  // namespace
 
 void RegisterData(py::module_& m) {
@@ -111,6 +172,54 @@ void RegisterData(py::module_& m) {
         CheckFilesExist(bytes);
       },
       py::arg("paths"));
+  m.def(
+      "resolve_sample_inputs",
+      [](std::optional<FsPath> root, std::optional<FsPath> file_list, const py::object& files,
+         const py::object& labels, bool check_files, const py::object& file_filters,
+         bool case_sensitive_filter, const py::object& dir_filters) -> py::tuple {
+        SampleInputs in;
+        if (auto globs = Globs("file_filters", file_filters)) in.filter.patterns = *globs;
+        in.filter.case_sensitive = case_sensitive_filter;
+        in.dir_filters = Globs("dir_filters", dir_filters);
+        if (!labels.is_none()) in.labels = LabelsFromPython(labels);
+        if (!files.is_none() && !file_list && (!root || root->bytes.empty())) {
+          // The paths are the list given: they cross into C++ only to be checked.
+          std::vector<int32_t> values = FileLabels(py::len(files), in.labels);
+          if (check_files) {
+            const std::vector<std::string> bytes = PathBytes(files.cast<std::vector<FsPath>>());
+            py::gil_scoped_release release;
+            CheckFilesExist(bytes);
+          }
+          return py::make_tuple(files, LabelArray(values));
+        }
+        if (root) in.root = root->bytes;
+        if (file_list) in.file_list = file_list->bytes;
+        if (!files.is_none()) in.files = PathBytes(files.cast<std::vector<FsPath>>());
+        in.check_files = check_files;
+        SampleList list;
+        {
+          py::gil_scoped_release release;
+          list = ResolveSampleInputs(std::move(in));
+        }
+        return py::make_tuple(PathsToPython(list.paths), LabelArray(list.labels));
+      },
+      py::arg("file_root"), py::arg("file_list"), py::arg("files"), py::arg("labels"),
+      py::arg("check_files"), py::arg("file_filters"), py::arg("case_sensitive_filter"),
+      py::arg("dir_filters"),
+      "(paths, int32 labels) named by fn.readers.file's inputs (tensortier.data's "
+      "resolve_inputs).");
+  m.def(
+      "files_digest",
+      [](const std::vector<FsPath>& paths,
+         const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& labels,
+         bool spelled) {
+        const std::vector<std::string> bytes = PathBytes(paths);
+        std::vector<int32_t> values(labels.data(), labels.data() + labels.size());
+        py::gil_scoped_release release;
+        return FilesDigest(bytes, values, spelled);
+      },
+      py::arg("paths"), py::arg("labels"), py::arg("spelled") = false,
+      "SHA-256 of the paths (by their folders' real paths unless spelled) and int32 labels.");
   m.def("epoch_permutation", &EpochPermutation, py::arg("size"), py::arg("seed"), py::arg("epoch"));
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));

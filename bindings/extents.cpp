@@ -105,6 +105,32 @@ void RegisterExtents(py::module_& m) {
           py::arg("path"),
           "The index of the file at `path` (absolute or relative to the root), or None.")
       .def(
+          "index_of",
+          [](const ExtentMap& map, const py::object& file) -> size_t {
+            const size_t count = map.files.size();
+            if (py::isinstance<py::str>(file) || py::isinstance<py::bytes>(file) ||
+                py::hasattr(file, "__fspath__")) {
+              const FsPath path = file.cast<FsPath>();
+              if (const auto found = map.Find(path.bytes)) return *found;
+              throw py::value_error(py::str("{!r} is not in the extent map of {!r}")
+                                        .format(PathToPython(path.bytes), PathToPython(map.root))
+                                        .cast<std::string>());
+            }
+            const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(file.ptr()));
+            if (!index) throw py::error_already_set();
+            int overflow = 0;
+            const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+            if (overflow == 0 && value >= 0 && static_cast<size_t>(value) < count) {
+              return static_cast<size_t>(value);
+            }
+            throw py::index_error(py::str("file index {} is not in the map ({} files)")
+                                      .format(index, count)
+                                      .cast<std::string>());
+          },
+          py::arg("file"),
+          "The index of `file`: a map index, or a path (absolute or relative to the root). "
+          "IndexError: an index outside the map; ValueError: a path the map does not hold.")
+      .def(
           "full_path",
           [](const ExtentMap& map, size_t index) {
             if (index >= map.files.size()) throw py::index_error("file index out of range");
@@ -153,12 +179,25 @@ void RegisterExtents(py::module_& m) {
               py::gil_scoped_release release;
               batch = r.ReadBatch(requests);
             }
-            py::list out;
-            for (const ExtentReadResult& f : batch.files) {
-              out.append(py::make_tuple(f.bytes, f.raw, MessageToPython(f.fallback)));
+            py::list sizes, fallbacks;
+            size_t raw = 0;
+            for (size_t i = 0; i < batch.files.size(); ++i) {
+              const ExtentReadResult& f = batch.files[i];
+              sizes.append(f.bytes);
+              raw += f.raw ? 1 : 0;
+              if (!f.raw) {
+                fallbacks.append(py::make_tuple(PathToPython(r.map().FullPath(requests[i].file)),
+                                                MessageToPython(f.fallback)));
+              }
             }
-            return py::make_tuple(out, IoStatsToDict(batch.io));
+            py::dict stats;
+            stats["raw_files"] = raw;
+            stats["fallback_files"] = batch.files.size() - raw;
+            stats["fallbacks"] = fallbacks;
+            for (const auto& [name, value] : IoStatsToDict(batch.io)) stats[name] = value;
+            return py::make_tuple(sizes, stats);
           },
           py::arg("files"),
-          "Reads (map index, address, capacity) files: [(bytes, raw, fallback reason)], stats.");
+          "Reads (map index, address, capacity) files: the bytes of each, and the batch's stats "
+          "(raw_files, fallback_files, fallbacks as (path, why), the engine's).");
 }

@@ -161,16 +161,20 @@ void RegisterShared(py::module_& m) {
       "ValueError: another shape or dtype, a shard index, sources of the wrong size; OSError.");
   m.def(
       "shared_write_rows",
-      [](const FsPath& prefix, int rank, int world, uintptr_t data, uint64_t nbytes) {
+      [](const FsPath& prefix, int rank, int world, uintptr_t data, uint64_t nbytes,
+         uint64_t offset, bool last) {
         std::vector<std::string> names;
         {
           py::gil_scoped_release release;
-          names = WriteRowFile(prefix, rank, world, reinterpret_cast<const void*>(data), nbytes);
+          names = WriteRowFile(prefix, rank, world, reinterpret_cast<const void*>(data), nbytes,
+                               offset, last);
         }
         return PathsToPython(names);
       },
       py::arg("prefix"), py::arg("rank"), py::arg("world"), py::arg("data"), py::arg("nbytes"),
-      "Writes nbytes at data to {prefix}_part_{rank}_of_{world}, synced; every rank's name.");
+      py::arg("offset") = 0, py::arg("last") = true,
+      "Writes nbytes at data to {prefix}_part_{rank}_of_{world} at offset (0 replaces the file), "
+      "synced when last; every rank's name.");
   // The distributed layout's rounds: the bookkeeping here, the all-to-alls in Python (through
   // torch.distributed) over the exchange's buffers.
   py::class_<SharedRowExchange>(m, "SharedRowExchange")

@@ -31,9 +31,7 @@ import torch
 
 from . import _core
 from ._paths import fspath, PathArg
-from ._shared_rows import _CudaMemory, _ROUND_LOCK  # noqa: F401  (importable from here as before)
 from ._shared_rows import _cuda_tensor_over, _Distributed, _require_torch_cuda, _tensor_over
-from ._shared_store import _env_int  # noqa: F401  (importable from here as before)
 from ._shared_store import _describe_store, _env_store, _rendezvous, _TorchStore
 from .device import CudaError
 
@@ -387,26 +385,40 @@ class SharedTensor:
                    key: str = "") -> dict[str, Any]:
         """Reads this rank's rows in C++ (``_core.shared_read_rows``: through the engine,
         O_DIRECT, parallel) from raw row `files`, ``(path, size)`` each, or from tensor `key` of
-        `checkpoint`. Device memory goes through a pinned host slab of at most
-        ``_DEVICE_SLAB_BYTES``, so a rank's part never needs a host copy of its own size.
-        Returns the engine's stats for this rank's reads (summed over the slabs)."""
-        rows, (begin, end) = self.local()
+        `checkpoint`. Returns the engine's stats for this rank's reads (summed over the slabs)."""
         args = (what, files, checkpoint, key, str(self._dtype).removeprefix("torch."),
                 self._dtype.itemsize, list(self._shape))
+        stats: dict[str, Any] = {}
+        for slab in self._through_host(True, lambda b, e, _, at: _core.shared_read_rows(
+                *args, b, e, at)):
+            for name, value in slab.items():
+                summed = isinstance(value, int) and not isinstance(value, bool) and name in stats
+                stats[name] = stats[name] + value if summed else value
+        return stats
+
+    def _through_host(self, read: bool, io: Callable[[int, int, int, int], _T]) -> list[_T]:
+        """Calls ``io(begin, end, offset, address)`` on this rank's rows ``[begin, end)``, which
+        lie at byte `offset` of the rank's part, in host memory at `address`: once for host
+        rows; for device rows once per piece of a pinned host slab of at most
+        ``_DEVICE_SLAB_BYTES``, so that a rank's part never needs a host copy of its own size,
+        after (`read` False) or before (`read`) copying the piece from or to the GPU. Returns
+        each call's result."""
+        rows, (begin, end) = self.local()
         if rows.is_cpu or end == begin:
-            return _core.shared_read_rows(*args, begin, end, rows.data_ptr() if rows.is_cpu else 0)
+            return [io(begin, end, 0, rows.data_ptr() if rows.is_cpu else 0)]
         row_bytes = max(1, math.prod(rows.shape[1:]) * rows.element_size())
         slab_rows = max(1, min(end - begin, _DEVICE_SLAB_BYTES // row_bytes))
         host = torch.empty((slab_rows, *rows.shape[1:]), dtype=rows.dtype, pin_memory=True)
-        stats: dict[str, Any] = {}
+        results = []
         for b in range(begin, end, slab_rows):
             e = min(b + slab_rows, end)
-            part = host[: e - b]
-            for name, value in _core.shared_read_rows(*args, b, e, part.data_ptr()).items():
-                summed = isinstance(value, int) and not isinstance(value, bool) and name in stats
-                stats[name] = stats[name] + value if summed else value
-            rows[b - begin : e - begin].copy_(part)  # synchronous: the slab is reused next
-        return stats
+            part, piece = host[: e - b], rows[b - begin : e - begin]
+            if not read:
+                part.copy_(piece)
+            results.append(io(b, e, (b - begin) * row_bytes, part.data_ptr()))
+            if read:
+                piece.copy_(part)  # synchronous: the slab is reused next
+        return results
 
     def _rank(self) -> int:
         return self._distributed.rank if self._distributed else int(self._core.rank)
@@ -483,11 +495,14 @@ class SharedTensor:
         self._require_member("store_files")
 
         def step() -> list[str]:
-            rows = self.local()[0]
-            rows = rows if rows.is_cpu else rows.cpu()
-            return _core.shared_write_rows(fspath(prefix, "prefix"), self._rank(),
-                                           len(self.partitions), rows.data_ptr(),
-                                           rows.numel() * rows.element_size())
+            path, last = fspath(prefix, "prefix"), self.local()[1][1]
+            row_bytes = math.prod(self._shape[1:]) * self._dtype.itemsize
+
+            def write(begin: int, end: int, offset: int, address: int) -> list[str]:
+                return _core.shared_write_rows(path, self._rank(), len(self.partitions), address,
+                                               (end - begin) * row_bytes, offset, end == last)
+
+            return self._through_host(False, write)[-1]
 
         return self._collective("store_files", step)
 

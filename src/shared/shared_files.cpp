@@ -116,15 +116,17 @@ std::optional<IoStats> ReadRows(const std::vector<RowSource>& sources, std::stri
 }
 
 std::vector<std::string> WriteRowFile(const std::string& prefix, int rank, int world,
-                                      const void* data, uint64_t nbytes) {
+                                      const void* data, uint64_t nbytes, uint64_t offset,
+                                      bool last) {
   std::vector<std::string> names;
   for (int r = 0; r < world; ++r) names.push_back(StrCat(prefix, "_part_", r, "_of_", world));
-  File file = File::Open(names.at(static_cast<size_t>(rank)), OpenMode::kWrite);
+  File file = File::Open(names.at(static_cast<size_t>(rank)),
+                         offset == 0 ? OpenMode::kWrite : OpenMode::kReadWrite);
   if (nbytes) {
     Engine engine;
-    engine.Write(file, data, nbytes, 0).Wait();
+    engine.Write(file, data, nbytes, offset).Wait();
   }
-  file.DataSync();
+  if (last) file.DataSync();
   return names;
 }
 

@@ -86,7 +86,12 @@ TEST(SharedFiles, ARanksRowsComeFromAnyCutOfTheFilesAndGoBackToItsPart) {
   ASSERT_EQ(names.size(), 3u);
   EXPECT_EQ(names[1], dir.File("rows") + "_part_1_of_3");
   WriteRowFile(dir.File("rows"), 0, 3, all.data(), 12 * sizeof(float));
-  WriteRowFile(dir.File("rows"), 2, 3, all.data() + 21, 9 * sizeof(float));
+  // Rank 2's part in two pieces, as device rows go through a bounded host slab; a longer part
+  // written there before is replaced.
+  WriteRowFile(dir.File("rows"), 2, 3, all.data(), 30 * sizeof(float));
+  WriteRowFile(dir.File("rows"), 2, 3, all.data() + 21, 4 * sizeof(float), 0, false);
+  WriteRowFile(dir.File("rows"), 2, 3, all.data() + 25, 5 * sizeof(float), 4 * sizeof(float));
+  EXPECT_EQ(std::filesystem::file_size(names[2]), 36u);
   const std::vector<RowSource> sources = {
       {names[0], 0, 48}, {names[1], 0, 36}, {names[2], 0, 36}};
   std::vector<float> rows(3 * 3);

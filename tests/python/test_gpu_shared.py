@@ -93,6 +93,32 @@ def test_device_memory_shared_by_two_processes(tmp_path: Path, layout: str) -> N
     )
 
 
+def test_device_rows_go_to_and_from_files_through_a_bounded_host_slab(tmp_path: Path) -> None:
+    """store_files and load_files of device rows move them a few rows at a time through one
+    pinned host slab (made small here: several slabs per rank, the last one short)."""
+    run_ranks(
+        f"""
+        shared._DEVICE_SLAB_BYTES = 4096
+        rows, cols = 1001, 7
+        want = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols).cuda()
+        t = group.create_tensor((rows, cols), torch.float32, device="cuda")
+        local, (begin, end) = t.local()
+        local.copy_(want[begin:end])
+        torch.cuda.synchronize()
+        names = t.store_files({str(tmp_path / "rows")!r})
+        with open(names[rank], "rb") as f:
+            assert f.read() == want[begin:end].cpu().numpy().tobytes(), "store_files"
+        u = group.create_tensor((rows, cols), torch.float32, device="cuda")
+        u.load_files(names)
+        group.barrier()
+        assert torch.equal(u.view("cuda"), want), "load_files"
+        group.barrier()
+        group.close()
+        """,
+        tmp_path,
+    )
+
+
 def test_registered_host_memory_viewed_from_the_gpu(tmp_path: Path) -> None:
     run_ranks(
         """

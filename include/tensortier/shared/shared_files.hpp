@@ -45,9 +45,11 @@ std::optional<IoStats> ReadRows(const std::vector<RowSource>& sources, std::stri
                                 const std::vector<uint64_t>& shape, uint64_t begin, uint64_t end,
                                 void* dest);
 
-// Writes `nbytes` at `data` to `{prefix}_part_{rank}_of_{world}` (replacing it) through a new
-// engine, synced; returns every rank's file name in rank order. Throws IoError.
+// Writes `nbytes` at `data` to `{prefix}_part_{rank}_of_{world}` at `offset` through a new
+// engine: at offset 0 the file is replaced, past it written into (a part written in pieces, in
+// order); `last` syncs it. Returns every rank's file name in rank order. Throws IoError.
 std::vector<std::string> WriteRowFile(const std::string& prefix, int rank, int world,
-                                      const void* data, uint64_t nbytes);
+                                      const void* data, uint64_t nbytes, uint64_t offset = 0,
+                                      bool last = true);
 
 }  // namespace tensortier

@@ -14,7 +14,6 @@ identity no longer matches the map. Raw reads need read access to the disk (root
 
 from __future__ import annotations
 
-import operator
 import os
 from typing import Any, Sequence
 
@@ -129,18 +128,6 @@ class ExtentReader:
                                           bool(verify_checksums))
         self.last_stats: dict[str, Any] = {}
 
-    def _index(self, file: int | PathLike) -> int:
-        if not isinstance(file, (str, bytes, os.PathLike)):
-            index = operator.index(file)
-            if not 0 <= index < len(self.map):
-                raise IndexError(f"file index {index} is not in the map ({len(self.map)} files)")
-            return index
-        path = fspath(file, "file")
-        found = self.map.find(path)
-        if found is None:
-            raise ValueError(f"{path!r} is not in the extent map of {self.map.root!r}")
-        return int(found)
-
     def read(self, files: Sequence[int | PathLike], out: Sequence[Any] | None = None) -> list[Any]:
         """Reads a batch of files, all in flight together.
 
@@ -160,7 +147,7 @@ class ExtentReader:
             ValueError: a path not in the map, a buffer smaller than its file.
             IndexError: an index not in the map.
         """
-        indices = [self._index(f) for f in files]
+        indices = [self.map.index_of(f) for f in files]
         if out is None:
             import numpy
 
@@ -168,18 +155,10 @@ class ExtentReader:
         elif len(out) != len(indices):
             raise ValueError(f"{len(out)} buffers for {len(indices)} files")
         buffers = [host_buffer(b, writable=True) for b in out]
-        results, stats = self._reader.read(
+        sizes, self.last_stats = self._reader.read(
             [(i, b.address, b.nbytes) for i, b in zip(indices, buffers)]
         )
-        raw = sum(1 for _, was_raw, _ in results if was_raw)
-        self.last_stats = {
-            "raw_files": raw,
-            "fallback_files": len(results) - raw,
-            "fallbacks": [(self.map.full_path(i), why) for i, (_, was_raw, why)
-                          in zip(indices, results) if not was_raw],
-            **stats,
-        }
-        return [_first_bytes(b, n) for b, (n, _, _) in zip(out, results)]
+        return [_first_bytes(b, n) for b, n in zip(out, sizes)]
 
     @property
     def backend(self) -> str:

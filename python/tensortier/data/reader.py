@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -15,16 +13,6 @@ from .._paths import fspath, PathArg
 from .extents import ExtentMap, _as_map
 
 _ON_ERROR = ("raise", "skip")
-
-
-def _globs(name: str, value: str | Sequence[str] | None) -> list[str] | None:
-    """``value`` (one glob or a list of them) as a list; None stays None."""
-    if value is None:
-        return None
-    globs = [value] if isinstance(value, str) else list(value)
-    if not all(isinstance(g, str) for g in globs):
-        raise TypeError(f"{name} must be a glob string or a list of them, not {value!r}")
-    return globs
 
 
 def resolve_inputs(
@@ -47,80 +35,16 @@ def resolve_inputs(
         TypeError: ``file_filters`` or ``dir_filters`` is not a string or a list of strings.
         OSError: a listed file or the folder cannot be reached (``FileNotFoundError`` names it).
     """
-    file_filters = _globs("file_filters", file_filters)
-    dir_filters = _globs("dir_filters", dir_filters)
-    root = fspath(file_root, "file_root") if file_root is not None else None
-    if files is not None and file_list is not None:
-        raise ValueError("give file paths through files= or file_list=, not both")
-    if labels is not None and files is None:
-        raise ValueError("labels= is valid only with files=")
-    if files is not None:
-        paths = [fspath(f, "files[i]") for f in files]
-        if not paths:
-            raise ValueError("files= is an empty list")
-        if root is not None:
-            paths = [os.path.join(root, p) for p in paths]
-        if labels is None:
-            label_list: Sequence[int] = range(len(paths))  # DALI labels files by position
-        else:
-            label_list = list(labels)
-            if len(label_list) != len(paths):
-                raise ValueError(f"{len(label_list)} labels given for {len(paths)} files")
-    elif file_list is not None:
-        paths, label_list = _core.read_file_list(fspath(file_list, "file_list"), root or "")
-    elif root is not None:
-        paths, label_list = _core.list_file_root(root, file_filters, bool(case_sensitive_filter),
-                                                 dir_filters)
-        check_files = False  # just listed
-    else:
-        raise ValueError("give file_root=, file_list= or files=")
-    try:
-        label_array = np.asarray(label_list)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise TypeError(f"labels must be integers: {e}") from None
-    if label_array.dtype.kind == "O" and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in label_array.flat):
-        raise ValueError("labels must fit in int32")  # integers past 64 bits
-    if label_array.size and label_array.dtype.kind not in "iu":
-        # np.asarray(..., dtype=int64) would turn "1" into 1 and 1.5 into 1: DALI refuses both.
-        raise TypeError(f"labels must be integers, not {label_array.dtype} values "
-                        f"such as {label_array.flat[0]!r}")
-    if label_array.ndim != 1 and label_array.size:
-        raise TypeError("labels must be a flat sequence of integers, one per file")
-    if label_array.size and (label_array.min() < -(2**31) or label_array.max() >= 2**31):
-        raise ValueError("labels must fit in int32")
-    if check_files:
-        _core.check_files_exist(paths)
-    return paths, label_array.astype(np.int32)
+    return _core.resolve_sample_inputs(
+        None if file_root is None else fspath(file_root, "file_root"),
+        None if file_list is None else fspath(file_list, "file_list"),
+        None if files is None else [fspath(f, "files[i]") for f in files],
+        labels, bool(check_files), file_filters, bool(case_sensitive_filter), dir_filters)
 
 
 def _is_epoch(value: Any) -> bool:
     """Whether `value` can number an epoch (the shard plan's 64-bit unsigned epoch)."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
-
-
-def _files_digest(paths: Sequence[str], labels: np.ndarray, spelled: bool = False) -> str:
-    """SHA-256 of the paths and int32 labels, in list order: what a state dict is checked
-    against, so that it resumes only a reader of the same samples. Each path counts as its
-    folder's real path (``os.path.realpath``: the working directory, ``.``, ``..``, repeated
-    slashes and symbolic links resolved) joined with its name, so that a root spelled another
-    way (``"/a/b/"``, ``"/a/./b"``, relative from another working directory, through a link)
-    resumes, and another tree does not. `spelled`: the paths as spelled (the digest of states
-    taken before paths were resolved)."""
-    digest = hashlib.sha256()
-    real_folders: dict[str, str] = {}  # a tree has few folders: each is resolved once
-    for path in paths:
-        if not spelled:
-            folder, slash, name = path.rpartition("/")
-            folder = folder or slash  # "/x": the root; "x": the working directory
-            real = real_folders.get(folder)
-            if real is None:
-                real = os.path.realpath(folder or os.curdir).rstrip("/") + "/"
-                real_folders[folder] = real
-            path = real + name
-        digest.update(os.fsencode(path) + b"\0")
-    digest.update(np.ascontiguousarray(labels, dtype="<i4").tobytes())
-    return digest.hexdigest()
 
 
 class FileReader:
@@ -312,7 +236,7 @@ class FileReader:
         # Resolving and hashing every path costs ~0.5 s per million files: paid by the readers
         # whose state is taken or loaded, not by every reader (a DataLoader worker's each epoch).
         if self._digest is None:
-            self._digest = _files_digest(self._paths, self._labels)
+            self._digest = _core.files_digest(self._paths, self._labels)
         return self._digest
 
     def state_dict(self) -> dict[str, Any]:
@@ -345,7 +269,7 @@ class FileReader:
         if "files_digest" in state:
             expected["files_digest"] = self._files_digest
             if state["files_digest"] != self._files_digest and state[
-                    "files_digest"] == _files_digest(self._paths, self._labels, spelled=True):
+                    "files_digest"] == _core.files_digest(self._paths, self._labels, spelled=True):
                 del expected["files_digest"]  # taken before paths were resolved: as spelled
         for key, value in expected.items():
             if state.get(key) != value:
