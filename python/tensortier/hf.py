@@ -21,7 +21,6 @@ import contextlib
 import contextvars
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -191,7 +190,8 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     Durable as a whole: the directory is written beside `path` (files already in `path` are
     kept, as transformers keeps them: the large ones linked, the others copied), every file
     fsynced, then swapped with `path` in one rename (``renameat2(RENAME_EXCHANGE)``). A crash
-    leaves the old directory whole, and a leftover ``.<name>.tmp-hf-*`` beside it.
+    leaves the old directory whole, and a leftover ``.<name>.tmp-*`` beside it, which the next
+    save into `path` removes once the process that made it is gone.
 
     Raises:
         ValueError: ``push_to_hub`` or ``distributed_checkpoint`` (save, then push or use
@@ -205,10 +205,8 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     if os.path.exists(final) and not os.path.isdir(final):
         raise NotADirectoryError(20, "cannot save a model over a file", final)
     with _ours():
-        parent, name = os.path.split(final)
-        os.makedirs(parent, exist_ok=True)
-        staging = os.path.join(parent, f".{name}.tmp-hf-{os.getpid()}-{secrets.token_hex(4)}")
-        os.mkdir(staging, 0o777)  # the mode transformers' makedirs gives (less the umask)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        staging = _core.create_staging_directory(final)  # and removes killed saves' ones
         try:
             if os.path.isdir(final):
                 shutil.copytree(final, staging, dirs_exist_ok=True, copy_function=_link_or_copy)

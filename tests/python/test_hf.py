@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import safetensors.torch  # noqa: E402
 
-from tensortier import hf  # noqa: E402
+from tensortier import _core, hf  # noqa: E402
 
 KW = dict(vocab_size=96, max_position_embeddings=32)
 MODELS: dict[str, Any] = {
@@ -211,8 +211,15 @@ def test_a_killed_save_leaves_the_old_directory(tmp_path: Path) -> None:
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
-    assert any(n.startswith(".m.tmp-hf-") for n in os.listdir(tmp_path))
+    (killed,) = [n for n in os.listdir(tmp_path) if n.startswith(".m.tmp-")]
     assert_same(hf.from_pretrained(type(old), tmp_path / "m"), old.eval())
+    # The next save removes the killed save's staging directory, not a running one's (ours).
+    running = Path(_core.temporary_path_prefix(str(tmp_path / "m")) + "0000abcd")
+    running.mkdir()
+    (running / "model.safetensors").write_bytes(b"partial")
+    hf.save_pretrained(old, tmp_path / "m")
+    assert sorted(n for n in os.listdir(tmp_path) if n != "m") == [running.name]
+    assert killed != running.name
 
 
 def test_enable_and_disable(tmp_path: Path) -> None:
