@@ -116,6 +116,34 @@ def test_from_pretrained_gives_transformers_model(tmp_path: Path, kind: str, sha
     assert_same(ours(reads, AUTO, tmp_path), AUTO.from_pretrained(tmp_path))
 
 
+def test_cached_shards_are_mapped_and_others_read(tmp_path: Path, reads: list[str]) -> None:
+    make("llama", tmp_path, "20KB")
+    shards = [str(p) for p in tmp_path.glob("*.safetensors")]
+
+    def mapped(model: Any) -> bool:  # every parameter in a mapping of a shard
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        spans = [[int(a, 16) for a in f[0].split("-")] for f in map(str.split, maps)
+                 if len(f) == 6 and f[5].startswith(str(tmp_path))]
+        return all(any(lo <= p.data_ptr() < hi for lo, hi in spans) for p in model.parameters())
+
+    for shard in shards:  # out of the page cache (where the file system lets them go)
+        fd = os.open(shard, os.O_RDONLY)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    cold = _core.files_residency(shards)[0] == 0
+    cls = transformers.LlamaForCausalLM
+    ours_cold = ours(reads, cls, tmp_path)
+    assert not (cold and mapped(ours_cold))
+    for shard in shards:  # into the page cache (direct reads left them out)
+        Path(shard).read_bytes()
+    for kw in ({}, {"dtype": torch.bfloat16}):  # read early, then while transformers loads
+        warm = ours(reads, cls, tmp_path, **kw)
+        assert mapped(warm) == (not kw)
+        assert_same(warm, cls.from_pretrained(tmp_path, **kw))
+    assert_same(ours_cold, cls.from_pretrained(tmp_path))
+
+
 def test_variants_and_subfolders(tmp_path: Path, reads: list[str]) -> None:
     torch.manual_seed(0)
     model = MODELS["gpt2"]()
