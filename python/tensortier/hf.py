@@ -130,7 +130,7 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
             if dtype is None or all(t.dtype == dtype for t in state_dict.values()
                                     if t.is_floating_point()):
                 return state_dict
-    return load(target, device, dtype, mmap=device.type == "cpu" and _cached(files))
+    return _load(target, device, dtype, device.type == "cpu" and _cached(files))
 
 
 def _cached(files: list[str]) -> bool:
@@ -154,7 +154,7 @@ def _read_early(path: str, kwargs: dict[str, Any]) -> Iterator[None]:
         yield
         return
     pool = concurrent.futures.ThreadPoolExecutor(1, "tensortier-hf")
-    future = pool.submit(_load_early, target, _cached(files))
+    future = pool.submit(_load, target, "cpu", None, _cached(files))
     token = _early.set((os.path.realpath(target), future))
     try:
         yield
@@ -163,10 +163,10 @@ def _read_early(path: str, kwargs: dict[str, Any]) -> Iterator[None]:
         pool.shutdown(wait=True)  # no read outlives the call
 
 
-def _load_early(target: str, mmap: bool) -> dict[str, Any]:
-    """`target` loaded to the CPU; mapped files' pages put in the page tables now, while
-    transformers works, rather than faulted in one at a time by the model's first reads."""
-    state_dict = load(target, "cpu", mmap=mmap)
+def _load(target: str, device: Any, dtype: Any, mmap: bool) -> dict[str, Any]:
+    """`target` loaded by :func:`tensortier.load`; mapped files' pages put in the page tables
+    now, on several threads, rather than faulted in one at a time by the model's first reads."""
+    state_dict = load(target, device, dtype, mmap=mmap)
     if mmap:
         _core.populate_for_reading([(t.data_ptr(), t.nbytes) for t in state_dict.values()],
                                    _POPULATE_THREADS)
