@@ -26,6 +26,8 @@ model's size + 64 MiB.
 
 Examples:
   .venv/bin/python bench/hf_bench.py --size 1G
+  .venv/bin/python bench/hf_bench.py --size 4G --rounds 3     # hidden size 2048, 3 shards
+  .venv/bin/python bench/hf_bench.py --size 4G --ops warm,save
   .venv/bin/python bench/hf_bench.py --size 64M --rounds 1
 """
 
@@ -149,10 +151,15 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dir", default=None, help="where the files go (default: a new temp dir)")
     p.add_argument("--fio", default="fio")
+    p.add_argument("--ops", default="cold,warm,save",
+                   help="which to measure, comma-separated (default: cold,warm,save)")
     p.add_argument("--json", default=None, help="write every sample there")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--op", help=argparse.SUPPRESS)
     args = p.parse_args()
+    unknown = set(args.ops.split(",")) - {"cold", "warm", "save"}
+    if unknown:
+        p.error(f"--ops: no such measure {', '.join(sorted(unknown))} (cold, warm, save)")
     if args.child:
         print(json.dumps(child(args)))
         return 0
@@ -161,10 +168,12 @@ def main() -> int:
     try:
         log(f"writing a {format_size(args.size)} Llama-shaped model with transformers")
         nbytes = write_model(args.size, Path(args.dir) / "model")
-        ops = {"cold": LOADS, "warm": LOADS, "save": SAVES}
+        ops = {op: tools for op, tools in {"cold": LOADS, "warm": LOADS, "save": SAVES}.items()
+               if op in args.ops.split(",")}
         if shutil.which(args.fio) is None:
             log(f"{args.fio} not found: no fio figures")
-            ops["save"] = SAVES[:2]
+            if "save" in ops:
+                ops["save"] = SAVES[:2]
         samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for r in range(args.rounds):
             for op, tools in ops.items():

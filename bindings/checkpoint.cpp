@@ -590,6 +590,19 @@ void RegisterCheckpoint(py::module_& m) {
       "Makes the directory staged durable, then puts it at final_dir in one rename (exchanged "
       "with a directory there, which staged then names). OSError naming what failed.");
   m.def(
+      "create_staging_directory",
+      [](const FsPath& final_dir) {
+        std::string staged;
+        {
+          py::gil_scoped_release release;
+          staged = CreateStagingDirectory(final_dir);
+        }
+        return PathToPython(staged);
+      },
+      py::arg("final_dir"),
+      "Removes the staging directories of killed saves into final_dir (their processes gone), "
+      "creates a new one beside it, named as a save's temporary file is, and returns its path.");
+  m.def(
       "temporary_path_prefix",
       [](const FsPath& path) { return PathToPython(TemporaryPathPrefix(path)); }, py::arg("path"),
       "'DIR/.NAME.tmp-PID-START-TAG-' for this process: a save's temporary file for path is "

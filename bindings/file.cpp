@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "arguments.hpp"
 #include "paths.hpp"
@@ -153,4 +155,30 @@ void RegisterFile(py::module_& m) {
                               std::string(ResidencyMethodName(r.method)));
       },
       py::arg("fd"), py::arg("offset"), py::arg("length"));
+  m.def(
+      "files_residency",
+      [](const std::vector<FsPath>& paths) {
+        const std::vector<std::string> names = PathBytes(paths);
+        py::gil_scoped_release release;
+        const Residency r = QueryFilesResidency(names);
+        return std::make_pair(r.resident_bytes, r.checked_bytes);
+      },
+      py::arg("paths"),
+      "(bytes in the page cache, bytes) of the files at paths, summed; a file that cannot be "
+      "opened counts as none cached.");
+  m.def(
+      "populate_for_reading",
+      [](const std::vector<std::pair<uintptr_t, uint64_t>>& ranges, unsigned threads) {
+        std::vector<MemoryRange> memory;
+        memory.reserve(ranges.size());
+        for (const auto& [address, length] : ranges) {
+          memory.push_back({reinterpret_cast<const void*>(address), length});
+        }
+        py::gil_scoped_release release;
+        PopulateForReading(memory, threads);
+      },
+      py::arg("ranges"), py::arg("threads"),
+      "Maps the pages of file mappings, (address, length) ranges, into the page tables now "
+      "(MADV_POPULATE_READ over up to `threads` threads), so that first reads take no faults. A "
+      "hint: never raises.");
 }

@@ -17,11 +17,12 @@ the ones these hooks were written for); any other is refused.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
+import glob
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -116,11 +117,79 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     ):
         dtype = None
     meta = cfg.sharded_metadata
-    if meta is None:
-        return load(files[0], device, dtype) if len(files) == 1 else None
-    if {os.path.basename(f) for f in files} != set(meta["weight_map"].values()):
+    if meta is None and len(files) != 1:
+        return None
+    if meta is not None and set(meta["weight_map"].values()) != {os.path.basename(f)
+                                                                 for f in files}:
         return None  # extra files beside the shards: transformers' own business
-    return load(_index_of(files[0], meta["weight_map"]), device, dtype)
+    target = files[0] if meta is None else _index_of(files[0], meta["weight_map"])
+    early = _early.get()
+    if early is not None and device.type == "cpu" and early[0] == os.path.realpath(target):
+        with contextlib.suppress(Exception):  # read again below, to report its error
+            state_dict = early[1].result()
+            if dtype is None or all(t.dtype == dtype for t in state_dict.values()
+                                    if t.is_floating_point()):
+                return state_dict
+    return _load(target, device, dtype, device.type == "cpu" and _cached(files))
+
+
+def _cached(files: list[str]) -> bool:
+    """Whether `files` are in the page cache, 9/10 of their bytes at least (a busy machine
+    evicts a few pages at any moment): then they are mapped, as transformers maps them (no copy
+    to make), instead of read; the pages missing are read as the mapping is populated."""
+    resident, size = _core.files_residency(files)
+    return resident * 10 >= size * 9
+
+
+@contextlib.contextmanager
+def _read_early(path: str, kwargs: dict[str, Any]) -> Iterator[None]:
+    """Within: the checkpoint in `path` is read to the CPU in its own dtypes on another thread
+    while transformers builds the model, for :func:`_read` to take where it would read the same
+    (where the call asks for nothing that changes which files are read or into what)."""
+    files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    target = index if os.path.isfile(index) else os.path.join(path, "model.safetensors")
+    if (not set(kwargs) <= _EARLY_KWARGS or kwargs.get("dtype", "auto") not in ("auto", None)
+            or kwargs.get("torch_dtype", "auto") not in ("auto", None)
+            or not os.path.isfile(target) or _quantized(path)):
+        yield
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(1, "tensortier-hf")
+    future = pool.submit(_load, target, "cpu", None, _cached(files))
+    token = _early.set((os.path.realpath(target), future))
+    try:
+        yield
+    finally:
+        _early.reset(token)
+        pool.shutdown(wait=True)  # no read outlives the call
+
+
+def _load(target: str, device: Any, dtype: Any, mmap: bool) -> dict[str, Any]:
+    """`target` loaded by :func:`tensortier.load`; mapped files' pages put in the page tables
+    now, on several threads, rather than faulted in one at a time by the model's first reads."""
+    state_dict = load(target, device, dtype, mmap=mmap)
+    if mmap:
+        _core.populate_for_reading([(t.data_ptr(), t.nbytes) for t in state_dict.values()],
+                                   _POPULATE_THREADS)
+    return state_dict
+
+
+_POPULATE_THREADS = min(8, os.cpu_count() or 1)
+
+
+def _quantized(path: str) -> bool:
+    """Whether the model in `path` was saved quantized (transformers reads it itself)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return "quantization_config" in json.load(f)
+    except (OSError, ValueError):
+        return True
+
+
+_EARLY_KWARGS = {"config", "dtype", "torch_dtype", "attn_implementation", "local_files_only",
+                 "output_loading_info", "trust_remote_code", "low_cpu_mem_usage"}
+_early: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar(
+    "tensortier_hf_early", default=None)
 
 
 def _index_of(shard: str, weight_map: dict[str, str]) -> str:
@@ -154,6 +223,9 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs
     tied weights, ``device_map`` placement); safetensors shards are read by
     :func:`tensortier.load` (to the GPU straight, for a single-device CUDA ``device_map``),
     converting to `dtype` on the way where transformers would give every tensor that dtype.
+    Shards wholly in the page cache are mapped (copy-on-write), as transformers maps them. With
+    the dtype left to the checkpoint and no ``device_map``, ``subfolder`` or ``variant``, the
+    shards are read on another thread while transformers builds the model.
     Directories of ``.bin`` files, quantized models and disk offload are read by transformers.
 
     Args:
@@ -178,7 +250,7 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs
             2, f"tensortier.hf reads local model directories and {path!r} is none: for a Hugging "
             "Face Hub model id, download it with huggingface_hub.snapshot_download(repo_id) and "
             "pass the directory it returns", path)
-    with _ours():
+    with _ours(), _read_early(path, kwargs):
         return cls.from_pretrained(path, *args, **kwargs)
 
 
@@ -191,7 +263,8 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     Durable as a whole: the directory is written beside `path` (files already in `path` are
     kept, as transformers keeps them: the large ones linked, the others copied), every file
     fsynced, then swapped with `path` in one rename (``renameat2(RENAME_EXCHANGE)``). A crash
-    leaves the old directory whole, and a leftover ``.<name>.tmp-hf-*`` beside it.
+    leaves the old directory whole, and a leftover ``.<name>.tmp-*`` beside it, which the next
+    save into `path` removes once the process that made it is gone.
 
     Raises:
         ValueError: ``push_to_hub`` or ``distributed_checkpoint`` (save, then push or use
@@ -205,10 +278,8 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     if os.path.exists(final) and not os.path.isdir(final):
         raise NotADirectoryError(20, "cannot save a model over a file", final)
     with _ours():
-        parent, name = os.path.split(final)
-        os.makedirs(parent, exist_ok=True)
-        staging = os.path.join(parent, f".{name}.tmp-hf-{os.getpid()}-{secrets.token_hex(4)}")
-        os.mkdir(staging, 0o777)  # the mode transformers' makedirs gives (less the umask)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        staging = _core.create_staging_directory(final)  # and removes killed saves' ones
         try:
             if os.path.isdir(final):
                 shutil.copytree(final, staging, dirs_exist_ok=True, copy_function=_link_or_copy)

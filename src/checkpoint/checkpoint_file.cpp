@@ -298,9 +298,13 @@ size_t RemoveStaleTemporaryFiles(const std::string& final_path) {
   while (const dirent* e = readdir(d)) {
     const std::string_view entry(e->d_name);
     if (!entry.starts_with(prefix)) continue;
-    if (IsStaleTemporary(dirfd(d), e->d_name, entry.substr(prefix.size())) &&
-        unlinkat(dirfd(d), e->d_name, 0) == 0) {
+    if (!IsStaleTemporary(dirfd(d), e->d_name, entry.substr(prefix.size()))) continue;
+    if (unlinkat(dirfd(d), e->d_name, 0) == 0) {
       ++removed;
+    } else if (errno == EISDIR) {  // a directory save's staging directory (CommitDirectory)
+      std::error_code ec;
+      std::filesystem::remove_all(std::filesystem::path(dir) / e->d_name, ec);
+      if (!ec) ++removed;
     }
   }
   closedir(d);

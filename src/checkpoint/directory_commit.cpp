@@ -7,8 +7,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <filesystem>
+#include <random>
 #include <system_error>
+
+#include "tensortier/checkpoint/checkpoint_file.hpp"
 
 #include "tensortier/io/file.hpp"
 #include "tensortier/io/file_system.hpp"
@@ -55,6 +59,20 @@ void CommitDirectory(const std::string& staged, const std::string& final_dir) {
     }
   }
   fs.SyncDirectory(ParentOf(final_dir), final_dir);
+}
+
+std::string CreateStagingDirectory(const std::string& final_dir, mode_t mode) {
+  RemoveStaleTemporaryFiles(final_dir);
+  const std::string prefix = TemporaryPathPrefix(final_dir);
+  std::random_device random;
+  for (int attempt = 0;; ++attempt) {
+    char suffix[9];
+    std::snprintf(suffix, sizeof(suffix), "%08x", static_cast<uint32_t>(random()));
+    const std::string path = prefix + suffix;
+    if (mkdir(path.c_str(), mode) == 0) return path;
+    if (errno != EEXIST || attempt == 16) ThrowIoError(errno, "create the staging directory of",
+                                                       final_dir);
+  }
 }
 
 }  // namespace tensortier

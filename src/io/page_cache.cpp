@@ -1,5 +1,6 @@
 #include "tensortier/io/page_cache.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -9,6 +10,8 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "tensortier/util/aligned_buffer.hpp"
@@ -100,6 +103,24 @@ Residency QueryResidency(int fd, uint64_t offset, uint64_t length, ResidencyMeth
   return r;
 }
 
+Residency QueryFilesResidency(const std::vector<std::string>& paths) {
+  Residency total;
+  total.method = ResidencyMethodInUse();
+  for (const std::string& path : paths) {
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st {};
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+      const auto size = static_cast<uint64_t>(st.st_size);
+      const Residency r = QueryResidency(fd, 0, size, ResidencyMethod::kUnknown, size);
+      total.checked_bytes += size;
+      total.resident_bytes += r.resident_bytes;
+    }
+    close(fd);
+  }
+  return total;
+}
+
 ResidencyMethod ResidencyMethodInUse() {
   int method = g_method.load(std::memory_order_relaxed);
   if (method == 0) {
@@ -154,6 +175,44 @@ bool KernelPopulatesWrites() {
 }
 
 }  // namespace
+
+void PopulateForReading(std::span<const MemoryRange> ranges, unsigned threads) noexcept {
+  constexpr uint64_t kPiece = 16u << 20;  // a thread's turn: faulting it in takes ~milliseconds
+  const uint64_t page = SystemPageSize();
+  std::vector<std::pair<uintptr_t, uint64_t>> pieces;  // whole pages, at most kPiece each
+  try {
+    for (const MemoryRange& r : ranges) {
+      if (r.length == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(r.address);
+      const uint64_t start = AlignDown(begin, page);
+      const uint64_t end = AlignUp(begin + r.length, page);
+      for (uint64_t at = start; at < end; at += kPiece) {
+        pieces.emplace_back(at, std::min(kPiece, end - at));
+      }
+    }
+  } catch (...) {  // no memory for the plan: a hint not taken
+    return;
+  }
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  auto work = [&] {
+    for (size_t i; !failed.load(std::memory_order_relaxed) &&
+                   (i = next.fetch_add(1, std::memory_order_relaxed)) < pieces.size();) {
+      if (PopulatePages(pieces[i].first, pieces[i].second, MADV_POPULATE_READ) != 0) {
+        failed.store(true, std::memory_order_relaxed);
+      }
+    }
+  };
+  std::vector<std::thread> helpers;
+  try {
+    for (size_t t = 1; t < std::min<size_t>(std::max(threads, 1u), pieces.size()); ++t) {
+      helpers.emplace_back(work);
+    }
+  } catch (...) {  // out of threads (or memory): those started share the work
+  }
+  work();
+  for (auto& h : helpers) h.join();
+}
 
 bool MemoryIsWritable(void* address, uint64_t length) {
   if (length == 0 || !KernelPopulatesWrites()) return true;

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import safetensors.torch  # noqa: E402
 
-from tensortier import hf  # noqa: E402
+from tensortier import _core, hf  # noqa: E402
 
 KW = dict(vocab_size=96, max_position_embeddings=32)
 MODELS: dict[str, Any] = {
@@ -116,6 +116,34 @@ def test_from_pretrained_gives_transformers_model(tmp_path: Path, kind: str, sha
     assert_same(ours(reads, AUTO, tmp_path), AUTO.from_pretrained(tmp_path))
 
 
+def test_cached_shards_are_mapped_and_others_read(tmp_path: Path, reads: list[str]) -> None:
+    make("llama", tmp_path, "20KB")
+    shards = [str(p) for p in tmp_path.glob("*.safetensors")]
+
+    def mapped(model: Any) -> bool:  # every parameter in a mapping of a shard
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        spans = [[int(a, 16) for a in f[0].split("-")] for f in map(str.split, maps)
+                 if len(f) == 6 and f[5].startswith(str(tmp_path))]
+        return all(any(lo <= p.data_ptr() < hi for lo, hi in spans) for p in model.parameters())
+
+    for shard in shards:  # out of the page cache (where the file system lets them go)
+        fd = os.open(shard, os.O_RDONLY)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    cold = _core.files_residency(shards)[0] == 0
+    cls = transformers.LlamaForCausalLM
+    ours_cold = ours(reads, cls, tmp_path)
+    assert not (cold and mapped(ours_cold))
+    for shard in shards:  # into the page cache (direct reads left them out)
+        Path(shard).read_bytes()
+    for kw in ({}, {"dtype": torch.bfloat16}):  # read early, then while transformers loads
+        warm = ours(reads, cls, tmp_path, **kw)
+        assert mapped(warm) == (not kw)
+        assert_same(warm, cls.from_pretrained(tmp_path, **kw))
+    assert_same(ours_cold, cls.from_pretrained(tmp_path))
+
+
 def test_variants_and_subfolders(tmp_path: Path, reads: list[str]) -> None:
     torch.manual_seed(0)
     model = MODELS["gpt2"]()
@@ -211,8 +239,15 @@ def test_a_killed_save_leaves_the_old_directory(tmp_path: Path) -> None:
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
-    assert any(n.startswith(".m.tmp-hf-") for n in os.listdir(tmp_path))
+    (killed,) = [n for n in os.listdir(tmp_path) if n.startswith(".m.tmp-")]
     assert_same(hf.from_pretrained(type(old), tmp_path / "m"), old.eval())
+    # The next save removes the killed save's staging directory, not a running one's (ours).
+    running = Path(_core.temporary_path_prefix(str(tmp_path / "m")) + "0000abcd")
+    running.mkdir()
+    (running / "model.safetensors").write_bytes(b"partial")
+    hf.save_pretrained(old, tmp_path / "m")
+    assert sorted(n for n in os.listdir(tmp_path) if n != "m") == [running.name]
+    assert killed != running.name
 
 
 def test_enable_and_disable(tmp_path: Path) -> None:

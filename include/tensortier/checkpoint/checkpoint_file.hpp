@@ -56,7 +56,8 @@ std::string TemporaryNameStem(std::string_view name);
 std::string TemporaryPathPrefix(const std::string& final_path);
 
 // Removes the temporary files that saves into `final_path` left behind when they were killed:
-// those of this machine and pid namespace whose process (pid and start time) no longer runs.
+// those of this machine and pid namespace whose process (pid and start time) no longer runs, and
+// so named staging directories (CreateStagingDirectory) with all they hold.
 // Files of the older ".NAME.tmp-PID-RANDOM" form carry no start time: each is removed only when
 // no process has its pid and it was last written an hour ago or more. Files of other machines or
 // containers are left alone, and so is anything that cannot be removed. Returns how many went.

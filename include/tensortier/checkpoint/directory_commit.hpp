@@ -2,6 +2,8 @@
 // directory is written completely beside the old one, then the two trade places in one rename.
 #pragma once
 
+#include <sys/types.h>
+
 #include <string>
 
 namespace tensortier {
@@ -14,5 +16,12 @@ namespace tensortier {
 // Throws IoError naming the file or directory that failed (EINVAL or ENOSYS from the exchange:
 // a file system without RENAME_EXCHANGE; `final_dir` is then left as it was).
 void CommitDirectory(const std::string& staged, const std::string& final_dir);
+
+// Creates the directory a save into `final_dir` is staged in, beside it and named as a save's
+// temporary file is ("DIR/.NAME.tmp-PID-START-TAG-RANDOM", TemporaryPathPrefix), with `mode`
+// (less the umask), after removing those that killed saves into `final_dir` left behind
+// (RemoveStaleTemporaryFiles: only of processes that no longer run). Returns its path. Throws
+// IoError naming `final_dir`.
+std::string CreateStagingDirectory(const std::string& final_dir, mode_t mode = 0777);
 
 }  // namespace tensortier
