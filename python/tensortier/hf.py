@@ -95,6 +95,9 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     reads it itself (no safetensors files, quantized or distributed loads, disk offload)."""
     import torch
 
+    # The early read's result is taken now: declined, it is freed when this returns.
+    early = _early.get()
+    future = early[1].pop() if early is not None and early[1] else None
     if not files or not all(f.endswith(".safetensors") for f in files):
         return None
     if cfg.hf_quantizer is not None or cfg.device_mesh is not None:
@@ -123,10 +126,9 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
                                                                  for f in files}:
         return None  # extra files beside the shards: transformers' own business
     target = files[0] if meta is None else _index_of(files[0], meta["weight_map"])
-    early = _early.get()
-    if early is not None and device.type == "cpu" and early[0] == os.path.realpath(target):
+    if future is not None and device.type == "cpu" and early[0] == os.path.realpath(target):
         with contextlib.suppress(Exception):  # read again below, to report its error
-            state_dict = early[1].result()
+            state_dict = future.result()
             if dtype is None or all(t.dtype == dtype for t in state_dict.values()
                                     if t.is_floating_point()):
                 return state_dict
@@ -149,19 +151,28 @@ def _read_early(path: str, kwargs: dict[str, Any]) -> Iterator[None]:
     files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
     index = os.path.join(path, "model.safetensors.index.json")
     target = index if os.path.isfile(index) else os.path.join(path, "model.safetensors")
+    from transformers import modeling_utils
+
     if (not set(kwargs) <= _EARLY_KWARGS or kwargs.get("dtype", "auto") not in ("auto", None)
             or kwargs.get("torch_dtype", "auto") not in ("auto", None)
+            or getattr(kwargs.get("config"), "quantization_config", None) is not None
+            or modeling_utils.is_deepspeed_zero3_enabled()
             or not os.path.isfile(target) or _quantized(path)):
         yield
         return
     pool = concurrent.futures.ThreadPoolExecutor(1, "tensortier-hf")
-    future = pool.submit(_load, target, "cpu", None, _cached(files))
-    token = _early.set((os.path.realpath(target), future))
+    box = [pool.submit(_load, target, "cpu", None, _cached(files))]  # _read pops it
+    token = _early.set((os.path.realpath(target), box))
+    failed = True
     try:
         yield
+        failed = False
     finally:
         _early.reset(token)
-        pool.shutdown(wait=True)  # no read outlives the call
+        box.clear()
+        # A call that succeeded leaves no read behind; an error or Ctrl-C does not wait for a
+        # read nothing will use (its thread ends with it and frees what it read).
+        pool.shutdown(wait=not failed, cancel_futures=failed)
 
 
 def _load(target: str, device: Any, dtype: Any, mmap: bool) -> dict[str, Any]:
@@ -188,7 +199,7 @@ def _quantized(path: str) -> bool:
 
 _EARLY_KWARGS = {"config", "dtype", "torch_dtype", "attn_implementation", "local_files_only",
                  "output_loading_info", "trust_remote_code", "low_cpu_mem_usage"}
-_early: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar(
+_early: contextvars.ContextVar[tuple[str, list[Any]] | None] = contextvars.ContextVar(
     "tensortier_hf_early", default=None)
 
 
