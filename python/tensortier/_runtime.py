@@ -68,7 +68,12 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collection paused while the block runs (as it was after). For
     blocks that make an object or more per tensor of a state dict: with tens of thousands of
     tensors, the collections those allocations start walk every live object again and again
-    (half the time of a DCP save's own work on 20,000 small tensors)."""
+    (half the time of a DCP save's own work on 20,000 small tensors). Only on the main thread:
+    the switch is process-wide, and from a background thread (an async save) it could undo a
+    ``gc.disable()`` the training loop makes meanwhile."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     enabled = gc.isenabled()
     gc.disable()
     try:
