@@ -25,17 +25,16 @@
 #include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/checkpoint/safetensors_writer.hpp"
 #include "tensortier/checkpoint/small_pieces.hpp"
-#include "tensortier/util/strings.hpp"
 #include "tensortier/checkpoint/torch_checkpoint.hpp"
 #include "tensortier/checkpoint/torch_file_writer.hpp"
 #include "tensortier/checkpoint/torch_pickle.hpp"
 #include "tensortier/checkpoint/zip_archive.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
 
 namespace {
-
 
 py::list EntriesToList(const std::vector<SafetensorsEntry>& entries) {
   py::list out;
@@ -225,7 +224,8 @@ void RegisterCheckpoint(py::module_& m) {
         }
         return out;
       },
-      "The dtype table (include/tensortier/checkpoint/dtypes.hpp), one dict per dtype: name (tensortier's), "
+      "The dtype table (include/tensortier/checkpoint/dtypes.hpp), one dict per dtype: name "
+      "(tensortier's), "
       "safetensors (the dtype that stores it, '' when none), packing (values per element), torch "
       "(torch's dtype attribute, '' when none), torch_alias, storage (typed storage class, '' when "
       "torch pickles it untyped), bits (per element), quantized.");
@@ -313,35 +313,34 @@ void RegisterCheckpoint(py::module_& m) {
       "A torch.save zip file, planned: data.pkl, the records torch.save writes, each storage 4 "
       "KiB aligned (include/tensortier/checkpoint/torch_file_writer.hpp). Its bytes are written "
       "with write(), or with begin(), write_storages() for each group of storages, end().")
-      .def(py::init([](const std::vector<std::string>& names,
-                       const std::vector<std::string>& dtypes,
-                       const std::vector<std::vector<uint64_t>>& shapes,
-                       const std::vector<std::vector<uint64_t>>& strides,
-                       const std::vector<uint64_t>& nbytes, bool crc32) {
-             if (dtypes.size() != names.size() || shapes.size() != names.size() ||
-                 strides.size() != names.size()) {
-               throw std::invalid_argument(
-                   "TorchFileWriter: one dtype, shape and stride per name");
-             }
-             std::vector<TorchPickleTensor> tensors;
-             tensors.reserve(names.size());
-             for (size_t i = 0; i < names.size(); ++i) {
-               if (strides[i] != ContiguousStrides(shapes[i])) {
-                 throw std::invalid_argument(StrCat("tensor '", names[i],
-                                                    "' has strides torch.save keeps as they are"));
-               }
-               tensors.push_back({names[i], dtypes[i], shapes[i], std::to_string(i)});
-             }
-             py::gil_scoped_release release;
-             return std::make_unique<TorchFileWriter>(
-                 tensors, nbytes, TorchFileOptions{.folder = "archive", .crc32 = crc32});
-           }),
-           py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("strides"),
-           py::arg("nbytes"), py::arg("crc32"),
-           "A plain dict: tensor i is names[i] of dtypes[i] (dtype table names: 'F32'...), "
-           "shapes[i] and strides[i] (contiguous ones only), nbytes[i] bytes, in storage 'i'; "
-           "crc32: record CRC-32s. ValueError for what a plain dict cannot hold (before anything "
-           "is written).")
+      .def(
+          py::init([](const std::vector<std::string>& names, const std::vector<std::string>& dtypes,
+                      const std::vector<std::vector<uint64_t>>& shapes,
+                      const std::vector<std::vector<uint64_t>>& strides,
+                      const std::vector<uint64_t>& nbytes, bool crc32) {
+            if (dtypes.size() != names.size() || shapes.size() != names.size() ||
+                strides.size() != names.size()) {
+              throw std::invalid_argument("TorchFileWriter: one dtype, shape and stride per name");
+            }
+            std::vector<TorchPickleTensor> tensors;
+            tensors.reserve(names.size());
+            for (size_t i = 0; i < names.size(); ++i) {
+              if (strides[i] != ContiguousStrides(shapes[i])) {
+                throw std::invalid_argument(
+                    StrCat("tensor '", names[i], "' has strides torch.save keeps as they are"));
+              }
+              tensors.push_back({names[i], dtypes[i], shapes[i], std::to_string(i)});
+            }
+            py::gil_scoped_release release;
+            return std::make_unique<TorchFileWriter>(
+                tensors, nbytes, TorchFileOptions{.folder = "archive", .crc32 = crc32});
+          }),
+          py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("strides"),
+          py::arg("nbytes"), py::arg("crc32"),
+          "A plain dict: tensor i is names[i] of dtypes[i] (dtype table names: 'F32'...), "
+          "shapes[i] and strides[i] (contiguous ones only), nbytes[i] bytes, in storage 'i'; "
+          "crc32: record CRC-32s. ValueError for what a plain dict cannot hold (before anything "
+          "is written).")
       .def(py::init([](const py::bytes& pickle, const std::vector<uint64_t>& nbytes, bool crc32) {
              std::string data(pickle);
              py::gil_scoped_release release;

@@ -33,8 +33,8 @@ void SameLength(size_t n, std::initializer_list<size_t> others, const char* fn) 
 py::list TensorLayouts(const std::vector<DcpTensorItem>& items) {
   py::list out;
   for (const auto& t : items) {
-    out.append(py::make_tuple(t.dtype, t.shape, t.stride, t.storage_offset, t.data_offset,
-                              t.nbytes, t.crc32, t.bytes_read, t.conj, t.neg, t.safetensors));
+    out.append(py::make_tuple(t.dtype, t.shape, t.stride, t.storage_offset, t.data_offset, t.nbytes,
+                              t.crc32, t.bytes_read, t.conj, t.neg, t.safetensors));
   }
   return out;
 }
@@ -119,12 +119,12 @@ void RegisterDcp(py::module_& m) {
                        const std::vector<std::optional<std::vector<int64_t>>>& shapes,
                        const std::vector<std::string>& fqns) {
              SameLength(names.size(),
-                        {offsets.size(), lengths.size(), tensor.size(), whole.size(),
-                         shapes.size(), fqns.size()},
+                        {offsets.size(), lengths.size(), tensor.size(), whole.size(), shapes.size(),
+                         fqns.size()},
                         "DcpFileReads");
              std::vector<DcpFileReads::Item> items(names.size());
              for (size_t i = 0; i < items.size(); ++i) {
-               items[i] = {names[i],  offsets[i], lengths[i], tensor[i],
+               items[i] = {names[i], offsets[i], lengths[i], tensor[i],
                            whole[i], shapes[i],  fqns[i]};
              }
              py::gil_scoped_release release;
@@ -157,8 +157,7 @@ void RegisterDcp(py::module_& m) {
              const std::vector<std::optional<std::string>>& blocks) {
             SameLength(names.size(),
                        {offsets.size(), lengths.size(), data_offsets.size(), data_lengths.size(),
-                        addresses.size(), xxh64.size(), crc32.size(), slices.size(),
-                        blocks.size()},
+                        addresses.size(), xxh64.size(), crc32.size(), slices.size(), blocks.size()},
                        "DcpFileReads.read");
             std::vector<DcpRead> reads(names.size());
             for (size_t i = 0; i < reads.size(); ++i) {
@@ -169,9 +168,9 @@ void RegisterDcp(py::module_& m) {
                           std::nullopt,    {}};
               if (slices[i]) {
                 const py::tuple& t = *slices[i];
-                reads[i].slice = DcpSlice{
-                    t[0].cast<std::vector<int64_t>>(), t[1].cast<uint64_t>(),
-                    t[2].cast<std::vector<int64_t>>(), t[3].cast<std::vector<int64_t>>()};
+                reads[i].slice =
+                    DcpSlice{t[0].cast<std::vector<int64_t>>(), t[1].cast<uint64_t>(),
+                             t[2].cast<std::vector<int64_t>>(), t[3].cast<std::vector<int64_t>>()};
                 if (xxh64[i] || crc32[i]) {
                   throw std::invalid_argument(
                       "DcpFileReads.read: a part of an item is checked by its block sums alone");
@@ -183,8 +182,8 @@ void RegisterDcp(py::module_& m) {
             return self.Read(engine, reads);
           },
           py::arg("engine"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
-          py::arg("data_offsets"), py::arg("data_lengths"), py::arg("addresses"),
-          py::arg("xxh64"), py::arg("crc32"), py::arg("slices"), py::arg("blocks"),
+          py::arg("data_offsets"), py::arg("data_lengths"), py::arg("addresses"), py::arg("xxh64"),
+          py::arg("crc32"), py::arg("slices"), py::arg("blocks"),
           "Reads item i's data [data_offsets[i], +data_lengths[i]) into addresses[i] and checks "
           "the item: the xxh64 of [offsets[i], +lengths[i]) where xxh64[i] is set, else the "
           "CRC-32 of its data where crc32[i] is. Where slices[i] is (shape, itemsize, offsets, "
@@ -226,10 +225,10 @@ void RegisterDcp(py::module_& m) {
       [](const py::object& format, const std::string& what) {
         if (format.is_none()) return;
         if (!py::isinstance<py::int_>(format) || py::isinstance<py::bool_>(format)) {
-          throw std::invalid_argument(StrCat(what, ": tensortier_format is a ",
-                                             py::str(py::type::of(format).attr("__name__"))
-                                                 .cast<std::string>(),
-                                             ", not a format version"));
+          throw std::invalid_argument(
+              StrCat(what, ": tensortier_format is a ",
+                     py::str(py::type::of(format).attr("__name__")).cast<std::string>(),
+                     ", not a format version"));
         }
         CheckDcpFormat(format.cast<int64_t>(), what);
       },

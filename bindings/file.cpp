@@ -16,9 +16,9 @@
 #include "arguments.hpp"
 #include "paths.hpp"
 #include "register.hpp"
-#include "tensortier/util/error.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/io/page_cache.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -58,7 +58,7 @@ py::tuple DeepNvmeFile(const std::string& op, const py::object& target, const st
   int code = 0;
   {
     py::gil_scoped_release release;
-    struct stat st {};
+    struct stat st{};
     int fd = -1;
     if (op == "read" && stat(path.c_str(), &st) != 0) {
       step = "fstat for read";
@@ -137,7 +137,7 @@ void RegisterFile(py::module_& m) {
   m.def(
       "filesystem_magic",
       [](const FsPath& path) {
-        struct statfs st {};
+        struct statfs st{};
         int rc;
         {
           py::gil_scoped_release release;  // a network filesystem can take its time

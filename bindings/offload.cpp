@@ -122,9 +122,9 @@ void CheckOffloadReadTarget(const TensorFacts& t, uint64_t nbytes) {
   if (t.storage_offset != 0 || t.nbytes != nbytes ||
       (t.storage_nbytes != 0 && t.storage_nbytes != nbytes)) {
     throw py::value_error(StrCat(
-        "tensor's memory was replaced while it was offloaded (now ", t.nbytes,
-        " bytes at offset ", t.storage_offset, " of a storage of ", t.storage_nbytes, "): its ",
-        nbytes, " bytes can be read back only into a storage of its own of that size; give it "
+        "tensor's memory was replaced while it was offloaded (now ", t.nbytes, " bytes at offset ",
+        t.storage_offset, " of a storage of ", t.storage_nbytes, "): its ", nbytes,
+        " bytes can be read back only into a storage of its own of that size; give it "
         "one (x.data = torch.empty_like(x)) and read again"));
   }
   if (nbytes > 0 && !t.resizable) {

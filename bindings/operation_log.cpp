@@ -32,9 +32,8 @@ class OperationLog {
   // Records `op` (its future keeps its memory alive); forgets the operations over whose error
   // was given, or that had none.
   void Add(const Operation& op, py::object future) {
-    std::erase_if(pending_, [](const Pending& p) {
-      return p.op.done() && !p.op.HasUndeliveredError();
-    });
+    std::erase_if(pending_,
+                  [](const Pending& p) { return p.op.done() && !p.op.HasUndeliveredError(); });
     pending_.push_back({op, std::move(future)});
   }
 
@@ -80,8 +79,8 @@ class OperationLog {
     py::object error = PythonError(first);
     if (failed.size() > 1) {
       py::module_::import("tensortier._notes")
-          .attr("add_note")(error, StrCat(failed.size() - 1,
-                                          " other operation(s) of this IOHandle also failed"));
+          .attr("add_note")(
+              error, StrCat(failed.size() - 1, " other operation(s) of this IOHandle also failed"));
     }
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
     throw py::error_already_set();

@@ -4,18 +4,18 @@
 
 #include <pybind11/pybind11.h>
 
-void RegisterFile(pybind11::module_& m);        // bindings/file.cpp
-void RegisterEngine(pybind11::module_& m);      // bindings/engine.cpp
-void RegisterOffload(pybind11::module_& m);     // bindings/offload.cpp
-void RegisterBuffers(pybind11::module_& m);     // bindings/buffers.cpp
-void RegisterSettings(pybind11::module_& m);    // bindings/settings.cpp
-void RegisterCheckpoint(pybind11::module_& m);  // bindings/checkpoint.cpp
+void RegisterFile(pybind11::module_& m);              // bindings/file.cpp
+void RegisterEngine(pybind11::module_& m);            // bindings/engine.cpp
+void RegisterOffload(pybind11::module_& m);           // bindings/offload.cpp
+void RegisterBuffers(pybind11::module_& m);           // bindings/buffers.cpp
+void RegisterSettings(pybind11::module_& m);          // bindings/settings.cpp
+void RegisterCheckpoint(pybind11::module_& m);        // bindings/checkpoint.cpp
 void RegisterCheckpointChecks(pybind11::module_& m);  // bindings/checkpoint_checks.cpp
-void RegisterTransfer(pybind11::module_& m);    // bindings/transfer.cpp
-void RegisterExtents(pybind11::module_& m);     // bindings/extents.cpp
-void RegisterShared(pybind11::module_& m);      // bindings/shared.cpp
-void RegisterData(pybind11::module_& m);        // bindings/data.cpp
-void RegisterTestHooks(pybind11::module_& m);   // bindings/test_hooks.cpp
-void RegisterDcp(pybind11::module_& m);         // bindings/dcp.cpp
-void RegisterOperationLog(pybind11::module_& m);  // bindings/operation_log.cpp
-void RegisterRegistries(pybind11::module_& m);    // bindings/registries.cpp
+void RegisterTransfer(pybind11::module_& m);          // bindings/transfer.cpp
+void RegisterExtents(pybind11::module_& m);           // bindings/extents.cpp
+void RegisterShared(pybind11::module_& m);            // bindings/shared.cpp
+void RegisterData(pybind11::module_& m);              // bindings/data.cpp
+void RegisterTestHooks(pybind11::module_& m);         // bindings/test_hooks.cpp
+void RegisterDcp(pybind11::module_& m);               // bindings/dcp.cpp
+void RegisterOperationLog(pybind11::module_& m);      // bindings/operation_log.cpp
+void RegisterRegistries(pybind11::module_& m);        // bindings/registries.cpp

@@ -79,8 +79,8 @@ class CuFileRegistrations {
       if (buffers_.contains(address)) return;
       const CuFile& cufile = CuFile::Get();
       if (nbytes == 0 || !cufile.available() || !cufile.compat_mode_reason().empty()) return;
-      auto buffer = std::make_unique<CuFileBuffer>(
-          cufile, reinterpret_cast<const void*>(address), nbytes);
+      auto buffer =
+          std::make_unique<CuFileBuffer>(cufile, reinterpret_cast<const void*>(address), nbytes);
       buffers_.emplace(address, Registered{std::move(buffer), py::object()});
     }
     std::lock_guard lock(mu_);

@@ -16,11 +16,11 @@
 
 #include "binding_helpers.hpp"
 #include "paths.hpp"
-#include "tensortier/util/error.hpp"
-#include "tensortier/shared/shared_files.hpp"
 #include "tensortier/shared/shared_exchange.hpp"
+#include "tensortier/shared/shared_files.hpp"
 #include "tensortier/shared/shared_store.hpp"
 #include "tensortier/shared/shared_tensor.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -133,9 +133,8 @@ void RegisterShared(py::module_& m) {
   m.def(
       "shared_read_rows",
       [](const std::string& what, const std::vector<std::pair<FsPath, uint64_t>>& files,
-         std::optional<FsPath> checkpoint,
-         const std::string& key, const std::string& dtype, uint64_t element_size,
-         const std::vector<uint64_t>& shape, uint64_t begin, uint64_t end,
+         std::optional<FsPath> checkpoint, const std::string& key, const std::string& dtype,
+         uint64_t element_size, const std::vector<uint64_t>& shape, uint64_t begin, uint64_t end,
          uintptr_t dest) -> py::object {
         std::optional<IoStats> stats;
         try {
@@ -151,8 +150,7 @@ void RegisterShared(py::module_& m) {
         return stats ? py::object(IoStatsToDict(*stats)) : py::object(py::dict());
       },
       py::arg("what"), py::arg("files"), py::arg("checkpoint"), py::arg("key"), py::arg("dtype"),
-      py::arg("element_size"), py::arg("shape"), py::arg("begin"), py::arg("end"),
-      py::arg("dest"),
+      py::arg("element_size"), py::arg("shape"), py::arg("begin"), py::arg("end"), py::arg("dest"),
       "Reads rows [begin, end) of a tensor (torch dtype name, element size, shape) into host "
       "memory at dest: from raw row files ((path, size) each) whose concatenation is the tensor, "
       "or from tensor key "

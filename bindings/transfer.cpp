@@ -5,8 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -18,20 +18,20 @@
 #include "errors.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
-#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/offload/device_offload.hpp"
+#include "tensortier/offload/offloader.hpp"
 #include "tensortier/transfer/device_copier.hpp"
 #include "tensortier/transfer/device_jobs.hpp"
 #include "tensortier/transfer/operation.hpp"
-#include "tensortier/offload/device_offload.hpp"
-#include "tensortier/io/engine.hpp"
-#include "tensortier/io/file.hpp"
-#include "tensortier/offload/offloader.hpp"
 #include "tensortier/transfer/pinned_pool.hpp"
+#include "tensortier/transfer/transfer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/strings.hpp"
-#include "tensortier/transfer/transfer.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -133,9 +133,9 @@ DeviceTransferOptions TransferOptions(std::optional<size_t> slots,
 }
 
 GilFreeHolder<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t> slots,
-                                             std::optional<uint64_t> slot_bytes,
-                                             std::optional<size_t> max_rings,
-                                             const std::string& copier) {
+                                           std::optional<uint64_t> slot_bytes,
+                                           std::optional<size_t> max_rings,
+                                           const std::string& copier) {
   const DeviceTransferOptions o = TransferOptions(slots, slot_bytes, max_rings);
   if (copier == "cuda") return GilFreeHolder<DeviceTransfer>(new DeviceTransfer(engine, o));
   if (copier == "memcpy") {
@@ -179,8 +179,8 @@ class OffloadDevice {
 
   // Starts moving `key`'s bytes between device memory and the files on the transfer's job
   // queue; Wait(kind) collects the outcome. `keep` stays referenced until then.
-  void Submit(const std::string& kind, uint64_t key, uintptr_t address, uint64_t length,
-              int device, std::optional<uintptr_t> stream, py::object keep) {
+  void Submit(const std::string& kind, uint64_t key, uintptr_t address, uint64_t length, int device,
+              std::optional<uintptr_t> stream, py::object keep) {
     const bool write = Kind(kind) == OffloadKind::kWrite;
     DeviceTransfer& transfer = Transfer();
     const DeviceSpan span = Span(address, device, stream);
@@ -222,17 +222,22 @@ class OffloadDevice {
     for (Job& j : all) (wanted(j) ? done : kept).push_back(std::move(j));
     all = std::move(kept);
     for (const Job& j : done) {  // the jobs applied their outcome to the offloader already
+      TransferResult r;
+      std::exception_ptr error;
       try {
-        TransferResult r;
-        {
-          py::gil_scoped_release release;
-          r = j.job.Wait();
-        }
-        bytes_[r.path.empty() ? "bounce" : r.path] += r.bytes;  // zero bytes: no path taken
-        out.append(py::make_tuple(j.key, py::none()));
+        py::gil_scoped_release release;
+        r = j.job.Wait();
       } catch (...) {
-        out.append(py::make_tuple(j.key, PythonError(std::current_exception())));
+        error = std::current_exception();
       }
+      if (error) {
+        out.append(py::make_tuple(j.key, PythonError(error)));
+        continue;
+      }
+      // Outside the try: a move that was applied is never reported as failed (its caller
+      // would free a restored tensor whose key is gone).
+      bytes_[r.path.empty() ? "bounce" : r.path] += r.bytes;  // zero bytes: no path taken
+      out.append(py::make_tuple(j.key, py::none()));
     }
     return out;
   }
@@ -586,7 +591,8 @@ void RegisterTransfer(py::module_& m) {
             DeviceSpan span = Span(address, device, stream);
             py::gil_scoped_release release;
             return t.Submit([&t, file, offset, length, span] {
-              return WithFile(file, [&](const auto& f) { return t.Write(span, length, f, offset); });
+              return WithFile(file,
+                              [&](const auto& f) { return t.Write(span, length, f, offset); });
             });
           },
           py::arg("address"), py::arg("length"), py::arg("file"), py::arg("offset"),

@@ -124,8 +124,12 @@ Releases& TheReleases() {
   return *releases;
 }
 
-void ForkPrepare() { TheReleases().mu.lock(); }
-void ForkParent() { TheReleases().mu.unlock(); }
+void ForkPrepare() {
+  TheReleases().mu.lock();
+}
+void ForkParent() {
+  TheReleases().mu.unlock();
+}
 void ForkChild() {
   Releases& r = TheReleases();
   for (int fd : r.held) close(fd);
@@ -347,7 +351,9 @@ DurableFile::DurableFile(const std::string& path, bool direct, FileSystem fs,
   }
 }
 
-DurableFile::~DurableFile() { Abort(); }
+DurableFile::~DurableFile() {
+  Abort();
+}
 
 const File& DurableFile::file() const {
   if (!file_.is_open()) {

@@ -296,10 +296,10 @@ File OpenDcpDataFile(const std::string& path, std::span<const std::string> items
   } catch (const IoError& e) {
     if (items.empty()) throw;
     const std::string more = items.size() > 1 ? StrCat(" and ", items.size() - 1, " more") : "";
-    throw IoError(e.error_code(),
-                  StrCat(e.op(), " of the data file the metadata names for item '", items[0],
-                         "'", more),
-                  e.path(), e.offset(), e.length());
+    throw IoError(
+        e.error_code(),
+        StrCat(e.op(), " of the data file the metadata names for item '", items[0], "'", more),
+        e.path(), e.offset(), e.length());
   }
 }
 
@@ -318,8 +318,8 @@ void CheckShape(const std::string& where, const std::optional<std::vector<int64_
 DcpTensorItem ReadSafetensorsItem(const ByteSource& whole, const std::string& name,
                                   const std::string& fqn, uint64_t offset,
                                   const std::optional<std::vector<int64_t>>& expected_shape) {
-  const std::string where = StrCat(whole.name(), ": item '", name, "' (safetensors data at ",
-                                   offset, ")");
+  const std::string where =
+      StrCat(whole.name(), ": item '", name, "' (safetensors data at ", offset, ")");
   unsigned char len[8];
   if (whole.size() < 8 || offset > whole.size() - 8) {
     throw FormatError(StrCat(where, ": past the end of the file (truncated)"));
@@ -666,10 +666,11 @@ size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_v
       struct stat st;
       const std::string file = StrCat(dir, "/", name);
       if (stat(file.c_str(), &st) != 0) {
-        throw IoError(errno, StrCat(who.empty() ? "" : StrCat(who, ": "),
-                                    "commit the DCP checkpoint (its data file is gone: another "
-                                    "save into this directory committed meanwhile and removed it; "
-                                    "the directory keeps that save's checkpoint)"),
+        throw IoError(errno,
+                      StrCat(who.empty() ? "" : StrCat(who, ": "),
+                             "commit the DCP checkpoint (its data file is gone: another "
+                             "save into this directory committed meanwhile and removed it; "
+                             "the directory keeps that save's checkpoint)"),
                       file, 0, 0);
       }
     }

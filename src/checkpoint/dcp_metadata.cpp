@@ -616,8 +616,8 @@ void CheckDcpDataFilesPresent(const std::string& dir,
                             " names data files that are missing: ", list(missing), ")");
   if (!others.empty()) {
     what = StrCat("load DCP checkpoint (", metadata,
-                  " is stale: it names data files of another save, missing here (",
-                  list(missing), "), and not the directory's own (", list(others), "))");
+                  " is stale: it names data files of another save, missing here (", list(missing),
+                  "), and not the directory's own (", list(others), "))");
   }
   throw IoError(ENOENT, what, StrCat(dir, "/", missing[0]), 0, 0);
 }
@@ -645,8 +645,7 @@ void CheckDcpChunksCover(const std::string& name, const std::vector<int64_t>& si
   const Wide all = volume(size);
   if (covered < all) {
     throw FormatError(StrCat(what, ": the chunks of '", name, "' hold ",
-                             static_cast<uint64_t>(covered), " of its ",
-                             static_cast<uint64_t>(all),
+                             static_cast<uint64_t>(covered), " of its ", static_cast<uint64_t>(all),
                              " elements: the data of the others is in no file (a rank's chunks "
                              "are missing from the metadata)"));
   }

@@ -70,8 +70,8 @@ std::string CreateStagingDirectory(const std::string& final_dir, mode_t mode) {
     std::snprintf(suffix, sizeof(suffix), "%08x", static_cast<uint32_t>(random()));
     const std::string path = prefix + suffix;
     if (mkdir(path.c_str(), mode) == 0) return path;
-    if (errno != EEXIST || attempt == 16) ThrowIoError(errno, "create the staging directory of",
-                                                       final_dir);
+    if (errno != EEXIST || attempt == 16)
+      ThrowIoError(errno, "create the staging directory of", final_dir);
   }
 }
 

@@ -61,8 +61,8 @@ std::pair<uint64_t, uint64_t> SpanInFile(const std::string& path, uint64_t file_
   uint64_t end = 0;
   for (const FileRange& r : ranges) {
     if (r.offset < 0 || r.size < 0 || r.offset > INT64_MAX - r.size) {
-      throw FormatError(StrCat(path, ": ", PyRepr(r.name), " has offset ", r.offset,
-                               " and length ", r.size));
+      throw FormatError(
+          StrCat(path, ": ", PyRepr(r.name), " has offset ", r.offset, " and length ", r.size));
     }
     const auto offset = static_cast<uint64_t>(r.offset);
     const auto size = static_cast<uint64_t>(r.size);
@@ -103,18 +103,16 @@ StateDictMatch MatchStateDict(const std::vector<NamedTensor>& targets,
     m.errors.push_back(StrCat("Missing key(s) in state_dict: ", QuotedList(m.missing), ". "));
   }
   if (strict && !m.unexpected.empty()) {
-    m.errors.push_back(
-        StrCat("Unexpected key(s) in state_dict: ", QuotedList(m.unexpected), ". "));
+    m.errors.push_back(StrCat("Unexpected key(s) in state_dict: ", QuotedList(m.unexpected), ". "));
   }
   std::unordered_map<std::string_view, const NamedTensor*> target_by_name;
   for (const NamedTensor& t : targets) target_by_name.emplace(t.name, &t);
   for (const NamedTensor& s : saved) {
     const auto t = target_by_name.find(s.name);
     if (t != target_by_name.end() && t->second->shape != s.shape) {
-      m.errors.push_back(StrCat("size mismatch for ", s.name, ": copying a param with shape ",
-                                TorchSize(s.shape),
-                                " from checkpoint, the shape in current model is ",
-                                TorchSize(t->second->shape), "."));
+      m.errors.push_back(StrCat(
+          "size mismatch for ", s.name, ": copying a param with shape ", TorchSize(s.shape),
+          " from checkpoint, the shape in current model is ", TorchSize(t->second->shape), "."));
     }
   }
   return m;

@@ -81,7 +81,7 @@ Residency QueryResidency(int fd, uint64_t offset, uint64_t length, ResidencyMeth
                          std::optional<uint64_t> file_size) {
   Residency r;
   if (!file_size) {
-    struct stat st {};
+    struct stat st{};
     if (fstat(fd, &st) != 0) return r;
     file_size = static_cast<uint64_t>(st.st_size);
   }
@@ -107,16 +107,20 @@ Residency QueryFilesResidency(const std::vector<std::string>& paths) {
   Residency total;
   total.method = ResidencyMethodInUse();
   for (const std::string& path : paths) {
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) continue;
-    struct stat st {};
-    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+    struct ClosedAtExit {  // QueryResidency can throw (bad_alloc)
+      int fd;
+      ~ClosedAtExit() {
+        if (fd >= 0) close(fd);
+      }
+    } file{open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+    if (file.fd < 0) continue;
+    struct stat st{};
+    if (fstat(file.fd, &st) == 0 && S_ISREG(st.st_mode)) {
       const auto size = static_cast<uint64_t>(st.st_size);
-      const Residency r = QueryResidency(fd, 0, size, ResidencyMethod::kUnknown, size);
+      const Residency r = QueryResidency(file.fd, 0, size, ResidencyMethod::kUnknown, size);
       total.checked_bytes += size;
       total.resident_bytes += r.resident_bytes;
     }
-    close(fd);
   }
   return total;
 }

@@ -22,8 +22,8 @@ MissingTensorError Missing(const std::string& path, const std::string& key,
     shown += StrCat(i ? ", " : "", PyRepr(keys[i]));
   }
   if (keys.size() > 20) shown += StrCat(", ... (", keys.size(), " in all)");
-  return MissingTensorError(StrCat(path, " has no tensor ", PyRepr(key), "; its tensors are: ",
-                                   shown.empty() ? "none" : shown));
+  return MissingTensorError(StrCat(path, " has no tensor ", PyRepr(key),
+                                   "; its tensors are: ", shown.empty() ? "none" : shown));
 }
 
 }  // namespace
@@ -35,8 +35,10 @@ RowSource CheckpointRowSource(const std::string& path, const std::string& key,
   RowSource out{path, 0, 0};
   switch (DetectCheckpointKind(path)) {  // the detection tensortier.load and the CLI use
     case CheckpointKind::kShardIndex:
-      throw FormatError(StrCat(path, ": a shard index, not a checkpoint file: pass the shard "
-                               "holding ", PyRepr(key)));
+      throw FormatError(StrCat(path,
+                               ": a shard index, not a checkpoint file: pass the shard "
+                               "holding ",
+                               PyRepr(key)));
     case CheckpointKind::kTorch: {
       TorchTensorLookup found = LocateTorchTensor(path, key);
       if (!found.found) throw Missing(path, key, found.keys);
@@ -75,8 +77,8 @@ RowSource CheckpointRowSource(const std::string& path, const std::string& key,
   }
   if (stored_shape != shape || stored_dtype != dtype) {
     throw FormatError(StrCat(path, ": ", PyRepr(key), " is ", stored_dtype, " of shape ",
-                             PyTuple(stored_shape), "; this shared tensor is ", dtype,
-                             " of shape ", PyTuple(shape)));
+                             PyTuple(stored_shape), "; this shared tensor is ", dtype, " of shape ",
+                             PyTuple(shape)));
   }
   return out;
 }
@@ -109,8 +111,9 @@ std::optional<IoStats> ReadRows(const std::vector<RowSource>& sources, std::stri
   Engine engine;
   IoResult result = engine.Submit(IoOp::kRead, pieces).Wait();
   if (result.bytes != hi - lo) {
-    ThrowIoError(EIO, StrCat(what, ": read ", result.bytes, " of ", hi - lo,
-                             " bytes (a file shrank?)"), pieces.front().file.path());
+    ThrowIoError(EIO,
+                 StrCat(what, ": read ", result.bytes, " of ", hi - lo, " bytes (a file shrank?)"),
+                 pieces.front().file.path());
   }
   return result.stats;
 }

@@ -1,7 +1,9 @@
 #include "tensortier/util/process_identity.hpp"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
@@ -87,7 +89,11 @@ bool IsDeadProcessStamp(std::string_view stamp) {
   if (tag != PidNamespaceTag()) return false;
   // Without /proc no process can be told alive.
   if (ProcessStartTime(getpid()).empty()) return false;
-  return ProcessStartTime(static_cast<pid_t>(pid)) != start;
+  const std::string now = ProcessStartTime(static_cast<pid_t>(pid));
+  // An unreadable /proc/PID (hidepid, another user's process) is no proof of death: only a pid
+  // no process has is dead then.
+  if (now.empty()) return kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH;
+  return now != start;
 }
 
 }  // namespace tensortier

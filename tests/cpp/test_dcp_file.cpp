@@ -78,8 +78,7 @@ TEST(DcpFile, TensorItemsAreZipsOfOneTensorWithAlignedData) {
 TEST(DcpFile, AnItemThatCannotBeWrittenIsNamedByItsKey) {
   const std::byte data[8] = {};
   // A quantized dtype (torch pickles no plain tensor of it), a size that does not match.
-  for (const auto& [item, message] :
-       std::vector<std::pair<DcpWriteItem, std::string>>{
+  for (const auto& [item, message] : std::vector<std::pair<DcpWriteItem, std::string>>{
            {{"QI8", {8}, 8, data, "model.q"}, "model.q"},
            {{"F32", {3}, 8, data, "opt.m"}, "opt.m: 8 bytes for 3 elements"},
            {{"F32", {3}, 8, data, ""}, "item 0: 8 bytes"}}) {
@@ -125,9 +124,16 @@ TEST(DcpFile, ReadsCheckEveryItemAndNameTheDamage) {
     for (size_t i = 0; i < w.places.size(); ++i) {
       const DcpItemPlace& p = w.places[i];
       out[i].resize(w.bytes[i].size());
-      reads.push_back({StrCat("item", i), p.offset, p.length, p.data_offset, w.bytes[i].size(),
-                       reinterpret_cast<std::byte*>(out[i].data()), p.xxh64, std::nullopt,
-                       std::nullopt, {}});
+      reads.push_back({StrCat("item", i),
+                       p.offset,
+                       p.length,
+                       p.data_offset,
+                       w.bytes[i].size(),
+                       reinterpret_cast<std::byte*>(out[i].data()),
+                       p.xxh64,
+                       std::nullopt,
+                       std::nullopt,
+                       {}});
     }
     ReadDcpItems(engine, file, reads);
   };
@@ -186,9 +192,16 @@ TEST(DcpFile, ReadsOfSlicesReadOnlyTheirRuns) {
   const DcpItemPlace& p = w.places[2];
   // Columns [256, 768) of rows [0, 16): 16 runs of 1 KiB, 1 KiB apart, in one request.
   std::vector<uint8_t> got(16 * 512 * 2);
-  DcpRead r{"big", p.offset, p.length, p.data_offset, 2u << 20,
-            reinterpret_cast<std::byte*>(got.data()), std::nullopt, std::nullopt,
-            DcpSlice{{1024, 1024}, 2, {0, 256}, {16, 512}}, {}};
+  DcpRead r{"big",
+            p.offset,
+            p.length,
+            p.data_offset,
+            2u << 20,
+            reinterpret_cast<std::byte*>(got.data()),
+            std::nullopt,
+            std::nullopt,
+            DcpSlice{{1024, 1024}, 2, {0, 256}, {16, 512}},
+            {}};
   const uint64_t bytes = ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1));
   EXPECT_LE(bytes, 16u * 4096);
   for (size_t row = 0; row < 16; ++row) {
@@ -215,16 +228,17 @@ TEST(DcpFile, PartsAreCheckedByTheBlocksTheyTouch) {
   EXPECT_TRUE(w.places[3].block_xxh64.empty());   // no data
   // Columns [256, 768) of rows [20, 40): the blocks of rows [16, 48), whole.
   std::vector<uint8_t> got(20 * 512 * 2);
-  DcpRead r{"big", p.offset, p.length, p.data_offset, 2u << 20,
-            reinterpret_cast<std::byte*>(got.data()), std::nullopt, std::nullopt,
-            DcpSlice{{1024, 1024}, 2, {20, 256}, {20, 512}}, p.block_xxh64};
+  DcpRead r{"big",         p.offset,     p.length,
+            p.data_offset, 2u << 20,     reinterpret_cast<std::byte*>(got.data()),
+            std::nullopt,  std::nullopt, DcpSlice{{1024, 1024}, 2, {20, 256}, {20, 512}},
+            p.block_xxh64};
   {
     const File file = File::Open(path, OpenMode::kRead, true);
     EXPECT_EQ(ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1)), 2 * kDcpBlockBytes);
   }
   for (size_t row = 0; row < 20; ++row) {
-    ASSERT_EQ(0, std::memcmp(got.data() + row * 1024,
-                             w.bytes[2].data() + (20 + row) * 2048 + 512, 1024))
+    ASSERT_EQ(
+        0, std::memcmp(got.data() + row * 1024, w.bytes[2].data() + (20 + row) * 2048 + 512, 1024))
         << row;
   }
   // A byte of row 17 (in a touched block, outside the part) flipped: named by its block.
@@ -261,8 +275,8 @@ TEST(DcpFile, SmallItemsAreReadOnceForTheirRecordsAndTheirData) {
   std::vector<DcpWriteItem> items;
   for (size_t i = 0; i < kItems; ++i) bytes.push_back(Pattern(1024, static_cast<int>(i)));
   for (size_t i = 0; i < kItems; ++i) {
-    items.push_back({"F32", {256}, 1024, reinterpret_cast<const std::byte*>(bytes[i].data()),
-                     StrCat("t", i)});
+    items.push_back(
+        {"F32", {256}, 1024, reinterpret_cast<const std::byte*>(bytes[i].data()), StrCat("t", i)});
   }
   const std::vector<DcpItemPlace> places = WriteDcpFile(engine, path, items);
   std::vector<DcpFileReads::Item> wanted;
@@ -278,9 +292,16 @@ TEST(DcpFile, SmallItemsAreReadOnceForTheirRecordsAndTheirData) {
   std::vector<DcpRead> r;
   for (size_t i = 0; i < kItems; ++i) {
     const DcpTensorItem& t = reads.tensors()[i];
-    r.push_back({StrCat("t", i), places[i].offset, places[i].length, t.data_offset, t.nbytes,
-                 reinterpret_cast<std::byte*>(out[i].data()), places[i].xxh64, std::nullopt,
-                 std::nullopt, {}});
+    r.push_back({StrCat("t", i),
+                 places[i].offset,
+                 places[i].length,
+                 t.data_offset,
+                 t.nbytes,
+                 reinterpret_cast<std::byte*>(out[i].data()),
+                 places[i].xxh64,
+                 std::nullopt,
+                 std::nullopt,
+                 {}});
   }
   EXPECT_EQ(reads.Read(engine, r), 0u);  // all of it held
   EXPECT_EQ(out, bytes);
@@ -404,8 +425,7 @@ TEST(DcpMetadata, AMissingOrForeignDirectoryIsNamed) {
   EXPECT_NE(missing.second.find(dir.path() + "/nope'"), std::string::npos) << missing.second;
   const auto empty = error(dir.path());
   EXPECT_EQ(empty.first, ENOENT);
-  EXPECT_NE(empty.second.find("not a DCP checkpoint directory"), std::string::npos)
-      << empty.second;
+  EXPECT_NE(empty.second.find("not a DCP checkpoint directory"), std::string::npos) << empty.second;
   EXPECT_NE(empty.second.find(dir.path() + "/.metadata'"), std::string::npos) << empty.second;
   std::ofstream(dir.path() + "/__0_x.distcp") << "x";
   const auto unfinished = error(dir.path());
@@ -445,8 +465,8 @@ TEST(DcpFile, AFailedWriteNamesTheWriterAndTheFinalPath) {
   const std::vector<uint8_t> bytes(10, 1);
   try {
     WriteDcpFile(engine, path,
-                 {{"", {}, 10, reinterpret_cast<const std::byte*>(bytes.data()), "blob"}},
-                 true, "rank 3");
+                 {{"", {}, 10, reinterpret_cast<const std::byte*>(bytes.data()), "blob"}}, true,
+                 "rank 3");
     FAIL() << "no error";
   } catch (const IoError& e) {
     EXPECT_EQ(e.error_code(), ENOENT);

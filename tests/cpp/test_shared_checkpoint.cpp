@@ -9,12 +9,12 @@
 #include <vector>
 
 #include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
 #include "tensortier/io/file.hpp"
-#include "tensortier/util/format_error.hpp"
 #include "tensortier/shared/shared_checkpoint.hpp"
 #include "tensortier/shared/shared_files.hpp"
+#include "tensortier/util/format_error.hpp"
 #include "test_util.hpp"
-#include "tensortier/checkpoint/torch_checkpoint.hpp"
 
 namespace tensortier {
 namespace {
@@ -92,8 +92,7 @@ TEST(SharedFiles, ARanksRowsComeFromAnyCutOfTheFilesAndGoBackToItsPart) {
   WriteRowFile(dir.File("rows"), 2, 3, all.data() + 21, 4 * sizeof(float), 0, false);
   WriteRowFile(dir.File("rows"), 2, 3, all.data() + 25, 5 * sizeof(float), 4 * sizeof(float));
   EXPECT_EQ(std::filesystem::file_size(names[2]), 36u);
-  const std::vector<RowSource> sources = {
-      {names[0], 0, 48}, {names[1], 0, 36}, {names[2], 0, 36}};
+  const std::vector<RowSource> sources = {{names[0], 0, 48}, {names[1], 0, 36}, {names[2], 0, 36}};
   std::vector<float> rows(3 * 3);
   const auto stats = ReadRows(sources, "load_files", "float32", 4, {10, 3}, 3, 6, rows.data());
   ASSERT_TRUE(stats.has_value());
@@ -104,13 +103,14 @@ TEST(SharedFiles, ARanksRowsComeFromAnyCutOfTheFilesAndGoBackToItsPart) {
     ADD_FAILURE() << "sources of the wrong size accepted";
   } catch (const FormatError& e) {
     EXPECT_NE(std::string(e.what()).find("shape (11, 3) and dtype torch.float32 needs 132"),
-              std::string::npos) << e.what();
+              std::string::npos)
+        << e.what();
   }
 }
 
 TEST(SharedFiles, ACheckpointSourceIsCheckedAgainstTheTensor) {
-  const RowSource s = CheckpointRowSource(Fixture("small.pt"), "model.layer.weight", "float32",
-                                          {4, 3});
+  const RowSource s =
+      CheckpointRowSource(Fixture("small.pt"), "model.layer.weight", "float32", {4, 3});
   EXPECT_EQ(s.length, 48u);
   try {
     CheckpointRowSource(Fixture("small.pt"), "model.layer.weight", "float32", {12});
@@ -118,7 +118,8 @@ TEST(SharedFiles, ACheckpointSourceIsCheckedAgainstTheTensor) {
   } catch (const FormatError& e) {
     EXPECT_NE(std::string(e.what()).find("is float32 of shape (4, 3); this shared tensor is "
                                          "float32 of shape (12,)"),
-              std::string::npos) << e.what();
+              std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(CheckpointRowSource(Fixture("small.pt"), "nope", "float32", {1}),
                MissingTensorError);

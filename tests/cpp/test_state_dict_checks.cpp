@@ -23,13 +23,13 @@ NamedTensor Saved(std::string name, std::vector<int64_t> shape) {
 
 TEST(StateDictChecksTest, OverlappingGroupsJoinChainsDeviceByDevice) {
   const std::vector<std::vector<std::string>> groups = OverlappingGroups({
-      {"", 100, 10, "b"},        // meets a
+      {"", 100, 10, "b"},  // meets a
       {"", 90, 20, "a"},
       {"", 120, 5, "alone"},     // starts where nothing reaches
       {"", 105, 0, "empty"},     // empty tensors overlap nothing
       {"cuda:0", 100, 50, "d"},  // the same addresses on a device are other memory
       {"cuda:0", 140, 20, "e"},
-      {"cuda:0", 159, 1, "f"},   // meets e, not d: one chain
+      {"cuda:0", 159, 1, "f"},  // meets e, not d: one chain
   });
   ASSERT_EQ(groups.size(), 2u);
   EXPECT_EQ(groups[0], (Names{"a", "b"}));
@@ -61,7 +61,7 @@ TEST(StateDictChecksTest, MatchStateDictSpeaksAsLoadStateDict) {
       {"scalar", {}, "torch.int64", 3000, 8},
   };
   const std::vector<NamedTensor> saved = {Saved("extra", {1}), Saved("w", {2, 3}),
-                                         Saved("scalar", {1})};
+                                          Saved("scalar", {1})};
   const StateDictMatch strict = MatchStateDict(targets, saved, true);
   EXPECT_EQ(strict.missing, (Names{"gone"}));
   EXPECT_EQ(strict.unexpected, (Names{"extra"}));

@@ -65,8 +65,8 @@ struct DcpItemPlace {
 // The plan of one rank file: made from the items' sizes alone, before any byte is written.
 class DcpFilePlan {
  public:
-  // Throws std::invalid_argument naming the item (its name, else its index) for a dtype torch cannot pickle as a plain tensor
-  // or a size that does not match its shape.
+  // Throws std::invalid_argument naming the item (its name, else its index) for a dtype torch
+  // cannot pickle as a plain tensor or a size that does not match its shape.
   explicit DcpFilePlan(std::vector<DcpWriteItem> items);
 
   uint64_t size() const { return size_; }

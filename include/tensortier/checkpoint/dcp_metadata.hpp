@@ -18,7 +18,7 @@ namespace tensortier {
 
 // One stored item.
 struct DcpStoredItem {
-  std::string name;           // "fqn", or "fqn at [8, 0]" for a chunk not at the origin
+  std::string name;  // "fqn", or "fqn at [8, 0]" for a chunk not at the origin
   std::string fqn;
   bool bytes = false;         // a pickled non-tensor value (BytesStorageMetadata)
   std::string relative_path;  // its data file, relative to the directory
@@ -61,9 +61,9 @@ void CheckDcpFormat(std::optional<int64_t> format, const std::string& what);
 // tensortier_format (CheckDcpFormat).
 DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what);
 
-// Whether `dir` is a DCP checkpoint directory: a directory holding `.metadata` (of any kind: reading
-// it says what is wrong), or, without one, the data files (__*.distcp) or temporary files of a
-// DCP save.
+// Whether `dir` is a DCP checkpoint directory: a directory holding `.metadata` (of any kind:
+// reading it says what is wrong), or, without one, the data files (__*.distcp) or temporary files
+// of a DCP save.
 bool IsDcpDirectory(const std::string& dir);
 
 // The bytes of DIR/.metadata. Throws IoError naming what is wrong and the path: no such
