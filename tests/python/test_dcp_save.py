@@ -80,6 +80,39 @@ def test_stage_copies_into_reused_host_memory() -> None:
     assert_state(third, 3)
 
 
+def test_a_save_on_another_thread_keeps_the_gc_state_the_main_thread_sets(tmp_path: Path) -> None:
+    """Collection is paused from the main thread only: a save running on another thread (as
+    async_save's write does) must not turn collection back on after the training loop turned
+    it off meanwhile, nor off while it runs."""
+    from tensortier._runtime import gc_paused
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def background() -> None:
+        with gc_paused():
+            entered.set()
+            leave.wait(30)
+        dcp.save({"w": torch.ones(8)}, storage_writer=tdcp.Writer(tmp_path / "bg"), no_dist=True)
+
+    assert gc.isenabled()
+    t = threading.Thread(target=background)
+    t.start()
+    try:
+        assert entered.wait(30)
+        assert gc.isenabled()  # not paused from the other thread
+        gc.disable()  # the training loop manages collection itself
+        leave.set()
+        t.join(60)
+        assert not t.is_alive()
+        assert not gc.isenabled()  # the save left the loop's choice alone
+    finally:
+        leave.set()
+        gc.enable()
+    with gc_paused():  # on the main thread: paused within, as it was after
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
 def test_memory_a_save_wrote_goes_to_the_next_stage(tmp_path: Path) -> None:
     """Once a save has written its file, the next stage reuses its memory (pages faulted in),
     though the caller still holds a view of the first copy: that view then shows the new
