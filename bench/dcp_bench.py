@@ -19,6 +19,9 @@ timed with its default ``sync_files=True``):
   stock8        FileSystemWriter(thread_count=8)
   fio           fio: io_uring, direct=1, bs=1M, iodepth=32 sequential write of the same bytes,
                 plus an fsync (the disk's rate, for scale)
+  floor         a StorageWriter that writes nothing (resolves each item's data and returns an
+                empty WriteResult): dcp.save's own work (planning, collectives), the least any
+                backend takes
 Asynchronous saves (``--asyncs``): the time ``dcp.async_save`` blocks the caller (training), and
 the time until the checkpoint is committed on every rank ("total", the blocked time included;
 "write x fio" leaves it out: the background write alone):
@@ -36,6 +39,8 @@ Loads (``--loads``), cold: the checkpoint's files are dropped from the page cach
   tt-noverify   tensortier.dcp.Reader(verify=False)
   stock         FileSystemReader of stock's checkpoint
   fio           fio sequential read with O_DIRECT of the same bytes
+  floor         a Reader of tt's checkpoint that reads nothing (resolves and commits each
+                target tensor untouched): dcp.load's own work, the least any backend takes
 Where Reader has ``bytes_read`` (the bytes its last load read), the table reports it per rank 0.
 
 Each round runs every tool once in an order rotated from round to round; the figures are
@@ -60,9 +65,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import GB, drop_file_cache, fio_stats, format_size, log, median, parse_size  # noqa: E402
 
-SAVES = ("tt", "stock", "stock4", "stock8", "fio")
+SAVES = ("tt", "stock", "stock4", "stock8", "fio", "floor")
 ASYNCS = ("tt", "tt-again", "stock", "copy")
-LOADS = ("tt", "tt-noverify", "stock", "fio")
+LOADS = ("tt", "tt-noverify", "stock", "fio", "floor")
 MATRIX_BYTES = 64 << 20
 COLUMNS = 4096
 CONFIGS = "2x1G,4x512M,2x20000x1K"  # the figures BENCHMARKS.md reports
@@ -130,9 +135,62 @@ def state_dict(cfg: Config, rank: int, empty: bool) -> dict[str, Any]:
     return sd
 
 
+def floor_storage(op: str, directory: str) -> Any:
+    """A backend that moves no bytes: what DCP itself costs per item, for any backend."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+    from torch.futures import Future
+
+    from tensortier.dcp import Reader
+
+    def done(value: Any) -> Future:
+        fut: Future = Future()
+        fut.set_result(value)
+        return fut
+
+    class FloorWriter(StorageWriter):
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kw: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: Any) -> Any:
+            return plans
+
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            results = []
+            for item in plan.items:
+                planner.resolve_data(item)
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+            return done(results)
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            pass
+
+    class FloorReader(Reader):
+        def read_data(self, plan: Any, planner: Any) -> Future:
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    raise RuntimeError("the floor reader reads tensors only")
+                planner.commit_tensor(req, planner.resolve_tensor(req))
+            return done(None)
+
+    return FloorWriter() if op != "load" else FloorReader(directory)
+
+
 def storage(op: str, tool: str, directory: str) -> Any:
     import torch.distributed.checkpoint as dcp
 
+    if tool == "floor":
+        return floor_storage(op, directory)
     if tool.startswith("tt"):
         from tensortier.dcp import Reader, Writer
         return Writer(directory) if op != "load" else Reader(
@@ -223,8 +281,13 @@ def fio_sample(fio_file: Path, rw: str, nbytes: int) -> float:
     return seconds * nbytes / size
 
 
+def checkpoint_kind(tool: str) -> str:
+    """Whose checkpoint a tool saves or loads (the floor loads tt's)."""
+    return "tt" if tool.startswith("tt") or tool == "floor" else "stock"
+
+
 def checkpoint_dir(args: argparse.Namespace, cfg: Config, op: str, tool: str) -> Path:
-    kind = "tt" if tool.startswith("tt") else "stock"
+    kind = checkpoint_kind(tool) if (op, tool) != ("save", "floor") else "floor"
     return args.dir / cfg.name / (f"async-{kind}" if op == "async" else kind)
 
 
@@ -259,7 +322,7 @@ def run_config(args: argparse.Namespace, cfg: Config, plan: list[tuple[str, list
                 for tool in tools:
                     if tool != "fio" and not (checkpoint_dir(args, cfg, "save", tool)
                                               / ".metadata").exists():
-                        sample(args, cfg, "save", "tt" if tool.startswith("tt") else "stock")
+                        sample(args, cfg, "save", checkpoint_kind(tool))
             order = tools[r % len(tools):] + tools[:r % len(tools)]
             for tool in order:
                 s = sample(args, cfg, op, tool)
