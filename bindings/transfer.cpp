@@ -23,6 +23,7 @@
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/offload/device_offload.hpp"
+#include "tensortier/offload/offload_device.hpp"
 #include "tensortier/offload/offloader.hpp"
 #include "tensortier/transfer/device_copier.hpp"
 #include "tensortier/transfer/device_jobs.hpp"
@@ -153,128 +154,63 @@ GilFreeHolder<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t>
   throw std::invalid_argument(StrCat("copier must be 'cuda' or 'memcpy', not '", copier, "'"));
 }
 
-// DiskOffloader's device path: the bounce rings' DeviceTransfer and the backing files'
-// DeviceFiles, made for the first device tensor, and the device operations in flight by kind,
-// each with what keeps its memory and stream alive; their outcomes join the offloader's at the
-// wait, and the bytes moved are counted by path. Called with the GIL held, under the Python
-// offloader's lock; waits release it.
-class OffloadDevice {
+OffloadKind ParseKind(const std::string& kind) {
+  if (const auto parsed = ValueOf(kOffloadKindNames, kind)) return *parsed;
+  throw std::invalid_argument(StrCat("kind must be 'write' or 'read', not '", kind, "'"));
+}
+
+// The OffloadDevice of a DiskOffloader (offload_device.hpp), with what keeps each operation's
+// memory and stream alive until its wait. Called with the GIL held, under the Python offloader's
+// lock; waits release it.
+class PyOffloadDevice {
  public:
-  OffloadDevice(Offloader& offloader, const std::string& gds, std::optional<size_t> max_rings,
-                std::string copier)
-      : offloader_(offloader),
-        gds_(ParseGdsMode(gds)),
-        max_rings_(max_rings),
-        copier_(std::move(copier)) {}
+  PyOffloadDevice(Offloader& offloader, const std::string& gds, std::optional<size_t> max_rings,
+                  const std::string& copier)
+      : core_(new OffloadDevice(offloader, ParseGdsMode(gds), [max_rings, copier](Engine& e) {
+          return std::unique_ptr<DeviceTransfer>(
+              MakeTransfer(e, std::nullopt, std::nullopt, max_rings, copier).release());
+        })) {}
 
-  // The transfer, made on the first call (CudaError without a driver).
-  DeviceTransfer& Transfer() {
-    if (!transfer_) {
-      files_ = std::make_unique<OffloadDeviceFiles>(gds_);
-      transfer_ =
-          MakeTransfer(offloader_.engine(), std::nullopt, std::nullopt, max_rings_, copier_);
-    }
-    return *transfer_;
-  }
-
-  // Starts moving `key`'s bytes between device memory and the files on the transfer's job
-  // queue; Wait(kind) collects the outcome. `keep` stays referenced until then.
   void Submit(const std::string& kind, uint64_t key, uintptr_t address, uint64_t length, int device,
               std::optional<uintptr_t> stream, py::object keep) {
-    const bool write = Kind(kind) == OffloadKind::kWrite;
-    DeviceTransfer& transfer = Transfer();
-    const DeviceSpan span = Span(address, device, stream);
-    DeviceJob job;
+    const OffloadKind parsed = ParseKind(kind);
+    core_->Transfer();  // made with the GIL held: CudaError is raised as it is
     {
       py::gil_scoped_release release;
-      job = write ? OffloadFromDeviceAsync(offloader_, transfer, key, span, length, files_.get())
-                  : RestoreToDeviceAsync(offloader_, transfer, key, span, length, files_.get());
+      core_->Submit(parsed, key, Span(address, device, stream), length);
     }
-    jobs_[write ? 0 : 1].push_back({key, std::move(job), std::move(keep)});
+    keep_[parsed == OffloadKind::kWrite ? 0 : 1].emplace(key, std::move(keep));
   }
 
-  // Waits for the operations of `kind` (those moving `keys`, when given), the device ones and
-  // then the offloader's, and returns every outcome: [(key, exception or None)]. Nothing is
-  // taken before all are over: Ctrl-C while waiting leaves them all to the next wait.
+  // [(key, exception or None)]; Ctrl-C while waiting leaves them all to the next wait.
   py::list Wait(const std::string& kind, const std::optional<std::vector<uint64_t>>& keys) {
-    const OffloadKind parsed = Kind(kind);
-    std::vector<Job>& all = jobs_[parsed == OffloadKind::kWrite ? 0 : 1];
-    std::vector<uint64_t> sorted = keys.value_or(std::vector<uint64_t>{});
-    std::sort(sorted.begin(), sorted.end());
-    const auto wanted = [&](const Job& j) {
-      return !keys || std::binary_search(sorted.begin(), sorted.end(), j.key);
-    };
-    for (const Job& j : all) {
-      if (!wanted(j)) continue;
-      WaitInterruptibly([&](auto timeout) { return j.job.WaitFor(timeout); }, true);
+    const OffloadKind parsed = ParseKind(kind);
+    for (const DeviceJob& job : core_->Jobs(parsed, keys)) {
+      WaitInterruptibly([&](auto timeout) { return job.WaitFor(timeout); }, true);
     }
     std::vector<OffloadOutcome> outcomes;
     {
       py::gil_scoped_release release;
-      outcomes = keys ? offloader_.Wait(parsed, *keys) : offloader_.Wait(parsed);
+      outcomes = core_->Wait(parsed, keys);
     }
     py::list out;
     for (const OffloadOutcome& r : outcomes) {
       out.append(py::make_tuple(r.key, r.error ? PythonError(r.error) : py::none()));
-    }
-    std::vector<Job> done;
-    std::vector<Job> kept;
-    for (Job& j : all) (wanted(j) ? done : kept).push_back(std::move(j));
-    all = std::move(kept);
-    for (const Job& j : done) {  // the jobs applied their outcome to the offloader already
-      TransferResult r;
-      std::exception_ptr error;
-      try {
-        py::gil_scoped_release release;
-        r = j.job.Wait();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      if (error) {
-        out.append(py::make_tuple(j.key, PythonError(error)));
-        continue;
-      }
-      // Outside the try: a move that was applied is never reported as failed (its caller
-      // would free a restored tensor whose key is gone).
-      bytes_[r.path.empty() ? "bounce" : r.path] += r.bytes;  // zero bytes: no path taken
-      out.append(py::make_tuple(j.key, py::none()));
+      keep_[parsed == OffloadKind::kWrite ? 0 : 1].erase(r.key);
     }
     return out;
   }
 
-  std::map<std::string, uint64_t> device_bytes() const { return bytes_; }
-  const DeviceTransfer* transfer() const { return transfer_.get(); }
+  OffloadDevice& core() { return *core_; }
 
-  // Lets go of the operations without waiting (a child made by fork(): they are the parent's).
   void Forget() {
-    for (std::vector<Job>& jobs : jobs_) jobs.clear();
-  }
-
-  // Lets go of the transfer's pinned memory and the files' cuFile registrations.
-  void Close() {
-    files_.reset();
-    transfer_.reset();
+    core_->Forget();
+    for (auto& keep : keep_) keep.clear();
   }
 
  private:
-  struct Job {
-    uint64_t key;
-    DeviceJob job;
-    py::object keep;
-  };
-  static OffloadKind Kind(const std::string& kind) {
-    if (const auto parsed = ValueOf(kOffloadKindNames, kind)) return *parsed;
-    throw std::invalid_argument(StrCat("kind must be 'write' or 'read', not '", kind, "'"));
-  }
-
-  Offloader& offloader_;
-  const GdsMode gds_;
-  const std::optional<size_t> max_rings_;
-  const std::string copier_;
-  GilFreeHolder<DeviceTransfer> transfer_;
-  std::unique_ptr<OffloadDeviceFiles> files_;
-  std::vector<Job> jobs_[2];  // writes, reads
-  std::map<std::string, uint64_t> bytes_;
+  GilFreeHolder<OffloadDevice> core_;
+  std::multimap<uint64_t, py::object> keep_[2];  // writes, reads
 };
 
 }  // namespace
@@ -613,27 +549,30 @@ void RegisterTransfer(py::module_& m) {
         d["pinned_registered"] = pool != nullptr && pool->registers();
         return d;
       });
-  py::class_<OffloadDevice>(m, "OffloadDevice")
+  py::class_<PyOffloadDevice>(m, "OffloadDevice")
       .def(py::init<Offloader&, const std::string&, std::optional<size_t>, std::string>(),
            py::arg("offloader"), py::arg("gds"), py::arg("max_rings") = py::none(),
            py::arg("copier") = "cuda", py::keep_alive<1, 2>(),
            "DiskOffloader's device path under GDS mode `gds`; its transfer is made for the first "
            "device tensor, with `max_rings` (None: TENSORTIER_BOUNCE_RINGS) and `copier`.")
       .def(
-          "prepare", [](OffloadDevice& d) { d.Transfer(); },
+          "prepare", [](PyOffloadDevice& d) { d.core().Transfer(); },
           "Makes the transfer now (CudaError without a driver), before anything starts.")
-      .def("submit", &OffloadDevice::Submit, py::arg("kind"), py::arg("key"), py::arg("address"),
+      .def("submit", &PyOffloadDevice::Submit, py::arg("kind"), py::arg("key"), py::arg("address"),
            py::arg("length"), py::arg("device"), py::arg("stream"), py::arg("keep"),
            "Starts moving a key's bytes between device memory and the files ('write': to the "
            "files); `keep` stays referenced until wait() collects it.")
-      .def("wait", &OffloadDevice::Wait, py::arg("kind"), py::arg("keys") = py::none(),
+      .def("wait", &PyOffloadDevice::Wait, py::arg("kind"), py::arg("keys") = py::none(),
            "Waits for the device operations of `kind` (those moving `keys`), then the "
            "offloader's: [(key, exception or None)]; Ctrl-C leaves them all to the next wait.")
-      .def_property_readonly("device_bytes", &OffloadDevice::device_bytes,
-                             "Bytes of device tensors moved, by path ('gds', 'bounce').")
       .def_property_readonly(
-          "transfer", [](const OffloadDevice& d) { return d.transfer(); },
+          "device_bytes", [](PyOffloadDevice& d) { return d.core().device_bytes(); },
+          "Bytes of device tensors moved, by path ('gds', 'bounce').")
+      .def_property_readonly(
+          "transfer", [](PyOffloadDevice& d) { return d.core().transfer(); },
           py::return_value_policy::reference_internal, "The transfer, or None before one is made.")
-      .def("forget", &OffloadDevice::Forget, "Lets go of the operations without waiting.")
-      .def("close", &OffloadDevice::Close);
+      .def("forget", &PyOffloadDevice::Forget, "Lets go of the operations without waiting.")
+      .def(
+          "close", [](PyOffloadDevice& d) { d.core().Close(); },
+          py::call_guard<py::gil_scoped_release>());
 }

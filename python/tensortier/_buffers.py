@@ -20,10 +20,6 @@ class HostBuffer:
     owner: Any
 
 
-def _torch_tensor(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
-
-
 def check_tensor_memory(tensor: Any, where: str = "tensor") -> None:
     """Raises TypeError/ValueError unless `tensor` is a dense, contiguous torch tensor whose
     memory holds its values (not a conjugate or negative view)."""
@@ -101,7 +97,7 @@ def host_buffer(obj: Any, *, writable: bool) -> HostBuffer:
         TypeError: `obj` exposes no memory.
         ValueError: the memory is not contiguous, read-only for a read, or not on the host.
     """
-    if _torch_tensor(obj):
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
         return _from_tensor(obj, writable)
     memory = _from_buffer(obj, writable)
     if memory is not None:

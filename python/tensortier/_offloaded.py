@@ -16,14 +16,8 @@ if TYPE_CHECKING:
 
 
 class _Entry:
-    """One offloaded tensor: its key, weak references to the tensor given and to its storage,
-    and while an operation runs, the tensor.
-
-    An entry is found through either: ``param.data`` (a temporary sharing ``param``'s storage)
-    written, then ``param`` read, is one entry; so is a tensor whose storage was replaced
-    (``x.data = ...``) while offloaded. Its data is dropped only when both have died, that is
-    when no tensor can read it back. (torch keeps one Python object per storage for as long as
-    the storage lives.)"""
+    """One offloaded tensor, found through the tensor given or its storage (``param.data``
+    written, ``param`` read); its data is dropped only when both have died."""
 
     __slots__ = ("key", "tensor_id", "tensor_ref", "storage_id", "storage_ref", "storage_gen",
                  "alive", "nbytes", "state", "tensor", "storage", "callback", "finalizers",
@@ -51,7 +45,6 @@ class _Entry:
         self.superseded = False
 
     def watch(self, offloader: "DiskOffloader", part: str, obj: Any) -> None:
-        """Tell `offloader` when `obj` (the tensor or the storage) dies."""
         old = self.finalizers.pop(part, None)
         if old is not None:
             old.detach()
@@ -71,16 +64,13 @@ class _Entry:
 def _part_died(
     offloader_ref: "weakref.ref[DiskOffloader]", key: int, part: str, gen: int
 ) -> None:
-    """A stored tensor, or its storage (of generation `gen`), died; once both have, its data can
-    never be read back and its file space is freed."""
     offloader = offloader_ref()
     if offloader is not None:
         offloader._forget(key, part, gen)
 
 
 def _check_callback(callback: Any) -> None:
-    """A callback runs after the wait that sees its operation done: refused when given, not
-    then (with the tensor's memory already freed and the error out of place)."""
+    """Refused when given, not at the wait (with the memory freed, the error out of place)."""
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
 
@@ -105,9 +95,7 @@ def _check_tensor(tensor: Any, what: str) -> None:
 
 @functools.cache
 def _require_preserved_storages() -> None:
-    """Entries follow storages by identity, and drop their data when the storage's Python object
-    dies: torch must keep one Python object per storage for as long as the storage lives (recent
-    releases do); with a fresh wrapper per call the data would be dropped at once."""
+    """Entries follow storages by identity: torch must keep one Python object per storage."""
     import torch
 
     probe = torch.empty(1)
@@ -119,8 +107,7 @@ def _require_preserved_storages() -> None:
 
 
 def _resize(storage: Any, nbytes: int = 0) -> None:
-    """Gives a storage `nbytes` of memory (0: frees it). Resized only if its size differs: a
-    zero-size tensor's storage may not be resizable, as numpy's."""
+    """Resized only if its size differs: a zero-size tensor's storage may not be resizable."""
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
 
@@ -128,8 +115,7 @@ def _resize(storage: Any, nbytes: int = 0) -> None:
 def _run_callbacks(
     callbacks: Sequence[Callable[[], None]],
 ) -> tuple[list[BaseException], BaseException | None]:
-    """Runs every callback; returns what they raised (in order) and the first interrupt among
-    them (Ctrl-C: not an Exception)."""
+    """Runs every callback; returns what they raised and the first interrupt (Ctrl-C)."""
     raised: list[BaseException] = []
     for cb in callbacks:
         try:
@@ -140,15 +126,12 @@ def _run_callbacks(
 
 
 def _facts(tensor: Any) -> tuple[tuple[int, ...], int, int, int, bool]:
-    """What the C++ checks of a write or a read target ask of `tensor`: its shape, bytes, its
-    storage's bytes, its offset in the storage and whether the storage can be resized."""
     storage = tensor.untyped_storage()
     return (tuple(tensor.shape), tensor.numel() * tensor.element_size(), storage.nbytes(),
             tensor.storage_offset(), storage.resizable())
 
 
 def _check_distinct(tensors: Sequence[Any]) -> None:
-    """One operation moves each storage once."""
     if len({id(t.untyped_storage()) for t in tensors}) != len(tensors):
         raise ValueError(
             "the same tensor (or two tensors of one storage, such as a parameter and its .data) "
@@ -157,13 +140,11 @@ def _check_distinct(tensors: Sequence[Any]) -> None:
 
 
 def _host_pieces(entries: list[_Entry], tensors: list[Any], device: list[bool]) -> list[Any]:
-    """The (key, address, bytes) the engine moves itself: the tensors not on the device path."""
     return [(e.key, t.data_ptr(), e.nbytes) for e, t, d in zip(entries, tensors, device) if not d]
 
 
 def _span(tensor: Any) -> DeviceBuffer:
-    """`device_buffer(tensor, own_stream=True)` (CudaError without a driver); for CPU tensors,
-    under the memcpy test copier, host memory and no stream."""
+    """For CPU tensors (the memcpy test copier): host memory and no stream."""
     if tensor.device.type != "cuda":
         return DeviceBuffer(int(tensor.data_ptr()), tensor.nbytes, 0, None, tensor)
     return device_buffer(tensor, own_stream=True)

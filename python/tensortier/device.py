@@ -1,14 +1,5 @@
-"""Pinned host memory and CUDA tensors: what tensortier needs to move GPU data.
-
-Pinned memory comes from tensortier, not from torch's caching host allocator: page-aligned (so it
-is also the fastest O_DIRECT target), sized to the page rather than to the next power of two,
-and registered with the CUDA driver (``cuMemHostRegister``, portable to every device), so
-``tensor.is_pinned()`` is True and ``gpu.copy_(t, non_blocking=True)`` runs as DMA. The memory is
-freed when the tensor's storage dies, like any CPU tensor: after a ``non_blocking`` copy from or
-to it, synchronise the stream before dropping the last reference (torch's allocator delays the
-free for you; ours does not). No CUDA toolkit is needed: the driver (``libcuda.so.1``) is loaded
-at run time, and without it these functions raise :class:`CudaError` saying what is missing.
-"""
+"""Pinned host memory and CUDA tensors: what tensortier needs to move GPU data. The guide is
+docs/gpu.md."""
 
 from __future__ import annotations
 
@@ -60,8 +51,7 @@ def _require_driver(what: str) -> None:
 
 
 def _shape(shape: Any, dtype: Any) -> tuple[Any, tuple[int, ...], int, int]:
-    """(dtype, dims, numel, nbytes) of a new tensor: `dtype` a torch dtype (default uint8),
-    `shape` an int or a sequence of ints (anything with ``__index__``), none negative."""
+    """(dtype, dims, numel, nbytes) of a new tensor (`dtype` default uint8)."""
     import torch
 
     dtype = torch.uint8 if dtype is None else dtype

@@ -1,23 +1,5 @@
 """Park tensors in files to free their memory and bring them back: TensorNVMe's ``DiskOffloader``.
-
-Code written for TensorNVMe runs with only its import changed::
-
-    from tensortier import DiskOffloader
-    off = DiskOffloader("./offload")
-    off.sync_write(x)   # x's data is on disk, its memory freed (shape and dtype kept)
-    off.sync_read(x)    # x's memory and data are back
-
-Memory is freed only once the data is on disk: a failed write leaves the tensor as it was and
-raises on the call that waits for it, and a failed read leaves the data on disk to read again.
-
-CUDA tensors work too: offloading frees their GPU memory (back to torch's caching allocator;
-``torch.cuda.empty_cache()`` gives it to the driver), reading allocates it again and restores the
-data. Their bytes go between the GPU and the files through a ring of reused pinned bounce buffers
-(disk I/O and PCIe copies overlap; no host copy of the whole tensor is made), or through
-GPUDirect Storage with ``gds=``, on the C++ threads of a job queue while the caller goes on; the
-copies run on a stream of their own, after the work queued on the tensor's current stream before
-the call.
-"""
+The guide is docs/offload.md (GPU tensors: docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -261,9 +243,8 @@ class DiskOffloader:
         In a child made by fork() it only lets go: the files, the data and the operations are
         the parent's."""
         if os.getpid() != self._pid:
-            # A fork's child: no lock (a thread of the parent may have held it at the fork), no
-            # wait (the threads are the parent's), no file removed (the C++ offloader leaves them
-            # when closed in another process); the errors are the parent's to raise.
+            # A fork's child: no lock (a parent's thread may have held it), no wait, no file
+            # removed (the C++ offloader leaves them in another process).
             self._device.forget()
             self._undelivered = {"write": ([], []), "read": ([], [])}
             self._let_go()
@@ -302,8 +283,7 @@ class DiskOffloader:
     # ---- internals ------------------------------------------------------------------------
 
     def _call(self, what: str, given: Any, callback: Callable[[], None] | None = None) -> None:
-        """One of TensorNVMe's eight calls, named `what`: a write or a read, of one tensor or
-        of a vector (``...v``), waited for (``sync_...``: only its own tensors) or not."""
+        """TensorNVMe's call `what`; ``sync_...`` waits for its own tensors only."""
         kind = "write" if "write" in what else "read"
         tensors = list(given) if what.endswith("v") else [given]
         keys = (self._write if kind == "write" else self._read)(tensors, callback)
@@ -322,8 +302,6 @@ class DiskOffloader:
         return self._core
 
     def _let_go(self) -> None:
-        """Closes the C++ offloader and forgets every entry; lets go of the ring's pinned memory
-        and the files' cuFile registrations."""
         core, self._core = self._core, None
         if core is None:
             return
@@ -350,9 +328,8 @@ class DiskOffloader:
         return entry
 
     def _forget(self, key: int, part: str, gen: int) -> None:
-        # A finalizer: it may run on any thread (garbage collection) while another holds the
-        # lock waiting for it, or on this one amid code holding the lock. Never block or change
-        # the entries then: the key is left to the next call that takes the lock.
+        # A finalizer, run by any thread's collection, maybe amid code holding the lock: never
+        # block or change the entries then; the next call that takes the lock drains the key.
         self._forgotten.append((key, part, gen))
         if self._lock._is_owned() or not self._lock.acquire(blocking=False):  # type: ignore
             return
@@ -362,7 +339,6 @@ class DiskOffloader:
             self._lock.release()
 
     def _drain_forgotten(self) -> None:
-        """Frees the file space of tensors that died while offloaded. REQUIRES: self._lock."""
         while self._forgotten:
             key, part, gen = self._forgotten.popleft()
             entry = self._by_key.get(key)
@@ -390,10 +366,8 @@ class DiskOffloader:
 
     def _write(self, tensors: list[Any], callback: Callable[[], None] | None,
                supersede: bool = False) -> list[int]:
-        """Starts writing `tensors`; returns the keys whose writes free their memory. With
-        `supersede` (TensorNVMe's rule), a tensor whose write runs is written again: the later
-        write is the one read back, the earlier one's space is given back when it is waited
-        for, and the memory is freed once both are done."""
+        """Returns the keys whose writes free the memory. With `supersede` (TensorNVMe's rule) a
+        tensor being written is written again: the later write is the one read back."""
         _check_callback(callback)
         with self._lock:
             core = self._open()
@@ -424,10 +398,7 @@ class DiskOffloader:
             host = _host_pieces(entries, tensors, device)
             if host:
                 core.write(host)
-            for e, span in zip(entries, spans):
-                if span is not None:
-                    self._device.submit("write", e.key, span.address, e.nbytes, span.device,
-                                        span.stream, span)  # `span` keeps tensor and stream
+            self._submit("write", entries, spans)
             for old in superseded:
                 old.superseded = True
                 old.detach()  # the later entry watches the tensor and its storage
@@ -441,7 +412,6 @@ class DiskOffloader:
             return [e.key for e in entries] + [e.key for e in superseded]
 
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> list[int]:
-        """Starts reading `tensors`; returns their keys."""
         _check_callback(callback)
         with self._lock:
             core = self._open()
@@ -469,43 +439,40 @@ class DiskOffloader:
                 raise ValueError("tensor is already being read")
             for t, e in zip(tensors, entries):
                 _core.check_offload_tensor("read", *_facts(t), e.nbytes)
-            self._start_read(core, entries, tensors, callback)
+            device = self._route(tensors)
+            spans: list[Any] = []
+            try:
+                # The memory is allocated here, on the caller's thread and stream, while the
+                # data is still on disk: out of memory leaves it offloaded.
+                for e, t, d in zip(entries, tensors, device):
+                    if not d and self._pin and e.tensor_ref() is t:
+                        self._allocate_pinned(e, t)
+                    else:
+                        _resize(t.untyped_storage(), e.nbytes)
+                    spans.append(_span(t) if d else None)  # CudaError without a driver
+                host = _host_pieces(entries, tensors, device)
+                if host:
+                    core.read(host)
+            except BaseException:
+                for t in tensors:
+                    _resize(t.untyped_storage())
+                raise
+            for e, t in zip(entries, tensors):
+                e.state, e.tensor, e.storage, e.callback = "reading", t, t.untyped_storage(), None
+            if entries:
+                entries[-1].callback = callback
+            self._submit("read", entries, spans)
             return [e.key for e in entries]
 
-    def _start_read(self, core: _core.Offloader, entries: list[_Entry], tensors: list[Any],
-                    callback: Callable[[], None] | None) -> None:
-        device = self._route(tensors)
-        spans: list[Any] = []
-        try:
-            # The memory is allocated here, on the caller's thread and stream, while the data
-            # is still on disk: out of memory leaves it offloaded.
-            for e, t, d in zip(entries, tensors, device):
-                if not d and self._pin and e.tensor_ref() is t:
-                    self._allocate_pinned(e, t)
-                else:
-                    _resize(t.untyped_storage(), e.nbytes)
-                spans.append(_span(t) if d else None)  # CudaError without a driver
-            host = _host_pieces(entries, tensors, device)
-            if host:
-                core.read(host)
-        except BaseException:
-            for t in tensors:
-                _resize(t.untyped_storage())
-            raise
-        for e, t in zip(entries, tensors):
-            e.state, e.tensor, e.storage, e.callback = "reading", t, t.untyped_storage(), None
-        if entries:
-            entries[-1].callback = callback
+    def _submit(self, kind: str, entries: list[_Entry], spans: list[Any]) -> None:
         for e, span in zip(entries, spans):
-            if span is not None:
-                self._device.submit("read", e.key, span.address, e.nbytes, span.device,
+            if span is not None:  # `span` keeps the tensor and its stream
+                self._device.submit(kind, e.key, span.address, e.nbytes, span.device,
                                     span.stream, span)
 
     def _allocate_pinned(self, entry: _Entry, tensor: Any) -> None:
-        """Gives `tensor` (the tensor written: another tensor of the storage would take the data
-        away from it) a new storage of pinned memory for its read, and moves `entry`'s
-        storage part to it (the old storage, now unused and 0 bytes, may die at once; other
-        tensors of it keep it, 0 bytes). REQUIRES: self._lock."""
+        """A new pinned storage for `tensor` (the tensor written: another tensor of the storage
+        would take the data from it); `entry` watches it instead of the old one."""
         import torch
 
         memory = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -534,20 +501,17 @@ class DiskOffloader:
         entry.watch(self, "storage", new)
 
     def _route(self, tensors: list[Any]) -> list[bool]:
-        """Per tensor, whether its bytes move through the device path (the bounce ring or GDS);
-        makes that path's transfer first when one does, before anything starts (it may raise
-        CudaError). REQUIRES: self._lock held."""
+        """Per tensor, whether it takes the device path; makes its transfer before anything
+        starts (CudaError)."""
         device = [t.device.type == "cuda" or self._device_copier == "memcpy" for t in tensors]
         if any(device):
             self._device.prepare()
         return device
 
     def _wait(self, kind: str, keys: Sequence[int] | None = None) -> None:
-        """Waits for the operations of `kind`, runs their callbacks (every one, even if one
-        raises), then raises the first I/O error (callbacks' errors as notes on it), else the
-        first callback's error. An interrupt (Ctrl-C) raised by a callback is raised once the
-        others ran, the I/O errors kept for the next wait. With `keys`, only the operations
-        moving them are waited for (and no error held for the next wait is raised)."""
+        """Waits for the operations of `kind` (those moving `keys`), runs every callback, then
+        raises the first I/O error (callbacks' errors as notes), else the first callback's. An
+        interrupt from a callback is raised after the others ran, the I/O errors kept."""
         errors, callbacks = self._collect(kind, keys=keys)
         with self._lock:
             if keys is None:
@@ -573,10 +537,8 @@ class DiskOffloader:
             raise callback_errors[0]
 
     def _settle(self, kind: str) -> None:
-        """Waits for the operations of `kind` for a call of the other kind (whose tensors they
-        concern) and runs their callbacks, as a wait does; their errors, and the callbacks',
-        are kept for the next wait of `kind`: other tensors' failures are not this call's.
-        REQUIRES: self._lock."""
+        """A wait for a call of the other kind; the errors are kept for the next wait of `kind`:
+        other tensors' failures are not this call's."""
         errors, callbacks = self._collect(kind)
         held_errors, held_callback_errors = self._undelivered[kind]
         held_errors.extend(errors)  # kept before any callback runs: an interrupt loses none
@@ -588,10 +550,8 @@ class DiskOffloader:
     def _collect(
         self, kind: str, cancel_writes: bool = False, keys: Sequence[int] | None = None
     ) -> tuple[list[BaseException], list[Callable[[], None]]]:
-        """Waits for every operation of `kind` in flight (those moving `keys`, when given) and
-        applies the outcomes; returns the errors and the callbacks due. With `cancel_writes`
-        (close()), a finished write leaves its tensor's memory and data as they are, and its
-        callback does not run."""
+        """Waits for the operations of `kind` and applies the outcomes; returns the errors and
+        the callbacks due. With `cancel_writes` (close()) a write done leaves its tensor as is."""
         with self._lock:
             if self._core is None:
                 return [], []
