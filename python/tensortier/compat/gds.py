@@ -1,24 +1,6 @@
-"""``torch.cuda.gds``'s API, backed by tensortier: code written for it runs with its import changed::
-
-    from tensortier.compat.gds import GdsFile, gds_register_buffer, gds_deregister_buffer
-    f = GdsFile("/nvme/t.bin", os.O_CREAT | os.O_RDWR)
-    f.save_storage(t.untyped_storage(), offset=0)
-    f.load_storage(u.untyped_storage(), offset=0)
-
-Where torch's version needs GPUDirect Storage and fails without it, this one uses GDS where cuFile
-accepts the file and tensortier's pinned bounce ring elsewhere; and it also takes CPU storages
-(through the I/O engine). ``GdsFile.last_path`` says how the last transfer moved ("gds",
-"bounce" or "host").
-
-Misuse raises what torch raises: a transfer that fails raises ``RuntimeError`` (torch's
-"cuFileRead failed: ..."), here a ``GdsIOError``, which is also an ``OSError`` carrying errno,
-path, offset and length; a negative offset is such an error (EINVAL); calls on a file whose
-handle is not registered (after ``deregister_handle()`` or ``close()``) and registering twice
-raise ``AssertionError`` with torch's messages; a storage argument that is not a storage
-``TypeError``. As torch's, a load past the end of the file fills what the file holds and leaves
-the rest of the storage as it was (cuFile's short read is not an error there). A CUDA storage
-without a CUDA driver raises ``CudaError`` (naming what is missing).
-"""
+"""``torch.cuda.gds``'s API, backed by tensortier: code written for it runs with its import changed.
+The guide's compatibility page says where it goes further than torch's (CPU storages, a fallback
+where GDS cannot serve the file) and how misuse is answered."""
 
 from __future__ import annotations
 
