@@ -1,25 +1,19 @@
 // Files for IOHandle transfers (File) and what is asked of a file system: its type, and how much
 // of a file's range the page cache holds.
-#include <fcntl.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <sys/stat.h>
 #include <sys/statfs.h>
-#include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "arguments.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/util/error.hpp"
-#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;

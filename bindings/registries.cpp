@@ -200,8 +200,6 @@ void RegisterRegistries(py::module_& m) {
       .def("take", &LockedTensors::Take, py::arg("address"), py::arg("storage") = py::none(),
            "The live storage of the tensor at `address`, forgotten; None when there is none (a "
            "zero-byte one only when `storage` is it).")
-      .def("covers", &LockedTensors::Covers, py::arg("address"), py::arg("nbytes"),
-           "Whether all of the range lies in one live locked tensor.")
       .def("pinned", &LockedTensors::Pinned, py::arg("address"), py::arg("nbytes"),
            "Whether all of the range lies in one live locked tensor or, where a CUDA driver is "
            "loaded, in memory page-locked with CUDA.");

@@ -203,8 +203,10 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
                 future.wait()
                 if copy_to is not None:  # a non-contiguous tensor read through a copy
                     copy_to.copy_(buffer)
-                if validate:
-                    _validate(buffer, filename, offset)
+                if validate:  # DeepNVMe's: the file's bytes, through the page cache
+                    host = buffer.detach().cpu()
+                    _core.deepnvme_validate(int(host.data_ptr()), int(host.nbytes), filename,
+                                            offset)
             except (OSError, RuntimeError) as e:  # RuntimeError: CudaError / CuFileError
                 first = first or e
         if first is not None:
@@ -259,14 +261,6 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
                 return -1
             return 0 if async_op else self._wait_locked()
 
-    def _snapshot(self, buffer: Any) -> bool:
-        """Whether an async write copies `buffer` first, as DeepNVMe copies any buffer that is
-        not locked host memory (DeepSpeed may reuse it before wait()); our device path would
-        queue a CUDA tensor's copies after work the caller queues meanwhile."""
-        if buffer.device.type == "cuda":
-            return self._SNAPSHOT_CUDA_WRITES
-        return not self.is_pinned(buffer)
-
     def _start(self, op: str, buffer: Any, filename: str | int, offset: int, validate: bool,
                snapshot: bool = False, descriptor_ok: bool = False) -> int:
         """Starts `op`; `filename` may be an open descriptor only with `descriptor_ok`
@@ -282,7 +276,11 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
                 copy_to, buffer = buffer, buffer.contiguous()
             else:
                 buffer, snapshot = buffer.contiguous(), False
-        if snapshot and buffer.numel() > 0 and self._snapshot(buffer):
+        # An async write copies a buffer that is not locked host memory first, as DeepNVMe does
+        # (DeepSpeed may reuse it before wait()); our device path would queue a CUDA tensor's
+        # copies after work the caller queues meanwhile.
+        if snapshot and buffer.numel() > 0 and (self._SNAPSHOT_CUDA_WRITES if buffer.is_cuda
+                                                else not self.is_pinned(buffer)):
             buffer = buffer.detach().to("cpu", copy=True)
         # An async_pwrite descriptor stays the caller's: the engine opens its file again.
         path = _core.deepnvme_file(op, filename, what, descriptor_ok)
@@ -293,12 +291,6 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
             buffer, path, offset)
         self._pending.append((future, buffer, path, offset, validate, copy_to))
         return 0
-
-
-def _validate(buffer: Any, filename: str, offset: int) -> None:
-    """Compares `buffer` with the file through the page cache (DeepNVMe's ``validate``)."""
-    host = buffer.detach().cpu()
-    _core.deepnvme_validate(int(host.data_ptr()), int(host.nbytes), filename, offset)
 
 
 class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
