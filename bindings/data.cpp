@@ -387,23 +387,7 @@ void RegisterData(py::module_& m) {
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
 
-  py::class_<ShardPlan>(m, "ShardPlan")
-      .def(py::init([](uint64_t num_files, uint64_t batch_size, bool shuffle, uint64_t seed,
-                       uint64_t shard_id, uint64_t num_shards, bool stick_to_shard,
-                       bool pad_last_batch, bool drop_last) {
-             ShardSpec spec{.batch_size = batch_size,
-                            .shuffle = shuffle,
-                            .seed = seed,
-                            .shard_id = shard_id,
-                            .num_shards = num_shards,
-                            .stick_to_shard = stick_to_shard,
-                            .pad_last_batch = pad_last_batch,
-                            .drop_last = drop_last};
-             return ShardPlan(spec, num_files);
-           }),
-           py::arg("num_files"), py::arg("batch_size"), py::arg("shuffle"), py::arg("seed"),
-           py::arg("shard_id"), py::arg("num_shards"), py::arg("stick_to_shard"),
-           py::arg("pad_last_batch"), py::arg("drop_last"))
+  py::class_<ShardPlan>(m, "ShardPlan", "A FileReader's shard plan (ReaderState.plan).")
       .def("shard_of_epoch", &ShardPlan::ShardOfEpoch, py::arg("epoch"))
       .def("epoch_samples", &ShardPlan::EpochSamples, py::arg("epoch"))
       .def("epoch_batches", &ShardPlan::EpochBatches, py::arg("epoch"));
