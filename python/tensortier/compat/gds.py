@@ -53,15 +53,6 @@ def _index(value: Any, what: str) -> int:
         raise TypeError(f"{what}, not {type(value).__name__}") from None
 
 
-def _as_tensor(storage: Any) -> Any:
-    """A 1-D uint8 tensor over all of `storage` (no copy)."""
-    import torch
-
-    if isinstance(storage, torch.TypedStorage):
-        storage = storage.untyped()
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
 def gds_register_buffer(s: Any) -> None:
     """Registers a CUDA storage with cuFile so GDS can DMA to it without bouncing. Does nothing
     for CPU storages, where cuFile is unavailable or where it would run in its compatibility
@@ -206,13 +197,17 @@ class GdsFile:
         return self._device_file
 
     def _transfer(self, op: str, storage: Any, offset: int) -> None:
+        import torch
+
         what, verb = ("load_storage", "load data from") if op == "read" else (
             "save_storage", "save data to")
         if not self._registered or self._file is None:
             raise AssertionError(f"Cannot {verb} a file that is not registered.")
         _check_storage(storage, what)
         offset = _index(offset, f"{what}: offset must be an int")
-        tensor = _as_tensor(storage)
+        # A 1-D uint8 tensor over all of the storage (no copy).
+        untyped = storage.untyped() if isinstance(storage, torch.TypedStorage) else storage
+        tensor = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
         nbytes = int(tensor.numel())
         call = "cuFileRead" if op == "read" else "cuFileWrite"
         if offset < 0:
