@@ -5,12 +5,16 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "dlpack_abi.hpp"
 #include "gil_free_holder.hpp"
@@ -19,6 +23,7 @@
 #include "tensortier/data/sample_inputs.hpp"
 #include "tensortier/data/sample_list.hpp"
 #include "tensortier/data/shard_plan.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -129,6 +134,173 @@ py::array_t<int32_t> LabelArray(const std::vector<int32_t>& labels) {
   return out;
 }
 
+// `value` as a Python int (not a bool) from `minimum` to 2**bits - 1, else nullopt.
+std::optional<uint64_t> ReaderInteger(const py::handle& value, uint64_t minimum, int bits) {
+  if (!IsPlainInt(value)) return std::nullopt;
+  const unsigned long long number = PyLong_AsUnsignedLongLong(value.ptr());
+  if (PyErr_Occurred() != nullptr) {  // negative, or past 64 bits
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  if (number < minimum || (bits < 64 && number >= (1ULL << bits))) return std::nullopt;
+  return number;
+}
+
+// ValueError "<name> must be a positive|non-negative <bits>-bit integer, not <repr>" unless
+// `value` is one (as ReaderInteger takes it).
+uint64_t ReaderSetting(const py::handle& value, const char* name, uint64_t minimum, int bits) {
+  const std::optional<uint64_t> number = ReaderInteger(value, minimum, bits);
+  if (!number) {
+    throw py::value_error(StrCat(name, " must be a ", minimum > 0 ? "positive" : "non-negative",
+                                 " ", bits, "-bit integer, not ", ReprOf(value)));
+  }
+  return *number;
+}
+
+using LabelArray32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+std::string FilesDigestOf(const std::vector<FsPath>& paths, const LabelArray32& labels,
+                          bool spelled) {
+  const std::vector<std::string> bytes = PathBytes(paths);
+  std::vector<int32_t> values(labels.data(), labels.data() + labels.size());
+  py::gil_scoped_release release;
+  return FilesDigest(bytes, values, spelled);
+}
+
+// A FileReader's place in its files: the settings that fix the order, the shard plan they make,
+// the epoch and the batches of it given out, and a count of the moves (set_epoch,
+// load_state_dict) that an iteration under way follows. Its state dict resumes only a reader
+// with the same settings, paths and labels.
+class ReaderState {
+ public:
+  ReaderState(py::object paths, py::object labels, uint64_t batch_size, bool shuffle, uint64_t seed,
+              uint64_t shard_id, uint64_t num_shards, bool stick_to_shard, bool pad_last_batch,
+              bool drop_last)
+      : paths_(std::move(paths)),
+        labels_(std::move(labels)),
+        plan_(ShardSpec{.batch_size = batch_size,
+                        .shuffle = shuffle,
+                        .seed = seed,
+                        .shard_id = shard_id,
+                        .num_shards = num_shards,
+                        .stick_to_shard = stick_to_shard,
+                        .pad_last_batch = pad_last_batch,
+                        .drop_last = drop_last},
+              py::len(paths_)) {
+    config_["num_files"] = py::len(paths_);
+    config_["batch_size"] = batch_size;
+    config_["shuffle"] = shuffle;
+    config_["seed"] = seed;
+    config_["shard_id"] = shard_id;
+    config_["num_shards"] = num_shards;
+    config_["stick_to_shard"] = stick_to_shard;
+    config_["pad_last_batch"] = pad_last_batch;
+    config_["drop_last"] = drop_last;
+  }
+
+  size_t EpochLength(uint64_t epoch) const { return plan_.EpochBatches(epoch).size(); }
+
+  // The current epoch's batches not given out yet.
+  std::vector<std::vector<uint64_t>> Remaining() const {
+    std::vector<std::vector<uint64_t>> batches = plan_.EpochBatches(epoch_);
+    batches.erase(batches.begin(),
+                  batches.begin() + static_cast<ptrdiff_t>(std::min(position_, batches.size())));
+    return batches;
+  }
+
+  void Advance() { ++position_; }
+  void NextEpoch() {
+    ++epoch_;
+    position_ = 0;
+  }
+
+  void SetEpoch(const py::object& epoch, bool under_way) {
+    const std::optional<uint64_t> number = ReaderInteger(epoch, 0, 64);
+    if (!number) {
+      throw py::value_error("epoch must be a non-negative 64-bit integer, not " + ReprOf(epoch));
+    }
+    if (*number == epoch_ && under_way) return;  // the epoch under way keeps its place
+    epoch_ = *number;
+    position_ = 0;
+    ++moves_;
+  }
+
+  py::dict StateDict() {
+    py::dict state;
+    state["epoch"] = epoch_;
+    state["position"] = position_;
+    for (const auto& [key, value] : config_) state[key] = value;
+    state["files_digest"] = Digest();
+    return state;
+  }
+
+  void LoadStateDict(const py::object& state) {
+    if (!py::isinstance(state, py::module_::import("collections.abc").attr("Mapping"))) {
+      throw py::type_error(
+          StrCat("load_state_dict takes the dict that FileReader.state_dict() "
+                 "returns (epoch, position, settings and files_digest), not ",
+                 TypeName(state)));
+    }
+    const py::object get = state.attr("get");
+    py::dict expected = config_.attr("copy")();
+    if (state.contains("files_digest")) {
+      const py::object digest = state["files_digest"];
+      expected["files_digest"] = Digest();
+      // A state taken before paths were resolved has the digest of the paths as spelled.
+      if (digest.not_equal(expected["files_digest"]) &&
+          digest.equal(py::str(FilesDigestOf(paths_.cast<std::vector<FsPath>>(),
+                                             labels_.cast<LabelArray32>(), true)))) {
+        PyDict_DelItemString(expected.ptr(), "files_digest");
+      }
+    }
+    for (const auto& [key, value] : expected) {
+      const py::object given = get(key);
+      if (given.not_equal(value)) {
+        throw py::value_error(StrCat("state_dict has ", py::str(key).cast<std::string>(), "=",
+                                     ReprOf(given), ", this reader ", ReprOf(value),
+                                     ": it was taken from a reader of other files or settings"));
+      }
+    }
+    const py::object epoch = get("epoch");
+    const py::object position = get("position");
+    const std::optional<uint64_t> e = ReaderInteger(epoch, 0, 64);
+    const std::optional<uint64_t> p = ReaderInteger(position, 0, 64);
+    // A position past the epoch's batches would silently skip to the next epoch.
+    if (!e || !p || *p > EpochLength(*e)) {
+      throw py::value_error(StrCat("state_dict has a bad position: epoch=", ReprOf(epoch),
+                                   ", position=", ReprOf(position)));
+    }
+    epoch_ = *e;
+    position_ = *p;
+    ++moves_;
+  }
+
+  const ShardPlan& plan() const { return plan_; }
+  uint64_t epoch() const { return epoch_; }
+  uint64_t moves() const { return moves_; }
+  const py::dict& config() const { return config_; }
+
+ private:
+  // Resolving and hashing every path costs ~0.5 s per million files: paid by the readers whose
+  // state is taken or loaded, not by every reader (a DataLoader worker's each epoch).
+  const std::string& Digest() {
+    if (!digest_) {
+      digest_ =
+          FilesDigestOf(paths_.cast<std::vector<FsPath>>(), labels_.cast<LabelArray32>(), false);
+    }
+    return *digest_;
+  }
+
+  py::object paths_;
+  py::object labels_;
+  ShardPlan plan_;
+  py::dict config_;
+  uint64_t epoch_ = 0;
+  uint64_t position_ = 0;  // batches of epoch_ given out
+  uint64_t moves_ = 0;
+  std::optional<std::string> digest_;
+};
+
 }  // namespace
 
 void RegisterData(py::module_& m) {
@@ -208,42 +380,60 @@ void RegisterData(py::module_& m) {
       py::arg("dir_filters"),
       "(paths, int32 labels) named by fn.readers.file's inputs (tensortier.data's "
       "resolve_inputs).");
-  m.def(
-      "files_digest",
-      [](const std::vector<FsPath>& paths,
-         const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& labels,
-         bool spelled) {
-        const std::vector<std::string> bytes = PathBytes(paths);
-        std::vector<int32_t> values(labels.data(), labels.data() + labels.size());
-        py::gil_scoped_release release;
-        return FilesDigest(bytes, values, spelled);
-      },
-      py::arg("paths"), py::arg("labels"), py::arg("spelled") = false,
-      "SHA-256 of the paths (by their folders' real paths unless spelled) and int32 labels.");
+  m.def("files_digest", &FilesDigestOf, py::arg("paths"), py::arg("labels"),
+        py::arg("spelled") = false,
+        "SHA-256 of the paths (by their folders' real paths unless spelled) and int32 labels.");
   m.def("epoch_permutation", &EpochPermutation, py::arg("size"), py::arg("seed"), py::arg("epoch"));
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
 
-  py::class_<ShardPlan>(m, "ShardPlan")
-      .def(py::init([](uint64_t num_files, uint64_t batch_size, bool shuffle, uint64_t seed,
-                       uint64_t shard_id, uint64_t num_shards, bool stick_to_shard,
-                       bool pad_last_batch, bool drop_last) {
-             ShardSpec spec{.batch_size = batch_size,
-                            .shuffle = shuffle,
-                            .seed = seed,
-                            .shard_id = shard_id,
-                            .num_shards = num_shards,
-                            .stick_to_shard = stick_to_shard,
-                            .pad_last_batch = pad_last_batch,
-                            .drop_last = drop_last};
-             return ShardPlan(spec, num_files);
-           }),
-           py::arg("num_files"), py::arg("batch_size"), py::arg("shuffle"), py::arg("seed"),
-           py::arg("shard_id"), py::arg("num_shards"), py::arg("stick_to_shard"),
-           py::arg("pad_last_batch"), py::arg("drop_last"))
+  py::class_<ShardPlan>(m, "ShardPlan", "A FileReader's shard plan (ReaderState.plan).")
       .def("shard_of_epoch", &ShardPlan::ShardOfEpoch, py::arg("epoch"))
       .def("epoch_samples", &ShardPlan::EpochSamples, py::arg("epoch"))
       .def("epoch_batches", &ShardPlan::EpochBatches, py::arg("epoch"));
+
+  m.def(
+      "check_reader_settings",
+      [](const py::object& batch_size, const py::object& prefetch, const py::object& num_shards,
+         const py::object& open_threads, const py::object& seed, const py::object& shard_id) {
+        ReaderSetting(batch_size, "batch_size", 1, 64);
+        ReaderSetting(prefetch, "prefetch", 1, 32);
+        ReaderSetting(num_shards, "num_shards", 1, 64);
+        ReaderSetting(open_threads, "open_threads", 1, 32);
+        ReaderSetting(seed, "seed", 0, 64);
+        ReaderSetting(shard_id, "shard_id", 0, 64);
+      },
+      py::arg("batch_size"), py::arg("prefetch"), py::arg("num_shards"), py::arg("open_threads"),
+      py::arg("seed"), py::arg("shard_id"),
+      "FileReader's integer settings checked (Python ints, not bools): ValueError naming the "
+      "first that is out of its range.");
+  py::class_<ReaderState>(m, "ReaderState",
+                          "A FileReader's place in its files, and the state dict that resumes it.")
+      .def(py::init<py::object, py::object, uint64_t, bool, uint64_t, uint64_t, uint64_t, bool,
+                    bool, bool>(),
+           py::arg("paths"), py::arg("labels"), py::arg("batch_size"), py::arg("shuffle"),
+           py::arg("seed"), py::arg("shard_id"), py::arg("num_shards"), py::arg("stick_to_shard"),
+           py::arg("pad_last_batch"), py::arg("drop_last"))
+      .def(
+          "__len__", [](const ReaderState& s) { return s.EpochLength(s.epoch()); },
+          "Batches in the current epoch.")
+      .def("remaining", &ReaderState::Remaining, "The current epoch's batches not given out.")
+      .def("advance", &ReaderState::Advance, "Counts a batch given out.")
+      .def("next_epoch", &ReaderState::NextEpoch, "Starts the next epoch from its first batch.")
+      .def("set_epoch", &ReaderState::SetEpoch, py::arg("epoch"), py::arg("under_way"),
+           "Starts `epoch` from its first batch, unless it is the epoch an iteration has "
+           "`under_way`; ValueError for an epoch that is no 64-bit unsigned integer.")
+      .def("state_dict", &ReaderState::StateDict, "epoch, position, the settings and files_digest.")
+      .def("load_state_dict", &ReaderState::LoadStateDict, py::arg("state"),
+           "Resumes at `state` (TypeError: not a mapping; ValueError: another reader's, or a "
+           "bad position).")
+      .def_property_readonly("plan", &ReaderState::plan,
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("epoch", &ReaderState::epoch)
+      .def_property_readonly("moves", &ReaderState::moves,
+                             "set_epoch and load_state_dict calls so far.")
+      .def_property_readonly("config",
+                             [](const ReaderState& s) { return s.config().attr("copy")(); });
 
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch", py::buffer_protocol())
       .def_property_readonly("indices", &Batch::indices)

@@ -1,80 +1,22 @@
 // Files for IOHandle transfers (File) and what is asked of a file system: its type, and how much
 // of a file's range the page cache holds.
-#include <fcntl.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <sys/stat.h>
 #include <sys/statfs.h>
-#include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "arguments.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/util/error.hpp"
-#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
-
-namespace {
-
-[[noreturn]] void RaiseOsError(int code, const std::string& message) {
-  PyErr_SetObject(PyExc_OSError, py::make_tuple(code, message).ptr());
-  throw py::error_already_set();
-}
-
-// DeepNVMe's checks of the file a call names, before anything starts: `target` a path, or an
-// open descriptor (named by /proc/self/fd, left open; OSError when it is not
-// open, or read-only for a write). A read's file must exist and open for reading; a write's
-// path is created if missing (mode 0600, as DeepNVMe's). Returns (path, step, errno): step ''
-// when every check passed, else DeepNVMe's name of the one that failed ("open for read"...).
-py::tuple DeepNvmeFile(const std::string& op, const py::object& target, const std::string& what) {
-  const py::handle type(reinterpret_cast<PyObject*>(Py_TYPE(target.ptr())));
-  std::string path;
-  const bool descriptor = !PyUnicode_Check(target.ptr()) && !PyBytes_Check(target.ptr()) &&
-                          !py::hasattr(type, "__fspath__");
-  if (!descriptor) {
-    path = target.cast<FsPath>().bytes;
-  } else {
-    const int fd = CIntegerArgument(target, what, "fd", 0, 32, false).cast<int>();
-    const int flags = fcntl(fd, F_GETFL);
-    const int code = errno;
-    const std::string name = StrCat(what, ": file descriptor ", fd);
-    if (flags < 0) RaiseOsError(code, StrCat(name, ": ", std::strerror(code)));
-    if (op == "write" && (flags & O_ACCMODE) == O_RDONLY) {
-      RaiseOsError(EBADF, name + " is read-only");
-    }
-    path = StrCat("/proc/self/fd/", fd);
-  }
-  const char* step = "";
-  int code = 0;
-  {
-    py::gil_scoped_release release;
-    struct stat st{};
-    int fd = -1;
-    if (op == "read" && stat(path.c_str(), &st) != 0) {
-      step = "fstat for read";
-    } else if (op == "read" && (fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)) < 0) {
-      step = "open for read";
-    } else if (op == "write" && !descriptor &&
-               (fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600)) < 0) {
-      step = "open for write";
-    }
-    if (*step != '\0') code = errno;
-    if (fd >= 0) close(fd);
-  }
-  return py::make_tuple(PathToPython(path), step, code);
-}
-
-}  // namespace
 
 void RegisterFile(py::module_& m) {
   py::class_<File>(m, "File",
@@ -133,7 +75,6 @@ void RegisterFile(py::module_& m) {
       .def("close", &File::Close,
            "Closes this handle; operations in flight keep the descriptors until they end.");
 
-  m.def("deepnvme_file", &DeepNvmeFile, py::arg("op"), py::arg("target"), py::arg("what"));
   m.def(
       "filesystem_magic",
       [](const FsPath& path) {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "register.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
 
 namespace py = pybind11;
@@ -42,6 +44,18 @@ class LockedTensors {
     if (live.is_none() || (it->second.nbytes == 0 && !live.is(storage))) return py::none();
     tensors_.erase(it);
     return live;
+  }
+
+  // Whether [address, address + nbytes) is locked host memory: in one live tensor here, or
+  // (asked of the CUDA driver, where one is loaded) page-locked with CUDA by anyone.
+  bool Pinned(uintptr_t address, size_t nbytes) {
+    if (Covers(address, nbytes)) return true;
+    py::gil_scoped_release release;
+    try {
+      return CudaDriver::Get().IsPinnedHost(reinterpret_cast<const void*>(address), nbytes);
+    } catch (const std::exception&) {  // a driver that cannot answer: not pinned, as DeepNVMe
+      return false;
+    }
   }
 
   // Whether [address, address + nbytes) lies in one live tensor; forgets the dead ones.
@@ -186,8 +200,9 @@ void RegisterRegistries(py::module_& m) {
       .def("take", &LockedTensors::Take, py::arg("address"), py::arg("storage") = py::none(),
            "The live storage of the tensor at `address`, forgotten; None when there is none (a "
            "zero-byte one only when `storage` is it).")
-      .def("covers", &LockedTensors::Covers, py::arg("address"), py::arg("nbytes"),
-           "Whether all of the range lies in one live locked tensor.");
+      .def("pinned", &LockedTensors::Pinned, py::arg("address"), py::arg("nbytes"),
+           "Whether all of the range lies in one live locked tensor or, where a CUDA driver is "
+           "loaded, in memory page-locked with CUDA.");
   py::class_<TensorGroups>(m, "TensorGroups")
       .def(py::init<>())
       .def("remember", &TensorGroups::Remember, py::arg("tensors"), py::arg("vector"),

@@ -99,7 +99,7 @@ def test_batches_equal_the_reader_without_a_map(loop_fs: LoopFilesystem,
 
 
 def _batch_indices(reader: FileReader, epochs: int) -> list[list[int]]:
-    batch_size = reader._config["batch_size"]  # the plan the reader itself follows
+    batch_size = reader._state.config["batch_size"]  # the plan the reader itself follows
     out = []
     for epoch in range(epochs):
         samples = reader.epoch_indices(epoch)

@@ -1,51 +1,14 @@
-"""DeepNVMe's Python API (DeepSpeed ``AsyncIOBuilder`` / ``GDSBuilder``), backed by tensortier.
-
-Code written for DeepNVMe runs with its import changed::
-
-    from tensortier.compat.deepnvme import AsyncIOBuilder
-    h = AsyncIOBuilder().load().aio_handle(1024**2, 128, True, True, 1)
-    h.sync_pwrite(tensor, "/nvme/t.bin")
-    h.sync_pread(tensor, "/nvme/t.bin")
-
-``PinMemoryBuilder().load().pin_handle()`` is DeepSpeed's ``pin_memory`` op (its
-``DS_PIN_MEMORY_BACKEND=native``): its locked tensors and those of every ``aio_handle`` and
-``gds_handle`` are one registry, as DeepSpeed's one pinned-tensor manager per process, so each
-handle's ``is_pinned`` knows the others' tensors; where a CUDA driver is loaded, ``is_pinned`` is
-also True for host memory that anyone page-locked with CUDA.
-
-Both handles take CPU and CUDA tensors. A CUDA tensor moves through tensortier's ring of pinned
-bounce buffers (disk and PCIe overlap; copies ordered on the tensor's device's current stream);
-``gds_handle`` uses GPUDirect Storage where cuFile accepts the file and falls back to the ring
-elsewhere (DeepNVMe's fails). Without a CUDA driver a CUDA tensor raises ``CudaError`` naming
-what is missing.
-
-Misuse gets DeepNVMe's answer: a file that cannot be opened or stat'ed (missing, no
-permission, a missing directory) makes the call return -1, with DeepNVMe's message as a
-``RuntimeWarning`` (DeepNVMe prints it), and starts nothing; an argument of the wrong type raises
-``TypeError``; a non-contiguous tensor is read and written through a contiguous copy, as
-DeepNVMe's bounce buffer does; a read past the end of the file fills what the file holds (the
-rest of the buffer stays as it was: DeepNVMe lets buffers exceed the file for alignment).
-
-Differences, all on the side of safety: an I/O error of a transfer started raises ``OSError``
-(errno and path) from ``wait()`` where DeepNVMe ignores it, and what DeepNVMe aborts the process
-for (a negative ``file_offset``; ``read()`` of a file whose size is not the buffer's, or that
-ends before the buffer does when read at an offset) raises ``ValueError``; any alignment of
-size, offset and memory works (no multiple of ``intra_op_parallelism`` needed); an
-asynchronous read fills the tensor itself while it runs (DeepNVMe reads unpinned tensors
-through a bounce buffer copied out at ``wait()``): either way, use it only after ``wait()``.
-"""
+"""DeepNVMe's Python API (DeepSpeed's ``AsyncIOBuilder``, ``GDSBuilder`` and ``PinMemoryBuilder``),
+backed by tensortier: code written for DeepNVMe runs with its import changed. The guide's
+compatibility page says how misuse is answered and where it differs from DeepNVMe."""
 
 from __future__ import annotations
 
-import errno
-import os
-import sys
 import threading
-import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _core
-from ..io import IOFuture, IOHandle
+from ..io import IOHandle
 
 __all__ = [
     "AsyncIOBuilder",
@@ -62,20 +25,10 @@ __all__ = [
 # The handles' defaults in DeepSpeed's bindings (csrc/aio/py_lib/py_ds_aio.cpp).
 _DEFAULT_BLOCK_SIZE = 1 << 20
 _DEFAULT_QUEUE_DEPTH = 128
-_MAX_INFLIGHT = 1 << 30
 # DeepNVMe's get_alignment(): intra_op_parallelism x its O_DIRECT alignment.
 _O_DIRECT_ALIGNMENT = 512
-# DeepSpeed's bindings take the handle's settings as C ints: pybind11 refuses others (TypeError).
-_C_INT_BITS = 32
-# file_offset is an int64_t there.
-_OFFSET_BITS = 64
-# A uintptr_t, as free_cpu_locked_tensor_by_ptr takes it.
-_ADDRESS_BITS = 64
-
-
 # DeepSpeed's bindings take C ints, int64s and uintptr_ts, and C++ bools, as pybind11 converts
-# them: ``_integer(value, what, name, minimum, bits, unsigned=False)`` and
-# ``_c_bool(value, what, name)`` (TypeError or ValueError naming the argument).
+# them (TypeError or ValueError naming the argument).
 _integer = _core.c_integer
 _c_bool = _core.c_bool
 
@@ -96,7 +49,7 @@ def _check_tensor(buffer: Any, what: str, contiguous: bool = False) -> None:
         raise ValueError(f"{what}: buffer is on {buffer.device}; only CPU and CUDA tensors move")
 
 
-class aio_handle:  # noqa: N801 - DeepNVMe's name
+class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
     """DeepNVMe's ``aio_handle``: parallel async file I/O of whole tensors.
 
     Args:
@@ -130,56 +83,21 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         intra_op_parallelism: int = 1,
         **kwargs: Any,
     ) -> None:
-        if "num_threads" in kwargs:  # the fifth argument's name before DeepSpeed 0.15
-            intra_op_parallelism = kwargs.pop("num_threads")
-        if kwargs:
-            raise TypeError(f"aio_handle() got unexpected keyword arguments: {sorted(kwargs)}")
-        self._block_size, self._queue_depth, self._parallelism = (
-            _integer(value, "aio_handle", name, 1, bits=_C_INT_BITS) for value, name in (
-                (block_size, "block_size"), (queue_depth, "queue_depth"),
-                (intra_op_parallelism, "intra_op_parallelism")))
-        self._single_submit = _c_bool(single_submit, "aio_handle", "single_submit")
-        self._overlap_events = _c_bool(overlap_events, "aio_handle", "overlap_events")
-        # Every size DeepNVMe takes works: the engine runs with the nearest it allows; the
-        # getters answer what was given.
-        chunk = _core.clamp_to_setting(-(-self._block_size // 4096) * 4096, "TENSORTIER_CHUNK_SIZE")
-        depth = _core.clamp_to_setting(self._queue_depth, "TENSORTIER_QUEUE_DEPTH")
-        workers = _core.clamp_to_setting(self._parallelism, "TENSORTIER_WORKERS")
-        self._io = IOHandle(
-            chunk_size=chunk,
-            queue_depth=depth,
-            workers=workers,
-            max_inflight_bytes=max(chunk, min(chunk * depth * workers, _MAX_INFLIGHT)),
-            gds=self._GDS,
-        )
-        self._pending: list[_Pending] = []
+        super().__init__(block_size, queue_depth, single_submit, overlap_events,
+                         intra_op_parallelism, **kwargs)
+        self._io = IOHandle(**self._engine_settings(), gds=self._GDS)
+        # Per operation started: its future, the memory it moves (a contiguous copy of a
+        # non-contiguous tensor), path, offset, validate, and the tensor a read's copy fills.
+        self._pending: list[tuple[Any, ...]] = []
         # DeepNVMe's handle mutex: held while an operation starts, and by a blocking call to the
         # end of its wait (another thread's wait() cannot take its operation half done).
         self._mutex = threading.Lock()
 
-    # ---- settings -------------------------------------------------------------------------
-    def get_block_size(self) -> int:
-        return self._block_size
-
-    def get_queue_depth(self) -> int:
-        return self._queue_depth
-
-    def get_single_submit(self) -> bool:
-        return self._single_submit
-
-    def get_overlap_events(self) -> bool:
-        return self._overlap_events
-
-    def get_intra_op_parallelism(self) -> int:
-        return self._parallelism
-
-    def get_thread_count(self) -> int:
-        return self._parallelism
-
+    # ---- settings (the getters DeepNVMe's handle has are DeepNvmeHandle's) -----------------
     def get_alignment(self) -> int:
         """DeepNVMe's: ``intra_op_parallelism * 512`` (its parallel ops split a buffer evenly
         between threads). tensortier needs no alignment; callers that assert on it keep working."""
-        return self._parallelism * _O_DIRECT_ALIGNMENT
+        return self.get_intra_op_parallelism() * _O_DIRECT_ALIGNMENT
 
     # ---- I/O ------------------------------------------------------------------------------
     def sync_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
@@ -252,21 +170,9 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         at `file_offset` > 0 the buffer's bytes from there must be in the file. Returns 0."""
         _check_tensor(buffer, "read")
         validate = _c_bool(validate, "read", "validate")
-        _filename(filename, "read")
-        file_offset = _integer(file_offset, "read", "file_offset", 0, bits=_OFFSET_BITS)
-        try:
-            size = os.path.getsize(filename)
-        except OSError as e:
-            return _failed(filename, "fstat for read", e.errno)
-        nbytes = _nbytes(buffer)
-        if file_offset == 0 and size != nbytes:
-            raise ValueError(f"read: {filename} holds {size} bytes, buffer {nbytes}")
-        if file_offset + nbytes > size:
-            # A read that stopped at the end would leave the buffer's tail as it was, unseen.
-            raise ValueError(
-                f"read: {filename} holds {size} bytes, fewer than the buffer's {nbytes} "
-                f"from offset {file_offset}"
-            )
+        file_offset = _integer(file_offset, "read", "file_offset", 0, bits=64)
+        if not _core.deepnvme_read_fits(filename, int(buffer.nbytes), file_offset):
+            return -1
         return 0 if self.pread(buffer, filename, validate, False, file_offset) >= 0 else -1
 
     def write(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
@@ -287,7 +193,7 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         next wait() waits for them, counts them and finishes them (copies, validation)."""
         for entry in self._pending:
             try:
-                entry.future.wait()
+                entry[0].wait()
             except (OSError, RuntimeError):  # raised below, in order
                 pass
         pending, self._pending = self._pending, []
@@ -297,8 +203,10 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
                 future.wait()
                 if copy_to is not None:  # a non-contiguous tensor read through a copy
                     copy_to.copy_(buffer)
-                if validate:
-                    _validate(buffer, filename, offset)
+                if validate:  # DeepNVMe's: the file's bytes, through the page cache
+                    host = buffer.detach().cpu()
+                    _core.deepnvme_validate(int(host.data_ptr()), int(host.nbytes), filename,
+                                            offset)
             except (OSError, RuntimeError) as e:  # RuntimeError: CudaError / CuFileError
                 first = first or e
         if first is not None:
@@ -314,7 +222,8 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
         page faulted in and locked where ``RLIMIT_MEMLOCK`` allows, as DeepNVMe's are. Its memory
         goes with ``free_cpu_locked_tensor`` or with its last reference. (DeepSpeed spells the
         second argument ``example_tenosr``; both names work.)"""
-        example_tensor = _example_argument("new_cpu_locked_tensor", example_tensor, kwargs)
+        example_tensor = _core.deepnvme_argument("new_cpu_locked_tensor", example_tensor, kwargs,
+                                                 "example_tensor", "example_tenosr")
         return _new_locked(num_elem, example_tensor)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
@@ -343,8 +252,8 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
               file_offset: int, kwargs: dict[str, Any]) -> int:
         """``pread``/``pwrite``: starts `op`, then waits for it unless `async_op`."""
         what = "pread" if op == "read" else "pwrite"
-        async_op = _c_bool(_aliased_argument(what, async_op, kwargs, "async_op", "async"), what,
-                           "async")
+        async_op = _c_bool(_core.deepnvme_argument(what, async_op, kwargs, "async_op", "async"),
+                           what, "async")
         validate = _c_bool(validate, what, "validate")
         with self._mutex:
             if self._start(op, buffer, filename, file_offset, validate,
@@ -352,23 +261,13 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
                 return -1
             return 0 if async_op else self._wait_locked()
 
-    def _snapshot(self, buffer: Any) -> bool:
-        """Whether an async write copies `buffer` first, as DeepNVMe copies any buffer that is
-        not locked host memory (DeepSpeed may reuse it before wait()); our device path would
-        queue a CUDA tensor's copies after work the caller queues meanwhile."""
-        if buffer.device.type == "cuda":
-            return self._SNAPSHOT_CUDA_WRITES
-        return not self.is_pinned(buffer)
-
     def _start(self, op: str, buffer: Any, filename: str | int, offset: int, validate: bool,
                snapshot: bool = False, descriptor_ok: bool = False) -> int:
         """Starts `op`; `filename` may be an open descriptor only with `descriptor_ok`
         (``async_pwrite``'s second overload: every other call takes a name)."""
         what = "pread" if op == "read" else "pwrite"
         _check_tensor(buffer, what)
-        if not descriptor_ok:
-            _filename(filename, what)
-        offset = _integer(offset, what, "file_offset", 0, bits=_OFFSET_BITS)
+        offset = _integer(offset, what, "file_offset", 0, bits=64)
         copy_to = None
         if not buffer.is_contiguous():
             # DeepNVMe moves such a tensor through a contiguous bounce buffer, copied in at the
@@ -377,82 +276,21 @@ class aio_handle:  # noqa: N801 - DeepNVMe's name
                 copy_to, buffer = buffer, buffer.contiguous()
             else:
                 buffer, snapshot = buffer.contiguous(), False
-        if snapshot and buffer.numel() > 0 and self._snapshot(buffer):
+        # An async write copies a buffer that is not locked host memory first, as DeepNVMe does
+        # (DeepSpeed may reuse it before wait()); our device path would queue a CUDA tensor's
+        # copies after work the caller queues meanwhile.
+        if snapshot and buffer.numel() > 0 and (self._SNAPSHOT_CUDA_WRITES if buffer.is_cuda
+                                                else not self.is_pinned(buffer)):
             buffer = buffer.detach().to("cpu", copy=True)
         # An async_pwrite descriptor stays the caller's: the engine opens its file again.
-        path, step, code = _core.deepnvme_file(op, filename, what)
-        if step:
-            return _failed(path, step, code)
+        path = _core.deepnvme_file(op, filename, what, descriptor_ok)
+        if path is None:  # DeepNVMe's answer to a file it cannot open or stat (warned)
+            return -1
         # A read past the end fills what exists.
         future = (self._io.pread_async if op == "read" else self._io.pwrite_async)(
             buffer, path, offset)
-        self._pending.append(_Pending(future, buffer, path, offset, validate, copy_to))
+        self._pending.append((future, buffer, path, offset, validate, copy_to))
         return 0
-
-
-class _Pending(NamedTuple):
-    """An operation started, for wait()."""
-
-    future: IOFuture
-    buffer: Any  # the memory it moves (a contiguous copy of a non-contiguous tensor)
-    path: str
-    offset: int
-    validate: bool
-    copy_to: Any  # the non-contiguous tensor a read fills at wait(), or None
-
-
-def _filename(filename: Any, what: str) -> None:
-    """DeepNVMe's calls take a C string: an int is not a descriptor (but async_pwrite's)."""
-    if not isinstance(filename, (str, bytes, os.PathLike)):
-        raise TypeError(f"{what}: filename must be a path, not {type(filename).__name__}")
-
-
-def _failed(path: str, step: str, code: int | None) -> int:
-    """DeepNVMe's answer to a file it cannot open or stat: -1, with its message (printed there,
-    a RuntimeWarning here)."""
-    code = code or 0
-    level, frame = 2, sys._getframe(1)  # the warning names the caller's line, not this module's
-    while frame is not None and frame.f_code.co_filename == __file__:
-        level, frame = level + 1, frame.f_back
-    warnings.warn(
-        f"deepspeed_aio:  {step} failed on {path} error = {code} ({os.strerror(code)})",
-        RuntimeWarning,
-        stacklevel=level,
-    )
-    return -1
-
-
-def _aliased_argument(
-    what: str, value: Any, kwargs: dict[str, Any], name: str, alias: str
-) -> Any:
-    """An argument given as `value` (its name `name`) or as the keyword `alias` in `kwargs`
-    (DeepSpeed's spelling); no other keyword may be left."""
-    if alias in kwargs:
-        if value is not None:
-            raise TypeError(f"{what}() got both {name} and {alias}")
-        value = kwargs.pop(alias)
-    if kwargs:
-        raise TypeError(f"{what}() got unexpected keyword arguments: {sorted(kwargs)}")
-    if value is None:
-        raise TypeError(f"{what}() missing its argument '{name}'")
-    return value
-
-
-def _example_argument(what: str, example: Any, kwargs: dict[str, Any]) -> Any:
-    """`example_tensor`, also under DeepSpeed's spelling ``example_tenosr``."""
-    return _aliased_argument(what, example, kwargs, "example_tensor", "example_tenosr")
-
-
-def _validate(buffer: Any, filename: str, offset: int) -> None:
-    """Compares `buffer` with the file through the page cache (DeepNVMe's ``validate``)."""
-    import torch
-
-    nbytes = _nbytes(buffer)
-    with open(filename, "rb") as f:
-        f.seek(offset)
-        on_disk = f.read(nbytes)
-    if buffer.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes() != on_disk:
-        raise OSError(errno.EIO, f"validation failed: {filename} at offset {offset}", filename)
 
 
 class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
@@ -481,7 +319,7 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         _check_tensor(tensor, "pin_device_tensor", contiguous=True)
         if tensor.device.type != "cuda":
             raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
-        self._pinned.add(int(tensor.data_ptr()), _nbytes(tensor), tensor)
+        self._pinned.add(int(tensor.data_ptr()), int(tensor.nbytes), tensor)
         return True
 
     def unpin_device_tensor(self, tensor: Any) -> bool:
@@ -496,7 +334,8 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         """An uninitialised 1-D tensor on `example_tensor`'s GPU, registered with cuFile."""
         import torch
 
-        example_tensor = _example_argument("new_pinned_device_tensor", example_tensor, kwargs)
+        example_tensor = _core.deepnvme_argument("new_pinned_device_tensor", example_tensor, kwargs,
+                                                 "example_tensor", "example_tenosr")
         device = example_tensor.device if example_tensor.device.type == "cuda" else "cuda"
         tensor = torch.empty(num_elem, dtype=example_tensor.dtype, device=device)
         self.pin_device_tensor(tensor)
@@ -561,10 +400,6 @@ class _Loaded:
 _locked = _core.LockedTensors()
 
 
-def _nbytes(buffer: Any) -> int:
-    return int(buffer.numel() * buffer.element_size())
-
-
 def _new_locked(num_elem: int, example_tensor: Any) -> Any:
     """``new_cpu_locked_tensor`` of every handle: a tensor in locked memory, in the registry."""
     import torch
@@ -575,7 +410,7 @@ def _new_locked(num_elem: int, example_tensor: Any) -> Any:
         tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
     else:
         tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
-    _locked.add(int(tensor.data_ptr()), _nbytes(tensor), tensor.untyped_storage())
+    _locked.add(int(tensor.data_ptr()), int(tensor.nbytes), tensor.untyped_storage())
     return tensor
 
 
@@ -595,16 +430,8 @@ def _free_locked(address: int, tensor: Any = None) -> bool:
 def _is_pinned(buffer: Any) -> bool:
     """``is_pinned`` of every handle: a CPU tensor pinned by torch, in the registry, or (asked
     of the CUDA driver, where one is loaded) page-locked with CUDA by anyone."""
-    if buffer.device.type != "cpu":
-        return False
-    # All of its bytes in one live tensor from new_cpu_locked_tensor (DeepSpeed's manager
-    # likewise refuses a buffer that starts in a region and ends past it).
-    if bool(buffer.is_pinned()) or _locked.covers(int(buffer.data_ptr()), _nbytes(buffer)):
-        return True
-    try:
-        return bool(_core.pinned_host(int(buffer.data_ptr()), _nbytes(buffer)))
-    except (RuntimeError, OSError):  # a driver that cannot answer: DeepNVMe's answer, not pinned
-        return False
+    return buffer.device.type == "cpu" and (
+        bool(buffer.is_pinned()) or _locked.pinned(int(buffer.data_ptr()), int(buffer.nbytes)))
 
 
 class pin_handle:  # noqa: N801 - DeepSpeed's name
@@ -627,7 +454,7 @@ class pin_handle:  # noqa: N801 - DeepSpeed's name
         """Frees the locked tensor (of any handle) whose memory starts at `address`, even where
         the tensor's ``.data`` has since been pointed elsewhere; True when there was one."""
         return _free_locked(
-            _integer(address, "free_cpu_locked_tensor_by_ptr", "address", 0, _ADDRESS_BITS, True)
+            _integer(address, "free_cpu_locked_tensor_by_ptr", "address", 0, 64, True)
         )
 
     def is_pinned(self, buffer: Any) -> bool:

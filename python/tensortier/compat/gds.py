@@ -1,24 +1,6 @@
-"""``torch.cuda.gds``'s API, backed by tensortier: code written for it runs with its import changed::
-
-    from tensortier.compat.gds import GdsFile, gds_register_buffer, gds_deregister_buffer
-    f = GdsFile("/nvme/t.bin", os.O_CREAT | os.O_RDWR)
-    f.save_storage(t.untyped_storage(), offset=0)
-    f.load_storage(u.untyped_storage(), offset=0)
-
-Where torch's version needs GPUDirect Storage and fails without it, this one uses GDS where cuFile
-accepts the file and tensortier's pinned bounce ring elsewhere; and it also takes CPU storages
-(through the I/O engine). ``GdsFile.last_path`` says how the last transfer moved ("gds",
-"bounce" or "host").
-
-Misuse raises what torch raises: a transfer that fails raises ``RuntimeError`` (torch's
-"cuFileRead failed: ..."), here a ``GdsIOError``, which is also an ``OSError`` carrying errno,
-path, offset and length; a negative offset is such an error (EINVAL); calls on a file whose
-handle is not registered (after ``deregister_handle()`` or ``close()``) and registering twice
-raise ``AssertionError`` with torch's messages; a storage argument that is not a storage
-``TypeError``. As torch's, a load past the end of the file fills what the file holds and leaves
-the rest of the storage as it was (cuFile's short read is not an error there). A CUDA storage
-without a CUDA driver raises ``CudaError`` (naming what is missing).
-"""
+"""``torch.cuda.gds``'s API, backed by tensortier: code written for it runs with its import changed.
+The guide's compatibility page says where it goes further than torch's (CPU storages, a fallback
+where GDS cannot serve the file) and how misuse is answered."""
 
 from __future__ import annotations
 
@@ -69,15 +51,6 @@ def _index(value: Any, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{what}, not {type(value).__name__}") from None
-
-
-def _as_tensor(storage: Any) -> Any:
-    """A 1-D uint8 tensor over all of `storage` (no copy)."""
-    import torch
-
-    if isinstance(storage, torch.TypedStorage):
-        storage = storage.untyped()
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def gds_register_buffer(s: Any) -> None:
@@ -224,13 +197,17 @@ class GdsFile:
         return self._device_file
 
     def _transfer(self, op: str, storage: Any, offset: int) -> None:
+        import torch
+
         what, verb = ("load_storage", "load data from") if op == "read" else (
             "save_storage", "save data to")
         if not self._registered or self._file is None:
             raise AssertionError(f"Cannot {verb} a file that is not registered.")
         _check_storage(storage, what)
         offset = _index(offset, f"{what}: offset must be an int")
-        tensor = _as_tensor(storage)
+        # A 1-D uint8 tensor over all of the storage (no copy).
+        untyped = storage.untyped() if isinstance(storage, torch.TypedStorage) else storage
+        tensor = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
         nbytes = int(tensor.numel())
         call = "cuFileRead" if op == "read" else "cuFileWrite"
         if offset < 0:

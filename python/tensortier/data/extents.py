@@ -1,16 +1,5 @@
-"""Extent maps: read a data set's files straight from their block device.
-
-``build_extent_map`` records where every byte of every file lies on its disk (FIEMAP, every
-extent) and each file's identity; an ``ExtentReader`` then reads files by the map with O_DIRECT
-reads of the disk, many in flight, and reads a file through the filesystem instead whenever its
-identity no longer matches the map. Raw reads need read access to the disk (root)::
-
-    from tensortier.data import ExtentReader, build_extent_map
-
-    build_extent_map("/data/train", "/data/train.extents.json")
-    reader = ExtentReader("/data/train.extents.json")
-    arrays = reader.read(["cls0/img0.jpg", "cls1/img7.jpg"])  # numpy uint8 arrays
-"""
+"""Extent maps: read a data set's files straight from their block device (the guide's "Extent
+maps" page)."""
 
 from __future__ import annotations
 

@@ -42,11 +42,6 @@ def resolve_inputs(
         labels, bool(check_files), file_filters, bool(case_sensitive_filter), dir_filters)
 
 
-def _is_epoch(value: Any) -> bool:
-    """Whether `value` can number an epoch (the shard plan's 64-bit unsigned epoch)."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
-
-
 class FileReader:
     """Reads a file set in batches, many files at once, ``prefetch`` batches ahead of the loop.
 
@@ -136,14 +131,8 @@ class FileReader:
     ) -> None:
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
-        for name, value, bits in (("batch_size", batch_size, 64), ("prefetch", prefetch, 32),
-                                  ("num_shards", num_shards, 64),
-                                  ("open_threads", open_threads, 32)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**bits:
-                raise ValueError(f"{name} must be a positive {bits}-bit integer, not {value!r}")
-        for name, value in (("seed", seed), ("shard_id", shard_id)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
-                raise ValueError(f"{name} must be a non-negative 64-bit integer, not {value!r}")
+        _core.check_reader_settings(batch_size, prefetch, num_shards, open_threads, seed,
+                                    shard_id)
         self._device = torch.device(device)
         if self._device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
@@ -152,19 +141,12 @@ class FileReader:
         self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels,
                                                    check_files, file_filters,
                                                    case_sensitive_filter, dir_filters)
-        self._config = {
-            "num_files": len(self._paths),
-            "batch_size": batch_size,
-            "shuffle": bool(shuffle),
-            "seed": seed,
-            "shard_id": shard_id,
-            "num_shards": num_shards,
-            "stick_to_shard": bool(stick_to_shard),
-            "pad_last_batch": bool(pad_last_batch),
-            "drop_last": bool(drop_last),
-        }
-        self._plan = _core.ShardPlan(**self._config)
-        self._digest: str | None = None  # files_digest, made when a state first needs it
+        # The order's settings, the epoch and the batches of it given out, and the moves
+        # (set_epoch, load_state_dict) that an iteration under way follows.
+        self._state = _core.ReaderState(
+            self._paths, self._labels, batch_size=batch_size, shuffle=bool(shuffle), seed=seed,
+            shard_id=shard_id, num_shards=num_shards, stick_to_shard=bool(stick_to_shard),
+            pad_last_batch=bool(pad_last_batch), drop_last=bool(drop_last))
         self._copy = copy
         device_index = self._device.index if self._device.index is not None else 0
         self._core = _core.BatchReader(
@@ -179,11 +161,7 @@ class FileReader:
             extent_map=None if extent_map is None else _as_map(extent_map),
             extent_checksums=bool(extent_checksums),
         )
-        self._epoch = 0
-        self._position = 0  # batches of self._epoch given out
-        # set_epoch() and load_state_dict() calls, so that an iteration under way continues from
-        # the new place rather than from its own; and the iteration the read-ahead serves.
-        self._moves = 0
+        # The iteration the read-ahead serves.
         self._iteration: object | None = None
 
     # ---------------------------------------------------------------------------------------
@@ -202,27 +180,22 @@ class FileReader:
     @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to."""
-        return self._epoch
+        return int(self._state.epoch)
 
     def __len__(self) -> int:
         """Batches in the current epoch (shards differ by one sample when not padded)."""
-        return len(self._plan.epoch_batches(self._epoch))
+        return len(self._state)
 
     def epoch_indices(self, epoch: int) -> list[int]:
         """File indices this reader returns in ``epoch``, in order, padding included."""
-        return list(self._plan.epoch_samples(epoch))
+        return list(self._state.plan.epoch_samples(epoch))
 
     def set_epoch(self, epoch: int) -> None:
         """Starts ``epoch`` from its first batch: the next batch, of a new iteration or of one
         under way, is its first. The epoch an iteration has under way keeps its place: a script
         that sets each epoch as it starts, while DALI already reads ahead into it, gets each
         batch once."""
-        if not _is_epoch(epoch):
-            raise ValueError(f"epoch must be a non-negative 64-bit integer, not {epoch!r}")
-        if epoch == self._epoch and self._iteration is not None:
-            return
-        self._epoch, self._position = epoch, 0
-        self._moves += 1
+        self._state.set_epoch(epoch, self._iteration is not None)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -231,14 +204,6 @@ class FileReader:
         changed since the map was built and were read through the filesystem)."""
         return dict(self._core.stats())
 
-    @property
-    def _files_digest(self) -> str:
-        # Resolving and hashing every path costs ~0.5 s per million files: paid by the readers
-        # whose state is taken or loaded, not by every reader (a DataLoader worker's each epoch).
-        if self._digest is None:
-            self._digest = _core.files_digest(self._paths, self._labels)
-        return self._digest
-
     def state_dict(self) -> dict[str, Any]:
         """Where the reader is: the epoch, the batches of it already given out, the settings
         that fix the order and a digest of the paths and labels (``files_digest``), all
@@ -246,8 +211,7 @@ class FileReader:
         (the same real paths: a root spelled another way, ``"/a/b/"`` or ``"/a/./b"``, relative
         from another working directory or through a symbolic link, is the same root), with the
         same labels."""
-        return {"epoch": self._epoch, "position": self._position, **self._config,
-                "files_digest": self._files_digest}
+        return self._state.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at ``state``: the next batch, of a new iteration or of one under way (a
@@ -261,29 +225,7 @@ class FileReader:
             TypeError: ``state`` is not a dict (what ``state_dict()`` returns).
             ValueError: the state was taken from a reader with other files or settings.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"load_state_dict takes the dict that FileReader.state_dict() returns (epoch, "
-                f"position, settings and files_digest), not {type(state).__name__}")
-        expected = dict(self._config)
-        if "files_digest" in state:
-            expected["files_digest"] = self._files_digest
-            if state["files_digest"] != self._files_digest and state[
-                    "files_digest"] == _core.files_digest(self._paths, self._labels, spelled=True):
-                del expected["files_digest"]  # taken before paths were resolved: as spelled
-        for key, value in expected.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"state_dict has {key}={state.get(key)!r}, this reader {value!r}: "
-                    "it was taken from a reader of other files or settings")
-        epoch, position = state.get("epoch"), state.get("position")
-        if (not _is_epoch(epoch) or not isinstance(position, int) or isinstance(position, bool)
-                or not 0 <= position <= len(self._plan.epoch_batches(epoch))):
-            # A position past the epoch's batches would silently skip to the next epoch.
-            raise ValueError(f"state_dict has a bad position: epoch={epoch!r}, "
-                             f"position={position!r}")
-        self._epoch, self._position = epoch, position
-        self._moves += 1
+        self._state.load_state_dict(state)
 
     # ---------------------------------------------------------------------------------------
     # Iteration
@@ -295,21 +237,19 @@ class FileReader:
         self._iteration = token  # the reader's read-ahead now serves this iteration only
         try:
             while True:
-                moves = self._moves
-                batches = self._plan.epoch_batches(self._epoch)
-                start = min(self._position, len(batches))
-                self._core.start(batches[start:])
-                for number in range(start, len(batches)):
+                moves = self._state.moves
+                batches = self._state.remaining()
+                self._core.start(batches)
+                for _ in batches:
                     batch = self._core.next()
-                    self._position = number + 1
+                    self._state.advance()
                     yield batch
                     if self._iteration is not token:
                         return  # a later iteration (or close()) took the read-ahead over
-                    if self._moves != moves:
+                    if self._state.moves != moves:
                         break  # set_epoch() or load_state_dict() meanwhile: go on from there
                 else:
-                    self._epoch += 1
-                    self._position = 0
+                    self._state.next_epoch()
                     return
         finally:
             if self._iteration is token:

@@ -1,0 +1,293 @@
+// DeepNVMe's handles (DeepSpeed's aio_handle and gds_handle), but for their tensors:
+//   DeepNvmeHandle: the settings a handle is made with, taken as DeepSpeed's pybind11 binding
+//     takes them (the getters answer them), and the I/O engine's nearest ones. The Python
+//     handles subclass it and move the tensors.
+//   deepnvme_file, deepnvme_read_fits: DeepNVMe's checks of the file a call names, and its
+//     answer to one it cannot open or stat (the call returns -1; DeepNVMe prints its message, a
+//     RuntimeWarning here).
+//   deepnvme_validate: DeepNVMe's validate, the file's bytes against the buffer's.
+//   deepnvme_argument: an argument given by its name or by DeepSpeed's spelling of it.
+#include <fcntl.h>
+#include <pybind11/pybind11.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "arguments.hpp"
+#include "paths.hpp"
+#include "register.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+// The most bytes a handle's engine keeps in flight.
+constexpr uint64_t kMaxInflight = uint64_t{1} << 30;
+
+// TypeError naming the keywords `what` was given that it does not take, as Python's own.
+void RefuseKeywords(const std::string& what, const py::dict& kwargs) {
+  if (py::len(kwargs) == 0) return;
+  const py::object names = py::module_::import("builtins").attr("sorted")(kwargs);
+  throw py::type_error(StrCat(what, "() got unexpected keyword arguments: ", ReprOf(names)));
+}
+
+// `value`, or the keyword `alias` taken out of `kwargs` (DeepSpeed's spelling); no other keyword
+// may be left. TypeError for both, for neither, or for another keyword.
+py::object AliasedArgument(const std::string& what, py::object value, const py::dict& kwargs,
+                           const std::string& name, const std::string& alias) {
+  if (kwargs.contains(alias)) {
+    if (!value.is_none()) throw py::type_error(StrCat(what, "() got both ", name, " and ", alias));
+    value = kwargs.attr("pop")(alias);
+  }
+  RefuseKeywords(what, kwargs);
+  if (value.is_none()) throw py::type_error(StrCat(what, "() missing its argument '", name, "'"));
+  return value;
+}
+
+[[noreturn]] void RaiseOsError(int code, const std::string& message,
+                               const py::object& filename = py::none()) {
+  PyErr_SetObject(PyExc_OSError, py::make_tuple(code, message, filename).ptr());
+  throw py::error_already_set();
+}
+
+// DeepNVMe's answer to a file it cannot open or stat: its message, as a RuntimeWarning naming
+// the first caller outside the module that called here (DeepNVMe prints it). Returns None: the
+// call returns -1.
+py::object Failed(const std::string& path, const char* step, int code) {
+  const py::object first = py::module_::import("sys").attr("_getframe")(0);
+  const py::object module = first.attr("f_code").attr("co_filename");
+  int level = 1;
+  for (py::object frame = first;
+       !frame.is_none() && module.equal(frame.attr("f_code").attr("co_filename"));
+       frame = frame.attr("f_back")) {
+    ++level;
+  }
+  const py::str message = py::str("deepspeed_aio:  {} failed on {} error = {} ({})")
+                              .format(step, PathToPython(path), code, std::strerror(code));
+  if (PyErr_WarnEx(PyExc_RuntimeWarning, message.cast<std::string>().c_str(), level) < 0) {
+    throw py::error_already_set();
+  }
+  return py::none();
+}
+
+// Whether `target` is a path (str, bytes, os.PathLike), not a descriptor.
+bool IsPath(const py::object& target) {
+  const py::handle type(reinterpret_cast<PyObject*>(Py_TYPE(target.ptr())));
+  return PyUnicode_Check(target.ptr()) || PyBytes_Check(target.ptr()) ||
+         py::hasattr(type, "__fspath__");
+}
+
+// `target` as a path: DeepNVMe's calls take a C string (TypeError for anything else).
+std::string PathArgument(const py::object& target, const std::string& what) {
+  if (!IsPath(target)) {
+    throw py::type_error(StrCat(what, ": filename must be a path, not ", TypeName(target)));
+  }
+  return target.cast<FsPath>().bytes;
+}
+
+// The path a DeepNVMe call names: `target` a path, or (`descriptor_ok`: async_pwrite's second
+// overload) an open descriptor, named by /proc/self/fd and left open (OSError when it is not
+// open, or read-only for a write). A read's file must exist and open for reading; a write's path
+// is created if missing (mode 0600, as DeepNVMe's). None, with DeepNVMe's warning, when a check
+// fails; TypeError for a target that is no path (an int but where `descriptor_ok`).
+py::object DeepNvmeFile(const std::string& op, const py::object& target, const std::string& what,
+                        bool descriptor_ok) {
+  const bool descriptor = descriptor_ok && !IsPath(target);
+  std::string path;
+  if (!descriptor) {
+    path = PathArgument(target, what);
+  } else {
+    const int fd = CIntegerArgument(target, what, "fd", 0, 32, false).cast<int>();
+    const int flags = fcntl(fd, F_GETFL);
+    const int code = errno;
+    const std::string name = StrCat(what, ": file descriptor ", fd);
+    if (flags < 0) RaiseOsError(code, StrCat(name, ": ", std::strerror(code)));
+    if (op == "write" && (flags & O_ACCMODE) == O_RDONLY) {
+      RaiseOsError(EBADF, name + " is read-only");
+    }
+    path = StrCat("/proc/self/fd/", fd);
+  }
+  const char* step = "";
+  int code = 0;
+  {
+    py::gil_scoped_release release;
+    struct stat st{};
+    int fd = -1;
+    if (op == "read" && stat(path.c_str(), &st) != 0) {
+      step = "fstat for read";
+    } else if (op == "read" && (fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)) < 0) {
+      step = "open for read";
+    } else if (op == "write" && !descriptor &&
+               (fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600)) < 0) {
+      step = "open for write";
+    }
+    if (*step != '\0') code = errno;
+    if (fd >= 0) close(fd);
+  }
+  if (*step != '\0') return Failed(path, step, code);
+  return PathToPython(path);
+}
+
+// DeepNVMe's synchronous read()'s check: the buffer's `nbytes` at `offset` must be in the file,
+// and at offset 0 the file's size must be the buffer's (ValueError: DeepNVMe aborts). False,
+// with DeepNVMe's warning, when the file cannot be stat'ed.
+bool DeepNvmeReadFits(const py::object& target, uint64_t nbytes, uint64_t offset) {
+  const std::string path = PathArgument(target, "read");
+  struct stat st{};
+  int code = 0;
+  {
+    py::gil_scoped_release release;
+    if (stat(path.c_str(), &st) != 0) code = errno;
+  }
+  if (code != 0) {
+    Failed(path, "fstat for read", code);
+    return false;
+  }
+  const auto size = static_cast<uint64_t>(st.st_size);
+  const py::object name = PathToPython(path);
+  if (offset == 0 && size != nbytes) {
+    throw py::value_error(py::str("read: {} holds {} bytes, buffer {}")
+                              .format(name, size, nbytes)
+                              .cast<std::string>());
+  }
+  if (offset + nbytes > size) {  // a read that stopped at the end would leave the tail unseen
+    throw py::value_error(
+        py::str("read: {} holds {} bytes, fewer than the buffer's {} from offset {}")
+            .format(name, size, nbytes, offset)
+            .cast<std::string>());
+  }
+  return true;
+}
+
+// DeepNVMe's validate: the file's bytes at `offset` (through the page cache) against the host
+// memory [address, address + nbytes). OSError(EIO) when they differ.
+void DeepNvmeValidate(uintptr_t address, size_t nbytes, const FsPath& path, uint64_t offset) {
+  int code = 0;
+  bool same = false;
+  {
+    py::gil_scoped_release release;
+    const int fd = open(path.bytes.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      code = errno;
+    } else {
+      std::vector<char> on_disk(nbytes);
+      size_t got = 0;
+      while (got < nbytes) {
+        const ssize_t n =
+            pread(fd, on_disk.data() + got, nbytes - got, static_cast<off_t>(offset + got));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) code = errno;
+        if (n <= 0) break;
+        got += static_cast<size_t>(n);
+      }
+      close(fd);
+      same = got == nbytes &&
+             (nbytes == 0 ||
+              std::memcmp(on_disk.data(), reinterpret_cast<const void*>(address), nbytes) == 0);
+    }
+  }
+  const py::str name = PathToPython(path.bytes);
+  if (code != 0) RaiseOsError(code, std::strerror(code), name);
+  if (!same) {
+    RaiseOsError(
+        EIO, py::str("validation failed: {} at offset {}").format(name, offset).cast<std::string>(),
+        name);
+  }
+}
+
+uint64_t ClampToSetting(uint64_t value, const char* env) {
+  const Setting& s = SettingFor(env);
+  return std::clamp<uint64_t>(value, s.min, s.max);
+}
+
+class DeepNvmeHandle {
+ public:
+  // DeepSpeed's bindings take the settings as C ints (TypeError for others); a value below 1,
+  // with which DeepNVMe's handle fails at its first transfer, is a ValueError.
+  DeepNvmeHandle(const py::object& block_size, const py::object& queue_depth,
+                 const py::object& single_submit, const py::object& overlap_events,
+                 py::object parallelism, py::kwargs kwargs) {
+    if (kwargs.contains("num_threads")) {  // the fifth argument's name before DeepSpeed 0.15
+      parallelism = kwargs.attr("pop")("num_threads");
+    }
+    RefuseKeywords("aio_handle", kwargs);
+    block_size_ = CInt(block_size, "block_size");
+    queue_depth_ = CInt(queue_depth, "queue_depth");
+    parallelism_ = CInt(parallelism, "intra_op_parallelism");
+    single_submit_ = CBoolArgument(single_submit, "aio_handle", "single_submit");
+    overlap_events_ = CBoolArgument(overlap_events, "aio_handle", "overlap_events");
+  }
+
+  // The engine settings nearest to the handle's (every size DeepNVMe takes works).
+  py::dict EngineSettings() const {
+    const uint64_t chunk =
+        ClampToSetting((block_size_ + 4095) / 4096 * 4096, "TENSORTIER_CHUNK_SIZE");
+    const uint64_t depth = ClampToSetting(queue_depth_, "TENSORTIER_QUEUE_DEPTH");
+    const uint64_t workers = ClampToSetting(parallelism_, "TENSORTIER_WORKERS");
+    py::dict out;
+    out["chunk_size"] = chunk;
+    out["queue_depth"] = depth;
+    out["workers"] = workers;
+    out["max_inflight_bytes"] = std::max(chunk, std::min(chunk * depth * workers, kMaxInflight));
+    return out;
+  }
+
+  int64_t block_size() const { return block_size_; }
+  int64_t queue_depth() const { return queue_depth_; }
+  int64_t parallelism() const { return parallelism_; }
+  bool single_submit() const { return single_submit_; }
+  bool overlap_events() const { return overlap_events_; }
+
+ private:
+  static int64_t CInt(const py::object& value, const char* name) {
+    return CIntegerArgument(value, "aio_handle", name, 1, 32, false).cast<int64_t>();
+  }
+
+  int64_t block_size_ = 0;
+  int64_t queue_depth_ = 0;
+  int64_t parallelism_ = 0;
+  bool single_submit_ = false;
+  bool overlap_events_ = false;
+};
+
+}  // namespace
+
+void RegisterDeepNvme(py::module_& m) {
+  py::class_<DeepNvmeHandle>(m, "DeepNvmeHandle",
+                             "DeepNVMe's handle settings (the Python handles subclass it).")
+      .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
+                    py::object, py::kwargs>())
+      .def("_engine_settings", &DeepNvmeHandle::EngineSettings,
+           "IOHandle's chunk_size, queue_depth, workers and max_inflight_bytes for the handle.")
+      .def("get_block_size", &DeepNvmeHandle::block_size)
+      .def("get_queue_depth", &DeepNvmeHandle::queue_depth)
+      .def("get_single_submit", &DeepNvmeHandle::single_submit)
+      .def("get_overlap_events", &DeepNvmeHandle::overlap_events)
+      .def("get_intra_op_parallelism", &DeepNvmeHandle::parallelism)
+      .def("get_thread_count", &DeepNvmeHandle::parallelism);
+  m.def("deepnvme_file", &DeepNvmeFile, py::arg("op"), py::arg("target"), py::arg("what"),
+        py::arg("descriptor_ok") = false,
+        "The path a DeepNVMe call names, checked as DeepNVMe checks it; None (with DeepNVMe's "
+        "message as a RuntimeWarning) when it cannot be opened or stat'ed.");
+  m.def("deepnvme_read_fits", &DeepNvmeReadFits, py::arg("filename"), py::arg("nbytes"),
+        py::arg("offset"),
+        "DeepNVMe's read() check of the file's size (ValueError); False, with DeepNVMe's "
+        "warning, when it cannot be stat'ed.");
+  m.def("deepnvme_validate", &DeepNvmeValidate, py::arg("address"), py::arg("nbytes"),
+        py::arg("path"), py::arg("offset"),
+        "DeepNVMe's validate: OSError(EIO) unless the file at `offset` holds the host memory's "
+        "bytes.");
+  m.def("deepnvme_argument", &AliasedArgument, py::arg("what"), py::arg("value"), py::arg("kwargs"),
+        py::arg("name"), py::arg("alias"),
+        "`value`, or the keyword `alias` taken out of `kwargs`; TypeError for both, neither, or "
+        "another keyword left.");
+}
