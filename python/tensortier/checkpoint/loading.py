@@ -161,10 +161,7 @@ def load(
             if kind == "index" and streamed:
                 raise ValueError("a shard index names its shards by path: load it by its path, "
                                  "not from a file object")
-            # The load's one way down: ``index`` picks the format's module (``safetensors``;
-            # ``unpickler`` for torch zips; each shard of an index through them), which
-            # allocates the tensors and hands their pieces to ``_reading``, which reads and
-            # checks them in C++ (``load_into`` shares the same modules below it).
+            # One way down: index -> safetensors or unpickler -> _reading (C++ reads).
             with _engine._gc_paused():
                 return _load_kind(fspath, kind, dev, target_dtype, verify, progress, io,
                                   _Readahead() if mmap else None, placement)
@@ -178,8 +175,7 @@ def load(
 
 
 def _torch_default_mmap() -> bool:
-    """What ``torch.load(mmap=None)`` does: ``torch.utils.serialization.config.load.mmap``
-    (torch >= 2.5; False before)."""
+    """``torch.utils.serialization.config.load.mmap`` (torch >= 2.5; False before)."""
     try:
         from torch.utils.serialization import config
     except ImportError:
@@ -188,8 +184,6 @@ def _torch_default_mmap() -> bool:
 
 
 def _is_meta(location: Any) -> bool:
-    """Whether a map_location dict value names the meta device (a value that names no device
-    is refused where it is used)."""
     try:
         return _torch().device(location).type == "meta"
     except (TypeError, RuntimeError, ValueError):
