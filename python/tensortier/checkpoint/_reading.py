@@ -8,13 +8,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .. import _core
 from ..io import _bump_versions, File, IOFuture, IOHandle
 from . import _engine, _format
 from ._tensor_bytes import _as_bytes
 from ._format import _require, _torch, ALIGNMENT
-from ._progress import _Progress
 
 _I = TypeVar("_I")
+
+# A load's progress bar on stderr (C++, ProgressBar): _Progress(label, total, enabled or None).
+_Progress = _core.Progress
 
 
 @dataclass

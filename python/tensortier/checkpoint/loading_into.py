@@ -13,8 +13,7 @@ from . import _engine, _reading, safetensors, unpickler
 from ._files import _same_file
 from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
-from ._progress import _Progress
-from ._reading import _byte_groups, _open_checkpoint, _Piece
+from ._reading import _byte_groups, _open_checkpoint, _Piece, _Progress
 from .index import _each_shard
 from .unpickler import _StorageRef, _verify_other_records
 

@@ -13,8 +13,7 @@ from ._dtype import _converts
 from ._files import _same_file
 from ._format import _dtype_names, _require, _st_dtype_maps, _torch
 from ._format import ALIGNMENT, CHECKSUM_KEY, PathLike
-from ._progress import _Progress
-from ._reading import _open_checkpoint, _Piece
+from ._reading import _open_checkpoint, _Piece, _Progress
 from ._writing import _DurableFile
 from .mapping import _mapped_tensor, _Placement, _Readahead
 

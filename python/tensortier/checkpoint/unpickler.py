@@ -14,8 +14,7 @@ from . import _dtype, _engine, _reading, mapping
 from ._files import _same_file
 from ._tensor_bytes import _storage_bytes
 from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes
-from ._progress import _Progress
-from ._reading import _open_checkpoint, _Piece, _read_at
+from ._reading import _open_checkpoint, _Piece, _Progress, _read_at
 from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead
 
 
@@ -153,6 +152,8 @@ def _unpickle_torch(
     # rebuild reads it, not after the pickle is loaded.
     swap_now = mapped is not None and data_dependent and big_endian
 
+    check_storage = _require("check_torch_storage")
+
     def unpickle(device: Any) -> tuple[Any, dict[str, _StorageRef]]:
         storages: dict[str, _StorageRef] = {}
 
@@ -171,30 +172,15 @@ def _unpickle_torch(
                     raise ValueError(
                         f"{path}: storage {key} has an unknown type {storage_type!r}"
                     )
-            if key in storages:
-                ref = storages[key]
-                # The rule of the CLI's pickle reader (src/checkpoint/torch_pickle.cpp): torch.save
-                # never describes a storage with bytes two ways; read as either, the other
-                # description's tensors would get wrong values.
-                nbytes = numel * dtype.itemsize
-                if (ref.nbytes or nbytes) and (ref.dtype != dtype or ref.nbytes != nbytes):
-                    raise ValueError(
-                        f"{path}: storage '{key}' is described twice, differently ({ref.dtype}, "
-                        f"{ref.nbytes} bytes; {dtype}, {nbytes} bytes): the file is damaged"
-                    )
-            else:
-                name = f"{prefix}data/{key}"
-                record = records.get(name)
-                if record is None:
-                    raise ValueError(f"{path}: storage record {name} is missing")
-                if numel < 0:
-                    raise ValueError(f"{path}: storage {key} has a negative size")
-                nbytes = numel * dtype.itemsize
-                if nbytes != record.size:
-                    raise ValueError(
-                        f"{path}: storage {key} should hold {nbytes} bytes, its record has "
-                        f"{record.size}"
-                    )
+            ref = storages.get(key)
+            name = f"{prefix}data/{key}"
+            record = records.get(name)
+            nbytes = check_storage(  # C++: the record's size, a second description's
+                path, name, key, str(dtype), dtype.itemsize, numel,
+                None if record is None else record.size,
+                None if ref is None else (str(ref.dtype), ref.nbytes))
+            if ref is None:
+                assert record is not None
                 # A tensor set_ past the end of a resizable storage grows it: a few bytes of
                 # pickle would allocate any size. CPU storages are fixed-size: torch refuses
                 # then (as torch.load does).
