@@ -11,11 +11,11 @@ from tensortier.checkpoint._dtype import _convert, _convert_in_place  # noqa: F4
 from tensortier.checkpoint._engine import _default_io  # noqa: F401
 from tensortier.checkpoint._format import _sniff, ALIGNMENT, CHECKSUM_KEY  # noqa: F401
 from tensortier.checkpoint._format import HEADER_CHECKSUM_KEY  # noqa: F401
-from tensortier.checkpoint._progress import _Progress  # noqa: F401
 from tensortier.checkpoint._reading import (  # noqa: F401
     _byte_groups,
     _Piece,
     _pinned_buffer,
+    _Progress,
     _read_batched,
     _read_device_checked,
     _read_pieces,

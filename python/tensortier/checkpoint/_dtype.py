@@ -25,8 +25,7 @@ def _target_dtype(dtype: Any) -> Any:
 
 def _convert(t: Any, dtype: Any) -> Any:
     """`t` in `dtype` when both are floating point; otherwise `t` unchanged. A Parameter stays
-    a Parameter and a tensor that requires grad stays a leaf that does (as loading it in
-    `dtype` would give; not a result of `.to` with autograd history)."""
+    one, and a tensor that requires grad stays a leaf (no autograd history from `.to`)."""
     if dtype is None or t.dtype == dtype:
         return t
     if not t.is_floating_point() or not dtype.is_floating_point:
@@ -49,11 +48,9 @@ def _converts(saved: Any, dtype: Any) -> bool:
 
 
 def _convert_in_place(obj: Any, dtype: Any) -> Any:
-    """`obj` with every tensor inside dicts, lists and tuples converted by ``_convert``. Dicts
-    and lists are changed in place, one tensor at a time, so that each original can go as soon
-    as it is converted (with nothing else holding it): converting a whole checkpoint then needs
-    room for one converted tensor more, not for a second copy of all of them. A tensor met twice
-    is converted once and stays one object; so do containers met twice."""
+    """`obj` with every tensor inside dicts, lists and tuples converted by ``_convert``, dicts
+    and lists in place so that each original can go once converted (memory for one converted
+    tensor more, not a second copy of all). A tensor or container met twice stays one object."""
     torch = _torch()
     converted: dict[int, Any] = {}  # id(original) -> converted, for tensors met again
     done: set[int] = set()  # containers already converted

@@ -12,10 +12,9 @@ from .._runtime import default_io as _default_io  # noqa: F401  (the checkpoint 
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off for a save or load: one of many small tensors
-    makes tens of thousands of objects (tensors, shapes, entries), which would set off full
-    collections over every object of the process (torch's own included) in its middle: twice
-    the time of a 20,000-tensor load here. It runs again (if it was on) when the block ends."""
+    """Python's cyclic collector held off for a save or load: tens of thousands of small
+    tensors would set off full collections of the whole process in its middle (twice the time
+    of a 20,000-tensor load)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -35,9 +35,9 @@ def _memfd_copy(stream: Any) -> Iterator[str]:
 
 
 def _same_file(file: File, path: str, parse: Callable[[str], _T]) -> _T:
-    """``parse(name)`` where `name` is exactly the file `file` has open (its /proc/self/fd link):
-    the header or zip directory then describes the bytes the engine reads, even if `path` is
-    replaced meanwhile (an atomic save by another process). Messages name `path`."""
+    """``parse(name)`` where `name` is the file `file` has open (its /proc/self/fd link), so
+    that what is parsed is what is read even if `path` is replaced meanwhile; messages name
+    `path`."""
     proc = f"/proc/self/fd/{file.fileno()}"
     if not os.path.exists(proc):
         return parse(path)
@@ -53,9 +53,8 @@ def _same_file(file: File, path: str, parse: Callable[[str], _T]) -> _T:
 
 
 def _renamed(e: ValueError, message: str) -> ValueError:
-    """`e`'s type with `message` (the file named as the caller gave it): code catches the types
-    (``WeightsOnlyUnpicklingError`` as ``pickle.UnpicklingError``, as from ``torch.load``).
-    Types that need more than a message (``UnicodeDecodeError``) become a plain ValueError."""
+    """`e`'s type (code catches it) with `message`; a plain ValueError for types that need
+    more than a message (``UnicodeDecodeError``)."""
     try:
         return type(e)(message)
     except TypeError:

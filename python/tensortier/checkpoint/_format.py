@@ -39,9 +39,6 @@ _STAGING_BYTES = 256 << 20
 # O_DIRECT with no bounce copy the alignment rules would force); smaller ones are torch.empty.
 _ALIGNED_ALLOC_MIN = 1 << 20
 
-# The progress bar shows for loads of at least this many bytes when stderr is a terminal.
-_PROGRESS_MIN_BYTES = 512 << 20
-
 
 def _torch() -> Any:
     try:

@@ -8,13 +8,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .. import _core
 from ..io import _bump_versions, File, IOFuture, IOHandle
 from . import _engine, _format
 from ._tensor_bytes import _as_bytes
 from ._format import _require, _torch, ALIGNMENT
-from ._progress import _Progress
 
 _I = TypeVar("_I")
+
+# A load's progress bar on stderr (C++, ProgressBar): _Progress(label, total, enabled or None).
+_Progress = _core.Progress
 
 
 @dataclass
@@ -32,14 +35,12 @@ class _Piece:
 
 
 def _open_checkpoint(io: IOHandle, path: str) -> File:
-    """`path` opened for the engine's reads through `io`'s fault seam (a FIFO or a device is
-    refused, never waited on)."""
+    """`path` opened for the engine's reads (a FIFO or a device is refused, never waited on)."""
     return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
 
 
 def _read_at(file: File, size: int, offset: int, io: IOHandle | None = None) -> bytes:
-    """`size` bytes of `file` from `offset` (fewer at its end), read by the engine: faults can
-    be injected there and its errors name the file."""
+    """`size` bytes of `file` from `offset` (fewer at its end), read by the engine."""
     if size == 0:
         return b""
     buf = bytearray(size)
@@ -52,10 +53,8 @@ def _read_host(
     lengths: Sequence[int], addresses: Sequence[int], progress: _Progress,
     check: str = "none", expected: Sequence[int | None] | None = None,
 ) -> None:
-    """Host memory at `addresses` (the caller's tensors, kept alive meanwhile) filled from
-    `file` and checked (``check``: "xxh64", "crc32" or "none"; `expected`: the stored values),
-    by one call into the pipeline: small pieces gathered into large requests, the others in
-    groups of ``_GROUP_BYTES`` read while earlier ones are checked."""
+    """Host memory at `addresses` filled from `file` and checked (``check``: "xxh64", "crc32"
+    or "none"; `expected`: the stored values) by one call into the pipeline."""
     report = progress.update if progress.enabled else None
     _require("read_pieces")(
         io._core(), file, path, names, offsets, lengths, addresses,  # noqa: SLF001
@@ -65,8 +64,7 @@ def _read_host(
 
 
 def _check_host(path: str, pieces: Sequence[tuple[str, Any, tuple[str, int | None]]]) -> None:
-    """(name, CPU tensor, checksum) `pieces` whose bytes are in memory already (mapped, read
-    while unpickling) checked by the pipeline's rule, one call per kind of checksum."""
+    """(name, CPU tensor, checksum) `pieces` already in memory, checked by the pipeline."""
     for kind in {c[0] for _, _, c in pieces}:
         mine = [(n, t, c) for n, t, c in pieces if c[0] == kind]
         _require("check_pieces")(path, [n for n, _, _ in mine], [t.data_ptr() for _, t, _ in mine],
@@ -75,10 +73,8 @@ def _check_host(path: str, pieces: Sequence[tuple[str, Any, tuple[str, int | Non
 
 
 def _read_pieces(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str) -> None:
-    """Read every piece into its destination. CPU destinations are read and checked in C++;
-    CUDA ones through the engine's GPU path (pinned bounce ring or GPUDirect Storage, copies on
-    the current stream), except those with a checksum to check, which come through a pinned
-    host buffer."""
+    """Read every piece into its destination: CPU ones by C++, CUDA ones by the engine's GPU
+    path, except those with a checksum to check (through a pinned host buffer)."""
     host = [p for p in pieces if p.dest.is_cpu]
     device = [p for p in pieces if not p.dest.is_cpu and p.checksum is None]
     checked_device = [p for p in pieces if not p.dest.is_cpu and p.checksum is not None]
@@ -93,8 +89,8 @@ def _read_pieces(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, pa
 def _read_host_pieces(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
 ) -> None:
-    """CPU `pieces`, one pipeline call per file and kind of checksum. Each read counts as an
-    in-place change of its tensor for autograd, as the engine's reads into tensors do."""
+    """CPU `pieces`, one pipeline call per file and kind of checksum; each read counts as an
+    in-place change of its tensor for autograd."""
     calls: dict[tuple[int, str], list[_Piece]] = {}
     for p in pieces:
         calls.setdefault((id(p.file), p.checksum[0] if p.checksum else "none"), []).append(p)
@@ -106,8 +102,7 @@ def _read_host_pieces(
 
 
 def _byte_groups(items: Sequence[_I]) -> Iterator[list[_I]]:
-    """`items` (anything with `nbytes`) in runs of at most ``_GROUP_BYTES`` (one item, if
-    larger): what is read, staged or converted at once."""
+    """`items` (with `nbytes`) in runs of at most ``_GROUP_BYTES`` (one item, if larger)."""
     group: list[_I] = []
     size = 0
     for item in items:
@@ -130,8 +125,8 @@ def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
 def _read_batched(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
 ) -> None:
-    """Unchecked CUDA destinations through the engine's GPU path, in groups of ~64 MiB submitted
-    together; every read is waited for before an error is raised (it writes the tensors)."""
+    """Unchecked CUDA destinations through the engine's GPU path, a group at a time; every read
+    is waited for before an error is raised (it writes the tensors)."""
     submitted: list[tuple[list[_Piece], IOFuture | None]] = []
     try:
         for group in _byte_groups(pieces):
@@ -156,8 +151,7 @@ def _read_batched(
 
 
 def _pinned_buffer(size: int) -> Any:
-    """`size` bytes of tensortier's pinned host memory (exactly that size, unmapped when the
-    tensor goes), as a uint8 tensor."""
+    """`size` bytes of tensortier's pinned host memory, as a uint8 tensor."""
     from ..device import pinned_empty
 
     return pinned_empty(size)
@@ -166,11 +160,10 @@ def _pinned_buffer(size: int) -> Any:
 def _read_device_checked(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
 ) -> None:
-    """Fill CUDA destinations whose bytes must be checksummed on the host (verify=True):
-    each piece is read whole into one of two reused pinned buffers, checked, then copied to
-    its device (on a stream of that device's own) while the next piece is read. The buffers are
-    tensortier's pinned memory of the exact size, unmapped when this returns (torch's pinned
-    allocator would round each up to a power of two and keep it cached for the process)."""
+    """CUDA destinations checked on the host (verify=True): each piece read into one of two
+    pinned buffers, checked, then copied to its device on a stream of its own while the next
+    is read. tensortier's pinned memory, as torch's allocator would round each buffer up to a
+    power of two and keep it cached."""
     torch = _torch()
     size = max(p.nbytes for p in pieces) + ALIGNMENT
     buffers = [_pinned_buffer(size) for _ in range(2)]

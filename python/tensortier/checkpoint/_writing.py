@@ -10,10 +10,8 @@ from ._format import PathLike
 
 
 class _DurableFile:
-    """A save's new file (``_core.DurableFile``: temporary name next to `path`, fdatasync,
-    rename, directory fsync, background release of the replaced file, every system call
-    through `io`'s fault seam), which the C++ writers fill; ``commit()`` makes it the file at
-    `path`, an exception in the ``with`` body (or no commit) removes it."""
+    """A save's new file (``_core.DurableFile``), which the C++ writers fill: ``commit()``
+    makes it the file at `path`, an exception in the ``with`` body (or no commit) removes it."""
 
     # False: the rename frees the replaced file, as before (bench/save_replace_cost.py's switch).
     _free_in_background = True

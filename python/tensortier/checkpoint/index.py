@@ -14,15 +14,10 @@ from .unpickler import _load_torch
 
 
 def _each_shard(path: str, read: Callable[[str, str], Any]) -> dict[str, Any]:
-    """What ``read(shard, kind)`` gives for each shard of index `path` ("safetensors" or
-    "torch"), taken into one dict in the shards' order. The index is read by the CLI's rules
-    (include/tensortier/checkpoint/checkpoint_format.hpp); a shard it spells two ways
-    ("s.safetensors", "./s.safetensors") is one file that must hold the names of both. The
-    index's weight_map is the checkpoint's list of tensors, as for transformers'
-    ``load_sharded_checkpoint`` (its keys are the checkpoint's keys): a tensor a shard holds and
-    the index puts in another shard, or in none, is not taken from it (the order shards are
-    read in must not decide the bytes, and a name the index omits is not part of the
-    checkpoint)."""
+    """What ``read(shard, kind)`` gives for each shard of index `path`, in one dict in the
+    shards' order (the index read by the CLI's rules). The weight_map is the checkpoint's list
+    of tensors, as for transformers: a tensor a shard holds and the index puts elsewhere, or
+    nowhere, is not taken from it (the order shards are read in must not decide the bytes)."""
     shards: dict[str, list[str]] = {}
     for shard, names in _require("read_shard_index")(path):
         shards.setdefault(os.path.abspath(shard), []).extend(names)
@@ -46,9 +41,8 @@ def _load_kind(
     path: str, kind: str, dev: Any, dtype: Any, verify: bool, progress: bool | None,
     io: IOHandle, mapped: _Readahead | None = None, placement: _Placement | None = None,
 ) -> Any:
-    """The load of `path`, a file of `kind` (``_sniff``'s): an index loads each of its shards
-    through the format's module. `mapped`: map the files (``load(mmap=True)``), sharing this
-    readahead budget."""
+    """The load of `path`, a file of `kind` (``_sniff``'s); an index's shards each through
+    their format's module."""
     if kind == "index":
         return _each_shard(path, lambda shard, k: _load_kind(
             shard, k, dev, dtype, verify, progress, io, mapped, placement))

@@ -10,7 +10,7 @@ from ..io import IOHandle
 from . import _engine, mapping
 from ._dtype import _target_dtype
 from ._files import _is_file_object, _memfd_copy, _renamed
-from ._format import _sniff, _torch, PathLike
+from ._format import _require, _sniff, _torch, PathLike
 from .._paths import fspath as _fspath
 from .index import _load_kind
 from .mapping import _Placement, _Readahead
@@ -134,24 +134,10 @@ def load(
         mmap = placement is None and dev.type == "cpu" and _torch_default_mmap()
     if not isinstance(mmap, bool):
         raise TypeError(f"mmap must be a bool or None, not {type(mmap).__name__}")
-    if verify and dev.type == "meta":
-        raise ValueError(
-            "verify=True checks the tensors' bytes, and a load to the meta device reads none: "
-            "load with verify=False"
-        )
+    to_meta: list[str] = []
     if verify and placement is not None and placement.mapping is not None:
         to_meta = sorted(str(k) for k, v in placement.mapping.items() if _is_meta(v))
-        if to_meta:
-            raise ValueError(
-                f"verify=True checks the tensors' bytes, and map_location sends the storages "
-                f"saved at {to_meta} to the meta device, which reads none of theirs: load with "
-                "verify=False, or map them elsewhere"
-            )
-    if mmap and dev.type != "cpu":
-        raise ValueError(
-            f"mmap=True maps the file into host memory: it needs device='cpu', not {dev} "
-            "(load to the GPU with mmap=False: its bytes go there without host copies)"
-        )
+    _require("check_load_options")(str(dev), bool(verify), mmap, repr(to_meta) if to_meta else "")
     io = _io if _io is not None else _engine._default_io()
     with contextlib.ExitStack() as stack:
         streamed = _is_file_object(path, "read")
@@ -161,10 +147,7 @@ def load(
             if kind == "index" and streamed:
                 raise ValueError("a shard index names its shards by path: load it by its path, "
                                  "not from a file object")
-            # The load's one way down: ``index`` picks the format's module (``safetensors``;
-            # ``unpickler`` for torch zips; each shard of an index through them), which
-            # allocates the tensors and hands their pieces to ``_reading``, which reads and
-            # checks them in C++ (``load_into`` shares the same modules below it).
+            # One way down: index -> safetensors or unpickler -> _reading (C++ reads).
             with _engine._gc_paused():
                 return _load_kind(fspath, kind, dev, target_dtype, verify, progress, io,
                                   _Readahead() if mmap else None, placement)
@@ -178,8 +161,7 @@ def load(
 
 
 def _torch_default_mmap() -> bool:
-    """What ``torch.load(mmap=None)`` does: ``torch.utils.serialization.config.load.mmap``
-    (torch >= 2.5; False before)."""
+    """``torch.utils.serialization.config.load.mmap`` (torch >= 2.5; False before)."""
     try:
         from torch.utils.serialization import config
     except ImportError:
@@ -188,8 +170,6 @@ def _torch_default_mmap() -> bool:
 
 
 def _is_meta(location: Any) -> bool:
-    """Whether a map_location dict value names the meta device (a value that names no device
-    is refused where it is used)."""
     try:
         return _torch().device(location).type == "meta"
     except (TypeError, RuntimeError, ValueError):

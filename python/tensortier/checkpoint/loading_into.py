@@ -13,8 +13,7 @@ from . import _engine, _reading, safetensors, unpickler
 from ._files import _same_file
 from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
-from ._progress import _Progress
-from ._reading import _byte_groups, _open_checkpoint, _Piece
+from ._reading import _byte_groups, _open_checkpoint, _Piece, _Progress
 from .index import _each_shard
 from .unpickler import _StorageRef, _verify_other_records
 
@@ -146,11 +145,9 @@ def load_into(
 
 
 def _upgrade_note(module: Any, saved_versions: Mapping[str, Any], names: Sequence[str]) -> str:
-    """Why `names` (missing or unexpected) may load with ``load_state_dict``: a submodule whose
-    ``_version`` is newer than the one the file records for it (in the state dict's
-    ``_metadata``; none recorded reads as older) gets its entries upgraded by its
-    ``_load_from_state_dict`` (BatchNorm adds ``num_batches_tracked`` to version 1 files),
-    which load_into does not run. Empty when no such submodule holds one of `names`."""
+    """Why `names` may load with ``load_state_dict``: submodules holding them whose ``_version``
+    is newer than the file's ``_metadata`` records get them upgraded by their
+    ``_load_from_state_dict``, which load_into does not run ("" when none)."""
     holders = {name.rpartition(".")[0] for name in names}
     older = []
     for prefix, sub in module.named_modules():
@@ -173,9 +170,7 @@ def _upgrade_note(module: Any, saved_versions: Mapping[str, Any], names: Sequenc
 
 
 def _extra_state_modules(module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """The state dict names that hold a submodule's ``get_extra_state()`` (``..._extra_state``),
-    and their modules: ``load_state_dict`` gives the saved value to ``set_extra_state``, whatever
-    object it is, rather than copying it into a tensor."""
+    """The state dict names holding a submodule's ``get_extra_state()``, and their modules."""
     nn = _torch().nn
     base = nn.Module.get_extra_state
     suffix = getattr(nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
@@ -191,8 +186,8 @@ def _extra_state_modules(module: Any, state_dict: Mapping[str, Any]) -> dict[str
 
 @dataclass
 class _Source:
-    """Where a saved tensor's bytes are: a contiguous run of `nbytes` at `offset` of `path`, or
-    (non-contiguous torch views) a tensor to copy from once its storage is read."""
+    """A saved tensor's bytes: `nbytes` at `offset` of `path`, or (torch views) `view` of
+    `crc_storage` once read."""
 
     path: str
     dtype: Any
@@ -209,10 +204,10 @@ def _describe_sources(
     extra_names: frozenset[str] = frozenset(), saved_states: dict[str, Any] | None = None,
     saved_versions: dict[str, Any] | None = None,
 ) -> dict[str, _Source]:
-    """The tensors of `path` (an index: of its shards). Every data file is opened into `files`
-    and parsed through that descriptor. Values of `extra_names` (modules' extra states) that
-    are not tensors go into `saved_states`; the module versions a torch file's state dict
-    records (its ``_metadata``) into `saved_versions`."""
+    """The tensors of `path` (an index: of its shards), each data file opened into `files` and
+    parsed through that descriptor. Values of `extra_names` that are not tensors go into
+    `saved_states`; the module versions a torch file's ``_metadata`` records into
+    `saved_versions`."""
     kind = _sniff(path)
     if kind == "index":
         return _each_shard(path, lambda shard, _: _describe_sources(
@@ -291,8 +286,6 @@ def _load_into(
     progress: bool | None, io: IOHandle, path: str, files: Mapping[str, File],
     target_name: str = "dict", explain: Callable[[Sequence[str]], str] | None = None,
 ) -> IncompatibleKeys:
-    """`explain`: given the missing and unexpected names of a mismatch, a note to end its
-    error with (or "")."""
     torch = _torch()
     missing, unexpected, errors = _require("match_state_dict")(
         [(k, t.shape, str(t.dtype), t.data_ptr(), t.nbytes) for k, t in targets.items()],
@@ -373,9 +366,8 @@ def _load_into(
 
 @dataclass
 class _Staged:
-    """A load_into target read through a temporary: non-contiguous, another dtype than the
-    file's (converted as load_state_dict's copy_ does), or a view of a saved storage. `make`
-    allocates the temporary and returns the piece to read and the copy into the target."""
+    """A target read through a temporary: `make` allocates it and returns the piece to read
+    and the copy into the target."""
 
     nbytes: int
     make: Callable[[], tuple[_Piece, Callable[[], None]]]

@@ -19,15 +19,9 @@ from ._format import _require, _torch, ALIGNMENT
 
 def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
     """An uninitialised flat CPU tensor with a storage of its own. Large ones start `misalign`
-    bytes past a page boundary, so that address and file offset agree modulo the page size:
-    the engine then reads them O_DIRECT with no bounce copy the alignment rules would force.
-
-    The memory comes from torch's CPU allocator, as any tensor's. With glibc, tensors up to its
-    mmap threshold (at most 32 MiB) reuse heap memory the process freed, already faulted in (a
-    warm reload of 2 GiB in 300 tensors ran 3.7 -> 15 GB/s on the benchmark VM); larger ones
-    are fresh mappings either way. Where transparent huge pages are "madvise" (the common
-    default) the memory has small pages, the faster first touch on VMs that report free memory
-    to their host (BENCHMARKS.md)."""
+    bytes past a page boundary, so that address and file offset agree modulo the page size
+    (read O_DIRECT with no bounce copy). torch's allocator, as any tensor's: glibc reuses freed
+    heap memory already faulted in (a warm reload of 2 GiB ran 3.7 -> 15 GB/s, BENCHMARKS.md)."""
     torch = _torch()
     nbytes = numel * dtype.itemsize
     if nbytes < _format._ALIGNED_ALLOC_MIN:
@@ -37,16 +31,13 @@ def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
     base = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)  # skip < ALIGNMENT
     skip = (misalign - base.data_ptr()) % ALIGNMENT
     # A storage of exactly these bytes (torch files share storages between views, by byte
-    # offsets into them). torch.frombuffer keeps `window` alive, and `window` keeps `base`.
-    window = (ctypes.c_char * nbytes).from_address(base.data_ptr() + skip)
-    window.owner = base  # type: ignore[attr-defined]
-    return torch.frombuffer(window, dtype=torch.uint8).view(dtype)
+    # offsets into them).
+    return _fixed_size(base[skip : skip + nbytes]).view(dtype)
 
 
 class _Readahead:
-    """What loads with ``mmap=True`` may still ask the kernel to read ahead: half the memory
-    available when the load began. The shards of one index share it, so that reading ahead for
-    a model larger than memory does not evict earlier shards' pages before they are touched."""
+    """What ``mmap=True`` loads may still read ahead: half the memory available at the start,
+    shared by an index's shards (so that readahead does not evict earlier shards' pages)."""
 
     def __init__(self) -> None:
         self.left = _available_memory() // 2
@@ -61,11 +52,9 @@ class _Readahead:
 def _map_file(
     file: File, path: str, ranges: Sequence[tuple[str, int, int]], readahead: _Readahead
 ) -> Any:
-    """The whole file `file` has open, mapped copy-on-write, as a CPU UntypedStorage that keeps
-    the mapping alive (it is unmapped when the last tensor on it is gone; no descriptor stays
-    open). `ranges` are the (name, offset, length) the caller will use: each must lie inside the
-    file as mapped, since touching a mapped page past the end of a file is SIGBUS, not an
-    error. Starts readahead of the bytes they span when `readahead` allows."""
+    """The whole file `file` has open, mapped copy-on-write, as a CPU UntypedStorage. `ranges`
+    ((name, offset, length) the caller will use) must lie inside the file as mapped (a page
+    past its end is SIGBUS); their span is read ahead when `readahead` allows."""
     torch = _torch()
     fd = file.fileno()
     size = os.fstat(fd).st_size
@@ -95,7 +84,6 @@ def _map_file(
 
 
 def _available_memory() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (0 when unknown)."""
     try:
         with open("/proc/meminfo", "rb") as f:
             for line in f:
@@ -108,8 +96,7 @@ def _available_memory() -> int:
 
 def _fixed_storage(nbytes: int, offset: int) -> Any:
     """A CPU UntypedStorage of `nbytes` that cannot be resized (a tensor set_ past its end is
-    refused, as torch.load refuses it, instead of growing it), for the bytes at `offset` of a
-    file (placed by ``_host_alloc``)."""
+    refused, as by torch.load), for the bytes at `offset` of a file."""
     torch = _torch()
     if nbytes == 0:
         return torch.frombuffer(bytearray(1), dtype=torch.uint8).untyped_storage()[0:0]
@@ -120,8 +107,7 @@ def _fixed_storage(nbytes: int, offset: int) -> Any:
 
 
 def _fixed_size(flat: Any) -> Any:
-    """`flat`'s bytes (a uint8 CPU tensor) in a storage that cannot be resized; keeps `flat`
-    alive."""
+    """`flat`'s bytes (a uint8 CPU tensor) in a storage that cannot be resized."""
     torch = _torch()
     window = (ctypes.c_char * flat.numel()).from_address(flat.data_ptr())
     window.owner = flat  # type: ignore[attr-defined]
@@ -132,9 +118,7 @@ def _mapped_tensor(
     whole: Any, offset: int, nbytes: int, dtype: Any, shape: Sequence[int]
 ) -> Any:
     """A tensor of `shape` over bytes [offset, offset + nbytes) of the mapped file `whole`, in a
-    storage of exactly those bytes (so that saving it, or checking it for shared memory as
-    safetensors does, sees only its own bytes). A copy where `offset` is not a multiple of the
-    element size: torch expects elements at their natural alignment."""
+    storage of exactly those bytes; a copy where `offset` is not a multiple of the element size."""
     torch = _torch()
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
@@ -148,10 +132,8 @@ def _mapped_tensor(
 
 @dataclass
 class _Placement:
-    """``load``'s `map_location` as torch.load applies it to a storage saved at `location`
-    ('cpu', 'cuda:1'...): a dict maps location strings (unmapped ones stay where they were
-    saved), a callable gets each storage, read on the CPU, and returns it placed (None: where
-    it was saved)."""
+    """``load``'s `map_location` (a dict of locations, or a callable given each storage read on
+    the CPU) as torch.load applies it to a storage saved at `location`."""
 
     mapping: Mapping[str, Any] | None = None
     restore: Callable[[Any, str], Any] | None = None

@@ -13,8 +13,7 @@ from ._dtype import _converts
 from ._files import _same_file
 from ._format import _dtype_names, _require, _st_dtype_maps, _torch
 from ._format import ALIGNMENT, CHECKSUM_KEY, PathLike
-from ._progress import _Progress
-from ._reading import _open_checkpoint, _Piece
+from ._reading import _open_checkpoint, _Piece, _Progress
 from ._writing import _DurableFile
 from .mapping import _mapped_tensor, _Placement, _Readahead
 
@@ -63,8 +62,7 @@ def _save_safetensors(
     state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
     io: IOHandle,
 ) -> None:
-    """What needs torch (the values' types, dtypes, shared memory) is checked here; C++
-    (``SafetensorsFileWriter``) plans the layout, the header and its checksums, and writes."""
+    """What needs torch is checked here; C++ (``SafetensorsFileWriter``) plans and writes."""
     _check_tensor_dict(state_dict)
     to_st, _ = _st_dtype_maps()
     bad = [f"{k} ({v.dtype})" for k, v in state_dict.items() if v.dtype not in to_st]
@@ -114,9 +112,7 @@ def _save_safetensors(
 
 
 def _parse_checksums(path: str, metadata: Mapping[str, str], names: Sequence[str]) -> dict[str, int]:
-    """The stored xxh64 of each of the file's tensors `names`. ValueError unless every one has a
-    checksum of 16 hex digits and every checksum names one of them: the rule `tensortier verify`
-    applies (one reader, in C++)."""
+    """The stored xxh64 of each of the file's tensors `names`, by `tensortier verify`'s rule."""
     text = metadata.get(CHECKSUM_KEY)
     if text is None:
         raise ValueError(
@@ -143,9 +139,8 @@ class _STEntry:
 
 
 def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], dict[str, str]]:
-    """Parse a safetensors header (C++: torch shapes, file offsets); with `verify`, also check
-    its stored header checksum (files without one, from other writers or older versions, pass:
-    their data checksums still count)."""
+    """Parse a safetensors header (C++); with `verify`, also check its header checksum if
+    stored."""
     try:
         entries, metadata = _require("read_safetensors_header")(path, verify)
     except ValueError as e:
@@ -195,10 +190,7 @@ def _load_safetensors(
             prog = _Progress(f"loading {os.path.basename(path)}", sum(e.nbytes for e in entries),
                              progress)
             out = {}
-            # Without conversion every tensor is read in one go; with it, ~64 MiB of tensors at
-            # a time, each group converted before the next is allocated: memory (GPU memory,
-            # for a load to CUDA) then holds the converted tensors plus one group, not the
-            # whole file in its saved dtype as well.
+            # With conversion, a group at a time, converted before the next is allocated.
             converts = dtype is not None and any(_converts(e.dtype, dtype) for e in entries)
             try:
                 for group in _reading._byte_groups(entries) if converts else [entries]:
@@ -216,9 +208,8 @@ def _read_st_group(
     io: IOHandle, file: File, path: str, group: Sequence[_STEntry], dev: Any, dtype: Any,
     sums: Mapping[str, Any] | None, prog: _Progress,
 ) -> dict[str, Any]:
-    """`group`'s tensors read from `file` into new tensors on `dev` and converted to `dtype`
-    (when not None); checksums checked when `sums` is not None. The originals of converted
-    tensors go when this returns."""
+    """`group`'s tensors read into new tensors on `dev`, converted to `dtype` (if not None) and
+    checked against `sums` (if not None)."""
     torch = _torch()
     out: dict[str, Any] = {}
     if dev.type == "cpu":  # one call into the pipeline reads and checks them all

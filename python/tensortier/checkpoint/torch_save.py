@@ -17,9 +17,8 @@ from ._writing import _DurableFile
 
 
 def _pickled(obj: Any) -> tuple[bytes, list[Any]]:
-    """The data.pkl torch.save writes for `obj`, and the untyped storages its persistent ids
-    name "0", "1"... in that order: the rules of ``torch.serialization._save`` (protocol,
-    persistent ids, locations, the refusal of one memory viewed as two dtypes)."""
+    """The data.pkl torch.save writes for `obj` (``torch.serialization._save``'s rules), and the
+    untyped storages its persistent ids name "0", "1"... in that order."""
     torch = _torch()
     serialization = torch.serialization
     storages: list[Any] = []
@@ -60,18 +59,15 @@ def _pickled(obj: Any) -> tuple[bytes, list[Any]]:
 
 @functools.lru_cache(maxsize=None)
 def _plain_dtype_names() -> dict[Any, str]:
-    """torch.dtype -> the dtype table's name, for the dtypes torch pickles as plain tensors (not
-    quantized ones; C++ refuses the others it cannot write)."""
+    """torch.dtype -> the dtype table's name, for dtypes torch pickles as plain tensors."""
     quantized = {row["name"] for row in _require("dtypes")() if row["quantized"]}
     return {dt: name for name, dt in _torch_dtypes().items() if name not in quantized}
 
 
 def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
-    """A C++ writer of `obj` and its tensors' addresses when `obj` is what torch.save pickles as a
-    plain dict: a ``dict`` of str -> CPU tensors of type ``torch.Tensor`` (no Parameters or
-    subclasses, no requires_grad, no Python attributes, no conjugate or negative bit), each
-    contiguous and alone in a storage of exactly its bytes. C++ writes its pickle then. None for
-    anything else (torch's pickler rules pickle it)."""
+    """A C++ writer of `obj` and its tensors' addresses when `obj` is a plain dict: str -> plain
+    contiguous CPU ``torch.Tensor``s, each alone in a storage of exactly its bytes (C++ writes
+    its pickle then). None for anything else."""
     if type(obj) is not dict or not obj:
         return None
     torch = _torch()

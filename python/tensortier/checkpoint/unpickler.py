@@ -14,8 +14,7 @@ from . import _dtype, _engine, _reading, mapping
 from ._files import _same_file
 from ._tensor_bytes import _storage_bytes
 from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes
-from ._progress import _Progress
-from ._reading import _open_checkpoint, _Piece, _read_at
+from ._reading import _open_checkpoint, _Piece, _Progress, _read_at
 from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead
 
 
@@ -35,9 +34,7 @@ def _records(entries: Sequence[tuple[str, int, int, int, bool]]) -> dict[str, _Z
 
 
 def _torch_records(path: str) -> tuple[dict[str, _ZipRecord], str]:
-    """The records of a torch.save zip file and its archive prefix ("<folder>/"), from one read
-    of its directory, its format version checked (C++: TorchArchivePrefix and
-    CheckTorchFileVersion, the CLI's rules)."""
+    """The records and archive prefix ("<folder>/") of a torch.save zip, by the CLI's rules."""
     prefix, entries = _require("torch_zip_entries")(path)
     return _records(entries), prefix + "/"
 
@@ -65,13 +62,11 @@ class WeightsOnlyUnpicklingError(pickle.UnpicklingError, ValueError):
 
 
 class _StorageOverrun(ValueError):
-    """A tensor in a torch file reaches past the end of its storage record."""
+    pass
 
 
 class _PlacementError(Exception):
-    """What `map_location` raised (the caller's callable or devices), carried out of the
-    unpickler unchanged: code catching its own error types around ``torch.load`` catches them
-    here too, and the file is not blamed for them."""
+    """What `map_location` raised, carried out of the unpickler unchanged (not the file's)."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
@@ -90,17 +85,14 @@ class _StorageRef:
 
 
 # torch functions that read their tensor arguments' data while the pickle is loaded (a nested
-# tensor's sizes, strides and offsets are tensors): storages are normally filled after the whole
-# pickle is loaded, so in files naming one they are read as the unpickler meets them instead
-# (the rebuild read uninitialised memory: wrong nested shapes, or "size calculation overflowed").
+# tensor's sizes are tensors): in files naming one, storages are read as they are met.
 _DATA_DEPENDENT_REBUILDS = (b"_rebuild_nested_tensor",)
 
 
 def _fill_now(
     ref: _StorageRef, path: str, verify: bool, big_endian: bool, io: IOHandle | None = None
 ) -> None:
-    """Reads `ref`'s record into its storage now, checked with `verify` (a CUDA storage through
-    host memory), in native byte order."""
+    """Reads `ref`'s record into its storage now (CUDA through host memory), native order."""
     torch = _torch()
     dest = _storage_bytes(ref.storage)
     host = dest if dest.device.type == "cpu" else torch.empty(ref.nbytes, dtype=torch.uint8)
@@ -125,7 +117,6 @@ def _fill_now(
 
 
 def _check_crc(ref: _StorageRef, data: Any) -> None:
-    """verify=True: `ref`'s stored bytes, `data` in host memory, against its record's CRC-32."""
     _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
     _reading._check_host(ref.path, [(f"data/{ref.key}", data, ("crc32", ref.record.crc32))])
 
@@ -136,17 +127,10 @@ def _unpickle_torch(
     placement: _Placement | None = None, io: IOHandle | None = None,
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
     """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
-    `storage_device` (``meta``: not at all) and filled later, or, given `mapped` (the whole
-    file as a CPU UntypedStorage), are slices of it (copies where a record's offset is not a
-    multiple of its element size). `archive`: the zip's records and prefix when the caller has
-    them already (``_torch_records`` of the same file). Returns the object, the storages by
-    key, the records, the archive prefix and whether the file is big-endian. The storage
-    references carry `label` (the user's path when `path` is a /proc/self/fd link). With
-    `verify`, the CRC-32s recorded for data.pkl and byteorder are checked too: a flipped bit
-    there changes offsets, strides or non-tensor values without touching any storage.
-    `placement` (``map_location``): the device of each storage from its saved location, or
-    the callable each storage is given to once read on the CPU. `io` reads the records (the
-    default handle without)."""
+    `storage_device` and filled later, or are slices of `mapped` (the whole file). Returns the
+    object, the storages by key, the records, the archive prefix and whether the file is
+    big-endian. With `verify`, data.pkl's and byteorder's CRC-32s are checked too (a flipped
+    bit there changes offsets or values without touching any storage)."""
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
@@ -168,6 +152,8 @@ def _unpickle_torch(
     # rebuild reads it, not after the pickle is loaded.
     swap_now = mapped is not None and data_dependent and big_endian
 
+    check_storage = _require("check_torch_storage")
+
     def unpickle(device: Any) -> tuple[Any, dict[str, _StorageRef]]:
         storages: dict[str, _StorageRef] = {}
 
@@ -186,30 +172,15 @@ def _unpickle_torch(
                     raise ValueError(
                         f"{path}: storage {key} has an unknown type {storage_type!r}"
                     )
-            if key in storages:
-                ref = storages[key]
-                # The rule of the CLI's pickle reader (src/checkpoint/torch_pickle.cpp): torch.save
-                # never describes a storage with bytes two ways; read as either, the other
-                # description's tensors would get wrong values.
-                nbytes = numel * dtype.itemsize
-                if (ref.nbytes or nbytes) and (ref.dtype != dtype or ref.nbytes != nbytes):
-                    raise ValueError(
-                        f"{path}: storage '{key}' is described twice, differently ({ref.dtype}, "
-                        f"{ref.nbytes} bytes; {dtype}, {nbytes} bytes): the file is damaged"
-                    )
-            else:
-                name = f"{prefix}data/{key}"
-                record = records.get(name)
-                if record is None:
-                    raise ValueError(f"{path}: storage record {name} is missing")
-                if numel < 0:
-                    raise ValueError(f"{path}: storage {key} has a negative size")
-                nbytes = numel * dtype.itemsize
-                if nbytes != record.size:
-                    raise ValueError(
-                        f"{path}: storage {key} should hold {nbytes} bytes, its record has "
-                        f"{record.size}"
-                    )
+            ref = storages.get(key)
+            name = f"{prefix}data/{key}"
+            record = records.get(name)
+            nbytes = check_storage(  # C++: the record's size, a second description's
+                path, name, key, str(dtype), dtype.itemsize, numel,
+                None if record is None else record.size,
+                None if ref is None else (str(ref.dtype), ref.nbytes))
+            if ref is None:
+                assert record is not None
                 # A tensor set_ past the end of a resizable storage grows it: a few bytes of
                 # pickle would allocate any size. CPU storages are fixed-size: torch refuses
                 # then (as torch.load does).
@@ -330,10 +301,7 @@ def _verify_other_records(
     path: str, file: File, records: Mapping[str, _ZipRecord], prefix: str,
     storages: Iterable[_StorageRef], io: IOHandle,
 ) -> None:
-    """verify=True: the CRC-32 of every zip record but data.pkl, byteorder (checked while
-    unpickling) and those of `storages` (checked as they are read): ``.format_version``,
-    ``version``, ``.data/serialization_id``, records no tensor uses... as ``tensortier verify``
-    checks every entry. An archive recording no CRC-32s cannot be verified (nor can it there)."""
+    """verify=True: the CRC-32 of every record not checked elsewhere, as ``tensortier verify``."""
     if any(r.size and not r.archive_has_crcs for r in records.values()):
         raise _no_crcs(path, "records")
     checked = {f"{prefix}data/{r.key}" for r in storages}
@@ -360,9 +328,8 @@ def _load_plain_dict(
     path: str, file: File, plain: tuple[list[str], list[str], list[Any], list[int], list[int]],
     progress: bool | None, io: IOHandle,
 ) -> dict[str, Any]:
-    """The dict ``torch.load`` gives for a file whose data.pkl is exactly what torch.save writes
-    for a plain dict of tensors (``_core.plain_torch_dict``), made without unpickling: each
-    tensor contiguous in a fixed-size storage of its own bytes, as torch.load's."""
+    """The dict ``torch.load`` gives for a plain dict of tensors C++ read, made without
+    unpickling: each tensor in a fixed-size storage of its own bytes, as torch.load's."""
     torch = _torch()
     names, dtypes, shapes, offsets, sizes = plain
     to_torch = _torch_dtypes()
@@ -462,9 +429,7 @@ def _load_torch(
 
 
 def _swap_bytes(storage: Any, dtype: Any) -> None:
-    """``storage.byteswap(dtype)`` by the pipeline's rule (BigEndianSwapWidth, ReverseUnits in
-    C++, as the CLI's convert swaps): each element's bytes reversed, a complex number's two
-    halves each on their own. A device storage is swapped through a host copy."""
+    """``storage.byteswap(dtype)`` by the CLI's rule (C++), device storages through the host."""
     width = int(_require("big_endian_swap_width")(_dtype_names()[dtype]))
     if width <= 1:
         return
