@@ -89,7 +89,8 @@ TEST(DurableFileTest, ZeroLengthSave) {
 TEST(DurableFileTest, SavesToANameOfTheLongestLengthAFileMayHave) {
   TempDir dir;
   // 255 bytes, the most a name may have: its temporary file needs a shorter stem.
-  const std::string name = std::string(255 - 3, 'm') + ".pt";
+  std::string name(255 - 3, 'm');
+  name.append(".pt");
   const std::string path = dir.File(name);
   Save(path, 1000, 1);
   Save(path, kSize, 2);
@@ -111,7 +112,9 @@ TEST(DurableFileTest, TemporaryNameStemsFitEveryNameAndKeepThemApart) {
   for (size_t n = 190; n <= 255; ++n) {
     EXPECT_LE(TemporaryNameStem(std::string(n, 'x')).size() + after_stem, 255u) << n;
   }
-  const std::string a = std::string(254, 'x') + "a", b = std::string(254, 'x') + "b";
+  std::string a(254, 'x'), b(254, 'x');
+  a.push_back('a');
+  b.push_back('b');
   EXPECT_NE(TemporaryNameStem(a), TemporaryNameStem(b));  // cut alike, told apart by the hash
   // UTF-8 names are cut between characters (3 bytes each here), never inside one.
   std::string han;
