@@ -28,4 +28,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterDcp(m);
   RegisterOperationLog(m);
   RegisterRegistries(m);
+  RegisterPaths(m);
 }

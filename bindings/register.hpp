@@ -19,3 +19,4 @@ void RegisterTestHooks(pybind11::module_& m);         // bindings/test_hooks.cpp
 void RegisterDcp(pybind11::module_& m);               // bindings/dcp.cpp
 void RegisterOperationLog(pybind11::module_& m);      // bindings/operation_log.cpp
 void RegisterRegistries(pybind11::module_& m);        // bindings/registries.cpp
+void RegisterPaths(pybind11::module_& m);             // bindings/paths.cpp
