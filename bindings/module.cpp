@@ -29,4 +29,5 @@ PYBIND11_MODULE(_core, m) {
   RegisterOperationLog(m);
   RegisterRegistries(m);
   RegisterPaths(m);
+  RegisterCompat(m);
 }

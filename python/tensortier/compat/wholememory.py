@@ -22,8 +22,8 @@ from typing import Any, Sequence, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import _core
 from .. import shared as _shared
-from .._core import cuda_driver as _cuda_driver
 from ..device import CudaError
 
 __all__ = ["init_lib", "mp_init", "create_tensor", "get_tensor_view", "finalize_lib"]
@@ -71,7 +71,7 @@ def _require_group(what: str) -> _shared.Group:
 
 
 def _require_cuda(what: str) -> None:
-    info = _cuda_driver()
+    info = _core.cuda_driver()
     if not info["available"]:
         raise CudaError(
             f"wholememory: {what} needs device memory, but no CUDA driver was found "
@@ -98,18 +98,7 @@ def create_tensor(
         TimeoutError: a rank did not make the call in time.
     """
     group = _require_group("create_tensor")
-    dims = tuple(operator.index(d) for d in shape)
-    contiguous = torch.empty(dims, device="meta").stride() if dims else ()
-    if len(stride) != 0 and tuple(operator.index(s) for s in stride) != contiguous:
-        raise ValueError(
-            f"wholememory: stride {list(stride)} is not the contiguous stride {list(contiguous)} "
-            f"of shape {list(dims)}; pass [] or the contiguous stride"
-        )
-    members = sorted(operator.index(r) for r in ranks)
-    if members and members != list(range(group.world_size)):
-        raise ValueError(
-            f"wholememory: ranks {list(ranks)}: tensors are shared by every rank; pass []"
-        )
+    dims = _core.wholememory_dims(shape, stride, ranks, group.world_size)  # ValueError
     if not is_host:
         _require_cuda("create_tensor(is_host=False)")
         if not torch.cuda.is_available():  # before the collective call, which would be wasted
