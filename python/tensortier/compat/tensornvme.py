@@ -1,40 +1,7 @@
 """TensorNVMe's Python API: ``from tensortier.compat.tensornvme import DiskOffloader``, and
-``AsyncFileWriter`` (TensorNVMe's ``tensornvme.async_file_io``; see the class).
-
-Code written for ``tensornvme`` runs with only its import changed, the errors it catches
-included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
-
-- A tensor is read back by the call kind that wrote it: ``sync_write``/``async_write`` by
-  ``sync_read``/``async_read``, ``sync_writev``/``async_writev`` by the vector reads of the same
-  tensors in the same order (TensorNVMe keys a vector by the tuple of its tensors). Anything else
-  is "not found": ``RuntimeError``, as is reading a tensor not offloaded, and reading into a
-  tensor whose size changed ("shape mismatch"). A vector may hold tensors of one storage that
-  each cover all of it (a tensor and a view of it, the same tensor twice): the storage moves
-  once. A view of part of a storage is refused (``WriteRefusedError``): TensorNVMe moves the
-  whole storage from the view's address, past its end.
-- A tensor given where a list is expected raises what TensorNVMe raises (``RuntimeError`` from
-  torch when iterating an offloaded tensor, else ``TypeError``); writing a tensor without memory
-  (offloaded already, or with no elements) raises ``AssertionError``; a non-contiguous tensor
-  ``RuntimeError``; a tensor that cannot be offloaded otherwise (numpy's memory, say: TensorNVMe
-  fails to resize it) ``WriteRefusedError``, a ``RuntimeError`` and a ``ValueError``.
-- ``TENSORNVME_BACKEND``, when set and not empty, takes the place of the `backend` argument,
-  as with TensorNVMe.
-- The constructor fails as TensorNVMe's: ``FileNotFoundError`` when the parent of a missing
-  `dir_name` is missing (it makes the directory, not its parents), ``AssertionError`` when
-  `dir_name` exists and is not a directory, ``TypeError`` for an `n_entries` that is not a
-  32-bit unsigned integer (any that is works: the engine's rings take the nearest depth they
-  allow, 1 to 4096),
-  ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
-  ``uring``, ``aio``, ``pthread`` and tensortier's own work), ``BackendUnavailableError`` (a
-  ``RuntimeError``, and an ``OSError`` with errno) for one the kernel refuses here.
-- A tensor whose write runs may be written again, as with TensorNVMe: both writes run, both
-  callbacks run when the writes are waited for, the memory is freed once both are done, and a
-  read brings back the later write.
-- Every refused call leaves its tensors exactly as they were (TensorNVMe resizes the storage of
-  a tensor it then fails to read).
-
-``tensortier.DiskOffloader`` is the lenient one (any read order or grouping, reads through a
-parameter's ``.data``, ``ValueError`` for misuse).
+``AsyncFileWriter`` (TensorNVMe's ``tensornvme.async_file_io``). Code written for ``tensornvme``
+runs with only its import changed, the errors it catches included: the guide's Compatibility
+modules page says what each call raises. ``tensortier.DiskOffloader`` is the lenient offloader.
 """
 
 from __future__ import annotations
@@ -82,7 +49,7 @@ def get_backends() -> set[str]:
 
 
 class DiskOffloader(_offload.DiskOffloader):
-    """TensorNVMe's ``DiskOffloader(dir_name, n_entries=16, backend=...)``: see the module.
+    """TensorNVMe's ``DiskOffloader(dir_name, n_entries=16, backend=...)``: see the guide.
     Takes the arguments of ``tensortier.DiskOffloader``."""
 
     def __init__(

@@ -1,17 +1,6 @@
 """WholeMemory's PyTorch API (``from wholememory.torch import wholememory_pytorch as wm``) on
-tensortier's shared tensors: code written for it runs after changing only its import::
-
-    from tensortier.compat import wholememory as wm
-
-    wm.init_lib()
-    wm.mp_init(rank, world_size)
-    t = wm.create_tensor([rows, 512], [], torch.float32, True, [])
-    view = wm.get_tensor_view(t, torch.device("cpu"))
-    wm.finalize_lib()
-
-The processes meet through a ``torch.distributed`` store (the default group's, torchrun's
-environment, or ``mp_init(rank, size, store=...)``), never through NCCL, and need no GPU for
-host memory. ``is_host=False`` (device memory) needs a CUDA driver.
+tensortier's shared tensors: code written for it runs after changing only its import to
+``from tensortier.compat import wholememory as wm`` (see the guide's Compatibility modules page).
 """
 
 from __future__ import annotations
