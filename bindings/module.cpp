@@ -29,4 +29,6 @@ PYBIND11_MODULE(_core, m) {
   RegisterOperationLog(m);
   RegisterRegistries(m);
   RegisterDeepNvme(m);
+  RegisterPaths(m);
+  RegisterCompat(m);
 }

@@ -20,3 +20,5 @@ void RegisterDcp(pybind11::module_& m);               // bindings/dcp.cpp
 void RegisterOperationLog(pybind11::module_& m);      // bindings/operation_log.cpp
 void RegisterRegistries(pybind11::module_& m);        // bindings/registries.cpp
 void RegisterDeepNvme(pybind11::module_& m);          // bindings/deepnvme.cpp
+void RegisterPaths(pybind11::module_& m);             // bindings/paths.cpp
+void RegisterCompat(pybind11::module_& m);            // bindings/compat.cpp

@@ -231,15 +231,6 @@ class IOHandle:
         direct = _core.flag(direct, "direct")
         return File.open(fspath(path), mode, self._direct if direct is None else direct)
 
-    def _file(self, file: PathOrFile, write: bool) -> File:
-        if isinstance(file, File):
-            if file.closed:
-                raise ValueError("file is closed")
-            return file
-        if isinstance(file, (str, bytes, os.PathLike)):
-            return self.open(file, "a" if write else "r")
-        raise TypeError(f"file must be a path or a tensortier.File, not {type(file).__name__}")
-
     # -- single operations -------------------------------------------------------------------
     def pread_async(self, buf: Any, file: PathOrFile, offset: int = 0) -> IOFuture:
         """Start reading ``len(buf)`` bytes at `offset` of `file` into `buf`.
@@ -368,12 +359,12 @@ class IOHandle:
             buf, file, offset = _core.batch_piece(index, piece)  # TypeError/ValueError
             on_device.append(is_cuda_tensor(buf))
             if on_device[-1]:
-                f = self._file(file, write)
+                f = _core.io_file(file, write, self._direct)
                 keepalive.extend((buf, buf.untyped_storage(), f))
                 device.append((buf, f, offset))
                 continue
             hb: HostBuffer = host_buffer(buf, writable=not write)
-            f = self._file(file, write)
+            f = _core.io_file(file, write, self._direct)
             keepalive.extend((hb.owner, f))
             native.append((f, hb.address, hb.nbytes, offset))
         for buf, _, _ in device:  # fail before anything starts

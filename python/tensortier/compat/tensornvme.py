@@ -1,47 +1,13 @@
 """TensorNVMe's Python API: ``from tensortier.compat.tensornvme import DiskOffloader``, and
-``AsyncFileWriter`` (TensorNVMe's ``tensornvme.async_file_io``; see the class).
-
-Code written for ``tensornvme`` runs with only its import changed, the errors it catches
-included. This ``DiskOffloader`` is TensorNVMe's, strict where TensorNVMe is:
-
-- A tensor is read back by the call kind that wrote it: ``sync_write``/``async_write`` by
-  ``sync_read``/``async_read``, ``sync_writev``/``async_writev`` by the vector reads of the same
-  tensors in the same order (TensorNVMe keys a vector by the tuple of its tensors). Anything else
-  is "not found": ``RuntimeError``, as is reading a tensor not offloaded, and reading into a
-  tensor whose size changed ("shape mismatch"). A vector may hold tensors of one storage that
-  each cover all of it (a tensor and a view of it, the same tensor twice): the storage moves
-  once. A view of part of a storage is refused (``WriteRefusedError``): TensorNVMe moves the
-  whole storage from the view's address, past its end.
-- A tensor given where a list is expected raises what TensorNVMe raises (``RuntimeError`` from
-  torch when iterating an offloaded tensor, else ``TypeError``); writing a tensor without memory
-  (offloaded already, or with no elements) raises ``AssertionError``; a non-contiguous tensor
-  ``RuntimeError``; a tensor that cannot be offloaded otherwise (numpy's memory, say: TensorNVMe
-  fails to resize it) ``WriteRefusedError``, a ``RuntimeError`` and a ``ValueError``.
-- ``TENSORNVME_BACKEND``, when set and not empty, takes the place of the `backend` argument,
-  as with TensorNVMe.
-- The constructor fails as TensorNVMe's: ``FileNotFoundError`` when the parent of a missing
-  `dir_name` is missing (it makes the directory, not its parents), ``AssertionError`` when
-  `dir_name` exists and is not a directory, ``TypeError`` for an `n_entries` that is not a
-  32-bit unsigned integer (any that is works: the engine's rings take the nearest depth they
-  allow, 1 to 4096),
-  ``RuntimeError`` ("Unsupported backend") for a backend name it does not know (TensorNVMe's
-  ``uring``, ``aio``, ``pthread`` and tensortier's own work), ``BackendUnavailableError`` (a
-  ``RuntimeError``, and an ``OSError`` with errno) for one the kernel refuses here.
-- A tensor whose write runs may be written again, as with TensorNVMe: both writes run, both
-  callbacks run when the writes are waited for, the memory is freed once both are done, and a
-  read brings back the later write.
-- Every refused call leaves its tensors exactly as they were (TensorNVMe resizes the storage of
-  a tensor it then fails to read).
-
-``tensortier.DiskOffloader`` is the lenient one (any read order or grouping, reads through a
-parameter's ``.data``, ``ValueError`` for misuse).
+``AsyncFileWriter`` (TensorNVMe's ``tensornvme.async_file_io``). Code written for ``tensornvme``
+runs with only its import changed, the errors it catches included: the guide's Compatibility
+modules page says what each call raises. ``tensortier.DiskOffloader`` is the lenient offloader.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import operator
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -79,15 +45,11 @@ class WriteRefusedError(ValueError, RuntimeError):
 def get_backends() -> set[str]:
     """The backends that work on this machine, by TensorNVMe's names (``uring``, ``aio``,
     ``pthread``); each is verified with a round trip in the temporary directory."""
-    return {
-        _core.tensornvme_backend_name(p["backend"])
-        for p in _core.probe_backends(tempfile.gettempdir())
-        if p["available"] and (p["direct_ok"] or p["buffered_ok"])
-    }
+    return set(_core.tensornvme_backends(tempfile.gettempdir()))
 
 
 class DiskOffloader(_offload.DiskOffloader):
-    """TensorNVMe's ``DiskOffloader(dir_name, n_entries=16, backend=...)``: see the module.
+    """TensorNVMe's ``DiskOffloader(dir_name, n_entries=16, backend=...)``: see the guide.
     Takes the arguments of ``tensortier.DiskOffloader``."""
 
     def __init__(
@@ -99,15 +61,9 @@ class DiskOffloader(_offload.DiskOffloader):
     ) -> None:
         if isinstance(dir_name, (str, bytes, os.PathLike)):
             # TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
-            path = fspath(dir_name, "dir_name", bytes_ok=False)
-            # TensorNVMe makes the directory first, not its parents (FileNotFoundError), then
-            # asserts it is one.
-            if not os.path.exists(path):
-                os.mkdir(path)
-            if not os.path.isdir(path):
-                raise AssertionError(f"dir_name {path!r} exists and is not a directory")
-        entries = _queue_depth(n_entries)
-        backend = _backend(backend)
+            _core.tensornvme_directory(fspath(dir_name, "dir_name", bytes_ok=False))
+        entries = _core.tensornvme_queue_depth(n_entries)
+        backend = _core.tensornvme_backend(backend)
         with _starting(backend):
             super().__init__(dir_name, entries, backend, **kwargs)
         # The tensors of each write call, as TensorNVMe keys them (a later write of one of them
@@ -166,34 +122,6 @@ class DiskOffloader(_offload.DiskOffloader):
                 raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
 
 
-def _unsigned(value: Any, name: str, bits: int = 32) -> int:
-    """`value` as TensorNVMe's bindings take an unsigned int (or, with `bits=64`, a size_t or
-    unsigned long long): anything else is pybind11's TypeError."""
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = -1
-    if not 0 <= number < 1 << bits:
-        raise TypeError(f"{name} must be an unsigned integer ({bits} bits), not {value!r}")
-    return number
-
-
-def _queue_depth(n_entries: Any) -> int:
-    """TensorNVMe's `n_entries` as the engine's queue depth: every count its binding takes
-    works, as the nearest depth the engine's rings allow."""
-    return _core.clamp_to_setting(_unsigned(n_entries, "n_entries"), "TENSORTIER_QUEUE_DEPTH")
-
-
-def _backend(backend: Any) -> str:
-    """The engine's name of the backend TensorNVMe would run: ``TENSORNVME_BACKEND`` when set
-    takes the place of `backend`; one it does not know is its ``RuntimeError``."""
-    backend = os.environ.get("TENSORNVME_BACKEND") or backend
-    try:
-        return str(_core.offload_backend(backend if isinstance(backend, str) else repr(backend)))
-    except ValueError as e:
-        raise RuntimeError(f"Unsupported backend: {e}") from None
-
-
 @contextlib.contextmanager
 def _starting(backend: str) -> Iterator[None]:
     """Starting an engine on `backend` (the engine's name): an OSError is TensorNVMe's error
@@ -201,8 +129,7 @@ def _starting(backend: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if backend == "auto" or any(p["backend"] == backend and p["available"]
-                                    for p in _core.probe_backends(tempfile.gettempdir())):
+        if _core.backend_starts(backend, tempfile.gettempdir()):
             raise
         raise BackendUnavailableError(
             e.errno, f"Backend {_core.tensornvme_backend_name(backend)!r} is not install "
@@ -266,9 +193,9 @@ class _AsyncFileWriterCore:
     def __init__(self, fd: int, n_entries: int, backend: str = "aio", n_tasks: int = 0) -> None:
         if isinstance(fd, bool) or not isinstance(fd, int):
             raise TypeError(f"fd must be an int, not {type(fd).__name__}")
-        depth = _queue_depth(n_entries)
-        _unsigned(n_tasks, "n_tasks")  # TensorNVMe counts them for its debug log only
-        backend = _backend(backend)
+        depth = _core.tensornvme_queue_depth(n_entries)
+        _core.unsigned_argument(n_tasks, "n_tasks")  # TensorNVMe's debug log counts them
+        backend = _core.tensornvme_backend(backend)
         with _starting(backend):
             self._io: IOHandle | None = IOHandle(backend, queue_depth=depth)
         # The descriptor's file opened again, buffered as TensorNVMe's: writes of any size land
@@ -284,8 +211,8 @@ class _AsyncFileWriterCore:
               callback: Callable[[], None] | None = None) -> None:
         """Starts writing `n_bytes` from address `buffer` at `offset`; the memory must stay
         until ``synchronize()``."""
-        address = _unsigned(buffer, "buffer", 64)
-        size = _unsigned(n_bytes, "n_bytes", 64)
+        address = _core.unsigned_argument(buffer, "buffer", 64)
+        size = _core.unsigned_argument(n_bytes, "n_bytes", 64)
         if address == 0 and size > 0:
             raise ValueError("buffer is a null address")
         self._start((ctypes.c_char * size).from_address(address), offset, callback)
@@ -305,7 +232,8 @@ class _AsyncFileWriterCore:
     def _start(self, data: Any, offset: int, callback: Callable[[], None] | None) -> None:
         _offload._check_callback(callback)  # noqa: SLF001 - same package
         assert self._io is not None
-        future = self._io.pwrite_async(data, self._file, _unsigned(offset, "offset", 64))
+        offset = _core.unsigned_argument(offset, "offset", 64)
+        future = self._io.pwrite_async(data, self._file, offset)
         self._pending.append((future, callback))
 
     def synchronize(self) -> None:
@@ -333,14 +261,14 @@ class _AsyncFileWriterCore:
 
     def register_h2d(self, num_tensors: int) -> None:
         """Accepted: ``write_tensor`` copies a CUDA tensor to the host before it returns."""
-        _unsigned(num_tensors, "num_tensors")
+        _core.unsigned_argument(num_tensors, "num_tensors")
 
     def sync_h2d(self) -> None:
         """Returns at once: every device-to-host copy ended in its ``write_tensor`` call."""
 
     def register_tasks(self, num_tasks: int) -> None:
         """Accepted (TensorNVMe counts tasks for its debug log only)."""
-        _unsigned(num_tasks, "num_tasks")
+        _core.unsigned_argument(num_tasks, "num_tasks")
 
     def close(self) -> None:
         """Waits for the writes and stops the engine (their errors were ``synchronize()``'s)."""

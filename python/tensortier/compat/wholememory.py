@@ -1,17 +1,6 @@
 """WholeMemory's PyTorch API (``from wholememory.torch import wholememory_pytorch as wm``) on
-tensortier's shared tensors: code written for it runs after changing only its import::
-
-    from tensortier.compat import wholememory as wm
-
-    wm.init_lib()
-    wm.mp_init(rank, world_size)
-    t = wm.create_tensor([rows, 512], [], torch.float32, True, [])
-    view = wm.get_tensor_view(t, torch.device("cpu"))
-    wm.finalize_lib()
-
-The processes meet through a ``torch.distributed`` store (the default group's, torchrun's
-environment, or ``mp_init(rank, size, store=...)``), never through NCCL, and need no GPU for
-host memory. ``is_host=False`` (device memory) needs a CUDA driver.
+tensortier's shared tensors: code written for it runs after changing only its import to
+``from tensortier.compat import wholememory as wm`` (see the guide's Compatibility modules page).
 """
 
 from __future__ import annotations
@@ -22,8 +11,8 @@ from typing import Any, Sequence, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import _core
 from .. import shared as _shared
-from .._core import cuda_driver as _cuda_driver
 from ..device import CudaError
 
 __all__ = ["init_lib", "mp_init", "create_tensor", "get_tensor_view", "finalize_lib"]
@@ -71,7 +60,7 @@ def _require_group(what: str) -> _shared.Group:
 
 
 def _require_cuda(what: str) -> None:
-    info = _cuda_driver()
+    info = _core.cuda_driver()
     if not info["available"]:
         raise CudaError(
             f"wholememory: {what} needs device memory, but no CUDA driver was found "
@@ -98,18 +87,7 @@ def create_tensor(
         TimeoutError: a rank did not make the call in time.
     """
     group = _require_group("create_tensor")
-    dims = tuple(operator.index(d) for d in shape)
-    contiguous = torch.empty(dims, device="meta").stride() if dims else ()
-    if len(stride) != 0 and tuple(operator.index(s) for s in stride) != contiguous:
-        raise ValueError(
-            f"wholememory: stride {list(stride)} is not the contiguous stride {list(contiguous)} "
-            f"of shape {list(dims)}; pass [] or the contiguous stride"
-        )
-    members = sorted(operator.index(r) for r in ranks)
-    if members and members != list(range(group.world_size)):
-        raise ValueError(
-            f"wholememory: ranks {list(ranks)}: tensors are shared by every rank; pass []"
-        )
+    dims = _core.wholememory_dims(shape, stride, ranks, group.world_size)  # ValueError
     if not is_host:
         _require_cuda("create_tensor(is_host=False)")
         if not torch.cuda.is_available():  # before the collective call, which would be wasted

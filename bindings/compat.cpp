@@ -1,0 +1,177 @@
+// tensortier._core, what the compatibility modules (tensortier.compat) check without torch:
+// TensorNVMe's arguments and backend names, and WholeMemory's shapes, strides and ranks, with the
+// originals' errors.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "arguments.hpp"
+#include "paths.hpp"
+#include "register.hpp"
+#include "tensortier/io/backend.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/offload/offloader.hpp"
+#include "tensortier/util/enum_names.hpp"
+#include "tensortier/util/settings.hpp"
+#include "tensortier/util/strings.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+// operator.index(value), its TypeError included.
+py::int_ Index(const py::handle& value) {
+  PyObject* index = PyNumber_Index(value.ptr());
+  if (index == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::int_>(index);
+}
+
+// `value` as TensorNVMe's bindings take an unsigned int of `bits` bits (32; 64 for a size_t or
+// an unsigned long long): anything else is pybind11's TypeError.
+uint64_t Unsigned(const py::handle& value, const std::string& name, int bits) {
+  PyObject* index = PyNumber_Index(value.ptr());
+  uint64_t n = 0;
+  bool ok = false;
+  if (index != nullptr) {
+    n = PyLong_AsUnsignedLongLong(index);  // OverflowError below 0 or past 64 bits
+    ok = PyErr_Occurred() == nullptr && (bits == 64 || n >> bits == 0);
+    Py_DECREF(index);
+  }
+  PyErr_Clear();
+  if (!ok) {
+    throw py::type_error(StrCat(name, " must be an unsigned integer (", bits, " bits), not ",
+                                ReprOf(value)));
+  }
+  return n;
+}
+
+std::string Repr(const std::vector<int64_t>& values) { return ReprOf(py::cast(values)); }
+
+}  // namespace
+
+void RegisterCompat(py::module_& m) {
+  m.def("unsigned_argument", &Unsigned, py::arg("value"), py::arg("name"), py::arg("bits") = 32,
+        "`value` as TensorNVMe's bindings take an unsigned integer of `bits` bits; TypeError "
+        "naming `name` otherwise.");
+  m.def(
+      "tensornvme_queue_depth",
+      [](const py::handle& n_entries) {
+        const Setting& s = SettingFor("TENSORTIER_QUEUE_DEPTH");
+        return std::clamp<uint64_t>(Unsigned(n_entries, "n_entries", 32), s.min, s.max);
+      },
+      py::arg("n_entries"),
+      "TensorNVMe's `n_entries` (a 32-bit unsigned integer, else TypeError) as the engine's "
+      "queue depth: the nearest one the engine's rings allow.");
+  m.def(
+      "tensornvme_backend",
+      [](const py::object& backend) {
+        const char* variable = std::getenv("TENSORNVME_BACKEND");
+        std::string name = variable != nullptr && *variable != '\0' ? variable
+                           : py::isinstance<py::str>(backend) ? backend.cast<std::string>()
+                                                              : ReprOf(backend);
+        try {
+          return std::string(OffloadBackendName(name));
+        } catch (const std::invalid_argument& e) {
+          throw std::runtime_error(StrCat("Unsupported backend: ", e.what()));
+        }
+      },
+      py::arg("backend"),
+      "The engine's name of the backend TensorNVMe would run: TENSORNVME_BACKEND when set takes "
+      "the place of `backend`; RuntimeError 'Unsupported backend' for a name it does not know.");
+  m.def(
+      "backend_starts",
+      [](const std::string& backend, const FsPath& dir) {
+        if (backend == "auto") return true;
+        const BackendKind kind = ParseBackendKind(backend);
+        py::gil_scoped_release release;
+        return ProbeBackend(kind, dir.bytes).available;
+      },
+      py::arg("backend"), py::arg("dir"),
+      "Whether the engine backend `backend` ('auto' always) starts here (probed in `dir`).");
+  m.def(
+      "tensornvme_backends",
+      [](const FsPath& dir) {
+        std::set<std::string> names;
+        py::gil_scoped_release release;
+        for (BackendKind k : kAllBackends) {
+          const BackendProbe p = ProbeBackend(k, dir.bytes);
+          if (p.available && (p.direct_ok || p.buffered_ok)) {
+            names.emplace(NameOf(kTensorNvmeBackendNames, k));
+          }
+        }
+        return names;
+      },
+      py::arg("dir"),
+      "TensorNVMe's names of the backends whose round trip in `dir` passes.");
+  m.def(
+      "tensornvme_directory",
+      [](const FsPath& path) {
+        struct stat status {};
+        if (stat(path.bytes.c_str(), &status) != 0) {
+          if (mkdir(path.bytes.c_str(), 0777) != 0) {  // os.mkdir's error, filename included
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError,
+                                                 PathToPython(path.bytes).ptr());
+            throw py::error_already_set();
+          }
+        } else if (!S_ISDIR(status.st_mode)) {
+          PyErr_SetString(PyExc_AssertionError,
+                          StrCat("dir_name ", ReprOf(PathToPython(path.bytes)),
+                                 " exists and is not a directory")
+                              .c_str());
+          throw py::error_already_set();
+        }
+      },
+      py::arg("path"),
+      "As TensorNVMe's DiskOffloader: makes the directory `path` if missing (not its parents: "
+      "FileNotFoundError), AssertionError when it exists and is not a directory.");
+  m.def(
+      "wholememory_dims",
+      [](const py::iterable& shape, const py::object& stride, const py::iterable& ranks,
+         int64_t world_size) {
+        std::vector<int64_t> dims;
+        for (const py::handle d : shape) dims.push_back(Index(d).cast<int64_t>());
+        std::vector<int64_t> contiguous(dims.size(), 1);
+        for (size_t i = dims.size(); i-- > 0;) {
+          if (dims[i] < 0) {  // torch's error for the shape
+            throw std::runtime_error(StrCat("Trying to create tensor with negative dimension ",
+                                            dims[i], ": ", Repr(dims)));
+          }
+          if (i + 1 < dims.size()) {
+            contiguous[i] = contiguous[i + 1] * std::max<int64_t>(dims[i + 1], 1);
+          }
+        }
+        if (py::len(stride) != 0) {
+          std::vector<int64_t> given;
+          for (const py::handle s : py::iter(stride)) given.push_back(Index(s).cast<int64_t>());
+          if (given != contiguous) {
+            throw std::invalid_argument(
+                StrCat("wholememory: stride ", ReprOf(py::list(stride)),
+                       " is not the contiguous stride ", Repr(contiguous), " of shape ",
+                       Repr(dims), "; pass [] or the contiguous stride"));
+          }
+        }
+        std::vector<int64_t> members;
+        for (const py::handle r : ranks) members.push_back(Index(r).cast<int64_t>());
+        std::sort(members.begin(), members.end());
+        for (size_t i = 0; i < members.size(); ++i) {
+          if (members.size() != static_cast<size_t>(world_size) ||
+              members[i] != static_cast<int64_t>(i)) {
+            throw std::invalid_argument(StrCat("wholememory: ranks ", ReprOf(py::list(ranks)),
+                                               ": tensors are shared by every rank; pass []"));
+          }
+        }
+        return py::tuple(py::cast(dims));
+      },
+      py::arg("shape"), py::arg("stride"), py::arg("ranks"), py::arg("world_size"),
+      "WholeMemory's create_tensor arguments checked: the shape as a tuple; ValueError for a "
+      "stride other than [] or the contiguous one, or ranks other than [] or all of them.");
+}
