@@ -5,12 +5,13 @@
 #include <pybind11/stl.h>
 #include <sys/stat.h>
 
+#include <cctype>
 #include <cerrno>
-#include <cstdlib>
-#include <mutex>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -19,8 +20,6 @@
 #include "binding_helpers.hpp"
 #include "paths.hpp"
 #include "tensortier/io/test_hooks.hpp"
-#include "tensortier/util/error.hpp"
-#include "tensortier/shared/shared_files.hpp"
 #include "tensortier/shared/shared_exchange.hpp"
 #include "tensortier/shared/shared_files.hpp"
 #include "tensortier/shared/shared_store.hpp"

@@ -125,15 +125,6 @@ def _require_torch_cuda(what: str) -> None:
         )
 
 
-def _cuda_tensor_over(address: int, nbytes: int, keeper: Any, dtype: torch.dtype,
-                      shape: tuple[int, ...], index: int) -> torch.Tensor:
-    device = torch.device("cuda", index)
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=device)
-    return raw.view(dtype).view(shape)
-
-
 def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if len(region) == 0:
         return torch.empty(shape, dtype=dtype)
@@ -211,7 +202,10 @@ class SharedTensor:
         address, nbytes, keeper = self._core.span(rank)
         if index is None:
             return _tensor_over(keeper, self._dtype, shape)
-        return _cuda_tensor_over(address, nbytes, keeper, self._dtype, shape, index)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=self._dtype, device=torch.device("cuda", index))
+        raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=f"cuda:{index}")
+        return raw.view(self._dtype).view(shape)
 
     def _device_index(self) -> int | None:
         """Where this rank's rows are seen from: its GPU for device memory (None: the CPU)."""
