@@ -1,14 +1,17 @@
 // tensortier._core, shared tensors: the group, its tensors and their memory regions. The store
-// is a Python object (a torch.distributed.Store behind an adapter in python/tensortier/shared.py):
-// C++ calls it only from the thread that made the collective call, taking the GIL back for it;
-// the partition server thread never touches Python.
+// is a torch.distributed.Store (TorchStore): C++ calls it only from the thread that made the
+// collective call, taking the GIL back for it; the partition server thread never touches Python.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sys/stat.h>
 
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -16,6 +19,7 @@
 
 #include "binding_helpers.hpp"
 #include "paths.hpp"
+#include "tensortier/io/test_hooks.hpp"
 #include "tensortier/shared/shared_exchange.hpp"
 #include "tensortier/shared/shared_files.hpp"
 #include "tensortier/shared/shared_store.hpp"
@@ -28,52 +32,104 @@ using namespace tensortier;
 
 namespace {
 
-// A Store whose methods a Python subclass implements: set(key, value: bytes), get(key,
-// timeout_ms) -> bytes or None on timeout, add(key, delta) -> int.
-class PyStore : public Store {
+// The Store interface over a torch.distributed.Store, called (the GIL taken back) only from the
+// thread that made the collective call. Failures are told apart by torch's exception types, never
+// by their text: a store that vanished (DistNetworkError: the process hosting a TCPStore died or
+// exited) is ECONNRESET naming `where` (ConnectionResetError in Python); a key that does not
+// appear in time is ETIMEDOUT. FileStore's wait raises a plain RuntimeError on a timeout: that
+// counts as one only once the time is up and the key is still absent. Anything else is EIO (an
+// OSError keeps its errno).
+class TorchStore : public Store {
  public:
+  TorchStore(py::object store, std::string where)
+      : store_(std::move(store)), where_(std::move(where)) {
+    const std::string type = py::str(py::type::handle_of(store_).attr("__name__"));
+    if (!py::isinstance(store_, py::module_::import("torch.distributed").attr("Store"))) {
+      throw py::type_error(StrCat("store must be a torch.distributed.Store, not ", type));
+    }
+    if (where_.empty()) {  // the process serving it, named as well as the store tells
+      py::object host = py::getattr(store_, "host", py::none());
+      py::object port = py::getattr(store_, "port", py::none());
+      where_ = StrCat("the process hosting the ", type);
+      if (!host.is_none() && !port.is_none()) {
+        where_ += StrCat(" at ", py::str(host).cast<std::string>(), ":",
+                         py::str(port).cast<std::string>());
+      }
+    }
+  }
+  ~TorchStore() override {
+    if (!Py_IsInitialized()) {
+      store_.release();  // the interpreter is gone, and the object with it
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    store_ = py::object();
+  }
+
   void Set(const std::string& key, const std::string& value) override {
-    Call("set", key, [&](const py::function& f) { f(key, py::bytes(value)); });
+    Call("set", key, [&] { store_.attr("set")(key, py::bytes(value)); });
   }
 
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
-    std::string out;
-    bool found = false;
-    Call("get", key, [&](const py::function& f) {
-      py::object v = f(key, static_cast<int64_t>(timeout.count()));
-      if (!v.is_none()) {
-        out = v.cast<std::string>();
-        found = true;
+    std::optional<std::string> out;
+    Call("get", key, [&] {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      py::module_ dist = py::module_::import("torch.distributed");
+      py::list keys;
+      keys.append(key);
+      try {
+        py::object wait = py::module_::import("datetime").attr("timedelta")(
+            py::arg("milliseconds") = std::max<int64_t>(timeout.count(), 1));
+        store_.attr("wait")(keys, wait);
+      } catch (py::error_already_set& e) {
+        if (e.matches(dist.attr("DistNetworkError"))) throw;
+        if (e.matches(dist.attr("DistStoreError"))) {  // TCPStore, HashStore: the wait timed out
+          if (!store_.attr("check")(keys).cast<bool>()) return;
+        } else if (!e.matches(PyExc_RuntimeError)) {
+          throw;
+        } else if (std::chrono::steady_clock::now() < deadline ||  // FileStore: no type of its own
+                   store_.attr("check")(keys).cast<bool>()) {
+          throw;
+        } else {
+          return;
+        }
       }
+      out = store_.attr("get")(key).cast<std::string>();
     });
-    if (!found) ThrowIoError(ETIMEDOUT, StrCat("store get (waited ", timeout.count(), " ms)"), key);
-    return out;
+    if (!out) ThrowIoError(ETIMEDOUT, StrCat("store get (waited ", timeout.count(), " ms)"), key);
+    return *out;
   }
 
   int64_t Add(const std::string& key, int64_t delta) override {
     int64_t out = 0;
-    Call("add", key, [&](const py::function& f) { out = f(key, delta).cast<int64_t>(); });
+    Call("add", key, [&] { out = store_.attr("add")(key, delta).cast<int64_t>(); });
     return out;
   }
 
  private:
-  // Runs the Python method `name` with the GIL held; its exceptions become IoError so they
-  // cross the C++ code, which runs with the GIL released, as plain C++ exceptions: an OSError
-  // keeps its errno (a store that vanished stays a ConnectionResetError), anything else is EIO.
+  // Runs `body` with the GIL held; its Python exceptions become IoError so they cross the C++
+  // code, which runs with the GIL released, as plain C++ exceptions.
   template <typename Body>
   void Call(const char* name, const std::string& key, Body body) {
     std::string message;
     int code = EIO;
     {
       py::gil_scoped_acquire gil;
-      py::function f = py::get_override(static_cast<const Store*>(this), name);
-      if (!f) throw std::logic_error(StrCat("the store adapter does not implement ", name, "()"));
       try {
-        body(f);
+        body();
         return;
       } catch (py::error_already_set& e) {
         message = e.what();
-        if (e.matches(PyExc_OSError)) {
+        if (e.matches(py::module_::import("torch.distributed").attr("DistNetworkError"))) {
+          std::string text = py::str(e.value()).cast<std::string>();
+          const size_t b = text.find_first_not_of(" \t\r\n");
+          text = b == std::string::npos ? "" : text.substr(b);
+          text = text.substr(0, text.find('\n'));
+          const std::string type = py::str(e.type().attr("__name__")).cast<std::string>();
+          code = ECONNRESET;
+          message = StrCat("the store the processes meet through is gone: ", where_,
+                           " died or exited (", type, ": ", text.empty() ? type : text, ")");
+        } else if (e.matches(PyExc_OSError)) {
           py::object err = e.value().attr("errno");
           if (!err.is_none()) code = err.cast<int>();
           py::object text = e.value().attr("strerror");
@@ -83,6 +139,9 @@ class PyStore : public Store {
     }
     ThrowIoError(code, StrCat("store ", name, ": ", message), key);
   }
+
+  py::object store_;
+  std::string where_;
 };
 
 // Bytes of a shared tensor's memory with the buffer protocol; holds the mappings alive.
@@ -90,11 +149,7 @@ struct SharedRegion {
   std::shared_ptr<void> hold;
   uint8_t* data = nullptr;
   uint64_t size = 0;
-};
-
-// Keeps a device-memory shared tensor's mappings alive while a CUDA view of them lives.
-struct SharedDeviceKeeper {
-  std::shared_ptr<void> hold;
+  bool device = false;  // device addresses: no buffer
 };
 
 py::tuple SplitsTuple(const SharedRowExchange::Splits& splits) {
@@ -112,67 +167,272 @@ py::tuple PartitionTuple(const SharedPartition& p) {
                         reinterpret_cast<uintptr_t>(p.address));
 }
 
+
+// A distributed tensor as this rank holds it: its rows in private memory (zero-filled), the other
+// ranks' rows reached only through the exchange's rounds (torch.distributed in Python).
+class DistributedTensor {
+ public:
+  DistributedTensor(const SharedTensorSpec& spec, int rank, int world_size)
+      : spec_(spec),
+        rank_(rank),
+        partitions_(PartitionRows(spec.rows(), spec.row_bytes(), world_size, 1)),
+        exchange_(Ends(partitions_), rank, spec.row_bytes()) {
+    SharedPartition& mine = partitions_.at(static_cast<size_t>(rank));
+    memory_.reset(std::calloc(mine.bytes == 0 ? 1 : mine.bytes, 1), std::free);
+    if (!memory_) throw std::bad_alloc();
+    mine.address = mine.bytes == 0 ? nullptr : static_cast<uint8_t*>(memory_.get());
+  }
+
+  const SharedTensorSpec& spec() const { return spec_; }
+  const std::vector<SharedPartition>& partitions() const { return partitions_; }
+  int rank() const { return rank_; }
+  SharedRowExchange& exchange() { return exchange_; }
+  uint8_t* data() const {
+    throw std::logic_error("a distributed tensor has no single address: use its partitions");
+  }
+  bool closed() const {
+    std::lock_guard lock(mutex_);
+    return !memory_;
+  }
+  std::shared_ptr<void> memory() const {
+    std::lock_guard lock(mutex_);
+    if (!memory_) throw std::runtime_error("the shared tensor was closed (finalized)");
+    return memory_;
+  }
+  void Close() {
+    std::lock_guard lock(mutex_);
+    memory_.reset();
+  }
+
+ private:
+  static std::vector<uint64_t> Ends(const std::vector<SharedPartition>& parts) {
+    std::vector<uint64_t> ends;
+    for (const auto& p : parts) ends.push_back(p.row_begin + p.rows);
+    return ends;
+  }
+
+  SharedTensorSpec spec_;
+  int rank_;
+  std::vector<SharedPartition> partitions_;
+  SharedRowExchange exchange_;
+  mutable std::mutex mutex_;
+  std::shared_ptr<void> memory_;
+};
+
+// The checks ahead of a SharedTensor method: RuntimeError once closed; for a collective call
+// (`member`), ValueError in a process that attached the tensor from outside its group.
+template <typename Tensor>
+void RequireOpen(const Tensor& t, const std::string& what, bool member) {
+  if (t.closed()) {
+    throw std::runtime_error(StrCat(what, ": the shared tensor was closed (finalized)"));
+  }
+  if (member && t.rank() < 0) {
+    throw py::value_error(StrCat(what, " is collective over the group that created ",
+                                 PyRepr(t.spec().name),
+                                 ": this process attached it from outside that group"));
+  }
+}
+
+template <typename Tensor>
+py::list RowRanges(const Tensor& t) {
+  py::list out;
+  for (const auto& p : t.partitions()) {
+    out.append(py::make_tuple(p.row_begin, p.row_begin + p.rows));
+  }
+  return out;
+}
+
+template <typename Tensor>
+py::list PartitionList(const Tensor& t) {
+  py::list out;
+  for (const auto& p : t.partitions()) out.append(PartitionTuple(p));
+  return out;
+}
+
+// An integer from the environment variable `name` (Python's int() of its text), or None.
+std::optional<int64_t> EnvInt(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return std::nullopt;
+  try {
+    return py::int_(py::str(value)).cast<int64_t>();
+  } catch (const py::error_already_set&) {
+    throw py::value_error(
+        StrCat("environment variable ", name, "=", PyRepr(value), " is not an integer"));
+  }
+}
+
+bool AgentServesStore() {
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  std::string text = agent == nullptr ? "" : agent;
+  for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return text == "true";
+}
+
+// The ranks' parts of load_files, load_checkpoint and store_files on this rank's partition: the
+// bytes move in C++. Raw row files' sizes are taken here (a test may shrink one meanwhile).
+py::object ReadRowsInto(const SharedTensorSpec& spec, const SharedPartition& part, int device,
+                        const std::string& what, const std::vector<FsPath>& files,
+                        const std::optional<FsPath>& checkpoint, const std::string& key) {
+  std::optional<IoStats> stats;
+  try {
+    py::gil_scoped_release release;
+    std::vector<RowSource> sources;
+    for (const FsPath& path : files) {
+      struct stat st{};
+      if (::stat(path.bytes.c_str(), &st) != 0) ThrowIoError(errno, "stat", path.bytes);
+      if (TestHooks* hooks = InstalledTestHooks()) hooks->FileSizeTaken(path.bytes);
+      sources.push_back({path.bytes, 0, static_cast<uint64_t>(st.st_size)});
+    }
+    if (checkpoint) {
+      std::string_view dtype = spec.dtype;
+      if (dtype.rfind("torch.", 0) == 0) dtype.remove_prefix(6);
+      const std::vector<uint64_t> shape(spec.shape.begin(), spec.shape.end());
+      sources = {CheckpointRowSource(*checkpoint, key, dtype, shape)};
+    }
+    stats = ReadPartitionRows(sources, what, spec, part, device);
+  } catch (const MissingTensorError& e) {
+    throw py::key_error(e.what());
+  }
+  return stats ? py::object(IoStatsToDict(*stats)) : py::object(py::dict());
+}
+
+py::object WriteRowsOf(const SharedPartition& part, int world, int device, const FsPath& prefix) {
+  std::vector<std::string> names;
+  {
+    py::gil_scoped_release release;
+    names = WritePartitionRows(prefix, world, part, device);
+  }
+  return PathsToPython(names);
+}
+
+// Adds the methods both kinds of tensor have, over their partitions: `device(t)` is the GPU of a
+// device-memory tensor's partitions, else -1.
+template <typename Tensor, typename Class, typename Device>
+void DefRows(Class& c, Device device) {
+  c.def_property_readonly("partitions", &PartitionList<Tensor>)
+      .def_property_readonly("row_ranges", &RowRanges<Tensor>,
+                             "Each rank's rows as (begin, end), in rank order.")
+      .def("require", &RequireOpen<Tensor>, py::arg("what"), py::arg("member") = false,
+           "RuntimeError once closed; ValueError for a collective call (member) in a process "
+           "that attached the tensor from outside its group.")
+      .def(
+          "read_rows",
+          [device](const Tensor& t, const std::string& what, const std::vector<FsPath>& files,
+                   const std::optional<FsPath>& checkpoint, const std::string& key) {
+            std::shared_ptr<void> hold = t.memory();
+            return ReadRowsInto(t.spec(), t.partitions().at(t.rank()), device(t), what, files,
+                                checkpoint, key);
+          },
+          py::arg("what"), py::arg("files"), py::arg("checkpoint"), py::arg("key"),
+          "Reads this rank's rows from raw row files whose concatenation is the tensor, or from "
+          "tensor `key` of a checkpoint (safetensors or torch.save, its pickle never run). "
+          "Returns the engine's stats ({} when there is nothing to read). KeyError: no such "
+          "tensor (the keys there are); ValueError: another shape or dtype, a shard index, "
+          "sources of the wrong size; OSError.")
+      .def(
+          "write_rows",
+          [device](const Tensor& t, const FsPath& prefix) {
+            std::shared_ptr<void> hold = t.memory();
+            return WriteRowsOf(t.partitions().at(t.rank()), static_cast<int>(t.partitions().size()),
+                               device(t), prefix);
+          },
+          py::arg("prefix"),
+          "Writes this rank's rows to {prefix}_part_{rank}_of_{world}, synced; every rank's name.")
+      .def(
+          "span",
+          [device](const Tensor& t, int rank) {
+            SharedRegion r;
+            r.hold = t.memory();
+            if (rank < 0) {
+              r.data = t.data();
+              r.size = t.spec().rows() * t.spec().row_bytes();
+            } else {
+              const SharedPartition& p = t.partitions().at(rank);
+              if (p.address == nullptr && p.bytes > 0) {
+                throw py::value_error(StrCat("this process does not map rank ", rank, "'s rows"));
+              }
+              r.data = p.address;
+              r.size = p.bytes;
+            }
+            r.device = device(t) >= 0;
+            return py::make_tuple(reinterpret_cast<uintptr_t>(r.data), r.size, r);
+          },
+          py::arg("rank"),
+          "(address, bytes, keeper) of partition `rank`, or of the whole (continuous) tensor for "
+          "-1: a device address for device memory; the memory stays mapped while `keeper` lives "
+          "(for host memory, the bytes, with the buffer protocol).");
+}
+
+// A create_tensor shape: an int or a sequence of ints (anything with __index__), at least one
+// dimension (its rows), none negative.
+std::vector<int64_t> ShapeOf(const py::object& shape) {
+  std::vector<int64_t> dims;
+  try {
+    if (PyObject* one = PyNumber_Index(shape.ptr())) {
+      dims.push_back(py::reinterpret_steal<py::int_>(one).cast<int64_t>());
+    } else {
+      PyErr_Clear();
+      for (const py::handle d : shape) {
+        PyObject* dim = PyNumber_Index(d.ptr());
+        if (dim == nullptr) throw py::error_already_set();
+        dims.push_back(py::reinterpret_steal<py::int_>(dim).cast<int64_t>());
+      }
+    }
+  } catch (py::error_already_set& e) {
+    if (!e.matches(PyExc_TypeError)) throw;
+    throw py::type_error(StrCat("shape must be an int or a sequence of ints, not ",
+                                py::repr(shape).cast<std::string>()));
+  }
+  if (dims.empty()) {
+    throw py::value_error("a shared tensor needs at least one dimension (its rows)");
+  }
+  for (int64_t d : dims) {
+    if (d < 0) throw py::value_error(StrCat("shape ", PyTuple(dims), " has a negative dimension"));
+  }
+  return dims;
+}
 }  // namespace
 
 void RegisterShared(py::module_& m) {
   m.attr("shared_default_timeout_s") = std::chrono::duration<double>(kDefaultSharedTimeout).count();
 
   m.def(
-      "partition_rows",
-      [](uint64_t rows, uint64_t row_bytes, int world_size) {
-        py::list out;
-        for (const auto& p : PartitionRows(rows, row_bytes, world_size, 1)) {
-          out.append(py::make_tuple(p.row_begin, p.row_begin + p.rows));
+      "shared_rank_and_world",
+      [](std::optional<int64_t> rank, std::optional<int64_t> world_size) {
+        if (!rank) rank = EnvInt("RANK");
+        if (!world_size) world_size = EnvInt("WORLD_SIZE");
+        if (!rank || !world_size) {
+          throw py::value_error(
+              "cannot tell this process's rank and the world size: pass rank= and world_size=, "
+              "initialise torch.distributed, or start the processes with torchrun (which sets "
+              "RANK and WORLD_SIZE)");
         }
-        return out;
+        if (*rank < 0 || *rank >= *world_size) {
+          throw py::value_error(
+              StrCat("rank ", *rank, " is not in a group of ", *world_size, " processes"));
+        }
+        return py::make_tuple(*rank, *world_size);
       },
-      py::arg("rows"), py::arg("row_bytes"), py::arg("world_size"),
-      "Each rank's rows [begin, end) of a tensor whose partitions are not mapped together.");
-
-  // The ranks' parts of load_files, load_checkpoint and store_files: the bytes move in C++.
+      py::arg("rank"), py::arg("world_size"),
+      "(rank, world size): those given, else RANK and WORLD_SIZE (torchrun's); ValueError when "
+      "either is unknown or the rank is not in the group.");
   m.def(
-      "shared_read_rows",
-      [](const std::string& what, const std::vector<std::pair<FsPath, uint64_t>>& files,
-         std::optional<FsPath> checkpoint, const std::string& key, const std::string& dtype,
-         uint64_t element_size, const std::vector<uint64_t>& shape, uint64_t begin, uint64_t end,
-         uintptr_t dest) -> py::object {
-        std::optional<IoStats> stats;
-        try {
-          py::gil_scoped_release release;
-          std::vector<RowSource> sources;
-          for (const auto& [path, size] : files) sources.push_back({path.bytes, 0, size});
-          if (checkpoint) sources = {CheckpointRowSource(*checkpoint, key, dtype, shape)};
-          stats = ReadRows(sources, what, dtype, element_size, shape, begin, end,
-                           reinterpret_cast<void*>(dest));
-        } catch (const MissingTensorError& e) {
-          throw py::key_error(e.what());
+      "shared_torchrun_store",
+      []() {
+        const char* host = std::getenv("MASTER_ADDR");
+        const std::optional<int64_t> port = EnvInt("MASTER_PORT");
+        if (host == nullptr || !port) {
+          throw py::value_error(
+              "no store to meet the other processes: pass store=, initialise torch.distributed, "
+              "or set MASTER_ADDR and MASTER_PORT (torchrun does)");
         }
-        return stats ? py::object(IoStatsToDict(*stats)) : py::object(py::dict());
+        const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+        return py::make_tuple(host, *port,
+                              StrCat("tensortier/attempt_", attempt ? attempt : "0"),
+                              AgentServesStore());
       },
-      py::arg("what"), py::arg("files"), py::arg("checkpoint"), py::arg("key"), py::arg("dtype"),
-      py::arg("element_size"), py::arg("shape"), py::arg("begin"), py::arg("end"), py::arg("dest"),
-      "Reads rows [begin, end) of a tensor (torch dtype name, element size, shape) into host "
-      "memory at dest: from raw row files ((path, size) each) whose concatenation is the tensor, "
-      "or from tensor key "
-      "of a checkpoint (safetensors or torch.save, its pickle never run). Returns the engine's "
-      "stats ({} when there is nothing to read). KeyError: no such tensor (the keys there are); "
-      "ValueError: another shape or dtype, a shard index, sources of the wrong size; OSError.");
-  m.def(
-      "shared_write_rows",
-      [](const FsPath& prefix, int rank, int world, uintptr_t data, uint64_t nbytes,
-         uint64_t offset, bool last) {
-        std::vector<std::string> names;
-        {
-          py::gil_scoped_release release;
-          names = WriteRowFile(prefix, rank, world, reinterpret_cast<const void*>(data), nbytes,
-                               offset, last);
-        }
-        return PathsToPython(names);
-      },
-      py::arg("prefix"), py::arg("rank"), py::arg("world"), py::arg("data"), py::arg("nbytes"),
-      py::arg("offset") = 0, py::arg("last") = true,
-      "Writes nbytes at data to {prefix}_part_{rank}_of_{world} at offset (0 replaces the file), "
-      "synced when last; every rank's name.");
+      "torchrun's store: (MASTER_ADDR, MASTER_PORT, the key prefix of this restart attempt, "
+      "whether torchrun's agent serves it rather than rank 0). ValueError when unset.");
   // The distributed layout's rounds: the bookkeeping here, the all-to-alls in Python (through
   // torch.distributed) over the exchange's buffers.
   py::class_<SharedRowExchange>(m, "SharedRowExchange")
@@ -220,20 +480,57 @@ void RegisterShared(py::module_& m) {
       .def("send_buffer", [](const SharedRowExchange& x) { return BufferView(x.send_buffer()); })
       .def("recv_buffer", [](const SharedRowExchange& x) { return BufferView(x.recv_buffer()); });
 
-  py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "SharedStore").def(py::init<>());
+  py::class_<Store, std::shared_ptr<Store>>(m, "SharedStore");
+  py::class_<TorchStore, Store, std::shared_ptr<TorchStore>>(m, "SharedTorchStore")
+      .def(py::init<py::object, std::string>(), py::arg("store"), py::arg("where") = "",
+           "The store interface over a torch.distributed.Store; `where` names who serves it "
+           "(for errors; by default, the process hosting the store, with its host and port).");
 
   py::class_<SharedRegion>(m, "SharedRegion", py::buffer_protocol())
       .def("__len__", [](const SharedRegion& r) { return r.size; })
       .def_property_readonly(
           "address", [](const SharedRegion& r) { return reinterpret_cast<uintptr_t>(r.data); })
       .def_buffer([](SharedRegion& r) {
+        if (r.device) throw py::value_error("device memory has no host buffer");
         return py::buffer_info(r.data, 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<ssize_t>(r.size)}, {1});
       });
 
-  py::class_<SharedDeviceKeeper>(m, "SharedDeviceKeeper");
+  // The distributed layout: the same properties as SharedTensor's, over this rank's private rows.
+  py::class_<DistributedTensor, std::shared_ptr<DistributedTensor>> distributed(
+      m, "SharedDistributedTensor");
+  DefRows<DistributedTensor>(distributed, [](const DistributedTensor&) { return -1; });
+  distributed
+      .def_property_readonly("name", [](const DistributedTensor& t) { return t.spec().name; })
+      .def_property_readonly("shape", [](const DistributedTensor& t) { return t.spec().shape; })
+      .def_property_readonly("layout", [](const DistributedTensor&) { return "distributed"; })
+      .def_property_readonly("memory", [](const DistributedTensor&) { return "host"; })
+      .def_property_readonly("row_bytes",
+                             [](const DistributedTensor& t) { return t.spec().row_bytes(); })
+      .def_property_readonly("rank", &DistributedTensor::rank)
+      .def_property_readonly("closed", &DistributedTensor::closed)
+      .def_property_readonly("stats",
+                             [](const DistributedTensor& t) {
+                               const char* why = "distributed layout: private memory of each rank";
+                               py::dict d;
+                               d["local_bytes"] =
+                                   t.closed() ? 0 : t.partitions().at(t.rank()).bytes;
+                               for (const char* key : {"huge_pages", "shmem_huge_pages",
+                                                       "cuda_registered"}) {
+                                 d[key] = false;
+                                 d[py::str(StrCat(key, "_reason"))] = why;
+                               }
+                               return d;
+                             })
+      .def_property_readonly("exchange", &DistributedTensor::exchange,
+                             py::return_value_policy::reference_internal)
+      .def("close", &DistributedTensor::Close);
 
-  py::class_<SharedTensor, std::shared_ptr<SharedTensor>>(m, "SharedTensor")
+  py::class_<SharedTensor, std::shared_ptr<SharedTensor>> tensor(m, "SharedTensor");
+  DefRows<SharedTensor>(tensor, [](const SharedTensor& t) {
+    return t.spec().memory == SharedMemory::kDevice ? t.stats().device : -1;
+  });
+  tensor
       .def_property_readonly("describe", [](const SharedTensor& t) { return t.spec().Describe(); })
       .def_property_readonly("name", [](const SharedTensor& t) { return t.spec().name; })
       .def_property_readonly("dtype", [](const SharedTensor& t) { return t.spec().dtype; })
@@ -247,12 +544,28 @@ void RegisterShared(py::module_& m) {
       .def_property_readonly("row_bytes",
                              [](const SharedTensor& t) { return t.spec().row_bytes(); })
       .def_property_readonly("rank", &SharedTensor::rank)
-      .def_property_readonly("partitions",
-                             [](const SharedTensor& t) {
-                               py::list out;
-                               for (const auto& p : t.partitions()) out.append(PartitionTuple(p));
-                               return out;
-                             })
+      .def(
+          "route",
+          [](const SharedTensor& t, uintptr_t indices, size_t count, uintptr_t order) {
+            std::vector<uint64_t> ends;
+            for (const auto& p : t.partitions()) ends.push_back(p.row_begin + p.rows);
+            const auto* idx = reinterpret_cast<const int64_t*>(indices);
+            RowRoute route;
+            {
+              py::gil_scoped_release release;
+              route = RouteRows(idx, count, ends, reinterpret_cast<int64_t*>(order));
+            }
+            if (route.bad >= 0) {
+              throw py::index_error(StrCat("index ", idx[route.bad],
+                                           " is out of range for a shared tensor of ",
+                                           t.spec().rows(), " rows"));
+            }
+            return route.counts;
+          },
+          py::arg("indices"), py::arg("count"), py::arg("order"),
+          "Groups rows `indices` by the partition holding them: writes the stable order to "
+          "`order` (count int64s) and returns each partition's count. IndexError for an index "
+          "out of range.")
       .def_property_readonly("stats",
                              [](const SharedTensor& t) {
                                py::dict d;
@@ -270,42 +583,6 @@ void RegisterShared(py::module_& m) {
                                return d;
                              })
       .def_property_readonly("closed", &SharedTensor::closed)
-      .def(
-          "region",
-          [](const SharedTensor& t, int rank) {
-            if (t.spec().memory == SharedMemory::kDevice) {
-              throw py::value_error("a device-memory shared tensor has no host buffer");
-            }
-            SharedRegion r;
-            r.hold = t.memory();
-            if (rank < 0) {
-              r.data = t.data();
-              r.size = t.spec().rows() * t.spec().row_bytes();
-            } else {
-              const SharedPartition& p = t.partitions().at(rank);
-              r.data = p.address;
-              r.size = p.bytes;
-            }
-            return r;
-          },
-          py::arg("rank"),
-          "The memory of partition `rank`, or of the whole (continuous) tensor for -1.")
-      .def(
-          "device_region",
-          [](const SharedTensor& t, int rank) {
-            if (t.spec().memory != SharedMemory::kDevice) {
-              throw py::value_error("a host-memory shared tensor has no device addresses");
-            }
-            std::shared_ptr<void> hold = t.memory();
-            uint8_t* data = rank < 0 ? t.data() : t.partitions().at(rank).address;
-            uint64_t size =
-                rank < 0 ? t.spec().rows() * t.spec().row_bytes() : t.partitions().at(rank).bytes;
-            return py::make_tuple(reinterpret_cast<uintptr_t>(data), size,
-                                  SharedDeviceKeeper{std::move(hold)});
-          },
-          py::arg("rank"),
-          "(device address, bytes, keeper) of partition `rank`, or of the whole (continuous) "
-          "tensor for -1; the mapping stays while `keeper` lives.")
       .def(
           "gather",
           [](const SharedTensor& t, uintptr_t indices, size_t count, uintptr_t out) {
@@ -348,36 +625,31 @@ void RegisterShared(py::module_& m) {
       .def_property_readonly("refused_peers", &SharedGroup::refused_peers)
       .def(
           "create",
-          [](SharedGroup& g, const std::vector<int64_t>& shape, const std::string& dtype,
+          [](SharedGroup& g, const py::object& shape, const std::string& dtype,
              uint64_t element_size, const std::string& layout, const std::string& name,
              const std::string& memory, int device) {
             SharedTensorSpec spec;
-            spec.shape = shape;
+            spec.shape = ShapeOf(shape);
             spec.dtype = dtype;
             spec.element_size = element_size;
             spec.layout = ParseSharedLayout(layout);
             spec.name = name;
             spec.memory = ParseSharedMemory(memory);
-            py::gil_scoped_release release;
-            return g.Create(spec, device);
+            std::shared_ptr<SharedTensor> shared;
+            std::shared_ptr<DistributedTensor> distributed;
+            {
+              py::gil_scoped_release release;
+              if (spec.layout == SharedLayout::kDistributed) {  // rows in private memory
+                g.Agree("create_tensor", spec.Describe());
+                distributed = std::make_shared<DistributedTensor>(spec, g.rank(), g.world_size());
+              } else {
+                shared = g.Create(spec, device);
+              }
+            }
+            return distributed ? py::cast(distributed) : py::cast(shared);
           },
           py::arg("shape"), py::arg("dtype"), py::arg("element_size"), py::arg("layout"),
           py::arg("name"), py::arg("memory") = "host", py::arg("device") = 0)
-      .def(
-          "agree",
-          [](SharedGroup& g, const std::vector<int64_t>& shape, const std::string& dtype,
-             uint64_t element_size, const std::string& layout, const std::string& name) {
-            SharedTensorSpec spec;
-            spec.shape = shape;
-            spec.dtype = dtype;
-            spec.element_size = element_size;
-            spec.layout = ParseSharedLayout(layout);
-            spec.name = name;
-            py::gil_scoped_release release;
-            g.Agree("create_tensor", spec.Describe());
-          },
-          py::arg("shape"), py::arg("dtype"), py::arg("element_size"), py::arg("layout"),
-          py::arg("name"), "Collective: ValueError on every rank unless all ask for this tensor.")
       .def("attach", &SharedGroup::Attach, py::arg("name"), py::arg("device") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("barrier", &SharedGroup::Barrier, py::arg("what"),

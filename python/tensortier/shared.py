@@ -1,29 +1,12 @@
-"""Shared tensors: one tensor that every process of a job sees, in shared host memory.
-
-Each rank owns a partition of the rows (it allocates, first-touches and usually writes them);
-every process maps every partition, so a write by one is seen by all and the job holds one copy
-instead of one per process. Processes find each other through a ``torch.distributed`` store;
-the memory passes between them as file descriptors, never through a file: nothing is left in
-``/dev/shm`` or ``/tmp`` when a job ends, however it ends. No GPU and no NCCL are needed.
-
-::
-
-    import torch, tensortier.shared as shared
-    group = shared.Group()                      # torchrun's environment, or the default group
-    table = group.create_tensor((1_000_000, 128), torch.float32)
-    rows, (begin, end) = table.local()          # this rank's rows: fill them
-    rows.copy_(features[begin:end])
-    group.barrier()
-    batch = table.gather(torch.randint(0, 1_000_000, (1024,)))
-"""
+"""Shared tensors: one tensor that every process of a job sees, in shared host memory or in the
+memory of the job's GPUs. The guide is docs/shared.md."""
 
 from __future__ import annotations
 
 import atexit
 import datetime
-import math
-import operator
 import os
+import threading
 import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -31,16 +14,11 @@ import torch
 
 from . import _core
 from ._paths import fspath, PathArg
-from ._shared_rows import _cuda_tensor_over, _Distributed, _require_torch_cuda, _tensor_over
-from ._shared_store import _describe_store, _env_store, _rendezvous, _TorchStore
 from .device import CudaError
 
 __all__ = ["Group", "SharedTensor", "attach", "LAYOUTS", "DEFAULT_TIMEOUT"]
 
 _T = TypeVar("_T")
-
-# Device rows are read through a pinned host slab of at most this many bytes at a time.
-_DEVICE_SLAB_BYTES = 256 << 20
 
 #: The layouts :meth:`Group.create_tensor` accepts.
 LAYOUTS = ("continuous", "chunked", "distributed")
@@ -48,35 +26,12 @@ LAYOUTS = ("continuous", "chunked", "distributed")
 DEFAULT_TIMEOUT: float = _core.shared_default_timeout_s
 
 
-def _check_dtype(dtype: Any) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
-    return dtype
-
-
-def _check_shape(shape: Any) -> tuple[int, ...]:
-    try:
-        dims = (operator.index(shape),)
-    except TypeError:
-        try:
-            dims = tuple(operator.index(d) for d in shape)
-        except TypeError:
-            raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
-    if not dims:
-        raise ValueError("a shared tensor needs at least one dimension (its rows)")
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape {dims} has a negative dimension")
-    return dims
-
-
-def _check_cpu(device: Any, what: str) -> None:
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return
-    if dev.type == "cuda":
-        _require_cuda_driver(dev, what)
-        raise ValueError(f"{what} on {dev}: only host memory (device='cpu') is supported")
-    raise ValueError(f"{what}: device must be 'cpu' or 'cuda', not {dev}")
+def _seconds(timeout: float | datetime.timedelta) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
+    return float(timeout)
 
 
 def _require_cuda_driver(dev: torch.device, what: str) -> None:
@@ -89,8 +44,7 @@ def _require_cuda_driver(dev: torch.device, what: str) -> None:
 
 
 def _memory_of(device: Any, what: str) -> tuple[str, int]:
-    """``("host" | "device", CUDA device index)`` for a create_tensor/attach `device`: the index
-    is where device memory lives, and the context host memory is registered through."""
+    """``("host" | "device", the CUDA device index)`` for a `device` argument."""
     dev = torch.device(device)
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"{what}: device must be 'cpu' or 'cuda', not {dev}")
@@ -104,6 +58,85 @@ def _memory_of(device: Any, what: str) -> tuple[str, int]:
     return "host", torch.cuda.current_device() if torch.cuda.is_initialized() else 0
 
 
+def _env_store(is_master: bool, world_size: int | None, timeout: float) -> tuple[Any, str]:
+    """torchrun's ``TCPStore`` (served here when `is_master`), under the prefix of this
+    restart attempt, and its name for error messages."""
+    import torch.distributed as dist
+
+    host, port, prefix, agent = _core.shared_torchrun_store()
+    try:
+        tcp = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=is_master,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except dist.DistNetworkError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        what = f"the TCPStore at {host}:{port} (MASTER_ADDR:MASTER_PORT)"
+        doing = f"serve {what}" if is_master else f"reach {what} within {timeout:g} s"
+        raise ConnectionError(f"cannot {doing}: {first}") from None
+    who = "torchrun's agent" if agent else "rank 0"
+    return dist.PrefixStore(prefix, tcp), f"{who} (which hosts the TCPStore at {host}:{port})"
+
+
+def _rendezvous(
+    rank: int | None, world_size: int | None, store: Any, timeout: float
+) -> tuple[Any, int, int, str, bool]:
+    """The store, rank, world size, the store's name for errors and whether this process
+    serves it: given, else the default process group's, else torchrun's."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    rank, world_size = _core.shared_rank_and_world(rank, world_size)
+    if store is not None:  # _core.SharedTorchStore checks its type and names it
+        return store, rank, world_size, "", False
+    if initialized:
+        return (dist.distributed_c10d._get_default_store(), rank, world_size,
+                "the default process group's store", False)
+    # Under torchrun the agent serves the store; otherwise rank 0 does, as init_process_group.
+    hosts = rank == 0 and not _core.shared_torchrun_store()[3]
+    tcp, where = _env_store(hosts, world_size, timeout)
+    return tcp, rank, world_size, where, hosts
+
+
+class _CudaMemory:
+    """Device memory seen by torch through ``__cuda_array_interface__``; holds `keeper` (the
+    mapping) for as long as a tensor made from it lives."""
+
+    def __init__(self, address: int, nbytes: int, keeper: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3,
+            "strides": None,
+        }
+        self._keeper = keeper
+
+
+def _require_torch_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{what}: this torch has no CUDA (torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}); it cannot make CUDA tensors over shared memory"
+        )
+
+
+def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if len(region) == 0:
+        return torch.empty(shape, dtype=dtype)
+    # Bytes first: torch.frombuffer does not take every dtype, a byte view can be any.
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
+#: One round of the distributed layout at a time per process: rounds move rows through the
+#: default process group, whose collectives pair up by the order each process issues them.
+_ROUND_LOCK = threading.Lock()
+
+
 class SharedTensor:
     """A tensor whose rows are shared by every process of a :class:`Group`.
 
@@ -113,13 +146,13 @@ class SharedTensor:
     """
 
     def __init__(self, core: Any, dtype: torch.dtype) -> None:
-        self._core = core
+        self._core = core  # _core.SharedTensor, or _core.SharedDistributedTensor
         self._dtype = dtype
         self._shape = tuple(core.shape)
-        self._distributed: _Distributed | None = None
         self._group_settle: Any = None  # the group's Group._settle (set by Group)
+        self._distributed = str(core.layout) == "distributed"
         # Host memory takes gather's lean path; device memory goes through CUDA views.
-        self._host = core is not None and str(core.memory) == "host"
+        self._host = not self._distributed and str(core.memory) == "host"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -131,23 +164,21 @@ class SharedTensor:
 
     @property
     def layout(self) -> str:
-        return "distributed" if self._distributed else str(self._core.layout)
+        return str(self._core.layout)
 
     @property
     def name(self) -> str:
-        return self._distributed.name if self._distributed else str(self._core.name)
+        return str(self._core.name)
 
     @property
     def memory(self) -> str:
         """``"host"`` (shared host memory) or ``"device"`` (each partition on its rank's GPU)."""
-        return "host" if self._distributed else str(self._core.memory)
+        return str(self._core.memory)
 
     @property
     def partitions(self) -> list[tuple[int, int]]:
         """Each rank's rows, in rank order, as ``(begin, end)`` (some may be empty)."""
-        if self._distributed:
-            return list(self._distributed.parts)
-        return [(begin, begin + rows) for _, begin, rows, _, _ in self._core.partitions]
+        return list(self._core.row_ranges)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -158,58 +189,42 @@ class SharedTensor:
         CUDA in this process: page-locked, fast copies to GPUs) and ``cuda_registered_reason``
         (why not); for device memory, ``device`` (this rank's GPU) and ``granularity`` (bytes
         each partition's allocation is rounded up to)."""
-        if self._distributed:
-            local = self._distributed.local
-            nbytes = 0 if local is None else local.numel() * local.element_size()
-            why = "distributed layout: private memory of each rank"
-            return {"local_bytes": nbytes, "huge_pages": False, "huge_pages_reason": why,
-                    "shmem_huge_pages": False, "shmem_huge_pages_reason": why,
-                    "cuda_registered": False, "cuda_registered_reason": why}
         return dict(self._core.stats)
 
     @property
     def closed(self) -> bool:
-        if self._distributed:
-            return self._distributed.local is None
         return bool(self._core.closed)
 
-    def _require_open(self, what: str) -> None:
-        if self.closed:
-            raise RuntimeError(f"{what}: the shared tensor was closed (finalized)")
+    def _over(self, rank: int, index: int | None) -> torch.Tensor:
+        """Partition `rank` (-1: the whole continuous tensor) on CUDA device `index`, or the
+        CPU (None): registered host memory has the same address on the GPU."""
+        shape = self._shape if rank < 0 else (self._core.partitions[rank][2], *self._shape[1:])
+        address, nbytes, keeper = self._core.span(rank)
+        if index is None:
+            return _tensor_over(keeper, self._dtype, shape)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=self._dtype, device=torch.device("cuda", index))
+        raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=f"cuda:{index}")
+        return raw.view(self._dtype).view(shape)
 
-    def _require_member(self, what: str) -> None:
-        """Collective calls need a rank of the owning group."""
-        self._require_open(what)
-        if not self._distributed and self._core.rank < 0:
-            raise ValueError(
-                f"{what} is collective over the group that created {self.name!r}: this process "
-                "attached it from outside that group"
-            )
-
-    def _partition_tensor(self, rank: int) -> torch.Tensor:
-        _, _, rows, _, _ = self._core.partitions[rank]
-        shape = (rows, *self._shape[1:])
-        if self.memory == "device":
-            _require_torch_cuda("a view of device memory")
-            address, nbytes, keeper = self._core.device_region(rank)
-            index = int(self._core.stats["device"])
-            return _cuda_tensor_over(address, nbytes, keeper, self._dtype, shape, index)
-        return _tensor_over(self._core.region(rank), self._dtype, shape)
+    def _device_index(self) -> int | None:
+        """Where this rank's rows are seen from: its GPU for device memory (None: the CPU)."""
+        if self.memory != "device":
+            return None
+        _require_torch_cuda("a view of device memory")
+        return int(self._core.stats["device"])
 
     def local(self) -> tuple[torch.Tensor, tuple[int, int]]:
         """This rank's partition as a tensor over the shared memory, and its row range
         ``(begin, end)`` in the whole tensor."""
-        self._require_open("local")
-        if self._distributed:
-            assert self._distributed.local is not None
-            return self._distributed.local, self._distributed.parts[self._distributed.rank]
+        self._core.require("local")
         rank = self._core.rank
         if rank < 0:
             raise ValueError(
                 f"shared tensor {self.name!r} was attached from outside its group: it owns no "
                 "rows here (use view(), gather() or scatter())"
             )
-        return self._partition_tensor(rank), self.partitions[rank]
+        return self._over(rank, self._device_index()), self.partitions[rank]
 
     def view(self, device: Any = "cpu") -> torch.Tensor | list[torch.Tensor]:
         """The whole tensor over the shared memory: one tensor for the ``continuous`` layout,
@@ -224,10 +239,11 @@ class SharedTensor:
             RuntimeError: a CUDA view where torch has no CUDA.
             ValueError: a device the memory cannot be seen from.
         """
-        self._require_open("view")
+        self._core.require("view")
         dev = torch.device(device)
         if self._distributed:
-            _check_cpu(device, "view")
+            if _memory_of(device, "view")[0] == "device":
+                raise ValueError(f"view on {dev}: only host memory (device='cpu') is supported")
             raise ValueError(
                 "a distributed tensor has no view of all its rows in one process: use gather(), "
                 "or local() for this rank's rows"
@@ -239,11 +255,7 @@ class SharedTensor:
                 )
             _require_torch_cuda("view")
             index = dev.index if dev.index is not None else int(self._core.stats["device"])
-            if self.layout == "continuous":
-                address, nbytes, keeper = self._core.device_region(-1)
-                return _cuda_tensor_over(address, nbytes, keeper, self._dtype, self._shape, index)
-            return [self._partition_tensor(r) for r in range(len(self._core.partitions))]
-        if dev.type == "cuda":
+        elif dev.type == "cuda":
             _require_cuda_driver(dev, "view")
             if not self._core.stats["cuda_registered"]:
                 raise ValueError(
@@ -252,19 +264,12 @@ class SharedTensor:
                 )
             _require_torch_cuda("view")
             index = dev.index if dev.index is not None else torch.cuda.current_device()
-            host = self.view("cpu")
-            parts = host if isinstance(host, list) else [host]
-            # Registered host memory has the same address on the GPU (unified addressing).
-            views = [
-                _cuda_tensor_over(t.data_ptr(), t.numel() * t.element_size(), t, self._dtype,
-                                  tuple(t.shape), index)
-                for t in parts
-            ]
-            return views if isinstance(host, list) else views[0]
-        _check_cpu(device, "view")
+        else:
+            _memory_of(device, "view")  # ValueError for a device neither CPU nor CUDA
+            index = None
         if self.layout == "continuous":
-            return _tensor_over(self._core.region(-1), self._dtype, self._shape)
-        return [self._partition_tensor(r) for r in range(len(self._core.partitions))]
+            return self._over(-1, index)
+        return [self._over(r, index) for r in range(len(self._core.partitions))]
 
     def _indices(self, indices: Any) -> torch.Tensor:
         if isinstance(indices, torch.Tensor):
@@ -301,8 +306,7 @@ class SharedTensor:
         """
         core = self._core
         if (
-            core is not None
-            and self._host
+            self._host
             and type(indices) is torch.Tensor
             and indices.dtype is torch.int64
             and indices.dim() == 1
@@ -315,10 +319,10 @@ class SharedTensor:
             out = torch.empty((n, *self._shape[1:]), dtype=self._dtype)
             core.gather(indices.data_ptr(), n, out.data_ptr())
             return out
-        self._require_open("gather")
+        core.require("gather")
         idx = self._indices(indices)
         if self._distributed:
-            return self._distributed.round(idx, None)
+            return self._round(idx, None)
         if self.memory == "device":
             return self._device_rows(idx, None)
         out = torch.empty((idx.numel(), *self._shape[1:]), dtype=self._dtype)
@@ -334,7 +338,7 @@ class SharedTensor:
             TypeError: values of another dtype.
             ValueError: values whose shape is not ``(len(indices), *shape[1:])``.
         """
-        self._require_open("scatter")
+        self._core.require("scatter")
         idx = self._indices(indices)
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, not {type(values).__name__}")
@@ -350,28 +354,28 @@ class SharedTensor:
             raise ValueError(f"values must be on the CPU, not {values.device}")
         values = values.contiguous()
         if self._distributed:
-            self._distributed.round(idx, values)
+            self._round(idx, values)
             return
         self._core.scatter(idx.data_ptr(), idx.numel(), values.data_ptr())
 
     def _device_rows(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
         """Gathers (`values` None) or scatters rows `idx` of device memory on the GPU, through
         CUDA views (the result is a CUDA tensor)."""
-        rows = self._shape[0]
-        if idx.numel() and bool((idx < 0).any() or (idx >= rows).any()):
-            bad = idx[(idx < 0) | (idx >= rows)][0].item()
-            raise IndexError(f"index {bad} is out of range for a shared tensor of {rows} rows")
+        order = torch.empty_like(idx)
+        counts = self._core.route(idx.data_ptr(), idx.numel(), order.data_ptr())  # IndexError
         view = self.view("cuda")
-        parts = view if isinstance(view, list) else [view]
-        bounds = self.partitions if isinstance(view, list) else [(0, rows)]
-        device = parts[0].device
+        device = (view[0] if isinstance(view, list) else view).device
         idx = idx.to(device)
+        values = None if values is None else values.to(device)
+        if isinstance(view, torch.Tensor):  # continuous: one array
+            if values is None:
+                return view.index_select(0, idx)
+            return view.index_copy_(0, idx, values)
+        order, at = order.to(device), 0
         out = torch.empty((idx.numel(), *self._shape[1:]), dtype=self._dtype, device=device)
-        if values is not None:
-            values = values.to(device)
-        for part, (begin, end) in zip(parts, bounds):
-            where = ((idx >= begin) & (idx < end)).nonzero().squeeze(1)
-            if where.numel() == 0:
+        for part, (begin, _), n in zip(view, self.partitions, counts):
+            where, at = order[at : at + n], at + n
+            if n == 0:
                 continue
             local = idx.index_select(0, where) - begin
             if values is None:
@@ -380,54 +384,36 @@ class SharedTensor:
                 part.index_copy_(0, local, values.index_select(0, where))
         return out
 
+    def _round(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+        """The distributed layout's gather (`values` None: returns rows `idx`) or scatter (of
+        `values`, contiguous), as one round of all-to-alls; the bookkeeping is the C++
+        exchange's (shared_exchange.hpp). Rounds pair up across ranks by their order."""
+        with _ROUND_LOCK:
+            # Held through the round: a close() meanwhile frees nothing (RuntimeError once closed).
+            local, _, keeper = self._core.span(self._core.rank)
+            ex, n = self._core.exchange, idx.numel()
+            self._all_to_all(*ex.route(idx.data_ptr(), n, values is not None), 8)  # the requests
+            if ex.read_requests():
+                self._all_to_all(*ex.late_splits(), 8)  # those past the pairs' slots
+            mine = 0 if values is None else values.data_ptr()
+            self._all_to_all(*ex.serve(local, mine), self._core.row_bytes)  # the rows
+            out = None if values is not None else torch.empty((n, *self._shape[1:]),
+                                                              dtype=self._dtype)
+            ex.finish(local, 0 if out is None else out.data_ptr())
+            return out
+
+    def _all_to_all(self, send_splits: list[int], recv_splits: list[int], width: int) -> None:
+        import torch.distributed as dist
+
+        ex = self._core.exchange
+        send = _tensor_over(ex.send_buffer(), torch.uint8, (sum(send_splits), width))
+        recv = _tensor_over(ex.recv_buffer(), torch.uint8, (sum(recv_splits), width))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits)
+
     # -- files ---------------------------------------------------------------------------------
-    def _read_rows(self, what: str, files: list[tuple[str, int]], checkpoint: str | None = None,
-                   key: str = "") -> dict[str, Any]:
-        """Reads this rank's rows in C++ (``_core.shared_read_rows``: through the engine,
-        O_DIRECT, parallel) from raw row `files`, ``(path, size)`` each, or from tensor `key` of
-        `checkpoint`. Returns the engine's stats for this rank's reads (summed over the slabs)."""
-        args = (what, files, checkpoint, key, str(self._dtype).removeprefix("torch."),
-                self._dtype.itemsize, list(self._shape))
-        stats: dict[str, Any] = {}
-        for slab in self._through_host(True, lambda b, e, _, at: _core.shared_read_rows(
-                *args, b, e, at)):
-            for name, value in slab.items():
-                summed = isinstance(value, int) and not isinstance(value, bool) and name in stats
-                stats[name] = stats[name] + value if summed else value
-        return stats
-
-    def _through_host(self, read: bool, io: Callable[[int, int, int, int], _T]) -> list[_T]:
-        """Calls ``io(begin, end, offset, address)`` on this rank's rows ``[begin, end)``, which
-        lie at byte `offset` of the rank's part, in host memory at `address`: once for host
-        rows; for device rows once per piece of a pinned host slab of at most
-        ``_DEVICE_SLAB_BYTES``, so that a rank's part never needs a host copy of its own size,
-        after (`read` False) or before (`read`) copying the piece from or to the GPU. Returns
-        each call's result."""
-        rows, (begin, end) = self.local()
-        if rows.is_cpu or end == begin:
-            return [io(begin, end, 0, rows.data_ptr() if rows.is_cpu else 0)]
-        row_bytes = max(1, math.prod(rows.shape[1:]) * rows.element_size())
-        slab_rows = max(1, min(end - begin, _DEVICE_SLAB_BYTES // row_bytes))
-        host = torch.empty((slab_rows, *rows.shape[1:]), dtype=rows.dtype, pin_memory=True)
-        results = []
-        for b in range(begin, end, slab_rows):
-            e = min(b + slab_rows, end)
-            part, piece = host[: e - b], rows[b - begin : e - begin]
-            if not read:
-                part.copy_(piece)
-            results.append(io(b, e, (b - begin) * row_bytes, part.data_ptr()))
-            if read:
-                piece.copy_(part)  # synchronous: the slab is reused next
-        return results
-
-    def _rank(self) -> int:
-        return self._distributed.rank if self._distributed else int(self._core.rank)
-
     def _collective(self, what: str, step: Callable[[], _T]) -> _T:
-        """Runs this rank's part of collective call `what`, then waits for every rank's: an
-        error on any rank reaches all of them at once (the failing rank raises its own, the
-        others ``RuntimeError`` naming it with its text), instead of leaving them waiting out
-        the timeout for a rank that is alive."""
+        """This rank's `step` of collective call `what`, then every rank's outcome: an error on
+        any rank reaches all at once instead of leaving them waiting out the timeout."""
         try:
             result = step()
         except Exception as e:
@@ -448,14 +434,10 @@ class SharedTensor:
             RuntimeError: another rank failed; the message names it and quotes its error (every
                 rank raises as soon as one fails).
         """
-        self._require_member("load_files")
-
-        def step() -> dict[str, Any]:
-            files = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else paths
-            names = [fspath(p, "paths[i]") for p in files]
-            return self._read_rows("load_files", [(p, os.stat(p).st_size) for p in names])
-
-        return self._collective("load_files", step)
+        self._core.require("load_files", True)
+        files = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else paths
+        return self._collective("load_files", lambda: self._core.read_rows(
+            "load_files", [fspath(p, "paths[i]") for p in files], None, ""))
 
     def load_checkpoint(self, path: PathArg, key: str) -> dict[str, Any]:
         """Collective: fills the tensor from tensor `key` of a checkpoint, each rank reading only
@@ -473,14 +455,14 @@ class SharedTensor:
             RuntimeError: another rank failed; the message names it and quotes its error (every
                 rank raises as soon as one fails).
         """
-        self._require_member("load_checkpoint")
-        return self._collective("load_checkpoint", lambda: self._load_checkpoint_rows(path, key))
+        self._core.require("load_checkpoint", True)
 
-    def _load_checkpoint_rows(self, path: PathArg, key: str) -> dict[str, Any]:
-        """This rank's part of :meth:`load_checkpoint`."""
-        if not isinstance(key, str):
-            raise TypeError(f"key must be a str, not {type(key).__name__}")
-        return self._read_rows("load_checkpoint", [], fspath(path), key)
+        def step() -> dict[str, Any]:
+            if not isinstance(key, str):
+                raise TypeError(f"key must be a str, not {type(key).__name__}")
+            return self._core.read_rows("load_checkpoint", [], fspath(path), key)
+
+        return self._collective("load_checkpoint", step)
 
     def store_files(self, prefix: PathArg) -> list[str]:
         """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
@@ -492,26 +474,13 @@ class SharedTensor:
             RuntimeError: another rank failed; the message names it and quotes its error (every
                 rank raises as soon as one fails).
         """
-        self._require_member("store_files")
-
-        def step() -> list[str]:
-            path, last = fspath(prefix, "prefix"), self.local()[1][1]
-            row_bytes = math.prod(self._shape[1:]) * self._dtype.itemsize
-
-            def write(begin: int, end: int, offset: int, address: int) -> list[str]:
-                return _core.shared_write_rows(path, self._rank(), len(self.partitions), address,
-                                               (end - begin) * row_bytes, offset, end == last)
-
-            return self._through_host(False, write)[-1]
-
-        return self._collective("store_files", step)
+        self._core.require("store_files", True)
+        return self._collective("store_files",
+                                lambda: self._core.write_rows(fspath(prefix, "prefix")))
 
     def close(self) -> None:
         """Stops sharing this rank's rows with processes that attach later and releases this
         object's hold on the memory. Idempotent."""
-        if self._distributed:
-            self._distributed.local = None
-            return
         self._core.close()
 
     def __repr__(self) -> str:
@@ -548,23 +517,18 @@ class Group:
         store: Any = None,
         timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
-        if isinstance(timeout, datetime.timedelta):
-            timeout = timeout.total_seconds()
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
-        self.timeout = float(timeout)
+        self.timeout = timeout = _seconds(timeout)
         torch_store, self.rank, self.world_size, where, self._hosts_store = _rendezvous(
             rank, world_size, store, timeout
         )
         self._torch_store = torch_store
-        # Referenced here as long as C++ may call it.
-        self._adapter = _TorchStore(torch_store, where)
-        self._core = _core.SharedGroup(self._adapter, self.rank, self.world_size, self.timeout)
+        adapter = _core.SharedTorchStore(torch_store, where)
+        self._core = _core.SharedGroup(adapter, self.rank, self.world_size, self.timeout)
         self._closed = False
         # The other ranks count themselves out on close: a rank serving the store keeps it until
         # they are done with it (at most the timeout: a dead rank never counts).
         if self._hosts_store:  # holds the store (its server) until exit, even if dropped
-            atexit.register(_core.shared_wait_for_leavers, self._adapter, self._core.leave_key,
+            atexit.register(_core.shared_wait_for_leavers, adapter, self._core.leave_key,
                             self.world_size, self.timeout)
         if self.world_size > 1:  # runs before the above (atexit is last in, first out)
             atexit.register(_close_at_exit, weakref.ref(self))
@@ -603,8 +567,8 @@ class Group:
                 where it failed; the others raise RuntimeError naming it).
         """
         self._require_open("create_tensor")
-        dims = _check_shape(shape)
-        _check_dtype(dtype)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
         memory, index = _memory_of(device, "create_tensor")
@@ -612,41 +576,25 @@ class Group:
             raise ValueError("the distributed layout keeps rows in host memory: use device='cpu'")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, not {name!r}")
-        element_size = torch.empty((), dtype=dtype).element_size()
         if layout == "distributed":
-            return self._create_distributed(dims, dtype, element_size, name or "")
-        core = self._core.create(list(dims), str(dtype), element_size, layout, name or "", memory,
-                                 index)
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(
+                    "the distributed layout moves rows through torch.distributed: initialise its "
+                    "default process group first (torch.distributed.init_process_group('gloo'))"
+                )
+            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+                raise ValueError(
+                    f"this group is rank {self.rank} of {self.world_size}; torch.distributed's "
+                    f"default group is rank {dist.get_rank()} of {dist.get_world_size()}"
+                )
+        element_size = torch.empty((), dtype=dtype).element_size()
+        core = self._core.create(shape, str(dtype), element_size, layout, name or "", memory, index)
         t = SharedTensor(core, dtype)
         t._group_settle = self._settle
-        return t
-
-    def _create_distributed(
-        self, dims: tuple[int, ...], dtype: torch.dtype, element_size: int, name: str
-    ) -> SharedTensor:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                "the distributed layout moves rows through torch.distributed: initialise its "
-                "default process group first (torch.distributed.init_process_group('gloo'))"
-            )
-        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
-            raise ValueError(
-                f"this group is rank {self.rank} of {self.world_size}; torch.distributed's "
-                f"default group is rank {dist.get_rank()} of {dist.get_world_size()}"
-            )
-        self._core.agree(list(dims), str(dtype), element_size, "distributed", name)
-        row_bytes = math.prod(dims[1:]) * element_size
-        parts = [tuple(p) for p in _core.partition_rows(dims[0], row_bytes, self.world_size)]
-        begin, end = parts[self.rank]
-        t = SharedTensor.__new__(SharedTensor)
-        t._core, t._dtype, t._shape, t._group_settle = None, dtype, dims, self._settle
-        t._host = False
-        t._distributed = _Distributed(
-            name, self.rank, parts, torch.zeros((end - begin, *dims[1:]), dtype=dtype)
-        )
-        self._distributed_tensors.append(t)
+        if layout == "distributed":  # the C++ group closes only the tensors it maps
+            self._distributed_tensors.append(t)
         return t
 
     def attach(self, name: str) -> SharedTensor:
@@ -667,9 +615,7 @@ class Group:
         self._core.barrier("barrier")
 
     def _settle(self, what: str, error: BaseException | None) -> None:
-        """Collective: every rank says whether its part of `what` worked (`error` None). Returns
-        on a rank that failed (it raises its own error); elsewhere returns when every rank's
-        worked, else raises ``RuntimeError`` naming each failing rank with its error."""
+        """Collective: whether this rank's part of `what` worked (`error` None); see settle."""
         self._require_open(what)
         self._core.settle(what, None if error is None else f"{type(error).__name__}: {error}")
 
@@ -704,9 +650,8 @@ def _close_at_exit(ref: "weakref.ref[Group]") -> None:
 
 
 def _attached(core: Any, name: str) -> SharedTensor:
-    """The tensor over `core`, attached by `name`: its dtype, read from the store's record (which
-    anyone who reaches the store can write), must be torch's and of the record's element size
-    (the C++ side copies rows of that size into buffers torch sizes)."""
+    """The tensor over `core`, attached by `name`: its dtype comes from a record anyone who
+    reaches the store can write, so it must be torch's and of the record's element size."""
     dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
@@ -746,19 +691,9 @@ def attach(
         FileNotFoundError: an owner closed the tensor.
         PermissionError: an owner runs as another user.
     """
-    import torch.distributed as dist
-
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, not {name!r}")
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    if not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
-    if store is None:
-        store, where = _env_store(False, None, float(timeout))
-    elif not isinstance(store, dist.Store):
-        raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
-    else:
-        where = _describe_store(store)
-    core = _core.shared_attach(_TorchStore(store, where), name, float(timeout))
+    timeout = _seconds(timeout)
+    store, where = _env_store(False, None, timeout) if store is None else (store, "")
+    core = _core.shared_attach(_core.SharedTorchStore(store, where), name, timeout)
     return _attached(core, name)

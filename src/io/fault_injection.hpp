@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "tensortier/io/backend.hpp"
@@ -93,12 +94,16 @@ class FaultHooks final : public TestHooks {
   bool TakeUringSubmitFault(unsigned* accepted, int* error) noexcept override;
   BackendFactory Backends(BackendFactory inner) override;
   std::shared_ptr<FileStepFaults> FileFaults() override;
+  // Once the size of `path` is taken, the file is truncated to half that ("": none).
+  void ShrinkAfterSize(std::string path);
+  void FileSizeTaken(const std::string& path) noexcept override;
 
  private:
   std::optional<FaultPlan> Armed();
   std::atomic<uint64_t> submit_fault_{0};  // accepted << 32 | error, 0 when none
   std::mutex mu_;
   std::optional<FaultPlan> armed_;  // guarded by mu_
+  std::string shrink_path_;         // guarded by mu_
 };
 
 std::unique_ptr<Backend> MakeFaultInjectingBackend(std::unique_ptr<Backend> inner,

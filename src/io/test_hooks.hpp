@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "tensortier/io/backend.hpp"
 #include "tensortier/io/file_system.hpp"
@@ -28,6 +29,8 @@ class TestHooks {
   virtual BackendFactory Backends(BackendFactory /*inner*/) { return {}; }
   // The step faults of a FileSystem that the Python binding is making (null: none).
   virtual std::shared_ptr<FileStepFaults> FileFaults() { return nullptr; }
+  // `path`'s size was just taken, before its bytes are read (a test may change the file here).
+  virtual void FileSizeTaken(const std::string& /*path*/) noexcept {}
 };
 
 // Installs `hooks` (null: none) for the whole process; the caller keeps it alive while it is

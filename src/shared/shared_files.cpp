@@ -7,6 +7,7 @@
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/shared/shared_checkpoint.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
@@ -131,6 +132,66 @@ std::vector<std::string> WriteRowFile(const std::string& prefix, int rank, int w
   }
   if (last) file.DataSync();
   return names;
+}
+
+namespace {
+
+std::vector<uint64_t> UnsignedShape(const SharedTensorSpec& spec) {
+  return {spec.shape.begin(), spec.shape.end()};
+}
+
+std::string_view TorchDtypeName(const SharedTensorSpec& spec) {
+  std::string_view dtype = spec.dtype;
+  if (dtype.rfind("torch.", 0) == 0) dtype.remove_prefix(6);
+  return dtype;
+}
+
+}  // namespace
+
+std::optional<IoStats> ReadPartitionRows(const std::vector<RowSource>& sources,
+                                         std::string_view what, const SharedTensorSpec& spec,
+                                         const SharedPartition& part, int device) {
+  const uint64_t begin = part.row_begin, end = part.row_begin + part.rows;
+  const std::vector<uint64_t> shape = UnsignedShape(spec);
+  const std::string_view dtype = TorchDtypeName(spec);
+  if (device < 0 || part.rows == 0) {
+    return ReadRows(sources, what, dtype, spec.element_size, shape, begin, end, part.address);
+  }
+  const uint64_t row_bytes = std::max<uint64_t>(1, spec.row_bytes());
+  const uint64_t slab_rows =
+      std::max<uint64_t>(1, std::min(part.rows, kDeviceSlabBytes / row_bytes));
+  PrimaryContext context(CudaDriver::Get(), device);
+  PinnedHostMemory slab(context, slab_rows * row_bytes);
+  Stream stream(context);
+  std::optional<IoStats> stats;
+  for (uint64_t b = begin; b < end; b += slab_rows) {
+    const uint64_t e = std::min(b + slab_rows, end);
+    if (auto read = ReadRows(sources, what, dtype, spec.element_size, shape, b, e, slab.data())) {
+      if (stats) {
+        *stats += *read;
+      } else {
+        stats = std::move(read);
+      }
+    }
+    const auto dst = reinterpret_cast<cuda::CUdeviceptr>(part.address + (b - begin) * row_bytes);
+    stream.CopyToDevice(dst, slab.data(), (e - b) * spec.row_bytes());
+    stream.Synchronize();  // the slab is read into again next
+  }
+  return stats;
+}
+
+std::vector<std::string> WritePartitionRows(const std::string& prefix, int world,
+                                            const SharedPartition& part, int device) {
+  if (device < 0 || part.bytes == 0) {
+    return WriteRowFile(prefix, part.rank, world, part.address, part.bytes);
+  }
+  PrimaryContext context(CudaDriver::Get(), device);
+  PinnedHostMemory host(context, part.bytes);
+  Stream stream(context);
+  stream.CopyFromDevice(host.data(), reinterpret_cast<cuda::CUdeviceptr>(part.address),
+                        part.bytes);
+  stream.Synchronize();
+  return WriteRowFile(prefix, part.rank, world, host.data(), part.bytes);
 }
 
 }  // namespace tensortier

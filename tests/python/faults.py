@@ -4,7 +4,9 @@ leaves it out). A test that injects faults skips where the module is absent."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+import contextlib
+import os
+from typing import Any, Callable, Iterator, TypeVar
 
 import pytest
 
@@ -43,3 +45,17 @@ def faults_injected(file_system: Any) -> int:
     if _testing is None:
         pytest.skip(REASON)
     return int(_testing.faults_injected(file_system))
+
+
+@contextlib.contextmanager
+def shrinking_after_size(path: Any) -> Iterator[None]:
+    """Meanwhile, tensortier truncates the file at `path` to half its size just after taking its
+    size, before reading it (a file that shrinks between the two). Skips without
+    tensortier._testing."""
+    if _testing is None:
+        pytest.skip(REASON)
+    _testing.shrink_after_size(os.fspath(path))
+    try:
+        yield
+    finally:
+        _testing.shrink_after_size("")

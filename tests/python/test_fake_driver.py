@@ -232,6 +232,40 @@ def test_device_shared_tensor_writes_are_seen_by_every_rank(
     )
 
 
+def test_device_shared_tensor_rows_go_to_and_from_files(fake_driver: Path, tmp_path: Path) -> None:
+    """load_files and store_files of device memory move each rank's rows between its files and
+    its GPU through page-locked memory, in C++: no CUDA in torch is needed."""
+    run_ranks_with_fake(
+        fake_driver,
+        """
+        rows, cols = 3001, 5                   # unequal partitions
+        full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+        path = os.environ["STORE_PATH"] + ".rows"
+        if rank == 0:
+            full.numpy().tofile(path)
+        group.barrier()
+        t = group.create_tensor((rows, cols), torch.float32, device="cuda", layout="chunked")
+        t.load_files(path)
+        _, begin, n, nbytes, address = t._core.partitions[rank]
+        back = torch.empty((n, cols), dtype=torch.float32)
+        from_device(back, address)
+        assert torch.equal(back, full[begin:begin + n]), rank
+        names = t.store_files(path + ".out")
+        stored = b"".join(open(name, "rb").read() for name in names)
+        assert torch.equal(torch.frombuffer(bytearray(stored), dtype=torch.float32), full.view(-1))
+        group.barrier()
+        group.close()
+        del t
+        gc.collect()
+        fake.cuCtxPopCurrent_v2(None)
+        fake.cuDevicePrimaryCtxRelease_v2(0)
+        assert fake.fakecuda_live() == start, (fake.fakecuda_live(), start)
+        assert fake.fakecuda_violations(None, 0) == 0
+        """,
+        tmp_path,
+    )
+
+
 def test_host_shared_tensor_is_registered_with_cuda(fake_driver: Path, tmp_path: Path) -> None:
     run_ranks_with_fake(
         fake_driver,

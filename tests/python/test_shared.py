@@ -24,6 +24,7 @@ import torch
 import ranks
 import tensortier
 import tensortier.shared as shared
+from faults import shrinking_after_size
 from ranks import free_port
 from tensortier import _core
 
@@ -721,26 +722,7 @@ def test_every_rank_of_a_mismatched_collective_call_raises() -> None:
         assert "rank 1 called barrier" in said and "rank 0,2 called create_tensor" in said, (rank, said)
 
 
-class _ShrinkingOs:
-    """The os module, except that stat() of `path` truncates that file to half once it has
-    looked (a file that shrinks between stat and read)."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = str(path)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    def stat(self, path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
-        st = os.stat(path, *args, **kwargs)
-        if os.fspath(path) == self._path:
-            os.truncate(path, st.st_size // 2)
-        return st
-
-
-def test_a_rank_failing_load_files_or_store_files_fails_every_rank_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_rank_failing_load_files_or_store_files_fails_every_rank_at_once(tmp_path: Path) -> None:
     """Rank 1's file shrinks between stat and read: rank 1 raises its OSError and the others a
     RuntimeError naming rank 1 with its error's text, at once (they used to wait out the timeout,
     then blame rank 1 for not arriving). Then rank 1 cannot write its part of store_files."""
@@ -748,7 +730,6 @@ def test_a_rank_failing_load_files_or_store_files_fails_every_rank_at_once(
     path, shrinking = tmp_path / "rows", tmp_path / "rows_of_rank_1"
     path.write_bytes(want.numpy().tobytes())
     shrinking.write_bytes(want.numpy().tobytes())
-    monkeypatch.setattr(shared, "os", _ShrinkingOs(shrinking))
     timeout = 30.0
 
     def body(group: shared.Group) -> list[tuple[str, str, float]]:
@@ -764,7 +745,8 @@ def test_a_rank_failing_load_files_or_store_files_fails_every_rank_at_once(
                 said.append((type(e).__name__, str(e), time.monotonic() - start))
         return said
 
-    results = run_ranks_in_threads(3, body, timeout)
+    with shrinking_after_size(shrinking):
+        results = run_ranks_in_threads(3, body, timeout)
     for rank, said in enumerate(results):
         assert isinstance(said, list), f"rank {rank}: {said!r}"
         (load_type, load_text, load_waited), (store_type, store_text, store_waited) = said

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tensortier/io/engine.hpp"
+#include "tensortier/shared/shared_spec.hpp"
 
 namespace tensortier {
 
@@ -51,5 +52,17 @@ std::optional<IoStats> ReadRows(const std::vector<RowSource>& sources, std::stri
 std::vector<std::string> WriteRowFile(const std::string& prefix, int rank, int world,
                                       const void* data, uint64_t nbytes, uint64_t offset = 0,
                                       bool last = true);
+
+// This rank's rows of a shared tensor (`spec`), partition `part`, read from `sources` as ReadRows
+// does: into host memory directly, or, for a partition in the memory of GPU `device` (>= 0),
+// through a page-locked slab of at most kDeviceSlabBytes, so that a rank never holds a host copy
+// of all its rows. Returns the engine's stats summed over the slabs. Throws CudaError too.
+inline constexpr uint64_t kDeviceSlabBytes = 256ull << 20;
+std::optional<IoStats> ReadPartitionRows(const std::vector<RowSource>& sources,
+                                         std::string_view what, const SharedTensorSpec& spec,
+                                         const SharedPartition& part, int device);
+// WriteRowFile of partition `part` (copied to host memory first when on GPU `device` >= 0).
+std::vector<std::string> WritePartitionRows(const std::string& prefix, int world,
+                                            const SharedPartition& part, int device);
 
 }  // namespace tensortier

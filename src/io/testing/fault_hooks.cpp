@@ -1,4 +1,8 @@
 // The test hooks that carry the faults into what the library makes (fault_injection.hpp).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <string>
 #include <utility>
 
 #include "tensortier/io/fault_injection.hpp"
@@ -55,6 +59,20 @@ std::shared_ptr<FileStepFaults> FaultHooks::FileFaults() {
   const std::optional<FaultPlan> plan = Armed();
   if (!plan) return nullptr;
   return std::make_shared<FaultInjector>(*plan);
+}
+
+void FaultHooks::ShrinkAfterSize(std::string path) {
+  std::lock_guard lock(mu_);
+  shrink_path_ = std::move(path);
+}
+
+void FaultHooks::FileSizeTaken(const std::string& path) noexcept {
+  {
+    std::lock_guard lock(mu_);
+    if (shrink_path_.empty() || path != shrink_path_) return;
+  }
+  struct stat st{};
+  if (::stat(path.c_str(), &st) == 0) (void)::truncate(path.c_str(), st.st_size / 2);
 }
 
 void InjectUringSubmitFault(unsigned accepted, int error) noexcept {
