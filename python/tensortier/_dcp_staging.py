@@ -1,15 +1,6 @@
-"""Host staging of state dicts for tensortier.dcp's asynchronous saves.
-
-``stage(state_dict)`` returns a copy of the state dict whose tensors live in one block of host
-memory (an arena): the copy is what the background write reads, so training may change the
-originals as soon as it returns. The copy runs in C++ over several threads with the GIL released
-(CUDA tensors: device-to-host copies into pinned memory). Arenas are kept, their pages faulted
-in, for the next save. An arena is free again once the save that staged into it has written its
-data file (``Writer.write_data`` marks it, see ``written``), or once no tensor staged in it is
-alive (a save that failed before writing): a staged copy is for one save, and a view of it kept
-after that save wrote it holds the next save's values. A second save that starts while the first
-still writes gets an arena of its own.
-"""
+"""Host staging of state dicts for tensortier.dcp's asynchronous saves (``Writer.stage``): each
+copy goes to a reused arena of host memory, free again once its save has written its file or no
+tensor staged in it is alive (docs/checkpoints.md says what a user sees)."""
 
 from __future__ import annotations
 
@@ -89,20 +80,6 @@ def arena_count() -> int:
         return len(_arenas)
 
 
-def storable_dtype(t: Any) -> str | None:
-    """tensortier's name of `t`'s dtype where DCP items can hold `t` as torch.save would store
-    it (a dense tensor of a plain dtype, with data), else None."""
-    if t.layout != torch.strided or t.device.type == "meta" or t.dtype in quantized_dtypes():
-        return None
-    return dtype_names().get(t.dtype)
-
-
-def kind(t: Any) -> str:
-    """What `t` is that storable_dtype refuses, for errors: its layout, meta, or its dtype."""
-    return str(t.layout if t.layout != torch.strided else "meta" if t.device.type == "meta"
-               else t.dtype)
-
-
 class _Slot:
     """Where a staged tensor goes in the rebuilt state dict."""
 
@@ -165,8 +142,9 @@ def stage(state_dict: Any) -> Any:
             base = bases.get(dtype)
             if base is None:
                 base = bases[dtype] = torch.frombuffer(arena.memory, dtype=dtype)
+            start = offset // dtype.itemsize
             if t.is_contiguous():
-                out = base.as_strided(t.shape, t.stride(), offset // dtype.itemsize)
+                out = base.as_strided(t.shape, t.stride(), start)
                 if t.is_cpu and not t.is_conj() and not t.is_neg():
                     staged.append(out)
                     dst.append(arena.address + offset)
@@ -174,7 +152,7 @@ def stage(state_dict: Any) -> Any:
                     nbytes.append(n)
                     continue
             else:
-                out = base.as_strided(t.shape, _strides(t.shape), offset // dtype.itemsize)
+                out = base.narrow(0, start, t.numel()).view(t.shape)
             staged.append(out)
             if t.is_cuda:
                 out.copy_(t, non_blocking=True)
@@ -190,17 +168,8 @@ def stage(state_dict: Any) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _storable_dtypes() -> frozenset[Any]:
-    """The torch dtypes storable_dtype accepts."""
+    """The torch dtypes a DCP item can hold."""
     return frozenset(dt for dt in dtype_names() if dt not in quantized_dtypes())
-
-
-def _strides(shape: Any) -> list[int]:
-    """A contiguous tensor's strides for `shape`."""
-    out, step = [0] * len(shape), 1
-    for i in range(len(shape) - 1, -1, -1):
-        out[i] = step
-        step *= max(int(shape[i]), 1)
-    return out
 
 
 # (Module functions, not closures: a recursive closure is a reference cycle, which would keep
