@@ -13,12 +13,14 @@
 #include <utility>
 #include <vector>
 
+#include "dlpack_abi.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
+#include "tensortier/checkpoint/staging_arenas.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -41,6 +43,44 @@ py::list TensorLayouts(const std::vector<DcpTensorItem>& items) {
   py::list out;
   for (const auto& t : items) out.append(Layout(t));
   return out;
+}
+
+// A staging arena lent as a DLPack tensor of its bytes: the arena stays in use while a tensor made
+// from it lives (the deleter, which touches no Python, lets go of it).
+struct ArenaExport {
+  dlpack::ManagedTensor managed{};
+  int64_t shape[1] = {0};
+  std::shared_ptr<StagingArena> arena;
+};
+
+void DeleteArenaExport(dlpack::ManagedTensor* managed) {
+  delete static_cast<ArenaExport*>(managed->manager_ctx);
+}
+
+// A capsule nobody consumed still owns its tensor; a consumer renames it when it takes it.
+void DeleteUnconsumed(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, dlpack::kCapsuleName)) return;
+  auto* managed =
+      static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleName));
+  managed->deleter(managed);
+}
+
+py::object ArenaAsDlpack(std::shared_ptr<StagingArena> arena) {
+  auto out = std::make_unique<ArenaExport>();
+  out->shape[0] = static_cast<int64_t>(arena->size());
+  dlpack::Tensor& t = out->managed.dl_tensor;
+  t.data = arena->data();
+  t.device = {dlpack::kCpu, 0};
+  t.ndim = 1;
+  t.dtype = {dlpack::kUInt, 8, 1};
+  t.shape = out->shape;
+  out->arena = std::move(arena);
+  out->managed.manager_ctx = out.get();
+  out->managed.deleter = DeleteArenaExport;
+  PyObject* capsule = PyCapsule_New(&out->managed, dlpack::kCapsuleName, DeleteUnconsumed);
+  if (capsule == nullptr) throw py::error_already_set();
+  out.release();  // the capsule owns it now
+  return py::reinterpret_steal<py::object>(capsule);
 }
 
 }  // namespace
@@ -278,6 +318,32 @@ void RegisterDcp(py::module_& m) {
         py::arg("offsets"), py::arg("sizes"), py::arg("what"),
         "Refuses (ValueError naming `what` and the tensor) chunks that lie outside the tensor's "
         "size or do not hold all of its elements (data no file has).");
+  m.def(
+      "take_staging_arena",
+      [](size_t nbytes, std::optional<int> pinned_device) {
+        std::shared_ptr<StagingArena> arena;
+        {
+          py::gil_scoped_release release;  // faulting in or registering gigabytes
+          arena = StagingArenas::Process().Take(nbytes, pinned_device);
+        }
+        const auto address = reinterpret_cast<uintptr_t>(arena->data());
+        return py::make_tuple(address, ArenaAsDlpack(std::move(arena)));
+      },
+      py::arg("nbytes"), py::arg("pinned_device"),
+      "(address, DLPack capsule of its bytes) of a free staging arena of nbytes or more, pinned "
+      "for CUDA device pinned_device where it is not None (staging_arenas.hpp): in use until "
+      "staging_arenas_written names it or no tensor made from the capsule lives.");
+  m.def(
+      "staging_arenas_written",
+      [](const std::vector<uintptr_t>& addresses) {
+        StagingArenas::Process().MarkWritten(addresses);
+      },
+      py::arg("addresses"),
+      "Marks free the staging arenas holding any of addresses (the items a save has just "
+      "written to its file): the next take_staging_arena may lend them, whoever holds a view.");
+  m.def(
+      "staging_arena_count", [] { return StagingArenas::Process().count(); },
+      "How many staging arenas this process keeps (in use or free).");
   m.attr("dcp_format") = kDcpFormat;
   m.attr("dcp_block_bytes") = kDcpBlockBytes;
 }

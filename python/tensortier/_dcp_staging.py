@@ -8,7 +8,6 @@ import copy
 import functools
 import os
 import sys
-import threading
 from typing import Any
 
 import torch
@@ -24,60 +23,9 @@ _SMALL_ALIGN = 64
 _COPY_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-class _Arena:
-    """One block of host memory: pinned (CUDA-registered) where the state dict has CUDA
-    tensors, else page-aligned memory (the pages of memory touched once: each job's first save
-    faults them in while training waits, and huge pages cost more to fault in on some VMs)."""
-
-    def __init__(self, nbytes: int, pinned_device: int | None) -> None:
-        self.pinned_device = pinned_device
-        self.memory: Any = (_core.PinnedMemory(nbytes, pinned_device) if pinned_device is not None
-                            else _core.AlignedBuffer(nbytes))
-        self.nbytes = nbytes
-        self.address = int(self.memory.address)
-        self.written = False  # the save that staged into it has written its file
-
-    def in_use(self) -> bool:
-        """Whether a save may still read the arena: the save that staged into it has not
-        written its file, and a tensor staged in it is alive (each holds the memory's buffer)."""
-        return not self.written and sys.getrefcount(self.memory) > 2  # ours and the call's
-
-
-_lock = threading.Lock()
-_arenas: list[_Arena] = []
-
-
-def _take(nbytes: int, pinned_device: int | None) -> _Arena:
-    """A free arena of `nbytes` or more of the kind asked for, or a new one; free arenas too
-    small for this save are given back to the system."""
-    with _lock:
-        free = [a for a in _arenas if not a.in_use() and a.pinned_device == pinned_device]
-        fits = [a for a in free if a.nbytes >= nbytes]
-        if fits:
-            arena = min(fits, key=lambda a: a.nbytes)
-            arena.written = False
-            return arena
-        for a in free:
-            _arenas.remove(a)
-        arena = _Arena(max(nbytes, 1), pinned_device)
-        _arenas.append(arena)
-        return arena
-
-
-def written(addresses: list[int]) -> None:
-    """Marks free the arenas that hold any of `addresses` (the items a save has just written
-    to its file): the next stage() may overwrite them, whoever still holds a view."""
-    with _lock:
-        for a in _arenas:
-            if not a.written:
-                end = a.address + a.nbytes
-                a.written = any(a.address <= p < end for p in addresses)
-
-
 def arena_count() -> int:
     """How many arenas this process keeps (in use or free)."""
-    with _lock:
-        return len(_arenas)
+    return int(_core.staging_arena_count())
 
 
 class _Slot:
@@ -126,7 +74,9 @@ def stage(state_dict: Any) -> Any:
             offsets.append(size)
             sizes.append(n)
             size += n
-        arena = _take(-(-size // _PAGE) * _PAGE, pinned_device)
+        # The arena is in use while a tensor made from its capsule (each staged one) lives.
+        address, capsule = _core.take_staging_arena(-(-size // _PAGE) * _PAGE, pinned_device)
+        memory = torch.from_dlpack(capsule)
         bases: dict[Any, Any] = {}  # the arena as a flat tensor of each dtype
         staged: list[Any] = []
         # Plain CPU tensors: one C++ copy of them all (their views made here, no copy each).
@@ -141,13 +91,13 @@ def stage(state_dict: Any) -> Any:
             dtype = t.dtype
             base = bases.get(dtype)
             if base is None:
-                base = bases[dtype] = torch.frombuffer(arena.memory, dtype=dtype)
+                base = bases[dtype] = memory.view(dtype)
             start = offset // dtype.itemsize
             if t.is_contiguous():
                 out = base.as_strided(t.shape, t.stride(), start)
                 if t.is_cpu and not t.is_conj() and not t.is_neg():
                     staged.append(out)
-                    dst.append(arena.address + offset)
+                    dst.append(address + offset)
                     src.append(t.data_ptr())
                     nbytes.append(n)
                     continue
@@ -162,7 +112,7 @@ def stage(state_dict: Any) -> Any:
         _core.copy_ranges(dst, src, nbytes, _COPY_THREADS)
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
-        del bases
+        del bases, memory
         return _rebuild(shaped, staged, dtensor)
 
 

@@ -222,7 +222,7 @@ class Writer(StorageWriter, AsyncStager):
         places = _core.write_dcp_file(default_io()._core(), os.path.join(self.path, name),
                                       dtypes, shapes, nbytes, addresses, self.direct,
                                       f"rank {self.rank}", fqns)
-        _dcp_staging.written(addresses)
+        _core.staging_arenas_written(addresses)  # the next stage may reuse them
         with gc_paused():
             return _done([_rank_writes(name, plan.items, places)])
 
