@@ -415,8 +415,9 @@ class Reader(StorageReader):
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for relative_path, reqs in per_file.items():
-            self._read_file(os.path.join(self.path, relative_path), reqs, planner)
+        with gc_paused():  # objects per item: collections would walk them again and again
+            for relative_path, reqs in per_file.items():
+                self._read_file(os.path.join(self.path, relative_path), reqs, planner)
         return _done(None)
 
     def _read_file(self, path: str, reqs: list[Any], planner: LoadPlanner) -> None:
@@ -431,7 +432,7 @@ class Reader(StorageReader):
             [s.length for s in infos.values()], is_tensor,
             [self.chunk_sizes.get((i.fqn, tuple(i.offset or ()))) if t else None
              for i, t in zip(infos, is_tensor)], [i.fqn for i in infos],
-            [[(list(r.storage_offsets), list(r.lengths)) for r in rs] if t else []
+            [[(r.storage_offsets, r.lengths) for r in rs] if t else []
              for rs, t in zip(reqs_of.values(), is_tensor)],
             [getattr(s, "xxh64", None) for s in infos.values()],
             [getattr(s, "xxh64_blocks", None) for s in infos.values()], self.verify)
