@@ -9,14 +9,18 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
+#include "dlpack_abi.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
+#include "tensortier/checkpoint/staging_arenas.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -30,13 +34,53 @@ void SameLength(size_t n, std::initializer_list<size_t> others, const char* fn) 
   }
 }
 
+py::tuple Layout(const DcpTensorItem& t) {
+  return py::make_tuple(t.dtype, t.shape, t.stride, t.storage_offset, t.data_offset, t.nbytes,
+                        t.crc32, t.bytes_read, t.conj, t.neg, t.safetensors);
+}
+
 py::list TensorLayouts(const std::vector<DcpTensorItem>& items) {
   py::list out;
-  for (const auto& t : items) {
-    out.append(py::make_tuple(t.dtype, t.shape, t.stride, t.storage_offset, t.data_offset, t.nbytes,
-                              t.crc32, t.bytes_read, t.conj, t.neg, t.safetensors));
-  }
+  for (const auto& t : items) out.append(Layout(t));
   return out;
+}
+
+// A staging arena lent as a DLPack tensor of its bytes: the arena stays in use while a tensor made
+// from it lives (the deleter, which touches no Python, lets go of it).
+struct ArenaExport {
+  dlpack::ManagedTensor managed{};
+  int64_t shape[1] = {0};
+  std::shared_ptr<StagingArena> arena;
+};
+
+void DeleteArenaExport(dlpack::ManagedTensor* managed) {
+  delete static_cast<ArenaExport*>(managed->manager_ctx);
+}
+
+// A capsule nobody consumed still owns its tensor; a consumer renames it when it takes it.
+void DeleteUnconsumed(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, dlpack::kCapsuleName)) return;
+  auto* managed =
+      static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleName));
+  managed->deleter(managed);
+}
+
+py::object ArenaAsDlpack(std::shared_ptr<StagingArena> arena) {
+  auto out = std::make_unique<ArenaExport>();
+  out->shape[0] = static_cast<int64_t>(arena->size());
+  dlpack::Tensor& t = out->managed.dl_tensor;
+  t.data = arena->data();
+  t.device = {dlpack::kCpu, 0};
+  t.ndim = 1;
+  t.dtype = {dlpack::kUInt, 8, 1};
+  t.shape = out->shape;
+  out->arena = std::move(arena);
+  out->managed.manager_ctx = out.get();
+  out->managed.deleter = DeleteArenaExport;
+  PyObject* capsule = PyCapsule_New(&out->managed, dlpack::kCapsuleName, DeleteUnconsumed);
+  if (capsule == nullptr) throw py::error_already_set();
+  out.release();  // the capsule owns it now
+  return py::reinterpret_steal<py::object>(capsule);
 }
 
 }  // namespace
@@ -110,86 +154,95 @@ void RegisterDcp(py::module_& m) {
       "tensor; OSError naming the path and the first item where the file is missing.");
   py::class_<DcpFileReads>(
       m, "DcpFileReads",
-      "A rank file a load reads from: the bytes of the small items it reads whole read once, in "
-      "few large requests (items 4 KiB or less apart share one), serving both the tensor items' "
-      "zip records and their data.")
+      "A rank file a load reads from, and how it reads each item: the bytes of the small items it "
+      "reads whole read once, in few large requests (items 4 KiB or less apart share one), "
+      "serving both the tensor items' zip records and their data.")
       .def(py::init([](Engine& engine, const FsPath& path, const std::vector<std::string>& names,
                        const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
-                       const std::vector<bool>& tensor, const std::vector<bool>& whole,
+                       const std::vector<bool>& tensor,
                        const std::vector<std::optional<std::vector<int64_t>>>& shapes,
-                       const std::vector<std::string>& fqns) {
+                       const std::vector<std::string>& fqns,
+                       const std::vector<std::vector<std::pair<std::vector<int64_t>,
+                                                               std::vector<int64_t>>>>& requests,
+                       const std::vector<std::optional<uint64_t>>& xxh64,
+                       const std::vector<std::optional<std::string>>& blocks,
+                       const py::object& verify) {
              SameLength(names.size(),
-                        {offsets.size(), lengths.size(), tensor.size(), whole.size(), shapes.size(),
-                         fqns.size()},
+                        {offsets.size(), lengths.size(), tensor.size(), shapes.size(), fqns.size(),
+                         requests.size(), xxh64.size(), blocks.size()},
                         "DcpFileReads");
              std::vector<DcpFileReads::Item> items(names.size());
              for (size_t i = 0; i < items.size(); ++i) {
-               items[i] = {names[i], offsets[i], lengths[i], tensor[i],
-                           whole[i], shapes[i],  fqns[i]};
+               DcpFileReads::Item& it = items[i];
+               it.name = names[i];
+               it.offset = offsets[i];
+               it.length = lengths[i];
+               it.tensor = tensor[i];
+               it.expected_shape = shapes[i];
+               it.fqn = fqns[i];
+               for (const auto& [at, length] : requests[i]) it.requests.push_back({at, length});
+               it.xxh64 = xxh64[i];
+               it.blocks = blocks[i].value_or("");
              }
+             const DcpVerify how = py::isinstance<py::str>(verify) &&
+                                           verify.cast<std::string>() == "full"
+                                       ? DcpVerify::kFull
+                                   : py::bool_(verify) ? DcpVerify::kRead
+                                                       : DcpVerify::kNone;
              py::gil_scoped_release release;
-             return std::make_unique<DcpFileReads>(engine, path, items);
+             return std::make_unique<DcpFileReads>(engine, path, items, how);
            }),
            py::arg("engine"), py::arg("path"), py::arg("names"), py::arg("offsets"),
-           py::arg("lengths"), py::arg("tensor"), py::arg("whole"), py::arg("shapes"),
-           py::arg("fqns"),
+           py::arg("lengths"), py::arg("tensor"), py::arg("shapes"), py::arg("fqns"),
+           py::arg("requests"), py::arg("xxh64"), py::arg("blocks"), py::arg("verify"),
            "Opens path and reads what the load needs of item i (names[i], at [offsets[i], "
            "+lengths[i]); a tensor item where tensor[i], whose shape must be shapes[i] where "
            "given, and which is the tensor fqns[i] of a safetensors section where it is no zip; "
-           "the small items the load reads whole (whole[i]) are held for read()). "
-           "ValueError naming the path, item and byte range for anything but a zip of one plain "
-           "tensor; OSError naming the path and the first item where the file is missing.")
+           "requests[i]: the (offsets, lengths) blocks the load asks of it; xxh64[i] and "
+           "blocks[i]: its sums, where recorded; verify: Reader's). The small items read whole "
+           "are held for read(). ValueError naming the path, item and byte range for anything "
+           "but a zip of one plain tensor; OSError naming the path and the first item where the "
+           "file is missing.")
       .def(
-          "tensors", [](const DcpFileReads& r) { return TensorLayouts(r.tensors()); },
-          "[(dtype, shape, stride, storage_offset, data_offset, nbytes, crc32 or None, bytes "
-          "read to find it, conj, neg, safetensors)] of the tensor items, in order.")
+          "plan",
+          [](const DcpFileReads& self) {
+            py::list out;
+            for (size_t i = 0; i < self.size(); ++i) {
+              const DcpTensorItem* t = self.tensor(i);
+              const DcpItemRead how = self.how(i);
+              out.append(py::make_tuple(how == DcpItemRead::kParts    ? "parts"
+                                        : how == DcpItemRead::kDirect ? "direct"
+                                                                      : "whole",
+                                        t == nullptr ? py::object(py::none()) : Layout(*t)));
+            }
+            return out;
+          },
+          "Per item: (how, layout): how it is read ('whole'; 'direct': whole, its one request "
+          "asking for all of it as stored, so it may go straight into a target of its dtype, "
+          "shape and strides; 'parts': request by request, only the elements each selects), and "
+          "its layout, None for a bytes item: (dtype, shape, stride, storage_offset, "
+          "data_offset, nbytes, crc32 or None, bytes read to find it, conj, neg, safetensors).")
       .def_property_readonly("bytes_read", &DcpFileReads::bytes_read,
                              "The bytes read from the file to make this object.")
       .def(
           "read",
-          [](const DcpFileReads& self, Engine& engine, const std::vector<std::string>& names,
-             const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
-             const std::vector<uint64_t>& data_offsets, const std::vector<uint64_t>& data_lengths,
-             const std::vector<uintptr_t>& addresses,
-             const std::vector<std::optional<uint64_t>>& xxh64,
-             const std::vector<std::optional<uint32_t>>& crc32,
-             const std::vector<std::optional<py::tuple>>& slices,
-             const std::vector<std::optional<std::string>>& blocks) {
-            SameLength(names.size(),
-                       {offsets.size(), lengths.size(), data_offsets.size(), data_lengths.size(),
-                        addresses.size(), xxh64.size(), crc32.size(), slices.size(), blocks.size()},
-                       "DcpFileReads.read");
-            std::vector<DcpRead> reads(names.size());
-            for (size_t i = 0; i < reads.size(); ++i) {
-              reads[i] = {names[i],        offsets[i],
-                          lengths[i],      data_offsets[i],
-                          data_lengths[i], reinterpret_cast<std::byte*>(addresses[i]),
-                          xxh64[i],        crc32[i],
-                          std::nullopt,    {}};
-              if (slices[i]) {
-                const py::tuple& t = *slices[i];
-                reads[i].slice =
-                    DcpSlice{t[0].cast<std::vector<int64_t>>(), t[1].cast<uint64_t>(),
-                             t[2].cast<std::vector<int64_t>>(), t[3].cast<std::vector<int64_t>>()};
-                if (xxh64[i] || crc32[i]) {
-                  throw std::invalid_argument(
-                      "DcpFileReads.read: a part of an item is checked by its block sums alone");
-                }
-                if (blocks[i]) reads[i].blocks = *blocks[i];
-              }
+          [](const DcpFileReads& self, Engine& engine,
+             const std::vector<std::tuple<size_t, int64_t, uintptr_t>>& dests) {
+            std::vector<DcpRead> reads;
+            reads.reserve(dests.size());
+            for (const auto& [item, part, address] : dests) {
+              reads.push_back(self.ReadOf(
+                  item, part < 0 ? std::nullopt : std::optional<size_t>(static_cast<size_t>(part)),
+                  reinterpret_cast<std::byte*>(address)));
             }
             py::gil_scoped_release release;
             return self.Read(engine, reads);
           },
-          py::arg("engine"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
-          py::arg("data_offsets"), py::arg("data_lengths"), py::arg("addresses"), py::arg("xxh64"),
-          py::arg("crc32"), py::arg("slices"), py::arg("blocks"),
-          "Reads item i's data [data_offsets[i], +data_lengths[i]) into addresses[i] and checks "
-          "the item: the xxh64 of [offsets[i], +lengths[i]) where xxh64[i] is set, else the "
-          "CRC-32 of its data where crc32[i] is. Where slices[i] is (shape, itemsize, offsets, "
-          "lengths), reads only that block of the contiguous tensor of `shape` stored at "
-          "data_offsets[i], as a contiguous tensor of `lengths`, checked where blocks[i] (the "
-          "data's block sums) is given: every block the part touches is read whole. Ranges are "
+          py::arg("engine"), py::arg("dests"),
+          "Reads each (item, part, address) of dests: all of item's data (a tensor's storage "
+          "bytes) to address where part is -1, checked by its xxh64, else its zip CRC-32; else "
+          "only the block its request `part` selects ('parts' items), as a contiguous tensor, "
+          "checked by the block sums of every block the part touches (read whole). Ranges are "
           "read sorted, near ones merged; the held bytes are copied, not read again. Returns the "
           "bytes read from the file. ValueError naming the file, the item and its byte range for "
           "a mismatch, a truncated file or a block outside the tensor; OSError for I/O errors.");
@@ -265,6 +318,32 @@ void RegisterDcp(py::module_& m) {
         py::arg("offsets"), py::arg("sizes"), py::arg("what"),
         "Refuses (ValueError naming `what` and the tensor) chunks that lie outside the tensor's "
         "size or do not hold all of its elements (data no file has).");
+  m.def(
+      "take_staging_arena",
+      [](size_t nbytes, std::optional<int> pinned_device) {
+        std::shared_ptr<StagingArena> arena;
+        {
+          py::gil_scoped_release release;  // faulting in or registering gigabytes
+          arena = StagingArenas::Process().Take(nbytes, pinned_device);
+        }
+        const auto address = reinterpret_cast<uintptr_t>(arena->data());
+        return py::make_tuple(address, ArenaAsDlpack(std::move(arena)));
+      },
+      py::arg("nbytes"), py::arg("pinned_device"),
+      "(address, DLPack capsule of its bytes) of a free staging arena of nbytes or more, pinned "
+      "for CUDA device pinned_device where it is not None (staging_arenas.hpp): in use until "
+      "staging_arenas_written names it or no tensor made from the capsule lives.");
+  m.def(
+      "staging_arenas_written",
+      [](const std::vector<uintptr_t>& addresses) {
+        StagingArenas::Process().MarkWritten(addresses);
+      },
+      py::arg("addresses"),
+      "Marks free the staging arenas holding any of addresses (the items a save has just "
+      "written to its file): the next take_staging_arena may lend them, whoever holds a view.");
+  m.def(
+      "staging_arena_count", [] { return StagingArenas::Process().count(); },
+      "How many staging arenas this process keeps (in use or free).");
   m.attr("dcp_format") = kDcpFormat;
   m.attr("dcp_block_bytes") = kDcpBlockBytes;
 }

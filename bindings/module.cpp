@@ -26,6 +26,7 @@ PYBIND11_MODULE(_core, m) {
   RegisterData(m);
   RegisterTestHooks(m);
   RegisterDcp(m);
+  RegisterHf(m);
   RegisterOperationLog(m);
   RegisterRegistries(m);
   RegisterDeepNvme(m);

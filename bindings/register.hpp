@@ -17,6 +17,7 @@ void RegisterShared(pybind11::module_& m);            // bindings/shared.cpp
 void RegisterData(pybind11::module_& m);              // bindings/data.cpp
 void RegisterTestHooks(pybind11::module_& m);         // bindings/test_hooks.cpp
 void RegisterDcp(pybind11::module_& m);               // bindings/dcp.cpp
+void RegisterHf(pybind11::module_& m);                // bindings/hf.cpp
 void RegisterOperationLog(pybind11::module_& m);      // bindings/operation_log.cpp
 void RegisterRegistries(pybind11::module_& m);        // bindings/registries.cpp
 void RegisterDeepNvme(pybind11::module_& m);          // bindings/deepnvme.cpp

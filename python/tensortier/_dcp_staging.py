@@ -1,15 +1,6 @@
-"""Host staging of state dicts for tensortier.dcp's asynchronous saves.
-
-``stage(state_dict)`` returns a copy of the state dict whose tensors live in one block of host
-memory (an arena): the copy is what the background write reads, so training may change the
-originals as soon as it returns. The copy runs in C++ over several threads with the GIL released
-(CUDA tensors: device-to-host copies into pinned memory). Arenas are kept, their pages faulted
-in, for the next save. An arena is free again once the save that staged into it has written its
-data file (``Writer.write_data`` marks it, see ``written``), or once no tensor staged in it is
-alive (a save that failed before writing): a staged copy is for one save, and a view of it kept
-after that save wrote it holds the next save's values. A second save that starts while the first
-still writes gets an arena of its own.
-"""
+"""Host staging of state dicts for tensortier.dcp's asynchronous saves (``Writer.stage``): each
+copy goes to a reused arena of host memory, free again once its save has written its file or no
+tensor staged in it is alive (docs/checkpoints.md says what a user sees)."""
 
 from __future__ import annotations
 
@@ -17,7 +8,6 @@ import copy
 import functools
 import os
 import sys
-import threading
 from typing import Any
 
 import torch
@@ -33,74 +23,9 @@ _SMALL_ALIGN = 64
 _COPY_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-class _Arena:
-    """One block of host memory: pinned (CUDA-registered) where the state dict has CUDA
-    tensors, else page-aligned memory (the pages of memory touched once: each job's first save
-    faults them in while training waits, and huge pages cost more to fault in on some VMs)."""
-
-    def __init__(self, nbytes: int, pinned_device: int | None) -> None:
-        self.pinned_device = pinned_device
-        self.memory: Any = (_core.PinnedMemory(nbytes, pinned_device) if pinned_device is not None
-                            else _core.AlignedBuffer(nbytes))
-        self.nbytes = nbytes
-        self.address = int(self.memory.address)
-        self.written = False  # the save that staged into it has written its file
-
-    def in_use(self) -> bool:
-        """Whether a save may still read the arena: the save that staged into it has not
-        written its file, and a tensor staged in it is alive (each holds the memory's buffer)."""
-        return not self.written and sys.getrefcount(self.memory) > 2  # ours and the call's
-
-
-_lock = threading.Lock()
-_arenas: list[_Arena] = []
-
-
-def _take(nbytes: int, pinned_device: int | None) -> _Arena:
-    """A free arena of `nbytes` or more of the kind asked for, or a new one; free arenas too
-    small for this save are given back to the system."""
-    with _lock:
-        free = [a for a in _arenas if not a.in_use() and a.pinned_device == pinned_device]
-        fits = [a for a in free if a.nbytes >= nbytes]
-        if fits:
-            arena = min(fits, key=lambda a: a.nbytes)
-            arena.written = False
-            return arena
-        for a in free:
-            _arenas.remove(a)
-        arena = _Arena(max(nbytes, 1), pinned_device)
-        _arenas.append(arena)
-        return arena
-
-
-def written(addresses: list[int]) -> None:
-    """Marks free the arenas that hold any of `addresses` (the items a save has just written
-    to its file): the next stage() may overwrite them, whoever still holds a view."""
-    with _lock:
-        for a in _arenas:
-            if not a.written:
-                end = a.address + a.nbytes
-                a.written = any(a.address <= p < end for p in addresses)
-
-
 def arena_count() -> int:
     """How many arenas this process keeps (in use or free)."""
-    with _lock:
-        return len(_arenas)
-
-
-def storable_dtype(t: Any) -> str | None:
-    """tensortier's name of `t`'s dtype where DCP items can hold `t` as torch.save would store
-    it (a dense tensor of a plain dtype, with data), else None."""
-    if t.layout != torch.strided or t.device.type == "meta" or t.dtype in quantized_dtypes():
-        return None
-    return dtype_names().get(t.dtype)
-
-
-def kind(t: Any) -> str:
-    """What `t` is that storable_dtype refuses, for errors: its layout, meta, or its dtype."""
-    return str(t.layout if t.layout != torch.strided else "meta" if t.device.type == "meta"
-               else t.dtype)
+    return int(_core.staging_arena_count())
 
 
 class _Slot:
@@ -149,7 +74,9 @@ def stage(state_dict: Any) -> Any:
             offsets.append(size)
             sizes.append(n)
             size += n
-        arena = _take(-(-size // _PAGE) * _PAGE, pinned_device)
+        # The arena is in use while a tensor made from its capsule (each staged one) lives.
+        address, capsule = _core.take_staging_arena(-(-size // _PAGE) * _PAGE, pinned_device)
+        memory = torch.from_dlpack(capsule)
         bases: dict[Any, Any] = {}  # the arena as a flat tensor of each dtype
         staged: list[Any] = []
         # Plain CPU tensors: one C++ copy of them all (their views made here, no copy each).
@@ -164,17 +91,18 @@ def stage(state_dict: Any) -> Any:
             dtype = t.dtype
             base = bases.get(dtype)
             if base is None:
-                base = bases[dtype] = torch.frombuffer(arena.memory, dtype=dtype)
+                base = bases[dtype] = memory.view(dtype)
+            start = offset // dtype.itemsize
             if t.is_contiguous():
-                out = base.as_strided(t.shape, t.stride(), offset // dtype.itemsize)
+                out = base.as_strided(t.shape, t.stride(), start)
                 if t.is_cpu and not t.is_conj() and not t.is_neg():
                     staged.append(out)
-                    dst.append(arena.address + offset)
+                    dst.append(address + offset)
                     src.append(t.data_ptr())
                     nbytes.append(n)
                     continue
             else:
-                out = base.as_strided(t.shape, _strides(t.shape), offset // dtype.itemsize)
+                out = base.narrow(0, start, t.numel()).view(t.shape)
             staged.append(out)
             if t.is_cuda:
                 out.copy_(t, non_blocking=True)
@@ -184,23 +112,14 @@ def stage(state_dict: Any) -> Any:
         _core.copy_ranges(dst, src, nbytes, _COPY_THREADS)
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
-        del bases
+        del bases, memory
         return _rebuild(shaped, staged, dtensor)
 
 
 @functools.lru_cache(maxsize=None)
 def _storable_dtypes() -> frozenset[Any]:
-    """The torch dtypes storable_dtype accepts."""
+    """The torch dtypes a DCP item can hold."""
     return frozenset(dt for dt in dtype_names() if dt not in quantized_dtypes())
-
-
-def _strides(shape: Any) -> list[int]:
-    """A contiguous tensor's strides for `shape`."""
-    out, step = [0] * len(shape), 1
-    for i in range(len(shape) - 1, -1, -1):
-        out[i] = step
-        step *= max(int(shape[i]), 1)
-    return out
 
 
 # (Module functions, not closures: a recursive closure is a reference cycle, which would keep

@@ -1,20 +1,6 @@
-"""A ``torch.distributed.checkpoint`` (DCP) storage backend on tensortier's engine.
-
-Pass ``Writer`` and ``Reader`` to the stock DCP calls; nothing else changes::
-
-    import torch.distributed.checkpoint as dcp
-    from tensortier.dcp import Reader, Writer
-
-    dcp.save(state_dict, storage_writer=Writer("ckpt/step-1000"))
-    dcp.load(state_dict, storage_reader=Reader("ckpt/step-1000"))
-
-The directory keeps DCP's layout (``.metadata`` and one ``.distcp`` file per rank, located by
-the same ``_StorageInfo``): torch's ``FileSystemReader`` loads what ``Writer`` writes, and
-``Reader`` loads what ``FileSystemWriter`` writes (``torch_save`` and ``safetensors``
-serialization). Each rank's file is planned, written, checksummed (xxh64 per item) and made
-durable in C++, in one call; the coordinator's metadata commit is the checkpoint's single point
-of replacement.
-"""
+"""A ``torch.distributed.checkpoint`` (DCP) storage backend on tensortier's engine: ``Writer`` and
+``Reader`` for the stock DCP calls, in DCP's layout (the guide: "Distributed checkpoints" in
+docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -50,7 +36,7 @@ from ._runtime import default_io, dtype_names, gc_paused, quantized_dtypes, torc
 __all__ = ["Reader", "Writer"]
 
 _METADATA = ".metadata"
-# The key of the one WriteResult each rank's write_data returns (_RankWrites).
+# The key of the one WriteResult each rank's write_data returns (_rank_writes).
 _RANK_WRITES = "tensortier: the rank's items"
 _VERSION = "1.0.0"  # DCP's CURRENT_DCP_VERSION for this layout
 # tensortier's own format (the items' xxh64s and layout), stored as the StorageMeta attribute
@@ -92,10 +78,12 @@ def _write_source(item: Any, planner: SavePlanner, state_dict: dict[str, Any] | 
     if type(t) is not torch.Tensor:
         t = planner.resolve_data(item)  # a DTensor's shard, a tensor subclass...
     t = t.detach()
-    dt = _dcp_staging.storable_dtype(t)
-    if dt is None:
-        raise TypeError(f"{_item_name(item.index)}: tensors of {_dcp_staging.kind(t)} cannot "
-                        "be saved by tensortier.dcp (dense tensors of torch's plain dtypes only)")
+    meta = t.device.type == "meta"
+    dt = None if t.layout != torch.strided or meta else dtype_names().get(t.dtype)
+    if dt is None or t.dtype in quantized_dtypes():
+        kind = t.layout if t.layout != torch.strided else "meta" if meta else t.dtype
+        raise TypeError(f"{_item_name(item.index)}: tensors of {kind} cannot be saved by "
+                        "tensortier.dcp (dense tensors of torch's plain dtypes only)")
     if t.device.type == "cpu" and (not t.is_contiguous() or t.is_conj() or t.is_neg()):
         t = t.resolve_conj().resolve_neg().contiguous()
     return dt, t
@@ -144,57 +132,33 @@ def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], l
     return dtypes, tensors
 
 
-class _RankWrites:
-    """Where one rank's items went, in one small object (the rank's only WriteResult's
-    storage_data): through DCP's gather of results it pickles as a few lists and three arrays,
-    not one WriteResult, MetadataIndex and _StorageInfo per item. ``items`` expands it on the
-    coordinator into the metadata's storage_data entries."""
+def _rank_writes(name: str, items: list[Any], places: list[Any]) -> WriteResult:
+    """The one WriteResult of a rank's `items` written to file `name` at `places`: through DCP's
+    gather of results it pickles as a few lists and bytes, not one WriteResult, MetadataIndex and
+    _StorageInfo per item; ``finish`` expands it (_stored_items)."""
+    flat = array.array("Q", [v for p in places for v in p[:3]])  # offset, length, xxh64
+    return WriteResult(index=_md.MetadataIndex(_RANK_WRITES),
+                       size_in_bytes=sum(p[1] for p in places),
+                       storage_data=(name, [i.index.fqn for i in items],
+                                     [None if i.index.offset is None else tuple(i.index.offset)
+                                      for i in items],
+                                     [i.index.index for i in items], flat.tobytes(),
+                                     [p[3] for p in places]))
 
-    __slots__ = ("relative_path", "fqns", "offsets", "indices", "places", "blocks")
 
-    def __init__(self, relative_path: str, fqns: list[str], offsets: list[Any],
-                 indices: list[Any], places: bytes, blocks: list[bytes]) -> None:
-        self.relative_path = relative_path
-        self.fqns = fqns
-        self.offsets = offsets  # each item's chunk offsets (a tuple; None for bytes items)
-        self.indices = indices
-        self.places = places  # (offset, length, xxh64) per item, uint64 each
-        self.blocks = blocks  # each item's packed block sums (b"" for none)
-
-    @classmethod
-    def of(cls, relative_path: str, items: list[Any], places: list[Any]) -> WriteResult:
-        """The WriteResult of a rank's `items` written to `relative_path` at `places`."""
-        flat = array.array("Q", [v for p in places for v in p[:3]])
-        index = _md.MetadataIndex(_RANK_WRITES)
-        return WriteResult(index=index, size_in_bytes=sum(p[1] for p in places),
-                           storage_data=cls(relative_path,
-                                            [i.index.fqn for i in items],
-                                            [None if i.index.offset is None
-                                             else tuple(i.index.offset) for i in items],
-                                            [i.index.index for i in items], flat.tobytes(),
-                                            [p[3] for p in places]))
-
-    def __getstate__(self) -> tuple[Any, ...]:
-        return (self.relative_path, self.fqns, self.offsets, self.indices, self.places,
-                self.blocks)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (self.relative_path, self.fqns, self.offsets, self.indices, self.places,
-         self.blocks) = state
-
-    def items(self) -> dict[Any, Any]:
-        """MetadataIndex -> _StorageInfo (with its xxh64) of each item."""
-        flat = array.array("Q")
-        flat.frombytes(self.places)
-        out: dict[Any, Any] = {}
-        path = self.relative_path
-        for k, (fqn, offset, index) in enumerate(zip(self.fqns, self.offsets, self.indices)):
-            info = _fs._StorageInfo(path, flat[3 * k], flat[3 * k + 1])
-            info.xxh64 = flat[3 * k + 2]  # type: ignore[attr-defined]  # stock readers ignore it
-            if self.blocks[k]:  # a tensor's data's block sums (Reader checks the parts it reads)
-                info.xxh64_blocks = self.blocks[k]  # type: ignore[attr-defined]
-            out[_md.MetadataIndex(fqn, offset, index)] = info
-        return out
+def _stored_items(writes: tuple[Any, ...]) -> dict[Any, Any]:
+    """MetadataIndex -> _StorageInfo (with its xxh64) of each item of a _rank_writes result."""
+    path, fqns, offsets, indices, places, blocks = writes
+    flat = array.array("Q")
+    flat.frombytes(places)
+    out: dict[Any, Any] = {}
+    for k, (fqn, offset, index) in enumerate(zip(fqns, offsets, indices)):
+        info = _fs._StorageInfo(path, flat[3 * k], flat[3 * k + 1])
+        info.xxh64 = flat[3 * k + 2]  # type: ignore[attr-defined]  # stock readers ignore it
+        if blocks[k]:  # a tensor's data's block sums (Reader checks the parts it reads)
+            info.xxh64_blocks = blocks[k]  # type: ignore[attr-defined]
+        out[_md.MetadataIndex(fqn, offset, index)] = info
+    return out
 
 
 class Writer(StorageWriter, AsyncStager):
@@ -246,7 +210,7 @@ class Writer(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Writes this rank's items to a new file (one C++ call, GIL released). CUDA tensors
         are copied into a reused pinned host arena first. The result is one WriteResult for
-        all of the rank's items (a _RankWrites, which ``finish`` expands), not one per item."""
+        all of the rank's items (which ``finish`` expands), not one per item."""
         # A name no earlier save used: the old checkpoint's files stay as they are.
         name = f"{plan.storage_data.prefix}{self.save_id[:16]}{_fs.DEFAULT_SUFFIX}"
         with gc_paused():
@@ -258,9 +222,9 @@ class Writer(StorageWriter, AsyncStager):
         places = _core.write_dcp_file(default_io()._core(), os.path.join(self.path, name),
                                       dtypes, shapes, nbytes, addresses, self.direct,
                                       f"rank {self.rank}", fqns)
-        _dcp_staging.written(addresses)
+        _core.staging_arenas_written(addresses)  # the next stage may reuse them
         with gc_paused():
-            return _done([_RankWrites.of(name, plan.items, places)])
+            return _done([_rank_writes(name, plan.items, places)])
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``dcp.async_save``'s staging step (DCP's ``AsyncStager``): a copy of `state_dict`
@@ -285,8 +249,8 @@ class Writer(StorageWriter, AsyncStager):
             storage: dict[Any, Any] = {}
             for rs in results:
                 for r in rs:
-                    if isinstance(r.storage_data, _RankWrites):
-                        storage.update(r.storage_data.items())
+                    if r.index.fqn == _RANK_WRITES:
+                        storage.update(_stored_items(r.storage_data))
                     else:
                         storage[r.index] = r.storage_data
             metadata.storage_data = storage
@@ -451,8 +415,9 @@ class Reader(StorageReader):
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for relative_path, reqs in per_file.items():
-            self._read_file(os.path.join(self.path, relative_path), reqs, planner)
+        with gc_paused():  # objects per item: collections would walk them again and again
+            for relative_path, reqs in per_file.items():
+                self._read_file(os.path.join(self.path, relative_path), reqs, planner)
         return _done(None)
 
     def _read_file(self, path: str, reqs: list[Any], planner: LoadPlanner) -> None:
@@ -461,61 +426,47 @@ class Reader(StorageReader):
             reqs_of.setdefault(r.storage_index, []).append(r)
         infos = {i: self.storage_data[i] for i in reqs_of}
         is_tensor = [rs[0].type != LoadItemType.BYTE_IO for rs in reqs_of.values()]
-        chunk_sizes = self.chunk_sizes
         engine = default_io()._core()
-        # The file's small items are read once, in few requests, for their records and data.
-        sizes = [chunk_sizes.get((i.fqn, tuple(i.offset or ()))) if t else None
-                 for i, t in zip(infos, is_tensor)]
-        read_whole = [not t or self.verify == "full" or _asks_whole(rs, s)
-                      for rs, t, s in zip(reqs_of.values(), is_tensor, sizes)]
-        names = {i: _item_name(i) for i in infos}
         reads = _core.DcpFileReads(
-            engine, path, list(names.values()), [info.offset for info in infos.values()],
-            [info.length for info in infos.values()], is_tensor, read_whole, sizes,
-            [i.fqn for i in infos])
-        layouts = dict(zip([i for i, t in zip(infos, is_tensor) if t], reads.tensors()))
+            engine, path, [_item_name(i) for i in infos], [s.offset for s in infos.values()],
+            [s.length for s in infos.values()], is_tensor,
+            [self.chunk_sizes.get((i.fqn, tuple(i.offset or ()))) if t else None
+             for i, t in zip(infos, is_tensor)], [i.fqn for i in infos],
+            [[(r.storage_offsets, r.lengths) for r in rs] if t else []
+             for rs, t in zip(reqs_of.values(), is_tensor)],
+            [getattr(s, "xxh64", None) for s in infos.values()],
+            [getattr(s, "xxh64_blocks", None) for s in infos.values()], self.verify)
         self.bytes_read += reads.bytes_read
         dtypes = torch_dtypes()
         bufs: dict[Any, tuple[Any, Any, bool]] = {}
-        args: list[list[Any]] = [[] for _ in range(10)]
+        dests: list[tuple[int, int, int]] = []  # (item, its request or -1: all of it, address)
         partial: list[tuple[Any, Any, Any]] = []  # (request, what was read, target to copy into)
-        for index, info in infos.items():
-            layout = layouts.get(index)
+        for k, ((index, rs), (how, layout)) in enumerate(zip(reqs_of.items(), reads.plan())):
             dtype = None if layout is None else dtypes.get(layout[0])
-            # The item's bytes; of torch's safetensors serialization, the tensor's data alone.
-            offset, length = (layout[4], layout[5]) if layout and layout[10] else \
-                (info.offset, info.length)
-            if dtype is not None and self.verify != "full" and _in_parts(reqs_of[index], layout):
-                # Only the elements each request needs, checked by the blocks they touch.
-                for req in reqs_of[index]:
+            if layout is not None and dtype is None:
+                raise ValueError(f"{path}: {_item_name(index)} has dtype {layout[0]}, which "
+                                 "this torch lacks")
+            if how == "parts":  # only the elements each request needs
+                for j, req in enumerate(rs):
                     target = planner.resolve_tensor(req).detach()
                     into = (target.dtype == dtype and target.device.type == "cpu"
                             and target.is_contiguous() and list(target.shape) == list(req.lengths))
                     buf = target if into else torch.empty(list(req.lengths), dtype=dtype)
                     partial.append((req, buf, None if into else target))
-                    part = (list(layout[1]), dtype.itemsize, list(req.storage_offsets),
-                            list(req.lengths))
-                    blocks = getattr(info, "xxh64_blocks", None) if self.verify else None
-                    for column, value in zip(args, (names[index], offset, length,
-                                                    layout[4], layout[5], buf.data_ptr(), None,
-                                                    None, part, blocks)):
-                        column.append(value)
+                    dests.append((k, j, buf.data_ptr()))
                 continue
-            target = None
-            if layout is None:
-                data_offset, nbytes, crc = info.offset, info.length, None
-            else:
-                data_offset, nbytes, crc = layout[4], layout[5], layout[6]
-                target = _whole_target(reqs_of[index], layout, dtypes.get(layout[0]), planner)
-            buf = target if target is not None else torch.empty(nbytes, dtype=torch.uint8)
+            # Straight into the one request's target where both lie alike in CPU memory.
+            target = planner.resolve_tensor(rs[0]).detach() if how == "direct" else None
+            if target is not None and not (
+                    target.dtype == dtype and target.device.type == "cpu"
+                    and target.is_contiguous() and list(target.shape) == list(layout[1])
+                    and list(target.stride()) == list(layout[2]) and target.nbytes == layout[5]):
+                target = None
+            buf = target if target is not None else torch.empty(
+                infos[index].length if layout is None else layout[5], dtype=torch.uint8)
             bufs[index] = (buf, layout, target is not None)
-            xxh64 = getattr(info, "xxh64", None)
-            for column, value in zip(args, (
-                    names[index], offset, length, data_offset, nbytes,
-                    buf.data_ptr(), xxh64 if self.verify else None,
-                    crc if self.verify else None, None, None)):
-                column.append(value)
-        self.bytes_read += reads.read(engine, *args)
+            dests.append((k, -1, buf.data_ptr()))
+        self.bytes_read += reads.read(engine, dests)
         for req, buf, target in partial:
             if target is not None:
                 target.copy_(buf)
@@ -533,11 +484,7 @@ class Reader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(raw))
                 continue
             dtype_name, shape, stride, storage_offset = layout[:4]
-            dtype = dtypes.get(dtype_name)
-            if dtype is None:
-                raise ValueError(f"{path}: {_item_name(req.storage_index)} has dtype "
-                                 f"{dtype_name}, which this torch lacks")
-            tensor = buf.view(dtype).as_strided(shape, stride, storage_offset)
+            tensor = buf.view(dtypes[dtype_name]).as_strided(shape, stride, storage_offset)
             if layout[8]:  # torch's conjugate bit: the values are the stored ones' conjugates
                 tensor = tensor.conj()
             if layout[9]:  # torch's negative bit
@@ -551,47 +498,6 @@ class Reader(StorageReader):
                                  f"{tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
-
-
-def _asks_whole(reqs: list[Any], sizes: list[int] | None) -> bool:
-    """Whether the requests of a stored tensor chunk of `sizes` (the metadata's) are one for all
-    of it."""
-    req = reqs[0]
-    return len(reqs) == 1 and not any(req.storage_offsets) and list(req.lengths) == sizes
-
-
-def _in_parts(reqs: list[Any], layout: Any) -> bool:
-    """Whether the requests of a stored tensor are read part by part (only the elements each
-    needs): the tensor is stored contiguous from its storage's start and not one request asks
-    for all of it (that one is read whole, and checked)."""
-    _, shape, stride, storage_offset = layout[:4]
-    if storage_offset != 0 or list(stride) != _strides(shape) or layout[8] or layout[9]:
-        return False
-    return not (len(reqs) == 1 and not any(reqs[0].storage_offsets)
-                and list(reqs[0].lengths) == list(shape))
-
-
-def _strides(shape: list[int]) -> list[int]:
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= max(d, 1)
-    return out[::-1]
-
-
-def _whole_target(reqs: list[Any], layout: Any, dtype: Any, planner: LoadPlanner) -> Any:
-    """The one request's target tensor when the stored item's bytes can be read straight into
-    it (it asks for the whole item, both contiguous CPU tensors of one dtype); else None."""
-    shape, stride, storage_offset, _, nbytes = layout[1:6]
-    req = reqs[0]
-    if (len(reqs) != 1 or storage_offset != 0 or any(req.storage_offsets)
-            or list(req.lengths) != list(shape) or layout[8] or layout[9]):
-        return None
-    target = planner.resolve_tensor(req).detach()
-    same = (target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
-            and list(target.shape) == list(shape) and list(target.stride()) == list(stride)
-            and target.nbytes == nbytes)
-    return target if same else None
 
 
 def _check_safe_pickle(raw: bytes, path: str, name: str) -> None:

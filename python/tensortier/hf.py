@@ -1,27 +1,13 @@
-"""Hugging Face transformers models read and written through tensortier.
-
-::
-
-    model = tensortier.hf.from_pretrained(AutoModelForCausalLM, "/models/llama", dtype="bfloat16")
-    tensortier.hf.save_pretrained(model, "/models/llama-tuned")
-    tensortier.hf.enable()   # transformers' own from_pretrained/save_pretrained go through us
-
-transformers does everything but the reading and writing of the safetensors files: its
-``from_pretrained`` resolves the files, builds the model without initialising it, renames keys,
-converts and places tensors, keeps ``_keep_in_fp32_modules`` and ties weights. Its
-``_load_pretrained_model`` is handed the state dict :func:`tensortier.load` read (its own
-``state_dict`` path), and its ``save_pretrained`` writes each shard with :func:`tensortier.save`.
-Only the transformers versions in ``SUPPORTED_TRANSFORMERS`` are used (their loading internals are
-the ones these hooks were written for); any other is refused.
-"""
+"""Hugging Face transformers models read and written through tensortier (docs/hf.md): transformers
+does all but the reading and writing of the safetensors files, its ``_load_pretrained_model``
+handed the state dict :func:`tensortier.load` read, its ``save_pretrained`` writing each shard with
+:func:`tensortier.save`."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import contextvars
-import glob
-import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -125,22 +111,16 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     if meta is not None and set(meta["weight_map"].values()) != {os.path.basename(f)
                                                                  for f in files}:
         return None  # extra files beside the shards: transformers' own business
-    target = files[0] if meta is None else _index_of(files[0], meta["weight_map"])
+    target = files[0] if meta is None else _core.hf_shard_index_of(
+        os.path.dirname(files[0]), files[0], meta["weight_map"])
     if future is not None and device.type == "cpu" and early[0] == os.path.realpath(target):
         with contextlib.suppress(Exception):  # read again below, to report its error
             state_dict = future.result()
             if dtype is None or all(t.dtype == dtype for t in state_dict.values()
                                     if t.is_floating_point()):
                 return state_dict
-    return _load(target, device, dtype, device.type == "cpu" and _cached(files))
-
-
-def _cached(files: list[str]) -> bool:
-    """Whether `files` are in the page cache, 9/10 of their bytes at least (a busy machine
-    evicts a few pages at any moment): then they are mapped, as transformers maps them (no copy
-    to make), instead of read; the pages missing are read as the mapping is populated."""
-    resident, size = _core.files_residency(files)
-    return resident * 10 >= size * 9
+    # Files in the page cache are mapped, as transformers maps them (no copy to make).
+    return _load(target, device, dtype, device.type == "cpu" and _core.hf_files_cached(files))
 
 
 @contextlib.contextmanager
@@ -148,20 +128,20 @@ def _read_early(path: str, kwargs: dict[str, Any]) -> Iterator[None]:
     """Within: the checkpoint in `path` is read to the CPU in its own dtypes on another thread
     while transformers builds the model, for :func:`_read` to take where it would read the same
     (where the call asks for nothing that changes which files are read or into what)."""
-    files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
-    index = os.path.join(path, "model.safetensors.index.json")
-    target = index if os.path.isfile(index) else os.path.join(path, "model.safetensors")
     from transformers import modeling_utils
 
-    if (not set(kwargs) <= _EARLY_KWARGS or kwargs.get("dtype", "auto") not in ("auto", None)
-            or kwargs.get("torch_dtype", "auto") not in ("auto", None)
-            or getattr(kwargs.get("config"), "quantization_config", None) is not None
-            or modeling_utils.is_deepspeed_zero3_enabled()
-            or not os.path.isfile(target) or _quantized(path)):
+    found = None
+    if (set(kwargs) <= _EARLY_KWARGS and kwargs.get("dtype", "auto") in ("auto", None)
+            and kwargs.get("torch_dtype", "auto") in ("auto", None)
+            and getattr(kwargs.get("config"), "quantization_config", None) is None
+            and not modeling_utils.is_deepspeed_zero3_enabled()):
+        found = _core.find_hf_checkpoint(path)  # None for a model saved quantized
+    if found is None:
         yield
         return
+    target, cached = found
     pool = concurrent.futures.ThreadPoolExecutor(1, "tensortier-hf")
-    box = [pool.submit(_load, target, "cpu", None, _cached(files))]  # _read pops it
+    box = [pool.submit(_load, target, "cpu", None, cached)]  # _read pops it
     token = _early.set((os.path.realpath(target), box))
     failed = True
     try:
@@ -188,32 +168,10 @@ def _load(target: str, device: Any, dtype: Any, mmap: bool) -> dict[str, Any]:
 _POPULATE_THREADS = min(8, os.cpu_count() or 1)
 
 
-def _quantized(path: str) -> bool:
-    """Whether the model in `path` was saved quantized (transformers reads it itself)."""
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            return "quantization_config" in json.load(f)
-    except (OSError, ValueError):
-        return True
-
-
 _EARLY_KWARGS = {"config", "dtype", "torch_dtype", "attn_implementation", "local_files_only",
                  "output_loading_info", "trust_remote_code", "low_cpu_mem_usage"}
 _early: contextvars.ContextVar[tuple[str, list[Any]] | None] = contextvars.ContextVar(
     "tensortier_hf_early", default=None)
-
-
-def _index_of(shard: str, weight_map: dict[str, str]) -> str:
-    """The shard index beside `shard` whose weight map transformers read
-    (``model.safetensors.index.json``, ``model.safetensors.index.VARIANT.json``)."""
-    folder = os.path.dirname(shard)
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("model.safetensors.index") and name.endswith(".json"):  # variants
-            path = os.path.join(folder, name)
-            with open(path, encoding="utf-8") as f:
-                if json.load(f).get("weight_map") == weight_map:
-                    return path
-    raise FileNotFoundError(f"{folder}: no shard index names the shards of {shard}")
 
 
 @contextlib.contextmanager

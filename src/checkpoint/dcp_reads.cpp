@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 
 #include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/small_pieces.hpp"
+#include "tensortier/util/format_error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {
@@ -37,9 +41,37 @@ class HeldSource : public ByteSource {
   mutable uint64_t from_file_ = 0;
 };
 
+bool AllZero(const std::vector<int64_t>& v) {
+  return std::all_of(v.begin(), v.end(), [](int64_t x) { return x == 0; });
+}
+
+// Whether `requests` are one for all of a tensor of `shape`.
+bool AsksAll(const std::vector<DcpFileReads::Request>& requests,
+             const std::vector<int64_t>& shape) {
+  return requests.size() == 1 && AllZero(requests[0].offsets) && requests[0].lengths == shape;
+}
+
+// Whether `t` lies as one contiguous run from its storage's start, values as stored.
+bool StoredContiguous(const DcpTensorItem& t) {
+  if (t.storage_offset != 0 || t.conj || t.neg || t.stride.size() != t.shape.size()) return false;
+  int64_t step = 1;
+  for (size_t d = t.shape.size(); d-- > 0;) {
+    if (t.stride[d] != step) return false;
+    step *= std::max<int64_t>(t.shape[d], 1);
+  }
+  return true;
+}
+
 }  // namespace
 
-DcpFileReads::DcpFileReads(Engine& engine, const std::string& path, std::span<const Item> items) {
+DcpFileReads::DcpFileReads(Engine& engine, const std::string& path, std::span<const Item> wanted,
+                           DcpVerify verify)
+    : items_(wanted.begin(), wanted.end()), verify_(verify) {
+  for (Item& it : items_) {
+    it.whole = it.whole || !it.tensor || verify == DcpVerify::kFull ||
+               (it.expected_shape && AsksAll(it.requests, *it.expected_shape));
+  }
+  const std::vector<Item>& items = items_;
   std::vector<std::string> names;
   names.reserve(items.size());
   for (const Item& it : items) names.push_back(it.name);
@@ -83,12 +115,46 @@ DcpFileReads::DcpFileReads(Engine& engine, const std::string& path, std::span<co
   }
   const HeldSource source(file_, held_);
   for (const Item& it : items) {
-    if (it.tensor) {
-      tensors_.push_back(
-          ReadDcpTensorItem(source, it.name, it.offset, it.length, it.expected_shape, it.fqn));
+    tensor_of_.push_back(it.tensor ? static_cast<int64_t>(tensors_.size()) : -1);
+    how_.push_back(DcpItemRead::kWhole);
+    if (!it.tensor) continue;
+    const DcpTensorItem& t = tensors_.emplace_back(
+        ReadDcpTensorItem(source, it.name, it.offset, it.length, it.expected_shape, it.fqn));
+    if (AsksAll(it.requests, t.shape) && t.storage_offset == 0 && !t.conj && !t.neg) {
+      how_.back() = DcpItemRead::kDirect;
+    } else if (StoredContiguous(t) && verify != DcpVerify::kFull) {
+      how_.back() = DcpItemRead::kParts;
     }
   }
   bytes_read_ += source.from_file();
+}
+
+DcpRead DcpFileReads::ReadOf(size_t i, std::optional<size_t> part, std::byte* dest) const {
+  const Item& it = items_.at(i);
+  const DcpTensorItem* t = tensor(i);
+  const bool check = verify_ != DcpVerify::kNone;
+  DcpRead r{it.name, it.offset, it.length, it.offset, it.length, dest, {}, {}, {}, {}};
+  if (t != nullptr) {
+    if (t->safetensors) r.offset = t->data_offset, r.length = t->nbytes;  // the data alone
+    r.data_offset = t->data_offset;
+    r.data_length = t->nbytes;
+  }
+  if (!part) {
+    if (check) r.xxh64 = it.xxh64;
+    if (check && t != nullptr) r.crc32 = t->crc32;
+    return r;
+  }
+  if (how_[i] != DcpItemRead::kParts || *part >= it.requests.size()) {
+    throw std::invalid_argument(StrCat(it.name, ": no part ", *part, " to read"));
+  }
+  const Dtype* dtype = DtypeNamed(t->dtype);
+  if (dtype == nullptr || dtype->bits % 8 != 0) {
+    throw FormatError(StrCat(it.name, ": a tensor of ", t->dtype, " is not read in parts"));
+  }
+  const Request& q = it.requests[*part];
+  r.slice = DcpSlice{t->shape, dtype->bits / 8, q.offsets, q.lengths};
+  if (check) r.blocks = it.blocks;
+  return r;
 }
 
 uint64_t DcpFileReads::Read(Engine& engine, std::span<const DcpRead> reads) const {

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +302,87 @@ def test_cuda_device_map(tmp_path: Path) -> None:
     for device_map in ("cuda", {"": 0}, "auto"):
         assert_same(hf.from_pretrained(cls, tmp_path, device_map=device_map, dtype=torch.bfloat16),
                     cls.from_pretrained(tmp_path, device_map=device_map, dtype=torch.bfloat16))
+
+
+@pytest.fixture
+def early(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, list[Any]]]:
+    """The reads of tensortier.hf: (thread, dtype, weak references to the tensors read)."""
+    seen: list[tuple[str, Any, list[Any]]] = []
+    real = hf.load
+
+    def load(path: str, device: Any, dtype: Any, **kwargs: Any) -> Any:
+        state_dict = real(path, device, dtype, **kwargs)
+        seen.append((threading.current_thread().name, dtype,
+                     [weakref.ref(t) for t in state_dict.values()]))
+        return state_dict
+
+    monkeypatch.setattr(hf, "load", load)
+    return seen
+
+
+def test_early_read_is_not_started_where_transformers_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early: list[Any]) -> None:
+    make("llama", tmp_path)
+    with hf._read_early(str(tmp_path), {}):  # the read that the cases below do not start
+        assert hf._early.get() is not None
+    assert [thread for thread, _, _ in early] == ["tensortier-hf_0"]
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    with hf._read_early(str(tmp_path), {"config": config}):  # quantized by the call
+        assert hf._early.get() is None
+    saved = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(json.dumps(
+        json.loads(saved) | {"quantization_config": {"quant_method": "bitsandbytes"}}))
+    with hf._read_early(str(tmp_path), {}):  # saved quantized
+        assert hf._early.get() is None
+    (tmp_path / "config.json").write_text(saved)
+    monkeypatch.setattr(transformers.modeling_utils, "is_deepspeed_zero3_enabled", lambda: True)
+    with hf._read_early(str(tmp_path), {}):  # ZeRO-3 partitions the weights as it loads them
+        assert hf._early.get() is None
+    assert len(early) == 1
+
+
+def test_declined_early_read_is_freed(tmp_path: Path, early: list[Any]) -> None:
+    make("llama", tmp_path)  # float32 in config.json; the weights bfloat16: converted as read
+    weights = tmp_path / "model.safetensors"
+    state_dict = safetensors.torch.load_file(weights)
+    safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in state_dict.items()},
+                                weights, metadata={"format": "pt"})
+    cls = transformers.LlamaForCausalLM
+    model = hf.from_pretrained(cls, tmp_path)
+    assert [(thread, dtype) for thread, dtype, _ in early] == [
+        ("tensortier-hf_0", None), ("MainThread", torch.float32)]
+    assert not any(ref() is not None for ref in early[0][2])  # the early read's tensors
+    assert_same(model, cls.from_pretrained(tmp_path))
+
+
+def test_error_while_the_model_builds_does_not_wait_for_the_early_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make("llama", tmp_path)
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+    real = hf.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        release.wait(60)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            finished.set()
+
+    class Failing(transformers.LlamaForCausalLM):
+        def __init__(self, config: Any) -> None:
+            assert started.wait(60)  # the early read is under way
+            raise RuntimeError("the model cannot be built")
+
+    monkeypatch.setattr(hf, "load", load)
+    try:
+        with pytest.raises(RuntimeError, match="cannot be built"):
+            hf.from_pretrained(Failing, tmp_path)
+        assert not finished.is_set()  # returned while the read still waits
+    finally:
+        release.set()
+    for thread in threading.enumerate():
+        if thread.name.startswith("tensortier-hf"):
+            thread.join(60)
+    assert finished.is_set()
