@@ -157,6 +157,10 @@ def test_misuse_gets_deepnvme_s_answer(handle, disk_dir: Path) -> None:  # type:
         handle.sync_pwrite(torch.empty(10), path, 1.5)
     with pytest.raises(TypeError, match="filename"):
         handle.sync_pread(torch.empty(10), 3)  # descriptors are for async_pwrite only
+    with pytest.raises(TypeError, match="filename"):
+        handle.sync_pread(torch.empty(10), 5, -1)  # the file is checked first, as DeepNVMe does
+    with pytest.warns(RuntimeWarning, match="deepspeed_aio"):
+        assert handle.sync_pread(torch.empty(10), path + ".missing", -1) == -1
     with pytest.raises(ValueError, match="file_offset"):
         handle.sync_pwrite(torch.empty(10), path, -1)  # DeepNVMe aborts the process
 

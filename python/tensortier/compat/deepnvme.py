@@ -267,6 +267,13 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         (``async_pwrite``'s second overload: every other call takes a name)."""
         what = "pread" if op == "read" else "pwrite"
         _check_tensor(buffer, what)
+        # DeepNVMe's order: pybind11 converts the arguments (TypeError), the file is opened (-1
+        # when it cannot be), and only then is a negative offset used (it aborts; ValueError).
+        _integer(offset, what, "file_offset", -(1 << 63), bits=64)
+        # An async_pwrite descriptor stays the caller's: the engine opens its file again.
+        path = _core.deepnvme_file(op, filename, what, descriptor_ok)
+        if path is None:  # DeepNVMe's answer to a file it cannot open or stat (warned)
+            return -1
         offset = _integer(offset, what, "file_offset", 0, bits=64)
         copy_to = None
         if not buffer.is_contiguous():
@@ -282,10 +289,6 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         if snapshot and buffer.numel() > 0 and (self._SNAPSHOT_CUDA_WRITES if buffer.is_cuda
                                                 else not self.is_pinned(buffer)):
             buffer = buffer.detach().to("cpu", copy=True)
-        # An async_pwrite descriptor stays the caller's: the engine opens its file again.
-        path = _core.deepnvme_file(op, filename, what, descriptor_ok)
-        if path is None:  # DeepNVMe's answer to a file it cannot open or stat (warned)
-            return -1
         # A read past the end fills what exists.
         future = (self._io.pread_async if op == "read" else self._io.pwrite_async)(
             buffer, path, offset)
