@@ -415,6 +415,9 @@ class SharedTensor:
         """This rank's `step` of collective call `what`, then every rank's outcome: an error on
         any rank reaches all at once instead of leaving them waiting out the timeout."""
         try:
+            if self.memory == "device" and torch.cuda.is_initialized():
+                # The C++ copies run on their own stream: first what torch queued on the rows.
+                torch.cuda.current_stream(int(self._core.stats["device"])).synchronize()
             result = step()
         except Exception as e:
             self._group_settle(what, e)

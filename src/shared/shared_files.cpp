@@ -185,13 +185,21 @@ std::vector<std::string> WritePartitionRows(const std::string& prefix, int world
   if (device < 0 || part.bytes == 0) {
     return WriteRowFile(prefix, part.rank, world, part.address, part.bytes);
   }
+  // Through a bounded pinned slab, as reads: a rank's part never needs a host copy of its size.
+  const uint64_t slab_bytes = std::min(part.bytes, kDeviceSlabBytes);
   PrimaryContext context(CudaDriver::Get(), device);
-  PinnedHostMemory host(context, part.bytes);
+  PinnedHostMemory slab(context, slab_bytes);
   Stream stream(context);
-  stream.CopyFromDevice(host.data(), reinterpret_cast<cuda::CUdeviceptr>(part.address),
-                        part.bytes);
-  stream.Synchronize();
-  return WriteRowFile(prefix, part.rank, world, host.data(), part.bytes);
+  std::vector<std::string> names;
+  for (uint64_t offset = 0; offset < part.bytes; offset += slab_bytes) {
+    const uint64_t n = std::min(slab_bytes, part.bytes - offset);
+    stream.CopyFromDevice(slab.data(), reinterpret_cast<cuda::CUdeviceptr>(part.address + offset),
+                          n);
+    stream.Synchronize();  // the slab is written before it is filled again
+    names =
+        WriteRowFile(prefix, part.rank, world, slab.data(), n, offset, offset + n == part.bytes);
+  }
+  return names;
 }
 
 }  // namespace tensortier

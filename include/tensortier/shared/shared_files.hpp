@@ -61,7 +61,8 @@ inline constexpr uint64_t kDeviceSlabBytes = 256ull << 20;
 std::optional<IoStats> ReadPartitionRows(const std::vector<RowSource>& sources,
                                          std::string_view what, const SharedTensorSpec& spec,
                                          const SharedPartition& part, int device);
-// WriteRowFile of partition `part` (copied to host memory first when on GPU `device` >= 0).
+// WriteRowFile of partition `part`; from the memory of GPU `device` (>= 0) through a page-locked
+// slab of at most kDeviceSlabBytes, written in pieces.
 std::vector<std::string> WritePartitionRows(const std::string& prefix, int world,
                                             const SharedPartition& part, int device);
 
