@@ -48,13 +48,15 @@ uint64_t Unsigned(const py::handle& value, const std::string& name, int bits) {
   }
   PyErr_Clear();
   if (!ok) {
-    throw py::type_error(StrCat(name, " must be an unsigned integer (", bits, " bits), not ",
-                                ReprOf(value)));
+    throw py::type_error(
+        StrCat(name, " must be an unsigned integer (", bits, " bits), not ", ReprOf(value)));
   }
   return n;
 }
 
-std::string Repr(const std::vector<int64_t>& values) { return ReprOf(py::cast(values)); }
+std::string Repr(const std::vector<int64_t>& values) {
+  return ReprOf(py::cast(values));
+}
 
 }  // namespace
 
@@ -76,8 +78,8 @@ void RegisterCompat(py::module_& m) {
       [](const py::object& backend) {
         const char* variable = std::getenv("TENSORNVME_BACKEND");
         std::string name = variable != nullptr && *variable != '\0' ? variable
-                           : py::isinstance<py::str>(backend) ? backend.cast<std::string>()
-                                                              : ReprOf(backend);
+                           : py::isinstance<py::str>(backend)       ? backend.cast<std::string>()
+                                                                    : ReprOf(backend);
         try {
           return std::string(OffloadBackendName(name));
         } catch (const std::invalid_argument& e) {
@@ -110,16 +112,14 @@ void RegisterCompat(py::module_& m) {
         }
         return names;
       },
-      py::arg("dir"),
-      "TensorNVMe's names of the backends whose round trip in `dir` passes.");
+      py::arg("dir"), "TensorNVMe's names of the backends whose round trip in `dir` passes.");
   m.def(
       "tensornvme_directory",
       [](const FsPath& path) {
-        struct stat status {};
+        struct stat status{};
         if (stat(path.bytes.c_str(), &status) != 0) {
           if (mkdir(path.bytes.c_str(), 0777) != 0) {  // os.mkdir's error, filename included
-            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError,
-                                                 PathToPython(path.bytes).ptr());
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PathToPython(path.bytes).ptr());
             throw py::error_already_set();
           }
         } else if (!S_ISDIR(status.st_mode)) {
@@ -153,10 +153,9 @@ void RegisterCompat(py::module_& m) {
           std::vector<int64_t> given;
           for (const py::handle s : py::iter(stride)) given.push_back(Index(s).cast<int64_t>());
           if (given != contiguous) {
-            throw std::invalid_argument(
-                StrCat("wholememory: stride ", ReprOf(py::list(stride)),
-                       " is not the contiguous stride ", Repr(contiguous), " of shape ",
-                       Repr(dims), "; pass [] or the contiguous stride"));
+            throw std::invalid_argument(StrCat(
+                "wholememory: stride ", ReprOf(py::list(stride)), " is not the contiguous stride ",
+                Repr(contiguous), " of shape ", Repr(dims), "; pass [] or the contiguous stride"));
           }
         }
         std::vector<int64_t> members;

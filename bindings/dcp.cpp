@@ -157,41 +157,41 @@ void RegisterDcp(py::module_& m) {
       "A rank file a load reads from, and how it reads each item: the bytes of the small items it "
       "reads whole read once, in few large requests (items 4 KiB or less apart share one), "
       "serving both the tensor items' zip records and their data.")
-      .def(py::init([](Engine& engine, const FsPath& path, const std::vector<std::string>& names,
-                       const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
-                       const std::vector<bool>& tensor,
-                       const std::vector<std::optional<std::vector<int64_t>>>& shapes,
-                       const std::vector<std::string>& fqns,
-                       const std::vector<std::vector<std::pair<std::vector<int64_t>,
-                                                               std::vector<int64_t>>>>& requests,
-                       const std::vector<std::optional<uint64_t>>& xxh64,
-                       const std::vector<std::optional<std::string>>& blocks,
-                       const py::object& verify) {
-             SameLength(names.size(),
-                        {offsets.size(), lengths.size(), tensor.size(), shapes.size(), fqns.size(),
-                         requests.size(), xxh64.size(), blocks.size()},
-                        "DcpFileReads");
-             std::vector<DcpFileReads::Item> items(names.size());
-             for (size_t i = 0; i < items.size(); ++i) {
-               DcpFileReads::Item& it = items[i];
-               it.name = names[i];
-               it.offset = offsets[i];
-               it.length = lengths[i];
-               it.tensor = tensor[i];
-               it.expected_shape = shapes[i];
-               it.fqn = fqns[i];
-               for (const auto& [at, length] : requests[i]) it.requests.push_back({at, length});
-               it.xxh64 = xxh64[i];
-               it.blocks = blocks[i].value_or("");
-             }
-             const DcpVerify how = py::isinstance<py::str>(verify) &&
-                                           verify.cast<std::string>() == "full"
-                                       ? DcpVerify::kFull
-                                   : py::bool_(verify) ? DcpVerify::kRead
-                                                       : DcpVerify::kNone;
-             py::gil_scoped_release release;
-             return std::make_unique<DcpFileReads>(engine, path, items, how);
-           }),
+      .def(py::init(
+               [](Engine& engine, const FsPath& path, const std::vector<std::string>& names,
+                  const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
+                  const std::vector<bool>& tensor,
+                  const std::vector<std::optional<std::vector<int64_t>>>& shapes,
+                  const std::vector<std::string>& fqns,
+                  const std::vector<
+                      std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>>>& requests,
+                  const std::vector<std::optional<uint64_t>>& xxh64,
+                  const std::vector<std::optional<std::string>>& blocks, const py::object& verify) {
+                 SameLength(names.size(),
+                            {offsets.size(), lengths.size(), tensor.size(), shapes.size(),
+                             fqns.size(), requests.size(), xxh64.size(), blocks.size()},
+                            "DcpFileReads");
+                 std::vector<DcpFileReads::Item> items(names.size());
+                 for (size_t i = 0; i < items.size(); ++i) {
+                   DcpFileReads::Item& it = items[i];
+                   it.name = names[i];
+                   it.offset = offsets[i];
+                   it.length = lengths[i];
+                   it.tensor = tensor[i];
+                   it.expected_shape = shapes[i];
+                   it.fqn = fqns[i];
+                   for (const auto& [at, length] : requests[i]) it.requests.push_back({at, length});
+                   it.xxh64 = xxh64[i];
+                   it.blocks = blocks[i].value_or("");
+                 }
+                 const DcpVerify how =
+                     py::isinstance<py::str>(verify) && verify.cast<std::string>() == "full"
+                         ? DcpVerify::kFull
+                     : py::bool_(verify) ? DcpVerify::kRead
+                                         : DcpVerify::kNone;
+                 py::gil_scoped_release release;
+                 return std::make_unique<DcpFileReads>(engine, path, items, how);
+               }),
            py::arg("engine"), py::arg("path"), py::arg("names"), py::arg("offsets"),
            py::arg("lengths"), py::arg("tensor"), py::arg("shapes"), py::arg("fqns"),
            py::arg("requests"), py::arg("xxh64"), py::arg("blocks"), py::arg("verify"),

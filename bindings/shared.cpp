@@ -78,8 +78,9 @@ class TorchStore : public Store {
       py::list keys;
       keys.append(key);
       try {
-        py::object wait = py::module_::import("datetime").attr("timedelta")(
-            py::arg("milliseconds") = std::max<int64_t>(timeout.count(), 1));
+        py::object wait =
+            py::module_::import("datetime")
+                .attr("timedelta")(py::arg("milliseconds") = std::max<int64_t>(timeout.count(), 1));
         store_.attr("wait")(keys, wait);
       } catch (py::error_already_set& e) {
         if (e.matches(dist.attr("DistNetworkError"))) throw;
@@ -166,7 +167,6 @@ py::tuple PartitionTuple(const SharedPartition& p) {
   return py::make_tuple(p.rank, p.row_begin, p.rows, p.bytes,
                         reinterpret_cast<uintptr_t>(p.address));
 }
-
 
 // A distributed tensor as this rank holds it: its rows in private memory (zero-filled), the other
 // ranks' rows reached only through the exchange's rounds (torch.distributed in Python).
@@ -427,8 +427,7 @@ void RegisterShared(py::module_& m) {
               "or set MASTER_ADDR and MASTER_PORT (torchrun does)");
         }
         const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-        return py::make_tuple(host, *port,
-                              StrCat("tensortier/attempt_", attempt ? attempt : "0"),
+        return py::make_tuple(host, *port, StrCat("tensortier/attempt_", attempt ? attempt : "0"),
                               AgentServesStore());
       },
       "torchrun's store: (MASTER_ADDR, MASTER_PORT, the key prefix of this restart attempt, "
@@ -509,19 +508,18 @@ void RegisterShared(py::module_& m) {
                              [](const DistributedTensor& t) { return t.spec().row_bytes(); })
       .def_property_readonly("rank", &DistributedTensor::rank)
       .def_property_readonly("closed", &DistributedTensor::closed)
-      .def_property_readonly("stats",
-                             [](const DistributedTensor& t) {
-                               const char* why = "distributed layout: private memory of each rank";
-                               py::dict d;
-                               d["local_bytes"] =
-                                   t.closed() ? 0 : t.partitions().at(t.rank()).bytes;
-                               for (const char* key : {"huge_pages", "shmem_huge_pages",
-                                                       "cuda_registered"}) {
-                                 d[key] = false;
-                                 d[py::str(StrCat(key, "_reason"))] = why;
-                               }
-                               return d;
-                             })
+      .def_property_readonly(
+          "stats",
+          [](const DistributedTensor& t) {
+            const char* why = "distributed layout: private memory of each rank";
+            py::dict d;
+            d["local_bytes"] = t.closed() ? 0 : t.partitions().at(t.rank()).bytes;
+            for (const char* key : {"huge_pages", "shmem_huge_pages", "cuda_registered"}) {
+              d[key] = false;
+              d[py::str(StrCat(key, "_reason"))] = why;
+            }
+            return d;
+          })
       .def_property_readonly("exchange", &DistributedTensor::exchange,
                              py::return_value_policy::reference_internal)
       .def("close", &DistributedTensor::Close);

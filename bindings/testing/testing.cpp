@@ -96,8 +96,8 @@ PYBIND11_MODULE(_testing, m) {
       "otherwise), 'short_bytes' (a short completion's most bytes, default half) and "
       "'delay_us'. ValueError for a plan it cannot read.");
   m.def(
-      "shrink_after_size",
-      [](const std::string& path) { FaultHooks::Get().ShrinkAfterSize(path); }, py::arg("path"),
+      "shrink_after_size", [](const std::string& path) { FaultHooks::Get().ShrinkAfterSize(path); },
+      py::arg("path"),
       "From now on, a file at `path` is truncated to half its size just after tensortier takes "
       "its size, before reading it (a file that shrinks meanwhile); '' stops it.");
   m.def(

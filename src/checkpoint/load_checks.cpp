@@ -17,19 +17,22 @@ void CheckLoadOptions(std::string_view device, bool verify, bool mmap, std::stri
   if (verify && !to_meta.empty()) {
     throw std::invalid_argument(StrCat(
         "verify=True checks the tensors' bytes, and map_location sends the storages saved at ",
-        to_meta, " to the meta device, which reads none of theirs: load with verify=False, or "
+        to_meta,
+        " to the meta device, which reads none of theirs: load with verify=False, or "
         "map them elsewhere"));
   }
   if (mmap && device != "cpu") {
-    throw std::invalid_argument(StrCat(
-        "mmap=True maps the file into host memory: it needs device='cpu', not ", device,
-        " (load to the GPU with mmap=False: its bytes go there without host copies)"));
+    throw std::invalid_argument(
+        StrCat("mmap=True maps the file into host memory: it needs device='cpu', not ", device,
+               " (load to the GPU with mmap=False: its bytes go there without host copies)"));
   }
 }
 
 ProgressBar::ProgressBar(std::string label, uint64_t total, bool enabled,
                          std::function<void(const std::string&)> write)
-    : label_(std::move(label)), total_(total), enabled_(enabled && total > 0),
+    : label_(std::move(label)),
+      total_(total),
+      enabled_(enabled && total > 0),
       write_(std::move(write)) {}
 
 void ProgressBar::Update(uint64_t bytes) {

@@ -19,8 +19,7 @@ StagingArena::StagingArena(size_t nbytes, std::optional<int> pinned_device)
   registration_.emplace(PrimaryContext(driver, *pinned_device), memory_.data(), nbytes);
 }
 
-std::shared_ptr<StagingArena> StagingArenas::Take(size_t nbytes,
-                                                  std::optional<int> pinned_device) {
+std::shared_ptr<StagingArena> StagingArenas::Take(size_t nbytes, std::optional<int> pinned_device) {
   std::lock_guard lock(mu_);
   std::shared_ptr<StagingArena> best;
   std::vector<std::shared_ptr<StagingArena>> kept;
@@ -50,9 +49,8 @@ void StagingArenas::MarkWritten(std::span<const uintptr_t> addresses) {
   for (const std::shared_ptr<StagingArena>& a : arenas_) {
     const auto begin = reinterpret_cast<uintptr_t>(a->data());
     const uintptr_t end = begin + a->size();
-    a->written_ = a->written_ || std::any_of(addresses.begin(), addresses.end(), [&](uintptr_t p) {
-                    return begin <= p && p < end;
-                  });
+    a->written_ = a->written_ || std::any_of(addresses.begin(), addresses.end(),
+                                             [&](uintptr_t p) { return begin <= p && p < end; });
   }
 }
 

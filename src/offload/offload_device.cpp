@@ -8,7 +8,9 @@
 namespace tensortier {
 namespace {
 
-size_t Index(OffloadKind kind) { return kind == OffloadKind::kWrite ? 0 : 1; }
+size_t Index(OffloadKind kind) {
+  return kind == OffloadKind::kWrite ? 0 : 1;
+}
 
 // Whether a job moving `key` is one a wait for `keys` (sorted; none: all) takes.
 bool Wanted(const std::optional<std::vector<uint64_t>>& keys, uint64_t key) {

@@ -281,8 +281,16 @@ TEST(DcpFile, SmallItemsAreReadOnceForTheirRecordsAndTheirData) {
   const std::vector<DcpItemPlace> places = WriteDcpFile(engine, path, items);
   std::vector<DcpFileReads::Item> wanted;
   for (size_t i = 0; i < kItems; ++i) {
-    wanted.push_back({StrCat("t", i), places[i].offset, places[i].length, true, true,
-                      std::vector<int64_t>{256}, StrCat("t", i), {}, {}, {}});
+    wanted.push_back({StrCat("t", i),
+                      places[i].offset,
+                      places[i].length,
+                      true,
+                      true,
+                      std::vector<int64_t>{256},
+                      StrCat("t", i),
+                      {},
+                      {},
+                      {}});
   }
   const DcpFileReads reads(engine, path, wanted);
   const uint64_t size = std::filesystem::file_size(path);

@@ -26,7 +26,10 @@ TEST(DcpFileReads, PlansWholeDirectAndPartReads) {
   const std::vector<uint8_t> data = Pattern(64 * 64 * 4, 1);
   std::vector<DcpWriteItem> items;
   for (int i = 0; i < 3; ++i) {
-    items.push_back({"F32", {64, 64}, data.size(), reinterpret_cast<const std::byte*>(data.data()),
+    items.push_back({"F32",
+                     {64, 64},
+                     data.size(),
+                     reinterpret_cast<const std::byte*>(data.data()),
                      StrCat("t", i)});
   }
   items.push_back({"", {}, 10, reinterpret_cast<const std::byte*>(data.data()), "note"});

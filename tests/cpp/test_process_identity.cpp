@@ -53,8 +53,8 @@ TEST(ProcessIdentityTest, OnlyStampsOfThisNamespaceWithNoProcessAreDead) {
   const auto too_big = static_cast<unsigned long long>(std::numeric_limits<pid_t>::max()) + 1;
   for (const std::string& text :
        {StrCat(dead, "-12345"), StrCat(dead, "--", tag), StrCat("x", dead, "-12345-", tag),
-        StrCat("0-12345-", tag), StrCat(too_big, "-12345-", tag),
-        StrCat(dead, "-12345-", tag, "0"), StrCat(dead, "-12345-FFFFFFFF"), std::string()}) {
+        StrCat("0-12345-", tag), StrCat(too_big, "-12345-", tag), StrCat(dead, "-12345-", tag, "0"),
+        StrCat(dead, "-12345-FFFFFFFF"), std::string()}) {
     EXPECT_FALSE(IsDeadProcessStamp(text)) << text;
   }
 }

@@ -10,7 +10,7 @@
 namespace tensortier {
 
 struct HfCheckpoint {
-  std::string target;  // DIR/model.safetensors.index.json, else DIR/model.safetensors
+  std::string target;   // DIR/model.safetensors.index.json, else DIR/model.safetensors
   bool cached = false;  // HfFilesCached of DIR's *.safetensors files
 };
 
