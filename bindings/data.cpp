@@ -16,7 +16,7 @@
 
 #include "arguments.hpp"
 #include "binding_helpers.hpp"
-#include "dlpack_abi.hpp"
+#include "dlpack_export.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/data/batch_reader.hpp"
@@ -30,27 +30,8 @@ using namespace tensortier;
 
 namespace {
 
-// One sample of a batch as a DLPack tensor. It owns a reference to the batch, so the arena is
-// returned to the reader only when the last consumer (DALI, which frees its inputs on its own
-// threads) lets go: the deleter touches no Python.
-struct SampleExport {
-  dlpack::ManagedTensor managed{};
-  int64_t shape[1] = {0};
-  std::shared_ptr<Batch> batch;
-};
-
-void DeleteSampleExport(dlpack::ManagedTensor* managed) {
-  delete static_cast<SampleExport*>(managed->manager_ctx);
-}
-
-// A capsule nobody consumed still owns its tensor; a consumer renames it when it takes it.
-void DeleteUnusedCapsule(PyObject* capsule) {
-  if (!PyCapsule_IsValid(capsule, dlpack::kCapsuleName)) return;
-  auto* managed =
-      static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleName));
-  managed->deleter(managed);
-}
-
+// Each sample of a batch as a DLPack tensor that owns a reference to the batch, so that its arena
+// goes back to the reader only when the last consumer lets go.
 py::list SamplesAsDlpack(const std::shared_ptr<Batch>& batch) {
   static std::byte empty{};  // a pointer for samples of an empty arena (all files empty)
   auto* base = const_cast<std::byte*>(batch->data());
@@ -59,21 +40,7 @@ py::list SamplesAsDlpack(const std::shared_ptr<Batch>& batch) {
   const auto& sizes = batch->sizes();
   py::list out(offsets.size());
   for (size_t i = 0; i < offsets.size(); ++i) {
-    auto sample = std::make_unique<SampleExport>();
-    sample->batch = batch;
-    sample->shape[0] = static_cast<int64_t>(sizes[i]);
-    dlpack::Tensor& t = sample->managed.dl_tensor;
-    t.data = base + offsets[i];
-    t.device = {dlpack::kCpu, 0};
-    t.ndim = 1;
-    t.dtype = {dlpack::kUInt, 8, 1};
-    t.shape = sample->shape;
-    sample->managed.manager_ctx = sample.get();
-    sample->managed.deleter = DeleteSampleExport;
-    PyObject* capsule = PyCapsule_New(&sample->managed, dlpack::kCapsuleName, DeleteUnusedCapsule);
-    if (capsule == nullptr) throw py::error_already_set();
-    sample.release();  // the capsule owns it now
-    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), capsule);
+    out[i] = BytesAsDlpack(batch, base + offsets[i], sizes[i]);
   }
   return out;
 }

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "dlpack_abi.hpp"
+#include "dlpack_export.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
@@ -46,41 +46,11 @@ py::list TensorLayouts(const std::vector<DcpTensorItem>& items) {
 }
 
 // A staging arena lent as a DLPack tensor of its bytes: the arena stays in use while a tensor made
-// from it lives (the deleter, which touches no Python, lets go of it).
-struct ArenaExport {
-  dlpack::ManagedTensor managed{};
-  int64_t shape[1] = {0};
-  std::shared_ptr<StagingArena> arena;
-};
-
-void DeleteArenaExport(dlpack::ManagedTensor* managed) {
-  delete static_cast<ArenaExport*>(managed->manager_ctx);
-}
-
-// A capsule nobody consumed still owns its tensor; a consumer renames it when it takes it.
-void DeleteUnconsumed(PyObject* capsule) {
-  if (!PyCapsule_IsValid(capsule, dlpack::kCapsuleName)) return;
-  auto* managed =
-      static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleName));
-  managed->deleter(managed);
-}
-
+// from it lives.
 py::object ArenaAsDlpack(std::shared_ptr<StagingArena> arena) {
-  auto out = std::make_unique<ArenaExport>();
-  out->shape[0] = static_cast<int64_t>(arena->size());
-  dlpack::Tensor& t = out->managed.dl_tensor;
-  t.data = arena->data();
-  t.device = {dlpack::kCpu, 0};
-  t.ndim = 1;
-  t.dtype = {dlpack::kUInt, 8, 1};
-  t.shape = out->shape;
-  out->arena = std::move(arena);
-  out->managed.manager_ctx = out.get();
-  out->managed.deleter = DeleteArenaExport;
-  PyObject* capsule = PyCapsule_New(&out->managed, dlpack::kCapsuleName, DeleteUnconsumed);
-  if (capsule == nullptr) throw py::error_already_set();
-  out.release();  // the capsule owns it now
-  return py::reinterpret_steal<py::object>(capsule);
+  void* data = arena->data();
+  const uint64_t size = arena->size();
+  return BytesAsDlpack(std::move(arena), data, size);
 }
 
 }  // namespace
