@@ -382,6 +382,9 @@ std::vector<int64_t> ShapeOf(const py::object& shape) {
     if (!e.matches(PyExc_TypeError)) throw;
     throw py::type_error(StrCat("shape must be an int or a sequence of ints, not ",
                                 py::repr(shape).cast<std::string>()));
+  } catch (const py::cast_error&) {  // an int past int64_t
+    throw py::value_error(StrCat("shape ", py::repr(shape).cast<std::string>(),
+                                 " has a dimension too large for a tensor"));
   }
   if (dims.empty()) {
     throw py::value_error("a shared tensor needs at least one dimension (its rows)");

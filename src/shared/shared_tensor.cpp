@@ -9,13 +9,13 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/shared/partition_server.hpp"
 #include "tensortier/shared/tensor_memory.hpp"
+#include "tensortier/shared/unix_socket.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
-#include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/strings.hpp"
-#include "tensortier/shared/unix_socket.hpp"
 
 namespace tensortier {
 
@@ -74,8 +74,7 @@ void SharedTensor::CopyRows(const int64_t* indices, size_t count, uint8_t* buffe
       ends.push_back(p.row_begin + p.rows);
     }
   }
-  CopyPieceRows(bases, ends, spec_.row_bytes(), indices, count, buffer, gather,
-                "a shared tensor");
+  CopyPieceRows(bases, ends, spec_.row_bytes(), indices, count, buffer, gather, "a shared tensor");
 }
 
 void SharedTensor::Gather(const int64_t* indices, size_t count, void* out) const {
@@ -115,8 +114,8 @@ void SharedTensor::RegisterWithCuda(int device) {
 // Host memory: the partitions' memfds and their mappings
 
 std::shared_ptr<SharedTensor> SharedTensor::Layout(const SharedTensorSpec& spec,
-                                                  const std::string& key, int world_size,
-                                                  int rank) {
+                                                   const std::string& key, int world_size,
+                                                   int rank) {
   const uint64_t page = SystemPageSize();
   const bool continuous = spec.layout == SharedLayout::kContinuous;
   const bool huge = IsHugeSharedTensor(spec, world_size);
@@ -162,6 +161,13 @@ UniqueFd SharedTensor::CreateLocalPartition(bool huge, const std::string& shmem_
   stats_.local_bytes = p.bytes;
   UniqueFd fd;
   if (p.bytes == 0) return fd;
+  // Every page is faulted in below: more than the machine's memory would end in the OOM killer.
+  if (p.bytes > PhysicalMemoryBytes()) {
+    ThrowIoError(
+        ENOMEM,
+        StrCat("allocate shared memory (this machine has ", PhysicalMemoryBytes(), " bytes) for"),
+        key_, 0, p.bytes);
+  }
   // hugetlb where the partitioning allows and the kernel has pages; else ordinary pages.
   if (!huge) {
     stats_.huge_pages_reason =
@@ -202,10 +208,12 @@ UniqueFd SharedTensor::CreateLocalPartition(bool huge, const std::string& shmem_
         stats_.shmem_huge_pages_reason =
             StrCat("madvise(MADV_HUGEPAGE) failed (", std::strerror(errno), ")");
       }
-      PopulateForWrite(p.address, length, page);
+      if (int err = PopulateForWrite(p.address, length, page); err != 0) {
+        ThrowIoError(err, "fault in shared memory of", key_, 0, length);
+      }
     } else if (!stats_.huge_pages) {
       stats_.shmem_huge_pages_reason =
-          !huge                 ? stats_.huge_pages_reason
+          !huge                  ? stats_.huge_pages_reason
           : shmem_policy.empty() ? std::string("the kernel's shmem_enabled policy cannot be read")
                                  : StrCat("the kernel's shmem_enabled is '", shmem_policy, "'");
     }
@@ -228,7 +236,7 @@ void SharedTensor::FetchPartitions(const std::string& token, int skip_rank,
         shared::FetchDescriptor(shared::PartitionSocketName(token, r), key_, deadline, what);
     // The size the partition needs comes from the record: the memory served must hold it all
     // (a mapping past its end faults with SIGBUS), and must not be able to shrink later.
-    struct stat st {};
+    struct stat st{};
     if (::fstat(fd.get(), &st) != 0) {
       ThrowIoError(errno, StrCat("fstat partition of ", what), key_);
     }
@@ -245,8 +253,7 @@ void SharedTensor::FetchPartitions(const std::string& token, int skip_rank,
                                          " serves memory that is not sealed against shrinking"));
     }
     if (int err = MapPartition(r, fd.get(), false); err != 0) {
-      ThrowIoError(err, StrCat("mmap partition of rank ", r, " of"), key_, 0,
-                   partitions_[r].bytes);
+      ThrowIoError(err, StrCat("mmap partition of rank ", r, " of"), key_, 0, partitions_[r].bytes);
     }
   }
 }

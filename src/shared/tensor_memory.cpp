@@ -6,9 +6,9 @@
 
 #include <cerrno>
 
+#include "tensortier/shared/unix_socket.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/error.hpp"
-#include "tensortier/shared/unix_socket.hpp"
 
 namespace tensortier {
 
@@ -49,14 +49,24 @@ bool ShmemHugeOnAdvice(const std::string& policy) {
   return policy == "advise" || policy == "always" || policy == "within_size" || policy == "force";
 }
 
-void PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page) {
+int PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page) {
 #ifndef MADV_POPULATE_WRITE
   constexpr int MADV_POPULATE_WRITE = 23;
 #endif
-  if (::madvise(address, length, MADV_POPULATE_WRITE) == 0) return;
+  if (::madvise(address, length, MADV_POPULATE_WRITE) == 0) return 0;
+  // Only a kernel without the advice (EINVAL) is worked around; ENOMEM and the like are errors.
+  if (errno != EINVAL) return errno;
   for (uint64_t at = 0; at < length; at += page) {
     reinterpret_cast<volatile uint8_t*>(address)[at] = 0;  // the memfd is zero-filled
   }
+  return 0;
+}
+
+uint64_t PhysicalMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long size = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && size > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(size)
+                               : UINT64_MAX;
 }
 
 }  // namespace tensortier

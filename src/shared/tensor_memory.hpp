@@ -38,7 +38,9 @@ std::string ShmemHugePolicy();
 // Whether MADV_HUGEPAGE on a shared-memory mapping gets it huge pages under `policy`.
 bool ShmemHugeOnAdvice(const std::string& policy);
 // Faults in [address, address + length) for writing: MADV_POPULATE_WRITE, or one write per page
-// on kernels without it (before 5.14).
-void PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page);
+// on kernels without it (before 5.14). Returns 0, or the errno of a failure (ENOMEM...).
+int PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page);
+// The machine's physical memory in bytes (UINT64_MAX where it cannot be told).
+uint64_t PhysicalMemoryBytes();
 
 }  // namespace tensortier

@@ -7,6 +7,7 @@ abstract sockets): what other programs on the machine make there is not looked a
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import re
@@ -758,3 +759,19 @@ def test_a_rank_failing_load_files_or_store_files_fails_every_rank_at_once(tmp_p
             assert load_type == "RuntimeError", (rank, said)
             assert "load_files failed on rank 1: OSError: " in load_text and "shrank" in load_text, said
             assert store_type == "RuntimeError" and "store_files failed on rank 1: " in store_text, said
+
+
+def test_a_tensor_larger_than_the_machine_s_memory_is_an_error_not_the_oom_killer() -> None:
+    """Every page of a rank's part is faulted in at creation: more than the machine's memory is
+    refused up front (ENOMEM naming the tensor and its size) before any page is touched."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")
+    rows = 2 * memory // (1 << 20) + 1
+    with shared.Group(rank=0, world_size=1, store=torch.distributed.HashStore(), timeout=5) as g:
+        with pytest.raises(OSError) as refused:
+            g.create_tensor((rows, 1 << 18), torch.float32, name="too-big")
+        assert refused.value.errno == errno.ENOMEM
+        assert str(rows * (1 << 20)) in str(refused.value)
+        with pytest.raises(ValueError, match="too large"):
+            g.create_tensor((4, 1 << 63), torch.float32, name="past-int64")
+        small = g.create_tensor((4, 2), torch.float32, name="fits")  # the group still works
+        assert torch.equal(small.gather([0, 3]), torch.zeros(2, 2))
