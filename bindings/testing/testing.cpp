@@ -101,6 +101,11 @@ PYBIND11_MODULE(_testing, m) {
       "From now on, a file at `path` is truncated to half its size just after tensortier takes "
       "its size, before reading it (a file that shrinks meanwhile); '' stops it.");
   m.def(
+      "set_device_slab_bytes", [](uint64_t bytes) { FaultHooks::Get().SetDeviceSlabBytes(bytes); },
+      py::arg("bytes"),
+      "From now on, a shared tensor's device rows move to and from files through page-locked "
+      "slabs of `bytes` (0: the library's own size).");
+  m.def(
       "faults_injected",
       [](const FileSystem& fs) -> uint64_t { return fs.faults() ? fs.faults()->hits() : 0; },
       py::arg("fs"), "How many calls a _core.FileSystem's fault plan failed or delayed so far.");

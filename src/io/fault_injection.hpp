@@ -97,10 +97,17 @@ class FaultHooks final : public TestHooks {
   // Once the size of `path` is taken, the file is truncated to half that ("": none).
   void ShrinkAfterSize(std::string path);
   void FileSizeTaken(const std::string& path) noexcept override;
+  // Device-row slabs of `bytes` from now on (0: the library's own size).
+  void SetDeviceSlabBytes(uint64_t bytes) noexcept { device_slab_bytes_.store(bytes); }
+  uint64_t DeviceSlabBytes(uint64_t normal) noexcept override {
+    const uint64_t bytes = device_slab_bytes_.load();
+    return bytes != 0 ? bytes : normal;
+  }
 
  private:
   std::optional<FaultPlan> Armed();
   std::atomic<uint64_t> submit_fault_{0};  // accepted << 32 | error, 0 when none
+  std::atomic<uint64_t> device_slab_bytes_{0};
   std::mutex mu_;
   std::optional<FaultPlan> armed_;  // guarded by mu_
   std::string shrink_path_;         // guarded by mu_

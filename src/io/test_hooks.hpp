@@ -5,6 +5,7 @@
 // not installed.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -31,6 +32,9 @@ class TestHooks {
   virtual std::shared_ptr<FileStepFaults> FileFaults() { return nullptr; }
   // `path`'s size was just taken, before its bytes are read (a test may change the file here).
   virtual void FileSizeTaken(const std::string& /*path*/) noexcept {}
+  // The bytes of the page-locked slab through which a shared tensor's device rows move to and from
+  // files, given the library's own `normal` (a test makes it small to cross many slabs).
+  virtual uint64_t DeviceSlabBytes(uint64_t normal) noexcept { return normal; }
 };
 
 // Installs `hooks` (null: none) for the whole process; the caller keeps it alive while it is

@@ -8,6 +8,7 @@
 #include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/io/test_hooks.hpp"
 #include "tensortier/shared/shared_checkpoint.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
@@ -146,6 +147,12 @@ std::string_view TorchDtypeName(const SharedTensorSpec& spec) {
   return dtype;
 }
 
+// kDeviceSlabBytes, or what a test installed (the test seam).
+uint64_t DeviceSlabBytes() {
+  TestHooks* hooks = InstalledTestHooks();
+  return std::max<uint64_t>(1, hooks ? hooks->DeviceSlabBytes(kDeviceSlabBytes) : kDeviceSlabBytes);
+}
+
 }  // namespace
 
 std::optional<IoStats> ReadPartitionRows(const std::vector<RowSource>& sources,
@@ -159,7 +166,7 @@ std::optional<IoStats> ReadPartitionRows(const std::vector<RowSource>& sources,
   }
   const uint64_t row_bytes = std::max<uint64_t>(1, spec.row_bytes());
   const uint64_t slab_rows =
-      std::max<uint64_t>(1, std::min(part.rows, kDeviceSlabBytes / row_bytes));
+      std::max<uint64_t>(1, std::min(part.rows, DeviceSlabBytes() / row_bytes));
   PrimaryContext context(CudaDriver::Get(), device);
   PinnedHostMemory slab(context, slab_rows * row_bytes);
   Stream stream(context);
@@ -186,7 +193,7 @@ std::vector<std::string> WritePartitionRows(const std::string& prefix, int world
     return WriteRowFile(prefix, part.rank, world, part.address, part.bytes);
   }
   // Through a bounded pinned slab, as reads: a rank's part never needs a host copy of its size.
-  const uint64_t slab_bytes = std::min(part.bytes, kDeviceSlabBytes);
+  const uint64_t slab_bytes = std::min(part.bytes, DeviceSlabBytes());
   PrimaryContext context(CudaDriver::Get(), device);
   PinnedHostMemory slab(context, slab_bytes);
   Stream stream(context);

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from faults import require_faults
+
 FAKE_SOURCE = Path(__file__).resolve().parents[2] / "tests/cpp/fake_cuda/fake_libcuda.cpp"
 
 
@@ -234,10 +236,14 @@ def test_device_shared_tensor_writes_are_seen_by_every_rank(
 
 def test_device_shared_tensor_rows_go_to_and_from_files(fake_driver: Path, tmp_path: Path) -> None:
     """load_files and store_files of device memory move each rank's rows between its files and
-    its GPU through page-locked memory, in C++: no CUDA in torch is needed."""
+    its GPU through page-locked memory, in C++: no CUDA in torch is needed. The slab is made
+    small (the test seam): several per rank, the last one short."""
+    require_faults()
     run_ranks_with_fake(
         fake_driver,
         """
+        from tensortier import _testing
+        _testing.set_device_slab_bytes(4096)
         rows, cols = 3001, 5                   # unequal partitions
         full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
         path = os.environ["STORE_PATH"] + ".rows"
@@ -245,12 +251,16 @@ def test_device_shared_tensor_rows_go_to_and_from_files(fake_driver: Path, tmp_p
             full.numpy().tofile(path)
         group.barrier()
         t = group.create_tensor((rows, cols), torch.float32, device="cuda", layout="chunked")
+        copies_in = fake.fakecuda_calls(b"cuMemcpyHtoDAsync_v2")
         t.load_files(path)
         _, begin, n, nbytes, address = t._core.partitions[rank]
+        assert fake.fakecuda_calls(b"cuMemcpyHtoDAsync_v2") - copies_in >= nbytes // 4096
         back = torch.empty((n, cols), dtype=torch.float32)
         from_device(back, address)
         assert torch.equal(back, full[begin:begin + n]), rank
+        copies_out = fake.fakecuda_calls(b"cuMemcpyDtoHAsync_v2")
         names = t.store_files(path + ".out")
+        assert fake.fakecuda_calls(b"cuMemcpyDtoHAsync_v2") - copies_out >= nbytes // 4096
         stored = b"".join(open(name, "rb").read() for name in names)
         assert torch.equal(torch.frombuffer(bytearray(stored), dtype=torch.float32), full.view(-1))
         group.barrier()

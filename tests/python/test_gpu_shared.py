@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from faults import require_faults
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda)"),
@@ -95,10 +97,13 @@ def test_device_memory_shared_by_two_processes(tmp_path: Path, layout: str) -> N
 
 def test_device_rows_go_to_and_from_files_through_a_bounded_host_slab(tmp_path: Path) -> None:
     """store_files and load_files of device rows move them a few rows at a time through one
-    pinned host slab (made small here: several slabs per rank, the last one short)."""
+    pinned host slab (made small here through the test seam: several slabs per rank, the last
+    one short)."""
+    require_faults()
     run_ranks(
         f"""
-        shared._DEVICE_SLAB_BYTES = 4096
+        from tensortier import _testing
+        _testing.set_device_slab_bytes(4096)
         rows, cols = 1001, 7
         want = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols).cuda()
         t = group.create_tensor((rows, cols), torch.float32, device="cuda")

@@ -348,8 +348,8 @@ void fakecuda_fail_next(const char* call, int result) {
   D().fail_next[call] = static_cast<CUresult>(result);
 }
 
-// How many times `call` was made in this process (counted: host registration and the
-// virtual memory management calls).
+// How many times `call` was made in this process (counted: host registration, the virtual
+// memory management calls and the asynchronous copies between host and device).
 int fakecuda_calls(const char* call) {
   std::lock_guard lock(D().mu);
   auto it = D().calls.find(call);
@@ -606,6 +606,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, vo
   op.device = dst;
   op.device_bytes = bytes;
   std::unique_lock lock(D().mu);
+  ++D().calls["cuMemcpyHtoDAsync_v2"];
   uintptr_t base = 0;
   DeviceAllocation* a = FindDevice(dst, bytes, &base);
   Stream* s = Resolve(stream);
@@ -637,6 +638,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, void* st
   bool registered = false;
   {
     std::lock_guard lock(D().mu);
+    ++D().calls["cuMemcpyDtoHAsync_v2"];
     uintptr_t base = 0;
     DeviceAllocation* a = FindDevice(src, bytes, &base);
     if (a == nullptr || (dst == nullptr && bytes > 0)) return kInvalidValue;
