@@ -39,8 +39,10 @@
 # ctest.xml, pytest.xml and the benchmarks' JSON.
 #
 # Usage: scripts/gpu-test.sh [all|build|test|test-cpp|test-py|bench|bench-checkpoint] [--out DIR]
-#                            [--sizes 1G,8G] [--repeats N] [--quick] [--budget SECONDS]
+#                            [--sizes 1G,8G] [--repeats N] [--quick] [--gpu-only] [--budget SECONDS]
 #   --quick: pytest without the `slow` tests; bench at 1 GiB only (unless --sizes is given).
+#   --gpu-only: pytest runs only the tests that exercise CUDA (tests/python/conftest.py says
+#             which), for a lease too short for the whole suite.
 #   --repeats: bench repeats per method (default 3, and 2 over 2 GiB).
 #   --budget: the whole call ends within this many seconds (default 570, for a 600 s limit):
 #             each step gets min(STEP_TIMEOUT, what is left); a step with under 30 s left does
@@ -65,6 +67,7 @@ OUTDIR="${OUT:-$ROOT/build/gpu-results}"
 SIZES=""
 REPEATS=""
 QUICK=0
+GPU_ONLY=0
 BUDGET=570
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -73,6 +76,7 @@ while [ $# -gt 0 ]; do
     --sizes) SIZES=$2; shift ;;
     --repeats) REPEATS=$2; shift ;;
     --quick) QUICK=1 ;;
+    --gpu-only) GPU_ONLY=1 ;;
     --budget) BUDGET=$2; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu-test: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -93,7 +97,7 @@ SKIP=77  # a step's exit status meaning "could not run here", reported as SKIP
 echo "== gpu-test $phase $(date -Is)" >> "$SUMMARY"
 status=0
 # The steps run in a child bash under `timeout`: it needs these.
-export ROOT OUTDIR PY JOBS BUILD VENV BENCH_DIR SIZES REPEATS QUICK SKIP
+export ROOT OUTDIR PY JOBS BUILD VENV BENCH_DIR SIZES REPEATS QUICK GPU_ONLY SKIP
 # cuFile writes its log into the working directory (the checkout) unless told where.
 export CUFILE_LOGFILE_PATH="${CUFILE_LOGFILE_PATH:-$BUILD/cufile.log}"
 
@@ -315,6 +319,7 @@ py_tests() {
     return "$SKIP"
   done
   [ "$QUICK" = 1 ] && marks=(-m "not slow")
+  [ "$GPU_ONLY" = 1 ] && export TENSORTIER_GPU_TESTS_ONLY=1
   # A hung test shows in the log: each test's name (-v), every thread's stack after 240 s, and
   # (where pytest-timeout is installed) that test failed after 300 s instead of the whole step.
   "$VENV/bin/python" -c "import pytest_timeout" 2>/dev/null && marks+=(--timeout=300)

@@ -30,6 +30,26 @@ def require_backend(name: str) -> None:
         pytest.skip(f"{name} does not run here: {e}")
 
 
+def _uses_gpu(item: pytest.Item) -> bool:
+    """Whether a test exercises CUDA: a test_gpu_* module, a skip for want of CUDA, or CUDA in
+    its name or parameters."""
+    if Path(str(item.fspath)).name.startswith("test_gpu_"):
+        return True
+    if any("cuda" in str(m.kwargs.get("reason", "")).lower() for m in item.iter_markers("skipif")):
+        return True
+    return any(word in item.nodeid.lower() for word in ("cuda", "gpu"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """TENSORTIER_GPU_TESTS_ONLY=1 (scripts/gpu-test.sh --gpu-only) keeps only the tests that
+    exercise CUDA, so that a short lease of a GPU machine runs what only it can run."""
+    if not os.environ.get("TENSORTIER_GPU_TESTS_ONLY"):
+        return
+    keep = [item for item in items if _uses_gpu(item)]
+    config.hook.pytest_deselected(items=[item for item in items if not _uses_gpu(item)])
+    items[:] = keep
+
+
 @pytest.fixture
 def disk_dir() -> Iterator[Path]:
     """A temporary directory on the repository's filesystem (a real disk, O_DIRECT capable)."""
