@@ -24,6 +24,8 @@
 namespace py = pybind11;
 using namespace tensortier;
 
+void RegisterOffloadEntries(py::module_& m);  // bindings/offload_entries.cpp
+
 namespace {
 
 OffloadKind ParseOffloadKind(const std::string& kind) {
@@ -237,4 +239,5 @@ void RegisterOffload(py::module_& m) {
   m.def(
       "remove_stale_offload_files", [](const FsPath& dir) { return RemoveStaleOffloadFiles(dir); },
       py::arg("dir"), py::call_guard<py::gil_scoped_release>());
+  RegisterOffloadEntries(m);
 }
