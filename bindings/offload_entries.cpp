@@ -12,8 +12,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <deque>
+#include <map>
 #include <optional>
 #include <set>
 #include <stdexcept>
@@ -39,6 +39,69 @@ constexpr EnumName<State> kStateNames[] = {
 enum Part { kTensor = 0, kStorage = 1 };
 
 uintptr_t Id(const py::handle& obj) { return reinterpret_cast<uintptr_t>(obj.ptr()); }
+
+// The facts of a tensor that DiskOffloader checks.
+struct TensorFacts {
+  py::object shape;  // a tuple of ints
+  uint64_t nbytes;
+  uint64_t storage_nbytes;
+  uint64_t storage_offset;
+  bool resizable;
+};
+
+TensorFacts FactsOf(const py::handle& tensor) {
+  const py::object storage = tensor.attr("untyped_storage")();
+  return {py::tuple(tensor.attr("shape")), tensor.attr("nbytes").cast<uint64_t>(),
+          storage.attr("nbytes")().cast<uint64_t>(),
+          tensor.attr("storage_offset")().cast<uint64_t>(),
+          storage.attr("resizable")().cast<bool>()};
+}
+
+// A write frees the tensor's memory by resizing its storage: the tensor must own all of it.
+void CheckOffloadWrite(const TensorFacts& t, uintptr_t data_ptr) {
+  if (t.nbytes > 0 && t.storage_nbytes == 0) {
+    throw py::value_error(
+        "tensor has no memory (it is offloaded by another DiskOffloader, or its storage was "
+        "freed)");
+  }
+  if (t.nbytes > 0 && data_ptr == 0) {
+    throw py::value_error(
+        "tensor has no memory of its own to write (a functional or wrapper tensor?)");
+  }
+  if (t.storage_offset != 0 || t.storage_nbytes != t.nbytes) {
+    throw py::value_error(StrCat(
+        "tensor of shape ", ReprOf(t.shape), " is a view into a storage of ", t.storage_nbytes,
+        " bytes; offloading frees the whole storage, so only a tensor that owns its storage can "
+        "be offloaded (use .clone())"));
+  }
+  if (t.nbytes > 0 && !t.resizable) {
+    throw py::value_error(
+        "tensor's storage cannot be resized (it wraps foreign memory, e.g. from numpy or "
+        "torch.frombuffer); offloading frees memory by resizing it: use .clone()");
+  }
+}
+
+// A read fills `nbytes` at the start of the tensor's storage, resized to that: the tensor must
+// still cover a storage of its own of 0 (offloaded) or `nbytes` bytes. Its memory may have been
+// replaced while offloaded (`x.data = ...`, set_, resize_); into a part of a larger storage, the
+// read would write past the tensor (other tensors' memory) or shrink that storage under the
+// tensors using it.
+void CheckOffloadReadTarget(const TensorFacts& t, uint64_t nbytes) {
+  if (t.storage_offset != 0 || t.nbytes != nbytes ||
+      (t.storage_nbytes != 0 && t.storage_nbytes != nbytes)) {
+    throw py::value_error(StrCat(
+        "tensor's memory was replaced while it was offloaded (now ", t.nbytes, " bytes at offset ",
+        t.storage_offset, " of a storage of ", t.storage_nbytes, "): its ", nbytes,
+        " bytes can be read back only into a storage of its own of that size; give it "
+        "one (x.data = torch.empty_like(x)) and read again"));
+  }
+  if (nbytes > 0 && !t.resizable) {
+    throw py::value_error(
+        "tensor's memory was replaced while it was offloaded by memory that cannot be resized "
+        "(numpy or foreign memory); give it a torch storage of its own (x.data = "
+        "torch.empty_like(x)) and read again");
+  }
+}
 
 class OffloadEntries {
  public:
@@ -71,7 +134,6 @@ class OffloadEntries {
   std::string StateOf(uint64_t key) const {
     return std::string(NameOf(kStateNames, At(key).state));
   }
-  uint64_t NbytesOf(uint64_t key) const { return At(key).nbytes; }
   // Whether `tensor` is the tensor `key` was written from (not another of its storage).
   bool Holds(uint64_t key, const py::handle& tensor) const {
     return Watches(At(key), kTensor, tensor);
@@ -95,6 +157,9 @@ class OffloadEntries {
         throw py::value_error(At(*key).state == State::kStored ? "tensor is already offloaded"
                                                                : "tensor is already being written");
       }
+    }
+    for (const py::handle t : tensors) {
+      CheckOffloadWrite(FactsOf(t), t.attr("data_ptr")().cast<uintptr_t>());
     }
     return superseded;
   }
@@ -151,6 +216,9 @@ class OffloadEntries {
     }
     for (const uint64_t key : keys) {
       if (At(key).state == State::kReading) throw py::value_error("tensor is already being read");
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      CheckOffloadReadTarget(FactsOf(tensors[i]), At(keys[i]).nbytes);
     }
     return keys;
   }
@@ -559,19 +627,19 @@ void RegisterOffloadEntries(py::module_& m) {
            "The key `tensor` stands for (the tensor written, or a tensor covering its whole "
            "storage), or None.")
       .def("state", &OffloadEntries::StateOf, py::arg("key"), "'writing', 'stored' or 'reading'.")
-      .def("nbytes", &OffloadEntries::NbytesOf, py::arg("key"))
       .def("holds", &OffloadEntries::Holds, py::arg("key"), py::arg("tensor"),
            "Whether `tensor` is the tensor the key was written from.")
       .def("check_write", &OffloadEntries::CheckWrite, py::arg("tensors"), py::arg("supersede"),
            "The keys a write supersedes; None while one tensor is being read; TypeError or "
-           "ValueError when one is not a contiguous CPU or CUDA tensor, is given twice or is "
-           "offloaded.")
+           "ValueError when one is not a contiguous CPU or CUDA tensor owning all of its "
+           "storage, is given twice or is offloaded.")
       .def("new_keys", &OffloadEntries::NewKeys, py::arg("n"))
       .def("add", &OffloadEntries::Add, py::arg("keys"), py::arg("tensors"), py::arg("callback"),
            py::arg("superseded"), "Records writes started (the callback after the last one).")
       .def("read_keys", &OffloadEntries::ReadKeys, py::arg("tensors"), py::arg("settled"),
            "The keys to read the tensors back from; None while one is being written and not "
-           "`settled`; TypeError or ValueError when one cannot be read.")
+           "`settled`; TypeError or ValueError when one cannot be read (back into a storage of "
+           "its own of its size).")
       .def("reading", &OffloadEntries::Reading, py::arg("keys"), py::arg("tensors"),
            py::arg("callback"), "Records reads started (the callback after the last one).")
       .def("unwatch_storage", &OffloadEntries::UnwatchStorage, py::arg("key"))

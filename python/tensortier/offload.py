@@ -316,8 +316,6 @@ class DiskOffloader:
             if superseded is None:  # a tensor being read: its read first
                 self._settle("read")
                 superseded = self._entries.check_write(tensors, supersede)
-            for t in tensors:
-                _core.check_offload_tensor("write", *_facts(t), t.data_ptr())
             keys = self._entries.new_keys(len(tensors))
             device = self._route(tensors)
             spans = [_span(t) if d else None for t, d in zip(tensors, device)]  # CudaError
@@ -337,8 +335,6 @@ class DiskOffloader:
             if keys is None:  # a tensor being written: its write first
                 self._settle("write")
                 keys = self._entries.read_keys(tensors, True)
-            for t, k in zip(tensors, keys):
-                _core.check_offload_tensor("read", *_facts(t), self._entries.nbytes(k))
             device = self._route(tensors)
             spans: list[Any] = []
             try:
@@ -443,12 +439,6 @@ def _resize(storage: Any, nbytes: int = 0) -> None:
     """Resized only if its size differs: a zero-size tensor's storage may not be resizable."""
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
-
-
-def _facts(tensor: Any) -> tuple[tuple[int, ...], int, int, int, bool]:
-    storage = tensor.untyped_storage()
-    return (tuple(tensor.shape), tensor.numel() * tensor.element_size(), storage.nbytes(),
-            tensor.storage_offset(), storage.resizable())
 
 
 def _host_pieces(keys: list[int], tensors: list[Any], device: list[bool]) -> list[Any]:
