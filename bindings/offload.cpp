@@ -24,6 +24,8 @@
 namespace py = pybind11;
 using namespace tensortier;
 
+void RegisterOffloadEntries(py::module_& m);  // bindings/offload_entries.cpp
+
 namespace {
 
 OffloadKind ParseOffloadKind(const std::string& kind) {
@@ -73,66 +75,6 @@ uint64_t StripeThresholdArgument(const py::object& value) {
         StrCat("stripe_threshold must be a positive integer (bytes), not ", ReprOf(value)));
   }
   return bytes;
-}
-
-// The facts of a tensor that DiskOffloader checks, as Python gives them.
-struct TensorFacts {
-  py::handle shape;  // a tuple of ints
-  uint64_t nbytes;
-  uint64_t storage_nbytes;
-  uint64_t storage_offset;
-  bool resizable;
-};
-
-TensorFacts Facts(const py::tuple& shape, uint64_t nbytes, uint64_t storage_nbytes,
-                  uint64_t storage_offset, bool resizable) {
-  return {shape, nbytes, storage_nbytes, storage_offset, resizable};
-}
-
-// A write frees the tensor's memory by resizing its storage: the tensor must own all of it.
-void CheckOffloadWrite(const TensorFacts& t, uintptr_t data_ptr) {
-  if (t.nbytes > 0 && t.storage_nbytes == 0) {
-    throw py::value_error(
-        "tensor has no memory (it is offloaded by another DiskOffloader, or its storage was "
-        "freed)");
-  }
-  if (t.nbytes > 0 && data_ptr == 0) {
-    throw py::value_error(
-        "tensor has no memory of its own to write (a functional or wrapper tensor?)");
-  }
-  if (t.storage_offset != 0 || t.storage_nbytes != t.nbytes) {
-    throw py::value_error(StrCat(
-        "tensor of shape ", ReprOf(t.shape), " is a view into a storage of ", t.storage_nbytes,
-        " bytes; offloading frees the whole storage, so only a tensor that owns its storage can "
-        "be offloaded (use .clone())"));
-  }
-  if (t.nbytes > 0 && !t.resizable) {
-    throw py::value_error(
-        "tensor's storage cannot be resized (it wraps foreign memory, e.g. from numpy or "
-        "torch.frombuffer); offloading frees memory by resizing it: use .clone()");
-  }
-}
-
-// A read fills `nbytes` at the start of the tensor's storage, resized to that: the tensor must
-// still cover a storage of its own of 0 (offloaded) or `nbytes` bytes. Its memory may have been
-// replaced while offloaded (`x.data = ...`, set_, resize_); into a part of a larger storage, the
-// read would write past the tensor (other tensors' memory) or shrink that storage under the
-// tensors using it.
-void CheckOffloadReadTarget(const TensorFacts& t, uint64_t nbytes) {
-  if (t.storage_offset != 0 || t.nbytes != nbytes ||
-      (t.storage_nbytes != 0 && t.storage_nbytes != nbytes)) {
-    throw py::value_error(StrCat(
-        "tensor's memory was replaced while it was offloaded (now ", t.nbytes, " bytes at offset ",
-        t.storage_offset, " of a storage of ", t.storage_nbytes, "): its ", nbytes,
-        " bytes can be read back only into a storage of its own of that size; give it "
-        "one (x.data = torch.empty_like(x)) and read again"));
-  }
-  if (nbytes > 0 && !t.resizable) {
-    throw py::value_error(
-        "tensor's memory was replaced while it was offloaded by memory that cannot be resized "
-        "(numpy or foreign memory); give it a torch storage of its own (x.data = "
-        "torch.empty_like(x)) and read again");
-  }
 }
 
 }  // namespace
@@ -222,19 +164,7 @@ void RegisterOffload(py::module_& m) {
       },
       py::arg("engine_name"), "TensorNVMe's name of an engine backend ('io_uring' -> 'uring').");
   m.def(
-      "check_offload_tensor",
-      [](const std::string& op, const py::tuple& shape, uint64_t nbytes, uint64_t storage_nbytes,
-         uint64_t storage_offset, bool resizable, uint64_t value) {
-        const TensorFacts facts = Facts(shape, nbytes, storage_nbytes, storage_offset, resizable);
-        if (ParseOffloadKind(op) == OffloadKind::kWrite) return CheckOffloadWrite(facts, value);
-        CheckOffloadReadTarget(facts, value);
-      },
-      py::arg("op"), py::arg("shape"), py::arg("nbytes"), py::arg("storage_nbytes"),
-      py::arg("storage_offset"), py::arg("resizable"), py::arg("value"),
-      "ValueError unless a tensor so described can be written ('write'; `value`: its data_ptr: "
-      "it owns all of its storage, which a write can free by resizing it) or take back the "
-      "`value` bytes of its offloaded data into a storage of its own ('read').");
-  m.def(
       "remove_stale_offload_files", [](const FsPath& dir) { return RemoveStaleOffloadFiles(dir); },
       py::arg("dir"), py::call_guard<py::gil_scoped_release>());
+  RegisterOffloadEntries(m);
 }

@@ -74,17 +74,6 @@ def _from_buffer(obj: Any, writable: bool) -> HostBuffer | None:
     return None if memory is None else HostBuffer(*memory)
 
 
-def _from_dlpack(obj: Any, writable: bool) -> HostBuffer:
-    try:
-        import torch
-
-        return _from_tensor(torch.from_dlpack(obj), writable)
-    except ImportError:
-        import numpy
-
-        return _from_buffer(numpy.from_dlpack(obj), writable)  # type: ignore[return-value]
-
-
 def host_buffer(obj: Any, *, writable: bool) -> HostBuffer:
     """Resolve `obj` to a host memory range.
 
@@ -103,7 +92,14 @@ def host_buffer(obj: Any, *, writable: bool) -> HostBuffer:
     if memory is not None:
         return memory
     if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(obj, writable)
+        try:
+            import torch
+
+            return _from_tensor(torch.from_dlpack(obj), writable)
+        except ImportError:
+            import numpy
+
+            return _from_buffer(numpy.from_dlpack(obj), writable)  # type: ignore[return-value]
     raise TypeError(
         f"{type(obj).__name__} is not a tensor, a buffer (bytes, bytearray, numpy array...) "
         "or a DLPack array"

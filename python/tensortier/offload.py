@@ -4,9 +4,8 @@ The guide is docs/offload.md (GPU tensors: docs/gpu.md)."""
 from __future__ import annotations
 
 import atexit
-import collections
 import errno
-import itertools
+import functools
 import os
 import threading
 import warnings
@@ -15,12 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from . import _core
-from ._notes import add_note
-from ._offloaded import (
-    _check_callback, _check_distinct, _check_tensor, _Entry, _facts, _host_pieces,
-    _require_preserved_storages, _resize, _run_callbacks, _span,
-)
 from ._paths import fspath, PathArg
+from .device import device_buffer, DeviceBuffer
 
 __all__ = ["DiskOffloader", "OffloadedDataLostWarning"]
 
@@ -107,15 +102,7 @@ class DiskOffloader:
         rings = None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, len(dirs))
         self._device = _core.OffloadDevice(self._core, gds, rings, _device_copier)
         self._lock = threading.RLock()
-        # Errors of operations of one kind that a call of the other kind waited for (a read of
-        # a tensor being written), and of their callbacks: raised by the next wait of the kind.
-        self._undelivered: dict[str, tuple[list[BaseException], list[BaseException]]] = {
-            "write": ([], []), "read": ([], [])}
-        self._forgotten: collections.deque[tuple[int, str, int]] = collections.deque()
-        self._by_id: dict[int, _Entry] = {}  # by id() of the tensor given
-        self._by_storage: dict[int, _Entry] = {}  # by id() of its storage
-        self._by_key: dict[int, _Entry] = {}
-        self._keys = itertools.count(1)
+        self._entries = _core.OffloadEntries(self._core, weakref.WeakMethod(self._forget))
         _live.add(self)
 
     # ---- TensorNVMe's API -----------------------------------------------------------------
@@ -199,7 +186,7 @@ class DiskOffloader:
     def stored_bytes(self) -> int:
         """Bytes of tensor data parked on disk."""
         with self._lock:
-            self._drain_forgotten()
+            self._entries.drain()
             return int(self._open().stored_bytes)
 
     @property
@@ -221,7 +208,7 @@ class DiskOffloader:
         The offloader does it by itself in the background once idle for a second; truncating is
         slow on some filesystems, and space freed by reads is often needed by the next writes."""
         with self._lock:
-            self._drain_forgotten()
+            self._entries.drain()
             self._open().trim()
 
     def is_offloaded(self, tensor: Any) -> bool:
@@ -231,8 +218,8 @@ class DiskOffloader:
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             return False
         with self._lock:
-            entry = self._lookup(tensor)
-            return entry is not None and entry.state != "writing"
+            key = self._entries.find(tensor)
+            return key is not None and self._entries.state(key) != "writing"
 
     def close(self) -> None:
         """Waits for operations in flight (their callbacks do not run, their errors are not
@@ -246,7 +233,6 @@ class DiskOffloader:
             # A fork's child: no lock (a parent's thread may have held it), no wait, no file
             # removed (the C++ offloader leaves them in another process).
             self._device.forget()
-            self._undelivered = {"write": ([], []), "read": ([], [])}
             self._let_go()
             return
         with self._lock:
@@ -254,10 +240,8 @@ class DiskOffloader:
                 return
             failed = 0
             for kind in ("write", "read"):
-                errors = self._collect(kind, cancel_writes=True)[0]
-                failed += len(errors) + len(self._undelivered[kind][0])
-                self._undelivered[kind] = ([], [])
-            lost = sum(1 for e in self._by_key.values() if e.state == "stored")
+                failed += len(self._collect(kind, cancel_writes=True)[0]) + self._entries.held(kind)
+            lost = self._entries.count("stored")
             self._let_go()
         failures = f"{failed} operation(s) not waited for had failed" if failed else ""
         if lost:
@@ -307,62 +291,17 @@ class DiskOffloader:
             return
         self._device.close()
         core.close()
-        for entry in self._by_key.values():
-            entry.detach()
-        self._by_id.clear()
-        self._by_storage.clear()
-        self._by_key.clear()
+        self._entries.clear()
 
-    def _lookup(self, tensor: Any) -> _Entry | None:
-        entry = self._by_id.get(id(tensor))
-        if entry is not None and entry.tensor_ref() is tensor:
-            return entry
-        storage = tensor.untyped_storage()
-        entry = self._by_storage.get(id(storage))
-        if entry is None or entry.storage_ref() is not storage:
-            return None
-        # Another tensor of the storage stands for it only if it covers all of it, as the
-        # tensor written did: a view of part of it would have the whole moved at its address.
-        if tensor.storage_offset() != 0 or tensor.numel() * tensor.element_size() != entry.nbytes:
-            return None
-        return entry
-
-    def _forget(self, key: int, part: str, gen: int) -> None:
-        # A finalizer, run by any thread's collection, maybe amid code holding the lock: never
-        # block or change the entries then; the next call that takes the lock drains the key.
-        self._forgotten.append((key, part, gen))
+    def _forget(self) -> None:
+        # Called after a death is queued, by any thread's collection, maybe amid code holding
+        # the lock: never block then; the next call that takes the lock drains it.
         if self._lock._is_owned() or not self._lock.acquire(blocking=False):  # type: ignore
             return
         try:
-            self._drain_forgotten()
+            self._entries.drain()
         finally:
             self._lock.release()
-
-    def _drain_forgotten(self) -> None:
-        while self._forgotten:
-            key, part, gen = self._forgotten.popleft()
-            entry = self._by_key.get(key)
-            if entry is None or (part == "storage" and gen != entry.storage_gen):
-                continue  # gone, or the death of a storage the entry has left since
-            entry.alive.discard(part)
-            self._unmap(entry, part)
-            if entry.alive:
-                continue  # the other can still read it back
-            self._remove(entry)
-            if self._core is not None and os.getpid() == self._pid:  # a fork's copy: not ours
-                self._core.discard(entry.key)
-
-    def _unmap(self, entry: _Entry, part: str) -> None:
-        by, ident = ((self._by_id, entry.tensor_id) if part == "tensor"
-                     else (self._by_storage, entry.storage_id))
-        if by.get(ident) is entry:
-            del by[ident]
-
-    def _remove(self, entry: _Entry) -> None:
-        self._by_key.pop(entry.key, None)
-        self._unmap(entry, "tensor")
-        self._unmap(entry, "storage")
-        entry.detach()
 
     def _write(self, tensors: list[Any], callback: Callable[[], None] | None,
                supersede: bool = False) -> list[int]:
@@ -371,134 +310,76 @@ class DiskOffloader:
         _check_callback(callback)
         with self._lock:
             core = self._open()
-            self._drain_forgotten()
+            self._entries.drain()
             _require_preserved_storages()
-            for t in tensors:
-                _check_tensor(t, "write")
-            _check_distinct(tensors)
-            if any((e := self._lookup(t)) is not None and e.state == "reading" for t in tensors):
+            superseded = self._entries.check_write(tensors, supersede)
+            if superseded is None:  # a tensor being read: its read first
                 self._settle("read")
-            superseded = []
-            for t in tensors:
-                entry = self._lookup(t)
-                if entry is not None and supersede and entry.state == "writing":
-                    superseded.append(entry)
-                elif entry is not None:
-                    raise ValueError(
-                        "tensor is already offloaded"
-                        if entry.state == "stored"
-                        else "tensor is already being written"
-                    )
-                _core.check_offload_tensor("write", *_facts(t), t.data_ptr())
-            entries = [_Entry(next(self._keys), t, t.numel() * t.element_size()) for t in tensors]
-            if entries:
-                entries[-1].callback = callback
+                superseded = self._entries.check_write(tensors, supersede)
+            keys = self._entries.new_keys(len(tensors))
             device = self._route(tensors)
             spans = [_span(t) if d else None for t, d in zip(tensors, device)]  # CudaError
-            host = _host_pieces(entries, tensors, device)
+            host = _host_pieces(keys, tensors, device)
             if host:
                 core.write(host)
-            self._submit("write", entries, spans)
-            for old in superseded:
-                old.superseded = True
-                old.detach()  # the later entry watches the tensor and its storage
-            for e, t in zip(entries, tensors):
-                storage = t.untyped_storage()
-                self._by_id[id(t)] = e
-                self._by_storage[id(storage)] = e
-                self._by_key[e.key] = e
-                e.watch(self, "tensor", t)
-                e.watch(self, "storage", storage)
-            return [e.key for e in entries] + [e.key for e in superseded]
+            self._submit("write", keys, spans)
+            self._entries.add(keys, tensors, callback, superseded)
+            return keys + superseded
 
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> list[int]:
         _check_callback(callback)
         with self._lock:
             core = self._open()
-            self._drain_forgotten()
-            for t in tensors:
-                _check_tensor(t, "read")
-            _check_distinct(tensors)
-            found = [self._lookup(t) for t in tensors]
-            if any(e is None for e in found):
-                raise ValueError(
-                    "tensor is not offloaded by this DiskOffloader (never written, or already "
-                    "read back)"
-                )
-            if any(e.state == "writing" for e in found):  # type: ignore[union-attr]
+            self._entries.drain()
+            keys = self._entries.read_keys(tensors, False)
+            if keys is None:  # a tensor being written: its write first
                 self._settle("write")
-                if any(self._lookup(t) is None for t in tensors):
-                    raise ValueError("tensor's write failed, so there is nothing to read")
-            entries: list[_Entry] = [self._lookup(t) for t in tensors]  # type: ignore[misc]
-            if len({id(e) for e in entries}) != len(entries):
-                raise ValueError(
-                    "two of these tensors stand for one offloaded tensor (the tensor written and "
-                    "another tensor of its storage): read it once"
-                )
-            if any(e.state == "reading" for e in entries):
-                raise ValueError("tensor is already being read")
-            for t, e in zip(tensors, entries):
-                _core.check_offload_tensor("read", *_facts(t), e.nbytes)
+                keys = self._entries.read_keys(tensors, True)
             device = self._route(tensors)
             spans: list[Any] = []
             try:
                 # The memory is allocated here, on the caller's thread and stream, while the
                 # data is still on disk: out of memory leaves it offloaded.
-                for e, t, d in zip(entries, tensors, device):
-                    if not d and self._pin and e.tensor_ref() is t:
-                        self._allocate_pinned(e, t)
+                for k, t, d in zip(keys, tensors, device):
+                    if not d and self._pin and self._entries.holds(k, t):
+                        self._allocate_pinned(k, t)
                     else:
-                        _resize(t.untyped_storage(), e.nbytes)
+                        _resize(t.untyped_storage(), t.nbytes)
                     spans.append(_span(t) if d else None)  # CudaError without a driver
-                host = _host_pieces(entries, tensors, device)
+                host = _host_pieces(keys, tensors, device)
                 if host:
                     core.read(host)
             except BaseException:
                 for t in tensors:
                     _resize(t.untyped_storage())
                 raise
-            for e, t in zip(entries, tensors):
-                e.state, e.tensor, e.storage, e.callback = "reading", t, t.untyped_storage(), None
-            if entries:
-                entries[-1].callback = callback
-            self._submit("read", entries, spans)
-            return [e.key for e in entries]
+            self._entries.reading(keys, tensors, callback)
+            self._submit("read", keys, spans)
+            return keys
 
-    def _submit(self, kind: str, entries: list[_Entry], spans: list[Any]) -> None:
-        for e, span in zip(entries, spans):
+    def _submit(self, kind: str, keys: list[int], spans: list[Any]) -> None:
+        for key, span in zip(keys, spans):
             if span is not None:  # `span` keeps the tensor and its stream
-                self._device.submit(kind, e.key, span.address, e.nbytes, span.device,
+                self._device.submit(kind, key, span.address, span.nbytes, span.device,
                                     span.stream, span)
 
-    def _allocate_pinned(self, entry: _Entry, tensor: Any) -> None:
+    def _allocate_pinned(self, key: int, tensor: Any) -> None:
         """A new pinned storage for `tensor` (the tensor written: another tensor of the storage
-        would take the data from it); `entry` watches it instead of the old one."""
+        would take the data from it), watched instead of the old one."""
         import torch
 
-        memory = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
-        # The old storage may die inside set_(): its finalizer goes first, so that its death
-        # is not taken for the new storage's.
-        old_storage = tensor.untyped_storage()
-        old = entry.finalizers.pop("storage", None)
-        if old is not None:
-            old.detach()
+        memory = torch.empty(tensor.nbytes, dtype=torch.uint8, pin_memory=True)
+        # The old storage may die inside set_(): its death is not the entry's.
+        self._entries.unwatch_storage(key)
         try:
             with torch.no_grad():
                 tensor.set_(memory.untyped_storage(), 0, tensor.shape, tensor.stride())
         except RuntimeError:
-            # torch refuses (an inference tensor outside inference mode): the storage stays
-            # and watched, and the read fills it in place, unpinned.
-            entry.watch(self, "storage", old_storage)
-            _resize(old_storage, entry.nbytes)
-            return
-        new = tensor.untyped_storage()
-        self._unmap(entry, "storage")
-        entry.storage_gen += 1  # deaths of the old storage queued meanwhile are not the new one's
-        entry.storage_id = id(new)
-        entry.storage_ref = weakref.ref(new)
-        entry.alive.add("storage")
-        self._by_storage[entry.storage_id] = entry
-        entry.watch(self, "storage", new)
+            # torch refuses (an inference tensor outside inference mode): the read fills the
+            # storage in place, unpinned.
+            _resize(tensor.untyped_storage(), tensor.nbytes)
+        finally:
+            self._entries.watch_storage(key, tensor.untyped_storage())
 
     def _route(self, tensors: list[Any]) -> list[bool]:
         """Per tensor, whether it takes the device path; makes its transfer before anything
@@ -512,38 +393,14 @@ class DiskOffloader:
         """Waits for the operations of `kind` (those moving `keys`), runs every callback, then
         raises the first I/O error (callbacks' errors as notes), else the first callback's. An
         interrupt from a callback is raised after the others ran, the I/O errors kept."""
-        errors, callbacks = self._collect(kind, keys=keys)
-        with self._lock:
-            if keys is None:
-                held_errors, held_callback_errors = self._undelivered[kind]
-                self._undelivered[kind] = ([], [])
-            else:
-                held_errors, held_callback_errors = [], []
-        errors = held_errors + errors
-        callback_errors, interrupt = _run_callbacks(callbacks)
-        callback_errors[:0] = held_callback_errors
-        if interrupt is not None:
-            with self._lock:
-                self._undelivered[kind][0][:0] = errors
-            raise interrupt
-        if errors:
-            first = errors[0]
-            if len(errors) > 1:
-                add_note(first, f"{len(errors) - 1} other offload {kind}(s) also failed")
-            for e in callback_errors:
-                add_note(first, f"and a callback raised {e!r}")
-            raise first
-        if callback_errors:
-            raise callback_errors[0]
+        error = self._entries.deliver(kind, *self._collect(kind, keys=keys), keys is None)
+        if error is not None:
+            raise error
 
     def _settle(self, kind: str) -> None:
         """A wait for a call of the other kind; the errors are kept for the next wait of `kind`:
         other tensors' failures are not this call's."""
-        errors, callbacks = self._collect(kind)
-        held_errors, held_callback_errors = self._undelivered[kind]
-        held_errors.extend(errors)  # kept before any callback runs: an interrupt loses none
-        callback_errors, interrupt = _run_callbacks(callbacks)
-        held_callback_errors.extend(e for e in callback_errors if e is not interrupt)
+        interrupt = self._entries.hold(kind, *self._collect(kind))
         if interrupt is not None:
             raise interrupt
 
@@ -556,49 +413,43 @@ class DiskOffloader:
             if self._core is None:
                 return [], []
             self._open()  # a child made by fork(): raises (the operations are the parent's)
-            self._drain_forgotten()
-            # Everything is waited for before any outcome is taken: an interrupt (Ctrl-C) while
-            # waiting leaves them all to the next wait.
-            outcomes = self._device.wait(kind, None if keys is None else sorted(set(keys)))
-            errors = []
-            callbacks = []
-            for key, error in outcomes:
-                if error is not None:
-                    errors.append(error)  # never dropped, whatever became of the entry
-                entry = self._by_key.get(key)
-                if entry is None:
-                    continue
-                tensor, entry.tensor = entry.tensor, None
-                storage, entry.storage = entry.storage, None
-                callback, entry.callback = entry.callback, None
-                if entry.superseded:
-                    # The later write holds the tensor (and frees its memory once done: it is
-                    # waited for with this one); this copy is not the one to read back.
-                    self._remove(entry)
-                    if error is None:
-                        self._core.discard(key)
-                elif error is not None and kind == "read":  # still on disk: offloaded again
-                    _resize(storage)
-                    entry.state = "stored"
-                    continue
-                elif error is not None or cancel_writes:
-                    # A failed write stored nothing; closing removes the files, so the memory
-                    # keeps the only copy of the data. The tensor is as it was.
-                    self._remove(entry)
-                    continue
-                elif kind == "write":
-                    _resize(storage)  # the memory written, whatever the tensor holds now
-                    entry.state = "stored"
-                else:
-                    self._remove(entry)
-                if callback is not None and not cancel_writes:
-                    callbacks.append(callback)
-            # Tensors whose last reference this wait held died here, under the lock: their
-            # finalizers left their keys for now.
-            del outcomes
-            tensor = storage = None
-            self._drain_forgotten()
-        return errors, callbacks
+            return self._entries.collect(self._device, kind, keys, cancel_writes)
+
+
+def _check_callback(callback: Any) -> None:
+    """Refused when given, not at the wait (with the memory freed, the error out of place)."""
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
+
+
+@functools.cache
+def _require_preserved_storages() -> None:
+    """Entries follow storages by identity: torch must keep one Python object per storage."""
+    import torch
+
+    probe = torch.empty(1)
+    if probe.untyped_storage() is not probe.untyped_storage():
+        raise RuntimeError(
+            f"torch {torch.__version__} makes a new Python object per untyped_storage() call; "
+            "DiskOffloader needs one per storage (newer PyTorch releases keep it): upgrade torch"
+        )
+
+
+def _resize(storage: Any, nbytes: int = 0) -> None:
+    """Resized only if its size differs: a zero-size tensor's storage may not be resizable."""
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _host_pieces(keys: list[int], tensors: list[Any], device: list[bool]) -> list[Any]:
+    return [(k, t.data_ptr(), t.nbytes) for k, t, d in zip(keys, tensors, device) if not d]
+
+
+def _span(tensor: Any) -> DeviceBuffer:
+    """For CPU tensors (the memcpy test copier): host memory and no stream."""
+    if tensor.device.type != "cuda":
+        return DeviceBuffer(int(tensor.data_ptr()), tensor.nbytes, 0, None, tensor)
+    return device_buffer(tensor, own_stream=True)
 
 
 _live: "weakref.WeakSet[DiskOffloader]" = weakref.WeakSet()

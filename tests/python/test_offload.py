@@ -414,11 +414,11 @@ def test_a_tensor_dying_while_another_thread_holds_the_lock_is_freed_later(
     y = torch.randn(1 << 16)
     off.sync_write(y)
     with off._lock:
-        entries = len(off._by_key)
+        entries = len(off._entries)
         del y
         gc.collect()
-        assert len(off._by_key) == entries and len(off._forgotten) == 2  # tensor, storage
-    assert off.stored_bytes == 0 and not off._by_key
+        assert len(off._entries) == entries and off._entries.forgotten == 2  # tensor, storage
+    assert off.stored_bytes == 0 and not off._entries
 
 
 def test_close_applies_outcomes_not_waited_for(
@@ -1233,7 +1233,7 @@ def test_a_pinned_read_torch_refuses_to_re_point_fills_the_storage_in_place(
         del kv
         gc.collect()
         off.synchronize()
-        assert off.stored_bytes == 0 and not off._by_key  # noqa: SLF001
+        assert off.stored_bytes == 0 and not off._entries  # noqa: SLF001
 
 
 def test_nested_tensors_are_refused(off: DiskOffloader) -> None:

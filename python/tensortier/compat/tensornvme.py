@@ -77,49 +77,33 @@ class DiskOffloader(_offload.DiskOffloader):
         anything moves: a tensor is read back by the kind of call that wrote it."""
         _offload._check_callback(callback)  # noqa: SLF001 - as pybind, before all else
         vector, write = what.endswith("v"), "write" in what
-        tensors = _tensors(what, given, vector)
-        for t in tensors:
-            if not t.is_contiguous():
-                raise RuntimeError("Tensor must be contiguous")
-            # TensorNVMe's writes: `assert tensor.storage().size() > 0`.
-            if write and t.untyped_storage().nbytes() == 0:
-                raise AssertionError(
-                    f"{what}: tensor has no memory to write (it is offloaded already, or has no "
-                    "elements)"
-                )
-        keys = (self._compat_write if write else self._compat_read)(what, tensors, vector,
-                                                                     callback)
-        if what.startswith("sync"):  # only its own tensors: async ones are left to their waits
-            self._wait("write" if write else "read", keys)
-
-    def _compat_write(self, what: str, tensors: list[Any], vector: bool,
-                      callback: Callable[[], None] | None) -> list[int]:
+        tensors = _core.tensornvme_tensors(what, given)
         with self._lock:
-            try:
-                keys = self._write(_one_per_storage(tensors), callback, supersede=True)
-            except ValueError as e:
-                raise WriteRefusedError(f"{what}: {e}") from e
-            self._groups.remember(tensors, vector)
-            return keys
-
-    def _compat_read(self, what: str, tensors: list[Any], vector: bool,
-                     callback: Callable[[], None] | None) -> list[int]:
-        with self._lock:
-            if (
+            if write:
+                try:
+                    keys = self._write(_core.tensornvme_moved(tensors), callback, supersede=True)
+                except ValueError as e:
+                    raise WriteRefusedError(f"{what}: {e}") from e
+                self._groups.remember(tensors, vector)
+            elif (
                 not self._groups.matches(tensors, vector)
                 # TensorNVMe takes a tensor's key when its read starts: a second read of it
                 # finds nothing, even while the first runs.
-                or any((e := self._lookup(t)) is None or e.state == "reading" for t in tensors)
+                or any((k := self._entries.find(t)) is None or self._entries.state(k) == "reading"
+                       for t in tensors)
             ):
                 raise RuntimeError(
                     "Read error, tensor not found"
                     + (" (read a vector with the tensors, in the order, of its write)"
                        if vector else "")
                 )
-            try:
-                return self._read(_one_per_storage(tensors), callback)
-            except ValueError as e:  # its memory was replaced: TensorNVMe's size check
-                raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
+            else:
+                try:
+                    keys = self._read(_core.tensornvme_moved(tensors), callback)
+                except ValueError as e:  # its memory was replaced: TensorNVMe's size check
+                    raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
+        if what.startswith("sync"):  # only its own tensors: async ones are left to their waits
+            self._wait("write" if write else "read", keys)
 
 
 @contextlib.contextmanager
@@ -135,51 +119,6 @@ def _starting(backend: str) -> Iterator[None]:
             e.errno, f"Backend {_core.tensornvme_backend_name(backend)!r} is not install "
             f"correctly: {e.strerror or e}"
         ) from e
-
-
-def _tensors(what: str, given: Any, vector: bool) -> list[Any]:
-    """The tensors of a call, checked as TensorNVMe's calls check them before anything moves."""
-    import torch
-
-    if not vector:
-        if not isinstance(given, torch.Tensor):
-            raise TypeError(f"{what}() takes a torch.Tensor, not {type(given).__name__}")
-        return [given]
-    if isinstance(given, torch.Tensor):
-        # TensorNVMe iterates what it is given: torch refuses to make the rows of an offloaded
-        # tensor (RuntimeError); the rows of one with memory reach its binding, which wants a
-        # list (TypeError). Iterating changes nothing.
-        list(given)
-        raise TypeError(
-            f"{what}(): incompatible function arguments: a list of tensors is expected, not a "
-            "tensor (wrap it: [tensor])"
-        )
-    tensors = list(given)
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what}() takes a list of torch.Tensor, not of {type(t).__name__}")
-    return tensors
-
-
-def _one_per_storage(tensors: list[Any]) -> list[Any]:
-    """The tensors whose storages a call moves. TensorNVMe moves each tensor's whole storage: a
-    tensor that covers all of an earlier one's storage (a view of all of it, the same tensor
-    again) adds nothing to move. Other tensors of one storage stay, for the offloader to refuse
-    (TensorNVMe would move bytes past the storage's end)."""
-    first: dict[int, tuple[Any, Any]] = {}  # id(storage) -> (storage, its first tensor)
-    moved = []
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen = first.get(id(storage))
-        if seen is None:
-            first[id(storage)] = (storage, t)
-        elif (
-            t.storage_offset() == seen[1].storage_offset() == 0
-            and t.numel() * t.element_size() == seen[1].numel() * seen[1].element_size()
-        ):
-            continue
-        moved.append(t)
-    return moved
 
 
 # ---- tensornvme.async_file_io -------------------------------------------------------------
