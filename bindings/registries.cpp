@@ -1,6 +1,7 @@
 // The buffer registries of the compatibility APIs, by address:
 //   LockedTensors: DeepSpeed's pinned-tensor manager (one per process): the locked host tensors
-//     made by its handles, each as its size and a weak reference to its storage.
+//     made by its handles, each as its size, a weak reference to its storage and the operations
+//     started on its memory (freeing it waits for them).
 //   CuFileRegistrations: device memory registered with cuFile (torch.cuda.gds's
 //     gds_register_buffer, DeepNVMe's pin_device_tensor), each with what keeps the memory alive.
 //   TensorGroups: the tensors of each write call of TensorNVMe's DiskOffloader, keyed as
@@ -20,9 +21,11 @@
 #include <utility>
 #include <vector>
 
+#include "binding_helpers.hpp"
 #include "register.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
+#include "tensortier/transfer/operation.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -32,18 +35,37 @@ namespace {
 class LockedTensors {
  public:
   void Add(uintptr_t address, size_t nbytes, const py::object& storage) {
-    tensors_.insert_or_assign(address, Locked{nbytes, py::weakref(storage)});
+    tensors_.insert_or_assign(address, Locked{nbytes, py::weakref(storage), {}});
   }
 
-  // The live storage of the tensor at `address`, taken out of the registry; None when there is
-  // none. A zero-byte one only when `storage` is it: such tensors may share an address.
+  // Records `op`, started on [address, address + nbytes), on the locked tensor it starts in.
+  void Track(uintptr_t address, size_t nbytes, const Operation& op) {
+    auto it = tensors_.upper_bound(address);
+    if (nbytes == 0 || it == tensors_.begin()) return;
+    --it;
+    if (address >= it->first + it->second.nbytes) return;
+    std::erase_if(it->second.busy, [](const Operation& o) { return o.done(); });
+    it->second.busy.push_back(op);
+  }
+
+  // The live storage of the tensor at `address`, taken out of the registry once every operation
+  // started on its memory is over (DeepSpeed frees it at once, under a read still writing into
+  // it); None when there is none. A zero-byte one only when `storage` is it: such tensors may
+  // share an address. Ctrl-C interrupts the wait, leaving the tensor registered.
   py::object Take(uintptr_t address, const py::object& storage) {
-    const auto it = tensors_.find(address);
-    if (it == tensors_.end()) return py::none();
-    py::object live = it->second.storage();
-    if (live.is_none() || (it->second.nbytes == 0 && !live.is(storage))) return py::none();
-    tensors_.erase(it);
-    return live;
+    for (;;) {
+      const auto it = tensors_.find(address);
+      if (it == tensors_.end()) return py::none();
+      py::object live = it->second.storage();
+      if (live.is_none() || (it->second.nbytes == 0 && !live.is(storage))) return py::none();
+      std::erase_if(it->second.busy, [](const Operation& o) { return o.done(); });
+      if (it->second.busy.empty()) {
+        tensors_.erase(it);
+        return live;
+      }
+      const Operation op = it->second.busy.front();  // the GIL goes: look again after it
+      WaitInterruptibly([&](auto timeout) { return op.WaitFor(timeout); }, true);
+    }
   }
 
   // Whether [address, address + nbytes) is locked host memory: in one live tensor here, or
@@ -77,6 +99,7 @@ class LockedTensors {
   struct Locked {
     size_t nbytes;
     py::weakref storage;
+    std::vector<Operation> busy;  // started on its memory, maybe not over
   };
   std::map<uintptr_t, Locked> tensors_;
 };
@@ -199,7 +222,11 @@ void RegisterRegistries(py::module_& m) {
            "Records a locked tensor: its address, size and storage (weakly).")
       .def("take", &LockedTensors::Take, py::arg("address"), py::arg("storage") = py::none(),
            "The live storage of the tensor at `address`, forgotten; None when there is none (a "
-           "zero-byte one only when `storage` is it).")
+           "zero-byte one only when `storage` is it), once the operations started on its memory "
+           "are over.")
+      .def("track", &LockedTensors::Track, py::arg("address"), py::arg("nbytes"),
+           py::arg("operation"),
+           "Records an operation started on the range, on the locked tensor it starts in.")
       .def("pinned", &LockedTensors::Pinned, py::arg("address"), py::arg("nbytes"),
            "Whether all of the range lies in one live locked tensor or, where a CUDA driver is "
            "loaded, in memory page-locked with CUDA.");

@@ -690,3 +690,35 @@ def test_integer_arguments_take_bools_as_pybind11_does(handle, disk_dir: Path) -
         AsyncIOBuilder().load().aio_handle(1 << 20, False, False, False, 1)
     assert PinMemoryBuilder().load().pin_handle().free_cpu_locked_tensor_by_ptr(True) is False
 
+
+def test_free_cpu_locked_tensor_waits_for_the_io_on_it(disk_dir: Path) -> None:
+    """DeepSpeed frees a locked tensor at once, under a read still writing into it; here the
+    free (by any handle: one manager per process) waits for the reads and writes started on its
+    memory, then frees it."""
+    from tensortier import IOHandle
+
+    data = torch.arange(1 << 14, dtype=torch.int32)
+    path = str(disk_dir / "slow.bin")
+    data.numpy().tofile(path)
+    h = AsyncIOBuilder().load().aio_handle()
+    pin = PinMemoryBuilder().load().pin_handle()
+    try:
+        for by_ptr in (False, True):
+            h._io.close()  # an engine with its first request delayed (the fault-injecting backend)
+            h._io = with_faults({"kind": "delay", "delay_us": 500_000, "nth": 1}, IOHandle,
+                                "threads")
+            t = h.new_cpu_locked_tensor(data.numel(), data)
+            t.fill_(-1)
+            keep = t.view(torch.uint8)  # the page-aligned memory outlives the free (CPU path)
+            assert h.async_pread(t, path) == 0
+            future = h._pending[0][0]
+            if by_ptr:
+                assert pin.free_cpu_locked_tensor_by_ptr(t.data_ptr())
+            else:
+                assert pin.free_cpu_locked_tensor(t)
+            assert future.done()
+            if keep.untyped_storage().nbytes() > 0:  # pinned by CUDA: resized to nothing
+                assert torch.equal(keep.view(torch.int32), data)
+            assert h.wait() == 1
+    finally:
+        h.close()

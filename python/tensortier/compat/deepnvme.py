@@ -231,7 +231,8 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         too: DeepSpeed has one manager per process), or a tensor starting at its address, and
         returns True: pinned memory is freed now (the tensor, and views of it, must not be used
         afterwards), page-aligned memory with the tensor's last reference. Any other tensor is
-        left alone: False."""
+        left alone: False. Reads and writes that handles started on its memory are waited for
+        first (DeepSpeed's frees the memory under them)."""
         _require_tensor(tensor, "free_cpu_locked_tensor", "tensor")
         return _free_locked(int(tensor.data_ptr()), tensor)
 
@@ -292,6 +293,8 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         # A read past the end fills what exists.
         future = (self._io.pread_async if op == "read" else self._io.pwrite_async)(
             buffer, path, offset)
+        # free_cpu_locked_tensor waits for it.
+        _locked.track(int(buffer.data_ptr()), int(buffer.nbytes), future._op)
         self._pending.append((future, buffer, path, offset, validate, copy_to))
         return 0
 
