@@ -321,15 +321,15 @@ def test_iohandle_registers_each_file_with_cufile_once(disk_dir: Path) -> None:
     File's entry goes at the next lookup, and closing the handle drops them all."""
     with tensortier.IOHandle(gds="auto") as io:
         f = io.open(disk_dir / "c.bin", "w")
-        first = io._device_file(f)  # noqa: SLF001 - the cache is internal
-        assert io._device_file(f) is first  # noqa: SLF001
+        first = io._device.device_file(f)  # noqa: SLF001 - the cache is internal
+        assert io._device.device_file(f) is first  # noqa: SLF001
         other = io.open(disk_dir / "c.bin", "r")
-        assert io._device_file(other) is not first  # noqa: SLF001
+        assert io._device.device_file(other) is not first  # noqa: SLF001
         f.close()
-        assert io._device_file(other) is not None  # noqa: SLF001 - sweeps closed files
-        assert f not in io._device_files  # noqa: SLF001
-        assert other in io._device_files  # noqa: SLF001
-    assert len(io._device_files) == 0  # noqa: SLF001
+        assert io._device.device_file(other) is not None  # noqa: SLF001 - sweeps closed files
+        assert f not in io._device  # noqa: SLF001
+        assert other in io._device  # noqa: SLF001
+    assert len(io._device) == 0  # noqa: SLF001
 
 
 # ---- compat.gds on CPU storages -------------------------------------------------------------

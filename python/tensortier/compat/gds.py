@@ -220,7 +220,7 @@ class GdsFile:
                 self.last_path = "host"
                 return
             db = device_buffer(tensor)  # CudaError without a driver
-            transfer = io._device_transfer()  # noqa: SLF001 - same package
+            transfer = io._device.transfer(io._core())  # noqa: SLF001 - same package
             target = self._cufile_handle()
             if op == "read":
                 result = transfer.read(target, offset, nbytes, db.address, db.device, db.stream)
