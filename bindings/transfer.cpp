@@ -319,8 +319,9 @@ class DeviceRoute {
   std::optional<size_t> slots_;
   std::optional<uint64_t> slot_bytes_;
   std::optional<size_t> rings_;
+  // The transfer's engine, kept alive as long as it (declared first: destroyed after it).
+  py::object engine_;
   GilFreeHolder<DeviceTransfer> transfer_;
-  py::object engine_;  // the transfer's engine, kept alive as long as it
   std::vector<std::pair<py::weakref, std::shared_ptr<LazyDeviceFile>>> files_;
 };
 
