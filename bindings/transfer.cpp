@@ -329,6 +329,23 @@ class DeviceRoute {
 
 void RegisterTransfer(py::module_& m) {
   m.def(
+      "require_cuda_driver",
+      [error = py::object(m.attr("CudaError"))](const std::string& what) {
+        const CudaDriver* driver = nullptr;
+        {
+          py::gil_scoped_release release;  // the first call dlopens the driver and runs cuInit
+          driver = &CudaDriver::Get();
+        }
+        if (driver->available()) return;
+        const std::string message = StrCat(
+            what, " needs the CUDA driver, which is unavailable here: ", driver->why_unavailable(),
+            " (install the NVIDIA driver, or set TENSORTIER_CUDA_LIBRARY to the path of "
+            "libcuda.so.1)");
+        PyErr_SetObject(error.ptr(), MessageToPython(message).ptr());
+        throw py::error_already_set();
+      },
+      py::arg("what"), "CudaError, saying what `what` needs and why, unless the driver works.");
+  m.def(
       "gds_mode", [](const py::object& gds) { return GdsModeName(GdsModeArgument(gds)); },
       py::arg("gds") = py::none(),
       "'off', 'auto' or 'on': `gds` spelled canonically, or TENSORTIER_GDS's value when None.");

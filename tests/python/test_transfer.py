@@ -247,7 +247,7 @@ def test_pinned_memory_is_registered_through_torchs_current_device(
         devices.append(device)
         return bytearray(nbytes)
 
-    monkeypatch.setattr(device_module, "_require_driver", lambda what: None)
+    monkeypatch.setattr(device_module._core, "require_cuda_driver", lambda what: None)
     monkeypatch.setattr(device_module._core, "PinnedMemory", fake_pinned_memory)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
