@@ -83,14 +83,13 @@ inline uint64_t OffsetArgument(const pybind11::handle& value) {
 
 // `value` as a C integer of `bits` bits, signed unless `is_unsigned`, as a pybind11 binding of a
 // compatible API (DeepSpeed's) takes one: any integer, numpy's and torch's too (through
-// __index__), but a bool. TypeError "<what>: <name> must be an integer" or "must fit ...";
-// ValueError below `minimum`.
+// __index__), bools too (pybind11's int conversion takes them: True is 1). TypeError "<what>:
+// <name> must be an integer" or "must fit ..."; ValueError below `minimum`.
 inline pybind11::int_ CIntegerArgument(const pybind11::object& value, const std::string& what,
                                        const std::string& name, long long minimum, int bits,
                                        bool is_unsigned) {
   namespace py = pybind11;
   const std::string prefix = what + ": " + name;
-  if (PyBool_Check(value.ptr())) throw py::type_error(prefix + " must be an integer, not bool");
   PyObject* index = PyNumber_Index(value.ptr());
   if (index == nullptr) {
     PyErr_Clear();

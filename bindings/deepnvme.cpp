@@ -1,10 +1,11 @@
 // DeepNVMe's handles (DeepSpeed's aio_handle and gds_handle), but for their tensors:
 //   DeepNvmeHandle: the settings a handle is made with, taken as DeepSpeed's pybind11 binding
-//     takes them (the getters answer them), and the I/O engine's nearest ones. The Python
-//     handles subclass it and move the tensors.
-//   deepnvme_file, deepnvme_read_fits: DeepNVMe's checks of the file a call names, and its
-//     answer to one it cannot open or stat (the call returns -1; DeepNVMe prints its message, a
-//     RuntimeWarning here).
+//     takes them (the getters answer them), and the I/O engine's nearest ones; and the log of
+//     the operations started, which wait() completes in order. The Python handles subclass it
+//     and move the tensors.
+//   deepnvme_target, deepnvme_read_fits: DeepNVMe's checks of the file and offset a call names,
+//     and its answer to a file it cannot open or stat (the call returns -1; DeepNVMe prints its
+//     message, a RuntimeWarning here).
 //   deepnvme_validate: DeepNVMe's validate, the file's bytes against the buffer's.
 //   deepnvme_argument: an argument given by its name or by DeepSpeed's spelling of it.
 #include <fcntl.h>
@@ -14,14 +15,20 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "arguments.hpp"
+#include "binding_helpers.hpp"
+#include "errors.hpp"
 #include "paths.hpp"
 #include "register.hpp"
+#include "tensortier/transfer/operation.hpp"
 #include "tensortier/util/settings.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -137,6 +144,17 @@ py::object DeepNvmeFile(const std::string& op, const py::object& target, const s
   return PathToPython(path);
 }
 
+// (path, offset) of a DeepNVMe call, in DeepNVMe's order: pybind11 converts the offset (an
+// int64: TypeError), the file is checked (None, with DeepNVMe's warning, when it cannot be
+// opened), and only then is a negative offset used (DeepNVMe aborts; ValueError).
+py::object DeepNvmeTarget(const std::string& op, const py::object& target, const py::object& offset,
+                          const std::string& what, bool descriptor_ok) {
+  CIntegerArgument(offset, what, "file_offset", LLONG_MIN, 64, false);
+  const py::object path = DeepNvmeFile(op, target, what, descriptor_ok);
+  if (path.is_none()) return path;
+  return py::make_tuple(path, CIntegerArgument(offset, what, "file_offset", 0, 64, false));
+}
+
 // DeepNVMe's synchronous read()'s check: the buffer's `nbytes` at `offset` must be in the file,
 // and at offset 0 the file's size must be the buffer's (ValueError: DeepNVMe aborts). False,
 // with DeepNVMe's warning, when the file cannot be stat'ed.
@@ -241,6 +259,52 @@ class DeepNvmeHandle {
     return out;
   }
 
+  // Records an operation started: its future (which keeps its memory alive), the tensor it
+  // moves, and what wait() calls once it is over (None: nothing), with the handle's mutex held.
+  void Record(const Operation& op, py::object future, py::object buffer, py::object finish) {
+    pending_.push_back({op, std::move(future), std::move(buffer), std::move(finish)});
+  }
+
+  // (future, tensor moved) of each operation recorded, in order.
+  py::list PendingList() const {
+    py::list out;
+    for (const Pending& p : pending_) out.append(py::make_tuple(p.future, p.buffer));
+    return out;
+  }
+
+  // wait(), the handle's mutex held: waits for every operation recorded, then completes each in
+  // order (its error, then its `finish`); returns how many there were. Raises the first error
+  // (OSError, CudaError, CuFileError) once all are over. Ctrl-C interrupts it with every
+  // operation still recorded: the next wait() waits for them, counts them and finishes them.
+  size_t WaitPending() {
+    for (const Pending& p : pending_) {
+      WaitInterruptibly([&](auto timeout) { return p.op.WaitFor(timeout); }, true);
+    }
+    std::vector<Pending> pending;
+    pending.swap(pending_);
+    py::object first;
+    for (const Pending& p : pending) {
+      try {
+        try {
+          py::gil_scoped_release release;
+          p.op.Wait();
+        } catch (const std::exception&) {
+          if (!first) first = PythonError(std::current_exception());
+          continue;
+        }
+        if (!p.finish.is_none()) p.finish();
+      } catch (py::error_already_set& e) {
+        if (!e.matches(PyExc_OSError) && !e.matches(PyExc_RuntimeError)) throw;
+        if (!first) first = e.value();
+      }
+    }
+    if (first) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(first.ptr())), first.ptr());
+      throw py::error_already_set();
+    }
+    return pending.size();
+  }
+
   int64_t block_size() const { return block_size_; }
   int64_t queue_depth() const { return queue_depth_; }
   int64_t parallelism() const { return parallelism_; }
@@ -252,6 +316,14 @@ class DeepNvmeHandle {
     return CIntegerArgument(value, "aio_handle", name, 1, 32, false).cast<int64_t>();
   }
 
+  struct Pending {
+    Operation op;
+    py::object future;
+    py::object buffer;
+    py::object finish;
+  };
+
+  std::vector<Pending> pending_;
   int64_t block_size_ = 0;
   int64_t queue_depth_ = 0;
   int64_t parallelism_ = 0;
@@ -263,21 +335,30 @@ class DeepNvmeHandle {
 
 void RegisterDeepNvme(py::module_& m) {
   py::class_<DeepNvmeHandle>(m, "DeepNvmeHandle",
-                             "DeepNVMe's handle settings (the Python handles subclass it).")
+                             "DeepNVMe's handle settings and its log of the operations started "
+                             "(the Python handles subclass it).")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
                     py::object, py::kwargs>())
       .def("_engine_settings", &DeepNvmeHandle::EngineSettings,
            "IOHandle's chunk_size, queue_depth, workers and max_inflight_bytes for the handle.")
+      .def("_record", &DeepNvmeHandle::Record, py::arg("operation"), py::arg("future"),
+           py::arg("buffer"), py::arg("finish"),
+           "Records an operation started, its future, the tensor it moves, and what wait() calls "
+           "once it is over.")
+      .def_property_readonly("_pending", &DeepNvmeHandle::PendingList,
+                             "(future, tensor moved) of each operation recorded, in order.")
+      .def("_wait_pending", &DeepNvmeHandle::WaitPending,
+           "wait(), the mutex held: every operation recorded, in order; returns their count.")
       .def("get_block_size", &DeepNvmeHandle::block_size)
       .def("get_queue_depth", &DeepNvmeHandle::queue_depth)
       .def("get_single_submit", &DeepNvmeHandle::single_submit)
       .def("get_overlap_events", &DeepNvmeHandle::overlap_events)
       .def("get_intra_op_parallelism", &DeepNvmeHandle::parallelism)
       .def("get_thread_count", &DeepNvmeHandle::parallelism);
-  m.def("deepnvme_file", &DeepNvmeFile, py::arg("op"), py::arg("target"), py::arg("what"),
-        py::arg("descriptor_ok") = false,
-        "The path a DeepNVMe call names, checked as DeepNVMe checks it; None (with DeepNVMe's "
-        "message as a RuntimeWarning) when it cannot be opened or stat'ed.");
+  m.def("deepnvme_target", &DeepNvmeTarget, py::arg("op"), py::arg("target"), py::arg("offset"),
+        py::arg("what"), py::arg("descriptor_ok") = false,
+        "(path, offset) of a DeepNVMe call, checked as DeepNVMe checks them; None (with "
+        "DeepNVMe's message as a RuntimeWarning) when the file cannot be opened or stat'ed.");
   m.def("deepnvme_read_fits", &DeepNvmeReadFits, py::arg("filename"), py::arg("nbytes"),
         py::arg("offset"),
         "DeepNVMe's read() check of the file's size (ValueError); False, with DeepNVMe's "

@@ -1,28 +1,39 @@
 // The buffer registries of the compatibility APIs, by address:
 //   LockedTensors: DeepSpeed's pinned-tensor manager (one per process): the locked host tensors
-//     made by its handles, each as its size and a weak reference to its storage.
+//     made by its handles, each as its size, a weak reference to its storage and the operations
+//     started on its memory (freeing it waits for them).
 //   CuFileRegistrations: device memory registered with cuFile (torch.cuda.gds's
 //     gds_register_buffer, DeepNVMe's pin_device_tensor), each with what keeps the memory alive.
 //   TensorGroups: the tensors of each write call of TensorNVMe's DiskOffloader, keyed as
 //     TensorNVMe keys them (one tensor by its id, a vector by the tuple of its ids), weakly.
+//   GdsFileState: torch.cuda.gds's GdsFile but for its storages: the open file, its cuFile handle
+//     registered or not (torch's register_handle / deregister_handle, with torch's messages), and
+//     the DeviceFile made on first use, dropped on deregistration and close.
 // Both are called with the GIL held; cuFile's calls run with it released, under the registry's
 // own lock (never waited for with the GIL held by its holder).
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "binding_helpers.hpp"
 #include "register.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/transfer/operation.hpp"
+#include "tensortier/transfer/transfer.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -32,18 +43,37 @@ namespace {
 class LockedTensors {
  public:
   void Add(uintptr_t address, size_t nbytes, const py::object& storage) {
-    tensors_.insert_or_assign(address, Locked{nbytes, py::weakref(storage)});
+    tensors_.insert_or_assign(address, Locked{nbytes, py::weakref(storage), {}});
   }
 
-  // The live storage of the tensor at `address`, taken out of the registry; None when there is
-  // none. A zero-byte one only when `storage` is it: such tensors may share an address.
+  // Records `op`, started on [address, address + nbytes), on the locked tensor it starts in.
+  void Track(uintptr_t address, size_t nbytes, const Operation& op) {
+    auto it = tensors_.upper_bound(address);
+    if (nbytes == 0 || it == tensors_.begin()) return;
+    --it;
+    if (address >= it->first + it->second.nbytes) return;
+    std::erase_if(it->second.busy, [](const Operation& o) { return o.done(); });
+    it->second.busy.push_back(op);
+  }
+
+  // The live storage of the tensor at `address`, taken out of the registry once every operation
+  // started on its memory is over (DeepSpeed frees it at once, under a read still writing into
+  // it); None when there is none. A zero-byte one only when `storage` is it: such tensors may
+  // share an address. Ctrl-C interrupts the wait, leaving the tensor registered.
   py::object Take(uintptr_t address, const py::object& storage) {
-    const auto it = tensors_.find(address);
-    if (it == tensors_.end()) return py::none();
-    py::object live = it->second.storage();
-    if (live.is_none() || (it->second.nbytes == 0 && !live.is(storage))) return py::none();
-    tensors_.erase(it);
-    return live;
+    for (;;) {
+      const auto it = tensors_.find(address);
+      if (it == tensors_.end()) return py::none();
+      py::object live = it->second.storage();
+      if (live.is_none() || (it->second.nbytes == 0 && !live.is(storage))) return py::none();
+      std::erase_if(it->second.busy, [](const Operation& o) { return o.done(); });
+      if (it->second.busy.empty()) {
+        tensors_.erase(it);
+        return live;
+      }
+      const Operation op = it->second.busy.front();  // the GIL goes: look again after it
+      WaitInterruptibly([&](auto timeout) { return op.WaitFor(timeout); }, true);
+    }
   }
 
   // Whether [address, address + nbytes) is locked host memory: in one live tensor here, or
@@ -77,6 +107,7 @@ class LockedTensors {
   struct Locked {
     size_t nbytes;
     py::weakref storage;
+    std::vector<Operation> busy;  // started on its memory, maybe not over
   };
   std::map<uintptr_t, Locked> tensors_;
 };
@@ -190,6 +221,84 @@ class TensorGroups {
   size_t kept_ = 64;
 };
 
+[[noreturn]] void RaiseAssertionError(const std::string& message) {
+  PyErr_SetString(PyExc_AssertionError, message.c_str());
+  throw py::error_already_set();
+}
+
+class GdsFileState {
+ public:
+  // `error`: the exception type of a failed cuFile call (GdsIOError), made as OSError(errno,
+  // message, filename).
+  GdsFileState(py::object file, py::object filename, py::object error)
+      : file_(std::move(file)), filename_(std::move(filename)), error_(std::move(error)) {}
+
+  // The file's descriptor; -1 once closed, as torch's.
+  int fd() const { return file_.is_none() ? -1 : file_.cast<const File&>().buffered_fd(); }
+
+  // The DeviceFile while registered and open, else None (torch's GdsFile.handle).
+  py::object handle() { return registered_ && !file_.is_none() ? DeviceFileOf() : py::none(); }
+
+  // The DeviceFile, made once per registration (ValueError once closed).
+  py::object DeviceFileOf() {
+    if (file_.is_none()) throw py::value_error("GdsFile is closed");
+    if (device_file_.is_none()) {
+      const File& file = file_.cast<const File&>();
+      std::optional<DeviceFile> made;
+      {
+        py::gil_scoped_release release;
+        made.emplace(file, GdsMode::kAuto);
+      }
+      device_file_ = py::cast(std::move(*made));
+    }
+    return device_file_;
+  }
+
+  void Register() {
+    if (registered_) RaiseAssertionError("Cannot register a handle that is already registered.");
+    if (file_.is_none()) {  // torch's registers descriptor -1: cuFileHandleRegister fails
+      PyErr_SetObject(
+          error_.ptr(),
+          py::make_tuple(EBADF, "cuFileHandleRegister failed: the file is closed", filename_)
+              .ptr());
+      throw py::error_already_set();
+    }
+    registered_ = true;
+  }
+
+  void Deregister() {
+    if (!registered_) {
+      RaiseAssertionError("Cannot deregister a handle that is not registered.");
+    }
+    registered_ = false;
+    device_file_ = py::none();
+  }
+
+  // The open file for a transfer (`verb`: "load data from"); AssertionError, with torch's
+  // message, when the handle is not registered or the file is closed.
+  py::object Require(const std::string& verb) const {
+    if (!registered_ || file_.is_none()) {
+      RaiseAssertionError("Cannot " + verb + " a file that is not registered.");
+    }
+    return file_;
+  }
+
+  void Close() {
+    registered_ = false;
+    device_file_ = py::none();
+    if (file_.is_none()) return;
+    const py::object file = std::exchange(file_, py::none());
+    file.attr("close")();
+  }
+
+ private:
+  py::object file_;  // the _core.File; None once closed
+  py::object filename_;
+  py::object error_;
+  bool registered_ = true;  // torch's GdsFile registers its handle when made
+  py::object device_file_ = py::none();
+};
+
 }  // namespace
 
 void RegisterRegistries(py::module_& m) {
@@ -199,7 +308,11 @@ void RegisterRegistries(py::module_& m) {
            "Records a locked tensor: its address, size and storage (weakly).")
       .def("take", &LockedTensors::Take, py::arg("address"), py::arg("storage") = py::none(),
            "The live storage of the tensor at `address`, forgotten; None when there is none (a "
-           "zero-byte one only when `storage` is it).")
+           "zero-byte one only when `storage` is it), once the operations started on its memory "
+           "are over.")
+      .def("track", &LockedTensors::Track, py::arg("address"), py::arg("nbytes"),
+           py::arg("operation"),
+           "Records an operation started on the range, on the locked tensor it starts in.")
       .def("pinned", &LockedTensors::Pinned, py::arg("address"), py::arg("nbytes"),
            "Whether all of the range lies in one live locked tensor or, where a CUDA driver is "
            "loaded, in memory page-locked with CUDA.");
@@ -220,4 +333,17 @@ void RegisterRegistries(py::module_& m) {
       .def("remove", &CuFileRegistrations::Remove, py::arg("address"),
            "Deregisters the memory at `address` now; nothing when it is not registered.")
       .def("clear", &CuFileRegistrations::Clear, "Deregisters everything now.");
+  py::class_<GdsFileState>(m, "GdsFileState")
+      .def(py::init<py::object, py::object, py::object>(), py::arg("file"), py::arg("filename"),
+           py::arg("error"),
+           "A GdsFile's open file and its cuFile handle's state (registered when made).")
+      .def_property_readonly("fd", &GdsFileState::fd)
+      .def_property_readonly("handle", &GdsFileState::handle)
+      .def("device_file", &GdsFileState::DeviceFileOf,
+           "The file's DeviceFile, made on first use (ValueError once closed).")
+      .def("register_handle", &GdsFileState::Register)
+      .def("deregister_handle", &GdsFileState::Deregister)
+      .def("require", &GdsFileState::Require, py::arg("verb"),
+           "The open file; AssertionError (torch's message) unless registered and open.")
+      .def("close", &GdsFileState::Close);
 }

@@ -154,6 +154,29 @@ GilFreeHolder<DeviceTransfer> MakeTransfer(Engine& engine, std::optional<size_t>
   throw std::invalid_argument(StrCat("copier must be 'cuda' or 'memcpy', not '", copier, "'"));
 }
 
+// `gds` as a GdsMode: 'off', 'auto' or 'on', or None for TENSORTIER_GDS (TypeError otherwise).
+GdsMode GdsModeArgument(const py::object& gds) {
+  if (gds.is_none()) return GdsModeFromEnvironment();
+  if (!py::isinstance<py::str>(gds)) {
+    throw py::type_error(
+        StrCat("gds must be a str (or None for TENSORTIER_GDS), not ", TypeName(gds)));
+  }
+  return ParseGdsMode(gds.cast<std::string>());
+}
+
+// {slots, slot_bytes, max_rings, pinned_budget, pinned_bytes, pinned_registered} of `t`.
+py::dict TransferOptionsDict(const DeviceTransfer& t) {
+  py::dict d;
+  d["slots"] = t.options().ring.slots;
+  d["slot_bytes"] = t.options().ring.slot_bytes;
+  d["max_rings"] = t.options().max_rings;
+  const PinnedPool* pool = t.pool();
+  d["pinned_budget"] = t.options().max_rings * t.options().ring.bytes();
+  d["pinned_bytes"] = pool != nullptr ? pool->held_bytes() : 0;
+  d["pinned_registered"] = pool != nullptr && pool->registers();
+  return d;
+}
+
 OffloadKind ParseKind(const std::string& kind) {
   if (const auto parsed = ValueOf(kOffloadKindNames, kind)) return *parsed;
   throw std::invalid_argument(StrCat("kind must be 'write' or 'read', not '", kind, "'"));
@@ -213,19 +236,117 @@ class PyOffloadDevice {
   std::multimap<uint64_t, py::object> keep_[2];  // writes, reads
 };
 
+// An IOHandle's CUDA route: its GDS mode, its bounce ring's options (checked when the handle is
+// made), the transfer made for its first CUDA tensor, and each File's LazyDeviceFile (one cuFile
+// registration per file; a closed file's entry goes at the next lookup). Called with the GIL
+// held, which guards it; the transfer's work runs without it.
+class DeviceRoute {
+ public:
+  DeviceRoute(const py::object& gds, const py::object& slots, const py::object& slot_bytes,
+              const py::object& rings)
+      : gds_(GdsModeArgument(gds)),
+        slots_(PositiveArgument<size_t>(slots, "bounce_slots")),
+        slot_bytes_(PositiveArgument<uint64_t>(slot_bytes, "bounce_slot_size")),
+        rings_(PositiveArgument<size_t>(rings, "bounce_rings")) {
+    TransferOptions(slots_, slot_bytes_, rings_);
+  }
+
+  // The transfer of `engine`, made on first use (CudaError without a driver).
+  DeviceTransfer& Transfer(const py::object& engine) {
+    if (!transfer_) {
+      transfer_ = MakeTransfer(engine.cast<Engine&>(), slots_, slot_bytes_, rings_, "cuda");
+      engine_ = engine;
+    }
+    return *transfer_;
+  }
+
+  std::shared_ptr<LazyDeviceFile> FileOf(const py::object& file) {
+    std::erase_if(files_, [](const auto& f) {
+      const py::object live = f.first();
+      return live.is_none() || !live.template cast<const File&>().is_open();
+    });
+    for (const auto& [ref, lazy] : files_) {
+      if (ref().is(file)) return lazy;
+    }
+    files_.emplace_back(py::weakref(file),
+                        std::make_shared<LazyDeviceFile>(file.cast<File>(), gds_));
+    return files_.back().second;
+  }
+
+  bool Cached(const py::object& file) const {
+    return std::any_of(files_.begin(), files_.end(),
+                       [&](const auto& f) { return f.first().is(file); });
+  }
+
+  // Starts moving [address, address + length) of `device` on the transfer's job queue, ordered
+  // on `stream`; the memory must stay alive until the job is over.
+  DeviceJob Start(const py::object& engine, const std::string& op, uintptr_t address,
+                  uint64_t length, int device, std::optional<uintptr_t> stream,
+                  const py::object& file, uint64_t offset) {
+    DeviceTransfer& t = Transfer(engine);
+    const AnyFile target =
+        gds_ == GdsMode::kOff ? AnyFile(file.cast<File>()) : AnyFile(FileOf(file));
+    const DeviceSpan span = Span(address, device, stream);
+    const bool read = op == "read";
+    py::gil_scoped_release release;
+    return t.Submit([&t, target, offset, length, span, read] {
+      return WithFile(target, [&](const auto& f) {
+        return read ? t.Read(f, offset, length, span) : t.Write(span, length, f, offset);
+      });
+    });
+  }
+
+  py::dict Options() const {
+    py::dict d;
+    d["gds"] = GdsModeName(gds_);
+    if (transfer_) d.attr("update")(TransferOptionsDict(*transfer_));
+    return d;
+  }
+
+  GdsMode gds() const { return gds_; }
+
+  size_t size() const { return files_.size(); }
+
+  // Drops the transfer (its jobs must be over), the engine and the files.
+  void Clear() {
+    transfer_.reset();
+    engine_ = py::object();
+    files_.clear();
+  }
+
+ private:
+  GdsMode gds_;
+  std::optional<size_t> slots_;
+  std::optional<uint64_t> slot_bytes_;
+  std::optional<size_t> rings_;
+  // The transfer's engine, kept alive as long as it (declared first: destroyed after it).
+  py::object engine_;
+  GilFreeHolder<DeviceTransfer> transfer_;
+  std::vector<std::pair<py::weakref, std::shared_ptr<LazyDeviceFile>>> files_;
+};
+
 }  // namespace
 
 void RegisterTransfer(py::module_& m) {
   m.def(
-      "gds_mode",
-      [](const py::object& gds) {
-        if (gds.is_none()) return GdsModeName(GdsModeFromEnvironment());
-        if (!py::isinstance<py::str>(gds)) {
-          throw py::type_error(
-              StrCat("gds must be a str (or None for TENSORTIER_GDS), not ", TypeName(gds)));
+      "require_cuda_driver",
+      [error = py::object(m.attr("CudaError"))](const std::string& what) {
+        const CudaDriver* driver = nullptr;
+        {
+          py::gil_scoped_release release;  // the first call dlopens the driver and runs cuInit
+          driver = &CudaDriver::Get();
         }
-        return GdsModeName(ParseGdsMode(gds.cast<std::string>()));
+        if (driver->available()) return;
+        const std::string message = StrCat(
+            what, " needs the CUDA driver, which is unavailable here: ", driver->why_unavailable(),
+            " (install the NVIDIA driver, or set TENSORTIER_CUDA_LIBRARY to the path of "
+            "libcuda.so.1)");
+        PyErr_SetObject(error.ptr(), MessageToPython(message).ptr());
+        throw py::error_already_set();
       },
+      py::arg("what"), "CudaError, saying what `what` needs and why, unless the driver works.");
+  m.def(
+      "gds_mode", [](const py::object& gds) { return GdsModeName(GdsModeArgument(gds)); },
       py::arg("gds") = py::none(),
       "'off', 'auto' or 'on': `gds` spelled canonically, or TENSORTIER_GDS's value when None.");
 
@@ -538,17 +659,27 @@ void RegisterTransfer(py::module_& m) {
           "threads", [](const DeviceTransfer& t) { return t.options().max_rings; },
           "Threads of the job queue (one per ring).")
       .def_property_readonly("rings", &DeviceTransfer::rings)
-      .def_property_readonly("options", [](const DeviceTransfer& t) {
-        py::dict d;
-        d["slots"] = t.options().ring.slots;
-        d["slot_bytes"] = t.options().ring.slot_bytes;
-        d["max_rings"] = t.options().max_rings;
-        const PinnedPool* pool = t.pool();
-        d["pinned_budget"] = t.options().max_rings * t.options().ring.bytes();
-        d["pinned_bytes"] = pool != nullptr ? pool->held_bytes() : 0;
-        d["pinned_registered"] = pool != nullptr && pool->registers();
-        return d;
-      });
+      .def_property_readonly("options", &TransferOptionsDict);
+  py::class_<DeviceRoute>(m, "DeviceRoute")
+      .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&>(),
+           py::arg("gds"), py::arg("slots"), py::arg("slot_bytes"), py::arg("rings"),
+           "An IOHandle's CUDA route: GDS mode `gds` (None: TENSORTIER_GDS) and its bounce ring's "
+           "options (None: TENSORTIER_BOUNCE_*), checked now (ValueError).")
+      .def("transfer", &DeviceRoute::Transfer, py::arg("engine"),
+           py::return_value_policy::reference_internal,
+           "The DeviceTransfer of `engine`, made on first use (CudaError without a driver).")
+      .def("device_file", &DeviceRoute::FileOf, py::arg("file"),
+           "The LazyDeviceFile of `file`, made once per File; closed files' entries go.")
+      .def("start", &DeviceRoute::Start, py::arg("engine"), py::arg("op"), py::arg("address"),
+           py::arg("nbytes"), py::arg("device"), py::arg("stream"), py::arg("file"),
+           py::arg("offset"),
+           "Starts a CUDA piece ('read' or 'write') on the transfer's job queue: a DeviceJob.")
+      .def_property_readonly("gds", [](const DeviceRoute& r) { return GdsModeName(r.gds()); })
+      .def_property_readonly("options", &DeviceRoute::Options,
+                             "gds, and the bounce ring's settings once the transfer is made.")
+      .def("__contains__", &DeviceRoute::Cached)
+      .def("__len__", &DeviceRoute::size)
+      .def("clear", &DeviceRoute::Clear, "Drops the transfer and the files (jobs over).");
   py::class_<PyOffloadDevice>(m, "OffloadDevice")
       .def(py::init<Offloader&, const std::string&, std::optional<size_t>, std::string>(),
            py::arg("offloader"), py::arg("gds"), py::arg("max_rings") = py::none(),

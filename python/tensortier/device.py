@@ -40,16 +40,6 @@ def cufile_info() -> dict[str, Any]:
     return dict(_core.cufile())
 
 
-def _require_driver(what: str) -> None:
-    info = _core.cuda_driver()
-    if not info["available"]:
-        raise CudaError(
-            f"{what} needs the CUDA driver, which is unavailable here: "
-            f"{info['why_unavailable']} (install the NVIDIA driver, or set "
-            "TENSORTIER_CUDA_LIBRARY to the path of libcuda.so.1)"
-        )
-
-
 def _shape(shape: Any, dtype: Any) -> tuple[Any, tuple[int, ...], int, int]:
     """(dtype, dims, numel, nbytes) of a new tensor (`dtype` default uint8)."""
     import torch
@@ -89,7 +79,7 @@ def pinned_empty(
     import torch
 
     dtype, dims, _, nbytes = _shape(shape, dtype)
-    _require_driver("tensortier.pinned_empty")
+    _core.require_cuda_driver("tensortier.pinned_empty")
     if device is None:
         # torch's current device, not always 0: a context costs hundreds of MiB of that GPU's
         # memory, and every rank of a multi-GPU job would make one on GPU 0.
@@ -115,7 +105,7 @@ def pin(tensor: Any, *, device: int | None = None) -> Any:
         raise TypeError(f"pin needs a torch tensor, not {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise ValueError(f"pin needs a CPU tensor; this one is on {tensor.device}")
-    _require_driver("tensortier.pin")
+    _core.require_cuda_driver("tensortier.pin")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes > 0 and _core.pinned_host(tensor.data_ptr(), nbytes):
         return tensor
@@ -162,7 +152,7 @@ def device_buffer(tensor: Any, *, own_stream: bool = False) -> DeviceBuffer:
     from ._buffers import check_tensor_memory
 
     check_tensor_memory(tensor, "CUDA tensor")
-    _require_driver(f"moving a tensor on {tensor.device}")
+    _core.require_cuda_driver(f"moving a tensor on {tensor.device}")
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
     current = torch.cuda.current_stream(index)
     nbytes = tensor.numel() * tensor.element_size()

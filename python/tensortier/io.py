@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence, Union
 
@@ -183,16 +181,7 @@ class IOHandle:
         self._pid = os.getpid()
         # Operations not known to be over, and finished ones whose error nobody has seen.
         self._pending = _core.OperationLog()
-        self._gds = _core.gds_mode(gds)
-        # Checked now (the TENSORTIER_BOUNCE_* variables too), used at the first CUDA transfer.
-        self._ring_options = tuple(_core.device_transfer_options(  # (slots, slot_bytes, rings)
-            slots=bounce_slots, slot_bytes=bounce_slot_size, max_rings=bounce_rings
-        ).values())
-        self._transfer: Any = None  # _core.DeviceTransfer, made on the first CUDA tensor
-        self._transfer_lock = threading.Lock()
-        # File -> its _core.LazyDeviceFile; entries of closed files go at the next lookup.
-        self._device_files: weakref.WeakKeyDictionary[File, Any] = weakref.WeakKeyDictionary()
-        self._device_files_lock = threading.Lock()
+        self._device = _core.DeviceRoute(gds, bounce_slots, bounce_slot_size, bounce_rings)
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -204,11 +193,7 @@ class IOHandle:
     def options(self) -> dict[str, Any]:
         """Effective settings after defaults and environment (``gds`` included; the bounce
         ring's settings once a CUDA tensor has been moved)."""
-        options = dict(self._core().options)
-        options["gds"] = self._gds
-        if self._transfer is not None:
-            options.update(self._transfer.options)
-        return options
+        return {**self._core().options, **self._device.options}
 
     @property
     def bounce_bytes(self) -> int:
@@ -284,14 +269,13 @@ class IOHandle:
         if os.getpid() != self._pid:
             # A fork's child: the operations and threads are the parent's. Let go without
             # waiting, and without locks (a thread of the parent may have held one).
-            self._pending, self._transfer, self._engine = _core.OperationLog(), None, None
+            self._pending, self._engine = _core.OperationLog(), None
+            self._device.clear()
             return
         try:
             self.wait_all()
         finally:
-            self._transfer = None  # its jobs are over: the wait above saw every future done
-            with self._device_files_lock:
-                self._device_files.clear()
+            self._device.clear()  # its jobs are over: the wait above saw every future done
             self._engine = None
 
     def __enter__(self) -> "IOHandle":
@@ -314,37 +298,6 @@ class IOHandle:
         if os.getpid() != self._pid:
             raise ValueError(_forked_message("IOHandle", self._pid))
         return self._engine
-
-    def _device_transfer(self) -> Any:
-        # Several threads may start the first CUDA transfer at once: one makes it.
-        with self._transfer_lock:
-            if self._transfer is None:
-                self._transfer = _core.DeviceTransfer(self._core(), *self._ring_options)
-        return self._transfer
-
-    def _device_file(self, file: File) -> Any:
-        """The cached ``_core.LazyDeviceFile`` of `file` (registered with cuFile by its first
-        transfer). Entries of closed files, which hold the descriptors open, are dropped here."""
-        with self._device_files_lock:
-            for closed in [f for f in self._device_files if f.closed]:
-                del self._device_files[closed]
-            target = self._device_files.get(file)
-            if target is None:
-                target = _core.LazyDeviceFile(file, self._gds)
-                self._device_files[file] = target
-            return target
-
-    def _device_job(self, op: str, buf: Any, file: File, offset: int, keepalive: list[Any]) -> Any:
-        """Starts moving a CUDA tensor piece on the transfer's job queue (a ``_core.DeviceJob``),
-        on its own stream ordered after the work queued so far. `keepalive` gets what must live
-        until it is over."""
-        db = device_buffer(buf, own_stream=True)  # raises CudaError without a driver
-        keepalive.append(db.owner)
-        transfer = self._device_transfer()
-        target: Any = file if self._gds == "off" else self._device_file(file)
-        if op == "read":
-            return transfer.read_async(target, offset, db.nbytes, db.address, db.device, db.stream)
-        return transfer.write_async(db.address, db.nbytes, target, offset, db.device, db.stream)
 
     def _submit(
         self, op: str, pieces: Sequence[tuple[Any, PathOrFile, int]], stage_reads: bool = False
@@ -373,7 +326,11 @@ class IOHandle:
         jobs: list[Any] = []
         try:
             for buf, f, offset in device:
-                jobs.append(self._device_job(op, buf, f, offset, keepalive))
+                # On a stream of its own, ordered after the work queued so far.
+                db = device_buffer(buf, own_stream=True)
+                keepalive.append(db.owner)
+                jobs.append(self._device.start(engine, op, db.address, db.nbytes, db.device,
+                                               db.stream, f, offset))
         except BaseException:
             # What started (the host pieces, the first CUDA ones) still uses the memory: the
             # pending operations keep it alive until it is over.

@@ -288,8 +288,6 @@ def test_async_pwrite_fd_keyword_and_integer_types(handle, disk_dir: Path) -> No
         handle.async_pwrite(t)
     with pytest.raises(TypeError, match="file_offset"):
         handle.sync_pread(u, str(path), 512.0)
-    with pytest.raises(TypeError, match="file_offset"):
-        handle.sync_pread(u, str(path), True)
     h = AsyncIOBuilder().load().aio_handle(np.int64(1 << 16), np.int64(8), False, False,
                                            np.int64(2))
     assert (h.get_block_size(), h.get_queue_depth(), h.get_intra_op_parallelism()) == (
@@ -620,7 +618,7 @@ def test_pin_handle_frees_by_address_as_deepspeed_native_pinning_does(handle) ->
     other = handle.new_cpu_locked_tensor(16, torch.empty(0))
     assert pins.free_cpu_locked_tensor(other) is True and not handle.is_pinned(other)
     # What pybind11 refuses for a uintptr_t or a tensor.
-    for value in (-1, 1 << 64, "0", 1.0, True):
+    for value in (-1, 1 << 64, "0", 1.0):
         with pytest.raises(TypeError, match="address"):
             pins.free_cpu_locked_tensor_by_ptr(value)
     for call in (pins.is_pinned, pins.free_cpu_locked_tensor):
@@ -671,3 +669,56 @@ def test_is_pinned_asks_the_cuda_driver_about_memory_pinned_by_anyone(
         """,
         tmp_path,
     )
+
+
+def test_integer_arguments_take_bools_as_pybind11_does(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """DeepSpeed's binding takes its ints (file_offset, the descriptor, the constructor's
+    settings) as pybind11 converts them: a bool is an int there (True is 1)."""
+    path = str(disk_dir / "b.bin")
+    t = torch.arange(16, dtype=torch.uint8)
+    assert handle.sync_pwrite(t, path, False) == 1
+    assert handle.sync_pwrite(t[:1], path, True) == 1  # at offset 1
+    u = torch.zeros(2, dtype=torch.uint8)
+    assert handle.sync_pread(u, path, True) == 1 and u.tolist() == [0, 2]
+    assert handle.read(torch.zeros(15, dtype=torch.uint8), path, False, True) == 0
+    h = AsyncIOBuilder().load().aio_handle(True, True, False, False, True)
+    try:
+        assert (h.get_block_size(), h.get_queue_depth(), h.get_intra_op_parallelism()) == (1, 1, 1)
+    finally:
+        h.close()
+    with pytest.raises(ValueError, match="queue_depth"):  # 0, below 1, as for the int 0
+        AsyncIOBuilder().load().aio_handle(1 << 20, False, False, False, 1)
+    assert PinMemoryBuilder().load().pin_handle().free_cpu_locked_tensor_by_ptr(True) is False
+
+
+def test_free_cpu_locked_tensor_waits_for_the_io_on_it(disk_dir: Path) -> None:
+    """DeepSpeed frees a locked tensor at once, under a read still writing into it; here the
+    free (by any handle: one manager per process) waits for the reads and writes started on its
+    memory, then frees it."""
+    from tensortier import IOHandle
+
+    data = torch.arange(1 << 14, dtype=torch.int32)
+    path = str(disk_dir / "slow.bin")
+    data.numpy().tofile(path)
+    h = AsyncIOBuilder().load().aio_handle()
+    pin = PinMemoryBuilder().load().pin_handle()
+    try:
+        for by_ptr in (False, True):
+            h._io.close()  # an engine with its first request delayed (the fault-injecting backend)
+            h._io = with_faults({"kind": "delay", "delay_us": 500_000, "nth": 1}, IOHandle,
+                                "threads")
+            t = h.new_cpu_locked_tensor(data.numel(), data)
+            t.fill_(-1)
+            keep = t.view(torch.uint8)  # the page-aligned memory outlives the free (CPU path)
+            assert h.async_pread(t, path) == 0
+            future = h._pending[0][0]
+            if by_ptr:
+                assert pin.free_cpu_locked_tensor_by_ptr(t.data_ptr())
+            else:
+                assert pin.free_cpu_locked_tensor(t)
+            assert future.done()
+            if keep.untyped_storage().nbytes() > 0:  # pinned by CUDA: resized to nothing
+                assert torch.equal(keep.view(torch.int32), data)
+            assert h.wait() == 1
+    finally:
+        h.close()

@@ -796,12 +796,12 @@ def test_a_batch_failing_to_start_a_cuda_piece_keeps_what_started(
 
     marker = torch.empty(0)  # stands for a CUDA tensor
     monkeypatch.setattr(io_module, "is_cuda_tensor", lambda b: b is marker)
-    monkeypatch.setattr(io_module, "device_buffer", lambda b, **kw: None)
 
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("no pinned memory for the ring")
+    def refuse(b: object, own_stream: bool = False) -> None:  # starting the CUDA piece fails
+        if own_stream:
+            raise RuntimeError("no pinned memory for the ring")
 
-    monkeypatch.setattr(IOHandle, "_device_job", refuse)
+    monkeypatch.setattr(io_module, "device_buffer", refuse)
     data = torch.arange(1 << 16, dtype=torch.int32)
     path = disk_dir / "partial.bin"
     with with_faults({"kind": "delay", "delay_us": 200_000, "nth": 1}, IOHandle, "threads") as io:

@@ -247,7 +247,7 @@ def test_pinned_memory_is_registered_through_torchs_current_device(
         devices.append(device)
         return bytearray(nbytes)
 
-    monkeypatch.setattr(device_module, "_require_driver", lambda what: None)
+    monkeypatch.setattr(device_module._core, "require_cuda_driver", lambda what: None)
     monkeypatch.setattr(device_module._core, "PinnedMemory", fake_pinned_memory)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -321,15 +321,15 @@ def test_iohandle_registers_each_file_with_cufile_once(disk_dir: Path) -> None:
     File's entry goes at the next lookup, and closing the handle drops them all."""
     with tensortier.IOHandle(gds="auto") as io:
         f = io.open(disk_dir / "c.bin", "w")
-        first = io._device_file(f)  # noqa: SLF001 - the cache is internal
-        assert io._device_file(f) is first  # noqa: SLF001
+        first = io._device.device_file(f)  # noqa: SLF001 - the cache is internal
+        assert io._device.device_file(f) is first  # noqa: SLF001
         other = io.open(disk_dir / "c.bin", "r")
-        assert io._device_file(other) is not first  # noqa: SLF001
+        assert io._device.device_file(other) is not first  # noqa: SLF001
         f.close()
-        assert io._device_file(other) is not None  # noqa: SLF001 - sweeps closed files
-        assert f not in io._device_files  # noqa: SLF001
-        assert other in io._device_files  # noqa: SLF001
-    assert len(io._device_files) == 0  # noqa: SLF001
+        assert io._device.device_file(other) is not None  # noqa: SLF001 - sweeps closed files
+        assert f not in io._device  # noqa: SLF001
+        assert other in io._device  # noqa: SLF001
+    assert len(io._device) == 0  # noqa: SLF001
 
 
 # ---- compat.gds on CPU storages -------------------------------------------------------------

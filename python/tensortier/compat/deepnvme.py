@@ -4,6 +4,7 @@ compatibility page says how misuse is answered and where it differs from DeepNVM
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -86,9 +87,6 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         super().__init__(block_size, queue_depth, single_submit, overlap_events,
                          intra_op_parallelism, **kwargs)
         self._io = IOHandle(**self._engine_settings(), gds=self._GDS)
-        # Per operation started: its future, the memory it moves (a contiguous copy of a
-        # non-contiguous tensor), path, offset, validate, and the tensor a read's copy fills.
-        self._pending: list[tuple[Any, ...]] = []
         # DeepNVMe's handle mutex: held while an operation starts, and by a blocking call to the
         # end of its wait (another thread's wait() cannot take its operation half done).
         self._mutex = threading.Lock()
@@ -186,32 +184,7 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         """Waits for every operation started; returns how many completed. Raises the first
         error (``OSError``, or ``CudaError``/``CuFileError``) after all have finished."""
         with self._mutex:
-            return self._wait_locked()
-
-    def _wait_locked(self) -> int:
-        """wait(), the mutex held. Ctrl-C interrupts it with every operation still pending: the
-        next wait() waits for them, counts them and finishes them (copies, validation)."""
-        for entry in self._pending:
-            try:
-                entry[0].wait()
-            except (OSError, RuntimeError):  # raised below, in order
-                pass
-        pending, self._pending = self._pending, []
-        first: BaseException | None = None
-        for future, buffer, filename, offset, validate, copy_to in pending:
-            try:
-                future.wait()
-                if copy_to is not None:  # a non-contiguous tensor read through a copy
-                    copy_to.copy_(buffer)
-                if validate:  # DeepNVMe's: the file's bytes, through the page cache
-                    host = buffer.detach().cpu()
-                    _core.deepnvme_validate(int(host.data_ptr()), int(host.nbytes), filename,
-                                            offset)
-            except (OSError, RuntimeError) as e:  # RuntimeError: CudaError / CuFileError
-                first = first or e
-        if first is not None:
-            raise first
-        return len(pending)
+            return self._wait_pending()
 
     # ---- pinned ("locked") host tensors -----------------------------------------------------
     def new_cpu_locked_tensor(
@@ -231,7 +204,8 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         too: DeepSpeed has one manager per process), or a tensor starting at its address, and
         returns True: pinned memory is freed now (the tensor, and views of it, must not be used
         afterwards), page-aligned memory with the tensor's last reference. Any other tensor is
-        left alone: False."""
+        left alone: False. Reads and writes that handles started on its memory are waited for
+        first (DeepSpeed's frees the memory under them)."""
         _require_tensor(tensor, "free_cpu_locked_tensor", "tensor")
         return _free_locked(int(tensor.data_ptr()), tensor)
 
@@ -259,7 +233,7 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
             if self._start(op, buffer, filename, file_offset, validate,
                            snapshot=async_op and op == "write") < 0:
                 return -1
-            return 0 if async_op else self._wait_locked()
+            return 0 if async_op else self._wait_pending()
 
     def _start(self, op: str, buffer: Any, filename: str | int, offset: int, validate: bool,
                snapshot: bool = False, descriptor_ok: bool = False) -> int:
@@ -267,14 +241,11 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         (``async_pwrite``'s second overload: every other call takes a name)."""
         what = "pread" if op == "read" else "pwrite"
         _check_tensor(buffer, what)
-        # DeepNVMe's order: pybind11 converts the arguments (TypeError), the file is opened (-1
-        # when it cannot be), and only then is a negative offset used (it aborts; ValueError).
-        _integer(offset, what, "file_offset", -(1 << 63), bits=64)
         # An async_pwrite descriptor stays the caller's: the engine opens its file again.
-        path = _core.deepnvme_file(op, filename, what, descriptor_ok)
-        if path is None:  # DeepNVMe's answer to a file it cannot open or stat (warned)
+        target = _core.deepnvme_target(op, filename, offset, what, descriptor_ok)
+        if target is None:  # DeepNVMe's answer to a file it cannot open or stat (warned)
             return -1
-        offset = _integer(offset, what, "file_offset", 0, bits=64)
+        path, offset = target
         copy_to = None
         if not buffer.is_contiguous():
             # DeepNVMe moves such a tensor through a contiguous bounce buffer, copied in at the
@@ -292,8 +263,23 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         # A read past the end fills what exists.
         future = (self._io.pread_async if op == "read" else self._io.pwrite_async)(
             buffer, path, offset)
-        self._pending.append((future, buffer, path, offset, validate, copy_to))
+        # free_cpu_locked_tensor waits for it.
+        _locked.track(int(buffer.data_ptr()), int(buffer.nbytes), future._op)
+        finish = None
+        if copy_to is not None or validate:
+            finish = functools.partial(_finish, buffer, copy_to, validate, path, offset)
+        self._record(future._op, future, buffer, finish)
         return 0
+
+
+def _finish(buffer: Any, copy_to: Any, validate: bool, path: str, offset: int) -> None:
+    """At wait(): a non-contiguous tensor's read copied out of its contiguous copy, then
+    DeepNVMe's validation (the file's bytes, through the page cache)."""
+    if copy_to is not None:
+        copy_to.copy_(buffer)
+    if validate:
+        host = buffer.detach().cpu()
+        _core.deepnvme_validate(int(host.data_ptr()), int(host.nbytes), path, offset)
 
 
 class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name

@@ -94,28 +94,24 @@ class GdsFile:
         self.flags = flags
         os.close(os.open(self.filename, flags | os.O_CLOEXEC, 0o644))  # create/truncate as asked
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        self._file: Any = _io().open(self.filename, "r+" if writable else "r")
-        # The cuFile registration (or the reason there is none), decided once per file.
-        self._device_file: Any = None
-        # torch's GdsFile registers its handle here; ours is made on the first CUDA transfer,
-        # but the state (registered or not) is torch's.
-        self._registered = True
+        # torch's GdsFile registers its handle here; ours (a DeviceFile: the cuFile registration
+        # or the reason there is none) is made on first use, but the state is torch's.
+        self._state = _core.GdsFileState(_io().open(self.filename, "r+" if writable else "r"),
+                                         self.filename, GdsIOError)
         self.last_path = ""
 
     @property
     def fd(self) -> int:
         """The file's descriptor (torch's ``GdsFile.fd``; opened read-write when `flags` allow
         writing, and with O_DIRECT where the filesystem takes it); -1 once closed, as torch's."""
-        return -1 if self._file is None else int(self._file.fileno())
+        return self._state.fd
 
     @property
     def handle(self) -> Any:
         """The file's cuFile registration (torch's ``GdsFile.handle``), made on first use: an
         opaque object whose ``gds`` says whether GDS serves the file and ``gds_reason`` why not;
         None while not registered (after ``deregister_handle()`` or ``close()``), as torch's."""
-        if not self._registered or self._file is None:
-            return None
-        return self._cufile_handle()
+        return self._state.handle
 
     # torch's GdsFile registers the handle in __init__ and has these two to manage it.
     def register_handle(self) -> None:
@@ -124,13 +120,7 @@ class GdsFile:
         Raises:
             AssertionError: already registered (torch's message).
         """
-        if self._registered:
-            raise AssertionError("Cannot register a handle that is already registered.")
-        if self._file is None:
-            # torch's registers descriptor -1 then: cuFileHandleRegister fails (RuntimeError).
-            raise GdsIOError(errno.EBADF, "cuFileHandleRegister failed: the file is closed",
-                             self.filename)
-        self._registered = True
+        self._state.register_handle()
 
     def deregister_handle(self) -> None:
         """Drops the cuFile registration; transfers raise until ``register_handle()``.
@@ -138,20 +128,17 @@ class GdsFile:
         Raises:
             AssertionError: not registered (torch's message).
         """
-        if not self._registered:
-            raise AssertionError("Cannot deregister a handle that is not registered.")
-        self._registered = False
-        self._device_file = None
+        self._state.deregister_handle()
 
     @property
     def gds(self) -> bool:
         """Whether CUDA transfers of this file go through GDS (registers on first use)."""
-        return bool(self._cufile_handle().gds)
+        return bool(self._state.device_file().gds)
 
     @property
     def gds_reason(self) -> str:
         """Why GDS is not used ('' when it is)."""
-        return str(self._cufile_handle().gds_reason)
+        return str(self._state.device_file().gds_reason)
 
     def load_storage(self, storage: Any, offset: int = 0) -> None:
         """Fills `storage` from the file at `offset` (``storage.nbytes()`` bytes, or what the
@@ -175,11 +162,7 @@ class GdsFile:
     def close(self) -> None:
         """Deregisters the handle and closes the file (also done when the object is collected);
         a second call does nothing."""
-        self._registered = False
-        self._device_file = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._state.close()
 
     def __enter__(self) -> "GdsFile":
         return self
@@ -189,20 +172,12 @@ class GdsFile:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _cufile_handle(self) -> Any:
-        if self._file is None:
-            raise ValueError("GdsFile is closed")
-        if self._device_file is None:
-            self._device_file = _core.DeviceFile(self._file, "auto")
-        return self._device_file
-
     def _transfer(self, op: str, storage: Any, offset: int) -> None:
         import torch
 
         what, verb = ("load_storage", "load data from") if op == "read" else (
             "save_storage", "save data to")
-        if not self._registered or self._file is None:
-            raise AssertionError(f"Cannot {verb} a file that is not registered.")
+        file = self._state.require(verb)
         _check_storage(storage, what)
         offset = _index(offset, f"{what}: offset must be an int")
         # A 1-D uint8 tensor over all of the storage (no copy).
@@ -216,12 +191,12 @@ class GdsFile:
         io = _io()
         try:
             if tensor.device.type != "cuda":
-                (io.pread if op == "read" else io.pwrite)(tensor, self._file, offset)
+                (io.pread if op == "read" else io.pwrite)(tensor, file, offset)
                 self.last_path = "host"
                 return
             db = device_buffer(tensor)  # CudaError without a driver
-            transfer = io._device_transfer()  # noqa: SLF001 - same package
-            target = self._cufile_handle()
+            transfer = io._device.transfer(io._core())  # noqa: SLF001 - same package
+            target = self._state.device_file()
             if op == "read":
                 result = transfer.read(target, offset, nbytes, db.address, db.device, db.stream)
             else:
