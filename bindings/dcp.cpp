@@ -40,12 +40,6 @@ py::tuple Layout(const DcpTensorItem& t) {
                         t.crc32, t.bytes_read, t.conj, t.neg, t.safetensors);
 }
 
-py::list TensorLayouts(const std::vector<DcpTensorItem>& items) {
-  py::list out;
-  for (const auto& t : items) out.append(Layout(t));
-  return out;
-}
-
 // A staging arena lent as a DLPack tensor of its bytes: the arena stays in use while a tensor made
 // from it lives.
 py::object ArenaAsDlpack(std::shared_ptr<StagingArena> arena) {
@@ -99,37 +93,6 @@ void RegisterDcp(py::module_& m) {
       "dcp_block_bytes of a tensor's data; b'' for bytes items). "
       "ValueError naming the item (names[i] where given) for a dtype torch cannot pickle, "
       "OSError naming who ('rank 1'), the step and path (no temporary file left).");
-  m.def(
-      "read_dcp_tensor_items",
-      [](const FsPath& path, const std::vector<std::string>& names,
-         const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
-         const std::vector<std::optional<std::vector<int64_t>>>& shapes,
-         const std::vector<std::string>& fqns) {
-        SameLength(names.size(), {offsets.size(), lengths.size()}, "read_dcp_tensor_items");
-        if (!shapes.empty()) SameLength(names.size(), {shapes.size()}, "read_dcp_tensor_items");
-        if (!fqns.empty()) SameLength(names.size(), {fqns.size()}, "read_dcp_tensor_items");
-        std::vector<DcpTensorItem> items;
-        if (!names.empty()) {
-          py::gil_scoped_release release;
-          const File file = OpenDcpDataFile(path, names, /*direct=*/false);
-          for (size_t i = 0; i < offsets.size(); ++i) {
-            items.push_back(ReadDcpTensorItem(file, names[i], offsets[i], lengths[i],
-                                              shapes.empty() ? std::nullopt : shapes[i],
-                                              fqns.empty() ? std::string() : fqns[i]));
-          }
-        }
-        return TensorLayouts(items);
-      },
-      py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
-      py::arg("shapes") = std::vector<std::optional<std::vector<int64_t>>>{},
-      py::arg("fqns") = std::vector<std::string>{},
-      "The tensor of each torch.save zip (item names[i]) at [offsets[i], offsets[i] + lengths[i]) "
-      "of path, whose shape must be shapes[i] where given (the metadata's chunk sizes), or, where "
-      "fqns[i] is given and the item is no zip, the tensor fqns[i] of the safetensors section at "
-      "offsets[i] (torch's SAFETENSORS serialization): [(dtype, shape, stride, storage_offset, "
-      "data_offset, nbytes, crc32 or None, bytes read to find it, conj, neg, safetensors)]. "
-      "ValueError naming the path, item and byte range for anything but a zip of one plain "
-      "tensor; OSError naming the path and the first item where the file is missing.");
   py::class_<DcpFileReads>(
       m, "DcpFileReads",
       "A rank file a load reads from, and how it reads each item: the bytes of the small items it "
