@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -37,12 +38,6 @@ void SameLength(size_t n, std::initializer_list<size_t> others, const char* fn) 
 py::tuple Layout(const DcpTensorItem& t) {
   return py::make_tuple(t.dtype, t.shape, t.stride, t.storage_offset, t.data_offset, t.nbytes,
                         t.crc32, t.bytes_read, t.conj, t.neg, t.safetensors);
-}
-
-py::list TensorLayouts(const std::vector<DcpTensorItem>& items) {
-  py::list out;
-  for (const auto& t : items) out.append(Layout(t));
-  return out;
 }
 
 // A staging arena lent as a DLPack tensor of its bytes: the arena stays in use while a tensor made
@@ -76,52 +71,28 @@ void RegisterDcp(py::module_& m) {
           py::gil_scoped_release release;
           places = WriteDcpFile(engine, path, std::move(items), direct, who);
         }
-        py::list out;
+        std::vector<uint64_t> flat;
+        uint64_t total = 0;
+        py::list blocks;
         for (const auto& p : places) {
-          out.append(py::make_tuple(p.offset, p.length, p.xxh64, py::bytes(p.block_xxh64)));
+          flat.insert(flat.end(), {p.offset, p.length, p.xxh64});
+          total += p.length;
+          blocks.append(py::bytes(p.block_xxh64));
         }
-        return out;
+        return py::make_tuple(
+            py::bytes(reinterpret_cast<const char*>(flat.data()), flat.size() * sizeof(uint64_t)),
+            total, blocks);
       },
       py::arg("engine"), py::arg("path"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
       py::arg("addresses"), py::arg("direct") = true, py::arg("who") = "",
       py::arg("names") = std::vector<std::string>{},
       "Writes a DCP rank file durably at path: item i is a tensor of dtypes[i] (tensortier's "
       "name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] bytes of host memory at "
-      "addresses[i]. Returns [(offset, length, xxh64, block xxh64s)] per item (the block sums: "
-      "packed little-endian, one per dcp_block_bytes of a tensor's data; b'' for bytes items). "
+      "addresses[i]. Returns (places: offset, length and xxh64 of each item as native uint64s, "
+      "the bytes of all items, [block xxh64s] per item: packed little-endian, one per "
+      "dcp_block_bytes of a tensor's data; b'' for bytes items). "
       "ValueError naming the item (names[i] where given) for a dtype torch cannot pickle, "
       "OSError naming who ('rank 1'), the step and path (no temporary file left).");
-  m.def(
-      "read_dcp_tensor_items",
-      [](const FsPath& path, const std::vector<std::string>& names,
-         const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
-         const std::vector<std::optional<std::vector<int64_t>>>& shapes,
-         const std::vector<std::string>& fqns) {
-        SameLength(names.size(), {offsets.size(), lengths.size()}, "read_dcp_tensor_items");
-        if (!shapes.empty()) SameLength(names.size(), {shapes.size()}, "read_dcp_tensor_items");
-        if (!fqns.empty()) SameLength(names.size(), {fqns.size()}, "read_dcp_tensor_items");
-        std::vector<DcpTensorItem> items;
-        if (!names.empty()) {
-          py::gil_scoped_release release;
-          const File file = OpenDcpDataFile(path, names, /*direct=*/false);
-          for (size_t i = 0; i < offsets.size(); ++i) {
-            items.push_back(ReadDcpTensorItem(file, names[i], offsets[i], lengths[i],
-                                              shapes.empty() ? std::nullopt : shapes[i],
-                                              fqns.empty() ? std::string() : fqns[i]));
-          }
-        }
-        return TensorLayouts(items);
-      },
-      py::arg("path"), py::arg("names"), py::arg("offsets"), py::arg("lengths"),
-      py::arg("shapes") = std::vector<std::optional<std::vector<int64_t>>>{},
-      py::arg("fqns") = std::vector<std::string>{},
-      "The tensor of each torch.save zip (item names[i]) at [offsets[i], offsets[i] + lengths[i]) "
-      "of path, whose shape must be shapes[i] where given (the metadata's chunk sizes), or, where "
-      "fqns[i] is given and the item is no zip, the tensor fqns[i] of the safetensors section at "
-      "offsets[i] (torch's SAFETENSORS serialization): [(dtype, shape, stride, storage_offset, "
-      "data_offset, nbytes, crc32 or None, bytes read to find it, conj, neg, safetensors)]. "
-      "ValueError naming the path, item and byte range for anything but a zip of one plain "
-      "tensor; OSError naming the path and the first item where the file is missing.");
   py::class_<DcpFileReads>(
       m, "DcpFileReads",
       "A rank file a load reads from, and how it reads each item: the bytes of the small items it "
@@ -244,65 +215,65 @@ void RegisterDcp(py::module_& m) {
       "directory; its .metadata, saying whether an unfinished save's files are there), "
       "NotADirectoryError for a file.");
   m.def(
-      "check_dcp_format",
-      [](const py::object& format, const std::string& what) {
-        if (format.is_none()) return;
-        if (!py::isinstance<py::int_>(format) || py::isinstance<py::bool_>(format)) {
-          throw std::invalid_argument(
-              StrCat(what, ": tensortier_format is a ",
-                     py::str(py::type::of(format).attr("__name__")).cast<std::string>(),
-                     ", not a format version"));
+      "check_dcp_metadata",
+      [](const FsPath& dir, const py::object& format, const py::list& relative_paths,
+         const std::string& what) {
+        auto type_name = [](const py::handle& v) {
+          return py::str(py::type::of(v).attr("__name__")).cast<std::string>();
+        };
+        if (!format.is_none()) {
+          if (!py::isinstance<py::int_>(format) || py::isinstance<py::bool_>(format)) {
+            throw std::invalid_argument(StrCat(what, ": tensortier_format is a ",
+                                               type_name(format), ", not a format version"));
+          }
+          CheckDcpFormat(format.cast<int64_t>(), what);
         }
-        CheckDcpFormat(format.cast<int64_t>(), what);
-      },
-      py::arg("format"), py::arg("what"),
-      "Refuses (ValueError naming `what`, the version found and the one read) a "
-      "tensortier_format newer than this build's DCP format (dcp_format), or not an integer; "
-      "None (torch's files) passes.");
-  m.def(
-      "check_dcp_data_files",
-      [](const py::list& relative_paths, const std::string& what) {
+        std::set<std::string> files;
         for (const py::handle& p : relative_paths) {
           if (!py::isinstance<py::str>(p)) {
-            throw std::invalid_argument(StrCat(
-                what, ": a data file named by a ",
-                py::str(py::type::of(p).attr("__name__")).cast<std::string>(), ", not a str"));
+            throw std::invalid_argument(
+                StrCat(what, ": a data file named by a ", type_name(p), ", not a str"));
           }
-          CheckDcpDataFileName(p.cast<std::string>(), what);
+          std::string name = p.cast<std::string>();
+          CheckDcpDataFileName(name, what);
+          files.insert(std::move(name));
         }
-      },
-      py::arg("relative_paths"), py::arg("what"),
-      "Refuses (ValueError naming `what` and the path) a data file path of the metadata that is "
-      "not a plain file name inside the checkpoint directory ('../x', 'a/b', '.x', '').");
-  m.def(
-      "check_dcp_data_files_present",
-      [](const FsPath& dir, const std::vector<std::string>& relative_paths) {
+        const std::vector<std::string> sorted(files.begin(), files.end());
         py::gil_scoped_release release;
-        CheckDcpDataFilesPresent(dir, relative_paths);
+        CheckDcpDataFilesPresent(dir, sorted);
       },
-      py::arg("dir"), py::arg("relative_paths"),
-      "Refuses (FileNotFoundError naming dir/.metadata and the files) a metadata naming data files "
-      "that are not in dir, saying when it is stale (the directory holds data files of another "
-      "save).");
+      py::arg("dir"), py::arg("format"), py::arg("relative_paths"), py::arg("what"),
+      "Refuses a DCP .metadata (`what`) of dir whose tensortier_format (None: torch's files) is "
+      "newer than this build's DCP format (dcp_format) or not an integer (ValueError naming the "
+      "version found and the one read), that names a data file (relative_paths: its "
+      "_StorageInfos') by anything but a plain file name inside dir ('../x', 'a/b', '.x', ''; "
+      "ValueError naming the path), or names files that are not in dir (FileNotFoundError "
+      "naming the files, saying when it is stale: dir holds data files of another save).");
+  m.def("dcp_metadata_global_allowed", &IsDcpMetadataGlobal, py::arg("module"), py::arg("name"),
+        "Whether a DCP .metadata may name global module.name (dcp_metadata.hpp): what the CLI's "
+        "reader allows; of torch's lowercase names, the caller takes only dtypes, layouts and "
+        "memory formats.");
   m.def("check_dcp_chunks_cover", &CheckDcpChunksCover, py::arg("name"), py::arg("size"),
         py::arg("offsets"), py::arg("sizes"), py::arg("what"),
         "Refuses (ValueError naming `what` and the tensor) chunks that lie outside the tensor's "
         "size or do not hold all of its elements (data no file has).");
   m.def(
       "take_staging_arena",
-      [](size_t nbytes, std::optional<int> pinned_device) {
+      [](const std::vector<std::optional<uint64_t>>& nbytes, std::optional<int> pinned_device) {
+        StagingLayout layout = LayOutStaging(nbytes);
         std::shared_ptr<StagingArena> arena;
         {
           py::gil_scoped_release release;  // faulting in or registering gigabytes
-          arena = StagingArenas::Process().Take(nbytes, pinned_device);
+          arena = StagingArenas::Process().Take(layout.size, pinned_device);
         }
         const auto address = reinterpret_cast<uintptr_t>(arena->data());
-        return py::make_tuple(address, ArenaAsDlpack(std::move(arena)));
+        return py::make_tuple(address, ArenaAsDlpack(std::move(arena)), layout.offsets);
       },
       py::arg("nbytes"), py::arg("pinned_device"),
-      "(address, DLPack capsule of its bytes) of a free staging arena of nbytes or more, pinned "
-      "for CUDA device pinned_device where it is not None (staging_arenas.hpp): in use until "
-      "staging_arenas_written names it or no tensor made from the capsule lives.");
+      "(address, DLPack capsule of its bytes, offsets) of a free staging arena for tensors of "
+      "nbytes[i] bytes (None: not staged in it; offsets[i]: where tensor i goes, None for those), "
+      "pinned for CUDA device pinned_device where it is not None (staging_arenas.hpp): in use "
+      "until staging_arenas_written names it or no tensor made from the capsule lives.");
   m.def(
       "staging_arenas_written",
       [](const std::vector<uintptr_t>& addresses) {

@@ -15,17 +15,8 @@ import torch
 from . import _core
 from ._runtime import dtype_names, gc_paused, quantized_dtypes
 
-# Tensors of a page or more start on a page of the arena (written with O_DIRECT straight from
-# it); smaller ones on 64 bytes (every dtype's alignment).
-_PAGE = 4096
-_SMALL_ALIGN = 64
 # Threads that copy a state dict into its arena.
 _COPY_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
-
-
-def arena_count() -> int:
-    """How many arenas this process keeps (in use or free)."""
-    return int(_core.staging_arena_count())
 
 
 class _Slot:
@@ -54,28 +45,15 @@ def stage(state_dict: Any) -> Any:
     with torch.no_grad(), gc_paused():
         shaped = _collect(state_dict, sources, dtensor)
         storable = _storable_dtypes()
-        # The arena's layout: each stageable tensor's offset (None: staged by torch, and
-        # refused by the save where it must be).
-        offsets: list[int | None] = []
-        sizes: list[int] = []
-        size = 0
-        pinned_device = None
-        for t in sources:
-            if t.dtype not in storable or t.layout != torch.strided or not (t.is_cpu or t.is_cuda):
-                offsets.append(None)
-                sizes.append(0)
-                continue
-            if t.is_cuda and pinned_device is None:
-                pinned_device = t.device.index if t.device.index is not None else \
-                    torch.cuda.current_device()
-            n = t.numel() * t.dtype.itemsize
-            align = _PAGE if n >= _PAGE else _SMALL_ALIGN
-            size = -(-size // align) * align
-            offsets.append(size)
-            sizes.append(n)
-            size += n
+        # Each stageable tensor's bytes (None: staged by torch, and refused by the save where it
+        # must be); the arena is pinned for the first CUDA tensor's device.
+        sizes = [t.numel() * t.dtype.itemsize if t.dtype in storable and t.layout == torch.strided
+                 and (t.is_cpu or t.is_cuda) else None for t in sources]
+        pinned_device = next((torch.cuda.current_device() if t.device.index is None
+                              else t.device.index for t, n in zip(sources, sizes)
+                              if n is not None and t.is_cuda), None)
         # The arena is in use while a tensor made from its capsule (each staged one) lives.
-        address, capsule = _core.take_staging_arena(-(-size // _PAGE) * _PAGE, pinned_device)
+        address, capsule, offsets = _core.take_staging_arena(sizes, pinned_device)
         memory = torch.from_dlpack(capsule)
         bases: dict[Any, Any] = {}  # the arena as a flat tensor of each dtype
         staged: list[Any] = []

@@ -5,11 +5,10 @@ docs/checkpoints.md)."""
 from __future__ import annotations
 
 import array
-import collections
 import dataclasses
+import importlib
 import io
 import os
-import pathlib
 import pickle
 import uuid
 from typing import Any
@@ -36,7 +35,7 @@ from ._runtime import default_io, dtype_names, gc_paused, quantized_dtypes, torc
 __all__ = ["Reader", "Writer"]
 
 _METADATA = ".metadata"
-# The key of the one WriteResult each rank's write_data returns (_rank_writes).
+# The key of the one WriteResult each rank's write_data returns.
 _RANK_WRITES = "tensortier: the rank's items"
 _VERSION = "1.0.0"  # DCP's CURRENT_DCP_VERSION for this layout
 # tensortier's own format (the items' xxh64s and layout), stored as the StorageMeta attribute
@@ -56,37 +55,17 @@ def _item_name(index: _md.MetadataIndex) -> str:
         else index.fqn
 
 
-def _write_source(item: Any, planner: SavePlanner, state_dict: dict[str, Any] | None
-                  ) -> tuple[str, Any]:
-    """(tensortier's dtype name, or "" for a bytes item; the tensor or the bytes as a uint8
-    tensor) of a write item. TypeError naming the item for what cannot be saved: a dtype
-    tensortier cannot store (quantized tensors...), a value that does not pickle (a lambda, an
-    open file). `state_dict`: the default planner's (flattened) state dict, where its plain
-    tensors are looked up directly (see _default_lookup)."""
-    if item.type == WriteItemType.BYTE_IO:
-        try:
-            data = planner.resolve_data(item)
-        except Exception as e:
-            raise TypeError(f"{_item_name(item.index)}: cannot be saved: pickling it failed ({type(e).__name__}: "
-                            f"{e}); store tensors, numbers, strings, lists or dicts") from e
-        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
-            torch.empty(0, dtype=torch.uint8)
-        return "", t
-    # A plain tensor is its item's data: the default planner gives it one item, at offset 0.
-    t = state_dict.get(item.index.fqn) if state_dict is not None else None
-    if type(t) is not torch.Tensor:
-        t = planner.resolve_data(item)  # a DTensor's shard, a tensor subclass...
-    t = t.detach()
-    meta = t.device.type == "meta"
-    dt = None if t.layout != torch.strided or meta else dtype_names().get(t.dtype)
-    if dt is None or t.dtype in quantized_dtypes():
-        kind = t.layout if t.layout != torch.strided else "meta" if meta else t.dtype
-        raise TypeError(f"{_item_name(item.index)}: tensors of {kind} cannot be saved by "
-                        "tensortier.dcp (dense tensors of torch's plain dtypes only)")
-    if t.device.type == "cpu" and (not t.is_contiguous() or t.is_conj() or t.is_neg()):
-        t = t.resolve_conj().resolve_neg().contiguous()
-    return dt, t
+def _pickled(item: Any, planner: SavePlanner) -> Any:
+    """A bytes item's pickle as a uint8 tensor. TypeError naming the item for a value that does
+    not pickle (a lambda, an open file)."""
+    try:
+        data = planner.resolve_data(item)
+    except Exception as e:
+        raise TypeError(f"{_item_name(item.index)}: cannot be saved: pickling it failed ({type(e).__name__}: "
+                        f"{e}); store tensors, numbers, strings, lists or dicts") from e
+    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+        torch.empty(0, dtype=torch.uint8)
 
 
 def _default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
@@ -102,9 +81,10 @@ def _default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
 
 
 def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], list[Any]]:
-    """(dtype names, host tensors or bytes) of the write items (see _write_source); plain
-    contiguous CPU tensors of the default planner's state dict taken as they are, without a
-    call per item. CUDA tensors are staged into a pinned host arena."""
+    """(tensortier's dtype names, "" for a bytes item; host tensors, the bytes as uint8 tensors)
+    of the write items. TypeError naming the item for what cannot be saved: a dtype tensortier
+    cannot store (quantized tensors...), a value that does not pickle. CUDA tensors are staged
+    into a pinned host arena."""
     lookup = _default_lookup(planner)
     names = dtype_names()
     quantized = quantized_dtypes()
@@ -112,18 +92,23 @@ def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], l
     tensors: list[Any] = []
     on_device: list[int] = []
     for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            dtypes.append("")
+            tensors.append(_pickled(item, planner))
+            continue
+        # A plain tensor is its item's data: the default planner gives it one item, at offset 0.
         t = lookup.get(item.index.fqn) if lookup is not None else None
-        if (type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided
-                and t.dtype not in quantized and t.is_contiguous() and not t.is_conj()
-                and not t.is_neg() and item.type != WriteItemType.BYTE_IO):
-            dt = names.get(t.dtype)
-            if dt is not None:
-                dtypes.append(dt)
-                tensors.append(t)
-                continue
-        dt, t = _write_source(item, planner, lookup)
-        if t.device.type != "cpu":
+        if type(t) is not torch.Tensor:
+            t = planner.resolve_data(item).detach()  # a DTensor's shard, a tensor subclass...
+        dt = names.get(t.dtype) if t.layout == torch.strided and not t.is_meta else None
+        if dt is None or t.dtype in quantized:
+            kind = t.layout if t.layout != torch.strided else "meta" if t.is_meta else t.dtype
+            raise TypeError(f"{_item_name(item.index)}: tensors of {kind} cannot be saved by "
+                            "tensortier.dcp (dense tensors of torch's plain dtypes only)")
+        if not t.is_cpu:
             on_device.append(len(tensors))
+        elif not t.is_contiguous() or t.is_conj() or t.is_neg():
+            t = t.detach().resolve_conj().resolve_neg().contiguous()
         dtypes.append(dt)
         tensors.append(t)
     if on_device:
@@ -132,22 +117,8 @@ def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], l
     return dtypes, tensors
 
 
-def _rank_writes(name: str, items: list[Any], places: list[Any]) -> WriteResult:
-    """The one WriteResult of a rank's `items` written to file `name` at `places`: through DCP's
-    gather of results it pickles as a few lists and bytes, not one WriteResult, MetadataIndex and
-    _StorageInfo per item; ``finish`` expands it (_stored_items)."""
-    flat = array.array("Q", [v for p in places for v in p[:3]])  # offset, length, xxh64
-    return WriteResult(index=_md.MetadataIndex(_RANK_WRITES),
-                       size_in_bytes=sum(p[1] for p in places),
-                       storage_data=(name, [i.index.fqn for i in items],
-                                     [None if i.index.offset is None else tuple(i.index.offset)
-                                      for i in items],
-                                     [i.index.index for i in items], flat.tobytes(),
-                                     [p[3] for p in places]))
-
-
 def _stored_items(writes: tuple[Any, ...]) -> dict[Any, Any]:
-    """MetadataIndex -> _StorageInfo (with its xxh64) of each item of a _rank_writes result."""
+    """MetadataIndex -> _StorageInfo (with its xxh64) of each item of a rank's WriteResult."""
     path, fqns, offsets, indices, places, blocks = writes
     flat = array.array("Q")
     flat.frombytes(places)
@@ -219,12 +190,18 @@ class Writer(StorageWriter, AsyncStager):
             nbytes = [t.nbytes for t in tensors]
             addresses = [t.data_ptr() for t in tensors]
             fqns = [item.index.fqn for item in plan.items]
-        places = _core.write_dcp_file(default_io()._core(), os.path.join(self.path, name),
-                                      dtypes, shapes, nbytes, addresses, self.direct,
-                                      f"rank {self.rank}", fqns)
+        places, size, blocks = _core.write_dcp_file(
+            default_io()._core(), os.path.join(self.path, name), dtypes, shapes, nbytes,
+            addresses, self.direct, f"rank {self.rank}", fqns)
         _core.staging_arenas_written(addresses)  # the next stage may reuse them
+        # Through DCP's gather of results this pickles as a few lists and bytes, not one
+        # WriteResult, MetadataIndex and _StorageInfo per item; ``finish`` expands it.
         with gc_paused():
-            return _done([_rank_writes(name, plan.items, places)])
+            return _done([WriteResult(
+                index=_md.MetadataIndex(_RANK_WRITES), size_in_bytes=size,
+                storage_data=(name, fqns, [None if i.index.offset is None else
+                                           tuple(i.index.offset) for i in plan.items],
+                              [i.index.index for i in plan.items], places, blocks))])
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``dcp.async_save``'s staging step (DCP's ``AsyncStager``): a copy of `state_dict`
@@ -279,44 +256,16 @@ class _MetadataUnpickler(pickle.Unpickler):
     (os.system, builtins.eval...) is refused before it is called. torch's own weights_only
     unpickler reads only protocol 2, and DCP pickles its metadata with protocol 4."""
 
-    _modules = {_md.__name__: _md, _fs.__name__: _fs}
-    _classes = {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-                "MetadataIndex", "StorageMeta", "_StorageInfo"}
-
     def find_class(self, module: str, name: str) -> Any:
-        if module in self._modules and name in self._classes:
-            return getattr(self._modules[module], name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if value is torch.Size or isinstance(value, (torch.dtype, torch.layout,
-                                                         torch.memory_format)):
+        if _core.dcp_metadata_global_allowed(module, name):  # the CLI's reader's rule
+            value = getattr(importlib.import_module(module), name, None)
+            if module != "torch" or value is torch.Size or isinstance(
+                    value, (torch.dtype, torch.layout, torch.memory_format)):
                 return value
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if (module, name) == ("torch.serialization", "_get_layout"):  # a layout by its name
-            return torch.serialization._get_layout
-        if (module, name) == ("pathlib", "PosixPath"):  # torch's writer's checkpoint id
-            return pathlib.PosixPath
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
-
-
-def _load_metadata(data: bytes, path: str) -> _md.Metadata:
-    """The checkpoint's metadata, unpickled by ``_MetadataUnpickler``."""
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as e:
-        raise ValueError(f"{path}: not a DCP metadata file this reader accepts ({e})") from e
-    if not isinstance(md, _md.Metadata) or not isinstance(md.storage_data, dict):
-        raise ValueError(f"{path}: holds {type(md).__name__}, not DCP metadata with storage data")
-    _core.check_dcp_format(getattr(getattr(md, "storage_meta", None), "tensortier_format", None),
-                           path)
-    _core.check_dcp_data_files(
-        [getattr(s, "relative_path", None) for s in md.storage_data.values()], path)
-    return md
 
 
 class Reader(StorageReader):
@@ -370,9 +319,17 @@ class Reader(StorageReader):
         newer tensortier. (``dcp.load`` reports these inside an AssertionError or a
         CheckpointException.)"""
         path = os.path.join(self.path, _METADATA)
-        md = _load_metadata(_core.read_dcp_metadata_bytes(self.path), path)
-        _core.check_dcp_data_files_present(
-            self.path, sorted({s.relative_path for s in md.storage_data.values()}))
+        data = _core.read_dcp_metadata_bytes(self.path)
+        try:
+            md = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:
+            raise ValueError(f"{path}: not a DCP metadata file this reader accepts ({e})") from e
+        if not isinstance(md, _md.Metadata) or not isinstance(md.storage_data, dict):
+            raise ValueError(
+                f"{path}: holds {type(md).__name__}, not DCP metadata with storage data")
+        _core.check_dcp_metadata(
+            self.path, getattr(getattr(md, "storage_meta", None), "tensortier_format", None),
+            [getattr(s, "relative_path", None) for s in md.storage_data.values()], path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = _md.StorageMeta()
         md.storage_meta.load_id = uuid.uuid4().hex
@@ -384,16 +341,14 @@ class Reader(StorageReader):
         tensors stored in the data files). ValueError for a tensor whose chunks do not hold all
         of its elements (a load would leave the rest as it was)."""
         what = os.path.join(self.path, _METADATA)
+        self.chunk_sizes = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, _md.TensorStorageMetadata):
-                _core.check_dcp_chunks_cover(fqn, list(md.size),
-                                             [list(c.offsets) for c in md.chunks],
-                                             [list(c.sizes) for c in md.chunks], what)
+                offsets = [list(c.offsets) for c in md.chunks]
+                sizes = [list(c.sizes) for c in md.chunks]
+                _core.check_dcp_chunks_cover(fqn, list(md.size), offsets, sizes, what)
+                self.chunk_sizes.update(((fqn, tuple(o)), z) for o, z in zip(offsets, sizes))
         self.storage_data = metadata.storage_data
-        self.chunk_sizes = {
-            (fqn, tuple(c.offsets)): list(c.sizes)
-            for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, _md.TensorStorageMetadata) for c in md.chunks}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """The plan, unchanged."""

@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 
+#include "tensortier/checkpoint/pickle_machine.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
@@ -22,335 +23,52 @@ constexpr uint64_t kMaxMetadataBytes = 1ull << 30;
 constexpr const char* kMetadataModule = "torch.distributed.checkpoint.metadata";
 constexpr const char* kFilesystemModule = "torch.distributed.checkpoint.filesystem";
 
-// A value of the pickle: containers and objects refer to others by index.
-struct Node {
-  enum Kind {
-    kNone,
-    kBool,
-    kInt,
-    kFloat,
-    kStr,
-    kBytes,
-    kTuple,
-    kList,
-    kDict,
-    kSet,
-    kGlobal,
-    kObject,
-    kMark
-  };
-  Kind kind = kNone;
-  int64_t i = 0;
-  std::string s;                // str, bytes; a global's or an object's "module.name"
-  std::vector<uint32_t> items;  // tuple, list, set; dict: key, value, key, value...; object: args
-  uint32_t state = UINT32_MAX;  // object: what BUILD set
-};
+using Kind = PickleKind;
+using Node = PickleValue;
 
-class Machine {
+// The restricted pickle machine of the metadata (pickle_machine.hpp): it builds an object for
+// each call of an allowed class and keeps what BUILD gives it as its state.
+class Machine : public PickleMachine {
  public:
-  Machine(std::string_view data, const std::string& what) : data_(data), what_(what) {}
+  // Every value costs at least one byte of input: their count is bounded by the input's size.
+  Machine(std::string_view data, const std::string& what)
+      : PickleMachine(data, data.size() + 16, data.size() + 16, /*extended=*/true), what_(what) {}
 
-  uint32_t Run() {
-    while (true) {
-      const auto op = static_cast<unsigned char>(Byte());
-      switch (op) {
-        case 0x80:
-          Byte();
-          break;  // PROTO
-        case 0x95:
-          Take(8);
-          break;  // FRAME
-        case '.':
-          return Pop();  // STOP
-        case '(':
-          marks_.push_back(stack_.size());
-          break;  // MARK
-        case ')':
-          Push(New(Node::kTuple));
-          break;
-        case ']':
-          Push(New(Node::kList));
-          break;
-        case '}':
-          Push(New(Node::kDict));
-          break;
-        case 0x8f:
-          Push(New(Node::kSet));
-          break;
-        case 't':
-        case 'l':
-        case 'd':
-        case 0x91: {  // TUPLE, LIST, DICT, FROZENSET
-          std::vector<uint32_t> items = PopMark();
-          if (op == 'd' && items.size() % 2 != 0) Fail("DICT of an odd count");
-          const Node::Kind k = op == 't'   ? Node::kTuple
-                               : op == 'l' ? Node::kList
-                               : op == 'd' ? Node::kDict
-                                           : Node::kSet;
-          const uint32_t n = New(k);
-          nodes_[n].items = std::move(items);
-          Push(n);
-          break;
-        }
-        case 0x85:
-        case 0x86:
-        case 0x87: {  // TUPLE1..3
-          const size_t count = op - 0x84;
-          if (stack_.size() < count + Floor()) Fail("stack underflow");
-          const uint32_t n = New(Node::kTuple);
-          nodes_[n].items.assign(stack_.end() - static_cast<long>(count), stack_.end());
-          stack_.resize(stack_.size() - count);
-          Push(n);
-          break;
-        }
-        case 'a': {  // APPEND
-          const uint32_t v = Pop();
-          Container(Top(), Node::kList).items.push_back(v);
-          break;
-        }
-        case 'e':
-        case 0x90: {  // APPENDS, ADDITEMS
-          std::vector<uint32_t> items = PopMark();
-          auto& c = Container(Top(), op == 'e' ? Node::kList : Node::kSet).items;
-          c.insert(c.end(), items.begin(), items.end());
-          break;
-        }
-        case 's': {  // SETITEM
-          const uint32_t v = Pop();
-          const uint32_t k = Pop();
-          auto& d = Container(Top(), Node::kDict).items;
-          d.push_back(k);
-          d.push_back(v);
-          break;
-        }
-        case 'u': {  // SETITEMS
-          std::vector<uint32_t> items = PopMark();
-          if (items.size() % 2 != 0) Fail("SETITEMS of an odd count");
-          auto& d = Container(Top(), Node::kDict).items;
-          d.insert(d.end(), items.begin(), items.end());
-          break;
-        }
-        case 'N':
-          Push(New(Node::kNone));
-          break;
-        case 0x88:
-        case 0x89:
-          Push(Int(op == 0x88, Node::kBool));
-          break;
-        case 'K':
-          Push(Int(Le(1)));
-          break;
-        case 'M':
-          Push(Int(Le(2)));
-          break;
-        case 'J':
-          Push(Int(static_cast<int32_t>(Le(4))));
-          break;
-        case 0x8a:
-        case 0x8b: {  // LONG1, LONG4
-          const uint64_t n = Le(op == 0x8a ? 1 : 4);
-          if (n > 9) Fail("an integer wider than 64 bits");
-          const std::string_view b = Take(n);
-          // 9 bytes: an unsigned 64-bit value (an xxh64) and its sign byte, kept as its bits.
-          if (n == 9 && b[8] != 0) Fail("an integer wider than 64 bits");
-          uint64_t v = 0;
-          for (size_t k = 0; k < std::min<uint64_t>(n, 8); ++k) {
-            v |= uint64_t{static_cast<unsigned char>(b[k])} << (8 * k);
-          }
-          if (n > 0 && n < 8 && (static_cast<unsigned char>(b[n - 1]) & 0x80)) v -= 1ull << (8 * n);
-          Push(Int(static_cast<int64_t>(v)));
-          break;
-        }
-        case 'G':
-          Take(8);
-          Push(New(Node::kFloat));
-          break;  // BINFLOAT: not needed
-        case 'X':
-          Push(Text(Node::kStr, Le(4)));
-          break;
-        case 0x8c:
-          Push(Text(Node::kStr, Le(1)));
-          break;
-        case 0x8d:
-          Push(Text(Node::kStr, Le(8)));
-          break;
-        case 'C':
-        case 'U':
-          Push(Text(Node::kBytes, Le(1)));
-          break;
-        case 'B':
-        case 'T':
-          Push(Text(Node::kBytes, Le(4)));
-          break;
-        case 0x8e:
-          Push(Text(Node::kBytes, Le(8)));
-          break;
-        case 'q':
-          Memo(Le(1));
-          break;
-        case 'r':
-          Memo(Le(4));
-          break;
-        case 0x94:
-          Memo(memo_.size());
-          break;  // MEMOIZE
-        case 'h':
-        case 'j': {  // BINGET, LONG_BINGET
-          const auto it = memo_.find(Le(op == 'h' ? 1 : 4));
-          if (it == memo_.end()) Fail("a memo entry read before it was written");
-          Push(it->second);
-          break;
-        }
-        case 'c': {  // GLOBAL
-          std::string module = Line();
-          Push(Global(module, Line()));
-          break;
-        }
-        case 0x93: {  // STACK_GLOBAL
-          const uint32_t name = Pop();
-          const uint32_t module = Pop();
-          if (nodes_[name].kind != Node::kStr || nodes_[module].kind != Node::kStr) {
-            Fail("STACK_GLOBAL of non-strings");
-          }
-          Push(Global(nodes_[module].s, nodes_[name].s));
-          break;
-        }
-        case 0x81:
-        case 'R': {  // NEWOBJ, REDUCE
-          const uint32_t args = Pop();
-          const uint32_t cls = Pop();
-          if (nodes_[cls].kind != Node::kGlobal || nodes_[args].kind != Node::kTuple) {
-            Fail("a call of something not a class");
-          }
-          const uint32_t n = New(Node::kObject);
-          nodes_[n].s = nodes_[cls].s;
-          nodes_[n].items = nodes_[args].items;
-          Push(n);
-          break;
-        }
-        case 'b': {  // BUILD
-          const uint32_t state = Pop();
-          Node& obj = nodes_[Top()];
-          if (obj.kind != Node::kObject) Fail("BUILD of something not an object");
-          obj.state = state;
-          break;
-        }
-        case '0':
-          Pop();
-          break;
-        case '1':
-          PopMark();
-          break;
-        case '2':
-          Push(Top());
-          break;
-        default:
-          Fail(StrCat("opcode 0x", Hex2(op), " is not allowed"));
-      }
-    }
-  }
-
-  const Node& at(uint32_t i) const { return nodes_.at(i); }
-  [[noreturn]] void Fail(const std::string& why) const {
-    throw FormatError(
-        StrCat(what_, ": not DCP metadata this reader accepts (", why, " at byte ", pos_, ")"));
-  }
+  uint32_t Run() { return Execute(); }
 
  private:
-  static std::string Hex2(unsigned v) {
-    const char* d = "0123456789abcdef";
-    return {d[v >> 4], d[v & 15]};
+  std::string Describe(std::string_view why) const override {
+    return StrCat(what_, ": not DCP metadata this reader accepts (", why, " at byte ", op_pos_,
+                  ")");
   }
-  char Byte() { return Take(1)[0]; }
-  std::string_view Take(uint64_t n) {
-    if (n > data_.size() - pos_) Fail("the pickle ends early");
-    const std::string_view s = data_.substr(pos_, n);
-    pos_ += n;
-    return s;
+  void CheckGlobal(const std::string& module, const std::string& name) override {
+    if (!IsDcpMetadataGlobal(module, name)) {
+      Fail(StrCat("global ", module, ".", name, " is not allowed"));
+    }
   }
-  uint64_t Le(int n) {
-    const std::string_view b = Take(n);
+  uint32_t Call(uint32_t cls, uint32_t args, bool) override {
+    if (values_[cls].kind != Kind::kGlobal || values_[args].kind != Kind::kTuple) {
+      Fail("a call of something not a class");
+    }
+    Node n;
+    n.kind = Kind::kObject;
+    n.s = values_[cls].s;
+    n.items = values_[args].items;
+    return New(std::move(n));
+  }
+  void Build(uint32_t target, uint32_t state) override {
+    if (values_[target].kind != Kind::kObject) Fail("BUILD of something not an object");
+    values_[target].state = state;
+  }
+  // 9 bytes: an unsigned 64-bit value (an xxh64) and its sign byte, kept as its bits.
+  uint32_t WideInt(std::string_view b) override {
+    if (b.size() != 9 || b[8] != 0) Fail("an integer wider than 64 bits");
     uint64_t v = 0;
-    for (int k = 0; k < n; ++k) v |= uint64_t{static_cast<unsigned char>(b[k])} << (8 * k);
-    return v;
-  }
-  std::string Line() {
-    const size_t end = data_.find('\n', pos_);
-    if (end == std::string_view::npos) Fail("the pickle ends early");
-    std::string s(data_.substr(pos_, end - pos_));
-    pos_ = end + 1;
-    return s;
-  }
-  uint32_t New(Node::Kind kind) {
-    // Every node costs at least one byte of input: the count is bounded by the input's size.
-    if (nodes_.size() > data_.size() + 16) Fail("more values than the pickle has bytes");
-    nodes_.push_back(Node{});
-    nodes_.back().kind = kind;
-    return static_cast<uint32_t>(nodes_.size() - 1);
-  }
-  uint32_t Int(int64_t v, Node::Kind kind = Node::kInt) {
-    const uint32_t n = New(kind);
-    nodes_[n].i = v;
-    return n;
-  }
-  uint32_t Text(Node::Kind kind, uint64_t n) {
-    const uint32_t node = New(kind);
-    nodes_[node].s = std::string(Take(n));
-    return node;
-  }
-  uint32_t Global(const std::string& module, const std::string& name) {
-    static const std::set<std::string> kClasses = {
-        "Metadata",         "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "_MEM_FORMAT_ENCODING",  "MetadataIndex",        "StorageMeta"};
-    const bool allowed =
-        (module == kMetadataModule && kClasses.contains(name)) ||
-        (module == kFilesystemModule && name == "_StorageInfo") ||
-        (module == "collections" && name == "OrderedDict") ||
-        (module == "torch" &&
-         name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") == std::string::npos) ||
-        (module == "torch" && name == "Size") ||
-        (module == "torch.serialization" && name == "_get_layout") ||
-        (module == "pathlib" && (name == "PosixPath" || name == "PurePosixPath"));
-    if (!allowed) Fail(StrCat("global ", module, ".", name, " is not allowed"));
-    const uint32_t n = New(Node::kGlobal);
-    nodes_[n].s = StrCat(module, ".", name);
-    return n;
-  }
-  void Memo(uint64_t index) {
-    if (memo_.size() > data_.size()) Fail("memo larger than the pickle");
-    memo_[index] = Top();
-  }
-  size_t Floor() const { return marks_.empty() ? 0 : marks_.back(); }
-  void Push(uint32_t n) { stack_.push_back(n); }
-  uint32_t Top() const {
-    if (stack_.size() <= Floor()) Fail("stack underflow");
-    return stack_.back();
-  }
-  uint32_t Pop() {
-    const uint32_t n = Top();
-    stack_.pop_back();
-    return n;
-  }
-  std::vector<uint32_t> PopMark() {
-    if (marks_.empty()) Fail("no mark");
-    const size_t m = marks_.back();
-    marks_.pop_back();
-    std::vector<uint32_t> items(stack_.begin() + static_cast<long>(m), stack_.end());
-    stack_.resize(m);
-    return items;
-  }
-  Node& Container(uint32_t n, Node::Kind kind) {
-    if (nodes_[n].kind != kind) Fail("an item added to the wrong kind of container");
-    return nodes_[n];
+    for (size_t k = 0; k < 8; ++k) v |= uint64_t{static_cast<unsigned char>(b[k])} << (8 * k);
+    return Scalar(Kind::kInt, static_cast<int64_t>(v));
   }
 
-  std::string_view data_;
   const std::string& what_;
-  size_t pos_ = 0;
-  std::vector<Node> nodes_;
-  std::vector<uint32_t> stack_;
-  std::vector<size_t> marks_;
-  std::map<uint64_t, uint32_t> memo_;
 };
 
 // Reads the values the metadata's objects hold.
@@ -362,29 +80,29 @@ class Walker {
   // nullopt where it has none.
   std::optional<uint32_t> Attr(uint32_t obj, const std::string& cls, const std::string& key) {
     const Node& o = m_.at(obj);
-    if (o.kind != Node::kObject || o.s != cls) m_.Fail(StrCat("expected a ", cls));
+    if (o.kind != Kind::kObject || o.s != cls) m_.Fail(StrCat("expected a ", cls));
     if (o.state == UINT32_MAX) return std::nullopt;
     const Node& state = m_.at(o.state);
-    if (state.kind != Node::kDict) m_.Fail(StrCat("a ", cls, " without a dict of attributes"));
+    if (state.kind != Kind::kDict) m_.Fail(StrCat("a ", cls, " without a dict of attributes"));
     for (size_t k = 0; k + 1 < state.items.size(); k += 2) {
       const Node& name = m_.at(state.items[k]);
-      if (name.kind == Node::kStr && name.s == key) return state.items[k + 1];
+      if (name.kind == Kind::kStr && name.s == key) return state.items[k + 1];
     }
     return std::nullopt;
   }
-  const Node& Need(std::optional<uint32_t> v, Node::Kind kind, const std::string& what) {
+  const Node& Need(std::optional<uint32_t> v, Kind kind, const std::string& what) {
     if (!v || m_.at(*v).kind != kind) m_.Fail(StrCat(what, " missing or of the wrong type"));
     return m_.at(*v);
   }
   uint64_t Unsigned(std::optional<uint32_t> v, const std::string& what) {
-    const Node& n = Need(v, Node::kInt, what);
+    const Node& n = Need(v, Kind::kInt, what);
     if (n.i < 0) m_.Fail(StrCat(what, " is negative"));
     return static_cast<uint64_t>(n.i);
   }
   // A torch.Size's values.
   std::vector<int64_t> SizeValues(uint32_t v) {
     const Node& size = m_.at(v);
-    if (size.kind != Node::kObject || size.s != "torch.Size" || size.items.size() != 1) {
+    if (size.kind != Kind::kObject || size.s != "torch.Size" || size.items.size() != 1) {
       m_.Fail("a chunk size that is not a torch.Size");
     }
     std::vector<int64_t> out;
@@ -394,7 +112,7 @@ class Walker {
   // A torch.Size's values ("[0, 8]"); empty when all are 0.
   std::string SizeText(uint32_t v) {
     const Node& size = m_.at(v);
-    if (size.kind != Node::kObject || size.s != "torch.Size" || size.items.size() != 1) {
+    if (size.kind != Kind::kObject || size.s != "torch.Size" || size.items.size() != 1) {
       m_.Fail("a chunk offset that is not a torch.Size");
     }
     std::string out = "[";
@@ -411,6 +129,20 @@ class Walker {
 };
 
 }  // namespace
+
+bool IsDcpMetadataGlobal(std::string_view module, std::string_view name) {
+  static const std::set<std::string_view> kClasses = {
+      "Metadata",         "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+      "TensorProperties", "_MEM_FORMAT_ENCODING",  "MetadataIndex",        "StorageMeta"};
+  return (module == kMetadataModule && kClasses.contains(name)) ||
+         (module == kFilesystemModule && name == "_StorageInfo") ||
+         (module == "collections" && name == "OrderedDict") ||
+         (module == "torch" &&
+          name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") == std::string::npos) ||
+         (module == "torch" && name == "Size") ||
+         (module == "torch.serialization" && name == "_get_layout") ||
+         (module == "pathlib" && (name == "PosixPath" || name == "PurePosixPath"));
+}
 
 bool IsDcpDataFileName(std::string_view relative_path) {
   return !relative_path.empty() && relative_path.find('/') == std::string_view::npos &&
@@ -443,12 +175,12 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   Walker w(m);
   const std::string md = StrCat(kMetadataModule, ".Metadata");
   DcpMetadata out;
-  if (auto v = w.Attr(root, md, "version"); v && m.at(*v).kind == Node::kStr) {
+  if (auto v = w.Attr(root, md, "version"); v && m.at(*v).kind == Kind::kStr) {
     out.version = m.at(*v).s;
   }
-  if (auto sm = w.Attr(root, md, "storage_meta"); sm && m.at(*sm).kind == Node::kObject) {
+  if (auto sm = w.Attr(root, md, "storage_meta"); sm && m.at(*sm).kind == Kind::kObject) {
     if (auto f = w.Attr(*sm, StrCat(kMetadataModule, ".StorageMeta"), "tensortier_format"); f) {
-      if (m.at(*f).kind != Node::kInt) m.Fail("a tensortier_format that is not an integer");
+      if (m.at(*f).kind != Kind::kInt) m.Fail("a tensortier_format that is not an integer");
       out.format = m.at(*f).i;
     }
   }
@@ -458,15 +190,15 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   const std::string tensor_cls = StrCat(kMetadataModule, ".TensorStorageMetadata");
   const std::string chunk_cls = StrCat(kMetadataModule, ".ChunkStorageMetadata");
   const Node& sdm =
-      w.Need(w.Attr(root, md, "state_dict_metadata"), Node::kDict, "state_dict_metadata");
+      w.Need(w.Attr(root, md, "state_dict_metadata"), Kind::kDict, "state_dict_metadata");
   for (size_t k = 0; k + 1 < sdm.items.size(); k += 2) {
     const Node& fqn = m.at(sdm.items[k]);
     const Node& value = m.at(sdm.items[k + 1]);
-    if (fqn.kind != Node::kStr || value.kind != Node::kObject) continue;
+    if (fqn.kind != Kind::kStr || value.kind != Kind::kObject) continue;
     if (value.s == StrCat(kMetadataModule, ".BytesStorageMetadata")) bytes_items.insert(fqn.s);
     if (value.s != tensor_cls) continue;
     const auto chunks = w.Attr(sdm.items[k + 1], tensor_cls, "chunks");
-    if (!chunks || m.at(*chunks).kind != Node::kList) continue;
+    if (!chunks || m.at(*chunks).kind != Kind::kList) continue;
     for (uint32_t c : m.at(*chunks).items) {
       const auto offsets = w.Attr(c, chunk_cls, "offsets");
       const auto sizes = w.Attr(c, chunk_cls, "sizes");
@@ -475,18 +207,18 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
       chunk_sizes[at.empty() ? fqn.s : StrCat(fqn.s, " at ", at)] = w.SizeValues(*sizes);
     }
   }
-  const Node& storage = w.Need(w.Attr(root, md, "storage_data"), Node::kDict, "storage_data");
+  const Node& storage = w.Need(w.Attr(root, md, "storage_data"), Kind::kDict, "storage_data");
   const std::string index_cls = StrCat(kMetadataModule, ".MetadataIndex");
   const std::string info_cls = StrCat(kFilesystemModule, "._StorageInfo");
   for (size_t k = 0; k + 1 < storage.items.size(); k += 2) {
     const uint32_t index = storage.items[k];
     const uint32_t info = storage.items[k + 1];
     DcpStoredItem item;
-    const std::string fqn = w.Need(w.Attr(index, index_cls, "fqn"), Node::kStr, "fqn").s;
+    const std::string fqn = w.Need(w.Attr(index, index_cls, "fqn"), Kind::kStr, "fqn").s;
     item.name = fqn;
     item.fqn = fqn;
     if (auto offset = w.Attr(index, index_cls, "offset");
-        offset && m.at(*offset).kind != Node::kNone) {
+        offset && m.at(*offset).kind != Kind::kNone) {
       if (std::string at = w.SizeText(*offset); !at.empty()) item.name += " at " + at;
     }
     item.bytes = bytes_items.contains(fqn);
@@ -494,7 +226,7 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
       item.chunk_sizes = c->second;
     }
     item.relative_path =
-        w.Need(w.Attr(info, info_cls, "relative_path"), Node::kStr, "relative_path").s;
+        w.Need(w.Attr(info, info_cls, "relative_path"), Kind::kStr, "relative_path").s;
     if (!IsDcpDataFileName(item.relative_path)) {
       m.Fail(StrCat("a data file name '", item.relative_path, "' outside the directory"));
     }
@@ -502,17 +234,17 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
     item.length = w.Unsigned(w.Attr(info, info_cls, "length"), "length");
     if (auto x = w.Attr(info, info_cls, "xxh64"); x) {
       const Node& n = m.at(*x);
-      if (n.kind != Node::kInt) m.Fail("an xxh64 that is not an integer");
+      if (n.kind != Kind::kInt) m.Fail("an xxh64 that is not an integer");
       item.xxh64 = static_cast<uint64_t>(n.i);
     }
     if (auto b = w.Attr(info, info_cls, "xxh64_blocks"); b) {
       const Node& n = m.at(*b);
-      if (n.kind != Node::kBytes) m.Fail("block sums (xxh64_blocks) that are not bytes");
+      if (n.kind != Kind::kBytes) m.Fail("block sums (xxh64_blocks) that are not bytes");
       item.block_xxh64 = n.s;
     }
     if (auto t = w.Attr(info, info_cls, "transform_descriptors"); t) {
       const Node& n = m.at(*t);
-      item.transformed = n.kind != Node::kNone && !n.items.empty();
+      item.transformed = n.kind != Kind::kNone && !n.items.empty();
     }
     out.items.push_back(std::move(item));
   }

@@ -19,6 +19,24 @@ StagingArena::StagingArena(size_t nbytes, std::optional<int> pinned_device)
   registration_.emplace(PrimaryContext(driver, *pinned_device), memory_.data(), nbytes);
 }
 
+StagingLayout LayOutStaging(const std::vector<std::optional<uint64_t>>& nbytes) {
+  constexpr uint64_t kPage = 4096;
+  constexpr uint64_t kSmallAlign = 64;
+  StagingLayout out;
+  for (const std::optional<uint64_t>& n : nbytes) {
+    if (!n) {
+      out.offsets.emplace_back();
+      continue;
+    }
+    const uint64_t align = *n >= kPage ? kPage : kSmallAlign;
+    out.size = (out.size + align - 1) / align * align;
+    out.offsets.emplace_back(out.size);
+    out.size += *n;
+  }
+  out.size = (out.size + kPage - 1) / kPage * kPage;
+  return out;
+}
+
 std::shared_ptr<StagingArena> StagingArenas::Take(size_t nbytes, std::optional<int> pinned_device) {
   std::lock_guard lock(mu_);
   std::shared_ptr<StagingArena> best;

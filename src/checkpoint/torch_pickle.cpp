@@ -10,6 +10,7 @@
 #include "tensortier/util/json.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/util/strings.hpp"
+#include "tensortier/checkpoint/pickle_machine.hpp"
 #include "tensortier/checkpoint/torch_pickle_names.hpp"
 
 namespace tensortier {
@@ -20,8 +21,6 @@ using torch_pickle_names::kUntypedStorage;
 using torch_pickle_names::Readable;
 using torch_pickle_names::StorageDtype;
 
-constexpr size_t kMaxStack = 1u << 20;
-constexpr size_t kMaxMarks = 1u << 16;
 constexpr size_t kMaxRank = 64;
 constexpr size_t kMaxDepth = 256;
 constexpr uint64_t kMaxVisits = 1u << 22;
@@ -39,50 +38,18 @@ constexpr size_t kBytesPerTensor = 16;  // tensors rebuilt <= input bytes / 16
 constexpr size_t kOutputBytesPerByte = 16;  // output tensors' estimated bytes <= 16 x input ...
 constexpr size_t kOutputSlack = 4u << 20;   // ... + 4 MiB
 
-enum class Kind : uint8_t {
-  kNone,
-  kBool,
-  kInt,
-  kBigInt,
-  kFloat,
-  kStr,
-  kBytes,
-  kList,
-  kTuple,
-  kDict,
-  kGlobal,
-  kStorage,
-  kTensor,
-};
+using Kind = PickleKind;
+using Value = PickleValue;
 
-struct Value {
-  Kind kind = Kind::kNone;
-  bool parameter = false;       // kTensor: rebuilt as an nn.Parameter (shares tensors_[i])
-  bool requires_grad = false;   // kTensor with `parameter`: the parameter's requires_grad
-  int64_t i = 0;                // int, bool; tensor index for kTensor
-  std::string s;                // str, bytes, "module.name" for globals, key for storages
-  std::vector<uint32_t> items;  // list/tuple elements; dict keys and values interleaved
-};
-
-class Vm {
+class Vm : public PickleMachine {
  public:
   Vm(std::string_view data, const std::string& what)
-      : data_(data),
+      : PickleMachine(data, std::min(kMaxValues, data.size() / 2 + kSlack),
+                      std::min(kMaxMemo, data.size() / 2 + kSlack), /*extended=*/false),
         what_(what),
-        max_values_(std::min(kMaxValues, data.size() / 2 + kSlack)),
-        max_memo_(std::min(kMaxMemo, data.size() / 2 + kSlack)),
         max_tensors_(std::min(kMaxTensors, data.size() / kBytesPerTensor + kSlack)),
         max_dims_(data.size() / 2 + kSlack),
         max_output_bytes_(static_cast<uint64_t>(data.size()) * kOutputBytesPerByte + kOutputSlack) {
-    values_.reserve(std::min<size_t>(max_values_, 1u << 12));
-    // Shared immutable singletons: a list of a million Nones costs no Value each.
-    for (auto [kind, i] :
-         {std::pair{Kind::kNone, 0}, {Kind::kBool, 1}, {Kind::kBool, 0}, {Kind::kTuple, 0}}) {
-      Value v;
-      v.kind = kind;
-      v.i = i;
-      values_.push_back(std::move(v));
-    }
   }
 
   TorchPickle Run() {
@@ -93,320 +60,39 @@ class Vm {
   }
 
  private:
-  [[noreturn]] void Fail(std::string_view problem) const {
-    throw FormatError(StrCat(what_, ": at byte ", op_pos_, ": ", problem));
+  std::string Describe(std::string_view problem) const override {
+    return StrCat(what_, ": at byte ", op_pos_, ": ", problem);
   }
 
   [[noreturn]] void WalkFail(std::string_view problem) const {
     throw FormatError(StrCat(what_, ": ", problem));
   }
 
-  const unsigned char* Take(size_t n) {
-    if (data_.size() - pos_ < n) Fail("truncated pickle");
-    auto* p = reinterpret_cast<const unsigned char*>(data_.data()) + pos_;
-    pos_ += n;
-    return p;
-  }
-  uint64_t TakeLe(size_t n) {
-    const unsigned char* p = Take(n);
-    uint64_t v = 0;
-    for (size_t i = n; i > 0; --i) v = (v << 8) | p[i - 1];
-    return v;
-  }
-  std::string TakeLine() {
-    size_t end = data_.find('\n', pos_);
-    if (end == std::string_view::npos || end - pos_ > 256) Fail("bad GLOBAL operand");
-    std::string s(data_.substr(pos_, end - pos_));
-    pos_ = end + 1;
-    return s;
+  std::string_view OpcodeNote() const override {
+    return " (not one torch.save emits for state dicts)";
   }
 
-  uint32_t New(Value v) {
-    if (values_.size() >= max_values_) {
-      Fail(StrCat("more than ", max_values_, " values in a ", data_.size(), "-byte pickle"));
-    }
-    if (values_.size() == values_.capacity()) {
-      // Doubling, but never past the cap, nor by a last small step (old + new both live then).
-      size_t grown = std::min(max_values_, values_.capacity() * 2);
-      if (max_values_ - grown < grown / 2) grown = max_values_;
-      values_.reserve(grown);
-    }
-    values_.push_back(std::move(v));
-    return static_cast<uint32_t>(values_.size() - 1);
-  }
-  void Push(uint32_t v) {
-    if (stack_.size() >= kMaxStack) Fail("pickle stack too deep");
-    stack_.push_back(v);
-  }
-  uint32_t Pop() {
-    if (stack_.size() <= MarkFloor()) Fail("stack underflow");
-    uint32_t v = stack_.back();
-    stack_.pop_back();
-    return v;
-  }
-  size_t MarkFloor() const { return marks_.empty() ? 0 : marks_.back(); }
-  // Pops everything above the topmost mark, and the mark.
-  std::vector<uint32_t> PopToMark() {
-    if (marks_.empty()) Fail("no MARK on the stack");
-    size_t m = marks_.back();
-    marks_.pop_back();
-    std::vector<uint32_t> items(stack_.begin() + static_cast<ptrdiff_t>(m), stack_.end());
-    stack_.resize(m);
-    return items;
-  }
-  Value& Top() {
-    if (stack_.size() <= MarkFloor()) Fail("stack underflow");
-    return values_[stack_.back()];
-  }
-  uint32_t Tuple(std::vector<uint32_t> items) {
-    if (items.empty()) return kEmptyTuple;
-    Value v;
-    v.kind = Kind::kTuple;
-    v.items = std::move(items);
-    return New(std::move(v));
-  }
-  void Memoize(uint64_t index) {
-    if (stack_.empty()) Fail("memo put with an empty stack");
-    if (index >= max_memo_) {
-      Fail(StrCat("memo key ", index, " is too large for a ", data_.size(), "-byte pickle"));
-    }
-    if (index >= memo_.size()) memo_.resize(index + 1, kUnset);
-    if (memo_[index] == kUnset) ++memo_count_;
-    memo_[index] = stack_.back();
-  }
-  void Get(uint64_t index) {
-    if (index >= memo_.size() || memo_[index] == kUnset) {
-      Fail(StrCat("memo key ", index, " was never set"));
-    }
-    Push(memo_[index]);
-  }
-  uint32_t Scalar(Kind kind, int64_t i = 0, std::string s = {}) {
-    Value v;
-    v.kind = kind;
-    v.i = i;
-    v.s = std::move(s);
-    return New(std::move(v));
-  }
-
-  uint32_t Execute() {
-    for (;;) {
-      op_pos_ = pos_;
-      uint8_t op = *Take(1);
-      switch (op) {
-        case 0x80:  // PROTO
-          if (*Take(1) > 5) Fail("unsupported pickle protocol");
-          break;
-        case 0x95: {  // FRAME: framing only, but its bytes must follow (as pickle requires)
-          const uint64_t frame = TakeLe(8);
-          if (frame > data_.size() - pos_) {
-            Fail(StrCat("FRAME of ", frame, " bytes is longer than the ", data_.size() - pos_,
-                        " bytes left in the pickle"));
-          }
-          break;
-        }
-        case '.': {  // STOP
-          if (!marks_.empty() || stack_.size() != 1) Fail("STOP with a malformed stack");
-          return stack_.back();
-        }
-        case '(':
-          if (marks_.size() >= kMaxMarks) Fail("too many nested MARKs");
-          marks_.push_back(stack_.size());
-          break;
-        case '0':  // POP
-          Pop();
-          break;
-        case '1':  // POP_MARK
-          PopToMark();
-          break;
-        case '2': {  // DUP
-          uint32_t v = Pop();
-          Push(v);
-          Push(v);
-          break;
-        }
-        case '}': {
-          Value v;
-          v.kind = Kind::kDict;
-          Push(New(std::move(v)));
-          break;
-        }
-        case ']': {
-          Value v;
-          v.kind = Kind::kList;
-          Push(New(std::move(v)));
-          break;
-        }
-        case ')':
-          Push(kEmptyTuple);
-          break;
-        case 'N':
-          Push(kNoneValue);
-          break;
-        case 0x88:
-          Push(kTrueValue);
-          break;
-        case 0x89:
-          Push(kFalseValue);
-          break;
-        case 'K':
-          Push(Scalar(Kind::kInt, static_cast<int64_t>(TakeLe(1))));
-          break;
-        case 'M':
-          Push(Scalar(Kind::kInt, static_cast<int64_t>(TakeLe(2))));
-          break;
-        case 'J':
-          Push(Scalar(Kind::kInt, static_cast<int32_t>(static_cast<uint32_t>(TakeLe(4)))));
-          break;
-        case 0x8a: {  // LONG1
-          size_t n = *Take(1);
-          if (n > 8) {
-            Take(n);
-            Push(Scalar(Kind::kBigInt));
-            break;
-          }
-          uint64_t v = n == 0 ? 0 : TakeLe(n);
-          if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~0ull << (8 * n);  // sign-extend
-          Push(Scalar(Kind::kInt, static_cast<int64_t>(v)));
-          break;
-        }
-        case 'G': {  // BINFLOAT: big-endian double
-          const unsigned char* p = Take(8);
-          uint64_t bits = 0;
-          for (int i = 0; i < 8; ++i) bits = (bits << 8) | p[i];
-          Value v;
-          v.kind = Kind::kFloat;
-          v.i = static_cast<int64_t>(bits);
-          Push(New(std::move(v)));
-          break;
-        }
-        case 'X':
-        case 0x8c:
-        case 0x8d:
-        case 'B':
-        case 'C': {
-          size_t n = op == 'X' || op == 'B' ? TakeLe(4) : op == 0x8d ? TakeLe(8) : TakeLe(1);
-          if (n > data_.size() - pos_) Fail("truncated pickle");
-          const char* p = reinterpret_cast<const char*>(Take(n));
-          bool text = op == 'X' || op == 0x8c || op == 0x8d;
-          // Python's unpickler decodes these as UTF-8 ("surrogatepass"); torch.load refuses
-          // anything else.
-          if (text && !IsUtf8(std::string_view(p, n), /*surrogates=*/true)) {
-            Fail("string is not valid UTF-8");
-          }
-          Push(Scalar(text ? Kind::kStr : Kind::kBytes, 0, std::string(p, n)));
-          break;
-        }
-        case 'q':
-          Memoize(TakeLe(1));
-          break;
-        case 'r':
-          Memoize(TakeLe(4));
-          break;
-        case 0x94:  // MEMOIZE: the next index is the count of keys set (as in pickle.py)
-          Memoize(memo_count_);
-          break;
-        case 'h':
-          Get(TakeLe(1));
-          break;
-        case 'j':
-          Get(TakeLe(4));
-          break;
-        case 't':
-          Push(Tuple(PopToMark()));
-          break;
-        case 0x85:
-        case 0x86:
-        case 0x87: {
-          size_t n = op - 0x84u;
-          std::vector<uint32_t> items(n);
-          for (size_t i = n; i > 0; --i) items[i - 1] = Pop();
-          Push(Tuple(std::move(items)));
-          break;
-        }
-        case 'a': {  // APPEND
-          uint32_t v = Pop();
-          Value& list = Top();
-          if (list.kind != Kind::kList) Fail("APPEND to something that is not a list");
-          list.items.push_back(v);
-          break;
-        }
-        case 'e': {  // APPENDS
-          std::vector<uint32_t> items = PopToMark();
-          Value& list = Top();
-          if (list.kind != Kind::kList) Fail("APPENDS to something that is not a list");
-          list.items.insert(list.items.end(), items.begin(), items.end());
-          break;
-        }
-        case 's': {  // SETITEM
-          uint32_t v = Pop();
-          uint32_t k = Pop();
-          Value& dict = Top();
-          if (dict.kind != Kind::kDict) Fail("SETITEM on something that is not a dict");
-          dict.items.push_back(k);
-          dict.items.push_back(v);
-          break;
-        }
-        case 'u': {  // SETITEMS
-          std::vector<uint32_t> items = PopToMark();
-          if (items.size() % 2 != 0) Fail("SETITEMS with an odd number of items");
-          Value& dict = Top();
-          if (dict.kind != Kind::kDict) Fail("SETITEMS on something that is not a dict");
-          dict.items.insert(dict.items.end(), items.begin(), items.end());
-          break;
-        }
-        case 'c': {  // GLOBAL
-          std::string module = TakeLine();
-          std::string name = TakeLine();
-          PushGlobal(module + "." + name);
-          break;
-        }
-        case 0x93: {  // STACK_GLOBAL
-          uint32_t name = Pop();
-          uint32_t module = Pop();
-          if (values_[name].kind != Kind::kStr || values_[module].kind != Kind::kStr) {
-            Fail("STACK_GLOBAL operands are not strings");
-          }
-          PushGlobal(values_[module].s + "." + values_[name].s);
-          break;
-        }
-        case 'Q':  // BINPERSID
-          Push(PersistentLoad(Pop()));
-          break;
-        case 'R': {  // REDUCE
-          uint32_t args = Pop();
-          uint32_t callable = Pop();
-          Push(Reduce(callable, args));
-          break;
-        }
-        case 'b': {  // BUILD: state_dict() sets OrderedDict._metadata, which torch.save
-                     // pickles as BUILD's state. torch.load(weights_only=True) accepts it on an
-                     // OrderedDict or a tensor; it is an attribute, not an item, so it is
-                     // dropped here: it holds no tensors of the state dict.
-          uint32_t state = Pop();
-          const Value& target = Top();
-          if (target.kind != Kind::kDict && target.kind != Kind::kTensor) {
-            Fail("BUILD on something that is not an OrderedDict or a tensor");
-          }
-          Kind k = values_[state].kind;
-          if (k != Kind::kDict && k != Kind::kNone && k != Kind::kTuple) {
-            Fail("BUILD state is not a dict, a tuple or None");
-          }
-          break;
-        }
-        default:
-          Fail(StrCat("unsupported pickle opcode 0x", std::hex, int{op},
-                      " (not one torch.save emits for state dicts)"));
-      }
-    }
-  }
-
-  void PushGlobal(std::string name) {
-    if (!Allowed(name)) {
-      Fail(StrCat("global '", name,
+  void CheckGlobal(const std::string& module, const std::string& name) override {
+    if (!Allowed(module + "." + name)) {
+      Fail(StrCat("global '", module, ".", name,
                   "' is not allowed (tensortier reads the tensor, storage, dtype and container "
                   "types of state dicts; torch.load(weights_only=True) may accept more)"));
     }
-    Push(Scalar(Kind::kGlobal, 0, std::move(name)));
+  }
+
+  uint32_t Call(uint32_t callable, uint32_t args, bool) override { return Reduce(callable, args); }
+
+  // BUILD: state_dict() sets OrderedDict._metadata, which torch.save pickles as BUILD's state.
+  // torch.load(weights_only=True) accepts it on an OrderedDict or a tensor; it is an attribute,
+  // not an item, so it is dropped here: it holds no tensors of the state dict.
+  void Build(uint32_t target, uint32_t state) override {
+    if (values_[target].kind != Kind::kDict && values_[target].kind != Kind::kTensor) {
+      Fail("BUILD on something that is not an OrderedDict or a tensor");
+    }
+    Kind k = values_[state].kind;
+    if (k != Kind::kDict && k != Kind::kNone && k != Kind::kTuple) {
+      Fail("BUILD state is not a dict, a tuple or None");
+    }
   }
 
   const Value& Arg(const std::vector<uint32_t>& args, size_t i, Kind kind, std::string_view what) {
@@ -429,7 +115,7 @@ class Vm {
     return out;
   }
 
-  uint32_t PersistentLoad(uint32_t pid) {
+  uint32_t PersistentLoad(uint32_t pid) override {
     const Value& t = values_[pid];
     if (t.kind != Kind::kTuple || t.items.size() != 5) {
       Fail("persistent id is not a ('storage', type, key, location, numel) tuple");
@@ -751,25 +437,10 @@ class Vm {
     on_path[index] = false;
   }
 
-  std::string_view data_;
   std::string what_;
-  size_t pos_ = 0;
-  size_t op_pos_ = 0;
-  std::vector<Value> values_;
-  std::vector<uint32_t> stack_;
-  std::vector<size_t> marks_;
-  static constexpr uint32_t kNoneValue = 0;  // the singletons the constructor makes
-  static constexpr uint32_t kTrueValue = 1;
-  static constexpr uint32_t kFalseValue = 2;
-  static constexpr uint32_t kEmptyTuple = 3;
-  static constexpr uint32_t kUnset = UINT32_MAX;  // a memo slot never set
-  const size_t max_values_;
-  const size_t max_memo_;
   const size_t max_tensors_;
   const size_t max_dims_;
   const uint64_t max_output_bytes_;
-  std::vector<uint32_t> memo_;        // value by memo index; kUnset where none
-  uint64_t memo_count_ = 0;           // memo keys set
   std::vector<TorchTensor> tensors_;  // every tensor built, by kTensor value
   size_t dims_ = 0;                   // sizes and strides held by tensors_
   uint64_t output_bytes_ = 0;         // estimated size of out_.tensors

@@ -15,6 +15,7 @@
 #include "tensortier/checkpoint/dcp_file.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/util/error.hpp"
@@ -388,6 +389,32 @@ TEST(DcpMetadata, RefusesGlobalsOutsideDcpAndTruncatedPickles) {
   EXPECT_THROW(ParseDcpMetadata("", "m"), FormatError);
   // A dict is not Metadata.
   EXPECT_THROW(ParseDcpMetadata(std::string("\x80\x02}.", 4), "m"), FormatError);
+}
+
+// One opcode reader serves both restricted unpicklers: the metadata's takes the opcodes
+// pickle.dumps emits (a set here), torch.save's refuses them, each in its own words.
+TEST(DcpMetadata, SharesTheOpcodeReaderWithTorchPickles) {
+  auto error = [](auto parse, const std::string& pickle) {
+    try {
+      parse(pickle);
+    } catch (const FormatError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto dcp = [](const std::string& p) { ParseDcpMetadata(p, "m"); };
+  auto torch = [](const std::string& p) { ParseTorchPickle(p, "data.pkl"); };
+  const std::string set("\x80\x04\x8f\x94(K\x01\x90.", 9);
+  EXPECT_NE(error(dcp, set).find("m: not DCP metadata this reader accepts (expected a "),
+            std::string::npos)
+      << error(dcp, set);
+  EXPECT_NE(error(torch, set).find("data.pkl: at byte 2: unsupported pickle opcode 0x8f"),
+            std::string::npos)
+      << error(torch, set);
+  EXPECT_NE(error(dcp, std::string("\x80\x02N\x51.", 5)).find("unsupported pickle opcode 0x51"),
+            std::string::npos);
+  const std::string wide("\x80\x02\x8a\x09\x01\x00\x00\x00\x00\x00\x00\x00\x01.", 14);
+  EXPECT_NE(error(dcp, wide).find("an integer wider than 64 bits"), std::string::npos);
 }
 
 // A pickled DCP Metadata with no items whose StorageMeta holds tensortier_format `format`.

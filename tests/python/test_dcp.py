@@ -283,8 +283,10 @@ def test_without_process_group(tmp_path: Path) -> None:
     md = tdcp.Reader(ckpt).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
     assert isinstance(info.xxh64, int)
-    items = tdcp._core.read_dcp_tensor_items(str(ckpt / info.relative_path), ["w"],
-                                             [info.offset], [info.length])
+    reads = tdcp._core.DcpFileReads(tdcp.default_io()._core(), str(ckpt / info.relative_path),
+                                    ["w"], [info.offset], [info.length], [True], [None], ["w"],
+                                    [[]], [None], [None], False)
+    items = [layout for _, layout in reads.plan()]
     assert items[0][4] % 4096 == 0
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tensortier import _dcp_staging
+from tensortier import _core, _dcp_staging
 from tensortier import dcp as tdcp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,16 +67,16 @@ def test_stage_copies_into_reused_host_memory() -> None:
     # (no tensor in an assert statement: pytest's rewriting would keep it, and its memory, alive)
     contiguous, aligned = staged["t"].is_contiguous(), staged["w"].data_ptr() % 4096 == 0
     assert contiguous and aligned
-    first = _dcp_staging.arena_count()
+    first = _core.staging_arena_count()
     again = _dcp_staging.stage(state(2))  # the first copy is alive: new memory
-    assert _dcp_staging.arena_count() == first + 1
+    assert _core.staging_arena_count() == first + 1
     assert_state(staged, 1)
     assert_state(again, 2)
     used = {staged["w"].data_ptr(), again["w"].data_ptr()}
     del staged, again
     third = _dcp_staging.stage(state(3))  # both free: one of them is reused
     assert third["w"].data_ptr() in used
-    assert _dcp_staging.arena_count() == first + 1
+    assert _core.staging_arena_count() == first + 1
     assert_state(third, 3)
 
 
@@ -125,10 +125,10 @@ def test_memory_a_save_wrote_goes_to_the_next_stage(tmp_path: Path) -> None:
     kept = staged["w"][:4]
     dcp.save(staged, storage_writer=writer, no_dist=True)
     assert gc.isenabled()  # paused only while the Writer builds its many small objects
-    count = _dcp_staging.arena_count()
+    count = _core.staging_arena_count()
     again = writer.stage({"w": torch.full((big,), 2.0), "step": 2})
     same = again["w"].data_ptr() == first
-    assert same and _dcp_staging.arena_count() == count
+    assert same and _core.staging_arena_count() == count
     assert kept.tolist() == [2.0] * 4
     got = {"w": torch.zeros(big), "step": 0}
     dcp.load(got, storage_reader=dcp.FileSystemReader(tmp_path / "a"), no_dist=True)

@@ -44,6 +44,12 @@ struct DcpMetadata {
   std::vector<DcpStoredItem> items;  // in the metadata's order
 };
 
+// Whether a .metadata may name global `module`.`name`: DCP's metadata classes, torch's value types
+// (torch.Size, and the lowercase names of dtypes, layouts and memory formats: a reader that
+// resolves them checks which they are), a layout by its name (torch.serialization._get_layout),
+// collections.OrderedDict and pathlib's paths (a checkpoint id).
+bool IsDcpMetadataGlobal(std::string_view module, std::string_view name);
+
 // Whether `relative_path` (a _StorageInfo's) names a file inside the checkpoint directory: a plain
 // file name, not empty, without '/', NUL or a leading '.' (no "..", no hidden files).
 bool IsDcpDataFileName(std::string_view relative_path);

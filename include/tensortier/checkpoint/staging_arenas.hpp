@@ -39,6 +39,15 @@ class StagingArena {
   bool written_ = false;  // the save that staged into it has written its file
 };
 
+// Where a state dict's tensors go in their arena: tensor i (nbytes[i] bytes; nullopt for one not
+// staged in it) at offsets[i], those of a page or more on a page (written with O_DIRECT straight
+// from it), smaller ones on 64 bytes (every dtype's alignment); `size`: the arena's, whole pages.
+struct StagingLayout {
+  std::vector<std::optional<uint64_t>> offsets;
+  uint64_t size = 0;
+};
+StagingLayout LayOutStaging(const std::vector<std::optional<uint64_t>>& nbytes);
+
 class StagingArenas {
  public:
   // A free arena of `nbytes` or more of the kind asked for (the smallest), or a new one of
