@@ -5,6 +5,7 @@
 
 #include <optional>
 
+#include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
@@ -65,6 +66,24 @@ void RegisterExtents(py::module_& m) {
       .def_static(
           "load", [](const FsPath& path) { return LoadExtentMap(path); }, py::arg("path"),
           py::call_guard<py::gil_scoped_release>())
+      .def_static(
+          "of",
+          [](const py::object& value) -> py::object {
+            if (py::isinstance<ExtentMap>(value)) return value;
+            if (!py::isinstance<py::str>(value) && !py::isinstance<py::bytes>(value) &&
+                !py::isinstance(value, py::module_::import("os").attr("PathLike"))) {
+              throw py::type_error(TypeName(value) + " is not an ExtentMap or a path to one");
+            }
+            const FsPath path = value.cast<FsPath>();
+            ExtentMap map;
+            {
+              py::gil_scoped_release release;
+              map = LoadExtentMap(path);
+            }
+            return py::cast(std::move(map));
+          },
+          py::arg("map"),
+          "`map` as it is, or the map a path names (load). TypeError for anything else.")
       .def_static(
           "from_json", [](const std::string& text) { return ParseExtentMap(text, "extent map"); },
           py::arg("text"), "Parses a map's JSON text. Raises ValueError for a bad map.")
