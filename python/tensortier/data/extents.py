@@ -46,11 +46,7 @@ def build_extent_map(
             refused files, unless `allow_refused`).
         ValueError: a file of `files` is not under `root`, or is listed twice.
     """
-    listed = None if files is None else [fspath(f, "files[i]") for f in files]
-    extent_map = _core.ExtentMap.build(fspath(root, "root"), listed, allow_refused)
-    if output is not None:
-        extent_map.save(fspath(output, "output"))
-    return extent_map
+    return _core.ExtentMap.build(root, files, allow_refused, output)
 
 
 def load_extent_map(path: PathLike) -> ExtentMap:

@@ -129,9 +129,6 @@ class FileReader:
             extent_checksums=bool(extent_checksums),
         )
 
-    # ---------------------------------------------------------------------------------------
-    # Sizes and state
-
     @property
     def files(self) -> list[str]:
         """The paths read, in list order (before shuffling)."""
@@ -191,9 +188,6 @@ class FileReader:
             ValueError: the state was taken from a reader with other files or settings.
         """
         self._state.load_state_dict(state)
-
-    # ---------------------------------------------------------------------------------------
-    # Iteration
 
     def batches(self) -> Iterator[Any]:
         """The current epoch's remaining batches as ``_core.Batch`` objects (arena, offsets,
