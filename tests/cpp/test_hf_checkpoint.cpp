@@ -60,7 +60,8 @@ TEST(HfCheckpoint, LoadTargetIsTheFileOrTheIndexOfExactlyTheShards) {
   EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors", d + "/c.safetensors"},
                             map));
   try {
-    HfLoadTarget({d + "/a.safetensors"}, std::map<std::string, std::string>{{"w", "a.safetensors"}});
+    const std::map<std::string, std::string> other{{"w", "a.safetensors"}};
+    HfLoadTarget({d + "/a.safetensors"}, other);
     FAIL() << "no error";
   } catch (const IoError& e) {
     EXPECT_EQ(e.error_code(), ENOENT);
