@@ -248,7 +248,6 @@ class ReaderState {
     ++moves_;
   }
 
-  const ShardPlan& plan() const { return plan_; }
   uint64_t epoch() const { return epoch_; }
   uint64_t moves() const { return moves_; }
   const py::dict& config() const { return config_; }
@@ -454,11 +453,6 @@ void RegisterData(py::module_& m) {
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
 
-  py::class_<ShardPlan>(m, "ShardPlan", "A FileReader's shard plan (ReaderState.plan).")
-      .def("shard_of_epoch", &ShardPlan::ShardOfEpoch, py::arg("epoch"))
-      .def("epoch_samples", &ShardPlan::EpochSamples, py::arg("epoch"))
-      .def("epoch_batches", &ShardPlan::EpochBatches, py::arg("epoch"));
-
   m.def(
       "check_reader_settings",
       [](const py::object& batch_size, const py::object& prefetch, const py::object& num_shards,
@@ -488,9 +482,6 @@ void RegisterData(py::module_& m) {
       .def(
           "__len__", [](const ReaderState& s) { return s.EpochLength(s.epoch()); },
           "Batches in the current epoch.")
-      .def("remaining", &ReaderState::Remaining, "The current epoch's batches not given out.")
-      .def("advance", &ReaderState::Advance, "Counts a batch given out.")
-      .def("next_epoch", &ReaderState::NextEpoch, "Starts the next epoch from its first batch.")
       .def("set_epoch", &ReaderState::SetEpoch, py::arg("epoch"),
            "Starts `epoch` from its first batch, unless it is the epoch an iteration has under "
            "way; ValueError for an epoch that is no non-negative 64-bit integer.")
@@ -518,11 +509,7 @@ void RegisterData(py::module_& m) {
       .def("load_state_dict", &ReaderState::LoadStateDict, py::arg("state"),
            "Resumes at `state` (TypeError: not a mapping; ValueError: another reader's, or a "
            "bad position).")
-      .def_property_readonly("plan", &ReaderState::plan,
-                             py::return_value_policy::reference_internal)
       .def_property_readonly("epoch", &ReaderState::epoch)
-      .def_property_readonly("moves", &ReaderState::moves,
-                             "set_epoch and load_state_dict calls so far.")
       .def_property_readonly("config",
                              [](const ReaderState& s) { return s.config().attr("copy")(); });
 
