@@ -181,16 +181,22 @@ class ReaderState {
     position_ = 0;
   }
 
-  void SetEpoch(const py::object& epoch, bool under_way) {
-    const std::optional<uint64_t> number = ReaderInteger(epoch, 0, 64);
-    if (!number) {
-      throw py::value_error("epoch must be a non-negative 64-bit integer, not " + ReprOf(epoch));
-    }
-    if (*number == epoch_ && under_way) return;  // the epoch under way keeps its place
-    epoch_ = *number;
+  void SetEpoch(const py::object& epoch) {
+    const uint64_t number = ReaderSetting(epoch, "epoch", 0, 64);
+    if (number == epoch_ && iteration_ != 0) return;  // the epoch under way keeps its place
+    epoch_ = number;
     position_ = 0;
     ++moves_;
   }
+
+  std::vector<uint64_t> EpochIndices(const py::object& epoch) const {
+    return plan_.EpochSamples(ReaderSetting(epoch, "epoch", 0, 64));
+  }
+
+  // The reader's read-ahead serves one iteration at a time: the one that last started.
+  uint64_t NewIteration() { return ++iterations_; }
+  void Serve(uint64_t iteration) { iteration_ = iteration; }
+  bool Serves(uint64_t iteration) const { return iteration_ == iteration; }
 
   py::dict StateDict() {
     py::dict state;
@@ -242,7 +248,6 @@ class ReaderState {
     ++moves_;
   }
 
-  const ShardPlan& plan() const { return plan_; }
   uint64_t epoch() const { return epoch_; }
   uint64_t moves() const { return moves_; }
   const py::dict& config() const { return config_; }
@@ -265,7 +270,84 @@ class ReaderState {
   uint64_t epoch_ = 0;
   uint64_t position_ = 0;  // batches of epoch_ given out
   uint64_t moves_ = 0;
+  uint64_t iterations_ = 0;
+  uint64_t iteration_ = 0;  // the iteration served; 0: none under way
   std::optional<std::string> digest_;
+};
+
+// FileReader.batches(): the current epoch's remaining batches, read ahead by a BatchReader. It
+// takes the read-ahead over when first advanced; it follows a set_epoch or load_state_dict made
+// meanwhile from the state's new place, and ends once a later iteration (or close()) takes over.
+// One that `rewinds` (DaliSource) starts again, at the reader's place, on the call after the one
+// that ended it (StopIteration or an error).
+class ReaderIteration {
+ public:
+  ReaderIteration(py::object state, py::object reader, bool rewinds)
+      : state_object_(std::move(state)),
+        reader_object_(std::move(reader)),
+        state_(state_object_.cast<ReaderState&>()),
+        reader_(reader_object_.cast<BatchReader&>()),
+        rewinds_(rewinds),
+        id_(state_.NewIteration()) {}
+  ReaderIteration(const ReaderIteration&) = delete;
+  ReaderIteration& operator=(const ReaderIteration&) = delete;
+  ~ReaderIteration() { Finish(); }
+
+  std::shared_ptr<Batch> Next() {
+    try {
+      return Step();
+    } catch (...) {
+      Finish();  // ended, left or failed: no iteration is under way
+      throw;
+    }
+  }
+
+ private:
+  std::shared_ptr<Batch> Step() {
+    if (done_ && rewinds_) {
+      done_ = started_ = false;
+      id_ = state_.NewIteration();
+    }
+    if (done_ || (started_ && !state_.Serves(id_))) throw py::stop_iteration();
+    if (!started_ || state_.moves() != moves_) {
+      started_ = true;
+      state_.Serve(id_);
+      moves_ = state_.moves();
+      pending_ = state_.Remaining();
+      given_ = 0;
+      py::gil_scoped_release release;
+      reader_.Start(pending_);
+    }
+    if (given_ == pending_.size()) {
+      state_.NextEpoch();
+      throw py::stop_iteration();
+    }
+    std::shared_ptr<const Batch> batch;
+    {
+      py::gil_scoped_release release;
+      batch = reader_.Next();
+    }
+    ++given_;
+    state_.Advance();
+    return std::const_pointer_cast<Batch>(batch);
+  }
+
+  void Finish() {
+    if (started_ && state_.Serves(id_)) state_.Serve(0);
+    done_ = true;
+  }
+
+  py::object state_object_;  // keep the state and the reader alive
+  py::object reader_object_;
+  ReaderState& state_;
+  BatchReader& reader_;
+  const bool rewinds_;
+  uint64_t id_;
+  bool started_ = false;
+  bool done_ = false;
+  uint64_t moves_ = 0;
+  std::vector<std::vector<uint64_t>> pending_;  // of the last Start()
+  size_t given_ = 0;
 };
 
 }  // namespace
@@ -313,9 +395,20 @@ void RegisterData(py::module_& m) {
       py::arg("paths"));
   m.def(
       "resolve_sample_inputs",
-      [](std::optional<FsPath> root, std::optional<FsPath> file_list, const py::object& files,
+      [](const py::object& root_arg, const py::object& file_list_arg, py::object files,
          const py::object& labels, bool check_files, const py::object& file_filters,
          bool case_sensitive_filter, const py::object& dir_filters) -> py::tuple {
+        const auto path = [](const py::object& value, const char* what) -> std::optional<FsPath> {
+          if (value.is_none()) return std::nullopt;
+          return FsPathArgument(value, what).cast<FsPath>();
+        };
+        const std::optional<FsPath> root = path(root_arg, "file_root");
+        const std::optional<FsPath> file_list = path(file_list_arg, "file_list");
+        if (!files.is_none()) {
+          py::list named;
+          for (const py::handle file : files) named.append(FsPathArgument(file, "files[i]"));
+          files = named;
+        }
         SampleInputs in;
         if (auto globs = Globs("file_filters", file_filters)) in.filter.patterns = *globs;
         in.filter.case_sensitive = case_sensitive_filter;
@@ -342,11 +435,17 @@ void RegisterData(py::module_& m) {
         }
         return py::make_tuple(PathsToPython(list.paths), LabelArray(list.labels));
       },
-      py::arg("file_root"), py::arg("file_list"), py::arg("files"), py::arg("labels"),
-      py::arg("check_files"), py::arg("file_filters"), py::arg("case_sensitive_filter"),
-      py::arg("dir_filters"),
-      "(paths, int32 labels) named by fn.readers.file's inputs (tensortier.data's "
-      "resolve_inputs).");
+      py::arg("file_root") = py::none(), py::arg("file_list") = py::none(),
+      py::arg("files") = py::none(), py::arg("labels") = py::none(),
+      py::arg("check_files") = true, py::arg("file_filters") = py::none(),
+      py::arg("case_sensitive_filter") = false, py::arg("dir_filters") = py::none(),
+      "The (paths, int32 labels) named by DALI's fn.readers.file inputs, checked to exist "
+      "(check_files). file_filters, dir_filters and case_sensitive_filter select the class "
+      "folders of a file_root and their files as DALI does (ignored with file_list or files). "
+      "ValueError: inputs given in a combination DALI refuses, or an empty list or folder. "
+      "TypeError: a path that is not one, or file_filters or dir_filters not a string or a list "
+      "of strings. OSError: a listed file or the folder cannot be reached (FileNotFoundError "
+      "names it).");
   m.def("files_digest", &FilesDigestOf, py::arg("paths"), py::arg("labels"),
         py::arg("spelled") = false,
         "SHA-256 of the paths (by their folders' real paths unless spelled) and int32 labels.");
@@ -354,15 +453,14 @@ void RegisterData(py::module_& m) {
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
 
-  py::class_<ShardPlan>(m, "ShardPlan", "A FileReader's shard plan (ReaderState.plan).")
-      .def("shard_of_epoch", &ShardPlan::ShardOfEpoch, py::arg("epoch"))
-      .def("epoch_samples", &ShardPlan::EpochSamples, py::arg("epoch"))
-      .def("epoch_batches", &ShardPlan::EpochBatches, py::arg("epoch"));
-
   m.def(
       "check_reader_settings",
       [](const py::object& batch_size, const py::object& prefetch, const py::object& num_shards,
-         const py::object& open_threads, const py::object& seed, const py::object& shard_id) {
+         const py::object& open_threads, const py::object& seed, const py::object& shard_id,
+         const py::object& on_error) {
+        if (!py::str("raise").equal(on_error) && !py::str("skip").equal(on_error)) {
+          throw py::value_error("on_error must be 'raise' or 'skip', not " + ReprOf(on_error));
+        }
         ReaderSetting(batch_size, "batch_size", 1, 64);
         ReaderSetting(prefetch, "prefetch", 1, 32);
         ReaderSetting(num_shards, "num_shards", 1, 64);
@@ -371,8 +469,8 @@ void RegisterData(py::module_& m) {
         ReaderSetting(shard_id, "shard_id", 0, 64);
       },
       py::arg("batch_size"), py::arg("prefetch"), py::arg("num_shards"), py::arg("open_threads"),
-      py::arg("seed"), py::arg("shard_id"),
-      "FileReader's integer settings checked (Python ints, not bools): ValueError naming the "
+      py::arg("seed"), py::arg("shard_id"), py::arg("on_error"),
+      "FileReader's settings checked (integers: Python ints, not bools): ValueError naming the "
       "first that is out of its range.");
   py::class_<ReaderState>(m, "ReaderState",
                           "A FileReader's place in its files, and the state dict that resumes it.")
@@ -384,23 +482,40 @@ void RegisterData(py::module_& m) {
       .def(
           "__len__", [](const ReaderState& s) { return s.EpochLength(s.epoch()); },
           "Batches in the current epoch.")
-      .def("remaining", &ReaderState::Remaining, "The current epoch's batches not given out.")
-      .def("advance", &ReaderState::Advance, "Counts a batch given out.")
-      .def("next_epoch", &ReaderState::NextEpoch, "Starts the next epoch from its first batch.")
-      .def("set_epoch", &ReaderState::SetEpoch, py::arg("epoch"), py::arg("under_way"),
-           "Starts `epoch` from its first batch, unless it is the epoch an iteration has "
-           "`under_way`; ValueError for an epoch that is no 64-bit unsigned integer.")
+      .def("set_epoch", &ReaderState::SetEpoch, py::arg("epoch"),
+           "Starts `epoch` from its first batch, unless it is the epoch an iteration has under "
+           "way; ValueError for an epoch that is no non-negative 64-bit integer.")
+      .def("epoch_indices", &ReaderState::EpochIndices, py::arg("epoch"),
+           "File indices of `epoch`, in order, padding included; ValueError for an epoch that is "
+           "no non-negative 64-bit integer.")
+      .def(
+          "iterate",
+          [](py::object state, py::object reader, bool rewinds) {
+            return std::make_unique<ReaderIteration>(std::move(state), std::move(reader),
+                                                     rewinds);
+          },
+          py::arg("reader"), py::arg("rewinds") = false,
+          "The current epoch's remaining batches, read by `reader`; with `rewinds`, the next "
+          "epoch's (from the reader's place) on the call after the one that ended an epoch.")
+      .def(
+          "close",
+          [](ReaderState& s, BatchReader& reader) {
+            s.Serve(0);
+            py::gil_scoped_release release;
+            reader.Start({});
+          },
+          py::arg("reader"), "Ends the iteration under way and stops `reader`'s read-ahead.")
       .def("state_dict", &ReaderState::StateDict, "epoch, position, the settings and files_digest.")
       .def("load_state_dict", &ReaderState::LoadStateDict, py::arg("state"),
            "Resumes at `state` (TypeError: not a mapping; ValueError: another reader's, or a "
            "bad position).")
-      .def_property_readonly("plan", &ReaderState::plan,
-                             py::return_value_policy::reference_internal)
       .def_property_readonly("epoch", &ReaderState::epoch)
-      .def_property_readonly("moves", &ReaderState::moves,
-                             "set_epoch and load_state_dict calls so far.")
       .def_property_readonly("config",
                              [](const ReaderState& s) { return s.config().attr("copy")(); });
+
+  py::class_<ReaderIteration>(m, "ReaderIteration", "FileReader.batches(): Batch objects.")
+      .def("__iter__", [](py::object self) { return self; })
+      .def("__next__", &ReaderIteration::Next);
 
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch", py::buffer_protocol())
       .def_property_readonly("indices", &Batch::indices)

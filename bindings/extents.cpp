@@ -5,6 +5,7 @@
 
 #include <optional>
 
+#include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
@@ -52,19 +53,51 @@ void RegisterExtents(py::module_& m) {
                         "file's identity (tensortier.data.build_extent_map makes one).")
       .def_static(
           "build",
-          [](const FsPath& root, std::optional<std::vector<FsPath>> files, bool allow_refused) {
+          [](const py::object& root_arg, const py::object& files, bool allow_refused,
+             const py::object& output_arg) {
+            const FsPath root = FsPathArgument(root_arg, "root").cast<FsPath>();
             std::optional<std::vector<std::string>> listed;
-            if (files) listed = PathBytes(*files);
+            if (!files.is_none()) {
+              listed.emplace();
+              for (const py::handle f : files) {
+                listed->push_back(FsPathArgument(f, "files[i]").cast<FsPath>().bytes);
+              }
+            }
+            std::optional<FsPath> output;
+            if (!output_arg.is_none()) output = FsPathArgument(output_arg, "output").cast<FsPath>();
             py::gil_scoped_release release;  // FIEMAP_FLAG_SYNC writes data out: seconds
             const BuildOptions options{.allow_refused = allow_refused};
-            return listed ? BuildExtentMap(root, *listed, options) : BuildExtentMap(root, options);
+            ExtentMap map =
+                listed ? BuildExtentMap(root, *listed, options) : BuildExtentMap(root, options);
+            if (output) SaveExtentMap(map, *output);
+            return map;
           },
           py::arg("root"), py::arg("files") = py::none(), py::arg("allow_refused") = false,
-          "Maps the files under `root` (or `files`). Raises OSError (EOPNOTSUPP naming refused "
-          "files unless allow_refused), ValueError for a file outside the root.")
+          py::arg("output") = py::none(),
+          "Maps the files under `root` (or `files`), and writes the map to `output` (durably) "
+          "unless None. Raises OSError (EOPNOTSUPP naming refused files unless allow_refused), "
+          "ValueError for a file outside the root, TypeError for a path that is not one.")
       .def_static(
           "load", [](const FsPath& path) { return LoadExtentMap(path); }, py::arg("path"),
           py::call_guard<py::gil_scoped_release>())
+      .def_static(
+          "of",
+          [](const py::object& value) -> py::object {
+            if (py::isinstance<ExtentMap>(value)) return value;
+            if (!py::isinstance<py::str>(value) && !py::isinstance<py::bytes>(value) &&
+                !py::isinstance(value, py::module_::import("os").attr("PathLike"))) {
+              throw py::type_error(TypeName(value) + " is not an ExtentMap or a path to one");
+            }
+            const FsPath path = value.cast<FsPath>();
+            ExtentMap map;
+            {
+              py::gil_scoped_release release;
+              map = LoadExtentMap(path);
+            }
+            return py::cast(std::move(map));
+          },
+          py::arg("map"),
+          "`map` as it is, or the map a path names (load). TypeError for anything else.")
       .def_static(
           "from_json", [](const std::string& text) { return ParseExtentMap(text, "extent map"); },
           py::arg("text"), "Parses a map's JSON text. Raises ValueError for a bad map.")

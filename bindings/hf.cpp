@@ -32,19 +32,43 @@ void RegisterHf(py::module_& m) {
       "least), or None where neither file is there or config.json is unreadable or names a "
       "quantization_config.");
   m.def(
-      "hf_shard_index_of",
-      [](const FsPath& dir, const std::string& shard,
-         const std::map<std::string, std::string>& weight_map) {
-        std::string path;
+      "check_hf_model_directory",
+      [](const FsPath& dir) { CheckHfModelDirectory(dir); }, py::arg("dir"),
+      py::call_guard<py::gil_scoped_release>(),
+      "FileNotFoundError where dir is not a local directory (a Hub model id), saying how to "
+      "download one.");
+  m.def(
+      "hf_load_target",
+      [](const std::vector<FsPath>& files,
+         const std::optional<std::map<std::string, std::string>>& weight_map)
+          -> std::optional<py::str> {
+        const std::vector<std::string> names = PathBytes(files);
+        std::optional<std::string> target;
         {
           py::gil_scoped_release release;
-          path = HfShardIndexOf(dir, shard, weight_map);
+          target = HfLoadTarget(names, weight_map);
         }
-        return PathToPython(path);
+        if (!target) return std::nullopt;
+        return PathToPython(*target);
       },
-      py::arg("dir"), py::arg("shard"), py::arg("weight_map"),
-      "The shard index in dir (model.safetensors.index*.json, first in name order) whose weight "
-      "map is weight_map. FileNotFoundError naming dir and shard where none is.");
+      py::arg("files"), py::arg("weight_map"),
+      "The file tensortier.load reads for the checkpoint files transformers resolved: the one "
+      "file, else the shard index in their folder whose weight map is weight_map (a dict, or "
+      "None without an index); None where transformers reads them itself. FileNotFoundError "
+      "naming the folder where no index has that weight map.");
+  m.def(
+      "stage_hf_save",
+      [](const FsPath& final_dir) {
+        std::string staging;
+        {
+          py::gil_scoped_release release;
+          staging = StageHfSave(final_dir);
+        }
+        return PathToPython(staging);
+      },
+      py::arg("final_dir"),
+      "The staging directory of a save into final_dir (beside it), holding what final_dir holds: "
+      "weight files linked, others copied. NotADirectoryError where final_dir is a file.");
   m.def(
       "hf_files_cached",
       [](const std::vector<FsPath>& files) {

@@ -22,8 +22,10 @@ bool IsPathLike(const py::handle& value) {
          PyObject_HasAttrString(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())), "__fspath__");
 }
 
-// `path` (str, bytes, os.PathLike) as a str that os.fsencode turns into its exact bytes.
-py::str PathArgument(const py::handle& path, const std::string& what, bool bytes_ok) {
+}  // namespace
+
+py::str tensortier::FsPathArgument(const py::handle& path, const std::string& what,
+                                 bool bytes_ok) {
   if (IsPathLike(path)) {
     PyObject* p = PyOS_FSPath(path.ptr());  // str or bytes; TypeError from a bad __fspath__
     if (p == nullptr) throw py::error_already_set();
@@ -38,10 +40,8 @@ py::str PathArgument(const py::handle& path, const std::string& what, bool bytes
                               ", not ", TypeName(path)));
 }
 
-}  // namespace
-
 void RegisterPaths(py::module_& m) {
-  m.def("fspath", &PathArgument, py::arg("path"), py::arg("what") = "path", py::kw_only(),
+  m.def("fspath", &FsPathArgument, py::arg("path"), py::arg("what") = "path", py::kw_only(),
         py::arg("bytes_ok") = true,
         "`path` (str, bytes or os.PathLike) as a str that os.fsencode turns into its exact "
         "bytes; TypeError naming `what` and the types accepted (bytes refused unless "

@@ -34,6 +34,11 @@ inline pybind11::str MessageToPython(std::string_view text) {
   return PathToPython(text);
 }
 
+// `path` (str, bytes, os.PathLike) as a str that os.fsencode turns into its exact bytes (the
+// fspath() of the Python API); TypeError naming `what` and the types accepted.
+pybind11::str FsPathArgument(const pybind11::handle& path, const std::string& what,
+                             bool bytes_ok = true);
+
 inline std::vector<std::string> PathBytes(const std::vector<FsPath>& paths) {
   std::vector<std::string> out;
   out.reserve(paths.size());

@@ -106,13 +106,9 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     ):
         dtype = None
     meta = cfg.sharded_metadata
-    if meta is None and len(files) != 1:
+    target = _core.hf_load_target(files, None if meta is None else meta["weight_map"])
+    if target is None:
         return None
-    if meta is not None and set(meta["weight_map"].values()) != {os.path.basename(f)
-                                                                 for f in files}:
-        return None  # extra files beside the shards: transformers' own business
-    target = files[0] if meta is None else _core.hf_shard_index_of(
-        os.path.dirname(files[0]), files[0], meta["weight_map"])
     if future is not None and device.type == "cpu" and early[0] == os.path.realpath(target):
         with contextlib.suppress(Exception):  # read again below, to report its error
             state_dict = future.result()
@@ -214,11 +210,7 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs
         OSError: a shard cannot be read or is missing.
     """
     path = fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            2, f"tensortier.hf reads local model directories and {path!r} is none: for a Hugging "
-            "Face Hub model id, download it with huggingface_hub.snapshot_download(repo_id) and "
-            "pass the directory it returns", path)
+    _core.check_hf_model_directory(path)
     with _ours(), _read_early(path, kwargs):
         return cls.from_pretrained(path, *args, **kwargs)
 
@@ -244,28 +236,13 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
         if kwargs.get(unsupported):
             raise ValueError(f"tensortier.hf.save_pretrained does not take {unsupported}=True")
     final = os.path.abspath(fspath(path))
-    if os.path.exists(final) and not os.path.isdir(final):
-        raise NotADirectoryError(20, "cannot save a model over a file", final)
     with _ours():
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        staging = _core.create_staging_directory(final)  # and removes killed saves' ones
+        staging = _core.stage_hf_save(final)  # and removes killed saves' ones
         try:
-            if os.path.isdir(final):
-                shutil.copytree(final, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
-                shutil.copystat(final, staging)
             _originals["save_pretrained"](model, staging, **kwargs)
             _core.commit_directory(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # the old directory, once swapped
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    """Weight files are linked (replaced by rename or removed, never written in place), other
-    files copied (transformers rewrites ``config.json`` in place)."""
-    if src.endswith((".safetensors", ".bin")):
-        with contextlib.suppress(OSError):  # another file system (a mount point): copied
-            return os.link(src, dst)
-    shutil.copy2(src, dst)
 
 
 def enable() -> None:

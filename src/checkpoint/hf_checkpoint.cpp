@@ -1,12 +1,18 @@
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "tensortier/checkpoint/checkpoint_format.hpp"
+#include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
@@ -48,7 +54,91 @@ bool QuantizedOrUnreadable(const fs::path& dir) {
   }
 }
 
+// os.path.dirname and os.path.basename.
+std::string DirName(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "" : path.substr(0, slash == 0 ? 1 : slash);
+}
+std::string BaseName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
+
+// `to` gets `from`'s permission bits and access and modification times (shutil.copystat).
+void CopyStat(const std::string& from, const std::string& to) {
+  struct stat st {};
+  if (::stat(from.c_str(), &st) != 0) ThrowIoError(errno, "stat", from);
+  if (::chmod(to.c_str(), st.st_mode & 07777) != 0) ThrowIoError(errno, "chmod", to);
+  const struct timespec times[2] = {st.st_atim, st.st_mtim};
+  if (::utimensat(AT_FDCWD, to.c_str(), times, 0) != 0) ThrowIoError(errno, "utimensat", to);
+}
+
+// What the folder `from` holds, into the existing folder `to`, as StageHfSave keeps it; symbolic
+// links are followed (shutil.copytree's default).
+void LinkOrCopyTree(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  fs::directory_iterator it(from, ec);
+  if (ec) ThrowIoError(ec.value(), "list", from);
+  for (const fs::directory_entry& entry : it) {
+    const std::string src = entry.path().string();
+    const std::string dst = StrCat(to, "/", entry.path().filename().string());
+    if (entry.is_directory(ec)) {
+      if (!fs::create_directory(dst, ec) && ec) ThrowIoError(ec.value(), "mkdir", dst);
+      LinkOrCopyTree(src, dst);
+      continue;
+    }
+    const bool weights = src.ends_with(".safetensors") || src.ends_with(".bin");
+    if (weights && ::linkat(AT_FDCWD, src.c_str(), AT_FDCWD, dst.c_str(), AT_SYMLINK_FOLLOW) == 0) {
+      continue;  // else another file system (a mount point): copied
+    }
+    if (!fs::copy_file(src, dst, fs::copy_options::overwrite_existing, ec) || ec) {
+      ThrowIoError(ec ? ec.value() : EIO, "copy", src);
+    }
+    CopyStat(src, dst);
+  }
+  CopyStat(from, to);
+}
+
 }  // namespace
+
+void CheckHfModelDirectory(const std::string& dir) {
+  std::error_code ec;
+  if (fs::is_directory(dir, ec)) return;
+  ThrowIoError(ENOENT,
+               "read a model: tensortier.hf reads local model directories; for a Hugging Face Hub "
+               "model id, download it with huggingface_hub.snapshot_download(repo_id) and pass "
+               "the directory it returns",
+               dir);
+}
+
+std::optional<std::string> HfLoadTarget(
+    const std::vector<std::string>& files,
+    const std::optional<std::map<std::string, std::string>>& weight_map) {
+  if (files.empty()) return std::nullopt;
+  if (!weight_map) return files.size() == 1 ? std::optional(files[0]) : std::nullopt;
+  std::set<std::string> shards;
+  for (const auto& [tensor, shard] : *weight_map) shards.insert(shard);
+  std::set<std::string> names;
+  for (const std::string& file : files) names.insert(BaseName(file));
+  if (shards != names) return std::nullopt;  // extra files beside the shards: transformers'
+  return HfShardIndexOf(DirName(files[0]), files[0], *weight_map);
+}
+
+std::string StageHfSave(const std::string& final_dir) {
+  std::error_code ec;
+  const fs::file_status status = fs::status(final_dir, ec);
+  const bool exists = fs::exists(status);
+  if (exists && !fs::is_directory(status)) {
+    ThrowIoError(ENOTDIR, "save a model directory over a file", final_dir);
+  }
+  fs::create_directories(DirName(final_dir), ec);
+  if (ec) ThrowIoError(ec.value(), "mkdir", DirName(final_dir));
+  const std::string staging = CreateStagingDirectory(final_dir);
+  try {
+    if (exists) LinkOrCopyTree(final_dir, staging);
+  } catch (...) {
+    fs::remove_all(staging, ec);
+    throw;
+  }
+  return staging;
+}
 
 std::optional<HfCheckpoint> FindHfCheckpoint(const std::string& dir) {
   const fs::path d(dir);

@@ -1,8 +1,14 @@
 // The Hugging Face model directories tensortier.hf reads (hf_checkpoint.hpp).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cerrno>
+#include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
 #include <string>
 
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
@@ -38,6 +44,73 @@ TEST(HfCheckpoint, FindsTheIndexOrFileUnlessQuantized) {
   EXPECT_FALSE(FindHfCheckpoint(d).has_value());
   std::ofstream(d + "/config.json") << "{";  // malformed
   EXPECT_FALSE(FindHfCheckpoint(d).has_value());
+}
+
+TEST(HfCheckpoint, LoadTargetIsTheFileOrTheIndexOfExactlyTheShards) {
+  TempDir dir;
+  const std::string d = dir.path();
+  EXPECT_EQ(HfLoadTarget({d + "/model.safetensors"}, std::nullopt), d + "/model.safetensors");
+  EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors"}, std::nullopt));
+  std::ofstream(d + "/model.safetensors.index.json")
+      << R"({"weight_map": {"w": "a.safetensors", "v": "b.safetensors"}})";
+  const std::map<std::string, std::string> map{{"w", "a.safetensors"}, {"v", "b.safetensors"}};
+  EXPECT_EQ(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors"}, map),
+            d + "/model.safetensors.index.json");
+  // A file beside the shards: transformers reads them itself.
+  EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors", d + "/c.safetensors"},
+                            map));
+  try {
+    const std::map<std::string, std::string> other{{"w", "a.safetensors"}};
+    HfLoadTarget({d + "/a.safetensors"}, other);
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+  }
+}
+
+struct stat StatOf(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return st;
+}
+
+std::string Contents(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
+  TempDir dir;
+  const std::string m = dir.path() + "/models/m";
+  // Nothing there yet: the parent is made, the staging directory is empty and beside `m`.
+  const std::string fresh = StageHfSave(m);
+  EXPECT_EQ(fresh.substr(0, fresh.rfind('/')), dir.path() + "/models");
+  EXPECT_TRUE(std::filesystem::is_empty(fresh));
+  std::filesystem::remove(fresh);
+  std::filesystem::create_directories(m + "/sub");
+  std::ofstream(m + "/model.safetensors") << "weights";
+  std::ofstream(m + "/config.json") << "{}";
+  std::ofstream(m + "/sub/tokenizer.json") << "tok";
+  ASSERT_EQ(::chmod((m + "/config.json").c_str(), 0640), 0);
+  const struct timespec old[2] = {{1000, 0}, {2000, 5}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, (m + "/config.json").c_str(), old, 0), 0);
+  const std::string staged = StageHfSave(m);
+  EXPECT_EQ(StatOf(staged + "/model.safetensors").st_ino, StatOf(m + "/model.safetensors").st_ino);
+  const struct stat copy = StatOf(staged + "/config.json");
+  EXPECT_NE(copy.st_ino, StatOf(m + "/config.json").st_ino);
+  EXPECT_EQ(copy.st_mode & 07777, 0640u);
+  EXPECT_EQ(copy.st_mtim.tv_sec, 2000);
+  EXPECT_EQ(Contents(staged + "/config.json"), "{}");
+  EXPECT_EQ(Contents(staged + "/sub/tokenizer.json"), "tok");
+  std::ofstream(dir.path() + "/file") << "x";
+  try {
+    StageHfSave(dir.path() + "/file");
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOTDIR);
+  }
 }
 
 }  // namespace

@@ -673,6 +673,18 @@ def test_a_state_past_its_epoch_or_the_64_bit_epochs_is_refused(disk_dir: Path) 
             resumed.set_epoch(epoch)  # type: ignore[arg-type]
 
 
+def test_epoch_indices_names_a_bad_epoch(disk_dir: Path) -> None:
+    make_tree(disk_dir, classes=1, per_class=3)
+    reader = FileReader(file_root=disk_dir, batch_size=2, shuffle=False)
+    assert reader.epoch_indices(2**64 - 1) == [0, 1, 2]
+    for epoch, shown in ((-1, "-1"), (2**64, str(2**64)), (True, "True"), (1.0, "1.0"),
+                         ("1", "'1'"), (None, "None")):
+        with pytest.raises(ValueError) as raised:
+            reader.epoch_indices(epoch)  # type: ignore[arg-type]
+        # As set_epoch and the other settings say it, not pybind11's signature listing.
+        assert str(raised.value) == f"epoch must be a non-negative 64-bit integer, not {shown}"
+
+
 def test_state_dict_resumes_a_root_spelled_another_way(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

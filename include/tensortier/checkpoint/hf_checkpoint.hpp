@@ -14,6 +14,10 @@ struct HfCheckpoint {
   bool cached = false;  // HfFilesCached of DIR's *.safetensors files
 };
 
+// Throws IoError (ENOENT) where `dir` is not a local directory (a Hub model id), saying how to
+// make one of it.
+void CheckHfModelDirectory(const std::string& dir);
+
 // The checkpoint of the model in `dir`: its shard index, else its one safetensors file; nullopt
 // where neither is a file, or config.json cannot be read, is not a JSON object or has a
 // "quantization_config" member (a quantized model: transformers reads it itself).
@@ -24,6 +28,22 @@ std::optional<HfCheckpoint> FindHfCheckpoint(const std::string& dir);
 // naming dir and `shard` where none is.
 std::string HfShardIndexOf(const std::string& dir, const std::string& shard,
                            const std::map<std::string, std::string>& weight_map);
+
+// The file tensortier.load reads for the checkpoint files transformers resolved: the one file
+// where there is no shard index (`weight_map` nullopt), else the index in the shards' folder
+// whose weight map is `weight_map` (HfShardIndexOf). nullopt where transformers reads the files
+// itself: several files without an index, or files other than the index's shards.
+std::optional<std::string> HfLoadTarget(
+    const std::vector<std::string>& files,
+    const std::optional<std::map<std::string, std::string>>& weight_map);
+
+// The staging directory of a save into `final_dir` (CreateStagingDirectory, after creating
+// final_dir's parent), holding what `final_dir` holds already, as transformers keeps it: weight
+// files (*.safetensors, *.bin) hard-linked, as a save replaces them by rename or removes them and
+// never writes them in place (copied across file systems), other files copied (transformers
+// rewrites config.json in place), with the modes and times of files and folders. Throws IoError
+// (ENOTDIR) where `final_dir` is not a directory, or naming the file that could not be copied.
+std::string StageHfSave(const std::string& final_dir);
 
 // Whether `files` are in the page cache, 9/10 of their bytes at least (a busy machine evicts a few
 // pages at any moment): then tensortier.hf maps them rather than reading them.

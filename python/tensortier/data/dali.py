@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -48,7 +47,9 @@ class DaliSource:
 
         self._tensors = tensors
         self._reader = reader
-        self._epoch: Iterator[Any] | None = None
+        # The next call after StopIteration (an epoch's end) or an error reads on from the
+        # reader's place: the next epoch, or the batch that failed.
+        self._batches = reader._state.iterate(reader._core, rewinds=True)
         self._kept: collections.deque[Any] = collections.deque(maxlen=queue_depth + 2)
 
     def __reduce__(self) -> Any:
@@ -63,18 +64,7 @@ class DaliSource:
         return self
 
     def __next__(self) -> tuple[Any, Any]:
-        if self._epoch is None:
-            self._epoch = self._reader.batches()
-        try:
-            batch = next(self._epoch)
-        except StopIteration:
-            self._epoch = None  # the next call reads the next epoch
-            raise
-        except BaseException:
-            # The epoch's iteration ended with the error: the next call goes on from the batch
-            # that failed, rather than from the ended iteration (an empty epoch).
-            self._epoch = None
-            raise
+        batch = next(self._batches)
         labels = self._reader.batch_labels(batch).reshape(-1, 1)
         self._kept.append((batch, labels))
         wrap = self._tensors.TensorCPU

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 import torch.utils.data
 
+from .. import _core
 from .._paths import PathArg
-from .reader import FileReader, resolve_inputs
+from .reader import FileReader
 
 
 def _rank_and_world() -> tuple[int, int] | None:
@@ -59,10 +60,9 @@ class FileDataset(torch.utils.data.IterableDataset):
         **reader_options: Any,
     ) -> None:
         super().__init__()
-        self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels,
-                                                   file_filters=file_filters,
-                                                   case_sensitive_filter=case_sensitive_filter,
-                                                   dir_filters=dir_filters)
+        self._paths, self._labels = _core.resolve_sample_inputs(
+            file_root, file_list, files, labels, file_filters=file_filters,
+            case_sensitive_filter=case_sensitive_filter, dir_filters=dir_filters)
         self._options = dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
                              pad_last_batch=pad_last_batch, drop_last=drop_last,
                              prefetch=prefetch, copy=copy, on_error=on_error, **reader_options)

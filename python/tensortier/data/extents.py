@@ -3,7 +3,6 @@ maps" page)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 from .. import _core
@@ -47,11 +46,7 @@ def build_extent_map(
             refused files, unless `allow_refused`).
         ValueError: a file of `files` is not under `root`, or is listed twice.
     """
-    listed = None if files is None else [fspath(f, "files[i]") for f in files]
-    extent_map = _core.ExtentMap.build(fspath(root, "root"), listed, allow_refused)
-    if output is not None:
-        extent_map.save(fspath(output, "output"))
-    return extent_map
+    return _core.ExtentMap.build(root, files, allow_refused, output)
 
 
 def load_extent_map(path: PathLike) -> ExtentMap:
@@ -64,21 +59,13 @@ def load_extent_map(path: PathLike) -> ExtentMap:
     return _core.ExtentMap.load(fspath(path))
 
 
-def _as_map(extent_map: ExtentMap | PathLike) -> ExtentMap:
-    if isinstance(extent_map, _core.ExtentMap):
-        return extent_map
-    if isinstance(extent_map, (str, bytes, os.PathLike)):
-        return load_extent_map(extent_map)
-    raise TypeError(f"{type(extent_map).__name__} is not an ExtentMap or a path to one")
-
-
 def verify_extent_map(extent_map: ExtentMap | PathLike) -> list[tuple[str, str]]:
     """Re-checks a map against the files (identity, then extents by FIEMAP).
 
     Returns:
         ``(path, what changed)`` for each file that no longer matches; empty when all do.
     """
-    return list(_as_map(extent_map).verify())
+    return list(ExtentMap.of(extent_map).verify())
 
 
 class ExtentReader:
@@ -112,7 +99,7 @@ class ExtentReader:
         workers: int | None = None,
         verify_checksums: bool = True,
     ) -> None:
-        self.map = _as_map(extent_map)
+        self.map = ExtentMap.of(extent_map)
         self._reader = _core.ExtentReader(self.map, backend, queue_depth, workers,
                                           bool(verify_checksums))
         self.last_stats: dict[str, Any] = {}

@@ -9,37 +9,8 @@ import numpy as np
 import torch
 
 from .. import _core
-from .._paths import fspath, PathArg
-from .extents import ExtentMap, _as_map
-
-_ON_ERROR = ("raise", "skip")
-
-
-def resolve_inputs(
-    file_root: PathArg | None,
-    file_list: PathArg | None,
-    files: Sequence[PathArg] | None,
-    labels: Sequence[int] | None,
-    check_files: bool = True,
-    file_filters: str | Sequence[str] | None = None,
-    case_sensitive_filter: bool = False,
-    dir_filters: str | Sequence[str] | None = None,
-) -> tuple[list[str], np.ndarray]:
-    """The (paths, int32 labels) named by DALI's ``fn.readers.file`` inputs, checked to exist
-    (``check_files``). ``file_filters``, ``dir_filters`` and ``case_sensitive_filter`` select
-    the class folders of a ``file_root`` and their files as DALI does (ignored with
-    ``file_list`` or ``files``).
-
-    Raises:
-        ValueError: inputs given in a combination DALI refuses, or an empty list or folder.
-        TypeError: ``file_filters`` or ``dir_filters`` is not a string or a list of strings.
-        OSError: a listed file or the folder cannot be reached (``FileNotFoundError`` names it).
-    """
-    return _core.resolve_sample_inputs(
-        None if file_root is None else fspath(file_root, "file_root"),
-        None if file_list is None else fspath(file_list, "file_list"),
-        None if files is None else [fspath(f, "files[i]") for f in files],
-        labels, bool(check_files), file_filters, bool(case_sensitive_filter), dir_filters)
+from .._paths import PathArg
+from .extents import ExtentMap
 
 
 class FileReader:
@@ -129,20 +100,16 @@ class FileReader:
         backend: str | None = None,
         check_files: bool = True,
     ) -> None:
-        if on_error not in _ON_ERROR:
-            raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         _core.check_reader_settings(batch_size, prefetch, num_shards, open_threads, seed,
-                                    shard_id)
+                                    shard_id, on_error)
         self._device = torch.device(device)
         if self._device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' needs a torch build with CUDA and a GPU")
-        self._paths, self._labels = resolve_inputs(file_root, file_list, files, labels,
-                                                   check_files, file_filters,
-                                                   case_sensitive_filter, dir_filters)
-        # The order's settings, the epoch and the batches of it given out, and the moves
-        # (set_epoch, load_state_dict) that an iteration under way follows.
+        self._paths, self._labels = _core.resolve_sample_inputs(
+            file_root, file_list, files, labels, check_files, file_filters,
+            case_sensitive_filter, dir_filters)
         self._state = _core.ReaderState(
             self._paths, self._labels, batch_size=batch_size, shuffle=bool(shuffle), seed=seed,
             shard_id=shard_id, num_shards=num_shards, stick_to_shard=bool(stick_to_shard),
@@ -158,14 +125,9 @@ class FileReader:
             pin_memory=pin_memory or self._device.type == "cuda",
             device=device_index,
             backend=backend,
-            extent_map=None if extent_map is None else _as_map(extent_map),
+            extent_map=None if extent_map is None else ExtentMap.of(extent_map),
             extent_checksums=bool(extent_checksums),
         )
-        # The iteration the read-ahead serves.
-        self._iteration: object | None = None
-
-    # ---------------------------------------------------------------------------------------
-    # Sizes and state
 
     @property
     def files(self) -> list[str]:
@@ -188,14 +150,14 @@ class FileReader:
 
     def epoch_indices(self, epoch: int) -> list[int]:
         """File indices this reader returns in ``epoch``, in order, padding included."""
-        return list(self._state.plan.epoch_samples(epoch))
+        return self._state.epoch_indices(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Starts ``epoch`` from its first batch: the next batch, of a new iteration or of one
         under way, is its first. The epoch an iteration has under way keeps its place: a script
         that sets each epoch as it starts, while DALI already reads ahead into it, gets each
         batch once."""
-        self._state.set_epoch(epoch, self._iteration is not None)
+        self._state.set_epoch(epoch)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -227,33 +189,10 @@ class FileReader:
         """
         self._state.load_state_dict(state)
 
-    # ---------------------------------------------------------------------------------------
-    # Iteration
-
     def batches(self) -> Iterator[Any]:
         """The current epoch's remaining batches as ``_core.Batch`` objects (arena, offsets,
         sizes, file indices), without tensors: what the adapters build on."""
-        token = object()
-        self._iteration = token  # the reader's read-ahead now serves this iteration only
-        try:
-            while True:
-                moves = self._state.moves
-                batches = self._state.remaining()
-                self._core.start(batches)
-                for _ in batches:
-                    batch = self._core.next()
-                    self._state.advance()
-                    yield batch
-                    if self._iteration is not token:
-                        return  # a later iteration (or close()) took the read-ahead over
-                    if self._state.moves != moves:
-                        break  # set_epoch() or load_state_dict() meanwhile: go on from there
-                else:
-                    self._state.next_epoch()
-                    return
-        finally:
-            if self._iteration is token:
-                self._iteration = None  # ended, left or failed: no iteration is under way
+        return self._state.iterate(self._core)
 
     def batch_labels(self, batch: Any) -> np.ndarray:
         """The int32 labels of a ``_core.Batch``'s samples."""
@@ -291,5 +230,4 @@ class FileReader:
     def close(self) -> None:
         """Stops reading ahead (also done when the reader is dropped); an iteration under way
         ends."""
-        self._iteration = None
-        self._core.start([])
+        self._state.close(self._core)
