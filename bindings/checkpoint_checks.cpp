@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -13,13 +15,18 @@
 
 #include "paths.hpp"
 #include "register.hpp"
+#include "tensortier/checkpoint/checkpoint_format.hpp"
 #include "tensortier/checkpoint/load_checks.hpp"
+#include "tensortier/checkpoint/piece_reader.hpp"
 #include "tensortier/checkpoint/state_dict_checks.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
 
 namespace {
+
+using RecordTuple = std::tuple<std::string, uint64_t, uint64_t, uint32_t, bool>;
 
 using TensorTuple = std::tuple<std::string, std::vector<int64_t>, std::string, uint64_t, uint64_t>;
 
@@ -86,6 +93,34 @@ void RegisterCheckpointChecks(py::module_& m) {
       "ones): errors are load_state_dict's lines (missing and unexpected names when strict, shape "
       "mismatches always). A missing target whose memory is a loaded one's is not missing.");
 
+  m.def(
+      "plan_load_into",
+      [](const std::vector<TensorTuple>& targets, const std::vector<TensorTuple>& saved,
+         bool strict) {
+        StateDictMatch match = MatchStateDict(NamedTensors(targets), NamedTensors(saved), strict);
+        std::map<std::string, size_t> target_at, saved_at;
+        for (size_t i = 0; i < targets.size(); ++i) target_at[std::get<0>(targets[i])] = i;
+        for (size_t i = 0; i < saved.size(); ++i) saved_at[std::get<0>(saved[i])] = i;
+        // The same memory under several names (tied weights) is read once, from the name that
+        // comes last in the targets' order: the value load_state_dict leaves (the last copy).
+        std::map<std::pair<uint64_t, uint64_t>, std::string> last;
+        for (const auto& [name, shape, dtype, address, size] : targets) {
+          if (size > 0 && saved_at.contains(name)) last[{address, size}] = name;
+        }
+        std::vector<std::string> reads;
+        for (const TensorTuple& s : saved) {
+          const auto it = target_at.find(std::get<0>(s));
+          if (it == target_at.end()) continue;
+          const auto& [name, shape, dtype, address, size] = targets[it->second];
+          if (size == 0 || last.at({address, size}) == name) reads.push_back(name);
+        }
+        return py::make_tuple(match.missing, match.unexpected, match.errors, reads);
+      },
+      py::arg("targets"), py::arg("saved"), py::arg("strict"),
+      "match_state_dict's (missing, unexpected, errors) and the names to read, in the saved "
+      "order: each name both hold, a target memory named more than once (tied weights) only "
+      "under its last name in the targets' order.");
+
   m.def("check_load_options", &CheckLoadOptions, py::arg("device"), py::arg("verify"),
         py::arg("mmap"), py::arg("to_meta"),
         "ValueError for load arguments that exclude each other (CheckLoadOptions): verify=True "
@@ -143,4 +178,84 @@ void RegisterCheckpointChecks(py::module_& m) {
       "elements of dtype, itemsize bytes each), checked against its zip record's size "
       "(record_size, None: missing) and an earlier description (prior: (dtype, nbytes) or None): "
       "CheckTorchStorage's ValueErrors naming path.");
+  m.def(
+      "read_torch_pickle",
+      [](Engine& engine, const File& file, const FsPath& path, const std::string& prefix,
+         const std::vector<RecordTuple>& records, bool verify) {
+        const std::string names[] = {prefix + "data.pkl", prefix + "byteorder"};
+        std::string bytes[2];
+        std::vector<PieceRead> pieces;
+        bool recorded = true, storage_bytes = false, record_bytes = false;
+        for (const auto& [name, offset, size, crc, crcs] : records) {
+          recorded = recorded && crcs;
+          record_bytes = record_bytes || size > 0;
+          storage_bytes = storage_bytes || (size > 0 && name.starts_with(prefix + "data/"));
+          for (int i = 0; i < 2; ++i) {
+            if (name != names[i]) continue;
+            bytes[i].resize(size);
+            const PieceCheck check = verify ? PieceCheck::kCrc32 : PieceCheck::kNone;
+            pieces.push_back({name, offset, size, reinterpret_cast<std::byte*>(bytes[i].data()),
+                              recorded ? check : PieceCheck::kNone, crc});
+          }
+        }
+        if (verify && !recorded && record_bytes) {  // torch.save with set_crc32_options(False)
+          throw std::invalid_argument(StrCat(
+              path.bytes, ": verify=True but the file stores no CRC-32 for its ",
+              storage_bytes ? "storages" : "records",
+              " (it was saved with torch.serialization.set_crc32_options(False); save it with "
+              "tensortier.save(..., checksum=True), or load with verify=False)"));
+        }
+        {
+          py::gil_scoped_release release;
+          ReadPieces(engine, file, path, pieces);
+        }
+        py::object order = py::none();
+        if (pieces.size() > 1 || (!pieces.empty() && pieces[0].name == names[1])) {
+          order = py::bytes(bytes[1]);
+        }
+        return py::make_tuple(py::bytes(bytes[0]), order);
+      },
+      py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("prefix"), py::arg("records"),
+      py::arg("verify"),
+      "(data.pkl, byteorder or None): the bytes of a torch.save zip's pickle and byte order "
+      "records (prefix: the archive's folder and '/'), read through engine from file, their "
+      "CRC-32s checked with verify. records: (name, data_offset, size, crc32, crcs_recorded) "
+      "as torch_zip_entries gives them. ValueError with verify for an archive that stores no "
+      "CRC-32s, for a mismatch or a short file; OSError for I/O errors.");
+  m.def(
+      "shard_index_walk",
+      [](const FsPath& path) {
+        std::map<std::string, size_t> at;  // absolute shard path -> its place in `shards`
+        std::vector<Shard> shards;
+        std::vector<std::string> kinds;
+        {
+          py::gil_scoped_release release;
+          for (Shard& s : ReadShardIndex(path)) {
+            const std::string key = std::filesystem::absolute(s.path).lexically_normal();
+            const auto [it, added] = at.emplace(key, shards.size());
+            if (!added) {
+              auto& names = shards[it->second].names;
+              names.insert(names.end(), s.names.begin(), s.names.end());
+              continue;
+            }
+            const CheckpointKind kind = DetectCheckpointKind(key);
+            if (kind == CheckpointKind::kShardIndex) {  // also stops an index naming itself
+              throw std::invalid_argument(
+                  StrCat(path.bytes, ": shard ", key, " is itself an index"));
+            }
+            kinds.emplace_back(CheckpointKindName(kind));
+            shards.push_back({key, std::move(s.names)});
+          }
+        }
+        py::list out;
+        for (size_t i = 0; i < shards.size(); ++i) {
+          out.append(py::make_tuple(PathToPython(shards[i].path), kinds[i], shards[i].names));
+        }
+        return out;
+      },
+      py::arg("path"),
+      "[(shard path, kind, [tensor names])]: a shard index's shards (absolute paths, each once, "
+      "in the index's order) with what each holds ('safetensors' or 'torch', by "
+      "detect_checkpoint_kind's rule) and the names the index puts there. ValueError as "
+      "read_shard_index and detect_checkpoint_kind raise, and for a shard that is an index.");
 }

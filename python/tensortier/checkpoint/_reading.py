@@ -39,15 +39,6 @@ def _open_checkpoint(io: IOHandle, path: str) -> File:
     return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
 
 
-def _read_at(file: File, size: int, offset: int, io: IOHandle | None = None) -> bytes:
-    """`size` bytes of `file` from `offset` (fewer at its end), read by the engine."""
-    if size == 0:
-        return b""
-    buf = bytearray(size)
-    got = (io if io is not None else _engine._default_io()).pread(buf, file, offset)
-    return bytes(memoryview(buf)[:got])
-
-
 def _read_host(
     io: IOHandle, file: File, path: str, names: Sequence[str], offsets: Sequence[int],
     lengths: Sequence[int], addresses: Sequence[int], progress: _Progress,
