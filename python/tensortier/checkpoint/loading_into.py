@@ -287,7 +287,7 @@ def _load_into(
     target_name: str = "dict", explain: Callable[[Sequence[str]], str] | None = None,
 ) -> IncompatibleKeys:
     torch = _torch()
-    missing, unexpected, errors = _require("match_state_dict")(
+    missing, unexpected, errors, reads = _require("plan_load_into")(
         [(k, t.shape, str(t.dtype), t.data_ptr(), t.nbytes) for k, t in targets.items()],
         [(k, src.shape, "", 0, 0) for k, src in sources.items()], strict)
     if errors:  # the lines and their order are load_state_dict's: code parsing it keeps working
@@ -301,20 +301,8 @@ def _load_into(
     direct: list[_Piece] = []  # read straight into the target's memory
     staged: list[_Staged] = []  # read into a temporary, then copied (and converted) into it
     crc_refs: dict[tuple[str, str], _StorageRef] = {}
-    # The same memory under several names (tied weights) is read once, from the name that
-    # comes last in the target's order: the value load_state_dict leaves (it copies each name
-    # in turn, so the last one wins).
-    last_name: dict[tuple[int, int], str] = {}
-    for k, t in targets.items():
-        if k in sources and t.nbytes > 0:
-            last_name[(t.data_ptr(), t.nbytes)] = k
-    for k, src in sources.items():
-        t = targets.get(k)
-        if t is None:
-            continue
-        mem = (t.data_ptr(), t.nbytes)
-        if mem[1] > 0 and last_name[mem] != k:
-            continue
+    for k in reads:  # tied weights: only the name load_state_dict's value comes from
+        t, src = targets[k], sources[k]
         f = files[src.path]
         if src.view is not None and src.crc_storage is not None:
             # a non-contiguous saved view: read its whole storage, then copy the view out
