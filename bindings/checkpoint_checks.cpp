@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 
 #include <filesystem>
+#include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -258,4 +260,52 @@ void RegisterCheckpointChecks(py::module_& m) {
       "in the index's order) with what each holds ('safetensors' or 'torch', by "
       "detect_checkpoint_kind's rule) and the names the index puts there. ValueError as "
       "read_shard_index and detect_checkpoint_kind raise, and for a shard that is an index.");
+  m.def(
+      "available_memory",
+      [] {
+        std::ifstream meminfo("/proc/meminfo");
+        std::string key;
+        uint64_t kib = 0;
+        while (meminfo >> key >> kib) {
+          if (key == "MemAvailable:") return kib * 1024;
+          meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+        }
+        return uint64_t{0};
+      },
+      "The bytes /proc/meminfo says are available (MemAvailable), 0 when it cannot tell.");
+  m.def(
+      "upgrade_note",
+      [](const std::vector<std::tuple<std::string, std::string, py::object, py::object>>& subs) {
+        std::vector<std::string> older;
+        for (const auto& [prefix, type, saved, current] : subs) {
+          if (!py::isinstance<py::int_>(current) || current.cast<py::int_>() <= py::int_(1)) {
+            continue;
+          }
+          if (py::isinstance<py::int_>(saved) &&
+              PyObject_RichCompareBool(saved.ptr(), current.ptr(), Py_GE) == 1) {
+            continue;
+          }
+          const std::string was = saved.is_none()
+                                      ? "no version"
+                                      : StrCat("version ", py::repr(saved).cast<std::string>());
+          older.push_back(StrCat("'", prefix, "' (", type, ", saved with ", was, ", now ",
+                                 py::str(current).cast<std::string>(), ")"));
+        }
+        if (older.empty()) return std::string();
+        std::string listed;
+        for (size_t i = 0; i < std::min<size_t>(older.size(), 4); ++i) {
+          listed += StrCat(i ? ", " : "", older[i]);
+        }
+        const std::string more =
+            older.size() > 4 ? StrCat(" and ", older.size() - 4, " more") : std::string();
+        return StrCat(
+            "\n\tmodules saved at an older version: ", listed, more,
+            "; load_state_dict upgrades their entries (their _load_from_state_dict), which "
+            "load_into does not run: load this file with "
+            "module.load_state_dict(tensortier.load(path))");
+      },
+      py::arg("modules"),
+      "Why names may load with load_state_dict but not load_into: for (prefix, type name, the "
+      "version the file's _metadata records or None, the class's _version) of the submodules "
+      "holding them, the line naming those saved at an older version than now ('' when none).");
 }

@@ -149,24 +149,9 @@ def _upgrade_note(module: Any, saved_versions: Mapping[str, Any], names: Sequenc
     is newer than the file's ``_metadata`` records get them upgraded by their
     ``_load_from_state_dict``, which load_into does not run ("" when none)."""
     holders = {name.rpartition(".")[0] for name in names}
-    older = []
-    for prefix, sub in module.named_modules():
-        current = getattr(type(sub), "_version", 1)
-        if not isinstance(current, int) or current <= 1 or prefix not in holders:
-            continue
-        saved = saved_versions.get(prefix)
-        if isinstance(saved, int) and saved >= current:
-            continue
-        was = "no version" if saved is None else f"version {saved!r}"
-        older.append(f"'{prefix}' ({type(sub).__name__}, saved with {was}, now {current})")
-    if not older:
-        return ""
-    more = f" and {len(older) - 4} more" if len(older) > 4 else ""
-    return (
-        f"\n\tmodules saved at an older version: {', '.join(older[:4])}{more}; load_state_dict "
-        "upgrades their entries (their _load_from_state_dict), which load_into does not run: "
-        "load this file with module.load_state_dict(tensortier.load(path))"
-    )
+    return str(_require("upgrade_note")([
+        (prefix, type(sub).__name__, saved_versions.get(prefix), getattr(type(sub), "_version", 1))
+        for prefix, sub in module.named_modules() if prefix in holders]))
 
 
 def _extra_state_modules(module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
