@@ -308,4 +308,46 @@ void RegisterCheckpointChecks(py::module_& m) {
       "Why names may load with load_state_dict but not load_into: for (prefix, type name, the "
       "version the file's _metadata records or None, the class's _version) of the submodules "
       "holding them, the line naming those saved at an older version than now ('' when none).");
+  m.def(
+      "torch_persistent_id",
+      [](const py::str& path, const py::object& saved_id) {
+        py::list fields;
+        if (py::isinstance<py::tuple>(saved_id) && py::len(saved_id) == 5) {
+          for (const py::handle v : saved_id) {
+            fields.append(py::isinstance<py::bytes>(v) ? v.attr("decode")("ascii") : v);
+          }
+        }
+        if (fields.empty() || !py::str("storage").equal(fields[0]) ||
+            !py::isinstance<py::str>(fields[2]) || !py::isinstance<py::int_>(fields[4])) {
+          const py::object shown = py::repr(saved_id)[py::slice(0, 100, 1)];
+          PyErr_SetObject(PyExc_ValueError,
+                          py::str("{}: unexpected persistent id {}").format(path, shown).ptr());
+          throw py::error_already_set();
+        }
+        return py::make_tuple(fields[1], fields[2], fields[3], fields[4]);
+      },
+      py::arg("path"), py::arg("saved_id"),
+      "(storage type, key, location, numel) of a torch pickle's persistent id ('storage', "
+      "type, key, location, numel; bytes decoded as ASCII, as torch.load does): ValueError "
+      "naming path for any other.");
+  m.def(
+      "check_weights_only",
+      [](const py::object& weights_only) {
+        if (weights_only.is(py::bool_(false))) {
+          throw py::value_error(
+              "weights_only=False is not supported: tensortier loads pickles with torch's "
+              "weights_only unpickler only and never runs arbitrary pickled code (a pickle can "
+              "run any program); use torch.load(..., weights_only=False) for a file you trust");
+        }
+        if (!weights_only.is_none() && !weights_only.equal(py::bool_(true))) {
+          PyErr_SetObject(PyExc_TypeError,
+                          py::str("weights_only must be True or None, not {!r}")
+                              .format(weights_only)
+                              .ptr());
+          throw py::error_already_set();
+        }
+      },
+      py::arg("weights_only"),
+      "load's weights_only: True and None (torch.load's default) load as always; ValueError for "
+      "False (tensortier never runs arbitrary pickled code), TypeError for anything else.");
 }

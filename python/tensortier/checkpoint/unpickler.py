@@ -128,17 +128,13 @@ def _unpickle_torch(
     swap_now = mapped is not None and data_dependent and big_endian
 
     check_storage = _require("check_torch_storage")
+    persistent_id = _require("torch_persistent_id")
 
     def unpickle(device: Any) -> tuple[Any, dict[str, _StorageRef]]:
         storages: dict[str, _StorageRef] = {}
 
         def persistent_load(saved_id: Any) -> Any:
-            if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-                raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
-            typename, storage_type, key, location, numel = (
-                v.decode("ascii") if isinstance(v, bytes) else v for v in saved_id)
-            if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int):
-                raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
+            storage_type, key, location, numel = persistent_id(path, saved_id)  # C++: its form
             if storage_type is torch.UntypedStorage:
                 dtype = torch.uint8
             else:
