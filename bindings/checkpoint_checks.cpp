@@ -350,4 +350,13 @@ void RegisterCheckpointChecks(py::module_& m) {
       py::arg("weights_only"),
       "load's weights_only: True and None (torch.load's default) load as always; ValueError for "
       "False (tensortier never runs arbitrary pickled code), TypeError for anything else.");
+  m.def(
+      "check_read_length",
+      [](const FsPath& path, const std::string& name, uint64_t offset, uint64_t nbytes,
+         uint64_t got) {
+        CheckReadLength(path, PieceRead{name, offset, nbytes, nullptr, PieceCheck::kNone, {}}, got);
+      },
+      py::arg("path"), py::arg("name"), py::arg("offset"), py::arg("nbytes"), py::arg("got"),
+      "ValueError naming path and the piece, as read_pieces raises for a short file, when got "
+      "bytes of the nbytes at offset came back (a read outside read_pieces).");
 }

@@ -106,13 +106,6 @@ def _byte_groups(items: Sequence[_I]) -> Iterator[list[_I]]:
         yield group
 
 
-def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
-    return ValueError(
-        f"{path}: file ended early: tensor {piece.name!r} needs {piece.nbytes} bytes at offset "
-        f"{piece.offset}, got {got} (truncated file?)"
-    )
-
-
 def _read_batched(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
 ) -> None:
@@ -127,10 +120,8 @@ def _read_batched(
             if fut is not None:
                 got = iter(fut.result().segment_bytes)
                 for p in group:
-                    if p.nbytes:
-                        n = next(got)
-                        if n != p.nbytes:
-                            raise _short_read(path, p, n)
+                    if p.nbytes:  # C++: a short file is the pipeline's error
+                        _require("check_read_length")(path, p.name, p.offset, p.nbytes, next(got))
             progress.update(sum(p.nbytes for p in group))
     finally:
         for _, fut in submitted:  # memory handed to the engine must outlive the reads
@@ -170,8 +161,7 @@ def _read_device_checked(
             view = buf[skew : skew + p.nbytes]
             if p.nbytes:
                 got = io.pread(view, p.file, p.offset)
-                if got != p.nbytes:
-                    raise _short_read(path, p, got)
+                _require("check_read_length")(path, p.name, p.offset, p.nbytes, got)
             assert p.checksum is not None
             _check_host(path, [(p.name, view, p.checksum)])
             if p.nbytes:
