@@ -185,20 +185,26 @@ void RegisterCheckpointChecks(py::module_& m) {
       [](Engine& engine, const File& file, const FsPath& path, const std::string& prefix,
          const std::vector<RecordTuple>& records, bool verify) {
         const std::string names[] = {prefix + "data.pkl", prefix + "byteorder"};
-        std::string bytes[2];
-        std::vector<PieceRead> pieces;
+        const RecordTuple* found[2] = {nullptr, nullptr};
         bool recorded = true, storage_bytes = false, record_bytes = false;
-        for (const auto& [name, offset, size, crc, crcs] : records) {
+        for (const RecordTuple& r : records) {
+          const auto& [name, offset, size, crc, crcs] = r;
           recorded = recorded && crcs;
           record_bytes = record_bytes || size > 0;
           storage_bytes = storage_bytes || (size > 0 && name.starts_with(prefix + "data/"));
           for (int i = 0; i < 2; ++i) {
-            if (name != names[i]) continue;
-            bytes[i].resize(size);
-            const PieceCheck check = verify ? PieceCheck::kCrc32 : PieceCheck::kNone;
-            pieces.push_back({name, offset, size, reinterpret_cast<std::byte*>(bytes[i].data()),
-                              recorded ? check : PieceCheck::kNone, crc});
+            if (name == names[i]) found[i] = &r;  // the last of a name, as a dict keeps it
           }
+        }
+        std::string bytes[2];
+        std::vector<PieceRead> pieces;
+        for (int i = 0; i < 2; ++i) {
+          if (found[i] == nullptr) continue;
+          const auto& [name, offset, size, crc, crcs] = *found[i];
+          bytes[i].resize(size);
+          const PieceCheck check = verify && recorded ? PieceCheck::kCrc32 : PieceCheck::kNone;
+          pieces.push_back(
+              {name, offset, size, reinterpret_cast<std::byte*>(bytes[i].data()), check, crc});
         }
         if (verify && !recorded && record_bytes) {  // torch.save with set_crc32_options(False)
           throw std::invalid_argument(StrCat(
@@ -211,11 +217,8 @@ void RegisterCheckpointChecks(py::module_& m) {
           py::gil_scoped_release release;
           ReadPieces(engine, file, path, pieces);
         }
-        py::object order = py::none();
-        if (pieces.size() > 1 || (!pieces.empty() && pieces[0].name == names[1])) {
-          order = py::bytes(bytes[1]);
-        }
-        return py::make_tuple(py::bytes(bytes[0]), order);
+        return py::make_tuple(py::bytes(bytes[0]),
+                              found[1] == nullptr ? py::object(py::none()) : py::bytes(bytes[1]));
       },
       py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("prefix"), py::arg("records"),
       py::arg("verify"),
