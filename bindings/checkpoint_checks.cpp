@@ -4,6 +4,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -13,13 +17,18 @@
 
 #include "paths.hpp"
 #include "register.hpp"
+#include "tensortier/checkpoint/checkpoint_format.hpp"
 #include "tensortier/checkpoint/load_checks.hpp"
+#include "tensortier/checkpoint/piece_reader.hpp"
 #include "tensortier/checkpoint/state_dict_checks.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
 
 namespace {
+
+using RecordTuple = std::tuple<std::string, uint64_t, uint64_t, uint32_t, bool>;
 
 using TensorTuple = std::tuple<std::string, std::vector<int64_t>, std::string, uint64_t, uint64_t>;
 
@@ -86,6 +95,34 @@ void RegisterCheckpointChecks(py::module_& m) {
       "ones): errors are load_state_dict's lines (missing and unexpected names when strict, shape "
       "mismatches always). A missing target whose memory is a loaded one's is not missing.");
 
+  m.def(
+      "plan_load_into",
+      [](const std::vector<TensorTuple>& targets, const std::vector<TensorTuple>& saved,
+         bool strict) {
+        StateDictMatch match = MatchStateDict(NamedTensors(targets), NamedTensors(saved), strict);
+        std::map<std::string, size_t> target_at, saved_at;
+        for (size_t i = 0; i < targets.size(); ++i) target_at[std::get<0>(targets[i])] = i;
+        for (size_t i = 0; i < saved.size(); ++i) saved_at[std::get<0>(saved[i])] = i;
+        // The same memory under several names (tied weights) is read once, from the name that
+        // comes last in the targets' order: the value load_state_dict leaves (the last copy).
+        std::map<std::pair<uint64_t, uint64_t>, std::string> last;
+        for (const auto& [name, shape, dtype, address, size] : targets) {
+          if (size > 0 && saved_at.contains(name)) last[{address, size}] = name;
+        }
+        std::vector<std::string> reads;
+        for (const TensorTuple& s : saved) {
+          const auto it = target_at.find(std::get<0>(s));
+          if (it == target_at.end()) continue;
+          const auto& [name, shape, dtype, address, size] = targets[it->second];
+          if (size == 0 || last.at({address, size}) == name) reads.push_back(name);
+        }
+        return py::make_tuple(match.missing, match.unexpected, match.errors, reads);
+      },
+      py::arg("targets"), py::arg("saved"), py::arg("strict"),
+      "match_state_dict's (missing, unexpected, errors) and the names to read, in the saved "
+      "order: each name both hold, a target memory named more than once (tied weights) only "
+      "under its last name in the targets' order.");
+
   m.def("check_load_options", &CheckLoadOptions, py::arg("device"), py::arg("verify"),
         py::arg("mmap"), py::arg("to_meta"),
         "ValueError for load arguments that exclude each other (CheckLoadOptions): verify=True "
@@ -143,4 +180,186 @@ void RegisterCheckpointChecks(py::module_& m) {
       "elements of dtype, itemsize bytes each), checked against its zip record's size "
       "(record_size, None: missing) and an earlier description (prior: (dtype, nbytes) or None): "
       "CheckTorchStorage's ValueErrors naming path.");
+  m.def(
+      "read_torch_pickle",
+      [](Engine& engine, const File& file, const FsPath& path, const std::string& prefix,
+         const std::vector<RecordTuple>& records, bool verify) {
+        const std::string names[] = {prefix + "data.pkl", prefix + "byteorder"};
+        const RecordTuple* found[2] = {nullptr, nullptr};
+        bool recorded = true, storage_bytes = false, record_bytes = false;
+        for (const RecordTuple& r : records) {
+          const auto& [name, offset, size, crc, crcs] = r;
+          recorded = recorded && crcs;
+          record_bytes = record_bytes || size > 0;
+          storage_bytes = storage_bytes || (size > 0 && name.starts_with(prefix + "data/"));
+          for (int i = 0; i < 2; ++i) {
+            if (name == names[i]) found[i] = &r;  // the last of a name, as a dict keeps it
+          }
+        }
+        std::string bytes[2];
+        std::vector<PieceRead> pieces;
+        for (int i = 0; i < 2; ++i) {
+          if (found[i] == nullptr) continue;
+          const auto& [name, offset, size, crc, crcs] = *found[i];
+          bytes[i].resize(size);
+          const PieceCheck check = verify && recorded ? PieceCheck::kCrc32 : PieceCheck::kNone;
+          pieces.push_back(
+              {name, offset, size, reinterpret_cast<std::byte*>(bytes[i].data()), check, crc});
+        }
+        if (verify && !recorded && record_bytes) {  // torch.save with set_crc32_options(False)
+          throw std::invalid_argument(StrCat(
+              path.bytes, ": verify=True but the file stores no CRC-32 for its ",
+              storage_bytes ? "storages" : "records",
+              " (it was saved with torch.serialization.set_crc32_options(False); save it with "
+              "tensortier.save(..., checksum=True), or load with verify=False)"));
+        }
+        {
+          py::gil_scoped_release release;
+          ReadPieces(engine, file, path, pieces);
+        }
+        return py::make_tuple(py::bytes(bytes[0]),
+                              found[1] == nullptr ? py::object(py::none()) : py::bytes(bytes[1]));
+      },
+      py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("prefix"), py::arg("records"),
+      py::arg("verify"),
+      "(data.pkl, byteorder or None): the bytes of a torch.save zip's pickle and byte order "
+      "records (prefix: the archive's folder and '/'), read through engine from file, their "
+      "CRC-32s checked with verify. records: (name, data_offset, size, crc32, crcs_recorded) "
+      "as torch_zip_entries gives them. ValueError with verify for an archive that stores no "
+      "CRC-32s, for a mismatch or a short file; OSError for I/O errors.");
+  m.def(
+      "shard_index_walk",
+      [](const FsPath& path) {
+        std::map<std::string, size_t> at;  // absolute shard path -> its place in `shards`
+        std::vector<Shard> shards;
+        std::vector<std::string> kinds;
+        {
+          py::gil_scoped_release release;
+          for (Shard& s : ReadShardIndex(path)) {
+            const std::string key = std::filesystem::absolute(s.path).lexically_normal();
+            const auto [it, added] = at.emplace(key, shards.size());
+            if (!added) {
+              auto& names = shards[it->second].names;
+              names.insert(names.end(), s.names.begin(), s.names.end());
+              continue;
+            }
+            const CheckpointKind kind = DetectCheckpointKind(key);
+            if (kind == CheckpointKind::kShardIndex) {  // also stops an index naming itself
+              throw std::invalid_argument(
+                  StrCat(path.bytes, ": shard ", key, " is itself an index"));
+            }
+            kinds.emplace_back(CheckpointKindName(kind));
+            shards.push_back({key, std::move(s.names)});
+          }
+        }
+        py::list out;
+        for (size_t i = 0; i < shards.size(); ++i) {
+          out.append(py::make_tuple(PathToPython(shards[i].path), kinds[i], shards[i].names));
+        }
+        return out;
+      },
+      py::arg("path"),
+      "[(shard path, kind, [tensor names])]: a shard index's shards (absolute paths, each once, "
+      "in the index's order) with what each holds ('safetensors' or 'torch', by "
+      "detect_checkpoint_kind's rule) and the names the index puts there. ValueError as "
+      "read_shard_index and detect_checkpoint_kind raise, and for a shard that is an index.");
+  m.def(
+      "available_memory",
+      [] {
+        std::ifstream meminfo("/proc/meminfo");
+        std::string key;
+        uint64_t kib = 0;
+        while (meminfo >> key >> kib) {
+          if (key == "MemAvailable:") return kib * 1024;
+          meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+        }
+        return uint64_t{0};
+      },
+      "The bytes /proc/meminfo says are available (MemAvailable), 0 when it cannot tell.");
+  m.def(
+      "upgrade_note",
+      [](const std::vector<std::tuple<std::string, std::string, py::object, py::object>>& subs) {
+        std::vector<std::string> older;
+        for (const auto& [prefix, type, saved, current] : subs) {
+          if (!py::isinstance<py::int_>(current) || current.cast<py::int_>() <= py::int_(1)) {
+            continue;
+          }
+          if (py::isinstance<py::int_>(saved) &&
+              PyObject_RichCompareBool(saved.ptr(), current.ptr(), Py_GE) == 1) {
+            continue;
+          }
+          const std::string was = saved.is_none()
+                                      ? "no version"
+                                      : StrCat("version ", py::repr(saved).cast<std::string>());
+          older.push_back(StrCat("'", prefix, "' (", type, ", saved with ", was, ", now ",
+                                 py::str(current).cast<std::string>(), ")"));
+        }
+        if (older.empty()) return std::string();
+        std::string listed;
+        for (size_t i = 0; i < std::min<size_t>(older.size(), 4); ++i) {
+          listed += StrCat(i ? ", " : "", older[i]);
+        }
+        const std::string more =
+            older.size() > 4 ? StrCat(" and ", older.size() - 4, " more") : std::string();
+        return StrCat(
+            "\n\tmodules saved at an older version: ", listed, more,
+            "; load_state_dict upgrades their entries (their _load_from_state_dict), which "
+            "load_into does not run: load this file with "
+            "module.load_state_dict(tensortier.load(path))");
+      },
+      py::arg("modules"),
+      "Why names may load with load_state_dict but not load_into: for (prefix, type name, the "
+      "version the file's _metadata records or None, the class's _version) of the submodules "
+      "holding them, the line naming those saved at an older version than now ('' when none).");
+  m.def(
+      "torch_persistent_id",
+      [](const py::str& path, const py::object& saved_id) {
+        py::list fields;
+        if (py::isinstance<py::tuple>(saved_id) && py::len(saved_id) == 5) {
+          for (const py::handle v : saved_id) {
+            fields.append(py::isinstance<py::bytes>(v) ? v.attr("decode")("ascii") : v);
+          }
+        }
+        if (fields.empty() || !py::str("storage").equal(fields[0]) ||
+            !py::isinstance<py::str>(fields[2]) || !py::isinstance<py::int_>(fields[4])) {
+          const py::object shown = py::repr(saved_id)[py::slice(0, 100, 1)];
+          PyErr_SetObject(PyExc_ValueError,
+                          py::str("{}: unexpected persistent id {}").format(path, shown).ptr());
+          throw py::error_already_set();
+        }
+        return py::make_tuple(fields[1], fields[2], fields[3], fields[4]);
+      },
+      py::arg("path"), py::arg("saved_id"),
+      "(storage type, key, location, numel) of a torch pickle's persistent id ('storage', "
+      "type, key, location, numel; bytes decoded as ASCII, as torch.load does): ValueError "
+      "naming path for any other.");
+  m.def(
+      "check_weights_only",
+      [](const py::object& weights_only) {
+        if (weights_only.is(py::bool_(false))) {
+          throw py::value_error(
+              "weights_only=False is not supported: tensortier loads pickles with torch's "
+              "weights_only unpickler only and never runs arbitrary pickled code (a pickle can "
+              "run any program); use torch.load(..., weights_only=False) for a file you trust");
+        }
+        if (!weights_only.is_none() && !weights_only.equal(py::bool_(true))) {
+          PyErr_SetObject(PyExc_TypeError,
+                          py::str("weights_only must be True or None, not {!r}")
+                              .format(weights_only)
+                              .ptr());
+          throw py::error_already_set();
+        }
+      },
+      py::arg("weights_only"),
+      "load's weights_only: True and None (torch.load's default) load as always; ValueError for "
+      "False (tensortier never runs arbitrary pickled code), TypeError for anything else.");
+  m.def(
+      "check_read_length",
+      [](const FsPath& path, const std::string& name, uint64_t offset, uint64_t nbytes,
+         uint64_t got) {
+        CheckReadLength(path, PieceRead{name, offset, nbytes, nullptr, PieceCheck::kNone, {}}, got);
+      },
+      py::arg("path"), py::arg("name"), py::arg("offset"), py::arg("nbytes"), py::arg("got"),
+      "ValueError naming path and the piece, as read_pieces raises for a short file, when got "
+      "bytes of the nbytes at offset came back (a read outside read_pieces).");
 }

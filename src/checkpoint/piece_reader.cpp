@@ -62,6 +62,10 @@ struct SettleOnUnwind {
 
 }  // namespace
 
+void CheckReadLength(const std::string& path, const PieceRead& p, uint64_t got) {
+  if (got != p.nbytes) throw EndedEarly(path, p, got);
+}
+
 std::string LoadChecksumMismatch(const std::string& path, const std::string& name, PieceCheck check,
                                  uint64_t stored, uint64_t actual) {
   const bool crc = check == PieceCheck::kCrc32;

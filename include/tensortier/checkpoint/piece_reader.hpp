@@ -57,6 +57,10 @@ std::vector<IoStats> ReadPieces(Engine& engine, const File& file, const std::str
                                 const PieceReadOptions& options = {},
                                 const std::function<void(uint64_t)>& progress = {});
 
+// Throws FormatError as ReadPieces does for a short file when `got` bytes of piece `p` (one read
+// outside ReadPieces: the engine's GPU path) came back instead of all.
+void CheckReadLength(const std::string& path, const PieceRead& p, uint64_t got);
+
 // Checks pieces whose bytes are in memory already (at `dest`: a mapped file, a storage read
 // while unpickling). Throws FormatError as ReadPieces does.
 void CheckPieces(const std::string& path, std::span<const PieceRead> pieces);

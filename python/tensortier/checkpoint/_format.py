@@ -58,11 +58,9 @@ def _require(name: str) -> Callable[..., Any]:
     return fn
 
 
-def _sniff(path: str) -> str:
-    """'safetensors', 'torch' or 'index', from the file's first bytes."""
-    # By content (a directory, a FIFO or a device is refused, never waited on): the rule the CLI
-    # follows.
-    return str(_require("detect_checkpoint_kind")(path))
+# 'safetensors', 'torch' or 'index', from the file's content (a directory, a FIFO or a device is
+# refused, never waited on): the rule the CLI follows.
+_sniff = _require("detect_checkpoint_kind")
 
 
 def _save_format(path: PathLike, format: str | None) -> str:

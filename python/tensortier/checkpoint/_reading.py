@@ -39,15 +39,6 @@ def _open_checkpoint(io: IOHandle, path: str) -> File:
     return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
 
 
-def _read_at(file: File, size: int, offset: int, io: IOHandle | None = None) -> bytes:
-    """`size` bytes of `file` from `offset` (fewer at its end), read by the engine."""
-    if size == 0:
-        return b""
-    buf = bytearray(size)
-    got = (io if io is not None else _engine._default_io()).pread(buf, file, offset)
-    return bytes(memoryview(buf)[:got])
-
-
 def _read_host(
     io: IOHandle, file: File, path: str, names: Sequence[str], offsets: Sequence[int],
     lengths: Sequence[int], addresses: Sequence[int], progress: _Progress,
@@ -115,13 +106,6 @@ def _byte_groups(items: Sequence[_I]) -> Iterator[list[_I]]:
         yield group
 
 
-def _short_read(path: str, piece: _Piece, got: int) -> ValueError:
-    return ValueError(
-        f"{path}: file ended early: tensor {piece.name!r} needs {piece.nbytes} bytes at offset "
-        f"{piece.offset}, got {got} (truncated file?)"
-    )
-
-
 def _read_batched(
     io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str
 ) -> None:
@@ -136,10 +120,8 @@ def _read_batched(
             if fut is not None:
                 got = iter(fut.result().segment_bytes)
                 for p in group:
-                    if p.nbytes:
-                        n = next(got)
-                        if n != p.nbytes:
-                            raise _short_read(path, p, n)
+                    if p.nbytes:  # C++: a short file is the pipeline's error
+                        _require("check_read_length")(path, p.name, p.offset, p.nbytes, next(got))
             progress.update(sum(p.nbytes for p in group))
     finally:
         for _, fut in submitted:  # memory handed to the engine must outlive the reads
@@ -179,8 +161,7 @@ def _read_device_checked(
             view = buf[skew : skew + p.nbytes]
             if p.nbytes:
                 got = io.pread(view, p.file, p.offset)
-                if got != p.nbytes:
-                    raise _short_read(path, p, got)
+                _require("check_read_length")(path, p.name, p.offset, p.nbytes, got)
             assert p.checksum is not None
             _check_host(path, [(p.name, view, p.checksum)])
             if p.nbytes:

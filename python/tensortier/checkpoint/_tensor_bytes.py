@@ -11,8 +11,6 @@ def _as_bytes(t: Any) -> Any:
     """A flat uint8 view of a contiguous tensor's bytes."""
     torch = _torch()
     flat = t.reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=flat.device)
     return flat.view(torch.uint8)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..io import IOHandle
-from ._format import _require, _sniff
+from ._format import _require
 from .mapping import _Placement, _Readahead
 from .safetensors import _load_safetensors
 from .unpickler import _load_torch
@@ -18,14 +17,8 @@ def _each_shard(path: str, read: Callable[[str, str], Any]) -> dict[str, Any]:
     shards' order (the index read by the CLI's rules). The weight_map is the checkpoint's list
     of tensors, as for transformers: a tensor a shard holds and the index puts elsewhere, or
     nowhere, is not taken from it (the order shards are read in must not decide the bytes)."""
-    shards: dict[str, list[str]] = {}
-    for shard, names in _require("read_shard_index")(path):
-        shards.setdefault(os.path.abspath(shard), []).extend(names)
     out: dict[str, Any] = {}
-    for shard, names in shards.items():
-        kind = _sniff(shard)
-        if kind == "index":  # also stops an index naming itself (endless recursion)
-            raise ValueError(f"{path}: shard {shard} is itself an index")
+    for shard, kind, names in _require("shard_index_walk")(path):  # an index in one is refused
         part = read(shard, kind)
         if not isinstance(part, Mapping):
             raise ValueError(f"{shard}: holds a {type(part).__name__}, not a state dict")

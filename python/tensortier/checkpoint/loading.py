@@ -100,14 +100,7 @@ def load(
             waited on).
     """
     torch = _torch()
-    if weights_only is False:
-        raise ValueError(
-            "weights_only=False is not supported: tensortier loads pickles with torch's "
-            "weights_only unpickler only and never runs arbitrary pickled code (a pickle can run "
-            "any program); use torch.load(..., weights_only=False) for a file you trust"
-        )
-    if weights_only not in (True, None):
-        raise TypeError(f"weights_only must be True or None, not {weights_only!r}")
+    _require("check_weights_only")(weights_only)
     placement = None
     if map_location is not None:
         if device is not None:

@@ -149,24 +149,9 @@ def _upgrade_note(module: Any, saved_versions: Mapping[str, Any], names: Sequenc
     is newer than the file's ``_metadata`` records get them upgraded by their
     ``_load_from_state_dict``, which load_into does not run ("" when none)."""
     holders = {name.rpartition(".")[0] for name in names}
-    older = []
-    for prefix, sub in module.named_modules():
-        current = getattr(type(sub), "_version", 1)
-        if not isinstance(current, int) or current <= 1 or prefix not in holders:
-            continue
-        saved = saved_versions.get(prefix)
-        if isinstance(saved, int) and saved >= current:
-            continue
-        was = "no version" if saved is None else f"version {saved!r}"
-        older.append(f"'{prefix}' ({type(sub).__name__}, saved with {was}, now {current})")
-    if not older:
-        return ""
-    more = f" and {len(older) - 4} more" if len(older) > 4 else ""
-    return (
-        f"\n\tmodules saved at an older version: {', '.join(older[:4])}{more}; load_state_dict "
-        "upgrades their entries (their _load_from_state_dict), which load_into does not run: "
-        "load this file with module.load_state_dict(tensortier.load(path))"
-    )
+    return str(_require("upgrade_note")([
+        (prefix, type(sub).__name__, saved_versions.get(prefix), getattr(type(sub), "_version", 1))
+        for prefix, sub in module.named_modules() if prefix in holders]))
 
 
 def _extra_state_modules(module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -287,7 +272,7 @@ def _load_into(
     target_name: str = "dict", explain: Callable[[Sequence[str]], str] | None = None,
 ) -> IncompatibleKeys:
     torch = _torch()
-    missing, unexpected, errors = _require("match_state_dict")(
+    missing, unexpected, errors, reads = _require("plan_load_into")(
         [(k, t.shape, str(t.dtype), t.data_ptr(), t.nbytes) for k, t in targets.items()],
         [(k, src.shape, "", 0, 0) for k, src in sources.items()], strict)
     if errors:  # the lines and their order are load_state_dict's: code parsing it keeps working
@@ -301,27 +286,15 @@ def _load_into(
     direct: list[_Piece] = []  # read straight into the target's memory
     staged: list[_Staged] = []  # read into a temporary, then copied (and converted) into it
     crc_refs: dict[tuple[str, str], _StorageRef] = {}
-    # The same memory under several names (tied weights) is read once, from the name that
-    # comes last in the target's order: the value load_state_dict leaves (it copies each name
-    # in turn, so the last one wins).
-    last_name: dict[tuple[int, int], str] = {}
-    for k, t in targets.items():
-        if k in sources and t.nbytes > 0:
-            last_name[(t.data_ptr(), t.nbytes)] = k
-    for k, src in sources.items():
-        t = targets.get(k)
-        if t is None:
-            continue
-        mem = (t.data_ptr(), t.nbytes)
-        if mem[1] > 0 and last_name[mem] != k:
-            continue
+    for k in reads:  # tied weights: only the name load_state_dict's value comes from
+        t, src = targets[k], sources[k]
         f = files[src.path]
         if src.view is not None and src.crc_storage is not None:
             # a non-contiguous saved view: read its whole storage, then copy the view out
             ref = src.crc_storage
-            staged.append(_Staged(ref.nbytes, functools.partial(
-                _stage_saved_view, t, ref, src.view, f,
-                ("crc32", ref.record.crc32) if verify else None)))
+            staged.append(_Staged(_Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, None,
+                                         ("crc32", ref.record.crc32) if verify else None),
+                                  t, src.view, "cpu"))
             continue
         check: tuple[str, int | None] | None = None
         if verify and src.crc_storage is not None:
@@ -339,8 +312,8 @@ def _load_into(
         if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: engine's ring/GDS
             direct.append(_Piece(name, f, src.offset, src.nbytes, t.detach(), check))
         else:
-            staged.append(_Staged(src.nbytes, functools.partial(
-                _stage_tensor, t, name, f, src, check)))
+            staged.append(_Staged(_Piece(name, f, src.offset, src.nbytes, None, check), t,
+                                  torch.empty(src.shape, dtype=src.dtype, device="meta"), t.device))
     total = sum(p.nbytes for p in direct) + sum(s.nbytes for s in staged)
     prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
     try:
@@ -349,11 +322,11 @@ def _load_into(
             # Temporaries a group at a time: the extra memory is one group (or one tensor),
             # plus, for CUDA targets with verify, two pinned buffers of the largest piece.
             for group in _byte_groups(staged):
-                made = [s.make() for s in group]
-                _reading._read_pieces(io, [piece for piece, _ in made], prog, path)
-                for _, finish in made:
-                    finish()
-                del made
+                for s in group:
+                    s.piece.dest = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device)
+                _reading._read_pieces(io, [s.piece for s in group], prog, path)
+                for s in group:
+                    s.finish()
     finally:
         prog.close()
     # Storage records the tensors read do not cover whole (a CRC-32 covers the whole record):
@@ -366,34 +339,26 @@ def _load_into(
 
 @dataclass
 class _Staged:
-    """A target read through a temporary: `make` allocates it and returns the piece to read
-    and the copy into the target."""
+    """A target read through a temporary: `piece`'s bytes, read into memory on `device` made a
+    group at a time, copied into `target` as `view` (a meta tensor: dtype, shape, strides and
+    conj/neg bits of the saved tensor over those bytes) says."""
 
-    nbytes: int
-    make: Callable[[], tuple[_Piece, Callable[[], None]]]
+    piece: _Piece
+    target: Any
+    view: Any
+    device: Any
 
+    @property
+    def nbytes(self) -> int:
+        return self.piece.nbytes
 
-def _stage_tensor(
-    t: Any, name: str, f: File, src: _Source, check: tuple[str, int | None] | None
-) -> tuple[_Piece, Callable[[], None]]:
-    torch = _torch()
-    tmp = torch.empty(src.shape, dtype=src.dtype, device=t.device)
-    return _Piece(name, f, src.offset, src.nbytes, tmp, check), lambda: t.copy_(tmp)
-
-
-def _stage_saved_view(
-    t: Any, ref: _StorageRef, view: Any, f: File, check: tuple[str, int | None] | None
-) -> tuple[_Piece, Callable[[], None]]:
-    torch = _torch()
-    holder = torch.empty(ref.nbytes, dtype=torch.uint8)
-
-    def copy_view() -> None:
-        src_t = torch.empty(0, dtype=view.dtype).set_(
+    def finish(self) -> None:
+        holder, view = self.piece.dest, self.view
+        self.piece.dest = None  # the temporary goes with its group
+        src = _torch().empty(0, dtype=view.dtype, device=holder.device).set_(
             holder.untyped_storage(), view.storage_offset(), view.shape, view.stride())
         if view.is_conj():
-            src_t = src_t.conj()
+            src = src.conj()
         if view.is_neg():
-            src_t = src_t.neg()
-        t.copy_(src_t)
-
-    return _Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, holder, check), copy_view
+            src = src.neg()
+        self.target.copy_(src)

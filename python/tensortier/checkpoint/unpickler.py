@@ -14,7 +14,7 @@ from . import _dtype, _engine, _reading, mapping
 from ._files import _same_file
 from ._tensor_bytes import _storage_bytes
 from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes
-from ._reading import _open_checkpoint, _Piece, _Progress, _read_at
+from ._reading import _open_checkpoint, _Piece, _Progress
 from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead
 
 
@@ -37,22 +37,6 @@ def _torch_records(path: str) -> tuple[dict[str, _ZipRecord], str]:
     """The records and archive prefix ("<folder>/") of a torch.save zip, by the CLI's rules."""
     prefix, entries = _require("torch_zip_entries")(path)
     return _records(entries), prefix + "/"
-
-
-def _read_record(
-    path: str, file: File, records: Mapping[str, _ZipRecord], name: str, verify: bool = False,
-    io: IOHandle | None = None,
-) -> bytes:
-    rec = records[name]
-    data = _read_at(file, rec.size, rec.offset, io)  # small metadata records only
-    if len(data) != rec.size:
-        raise ValueError(f"{path}: record {name} is truncated")
-    if verify and rec.archive_has_crcs:
-        torch = _torch()
-        _reading._check_host(path, [(name, torch.frombuffer(bytearray(data) or bytearray(1),
-                                                            dtype=torch.uint8)[:len(data)],
-                                     ("crc32", rec.crc32))])
-    return data
 
 
 class WeightsOnlyUnpicklingError(pickle.UnpicklingError, ValueError):
@@ -99,26 +83,16 @@ def _fill_now(
     reader = io if io is not None else _engine._default_io()
     file = _open_checkpoint(reader, path)
     try:
-        got = reader.pread(host, file, ref.record.offset) if ref.nbytes else 0
+        _reading._read_host(reader, file, path, [f"data/{ref.key}"], [ref.record.offset],
+                            [ref.nbytes], [host.data_ptr()], _Progress("", 0, False),
+                            "crc32" if verify else "none", [ref.record.crc32] if verify else None)
     finally:
         file.close()
-    if got < ref.nbytes:
-        raise ValueError(
-            f"{ref.path}: file ended early: storage data/{ref.key} needs {ref.nbytes} "
-            f"bytes at offset {ref.record.offset} (truncated file?)"
-        )
-    if verify:
-        _check_crc(ref, host)
     if host is not dest:
         dest.copy_(host)
     if big_endian:
         _swap_bytes(ref.storage, ref.dtype)
     ref.filled = True
-
-
-def _check_crc(ref: _StorageRef, data: Any) -> None:
-    _verifiable(ref.path, [ref])  # a file saved without CRC-32s is not a corrupt one
-    _reading._check_host(ref.path, [(f"data/{ref.key}", data, ("crc32", ref.record.crc32))])
 
 
 def _unpickle_torch(
@@ -135,17 +109,18 @@ def _unpickle_torch(
     from torch import _weights_only_unpickler as wou
 
     records, prefix = archive if archive is not None else _torch_records(path)
-    file = _open_checkpoint(io if io is not None else _engine._default_io(), path)
-    try:
-        pkl = _read_record(path, file, records, prefix + "data.pkl", verify, io)
-        big_endian = False
-        if prefix + "byteorder" in records:
-            order = _read_record(path, file, records, prefix + "byteorder", verify, io)
-            if order not in (b"little", b"big"):
-                raise ValueError(f"{path}: unknown byte order {order[:16]!r}")
-            big_endian = order == b"big"
+    reader = io if io is not None else _engine._default_io()
+    file = _open_checkpoint(reader, path)
+    try:  # with verify, an archive saved without CRC-32s is refused too (not a corrupt one)
+        pkl, order = _require("read_torch_pickle")(
+            reader._core(), file, path, prefix,  # noqa: SLF001 - same package
+            [(n, r.offset, r.size, r.crc32, r.archive_has_crcs) for n, r in records.items()],
+            verify)
     finally:
         file.close()
+    if order not in (None, b"little", b"big"):
+        raise ValueError(f"{path}: unknown byte order {order[:16]!r}")
+    big_endian = order == b"big"
     data_dependent = any(name in pkl for name in _DATA_DEPENDENT_REBUILDS)
     eager = mapped is None and data_dependent
     # Mapped storages hold their bytes already; a big-endian one must be swapped before a
@@ -153,17 +128,13 @@ def _unpickle_torch(
     swap_now = mapped is not None and data_dependent and big_endian
 
     check_storage = _require("check_torch_storage")
+    persistent_id = _require("torch_persistent_id")
 
     def unpickle(device: Any) -> tuple[Any, dict[str, _StorageRef]]:
         storages: dict[str, _StorageRef] = {}
 
         def persistent_load(saved_id: Any) -> Any:
-            if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-                raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
-            typename, storage_type, key, location, numel = (
-                v.decode("ascii") if isinstance(v, bytes) else v for v in saved_id)
-            if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int):
-                raise ValueError(f"{path}: unexpected persistent id {saved_id!r:.100}")
+            storage_type, key, location, numel = persistent_id(path, saved_id)  # C++: its form
             if storage_type is torch.UntypedStorage:
                 dtype = torch.uint8
             else:
@@ -222,7 +193,8 @@ def _unpickle_torch(
                     _fill_now(ref, path, verify, big_endian, io)
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
-                        _check_crc(ref, _storage_bytes(storage))
+                        _reading._check_host(ref.path, [(f"data/{ref.key}", _storage_bytes(
+                            storage), ("crc32", ref.record.crc32))])
                     _swap_bytes(ref.storage, ref.dtype)
                     ref.filled = True
                 storages[key] = ref
@@ -302,26 +274,10 @@ def _verify_other_records(
     storages: Iterable[_StorageRef], io: IOHandle,
 ) -> None:
     """verify=True: the CRC-32 of every record not checked elsewhere, as ``tensortier verify``."""
-    if any(r.size and not r.archive_has_crcs for r in records.values()):
-        raise _no_crcs(path, "records")
     checked = {f"{prefix}data/{r.key}" for r in storages}
     checked |= {f"{prefix}data.pkl", f"{prefix}byteorder"}
     _require("check_records")(io._core(), file, path, [  # noqa: SLF001 - same package
         (name, r.offset, r.size, r.crc32) for name, r in records.items() if name not in checked])
-
-
-def _verifiable(path: str, storages: Sequence[_StorageRef]) -> None:
-    if any(r.nbytes and not r.record.archive_has_crcs for r in storages):
-        raise _no_crcs(path, "storages")
-
-
-def _no_crcs(path: str, what: str) -> ValueError:
-    # torch.save writes a CRC-32 for every record unless told not to (then all are 0)
-    return ValueError(
-        f"{path}: verify=True but the file stores no CRC-32 for its {what} (it was saved with "
-        "torch.serialization.set_crc32_options(False); save it with "
-        "tensortier.save(..., checksum=True), or load with verify=False)"
-    )
 
 
 def _load_plain_dict(
@@ -388,7 +344,6 @@ def _load_torch(
         )
         refs = sorted(storages.values(), key=lambda r: r.record.offset)
         if verify:
-            _verifiable(path, refs)
             _verify_other_records(path, file, records, prefix, refs, io)
         pieces: list[_Piece] = []
         if whole is not None:
