@@ -20,6 +20,7 @@ PYBIND11_MODULE(_core, m) {
   RegisterSettings(m);
   RegisterCheckpoint(m);
   RegisterCheckpointChecks(m);
+  RegisterSafetensorsChecks(m);
   RegisterTransfer(m);
   RegisterExtents(m);
   RegisterShared(m);

@@ -11,6 +11,7 @@ void RegisterBuffers(pybind11::module_& m);           // bindings/buffers.cpp
 void RegisterSettings(pybind11::module_& m);          // bindings/settings.cpp
 void RegisterCheckpoint(pybind11::module_& m);        // bindings/checkpoint.cpp
 void RegisterCheckpointChecks(pybind11::module_& m);  // bindings/checkpoint_checks.cpp
+void RegisterSafetensorsChecks(pybind11::module_& m);  // bindings/safetensors_checks.cpp
 void RegisterTransfer(pybind11::module_& m);          // bindings/transfer.cpp
 void RegisterExtents(pybind11::module_& m);           // bindings/extents.cpp
 void RegisterShared(pybind11::module_& m);            // bindings/shared.cpp
