@@ -24,6 +24,7 @@ PYBIND11_MODULE(_core, m) {
   RegisterTransfer(m);
   RegisterExtents(m);
   RegisterShared(m);
+  RegisterSharedArgs(m);
   RegisterData(m);
   RegisterTestHooks(m);
   RegisterDcp(m);
