@@ -1,8 +1,8 @@
 // tensortier._core, the checks of safetensors files that need no tensor objects, only what the
 // Python layer reads off them. A save: values that are not tensors, names that are not str,
 // tensors the format cannot hold, and tensors that share memory (state_dict_checks.hpp), with the
-// errors tensortier.save raises, each kind in this order, naming all its keys. A verified load:
-// the checksums a file's metadata stores.
+// errors tensortier.save raises, each kind in this order, naming all its keys; and a save's
+// metadata and checksum arguments. A verified load: the checksums a file's metadata stores.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -121,6 +121,29 @@ py::dict StoredChecksums(const py::str& path, const py::dict& metadata,
   return out;
 }
 
+// tensortier.save's errors for `metadata` (safetensors only, str -> str) and `checksum` (a bool)
+// when saving in `format`.
+void CheckSaveOptions(const std::string& format, const py::object& metadata,
+                      const py::object& checksum) {
+  if (!metadata.is_none()) {
+    if (format != "safetensors") {
+      throw py::value_error(
+          "metadata is stored in safetensors files only: use format='safetensors'");
+    }
+    bool strings = py::isinstance(metadata, py::module_::import("collections.abc").attr("Mapping"));
+    for (py::handle item : strings ? metadata.attr("items")() : py::list()) {
+      const auto pair = item.cast<py::tuple>();
+      strings = strings && py::isinstance<py::str>(pair[0]) && py::isinstance<py::str>(pair[1]);
+    }
+    if (!strings) throw py::type_error("metadata must be a mapping of str to str");
+  }
+  if (!PyBool_Check(checksum.ptr())) {
+    throw py::type_error(StrCat("checksum must be a bool, not ",
+                                py::str(py::type::handle_of(checksum).attr("__name__"))
+                                    .cast<std::string>()));
+  }
+}
+
 }  // namespace
 
 void RegisterSafetensorsChecks(py::module_& m) {
@@ -136,4 +159,9 @@ void RegisterSafetensorsChecks(py::module_& m) {
         "{name: xxh64 or None} of the file's tensors `names`, from the tensortier.xxh64 value of "
         "its safetensors `metadata` (ReadTensorChecksums, the rule `tensortier verify` follows). "
         "ValueError naming path when it stores none, or a malformed value (the first problem).");
+  m.def("check_save_options", &CheckSaveOptions, py::arg("format"), py::arg("metadata"),
+        py::arg("checksum"),
+        "tensortier.save's errors for its metadata (ValueError unless format is 'safetensors', "
+        "TypeError unless a mapping of str to str; None: none) and checksum (TypeError unless a "
+        "bool) arguments.");
 }
