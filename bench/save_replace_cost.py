@@ -33,7 +33,7 @@ def main() -> None:
             for mode in list(samples) if r % 2 == 0 else list(samples)[::-1]:
                 checkpoint._writing._DurableFile._free_in_background = (  # noqa: SLF001 - the A/B switch
                     mode == "freed after the save")
-                checkpoint._writing._wait_for_replaced_files()  # noqa: SLF001 - start from quiet
+                tensortier._core.wait_for_replaced_files()  # start from quiet
                 os.sync()
                 time.sleep(2)
                 start = time.perf_counter()

@@ -637,18 +637,6 @@ void RegisterCheckpoint(py::module_& m) {
         "A stored checksum's value: exactly 16 hex digits (either case), else None (no '0x', "
         "'_', spaces or signs).");
   m.def(
-      "read_tensor_checksums",
-      [](const std::string& text, const std::vector<std::string>& names) {
-        TensorChecksums sums = ReadTensorChecksums(text, names);
-        return py::make_tuple(py::cast(sums.want), py::cast(sums.problems));
-      },
-      py::arg("text"), py::arg("names"),
-      "What the tensortier.xxh64 metadata value says of a file holding the tensors `names` (the "
-      "rule `tensortier verify` follows): ([xxh64 or None per name], [problems]); problems are "
-      "checksums for names the file does not hold, tensors without a checksum, checksums that "
-      "are not 16 hex digits. ValueError for anything but a JSON object of strings, or a name "
-      "given twice.");
-  m.def(
       "xxh64",
       [](const py::object& obj, uint64_t seed) {
         BufferView view(obj);

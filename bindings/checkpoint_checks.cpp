@@ -58,19 +58,6 @@ py::str FromUtf8(std::string_view text) {
 
 void RegisterCheckpointChecks(py::module_& m) {
   m.def(
-      "overlapping_groups",
-      [](const std::vector<std::tuple<std::string, uint64_t, uint64_t, std::string>>& areas) {
-        std::vector<MemoryArea> in;
-        in.reserve(areas.size());
-        for (const auto& [device, address, size, name] : areas) {
-          in.push_back({device, address, size, name});
-        }
-        return OverlappingGroups(std::move(in));
-      },
-      py::arg("areas"),
-      "[[name, ...]]: the groups of two names or more among (device, address, size, name) areas "
-      "of memory ('' for host memory) that meet on one device, each in address order.");
-  m.def(
       "span_in_file",
       [](const FsPath& path, uint64_t file_size,
          const std::vector<std::tuple<std::string, int64_t, int64_t>>& ranges) {

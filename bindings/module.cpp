@@ -20,9 +20,11 @@ PYBIND11_MODULE(_core, m) {
   RegisterSettings(m);
   RegisterCheckpoint(m);
   RegisterCheckpointChecks(m);
+  RegisterSafetensorsChecks(m);
   RegisterTransfer(m);
   RegisterExtents(m);
   RegisterShared(m);
+  RegisterSharedArgs(m);
   RegisterData(m);
   RegisterTestHooks(m);
   RegisterDcp(m);

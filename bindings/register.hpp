@@ -11,9 +11,11 @@ void RegisterBuffers(pybind11::module_& m);           // bindings/buffers.cpp
 void RegisterSettings(pybind11::module_& m);          // bindings/settings.cpp
 void RegisterCheckpoint(pybind11::module_& m);        // bindings/checkpoint.cpp
 void RegisterCheckpointChecks(pybind11::module_& m);  // bindings/checkpoint_checks.cpp
+void RegisterSafetensorsChecks(pybind11::module_& m);  // bindings/safetensors_checks.cpp
 void RegisterTransfer(pybind11::module_& m);          // bindings/transfer.cpp
 void RegisterExtents(pybind11::module_& m);           // bindings/extents.cpp
 void RegisterShared(pybind11::module_& m);            // bindings/shared.cpp
+void RegisterSharedArgs(pybind11::module_& m);        // bindings/shared_args.cpp
 void RegisterData(pybind11::module_& m);              // bindings/data.cpp
 void RegisterTestHooks(pybind11::module_& m);         // bindings/test_hooks.cpp
 void RegisterDcp(pybind11::module_& m);               // bindings/dcp.cpp

@@ -14,7 +14,6 @@ import torch
 
 from . import _core
 from ._paths import fspath, PathArg
-from .device import CudaError
 
 __all__ = ["Group", "SharedTensor", "attach", "LAYOUTS", "DEFAULT_TIMEOUT"]
 
@@ -26,30 +25,10 @@ LAYOUTS = ("continuous", "chunked", "distributed")
 DEFAULT_TIMEOUT: float = _core.shared_default_timeout_s
 
 
-def _seconds(timeout: float | datetime.timedelta) -> float:
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    if not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
-    return float(timeout)
-
-
-def _require_cuda_driver(dev: torch.device, what: str) -> None:
-    info = _core.cuda_driver()
-    if not info["available"]:
-        raise CudaError(
-            f"{what} on {dev}: no CUDA driver was found ({info['why_unavailable']}); "
-            "use host memory (device='cpu')"
-        )
-
-
 def _memory_of(device: Any, what: str) -> tuple[str, int]:
     """``("host" | "device", the CUDA device index)`` for a `device` argument."""
     dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"{what}: device must be 'cpu' or 'cuda', not {dev}")
-    if dev.type == "cuda":
-        _require_cuda_driver(dev, what)
+    if _core.shared_memory_of(dev.type, str(dev), what) == "device":
         index = dev.index
         if index is None:
             index = torch.cuda.current_device() if torch.cuda.is_available() else 0
@@ -207,13 +186,6 @@ class SharedTensor:
         raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=f"cuda:{index}")
         return raw.view(self._dtype).view(shape)
 
-    def _device_index(self) -> int | None:
-        """Where this rank's rows are seen from: its GPU for device memory (None: the CPU)."""
-        if self.memory != "device":
-            return None
-        _require_torch_cuda("a view of device memory")
-        return int(self._core.stats["device"])
-
     def local(self) -> tuple[torch.Tensor, tuple[int, int]]:
         """This rank's partition as a tensor over the shared memory, and its row range
         ``(begin, end)`` in the whole tensor."""
@@ -224,7 +196,11 @@ class SharedTensor:
                 f"shared tensor {self.name!r} was attached from outside its group: it owns no "
                 "rows here (use view(), gather() or scatter())"
             )
-        return self._over(rank, self._device_index()), self.partitions[rank]
+        index = None  # where the rows are seen from: this rank's GPU for device memory
+        if self.memory == "device":
+            _require_torch_cuda("a view of device memory")
+            index = int(self._core.stats["device"])
+        return self._over(rank, index), self.partitions[rank]
 
     def view(self, device: Any = "cpu") -> torch.Tensor | list[torch.Tensor]:
         """The whole tensor over the shared memory: one tensor for the ``continuous`` layout,
@@ -241,32 +217,10 @@ class SharedTensor:
         """
         self._core.require("view")
         dev = torch.device(device)
-        if self._distributed:
-            if _memory_of(device, "view")[0] == "device":
-                raise ValueError(f"view on {dev}: only host memory (device='cpu') is supported")
-            raise ValueError(
-                "a distributed tensor has no view of all its rows in one process: use gather(), "
-                "or local() for this rank's rows"
-            )
-        if self.memory == "device":
-            if dev.type != "cuda":
-                raise ValueError(
-                    f"view on {dev}: this shared tensor is in device memory; view it on 'cuda'"
-                )
+        index = _core.shared_view_device(self._core, dev.type, dev.index, str(dev))
+        if index is not None:
             _require_torch_cuda("view")
-            index = dev.index if dev.index is not None else int(self._core.stats["device"])
-        elif dev.type == "cuda":
-            _require_cuda_driver(dev, "view")
-            if not self._core.stats["cuda_registered"]:
-                raise ValueError(
-                    f"view on {dev}: this host memory is not registered with CUDA "
-                    f"({self._core.stats['cuda_registered_reason']})"
-                )
-            _require_torch_cuda("view")
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
-        else:
-            _memory_of(device, "view")  # ValueError for a device neither CPU nor CUDA
-            index = None
+            index = index if index >= 0 else torch.cuda.current_device()
         if self.layout == "continuous":
             return self._over(-1, index)
         return [self._over(r, index) for r in range(len(self._core.partitions))]
@@ -283,12 +237,7 @@ class SharedTensor:
                 ) from e
             if idx.numel() == 0:
                 idx = idx.to(torch.int64)  # an empty list has no type: torch calls it float
-        if idx.device.type != "cpu":
-            raise ValueError(f"indices must be on the CPU, not {idx.device}")
-        if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"indices must be integers, not {idx.dtype}")
-        if idx.dim() != 1:
-            raise ValueError(f"indices must be one-dimensional, not of shape {tuple(idx.shape)}")
+        _core.shared_check_indices(str(idx.device), str(idx.dtype), idx.shape)
         return idx.to(torch.int64).contiguous()
 
     def gather(self, indices: Any) -> torch.Tensor:
@@ -342,11 +291,8 @@ class SharedTensor:
         idx = self._indices(indices)
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, not {type(values).__name__}")
-        if values.dtype != self._dtype:
-            raise TypeError(f"values are {values.dtype}; this shared tensor holds {self._dtype}")
-        want = (idx.numel(), *self._shape[1:])
-        if tuple(values.shape) != want:
-            raise ValueError(f"values have shape {tuple(values.shape)}; expected {want}")
+        _core.shared_check_values(str(values.dtype), str(self._dtype), values.shape,
+                                  (idx.numel(), *self._shape[1:]))
         if self.memory == "device":
             self._device_rows(idx, values)
             return
@@ -520,7 +466,7 @@ class Group:
         store: Any = None,
         timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
-        self.timeout = timeout = _seconds(timeout)
+        self.timeout = timeout = _core.shared_timeout_s(timeout)
         torch_store, self.rank, self.world_size, where, self._hosts_store = _rendezvous(
             rank, world_size, store, timeout
         )
@@ -575,23 +521,13 @@ class Group:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
         memory, index = _memory_of(device, "create_tensor")
-        if memory == "device" and layout == "distributed":
-            raise ValueError("the distributed layout keeps rows in host memory: use device='cpu'")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        torch_group = None
         if layout == "distributed":
             import torch.distributed as dist
 
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(
-                    "the distributed layout moves rows through torch.distributed: initialise its "
-                    "default process group first (torch.distributed.init_process_group('gloo'))"
-                )
-            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
-                raise ValueError(
-                    f"this group is rank {self.rank} of {self.world_size}; torch.distributed's "
-                    f"default group is rank {dist.get_rank()} of {dist.get_world_size()}"
-                )
+            if dist.is_available() and dist.is_initialized():
+                torch_group = (dist.get_rank(), dist.get_world_size())
+        _core.shared_create_args(layout, memory, name, self.rank, self.world_size, torch_group)
         element_size = torch.empty((), dtype=dtype).element_size()
         core = self._core.create(shape, str(dtype), element_size, layout, name or "", memory, index)
         t = SharedTensor(core, dtype)
@@ -696,7 +632,7 @@ def attach(
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, not {name!r}")
-    timeout = _seconds(timeout)
+    timeout = _core.shared_timeout_s(timeout)
     store, where = _env_store(False, None, timeout) if store is None else (store, "")
     core = _core.shared_attach(_core.SharedTorchStore(store, where), name, timeout)
     return _attached(core, name)

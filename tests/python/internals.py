@@ -20,7 +20,8 @@ from tensortier.checkpoint._reading import (  # noqa: F401
     _read_device_checked,
     _read_pieces,
 )
-from tensortier.checkpoint._writing import _DurableFile, _wait_for_replaced_files  # noqa: F401
+from tensortier.checkpoint._writing import _DurableFile  # noqa: F401
+from tensortier._core import wait_for_replaced_files as _wait_for_replaced_files  # noqa: F401
 from tensortier.checkpoint.mapping import (  # noqa: F401
     _available_memory,
     _host_alloc,

@@ -31,8 +31,3 @@ class _DurableFile:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is not None or not self._core.committed:
             self._core.abort()
-
-
-def _wait_for_replaced_files() -> None:
-    """Wait until the files earlier saves replaced are freed."""
-    _core.wait_for_replaced_files()

@@ -12,79 +12,39 @@ from . import _dtype, _format, _reading, mapping
 from ._dtype import _converts
 from ._files import _same_file
 from ._format import _dtype_names, _require, _st_dtype_maps, _torch
-from ._format import ALIGNMENT, CHECKSUM_KEY, PathLike
+from ._format import ALIGNMENT, PathLike
 from ._reading import _open_checkpoint, _Piece, _Progress
 from ._writing import _DurableFile
 from .mapping import _mapped_tensor, _Placement, _Readahead
-
-
-def _check_tensor_dict(state_dict: Any) -> Any:
-    torch = _torch()
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            f"a safetensors file holds a mapping of name -> tensor, not a "
-            f"{type(state_dict).__name__}: use format='torch' for other objects"
-        )
-    # One pass; each kind of problem is reported in this order, naming all its keys.
-    not_tensors: list[Any] = []
-    bad_names: list[Any] = []
-    not_strided: list[Any] = []
-    meta: list[Any] = []
-    tensor, strided = torch.Tensor, torch.strided
-    for k, v in state_dict.items():
-        if not isinstance(k, str):
-            bad_names.append(k)
-        if not isinstance(v, tensor):
-            not_tensors.append(k)
-            continue
-        if v.layout != strided:
-            not_strided.append(k)
-        elif v.is_meta:
-            meta.append(k)
-    if not_tensors:
-        raise TypeError(
-            f"safetensors files hold tensors only; these values are not tensors: "
-            f"{not_tensors[:8]}{' ...' if len(not_tensors) > 8 else ''}: use format='torch' to "
-            "keep them"
-        )
-    if bad_names:
-        raise TypeError(f"safetensors tensor names must be str, not {bad_names[:8]}")
-    if not_strided:
-        raise TypeError(
-            f"sparse or non-strided tensors cannot be saved as safetensors: {not_strided}"
-        )
-    if meta:
-        raise ValueError(f"meta tensors have no data to save: {meta}")
-    return state_dict
 
 
 def _save_safetensors(
     state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
     io: IOHandle,
 ) -> None:
-    """What needs torch is checked here; C++ (``SafetensorsFileWriter``) plans and writes."""
-    _check_tensor_dict(state_dict)
-    to_st, _ = _st_dtype_maps()
-    bad = [f"{k} ({v.dtype})" for k, v in state_dict.items() if v.dtype not in to_st]
-    if bad:
+    """What needs torch is read here; C++ checks it (``check_safetensors_save``), plans and
+    writes (``SafetensorsFileWriter``)."""
+    torch = _torch()
+    if not isinstance(state_dict, Mapping):
         raise TypeError(
-            f"safetensors has no dtype for: {', '.join(bad)}: convert them or use format='torch'"
+            f"a safetensors file holds a mapping of name -> tensor, not a "
+            f"{type(state_dict).__name__}: use format='torch' for other objects"
         )
-    # Names whose tensors overlap in memory (C++: byte ranges that meet, device by device); a
-    # strided view's range reaches its furthest element.
-    areas = []
+    to_st, _ = _st_dtype_maps()
+    tensor, strided = torch.Tensor, torch.strided
+    rows: list[tuple[Any, ...]] = []
     for k, v in state_dict.items():
-        n = v.nbytes
-        if n and not v.is_contiguous():
-            n = (sum((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1) * v.element_size()
-        areas.append(("" if v.is_cpu else str(v.device), v.data_ptr(), n, k))
-    shared = _require("overlapping_groups")(areas)
-    if shared:
-        raise ValueError(
-            f"these tensors share memory, which safetensors files cannot express: {shared}; "
-            "save one name per group (or .clone() the others), or use format='torch', which "
-            "keeps the sharing"
-        )
+        if not isinstance(v, tensor):
+            rows.append((k, "value"))
+        elif v.layout != strided:
+            rows.append((k, "sparse"))
+        elif v.is_meta:
+            rows.append((k, "meta"))
+        else:  # a strided view's memory reaches its furthest element: C++ takes its strides
+            view = () if v.is_contiguous() else (v.shape, v.stride(), v.element_size())
+            rows.append((k, "" if v.is_cpu else str(v.device), v.data_ptr(), v.nbytes,
+                         "" if v.dtype in to_st else str(v.dtype), *view))
+    _require("check_safetensors_save")(rows)
     tensors = list(state_dict.values())
     names = _dtype_names()
     writer = _require("SafetensorsFileWriter")(
@@ -113,20 +73,7 @@ def _save_safetensors(
 
 def _parse_checksums(path: str, metadata: Mapping[str, str], names: Sequence[str]) -> dict[str, int]:
     """The stored xxh64 of each of the file's tensors `names`, by `tensortier verify`'s rule."""
-    text = metadata.get(CHECKSUM_KEY)
-    if text is None:
-        raise ValueError(
-            f"{path}: verify=True but the file stores no checksums (save it with "
-            "tensortier.save(..., checksum=True), or load with verify=False)"
-        )
-    try:
-        want, problems = _require("read_tensor_checksums")(text, list(names))
-    except ValueError as e:
-        raise ValueError(f"{path}: malformed {CHECKSUM_KEY} metadata: {e}") from e
-    if problems:
-        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-        raise ValueError(f"{path}: malformed {CHECKSUM_KEY} metadata: {problems[0]}{more}")
-    return dict(zip(names, want))
+    return _require("safetensors_checksums")(path, dict(metadata), list(names))
 
 
 @dataclass

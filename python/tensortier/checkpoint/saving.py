@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 from ..io import IOHandle
 from . import _engine
 from ._files import _is_file_object, _STREAM_CHUNK
-from ._format import _save_format
+from ._format import _require, _save_format
 from ._format import PathLike
 from .._paths import fspath
 from .safetensors import _save_safetensors
@@ -69,17 +69,7 @@ def save(
         return
     path = fspath(path)
     fmt = _save_format(path, format)
-    if metadata is not None:
-        if fmt != "safetensors":
-            raise ValueError(
-                "metadata is stored in safetensors files only: use format='safetensors'"
-            )
-        if not isinstance(metadata, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-        ):
-            raise TypeError("metadata must be a mapping of str to str")
-    if not isinstance(checksum, bool):
-        raise TypeError(f"checksum must be a bool, not {type(checksum).__name__}")
+    _require("check_save_options")(fmt, metadata, checksum)
     io = _io if _io is not None else _engine._default_io()
     try:
         with _engine._gc_paused():

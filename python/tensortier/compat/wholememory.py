@@ -13,7 +13,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _core
 from .. import shared as _shared
-from ..device import CudaError
 
 __all__ = ["init_lib", "mp_init", "create_tensor", "get_tensor_view", "finalize_lib"]
 
@@ -60,12 +59,8 @@ def _require_group(what: str) -> _shared.Group:
 
 
 def _require_cuda(what: str) -> None:
-    info = _core.cuda_driver()
-    if not info["available"]:
-        raise CudaError(
-            f"wholememory: {what} needs device memory, but no CUDA driver was found "
-            f"({info['why_unavailable']}); use host memory (is_host=True)"
-        )
+    _core.require_cuda_driver(f"wholememory: {what} needs device memory, but ",
+                              "use host memory (is_host=True)")
 
 
 def create_tensor(
