@@ -617,22 +617,6 @@ void RegisterCheckpoint(py::module_& m) {
       py::arg("path"),
       "'safetensors' or 'torch' as the file name's suffix says (either case: .safetensors, .st; "
       ".pt, .pth, .bin, .ckpt, .tar), else None.");
-  m.def(
-      "read_shard_index",
-      [](const FsPath& path) {
-        std::vector<Shard> shards;
-        {
-          py::gil_scoped_release release;
-          shards = ReadShardIndex(path);
-        }
-        py::list out;
-        for (const Shard& s : shards) out.append(py::make_tuple(PathToPython(s.path), s.names));
-        return out;
-      },
-      py::arg("path"),
-      "A Hugging Face shard index as [(shard path, [tensor names])] in the index's order; "
-      "ValueError naming path for malformed JSON, a name listed twice, no or two weight_map "
-      "members, no tensors, a shard outside the index's directory.");
   m.def("parse_stored_checksum", &ParseStoredChecksum, py::arg("text"),
         "A stored checksum's value: exactly 16 hex digits (either case), else None (no '0x', "
         "'_', spaces or signs).");

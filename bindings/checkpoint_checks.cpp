@@ -70,19 +70,6 @@ void RegisterCheckpointChecks(py::module_& m) {
       "(begin, end): the span of the non-empty (name, offset, size) ranges of the file at path, "
       "(0, 0) when none; ValueError naming path and the range for one that ends past file_size.");
   m.def(
-      "match_state_dict",
-      [](const std::vector<TensorTuple>& targets, const std::vector<TensorTuple>& saved,
-         bool strict) {
-        StateDictMatch match = MatchStateDict(NamedTensors(targets), NamedTensors(saved), strict);
-        return py::make_tuple(match.missing, match.unexpected, match.errors);
-      },
-      py::arg("targets"), py::arg("saved"), py::arg("strict"),
-      "(missing, unexpected, errors) of load_into's targets against a checkpoint's saved "
-      "tensors, each a (name, shape, dtype, address, size) tuple (address and size 0 for saved "
-      "ones): errors are load_state_dict's lines (missing and unexpected names when strict, shape "
-      "mismatches always). A missing target whose memory is a loaded one's is not missing.");
-
-  m.def(
       "plan_load_into",
       [](const std::vector<TensorTuple>& targets, const std::vector<TensorTuple>& saved,
          bool strict) {
@@ -106,7 +93,9 @@ void RegisterCheckpointChecks(py::module_& m) {
         return py::make_tuple(match.missing, match.unexpected, match.errors, reads);
       },
       py::arg("targets"), py::arg("saved"), py::arg("strict"),
-      "match_state_dict's (missing, unexpected, errors) and the names to read, in the saved "
+      "(missing, unexpected, errors) of load_into's targets against a checkpoint's saved "
+      "tensors, each a (name, shape, dtype, address, size) tuple (address and size 0 for saved "
+      "ones; errors are load_state_dict's lines), and the names to read, in the saved "
       "order: each name both hold, a target memory named more than once (tied weights) only "
       "under its last name in the targets' order.");
 
