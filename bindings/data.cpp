@@ -294,6 +294,14 @@ class ReaderIteration {
   ~ReaderIteration() { Finish(); }
 
   std::shared_ptr<Batch> Next() {
+    // Step releases the GIL around the reader, which takes one consumer: a second thread on the
+    // same iteration gets a generator's error instead of a hang.
+    if (running_) throw py::value_error("generator already executing");
+    running_ = true;
+    struct Running {
+      bool& flag;
+      ~Running() { flag = false; }
+    } running{running_};
     try {
       return Step();
     } catch (...) {
@@ -345,6 +353,7 @@ class ReaderIteration {
   uint64_t id_;
   bool started_ = false;
   bool done_ = false;
+  bool running_ = false;  // a Next() is under way (read and set under the GIL)
   uint64_t moves_ = 0;
   std::vector<std::vector<uint64_t>> pending_;  // of the last Start()
   size_t given_ = 0;
@@ -436,9 +445,9 @@ void RegisterData(py::module_& m) {
         return py::make_tuple(PathsToPython(list.paths), LabelArray(list.labels));
       },
       py::arg("file_root") = py::none(), py::arg("file_list") = py::none(),
-      py::arg("files") = py::none(), py::arg("labels") = py::none(),
-      py::arg("check_files") = true, py::arg("file_filters") = py::none(),
-      py::arg("case_sensitive_filter") = false, py::arg("dir_filters") = py::none(),
+      py::arg("files") = py::none(), py::arg("labels") = py::none(), py::arg("check_files") = true,
+      py::arg("file_filters") = py::none(), py::arg("case_sensitive_filter") = false,
+      py::arg("dir_filters") = py::none(),
       "The (paths, int32 labels) named by DALI's fn.readers.file inputs, checked to exist "
       "(check_files). file_filters, dir_filters and case_sensitive_filter select the class "
       "folders of a file_root and their files as DALI does (ignored with file_list or files). "
@@ -491,8 +500,7 @@ void RegisterData(py::module_& m) {
       .def(
           "iterate",
           [](py::object state, py::object reader, bool rewinds) {
-            return std::make_unique<ReaderIteration>(std::move(state), std::move(reader),
-                                                     rewinds);
+            return std::make_unique<ReaderIteration>(std::move(state), std::move(reader), rewinds);
           },
           py::arg("reader"), py::arg("rewinds") = false,
           "The current epoch's remaining batches, read by `reader`; with `rewinds`, the next "

@@ -38,7 +38,9 @@ constexpr EnumName<State> kStateNames[] = {
 
 enum Part { kTensor = 0, kStorage = 1 };
 
-uintptr_t Id(const py::handle& obj) { return reinterpret_cast<uintptr_t>(obj.ptr()); }
+uintptr_t Id(const py::handle& obj) {
+  return reinterpret_cast<uintptr_t>(obj.ptr());
+}
 
 // The facts of a tensor that DiskOffloader checks.
 struct TensorFacts {
@@ -237,9 +239,7 @@ class OffloadEntries {
   }
 
   // The entry stops watching its storage (about to be replaced: its death is not the entry's).
-  void UnwatchStorage(uint64_t key) {
-    const py::object old = std::move(At(key).watch[kStorage]);
-  }
+  void UnwatchStorage(uint64_t key) { const py::object old = std::move(At(key).watch[kStorage]); }
   // The entry watches `storage` as its own (the old one again, or a new one).
   void WatchStorage(uint64_t key, const py::object& storage) {
     Entry& e = At(key);
@@ -368,6 +368,7 @@ class OffloadEntries {
   // Queues the death of `key`'s part, watched by `ref` (a weak reference's callback).
   void Died(uint64_t key, Part part, const py::handle& ref) {
     forgotten_.push_back({key, part, py::reinterpret_borrow<py::object>(ref)});
+    if (hook_.is_none()) return;  // collected as garbage: nothing will drain the deaths
     const py::object hook = hook_();
     if (!hook.is_none()) hook();
   }
@@ -411,6 +412,42 @@ class OffloadEntries {
 
   size_t size() const { return entries_.size(); }
   size_t forgotten() const { return forgotten_.size(); }
+
+  // The Python objects held, for the cycle collector: an object that owns its offloader and
+  // hands it a bound method as a callback makes a cycle through these.
+  int Traverse(visitproc visit, void* arg) const {
+    for (const auto& [key, e] : entries_) {
+      Py_VISIT(e.tensor.ptr());
+      Py_VISIT(e.storage.ptr());
+      Py_VISIT(e.callback.ptr());
+      Py_VISIT(e.watch[0].ptr());
+      Py_VISIT(e.watch[1].ptr());
+    }
+    for (const Death& d : forgotten_) Py_VISIT(d.ref.ptr());
+    for (const Held& h : held_) {
+      for (const py::object& e : h.errors) Py_VISIT(e.ptr());
+      for (const py::object& e : h.callback_errors) Py_VISIT(e.ptr());
+    }
+    Py_VISIT(hook_.ptr());
+    return 0;
+  }
+
+  // Breaks the cycles of unreachable garbage. The tensors and storages stay until the entries
+  // go: the offloader's finaliser (run before this) has waited for what they are used by.
+  void ClearReferences() {
+    std::vector<py::object> dropped;
+    for (auto& [key, e] : entries_) {
+      dropped.push_back(std::move(e.callback));
+      dropped.push_back(std::move(e.watch[0]));
+      dropped.push_back(std::move(e.watch[1]));
+    }
+    std::deque<Death> deaths;
+    deaths.swap(forgotten_);
+    Held held[2];
+    std::swap(held, held_);
+    dropped.push_back(std::move(hook_));
+    hook_ = py::none();
+  }
 
  private:
   struct Entry {
@@ -507,9 +544,8 @@ class OffloadEntries {
     e.id[part] = Id(obj);
     by_id_[part][e.id[part]] = key;
     const py::object old = std::move(e.watch[part]);
-    e.watch[part] = py::weakref(obj, py::cpp_function([this, key, part](py::handle ref) {
-                                  Died(key, part, ref);
-                                }));
+    e.watch[part] = py::weakref(
+        obj, py::cpp_function([this, key, part](py::handle ref) { Died(key, part, ref); }));
   }
 
   void Unmap(uint64_t key, const Entry& e, int part) {
@@ -609,6 +645,15 @@ py::list TensorNvmeMoved(const py::list& tensors) {
   return moved;
 }
 
+// The entries of a Python OffloadEntries, or null before its __init__ has made them (the
+// collector may visit an object between its allocation and its construction).
+OffloadEntries* ConstructedEntries(PyObject* self) {
+  auto* instance = reinterpret_cast<py::detail::instance*>(self);
+  py::detail::value_and_holder v = instance->get_value_and_holder();
+  return v.holder_constructed() ? v.template holder<std::unique_ptr<OffloadEntries>>().get()
+                                : nullptr;
+}
+
 }  // namespace
 
 void RegisterOffloadEntries(py::module_& m) {
@@ -618,7 +663,22 @@ void RegisterOffloadEntries(py::module_& m) {
   m.def("tensornvme_moved", &TensorNvmeMoved, py::arg("tensors"),
         "The tensors whose storages a TensorNVMe call moves: a tensor covering all of an "
         "earlier one's storage adds nothing.");
-  py::class_<OffloadEntries>(m, "OffloadEntries")
+  py::class_<OffloadEntries>(
+      m, "OffloadEntries", py::custom_type_setup([](PyHeapTypeObject* heap_type) {
+        PyTypeObject* type = &heap_type->ht_type;
+        type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+        type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) -> int {
+          Py_VISIT(Py_TYPE(self));
+          if (const OffloadEntries* entries = ConstructedEntries(self)) {
+            return entries->Traverse(visit, arg);
+          }
+          return 0;
+        };
+        type->tp_clear = [](PyObject* self) -> int {
+          if (OffloadEntries* entries = ConstructedEntries(self)) entries->ClearReferences();
+          return 0;
+        };
+      }))
       .def(py::init<Offloader&, py::object>(), py::arg("offloader"), py::arg("hook"),
            py::keep_alive<1, 2>(),
            "DiskOffloader's entries; `hook` (a weakref.WeakMethod) is called after each death "

@@ -834,3 +834,35 @@ def test_a_file_that_reports_no_size_but_has_bytes_is_refused_by_name(disk_dir: 
     (samples, labels), = list(reader)
     assert [s.numpy().tobytes() for s in samples] == [b"abc", b""]  # an empty file stays a sample
     assert labels.tolist() == [1, 2] and reader.stats["skipped"] == 1
+
+
+def test_two_threads_on_one_iteration_get_a_generators_error_not_a_hang(disk_dir: Path) -> None:
+    """As with a generator: a second thread stepping the same iteration is refused, and the first
+    goes on; no thread waits forever and no batch is None or given twice."""
+    import threading
+
+    tree = make_tree(disk_dir / "root", classes=2, per_class=20)
+    reader = FileReader(file_root=str(disk_dir / "root"), batch_size=4, shuffle=False)
+    for _ in range(5):
+        batches = reader.batches()
+        got: list[Any] = []
+
+        def drain() -> None:
+            try:
+                for batch in batches:
+                    arena = bytes(np.frombuffer(batch, dtype=np.uint8))
+                    got.append([arena[o:o + n] for o, n in zip(batch.offsets, batch.sizes)])
+            except ValueError as e:
+                got.append(e)
+
+        threads = [threading.Thread(target=drain, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "an iteration stepped by two threads hung"
+        errors = [g for g in got if isinstance(g, ValueError)]
+        assert all("generator already executing" in str(e) for e in errors), errors
+        samples = [s for g in got if not isinstance(g, ValueError) for s in g]
+        assert sorted(samples) == sorted(data for data, _ in tree.values())
+    reader.close()

@@ -1422,3 +1422,25 @@ def test_backing_files_are_the_owners_only(
             off.sync_read(t)
     finally:
         os.umask(previous)
+
+
+def test_an_object_owning_its_offloader_and_passing_its_method_as_callback_is_collected(
+        disk_dir: Path) -> None:
+    """A cycle through a pending write's callback (layer -> offloader -> entry -> bound method
+    -> layer) is garbage the collector frees, with the offloader's threads and files."""
+    import weakref
+
+    class Layer:
+        def __init__(self, i: int) -> None:
+            self.offloader = DiskOffloader(disk_dir / f"layer{i}")
+            self.weight = torch.arange(1024, dtype=torch.float32)
+            self.offloader.async_write(self.weight, callback=self.written)
+
+        def written(self) -> None:
+            pass
+
+    refs = [weakref.ref(Layer(i)) for i in range(4)]
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+    for i in range(4):
+        assert list((disk_dir / f"layer{i}").iterdir()) == []
