@@ -2,11 +2,13 @@
 // error nobody has been given yet, each with the Python future that keeps its memory alive.
 // wait_all() raises each failure once, whether its future was waited for or dropped. Every call
 // holds the GIL, which guards the record; waits release it, and Ctrl-C interrupts them with
-// nothing lost.
+// nothing lost. And the futures themselves (tensortier.IOFuture's base).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <iterator>
 #include <string>
@@ -97,6 +99,60 @@ class OperationLog {
   std::vector<Pending> pending_;
 };
 
+// "Made in another process" of an IOHandle or IOFuture used in a child made by fork().
+std::string ForkedMessage(const std::string& what, int64_t pid) {
+  return StrCat("this ", what, " was made in process ", pid, "; in process ", getpid(),
+                ", a child made by fork(), its engine's worker threads do not exist: make a new "
+                "IOHandle in the child");
+}
+
+// An operation submitted, with the Python objects whose memory it uses (kept until it is over)
+// and, once known, its outcome: the result, or its error, raised to every caller (an interrupt
+// of the wait is never the outcome).
+class IOFuture {
+ public:
+  IOFuture(Operation op, py::object keepalive)
+      : op_(std::move(op)), keepalive_(std::move(keepalive)), pid_(getpid()) {}
+  IOFuture(const IOFuture&) = delete;
+  IOFuture& operator=(const IOFuture&) = delete;
+
+  // The memory must outlive the I/O, Ctrl-C or not (in a fork's child nothing runs it).
+  ~IOFuture() {
+    if (!keepalive_.is_none() && getpid() == pid_) {
+      WaitInterruptibly([&](auto timeout) { return op_.WaitFor(timeout); }, false);
+    }
+  }
+
+  // result(): waits (Ctrl-C interrupts the wait), then `result_type(**result)` or the error.
+  py::object Outcome(const py::handle& result_type) {
+    if (getpid() != pid_ && outcome_.is_none()) {
+      throw py::value_error(ForkedMessage("IOFuture", pid_));
+    }
+    if (outcome_.is_none()) {
+      try {
+        outcome_ = result_type(**py::cast(op_).attr("result")());
+      } catch (py::error_already_set& e) {
+        if (!e.matches(PyExc_Exception)) throw;
+        outcome_ = e.value();
+      }
+      keepalive_ = py::none();
+    }
+    if (PyExceptionInstance_Check(outcome_.ptr())) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(outcome_.ptr())), outcome_.ptr());
+      throw py::error_already_set();
+    }
+    return outcome_;
+  }
+
+  const Operation& op() const { return op_; }
+
+ private:
+  Operation op_;
+  py::object keepalive_;
+  py::object outcome_ = py::none();
+  int64_t pid_;
+};
+
 }  // namespace
 
 void RegisterOperationLog(py::module_& m) {
@@ -109,4 +165,12 @@ void RegisterOperationLog(py::module_& m) {
            "given (a note counts the others).")
       .def("__len__", &OperationLog::size)
       .def("clear", &OperationLog::Clear, "Forgets every operation (no wait).");
+  py::class_<IOFuture>(m, "IOFuture",
+                       "tensortier.IOFuture's state (the Python class adds its API).")
+      .def(py::init<Operation, py::object>(), py::arg("operation"), py::arg("keepalive"))
+      .def_property_readonly("_op", &IOFuture::op, "The operation (_core.Operation).")
+      .def("_outcome", &IOFuture::Outcome, py::arg("result_type"),
+           "result(): `result_type(**fields)`, or raises the operation's error (every time).");
+  m.def("forked_message", &ForkedMessage, py::arg("what"), py::arg("pid"),
+        "The error of an IOHandle or IOFuture made in process `pid`, used in a child of fork().");
 }

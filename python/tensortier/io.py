@@ -32,7 +32,7 @@ class IOResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-class IOFuture:
+class IOFuture(_core.IOFuture):
     """A submitted operation. Keeps its buffers and files alive until it has completed.
 
     Host pieces go to the engine as one submission; pieces in CUDA tensors each run through the
@@ -40,12 +40,6 @@ class IOFuture:
     (``_core.Operation``) merges their outcomes and gives each error once (see
     ``IOHandle.wait_all``).
     """
-
-    def __init__(self, operation: Any, keepalive: list[Any]) -> None:
-        self._op = operation  # _core.Operation
-        self._keepalive: list[Any] | None = keepalive  # until every part is over
-        self._outcome: IOResult | Exception | None = None  # never an interrupt of a wait
-        self._pid = os.getpid()
 
     def done(self) -> bool:
         """True once the operation has completed (successfully or not); never blocks."""
@@ -59,20 +53,7 @@ class IOFuture:
             OSError: an I/O error (errno, filename, offset and length in the message).
             CudaError: a CUDA copy failed or the driver is missing.
         """
-        self._check_process()
-        if self._outcome is None:
-            try:
-                self._outcome = IOResult(**self._op.result())
-            except Exception as e:  # noqa: BLE001 - the operation's error: its outcome
-                self._outcome = e
-            self._keepalive = None
-        if isinstance(self._outcome, Exception):
-            raise self._outcome
-        return self._outcome
-
-    def _check_process(self) -> None:
-        if os.getpid() != self._pid and self._outcome is None:
-            raise ValueError(_forked_message("IOFuture", self._pid))
+        return self._outcome(IOResult)
 
     def wait(self) -> int:
         """Wait for completion and return the number of bytes transferred.
@@ -81,11 +62,6 @@ class IOFuture:
             OSError: with ``errno``, ``filename`` and a message naming offset and length.
         """
         return self.result().bytes
-
-    def __del__(self) -> None:
-        # The memory must outlive the I/O, Ctrl-C or not (in a fork's child nothing runs it).
-        if getattr(self, "_keepalive", None) is not None and os.getpid() == self._pid:
-            self._op.wait(interruptible=False)
 
 
 class IOHandle:
@@ -296,7 +272,7 @@ class IOHandle:
         if self._engine is None:
             raise ValueError("IOHandle is closed")
         if os.getpid() != self._pid:
-            raise ValueError(_forked_message("IOHandle", self._pid))
+            raise ValueError(_core.forked_message("IOHandle", self._pid))
         return self._engine
 
     def _submit(
@@ -357,9 +333,3 @@ def _bump_versions(buffers: Sequence[Any]) -> None:
                 from torch.autograd.graph import increment_version as increment
             increment(buf)
 
-
-def _forked_message(what: str, pid: int) -> str:
-    return (
-        f"this {what} was made in process {pid}; in process {os.getpid()}, a child made by "
-        "fork(), its engine's worker threads do not exist: make a new IOHandle in the child"
-    )

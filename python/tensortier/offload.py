@@ -4,7 +4,6 @@ The guide is docs/offload.md (GPU tensors: docs/gpu.md)."""
 from __future__ import annotations
 
 import atexit
-import errno
 import functools
 import os
 import threading
@@ -66,16 +65,7 @@ class DiskOffloader:
         gds: str | None = None,
         _device_copier: str = "cuda",
     ) -> None:
-        if isinstance(dir_name, (str, bytes, os.PathLike)):
-            dir_name = [dir_name]
-        elif not isinstance(dir_name, Iterable):
-            raise TypeError(
-                "dir_name must be a path (str, bytes or os.PathLike) or a list of paths, not "
-                f"{type(dir_name).__name__}"
-            )
-        dirs = [os.path.abspath(fspath(d, "dir_name")) for d in dir_name]
-        if not dirs:
-            raise ValueError("DiskOffloader needs at least one directory")
+        dirs = _core.offload_directories(dir_name)  # absolute (TypeError, ValueError)
         gds = _core.gds_mode(gds)
         if pin_memory:
             import torch
@@ -85,11 +75,7 @@ class DiskOffloader:
                                  "torch.cuda.is_available() is False")
         # The TENSORTIER_BOUNCE_* variables are checked now, not at the first CUDA tensor.
         _core.device_transfer_options()
-        for d in dirs:
-            if os.path.exists(d) and not os.path.isdir(d):
-                # makedirs would say "File exists", which reads as if all were well.
-                raise NotADirectoryError(errno.ENOTDIR, "dir_name is not a directory", d)
-            os.makedirs(d, exist_ok=True)
+        _core.make_directories(dirs)  # as os.makedirs; NotADirectoryError for a file
         # Checks backend, n_entries and stripe_threshold (ValueError or TypeError naming them).
         self._core: _core.Offloader | None = _core.Offloader(
             dirs, backend, n_entries, stripe_threshold
@@ -267,7 +253,6 @@ class DiskOffloader:
     # ---- internals ------------------------------------------------------------------------
 
     def _call(self, what: str, given: Any, callback: Callable[[], None] | None = None) -> None:
-        """TensorNVMe's call `what`; ``sync_...`` waits for its own tensors only."""
         kind = "write" if "write" in what else "read"
         tensors = list(given) if what.endswith("v") else [given]
         keys = (self._write if kind == "write" else self._read)(tensors, callback)

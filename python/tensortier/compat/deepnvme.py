@@ -35,7 +35,6 @@ _c_bool = _core.c_bool
 
 
 def _require_tensor(value: Any, what: str, name: str = "buffer") -> None:
-    """TypeError unless `value` is a torch tensor (what DeepNVMe's binding takes)."""
     import torch
 
     if not isinstance(value, torch.Tensor):
@@ -224,7 +223,6 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
     # ---- internals ------------------------------------------------------------------------
     def _call(self, op: str, buffer: Any, filename: str, validate: bool, async_op: bool | None,
               file_offset: int, kwargs: dict[str, Any]) -> int:
-        """``pread``/``pwrite``: starts `op`, then waits for it unless `async_op`."""
         what = "pread" if op == "read" else "pwrite"
         async_op = _c_bool(_core.deepnvme_argument(what, async_op, kwargs, "async_op", "async"),
                            what, "async")
@@ -260,10 +258,8 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         if snapshot and buffer.numel() > 0 and (self._SNAPSHOT_CUDA_WRITES if buffer.is_cuda
                                                 else not self.is_pinned(buffer)):
             buffer = buffer.detach().to("cpu", copy=True)
-        # A read past the end fills what exists.
         future = (self._io.pread_async if op == "read" else self._io.pwrite_async)(
             buffer, path, offset)
-        # free_cpu_locked_tensor waits for it.
         _locked.track(int(buffer.data_ptr()), int(buffer.nbytes), future._op)
         finish = None
         if copy_to is not None or validate:
@@ -390,7 +386,6 @@ _locked = _core.LockedTensors()
 
 
 def _new_locked(num_elem: int, example_tensor: Any) -> Any:
-    """``new_cpu_locked_tensor`` of every handle: a tensor in locked memory, in the registry."""
     import torch
 
     from .. import aligned_empty
@@ -417,8 +412,6 @@ def _free_locked(address: int, tensor: Any = None) -> bool:
 
 
 def _is_pinned(buffer: Any) -> bool:
-    """``is_pinned`` of every handle: a CPU tensor pinned by torch, in the registry, or (asked
-    of the CUDA driver, where one is loaded) page-locked with CUDA by anyone."""
     return buffer.device.type == "cpu" and (
         bool(buffer.is_pinned()) or _locked.pinned(int(buffer.data_ptr()), int(buffer.nbytes)))
 
