@@ -210,6 +210,8 @@ def test_locked_tensors(handle, resident_bytes) -> None:  # type: ignore[no-unty
     assert u.dtype == torch.int64 and handle.free_cpu_locked_tensor(u)
     with pytest.raises(TypeError, match="example_tensor"):
         handle.new_cpu_locked_tensor(8)
+    with pytest.raises(TypeError, match="example_tensor"):  # as DeepSpeed's binding refuses it
+        handle.new_cpu_locked_tensor(8, 5)
 
 
 def test_async_write_copies_unlocked_tensors_first(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]

@@ -196,6 +196,7 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         second argument ``example_tenosr``; both names work.)"""
         example_tensor = _core.deepnvme_argument("new_cpu_locked_tensor", example_tensor, kwargs,
                                                  "example_tensor", "example_tenosr")
+        _require_tensor(example_tensor, "new_cpu_locked_tensor", "example_tensor")
         return _new_locked(num_elem, example_tensor)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
