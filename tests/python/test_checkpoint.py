@@ -833,6 +833,8 @@ def test_load_into_strictness(disk_dir: Path) -> None:
                              r'in state_dict: "b"\.'):
         tensortier.load_into(target, path)
     assert torch.equal(target["a"], torch.zeros(4))  # nothing read on error
+    with pytest.raises(ValueError, match="Missing key"):  # a truthy strict, as torch takes it
+        tensortier.load_into(target, path, strict="yes")
     res = tensortier.load_into(target, path, strict=False)
     assert res.missing_keys == ["c"] and res.unexpected_keys == ["b"]
     assert torch.equal(target["a"], sd["a"])

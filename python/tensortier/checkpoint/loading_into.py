@@ -274,7 +274,7 @@ def _load_into(
     torch = _torch()
     missing, unexpected, errors, reads = _require("plan_load_into")(
         [(k, t.shape, str(t.dtype), t.data_ptr(), t.nbytes) for k, t in targets.items()],
-        [(k, src.shape, "", 0, 0) for k, src in sources.items()], strict)
+        [(k, src.shape, "", 0, 0) for k, src in sources.items()], bool(strict))  # truthy, as torch
     if errors:  # the lines and their order are load_state_dict's: code parsing it keeps working
         hint = " (load_into(..., strict=False) skips missing and unexpected names)"
         raise StateDictMismatchError(
