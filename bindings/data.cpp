@@ -335,6 +335,7 @@ class ReaderIteration {
       py::gil_scoped_release release;
       batch = reader_.Next();
     }
+    if (batch == nullptr) throw py::stop_iteration();  // the reader was closed meanwhile
     ++given_;
     state_.Advance();
     return std::const_pointer_cast<Batch>(batch);

@@ -12,14 +12,14 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "tensortier/data/extent_reader.hpp"
 #include "tensortier/data/open_files.hpp"
 #include "tensortier/data/open_gang.hpp"
-#include "tensortier/util/aligned_buffer.hpp"
-#include "tensortier/util/error.hpp"
-#include "tensortier/data/extent_reader.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/transfer/pinned_pool.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
@@ -129,7 +129,7 @@ namespace {
 // decide). System calls per cached file: open, fcntl, fstat, cachestat (and the close).
 void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
   try {
-    struct stat opened {};
+    struct stat opened{};
     slot.file = File::Open(path, OpenMode::kRead, /*direct=*/false, &opened);
     if (!S_ISREG(opened.st_mode)) ThrowIoError(EINVAL, "open (not a regular file)", path);
     slot.size = static_cast<uint64_t>(opened.st_size);
@@ -158,7 +158,7 @@ void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
       slot.resident = true;
       return;
     }
-    struct stat again {};
+    struct stat again{};
     File with_direct = File::Open(path, OpenMode::kRead, /*direct=*/true, &again);
     if (again.st_ino != opened.st_ino || again.st_dev != opened.st_dev) {
       ThrowIoError(EIO, "open (the file was replaced while opened)", path);
@@ -173,7 +173,7 @@ void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
 // Sizes `path` by stat without opening it, for a window of the batch after the first:
 // OpenDeferredSlot opens it then. The same refusals as OpenSlot's.
 void SizeSlot(const std::string& path, FileSlot& slot) noexcept try {
-  struct stat st {};
+  struct stat st{};
   if (stat(path.c_str(), &st) != 0) {
     slot.error = std::make_exception_ptr(IoError(errno, "stat", path, 0, 0));
     return;
@@ -196,18 +196,18 @@ void OpenDeferredSlot(const std::string& path, bool direct, FileSlot& slot) noex
   OpenSlot(path, direct, slot);
   slot.deferred = false;
   if (slot.error) return;
-  struct stat now {};
+  struct stat now{};
   if (fstat(slot.file.buffered_fd(), &now) != 0) {
     slot.error = std::make_exception_ptr(IoError(errno, "fstat", path, 0, 0));
   } else if (now.st_dev != slot.device || now.st_ino != slot.inode) {
     slot.error = std::make_exception_ptr(
         IoError(EIO, "open (the file was replaced after it was sized)", path, 0, sized));
   } else if (slot.size != sized) {
-    slot.error = std::make_exception_ptr(IoError(
-        EIO,
-        StrCat("read (the file changed size while read: ", sized, " bytes when sized, ", slot.size,
-               " when opened)"),
-        path, 0, sized));
+    slot.error =
+        std::make_exception_ptr(IoError(EIO,
+                                        StrCat("read (the file changed size while read: ", sized,
+                                               " bytes when sized, ", slot.size, " when opened)"),
+                                        path, 0, sized));
   }
   if (slot.error) slot.file.Close();
 } catch (...) {  // runs on the open gang's threads, which must not throw (bad_alloc)
@@ -403,6 +403,7 @@ void BatchReader::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    ++stops_;
   }
   cv_.notify_all();
   if (producer_.joinable()) producer_.join();
@@ -435,7 +436,11 @@ std::shared_ptr<const Batch> BatchReader::Next() {
   CheckNotForked();
   std::unique_lock<std::mutex> lock(mu_);
   if (next_to_return_ >= batches_.size()) return nullptr;
-  cv_.wait(lock, [&] { return !ready_.empty(); });
+  // A Start() or Stop() from another thread (FileReader.close()) ends this wait: its batches
+  // are gone.
+  const uint64_t stops = stops_;
+  cv_.wait(lock, [&] { return !ready_.empty() || stops_ != stops; });
+  if (stops_ != stops) return nullptr;
   Ready ready = std::move(ready_.front());
   ready_.pop_front();
   ++next_to_return_;
@@ -705,7 +710,7 @@ std::shared_ptr<const Batch> BatchReader::Finish(PendingBatch& pending) {
     for (FileSlot& slot : pending.slots) {
       if (slot.error || !slot.file.is_open()) continue;
       try {
-        struct stat now {};
+        struct stat now{};
         if (fstat(slot.file.buffered_fd(), &now) != 0) {
           ThrowIoError(errno, "fstat", slot.file.path());
         }

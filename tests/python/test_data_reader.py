@@ -866,3 +866,31 @@ def test_two_threads_on_one_iteration_get_a_generators_error_not_a_hang(disk_dir
         samples = [s for g in got if not isinstance(g, ValueError) for s in g]
         assert sorted(samples) == sorted(data for data, _ in tree.values())
     reader.close()
+
+
+def test_close_from_another_thread_ends_an_iteration_under_way(disk_dir: Path) -> None:
+    """FileReader.close() while another thread waits for the next batch ends that iteration
+    (StopIteration there) instead of leaving it waiting forever."""
+    import threading
+
+    make_tree(disk_dir / "root", classes=2, per_class=200)
+    for trial in range(5):
+        reader = FileReader(file_root=str(disk_dir / "root"), batch_size=2, shuffle=True,
+                            seed=trial)
+        batches = reader.batches()
+        next(batches)
+        errors: list[BaseException] = []
+
+        def drain() -> None:
+            try:
+                for _ in batches:
+                    pass
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        thread = threading.Thread(target=drain, daemon=True)
+        thread.start()
+        reader.close()
+        thread.join(60)
+        assert not thread.is_alive(), "close() left an iteration waiting forever"
+        assert errors == []

@@ -10,8 +10,9 @@
 // 4 KiB boundary, as O_DIRECT needs) and reused when its batch is released.
 //
 // Files open at once are bounded, whatever the batch size: a quarter of the descriptors
-// RLIMIT_NOFILE leaves when the reader is made, two per file (open_files.hpp). A batch that does not fit is read in windows
-// (its files sized by stat first, then opened, read and closed a window at a time).
+// RLIMIT_NOFILE leaves when the reader is made, two per file (open_files.hpp). A batch that does
+// not fit is read in windows (its files sized by stat first, then opened, read and closed a window
+// at a time).
 //
 // A file that vanished, cannot be read, is not a regular file, or changes size while read fails
 // its batch with an IoError naming it; with skip_errors it is left out of the batch instead, and
@@ -45,10 +46,10 @@
 #include <thread>
 #include <vector>
 
+#include "tensortier/data/extent_map.hpp"
 #include "tensortier/io/backend.hpp"
 #include "tensortier/io/config.hpp"
 #include "tensortier/io/engine.hpp"
-#include "tensortier/data/extent_map.hpp"
 
 namespace tensortier {
 
@@ -181,6 +182,7 @@ class BatchReader {
   };
   std::deque<Ready> ready_;  // read, in order, not yet returned
   bool stop_ = false;
+  uint64_t stops_ = 0;  // Stop() calls: a Next() waiting across one returns null
   BatchReaderStats stats_;
   std::thread producer_;
 };
