@@ -354,6 +354,19 @@ void DefRows(Class& c, Device device) {
            "RuntimeError once closed; ValueError for a collective call (member) in a process "
            "that attached the tensor from outside its group.")
       .def(
+          "local_rank",
+          [](const Tensor& t) {
+            RequireOpen(t, "local", false);
+            if (t.rank() < 0) {
+              throw py::value_error(StrCat("shared tensor ", PyRepr(t.spec().name),
+                                           " was attached from outside its group: it owns no "
+                                           "rows here (use view(), gather() or scatter())"));
+            }
+            return t.rank();
+          },
+          "The rank whose rows local() sees: RuntimeError once closed; ValueError in a process "
+          "that attached the tensor from outside its group.")
+      .def(
           "read_rows",
           [device](const Tensor& t, const std::string& what, const std::vector<FsPath>& files,
                    const std::optional<FsPath>& checkpoint, const std::string& key) {

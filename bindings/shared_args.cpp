@@ -211,7 +211,7 @@ void RegisterSharedArgs(py::module_& m) {
   m.def(
       "shared_check_values",
       [](const std::string& dtype, const std::string& want_dtype, const std::vector<int64_t>& shape,
-         const std::vector<int64_t>& want_shape) {
+         const std::vector<int64_t>& want_shape, const std::optional<std::string>& device) {
         if (dtype != want_dtype) {
           throw py::type_error(
               StrCat("values are ", dtype, "; this shared tensor holds ", want_dtype));
@@ -220,7 +220,12 @@ void RegisterSharedArgs(py::module_& m) {
           throw py::value_error(StrCat("values have shape ", PyTuple(shape), "; expected ",
                                        PyTuple(want_shape)));
         }
+        if (device && *device != "cpu") {
+          throw py::value_error(StrCat("values must be on the CPU, not ", *device));
+        }
       },
       py::arg("dtype"), py::arg("want_dtype"), py::arg("shape"), py::arg("want_shape"),
-      "TypeError for scatter values of another dtype, ValueError for another shape.");
+      py::arg("device") = py::none(),
+      "TypeError for scatter values of another dtype, ValueError for another shape or, when "
+      "`device` (theirs) is given, for values not on the CPU.");
 }

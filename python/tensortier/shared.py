@@ -186,13 +186,7 @@ class SharedTensor:
     def local(self) -> tuple[torch.Tensor, tuple[int, int]]:
         """This rank's partition as a tensor over the shared memory, and its row range
         ``(begin, end)`` in the whole tensor."""
-        self._core.require("local")
-        rank = self._core.rank
-        if rank < 0:
-            raise ValueError(
-                f"shared tensor {self.name!r} was attached from outside its group: it owns no "
-                "rows here (use view(), gather() or scatter())"
-            )
+        rank = self._core.local_rank()
         index = None  # where the rows are seen from: this rank's GPU for device memory
         if self.memory == "device":
             _require_torch_cuda("a view of device memory")
@@ -288,13 +282,13 @@ class SharedTensor:
         idx = self._indices(indices)
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, not {type(values).__name__}")
+        host = self.memory == "host"  # device memory takes values from any device
         _core.shared_check_values(str(values.dtype), str(self._dtype), values.shape,
-                                  (idx.numel(), *self._shape[1:]))
-        if self.memory == "device":
+                                  (idx.numel(), *self._shape[1:]),
+                                  str(values.device) if host else None)
+        if not host:
             self._device_rows(idx, values)
             return
-        if values.device.type != "cpu":
-            raise ValueError(f"values must be on the CPU, not {values.device}")
         values = values.contiguous()
         if self._distributed:
             self._round(idx, values)
