@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -219,6 +220,43 @@ class DistributedTensor {
   std::shared_ptr<void> memory_;
 };
 
+// The group as the package holds it: closed once, for good; closing also closes the distributed
+// tensors it made (their rows are not the C++ group's) and counts this rank out of a store it
+// does not serve.
+class BoundGroup : public SharedGroup {
+ public:
+  BoundGroup(std::shared_ptr<Store> store, int rank, int world_size,
+             std::chrono::milliseconds timeout, bool hosts_store)
+      : SharedGroup(std::move(store), rank, world_size, timeout), hosts_store_(hosts_store) {}
+
+  void Require(const std::string& what) const {
+    if (closed_) throw std::runtime_error(StrCat(what, ": the shared group was closed (finalized)"));
+  }
+  void Keep(const std::shared_ptr<DistributedTensor>& tensor) {
+    std::lock_guard lock(mutex_);
+    distributed_.push_back(tensor);
+  }
+  void CloseAll() {
+    if (closed_.exchange(true)) return;
+    std::vector<std::weak_ptr<DistributedTensor>> distributed;
+    {
+      std::lock_guard lock(mutex_);
+      distributed.swap(distributed_);
+    }
+    for (const auto& weak : distributed) {
+      if (auto t = weak.lock()) t->Close();
+    }
+    Close();
+    if (!hosts_store_) CountOut();  // a store that is gone has nobody waiting
+  }
+
+ private:
+  bool hosts_store_;
+  std::atomic<bool> closed_ = false;
+  std::mutex mutex_;
+  std::vector<std::weak_ptr<DistributedTensor>> distributed_;
+};
+
 // The checks ahead of a SharedTensor method: RuntimeError once closed; for a collective call
 // (`member`), ValueError in a process that attached the tensor from outside its group.
 template <typename Tensor>
@@ -315,6 +353,19 @@ void DefRows(Class& c, Device device) {
       .def("require", &RequireOpen<Tensor>, py::arg("what"), py::arg("member") = false,
            "RuntimeError once closed; ValueError for a collective call (member) in a process "
            "that attached the tensor from outside its group.")
+      .def(
+          "local_rank",
+          [](const Tensor& t) {
+            RequireOpen(t, "local", false);
+            if (t.rank() < 0) {
+              throw py::value_error(StrCat("shared tensor ", PyRepr(t.spec().name),
+                                           " was attached from outside its group: it owns no "
+                                           "rows here (use view(), gather() or scatter())"));
+            }
+            return t.rank();
+          },
+          "The rank whose rows local() sees: RuntimeError once closed; ValueError in a process "
+          "that attached the tensor from outside its group.")
       .def(
           "read_rows",
           [device](const Tensor& t, const std::string& what, const std::vector<FsPath>& files,
@@ -613,20 +664,25 @@ void RegisterShared(py::module_& m) {
       "Maps the shared tensor some group created under `name` in `store`, from a process "
       "outside that group (rank -1: no local partition).");
 
-  py::class_<SharedGroup>(m, "SharedGroup")
-      .def(py::init([](std::shared_ptr<Store> store, int rank, int world_size, double timeout_s) {
+  py::class_<BoundGroup>(m, "SharedGroup")
+      .def(py::init([](std::shared_ptr<Store> store, int rank, int world_size, double timeout_s,
+                       bool hosts_store) {
              auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
              py::gil_scoped_release release;
-             return std::make_unique<SharedGroup>(std::move(store), rank, world_size, timeout);
+             return std::make_unique<BoundGroup>(std::move(store), rank, world_size, timeout,
+                                                 hosts_store);
            }),
-           py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("timeout_s"))
+           py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("timeout_s"),
+           py::arg("hosts_store") = false)
+      .def("require", &BoundGroup::Require, py::arg("what"),
+           "RuntimeError '{what}: the shared group was closed (finalized)' once closed.")
       .def_property_readonly("rank", &SharedGroup::rank)
       .def_property_readonly("world_size", &SharedGroup::world_size)
       .def_property_readonly("socket_name", &SharedGroup::socket_name)
       .def_property_readonly("refused_peers", &SharedGroup::refused_peers)
       .def(
           "create",
-          [](SharedGroup& g, const py::object& shape, const std::string& dtype,
+          [](BoundGroup& g, const py::object& shape, const std::string& dtype,
              uint64_t element_size, const std::string& layout, const std::string& name,
              const std::string& memory, int device) {
             SharedTensorSpec spec;
@@ -643,6 +699,7 @@ void RegisterShared(py::module_& m) {
               if (spec.layout == SharedLayout::kDistributed) {  // rows in private memory
                 g.Agree("create_tensor", spec.Describe());
                 distributed = std::make_shared<DistributedTensor>(spec, g.rank(), g.world_size());
+                g.Keep(distributed);
               } else {
                 shared = g.Create(spec, device);
               }
@@ -651,13 +708,23 @@ void RegisterShared(py::module_& m) {
           },
           py::arg("shape"), py::arg("dtype"), py::arg("element_size"), py::arg("layout"),
           py::arg("name"), py::arg("memory") = "host", py::arg("device") = 0)
-      .def("attach", &SharedGroup::Attach, py::arg("name"), py::arg("device") = 0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("barrier", &SharedGroup::Barrier, py::arg("what"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "attach",
+          [](BoundGroup& g, const std::string& name, int device) {
+            g.Require("attach");
+            return g.Attach(name, device);
+          },
+          py::arg("name"), py::arg("device") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "barrier",
+          [](BoundGroup& g, const std::string& what) {
+            g.Require(what);
+            g.Barrier(what);
+          },
+          py::arg("what"), py::call_guard<py::gil_scoped_release>())
       .def(
           "all_gather",
-          [](SharedGroup& g, const std::string& what, const py::bytes& value) {
+          [](BoundGroup& g, const std::string& what, const py::bytes& value) {
             std::string v = value;
             std::vector<std::string> all;
             {
@@ -671,7 +738,8 @@ void RegisterShared(py::module_& m) {
           py::arg("what"), py::arg("value"))
       .def(
           "settle",
-          [](SharedGroup& g, const std::string& what, const std::optional<std::string>& failure) {
+          [](BoundGroup& g, const std::string& what, const std::optional<std::string>& failure) {
+            g.Require(what);
             py::gil_scoped_release release;
             if (!failure) {
               g.Settle(what, nullptr);
@@ -684,14 +752,14 @@ void RegisterShared(py::module_& m) {
             }
           },
           py::arg("what"), py::arg("failure"),
-          "Collective: every rank says whether its step `what` worked (failure None) or why not. "
+          "Collective (RuntimeError once the group is closed): every rank says whether its step "
+          "`what` worked (failure None) or why not. "
           "Returns on a rank that failed (it raises its own error); elsewhere returns when all "
           "worked, else raises RuntimeError naming each failing rank with its text.")
-      .def("close", &SharedGroup::Close, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("leave_key", &SharedGroup::leave_key)
-      .def("count_out", &SharedGroup::CountOut, py::call_guard<py::gil_scoped_release>(),
-           "Counts this rank out of the store the group met through (see "
-           "shared_wait_for_leavers); never raises.");
+      .def("close", &BoundGroup::CloseAll, py::call_guard<py::gil_scoped_release>(),
+           "Closes the group and every tensor it made, and counts this rank out of the store "
+           "unless it serves it (see shared_wait_for_leavers). Idempotent.")
+      .def_property_readonly("leave_key", &SharedGroup::leave_key);
   m.def(
       "shared_wait_for_leavers",
       [](std::shared_ptr<Store> store, const std::string& leave_key, int world_size,

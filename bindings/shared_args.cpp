@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <utility>
@@ -50,6 +51,54 @@ std::string MemoryOf(const std::string& type, const std::string& dev, const std:
 }  // namespace
 
 void RegisterSharedArgs(py::module_& m) {
+  m.def(
+      "shared_check_attached",
+      [](const py::object& core, const std::string& name, const py::object& dtype) {
+        if (dtype.is_none()) {
+          throw py::value_error(StrCat("shared tensor ", PyRepr(name), " has dtype ",
+                                       py::str(core.attr("dtype")).cast<std::string>(),
+                                       ", unknown to torch"));
+        }
+        const auto element_size = core.attr("element_size").cast<int64_t>();
+        const auto itemsize = dtype.attr("itemsize").cast<int64_t>();
+        if (element_size != itemsize) {
+          throw py::value_error(StrCat("shared tensor ", PyRepr(name), ": its record's element_size ",
+                                       element_size, " is not the size of ",
+                                       py::str(dtype).cast<std::string>(), " (", itemsize, ")"));
+        }
+      },
+      py::arg("core"), py::arg("name"), py::arg("dtype"),
+      "ValueError unless the dtype of attached tensor `core` (from a record anyone who reaches the "
+      "store can write) is torch's (`dtype`: the torch.dtype of that name, None when none) and of "
+      "the record's element size.");
+  m.def(
+      "shared_store_unreachable",
+      [](const std::string& host, int64_t port, bool is_master, double timeout_s,
+         const py::object& error) {
+        // The first line of torch's message (its type's name when it has none).
+        std::string first = py::str(py::str(error).attr("strip")()).cast<std::string>();
+        first = first.substr(0, first.find('\n'));
+        if (first.empty()) first = py::str(py::type::handle_of(error).attr("__name__"));
+        const std::string what = StrCat("the TCPStore at ", host, ":", port,
+                                        " (MASTER_ADDR:MASTER_PORT)");
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
+        return StrCat("cannot ", is_master ? "serve " : "reach ", what,
+                      is_master ? "" : StrCat(" within ", seconds, " s"), ": ", first);
+      },
+      py::arg("host"), py::arg("port"), py::arg("is_master"), py::arg("timeout_s"),
+      py::arg("error"),
+      "The ConnectionError text when torchrun's TCPStore cannot be served or reached, quoting "
+      "the first line of torch's `error`.");
+  m.def(
+      "shared_store_where",
+      [](const std::string& host, int64_t port, bool agent) {
+        return StrCat(agent ? "torchrun's agent" : "rank 0", " (which hosts the TCPStore at ", host,
+                      ":", port, ")");
+      },
+      py::arg("host"), py::arg("port"), py::arg("agent"),
+      "torchrun's TCPStore as errors name it: who hosts it (`agent`: torchrun's agent, else rank "
+      "0) and where.");
   m.def(
       "shared_timeout_s",
       [](py::object timeout) {
@@ -162,7 +211,7 @@ void RegisterSharedArgs(py::module_& m) {
   m.def(
       "shared_check_values",
       [](const std::string& dtype, const std::string& want_dtype, const std::vector<int64_t>& shape,
-         const std::vector<int64_t>& want_shape) {
+         const std::vector<int64_t>& want_shape, const std::optional<std::string>& device) {
         if (dtype != want_dtype) {
           throw py::type_error(
               StrCat("values are ", dtype, "; this shared tensor holds ", want_dtype));
@@ -171,7 +220,12 @@ void RegisterSharedArgs(py::module_& m) {
           throw py::value_error(StrCat("values have shape ", PyTuple(shape), "; expected ",
                                        PyTuple(want_shape)));
         }
+        if (device && *device != "cpu") {
+          throw py::value_error(StrCat("values must be on the CPU, not ", *device));
+        }
       },
       py::arg("dtype"), py::arg("want_dtype"), py::arg("shape"), py::arg("want_shape"),
-      "TypeError for scatter values of another dtype, ValueError for another shape.");
+      py::arg("device") = py::none(),
+      "TypeError for scatter values of another dtype, ValueError for another shape or, when "
+      "`device` (theirs) is given, for values not on the CPU.");
 }

@@ -53,12 +53,9 @@ def _env_store(is_master: bool, world_size: int | None, timeout: float) -> tuple
             wait_for_workers=False,
         )
     except dist.DistNetworkError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        what = f"the TCPStore at {host}:{port} (MASTER_ADDR:MASTER_PORT)"
-        doing = f"serve {what}" if is_master else f"reach {what} within {timeout:g} s"
-        raise ConnectionError(f"cannot {doing}: {first}") from None
-    who = "torchrun's agent" if agent else "rank 0"
-    return dist.PrefixStore(prefix, tcp), f"{who} (which hosts the TCPStore at {host}:{port})"
+        raise ConnectionError(
+            _core.shared_store_unreachable(host, port, is_master, timeout, e)) from None
+    return dist.PrefixStore(prefix, tcp), _core.shared_store_where(host, port, agent)
 
 
 def _rendezvous(
@@ -128,7 +125,7 @@ class SharedTensor:
         self._core = core  # _core.SharedTensor, or _core.SharedDistributedTensor
         self._dtype = dtype
         self._shape = tuple(core.shape)
-        self._group_settle: Any = None  # the group's Group._settle (set by Group)
+        self._group: Any = None  # the group's _core.SharedGroup (set by Group)
         self._distributed = str(core.layout) == "distributed"
         # Host memory takes gather's lean path; device memory goes through CUDA views.
         self._host = not self._distributed and str(core.memory) == "host"
@@ -189,13 +186,7 @@ class SharedTensor:
     def local(self) -> tuple[torch.Tensor, tuple[int, int]]:
         """This rank's partition as a tensor over the shared memory, and its row range
         ``(begin, end)`` in the whole tensor."""
-        self._core.require("local")
-        rank = self._core.rank
-        if rank < 0:
-            raise ValueError(
-                f"shared tensor {self.name!r} was attached from outside its group: it owns no "
-                "rows here (use view(), gather() or scatter())"
-            )
+        rank = self._core.local_rank()
         index = None  # where the rows are seen from: this rank's GPU for device memory
         if self.memory == "device":
             _require_torch_cuda("a view of device memory")
@@ -291,13 +282,13 @@ class SharedTensor:
         idx = self._indices(indices)
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, not {type(values).__name__}")
+        host = self.memory == "host"  # device memory takes values from any device
         _core.shared_check_values(str(values.dtype), str(self._dtype), values.shape,
-                                  (idx.numel(), *self._shape[1:]))
-        if self.memory == "device":
+                                  (idx.numel(), *self._shape[1:]),
+                                  str(values.device) if host else None)
+        if not host:
             self._device_rows(idx, values)
             return
-        if values.device.type != "cpu":
-            raise ValueError(f"values must be on the CPU, not {values.device}")
         values = values.contiguous()
         if self._distributed:
             self._round(idx, values)
@@ -366,9 +357,9 @@ class SharedTensor:
                 torch.cuda.current_stream(int(self._core.stats["device"])).synchronize()
             result = step()
         except Exception as e:
-            self._group_settle(what, e)
+            self._group.settle(what, f"{type(e).__name__}: {e}")
             raise
-        self._group_settle(what, None)
+        self._group.settle(what, None)
         return result
 
     def load_files(self, paths: PathArg | Sequence[PathArg]) -> dict[str, Any]:
@@ -472,8 +463,8 @@ class Group:
         )
         self._torch_store = torch_store
         adapter = _core.SharedTorchStore(torch_store, where)
-        self._core = _core.SharedGroup(adapter, self.rank, self.world_size, self.timeout)
-        self._closed = False
+        self._core = _core.SharedGroup(adapter, self.rank, self.world_size, self.timeout,
+                                       self._hosts_store)
         # The other ranks count themselves out on close: a rank serving the store keeps it until
         # they are done with it (at most the timeout: a dead rank never counts).
         if self._hosts_store:  # holds the store (its server) until exit, even if dropped
@@ -481,11 +472,6 @@ class Group:
                             self.world_size, self.timeout)
         if self.world_size > 1:  # runs before the above (atexit is last in, first out)
             atexit.register(_close_at_exit, weakref.ref(self))
-        self._distributed_tensors: list[SharedTensor] = []
-
-    def _require_open(self, what: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"{what}: the shared group was closed (finalized)")
 
     def create_tensor(
         self,
@@ -515,7 +501,7 @@ class Group:
             CudaError: device memory without a CUDA driver, or a CUDA call failed (on the rank
                 where it failed; the others raise RuntimeError naming it).
         """
-        self._require_open("create_tensor")
+        self._core.require("create_tensor")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
         if layout not in LAYOUTS:
@@ -531,9 +517,7 @@ class Group:
         element_size = torch.empty((), dtype=dtype).element_size()
         core = self._core.create(shape, str(dtype), element_size, layout, name or "", memory, index)
         t = SharedTensor(core, dtype)
-        t._group_settle = self._settle
-        if layout == "distributed":  # the C++ group closes only the tensors it maps
-            self._distributed_tensors.append(t)
+        t._group = self._core
         return t
 
     def attach(self, name: str) -> SharedTensor:
@@ -542,21 +526,14 @@ class Group:
         One this group created has this rank's rows as :meth:`SharedTensor.local`; one another
         group created is attached as :func:`attach` does. Raises TimeoutError when none
         appears in time."""
-        self._require_open("attach")
         t = _attached(self._core.attach(name), name)
         if t._core.rank >= 0:
-            t._group_settle = self._settle
+            t._group = self._core
         return t
 
     def barrier(self) -> None:
         """Collective: returns once every rank has called it (``TimeoutError`` otherwise)."""
-        self._require_open("barrier")
         self._core.barrier("barrier")
-
-    def _settle(self, what: str, error: BaseException | None) -> None:
-        """Collective: whether this rank's part of `what` worked (`error` None); see settle."""
-        self._require_open(what)
-        self._core.settle(what, None if error is None else f"{type(error).__name__}: {error}")
 
     def close(self) -> None:
         """Closes every tensor of this group and stops sharing (not collective). Idempotent.
@@ -565,15 +542,7 @@ class Group:
         when no ``store`` is given outside torchrun) then keeps serving it until every other
         rank has closed its group or exited, at most the timeout: ranks still finishing a
         collective call do not lose the store under them."""
-        if self._closed:
-            return
-        self._closed = True
-        for t in self._distributed_tensors:
-            t.close()
-        self._distributed_tensors.clear()
         self._core.close()
-        if not self._hosts_store:
-            self._core.count_out()  # a store that is gone has nobody waiting
 
     def __enter__(self) -> "Group":
         return self
@@ -589,16 +558,8 @@ def _close_at_exit(ref: "weakref.ref[Group]") -> None:
 
 
 def _attached(core: Any, name: str) -> SharedTensor:
-    """The tensor over `core`, attached by `name`: its dtype comes from a record anyone who
-    reaches the store can write, so it must be torch's and of the record's element size."""
     dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"shared tensor {name!r} has dtype {core.dtype}, unknown to torch")
-    if int(core.element_size) != dtype.itemsize:
-        raise ValueError(
-            f"shared tensor {name!r}: its record's element_size {core.element_size} is not the "
-            f"size of {dtype} ({dtype.itemsize})"
-        )
+    _core.shared_check_attached(core, name, dtype if isinstance(dtype, torch.dtype) else None)
     return SharedTensor(core, dtype)
 
 

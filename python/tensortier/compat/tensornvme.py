@@ -198,17 +198,6 @@ class _AsyncFileWriterCore:
         if first is not None:
             raise first
 
-    def register_h2d(self, num_tensors: int) -> None:
-        """Accepted: ``write_tensor`` copies a CUDA tensor to the host before it returns."""
-        _core.unsigned_argument(num_tensors, "num_tensors")
-
-    def sync_h2d(self) -> None:
-        """Returns at once: every device-to-host copy ended in its ``write_tensor`` call."""
-
-    def register_tasks(self, num_tasks: int) -> None:
-        """Accepted (TensorNVMe counts tasks for its debug log only)."""
-        _core.unsigned_argument(num_tasks, "num_tasks")
-
     def close(self) -> None:
         """Waits for the writes and stops the engine (their errors were ``synchronize()``'s)."""
         io, self._io = self._io, None
@@ -289,11 +278,10 @@ class AsyncFileWriter:
 
     def register_h2d(self, num_tensors: int) -> None:
         """How many ``write_tensor`` calls ``sync_before_step()`` waits for (TensorNVMe)."""
-        self.io.register_h2d(num_tensors)
+        _core.unsigned_argument(num_tensors, "num_tensors")  # each copy ends in its write_tensor
 
     def sync_before_step(self) -> None:
         """Returns once the tensors given to ``write_tensor`` may change."""
-        self.io.sync_h2d()
 
     @staticmethod
     def gc_callback(listt: list[Any], idx: int) -> None:
@@ -310,7 +298,7 @@ class AsyncFileWriter:
 
     def register_tasks(self, num_tasks: int) -> None:
         """Accepted (TensorNVMe counts tasks for its debug log only)."""
-        self.io.register_tasks(num_tasks)
+        _core.unsigned_argument(num_tasks, "num_tasks")
 
     def __del__(self) -> None:
         if not hasattr(self, "fd"):
