@@ -253,10 +253,6 @@ void RegisterDcp(py::module_& m) {
         "Whether a DCP .metadata may name global module.name (dcp_metadata.hpp): what the CLI's "
         "reader allows; of torch's lowercase names, the caller takes only dtypes, layouts and "
         "memory formats.");
-  m.def("check_dcp_chunks_cover", &CheckDcpChunksCover, py::arg("name"), py::arg("size"),
-        py::arg("offsets"), py::arg("sizes"), py::arg("what"),
-        "Refuses (ValueError naming `what` and the tensor) chunks that lie outside the tensor's "
-        "size or do not hold all of its elements (data no file has).");
   m.def(
       "take_staging_arena",
       [](const std::vector<std::optional<uint64_t>>& nbytes, std::optional<int> pinned_device) {

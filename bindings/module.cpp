@@ -28,6 +28,7 @@ PYBIND11_MODULE(_core, m) {
   RegisterData(m);
   RegisterTestHooks(m);
   RegisterDcp(m);
+  RegisterDcpItems(m);
   RegisterHf(m);
   RegisterOperationLog(m);
   RegisterRegistries(m);

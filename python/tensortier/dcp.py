@@ -4,7 +4,6 @@ docs/checkpoints.md)."""
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import importlib
 import io
@@ -49,35 +48,7 @@ def _done(value: Any) -> Future[Any]:
     return fut
 
 
-def _item_name(index: _md.MetadataIndex) -> str:
-    """The item's key, with its chunk's offsets where they are not all 0 ("w at [8, 0]")."""
-    return f"{index.fqn} at {list(index.offset)}" if index.offset and any(index.offset) \
-        else index.fqn
-
-
-def _pickled(item: Any, planner: SavePlanner) -> Any:
-    """A bytes item's pickle as a uint8 tensor. TypeError naming the item for a value that does
-    not pickle (a lambda, an open file)."""
-    try:
-        data = planner.resolve_data(item)
-    except Exception as e:
-        raise TypeError(f"{_item_name(item.index)}: cannot be saved: pickling it failed ({type(e).__name__}: "
-                        f"{e}); store tensors, numbers, strings, lists or dicts") from e
-    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
-        torch.empty(0, dtype=torch.uint8)
-
-
-def _default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
-    """The default planner's flattened state dict, where its tensors are what resolve_data
-    gives for a plain tensor's item (the planner's own lookup costs a ShardedTensor check per
-    item, most of the Python time of a save of many small tensors); None for other planners."""
-    cls = type(planner)
-    if any(getattr(cls, m, None) is not getattr(DefaultSavePlanner, m)
-           for m in ("resolve_data", "lookup_object", "transform_object")):
-        return None
-    sd = getattr(planner, "state_dict", None)
-    return sd if isinstance(sd, dict) else None
+_item_name = _core.dcp_item_name  # "w", "w at [8, 0]"
 
 
 def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], list[Any]]:
@@ -85,7 +56,14 @@ def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], l
     of the write items. TypeError naming the item for what cannot be saved: a dtype tensortier
     cannot store (quantized tensors...), a value that does not pickle. CUDA tensors are staged
     into a pinned host arena."""
-    lookup = _default_lookup(planner)
+    # The default planner's flattened state dict holds what resolve_data gives for a plain
+    # tensor's item (the planner's own lookup costs a ShardedTensor check per item, most of the
+    # Python time of a save of many small tensors).
+    lookup = getattr(planner, "state_dict", None)
+    if not isinstance(lookup, dict) or any(
+            getattr(type(planner), m, None) is not getattr(DefaultSavePlanner, m)
+            for m in ("resolve_data", "lookup_object", "transform_object")):
+        lookup = None
     names = dtype_names()
     quantized = quantized_dtypes()
     dtypes: list[str] = []
@@ -93,8 +71,16 @@ def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], l
     on_device: list[int] = []
     for item in items:
         if item.type == WriteItemType.BYTE_IO:
+            try:
+                data = planner.resolve_data(item)
+            except Exception as e:  # a lambda, an open file...
+                raise TypeError(f"{_item_name(item.index)}: cannot be saved: pickling it failed "
+                                f"({type(e).__name__}: {e}); store tensors, numbers, strings, "
+                                "lists or dicts") from e
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
             dtypes.append("")
-            tensors.append(_pickled(item, planner))
+            tensors.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
+                           else torch.empty(0, dtype=torch.uint8))
             continue
         # A plain tensor is its item's data: the default planner gives it one item, at offset 0.
         t = lookup.get(item.index.fqn) if lookup is not None else None
@@ -115,21 +101,6 @@ def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], l
         for i, t in zip(on_device, _dcp_staging.stage([tensors[i] for i in on_device])):
             tensors[i] = t
     return dtypes, tensors
-
-
-def _stored_items(writes: tuple[Any, ...]) -> dict[Any, Any]:
-    """MetadataIndex -> _StorageInfo (with its xxh64) of each item of a rank's WriteResult."""
-    path, fqns, offsets, indices, places, blocks = writes
-    flat = array.array("Q")
-    flat.frombytes(places)
-    out: dict[Any, Any] = {}
-    for k, (fqn, offset, index) in enumerate(zip(fqns, offsets, indices)):
-        info = _fs._StorageInfo(path, flat[3 * k], flat[3 * k + 1])
-        info.xxh64 = flat[3 * k + 2]  # type: ignore[attr-defined]  # stock readers ignore it
-        if blocks[k]:  # a tensor's data's block sums (Reader checks the parts it reads)
-            info.xxh64_blocks = blocks[k]  # type: ignore[attr-defined]
-        out[_md.MetadataIndex(fqn, offset, index)] = info
-    return out
 
 
 class Writer(StorageWriter, AsyncStager):
@@ -223,13 +194,8 @@ class Writer(StorageWriter, AsyncStager):
         """Commits the checkpoint (coordinator only): ``.metadata`` written durably, then the
         files it does not name (the replaced checkpoint's, dead saves') removed."""
         with gc_paused():
-            storage: dict[Any, Any] = {}
-            for rs in results:
-                for r in rs:
-                    if r.index.fqn == _RANK_WRITES:
-                        storage.update(_stored_items(r.storage_data))
-                    else:
-                        storage[r.index] = r.storage_data
+            storage = _core.dcp_storage_data(results, _RANK_WRITES, _md.MetadataIndex,
+                                             _fs._StorageInfo)
             metadata.storage_data = storage
             metadata.version = _VERSION
             metadata.storage_meta = self.storage_meta()
@@ -340,14 +306,9 @@ class Reader(StorageReader):
         """Keeps the metadata's item locations and its chunks' sizes (checked against the
         tensors stored in the data files). ValueError for a tensor whose chunks do not hold all
         of its elements (a load would leave the rest as it was)."""
-        what = os.path.join(self.path, _METADATA)
-        self.chunk_sizes = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, _md.TensorStorageMetadata):
-                offsets = [list(c.offsets) for c in md.chunks]
-                sizes = [list(c.sizes) for c in md.chunks]
-                _core.check_dcp_chunks_cover(fqn, list(md.size), offsets, sizes, what)
-                self.chunk_sizes.update(((fqn, tuple(o)), z) for o, z in zip(offsets, sizes))
+        self.chunk_sizes = _core.dcp_chunk_sizes(
+            metadata.state_dict_metadata, _md.TensorStorageMetadata,
+            os.path.join(self.path, _METADATA))
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -367,30 +328,18 @@ class Reader(StorageReader):
         """Reads the plan's items, file by file (one C++ read per file, GIL released), and
         counts the bytes read from the files in ``bytes_read``."""
         self.bytes_read = 0
-        per_file: dict[str, list[Any]] = {}
-        for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         with gc_paused():  # objects per item: collections would walk them again and again
-            for relative_path, reqs in per_file.items():
-                self._read_file(os.path.join(self.path, relative_path), reqs, planner)
+            for relative_path, reqs, reqs_of in _core.dcp_requests_by_file(
+                    plan.items, self.storage_data):
+                self._read_file(os.path.join(self.path, relative_path), reqs, reqs_of, planner)
         return _done(None)
 
-    def _read_file(self, path: str, reqs: list[Any], planner: LoadPlanner) -> None:
-        reqs_of: dict[Any, list[Any]] = {}  # each stored item read once, whoever asks for it
-        for r in reqs:
-            reqs_of.setdefault(r.storage_index, []).append(r)
-        infos = {i: self.storage_data[i] for i in reqs_of}
-        is_tensor = [rs[0].type != LoadItemType.BYTE_IO for rs in reqs_of.values()]
+    def _read_file(self, path: str, reqs: list[Any], reqs_of: dict[Any, list[Any]],
+                   planner: LoadPlanner) -> None:
+        # reqs_of: each stored item's requests (it is read once, whoever asks for it).
         engine = default_io()._core()
-        reads = _core.DcpFileReads(
-            engine, path, [_item_name(i) for i in infos], [s.offset for s in infos.values()],
-            [s.length for s in infos.values()], is_tensor,
-            [self.chunk_sizes.get((i.fqn, tuple(i.offset or ()))) if t else None
-             for i, t in zip(infos, is_tensor)], [i.fqn for i in infos],
-            [[(r.storage_offsets, r.lengths) for r in rs] if t else []
-             for rs, t in zip(reqs_of.values(), is_tensor)],
-            [getattr(s, "xxh64", None) for s in infos.values()],
-            [getattr(s, "xxh64_blocks", None) for s in infos.values()], self.verify)
+        reads = _core.DcpFileReads(engine, path, *_core.dcp_read_items(
+            reqs_of, self.storage_data, self.chunk_sizes, LoadItemType.BYTE_IO), self.verify)
         self.bytes_read += reads.bytes_read
         dtypes = torch_dtypes()
         bufs: dict[Any, tuple[Any, Any, bool]] = {}
@@ -418,7 +367,8 @@ class Reader(StorageReader):
                     and list(target.stride()) == list(layout[2]) and target.nbytes == layout[5]):
                 target = None
             buf = target if target is not None else torch.empty(
-                infos[index].length if layout is None else layout[5], dtype=torch.uint8)
+                self.storage_data[index].length if layout is None else layout[5],
+                dtype=torch.uint8)
             bufs[index] = (buf, layout, target is not None)
             dests.append((k, -1, buf.data_ptr()))
         self.bytes_read += reads.read(engine, dests)
@@ -434,8 +384,16 @@ class Reader(StorageReader):
                 planner.commit_tensor(req, buf)
                 continue
             if layout is None:
+                # DCP's planner loads it with weights_only=False, which would run any code a
+                # pickle names: refuse what torch.load(weights_only=True) refuses.
                 raw = buf.numpy().tobytes()
-                _check_safe_pickle(raw, path, _item_name(req.storage_index))
+                try:
+                    torch.load(io.BytesIO(raw), weights_only=True)
+                except Exception as e:
+                    raise ValueError(
+                        f"{path}: the value {_item_name(req.storage_index)} holds what "
+                        f"torch.load(weights_only=True) refuses ({e}); load it with torch's "
+                        "FileSystemReader if you trust the file") from e
                 planner.load_bytes(req, io.BytesIO(raw))
                 continue
             dtype_name, shape, stride, storage_offset = layout[:4]
@@ -454,13 +412,3 @@ class Reader(StorageReader):
             target.copy_(tensor)
             planner.commit_tensor(req, target)
 
-
-def _check_safe_pickle(raw: bytes, path: str, name: str) -> None:
-    """Refuses a bytes item that torch.load(weights_only=True) refuses: DCP's planner loads it
-    with weights_only=False, which would run any code a pickle names."""
-    try:
-        torch.load(io.BytesIO(raw), weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{path}: the value {name} holds what torch.load(weights_only=True) "
-                         f"refuses ({e}); load it with torch's FileSystemReader if you trust "
-                         "the file") from e

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..io import IOHandle
 from . import _format
-from ._format import _require, _torch, _torch_dtypes, PathLike
+from ._format import _dtype_names, _quantized_dtypes, _require, _torch, PathLike
 from ._writing import _DurableFile
 
 
@@ -60,8 +60,7 @@ def _pickled(obj: Any) -> tuple[bytes, list[Any]]:
 @functools.lru_cache(maxsize=None)
 def _plain_dtype_names() -> dict[Any, str]:
     """torch.dtype -> the dtype table's name, for dtypes torch pickles as plain tensors."""
-    quantized = {row["name"] for row in _require("dtypes")() if row["quantized"]}
-    return {dt: name for name, dt in _torch_dtypes().items() if name not in quantized}
+    return {dt: name for dt, name in _dtype_names().items() if dt not in _quantized_dtypes()}
 
 
 def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
@@ -79,7 +78,7 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
     strides: list[Any] = []
     sizes: list[int] = []
     addresses: list[int] = []
-    empty: set[int] = set()  # the storages of empty tensors (their addresses tell nothing)
+    seen: set[int] = set()  # data addresses; empty tensors' storages (their addresses tell nothing)
     for k, v in obj.items():
         if type(k) is not str or type(v) is not tensor_type or v.is_nested:
             return None  # a nested tensor has no sizes to ask (torch pickles it)
@@ -91,47 +90,21 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
         storage = v.untyped_storage()
         if v.storage_offset() != 0 or not v.is_contiguous() or storage.nbytes() != n:
             return None
-        if n == 0:
-            if storage._cdata in empty:
-                return None
-            empty.add(storage._cdata)
+        address = v.data_ptr()
+        key = address if n else storage._cdata
+        if key in seen:  # one storage twice: torch.save shares it
+            return None
+        seen.add(key)
         names.append(k)
         dtypes.append(dt)
         shapes.append(v.shape)
         strides.append(v.stride())  # a size-1 dimension's may be anything: C++ checks them
         sizes.append(n)
-        addresses.append(v.data_ptr())
-    nonempty = [a for a, n in zip(addresses, sizes) if n]
-    if len(set(nonempty)) != len(nonempty):  # one storage twice: torch.save shares it
-        return None
+        addresses.append(address)
     try:
         return _require("TorchFileWriter")(names, dtypes, shapes, strides, sizes, crc32), addresses
     except (ValueError, UnicodeEncodeError):  # what only torch's pickler writes
         return None
-
-
-def _write_staged(writer: Any, engine: Any, out: Any, storages: list[Any]) -> None:
-    """Writes `storages` where some are not in host memory: copied to it in groups of about
-    ``_STAGING_BYTES``, each group's copies freed once C++ has written them."""
-    writer.begin(engine, out)
-    try:
-        group: list[Any] = []  # keeps the copies alive while C++ reads them
-        staged = 0
-        for storage in storages:
-            if storage.device.type != "cpu":
-                if storage.device.type == "meta":
-                    raise ValueError("meta tensors have no data to save")
-                storage = storage.cpu()
-                staged += storage.nbytes()
-            group.append(storage)
-            if staged >= _format._STAGING_BYTES:
-                writer.write_storages([s.data_ptr() for s in group])
-                group, staged = [], 0
-        writer.write_storages([s.data_ptr() for s in group])
-        writer.end()
-    except BaseException:
-        writer.abandon()  # no write in flight when the file is removed
-        raise
 
 
 def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
@@ -154,6 +127,26 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
     with _DurableFile(path, io) as df:
         if all(s.device.type == "cpu" for s in storages):  # written and committed in one call
             writer.write(engine, df._core, addresses, True)  # noqa: SLF001
-        else:
-            _write_staged(writer, engine, df._core, storages)  # noqa: SLF001
-            df.commit()
+            return
+        # Storages not in host memory are copied to it in groups of about _STAGING_BYTES, each
+        # group's copies freed once C++ has written them.
+        writer.begin(engine, df._core)  # noqa: SLF001
+        try:
+            group: list[Any] = []  # keeps the copies alive while C++ reads them
+            staged = 0
+            for storage in storages:
+                if storage.device.type != "cpu":
+                    if storage.device.type == "meta":
+                        raise ValueError("meta tensors have no data to save")
+                    storage = storage.cpu()
+                    staged += storage.nbytes()
+                group.append(storage)
+                if staged >= _format._STAGING_BYTES:
+                    writer.write_storages([s.data_ptr() for s in group])
+                    group, staged = [], 0
+            writer.write_storages([s.data_ptr() for s in group])
+            writer.end()
+        except BaseException:
+            writer.abandon()  # no write in flight when the file is removed
+            raise
+        df.commit()
