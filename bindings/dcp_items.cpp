@@ -182,8 +182,8 @@ py::object Collect(const py::handle& obj, py::list& sources, const py::handle& t
                    const py::handle& dtensor, const py::handle& deepcopy) {
   const RecursionGuard guard;
   // Exact types first: isinstance on torch.Tensor costs more.
-  const bool container = PyDict_CheckExact(obj.ptr()) || PyList_CheckExact(obj.ptr()) ||
-                         PyTuple_CheckExact(obj.ptr());
+  const bool container =
+      PyDict_CheckExact(obj.ptr()) || PyList_CheckExact(obj.ptr()) || PyTuple_CheckExact(obj.ptr());
   if (!container && py::isinstance(obj, tensor_type)) {
     py::object spec = py::none();
     py::object local = py::reinterpret_borrow<py::object>(obj);
