@@ -248,8 +248,14 @@ class DeviceRoute {
         slots_(PositiveArgument<size_t>(slots, "bounce_slots")),
         slot_bytes_(PositiveArgument<uint64_t>(slot_bytes, "bounce_slot_size")),
         rings_(PositiveArgument<size_t>(rings, "bounce_rings")) {
-    TransferOptions(slots_, slot_bytes_, rings_);
+    // Resolved now (the TENSORTIER_BOUNCE_* variables too), used at the first CUDA transfer.
+    const DeviceTransferOptions o = TransferOptions(slots_, slot_bytes_, rings_);
+    slots_ = o.ring.slots;
+    slot_bytes_ = o.ring.slot_bytes;
+    rings_ = o.max_rings;
   }
+
+  py::tuple RingOptions() const { return py::make_tuple(*slots_, *slot_bytes_, *rings_); }
 
   // The transfer of `engine`, made on first use (CudaError without a driver).
   DeviceTransfer& Transfer(const py::object& engine) {
@@ -677,6 +683,8 @@ void RegisterTransfer(py::module_& m) {
       .def_property_readonly("gds", [](const DeviceRoute& r) { return GdsModeName(r.gds()); })
       .def_property_readonly("options", &DeviceRoute::Options,
                              "gds, and the bounce ring's settings once the transfer is made.")
+      .def_property_readonly("ring_options", &DeviceRoute::RingOptions,
+                             "(slots, slot_bytes, rings) of the bounce ring, resolved when made.")
       .def("__contains__", &DeviceRoute::Cached)
       .def("__len__", &DeviceRoute::size)
       .def("clear", &DeviceRoute::Clear, "Drops the transfer and the files (jobs over).");

@@ -123,7 +123,7 @@ def test_a_bad_bounce_variable_is_refused_when_a_handle_is_made(
 def test_the_bounce_options_a_handle_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TENSORTIER_BOUNCE_SLOTS", "3")
     with tensortier.IOHandle(bounce_slot_size=1 << 20) as io:
-        assert io._ring_options == (3, 1 << 20, 4)
+        assert io._device.ring_options == (3, 1 << 20, 4)
     # A combination of valid values can still be too much: refused at once too.
     with pytest.raises(ValueError, match="over 1 TiB"):
         tensortier.IOHandle(bounce_slots=4096, bounce_slot_size=1 << 30, bounce_rings=1)
