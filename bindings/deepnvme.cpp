@@ -25,6 +25,7 @@
 
 #include "arguments.hpp"
 #include "binding_helpers.hpp"
+#include "cycle_collected.hpp"
 #include "errors.hpp"
 #include "paths.hpp"
 #include "register.hpp"
@@ -311,6 +312,24 @@ class DeepNvmeHandle {
   bool single_submit() const { return single_submit_; }
   bool overlap_events() const { return overlap_events_; }
 
+  // For the cycle collector: a tensor moved (its attributes) or a finisher may refer back to the
+  // handle.
+  int Traverse(visitproc visit, void* arg) const {
+    for (const Pending& p : pending_) {
+      Py_VISIT(p.future.ptr());
+      Py_VISIT(p.buffer.ptr());
+      Py_VISIT(p.finish.ptr());
+    }
+    return 0;
+  }
+
+  // Garbage: the operations are dropped; each future waits for its operation as it goes, before
+  // the memory the operation uses can be freed.
+  void ClearReferences() {
+    std::vector<Pending> pending;
+    pending.swap(pending_);
+  }
+
  private:
   static int64_t CInt(const py::object& value, const char* name) {
     return CIntegerArgument(value, "aio_handle", name, 1, 32, false).cast<int64_t>();
@@ -334,7 +353,7 @@ class DeepNvmeHandle {
 }  // namespace
 
 void RegisterDeepNvme(py::module_& m) {
-  py::class_<DeepNvmeHandle>(m, "DeepNvmeHandle",
+  py::class_<DeepNvmeHandle>(m, "DeepNvmeHandle", CycleCollected<DeepNvmeHandle>(),
                              "DeepNVMe's handle settings and its log of the operations started "
                              "(the Python handles subclass it).")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "arguments.hpp"
+#include "cycle_collected.hpp"
 #include "tensortier/offload/offloader.hpp"
 #include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/strings.hpp"
@@ -645,15 +646,6 @@ py::list TensorNvmeMoved(const py::list& tensors) {
   return moved;
 }
 
-// The entries of a Python OffloadEntries, or null before its __init__ has made them (the
-// collector may visit an object between its allocation and its construction).
-OffloadEntries* ConstructedEntries(PyObject* self) {
-  auto* instance = reinterpret_cast<py::detail::instance*>(self);
-  py::detail::value_and_holder v = instance->get_value_and_holder();
-  return v.holder_constructed() ? v.template holder<std::unique_ptr<OffloadEntries>>().get()
-                                : nullptr;
-}
-
 }  // namespace
 
 void RegisterOffloadEntries(py::module_& m) {
@@ -663,22 +655,7 @@ void RegisterOffloadEntries(py::module_& m) {
   m.def("tensornvme_moved", &TensorNvmeMoved, py::arg("tensors"),
         "The tensors whose storages a TensorNVMe call moves: a tensor covering all of an "
         "earlier one's storage adds nothing.");
-  py::class_<OffloadEntries>(
-      m, "OffloadEntries", py::custom_type_setup([](PyHeapTypeObject* heap_type) {
-        PyTypeObject* type = &heap_type->ht_type;
-        type->tp_flags |= Py_TPFLAGS_HAVE_GC;
-        type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) -> int {
-          Py_VISIT(Py_TYPE(self));
-          if (const OffloadEntries* entries = ConstructedEntries(self)) {
-            return entries->Traverse(visit, arg);
-          }
-          return 0;
-        };
-        type->tp_clear = [](PyObject* self) -> int {
-          if (OffloadEntries* entries = ConstructedEntries(self)) entries->ClearReferences();
-          return 0;
-        };
-      }))
+  py::class_<OffloadEntries>(m, "OffloadEntries", CycleCollected<OffloadEntries>())
       .def(py::init<Offloader&, py::object>(), py::arg("offloader"), py::arg("hook"),
            py::keep_alive<1, 2>(),
            "DiskOffloader's entries; `hook` (a weakref.WeakMethod) is called after each death "

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "binding_helpers.hpp"
+#include "cycle_collected.hpp"
 #include "errors.hpp"
 #include "register.hpp"
 #include "tensortier/io/engine.hpp"
@@ -91,6 +92,16 @@ class OperationLog {
   size_t size() const { return pending_.size(); }
   void Clear() { pending_.clear(); }
 
+  // For the cycle collector (cycle_collected.hpp): a future's memory may refer back to its owner.
+  int Traverse(visitproc visit, void* arg) const {
+    for (const Pending& p : pending_) Py_VISIT(p.future.ptr());
+    return 0;
+  }
+  void ClearReferences() {
+    std::vector<Pending> pending;
+    pending.swap(pending_);
+  }
+
  private:
   struct Pending {
     Operation op;
@@ -146,6 +157,21 @@ class IOFuture {
 
   const Operation& op() const { return op_; }
 
+  // For the cycle collector: the memory kept alive may refer back to what holds the future.
+  // Garbage is let go only once its operation is over, as the destructor does.
+  int Traverse(visitproc visit, void* arg) const {
+    Py_VISIT(keepalive_.ptr());
+    Py_VISIT(outcome_.ptr());
+    return 0;
+  }
+  void ClearReferences() {
+    if (!keepalive_.is_none() && getpid() == pid_) {
+      WaitInterruptibly([&](auto timeout) { return op_.WaitFor(timeout); }, false);
+    }
+    keepalive_ = py::none();
+    outcome_ = py::none();
+  }
+
  private:
   Operation op_;
   py::object keepalive_;
@@ -156,7 +182,7 @@ class IOFuture {
 }  // namespace
 
 void RegisterOperationLog(py::module_& m) {
-  py::class_<OperationLog>(m, "OperationLog")
+  py::class_<OperationLog>(m, "OperationLog", CycleCollected<OperationLog>())
       .def(py::init<>())
       .def("add", &OperationLog::Add, py::arg("operation"), py::arg("future"),
            "Records an operation and the future that keeps its memory alive.")
@@ -165,7 +191,7 @@ void RegisterOperationLog(py::module_& m) {
            "given (a note counts the others).")
       .def("__len__", &OperationLog::size)
       .def("clear", &OperationLog::Clear, "Forgets every operation (no wait).");
-  py::class_<IOFuture>(m, "IOFuture",
+  py::class_<IOFuture>(m, "IOFuture", CycleCollected<IOFuture>(),
                        "tensortier.IOFuture's state (the Python class adds its API).")
       .def(py::init<Operation, py::object>(), py::arg("operation"), py::arg("keepalive"))
       .def_property_readonly("_op", &IOFuture::op, "The operation (_core.Operation).")

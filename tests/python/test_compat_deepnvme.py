@@ -724,3 +724,23 @@ def test_free_cpu_locked_tensor_waits_for_the_io_on_it(disk_dir: Path) -> None:
             assert h.wait() == 1
     finally:
         h.close()
+
+
+def test_a_handle_in_a_cycle_through_a_pending_buffer_is_collected(disk_dir: Path) -> None:
+    """A tensor moved by a pending write that refers back to its handle (an attribute) makes a
+    cycle the collector frees: the handle's log of operations takes part in collection."""
+    import gc
+    import weakref
+
+    refs = []
+    for i in range(3):
+        h = AsyncIOBuilder().load().aio_handle(1024**2, 128, True, True, 1)
+        buffer = h.new_cpu_locked_tensor(4096, torch.empty(0, dtype=torch.uint8))
+        buffer.copy_(torch.arange(4096, dtype=torch.uint8))
+        buffer.owner = h  # type: ignore[attr-defined]
+        assert h.async_pwrite(buffer, str(disk_dir / f"f{i}")) == 0
+        refs.append(weakref.ref(h))
+        del h, buffer
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3
+    assert all((disk_dir / f"f{i}").read_bytes() == bytes(range(256)) * 16 for i in range(3))
