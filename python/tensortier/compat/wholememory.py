@@ -71,11 +71,8 @@ def create_tensor(
     dims = _core.wholememory_dims(shape, stride, ranks, group.world_size)  # ValueError
     if not is_host:
         _core.wholememory_device("create_tensor(is_host=False)", "cuda")
-        if not torch.cuda.is_available():  # before the collective call, which would be wasted
-            raise RuntimeError(
-                f"wholememory: create_tensor(is_host=False) returns a CUDA tensor, but this "
-                f"torch has no CUDA (torch {torch.__version__})"
-            )
+        # Before the collective call, which would be wasted: the result is a CUDA tensor.
+        _shared._require_torch_cuda("wholememory: create_tensor(is_host=False)")
     device = "cpu" if is_host else "cuda"
     shared = group.create_tensor(dims, dtype, device=device, layout="continuous")
     tensor = cast(torch.Tensor, shared.view(device))  # one tensor: the layout is continuous
