@@ -25,6 +25,7 @@ PYBIND11_MODULE(_core, m) {
   RegisterExtents(m);
   RegisterShared(m);
   RegisterSharedArgs(m);
+  RegisterSharedGroup(m);
   RegisterData(m);
   RegisterTestHooks(m);
   RegisterDcp(m);

@@ -16,6 +16,7 @@ void RegisterTransfer(pybind11::module_& m);          // bindings/transfer.cpp
 void RegisterExtents(pybind11::module_& m);           // bindings/extents.cpp
 void RegisterShared(pybind11::module_& m);            // bindings/shared.cpp
 void RegisterSharedArgs(pybind11::module_& m);        // bindings/shared_args.cpp
+void RegisterSharedGroup(pybind11::module_& m);       // bindings/shared_group.cpp
 void RegisterData(pybind11::module_& m);              // bindings/data.cpp
 void RegisterTestHooks(pybind11::module_& m);         // bindings/test_hooks.cpp
 void RegisterDcp(pybind11::module_& m);               // bindings/dcp.cpp

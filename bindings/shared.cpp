@@ -6,7 +6,6 @@
 #include <sys/stat.h>
 
 #include <atomic>
-#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -287,25 +286,6 @@ py::list PartitionList(const Tensor& t) {
   return out;
 }
 
-// An integer from the environment variable `name` (Python's int() of its text), or None.
-std::optional<int64_t> EnvInt(const char* name) {
-  const char* value = std::getenv(name);
-  if (value == nullptr) return std::nullopt;
-  try {
-    return py::int_(py::str(value)).cast<int64_t>();
-  } catch (const py::error_already_set&) {
-    throw py::value_error(
-        StrCat("environment variable ", name, "=", PyRepr(value), " is not an integer"));
-  }
-}
-
-bool AgentServesStore() {
-  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
-  std::string text = agent == nullptr ? "" : agent;
-  for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return text == "true";
-}
-
 // The ranks' parts of load_files, load_checkpoint and store_files on this rank's partition: the
 // bytes move in C++. Raw row files' sizes are taken here (a test may shrink one meanwhile).
 py::object ReadRowsInto(const SharedTensorSpec& spec, const SharedPartition& part, int device,
@@ -368,15 +348,27 @@ void DefRows(Class& c, Device device) {
           "that attached the tensor from outside its group.")
       .def(
           "read_rows",
-          [device](const Tensor& t, const std::string& what, const std::vector<FsPath>& files,
-                   const std::optional<FsPath>& checkpoint, const std::string& key) {
+          [device](const Tensor& t, const std::string& what, const py::object& paths,
+                   const std::optional<FsPath>& checkpoint, const py::object& key) {
+            if (!py::isinstance<py::str>(key)) {
+              throw py::type_error(StrCat("key must be a str, not ",
+                                          py::str(py::type::handle_of(key).attr("__name__"))));
+            }
+            std::vector<FsPath> files;  // one path (str, bytes, os.PathLike) or a sequence
+            const bool one = py::isinstance<py::str>(paths) || py::isinstance<py::bytes>(paths) ||
+                             py::hasattr(py::type::handle_of(paths), "__fspath__");
+            for (const py::handle p : one ? py::list(py::make_tuple(paths)) : py::list(paths)) {
+              files.push_back(FsPathArgument(p, "paths[i]").cast<FsPath>());
+            }
             std::shared_ptr<void> hold = t.memory();
             return ReadRowsInto(t.spec(), t.partitions().at(t.rank()), device(t), what, files,
-                                checkpoint, key);
+                                checkpoint, key.cast<std::string>());
           },
-          py::arg("what"), py::arg("files"), py::arg("checkpoint"), py::arg("key"),
-          "Reads this rank's rows from raw row files whose concatenation is the tensor, or from "
-          "tensor `key` of a checkpoint (safetensors or torch.save, its pickle never run). "
+          py::arg("what"), py::arg("paths"), py::arg("checkpoint"), py::arg("key"),
+          "Reads this rank's rows from raw row files `paths` (one, or a sequence) whose "
+          "concatenation is the tensor, or from "
+          "tensor `key` (TypeError unless a str) of a checkpoint (safetensors or torch.save, its "
+          "pickle never run). "
           "Returns the engine's stats ({} when there is nothing to read). KeyError: no such "
           "tensor (the keys there are); ValueError: another shape or dtype, a shard index, "
           "sources of the wrong size; OSError.")
@@ -450,42 +442,6 @@ std::vector<int64_t> ShapeOf(const py::object& shape) {
 void RegisterShared(py::module_& m) {
   m.attr("shared_default_timeout_s") = std::chrono::duration<double>(kDefaultSharedTimeout).count();
 
-  m.def(
-      "shared_rank_and_world",
-      [](std::optional<int64_t> rank, std::optional<int64_t> world_size) {
-        if (!rank) rank = EnvInt("RANK");
-        if (!world_size) world_size = EnvInt("WORLD_SIZE");
-        if (!rank || !world_size) {
-          throw py::value_error(
-              "cannot tell this process's rank and the world size: pass rank= and world_size=, "
-              "initialise torch.distributed, or start the processes with torchrun (which sets "
-              "RANK and WORLD_SIZE)");
-        }
-        if (*rank < 0 || *rank >= *world_size) {
-          throw py::value_error(
-              StrCat("rank ", *rank, " is not in a group of ", *world_size, " processes"));
-        }
-        return py::make_tuple(*rank, *world_size);
-      },
-      py::arg("rank"), py::arg("world_size"),
-      "(rank, world size): those given, else RANK and WORLD_SIZE (torchrun's); ValueError when "
-      "either is unknown or the rank is not in the group.");
-  m.def(
-      "shared_torchrun_store",
-      []() {
-        const char* host = std::getenv("MASTER_ADDR");
-        const std::optional<int64_t> port = EnvInt("MASTER_PORT");
-        if (host == nullptr || !port) {
-          throw py::value_error(
-              "no store to meet the other processes: pass store=, initialise torch.distributed, "
-              "or set MASTER_ADDR and MASTER_PORT (torchrun does)");
-        }
-        const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-        return py::make_tuple(host, *port, StrCat("tensortier/attempt_", attempt ? attempt : "0"),
-                              AgentServesStore());
-      },
-      "torchrun's store: (MASTER_ADDR, MASTER_PORT, the key prefix of this restart attempt, "
-      "whether torchrun's agent serves it rather than rank 0). ValueError when unset.");
   // The distributed layout's rounds: the bookkeeping here, the all-to-alls in Python (through
   // torch.distributed) over the exchange's buffers.
   py::class_<SharedRowExchange>(m, "SharedRowExchange")
@@ -543,6 +499,17 @@ void RegisterShared(py::module_& m) {
       .def("__len__", [](const SharedRegion& r) { return r.size; })
       .def_property_readonly(
           "address", [](const SharedRegion& r) { return reinterpret_cast<uintptr_t>(r.data); })
+      .def_property_readonly(
+          "__cuda_array_interface__",
+          [](const SharedRegion& r) {  // for torch.as_tensor on a GPU
+            py::dict d;
+            d["shape"] = py::make_tuple(r.size);
+            d["typestr"] = "|u1";
+            d["data"] = py::make_tuple(reinterpret_cast<uintptr_t>(r.data), false);
+            d["version"] = 3;
+            d["strides"] = py::none();
+            return d;
+          })
       .def_buffer([](SharedRegion& r) {
         if (r.device) throw py::value_error("device memory has no host buffer");
         return py::buffer_info(r.data, 1, py::format_descriptor<uint8_t>::format(), 1,

@@ -6,7 +6,6 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <cstdio>
 #include <optional>
 #include <string>
 #include <utility>
@@ -14,6 +13,7 @@
 
 #include "register.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
+#include "tensortier/shared/shared_spec.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -52,9 +52,13 @@ std::string MemoryOf(const std::string& type, const std::string& dev, const std:
 
 void RegisterSharedArgs(py::module_& m) {
   m.def(
-      "shared_check_attached",
-      [](const py::object& core, const std::string& name, const py::object& dtype) {
-        if (dtype.is_none()) {
+      "shared_attached_dtype",
+      [](const py::object& core, const std::string& name) {
+        py::module_ torch = py::module_::import("torch");
+        std::string text = py::str(core.attr("dtype"));
+        if (text.rfind("torch.", 0) == 0) text.erase(0, 6);
+        py::object dtype = py::getattr(torch, text.c_str(), py::none());
+        if (!py::isinstance(dtype, torch.attr("dtype"))) {
           throw py::value_error(StrCat("shared tensor ", PyRepr(name), " has dtype ",
                                        py::str(core.attr("dtype")).cast<std::string>(),
                                        ", unknown to torch"));
@@ -66,39 +70,11 @@ void RegisterSharedArgs(py::module_& m) {
                                        element_size, " is not the size of ",
                                        py::str(dtype).cast<std::string>(), " (", itemsize, ")"));
         }
+        return dtype;
       },
-      py::arg("core"), py::arg("name"), py::arg("dtype"),
-      "ValueError unless the dtype of attached tensor `core` (from a record anyone who reaches the "
-      "store can write) is torch's (`dtype`: the torch.dtype of that name, None when none) and of "
-      "the record's element size.");
-  m.def(
-      "shared_store_unreachable",
-      [](const std::string& host, int64_t port, bool is_master, double timeout_s,
-         const py::object& error) {
-        // The first line of torch's message (its type's name when it has none).
-        std::string first = py::str(py::str(error).attr("strip")()).cast<std::string>();
-        first = first.substr(0, first.find('\n'));
-        if (first.empty()) first = py::str(py::type::handle_of(error).attr("__name__"));
-        const std::string what = StrCat("the TCPStore at ", host, ":", port,
-                                        " (MASTER_ADDR:MASTER_PORT)");
-        char seconds[32];
-        std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
-        return StrCat("cannot ", is_master ? "serve " : "reach ", what,
-                      is_master ? "" : StrCat(" within ", seconds, " s"), ": ", first);
-      },
-      py::arg("host"), py::arg("port"), py::arg("is_master"), py::arg("timeout_s"),
-      py::arg("error"),
-      "The ConnectionError text when torchrun's TCPStore cannot be served or reached, quoting "
-      "the first line of torch's `error`.");
-  m.def(
-      "shared_store_where",
-      [](const std::string& host, int64_t port, bool agent) {
-        return StrCat(agent ? "torchrun's agent" : "rank 0", " (which hosts the TCPStore at ", host,
-                      ":", port, ")");
-      },
-      py::arg("host"), py::arg("port"), py::arg("agent"),
-      "torchrun's TCPStore as errors name it: who hosts it (`agent`: torchrun's agent, else rank "
-      "0) and where.");
+      py::arg("core"), py::arg("name"),
+      "The torch.dtype of attached tensor `core`: ValueError unless its dtype (from a record "
+      "anyone who reaches the store can write) is torch's and of the record's element size.");
   m.def(
       "shared_timeout_s",
       [](py::object timeout) {
@@ -161,9 +137,23 @@ void RegisterSharedArgs(py::module_& m) {
       "index and text): None for the CPU, -1 for torch's current device; ValueError for a "
       "device the memory cannot be seen from, CudaError for CUDA without a driver.");
   m.def(
+      "shared_create_dtype",
+      [](const py::object& dtype, const py::object& layout) {
+        if (!py::isinstance(dtype, py::module_::import("torch").attr("dtype"))) {
+          throw py::type_error(StrCat("dtype must be a torch.dtype, not ",
+                                      py::str(py::type::handle_of(dtype).attr("__name__"))));
+        }
+        ParseSharedLayout(py::isinstance<py::str>(layout) ? layout.cast<std::string>()
+                                                          : py::str(layout).cast<std::string>());
+        return dtype.attr("itemsize");
+      },
+      py::arg("dtype"), py::arg("layout"),
+      "The element size of create_tensor's `dtype`: TypeError unless a torch.dtype, ValueError "
+      "for a layout other than 'continuous', 'chunked' or 'distributed'.");
+  m.def(
       "shared_create_args",
       [](const std::string& layout, const std::string& memory, const py::object& name, int rank,
-         int world_size, std::optional<std::pair<int, int>> torch_group) {
+         int world_size) {
         if (memory == "device" && layout == "distributed") {
           throw py::value_error(
               "the distributed layout keeps rows in host memory: use device='cpu'");
@@ -173,6 +163,13 @@ void RegisterSharedArgs(py::module_& m) {
               StrCat("name must be a non-empty string, not ", py::repr(name).cast<std::string>()));
         }
         if (layout != "distributed") return;
+        std::optional<std::pair<int, int>> torch_group;  // the default process group's
+        py::module_ dist = py::module_::import("torch.distributed");
+        if (dist.attr("is_available")().cast<bool>() &&
+            dist.attr("is_initialized")().cast<bool>()) {
+          torch_group = {dist.attr("get_rank")().cast<int>(),
+                         dist.attr("get_world_size")().cast<int>()};
+        }
         if (!torch_group) {
           throw py::value_error(
               "the distributed layout moves rows through torch.distributed: initialise its "
@@ -185,11 +182,10 @@ void RegisterSharedArgs(py::module_& m) {
         }
       },
       py::arg("layout"), py::arg("memory"), py::arg("name"), py::arg("rank"),
-      py::arg("world_size"), py::arg("torch_group"),
+      py::arg("world_size"),
       "ValueError for create_tensor arguments that do not go together: device memory with the "
       "distributed layout, a name that is not a non-empty str, the distributed layout without "
-      "torch.distributed's default group (torch_group: its (rank, world size), None when not "
-      "initialised) or with one whose rank and size are not this group's.");
+      "torch.distributed's default group or with one whose rank and size are not this group's.");
   m.def(
       "shared_check_indices",
       [](const std::string& device, const std::string& dtype, const std::vector<int64_t>& shape) {

@@ -3,11 +3,8 @@ memory of the job's GPUs. The guide is docs/shared.md."""
 
 from __future__ import annotations
 
-import atexit
 import datetime
-import os
 import threading
-import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
@@ -35,62 +32,6 @@ def _memory_of(device: Any, what: str) -> tuple[str, int]:
         return "device", index
     # Host memory registers through the GPU torch already uses here (no new context elsewhere).
     return "host", torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-
-
-def _env_store(is_master: bool, world_size: int | None, timeout: float) -> tuple[Any, str]:
-    """torchrun's ``TCPStore`` (served here when `is_master`), under the prefix of this
-    restart attempt, and its name for error messages."""
-    import torch.distributed as dist
-
-    host, port, prefix, agent = _core.shared_torchrun_store()
-    try:
-        tcp = dist.TCPStore(
-            host,
-            port,
-            world_size,
-            is_master=is_master,
-            timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
-    except dist.DistNetworkError as e:
-        raise ConnectionError(
-            _core.shared_store_unreachable(host, port, is_master, timeout, e)) from None
-    return dist.PrefixStore(prefix, tcp), _core.shared_store_where(host, port, agent)
-
-
-def _rendezvous(
-    rank: int | None, world_size: int | None, store: Any, timeout: float
-) -> tuple[Any, int, int, str, bool]:
-    """The store, rank, world size, the store's name for errors and whether this process
-    serves it: given, else the default process group's, else torchrun's."""
-    import torch.distributed as dist
-
-    initialized = dist.is_available() and dist.is_initialized()
-    if initialized:
-        rank = dist.get_rank() if rank is None else rank
-        world_size = dist.get_world_size() if world_size is None else world_size
-    rank, world_size = _core.shared_rank_and_world(rank, world_size)
-    if store is not None:  # _core.SharedTorchStore checks its type and names it
-        return store, rank, world_size, "", False
-    if initialized:
-        return (dist.distributed_c10d._get_default_store(), rank, world_size,
-                "the default process group's store", False)
-    # Under torchrun the agent serves the store; otherwise rank 0 does, as init_process_group.
-    hosts = rank == 0 and not _core.shared_torchrun_store()[3]
-    tcp, where = _env_store(hosts, world_size, timeout)
-    return tcp, rank, world_size, where, hosts
-
-
-class _CudaMemory:
-    """Device memory seen by torch through ``__cuda_array_interface__``; holds `keeper` (the
-    mapping) for as long as a tensor made from it lives."""
-
-    def __init__(self, address: int, nbytes: int, keeper: Any) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3,
-            "strides": None,
-        }
-        self._keeper = keeper
 
 
 def _require_torch_cuda(what: str) -> None:
@@ -121,11 +62,11 @@ class SharedTensor:
     :meth:`local` keep their memory until they are dropped.
     """
 
-    def __init__(self, core: Any, dtype: torch.dtype) -> None:
+    def __init__(self, core: Any, dtype: torch.dtype, group: Any = None) -> None:
         self._core = core  # _core.SharedTensor, or _core.SharedDistributedTensor
         self._dtype = dtype
         self._shape = tuple(core.shape)
-        self._group: Any = None  # the group's _core.SharedGroup (set by Group)
+        self._group = group  # the _core.SharedGroup of a tensor this rank holds rows of
         self._distributed = str(core.layout) == "distributed"
         # Host memory takes gather's lean path; device memory goes through CUDA views.
         self._host = not self._distributed and str(core.memory) == "host"
@@ -175,12 +116,13 @@ class SharedTensor:
         """Partition `rank` (-1: the whole continuous tensor) on CUDA device `index`, or the
         CPU (None): registered host memory has the same address on the GPU."""
         shape = self._shape if rank < 0 else (self._core.partitions[rank][2], *self._shape[1:])
-        address, nbytes, keeper = self._core.span(rank)
+        _, nbytes, keeper = self._core.span(rank)
         if index is None:
             return _tensor_over(keeper, self._dtype, shape)
         if nbytes == 0:
             return torch.empty(shape, dtype=self._dtype, device=torch.device("cuda", index))
-        raw = torch.as_tensor(_CudaMemory(address, nbytes, keeper), device=f"cuda:{index}")
+        # The keeper's __cuda_array_interface__ holds the mapping while the tensor lives.
+        raw = torch.as_tensor(keeper, device=f"cuda:{index}")
         return raw.view(self._dtype).view(shape)
 
     def local(self) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -375,9 +317,8 @@ class SharedTensor:
                 rank raises as soon as one fails).
         """
         self._core.require("load_files", True)
-        files = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else paths
-        return self._collective("load_files", lambda: self._core.read_rows(
-            "load_files", [fspath(p, "paths[i]") for p in files], None, ""))
+        return self._collective("load_files",
+                                lambda: self._core.read_rows("load_files", paths, None, ""))
 
     def load_checkpoint(self, path: PathArg, key: str) -> dict[str, Any]:
         """Collective: fills the tensor from tensor `key` of a checkpoint, each rank reading only
@@ -396,13 +337,8 @@ class SharedTensor:
                 rank raises as soon as one fails).
         """
         self._core.require("load_checkpoint", True)
-
-        def step() -> dict[str, Any]:
-            if not isinstance(key, str):
-                raise TypeError(f"key must be a str, not {type(key).__name__}")
-            return self._core.read_rows("load_checkpoint", [], fspath(path), key)
-
-        return self._collective("load_checkpoint", step)
+        return self._collective("load_checkpoint", lambda: self._core.read_rows(
+            "load_checkpoint", [], fspath(path), key))
 
     def store_files(self, prefix: PathArg) -> list[str]:
         """Collective: each rank writes its rows to ``{prefix}_part_{rank}_of_{world}`` (replacing
@@ -457,21 +393,9 @@ class Group:
         store: Any = None,
         timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
-        self.timeout = timeout = _core.shared_timeout_s(timeout)
-        torch_store, self.rank, self.world_size, where, self._hosts_store = _rendezvous(
-            rank, world_size, store, timeout
-        )
-        self._torch_store = torch_store
-        adapter = _core.SharedTorchStore(torch_store, where)
-        self._core = _core.SharedGroup(adapter, self.rank, self.world_size, self.timeout,
-                                       self._hosts_store)
-        # The other ranks count themselves out on close: a rank serving the store keeps it until
-        # they are done with it (at most the timeout: a dead rank never counts).
-        if self._hosts_store:  # holds the store (its server) until exit, even if dropped
-            atexit.register(_core.shared_wait_for_leavers, adapter, self._core.leave_key,
-                            self.world_size, self.timeout)
-        if self.world_size > 1:  # runs before the above (atexit is last in, first out)
-            atexit.register(_close_at_exit, weakref.ref(self))
+        self.timeout = _core.shared_timeout_s(timeout)
+        self._core, self._torch_store, self.rank, self.world_size = _core.shared_open_group(
+            rank, world_size, store, self.timeout)
 
     def create_tensor(
         self,
@@ -502,23 +426,11 @@ class Group:
                 where it failed; the others raise RuntimeError naming it).
         """
         self._core.require("create_tensor")
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+        element_size = _core.shared_create_dtype(dtype, layout)
         memory, index = _memory_of(device, "create_tensor")
-        torch_group = None
-        if layout == "distributed":
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                torch_group = (dist.get_rank(), dist.get_world_size())
-        _core.shared_create_args(layout, memory, name, self.rank, self.world_size, torch_group)
-        element_size = torch.empty((), dtype=dtype).element_size()
+        _core.shared_create_args(layout, memory, name, self.rank, self.world_size)
         core = self._core.create(shape, str(dtype), element_size, layout, name or "", memory, index)
-        t = SharedTensor(core, dtype)
-        t._group = self._core
-        return t
+        return SharedTensor(core, dtype, self._core)
 
     def attach(self, name: str) -> SharedTensor:
         """The shared tensor created under `name` in this group's store (not collective; its
@@ -526,10 +438,9 @@ class Group:
         One this group created has this rank's rows as :meth:`SharedTensor.local`; one another
         group created is attached as :func:`attach` does. Raises TimeoutError when none
         appears in time."""
-        t = _attached(self._core.attach(name), name)
-        if t._core.rank >= 0:
-            t._group = self._core
-        return t
+        core = self._core.attach(name)
+        group = self._core if core.rank >= 0 else None
+        return SharedTensor(core, _core.shared_attached_dtype(core, name), group)
 
     def barrier(self) -> None:
         """Collective: returns once every rank has called it (``TimeoutError`` otherwise)."""
@@ -549,18 +460,6 @@ class Group:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _close_at_exit(ref: "weakref.ref[Group]") -> None:
-    group = ref()
-    if group is not None:
-        group.close()
-
-
-def _attached(core: Any, name: str) -> SharedTensor:
-    dtype = getattr(torch, str(core.dtype).removeprefix("torch."), None)
-    _core.shared_check_attached(core, name, dtype if isinstance(dtype, torch.dtype) else None)
-    return SharedTensor(core, dtype)
 
 
 def attach(
@@ -591,9 +490,4 @@ def attach(
         FileNotFoundError: an owner closed the tensor.
         PermissionError: an owner runs as another user.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, not {name!r}")
-    timeout = _core.shared_timeout_s(timeout)
-    store, where = _env_store(False, None, timeout) if store is None else (store, "")
-    core = _core.shared_attach(_core.SharedTorchStore(store, where), name, timeout)
-    return _attached(core, name)
+    return SharedTensor(*_core.shared_attach_outside(name, store, timeout))

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 import tensortier.shared as shared
+from tensortier import _core
 
 DTYPES = [
     torch.float32,
@@ -270,7 +271,7 @@ def scenario_attacher(group_unused: Any, result: dict[str, Any]) -> None:
         assert fork_as_other("", attach_name="late_c") == 0, "another user attached"
     c.scatter(torch.tensor([1000, 0]), torch.full((2, 3), -1.0, dtype=torch.float64))
     k.view()[-1][-1] = -2  # the last row, owned by the last owner with rows
-    host = shared._env_store(False, None, 20.0)[0]
+    host = _core.shared_env_store(False, None, 20.0)[0]
     host.set("test/wrote", b"")
     host.wait(["test/owners_exited"], datetime.timedelta(seconds=60))
     # The owners are gone: the memory is still mapped here, readable and writable.
@@ -494,7 +495,7 @@ def scenario_two_jobs(group_unused: Any, result: dict[str, Any]) -> None:
     SHARED_TEST_PRIVATE_GROUP set, job A's rank 0 first makes a group on another store (its
     other groups do not shift its keys on this store)."""
     job, rank = os.environ["SHARED_TEST_JOB"], int(os.environ["RANK"])
-    host = shared._env_store(False, None, 20.0)[0]  # the jobs' store, for the test's own keys
+    host = _core.shared_env_store(False, None, 20.0)[0]  # the jobs' store, for the test's own keys
     if job == "A":
         if rank == 0 and os.environ.get("SHARED_TEST_PRIVATE_GROUP"):
             with shared.Group(rank=0, world_size=1, store=torch.distributed.HashStore(), timeout=5) as alone:

@@ -44,23 +44,9 @@ def mp_init(rank: int, size: int, store: Any = None) -> None:
         TimeoutError: the other processes did not arrive in time.
     """
     global _group
-    if not _initialized:
-        raise RuntimeError("wholememory: call init_lib() before mp_init()")
-    if _group is not None:
-        raise RuntimeError("wholememory: mp_init() was already called")
+    _core.wholememory_group("mp_init", _initialized, _group)
     rank, size = operator.index(rank), operator.index(size)
     _group = _shared.Group(rank=rank, world_size=size, store=store)
-
-
-def _require_group(what: str) -> _shared.Group:
-    if _group is None:
-        raise RuntimeError(f"wholememory: {what} needs init_lib() and mp_init() first")
-    return _group
-
-
-def _require_cuda(what: str) -> None:
-    _core.require_cuda_driver(f"wholememory: {what} needs device memory, but ",
-                              "use host memory (is_host=True)")
 
 
 def create_tensor(
@@ -81,15 +67,12 @@ def create_tensor(
         CudaError: ``is_host=False`` and no CUDA driver was found.
         TimeoutError: a rank did not make the call in time.
     """
-    group = _require_group("create_tensor")
+    group = _core.wholememory_group("create_tensor", _initialized, _group)
     dims = _core.wholememory_dims(shape, stride, ranks, group.world_size)  # ValueError
     if not is_host:
-        _require_cuda("create_tensor(is_host=False)")
-        if not torch.cuda.is_available():  # before the collective call, which would be wasted
-            raise RuntimeError(
-                f"wholememory: create_tensor(is_host=False) returns a CUDA tensor, but this "
-                f"torch has no CUDA (torch {torch.__version__})"
-            )
+        _core.wholememory_device("create_tensor(is_host=False)", "cuda")
+        # Before the collective call, which would be wasted: the result is a CUDA tensor.
+        _shared._require_torch_cuda("wholememory: create_tensor(is_host=False)")
     device = "cpu" if is_host else "cuda"
     shared = group.create_tensor(dims, dtype, device=device, layout="continuous")
     tensor = cast(torch.Tensor, shared.view(device))  # one tensor: the layout is continuous
@@ -105,7 +88,7 @@ def get_tensor_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         CudaError: a CUDA device and no CUDA driver was found.
         RuntimeError: after finalize_lib().
     """
-    _require_group("get_tensor_view")
+    _core.wholememory_group("get_tensor_view", _initialized, _group)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"wholememory: get_tensor_view needs a torch.Tensor, not {type(tensor)}")
     shared = _tensors.get(tensor)
@@ -119,10 +102,7 @@ def get_tensor_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if shared is None:
         raise ValueError("wholememory: get_tensor_view needs a tensor returned by create_tensor")
     device = torch.device(device)
-    if device.type == "cuda":
-        _require_cuda(f"get_tensor_view on {device}")
-    elif device.type != "cpu":
-        raise ValueError(f"wholememory: get_tensor_view: device must be cpu or cuda, not {device}")
+    _core.wholememory_device("get_tensor_view", device.type, str(device))
     view = cast(torch.Tensor, shared.view(device))
     _tensors[view] = shared  # a view of a view is the same memory
     return view

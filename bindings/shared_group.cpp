@@ -1,0 +1,229 @@
+// tensortier._core, how the processes of a shared group meet: this process's rank, the world size
+// and the store (given, the default process group's, else torchrun's), the group's exit hooks, a
+// tensor attached from outside its group, and WholeMemory's call order. The torch.distributed
+// stores are made here, on the calling thread, with the GIL held.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cctype>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "register.hpp"
+#include "tensortier/util/strings.hpp"
+
+namespace py = pybind11;
+using namespace tensortier;
+
+namespace {
+
+// An integer from the environment variable `name` (Python's int() of its text), or None.
+std::optional<int64_t> EnvInt(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return std::nullopt;
+  try {
+    return py::int_(py::str(value)).cast<int64_t>();
+  } catch (const py::error_already_set&) {
+    throw py::value_error(
+        StrCat("environment variable ", name, "=", PyRepr(value), " is not an integer"));
+  }
+}
+
+// (rank, world size): those given, else RANK and WORLD_SIZE (torchrun's).
+std::pair<int64_t, int64_t> RankAndWorld(std::optional<int64_t> rank,
+                                         std::optional<int64_t> world_size) {
+  if (!rank) rank = EnvInt("RANK");
+  if (!world_size) world_size = EnvInt("WORLD_SIZE");
+  if (!rank || !world_size) {
+    throw py::value_error(
+        "cannot tell this process's rank and the world size: pass rank= and world_size=, "
+        "initialise torch.distributed, or start the processes with torchrun (which sets "
+        "RANK and WORLD_SIZE)");
+  }
+  if (*rank < 0 || *rank >= *world_size) {
+    throw py::value_error(
+        StrCat("rank ", *rank, " is not in a group of ", *world_size, " processes"));
+  }
+  return {*rank, *world_size};
+}
+
+// torchrun's store: MASTER_ADDR and MASTER_PORT, the key prefix of this restart attempt, and
+// whether torchrun's agent serves it rather than rank 0.
+struct TorchrunStore {
+  std::string host;
+  int64_t port = 0;
+  std::string prefix;
+  bool agent = false;
+};
+
+TorchrunStore TorchrunStoreFromEnv() {
+  const char* host = std::getenv("MASTER_ADDR");
+  const std::optional<int64_t> port = EnvInt("MASTER_PORT");
+  if (host == nullptr || !port) {
+    throw py::value_error(
+        "no store to meet the other processes: pass store=, initialise torch.distributed, "
+        "or set MASTER_ADDR and MASTER_PORT (torchrun does)");
+  }
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  std::string serves = agent == nullptr ? "" : agent;
+  for (char& c : serves) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return {host, *port, StrCat("tensortier/attempt_", attempt ? attempt : "0"), serves == "true"};
+}
+
+// torchrun's TCPStore (served here when `is_master`) under the prefix of this restart attempt,
+// and its name for errors: (store, name). ConnectionError quoting the first line of torch's error
+// when it cannot be served or reached.
+py::tuple EnvStore(bool is_master, std::optional<int64_t> world_size, double timeout_s) {
+  const TorchrunStore env = TorchrunStoreFromEnv();
+  py::module_ dist = py::module_::import("torch.distributed");
+  py::object timeout =
+      py::module_::import("datetime").attr("timedelta")(py::arg("seconds") = timeout_s);
+  py::object tcp;
+  try {
+    tcp = dist.attr("TCPStore")(env.host, env.port, world_size, py::arg("is_master") = is_master,
+                                py::arg("timeout") = timeout, py::arg("wait_for_workers") = false);
+  } catch (py::error_already_set& e) {
+    if (!e.matches(dist.attr("DistNetworkError"))) throw;
+    std::string first = py::str(py::str(e.value()).attr("strip")()).cast<std::string>();
+    first = first.substr(0, first.find('\n'));
+    if (first.empty()) first = py::str(e.type().attr("__name__"));
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
+    const std::string text =
+        StrCat("cannot ", is_master ? "serve " : "reach ", "the TCPStore at ", env.host, ":",
+               env.port, " (MASTER_ADDR:MASTER_PORT)",
+               is_master ? "" : StrCat(" within ", seconds, " s"), ": ", first);
+    PyErr_SetString(PyExc_ConnectionError, text.c_str());
+    throw py::error_already_set();
+  }
+  return py::make_tuple(dist.attr("PrefixStore")(env.prefix, tcp),
+                        StrCat(env.agent ? "torchrun's agent" : "rank 0",
+                               " (which hosts the TCPStore at ", env.host, ":", env.port, ")"));
+}
+
+// Calls `fn` of tensortier._core (defined by the other binding files).
+py::object Core(const char* fn) { return py::module_::import("tensortier._core").attr(fn); }
+
+}  // namespace
+
+void RegisterSharedGroup(py::module_& m) {
+  m.def("shared_env_store", &EnvStore, py::arg("is_master"), py::arg("world_size"),
+        py::arg("timeout_s"),
+        "torchrun's TCPStore (served here when `is_master`) under the key prefix of this restart "
+        "attempt, and its name for errors: (store, name). ValueError when MASTER_ADDR and "
+        "MASTER_PORT are unset; ConnectionError when it cannot be served or reached.");
+  m.def(
+      "shared_open_group",
+      [](std::optional<int64_t> rank, std::optional<int64_t> world_size, py::object store,
+         double timeout_s) {
+        py::module_ dist = py::module_::import("torch.distributed");
+        const bool initialized =
+            dist.attr("is_available")().cast<bool>() && dist.attr("is_initialized")().cast<bool>();
+        if (initialized) {
+          if (!rank) rank = dist.attr("get_rank")().cast<int64_t>();
+          if (!world_size) world_size = dist.attr("get_world_size")().cast<int64_t>();
+        }
+        const auto [r, world] = RankAndWorld(rank, world_size);
+        std::string where;  // empty: SharedTorchStore names the process hosting the store
+        bool hosts = false;
+        if (store.is_none() && initialized) {
+          store = dist.attr("distributed_c10d").attr("_get_default_store")();
+          where = "the default process group's store";
+        } else if (store.is_none()) {
+          // Under torchrun the agent serves the store; otherwise rank 0 does, as
+          // init_process_group.
+          hosts = r == 0 && !TorchrunStoreFromEnv().agent;
+          py::tuple env = EnvStore(hosts, world, timeout_s);
+          store = env[0];
+          where = env[1].cast<std::string>();
+        }
+        py::object adapter = Core("SharedTorchStore")(store, where);  // TypeError for a non-Store
+        py::object group = Core("SharedGroup")(adapter, r, world, timeout_s, hosts);
+        py::object at_exit = py::module_::import("atexit").attr("register");
+        // The other ranks count themselves out on close: a rank serving the store keeps it (held
+        // here until exit) until they are done with it (at most the timeout: a dead rank never
+        // counts).
+        if (hosts) {
+          at_exit(Core("shared_wait_for_leavers"), adapter, group.attr("leave_key"), world,
+                  timeout_s);
+        }
+        if (world > 1) {  // runs before the above (atexit is last in, first out)
+          py::object ref = py::module_::import("weakref").attr("ref")(group);
+          at_exit(py::cpp_function([ref] {
+            py::object alive = ref();
+            if (!alive.is_none()) alive.attr("close")();
+          }));
+        }
+        return py::make_tuple(group, store, r, world);
+      },
+      py::arg("rank"), py::arg("world_size"), py::arg("store"), py::arg("timeout_s"),
+      "Collective: (SharedGroup, the torch store, rank, world size) of a new group. The rank, "
+      "world size and store are those given, else the default process group's, else torchrun's "
+      "(its TCPStore served by rank 0 unless torchrun's agent serves it). The group is closed at "
+      "exit; the rank serving the store waits then for the others to count themselves out.");
+  m.def(
+      "shared_attach_outside",
+      [](const py::object& name, const py::object& store, const py::object& timeout) {
+        if (!py::isinstance<py::str>(name) || py::len(name) == 0) {
+          throw py::value_error(
+              StrCat("name must be a non-empty string, not ", py::repr(name).cast<std::string>()));
+        }
+        const auto timeout_s = Core("shared_timeout_s")(timeout).cast<double>();
+        py::object torch_store = store;
+        std::string where;
+        if (store.is_none()) {
+          py::tuple env = EnvStore(false, std::nullopt, timeout_s);
+          torch_store = env[0];
+          where = env[1].cast<std::string>();
+        }
+        py::object core =
+            Core("shared_attach")(Core("SharedTorchStore")(torch_store, where), name, timeout_s);
+        return py::make_tuple(core, Core("shared_attached_dtype")(core, name));
+      },
+      py::arg("name"), py::arg("store"), py::arg("timeout"),
+      "attach()'s work: (the attached tensor, its torch.dtype) of the tensor a group created "
+      "under `name` in `store` (None: torchrun's TCPStore, as a client). ValueError for an empty "
+      "name or a timeout that is not positive.");
+  m.def(
+      "wholememory_group",
+      [](const std::string& call, bool initialized, const py::object& group) {
+        if (call == "mp_init") {
+          if (!initialized) {
+            throw std::runtime_error("wholememory: call init_lib() before mp_init()");
+          }
+          if (!group.is_none()) {
+            throw std::runtime_error("wholememory: mp_init() was already called");
+          }
+        } else if (group.is_none()) {
+          throw std::runtime_error(
+              StrCat("wholememory: ", call, " needs init_lib() and mp_init() first"));
+        }
+        return group;
+      },
+      py::arg("call"), py::arg("initialized"), py::arg("group"),
+      "WholeMemory's call order: `group` (the mp_init group, None before) for `call`; "
+      "RuntimeError for mp_init before init_lib or twice, and for another call before mp_init.");
+  m.def(
+      "wholememory_device",
+      [](const std::string& call, const std::string& type, const std::string& device) {
+        if (type == "cuda") {
+          Core("require_cuda_driver")(
+              StrCat("wholememory: ", call, device.empty() ? "" : StrCat(" on ", device),
+                     " needs device memory, but "),
+              "use host memory (is_host=True)");
+        } else if (type != "cpu") {
+          throw py::value_error(
+              StrCat("wholememory: ", call, ": device must be cpu or cuda, not ", device));
+        }
+      },
+      py::arg("call"), py::arg("type"), py::arg("device") = "",
+      "WholeMemory's device checks for `call` on a device of torch type `type` (`device`: how "
+      "torch writes it): CudaError for CUDA without a driver, ValueError for neither CPU nor "
+      "CUDA.");
+}
