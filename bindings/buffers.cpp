@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "register.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/parallel_copy.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -71,12 +73,29 @@ void RegisterBuffers(py::module_& m) {
       "`threads` threads, the GIL released.");
   // Page-aligned host memory with the buffer protocol (numpy/torch.frombuffer wrap it).
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
-      .def(py::init([](size_t size, bool reused, bool resident) {
-             py::gil_scoped_release release;  // faulting in gigabytes takes seconds
-             return AlignedBuffer(size, reused ? Pages::kReused : Pages::kTouchedOnce,
-                                  resident ? Populate::kUpFront : Populate::kOnDemand);
+      .def(py::init([](const py::int_& size, bool reused, bool resident) {
+             const std::string cannot = StrCat("aligned_empty: cannot allocate ",
+                                               py::str(size).cast<std::string>(), " bytes");
+             const unsigned long long bytes = PyLong_AsUnsignedLongLong(size.ptr());
+             // Not an integer a size_t holds, or past any address space.
+             if (PyErr_Occurred() != nullptr || bytes >= uint64_t{1} << 63) {
+               PyErr_Clear();
+               PyErr_SetString(PyExc_MemoryError, cannot.c_str());
+               throw py::error_already_set();
+             }
+             try {
+               py::gil_scoped_release release;  // faulting in gigabytes takes seconds
+               return AlignedBuffer(static_cast<size_t>(bytes),
+                                    reused ? Pages::kReused : Pages::kTouchedOnce,
+                                    resident ? Populate::kUpFront : Populate::kOnDemand);
+             } catch (const std::bad_alloc& e) {
+               PyErr_SetString(PyExc_MemoryError, StrCat(cannot, " (", e.what(), ")").c_str());
+               throw py::error_already_set();
+             }
            }),
-           py::arg("size"), py::arg("reused") = false, py::arg("resident") = false)
+           py::arg("size"), py::arg("reused") = false, py::arg("resident") = false,
+           "size bytes of page-aligned memory; MemoryError naming size (aligned_empty's) for "
+           "sizes past any address space or memory not to be had.")
       .def_property_readonly("locked", &AlignedBuffer::locked)
       .def("__len__", &AlignedBuffer::size)
       .def_property_readonly(

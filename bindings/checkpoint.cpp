@@ -105,6 +105,51 @@ std::vector<const std::byte*> HostAddresses(const std::vector<uintptr_t>& addres
   return host;
 }
 
+// Writes items `indices` through write(indices, addresses) from host memory: addresses[k] where
+// item indices[k] is in host memory, else the copy host(indices[k]) makes of it (a tensor or a
+// storage: data_ptr and nbytes). The copies are made in order, in groups of about staging_bytes,
+// each group's freed once written; the items in host memory go with the group they fall in.
+template <typename Write>
+void WriteStaged(const std::vector<size_t>& indices,
+                 const std::vector<std::optional<uintptr_t>>& addresses, const py::function& host,
+                 uint64_t staging_bytes, Write write) {
+  std::vector<size_t> group;
+  std::vector<uintptr_t> group_addresses;
+  std::vector<py::object> copies;  // alive while their group is written
+  uint64_t staged = 0;
+  for (size_t k = 0; k < indices.size(); ++k) {
+    group.push_back(indices[k]);
+    if (addresses.at(k)) {
+      group_addresses.push_back(*addresses[k]);
+      continue;
+    }
+    copies.push_back(host(indices[k]));
+    py::object nbytes = copies.back().attr("nbytes");
+    if (PyCallable_Check(nbytes.ptr()) != 0) nbytes = nbytes();  // a storage's is a method
+    group_addresses.push_back(copies.back().attr("data_ptr")().cast<uintptr_t>());
+    staged += nbytes.cast<uint64_t>();
+    if (staged >= staging_bytes) {
+      write(group, group_addresses);
+      group.clear();
+      group_addresses.clear();
+      copies.clear();
+      staged = 0;
+    }
+  }
+  if (!group.empty()) write(group, group_addresses);
+}
+
+// SafetensorsFileWriter.write: tensors `indices` from host memory at `addresses` into `out`,
+// reserved by the first call; the call that writes the last tensor writes the header too.
+void WriteSafetensors(SafetensorsFileWriter& w, Engine& engine, DurableFile& out,
+                      const std::vector<size_t>& indices, const std::vector<uintptr_t>& addresses) {
+  std::vector<const std::byte*> host = HostAddresses(addresses);
+  py::gil_scoped_release release;
+  if (w.tensors_left() == w.tensors()) out.Reserve(w.size());
+  w.WriteTensors(engine, out.file(), indices, host);
+  if (w.tensors_left() == 0) w.WriteHeader(engine, out.file());
+}
+
 // "none", "xxh64" or "crc32".
 PieceCheck PieceCheckOf(const std::string& check) {
   if (check == "none") return PieceCheck::kNone;
@@ -317,10 +362,17 @@ void RegisterCheckpoint(py::module_& m) {
           py::init([](const std::vector<std::string>& names, const std::vector<std::string>& dtypes,
                       const std::vector<std::vector<uint64_t>>& shapes,
                       const std::vector<std::vector<uint64_t>>& strides,
-                      const std::vector<uint64_t>& nbytes, bool crc32) {
+                      const std::vector<uint64_t>& nbytes, const std::vector<uintptr_t>& storages,
+                      bool crc32) {
             if (dtypes.size() != names.size() || shapes.size() != names.size() ||
-                strides.size() != names.size()) {
-              throw std::invalid_argument("TorchFileWriter: one dtype, shape and stride per name");
+                strides.size() != names.size() || storages.size() != names.size()) {
+              throw std::invalid_argument(
+                  "TorchFileWriter: one dtype, shape, stride and storage per name");
+            }
+            std::vector<uintptr_t> sorted = storages;
+            std::sort(sorted.begin(), sorted.end());
+            if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+              throw std::invalid_argument("tensors share a storage, which torch.save keeps shared");
             }
             std::vector<TorchPickleTensor> tensors;
             tensors.reserve(names.size());
@@ -336,11 +388,12 @@ void RegisterCheckpoint(py::module_& m) {
                 tensors, nbytes, TorchFileOptions{.folder = "archive", .crc32 = crc32});
           }),
           py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("strides"),
-          py::arg("nbytes"), py::arg("crc32"),
+          py::arg("nbytes"), py::arg("storages"), py::arg("crc32"),
           "A plain dict: tensor i is names[i] of dtypes[i] (dtype table names: 'F32'...), "
           "shapes[i] and strides[i] (contiguous ones only), nbytes[i] bytes, in storage 'i'; "
-          "crc32: record CRC-32s. ValueError for what a plain dict cannot hold (before anything "
-          "is written).")
+          "storages[i] identifies the tensor's storage (its data address; an empty one's, its "
+          "storage object's); crc32: record CRC-32s. ValueError for what a plain dict cannot hold "
+          "(before anything is written): two tensors of one storage too.")
       .def(py::init([](const py::bytes& pickle, const std::vector<uint64_t>& nbytes, bool crc32) {
              std::string data(pickle);
              py::gil_scoped_release release;
@@ -367,29 +420,38 @@ void RegisterCheckpoint(py::module_& m) {
           "commits out in the same call (fdatasync, rename, directory fsync). OSError for I/O "
           "errors.")
       .def(
-          "begin",
-          [](TorchFileWriter& w, Engine& engine, DurableFile& out) {
-            py::gil_scoped_release release;
-            out.Reserve(w.size());
-            w.Begin(engine, out.file());
+          "write_staged",
+          [](TorchFileWriter& w, Engine& engine, DurableFile& out,
+             const std::vector<std::optional<uintptr_t>>& addresses, const py::function& host,
+             uint64_t staging_bytes) {
+            {
+              py::gil_scoped_release release;
+              out.Reserve(w.size());
+              w.Begin(engine, out.file());
+            }
+            try {
+              std::vector<size_t> indices(addresses.size());
+              for (size_t i = 0; i < indices.size(); ++i) indices[i] = i;
+              WriteStaged(indices, addresses, host, staging_bytes,
+                          [&](const std::vector<size_t>&, const std::vector<uintptr_t>& group) {
+                            HostTensorBytes bytes(HostAddresses(group));
+                            py::gil_scoped_release release;
+                            w.WriteStorages(bytes, group.size());
+                          });
+              py::gil_scoped_release release;
+              w.End();
+            } catch (...) {
+              py::gil_scoped_release release;
+              w.Abandon();  // no write in flight when out is aborted
+              throw;
+            }
           },
-          py::arg("engine"), py::arg("out"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
-          "write() in steps: reserves out and writes the records before the storages.")
-      .def(
-          "write_storages",
-          [](TorchFileWriter& w, const std::vector<uintptr_t>& addresses) {
-            HostTensorBytes bytes(HostAddresses(addresses));
-            py::gil_scoped_release release;
-            w.WriteStorages(bytes, addresses.size());
-          },
-          py::arg("addresses"),
-          "Writes the next len(addresses) storages from host memory at addresses (free again "
-          "once this returns).")
-      .def("end", &TorchFileWriter::End, py::call_guard<py::gil_scoped_release>(),
-           "Writes the records after the storages and waits for every write.")
-      .def("abandon", &TorchFileWriter::Abandon, py::call_guard<py::gil_scoped_release>(),
-           "Waits for the writes in flight: call it when failing between begin() and end(), "
-           "before out is aborted.");
+          py::arg("engine"), py::arg("out"), py::arg("addresses"), py::arg("host"),
+          py::arg("staging_bytes"),
+          "write() without committing, for storages not all in host memory: storage i from host "
+          "memory at addresses[i], or where that is None from the copy host(i) returns (a "
+          "storage in host memory), the copies made in groups of about staging_bytes, each "
+          "group's freed once written. OSError for I/O errors, host's errors as they are.");
 
   py::class_<SafetensorsFileWriter>(
       m, "SafetensorsFileWriter",
@@ -418,20 +480,26 @@ void RegisterCheckpoint(py::module_& m) {
            "nbytes[i] bytes. ValueError for a dtype safetensors cannot store, metadata naming "
            "tensortier's checksum keys, a name given twice.")
       .def_property_readonly("size", &SafetensorsFileWriter::size, "The file's size in bytes.")
+      .def("write", &WriteSafetensors, py::arg("engine"), py::arg("out"), py::arg("indices"),
+           py::arg("addresses"),
+           "Writes tensors indices[k] from host memory at addresses[k] (free again once this "
+           "returns) into out (a DurableFile, reserved by the first call); the call that writes "
+           "the last tensor writes the header too. OSError for I/O errors.")
       .def(
-          "write",
+          "write_staged",
           [](SafetensorsFileWriter& w, Engine& engine, DurableFile& out,
-             const std::vector<size_t>& indices, const std::vector<uintptr_t>& addresses) {
-            std::vector<const std::byte*> host = HostAddresses(addresses);
-            py::gil_scoped_release release;
-            if (w.tensors_left() == w.tensors()) out.Reserve(w.size());
-            w.WriteTensors(engine, out.file(), indices, host);
-            if (w.tensors_left() == 0) w.WriteHeader(engine, out.file());
+             const std::vector<size_t>& indices, const py::function& host, uint64_t staging_bytes) {
+            WriteStaged(
+                indices, std::vector<std::optional<uintptr_t>>(indices.size()), host, staging_bytes,
+                [&](const std::vector<size_t>& group, const std::vector<uintptr_t>& addresses) {
+                  WriteSafetensors(w, engine, out, group, addresses);
+                });
           },
-          py::arg("engine"), py::arg("out"), py::arg("indices"), py::arg("addresses"),
-          "Writes tensors indices[k] from host memory at addresses[k] (free again once this "
-          "returns) into out (a DurableFile, reserved by the first call); the call that writes "
-          "the last tensor writes the header too. OSError for I/O errors.");
+          py::arg("engine"), py::arg("out"), py::arg("indices"), py::arg("host"),
+          py::arg("staging_bytes"),
+          "write() of tensors indices from the copies in host memory host(i) returns for each "
+          "(contiguous tensors), made in groups of about staging_bytes, each group's freed once "
+          "written.");
 
   m.def(
       "plan_shared_chunks",
@@ -578,7 +646,15 @@ void RegisterCheckpoint(py::module_& m) {
            "and the path.")
       .def_property_readonly("committed", &DurableFile::committed)
       .def("commit", &DurableFile::Commit, py::call_guard<py::gil_scoped_release>())
-      .def("abort", &DurableFile::Abort, py::call_guard<py::gil_scoped_release>());
+      .def("abort", &DurableFile::Abort, py::call_guard<py::gil_scoped_release>())
+      .def("__enter__", [](py::object self) { return self; })
+      .def(
+          "__exit__",
+          [](DurableFile& f, const py::object& type, const py::object&, const py::object&) {
+            py::gil_scoped_release release;
+            if (!type.is_none() || !f.committed()) f.Abort();
+          },
+          "Removes the file unless the with body committed it and raised nothing.");
   m.def("wait_for_replaced_files", &WaitForReplacedFiles, py::call_guard<py::gil_scoped_release>(),
         "Waits until the files earlier saves replaced are freed (a background thread closes "
         "each).");

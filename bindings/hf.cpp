@@ -40,9 +40,12 @@ void RegisterHf(py::module_& m) {
   m.def(
       "hf_load_target",
       [](const std::vector<FsPath>& files,
-         const std::optional<std::map<std::string, std::string>>& weight_map)
-          -> std::optional<py::str> {
+         const py::object& sharded_metadata) -> std::optional<py::str> {
         const std::vector<std::string> names = PathBytes(files);
+        std::optional<std::map<std::string, std::string>> weight_map;
+        if (!sharded_metadata.is_none()) {
+          weight_map = sharded_metadata["weight_map"].cast<std::map<std::string, std::string>>();
+        }
         std::optional<std::string> target;
         {
           py::gil_scoped_release release;
@@ -51,11 +54,12 @@ void RegisterHf(py::module_& m) {
         if (!target) return std::nullopt;
         return PathToPython(*target);
       },
-      py::arg("files"), py::arg("weight_map"),
+      py::arg("files"), py::arg("sharded_metadata"),
       "The file tensortier.load reads for the checkpoint files transformers resolved: the one "
-      "file, else the shard index in their folder whose weight map is weight_map (a dict, or "
-      "None without an index); None where transformers reads them itself. FileNotFoundError "
-      "naming the folder where no index has that weight map.");
+      "file, else the shard index in their folder whose weight map is sharded_metadata's "
+      "(transformers' reading of an index, a dict; None without one); None where transformers "
+      "reads them itself. FileNotFoundError naming the folder where no index has that weight "
+      "map.");
   m.def(
       "stage_hf_save",
       [](const FsPath& final_dir) {
@@ -69,6 +73,22 @@ void RegisterHf(py::module_& m) {
       py::arg("final_dir"),
       "The staging directory of a save into final_dir (beside it), holding what final_dir holds: "
       "weight files linked, others copied. NotADirectoryError where final_dir is a file.");
+  m.def(
+      "hf_read_device",
+      [](const std::vector<std::string>& places) -> std::optional<std::string> {
+        for (const std::string& p : places) {
+          if (p == "disk") return std::nullopt;
+        }
+        if (places.size() != 1) return "cpu";  // transformers moves each tensor where it goes
+        const std::string type = places[0].substr(0, places[0].find(':'));
+        if (type != "cpu" && type != "cuda") return std::nullopt;
+        return places[0];  // straight there (CUDA: the engine's GPU path)
+      },
+      py::arg("places"),
+      "The device tensortier.load reads a model's weights to for the distinct places of its "
+      "device_map (devices as torch spells them, 'disk'): the one place where it is the CPU or "
+      "a GPU, the CPU for several; None (transformers reads them) with disk offload or another "
+      "device.");
   m.def(
       "hf_files_cached",
       [](const std::vector<FsPath>& files) {

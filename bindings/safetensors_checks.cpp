@@ -2,7 +2,8 @@
 // Python layer reads off them. A save: values that are not tensors, names that are not str,
 // tensors the format cannot hold, and tensors that share memory (state_dict_checks.hpp), with the
 // errors tensortier.save raises, each kind in this order, naming all its keys; and a save's
-// metadata and checksum arguments. A verified load: the checksums a file's metadata stores.
+// metadata and checksum arguments, and its OSErrors. A verified load: the checksums a file's
+// metadata stores.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -144,6 +145,25 @@ void CheckSaveOptions(const std::string& format, const py::object& metadata,
   }
 }
 
+// tensortier.save's OSError for `e`, raised while saving `given`: `e` where it is about that file
+// already (read-only, a directory...); else one naming `given` first, then what failed (a failure
+// on the hidden temporary file is one of saving `given`), of the errno's subclass.
+py::object SaveError(const py::object& e, const py::str& given) {
+  const py::object filename = e.attr("filename");
+  const py::object strerror = e.attr("strerror");
+  const py::object final_path = py::module_::import("os").attr("path").attr("realpath")(given);
+  const bool about_temporary = py::str(strerror).attr("__contains__")(".tmp-").cast<bool>();
+  if ((filename.equal(given) || filename.equal(final_path)) && !about_temporary) return e;
+  py::str detail = PyObject_IsTrue(strerror.ptr()) == 1 ? py::str(strerror) : py::str(e);
+  if (!filename.is_none() && !detail.attr("__contains__")(py::str(filename)).cast<bool>()) {
+    detail = py::str("{}: {!r}").format(detail, filename);
+  }
+  const py::str message = py::str("cannot save {!r}: {}").format(given, detail);
+  const py::object errno_value = e.attr("errno");
+  if (errno_value.is_none()) return py::reinterpret_borrow<py::object>(PyExc_OSError)(message);
+  return py::reinterpret_borrow<py::object>(PyExc_OSError)(errno_value, message);
+}
+
 }  // namespace
 
 void RegisterSafetensorsChecks(py::module_& m) {
@@ -164,4 +184,8 @@ void RegisterSafetensorsChecks(py::module_& m) {
         "tensortier.save's errors for its metadata (ValueError unless format is 'safetensors', "
         "TypeError unless a mapping of str to str; None: none) and checksum (TypeError unless a "
         "bool) arguments.");
+  m.def("save_error", &SaveError, py::arg("error"), py::arg("path"),
+        "The OSError tensortier.save raises for error, raised while saving path (as the caller "
+        "gave it): error itself where it is about that file, else one whose message names path "
+        "first, then what failed, of error's errno subclass.");
 }

@@ -100,11 +100,6 @@ def aligned_empty(
     dtype, dims, numel, nbytes = _shape(shape, dtype)
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype)
-    if nbytes >= 1 << 63:  # past any address space (and what the binding's size_t takes)
-        raise MemoryError(f"aligned_empty: cannot allocate {nbytes} bytes")
-    try:
-        buffer = _core.AlignedBuffer(nbytes, reused=reused, resident=resident)
-    except MemoryError as e:
-        raise MemoryError(f"aligned_empty: cannot allocate {nbytes} bytes ({e})") from None
+    buffer = _core.AlignedBuffer(nbytes, reused=reused, resident=resident)  # or MemoryError
     # torch.frombuffer keeps `buffer` alive for as long as the tensor's storage lives.
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(dims)

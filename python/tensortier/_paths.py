@@ -9,7 +9,4 @@ from typing import Union
 from . import _core
 
 PathArg = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
-
-# fspath(path, what="path", *, bytes_ok=True): `path` as such a str; TypeError naming `what`
-# and the types accepted (``bytes_ok=False`` where the API copied refuses bytes paths).
-fspath = _core.fspath
+fspath = _core.fspath  # its rule: bindings/paths.cpp

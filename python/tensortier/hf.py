@@ -28,7 +28,6 @@ _originals: dict[str, Any] = {}  # what the hooks replaced
 
 
 def _transformers() -> Any:
-    """transformers' ``modeling_utils``, once its version is known to be supported."""
     try:
         import transformers
         from transformers import modeling_utils
@@ -84,29 +83,22 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     # The early read's result is taken now: declined, it is freed when this returns.
     early = _early.get()
     future = early[1].pop() if early is not None and early[1] else None
-    if not files or not all(f.endswith(".safetensors") for f in files):
-        return None
-    if cfg.hf_quantizer is not None or cfg.device_mesh is not None:
-        return None
-    if mu.is_deepspeed_zero3_enabled():
+    if (not files or not all(f.endswith(".safetensors") for f in files)
+            or cfg.hf_quantizer is not None or cfg.device_mesh is not None
+            or mu.is_deepspeed_zero3_enabled()):
         return None
     places = set((cfg.device_map or {"": "cpu"}).values())
-    if "disk" in places:
+    place = _core.hf_read_device([f"cuda:{p}" if isinstance(p, int) else str(p) for p in places])
+    if place is None:
         return None
-    device = torch.device("cpu")  # for several devices: transformers moves each tensor
-    if len(places) == 1:  # straight there (CUDA: the engine's GPU path)
-        (place,) = places
-        device = torch.device("cuda", place) if isinstance(place, int) else torch.device(place)
-        if device.type not in ("cpu", "cuda"):
-            return None
+    device = torch.device(place)
     # Converted as read where transformers would give every floating tensor that dtype.
     dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) and not cfg.dtype_plan else None
     if dtype is not None and any(
         t.is_floating_point() and t.dtype != dtype for t in model.state_dict().values()
     ):
         dtype = None
-    meta = cfg.sharded_metadata
-    target = _core.hf_load_target(files, None if meta is None else meta["weight_map"])
+    target = _core.hf_load_target(files, cfg.sharded_metadata)
     if target is None:
         return None
     if future is not None and device.type == "cpu" and early[0] == os.path.realpath(target):
@@ -157,11 +149,8 @@ def _load(target: str, device: Any, dtype: Any, mmap: bool) -> dict[str, Any]:
     state_dict = load(target, device, dtype, mmap=mmap)
     if mmap:
         _core.populate_for_reading([(t.data_ptr(), t.nbytes) for t in state_dict.values()],
-                                   _POPULATE_THREADS)
+                                   min(8, os.cpu_count() or 1))
     return state_dict
-
-
-_POPULATE_THREADS = min(8, os.cpu_count() or 1)
 
 
 _EARLY_KWARGS = {"config", "dtype", "torch_dtype", "attn_implementation", "local_files_only",

@@ -22,8 +22,6 @@ def _save_safetensors(
     state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
     io: IOHandle,
 ) -> None:
-    """What needs torch is read here; C++ checks it (``check_safetensors_save``), plans and
-    writes (``SafetensorsFileWriter``)."""
     torch = _torch()
     if not isinstance(state_dict, Mapping):
         raise TypeError(
@@ -55,25 +53,20 @@ def _save_safetensors(
     ready = [i for i, v in enumerate(tensors)
              if v.is_cpu and v.is_contiguous() and not v.is_conj() and not v.is_neg()]
     engine = io._core()  # noqa: SLF001 - same package
-    with _DurableFile(path, io) as df:
-        out = df._core  # noqa: SLF001
+    with _DurableFile(path, io) as out:
         writer.write(engine, out, ready, [tensors[i].data_ptr() for i in ready])
-        left = sorted(set(range(len(tensors))) - set(ready))
-        group: list[tuple[int, Any]] = []  # the copies, alive while C++ reads them
-        staged = 0
-        for n, i in enumerate(left):
-            copy = tensors[i].detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-            group.append((i, copy))
-            staged += copy.nbytes
-            if staged >= _format._STAGING_BYTES or n == len(left) - 1:
-                writer.write(engine, out, [k for k, _ in group], [c.data_ptr() for _, c in group])
-                group, staged = [], 0
-        df.commit()
+
+        def host(i: int) -> Any:
+            return tensors[i].detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+
+        writer.write_staged(engine, out, sorted(set(range(len(tensors))) - set(ready)), host,
+                            _format._STAGING_BYTES)
+        out.commit()
 
 
-def _parse_checksums(path: str, metadata: Mapping[str, str], names: Sequence[str]) -> dict[str, int]:
-    """The stored xxh64 of each of the file's tensors `names`, by `tensortier verify`'s rule."""
-    return _require("safetensors_checksums")(path, dict(metadata), list(names))
+# (path, metadata, names) -> {name: the stored xxh64} of the file's tensors `names`, by
+# `tensortier verify`'s rule.
+_parse_checksums = _require("safetensors_checksums")
 
 
 @dataclass
@@ -86,8 +79,6 @@ class _STEntry:
 
 
 def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], dict[str, str]]:
-    """Parse a safetensors header (C++); with `verify`, also check its header checksum if
-    stored."""
     try:
         entries, metadata = _require("read_safetensors_header")(path, verify)
     except ValueError as e:

@@ -11,8 +11,7 @@ from typing import Any, BinaryIO
 from ..io import IOHandle
 from . import _engine
 from ._files import _is_file_object, _STREAM_CHUNK
-from ._format import _require, _save_format
-from ._format import PathLike
+from ._format import _require, _save_format, PathLike
 from .._paths import fspath
 from .safetensors import _save_safetensors
 from .torch_save import _save_torch
@@ -77,19 +76,5 @@ def save(
                 _save_safetensors(state_dict, path, dict(metadata or {}), checksum, io)
             else:
                 _save_torch(state_dict, path, checksum, io)
-    except OSError as e:
-        raise _save_error(e, path) from e
-
-
-def _save_error(e: OSError, given: str) -> OSError:
-    """`e` naming the path the caller gave first: a failure on the hidden temporary file is one
-    of saving `given`."""
-    final = os.path.realpath(given)
-    if e.filename in (given, final) and ".tmp-" not in str(e.strerror):
-        return e  # about the file itself already (read-only, a directory...)
-    detail = str(e.strerror) if e.strerror else str(e)
-    if e.filename is not None and str(e.filename) not in detail:
-        detail = f"{detail}: {e.filename!r}"
-    if e.errno is None:
-        return OSError(f"cannot save {given!r}: {detail}")
-    return OSError(e.errno, f"cannot save {given!r}: {detail}")  # the errno's subclass
+    except OSError as e:  # naming `path` as given (a failure on the hidden temporary file too)
+        raise _require("save_error")(e, path) from e

@@ -5,14 +5,13 @@ the engine."""
 
 from __future__ import annotations
 
-import functools
 import io as _io
 import pickle
 from typing import Any
 
 from ..io import IOHandle
 from . import _format
-from ._format import _dtype_names, _quantized_dtypes, _require, _torch, PathLike
+from ._format import _dtype_names, _require, _torch, PathLike
 from ._writing import _DurableFile
 
 
@@ -25,42 +24,33 @@ def _pickled(obj: Any) -> tuple[bytes, list[Any]]:
     keys: dict[int, str] = {}
     dtypes: dict[int, Any] = {}
 
-    def persistent_id(o: Any) -> Any:
-        if isinstance(o, torch.storage.TypedStorage):
-            storage, dtype = o._untyped_storage, o.dtype
-            storage_type = getattr(torch, o._pickle_storage_type())
-            numel = o._size()
-        elif torch.is_storage(o):
-            storage, dtype = o, torch.uint8
-            storage_type = serialization.normalize_storage_type(type(o))
-            numel = storage.nbytes()
-        else:
-            return None
-        if str(storage.device) != "meta" and storage.data_ptr() != 0:
-            if dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
-                raise RuntimeError("Cannot save multiple tensors or storages that view the same "
-                                   "data as different types")
-        key = keys.get(storage._cdata)
-        if key is None:
-            key = keys[storage._cdata] = str(len(storages))
-            storages.append(storage)
-        fake = getattr(o, "_fake_device", None)
-        location = str(fake) if fake is not None else serialization.location_tag(storage)
-        return ("storage", storage_type, key, location, numel)
-
     class Pickler(pickle.Pickler):
         def persistent_id(self, o: Any) -> Any:
-            return persistent_id(o)
+            if isinstance(o, torch.storage.TypedStorage):
+                storage, dtype = o._untyped_storage, o.dtype
+                storage_type = getattr(torch, o._pickle_storage_type())
+                numel = o._size()
+            elif torch.is_storage(o):
+                storage, dtype = o, torch.uint8
+                storage_type = serialization.normalize_storage_type(type(o))
+                numel = storage.nbytes()
+            else:
+                return None
+            if str(storage.device) != "meta" and storage.data_ptr() != 0:
+                if dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
+                    raise RuntimeError("Cannot save multiple tensors or storages that view the "
+                                       "same data as different types")
+            key = keys.get(storage._cdata)
+            if key is None:
+                key = keys[storage._cdata] = str(len(storages))
+                storages.append(storage)
+            fake = getattr(o, "_fake_device", None)
+            location = str(fake) if fake is not None else serialization.location_tag(storage)
+            return ("storage", storage_type, key, location, numel)
 
     buf = _io.BytesIO()
     Pickler(buf, protocol=serialization.DEFAULT_PROTOCOL).dump(obj)
     return buf.getvalue(), storages
-
-
-@functools.lru_cache(maxsize=None)
-def _plain_dtype_names() -> dict[Any, str]:
-    """torch.dtype -> the dtype table's name, for dtypes torch pickles as plain tensors."""
-    return {dt: name for dt, name in _dtype_names().items() if dt not in _quantized_dtypes()}
 
 
 def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
@@ -71,39 +61,28 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
         return None
     torch = _torch()
     tensor_type, strided = torch.Tensor, torch.strided
-    dtype_names = _plain_dtype_names()
-    names: list[str] = []
-    dtypes: list[str] = []
-    shapes: list[Any] = []
-    strides: list[Any] = []
-    sizes: list[int] = []
+    dtype_names = _dtype_names()
+    rows: list[tuple[Any, ...]] = []  # (name, dtype, shape, strides, nbytes, storage)
     addresses: list[int] = []
-    seen: set[int] = set()  # data addresses; empty tensors' storages (their addresses tell nothing)
     for k, v in obj.items():
         if type(k) is not str or type(v) is not tensor_type or v.is_nested:
             return None  # a nested tensor has no sizes to ask (torch pickles it)
         dt = dtype_names.get(v.dtype)
-        if (dt is None or not v.is_cpu or v.layout is not strided or v.requires_grad
-                or v.is_conj() or v.is_neg() or v.__dict__):
+        if (dt is None or v.is_quantized or not v.is_cpu or v.layout is not strided
+                or v.requires_grad or v.is_conj() or v.is_neg() or v.__dict__):
             return None
         n = v.nbytes
         storage = v.untyped_storage()
         if v.storage_offset() != 0 or not v.is_contiguous() or storage.nbytes() != n:
             return None
         address = v.data_ptr()
-        key = address if n else storage._cdata
-        if key in seen:  # one storage twice: torch.save shares it
-            return None
-        seen.add(key)
-        names.append(k)
-        dtypes.append(dt)
-        shapes.append(v.shape)
-        strides.append(v.stride())  # a size-1 dimension's may be anything: C++ checks them
-        sizes.append(n)
+        # C++ refuses one storage twice (torch.save shares it; an empty one's address tells
+        # nothing: its object's is passed) and checks a size-1 dimension's stride.
+        rows.append((k, dt, v.shape, v.stride(), n, address if n else storage._cdata))
         addresses.append(address)
-    try:
-        return _require("TorchFileWriter")(names, dtypes, shapes, strides, sizes, crc32), addresses
-    except (ValueError, UnicodeEncodeError):  # what only torch's pickler writes
+    try:  # C++ refuses what only torch's pickler writes (names that are not UTF-8...)
+        return _require("TorchFileWriter")(*zip(*rows), crc32), addresses
+    except (ValueError, UnicodeEncodeError):
         return None
 
 
@@ -122,31 +101,17 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
         except (RuntimeError, pickle.PicklingError, AttributeError) as e:
             raise ValueError(f"torch.save cannot save this object: {e}") from e
         writer = _require("TorchFileWriter")(data, [s.nbytes() for s in storages], crc32)
-        addresses = [s.data_ptr() for s in storages]
+        addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in storages]
     engine = io._core()  # noqa: SLF001 - same package
     with _DurableFile(path, io) as df:
         if all(s.device.type == "cpu" for s in storages):  # written and committed in one call
-            writer.write(engine, df._core, addresses, True)  # noqa: SLF001
+            writer.write(engine, df, addresses, True)
             return
-        # Storages not in host memory are copied to it in groups of about _STAGING_BYTES, each
-        # group's copies freed once C++ has written them.
-        writer.begin(engine, df._core)  # noqa: SLF001
-        try:
-            group: list[Any] = []  # keeps the copies alive while C++ reads them
-            staged = 0
-            for storage in storages:
-                if storage.device.type != "cpu":
-                    if storage.device.type == "meta":
-                        raise ValueError("meta tensors have no data to save")
-                    storage = storage.cpu()
-                    staged += storage.nbytes()
-                group.append(storage)
-                if staged >= _format._STAGING_BYTES:
-                    writer.write_storages([s.data_ptr() for s in group])
-                    group, staged = [], 0
-            writer.write_storages([s.data_ptr() for s in group])
-            writer.end()
-        except BaseException:
-            writer.abandon()  # no write in flight when the file is removed
-            raise
+
+        def host(i: int) -> Any:  # a copy in host memory, about _STAGING_BYTES of them at once
+            if storages[i].device.type == "meta":
+                raise ValueError("meta tensors have no data to save")
+            return storages[i].cpu()
+
+        writer.write_staged(engine, df, addresses, host, _format._STAGING_BYTES)
         df.commit()

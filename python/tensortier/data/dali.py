@@ -47,14 +47,10 @@ class DaliSource:
 
         self._tensors = tensors
         self._reader = reader
-        # The next call after StopIteration (an epoch's end) or an error reads on from the
-        # reader's place: the next epoch, or the batch that failed.
         self._batches = reader._state.iterate(reader._core, rewinds=True)
         self._kept: collections.deque[Any] = collections.deque(maxlen=queue_depth + 2)
 
     def __reduce__(self) -> Any:
-        # DALI pickles the source of ``fn.external_source(..., parallel=True)`` into worker
-        # processes: the reader's threads, engine and batch memory cannot follow it there.
         raise TypeError(
             "a FileReader's dali_source() cannot be pickled into DALI's worker processes: "
             "use it with external_source's parallel=False (the default); the reader already "

@@ -14,7 +14,6 @@ from .reader import FileReader
 
 
 def _rank_and_world() -> tuple[int, int] | None:
-    """(rank, world size) of this process's torch.distributed group; None without one."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

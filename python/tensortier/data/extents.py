@@ -12,15 +12,6 @@ from .._buffers import host_buffer
 ExtentMap = _core.ExtentMap
 PathLike = PathArg
 
-__all__ = [
-    "ExtentMap",
-    "ExtentReader",
-    "build_extent_map",
-    "load_extent_map",
-    "read_files",
-    "verify_extent_map",
-]
-
 
 def build_extent_map(
     root: PathLike,
@@ -143,8 +134,6 @@ class ExtentReader:
 
 
 def _first_bytes(buffer: Any, n: int) -> Any:
-    """The first `n` bytes of `buffer`: a flat slice of a uint8 numpy array or tensor, else a
-    memoryview of its bytes."""
     if hasattr(buffer, "reshape") and str(getattr(buffer, "dtype", "")).endswith("uint8"):
         flat = buffer.reshape(-1)
         return buffer if flat.shape[0] == n and buffer.ndim == 1 else flat[:n]
@@ -160,5 +149,4 @@ def read_files(
 
     Opens the disks for this call only: keep an ExtentReader to read many batches.
     """
-    reader = ExtentReader(extent_map)
-    return reader.read(files, out)
+    return ExtentReader(extent_map).read(files, out)

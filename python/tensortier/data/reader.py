@@ -115,7 +115,6 @@ class FileReader:
             shard_id=shard_id, num_shards=num_shards, stick_to_shard=bool(stick_to_shard),
             pad_last_batch=bool(pad_last_batch), drop_last=bool(drop_last))
         self._copy = copy
-        device_index = self._device.index if self._device.index is not None else 0
         self._core = _core.BatchReader(
             self._paths,
             prefetch=prefetch,
@@ -123,7 +122,7 @@ class FileReader:
             skip_errors=on_error == "skip",
             direct=direct,
             pin_memory=pin_memory or self._device.type == "cuda",
-            device=device_index,
+            device=self._device.index or 0,
             backend=backend,
             extent_map=None if extent_map is None else ExtentMap.of(extent_map),
             extent_checksums=bool(extent_checksums),
@@ -220,8 +219,6 @@ class FileReader:
         return DaliSource(self, queue_depth=queue_depth)
 
     def __reduce__(self) -> Any:
-        # A DataLoader worker started by spawn or forkserver gets its dataset pickled: the
-        # reader's threads, engine and batch memory cannot follow it there.
         raise TypeError(
             "a FileReader cannot be pickled (into a DataLoader worker, for one): make it in the "
             "process that reads from it, e.g. in an IterableDataset's __iter__, or use "
