@@ -34,6 +34,7 @@
 #include "tensortier/io/file.hpp"
 #include "tensortier/transfer/operation.hpp"
 #include "tensortier/transfer/transfer.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -257,11 +258,7 @@ class GdsFileState {
   void Register() {
     if (registered_) RaiseAssertionError("Cannot register a handle that is already registered.");
     if (file_.is_none()) {  // torch's registers descriptor -1: cuFileHandleRegister fails
-      PyErr_SetObject(
-          error_.ptr(),
-          py::make_tuple(EBADF, "cuFileHandleRegister failed: the file is closed", filename_)
-              .ptr());
-      throw py::error_already_set();
+      RaiseError(EBADF, "cuFileHandleRegister failed: the file is closed", filename_);
     }
     registered_ = true;
   }
@@ -283,6 +280,45 @@ class GdsFileState {
     return file_;
   }
 
+  // load_storage ('read') / save_storage ('write') of `tensor`, a 1-D uint8 tensor over the
+  // storage, at `offset` through `io`, the IOHandle the GdsFiles share; `span` makes a CUDA
+  // tensor's DeviceBuffer (None: a CPU tensor). Returns the path the bytes took ("host", "gds",
+  // "bounce"). A failed transfer is `error`, with torch's "cuFileRead failed: ..." message.
+  std::string Transfer(const std::string& op, const py::object& io, const py::object& tensor,
+                       const py::int_& offset, const py::object& span) {
+    const bool read = op == "read";
+    const std::string call = read ? "cuFileRead failed: " : "cuFileWrite failed: ";
+    if (offset < py::int_(0)) {
+      RaiseError(EINVAL, StrCat(call, "negative offset ", py::str(offset).cast<std::string>()),
+                 filename_);
+    }
+    try {
+      if (span.is_none()) {
+        io.attr(read ? "pread" : "pwrite")(tensor, file_, offset);
+        return "host";
+      }
+      const py::object db = span(tensor);  // CudaError without a driver
+      const py::object transfer = io.attr("_device").attr("transfer")(io.attr("_core")());
+      const py::object nbytes = tensor.attr("numel")();
+      const py::object target = DeviceFileOf();
+      const py::object address = db.attr("address"), device = db.attr("device");
+      const py::object result =
+          read ? transfer.attr("read")(target, offset, nbytes, address, device, db.attr("stream"))
+               : transfer.attr("write")(address, nbytes, target, offset, device,
+                                        db.attr("stream"));
+      return py::str(result["stats"]["path"]);
+    } catch (py::error_already_set& e) {
+      if (!e.matches(PyExc_OSError)) throw;
+      const py::object cause = e.value();
+      const auto either = [](const py::object& value, py::object other) {
+        return PyObject_IsTrue(value.ptr()) == 1 ? value : other;
+      };
+      RaiseError(either(cause.attr("errno"), py::int_(EIO)),
+                 call + either(cause.attr("strerror"), py::str(cause)).cast<std::string>(),
+                 either(cause.attr("filename"), filename_), cause);
+    }
+  }
+
   void Close() {
     registered_ = false;
     device_file_ = py::none();
@@ -292,6 +328,18 @@ class GdsFileState {
   }
 
  private:
+  // Raises `error`(code, message, filename), caused by `cause` (as Python's raise ... from).
+  [[noreturn]] void RaiseError(const py::object& code, const std::string& message,
+                               const py::object& filename, const py::object& cause = py::none()) {
+    const py::object error = error_(code, message, filename);
+    if (!cause.is_none()) error.attr("__cause__") = cause;
+    PyErr_SetObject(error_.ptr(), error.ptr());
+    throw py::error_already_set();
+  }
+  [[noreturn]] void RaiseError(int code, const std::string& message, const py::object& filename) {
+    RaiseError(py::int_(code), message, filename);
+  }
+
   py::object file_;  // the _core.File; None once closed
   py::object filename_;
   py::object error_;
@@ -345,5 +393,9 @@ void RegisterRegistries(py::module_& m) {
       .def("deregister_handle", &GdsFileState::Deregister)
       .def("require", &GdsFileState::Require, py::arg("verb"),
            "The open file; AssertionError (torch's message) unless registered and open.")
+      .def("transfer", &GdsFileState::Transfer, py::arg("op"), py::arg("io"), py::arg("tensor"),
+           py::arg("offset"), py::arg("span"),
+           "load_storage / save_storage of a uint8 tensor over the storage through `io`; returns "
+           "the path the bytes took. A failure is the error type, with torch's message.")
       .def("close", &GdsFileState::Close);
 }
