@@ -77,6 +77,18 @@ class LockedTensors {
     }
   }
 
+  // Frees the live tensor at `address` once `Take` has it: its storage shrinks to nothing where
+  // torch allows (pinned storages do; page-aligned memory goes with its last reference). A
+  // zero-byte one only through `tensor`, a view of it. False, and nothing freed, when there is
+  // none.
+  bool Free(uintptr_t address, const py::object& tensor) {
+    const py::object storage =
+        Take(address, tensor.is_none() ? tensor : tensor.attr("untyped_storage")());
+    if (storage.is_none()) return false;
+    if (storage.attr("resizable")().cast<bool>()) storage.attr("resize_")(0);
+    return true;
+  }
+
   // Whether [address, address + nbytes) is locked host memory: in one live tensor here, or
   // (asked of the CUDA driver, where one is loaded) page-locked with CUDA by anyone.
   bool Pinned(uintptr_t address, size_t nbytes) {
@@ -354,16 +366,24 @@ void RegisterRegistries(py::module_& m) {
       .def(py::init<>())
       .def("add", &LockedTensors::Add, py::arg("address"), py::arg("nbytes"), py::arg("storage"),
            "Records a locked tensor: its address, size and storage (weakly).")
-      .def("take", &LockedTensors::Take, py::arg("address"), py::arg("storage") = py::none(),
-           "The live storage of the tensor at `address`, forgotten; None when there is none (a "
-           "zero-byte one only when `storage` is it), once the operations started on its memory "
-           "are over.")
+      .def("free", &LockedTensors::Free, py::arg("address"), py::arg("tensor") = py::none(),
+           "Frees the live tensor at `address` (a zero-byte one only through `tensor`, a view of "
+           "it) once the operations started on its memory are over: its storage shrinks to "
+           "nothing where torch allows. False, and nothing freed, when there is none.")
       .def("track", &LockedTensors::Track, py::arg("address"), py::arg("nbytes"),
            py::arg("operation"),
            "Records an operation started on the range, on the locked tensor it starts in.")
-      .def("pinned", &LockedTensors::Pinned, py::arg("address"), py::arg("nbytes"),
-           "Whether all of the range lies in one live locked tensor or, where a CUDA driver is "
-           "loaded, in memory page-locked with CUDA.");
+      .def(
+          "pinned",
+          [](LockedTensors& l, const py::object& tensor) {
+            return tensor.attr("device").attr("type").cast<std::string>() == "cpu" &&
+                   (tensor.attr("is_pinned")().cast<bool>() ||
+                    l.Pinned(tensor.attr("data_ptr")().cast<uintptr_t>(),
+                             tensor.attr("nbytes").cast<size_t>()));
+          },
+          py::arg("tensor"),
+          "Whether all of a tensor is page-locked host memory: pinned by torch, in one live "
+          "locked tensor or, where a CUDA driver is loaded, page-locked with CUDA.");
   py::class_<TensorGroups>(m, "TensorGroups")
       .def(py::init<>())
       .def("remember", &TensorGroups::Remember, py::arg("tensors"), py::arg("vector"),

@@ -170,13 +170,14 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         left alone: False. Reads and writes that handles started on its memory are waited for
         first (DeepSpeed's frees the memory under them)."""
         _require_tensor(tensor, "free_cpu_locked_tensor", "tensor")
-        return _free_locked(int(tensor.data_ptr()), tensor)
+        return _locked.free(int(tensor.data_ptr()), tensor)
 
     def is_pinned(self, buffer: Any) -> bool:
         """Whether all of `buffer` is page-locked host memory: pinned by torch, in (a view of) a
         tensor from ``new_cpu_locked_tensor`` of any handle (``pin_handle``'s too), or, where a
         CUDA driver is loaded, page-locked with CUDA by anyone."""
-        return _is_pinned(buffer)
+        _require_tensor(buffer, "is_pinned")
+        return _locked.pinned(buffer)
 
     def close(self) -> None:
         """Waits for everything in flight and stops the workers."""
@@ -283,10 +284,8 @@ class _Loaded:
     deepspeed_memcpy = staticmethod(deepspeed_memcpy)
 
 
-# DeepSpeed's pinned-tensor manager, one per process: new_cpu_locked_tensor's tensors of every
-# aio_handle, gds_handle and pin_handle, so that each handle's is_pinned knows the others' and
-# free_cpu_locked_tensor frees only them. By data_ptr: bytes, the tensor's storage, weakly (it
-# lives as long as any view of the tensor, which the tensor's Python object need not).
+# DeepSpeed's pinned-tensor manager, one per process: the locked tensors of every handle (the
+# storage weakly: it lives as long as any view of the tensor, which its Python object need not).
 _locked = _core.LockedTensors()
 
 
@@ -304,25 +303,6 @@ def _new_locked(num_elem: int, example_tensor: Any) -> Any:
     return tensor
 
 
-def _free_locked(address: int, tensor: Any = None) -> bool:
-    """Frees the live tensor from ``new_cpu_locked_tensor`` at `address` (its storage shrinks to
-    nothing where torch allows, as pinned storages do; page-aligned memory goes with its last
-    reference). A zero-byte one only through `tensor`, a view of it: such tensors may share an
-    address. False, and nothing freed, when there is none."""
-    storage = _locked.take(address, None if tensor is None else tensor.untyped_storage())
-    if storage is None:
-        return False
-    if storage.resizable():
-        storage.resize_(0)
-    return True
-
-
-def _is_pinned(buffer: Any) -> bool:
-    _require_tensor(buffer, "is_pinned")
-    return buffer.device.type == "cpu" and (
-        bool(buffer.is_pinned()) or _locked.pinned(int(buffer.data_ptr()), int(buffer.nbytes)))
-
-
 class pin_handle:  # noqa: N801 - DeepSpeed's name
     """DeepSpeed's ``pin_memory`` op handle (``PinMemoryBuilder().load().pin_handle()``): locked
     host tensors, in the one registry the ``aio_handle`` and ``gds_handle`` use."""
@@ -336,19 +316,20 @@ class pin_handle:  # noqa: N801 - DeepSpeed's name
         """As ``aio_handle.free_cpu_locked_tensor``: True when `locked_tensor` starts at a locked
         tensor of any handle, which is freed."""
         _require_tensor(locked_tensor, "free_cpu_locked_tensor", "locked_tensor")
-        return _free_locked(int(locked_tensor.data_ptr()), locked_tensor)
+        return _locked.free(int(locked_tensor.data_ptr()), locked_tensor)
 
     def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
         """Frees the locked tensor (of any handle) whose memory starts at `address`, even where
         the tensor's ``.data`` has since been pointed elsewhere; True when there was one."""
         # DeepSpeed's binding takes a uintptr_t, as pybind11 converts one.
-        return _free_locked(
+        return _locked.free(
             _core.c_integer(address, "free_cpu_locked_tensor_by_ptr", "address", 0, 64, True)
         )
 
     def is_pinned(self, buffer: Any) -> bool:
         """As ``aio_handle.is_pinned``: whether all of `buffer` is page-locked host memory."""
-        return _is_pinned(buffer)
+        _require_tensor(buffer, "is_pinned")
+        return _locked.pinned(buffer)
 
 
 class _PinMemoryLoaded:
