@@ -230,9 +230,10 @@ void DeepNvmeValidate(uintptr_t address, size_t nbytes, const std::string& path,
 }
 
 // DeepNVMe's binding takes a torch.Tensor: TypeError for anything else. With `device`, ValueError
-// unless it is on the CPU or a GPU; with `contiguous`, unless it is contiguous.
+// unless it is on the CPU or a GPU (with `gpu`, on a GPU); with `contiguous`, unless it is
+// contiguous.
 void CheckTensor(const py::object& value, const std::string& what, const std::string& name,
-                 bool device, bool contiguous) {
+                 bool device, bool contiguous, bool gpu) {
   if (!py::isinstance(value, py::module_::import("torch").attr("Tensor"))) {
     throw py::type_error(
         StrCat(what, ": ", name, " must be a torch tensor, not ", TypeName(value)));
@@ -247,6 +248,10 @@ void CheckTensor(const py::object& value, const std::string& what, const std::st
   if (type != "cpu" && type != "cuda") {
     throw py::value_error(StrCat(what, ": buffer is on ", py::str(on).cast<std::string>(),
                                  "; only CPU and CUDA tensors move"));
+  }
+  if (gpu && type != "cuda") {
+    throw py::value_error(
+        StrCat(what, ": tensor is on ", py::str(on).cast<std::string>(), ", not a GPU"));
   }
 }
 
@@ -319,7 +324,7 @@ class DeepNvmeHandle {
   // the buffer's; at a later offset, the buffer's bytes from there in the file.
   int64_t Whole(const py::object& self, const std::string& op, const py::object& buffer,
                 const py::object& filename, const py::object& validate, py::object offset) {
-    CheckTensor(buffer, op, "buffer", true, false);
+    CheckTensor(buffer, op, "buffer", true, false, false);
     const bool check = CBoolArgument(validate, op, "validate");
     if (op == "read") {
       offset = CIntegerArgument(offset, "read", "file_offset", 0, 64, false);
@@ -397,7 +402,7 @@ class DeepNvmeHandle {
              const py::object& target, const py::object& offset, bool validate, bool snapshot,
              bool descriptor_ok) {
     const std::string what = op == "read" ? "pread" : "pwrite";
-    CheckTensor(buffer, what, "buffer", true, false);
+    CheckTensor(buffer, what, "buffer", true, false, false);
     const auto file = DeepNvmeTarget(op, target, offset, what, descriptor_ok);
     if (!file) return false;
     py::object copy_to = py::none();
@@ -542,8 +547,9 @@ void RegisterDeepNvme(py::module_& m) {
       .def("get_thread_count", &DeepNvmeHandle::parallelism);
   m.def("deepnvme_tensor", &CheckTensor, py::arg("value"), py::arg("what"),
         py::arg("name") = "buffer", py::arg("device") = false, py::arg("contiguous") = false,
+        py::arg("gpu") = false,
         "TypeError unless `value` is a torch tensor; with `device`, ValueError unless on the CPU "
-        "or a GPU; with `contiguous`, unless contiguous.");
+        "or a GPU (with `gpu`, on a GPU); with `contiguous`, unless contiguous.");
   m.def("deepnvme_argument", &AliasedArgument, py::arg("what"), py::arg("value"), py::arg("kwargs"),
         py::arg("name"), py::arg("alias"),
         "`value`, or the keyword `alias` taken out of `kwargs`; TypeError for both, neither, or "

@@ -11,10 +11,13 @@
 //     the DeviceFile made on first use, dropped on deregistration and close.
 // Both are called with the GIL held; cuFile's calls run with it released, under the registry's
 // own lock (never waited for with the GIL held by its holder).
+#include <fcntl.h>
 #include <pybind11/pybind11.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -28,6 +31,7 @@
 #include <vector>
 
 #include "binding_helpers.hpp"
+#include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
@@ -241,10 +245,33 @@ class TensorGroups {
 
 class GdsFileState {
  public:
-  // `error`: the exception type of a failed cuFile call (GdsIOError), made as OSError(errno,
-  // message, filename).
-  GdsFileState(py::object file, py::object filename, py::object error)
-      : file_(std::move(file)), filename_(std::move(filename)), error_(std::move(error)) {}
+  // Opens `filename` with `flags` as os.open would (O_CREAT and O_TRUNC honoured; OSError), then
+  // through `io` (IOHandle.open), read-write when `flags` allow writing. `error`: the exception
+  // type of a failed cuFile call (GdsIOError), made as OSError(errno, message, filename).
+  GdsFileState(const py::object& io, py::object filename, const py::int_& os_flags,
+               py::object error)
+      : filename_(std::move(filename)), error_(std::move(error)) {
+    const long flags = PyLong_AsLong(os_flags.ptr());
+    if (flags == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (flags < INT_MIN || flags > INT_MAX) {  // os.open's C int
+      PyErr_SetString(PyExc_OverflowError, "flags do not fit a C int");
+      throw py::error_already_set();
+    }
+    const std::string path = filename_.cast<FsPath>().bytes;
+    int code = 0;
+    {
+      py::gil_scoped_release release;
+      const int fd = open(path.c_str(), static_cast<int>(flags) | O_CLOEXEC, 0644);
+      if (fd < 0) code = errno;
+      if (fd >= 0) close(fd);
+    }
+    if (code != 0) {
+      errno = code;
+      PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, filename_.ptr());
+      throw py::error_already_set();
+    }
+    file_ = io.attr("open")(filename_, (flags & O_ACCMODE) != O_RDONLY ? "r+" : "r");
+  }
 
   // The file's descriptor; -1 once closed, as torch's.
   int fd() const { return file_.is_none() ? -1 : file_.cast<const File&>().buffered_fd(); }
@@ -402,9 +429,10 @@ void RegisterRegistries(py::module_& m) {
            "Deregisters the memory at `address` now; nothing when it is not registered.")
       .def("clear", &CuFileRegistrations::Clear, "Deregisters everything now.");
   py::class_<GdsFileState>(m, "GdsFileState")
-      .def(py::init<py::object, py::object, py::object>(), py::arg("file"), py::arg("filename"),
-           py::arg("error"),
-           "A GdsFile's open file and its cuFile handle's state (registered when made).")
+      .def(py::init<const py::object&, py::object, const py::int_&, py::object>(), py::arg("io"),
+           py::arg("filename"), py::arg("flags"), py::arg("error"),
+           "A GdsFile's file, opened with os.open's `flags` and then by `io`, and its cuFile "
+           "handle's state (registered when made).")
       .def_property_readonly("fd", &GdsFileState::fd)
       .def_property_readonly("handle", &GdsFileState::handle)
       .def("device_file", &GdsFileState::DeviceFileOf,

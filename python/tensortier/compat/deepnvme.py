@@ -207,9 +207,7 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         """Registers a CUDA tensor's memory with cuFile (skipped without cuFile, or where it would
         run in its compatibility mode: nothing DMAs into registered memory then), through the
         tensor's own device's primary context whichever device is current. Returns True."""
-        _require_tensor(tensor, "pin_device_tensor", device=True, contiguous=True)
-        if tensor.device.type != "cuda":
-            raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
+        _require_tensor(tensor, "pin_device_tensor", device=True, contiguous=True, gpu=True)
         self._pinned.add(int(tensor.data_ptr()), int(tensor.nbytes), tensor)
         return True
 

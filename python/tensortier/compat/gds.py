@@ -91,12 +91,9 @@ class GdsFile:
         flags = _index(flags, "flags must be os.open flags (an int)")
         self.filename = os.fspath(filename)
         self.flags = flags
-        os.close(os.open(self.filename, flags | os.O_CLOEXEC, 0o644))  # create/truncate as asked
-        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         # torch's GdsFile registers its handle here; ours (a DeviceFile: the cuFile registration
         # or the reason there is none) is made on first use, but the state is torch's.
-        self._state = _core.GdsFileState(_io().open(self.filename, "r+" if writable else "r"),
-                                         self.filename, GdsIOError)
+        self._state = _core.GdsFileState(_io(), self.filename, flags, GdsIOError)
         self.last_path = ""
 
     @property
