@@ -234,7 +234,9 @@ void DeepNvmeValidate(uintptr_t address, size_t nbytes, const std::string& path,
 // contiguous.
 void CheckTensor(const py::object& value, const std::string& what, const std::string& name,
                  bool device, bool contiguous, bool gpu) {
-  if (!py::isinstance(value, py::module_::import("torch").attr("Tensor"))) {
+  static const py::handle tensor_type =
+      py::object(py::module_::import("torch").attr("Tensor")).release();
+  if (!py::isinstance(value, tensor_type)) {
     throw py::type_error(
         StrCat(what, ": ", name, " must be a torch tensor, not ", TypeName(value)));
   }
@@ -243,15 +245,15 @@ void CheckTensor(const py::object& value, const std::string& what, const std::st
                                  " is not contiguous"));
   }
   if (!device) return;
-  const py::object on = value.attr("device");
-  const std::string type = on.attr("type").cast<std::string>();
-  if (type != "cpu" && type != "cuda") {
-    throw py::value_error(StrCat(what, ": buffer is on ", py::str(on).cast<std::string>(),
+  const bool cuda = value.attr("is_cuda").cast<bool>();
+  if (!cuda && !value.attr("is_cpu").cast<bool>()) {
+    throw py::value_error(StrCat(what, ": buffer is on ",
+                                 py::str(value.attr("device")).cast<std::string>(),
                                  "; only CPU and CUDA tensors move"));
   }
-  if (gpu && type != "cuda") {
-    throw py::value_error(
-        StrCat(what, ": tensor is on ", py::str(on).cast<std::string>(), ", not a GPU"));
+  if (gpu && !cuda) {
+    throw py::value_error(StrCat(what, ": tensor is on ",
+                                 py::str(value.attr("device")).cast<std::string>(), ", not a GPU"));
   }
 }
 
@@ -425,9 +427,9 @@ class DeepNvmeHandle {
     const py::object future =
         self.attr("_io").attr(method)(buffer, PathToPython(file->first), file->second);
     const py::object operation = future.attr("_op");
-    py::module_::import("tensortier.compat.deepnvme")
-        .attr("_locked")
-        .attr("track")(buffer.attr("data_ptr")(), buffer.attr("nbytes"), operation);
+    static const py::handle locked =  // the process's one registry of locked tensors
+        py::object(py::module_::import("tensortier.compat.deepnvme").attr("_locked")).release();
+    locked.attr("track")(buffer.attr("data_ptr")(), buffer.attr("nbytes"), operation);
     pending_.push_back({operation.cast<Operation>(), future, buffer, copy_to, validate,
                         file->first, file->second});
     return true;
