@@ -1,14 +1,15 @@
 // The buffer registries of the compatibility APIs, by address:
 //   LockedTensors: DeepSpeed's pinned-tensor manager (one per process): the locked host tensors
 //     made by its handles, each as its size, a weak reference to its storage and the operations
-//     started on its memory (freeing it waits for them).
+//     started on its memory (freeing it waits for them, then shrinks the storage).
 //   CuFileRegistrations: device memory registered with cuFile (torch.cuda.gds's
 //     gds_register_buffer, DeepNVMe's pin_device_tensor), each with what keeps the memory alive.
 //   TensorGroups: the tensors of each write call of TensorNVMe's DiskOffloader, keyed as
 //     TensorNVMe keys them (one tensor by its id, a vector by the tuple of its ids), weakly.
-//   GdsFileState: torch.cuda.gds's GdsFile but for its storages: the open file, its cuFile handle
-//     registered or not (torch's register_handle / deregister_handle, with torch's messages), and
-//     the DeviceFile made on first use, dropped on deregistration and close.
+//   GdsFileState: torch.cuda.gds's GdsFile but for taking its storages apart: the file (opened as
+//     os.open would), its cuFile handle registered or not (torch's register_handle /
+//     deregister_handle, with torch's messages), the DeviceFile made on first use, dropped on
+//     deregistration and close, and the transfers (torch's cuFileRead/cuFileWrite errors).
 // Both are called with the GIL held; cuFile's calls run with it released, under the registry's
 // own lock (never waited for with the GIL held by its holder).
 #include <fcntl.h>
