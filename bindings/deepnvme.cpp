@@ -1,13 +1,14 @@
-// DeepNVMe's handles (DeepSpeed's aio_handle and gds_handle), but for their tensors:
+// DeepNVMe's handles (DeepSpeed's aio_handle and gds_handle), but for taking their tensors apart:
 //   DeepNvmeHandle: the settings a handle is made with, taken as DeepSpeed's pybind11 binding
-//     takes them (the getters answer them), and the I/O engine's nearest ones; and the log of
-//     the operations started, which wait() completes in order. The Python handles subclass it
-//     and move the tensors.
-//   deepnvme_target, deepnvme_read_fits: DeepNVMe's checks of the file and offset a call names,
-//     and its answer to a file it cannot open or stat (the call returns -1; DeepNVMe prints its
-//     message, a RuntimeWarning here).
-//   deepnvme_validate: DeepNVMe's validate, the file's bytes against the buffer's.
-//   deepnvme_argument: an argument given by its name or by DeepSpeed's spelling of it.
+//     takes them (the getters answer them), and the I/O engine's nearest ones; DeepNVMe's calls
+//     (their arguments, the checks of the file and offset they name, the copies of tensors that
+//     cannot move as they are) started on the Python handle's IOHandle under the handle's mutex;
+//     and the log of the operations started, which wait() completes in order (a read into a
+//     non-contiguous tensor copied out, DeepNVMe's validate).
+//   A file DeepNVMe cannot open or stat: the call returns -1 (DeepNVMe prints its message, a
+//   RuntimeWarning here).
+//   deepnvme_tensor, deepnvme_argument: the checks of a tensor argument, and an argument given by
+//     its name or by DeepSpeed's spelling of it.
 #include <fcntl.h>
 #include <pybind11/pybind11.h>
 #include <sys/stat.h>
@@ -19,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,9 +71,8 @@ py::object AliasedArgument(const std::string& what, py::object value, const py::
 }
 
 // DeepNVMe's answer to a file it cannot open or stat: its message, as a RuntimeWarning naming
-// the first caller outside the module that called here (DeepNVMe prints it). Returns None: the
-// call returns -1.
-py::object Failed(const std::string& path, const char* step, int code) {
+// the first caller outside the module that called here (DeepNVMe prints it).
+void Failed(const std::string& path, const char* step, int code) {
   const py::object first = py::module_::import("sys").attr("_getframe")(0);
   const py::object module = first.attr("f_code").attr("co_filename");
   int level = 1;
@@ -84,7 +86,6 @@ py::object Failed(const std::string& path, const char* step, int code) {
   if (PyErr_WarnEx(PyExc_RuntimeWarning, message.cast<std::string>().c_str(), level) < 0) {
     throw py::error_already_set();
   }
-  return py::none();
 }
 
 // Whether `target` is a path (str, bytes, os.PathLike), not a descriptor.
@@ -105,10 +106,10 @@ std::string PathArgument(const py::object& target, const std::string& what) {
 // The path a DeepNVMe call names: `target` a path, or (`descriptor_ok`: async_pwrite's second
 // overload) an open descriptor, named by /proc/self/fd and left open (OSError when it is not
 // open, or read-only for a write). A read's file must exist and open for reading; a write's path
-// is created if missing (mode 0600, as DeepNVMe's). None, with DeepNVMe's warning, when a check
+// is created if missing (mode 0600, as DeepNVMe's). nullopt, with DeepNVMe's warning, when a check
 // fails; TypeError for a target that is no path (an int but where `descriptor_ok`).
-py::object DeepNvmeFile(const std::string& op, const py::object& target, const std::string& what,
-                        bool descriptor_ok) {
+std::optional<std::string> DeepNvmeFile(const std::string& op, const py::object& target,
+                                        const std::string& what, bool descriptor_ok) {
   const bool descriptor = descriptor_ok && !IsPath(target);
   std::string path;
   if (!descriptor) {
@@ -141,19 +142,24 @@ py::object DeepNvmeFile(const std::string& op, const py::object& target, const s
     if (*step != '\0') code = errno;
     if (fd >= 0) close(fd);
   }
-  if (*step != '\0') return Failed(path, step, code);
-  return PathToPython(path);
+  if (*step == '\0') return path;
+  Failed(path, step, code);
+  return std::nullopt;
 }
 
 // (path, offset) of a DeepNVMe call, in DeepNVMe's order: pybind11 converts the offset (an
-// int64: TypeError), the file is checked (None, with DeepNVMe's warning, when it cannot be
+// int64: TypeError), the file is checked (nullopt, with DeepNVMe's warning, when it cannot be
 // opened), and only then is a negative offset used (DeepNVMe aborts; ValueError).
-py::object DeepNvmeTarget(const std::string& op, const py::object& target, const py::object& offset,
-                          const std::string& what, bool descriptor_ok) {
+std::optional<std::pair<std::string, uint64_t>> DeepNvmeTarget(const std::string& op,
+                                                               const py::object& target,
+                                                               const py::object& offset,
+                                                               const std::string& what,
+                                                               bool descriptor_ok) {
   CIntegerArgument(offset, what, "file_offset", LLONG_MIN, 64, false);
-  const py::object path = DeepNvmeFile(op, target, what, descriptor_ok);
-  if (path.is_none()) return path;
-  return py::make_tuple(path, CIntegerArgument(offset, what, "file_offset", 0, 64, false));
+  const std::optional<std::string> path = DeepNvmeFile(op, target, what, descriptor_ok);
+  if (!path) return std::nullopt;
+  return std::pair{*path,
+                   CIntegerArgument(offset, what, "file_offset", 0, 64, false).cast<uint64_t>()};
 }
 
 // DeepNVMe's synchronous read()'s check: the buffer's `nbytes` at `offset` must be in the file,
@@ -189,12 +195,12 @@ bool DeepNvmeReadFits(const py::object& target, uint64_t nbytes, uint64_t offset
 
 // DeepNVMe's validate: the file's bytes at `offset` (through the page cache) against the host
 // memory [address, address + nbytes). OSError(EIO) when they differ.
-void DeepNvmeValidate(uintptr_t address, size_t nbytes, const FsPath& path, uint64_t offset) {
+void DeepNvmeValidate(uintptr_t address, size_t nbytes, const std::string& path, uint64_t offset) {
   int code = 0;
   bool same = false;
   {
     py::gil_scoped_release release;
-    const int fd = open(path.bytes.c_str(), O_RDONLY | O_CLOEXEC);
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
       code = errno;
     } else {
@@ -214,12 +220,40 @@ void DeepNvmeValidate(uintptr_t address, size_t nbytes, const FsPath& path, uint
               std::memcmp(on_disk.data(), reinterpret_cast<const void*>(address), nbytes) == 0);
     }
   }
-  const py::str name = PathToPython(path.bytes);
+  const py::str name = PathToPython(path);
   if (code != 0) RaiseOsError(code, std::strerror(code), name);
   if (!same) {
     RaiseOsError(
         EIO, py::str("validation failed: {} at offset {}").format(name, offset).cast<std::string>(),
         name);
+  }
+}
+
+// DeepNVMe's binding takes a torch.Tensor: TypeError for anything else. With `device`, ValueError
+// unless it is on the CPU or a GPU (with `gpu`, on a GPU); with `contiguous`, unless it is
+// contiguous.
+void CheckTensor(const py::object& value, const std::string& what, const std::string& name,
+                 bool device, bool contiguous, bool gpu) {
+  static const py::handle tensor_type =
+      py::object(py::module_::import("torch").attr("Tensor")).release();
+  if (!py::isinstance(value, tensor_type)) {
+    throw py::type_error(
+        StrCat(what, ": ", name, " must be a torch tensor, not ", TypeName(value)));
+  }
+  if (contiguous && !value.attr("is_contiguous")().cast<bool>()) {
+    throw py::value_error(StrCat(what, ": buffer of shape ", ReprOf(py::tuple(value.attr("shape"))),
+                                 " is not contiguous"));
+  }
+  if (!device) return;
+  const bool cuda = value.attr("is_cuda").cast<bool>();
+  if (!cuda && !value.attr("is_cpu").cast<bool>()) {
+    throw py::value_error(StrCat(what, ": buffer is on ",
+                                 py::str(value.attr("device")).cast<std::string>(),
+                                 "; only CPU and CUDA tensors move"));
+  }
+  if (gpu && !cuda) {
+    throw py::value_error(StrCat(what, ": tensor is on ",
+                                 py::str(value.attr("device")).cast<std::string>(), ", not a GPU"));
   }
 }
 
@@ -260,10 +294,63 @@ class DeepNvmeHandle {
     return out;
   }
 
-  // Records an operation started: its future (which keeps its memory alive), the tensor it
-  // moves, and what wait() calls once it is over (None: nothing), with the handle's mutex held.
-  void Record(const Operation& op, py::object future, py::object buffer, py::object finish) {
-    pending_.push_back({op, std::move(future), std::move(buffer), std::move(finish)});
+  // pread / pwrite(buffer, filename, validate, async, file_offset): 0 once started (async), the
+  // count of operations completed (blocking: the handle held to the end of its wait), or -1.
+  int64_t Call(const py::object& self, const std::string& op, const py::object& buffer,
+               const py::object& filename, const py::object& validate, const py::object& async_op,
+               const py::object& offset, const py::dict& kwargs) {
+    const std::string what = op == "read" ? "pread" : "pwrite";
+    const bool async =
+        CBoolArgument(AliasedArgument(what, async_op, kwargs, "async_op", "async"), what, "async");
+    const bool check = CBoolArgument(validate, what, "validate");
+    const Held held(mutex_);
+    if (!Start(self, op, buffer, filename, offset, check, async && op == "write", false)) return -1;
+    return async ? 0 : static_cast<int64_t>(WaitPending());
+  }
+
+  // async_pwrite(buffer, filename or fd, file_offset): a descriptor stays the caller's (the
+  // engine opens its file again).
+  int64_t AsyncPwrite(const py::object& self, const py::object& buffer, const py::object& filename,
+                      const py::object& offset, const py::object& fd) {
+    if (filename.is_none() == fd.is_none()) {
+      throw py::type_error("async_pwrite: give a filename or an fd (one of them)");
+    }
+    const Held held(mutex_);
+    return Start(self, "write", buffer, filename.is_none() ? fd : filename, offset, false, true,
+                 true)
+               ? 0
+               : -1;
+  }
+
+  // The synchronous read() / write(): 0 or -1. A read at offset 0 needs the file's size to be
+  // the buffer's; at a later offset, the buffer's bytes from there in the file.
+  int64_t Whole(const py::object& self, const std::string& op, const py::object& buffer,
+                const py::object& filename, const py::object& validate, py::object offset) {
+    CheckTensor(buffer, op, "buffer", true, false, false);
+    const bool check = CBoolArgument(validate, op, "validate");
+    if (op == "read") {
+      offset = CIntegerArgument(offset, "read", "file_offset", 0, 64, false);
+      if (!DeepNvmeReadFits(filename, buffer.attr("nbytes").cast<uint64_t>(),
+                            offset.cast<uint64_t>())) {
+        return -1;
+      }
+    }
+    return Call(self, op, buffer, filename, py::bool_(check), py::bool_(false), offset,
+                py::dict()) >= 0
+               ? 0
+               : -1;
+  }
+
+  // wait(): every operation started, in order; returns their count.
+  size_t Wait() {
+    const Held held(mutex_);
+    return WaitPending();
+  }
+
+  // close(): the IOHandle waits for everything in flight and stops its workers.
+  void Close(const py::object& self) {
+    const Held held(mutex_);
+    self.attr("_io").attr("close")();
   }
 
   // (future, tensor moved) of each operation recorded, in order.
@@ -273,10 +360,86 @@ class DeepNvmeHandle {
     return out;
   }
 
-  // wait(), the handle's mutex held: waits for every operation recorded, then completes each in
-  // order (its error, then its `finish`); returns how many there were. Raises the first error
-  // (OSError, CudaError, CuFileError) once all are over. Ctrl-C interrupts it with every
-  // operation still recorded: the next wait() waits for them, counts them and finishes them.
+  int64_t block_size() const { return block_size_; }
+  int64_t queue_depth() const { return queue_depth_; }
+  int64_t parallelism() const { return parallelism_; }
+  bool single_submit() const { return single_submit_; }
+  bool overlap_events() const { return overlap_events_; }
+
+  // For the cycle collector: a tensor moved (its attributes) may refer back to the handle.
+  int Traverse(visitproc visit, void* arg) const {
+    for (const Pending& p : pending_) {
+      Py_VISIT(p.future.ptr());
+      Py_VISIT(p.buffer.ptr());
+      Py_VISIT(p.copy_to.ptr());
+    }
+    return 0;
+  }
+
+  // Garbage: the operations are dropped; each future waits for its operation as it goes, before
+  // the memory the operation uses can be freed.
+  void ClearReferences() {
+    std::vector<Pending> pending;
+    pending.swap(pending_);
+  }
+
+ private:
+  // DeepNVMe's handle mutex: held while an operation starts, and by a blocking call to the end of
+  // its wait (another thread's wait() cannot take its operation half done). Taken with the GIL
+  // released.
+  class Held {
+   public:
+    explicit Held(std::mutex& mutex) : lock_(mutex, std::defer_lock) {
+      py::gil_scoped_release release;
+      lock_.lock();
+    }
+
+   private:
+    std::unique_lock<std::mutex> lock_;
+  };
+
+  // Starts `op` on the handle's IOHandle; false (nothing started) when DeepNVMe cannot open the
+  // file. `target` may be an open descriptor only with `descriptor_ok`.
+  bool Start(const py::object& self, const std::string& op, py::object buffer,
+             const py::object& target, const py::object& offset, bool validate, bool snapshot,
+             bool descriptor_ok) {
+    const std::string what = op == "read" ? "pread" : "pwrite";
+    CheckTensor(buffer, what, "buffer", true, false, false);
+    const auto file = DeepNvmeTarget(op, target, offset, what, descriptor_ok);
+    if (!file) return false;
+    py::object copy_to = py::none();
+    if (!buffer.attr("is_contiguous")().cast<bool>()) {
+      // DeepNVMe moves such a tensor through a contiguous bounce buffer, copied in at the call
+      // (writes) or out at wait() (reads).
+      if (op == "read") copy_to = buffer;
+      snapshot = false;
+      buffer = buffer.attr("contiguous")();
+    }
+    // An async write copies a buffer that is not locked host memory first, as DeepNVMe does
+    // (DeepSpeed may reuse it before wait()); our device path would queue a CUDA tensor's copies
+    // after work the caller queues meanwhile.
+    if (snapshot && buffer.attr("numel")().cast<int64_t>() > 0 &&
+        (buffer.attr("is_cuda").cast<bool>() ? self.attr("_SNAPSHOT_CUDA_WRITES").cast<bool>()
+                                             : !self.attr("is_pinned")(buffer).cast<bool>())) {
+      buffer = buffer.attr("detach")().attr("to")("cpu", py::arg("copy") = true);
+    }
+    const char* method = op == "read" ? "pread_async" : "pwrite_async";
+    const py::object future =
+        self.attr("_io").attr(method)(buffer, PathToPython(file->first), file->second);
+    const py::object operation = future.attr("_op");
+    static const py::handle locked =  // the process's one registry of locked tensors
+        py::object(py::module_::import("tensortier.compat.deepnvme").attr("_locked")).release();
+    locked.attr("track")(buffer.attr("data_ptr")(), buffer.attr("nbytes"), operation);
+    pending_.push_back({operation.cast<Operation>(), future, buffer, copy_to, validate,
+                        file->first, file->second});
+    return true;
+  }
+
+  // Waits for every operation recorded, then completes each in order (its error; a read's copy
+  // out of its contiguous buffer, DeepNVMe's validation through the page cache); returns how many
+  // there were. Raises the first error (OSError, CudaError, CuFileError) once all are over.
+  // Ctrl-C interrupts it with every operation still recorded: the next wait() waits for them,
+  // counts them and finishes them.
   size_t WaitPending() {
     for (const Pending& p : pending_) {
       WaitInterruptibly([&](auto timeout) { return p.op.WaitFor(timeout); }, true);
@@ -293,7 +456,12 @@ class DeepNvmeHandle {
           if (!first) first = PythonError(std::current_exception());
           continue;
         }
-        if (!p.finish.is_none()) p.finish();
+        if (!p.copy_to.is_none()) p.copy_to.attr("copy_")(p.buffer);
+        if (p.validate) {
+          const py::object host = p.buffer.attr("detach")().attr("cpu")();
+          DeepNvmeValidate(host.attr("data_ptr")().cast<uintptr_t>(),
+                           host.attr("nbytes").cast<size_t>(), p.path, p.offset);
+        }
       } catch (py::error_already_set& e) {
         if (!e.matches(PyExc_OSError) && !e.matches(PyExc_RuntimeError)) throw;
         if (!first) first = e.value();
@@ -306,42 +474,21 @@ class DeepNvmeHandle {
     return pending.size();
   }
 
-  int64_t block_size() const { return block_size_; }
-  int64_t queue_depth() const { return queue_depth_; }
-  int64_t parallelism() const { return parallelism_; }
-  bool single_submit() const { return single_submit_; }
-  bool overlap_events() const { return overlap_events_; }
-
-  // For the cycle collector: a tensor moved (its attributes) or a finisher may refer back to the
-  // handle.
-  int Traverse(visitproc visit, void* arg) const {
-    for (const Pending& p : pending_) {
-      Py_VISIT(p.future.ptr());
-      Py_VISIT(p.buffer.ptr());
-      Py_VISIT(p.finish.ptr());
-    }
-    return 0;
-  }
-
-  // Garbage: the operations are dropped; each future waits for its operation as it goes, before
-  // the memory the operation uses can be freed.
-  void ClearReferences() {
-    std::vector<Pending> pending;
-    pending.swap(pending_);
-  }
-
- private:
   static int64_t CInt(const py::object& value, const char* name) {
     return CIntegerArgument(value, "aio_handle", name, 1, 32, false).cast<int64_t>();
   }
 
   struct Pending {
     Operation op;
-    py::object future;
-    py::object buffer;
-    py::object finish;
+    py::object future;  // keeps the memory alive
+    py::object buffer;  // the tensor moved
+    py::object copy_to;  // a read's non-contiguous tensor, else None
+    bool validate;
+    std::string path;
+    uint64_t offset;
   };
 
+  std::mutex mutex_;
   std::vector<Pending> pending_;
   int64_t block_size_ = 0;
   int64_t queue_depth_ = 0;
@@ -354,38 +501,57 @@ class DeepNvmeHandle {
 
 void RegisterDeepNvme(py::module_& m) {
   py::class_<DeepNvmeHandle>(m, "DeepNvmeHandle", CycleCollected<DeepNvmeHandle>(),
-                             "DeepNVMe's handle settings and its log of the operations started "
-                             "(the Python handles subclass it).")
+                             "DeepNVMe's handle: its settings, its calls started on the Python "
+                             "handle's IOHandle (`_io`), and its log of the operations started.")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
                     py::object, py::kwargs>())
       .def("_engine_settings", &DeepNvmeHandle::EngineSettings,
            "IOHandle's chunk_size, queue_depth, workers and max_inflight_bytes for the handle.")
-      .def("_record", &DeepNvmeHandle::Record, py::arg("operation"), py::arg("future"),
-           py::arg("buffer"), py::arg("finish"),
-           "Records an operation started, its future, the tensor it moves, and what wait() calls "
-           "once it is over.")
+      .def(
+          "_call",
+          [](py::object self, const std::string& op, const py::object& buffer,
+             const py::object& filename, const py::object& validate, const py::object& async_op,
+             const py::object& offset, const py::dict& kwargs) {
+            return self.cast<DeepNvmeHandle&>().Call(self, op, buffer, filename, validate,
+                                                     async_op, offset, kwargs);
+          },
+          py::arg("op"), py::arg("buffer"), py::arg("filename"), py::arg("validate"),
+          py::arg("async_op"), py::arg("file_offset"), py::arg("kwargs"),
+          "pread / pwrite ('read', 'write'): 0, the count completed (blocking), or -1.")
+      .def(
+          "_async_pwrite",
+          [](py::object self, const py::object& buffer, const py::object& filename,
+             const py::object& offset, const py::object& fd) {
+            return self.cast<DeepNvmeHandle&>().AsyncPwrite(self, buffer, filename, offset, fd);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset"), py::arg("fd"))
+      .def(
+          "_whole",
+          [](py::object self, const std::string& op, const py::object& buffer,
+             const py::object& filename, const py::object& validate, py::object offset) {
+            return self.cast<DeepNvmeHandle&>().Whole(self, op, buffer, filename, validate,
+                                                      std::move(offset));
+          },
+          py::arg("op"), py::arg("buffer"), py::arg("filename"), py::arg("validate"),
+          py::arg("file_offset"), "The synchronous read() / write(): 0 or -1.")
+      .def("_wait", &DeepNvmeHandle::Wait,
+           "wait(): every operation started, in order; returns their count.")
+      .def(
+          "_close", [](py::object self) { self.cast<DeepNvmeHandle&>().Close(self); },
+          "Waits for everything in flight and stops the IOHandle's workers.")
       .def_property_readonly("_pending", &DeepNvmeHandle::PendingList,
                              "(future, tensor moved) of each operation recorded, in order.")
-      .def("_wait_pending", &DeepNvmeHandle::WaitPending,
-           "wait(), the mutex held: every operation recorded, in order; returns their count.")
       .def("get_block_size", &DeepNvmeHandle::block_size)
       .def("get_queue_depth", &DeepNvmeHandle::queue_depth)
       .def("get_single_submit", &DeepNvmeHandle::single_submit)
       .def("get_overlap_events", &DeepNvmeHandle::overlap_events)
       .def("get_intra_op_parallelism", &DeepNvmeHandle::parallelism)
       .def("get_thread_count", &DeepNvmeHandle::parallelism);
-  m.def("deepnvme_target", &DeepNvmeTarget, py::arg("op"), py::arg("target"), py::arg("offset"),
-        py::arg("what"), py::arg("descriptor_ok") = false,
-        "(path, offset) of a DeepNVMe call, checked as DeepNVMe checks them; None (with "
-        "DeepNVMe's message as a RuntimeWarning) when the file cannot be opened or stat'ed.");
-  m.def("deepnvme_read_fits", &DeepNvmeReadFits, py::arg("filename"), py::arg("nbytes"),
-        py::arg("offset"),
-        "DeepNVMe's read() check of the file's size (ValueError); False, with DeepNVMe's "
-        "warning, when it cannot be stat'ed.");
-  m.def("deepnvme_validate", &DeepNvmeValidate, py::arg("address"), py::arg("nbytes"),
-        py::arg("path"), py::arg("offset"),
-        "DeepNVMe's validate: OSError(EIO) unless the file at `offset` holds the host memory's "
-        "bytes.");
+  m.def("deepnvme_tensor", &CheckTensor, py::arg("value"), py::arg("what"),
+        py::arg("name") = "buffer", py::arg("device") = false, py::arg("contiguous") = false,
+        py::arg("gpu") = false,
+        "TypeError unless `value` is a torch tensor; with `device`, ValueError unless on the CPU "
+        "or a GPU (with `gpu`, on a GPU); with `contiguous`, unless contiguous.");
   m.def("deepnvme_argument", &AliasedArgument, py::arg("what"), py::arg("value"), py::arg("kwargs"),
         py::arg("name"), py::arg("alias"),
         "`value`, or the keyword `alias` taken out of `kwargs`; TypeError for both, neither, or "

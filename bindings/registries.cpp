@@ -1,20 +1,24 @@
 // The buffer registries of the compatibility APIs, by address:
 //   LockedTensors: DeepSpeed's pinned-tensor manager (one per process): the locked host tensors
 //     made by its handles, each as its size, a weak reference to its storage and the operations
-//     started on its memory (freeing it waits for them).
+//     started on its memory (freeing it waits for them, then shrinks the storage).
 //   CuFileRegistrations: device memory registered with cuFile (torch.cuda.gds's
 //     gds_register_buffer, DeepNVMe's pin_device_tensor), each with what keeps the memory alive.
 //   TensorGroups: the tensors of each write call of TensorNVMe's DiskOffloader, keyed as
 //     TensorNVMe keys them (one tensor by its id, a vector by the tuple of its ids), weakly.
-//   GdsFileState: torch.cuda.gds's GdsFile but for its storages: the open file, its cuFile handle
-//     registered or not (torch's register_handle / deregister_handle, with torch's messages), and
-//     the DeviceFile made on first use, dropped on deregistration and close.
+//   GdsFileState: torch.cuda.gds's GdsFile but for taking its storages apart: the file (opened as
+//     os.open would), its cuFile handle registered or not (torch's register_handle /
+//     deregister_handle, with torch's messages), the DeviceFile made on first use, dropped on
+//     deregistration and close, and the transfers (torch's cuFileRead/cuFileWrite errors).
 // Both are called with the GIL held; cuFile's calls run with it released, under the registry's
 // own lock (never waited for with the GIL held by its holder).
+#include <fcntl.h>
 #include <pybind11/pybind11.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -28,12 +32,14 @@
 #include <vector>
 
 #include "binding_helpers.hpp"
+#include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/transfer/operation.hpp"
 #include "tensortier/transfer/transfer.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -74,6 +80,18 @@ class LockedTensors {
       const Operation op = it->second.busy.front();  // the GIL goes: look again after it
       WaitInterruptibly([&](auto timeout) { return op.WaitFor(timeout); }, true);
     }
+  }
+
+  // Frees the live tensor at `address` once `Take` has it: its storage shrinks to nothing where
+  // torch allows (pinned storages do; page-aligned memory goes with its last reference). A
+  // zero-byte one only through `tensor`, a view of it. False, and nothing freed, when there is
+  // none.
+  bool Free(uintptr_t address, const py::object& tensor) {
+    const py::object storage =
+        Take(address, tensor.is_none() ? tensor : tensor.attr("untyped_storage")());
+    if (storage.is_none()) return false;
+    if (storage.attr("resizable")().cast<bool>()) storage.attr("resize_")(0);
+    return true;
   }
 
   // Whether [address, address + nbytes) is locked host memory: in one live tensor here, or
@@ -228,10 +246,33 @@ class TensorGroups {
 
 class GdsFileState {
  public:
-  // `error`: the exception type of a failed cuFile call (GdsIOError), made as OSError(errno,
-  // message, filename).
-  GdsFileState(py::object file, py::object filename, py::object error)
-      : file_(std::move(file)), filename_(std::move(filename)), error_(std::move(error)) {}
+  // Opens `filename` with `flags` as os.open would (O_CREAT and O_TRUNC honoured; OSError), then
+  // through `io` (IOHandle.open), read-write when `flags` allow writing. `error`: the exception
+  // type of a failed cuFile call (GdsIOError), made as OSError(errno, message, filename).
+  GdsFileState(const py::object& io, py::object filename, const py::int_& os_flags,
+               py::object error)
+      : filename_(std::move(filename)), error_(std::move(error)) {
+    const long flags = PyLong_AsLong(os_flags.ptr());
+    if (flags == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (flags < INT_MIN || flags > INT_MAX) {  // os.open's C int
+      PyErr_SetString(PyExc_OverflowError, "flags do not fit a C int");
+      throw py::error_already_set();
+    }
+    const std::string path = filename_.cast<FsPath>().bytes;
+    int code = 0;
+    {
+      py::gil_scoped_release release;
+      const int fd = open(path.c_str(), static_cast<int>(flags) | O_CLOEXEC, 0644);
+      if (fd < 0) code = errno;
+      if (fd >= 0) close(fd);
+    }
+    if (code != 0) {
+      errno = code;
+      PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, filename_.ptr());
+      throw py::error_already_set();
+    }
+    file_ = io.attr("open")(filename_, (flags & O_ACCMODE) != O_RDONLY ? "r+" : "r");
+  }
 
   // The file's descriptor; -1 once closed, as torch's.
   int fd() const { return file_.is_none() ? -1 : file_.cast<const File&>().buffered_fd(); }
@@ -257,11 +298,7 @@ class GdsFileState {
   void Register() {
     if (registered_) RaiseAssertionError("Cannot register a handle that is already registered.");
     if (file_.is_none()) {  // torch's registers descriptor -1: cuFileHandleRegister fails
-      PyErr_SetObject(
-          error_.ptr(),
-          py::make_tuple(EBADF, "cuFileHandleRegister failed: the file is closed", filename_)
-              .ptr());
-      throw py::error_already_set();
+      RaiseError(EBADF, "cuFileHandleRegister failed: the file is closed", filename_);
     }
     registered_ = true;
   }
@@ -283,6 +320,45 @@ class GdsFileState {
     return file_;
   }
 
+  // load_storage ('read') / save_storage ('write') of `tensor`, a 1-D uint8 tensor over the
+  // storage, at `offset` through `io`, the IOHandle the GdsFiles share; `span` makes a CUDA
+  // tensor's DeviceBuffer (None: a CPU tensor). Returns the path the bytes took ("host", "gds",
+  // "bounce"). A failed transfer is `error`, with torch's "cuFileRead failed: ..." message.
+  std::string Transfer(const std::string& op, const py::object& io, const py::object& tensor,
+                       const py::int_& offset, const py::object& span) {
+    const bool read = op == "read";
+    const std::string call = read ? "cuFileRead failed: " : "cuFileWrite failed: ";
+    if (offset < py::int_(0)) {
+      RaiseError(EINVAL, StrCat(call, "negative offset ", py::str(offset).cast<std::string>()),
+                 filename_);
+    }
+    try {
+      if (span.is_none()) {
+        io.attr(read ? "pread" : "pwrite")(tensor, file_, offset);
+        return "host";
+      }
+      const py::object db = span(tensor);  // CudaError without a driver
+      const py::object transfer = io.attr("_device").attr("transfer")(io.attr("_core")());
+      const py::object nbytes = tensor.attr("numel")();
+      const py::object target = DeviceFileOf();
+      const py::object address = db.attr("address"), device = db.attr("device");
+      const py::object result =
+          read ? transfer.attr("read")(target, offset, nbytes, address, device, db.attr("stream"))
+               : transfer.attr("write")(address, nbytes, target, offset, device,
+                                        db.attr("stream"));
+      return py::str(result["stats"]["path"]);
+    } catch (py::error_already_set& e) {
+      if (!e.matches(PyExc_OSError)) throw;
+      const py::object cause = e.value();
+      const auto either = [](const py::object& value, py::object other) {
+        return PyObject_IsTrue(value.ptr()) == 1 ? value : other;
+      };
+      RaiseError(either(cause.attr("errno"), py::int_(EIO)),
+                 call + either(cause.attr("strerror"), py::str(cause)).cast<std::string>(),
+                 either(cause.attr("filename"), filename_), cause);
+    }
+  }
+
   void Close() {
     registered_ = false;
     device_file_ = py::none();
@@ -292,6 +368,18 @@ class GdsFileState {
   }
 
  private:
+  // Raises `error`(code, message, filename), caused by `cause` (as Python's raise ... from).
+  [[noreturn]] void RaiseError(const py::object& code, const std::string& message,
+                               const py::object& filename, const py::object& cause = py::none()) {
+    const py::object error = error_(code, message, filename);
+    if (!cause.is_none()) error.attr("__cause__") = cause;
+    PyErr_SetObject(error_.ptr(), error.ptr());
+    throw py::error_already_set();
+  }
+  [[noreturn]] void RaiseError(int code, const std::string& message, const py::object& filename) {
+    RaiseError(py::int_(code), message, filename);
+  }
+
   py::object file_;  // the _core.File; None once closed
   py::object filename_;
   py::object error_;
@@ -306,16 +394,24 @@ void RegisterRegistries(py::module_& m) {
       .def(py::init<>())
       .def("add", &LockedTensors::Add, py::arg("address"), py::arg("nbytes"), py::arg("storage"),
            "Records a locked tensor: its address, size and storage (weakly).")
-      .def("take", &LockedTensors::Take, py::arg("address"), py::arg("storage") = py::none(),
-           "The live storage of the tensor at `address`, forgotten; None when there is none (a "
-           "zero-byte one only when `storage` is it), once the operations started on its memory "
-           "are over.")
+      .def("free", &LockedTensors::Free, py::arg("address"), py::arg("tensor") = py::none(),
+           "Frees the live tensor at `address` (a zero-byte one only through `tensor`, a view of "
+           "it) once the operations started on its memory are over: its storage shrinks to "
+           "nothing where torch allows. False, and nothing freed, when there is none.")
       .def("track", &LockedTensors::Track, py::arg("address"), py::arg("nbytes"),
            py::arg("operation"),
            "Records an operation started on the range, on the locked tensor it starts in.")
-      .def("pinned", &LockedTensors::Pinned, py::arg("address"), py::arg("nbytes"),
-           "Whether all of the range lies in one live locked tensor or, where a CUDA driver is "
-           "loaded, in memory page-locked with CUDA.");
+      .def(
+          "pinned",
+          [](LockedTensors& l, const py::object& tensor) {
+            return tensor.attr("device").attr("type").cast<std::string>() == "cpu" &&
+                   (tensor.attr("is_pinned")().cast<bool>() ||
+                    l.Pinned(tensor.attr("data_ptr")().cast<uintptr_t>(),
+                             tensor.attr("nbytes").cast<size_t>()));
+          },
+          py::arg("tensor"),
+          "Whether all of a tensor is page-locked host memory: pinned by torch, in one live "
+          "locked tensor or, where a CUDA driver is loaded, page-locked with CUDA.");
   py::class_<TensorGroups>(m, "TensorGroups")
       .def(py::init<>())
       .def("remember", &TensorGroups::Remember, py::arg("tensors"), py::arg("vector"),
@@ -334,9 +430,10 @@ void RegisterRegistries(py::module_& m) {
            "Deregisters the memory at `address` now; nothing when it is not registered.")
       .def("clear", &CuFileRegistrations::Clear, "Deregisters everything now.");
   py::class_<GdsFileState>(m, "GdsFileState")
-      .def(py::init<py::object, py::object, py::object>(), py::arg("file"), py::arg("filename"),
-           py::arg("error"),
-           "A GdsFile's open file and its cuFile handle's state (registered when made).")
+      .def(py::init<const py::object&, py::object, const py::int_&, py::object>(), py::arg("io"),
+           py::arg("filename"), py::arg("flags"), py::arg("error"),
+           "A GdsFile's file, opened with os.open's `flags` and then by `io`, and its cuFile "
+           "handle's state (registered when made).")
       .def_property_readonly("fd", &GdsFileState::fd)
       .def_property_readonly("handle", &GdsFileState::handle)
       .def("device_file", &GdsFileState::DeviceFileOf,
@@ -345,5 +442,9 @@ void RegisterRegistries(py::module_& m) {
       .def("deregister_handle", &GdsFileState::Deregister)
       .def("require", &GdsFileState::Require, py::arg("verb"),
            "The open file; AssertionError (torch's message) unless registered and open.")
+      .def("transfer", &GdsFileState::Transfer, py::arg("op"), py::arg("io"), py::arg("tensor"),
+           py::arg("offset"), py::arg("span"),
+           "load_storage / save_storage of a uint8 tensor over the storage through `io`; returns "
+           "the path the bytes took. A failure is the error type, with torch's message.")
       .def("close", &GdsFileState::Close);
 }

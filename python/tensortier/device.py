@@ -157,14 +157,12 @@ def device_buffer(tensor: Any, *, own_stream: bool = False) -> DeviceBuffer:
     current = torch.cuda.current_stream(index)
     nbytes = tensor.numel() * tensor.element_size()
     storage = tensor.untyped_storage()  # kept too: set_() meanwhile must not free the memory
-    if not own_stream:
-        return DeviceBuffer(
-            tensor.data_ptr(), nbytes, index, int(current.cuda_stream), (tensor, storage)
-        )
-    stream = torch.cuda.Stream(index)
-    if stream.cuda_stream == current.cuda_stream:  # torch's pool hands streams out in turn:
-        stream = torch.cuda.Stream(index)  # the caller's own may come round; the next is not it
-    stream.wait_stream(current)
+    stream = current
+    if own_stream:
+        stream = torch.cuda.Stream(index)
+        if stream.cuda_stream == current.cuda_stream:  # torch's pool hands streams out in turn:
+            stream = torch.cuda.Stream(index)  # the caller's may come round; the next is not it
+        stream.wait_stream(current)
     return DeviceBuffer(
         tensor.data_ptr(), nbytes, index, int(stream.cuda_stream), (tensor, storage, stream)
     )

@@ -242,16 +242,15 @@ class IOHandle:
         error not yet raised to anyone (see ``wait_all``)."""
         if self._engine is None:
             return
-        if os.getpid() != self._pid:
-            # A fork's child: the operations and threads are the parent's. Let go without
-            # waiting, and without locks (a thread of the parent may have held one).
-            self._pending, self._engine = _core.OperationLog(), None
-            self._device.clear()
-            return
         try:
-            self.wait_all()
+            if os.getpid() == self._pid:
+                self.wait_all()
+            else:
+                # A fork's child: the operations and threads are the parent's. Let go without
+                # waiting, and without locks (a thread of the parent may have held one).
+                self._pending = _core.OperationLog()
         finally:
-            self._device.clear()  # its jobs are over: the wait above saw every future done
+            self._device.clear()  # its jobs are over (or, in a fork's child, the parent's)
             self._engine = None
 
     def __enter__(self) -> "IOHandle":

@@ -4,8 +4,6 @@ compatibility page says how misuse is answered and where it differs from DeepNVM
 
 from __future__ import annotations
 
-import functools
-import threading
 from typing import Any
 
 from .. import _core
@@ -28,25 +26,7 @@ _DEFAULT_BLOCK_SIZE = 1 << 20
 _DEFAULT_QUEUE_DEPTH = 128
 # DeepNVMe's get_alignment(): intra_op_parallelism x its O_DIRECT alignment.
 _O_DIRECT_ALIGNMENT = 512
-# DeepSpeed's bindings take C ints, int64s and uintptr_ts, and C++ bools, as pybind11 converts
-# them (TypeError or ValueError naming the argument).
-_integer = _core.c_integer
-_c_bool = _core.c_bool
-
-
-def _require_tensor(value: Any, what: str, name: str = "buffer") -> None:
-    import torch
-
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what}: {name} must be a torch tensor, not {type(value).__name__}")
-
-
-def _check_tensor(buffer: Any, what: str, contiguous: bool = False) -> None:
-    _require_tensor(buffer, what)
-    if contiguous and not buffer.is_contiguous():
-        raise ValueError(f"{what}: buffer of shape {tuple(buffer.shape)} is not contiguous")
-    if buffer.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{what}: buffer is on {buffer.device}; only CPU and CUDA tensors move")
+_require_tensor = _core.deepnvme_tensor
 
 
 class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
@@ -71,7 +51,7 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
     """
 
     _GDS = "off"
-    # Async writes of CUDA tensors copy them to host memory first (see _start).
+    # Async writes of CUDA tensors copy them to host memory first.
     _SNAPSHOT_CUDA_WRITES = True
 
     def __init__(
@@ -86,9 +66,6 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         super().__init__(block_size, queue_depth, single_submit, overlap_events,
                          intra_op_parallelism, **kwargs)
         self._io = IOHandle(**self._engine_settings(), gds=self._GDS)
-        # DeepNVMe's handle mutex: held while an operation starts, and by a blocking call to the
-        # end of its wait (another thread's wait() cannot take its operation half done).
-        self._mutex = threading.Lock()
 
     # ---- settings (the getters DeepNVMe's handle has are DeepNvmeHandle's) -----------------
     def get_alignment(self) -> int:
@@ -129,12 +106,7 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         tensor too) are copied before this returns: the caller may change it at once. Locked
         tensors (and, with ``gds_handle``, CUDA tensors) are read while the write runs: leave
         them unchanged until ``wait()``."""
-        if (filename is None) == (fd is None):
-            raise TypeError("async_pwrite: give a filename or an fd (one of them)")
-        target = filename if fd is None else fd
-        with self._mutex:
-            return self._start("write", buffer, target, file_offset, validate=False,
-                               snapshot=True, descriptor_ok=True)
+        return self._async_pwrite(buffer, filename, file_offset, fd)
 
     def pread(
         self,
@@ -165,25 +137,17 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
     def read(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
         """DeepNVMe's synchronous ``read``: at offset 0 the file's size must be the buffer's;
         at `file_offset` > 0 the buffer's bytes from there must be in the file. Returns 0."""
-        _check_tensor(buffer, "read")
-        validate = _c_bool(validate, "read", "validate")
-        file_offset = _integer(file_offset, "read", "file_offset", 0, bits=64)
-        if not _core.deepnvme_read_fits(filename, int(buffer.nbytes), file_offset):
-            return -1
-        return 0 if self.pread(buffer, filename, validate, False, file_offset) >= 0 else -1
+        return self._whole("read", buffer, filename, validate, file_offset)
 
     def write(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
         """DeepNVMe's synchronous ``write``: all of `buffer` at `file_offset` (the file is created
         if missing, never truncated: bytes past the write stay). Returns 0."""
-        _check_tensor(buffer, "write")
-        validate = _c_bool(validate, "write", "validate")
-        return 0 if self.pwrite(buffer, filename, validate, False, file_offset) >= 0 else -1
+        return self._whole("write", buffer, filename, validate, file_offset)
 
     def wait(self) -> int:
         """Waits for every operation started; returns how many completed. Raises the first
         error (``OSError``, or ``CudaError``/``CuFileError``) after all have finished."""
-        with self._mutex:
-            return self._wait_pending()
+        return self._wait()
 
     # ---- pinned ("locked") host tensors -----------------------------------------------------
     def new_cpu_locked_tensor(
@@ -196,7 +160,6 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         second argument ``example_tenosr``; both names work.)"""
         example_tensor = _core.deepnvme_argument("new_cpu_locked_tensor", example_tensor, kwargs,
                                                  "example_tensor", "example_tenosr")
-        _require_tensor(example_tensor, "new_cpu_locked_tensor", "example_tensor")
         return _new_locked(num_elem, example_tensor)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
@@ -207,76 +170,18 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
         left alone: False. Reads and writes that handles started on its memory are waited for
         first (DeepSpeed's frees the memory under them)."""
         _require_tensor(tensor, "free_cpu_locked_tensor", "tensor")
-        return _free_locked(int(tensor.data_ptr()), tensor)
+        return _locked.free(int(tensor.data_ptr()), tensor)
 
     def is_pinned(self, buffer: Any) -> bool:
         """Whether all of `buffer` is page-locked host memory: pinned by torch, in (a view of) a
         tensor from ``new_cpu_locked_tensor`` of any handle (``pin_handle``'s too), or, where a
         CUDA driver is loaded, page-locked with CUDA by anyone."""
         _require_tensor(buffer, "is_pinned")
-        return _is_pinned(buffer)
+        return _locked.pinned(buffer)
 
     def close(self) -> None:
         """Waits for everything in flight and stops the workers."""
-        with self._mutex:
-            self._io.close()
-
-    # ---- internals ------------------------------------------------------------------------
-    def _call(self, op: str, buffer: Any, filename: str, validate: bool, async_op: bool | None,
-              file_offset: int, kwargs: dict[str, Any]) -> int:
-        what = "pread" if op == "read" else "pwrite"
-        async_op = _c_bool(_core.deepnvme_argument(what, async_op, kwargs, "async_op", "async"),
-                           what, "async")
-        validate = _c_bool(validate, what, "validate")
-        with self._mutex:
-            if self._start(op, buffer, filename, file_offset, validate,
-                           snapshot=async_op and op == "write") < 0:
-                return -1
-            return 0 if async_op else self._wait_pending()
-
-    def _start(self, op: str, buffer: Any, filename: str | int, offset: int, validate: bool,
-               snapshot: bool = False, descriptor_ok: bool = False) -> int:
-        """Starts `op`; `filename` may be an open descriptor only with `descriptor_ok`
-        (``async_pwrite``'s second overload: every other call takes a name)."""
-        what = "pread" if op == "read" else "pwrite"
-        _check_tensor(buffer, what)
-        # An async_pwrite descriptor stays the caller's: the engine opens its file again.
-        target = _core.deepnvme_target(op, filename, offset, what, descriptor_ok)
-        if target is None:  # DeepNVMe's answer to a file it cannot open or stat (warned)
-            return -1
-        path, offset = target
-        copy_to = None
-        if not buffer.is_contiguous():
-            # DeepNVMe moves such a tensor through a contiguous bounce buffer, copied in at the
-            # call (writes) or out at wait() (reads).
-            if op == "read":
-                copy_to, buffer = buffer, buffer.contiguous()
-            else:
-                buffer, snapshot = buffer.contiguous(), False
-        # An async write copies a buffer that is not locked host memory first, as DeepNVMe does
-        # (DeepSpeed may reuse it before wait()); our device path would queue a CUDA tensor's
-        # copies after work the caller queues meanwhile.
-        if snapshot and buffer.numel() > 0 and (self._SNAPSHOT_CUDA_WRITES if buffer.is_cuda
-                                                else not self.is_pinned(buffer)):
-            buffer = buffer.detach().to("cpu", copy=True)
-        future = (self._io.pread_async if op == "read" else self._io.pwrite_async)(
-            buffer, path, offset)
-        _locked.track(int(buffer.data_ptr()), int(buffer.nbytes), future._op)
-        finish = None
-        if copy_to is not None or validate:
-            finish = functools.partial(_finish, buffer, copy_to, validate, path, offset)
-        self._record(future._op, future, buffer, finish)
-        return 0
-
-
-def _finish(buffer: Any, copy_to: Any, validate: bool, path: str, offset: int) -> None:
-    """At wait(): a non-contiguous tensor's read copied out of its contiguous copy, then
-    DeepNVMe's validation (the file's bytes, through the page cache)."""
-    if copy_to is not None:
-        copy_to.copy_(buffer)
-    if validate:
-        host = buffer.detach().cpu()
-        _core.deepnvme_validate(int(host.data_ptr()), int(host.nbytes), path, offset)
+        self._close()
 
 
 class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
@@ -302,9 +207,7 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepNVMe's name
         """Registers a CUDA tensor's memory with cuFile (skipped without cuFile, or where it would
         run in its compatibility mode: nothing DMAs into registered memory then), through the
         tensor's own device's primary context whichever device is current. Returns True."""
-        _check_tensor(tensor, "pin_device_tensor", contiguous=True)
-        if tensor.device.type != "cuda":
-            raise ValueError(f"pin_device_tensor: tensor is on {tensor.device}, not a GPU")
+        _require_tensor(tensor, "pin_device_tensor", device=True, contiguous=True, gpu=True)
         self._pinned.add(int(tensor.data_ptr()), int(tensor.nbytes), tensor)
         return True
 
@@ -379,10 +282,8 @@ class _Loaded:
     deepspeed_memcpy = staticmethod(deepspeed_memcpy)
 
 
-# DeepSpeed's pinned-tensor manager, one per process: new_cpu_locked_tensor's tensors of every
-# aio_handle, gds_handle and pin_handle, so that each handle's is_pinned knows the others' and
-# free_cpu_locked_tensor frees only them. By data_ptr: bytes, the tensor's storage, weakly (it
-# lives as long as any view of the tensor, which the tensor's Python object need not).
+# DeepSpeed's pinned-tensor manager, one per process: the locked tensors of every handle (the
+# storage weakly: it lives as long as any view of the tensor, which its Python object need not).
 _locked = _core.LockedTensors()
 
 
@@ -391,30 +292,13 @@ def _new_locked(num_elem: int, example_tensor: Any) -> Any:
 
     from .. import aligned_empty
 
+    _require_tensor(example_tensor, "new_cpu_locked_tensor", "example_tensor")
     if torch.cuda.is_available():
         tensor = torch.empty(num_elem, dtype=example_tensor.dtype, pin_memory=True)
     else:
         tensor = aligned_empty(num_elem, example_tensor.dtype, reused=True, resident=True)
     _locked.add(int(tensor.data_ptr()), int(tensor.nbytes), tensor.untyped_storage())
     return tensor
-
-
-def _free_locked(address: int, tensor: Any = None) -> bool:
-    """Frees the live tensor from ``new_cpu_locked_tensor`` at `address` (its storage shrinks to
-    nothing where torch allows, as pinned storages do; page-aligned memory goes with its last
-    reference). A zero-byte one only through `tensor`, a view of it: such tensors may share an
-    address. False, and nothing freed, when there is none."""
-    storage = _locked.take(address, None if tensor is None else tensor.untyped_storage())
-    if storage is None:
-        return False
-    if storage.resizable():
-        storage.resize_(0)
-    return True
-
-
-def _is_pinned(buffer: Any) -> bool:
-    return buffer.device.type == "cpu" and (
-        bool(buffer.is_pinned()) or _locked.pinned(int(buffer.data_ptr()), int(buffer.nbytes)))
 
 
 class pin_handle:  # noqa: N801 - DeepSpeed's name
@@ -424,26 +308,26 @@ class pin_handle:  # noqa: N801 - DeepSpeed's name
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
         """An uninitialised 1-D tensor of `num_elem` elements of `example_tensor`'s dtype in
         locked memory, as ``aio_handle.new_cpu_locked_tensor``'s."""
-        _require_tensor(example_tensor, "new_cpu_locked_tensor", "example_tensor")
         return _new_locked(num_elem, example_tensor)
 
     def free_cpu_locked_tensor(self, locked_tensor: Any) -> bool:
         """As ``aio_handle.free_cpu_locked_tensor``: True when `locked_tensor` starts at a locked
         tensor of any handle, which is freed."""
         _require_tensor(locked_tensor, "free_cpu_locked_tensor", "locked_tensor")
-        return _free_locked(int(locked_tensor.data_ptr()), locked_tensor)
+        return _locked.free(int(locked_tensor.data_ptr()), locked_tensor)
 
     def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
         """Frees the locked tensor (of any handle) whose memory starts at `address`, even where
         the tensor's ``.data`` has since been pointed elsewhere; True when there was one."""
-        return _free_locked(
-            _integer(address, "free_cpu_locked_tensor_by_ptr", "address", 0, 64, True)
+        # DeepSpeed's binding takes a uintptr_t, as pybind11 converts one.
+        return _locked.free(
+            _core.c_integer(address, "free_cpu_locked_tensor_by_ptr", "address", 0, 64, True)
         )
 
     def is_pinned(self, buffer: Any) -> bool:
         """As ``aio_handle.is_pinned``: whether all of `buffer` is page-locked host memory."""
         _require_tensor(buffer, "is_pinned")
-        return _is_pinned(buffer)
+        return _locked.pinned(buffer)
 
 
 class _PinMemoryLoaded:

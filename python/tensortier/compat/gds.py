@@ -4,7 +4,6 @@ where GDS cannot serve the file) and how misuse is answered."""
 
 from __future__ import annotations
 
-import errno
 import operator
 import os
 import threading
@@ -92,12 +91,9 @@ class GdsFile:
         flags = _index(flags, "flags must be os.open flags (an int)")
         self.filename = os.fspath(filename)
         self.flags = flags
-        os.close(os.open(self.filename, flags | os.O_CLOEXEC, 0o644))  # create/truncate as asked
-        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         # torch's GdsFile registers its handle here; ours (a DeviceFile: the cuFile registration
         # or the reason there is none) is made on first use, but the state is torch's.
-        self._state = _core.GdsFileState(_io().open(self.filename, "r+" if writable else "r"),
-                                         self.filename, GdsIOError)
+        self._state = _core.GdsFileState(_io(), self.filename, flags, GdsIOError)
         self.last_path = ""
 
     @property
@@ -170,39 +166,16 @@ class GdsFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- internals ------------------------------------------------------------------------
-
     def _transfer(self, op: str, storage: Any, offset: int) -> None:
         import torch
 
         what, verb = ("load_storage", "load data from") if op == "read" else (
             "save_storage", "save data to")
-        file = self._state.require(verb)
+        self._state.require(verb)
         _check_storage(storage, what)
         offset = _index(offset, f"{what}: offset must be an int")
         # A 1-D uint8 tensor over all of the storage (no copy).
         untyped = storage.untyped() if isinstance(storage, torch.TypedStorage) else storage
         tensor = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
-        nbytes = int(tensor.numel())
-        call = "cuFileRead" if op == "read" else "cuFileWrite"
-        if offset < 0:
-            raise GdsIOError(errno.EINVAL, f"{call} failed: negative offset {offset}",
-                             self.filename)
-        io = _io()
-        try:
-            if tensor.device.type != "cuda":
-                (io.pread if op == "read" else io.pwrite)(tensor, file, offset)
-                self.last_path = "host"
-                return
-            db = device_buffer(tensor)  # CudaError without a driver
-            transfer = io._device.transfer(io._core())  # noqa: SLF001 - same package
-            target = self._state.device_file()
-            if op == "read":
-                result = transfer.read(target, offset, nbytes, db.address, db.device, db.stream)
-            else:
-                result = transfer.write(db.address, nbytes, target, offset, db.device, db.stream)
-            self.last_path = str(result["stats"]["path"])
-        except OSError as e:
-            error = GdsIOError(e.errno or errno.EIO, f"{call} failed: {e.strerror or e}",
-                               e.filename or self.filename)
-            raise error from e
+        span = device_buffer if tensor.device.type == "cuda" else None
+        self.last_path = self._state.transfer(op, _io(), tensor, offset, span)
