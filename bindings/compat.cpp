@@ -26,18 +26,9 @@
 namespace py = pybind11;
 using namespace tensortier;
 
-namespace {
-
-// operator.index(value), its TypeError included.
-py::int_ Index(const py::handle& value) {
-  PyObject* index = PyNumber_Index(value.ptr());
-  if (index == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::int_>(index);
-}
-
 // `value` as TensorNVMe's bindings take an unsigned int of `bits` bits (32; 64 for a size_t or
 // an unsigned long long): anything else is pybind11's TypeError.
-uint64_t Unsigned(const py::handle& value, const std::string& name, int bits) {
+uint64_t TensorNvmeUnsigned(const py::handle& value, const std::string& name, int bits) {
   PyObject* index = PyNumber_Index(value.ptr());
   uint64_t n = 0;
   bool ok = false;
@@ -54,41 +45,54 @@ uint64_t Unsigned(const py::handle& value, const std::string& name, int bits) {
   return n;
 }
 
+void RegisterTensorNvmeWriter(py::module_& m);  // bindings/tensornvme_writer.cpp
+
+namespace {
+
+// operator.index(value), its TypeError included.
+py::int_ Index(const py::handle& value) {
+  PyObject* index = PyNumber_Index(value.ptr());
+  if (index == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::int_>(index);
+}
+
 std::string Repr(const std::vector<int64_t>& values) {
   return ReprOf(py::cast(values));
+}
+
+// TensorNVMe's `n_entries` as the engine's queue depth: the nearest one its rings allow.
+uint64_t QueueDepth(const py::handle& n_entries) {
+  const Setting& s = SettingFor("TENSORTIER_QUEUE_DEPTH");
+  return std::clamp<uint64_t>(TensorNvmeUnsigned(n_entries, "n_entries", 32), s.min, s.max);
+}
+
+// The engine's name of the backend TensorNVMe would run (TENSORNVME_BACKEND when set).
+std::string TensorNvmeBackend(const py::object& backend) {
+  const char* variable = std::getenv("TENSORNVME_BACKEND");
+  std::string name = variable != nullptr && *variable != '\0' ? variable
+                     : py::isinstance<py::str>(backend)       ? backend.cast<std::string>()
+                                                              : ReprOf(backend);
+  try {
+    return std::string(OffloadBackendName(name));
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error(StrCat("Unsupported backend: ", e.what()));
+  }
 }
 
 }  // namespace
 
 void RegisterCompat(py::module_& m) {
-  m.def("unsigned_argument", &Unsigned, py::arg("value"), py::arg("name"), py::arg("bits") = 32,
+  m.def("unsigned_argument", &TensorNvmeUnsigned, py::arg("value"), py::arg("name"),
+        py::arg("bits") = 32,
         "`value` as TensorNVMe's bindings take an unsigned integer of `bits` bits; TypeError "
         "naming `name` otherwise.");
-  m.def(
-      "tensornvme_queue_depth",
-      [](const py::handle& n_entries) {
-        const Setting& s = SettingFor("TENSORTIER_QUEUE_DEPTH");
-        return std::clamp<uint64_t>(Unsigned(n_entries, "n_entries", 32), s.min, s.max);
-      },
-      py::arg("n_entries"),
-      "TensorNVMe's `n_entries` (a 32-bit unsigned integer, else TypeError) as the engine's "
-      "queue depth: the nearest one the engine's rings allow.");
-  m.def(
-      "tensornvme_backend",
-      [](const py::object& backend) {
-        const char* variable = std::getenv("TENSORNVME_BACKEND");
-        std::string name = variable != nullptr && *variable != '\0' ? variable
-                           : py::isinstance<py::str>(backend)       ? backend.cast<std::string>()
-                                                                    : ReprOf(backend);
-        try {
-          return std::string(OffloadBackendName(name));
-        } catch (const std::invalid_argument& e) {
-          throw std::runtime_error(StrCat("Unsupported backend: ", e.what()));
-        }
-      },
-      py::arg("backend"),
-      "The engine's name of the backend TensorNVMe would run: TENSORNVME_BACKEND when set takes "
-      "the place of `backend`; RuntimeError 'Unsupported backend' for a name it does not know.");
+  m.def("tensornvme_queue_depth", &QueueDepth, py::arg("n_entries"),
+        "TensorNVMe's `n_entries` (a 32-bit unsigned integer, else TypeError) as the engine's "
+        "queue depth: the nearest one the engine's rings allow.");
+  m.def("tensornvme_backend", &TensorNvmeBackend, py::arg("backend"),
+        "The engine's name of the backend TensorNVMe would run: TENSORNVME_BACKEND when set "
+        "takes the place of `backend`; RuntimeError 'Unsupported backend' for a name it does not "
+        "know.");
   m.def(
       "backend_starts",
       [](const std::string& backend, const FsPath& dir) {
@@ -173,4 +177,17 @@ void RegisterCompat(py::module_& m) {
       py::arg("shape"), py::arg("stride"), py::arg("ranks"), py::arg("world_size"),
       "WholeMemory's create_tensor arguments checked: the shape as a tuple; ValueError for a "
       "stride other than [] or the contiguous one, or ranks other than [] or all of them.");
+  m.def(
+      "tensornvme_writer_arguments",
+      [](const py::handle& fd, const py::handle& n_entries, const py::object& backend,
+         const py::handle& n_tasks) {
+        if (!IsPlainInt(fd)) throw py::type_error(StrCat("fd must be an int, not ", TypeName(fd)));
+        const uint64_t depth = QueueDepth(n_entries);
+        TensorNvmeUnsigned(n_tasks, "n_tasks", 32);  // TensorNVMe's debug log counts them
+        return py::make_tuple(depth, TensorNvmeBackend(backend));
+      },
+      py::arg("fd"), py::arg("n_entries"), py::arg("backend"), py::arg("n_tasks"),
+      "TensorNVMe's AsyncFileWriter arguments checked as its binding checks them: (queue depth, "
+      "the engine's backend name).");
+  RegisterTensorNvmeWriter(m);
 }
