@@ -168,8 +168,15 @@ class OffloadEntries {
     return key && At(*key).state != State::kWriting;
   }
 
-  std::string StateOf(uint64_t key) const {
-    return std::string(NameOf(kStateNames, At(key).state));
+  // Whether TensorNVMe would find each of `tensors` to read back: offloaded, and not being read
+  // (TensorNVMe takes a tensor's key when its read starts: a second read of it finds nothing,
+  // even while the first runs).
+  bool Readable(const py::list& tensors) const {
+    for (const py::handle t : tensors) {
+      const auto key = Find(t);
+      if (!key || At(*key).state == State::kReading) return false;
+    }
+    return true;
   }
   // Whether `tensor` is the tensor `key` was written from (not another of its storage).
   bool Holds(uint64_t key, const py::handle& tensor) const {
@@ -721,7 +728,8 @@ void RegisterOffloadEntries(py::module_& m) {
            "storage), or None.")
       .def("is_offloaded", &OffloadEntries::IsOffloaded, py::arg("tensor"),
            "Whether `tensor` is a strided tensor whose data is parked (not being written).")
-      .def("state", &OffloadEntries::StateOf, py::arg("key"), "'writing', 'stored' or 'reading'.")
+      .def("readable", &OffloadEntries::Readable, py::arg("tensors"),
+           "Whether each tensor is offloaded here and not being read (TensorNVMe's read check).")
       .def("holds", &OffloadEntries::Holds, py::arg("key"), py::arg("tensor"),
            "Whether `tensor` is the tensor the key was written from.")
       .def("check_write", &OffloadEntries::CheckWrite, py::arg("tensors"), py::arg("supersede"),

@@ -84,13 +84,7 @@ class DiskOffloader(_offload.DiskOffloader):
                 except ValueError as e:
                     raise WriteRefusedError(f"{what}: {e}") from e
                 self._groups.remember(tensors, vector)
-            elif (
-                not self._groups.matches(tensors, vector)
-                # TensorNVMe takes a tensor's key when its read starts: a second read of it
-                # finds nothing, even while the first runs.
-                or any((k := self._entries.find(t)) is None or self._entries.state(k) == "reading"
-                       for t in tensors)
-            ):
+            elif not (self._groups.matches(tensors, vector) and self._entries.readable(tensors)):
                 raise RuntimeError(
                     "Read error, tensor not found"
                     + (" (read a vector with the tensors, in the order, of its write)"
