@@ -60,6 +60,22 @@ std::string Repr(const std::vector<int64_t>& values) {
   return ReprOf(py::cast(values));
 }
 
+// As TensorNVMe's DiskOffloader: makes the directory `path` if missing (os.mkdir's error).
+void TensorNvmeDirectory(const FsPath& path) {
+  struct stat status{};
+  if (stat(path.bytes.c_str(), &status) != 0) {
+    if (mkdir(path.bytes.c_str(), 0777) != 0) {  // os.mkdir's error, filename included
+      PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PathToPython(path.bytes).ptr());
+      throw py::error_already_set();
+    }
+  } else if (!S_ISDIR(status.st_mode)) {
+    PyErr_SetString(PyExc_AssertionError, StrCat("dir_name ", ReprOf(PathToPython(path.bytes)),
+                                                 " exists and is not a directory")
+                                              .c_str());
+    throw py::error_already_set();
+  }
+}
+
 // TensorNVMe's `n_entries` as the engine's queue depth: the nearest one its rings allow.
 uint64_t QueueDepth(const py::handle& n_entries) {
   const Setting& s = SettingFor("TENSORTIER_QUEUE_DEPTH");
@@ -86,13 +102,21 @@ void RegisterCompat(py::module_& m) {
         py::arg("bits") = 32,
         "`value` as TensorNVMe's bindings take an unsigned integer of `bits` bits; TypeError "
         "naming `name` otherwise.");
-  m.def("tensornvme_queue_depth", &QueueDepth, py::arg("n_entries"),
-        "TensorNVMe's `n_entries` (a 32-bit unsigned integer, else TypeError) as the engine's "
-        "queue depth: the nearest one the engine's rings allow.");
-  m.def("tensornvme_backend", &TensorNvmeBackend, py::arg("backend"),
-        "The engine's name of the backend TensorNVMe would run: TENSORNVME_BACKEND when set "
-        "takes the place of `backend`; RuntimeError 'Unsupported backend' for a name it does not "
-        "know.");
+  m.def(
+      "tensornvme_offloader_arguments",
+      [](const py::object& dir_name, const py::handle& n_entries, const py::object& backend) {
+        if (PyUnicode_Check(dir_name.ptr()) || PyBytes_Check(dir_name.ptr()) ||
+            py::isinstance(dir_name, py::module_::import("os").attr("PathLike"))) {
+          // TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
+          TensorNvmeDirectory(FsPathArgument(dir_name, "dir_name", false).cast<FsPath>());
+        }
+        const uint64_t depth = QueueDepth(n_entries);
+        return py::make_tuple(depth, TensorNvmeBackend(backend));
+      },
+      py::arg("dir_name"), py::arg("n_entries"), py::arg("backend"),
+      "TensorNVMe's DiskOffloader arguments checked as it checks them: (queue depth, the "
+      "engine's backend name). A path `dir_name` is made if missing (not its parents: "
+      "FileNotFoundError); AssertionError when it is not a directory.");
   m.def(
       "backend_starts",
       [](const std::string& backend, const FsPath& dir) {
@@ -117,26 +141,6 @@ void RegisterCompat(py::module_& m) {
         return names;
       },
       py::arg("dir"), "TensorNVMe's names of the backends whose round trip in `dir` passes.");
-  m.def(
-      "tensornvme_directory",
-      [](const FsPath& path) {
-        struct stat status{};
-        if (stat(path.bytes.c_str(), &status) != 0) {
-          if (mkdir(path.bytes.c_str(), 0777) != 0) {  // os.mkdir's error, filename included
-            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PathToPython(path.bytes).ptr());
-            throw py::error_already_set();
-          }
-        } else if (!S_ISDIR(status.st_mode)) {
-          PyErr_SetString(PyExc_AssertionError,
-                          StrCat("dir_name ", ReprOf(PathToPython(path.bytes)),
-                                 " exists and is not a directory")
-                              .c_str());
-          throw py::error_already_set();
-        }
-      },
-      py::arg("path"),
-      "As TensorNVMe's DiskOffloader: makes the directory `path` if missing (not its parents: "
-      "FileNotFoundError), AssertionError when it exists and is not a directory.");
   m.def(
       "wholememory_dims",
       [](const py::iterable& shape, const py::object& stride, const py::iterable& ranks,

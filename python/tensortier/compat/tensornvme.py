@@ -15,7 +15,6 @@ from typing import Any
 
 from .. import _core
 from .. import offload as _offload
-from .._paths import fspath
 from ..io import IOHandle
 
 __all__ = [
@@ -58,11 +57,8 @@ class DiskOffloader(_offload.DiskOffloader):
         backend: str = "auto",
         **kwargs: Any,
     ) -> None:
-        if isinstance(dir_name, (str, bytes, os.PathLike)):
-            # TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
-            _core.tensornvme_directory(fspath(dir_name, "dir_name", bytes_ok=False))
-        entries = _core.tensornvme_queue_depth(n_entries)
-        backend = _core.tensornvme_backend(backend)
+        # TensorNVMe's checks; a path `dir_name` is made as TensorNVMe makes it.
+        entries, backend = _core.tensornvme_offloader_arguments(dir_name, n_entries, backend)
         with _starting(backend):
             super().__init__(dir_name, entries, backend, **kwargs)
         # The tensors of each write call, as TensorNVMe keys them (a later write of one of them
