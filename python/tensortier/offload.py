@@ -80,10 +80,7 @@ class DiskOffloader:
             dirs, backend, n_entries, stripe_threshold
         )
         self._pid, self._pin = os.getpid(), pin_memory
-        # The bounce rings (one per directory at least: the parts of a striped tensor move at
-        # once) and the device operations in flight.
-        rings = None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, len(dirs))
-        self._device = _core.OffloadDevice(self._core, gds, rings, _device_copier)
+        self._device = _core.OffloadDevice(self._core, gds, self._core.bounce_rings, _device_copier)
         self._lock = threading.RLock()
         self._entries = _core.OffloadEntries(self._core, weakref.WeakMethod(self._forget))
         _live.add(self)
