@@ -26,18 +26,9 @@
 namespace py = pybind11;
 using namespace tensortier;
 
-namespace {
-
-// operator.index(value), its TypeError included.
-py::int_ Index(const py::handle& value) {
-  PyObject* index = PyNumber_Index(value.ptr());
-  if (index == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::int_>(index);
-}
-
 // `value` as TensorNVMe's bindings take an unsigned int of `bits` bits (32; 64 for a size_t or
 // an unsigned long long): anything else is pybind11's TypeError.
-uint64_t Unsigned(const py::handle& value, const std::string& name, int bits) {
+uint64_t TensorNvmeUnsigned(const py::handle& value, const std::string& name, int bits) {
   PyObject* index = PyNumber_Index(value.ptr());
   uint64_t n = 0;
   bool ok = false;
@@ -54,41 +45,78 @@ uint64_t Unsigned(const py::handle& value, const std::string& name, int bits) {
   return n;
 }
 
+void RegisterTensorNvmeWriter(py::module_& m);  // bindings/tensornvme_writer.cpp
+
+namespace {
+
+// operator.index(value), its TypeError included.
+py::int_ Index(const py::handle& value) {
+  PyObject* index = PyNumber_Index(value.ptr());
+  if (index == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::int_>(index);
+}
+
 std::string Repr(const std::vector<int64_t>& values) {
   return ReprOf(py::cast(values));
+}
+
+// As TensorNVMe's DiskOffloader: makes the directory `path` if missing (os.mkdir's error).
+void TensorNvmeDirectory(const FsPath& path) {
+  struct stat status{};
+  if (stat(path.bytes.c_str(), &status) != 0) {
+    if (mkdir(path.bytes.c_str(), 0777) != 0) {  // os.mkdir's error, filename included
+      PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PathToPython(path.bytes).ptr());
+      throw py::error_already_set();
+    }
+  } else if (!S_ISDIR(status.st_mode)) {
+    PyErr_SetString(PyExc_AssertionError, StrCat("dir_name ", ReprOf(PathToPython(path.bytes)),
+                                                 " exists and is not a directory")
+                                              .c_str());
+    throw py::error_already_set();
+  }
+}
+
+// TensorNVMe's `n_entries` as the engine's queue depth: the nearest one its rings allow.
+uint64_t QueueDepth(const py::handle& n_entries) {
+  const Setting& s = SettingFor("TENSORTIER_QUEUE_DEPTH");
+  return std::clamp<uint64_t>(TensorNvmeUnsigned(n_entries, "n_entries", 32), s.min, s.max);
+}
+
+// The engine's name of the backend TensorNVMe would run (TENSORNVME_BACKEND when set).
+std::string TensorNvmeBackend(const py::object& backend) {
+  const char* variable = std::getenv("TENSORNVME_BACKEND");
+  std::string name = variable != nullptr && *variable != '\0' ? variable
+                     : py::isinstance<py::str>(backend)       ? backend.cast<std::string>()
+                                                              : ReprOf(backend);
+  try {
+    return std::string(OffloadBackendName(name));
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error(StrCat("Unsupported backend: ", e.what()));
+  }
 }
 
 }  // namespace
 
 void RegisterCompat(py::module_& m) {
-  m.def("unsigned_argument", &Unsigned, py::arg("value"), py::arg("name"), py::arg("bits") = 32,
+  m.def("unsigned_argument", &TensorNvmeUnsigned, py::arg("value"), py::arg("name"),
+        py::arg("bits") = 32,
         "`value` as TensorNVMe's bindings take an unsigned integer of `bits` bits; TypeError "
         "naming `name` otherwise.");
   m.def(
-      "tensornvme_queue_depth",
-      [](const py::handle& n_entries) {
-        const Setting& s = SettingFor("TENSORTIER_QUEUE_DEPTH");
-        return std::clamp<uint64_t>(Unsigned(n_entries, "n_entries", 32), s.min, s.max);
-      },
-      py::arg("n_entries"),
-      "TensorNVMe's `n_entries` (a 32-bit unsigned integer, else TypeError) as the engine's "
-      "queue depth: the nearest one the engine's rings allow.");
-  m.def(
-      "tensornvme_backend",
-      [](const py::object& backend) {
-        const char* variable = std::getenv("TENSORNVME_BACKEND");
-        std::string name = variable != nullptr && *variable != '\0' ? variable
-                           : py::isinstance<py::str>(backend)       ? backend.cast<std::string>()
-                                                                    : ReprOf(backend);
-        try {
-          return std::string(OffloadBackendName(name));
-        } catch (const std::invalid_argument& e) {
-          throw std::runtime_error(StrCat("Unsupported backend: ", e.what()));
+      "tensornvme_offloader_arguments",
+      [](const py::object& dir_name, const py::handle& n_entries, const py::object& backend) {
+        if (PyUnicode_Check(dir_name.ptr()) || PyBytes_Check(dir_name.ptr()) ||
+            py::isinstance(dir_name, py::module_::import("os").attr("PathLike"))) {
+          // TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
+          TensorNvmeDirectory(FsPathArgument(dir_name, "dir_name", false).cast<FsPath>());
         }
+        const uint64_t depth = QueueDepth(n_entries);
+        return py::make_tuple(depth, TensorNvmeBackend(backend));
       },
-      py::arg("backend"),
-      "The engine's name of the backend TensorNVMe would run: TENSORNVME_BACKEND when set takes "
-      "the place of `backend`; RuntimeError 'Unsupported backend' for a name it does not know.");
+      py::arg("dir_name"), py::arg("n_entries"), py::arg("backend"),
+      "TensorNVMe's DiskOffloader arguments checked as it checks them: (queue depth, the "
+      "engine's backend name). A path `dir_name` is made if missing (not its parents: "
+      "FileNotFoundError); AssertionError when it is not a directory.");
   m.def(
       "backend_starts",
       [](const std::string& backend, const FsPath& dir) {
@@ -113,26 +141,6 @@ void RegisterCompat(py::module_& m) {
         return names;
       },
       py::arg("dir"), "TensorNVMe's names of the backends whose round trip in `dir` passes.");
-  m.def(
-      "tensornvme_directory",
-      [](const FsPath& path) {
-        struct stat status{};
-        if (stat(path.bytes.c_str(), &status) != 0) {
-          if (mkdir(path.bytes.c_str(), 0777) != 0) {  // os.mkdir's error, filename included
-            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PathToPython(path.bytes).ptr());
-            throw py::error_already_set();
-          }
-        } else if (!S_ISDIR(status.st_mode)) {
-          PyErr_SetString(PyExc_AssertionError,
-                          StrCat("dir_name ", ReprOf(PathToPython(path.bytes)),
-                                 " exists and is not a directory")
-                              .c_str());
-          throw py::error_already_set();
-        }
-      },
-      py::arg("path"),
-      "As TensorNVMe's DiskOffloader: makes the directory `path` if missing (not its parents: "
-      "FileNotFoundError), AssertionError when it exists and is not a directory.");
   m.def(
       "wholememory_dims",
       [](const py::iterable& shape, const py::object& stride, const py::iterable& ranks,
@@ -173,4 +181,17 @@ void RegisterCompat(py::module_& m) {
       py::arg("shape"), py::arg("stride"), py::arg("ranks"), py::arg("world_size"),
       "WholeMemory's create_tensor arguments checked: the shape as a tuple; ValueError for a "
       "stride other than [] or the contiguous one, or ranks other than [] or all of them.");
+  m.def(
+      "tensornvme_writer_arguments",
+      [](const py::handle& fd, const py::handle& n_entries, const py::object& backend,
+         const py::handle& n_tasks) {
+        if (!IsPlainInt(fd)) throw py::type_error(StrCat("fd must be an int, not ", TypeName(fd)));
+        const uint64_t depth = QueueDepth(n_entries);
+        TensorNvmeUnsigned(n_tasks, "n_tasks", 32);  // TensorNVMe's debug log counts them
+        return py::make_tuple(depth, TensorNvmeBackend(backend));
+      },
+      py::arg("fd"), py::arg("n_entries"), py::arg("backend"), py::arg("n_tasks"),
+      "TensorNVMe's AsyncFileWriter arguments checked as its binding checks them: (queue depth, "
+      "the engine's backend name).");
+  RegisterTensorNvmeWriter(m);
 }

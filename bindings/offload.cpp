@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -147,6 +148,14 @@ void RegisterOffload(py::module_& m) {
                              [](const Offloader& o) { return OptionsDict(o.engine_options()); })
       .def_property_readonly("paths", [](const Offloader& o) { return PathsToPython(o.paths()); })
       .def_property_readonly("backend", &Offloader::backend)
+      .def_property_readonly(
+          "bounce_rings",
+          [](const Offloader& o) -> std::optional<size_t> {
+            if (SettingFromEnvironment(SettingFor("TENSORTIER_BOUNCE_RINGS"))) return std::nullopt;
+            return std::max<size_t>(2, o.paths().size());
+          },
+          "The bounce rings of its device path: one per directory and at least two (the parts "
+          "of a striped tensor move at once); None when TENSORTIER_BOUNCE_RINGS says.")
       .def_property_readonly(
           "engine", [](Offloader& o) -> Engine& { return o.engine(); },
           py::return_value_policy::reference_internal)

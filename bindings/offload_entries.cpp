@@ -31,7 +31,30 @@
 namespace py = pybind11;
 using namespace tensortier;
 
+// A callback is refused when given, not at the wait (the memory freed, the error out of place).
+void CheckCallback(const py::handle& callback) {
+  if (!callback.is_none() && PyCallable_Check(callback.ptr()) == 0) {
+    throw py::type_error(StrCat("callback must be callable or None, not ", TypeName(callback)));
+  }
+}
+
 namespace {
+
+// Entries follow storages by identity: torch must keep one Python object per storage.
+void RequirePreservedStorages() {
+  static const bool preserved = [] {
+    const py::module_ torch = py::module_::import("torch");
+    const py::object probe = torch.attr("empty")(1);
+    if (!probe.attr("untyped_storage")().is(probe.attr("untyped_storage")())) {
+      throw std::runtime_error(StrCat(
+          "torch ", py::str(torch.attr("__version__")).cast<std::string>(),
+          " makes a new Python object per untyped_storage() call; DiskOffloader needs one per "
+          "storage (newer PyTorch releases keep it): upgrade torch"));
+    }
+    return true;
+  }();
+  (void)preserved;
+}
 
 enum class State { kWriting, kStored, kReading };
 constexpr EnumName<State> kStateNames[] = {
@@ -134,8 +157,26 @@ class OffloadEntries {
     return e->key;
   }
 
-  std::string StateOf(uint64_t key) const {
-    return std::string(NameOf(kStateNames, At(key).state));
+  // Whether `tensor` (anything) stands for data parked here (written, not yet read back).
+  bool IsOffloaded(const py::handle& tensor) const {
+    const py::module_ torch = py::module_::import("torch");
+    if (!py::isinstance(tensor, torch.attr("Tensor")) ||
+        !tensor.attr("layout").is(torch.attr("strided"))) {
+      return false;
+    }
+    const auto key = Find(tensor);
+    return key && At(*key).state != State::kWriting;
+  }
+
+  // Whether TensorNVMe would find each of `tensors` to read back: offloaded, and not being read
+  // (TensorNVMe takes a tensor's key when its read starts: a second read of it finds nothing,
+  // even while the first runs).
+  bool Readable(const py::list& tensors) const {
+    for (const py::handle t : tensors) {
+      const auto key = Find(t);
+      if (!key || At(*key).state == State::kReading) return false;
+    }
+    return true;
   }
   // Whether `tensor` is the tensor `key` was written from (not another of its storage).
   bool Holds(uint64_t key, const py::handle& tensor) const {
@@ -146,6 +187,7 @@ class OffloadEntries {
   // written is written again); None while one of them is being read (wait for the reads first).
   // ValueError for a tensor given twice or already offloaded.
   std::optional<std::vector<uint64_t>> CheckWrite(const py::list& tensors, bool supersede) const {
+    RequirePreservedStorages();
     CheckTensors(tensors, "write");
     std::vector<std::optional<uint64_t>> keys;
     for (const py::handle t : tensors) {
@@ -324,6 +366,25 @@ class OffloadEntries {
 
   size_t HeldErrors(const std::string& kind) const {
     return held_[ParseOffloadKind(kind)].errors.size();
+  }
+
+  // close(): waits for the operations of both kinds on `device` (a write done leaves its tensor as
+  // it is; callbacks do not run); returns the warning to give, or None.
+  py::object Closing(const py::object& device) {
+    size_t failed = 0;
+    for (const char* kind : {"write", "read"}) {
+      failed += py::len(Collect(device, kind, std::nullopt, true)[0]) + HeldErrors(kind);
+    }
+    const size_t lost = Count("stored");
+    const std::string failures =
+        failed > 0 ? StrCat(failed, " operation(s) not waited for had failed") : "";
+    if (lost > 0) {
+      return py::str(StrCat("DiskOffloader closed with ", lost,
+                            " tensor(s) still offloaded; their data is gone",
+                            failed > 0 ? StrCat(" (", failures, ")") : ""));
+    }
+    if (failed == 0) return py::none();
+    return py::str(StrCat("DiskOffloader closed: ", failures));
   }
 
   // Applies a wait's outcomes; `freed`: the storages whose memory to free.
@@ -649,6 +710,8 @@ py::list TensorNvmeMoved(const py::list& tensors) {
 }  // namespace
 
 void RegisterOffloadEntries(py::module_& m) {
+  m.def("check_callback", &CheckCallback, py::arg("callback"),
+        "TypeError unless `callback` is callable or None.");
   m.def("tensornvme_tensors", &TensorNvmeTensors, py::arg("what"), py::arg("given"),
         "The tensors of TensorNVMe's call `what` ('sync_writev'...), checked as its binding "
         "checks them (TypeError, RuntimeError, AssertionError).");
@@ -663,7 +726,10 @@ void RegisterOffloadEntries(py::module_& m) {
       .def("find", &OffloadEntries::Find, py::arg("tensor"),
            "The key `tensor` stands for (the tensor written, or a tensor covering its whole "
            "storage), or None.")
-      .def("state", &OffloadEntries::StateOf, py::arg("key"), "'writing', 'stored' or 'reading'.")
+      .def("is_offloaded", &OffloadEntries::IsOffloaded, py::arg("tensor"),
+           "Whether `tensor` is a strided tensor whose data is parked (not being written).")
+      .def("readable", &OffloadEntries::Readable, py::arg("tensors"),
+           "Whether each tensor is offloaded here and not being read (TensorNVMe's read check).")
       .def("holds", &OffloadEntries::Holds, py::arg("key"), py::arg("tensor"),
            "Whether `tensor` is the tensor the key was written from.")
       .def("check_write", &OffloadEntries::CheckWrite, py::arg("tensors"), py::arg("supersede"),
@@ -692,9 +758,10 @@ void RegisterOffloadEntries(py::module_& m) {
       .def("hold", &OffloadEntries::Hold, py::arg("kind"), py::arg("errors"), py::arg("callbacks"),
            "Holds a wait's errors for the next wait of `kind`, runs its callbacks; returns an "
            "interrupt one raised, or None.")
-      .def("held", &OffloadEntries::HeldErrors, py::arg("kind"), "I/O errors held for `kind`.")
+      .def("closing", &OffloadEntries::Closing, py::arg("device"),
+           "Waits for every operation on the OffloadDevice, cancelling writes (no callback runs); "
+           "returns the warning of data lost or failures, or None.")
       .def("drain", &OffloadEntries::Drain, "Applies the deaths queued.")
-      .def("count", &OffloadEntries::Count, py::arg("state"))
       .def("clear", &OffloadEntries::Clear)
       .def("__len__", &OffloadEntries::size)
       .def_property_readonly("forgotten", &OffloadEntries::forgotten,

@@ -192,17 +192,40 @@ class PyOffloadDevice {
       : core_(new OffloadDevice(offloader, ParseGdsMode(gds), [max_rings, copier](Engine& e) {
           return std::unique_ptr<DeviceTransfer>(
               MakeTransfer(e, std::nullopt, std::nullopt, max_rings, copier).release());
-        })) {}
+        })),
+        every_tensor_(copier == "memcpy") {}
 
-  void Submit(const std::string& kind, uint64_t key, uintptr_t address, uint64_t length, int device,
-              std::optional<uintptr_t> stream, py::object keep) {
-    const OffloadKind parsed = ParseKind(kind);
-    core_->Transfer();  // made with the GIL held: CudaError is raised as it is
-    {
-      py::gil_scoped_release release;
-      core_->Submit(parsed, key, Span(address, device, stream), length);
+  // Per tensor, whether it takes the device path (CUDA tensors; all with the memcpy copier, for
+  // tests without a GPU); the transfer is made first when one does (CudaError before anything).
+  std::vector<bool> Route(const py::list& tensors) {
+    std::vector<bool> device;
+    for (const py::handle t : tensors) {
+      device.push_back(every_tensor_ ||
+                       t.attr("device").attr("type").cast<std::string>() == "cuda");
     }
-    keep_[parsed == OffloadKind::kWrite ? 0 : 1].emplace(key, std::move(keep));
+    if (std::find(device.begin(), device.end(), true) != device.end()) core_->Transfer();
+    return device;
+  }
+
+  // Starts moving the bytes of each key given a span (a DeviceBuffer; None: a host piece) between
+  // device memory and the files ('write': to the files); the span stays referenced until wait()
+  // collects it.
+  void Submit(const std::string& kind, const std::vector<uint64_t>& keys, const py::list& spans) {
+    const OffloadKind parsed = ParseKind(kind);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const py::object span = spans[i];
+      if (span.is_none()) continue;
+      const DeviceSpan memory =
+          Span(span.attr("address").cast<uintptr_t>(), span.attr("device").cast<int>(),
+               span.attr("stream").cast<std::optional<uintptr_t>>());
+      const auto length = span.attr("nbytes").cast<uint64_t>();
+      core_->Transfer();  // made with the GIL held: CudaError is raised as it is
+      {
+        py::gil_scoped_release release;
+        core_->Submit(parsed, keys[i], memory, length);
+      }
+      keep_[parsed == OffloadKind::kWrite ? 0 : 1].emplace(keys[i], span);
+    }
   }
 
   // [(key, exception or None)]; Ctrl-C while waiting leaves them all to the next wait.
@@ -233,6 +256,7 @@ class PyOffloadDevice {
 
  private:
   GilFreeHolder<OffloadDevice> core_;
+  bool every_tensor_;
   std::multimap<uint64_t, py::object> keep_[2];  // writes, reads
 };
 
@@ -694,13 +718,11 @@ void RegisterTransfer(py::module_& m) {
            py::arg("copier") = "cuda", py::keep_alive<1, 2>(),
            "DiskOffloader's device path under GDS mode `gds`; its transfer is made for the first "
            "device tensor, with `max_rings` (None: TENSORTIER_BOUNCE_RINGS) and `copier`.")
-      .def(
-          "prepare", [](PyOffloadDevice& d) { d.core().Transfer(); },
-          "Makes the transfer now (CudaError without a driver), before anything starts.")
-      .def("submit", &PyOffloadDevice::Submit, py::arg("kind"), py::arg("key"), py::arg("address"),
-           py::arg("length"), py::arg("device"), py::arg("stream"), py::arg("keep"),
-           "Starts moving a key's bytes between device memory and the files ('write': to the "
-           "files); `keep` stays referenced until wait() collects it.")
+      .def("route", &PyOffloadDevice::Route, py::arg("tensors"),
+           "Per tensor, whether it takes the device path; makes the transfer when one does.")
+      .def("submit", &PyOffloadDevice::Submit, py::arg("kind"), py::arg("keys"), py::arg("spans"),
+           "Starts moving the bytes of each key whose span (a DeviceBuffer) is not None "
+           "('write': to the files); the span stays referenced until wait() collects it.")
       .def("wait", &PyOffloadDevice::Wait, py::arg("kind"), py::arg("keys") = py::none(),
            "Waits for the device operations of `kind` (those moving `keys`), then the "
            "offloader's: [(key, exception or None)]; Ctrl-C leaves them all to the next wait.")

@@ -47,7 +47,7 @@ def check_tensor_memory(tensor: Any, where: str = "tensor") -> None:
         )
 
 
-def _from_tensor(tensor: Any, writable: bool) -> HostBuffer:
+def _from_tensor(tensor: Any) -> HostBuffer:
     if tensor.device.type == "cuda":
         # A torch CUDA tensor takes the CUDA path before it gets here; other CUDA arrays come
         # through DLPack.
@@ -69,11 +69,6 @@ def _from_tensor(tensor: Any, writable: bool) -> HostBuffer:
     )
 
 
-def _from_buffer(obj: Any, writable: bool) -> HostBuffer | None:
-    memory = _core.host_range(obj, writable)  # ValueError: read-only, not contiguous
-    return None if memory is None else HostBuffer(*memory)
-
-
 def host_buffer(obj: Any, *, writable: bool) -> HostBuffer:
     """Resolve `obj` to a host memory range.
 
@@ -87,19 +82,19 @@ def host_buffer(obj: Any, *, writable: bool) -> HostBuffer:
         ValueError: the memory is not contiguous, read-only for a read, or not on the host.
     """
     if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
-        return _from_tensor(obj, writable)
-    memory = _from_buffer(obj, writable)
-    if memory is not None:
-        return memory
-    if hasattr(obj, "__dlpack__"):
+        return _from_tensor(obj)
+    memory = _core.host_range(obj, writable)  # ValueError: read-only, not contiguous
+    if memory is None and hasattr(obj, "__dlpack__"):
         try:
             import torch
 
-            return _from_tensor(torch.from_dlpack(obj), writable)
+            return _from_tensor(torch.from_dlpack(obj))
         except ImportError:
             import numpy
 
-            return _from_buffer(numpy.from_dlpack(obj), writable)  # type: ignore[return-value]
+            memory = _core.host_range(numpy.from_dlpack(obj), writable)
+    if memory is not None:
+        return HostBuffer(*memory)
     raise TypeError(
         f"{type(obj).__name__} is not a tensor, a buffer (bytes, bytearray, numpy array...) "
         "or a DLPack array"

@@ -4,7 +4,6 @@ The guide is docs/offload.md (GPU tensors: docs/gpu.md)."""
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import threading
 import warnings
@@ -81,12 +80,7 @@ class DiskOffloader:
             dirs, backend, n_entries, stripe_threshold
         )
         self._pid, self._pin = os.getpid(), pin_memory
-        # "memcpy" (tests): CPU tensors take the device path, copied by memcpy (no GPU needed).
-        self._device_copier = _device_copier
-        # The bounce rings (one per directory at least: the parts of a striped tensor move at
-        # once) and the device operations in flight.
-        rings = None if _core.setting_is_set("TENSORTIER_BOUNCE_RINGS") else max(2, len(dirs))
-        self._device = _core.OffloadDevice(self._core, gds, rings, _device_copier)
+        self._device = _core.OffloadDevice(self._core, gds, self._core.bounce_rings, _device_copier)
         self._lock = threading.RLock()
         self._entries = _core.OffloadEntries(self._core, weakref.WeakMethod(self._forget))
         _live.add(self)
@@ -199,13 +193,8 @@ class DiskOffloader:
 
     def is_offloaded(self, tensor: Any) -> bool:
         """Whether `tensor`'s data is parked here (written, not yet read back)."""
-        import torch
-
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-            return False
         with self._lock:
-            key = self._entries.find(tensor)
-            return key is not None and self._entries.state(key) != "writing"
+            return self._entries.is_offloaded(tensor)
 
     def close(self) -> None:
         """Waits for operations in flight (their callbacks do not run, their errors are not
@@ -224,19 +213,10 @@ class DiskOffloader:
         with self._lock:
             if self._core is None:
                 return
-            failed = 0
-            for kind in ("write", "read"):
-                failed += len(self._collect(kind, cancel_writes=True)[0]) + self._entries.held(kind)
-            lost = self._entries.count("stored")
+            message = self._entries.closing(self._device)
             self._let_go()
-        failures = f"{failed} operation(s) not waited for had failed" if failed else ""
-        if lost:
-            warnings.warn(
-                f"DiskOffloader closed with {lost} tensor(s) still offloaded; their data is gone"
-                + (f" ({failures})" if failures else ""), OffloadedDataLostWarning, stacklevel=2)
-        elif failures:
-            warnings.warn(f"DiskOffloader closed: {failures}", OffloadedDataLostWarning,
-                          stacklevel=2)
+        if message is not None:
+            warnings.warn(message, OffloadedDataLostWarning, stacklevel=2)
 
     def __enter__(self) -> "DiskOffloader":
         return self
@@ -292,27 +272,26 @@ class DiskOffloader:
                supersede: bool = False) -> list[int]:
         """Returns the keys whose writes free the memory. With `supersede` (TensorNVMe's rule) a
         tensor being written is written again: the later write is the one read back."""
-        _check_callback(callback)
+        _core.check_callback(callback)
         with self._lock:
             core = self._open()
             self._entries.drain()
-            _require_preserved_storages()
             superseded = self._entries.check_write(tensors, supersede)
             if superseded is None:  # a tensor being read: its read first
                 self._settle("read")
                 superseded = self._entries.check_write(tensors, supersede)
             keys = self._entries.new_keys(len(tensors))
-            device = self._route(tensors)
+            device = self._device.route(tensors)
             spans = [_span(t) if d else None for t, d in zip(tensors, device)]  # CudaError
             host = _host_pieces(keys, tensors, device)
             if host:
                 core.write(host)
-            self._submit("write", keys, spans)
+            self._device.submit("write", keys, spans)
             self._entries.add(keys, tensors, callback, superseded)
             return keys + superseded
 
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> list[int]:
-        _check_callback(callback)
+        _core.check_callback(callback)
         with self._lock:
             core = self._open()
             self._entries.drain()
@@ -320,7 +299,7 @@ class DiskOffloader:
             if keys is None:  # a tensor being written: its write first
                 self._settle("write")
                 keys = self._entries.read_keys(tensors, True)
-            device = self._route(tensors)
+            device = self._device.route(tensors)
             spans: list[Any] = []
             try:
                 # The memory is allocated here, on the caller's thread and stream, while the
@@ -339,14 +318,8 @@ class DiskOffloader:
                     _resize(t.untyped_storage())
                 raise
             self._entries.reading(keys, tensors, callback)
-            self._submit("read", keys, spans)
+            self._device.submit("read", keys, spans)
             return keys
-
-    def _submit(self, kind: str, keys: list[int], spans: list[Any]) -> None:
-        for key, span in zip(keys, spans):
-            if span is not None:  # `span` keeps the tensor and its stream
-                self._device.submit(kind, key, span.address, span.nbytes, span.device,
-                                    span.stream, span)
 
     def _allocate_pinned(self, key: int, tensor: Any) -> None:
         """A new pinned storage for `tensor` (the tensor written: another tensor of the storage
@@ -366,18 +339,7 @@ class DiskOffloader:
         finally:
             self._entries.watch_storage(key, tensor.untyped_storage())
 
-    def _route(self, tensors: list[Any]) -> list[bool]:
-        """Per tensor, whether it takes the device path; makes its transfer before anything
-        starts (CudaError)."""
-        device = [t.device.type == "cuda" or self._device_copier == "memcpy" for t in tensors]
-        if any(device):
-            self._device.prepare()
-        return device
-
     def _wait(self, kind: str, keys: Sequence[int] | None = None) -> None:
-        """Waits for the operations of `kind` (those moving `keys`), runs every callback, then
-        raises the first I/O error (callbacks' errors as notes), else the first callback's. An
-        interrupt from a callback is raised after the others ran, the I/O errors kept."""
         error = self._entries.deliver(kind, *self._collect(kind, keys=keys), keys is None)
         if error is not None:
             raise error
@@ -390,34 +352,13 @@ class DiskOffloader:
             raise interrupt
 
     def _collect(
-        self, kind: str, cancel_writes: bool = False, keys: Sequence[int] | None = None
+        self, kind: str, keys: Sequence[int] | None = None
     ) -> tuple[list[BaseException], list[Callable[[], None]]]:
-        """Waits for the operations of `kind` and applies the outcomes; returns the errors and
-        the callbacks due. With `cancel_writes` (close()) a write done leaves its tensor as is."""
         with self._lock:
             if self._core is None:
                 return [], []
             self._open()  # a child made by fork(): raises (the operations are the parent's)
-            return self._entries.collect(self._device, kind, keys, cancel_writes)
-
-
-def _check_callback(callback: Any) -> None:
-    """Refused when given, not at the wait (with the memory freed, the error out of place)."""
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable or None, not {type(callback).__name__}")
-
-
-@functools.cache
-def _require_preserved_storages() -> None:
-    """Entries follow storages by identity: torch must keep one Python object per storage."""
-    import torch
-
-    probe = torch.empty(1)
-    if probe.untyped_storage() is not probe.untyped_storage():
-        raise RuntimeError(
-            f"torch {torch.__version__} makes a new Python object per untyped_storage() call; "
-            "DiskOffloader needs one per storage (newer PyTorch releases keep it): upgrade torch"
-        )
+            return self._entries.collect(self._device, kind, keys)
 
 
 def _resize(storage: Any, nbytes: int = 0) -> None:

@@ -7,7 +7,6 @@ modules page says what each call raises. ``tensortier.DiskOffloader`` is the len
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -16,8 +15,7 @@ from typing import Any
 
 from .. import _core
 from .. import offload as _offload
-from .._paths import fspath
-from ..io import File, IOFuture, IOHandle
+from ..io import IOHandle
 
 __all__ = [
     "AsyncFileWriter",
@@ -59,11 +57,8 @@ class DiskOffloader(_offload.DiskOffloader):
         backend: str = "auto",
         **kwargs: Any,
     ) -> None:
-        if isinstance(dir_name, (str, bytes, os.PathLike)):
-            # TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
-            _core.tensornvme_directory(fspath(dir_name, "dir_name", bytes_ok=False))
-        entries = _core.tensornvme_queue_depth(n_entries)
-        backend = _core.tensornvme_backend(backend)
+        # TensorNVMe's checks; a path `dir_name` is made as TensorNVMe makes it.
+        entries, backend = _core.tensornvme_offloader_arguments(dir_name, n_entries, backend)
         with _starting(backend):
             super().__init__(dir_name, entries, backend, **kwargs)
         # The tensors of each write call, as TensorNVMe keys them (a later write of one of them
@@ -75,7 +70,7 @@ class DiskOffloader(_offload.DiskOffloader):
     def _call(self, what: str, given: Any, callback: Callable[[], None] | None = None) -> None:
         """TensorNVMe's call `what`, its arguments checked as its binding checks them before
         anything moves: a tensor is read back by the kind of call that wrote it."""
-        _offload._check_callback(callback)  # noqa: SLF001 - as pybind, before all else
+        _core.check_callback(callback)  # as pybind, before all else
         vector, write = what.endswith("v"), "write" in what
         tensors = _core.tensornvme_tensors(what, given)
         with self._lock:
@@ -85,13 +80,7 @@ class DiskOffloader(_offload.DiskOffloader):
                 except ValueError as e:
                     raise WriteRefusedError(f"{what}: {e}") from e
                 self._groups.remember(tensors, vector)
-            elif (
-                not self._groups.matches(tensors, vector)
-                # TensorNVMe takes a tensor's key when its read starts: a second read of it
-                # finds nothing, even while the first runs.
-                or any((k := self._entries.find(t)) is None or self._entries.state(k) == "reading"
-                       for t in tensors)
-            ):
+            elif not (self._groups.matches(tensors, vector) and self._entries.readable(tensors)):
                 raise RuntimeError(
                     "Read error, tensor not found"
                     + (" (read a vector with the tensors, in the order, of its write)"
@@ -124,37 +113,16 @@ def _starting(backend: str) -> Iterator[None]:
 # ---- tensornvme.async_file_io -------------------------------------------------------------
 
 
-class _AsyncFileWriterCore:
+class _AsyncFileWriterCore(_core.TensorNvmeWriter):
     """TensorNVMe's C++ ``AsyncFileWriter`` (``tensornvme._C``) on tensortier's engine: writes
     at given offsets of an open file descriptor; ``synchronize()`` waits for them and then runs
     their callbacks, in order."""
 
     def __init__(self, fd: int, n_entries: int, backend: str = "aio", n_tasks: int = 0) -> None:
-        if isinstance(fd, bool) or not isinstance(fd, int):
-            raise TypeError(f"fd must be an int, not {type(fd).__name__}")
-        depth = _core.tensornvme_queue_depth(n_entries)
-        _core.unsigned_argument(n_tasks, "n_tasks")  # TensorNVMe's debug log counts them
-        backend = _core.tensornvme_backend(backend)
+        depth, backend = _core.tensornvme_writer_arguments(fd, n_entries, backend, n_tasks)
         with _starting(backend):
-            self._io: IOHandle | None = IOHandle(backend, queue_depth=depth)
-        # The descriptor's file opened again, buffered as TensorNVMe's: writes of any size land
-        # at any offset without read-modify-write of blocks. Errors name the descriptor's file.
-        try:
-            self._file = File.open_descriptor(fd, "a", direct=False)
-        except BaseException:
-            self._io.close()
-            raise
-        self._pending: list[tuple[IOFuture, Callable[[], None] | None]] = []
-
-    def write(self, buffer: int, n_bytes: int, offset: int,
-              callback: Callable[[], None] | None = None) -> None:
-        """Starts writing `n_bytes` from address `buffer` at `offset`; the memory must stay
-        until ``synchronize()``."""
-        address = _core.unsigned_argument(buffer, "buffer", 64)
-        size = _core.unsigned_argument(n_bytes, "n_bytes", 64)
-        if address == 0 and size > 0:
-            raise ValueError("buffer is a null address")
-        self._start((ctypes.c_char * size).from_address(address), offset, callback)
+            io = IOHandle(backend, queue_depth=depth)
+        super().__init__(io, fd)
 
     def write_tensor(self, tensor: Any, offset: int, callback: Callable[[], None] | None = None,
                      pinned: Any = None) -> None:
@@ -167,45 +135,6 @@ class _AsyncFileWriterCore:
         if tensor.is_cuda:
             tensor = tensor.to("cpu") if pinned is None else pinned.copy_(tensor)
         self._start(tensor.contiguous(), offset, callback)
-
-    def _start(self, data: Any, offset: int, callback: Callable[[], None] | None) -> None:
-        _offload._check_callback(callback)  # noqa: SLF001 - same package
-        assert self._io is not None
-        offset = _core.unsigned_argument(offset, "offset", 64)
-        future = self._io.pwrite_async(data, self._file, offset)
-        self._pending.append((future, callback))
-
-    def synchronize(self) -> None:
-        """Waits for every write started, then runs their callbacks in order. Raises the first
-        write's error (``OSError``, where TensorNVMe ignores it) after all are done. Ctrl-C
-        interrupts the wait with every write still pending: the next call waits for them."""
-        first: OSError | None = None
-        for future, _ in self._pending:  # a wait interrupted leaves every write pending
-            try:
-                future.wait()
-            except OSError as e:  # raised below, after the callbacks
-                first = first or e
-        pending, self._pending = self._pending, []
-        for index, (_, callback) in enumerate(pending):
-            if callback is not None:
-                try:
-                    callback()
-                except BaseException:
-                    # TensorNVMe's loop stops at the exception: the callbacks after it run
-                    # at the next synchronize().
-                    self._pending[:0] = [(f, c) for f, c in pending[index + 1:]]
-                    raise
-        if first is not None:
-            raise first
-
-    def close(self) -> None:
-        """Waits for the writes and stops the engine (their errors were ``synchronize()``'s)."""
-        io, self._io = self._io, None
-        if io is not None:
-            try:
-                self._file.close()
-            finally:
-                io.close()
 
 
 class AsyncFileWriter:
