@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from ..io import IOHandle
@@ -14,19 +14,12 @@ from .unpickler import _load_torch
 
 def _each_shard(path: str, read: Callable[[str, str], Any]) -> dict[str, Any]:
     """What ``read(shard, kind)`` gives for each shard of index `path`, in one dict in the
-    shards' order (the index read by the CLI's rules). The weight_map is the checkpoint's list
-    of tensors, as for transformers: a tensor a shard holds and the index puts elsewhere, or
-    nowhere, is not taken from it (the order shards are read in must not decide the bytes)."""
+    shards' order (the index read by the CLI's rules), each shard's tensors those the index
+    puts there (the order shards are read in must not decide the bytes)."""
     out: dict[str, Any] = {}
     for shard, kind, names in _require("shard_index_walk")(path):  # an index in one is refused
         part = read(shard, kind)
-        if not isinstance(part, Mapping):
-            raise ValueError(f"{shard}: holds a {type(part).__name__}, not a state dict")
-        missing = [n for n in names if n not in part]
-        if missing:
-            raise ValueError(f"{path}: the index puts {missing[:8]} in {shard}, which lacks them")
-        mine = set(names)
-        out.update((name, value) for name, value in part.items() if name in mine)
+        out.update((n, part[n]) for n in _require("shard_names")(path, shard, names, part))
     return out
 
 

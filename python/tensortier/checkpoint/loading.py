@@ -125,8 +125,6 @@ def load(
     target_dtype = _target_dtype(dtype)
     if mmap is None:  # torch.load's default: its setting, where a mapping can serve the load
         mmap = placement is None and dev.type == "cpu" and _torch_default_mmap()
-    if not isinstance(mmap, bool):
-        raise TypeError(f"mmap must be a bool or None, not {type(mmap).__name__}")
     to_meta: list[str] = []
     if verify and placement is not None and placement.mapping is not None:
         to_meta = sorted(str(k) for k, v in placement.mapping.items() if _is_meta(v))

@@ -189,10 +189,9 @@ def _describe_sources(
     extra_names: frozenset[str] = frozenset(), saved_states: dict[str, Any] | None = None,
     saved_versions: dict[str, Any] | None = None,
 ) -> dict[str, _Source]:
-    """The tensors of `path` (an index: of its shards), each data file opened into `files` and
-    parsed through that descriptor. Values of `extra_names` that are not tensors go into
-    `saved_states`; the module versions a torch file's ``_metadata`` records into
-    `saved_versions`."""
+    """The tensors of `path` (an index: of its shards), each file parsed through its descriptor
+    in `files`; non-tensor values of `extra_names` go into `saved_states`, the module versions
+    of a torch file's ``_metadata`` into `saved_versions`."""
     kind = _sniff(path)
     if kind == "index":
         return _each_shard(path, lambda shard, _: _describe_sources(
@@ -315,20 +314,17 @@ def _load_into(
             staged.append(_Staged(_Piece(name, f, src.offset, src.nbytes, None, check), t,
                                   torch.empty(src.shape, dtype=src.dtype, device="meta"), t.device))
     total = sum(p.nbytes for p in direct) + sum(s.nbytes for s in staged)
-    prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
-    try:
-        with torch.no_grad():
-            _reading._read_pieces(io, direct, prog, path)
-            # Temporaries a group at a time: the extra memory is one group (or one tensor),
-            # plus, for CUDA targets with verify, two pinned buffers of the largest piece.
-            for group in _byte_groups(staged):
-                for s in group:
-                    s.piece.dest = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device)
-                _reading._read_pieces(io, [s.piece for s in group], prog, path)
-                for s in group:
-                    s.finish()
-    finally:
-        prog.close()
+    with _Progress(f"loading {os.path.basename(path)}", total, progress) as prog, \
+            torch.no_grad():
+        _reading._read_pieces(io, direct, prog, path)
+        # Temporaries a group at a time: the extra memory is one group (or one tensor), plus,
+        # for CUDA targets with verify, two pinned buffers of the largest piece.
+        for group in _byte_groups(staged):
+            for s in group:
+                s.piece.dest = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device)
+            _reading._read_pieces(io, [s.piece for s in group], prog, path)
+            for s in group:
+                s.finish()
     # Storage records the tensors read do not cover whole (a CRC-32 covers the whole record):
     # streamed again by the pipeline through bounded buffers and checked.
     for r in crc_refs.values():
@@ -339,9 +335,8 @@ def _load_into(
 
 @dataclass
 class _Staged:
-    """A target read through a temporary: `piece`'s bytes, read into memory on `device` made a
-    group at a time, copied into `target` as `view` (a meta tensor: dtype, shape, strides and
-    conj/neg bits of the saved tensor over those bytes) says."""
+    """A target read through a temporary on `device` (made a group at a time), copied into
+    `target` as `view` (a meta tensor: the saved tensor's dtype, strides, conj/neg bits) says."""
 
     piece: _Piece
     target: Any
