@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from .. import _core
 from ..io import _bump_versions, File, IOFuture, IOHandle
 from . import _format
-from ._tensor_bytes import _as_bytes
+from .mapping import _as_bytes
 from ._format import _require, _torch, ALIGNMENT
 
 _I = TypeVar("_I")

@@ -14,7 +14,7 @@ from ._files import _same_file
 from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
 from ._reading import _byte_groups, _open_checkpoint, _Piece, _Progress
-from .index import _each_shard
+from .loading import _each_shard
 from .unpickler import _StorageRef, _verify_other_records
 
 

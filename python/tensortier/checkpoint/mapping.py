@@ -13,8 +13,23 @@ from typing import Any
 
 from ..io import File
 from . import _format
-from ._tensor_bytes import _as_bytes, _storage_bytes
 from ._format import _require, _torch, ALIGNMENT
+
+
+def _as_bytes(t: Any) -> Any:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    torch = _torch()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return flat.view(torch.uint8)
+
+
+def _storage_bytes(storage: Any) -> Any:
+    """A flat uint8 tensor over a whole UntypedStorage."""
+    torch = _torch()
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return t.set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:

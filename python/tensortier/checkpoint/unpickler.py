@@ -15,8 +15,7 @@ from . import _dtype, _engine, _reading, mapping
 from ._files import _same_file
 from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes
 from ._reading import _open_checkpoint, _Piece, _Progress
-from ._tensor_bytes import _storage_bytes
-from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead
+from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead, _storage_bytes
 
 
 @dataclass(frozen=True)
