@@ -351,8 +351,6 @@ def _swap_bytes(storage: Any, dtype: Any) -> None:
         return
     flat = _storage_bytes(storage)
     host = flat if flat.device.type == "cpu" else flat.cpu()
-    n = host.numel() - host.numel() % width
-    if n:
-        _require("reverse_units_address")(host.data_ptr(), n, width)
+    _require("reverse_units_address")(host.data_ptr(), host.numel() - host.numel() % width, width)
     if host is not flat:
         flat.copy_(host)
