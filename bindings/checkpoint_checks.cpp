@@ -272,6 +272,48 @@ void RegisterCheckpointChecks(py::module_& m) {
       "NotImplementedError unpickling onto the meta device), the quantized or nested tensors "
       "the pickle holds, which cannot be described without their data.");
   m.def(
+      "check_saved_tensor",
+      [](const py::str& path, const py::str& name, const py::str& other, const py::str& layout,
+         bool has_data) {
+        py::object message;
+        if (py::len(other) > 0) {
+          message = py::str("{}: {!r} is {}, not a tensor: load_into reads flat state dicts; use "
+                            "tensortier.load")
+                        .format(path, name, other);
+        } else if (py::len(layout) > 0) {
+          message = py::str("{}: {!r} is a {} tensor: load_into reads dense tensors; use "
+                            "tensortier.load")
+                        .format(path, name, layout);
+        } else if (!has_data) {
+          message = py::str("{}: {!r} has no data in the file (a tensor saved from the meta "
+                            "device): load_into cannot read it; use tensortier.load")
+                        .format(path, name);
+        }
+        if (message) {
+          PyErr_SetObject(PyExc_ValueError, message.ptr());
+          throw py::error_already_set();
+        }
+      },
+      py::arg("path"), py::arg("name"), py::arg("other"), py::arg("layout"), py::arg("has_data"),
+      "ValueError for a value of a torch file that load_into cannot read into a target: one "
+      "that is no tensor (other: its type's name with its article, '' for a tensor), a tensor "
+      "of another layout than strided (layout: its name, '' for strided), or one with no bytes "
+      "in the file (has_data False: saved from the meta device).");
+  m.def(
+      "check_load_into_targets",
+      [](const py::list& meta) {
+        if (meta.empty()) return;
+        // Meta tensors have no memory to read into (and all share data_ptr 0, which would make
+        // them look tied to each other): materialise them first.
+        PyErr_SetObject(PyExc_ValueError,
+                        py::str("load_into: {} target(s) on the meta device, e.g. {}: give them "
+                                "memory first (module.to_empty(device='cpu'))")
+                            .format(py::len(meta), meta[py::slice(0, 4, 1)])
+                            .ptr());
+        throw py::error_already_set();
+      },
+      py::arg("meta"), "ValueError naming load_into's targets on the meta device (meta), if any.");
+  m.def(
       "check_load_device",
       [](const py::str& device, const std::string& type, bool cuda_available, int64_t index,
          int64_t count) {

@@ -104,13 +104,7 @@ def load_into(
             raise TypeError(f"target {name!r} is {_a(type(t).__name__)}, not a tensor")
         if t.is_meta:
             meta.append(name)
-    if meta:
-        # Meta tensors have no memory to read into (and all share data_ptr 0, which would make
-        # them look tied to each other): materialise them first, e.g. module.to_empty(device=).
-        raise ValueError(
-            f"load_into: {len(meta)} target(s) on the meta device, e.g. {meta[:4]}: give them "
-            "memory first (module.to_empty(device='cpu'))"
-        )
+    _require("check_load_into_targets")(meta)
     io = _io if _io is not None else _engine._default_io()
     fspath = _fspath(path)
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
@@ -236,25 +230,16 @@ def _describe_sources(
     by_cdata = {r.storage._cdata: r for r in storages.values()}
     out = {}
     for name, t in obj.items():
-        if name in extra_names and not isinstance(t, torch.Tensor) and saved_states is not None:
+        tensor = isinstance(t, torch.Tensor)
+        if name in extra_names and not tensor and saved_states is not None:
             saved_states[name] = t
             continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(
-                f"{path}: {name!r} is {_a(type(t).__name__)}, not a tensor: load_into reads flat "
-                "state dicts; use tensortier.load"
-            )
-        if t.layout != torch.strided:
-            raise ValueError(
-                f"{path}: {name!r} is a {str(t.layout).replace('torch.', '')} tensor: load_into "
-                "reads dense tensors; use tensortier.load"
-            )
-        ref = by_cdata.get(t.untyped_storage()._cdata) or by_storage.get(id(t.untyped_storage()))
-        if ref is None:
-            raise ValueError(
-                f"{path}: {name!r} has no data in the file (a tensor saved from the meta "
-                "device): load_into cannot read it; use tensortier.load"
-            )
+        strided = tensor and t.layout == torch.strided
+        ref = None if not strided else (by_cdata.get(t.untyped_storage()._cdata)
+                                        or by_storage.get(id(t.untyped_storage())))
+        _require("check_saved_tensor")(
+            path, name, "" if tensor else _a(type(t).__name__),
+            "" if strided or not tensor else str(t.layout).replace("torch.", ""), ref is not None)
         start = t.storage_offset() * t.element_size()
         n = t.nbytes
         # A conjugate or negative view's storage holds other numbers than its values: read
