@@ -54,9 +54,26 @@ py::str FromUtf8(std::string_view text) {
   return py::reinterpret_steal<py::str>(s);
 }
 
+// What mmap=True loads may still read ahead, in bytes.
+struct ReadaheadBudget {
+  uint64_t left;
+};
+
 }  // namespace
 
 void RegisterCheckpointChecks(py::module_& m) {
+  py::class_<ReadaheadBudget>(m, "ReadaheadBudget",
+                              "Bytes that loads may still read ahead, shared by those given it.")
+      .def(py::init([](uint64_t bytes) { return ReadaheadBudget{bytes}; }), py::arg("bytes"))
+      .def_readonly("left", &ReadaheadBudget::left)
+      .def(
+          "take",
+          [](ReadaheadBudget& budget, uint64_t nbytes) {
+            if (nbytes > budget.left) return false;
+            budget.left -= nbytes;
+            return true;
+          },
+          py::arg("nbytes"), "Whether nbytes more fit in what is left (taken from it if so).");
   m.def(
       "span_in_file",
       [](const FsPath& path, uint64_t file_size,
@@ -99,11 +116,23 @@ void RegisterCheckpointChecks(py::module_& m) {
       "order: each name both hold, a target memory named more than once (tied weights) only "
       "under its last name in the targets' order.");
 
-  m.def("check_load_options", &CheckLoadOptions, py::arg("device"), py::arg("verify"),
-        py::arg("mmap"), py::arg("to_meta"),
-        "ValueError for load arguments that exclude each other (CheckLoadOptions): verify=True "
-        "where no byte is read (device 'meta', or to_meta, the repr of the saved locations "
-        "map_location sends there, '' for none), mmap=True for another device than 'cpu'.");
+  m.def(
+      "check_load_options",
+      [](const std::string& device, bool verify, const py::object& mmap,
+         const std::string& to_meta) {
+        if (!py::isinstance<py::bool_>(mmap)) {
+          PyErr_SetObject(PyExc_TypeError, py::str("mmap must be a bool or None, not {}")
+                                               .format(py::type::of(mmap).attr("__name__"))
+                                               .ptr());
+          throw py::error_already_set();
+        }
+        CheckLoadOptions(device, verify, mmap.cast<bool>(), to_meta);
+      },
+      py::arg("device"), py::arg("verify"), py::arg("mmap"), py::arg("to_meta"),
+      "ValueError for load arguments that exclude each other (CheckLoadOptions): verify=True "
+      "where no byte is read (device 'meta', or to_meta, the repr of the saved locations "
+      "map_location sends there, '' for none), mmap=True for another device than 'cpu'; "
+      "TypeError for an mmap that is not a bool.");
   py::class_<ProgressBar>(m, "Progress",
                           "A load's progress bar on sys.stderr (ProgressBar): redrawn at most ten "
                           "times a second, its final state drawn once. enabled None: for loads of "
@@ -130,7 +159,9 @@ void RegisterCheckpointChecks(py::module_& m) {
       .def_property_readonly("enabled", &ProgressBar::enabled)
       .def_property_readonly("done", &ProgressBar::done)
       .def("update", &ProgressBar::Update, py::arg("bytes"))
-      .def("close", &ProgressBar::Close);
+      .def("close", &ProgressBar::Close)
+      .def("__enter__", [](const py::object& self) { return self; })
+      .def("__exit__", [](ProgressBar& bar, const py::args&) { bar.Close(); });
   m.def(
       "check_torch_storage",
       [](const py::str& path, const py::str& record, const py::str& key, const std::string& dtype,
@@ -193,16 +224,186 @@ void RegisterCheckpointChecks(py::module_& m) {
           py::gil_scoped_release release;
           ReadPieces(engine, file, path, pieces);
         }
-        return py::make_tuple(py::bytes(bytes[0]),
-                              found[1] == nullptr ? py::object(py::none()) : py::bytes(bytes[1]));
+        if (found[1] != nullptr && bytes[1] != "little" && bytes[1] != "big") {
+          throw std::invalid_argument(
+              StrCat(path.bytes, ": unknown byte order ",
+                     py::repr(py::bytes(bytes[1].substr(0, 16))).cast<std::string>()));
+        }
+        // torch functions that read their tensor arguments' data while the pickle is loaded (a
+        // nested tensor's sizes are tensors): in files naming one, storages are read as met.
+        const bool data_dependent = bytes[0].find("_rebuild_nested_tensor") != std::string::npos;
+        return py::make_tuple(py::bytes(bytes[0]), found[1] != nullptr && bytes[1] == "big",
+                              data_dependent);
       },
       py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("prefix"), py::arg("records"),
       py::arg("verify"),
-      "(data.pkl, byteorder or None): the bytes of a torch.save zip's pickle and byte order "
-      "records (prefix: the archive's folder and '/'), read through engine from file, their "
-      "CRC-32s checked with verify. records: (name, data_offset, size, crc32, crcs_recorded) "
-      "as torch_zip_entries gives them. ValueError with verify for an archive that stores no "
-      "CRC-32s, for a mismatch or a short file; OSError for I/O errors.");
+      "(data.pkl, big_endian, data_dependent): the bytes of a torch.save zip's pickle, whether "
+      "its byteorder record says 'big', and whether the pickle names a rebuild that reads its "
+      "tensors' data while it is loaded (prefix: the archive's folder and '/'), read through "
+      "engine from file, their CRC-32s checked with verify. records: (name, data_offset, size, "
+      "crc32, crcs_recorded) as torch_zip_entries gives them. ValueError for a byte order "
+      "other than 'little' or 'big', with verify for an archive that stores no CRC-32s, for a "
+      "mismatch or a short file; OSError for I/O errors.");
+  m.def(
+      "unpickling_failure",
+      [](const py::str& path, const py::str& error_type, const py::str& error,
+         bool meta_unsupported, const py::bytes& pickle, uint64_t at) -> py::str {
+        const std::string data = pickle;
+        std::string kinds;
+        if (meta_unsupported) {  // torch has no quantized meta tensors; nested ones need data
+          for (const auto& [kind, rebuild] : {std::pair{"quantized", "_rebuild_qtensor"},
+                                              std::pair{"nested", "_rebuild_nested_tensor"}}) {
+            if (data.find(rebuild) == std::string::npos) continue;
+            kinds += StrCat(kinds.empty() ? "" : " or ", kind);
+          }
+        }
+        if (!kinds.empty()) {
+          return py::str("{}: holds {} tensors, which cannot be described without reading them "
+                         "(load_into reads plain tensors): use tensortier.load")
+              .format(path, kinds);
+        }
+        return py::str("{}: malformed data.pkl (at byte {} of {}): {}: {}")
+            .format(path, at, data.size(), error_type, error);
+      },
+      py::arg("path"), py::arg("error_type"), py::arg("error"), py::arg("meta_unsupported"),
+      py::arg("pickle"), py::arg("at"),
+      "The ValueError message for a torch pickle whose unpickling failed at byte at with an error "
+      "of error_type: a malformed data.pkl, or, where the failure is meta_unsupported (a "
+      "NotImplementedError unpickling onto the meta device), the quantized or nested tensors "
+      "the pickle holds, which cannot be described without their data.");
+  m.def(
+      "check_saved_tensor",
+      [](const py::str& path, const py::str& name, const py::str& other, const py::str& layout,
+         bool has_data) {
+        py::object message;
+        if (py::len(other) > 0) {
+          message = py::str("{}: {!r} is {}, not a tensor: load_into reads flat state dicts; use "
+                            "tensortier.load")
+                        .format(path, name, other);
+        } else if (py::len(layout) > 0) {
+          message = py::str("{}: {!r} is a {} tensor: load_into reads dense tensors; use "
+                            "tensortier.load")
+                        .format(path, name, layout);
+        } else if (!has_data) {
+          message = py::str("{}: {!r} has no data in the file (a tensor saved from the meta "
+                            "device): load_into cannot read it; use tensortier.load")
+                        .format(path, name);
+        }
+        if (message) {
+          PyErr_SetObject(PyExc_ValueError, message.ptr());
+          throw py::error_already_set();
+        }
+      },
+      py::arg("path"), py::arg("name"), py::arg("other"), py::arg("layout"), py::arg("has_data"),
+      "ValueError for a value of a torch file that load_into cannot read into a target: one "
+      "that is no tensor (other: its type's name with its article, '' for a tensor), a tensor "
+      "of another layout than strided (layout: its name, '' for strided), or one with no bytes "
+      "in the file (has_data False: saved from the meta device).");
+  m.def(
+      "check_load_into_targets",
+      [](const py::list& meta) {
+        if (meta.empty()) return;
+        // Meta tensors have no memory to read into (and all share data_ptr 0, which would make
+        // them look tied to each other): materialise them first.
+        PyErr_SetObject(PyExc_ValueError,
+                        py::str("load_into: {} target(s) on the meta device, e.g. {}: give them "
+                                "memory first (module.to_empty(device='cpu'))")
+                            .format(py::len(meta), meta[py::slice(0, 4, 1)])
+                            .ptr());
+        throw py::error_already_set();
+      },
+      py::arg("meta"), "ValueError naming load_into's targets on the meta device (meta), if any.");
+  m.def(
+      "check_load_device",
+      [](const py::str& device, const std::string& type, bool cuda_available, int64_t index,
+         int64_t count) {
+        const char* problem = nullptr;
+        if (type != "cuda") {
+          problem = "{!r} is not supported: use 'cpu', 'cuda:N' or 'meta'";
+        } else if (!cuda_available) {
+          problem = "{!r} was asked for but CUDA is not available (torch.cuda.is_available() is "
+                    "False): load with device='cpu'";
+        } else if (index >= count) {
+          problem = "{!r}: there are only {} GPUs";
+        }
+        if (problem != nullptr) {
+          PyErr_SetObject(PyExc_ValueError,
+                          (py::str("device ") + py::str(problem).format(device, count)).ptr());
+          throw py::error_already_set();
+        }
+      },
+      py::arg("device"), py::arg("type"), py::arg("cuda_available"), py::arg("index"),
+      py::arg("count"),
+      "ValueError for a load's target device (its str and type) other than 'cpu' and 'meta' "
+      "that is not a CUDA device, or where CUDA is not available, or whose index is not below "
+      "the count of GPUs.");
+  m.def(
+      "check_load_dtype",
+      [](const py::object& dtype, bool is_dtype, bool floating) {
+        if (!is_dtype) {
+          PyErr_SetObject(PyExc_TypeError, py::str("dtype must be a torch.dtype, not {}")
+                                               .format(py::type::of(dtype).attr("__name__"))
+                                               .ptr());
+          throw py::error_already_set();
+        }
+        if (!floating) {  // only floating-point tensors are converted: else a silent no-op
+          PyErr_SetObject(PyExc_ValueError,
+                          py::str("dtype={}: load converts floating-point tensors to a "
+                                  "floating-point dtype (torch.bfloat16, torch.float16...); "
+                                  "convert to other dtypes after loading")
+                              .format(dtype)
+                              .ptr());
+          throw py::error_already_set();
+        }
+      },
+      py::arg("dtype"), py::arg("is_dtype"), py::arg("floating"),
+      "load's dtype, given that it is a torch.dtype (is_dtype) and a floating-point one: "
+      "TypeError for what is no dtype, ValueError for another dtype than a floating-point one.");
+  m.def(
+      "byte_group_ends",
+      [](const std::vector<uint64_t>& sizes, uint64_t limit) {
+        std::vector<size_t> ends;
+        uint64_t bytes = 0;
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          if (i > 0 && bytes + sizes[i] > limit) {
+            ends.push_back(i);
+            bytes = 0;
+          }
+          bytes += sizes[i];
+        }
+        if (!sizes.empty()) ends.push_back(sizes.size());
+        return ends;
+      },
+      py::arg("sizes"), py::arg("limit"),
+      "The end index of each run of consecutive sizes whose sum is at most limit (a run of one "
+      "where a size alone is larger), in order: how a load splits its pieces into groups.");
+  m.def(
+      "save_format",
+      [](const py::object& path, const py::object& format) -> py::object {
+        if (!format.is_none()) {
+          if (format.equal(py::str("safetensors")) || format.equal(py::str("torch"))) {
+            return format;
+          }
+          PyErr_SetObject(
+              PyExc_ValueError,
+              py::str("format must be 'safetensors' or 'torch', not {!r}").format(format).ptr());
+          throw py::error_already_set();
+        }
+        const py::object name = py::module_::import("os").attr("fspath")(path);
+        if (const auto named = FormatOfSuffix(name.cast<FsPath>().bytes)) {
+          return py::str(std::string(CheckpointFormatName(*named)));
+        }
+        PyErr_SetObject(PyExc_ValueError,
+                        py::str("cannot tell the format from the name {!r}: use a .safetensors "
+                                "or .pt suffix, or pass format='safetensors' or format='torch'")
+                            .format(name)
+                            .ptr());
+        throw py::error_already_set();
+      },
+      py::arg("path"), py::arg("format"),
+      "The format save writes to path: format ('safetensors' or 'torch') when given, else the "
+      "one the file name's suffix names (format_of_suffix); ValueError for another format, or a "
+      "name whose suffix names none.");
   m.def(
       "shard_index_walk",
       [](const FsPath& path) {
@@ -239,6 +440,39 @@ void RegisterCheckpointChecks(py::module_& m) {
       "in the index's order) with what each holds ('safetensors' or 'torch', by "
       "detect_checkpoint_kind's rule) and the names the index puts there. ValueError as "
       "read_shard_index and detect_checkpoint_kind raise, and for a shard that is an index.");
+  m.def(
+      "shard_names",
+      [](const py::str& path, const py::str& shard, const py::list& names,
+         const py::object& part) {
+        if (!py::isinstance(part, py::module_::import("collections.abc").attr("Mapping"))) {
+          PyErr_SetObject(PyExc_ValueError, py::str("{}: holds a {}, not a state dict")
+                                                .format(shard, py::type::of(part).attr("__name__"))
+                                                .ptr());
+          throw py::error_already_set();
+        }
+        py::list missing;
+        for (const py::handle name : names) {
+          if (!part.contains(name)) missing.append(name);
+        }
+        if (!missing.empty()) {
+          PyErr_SetObject(PyExc_ValueError,
+                          py::str("{}: the index puts {} in {}, which lacks them")
+                              .format(path, missing[py::slice(0, 8, 1)], shard)
+                              .ptr());
+          throw py::error_already_set();
+        }
+        const py::set mine(names);
+        py::list out;
+        for (const py::handle name : part) {
+          if (mine.contains(name)) out.append(name);
+        }
+        return out;
+      },
+      py::arg("path"), py::arg("shard"), py::arg("names"), py::arg("part"),
+      "The names of what shard of index path holds (part, read from it) that the index puts "
+      "there (names), in part's order: the weight_map is the checkpoint's list of tensors, so a "
+      "tensor the index puts elsewhere or nowhere is not taken from it. ValueError when part is "
+      "not a mapping, or lacks one of names.");
   m.def(
       "available_memory",
       [] {

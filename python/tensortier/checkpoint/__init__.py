@@ -3,12 +3,12 @@ guide: docs/checkpoints.md).
 
 One module per concept: ``_format`` (constants, settings, format detection), ``_engine`` (the
 process's engine), ``_files`` (file objects, the file a descriptor names), ``_dtype``
-(conversion to a dtype), ``_tensor_bytes``, ``mapping`` (allocation, memory maps, devices and
+(conversion to a dtype), ``mapping`` (allocation, tensor bytes, memory maps, devices and
 placement), ``_writing`` and ``_reading`` (engine I/O, the progress bar), ``safetensors``,
-``unpickler`` (torch.save zips read without torch.load), ``torch_save``, ``index`` (shard
-indexes; a load's way down to the format's module), and ``saving``, ``loading`` and
-``loading_into`` (the public functions). Module-level settings (``_GROUP_BYTES``...) are read
-from their owning module at each use; tests reach private names through their modules.
+``unpickler`` (torch.save zips read without torch.load), ``torch_save``, and ``saving``,
+``loading`` (with shard indexes: a load's way down to the format's module) and ``loading_into``
+(the public functions). Module-level settings (``_GROUP_BYTES``...) are read from their owning
+module at each use; tests reach private names through their modules.
 """
 
 from __future__ import annotations

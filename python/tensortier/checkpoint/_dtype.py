@@ -5,21 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._format import _torch
+from ._format import _require, _torch
 
 
 def _target_dtype(dtype: Any) -> Any:
-    if dtype is None:
-        return None
-    torch = _torch()
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
-    if not dtype.is_floating_point:
-        # Only floating-point tensors are converted: any other dtype would be a silent no-op.
-        raise ValueError(
-            f"dtype={dtype}: load converts floating-point tensors to a floating-point dtype "
-            "(torch.bfloat16, torch.float16...); convert to other dtypes after loading"
-        )
+    if dtype is not None:
+        is_dtype = isinstance(dtype, _torch().dtype)
+        _require("check_load_dtype")(dtype, is_dtype, is_dtype and dtype.is_floating_point)
     return dtype
 
 

@@ -4,7 +4,6 @@ lazy torch and _core lookups every module uses."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,18 +62,8 @@ def _require(name: str) -> Callable[..., Any]:
 _sniff = _require("detect_checkpoint_kind")
 
 
-def _save_format(path: PathLike, format: str | None) -> str:
-    if format is not None:
-        if format not in ("safetensors", "torch"):
-            raise ValueError(f"format must be 'safetensors' or 'torch', not {format!r}")
-        return format
-    named = _require("format_of_suffix")(os.fspath(path))
-    if named is not None:
-        return str(named)
-    raise ValueError(
-        f"cannot tell the format from the name {os.fspath(path)!r}: use a .safetensors or .pt "
-        "suffix, or pass format='safetensors' or format='torch'"
-    )
+# The format a save writes: `format` when given, else the one the path's suffix names.
+_save_format = _require("save_format")
 
 
 def _st_dtype_maps() -> tuple[dict[Any, str], dict[str, Any]]:

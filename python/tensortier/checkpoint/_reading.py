@@ -4,14 +4,14 @@ destinations through the engine's GPU path."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .. import _core
 from ..io import _bump_versions, File, IOFuture, IOHandle
-from . import _engine, _format
-from ._tensor_bytes import _as_bytes
+from . import _format
+from .mapping import _as_bytes
 from ._format import _require, _torch, ALIGNMENT
 
 _I = TypeVar("_I")
@@ -55,12 +55,12 @@ def _read_host(
 
 
 def _check_host(path: str, pieces: Sequence[tuple[str, Any, tuple[str, int | None]]]) -> None:
-    """(name, CPU tensor, checksum) `pieces` already in memory, checked by the pipeline."""
-    for kind in {c[0] for _, _, c in pieces}:
-        mine = [(n, t, c) for n, t, c in pieces if c[0] == kind]
-        _require("check_pieces")(path, [n for n, _, _ in mine], [t.data_ptr() for _, t, _ in mine],
-                                 [t.numel() * t.element_size() for _, t, _ in mine],
-                                 [c[1] for _, _, c in mine], kind)
+    """(name, CPU tensor, checksum of one kind for all) `pieces` in memory, checked by C++."""
+    if pieces:
+        _require("check_pieces")(
+            path, [n for n, _, _ in pieces], [t.data_ptr() for _, t, _ in pieces],
+            [t.numel() * t.element_size() for _, t, _ in pieces], [c[1] for _, _, c in pieces],
+            pieces[0][2][0])
 
 
 def _read_pieces(io: IOHandle, pieces: Sequence[_Piece], progress: _Progress, path: str) -> None:
@@ -92,18 +92,10 @@ def _read_host_pieces(
     _bump_versions([p.dest for p in pieces])
 
 
-def _byte_groups(items: Sequence[_I]) -> Iterator[list[_I]]:
+def _byte_groups(items: Sequence[_I]) -> list[Sequence[_I]]:
     """`items` (with `nbytes`) in runs of at most ``_GROUP_BYTES`` (one item, if larger)."""
-    group: list[_I] = []
-    size = 0
-    for item in items:
-        if group and size + item.nbytes > _format._GROUP_BYTES:
-            yield group
-            group, size = [], 0
-        group.append(item)
-        size += item.nbytes
-    if group:
-        yield group
+    ends = _require("byte_group_ends")([i.nbytes for i in items], _format._GROUP_BYTES)
+    return [items[begin:end] for begin, end in zip([0, *ends], ends)]
 
 
 def _read_batched(

@@ -1,9 +1,9 @@
-"""tensortier.load."""
+"""tensortier.load, and the walk of shard indexes (model.safetensors.index.json)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
 from ..io import IOHandle
@@ -12,8 +12,9 @@ from ._dtype import _target_dtype
 from ._files import _is_file_object, _memfd_copy, _renamed
 from ._format import _require, _sniff, _torch, PathLike
 from .._paths import fspath as _fspath
-from .index import _load_kind
 from .mapping import _Placement, _Readahead
+from .safetensors import _load_safetensors
+from .unpickler import _load_torch
 
 
 def load(
@@ -125,8 +126,6 @@ def load(
     target_dtype = _target_dtype(dtype)
     if mmap is None:  # torch.load's default: its setting, where a mapping can serve the load
         mmap = placement is None and dev.type == "cpu" and _torch_default_mmap()
-    if not isinstance(mmap, bool):
-        raise TypeError(f"mmap must be a bool or None, not {type(mmap).__name__}")
     to_meta: list[str] = []
     if verify and placement is not None and placement.mapping is not None:
         to_meta = sorted(str(k) for k, v in placement.mapping.items() if _is_meta(v))
@@ -140,7 +139,7 @@ def load(
             if kind == "index" and streamed:
                 raise ValueError("a shard index names its shards by path: load it by its path, "
                                  "not from a file object")
-            # One way down: index -> safetensors or unpickler -> _reading (C++ reads).
+            # One way down: the shards here -> safetensors or unpickler -> _reading (C++ reads).
             with _engine._gc_paused():
                 return _load_kind(fspath, kind, dev, target_dtype, verify, progress, io,
                                   _Readahead() if mmap else None, placement)
@@ -167,3 +166,27 @@ def _is_meta(location: Any) -> bool:
         return _torch().device(location).type == "meta"
     except (TypeError, RuntimeError, ValueError):
         return False
+
+
+def _each_shard(path: str, read: Callable[[str, str], Any]) -> dict[str, Any]:
+    """What ``read(shard, kind)`` gives for each shard of index `path`, in one dict in the
+    shards' order (the index read by the CLI's rules), each shard's tensors those the index
+    puts there (the order shards are read in must not decide the bytes)."""
+    out: dict[str, Any] = {}
+    for shard, kind, names in _require("shard_index_walk")(path):  # an index in one is refused
+        part = read(shard, kind)
+        out.update((n, part[n]) for n in _require("shard_names")(path, shard, names, part))
+    return out
+
+
+def _load_kind(
+    path: str, kind: str, dev: Any, dtype: Any, verify: bool, progress: bool | None,
+    io: IOHandle, mapped: _Readahead | None = None, placement: _Placement | None = None,
+) -> Any:
+    """The load of `path`, a file of ``_sniff``'s `kind` (an index: of each of its shards)."""
+    if kind == "index":
+        return _each_shard(path, lambda shard, k: _load_kind(
+            shard, k, dev, dtype, verify, progress, io, mapped, placement))
+    if kind == "safetensors":
+        return _load_safetensors(path, dev, dtype, verify, progress, io, mapped, placement)
+    return _load_torch(path, dev, dtype, verify, progress, io, mapped, placement)

@@ -14,7 +14,7 @@ from ._files import _same_file
 from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
 from ._reading import _byte_groups, _open_checkpoint, _Piece, _Progress
-from .index import _each_shard
+from .loading import _each_shard
 from .unpickler import _StorageRef, _verify_other_records
 
 
@@ -104,13 +104,7 @@ def load_into(
             raise TypeError(f"target {name!r} is {_a(type(t).__name__)}, not a tensor")
         if t.is_meta:
             meta.append(name)
-    if meta:
-        # Meta tensors have no memory to read into (and all share data_ptr 0, which would make
-        # them look tied to each other): materialise them first, e.g. module.to_empty(device=).
-        raise ValueError(
-            f"load_into: {len(meta)} target(s) on the meta device, e.g. {meta[:4]}: give them "
-            "memory first (module.to_empty(device='cpu'))"
-        )
+    _require("check_load_into_targets")(meta)
     io = _io if _io is not None else _engine._default_io()
     fspath = _fspath(path)
     files: dict[str, File] = {}  # opened once: what is parsed is what is read
@@ -189,10 +183,9 @@ def _describe_sources(
     extra_names: frozenset[str] = frozenset(), saved_states: dict[str, Any] | None = None,
     saved_versions: dict[str, Any] | None = None,
 ) -> dict[str, _Source]:
-    """The tensors of `path` (an index: of its shards), each data file opened into `files` and
-    parsed through that descriptor. Values of `extra_names` that are not tensors go into
-    `saved_states`; the module versions a torch file's ``_metadata`` records into
-    `saved_versions`."""
+    """The tensors of `path` (an index: of its shards), each file parsed through its descriptor
+    in `files`; non-tensor values of `extra_names` go into `saved_states`, the module versions
+    of a torch file's ``_metadata`` into `saved_versions`."""
     kind = _sniff(path)
     if kind == "index":
         return _each_shard(path, lambda shard, _: _describe_sources(
@@ -237,25 +230,16 @@ def _describe_sources(
     by_cdata = {r.storage._cdata: r for r in storages.values()}
     out = {}
     for name, t in obj.items():
-        if name in extra_names and not isinstance(t, torch.Tensor) and saved_states is not None:
+        tensor = isinstance(t, torch.Tensor)
+        if name in extra_names and not tensor and saved_states is not None:
             saved_states[name] = t
             continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(
-                f"{path}: {name!r} is {_a(type(t).__name__)}, not a tensor: load_into reads flat "
-                "state dicts; use tensortier.load"
-            )
-        if t.layout != torch.strided:
-            raise ValueError(
-                f"{path}: {name!r} is a {str(t.layout).replace('torch.', '')} tensor: load_into "
-                "reads dense tensors; use tensortier.load"
-            )
-        ref = by_cdata.get(t.untyped_storage()._cdata) or by_storage.get(id(t.untyped_storage()))
-        if ref is None:
-            raise ValueError(
-                f"{path}: {name!r} has no data in the file (a tensor saved from the meta "
-                "device): load_into cannot read it; use tensortier.load"
-            )
+        strided = tensor and t.layout == torch.strided
+        ref = None if not strided else (by_cdata.get(t.untyped_storage()._cdata)
+                                        or by_storage.get(id(t.untyped_storage())))
+        _require("check_saved_tensor")(
+            path, name, "" if tensor else _a(type(t).__name__),
+            "" if strided or not tensor else str(t.layout).replace("torch.", ""), ref is not None)
         start = t.storage_offset() * t.element_size()
         n = t.nbytes
         # A conjugate or negative view's storage holds other numbers than its values: read
@@ -315,20 +299,17 @@ def _load_into(
             staged.append(_Staged(_Piece(name, f, src.offset, src.nbytes, None, check), t,
                                   torch.empty(src.shape, dtype=src.dtype, device="meta"), t.device))
     total = sum(p.nbytes for p in direct) + sum(s.nbytes for s in staged)
-    prog = _Progress(f"loading {os.path.basename(path)}", total, progress)
-    try:
-        with torch.no_grad():
-            _reading._read_pieces(io, direct, prog, path)
-            # Temporaries a group at a time: the extra memory is one group (or one tensor),
-            # plus, for CUDA targets with verify, two pinned buffers of the largest piece.
-            for group in _byte_groups(staged):
-                for s in group:
-                    s.piece.dest = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device)
-                _reading._read_pieces(io, [s.piece for s in group], prog, path)
-                for s in group:
-                    s.finish()
-    finally:
-        prog.close()
+    with _Progress(f"loading {os.path.basename(path)}", total, progress) as prog, \
+            torch.no_grad():
+        _reading._read_pieces(io, direct, prog, path)
+        # Temporaries a group at a time: the extra memory is one group (or one tensor), plus,
+        # for CUDA targets with verify, two pinned buffers of the largest piece.
+        for group in _byte_groups(staged):
+            for s in group:
+                s.piece.dest = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device)
+            _reading._read_pieces(io, [s.piece for s in group], prog, path)
+            for s in group:
+                s.finish()
     # Storage records the tensors read do not cover whole (a CRC-32 covers the whole record):
     # streamed again by the pipeline through bounded buffers and checked.
     for r in crc_refs.values():
@@ -339,9 +320,8 @@ def _load_into(
 
 @dataclass
 class _Staged:
-    """A target read through a temporary: `piece`'s bytes, read into memory on `device` made a
-    group at a time, copied into `target` as `view` (a meta tensor: dtype, shape, strides and
-    conj/neg bits of the saved tensor over those bytes) says."""
+    """A target read through a temporary on `device` (made a group at a time), copied into
+    `target` as `view` (a meta tensor: the saved tensor's dtype, strides, conj/neg bits) says."""
 
     piece: _Piece
     target: Any

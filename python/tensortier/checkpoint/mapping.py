@@ -13,8 +13,23 @@ from typing import Any
 
 from ..io import File
 from . import _format
-from ._tensor_bytes import _as_bytes, _storage_bytes
 from ._format import _require, _torch, ALIGNMENT
+
+
+def _as_bytes(t: Any) -> Any:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    torch = _torch()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return flat.view(torch.uint8)
+
+
+def _storage_bytes(storage: Any) -> Any:
+    """A flat uint8 tensor over a whole UntypedStorage."""
+    torch = _torch()
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return t.set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
@@ -35,18 +50,12 @@ def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
     return _fixed_size(base[skip : skip + nbytes]).view(dtype)
 
 
-class _Readahead:
+class _Readahead(_require("ReadaheadBudget")):  # type: ignore[misc]
     """What ``mmap=True`` loads may still read ahead: half the memory available at the start,
     shared by an index's shards (so that readahead does not evict earlier shards' pages)."""
 
     def __init__(self) -> None:
-        self.left = _available_memory() // 2
-
-    def take(self, nbytes: int) -> bool:
-        if nbytes > self.left:
-            return False
-        self.left -= nbytes
-        return True
+        super().__init__(_available_memory() // 2)
 
 
 def _map_file(
@@ -174,14 +183,8 @@ def _target_device(device: Any) -> Any:
         raise ValueError(f"device {device!r} is not a device: {e}") from e
     if dev.type in ("cpu", "meta"):  # meta: shapes and dtypes only, as torch.load gives them
         return torch.device(dev.type)
-    if dev.type != "cuda":
-        raise ValueError(f"device {str(dev)!r} is not supported: use 'cpu', 'cuda:N' or 'meta'")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device {str(dev)!r} was asked for but CUDA is not available "
-            "(torch.cuda.is_available() is False): load with device='cpu'"
-        )
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device {str(dev)!r}: there are only {torch.cuda.device_count()} GPUs")
+    cuda = dev.type == "cuda" and torch.cuda.is_available()
+    index = torch.cuda.current_device() if cuda and dev.index is None else dev.index
+    _require("check_load_device")(str(dev), dev.type, cuda, index or 0,
+                                  torch.cuda.device_count() if cuda else 0)
     return torch.device("cuda", index)

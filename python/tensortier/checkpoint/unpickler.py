@@ -3,6 +3,7 @@ that places storages, their verification and byte order."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
@@ -12,10 +13,9 @@ from typing import Any
 from ..io import File, IOHandle
 from . import _dtype, _engine, _reading, mapping
 from ._files import _same_file
-from ._tensor_bytes import _storage_bytes
 from ._format import _dtype_names, _quantized_dtypes, _require, _torch, _torch_dtypes
 from ._reading import _open_checkpoint, _Piece, _Progress
-from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead
+from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead, _storage_bytes
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,7 @@ class _StorageOverrun(ValueError):
 
 
 class _PlacementError(Exception):
-    """What `map_location` raised, carried out of the unpickler unchanged (not the file's)."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
+    """What `map_location` raised (its cause), carried out of the unpickler unchanged."""
 
 
 @dataclass
@@ -65,29 +61,18 @@ class _StorageRef:
     nbytes: int
     dtype: Any
     storage: Any  # UntypedStorage (cpu, cuda or meta)
-    filled: bool = False  # read while unpickling (see _DATA_DEPENDENT_REBUILDS)
+    filled: bool = False  # read while unpickling (a rebuild reading data, map_location...)
 
 
-# torch functions that read their tensor arguments' data while the pickle is loaded (a nested
-# tensor's sizes are tensors): in files naming one, storages are read as they are met.
-_DATA_DEPENDENT_REBUILDS = (b"_rebuild_nested_tensor",)
-
-
-def _fill_now(
-    ref: _StorageRef, path: str, verify: bool, big_endian: bool, io: IOHandle | None = None
-) -> None:
-    """Reads `ref`'s record into its storage now (CUDA through host memory), native order."""
+def _fill_now(ref: _StorageRef, path: str, verify: bool, big_endian: bool, io: IOHandle) -> None:
+    """`ref`'s storage filled now (CUDA through host memory), in native order."""
     torch = _torch()
     dest = _storage_bytes(ref.storage)
     host = dest if dest.device.type == "cpu" else torch.empty(ref.nbytes, dtype=torch.uint8)
-    reader = io if io is not None else _engine._default_io()
-    file = _open_checkpoint(reader, path)
-    try:
-        _reading._read_host(reader, file, path, [f"data/{ref.key}"], [ref.record.offset],
+    with contextlib.closing(_open_checkpoint(io, path)) as file:
+        _reading._read_host(io, file, path, [f"data/{ref.key}"], [ref.record.offset],
                             [ref.nbytes], [host.data_ptr()], _Progress("", 0, False),
                             "crc32" if verify else "none", [ref.record.crc32] if verify else None)
-    finally:
-        file.close()
     if host is not dest:
         dest.copy_(host)
     if big_endian:
@@ -100,28 +85,20 @@ def _unpickle_torch(
     mapped: Any = None, archive: tuple[dict[str, _ZipRecord], str] | None = None,
     placement: _Placement | None = None, io: IOHandle | None = None,
 ) -> tuple[Any, dict[str, _StorageRef], dict[str, _ZipRecord], str, bool]:
-    """Unpickle data.pkl with torch's weights_only unpickler. Storages are allocated empty on
-    `storage_device` and filled later, or are slices of `mapped` (the whole file). Returns the
-    object, the storages by key, the records, the archive prefix and whether the file is
-    big-endian. With `verify`, data.pkl's and byteorder's CRC-32s are checked too (a flipped
-    bit there changes offsets or values without touching any storage)."""
+    """data.pkl through torch's weights_only unpickler, storages allocated empty on
+    `storage_device` (filled later) or slices of `mapped`. With `verify`, data.pkl's and
+    byteorder's CRC-32s are checked too: a flipped bit there changes offsets or values."""
     torch = _torch()
     from torch import _weights_only_unpickler as wou
 
     records, prefix = archive if archive is not None else _torch_records(path)
     reader = io if io is not None else _engine._default_io()
-    file = _open_checkpoint(reader, path)
-    try:  # with verify, an archive saved without CRC-32s is refused too (not a corrupt one)
-        pkl, order = _require("read_torch_pickle")(
+    # With verify, an archive saved without CRC-32s is refused too (not a corrupt one).
+    with contextlib.closing(_open_checkpoint(reader, path)) as file:
+        pkl, big_endian, data_dependent = _require("read_torch_pickle")(
             reader._core(), file, path, prefix,  # noqa: SLF001 - same package
             [(n, r.offset, r.size, r.crc32, r.archive_has_crcs) for n, r in records.items()],
             verify)
-    finally:
-        file.close()
-    if order not in (None, b"little", b"big"):
-        raise ValueError(f"{path}: unknown byte order {order[:16]!r}")
-    big_endian = order == b"big"
-    data_dependent = any(name in pkl for name in _DATA_DEPENDENT_REBUILDS)
     eager = mapped is None and data_dependent
     # Mapped storages hold their bytes already; a big-endian one must be swapped before a
     # rebuild reads it, not after the pickle is loaded.
@@ -160,7 +137,7 @@ def _unpickle_torch(
                     try:
                         sdev = placement.device_for(str(location))
                     except Exception as e:  # noqa: BLE001 - passed on as raised
-                        raise _PlacementError(e) from None
+                        raise _PlacementError from e
                 if nbytes == 0 and (mapped is not None or sdev.type == "cpu"):
                     storage = mapping._fixed_storage(0, 0)
                 elif mapped is not None:
@@ -183,14 +160,14 @@ def _unpickle_torch(
                 if restore is not None and device.type != "meta":
                     # torch.load gives the callable each storage with its bytes, on the CPU
                     if nbytes and mapped is None:
-                        _fill_now(ref, path, verify, big_endian, io)
+                        _fill_now(ref, path, verify, big_endian, reader)
                     try:
                         ref.storage = placement.restored(ref.storage, str(location))
                     except Exception as e:  # noqa: BLE001 - passed on as raised
-                        raise _PlacementError(e) from None
+                        raise _PlacementError from e
                     ref.filled = True
                 elif eager and nbytes and device.type != "meta":
-                    _fill_now(ref, path, verify, big_endian, io)
+                    _fill_now(ref, path, verify, big_endian, reader)
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
                         _reading._check_host(ref.path, [(f"data/{ref.key}", _storage_bytes(
@@ -215,7 +192,7 @@ def _unpickle_torch(
         try:
             obj = unpickler.load()
         except _PlacementError as e:
-            raise e.error from None
+            raise e.__cause__ from None  # type: ignore[misc]
         except pickle.UnpicklingError as e:
             raise WeightsOnlyUnpicklingError(
                 f"{path}: data.pkl holds what torch.load(weights_only=True) refuses (tensortier "
@@ -227,20 +204,11 @@ def _unpickle_torch(
             if isinstance(e, ValueError) and (
                     path in str(e) or (label is not None and label in str(e))):
                 raise
-            kinds = [k for k, rebuild in (("quantized", b"_rebuild_qtensor"),
-                                          ("nested", b"_rebuild_nested_tensor")) if rebuild in pkl]
-            if isinstance(e, NotImplementedError) and device.type == "meta" and kinds:
-                # torch has no quantized meta tensors, and nested ones need their data: a valid
-                # file, which a description without the data (load_into's) cannot hold
-                raise ValueError(
-                    f"{path}: holds {' or '.join(kinds)} tensors, which cannot be described "
-                    "without reading them (load_into reads plain tensors): use tensortier.load"
-                ) from e
-            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped.
-            raise ValueError(
-                f"{path}: malformed data.pkl (at byte {stream.tell()} of {len(pkl)}): "
-                f"{type(e).__name__}: {e}"
-            ) from e
+            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped;
+            # a valid file that a description without the data (load_into's) cannot hold.
+            raise ValueError(_require("unpickling_failure")(
+                path, type(e).__name__, str(e), isinstance(e, NotImplementedError)
+                and device.type == "meta", pkl, stream.tell())) from e
         finally:
             if device.type == "meta" and isinstance(sparse_queue, list):
                 del sparse_queue[queued:]
@@ -305,11 +273,8 @@ def _load_plain_dict(
             storage = mapping._fixed_storage(n, offset)
             addresses.append(storage.data_ptr() if n else 0)
         out[name] = torch.empty(0, dtype=to_torch[dt]).set_(storage, 0, shape)
-    prog = _Progress(f"loading {os.path.basename(path)}", sum(sizes), progress)
-    try:
+    with _Progress(f"loading {os.path.basename(path)}", sum(sizes), progress) as prog:
         _reading._read_host(io, file, path, names, offsets, sizes, addresses, prog)
-    finally:
-        prog.close()
     return out
 
 
@@ -361,13 +326,9 @@ def _load_torch(
                 if not r.filled and r.storage.device.type != "meta"  # meta: nothing to read
             ]
         if pieces:
-            prog = _Progress(
-                f"loading {os.path.basename(path)}", sum(r.nbytes for r in refs), progress
-            )
-            try:
+            total = sum(r.nbytes for r in refs)
+            with _Progress(f"loading {os.path.basename(path)}", total, progress) as prog:
                 _reading._read_pieces(io, pieces, prog, path)
-            finally:
-                prog.close()
     finally:
         file.close()
     if big_endian:
@@ -390,8 +351,6 @@ def _swap_bytes(storage: Any, dtype: Any) -> None:
         return
     flat = _storage_bytes(storage)
     host = flat if flat.device.type == "cpu" else flat.cpu()
-    n = host.numel() - host.numel() % width
-    if n:
-        _require("reverse_units_address")(host.data_ptr(), n, width)
+    _require("reverse_units_address")(host.data_ptr(), host.numel() - host.numel() % width, width)
     if host is not flat:
         flat.copy_(host)
