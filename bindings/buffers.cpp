@@ -35,8 +35,9 @@ py::object HostRange(const py::object& obj, bool writable) {
   const auto view = py::reinterpret_steal<py::object>(raw);
   const Py_buffer* b = PyMemoryView_GET_BUFFER(raw);
   if (writable && b->readonly) {
-    throw py::value_error(type + " is read-only and cannot be read into: pass a writable buffer "
-                                 "(bytearray, numpy array, tensor)");
+    throw py::value_error(type +
+                          " is read-only and cannot be read into: pass a writable buffer "
+                          "(bytearray, numpy array, tensor)");
   }
   if (PyBuffer_IsContiguous(b, 'C') == 0) {
     throw py::value_error(type + " is not C-contiguous: make a contiguous copy first");

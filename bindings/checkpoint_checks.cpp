@@ -258,8 +258,9 @@ void RegisterCheckpointChecks(py::module_& m) {
           }
         }
         if (!kinds.empty()) {
-          return py::str("{}: holds {} tensors, which cannot be described without reading them "
-                         "(load_into reads plain tensors): use tensortier.load")
+          return py::str(
+                     "{}: holds {} tensors, which cannot be described without reading them "
+                     "(load_into reads plain tensors): use tensortier.load")
               .format(path, kinds);
         }
         return py::str("{}: malformed data.pkl (at byte {} of {}): {}: {}")
@@ -277,16 +278,19 @@ void RegisterCheckpointChecks(py::module_& m) {
          bool has_data) {
         py::object message;
         if (py::len(other) > 0) {
-          message = py::str("{}: {!r} is {}, not a tensor: load_into reads flat state dicts; use "
-                            "tensortier.load")
+          message = py::str(
+                        "{}: {!r} is {}, not a tensor: load_into reads flat state dicts; use "
+                        "tensortier.load")
                         .format(path, name, other);
         } else if (py::len(layout) > 0) {
-          message = py::str("{}: {!r} is a {} tensor: load_into reads dense tensors; use "
-                            "tensortier.load")
+          message = py::str(
+                        "{}: {!r} is a {} tensor: load_into reads dense tensors; use "
+                        "tensortier.load")
                         .format(path, name, layout);
         } else if (!has_data) {
-          message = py::str("{}: {!r} has no data in the file (a tensor saved from the meta "
-                            "device): load_into cannot read it; use tensortier.load")
+          message = py::str(
+                        "{}: {!r} has no data in the file (a tensor saved from the meta "
+                        "device): load_into cannot read it; use tensortier.load")
                         .format(path, name);
         }
         if (message) {
@@ -321,8 +325,9 @@ void RegisterCheckpointChecks(py::module_& m) {
         if (type != "cuda") {
           problem = "{!r} is not supported: use 'cpu', 'cuda:N' or 'meta'";
         } else if (!cuda_available) {
-          problem = "{!r} was asked for but CUDA is not available (torch.cuda.is_available() is "
-                    "False): load with device='cpu'";
+          problem =
+              "{!r} was asked for but CUDA is not available (torch.cuda.is_available() is "
+              "False): load with device='cpu'";
         } else if (index >= count) {
           problem = "{!r}: there are only {} GPUs";
         }
@@ -442,8 +447,7 @@ void RegisterCheckpointChecks(py::module_& m) {
       "read_shard_index and detect_checkpoint_kind raise, and for a shard that is an index.");
   m.def(
       "shard_names",
-      [](const py::str& path, const py::str& shard, const py::list& names,
-         const py::object& part) {
+      [](const py::str& path, const py::str& shard, const py::list& names, const py::object& part) {
         if (!py::isinstance(part, py::module_::import("collections.abc").attr("Mapping"))) {
           PyErr_SetObject(PyExc_ValueError, py::str("{}: holds a {}, not a state dict")
                                                 .format(shard, py::type::of(part).attr("__name__"))
@@ -455,10 +459,9 @@ void RegisterCheckpointChecks(py::module_& m) {
           if (!part.contains(name)) missing.append(name);
         }
         if (!missing.empty()) {
-          PyErr_SetObject(PyExc_ValueError,
-                          py::str("{}: the index puts {} in {}, which lacks them")
-                              .format(path, missing[py::slice(0, 8, 1)], shard)
-                              .ptr());
+          PyErr_SetObject(PyExc_ValueError, py::str("{}: the index puts {} in {}, which lacks them")
+                                                .format(path, missing[py::slice(0, 8, 1)], shard)
+                                                .ptr());
           throw py::error_already_set();
         }
         const py::set mine(names);
@@ -553,10 +556,9 @@ void RegisterCheckpointChecks(py::module_& m) {
               "run any program); use torch.load(..., weights_only=False) for a file you trust");
         }
         if (!weights_only.is_none() && !weights_only.equal(py::bool_(true))) {
-          PyErr_SetObject(PyExc_TypeError,
-                          py::str("weights_only must be True or None, not {!r}")
-                              .format(weights_only)
-                              .ptr());
+          PyErr_SetObject(
+              PyExc_TypeError,
+              py::str("weights_only must be True or None, not {!r}").format(weights_only).ptr());
           throw py::error_already_set();
         }
       },

@@ -430,8 +430,8 @@ class DeepNvmeHandle {
     static const py::handle locked =  // the process's one registry of locked tensors
         py::object(py::module_::import("tensortier.compat.deepnvme").attr("_locked")).release();
     locked.attr("track")(buffer.attr("data_ptr")(), buffer.attr("nbytes"), operation);
-    pending_.push_back({operation.cast<Operation>(), future, buffer, copy_to, validate,
-                        file->first, file->second});
+    pending_.push_back({operation.cast<Operation>(), future, buffer, copy_to, validate, file->first,
+                        file->second});
     return true;
   }
 
@@ -480,8 +480,8 @@ class DeepNvmeHandle {
 
   struct Pending {
     Operation op;
-    py::object future;  // keeps the memory alive
-    py::object buffer;  // the tensor moved
+    py::object future;   // keeps the memory alive
+    py::object buffer;   // the tensor moved
     py::object copy_to;  // a read's non-contiguous tensor, else None
     bool validate;
     std::string path;
@@ -512,8 +512,8 @@ void RegisterDeepNvme(py::module_& m) {
           [](py::object self, const std::string& op, const py::object& buffer,
              const py::object& filename, const py::object& validate, const py::object& async_op,
              const py::object& offset, const py::dict& kwargs) {
-            return self.cast<DeepNvmeHandle&>().Call(self, op, buffer, filename, validate,
-                                                     async_op, offset, kwargs);
+            return self.cast<DeepNvmeHandle&>().Call(self, op, buffer, filename, validate, async_op,
+                                                     offset, kwargs);
           },
           py::arg("op"), py::arg("buffer"), py::arg("filename"), py::arg("validate"),
           py::arg("async_op"), py::arg("file_offset"), py::arg("kwargs"),

@@ -32,9 +32,8 @@ void RegisterHf(py::module_& m) {
       "least), or None where neither file is there or config.json is unreadable or names a "
       "quantization_config.");
   m.def(
-      "check_hf_model_directory",
-      [](const FsPath& dir) { CheckHfModelDirectory(dir); }, py::arg("dir"),
-      py::call_guard<py::gil_scoped_release>(),
+      "check_hf_model_directory", [](const FsPath& dir) { CheckHfModelDirectory(dir); },
+      py::arg("dir"), py::call_guard<py::gil_scoped_release>(),
       "FileNotFoundError where dir is not a local directory (a Hub model id), saying how to "
       "download one.");
   m.def(

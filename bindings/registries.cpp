@@ -344,8 +344,7 @@ class GdsFileState {
       const py::object address = db.attr("address"), device = db.attr("device");
       const py::object result =
           read ? transfer.attr("read")(target, offset, nbytes, address, device, db.attr("stream"))
-               : transfer.attr("write")(address, nbytes, target, offset, device,
-                                        db.attr("stream"));
+               : transfer.attr("write")(address, nbytes, target, offset, device, db.attr("stream"));
       return py::str(result["stats"]["path"]);
     } catch (py::error_already_set& e) {
       if (!e.matches(PyExc_OSError)) throw;

@@ -27,7 +27,9 @@ namespace {
   throw py::error_already_set();
 }
 
-std::string Repr(const py::handle& value) { return py::repr(value).cast<std::string>(); }
+std::string Repr(const py::handle& value) {
+  return py::repr(value).cast<std::string>();
+}
 
 // The bytes from a strided tensor's first element to the end of its furthest one.
 uint64_t Extent(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
@@ -57,19 +59,19 @@ void CheckSafetensorsSave(const py::list& rows) {
         size = Extent(t[5].cast<std::vector<int64_t>>(), t[6].cast<std::vector<int64_t>>(),
                       t[7].cast<uint64_t>());
       }
-      areas.push_back({t[1].cast<std::string>(), t[2].cast<uint64_t>(), size,
-                       key.cast<std::string>()});
+      areas.push_back(
+          {t[1].cast<std::string>(), t[2].cast<uint64_t>(), size, key.cast<std::string>()});
     }
   }
   if (!not_tensors.empty()) {
-    throw py::type_error(StrCat(
-        "safetensors files hold tensors only; these values are not tensors: ",
-        Repr(not_tensors[py::slice(0, 8, 1)]), not_tensors.size() > 8 ? " ..." : "",
-        ": use format='torch' to keep them"));
+    throw py::type_error(
+        StrCat("safetensors files hold tensors only; these values are not tensors: ",
+               Repr(not_tensors[py::slice(0, 8, 1)]), not_tensors.size() > 8 ? " ..." : "",
+               ": use format='torch' to keep them"));
   }
   if (!bad_names.empty()) {
-    throw py::type_error(StrCat("safetensors tensor names must be str, not ",
-                                Repr(bad_names[py::slice(0, 8, 1)])));
+    throw py::type_error(
+        StrCat("safetensors tensor names must be str, not ", Repr(bad_names[py::slice(0, 8, 1)])));
   }
   if (!not_strided.empty()) {
     throw py::type_error(StrCat("sparse or non-strided tensors cannot be saved as safetensors: ",
@@ -113,9 +115,9 @@ py::dict StoredChecksums(const py::str& path, const py::dict& metadata,
   }
   if (!sums.problems.empty()) {
     const size_t more = sums.problems.size() - 1;
-    RaiseValueError(malformed + MessageToPython(StrCat(
-                                    sums.problems[0],
-                                    more ? StrCat(" (and ", more, " more problems)") : "")));
+    RaiseValueError(malformed +
+                    MessageToPython(StrCat(sums.problems[0],
+                                           more ? StrCat(" (and ", more, " more problems)") : "")));
   }
   py::dict out;
   for (size_t i = 0; i < names.size(); ++i) out[py::str(names[i])] = py::cast(sums.want[i]);
@@ -139,9 +141,9 @@ void CheckSaveOptions(const std::string& format, const py::object& metadata,
     if (!strings) throw py::type_error("metadata must be a mapping of str to str");
   }
   if (!PyBool_Check(checksum.ptr())) {
-    throw py::type_error(StrCat("checksum must be a bool, not ",
-                                py::str(py::type::handle_of(checksum).attr("__name__"))
-                                    .cast<std::string>()));
+    throw py::type_error(
+        StrCat("checksum must be a bool, not ",
+               py::str(py::type::handle_of(checksum).attr("__name__")).cast<std::string>()));
   }
 }
 

@@ -229,7 +229,8 @@ class BoundGroup : public SharedGroup {
       : SharedGroup(std::move(store), rank, world_size, timeout), hosts_store_(hosts_store) {}
 
   void Require(const std::string& what) const {
-    if (closed_) throw std::runtime_error(StrCat(what, ": the shared group was closed (finalized)"));
+    if (closed_)
+      throw std::runtime_error(StrCat(what, ": the shared group was closed (finalized)"));
   }
   void Keep(const std::shared_ptr<DistributedTensor>& tensor) {
     std::lock_guard lock(mutex_);
@@ -499,17 +500,17 @@ void RegisterShared(py::module_& m) {
       .def("__len__", [](const SharedRegion& r) { return r.size; })
       .def_property_readonly(
           "address", [](const SharedRegion& r) { return reinterpret_cast<uintptr_t>(r.data); })
-      .def_property_readonly(
-          "__cuda_array_interface__",
-          [](const SharedRegion& r) {  // for torch.as_tensor on a GPU
-            py::dict d;
-            d["shape"] = py::make_tuple(r.size);
-            d["typestr"] = "|u1";
-            d["data"] = py::make_tuple(reinterpret_cast<uintptr_t>(r.data), false);
-            d["version"] = 3;
-            d["strides"] = py::none();
-            return d;
-          })
+      .def_property_readonly("__cuda_array_interface__",
+                             [](const SharedRegion& r) {  // for torch.as_tensor on a GPU
+                               py::dict d;
+                               d["shape"] = py::make_tuple(r.size);
+                               d["typestr"] = "|u1";
+                               d["data"] =
+                                   py::make_tuple(reinterpret_cast<uintptr_t>(r.data), false);
+                               d["version"] = 3;
+                               d["strides"] = py::none();
+                               return d;
+                             })
       .def_buffer([](SharedRegion& r) {
         if (r.device) throw py::value_error("device memory has no host buffer");
         return py::buffer_info(r.data, 1, py::format_descriptor<uint8_t>::format(), 1,

@@ -66,9 +66,9 @@ void RegisterSharedArgs(py::module_& m) {
         const auto element_size = core.attr("element_size").cast<int64_t>();
         const auto itemsize = dtype.attr("itemsize").cast<int64_t>();
         if (element_size != itemsize) {
-          throw py::value_error(StrCat("shared tensor ", PyRepr(name), ": its record's element_size ",
-                                       element_size, " is not the size of ",
-                                       py::str(dtype).cast<std::string>(), " (", itemsize, ")"));
+          throw py::value_error(StrCat(
+              "shared tensor ", PyRepr(name), ": its record's element_size ", element_size,
+              " is not the size of ", py::str(dtype).cast<std::string>(), " (", itemsize, ")"));
         }
         return dtype;
       },
@@ -125,10 +125,9 @@ void RegisterSharedArgs(py::module_& m) {
         RequireCudaDriver(StrCat("view on ", dev, ": "), "use host memory (device='cpu')");
         py::dict stats = core.attr("stats");
         if (!stats["cuda_registered"].cast<bool>()) {
-          throw py::value_error(StrCat("view on ", dev,
-                                       ": this host memory is not registered with CUDA (",
-                                       py::str(stats["cuda_registered_reason"]).cast<std::string>(),
-                                       ")"));
+          throw py::value_error(
+              StrCat("view on ", dev, ": this host memory is not registered with CUDA (",
+                     py::str(stats["cuda_registered_reason"]).cast<std::string>(), ")"));
         }
         return index ? *index : -1;
       },
@@ -181,8 +180,7 @@ void RegisterSharedArgs(py::module_& m) {
                                        torch_group->first, " of ", torch_group->second));
         }
       },
-      py::arg("layout"), py::arg("memory"), py::arg("name"), py::arg("rank"),
-      py::arg("world_size"),
+      py::arg("layout"), py::arg("memory"), py::arg("name"), py::arg("rank"), py::arg("world_size"),
       "ValueError for create_tensor arguments that do not go together: device memory with the "
       "distributed layout, a name that is not a non-empty str, the distributed layout without "
       "torch.distributed's default group or with one whose rank and size are not this group's.");
@@ -213,8 +211,8 @@ void RegisterSharedArgs(py::module_& m) {
               StrCat("values are ", dtype, "; this shared tensor holds ", want_dtype));
         }
         if (shape != want_shape) {
-          throw py::value_error(StrCat("values have shape ", PyTuple(shape), "; expected ",
-                                       PyTuple(want_shape)));
+          throw py::value_error(
+              StrCat("values have shape ", PyTuple(shape), "; expected ", PyTuple(want_shape)));
         }
         if (device && *device != "cpu") {
           throw py::value_error(StrCat("values must be on the CPU, not ", *device));

@@ -108,7 +108,9 @@ py::tuple EnvStore(bool is_master, std::optional<int64_t> world_size, double tim
 }
 
 // Calls `fn` of tensortier._core (defined by the other binding files).
-py::object Core(const char* fn) { return py::module_::import("tensortier._core").attr(fn); }
+py::object Core(const char* fn) {
+  return py::module_::import("tensortier._core").attr(fn);
+}
 
 }  // namespace
 

@@ -55,10 +55,10 @@ class TensorNvmeWriter {
     const uint64_t size = TensorNvmeUnsigned(n_bytes, "n_bytes", 64);
     if (address == 0 && size > 0) throw py::value_error("buffer is a null address");
     const py::object data =
-        size == 0 ? py::object(py::bytes())
-                  : py::reinterpret_steal<py::object>(PyMemoryView_FromMemory(
-                        reinterpret_cast<char*>(address), static_cast<Py_ssize_t>(size),
-                        PyBUF_READ));
+        size == 0
+            ? py::object(py::bytes())
+            : py::reinterpret_steal<py::object>(PyMemoryView_FromMemory(
+                  reinterpret_cast<char*>(address), static_cast<Py_ssize_t>(size), PyBUF_READ));
     if (!data) throw py::error_already_set();
     Start(data, offset, callback);
   }

@@ -189,10 +189,12 @@ class PyOffloadDevice {
  public:
   PyOffloadDevice(Offloader& offloader, const std::string& gds, std::optional<size_t> max_rings,
                   const std::string& copier)
-      : core_(new OffloadDevice(offloader, ParseGdsMode(gds), [max_rings, copier](Engine& e) {
-          return std::unique_ptr<DeviceTransfer>(
-              MakeTransfer(e, std::nullopt, std::nullopt, max_rings, copier).release());
-        })),
+      : core_(new OffloadDevice(
+            offloader, ParseGdsMode(gds),
+            [max_rings, copier](Engine& e) {
+              return std::unique_ptr<DeviceTransfer>(
+                  MakeTransfer(e, std::nullopt, std::nullopt, max_rings, copier).release());
+            })),
         every_tensor_(copier == "memcpy") {}
 
   // Per tensor, whether it takes the device path (CUDA tensors; all with the memcpy copier, for
