@@ -49,11 +49,9 @@ def _done(value: Any) -> Future[Any]:
 
 
 def _stage(state_dict: Any) -> Any:
-    """A copy of `state_dict` (nested dicts, lists and tuples) whose tensors are in a reused
-    arena of host memory (free again once its save has written its file or no tensor staged in
-    it is alive), DTensors rebuilt around their staged local tensors; other values deep-copied
-    (kept as they are when they cannot be: the save then names them). Returns when every copy
-    is done."""
+    """``Writer.stage``'s copy of `state_dict` (nested dicts, lists and tuples), DTensors rebuilt
+    around their staged local tensors; other values deep-copied (kept as they are when they
+    cannot be: the save then names them)."""
     # () where no DTensor can exist (a torch without it, or a process that has not imported it:
     # importing it costs seconds).
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
