@@ -4,6 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -14,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "dcp_items.hpp"
 #include "dlpack_export.hpp"
 #include "paths.hpp"
 #include "register.hpp"
@@ -22,6 +26,7 @@
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
 #include "tensortier/checkpoint/staging_arenas.hpp"
+#include "tensortier/util/parallel_copy.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -53,23 +58,32 @@ py::object ArenaAsDlpack(std::shared_ptr<StagingArena> arena) {
 void RegisterDcp(py::module_& m) {
   m.def(
       "write_dcp_file",
-      [](Engine& engine, const FsPath& path, const std::vector<std::string>& dtypes,
-         const std::vector<std::vector<uint64_t>>& shapes, const std::vector<uint64_t>& nbytes,
-         const std::vector<uintptr_t>& addresses, bool direct, const std::string& who,
-         const std::vector<std::string>& names) {
-        SameLength(dtypes.size(), {shapes.size(), nbytes.size(), addresses.size()},
+      [](Engine& engine, const FsPath& dir, const std::string& name,
+         const std::vector<std::string>& dtypes, const std::vector<std::vector<uint64_t>>& shapes,
+         const std::vector<uint64_t>& nbytes, const std::vector<uintptr_t>& addresses,
+         const py::list& write_items, bool direct, const std::string& who) {
+        SameLength(dtypes.size(),
+                   {shapes.size(), nbytes.size(), addresses.size(), write_items.size()},
                    "write_dcp_file");
-        if (!names.empty()) SameLength(dtypes.size(), {names.size()}, "write_dcp_file");
         std::vector<DcpWriteItem> items(dtypes.size());
+        py::list fqns, offsets, indices;
         for (size_t i = 0; i < items.size(); ++i) {
+          const py::object index = write_items[i].attr("index");
+          const py::object offset = index.attr("offset");
+          fqns.append(index.attr("fqn"));
+          offsets.append(offset.is_none() ? offset : py::tuple(offset));
+          indices.append(index.attr("index"));
           items[i] = {dtypes[i], shapes[i], nbytes[i],
                       reinterpret_cast<const std::byte*>(addresses[i]),
-                      names.empty() ? std::string() : names[i]};
+                      py::str(fqns[i]).cast<std::string>()};
         }
         std::vector<DcpItemPlace> places;
         {
           py::gil_scoped_release release;
-          places = WriteDcpFile(engine, path, std::move(items), direct, who);
+          places =
+              WriteDcpFile(engine, StrCat(dir.bytes, dir.bytes.ends_with('/') ? "" : "/", name),
+                           std::move(items), direct, who);
+          StagingArenas::Process().MarkWritten(addresses);  // the next stage may reuse them
         }
         std::vector<uint64_t> flat;
         uint64_t total = 0;
@@ -79,20 +93,22 @@ void RegisterDcp(py::module_& m) {
           total += p.length;
           blocks.append(py::bytes(p.block_xxh64));
         }
-        return py::make_tuple(
-            py::bytes(reinterpret_cast<const char*>(flat.data()), flat.size() * sizeof(uint64_t)),
-            total, blocks);
+        const py::bytes packed(reinterpret_cast<const char*>(flat.data()),
+                               flat.size() * sizeof(uint64_t));
+        return py::make_tuple(total, py::make_tuple(name, fqns, offsets, indices, packed, blocks));
       },
-      py::arg("engine"), py::arg("path"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"),
-      py::arg("addresses"), py::arg("direct") = true, py::arg("who") = "",
-      py::arg("names") = std::vector<std::string>{},
-      "Writes a DCP rank file durably at path: item i is a tensor of dtypes[i] (tensortier's "
-      "name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] bytes of host memory at "
-      "addresses[i]. Returns (places: offset, length and xxh64 of each item as native uint64s, "
-      "the bytes of all items, [block xxh64s] per item: packed little-endian, one per "
-      "dcp_block_bytes of a tensor's data; b'' for bytes items). "
-      "ValueError naming the item (names[i] where given) for a dtype torch cannot pickle, "
-      "OSError naming who ('rank 1'), the step and path (no temporary file left).");
+      py::arg("engine"), py::arg("dir"), py::arg("name"), py::arg("dtypes"), py::arg("shapes"),
+      py::arg("nbytes"), py::arg("addresses"), py::arg("items"), py::arg("direct") = true,
+      py::arg("who") = "",
+      "Writes a DCP rank file durably at dir/name: item i (items[i], a WriteItem) is a tensor of "
+      "dtypes[i] (tensortier's name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] "
+      "bytes of host memory at addresses[i]; then marks free the staging arenas holding them "
+      "(staging_arenas_written). Returns (the bytes of all items, the rank's write result that "
+      "dcp_storage_data expands: (name, fqns, offsets, indices, places: offset, length and xxh64 "
+      "of each item as native uint64s, [block xxh64s] per item: packed little-endian, one per "
+      "dcp_block_bytes of a tensor's data; b'' for bytes items)). ValueError naming the item (its "
+      "fqn) for a dtype torch cannot pickle, OSError naming who ('rank 1'), the step and path (no "
+      "temporary file left).");
   py::class_<DcpFileReads>(
       m, "DcpFileReads",
       "A rank file a load reads from, and how it reads each item: the bytes of the small items it "
@@ -125,11 +141,7 @@ void RegisterDcp(py::module_& m) {
                    it.xxh64 = xxh64[i];
                    it.blocks = blocks[i].value_or("");
                  }
-                 const DcpVerify how =
-                     py::isinstance<py::str>(verify) && verify.cast<std::string>() == "full"
-                         ? DcpVerify::kFull
-                     : py::bool_(verify) ? DcpVerify::kRead
-                                         : DcpVerify::kNone;
+                 const DcpVerify how = DcpVerifyOf(verify);
                  py::gil_scoped_release release;
                  return std::make_unique<DcpFileReads>(engine, path, items, how);
                }),
@@ -189,17 +201,23 @@ void RegisterDcp(py::module_& m) {
           "a mismatch, a truncated file or a block outside the tensor; OSError for I/O errors.");
   m.def(
       "commit_dcp_checkpoint",
-      [](Engine& engine, const FsPath& dir, const py::bytes& metadata,
-         const std::vector<std::string>& referenced, const std::string& who) {
+      [](Engine& engine, const FsPath& dir, const py::bytes& metadata, const py::dict& storage_data,
+         const std::string& who) {
+        std::set<std::string> files;
+        for (const auto& [_, info] : storage_data) {
+          files.insert(info.attr("relative_path").cast<std::string>());
+        }
+        const std::vector<std::string> referenced(files.begin(), files.end());
         std::string data = metadata;
         py::gil_scoped_release release;
         return CommitDcpCheckpoint(engine, dir, data, referenced, who);
       },
-      py::arg("engine"), py::arg("dir"), py::arg("metadata"), py::arg("referenced"),
+      py::arg("engine"), py::arg("dir"), py::arg("metadata"), py::arg("storage_data"),
       py::arg("who") = "",
-      "Writes dir/.metadata durably, then removes the data files it does not name (referenced: "
-      "relative paths) and dead saves' temporary files. Returns how many files went. OSError "
-      "naming who ('rank 0'), the step and path (the old checkpoint stays whole).");
+      "Writes dir/.metadata durably, then removes the data files it does not name (the "
+      "relative_paths of storage_data's _StorageInfos) and dead saves' temporary files. Returns "
+      "how many files went. OSError naming who ('rank 0'), the step and path (the old "
+      "checkpoint stays whole).");
   m.def(
       "read_dcp_metadata_bytes",
       [](const FsPath& dir) {
@@ -216,20 +234,28 @@ void RegisterDcp(py::module_& m) {
       "NotADirectoryError for a file.");
   m.def(
       "check_dcp_metadata",
-      [](const FsPath& dir, const py::object& format, const py::list& relative_paths,
+      [](const FsPath& dir, const py::object& metadata, const py::handle& metadata_type,
          const std::string& what) {
         auto type_name = [](const py::handle& v) {
           return py::str(py::type::of(v).attr("__name__")).cast<std::string>();
         };
+        const py::object storage = py::getattr(metadata, "storage_data", py::none());
+        if (!py::isinstance(metadata, metadata_type) || !py::isinstance<py::dict>(storage)) {
+          throw std::invalid_argument(StrCat(what, ": holds ", type_name(metadata),
+                                             ", not DCP metadata with storage data"));
+        }
+        const py::object format = py::getattr(py::getattr(metadata, "storage_meta", py::none()),
+                                              "tensortier_format", py::none());
         if (!format.is_none()) {
           if (!py::isinstance<py::int_>(format) || py::isinstance<py::bool_>(format)) {
-            throw std::invalid_argument(StrCat(what, ": tensortier_format is a ",
-                                               type_name(format), ", not a format version"));
+            throw std::invalid_argument(StrCat(what, ": tensortier_format is a ", type_name(format),
+                                               ", not a format version"));
           }
           CheckDcpFormat(format.cast<int64_t>(), what);
         }
         std::set<std::string> files;
-        for (const py::handle& p : relative_paths) {
+        for (const auto& [_, info] : py::reinterpret_borrow<py::dict>(storage)) {
+          const py::object p = py::getattr(info, "relative_path", py::none());
           if (!py::isinstance<py::str>(p)) {
             throw std::invalid_argument(
                 StrCat(what, ": a data file named by a ", type_name(p), ", not a str"));
@@ -242,11 +268,13 @@ void RegisterDcp(py::module_& m) {
         py::gil_scoped_release release;
         CheckDcpDataFilesPresent(dir, sorted);
       },
-      py::arg("dir"), py::arg("format"), py::arg("relative_paths"), py::arg("what"),
-      "Refuses a DCP .metadata (`what`) of dir whose tensortier_format (None: torch's files) is "
+      py::arg("dir"), py::arg("metadata"), py::arg("metadata_type"), py::arg("what"),
+      "Refuses the unpickled DCP .metadata (`what`) of dir that is no metadata_type with a dict "
+      "of storage data (ValueError), whose storage_meta's tensortier_format (None: torch's "
+      "files) is "
       "newer than this build's DCP format (dcp_format) or not an integer (ValueError naming the "
-      "version found and the one read), that names a data file (relative_paths: its "
-      "_StorageInfos') by anything but a plain file name inside dir ('../x', 'a/b', '.x', ''; "
+      "version found and the one read), that names a data file (its _StorageInfos' "
+      "relative_path) by anything but a plain file name inside dir ('../x', 'a/b', '.x', ''; "
       "ValueError naming the path), or names files that are not in dir (FileNotFoundError "
       "naming the files, saying when it is stale: dir holds data files of another save).");
   m.def("dcp_metadata_global_allowed", &IsDcpMetadataGlobal, py::arg("module"), py::arg("name"),
@@ -278,6 +306,24 @@ void RegisterDcp(py::module_& m) {
       py::arg("addresses"),
       "Marks free the staging arenas holding any of addresses (the items a save has just "
       "written to its file): the next take_staging_arena may lend them, whoever holds a view.");
+  m.def(
+      "copy_into_staging_arena",
+      [](uintptr_t address, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& copies) {
+        std::vector<CopyRange> ranges;
+        ranges.reserve(copies.size());
+        for (const auto& [offset, src, nbytes] : copies) {
+          ranges.push_back({reinterpret_cast<std::byte*>(address + offset),
+                            reinterpret_cast<const std::byte*>(src), static_cast<size_t>(nbytes)});
+        }
+        cpu_set_t cpus;
+        const int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+        py::gil_scoped_release release;
+        ParallelCopy(ranges, static_cast<unsigned>(std::clamp(usable, 1, 8)));
+      },
+      py::arg("address"), py::arg("copies"),
+      "Copies each (offset, src, nbytes) of copies: nbytes bytes of host memory at address src to "
+      "the staging arena at `address` (take_staging_arena's), at offset, on up to 8 threads (as "
+      "many as the process may run on), the GIL released.");
   m.def(
       "staging_arena_count", [] { return StagingArenas::Process().count(); },
       "How many staging arenas this process keeps (in use or free).");

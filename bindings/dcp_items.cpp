@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "dcp_items.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/util/strings.hpp"
@@ -19,12 +20,9 @@
 namespace py = pybind11;
 using namespace tensortier;
 
-namespace {
-
 using Dims = std::vector<int64_t>;
 
-// The item's key, with its chunk's offsets where they are not all 0 ("w at [8, 0]").
-std::string ItemName(const py::handle& index) {
+std::string DcpItemName(const py::handle& index) {
   std::string name = py::str(index.attr("fqn"));
   const py::object offset = index.attr("offset");
   if (offset.is_none()) return name;
@@ -35,18 +33,18 @@ std::string ItemName(const py::handle& index) {
   return name + "]";
 }
 
-// a == b, as Python compares them.
-bool Equal(const py::handle& a, const py::handle& b) {
+bool PyEqual(const py::handle& a, const py::handle& b) {
   const int eq = PyObject_RichCompareBool(a.ptr(), b.ptr(), Py_EQ);
   if (eq < 0) throw py::error_already_set();
   return eq == 1;
 }
 
-// The key of a chunk's sizes: (fqn, offsets as a tuple; () for an index without offsets).
-py::tuple ChunkKey(const py::handle& fqn, const py::handle& offsets) {
+py::tuple DcpChunkKey(const py::handle& fqn, const py::handle& offsets) {
   if (offsets.is_none()) return py::make_tuple(fqn, py::tuple());
   return py::make_tuple(fqn, py::tuple(py::reinterpret_borrow<py::object>(offsets)));
 }
+
+namespace {
 
 py::dict ChunkSizes(const py::dict& state_dict_metadata, const py::handle& tensor_type,
                     const std::string& what) {
@@ -62,7 +60,7 @@ py::dict ChunkSizes(const py::dict& state_dict_metadata, const py::handle& tenso
     CheckDcpChunksCover(fqn.cast<std::string>(), md.attr("size").cast<Dims>(), offsets, sizes,
                         what);
     for (size_t i = 0; i < offsets.size(); ++i) {
-      out[ChunkKey(fqn, py::cast(offsets[i]))] = py::cast(sizes[i]);
+      out[DcpChunkKey(fqn, py::cast(offsets[i]))] = py::cast(sizes[i]);
     }
   }
   return out;
@@ -72,51 +70,58 @@ py::list RequestsByFile(const py::iterable& items, const py::object& storage_dat
   py::dict entry_of;  // relative_path -> its entry of out
   py::list out;
   for (const py::handle& req : items) {
-    const py::object index = req.attr("storage_index");
-    const py::object path = storage_data[index].attr("relative_path");
+    const py::object path = storage_data[req.attr("storage_index")].attr("relative_path");
     py::object entry = entry_of.attr("get")(path);
     if (entry.is_none()) {
-      entry = py::make_tuple(path, py::list(), py::dict());
+      entry = py::make_tuple(path, py::list());
       entry_of[path] = entry;
       out.append(entry);
     }
     entry[py::int_(1)].attr("append")(req);
-    const py::dict groups = entry[py::int_(2)];
-    py::object group = groups.attr("get")(index);
-    if (group.is_none()) {
-      group = py::list();
-      groups[index] = group;
-    }
-    group.attr("append")(req);
   }
   return out;
 }
 
-py::tuple ReadItems(const py::dict& groups, const py::object& storage_data,
-                    const py::dict& chunk_sizes, const py::handle& bytes_type) {
-  py::list names, offsets, lengths, tensor, shapes, fqns, requests, xxh64, blocks;
-  for (const auto& [index, reqs] : groups) {
-    const py::object info = storage_data[index];
-    const bool is_tensor = !Equal(reqs[py::int_(0)].attr("type"), bytes_type);
-    const py::object fqn = index.attr("fqn");
-    names.append(py::str(ItemName(index)));
-    offsets.append(info.attr("offset"));
-    lengths.append(info.attr("length"));
-    tensor.append(py::bool_(is_tensor));
-    shapes.append(is_tensor ? chunk_sizes.attr("get")(ChunkKey(fqn, index.attr("offset")))
-                            : py::none());
-    fqns.append(fqn);
-    py::list parts;
-    if (is_tensor) {
-      for (const py::handle& r : reqs) {
-        parts.append(py::make_tuple(r.attr("storage_offsets"), r.attr("lengths")));
-      }
+// What write_dcp_file needs of each write item without torch: a bytes item's pickled bytes, a
+// tensor item's value where the default planner's flattened state dict holds it as a plain tensor
+// (the planner's own lookup costs a ShardedTensor check per item, most of the Python time of a
+// save of many small tensors), else None.
+py::list WriteValues(const py::list& items, const py::object& planner,
+                     const py::handle& default_planner, const py::handle& byte_io,
+                     const py::handle& tensor_type) {
+  py::object lookup = py::getattr(planner, "state_dict", py::none());
+  for (const char* m : {"resolve_data", "lookup_object", "transform_object"}) {
+    if (!py::getattr(py::type::of(planner), m, py::none()).is(default_planner.attr(m))) {
+      lookup = py::none();
     }
-    requests.append(parts);
-    xxh64.append(py::getattr(info, "xxh64", py::none()));
-    blocks.append(py::getattr(info, "xxh64_blocks", py::none()));
   }
-  return py::make_tuple(names, offsets, lengths, tensor, shapes, fqns, requests, xxh64, blocks);
+  if (!PyDict_Check(lookup.ptr())) lookup = py::none();
+  const py::object bytes_io = py::module_::import("io").attr("BytesIO");
+  py::list out;
+  for (const py::handle& item : items) {
+    if (!PyEqual(item.attr("type"), byte_io)) {
+      const py::object t =
+          lookup.is_none() ? py::none() : lookup.attr("get")(item.attr("index").attr("fqn"));
+      out.append(
+          Py_TYPE(t.ptr()) == reinterpret_cast<PyTypeObject*>(tensor_type.ptr()) ? t : py::none());
+      continue;
+    }
+    py::object data;
+    try {
+      data = planner.attr("resolve_data")(item);
+    } catch (py::error_already_set& e) {  // a lambda, an open file...
+      if (!e.matches(PyExc_Exception)) throw;
+      const std::string message =
+          StrCat(DcpItemName(item.attr("index")), ": cannot be saved: pickling it failed (",
+                 py::str(e.type().attr("__name__")).cast<std::string>(), ": ",
+                 py::str(e.value()).cast<std::string>(),
+                 "); store tensors, numbers, strings, lists or dicts");
+      py::raise_from(e, PyExc_TypeError, message.c_str());
+      throw py::error_already_set();
+    }
+    out.append(py::isinstance(data, bytes_io) ? data.attr("getvalue")() : py::bytes(data));
+  }
+  return out;
 }
 
 // Expands a rank's WriteResult (path, fqns, offsets, indices, places, block sums) into
@@ -151,7 +156,7 @@ py::dict StorageData(const py::iterable& results, const py::str& rank_writes,
   for (const py::handle& rank : results) {
     for (const py::handle& r : rank) {
       const py::object index = r.attr("index");
-      if (Equal(index.attr("fqn"), rank_writes)) {
+      if (PyEqual(index.attr("fqn"), rank_writes)) {
         AddRankItems(out, r.attr("storage_data"), index_type, info_type);
       } else {
         out[index] = r.attr("storage_data");
@@ -242,7 +247,7 @@ py::object Rebuild(const py::handle& obj, const py::list& staged, const py::hand
 }  // namespace
 
 void RegisterDcpItems(py::module_& m) {
-  m.def("dcp_item_name", &ItemName, py::arg("index"),
+  m.def("dcp_item_name", &DcpItemName, py::arg("index"),
         "A MetadataIndex's item name: its fqn, with its offsets where they are not all 0 "
         "('w at [8, 0]').");
   m.def("dcp_chunk_sizes", &ChunkSizes, py::arg("state_dict_metadata"), py::arg("tensor_type"),
@@ -253,13 +258,14 @@ void RegisterDcpItems(py::module_& m) {
         "has).");
   m.def("dcp_requests_by_file", &RequestsByFile, py::arg("items"), py::arg("storage_data"),
         "The ReadItems of a load grouped by the data file that holds them (storage_data: "
-        "MetadataIndex -> _StorageInfo): [(relative_path, its items in order, {storage_index: "
-        "its items})], files in the order they are first asked for.");
-  m.def("dcp_read_items", &ReadItems, py::arg("groups"), py::arg("storage_data"),
-        py::arg("chunk_sizes"), py::arg("bytes_type"),
-        "DcpFileReads' lists (names ... blocks, without engine, path and verify) for the items "
-        "of `groups` ({storage_index: its ReadItems}; an item is bytes where its first "
-        "ReadItem's type is bytes_type), chunk_sizes from dcp_chunk_sizes.");
+        "MetadataIndex -> _StorageInfo): [(relative_path, its items in order)], files in the "
+        "order they are first asked for.");
+  m.def("dcp_write_values", &WriteValues, py::arg("items"), py::arg("planner"),
+        py::arg("default_planner"), py::arg("byte_io"), py::arg("tensor_type"),
+        "Per WriteItem of `items`: the bytes of a bytes item (type byte_io: the planner's "
+        "resolve_data, TypeError naming the item where pickling fails); for a tensor item, the "
+        "plain tensor (of exactly tensor_type) the planner's state dict holds under its fqn "
+        "where the planner resolves as default_planner does, else None.");
   m.def("dcp_storage_data", &StorageData, py::arg("results"), py::arg("rank_writes"),
         py::arg("index_type"), py::arg("info_type"),
         "MetadataIndex -> _StorageInfo of a save's WriteResults (a list per rank): a result "

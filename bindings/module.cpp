@@ -30,6 +30,7 @@ PYBIND11_MODULE(_core, m) {
   RegisterTestHooks(m);
   RegisterDcp(m);
   RegisterDcpItems(m);
+  RegisterDcpLoad(m);
   RegisterHf(m);
   RegisterOperationLog(m);
   RegisterRegistries(m);

@@ -21,6 +21,7 @@ void RegisterData(pybind11::module_& m);               // bindings/data.cpp
 void RegisterTestHooks(pybind11::module_& m);          // bindings/test_hooks.cpp
 void RegisterDcp(pybind11::module_& m);                // bindings/dcp.cpp
 void RegisterDcpItems(pybind11::module_& m);           // bindings/dcp_items.cpp
+void RegisterDcpLoad(pybind11::module_& m);            // bindings/dcp_load.cpp
 void RegisterHf(pybind11::module_& m);                 // bindings/hf.cpp
 void RegisterOperationLog(pybind11::module_& m);       // bindings/operation_log.cpp
 void RegisterRegistries(pybind11::module_& m);         // bindings/registries.cpp

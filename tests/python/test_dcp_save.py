@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tensortier import _core, _dcp_staging
+from tensortier import _core
 from tensortier import dcp as tdcp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def assert_state(got: dict[str, Any], version: int) -> None:
 def test_stage_copies_into_reused_host_memory() -> None:
     gc.collect()
     sd = state(1)
-    staged = _dcp_staging.stage(sd)
+    staged = tdcp._stage(sd)
     sd["w"].add_(1)  # training goes on: the staged copy keeps the values at stage time
     sd["nested"]["m"].zero_()
     sd["nested"]["ids"].append(9)
@@ -68,13 +68,13 @@ def test_stage_copies_into_reused_host_memory() -> None:
     contiguous, aligned = staged["t"].is_contiguous(), staged["w"].data_ptr() % 4096 == 0
     assert contiguous and aligned
     first = _core.staging_arena_count()
-    again = _dcp_staging.stage(state(2))  # the first copy is alive: new memory
+    again = tdcp._stage(state(2))  # the first copy is alive: new memory
     assert _core.staging_arena_count() == first + 1
     assert_state(staged, 1)
     assert_state(again, 2)
     used = {staged["w"].data_ptr(), again["w"].data_ptr()}
     del staged, again
-    third = _dcp_staging.stage(state(3))  # both free: one of them is reused
+    third = tdcp._stage(state(3))  # both free: one of them is reused
     assert third["w"].data_ptr() in used
     assert _core.staging_arena_count() == first + 1
     assert_state(third, 3)
@@ -196,7 +196,7 @@ def test_cuda_state_dict_saves_and_async_saves(tmp_path: Path) -> None:
     sd["w"].add_(1)  # after staging: the checkpoint keeps the staged values
     fut.result(timeout=120)
     assert_state(load(tmp_path / "async"), 1)
-    staged = _dcp_staging.stage(sd)
+    staged = tdcp._stage(sd)
     assert staged["w"].is_pinned()
 
 
