@@ -126,7 +126,11 @@ std::string DetectErrorOf(std::string_view bytes) {
 TEST(CheckpointFormatTest, DetectsKindByContent) {
   using std::string_literals::operator""s;
   EXPECT_EQ(KindOf("PK\x03\x04rest of a zip"s), CheckpointKind::kTorch);
-  EXPECT_EQ(KindOf("PK\x05\x06"s + std::string(18, '\0')), CheckpointKind::kTorch);
+  // An empty zip: its end record alone, 22 bytes. Built by resize, not operator+, which GCC 12's
+  // -Warray-bounds misreads at -O2.
+  std::string empty_zip = "PK\x05\x06"s;
+  empty_zip.resize(22, '\0');
+  EXPECT_EQ(KindOf(empty_zip), CheckpointKind::kTorch);
   EXPECT_EQ(KindOf("\x02\0\0\0\0\0\0\0{}"s), CheckpointKind::kSafetensors);
   // A header length whose bytes are '{' and spaces: byte 8 decides.
   EXPECT_EQ(KindOf("{   \0\0\0\0{\"a\":1}"s), CheckpointKind::kSafetensors);
