@@ -54,6 +54,11 @@ class TensorNvmeWriter {
     const uint64_t address = TensorNvmeUnsigned(buffer, "buffer", 64);
     const uint64_t size = TensorNvmeUnsigned(n_bytes, "n_bytes", 64);
     if (address == 0 && size > 0) throw py::value_error("buffer is a null address");
+    if (size > static_cast<uint64_t>(PY_SSIZE_T_MAX)) {
+      // What the memoryview the write was made from raised.
+      PyErr_SetString(PyExc_OverflowError, "cannot fit 'int' into an index-sized integer");
+      throw py::error_already_set();
+    }
     const py::object data =
         size == 0
             ? py::object(py::bytes())
@@ -76,9 +81,12 @@ class TensorNvmeWriter {
   // exception: the callbacks after it run at the next call.
   void Synchronize() {
     std::optional<py::error_already_set> first;
-    for (const Pending& p : pending_) {
+    // By index, each future held: a wait releases the GIL, and another thread's write() may
+    // append to (and so reallocate) pending_ meanwhile; its write is waited for too.
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      const py::object future = pending_[i].future;
       try {
-        p.future.attr("wait")();
+        future.attr("wait")();
       } catch (py::error_already_set& e) {
         if (!e.matches(PyExc_OSError)) throw;
         if (!first) first = std::move(e);

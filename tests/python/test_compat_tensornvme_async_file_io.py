@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -248,5 +249,38 @@ def test_an_interrupted_synchronize_leaves_the_writes_to_the_next(disk_dir: Path
     w.synchronize()
     assert done == [1, 2]
     assert path.read_bytes() == as_bytes(t) + as_bytes(t[:10])
+    del w
+    gc.collect()
+
+
+def test_writes_from_one_thread_while_another_synchronizes(disk_dir: Path) -> None:
+    """A thread's write while another thread's synchronize() waits: the wait goes on over a
+    list that grows under it (and waits for the new writes too); every byte lands. (Through the
+    C++ writer: TensorNVMe's Python writer keeps its sources in a list that synchronize() clears,
+    which is not for two threads.)"""
+    path = disk_dir / "shared.bin"
+    w = AsyncFileWriter(str(path), backend="pthread")
+    block = bytes(range(256)) * 16
+    count = 2000
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            for i in range(count):
+                w.io._start(block, i * len(block), None)  # noqa: SLF001 - the C++ writer
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        while thread.is_alive():
+            w.synchronize()
+    finally:
+        thread.join(60)
+    w.synchronize()
+    assert not errors
+    assert path.stat().st_size == count * len(block)
+    assert path.read_bytes() == block * count
     del w
     gc.collect()
