@@ -232,6 +232,13 @@ void DeepNvmeValidate(uintptr_t address, size_t nbytes, const std::string& path,
 // DeepNVMe's binding takes a torch.Tensor: TypeError for anything else. With `device`, ValueError
 // unless it is on the CPU or a GPU (with `gpu`, on a GPU); with `contiguous`, unless it is
 // contiguous.
+// `sequence` as a plain tuple (a torch.Size reads as one in messages, as DeepNVMe's did).
+py::tuple PlainTuple(const py::handle& sequence) {
+  const py::handle tuple(PySequence_Tuple(sequence.ptr()));
+  if (!tuple) throw py::error_already_set();
+  return py::reinterpret_steal<py::tuple>(tuple);
+}
+
 void CheckTensor(const py::object& value, const std::string& what, const std::string& name,
                  bool device, bool contiguous, bool gpu) {
   static const py::handle tensor_type =
@@ -241,8 +248,8 @@ void CheckTensor(const py::object& value, const std::string& what, const std::st
         StrCat(what, ": ", name, " must be a torch tensor, not ", TypeName(value)));
   }
   if (contiguous && !value.attr("is_contiguous")().cast<bool>()) {
-    throw py::value_error(StrCat(what, ": buffer of shape ", ReprOf(py::tuple(value.attr("shape"))),
-                                 " is not contiguous"));
+    throw py::value_error(StrCat(what, ": buffer of shape ",
+                                 ReprOf(PlainTuple(value.attr("shape"))), " is not contiguous"));
   }
   if (!device) return;
   const bool cuda = value.attr("is_cuda").cast<bool>();
@@ -386,16 +393,16 @@ class DeepNvmeHandle {
  private:
   // DeepNVMe's handle mutex: held while an operation starts, and by a blocking call to the end of
   // its wait (another thread's wait() cannot take its operation half done). Taken with the GIL
-  // released.
+  // released, and interruptible as the Python lock it replaces was (Ctrl-C while the main thread
+  // waits behind another thread's blocked read raises KeyboardInterrupt).
   class Held {
    public:
-    explicit Held(std::mutex& mutex) : lock_(mutex, std::defer_lock) {
-      py::gil_scoped_release release;
-      lock_.lock();
+    explicit Held(std::timed_mutex& mutex) : lock_(mutex, std::defer_lock) {
+      WaitInterruptibly([&](auto timeout) { return lock_.try_lock_for(timeout); }, true);
     }
 
    private:
-    std::unique_lock<std::mutex> lock_;
+    std::unique_lock<std::timed_mutex> lock_;
   };
 
   // Starts `op` on the handle's IOHandle; false (nothing started) when DeepNVMe cannot open the
@@ -488,7 +495,7 @@ class DeepNvmeHandle {
     uint64_t offset;
   };
 
-  std::mutex mutex_;
+  std::timed_mutex mutex_;
   std::vector<Pending> pending_;
   int64_t block_size_ = 0;
   int64_t queue_depth_ = 0;

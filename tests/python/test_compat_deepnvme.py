@@ -580,6 +580,38 @@ def test_an_interrupted_wait_leaves_the_operations_to_the_next(disk_dir: Path, a
         h.close()
 
 
+
+def test_an_interrupt_reaches_a_wait_behind_another_thread_s_call(disk_dir: Path, alarm_interrupt) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C reaches the main thread while it waits for the handle that another thread's
+    blocking read holds (DeepNVMe's handle lock is a Python lock there); the read goes on."""
+    import threading
+    import time
+
+    from tensortier import IOHandle
+
+    data = torch.arange(1 << 12, dtype=torch.int32)
+    path = str(disk_dir / "slow.bin")
+    data.numpy().tofile(path)
+    h = AsyncIOBuilder().load().aio_handle()
+    h._io.close()  # the engine with its first request delayed (the fault-injecting backend)
+    h._io = with_faults({"kind": "delay", "delay_us": 4_000_000, "nth": 1}, IOHandle, "threads")
+    target = torch.zeros_like(data)
+    reader = threading.Thread(target=h.sync_pread, args=(target, path))
+    try:
+        reader.start()
+        time.sleep(0.5)  # the reader holds the handle, its read delayed
+        alarm_interrupt(0.3)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            h.wait()
+        # Raised while the read is still delayed, not after it let go of the handle.
+        assert time.monotonic() - start < 2.5
+    finally:
+        reader.join(60)
+        assert h.wait() == 0
+        h.close()
+    assert torch.equal(target, data)
+
 def test_is_pinned_needs_all_of_the_buffer_locked(handle) -> None:  # type: ignore[no-untyped-def]
     """As DeepSpeed's manager: a buffer that starts in a locked tensor and ends past it has an
     unlocked tail, so it is not pinned (its writes are copied first)."""
