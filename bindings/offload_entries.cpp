@@ -159,9 +159,12 @@ class OffloadEntries {
 
   // Whether `tensor` (anything) stands for data parked here (written, not yet read back).
   bool IsOffloaded(const py::handle& tensor) const {
-    const py::module_ torch = py::module_::import("torch");
-    if (!py::isinstance(tensor, torch.attr("Tensor")) ||
-        !tensor.attr("layout").is(torch.attr("strided"))) {
+    static const py::handle tensor_type =  // looked up once: this is a per-tensor call
+        py::object(py::module_::import("torch").attr("Tensor")).release();
+    static const py::handle strided =
+        py::object(py::module_::import("torch").attr("strided")).release();
+    if (!py::isinstance(tensor, tensor_type) ||
+        py::object(tensor.attr("layout")).ptr() != strided.ptr()) {
       return false;
     }
     const auto key = Find(tensor);
