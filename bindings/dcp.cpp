@@ -235,7 +235,9 @@ void RegisterDcp(py::module_& m) {
   m.def(
       "check_dcp_metadata",
       [](const FsPath& dir, const py::object& metadata, const py::handle& metadata_type,
-         const std::string& what) {
+         const FsPath& metadata_path) {
+        // Bytes, as the file system names it: a directory name need not be UTF-8.
+        const std::string& what = metadata_path;
         auto type_name = [](const py::handle& v) {
           return py::str(py::type::of(v).attr("__name__")).cast<std::string>();
         };

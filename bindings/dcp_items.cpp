@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dcp_items.hpp"
+#include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/util/strings.hpp"
@@ -47,7 +48,8 @@ py::tuple DcpChunkKey(const py::handle& fqn, const py::handle& offsets) {
 namespace {
 
 py::dict ChunkSizes(const py::dict& state_dict_metadata, const py::handle& tensor_type,
-                    const std::string& what) {
+                    const FsPath& metadata_path) {
+  const std::string& what = metadata_path;  // bytes: a directory name need not be UTF-8
   py::dict out;
   for (const auto& [fqn, md] : state_dict_metadata) {
     if (!py::isinstance(md, tensor_type)) continue;
@@ -119,7 +121,22 @@ py::list WriteValues(const py::list& items, const py::object& planner,
       py::raise_from(e, PyExc_TypeError, message.c_str());
       throw py::error_already_set();
     }
-    out.append(py::isinstance(data, bytes_io) ? data.attr("getvalue")() : py::bytes(data));
+    if (py::isinstance(data, bytes_io)) {
+      out.append(data.attr("getvalue")());
+      continue;
+    }
+    // bytes(data), as DCP's file writer: any bytes-like object a custom planner returns.
+    const py::handle as_bytes(PyObject_Bytes(data.ptr()));
+    if (!as_bytes) {
+      py::error_already_set e;
+      py::raise_from(e, PyExc_TypeError,
+                     StrCat(DcpItemName(item.attr("index")), ": resolve_data returned ",
+                            py::str(py::type::handle_of(data).attr("__name__")).cast<std::string>(),
+                            ", not bytes or io.BytesIO")
+                         .c_str());
+      throw py::error_already_set();
+    }
+    out.append(py::reinterpret_steal<py::object>(as_bytes));
   }
   return out;
 }

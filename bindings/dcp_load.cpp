@@ -116,7 +116,14 @@ class FileLoad {
         for (size_t j = 0; j < groups[k].size(); ++j) {
           const Dims& lengths = items[k].requests[j].lengths;
           uint64_t nbytes = dtype == nullptr ? 0 : dtype->bits / 8;
-          for (int64_t n : lengths) nbytes *= static_cast<uint64_t>(n);
+          for (int64_t n : lengths) {
+            if (n < 0) {
+              throw std::invalid_argument(StrCat(static_cast<const std::string&>(path), ": ",
+                                                 items[k].name, ": the load asks for ",
+                                                 Tuple(lengths), " of it"));
+            }
+            nbytes *= static_cast<uint64_t>(n);
+          }
           commits.append(py::make_tuple(
               buffers.size(), groups[k][j], name,
               py::make_tuple(dtypes[k], lengths, ContiguousStrides(lengths), 0, false, false)));
@@ -177,8 +184,9 @@ class FileLoad {
     bool inside = offsets.size() == t.shape.size() && lengths.size() == t.shape.size();
     int64_t start = t.storage_offset;
     for (size_t d = 0; inside && d < t.shape.size(); ++d) {
-      inside = offsets[d] >= 0 && lengths[d] >= 0 && offsets[d] + lengths[d] <= t.shape[d];
-      start += offsets[d] * t.stride[d];
+      // Compared without a sum, and multiplied only once inside: no int64 overflow.
+      inside = offsets[d] >= 0 && lengths[d] >= 0 && offsets[d] <= t.shape[d] - lengths[d];
+      if (inside) start += offsets[d] * t.stride[d];
     }
     if (!inside) {
       throw std::invalid_argument(StrCat(path, ": ", name, " is a tensor of ", Tuple(t.shape),

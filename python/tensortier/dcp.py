@@ -190,12 +190,13 @@ class Writer(StorageWriter, AsyncStager):
         all of the rank's items (which ``finish`` expands), not one per item."""
         # A name no earlier save used: the old checkpoint's files stay as they are.
         name = f"{plan.storage_data.prefix}{self.save_id[:16]}{_fs.DEFAULT_SUFFIX}"
-        with gc_paused():
+        with gc_paused():  # the per-item Python only: the write itself leaves the GC on
             dtypes, tensors = _write_sources(plan.items, planner)
-            size, rank_writes = _core.write_dcp_file(
-                default_io()._core(), self.path, name, dtypes, [t.shape for t in tensors],
-                [t.nbytes for t in tensors], [t.data_ptr() for t in tensors], plan.items,
-                self.direct, f"rank {self.rank}")
+            shapes, sizes = [t.shape for t in tensors], [t.nbytes for t in tensors]
+            addresses = [t.data_ptr() for t in tensors]
+        size, rank_writes = _core.write_dcp_file(
+            default_io()._core(), self.path, name, dtypes, shapes, sizes, addresses, plan.items,
+            self.direct, f"rank {self.rank}")
         # DCP gathers a few lists and bytes, not objects per item; ``finish`` expands them.
         return _done([WriteResult(index=_md.MetadataIndex(_RANK_WRITES), size_in_bytes=size,
                                   storage_data=rank_writes)])

@@ -502,6 +502,24 @@ def test_unsafe_pickle_in_bytes_item_is_refused(tmp_path: Path) -> None:
         dcp.load({"obj": {"cls": None}}, storage_reader=tdcp.Reader(ckpt))
 
 
+
+def test_a_planner_s_bytes_like_data_and_a_directory_name_that_is_not_utf8(tmp_path: Path) -> None:
+    """A custom planner may return any bytes-like object for a bytes item (DCP's writer takes
+    bytes() of it); a checkpoint directory's name is bytes to the file system, not UTF-8."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class BytearrayPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):  # type: ignore[no-untyped-def]
+            data = super().resolve_data(write_item)
+            return bytearray(data.getvalue()) if isinstance(data, io.BytesIO) else data
+
+    ckpt = tmp_path / "caf\udce9"
+    sd = {"s": "hello", "t": torch.arange(3.0)}
+    dcp.save(sd, storage_writer=tdcp.Writer(ckpt), planner=BytearrayPlanner(), no_dist=True)
+    got = {"s": "", "t": torch.zeros(3)}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+    assert got["s"] == "hello" and torch.equal(got["t"], sd["t"])
+
 BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
 
 
