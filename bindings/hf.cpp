@@ -7,9 +7,11 @@
 #include <string>
 #include <vector>
 
+#include "arguments.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -43,7 +45,15 @@ void RegisterHf(py::module_& m) {
         const std::vector<std::string> names = PathBytes(files);
         std::optional<std::map<std::string, std::string>> weight_map;
         if (!sharded_metadata.is_none()) {
-          weight_map = sharded_metadata["weight_map"].cast<std::map<std::string, std::string>>();
+          const py::object map = sharded_metadata["weight_map"];
+          try {
+            weight_map = map.cast<std::map<std::string, std::string>>();
+          } catch (const py::cast_error&) {
+            throw py::type_error(
+                StrCat("the shard index's weight_map must map tensor names to "
+                       "file names (str to str); this one is a ",
+                       TypeName(map), PyDict_Check(map.ptr()) ? " with other entries" : ""));
+          }
         }
         std::optional<std::string> target;
         {

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "arguments.hpp"
 #include "register.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/shared/shared_spec.hpp"
@@ -142,8 +143,12 @@ void RegisterSharedArgs(py::module_& m) {
           throw py::type_error(StrCat("dtype must be a torch.dtype, not ",
                                       py::str(py::type::handle_of(dtype).attr("__name__"))));
         }
-        ParseSharedLayout(py::isinstance<py::str>(layout) ? layout.cast<std::string>()
-                                                          : py::str(layout).cast<std::string>());
+        if (!py::isinstance<py::str>(layout)) {
+          throw py::value_error(StrCat("layout must be ",
+                                       JoinNames(kSharedLayoutNames, ", ", " or ", "'"), ", not ",
+                                       ReprOf(layout)));
+        }
+        ParseSharedLayout(layout.cast<std::string>());
         return dtype.attr("itemsize");
       },
       py::arg("dtype"), py::arg("layout"),

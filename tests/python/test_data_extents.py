@@ -445,3 +445,11 @@ def test_files_read_through_the_filesystem_stay_within_rlimit_nofile(loop_fs: Lo
                        capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split() == ["200", "0"]
+
+
+def test_star_import_gives_the_public_names() -> None:
+    names: dict[str, object] = {}
+    exec("from tensortier.data.extents import *", names)  # noqa: S102 - the import under test
+    assert sorted(k for k in names if k != "__builtins__") == [
+        "ExtentMap", "ExtentReader", "build_extent_map", "load_extent_map", "read_files",
+        "verify_extent_map"]

@@ -393,3 +393,13 @@ def test_error_while_the_model_builds_does_not_wait_for_the_early_read(
         if thread.name.startswith("tensortier-hf"):
             thread.join(60)
     assert finished.is_set()
+
+
+def test_a_weight_map_that_is_not_names_to_files_is_a_type_error(tmp_path: Path) -> None:
+    """transformers' reading of a malformed index reaches us as it is: a TypeError naming the
+    weight map, not a cast error."""
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(shard))
+    for weight_map in ({"w": 1}, None, ["w"]):
+        with pytest.raises(TypeError, match="weight_map must map tensor names to file names"):
+            _core.hf_load_target([str(shard)], {"weight_map": weight_map})

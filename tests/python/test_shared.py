@@ -288,6 +288,9 @@ def test_one_process_group_with_a_hash_store() -> None:
         assert "MiB per rank" in t.stats["shmem_huge_pages_reason"]
         with pytest.raises(ValueError, match="layout"):
             group.create_tensor((1,), torch.float32, layout="striped")
+        for not_a_name in (None, b"chunked"):
+            with pytest.raises(ValueError, match=f"layout must be .*, not {re.escape(repr(not_a_name))}$"):
+                group.create_tensor((1,), torch.float32, layout=not_a_name)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="init_process_group"):
             group.create_tensor((1,), torch.float32, layout="distributed")
         with pytest.raises(ValueError, match="at least one dimension"):

@@ -12,6 +12,15 @@ from .._buffers import host_buffer
 ExtentMap = _core.ExtentMap
 PathLike = PathArg
 
+__all__ = [
+    "ExtentMap",
+    "ExtentReader",
+    "build_extent_map",
+    "load_extent_map",
+    "read_files",
+    "verify_extent_map",
+]
+
 
 def build_extent_map(
     root: PathLike,
