@@ -30,7 +30,14 @@ the time until the checkpoint is committed on every rank ("total", the blocked t
   tt-again      the same, the job's second async_save (untimed first one finished): staging
                 into the memory the first one faulted in, as every save of a training job after
                 its first does
+  tt-zoc        dcp.async_save(storage_writer=Writer(..., async_staging=True)): returns before
+                the copy, which runs on another thread; "staged" is the time until the
+                response's staging_completion (the training step that changes the state waits
+                for it). The job's first save, as for tt
+  tt-zoc-again  the same, the job's second save
   stock         dcp.async_save(storage_writer=FileSystemWriter(...)) (torch's default stager)
+  stock-zoc     the same with async_stager=DefaultStager(StagingOptions(use_async_staging=True))
+                (torch's stager copying on another thread; "staged" as for tt-zoc)
   copy          one parallel memory copy of the state dict into tensors allocated (and touched)
                 before the clock starts: torch._foreach_copy_, torch's intra-op threads
 Loads (``--loads``), cold: the checkpoint's files are dropped from the page cache first
@@ -66,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import GB, drop_file_cache, fio_stats, format_size, log, median, parse_size  # noqa: E402
 
 SAVES = ("tt", "stock", "stock4", "stock8", "fio", "floor")
-ASYNCS = ("tt", "tt-again", "stock", "copy")
+ASYNCS = ("tt", "tt-again", "tt-zoc", "tt-zoc-again", "stock", "stock-zoc", "copy")
 LOADS = ("tt", "tt-noverify", "stock", "fio", "floor")
 MATRIX_BYTES = 64 << 20
 COLUMNS = 4096
@@ -193,7 +200,7 @@ def storage(op: str, tool: str, directory: str) -> Any:
         return floor_storage(op, directory)
     if tool.startswith("tt"):
         from tensortier.dcp import Reader, Writer
-        return Writer(directory) if op != "load" else Reader(
+        return Writer(directory, async_staging="zoc" in tool) if op != "load" else Reader(
             directory, verify=(tool != "tt-noverify"))
     if op == "load":
         return dcp.FileSystemReader(directory)
@@ -229,16 +236,27 @@ def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendez
             if op == "save":
                 dcp.save(sd, storage_writer=writer)
             elif op == "async":
-                if tool == "tt-again":  # untimed: the job's first save
+                stager: dict[str, Any] = {}
+                if tool == "stock-zoc":
+                    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                    stager["async_stager"] = DefaultStager(StagingOptions(
+                        use_pinned_memory=False, use_shared_memory=False,
+                        use_async_staging=True, use_non_blocking_copy=False))
+                if tool.endswith("-again"):  # untimed: the job's first save
                     first = dcp.async_save(sd, storage_writer=writer)
                     (first.upload_completion if hasattr(first, "upload_completion")
                      else first).result()
                     writer = storage(op, tool, directory)
                     dist.barrier()
                     start = time.perf_counter()
-                fut = dcp.async_save(sd, storage_writer=writer)
+                fut = dcp.async_save(sd, storage_writer=writer, **stager)
                 out["blocked"] = time.perf_counter() - start
+                if hasattr(fut, "staging_completion"):
+                    fut.staging_completion.result()
+                    out["staged"] = time.perf_counter() - start
                 (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+                if stager:
+                    stager["async_stager"].close()
             else:
                 dcp.load(sd, storage_reader=writer)
                 if getattr(writer, "bytes_read", None) is not None:
@@ -344,7 +362,7 @@ def report(cfg: Config, rounds: int, plan: list[tuple[str, list[str]]],
     for op, tools in plan:
         if op == "async":
             print(f"{op:5} {'tool':12} {'blocked s':>9} {'x copy':>7} {'x stock':>8} "
-                  f"{'total GB/s':>10} {'x fio':>6} {'write x fio':>11}")
+                  f"{'total GB/s':>10} {'x fio':>6} {'write x fio':>11} {'staged s':>8}")
             copy, stock = med(op, "copy", "blocked"), med(op, "stock", "blocked")
             fio, nan = med("save", "fio"), float("nan")
             for tool in tools:
@@ -355,7 +373,8 @@ def report(cfg: Config, rounds: int, plan: list[tuple[str, list[str]]],
                       f"{blocked / stock if stock else float('nan'):8.2f} "
                       f"{'' if tool == 'copy' else f'{nbytes / total / GB:10.2f}':>10} "
                       f"{fio / total if fio and tool != 'copy' else float('nan'):6.2f} "
-                      f"{fio / (total - blocked) if fio and tool != 'copy' else nan:11.2f}")
+                      f"{fio / (total - blocked) if fio and tool != 'copy' else nan:11.2f} "
+                      f"{med(op, tool, 'staged') or nan:8.3f}")
             continue
         base = med(op, "stock") if "stock" in tools else None
         fio = med(op, "fio") if "fio" in tools else None

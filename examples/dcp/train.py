@@ -5,8 +5,10 @@ can be killed at any moment, and resumes from its last committed checkpoint.
 Run it with torchrun (``torchrun --standalone --nproc_per_node=2 train.py CKPT``) or on its own
 (``python train.py CKPT --nproc 2``: it spawns the ranks). Parameters and optimizer state are
 DTensors sharded on dimension 0 (``fully_shard``, Gloo on the CPU). Every ``--every`` steps the
-state is saved asynchronously to CKPT/step-NNNNNN: training goes on while the checkpoint is
-written, and a save waits for the one before it. A checkpoint directory counts once its
+state is saved asynchronously to CKPT/step-NNNNNN: ``Writer(async_staging=True)`` copies the
+state on another thread during the next step's forward and backward passes (the optimizer step
+waits for the copy), training goes on while the checkpoint is written, and a save waits for the
+one before it. A checkpoint directory counts once its
 ``.metadata`` exists (Writer writes it last, durably); the two newest are kept. At start the
 newest committed checkpoint is loaded and training continues from the step after it; a batch
 is a function of its step, so a resumed run computes what an uninterrupted one would.
@@ -111,7 +113,8 @@ def train(args: argparse.Namespace) -> None:
         print(f"rank {rank} resumed step {state['step']} digest "
               f"{digest({'model': model_sd, 'optim': optim_sd, 'step': state['step']})}",
               flush=True)
-    pending: Any = None
+    pending: Any = None  # the last save's upload
+    staging: Any = None  # the last save's copy of the state: done before the state changes
     pending_step, pending_digest = 0, ""
 
     def wait_pending() -> None:
@@ -130,6 +133,9 @@ def train(args: argparse.Namespace) -> None:
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if staging is not None:
+            staging.result()
+            staging = None
         optim.step()
         optim.zero_grad()
         if step % args.every == 0:
@@ -137,8 +143,9 @@ def train(args: argparse.Namespace) -> None:
             model_sd, optim_sd = get_state_dict(model, optim)
             state = {"model": model_sd, "optim": optim_sd, "step": step}
             pending_step, pending_digest = step, digest(state)
-            pending = dcp.async_save(state, storage_writer=Writer(args.ckpt / f"step-{step:06d}"),
-                                     process_group=ckpt_group)
+            writer = Writer(args.ckpt / f"step-{step:06d}", async_staging=True)
+            response = dcp.async_save(state, storage_writer=writer, process_group=ckpt_group)
+            staging, pending = response.staging_completion, response.upload_completion
         if rank == 0 and step % 10 == 0:
             print(f"step {step} loss {loss.item():.5f}", flush=True)
         if args.step_seconds:

@@ -10,7 +10,10 @@ import io
 import os
 import pickle
 import sys
+import threading
 import uuid
+from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import torch
@@ -52,6 +55,16 @@ def _stage(state_dict: Any) -> Any:
     """``Writer.stage``'s copy of `state_dict` (nested dicts, lists and tuples), DTensors rebuilt
     around their staged local tensors; other values deep-copied (kept as they are when they
     cannot be: the save then names them)."""
+    staged, finish = _stage_begin(state_dict)
+    finish()
+    return staged
+
+
+def _stage_begin(state_dict: Any) -> tuple[Any, Callable[[], None]]:
+    """:func:`_stage` in two steps: (the copy, whose tensors' values are set only once the
+    second is done; that step: the bulk copy of the plain CPU tensors, GIL released, and the
+    wait for the CUDA copies queued on their devices' current streams). The first step holds
+    the GIL briefly (no bulk copy, no page faults); the second may run on another thread."""
     # () where no DTensor can exist (a torch without it, or a process that has not imported it:
     # importing it costs seconds).
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
@@ -97,11 +110,19 @@ def _stage(state_dict: Any) -> Any:
                 devices.add(t.device)
             else:
                 out.copy_(t)  # strided, conjugate or negative views: torch resolves them
-        _core.copy_into_staging_arena(address, copies)
+        del bases
+        copied = []  # the CUDA copies, queued on the streams current here
         for device in devices:
-            torch.cuda.current_stream(device).synchronize()
-        del bases, memory
-        return _core.dcp_stage_rebuild(shaped, staged, dtensor)
+            copied.append(torch.cuda.Event())
+            copied[-1].record(torch.cuda.current_stream(device))
+        rebuilt = _core.dcp_stage_rebuild(shaped, staged, dtensor)
+
+    def finish(arena: Any = memory) -> None:  # the arena stays alive until its copy is done
+        _core.copy_into_staging_arena(address, copies)
+        for event in copied:
+            event.synchronize()
+
+    return rebuilt, finish
 
 
 def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], list[Any]]:
@@ -146,17 +167,26 @@ class Writer(StorageWriter, AsyncStager):
         path: the checkpoint directory (made if missing). A save over an existing checkpoint
             leaves it whole until the new one is committed, then removes its files.
         direct: write with O_DIRECT where the filesystem allows it.
+        async_staging: ``dcp.async_save`` returns before the state dict is copied, as with
+            torch's ``DefaultStager(StagingOptions(use_async_staging=True))``: it returns an
+            ``AsyncSaveResponse``, and the caller must not change the state dict's tensors
+            (an optimizer step) before its ``staging_completion`` is done; a forward and
+            backward pass may run meanwhile. ``False`` (the default): ``async_save`` returns
+            once the copy is done, and returns the upload's future.
     """
 
-    # stage() returns once its copy is done: async_save has nothing to synchronize.
+    # stage() returns once its copy is done, or a future of it: nothing to synchronize.
     _synchronize_after_execute = False
 
-    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True,
+                 async_staging: bool = False) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.direct = direct
+        self.async_staging = async_staging
         self.save_id = uuid.uuid4().hex
         self.rank = 0  # this process's rank in the save, for errors
+        self._staging: futures.Future[Any] | None = None  # the last stage(), async_staging
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new save (into `checkpoint_id` when given)."""
@@ -201,18 +231,41 @@ class Writer(StorageWriter, AsyncStager):
         return _done([WriteResult(index=_md.MetadataIndex(_RANK_WRITES), size_in_bytes=size,
                                   storage_data=rank_writes)])
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | futures.Future[Any]:
         """``dcp.async_save``'s staging step (DCP's ``AsyncStager``): a copy of `state_dict`
         whose tensors are in host memory this process reuses from save to save (pinned where
         the tensors are on CUDA), copied on several threads with the GIL released. Returns once
         the copy is done: training may change the state dict while the save writes the copy.
+        With ``async_staging``, returns a ``concurrent.futures.Future`` of the copy at once
+        (the non-tensor values and the copy's layout are taken now; the bytes are copied on
+        another thread, and the tensors must not change until the future is done).
         A save that starts while another still writes gets memory of its own; once the save
         has written this rank's file, the next stage reuses the memory (a copy is for one save,
         whoever still holds a view of it)."""
-        return _stage(state_dict)
+        staged, finish = _stage_begin(state_dict)
+        if not self.async_staging:
+            finish()
+            return staged
+        done: futures.Future[Any] = futures.Future()
+
+        def copy() -> None:
+            try:
+                finish()
+            except BaseException as e:  # reported by the future: the save raises it
+                done.set_exception(e)
+            else:
+                done.set_result(staged)
+
+        done.set_running_or_notify_cancel()
+        threading.Thread(target=copy, name="tensortier-dcp-stage").start()
+        self._staging = done
+        return done
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: ``stage`` returns once its copy is done."""
+        """Waits until the last ``stage`` has copied the state dict (at once without
+        ``async_staging``; with it, ``async_save``'s ``staging_completion`` says the same)."""
+        if self._staging is not None:
+            self._staging.result()
 
     def close(self) -> None:
         """Nothing to release: the host memory stays for the process's next save."""

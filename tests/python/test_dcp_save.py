@@ -166,6 +166,86 @@ def test_async_save_while_another_still_writes(tmp_path: Path) -> None:
     assert_state(got, 2)
 
 
+def _held_stage(monkeypatch: pytest.MonkeyPatch, copy: Any) -> None:
+    """Writer.stage's copy step replaced by copy(the real one), on the thread it runs on."""
+    begin = tdcp._stage_begin
+
+    def held(sd: Any) -> Any:
+        staged, finish = begin(sd)
+        return staged, lambda: copy(finish)
+
+    monkeypatch.setattr(tdcp, "_stage_begin", held)
+
+
+def test_async_staging_returns_before_the_copy(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writer(async_staging=True): async_save returns (an AsyncSaveResponse) while the copy is
+    held on another thread; non-tensor values are those of the call, tensors those once the
+    staging completes, and the state may change after that."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    release, copying = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def copy(finish: Any) -> None:
+        threads.append(threading.current_thread().name)
+        copying.set()
+        assert release.wait(60)
+        finish()
+
+    _held_stage(monkeypatch, copy)
+    sd = state(1)
+    writer = tdcp.Writer(tmp_path / "a", async_staging=True)
+    response = dcp.async_save(sd, storage_writer=writer, no_dist=True)
+    try:
+        assert isinstance(response, AsyncSaveResponse)
+        assert copying.wait(60)
+        assert not response.staging_completion.done()
+        assert not response.upload_completion.done()
+        sd["nested"]["ids"].append(9)  # taken at the call
+        sd["step"] = 5
+    finally:
+        release.set()
+    response.staging_completion.result(timeout=60)
+    writer.synchronize_staging()
+    sd["w"].add_(1)  # an optimizer step, once staged
+    sd["nested"]["m"].zero_()
+    response.upload_completion.result(timeout=60)
+    assert threads == ["tensortier-dcp-stage"]
+    assert_state(load(tmp_path / "a"), 1)
+    got = load(tmp_path / "a")
+    dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "a"), no_dist=True)
+    assert_state(got, 1)
+
+
+def test_async_staging_copy_that_fails_fails_the_save(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy's error reaches staging_completion and the save's future; the checkpoint in
+    the directory stays whole."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save(state(1), storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+
+    returned = threading.Event()
+
+    def copy(finish: Any) -> None:
+        # After async_save has returned: torch reports a staging future that failed before
+        # then as completed.
+        assert returned.wait(60)
+        raise OSError(5, "staging copy failed")
+
+    _held_stage(monkeypatch, copy)
+    response = dcp.async_save(state(2), storage_writer=tdcp.Writer(ckpt, async_staging=True),
+                              no_dist=True)
+    returned.set()
+    with pytest.raises(OSError, match="staging copy failed"):
+        response.staging_completion.result(timeout=60)
+    with pytest.raises((OSError, CheckpointException), match="staging copy failed"):
+        response.upload_completion.result(timeout=60)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert_state(load(ckpt), 1)
+
+
 def test_values_that_cannot_be_saved_name_their_key(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     dcp.save(state(1), storage_writer=tdcp.Writer(ckpt), no_dist=True)
@@ -196,6 +276,13 @@ def test_cuda_state_dict_saves_and_async_saves(tmp_path: Path) -> None:
     sd["w"].add_(1)  # after staging: the checkpoint keeps the staged values
     fut.result(timeout=120)
     assert_state(load(tmp_path / "async"), 1)
+    sd["w"].sub_(1)
+    response = dcp.async_save(sd, storage_writer=tdcp.Writer(tmp_path / "zoc", async_staging=True),
+                              no_dist=True)
+    response.staging_completion.result(timeout=120)  # the device copies are done
+    sd["w"].add_(1)
+    response.upload_completion.result(timeout=120)
+    assert_state(load(tmp_path / "zoc"), 1)
     staged = tdcp._stage(sd)
     assert staged["w"].is_pinned()
 
