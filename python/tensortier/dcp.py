@@ -55,74 +55,82 @@ def _stage(state_dict: Any) -> Any:
     """``Writer.stage``'s copy of `state_dict` (nested dicts, lists and tuples), DTensors rebuilt
     around their staged local tensors; other values deep-copied (kept as they are when they
     cannot be: the save then names them)."""
-    staged, finish = _stage_begin(state_dict)
-    finish()
-    return staged
+    return _stage_begin(state_dict)()
 
 
-def _stage_begin(state_dict: Any) -> tuple[Any, Callable[[], None]]:
-    """:func:`_stage` in two steps: (the copy, whose tensors' values are set only once the
-    second is done; that step: the bulk copy of the plain CPU tensors, GIL released, and the
-    wait for the CUDA copies queued on their devices' current streams). The first step holds
-    the GIL briefly (no bulk copy, no page faults); the second may run on another thread."""
+def _stage_begin(state_dict: Any) -> Callable[[], Any]:
+    """:func:`_stage` in two steps. This one takes the state dict's structure, its non-tensor
+    values (deep-copied) and its tensors, and marks where the CUDA ones' queued work ends; it
+    returns the second, which copies the tensors (the bulk copy in C++, GIL released) and
+    returns the copy. The second may run on another thread: the tensors must not change
+    until it is done."""
     # () where no DTensor can exist (a torch without it, or a process that has not imported it:
     # importing it costs seconds).
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
     sources: list[Any] = []
     with torch.no_grad(), gc_paused():
         shaped = _core.dcp_stage_collect(state_dict, sources, torch.Tensor, dtensor)
-        storable = dtype_names().keys() - quantized_dtypes()  # what a DCP item can hold
-        # Each stageable tensor's bytes (None: staged by torch, and refused by the save where it
-        # must be); the arena is pinned for the first CUDA tensor's device.
-        sizes = [t.numel() * t.dtype.itemsize if t.dtype in storable and t.layout == torch.strided
-                 and (t.is_cpu or t.is_cuda) else None for t in sources]
-        pinned_device = next((torch.cuda.current_device() if t.device.index is None
-                              else t.device.index for t, n in zip(sources, sizes)
-                              if n is not None and t.is_cuda), None)
-        # The arena is in use while a tensor made from its capsule (each staged one) lives.
-        address, capsule, offsets = _core.take_staging_arena(sizes, pinned_device)
-        memory = torch.from_dlpack(capsule)
-        bases: dict[Any, Any] = {}  # the arena as a flat tensor of each dtype
-        staged: list[Any] = []
-        # Plain CPU tensors: one C++ copy of them all (their views made here, no copy each).
-        copies: list[tuple[int, int, int]] = []  # (offset in the arena, address, bytes)
-        devices: set[Any] = set()
-        for t, offset, n in zip(sources, offsets, sizes):
-            if offset is None:
-                staged.append(t.clone() if t.is_cpu else t.cpu())  # host memory in any case
+        # The work queued on each CUDA device's current stream here: copies wait for it.
+        queued = {}
+        for t in sources:
+            if t.is_cuda and t.device not in queued:
+                queued[t.device] = torch.cuda.Event()
+                queued[t.device].record(torch.cuda.current_stream(t.device))
+
+    def finish() -> Any:
+        with torch.no_grad(), gc_paused():
+            for device, event in queued.items():
+                torch.cuda.current_stream(device).wait_event(event)
+            return _stage_copy(shaped, sources, dtensor, list(queued))
+
+    return finish
+
+
+def _stage_copy(shaped: Any, sources: list[Any], dtensor: Any, devices: list[Any]) -> Any:
+    """The copy of :func:`_stage_begin`'s tensors (`sources`, with CUDA tensors on `devices`)
+    in a staging arena, put back into `shaped`."""
+    storable = dtype_names().keys() - quantized_dtypes()  # what a DCP item can hold
+    # Each stageable tensor's bytes (None: staged by torch, and refused by the save where it
+    # must be); the arena is pinned for the first CUDA tensor's device.
+    sizes = [t.numel() * t.dtype.itemsize if t.dtype in storable and t.layout == torch.strided
+             and (t.is_cpu or t.is_cuda) else None for t in sources]
+    pinned_device = next((torch.cuda.current_device() if t.device.index is None
+                          else t.device.index for t, n in zip(sources, sizes)
+                          if n is not None and t.is_cuda), None)
+    # The arena is in use while a tensor made from its capsule (each staged one) lives.
+    address, capsule, offsets = _core.take_staging_arena(sizes, pinned_device)
+    memory = torch.from_dlpack(capsule)
+    bases: dict[Any, Any] = {}  # the arena as a flat tensor of each dtype
+    staged: list[Any] = []
+    # Plain CPU tensors: one C++ copy of them all (their views made here, no copy each).
+    copies: list[tuple[int, int, int]] = []  # (offset in the arena, address, bytes)
+    for t, offset, n in zip(sources, offsets, sizes):
+        if offset is None:
+            staged.append(t.clone() if t.is_cpu else t.cpu())  # host memory in any case
+            continue
+        dtype = t.dtype
+        base = bases.get(dtype)
+        if base is None:
+            base = bases[dtype] = memory.view(dtype)
+        start = offset // dtype.itemsize
+        if t.is_contiguous():
+            out = base.as_strided(t.shape, t.stride(), start)
+            if t.is_cpu and not t.is_conj() and not t.is_neg():
+                staged.append(out)
+                copies.append((offset, t.data_ptr(), n))
                 continue
-            dtype = t.dtype
-            base = bases.get(dtype)
-            if base is None:
-                base = bases[dtype] = memory.view(dtype)
-            start = offset // dtype.itemsize
-            if t.is_contiguous():
-                out = base.as_strided(t.shape, t.stride(), start)
-                if t.is_cpu and not t.is_conj() and not t.is_neg():
-                    staged.append(out)
-                    copies.append((offset, t.data_ptr(), n))
-                    continue
-            else:
-                out = base.narrow(0, start, t.numel()).view(t.shape)
-            staged.append(out)
-            if t.is_cuda:
-                out.copy_(t, non_blocking=True)
-                devices.add(t.device)
-            else:
-                out.copy_(t)  # strided, conjugate or negative views: torch resolves them
-        del bases
-        copied = []  # the CUDA copies, queued on the streams current here
-        for device in devices:
-            copied.append(torch.cuda.Event())
-            copied[-1].record(torch.cuda.current_stream(device))
-        rebuilt = _core.dcp_stage_rebuild(shaped, staged, dtensor)
-
-    def finish(arena: Any = memory) -> None:  # the arena stays alive until its copy is done
-        _core.copy_into_staging_arena(address, copies)
-        for event in copied:
-            event.synchronize()
-
-    return rebuilt, finish
+        else:
+            out = base.narrow(0, start, t.numel()).view(t.shape)
+        staged.append(out)
+        if t.is_cuda:
+            out.copy_(t, non_blocking=True)
+        else:
+            out.copy_(t)  # strided, conjugate or negative views: torch resolves them
+    _core.copy_into_staging_arena(address, copies)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    del bases, memory
+    return _core.dcp_stage_rebuild(shaped, staged, dtensor)
 
 
 def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], list[Any]]:
@@ -237,20 +245,19 @@ class Writer(StorageWriter, AsyncStager):
         the tensors are on CUDA), copied on several threads with the GIL released. Returns once
         the copy is done: training may change the state dict while the save writes the copy.
         With ``async_staging``, returns a ``concurrent.futures.Future`` of the copy at once
-        (the non-tensor values and the copy's layout are taken now; the bytes are copied on
-        another thread, and the tensors must not change until the future is done).
+        (the non-tensor values are deep-copied now; the tensors are copied on another thread,
+        and must not change until the future is done).
         A save that starts while another still writes gets memory of its own; once the save
         has written this rank's file, the next stage reuses the memory (a copy is for one save,
         whoever still holds a view of it)."""
-        staged, finish = _stage_begin(state_dict)
+        finish = _stage_begin(state_dict)
         if not self.async_staging:
-            finish()
-            return staged
+            return finish()
         done: futures.Future[Any] = futures.Future()
 
         def copy() -> None:
             try:
-                finish()
+                staged = finish()
             except BaseException as e:  # reported by the future: the save raises it
                 done.set_exception(e)
             else:

@@ -171,8 +171,8 @@ def _held_stage(monkeypatch: pytest.MonkeyPatch, copy: Any) -> None:
     begin = tdcp._stage_begin
 
     def held(sd: Any) -> Any:
-        staged, finish = begin(sd)
-        return staged, lambda: copy(finish)
+        finish = begin(sd)
+        return lambda: copy(finish)
 
     monkeypatch.setattr(tdcp, "_stage_begin", held)
 
@@ -187,11 +187,11 @@ def test_async_staging_returns_before_the_copy(tmp_path: Path,
     release, copying = threading.Event(), threading.Event()
     threads: list[str] = []
 
-    def copy(finish: Any) -> None:
+    def copy(finish: Any) -> Any:
         threads.append(threading.current_thread().name)
         copying.set()
         assert release.wait(60)
-        finish()
+        return finish()
 
     _held_stage(monkeypatch, copy)
     sd = state(1)
