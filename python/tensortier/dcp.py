@@ -4,6 +4,7 @@ docs/checkpoints.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import io
@@ -78,12 +79,26 @@ def _stage_begin(state_dict: Any) -> Callable[[], Any]:
                 queued[t.device].record(torch.cuda.current_stream(t.device))
 
     def finish() -> Any:
-        with torch.no_grad(), gc_paused():
+        with torch.no_grad(), gc_paused(), contextlib.ExitStack() as streams:
+            # The copies go on streams of their own (the default stream would queue them after
+            # the training work launched meanwhile), once the work queued above is done.
             for device, event in queued.items():
-                torch.cuda.current_stream(device).wait_event(event)
+                stream = _staging_stream(device)
+                stream.wait_event(event)
+                streams.enter_context(torch.cuda.stream(stream))
             return _stage_copy(shaped, sources, dtensor, list(queued))
 
     return finish
+
+
+_staging_streams: dict[Any, Any] = {}  # a CUDA device's stream for staging copies
+
+
+def _staging_stream(device: Any) -> Any:
+    stream = _staging_streams.get(device)
+    if stream is None:
+        stream = _staging_streams.setdefault(device, torch.cuda.Stream(device))
+    return stream
 
 
 def _stage_copy(shaped: Any, sources: list[Any], dtensor: Any, devices: list[Any]) -> Any:
@@ -177,10 +192,11 @@ class Writer(StorageWriter, AsyncStager):
         direct: write with O_DIRECT where the filesystem allows it.
         async_staging: ``dcp.async_save`` returns before the state dict is copied, as with
             torch's ``DefaultStager(StagingOptions(use_async_staging=True))``: it returns an
-            ``AsyncSaveResponse``, and the caller must not change the state dict's tensors
-            (an optimizer step) before its ``staging_completion`` is done; a forward and
-            backward pass may run meanwhile. ``False`` (the default): ``async_save`` returns
-            once the copy is done, and returns the upload's future.
+            ``AsyncSaveResponse``, and nothing may change the state dict's tensors (an
+            optimizer step; a forward pass in training mode that updates BatchNorm's running
+            statistics) before its ``staging_completion`` is done; a forward and backward
+            pass that leave them alone may run meanwhile. ``False`` (the default):
+            ``async_save`` returns once the copy is done, and returns the upload's future.
     """
 
     # stage() returns once its copy is done, or a future of it: nothing to synchronize.
@@ -267,6 +283,11 @@ class Writer(StorageWriter, AsyncStager):
         threading.Thread(target=copy, name="tensortier-dcp-stage").start()
         self._staging = done
         return done
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Without the last stage's future: async_save(async_checkpointer_type=PROCESS) pickles
+        # the writer to its checkpoint process.
+        return {**self.__dict__, "_staging": None}
 
     def synchronize_staging(self) -> None:
         """Waits until the last ``stage`` has copied the state dict (at once without

@@ -567,6 +567,35 @@ def test_async_save_with_a_one_rank_group(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+def test_async_staging_with_a_checkpoint_process(tmp_path: Path) -> None:
+    """Writer(async_staging=True) with async_save's checkpoint process (AsyncCheckpointerType.
+    PROCESS), which pickles the writer after staging: two saves in a row commit."""
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    writer = tdcp.Writer(tmp_path / "a", async_staging=True)
+    writer.stage({"w": torch.ones(3)}).result(timeout=60)
+    assert pickle.loads(pickle.dumps(writer)).path == writer.path
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        for step in (1, 2):
+            sd = {"w": torch.full((10,), float(step)), "step": step}
+            response = dcp.async_save(
+                sd, storage_writer=tdcp.Writer(tmp_path / f"ckpt{step}", async_staging=True),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            response.staging_completion.result(timeout=60)
+            sd["w"].add_(1)
+            response.upload_completion.result(timeout=120)
+            got = {"w": torch.zeros(10), "step": 0}
+            dcp.load(got, storage_reader=tdcp.Reader(tmp_path / f"ckpt{step}"))
+            assert torch.equal(got["w"], torch.full((10,), float(step))) and got["step"] == step
+    finally:
+        dist.destroy_process_group()
+
+
 class _SaveBetween(tdcp.Writer):
     """A Writer that runs another whole save into its directory after writing its data file and
     before its commit: the order in which overlapping saves remove each other's files."""
