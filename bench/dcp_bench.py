@@ -49,6 +49,10 @@ Loads (``--loads``), cold: the checkpoint's files are dropped from the page cach
   floor         a Reader of tt's checkpoint that reads nothing (resolves and commits each
                 target tensor untouched): dcp.load's own work, the least any backend takes
 Where Reader has ``bytes_read`` (the bytes its last load read), the table reports it per rank 0.
+Each sample also records, per rank, the CPU seconds (user + system) its process spent in its
+own part of the timed call (``cpu``: all its threads; ``main_cpu``: the calling thread alone);
+the table reports the median of their sums over the ranks ("cpu s", "main s"): where the ranks
+outnumber the cores, CPU time is what they contend for.
 
 Each round runs every tool once in an order rotated from round to round; the figures are
 medians over ``--rounds``. Prints one JSON object per sample and, per configuration, a table of
@@ -60,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -208,6 +213,12 @@ def storage(op: str, tool: str, directory: str) -> Any:
     return dcp.FileSystemWriter(directory, thread_count=threads)
 
 
+def cpu_seconds(who: int) -> float:
+    """User + system CPU seconds of `who` (resource.RUSAGE_SELF or RUSAGE_THREAD) so far."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendezvous: str,
               result: str) -> None:
     import torch
@@ -219,6 +230,7 @@ def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendez
     try:
         sd = state_dict(cfg, rank, empty=(op == "load"))
         out: dict[str, Any] = {}
+        cpu = main_cpu = 0.0  # at the start of the timed call
         if op == "async" and tool == "copy":
             values = list(sd["model"].values()) if cfg.count else list(sd.values())
             srcs = [v.to_local() if hasattr(v, "to_local") else v for v in values]
@@ -233,6 +245,7 @@ def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendez
             writer = storage(op, tool, directory)
             dist.barrier()
             start = time.perf_counter()
+            cpu, main_cpu = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_THREAD)
             if op == "save":
                 dcp.save(sd, storage_writer=writer)
             elif op == "async":
@@ -249,6 +262,8 @@ def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendez
                     writer = storage(op, tool, directory)
                     dist.barrier()
                     start = time.perf_counter()
+                    cpu = cpu_seconds(resource.RUSAGE_SELF)
+                    main_cpu = cpu_seconds(resource.RUSAGE_THREAD)
                 fut = dcp.async_save(sd, storage_writer=writer, **stager)
                 out["blocked"] = time.perf_counter() - start
                 if hasattr(fut, "staging_completion"):
@@ -261,10 +276,12 @@ def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendez
                 dcp.load(sd, storage_reader=writer)
                 if getattr(writer, "bytes_read", None) is not None:
                     out["bytes_read"] = int(writer.bytes_read)
+            # The rank's own work (the barrier after it waits for the others).
+            out["cpu"] = cpu_seconds(resource.RUSAGE_SELF) - cpu
+            out["main_cpu"] = cpu_seconds(resource.RUSAGE_THREAD) - main_cpu
             dist.barrier()
             out["seconds"] = time.perf_counter() - start
-        if rank == 0:
-            Path(result).write_text(json.dumps(out))
+        Path(f"{result}.{rank}").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
 
@@ -277,7 +294,12 @@ def child(args: argparse.Namespace) -> int:
         rendezvous, result = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result")
         mp.spawn(rank_main, args=(cfg, args.op, args.tool, str(args.checkpoint), rendezvous,
                                   result), nprocs=cfg.ranks)
-        print(Path(result).read_text())
+        ranks = [json.loads(Path(f"{result}.{r}").read_text()) for r in range(cfg.ranks)]
+        out = ranks[0]  # rank 0's clock and counts; every rank's CPU
+        for key in ("cpu", "main_cpu"):
+            if key in out:
+                out[key] = [round(r[key], 4) for r in ranks]
+        print(json.dumps(out))
     return 0
 
 
@@ -379,7 +401,7 @@ def report(cfg: Config, rounds: int, plan: list[tuple[str, list[str]]],
         base = med(op, "stock") if "stock" in tools else None
         fio = med(op, "fio") if "fio" in tools else None
         print(f"{op:5} {'tool':12} {'seconds':>8} {'GB/s':>6} {'x stock':>8} {'x fio':>6} "
-              f"{'bytes read':>12}")
+              f"{'bytes read':>12} {'cpu s':>6} {'main s':>6}")
         for tool in tools:
             m = med(op, tool)
             assert m is not None
@@ -387,8 +409,11 @@ def report(cfg: Config, rounds: int, plan: list[tuple[str, list[str]]],
             vs_stock = f"{base / m:8.2f}" if base else f"{'':8}"
             vs_fio = f"{fio / m:6.2f}" if fio else f"{'':6}"
             read_text = f"{read:12.0f}" if read is not None else f"{'':12}"
+            cpu = [f"{median(v):6.2f}" if (v := [sum(s[key]) for s in samples[(op, tool)]
+                                                 if key in s]) else f"{'':6}"
+                   for key in ("cpu", "main_cpu")]
             print(f"{op:5} {tool:12} {m:8.3f} {nbytes / m / GB:6.2f} {vs_stock} {vs_fio} "
-                  f"{read_text}")
+                  f"{read_text} {cpu[0]} {cpu[1]}")
 
 
 def main() -> int:

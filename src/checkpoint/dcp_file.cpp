@@ -38,6 +38,12 @@ constexpr uint64_t kSmallAlign = 64;
 // Tensors of this size or more go from their memory to the file in requests of their own; the
 // rest are gathered (with the zip records around them) into large writes and reads.
 constexpr uint64_t kOwnRequest = 1u << 20;
+// An item checked whole whose data is read in requests of its own is read in pieces that end at
+// multiples of this in the file, each hashed as soon as it is in while the disk reads the later
+// ones: the check then adds the hashing of one piece to a load, not a pass over all of its data
+// after the last read (which, with more ranks than cores, the ranks' hashing turned into CPU
+// time on the load's critical path).
+constexpr uint64_t kCheckPiece = 8u << 20;
 constexpr const char* kFolder = "archive/";
 
 std::string Range(uint64_t offset, uint64_t length) {
@@ -481,12 +487,34 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
                       std::span<const DcpHeldBytes> held) {
   // Each item in up to three pieces: the zip records before its data (kept for the xxh64), the
   // data into its destination, the records after it. A slice: its runs into its destination.
+  // The small pieces are read first, then the large ones: an item checked whole is hashed as its
+  // large data arrives, which needs the records before it in memory by then.
   std::vector<std::string> heads(reads.size()), tails(reads.size());
   std::vector<ScatteredRead> scattered;
   std::vector<std::pair<size_t, uint64_t>> piece_of;  // scattered index -> (item, expected)
+  struct LargeRead {
+    size_t item;
+    uint64_t offset, length;
+    std::byte* dest;
+  };
+  std::vector<LargeRead> large;  // read in requests of their own, after `scattered`
   std::vector<Future> own;
-  std::vector<std::pair<size_t, uint64_t>> own_of;  // own index -> (item, expected)
+  struct OwnRead {
+    size_t item;
+    uint64_t length;
+    const std::byte* dest;
+  };
+  std::vector<OwnRead> own_of;  // per `own`
   uint64_t bytes_read = 0;
+  // Items checked whole whose data is large: their checksum, fed as the data arrives.
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  struct Stream {
+    Xxh64State xxh64;
+    uint32_t crc32 = 0;
+    uint64_t hashed = 0;  // bytes of the data
+  };
+  std::vector<size_t> stream_of(reads.size(), kNone);
+  std::vector<Stream> streams;
   // Parts of items checked by their blocks: the spans of whole blocks read, and the runs to copy
   // out of them once they are checked.
   struct Span {
@@ -505,9 +533,7 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
     if (const std::byte* p = FindDcpHeldBytes(held, offset, length)) {
       if (length > 0) std::memcpy(dest, p, length);
     } else if (length >= kOwnRequest) {
-      own.push_back(engine.Read(file, dest, length, offset));
-      own_of.emplace_back(i, length);
-      bytes_read += length;
+      large.push_back({i, offset, length, dest});
     } else if (length > 0) {
       scattered.push_back({offset, length, dest});
       piece_of.emplace_back(i, length);
@@ -544,13 +570,21 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
       runs_of[i] = runs;
       continue;
     }
+    const size_t large_before = large.size();
     piece(i, r.data_offset, r.data_length, r.dest);
-    if (!r.xxh64) continue;
-    heads[i].resize(r.data_offset - r.offset);
-    tails[i].resize(r.offset + r.length - r.data_offset - r.data_length);
-    piece(i, r.offset, heads[i].size(), reinterpret_cast<std::byte*>(heads[i].data()));
-    piece(i, r.data_offset + r.data_length, tails[i].size(),
-          reinterpret_cast<std::byte*>(tails[i].data()));
+    const bool data_large = large.size() > large_before;
+    if (r.xxh64) {
+      heads[i].resize(r.data_offset - r.offset);
+      tails[i].resize(r.offset + r.length - r.data_offset - r.data_length);
+      piece(i, r.offset, heads[i].size(), reinterpret_cast<std::byte*>(heads[i].data()));
+      piece(i, r.data_offset + r.data_length, tails[i].size(),
+            reinterpret_cast<std::byte*>(tails[i].data()));
+    }
+    // Streamed where the data alone is read large (the records are in memory before it).
+    if (data_large && large.size() == large_before + 1 && (r.xxh64 || r.crc32)) {
+      stream_of[i] = streams.size();
+      streams.emplace_back();
+    }
   }
   auto span_place = [&](const Span& sp) {  // (offset in the file, length) of a span's blocks
     const DcpRead& r = reads[sp.item];
@@ -574,10 +608,37 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
   for (size_t k = 0; k < got.size(); ++k) {
     if (got[k] != piece_of[k].second) throw truncated(piece_of[k].first);
   }
+  for (size_t i = 0; i < reads.size(); ++i) {
+    if (stream_of[i] != kNone && reads[i].xxh64) {
+      streams[stream_of[i]].xxh64.Update(heads[i].data(), heads[i].size());
+    }
+  }
+  // All submitted at once (the engine bounds what is in flight), then waited for in order.
+  for (const LargeRead& l : large) {
+    const bool streamed = stream_of[l.item] != kNone;
+    for (uint64_t at = 0; at < l.length;) {
+      const uint64_t end = streamed ? (l.offset + at) / kCheckPiece * kCheckPiece + kCheckPiece
+                                    : l.offset + l.length;
+      const uint64_t n = std::min(end - l.offset, l.length) - at;
+      own.push_back(engine.Read(file, l.dest + at, n, l.offset + at));
+      own_of.push_back({l.item, n, l.dest + at});
+      bytes_read += n;
+      at += n;
+    }
+  }
   for (size_t k = 0; k < own.size(); ++k) {
     Future f = std::move(own[k]);
     own[k] = Future();
-    if (f.Wait().bytes != own_of[k].second) throw truncated(own_of[k].first);
+    const OwnRead& o = own_of[k];
+    if (f.Wait().bytes != o.length) throw truncated(o.item);
+    if (stream_of[o.item] == kNone) continue;
+    Stream& st = streams[stream_of[o.item]];
+    if (reads[o.item].xxh64) {
+      st.xxh64.Update(o.dest, o.length);
+    } else {
+      st.crc32 = Crc32(o.dest, o.length, st.crc32);
+    }
+    st.hashed += o.length;
   }
   for (size_t k = 0; k < spans.size();) {  // each item's spans, then its runs out of them
     const size_t i = spans[k].item;
@@ -602,10 +663,19 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
   for (size_t i = 0; i < reads.size(); ++i) {
     const DcpRead& r = reads[i];
     if (r.slice) continue;
+    Stream* st = stream_of[i] == kNone ? nullptr : &streams[stream_of[i]];
+    if (st != nullptr && st->hashed != r.data_length) {
+      throw std::logic_error(StrCat(file.path(), ": item '", r.name, "': ", st->hashed, " of its ",
+                                    r.data_length, " bytes of data hashed"));
+    }
     if (r.xxh64) {
       Xxh64State h;
-      h.Update(heads[i].data(), heads[i].size());
-      h.Update(r.dest, r.data_length);
+      if (st != nullptr) {
+        h = st->xxh64;
+      } else {
+        h.Update(heads[i].data(), heads[i].size());
+        h.Update(r.dest, r.data_length);
+      }
       h.Update(tails[i].data(), tails[i].size());
       const uint64_t actual = h.Digest();
       if (actual != *r.xxh64) {
@@ -614,7 +684,7 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
             Hex16(actual), ", the metadata records ", Hex16(*r.xxh64), ": the file is damaged"));
       }
     } else if (r.crc32) {
-      const uint32_t actual = Crc32(r.dest, r.data_length);
+      const uint32_t actual = st != nullptr ? st->crc32 : Crc32(r.dest, r.data_length);
       if (actual != *r.crc32) {
         throw FormatError(StrCat(file.path(), ": item '", r.name, "' at ",
                                  Range(r.offset, r.length), ": the CRC-32 of its data (",

@@ -8,10 +8,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "tensortier/checkpoint/checkpoint_file.hpp"
+#include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
@@ -160,6 +163,78 @@ TEST(DcpFile, ReadsCheckEveryItemAndNameTheDamage) {
   }
   std::filesystem::resize_file(path, w.places[3].offset - 10);
   EXPECT_THROW(read_all(got), FormatError);
+}
+
+TEST(DcpFile, LargeItemsAreCheckedPieceByPieceAsTheyArrive) {
+  // 20 MiB and a page of data after a 100-byte item: read in pieces that end at 8 MiB multiples
+  // of the file, none of them aligned with the data's start, each hashed as it comes in.
+  TempDir dir;
+  Engine engine;
+  const std::string path = dir.path() + "/__0_x.distcp";
+  const std::vector<uint8_t> blob = Pattern(100, 1), data = Pattern((20u << 20) + 4096, 2);
+  std::vector<DcpWriteItem> items = {
+      {"", {}, blob.size(), reinterpret_cast<const std::byte*>(blob.data()), "blob"},
+      {"U8", {data.size()}, data.size(), reinterpret_cast<const std::byte*>(data.data()), "w"}};
+  const std::vector<DcpItemPlace> places = WriteDcpFile(engine, path, items);
+  const DcpItemPlace& p = places[1];
+  std::vector<uint8_t> out;
+  auto read = [&](bool crc) {
+    const File file = File::Open(path, OpenMode::kRead, true);
+    out.assign(data.size(), 0);
+    const DcpRead r{"w",
+                    p.offset,
+                    p.length,
+                    p.data_offset,
+                    data.size(),
+                    reinterpret_cast<std::byte*>(out.data()),
+                    crc ? std::nullopt : std::optional<uint64_t>(p.xxh64),
+                    crc ? std::optional<uint32_t>(Crc32(data.data(), data.size())) : std::nullopt,
+                    std::nullopt,
+                    {}};
+    ReadDcpItems(engine, file, std::span<const DcpRead>(&r, 1));
+  };
+  for (const bool crc : {false, true}) {
+    read(crc);
+    EXPECT_EQ(out, data);
+  }
+  auto flip = [&](uint64_t at) {
+    const File file = File::Open(path, OpenMode::kReadWrite, false);
+    char c;
+    ASSERT_EQ(pread(file.buffered_fd(), &c, 1, static_cast<off_t>(at)), 1);
+    c ^= 4;
+    ASSERT_EQ(pwrite(file.buffered_fd(), &c, 1, static_cast<off_t>(at)), 1);
+  };
+  const std::string range = StrCat("[", p.offset, ", ", p.offset + p.length, ")");
+  // In the first piece, a middle one, the last byte of the data; in the records after it (the
+  // xxh64 alone covers them).
+  for (const uint64_t at : {p.data_offset + 1, p.data_offset + (9u << 20) + 5,
+                            p.data_offset + data.size() - 1, p.offset + p.length - 1}) {
+    flip(at);
+    for (const bool crc : {false, true}) {
+      if (crc && at >= p.data_offset + data.size()) continue;
+      try {
+        read(crc);
+        FAIL() << "no error for a flip at " << at << (crc ? " (CRC-32)" : " (xxh64)");
+      } catch (const FormatError& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find(path), std::string::npos) << msg;
+        EXPECT_NE(msg.find("'w'"), std::string::npos) << msg;
+        EXPECT_NE(msg.find(range), std::string::npos) << msg;
+        EXPECT_NE(msg.find(crc ? "CRC-32" : "xxh64"), std::string::npos) << msg;
+      }
+    }
+    flip(at);
+  }
+  read(false);
+  EXPECT_EQ(out, data);
+  // A file that ends inside a middle piece.
+  std::filesystem::resize_file(path, p.data_offset + (12u << 20));
+  try {
+    read(false);
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
+  }
 }
 
 TEST(DcpFile, SliceRunsAreTheContiguousPiecesOfABlock) {

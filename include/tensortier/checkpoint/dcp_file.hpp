@@ -189,10 +189,12 @@ const std::byte* FindDcpHeldBytes(std::span<const DcpHeldBytes> held, uint64_t o
 
 // Reads every item of `reads` from `file` with `engine` and checks it (xxh64 of the item, else
 // CRC-32 of its data; a part: the sums of the blocks it touches). The byte ranges of all items
-// are read sorted, those a page or less apart in one request, the large ones (1 MiB or more)
-// straight into their destination. Returns the bytes read from the file. Throws FormatError
-// naming the file, the item and its byte range for a mismatch or a file that ends inside an item;
-// IoError for I/O errors. Pieces that lie in one range of `held` are copied from it, not read.
+// are read sorted, those a page or less apart in one request, then the large ones (1 MiB or
+// more) straight into their destination; an item checked whole is hashed piece by piece as its
+// large data comes in, while the later pieces are read. Returns the bytes read from the file.
+// Throws FormatError naming the file, the item and its byte range for a mismatch or a file that
+// ends inside an item; IoError for I/O errors. Pieces that lie in one range of `held` are copied
+// from it, not read.
 uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead> reads,
                       std::span<const DcpHeldBytes> held = {});
 
