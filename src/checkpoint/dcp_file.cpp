@@ -14,6 +14,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "dcp_naming.hpp"
 #include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
@@ -97,44 +98,6 @@ void Settle(std::vector<Future>& futures) {
     }
   }
 }
-
-// Runs `step`; an IoError from it is thrown again naming `who` and `path` where it named a
-// temporary file (removed by then: the user knows the file by its final name).
-template <class Step>
-auto Naming(const std::string& who, const std::string& path, Step&& step) {
-  try {
-    return step();
-  } catch (const IoError& e) {
-    if (who.empty()) throw;
-    const bool temporary = e.path().find(".tmp-") != std::string::npos;
-    throw IoError(e.error_code(), StrCat(who, ": ", e.op()), temporary ? path : e.path(),
-                  e.offset(), e.length());
-  }
-}
-
-// An exclusive flock on DIR/.tensortier-dcp.lock, held while alive: commits into one directory
-// (the rename of .metadata and the cleanup after it) take turns. The cleanup and readers ignore
-// the file (not "__*.distcp", not ".__*").
-class CommitLock {
- public:
-  explicit CommitLock(const std::string& dir) : path_(StrCat(dir, "/.tensortier-dcp.lock")) {
-    fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw IoError(errno, "open the commit lock", path_, 0, 0);
-    while (flock(fd_, LOCK_EX) != 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      close(fd_);
-      throw IoError(err, "lock the commit lock", path_, 0, 0);
-    }
-  }
-  ~CommitLock() { close(fd_); }  // closing releases the flock
-  CommitLock(const CommitLock&) = delete;
-  CommitLock& operator=(const CommitLock&) = delete;
-
- private:
-  std::string path_;
-  int fd_ = -1;
-};
 
 // The block sums of a stream of tensor data, fed in pieces of any size.
 class BlockHasher {
@@ -287,7 +250,7 @@ std::vector<DcpItemPlace> WriteDcpFile(Engine& engine, const std::string& path,
                                        std::vector<DcpWriteItem> items, bool direct,
                                        const std::string& who) {
   DcpFilePlan plan(std::move(items));
-  Naming(who.empty() ? who : StrCat(who, " saving its DCP data file"), path, [&] {
+  NamingWho(who.empty() ? who : StrCat(who, " saving its DCP data file"), path, [&] {
     DurableFile out(path, direct);
     out.Reserve(plan.size());
     plan.Write(engine, out.file());
@@ -694,75 +657,6 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
     }
   }
   return bytes_read;
-}
-
-size_t RemoveUnreferencedDcpFiles(const std::string& dir,
-                                  const std::vector<std::string>& referenced) {
-  const std::set<std::string> keep(referenced.begin(), referenced.end());
-  std::vector<std::string> unreferenced;
-  std::set<std::string> saved_names;  // NAME of each ".NAME.tmp-..." file
-  {
-    std::unique_ptr<DIR, int (*)(DIR*)> d(opendir(dir.c_str()), closedir);
-    if (!d) throw IoError(errno, "opendir", dir, 0, 0);
-    while (const dirent* e = readdir(d.get())) {
-      const std::string name = e->d_name;
-      if (name.starts_with("__") && name.ends_with(".distcp") && !keep.contains(name)) {
-        unreferenced.push_back(name);
-      }
-      const size_t tmp = name.find(".tmp-");
-      if (name.starts_with(".__") && tmp != std::string::npos) {
-        saved_names.insert(name.substr(1, tmp - 1));
-      }
-    }
-  }
-  size_t removed = 0;
-  for (const auto& name : unreferenced) {
-    if (unlink(StrCat(dir, "/", name).c_str()) == 0) ++removed;
-  }
-  for (const auto& name : saved_names) removed += RemoveStaleTemporaryFiles(StrCat(dir, "/", name));
-  FileSystem().SyncDirectory(dir, dir);
-  return removed;
-}
-
-size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
-                           const std::vector<std::string>& referenced, const std::string& who) {
-  const std::string path = StrCat(dir, "/.metadata");
-  bool replaced = false;  // the rename made the new metadata the directory's
-  const CommitLock lock(dir);
-  try {
-    // A save that committed into the directory meanwhile removed the files its metadata does not
-    // name: this one's, if they were written before its commit. Committing would name them.
-    for (const auto& name : referenced) {
-      struct stat st;
-      const std::string file = StrCat(dir, "/", name);
-      if (stat(file.c_str(), &st) != 0) {
-        throw IoError(errno,
-                      StrCat(who.empty() ? "" : StrCat(who, ": "),
-                             "commit the DCP checkpoint (its data file is gone: another "
-                             "save into this directory committed meanwhile and removed it; "
-                             "the directory keeps that save's checkpoint)"),
-                      file, 0, 0);
-      }
-    }
-    Naming(who.empty() ? who : StrCat(who, " committing the checkpoint"), path, [&] {
-      DurableFile out(path, /*direct=*/false);
-      try {
-        if (!metadata.empty()) engine.Write(out.file(), metadata.data(), metadata.size(), 0).Wait();
-        out.Commit();
-      } catch (...) {
-        replaced = out.committed();
-        throw;
-      }
-    });
-  } catch (...) {
-    // The new checkpoint never became the directory's: its data files would only hold space
-    // (on a full disk, the space the next save needs).
-    if (!replaced) {
-      for (const auto& name : referenced) unlink(StrCat(dir, "/", name).c_str());
-    }
-    throw;
-  }
-  return RemoveUnreferencedDcpFiles(dir, referenced);
 }
 
 DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
