@@ -3,9 +3,10 @@
 
 The model is a generated Llama-shaped ``LlamaForCausalLM`` of about ``--size`` bytes (bf16,
 random weights, vocabulary 32000; the hidden size grows with ``--size``, the layer count makes up
-the rest), written once by transformers' ``save_pretrained`` in 3 shards. Every sample runs
-in a new Python process that imports its libraries untimed, then times the operation; a load's
-timing includes reading one byte of every 4 KiB page of every parameter.
+the rest), written by transformers' ``save_pretrained`` in 3 shards (once: a later run given the
+same ``--dir`` and ``--size`` reuses it). Every sample runs in a new Python process that imports
+its libraries untimed, then times the operation; a load's timing includes reading one byte of
+every 4 KiB page of every parameter.
 
 Loads, cold (the shards' pages dropped from the page cache before each sample, POSIX_FADV_DONTNEED
 on those files only) and warm (the shards read once through the page cache just before):
@@ -84,6 +85,23 @@ def write_model(size: int, directory: Path) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def model_in(directory: Path, size: int) -> int:
+    """The weights' bytes of the model under `directory`/model: the one a run before left there
+    for the same --size (its marker file says so), else one written now."""
+    marker = directory / "model-written.json"
+    if marker.exists():
+        written = json.loads(marker.read_text())
+        if written.get("size") == size and (directory / "model").is_dir():
+            log(f"reusing the {format_size(size)} model under {directory}")
+            return int(written["nbytes"])
+        marker.unlink()
+    shutil.rmtree(directory / "model", ignore_errors=True)
+    log(f"writing a {format_size(size)} Llama-shaped model with transformers")
+    nbytes = write_model(size, directory / "model")
+    marker.write_text(json.dumps({"size": size, "nbytes": nbytes}))
+    return nbytes
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
@@ -149,7 +167,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("1G"))
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--dir", default=None, help="where the files go (default: a new temp dir)")
+    p.add_argument("--dir", default=None,
+                   help="where the files go, kept after the run: a later run with the same --size "
+                        "reuses the model there (default: a new temp dir, removed)")
     p.add_argument("--fio", default="fio")
     p.add_argument("--ops", default="cold,warm,save",
                    help="which to measure, comma-separated (default: cold,warm,save)")
@@ -166,8 +186,7 @@ def main() -> int:
     made = args.dir is None
     args.dir = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="hf-bench-", dir="."))
     try:
-        log(f"writing a {format_size(args.size)} Llama-shaped model with transformers")
-        nbytes = write_model(args.size, Path(args.dir) / "model")
+        nbytes = model_in(Path(args.dir), args.size)
         ops = {op: tools for op, tools in {"cold": LOADS, "warm": LOADS, "save": SAVES}.items()
                if op in args.ops.split(",")}
         if shutil.which(args.fio) is None:
