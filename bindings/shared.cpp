@@ -227,6 +227,18 @@ class BoundGroup : public SharedGroup {
   BoundGroup(std::shared_ptr<Store> store, int rank, int world_size,
              std::chrono::milliseconds timeout, bool hosts_store)
       : SharedGroup(std::move(store), rank, world_size, timeout), hosts_store_(hosts_store) {}
+  // A group dropped without close() leaves as close() does, so that the rank serving the store
+  // does not wait for it at exit. Not while the interpreter finalizes: the store is a Python
+  // object (groups of more than one rank were closed before that, at exit).
+  ~BoundGroup() {
+    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+      CloseAll();
+    } else {
+      Close();
+    }
+  }
+  BoundGroup(const BoundGroup&) = delete;
+  BoundGroup& operator=(const BoundGroup&) = delete;
 
   void Require(const std::string& what) const {
     if (closed_)

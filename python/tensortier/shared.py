@@ -449,7 +449,7 @@ class Group:
     def close(self) -> None:
         """Closes every tensor of this group and stops sharing (not collective). Idempotent.
 
-        Groups are closed at interpreter exit. The rank that serves the group's store (rank 0
+        Groups are closed when dropped and at interpreter exit. The rank that serves the group's store (rank 0
         when no ``store`` is given outside torchrun) then keeps serving it until every other
         rank has closed its group or exited, at most the timeout: ranks still finishing a
         collective call do not lose the store under them."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import gc
 import json
 import os
 import re
@@ -778,3 +779,27 @@ def test_a_tensor_larger_than_the_machine_s_memory_is_an_error_not_the_oom_kille
             g.create_tensor((4, 1 << 63), torch.float32, name="past-int64")
         small = g.create_tensor((4, 2), torch.float32, name="fits")  # the group still works
         assert torch.equal(small.gather([0, 3]), torch.zeros(2, 2))
+
+
+def test_a_group_dropped_without_close_counts_itself_out() -> None:
+    """Rank 1 drops its group without close(): it counts itself out of the store at once, as
+    close() does, so the rank serving the store does not wait for it at exit (it used to wait
+    out the timeout while rank 1 went on)."""
+    store = torch.distributed.HashStore()
+    groups: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        groups[rank] = shared.Group(rank=rank, world_size=2, store=store, timeout=30)
+
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+    assert all(isinstance(g, shared.Group) for g in groups), groups
+    leave_key = groups[0]._core.leave_key
+    assert store.add(leave_key, 0) == 0
+    groups[1] = None  # dropped, never closed
+    gc.collect()
+    assert store.add(leave_key, 0) == 1
+    groups[0].close()
