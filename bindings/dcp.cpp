@@ -220,18 +220,19 @@ void RegisterDcp(py::module_& m) {
       "checkpoint stays whole).");
   m.def(
       "read_dcp_metadata_bytes",
-      [](const FsPath& dir) {
+      [](const FsPath& dir, std::optional<int64_t> rank) {
         std::string data;
         {
           py::gil_scoped_release release;
-          data = ReadDcpMetadataBytes(dir);
+          data = ReadDcpMetadataBytes(dir, rank);
         }
         return py::bytes(data);
       },
-      py::arg("dir"),
-      "The bytes of dir/.metadata. FileNotFoundError naming the path and what is missing (the "
-      "directory; its .metadata, saying whether an unfinished save's files are there), "
-      "NotADirectoryError for a file.");
+      py::arg("dir"), py::arg("rank") = py::none(),
+      "The bytes of dir/.metadata (with `rank`: of dir/__{rank}.metadata, a save's rank-local "
+      "metadata). FileNotFoundError naming the path and what is missing (the directory; its "
+      ".metadata, saying whether an unfinished save's files are there), NotADirectoryError for "
+      "a file.");
   m.def(
       "check_dcp_metadata",
       [](const FsPath& dir, const py::object& metadata, const py::handle& metadata_type,

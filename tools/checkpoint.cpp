@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <map>
 
@@ -225,11 +226,28 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
   return 0;
 }
 
+// A DCP checkpoint's .metadata, rank-local metadata or data file is checked with its directory
+// (its items' checksums are in the metadata): FormatError naming the directory to give instead.
+void RefuseFileOfDcpDirectory(const std::string& path, const char* command) {
+  const std::filesystem::path p(path);
+  const std::string name = p.filename().string();
+  const bool dcp_name = name == ".metadata" ||
+                        (name.starts_with("__") &&
+                         (name.ends_with(".distcp") || name.ends_with(".metadata")));
+  if (!dcp_name || !std::filesystem::is_regular_file(p)) return;
+  const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
+  if (!IsDcpDirectory(dir)) return;
+  throw FormatError(StrCat(path, ": a file of the DCP checkpoint ", dir,
+                           " (torch.distributed.checkpoint), read through its directory: "
+                           "tensortier ", command, " ", dir));
+}
+
 int RunInfoImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {"shapes"});
   if (args.positionals().size() != 1) throw UsageError("info takes one FILE");
   const unsigned show = args.Unsigned("shapes", 20);
   if (IsDcpDirectory(args.positionals()[0])) return InfoDcp(args.positionals()[0], show);
+  RefuseFileOfDcpDirectory(args.positionals()[0], "info");
   const std::string path = ModelDirectoryFile(args.positionals()[0]);
   if (!IsShardIndexFile(path)) return InfoFile(path, show);
   const std::vector<Shard> shards = ReadShardIndex(path);
@@ -248,6 +266,7 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
   Args args(argv, {}, {});
   if (args.positionals().size() != 1) throw UsageError("verify takes one FILE");
   if (IsDcpDirectory(args.positionals()[0])) return VerifyDcp(args.positionals()[0]);
+  RefuseFileOfDcpDirectory(args.positionals()[0], "verify");
   const std::string path = ModelDirectoryFile(args.positionals()[0]);
   if (!IsShardIndexFile(path)) return VerifyFile(path);
   const std::vector<Shard> shards = ReadShardIndex(path);

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -226,7 +226,8 @@ class Writer(StorageWriter, AsyncStager):
         self.save_id = uuid.uuid4().hex
         self.rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives", True) is False:
-            raise ValueError("tensortier.dcp.Writer needs use_collectives=True (the default)")
+            raise ValueError("tensortier.dcp.Writer needs use_collectives=True (the default): "
+                             "its commit writes one .metadata for all ranks, not one per rank")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Makes the checkpoint directory."""
@@ -328,6 +329,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if _core.dcp_metadata_global_allowed(module, name):  # the CLI's reader's rule
+            if module == "pathlib._local":  # where Python 3.13 and later keep pathlib's classes
+                module = "pathlib"
             value = getattr(importlib.import_module(module), name, None)
             if module != "torch" or value is torch.Size or isinstance(
                     value, (torch.dtype, torch.layout, torch.memory_format)):
@@ -336,6 +339,33 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
+
+
+def _unpickled_unchecked(planner: LoadPlanner, raw: bytes) -> bool:
+    """Whether `planner` would unpickle the bytes item `raw` with torch.load(weights_only=False),
+    which runs any code a pickle names: DefaultLoadPlanner's ``load_bytes`` does, for every
+    bytes item; a planner's own ``load_bytes`` decides what its bytes are (DCP's contract), and
+    only those that are torch.save files are taken as headed there."""
+    if type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+        return True
+    return raw.startswith(b"PK\x03\x04")
+
+
+def _check_weights_only(raw: bytes, path: str, name: str) -> None:
+    """ValueError naming the file and the value unless torch.load(weights_only=True) reads
+    `raw`, with ``io.BytesIO`` allowed (a value DCP itself saves: torchtitan's TrainState
+    holds some) besides what ``torch.serialization.safe_globals`` allows at the call."""
+    allowed = torch.serialization.get_safe_globals()
+    try:
+        # (Not when the caller allowed it already: leaving the context would take it away.)
+        with (contextlib.nullcontext() if io.BytesIO in allowed
+              else torch.serialization.safe_globals([io.BytesIO])):
+            torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:
+        raise ValueError(
+            f"{path}: the value {name} holds what torch.load(weights_only=True) refuses ({e}). "
+            "If you trust the checkpoint, allow the classes it names with "
+            "torch.serialization.safe_globals([...]) around dcp.load") from e
 
 
 class Reader(StorageReader):
@@ -383,13 +413,16 @@ class Reader(StorageReader):
             self.path = os.fspath(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
-        """The checkpoint's ``.metadata``. FileNotFoundError naming the path when the directory,
+        """The checkpoint's ``.metadata``; with ``rank=N`` (``dcp.load``'s fallback when there
+        is none), the rank-local ``__N.metadata`` torch's ``FileSystemWriter`` writes in a save
+        with ``use_collectives=False``. FileNotFoundError naming the path when the directory,
         its ``.metadata`` or a data file it names is missing (saying when the ``.metadata`` is of
         another save than the data files), ValueError when it is not DCP metadata or comes from a
         newer tensortier. (``dcp.load`` reports these inside an AssertionError or a
         CheckpointException.)"""
-        path = os.path.join(self.path, _METADATA)
-        data = _core.read_dcp_metadata_bytes(self.path)
+        rank = kwargs.get("rank")
+        path = os.path.join(self.path, _METADATA if rank is None else f"__{rank}{_METADATA}")
+        data = _core.read_dcp_metadata_bytes(self.path, rank)
         try:
             md = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as e:
@@ -450,16 +483,9 @@ class Reader(StorageReader):
                     if buf is target:
                         planner.commit_tensor(req, target)
                     elif view is None:
-                        # DCP's planner loads it with weights_only=False, which would run any
-                        # code a pickle names: refuse what torch.load(weights_only=True) refuses.
                         raw = buf.numpy().tobytes()
-                        try:
-                            torch.load(io.BytesIO(raw), weights_only=True)
-                        except Exception as e:
-                            raise ValueError(
-                                f"{path}: the value {name} holds what torch.load(weights_only="
-                                f"True) refuses ({e}); load it with torch's FileSystemReader if "
-                                "you trust the file") from e
+                        if _unpickled_unchecked(planner, raw):
+                            _check_weights_only(raw, path, name)
                         planner.load_bytes(req, io.BytesIO(raw))
                     else:
                         tensor = buf.view(view[0]).as_strided(*view[1:4])

@@ -84,17 +84,37 @@ size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_v
   try {
     // A save that committed into the directory meanwhile removed the files its metadata does not
     // name: this one's, if they were written before its commit. Committing would name them.
+    // Some there and some not, more likely: ranks that each saved into a directory of their
+    // own under one path (each node's own disk), which is not one checkpoint.
+    std::string first_missing;
+    int missing_errno = 0;
+    size_t missing = 0;
     for (const auto& name : referenced) {
       struct stat st;
       const std::string file = StrCat(dir, "/", name);
       if (stat(file.c_str(), &st) != 0) {
-        throw IoError(errno,
-                      StrCat(who.empty() ? "" : StrCat(who, ": "),
-                             "commit the DCP checkpoint (its data file is gone: another "
-                             "save into this directory committed meanwhile and removed it; "
-                             "the directory keeps that save's checkpoint)"),
-                      file, 0, 0);
+        if (missing++ == 0) {
+          first_missing = file;
+          missing_errno = errno;
+        }
       }
+    }
+    if (missing != 0) {
+      const std::string prefix = who.empty() ? "" : StrCat(who, ": ");
+      throw IoError(
+          missing_errno,
+          missing < referenced.size()
+              ? StrCat(prefix, "commit the DCP checkpoint (", missing, " of its ",
+                       referenced.size(),
+                       " data files are not in the directory as the coordinator sees it: every "
+                       "rank must save into one directory all ranks share (a directory on each "
+                       "node's own disk is not one checkpoint), or another save into this "
+                       "directory committed meanwhile and removed them)")
+              : StrCat(prefix,
+                       "commit the DCP checkpoint (its data file is gone: another save into this "
+                       "directory committed meanwhile and removed it; the directory keeps that "
+                       "save's checkpoint)"),
+          first_missing, 0, 0);
     }
     NamingWho(who.empty() ? who : StrCat(who, " committing the checkpoint"), path, [&] {
       DurableFile out(path, /*direct=*/false);

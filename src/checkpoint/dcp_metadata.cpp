@@ -141,7 +141,9 @@ bool IsDcpMetadataGlobal(std::string_view module, std::string_view name) {
           name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") == std::string::npos) ||
          (module == "torch" && name == "Size") ||
          (module == "torch.serialization" && name == "_get_layout") ||
-         (module == "pathlib" && (name == "PosixPath" || name == "PurePosixPath"));
+         // FileSystemWriter's checkpoint id; Python 3.13 and later pickle it from pathlib._local.
+         ((module == "pathlib" || module == "pathlib._local") &&
+          (name == "PosixPath" || name == "PurePosixPath"));
 }
 
 bool IsDcpDataFileName(std::string_view relative_path) {
@@ -271,7 +273,7 @@ bool IsDcpDirectory(const std::string& dir) {
   return false;
 }
 
-std::string ReadDcpMetadataBytes(const std::string& dir) {
+std::string ReadDcpMetadataBytes(const std::string& dir, std::optional<int64_t> rank) {
   struct stat st;
   if (stat(dir.c_str(), &st) != 0) {
     throw IoError(errno, "load DCP checkpoint (the directory cannot be reached)", dir, 0, 0);
@@ -279,18 +281,32 @@ std::string ReadDcpMetadataBytes(const std::string& dir) {
   if (!S_ISDIR(st.st_mode)) {
     throw IoError(ENOTDIR, "load DCP checkpoint (a DCP checkpoint is a directory)", dir, 0, 0);
   }
-  const std::string path = StrCat(dir, "/.metadata");
+  const std::string name = rank ? StrCat("__", *rank, ".metadata") : ".metadata";
+  const std::string path = StrCat(dir, "/", name);
   if (stat(path.c_str(), &st) != 0 && errno == ENOENT) {
     bool unfinished = false;  // data files, or temporary files of a save
+    bool rank_local = false;  // __N.metadata: a save with use_collectives=False
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-      unfinished = unfinished || IsDcpSaveFile(e.path().filename().string());
+      const std::string file = e.path().filename().string();
+      unfinished = unfinished || IsDcpSaveFile(file);
+      rank_local = rank_local || (file.starts_with("__") && file.ends_with(".metadata"));
+    }
+    if (rank) {
+      throw IoError(ENOENT,
+                    StrCat("load DCP checkpoint (no rank-local metadata ", name, " for rank ",
+                           *rank, " and no .metadata)"),
+                    path, 0, 0);
     }
     throw IoError(ENOENT,
-                  unfinished ? "load DCP checkpoint (a DCP checkpoint directory whose .metadata is "
-                               "missing: no .metadata, only the data files of a save that did not "
-                               "finish, so no checkpoint was committed here)"
-                             : "load DCP checkpoint (no .metadata: not a DCP checkpoint directory)",
+                  rank_local ? "load DCP checkpoint (no .metadata, but the rank-local metadata "
+                               "files (__N.metadata) of a save with use_collectives=False, which "
+                               "dcp.load reads rank by rank)"
+                  : unfinished ? "load DCP checkpoint (a DCP checkpoint directory whose .metadata "
+                                 "is missing: no .metadata, only the data files of a save that "
+                                 "did not finish, so no checkpoint was committed here)"
+                               : "load DCP checkpoint (no .metadata: not a DCP checkpoint "
+                                 "directory)",
                   path, 0, 0);
   }
   if (stat(path.c_str(), &st) != 0) throw IoError(errno, "load DCP checkpoint (stat)", path, 0, 0);

@@ -430,6 +430,26 @@ TEST(DcpFile, CommitRemovesOnlyWhatTheNewMetadataDoesNotName) {
   EXPECT_EQ(std::filesystem::file_size(dir.path() + "/.metadata"), 8u);
 }
 
+TEST(DcpFile, ACommitMissingSomeRanksFilesSaysTheDirectoryMustBeShared) {
+  // Rank 1 saved into a directory of its own (another node's disk under the same path): the
+  // coordinator sees its own file only, and commits nothing.
+  TempDir dir;
+  Engine engine;
+  std::ofstream(dir.path() + "/__0_new.distcp") << "x";
+  try {
+    CommitDcpCheckpoint(engine, dir.path(), "metadata", {"__0_new.distcp", "__1_new.distcp"},
+                        "rank 0");
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_NE(msg.find("1 of its 2 data files"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("one directory all ranks share"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(dir.path() + "/__1_new.distcp"), std::string::npos) << msg;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/.metadata"));
+}
+
 TEST(DcpFile, AFailedCommitRemovesTheNewSavesFiles) {
   TempDir dir;
   Engine engine;

@@ -503,6 +503,102 @@ def test_unsafe_pickle_in_bytes_item_is_refused(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_bytesio_values_load_as_torch_s_reader_loads_them(tmp_path: Path, writer: str) -> None:
+    """io.BytesIO values (torchtitan's TrainState saves its loss logs as such) load as with
+    FileSystemReader: a BytesIO holding the bytes saved. Other classes stay refused."""
+    logs = io.BytesIO()
+    torch.save([1.0, 2.0], logs)
+    ckpt = tmp_path / writer
+    dcp.save({"step": torch.tensor(5), "log_steps": logs}, no_dist=True,
+             storage_writer=tdcp.Writer(ckpt) if writer == "ours" else dcp.FileSystemWriter(ckpt))
+    got = {"step": torch.tensor(0), "log_steps": io.BytesIO()}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+    assert int(got["step"]) == 5 and isinstance(got["log_steps"], io.BytesIO)
+    got["log_steps"].seek(0)
+    assert torch.load(got["log_steps"], weights_only=True) == [1.0, 2.0]
+    assert io.BytesIO not in torch.serialization.get_safe_globals()  # allowed for the check only
+
+
+def test_a_planner_with_its_own_load_bytes_gets_its_raw_bytes(tmp_path: Path) -> None:
+    """DCP's contract: a bytes item holds what the SavePlanner made of it, here JSON, which the
+    LoadPlanner's own load_bytes reads; only bytes headed for torch.load are checked."""
+    from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner,
+                                                              DefaultSavePlanner)
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class JsonSavePlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):  # type: ignore[no-untyped-def]
+            if write_item.type == WriteItemType.BYTE_IO:
+                return io.BytesIO(json.dumps(self.lookup_object(write_item.index)).encode())
+            return super().resolve_data(write_item)
+
+    class JsonLoadPlanner(DefaultLoadPlanner):
+        loaded: dict[str, Any] = {}
+
+        def load_bytes(self, read_item, value):  # type: ignore[no-untyped-def]
+            self.loaded[read_item.dest_index.fqn] = json.loads(value.read())
+
+    ckpt = tmp_path / "json"
+    dcp.save({"cfg": "lr=0.1", "w": torch.arange(4.0)}, storage_writer=tdcp.Writer(ckpt),
+             planner=JsonSavePlanner(), no_dist=True)
+    got = {"cfg": "", "w": torch.zeros(4)}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), planner=JsonLoadPlanner(), no_dist=True)
+    assert JsonLoadPlanner.loaded == {"cfg": "lr=0.1"} and torch.equal(got["w"], torch.arange(4.0))
+    # The default planner would unpickle them: there, they are checked (and are no pickle).
+    with pytest.raises(CheckpointException, match="weights_only"):
+        dcp.load({"cfg": "", "w": torch.zeros(4)}, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+
+
+def test_rank_local_metadata_of_a_save_without_collectives_loads(tmp_path: Path) -> None:
+    """FileSystemWriter with use_collectives=False writes __N.metadata for each rank, no
+    .metadata; dcp.load falls back to them, with Reader too. Writer refuses such saves."""
+    ckpt = tmp_path / "local"
+    dcp.save({"w": torch.arange(3.0)}, storage_writer=dcp.FileSystemWriter(ckpt),
+             use_collectives=False)
+    assert (ckpt / "__0.metadata").is_file() and not (ckpt / ".metadata").exists()
+    got = {"w": torch.zeros(3)}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], torch.arange(3.0))
+    with pytest.raises(FileNotFoundError, match="rank-local metadata .*use_collectives=False"):
+        tdcp.Reader(ckpt).read_metadata()
+    with pytest.raises(FileNotFoundError, match="no rank-local metadata __1.metadata"):
+        tdcp.Reader(ckpt).read_metadata(rank=1)
+    with pytest.raises((ValueError, CheckpointException), match="use_collectives=True"):
+        dcp.save({"w": torch.arange(3.0)}, storage_writer=tdcp.Writer(tmp_path / "ours"),
+                 use_collectives=False)
+
+
+def test_stock_metadata_pickled_by_python_3_13_reads(tmp_path: Path) -> None:
+    """Python 3.13 pickles FileSystemWriter's checkpoint id (a pathlib.PosixPath) as
+    pathlib._local.PosixPath; Reader and the CLI read such metadata on every Python."""
+    import pathlib
+    import types
+
+    ckpt = tmp_path / "stock"
+    dcp.save({"w": torch.arange(3.0)}, storage_writer=dcp.FileSystemWriter(ckpt), no_dist=True)
+    local = types.ModuleType("pathlib._local")
+
+    class PosixPath(pathlib.PurePosixPath):
+        pass
+
+    PosixPath.__module__, PosixPath.__qualname__ = local.__name__, "PosixPath"
+    local.PosixPath = PosixPath  # type: ignore[attr-defined]
+    sys.modules[local.__name__] = local
+    try:
+        def as_313(md: Any) -> None:
+            md.storage_meta.checkpoint_id = PosixPath(str(ckpt))
+        rewrite_metadata(ckpt, as_313)
+    finally:
+        del sys.modules[local.__name__]
+    assert b"pathlib._local" in (ckpt / ".metadata").read_bytes()
+    got = {"w": torch.zeros(3)}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+    assert torch.equal(got["w"], torch.arange(3.0))
+    ok = cli("verify", ckpt)
+    assert ok.returncode == 0, ok.stderr
+
+
 def test_a_planner_s_bytes_like_data_and_a_directory_name_that_is_not_utf8(tmp_path: Path) -> None:
     """A custom planner may return any bytes-like object for a bytes item (DCP's writer takes
     bytes() of it); a checkpoint directory's name is bytes to the file system, not UTF-8."""
@@ -546,6 +642,16 @@ def test_cli_info_and_verify_read_dcp_directories(tmp_path: Path, writer: str) -
     bad = cli("verify", ckpt)
     assert bad.returncode == 1
     assert name in bad.stderr and "'w'" in bad.stderr and "FAILED" in bad.stderr, bad.stderr
+
+
+def test_cli_given_a_file_of_a_dcp_directory_names_the_directory(tmp_path: Path) -> None:
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    for file in (ckpt / ".metadata", next(ckpt.glob("*.distcp"))):
+        for command in ("info", "verify"):
+            said = cli(command, file)
+            assert said.returncode == 1, said
+            assert f"a file of the DCP checkpoint {ckpt}" in said.stderr, said.stderr
+            assert f"tensortier {command} {ckpt}" in said.stderr, said.stderr
 
 
 def test_async_save_with_a_one_rank_group(tmp_path: Path) -> None:
