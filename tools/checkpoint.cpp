@@ -231,9 +231,9 @@ int RunConvertImpl(const std::vector<std::string>& argv) {
 void RefuseFileOfDcpDirectory(const std::string& path, const char* command) {
   const std::filesystem::path p(path);
   const std::string name = p.filename().string();
-  const bool dcp_name = name == ".metadata" ||
-                        (name.starts_with("__") &&
-                         (name.ends_with(".distcp") || name.ends_with(".metadata")));
+  const bool dcp_name =
+      name == ".metadata" ||
+      (name.starts_with("__") && (name.ends_with(".distcp") || name.ends_with(".metadata")));
   if (!dcp_name || !std::filesystem::is_regular_file(p)) return;
   const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
   if (!IsDcpDirectory(dir)) return;

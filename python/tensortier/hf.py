@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ __all__ = ["SUPPORTED_TRANSFORMERS", "disable", "enable", "from_pretrained", "sa
 _enabled = False  # enable(): every load and save of the process
 _routed: contextvars.ContextVar[bool] = contextvars.ContextVar("tensortier_hf", default=False)
 _originals: dict[str, Any] = {}  # what the hooks replaced
+_saving: contextvars.ContextVar[bool] = contextvars.ContextVar("tensortier_hf_save", default=False)
 
 
 def _transformers() -> Any:
@@ -108,7 +110,8 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
                                     if t.is_floating_point()):
                 return state_dict
     # Files in the page cache are mapped, as transformers maps them (no copy to make).
-    return _load(target, device, dtype, device.type == "cpu" and _core.hf_files_cached(files))
+    return _load(target, device, dtype, device.type == "cpu" and not cfg.disable_mmap
+                 and _core.hf_files_cached(files))
 
 
 @contextlib.contextmanager
@@ -208,30 +211,102 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     """``model.save_pretrained(path, **kwargs)``: the same files (config, generation config,
     shards of the same names and sizes, index), each shard written by :func:`tensortier.save`
     with checksums (``tensortier verify`` checks them), readable by transformers and
-    ``safetensors``.
+    ``safetensors``. A model whose class has a ``save_pretrained`` of its own (a PEFT model, a
+    subclass) is saved by it, into the same directory.
 
-    Durable as a whole: the directory is written beside `path` (files already in `path` are
-    kept, as transformers keeps them: the large ones linked, the others copied), every file
-    fsynced, then swapped with `path` in one rename (``renameat2(RENAME_EXCHANGE)``). A crash
-    leaves the old directory whole, and a leftover ``.<name>.tmp-*`` beside it, which the next
-    save into `path` removes once the process that made it is gone.
+    Durable as a whole: the directory is written beside `path`, every file fsynced, then swapped
+    with `path` in one rename (``renameat2(RENAME_EXCHANGE)``). Files already in `path` are kept
+    as transformers keeps them: the same files (hard links, so that a log file open there goes
+    on), except the ``.json``, ``.py`` and ``.bin`` files a save may rewrite, which are copied;
+    symbolic links stay links. A crash leaves the old directory whole, and a leftover
+    ``.<name>.tmp-*`` beside it, which the next save into `path` removes once the process that
+    made it is gone.
+
+    Where the directory cannot be swapped, the save writes into it as transformers does, each
+    shard durable on its own (a crash may leave some files old and some new): `path` is a mount
+    point, a symbolic link, a file (transformers logs an error and returns), holds this process's
+    working directory, or lies in a directory this process may not write; and on a rank that
+    does not save (``is_main_process=False``), which writes what transformers writes there
+    (nothing), leaving the directory to the rank that saves.
 
     Raises:
         ValueError: ``push_to_hub`` or ``distributed_checkpoint`` (save, then push or use
             ``tensortier.dcp``).
+        TypeError: `model` has no ``save_pretrained``.
         OSError: the directory cannot be written (the old one is left as it was).
     """
     for unsupported in ("push_to_hub", "distributed_checkpoint"):
         if kwargs.get(unsupported):
             raise ValueError(f"tensortier.hf.save_pretrained does not take {unsupported}=True")
-    final = os.path.abspath(fspath(path))
     with _ours():
-        staging = _core.stage_hf_save(final)  # and removes killed saves' ones
+        _save(model, os.path.abspath(fspath(path)), _writer(model), kwargs)
+
+
+def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
+    """:func:`save_pretrained`'s work: `model` written by `write` (a directory, then `kwargs`)."""
+    with _ours():
+        token = _saving.set(True)
         try:
-            _originals["save_pretrained"](model, staging, **kwargs)
-            _core.commit_directory(staging, final)
+            if not _saves_here(model, kwargs) or not _swappable(final):
+                write(final, **kwargs)
+                return
+            try:
+                staging = _core.stage_hf_save(final)  # and removes killed saves' ones
+            except PermissionError:  # no staging directory beside `path`
+                write(final, **kwargs)
+                return
+            try:
+                write(staging, **kwargs)
+                try:
+                    _core.commit_directory(staging, final)
+                    swapped = True
+                except OSError as e:
+                    # A mount point os.path.ismount does not see (a bind mount).
+                    if e.errno not in (errno.EBUSY, errno.EXDEV):
+                        raise
+                    swapped = False
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)  # the old directory, once swapped
+            if not swapped:
+                write(final, **kwargs)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)  # the old directory, once swapped
+            _saving.reset(token)
+
+
+def _writer(model: Any) -> Any:
+    """What writes `model` into a directory: transformers' ``save_pretrained``, or the one of
+    its class where the class has its own (PEFT models, subclasses that write more)."""
+    own = getattr(type(model), "save_pretrained", None)
+    if own is None:
+        raise TypeError(f"tensortier.hf.save_pretrained saves models that have save_pretrained, "
+                        f"not {type(model).__name__}")
+    if own in (_originals["save_pretrained"], _enabled_save_pretrained):
+        return _transformers_writer(model)
+    return model.save_pretrained
+
+
+def _transformers_writer(model: Any) -> Any:
+    return lambda directory, **kwargs: _originals["save_pretrained"](model, directory, **kwargs)
+
+
+def _saves_here(model: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether transformers writes the model on this rank (``is_main_process``, tensor
+    parallel ranks); elsewhere it writes nothing, and neither does a swap."""
+    main = kwargs.get("is_main_process", True)
+    should = getattr(model, "should_save_on_this_rank", None)
+    return bool(should(main)) if callable(should) else bool(main)
+
+
+def _swappable(final: str) -> bool:
+    """Whether the directory `final` can be replaced by another one in a rename: not a mount
+    point, a symbolic link or a file, and not holding this process's working directory."""
+    if os.path.islink(final) or os.path.isfile(final) or os.path.ismount(final):
+        return False
+    try:
+        cwd = os.getcwd()
+    except OSError:  # removed already
+        return True
+    return not (cwd == final or cwd.startswith(final.rstrip(os.sep) + os.sep))
 
 
 def enable() -> None:
@@ -249,9 +324,12 @@ def enable() -> None:
 
 
 def _enabled_save_pretrained(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> None:
-    if args or kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint"):
+    # transformers' part of a save (a class's own save_pretrained may have called it through
+    # super(), and goes on once it returns); within a save of ours, into the directory it writes.
+    if (args or kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
+            or _saving.get()):
         return _originals["save_pretrained"](self, save_directory, *args, **kwargs)
-    save_pretrained(self, save_directory, **kwargs)
+    _save(self, os.path.abspath(fspath(save_directory)), _transformers_writer(self), kwargs)
 
 
 def disable() -> None:

@@ -61,32 +61,55 @@ std::string DirName(const std::string& path) {
 }
 std::string BaseName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
 
-// `to` gets `from`'s permission bits and access and modification times (shutil.copystat).
+// `to` gets `from`'s owner (where this process may give it), permission bits and access and
+// modification times (shutil.copystat, plus the owner: a directory shared by a group stays so).
 void CopyStat(const std::string& from, const std::string& to) {
   struct stat st {};
   if (::stat(from.c_str(), &st) != 0) ThrowIoError(errno, "stat", from);
+  if (::chown(to.c_str(), st.st_uid, st.st_gid) != 0 && errno != EPERM) {
+    ThrowIoError(errno, "chown", to);
+  }
   if (::chmod(to.c_str(), st.st_mode & 07777) != 0) ThrowIoError(errno, "chmod", to);
   const struct timespec times[2] = {st.st_atim, st.st_mtim};
   if (::utimensat(AT_FDCWD, to.c_str(), times, 0) != 0) ThrowIoError(errno, "utimensat", to);
 }
 
-// What the folder `from` holds, into the existing folder `to`, as StageHfSave keeps it; symbolic
-// links are followed (shutil.copytree's default).
-void LinkOrCopyTree(const std::string& from, const std::string& to) {
+// Whether a save may write the file `name` of the model directory in place (open, truncate,
+// write): transformers' JSON files (config.json, generation_config.json, the index), the code
+// of custom models, and torch.save shards (safe_serialization=False). The staging directory gets
+// copies of these, so that the old directory stays whole until the swap; every other file is
+// the same file in both (a link: safetensors shards are replaced by rename, never rewritten).
+bool RewrittenInPlace(const std::string& name) {
+  return name.ends_with(".json") || name.ends_with(".py") || name.ends_with(".bin");
+}
+
+// What the folder `from` holds, into the existing folder `to`, as StageHfSave keeps it: symbolic
+// links as links, folders made anew, files linked (the same files: an open log file goes on
+// being written, owners and attributes stay) except those a save rewrites in place at the top
+// (`top`), which are copied. Across file systems (a mount point inside) files are copied.
+void LinkOrCopyTree(const std::string& from, const std::string& to, bool top) {
   std::error_code ec;
   fs::directory_iterator it(from, ec);
   if (ec) ThrowIoError(ec.value(), "list", from);
   for (const fs::directory_entry& entry : it) {
+    const std::string name = entry.path().filename().string();
     const std::string src = entry.path().string();
-    const std::string dst = StrCat(to, "/", entry.path().filename().string());
-    if (entry.is_directory(ec)) {
-      if (!fs::create_directory(dst, ec) && ec) ThrowIoError(ec.value(), "mkdir", dst);
-      LinkOrCopyTree(src, dst);
+    const std::string dst = StrCat(to, "/", name);
+    if (entry.is_symlink(ec)) {
+      const fs::path target = fs::read_symlink(src, ec);
+      if (ec) ThrowIoError(ec.value(), "readlink", src);
+      fs::create_symlink(target, dst, ec);
+      if (ec) ThrowIoError(ec.value(), "symlink", dst);
       continue;
     }
-    const bool weights = src.ends_with(".safetensors") || src.ends_with(".bin");
-    if (weights && ::linkat(AT_FDCWD, src.c_str(), AT_FDCWD, dst.c_str(), AT_SYMLINK_FOLLOW) == 0) {
-      continue;  // else another file system (a mount point): copied
+    if (entry.is_directory(ec)) {
+      if (!fs::create_directory(dst, ec) && ec) ThrowIoError(ec.value(), "mkdir", dst);
+      LinkOrCopyTree(src, dst, false);
+      continue;
+    }
+    if (!(top && RewrittenInPlace(name)) &&
+        ::linkat(AT_FDCWD, src.c_str(), AT_FDCWD, dst.c_str(), 0) == 0) {
+      continue;
     }
     if (!fs::copy_file(src, dst, fs::copy_options::overwrite_existing, ec) || ec) {
       ThrowIoError(ec ? ec.value() : EIO, "copy", src);
@@ -132,7 +155,7 @@ std::string StageHfSave(const std::string& final_dir) {
   if (ec) ThrowIoError(ec.value(), "mkdir", DirName(final_dir));
   const std::string staging = CreateStagingDirectory(final_dir);
   try {
-    if (exists) LinkOrCopyTree(final_dir, staging);
+    if (exists) LinkOrCopyTree(final_dir, staging, true);
   } catch (...) {
     fs::remove_all(staging, ec);
     throw;

@@ -93,6 +93,10 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   std::ofstream(m + "/model.safetensors") << "weights";
   std::ofstream(m + "/config.json") << "{}";
   std::ofstream(m + "/sub/tokenizer.json") << "tok";
+  std::ofstream(m + "/train.log") << "log";
+  std::ofstream(m + "/pytorch_model.bin") << "torch.save shard";
+  std::filesystem::create_symlink("config.json", m + "/link.json");
+  std::filesystem::create_symlink(".", m + "/self");  // followed, it would never end
   ASSERT_EQ(::chmod((m + "/config.json").c_str(), 0640), 0);
   const struct timespec old[2] = {{1000, 0}, {2000, 5}};
   ASSERT_EQ(::utimensat(AT_FDCWD, (m + "/config.json").c_str(), old, 0), 0);
@@ -104,6 +108,13 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   EXPECT_EQ(copy.st_mtim.tv_sec, 2000);
   EXPECT_EQ(Contents(staged + "/config.json"), "{}");
   EXPECT_EQ(Contents(staged + "/sub/tokenizer.json"), "tok");
+  // Below the top and besides what a save rewrites in place: the same files.
+  EXPECT_EQ(StatOf(staged + "/sub/tokenizer.json").st_ino,
+            StatOf(m + "/sub/tokenizer.json").st_ino);
+  EXPECT_EQ(StatOf(staged + "/train.log").st_ino, StatOf(m + "/train.log").st_ino);
+  EXPECT_NE(StatOf(staged + "/pytorch_model.bin").st_ino, StatOf(m + "/pytorch_model.bin").st_ino);
+  EXPECT_EQ(std::filesystem::read_symlink(staged + "/link.json"), "config.json");
+  EXPECT_EQ(std::filesystem::read_symlink(staged + "/self"), ".");
   std::ofstream(dir.path() + "/file") << "x";
   try {
     StageHfSave(dir.path() + "/file");

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -403,3 +404,140 @@ def test_a_weight_map_that_is_not_names_to_files_is_a_type_error(tmp_path: Path)
     for weight_map in ({"w": 1}, None, ["w"]):
         with pytest.raises(TypeError, match="weight_map must map tensor names to file names"):
             _core.hf_load_target([str(shard)], {"weight_map": weight_map})
+
+
+def weights_of(directory: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(directory / "model.safetensors")
+
+
+def test_a_rank_that_does_not_save_leaves_the_directory_alone(tmp_path: Path) -> None:
+    """Every rank calls save_pretrained(out, is_main_process=rank == 0), as accelerate has them:
+    the others write what transformers writes there (nothing), never a copy of the directory
+    swapped in over the main rank's save."""
+    old = make("llama", tmp_path / "m")
+    before, inode = weights_of(tmp_path / "m"), os.stat(tmp_path / "m").st_ino
+    other = MODELS["llama"]()
+    hf.save_pretrained(other, tmp_path / "m", is_main_process=False)
+    assert os.stat(tmp_path / "m").st_ino == inode  # not swapped: the main rank's save may be
+    after = weights_of(tmp_path / "m")
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in after)
+    assert os.listdir(tmp_path) == ["m"]
+    assert_same(hf.from_pretrained(type(old), tmp_path / "m"), old.eval())
+
+
+@pytest.fixture
+def bind_mount(tmp_path: Path) -> Iterator[Path]:
+    """A directory with another bind-mounted on it (a container's volume): a mount point that
+    os.path.ismount does not see. Needs root; unmounted even when the test fails."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    source, mnt = tmp_path / "volume", tmp_path / "out"
+    source.mkdir()
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(source), str(mnt)], capture_output=True,
+                             text=True, timeout=60)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("case", ["working directory", "symbolic link", "bind mount"])
+def test_a_directory_that_cannot_be_swapped_is_written_in_place(
+        tmp_path: Path, case: str, request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    if case == "bind mount":
+        out = request.getfixturevalue("bind_mount")
+    elif case == "symbolic link":
+        (tmp_path / "real").mkdir()
+        out = tmp_path / "out"
+        out.symlink_to(tmp_path / "real")
+    else:
+        out = tmp_path / "out"
+        out.mkdir()
+        monkeypatch.chdir(out)
+    hf.save_pretrained(model, out, max_shard_size="20KB")
+    hf.save_pretrained(model, out)  # over the first: the shards go, as in transformers
+    assert not any("-of-" in n for n in os.listdir(out))
+    assert_same(hf.from_pretrained(type(model), out), model.eval())
+    assert [n for n in os.listdir(out.parent) if ".tmp-" in n] == []
+    if case == "symbolic link":
+        assert out.is_symlink() and (tmp_path / "real" / "model.safetensors").is_file()
+    if case == "working directory":
+        assert Path(os.getcwd()).samefile(out)
+
+
+def test_files_beside_the_model_stay_the_same_files(tmp_path: Path) -> None:
+    """What a save keeps of the directory is the same files (a log open there goes on being
+    written into the directory), links stay links (one to the directory itself too), and what
+    a save may rewrite in place is copied (the old directory stays whole until the swap)."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    hf.save_pretrained(model, out)
+    (out / "checkpoint-1").mkdir()
+    (out / "checkpoint-1" / "optimizer.pt").write_bytes(b"x" * 4096)
+    (out / "shared.json").write_text("{}")
+    (out / "tokenizer.json").symlink_to(out / "shared.json")
+    (out / "self").symlink_to(".")
+    inodes = {n: os.stat(out / n).st_ino for n in ("checkpoint-1/optimizer.pt", "config.json")}
+    with open(out / "train.log", "a") as log:
+        log.write("before\n")
+        log.flush()
+        hf.save_pretrained(model, out)
+        log.write("after\n")
+    assert (out / "train.log").read_text() == "before\nafter\n"
+    assert os.stat(out / "checkpoint-1" / "optimizer.pt").st_ino == inodes[
+        "checkpoint-1/optimizer.pt"]
+    assert os.stat(out / "config.json").st_ino != inodes["config.json"]
+    assert (out / "tokenizer.json").is_symlink() and (out / "self").is_symlink()
+    assert_same(hf.from_pretrained(type(model), out), model.eval())
+
+
+def test_a_model_class_s_own_save_pretrained_is_used(tmp_path: Path) -> None:
+    """A class with a save_pretrained of its own (PEFT models, subclasses that write more) is
+    saved by it, with transformers' part through tensortier; under enable() too, once."""
+
+    class WithNotes(transformers.LlamaForCausalLM):
+        calls = 0
+
+        def save_pretrained(self, directory, **kwargs):  # type: ignore[no-untyped-def]
+            WithNotes.calls += 1
+            super().save_pretrained(directory, **kwargs)
+            Path(directory, "notes.txt").write_text("mine")
+
+    torch.manual_seed(0)
+    model = WithNotes(MODELS["llama"]().config)
+    hf.save_pretrained(model, tmp_path / "direct")
+    hf.enable()
+    try:
+        model.save_pretrained(tmp_path / "enabled")
+    finally:
+        hf.disable()
+    assert WithNotes.calls == 2
+    for out in (tmp_path / "direct", tmp_path / "enabled"):
+        assert (out / "notes.txt").read_text() == "mine"
+        with safetensors.safe_open(out / "model.safetensors", "pt") as f:
+            assert "tensortier.xxh64" in f.metadata()
+    with pytest.raises(TypeError, match="save_pretrained"):
+        hf.save_pretrained(torch.nn.Linear(2, 2), tmp_path / "linear")
+
+
+def test_disable_mmap_reads_cached_files_rather_than_mapping_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make("llama", tmp_path)
+    (tmp_path / "model.safetensors").read_bytes()  # in the page cache
+    mapped: list[bool] = []
+    real = hf._load
+
+    def load(target: str, device: Any, dtype: Any, mmap: bool) -> Any:
+        mapped.append(mmap)
+        return real(target, device, dtype, mmap)
+
+    monkeypatch.setattr(hf, "_load", load)
+    hf.from_pretrained(AUTO, tmp_path, disable_mmap=True)
+    assert mapped == [False]

@@ -38,11 +38,13 @@ std::optional<std::string> HfLoadTarget(
     const std::optional<std::map<std::string, std::string>>& weight_map);
 
 // The staging directory of a save into `final_dir` (CreateStagingDirectory, after creating
-// final_dir's parent), holding what `final_dir` holds already, as transformers keeps it: weight
-// files (*.safetensors, *.bin) hard-linked, as a save replaces them by rename or removes them and
-// never writes them in place (copied across file systems), other files copied (transformers
-// rewrites config.json in place), with the modes and times of files and folders. Throws IoError
-// (ENOTDIR) where `final_dir` is not a directory, or naming the file that could not be copied.
+// final_dir's parent), holding what `final_dir` holds already, as transformers keeps it: the
+// same files (hard links: a save replaces safetensors files by rename or removes them, and
+// never writes the others), except the top's *.json, *.py and *.bin files, copies (transformers
+// rewrites config.json in place, torch.save shards too), and any file on another file system;
+// symbolic links as links; folders
+// made anew with the owners, modes and times of the old ones. Throws IoError (ENOTDIR) where
+// `final_dir` is not a directory, or naming the file that could not be linked or copied.
 std::string StageHfSave(const std::string& final_dir);
 
 // Whether `files` are in the page cache, 9/10 of their bytes at least (a busy machine evicts a few
