@@ -13,6 +13,7 @@
 
 #include "tensortier/checkpoint/checkpoint_format.hpp"
 #include "tensortier/checkpoint/directory_commit.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
@@ -141,6 +142,15 @@ std::optional<std::string> HfLoadTarget(
   std::set<std::string> names;
   for (const std::string& file : files) names.insert(BaseName(file));
   if (shards != names) return std::nullopt;  // extra files beside the shards: transformers'
+  // transformers loads every tensor of each file; tensortier.load, those the index names. A
+  // shard holding more (an index that leaves one out) is read by transformers.
+  for (const std::string& file : files) {
+    const std::string shard = BaseName(file);
+    for (const SafetensorsEntry& e : ReadSafetensorsHeader(file).header.entries) {
+      const auto it = weight_map->find(e.name);
+      if (it == weight_map->end() || it->second != shard) return std::nullopt;
+    }
+  }
   return HfShardIndexOf(DirName(files[0]), files[0], *weight_map);
 }
 

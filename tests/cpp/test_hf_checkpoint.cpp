@@ -10,9 +10,11 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
 #include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -46,11 +48,27 @@ TEST(HfCheckpoint, FindsTheIndexOrFileUnlessQuantized) {
   EXPECT_FALSE(FindHfCheckpoint(d).has_value());
 }
 
+// A safetensors file at `path` holding one byte for each of `names`.
+void WriteSafetensors(const std::string& path, const std::vector<std::string>& names) {
+  std::string json = "{";
+  for (size_t i = 0; i < names.size(); ++i) {
+    json += StrCat(i ? "," : "", "\"", names[i], "\":{\"dtype\":\"U8\",\"shape\":[1],",
+                   "\"data_offsets\":[", i, ",", i + 1, "]}");
+  }
+  json += "}";
+  std::ofstream out(path, std::ios::binary);
+  const uint64_t n = json.size();
+  for (int k = 0; k < 8; ++k) out.put(static_cast<char>((n >> (8 * k)) & 0xff));
+  out << json << std::string(names.size(), 'x');
+}
+
 TEST(HfCheckpoint, LoadTargetIsTheFileOrTheIndexOfExactlyTheShards) {
   TempDir dir;
   const std::string d = dir.path();
   EXPECT_EQ(HfLoadTarget({d + "/model.safetensors"}, std::nullopt), d + "/model.safetensors");
   EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors"}, std::nullopt));
+  WriteSafetensors(d + "/a.safetensors", {"w"});
+  WriteSafetensors(d + "/b.safetensors", {"v"});
   std::ofstream(d + "/model.safetensors.index.json")
       << R"({"weight_map": {"w": "a.safetensors", "v": "b.safetensors"}})";
   const std::map<std::string, std::string> map{{"w", "a.safetensors"}, {"v", "b.safetensors"}};
@@ -59,6 +77,9 @@ TEST(HfCheckpoint, LoadTargetIsTheFileOrTheIndexOfExactlyTheShards) {
   // A file beside the shards: transformers reads them itself.
   EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors", d + "/c.safetensors"},
                             map));
+  // A shard holding a tensor the index leaves out (transformers loads it): transformers' too.
+  WriteSafetensors(d + "/b.safetensors", {"v", "left_out"});
+  EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors"}, map));
   try {
     const std::map<std::string, std::string> other{{"w", "a.safetensors"}};
     HfLoadTarget({d + "/a.safetensors"}, other);

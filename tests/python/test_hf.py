@@ -541,3 +541,21 @@ def test_disable_mmap_reads_cached_files_rather_than_mapping_them(
     monkeypatch.setattr(hf, "_load", load)
     hf.from_pretrained(AUTO, tmp_path, disable_mmap=True)
     assert mapped == [False]
+
+
+def test_a_tensor_the_index_leaves_out_is_loaded_as_transformers_loads_it(
+        tmp_path: Path, reads: list[str]) -> None:
+    """transformers loads every tensor of a shard, named by the index or not: such a checkpoint
+    is read by transformers, never loaded without the tensor (initialised at random)."""
+    make("llama", tmp_path, "20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in content["weight_map"].items():
+        by_shard.setdefault(shard, []).append(name)
+    left_out = next(names for names in by_shard.values() if len(names) > 1)[-1]
+    del content["weight_map"][left_out]  # its shard is still read, for the others
+    index.write_text(json.dumps(content))
+    cls = transformers.LlamaForCausalLM
+    assert_same(hf.from_pretrained(cls, tmp_path), cls.from_pretrained(tmp_path))
+    assert reads in ([], ["model.safetensors.index.json"])  # at most the early read, declined
