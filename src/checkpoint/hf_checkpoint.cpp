@@ -175,8 +175,9 @@ std::string StageHfSave(const std::string& final_dir) {
 
 std::optional<HfCheckpoint> FindHfCheckpoint(const std::string& dir) {
   const fs::path d(dir);
-  const fs::path index = d / "model.safetensors.index.json";
-  const fs::path target = IsFile(index) ? index : d / "model.safetensors";
+  // transformers' order: the one file, else the index.
+  const fs::path single = d / "model.safetensors";
+  const fs::path target = IsFile(single) ? single : d / "model.safetensors.index.json";
   if (!IsFile(target) || QuantizedOrUnreadable(d)) return std::nullopt;
   std::vector<std::string> files;
   std::error_code ec;

@@ -33,7 +33,10 @@ TEST(HfCheckpoint, FindsTheIndexOrFileUnlessQuantized) {
   EXPECT_EQ(FindHfCheckpoint(d)->target, d + "/model.safetensors");
   std::ofstream(d + "/model.safetensors.index.json")
       << R"({"metadata": {}, "weight_map": {"w": "model.safetensors"}})";
+  EXPECT_EQ(FindHfCheckpoint(d)->target, d + "/model.safetensors");  // transformers' choice too
+  std::filesystem::rename(d + "/model.safetensors", d + "/shard.safetensors");
   EXPECT_EQ(FindHfCheckpoint(d)->target, d + "/model.safetensors.index.json");
+  std::filesystem::rename(d + "/shard.safetensors", d + "/model.safetensors");
   EXPECT_EQ(HfShardIndexOf(d, "model.safetensors", {{"w", "model.safetensors"}}),
             d + "/model.safetensors.index.json");
   try {

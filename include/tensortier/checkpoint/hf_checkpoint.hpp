@@ -18,7 +18,8 @@ struct HfCheckpoint {
 // make one of it.
 void CheckHfModelDirectory(const std::string& dir);
 
-// The checkpoint of the model in `dir`: its shard index, else its one safetensors file; nullopt
+// The checkpoint of the model in `dir`, the file transformers reads: its one safetensors file,
+// else its shard index (a save sharded over a one-file model leaves both); nullopt
 // where neither is a file, or config.json cannot be read, is not a JSON object or has a
 // "quantization_config" member (a quantized model: transformers reads it itself).
 std::optional<HfCheckpoint> FindHfCheckpoint(const std::string& dir);
