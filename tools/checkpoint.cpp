@@ -180,8 +180,13 @@ int VerifyDcp(const std::string& dir) {
                  r.problems.size() == 1 ? "problem" : "problems");
     return 1;
   }
-  std::printf("%s: DCP checkpoint OK (%s checked, %llu without a checksum)\n", shown.c_str(),
-              Count(r.checked, "item").c_str(), static_cast<unsigned long long>(r.unchecked));
+  std::printf("%s: DCP checkpoint OK (%s checked, %llu without a checksum%s)\n", shown.c_str(),
+              Count(r.checked, "item").c_str(), static_cast<unsigned long long>(r.unchecked),
+              r.transformed == 0
+                  ? ""
+                  : StrCat(", ", r.transformed,
+                           " stored through stream transforms (compressed) and not read")
+                        .c_str());
   return 0;
 }
 

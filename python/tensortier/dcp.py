@@ -437,10 +437,19 @@ class Reader(StorageReader):
                               **kwargs: Any) -> None:
         """Keeps the metadata's item locations and its chunks' sizes (checked against the
         tensors stored in the data files). ValueError for a tensor whose chunks do not hold all
-        of its elements (a load would leave the rest as it was)."""
+        of its elements (a load would leave the rest as it was), and for items stored through
+        stream transforms (compressed by FileSystemWriter's ``_extensions``)."""
         self.chunk_sizes = _core.dcp_chunk_sizes(
             metadata.state_dict_metadata, _md.TensorStorageMetadata,
             os.path.join(self.path, _METADATA))
+        transformed = next((info.transform_descriptors for info in metadata.storage_data.values()
+                            if getattr(info, "transform_descriptors", None)), None)
+        if transformed:
+            raise ValueError(
+                f"{os.path.join(self.path, _METADATA)}: items stored through stream transforms "
+                f"({', '.join(map(str, transformed))}: FileSystemWriter's _extensions, such as "
+                "compression), which tensortier.dcp.Reader does not read; load the checkpoint "
+                "with torch's FileSystemReader(path, _extension_registry=...)")
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

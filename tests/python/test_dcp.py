@@ -858,3 +858,57 @@ def test_torch_safetensors_serialization_loads(tmp_path: Path) -> None:
     if BIN.is_file():
         ok = cli("verify", ckpt)
         assert ok.returncode == 0, ok.stderr
+
+
+def test_items_stored_through_stream_transforms_are_named(tmp_path: Path) -> None:
+    """FileSystemWriter(_extensions=[...]) compresses items: Reader says so and points to
+    torch's reader with its extension registry; `tensortier verify` checks the rest and counts
+    them as not read, which is no failure."""
+    import zlib
+
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    class Zlib(StreamTransformExtension):
+        @staticmethod
+        def from_descriptor(version: str) -> "Zlib":
+            return Zlib()
+
+        @staticmethod
+        def registry_name() -> str:
+            return "stream.zlib-test"
+
+        def get_descriptor(self) -> str:
+            return f"{self.registry_name()}/1"
+
+        def transform_to(self, output: Any) -> Any:
+            class Compressing(io.RawIOBase):
+                def __init__(self) -> None:
+                    self.z: Any = zlib.compressobj()
+
+                def writable(self) -> bool:
+                    return True
+
+                def write(self, b: Any) -> int:
+                    output.write(self.z.compress(bytes(b)))
+                    return len(memoryview(b))
+
+                def flush(self) -> None:
+                    if self.z is not None:
+                        output.write(self.z.flush())
+                        self.z = None
+                    output.flush()
+
+            return Compressing()
+
+        def transform_from(self, input: Any) -> Any:
+            return io.BytesIO(zlib.decompress(input.read()))
+
+    ckpt = tmp_path / "zlib"
+    dcp.save({"w": torch.zeros(1000), "s": 5}, no_dist=True,
+             storage_writer=dcp.FileSystemWriter(ckpt, _extensions=[Zlib()]))
+    with pytest.raises(CheckpointException, match="stream transforms .*_extension_registry"):
+        dcp.load({"w": torch.ones(1000), "s": 0}, storage_reader=tdcp.Reader(ckpt),
+                 no_dist=True)
+    said = cli("verify", ckpt)
+    assert said.returncode == 0, said.stderr
+    assert "stored through stream transforms (compressed) and not read" in said.stdout, said.stdout

@@ -221,6 +221,9 @@ size_t RemoveUnreferencedDcpFiles(const std::string& dir,
 struct DcpVerifyReport {
   uint64_t checked = 0;    // items whose xxh64 or zip CRC-32 was compared
   uint64_t unchecked = 0;  // items with neither (torch's bytes items; zips without CRC-32s)
+  // Items torch's FileSystemWriter stored through stream transforms (its _extensions:
+  // compression), which are not read.
+  uint64_t transformed = 0;
   std::vector<std::string> problems;  // one sentence each; none: the checkpoint is sound
 };
 
