@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import errno
+import functools
 import os
 import shutil
 from collections.abc import Iterator
@@ -64,7 +65,10 @@ def _install(mu: Any) -> None:
     def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any,
                                load_config: Any, *args: Any, **kwargs: Any) -> Any:
         if state_dict is None and (_enabled or _routed.get()):
-            state_dict = _read(mu, model, checkpoint_files, load_config)
+            try:
+                state_dict = _read(mu, model, checkpoint_files, load_config)
+            except ValueError as e:  # a damaged shard: raised as transformers' reading raises it
+                raise _damaged_shard_error()(*e.args) from None
         return _originals["load"](model, state_dict, checkpoint_files, load_config, *args,
                                   **kwargs)
 
@@ -112,6 +116,18 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     # Files in the page cache are mapped, as transformers maps them (no copy to make).
     return _load(target, device, dtype, device.type == "cpu" and not cfg.disable_mmap
                  and _core.hf_files_cached(files))
+
+
+@functools.cache
+def _damaged_shard_error() -> type[ValueError]:
+    """A ValueError that is also safetensors' ``SafetensorError``, which transformers' reading
+    raises for a truncated or malformed shard: code that catches either catches it."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - transformers depends on safetensors
+        return ValueError
+    return type("DamagedShardError", (ValueError, SafetensorError),
+                {"__module__": __name__, "__doc__": _damaged_shard_error.__doc__})
 
 
 @contextlib.contextmanager
@@ -197,8 +213,9 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs
             with ``huggingface_hub.snapshot_download``).
         ImportError: transformers is missing or of a version outside
             ``SUPPORTED_TRANSFORMERS``.
-        ValueError: a truncated or malformed shard, an index naming a tensor its shard lacks,
-            a ``dtype`` transformers refuses.
+        ValueError: a truncated or malformed shard, an index naming a tensor its shard lacks
+            (also a ``safetensors.SafetensorError``, as transformers raises for a damaged
+            shard), a ``dtype`` transformers refuses.
         OSError: a shard cannot be read or is missing.
     """
     path = fspath(path)
