@@ -31,7 +31,8 @@ Random objects and files are checked against what the ecosystem's own code does 
 Usage::
 
     checkpoint_fuzz.py MODE SEED N [--stop] [--findings FILE]   MODE: torch, st, cli, craft, agree,
-                                                                      all
+                                                                      several comma-separated
+                                                                      (st,craft), or all
     checkpoint_fuzz.py MODE SEED [N] --case I                   one case again, verbosely
 
 Case I of (MODE, SEED) draws everything from ``random.Random(f"{MODE}:{SEED}:{I}")`` (and
@@ -1951,7 +1952,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Differential fuzzing of tensortier checkpoints against torch and "
         "safetensors (see the module docstring).")
-    parser.add_argument("mode", choices=(*MODES, "all"))
+    parser.add_argument("mode", help=f"{', '.join(MODES)}, several of them comma-separated, "
+                        "or all")
     parser.add_argument("seed", type=int)
     parser.add_argument("cases", type=int, nargs="?", help="cases per mode (not with --case)")
     parser.add_argument("--case", type=int, help="run only this case, verbosely")
@@ -1959,9 +1961,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--findings", type=Path,
                         help="also append every finding, known gaps included, to this JSONL file")
     args = parser.parse_args(argv)
+    args.modes = MODES if args.mode == "all" else tuple(args.mode.split(","))
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"no mode {', '.join(unknown)} (modes: {', '.join(MODES)}, or all)")
     if (args.cases is None) == (args.case is None):
         parser.error("give either N (cases per mode) or --case I")
-    if args.case is not None and args.mode == "all":
+    if args.case is not None and len(args.modes) != 1:
         parser.error("--case needs one MODE")
     return args
 
@@ -1970,7 +1976,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the fuzzer; returns the exit status (1 on a finding not in KNOWN_GAPS)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cli_path = find_cli()
-    modes = MODES if args.mode == "all" else (args.mode,)
+    modes = args.modes
     verbose = args.case is not None
     indices = [args.case] if verbose else range(args.cases)
     work_dir = Path(tempfile.mkdtemp(prefix="tensortier-difffuzz-"))
