@@ -255,8 +255,8 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     for unsupported in ("push_to_hub", "distributed_checkpoint"):
         if kwargs.get(unsupported):
             raise ValueError(f"tensortier.hf.save_pretrained does not take {unsupported}=True")
-    with _ours():
-        _save(model, os.path.abspath(fspath(path)), _writer(model), kwargs)
+    _transformers()  # the hooks, and _originals for _writer
+    _save(model, os.path.abspath(fspath(path)), _writer(model), kwargs)
 
 
 def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
