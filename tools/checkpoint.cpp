@@ -7,12 +7,14 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <set>
 
 #include "cli.hpp"
 #include "tensortier/checkpoint/checkpoint_format.hpp"
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
+#include "tensortier/checkpoint/hf_checkpoint.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
@@ -36,16 +38,38 @@ void Note(const std::string& text) {
 }
 
 // A Hugging Face model directory (as save_pretrained writes it) is read through the file
-// transformers' from_pretrained reads: its one weights file, else its shard index; any other path
-// is itself.
+// transformers' from_pretrained reads (HfWeightsFile); any other path is itself.
 std::string ModelDirectoryFile(const std::string& path) {
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return path;
-  for (const char* name : {"model.safetensors", "model.safetensors.index.json"}) {
-    std::string file = StrCat(path, "/", name);
-    if (stat(file.c_str(), &st) == 0) return file;
+  return HfWeightsFile(path).value_or(path);
+}
+
+// Notes the tensors that shard files hold and the index names for none of its spellings of the
+// file: tensortier.load leaves them out, while from_pretrained loads every tensor of a file it
+// reads. Files that cannot be read were reported already and are skipped.
+void NoteUnindexedTensors(const std::string& index, const std::vector<Shard>& shards) {
+  std::map<std::pair<dev_t, ino_t>, std::pair<std::string, std::set<std::string>>> files;
+  for (const Shard& shard : shards) {
+    struct stat st;
+    if (stat(shard.path.c_str(), &st) != 0) continue;
+    auto& [path, names] = files[{st.st_dev, st.st_ino}];
+    if (path.empty()) path = shard.path;
+    names.insert(shard.names.begin(), shard.names.end());
   }
-  return path;
+  for (const auto& [id, file] : files) {
+    std::vector<std::string> unindexed;
+    try {
+      for (const CheckpointItem& item : ReadCheckpointLayout(file.first).items) {
+        if (!file.second.contains(item.name)) unindexed.push_back(item.name);
+      }
+    } catch (const std::exception&) {
+      continue;
+    }
+    if (unindexed.empty()) continue;
+    Note(StrCat(TerminalText(file.first), " holds ", Count(unindexed.size(), "tensor"),
+                " that the index ", TerminalText(index), " does not name (",
+                unindexed.size() > 1 ? "first: " : "", TerminalText(unindexed.front()),
+                "): tensortier.load leaves them out; transformers' from_pretrained loads them"));
+  }
 }
 
 bool IsShardIndexFile(const std::string& path) {
@@ -244,7 +268,8 @@ void RefuseFileOfDcpDirectory(const std::string& path, const char* command) {
   if (!IsDcpDirectory(dir)) return;
   throw FormatError(StrCat(path, ": a file of the DCP checkpoint ", dir,
                            " (torch.distributed.checkpoint), read through its directory: "
-                           "tensortier ", command, " ", dir));
+                           "tensortier ",
+                           command, " ", dir));
 }
 
 int RunInfoImpl(const std::vector<std::string>& argv) {
@@ -264,6 +289,7 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
     std::printf("\n");
     if (int rc = InfoFile(shard.path, show, shard.names); rc != 0) return rc;
   }
+  NoteUnindexedTensors(path, shards);
   return 0;
 }
 
@@ -286,6 +312,7 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
       ++failed;
     }
   }
+  NoteUnindexedTensors(path, shards);
   std::fflush(stdout);
   if (failed > 0) {
     std::fprintf(stderr, "%s: verify FAILED (%zu of %zu shards)\n", TerminalText(path).c_str(),

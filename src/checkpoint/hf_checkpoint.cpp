@@ -60,12 +60,14 @@ std::string DirName(const std::string& path) {
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? "" : path.substr(0, slash == 0 ? 1 : slash);
 }
-std::string BaseName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
+std::string BaseName(const std::string& path) {
+  return path.substr(path.rfind('/') + 1);
+}
 
 // `to` gets `from`'s owner (where this process may give it), permission bits and access and
 // modification times (shutil.copystat, plus the owner: a directory shared by a group stays so).
 void CopyStat(const std::string& from, const std::string& to) {
-  struct stat st {};
+  struct stat st{};
   if (::stat(from.c_str(), &st) != 0) ThrowIoError(errno, "stat", from);
   if (::chown(to.c_str(), st.st_uid, st.st_gid) != 0 && errno != EPERM) {
     ThrowIoError(errno, "chown", to);
@@ -173,11 +175,40 @@ std::string StageHfSave(const std::string& final_dir) {
   return staging;
 }
 
+std::optional<std::string> HfWeightsFile(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return std::nullopt;
+  for (const char* name : kHfWeightsFiles) {
+    if (IsFile(fs::path(dir) / name)) return (fs::path(dir) / name).string();
+  }
+  std::vector<std::string> others;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (IsFile(entry.path()) &&
+        (name.ends_with(".safetensors") || name.ends_with(".bin") || name.ends_with(".pt") ||
+         name.ends_with(".pth") ||
+         (name.find(".index") != std::string::npos && name.ends_with(".json")))) {
+      others.push_back(name);
+    }
+  }
+  if (others.empty()) return std::nullopt;
+  std::sort(others.begin(), others.end());
+  std::string listed;
+  for (size_t i = 0; i < others.size() && i < 4; ++i) listed += StrCat(i ? ", " : "", others[i]);
+  if (others.size() > 4) listed += StrCat(" and ", others.size() - 4, " more");
+  throw FormatError(StrCat(dir,
+                           ": no model.safetensors, model.safetensors.index.json, "
+                           "pytorch_model.bin or pytorch_model.bin.index.json (the files "
+                           "from_pretrained reads without a variant); pass one of the weights "
+                           "files it holds: ",
+                           listed));
+}
+
 std::optional<HfCheckpoint> FindHfCheckpoint(const std::string& dir) {
   const fs::path d(dir);
-  // transformers' order: the one file, else the index.
-  const fs::path single = d / "model.safetensors";
-  const fs::path target = IsFile(single) ? single : d / "model.safetensors.index.json";
+  // transformers' order, of the safetensors ones (the first two of kHfWeightsFiles).
+  const fs::path single = d / kHfWeightsFiles[0];
+  const fs::path target = IsFile(single) ? single : d / kHfWeightsFiles[1];
   if (!IsFile(target) || QuantizedOrUnreadable(d)) return std::nullopt;
   std::vector<std::string> files;
   std::error_code ec;

@@ -14,6 +14,7 @@
 
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
 #include "tensortier/util/error.hpp"
+#include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
 #include "test_util.hpp"
 
@@ -51,6 +52,32 @@ TEST(HfCheckpoint, FindsTheIndexOrFileUnlessQuantized) {
   EXPECT_FALSE(FindHfCheckpoint(d).has_value());
 }
 
+TEST(HfCheckpoint, WeightsFileInFromPretrainedsOrderOrTheFilesToNameInstead) {
+  TempDir dir;
+  const std::string d = dir.path();
+  EXPECT_FALSE(HfWeightsFile(d).has_value());  // no weights at all: not a model directory
+  EXPECT_FALSE(HfWeightsFile(d + "/config.json").has_value());  // not a directory
+  std::ofstream(d + "/config.json") << "{}";
+  std::ofstream(d + "/model.fp16.safetensors") << "x";
+  std::ofstream(d + "/model.safetensors.index.bf16.json") << "{}";
+  try {
+    HfWeightsFile(d);
+    FAIL() << "no error";
+  } catch (const FormatError& e) {  // a variant is read by name: say which names there are
+    EXPECT_NE(std::string(e.what()).find(
+                  "pass one of the weights files it holds: model.fp16.safetensors, "
+                  "model.safetensors.index.bf16.json"),
+              std::string::npos)
+        << e.what();
+  }
+  std::vector<std::string> order(std::begin(kHfWeightsFiles), std::end(kHfWeightsFiles));
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {  // each one takes precedence
+    std::ofstream(d + "/" + *it) << "x";
+    EXPECT_EQ(HfWeightsFile(d), d + "/" + *it);
+  }
+  EXPECT_EQ(FindHfCheckpoint(d)->target, d + "/model.safetensors");
+}
+
 // A safetensors file at `path` holding one byte for each of `names`.
 void WriteSafetensors(const std::string& path, const std::vector<std::string>& names) {
   std::string json = "{";
@@ -78,8 +105,8 @@ TEST(HfCheckpoint, LoadTargetIsTheFileOrTheIndexOfExactlyTheShards) {
   EXPECT_EQ(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors"}, map),
             d + "/model.safetensors.index.json");
   // A file beside the shards: transformers reads them itself.
-  EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors", d + "/c.safetensors"},
-                            map));
+  EXPECT_FALSE(
+      HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors", d + "/c.safetensors"}, map));
   // A shard holding a tensor the index leaves out (transformers loads it): transformers' too.
   WriteSafetensors(d + "/b.safetensors", {"v", "left_out"});
   EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors"}, map));
@@ -93,7 +120,7 @@ TEST(HfCheckpoint, LoadTargetIsTheFileOrTheIndexOfExactlyTheShards) {
 }
 
 struct stat StatOf(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
   return st;
 }

@@ -686,6 +686,56 @@ def test_info_and_verify_take_a_shard_index(disk_dir: Path) -> None:
         assert r.returncode == 1 and says in r.stderr, r.stderr
 
 
+def test_info_and_verify_note_tensors_a_shard_holds_and_its_index_leaves_out(
+    disk_dir: Path,
+) -> None:
+    """tensortier.load leaves such tensors out while from_pretrained loads them: a note, not a
+    failure; a file the index names under two spellings is one file."""
+    import tensortier
+
+    tensortier.save({"a": torch.ones(3), "b": torch.ones(2), "c": torch.ones(1)},
+                    disk_dir / "m1.safetensors", checksum=True)
+    index = disk_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "m1.safetensors",
+                                                "b": "./m1.safetensors"}}))
+    for command in ("info", "verify"):
+        r = run(command, index)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stderr.count("note:") == 1 and "holds 1 tensor that the index" in r.stderr
+        assert "(c): tensortier.load leaves them out" in r.stderr, r.stderr
+    index.write_text(json.dumps({"weight_map": {"a": "m1.safetensors", "b": "m1.safetensors",
+                                                "c": "m1.safetensors"}}))
+    r = run("verify", index)
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+
+
+def test_info_and_verify_read_a_model_directory_as_from_pretrained_does(disk_dir: Path) -> None:
+    """safetensors first, then pytorch_model.bin and its index; a directory of variants only
+    names its files, since a variant is read by name."""
+    bins = disk_dir / "bins"
+    bins.mkdir()
+    torch.save({"w": torch.ones(3)}, bins / "pytorch_model-00001-of-00001.bin")
+    (bins / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}))
+    r = run("verify", bins)
+    assert r.returncode == 0 and "pytorch_model.bin.index.json: all 1 shards OK" in r.stdout, (
+        r.stdout + r.stderr)
+    torch.save({"w": torch.ones(3)}, bins / "pytorch_model.bin")
+    r = run("info", bins)
+    assert r.returncode == 0 and "pytorch_model.bin\n" in r.stdout, r.stdout + r.stderr
+    variants = disk_dir / "variants"
+    variants.mkdir()
+    st.save_file({"w": torch.ones(3, dtype=torch.float16)},
+                 str(variants / "model.fp16.safetensors"))
+    for command in ("info", "verify"):
+        r = run(command, variants)
+        assert r.returncode == 1, r.stdout
+        assert "pass one of the weights files it holds: model.fp16.safetensors" in r.stderr, (
+            r.stderr)
+    r = run("info", disk_dir / "variants" / "model.fp16.safetensors")
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("header_length", [123, 0x7B20])
 def test_a_safetensors_file_whose_length_bytes_look_like_json_is_not_an_index(
     disk_dir: Path, header_length: int

@@ -14,6 +14,18 @@ struct HfCheckpoint {
   bool cached = false;  // HfFilesCached of DIR's *.safetensors files
 };
 
+// The weights files transformers' from_pretrained looks for in a model directory given no
+// variant, in its order: it reads the first that is a file.
+inline constexpr const char* kHfWeightsFiles[] = {
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+    "pytorch_model.bin.index.json"};
+
+// The file from_pretrained reads in the model directory `dir` given no variant (the first of
+// kHfWeightsFiles that is a file); nullopt where `dir` is not a directory or holds no weights
+// file at all. Throws FormatError where `dir` holds weights only under other names (a variant's
+// model.fp16.safetensors, shards without their index), naming them: they are read by name.
+std::optional<std::string> HfWeightsFile(const std::string& dir);
+
 // Throws IoError (ENOENT) where `dir` is not a local directory (a Hub model id), saying how to
 // make one of it.
 void CheckHfModelDirectory(const std::string& dir);
