@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import hashlib
 import importlib
 import io
 import os
@@ -341,6 +343,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
 
 
+def _metadata_digest(data: bytes) -> bytes:
+    """A digest of a .metadata file's bytes, for ranks to compare what they read."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
 def _unpickled_unchecked(planner: LoadPlanner, raw: bytes) -> bool:
     """Whether `planner` would unpickle the bytes item `raw` with torch.load(weights_only=False),
     which runs any code a pickle names: DefaultLoadPlanner's ``load_bytes`` does, for every
@@ -404,6 +411,7 @@ class Reader(StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self.chunk_sizes: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self.bytes_read = 0
+        self._metadata_read: tuple[int | None, bytes] | None = None  # (rank, its bytes)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new load (from `checkpoint_id` when given)."""
@@ -423,6 +431,7 @@ class Reader(StorageReader):
         rank = kwargs.get("rank")
         path = os.path.join(self.path, _METADATA if rank is None else f"__{rank}{_METADATA}")
         data = _core.read_dcp_metadata_bytes(self.path, rank)
+        self._metadata_read = (rank, data)
         try:
             md = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as e:
@@ -453,12 +462,37 @@ class Reader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """The plan, unchanged."""
+        """The plan, carrying a digest of the metadata this rank read (its ``storage_data``,
+        which DCP leaves to the storage layer) for :meth:`prepare_global_plan` to compare."""
+        if plan.storage_data is None and self._metadata_read is not None:
+            plan = dataclasses.replace(plan, storage_data=_metadata_digest(
+                self._metadata_read[1]))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """The plans, unchanged."""
-        return plans
+        """The plans, unchanged. ValueError where ranks read different metadata: a save
+        committed into the directory between their reads, and the load would mix two
+        checkpoints."""
+        digests = [p.storage_data for p in plans]
+        if all(isinstance(d, bytes) for d in digests) and len(set(digests)) > 1:
+            others = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise ValueError(
+                f"{os.path.join(self.path, _METADATA)}: ranks {', '.join(map(str, others))} read "
+                "another .metadata than rank 0: a save replaced the checkpoint in this "
+                "directory while the ranks read it, and this load would mix the two; load again "
+                "(and let saves into a directory finish before loading it)")
+        return [dataclasses.replace(p, storage_data=None) for p in plans]
+
+    def _replaced(self) -> bool:
+        """Whether the metadata this Reader read is no longer the directory's (a save committed
+        since, and removed the data files the old one named)."""
+        if self._metadata_read is None:
+            return False
+        rank, data = self._metadata_read
+        try:
+            return _core.read_dcp_metadata_bytes(self.path, rank) != data
+        except OSError:
+            return True
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -474,8 +508,17 @@ class Reader(StorageReader):
         with gc_paused():  # objects per item: collections would walk them again and again
             for relative_path, reqs in _core.dcp_requests_by_file(plan.items, self.storage_data):
                 path = os.path.join(self.path, relative_path)
-                load = _core.DcpFileLoad(engine, path, reqs, self.storage_data, self.chunk_sizes,
-                                         LoadItemType.BYTE_IO, self.verify, dtypes)
+                try:
+                    load = _core.DcpFileLoad(engine, path, reqs, self.storage_data,
+                                             self.chunk_sizes, LoadItemType.BYTE_IO, self.verify,
+                                             dtypes)
+                except FileNotFoundError as e:
+                    if not self._replaced():
+                        raise
+                    raise FileNotFoundError(
+                        errno.ENOENT, f"a save replaced the checkpoint in {self.path} during this "
+                        "load (its .metadata changed after this load read it, and the data files "
+                        "the old one named are gone); load again", path) from e
                 bufs: list[tuple[Any, Any]] = []  # (what is read into, the request's target)
                 for req, dtype, shape, stride, nbytes in load.buffers:
                     # Straight into the request's target where both lie alike in CPU memory.

@@ -156,6 +156,27 @@ def local_bytes(sd: dict[str, Any]) -> int:
     return total
 
 
+class RacedReader(tdcp.Reader):
+    """Rank 0 reads .metadata and then commits a save of `replacement` into the directory (one
+    process) before rank 1 reads .metadata: the ranks read two different checkpoints."""
+
+    def __init__(self, path: str, replacement: dict[str, Any]) -> None:
+        super().__init__(path)
+        self.replacement = replacement
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        marker = os.path.join(os.path.dirname(self.path), "raced-save-committed")
+        if dist.get_rank() == 0:
+            md = super().read_metadata(*args, **kwargs)
+            dcp.save(self.replacement, storage_writer=tdcp.Writer(self.path), no_dist=True)
+            open(marker, "w").close()
+            return md
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return super().read_metadata(*args, **kwargs)
+
+
 def run_step(step: dict[str, Any], mesh: Any) -> dict[str, Any]:
     rank = dist.get_rank()
     report: dict[str, Any] = {}
@@ -176,8 +197,10 @@ def run_step(step: dict[str, Any], mesh: Any) -> dict[str, Any]:
         if "kill" in step and int(step.get("victim", 1)) == rank:  # the timer came late
             os.kill(os.getpid(), signal.SIGKILL)
     else:
-        reader: Any = tdcp.Reader(step["dir"], verify=step.get("verify", True)) \
-            if step["with"] == "ours" else dcp.FileSystemReader(step["dir"])
+        reader: Any = dcp.FileSystemReader(step["dir"]) if step["with"] != "ours" \
+            else RacedReader(step["dir"], state({**step, "v": int(step["v"]) + 1}, False, mesh)) \
+            if step.get("race") \
+            else tdcp.Reader(step["dir"], verify=step.get("verify", True))
         sd = state(step, True, mesh)
         dcp.load(sd, storage_reader=reader)
         compare(sd, state(step, False, mesh))

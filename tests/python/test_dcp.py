@@ -376,6 +376,46 @@ def test_missing_data_file_names_file_and_item(tmp_path: Path) -> None:
     assert re.search(r"for item '(w|b|note)'", msg), msg
 
 
+def test_a_save_that_replaces_the_checkpoint_during_a_load_is_named(tmp_path: Path) -> None:
+    """The load read .metadata, then a save committed into the directory and removed the files
+    the old .metadata named: the error says so, rather than that a file is missing."""
+    ckpt, _ = single_process_checkpoint(tmp_path)
+
+    class Raced(tdcp.Reader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            md = super().read_metadata(*args, **kwargs)
+            dcp.save({"w": torch.ones(5000), "b": torch.ones(3, dtype=torch.int16),
+                      "note": {"text": "new"}}, storage_writer=tdcp.Writer(ckpt))
+            return md
+
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(zeros_like_single(), storage_reader=Raced(ckpt))
+    msg = str(e.value)
+    assert "FileNotFoundError" in msg and f"a save replaced the checkpoint in {ckpt}" in msg, msg
+    got = zeros_like_single()  # the new checkpoint is whole
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], torch.ones(5000)) and got["note"] == {"text": "new"}
+
+
+def test_ranks_that_read_different_metadata_do_not_mix_two_checkpoints(
+    ranks: ForkServer, tmp_path: Path
+) -> None:
+    """Rank 0 reads .metadata, a save commits into the directory, then rank 1 reads the new
+    .metadata of the same tensors (a training loop's next save): the load fails on every rank,
+    naming the race, before reading anything."""
+    ckpt = tmp_path / "raced"
+    plain = ["i32_scalar", "f64_t", "step", "extra"]  # values every rank holds whole
+    run_job(ranks, tmp_path, 2, [{"do": "save", "with": "ours", "dir": ckpt, "v": 1,
+                                  "only": plain}])
+    reports, _ = run_job(ranks, tmp_path, 2, [{"do": "load", "with": "ours", "dir": ckpt,
+                                              "v": 1, "only": plain, "race": True,
+                                              "fail": True}])
+    for rep in reports:
+        err = rep["steps"][0].get("error", "")
+        assert "ranks 1 read another .metadata than rank 0" in err, err
+        assert "a save replaced the checkpoint in this directory" in err, err
+
+
 def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:
     """Writer stores its format version in the metadata's StorageMeta; a Reader refuses a newer
     one before reading any item, naming the file, the version found and the one it reads."""
