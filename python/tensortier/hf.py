@@ -98,6 +98,9 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     if place is None:
         return None
     device = torch.device(place)
+    if device.type == "cuda" and not (torch.cuda.is_available()
+                                      and (device.index or 0) < torch.cuda.device_count()):
+        return None  # transformers' reading raises torch's own error for a device not there
     # Converted as read where transformers would give every floating tensor that dtype.
     dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) and not cfg.dtype_plan else None
     if dtype is not None and any(

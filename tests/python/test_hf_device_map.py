@@ -46,3 +46,14 @@ def test_disk_offload_is_left_to_transformers(tmp_path: Path, reads: list[str]) 
             assert torch.equal(tensor, b[name]), name
     with torch.no_grad():
         assert torch.equal(mine(**inputs(mine)).logits, theirs(**inputs(theirs)).logits)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_map_without_cuda_raises_what_transformers_raises(tmp_path: Path) -> None:
+    """torch's own error (not a damaged-shard error): code that catches it keeps working."""
+    make("llama", tmp_path, "20KB")
+    with pytest.raises(BaseException) as theirs:
+        LLAMA.from_pretrained(tmp_path, device_map="cuda")
+    with pytest.raises(type(theirs.value)) as mine:
+        hf.from_pretrained(LLAMA, tmp_path, device_map="cuda")
+    assert type(mine.value) is type(theirs.value) and str(mine.value) == str(theirs.value)
