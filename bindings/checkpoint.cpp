@@ -164,6 +164,7 @@ PieceCheck PieceCheckOf(const std::string& check) {
 void RegisterCheckpoint(py::module_& m) {
   // The pipeline's settings and format constants (checkpoint_pipeline.hpp, safetensors.hpp).
   m.attr("CHECKPOINT_GROUP_BYTES") = kCheckpointGroupBytes;
+  m.attr("CHECKPOINT_STAGING_BYTES") = kCheckpointStagingBytes;
   m.attr("CHECKPOINT_ALIGNMENT") = kCheckpointAlignment;
   m.attr("TENSOR_CHECKSUMS_KEY") = kTensorChecksumsKey;
   m.attr("HEADER_CHECKSUM_KEY") = kHeaderChecksumKey;

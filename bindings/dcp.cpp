@@ -60,12 +60,15 @@ void RegisterDcp(py::module_& m) {
       "write_dcp_file",
       [](Engine& engine, const FsPath& dir, const std::string& name,
          const std::vector<std::string>& dtypes, const std::vector<std::vector<uint64_t>>& shapes,
-         const std::vector<uint64_t>& nbytes, const std::vector<uintptr_t>& addresses,
-         const py::list& write_items, bool direct, const std::string& who) {
+         const std::vector<uint64_t>& nbytes,
+         const std::vector<std::optional<uintptr_t>>& addresses, const py::list& write_items,
+         bool direct, const std::string& who, const std::optional<py::function>& host,
+         uint64_t staging_bytes) {
         SameLength(dtypes.size(),
                    {shapes.size(), nbytes.size(), addresses.size(), write_items.size()},
                    "write_dcp_file");
         std::vector<DcpWriteItem> items(dtypes.size());
+        std::vector<uintptr_t> resident;  // staging arenas' memory among them is freed after
         py::list fqns, offsets, indices;
         for (size_t i = 0; i < items.size(); ++i) {
           const py::object index = write_items[i].attr("index");
@@ -73,18 +76,41 @@ void RegisterDcp(py::module_& m) {
           fqns.append(index.attr("fqn"));
           offsets.append(offset.is_none() ? offset : py::tuple(offset));
           indices.append(index.attr("index"));
+          if (addresses[i]) resident.push_back(*addresses[i]);
           items[i] = {dtypes[i], shapes[i], nbytes[i],
-                      reinterpret_cast<const std::byte*>(addresses[i]),
+                      reinterpret_cast<const std::byte*>(addresses[i].value_or(0)),
                       py::str(fqns[i]).cast<std::string>()};
+          if (!addresses[i] && nbytes[i] > 0 && !host) {
+            throw std::invalid_argument(
+                StrCat("write_dcp_file: item ", i, " has no address and no host() to stage it"));
+          }
         }
+        std::vector<py::object> copies;  // the staged group's host copies, alive while written
+        const DcpStageFn stage = [&](std::span<const size_t> group) {
+          py::gil_scoped_acquire gil;
+          copies.clear();
+          std::vector<const std::byte*> srcs;
+          for (const size_t i : group) {
+            copies.push_back((*host)(i));
+            if (copies.back().attr("nbytes").cast<uint64_t>() != nbytes[i]) {
+              throw std::invalid_argument(StrCat("write_dcp_file: host(", i, ") gave ",
+                                                 copies.back().attr("nbytes").cast<uint64_t>(),
+                                                 " bytes for an item of ", nbytes[i]));
+            }
+            srcs.push_back(reinterpret_cast<const std::byte*>(
+                copies.back().attr("data_ptr")().cast<uintptr_t>()));
+          }
+          return srcs;
+        };
         std::vector<DcpItemPlace> places;
         {
           py::gil_scoped_release release;
           places =
               WriteDcpFile(engine, StrCat(dir.bytes, dir.bytes.ends_with('/') ? "" : "/", name),
-                           std::move(items), direct, who);
-          StagingArenas::Process().MarkWritten(addresses);  // the next stage may reuse them
+                           std::move(items), direct, who, host ? stage : nullptr, staging_bytes);
+          StagingArenas::Process().MarkWritten(resident);  // the next stage may reuse them
         }
+        copies.clear();
         std::vector<uint64_t> flat;
         uint64_t total = 0;
         py::list blocks;
@@ -99,16 +125,19 @@ void RegisterDcp(py::module_& m) {
       },
       py::arg("engine"), py::arg("dir"), py::arg("name"), py::arg("dtypes"), py::arg("shapes"),
       py::arg("nbytes"), py::arg("addresses"), py::arg("items"), py::arg("direct") = true,
-      py::arg("who") = "",
+      py::arg("who") = "", py::arg("host") = py::none(), py::arg("staging_bytes") = kCheckpointStagingBytes,
       "Writes a DCP rank file durably at dir/name: item i (items[i], a WriteItem) is a tensor of "
       "dtypes[i] (tensortier's name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] "
-      "bytes of host memory at addresses[i]; then marks free the staging arenas holding them "
+      "bytes of host memory at addresses[i]; where that is None, from the contiguous host copy "
+      "host(i) returns (a tensor), the copies made in groups of about staging_bytes once the "
+      "items in host memory are written, each group's freed once written. Then marks free the "
+      "staging arenas holding them "
       "(staging_arenas_written). Returns (the bytes of all items, the rank's write result that "
       "dcp_storage_data expands: (name, fqns, offsets, indices, places: offset, length and xxh64 "
       "of each item as native uint64s, [block xxh64s] per item: packed little-endian, one per "
       "dcp_block_bytes of a tensor's data; b'' for bytes items)). ValueError naming the item (its "
       "fqn) for a dtype torch cannot pickle, OSError naming who ('rank 1'), the step and path (no "
-      "temporary file left).");
+      "temporary file left); host's errors as they are.");
   py::class_<DcpFileReads>(
       m, "DcpFileReads",
       "A rank file a load reads from, and how it reads each item: the bytes of the small items it "

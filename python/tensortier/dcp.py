@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _core
+from .checkpoint import _format
 from ._runtime import default_io, dtype_names, gc_paused, quantized_dtypes, torch_dtypes
 
 __all__ = ["Reader", "Writer"]
@@ -151,13 +152,14 @@ def _stage_copy(shaped: Any, sources: list[Any], dtensor: Any, devices: list[Any
 
 
 def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], list[Any]]:
-    """(tensortier's dtype names, "" for a bytes item; host tensors) of the write items.
-    TypeError naming the item for what cannot be saved."""
+    """(tensortier's dtype names, "" for a bytes item; the tensors, bytes items as uint8 host
+    tensors) of the write items: those not in host memory or not contiguous are copied by
+    :func:`_host_copy` as the write reaches them. TypeError naming the item for what cannot be
+    saved."""
     names = dtype_names()
     quantized = quantized_dtypes()
     dtypes: list[str] = []
     tensors: list[Any] = []
-    on_device: list[int] = []
     for item, t in zip(items, _core.dcp_write_values(items, planner, DefaultSavePlanner,
                                                      WriteItemType.BYTE_IO, torch.Tensor)):
         if isinstance(t, bytes):
@@ -172,16 +174,19 @@ def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], l
             kind = t.layout if t.layout != torch.strided else "meta" if t.is_meta else t.dtype
             raise TypeError(f"{_core.dcp_item_name(item.index)}: tensors of {kind} cannot be "
                             "saved by tensortier.dcp (dense tensors of torch's plain dtypes only)")
-        if not t.is_cpu:
-            on_device.append(len(tensors))
-        elif not t.is_contiguous() or t.is_conj() or t.is_neg():
-            t = t.detach().resolve_conj().resolve_neg().contiguous()
         dtypes.append(dt)
         tensors.append(t)
-    if on_device:
-        for i, t in zip(on_device, _stage([tensors[i] for i in on_device])):
-            tensors[i] = t
     return dtypes, tensors
+
+
+def _in_place(t: Any) -> bool:
+    """Whether the file can take `t`'s bytes where they are (contiguous host memory)."""
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _host_copy(t: Any) -> Any:
+    """`t`'s bytes in contiguous host memory, as the file stores them."""
+    return t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
 
 
 class Writer(StorageWriter, AsyncStager):
@@ -242,18 +247,21 @@ class Writer(StorageWriter, AsyncStager):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Writes this rank's items to a new file (one C++ call, GIL released). CUDA tensors
-        are copied into a reused pinned host arena first. The result is one WriteResult for
-        all of the rank's items (which ``finish`` expands), not one per item."""
+        """Writes this rank's items to a new file (one C++ call, GIL released). Tensors in GPU
+        memory (and views that are not contiguous) are copied to host memory as the write
+        reaches them, about ``CHECKPOINT_STAGING_BYTES`` at a time, after the rest is written. The result
+        is one WriteResult for all of the rank's items (which ``finish`` expands), not one per
+        item."""
         # A name no earlier save used: the old checkpoint's files stay as they are.
         name = f"{plan.storage_data.prefix}{self.save_id[:16]}{_fs.DEFAULT_SUFFIX}"
         with gc_paused():  # the per-item Python only: the write itself leaves the GC on
             dtypes, tensors = _write_sources(plan.items, planner)
             shapes, sizes = [t.shape for t in tensors], [t.nbytes for t in tensors]
-            addresses = [t.data_ptr() for t in tensors]
+            addresses = [t.data_ptr() if _in_place(t) else None for t in tensors]
         size, rank_writes = _core.write_dcp_file(
             default_io()._core(), self.path, name, dtypes, shapes, sizes, addresses, plan.items,
-            self.direct, f"rank {self.rank}")
+            self.direct, f"rank {self.rank}", lambda i: _host_copy(tensors[i]),
+            _format._STAGING_BYTES)
         # DCP gathers a few lists and bytes, not objects per item; ``finish`` expands them.
         return _done([WriteResult(index=_md.MetadataIndex(_RANK_WRITES), size_in_bytes=size,
                                   storage_data=rank_writes)])

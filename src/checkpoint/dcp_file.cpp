@@ -208,6 +208,20 @@ DcpFilePlan::DcpFilePlan(std::vector<DcpWriteItem> items) : items_(std::move(ite
 }
 
 void DcpFilePlan::Write(Engine& engine, const File& file) {
+  std::vector<size_t> all(items_.size());
+  std::vector<const std::byte*> srcs(items_.size());
+  for (size_t i = 0; i < items_.size(); ++i) {
+    all[i] = i;
+    srcs[i] = items_[i].src;
+  }
+  WriteItems(engine, file, all, srcs);
+}
+
+void DcpFilePlan::WriteItems(Engine& engine, const File& file, std::span<const size_t> indices,
+                             std::span<const std::byte* const> srcs) {
+  if (srcs.size() != indices.size()) {
+    throw std::invalid_argument("DcpFilePlan::WriteItems: one src per index");
+  }
   std::vector<GatheredWrite> gathered;
   std::vector<Future> own;
   struct SettleOwn {
@@ -215,27 +229,28 @@ void DcpFilePlan::Write(Engine& engine, const File& file) {
     ~SettleOwn() { Settle(f); }
   } settle{own};
   // The large tensors first: the disk works on them while the rest is hashed and gathered.
-  std::vector<bool> alone(items_.size(), false);
-  for (size_t i = 0; i < items_.size(); ++i) {
-    const DcpWriteItem& it = items_[i];
-    if (it.nbytes >= kOwnRequest && places_[i].data_offset % kPage == 0) {
-      alone[i] = true;
-      own.push_back(engine.Write(file, it.src, it.nbytes, places_[i].data_offset));
+  std::vector<bool> alone(indices.size(), false);
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const size_t i = indices[k];
+    if (items_.at(i).nbytes >= kOwnRequest && places_[i].data_offset % kPage == 0) {
+      alone[k] = true;
+      own.push_back(engine.Write(file, srcs[k], items_[i].nbytes, places_[i].data_offset));
     }
   }
-  for (size_t i = 0; i < items_.size(); ++i) {
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const size_t i = indices[k];
     const DcpWriteItem& it = items_[i];
     DcpItemPlace& p = places_[i];
     Xxh64State h;
     h.Update(heads_[i].data(), heads_[i].size());
-    h.Update(it.src, it.nbytes);
+    h.Update(srcs[k], it.nbytes);
     h.Update(tails_[i].data(), tails_[i].size());
     p.xxh64 = h.Digest();
-    if (!it.dtype.empty()) p.block_xxh64 = DcpBlockXxh64s(it.src, it.nbytes);
+    if (!it.dtype.empty()) p.block_xxh64 = DcpBlockXxh64s(srcs[k], it.nbytes);
     const auto* head = reinterpret_cast<const std::byte*>(heads_[i].data());
     const auto* tail = reinterpret_cast<const std::byte*>(tails_[i].data());
     gathered.push_back({p.offset, heads_[i].size(), head});
-    if (!alone[i]) gathered.push_back({p.data_offset, it.nbytes, it.src});
+    if (!alone[k]) gathered.push_back({p.data_offset, it.nbytes, srcs[k]});
     gathered.push_back({p.data_offset + it.nbytes, tails_[i].size(), tail});
   }
   WriteGathered(engine, file, gathered);
@@ -248,12 +263,40 @@ void DcpFilePlan::Write(Engine& engine, const File& file) {
 
 std::vector<DcpItemPlace> WriteDcpFile(Engine& engine, const std::string& path,
                                        std::vector<DcpWriteItem> items, bool direct,
-                                       const std::string& who) {
+                                       const std::string& who, const DcpStageFn& stage,
+                                       uint64_t staging_bytes) {
+  std::vector<size_t> resident, staged;
+  std::vector<const std::byte*> resident_srcs;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].src != nullptr || items[i].nbytes == 0) {
+      resident.push_back(i);
+      resident_srcs.push_back(items[i].src);
+    } else {
+      staged.push_back(i);
+    }
+  }
+  if (!staged.empty() && !stage) {
+    throw std::invalid_argument(StrCat("WriteDcpFile: item ", staged[0], " has no bytes to write"));
+  }
   DcpFilePlan plan(std::move(items));
   NamingWho(who.empty() ? who : StrCat(who, " saving its DCP data file"), path, [&] {
     DurableFile out(path, direct);
     out.Reserve(plan.size());
-    plan.Write(engine, out.file());
+    plan.WriteItems(engine, out.file(), resident, resident_srcs);
+    std::vector<size_t> group;
+    uint64_t group_bytes = 0;
+    for (size_t k = 0; k < staged.size(); ++k) {
+      group.push_back(staged[k]);
+      group_bytes += plan.item_bytes(staged[k]);
+      if (group_bytes < staging_bytes && k + 1 < staged.size()) continue;
+      const std::vector<const std::byte*> srcs = stage(group);
+      if (srcs.size() != group.size()) {
+        throw std::invalid_argument("WriteDcpFile: stage gave not one address per item");
+      }
+      plan.WriteItems(engine, out.file(), group, srcs);
+      group.clear();
+      group_bytes = 0;
+    }
     out.Commit();
   });
   return plan.places();

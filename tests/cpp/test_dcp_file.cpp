@@ -79,6 +79,67 @@ TEST(DcpFile, TensorItemsAreZipsOfOneTensorWithAlignedData) {
   EXPECT_EQ(big.stride, (std::vector<int64_t>{1024, 1}));
 }
 
+std::vector<char> FileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Items without a src (GPU tensors, views) are staged in groups of about the budget, after the
+// resident ones: the same file and places as when every item is in host memory, whatever the
+// budget; a stage that fails leaves no file.
+TEST(DcpFile, StagedItemsGiveTheSameFileInGroupsOfTheBudget) {
+  TempDir dir;
+  Engine engine;
+  const Written whole = WriteSample(engine, dir.path() + "/__0_whole.distcp");
+  const std::vector<char> want = FileBytes(dir.path() + "/__0_whole.distcp");
+  for (const uint64_t budget : {uint64_t{1}, uint64_t{64}, uint64_t{1} << 30}) {
+    std::vector<DcpWriteItem> items = {
+        {"", {}, 100, nullptr, "blob"},
+        {"F32", {2, 5}, 40, nullptr, "small"},
+        {"BF16", {1024, 1024}, 2u << 20, nullptr, "big"},
+        {"F32", {0, 3}, 0, nullptr, "empty"},
+    };
+    items[0].src = reinterpret_cast<const std::byte*>(whole.bytes[0].data());  // resident
+    std::vector<std::vector<size_t>> groups;
+    std::vector<std::vector<uint8_t>> copies;  // what a stage made: freed at the next
+    const DcpStageFn stage = [&](std::span<const size_t> group) {
+      groups.emplace_back(group.begin(), group.end());
+      copies.clear();
+      std::vector<const std::byte*> srcs;
+      for (const size_t i : group) {
+        copies.push_back(whole.bytes[i]);
+        srcs.push_back(reinterpret_cast<const std::byte*>(copies.back().data()));
+      }
+      return srcs;
+    };
+    const std::string path = StrCat(dir.path(), "/__0_", budget, ".distcp");
+    const std::vector<DcpItemPlace> places =
+        WriteDcpFile(engine, path, items, true, "rank 0", stage, budget);
+    EXPECT_EQ(FileBytes(path), want) << budget;
+    for (size_t i = 0; i < places.size(); ++i) {
+      EXPECT_EQ(places[i].xxh64, whole.places[i].xxh64) << i;
+      EXPECT_EQ(places[i].block_xxh64, whole.places[i].block_xxh64) << i;
+    }
+    // The empty tensor needs no bytes: staged are "small" and "big", alone or together.
+    using Groups = std::vector<std::vector<size_t>>;
+    // A group closes once it holds the budget: 40 bytes stay open below 64.
+    const Groups expected = budget == 1 ? Groups{{1}, {2}} : Groups{{1, 2}};
+    EXPECT_EQ(groups, expected) << budget;
+  }
+  std::vector<DcpWriteItem> items = {{"F32", {2, 5}, 40, nullptr, "small"}};
+  const std::string path = dir.path() + "/__0_failed.distcp";
+  EXPECT_THROW(WriteDcpFile(engine, path, items, true, "rank 0",
+                            [](std::span<const size_t>) -> std::vector<const std::byte*> {
+                              throw std::runtime_error("copy to host failed");
+                            }),
+               std::runtime_error);
+  EXPECT_FALSE(std::filesystem::exists(path));
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    EXPECT_FALSE(e.path().filename().string().starts_with("__0_failed")) << e.path();
+  }
+  EXPECT_THROW(WriteDcpFile(engine, path, items), std::invalid_argument);  // no bytes, no stage
+}
+
 TEST(DcpFile, AnItemThatCannotBeWrittenIsNamedByItsKey) {
   const std::byte data[8] = {};
   // A quantized dtype (torch pickles no plain tensor of it), a size that does not match.

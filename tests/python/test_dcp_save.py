@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,51 @@ def test_values_that_cannot_be_saved_name_their_key(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
+def test_tensors_not_writable_in_place_are_copied_a_budget_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain dcp.save copies views that are not contiguous (and, on a GPU, device tensors)
+    to host memory as the write reaches them: at most about the staging budget of copies
+    alive at once, not the state dict; a copy that fails fails the save, leaving the old
+    checkpoint."""
+    from tensortier.checkpoint import _format
+
+    budget = 1 << 20
+    monkeypatch.setattr(_format, "_STAGING_BYTES", budget)
+    alive, peak, copies = [0], [0], [0]
+    real = tdcp._host_copy
+
+    def counted(t: Any) -> Any:
+        out = real(t)
+        copies[0] += 1
+        alive[0] += out.nbytes
+        peak[0] = max(peak[0], alive[0])
+        weakref.finalize(out, lambda n=out.nbytes: alive.__setitem__(0, alive[0] - n))
+        return out
+
+    monkeypatch.setattr(tdcp, "_host_copy", counted)
+    views = {f"v{i}": torch.randn(256, 512).t() for i in range(8)}  # 512 KiB each
+    sd = {**state(1), **views}
+    ckpt = tmp_path / "ckpt"
+    dcp.save(sd, storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    assert copies[0] == 9  # the 8 views and state()'s "t"
+    assert peak[0] <= budget + (512 << 10), peak[0]
+    got = {k: torch.zeros_like(v) for k, v in views.items()}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)  # torch's reader
+    for k, v in views.items():
+        assert torch.equal(got[k], v), k
+    assert_state(load(ckpt), 1)
+
+    def failing(t: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(tdcp, "_host_copy", failing)
+    with pytest.raises(CheckpointException, match="illegal memory access"):
+        dcp.save({**state(2), **views}, storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    assert_state(load(ckpt), 1)
+    assert not [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]  # no temporary file
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_state_dict_saves_and_async_saves(tmp_path: Path) -> None:
     sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in state(1).items()}

@@ -33,6 +33,10 @@ namespace tensortier {
 // copies of one group overlap the reads of the next. The one setting for every reader.
 inline constexpr uint64_t kCheckpointGroupBytes = 64u << 20;
 
+// The host copies a save makes of tensors it cannot write from where they are (GPU memory,
+// views that are not contiguous): at most about this many bytes of them are alive at once.
+inline constexpr uint64_t kCheckpointStagingBytes = 256u << 20;
+
 // The alignment of tensor data in the files tensortier writes.
 inline constexpr uint64_t kCheckpointAlignment = 4096;
 

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "tensortier/checkpoint/byte_source.hpp"
+#include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
@@ -31,8 +33,9 @@ struct DcpWriteItem {
   std::string dtype;  // tensortier's dtype name (dtypes.hpp); empty for a bytes item
   std::vector<uint64_t> shape;
   uint64_t nbytes = 0;
-  const std::byte* src = nullptr;  // nbytes of host memory, alive until Write() returns
-  std::string name;                // for errors (the state dict key); "item <i>" when empty
+  // nbytes of host memory, alive until Write() returns; null: staged (WriteDcpFile's `stage`)
+  const std::byte* src = nullptr;
+  std::string name;  // for errors (the state dict key); "item <i>" when empty
 };
 
 // A tensor's data is also checksummed in blocks of this many bytes, counted from its first byte
@@ -70,12 +73,18 @@ class DcpFilePlan {
   explicit DcpFilePlan(std::vector<DcpWriteItem> items);
 
   uint64_t size() const { return size_; }
+  uint64_t item_bytes(size_t i) const { return items_.at(i).nbytes; }
   const std::vector<DcpItemPlace>& places() const { return places_; }
 
   // Writes every item to `file` (reserved to size() or empty) with `engine`: large tensors
   // straight from their memory, everything else gathered into few large writes. Sets each place's
   // xxh64. Throws IoError after every write in flight has finished. Once only.
   void Write(Engine& engine, const File& file);
+
+  // Write() of items `indices` only, item indices[k]'s bytes at srcs[k] (its src ignored): the
+  // items of a file may be written in several calls, each item once. The file is not empty.
+  void WriteItems(Engine& engine, const File& file, std::span<const size_t> indices,
+                  std::span<const std::byte* const> srcs);
 
  private:
   std::vector<DcpWriteItem> items_;
@@ -85,13 +94,23 @@ class DcpFilePlan {
   uint64_t size_ = 0;
 };
 
+// Where the bytes of items without a src come from (tensors in GPU memory, views to make
+// contiguous): called with their indices, in order, in groups of about a staging budget; returns
+// a host address of each one's bytes, valid until its next call or WriteDcpFile's return.
+using DcpStageFn = std::function<std::vector<const std::byte*>(std::span<const size_t>)>;
+
 // Writes `items` to a new file at `path` durably (DurableFile: a temporary name, fdatasync,
 // rename, directory fsync) and returns their places. Throws IoError naming `who` (the writer,
 // "rank 1"; may be empty), the step and `path` (not the temporary name, which is removed): a full
-// disk leaves nothing behind.
+// disk leaves nothing behind. Items without a src are written from what `stage` gives, in groups
+// of about `staging_bytes` (each written before the next is asked for: what is staged at once
+// stays within the budget, not the state dict's size); the items in host memory first. `stage`'s
+// errors propagate as they are, the temporary file removed.
 std::vector<DcpItemPlace> WriteDcpFile(Engine& engine, const std::string& path,
                                        std::vector<DcpWriteItem> items, bool direct = true,
-                                       const std::string& who = "");
+                                       const std::string& who = "",
+                                       const DcpStageFn& stage = nullptr,
+                                       uint64_t staging_bytes = kCheckpointStagingBytes);
 
 // Opens the data file `path` that the metadata names for `items` (their names, for errors) to
 // read them. Throws IoError naming the path and the first item (and how many more) when the file

@@ -32,7 +32,7 @@ HEADER_CHECKSUM_KEY = str(_core.HEADER_CHECKSUM_KEY)
 _GROUP_BYTES = int(_core.CHECKPOINT_GROUP_BYTES)
 
 # Copies made to write non-contiguous or GPU tensors: at most this many bytes are alive at once.
-_STAGING_BYTES = 256 << 20
+_STAGING_BYTES = int(_core.CHECKPOINT_STAGING_BYTES)
 
 # Loaded tensors at least this large are placed at their file offset modulo the page size (read
 # O_DIRECT with no bounce copy the alignment rules would force); smaller ones are torch.empty.
