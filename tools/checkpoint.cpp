@@ -189,6 +189,12 @@ int InfoDcp(const std::string& dir, unsigned show) {
   if (md.items.size() > show) {
     std::printf("  ... %zu more (--shapes N shows more)\n", md.items.size() - show);
   }
+  // What the listing shows must be there to load (verify reads it too): a missing data file is
+  // an error, named with the metadata (and when the files are another save's).
+  std::vector<std::string> names;
+  for (const auto& [name, f] : files) names.push_back(name);
+  std::fflush(stdout);
+  CheckDcpDataFilesPresent(dir, names);
   return 0;
 }
 

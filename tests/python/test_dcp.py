@@ -364,6 +364,12 @@ def test_missing_data_file_names_file_and_item(tmp_path: Path) -> None:
     msg = str(e.value)
     assert "[Errno 2]" in msg and f"data files that are missing: {data_file.name}" in msg, msg
     assert str(ckpt / ".metadata") in msg and str(data_file) in msg, msg
+    if BIN.is_file():  # the CLI: info lists the checkpoint, then names what is missing
+        said = cli("info", ckpt)
+        assert said.returncode == 1 and data_file.name in said.stdout, said.stdout
+        assert f"data files that are missing: {data_file.name}" in said.stderr, said.stderr
+        said = cli("verify", ckpt)
+        assert said.returncode == 1 and str(data_file) in said.stderr, said.stderr
 
     class Late(tdcp.Reader):  # the file goes after the metadata was read
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
