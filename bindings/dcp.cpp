@@ -85,20 +85,26 @@ void RegisterDcp(py::module_& m) {
                 StrCat("write_dcp_file: item ", i, " has no address and no host() to stage it"));
           }
         }
-        std::vector<py::object> copies;  // the staged group's host copies, alive while written
+        py::object copies;  // the staged group's host copies, alive while written
         const DcpStageFn stage = [&](std::span<const size_t> group) {
           py::gil_scoped_acquire gil;
-          copies.clear();
+          copies = py::none();  // the group before: written, its memory free for this one
+          copies = (*host)(py::cast(std::vector<size_t>(group.begin(), group.end())));
+          const py::list list(copies);
+          if (list.size() != group.size()) {
+            throw std::invalid_argument(StrCat("write_dcp_file: host() gave ", list.size(),
+                                               " copies for ", group.size(), " items"));
+          }
           std::vector<const std::byte*> srcs;
-          for (const size_t i : group) {
-            copies.push_back((*host)(i));
-            if (copies.back().attr("nbytes").cast<uint64_t>() != nbytes[i]) {
-              throw std::invalid_argument(StrCat("write_dcp_file: host(", i, ") gave ",
-                                                 copies.back().attr("nbytes").cast<uint64_t>(),
-                                                 " bytes for an item of ", nbytes[i]));
+          for (size_t k = 0; k < group.size(); ++k) {
+            const uint64_t n = list[k].attr("nbytes").cast<uint64_t>();
+            if (n != nbytes[group[k]]) {
+              throw std::invalid_argument(StrCat("write_dcp_file: host() gave ", n,
+                                                 " bytes for item ", group[k], " of ",
+                                                 nbytes[group[k]]));
             }
-            srcs.push_back(reinterpret_cast<const std::byte*>(
-                copies.back().attr("data_ptr")().cast<uintptr_t>()));
+            srcs.push_back(
+                reinterpret_cast<const std::byte*>(list[k].attr("data_ptr")().cast<uintptr_t>()));
           }
           return srcs;
         };
@@ -110,7 +116,7 @@ void RegisterDcp(py::module_& m) {
                            std::move(items), direct, who, host ? stage : nullptr, staging_bytes);
           StagingArenas::Process().MarkWritten(resident);  // the next stage may reuse them
         }
-        copies.clear();
+        copies = py::none();
         std::vector<uint64_t> flat;
         uint64_t total = 0;
         py::list blocks;
@@ -125,12 +131,14 @@ void RegisterDcp(py::module_& m) {
       },
       py::arg("engine"), py::arg("dir"), py::arg("name"), py::arg("dtypes"), py::arg("shapes"),
       py::arg("nbytes"), py::arg("addresses"), py::arg("items"), py::arg("direct") = true,
-      py::arg("who") = "", py::arg("host") = py::none(), py::arg("staging_bytes") = kCheckpointStagingBytes,
+      py::arg("who") = "", py::arg("host") = py::none(),
+      py::arg("staging_bytes") = kCheckpointStagingBytes,
       "Writes a DCP rank file durably at dir/name: item i (items[i], a WriteItem) is a tensor of "
       "dtypes[i] (tensortier's name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] "
-      "bytes of host memory at addresses[i]; where that is None, from the contiguous host copy "
-      "host(i) returns (a tensor), the copies made in groups of about staging_bytes once the "
-      "items in host memory are written, each group's freed once written. Then marks free the "
+      "bytes of host memory at addresses[i]; where that is None, from the contiguous host copies "
+      "host(indices) returns (tensors) for groups of such items of about staging_bytes, asked "
+      "for once the items in host memory are written, each group's dropped once written. Then "
+      "marks free the "
       "staging arenas holding them "
       "(staging_arenas_written). Returns (the bytes of all items, the rank's write result that "
       "dcp_storage_data expands: (name, fqns, offsets, indices, places: offset, length and xxh64 "

@@ -154,7 +154,7 @@ def _stage_copy(shaped: Any, sources: list[Any], dtensor: Any, devices: list[Any
 def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], list[Any]]:
     """(tensortier's dtype names, "" for a bytes item; the tensors, bytes items as uint8 host
     tensors) of the write items: those not in host memory or not contiguous are copied by
-    :func:`_host_copy` as the write reaches them. TypeError naming the item for what cannot be
+    :func:`_host_copies` as the write reaches them. TypeError naming the item for what cannot be
     saved."""
     names = dtype_names()
     quantized = quantized_dtypes()
@@ -184,9 +184,11 @@ def _in_place(t: Any) -> bool:
     return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-def _host_copy(t: Any) -> Any:
-    """`t`'s bytes in contiguous host memory, as the file stores them."""
-    return t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+def _host_copies(tensors: list[Any]) -> list[Any]:
+    """Contiguous host copies of `tensors`, as the file stores them: :func:`_stage`'s, in a
+    staging arena (pinned where they are on a GPU) that the next group reuses once these are
+    dropped."""
+    return list(_stage(tensors))
 
 
 class Writer(StorageWriter, AsyncStager):
@@ -248,8 +250,9 @@ class Writer(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Writes this rank's items to a new file (one C++ call, GIL released). Tensors in GPU
-        memory (and views that are not contiguous) are copied to host memory as the write
-        reaches them, about ``CHECKPOINT_STAGING_BYTES`` at a time, after the rest is written. The result
+        memory (and views that are not contiguous) are copied to host memory (pinned, reused
+        from save to save) as the write reaches them, about ``CHECKPOINT_STAGING_BYTES`` at a
+        time, after the rest is written. The result
         is one WriteResult for all of the rank's items (which ``finish`` expands), not one per
         item."""
         # A name no earlier save used: the old checkpoint's files stay as they are.
@@ -260,8 +263,8 @@ class Writer(StorageWriter, AsyncStager):
             addresses = [t.data_ptr() if _in_place(t) else None for t in tensors]
         size, rank_writes = _core.write_dcp_file(
             default_io()._core(), self.path, name, dtypes, shapes, sizes, addresses, plan.items,
-            self.direct, f"rank {self.rank}", lambda i: _host_copy(tensors[i]),
-            _format._STAGING_BYTES)
+            self.direct, f"rank {self.rank}",
+            lambda group: _host_copies([tensors[i] for i in group]), _format._STAGING_BYTES)
         # DCP gathers a few lists and bytes, not objects per item; ``finish`` expands them.
         return _done([WriteResult(index=_md.MetadataIndex(_RANK_WRITES), size_in_bytes=size,
                                   storage_data=rank_writes)])

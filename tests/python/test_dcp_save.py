@@ -280,17 +280,18 @@ def test_tensors_not_writable_in_place_are_copied_a_budget_at_a_time(
     budget = 1 << 20
     monkeypatch.setattr(_format, "_STAGING_BYTES", budget)
     alive, peak, copies = [0], [0], [0]
-    real = tdcp._host_copy
+    real = tdcp._host_copies
 
-    def counted(t: Any) -> Any:
-        out = real(t)
-        copies[0] += 1
-        alive[0] += out.nbytes
+    def counted(tensors: list[Any]) -> list[Any]:
+        out = real(tensors)
+        for t in out:
+            copies[0] += 1
+            alive[0] += t.nbytes
+            weakref.finalize(t, lambda n=t.nbytes: alive.__setitem__(0, alive[0] - n))
         peak[0] = max(peak[0], alive[0])
-        weakref.finalize(out, lambda n=out.nbytes: alive.__setitem__(0, alive[0] - n))
         return out
 
-    monkeypatch.setattr(tdcp, "_host_copy", counted)
+    monkeypatch.setattr(tdcp, "_host_copies", counted)
     views = {f"v{i}": torch.randn(256, 512).t() for i in range(8)}  # 512 KiB each
     sd = {**state(1), **views}
     ckpt = tmp_path / "ckpt"
@@ -303,10 +304,10 @@ def test_tensors_not_writable_in_place_are_copied_a_budget_at_a_time(
         assert torch.equal(got[k], v), k
     assert_state(load(ckpt), 1)
 
-    def failing(t: Any) -> Any:
+    def failing(tensors: list[Any]) -> list[Any]:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(tdcp, "_host_copy", failing)
+    monkeypatch.setattr(tdcp, "_host_copies", failing)
     with pytest.raises(CheckpointException, match="illegal memory access"):
         dcp.save({**state(2), **views}, storage_writer=tdcp.Writer(ckpt), no_dist=True)
     assert_state(load(ckpt), 1)
