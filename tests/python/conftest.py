@@ -3,6 +3,8 @@ filesystem that refuses O_DIRECT (ramfs, mounted when we are root)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import ctypes
 import os
 import subprocess
@@ -155,9 +157,17 @@ def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
             pytest.skip(f"mkfs.{fstype}: {made.stderr.strip()}")
         # -o loop: mount sets up the loop device and frees it at unmount (autoclear).
         command = ["mount", "-t", fstype, "-o", "loop", str(image), str(mnt)]
-    mounted = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount {fstype}: {mounted.stderr.strip()}")
+    with mounted(command, mnt, fstype):
+        yield mnt
+
+
+@contextlib.contextmanager
+def mounted(command: list[str], mnt: Path, what: str) -> Iterator[Path]:
+    """Within: `command` (a mount onto `mnt`) has run; the test skips where it fails (`what`
+    names the mount in the reason). Unmounted even when the test fails."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount {what}: {done.stderr.strip()}")
     try:
         yield mnt
     finally:

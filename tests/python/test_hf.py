@@ -20,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import safetensors.torch  # noqa: E402
 
+from conftest import mounted  # noqa: E402
 from tensortier import _core, hf  # noqa: E402
 
 try:  # a machine with another transformers (a GPU image's) skips; CI pins a supported one
@@ -438,14 +439,8 @@ def bind_mount(tmp_path: Path) -> Iterator[Path]:
     source, mnt = tmp_path / "volume", tmp_path / "out"
     source.mkdir()
     mnt.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(source), str(mnt)], capture_output=True,
-                             text=True, timeout=60)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot bind-mount: {mounted.stderr.strip()}")
-    try:
+    with mounted(["mount", "--bind", str(source), str(mnt)], mnt, "a bind mount"):
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
 
 
 @pytest.mark.parametrize("case", ["working directory", "symbolic link", "bind mount"])
