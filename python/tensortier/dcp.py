@@ -354,9 +354,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
 
 
-def _metadata_digest(data: bytes) -> bytes:
-    """A digest of a .metadata file's bytes, for ranks to compare what they read."""
-    return hashlib.blake2b(data, digest_size=16).digest()
+class _MetadataDigest(bytes):
+    """A digest of the ``.metadata`` a rank read, carried in its load plan for the coordinator
+    to compare with the other ranks' (told apart from what a planner may put there)."""
+
+
+# How many times a load reads .metadata when saves keep replacing it under the read.
+_METADATA_READS = 3
 
 
 def _unpickled_unchecked(planner: LoadPlanner, raw: bytes) -> bool:
@@ -428,6 +432,7 @@ class Reader(StorageReader):
         """Starts a new load (from `checkpoint_id` when given)."""
         self.storage_data = {}
         self.chunk_sizes = {}
+        self._metadata_read = None
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
 
@@ -441,13 +446,22 @@ class Reader(StorageReader):
         CheckpointException.)"""
         rank = kwargs.get("rank")
         path = os.path.join(self.path, _METADATA if rank is None else f"__{rank}{_METADATA}")
-        data = _core.read_dcp_metadata_bytes(self.path, rank)
+        for attempt in range(_METADATA_READS):
+            data = _core.read_dcp_metadata_bytes(self.path, rank)
+            try:
+                md = _MetadataUnpickler(io.BytesIO(data)).load()
+            except Exception as e:
+                raise ValueError(
+                    f"{path}: not a DCP metadata file this reader accepts ({e})") from e
+            try:
+                _core.check_dcp_metadata(self.path, md, _md.Metadata, path)
+                break
+            except FileNotFoundError:
+                # A save committed between the read and the check (and removed the files the
+                # metadata read named): nothing is planned yet, so read the new one.
+                if attempt + 1 == _METADATA_READS or self._read_again(rank) == data:
+                    raise
         self._metadata_read = (rank, data)
-        try:
-            md = _MetadataUnpickler(io.BytesIO(data)).load()
-        except Exception as e:
-            raise ValueError(f"{path}: not a DCP metadata file this reader accepts ({e})") from e
-        _core.check_dcp_metadata(self.path, md, _md.Metadata, path)
         if md.storage_meta is None:
             md.storage_meta = _md.StorageMeta()
         md.storage_meta.load_id = uuid.uuid4().hex
@@ -473,11 +487,14 @@ class Reader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """The plan, carrying a digest of the metadata this rank read (its ``storage_data``,
-        which DCP leaves to the storage layer) for :meth:`prepare_global_plan` to compare."""
-        if plan.storage_data is None and self._metadata_read is not None:
-            plan = dataclasses.replace(plan, storage_data=_metadata_digest(
-                self._metadata_read[1]))
+        """The plan, carrying a digest of the ``.metadata`` this rank read (in its
+        ``storage_data``, which DCP leaves to the storage layer, where the planner left it
+        unset) for :meth:`prepare_global_plan` to compare. Rank-local metadata (``__N.metadata``)
+        differs from rank to rank by design: no digest."""
+        if (plan.storage_data is None and self._metadata_read is not None
+                and self._metadata_read[0] is None):
+            plan = dataclasses.replace(plan, storage_data=_MetadataDigest(
+                hashlib.blake2b(self._metadata_read[1], digest_size=16).digest()))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -485,14 +502,22 @@ class Reader(StorageReader):
         committed into the directory between their reads, and the load would mix two
         checkpoints."""
         digests = [p.storage_data for p in plans]
-        if all(isinstance(d, bytes) for d in digests) and len(set(digests)) > 1:
+        if all(isinstance(d, _MetadataDigest) for d in digests) and len(set(digests)) > 1:
             others = [r for r, d in enumerate(digests) if d != digests[0]]
             raise ValueError(
                 f"{os.path.join(self.path, _METADATA)}: ranks {', '.join(map(str, others))} read "
                 "another .metadata than rank 0: a save replaced the checkpoint in this "
                 "directory while the ranks read it, and this load would mix the two; load again "
                 "(and let saves into a directory finish before loading it)")
-        return [dataclasses.replace(p, storage_data=None) for p in plans]
+        return [dataclasses.replace(p, storage_data=None)
+                if isinstance(p.storage_data, _MetadataDigest) else p for p in plans]
+
+    def _read_again(self, rank: int | None) -> bytes | None:
+        """The metadata file's bytes now (None where it cannot be read)."""
+        try:
+            return _core.read_dcp_metadata_bytes(self.path, rank)
+        except OSError:
+            return None
 
     def _replaced(self) -> bool:
         """Whether the metadata this Reader read is no longer the directory's (a save committed
@@ -500,10 +525,7 @@ class Reader(StorageReader):
         if self._metadata_read is None:
             return False
         rank, data = self._metadata_read
-        try:
-            return _core.read_dcp_metadata_bytes(self.path, rank) != data
-        except OSError:
-            return True
+        return self._read_again(rank) != data
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

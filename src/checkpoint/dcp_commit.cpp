@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <memory>
 #include <set>
@@ -46,6 +47,16 @@ class CommitLock {
   int fd_ = -1;
 };
 
+// "__N.metadata", N a rank.
+bool IsRankLocalMetadataName(const std::string& name) {
+  constexpr std::string_view kSuffix = ".metadata";
+  if (!name.starts_with("__") || !name.ends_with(kSuffix) || name.size() <= 2 + kSuffix.size()) {
+    return false;
+  }
+  const std::string_view rank(name.data() + 2, name.size() - 2 - kSuffix.size());
+  return std::all_of(rank.begin(), rank.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 }  // namespace
 
 size_t RemoveUnreferencedDcpFiles(const std::string& dir,
@@ -61,6 +72,9 @@ size_t RemoveUnreferencedDcpFiles(const std::string& dir,
       if (name.starts_with("__") && name.ends_with(".distcp") && !keep.contains(name)) {
         unreferenced.push_back(name);
       }
+      // An older save's rank-local metadata (__N.metadata, torch's writer without
+      // collectives): it names data files going now, and dcp.load falls back to it.
+      if (IsRankLocalMetadataName(name)) unreferenced.push_back(name);
       const size_t tmp = name.find(".tmp-");
       if (name.starts_with(".__") && tmp != std::string::npos) {
         saved_names.insert(name.substr(1, tmp - 1));

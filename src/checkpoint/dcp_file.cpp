@@ -711,7 +711,8 @@ DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
     auto [it, added] = files.try_emplace(item.relative_path);
     if (added) {
       try {
-        it->second = OpenCheckpointForReading(path, /*direct=*/true);
+        const std::string names[] = {item.name};
+        it->second = OpenDcpDataFile(path, names, /*direct=*/true);
       } catch (const IoError& e) {
         report.problems.push_back(e.what());
       }

@@ -481,13 +481,18 @@ TEST(DcpMetadata, ChunksMustHoldEveryElementAndFilesMustBeThere) {
 TEST(DcpFile, CommitRemovesOnlyWhatTheNewMetadataDoesNotName) {
   TempDir dir;
   Engine engine;
-  for (const char* name : {"__0_old.distcp", "__0_new.distcp", "other.bin"}) {
+  // An older save's rank-local metadata (__N.metadata) goes too; names only like it stay.
+  for (const char* name : {"__0_old.distcp", "__0_new.distcp", "other.bin", "__12.metadata",
+                           "__x.metadata", "__.metadata", "a__0.metadata"}) {
     std::ofstream(dir.path() + "/" + name) << "x";
   }
   CommitDcpCheckpoint(engine, dir.path(), "metadata", {"__0_new.distcp"});
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/__0_old.distcp"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/__12.metadata"));
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/__0_new.distcp"));
-  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/other.bin"));
+  for (const char* name : {"other.bin", "__x.metadata", "__.metadata", "a__0.metadata"}) {
+    EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + name)) << name;
+  }
   EXPECT_EQ(std::filesystem::file_size(dir.path() + "/.metadata"), 8u);
 }
 

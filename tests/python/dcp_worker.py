@@ -98,13 +98,13 @@ def zeroed(value: Any) -> Any:
     return type(value)()
 
 
-def small_state(version: int, zeros: bool) -> dict[str, Any]:
-    """SMALL tensors of 256 float32 on each rank, under keys of its own ("r<rank>.t<i>": DCP
+def small_state(version: int, zeros: bool, count: int = SMALL) -> dict[str, Any]:
+    """`count` tensors of 256 float32 on each rank, under keys of its own ("r<rank>.t<i>": DCP
     saves each rank's, where it would save one copy of a plain tensor all ranks hold)."""
     rank = dist.get_rank()
-    base = torch.arange(SMALL * 256, dtype=torch.float32).reshape(SMALL, 256)
+    base = torch.arange(count * 256, dtype=torch.float32).reshape(count, 256)
     local = torch.zeros_like(base) if zeros else base + (version * 10 + rank)
-    sd: dict[str, Any] = {f"r{rank}.t{i}": local[i] for i in range(SMALL)}
+    sd: dict[str, Any] = {f"r{rank}.t{i}": local[i] for i in range(count)}
     sd["step"] = -1 if zeros else version
     return sd
 
@@ -113,7 +113,7 @@ def state(step: dict[str, Any], zeros: bool, mesh: Any) -> dict[str, Any]:
     """The step's state dict on this rank: DTensors placed as PLACEMENT says (and "big" as the
     step's "big"), the rest plain."""
     if step.get("layout") == "small":
-        return small_state(int(step["v"]), zeros)
+        return small_state(int(step["v"]), zeros, int(step.get("count", SMALL)))
     full = full_state(int(step["v"]))
     if "only" in step:
         full = {k: full[k] for k in step["only"]}
@@ -193,7 +193,9 @@ def run_step(step: dict[str, Any], mesh: Any) -> dict[str, Any]:
 
                 kwargs["serialization_format"] = SerializationFormat[step["format"].upper()]
             writer = dcp.FileSystemWriter(step["dir"], **kwargs)
-        dcp.save(state(step, False, mesh), storage_writer=writer)
+        # "collectives": false, a save without them: rank-local __N.metadata (torch's writer).
+        dcp.save(state(step, False, mesh), storage_writer=writer,
+                 **({} if step.get("collectives", True) else {"use_collectives": False}))
         if "kill" in step and int(step.get("victim", 1)) == rank:  # the timer came late
             os.kill(os.getpid(), signal.SIGKILL)
     else:

@@ -3,6 +3,7 @@ real Gloo processes (dcp_worker.py) and, for single-process cases, without a pro
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import json
@@ -420,6 +421,70 @@ def test_ranks_that_read_different_metadata_do_not_mix_two_checkpoints(
         err = rep["steps"][0].get("error", "")
         assert "ranks 1 read another .metadata than rank 0" in err, err
         assert "a save replaced the checkpoint in this directory" in err, err
+
+
+def test_rank_local_metadata_of_several_ranks_loads(ranks: ForkServer, tmp_path: Path) -> None:
+    """torch's FileSystemWriter saving without collectives writes one __N.metadata per rank
+    and no .metadata: each rank loads through its own, as with torch's reader (the ranks'
+    metadata differ by design, which is no save racing the load)."""
+    ckpt = tmp_path / "rank-local"
+    run_job(ranks, tmp_path, 2, [
+        {"do": "save", "with": "stock", "dir": ckpt, "v": 1, "layout": "small", "count": 3,
+         "collectives": False},
+        {"do": "load", "with": "ours", "dir": ckpt, "v": 1, "layout": "small", "count": 3}])
+    assert not (ckpt / ".metadata").exists()
+    assert {p.name for p in ckpt.glob("__*.metadata")} == {"__0.metadata", "__1.metadata"}
+
+
+def test_a_planners_storage_data_is_left_as_it_is(tmp_path: Path) -> None:
+    """LoadPlan.storage_data a planner sets goes through the Reader unchanged (as through
+    torch's reader); the Reader's own digest of .metadata goes only where it is unset."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    seen: list[Any] = []
+
+    class Tagging(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            return dataclasses.replace(super().create_local_plan(), storage_data={"hint": 7})
+
+        def finish_plan(self, new_plan: Any) -> Any:
+            seen.append(new_plan.storage_data)
+            return super().finish_plan(new_plan)
+
+    dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(ckpt), planner=Tagging())
+    assert seen == [{"hint": 7}]
+
+    class Plain(DefaultLoadPlanner):
+        def finish_plan(self, new_plan: Any) -> Any:
+            seen.append(new_plan.storage_data)
+            return super().finish_plan(new_plan)
+
+    dcp.load(zeros_like_single(), storage_reader=tdcp.Reader(ckpt), planner=Plain())
+    assert seen[1:] == [None]
+
+
+def test_a_save_committing_while_the_metadata_is_read_is_read_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save commits between the Reader's read of .metadata and its check of the files named
+    there: nothing is planned yet, so it reads the new .metadata, and loads the new checkpoint."""
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    real = tdcp._core.check_dcp_metadata
+    calls = [0]
+
+    def commit_first(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:  # the save lands just after the first read
+            dcp.save({"w": torch.ones(5000), "b": torch.ones(3, dtype=torch.int16),
+                      "note": {"text": "new"}}, storage_writer=tdcp.Writer(ckpt), no_dist=True)
+        return real(*args)
+
+    monkeypatch.setattr(tdcp._core, "check_dcp_metadata", commit_first)
+    got = zeros_like_single()
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+    assert calls[0] == 2 and got["note"] == {"text": "new"}
+    assert torch.equal(got["w"], torch.ones(5000))
 
 
 def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:

@@ -231,7 +231,8 @@ size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_v
 
 // The data files of a DCP checkpoint directory `dir` that its new metadata does not name
 // (`referenced`, relative paths): the files of the checkpoint the new one replaced, or of a save
-// that died. Removes those ("__*.distcp") and the temporary files of dead processes' saves into
+// that died. Removes those ("__*.distcp"), an older save's rank-local metadata ("__N.metadata",
+// which names such files) and the temporary files of dead processes' saves into
 // the directory, then fsyncs it. Returns how many files went. Files it cannot remove are left.
 size_t RemoveUnreferencedDcpFiles(const std::string& dir,
                                   const std::vector<std::string>& referenced);
