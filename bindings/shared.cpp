@@ -634,6 +634,13 @@ void RegisterShared(py::module_& m) {
       .def("close", &SharedTensor::Close);
 
   m.def(
+      "shared_tensor_name_at",
+      [](uintptr_t address) { return SharedTensorNameAt(reinterpret_cast<const void*>(address)); },
+      py::arg("address"),
+      "The name of the shared tensor whose host memory in this process holds `address`, or "
+      "None.");
+
+  m.def(
       "shared_attach",
       [](std::shared_ptr<Store> store, const std::string& name, double timeout_s) {
         auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));

@@ -127,6 +127,7 @@ std::shared_ptr<SharedTensor> SharedTensor::Layout(const SharedTensorSpec& spec,
   tensor->key_ = key;
   tensor->partitions_ = PartitionRows(spec.rows(), spec.row_bytes(), world_size, granule);
   auto memory = std::make_shared<SharedTensor::Memory>();
+  memory->name = spec.name;
   uint64_t span = 0;
   for (const auto& p : tensor->partitions_) span += AlignUp(p.bytes, page);
   // One PROT_NONE range, aligned for huge pages, that the partitions are mapped into.
@@ -150,7 +151,10 @@ int SharedTensor::MapPartition(int r, int fd, bool populate) {
   }
   void* got = ::mmap(want, length, PROT_READ | PROT_WRITE, flags, fd, 0);
   if (got == MAP_FAILED) return errno;
-  if (memory_->reserved == nullptr) memory_->mappings.emplace_back(got, length);
+  if (memory_->reserved == nullptr) {
+    memory_->mappings.emplace_back(got, length);
+    memory_->Track(got, length);
+  }
   p.address = static_cast<uint8_t*>(got);
   return 0;
 }

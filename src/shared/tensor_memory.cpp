@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <map>
+#include <mutex>
 
 #include "tensortier/shared/unix_socket.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
@@ -12,7 +14,52 @@
 
 namespace tensortier {
 
+namespace {
+
+// The host address ranges of the shared tensors alive in this process: begin -> (end, the
+// Memory holding it).
+struct TrackedRange {
+  uintptr_t end = 0;
+  const void* owner = nullptr;
+  std::string name;
+};
+struct TrackedRanges {
+  std::mutex mutex;
+  std::map<uintptr_t, TrackedRange> ranges;
+};
+
+TrackedRanges& Tracked() {
+  static auto* tracked = new TrackedRanges();  // never destroyed: used until the process ends
+  return *tracked;
+}
+
+}  // namespace
+
+void SharedTensor::Memory::Track(const void* address, uint64_t length) {
+  if (length == 0) return;
+  const auto begin = reinterpret_cast<uintptr_t>(address);
+  TrackedRanges& t = Tracked();
+  std::lock_guard lock(t.mutex);
+  t.ranges[begin] = {begin + length, this, name};
+}
+
+std::optional<std::string> SharedTensorNameAt(const void* address) {
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  TrackedRanges& t = Tracked();
+  std::lock_guard lock(t.mutex);
+  auto it = t.ranges.upper_bound(at);
+  if (it == t.ranges.begin()) return std::nullopt;
+  --it;
+  if (at >= it->second.end) return std::nullopt;
+  return it->second.name;
+}
+
 SharedTensor::Memory::~Memory() {
+  {
+    TrackedRanges& t = Tracked();
+    std::lock_guard lock(t.mutex);
+    std::erase_if(t.ranges, [this](const auto& r) { return r.second.owner == this; });
+  }
   device_mappings.clear();
   device_allocations.clear();
   device_range.reset();
@@ -30,6 +77,7 @@ void SharedTensor::Memory::Reserve(uint64_t span, uint64_t align, const std::str
   if (aligned > base) ::munmap(raw, aligned - base);
   reserved = reinterpret_cast<uint8_t*>(aligned);
   reserved_bytes = ask - (aligned - base);
+  Track(reserved, reserved_bytes);
 }
 
 std::string ShmemHugePolicy() {

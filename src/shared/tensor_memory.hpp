@@ -25,8 +25,11 @@ struct SharedTensor::Memory {
   std::optional<DeviceAddressRange> device_range;
   std::vector<DeviceAllocation> device_allocations;
   std::vector<DeviceMapping> device_mappings;
+  std::string name;  // the shared tensor's, for SharedTensorNameAt
 
   ~Memory();
+  // Records [address, address + length) as this memory's, for SharedTensorNameAt.
+  void Track(const void* address, uint64_t length);
   // Reserves a PROT_NONE range of at least `span` bytes, aligned to `align` (a multiple of the
   // page size), that partitions are then mapped into with MAP_FIXED. Throws IoError naming `key`.
   void Reserve(uint64_t span, uint64_t align, const std::string& key);

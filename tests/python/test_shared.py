@@ -308,6 +308,37 @@ def test_one_process_group_with_a_hash_store() -> None:
         t.gather([0])
 
 
+def _child_that_never_runs(view: torch.Tensor) -> None:  # pragma: no cover - never started
+    raise AssertionError("the view was sent")
+
+
+@pytest.mark.parametrize("layout", ["continuous", "chunked"])
+def test_a_view_is_not_sent_to_another_process_by_torch_pickling(layout: str) -> None:
+    """torch.multiprocessing's pickling would move a view's memory into new shared memory and
+    swap it under the view in place, detaching it from the shared tensor without a word: it
+    raises instead, naming the tensor and what to do; the view stays shared. Tensors of other
+    memory (a clone) are sent as before."""
+    from multiprocessing.reduction import ForkingPickler
+
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((64, 4), torch.float32, layout=layout, name="table")
+        whole = t.view()
+        view = (whole if layout == "continuous" else whole[0])[8:16]
+        address = view.data_ptr()
+        with pytest.raises(RuntimeError, match="shared tensor 'table' cannot be sent to another "
+                                               "process.*tensortier.shared.attach"):
+            ForkingPickler.dumps(view)
+        process = torch.multiprocessing.get_context("spawn").Process(
+            target=_child_that_never_runs, args=(view,))
+        with pytest.raises(RuntimeError, match="'table' cannot be sent"):
+            process.start()
+        assert view.data_ptr() == address  # not moved: writes still reach the shared tensor
+        view.fill_(3.0)
+        assert torch.equal(t.gather([8]), torch.full((1, 4), 3.0))
+        assert ForkingPickler.loads(ForkingPickler.dumps(view.clone())).eq(3.0).all()
+
+
 @pytest.mark.parametrize("layout", ["continuous", "chunked"])
 def test_an_empty_list_of_indices_is_an_empty_batch(layout: str) -> None:
     """`[]` (an empty batch, which torch makes a float tensor) gathers no rows and scatters

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,7 +44,7 @@ namespace tensortier {
 namespace shared {
 class PartitionServer;
 class UniqueFd;
-}
+}  // namespace shared
 
 struct SharedTensorStats {
   uint64_t local_bytes = 0;       // this rank's partition
@@ -123,11 +124,15 @@ class SharedTensor {
   std::vector<SharedPartition> partitions_;
   SharedTensorStats stats_;
   int rank_ = 0;
-  std::string key_;               // the name this rank serves its partition under
+  std::string key_;  // the name this rank serves its partition under
   // The group's partition server (unregistered from on Close).
   std::shared_ptr<shared::PartitionServer> server_;
   mutable std::mutex mutex_;
   std::shared_ptr<Memory> memory_;
 };
+
+// The name of the shared tensor whose host memory in this process holds `address` (while that
+// memory is mapped), or nullopt: what must not be copied away from it by torch's pickling.
+std::optional<std::string> SharedTensorNameAt(const void* address);
 
 }  // namespace tensortier
