@@ -61,6 +61,14 @@ struct TorchrunStore {
   bool agent = false;
 };
 
+// Whether torchrun's agent (not a rank) serves the job's TCPStore.
+bool AgentServesStore() {
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  std::string serves = agent == nullptr ? "" : agent;
+  for (char& c : serves) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return serves == "true";
+}
+
 TorchrunStore TorchrunStoreFromEnv() {
   const char* host = std::getenv("MASTER_ADDR");
   const std::optional<int64_t> port = EnvInt("MASTER_PORT");
@@ -70,10 +78,7 @@ TorchrunStore TorchrunStoreFromEnv() {
         "or set MASTER_ADDR and MASTER_PORT (torchrun does)");
   }
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
-  std::string serves = agent == nullptr ? "" : agent;
-  for (char& c : serves) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return {host, *port, StrCat("tensortier/attempt_", attempt ? attempt : "0"), serves == "true"};
+  return {host, *port, StrCat("tensortier/attempt_", attempt ? attempt : "0"), AgentServesStore()};
 }
 
 // torchrun's TCPStore (served here when `is_master`) under the prefix of this restart attempt,
@@ -107,6 +112,18 @@ py::tuple EnvStore(bool is_master, std::optional<int64_t> world_size, double tim
                                " (which hosts the TCPStore at ", env.host, ":", env.port, ")"));
 }
 
+// Whether rank 0 of this job may be the process serving `store`: a TCPStore (under any
+// PrefixStores), which init_process_group's env:// rendezvous and most users' own
+// TCPStore(is_master=rank == 0) serve on rank 0 — unless torchrun's agent serves it. Rank 0 then
+// waits at exit for the others to leave (as when it serves torchrun's store itself), so that a
+// rank still reading its last collective's keys does not lose the store under it; where another
+// process serves it, the wait only lasts until the others have left.
+bool MayHostTcpStore(const py::module_& dist, py::object store) {
+  if (AgentServesStore()) return false;
+  while (py::isinstance(store, dist.attr("PrefixStore"))) store = store.attr("underlying_store");
+  return py::isinstance(store, dist.attr("TCPStore"));
+}
+
 // Calls `fn` of tensortier._core (defined by the other binding files).
 py::object Core(const char* fn) {
   return py::module_::import("tensortier._core").attr(fn);
@@ -137,7 +154,10 @@ void RegisterSharedGroup(py::module_& m) {
         if (store.is_none() && initialized) {
           store = dist.attr("distributed_c10d").attr("_get_default_store")();
           where = "the default process group's store";
-        } else if (store.is_none()) {
+          hosts = r == 0 && MayHostTcpStore(dist, store);
+        } else if (!store.is_none()) {
+          hosts = r == 0 && MayHostTcpStore(dist, store);
+        } else {
           // Under torchrun the agent serves the store; otherwise rank 0 does, as
           // init_process_group.
           hosts = r == 0 && !TorchrunStoreFromEnv().agent;

@@ -644,6 +644,61 @@ def spawn_entry(index: int, scenario: str, outdir: str, world: int, port: int) -
     run(scenario, outdir, rank=index, world=world, store=store)
 
 
+class SlowStore(torch.distributed.Store):
+    """A store whose reads each take 0.3 s longer, as a descheduled rank on a busy node sees."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__()
+        self.store = store
+
+    def set(self, key: str, value: Any) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        import time
+
+        time.sleep(0.3)
+        return self.store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(key, amount)
+
+    def wait(self, *args: Any) -> None:
+        self.store.wait(*args)
+
+    def check(self, *args: Any) -> bool:
+        return self.store.check(*args)
+
+    def set_timeout(self, timeout: Any) -> None:
+        self.store.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> Any:
+        return self.store.timeout
+
+
+def spawn_hosting_entry(index: int, outdir: str, world: int, port: int) -> None:
+    """torch.multiprocessing.spawn's target for a job whose rank 0 serves the TCPStore it gives
+    its group (as init_process_group's env:// rendezvous does): the job's last call is a
+    barrier, which rank 0 leaves first, then exits; the other ranks read the store slowly."""
+    import datetime
+
+    result: dict[str, Any] = {"ok": False, "pid": os.getpid()}
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=index == 0,
+                                           timeout=datetime.timedelta(seconds=30),
+                                           wait_for_workers=False)
+        group = shared.Group(rank=index, world_size=world,
+                             store=store if index == 0 else SlowStore(store), timeout=30)
+        group.create_tensor((1000, 8), torch.float32)
+        group.barrier()
+        result["ok"] = True
+    except BaseException as e:  # report everything, the test prints it
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(outdir, f"rank{index}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def fork_as_other(name: str, timeout: float = 30.0, attach_name: str | None = None) -> int:
     """Runs fetch_as_other (or, given `attach_name`, attach_as_other) in a forked child as user
     and group 65534; returns its exit code."""
