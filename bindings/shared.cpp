@@ -107,6 +107,10 @@ class TorchStore : public Store {
     return out;
   }
 
+  void Delete(const std::string& key) override {
+    Call("delete_key", key, [&] { store_.attr("delete_key")(key); });
+  }
+
  private:
   // Runs `body` with the GIL held; its Python exceptions become IoError so they cross the C++
   // code, which runs with the GIL released, as plain C++ exceptions.

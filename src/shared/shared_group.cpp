@@ -12,12 +12,12 @@
 #include <thread>
 
 #include "tensortier/shared/partition_server.hpp"
-#include "tensortier/util/aligned_buffer.hpp"
-#include "tensortier/util/error.hpp"
 #include "tensortier/shared/shared_tensor.hpp"
-#include "tensortier/util/strings.hpp"
 #include "tensortier/shared/tensor_memory.hpp"
 #include "tensortier/shared/unix_socket.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {
@@ -166,8 +166,8 @@ void SharedGroup::CountOut() noexcept {
   }
 }
 
-void SharedGroup::WaitForOthersToLeave(Store& store, const std::string& leave_key,
-                                       int world_size, std::chrono::milliseconds timeout) noexcept {
+void SharedGroup::WaitForOthersToLeave(Store& store, const std::string& leave_key, int world_size,
+                                       std::chrono::milliseconds timeout) noexcept {
   const auto deadline = Clock::now() + timeout;
   try {
     while (store.Add(leave_key, 0) < world_size - 1 && Clock::now() < deadline) {
@@ -201,8 +201,8 @@ std::vector<std::string> SharedGroup::AllGather(const std::string& what, const s
       auto [end, ec] = std::from_chars(entry.data(), entry.data() + colon, length);
       if (colon == entry.size() || ec != std::errc() || end != entry.data() + colon ||
           length > entry.size() - colon - 1) {
-        throw std::invalid_argument(StrCat(what, ": rank ", r, " left an entry of no call at ",
-                                           base, r, " in the store"));
+        throw std::invalid_argument(
+            StrCat(what, ": rank ", r, " left an entry of no call at ", base, r, " in the store"));
       }
       calls[r] = entry.substr(colon + 1, length);
       all[r] = entry.substr(colon + 1 + length);
@@ -228,6 +228,17 @@ std::vector<std::string> SharedGroup::AllGather(const std::string& what, const s
     }
     msg.pop_back();
     throw std::invalid_argument(msg);
+  }
+  // Every rank has made this call, so each has read the entries of the one before: this rank's
+  // entry there is read by no one again. Removed, the store keeps one call's entries, not one
+  // per call of the job. A store that cannot remove keys only keeps them (its error is not this
+  // call's).
+  if (n > 0 && deletes_keys_) {
+    try {
+      store_->Delete(StrCat(prefix_, "/c", n - 1, "/", rank_));
+    } catch (const std::exception&) {
+      deletes_keys_ = false;
+    }
   }
   return all;
 }

@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "tensortier/util/error.hpp"
 #include "tensortier/shared/shared_store.hpp"
-#include "tensortier/util/strings.hpp"
 #include "tensortier/shared/unix_socket.hpp"
+#include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {
@@ -23,6 +23,7 @@ namespace {
 constexpr char kSet = 'S';
 constexpr char kGet = 'G';
 constexpr char kAdd = 'A';
+constexpr char kDelete = 'D';
 // A client's request arrives whole within this time once its first byte has.
 constexpr std::chrono::seconds kRequestTime{5};
 
@@ -127,6 +128,10 @@ struct UnixSocketStore::Server {
       now += delta;
       Put(key, std::to_string(now), values, waiters);
       shared::SendAll(fd, &now, sizeof(now), deadline, name);
+    } else if (op == kDelete) {
+      values.erase(key);
+      char ok = 'k';
+      shared::SendAll(fd, &ok, 1, deadline, name);
     } else {
       ThrowIoError(EPROTO, "store request", name);
     }
@@ -200,6 +205,14 @@ std::string UnixSocketStore::Get(const std::string& key, std::chrono::millisecon
     }
     throw;
   }
+}
+
+void UnixSocketStore::Delete(const std::string& key) {
+  auto deadline = shared::DeadlineAfter(kRequestTime);
+  shared::SendAll(fd_, &kDelete, 1, deadline, name_);
+  shared::SendString(fd_, key, deadline, name_);
+  char ok = 0;
+  shared::RecvAll(fd_, &ok, 1, deadline, name_);
 }
 
 int64_t UnixSocketStore::Add(const std::string& key, int64_t delta) {

@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "shared_ranks.hpp"
-#include "tensortier/util/error.hpp"
 #include "tensortier/shared/shared_store.hpp"
 #include "tensortier/shared/shared_tensor.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
@@ -871,6 +871,7 @@ class CountingStore : public Store {
     if (gone_) ThrowIoError(ECONNRESET, "the store is gone", key);
     return counts_[key] += delta;
   }
+  void Delete(const std::string& key) override { counts_.erase(key); }
 
  private:
   bool gone_;
@@ -910,7 +911,7 @@ TEST(SharedGroupLeaveTest, RanksCountThemselvesOutUnderTheGroupsOwnKey) {
   }));
 }
 
-TEST(UnixSocketStoreTest, SetGetAddAndTimeout) {
+TEST(UnixSocketStoreTest, SetGetAddDeleteAndTimeout) {
   auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
     if (rank == 1) store->Set("k", std::string("v\0w", 3));
     Check(store->Get("k", 10s) == std::string("v\0w", 3), "value");
@@ -928,6 +929,16 @@ TEST(UnixSocketStoreTest, SetGetAddAndTimeout) {
         Check(e.error_code() == ETIMEDOUT, e.what());
         Check(std::chrono::steady_clock::now() - start < 10s, "bounded");
       }
+      store->Set("gone", "x");
+      store->Delete("gone");
+      store->Delete("never");  // absent: nothing to do
+      try {
+        store->Get("gone", 300ms);
+        Check(false, "a deleted key was read");
+      } catch (const IoError& e) {
+        Check(e.error_code() == ETIMEDOUT, e.what());
+      }
+      Check(store->Add("gone", 2) == 2, "a deleted key counts from 0");
     }
   });
   ExpectAllZero(statuses);

@@ -109,6 +109,7 @@ class SharedGroup {
   std::string socket_name_;
   std::string leave_key_;
   uint64_t next_collective_ = 0;
+  bool deletes_keys_ = true;  // false once the store failed to remove a key
   std::shared_ptr<shared::PartitionServer> server_;
   std::vector<std::weak_ptr<SharedTensor>> tensors_;
 };

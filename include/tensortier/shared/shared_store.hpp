@@ -22,6 +22,9 @@ class Store {
   virtual std::string Get(const std::string& key, std::chrono::milliseconds timeout) = 0;
   // Adds `delta` to the integer stored at `key` (0 when absent) and returns the new value.
   virtual int64_t Add(const std::string& key, int64_t delta) = 0;
+  // Removes `key` (nothing where it is absent): keys no one reads again, so that a job's store
+  // does not grow with every call. Throws IoError.
+  virtual void Delete(const std::string& key) = 0;
 };
 
 // The built-in store: rank 0 serves it on an abstract-namespace Unix socket named after `job`
@@ -38,6 +41,7 @@ class UnixSocketStore : public Store {
   UnixSocketStore& operator=(const UnixSocketStore&) = delete;
 
   void Set(const std::string& key, const std::string& value) override;
+  void Delete(const std::string& key) override;
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) override;
   int64_t Add(const std::string& key, int64_t delta) override;
 
