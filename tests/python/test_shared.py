@@ -155,6 +155,28 @@ def test_every_layout_under_multiprocessing_spawn(tmp_path: Path) -> None:
     del store
 
 
+def test_rank_zero_serving_a_store_it_was_given_outlives_the_last_barrier(tmp_path: Path) -> None:
+    """Rank 0 serves the TCPStore its group was given (as under mp.spawn with
+    init_process_group) and leaves the job's last barrier first: it waits at exit until the
+    others have left, so that a rank still reading the barrier's keys keeps the store."""
+    import shared_worker  # noqa: F401  (the spawned processes import it by name)
+    import torch.multiprocessing as mp
+
+    world = 2
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    ctx = mp.spawn(shared_worker.spawn_hosting_entry, args=(str(outdir), world, free_port()),
+                   nprocs=world, join=False)
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT)
+    while not ctx.join(timeout=1):
+        if datetime.datetime.now() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("spawned ranks did not finish in time")
+    for r, res in enumerate(reports(outdir, world)):
+        assert res["ok"], f"rank {r}: {res.get('error')}"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_killed_rank_every_survivor_raises_and_nothing_is_left(tmp_path: Path, world: int) -> None:
     """The last rank kills itself (SIGKILL) after the first tensor; the next collective raises
@@ -306,6 +328,43 @@ def test_one_process_group_with_a_hash_store() -> None:
             shared.Group(rank=0, world_size=1, store=store, timeout=5).attach("nope")
     with pytest.raises(RuntimeError, match="closed"):
         t.gather([0])
+
+
+def test_collective_calls_leave_the_store_no_bigger() -> None:
+    """Each call's entries are removed once every rank has made the next call: a loop of
+    barriers (a training loop's) does not grow the store; a store that cannot remove keys
+    only keeps them."""
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        group.barrier()
+        before = store.num_keys()
+        for _ in range(200):
+            group.barrier()
+        assert store.num_keys() <= before + 1, (before, store.num_keys())
+
+    class NoDelete(torch.distributed.Store):  # a store of the user's, without delete_key
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.distributed.HashStore()
+
+        def set(self, key: str, value: Any) -> None:
+            self.inner.set(key, value)
+
+        def get(self, key: str) -> bytes:
+            return self.inner.get(key)
+
+        def add(self, key: str, amount: int) -> int:
+            return self.inner.add(key, amount)
+
+        def check(self, keys: list[str]) -> bool:
+            return self.inner.check(keys)
+
+        def wait(self, *args: Any) -> None:
+            self.inner.wait(*args)
+
+    with shared.Group(rank=0, world_size=1, store=NoDelete(), timeout=5) as group:
+        for _ in range(3):
+            group.barrier()
 
 
 def _child_that_never_runs(view: torch.Tensor) -> None:  # pragma: no cover - never started
@@ -712,6 +771,9 @@ def test_wholememory_views_of_aliases_of_a_created_tensor() -> None:
             assert view.shape == (16, 4) and torch.equal(view, t)
         with pytest.raises(ValueError, match="create_tensor"):
             wm.get_tensor_view(torch.zeros(16, 4), torch.device("cpu"))
+        for part in (t[2:5], t[:, 1], t[:8]):  # not the whole: refused, never widened
+            with pytest.raises(ValueError, match="not a part"):
+                wm.get_tensor_view(part, torch.device("cpu"))
     finally:
         wm.finalize_lib()
 

@@ -84,7 +84,7 @@ def get_tensor_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A view of a tensor from create_tensor for `device` (the same memory).
 
     Raises:
-        ValueError: `tensor` did not come from create_tensor.
+        ValueError: `tensor` did not come from create_tensor, or is a part of one (a slice).
         CudaError: a CUDA device and no CUDA driver was found.
         RuntimeError: after finalize_lib().
     """
@@ -101,6 +101,12 @@ def get_tensor_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
                        and t.untyped_storage().data_ptr() == address), None)
     if shared is None:
         raise ValueError("wholememory: get_tensor_view needs a tensor returned by create_tensor")
+    if tensor.storage_offset() != 0 or tensor.nbytes != tensor.untyped_storage().nbytes():
+        # Looked up by its memory, a part would be taken for the whole: refused, not widened.
+        raise ValueError(
+            "wholememory: get_tensor_view needs a tensor returned by create_tensor or an alias of "
+            f"all of it, not a part ({tuple(tensor.shape)} at element {tensor.storage_offset()}): "
+            "take the view of the whole tensor, then the same part of it")
     device = torch.device(device)
     _core.wholememory_device("get_tensor_view", device.type, str(device))
     view = cast(torch.Tensor, shared.view(device))
