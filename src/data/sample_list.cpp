@@ -63,7 +63,7 @@ void ListDir(const std::string& dir, std::vector<std::string>* subdirs,
       }
     } else {
       const std::string full = JoinPath(dir, name);
-      struct stat st {};
+      struct stat st{};
       if (stat(full.c_str(), &st) != 0) ThrowIoError(errno, "stat", full);
       if (S_ISDIR(st.st_mode)) subdirs->push_back(std::move(name));
     }
@@ -89,7 +89,6 @@ std::vector<std::string> FilterDirs(std::vector<std::string> dirs,
   return dirs;
 }
 
-
 // The whole text of a file list. Only a regular file is read (looked at before any read: a FIFO
 // would block, a device such as /dev/zero never ends), and only up to kMaxListBytes.
 std::string ReadListText(const std::string& path) {
@@ -99,7 +98,7 @@ std::string ReadListText(const std::string& path) {
     int fd;
     ~Closer() { close(fd); }
   } closer{fd};
-  struct stat st {};
+  struct stat st{};
   if (fstat(fd, &st) != 0) ThrowIoError(errno, "fstat", path);
   if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "read the file list (a directory)", path);
   if (!S_ISREG(st.st_mode)) {
@@ -198,6 +197,12 @@ SampleList ReadFileList(const std::string& list_path, const std::string& root) {
     const int64_t label_start = i + 1;
     while (i >= 0 && std::isspace(static_cast<unsigned char>(line[i]))) --i;
     const int64_t name_end = i + 1;
+    if (label_end > label_start && i >= 1 && line[i] == '-' &&
+        std::isspace(static_cast<unsigned char>(line[i - 1]))) {
+      throw std::invalid_argument(StrCat("file_list '", list_path, "' line ", number, ": label '",
+                                         line.substr(i, label_end - i),
+                                         "' is negative (labels are 0 or more)"));
+    }
     if (name_end <= 0 || name_end >= label_start || label_end <= label_start) {
       throw std::invalid_argument(StrCat("file_list '", list_path, "' line ", number,
                                          ": expected a file name followed by a label, got '", line,
@@ -225,7 +230,7 @@ SampleList ReadFileList(const std::string& list_path, const std::string& root) {
 
 void CheckFilesExist(const std::vector<std::string>& paths) {
   for (const std::string& path : paths) {
-    struct stat st {};
+    struct stat st{};
     if (stat(path.c_str(), &st) != 0) ThrowIoError(errno, "stat", path);
   }
 }

@@ -14,12 +14,12 @@
 #include <memory>
 #include <thread>
 
-#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/data/batch_reader.hpp"
-#include "tensortier/util/error.hpp"
 #include "tensortier/data/extent_map.hpp"
-#include "tensortier/io/file.hpp"
 #include "tensortier/data/sample_list.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -345,7 +345,7 @@ TEST(BatchReaderTest, ExtentMapReadsMappedFilesRawAndChangedOnesThroughTheFilesy
   // Rewritten with the same bytes after the map was built: its mtime (set a second on, as the
   // clock's tick may be coarser than the test) says it changed.
   WritePatternFile(tree.paths[5], tree.sizes[5], 5);
-  struct stat st {};
+  struct stat st{};
   ASSERT_EQ(stat(tree.paths[5].c_str(), &st), 0);
   const timespec times[2] = {st.st_atim, {st.st_mtim.tv_sec + 1, st.st_mtim.tv_nsec}};
   ASSERT_EQ(utimensat(AT_FDCWD, tree.paths[5].c_str(), times, 0), 0);
@@ -492,6 +492,16 @@ TEST(SampleListTest, FileListInDalisFormat) {
     std::ofstream(dir.File("bad.txt")) << bad;
     EXPECT_THROW(ReadFileList(dir.File("bad.txt")), std::invalid_argument) << bad;
   }
+  for (const auto& [line, says] : {std::pair{"a.jpg -1\n", "label '-1' is negative"},
+                                   std::pair{"file-1\n", "expected a file name followed by"}}) {
+    std::ofstream(dir.File("bad.txt")) << line;
+    try {
+      ReadFileList(dir.File("bad.txt"));
+      ADD_FAILURE() << "no error for " << line;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  }
   std::ofstream(dir.File("empty.txt")) << "\n\n";
   EXPECT_THROW(ReadFileList(dir.File("empty.txt")), std::invalid_argument);
   EXPECT_THROW(ReadFileList(dir.File("missing.txt")), IoError);
@@ -563,7 +573,7 @@ TEST(BatchReaderTest, OpenFilesFollowRlimitNofileAndRunningOutIsNeverSkipped) {
     alarm(120);  // a hang ends as SIGALRM, seen by the parent
     int code = 0;
     try {
-      struct rlimit limit {};
+      struct rlimit limit{};
       getrlimit(RLIMIT_NOFILE, &limit);
       limit.rlim_cur = 64;
       if (setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(10);
