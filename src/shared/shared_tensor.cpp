@@ -165,12 +165,14 @@ UniqueFd SharedTensor::CreateLocalPartition(bool huge, const std::string& shmem_
   stats_.local_bytes = p.bytes;
   UniqueFd fd;
   if (p.bytes == 0) return fd;
-  // Every page is faulted in below: more than the machine's memory would end in the OOM killer.
-  if (p.bytes > PhysicalMemoryBytes()) {
+  // Every page is faulted in below: more than the memory this process may use would end in the
+  // OOM killer.
+  if (const MemoryLimit limit = ProcessMemoryLimit(); p.bytes > limit.bytes) {
     ThrowIoError(
         ENOMEM,
-        StrCat("allocate shared memory (this machine has ", PhysicalMemoryBytes(), " bytes) for"),
-        key_, 0, p.bytes);
+        StrCat("create this rank's rows of a shared tensor (", p.bytes, " bytes, more than the ",
+               limit.bytes, " bytes of ", limit.what, ": every page is filled when created)"),
+        spec_.name.empty() ? "(unnamed)" : spec_.name, 0, p.bytes);
   }
   // hugetlb where the partitioning allows and the kernel has pages; else ordinary pages.
   if (!huge) {

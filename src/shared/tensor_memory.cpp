@@ -5,12 +5,16 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
+#include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "tensortier/shared/unix_socket.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 
@@ -108,6 +112,49 @@ int PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page) {
     reinterpret_cast<volatile uint8_t*>(address)[at] = 0;  // the memfd is zero-filled
   }
   return 0;
+}
+
+namespace {
+
+// The first line of a small file, "" where it cannot be read.
+std::string FirstLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// The limit in a cgroup's memory file ("max" or a byte count), nullopt where there is none.
+std::optional<uint64_t> CgroupLimit(const std::string& path) {
+  const std::string text = FirstLine(path);
+  uint64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end == text.data()) return std::nullopt;
+  return value;
+}
+
+}  // namespace
+
+MemoryLimit ProcessMemoryLimit() {
+  MemoryLimit limit{PhysicalMemoryBytes(), "this machine's memory"};
+  std::ifstream cgroups("/proc/self/cgroup");
+  for (std::string line; std::getline(cgroups, line);) {
+    // "0::/path" (v2), or "N:memory:/path" (v1's memory controller).
+    const size_t first = line.find(':'), second = line.find(':', first + 1);
+    if (first == std::string::npos || second == std::string::npos) continue;
+    const std::string controllers = line.substr(first + 1, second - first - 1);
+    const std::string path = line.substr(second + 1);
+    std::optional<uint64_t> bytes;
+    if (controllers.empty()) {  // v2: mounted at /sys/fs/cgroup, or beside v1 ("hybrid")
+      bytes = CgroupLimit(StrCat("/sys/fs/cgroup", path, "/memory.max"));
+      if (!bytes) bytes = CgroupLimit(StrCat("/sys/fs/cgroup/unified", path, "/memory.max"));
+    } else if (controllers == "memory" || controllers.find("memory,") != std::string::npos ||
+               controllers.ends_with(",memory")) {
+      bytes = CgroupLimit(StrCat("/sys/fs/cgroup/memory", path, "/memory.limit_in_bytes"));
+    }
+    if (bytes && *bytes < limit.bytes) limit = {*bytes, "this process's cgroup memory limit"};
+  }
+  return limit;
 }
 
 uint64_t PhysicalMemoryBytes() {

@@ -45,5 +45,12 @@ bool ShmemHugeOnAdvice(const std::string& policy);
 int PopulateForWrite(uint8_t* address, uint64_t length, uint64_t page);
 // The machine's physical memory in bytes (UINT64_MAX where it cannot be told).
 uint64_t PhysicalMemoryBytes();
+// The memory this process may use: the machine's, or less where its cgroup (v2 memory.max, v1
+// memory.limit_in_bytes) sets a limit; `what` says which, for errors.
+struct MemoryLimit {
+  uint64_t bytes = UINT64_MAX;
+  std::string what;
+};
+MemoryLimit ProcessMemoryLimit();
 
 }  // namespace tensortier
