@@ -267,6 +267,42 @@ def test_dataset_in_a_dataloader_with_two_workers(disk_dir: Path) -> None:
     assert sorted(sum(stream_dataset(dataset), [])) == sorted(tree.values())
 
 
+def test_dataset_resumes_mid_epoch_from_its_state(disk_dir: Path) -> None:
+    """state_dict() taken after k batches (what torchdata's StatefulDataLoader takes in each
+    worker); a new dataset given it by load_state_dict() yields the rest of that epoch; a state
+    of other settings is refused when the iteration starts."""
+    make_tree(disk_dir, classes=3, per_class=8)
+
+    def batches(it: Any, n: int | None = None) -> list[list[bytes]]:
+        out = []
+        for samples, _ in it:
+            out.append([bytes(x.numpy()) for x in samples])
+            if n is not None and len(out) == n:
+                break
+        return out
+
+    whole = FileDataset(file_root=disk_dir, batch_size=5, seed=4)
+    whole.set_epoch(3)
+    want = batches(whole)
+    dataset = FileDataset(file_root=disk_dir, batch_size=5, seed=4)
+    with pytest.raises(ValueError, match="no iteration has begun"):
+        dataset.state_dict()
+    dataset.set_epoch(3)
+    it = iter(dataset)
+    assert batches(it, 2) == want[:2]
+    state = dataset.state_dict()
+    resumed = FileDataset(file_root=disk_dir, batch_size=5, seed=4)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # not begun yet: the state it will resume
+    assert batches(resumed) == want[2:]
+    other = FileDataset(file_root=disk_dir, batch_size=4, seed=4)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError):
+        batches(other)
+    with pytest.raises(TypeError, match="state_dict"):
+        other.load_state_dict([1, 2])  # type: ignore[arg-type]
+
+
 def sorted_batches(batches: Any) -> list[tuple[tuple[bytes, int], ...]]:
     return sorted(tuple((bytes(s.numpy()), int(l)) for s, l in zip(samples, labels))
                   for samples, labels in batches)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +69,8 @@ class FileDataset(torch.utils.data.IterableDataset):
         # the epoch set after they started (torch passes it to spawned workers by handle).
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self._parent_rank: tuple[int, int] | None = None  # set in copies sent to workers
+        self._reader: FileReader | None = None  # the iteration under way in this process
+        self._resume: Mapping[str, Any] | None = None  # load_state_dict's, for the next one
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (its shuffle and shards), in this process and in
@@ -82,6 +84,7 @@ class FileDataset(torch.utils.data.IterableDataset):
         # Pickled into a DataLoader worker started by spawn or forkserver, where the process
         # group is not initialised: the worker reads the rank of the process that started it.
         state["_parent_rank"] = _rank_and_world() or self._parent_rank
+        state["_reader"] = None  # this process's iteration stays here
         return state
 
     def shard(self) -> tuple[int, int]:
@@ -98,7 +101,36 @@ class FileDataset(torch.utils.data.IterableDataset):
         reader = FileReader(files=self._paths, labels=self._labels.tolist(), shard_id=shard_id,
                             num_shards=num_shards, check_files=False, **self._options)
         reader.set_epoch(int(self._epoch))
+        if self._resume is not None:
+            resume, self._resume = self._resume, None
+            reader.load_state_dict(resume)
+        self._reader = reader
         try:
             yield from reader
         finally:
             reader.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this process's (or DataLoader worker's) iteration is: its reader's
+        ``FileReader.state_dict()`` (the epoch, the batches already given out, its shard, the
+        settings and files that fix the order). torchdata's ``StatefulDataLoader`` takes it in
+        each worker; with no iteration begun, the state of one not yet started.
+
+        Raises:
+            ValueError: no iteration has begun in this process (nothing to resume).
+        """
+        if self._reader is None:
+            if self._resume is not None:
+                return dict(self._resume)
+            raise ValueError("FileDataset.state_dict(): no iteration has begun in this process "
+                             "(take it while iterating, or after)")
+        return self._reader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Makes the next iteration in this process resume after the last batch given out
+        before ``state`` was taken (checked then, by ``FileReader.load_state_dict``: the same
+        files, settings and shard, else ``ValueError``)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"FileDataset.load_state_dict needs the dict state_dict() returns, "
+                            f"not {type(state).__name__}")
+        self._resume = state
