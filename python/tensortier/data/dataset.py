@@ -113,17 +113,11 @@ class FileDataset(torch.utils.data.IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Where this process's (or DataLoader worker's) iteration is: its reader's
         ``FileReader.state_dict()`` (the epoch, the batches already given out, its shard, the
-        settings and files that fix the order). torchdata's ``StatefulDataLoader`` takes it in
-        each worker; with no iteration begun, the state of one not yet started.
-
-        Raises:
-            ValueError: no iteration has begun in this process (nothing to resume).
-        """
+        settings and files that fix the order); before any iteration, the state given to
+        ``load_state_dict``, else ``{}`` (nothing given out: an iteration from the start).
+        torchdata's ``StatefulDataLoader`` takes it in each worker."""
         if self._reader is None:
-            if self._resume is not None:
-                return dict(self._resume)
-            raise ValueError("FileDataset.state_dict(): no iteration has begun in this process "
-                             "(take it while iterating, or after)")
+            return dict(self._resume) if self._resume is not None else {}
         return self._reader.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -133,4 +127,4 @@ class FileDataset(torch.utils.data.IterableDataset):
         if not isinstance(state, Mapping):
             raise TypeError(f"FileDataset.load_state_dict needs the dict state_dict() returns, "
                             f"not {type(state).__name__}")
-        self._resume = state
+        self._resume = state or None  # {}: from the start
