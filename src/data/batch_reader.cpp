@@ -142,13 +142,19 @@ void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
         n = pread(slot.file.buffered_fd(), &probe, 1, 0);
       } while (n < 0 && errno == EINTR);
       if (n < 0) ThrowIoError(errno, "read", path, 0, 1);
-      if (n > 0) {
+      struct stat now{};
+      if (n > 0 && fstat(slot.file.buffered_fd(), &now) == 0 && now.st_size > 0) {
+        // Written since it was opened (empty then): read as it is now, as any file is read at
+        // the size it has when opened.
+        slot.size = static_cast<uint64_t>(now.st_size);
+      } else if (n > 0) {
         ThrowIoError(EINVAL,
                      "read (the file reports a size of 0 bytes but has data, as /proc and /sys "
                      "files do: its size is unknown; copy it to a regular file)",
                      path);
+      } else {
+        return;
       }
-      return;
     }
     if (!direct) return;
     const Residency cached =
