@@ -3,6 +3,7 @@
 // parses the command lines and prints what the pipeline reports.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -159,6 +160,26 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
 }
 
 // A torch.distributed.checkpoint directory: its metadata's items, per data file.
+// Notes the data files in `dir` that its metadata does not name (a save that died before its
+// commit, whose files the next save removes, or files copied in): loads never read them.
+void NoteUnnamedDcpFiles(const std::string& dir, const DcpMetadata& md) {
+  std::set<std::string> named;
+  for (const auto& it : md.items) named.insert(it.relative_path);
+  std::vector<std::string> others;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with("__") && name.ends_with(".distcp") && !named.contains(name)) {
+      others.push_back(name);
+    }
+  }
+  if (others.empty()) return;
+  std::sort(others.begin(), others.end());
+  Note(StrCat(TerminalText(dir), " holds ", Count(others.size(), "data file"),
+              " its .metadata does not name (first: ", TerminalText(others.front()),
+              "), which loads never read: left by a save that did not commit, or copied in"));
+}
+
 int InfoDcp(const std::string& dir, unsigned show) {
   const DcpMetadata md = ReadDcpMetadata(dir);
   std::map<std::string, std::pair<size_t, uint64_t>> files;  // items, bytes
@@ -195,6 +216,7 @@ int InfoDcp(const std::string& dir, unsigned show) {
   for (const auto& [name, f] : files) names.push_back(name);
   std::fflush(stdout);
   CheckDcpDataFilesPresent(dir, names);
+  NoteUnnamedDcpFiles(dir, md);
   return 0;
 }
 
@@ -203,6 +225,7 @@ int VerifyDcp(const std::string& dir) {
   Engine engine;
   const DcpVerifyReport r = VerifyDcpCheckpoint(engine, dir, md);
   const std::string shown = TerminalText(dir);
+  NoteUnnamedDcpFiles(dir, md);
   std::fflush(stdout);
   for (const auto& p : r.problems) std::fprintf(stderr, "%s\n", TerminalText(p).c_str());
   if (!r.problems.empty()) {

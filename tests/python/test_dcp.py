@@ -487,6 +487,17 @@ def test_a_save_committing_while_the_metadata_is_read_is_read_through(
     assert torch.equal(got["w"], torch.ones(5000))
 
 
+def test_the_cli_notes_data_files_the_metadata_does_not_name(tmp_path: Path) -> None:
+    """A __*.distcp file the .metadata does not name (a save that died before committing, a
+    file copied in) is never read by a load: info and verify say so, and still pass."""
+    ckpt, _ = single_process_checkpoint(tmp_path)
+    shutil.copy(next(ckpt.glob("*.distcp")), ckpt / "__1_stray.distcp")
+    for command in ("info", "verify"):
+        said = cli(command, ckpt)
+        assert said.returncode == 0, said.stderr
+        assert "1 data file its .metadata does not name (first: __1_stray.distcp)" in said.stderr
+
+
 def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:
     """Writer stores its format version in the metadata's StorageMeta; a Reader refuses a newer
     one before reading any item, naming the file, the version found and the one it reads."""
