@@ -263,6 +263,7 @@ class BoundGroup : public SharedGroup {
       if (auto t = weak.lock()) t->Close();
     }
     Close();
+    MarkClosed();
     if (!hosts_store_) CountOut();  // a store that is gone has nobody waiting
   }
 

@@ -166,6 +166,14 @@ void SharedGroup::CountOut() noexcept {
   }
 }
 
+void SharedGroup::MarkClosed() noexcept {
+  try {
+    store_->Add(StrCat(leave_key_, "/", rank_), 1);
+  } catch (const std::exception&) {
+    // The store is gone: nobody waits for this rank in a collective call any more.
+  }
+}
+
 void SharedGroup::WaitForOthersToLeave(Store& store, const std::string& leave_key, int world_size,
                                        std::chrono::milliseconds timeout) noexcept {
   const auto deadline = Clock::now() + timeout;
@@ -175,6 +183,25 @@ void SharedGroup::WaitForOthersToLeave(Store& store, const std::string& leave_ke
     }
   } catch (const std::exception&) {
     // The store is gone: nobody is left to serve.
+  }
+}
+
+std::string SharedGroup::GetUnlessClosed(const std::string& what, const std::string& key, int r,
+                                         Clock::time_point deadline) {
+  for (;;) {
+    const auto wait = std::min(Remaining(deadline), kClosedCheck);
+    try {
+      return store_->Get(key, wait);
+    } catch (const IoError& e) {
+      if (e.error_code() != ETIMEDOUT || Clock::now() >= deadline) throw;
+    }
+    if (store_->Add(StrCat(leave_key_, "/", r), 0) > 0) {
+      ThrowIoError(ECONNABORTED,
+                   StrCat(what, ": rank ", r, " of ", world_size_,
+                          " closed its group (close(), finalize_lib() or its exit) without making "
+                          "this call (every rank must make the same collective calls)"),
+                   key);
+    }
   }
 }
 
@@ -195,7 +222,7 @@ std::vector<std::string> SharedGroup::AllGather(const std::string& what, const s
       continue;
     }
     try {
-      std::string entry = store_->Get(base + std::to_string(r), Remaining(deadline));
+      std::string entry = GetUnlessClosed(what, base + std::to_string(r), r, deadline);
       const size_t colon = std::min(entry.find(':'), entry.size());
       uint64_t length = 0;
       auto [end, ec] = std::from_chars(entry.data(), entry.data() + colon, length);

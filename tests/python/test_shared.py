@@ -778,6 +778,27 @@ def test_wholememory_views_of_aliases_of_a_created_tensor() -> None:
         wm.finalize_lib()
 
 
+def test_a_rank_that_closed_its_group_fails_the_others_calls_at_once() -> None:
+    """A rank that closes its group (or exits) without making a collective call the others
+    make: they raise ConnectionAbortedError naming it within seconds, not at the timeout."""
+    closed = threading.Event()
+
+    def body(group: shared.Group) -> Any:
+        if group.rank == 1:
+            group.close()
+            closed.set()
+            return None
+        closed.wait(30)
+        start = time.monotonic()
+        with pytest.raises(ConnectionAbortedError, match="rank 1 of 2 closed its group") as e:
+            group.barrier()
+        return time.monotonic() - start, e.value
+
+    results = run_ranks_in_threads(2, body, timeout=60)
+    waited, _ = results[0]
+    assert waited < 30, waited  # the group's timeout is 60 s
+
+
 def run_ranks_in_threads(world: int, body: Any, timeout: float) -> list[Any]:
     """Runs `body(group)` for every rank of a group of `world` threads of this process over one
     HashStore; returns what each returned or raised."""

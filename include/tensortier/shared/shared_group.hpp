@@ -86,6 +86,10 @@ class SharedGroup {
   // that is gone has nobody left to wait for. The key is the group's own (leave_key).
   const std::string& leave_key() const noexcept { return leave_key_; }
   void CountOut() noexcept;
+  // Records in the store that this rank closed its group, so that ranks waiting for it in a
+  // collective call fail at once (IoError ECONNABORTED naming it) rather than at the timeout.
+  // Never throws (a store that is gone has no one waiting).
+  void MarkClosed() noexcept;
   static void WaitForOthersToLeave(Store& store, const std::string& leave_key, int world_size,
                                    std::chrono::milliseconds timeout) noexcept;
 
@@ -97,6 +101,11 @@ class SharedGroup {
   // The same in device memory (shared_device.cpp).
   std::shared_ptr<SharedTensor> MapDevice(const SharedTensorSpec& spec, const std::string& key,
                                           int device);
+  // The value of rank `r`'s entry `key` of the collective call `what`, waiting until
+  // `deadline`: IoError ETIMEDOUT then, or ECONNABORTED as soon as rank `r` has closed its
+  // group (MarkClosed), looked at every kClosedCheck.
+  std::string GetUnlessClosed(const std::string& what, const std::string& key, int r,
+                              std::chrono::steady_clock::time_point deadline);
   // Keeps a weak reference to `tensor` (closed with the group), forgetting those dropped.
   void Remember(const std::shared_ptr<SharedTensor>& tensor);
 
@@ -110,6 +119,9 @@ class SharedGroup {
   std::string leave_key_;
   uint64_t next_collective_ = 0;
   bool deletes_keys_ = true;  // false once the store failed to remove a key
+  // How long a collective call waits for a rank's entry before it looks whether that rank has
+  // closed its group.
+  static constexpr std::chrono::milliseconds kClosedCheck{1000};
   std::shared_ptr<shared::PartitionServer> server_;
   std::vector<std::weak_ptr<SharedTensor>> tensors_;
 };
