@@ -195,7 +195,10 @@ bool DeepNvmeReadFits(const py::object& target, uint64_t nbytes, uint64_t offset
 
 // DeepNVMe's validate: the file's bytes at `offset` (through the page cache) against the host
 // memory [address, address + nbytes). OSError(EIO) when they differ.
-void DeepNvmeValidate(uintptr_t address, size_t nbytes, const std::string& path, uint64_t offset) {
+// A read's buffer may run past the file's end (DeepNVMe reads whole blocks): only the bytes the
+// file holds are compared (`read`); a write's must all be there.
+void DeepNvmeValidate(uintptr_t address, size_t nbytes, const std::string& path, uint64_t offset,
+                      bool read) {
   int code = 0;
   bool same = false;
   {
@@ -215,9 +218,9 @@ void DeepNvmeValidate(uintptr_t address, size_t nbytes, const std::string& path,
         got += static_cast<size_t>(n);
       }
       close(fd);
-      same = got == nbytes &&
-             (nbytes == 0 ||
-              std::memcmp(on_disk.data(), reinterpret_cast<const void*>(address), nbytes) == 0);
+      same = code == 0 && (read || got == nbytes) &&
+             (got == 0 ||
+              std::memcmp(on_disk.data(), reinterpret_cast<const void*>(address), got) == 0);
     }
   }
   const py::str name = PathToPython(path);
@@ -270,6 +273,8 @@ uint64_t ClampToSetting(uint64_t value, const char* env) {
 }
 
 class DeepNvmeHandle {
+  struct Pending;  // an operation started and not yet waited for (below)
+
  public:
   // DeepSpeed's bindings take the settings as C ints (TypeError for others); a value below 1,
   // with which DeepNVMe's handle fails at its first transfer, is a ValueError.
@@ -342,10 +347,15 @@ class DeepNvmeHandle {
         return -1;
       }
     }
-    return Call(self, op, buffer, filename, py::bool_(check), py::bool_(false), offset,
-                py::dict()) >= 0
-               ? 0
-               : -1;
+    // Its own operation only, as DeepNVMe's read()/write() run on the handle's own context:
+    // operations started before stay for wait() to count.
+    const Held held(mutex_);
+    if (!Start(self, op, buffer, filename, offset, check, false, false)) return -1;
+    std::vector<Pending> mine;
+    mine.push_back(std::move(pending_.back()));
+    pending_.pop_back();
+    Complete(mine);
+    return 0;
   }
 
   // wait(): every operation started, in order; returns their count.
@@ -430,6 +440,18 @@ class DeepNvmeHandle {
                                              : !self.attr("is_pinned")(buffer).cast<bool>())) {
       buffer = buffer.attr("detach")().attr("to")("cpu", py::arg("copy") = true);
     }
+    // DeepNVMe's workers take operations first in, first out, each its slice of every one: on
+    // one handle a later write to the same bytes wins, and a read sees the writes started
+    // before it. The engine runs operations side by side, so one that overlaps an earlier
+    // operation still in flight on the same file, either of them a write, starts once that one
+    // is over (its result stays for wait()).
+    const FileRange range{FileIdentity(file->first), file->first, file->second,
+                          file->second + buffer.attr("nbytes").cast<uint64_t>(), op == "write"};
+    for (const Pending& p : pending_) {
+      if (p.range.Conflicts(range)) {
+        WaitInterruptibly([&](auto timeout) { return p.op.WaitFor(timeout); }, true);
+      }
+    }
     const char* method = op == "read" ? "pread_async" : "pwrite_async";
     const py::object future =
         self.attr("_io").attr(method)(buffer, PathToPython(file->first), file->second);
@@ -438,7 +460,7 @@ class DeepNvmeHandle {
         py::object(py::module_::import("tensortier.compat.deepnvme").attr("_locked")).release();
     locked.attr("track")(buffer.attr("data_ptr")(), buffer.attr("nbytes"), operation);
     pending_.push_back({operation.cast<Operation>(), future, buffer, copy_to, validate, file->first,
-                        file->second});
+                        file->second, range});
     return true;
   }
 
@@ -453,6 +475,15 @@ class DeepNvmeHandle {
     }
     std::vector<Pending> pending;
     pending.swap(pending_);
+    Complete(pending);
+    return pending.size();
+  }
+
+  // Waits for `pending` (Ctrl-C interrupts it), then completes each in order (see WaitPending).
+  void Complete(const std::vector<Pending>& pending) {
+    for (const Pending& p : pending) {
+      WaitInterruptibly([&](auto timeout) { return p.op.WaitFor(timeout); }, true);
+    }
     py::object first;
     for (const Pending& p : pending) {
       try {
@@ -467,7 +498,7 @@ class DeepNvmeHandle {
         if (p.validate) {
           const py::object host = p.buffer.attr("detach")().attr("cpu")();
           DeepNvmeValidate(host.attr("data_ptr")().cast<uintptr_t>(),
-                           host.attr("nbytes").cast<size_t>(), p.path, p.offset);
+                           host.attr("nbytes").cast<size_t>(), p.path, p.offset, !p.range.write);
         }
       } catch (py::error_already_set& e) {
         if (!e.matches(PyExc_OSError) && !e.matches(PyExc_RuntimeError)) throw;
@@ -478,11 +509,31 @@ class DeepNvmeHandle {
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(first.ptr())), first.ptr());
       throw py::error_already_set();
     }
-    return pending.size();
   }
 
   static int64_t CInt(const py::object& value, const char* name) {
     return CIntegerArgument(value, "aio_handle", name, 1, 32, false).cast<int64_t>();
+  }
+
+  // The bytes an operation moves in its file: the file as (device, inode) where it exists when
+  // the operation starts, and by the path it was given (a write may create it).
+  struct FileRange {
+    std::optional<std::pair<dev_t, ino_t>> id;
+    std::string path;
+    uint64_t begin = 0;
+    uint64_t end = 0;
+    bool write = false;
+
+    bool Conflicts(const FileRange& other) const {
+      const bool same_file = (id && other.id && *id == *other.id) || path == other.path;
+      return same_file && (write || other.write) && begin < other.end && other.begin < end;
+    }
+  };
+
+  static std::optional<std::pair<dev_t, ino_t>> FileIdentity(const std::string& path) {
+    struct stat st{};
+    if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+    return std::pair(st.st_dev, st.st_ino);
   }
 
   struct Pending {
@@ -493,6 +544,7 @@ class DeepNvmeHandle {
     bool validate;
     std::string path;
     uint64_t offset;
+    FileRange range;
   };
 
   std::timed_mutex mutex_;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,6 +71,63 @@ def test_offsets_async_and_wait_count(handle, disk_dir: Path) -> None:  # type: 
     assert handle.wait() == 5
     for o, p in zip(outs, parts):
         assert torch.equal(o, p)
+
+
+@pytest.mark.parametrize("builder", [AsyncIOBuilder, GDSBuilder])
+def test_overlapping_operations_on_one_handle_keep_their_order(disk_dir: Path, builder: Any) -> None:
+    """DeepNVMe's workers take operations first in, first out: on one handle, with several
+    workers, a later write to the same bytes wins and a read sees the writes started before it
+    (the engine would run them side by side; an overlapping one waits for the earlier)."""
+    h = builder().load().aio_handle(intra_op_parallelism=4) if builder is AsyncIOBuilder \
+        else builder().load().gds_handle(intra_op_parallelism=4)
+    path = str(disk_dir / "order.bin")
+    n = 1 << 18  # 1 MiB of float32: split over the workers
+    a = h.new_cpu_locked_tensor(n, torch.empty(0)).fill_(1.0)
+    b = h.new_cpu_locked_tensor(n, torch.empty(0)).fill_(2.0)
+    back = torch.zeros(n)
+    for _ in range(20):
+        assert h.async_pwrite(a, path) == 0 and h.async_pwrite(b, path) == 0
+        assert h.wait() == 2
+        h.sync_pread(back, path)
+        assert torch.all(back == 2.0)
+        assert h.async_pwrite(a, path) == 0 and h.async_pread(back, path) == 0
+        assert h.wait() == 2 and torch.all(back == 1.0)
+        assert h.async_pwrite(b, path) == 0
+        assert h.sync_pwrite(a, path) == 2  # counts the async one too, as DeepNVMe's does
+        h.sync_pread(back, path)
+        assert torch.all(back == 1.0)
+    # Disjoint ranges still run side by side: no order to keep.
+    assert h.async_pwrite(a, path, 0) == 0 and h.async_pwrite(b, path, 4 * n) == 0
+    assert h.wait() == 2
+    h.free_cpu_locked_tensor(a)
+    h.free_cpu_locked_tensor(b)
+
+
+def test_read_and_write_leave_the_async_operations_to_wait(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """read()/write() run on their own, as DeepNVMe's do on the handle's own context: the
+    async operations started before are still counted by the next wait()."""
+    path = str(disk_dir / "own.bin")
+    data = torch.arange(4096, dtype=torch.float32)
+    handle.sync_pwrite(data, path)
+    outs = [torch.zeros(4096), torch.zeros(4096)]
+    for o in outs:
+        assert handle.async_pread(o, path) == 0
+    assert handle.read(torch.zeros(4096), path, False) == 0
+    assert handle.write(data, str(disk_dir / "other.bin"), False) == 0
+    assert handle.wait() == 2
+    assert all(torch.equal(o, data) for o in outs)
+
+
+def test_validate_of_a_read_past_the_end_compares_what_the_file_holds(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """A buffer longer than the file is a legal read (DeepNVMe reads whole blocks); validation
+    compares the bytes the file holds, not the rest of the buffer."""
+    path = str(disk_dir / "short.bin")
+    handle.sync_pwrite(torch.arange(1000, dtype=torch.int32), path)
+    buf = torch.zeros(4096, dtype=torch.int32)
+    assert handle.sync_pread(buf, path) == 1
+    assert handle.pread(buf, path, True, False) == 1
+    assert handle.pread(buf, path, True, True) == 0 and handle.wait() == 1
+    assert torch.equal(buf[:1000], torch.arange(1000, dtype=torch.int32))
 
 
 def test_write_does_not_truncate_and_read_write_whole_file(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
