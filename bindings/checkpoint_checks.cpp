@@ -395,20 +395,15 @@ void RegisterCheckpointChecks(py::module_& m) {
           throw py::error_already_set();
         }
         const py::object name = py::module_::import("os").attr("fspath")(path);
-        if (const auto named = FormatOfSuffix(name.cast<FsPath>().bytes)) {
-          return py::str(std::string(CheckpointFormatName(*named)));
-        }
-        PyErr_SetObject(PyExc_ValueError,
-                        py::str("cannot tell the format from the name {!r}: use a .safetensors "
-                                "or .pt suffix, or pass format='safetensors' or format='torch'")
-                            .format(name)
-                            .ptr());
-        throw py::error_already_set();
+        // A name whose suffix names no format ("ckpt.pt.tmp", "latest") is a torch file, as
+        // torch.save writes any name.
+        const auto named = FormatOfSuffix(name.cast<FsPath>().bytes);
+        return py::str(std::string(CheckpointFormatName(named.value_or(CheckpointFormat::kTorch))));
       },
       py::arg("path"), py::arg("format"),
       "The format save writes to path: format ('safetensors' or 'torch') when given, else the "
-      "one the file name's suffix names (format_of_suffix); ValueError for another format, or a "
-      "name whose suffix names none.");
+      "one the file name's suffix names (format_of_suffix), else 'torch' (torch.save writes any "
+      "name); ValueError for another format.");
   m.def(
       "shard_index_walk",
       [](const FsPath& path) {

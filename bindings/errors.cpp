@@ -8,6 +8,7 @@
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
 #include "tensortier/util/error.hpp"
+#include "tensortier/util/format_error.hpp"
 
 namespace py = pybind11;
 
@@ -17,6 +18,7 @@ namespace {
 // Made once by RegisterErrors; leaked, as the module that holds them lives until exit.
 PyObject* cuda_error_type = nullptr;
 PyObject* cufile_error_type = nullptr;
+PyObject* format_error_type = nullptr;
 
 py::object Call(PyObject* type, py::tuple args) {
   PyObject* error = PyObject_Call(type, args.ptr(), nullptr);
@@ -54,7 +56,9 @@ std::optional<py::object> Translate(const std::exception_ptr& error) {
       return std::nullopt;
     }
     return Call(PyExc_OSError, py::make_tuple(e.code().value(), MessageToPython(e.what())));
-  } catch (const std::invalid_argument& e) {  // FormatError too
+  } catch (const FormatError& e) {
+    return Call(format_error_type, py::make_tuple(MessageToPython(e.what())));
+  } catch (const std::invalid_argument& e) {
     return Call(PyExc_ValueError, py::make_tuple(MessageToPython(e.what())));
   } catch (const CudaError& e) {
     return WithCode(cuda_error_type, e.what(), e.code());
@@ -77,7 +81,14 @@ void RegisterErrors(py::module_& m) {
       "A failed cuFile call that is not a data transfer, or cuFile unavailable; .code is the "
       "CUfileOpError (-1: unavailable).",
       PyExc_RuntimeError, nullptr);
-  if (cuda_error_type == nullptr || cufile_error_type == nullptr) throw py::error_already_set();
+  format_error_type = PyErr_NewExceptionWithDoc(
+      "tensortier._core.FormatError",
+      "A file that is not what it claims to be (truncated, damaged, malformed): a ValueError.",
+      PyExc_ValueError, nullptr);
+  if (cuda_error_type == nullptr || cufile_error_type == nullptr || format_error_type == nullptr) {
+    throw py::error_already_set();
+  }
+  m.attr("FormatError") = py::handle(format_error_type);
   m.attr("CudaError") = py::handle(cuda_error_type);
   m.attr("CuFileError") = py::handle(cufile_error_type);
   py::register_exception_translator([](std::exception_ptr p) {

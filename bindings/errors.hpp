@@ -2,7 +2,8 @@
 //   IoError (CuFileTransferError too)  -> OSError(errno, message, path), the errno's subclass
 //                                         (FileNotFoundError...), with .offset, .length and .op
 //   std::system_error of an errno      -> OSError(errno, message): failures that concern no file
-//   FormatError, std::invalid_argument -> ValueError
+//   FormatError                        -> tensortier._core.FormatError (a ValueError)
+//   std::invalid_argument              -> ValueError
 //   CudaError                          -> tensortier.CudaError (a RuntimeError), with .code
 //   CuFileError                        -> tensortier.CuFileError (a RuntimeError), with .code
 //   anything else                      -> pybind11's own (MemoryError, IndexError, RuntimeError)
@@ -14,7 +15,7 @@
 
 namespace tensortier {
 
-// Creates CudaError and CuFileError in `m` and installs the translator. Call first.
+// Creates CudaError, CuFileError and FormatError in `m` and installs the translator. Call first.
 void RegisterErrors(pybind11::module_& m);
 
 // The Python exception for `error`, as an object (not raised), for results that carry an error

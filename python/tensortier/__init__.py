@@ -17,6 +17,8 @@ from typing import Any
 from . import _core
 from ._paths import fspath, PathArg
 from .checkpoint import (
+    DamagedCheckpointError,
+    EmptyCheckpointError,
     IncompatibleKeys,
     StateDictMismatchError,
     WeightsOnlyUnpicklingError,
@@ -36,7 +38,9 @@ __all__ = [
     "cufile_info",
     "pin",
     "pinned_empty",
+    "DamagedCheckpointError",
     "DiskOffloader",
+    "EmptyCheckpointError",
     "File",
     "IOFuture",
     "IOHandle",

@@ -9,7 +9,6 @@ import concurrent.futures
 import contextlib
 import contextvars
 import errno
-import functools
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 from . import _core
 from ._paths import fspath
 from .checkpoint import load, save
+from .checkpoint._format import _damaged_safetensors_error
 
 SUPPORTED_TRANSFORMERS = (">=5.23.0", "<5.24")
 """The transformers versions this module works with (pinned in the tests)."""
@@ -121,16 +121,10 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
                  and _core.hf_files_cached(files))
 
 
-@functools.cache
 def _damaged_shard_error() -> type[ValueError]:
     """A ValueError that is also safetensors' ``SafetensorError``, which transformers' reading
     raises for a truncated or malformed shard: code that catches either catches it."""
-    try:
-        from safetensors import SafetensorError
-    except ImportError:  # pragma: no cover - transformers depends on safetensors
-        return ValueError
-    return type("DamagedShardError", (ValueError, SafetensorError),
-                {"__module__": __name__, "__doc__": _damaged_shard_error.__doc__})
+    return _damaged_safetensors_error()
 
 
 @contextlib.contextmanager

@@ -1746,12 +1746,13 @@ def flat_tensors(obj: Any) -> dict[str, torch.Tensor] | None:
 
 
 def format_save_writes(path: str) -> str | None:
-    """The format tensortier.save writes to a file named `path` by its suffix ("safetensors",
-    "torch"), or None where the name tells none; found by saving {} there (then removed)."""
-    try:
-        tensortier.save({}, path)
-    except ValueError:
+    """The format tensortier.save writes to a file named `path` where its suffix names one
+    ("safetensors", "torch"), found by saving {} there (then removed); None where the suffix
+    names none (save then writes a torch file, as torch.save writes any name, and convert may
+    write either)."""
+    if tensortier._core.format_of_suffix(path) is None:
         return None
+    tensortier.save({}, path)
     try:
         return "torch" if Path(path).read_bytes()[:4] == b"PK\x03\x04" else "safetensors"
     finally:

@@ -1382,3 +1382,29 @@ def test_verify_refuses_a_map_location_dict_that_sends_storages_to_meta(
         got = tensortier.load(path, map_location={"cpu": "cpu", "cuda:1": "cpu"}, verify=True)
         assert torch.equal(got["a"], torch.arange(10.0))
         assert tensortier.load(path, map_location={"cpu": to})["a"].is_meta
+
+
+@pytest.mark.parametrize("how", ["path", "file object"])
+def test_damaged_files_raise_what_torch_and_safetensors_raise(disk_dir: Path, how: str) -> None:
+    """Code that catches what torch.load (RuntimeError for a damaged zip, EOFError for an empty
+    file) or safetensors (SafetensorError) raises for a damaged file catches tensortier.load's
+    error too; each is also a ValueError, as documented."""
+    import io
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    pt, st, empty = disk_dir / "trunc.pt", disk_dir / "trunc.safetensors", disk_dir / "empty.pt"
+    torch.save({"w": torch.ones(1000)}, pt)
+    save_file({"w": torch.ones(1000)}, str(st))
+    for f in (pt, st):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    empty.write_bytes(b"")
+    for path, theirs in ((pt, RuntimeError), (st, SafetensorError), (empty, EOFError)):
+        with pytest.raises(theirs) as caught:
+            tensortier.load(path if how == "path" else io.BytesIO(path.read_bytes()))
+        assert isinstance(caught.value, ValueError), type(caught.value)
+        if how == "path":
+            assert str(path) in str(caught.value), caught.value
+    assert issubclass(tensortier.DamagedCheckpointError, RuntimeError)
+    assert issubclass(tensortier.EmptyCheckpointError, EOFError)

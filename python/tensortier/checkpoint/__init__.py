@@ -20,8 +20,11 @@ from .unpickler import WeightsOnlyUnpicklingError
 
 # Constants of the file formats (their values live in C++, include/tensortier/checkpoint/safetensors.hpp).
 from ._format import ALIGNMENT, CHECKSUM_KEY, HEADER_CHECKSUM_KEY  # noqa: F401
+from ._format import DamagedCheckpointError, EmptyCheckpointError
 
 __all__ = [
+    "DamagedCheckpointError",
+    "EmptyCheckpointError",
     "IncompatibleKeys",
     "StateDictMismatchError",
     "WeightsOnlyUnpicklingError",

@@ -4,6 +4,8 @@ lazy torch and _core lookups every module uses."""
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -77,3 +79,42 @@ def _st_dtype_maps() -> tuple[dict[Any, str], dict[str, Any]]:
             to_st[dt] = row["safetensors"]
             from_st[row["safetensors"]] = dt
     return to_st, from_st
+
+
+class DamagedCheckpointError(_core.FormatError, RuntimeError):  # type: ignore[misc]
+    """A torch file ``tensortier.load`` cannot read (truncated, damaged, malformed): a
+    ``ValueError``, and the ``RuntimeError`` ``torch.load`` raises for one ("PytorchStreamReader
+    failed ..."), so that code catching either catches it."""
+
+
+class EmptyCheckpointError(_core.FormatError, EOFError):  # type: ignore[misc]
+    """An empty file given to ``tensortier.load``: a ``ValueError``, and the ``EOFError``
+    ``torch.load`` raises for one."""
+
+
+@functools.cache
+def _damaged_safetensors_error() -> type[ValueError]:
+    """A safetensors file that cannot be read: a ``ValueError``, and the ``SafetensorError``
+    ``safetensors`` (and transformers' reading) raises for one, where safetensors is installed."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return _core.FormatError  # type: ignore[no-any-return]
+    return type("DamagedSafetensorsError", (_core.FormatError, SafetensorError),
+                {"__module__": __name__, "__doc__": _damaged_safetensors_error.__doc__})
+
+
+def _as_damaged(error: ValueError, path: str, kind: str | None) -> ValueError:
+    """`error` (a ``FormatError`` reading `path`, a file of `kind`: ``"safetensors"``,
+    ``"torch"``, None where it could not be told) as the type torch or safetensors raises for
+    such a file, with its message and traceback."""
+    if type(error) is not _core.FormatError:
+        return error
+    try:
+        empty = os.path.getsize(path) == 0
+    except OSError:
+        empty = False
+    cls: type[ValueError] = (EmptyCheckpointError if empty
+                             else _damaged_safetensors_error() if kind == "safetensors"
+                             else DamagedCheckpointError)
+    return cls(*error.args).with_traceback(error.__traceback__)

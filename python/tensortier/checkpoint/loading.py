@@ -10,7 +10,8 @@ from ..io import IOHandle
 from . import _engine, mapping
 from ._dtype import _target_dtype
 from ._files import _is_file_object, _memfd_copy, _renamed
-from ._format import _require, _sniff, _torch, PathLike
+from .. import _core
+from ._format import _as_damaged, _require, _sniff, _torch, PathLike
 from .._paths import fspath as _fspath
 from .mapping import _Placement, _Readahead
 from .safetensors import _load_safetensors
@@ -135,7 +136,10 @@ def load(
         streamed = _is_file_object(path, "read")
         fspath = stack.enter_context(_memfd_copy(path)) if streamed else _fspath(path)
         try:
-            kind = _sniff(fspath)
+            try:
+                kind = _sniff(fspath)
+            except _core.FormatError as e:
+                raise _as_damaged(e, fspath, None) from None
             if kind == "index" and streamed:
                 raise ValueError("a shard index names its shards by path: load it by its path, "
                                  "not from a file object")
@@ -187,6 +191,9 @@ def _load_kind(
     if kind == "index":
         return _each_shard(path, lambda shard, k: _load_kind(
             shard, k, dev, dtype, verify, progress, io, mapped, placement))
-    if kind == "safetensors":
-        return _load_safetensors(path, dev, dtype, verify, progress, io, mapped, placement)
-    return _load_torch(path, dev, dtype, verify, progress, io, mapped, placement)
+    try:
+        if kind == "safetensors":
+            return _load_safetensors(path, dev, dtype, verify, progress, io, mapped, placement)
+        return _load_torch(path, dev, dtype, verify, progress, io, mapped, placement)
+    except _core.FormatError as e:
+        raise _as_damaged(e, path, kind) from None

@@ -10,7 +10,7 @@ from typing import Any
 from ..io import File, IOHandle
 from . import _dtype, _format, _reading, mapping
 from ._dtype import _converts
-from ._files import _same_file
+from ._files import _renamed, _same_file
 from ._format import _dtype_names, _require, _st_dtype_maps, _torch
 from ._format import ALIGNMENT, PathLike
 from ._reading import _open_checkpoint, _Piece, _Progress
@@ -83,7 +83,7 @@ def _read_st_header(path: str, verify: bool = False) -> tuple[list[_STEntry], di
         entries, metadata = _require("read_safetensors_header")(path, verify)
     except ValueError as e:
         msg = str(e)
-        raise ValueError(msg if path in msg else f"{path}: {msg}") from e
+        raise _renamed(e, msg if path in msg else f"{path}: {msg}") from e
     _, from_st = _st_dtype_maps()
     out: list[_STEntry] = []
     for name, dt, shape, offset, nbytes in entries:

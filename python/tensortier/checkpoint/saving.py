@@ -40,8 +40,8 @@ def save(
             file object (``io.BytesIO``, an open file), as ``torch.save`` takes: the checkpoint
             is written to a temporary file first, then copied to it from its current position.
         format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
-            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch; for a file object,
-            torch, as ``torch.save`` writes).
+            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch; any other name, and
+            a file object, torch, as ``torch.save`` writes).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
             ``{"format": "pt"}`` is added unless given (transformers expects it).
         checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata,
