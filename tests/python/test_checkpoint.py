@@ -1176,3 +1176,27 @@ def test_safetensors_f4_is_torchs_packed_float4(disk_dir: Path) -> None:
     assert torch.equal(tensortier.load(ours, verify=True)["a"].view(torch.uint8), raw)
     with pytest.raises(ValueError, match="0-dimensional"):
         tensortier.save({"a": raw[0, 0].view(torch.float4_e2m1fn_x2)}, disk_dir / "x.safetensors")
+
+
+def test_torch_save_and_load_options_code_passes_on(disk_dir: Path) -> None:
+    """torch.save's pickle_protocol, pickle_module and zip-format flags, and torch.load's
+    pickle_module and encoding, as code forwarding them to torch passes them: taken, or refused
+    as torch would refuse them under weights_only."""
+    import pickle
+
+    path = disk_dir / "opts.pt"
+    sd = {"w": torch.arange(4.0)}
+    tensortier.save(sd, path, pickle_protocol=4, _use_new_zipfile_serialization=True,
+                    _disable_byteorder_record=True, pickle_module=pickle)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], sd["w"])
+    assert torch.equal(tensortier.load(path, encoding="latin1")["w"], sd["w"])
+    with pytest.raises(ValueError, match="legacy"):
+        tensortier.save(sd, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match="pickle_protocol"):
+        tensortier.save(sd, path, pickle_protocol=1)
+    with pytest.raises(ValueError, match="standard pickle module"):
+        tensortier.save(sd, path, pickle_module=json)
+    with pytest.raises(ValueError, match="weights_only=False"):  # torch.load would unpickle all
+        tensortier.load(path, pickle_module=pickle)
+    with pytest.raises(RuntimeError, match="explicit pickle_module"):
+        tensortier.load(path, pickle_module=pickle, weights_only=True)

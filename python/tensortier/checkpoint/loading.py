@@ -28,6 +28,8 @@ def load(
     weights_only: bool | None = None,
     mmap: bool | None = None,
     progress: bool | None = None,
+    pickle_module: Any = None,
+    encoding: str | None = None,
     _io: IOHandle | None = None,
 ) -> Any:
     """Load a checkpoint: a safetensors file, a zip-format ``torch.save`` file, or a Hugging Face
@@ -85,6 +87,10 @@ def load(
         weights_only: ``torch.load``'s: True and None (its default) load as always; False is
             refused, as tensortier never runs arbitrary pickled code (use ``torch.load`` for a
             trusted file that needs it).
+        pickle_module, encoding: ``torch.load``'s, taken where code passes them on. A
+            ``pickle_module`` makes ``torch.load`` default to ``weights_only=False``, refused as
+            above (with ``weights_only=True`` given, torch's ``RuntimeError``); ``encoding``
+            matters only for Python 2 pickles, which only legacy files (refused) hold.
 
     Returns:
         safetensors and index files: ``dict[str, Tensor]`` in the file's order. torch files:
@@ -102,6 +108,13 @@ def load(
             waited on).
     """
     torch = _torch()
+    if pickle_module is not None:
+        if weights_only:
+            raise RuntimeError("Can not safely load weights when explicit pickle_module is "
+                               "specified")  # torch.load's own words
+        weights_only = False  # torch.load's default with a pickle_module
+    if encoding is not None and not isinstance(encoding, str):
+        raise TypeError(f"encoding must be a str, not {type(encoding).__name__}")
     _require("check_weights_only")(weights_only)
     placement = None
     if map_location is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -24,6 +25,10 @@ def save(
     metadata: Mapping[str, str] | None = None,
     checksum: bool = False,
     *,
+    pickle_module: Any = None,
+    pickle_protocol: int = 2,
+    _use_new_zipfile_serialization: bool = True,
+    _disable_byteorder_record: bool = False,
     _io: IOHandle | None = None,
 ) -> None:
     """Save `state_dict` to `path`, durably (temporary file, fdatasync, rename, directory fsync).
@@ -44,6 +49,10 @@ def save(
             a file object, torch, as ``torch.save`` writes).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
             ``{"format": "pt"}`` is added unless given (transformers expects it).
+        pickle_module, pickle_protocol, _use_new_zipfile_serialization,
+            _disable_byteorder_record: ``torch.save``'s, taken where code passes them on: the
+            standard ``pickle`` module (or None), any protocol from 2 (the file is written with
+            protocol 2, torch.save's default; what loads back is the same), the zip format.
         checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata,
             plus one of the header's names, dtypes, shapes, offsets and metadata; torch: the zip
             CRC-32 of each storage and of the pickle, written by default as ``torch.save``
@@ -58,6 +67,7 @@ def save(
         OSError: the file cannot be written (nothing is left under the final name then); the
             message names `path` as given first, then what failed.
     """
+    _check_torch_save_options(pickle_module, pickle_protocol, _use_new_zipfile_serialization)
     if _is_file_object(path, "write"):
         fmt = _save_format("stream.pt" if format is None else "", format)
         with tempfile.TemporaryDirectory(prefix="tensortier-save-") as tmp:
@@ -78,3 +88,19 @@ def save(
                 _save_torch(state_dict, path, checksum, io)
     except OSError as e:  # naming `path` as given (a failure on the hidden temporary file too)
         raise _require("save_error")(e, path) from e
+
+
+def _check_torch_save_options(pickle_module: Any, pickle_protocol: Any, zip_format: Any) -> None:
+    """``torch.save``'s options as :func:`save` takes them; ValueError for what it cannot
+    write."""
+    if pickle_module is not None and pickle_module is not pickle:
+        raise ValueError(
+            "tensortier.save pickles as torch.save does with the standard pickle module, not "
+            f"{getattr(pickle_module, '__name__', pickle_module)!r}: leave pickle_module unset")
+    if (not isinstance(pickle_protocol, int) or isinstance(pickle_protocol, bool)
+            or not 2 <= pickle_protocol <= pickle.HIGHEST_PROTOCOL):
+        raise ValueError(f"pickle_protocol must be an int from 2 to {pickle.HIGHEST_PROTOCOL} "
+                         f"(torch.save's default is 2), not {pickle_protocol!r}")
+    if not zip_format:
+        raise ValueError("tensortier.save writes torch's zip format only: "
+                         "_use_new_zipfile_serialization=False asks for the legacy one")
