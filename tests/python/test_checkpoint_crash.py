@@ -314,3 +314,32 @@ def test_a_killed_convert_leaves_the_old_or_the_new_checkpoint(
         assert r.returncode == 0, r.stderr
         assert held_version(path, versions, f"seed {seed}, convert after the kills") == 1 - held
         assert set(os.listdir(disk_dir)) == bystanders | {name}
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_ctrl_c_during_a_save_fails_it_and_keeps_the_old_checkpoint(disk_dir: Path,
+                                                                    suffix: str) -> None:
+    """SIGINT while the C++ write runs is raised once it returns: the save then reports the
+    failure it is, and the old checkpoint stays; a save that returned wrote the new one."""
+    import threading
+
+    path = disk_dir / f"ck{suffix}"
+    tensortier.save({"old": torch.zeros(10)}, path)
+    sd = {f"t{i}": torch.ones(1 << 20) for i in range(48)}  # 192 MiB: the write takes a while
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    interrupted = False
+    try:
+        tensortier.save(sd, path)
+    except KeyboardInterrupt:
+        interrupted = True
+    else:
+        try:
+            timer.join()
+            time.sleep(0.5)  # a signal that comes after the save lands here
+        except KeyboardInterrupt:
+            pass
+    timer.join()
+    keys = list(tensortier.load(path))
+    assert keys == (["old"] if interrupted else list(sd)), (interrupted, keys[:3])
+    assert not [p for p in disk_dir.iterdir() if ".tmp-" in p.name]

@@ -104,8 +104,11 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
         addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in storages]
     engine = io._core()  # noqa: SLF001 - same package
     with _DurableFile(path, io) as df:
-        if all(s.device.type == "cpu" for s in storages):  # written and committed in one call
-            writer.write(engine, df, addresses, True)
+        if all(s.device.type == "cpu" for s in storages):
+            writer.write(engine, df, addresses)
+            # Committed in a call of its own: Ctrl-C during the write (raised once it returns)
+            # then leaves the old checkpoint, and the save reports the failure it is.
+            df.commit()
             return
 
         def host(i: int) -> Any:  # a copy in host memory, about _STAGING_BYTES of them at once
