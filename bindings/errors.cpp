@@ -19,6 +19,7 @@ namespace {
 PyObject* cuda_error_type = nullptr;
 PyObject* cufile_error_type = nullptr;
 PyObject* format_error_type = nullptr;
+PyObject* shared_storage_error_type = nullptr;
 
 py::object Call(PyObject* type, py::tuple args) {
   PyObject* error = PyObject_Call(type, args.ptr(), nullptr);
@@ -85,9 +86,19 @@ void RegisterErrors(py::module_& m) {
       "tensortier._core.FormatError",
       "A file that is not what it claims to be (truncated, damaged, malformed): a ValueError.",
       PyExc_ValueError, nullptr);
-  if (cuda_error_type == nullptr || cufile_error_type == nullptr || format_error_type == nullptr) {
+  // safetensors' save_file raises RuntimeError for tensors that share memory.
+  const py::tuple value_and_runtime =
+      py::make_tuple(py::handle(PyExc_ValueError), py::handle(PyExc_RuntimeError));
+  shared_storage_error_type = PyErr_NewExceptionWithDoc(
+      "tensortier._core.SharedStorageError",
+      "Tensors that share memory given to a safetensors save, which cannot express it: a "
+      "ValueError, and the RuntimeError safetensors' save_file raises.",
+      value_and_runtime.ptr(), nullptr);
+  if (cuda_error_type == nullptr || cufile_error_type == nullptr || format_error_type == nullptr ||
+      shared_storage_error_type == nullptr) {
     throw py::error_already_set();
   }
+  m.attr("SharedStorageError") = py::handle(shared_storage_error_type);
   m.attr("FormatError") = py::handle(format_error_type);
   m.attr("CudaError") = py::handle(cuda_error_type);
   m.attr("CuFileError") = py::handle(cufile_error_type);

@@ -88,11 +88,14 @@ void CheckSafetensorsSave(const py::list& rows) {
   }
   const auto shared = OverlappingGroups(std::move(areas));
   if (!shared.empty()) {
-    throw py::value_error(StrCat(
+    const std::string text = StrCat(
         "these tensors share memory, which safetensors files cannot express: ",
         Repr(py::cast(shared)),
         "; save one name per group (or .clone() the others), or use format='torch', which keeps "
-        "the sharing"));
+        "the sharing");
+    PyErr_SetString(py::module_::import("tensortier._core").attr("SharedStorageError").ptr(),
+                    text.c_str());
+    throw py::error_already_set();
   }
 }
 

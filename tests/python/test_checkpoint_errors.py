@@ -731,12 +731,13 @@ def test_failure_before_rename_and_in_fsync(disk_dir: Path, name: str,
 
     # Every file is written by one C++ writer (a .pt's TorchFileWriter, a .safetensors'
     # SafetensorsFileWriter): the interrupt comes once the bytes are in the file, before the
-    # commit (a .pt's writer commits in its write call unless told not to).
+    # commit (each commits in a call of its own).
     from tensortier import _core
 
     class InterruptedTorchWriter(_core.TorchFileWriter):  # type: ignore[misc]
-        def write(self, engine: object, out: object, addresses: object, commit: bool) -> None:
-            super().write(engine, out, addresses, False)
+        def write(self, engine: object, out: object, addresses: object,
+                  commit: bool = False) -> None:
+            super().write(engine, out, addresses, commit)
             raise KeyboardInterrupt
 
     class InterruptedSafetensorsWriter(_core.SafetensorsFileWriter):  # type: ignore[misc]
