@@ -395,15 +395,23 @@ void RegisterCheckpointChecks(py::module_& m) {
           throw py::error_already_set();
         }
         const py::object name = py::module_::import("os").attr("fspath")(path);
-        // A name whose suffix names no format ("ckpt.pt.tmp", "latest") is a torch file, as
-        // torch.save writes any name.
-        const auto named = FormatOfSuffix(name.cast<FsPath>().bytes);
+        // A name whose suffix names no format is the format of the suffix before it, where one
+        // names it ("model.safetensors.tmp", renamed once written), else a torch file
+        // ("latest"), as torch.save writes any name.
+        const std::string& bytes = name.cast<FsPath>().bytes;
+        auto named = FormatOfSuffix(bytes);
+        const size_t slash = bytes.rfind('/');
+        const size_t dot = bytes.rfind('.');
+        if (!named && dot != std::string::npos && (slash == std::string::npos || dot > slash)) {
+          named = FormatOfSuffix(bytes.substr(0, dot));
+        }
         return py::str(std::string(CheckpointFormatName(named.value_or(CheckpointFormat::kTorch))));
       },
       py::arg("path"), py::arg("format"),
       "The format save writes to path: format ('safetensors' or 'torch') when given, else the "
-      "one the file name's suffix names (format_of_suffix), else 'torch' (torch.save writes any "
-      "name); ValueError for another format.");
+      "one the file name's suffix names (format_of_suffix), else the one the suffix before it "
+      "names ('x.safetensors.tmp'), else 'torch' (torch.save writes any name); ValueError for "
+      "another format.");
   m.def(
       "shard_index_walk",
       [](const FsPath& path) {

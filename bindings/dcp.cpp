@@ -89,7 +89,8 @@ void RegisterDcp(py::module_& m) {
         const DcpStageFn stage = [&](std::span<const size_t> group) {
           py::gil_scoped_acquire gil;
           copies = py::none();  // the group before: written, its memory free for this one
-          copies = (*host)(py::cast(std::vector<size_t>(group.begin(), group.end())));
+          // A list held here: the copies must outlive their writes (an iterator's would not).
+          copies = py::list((*host)(py::cast(std::vector<size_t>(group.begin(), group.end()))));
           const py::list list(copies);
           if (list.size() != group.size()) {
             throw std::invalid_argument(StrCat("write_dcp_file: host() gave ", list.size(),
@@ -97,6 +98,11 @@ void RegisterDcp(py::module_& m) {
           }
           std::vector<const std::byte*> srcs;
           for (size_t k = 0; k < group.size(); ++k) {
+            if (!list[k].attr("is_cpu").cast<bool>() ||
+                !list[k].attr("is_contiguous")().cast<bool>()) {
+              throw std::invalid_argument(StrCat("write_dcp_file: host() gave item ", group[k],
+                                                 " not as contiguous host memory"));
+            }
             const uint64_t n = list[k].attr("nbytes").cast<uint64_t>();
             if (n != nbytes[group[k]]) {
               throw std::invalid_argument(StrCat("write_dcp_file: host() gave ", n,

@@ -447,7 +447,9 @@ class DeepNvmeHandle {
     // is over (its result stays for wait()).
     const FileRange range{FileIdentity(file->first), file->first, file->second,
                           file->second + buffer.attr("nbytes").cast<uint64_t>(), op == "write"};
-    for (const Pending& p : pending_) {
+    for (Pending& p : pending_) {
+      // A write that created its file had no inode to record when it started.
+      if (!p.range.id) p.range.id = FileIdentity(p.range.path);
       if (p.range.Conflicts(range)) {
         WaitInterruptibly([&](auto timeout) { return p.op.WaitFor(timeout); }, true);
       }

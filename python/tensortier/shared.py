@@ -50,11 +50,12 @@ def _tensor_over(region: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> tor
 
 
 def _guard_pickling() -> None:
-    """Makes torch.multiprocessing refuse to send a view of shared host memory to another
-    process. Its pickling (``mp.spawn`` arguments, ``mp.Queue``, spawned DataLoader workers)
-    moves a storage it does not know as shared into new shared memory of its own and swaps it
-    under the tensor in place: the view would silently stop being part of the shared tensor,
-    and the other process would get a copy."""
+    """Keeps views of shared host memory part of their shared tensor when torch.multiprocessing
+    sends them to another process (``mp.spawn`` arguments, ``mp.Queue``, DataLoader workers).
+    Its pickling moves a storage it does not know as shared into new shared memory of its own
+    and swaps it under the tensor in place: the view would silently stop being part of the
+    shared tensor. A copy is sent instead (what the other process always got), and the view
+    stays where it is."""
     from multiprocessing.reduction import ForkingPickler
 
     from torch.multiprocessing import reductions  # registers torch's reducers first
@@ -62,15 +63,9 @@ def _guard_pickling() -> None:
     torch_reduce = reductions.reduce_storage
 
     def reduce_storage(storage: Any) -> Any:
-        if storage.device.type == "cpu" and storage.nbytes() > 0:
-            name = _core.shared_tensor_name_at(storage.data_ptr())
-            if name is not None:
-                raise RuntimeError(
-                    f"a view of the tensortier shared tensor {name!r} cannot be sent to another "
-                    "process: torch.multiprocessing would copy it into memory of its own and "
-                    "detach this view from the shared tensor. In the other process, map the "
-                    "tensor itself: tensortier.shared.attach(name, store) (or start it with "
-                    "fork, which keeps the mapping)")
+        if (storage.device.type == "cpu" and storage.nbytes() > 0
+                and _core.shared_tensor_name_at(storage.data_ptr()) is not None):
+            storage = storage.clone()
         return torch_reduce(storage)
 
     ForkingPickler.register(torch.UntypedStorage, reduce_storage)

@@ -196,6 +196,13 @@ std::string SharedGroup::GetUnlessClosed(const std::string& what, const std::str
       if (e.error_code() != ETIMEDOUT || Clock::now() >= deadline) throw;
     }
     if (store_->Add(StrCat(leave_key_, "/", r), 0) > 0) {
+      // Rank r posts its entry before it can close: it may have made this call, and closed,
+      // since the wait above gave up.
+      try {
+        return store_->Get(key, std::chrono::milliseconds(1));
+      } catch (const IoError& e) {
+        if (e.error_code() != ETIMEDOUT) throw;
+      }
       ThrowIoError(ECONNABORTED,
                    StrCat(what, ": rank ", r, " of ", world_size_,
                           " closed its group (close(), finalize_lib() or its exit) without making "

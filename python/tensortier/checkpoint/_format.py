@@ -100,8 +100,10 @@ def _damaged_safetensors_error() -> type[ValueError]:
         from safetensors import SafetensorError
     except ImportError:
         return _core.FormatError  # type: ignore[no-any-return]
-    return type("DamagedSafetensorsError", (_core.FormatError, SafetensorError),
-                {"__module__": __name__, "__doc__": _damaged_safetensors_error.__doc__})
+    cls = type("DamagedSafetensorsError", (_core.FormatError, SafetensorError),
+               {"__module__": __name__, "__doc__": _damaged_safetensors_error.__doc__})
+    globals()["DamagedSafetensorsError"] = cls  # pickled by name, as exceptions are
+    return cls
 
 
 def _as_damaged(error: ValueError, path: str, kind: str | None) -> ValueError:
@@ -118,3 +120,11 @@ def _as_damaged(error: ValueError, path: str, kind: str | None) -> ValueError:
                              else _damaged_safetensors_error() if kind == "safetensors"
                              else DamagedCheckpointError)
     return cls(*error.args).with_traceback(error.__traceback__)
+
+
+def __getattr__(name: str) -> Any:
+    # The class is made on first use (it imports safetensors): a process unpickling one (a
+    # worker's error) finds it by name here.
+    if name == "DamagedSafetensorsError":
+        return _damaged_safetensors_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
