@@ -45,8 +45,9 @@ def save(
             file object (``io.BytesIO``, an open file), as ``torch.save`` takes: the checkpoint
             is written to a temporary file first, then copied to it from its current position.
         format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
-            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch; any other name, and
-            a file object, torch, as ``torch.save`` writes).
+            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch; an unknown suffix
+            after one of those, that one's: ``x.safetensors.tmp``; any other name, and a file
+            object, torch, as ``torch.save`` writes).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
             ``{"format": "pt"}`` is added unless given (transformers expects it).
         pickle_module, pickle_protocol, _use_new_zipfile_serialization,
