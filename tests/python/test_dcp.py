@@ -328,7 +328,7 @@ def test_flipped_byte_names_file_item_and_range(tmp_path: Path, writer: str, at:
     with pytest.raises(CheckpointException) as e:  # DCP wraps each rank's error
         dcp.load(got, storage_reader=tdcp.Reader(ckpt))
     msg = str(e.value)
-    assert "ValueError" in msg, msg
+    assert "ValueError" in msg or "FormatError" in msg, msg  # FormatError: a ValueError
     assert name in msg and "'w'" in msg and f"[{begin}, {end})" in msg, msg
 
 
@@ -348,7 +348,7 @@ def test_truncated_file_names_file_and_item(tmp_path: Path, cut: str) -> None:
                 else info.offset + info.length // 2)
     item = "'w'" if cut == "w" else "item '"
     with pytest.raises(CheckpointException,
-                       match=f"ValueError: .*{data_file.name}.*{item}.*truncated"):
+                       match=f"(ValueError|FormatError): .*{data_file.name}.*{item}.*truncated"):
         dcp.load({"w": torch.zeros(5000)} if cut == "w" else zeros_like_single(),
                  storage_reader=tdcp.Reader(ckpt))
 

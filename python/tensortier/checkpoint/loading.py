@@ -87,10 +87,11 @@ def load(
         weights_only: ``torch.load``'s: True and None (its default) load as always; False is
             refused, as tensortier never runs arbitrary pickled code (use ``torch.load`` for a
             trusted file that needs it).
-        pickle_module, encoding: ``torch.load``'s, taken where code passes them on. A
-            ``pickle_module`` makes ``torch.load`` default to ``weights_only=False``, refused as
-            above (with ``weights_only=True`` given, torch's ``RuntimeError``); ``encoding``
-            matters only for Python 2 pickles, which only legacy files (refused) hold.
+        pickle_module: ``torch.load``'s, taken where code passes it on: it makes
+            ``torch.load`` default to ``weights_only=False``, refused as above (with
+            ``weights_only=True`` given, torch's ``RuntimeError``).
+        encoding: ``torch.load``'s: it matters only for Python 2 pickles, which only legacy
+            files (refused) hold.
 
     Returns:
         safetensors and index files: ``dict[str, Tensor]`` in the file's order. torch files:

@@ -50,10 +50,12 @@ def save(
             object, torch, as ``torch.save`` writes).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
             ``{"format": "pt"}`` is added unless given (transformers expects it).
-        pickle_module, pickle_protocol, _use_new_zipfile_serialization,
-            _disable_byteorder_record: ``torch.save``'s, taken where code passes them on: the
-            standard ``pickle`` module (or None), any protocol from 2 (the file is written with
-            protocol 2, torch.save's default; what loads back is the same), the zip format.
+        pickle_module: ``torch.save``'s, taken where code passes it on: the standard
+            ``pickle`` module (or None).
+        pickle_protocol: ``torch.save``'s: any protocol from 2 (the file is written with
+            protocol 2, torch.save's default; what loads back is the same).
+        _use_new_zipfile_serialization: ``torch.save``'s: True (the zip format) only.
+        _disable_byteorder_record: ``torch.save``'s, taken and ignored.
         checksum: store a checksum of every tensor (safetensors: xxHash64 in the metadata,
             plus one of the header's names, dtypes, shapes, offsets and metadata; torch: the zip
             CRC-32 of each storage and of the pickle, written by default as ``torch.save``
