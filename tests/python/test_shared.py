@@ -131,6 +131,19 @@ def test_wholememory_seed_calls_under_torchrun(tmp_path: Path, world: int) -> No
     run_torchrun(tmp_path, "seed", world)
 
 
+def assert_spawned_ranks_pass(ctx: Any, outdir: Path, world: int) -> None:
+    """Waits for torch.multiprocessing.spawn's processes (killed past TIMEOUT), then asserts
+    each rank's report says it passed."""
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT)
+    while not ctx.join(timeout=1):
+        if datetime.datetime.now() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("spawned ranks did not finish in time")
+    for r, res in enumerate(reports(outdir, world)):
+        assert res["ok"], f"rank {r}: {res.get('error')}"
+
+
 def test_every_layout_under_multiprocessing_spawn(tmp_path: Path) -> None:
     import shared_worker  # noqa: F401  (the spawned processes import it by name)
 
@@ -144,14 +157,7 @@ def test_every_layout_under_multiprocessing_spawn(tmp_path: Path) -> None:
 
     ctx = mp.spawn(shared_worker.spawn_entry, args=("layouts", str(outdir), world, port),
                    nprocs=world, join=False)
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT)
-    while not ctx.join(timeout=1):
-        if datetime.datetime.now() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("spawned ranks did not finish in time")
-    for r, res in enumerate(reports(outdir, world)):
-        assert res["ok"], f"rank {r}: {res.get('error')}"
+    assert_spawned_ranks_pass(ctx, outdir, world)
     del store
 
 
@@ -167,14 +173,7 @@ def test_rank_zero_serving_a_store_it_was_given_outlives_the_last_barrier(tmp_pa
     outdir.mkdir()
     ctx = mp.spawn(shared_worker.spawn_hosting_entry, args=(str(outdir), world, free_port()),
                    nprocs=world, join=False)
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT)
-    while not ctx.join(timeout=1):
-        if datetime.datetime.now() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("spawned ranks did not finish in time")
-    for r, res in enumerate(reports(outdir, world)):
-        assert res["ok"], f"rank {r}: {res.get('error')}"
+    assert_spawned_ranks_pass(ctx, outdir, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
