@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -756,11 +757,27 @@ void RegisterShared(py::module_& m) {
       "shared_wait_for_leavers",
       [](std::shared_ptr<Store> store, const std::string& leave_key, int world_size,
          double timeout_s) {
-        auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-        py::gil_scoped_release release;
-        SharedGroup::WaitForOthersToLeave(*store, leave_key, world_size, timeout);
+        // In slices, with the signal handlers run between them: Ctrl-C while a dead rank is
+        // waited for ends the wait (KeyboardInterrupt) rather than being held until the timeout.
+        constexpr auto kSlice = std::chrono::milliseconds(200);
+        const auto deadline = std::chrono::steady_clock::now() +
+                              std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+        for (;;) {
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+              deadline - std::chrono::steady_clock::now());
+          if (left.count() <= 0) return;
+          bool done = false;
+          {
+            py::gil_scoped_release release;
+            done = SharedGroup::WaitForOthersToLeave(*store, leave_key, world_size,
+                                                     std::min(left, kSlice));
+          }
+          if (done) return;
+          if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        }
       },
       py::arg("store"), py::arg("leave_key"), py::arg("world_size"), py::arg("timeout_s"),
       "At exit of the rank serving a group's store: waits (at most timeout_s: a dead rank never "
-      "counts itself out) until the other ranks have counted themselves out; never raises.");
+      "counts itself out) until the other ranks have counted themselves out. Raises only what a "
+      "signal handler raises meanwhile (KeyboardInterrupt on Ctrl-C ends the wait).");
 }

@@ -174,15 +174,17 @@ void SharedGroup::MarkClosed() noexcept {
   }
 }
 
-void SharedGroup::WaitForOthersToLeave(Store& store, const std::string& leave_key, int world_size,
+bool SharedGroup::WaitForOthersToLeave(Store& store, const std::string& leave_key, int world_size,
                                        std::chrono::milliseconds timeout) noexcept {
   const auto deadline = Clock::now() + timeout;
   try {
-    while (store.Add(leave_key, 0) < world_size - 1 && Clock::now() < deadline) {
+    for (;;) {
+      if (store.Add(leave_key, 0) >= world_size - 1) return true;
+      if (Clock::now() >= deadline) return false;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   } catch (const std::exception&) {
-    // The store is gone: nobody is left to serve.
+    return true;  // the store is gone: nobody is left to serve
   }
 }
 

@@ -880,19 +880,24 @@ class CountingStore : public Store {
 
 TEST(SharedGroupLeaveTest, TheStoreHostWaitsForTheOthersToCountOutAtMostTheTimeout) {
   CountingStore store;
+  bool all_left = false;
   auto waited = [&](int world, std::chrono::milliseconds timeout) {
     const auto start = std::chrono::steady_clock::now();
-    SharedGroup::WaitForOthersToLeave(store, "left", world, timeout);
+    all_left = SharedGroup::WaitForOthersToLeave(store, "left", world, timeout);
     return std::chrono::steady_clock::now() - start;
   };
   EXPECT_GE(waited(3, 200ms), 200ms);  // nobody counted out: the timeout
+  EXPECT_FALSE(all_left);
   store.Add("left", 1);
   EXPECT_GE(waited(3, 200ms), 200ms);  // one of two
+  EXPECT_FALSE(all_left);
   store.Add("left", 1);
   EXPECT_LT(waited(3, 20s), 5s);  // both
+  EXPECT_TRUE(all_left);
   CountingStore gone(true);
   const auto start = std::chrono::steady_clock::now();
-  SharedGroup::WaitForOthersToLeave(gone, "left", 3, 20s);  // a store gone: nobody to wait for
+  // A store gone: nobody to wait for.
+  EXPECT_TRUE(SharedGroup::WaitForOthersToLeave(gone, "left", 3, 20s));
   EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
 }
 

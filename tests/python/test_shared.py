@@ -920,3 +920,40 @@ def test_a_group_dropped_without_close_counts_itself_out() -> None:
     gc.collect()
     assert store.add(leave_key, 0) == 1
     groups[0].close()
+
+
+def test_ctrl_c_ends_the_store_host_s_wait_at_exit_for_a_dead_rank(tmp_path: Path) -> None:
+    """Rank 0 serves the store and, at exit, waits (up to the group's timeout) for the others to
+    count themselves out; rank 1 died without doing so. Ctrl-C (SIGINT) ends that wait at once
+    instead of being held until the timeout."""
+    port = free_port()
+    rank_code = (
+        "import datetime, os, sys, torch, tensortier.shared as shared\n"
+        "rank, port = int(sys.argv[1]), int(sys.argv[2])\n"
+        "store = torch.distributed.TCPStore('127.0.0.1', port, 2, is_master=rank == 0,\n"
+        "                                   timeout=datetime.timedelta(seconds=60))\n"
+        "group = shared.Group(rank=rank, world_size=2, store=store, timeout=300)\n"
+        "if rank == 1:\n"
+        "    os._exit(0)  # dead: never counts itself out\n"
+        "print('exiting', flush=True)\n"
+    )
+    env = env_for(tmp_path)
+    procs = [subprocess.Popen([sys.executable, "-c", rank_code, str(r), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        assert procs[1].wait(TIMEOUT) == 0
+        assert procs[0].stdout is not None
+        assert procs[0].stdout.readline() == "exiting\n"
+        time.sleep(1)  # into the wait at exit
+        assert procs[0].poll() is None, "rank 0 did not wait for rank 1 at exit"
+        procs[0].send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        assert time.monotonic() - start < 30, "Ctrl-C did not end the wait"
+        assert "KeyboardInterrupt" in err, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -82,15 +82,16 @@ class SharedGroup {
 
   // Leaving a job whose store one rank serves: every other rank counts itself out (CountOut)
   // once it is done with the store, and the serving rank keeps serving until all have
-  // (WaitForOthersToLeave, at most `timeout`: a dead rank never counts). Neither throws: a store
-  // that is gone has nobody left to wait for. The key is the group's own (leave_key).
+  // (WaitForOthersToLeave, at most `timeout`: a dead rank never counts; true once all have, or
+  // once the store is gone). Neither throws: a store that is gone has nobody left to wait for.
+  // The key is the group's own (leave_key).
   const std::string& leave_key() const noexcept { return leave_key_; }
   void CountOut() noexcept;
   // Records in the store that this rank closed its group, so that ranks waiting for it in a
   // collective call fail at once (IoError ECONNABORTED naming it) rather than at the timeout.
   // Never throws (a store that is gone has no one waiting).
   void MarkClosed() noexcept;
-  static void WaitForOthersToLeave(Store& store, const std::string& leave_key, int world_size,
+  static bool WaitForOthersToLeave(Store& store, const std::string& leave_key, int world_size,
                                    std::chrono::milliseconds timeout) noexcept;
 
  private:
