@@ -15,12 +15,12 @@
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/torch_file_writer.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 #include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
-#include "tensortier/checkpoint/torch_file_writer.hpp"
-#include "tensortier/checkpoint/torch_pickle.hpp"
 
 namespace tensortier {
 namespace {
@@ -40,11 +40,11 @@ SafetensorsEntry SafetensorsEntryOf(const TorchCheckpoint& torch, const TorchTen
                                        "store it without data"));
   }
   if (item.swap_misaligned) {
-    throw std::invalid_argument(StrCat(
-        "tensor '", t.path, "' of ", t.dtype, " views a big-endian ",
-        torch.pickle.storages.at(t.storage_key).dtype,
-        " storage off its elements' boundaries; convert cannot swap its bytes: load it with "
-        "tensortier.load and save that"));
+    throw std::invalid_argument(
+        StrCat("tensor '", t.path, "' of ", t.dtype, " views a big-endian ",
+               torch.pickle.storages.at(t.storage_key).dtype,
+               " storage off its elements' boundaries; convert cannot swap its bytes: load it with "
+               "tensortier.load and save that"));
   }
   const Dtype* row = DtypeNamed(t.dtype);
   const std::string dtype(row != nullptr ? row->safetensors : std::string_view());
@@ -55,11 +55,11 @@ SafetensorsEntry SafetensorsEntryOf(const TorchCheckpoint& torch, const TorchTen
   }
   if (t.conj || t.neg) {
     // Its bytes are not its values, and safetensors has no flag to say so.
-    throw std::invalid_argument(StrCat(
-        "tensor '", t.path, "' was saved as a ", t.conj ? "conjugate" : "negative",
-        " view (its storage holds other numbers than its values); convert copies bytes: "
-        "save it with .resolve_conj().resolve_neg() first, or load it with tensortier.load "
-        "and save that"));
+    throw std::invalid_argument(
+        StrCat("tensor '", t.path, "' was saved as a ", t.conj ? "conjugate" : "negative",
+               " view (its storage holds other numbers than its values); convert copies bytes: "
+               "save it with .resolve_conj().resolve_neg() first, or load it with tensortier.load "
+               "and save that"));
   }
   if (!t.contiguous()) {
     throw std::invalid_argument(StrCat("tensor '", t.path,
@@ -298,8 +298,8 @@ void RequireConvertibleOutput(const std::string& in, const std::string& out,
                                        ? CheckpointFormat::kSafetensors
                                        : CheckpointFormat::kTorch;
     throw std::invalid_argument(StrCat("convert: '", in, "' is ", FormatPhrase(reads),
-                                       ", so convert writes ", FormatPhrase(writes), ", but '",
-                                       out, "' names ", FormatPhrase(*named),
+                                       ", so convert writes ", FormatPhrase(writes), ", but '", out,
+                                       "' names ", FormatPhrase(*named),
                                        " by its suffix: name the output for what it will hold"));
   }
 }

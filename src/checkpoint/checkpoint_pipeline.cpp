@@ -12,10 +12,10 @@
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/torch_pickle.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/json.hpp"
 #include "tensortier/util/strings.hpp"
-#include "tensortier/checkpoint/torch_pickle.hpp"
 
 namespace tensortier {
 namespace {
@@ -146,10 +146,9 @@ std::vector<uint64_t> SafetensorsShape(std::string_view name, std::string_view d
   const Dtype* row = DtypeNamed(dtype);
   if (row == nullptr || row->packing <= 1) return shape;
   if (shape.empty()) {
-    throw std::invalid_argument(StrCat("tensor '", name, "' is a 0-dimensional ", row->torch,
-                                       " tensor: safetensors' ", row->safetensors,
-                                       " needs a last dimension to hold its ", row->packing,
-                                       " values"));
+    throw std::invalid_argument(
+        StrCat("tensor '", name, "' is a 0-dimensional ", row->torch, " tensor: safetensors' ",
+               row->safetensors, " needs a last dimension to hold its ", row->packing, " values"));
   }
   shape.back() *= row->packing;
   return shape;
@@ -160,10 +159,9 @@ std::vector<uint64_t> TorchShape(std::string_view name, std::string_view st_dtyp
   const std::optional<TorchHeldDtype> held = TorchHeldDtypeOf(st_dtype);
   if (!held || held->values_per_element <= 1) return shape;
   if (shape.empty() || shape.back() % held->values_per_element != 0) {
-    throw std::invalid_argument(StrCat("tensor '", name, "' of ", st_dtype, " has shape ",
-                                       ShapeText(shape), ": torch's ", held->torch,
-                                       " needs a last dimension that is a multiple of ",
-                                       held->values_per_element));
+    throw std::invalid_argument(StrCat(
+        "tensor '", name, "' of ", st_dtype, " has shape ", ShapeText(shape), ": torch's ",
+        held->torch, " needs a last dimension that is a multiple of ", held->values_per_element));
   }
   shape.back() /= held->values_per_element;
   return shape;
@@ -258,8 +256,8 @@ void CheckSafetensorsHeaderChecksum(const std::string& path, const SafetensorsHe
   if (hh == header.metadata.end()) return;
   const std::optional<uint64_t> stored = ParseStoredChecksum(hh->second);
   if (!stored) {
-    throw FormatError(StrCat(path, ": malformed ", kHeaderChecksumKey, " metadata: ",
-                             PyRepr(hh->second), " is not 16 hex digits"));
+    throw FormatError(StrCat(path, ": malformed ", kHeaderChecksumKey,
+                             " metadata: ", PyRepr(hh->second), " is not 16 hex digits"));
   }
   const uint64_t actual = SafetensorsHeaderDigest(header.entries, header.metadata);
   if (*stored != actual) {
@@ -285,8 +283,8 @@ std::string CrcMismatch(const ZipEntry& e, uint32_t actual) {
                 Hex8(actual), ")");
 }
 
-uint32_t ZipEntryCrc(Engine& engine, const File& file, const TorchCheckpoint& torch, const ZipEntry& e,
-                  StreamBuffers& buffers) {
+uint32_t ZipEntryCrc(Engine& engine, const File& file, const TorchCheckpoint& torch,
+                     const ZipEntry& e, StreamBuffers& buffers) {
   if (e.name == StrCat(torch.prefix, "/data.pkl")) return torch.pickle_crc32;
   uint32_t crc = 0;
   StreamRange(engine, file, e.data_offset, e.size, buffers,

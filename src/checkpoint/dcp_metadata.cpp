@@ -299,9 +299,9 @@ std::string ReadDcpMetadataBytes(const std::string& dir, std::optional<int64_t> 
                     path, 0, 0);
     }
     throw IoError(ENOENT,
-                  rank_local ? "load DCP checkpoint (no .metadata, but the rank-local metadata "
-                               "files (__N.metadata) of a save with use_collectives=False, which "
-                               "dcp.load reads rank by rank)"
+                  rank_local   ? "load DCP checkpoint (no .metadata, but the rank-local metadata "
+                                 "files (__N.metadata) of a save with use_collectives=False, which "
+                                 "dcp.load reads rank by rank)"
                   : unfinished ? "load DCP checkpoint (a DCP checkpoint directory whose .metadata "
                                  "is missing: no .metadata, only the data files of a save that "
                                  "did not finish, so no checkpoint was committed here)"

@@ -20,8 +20,10 @@ PickleMachine::PickleMachine(std::string_view data, size_t max_values, size_t ma
     : data_(data), max_values_(max_values), max_memo_(max_memo), extended_(extended) {
   values_.reserve(std::min<size_t>(max_values_, 1u << 12));
   // Shared immutable singletons: a list of a million Nones costs no value each.
-  for (auto [kind, i] : {std::pair{PickleKind::kNone, 0}, {PickleKind::kBool, 1},
-                         {PickleKind::kBool, 0}, {PickleKind::kTuple, 0}}) {
+  for (auto [kind, i] : {std::pair{PickleKind::kNone, 0},
+                         {PickleKind::kBool, 1},
+                         {PickleKind::kBool, 0},
+                         {PickleKind::kTuple, 0}}) {
     PickleValue v;
     v.kind = kind;
     v.i = i;
@@ -29,13 +31,17 @@ PickleMachine::PickleMachine(std::string_view data, size_t max_values, size_t ma
   }
 }
 
-void PickleMachine::Fail(std::string_view problem) const { throw FormatError(Describe(problem)); }
+void PickleMachine::Fail(std::string_view problem) const {
+  throw FormatError(Describe(problem));
+}
 
 uint32_t PickleMachine::PersistentLoad(uint32_t) {
   Fail("unsupported pickle opcode 0x51 (a persistent id)");
 }
 
-uint32_t PickleMachine::WideInt(std::string_view) { return Scalar(PickleKind::kBigInt); }
+uint32_t PickleMachine::WideInt(std::string_view) {
+  return Scalar(PickleKind::kBigInt);
+}
 
 const unsigned char* PickleMachine::Take(size_t n) {
   if (data_.size() - pos_ < n) Fail("truncated pickle");
@@ -143,7 +149,10 @@ uint32_t PickleMachine::Execute() {
     op_pos_ = pos_;
     uint8_t op = *Take(1);
     // The opcodes of pickle.dumps that torch.save does not emit: only for extended readers.
-    static constexpr std::string_view kExtended("\x8f\x90\x91\x81\x8b\x8e" "TU", 8);
+    static constexpr std::string_view kExtended(
+        "\x8f\x90\x91\x81\x8b\x8e"
+        "TU",
+        8);
     if (!extended_ && kExtended.find(static_cast<char>(op)) != std::string_view::npos) op = 0xff;
     switch (op) {
       case 0x80:  // PROTO

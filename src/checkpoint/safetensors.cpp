@@ -6,11 +6,11 @@
 #include <set>
 #include <utility>
 
-#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/json.hpp"
 #include "tensortier/util/strings.hpp"

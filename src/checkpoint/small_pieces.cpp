@@ -4,8 +4,8 @@
 #include <cstring>
 #include <numeric>
 
-#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 
 namespace tensortier {
 namespace {

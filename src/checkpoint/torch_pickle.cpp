@@ -6,12 +6,12 @@
 #include <optional>
 
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/pickle_machine.hpp"
+#include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/checkpoint/torch_pickle_names.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/json.hpp"
-#include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/util/strings.hpp"
-#include "tensortier/checkpoint/pickle_machine.hpp"
-#include "tensortier/checkpoint/torch_pickle_names.hpp"
 
 namespace tensortier {
 namespace {

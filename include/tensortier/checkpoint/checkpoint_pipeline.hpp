@@ -20,12 +20,12 @@
 #include <string_view>
 #include <vector>
 
-#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/checkpoint/checkpoint_format.hpp"
-#include "tensortier/io/engine.hpp"
-#include "tensortier/io/file.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/checkpoint/torch_checkpoint.hpp"
+#include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 
 namespace tensortier {
 
@@ -171,9 +171,9 @@ std::string CrcMismatch(const ZipEntry& e, uint32_t actual);
 
 // What `tensortier verify` found in a file whose layout was read.
 struct VerifyReport {
-  uint64_t checked = 0;          // tensor checksums or zip entry CRC-32s compared
-  bool header_checked = false;   // safetensors: the header checksum compared
-  bool header_unsumed = false;   // safetensors with data checksums but no header checksum
+  uint64_t checked = 0;               // tensor checksums or zip entry CRC-32s compared
+  bool header_checked = false;        // safetensors: the header checksum compared
+  bool header_unsumed = false;        // safetensors with data checksums but no header checksum
   std::vector<std::string> problems;  // one sentence each; none: the file is sound
 };
 

@@ -79,7 +79,8 @@ bool IsDcpDirectory(const std::string& dir);
 // With `rank`: DIR/__{rank}.metadata instead, the rank-local metadata torch's FileSystemWriter
 // writes in a save with use_collectives=False (which dcp.load falls back to when .metadata is
 // missing).
-std::string ReadDcpMetadataBytes(const std::string& dir, std::optional<int64_t> rank = std::nullopt);
+std::string ReadDcpMetadataBytes(const std::string& dir,
+                                 std::optional<int64_t> rank = std::nullopt);
 
 // Throws IoError (ENOENT) naming DIR/.metadata and the first missing file where data files it names
 // (`relative_paths`) are not in DIR: the first missing ones and how many, and, where DIR holds data
