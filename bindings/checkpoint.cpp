@@ -165,6 +165,7 @@ void RegisterCheckpoint(py::module_& m) {
   // The pipeline's settings and format constants (checkpoint_pipeline.hpp, safetensors.hpp).
   m.attr("CHECKPOINT_GROUP_BYTES") = kCheckpointGroupBytes;
   m.attr("CHECKPOINT_STAGING_BYTES") = kCheckpointStagingBytes;
+  m.attr("CHECKPOINT_GATHER_BELOW") = kCheckpointGatherBelow;
   m.attr("CHECKPOINT_ALIGNMENT") = kCheckpointAlignment;
   m.attr("TENSOR_CHECKSUMS_KEY") = kTensorChecksumsKey;
   m.attr("HEADER_CHECKSUM_KEY") = kHeaderChecksumKey;
@@ -560,7 +561,7 @@ void RegisterCheckpoint(py::module_& m) {
       py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("names"), py::arg("offsets"),
       py::arg("lengths"), py::arg("addresses"), py::arg("expected") = py::none(),
       py::arg("check") = "none", py::arg("group_bytes") = kCheckpointGroupBytes,
-      py::arg("gather_below") = uint64_t{1} << 20, py::arg("stage_reads") = true,
+      py::arg("gather_below") = kCheckpointGatherBelow, py::arg("stage_reads") = true,
       py::arg("progress") = py::none(),
       "Reads lengths[i] bytes at offsets[i] of file into host memory at addresses[i] (kept alive "
       "by the caller) and checks them (ReadPieces): check 'xxh64' (expected[i]: the stored "
@@ -693,7 +694,8 @@ void RegisterCheckpoint(py::module_& m) {
       },
       py::arg("path"),
       "'safetensors' or 'torch' as the file name's suffix says (either case: .safetensors, .st; "
-      ".pt, .pth, .bin, .ckpt, .tar), else None.");
+      ".pt, .pth, .bin, .ckpt, .tar), or the suffix before one that names no format "
+      "('x.safetensors.tmp'), else None.");
   m.def("parse_stored_checksum", &ParseStoredChecksum, py::arg("text"),
         "A stored checksum's value: exactly 16 hex digits (either case), else None (no '0x', "
         "'_', spaces or signs).");

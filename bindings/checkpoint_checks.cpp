@@ -224,16 +224,11 @@ void RegisterCheckpointChecks(py::module_& m) {
           py::gil_scoped_release release;
           ReadPieces(engine, file, path, pieces);
         }
-        if (found[1] != nullptr && bytes[1] != "little" && bytes[1] != "big") {
-          throw std::invalid_argument(
-              StrCat(path.bytes, ": unknown byte order ",
-                     py::repr(py::bytes(bytes[1].substr(0, 16))).cast<std::string>()));
-        }
+        const bool big_endian = found[1] != nullptr && TorchByteOrderIsBig(path.bytes, bytes[1]);
         // torch functions that read their tensor arguments' data while the pickle is loaded (a
         // nested tensor's sizes are tensors): in files naming one, storages are read as met.
         const bool data_dependent = bytes[0].find("_rebuild_nested_tensor") != std::string::npos;
-        return py::make_tuple(py::bytes(bytes[0]), found[1] != nullptr && bytes[1] == "big",
-                              data_dependent);
+        return py::make_tuple(py::bytes(bytes[0]), big_endian, data_dependent);
       },
       py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("prefix"), py::arg("records"),
       py::arg("verify"),
@@ -394,47 +389,27 @@ void RegisterCheckpointChecks(py::module_& m) {
               py::str("format must be 'safetensors' or 'torch', not {!r}").format(format).ptr());
           throw py::error_already_set();
         }
+        if (path.is_none()) return py::str("torch");  // a file object, as torch.save writes
         const py::object name = py::module_::import("os").attr("fspath")(path);
-        // A name whose suffix names no format is the format of the suffix before it, where one
-        // names it ("model.safetensors.tmp", renamed once written), else a torch file
-        // ("latest"), as torch.save writes any name.
-        const std::string& bytes = name.cast<FsPath>().bytes;
-        auto named = FormatOfSuffix(bytes);
-        const size_t slash = bytes.rfind('/');
-        const size_t dot = bytes.rfind('.');
-        if (!named && dot != std::string::npos && (slash == std::string::npos || dot > slash)) {
-          named = FormatOfSuffix(bytes.substr(0, dot));
-        }
+        // A name that names no format is a torch file ("latest"), as torch.save writes any name.
+        const auto named = FormatOfSuffix(name.cast<FsPath>().bytes);
         return py::str(std::string(CheckpointFormatName(named.value_or(CheckpointFormat::kTorch))));
       },
       py::arg("path"), py::arg("format"),
-      "The format save writes to path: format ('safetensors' or 'torch') when given, else the "
-      "one the file name's suffix names (format_of_suffix), else the one the suffix before it "
-      "names ('x.safetensors.tmp'), else 'torch' (torch.save writes any name); ValueError for "
-      "another format.");
+      "The format save writes to path (None: a file object): format ('safetensors' or 'torch') "
+      "when given, else the one the file name names (format_of_suffix), else 'torch' "
+      "(torch.save writes any name); ValueError for another format.");
   m.def(
       "shard_index_walk",
       [](const FsPath& path) {
-        std::map<std::string, size_t> at;  // absolute shard path -> its place in `shards`
         std::vector<Shard> shards;
         std::vector<std::string> kinds;
         {
           py::gil_scoped_release release;
-          for (Shard& s : ReadShardIndex(path)) {
-            const std::string key = std::filesystem::absolute(s.path).lexically_normal();
-            const auto [it, added] = at.emplace(key, shards.size());
-            if (!added) {
-              auto& names = shards[it->second].names;
-              names.insert(names.end(), s.names.begin(), s.names.end());
-              continue;
-            }
-            const CheckpointKind kind = DetectCheckpointKind(key);
-            if (kind == CheckpointKind::kShardIndex) {  // also stops an index naming itself
-              throw std::invalid_argument(
-                  StrCat(path.bytes, ": shard ", key, " is itself an index"));
-            }
-            kinds.emplace_back(CheckpointKindName(kind));
-            shards.push_back({key, std::move(s.names)});
+          shards = ReadShardIndex(path);
+          for (Shard& s : shards) {
+            s.path = std::filesystem::absolute(s.path).lexically_normal();
+            kinds.emplace_back(CheckpointKindName(DetectCheckpointKind(s.path)));
           }
         }
         py::list out;
@@ -447,7 +422,7 @@ void RegisterCheckpointChecks(py::module_& m) {
       "[(shard path, kind, [tensor names])]: a shard index's shards (absolute paths, each once, "
       "in the index's order) with what each holds ('safetensors' or 'torch', by "
       "detect_checkpoint_kind's rule) and the names the index puts there. ValueError as "
-      "read_shard_index and detect_checkpoint_kind raise, and for a shard that is an index.");
+      "read_shard_index and detect_checkpoint_kind raise.");
   m.def(
       "shard_names",
       [](const py::str& path, const py::str& shard, const py::list& names, const py::object& part) {

@@ -463,6 +463,10 @@ void RegisterData(py::module_& m) {
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
 
+  m.def("check_reader_setting", &ReaderSetting, py::arg("value"), py::arg("name"),
+        py::arg("minimum"), py::arg("bits"),
+        "value as an integer (a Python int, not a bool) of at least minimum below 2**bits; "
+        "ValueError naming it otherwise, as FileReader's settings are checked.");
   m.def(
       "check_reader_settings",
       [](const py::object& batch_size, const py::object& prefetch, const py::object& num_shards,

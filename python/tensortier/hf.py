@@ -89,8 +89,7 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     # The early read's result is taken now: declined, it is freed when this returns.
     early = _early.get()
     future = early[1].pop() if early is not None and early[1] else None
-    if (not files or not all(f.endswith(".safetensors") for f in files)
-            or cfg.hf_quantizer is not None or cfg.device_mesh is not None
+    if (not files or cfg.hf_quantizer is not None or cfg.device_mesh is not None
             or mu.is_deepspeed_zero3_enabled()):
         return None
     places = set((cfg.device_map or {"": "cpu"}).values())

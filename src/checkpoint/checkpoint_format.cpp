@@ -8,11 +8,11 @@
 
 #include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
-#include "tensortier/util/settings.hpp"
+#include "tensortier/checkpoint/torch_checkpoint.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/json.hpp"
+#include "tensortier/util/settings.hpp"
 #include "tensortier/util/strings.hpp"
-#include "tensortier/checkpoint/torch_checkpoint.hpp"
 
 namespace tensortier {
 namespace {
@@ -43,7 +43,9 @@ std::string_view CheckpointFormatName(CheckpointFormat format) {
   return NameOf(kCheckpointFormatNames, format, "torch");
 }
 
-std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path) {
+namespace {
+
+std::optional<CheckpointFormat> FormatOfLastSuffix(std::string_view path) {
   for (const char* suffix : {".safetensors", ".st"}) {
     if (EndsWithIgnoringCase(path, suffix)) return CheckpointFormat::kSafetensors;
   }
@@ -51,6 +53,19 @@ std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path) {
     if (EndsWithIgnoringCase(path, suffix)) return CheckpointFormat::kTorch;
   }
   return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path) {
+  if (auto named = FormatOfLastSuffix(path)) return named;
+  // "model.safetensors.tmp": a name written, then renamed to the one its format is named by.
+  const size_t dot = path.rfind('.');
+  const size_t slash = path.find_last_of("/\\");
+  if (dot == std::string_view::npos || (slash != std::string_view::npos && dot < slash)) {
+    return std::nullopt;
+  }
+  return FormatOfLastSuffix(path.substr(0, dot));
 }
 
 std::string_view CheckpointKindName(CheckpointKind kind) {
@@ -122,7 +137,12 @@ std::vector<Shard> ReadShardIndex(const std::string& path) {
           throw FormatError(
               StrCat(path, ": shard '", file, "' lies outside the index's directory"));
         }
-        auto [it, added] = by_file.emplace(file, shards.size());
+        if (file.ends_with(".index.json")) {  // DetectCheckpointKind's rule; also stops a loop
+          throw FormatError(StrCat(path, ": shard '", file, "' is itself an index"));
+        }
+        // One file however the index spells it ("a.safetensors", "./a.safetensors").
+        auto [it, added] =
+            by_file.emplace(std::filesystem::path(file).lexically_normal().string(), shards.size());
         if (added) {
           shards.push_back({(std::filesystem::path(path).parent_path() / file).string(), {}});
         }

@@ -124,6 +124,10 @@ void LinkOrCopyTree(const std::string& from, const std::string& to, bool top) {
 
 }  // namespace
 
+bool IsHfSafetensorsFile(const std::string& path) {
+  return path.ends_with(".safetensors");
+}
+
 void CheckHfModelDirectory(const std::string& dir) {
   std::error_code ec;
   if (fs::is_directory(dir, ec)) return;
@@ -137,7 +141,9 @@ void CheckHfModelDirectory(const std::string& dir) {
 std::optional<std::string> HfLoadTarget(
     const std::vector<std::string>& files,
     const std::optional<std::map<std::string, std::string>>& weight_map) {
-  if (files.empty()) return std::nullopt;
+  if (files.empty() || !std::all_of(files.begin(), files.end(), IsHfSafetensorsFile)) {
+    return std::nullopt;  // .bin files: transformers' torch.load
+  }
   if (!weight_map) return files.size() == 1 ? std::optional(files[0]) : std::nullopt;
   std::set<std::string> shards;
   for (const auto& [tensor, shard] : *weight_map) shards.insert(shard);
@@ -213,7 +219,7 @@ std::optional<HfCheckpoint> FindHfCheckpoint(const std::string& dir) {
   std::vector<std::string> files;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(d, ec)) {
-    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+    if (IsHfSafetensorsFile(entry.path().string())) files.push_back(entry.path().string());
   }
   return HfCheckpoint{target.string(), HfFilesCached(files)};
 }

@@ -100,14 +100,21 @@ bool IsPlainDict(const TorchPickle& pickle, std::string_view data) {
         !t.contiguous()) {
       return false;
     }
-    plain.push_back({t.path, t.dtype, std::vector<uint64_t>(t.shape.begin(), t.shape.end()),
-                     t.storage_key});
+    plain.push_back(
+        {t.path, t.dtype, std::vector<uint64_t>(t.shape.begin(), t.shape.end()), t.storage_key});
   }
   try {
     return SerializeTorchPickle(plain) == data;
   } catch (const std::invalid_argument&) {  // what SerializeTorchPickle cannot write
     return false;
   }
+}
+
+bool TorchByteOrderIsBig(const std::string& path, std::string_view value) {
+  if (value == "big") return true;
+  if (value == "little") return false;
+  throw FormatError(
+      StrCat(path, ": byte order ", PyRepr(value.substr(0, 16)), " is neither 'little' nor 'big'"));
 }
 
 TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
@@ -127,21 +134,13 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip) 
   out.zip = std::move(zip);
   out.prefix = TorchArchivePrefix(out.zip, path);
   const ZipEntry* pkl = out.zip.Find(out.prefix + "/data.pkl");
-  RequireStored(*pkl, path);
-  if (pkl->size > kTorchMaxPickleBytes) {
-    throw FormatError(StrCat(path, ": data.pkl of ", pkl->size, " bytes is over the limit of ",
-                             kTorchMaxPickleBytes));
-  }
+  RequireStored(*pkl, path);  // within the file: torch.load reads a pickle of any size
   CheckTorchFileVersion(source, out.zip, out.prefix);
   if (const ZipEntry* order = out.zip.Find(out.prefix + "/byteorder")) {
     RequireStored(*order, path);
     std::string value(order->size > 16 ? 16 : order->size, '\0');
     source.ReadAt(order->data_offset, value.data(), value.size());
-    if (value == "big") {
-      out.big_endian = true;
-    } else if (value != "little") {
-      throw FormatError(StrCat(path, ": byte order '", value, "' is neither 'little' nor 'big'"));
-    }
+    out.big_endian = TorchByteOrderIsBig(path, value);
   }
   std::string data(pkl->size, '\0');
   source.ReadAt(pkl->data_offset, data.data(), data.size());

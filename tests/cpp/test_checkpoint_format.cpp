@@ -8,9 +8,9 @@
 
 #include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/checkpoint_format.hpp"
-#include "tensortier/util/format_error.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
 #include "tensortier/checkpoint/torch_pickle.hpp"
+#include "tensortier/util/format_error.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -25,9 +25,14 @@ TEST(CheckpointFormatTest, SuffixesInEitherCase) {
   for (const char* name : {"m.pt", "m.PT", "m.pth", "m.bin", "M.BIN", "m.ckpt", "m.tar"}) {
     EXPECT_EQ(FormatOfSuffix(name), CheckpointFormat::kTorch) << name;
   }
-  for (const char* name : {"", "pt", "m.json", "m.safetensors.index.json", "m.ptx", "m."}) {
+  for (const char* name : {"", "pt", "m.json", "m.safetensors.index.json", "m.ptx", "m.",
+                           "m.tmp.tmp", "a.pt/m.tmp", "a.st\\m"}) {
     EXPECT_EQ(FormatOfSuffix(name), std::nullopt) << name;
   }
+  // The suffix before one that names no format: a name written, then renamed.
+  EXPECT_EQ(FormatOfSuffix("d/m.safetensors.tmp"), CheckpointFormat::kSafetensors);
+  EXPECT_EQ(FormatOfSuffix("m.PT.partial"), CheckpointFormat::kTorch);
+  EXPECT_EQ(FormatOfSuffix("m.pt.safetensors"), CheckpointFormat::kSafetensors);
   EXPECT_EQ(CheckpointFormatName(CheckpointFormat::kTorch), "torch");
 }
 
@@ -70,6 +75,14 @@ TEST(CheckpointFormatTest, ShardIndexGroupsNamesByShardInOrder) {
   EXPECT_EQ(shards[1].names, std::vector<std::string>{"a"});
   EXPECT_EQ(shards[2].path, dir.File("sub/3.st"));
   EXPECT_EQ(DetectCheckpointKind(path), CheckpointKind::kShardIndex);
+  // One file spelled two ways is one shard, under the first spelling.
+  const std::vector<Shard> merged = ReadShardIndex(
+      WriteIndex(dir, R"({"weight_map": {"a": "./1.st", "b": "1.st", "c": "sub//3.st",
+              "d": "sub/3.st"}})"));
+  ASSERT_EQ(merged.size(), 2u);
+  EXPECT_EQ(merged[0].path, dir.File("./1.st"));
+  EXPECT_EQ(merged[0].names, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(merged[1].names, (std::vector<std::string>{"c", "d"}));
 }
 
 TEST(CheckpointFormatTest, ShardIndexFileNamesMayHoldBytesThatAreNotUtf8) {
@@ -102,6 +115,8 @@ TEST(CheckpointFormatTest, ShardIndexRefusals) {
       {R"({"weight_map": {}})", "naming no tensors"},
       {R"({"other": 1})", "no 'weight_map'"},
       {R"({"weight_map": {"a": 1}})", "is not a string"},
+      {R"({"weight_map": {"a": "model.safetensors.index.json"}})", "is itself an index"},
+      {R"({"weight_map": {"a": "sub/other.index.json"}})", "is itself an index"},
       {"{not json", "shard index JSON"},
   };
   for (const auto& [text, says] : cases) {

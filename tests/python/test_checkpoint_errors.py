@@ -238,6 +238,25 @@ def test_compressed_zip_entry(disk_dir: Path, mapped: bool) -> None:
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
+def test_a_byte_order_neither_little_nor_big_is_refused_alike_by_load_and_the_cli(
+    disk_dir: Path, mapped: bool
+) -> None:
+    """One rule (C++) for the "byteorder" record, in one message: load and verify name it."""
+    path = disk_dir / "m.pt"
+    torch.save({"a": torch.ones(3), "b": torch.zeros(2)}, path)
+    data = path.read_bytes()
+    assert data.count(b"little") == 1
+    path.write_bytes(data.replace(b"little", b"middle"))
+    said = "byte order 'middle' is neither 'little' nor 'big'"
+    with pytest.raises(ValueError, match=said):
+        tensortier.load(path, mmap=mapped)
+    from test_cli_convert import run
+
+    r = run("info", path)
+    assert r.returncode != 0 and said in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
 def test_missing_records(disk_dir: Path, mapped: bool) -> None:
     src = disk_dir / "ok.pt"
     torch.save({"a": torch.zeros(10)}, src)
@@ -1045,11 +1064,40 @@ def test_load_into_meta_targets_is_a_clear_error(tmp_path: Path) -> None:
         tensortier.load_into({"a": torch.empty(4, device="meta"), "b": torch.empty(4)}, path)
 
 
-def test_index_naming_itself_is_refused_by_load_into(tmp_path: Path) -> None:
+def test_an_index_naming_an_index_is_refused_alike_by_load_and_the_cli(tmp_path: Path) -> None:
+    """One reader of indexes (C++) for the package and the CLI."""
+    from test_cli_convert import run
+
     index = tmp_path / "model.safetensors.index.json"
-    index.write_text(json.dumps({"weight_map": {"a": index.name}}))
-    with pytest.raises(ValueError, match="itself an index"):
-        tensortier.load_into({"a": torch.empty(4)}, index)
+    other = tmp_path / "other.index.json"
+    other.write_text(json.dumps({"weight_map": {"a": "m.safetensors"}}))
+    for named in (index.name, other.name):
+        index.write_text(json.dumps({"weight_map": {"a": named}}))
+        said = f"shard '{named}' is itself an index"
+        with pytest.raises(ValueError, match=said):
+            tensortier.load_into({"a": torch.empty(4)}, index)
+        with pytest.raises(ValueError, match=said):
+            tensortier.load(index)
+        for command in ("info", "verify"):
+            r = run(command, index)
+            assert r.returncode == 1 and said in r.stderr, r.stderr
+
+
+def test_an_index_spelling_one_shard_two_ways_reads_it_once_in_load_and_the_cli(
+    tmp_path: Path,
+) -> None:
+    from test_cli_convert import run
+
+    tensortier.save({"a": torch.ones(2), "b": torch.zeros(3)}, tmp_path / "s.safetensors",
+                    checksum=True)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s.safetensors", "b": "./s.safetensors"}}))
+    loaded = tensortier.load(index)
+    assert torch.equal(loaded["a"], torch.ones(2)) and torch.equal(loaded["b"], torch.zeros(3))
+    r = run("info", index)
+    assert r.returncode == 0 and "1 shard, 2 tensors" in r.stdout, r.stdout + r.stderr
+    r = run("verify", index)
+    assert r.returncode == 0 and "all 1 shards OK" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])

@@ -560,6 +560,8 @@ def test_convert_refuses_to_replace_its_input(disk_dir: Path) -> None:
     # Suffixes in any case, as tensortier.save reads them.
     ("m.pt", "out.PT"), ("m.pt", "out.Bin"), ("m.safetensors", "out.SafeTensors"),
     ("m.safetensors", "out.ST"),
+    # A temporary name's suffix after the format's, as tensortier.save reads it.
+    ("m.pt", "out.pt.tmp"), ("m.safetensors", "out.safetensors.partial"),
 ])
 def test_convert_refuses_an_output_suffix_of_the_other_format(
     disk_dir: Path, src_name: str, out_name: str
@@ -577,6 +579,7 @@ def test_convert_refuses_an_output_suffix_of_the_other_format(
     other = "out.safetensors" if src_name.endswith(".pt") else "out.pt"
     convert(src, disk_dir / other)  # the right suffix, or none, still converts
     convert(src, disk_dir / other.upper())
+    convert(src, disk_dir / (other + ".tmp"))
     convert(src, disk_dir / "out")
 
 

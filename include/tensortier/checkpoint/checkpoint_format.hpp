@@ -23,8 +23,10 @@ inline constexpr EnumName<CheckpointFormat> kCheckpointFormatNames[] = {
 // "safetensors" or "torch".
 std::string_view CheckpointFormatName(CheckpointFormat format);
 
-// The format the file name of `path` names, in either case: .safetensors and .st are
-// safetensors; .pt, .pth, .bin, .ckpt and .tar are torch.save zips. nullopt for anything else.
+// The format the file name of `path` names by its suffix, in either case: .safetensors and .st
+// are safetensors; .pt, .pth, .bin, .ckpt and .tar are torch.save zips. A suffix that names none
+// is the format of the suffix before it, where one names it ("x.safetensors.tmp" is
+// safetensors). nullopt for anything else. Save and convert write by this rule.
 std::optional<CheckpointFormat> FormatOfSuffix(std::string_view path);
 
 // What a checkpoint file holds.
@@ -52,7 +54,9 @@ CheckpointKind DetectCheckpointKind(const std::string& path);
 
 // One shard file of an index and the tensors the index puts in it, in the index's order.
 struct Shard {
-  std::string path;  // the index's directory joined with the name the index gives
+  // The index's directory joined with the name the index first gives the file (names that are
+  // one file, "a.safetensors" and "./a.safetensors", are one shard).
+  std::string path;
   std::vector<std::string> names;
 };
 
@@ -62,9 +66,10 @@ inline constexpr uint64_t kMaxShardIndexBytes = 64u << 20;
 // holding it. A file name may hold any bytes: those that are not UTF-8 are written \udcXX, as
 // Python's json.dumps(os.fsdecode(name)) writes them (JsonStrings::kBytes, the rule extent maps
 // follow too). Throws FormatError naming `path` for malformed JSON, a name listed twice, two
-// "weight_map" members, none, one naming no tensors, a shard that is not a string or lies outside
-// the index's directory (an absolute path, a ".." part, '/' or '\' separated), an index over
-// kMaxShardIndexBytes; IoError for I/O failures.
+// "weight_map" members, none, one naming no tensors, a shard that is not a string, is itself an
+// index (.index.json) or lies outside the index's directory (an absolute path, a ".." part, '/'
+// or '\' separated), an index over kMaxShardIndexBytes; IoError for I/O failures. Package and
+// CLI read indexes through this alone.
 std::vector<Shard> ReadShardIndex(const std::string& path);
 
 }  // namespace tensortier

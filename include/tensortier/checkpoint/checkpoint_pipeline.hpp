@@ -33,6 +33,11 @@ namespace tensortier {
 // copies of one group overlap the reads of the next. The one setting for every reader.
 inline constexpr uint64_t kCheckpointGroupBytes = 64u << 20;
 
+// Tensors smaller than this are read gathered (pieces close together share one large request
+// through a staging buffer) and allocated as any tensor; larger ones are read on their own and
+// allocated at their file offset modulo the page size, so that O_DIRECT needs no bounce copy.
+inline constexpr uint64_t kCheckpointGatherBelow = 1u << 20;
+
 // The host copies a save makes of tensors it cannot write from where they are (GPU memory,
 // views that are not contiguous): at most about this many bytes of them are alive at once.
 inline constexpr uint64_t kCheckpointStagingBytes = 256u << 20;

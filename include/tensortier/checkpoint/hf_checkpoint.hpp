@@ -42,11 +42,16 @@ std::optional<HfCheckpoint> FindHfCheckpoint(const std::string& dir);
 std::string HfShardIndexOf(const std::string& dir, const std::string& shard,
                            const std::map<std::string, std::string>& weight_map);
 
+// Whether transformers reads `path` as safetensors: its name ends ".safetensors" (in that
+// case; transformers' names and the variants' "model.fp16.safetensors").
+bool IsHfSafetensorsFile(const std::string& path);
+
 // The file tensortier.load reads for the checkpoint files transformers resolved: the one file
 // where there is no shard index (`weight_map` nullopt), else the index in the shards' folder
 // whose weight map is `weight_map` (HfShardIndexOf). nullopt where transformers reads the files
-// itself: several files without an index, files other than the index's shards, or a shard
-// holding a tensor the index does not put there (transformers loads every tensor of a file).
+// itself: files other than safetensors ones (IsHfSafetensorsFile), several files without an
+// index, files other than the index's shards, or a shard holding a tensor the index does not
+// put there (transformers loads every tensor of a file).
 // Reads each shard's header: FormatError for a malformed one.
 std::optional<std::string> HfLoadTarget(
     const std::vector<std::string>& files,

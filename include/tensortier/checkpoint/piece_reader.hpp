@@ -41,7 +41,7 @@ struct PieceReadOptions {
   uint64_t group_bytes = kCheckpointGroupBytes;
   // Pieces smaller than this go through ReadScattered: pieces close together in the file share
   // one large request through a staging buffer (thousands of small tensors cost a few reads).
-  uint64_t gather_below = 1u << 20;
+  uint64_t gather_below = kCheckpointGatherBelow;
   // The destinations are small-page memory (tensors from torch's allocator): direct reads may be
   // staged through the engine's bounce buffers (SubmitOptions::stage_reads).
   bool stage_reads = true;

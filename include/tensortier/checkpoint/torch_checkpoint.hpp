@@ -13,8 +13,6 @@
 
 namespace tensortier {
 
-inline constexpr uint64_t kTorchMaxPickleBytes = 256u << 20;
-
 struct TorchCheckpoint {
   std::string prefix;  // the archive's top folder ("archive" by default)
   ZipDirectory zip;
@@ -31,6 +29,10 @@ struct TorchCheckpoint {
   // contiguous in a storage of its own.
   bool plain_dict = false;
 };
+
+// Whether the "byteorder" record's `value` says big-endian ("big") rather than "little";
+// FormatError naming `path` for anything else. Every reader of torch files checks it here.
+bool TorchByteOrderIsBig(const std::string& path, std::string_view value);
 
 // Whether `data` (data.pkl, parsed as `pickle`) is exactly what SerializeTorchPickle writes for
 // pickle's tensors: a plain dict of tensors, each alone in its storage, nothing else.

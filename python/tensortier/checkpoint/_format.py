@@ -37,8 +37,9 @@ _GROUP_BYTES = int(_core.CHECKPOINT_GROUP_BYTES)
 _STAGING_BYTES = int(_core.CHECKPOINT_STAGING_BYTES)
 
 # Loaded tensors at least this large are placed at their file offset modulo the page size (read
-# O_DIRECT with no bounce copy the alignment rules would force); smaller ones are torch.empty.
-_ALIGNED_ALLOC_MIN = 1 << 20
+# O_DIRECT with no bounce copy the alignment rules would force); smaller ones are torch.empty
+# and read gathered.
+_ALIGNED_ALLOC_MIN = int(_core.CHECKPOINT_GATHER_BELOW)
 
 
 def _torch() -> Any:

@@ -44,10 +44,10 @@ def save(
             replaced (``PermissionError``, as from ``torch.save``). Or a writable binary
             file object (``io.BytesIO``, an open file), as ``torch.save`` takes: the checkpoint
             is written to a temporary file first, then copied to it from its current position.
-        format: ``"safetensors"`` or ``"torch"``; by default from the suffix (``.safetensors``
-            -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` -> torch; an unknown suffix
-            after one of those, that one's: ``x.safetensors.tmp``; any other name, and a file
-            object, torch, as ``torch.save`` writes).
+        format: ``"safetensors"`` or ``"torch"``; by default from the suffix, in either case
+            (``.safetensors``/``.st`` -> safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt``/``.tar``
+            -> torch; an unknown suffix after one of those, that one's: ``x.safetensors.tmp``;
+            any other name, and a file object, torch, as ``torch.save`` writes).
         metadata: safetensors only: text metadata stored in the header (``__metadata__``);
             ``{"format": "pt"}`` is added unless given (transformers expects it).
         pickle_module: ``torch.save``'s, taken where code passes it on: the standard
@@ -72,7 +72,7 @@ def save(
     """
     _check_torch_save_options(pickle_module, pickle_protocol, _use_new_zipfile_serialization)
     if _is_file_object(path, "write"):
-        fmt = _save_format("stream.pt" if format is None else "", format)
+        fmt = _save_format(None, format)
         with tempfile.TemporaryDirectory(prefix="tensortier-save-") as tmp:
             staged = os.path.join(tmp, "checkpoint")
             save(state_dict, staged, fmt, metadata, checksum, _io=_io)

@@ -75,9 +75,8 @@ class FileDataset(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (its shuffle and shards), in this process and in
         the DataLoader's workers, persistent ones included."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**63:
-            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
-        self._epoch.fill_(epoch)
+        # 63 bits: the epoch is shared with the workers in an int64 tensor.
+        self._epoch.fill_(_core.check_reader_setting(epoch, "epoch", 0, 63))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
