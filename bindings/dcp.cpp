@@ -262,6 +262,14 @@ void RegisterDcp(py::module_& m) {
       "how many files went. OSError naming who ('rank 0'), the step and path (the old "
       "checkpoint stays whole).");
   m.def(
+      "dcp_metadata_path",
+      [](const FsPath& dir, std::optional<int64_t> rank) {
+        return PathToPython(DcpMetadataPath(dir, rank));
+      },
+      py::arg("dir"), py::arg("rank") = py::none(),
+      "dir/.metadata, or with `rank` the rank-local dir/__{rank}.metadata: the one spelling of "
+      "the names every DCP reader, writer and command of tensortier uses.");
+  m.def(
       "read_dcp_metadata_bytes",
       [](const FsPath& dir, std::optional<int64_t> rank) {
         std::string data;

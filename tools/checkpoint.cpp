@@ -165,16 +165,8 @@ int VerifyFile(const std::string& path, const std::vector<std::string>& names = 
 void NoteUnnamedDcpFiles(const std::string& dir, const DcpMetadata& md) {
   std::set<std::string> named;
   for (const auto& it : md.items) named.insert(it.relative_path);
-  std::vector<std::string> others;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.starts_with("__") && name.ends_with(".distcp") && !named.contains(name)) {
-      others.push_back(name);
-    }
-  }
+  const std::vector<std::string> others = UnnamedDcpDataFiles(dir, named);
   if (others.empty()) return;
-  std::sort(others.begin(), others.end());
   Note(StrCat(TerminalText(dir), " holds ", Count(others.size(), "data file"),
               " its .metadata does not name (first: ", TerminalText(others.front()),
               "), which loads never read: left by a save that did not commit, or copied in"));
@@ -290,8 +282,7 @@ void RefuseFileOfDcpDirectory(const std::string& path, const char* command) {
   const std::filesystem::path p(path);
   const std::string name = p.filename().string();
   const bool dcp_name =
-      name == ".metadata" ||
-      (name.starts_with("__") && (name.ends_with(".distcp") || name.ends_with(".metadata")));
+      name == kDcpMetadataName || IsDcpDataFile(name) || IsRankLocalDcpMetadata(name);
   if (!dcp_name || !std::filesystem::is_regular_file(p)) return;
   const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
   if (!IsDcpDirectory(dir)) return;

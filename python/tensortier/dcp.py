@@ -41,7 +41,6 @@ from ._runtime import default_io, dtype_names, gc_paused, quantized_dtypes, torc
 
 __all__ = ["Reader", "Writer"]
 
-_METADATA = ".metadata"
 # The key of the one WriteResult each rank's write_data returns.
 _RANK_WRITES = "tensortier: the rank's items"
 _VERSION = "1.0.0"  # DCP's CURRENT_DCP_VERSION for this layout
@@ -445,7 +444,7 @@ class Reader(StorageReader):
         newer tensortier. (``dcp.load`` reports these inside an AssertionError or a
         CheckpointException.)"""
         rank = kwargs.get("rank")
-        path = os.path.join(self.path, _METADATA if rank is None else f"__{rank}{_METADATA}")
+        path = _core.dcp_metadata_path(self.path, rank)
         for attempt in range(_METADATA_READS):
             data = _core.read_dcp_metadata_bytes(self.path, rank)
             try:
@@ -475,12 +474,12 @@ class Reader(StorageReader):
         stream transforms (compressed by FileSystemWriter's ``_extensions``)."""
         self.chunk_sizes = _core.dcp_chunk_sizes(
             metadata.state_dict_metadata, _md.TensorStorageMetadata,
-            os.path.join(self.path, _METADATA))
+            _core.dcp_metadata_path(self.path))
         transformed = next((info.transform_descriptors for info in metadata.storage_data.values()
                             if getattr(info, "transform_descriptors", None)), None)
         if transformed:
             raise ValueError(
-                f"{os.path.join(self.path, _METADATA)}: items stored through stream transforms "
+                f"{_core.dcp_metadata_path(self.path)}: items stored through stream transforms "
                 f"({', '.join(map(str, transformed))}: FileSystemWriter's _extensions, such as "
                 "compression), which tensortier.dcp.Reader does not read; load the checkpoint "
                 "with torch's FileSystemReader(path, _extension_registry=...)")
@@ -505,7 +504,7 @@ class Reader(StorageReader):
         if all(isinstance(d, _MetadataDigest) for d in digests) and len(set(digests)) > 1:
             others = [r for r, d in enumerate(digests) if d != digests[0]]
             raise ValueError(
-                f"{os.path.join(self.path, _METADATA)}: ranks {', '.join(map(str, others))} read "
+                f"{_core.dcp_metadata_path(self.path)}: ranks {', '.join(map(str, others))} read "
                 "another .metadata than rank 0: a save replaced the checkpoint in this "
                 "directory while the ranks read it, and this load would mix the two; load again "
                 "(and let saves into a directory finish before loading it)")

@@ -47,16 +47,6 @@ class CommitLock {
   int fd_ = -1;
 };
 
-// "__N.metadata", N a rank.
-bool IsRankLocalMetadataName(const std::string& name) {
-  constexpr std::string_view kSuffix = ".metadata";
-  if (!name.starts_with("__") || !name.ends_with(kSuffix) || name.size() <= 2 + kSuffix.size()) {
-    return false;
-  }
-  const std::string_view rank(name.data() + 2, name.size() - 2 - kSuffix.size());
-  return std::all_of(rank.begin(), rank.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
 }  // namespace
 
 size_t RemoveUnreferencedDcpFiles(const std::string& dir,
@@ -69,12 +59,10 @@ size_t RemoveUnreferencedDcpFiles(const std::string& dir,
     if (!d) throw IoError(errno, "opendir", dir, 0, 0);
     while (const dirent* e = readdir(d.get())) {
       const std::string name = e->d_name;
-      if (name.starts_with("__") && name.ends_with(".distcp") && !keep.contains(name)) {
-        unreferenced.push_back(name);
-      }
+      if (IsDcpDataFile(name) && !keep.contains(name)) unreferenced.push_back(name);
       // An older save's rank-local metadata (__N.metadata, torch's writer without
       // collectives): it names data files going now, and dcp.load falls back to it.
-      if (IsRankLocalMetadataName(name)) unreferenced.push_back(name);
+      if (IsRankLocalDcpMetadata(name)) unreferenced.push_back(name);
       const size_t tmp = name.find(".tmp-");
       if (name.starts_with(".__") && tmp != std::string::npos) {
         saved_names.insert(name.substr(1, tmp - 1));
@@ -92,7 +80,7 @@ size_t RemoveUnreferencedDcpFiles(const std::string& dir,
 
 size_t CommitDcpCheckpoint(Engine& engine, const std::string& dir, std::string_view metadata,
                            const std::vector<std::string>& referenced, const std::string& who) {
-  const std::string path = StrCat(dir, "/.metadata");
+  const std::string path = DcpMetadataPath(dir);
   bool replaced = false;  // the rename made the new metadata the directory's
   const CommitLock lock(dir);
   try {

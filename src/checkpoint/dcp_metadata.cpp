@@ -253,11 +253,40 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   return out;
 }
 
+bool IsDcpDataFile(std::string_view name) {
+  return name.starts_with("__") && name.ends_with(".distcp");
+}
+
+bool IsRankLocalDcpMetadata(std::string_view name) {
+  if (!name.starts_with("__") || !name.ends_with(kDcpMetadataName) ||
+      name.size() <= 2 + kDcpMetadataName.size()) {
+    return false;
+  }
+  const std::string_view rank = name.substr(2, name.size() - 2 - kDcpMetadataName.size());
+  return std::all_of(rank.begin(), rank.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+std::string DcpMetadataPath(const std::string& dir, std::optional<int64_t> rank) {
+  return rank ? StrCat(dir, "/__", *rank, kDcpMetadataName) : StrCat(dir, "/", kDcpMetadataName);
+}
+
+std::vector<std::string> UnnamedDcpDataFiles(const std::string& dir,
+                                             const std::set<std::string>& named) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (IsDcpDataFile(name) && !named.contains(name)) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 namespace {
 
-// Whether `name` is a DCP data file ("__*.distcp") or the temporary file of a save (".__*").
+// Whether `name` is a DCP data file or the temporary file of a save (".__*").
 bool IsDcpSaveFile(const std::string& name) {
-  return (name.starts_with("__") && name.ends_with(".distcp")) || name.starts_with(".__");
+  return IsDcpDataFile(name) || name.starts_with(".__");
 }
 
 }  // namespace
@@ -265,7 +294,7 @@ bool IsDcpSaveFile(const std::string& name) {
 bool IsDcpDirectory(const std::string& dir) {
   struct stat st;
   if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
-  if (lstat(StrCat(dir, "/.metadata").c_str(), &st) == 0) return true;
+  if (lstat(DcpMetadataPath(dir).c_str(), &st) == 0) return true;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
     if (IsDcpSaveFile(e.path().filename().string())) return true;
@@ -281,8 +310,8 @@ std::string ReadDcpMetadataBytes(const std::string& dir, std::optional<int64_t> 
   if (!S_ISDIR(st.st_mode)) {
     throw IoError(ENOTDIR, "load DCP checkpoint (a DCP checkpoint is a directory)", dir, 0, 0);
   }
-  const std::string name = rank ? StrCat("__", *rank, ".metadata") : ".metadata";
-  const std::string path = StrCat(dir, "/", name);
+  const std::string path = DcpMetadataPath(dir, rank);
+  const std::string name = std::filesystem::path(path).filename();
   if (stat(path.c_str(), &st) != 0 && errno == ENOENT) {
     bool unfinished = false;  // data files, or temporary files of a save
     bool rank_local = false;  // __N.metadata: a save with use_collectives=False
@@ -290,7 +319,7 @@ std::string ReadDcpMetadataBytes(const std::string& dir, std::optional<int64_t> 
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
       const std::string file = e.path().filename().string();
       unfinished = unfinished || IsDcpSaveFile(file);
-      rank_local = rank_local || (file.starts_with("__") && file.ends_with(".metadata"));
+      rank_local = rank_local || IsRankLocalDcpMetadata(file);
     }
     if (rank) {
       throw IoError(ENOENT,
@@ -333,7 +362,7 @@ std::string ReadDcpMetadataBytes(const std::string& dir, std::optional<int64_t> 
 }
 
 DcpMetadata ReadDcpMetadata(const std::string& dir) {
-  return ParseDcpMetadata(ReadDcpMetadataBytes(dir), StrCat(dir, "/.metadata"));
+  return ParseDcpMetadata(ReadDcpMetadataBytes(dir), DcpMetadataPath(dir));
 }
 
 void CheckDcpDataFilesPresent(const std::string& dir,
@@ -345,21 +374,14 @@ void CheckDcpDataFilesPresent(const std::string& dir,
     if (stat(StrCat(dir, "/", name).c_str(), &st) != 0 && errno == ENOENT) missing.push_back(name);
   }
   if (missing.empty()) return;
-  std::vector<std::string> others;  // data files of the directory the metadata does not name
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.starts_with("__") && name.ends_with(".distcp") && !named.contains(name)) {
-      others.push_back(name);
-    }
-  }
-  std::sort(others.begin(), others.end());
+  // Data files of the directory the metadata does not name.
+  const std::vector<std::string> others = UnnamedDcpDataFiles(dir, named);
   auto list = [](const std::vector<std::string>& names) {
     std::string out;
     for (size_t i = 0; i < names.size() && i < 3; ++i) out += StrCat(i ? ", " : "", names[i]);
     return names.size() > 3 ? StrCat(out, " and ", names.size() - 3, " more") : out;
   };
-  const std::string metadata = StrCat(dir, "/.metadata");
+  const std::string metadata = DcpMetadataPath(dir);
   std::string what = StrCat("load DCP checkpoint (", metadata,
                             " names data files that are missing: ", list(missing), ")");
   if (!others.empty()) {

@@ -54,6 +54,28 @@ Written WriteSample(Engine& engine, const std::string& path) {
   return w;
 }
 
+TEST(DcpFile, TheFilesOfACheckpointAreNamedAsTorchNamesThem) {
+  EXPECT_EQ(DcpMetadataPath("d"), "d/.metadata");
+  EXPECT_EQ(DcpMetadataPath("d", 3), "d/__3.metadata");
+  for (const char* name : {"__0_0.distcp", "__1_abcdef.distcp", "__x.distcp"}) {
+    EXPECT_TRUE(IsDcpDataFile(name)) << name;
+  }
+  for (const char* name : {"_0_0.distcp", "__0_0.distcp.tmp", ".__0_0.distcp.tmp-1", ".metadata"}) {
+    EXPECT_FALSE(IsDcpDataFile(name)) << name;
+  }
+  EXPECT_TRUE(IsRankLocalDcpMetadata("__12.metadata"));
+  for (const char* name : {"__.metadata", "__a.metadata", ".metadata", "__1.metadata.tmp"}) {
+    EXPECT_FALSE(IsRankLocalDcpMetadata(name)) << name;
+  }
+  TempDir dir;
+  for (const char* name : {"__1_b.distcp", "__0_a.distcp", "__0_old.distcp", ".metadata", "x"}) {
+    std::ofstream(dir.File(name)) << "x";
+  }
+  EXPECT_EQ(UnnamedDcpDataFiles(dir.path(), {"__0_old.distcp"}),
+            (std::vector<std::string>{"__0_a.distcp", "__1_b.distcp"}));
+  EXPECT_TRUE(UnnamedDcpDataFiles(dir.File("missing"), {}).empty());
+}
+
 TEST(DcpFile, TensorItemsAreZipsOfOneTensorWithAlignedData) {
   TempDir dir;
   Engine engine;

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -66,6 +67,20 @@ void CheckDcpFormat(std::optional<int64_t> format, const std::string& what);
 // anything else: another pickle, a refused global, truncation, values past the bounds, a newer
 // tensortier_format (CheckDcpFormat).
 DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what);
+
+// The names of a DCP checkpoint's files, as torch's FileSystemWriter gives them; every reader,
+// writer, cleanup and CLI command of tensortier goes by these.
+inline constexpr std::string_view kDcpMetadataName = ".metadata";
+// "__*.distcp": a data file (each rank's, "__RANK_..." in the files tensortier writes).
+bool IsDcpDataFile(std::string_view name);
+// "__N.metadata", N a rank: the rank-local metadata of a save with use_collectives=False.
+bool IsRankLocalDcpMetadata(std::string_view name);
+// DIR/.metadata, or with `rank` DIR/__{rank}.metadata.
+std::string DcpMetadataPath(const std::string& dir, std::optional<int64_t> rank = std::nullopt);
+// The data files in `dir` (IsDcpDataFile) that `named` does not hold, in name order; none where
+// `dir` cannot be listed.
+std::vector<std::string> UnnamedDcpDataFiles(const std::string& dir,
+                                             const std::set<std::string>& named);
 
 // Whether `dir` is a DCP checkpoint directory: a directory holding `.metadata` (of any kind:
 // reading it says what is wrong), or, without one, the data files (__*.distcp) or temporary files
