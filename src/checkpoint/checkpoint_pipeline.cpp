@@ -12,6 +12,7 @@
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/piece_reader.hpp"
 #include "tensortier/checkpoint/torch_pickle.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/json.hpp"
@@ -221,6 +222,20 @@ std::string ProgressLine(std::string_view label, uint64_t done, uint64_t total, 
                 tail);
 }
 
+std::optional<std::string> HeaderChecksumProblem(const SafetensorsHeader& header) {
+  const auto hh = header.metadata.find(kHeaderChecksumKey);
+  if (hh == header.metadata.end()) return std::nullopt;
+  const std::optional<uint64_t> stored = ParseStoredChecksum(hh->second);
+  if (!stored) {
+    return StrCat("malformed ", kHeaderChecksumKey, " metadata: ", PyRepr(hh->second),
+                  " is not 16 hex digits");
+  }
+  const uint64_t actual = SafetensorsHeaderDigest(header.entries, header.metadata);
+  if (*stored == actual) return std::nullopt;
+  return StrCat("header checksum mismatch (stored ", hh->second, ", the header gives ",
+                Hex16(actual), "): names, shapes, dtypes, offsets or metadata were changed");
+}
+
 SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout) {
   SafetensorsChecks c;
   c.want.resize(layout.items.size());
@@ -228,15 +243,8 @@ SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout) {
   // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum, compared
   // even where the tensors' checksums are missing (a damaged key name must not hide the damage
   // the header checksum sees), as load(verify=True) does.
-  if (auto hh = metadata.find(kHeaderChecksumKey); hh != metadata.end()) {
-    const uint64_t actual = SafetensorsHeaderDigest(layout.st.header.entries, metadata);
-    const std::optional<uint64_t> stored = ParseStoredChecksum(hh->second);
-    if (!stored) {
-      c.problems.push_back(StrCat("header checksum '", hh->second, "' is not 16 hex digits"));
-    } else if (*stored != actual) {
-      c.problems.push_back(StrCat("header: xxh64 mismatch (stored ", hh->second, ", header has ",
-                                  Hex16(actual), ")"));
-    }
+  if (metadata.contains(kHeaderChecksumKey)) {
+    if (auto problem = HeaderChecksumProblem(layout.st.header)) c.problems.push_back(*problem);
     c.header_checked = true;
   }
   auto it = metadata.find(kTensorChecksumsKey);
@@ -252,19 +260,7 @@ SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout) {
 }
 
 void CheckSafetensorsHeaderChecksum(const std::string& path, const SafetensorsHeader& header) {
-  const auto hh = header.metadata.find(kHeaderChecksumKey);
-  if (hh == header.metadata.end()) return;
-  const std::optional<uint64_t> stored = ParseStoredChecksum(hh->second);
-  if (!stored) {
-    throw FormatError(StrCat(path, ": malformed ", kHeaderChecksumKey,
-                             " metadata: ", PyRepr(hh->second), " is not 16 hex digits"));
-  }
-  const uint64_t actual = SafetensorsHeaderDigest(header.entries, header.metadata);
-  if (*stored != actual) {
-    throw FormatError(StrCat(path, ": header checksum mismatch (stored ", hh->second,
-                             ", the header gives ", Hex16(actual),
-                             "): names, shapes, dtypes, offsets or metadata were changed"));
-  }
+  if (auto problem = HeaderChecksumProblem(header)) throw FormatError(StrCat(path, ": ", *problem));
 }
 
 // 0 means "none" only when every entry records 0; one entry in 2^32 really has the CRC-32 0.
@@ -274,13 +270,11 @@ bool RecordsCrcs(const ZipDirectory& zip) {
 }
 
 std::string XxhMismatch(const std::string& name, uint64_t stored, uint64_t actual) {
-  return StrCat("tensor '", name, "': xxh64 mismatch (stored ", Hex16(stored), ", data has ",
-                Hex16(actual), ")");
+  return ChecksumMismatch(PieceCheck::kXxh64, name, stored, actual);
 }
 
 std::string CrcMismatch(const ZipEntry& e, uint32_t actual) {
-  return StrCat("entry '", e.name, "': CRC-32 mismatch (stored ", Hex8(e.crc32), ", data has ",
-                Hex8(actual), ")");
+  return ChecksumMismatch(PieceCheck::kCrc32, e.name, e.crc32, actual);
 }
 
 uint32_t ZipEntryCrc(Engine& engine, const File& file, const TorchCheckpoint& torch,

@@ -66,13 +66,17 @@ void CheckReadLength(const std::string& path, const PieceRead& p, uint64_t got) 
   if (got != p.nbytes) throw EndedEarly(path, p, got);
 }
 
-std::string LoadChecksumMismatch(const std::string& path, const std::string& name, PieceCheck check,
-                                 uint64_t stored, uint64_t actual) {
+std::string ChecksumMismatch(PieceCheck check, const std::string& name, uint64_t stored,
+                             uint64_t actual) {
   const bool crc = check == PieceCheck::kCrc32;
   const auto hex = [crc](uint64_t v) { return crc ? Hex8(static_cast<uint32_t>(v)) : Hex16(v); };
-  return StrCat(path, ": checksum mismatch in ", crc ? "record " : "tensor ", PyRepr(name),
-                ": stored ", crc ? "crc32 " : "xxh64 ", hex(stored), ", data has ", hex(actual),
-                ": the file is corrupt");
+  return StrCat(crc ? "entry " : "tensor ", PyRepr(name), ": ", crc ? "CRC-32" : "xxh64",
+                " checksum mismatch (stored ", hex(stored), ", data has ", hex(actual), ")");
+}
+
+std::string LoadChecksumMismatch(const std::string& path, const std::string& name, PieceCheck check,
+                                 uint64_t stored, uint64_t actual) {
+  return StrCat(path, ": ", ChecksumMismatch(check, name, stored, actual), ": the file is corrupt");
 }
 
 void CheckPieces(const std::string& path, std::span<const PieceRead> pieces) {

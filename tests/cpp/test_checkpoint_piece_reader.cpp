@@ -94,21 +94,21 @@ TEST(PieceReader, AMismatchNamesTheFileThePieceAndBothChecksums) {
       {"a", f.offsets[0], 100, a.data(), PieceCheck::kXxh64, good_a},
       {"victim", f.offsets[1], 2 << 20, b.data(), PieceCheck::kXxh64, good_b ^ 1}};
   EXPECT_EQ(ErrorOf([&] { ReadPieces(engine, in, "m.safetensors", pieces); }),
-            StrCat("m.safetensors: checksum mismatch in tensor 'victim': stored xxh64 ",
-                   Hex16(good_b ^ 1), ", data has ", Hex16(good_b), ": the file is corrupt"));
+            StrCat("m.safetensors: tensor 'victim': xxh64 checksum mismatch (stored ",
+                   Hex16(good_b ^ 1), ", data has ", Hex16(good_b), "): the file is corrupt"));
   pieces[1].expected.reset();
   EXPECT_EQ(ErrorOf([&] { ReadPieces(engine, in, "m.safetensors", pieces); }),
             "m.safetensors: verify=True but tensor 'victim' has no stored checksum");
   const uint32_t crc = Crc32(f.data[0].data(), 100);
   std::vector<PieceRead> record = {
-      {"data/0", f.offsets[0], 100, a.data(), PieceCheck::kCrc32, crc ^ 0x10u}};
+      {"archive/data/0", f.offsets[0], 100, a.data(), PieceCheck::kCrc32, crc ^ 0x10u}};
   EXPECT_EQ(ErrorOf([&] { ReadPieces(engine, in, "m.pt", record); }),
-            StrCat("m.pt: checksum mismatch in record 'data/0': stored crc32 ", Hex8(crc ^ 0x10u),
-                   ", data has ", Hex8(crc), ": the file is corrupt"));
+            StrCat("m.pt: entry 'archive/data/0': CRC-32 checksum mismatch (stored ",
+                   Hex8(crc ^ 0x10u), ", data has ", Hex8(crc), "): the file is corrupt"));
   record[0].expected = crc;
   EXPECT_NO_THROW(CheckPieces("m.pt", record));
   record[0].expected = crc ^ 1u;
-  EXPECT_NE(ErrorOf([&] { CheckPieces("m.pt", record); }).find("record 'data/0'"),
+  EXPECT_NE(ErrorOf([&] { CheckPieces("m.pt", record); }).find("entry 'archive/data/0'"),
             std::string::npos);
 }
 
@@ -142,8 +142,8 @@ TEST(PieceReader, RecordsAreStreamedAndChecked) {
   EXPECT_NO_THROW(CheckRecords(engine, in, "m.pt", records));
   records[1].crc32 = b ^ 4u;
   EXPECT_EQ(ErrorOf([&] { CheckRecords(engine, in, "m.pt", records); }),
-            StrCat("m.pt: checksum mismatch in record 'x/data/1': stored crc32 ", Hex8(b ^ 4u),
-                   ", data has ", Hex8(b), ": the file is corrupt"));
+            StrCat("m.pt: entry 'x/data/1': CRC-32 checksum mismatch (stored ", Hex8(b ^ 4u),
+                   ", data has ", Hex8(b), "): the file is corrupt"));
   records[1] = {"x/data/1", f.offsets[1], (5 << 20) + 1, b};
   EXPECT_NE(ErrorOf([&] {
               CheckRecords(engine, in, "m.pt", records);

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-BIN = Path(sys.executable).parent / "tensortier"
+BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

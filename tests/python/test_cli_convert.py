@@ -787,7 +787,7 @@ def test_data_pkl_is_read_once(disk_dir: Path, command: str) -> None:
     raw[at] = ord("c")
     path.write_bytes(bytes(raw))
     r = run(command, *args)
-    assert r.returncode == 1 and "data.pkl': CRC-32 mismatch" in r.stderr, r.stderr
+    assert r.returncode == 1 and "data.pkl': CRC-32 checksum mismatch" in r.stderr, r.stderr
 
 
 def test_convert_refuses_two_tensors_that_get_one_name(disk_dir: Path) -> None:

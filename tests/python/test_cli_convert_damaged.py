@@ -110,7 +110,7 @@ def test_a_flipped_data_byte_of_any_safetensors_tensor_is_refused(
     flip(src, {"first": begin, "last": end - 1, "middle": (begin + end) // 2}[where])
     assert run("verify", src).returncode == 1
     dst = src.parent / "out.pt"
-    assert_refused(run("convert", src, dst), src, f"tensor '{name}': xxh64 mismatch")
+    assert_refused(run("convert", src, dst), src, f"tensor '{name}': xxh64 checksum mismatch")
     assert_nothing_written(src.parent, {src.name})
 
 
@@ -137,9 +137,9 @@ def edit_header(path: Path, old: bytes, new: bytes) -> None:
 @pytest.mark.parametrize(
     "old, new, needle",
     [
-        (b'"shape":[37,3]', b'"shape":[3,37]', "header: xxh64 mismatch"),
-        (b'"step":"1000"', b'"step":"9000"', "header: xxh64 mismatch"),
-        (b'"dtype":"I64"', b'"dtype":"F64"', "header: xxh64 mismatch"),
+        (b'"shape":[37,3]', b'"shape":[3,37]', "header checksum mismatch"),
+        (b'"step":"1000"', b'"step":"9000"', "header checksum mismatch"),
+        (b'"dtype":"I64"', b'"dtype":"F64"', "header checksum mismatch"),
     ],
 )
 def test_an_edited_safetensors_header_is_refused(
@@ -164,12 +164,12 @@ def test_an_edited_checksum_value_is_refused(checked_safetensors: Path) -> None:
     pristine = src.read_bytes()
     edit_header(src, stored.encode(), edited.encode())
     assert_refused(run("convert", src, src.parent / "out.pt"), src,
-                   f"tensor 'b': xxh64 mismatch (stored {edited}")
+                   f"tensor 'b': xxh64 checksum mismatch (stored {edited}")
     src.write_bytes(pristine)
     header_sum = metadata["tensortier.header_xxh64"]
     edit_header(src, header_sum.encode(), (("1" if header_sum[0] != "1" else "2")
                                            + header_sum[1:]).encode())
-    assert_refused(run("convert", src, src.parent / "out.pt"), src, "header: xxh64 mismatch")
+    assert_refused(run("convert", src, src.parent / "out.pt"), src, "header checksum mismatch")
     assert_nothing_written(src.parent, {src.name})
 
 
@@ -189,8 +189,8 @@ def test_a_damaged_tensor_checksums_key_does_not_hide_the_header_checksum(
     with pytest.raises(ValueError, match="header checksum mismatch"):
         tensortier.load(src, verify=True)
     r = run("verify", src)
-    assert r.returncode == 1 and "header: xxh64 mismatch" in r.stderr, r.stdout + r.stderr
-    assert_refused(run("convert", src, src.parent / "out.pt"), src, "header: xxh64 mismatch")
+    assert r.returncode == 1 and "header checksum mismatch" in r.stderr, r.stdout + r.stderr
+    assert_refused(run("convert", src, src.parent / "out.pt"), src, "header checksum mismatch")
     assert_nothing_written(src.parent, {src.name})
 
 
@@ -202,7 +202,7 @@ def test_damaged_checksums_of_a_safetensors_file_are_refused(disk_dir: Path) -> 
     h = {k: f"{internals._xxh64(v):016x}" for k, v in t.items()}
 
     cases = {
-        "changed": ({**h, "a": "0" * 16}, "tensor 'a': xxh64 mismatch"),
+        "changed": ({**h, "a": "0" * 16}, "tensor 'a': xxh64 checksum mismatch"),
         "malformed": ({**h, "b": "xyz"}, "tensor 'b': checksum 'xyz' is not 16 hex digits"),
         "missing": ({"a": h["a"]}, "tensor 'b' has no checksum"),
         "unknown": ({**h, "c": h["a"]}, "checksum for unknown tensor 'c'"),
@@ -277,7 +277,7 @@ def test_a_flipped_byte_of_any_torch_entry_is_refused(checked_pt: Path) -> None:
                 # A flip the parsers refuse before any copy: refused all the same.
                 assert r.returncode != 0 and str(src) in r.stderr, r.stderr
             else:
-                assert_refused(r, src, f"entry '{name}': CRC-32 mismatch")
+                assert_refused(r, src, f"entry '{name}': CRC-32 checksum mismatch")
             assert_nothing_written(src.parent, {src.name})
             checked += 1
     assert checked >= 3 * 6
@@ -292,7 +292,7 @@ def test_a_flipped_crc_field_of_any_torch_entry_is_refused(checked_pt: Path) -> 
         flip(src, pos + 16, 0x10)  # the central directory's CRC-32 field
         assert run("verify", src).returncode == 1, name
         r = run("convert", src, src.parent / "out.safetensors")
-        assert_refused(r, src, f"entry '{name}': CRC-32 mismatch")
+        assert_refused(r, src, f"entry '{name}': CRC-32 checksum mismatch")
         assert_nothing_written(src.parent, {src.name})
 
 
@@ -303,7 +303,7 @@ def test_a_flipped_pickle_value_is_refused(disk_dir: Path) -> None:
     edit_header(src, b"step 1000", b"stop 1000")
     assert run("info", src).returncode == 0
     assert_refused(run("convert", src, disk_dir / "m.safetensors"), src,
-                   "entry 'm/data.pkl': CRC-32 mismatch")
+                   "entry 'm/data.pkl': CRC-32 checksum mismatch")
     assert_nothing_written(disk_dir, {src.name})
 
 

@@ -70,7 +70,7 @@ def test_info_and_verify_show_safetensors_names_escaped(disk_dir: Path) -> None:
     r = run("verify", path)
     assert r.returncode == 1
     out = assert_terminal_safe(r)
-    assert f"tensor '{EVIL_SHOWN}': xxh64 mismatch" in out, out
+    assert f"tensor '{EVIL_SHOWN}': xxh64 checksum mismatch" in out, out
 
 
 def test_a_file_name_that_is_not_utf8_is_shown_escaped(disk_dir: Path) -> None:
@@ -122,7 +122,7 @@ def test_torch_names_and_zip_entry_names_are_shown_escaped(disk_dir: Path) -> No
     r = run("verify", path)
     assert r.returncode == 1
     out = assert_terminal_safe(r)
-    assert "entry 'ev\\x1b]0;title\\x07il/data/0': CRC-32 mismatch" in out, out
+    assert "entry 'ev\\x1b]0;title\\x07il/data/0': CRC-32 checksum mismatch" in out, out
 
 
 def test_convert_errors_show_names_escaped(disk_dir: Path) -> None:

@@ -157,9 +157,11 @@ struct SafetensorsChecks {
 };
 SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout);
 
-// load(verify=True)'s check of a safetensors header against its own checksum, where it has one
-// (files from other writers pass: their data checksums still count). Throws FormatError naming
-// `path` for a checksum that is not 16 hex digits or does not match.
+// What is wrong with a safetensors header against its own checksum, where it has one: a
+// checksum that is not 16 hex digits, or does not match. nullopt when it matches or there is none
+// (files from other writers pass: their data checksums still count). verify reports it, and
+// load(verify=True) raises it (CheckSafetensorsHeaderChecksum: FormatError naming `path`).
+std::optional<std::string> HeaderChecksumProblem(const SafetensorsHeader& header);
 void CheckSafetensorsHeaderChecksum(const std::string& path, const SafetensorsHeader& header);
 
 // torch.save with set_crc32_options(False) records 0 for every entry: nothing to check against.
@@ -170,7 +172,7 @@ bool RecordsCrcs(const ZipDirectory& zip);
 uint32_t ZipEntryCrc(Engine& engine, const File& file, const TorchCheckpoint& torch,
                      const ZipEntry& e, StreamBuffers& buffers);
 
-// The sentences that report a tensor's or a zip entry's bytes not matching their checksum.
+// ChecksumMismatch (piece_reader.hpp) of a tensor's or a zip entry's bytes.
 std::string XxhMismatch(const std::string& name, uint64_t stored, uint64_t actual);
 std::string CrcMismatch(const ZipEntry& e, uint32_t actual);
 

@@ -80,8 +80,13 @@ struct RecordCheck {
 void CheckRecords(Engine& engine, const File& file, const std::string& path,
                   std::span<const RecordCheck> records);
 
-// "<path>: checksum mismatch in tensor 'name': stored xxh64 <16 hex>, data has <16 hex>: the file
-// is corrupt" (kCrc32: "record", 8 hex digits): what a load says of damaged bytes.
+// "tensor 'name': xxh64 checksum mismatch (stored <16 hex>, data has <16 hex>)" (kCrc32:
+// "entry 'name': CRC-32 checksum mismatch", 8 hex digits): how load, verify and convert say that
+// bytes do not match the checksum stored for them.
+std::string ChecksumMismatch(PieceCheck check, const std::string& name, uint64_t stored,
+                             uint64_t actual);
+
+// "<path>: " ChecksumMismatch ": the file is corrupt": what a load raises.
 std::string LoadChecksumMismatch(const std::string& path, const std::string& name, PieceCheck check,
                                  uint64_t stored, uint64_t actual);
 

@@ -276,7 +276,7 @@ def _load_into(
         if src.view is not None and src.crc_storage is not None:
             # a non-contiguous saved view: read its whole storage, then copy the view out
             ref = src.crc_storage
-            staged.append(_Staged(_Piece(f"data/{ref.key}", f, ref.record.offset, ref.nbytes, None,
+            staged.append(_Staged(_Piece(ref.record.name, f, ref.record.offset, ref.nbytes, None,
                                          ("crc32", ref.record.crc32) if verify else None),
                                   t, src.view, "cpu"))
             continue
@@ -292,7 +292,7 @@ def _load_into(
                 safetensors._parse_checksums(src.path, {}, [])  # raises: the file stores none
             check = ("xxh64", None if src.checksum == -1 else src.checksum)
         # A CRC-32 is a zip record's: a mismatch names the record.
-        name = f"data/{src.crc_storage.key}" if check and check[0] == "crc32" else k
+        name = src.crc_storage.record.name if check and check[0] == "crc32" else k
         if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: engine's ring/GDS
             direct.append(_Piece(name, f, src.offset, src.nbytes, t.detach(), check))
         else:
@@ -314,7 +314,7 @@ def _load_into(
     # streamed again by the pipeline through bounded buffers and checked.
     for r in crc_refs.values():
         _require("check_records")(io._core(), files[r.path], r.path, [  # noqa: SLF001
-            (f"data/{r.key}", r.record.offset, r.nbytes, r.record.crc32)])
+            (r.record.name, r.record.offset, r.nbytes, r.record.crc32)])
     return IncompatibleKeys(missing, unexpected)
 
 

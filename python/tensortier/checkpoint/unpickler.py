@@ -20,6 +20,7 @@ from .mapping import _fixed_size, _mapped_tensor, _Placement, _Readahead, _stora
 
 @dataclass(frozen=True)
 class _ZipRecord:
+    name: str  # the whole entry name ("archive/data/0"), as errors name it
     offset: int  # of the record's data
     size: int
     crc32: int
@@ -29,7 +30,7 @@ class _ZipRecord:
 
 
 def _records(entries: Sequence[tuple[str, int, int, int, bool]]) -> dict[str, _ZipRecord]:
-    return {name: _ZipRecord(int(off), int(size), int(crc), bool(recorded))
+    return {name: _ZipRecord(name, int(off), int(size), int(crc), bool(recorded))
             for name, off, size, crc, recorded in entries}
 
 
@@ -70,7 +71,7 @@ def _fill_now(ref: _StorageRef, path: str, verify: bool, big_endian: bool, io: I
     dest = _storage_bytes(ref.storage)
     host = dest if dest.device.type == "cpu" else torch.empty(ref.nbytes, dtype=torch.uint8)
     with contextlib.closing(_open_checkpoint(io, path)) as file:
-        _reading._read_host(io, file, path, [f"data/{ref.key}"], [ref.record.offset],
+        _reading._read_host(io, file, path, [ref.record.name], [ref.record.offset],
                             [ref.nbytes], [host.data_ptr()], _Progress("", 0, False),
                             "crc32" if verify else "none", [ref.record.crc32] if verify else None)
     if host is not dest:
@@ -170,7 +171,7 @@ def _unpickle_torch(
                     _fill_now(ref, path, verify, big_endian, reader)
                 elif swap_now and nbytes:
                     if verify:  # the CRC-32 is of the stored bytes
-                        _reading._check_host(ref.path, [(f"data/{ref.key}", _storage_bytes(
+                        _reading._check_host(ref.path, [(ref.record.name, _storage_bytes(
                             storage), ("crc32", ref.record.crc32))])
                     _swap_bytes(ref.storage, ref.dtype)
                     ref.filled = True
@@ -314,12 +315,12 @@ def _load_torch(
         if whole is not None:
             if verify:  # storages swapped while unpickling were checked then
                 _reading._check_host(path, [
-                    (f"data/{r.key}", _storage_bytes(r.storage), ("crc32", r.record.crc32))
+                    (r.record.name, _storage_bytes(r.storage), ("crc32", r.record.crc32))
                     for r in refs if not r.filled])
         else:
             pieces = [
                 _Piece(
-                    f"data/{r.key}", file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
+                    r.record.name, file, r.record.offset, r.nbytes, _storage_bytes(r.storage),
                     ("crc32", r.record.crc32) if verify else None,
                 )
                 for r in refs
