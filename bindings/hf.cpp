@@ -4,12 +4,14 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "arguments.hpp"
 #include "paths.hpp"
 #include "register.hpp"
+#include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -72,16 +74,31 @@ void RegisterHf(py::module_& m) {
   m.def(
       "stage_hf_save",
       [](const FsPath& final_dir) {
-        std::string staging;
+        HfSaveStaging staging;
         {
           py::gil_scoped_release release;
           staging = StageHfSave(final_dir);
         }
-        return PathToPython(staging);
+        return py::make_tuple(PathToPython(staging.dir), staging.kept);
       },
       py::arg("final_dir"),
-      "The staging directory of a save into final_dir (beside it), holding what final_dir holds: "
-      "weight files linked, others copied. NotADirectoryError where final_dir is a file.");
+      "(staging directory, names kept) of a save into final_dir: the directory beside it, "
+      "holding what final_dir holds (weight files linked, others copied), and the names of "
+      "final_dir's entries it holds (for carry_new_entries). NotADirectoryError where final_dir "
+      "is a file.");
+  m.def(
+      "carry_new_entries",
+      [](const FsPath& old_dir, const FsPath& new_dir, const std::set<std::string>& kept) {
+        return CarryNewEntries(old_dir, new_dir, kept);
+      },
+      py::arg("old_dir"), py::arg("new_dir"), py::arg("kept"),
+      py::call_guard<py::gil_scoped_release>(),
+      "After commit_directory exchanged them: the entries another process made in old_dir while "
+      "the save ran (names not in kept, free in new_dir) moved into new_dir. Returns how many.");
+  m.def(
+      "remove_directory_tree", [](const FsPath& dir) { return RemoveDirectoryTree(dir); },
+      py::arg("dir"), py::call_guard<py::gil_scoped_release>(),
+      "Removes dir and all it holds, read-only folders included; True when it is gone.");
   m.def(
       "hf_read_device",
       [](const std::vector<std::string>& places) -> std::optional<std::string> {

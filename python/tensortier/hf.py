@@ -10,7 +10,8 @@ import contextlib
 import contextvars
 import errno
 import os
-import shutil
+import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = ["SUPPORTED_TRANSFORMERS", "disable", "enable", "from_pretrained", "sa
 _enabled = False  # enable(): every load and save of the process
 _routed: contextvars.ContextVar[bool] = contextvars.ContextVar("tensortier_hf", default=False)
 _originals: dict[str, Any] = {}  # what the hooks replaced
+_install_lock = threading.Lock()
 _saving: contextvars.ContextVar[bool] = contextvars.ContextVar("tensortier_hf_save", default=False)
 
 
@@ -55,8 +57,13 @@ def _transformers() -> Any:
 def _install(mu: Any) -> None:
     """Puts the reading and writing hooks in place, once; they act only for :func:`enable` or
     within our own calls."""
-    if _originals:
-        return
+    # Under a lock: a second thread's first call must not take our hooks for transformers' own.
+    with _install_lock:
+        if not _originals:
+            _install_hooks(mu)
+
+
+def _install_hooks(mu: Any) -> None:
     cls = mu.PreTrainedModel
     _originals["load"] = cls.__dict__["_load_pretrained_model"].__func__
     _originals["save_file"] = mu.safe_save_file
@@ -75,6 +82,10 @@ def _install(mu: Any) -> None:
     def safe_save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
         if not (_enabled or _routed.get()):
             return _originals["save_file"](tensors, filename, metadata=metadata)
+        # A shard that is a symbolic link (into a Hub cache's blobs, say) is replaced by the new
+        # file, as transformers replaces it; the file it points to stays as it is.
+        if os.path.islink(filename):
+            os.unlink(filename)
         save(tensors, filename, metadata=metadata, checksum=True)
 
     cls._load_pretrained_model = staticmethod(_load_pretrained_model)
@@ -127,14 +138,17 @@ def _damaged_shard_error() -> type[ValueError]:
 
 
 @contextlib.contextmanager
-def _read_early(path: str, kwargs: dict[str, Any]) -> Iterator[None]:
+def _read_early(cls: Any, path: str, kwargs: dict[str, Any]) -> Iterator[None]:
     """Within: the checkpoint in `path` is read to the CPU in its own dtypes on another thread
     while transformers builds the model, for :func:`_read` to take where it would read the same
     (where the call asks for nothing that changes which files are read or into what)."""
     from transformers import modeling_utils
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
     found = None
-    if (set(kwargs) <= _EARLY_KWARGS and kwargs.get("dtype", "auto") in ("auto", None)
+    # Model classes only: AutoConfig, AutoTokenizer... read no weights.
+    models = (modeling_utils.PreTrainedModel, _BaseAutoModelClass)
+    if (isinstance(cls, type) and issubclass(cls, models) and set(kwargs) <= _EARLY_KWARGS and kwargs.get("dtype", "auto") in ("auto", None)
             and kwargs.get("torch_dtype", "auto") in ("auto", None)
             and getattr(kwargs.get("config"), "quantization_config", None) is None
             and not modeling_utils.is_deepspeed_zero3_enabled()):
@@ -209,14 +223,13 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs
             with ``huggingface_hub.snapshot_download``).
         ImportError: transformers is missing or of a version outside
             ``SUPPORTED_TRANSFORMERS``.
-        ValueError: a truncated or malformed shard, an index naming a tensor its shard lacks
-            (also a ``safetensors.SafetensorError``, as transformers raises for a damaged
-            shard), a ``dtype`` transformers refuses.
+        ValueError: a truncated or malformed shard (also a ``safetensors.SafetensorError``,
+            as transformers raises for a damaged shard), a ``dtype`` transformers refuses.
         OSError: a shard cannot be read or is missing.
     """
     path = fspath(path)
     _core.check_hf_model_directory(path)
-    with _ours(), _read_early(path, kwargs):
+    with _ours(), _read_early(cls, path, kwargs):
         return cls.from_pretrained(path, *args, **kwargs)
 
 
@@ -231,14 +244,16 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     with `path` in one rename (``renameat2(RENAME_EXCHANGE)``). Files already in `path` are kept
     as transformers keeps them: the same files (hard links, so that a log file open there goes
     on), except the ``.json``, ``.py`` and ``.bin`` files a save may rewrite, which are copied;
-    symbolic links stay links. A crash leaves the old directory whole, and a leftover
-    ``.<name>.tmp-*`` beside it, which the next save into `path` removes once the process that
-    made it is gone.
+    symbolic links stay links (a shard's is replaced by the new shard, its target left as it
+    was); files other processes write into `path` meanwhile are moved into the new directory.
+    A crash leaves the old directory whole, and a leftover ``.<name>.tmp-*`` beside it, which the
+    next save into `path` removes once the process that made it is gone.
 
     Where the directory cannot be swapped, the save writes into it as transformers does, each
     shard durable on its own (a crash may leave some files old and some new): `path` is a mount
     point, a symbolic link, a file (transformers logs an error and returns), holds this process's
-    working directory, or lies in a directory this process may not write; and on a rank that
+    working directory, lies in a directory this process may not write or on a file system
+    without ``RENAME_EXCHANGE`` (NFS, SMB, most FUSE ones); and on a rank that
     does not save (``is_main_process=False``), which writes what transformers writes there
     (nothing), leaving the directory to the rank that saves.
 
@@ -252,7 +267,18 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
         if kwargs.get(unsupported):
             raise ValueError(f"tensortier.hf.save_pretrained does not take {unsupported}=True")
     _transformers()  # the hooks, and _originals for _writer
+    model = _unwrapped(model)
     _save(model, os.path.abspath(fspath(path)), _writer(model), kwargs)
+
+
+def _unwrapped(model: Any) -> Any:
+    """The model a ``torch.compile`` wrapper (``OptimizedModule``) holds: its ``save_pretrained``
+    is the model's, as attribute lookups through the wrapper find it."""
+    # Not imported, nothing was compiled: importing it would take a second.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        return model._orig_mod
+    return model
 
 
 def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
@@ -264,7 +290,7 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
                 write(final, **kwargs)
                 return
             try:
-                staging = _core.stage_hf_save(final)  # and removes killed saves' ones
+                staging, kept = _core.stage_hf_save(final)  # and removes killed saves' ones
             except PermissionError:  # no staging directory beside `path`
                 write(final, **kwargs)
                 return
@@ -274,16 +300,23 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
                     _core.commit_directory(staging, final)
                     swapped = True
                 except OSError as e:
-                    # A mount point os.path.ismount does not see (a bind mount).
-                    if e.errno not in (errno.EBUSY, errno.EXDEV):
+                    if e.errno not in _CANNOT_SWAP:
                         raise
                     swapped = False
+                if swapped:  # `staging` is the old directory now
+                    _core.carry_new_entries(staging, final, kept)
             finally:
-                shutil.rmtree(staging, ignore_errors=True)  # the old directory, once swapped
+                _core.remove_directory_tree(staging)
             if not swapped:
                 write(final, **kwargs)
         finally:
             _saving.reset(token)
+
+
+# What commit_directory's exchange fails with where the directory stays and can be written in
+# place: a mount point os.path.ismount does not see (a bind mount: EBUSY, EXDEV), and file systems
+# without renameat2(RENAME_EXCHANGE) (NFS, SMB, most FUSE file systems: EINVAL, ENOSYS).
+_CANNOT_SWAP = (errno.EBUSY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 def _writer(model: Any) -> Any:
@@ -350,4 +383,7 @@ def disable() -> None:
     global _enabled
     _enabled = False
     if _originals:
-        _transformers().PreTrainedModel.save_pretrained = _originals["save_pretrained"]
+        cls = _transformers().PreTrainedModel
+        # Only our hook is taken away: one another library put there since stays.
+        if cls.__dict__.get("save_pretrained") is _enabled_save_pretrained:
+            cls.save_pretrained = _originals["save_pretrained"]

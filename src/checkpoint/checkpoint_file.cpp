@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
@@ -306,9 +307,7 @@ size_t RemoveStaleTemporaryFiles(const std::string& final_path) {
     if (unlinkat(dirfd(d), e->d_name, 0) == 0) {
       ++removed;
     } else if (errno == EISDIR) {  // a directory save's staging directory (CommitDirectory)
-      std::error_code ec;
-      std::filesystem::remove_all(std::filesystem::path(dir) / e->d_name, ec);
-      if (!ec) ++removed;
+      if (RemoveDirectoryTree((std::filesystem::path(dir) / e->d_name).string())) ++removed;
     }
   }
   closedir(d);

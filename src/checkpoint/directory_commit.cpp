@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <random>
+#include <set>
 #include <system_error>
 
 #include "tensortier/checkpoint/checkpoint_file.hpp"
@@ -17,6 +18,7 @@
 #include "tensortier/io/file.hpp"
 #include "tensortier/io/file_system.hpp"
 #include "tensortier/util/error.hpp"
+#include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {
@@ -59,6 +61,49 @@ void CommitDirectory(const std::string& staged, const std::string& final_dir) {
     }
   }
   fs.SyncDirectory(ParentOf(final_dir), final_dir);
+}
+
+size_t CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
+                       const std::set<std::string>& kept) {
+  size_t moved = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(old_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (kept.contains(name)) continue;
+    const std::string to = StrCat(new_dir, "/", name);
+    struct stat st;
+    if (lstat(to.c_str(), &st) == 0 || errno != ENOENT) continue;  // the save's own file wins
+    // RENAME_NOREPLACE: a file made under `to` meanwhile is not replaced.
+    if (syscall(SYS_renameat2, AT_FDCWD, e.path().c_str(), AT_FDCWD, to.c_str(),
+                RENAME_NOREPLACE) == 0) {
+      ++moved;
+    }
+  }
+  if (moved > 0) {
+    try {
+      FileSystem().SyncDirectory(new_dir, new_dir);
+    } catch (const std::exception&) {  // moved all the same; the next sync of it covers them
+    }
+  }
+  return moved;
+}
+
+bool RemoveDirectoryTree(const std::string& dir) {
+  std::error_code ec;
+  struct stat st;
+  if (lstat(dir.c_str(), &st) != 0) return errno == ENOENT;
+  if (S_ISDIR(st.st_mode)) {
+    if ((st.st_mode & S_IRWXU) != S_IRWXU) chmod(dir.c_str(), (st.st_mode & 07777) | S_IRWXU);
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      if (e.is_directory(ec) && !e.is_symlink(ec)) {
+        RemoveDirectoryTree(e.path().string());
+      } else {
+        unlink(e.path().c_str());
+      }
+    }
+    return rmdir(dir.c_str()) == 0;
+  }
+  return unlink(dir.c_str()) == 0;
 }
 
 std::string CreateStagingDirectory(const std::string& final_dir, mode_t mode) {

@@ -150,11 +150,16 @@ std::optional<std::string> HfLoadTarget(
   std::set<std::string> names;
   for (const std::string& file : files) names.insert(BaseName(file));
   if (shards != names) return std::nullopt;  // extra files beside the shards: transformers'
-  // transformers loads every tensor of each file; tensortier.load, those the index names. A
-  // shard holding more (an index that leaves one out) is read by transformers.
+  // transformers loads every tensor of each file, and reports those the index names but no file
+  // holds as missing keys; tensortier.load reads the tensors the index names, and refuses one a
+  // shard lacks. A shard holding more or less than its index says is read by transformers.
+  std::map<std::string, size_t> indexed;  // shard -> how many tensors the index puts there
+  for (const auto& [tensor, shard] : *weight_map) ++indexed[shard];
   for (const std::string& file : files) {
     const std::string shard = BaseName(file);
-    for (const SafetensorsEntry& e : ReadSafetensorsHeader(file).header.entries) {
+    const auto entries = ReadSafetensorsHeader(file).header.entries;
+    if (entries.size() != indexed[shard]) return std::nullopt;
+    for (const SafetensorsEntry& e : entries) {
       const auto it = weight_map->find(e.name);
       if (it == weight_map->end() || it->second != shard) return std::nullopt;
     }
@@ -162,7 +167,7 @@ std::optional<std::string> HfLoadTarget(
   return HfShardIndexOf(DirName(files[0]), files[0], *weight_map);
 }
 
-std::string StageHfSave(const std::string& final_dir) {
+HfSaveStaging StageHfSave(const std::string& final_dir) {
   std::error_code ec;
   const fs::file_status status = fs::status(final_dir, ec);
   const bool exists = fs::exists(status);
@@ -171,14 +176,17 @@ std::string StageHfSave(const std::string& final_dir) {
   }
   fs::create_directories(DirName(final_dir), ec);
   if (ec) ThrowIoError(ec.value(), "mkdir", DirName(final_dir));
-  const std::string staging = CreateStagingDirectory(final_dir);
+  HfSaveStaging out{CreateStagingDirectory(final_dir), {}};
   try {
-    if (exists) LinkOrCopyTree(final_dir, staging, true);
+    if (exists) LinkOrCopyTree(final_dir, out.dir, true);
+    for (const auto& entry : fs::directory_iterator(out.dir)) {
+      out.kept.insert(entry.path().filename().string());
+    }
   } catch (...) {
-    fs::remove_all(staging, ec);
+    RemoveDirectoryTree(out.dir);
     throw;
   }
-  return staging;
+  return out;
 }
 
 std::optional<std::string> HfWeightsFile(const std::string& dir) {

@@ -8,10 +8,12 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
@@ -136,10 +138,11 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   TempDir dir;
   const std::string m = dir.path() + "/models/m";
   // Nothing there yet: the parent is made, the staging directory is empty and beside `m`.
-  const std::string fresh = StageHfSave(m);
-  EXPECT_EQ(fresh.substr(0, fresh.rfind('/')), dir.path() + "/models");
-  EXPECT_TRUE(std::filesystem::is_empty(fresh));
-  std::filesystem::remove(fresh);
+  const HfSaveStaging fresh = StageHfSave(m);
+  EXPECT_EQ(fresh.dir.substr(0, fresh.dir.rfind('/')), dir.path() + "/models");
+  EXPECT_TRUE(std::filesystem::is_empty(fresh.dir));
+  EXPECT_TRUE(fresh.kept.empty());
+  std::filesystem::remove(fresh.dir);
   std::filesystem::create_directories(m + "/sub");
   std::ofstream(m + "/model.safetensors") << "weights";
   std::ofstream(m + "/config.json") << "{}";
@@ -151,7 +154,10 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   ASSERT_EQ(::chmod((m + "/config.json").c_str(), 0640), 0);
   const struct timespec old[2] = {{1000, 0}, {2000, 5}};
   ASSERT_EQ(::utimensat(AT_FDCWD, (m + "/config.json").c_str(), old, 0), 0);
-  const std::string staged = StageHfSave(m);
+  const HfSaveStaging staging = StageHfSave(m);
+  const std::string& staged = staging.dir;
+  EXPECT_EQ(staging.kept, (std::set<std::string>{"config.json", "link.json", "model.safetensors",
+                                                 "pytorch_model.bin", "self", "sub", "train.log"}));
   EXPECT_EQ(StatOf(staged + "/model.safetensors").st_ino, StatOf(m + "/model.safetensors").st_ino);
   const struct stat copy = StatOf(staged + "/config.json");
   EXPECT_NE(copy.st_ino, StatOf(m + "/config.json").st_ino);
@@ -173,6 +179,35 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   } catch (const IoError& e) {
     EXPECT_EQ(e.error_code(), ENOTDIR);
   }
+}
+
+TEST(HfCheckpoint, EntriesMadeInTheOldDirectoryDuringASaveMoveIntoTheNewOne) {
+  TempDir dir;
+  const std::string old_dir = dir.path() + "/old", new_dir = dir.path() + "/new";
+  std::filesystem::create_directories(old_dir + "/made/deep");
+  std::filesystem::create_directories(new_dir);
+  for (const char* name : {"kept.json", "stale-00002-of-00002.safetensors", "rng_state_1.pth",
+                           "both.txt", "made/deep/x"}) {
+    std::ofstream(old_dir + "/" + name) << "old " << name;
+  }
+  std::ofstream(new_dir + "/kept.json") << "new";
+  std::ofstream(new_dir + "/both.txt") << "the save's";
+  const std::set<std::string> kept = {"kept.json", "stale-00002-of-00002.safetensors"};
+  EXPECT_EQ(CarryNewEntries(old_dir, new_dir, kept), 2u);  // rng_state_1.pth, made/
+  EXPECT_EQ(Contents(new_dir + "/rng_state_1.pth"), "old rng_state_1.pth");
+  EXPECT_EQ(Contents(new_dir + "/made/deep/x"), "old made/deep/x");
+  EXPECT_EQ(Contents(new_dir + "/kept.json"), "new");        // kept: the save's copy
+  EXPECT_EQ(Contents(new_dir + "/both.txt"), "the save's");  // the save's own file wins
+  EXPECT_FALSE(std::filesystem::exists(new_dir + "/stale-00002-of-00002.safetensors"));
+  EXPECT_EQ(CarryNewEntries(dir.path() + "/missing", new_dir, kept), 0u);
+  // The old directory goes, read-only folders and all.
+  std::filesystem::create_directories(old_dir + "/ro/inner");
+  std::ofstream(old_dir + "/ro/inner/f") << "x";
+  ASSERT_EQ(::chmod((old_dir + "/ro/inner").c_str(), 0555), 0);
+  ASSERT_EQ(::chmod((old_dir + "/ro").c_str(), 0555), 0);
+  EXPECT_TRUE(RemoveDirectoryTree(old_dir));
+  EXPECT_FALSE(std::filesystem::exists(old_dir));
+  EXPECT_TRUE(RemoveDirectoryTree(old_dir));  // gone already
 }
 
 }  // namespace

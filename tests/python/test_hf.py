@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -261,26 +262,23 @@ def test_a_killed_save_leaves_the_old_directory(tmp_path: Path) -> None:
     assert killed != running.name
 
 
-def test_enable_and_disable(tmp_path: Path) -> None:
-    make("llama", tmp_path / "bad", "20KB")
-    index = tmp_path / "bad" / "model.safetensors.index.json"
-    content = json.loads(index.read_text())
-    first = sorted(set(content["weight_map"].values()))[0]
-    content["weight_map"]["model.layers.9.extra.weight"] = first
-    index.write_text(json.dumps(content))
+def test_enable_and_disable(tmp_path: Path, reads: list[str]) -> None:
+    make("llama", tmp_path / "m", "20KB")
     model = MODELS["llama"]()
     save_pretrained = transformers.PreTrainedModel.save_pretrained
     hf.enable()
     try:
-        with pytest.raises(ValueError, match="model.layers.9.extra.weight"):
-            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bad")
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+        assert reads == ["model.safetensors.index.json"]
         model.save_pretrained(tmp_path / "ours")
         with safetensors.safe_open(tmp_path / "ours" / "model.safetensors", "pt") as f:
             assert "tensortier.xxh64" in f.metadata()
     finally:
         hf.disable()
     assert transformers.PreTrainedModel.save_pretrained is save_pretrained
-    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bad")  # transformers' reading
+    reads.clear()
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")  # transformers' reading
+    assert reads == []
     model.save_pretrained(tmp_path / "theirs")
     with safetensors.safe_open(tmp_path / "theirs" / "model.safetensors", "pt") as f:
         assert "tensortier.xxh64" not in f.metadata()
@@ -336,22 +334,27 @@ def early(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, list[Any]]]:
 def test_early_read_is_not_started_where_transformers_reads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early: list[Any]) -> None:
     make("llama", tmp_path)
-    with hf._read_early(str(tmp_path), {}):  # the read that the cases below do not start
+    with hf._read_early(AUTO, str(tmp_path), {}):  # the read that the cases below do not start
         assert hf._early.get() is not None
     assert [thread for thread, _, _ in early] == ["tensortier-hf_0"]
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
-    with hf._read_early(str(tmp_path), {"config": config}):  # quantized by the call
+    with hf._read_early(AUTO, str(tmp_path), {"config": config}):  # quantized by the call
         assert hf._early.get() is None
     saved = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text(json.dumps(
         json.loads(saved) | {"quantization_config": {"quant_method": "bitsandbytes"}}))
-    with hf._read_early(str(tmp_path), {}):  # saved quantized
+    with hf._read_early(AUTO, str(tmp_path), {}):  # saved quantized
         assert hf._early.get() is None
     (tmp_path / "config.json").write_text(saved)
     monkeypatch.setattr(transformers.modeling_utils, "is_deepspeed_zero3_enabled", lambda: True)
-    with hf._read_early(str(tmp_path), {}):  # ZeRO-3 partitions the weights as it loads them
+    with hf._read_early(AUTO, str(tmp_path), {}):  # ZeRO-3 partitions the weights as it loads them
         assert hf._early.get() is None
+    monkeypatch.undo()
+    for reads_no_weights in (transformers.AutoConfig, transformers.LlamaConfig):
+        with hf._read_early(reads_no_weights, str(tmp_path), {}):
+            assert hf._early.get() is None
+    hf.from_pretrained(transformers.AutoConfig, tmp_path)
     assert len(early) == 1
 
 
@@ -558,3 +561,126 @@ def test_a_tensor_the_index_leaves_out_is_loaded_as_transformers_loads_it(
     cls = transformers.LlamaForCausalLM
     assert_same(hf.from_pretrained(cls, tmp_path), cls.from_pretrained(tmp_path))
     assert reads in ([], ["model.safetensors.index.json"])  # at most the early read, declined
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_loads_as_transformers_loads_it(
+        tmp_path: Path, reads: list[str]) -> None:
+    """transformers loads such a checkpoint and reports the tensor as missing (initialised at
+    random): the same model, never an error of ours."""
+    make("llama", tmp_path, "20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    content["weight_map"]["model.extra.weight"] = next(iter(content["weight_map"].values()))
+    index.write_text(json.dumps(content))
+    cls = transformers.LlamaForCausalLM
+    torch.manual_seed(1)
+    theirs = cls.from_pretrained(tmp_path)
+    torch.manual_seed(1)
+    assert_same(hf.from_pretrained(cls, tmp_path), theirs)
+    assert reads in ([], ["model.safetensors.index.json"])  # at most the early read, declined
+
+
+def test_a_shard_that_is_a_symbolic_link_is_replaced_and_its_target_kept(tmp_path: Path) -> None:
+    """A model directory linking into a Hub cache's blobs: the save replaces the link with the
+    new file, as transformers does; the blob (another model's weights) stays as it was."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    model.save_pretrained(out)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    blob = blobs / "sha256-of-the-weights"
+    (out / "model.safetensors").rename(blob)
+    (out / "model.safetensors").symlink_to(blob)
+    cached = blob.read_bytes()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    for enabled in (False, True):
+        if enabled:
+            (out / "model.safetensors").unlink()
+            (out / "model.safetensors").symlink_to(blob)
+            hf.enable()
+            try:
+                model.save_pretrained(out)
+            finally:
+                hf.disable()
+        else:
+            hf.save_pretrained(model, out)
+        assert blob.read_bytes() == cached
+        assert not (out / "model.safetensors").is_symlink()
+        assert_same(hf.from_pretrained(type(model), out), model.eval())
+
+
+def test_files_another_process_writes_into_the_directory_during_a_save_stay(
+        tmp_path: Path) -> None:
+    """A Trainer's other ranks write their rng_state_N.pth into the checkpoint folder while
+    rank 0 saves the model there: the swap must not drop them with the old directory."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "checkpoint-2"
+    out.mkdir()  # as Trainer makes it before saving
+    write = hf._transformers_writer(model)
+
+    def write_while_another_rank_writes(directory: str, **kwargs: Any) -> None:
+        write(directory, **kwargs)
+        (out / "rng_state_1.pth").write_bytes(b"rank 1")  # into the directory being replaced
+
+    hf._save(model, str(out), write_while_another_rank_writes, {})
+    assert (out / "rng_state_1.pth").read_bytes() == b"rank 1"
+    assert_same(hf.from_pretrained(type(model), out), model.eval())
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+
+
+@pytest.mark.parametrize("code", ["EINVAL", "ENOSYS"])
+def test_a_file_system_without_directory_exchange_is_written_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """NFS, SMB and most FUSE file systems refuse renameat2(RENAME_EXCHANGE): the save writes
+    into the existing directory as transformers does, rather than failing a Trainer's save."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    out.mkdir()
+    real = _core.commit_directory
+
+    def commit_without_exchange(staged: str, final_dir: str) -> None:
+        if os.path.isdir(final_dir):
+            number = getattr(errno, code)
+            raise OSError(number, "exchange with the new directory failed", final_dir)
+        real(staged, final_dir)
+
+    monkeypatch.setattr(_core, "commit_directory", commit_without_exchange)
+    hf.save_pretrained(model, out)
+    assert_same(hf.from_pretrained(type(model), out), model.eval())
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+    monkeypatch.setattr(_core, "commit_directory", lambda *a: (_ for _ in ()).throw(
+        OSError(errno.EIO, "exchange with the new directory failed", str(out))))
+    with pytest.raises(OSError) as raised:  # any other error is the save's
+        hf.save_pretrained(model, out)
+    assert raised.value.errno == errno.EIO
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+
+
+def test_a_compiled_model_is_saved_as_transformers_saves_it(tmp_path: Path) -> None:
+    """torch.compile's wrapper forwards save_pretrained to the model: so do we."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    hf.save_pretrained(torch.compile(model), tmp_path / "m")
+    assert_same(hf.from_pretrained(type(model), tmp_path / "m"), model.eval())
+
+
+def test_disable_leaves_another_library_s_save_pretrained(tmp_path: Path) -> None:
+    cls = transformers.PreTrainedModel
+    original = cls.save_pretrained
+    hf.enable()
+    try:
+        def theirs(self: Any, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("not called")
+
+        cls.save_pretrained = theirs
+        hf.disable()
+        assert cls.save_pretrained is theirs
+    finally:
+        cls.save_pretrained = original
+        hf.disable()
+    assert cls.save_pretrained is original

@@ -4,6 +4,8 @@
 
 #include <sys/types.h>
 
+#include <cstddef>
+#include <set>
 #include <string>
 
 namespace tensortier {
@@ -23,5 +25,19 @@ void CommitDirectory(const std::string& staged, const std::string& final_dir);
 // (RemoveStaleTemporaryFiles: only of processes that no longer run). Returns its path. Throws
 // IoError naming `final_dir`.
 std::string CreateStagingDirectory(const std::string& final_dir, mode_t mode = 0777);
+
+// After CommitDirectory exchanged the directories: the entries another process made in the old
+// one (`old_dir`, at the staged name now) while the save ran, moved into the new one
+// (`new_dir`) where the name is free: a Trainer rank's rng_state_1.pth written into the
+// checkpoint folder rank 0 saves into. `kept` are the names the old directory held when the save
+// was staged (copied into the new one, or removed by the save: not carried). The new directory
+// is fsynced when anything moved. Returns how many moved; never throws (what cannot move stays).
+size_t CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
+                       const std::set<std::string>& kept);
+
+// Removes `dir` and all it holds, giving each of its folders its owner's write permission first:
+// a read-only folder copied from a model directory does not leave the rest behind. True when
+// `dir` is gone; never throws.
+bool RemoveDirectoryTree(const std::string& dir);
 
 }  // namespace tensortier

@@ -4,6 +4,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -51,7 +52,8 @@ bool IsHfSafetensorsFile(const std::string& path);
 // whose weight map is `weight_map` (HfShardIndexOf). nullopt where transformers reads the files
 // itself: files other than safetensors ones (IsHfSafetensorsFile), several files without an
 // index, files other than the index's shards, or a shard holding a tensor the index does not
-// put there (transformers loads every tensor of a file).
+// put there or lacking one it does (transformers loads every tensor of a file, and reports
+// those none holds as missing keys).
 // Reads each shard's header: FormatError for a malformed one.
 std::optional<std::string> HfLoadTarget(
     const std::vector<std::string>& files,
@@ -62,10 +64,15 @@ std::optional<std::string> HfLoadTarget(
 // same files (hard links: a save replaces safetensors files by rename or removes them, and
 // never writes the others), except the top's *.json, *.py and *.bin files, copies (transformers
 // rewrites config.json in place, torch.save shards too), and any file on another file system;
-// symbolic links as links; folders
-// made anew with the owners, modes and times of the old ones. Throws IoError (ENOTDIR) where
-// `final_dir` is not a directory, or naming the file that could not be linked or copied.
-std::string StageHfSave(const std::string& final_dir);
+// symbolic links as links; folders made anew with the owners, modes and times of the old ones.
+// Returns the staging directory and the names of final_dir's entries it holds (for
+// CarryNewEntries). Throws IoError (ENOTDIR) where `final_dir` is not a directory, or naming the
+// file that could not be linked or copied.
+struct HfSaveStaging {
+  std::string dir;
+  std::set<std::string> kept;
+};
+HfSaveStaging StageHfSave(const std::string& final_dir);
 
 // Whether `files` are in the page cache, 9/10 of their bytes at least (a busy machine evicts a few
 // pages at any moment): then tensortier.hf maps them rather than reading them.
