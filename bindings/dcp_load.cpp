@@ -30,8 +30,12 @@ DcpVerify DcpVerifyOf(const py::handle& verify) {
   if (py::isinstance<py::str>(verify) && verify.cast<std::string>() == "full") {
     return DcpVerify::kFull;
   }
-  return py::bool_(py::reinterpret_borrow<py::object>(verify)) ? DcpVerify::kRead
-                                                               : DcpVerify::kNone;
+  if (PyBool_Check(verify.ptr())) {
+    return verify.ptr() == Py_True ? DcpVerify::kRead : DcpVerify::kNone;
+  }
+  // Not any truthy value: verify="fast" or "off" is a mistake, not True.
+  throw py::value_error(
+      StrCat("verify must be True, False or 'full', not ", py::repr(verify).cast<std::string>()));
 }
 
 namespace {
@@ -203,6 +207,9 @@ class FileLoad {
 }  // namespace
 
 void RegisterDcpLoad(py::module_& m) {
+  m.def(
+      "check_dcp_verify", [](const py::handle& verify) { DcpVerifyOf(verify); }, py::arg("verify"),
+      "Reader's verify checked: ValueError unless True, False or 'full'.");
   py::class_<FileLoad>(
       m, "DcpFileLoad",
       "What a DCP load does with one rank file (DcpFileReads): the memory each read goes to, the "

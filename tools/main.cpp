@@ -130,6 +130,12 @@ bool AsksForHelp(const std::vector<std::string>& args) {
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
+    // "tensortier help info": info's help, as "tensortier info --help".
+    if (args.size() == 2 && args[0] == "help" &&
+        (CommandHelpText(args[1]) != nullptr || args[1] == "bench" || args[1] == "bench-files" ||
+         args[1] == "extents")) {
+      args = {args[1], "--help"};
+    }
     if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
       std::fputs(kUsage, args.empty() ? stderr : stdout);
       for (const tensortier::Setting& s : tensortier::kSettings) {
@@ -141,6 +147,11 @@ int main(int argc, char** argv) {
       return args.empty() ? 2 : 0;
     }
     if (args[0] == "--version" || args[0] == "version") {
+      if (args.size() > 1) {
+        std::fprintf(stderr, "tensortier: %s takes no arguments, not '%s'\n", args[0].c_str(),
+                     tensortier::TerminalText(args[1]).c_str());
+        return 2;
+      }
       std::printf("tensortier %s\n", TENSORTIER_VERSION);
       return 0;
     }

@@ -420,6 +420,7 @@ class Reader(StorageReader):
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool | str = True) -> None:
         super().__init__()
+        _core.check_dcp_verify(verify)
         self.path = os.fspath(path)
         self.verify = verify
         self.storage_data: dict[Any, Any] = {}

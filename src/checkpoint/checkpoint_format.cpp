@@ -92,7 +92,22 @@ CheckpointKind DetectCheckpointKind(const ByteSource& source) {
     break;
   }
   if (head[0] == 0x80) ThrowLegacyTorchFile(source.name());
-  return CheckpointKind::kSafetensors;
+  // Not the '{' a safetensors header starts with: a file named for safetensors is a damaged one
+  // (its reader says what is wrong), any other is of another format (.npy, .gz, text).
+  if (n < 9 || FormatOfSuffix(source.name()) == CheckpointFormat::kSafetensors) {
+    return CheckpointKind::kSafetensors;
+  }
+  std::string first;
+  for (uint64_t i = 0; i < 8; ++i) {
+    static constexpr char kDigits[] = "0123456789abcdef";
+    first += i ? " " : "";
+    first += kDigits[head[i] >> 4];
+    first += kDigits[head[i] & 15];
+  }
+  throw FormatError(StrCat(source.name(),
+                           ": not a checkpoint: neither a torch.save zip nor a safetensors file "
+                           "(its first bytes are ",
+                           first, ")"));
 }
 
 CheckpointKind DetectCheckpointKind(const std::string& path) {

@@ -228,10 +228,11 @@ uint64_t ParseSize(std::string_view text) {
     }
     if (multiplier != 1) digits.remove_suffix(1);
   }
-  uint64_t value = ParseUnsigned(digits, "size");
-  if (digits.empty() || (value != 0 && value > UINT64_MAX / multiplier)) {
-    throw std::invalid_argument(
-        StrCat("size: '", text, "' is not a size like 4096, 64K, 1M or 2G"));
+  uint64_t value = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  if (digits.empty() || ec != std::errc() || end != digits.data() + digits.size() ||
+      (value != 0 && value > UINT64_MAX / multiplier)) {
+    throw std::invalid_argument(StrCat("'", text, "' is not a size like 4096, 64K, 1M or 2G"));
   }
   return value * multiplier;
 }

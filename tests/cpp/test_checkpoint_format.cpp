@@ -153,9 +153,17 @@ TEST(CheckpointFormatTest, DetectsKindByContent) {
   EXPECT_EQ(KindOf("{}"s), CheckpointKind::kShardIndex);
   // The name says index whatever the content (an index that is not JSON is diagnosed as one).
   EXPECT_EQ(KindOf("\x02\0\0\0\0\0\0\0{}"s, "m.index.json"), CheckpointKind::kShardIndex);
-  // Neither: the safetensors parser diagnoses it (too short, bad length...).
+  // Neither, too short to tell, or named .safetensors: the safetensors parser diagnoses it
+  // (too short, bad length...).
   EXPECT_EQ(KindOf("abc"s), CheckpointKind::kSafetensors);
-  EXPECT_EQ(KindOf(std::string(20, ' ')), CheckpointKind::kSafetensors);
+  EXPECT_EQ(KindOf(std::string(20, ' '), "m.safetensors"), CheckpointKind::kSafetensors);
+  EXPECT_EQ(KindOf("\x93NUMPY\x01\0v\0{'descr'"s, "d.pt.tmp.ST"), CheckpointKind::kSafetensors);
+  // Named otherwise, another format: said so, with its first bytes.
+  EXPECT_NE(DetectErrorOf("\x93NUMPY\x01\0v\0{'descr'"s)
+                .find("m.bin: not a checkpoint: neither a torch.save zip nor a safetensors file "
+                      "(its first bytes are 93 4e 55 4d 50 59 01 00)"),
+            std::string::npos);
+  EXPECT_NE(DetectErrorOf(std::string(20, ' ')).find("not a checkpoint"), std::string::npos);
   EXPECT_NE(DetectErrorOf("").find("m.bin: empty file (0 bytes)"), std::string::npos);
   EXPECT_NE(DetectErrorOf("\x80\x02}q\0"s).find("m.bin: legacy torch.save format"),
             std::string::npos);

@@ -448,7 +448,7 @@ TEST_F(EnvironmentTest, DefaultsListEveryVariable) {
   EXPECT_EQ(names.size(), std::size(kSettings));
   for (const char* name :
        {"backend", "chunk_size", "queue_depth", "workers", "max_inflight_bytes", "page_cache_check",
-        "stage_reads", "bounce_idle_ms", "huge_pages", "gds", "bounce_slots", "bounce_slot_bytes",
+        "stage_reads", "bounce_idle_ms", "huge_pages", "gds", "bounce_slots", "bounce_slot_size",
         "bounce_rings", "cuda_library", "cufile_library", "max_staged_bytes", "copy_threads"}) {
     EXPECT_EQ(names.count(name), 1u) << name;
   }

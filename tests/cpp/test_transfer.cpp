@@ -814,10 +814,10 @@ TEST(TransferDeviceTest, OptionsGivenThroughTheApiFollowTheSettingsTable) {
   };
   DeviceTransferOptions o;
   o.ring.slot_bytes = 5000;
-  refused(o, "bounce_slot_bytes (TENSORTIER_BOUNCE_SLOT_SIZE): 5000 is out of range");
+  refused(o, "bounce_slot_size (TENSORTIER_BOUNCE_SLOT_SIZE): 5000 is out of range");
   o = {};
   o.ring.slot_bytes = 0;
-  refused(o, "bounce_slot_bytes (TENSORTIER_BOUNCE_SLOT_SIZE): 0 is out of range");
+  refused(o, "bounce_slot_size (TENSORTIER_BOUNCE_SLOT_SIZE): 0 is out of range");
   o = {};
   o.ring.slots = 4097;  // over the row's 4096 though slots x slot_bytes is small
   o.ring.slot_bytes = 4096;

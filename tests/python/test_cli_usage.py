@@ -13,7 +13,7 @@ import torch
 
 import tensortier
 
-BIN = Path(sys.executable).parent / "tensortier"
+BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
 
 
 def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -52,6 +52,18 @@ def test_tool_without_a_known_command() -> None:
     assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr, r.stderr
 
 
+def test_version_takes_no_arguments_and_help_names_a_command() -> None:
+    for args in (("--version", "extra"), ("--version", "--bogus"), ("version", "x")):
+        r = run(*args)
+        assert r.returncode == 2 and "takes no arguments" in r.stderr, (args, r.stderr)
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("tensortier "), r.stdout
+    for command in ("check", "info", "verify", "convert", "bench", "bench-files", "extents"):
+        r = run("help", command)
+        assert r.returncode == 0 and r.stdout == run(command, "--help").stdout, command
+        assert r.stdout.startswith(f"usage: tensortier {command}"), r.stdout
+
+
 def test_check_usage_errors(disk_dir: Path) -> None:
     assert_usage_error(run("check", disk_dir, disk_dir), "check", "check takes one directory")
     assert_usage_error(run("check", "--deep", disk_dir), "check",
@@ -87,7 +99,7 @@ def test_bench_usage_errors(disk_dir: Path) -> None:
     cases = [
         (("stray",), "bench takes options only, not 'stray'"),
         (("--frobnicate",), "unknown option '--frobnicate'"),
-        (("--size", "lots"), "--size: "),
+        (("--size", "lots"), "--size: 'lots' is not a size like 4096, 64K, 1M or 2G"),
         (("--size",), "--size needs a value"),
         (("--threads", "x"), "--threads: 'x' is not a number"),
         (("--mode", "fast"), "--mode must be write, read, both or randread"),

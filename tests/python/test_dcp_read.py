@@ -109,3 +109,13 @@ def test_parts_are_checked_by_the_blocks_they_touch(tmp_path: Path) -> None:
             assert bad.returncode == 1, bad.stdout
             begin = data + at * block
             assert "'w'" in bad.stderr and f"[{begin}, {begin + block})" in bad.stderr, bad.stderr
+
+
+def test_reader_verify_is_true_false_or_full() -> None:
+    from tensortier.dcp import Reader
+
+    for verify in (True, False, "full"):
+        assert Reader("ckpt", verify=verify).verify == verify
+    for verify in ("fast", "FULL", "off", 1, None):
+        with pytest.raises(ValueError, match=f"verify must be True, False or 'full', not {verify!r}"):
+            Reader("ckpt", verify=verify)  # type: ignore[arg-type]

@@ -93,7 +93,7 @@ def test_the_package_reads_no_setting_itself() -> None:
 
 
 @pytest.mark.parametrize("option,value,says", [
-    ("bounce_slot_size", 5000, r"bounce_slot_bytes \(TENSORTIER_BOUNCE_SLOT_SIZE\): 5000 is out "
+    ("bounce_slot_size", 5000, r"bounce_slot_size \(TENSORTIER_BOUNCE_SLOT_SIZE\): 5000 is out "
                                r"of range \(allowed: 4K to 1T, a multiple of 4K\)"),
     ("bounce_slots", 4097, r"bounce_slots \(TENSORTIER_BOUNCE_SLOTS\): 4097 is out of range"),
     ("bounce_rings", 5000, r"bounce_rings \(TENSORTIER_BOUNCE_RINGS\): 5000 is out of range"),

@@ -90,7 +90,7 @@ inline constexpr Setting kSettings[] = {
      "require (cuFile, or an error)"},
     {"TENSORTIER_BOUNCE_SLOTS", "bounce_slots", SettingKind::kCount, "8", 8, 1, 4096, 1, {},
      "slots (chunks in flight) per pinned bounce ring of a CUDA transfer"},
-    {"TENSORTIER_BOUNCE_SLOT_SIZE", "bounce_slot_bytes", SettingKind::kSize, "8M", 8ull << 20,
+    {"TENSORTIER_BOUNCE_SLOT_SIZE", "bounce_slot_size", SettingKind::kSize, "8M", 8ull << 20,
      4096, 1ull << 40, 4096, {},
      "bytes per bounce ring slot"},
     {"TENSORTIER_BOUNCE_RINGS", "bounce_rings", SettingKind::kCount, "4", 4, 1, 4096, 1, {},
