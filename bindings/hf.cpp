@@ -38,8 +38,8 @@ void RegisterHf(py::module_& m) {
   m.def(
       "check_hf_model_directory", [](const FsPath& dir) { CheckHfModelDirectory(dir); },
       py::arg("dir"), py::call_guard<py::gil_scoped_release>(),
-      "FileNotFoundError where dir is not a local directory (a Hub model id), saying how to "
-      "download one.");
+      "FileNotFoundError where nothing is at dir (a Hub model id), saying how to download one; "
+      "NotADirectoryError for a file.");
   m.def(
       "hf_load_target",
       [](const std::vector<FsPath>& files,

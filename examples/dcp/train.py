@@ -41,6 +41,12 @@ from tensortier.dcp import Reader, Writer
 KEEP = 2  # committed checkpoints kept
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks share the terminal, and print's separate write of the
+    newline would let another rank's line run into this one."""
+    print(line + "\n", end="", flush=True)
+
+
 def committed(ckpt: Path) -> list[Path]:
     """The committed checkpoints under `ckpt`, oldest first."""
     if not ckpt.is_dir():
@@ -110,20 +116,28 @@ def train(args: argparse.Namespace) -> None:
                        optim_state_dict=state["optim"])
         start = int(state["step"]) + 1
         model_sd, optim_sd = get_state_dict(model, optim)
-        print(f"rank {rank} resumed step {state['step']} digest "
-              f"{digest({'model': model_sd, 'optim': optim_sd, 'step': state['step']})}",
-              flush=True)
+        say(f"rank {rank} resumed step {state['step']} digest "
+            f"{digest({'model': model_sd, 'optim': optim_sd, 'step': state['step']})}")
     pending: Any = None  # the last save's upload
     staging: Any = None  # the last save's copy of the state: done before the state changes
-    pending_step, pending_digest = 0, ""
+    pending_step, pending_digest, reported = 0, "", True
+
+    def report_commit() -> None:
+        """Says so once the last save is committed (checked at each step: a kill before the
+        next save still leaves the line to compare a resumed digest with)."""
+        nonlocal reported
+        if pending is not None and not reported and pending.done():
+            pending.result()  # its error, if it failed
+            reported = True
+            say(f"rank {rank} committed step {pending_step} digest {pending_digest}")
 
     def wait_pending() -> None:
         nonlocal pending
         if pending is None:
             return
         pending.result()
+        report_commit()
         pending = None
-        print(f"rank {rank} committed step {pending_step} digest {pending_digest}", flush=True)
         dist.barrier(group=ckpt_group)  # every rank's commit seen before old ones go
         if rank == 0:
             for old in committed(args.ckpt)[:-KEEP]:
@@ -142,12 +156,13 @@ def train(args: argparse.Namespace) -> None:
             wait_pending()  # one save in flight at a time
             model_sd, optim_sd = get_state_dict(model, optim)
             state = {"model": model_sd, "optim": optim_sd, "step": step}
-            pending_step, pending_digest = step, digest(state)
+            pending_step, pending_digest, reported = step, digest(state), False
             writer = Writer(args.ckpt / f"step-{step:06d}", async_staging=True)
             response = dcp.async_save(state, storage_writer=writer, process_group=ckpt_group)
             staging, pending = response.staging_completion, response.upload_completion
+        report_commit()
         if rank == 0 and step % 10 == 0:
-            print(f"step {step} loss {loss.item():.5f}", flush=True)
+            say(f"step {step} loss {loss.item():.5f}")
         if args.step_seconds:
             time.sleep(args.step_seconds)
     wait_pending()

@@ -219,8 +219,9 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs
             (``dtype``, ``device_map``, ``subfolder``, ``variant``...).
 
     Raises:
-        FileNotFoundError: `path` is not a local directory (a Hub model id: download it first
-            with ``huggingface_hub.snapshot_download``).
+        FileNotFoundError: nothing is at `path` (a Hub model id: download it first with
+            ``huggingface_hub.snapshot_download``).
+        NotADirectoryError: `path` is a file (pass the directory holding it).
         ImportError: transformers is missing or of a version outside
             ``SUPPORTED_TRANSFORMERS``.
         ValueError: a truncated or malformed shard (also a ``safetensors.SafetensorError``,

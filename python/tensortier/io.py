@@ -109,8 +109,8 @@ class IOHandle:
         gds: for CUDA tensors, ``"off"`` (the bounce ring), ``"auto"`` (GDS where cuFile
             accepts the file and is not in its compatibility mode: the nvidia-fs driver is
             loaded, or cuFile's configuration sets ``use_pci_p2pdma``; else the ring) or
-            ``"on"`` (cuFile, in whichever mode it runs, or an error). Default:
-            ``$TENSORTIER_GDS``, else ``"off"``.
+            ``"on"`` (cuFile, in whichever mode it runs, or an error; ``"require"`` is another
+            spelling of it). Default: ``$TENSORTIER_GDS``, else ``"off"``.
         bounce_slots, bounce_slot_size, bounce_rings: the pinned bounce ring of CUDA transfers:
             buffers per ring, bytes per buffer, rings (concurrent CUDA transfers). Defaults:
             ``$TENSORTIER_BOUNCE_SLOTS`` (8), ``$TENSORTIER_BOUNCE_SLOT_SIZE`` (8 MiB),
@@ -179,9 +179,9 @@ class IOHandle:
 
     # -- files -----------------------------------------------------------------------------
     def open(self, path: PathArg, mode: str = "r", *, direct: bool | None = None) -> File:
-        """Open `path` for this handle: 'r' read only; 'r+' read and write; 'w' create or
-        truncate; 'a' create if missing and keep the contents ('w' and 'a' files can be read
-        too, unlike Python's; writes go where the offset says, never appended).
+        """Open `path` for this handle: 'r' read only; 'r+' read and write; 'w' (or 'w+')
+        create or truncate; 'a' create if missing and keep the contents ('w' and 'a' files can
+        be read too, unlike Python's; writes go where the offset says, never appended).
 
         Raises:
             OSError: the file cannot be opened (FileNotFoundError, PermissionError...).

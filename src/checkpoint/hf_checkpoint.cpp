@@ -131,10 +131,16 @@ bool IsHfSafetensorsFile(const std::string& path) {
 void CheckHfModelDirectory(const std::string& dir) {
   std::error_code ec;
   if (fs::is_directory(dir, ec)) return;
+  if (fs::exists(dir, ec)) {
+    ThrowIoError(ENOTDIR,
+                 "read a model (tensortier.hf reads a model directory: pass the one holding "
+                 "config.json and the weights)",
+                 dir);
+  }
   ThrowIoError(ENOENT,
-               "read a model: tensortier.hf reads local model directories; for a Hugging Face Hub "
-               "model id, download it with huggingface_hub.snapshot_download(repo_id) and pass "
-               "the directory it returns",
+               "find the model directory (tensortier.hf reads local model directories; for a "
+               "Hugging Face Hub model id, download it with "
+               "huggingface_hub.snapshot_download(repo_id) and pass the directory it returns)",
                dir);
 }
 

@@ -70,8 +70,9 @@ SharedTensorRecord ReadRecord(Store& store, const std::string& name,
   } catch (const IoError& e) {
     if (e.error_code() != ETIMEDOUT) throw;
     ThrowIoError(ETIMEDOUT,
-                 StrCat("attach: no shared tensor named '", name, "' appeared within ",
-                        timeout.count(), " ms"),
+                 StrCat("attach: wait ", timeout.count(),
+                        " ms for a shared tensor of that name (no shared tensor named '", name,
+                        "' appeared: create_tensor makes it, with the same store)"),
                  name);
   }
   return SharedTensorRecord::Parse(name, value);

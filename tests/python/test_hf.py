@@ -287,6 +287,10 @@ def test_enable_and_disable(tmp_path: Path, reads: list[str]) -> None:
 def test_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FileNotFoundError, match="huggingface_hub.snapshot_download"):
         hf.from_pretrained(AUTO, "meta-llama/Llama-3.2-1B")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(NotADirectoryError, match="pass the one holding config.json"):
+        hf.from_pretrained(AUTO, tmp_path / "config.json")
+    (tmp_path / "config.json").unlink()
     make("llama", tmp_path, "20KB")
     with pytest.raises(ValueError, match="not a floating-point dtype"):
         hf.from_pretrained(AUTO, tmp_path, dtype=torch.int32)

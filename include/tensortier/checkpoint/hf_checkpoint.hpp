@@ -27,8 +27,8 @@ inline constexpr const char* kHfWeightsFiles[] = {
 // model.fp16.safetensors, shards without their index), naming them: they are read by name.
 std::optional<std::string> HfWeightsFile(const std::string& dir);
 
-// Throws IoError (ENOENT) where `dir` is not a local directory (a Hub model id), saying how to
-// make one of it.
+// Throws IoError where `dir` is not a local directory: ENOENT where nothing is there (a Hub model
+// id), saying how to download one; ENOTDIR for a file (config.json, a shard).
 void CheckHfModelDirectory(const std::string& dir);
 
 // The checkpoint of the model in `dir`, the file transformers reads: its one safetensors file,

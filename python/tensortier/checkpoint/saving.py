@@ -35,9 +35,11 @@ def save(
 
     Args:
         state_dict: name -> tensor (CPU or GPU; non-contiguous tensors are saved contiguous).
-            With ``format="torch"`` any object ``torch.save`` accepts and ``torch.load(...,
-            weights_only=True)`` reads back (nested dicts/lists, ints, strings...), pickled
-            as ``torch.save`` pickles it.
+            With ``format="torch"`` any object ``torch.save`` accepts, pickled as
+            ``torch.save`` pickles it; :func:`load` reads back what ``torch.load(...,
+            weights_only=True)`` reads (nested dicts/lists, ints, strings...), and refuses
+            the rest as torch.load does by default (a whole ``nn.Module``, instances of your
+            own classes: save their ``state_dict()``).
         path: the file to write; its directory must exist. An existing file is replaced only
             once the new one is complete and synced, keeping its mode, owner and group (the
             owner where the caller may set it: root); one the caller may not write is not
