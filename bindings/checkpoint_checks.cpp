@@ -409,7 +409,12 @@ void RegisterCheckpointChecks(py::module_& m) {
           shards = ReadShardIndex(path);
           for (Shard& s : shards) {
             s.path = std::filesystem::absolute(s.path).lexically_normal();
-            kinds.emplace_back(CheckpointKindName(DetectCheckpointKind(s.path)));
+            const CheckpointKind kind = DetectCheckpointKind(s.path);
+            if (kind == CheckpointKind::kShardIndex) {  // JSON under another name than .index.json
+              throw std::invalid_argument(
+                  StrCat(path.bytes, ": shard ", s.path, " is itself an index"));
+            }
+            kinds.emplace_back(CheckpointKindName(kind));
           }
         }
         py::list out;

@@ -69,8 +69,7 @@ void RegisterHf(py::module_& m) {
       "The file tensortier.load reads for the checkpoint files transformers resolved: the one "
       "file, else the shard index in their folder whose weight map is sharded_metadata's "
       "(transformers' reading of an index, a dict; None without one); None where transformers "
-      "reads them itself. FileNotFoundError naming the folder where no index has that weight "
-      "map.");
+      "reads them itself (also where no index in their folder has that weight map).");
   m.def(
       "stage_hf_save",
       [](const FsPath& final_dir) {
@@ -79,22 +78,36 @@ void RegisterHf(py::module_& m) {
           py::gil_scoped_release release;
           staging = StageHfSave(final_dir);
         }
-        return py::make_tuple(PathToPython(staging.dir), staging.kept);
+        try {
+          py::set kept;  // bytes: a name need not be UTF-8
+          for (const std::string& path : staging.kept) kept.add(py::bytes(path));
+          return py::make_tuple(PathToPython(staging.dir), kept);
+        } catch (...) {
+          RemoveDirectoryTree(staging.dir);
+          throw;
+        }
       },
       py::arg("final_dir"),
-      "(staging directory, names kept) of a save into final_dir: the directory beside it, "
-      "holding what final_dir holds (weight files linked, others copied), and the names of "
-      "final_dir's entries it holds (for carry_new_entries). NotADirectoryError where final_dir "
-      "is a file.");
+      "(staging directory, paths kept) of a save into final_dir: the directory beside it, "
+      "holding what final_dir holds (weight files linked, others copied), and the relative "
+      "paths (bytes) of final_dir's entries it holds (for carry_new_entries). "
+      "NotADirectoryError where final_dir is a file.");
   m.def(
       "carry_new_entries",
       [](const FsPath& old_dir, const FsPath& new_dir, const std::set<std::string>& kept) {
-        return CarryNewEntries(old_dir, new_dir, kept);
+        CarriedEntries carried;
+        {
+          py::gil_scoped_release release;
+          carried = CarryNewEntries(old_dir, new_dir, kept);
+        }
+        py::list left;
+        for (const std::string& path : carried.left) left.append(py::bytes(path));
+        return py::make_tuple(carried.moved, left);
       },
       py::arg("old_dir"), py::arg("new_dir"), py::arg("kept"),
-      py::call_guard<py::gil_scoped_release>(),
       "After commit_directory exchanged them: the entries another process made in old_dir while "
-      "the save ran (names not in kept, free in new_dir) moved into new_dir. Returns how many.");
+      "the save ran (paths not in kept, free in new_dir) moved into new_dir. Returns (how many "
+      "moved, [relative paths, bytes, that could not move]).");
   m.def(
       "remove_directory_tree", [](const FsPath& dir) { return RemoveDirectoryTree(dir); },
       py::arg("dir"), py::call_guard<py::gil_scoped_release>(),

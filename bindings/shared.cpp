@@ -758,7 +758,10 @@ void RegisterShared(py::module_& m) {
       [](std::shared_ptr<Store> store, const std::string& leave_key, int world_size,
          double timeout_s) {
         // In slices, with the signal handlers run between them: Ctrl-C while a dead rank is
-        // waited for ends the wait (KeyboardInterrupt) rather than being held until the timeout.
+        // waited for ends the wait (KeyboardInterrupt) rather than being held until the timeout,
+        // and the waits of the process's other groups after it (one Ctrl-C ends them all).
+        static std::atomic<bool> interrupted{false};
+        if (interrupted) return;
         constexpr auto kSlice = std::chrono::milliseconds(200);
         const auto deadline = std::chrono::steady_clock::now() +
                               std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
@@ -773,7 +776,10 @@ void RegisterShared(py::module_& m) {
                                                      std::min(left, kSlice));
           }
           if (done) return;
-          if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+          if (PyErr_CheckSignals() != 0) {
+            interrupted = true;
+            throw py::error_already_set();
+          }
         }
       },
       py::arg("store"), py::arg("leave_key"), py::arg("world_size"), py::arg("timeout_s"),

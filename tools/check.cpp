@@ -8,14 +8,14 @@
 #include "tensortier/util/strings.hpp"
 
 #include "cli.hpp"
-#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/cuda/cufile.hpp"
 #include "tensortier/io/block_device.hpp"
 #include "tensortier/io/config.hpp"
-#include "tensortier/cuda/cufile.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/transfer/transfer.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 
 namespace tensortier::cli {
 namespace {
@@ -144,6 +144,11 @@ int RunCheck(const std::vector<std::string>& argv) {
     std::printf("  %-28s %-15s %s\n", d.env.c_str(),
                 TerminalText(StrCat(d.value, d.from_environment ? "" : " (default)")).c_str(),
                 d.description.c_str());
+  }
+  for (const UnknownSettingVariable& v : UnknownSettingVariables()) {
+    std::printf(
+        "  note: %s is set but names no setting%s\n", TerminalText(v.name).c_str(),
+        v.meant.empty() ? " (it has no effect)" : StrCat(" (did you mean ", v.meant, "?)").c_str());
   }
   if (working == 0) {
     std::fprintf(stderr, "tensortier check: no I/O backend works on %s\n",

@@ -10,8 +10,10 @@ import contextlib
 import contextvars
 import errno
 import os
+import secrets
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,11 +84,24 @@ def _install_hooks(mu: Any) -> None:
     def safe_save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
         if not (_enabled or _routed.get()):
             return _originals["save_file"](tensors, filename, metadata=metadata)
+        if not os.path.islink(filename):
+            return save(tensors, filename, metadata=metadata, checksum=True)
         # A shard that is a symbolic link (into a Hub cache's blobs, say) is replaced by the new
-        # file, as transformers replaces it; the file it points to stays as it is.
-        if os.path.islink(filename):
-            os.unlink(filename)
-        save(tensors, filename, metadata=metadata, checksum=True)
+        # file, as transformers replaces it; the file it points to stays as it is. Written
+        # beside it first: a save that fails leaves the link.
+        beside = _core.temporary_path_prefix(filename) + secrets.token_hex(4)
+        try:
+            save(tensors, beside, format="safetensors", metadata=metadata, checksum=True)
+            os.replace(beside, filename)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(beside)
+            raise
+        folder = os.open(os.path.dirname(filename) or ".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)  # the rename, durable as save's own
+        finally:
+            os.close(folder)
 
     cls._load_pretrained_model = staticmethod(_load_pretrained_model)
     mu.safe_save_file = safe_save_file
@@ -295,6 +310,7 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
             except PermissionError:  # no staging directory beside `path`
                 write(final, **kwargs)
                 return
+            keep_old = False
             try:
                 write(staging, **kwargs)
                 try:
@@ -305,9 +321,17 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
                         raise
                     swapped = False
                 if swapped:  # `staging` is the old directory now
-                    _core.carry_new_entries(staging, final, kept)
+                    _, left = _core.carry_new_entries(staging, final, kept)
+                    if left:
+                        keep_old = True
+                        warnings.warn(
+                            f"{final}: {len(left)} files written into it during the save could "
+                            f"not be moved into the new directory (first: "
+                            f"{os.fsdecode(left[0])}); the previous directory is kept as "
+                            f"{staging}", stacklevel=3)
             finally:
-                _core.remove_directory_tree(staging)
+                if not keep_old:
+                    _core.remove_directory_tree(staging)
             if not swapped:
                 write(final, **kwargs)
         finally:

@@ -1,5 +1,6 @@
 #include "tensortier/checkpoint/directory_commit.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <sys/stat.h>
@@ -9,9 +10,12 @@
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <set>
+#include <string_view>
 #include <system_error>
+#include <vector>
 
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 
@@ -63,47 +67,111 @@ void CommitDirectory(const std::string& staged, const std::string& final_dir) {
   fs.SyncDirectory(ParentOf(final_dir), final_dir);
 }
 
-size_t CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
-                       const std::set<std::string>& kept) {
-  size_t moved = 0;
+namespace {
+
+// Moves what `old_root`/`rel` holds and `kept` does not name into `new_root`/`rel` (see
+// CarryNewEntries), descending into the folders `kept` names.
+void Carry(const std::string& old_root, const std::string& new_root, const std::string& rel,
+           const std::set<std::string>& kept, CarriedEntries& out) {
+  const std::string from_dir = rel.empty() ? old_root : StrCat(old_root, "/", rel);
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(old_dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (kept.contains(name)) continue;
-    const std::string to = StrCat(new_dir, "/", name);
-    struct stat st;
-    if (lstat(to.c_str(), &st) == 0 || errno != ENOENT) continue;  // the save's own file wins
+  std::filesystem::directory_iterator it(from_dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const std::string child = rel.empty() ? name : StrCat(rel, "/", name);
+    const std::string to = StrCat(new_root, "/", child);
+    struct stat at_new;
+    const bool taken = lstat(to.c_str(), &at_new) == 0;
+    if (kept.contains(child)) {
+      std::error_code dir_ec;
+      if (taken && S_ISDIR(at_new.st_mode) && it->is_directory(dir_ec) && !it->is_symlink(dir_ec)) {
+        Carry(old_root, new_root, child, kept, out);
+      }
+      continue;
+    }
+    if (taken) continue;  // the save's own file wins, as a later write would
     // RENAME_NOREPLACE: a file made under `to` meanwhile is not replaced.
-    if (syscall(SYS_renameat2, AT_FDCWD, e.path().c_str(), AT_FDCWD, to.c_str(),
+    if (syscall(SYS_renameat2, AT_FDCWD, it->path().c_str(), AT_FDCWD, to.c_str(),
                 RENAME_NOREPLACE) == 0) {
-      ++moved;
+      ++out.moved;
+    } else {
+      out.left.push_back(child);
     }
   }
-  if (moved > 0) {
+}
+
+// A folder of the tree being removed, opened for reading without following a symbolic link and
+// made writable by its owner where it was not (through its own descriptor: a folder swapped for
+// a link meanwhile is not the one changed); -1 where it cannot be, or lies on another file
+// system than `dev` (a mount point: what it holds is not the tree's).
+int OpenFolderToEmpty(int parent, const char* name, dev_t dev) {
+  const int path_fd = openat(parent, name, O_PATH | O_NOFOLLOW | O_DIRECTORY | O_CLOEXEC);
+  if (path_fd < 0) return -1;
+  struct stat st;
+  int fd = -1;
+  if (fstat(path_fd, &st) == 0 && st.st_dev == dev) {
+    if ((st.st_mode & S_IRWXU) != S_IRWXU) {
+      chmod(StrCat("/proc/self/fd/", path_fd).c_str(), (st.st_mode & 07777) | S_IRWXU);
+    }
+    fd = openat(path_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  }
+  close(path_fd);
+  return fd;
+}
+
+// Removes everything in the folder open as `fd` (which it closes); true when all of it went.
+bool EmptyFolder(int fd, dev_t dev) {
+  std::unique_ptr<DIR, int (*)(DIR*)> d(fdopendir(fd), closedir);
+  if (!d) {
+    close(fd);
+    return false;
+  }
+  std::vector<std::string> names;
+  while (const dirent* e = readdir(d.get())) {
+    const std::string_view name(e->d_name);
+    if (name != "." && name != "..") names.emplace_back(name);
+  }
+  bool all = true;
+  for (const std::string& name : names) {
+    struct stat st;
+    if (fstatat(dirfd(d.get()), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      all = all && errno == ENOENT;
+      continue;
+    }
+    if (S_ISDIR(st.st_mode)) {
+      const int child = OpenFolderToEmpty(dirfd(d.get()), name.c_str(), dev);
+      if (child < 0 || !EmptyFolder(child, dev) ||
+          unlinkat(dirfd(d.get()), name.c_str(), AT_REMOVEDIR) != 0) {
+        all = false;
+      }
+    } else if (unlinkat(dirfd(d.get()), name.c_str(), 0) != 0 && errno != ENOENT) {
+      all = false;
+    }
+  }
+  return all;
+}
+
+}  // namespace
+
+CarriedEntries CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
+                               const std::set<std::string>& kept) {
+  CarriedEntries out;
+  Carry(old_dir, new_dir, "", kept, out);
+  if (out.moved > 0) {
     try {
       FileSystem().SyncDirectory(new_dir, new_dir);
     } catch (const std::exception&) {  // moved all the same; the next sync of it covers them
     }
   }
-  return moved;
+  return out;
 }
 
 bool RemoveDirectoryTree(const std::string& dir) {
-  std::error_code ec;
   struct stat st;
   if (lstat(dir.c_str(), &st) != 0) return errno == ENOENT;
-  if (S_ISDIR(st.st_mode)) {
-    if ((st.st_mode & S_IRWXU) != S_IRWXU) chmod(dir.c_str(), (st.st_mode & 07777) | S_IRWXU);
-    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-      if (e.is_directory(ec) && !e.is_symlink(ec)) {
-        RemoveDirectoryTree(e.path().string());
-      } else {
-        unlink(e.path().c_str());
-      }
-    }
-    return rmdir(dir.c_str()) == 0;
-  }
-  return unlink(dir.c_str()) == 0;
+  if (!S_ISDIR(st.st_mode)) return unlink(dir.c_str()) == 0;
+  const int fd = OpenFolderToEmpty(AT_FDCWD, dir.c_str(), st.st_dev);
+  return fd >= 0 && EmptyFolder(fd, st.st_dev) && rmdir(dir.c_str()) == 0;
 }
 
 std::string CreateStagingDirectory(const std::string& final_dir, mode_t mode) {

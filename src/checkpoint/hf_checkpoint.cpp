@@ -170,7 +170,14 @@ std::optional<std::string> HfLoadTarget(
       if (it == weight_map->end() || it->second != shard) return std::nullopt;
     }
   }
-  return HfShardIndexOf(DirName(files[0]), files[0], *weight_map);
+  try {
+    return HfShardIndexOf(DirName(files[0]), files[0], *weight_map);
+  } catch (const IoError& e) {
+    // No index here has that map (one naming a tensor twice, which transformers' json.load
+    // reads and ReadShardIndex refuses): transformers reads the files.
+    if (e.error_code() != ENOENT) throw;
+    return std::nullopt;
+  }
 }
 
 HfSaveStaging StageHfSave(const std::string& final_dir) {
@@ -185,8 +192,9 @@ HfSaveStaging StageHfSave(const std::string& final_dir) {
   HfSaveStaging out{CreateStagingDirectory(final_dir), {}};
   try {
     if (exists) LinkOrCopyTree(final_dir, out.dir, true);
-    for (const auto& entry : fs::directory_iterator(out.dir)) {
-      out.kept.insert(entry.path().filename().string());
+    for (auto it = fs::recursive_directory_iterator(out.dir), end = decltype(it)(); it != end;
+         ++it) {
+      out.kept.insert(it->path().lexically_relative(out.dir).string());
     }
   } catch (...) {
     RemoveDirectoryTree(out.dir);

@@ -1,10 +1,13 @@
 #include "tensortier/util/settings.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
 #include <span>
 #include <stdexcept>
+#include <vector>
 
 #include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/strings.hpp"
@@ -194,6 +197,48 @@ bool ParseBool(std::string_view text, const char* what) {
   if (IsOneOf(text, kTrueWords)) return true;
   if (IsOneOf(text, kFalseWords)) return false;
   throw std::invalid_argument(StrCat(what, ": '", text, "' is not a boolean (use 0 or 1)"));
+}
+
+namespace {
+
+// The edit distance of `a` and `b` (insertions, deletions, substitutions).
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::vector<UnknownSettingVariable> UnknownSettingVariables() {
+  std::vector<UnknownSettingVariable> out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    if (!name.starts_with("TENSORTIER_")) continue;
+    UnknownSettingVariable unknown{std::string(name), ""};
+    size_t best = 4;  // closer than this, or nothing is suggested
+    bool known = false;
+    for (const Setting& s : kSettings) {
+      if (s.env == name) known = true;
+      if (const size_t d = EditDistance(s.env, name); d < best) {
+        best = d;
+        unknown.meant = s.env;
+      }
+    }
+    if (!known) out.push_back(std::move(unknown));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  return out;
 }
 
 uint64_t ParseSize(std::string_view text) {

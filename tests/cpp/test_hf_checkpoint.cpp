@@ -112,9 +112,12 @@ TEST(HfCheckpoint, LoadTargetIsTheFileOrTheIndexOfExactlyTheShards) {
   // A shard holding a tensor the index leaves out (transformers loads it): transformers' too.
   WriteSafetensors(d + "/b.safetensors", {"v", "left_out"});
   EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors", d + "/b.safetensors"}, map));
+  // No index in the folder has the map transformers read (one naming a tensor twice, which
+  // json.load reads as its last entry): transformers' too.
+  const std::map<std::string, std::string> other{{"w", "a.safetensors"}};
+  EXPECT_FALSE(HfLoadTarget({d + "/a.safetensors"}, other));
   try {
-    const std::map<std::string, std::string> other{{"w", "a.safetensors"}};
-    HfLoadTarget({d + "/a.safetensors"}, other);
+    HfShardIndexOf(d, d + "/a.safetensors", other);
     FAIL() << "no error";
   } catch (const IoError& e) {
     EXPECT_EQ(e.error_code(), ENOENT);
@@ -157,7 +160,8 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   const HfSaveStaging staging = StageHfSave(m);
   const std::string& staged = staging.dir;
   EXPECT_EQ(staging.kept, (std::set<std::string>{"config.json", "link.json", "model.safetensors",
-                                                 "pytorch_model.bin", "self", "sub", "train.log"}));
+                                                 "pytorch_model.bin", "self", "sub",
+                                                 "sub/tokenizer.json", "train.log"}));
   EXPECT_EQ(StatOf(staged + "/model.safetensors").st_ino, StatOf(m + "/model.safetensors").st_ino);
   const struct stat copy = StatOf(staged + "/config.json");
   EXPECT_NE(copy.st_ino, StatOf(m + "/config.json").st_ino);
@@ -185,28 +189,39 @@ TEST(HfCheckpoint, EntriesMadeInTheOldDirectoryDuringASaveMoveIntoTheNewOne) {
   TempDir dir;
   const std::string old_dir = dir.path() + "/old", new_dir = dir.path() + "/new";
   std::filesystem::create_directories(old_dir + "/made/deep");
-  std::filesystem::create_directories(new_dir);
+  std::filesystem::create_directories(old_dir + "/runs");
+  std::filesystem::create_directories(new_dir + "/runs");
   for (const char* name : {"kept.json", "stale-00002-of-00002.safetensors", "rng_state_1.pth",
-                           "both.txt", "made/deep/x"}) {
+                           "both.txt", "made/deep/x", "runs/old.log", "runs/new.log"}) {
     std::ofstream(old_dir + "/" + name) << "old " << name;
   }
   std::ofstream(new_dir + "/kept.json") << "new";
   std::ofstream(new_dir + "/both.txt") << "the save's";
-  const std::set<std::string> kept = {"kept.json", "stale-00002-of-00002.safetensors"};
-  EXPECT_EQ(CarryNewEntries(old_dir, new_dir, kept), 2u);  // rng_state_1.pth, made/
+  std::ofstream(new_dir + "/runs/old.log") << "kept copy";
+  const std::set<std::string> kept = {"kept.json", "stale-00002-of-00002.safetensors", "runs",
+                                      "runs/old.log"};
+  const CarriedEntries carried = CarryNewEntries(old_dir, new_dir, kept);
+  EXPECT_EQ(carried.moved, 3u);  // rng_state_1.pth, made/, runs/new.log
+  EXPECT_TRUE(carried.left.empty());
   EXPECT_EQ(Contents(new_dir + "/rng_state_1.pth"), "old rng_state_1.pth");
   EXPECT_EQ(Contents(new_dir + "/made/deep/x"), "old made/deep/x");
+  EXPECT_EQ(Contents(new_dir + "/runs/new.log"), "old runs/new.log");  // inside a kept folder
+  EXPECT_EQ(Contents(new_dir + "/runs/old.log"), "kept copy");
   EXPECT_EQ(Contents(new_dir + "/kept.json"), "new");        // kept: the save's copy
   EXPECT_EQ(Contents(new_dir + "/both.txt"), "the save's");  // the save's own file wins
   EXPECT_FALSE(std::filesystem::exists(new_dir + "/stale-00002-of-00002.safetensors"));
-  EXPECT_EQ(CarryNewEntries(dir.path() + "/missing", new_dir, kept), 0u);
-  // The old directory goes, read-only folders and all.
+  EXPECT_EQ(CarryNewEntries(dir.path() + "/missing", new_dir, kept).moved, 0u);
+  // The old directory goes, read-only folders and all; links are removed, not followed.
   std::filesystem::create_directories(old_dir + "/ro/inner");
   std::ofstream(old_dir + "/ro/inner/f") << "x";
+  std::filesystem::create_directories(dir.path() + "/outside");
+  std::ofstream(dir.path() + "/outside/keep") << "x";
+  std::filesystem::create_directory_symlink(dir.path() + "/outside", old_dir + "/ro/link");
   ASSERT_EQ(::chmod((old_dir + "/ro/inner").c_str(), 0555), 0);
   ASSERT_EQ(::chmod((old_dir + "/ro").c_str(), 0555), 0);
   EXPECT_TRUE(RemoveDirectoryTree(old_dir));
   EXPECT_FALSE(std::filesystem::exists(old_dir));
+  EXPECT_EQ(Contents(dir.path() + "/outside/keep"), "x");
   EXPECT_TRUE(RemoveDirectoryTree(old_dir));  // gone already
 }
 

@@ -1457,3 +1457,15 @@ def test_damaged_files_raise_what_torch_and_safetensors_raise(disk_dir: Path, ho
             assert str(path) in str(caught.value), caught.value
     assert issubclass(tensortier.DamagedCheckpointError, RuntimeError)
     assert issubclass(tensortier.EmptyCheckpointError, EOFError)
+
+
+def test_an_index_naming_a_json_shard_is_refused_not_recursed_into(tmp_path: Path) -> None:
+    """A shard whose contents are an index, under a name without .index.json (itself, say)."""
+    index = tmp_path / "w.json"
+    index.write_text(json.dumps({"weight_map": {"a": "w.json"}}))
+    with pytest.raises(ValueError, match="is itself an index"):
+        tensortier.load(index)
+    (tmp_path / "inner.json").write_text(json.dumps({"weight_map": {"a": "m.safetensors"}}))
+    index.write_text(json.dumps({"weight_map": {"a": "inner.json"}}))
+    with pytest.raises(ValueError, match="is itself an index"):
+        tensortier.load(index)

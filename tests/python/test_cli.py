@@ -17,6 +17,18 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(BIN), *args], capture_output=True, text=True, timeout=300)
 
 
+def test_check_notes_tensortier_variables_that_name_no_setting(disk_dir: Path) -> None:
+    env = {**os.environ, "TENSORTIER_CHUNKSIZE": "5000", "TENSORTIER_NOTHING_LIKE_IT": "1"}
+    r = subprocess.run([str(BIN), "check", str(disk_dir)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ("note: TENSORTIER_CHUNKSIZE is set but names no setting (did you mean "
+            "TENSORTIER_CHUNK_SIZE?)") in r.stdout, r.stdout
+    assert ("note: TENSORTIER_NOTHING_LIKE_IT is set but names no setting (it has no effect)"
+            in r.stdout), r.stdout
+    assert "note: TENSORTIER_CHUNK_SIZE " not in r.stdout
+
+
 def test_check_reports_backends(disk_dir: Path) -> None:
     r = run("check", str(disk_dir))
     assert r.returncode == 0, r.stderr

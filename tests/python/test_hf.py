@@ -688,3 +688,76 @@ def test_disable_leaves_another_library_s_save_pretrained(tmp_path: Path) -> Non
         cls.save_pretrained = original
         hf.disable()
     assert cls.save_pretrained is original
+
+
+def test_files_written_inside_a_folder_of_the_directory_during_a_save_stay(
+        tmp_path: Path) -> None:
+    """A log another process appends to a folder the directory already had (runs/), a file it
+    makes there, and one with a name that is not UTF-8: all in the new directory."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    hf.save_pretrained(model, out)
+    (out / "runs").mkdir()
+    (out / "runs" / "old.log").write_text("before\n")
+    odd = os.fsencode(out / "runs") + b"/caf\xe9.txt"  # Latin-1: not UTF-8
+    with open(odd, "wb") as f:
+        f.write(b"odd")
+    write = hf._transformers_writer(model)
+
+    def write_while_another_process_writes(directory: str, **kwargs: Any) -> None:
+        write(directory, **kwargs)
+        (out / "runs" / "new.log").write_text("during\n")
+        (out / "made").mkdir()
+        (out / "made" / "x").write_text("during\n")
+
+    hf._save(model, str(out), write_while_another_process_writes, {})
+    assert (out / "runs" / "new.log").read_text() == "during\n"
+    assert (out / "made" / "x").read_text() == "during\n"
+    assert (out / "runs" / "old.log").read_text() == "before\n"
+    with open(odd, "rb") as f:
+        assert f.read() == b"odd"
+    assert_same(hf.from_pretrained(type(model), out), model.eval())
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+
+
+def test_an_index_naming_a_tensor_twice_loads_as_transformers_loads_it(
+        tmp_path: Path, reads: list[str]) -> None:
+    """json.load keeps the last of a key named twice; tensortier's index reader refuses the
+    file: transformers reads the checkpoint, rather than a FileNotFoundError."""
+    make("llama", tmp_path, "20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    text = index.read_text()
+    name, shard = next(iter(json.loads(text)["weight_map"].items()))
+    index.write_text(text.replace('"weight_map": {', f'"weight_map": {{"{name}": "{shard}", ', 1))
+    cls = transformers.LlamaForCausalLM
+    assert_same(hf.from_pretrained(cls, tmp_path), cls.from_pretrained(tmp_path))
+
+
+def test_a_failed_save_of_a_symlinked_shard_leaves_the_link(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    model.save_pretrained(out)
+    blob = tmp_path / "blob"
+    (out / "model.safetensors").rename(blob)
+    (out / "model.safetensors").symlink_to(blob)
+    monkeypatch.setattr(_core, "commit_directory", lambda *a: (_ for _ in ()).throw(
+        OSError(errno.EINVAL, "exchange with the new directory failed", str(out))))
+    real_save = hf.save
+
+    def failing_save(tensors: Any, path: str, *args: Any, **kwargs: Any) -> None:
+        if os.path.dirname(path) != str(out):  # staged: the in-place write is the one to fail
+            return real_save(tensors, path, *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf, "save", failing_save)
+    with pytest.raises(OSError):
+        hf.save_pretrained(model, out)  # in place (no exchange): the link is written beside
+    assert (out / "model.safetensors").is_symlink()
+    assert [n for n in os.listdir(out) if ".tmp-" in n] == []
+    monkeypatch.setattr(hf, "save", real_save)
+    hf.save_pretrained(model, out)
+    assert not (out / "model.safetensors").is_symlink()
+    assert_same(hf.from_pretrained(type(model), out), model.eval())

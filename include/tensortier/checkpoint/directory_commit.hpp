@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <set>
 #include <string>
+#include <vector>
 
 namespace tensortier {
 
@@ -29,15 +30,22 @@ std::string CreateStagingDirectory(const std::string& final_dir, mode_t mode = 0
 // After CommitDirectory exchanged the directories: the entries another process made in the old
 // one (`old_dir`, at the staged name now) while the save ran, moved into the new one
 // (`new_dir`) where the name is free: a Trainer rank's rng_state_1.pth written into the
-// checkpoint folder rank 0 saves into. `kept` are the names the old directory held when the save
-// was staged (copied into the new one, or removed by the save: not carried). The new directory
-// is fsynced when anything moved. Returns how many moved; never throws (what cannot move stays).
-size_t CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
-                       const std::set<std::string>& kept);
+// checkpoint folder rank 0 saves into, a log file in a subfolder. `kept` are the paths (relative
+// to the directory, "sub/file") the staged directory was given of the old one (copied into the
+// new one, or removed by the save: not carried); the folders among them are descended into.
+// The new directory is fsynced when anything moved. Never throws: what cannot move is listed
+// in `left` (the caller keeps the old directory then).
+struct CarriedEntries {
+  size_t moved = 0;
+  std::vector<std::string> left;
+};
+CarriedEntries CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
+                               const std::set<std::string>& kept);
 
-// Removes `dir` and all it holds, giving each of its folders its owner's write permission first:
-// a read-only folder copied from a model directory does not leave the rest behind. True when
-// `dir` is gone; never throws.
+// Removes `dir` and all it holds, giving each of its folders its owner's write permission first
+// (a read-only folder copied from a model directory does not leave the rest behind). Symbolic
+// links are removed, never followed; what lies on another file system (a mount point inside)
+// is left. True when `dir` is gone; never throws.
 bool RemoveDirectoryTree(const std::string& dir);
 
 }  // namespace tensortier

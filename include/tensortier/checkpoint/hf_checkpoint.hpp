@@ -65,9 +65,9 @@ std::optional<std::string> HfLoadTarget(
 // never writes the others), except the top's *.json, *.py and *.bin files, copies (transformers
 // rewrites config.json in place, torch.save shards too), and any file on another file system;
 // symbolic links as links; folders made anew with the owners, modes and times of the old ones.
-// Returns the staging directory and the names of final_dir's entries it holds (for
-// CarryNewEntries). Throws IoError (ENOTDIR) where `final_dir` is not a directory, or naming the
-// file that could not be linked or copied.
+// Returns the staging directory and the paths (relative: "sub/file") of final_dir's entries it
+// holds, for CarryNewEntries. Throws IoError (ENOTDIR) where `final_dir` is not a directory, or
+// naming the file that could not be linked or copied.
 struct HfSaveStaging {
   std::string dir;
   std::set<std::string> kept;

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace tensortier {
 
@@ -114,6 +115,14 @@ constexpr const Setting& SettingFor(std::string_view env) {
 
 // The variable's value when it is set and not empty, unparsed.
 std::optional<std::string> SettingFromEnvironment(const Setting& setting);
+
+// A TENSORTIER_* variable of the environment that names no setting (a misspelling is otherwise
+// silently without effect), and the setting it most likely meant ("" when none is close).
+struct UnknownSettingVariable {
+  std::string name;
+  std::string_view meant;
+};
+std::vector<UnknownSettingVariable> UnknownSettingVariables();
 
 // The value in effect (the environment's, else the default), parsed and checked against the row.
 // Throws std::invalid_argument "TENSORTIER_X=value is invalid: ... (allowed: ...)".
