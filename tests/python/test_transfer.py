@@ -203,7 +203,7 @@ def test_ring_write_fault_leaves_bytes_outside_the_range(disk_dir: Path) -> None
 
 
 def test_transfer_options_are_validated(engine: _core.Engine) -> None:
-    with pytest.raises(ValueError, match="slot_bytes"):
+    with pytest.raises(ValueError, match=r"bounce_slot_size \(TENSORTIER_BOUNCE_SLOT_SIZE\)"):
         _core.DeviceTransfer(engine, slot_bytes=1000, copier="memcpy")
     with pytest.raises(ValueError, match="slots"):
         _core.DeviceTransfer(engine, slots=0, copier="memcpy")
