@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tensortier/io/file.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "test_util.hpp"
 
@@ -46,6 +47,17 @@ TEST(PageCache, FilesResidencySumsWholeFiles) {
   EXPECT_EQ(r.resident_bytes, kSize);
   EXPECT_EQ(QueryFilesResidency({warm}).resident_bytes, kSize);
   EXPECT_EQ(QueryFilesResidency({}).checked_bytes, 0u);
+}
+
+TEST(PageCache, DropCacheDropsAFileJustWrittenToo) {
+  TempDir dir;
+  if (QueryFilesResidency({MakeFile(dir, "probe", false)}).resident_bytes != 0) {
+    GTEST_SKIP() << "the cache keeps files here (tmpfs)";
+  }
+  const std::string path = dir.File("dirty");
+  std::ofstream(path, std::ios::binary) << std::string(kSize, 'x');  // dirty pages, unsynced
+  File::Open(path, OpenMode::kRead, /*direct=*/false).DropCache();
+  EXPECT_EQ(QueryFilesResidency({path}).resident_bytes, 0u);
 }
 
 TEST(PageCache, PopulateForReadingMapsEveryPage) {

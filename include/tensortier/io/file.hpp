@@ -82,7 +82,8 @@ class File {
   // cannot).
   void PunchHole(uint64_t offset, uint64_t length) const;
   void DataSync() const;
-  // Drops clean page-cache pages of the file (posix_fadvise DONTNEED); used for cold reads.
+  // Writes the file's dirty pages back (fdatasync), then drops its page-cache pages
+  // (posix_fadvise DONTNEED); used for cold reads.
   void DropCache() const;
   // Closes this handle's reference now (the descriptors close when no operation still uses them).
   void Close() noexcept { impl_.reset(); }
