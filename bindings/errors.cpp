@@ -28,10 +28,11 @@ py::object Call(PyObject* type, py::tuple args) {
 }
 
 py::object OsError(const IoError& e) {
-  // OSError(errno, message, filename): Python picks the subclass (FileNotFoundError...). The
-  // path and the message quoting it may be any bytes: decoded as os.fsdecode, never failing,
-  // so e.filename is the str that names the file.
-  py::object error = Call(PyExc_OSError, py::make_tuple(e.error_code(), MessageToPython(e.what()),
+  // OSError(errno, reason, filename): Python picks the subclass (FileNotFoundError...) and shows
+  // "[Errno N] reason: 'filename'", so the reason leaves out the errno and path what() has. The
+  // path may be any bytes: decoded as os.fsdecode, never failing, so e.filename is the str that
+  // names the file.
+  py::object error = Call(PyExc_OSError, py::make_tuple(e.error_code(), MessageToPython(e.reason()),
                                                         PathToPython(e.path())));
   error.attr("offset") = e.offset();
   error.attr("length") = e.length();

@@ -8,13 +8,15 @@
 namespace tensortier {
 namespace {
 
+// Whole-file operations (open, rename, fsync...) have no byte range to name.
+std::string RangeOf(uint64_t offset, uint64_t length) {
+  return offset == 0 && length == 0 ? "" : StrCat(" at offset ", offset, " length ", length);
+}
+
 std::string Describe(int error_code, std::string_view op, const std::string& path, uint64_t offset,
                      uint64_t length) {
-  // Whole-file operations (open, rename, fsync...) have no byte range to name.
-  std::string range =
-      offset == 0 && length == 0 ? "" : StrCat(" at offset ", offset, " length ", length);
-  return StrCat(op, " failed on '", path, "'", range, ": ", std::strerror(error_code), " (errno ",
-                error_code, ")");
+  return StrCat(op, " failed on '", path, "'", RangeOf(offset, length), ": ",
+                std::strerror(error_code), " (errno ", error_code, ")");
 }
 
 }  // namespace
@@ -27,6 +29,10 @@ IoError::IoError(int error_code, std::string_view op, std::string path, uint64_t
       path_(std::move(path)),
       offset_(offset),
       length_(length) {}
+
+std::string IoError::reason() const {
+  return StrCat(op_, " failed", RangeOf(offset_, length_), ": ", std::strerror(error_code_));
+}
 
 void ThrowIoError(int error_code, std::string_view op, const std::string& path, uint64_t offset,
                   uint64_t length) {

@@ -262,6 +262,16 @@ TEST_F(FileTest, MissingFileThrowsENOENTNamingThePath) {
   }
 }
 
+TEST(IoErrorTest, ReasonIsWhatWithoutThePathOrErrno) {
+  const IoError whole(ENOENT, "open", "/d/x", 0, 0);
+  EXPECT_STREQ(whole.what(), "open failed on '/d/x': No such file or directory (errno 2)");
+  EXPECT_EQ(whole.reason(), "open failed: No such file or directory");
+  const IoError range(EIO, "pread", "/d/x", 4096, 512);
+  EXPECT_STREQ(range.what(),
+               "pread failed on '/d/x' at offset 4096 length 512: Input/output error (errno 5)");
+  EXPECT_EQ(range.reason(), "pread failed at offset 4096 length 512: Input/output error");
+}
+
 TEST_F(FileTest, OpenDescriptorIsNamedByTheDescriptorsFile) {
   const std::string path = dir_.File("data");
   ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 10000, 5));

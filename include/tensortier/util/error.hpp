@@ -19,6 +19,9 @@ class IoError : public std::runtime_error {
   const std::string& path() const noexcept { return path_; }
   uint64_t offset() const noexcept { return offset_; }
   uint64_t length() const noexcept { return length_; }
+  // What failed, without the path ("pread failed at offset 0 length 4096: Input/output error"):
+  // for callers that show the path apart, as Python's OSError shows its filename.
+  std::string reason() const;
 
  private:
   int error_code_;

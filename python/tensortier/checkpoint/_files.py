@@ -46,10 +46,12 @@ def _same_file(file: File, path: str, parse: Callable[[str], _T]) -> _T:
     except (OSError, ValueError) as e:
         if proc not in str(e):
             raise
-        message = str(e).replace(proc, path)
+        if isinstance(e, OSError) and e.errno is not None:
+            named = path if e.filename == proc else e.filename
+            raise OSError(e.errno, (e.strerror or str(e)).replace(proc, path), named) from e
         if isinstance(e, OSError):
-            raise OSError(e.errno, message) from e
-        raise _renamed(e, message) from e
+            raise OSError(str(e).replace(proc, path)) from e
+        raise _renamed(e, str(e).replace(proc, path)) from e
 
 
 def _renamed(e: ValueError, message: str) -> ValueError:
