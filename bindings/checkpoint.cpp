@@ -661,12 +661,6 @@ void RegisterCheckpoint(py::module_& m) {
         "Waits until the files earlier saves replaced are freed (a background thread closes "
         "each).");
   m.def(
-      "commit_directory",
-      [](const FsPath& staged, const FsPath& final_dir) { CommitDirectory(staged, final_dir); },
-      py::arg("staged"), py::arg("final_dir"), py::call_guard<py::gil_scoped_release>(),
-      "Makes the directory staged durable, then puts it at final_dir in one rename (exchanged "
-      "with a directory there, which staged then names). OSError naming what failed.");
-  m.def(
       "create_staging_directory",
       [](const FsPath& final_dir) {
         std::string staged;

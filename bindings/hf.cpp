@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "arguments.hpp"
+#include "binding_helpers.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/directory_commit.hpp"
@@ -90,24 +91,35 @@ void RegisterHf(py::module_& m) {
       py::arg("final_dir"),
       "(staging directory, paths kept) of a save into final_dir: the directory beside it, "
       "holding what final_dir holds (weight files linked, others copied), and the relative "
-      "paths (bytes) of final_dir's entries it holds (for carry_new_entries). "
+      "paths (bytes) of final_dir's entries it holds (for commit_hf_save). "
       "NotADirectoryError where final_dir is a file.");
   m.def(
-      "carry_new_entries",
-      [](const FsPath& old_dir, const FsPath& new_dir, const std::set<std::string>& kept) {
-        CarriedEntries carried;
+      "commit_hf_save",
+      [](const FsPath& staging_dir, const std::set<std::string>& kept, const FsPath& final_dir) {
+        HfSaveCommit commit;
         {
           py::gil_scoped_release release;
-          carried = CarryNewEntries(old_dir, new_dir, kept);
+          commit = CommitHfSave(HfSaveStaging{staging_dir, kept}, final_dir, TestFileSystem());
         }
         py::list left;
-        for (const std::string& path : carried.left) left.append(py::bytes(path));
-        return py::make_tuple(carried.moved, left);
+        for (const std::string& path : commit.left) left.append(py::bytes(path));
+        return py::make_tuple(commit.swapped, left);
       },
-      py::arg("old_dir"), py::arg("new_dir"), py::arg("kept"),
-      "After commit_directory exchanged them: the entries another process made in old_dir while "
-      "the save ran (paths not in kept, free in new_dir) moved into new_dir. Returns (how many "
-      "moved, [relative paths, bytes, that could not move]).");
+      py::arg("staging_dir"), py::arg("kept"), py::arg("final_dir"),
+      "The end of a save staged by stage_hf_save: the written staging directory swapped with "
+      "final_dir, what final_dir gained meanwhile carried over, the old directory removed. "
+      "Returns (swapped, [relative paths, bytes, that could not be carried: the old directory "
+      "is kept at staging_dir then]); swapped is False where final_dir is to be written in "
+      "place instead (a bind mount, NFS, SMB, FUSE), the staging directory removed. OSError "
+      "otherwise, the staging directory removed.");
+  m.def(
+      "replace_linked_shard",
+      [](const FsPath& written, const FsPath& link) {
+        ReplaceLinkedShard(written, link, TestFileSystem());
+      },
+      py::arg("written"), py::arg("link"), py::call_guard<py::gil_scoped_release>(),
+      "The shard written at `written` renamed over the symbolic link `link` (its target left "
+      "as it was), the folder fsynced; OSError after removing `written`.");
   m.def(
       "remove_directory_tree", [](const FsPath& dir) { return RemoveDirectoryTree(dir); },
       py::arg("dir"), py::call_guard<py::gil_scoped_release>(),

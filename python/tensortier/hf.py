@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
-import errno
 import os
 import secrets
 import sys
@@ -92,16 +91,11 @@ def _install_hooks(mu: Any) -> None:
         beside = _core.temporary_path_prefix(filename) + secrets.token_hex(4)
         try:
             save(tensors, beside, format="safetensors", metadata=metadata, checksum=True)
-            os.replace(beside, filename)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(beside)
             raise
-        folder = os.open(os.path.dirname(filename) or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(folder)  # the rename, durable as save's own
-        finally:
-            os.close(folder)
+        _core.replace_linked_shard(beside, filename)
 
     cls._load_pretrained_model = staticmethod(_load_pretrained_model)
     mu.safe_save_file = safe_save_file
@@ -126,15 +120,15 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     if device.type == "cuda" and not (torch.cuda.is_available()
                                       and (device.index or 0) < torch.cuda.device_count()):
         return None  # transformers' reading raises torch's own error for a device not there
+    target = _core.hf_load_target(files, cfg.sharded_metadata)
+    if target is None:
+        return None
     # Converted as read where transformers would give every floating tensor that dtype.
     dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) and not cfg.dtype_plan else None
     if dtype is not None and any(
         t.is_floating_point() and t.dtype != dtype for t in model.state_dict().values()
     ):
         dtype = None
-    target = _core.hf_load_target(files, cfg.sharded_metadata)
-    if target is None:
-        return None
     if future is not None and device.type == "cpu" and early[0] == os.path.realpath(target):
         with contextlib.suppress(Exception):  # read again below, to report its error
             state_dict = future.result()
@@ -310,38 +304,21 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
             except PermissionError:  # no staging directory beside `path`
                 write(final, **kwargs)
                 return
-            keep_old = False
             try:
                 write(staging, **kwargs)
-                try:
-                    _core.commit_directory(staging, final)
-                    swapped = True
-                except OSError as e:
-                    if e.errno not in _CANNOT_SWAP:
-                        raise
-                    swapped = False
-                if swapped:  # `staging` is the old directory now
-                    _, left = _core.carry_new_entries(staging, final, kept)
-                    if left:
-                        keep_old = True
-                        warnings.warn(
-                            f"{final}: {len(left)} files written into it during the save could "
-                            f"not be moved into the new directory (first: "
-                            f"{os.fsdecode(left[0])}); the previous directory is kept as "
-                            f"{staging}", stacklevel=3)
-            finally:
-                if not keep_old:
-                    _core.remove_directory_tree(staging)
-            if not swapped:
+            except BaseException:
+                _core.remove_directory_tree(staging)
+                raise
+            swapped, left = _core.commit_hf_save(staging, kept, final)
+            if left:
+                warnings.warn(
+                    f"{final}: {len(left)} files written into it during the save could not be "
+                    f"moved into the new directory (first: {os.fsdecode(left[0])}); the "
+                    f"previous directory is kept as {staging}", stacklevel=3)
+            if not swapped:  # a bind mount, NFS, SMB, FUSE: written in place
                 write(final, **kwargs)
         finally:
             _saving.reset(token)
-
-
-# What commit_directory's exchange fails with where the directory stays and can be written in
-# place: a mount point os.path.ismount does not see (a bind mount: EBUSY, EXDEV), and file systems
-# without renameat2(RENAME_EXCHANGE) (NFS, SMB, most FUSE file systems: EINVAL, ENOSYS).
-_CANNOT_SWAP = (errno.EBUSY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 def _writer(model: Any) -> Any:

@@ -36,7 +36,7 @@ void SyncTree(const FileSystem& fs, const std::string& dir) {
     if (it->is_directory(ec)) {
       fs.SyncDirectory(path, path);
     } else if (it->is_regular_file(ec)) {
-      File::Open(path, OpenMode::kRead, /*direct=*/false).DataSync();
+      fs.DataSync(fs.Open(path, OpenMode::kRead, /*direct=*/false));
     }
   }
   if (ec) ThrowIoError(ec.value(), "list the directory", dir);
@@ -50,8 +50,8 @@ std::string ParentOf(const std::string& path) {
 
 }  // namespace
 
-void CommitDirectory(const std::string& staged, const std::string& final_dir) {
-  const FileSystem fs;
+void CommitDirectory(const std::string& staged, const std::string& final_dir,
+                     const FileSystem& fs) {
   SyncTree(fs, staged);
   struct stat st;
   if (lstat(final_dir.c_str(), &st) != 0) {
@@ -59,10 +59,7 @@ void CommitDirectory(const std::string& staged, const std::string& final_dir) {
     fs.Rename(staged, final_dir);
   } else {
     if (!S_ISDIR(st.st_mode)) ThrowIoError(ENOTDIR, "replace the directory", final_dir);
-    if (syscall(SYS_renameat2, AT_FDCWD, staged.c_str(), AT_FDCWD, final_dir.c_str(),
-                RENAME_EXCHANGE) != 0) {
-      ThrowIoError(errno, "exchange with the new directory", final_dir);
-    }
+    fs.Exchange(staged, final_dir);
   }
   fs.SyncDirectory(ParentOf(final_dir), final_dir);
 }

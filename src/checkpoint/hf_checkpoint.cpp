@@ -14,6 +14,7 @@
 #include "tensortier/checkpoint/checkpoint_format.hpp"
 #include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/io/file_system.hpp"
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
@@ -201,6 +202,36 @@ HfSaveStaging StageHfSave(const std::string& final_dir) {
     throw;
   }
   return out;
+}
+
+HfSaveCommit CommitHfSave(const HfSaveStaging& staging, const std::string& final_dir,
+                          const FileSystem& fs) {
+  HfSaveCommit out;
+  try {
+    CommitDirectory(staging.dir, final_dir, fs);
+    out.swapped = true;
+  } catch (const IoError& e) {
+    const int code = e.error_code();
+    RemoveDirectoryTree(staging.dir);
+    if (code != EBUSY && code != EXDEV && code != EINVAL && code != ENOSYS && code != EOPNOTSUPP) {
+      throw;
+    }
+    return out;
+  }
+  // staging.dir names the old directory now.
+  out.left = CarryNewEntries(staging.dir, final_dir, staging.kept).left;
+  if (out.left.empty()) RemoveDirectoryTree(staging.dir);
+  return out;
+}
+
+void ReplaceLinkedShard(const std::string& written, const std::string& link, const FileSystem& fs) {
+  try {
+    fs.Rename(written, link);
+    fs.SyncDirectory(DirName(link).empty() ? "." : DirName(link), link);
+  } catch (...) {
+    ::unlink(written.c_str());
+    throw;
+  }
 }
 
 std::optional<std::string> HfWeightsFile(const std::string& dir) {

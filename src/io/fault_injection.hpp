@@ -22,9 +22,9 @@
 
 namespace tensortier {
 
-inline constexpr size_t kFileStepCount = 6;
+inline constexpr size_t kFileStepCount = 7;
 std::string_view FileStepName(FileStep step);
-// "open", "allocate", "datasync", "rename", "sync_directory", "release". Throws
+// "open", "allocate", "datasync", "rename", "sync_directory", "release", "exchange". Throws
 // std::invalid_argument otherwise.
 FileStep ParseFileStep(std::string_view name);
 

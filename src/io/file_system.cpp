@@ -1,6 +1,8 @@
 #include "tensortier/io/file_system.hpp"
 
 #include <fcntl.h>
+#include <linux/fs.h>  // RENAME_EXCHANGE
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -40,6 +42,13 @@ void FileSystem::DataSync(const File& file) const {
 void FileSystem::Rename(const std::string& from, const std::string& to) const {
   Inject(FileStep::kRename, "rename", from);
   if (rename(from.c_str(), to.c_str()) != 0) ThrowIoError(errno, "rename", from);
+}
+
+void FileSystem::Exchange(const std::string& from, const std::string& to) const {
+  Inject(FileStep::kExchange, "exchange with the new directory", to);
+  if (syscall(SYS_renameat2, AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) != 0) {
+    ThrowIoError(errno, "exchange with the new directory", to);
+  }
 }
 
 void FileSystem::SyncDirectory(const std::string& dir, const std::string& error_path) const {

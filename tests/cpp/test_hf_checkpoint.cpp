@@ -15,6 +15,7 @@
 
 #include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
+#include "tensortier/io/fault_injection.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
@@ -183,6 +184,70 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   } catch (const IoError& e) {
     EXPECT_EQ(e.error_code(), ENOTDIR);
   }
+}
+
+// A commit whose exchange fails with `error` (0: none), into a model directory holding one file.
+HfSaveCommit CommitWithExchangeFault(const std::string& m, int error) {
+  std::filesystem::create_directories(m);
+  std::ofstream(m + "/old.txt") << "old";
+  const HfSaveStaging staging = StageHfSave(m);
+  std::ofstream(staging.dir + "/new.txt") << "new";
+  FaultPlan plan;
+  plan.kind = error != 0 ? FaultPlan::Kind::kError : FaultPlan::Kind::kNone;
+  plan.error = error;
+  plan.reads = plan.writes = false;
+  plan.steps = 1u << static_cast<unsigned>(FileStep::kExchange);
+  const HfSaveCommit commit =
+      CommitHfSave(staging, m, FileSystem(std::make_shared<FaultInjector>(plan)));
+  EXPECT_FALSE(std::filesystem::exists(staging.dir)) << "the staging directory is removed";
+  return commit;
+}
+
+TEST(HfCheckpoint, ACommitSwapsTheDirectoryOrSaysToWriteInPlaceWhereItCannot) {
+  TempDir dir;
+  const HfSaveCommit swapped = CommitWithExchangeFault(dir.path() + "/a", 0);
+  EXPECT_TRUE(swapped.swapped);
+  EXPECT_TRUE(swapped.left.empty());
+  EXPECT_EQ(Contents(dir.path() + "/a/new.txt"), "new");
+  EXPECT_EQ(Contents(dir.path() + "/a/old.txt"), "old");  // kept by the staging: linked
+  // A bind mount (EBUSY, EXDEV) or a file system without RENAME_EXCHANGE: written in place.
+  for (int error : {EBUSY, EXDEV, EINVAL, ENOSYS, EOPNOTSUPP}) {
+    const std::string m = StrCat(dir.path(), "/e", error);
+    const HfSaveCommit commit = CommitWithExchangeFault(m, error);
+    EXPECT_FALSE(commit.swapped) << error;
+    EXPECT_FALSE(std::filesystem::exists(m + "/new.txt")) << "the old directory stays";
+  }
+  try {
+    CommitWithExchangeFault(dir.path() + "/eio", EIO);
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), EIO);
+    EXPECT_EQ(e.path(), dir.path() + "/eio");
+  }
+  EXPECT_EQ(Contents(dir.path() + "/eio/old.txt"), "old");
+}
+
+TEST(HfCheckpoint, ALinkedShardIsReplacedAndItsTargetLeftOrTheWrittenFileRemoved) {
+  TempDir dir;
+  std::ofstream(dir.File("blob")) << "cached";
+  std::filesystem::create_symlink(dir.File("blob"), dir.File("model.safetensors"));
+  std::ofstream(dir.File("written")) << "new";
+  ReplaceLinkedShard(dir.File("written"), dir.File("model.safetensors"));
+  EXPECT_FALSE(std::filesystem::is_symlink(dir.File("model.safetensors")));
+  EXPECT_EQ(Contents(dir.File("model.safetensors")), "new");
+  EXPECT_EQ(Contents(dir.File("blob")), "cached");
+  std::filesystem::create_symlink(dir.File("blob"), dir.File("other.safetensors"));
+  std::ofstream(dir.File("written")) << "new";
+  FaultPlan plan;
+  plan.kind = FaultPlan::Kind::kError;
+  plan.error = EIO;
+  plan.reads = plan.writes = false;
+  plan.steps = 1u << static_cast<unsigned>(FileStep::kRename);
+  EXPECT_THROW(ReplaceLinkedShard(dir.File("written"), dir.File("other.safetensors"),
+                                  FileSystem(std::make_shared<FaultInjector>(plan))),
+               IoError);
+  EXPECT_TRUE(std::filesystem::is_symlink(dir.File("other.safetensors")));
+  EXPECT_FALSE(std::filesystem::exists(dir.File("written")));
 }
 
 TEST(HfCheckpoint, EntriesMadeInTheOldDirectoryDuringASaveMoveIntoTheNewOne) {

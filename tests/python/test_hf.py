@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 import safetensors.torch  # noqa: E402
 
 from conftest import mounted  # noqa: E402
+from faults import with_faults  # noqa: E402
 from tensortier import _core, hf  # noqa: E402
 
 try:  # a machine with another transformers (a GPU image's) skips; CI pins a supported one
@@ -636,32 +637,36 @@ def test_files_another_process_writes_into_the_directory_during_a_save_stay(
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
 
 
-@pytest.mark.parametrize("code", ["EINVAL", "ENOSYS"])
-def test_a_file_system_without_directory_exchange_is_written_in_place(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str) -> None:
-    """NFS, SMB and most FUSE file systems refuse renameat2(RENAME_EXCHANGE): the save writes
-    into the existing directory as transformers does, rather than failing a Trainer's save."""
+@pytest.mark.parametrize("code", ["EINVAL", "ENOSYS", "EOPNOTSUPP", "EBUSY", "EXDEV"])
+def test_a_directory_that_cannot_be_exchanged_is_written_in_place(
+        tmp_path: Path, code: str) -> None:
+    """NFS, SMB and most FUSE file systems refuse renameat2(RENAME_EXCHANGE) (EINVAL, ENOSYS,
+    EOPNOTSUPP), a bind mount refuses it (EBUSY, EXDEV): the save writes into the existing
+    directory as transformers does, rather than failing a Trainer's save."""
     torch.manual_seed(0)
     model = MODELS["llama"]()
     out = tmp_path / "m"
     out.mkdir()
-    real = _core.commit_directory
-
-    def commit_without_exchange(staged: str, final_dir: str) -> None:
-        if os.path.isdir(final_dir):
-            number = getattr(errno, code)
-            raise OSError(number, "exchange with the new directory failed", final_dir)
-        real(staged, final_dir)
-
-    monkeypatch.setattr(_core, "commit_directory", commit_without_exchange)
-    hf.save_pretrained(model, out)
+    (out / "notes.txt").write_text("mine\n")
+    plan = {"kind": "error", "errno": getattr(errno, code), "steps": ["exchange"]}
+    with_faults(plan, hf.save_pretrained, model, out)
     assert_same(hf.from_pretrained(type(model), out), model.eval())
+    assert (out / "notes.txt").read_text() == "mine\n"
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
-    monkeypatch.setattr(_core, "commit_directory", lambda *a: (_ for _ in ()).throw(
-        OSError(errno.EIO, "exchange with the new directory failed", str(out))))
-    with pytest.raises(OSError) as raised:  # any other error is the save's
-        hf.save_pretrained(model, out)
+
+
+def test_another_exchange_error_fails_the_save_and_leaves_the_directory(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    plan = {"kind": "error", "errno": errno.EIO, "steps": ["exchange"]}
+    with pytest.raises(OSError) as raised:
+        with_faults(plan, hf.save_pretrained, model, out)
     assert raised.value.errno == errno.EIO
+    assert raised.value.filename == str(out)
+    assert os.listdir(out) == ["notes.txt"]
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
 
 
@@ -743,8 +748,6 @@ def test_a_failed_save_of_a_symlinked_shard_leaves_the_link(
     blob = tmp_path / "blob"
     (out / "model.safetensors").rename(blob)
     (out / "model.safetensors").symlink_to(blob)
-    monkeypatch.setattr(_core, "commit_directory", lambda *a: (_ for _ in ()).throw(
-        OSError(errno.EINVAL, "exchange with the new directory failed", str(out))))
     real_save = hf.save
 
     def failing_save(tensors: Any, path: str, *args: Any, **kwargs: Any) -> None:
@@ -753,8 +756,9 @@ def test_a_failed_save_of_a_symlinked_shard_leaves_the_link(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(hf, "save", failing_save)
-    with pytest.raises(OSError):
-        hf.save_pretrained(model, out)  # in place (no exchange): the link is written beside
+    plan = {"kind": "error", "errno": errno.EINVAL, "steps": ["exchange"]}
+    with pytest.raises(OSError):  # in place (no exchange): the link is written beside
+        with_faults(plan, hf.save_pretrained, model, out)
     assert (out / "model.safetensors").is_symlink()
     assert [n for n in os.listdir(out) if ".tmp-" in n] == []
     monkeypatch.setattr(hf, "save", real_save)

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "tensortier/io/file_system.hpp"
+
 namespace tensortier {
 
 // Makes `staged` durable (every file under it fdatasynced, every directory fsynced), then puts it
@@ -17,8 +19,10 @@ namespace tensortier {
 // remove). The parent directory is fsynced last. A crash at any moment leaves `final_dir` the
 // old directory or the new one, whole. `staged` and `final_dir` must be on one file system.
 // Throws IoError naming the file or directory that failed (EINVAL or ENOSYS from the exchange:
-// a file system without RENAME_EXCHANGE; `final_dir` is then left as it was).
-void CommitDirectory(const std::string& staged, const std::string& final_dir);
+// a file system without RENAME_EXCHANGE; `final_dir` is then left as it was). Its system calls go
+// through `fs` (where tests inject faults).
+void CommitDirectory(const std::string& staged, const std::string& final_dir,
+                     const FileSystem& fs = FileSystem());
 
 // Creates the directory a save into `final_dir` is staged in, beside it and named as a save's
 // temporary file is ("DIR/.NAME.tmp-PID-START-TAG-RANDOM", TemporaryPathPrefix), with `mode`

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "tensortier/io/file_system.hpp"
+
 namespace tensortier {
 
 struct HfCheckpoint {
@@ -73,6 +75,27 @@ struct HfSaveStaging {
   std::set<std::string> kept;
 };
 HfSaveStaging StageHfSave(const std::string& final_dir);
+
+// The end of a save staged by StageHfSave and written into staging.dir: CommitDirectory swaps it
+// with final_dir, CarryNewEntries moves what final_dir gained meanwhile into the new directory,
+// and the old one (at staging.dir now) is removed, unless something in it could not move: then
+// it is kept, and `left` names those paths (relative). `swapped` is false where final_dir stays
+// and can be written in place instead (a bind mount: EBUSY, EXDEV; a file system without
+// RENAME_EXCHANGE, as NFS, SMB and most FUSE ones: EINVAL, ENOSYS, EOPNOTSUPP); the staging
+// directory is removed then. Other errors: IoError, after removing the staging directory. The
+// system calls go through `fs` (where tests inject faults).
+struct HfSaveCommit {
+  bool swapped = false;
+  std::vector<std::string> left;
+};
+HfSaveCommit CommitHfSave(const HfSaveStaging& staging, const std::string& final_dir,
+                          const FileSystem& fs = FileSystem());
+
+// Puts the shard written at `written` where the symbolic link `link` is (a model directory's link
+// into a Hub cache's blobs): renamed over the link, then the folder fsynced. The link's target is
+// left as it was, as transformers leaves it. Throws IoError, after removing `written`.
+void ReplaceLinkedShard(const std::string& written, const std::string& link,
+                        const FileSystem& fs = FileSystem());
 
 // Whether `files` are in the page cache, 9/10 of their bytes at least (a busy machine evicts a few
 // pages at any moment): then tensortier.hf maps them rather than reading them.

@@ -27,6 +27,7 @@ enum class FileStep : uint8_t {
   kRename,         // rename over the final name
   kSyncDirectory,  // fsync of the directory
   kRelease,        // closing a replaced file's last descriptor (frees its blocks)
+  kExchange,       // renameat2(RENAME_EXCHANGE) of a staged directory with the old one
 };
 
 // Where faults are injected into the steps: consulted before each step's system call.
@@ -59,6 +60,8 @@ class FileSystem {
   void DataSync(const File& file) const;
   // rename(2) as step kRename; the IoError names `from`.
   void Rename(const std::string& from, const std::string& to) const;
+  // renameat2(RENAME_EXCHANGE) of `from` and `to` as step kExchange; the IoError names `to`.
+  void Exchange(const std::string& from, const std::string& to) const;
   // Makes `dir`'s entries durable (open, fsync) as step kSyncDirectory. Filesystems that cannot
   // sync a directory say so (EINVAL, ENOTSUP, EBADF): that is no failure. The IoError names
   // `error_path` ("fsync the directory of").

@@ -85,7 +85,8 @@ constexpr EnumName<FileStep> kFileStepNames[] = {{FileStep::kOpen, "open"},
                                                  {FileStep::kDataSync, "datasync"},
                                                  {FileStep::kRename, "rename"},
                                                  {FileStep::kSyncDirectory, "sync_directory"},
-                                                 {FileStep::kRelease, "release"}};
+                                                 {FileStep::kRelease, "release"},
+                                                 {FileStep::kExchange, "exchange"}};
 static_assert(std::size(kFileStepNames) == kFileStepCount);
 }  // namespace
 
