@@ -314,6 +314,35 @@ size_t RemoveStaleTemporaryFiles(const std::string& final_path) {
   return removed;
 }
 
+size_t RemoveStaleTemporaryFilesOnce(const std::string& dir) {
+  static std::mutex mu;
+  static std::set<std::string>* swept = new std::set<std::string>;  // leaked: used until exit
+  {
+    std::lock_guard lock(mu);
+    if (!swept->insert(dir).second) return 0;
+  }
+  if (ProcessStartTime(getpid()).empty()) return 0;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  size_t removed = 0;
+  while (const dirent* e = readdir(d)) {
+    // ".NAME.tmp-" then a process stamp: the stamped form only (the older form needs its name's
+    // own save to be told apart from a user's file).
+    const std::string_view entry(e->d_name);
+    const size_t tmp = entry.rfind(".tmp-");
+    if (!entry.starts_with('.') || tmp == std::string_view::npos || tmp == 0) continue;
+    const std::string_view rest = entry.substr(tmp + 5);
+    if (SplitDashes(rest).size() != 4 || !IsStaleTemporary(dirfd(d), e->d_name, rest)) continue;
+    if (unlinkat(dirfd(d), e->d_name, 0) == 0) {
+      ++removed;
+    } else if (errno == EISDIR) {
+      if (RemoveDirectoryTree((std::filesystem::path(dir) / e->d_name).string())) ++removed;
+    }
+  }
+  closedir(d);
+  return removed;
+}
+
 void WaitForReplacedFiles() {
   Releases& r = TheReleases();
   std::unique_lock lock(r.mu);
@@ -330,6 +359,7 @@ DurableFile::DurableFile(const std::string& path, bool direct, FileSystem fs,
   // At most two copies (old and new) take disk space at once.
   WaitForReplacedFiles();
   RemoveStaleTemporaryFiles(final_);
+  RemoveStaleTemporaryFilesOnce(SplitPath(final_).first);
   // Writable by its owner: from a 0444 file's mode it could not be opened for writing (root
   // may replace such a file, as its open() may write it). The old mode is given at Commit.
   const mode_t mode = old_ ? 0600 : 0666;

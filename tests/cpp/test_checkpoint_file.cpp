@@ -192,5 +192,35 @@ TEST(CheckpointFileTest, RemovesTemporaryFilesOfGoneProcessesOnly) {
   EXPECT_EQ(RemoveStaleTemporaryFiles(dir.File("missing-dir/ck.pt")), 0u);
 }
 
+// A job saving to a new name each time and killed meanwhile leaves temporary files under names
+// no later save takes: the first save into the directory removes them, whatever their names.
+TEST(CheckpointFileTest, TheFirstSaveIntoADirectoryRemovesDeadSavesFilesOfEveryName) {
+  TempDir dir;
+  const std::string tag = PidNamespaceTag();
+  if (tag == "ffffffff") GTEST_SKIP() << "this machine's tag is the one standing for another's";
+  const pid_t dead = DeadPid();
+  const std::string step1 = StrCat(".ck_step1.pt.tmp-", dead, "-12345-", tag, "-0000abcd");
+  const std::string odd_name = StrCat(".a.tmp-b.tmp-", dead, "-12345-", tag, "-0000abce");
+  std::filesystem::create_directory(dir.File(StrCat(".m.tmp-", dead, "-12345-", tag, "-0000abcf")));
+  // Kept: a live process's, another machine's, the older unstamped form, a user's own files.
+  const std::string live = OwnTemporaryName(dir.File("ck_step2.pt"), "0000abd0");
+  const std::string other_tag = StrCat(".x.pt.tmp-", dead, "-12345-ffffffff-0000abd1");
+  const std::string old_form = StrCat(".x.pt.tmp-", dead, "-0000abd2");
+  for (const auto& name : {step1, odd_name, live, other_tag, old_form,
+                           std::string("notes.tmp-1-2-3-4"), std::string(".tmp-1-2-3-4")}) {
+    WriteText(dir.File(name), "partial");
+  }
+  SetMtime(dir.File(old_form), 7200);
+  EXPECT_EQ(RemoveStaleTemporaryFilesOnce(dir.path()), 3u);
+  EXPECT_FALSE(std::filesystem::exists(dir.File(step1)));
+  EXPECT_FALSE(std::filesystem::exists(dir.File(odd_name)));
+  for (const auto& name :
+       {live, other_tag, old_form, std::string("notes.tmp-1-2-3-4"), std::string(".tmp-1-2-3-4")}) {
+    EXPECT_TRUE(std::filesystem::exists(dir.File(name))) << name;
+  }
+  WriteText(dir.File(step1), "partial");
+  EXPECT_EQ(RemoveStaleTemporaryFilesOnce(dir.path()), 0u) << "once per directory";
+}
+
 }  // namespace
 }  // namespace tensortier

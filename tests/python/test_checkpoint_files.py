@@ -421,3 +421,30 @@ def test_a_failed_convert_names_its_output(full_dir: Path, disk_dir: Path) -> No
     assert r.returncode != 0
     assert f"write '{out}': " in r.stderr and "No space left" in r.stderr, r.stderr
     assert temporaries(full_dir) == [] and not out.exists()
+
+
+def test_a_killed_save_to_a_file_object_leaves_nothing_after_the_next(tmp_path: Path) -> None:
+    """A save to a file object is staged in TMPDIR; a SIGKILL while it is copied out leaves
+    the staging directory, which the next save to a file object removes."""
+    killed = textwrap.dedent("""
+        import io, os, shutil, signal, torch, tensortier
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        shutil.copyfileobj = die
+        tensortier.save({"w": torch.ones(1000)}, io.BytesIO())
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", killed], env=env, timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] != []  # left behind
+    follows = textwrap.dedent("""
+        import io, torch, tensortier
+        buffer = io.BytesIO()
+        tensortier.save({"w": torch.ones(1000)}, buffer)
+        buffer.seek(0)
+        assert torch.equal(torch.load(buffer)["w"], torch.ones(1000))
+    """)
+    r = subprocess.run([sys.executable, "-c", follows], env=env, timeout=120,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -63,6 +63,12 @@ std::string TemporaryPathPrefix(const std::string& final_path);
 // containers are left alone, and so is anything that cannot be removed. Returns how many went.
 size_t RemoveStaleTemporaryFiles(const std::string& final_path);
 
+// The same for the saves into any name in `dir` (".NAME.tmp-PID-START-TAG-RANDOM" files, and
+// staging directories, of processes that no longer run), once per directory and process: a job
+// saving to a new name each time (ckpt_step{N}.pt) and killed meanwhile leaves its temporary
+// file under a name no later save takes. Returns how many went (0 after the first call).
+size_t RemoveStaleTemporaryFilesOnce(const std::string& dir);
+
 // The path a save into `path` replaces: `path` with its symlinks resolved (a dangling one to
 // its target's name), as open(path, O_WRONLY | O_CREAT) would write it. Throws IoError naming
 // `path` (ENOENT: its directory does not exist; ELOOP).

@@ -75,11 +75,17 @@ def save(
     _check_torch_save_options(pickle_module, pickle_protocol, _use_new_zipfile_serialization)
     if _is_file_object(path, "write"):
         fmt = _save_format(None, format)
-        with tempfile.TemporaryDirectory(prefix="tensortier-save-") as tmp:
+        # Staged in TMPDIR under a name that says which process made it: the staging of a
+        # killed save is removed by the next save to a file object.
+        tmp = _require("create_staging_directory")(
+            os.path.join(tempfile.gettempdir(), "tensortier-save"))
+        try:
             staged = os.path.join(tmp, "checkpoint")
             save(state_dict, staged, fmt, metadata, checksum, _io=_io)
             with open(staged, "rb") as f:
                 shutil.copyfileobj(f, path, _STREAM_CHUNK)  # type: ignore[misc]
+        finally:
+            _require("remove_directory_tree")(tmp)
         return
     path = fspath(path)
     fmt = _save_format(path, format)
