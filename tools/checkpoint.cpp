@@ -59,7 +59,8 @@ void NoteUnindexedTensors(const std::string& index, const std::vector<Shard>& sh
   for (const auto& [id, file] : files) {
     std::vector<std::string> unindexed;
     try {
-      for (const CheckpointItem& item : ReadCheckpointLayout(file.first).items) {
+      for (const CheckpointItem& item :
+           ReadCheckpointLayout(file.first, /*opaque_objects=*/true).items) {
         if (!file.second.contains(item.name)) unindexed.push_back(item.name);
       }
     } catch (const std::exception&) {
@@ -80,7 +81,7 @@ bool IsShardIndexFile(const std::string& path) {
 // `names`: tensors a shard index puts in this file (a missing one is an error, as for
 // tensortier.load).
 int InfoFile(const std::string& path, unsigned show, const std::vector<std::string>& names = {}) {
-  const CheckpointLayout l = ReadCheckpointLayout(path);
+  const CheckpointLayout l = ReadCheckpointLayout(path, /*opaque_objects=*/true);
   if (auto missing = MissingTensorProblems(l, names); !missing.empty()) {
     throw FormatError(StrCat(path, ": ", missing.front()));
   }
@@ -131,7 +132,8 @@ int InfoFile(const std::string& path, unsigned show, const std::vector<std::stri
 
 // `names`: tensors a shard index puts in this file (a missing one is a problem).
 int VerifyFile(const std::string& path, const std::vector<std::string>& names = {}) {
-  const CheckpointLayout l = ReadCheckpointLayout(path);  // throws on any structural problem
+  // Throws on any structural problem.
+  const CheckpointLayout l = ReadCheckpointLayout(path, /*opaque_objects=*/true);
   const bool st = l.format == Format::kSafetensors;
   const std::string shown_path = TerminalText(path);
   std::printf("%s: structure OK (%s, %s)\n", shown_path.c_str(),

@@ -29,7 +29,7 @@ std::string ShapeText(const std::vector<uint64_t>& shape) {
 
 }  // namespace
 
-CheckpointLayout ReadCheckpointLayout(const std::string& path) {
+CheckpointLayout ReadCheckpointLayout(const std::string& path, bool opaque_objects) {
   FileSource source(OpenCheckpointForReading(path, false));
   CheckpointLayout out;
   switch (DetectCheckpointKind(source)) {
@@ -50,7 +50,7 @@ CheckpointLayout ReadCheckpointLayout(const std::string& path) {
     }
     return out;
   }
-  out.torch = ReadTorchCheckpoint(source);
+  out.torch = ReadTorchCheckpoint(source, opaque_objects);
   // Every entry, not only the storages' (a damaged archive is refused whole, as
   // tensortier.load refuses it).
   for (const auto& e : out.torch.zip.entries) RequireStored(e, path);

@@ -117,7 +117,7 @@ bool TorchByteOrderIsBig(const std::string& path, std::string_view value) {
       StrCat(path, ": byte order ", PyRepr(value.substr(0, 16)), " is neither 'little' nor 'big'"));
 }
 
-TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
+TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, bool opaque_objects) {
   const std::string& path = source.name();
   if (!LooksLikeZip(source)) {
     unsigned char first = 0;
@@ -125,10 +125,11 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source) {
     if (first == 0x80) ThrowLegacyTorchFile(path);
     throw FormatError(StrCat(path, ": not a torch.save zip file"));
   }
-  return ReadTorchCheckpoint(source, ReadZipDirectory(source));
+  return ReadTorchCheckpoint(source, ReadZipDirectory(source), opaque_objects);
 }
 
-TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip) {
+TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip,
+                                    bool opaque_objects) {
   const std::string& path = source.name();
   TorchCheckpoint out;
   out.zip = std::move(zip);
@@ -145,7 +146,7 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip) 
   std::string data(pkl->size, '\0');
   source.ReadAt(pkl->data_offset, data.data(), data.size());
   out.pickle_crc32 = Crc32(data.data(), data.size());
-  out.pickle = ParseTorchPickle(data, StrCat(path, ": ", pkl->name));
+  out.pickle = ParseTorchPickle(data, StrCat(path, ": ", pkl->name), opaque_objects);
   std::unordered_map<std::string_view, const ZipEntry*> by_name;
   for (const auto& e : out.zip.entries) by_name.emplace(e.name, &e);
   for (auto& [key, storage] : out.pickle.storages) {

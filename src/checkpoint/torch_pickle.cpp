@@ -43,10 +43,11 @@ using Value = PickleValue;
 
 class Vm : public PickleMachine {
  public:
-  Vm(std::string_view data, const std::string& what)
+  Vm(std::string_view data, const std::string& what, bool opaque_objects)
       : PickleMachine(data, std::min(kMaxValues, data.size() / 2 + kSlack),
                       std::min(kMaxMemo, data.size() / 2 + kSlack), /*extended=*/false),
         what_(what),
+        opaque_objects_(opaque_objects),
         max_tensors_(std::min(kMaxTensors, data.size() / kBytesPerTensor + kSlack)),
         max_dims_(data.size() / 2 + kSlack),
         max_output_bytes_(static_cast<uint64_t>(data.size()) * kOutputBytesPerByte + kOutputSlack) {
@@ -73,7 +74,7 @@ class Vm : public PickleMachine {
   }
 
   void CheckGlobal(const std::string& module, const std::string& name) override {
-    if (!Allowed(module + "." + name)) {
+    if (!opaque_objects_ && !Allowed(module + "." + name)) {
       Fail(StrCat("global '", module, ".", name,
                   "' is not allowed (tensortier reads the tensor, storage, dtype and container "
                   "types of state dicts; torch.load(weights_only=True) may accept more)"));
@@ -86,6 +87,10 @@ class Vm : public PickleMachine {
   // torch.load(weights_only=True) accepts it on an OrderedDict or a tensor; it is an attribute,
   // not an item, so it is dropped here: it holds no tensors of the state dict.
   void Build(uint32_t target, uint32_t state) override {
+    if (values_[target].kind == Kind::kObject) {  // opaque: its state may hold tensors
+      values_[target].state = state;
+      return;
+    }
     if (values_[target].kind != Kind::kDict && values_[target].kind != Kind::kTensor) {
       Fail("BUILD on something that is not an OrderedDict or a tensor");
     }
@@ -377,6 +382,13 @@ class Vm : public PickleMachine {
       }
       return a[0];
     }
+    if (opaque_objects_ && !Allowed(f)) {
+      Value v;
+      v.kind = Kind::kObject;
+      v.s = f;
+      v.items = std::move(a);
+      return New(std::move(v));
+    }
     Fail(StrCat("'", f, "' cannot be called"));
   }
 
@@ -412,14 +424,18 @@ class Vm : public PickleMachine {
       case Kind::kTuple:
       case Kind::kDict:
         break;
+      case Kind::kObject:  // opaque: a value of its own, and tensors in what rebuilds it
+        if (inside_object_ == 0) ++out_.other_values;
+        break;
       case Kind::kStorage:
         WalkFail(StrCat("a bare storage at '", path, "' (only tensors are supported)"));
       default:
-        ++out_.other_values;
+        if (inside_object_ == 0) ++out_.other_values;
         return;
     }
     if (on_path[index]) WalkFail(StrCat("the object at '", path, "' contains itself"));
     on_path[index] = true;
+    inside_object_ += v.kind == Kind::kObject;     // what rebuilds it is no value of the file's
     const std::vector<uint32_t>& items = v.items;  // values_ does not change during the walk
     if (v.kind == Kind::kDict) {
       for (size_t i = 0; i + 1 < items.size(); i += 2) {
@@ -433,11 +449,16 @@ class Vm : public PickleMachine {
       for (size_t i = 0; i < items.size(); ++i) {
         Walk(items[i], child(std::to_string(i)), depth + 1, on_path);
       }
+      if (v.kind == Kind::kObject && v.state != UINT32_MAX) {
+        Walk(v.state, child("state"), depth + 1, on_path);
+      }
     }
+    inside_object_ -= v.kind == Kind::kObject;
     on_path[index] = false;
   }
 
   std::string what_;
+  const bool opaque_objects_;
   const size_t max_tensors_;
   const size_t max_dims_;
   const uint64_t max_output_bytes_;
@@ -445,13 +466,14 @@ class Vm : public PickleMachine {
   size_t dims_ = 0;                   // sizes and strides held by tensors_
   uint64_t output_bytes_ = 0;         // estimated size of out_.tensors
   uint64_t visits_ = 0;
+  size_t inside_object_ = 0;  // opaque objects being walked (their parts are not values)
   TorchPickle out_;
 };
 
 }  // namespace
 
-TorchPickle ParseTorchPickle(std::string_view data, const std::string& what) {
-  return Vm(data, what).Run();
+TorchPickle ParseTorchPickle(std::string_view data, const std::string& what, bool opaque_objects) {
+  return Vm(data, what, opaque_objects).Run();
 }
 
 }  // namespace tensortier

@@ -9,10 +9,10 @@
 
 #include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
-#include "tensortier/util/format_error.hpp"
 #include "tensortier/checkpoint/torch_checkpoint.hpp"
 #include "tensortier/checkpoint/torch_pickle.hpp"
 #include "tensortier/checkpoint/zip_writer.hpp"
+#include "tensortier/util/format_error.hpp"
 #include "test_util.hpp"
 
 namespace tensortier {
@@ -270,6 +270,25 @@ TEST(CheckpointTorch, ChecksTensorsAgainstTheirStorage) {
   EXPECT_TRUE(PickleRejects(TensorPickle(10, 2, 5, 2), "reaches past the end of storage '0'"));
   EXPECT_TRUE(PickleRejects(TensorPickle(10, 10, 1, 1), "reaches past the end"));
   EXPECT_NO_THROW(ParseTorchPickle(TensorPickle(10, 10, 0, 1)));  // empty tensors touch nothing
+}
+
+// {'np': numpy's _reconstruct(ndarray, (0,), b'b') given the state (1, tensor), 'n': 1}: what an
+// HF Trainer's rng_state.pth holds (np.random.get_state()), with a tensor in the object's state.
+TEST(CheckpointTorch, OtherObjectsAreOpaqueValuesForListingOnly) {
+  std::string tensor = TensorPickle(10, 0, 10, 1);
+  tensor = tensor.substr(kProto.size(), tensor.size() - kProto.size() - 1);
+  const std::string p = kProto + "}(X\x02\x00\x00\x00np"s +
+                        "cnumpy.core.multiarray\n_reconstruct\n(cnumpy\nndarray\nK\x00\x85"s +
+                        "C\x01"
+                        "btR(K\x01"s +
+                        tensor + "tbX\x01\x00\x00\x00nK\x01u."s;
+  EXPECT_TRUE(PickleRejects(p, "global 'numpy.core.multiarray._reconstruct' is not allowed"));
+  const TorchPickle r = ParseTorchPickle(p, "test.pkl", /*opaque_objects=*/true);
+  ASSERT_EQ(r.tensors.size(), 1u);
+  EXPECT_EQ(r.tensors[0].path, "np.state.1");
+  EXPECT_EQ(r.other_values, 2u);  // the object and 1; what rebuilds the object is no value
+  // Globals torch.load allows keep their rules: a dtype is still no callable.
+  EXPECT_THROW(ParseTorchPickle(kProto + "ctorch\nfloat32\n)R.", "test.pkl", true), FormatError);
 }
 
 TEST(CheckpointTorch, BuildOnlyOnDictsAndTensors) {

@@ -214,3 +214,20 @@ def test_count_options_refuse_signs_and_spaces(disk_dir: Path) -> None:
     r = run("bench-files", str(disk_dir), "--batch-size", "2", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["batch_size"] == 2
+
+
+def test_verify_and_info_read_a_file_holding_numpy_arrays(tmp_path: Path) -> None:
+    """An HF Trainer's rng_state.pth holds np.random.get_state(): its objects are listed as
+    values, never called, and every zip entry's CRC-32 is checked."""
+    import torch
+
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "rng_state.pth"
+    torch.save({"numpy": np.random.get_state(), "cpu": torch.arange(4)}, path)
+    r = run("verify", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "structure OK (torch.save zip, 1 tensor)" in r.stdout, r.stdout
+    assert "data OK" in r.stdout, r.stdout
+    r = run("info", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "tensors:   1" in r.stdout, r.stdout

@@ -72,8 +72,9 @@ struct CheckpointLayout {
 };
 
 // Reads and validates the headers of the checkpoint file at `path` (every zip entry of a torch
-// file must be stored). Throws FormatError naming the path (a shard index is one), IoError.
-CheckpointLayout ReadCheckpointLayout(const std::string& path);
+// file must be stored). `opaque_objects`: as ParseTorchPickle's (tensortier info and verify).
+// Throws FormatError naming the path (a shard index is one), IoError.
+CheckpointLayout ReadCheckpointLayout(const std::string& path, bool opaque_objects = false);
 
 // The largest power of two (up to kCheckpointAlignment) dividing every non-empty tensor's offset.
 uint64_t DataAlignment(const std::vector<CheckpointItem>& items);

@@ -58,9 +58,11 @@ std::string TorchArchivePrefix(const ZipDirectory& zip, const std::string& path)
 
 // Reads the zip directory and data.pkl, checks that every storage has a stored entry of the right
 // size and reads the byte order and the format version. Throws FormatError / IoError.
-TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source);
+// `opaque_objects`: as ParseTorchPickle's.
+TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, bool opaque_objects = false);
 // The same with the archive's directory read already (ReadZipDirectory of `source`).
-TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip);
+TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip,
+                                    bool opaque_objects = false);
 
 // True when the first bytes look like a zip file (local header or empty-archive end record).
 bool LooksLikeZip(const ByteSource& source);

@@ -109,7 +109,12 @@ std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors);
 std::string SerializeTorchTensorPickle(const TorchPickleTensor& tensor);
 
 // Parses `data` (the bytes of data.pkl). `what` names it in errors. Throws FormatError.
-// Every tensor is checked to lie inside its storage.
-TorchPickle ParseTorchPickle(std::string_view data, const std::string& what = "data.pkl");
+// Every tensor is checked to lie inside its storage. With `opaque_objects`, for listing and
+// checking a file rather than loading it, an object of another type (a numpy array, a class
+// pickled by reference: what torch.load(weights_only=True) may refuse) is read as an opaque
+// non-tensor value, never called; tensors in its arguments or state are listed. Without, its
+// global is refused as tensortier.load refuses it.
+TorchPickle ParseTorchPickle(std::string_view data, const std::string& what = "data.pkl",
+                             bool opaque_objects = false);
 
 }  // namespace tensortier
