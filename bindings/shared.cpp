@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -231,7 +233,9 @@ class BoundGroup : public SharedGroup {
  public:
   BoundGroup(std::shared_ptr<Store> store, int rank, int world_size,
              std::chrono::milliseconds timeout, bool hosts_store)
-      : SharedGroup(std::move(store), rank, world_size, timeout), hosts_store_(hosts_store) {}
+      : SharedGroup(std::move(store), rank, world_size, timeout),
+        hosts_store_(hosts_store),
+        maker_(getpid()) {}
   // A group dropped without close() leaves as close() does, so that the rank serving the store
   // does not wait for it at exit. Not while the interpreter finalizes: the store is a Python
   // object (groups of more than one rank were closed before that, at exit).
@@ -264,12 +268,16 @@ class BoundGroup : public SharedGroup {
       if (auto t = weak.lock()) t->Close();
     }
     Close();
+    // A child made by os.fork() holds a copy of the parent's group: closing it (its exit
+    // included) frees the copy only, and tells the other ranks nothing.
+    if (getpid() != maker_) return;
     MarkClosed();
     if (!hosts_store_) CountOut();  // a store that is gone has nobody waiting
   }
 
  private:
   bool hosts_store_;
+  const pid_t maker_;
   std::atomic<bool> closed_ = false;
   std::mutex mutex_;
   std::vector<std::weak_ptr<DistributedTensor>> distributed_;

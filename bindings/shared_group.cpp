@@ -4,6 +4,7 @@
 // stores are made here, on the calling thread, with the GIL held.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
 #include <cctype>
 #include <cstdint>
@@ -124,6 +125,21 @@ bool MayHostTcpStore(const py::module_& dist, py::object store) {
   return py::isinstance(store, dist.attr("TCPStore"));
 }
 
+// The default process group's store as the group meets through it: where it is the TCPStore at
+// MASTER_ADDR:MASTER_PORT (init_process_group's env:// rendezvous), that TCPStore under this
+// restart attempt's prefix rather than the default group's own, so that attach() finds the
+// tensors by name from outside the job, as for a group made without torch.distributed.
+py::object AttachableStore(const py::module_& dist, const py::object& store) {
+  py::object inner = store;
+  while (py::isinstance(inner, dist.attr("PrefixStore"))) inner = inner.attr("underlying_store");
+  if (!py::isinstance(inner, dist.attr("TCPStore")) || std::getenv("MASTER_ADDR") == nullptr) {
+    return store;
+  }
+  const std::optional<int64_t> port = EnvInt("MASTER_PORT");
+  if (!port || inner.attr("port").cast<int64_t>() != *port) return store;
+  return dist.attr("PrefixStore")(TorchrunStoreFromEnv().prefix, inner);
+}
+
 // Calls `fn` of tensortier._core (defined by the other binding files).
 py::object Core(const char* fn) {
   return py::module_::import("tensortier._core").attr(fn);
@@ -155,6 +171,7 @@ void RegisterSharedGroup(py::module_& m) {
           store = dist.attr("distributed_c10d").attr("_get_default_store")();
           where = "the default process group's store";
           hosts = r == 0 && MayHostTcpStore(dist, store);
+          store = AttachableStore(dist, store);
         } else if (!store.is_none()) {
           hosts = r == 0 && MayHostTcpStore(dist, store);
         } else {
@@ -168,16 +185,23 @@ void RegisterSharedGroup(py::module_& m) {
         py::object adapter = Core("SharedTorchStore")(store, where);  // TypeError for a non-Store
         py::object group = Core("SharedGroup")(adapter, r, world, timeout_s, hosts);
         py::object at_exit = py::module_::import("atexit").attr("register");
+        // At this process's exit only: a child made by os.fork() inherits the handlers, and its
+        // exit must leave the parent's group (and the store it serves) alone.
+        const pid_t maker = getpid();
         // The other ranks count themselves out on close: a rank serving the store keeps it (held
         // here until exit) until they are done with it (at most the timeout: a dead rank never
         // counts).
         if (hosts) {
-          at_exit(Core("shared_wait_for_leavers"), adapter, group.attr("leave_key"), world,
-                  timeout_s);
+          py::object wait = Core("shared_wait_for_leavers");
+          py::object leave_key = group.attr("leave_key");
+          at_exit(py::cpp_function([maker, wait, adapter, leave_key, world, timeout_s] {
+            if (getpid() == maker) wait(adapter, leave_key, world, timeout_s);
+          }));
         }
         if (world > 1) {  // runs before the above (atexit is last in, first out)
           py::object ref = py::module_::import("weakref").attr("ref")(group);
-          at_exit(py::cpp_function([ref] {
+          at_exit(py::cpp_function([maker, ref] {
+            if (getpid() != maker) return;
             py::object alive = ref();
             if (!alive.is_none()) alive.attr("close")();
           }));

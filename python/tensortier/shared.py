@@ -255,11 +255,25 @@ class SharedTensor:
         if not host:
             self._device_rows(idx, values)
             return
+        # The values themselves, as index_copy_ writes them: a conj or neg view's memory holds
+        # other numbers; rows of this tensor are read before any is written.
+        values = values.resolve_conj().resolve_neg()
+        if not self._distributed and self._holds(values):
+            values = values.clone()
         values = values.contiguous()
         if self._distributed:
             self._round(idx, values)
             return
         self._core.scatter(idx.data_ptr(), idx.numel(), values.data_ptr())
+
+    def _holds(self, values: torch.Tensor) -> bool:
+        """Whether `values` lie in this tensor's memory (are rows of it)."""
+        storage = values.untyped_storage()
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
+        views = self.view()
+        return any(start < v.data_ptr() + v.nbytes and v.data_ptr() < end
+                   for v in (views if isinstance(views, list) else [views]))
 
     def _device_rows(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
         """Gathers (`values` None) or scatters rows `idx` of device memory on the GPU, through

@@ -417,6 +417,26 @@ def test_an_empty_list_of_indices_is_an_empty_batch(layout: str) -> None:
             t.gather([1.0])
 
 
+@pytest.mark.parametrize("layout", ["continuous", "chunked"])
+def test_scatter_writes_the_values_a_view_shows_as_index_copy_does(layout: str) -> None:
+    """A conj or neg view's memory holds other numbers than its values; values that are rows of
+    the tensor itself are read before any row is written."""
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((4, 2), torch.complex64, layout=layout)
+        x = torch.tensor([[1 + 2j, 3 - 4j]], dtype=torch.complex64)
+        t.scatter([0], x.conj())
+        assert torch.equal(t.gather([0]), x.conj().resolve_conj())
+        t.scatter([1], x._neg_view())
+        assert torch.equal(t.gather([1]), -x)
+        f = group.create_tensor((4, 2), torch.float32, layout=layout)
+        f.scatter([0, 1, 2, 3], torch.arange(8, dtype=torch.float32).reshape(4, 2))
+        rows = f.view() if layout == "continuous" else f.view()[0]  # one rank: one part
+        expected = rows.clone().index_copy_(0, torch.tensor([1, 2]), rows[0:2].clone())
+        f.scatter([1, 2], rows[0:2])
+        assert torch.equal(f.gather([0, 1, 2, 3]), expected)
+
+
 def test_load_checkpoint_detects_the_format_as_tensortier_load_does(tmp_path: Path) -> None:
     """A safetensors file whose header length starts with the byte 0x80 (a pickle's first byte)
     is safetensors, by the detection tensortier.load and the CLI use; a shard index and a file
@@ -957,3 +977,77 @@ def test_ctrl_c_ends_the_store_host_s_wait_at_exit_for_a_dead_rank(tmp_path: Pat
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+FORK_CHILD_EXITS = """
+import os, sys, time, torch, torch.multiprocessing as mp
+import tensortier.shared as shared
+
+def run(rank, world, port, forker):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    g = shared.Group(rank=rank, world_size=world, timeout=20)
+    t = g.create_tensor((16,), torch.float32, name="feat")
+    g.barrier()
+    if rank == forker:
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # Python's exit path: the atexit handlers it inherited run
+        os.waitpid(pid, 0)
+    g.barrier()
+    t.scatter([rank], torch.ones(1))
+    g.barrier()
+    assert t.gather([0, 1]).sum().item() == 2.0
+    g.close()
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(2, int(sys.argv[1]), int(sys.argv[2])), nprocs=2)
+"""
+
+
+@pytest.mark.parametrize("forker", [0, 1])
+def test_a_forked_child_s_exit_leaves_the_parent_s_group(tmp_path: Path, forker: int) -> None:
+    """A child made by os.fork() that exits through Python's exit path (sys.exit) runs the
+    atexit handlers it inherited: they must not close the parent's group, or make the rank
+    serving the store wait for the others."""
+    script = tmp_path / "fork_child.py"
+    script.write_text(FORK_CHILD_EXITS)
+    r = subprocess.run([sys.executable, str(script), str(free_port()), str(forker)],
+                       env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+ATTACH_AFTER_INIT_PROCESS_GROUP = """
+import os, subprocess, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import tensortier.shared as shared
+
+OUTSIDE = "import tensortier.shared as s; print(s.attach('feat', timeout=20).view()[:, 0].tolist())"
+
+def run(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    g = shared.Group(timeout=30)
+    t = g.create_tensor((4, 1), torch.float32, name="feat")
+    t.view()[:, 0] = 7
+    g.barrier()
+    if rank == 0:
+        r = subprocess.run([sys.executable, "-c", OUTSIDE], capture_output=True, text=True,
+                           timeout=60)
+        assert r.stdout.strip() == "[7.0, 7.0, 7.0, 7.0]", r.stdout + r.stderr
+    g.barrier()
+    g.close()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)
+"""
+
+
+def test_attach_finds_a_tensor_of_a_job_that_initialised_torch_distributed(
+        tmp_path: Path) -> None:
+    """Most jobs call init_process_group (env://) before making a Group: a process outside the
+    job attaches by name through MASTER_ADDR:MASTER_PORT, as for a job that did not."""
+    script = tmp_path / "attach_after_pg.py"
+    script.write_text(ATTACH_AFTER_INIT_PROCESS_GROUP)
+    r = subprocess.run([sys.executable, str(script), str(free_port())], env=env_for(tmp_path),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
