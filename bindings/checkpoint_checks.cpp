@@ -151,6 +151,7 @@ void RegisterCheckpointChecks(py::module_& m) {
              }
              return ProgressBar(Utf8(label), total, *enabled, [](const std::string& text) {
                py::object stderr_ = py::module_::import("sys").attr("stderr");
+               if (stderr_.is_none()) return;  // no stderr (pythonw, a daemon's 2>&-): not shown
                stderr_.attr("write")(FromUtf8(text));
                stderr_.attr("flush")();
              });

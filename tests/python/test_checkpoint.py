@@ -748,6 +748,15 @@ def test_progress_bar(disk_dir: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert err.endswith("\n")
 
 
+def test_a_progress_bar_without_stderr_is_not_shown(
+        disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pythonw, or a daemon started with 2>&-: sys.stderr is None."""
+    tensortier.save({"w": torch.randn(1000)}, disk_dir / "m.pt")
+    monkeypatch.setattr(sys, "stderr", None)
+    assert torch.equal(tensortier.load(disk_dir / "m.pt", progress=True)["w"],
+                       torch.load(disk_dir / "m.pt")["w"])
+
+
 # ---- shard indexes ---------------------------------------------------------------------------
 
 
@@ -953,8 +962,10 @@ def test_load_into_from_torch_views(disk_dir: Path) -> None:
         with pytest.raises(ValueError, match="entry '.*data/0': CRC-32 checksum mismatch"):
             tensortier.load_into({name: target[name]}, path, strict=False, verify=True)
     torch.save({"x": 1, "w": torch.ones(2)}, disk_dir / "mixed.pt")
+    with pytest.raises(tensortier.StateDictMismatchError, match='Unexpected key.*"x"'):
+        tensortier.load_into({"w": torch.zeros(2)}, disk_dir / "mixed.pt")  # as load_state_dict
     with pytest.raises(ValueError, match="'x' is an int.*tensortier.load"):
-        tensortier.load_into({"w": torch.zeros(2)}, disk_dir / "mixed.pt")
+        tensortier.load_into({"x": torch.zeros(2), "w": torch.zeros(2)}, disk_dir / "mixed.pt")
 
 
 def test_conjugate_and_negative_views(disk_dir: Path) -> None:

@@ -1469,3 +1469,42 @@ def test_an_index_naming_a_json_shard_is_refused_not_recursed_into(tmp_path: Pat
     index.write_text(json.dumps({"weight_map": {"a": "inner.json"}}))
     with pytest.raises(ValueError, match="is itself an index"):
         tensortier.load(index)
+
+
+def _local_object() -> Any:
+    class Local:
+        pass
+
+    return Local()
+
+
+@pytest.mark.parametrize("what", ["lambda", "local class", "dtype views of one storage"])
+def test_an_object_torch_save_cannot_save_raises_torch_s_type_and_a_value_error(
+        tmp_path: Path, what: str) -> None:
+    """Code written for torch.save catches AttributeError (a lambda, a local class) or
+    RuntimeError (two dtype views of one storage): so does ours, as well as ValueError."""
+    import pickle
+
+    x = torch.randn(4)
+    obj = {"lambda": {"fn": lambda: 0}, "local class": {"o": _local_object()},
+           "dtype views of one storage": {"a": x, "b": x.view(torch.int32)}}[what]
+    with pytest.raises(Exception) as theirs:
+        torch.save(obj, tmp_path / "theirs.pt")
+    with pytest.raises(ValueError, match="torch.save cannot save this object") as ours:
+        tensortier.save(obj, tmp_path / "ours.pt")
+    assert isinstance(ours.value, type(theirs.value)), (type(ours.value), type(theirs.value))
+    again = pickle.loads(pickle.dumps(ours.value))  # as a DataLoader worker's error travels
+    assert type(again) is type(ours.value) and str(again) == str(ours.value)
+    assert not (tmp_path / "ours.pt").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA loads there")
+def test_loading_to_cuda_without_cuda_raises_torch_s_runtime_error_and_a_value_error(
+        tmp_path: Path) -> None:
+    torch.save({"a": torch.ones(2)}, tmp_path / "m.pt")
+    for where in ("cuda", {"cpu": "cuda"}, torch.device("cuda", 0)):
+        with pytest.raises(RuntimeError):
+            torch.load(tmp_path / "m.pt", map_location=where)
+        with pytest.raises(tensortier.UnavailableDeviceError, match="CUDA is not available") as e:
+            tensortier.load(tmp_path / "m.pt", map_location=where)
+        assert isinstance(e.value, RuntimeError) and isinstance(e.value, ValueError)

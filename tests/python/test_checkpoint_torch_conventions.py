@@ -366,3 +366,26 @@ def test_load_into_names_modules_whose_older_entries_load_state_dict_upgrades(
     with pytest.raises(RuntimeError) as info:
         tensortier.load_into(fresh, path)
     assert '"extra"' in str(info.value) and "older version" not in str(info.value)
+
+
+def test_load_into_takes_other_values_as_unexpected_keys_as_load_state_dict_does(
+        disk_dir: Path) -> None:
+    """A training checkpoint's "step": 4 beside the weights: unexpected with strict=False (the
+    weights are read), load_state_dict's RuntimeError with strict=True."""
+    weights = torch.nn.Linear(3, 2).state_dict()
+    saved = {**weights, "step": 4, "name": "run-1"}
+    path = disk_dir / "ck.pt"
+    tensortier.save(saved, path)
+    expected = torch.nn.Linear(3, 2).load_state_dict(saved, strict=False)
+    model = torch.nn.Linear(3, 2)
+    got = tensortier.load_into(model, path, strict=False)
+    assert sorted(got.unexpected_keys) == sorted(expected.unexpected_keys) == ["name", "step"]
+    assert got.missing_keys == []
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    message = _load_state_dict_error(torch.nn.Linear(3, 2), saved)
+    with pytest.raises(tensortier.StateDictMismatchError) as info:
+        tensortier.load_into(torch.nn.Linear(3, 2), path)
+    assert str(info.value).startswith(message + "\n\t"), str(info.value)
+    tensortier.save({"weight": 1, "bias": weights["bias"]}, path)  # a value where a tensor goes
+    with pytest.raises(ValueError, match="'weight' is an int, not a tensor"):
+        tensortier.load_into(torch.nn.Linear(3, 2), path, strict=False)

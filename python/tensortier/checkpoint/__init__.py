@@ -20,13 +20,14 @@ from .unpickler import WeightsOnlyUnpicklingError
 
 # Constants of the file formats (their values live in C++, include/tensortier/checkpoint/safetensors.hpp).
 from ._format import ALIGNMENT, CHECKSUM_KEY, HEADER_CHECKSUM_KEY  # noqa: F401
-from ._format import DamagedCheckpointError, EmptyCheckpointError
+from ._format import DamagedCheckpointError, EmptyCheckpointError, UnavailableDeviceError
 
 __all__ = [
     "DamagedCheckpointError",
     "EmptyCheckpointError",
     "IncompatibleKeys",
     "StateDictMismatchError",
+    "UnavailableDeviceError",
     "WeightsOnlyUnpicklingError",
     "load",
     "load_into",

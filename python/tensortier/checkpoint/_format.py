@@ -93,6 +93,33 @@ class EmptyCheckpointError(_core.FormatError, EOFError):  # type: ignore[misc]
     ``torch.load`` raises for one."""
 
 
+class UnavailableDeviceError(ValueError, RuntimeError):
+    """A device a load cannot put tensors on (no CUDA, no such GPU, an unsupported type): a
+    ``ValueError``, and the ``RuntimeError`` torch.load raises for one."""
+
+
+@functools.cache
+def _unsavable_error(base: type[Exception]) -> type[ValueError]:
+    """The error tensortier.save raises for an object pickle cannot save: a ``ValueError``,
+    and of `base`, the type torch.save raises for it (``AttributeError`` for a lambda or a
+    local class, ``PicklingError``, ``RuntimeError``...), so that code catching either does."""
+    if issubclass(base, ValueError):
+        return base  # type: ignore[return-value]
+    name = f"Unsavable{base.__name__}"
+    cls = type(name, (base, ValueError), {"__module__": __name__, "__doc__": _unsavable_error.__doc__})
+    globals()[name] = cls  # pickled by name, as exceptions are
+    return cls
+
+
+def _unsavable(error: Exception, message: str) -> ValueError:
+    """`message` as :func:`_unsavable_error` of `error`'s type (a ValueError where that type
+    takes more than a message)."""
+    try:
+        return _unsavable_error(type(error))(message)
+    except TypeError:
+        return ValueError(message)
+
+
 @functools.cache
 def _damaged_safetensors_error() -> type[ValueError]:
     """A safetensors file that cannot be read: a ``ValueError``, and the ``SafetensorError``

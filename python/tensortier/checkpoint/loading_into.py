@@ -111,9 +111,15 @@ def load_into(
     try:
         saved_states: dict[str, Any] = {}  # extra states the file holds as other objects
         saved_versions: dict[str, Any] = {}  # module prefix -> version, from `_metadata`
+        values: dict[str, _Source] = {}  # other values the file holds ("step": 4)
         sources = _describe_sources(  # name -> _Source
-            fspath, io, files, verify, frozenset(extra_states), saved_states, saved_versions
+            fspath, io, files, verify, frozenset(extra_states), saved_states, saved_versions,
+            values
         )
+        for name, value in values.items():
+            if name in targets:  # a tensor's name: no value load_state_dict could copy either
+                _require("check_saved_tensor")(value.path, name, value.dtype, "", False)
+            sources[name] = value  # unexpected, as load_state_dict reports it
         for name in extra_states:
             src = sources.get(name)
             if name in saved_states:
@@ -181,15 +187,16 @@ class _Source:
 def _describe_sources(
     path: str, io: IOHandle, files: dict[str, File], verify: bool = False,
     extra_names: frozenset[str] = frozenset(), saved_states: dict[str, Any] | None = None,
-    saved_versions: dict[str, Any] | None = None,
+    saved_versions: dict[str, Any] | None = None, values: dict[str, _Source] | None = None,
 ) -> dict[str, _Source]:
     """The tensors of `path` (an index: of its shards), each file parsed through its descriptor
     in `files`; non-tensor values of `extra_names` go into `saved_states`, the module versions
-    of a torch file's ``_metadata`` into `saved_versions`."""
+    of a torch file's ``_metadata`` into `saved_versions`, other non-tensor values into
+    `values` (as a _Source whose dtype is their type's name; ValueError without `values`)."""
     kind = _sniff(path)
     if kind == "index":
         return _each_shard(path, lambda shard, _: _describe_sources(
-            shard, io, files, verify, extra_names, saved_states, saved_versions))
+            shard, io, files, verify, extra_names, saved_states, saved_versions, values))
     if path not in files:
         files[path] = _open_checkpoint(io, path)
     file = files[path]
@@ -233,6 +240,9 @@ def _describe_sources(
         tensor = isinstance(t, torch.Tensor)
         if name in extra_names and not tensor and saved_states is not None:
             saved_states[name] = t
+            continue
+        if not tensor and values is not None:
+            values[name] = _Source(path, _a(type(t).__name__), (), 0, 0, None)
             continue
         strided = tensor and t.layout == torch.strided
         ref = None if not strided else (by_cdata.get(t.untyped_storage()._cdata)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..io import File
 from . import _format
-from ._format import _require, _torch, ALIGNMENT
+from ._format import _require, _torch, ALIGNMENT, UnavailableDeviceError
 
 
 def _as_bytes(t: Any) -> Any:
@@ -185,6 +185,9 @@ def _target_device(device: Any) -> Any:
         return torch.device(dev.type)
     cuda = dev.type == "cuda" and torch.cuda.is_available()
     index = torch.cuda.current_device() if cuda and dev.index is None else dev.index
-    _require("check_load_device")(str(dev), dev.type, cuda, index or 0,
-                                  torch.cuda.device_count() if cuda else 0)
+    try:
+        _require("check_load_device")(str(dev), dev.type, cuda, index or 0,
+                                      torch.cuda.device_count() if cuda else 0)
+    except ValueError as e:  # torch.load raises RuntimeError for these
+        raise UnavailableDeviceError(str(e)) from None
     return torch.device("cuda", index)

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..io import IOHandle
 from . import _format
-from ._format import _dtype_names, _require, _torch, PathLike
+from ._format import _dtype_names, _require, _torch, _unsavable, PathLike
 from ._writing import _DurableFile
 
 
@@ -99,7 +99,7 @@ def _save_torch(obj: Any, path: PathLike, checksum: bool, io: IOHandle) -> None:
         try:
             data, storages = _pickled(obj)
         except (RuntimeError, pickle.PicklingError, AttributeError) as e:
-            raise ValueError(f"torch.save cannot save this object: {e}") from e
+            raise _unsavable(e, f"torch.save cannot save this object: {e}") from e
         writer = _require("TorchFileWriter")(data, [s.nbytes() for s in storages], crc32)
         addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in storages]
     engine = io._core()  # noqa: SLF001 - same package
