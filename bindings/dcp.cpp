@@ -117,10 +117,16 @@ void RegisterDcp(py::module_& m) {
         std::vector<DcpItemPlace> places;
         {
           py::gil_scoped_release release;
+          // Written or failed, the save is done with them: the next stage may reuse them. A
+          // failed save's staged copy would otherwise stay taken until the garbage collector
+          // frees the traceback that holds it, and each retry would stage into new memory.
+          struct MarkWhenDone {
+            const std::vector<uintptr_t>& addresses;
+            ~MarkWhenDone() { StagingArenas::Process().MarkWritten(addresses); }
+          } mark{resident};
           places =
               WriteDcpFile(engine, StrCat(dir.bytes, dir.bytes.ends_with('/') ? "" : "/", name),
                            std::move(items), direct, who, host ? stage : nullptr, staging_bytes);
-          StagingArenas::Process().MarkWritten(resident);  // the next stage may reuse them
         }
         copies = py::none();
         std::vector<uint64_t> flat;

@@ -19,6 +19,7 @@
 #include "register.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
+#include "tensortier/checkpoint/state_dict_checks.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -207,6 +208,24 @@ class FileLoad {
 }  // namespace
 
 void RegisterDcpLoad(py::module_& m) {
+  m.def(
+      "overlapping_areas",
+      [](const std::vector<std::pair<uint64_t, uint64_t>>& areas) {
+        std::vector<MemoryArea> named;
+        named.reserve(areas.size());
+        for (size_t i = 0; i < areas.size(); ++i) {
+          named.push_back({"", areas[i].first, areas[i].second, std::to_string(i)});
+        }
+        std::vector<size_t> out;
+        for (const auto& group : OverlappingGroups(std::move(named))) {
+          for (const std::string& i : group) out.push_back(std::stoul(i));
+        }
+        std::sort(out.begin(), out.end());
+        return out;
+      },
+      py::arg("areas"),
+      "The indices, in order, of the (address, size) memory areas that meet another one: a "
+      "load's targets that share memory (tied weights, a planner's reused scratch tensor).");
   m.def(
       "check_dcp_verify", [](const py::handle& verify) { DcpVerifyOf(verify); }, py::arg("verify"),
       "Reader's verify checked: ValueError unless True, False or 'full'.");

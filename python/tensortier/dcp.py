@@ -48,6 +48,12 @@ _VERSION = "1.0.0"  # DCP's CURRENT_DCP_VERSION for this layout
 _FORMAT: int = _core.dcp_format
 
 
+def _directory(path: str | os.PathLike[str]) -> str:
+    """The checkpoint directory `path` names: "" is the current one, as for pathlib.Path (and
+    stock DCP's FileSystemWriter/Reader)."""
+    return os.fspath(path) or "."
+
+
 def _done(value: Any) -> Future[Any]:
     fut: Future[Any] = Future()
     fut.set_result(value)
@@ -213,7 +219,7 @@ class Writer(StorageWriter, AsyncStager):
     def __init__(self, path: str | os.PathLike[str], *, direct: bool = True,
                  async_staging: bool = False) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = _directory(path)
         self.direct = direct
         self.async_staging = async_staging
         self.save_id = uuid.uuid4().hex
@@ -223,7 +229,7 @@ class Writer(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new save (into `checkpoint_id` when given)."""
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = _directory(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -421,7 +427,7 @@ class Reader(StorageReader):
     def __init__(self, path: str | os.PathLike[str], *, verify: bool | str = True) -> None:
         super().__init__()
         _core.check_dcp_verify(verify)
-        self.path = os.fspath(path)
+        self.path = _directory(path)
         self.verify = verify
         self.storage_data: dict[Any, Any] = {}
         self.chunk_sizes: dict[tuple[str, tuple[int, ...]], list[int]] = {}
@@ -434,7 +440,7 @@ class Reader(StorageReader):
         self.chunk_sizes = {}
         self._metadata_read = None
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = _directory(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
         """The checkpoint's ``.metadata``; with ``rank=N`` (``dcp.load``'s fallback when there
@@ -553,6 +559,7 @@ class Reader(StorageReader):
                         "load (its .metadata changed after this load read it, and the data files "
                         "the old one named are gone); load again", path) from e
                 bufs: list[tuple[Any, Any]] = []  # (what is read into, the request's target)
+                direct: list[int] = []  # those read straight into their target
                 for req, dtype, shape, stride, nbytes in load.buffers:
                     # Straight into the request's target where both lie alike in CPU memory.
                     target = None if req is None else planner.resolve_tensor(req).detach()
@@ -560,8 +567,17 @@ class Reader(StorageReader):
                             and target.is_contiguous() and list(target.shape) == shape
                             and target.nbytes == nbytes
                             and (stride is None or list(target.stride()) == stride))
+                    if into:
+                        direct.append(len(bufs))
                     bufs.append((target if into else torch.empty(nbytes, dtype=torch.uint8),
                                  target))
+                # Targets sharing memory (tied weights, a planner's reused scratch tensor) are
+                # read apart, then copied in at their commits, in order: the last one wins, as
+                # in stock DCP, where each is read and committed in turn.
+                for i in _core.overlapping_areas(
+                        [(bufs[k][0].data_ptr(), bufs[k][0].nbytes) for k in direct]):
+                    target = bufs[direct[i]][1]
+                    bufs[direct[i]] = (torch.empty(target.nbytes, dtype=torch.uint8), target)
                 self.bytes_read += load.read(engine, [b.data_ptr() for b, _ in bufs])
                 for i, req, name, view in load.commits:
                     buf, target = bufs[i]

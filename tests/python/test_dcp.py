@@ -1034,3 +1034,33 @@ def test_items_stored_through_stream_transforms_are_named(tmp_path: Path) -> Non
     said = cli("verify", ckpt)
     assert said.returncode == 0, said.stderr
     assert "stored through stream transforms (compressed) and not read" in said.stdout, said.stdout
+
+
+@pytest.mark.parametrize("small_fs", ["tmpfs"], indirect=True)
+def test_a_failed_save_gives_its_staged_memory_to_the_next_stage(small_fs: Path) -> None:
+    """A job that goes on training through a full disk: each failed save's staged copy is
+    reused by the next stage (held alive by the error's traceback, it would otherwise take new
+    memory each time)."""
+    from tensortier import _core
+
+    writer = tdcp.Writer(small_fs / "ckpt")
+    big = (3 << 20) + 4096  # 12 MiB: more than the filesystem holds, and than earlier arenas
+    staged = writer.stage({"w": torch.full((big,), 1.0), "step": 1})
+    with pytest.raises(CheckpointException):
+        dcp.save(staged, storage_writer=writer, no_dist=True)
+    count = _core.staging_arena_count()
+    again = writer.stage({"w": torch.full((big,), 2.0), "step": 2})
+    reused = again["w"].data_ptr() == staged["w"].data_ptr()
+    assert reused and _core.staging_arena_count() == count
+    del staged, again
+
+
+def test_an_empty_path_is_the_current_directory_as_for_stock_dcp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    dcp.save({"w": torch.ones(3)}, storage_writer=tdcp.Writer(""), no_dist=True)
+    assert (tmp_path / ".metadata").is_file()
+    for reader in (tdcp.Reader(""), dcp.FileSystemReader("")):
+        got = {"w": torch.zeros(3)}
+        dcp.load(got, storage_reader=reader, no_dist=True)
+        assert torch.equal(got["w"], torch.ones(3))

@@ -119,3 +119,41 @@ def test_reader_verify_is_true_false_or_full() -> None:
     for verify in ("fast", "FULL", "off", 1, None):
         with pytest.raises(ValueError, match=f"verify must be True, False or 'full', not {verify!r}"):
             Reader("ckpt", verify=verify)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_targets_sharing_memory_take_the_last_item_as_stock_dcp_does(
+        tmp_path: Path, verify: bool) -> None:
+    """Two names tied to one tensor, and a planner whose resolve_tensor returns one scratch
+    tensor it copies out at each commit: every item is read apart and committed in turn (the
+    last wins), never two reads racing into one memory (a false checksum mismatch, or values
+    that change from run to run)."""
+    saved = {"emb": torch.full((256,), 1.0), "head": torch.full((256,), 2.0),
+             **{f"w{i}": torch.full((64,), float(i)) for i in range(4)}}
+    for writer in (tdcp.Writer(tmp_path / "ours"), dcp.FileSystemWriter(tmp_path / "stock")):
+        dcp.save(saved, storage_writer=writer, no_dist=True)
+    for ckpt in (tmp_path / "ours", tmp_path / "stock"):
+        tied = torch.zeros(256)
+        dcp.load({"emb": tied, "head": tied}, storage_reader=tdcp.Reader(ckpt, verify=verify),
+                 no_dist=True)
+        expected = torch.zeros(256)
+        dcp.load({"emb": expected, "head": expected},
+                 storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+        assert torch.equal(tied, expected)
+
+        class Scratch(dcp.DefaultLoadPlanner):
+            """Reads every tensor into one scratch tensor, cast into its target at commit."""
+
+            scratch = torch.zeros(64)
+
+            def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+                return self.scratch
+
+            def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+                self.lookup_tensor(read_item.dest_index).copy_(tensor)
+
+        out = {f"w{i}": torch.zeros(64, dtype=torch.bfloat16) for i in range(4)}
+        dcp.load(out, storage_reader=tdcp.Reader(ckpt, verify=verify), planner=Scratch(),
+                 no_dist=True)
+        for i in range(4):
+            assert torch.equal(out[f"w{i}"], torch.full((64,), float(i), dtype=torch.bfloat16))
