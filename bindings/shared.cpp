@@ -476,22 +476,25 @@ void RegisterShared(py::module_& m) {
            py::arg("row_bytes"))
       .def(
           "route",
-          [](SharedRowExchange& x, uintptr_t indices, size_t count, bool scatter) {
+          [](SharedRowExchange& x, uintptr_t indices, size_t count, bool scatter, bool refused) {
             SharedRowExchange::Splits splits;
             {
               py::gil_scoped_release release;
               splits = x.Route(reinterpret_cast<const int64_t*>(indices), count,
-                               scatter ? SharedRowExchange::kScatter : SharedRowExchange::kGather);
+                               scatter ? SharedRowExchange::kScatter : SharedRowExchange::kGather,
+                               refused);
             }
             return SplitsTuple(splits);
           },
-          py::arg("indices"), py::arg("count"), py::arg("scatter"),
+          py::arg("indices"), py::arg("count"), py::arg("scatter"), py::arg("refused") = false,
           "Step 1 of a round: the requests for rows `indices`; (send splits, recv splits) in "
-          "int64s of the buffers.")
+          "int64s of the buffers. refused: this rank's call was refused before its round (the "
+          "others' read_requests then raise ValueError naming it).")
       .def("read_requests", &SharedRowExchange::ReadRequests,
            py::call_guard<py::gil_scoped_release>(),
-           "Step 2: True when an overflow all-to-all (late_splits) must run first. IndexError "
-           "naming the ranks that passed an index out of range.")
+           "Step 2: True when an overflow all-to-all (late_splits) must run first. ValueError "
+           "naming the ranks whose call was refused, else IndexError naming the ranks that "
+           "passed an index out of range.")
       .def("late_splits", [](const SharedRowExchange& x) { return SplitsTuple(x.LateSplits()); })
       .def(
           "serve",

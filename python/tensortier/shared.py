@@ -3,8 +3,10 @@ memory of the job's GPUs. The guide is docs/shared.md."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
+from collections.abc import Iterator
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
@@ -226,7 +228,8 @@ class SharedTensor:
             core.gather(indices.data_ptr(), n, out.data_ptr())
             return out
         core.require("gather")
-        idx = self._indices(indices)
+        with self._refused_round_on_error(kind_scatter=False):
+            idx = self._indices(indices)
         if self._distributed:
             return self._round(idx, None)
         if self.memory == "device":
@@ -245,13 +248,14 @@ class SharedTensor:
             ValueError: values whose shape is not ``(len(indices), *shape[1:])``.
         """
         self._core.require("scatter")
-        idx = self._indices(indices)
-        if not isinstance(values, torch.Tensor):
-            raise TypeError(f"values must be a torch.Tensor, not {type(values).__name__}")
         host = self.memory == "host"  # device memory takes values from any device
-        _core.shared_check_values(str(values.dtype), str(self._dtype), values.shape,
-                                  (idx.numel(), *self._shape[1:]),
-                                  str(values.device) if host else None)
+        with self._refused_round_on_error(kind_scatter=True):
+            idx = self._indices(indices)
+            if not isinstance(values, torch.Tensor):
+                raise TypeError(f"values must be a torch.Tensor, not {type(values).__name__}")
+            _core.shared_check_values(str(values.dtype), str(self._dtype), values.shape,
+                                      (idx.numel(), *self._shape[1:]),
+                                      str(values.device) if host else None)
         if not host:
             self._device_rows(idx, values)
             return
@@ -300,6 +304,22 @@ class SharedTensor:
             else:
                 part.index_copy_(0, local, values.index_select(0, where))
         return out
+
+    @contextlib.contextmanager
+    def _refused_round_on_error(self, kind_scatter: bool) -> Iterator[None]:
+        """Within: the checks of this rank's call. Where they refuse it on the ``distributed``
+        layout, this rank still takes part in the round, saying so: the other ranks raise
+        ValueError naming it, rather than pairing their round with this rank's next call."""
+        try:
+            yield
+        except (TypeError, ValueError):
+            if self._distributed:
+                # This rank's own error is the one to raise, whatever the round meets.
+                with _ROUND_LOCK, contextlib.suppress(Exception):
+                    ex = self._core.exchange
+                    self._all_to_all(*ex.route(0, 0, kind_scatter, refused=True), 8)
+                    ex.read_requests()  # raises on every rank, naming this one
+            raise
 
     def _round(self, idx: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
         """The distributed layout's gather (`values` None: returns rows `idx`) or scatter (of

@@ -67,15 +67,17 @@ SharedRowExchange::SharedRowExchange(std::vector<uint64_t> ends, int rank, uint6
   }
 }
 
-SharedRowExchange::Splits SharedRowExchange::Route(const int64_t* indices, size_t count,
-                                                   Kind kind) {
+SharedRowExchange::Splits SharedRowExchange::Route(const int64_t* indices, size_t count, Kind kind,
+                                                   bool refused) {
   send_.Trim();
   recv_.Trim();
+  if (refused) count = 0;
   kind_ = kind;
   count_ = count;
   order_.resize(count);
   RowRoute route = RouteRows(indices, count, ends_, order_.data());
-  const bool bad = route.bad >= 0;
+  // The header's second field: 0, 1 for an index out of range, 2 for a refused call.
+  const int64_t bad = refused ? 2 : route.bad >= 0 ? 1 : 0;
   counts_ = std::move(route.counts);  // all zero when an index is bad
   bool overflow = false;
   for (int r = 0; r < world_; ++r) overflow = overflow || counts_[r] > send_slots_[r];
@@ -93,7 +95,7 @@ SharedRowExchange::Splits SharedRowExchange::Route(const int64_t* indices, size_
   for (int r = 0; r < world_; ++r) {
     const uint64_t fit = std::min(counts_[r], send_slots_[r]);
     *send++ = static_cast<int64_t>(counts_[r]);
-    *send++ = bad ? 1 : 0;
+    *send++ = bad;
     *send++ = overflow ? 1 : 0;
     *send++ = kind;
     for (uint64_t i = 0; i < counts_[r]; ++i) {
@@ -116,9 +118,16 @@ bool SharedRowExchange::ReadRequests() {
   const auto* recv = reinterpret_cast<const int64_t*>(recv_.data.get());
   std::vector<uint64_t> heads(world_, 0);
   for (int r = 1; r < world_; ++r) heads[r] = heads[r - 1] + kHeader + recv_slots_[r - 1];
-  std::string offenders;
+  std::string offenders, refused;
   for (int r = 0; r < world_; ++r) {
-    if (recv[heads[r] + 1] != 0) offenders += StrCat(offenders.empty() ? "" : ",", r);
+    std::string& to = recv[heads[r] + 1] == 2 ? refused : offenders;
+    if (recv[heads[r] + 1] != 0) to += StrCat(to.empty() ? "" : ",", r);
+  }
+  if (!refused.empty()) {
+    throw std::invalid_argument(
+        StrCat("rank ", refused,
+               " refused its call of this round (its arguments: see the error it raised), so "
+               "no rank moved rows; every rank must make the same calls"));
   }
   if (!offenders.empty()) {
     throw std::out_of_range(StrCat("rank ", offenders,

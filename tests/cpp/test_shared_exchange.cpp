@@ -65,9 +65,9 @@ struct Job {
     const size_t world = ranks.size();
     std::vector<Splits> splits(world);
     for (size_t r = 0; r < world; ++r) {
-      splits[r] = ranks[r].Route(indices[r].data(), indices[r].size(),
-                                 values[r].empty() ? SharedRowExchange::kGather
-                                                   : SharedRowExchange::kScatter);
+      splits[r] = ranks[r].Route(
+          indices[r].data(), indices[r].size(),
+          values[r].empty() ? SharedRowExchange::kGather : SharedRowExchange::kScatter);
     }
     AllToAll(ranks, splits, 8);
     std::vector<bool> late(world);
@@ -104,7 +104,7 @@ std::vector<int32_t> Rows(const std::vector<int64_t>& rows, int32_t column) {
 TEST(SharedExchangeTest, SlotsGrowWithTheCountsAndShrinkWhenMostlyUnused) {
   EXPECT_EQ(NextSlots(0, 0), 0u);
   EXPECT_EQ(NextSlots(0, 8), 8u + 2 + 16);
-  EXPECT_EQ(NextSlots(26, 8), 26u);  // fits, and uses a quarter or more
+  EXPECT_EQ(NextSlots(26, 8), 26u);             // fits, and uses a quarter or more
   EXPECT_EQ(NextSlots(100, 20), 20u + 5 + 16);  // uses under a quarter
   EXPECT_EQ(NextSlots(26, 27), 27u + 6 + 16);
 }
@@ -141,8 +141,7 @@ TEST(SharedExchangeTest, AnIndexOutOfRangeFailsEveryRankNamingWhoPassedIt) {
   const std::vector<std::vector<int64_t>> idx = {{1}, {10, 2}, {-1}};
   std::vector<Splits> splits;
   for (int r = 0; r < 3; ++r) {
-    splits.push_back(
-        job.ranks[r].Route(idx[r].data(), idx[r].size(), SharedRowExchange::kGather));
+    splits.push_back(job.ranks[r].Route(idx[r].data(), idx[r].size(), SharedRowExchange::kGather));
   }
   AllToAll(job.ranks, splits, 8);
   for (int r = 0; r < 3; ++r) {
@@ -156,6 +155,32 @@ TEST(SharedExchangeTest, AnIndexOutOfRangeFailsEveryRankNamingWhoPassedIt) {
     }
   }
   // The next exchange starts afresh: the one that failed left no index slots behind.
+  auto out = job.Round({{9}, {0}, {}}, {{}, {}, {}});
+  EXPECT_EQ(out[0], Rows({9}, 0));
+  EXPECT_EQ(out[1], Rows({0}, 0));
+}
+
+// A rank whose call was refused for its arguments still takes part, saying so: every rank
+// throws naming it (before any bad index), and the next round pairs up as before.
+TEST(SharedExchangeTest, ARefusedCallFailsEveryRankNamingWhoseItWas) {
+  Job job(10, 3);
+  const std::vector<std::vector<int64_t>> idx = {{1}, {10}, {2}};
+  std::vector<Splits> splits;
+  for (int r = 0; r < 3; ++r) {
+    splits.push_back(job.ranks[r].Route(idx[r].data(), idx[r].size(), SharedRowExchange::kGather,
+                                        /*refused=*/r == 2));
+  }
+  AllToAll(job.ranks, splits, 8);
+  for (int r = 0; r < 3; ++r) {
+    try {
+      job.ranks[r].ReadRequests();
+      ADD_FAILURE() << "rank " << r << " did not throw";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 2 refused its call of this round"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   auto out = job.Round({{9}, {0}, {}}, {{}, {}, {}});
   EXPECT_EQ(out[0], Rows({9}, 0));
   EXPECT_EQ(out[1], Rows({0}, 0));

@@ -349,6 +349,26 @@ def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
         raise AssertionError("no IndexError")
     except IndexError as e:
         assert f"rank {world - 1} passed an index out of range" in str(e), str(e)
+    # One rank's call refused for its arguments (values of another dtype): it raises its own
+    # error, every other rank raises naming it, and the next calls pair up as before.
+    try:
+        t.scatter(torch.tensor([rank]), torch.ones(1, 2, dtype=torch.float64 if rank == 0
+                                                   else torch.float32))
+        raise AssertionError("no error")
+    except TypeError as e:
+        assert rank == 0, f"rank {rank}: {e}"
+    except ValueError as e:
+        assert rank != 0 and "rank 0 refused its call" in str(e), str(e)
+    t.scatter(torch.tensor([rank]), torch.full((1, 2), float(rank)))
+    got = t.gather(torch.arange(world))
+    assert torch.equal(got[:, 0], torch.arange(world, dtype=torch.float32)), got
+    try:
+        t.gather("rows" if rank == world - 1 else torch.tensor([0]))
+        raise AssertionError("no error")
+    except TypeError as e:
+        assert rank == world - 1, f"rank {rank}: {e}"
+    except ValueError as e:
+        assert f"rank {world - 1} refused its call" in str(e), str(e)
     try:
         group.create_tensor((5 + (rank == 0), 2), torch.float32, layout="distributed")
         raise AssertionError("no ValueError")

@@ -51,11 +51,14 @@ class SharedRowExchange {
   };
 
   // Step 1 of this rank's gather (kGather) or scatter of rows `indices[0..count)`: fills
-  // send_buffer() (int64) and sizes recv_buffer().
-  Splits Route(const int64_t* indices, size_t count, Kind kind);
-  // Step 2, after the all-to-all of step 1. Throws std::out_of_range naming the ranks that passed
-  // an index out of range (every rank throws alike). Returns true when an overflow all-to-all
-  // (LateSplits, send_buffer and recv_buffer again) must run before Serve.
+  // send_buffer() (int64) and sizes recv_buffer(). `refused`: this rank's call was refused
+  // before its round (its arguments): it asks for nothing and says so, so that every rank's
+  // ReadRequests throws rather than pairing the others' round with this rank's next call.
+  Splits Route(const int64_t* indices, size_t count, Kind kind, bool refused = false);
+  // Step 2, after the all-to-all of step 1. Throws std::invalid_argument naming the ranks whose
+  // call was refused, else std::out_of_range naming the ranks that passed an index out of range
+  // (every rank throws alike). Returns true when an overflow all-to-all (LateSplits, send_buffer
+  // and recv_buffer again) must run before Serve.
   bool ReadRequests();
   Splits LateSplits() const { return late_splits_; }
   // Step 3: gathers the rows this rank serves from `local` (its partition, rows [ends[rank - 1],
@@ -88,9 +91,9 @@ class SharedRowExchange {
   // This round.
   Kind kind_ = kGather;
   size_t count_ = 0;
-  std::vector<int64_t> order_;    // positions of the batch grouped by owner
-  std::vector<uint64_t> counts_;  // rows this rank asks of each rank
-  std::vector<int64_t> extra_;    // indices past the pairs' slots, grouped by owner
+  std::vector<int64_t> order_;          // positions of the batch grouped by owner
+  std::vector<uint64_t> counts_;        // rows this rank asks of each rank
+  std::vector<int64_t> extra_;          // indices past the pairs' slots, grouped by owner
   std::vector<uint64_t> asked_, fits_;  // rows each rank asks of this one; in its slots
   std::vector<int64_t> kinds_;          // each rank's call
   bool late_ = false;
