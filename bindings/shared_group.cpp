@@ -90,23 +90,36 @@ py::tuple EnvStore(bool is_master, std::optional<int64_t> world_size, double tim
   py::module_ dist = py::module_::import("torch.distributed");
   py::object timeout =
       py::module_::import("datetime").attr("timedelta")(py::arg("seconds") = timeout_s);
+  // One TCPStore per address and process, served or reached once: a second group (after
+  // close(), or a WholeMemory finalize_lib() and mp_init() again; or two at once) meets through
+  // it too, where serving the port again would fail with EADDRINUSE. Groups' keys on one store
+  // are their own (numbered by the store). Not across fork(): a child's connection is its own.
+  py::dict stores = py::module_::import("tensortier._core").attr("_env_stores");
+  const py::tuple key = py::make_tuple(env.host, env.port, is_master, getpid());
   py::object tcp;
-  try {
-    tcp = dist.attr("TCPStore")(env.host, env.port, world_size, py::arg("is_master") = is_master,
+  if (stores.contains(key)) {
+    tcp = stores[key];
+    tcp.attr("set_timeout")(timeout);  // this group's
+  } else {
+    try {
+      tcp =
+          dist.attr("TCPStore")(env.host, env.port, world_size, py::arg("is_master") = is_master,
                                 py::arg("timeout") = timeout, py::arg("wait_for_workers") = false);
-  } catch (py::error_already_set& e) {
-    if (!e.matches(dist.attr("DistNetworkError"))) throw;
-    std::string first = py::str(py::str(e.value()).attr("strip")()).cast<std::string>();
-    first = first.substr(0, first.find('\n'));
-    if (first.empty()) first = py::str(e.type().attr("__name__"));
-    char seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
-    const std::string text =
-        StrCat("cannot ", is_master ? "serve " : "reach ", "the TCPStore at ", env.host, ":",
-               env.port, " (MASTER_ADDR:MASTER_PORT)",
-               is_master ? "" : StrCat(" within ", seconds, " s"), ": ", first);
-    PyErr_SetString(PyExc_ConnectionError, text.c_str());
-    throw py::error_already_set();
+    } catch (py::error_already_set& e) {
+      if (!e.matches(dist.attr("DistNetworkError"))) throw;
+      std::string first = py::str(py::str(e.value()).attr("strip")()).cast<std::string>();
+      first = first.substr(0, first.find('\n'));
+      if (first.empty()) first = py::str(e.type().attr("__name__"));
+      char seconds[32];
+      std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
+      const std::string text =
+          StrCat("cannot ", is_master ? "serve " : "reach ", "the TCPStore at ", env.host, ":",
+                 env.port, " (MASTER_ADDR:MASTER_PORT)",
+                 is_master ? "" : StrCat(" within ", seconds, " s"), ": ", first);
+      PyErr_SetString(PyExc_ConnectionError, text.c_str());
+      throw py::error_already_set();
+    }
+    stores[key] = tcp;
   }
   return py::make_tuple(dist.attr("PrefixStore")(env.prefix, tcp),
                         StrCat(env.agent ? "torchrun's agent" : "rank 0",
@@ -148,6 +161,7 @@ py::object Core(const char* fn) {
 }  // namespace
 
 void RegisterSharedGroup(py::module_& m) {
+  m.attr("_env_stores") = py::dict();  // EnvStore's TCPStores, by (host, port, served, pid)
   m.def("shared_env_store", &EnvStore, py::arg("is_master"), py::arg("world_size"),
         py::arg("timeout_s"),
         "torchrun's TCPStore (served here when `is_master`) under the key prefix of this restart "

@@ -1051,3 +1051,48 @@ def test_attach_finds_a_tensor_of_a_job_that_initialised_torch_distributed(
     r = subprocess.run([sys.executable, str(script), str(free_port())], env=env_for(tmp_path),
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+GROUPS_ONE_AFTER_ANOTHER = """
+import os, sys, torch, torch.multiprocessing as mp
+import tensortier.shared as shared
+from tensortier.compat import wholememory as wm
+
+def run(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    first = shared.Group(rank=rank, world_size=world, timeout=30)
+    first.create_tensor((10,), torch.float32)
+    first.barrier()
+    first.close()
+    a = shared.Group(rank=rank, world_size=world, timeout=30)  # two at once
+    b = shared.Group(rank=rank, world_size=world, timeout=30)
+    ta = a.create_tensor((world,), torch.float32)
+    tb = b.create_tensor((world,), torch.float32)
+    ta.scatter([rank], torch.tensor([1.0]))
+    tb.scatter([rank], torch.tensor([2.0]))
+    a.barrier()
+    b.barrier()
+    assert ta.gather(list(range(world))).tolist() == [1.0] * world
+    assert tb.gather(list(range(world))).tolist() == [2.0] * world
+    a.close()
+    b.close()
+    for _ in range(2):  # WholeMemory: finalize_lib(), then init_lib() and mp_init() again
+        wm.init_lib()
+        wm.mp_init(rank, world)
+        wm.create_tensor([4], [], torch.bool, True, [])
+        wm.finalize_lib()
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)
+"""
+
+
+def test_groups_one_after_another_and_at_once_meet_through_one_store(tmp_path: Path) -> None:
+    """Without torchrun or init_process_group (MASTER_ADDR and MASTER_PORT only), rank 0
+    serves the TCPStore once: a second group, two at once, and WholeMemory's finalize_lib()
+    then mp_init() again meet through it rather than serving the port again (EADDRINUSE)."""
+    script = tmp_path / "groups.py"
+    script.write_text(GROUPS_ONE_AFTER_ANOTHER)
+    r = subprocess.run([sys.executable, str(script), str(free_port())], env=env_for(tmp_path),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
