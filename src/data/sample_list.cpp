@@ -56,8 +56,16 @@ void ListDir(const std::string& dir, std::vector<std::string>* subdirs,
     std::string name = entry->d_name;
     if (name == "." || name == "..") continue;
     if (files != nullptr) {
-      const bool file_type =
-          entry->d_type == DT_REG || entry->d_type == DT_LNK || entry->d_type == DT_UNKNOWN;
+      bool file_type = entry->d_type == DT_REG;
+      if ((entry->d_type == DT_LNK || entry->d_type == DT_UNKNOWN) &&
+          (filter == nullptr || filter->Matches(name))) {
+        // What a link names (a link to nothing is refused now, as files= refuses a missing
+        // file, rather than when its batch is read); a file system without d_type, the same.
+        const std::string full = JoinPath(dir, name);
+        struct stat st{};
+        if (stat(full.c_str(), &st) != 0) ThrowIoError(errno, "stat", full);
+        file_type = !S_ISDIR(st.st_mode);
+      }
       if (file_type && (filter == nullptr || filter->Matches(name))) {
         files->push_back(std::move(name));
       }

@@ -2,11 +2,16 @@
 // names them by, which must stay hashlib.sha256's.
 #include <gtest/gtest.h>
 
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 
 #include "tensortier/data/sample_inputs.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/util/sha256.hpp"
+#include "test_util.hpp"
 
 namespace tensortier {
 namespace {
@@ -68,6 +73,28 @@ TEST(SampleInputsTest, CombinationsDaliRefusesAreRefused) {
   too_big.labels = std::vector<int64_t>{int64_t{1} << 31};
   too_big.check_files = false;
   EXPECT_THROW(ResolveSampleInputs(too_big), std::invalid_argument);
+}
+
+// A file_root's links: to a file, listed; to a folder, not a file; to nothing, refused when the
+// list is made (as files= refuses a missing file), not when its batch is read.
+TEST(SampleInputsTest, AFileRootsLinksAreFollowedAndALinkToNothingRefused) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir.File("c0/folder.jpg"));
+  std::ofstream(dir.File("c0/a.jpg")) << "a";
+  std::filesystem::create_symlink(dir.File("c0/a.jpg"), dir.File("c0/b.jpg"));
+  std::filesystem::create_directory_symlink(dir.File("c0/folder.jpg"), dir.File("c0/c.jpg"));
+  SampleInputs in;
+  in.root = dir.path();
+  EXPECT_EQ(ResolveSampleInputs(in).paths,
+            (std::vector<std::string>{dir.File("c0/a.jpg"), dir.File("c0/b.jpg")}));
+  std::filesystem::create_symlink(dir.File("gone.jpg"), dir.File("c0/d.jpg"));
+  try {
+    ResolveSampleInputs(in);
+    FAIL() << "a link to nothing was listed";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_code(), ENOENT);
+    EXPECT_EQ(e.path(), dir.File("c0/d.jpg"));
+  }
 }
 
 }  // namespace

@@ -5,6 +5,7 @@ equal to PIL's."""
 from __future__ import annotations
 
 import io
+import os
 import random
 from pathlib import Path
 
@@ -283,6 +284,32 @@ def test_dali_source_covers_every_shard_once(disk_dir: Path) -> None:
         assert len(epoch) == 3
         everything.update(samples)
     assert len(everything) == 27
+
+
+def test_a_batch_whose_files_were_all_skipped_is_not_given_to_dali(disk_dir: Path) -> None:
+    """on_error="skip" with every file of a batch gone: DALI takes no empty batch, so the
+    source goes on to the next one."""
+    files = []
+    for i in range(6):
+        path = disk_dir / f"f{i}.bin"
+        path.write_bytes(bytes([i]) * 3)
+        files.append(str(path))
+    reader = FileReader(files=files, batch_size=2, shuffle=False, on_error="skip",
+                        check_files=False)
+    os.unlink(files[2])
+    os.unlink(files[3])
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def pipe():
+        data, labels = fn.external_source(source=reader.dali_source(), num_outputs=2,
+                                          batch=True, dtype=[types.UINT8, types.INT32])
+        return data, labels
+
+    p = pipe()
+    p.build()
+    epoch = run_epochs(p, 1)[0]
+    assert [[sample for sample, _ in batch] for batch in epoch] == [
+        [bytes([0]) * 3, bytes([1]) * 3], [bytes([4]) * 3, bytes([5]) * 3]]
 
 
 def test_decoded_images_equal_pils(disk_dir: Path) -> None:

@@ -267,6 +267,18 @@ def test_dataset_in_a_dataloader_with_two_workers(disk_dir: Path) -> None:
     assert sorted(sum(stream_dataset(dataset), [])) == sorted(tree.values())
 
 
+def test_more_workers_than_files_read_every_file_once(disk_dir: Path) -> None:
+    """A small validation set on many workers: the workers past the last file yield nothing,
+    as an IterableDataset may, instead of each raising that there are fewer files than
+    shards."""
+    tree = make_tree(disk_dir, classes=1, per_class=3)
+    dataset = FileDataset(file_root=disk_dir, batch_size=2, shuffle=False)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=4, timeout=60)
+    seen = [(bytes(s.numpy()), int(l)) for samples, labels in loader
+            for s, l in zip(samples, labels)]
+    assert sorted(seen) == sorted(tree.values())
+
+
 def test_dataset_resumes_mid_epoch_from_its_state(disk_dir: Path) -> None:
     """state_dict() taken after k batches (what torchdata's StatefulDataLoader takes in each
     worker); a new dataset given it by load_state_dict() yields the rest of that epoch; a state

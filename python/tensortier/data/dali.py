@@ -62,6 +62,9 @@ class DaliSource:
     def __next__(self) -> tuple[Any, Any]:
         batch = next(self._batches)
         labels = self._reader.batch_labels(batch).reshape(-1, 1)
+        while labels.size == 0:  # every file skipped (on_error="skip"): DALI takes no empty batch
+            batch = next(self._batches)
+            labels = self._reader.batch_labels(batch).reshape(-1, 1)
         self._kept.append((batch, labels))
         wrap = self._tensors.TensorCPU
         samples = self._tensors.TensorListCPU([wrap(c) for c in batch.dlpack_samples()],

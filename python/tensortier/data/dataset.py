@@ -96,6 +96,12 @@ class FileDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
         shard_id, num_shards = self.shard()
+        if num_shards > len(self._paths):
+            # More ranks x workers than files (a small validation set): one file per shard,
+            # and the shards past the last file yield nothing, as an IterableDataset may.
+            if shard_id >= len(self._paths):
+                return
+            num_shards = len(self._paths)
         # The files were checked when the dataset was made; each worker does not stat them again.
         reader = FileReader(files=self._paths, labels=self._labels.tolist(), shard_id=shard_id,
                             num_shards=num_shards, check_files=False, **self._options)
