@@ -385,9 +385,20 @@ void RegisterCheckpointChecks(py::module_& m) {
           if (format.equal(py::str("safetensors")) || format.equal(py::str("torch"))) {
             return format;
           }
+          // The third argument of the calls save stands in for: safetensors' save_file(tensors,
+          // filename, metadata), torch.save(obj, f, pickle_module).
+          const char* hint =
+              py::isinstance(format, py::module_::import("collections.abc").attr("Mapping"))
+                  ? " (save's third argument is format; pass metadata as metadata=...)"
+              : py::isinstance(format, py::module_::import("types").attr("ModuleType"))
+                  ? " (save's third argument is format; pass a pickle module as "
+                    "pickle_module=...)"
+                  : "";
           PyErr_SetObject(
               PyExc_ValueError,
-              py::str("format must be 'safetensors' or 'torch', not {!r}").format(format).ptr());
+              (py::str("format must be 'safetensors' or 'torch', not {!r}").format(format) +
+               py::str(hint))
+                  .ptr());
           throw py::error_already_set();
         }
         if (path.is_none()) return py::str("torch");  // a file object, as torch.save writes

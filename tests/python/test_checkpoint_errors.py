@@ -1508,3 +1508,18 @@ def test_loading_to_cuda_without_cuda_raises_torch_s_runtime_error_and_a_value_e
         with pytest.raises(tensortier.UnavailableDeviceError, match="CUDA is not available") as e:
             tensortier.load(tmp_path / "m.pt", map_location=where)
         assert isinstance(e.value, RuntimeError) and isinstance(e.value, ValueError)
+
+
+def test_a_third_positional_argument_that_is_no_format_says_which_keyword_it_needs(
+        tmp_path: Path) -> None:
+    """safetensors' save_file(tensors, filename, metadata) and torch.save(obj, f, pickle_module)
+    put other things third: save says which keyword takes them."""
+    import pickle
+
+    tensors = {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"not \{'step': '7'\} .*pass metadata as metadata="):
+        tensortier.save(tensors, tmp_path / "m.safetensors", {"step": "7"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pass a pickle module as pickle_module="):
+        tensortier.save(tensors, tmp_path / "m.pt", pickle)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^format must be 'safetensors' or 'torch', not 'npz'$"):
+        tensortier.save(tensors, tmp_path / "m.pt", "npz")

@@ -106,7 +106,8 @@ def _unsavable_error(base: type[Exception]) -> type[ValueError]:
     if issubclass(base, ValueError):
         return base  # type: ignore[return-value]
     name = f"Unsavable{base.__name__}"
-    cls = type(name, (base, ValueError), {"__module__": __name__, "__doc__": _unsavable_error.__doc__})
+    cls = type(name, (base, ValueError),
+               {"__module__": __name__, "__doc__": _unsavable_error.__doc__})
     globals()[name] = cls  # pickled by name, as exceptions are
     return cls
 
