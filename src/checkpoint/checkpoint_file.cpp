@@ -6,12 +6,14 @@
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <limits>
@@ -268,6 +270,30 @@ void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_pa
     }
   }
   if (fchmod(fd, old.mode) != 0) ThrowIoError(errno, "keep the mode of", final_path);
+  // After the mode: an ACL set now keeps its mask.
+  ssize_t listed = listxattr(final_path.c_str(), nullptr, 0);
+  if (listed <= 0) return;  // none, or a file system without them
+  std::string names(static_cast<size_t>(listed), '\0');
+  listed = listxattr(final_path.c_str(), names.data(), names.size());
+  if (listed <= 0) return;  // gone meanwhile
+  names.resize(static_cast<size_t>(listed));
+  for (size_t at = 0; at < names.size(); at += std::strlen(names.c_str() + at) + 1) {
+    const char* name = names.c_str() + at;
+    std::string value(64, '\0');
+    ssize_t size = getxattr(final_path.c_str(), name, value.data(), value.size());
+    if (size < 0 && errno == ERANGE) {
+      size = getxattr(final_path.c_str(), name, nullptr, 0);
+      if (size >= 0) {
+        value.resize(static_cast<size_t>(size));
+        size = getxattr(final_path.c_str(), name, value.data(), value.size());
+      }
+    }
+    if (size < 0) continue;  // removed meanwhile
+    if (fsetxattr(fd, name, value.data(), static_cast<size_t>(size), 0) != 0 && errno != EPERM &&
+        errno != EACCES && errno != ENOTSUP && errno != EINVAL) {
+      ThrowIoError(errno, StrCat("keep the extended attribute ", name, " of"), final_path);
+    }
+  }
 }
 
 std::string TemporaryNameStem(std::string_view name) {

@@ -448,3 +448,19 @@ def test_a_killed_save_to_a_file_object_leaves_nothing_after_the_next(tmp_path: 
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_over_a_checkpoint_keeps_its_extended_attributes(tmp_path: Path) -> None:
+    """user.* attributes (and ACLs, by the same copy) of the replaced file stay, as an in-place
+    torch.save keeps them."""
+    path = tmp_path / "m.pt"
+    tensortier.save({"w": torch.ones(3)}, path)
+    try:
+        os.setxattr(path, "user.tensortier.test", b"kept")
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EPERM):
+            pytest.skip(f"no user extended attributes on this file system: {e}")
+        raise
+    tensortier.save({"w": torch.zeros(3)}, path)
+    assert os.getxattr(path, "user.tensortier.test") == b"kept"
+    assert torch.equal(tensortier.load(path)["w"], torch.zeros(3))

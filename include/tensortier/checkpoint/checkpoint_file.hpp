@@ -39,10 +39,12 @@ struct ReplacedFile {
 // read-only checkpoint; root passes, as its open() does): torch.save refuses those files so.
 std::optional<ReplacedFile> CheckReplaceable(const std::string& final_path);
 
-// Gives the new file `fd` the replaced file's owner, group and mode. Where the caller may not
-// give it the owner (EPERM: not root), the new file keeps the caller as owner and gets the old
-// group where the caller belongs to it; the mode is kept in any case. Throws IoError naming
-// `final_path` for any other failure.
+// Gives the new file `fd` the replaced file's owner, group and mode, and the extended attributes
+// of the file now at `final_path` (user.*, an ACL, security labels: what an in-place write, as
+// torch.save's, keeps). Where the caller may not give it the owner (EPERM: not root), the new
+// file keeps the caller as owner and gets the old group where the caller belongs to it; the mode
+// is kept in any case; an extended attribute this file system or user cannot set is left out.
+// Throws IoError naming `final_path` for any other failure.
 void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_path);
 
 // ".NAME.tmp-", the start of the names of the temporary files of saves into DIR/NAME. A NAME
