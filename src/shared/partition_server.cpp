@@ -8,6 +8,7 @@
 #include <exception>
 #include <stdexcept>
 
+#include "tensortier/shared/shared_spec.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -96,7 +97,7 @@ void PartitionServer::Run() {
         auto deadline = DeadlineAfter(std::chrono::seconds(5));
         // The request is read first: closing a socket with unread data resets the peer's
         // end before it reads the answer.
-        RecvString(c.get(), deadline, name_, 4096);
+        RecvString(c.get(), deadline, name_, kMaxSharedNameBytes);
         SendStatusAndFd(
             c.get(), accepted.error == ENFILE ? kOutOfSystemFiles : kOutOfDescriptors, -1,
             deadline, name_);
@@ -110,7 +111,7 @@ void PartitionServer::Run() {
     }
     try {
       auto deadline = DeadlineAfter(std::chrono::seconds(5));
-      std::string key = RecvString(c.get(), deadline, name_, 4096);
+      std::string key = RecvString(c.get(), deadline, name_, kMaxSharedNameBytes);
       std::lock_guard lock(mutex_);
       auto it = served_.find(key);
       char status = it == served_.end() ? kUnknown : it->second < 0 ? kEmpty : kServed;

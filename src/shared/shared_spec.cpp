@@ -102,6 +102,10 @@ SharedTensorSpec SharedTensorSpec::Parse(const std::string& described) {
 }
 
 void SharedTensorSpec::Validate() const {
+  if (name.size() > kMaxSharedNameBytes) {
+    throw std::invalid_argument(StrCat("name is ", name.size(), " bytes long; a shared tensor's ",
+                                       "name has at most ", kMaxSharedNameBytes));
+  }
   for (int64_t d : shape) {
     if (d < 0) throw std::invalid_argument(StrCat("shape has a negative dimension: ", Describe()));
   }

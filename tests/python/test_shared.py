@@ -1096,3 +1096,13 @@ def test_groups_one_after_another_and_at_once_meet_through_one_store(tmp_path: P
     r = subprocess.run([sys.executable, str(script), str(free_port())], env=env_for(tmp_path),
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_a_name_longer_than_an_attach_request_holds_is_refused_when_created() -> None:
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        longest = "n" * 4096
+        kept = group.create_tensor((4,), torch.float32, name=longest)
+        assert group.attach(longest).shape == kept.shape == (4,)
+        with pytest.raises(ValueError, match="name is 4097 bytes long; .* at most 4096"):
+            group.create_tensor((4,), torch.float32, name="n" * 4097)

@@ -41,6 +41,10 @@ inline constexpr uint64_t kMaxSharedTensorBytes = 1ull << 56;
 // never runs more (Linux's PID_MAX_LIMIT on 64-bit).
 inline constexpr int kMaxSharedWorldSize = 1 << 22;
 
+// The longest name a tensor may have, in bytes: what a partition server reads of a request
+// that names the tensor it asks for.
+inline constexpr size_t kMaxSharedNameBytes = 4096;
+
 // What a collective Create asks for. Row-major, dense; the first dimension is the row dimension
 // partitioned across ranks (a 0-d tensor is one row).
 struct SharedTensorSpec {
@@ -78,7 +82,6 @@ struct SharedPartition {
 // continuous tensor are mapped back to back), so sizes can differ and some can be zero.
 std::vector<SharedPartition> PartitionRows(uint64_t rows, uint64_t row_bytes, int world_size,
                                            uint64_t granule_bytes);
-
 
 // Whether a tensor is big enough per rank for huge-page partitions (kHugePartitionThreshold
 // bytes per rank and more): every process that maps it decides alike, from the spec and the
