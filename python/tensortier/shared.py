@@ -97,6 +97,12 @@ class SharedTensor:
         # Host memory takes gather's lean path; device memory goes through CUDA views.
         self._host = not self._distributed and str(core.memory) == "host"
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a SharedTensor cannot be pickled (into a spawned process, an mp.Queue): create it "
+            "with name=..., send the name, and shared.attach(name) it there (a forked process "
+            "inherits it as it is)")
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self._shape
@@ -454,6 +460,11 @@ class Group:
         self.timeout = _core.shared_timeout_s(timeout)
         self._core, self._torch_store, self.rank, self.world_size = _core.shared_open_group(
             rank, world_size, store, self.timeout)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a shared Group cannot be pickled: each process makes its own (collectively), or "
+            "attaches a tensor by name with shared.attach(name)")
 
     def create_tensor(
         self,

@@ -1098,6 +1098,18 @@ def test_groups_one_after_another_and_at_once_meet_through_one_store(tmp_path: P
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
+def test_pickling_a_tensor_or_a_group_says_to_attach_by_name() -> None:
+    import pickle
+
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((4,), torch.float32, name="feat")
+        with pytest.raises(TypeError, match=r"send the name, and shared.attach\(name\)"):
+            pickle.dumps(t)
+        with pytest.raises(TypeError, match="Group cannot be pickled"):
+            pickle.dumps(group)
+
+
 def test_a_name_longer_than_an_attach_request_holds_is_refused_when_created() -> None:
     store = torch.distributed.HashStore()
     with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
