@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/xattr.h>
@@ -77,6 +78,29 @@ std::optional<pid_t> ParsePid(std::string_view text) {
 }
 
 // `rest` is what follows ".NAME.tmp-" in a directory entry; `dir` holds it.
+// Whether `path` is a mount point itself (a file bind-mounted into a container).
+bool IsMountedFile(const std::string& path) {
+  struct statx stx{};
+  if (statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &stx) != 0) {
+    return false;
+  }
+  return (stx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) != 0 &&
+         (stx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
+}
+
+// The bytes of the file `from` written over those of `to` (truncated first), then synced.
+void CopyIntoFile(const FileSystem& fs, const std::string& from, const std::string& to) {
+  const File in = fs.Open(from, OpenMode::kRead, /*direct=*/false);
+  const File out = fs.Open(to, OpenMode::kWrite, /*direct=*/false);
+  for (off_t at = 0;;) {
+    const ssize_t n = sendfile(out.buffered_fd(), in.buffered_fd(), &at, 1 << 30);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) ThrowIoError(errno, "copy the checkpoint into the mounted file", to, at, 1 << 30);
+    if (n == 0) break;
+  }
+  fs.DataSync(out);
+}
+
 bool IsStaleTemporary(int dir, const char* entry, std::string_view rest) {
   const std::vector<std::string_view> parts = SplitDashes(rest);
   if (parts.size() == 4) {  // PID-START-TAG-RANDOM: a process stamp, then the random part
@@ -439,6 +463,24 @@ void DurableFile::Commit() {
   const int old = HoldReplaced();
   try {
     fs_.Rename(temp_, final_);
+  } catch (const IoError& e) {
+    if (old >= 0) ReleaseInBackground(fs_, old);
+    if (e.error_code() == EBUSY && IsMountedFile(final_)) {
+      // A file that is a mount point itself (a container's bind mount of one file: docker -v
+      // host.pt:/ckpt.pt, a Kubernetes subPath) refuses the rename: the bytes are copied into
+      // it, as torch.save writes any file. Not atomic: a crash meanwhile leaves it torn.
+      try {
+        CopyIntoFile(fs_, temp_, final_);
+      } catch (...) {
+        Abort();
+        throw;
+      }
+      Abort();  // the temporary file, copied
+      committed_ = true;
+      return;
+    }
+    Abort();
+    throw;
   } catch (...) {
     if (old >= 0) ReleaseInBackground(fs_, old);
     Abort();

@@ -464,3 +464,21 @@ def test_a_save_over_a_checkpoint_keeps_its_extended_attributes(tmp_path: Path) 
     tensortier.save({"w": torch.zeros(3)}, path)
     assert os.getxattr(path, "user.tensortier.test") == b"kept"
     assert torch.equal(tensortier.load(path)["w"], torch.zeros(3))
+
+
+def test_a_file_that_is_a_mount_point_is_saved_over_in_place(tmp_path: Path) -> None:
+    """A checkpoint bind-mounted into a container as one file (docker -v host.pt:/ckpt.pt, a
+    Kubernetes subPath) cannot be renamed over: its bytes are written into it, as torch.save
+    writes them, and nothing is left beside it."""
+    from conftest import mounted
+
+    host = tmp_path / "host.pt"
+    tensortier.save({"w": torch.ones(3)}, host)
+    (tmp_path / "box").mkdir()
+    target = tmp_path / "box" / "ckpt.pt"
+    target.write_bytes(b"")
+    with mounted(["mount", "--bind", str(host), str(target)], target, "a bind mount of a file"):
+        tensortier.save({"w": torch.full((1000,), 2.0)}, target)
+        assert torch.equal(tensortier.load(target)["w"], torch.full((1000,), 2.0))
+        assert torch.equal(tensortier.load(host)["w"], torch.full((1000,), 2.0))  # the same file
+        assert sorted(p.name for p in (tmp_path / "box").iterdir()) == ["ckpt.pt"]
