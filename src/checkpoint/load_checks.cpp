@@ -21,7 +21,7 @@ void CheckLoadOptions(std::string_view device, bool verify, bool mmap, std::stri
         " to the meta device, which reads none of theirs: load with verify=False, or "
         "map them elsewhere"));
   }
-  if (mmap && device != "cpu") {
+  if (mmap && device != "cpu" && device != "meta") {  // meta reads no bytes: nothing to map
     throw std::invalid_argument(
         StrCat("mmap=True maps the file into host memory: it needs device='cpu', not ", device,
                " (load to the GPU with mmap=False: its bytes go there without host copies)"));

@@ -71,6 +71,7 @@ TEST(CheckLoadOptions, RefusesVerifyWithoutBytesAndMapsOffTheCpu) {
   EXPECT_NO_THROW(CheckLoadOptions("cuda:0", true, false, ""));
   EXPECT_THROW(CheckLoadOptions("meta", true, false, ""), std::invalid_argument);
   EXPECT_NO_THROW(CheckLoadOptions("meta", false, false, ""));
+  EXPECT_NO_THROW(CheckLoadOptions("meta", false, true, ""));  // mmap reads nothing there either
   try {
     CheckLoadOptions("cpu", true, false, "['cuda:1']");
     ADD_FAILURE();

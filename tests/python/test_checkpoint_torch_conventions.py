@@ -389,3 +389,15 @@ def test_load_into_takes_other_values_as_unexpected_keys_as_load_state_dict_does
     tensortier.save({"weight": 1, "bias": weights["bias"]}, path)  # a value where a tensor goes
     with pytest.raises(ValueError, match="'weight' is an int, not a tensor"):
         tensortier.load_into(torch.nn.Linear(3, 2), path, strict=False)
+
+
+@pytest.mark.parametrize("name", ["m.pt", "m.safetensors"])
+def test_mmap_with_the_meta_device_loads_meta_tensors_as_torch_load_does(
+        disk_dir: Path, name: str) -> None:
+    path = disk_dir / name
+    tensortier.save({"w": torch.ones(3, 2)}, path)
+    got = tensortier.load(path, map_location="meta", mmap=True)["w"]
+    assert got.is_meta and got.shape == (3, 2) and got.dtype == torch.float32
+    if name.endswith(".pt"):
+        theirs = torch.load(path, map_location="meta", mmap=True)["w"]
+        assert theirs.is_meta and theirs.shape == got.shape

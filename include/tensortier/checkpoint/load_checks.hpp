@@ -17,7 +17,8 @@ namespace tensortier {
 // tensortier.load's arguments as resolved: the target `device` ("cpu", "cuda:N" or "meta"),
 // `verify`, `mmap`, and `to_meta`: the saved locations a map_location dict sends to the meta
 // device, as Python prints their list ("" for none). std::invalid_argument for verify=True where
-// no byte is read, or mmap=True for another device than the CPU.
+// no byte is read, or mmap=True for another device than the CPU (the meta device reads no
+// bytes: mmap means nothing there, as in torch.load).
 void CheckLoadOptions(std::string_view device, bool verify, bool mmap, std::string_view to_meta);
 
 // Loads of at least this many bytes show their progress bar by default (stderr a terminal).

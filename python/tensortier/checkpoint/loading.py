@@ -160,7 +160,8 @@ def load(
             # One way down: the shards here -> safetensors or unpickler -> _reading (C++ reads).
             with _engine._gc_paused():
                 return _load_kind(fspath, kind, dev, target_dtype, verify, progress, io,
-                                  _Readahead() if mmap else None, placement)
+                                  _Readahead() if mmap and dev.type != "meta" else None,
+                                  placement)
         except ValueError as e:
             if not streamed or fspath not in str(e):
                 raise
