@@ -662,17 +662,18 @@ void RegisterCheckpoint(py::module_& m) {
         "each).");
   m.def(
       "create_staging_directory",
-      [](const FsPath& final_dir) {
+      [](const FsPath& final_dir, mode_t mode) {
         std::string staged;
         {
           py::gil_scoped_release release;
-          staged = CreateStagingDirectory(final_dir);
+          staged = CreateStagingDirectory(final_dir, mode);
         }
         return PathToPython(staged);
       },
-      py::arg("final_dir"),
+      py::arg("final_dir"), py::arg("mode") = 0777,
       "Removes the staging directories of killed saves into final_dir (their processes gone), "
-      "creates a new one beside it, named as a save's temporary file is, and returns its path.");
+      "creates a new one of `mode` (less the umask) beside it, named as a save's temporary file "
+      "is, and returns its path.");
   m.def(
       "temporary_path_prefix",
       [](const FsPath& path) { return PathToPython(TemporaryPathPrefix(path)); }, py::arg("path"),

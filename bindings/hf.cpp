@@ -103,13 +103,16 @@ void RegisterHf(py::module_& m) {
         }
         py::list left;
         for (const std::string& path : commit.left) left.append(py::bytes(path));
-        return py::make_tuple(commit.swapped, left);
+        return py::make_tuple(
+            commit.swapped, left,
+            commit.kept_dir.empty() ? py::object(py::none()) : PathToPython(commit.kept_dir));
       },
       py::arg("staging_dir"), py::arg("kept"), py::arg("final_dir"),
       "The end of a save staged by stage_hf_save: the written staging directory swapped with "
       "final_dir, what final_dir gained meanwhile carried over, the old directory removed. "
-      "Returns (swapped, [relative paths, bytes, that could not be carried: the old directory "
-      "is kept at staging_dir then]); swapped is False where final_dir is to be written in "
+      "Returns (swapped, [relative paths, bytes, that could not be carried], the path the old "
+      "directory is kept at then (else None)); swapped is False where final_dir is to be written "
+      "in "
       "place instead (a bind mount, NFS, SMB, FUSE), the staging directory removed. OSError "
       "otherwise, the staging directory removed.");
   m.def(

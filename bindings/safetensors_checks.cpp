@@ -156,9 +156,12 @@ void CheckSaveOptions(const std::string& format, const py::object& metadata,
 py::object SaveError(const py::object& e, const py::str& given) {
   const py::object filename = e.attr("filename");
   const py::object strerror = e.attr("strerror");
-  const py::object final_path = py::module_::import("os").attr("path").attr("realpath")(given);
-  const bool about_temporary = py::str(strerror).attr("__contains__")(".tmp-").cast<bool>() ||
-                               py::str(filename).attr("__contains__")(".tmp-").cast<bool>();
+  const py::object os_path = py::module_::import("os").attr("path");
+  const py::object final_path = os_path.attr("realpath")(given);
+  // A save's temporary file: ".NAME.tmp-..." (TemporaryNameStem), whatever its folders are named.
+  const py::str name = filename.is_none() ? py::str() : py::str(os_path.attr("basename")(filename));
+  const bool about_temporary =
+      name.attr("startswith")(".").cast<bool>() && name.attr("__contains__")(".tmp-").cast<bool>();
   if ((filename.equal(given) || filename.equal(final_path)) && !about_temporary) return e;
   py::str detail = PyObject_IsTrue(strerror.ptr()) == 1 ? py::str(strerror) : py::str(e);
   if (!filename.is_none() && !detail.attr("__contains__")(py::str(filename)).cast<bool>()) {

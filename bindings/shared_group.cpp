@@ -90,14 +90,15 @@ py::tuple EnvStore(bool is_master, std::optional<int64_t> world_size, double tim
   py::module_ dist = py::module_::import("torch.distributed");
   py::object timeout =
       py::module_::import("datetime").attr("timedelta")(py::arg("seconds") = timeout_s);
-  // One TCPStore per address and process, served or reached once: a second group (after
-  // close(), or a WholeMemory finalize_lib() and mp_init() again; or two at once) meets through
-  // it too, where serving the port again would fail with EADDRINUSE. Groups' keys on one store
-  // are their own (numbered by the store). Not across fork(): a child's connection is its own.
+  // The TCPStore a process serves, served once: a second group (after close(), or a WholeMemory
+  // finalize_lib() and mp_init() again; or two at once) meets through it too, where serving the
+  // port again would fail with EADDRINUSE. Groups' keys on one store are their own (numbered by
+  // the store). Not across fork(): a child's is its own. Clients connect anew each time (a
+  // server restarted since at the same address is reached).
   py::dict stores = py::module_::import("tensortier._core").attr("_env_stores");
-  const py::tuple key = py::make_tuple(env.host, env.port, is_master, getpid());
+  const py::tuple key = py::make_tuple(env.host, env.port, getpid());
   py::object tcp;
-  if (stores.contains(key)) {
+  if (is_master && stores.contains(key)) {
     tcp = stores[key];
     tcp.attr("set_timeout")(timeout);  // this group's
   } else {
@@ -119,7 +120,7 @@ py::tuple EnvStore(bool is_master, std::optional<int64_t> world_size, double tim
       PyErr_SetString(PyExc_ConnectionError, text.c_str());
       throw py::error_already_set();
     }
-    stores[key] = tcp;
+    if (is_master) stores[key] = tcp;
   }
   return py::make_tuple(dist.attr("PrefixStore")(env.prefix, tcp),
                         StrCat(env.agent ? "torchrun's agent" : "rank 0",
@@ -161,7 +162,7 @@ py::object Core(const char* fn) {
 }  // namespace
 
 void RegisterSharedGroup(py::module_& m) {
-  m.attr("_env_stores") = py::dict();  // EnvStore's TCPStores, by (host, port, served, pid)
+  m.attr("_env_stores") = py::dict();  // the TCPStores EnvStore serves, by (host, port, pid)
   m.def("shared_env_store", &EnvStore, py::arg("is_master"), py::arg("world_size"),
         py::arg("timeout_s"),
         "torchrun's TCPStore (served here when `is_master`) under the key prefix of this restart "

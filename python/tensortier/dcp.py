@@ -48,6 +48,14 @@ _VERSION = "1.0.0"  # DCP's CURRENT_DCP_VERSION for this layout
 _FORMAT: int = _core.dcp_format
 
 
+def _extent(tensor: Any) -> int:
+    """The bytes from `tensor`'s first element to past its last, views included."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
+
+
 def _directory(path: str | os.PathLike[str]) -> str:
     """The checkpoint directory `path` names: "" is the current one, as for pathlib.Path (and
     stock DCP's FileSystemWriter/Reader)."""
@@ -559,7 +567,6 @@ class Reader(StorageReader):
                         "load (its .metadata changed after this load read it, and the data files "
                         "the old one named are gone); load again", path) from e
                 bufs: list[tuple[Any, Any]] = []  # (what is read into, the request's target)
-                direct: list[int] = []  # those read straight into their target
                 for req, dtype, shape, stride, nbytes in load.buffers:
                     # Straight into the request's target where both lie alike in CPU memory.
                     target = None if req is None else planner.resolve_tensor(req).detach()
@@ -567,17 +574,17 @@ class Reader(StorageReader):
                             and target.is_contiguous() and list(target.shape) == shape
                             and target.nbytes == nbytes
                             and (stride is None or list(target.stride()) == stride))
-                    if into:
-                        direct.append(len(bufs))
                     bufs.append((target if into else torch.empty(nbytes, dtype=torch.uint8),
                                  target))
                 # Targets sharing memory (tied weights, a planner's reused scratch tensor) are
                 # read apart, then copied in at their commits, in order: the last one wins, as
                 # in stock DCP, where each is read and committed in turn.
+                targets = [k for k, (_, target) in enumerate(bufs) if target is not None]
                 for i in _core.overlapping_areas(
-                        [(bufs[k][0].data_ptr(), bufs[k][0].nbytes) for k in direct]):
-                    target = bufs[direct[i]][1]
-                    bufs[direct[i]] = (torch.empty(target.nbytes, dtype=torch.uint8), target)
+                        [(bufs[k][1].data_ptr(), _extent(bufs[k][1])) for k in targets]):
+                    buf, target = bufs[targets[i]]
+                    if buf is target:
+                        bufs[targets[i]] = (torch.empty(target.nbytes, dtype=torch.uint8), target)
                 self.bytes_read += load.read(engine, [b.data_ptr() for b, _ in bufs])
                 for i, req, name, view in load.commits:
                     buf, target = bufs[i]

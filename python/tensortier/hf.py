@@ -309,12 +309,12 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
             except BaseException:
                 _core.remove_directory_tree(staging)
                 raise
-            swapped, left = _core.commit_hf_save(staging, kept, final)
+            swapped, left, kept_dir = _core.commit_hf_save(staging, kept, final)
             if left:
                 warnings.warn(
                     f"{final}: {len(left)} files written into it during the save could not be "
                     f"moved into the new directory (first: {os.fsdecode(left[0])}); the "
-                    f"previous directory is kept as {staging}", stacklevel=3)
+                    f"previous directory is kept as {kept_dir}", stacklevel=3)
             if not swapped:  # a bind mount, NFS, SMB, FUSE: written in place
                 write(final, **kwargs)
         finally:

@@ -303,6 +303,10 @@ void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_pa
   names.resize(static_cast<size_t>(listed));
   for (size_t at = 0; at < names.size(); at += std::strlen(names.c_str() + at) + 1) {
     const char* name = names.c_str() + at;
+    // An integrity hash of the old bytes (IMA, EVM) would fail the new file's appraisal.
+    if (std::strcmp(name, "security.ima") == 0 || std::strcmp(name, "security.evm") == 0) {
+      continue;
+    }
     std::string value(64, '\0');
     ssize_t size = getxattr(final_path.c_str(), name, value.data(), value.size());
     if (size < 0 && errno == ERANGE) {
@@ -313,8 +317,11 @@ void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_pa
       }
     }
     if (size < 0) continue;  // removed meanwhile
+    // One this file system or user cannot give the new file (or no room for it) is left out:
+    // the checkpoint, written whole by now, matters more than an attribute.
     if (fsetxattr(fd, name, value.data(), static_cast<size_t>(size), 0) != 0 && errno != EPERM &&
-        errno != EACCES && errno != ENOTSUP && errno != EINVAL) {
+        errno != EACCES && errno != ENOTSUP && errno != EINVAL && errno != E2BIG &&
+        errno != ENOSPC && errno != EDQUOT) {
       ThrowIoError(errno, StrCat("keep the extended attribute ", name, " of"), final_path);
     }
   }
@@ -369,11 +376,19 @@ size_t RemoveStaleTemporaryFilesOnce(const std::string& dir) {
   static std::set<std::string>* swept = new std::set<std::string>;  // leaked: used until exit
   {
     std::lock_guard lock(mu);
-    if (!swept->insert(dir).second) return 0;
+    if (swept->contains(dir)) return 0;
   }
   if (ProcessStartTime(getpid()).empty()) return 0;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return 0;
+  const std::unique_ptr<DIR, int (*)(DIR*)> handle(opendir(dir.c_str()), &closedir);
+  if (!handle) return 0;  // the save itself reports what is wrong with the directory
+  {
+    std::lock_guard lock(mu);
+    // Bounded: a process saving into ever new directories (a file object's staging) sweeps
+    // some again rather than growing without end.
+    if (swept->size() >= 4096) swept->clear();
+    swept->insert(dir);
+  }
+  DIR* d = handle.get();
   size_t removed = 0;
   while (const dirent* e = readdir(d)) {
     // ".NAME.tmp-" then a process stamp: the stamped form only (the older form needs its name's
@@ -389,7 +404,6 @@ size_t RemoveStaleTemporaryFilesOnce(const std::string& dir) {
       if (RemoveDirectoryTree((std::filesystem::path(dir) / e->d_name).string())) ++removed;
     }
   }
-  closedir(d);
   return removed;
 }
 

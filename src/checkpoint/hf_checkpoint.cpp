@@ -1,11 +1,14 @@
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
 
 #include <fcntl.h>
+#include <linux/fs.h>  // RENAME_NOREPLACE
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -204,13 +207,56 @@ HfSaveStaging StageHfSave(const std::string& final_dir) {
   return out;
 }
 
+namespace {
+
+// After the exchange (staging.dir names the old directory): what the old directory gained during
+// the save is moved into the new one, and the old one removed; where something could not move,
+// it is kept, renamed "NAME.previous-<UTC time>" beside final_dir: a name no removal of killed
+// saves' temporary files takes.
+void FinishExchange(const HfSaveStaging& staging, const std::string& final_dir, HfSaveCommit& out) {
+  out.left = CarryNewEntries(staging.dir, final_dir, staging.kept).left;
+  if (out.left.empty()) {
+    RemoveDirectoryTree(staging.dir);
+    return;
+  }
+  out.kept_dir = staging.dir;
+  std::string stem = final_dir;
+  while (stem.size() > 1 && stem.back() == '/') stem.pop_back();
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  char when[32] = "";
+  if (gmtime_r(&now, &utc) != nullptr) std::strftime(when, sizeof when, "%Y%m%dT%H%M%SZ", &utc);
+  stem = StrCat(stem, ".previous-", when);
+  for (int n = 0; n < 100; ++n) {
+    const std::string name = n == 0 ? stem : StrCat(stem, "-", n);
+    if (syscall(SYS_renameat2, AT_FDCWD, staging.dir.c_str(), AT_FDCWD, name.c_str(),
+                RENAME_NOREPLACE) == 0) {
+      out.kept_dir = name;
+      return;
+    }
+    if (errno != EEXIST) return;  // kept where it is
+  }
+}
+
+}  // namespace
+
 HfSaveCommit CommitHfSave(const HfSaveStaging& staging, const std::string& final_dir,
                           const FileSystem& fs) {
   HfSaveCommit out;
+  struct stat staged{};
+  const bool known = ::stat(staging.dir.c_str(), &staged) == 0;
   try {
     CommitDirectory(staging.dir, final_dir, fs);
     out.swapped = true;
   } catch (const IoError& e) {
+    struct stat now{};
+    if (known && ::stat(final_dir.c_str(), &now) == 0 && now.st_dev == staged.st_dev &&
+        now.st_ino == staged.st_ino) {
+      // The exchange happened and a later step failed (the parent directory's fsync): the new
+      // directory is in place, and the old one still holds what others wrote meanwhile.
+      FinishExchange(staging, final_dir, out);
+      throw;
+    }
     const int code = e.error_code();
     RemoveDirectoryTree(staging.dir);
     if (code != EBUSY && code != EXDEV && code != EINVAL && code != ENOSYS && code != EOPNOTSUPP) {
@@ -218,9 +264,7 @@ HfSaveCommit CommitHfSave(const HfSaveStaging& staging, const std::string& final
     }
     return out;
   }
-  // staging.dir names the old directory now.
-  out.left = CarryNewEntries(staging.dir, final_dir, staging.kept).left;
-  if (out.left.empty()) RemoveDirectoryTree(staging.dir);
+  FinishExchange(staging, final_dir, out);
   return out;
 }
 

@@ -135,7 +135,7 @@ class Vm : public PickleMachine {
     const Value& numel = Arg(a, 4, Kind::kInt, "storage size");
     std::string_view type_name = std::string_view(type.s).substr(type.s.rfind('.') + 1);
     std::string_view dtype = StorageDtype(type_name);
-    if (dtype.empty()) Fail(StrCat("'", type.s, "' is not a storage type"));
+    if (dtype.empty()) Fail(StrCat("'", type.s, "' is not a storage type tensortier reads"));
     if (key.s.empty() || key.s.size() > 64 ||
         key.s.find_first_not_of(
             "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_") !=

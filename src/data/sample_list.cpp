@@ -45,8 +45,10 @@ struct DirCloser {
 };
 
 // The subdirectories of `dir` (stat, following symbolic links, as DALI does) or the files DALI
-// would take from it (regular, link or unknown type, by the entry's type: no stat per file, which
-// on cold metadata would cost a disk read each; names passing `filter`). Not "." and "..".
+// would take from it (names passing `filter`): regular files by the entry's type, with no stat
+// (on cold metadata each would cost a disk read); links and entries of unknown type (a file
+// system without d_type) by a stat of what they name, a link to nothing refused. Not "." and
+// "..".
 void ListDir(const std::string& dir, std::vector<std::string>* subdirs,
              std::vector<std::string>* files, const FileFilter* filter = nullptr) {
   std::unique_ptr<DIR, DirCloser> handle(opendir(dir.c_str()));
@@ -63,7 +65,14 @@ void ListDir(const std::string& dir, std::vector<std::string>* subdirs,
         // file, rather than when its batch is read); a file system without d_type, the same.
         const std::string full = JoinPath(dir, name);
         struct stat st{};
-        if (stat(full.c_str(), &st) != 0) ThrowIoError(errno, "stat", full);
+        if (stat(full.c_str(), &st) != 0) {
+          // Removed since it was listed: not listed. A link to nothing: refused.
+          if (errno == ENOENT && lstat(full.c_str(), &st) != 0) {
+            errno = 0;  // readdir's errors are told by errno
+            continue;
+          }
+          ThrowIoError(errno, "stat", full);
+        }
         file_type = !S_ISDIR(st.st_mode);
       }
       if (file_type && (filter == nullptr || filter->Matches(name))) {

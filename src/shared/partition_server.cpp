@@ -29,7 +29,8 @@ std::string PartitionSocketName(const std::string& token, int rank) {
   return StrCat("tensortier.", token, ".", rank);
 }
 
-PartitionServer::PartitionServer(std::string socket_name) : name_(std::move(socket_name)) {
+PartitionServer::PartitionServer(std::string socket_name)
+    : name_(std::move(socket_name)), owner_(getpid()) {
   listener_ = ListenAbstract(name_);
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) ThrowIoError(errno, "pipe2", name_);
@@ -39,6 +40,14 @@ PartitionServer::PartitionServer(std::string socket_name) : name_(std::move(sock
 }
 
 PartitionServer::~PartitionServer() {
+  if (getpid() != owner_) {
+    // The wake pipe is the parent's too: a byte written there would stop the parent's server.
+    thread_.detach();  // not a thread of this process
+    for (auto& [key, fd] : served_) {
+      if (fd >= 0) ::close(fd);
+    }
+    return;
+  }
   char b = 0;
   while (::write(wake_write_.get(), &b, 1) < 0 && errno == EINTR) {
   }
@@ -98,11 +107,9 @@ void PartitionServer::Run() {
         // The request is read first: closing a socket with unread data resets the peer's
         // end before it reads the answer.
         RecvString(c.get(), deadline, name_, kMaxSharedNameBytes);
-        SendStatusAndFd(
-            c.get(), accepted.error == ENFILE ? kOutOfSystemFiles : kOutOfDescriptors, -1,
-            deadline, name_);
-        SendString(c.get(), WithDescriptorLimit("accept", accepted.error),
-                           deadline, name_);
+        SendStatusAndFd(c.get(), accepted.error == ENFILE ? kOutOfSystemFiles : kOutOfDescriptors,
+                        -1, deadline, name_);
+        SendString(c.get(), WithDescriptorLimit("accept", accepted.error), deadline, name_);
       } catch (const std::exception&) {
       }
       c = UniqueFd();
@@ -115,8 +122,7 @@ void PartitionServer::Run() {
       std::lock_guard lock(mutex_);
       auto it = served_.find(key);
       char status = it == served_.end() ? kUnknown : it->second < 0 ? kEmpty : kServed;
-      SendStatusAndFd(c.get(), status, status == kServed ? it->second : -1, deadline,
-                      name_);
+      SendStatusAndFd(c.get(), status, status == kServed ? it->second : -1, deadline, name_);
     } catch (const std::exception&) {
       // A peer that vanished mid-request: it sees its own error; keep serving the others.
     }
@@ -141,10 +147,10 @@ UniqueFd FetchDescriptor(const std::string& peer, const std::string& key,
   auto [status, fd] = RecvStatusAndFd(c.get(), deadline, what);
   if (status == kOutOfDescriptors || status == kOutOfSystemFiles) {
     const std::string why = RecvString(c.get(), deadline, what, 4096);
-    ThrowIoError(status == kOutOfSystemFiles ? ENFILE : EMFILE,
-                 StrCat("fetch partition from ", what, ", which is out of descriptors (its ", why,
-                        ")"),
-                 key);
+    ThrowIoError(
+        status == kOutOfSystemFiles ? ENFILE : EMFILE,
+        StrCat("fetch partition from ", what, ", which is out of descriptors (its ", why, ")"),
+        key);
   }
   if (status != kServed || !fd) {
     ThrowIoError(ENOENT, StrCat("fetch partition from ", what, " (it closed the tensor)"), key);

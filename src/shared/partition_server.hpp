@@ -3,6 +3,8 @@
 // fetches them. No store traffic here: the token that names the sockets is agreed elsewhere.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -22,7 +24,8 @@ class PartitionServer {
  public:
   // Listens under `socket_name` and starts serving (nothing yet: see Serve).
   explicit PartitionServer(std::string socket_name);
-  // Stops the thread and closes every descriptor still served.
+  // Stops the thread and closes every descriptor still served. In a child made by fork() (which
+  // holds a copy without the thread), closes the copy's descriptors only.
   ~PartitionServer();
   PartitionServer(const PartitionServer&) = delete;
   PartitionServer& operator=(const PartitionServer&) = delete;
@@ -45,6 +48,7 @@ class PartitionServer {
   std::atomic<uint64_t> refused_{0};
   // Opened here, before the thread: the group's descriptors are all open once it is made.
   SpareFd spare_;
+  const pid_t owner_;  // the process whose thread serves (a fork()ed child holds a copy)
   std::thread thread_;
 };
 

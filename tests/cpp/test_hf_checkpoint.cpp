@@ -227,6 +227,28 @@ TEST(HfCheckpoint, ACommitSwapsTheDirectoryOrSaysToWriteInPlaceWhereItCannot) {
   EXPECT_EQ(Contents(dir.path() + "/eio/old.txt"), "old");
 }
 
+// The parent directory's fsync fails after the exchange: the new directory stays in place, the
+// file another process wrote into the old one meanwhile is carried over, the error reported.
+TEST(HfCheckpoint, AFailureAfterTheExchangeKeepsTheNewDirectoryAndTheOldOnesNewFiles) {
+  TempDir dir;
+  const std::string m = dir.path() + "/m";
+  std::filesystem::create_directories(m);
+  std::ofstream(m + "/old.txt") << "old";
+  const HfSaveStaging staging = StageHfSave(m);
+  std::ofstream(staging.dir + "/new.txt") << "new";
+  std::ofstream(m + "/late.txt") << "written during the save";
+  FaultPlan plan;
+  plan.kind = FaultPlan::Kind::kError;
+  plan.nth = 2;  // the staged directory's own fsync, then its parent's after the exchange
+  plan.reads = plan.writes = false;
+  plan.steps = 1u << static_cast<unsigned>(FileStep::kSyncDirectory);
+  EXPECT_THROW(CommitHfSave(staging, m, FileSystem(std::make_shared<FaultInjector>(plan))),
+               IoError);
+  EXPECT_EQ(Contents(m + "/new.txt"), "new");
+  EXPECT_EQ(Contents(m + "/late.txt"), "written during the save");
+  EXPECT_FALSE(std::filesystem::exists(staging.dir));
+}
+
 TEST(HfCheckpoint, ALinkedShardIsReplacedAndItsTargetLeftOrTheWrittenFileRemoved) {
   TempDir dir;
   std::ofstream(dir.File("blob")) << "cached";

@@ -436,7 +436,8 @@ def test_a_killed_save_to_a_file_object_leaves_nothing_after_the_next(tmp_path: 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-c", killed], env=env, timeout=120)
     assert r.returncode == -signal.SIGKILL
-    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] != []  # left behind
+    left = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert len(left) == 1 and left[0].stat().st_mode & 0o777 == 0o700  # only its user reads it
     follows = textwrap.dedent("""
         import io, torch, tensortier
         buffer = io.BytesIO()

@@ -765,3 +765,44 @@ def test_a_failed_save_of_a_symlinked_shard_leaves_the_link(
     hf.save_pretrained(model, out)
     assert not (out / "model.safetensors").is_symlink()
     assert_same(hf.from_pretrained(type(model), out), model.eval())
+
+
+def test_an_old_directory_kept_for_what_could_not_move_is_named_to_stay(tmp_path: Path) -> None:
+    """A folder another process made in the directory during the save and mounted a file
+    system on cannot move into the new directory: the old directory is kept, under a name
+    that no removal of killed saves' temporary files takes (a save of another file in the
+    parent directory leaves it), and the warning names it."""
+    import subprocess as sp
+
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    hf.save_pretrained(model, out)
+    write = hf._transformers_writer(model)
+    mnt = out / "mnt"
+
+    def write_while_another_process_mounts(directory: str, **kwargs: Any) -> None:
+        write(directory, **kwargs)
+        mnt.mkdir()
+        done = sp.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                      capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+
+    kept: list[Path] = []
+    try:
+        with pytest.warns(UserWarning, match="could not be moved") as warned:
+            hf._save(model, str(out), write_while_another_process_mounts, {})
+        kept = [p for p in tmp_path.iterdir() if p.name.startswith("m.previous-")]
+        assert len(kept) == 1 and str(kept[0]) in str(warned[0].message), warned[0].message
+        assert (kept[0] / "mnt").is_dir() and not [p for p in tmp_path.iterdir()
+                                                   if ".tmp-" in p.name]
+        assert_same(hf.from_pretrained(type(model), out), model.eval())
+        # Another process's save into the parent directory leaves it.
+        sp.run([sys.executable, "-c", "import sys, torch, tensortier; "
+                "tensortier.save({'w': torch.ones(1)}, sys.argv[1])", str(tmp_path / "o.pt")],
+               check=True, timeout=120)
+        assert kept[0].is_dir()
+    finally:
+        for where in [*(k / "mnt" for k in kept), mnt]:
+            sp.run(["umount", str(where)], capture_output=True, timeout=60)

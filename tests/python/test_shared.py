@@ -980,8 +980,10 @@ def test_ctrl_c_ends_the_store_host_s_wait_at_exit_for_a_dead_rank(tmp_path: Pat
 
 
 FORK_CHILD_EXITS = """
-import os, sys, time, torch, torch.multiprocessing as mp
+import os, subprocess, sys, time, torch, torch.multiprocessing as mp
 import tensortier.shared as shared
+
+OUTSIDE = "import tensortier.shared as s; print(s.attach('feat', timeout=20).view().sum().item())"
 
 def run(rank, world, port, forker):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -997,6 +999,11 @@ def run(rank, world, port, forker):
     t.scatter([rank], torch.ones(1))
     g.barrier()
     assert t.gather([0, 1]).sum().item() == 2.0
+    if rank == 0:  # every rank still serves its rows to processes outside the group
+        r = subprocess.run([sys.executable, "-c", OUTSIDE], capture_output=True, text=True,
+                           timeout=60)
+        assert r.stdout.strip() == "2.0", r.stdout + r.stderr
+    g.barrier()
     g.close()
 
 if __name__ == "__main__":
@@ -1007,8 +1014,9 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("forker", [0, 1])
 def test_a_forked_child_s_exit_leaves_the_parent_s_group(tmp_path: Path, forker: int) -> None:
     """A child made by os.fork() that exits through Python's exit path (sys.exit) runs the
-    atexit handlers it inherited: they must not close the parent's group, or make the rank
-    serving the store wait for the others."""
+    atexit handlers it inherited and drops its copy of the group: neither may close the
+    parent's group, stop the parent's partition server (processes outside the group still
+    attach), or make the rank serving the store wait for the others."""
     script = tmp_path / "fork_child.py"
     script.write_text(FORK_CHILD_EXITS)
     r = subprocess.run([sys.executable, str(script), str(free_port()), str(forker)],

@@ -78,15 +78,18 @@ HfSaveStaging StageHfSave(const std::string& final_dir);
 
 // The end of a save staged by StageHfSave and written into staging.dir: CommitDirectory swaps it
 // with final_dir, CarryNewEntries moves what final_dir gained meanwhile into the new directory,
-// and the old one (at staging.dir now) is removed, unless something in it could not move: then
-// it is kept, and `left` names those paths (relative). `swapped` is false where final_dir stays
-// and can be written in place instead (a bind mount: EBUSY, EXDEV; a file system without
-// RENAME_EXCHANGE, as NFS, SMB and most FUSE ones: EINVAL, ENOSYS, EOPNOTSUPP); the staging
-// directory is removed then. Other errors: IoError, after removing the staging directory. The
-// system calls go through `fs` (where tests inject faults).
+// and the old one is removed, unless something in it could not move: then it is kept as
+// `kept_dir` ("FINAL.previous-<UTC time>", which no removal of killed saves' files takes), and
+// `left` names those paths (relative). `swapped` is false where final_dir stays and can be
+// written in place instead (a bind mount: EBUSY, EXDEV; a file system without RENAME_EXCHANGE,
+// as NFS, SMB and most FUSE ones: EINVAL, ENOSYS, EOPNOTSUPP); the staging directory is removed
+// then. Other errors: IoError, after removing the staging directory, or, where the exchange
+// happened before a later step failed (the parent's fsync), after carrying the old directory's
+// new entries over as above. The system calls go through `fs` (where tests inject faults).
 struct HfSaveCommit {
   bool swapped = false;
   std::vector<std::string> left;
+  std::string kept_dir;
 };
 HfSaveCommit CommitHfSave(const HfSaveStaging& staging, const std::string& final_dir,
                           const FileSystem& fs = FileSystem());

@@ -106,10 +106,18 @@ def _unsavable_error(base: type[Exception]) -> type[ValueError]:
     if issubclass(base, ValueError):
         return base  # type: ignore[return-value]
     name = f"Unsavable{base.__name__}"
-    cls = type(name, (base, ValueError),
-               {"__module__": __name__, "__doc__": _unsavable_error.__doc__})
-    globals()[name] = cls  # pickled by name, as exceptions are
+    cls = type(name, (base, ValueError), {
+        "__module__": __name__, "__doc__": _unsavable_error.__doc__,
+        # Made on first use: another process (a DataLoader or pool worker's parent) rebuilds it
+        # from its base rather than looking it up by name.
+        "__reduce__": lambda self: (_rebuild_unsavable, (base, str(self))),
+    })
+    globals()[name] = cls
     return cls
+
+
+def _rebuild_unsavable(base: type[Exception], message: str) -> ValueError:
+    return _unsavable_error(base)(message)
 
 
 def _unsavable(error: Exception, message: str) -> ValueError:

@@ -76,9 +76,9 @@ def save(
     if _is_file_object(path, "write"):
         fmt = _save_format(None, format)
         # Staged in TMPDIR under a name that says which process made it: the staging of a
-        # killed save is removed by the next save to a file object.
+        # killed save is removed by the next save to a file object. Only this user reads it.
         tmp = _require("create_staging_directory")(
-            os.path.join(tempfile.gettempdir(), "tensortier-save"))
+            os.path.join(tempfile.gettempdir(), "tensortier-save"), 0o700)
         try:
             staged = os.path.join(tmp, "checkpoint")
             save(state_dict, staged, fmt, metadata, checksum, _io=_io)

@@ -106,7 +106,7 @@ def _starting(backend: str) -> Iterator[None]:
             raise
         raise BackendUnavailableError(
             e.errno, f"Backend {_core.tensornvme_backend_name(backend)!r} is not install "
-            f"correctly: {e.strerror or e}"
+            f"correctly: {e.strerror or e}" + (f": {e.filename!r}" if e.filename else "")
         ) from e
 
 
