@@ -188,10 +188,15 @@ void RegisterCompat(py::module_& m) {
         if (!IsPlainInt(fd)) throw py::type_error(StrCat("fd must be an int, not ", TypeName(fd)));
         const uint64_t depth = QueueDepth(n_entries);
         TensorNvmeUnsigned(n_tasks, "n_tasks", 32);  // TensorNVMe's debug log counts them
-        return py::make_tuple(depth, TensorNvmeBackend(backend));
+        // A writer is one file written by one ring (aio, uring) or a pool of 8 threads
+        // (TensorNVMe's pthread backend): one engine worker, the threads backend's threads
+        // capped alike. ColossalAI keeps a writer per shard alive until the next step.
+        constexpr uint64_t kPthreadPool = 8;
+        const std::string name = TensorNvmeBackend(backend);
+        return py::make_tuple(name == "threads" ? std::min(depth, kPthreadPool) : depth, name, 1);
       },
       py::arg("fd"), py::arg("n_entries"), py::arg("backend"), py::arg("n_tasks"),
       "TensorNVMe's AsyncFileWriter arguments checked as its binding checks them: (queue depth, "
-      "the engine's backend name).");
+      "the engine's backend name, engine workers).");
   RegisterTensorNvmeWriter(m);
 }

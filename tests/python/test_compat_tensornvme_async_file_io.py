@@ -284,3 +284,24 @@ def test_writes_from_one_thread_while_another_synchronizes(disk_dir: Path) -> No
     assert path.read_bytes() == block * count
     del w
     gc.collect()
+
+
+@pytest.mark.parametrize("backend", ["uring", "aio", "pthread"])
+def test_a_writer_takes_few_threads(disk_dir: Path, backend: str) -> None:
+    """ColossalAI keeps a writer per shard alive until the next step: each takes about what
+    TensorNVMe's does (a ring, or a pool of 8 threads), not a pool per queue entry."""
+    require_backend(_BACKENDS[backend])
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    writers = [AsyncFileWriter(str(disk_dir / f"s{i}.bin"), n_entries=32, backend=backend)
+               for i in range(4)]
+    for w in writers:
+        w.write(b"x" * 4096)
+    for w in writers:
+        w.synchronize()
+    assert threads() - before <= 4 * 16, threads() - before
+    del writers
+    gc.collect()

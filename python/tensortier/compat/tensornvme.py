@@ -119,9 +119,10 @@ class _AsyncFileWriterCore(_core.TensorNvmeWriter):
     their callbacks, in order."""
 
     def __init__(self, fd: int, n_entries: int, backend: str = "aio", n_tasks: int = 0) -> None:
-        depth, backend = _core.tensornvme_writer_arguments(fd, n_entries, backend, n_tasks)
+        depth, backend, workers = _core.tensornvme_writer_arguments(fd, n_entries, backend,
+                                                                   n_tasks)
         with _starting(backend):
-            io = IOHandle(backend, queue_depth=depth)
+            io = IOHandle(backend, queue_depth=depth, workers=workers)
         super().__init__(io, fd)
 
     def write_tensor(self, tensor: Any, offset: int, callback: Callable[[], None] | None = None,
