@@ -432,6 +432,17 @@ class DeepNvmeHandle {
       snapshot = false;
       buffer = buffer.attr("contiguous")();
     }
+    // In DeepNVMe's first-in, first-out order (below), an operation on memory an earlier one
+    // still moves (a read into it, or a read into memory an earlier write takes from) sees that
+    // one finished: it starts once that one is over, a write's copy of its memory (next) taken
+    // after it.
+    const MemoryRange memory{buffer.attr("data_ptr")().cast<uintptr_t>(),
+                             buffer.attr("nbytes").cast<uint64_t>(), op == "read"};
+    for (Pending& p : pending_) {
+      if (p.memory.Conflicts(memory)) {
+        WaitInterruptibly([&](auto timeout) { return p.op.WaitFor(timeout); }, true);
+      }
+    }
     // An async write copies a buffer that is not locked host memory first, as DeepNVMe does
     // (DeepSpeed may reuse it before wait()); our device path would queue a CUDA tensor's copies
     // after work the caller queues meanwhile.
@@ -461,8 +472,10 @@ class DeepNvmeHandle {
     static const py::handle locked =  // the process's one registry of locked tensors
         py::object(py::module_::import("tensortier.compat.deepnvme").attr("_locked")).release();
     locked.attr("track")(buffer.attr("data_ptr")(), buffer.attr("nbytes"), operation);
+    const MemoryRange moved{buffer.attr("data_ptr")().cast<uintptr_t>(),
+                            buffer.attr("nbytes").cast<uint64_t>(), op == "read"};
     pending_.push_back({operation.cast<Operation>(), future, buffer, copy_to, validate, file->first,
-                        file->second, range});
+                        file->second, range, moved});
     return true;
   }
 
@@ -532,6 +545,18 @@ class DeepNvmeHandle {
     }
   };
 
+  // Memory an operation moves: `writes` for a read (the file's bytes go into it).
+  struct MemoryRange {
+    uintptr_t begin = 0;
+    uint64_t length = 0;
+    bool writes = false;
+
+    bool Conflicts(const MemoryRange& other) const {
+      return (writes || other.writes) && length != 0 && other.length != 0 &&
+             begin < other.begin + other.length && other.begin < begin + length;
+    }
+  };
+
   static std::optional<std::pair<dev_t, ino_t>> FileIdentity(const std::string& path) {
     struct stat st{};
     if (::stat(path.c_str(), &st) != 0) return std::nullopt;
@@ -547,6 +572,7 @@ class DeepNvmeHandle {
     std::string path;
     uint64_t offset;
     FileRange range;
+    MemoryRange memory;  // what it moves, as submitted (a write's copy, where it took one)
   };
 
   std::timed_mutex mutex_;

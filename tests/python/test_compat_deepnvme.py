@@ -834,3 +834,30 @@ def test_a_handle_in_a_cycle_through_a_pending_buffer_is_collected(disk_dir: Pat
     gc.collect()
     assert [r() for r in refs] == [None] * 3
     assert all((disk_dir / f"f{i}").read_bytes() == bytes(range(256)) * 16 for i in range(3))
+
+
+def test_operations_on_one_locked_buffer_keep_the_order_they_started_in(
+        disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepNVMe's workers take a handle's operations first in, first out: a write of a buffer
+    then a read into it leaves the file with the old contents, a read then a write the new.
+    The engine runs operations side by side: one on memory an earlier one still moves waits."""
+    monkeypatch.setenv("TENSORTIER_BACKEND", "threads")  # where a race shows most
+    h = AsyncIOBuilder().load().aio_handle(16384, 32, False, False, 8)
+    n = 1 << 20
+    buf = h.new_cpu_locked_tensor(n, torch.empty(0))
+    h.sync_pwrite(torch.full((n,), 2.0), str(disk_dir / "in.bin"))
+    out = torch.empty(n)
+    for i in range(5):
+        buf.fill_(1.0)
+        assert h.async_pwrite(buf, str(disk_dir / f"old{i}.bin")) == 0
+        assert h.async_pread(buf, str(disk_dir / "in.bin")) == 0
+        assert h.wait() == 2
+        h.sync_pread(out, str(disk_dir / f"old{i}.bin"))
+        assert bool((out == 1.0).all()), f"round {i}: the write saw the read's data"
+        buf.fill_(1.0)
+        assert h.async_pread(buf, str(disk_dir / "in.bin")) == 0
+        assert h.async_pwrite(buf, str(disk_dir / f"new{i}.bin")) == 0
+        assert h.wait() == 2
+        h.sync_pread(out, str(disk_dir / f"new{i}.bin"))
+        assert bool((out == 2.0).all()), f"round {i}: the write did not see the read's data"
+    h.free_cpu_locked_tensor(buf)
