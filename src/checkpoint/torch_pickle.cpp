@@ -43,9 +43,12 @@ using Value = PickleValue;
 
 class Vm : public PickleMachine {
  public:
+  // Listing opaque objects also takes the opcodes pickle writes for them (NEWOBJ for an
+  // instance of a class, a dataclass's; sets) that torch.save does not write for state dicts.
   Vm(std::string_view data, const std::string& what, bool opaque_objects)
       : PickleMachine(data, std::min(kMaxValues, data.size() / 2 + kSlack),
-                      std::min(kMaxMemo, data.size() / 2 + kSlack), /*extended=*/false),
+                      std::min(kMaxMemo, data.size() / 2 + kSlack),
+                      /*extended=*/opaque_objects),
         what_(what),
         opaque_objects_(opaque_objects),
         max_tensors_(std::min(kMaxTensors, data.size() / kBytesPerTensor + kSlack)),

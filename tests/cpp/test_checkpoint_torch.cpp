@@ -287,6 +287,12 @@ TEST(CheckpointTorch, OtherObjectsAreOpaqueValuesForListingOnly) {
   ASSERT_EQ(r.tensors.size(), 1u);
   EXPECT_EQ(r.tensors[0].path, "np.state.1");
   EXPECT_EQ(r.other_values, 2u);  // the object and 1; what rebuilds the object is no value
+  // An instance of a class as pickle writes it (NEWOBJ, then BUILD with its __dict__): a
+  // dataclass, an HF Trainer's training_args.bin.
+  const std::string instance =
+      kProto + "c__main__\nTrainState\n)\x81}X\x04\x00\x00\x00stepK\x03sb."s;
+  EXPECT_TRUE(PickleRejects(instance, "global '__main__.TrainState' is not allowed"));
+  EXPECT_EQ(ParseTorchPickle(instance, "test.pkl", true).other_values, 1u);
   // Globals torch.load allows keep their rules: a dtype is still no callable.
   EXPECT_THROW(ParseTorchPickle(kProto + "ctorch\nfloat32\n)R.", "test.pkl", true), FormatError);
 }

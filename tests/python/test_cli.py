@@ -231,3 +231,19 @@ def test_verify_and_info_read_a_file_holding_numpy_arrays(tmp_path: Path) -> Non
     r = run("info", str(path))
     assert r.returncode == 0, r.stderr
     assert "tensors:   1" in r.stdout, r.stdout
+
+
+def test_verify_reads_a_pickled_dataclass_as_trainer_saves_its_arguments(
+        tmp_path: Path) -> None:
+    """An HF Trainer's training_args.bin is torch.save of a dataclass instance."""
+    path = tmp_path / "training_args.bin"
+    script = ("import dataclasses, sys, torch\n"
+              "@dataclasses.dataclass\n"
+              "class TrainingArguments:\n"
+              "    output_dir: str = 'out'\n"
+              "    learning_rate: float = 5e-5\n"
+              "torch.save(TrainingArguments(), sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=120)
+    r = run("verify", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "structure OK (torch.save zip, 0 tensors)" in r.stdout, r.stdout
