@@ -161,7 +161,7 @@ TEST(SharedExchangeTest, AnIndexOutOfRangeFailsEveryRankNamingWhoPassedIt) {
 }
 
 // A rank whose call was refused for its arguments still takes part, saying so: every rank
-// throws naming it (before any bad index), and the next round pairs up as before.
+// throws naming it (before any bad index), and the next calls pair up as before.
 TEST(SharedExchangeTest, ARefusedCallFailsEveryRankNamingWhoseItWas) {
   Job job(10, 3);
   const std::vector<std::vector<int64_t>> idx = {{1}, {10}, {2}};
@@ -176,7 +176,7 @@ TEST(SharedExchangeTest, ARefusedCallFailsEveryRankNamingWhoseItWas) {
       job.ranks[r].ReadRequests();
       ADD_FAILURE() << "rank " << r << " did not throw";
     } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("rank 2 refused its call of this round"),
+      EXPECT_NE(std::string(e.what()).find("rank 2 refused its gather or scatter"),
                 std::string::npos)
           << e.what();
     }
