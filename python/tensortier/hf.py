@@ -183,8 +183,9 @@ def _read_early(cls: Any, path: str, kwargs: dict[str, Any]) -> Iterator[None]:
 
 def _load(target: str, device: Any, dtype: Any, mmap: bool) -> dict[str, Any]:
     """`target` loaded by :func:`tensortier.load`; mapped files' pages put in the page tables
-    now, on several threads, rather than faulted in one at a time by the model's first reads."""
-    state_dict = load(target, device, dtype, mmap=mmap)
+    now, on several threads, rather than faulted in one at a time by the model's first reads.
+    Mapped privately, as transformers maps them, whatever torch.load's mmap setting."""
+    state_dict = load(target, device, dtype, mmap=mmap, _shared_mapping=False)
     if mmap:
         _core.populate_for_reading([(t.data_ptr(), t.nbytes) for t in state_dict.values()],
                                    min(8, os.cpu_count() or 1))

@@ -367,3 +367,32 @@ def test_mmap_none_follows_torchs_setting_as_torch_load_does(disk_dir: Path, nam
         assert not storage_is_file_mapping(out["a"], path)
         assert tensortier.load(path, device="meta")["a"].is_meta
         assert not storage_is_file_mapping(tensortier.load(path, mmap=False)["a"], path)
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_map_shared_writes_reach_the_file_as_torch_loads_do(disk_dir: Path, name: str) -> None:
+    """torch.serialization.set_default_mmap_options(mmap.MAP_SHARED) makes torch.load(mmap=True)
+    map the file shared, so that writes to the tensors reach it; ours follow the same setting."""
+    import mmap as mmap_module
+
+    path = disk_dir / name
+    sd = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)}
+    tensortier.save(sd, path)
+    with torch.serialization.set_default_mmap_options(mmap_module.MAP_SHARED):
+        out = tensortier.load(path, mmap=True)
+        assert storage_is_file_mapping(out["a"], path)
+        out["a"].fill_(5.0)
+        if name.endswith(".pt"):  # torch's own load, under the same setting, as the reference
+            torch.load(path, mmap=True)["b"].fill_(9)
+        else:
+            out["b"].fill_(9)
+        del out
+    again = tensortier.load(path)
+    assert torch.equal(again["a"], torch.full((4096,), 5.0))
+    assert torch.equal(again["b"], torch.full((3,), 9))
+    assert torch.equal(torch.load(path)["a"], again["a"])
+    # Back to the default: private again.
+    out = tensortier.load(path, mmap=True)
+    out["a"].fill_(1.0)
+    del out
+    assert torch.equal(tensortier.load(path)["a"], torch.full((4096,), 5.0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -155,6 +156,17 @@ def test_cached_shards_are_mapped_and_others_read(tmp_path: Path, reads: list[st
         assert mapped(warm) == (not kw)
         assert_same(warm, cls.from_pretrained(tmp_path, **kw))
     assert_same(ours_cold, cls.from_pretrained(tmp_path))
+    # torch.load's MAP_SHARED setting is not transformers': writes to the model never reach
+    # the checkpoint's files (device_map: read on this thread, whose setting it is).
+    before = {shard: Path(shard).read_bytes() for shard in shards}
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        warm = ours(reads, cls, tmp_path, device_map="cpu")
+        assert mapped(warm)
+        with torch.no_grad():
+            for p in warm.parameters():
+                p.fill_(3.0)
+        del warm
+    assert all(Path(shard).read_bytes() == data for shard, data in before.items())
 
 
 def test_variants_and_subfolders(tmp_path: Path, reads: list[str]) -> None:

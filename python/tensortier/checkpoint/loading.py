@@ -31,6 +31,7 @@ def load(
     pickle_module: Any = None,
     encoding: str | None = None,
     _io: IOHandle | None = None,
+    _shared_mapping: bool | None = None,
 ) -> Any:
     """Load a checkpoint: a safetensors file, a zip-format ``torch.save`` file, or a Hugging Face
     shard index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``).
@@ -65,7 +66,8 @@ def load(
             disk as tensors touch them; readahead of all the tensors' bytes is queued when they
             fit in half the available memory (one budget for all shards of an index).
             Processes that map one file share its cached pages; writes to the tensors stay
-            private. Only for ``device="cpu"``. The call reads no tensor bytes itself, except
+            private (unless torch's ``set_default_mmap_options(mmap.MAP_SHARED)`` is in force,
+            as for ``torch.load``: then they reach the file). Only for ``device="cpu"``. The call reads no tensor bytes itself, except
             with `verify` (checks them now, as they are at load time), `dtype` (converted
             tensors are copies), big-endian torch files (swapped into private copies) and
             tensors whose offset is not a multiple of their element size (possible in other
@@ -160,7 +162,8 @@ def load(
             # One way down: the shards here -> safetensors or unpickler -> _reading (C++ reads).
             with _engine._gc_paused():
                 return _load_kind(fspath, kind, dev, target_dtype, verify, progress, io,
-                                  _Readahead() if mmap and dev.type != "meta" else None,
+                                  _Readahead(_shared_mapping) if mmap and dev.type != "meta"
+                                  else None,
                                   placement)
         except ValueError as e:
             if not streamed or fspath not in str(e):

@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from mmap import MAP_SHARED
 from typing import Any
 
 from ..io import File
@@ -52,16 +53,20 @@ def _host_alloc(numel: int, dtype: Any, misalign: int = 0) -> Any:
 
 class _Readahead(_require("ReadaheadBudget")):  # type: ignore[misc]
     """What ``mmap=True`` loads may still read ahead: half the memory available at the start,
-    shared by an index's shards (so that readahead does not evict earlier shards' pages)."""
+    shared by an index's shards (so that readahead does not evict earlier shards' pages); and
+    whether files are mapped shared (`shared`; None: as torch's mmap loads map them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool | None = None) -> None:
         super().__init__(_available_memory() // 2)
+        self.shared = _maps_shared() if shared is None else shared
 
 
 def _map_file(
     file: File, path: str, ranges: Sequence[tuple[str, int, int]], readahead: _Readahead
 ) -> Any:
-    """The whole file `file` has open, mapped copy-on-write, as a CPU UntypedStorage. `ranges`
+    """The whole file `file` has open, mapped as a CPU UntypedStorage: copy-on-write, or shared
+    (writes reach the file) where torch's ``set_default_mmap_options(mmap.MAP_SHARED)`` asks
+    ``torch.load(mmap=True)`` for that. `ranges`
     ((name, offset, length) the caller will use) must lie inside the file as mapped (a page
     past its end is SIGBUS); their span is read ahead when `readahead` allows."""
     torch = _torch()
@@ -73,7 +78,7 @@ def _map_file(
     proc = f"/proc/self/fd/{fd}"
     try:
         whole = torch.UntypedStorage.from_file(
-            proc if os.path.exists(proc) else path, shared=False, nbytes=size
+            proc if os.path.exists(proc) else path, shared=readahead.shared, nbytes=size
         )
     except RuntimeError as e:  # "unable to mmap N bytes from file <name>: <strerror> (<errno>)"
         found = re.search(r"\((\d+)\)\s*$", str(e))
@@ -90,6 +95,14 @@ def _map_file(
         except OSError:
             pass  # only a hint: pages still come in as they are touched
     return whole
+
+
+def _maps_shared() -> bool:
+    """Whether torch's mmap loads map files MAP_SHARED on this thread (``torch.serialization``'s
+    ``set_default_mmap_options``, a per-thread setting; MAP_PRIVATE unless changed)."""
+    from torch.utils.serialization import config
+
+    return getattr(config.load, "mmap_flags", None) == MAP_SHARED
 
 
 # MemAvailable of /proc/meminfo (0 when it cannot tell): the name tests replace.
