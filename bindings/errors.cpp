@@ -19,6 +19,7 @@ namespace {
 PyObject* cuda_error_type = nullptr;
 PyObject* cufile_error_type = nullptr;
 PyObject* format_error_type = nullptr;
+PyObject* unsupported_format_error_type = nullptr;
 PyObject* shared_storage_error_type = nullptr;
 
 py::object Call(PyObject* type, py::tuple args) {
@@ -58,6 +59,8 @@ std::optional<py::object> Translate(const std::exception_ptr& error) {
       return std::nullopt;
     }
     return Call(PyExc_OSError, py::make_tuple(e.code().value(), MessageToPython(e.what())));
+  } catch (const UnsupportedFormatError& e) {
+    return Call(unsupported_format_error_type, py::make_tuple(MessageToPython(e.what())));
   } catch (const FormatError& e) {
     return Call(format_error_type, py::make_tuple(MessageToPython(e.what())));
   } catch (const std::invalid_argument& e) {
@@ -87,6 +90,11 @@ void RegisterErrors(py::module_& m) {
       "tensortier._core.FormatError",
       "A file that is not what it claims to be (truncated, damaged, malformed): a ValueError.",
       PyExc_ValueError, nullptr);
+  unsupported_format_error_type = PyErr_NewExceptionWithDoc(
+      "tensortier._core.UnsupportedFormatError",
+      "A well-formed file of a format (or version) not read here, such as a legacy torch.save "
+      "file: a FormatError, and so a ValueError, but not damage.",
+      format_error_type, nullptr);
   // safetensors' save_file raises RuntimeError for tensors that share memory.
   const py::tuple value_and_runtime =
       py::make_tuple(py::handle(PyExc_ValueError), py::handle(PyExc_RuntimeError));
@@ -96,11 +104,13 @@ void RegisterErrors(py::module_& m) {
       "ValueError, and the RuntimeError safetensors' save_file raises.",
       value_and_runtime.ptr(), nullptr);
   if (cuda_error_type == nullptr || cufile_error_type == nullptr || format_error_type == nullptr ||
+      unsupported_format_error_type == nullptr ||
       shared_storage_error_type == nullptr) {
     throw py::error_already_set();
   }
   m.attr("SharedStorageError") = py::handle(shared_storage_error_type);
   m.attr("FormatError") = py::handle(format_error_type);
+  m.attr("UnsupportedFormatError") = py::handle(unsupported_format_error_type);
   m.attr("CudaError") = py::handle(cuda_error_type);
   m.attr("CuFileError") = py::handle(cufile_error_type);
   py::register_exception_translator([](std::exception_ptr p) {

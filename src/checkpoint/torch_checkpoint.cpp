@@ -21,7 +21,7 @@ bool LooksLikeZip(const ByteSource& source) {
 }
 
 void ThrowLegacyTorchFile(const std::string& path) {
-  throw FormatError(StrCat(path,
+  throw UnsupportedFormatError(StrCat(path,
                            ": legacy torch.save format (PyTorch < 1.6, not a zip file) is not "
                            "supported; load it with torch.load and save it again"));
 }

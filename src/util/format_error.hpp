@@ -14,4 +14,11 @@ class FormatError : public std::invalid_argument {
   explicit FormatError(const std::string& message) : std::invalid_argument(message) {}
 };
 
+// A well-formed file of a format (or version of one) that is not read here, such as a legacy
+// torch.save file: not damage, so Python sees a plain ValueError, not a damaged-file error.
+class UnsupportedFormatError : public FormatError {
+ public:
+  using FormatError::FormatError;
+};
+
 }  // namespace tensortier

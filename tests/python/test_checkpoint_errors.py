@@ -18,7 +18,7 @@ import torch
 
 import internals
 import tensortier
-from tensortier import IOHandle, checkpoint
+from tensortier import IOHandle, _core, checkpoint
 from tensortier.checkpoint import _format, _reading, safetensors, unpickler
 
 from faults import faults_injected, with_faults
@@ -125,8 +125,11 @@ def test_a_directory_is_refused_alike_by_load_and_the_cli(disk_dir: Path, name: 
 def test_legacy_torch_file(disk_dir: Path) -> None:
     path = disk_dir / "legacy.pt"
     torch.save({"a": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
-    with pytest.raises(ValueError, match="legacy.*torch.load"):
+    with pytest.raises(ValueError, match="legacy.*torch.load") as caught:
         tensortier.load(path)
+    # A valid file of a format not read here, not a damaged one.
+    assert not isinstance(caught.value, (tensortier.DamagedCheckpointError, tensortier.EmptyCheckpointError))
+    assert isinstance(caught.value, _core.UnsupportedFormatError)
 
 
 def rezip(src: Path, dst: Path, *, compress: str | None = None, drop: str | None = None,
@@ -1457,6 +1460,15 @@ def test_damaged_files_raise_what_torch_and_safetensors_raise(disk_dir: Path, ho
             assert str(path) in str(caught.value), caught.value
     assert issubclass(tensortier.DamagedCheckpointError, RuntimeError)
     assert issubclass(tensortier.EmptyCheckpointError, EOFError)
+    # A file named .safetensors is read as safetensors reads it, whatever its bytes turn out to
+    # be (empty, a pickle, a zip): its errors are safetensors' type then.
+    if how == "path":
+        for name, data in (("e.safetensors", b""), ("p.safetensors", b"\x80\x02}q\x00."),
+                           ("z.SAFETENSORS", pt.read_bytes())):
+            (disk_dir / name).write_bytes(data)
+            with pytest.raises(SafetensorError) as caught:
+                tensortier.load(disk_dir / name)
+            assert isinstance(caught.value, ValueError) and name in str(caught.value)
 
 
 def test_an_index_naming_a_json_shard_is_refused_not_recursed_into(tmp_path: Path) -> None:

@@ -147,14 +147,18 @@ def _as_damaged(error: ValueError, path: str, kind: str | None) -> ValueError:
     """`error` (a ``FormatError`` reading `path`, a file of `kind`: ``"safetensors"``,
     ``"torch"``, None where it could not be told) as the type torch or safetensors raises for
     such a file, with its message and traceback."""
-    if type(error) is not _core.FormatError:
-        return error
+    # A file named .safetensors is one its caller reads as safetensors would (even where its
+    # bytes turned out to be something else): safetensors' error type then, empty or not.
+    named = os.path.basename(path).lower().endswith(".safetensors")
+    if not isinstance(error, _core.FormatError) or (type(error) is not _core.FormatError
+                                                    and not named):
+        return error  # a subtype already (UnsupportedFormatError), or not the file's fault
     try:
         empty = os.path.getsize(path) == 0
     except OSError:
         empty = False
-    cls: type[ValueError] = (EmptyCheckpointError if empty
-                             else _damaged_safetensors_error() if kind == "safetensors"
+    cls: type[ValueError] = (_damaged_safetensors_error() if kind == "safetensors" or named
+                             else EmptyCheckpointError if empty
                              else DamagedCheckpointError)
     return cls(*error.args).with_traceback(error.__traceback__)
 
