@@ -121,10 +121,19 @@ PickleValue& PickleMachine::Top() {
   return values_[stack_.back()];
 }
 
-PickleValue& PickleMachine::Container(PickleKind kind, std::string_view refusal) {
+std::vector<uint32_t>& PickleMachine::Items(PickleKind kind, std::string_view refusal) {
   PickleValue& c = Top();
-  if (c.kind != kind) Fail(refusal);
-  return c;
+  if (c.kind == kind) return c.items;
+  if (c.kind != PickleKind::kObject || kind == PickleKind::kSet || !ObjectsTakeItems()) {
+    Fail(refusal);
+  }
+  const bool keyed = kind == PickleKind::kDict;
+  PickleContents& contents = contents_[stack_.back()];
+  if (!contents.items.empty() && contents.keyed != keyed) {
+    Fail("an object given both items and elements");
+  }
+  contents.keyed = keyed;
+  return contents.items;
 }
 
 void PickleMachine::Memoize(uint64_t index) {
@@ -293,22 +302,22 @@ uint32_t PickleMachine::Execute() {
       }
       case 'a': {  // APPEND
         uint32_t v = Pop();
-        Container(PickleKind::kList, "APPEND to something that is not a list").items.push_back(v);
+        Items(PickleKind::kList, "APPEND to something that is not a list").push_back(v);
         break;
       }
       case 'e':
       case 0x90: {  // APPENDS, ADDITEMS
         std::vector<uint32_t> items = PopToMark();
-        PickleValue& c =
-            op == 'e' ? Container(PickleKind::kList, "APPENDS to something that is not a list")
-                      : Container(PickleKind::kSet, "ADDITEMS to something that is not a set");
-        c.items.insert(c.items.end(), items.begin(), items.end());
+        std::vector<uint32_t>& c =
+            op == 'e' ? Items(PickleKind::kList, "APPENDS to something that is not a list")
+                      : Items(PickleKind::kSet, "ADDITEMS to something that is not a set");
+        c.insert(c.end(), items.begin(), items.end());
         break;
       }
       case 's': {  // SETITEM
         uint32_t v = Pop();
         uint32_t k = Pop();
-        auto& d = Container(PickleKind::kDict, "SETITEM on something that is not a dict").items;
+        auto& d = Items(PickleKind::kDict, "SETITEM on something that is not a dict");
         d.push_back(k);
         d.push_back(v);
         break;
@@ -316,7 +325,7 @@ uint32_t PickleMachine::Execute() {
       case 'u': {  // SETITEMS
         std::vector<uint32_t> items = PopToMark();
         if (items.size() % 2 != 0) Fail("SETITEMS with an odd number of items");
-        auto& d = Container(PickleKind::kDict, "SETITEMS on something that is not a dict").items;
+        auto& d = Items(PickleKind::kDict, "SETITEMS on something that is not a dict");
         d.insert(d.end(), items.begin(), items.end());
         break;
       }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace tensortier {
@@ -43,6 +44,14 @@ struct PickleValue {
                                  // an object's arguments
 };
 
+// What SETITEM(S) (keys and values interleaved, `keyed`) or APPEND(S) (elements) added to a
+// kObject, where the reader lets objects take items. Apart from PickleValue, which every value
+// of a pickle has (its size bounds a crafted pickle's memory).
+struct PickleContents {
+  std::vector<uint32_t> items;
+  bool keyed = false;
+};
+
 class PickleMachine {
  public:
   // `extended`: also the opcodes torch.save does not emit but pickle.dumps does (protocols 3 to
@@ -72,6 +81,9 @@ class PickleMachine {
   virtual uint32_t WideInt(std::string_view bytes);
   // What the error of an opcode this reader does not take adds to "unsupported pickle opcode 0x..".
   virtual std::string_view OpcodeNote() const { return ""; }
+  // Whether SETITEM(S) and APPEND(S) may fill a kObject (a dict or list subclass such as
+  // defaultdict) rather than being refused: into its `contents`.
+  virtual bool ObjectsTakeItems() const { return false; }
 
   uint32_t New(PickleValue v);
   uint32_t Scalar(PickleKind kind, int64_t i = 0, std::string s = {});
@@ -80,6 +92,7 @@ class PickleMachine {
   std::string_view data_;
   size_t op_pos_ = 0;  // where the current opcode starts
   std::vector<PickleValue> values_;
+  std::unordered_map<uint32_t, PickleContents> contents_;  // by kObject value, where filled
   static constexpr uint32_t kNoneValue = 0;  // the shared singletons the constructor makes
   static constexpr uint32_t kTrueValue = 1;
   static constexpr uint32_t kFalseValue = 2;
@@ -94,7 +107,9 @@ class PickleMachine {
   size_t MarkFloor() const { return marks_.empty() ? 0 : marks_.back(); }
   std::vector<uint32_t> PopToMark();  // everything above the topmost mark, and the mark
   PickleValue& Top();
-  PickleValue& Container(PickleKind kind, std::string_view refusal);
+  // The items of the container on top of the stack, which must be a `kind` (or an object, where
+  // ObjectsTakeItems): refused with `refusal` otherwise.
+  std::vector<uint32_t>& Items(PickleKind kind, std::string_view refusal);
   void Memoize(uint64_t index);
   void Get(uint64_t index);
 

@@ -76,6 +76,10 @@ class Vm : public PickleMachine {
     return " (not one torch.save emits for state dicts)";
   }
 
+  // A dict or list subclass pickled by class (defaultdict, a user's dict subclass) gets its
+  // items as a dict or a list does: listed, not refused.
+  bool ObjectsTakeItems() const override { return opaque_objects_; }
+
   void CheckGlobal(const std::string& module, const std::string& name) override {
     if (!opaque_objects_ && !Allowed(module + "." + name)) {
       Fail(StrCat("global '", module, ".", name,
@@ -439,22 +443,30 @@ class Vm : public PickleMachine {
     if (on_path[index]) WalkFail(StrCat("the object at '", path, "' contains itself"));
     on_path[index] = true;
     inside_object_ += v.kind == Kind::kObject;     // what rebuilds it is no value of the file's
-    const std::vector<uint32_t>& items = v.items;  // values_ does not change during the walk
-    if (v.kind == Kind::kDict) {
-      for (size_t i = 0; i + 1 < items.size(); i += 2) {
-        const Value& k = values_[items[i]];
-        std::string key = k.kind == Kind::kStr   ? k.s
-                          : k.kind == Kind::kInt ? std::to_string(k.i)
-                                                 : std::string("<key>");
-        Walk(items[i + 1], child(key), depth + 1, on_path);
+    // values_ does not change during the walk
+    auto walk_items = [&](const std::vector<uint32_t>& items, bool keyed) {
+      if (keyed) {
+        for (size_t i = 0; i + 1 < items.size(); i += 2) {
+          const Value& k = values_[items[i]];
+          std::string key = k.kind == Kind::kStr   ? k.s
+                            : k.kind == Kind::kInt ? std::to_string(k.i)
+                                                   : std::string("<key>");
+          Walk(items[i + 1], child(key), depth + 1, on_path);
+        }
+      } else {
+        for (size_t i = 0; i < items.size(); ++i) {
+          Walk(items[i], child(std::to_string(i)), depth + 1, on_path);
+        }
+      }
+    };
+    if (v.kind == Kind::kObject) {  // what made it, its state, its contents as a dict or list
+      walk_items(v.items, false);
+      if (v.state != UINT32_MAX) Walk(v.state, child("state"), depth + 1, on_path);
+      if (auto found = contents_.find(index); found != contents_.end()) {
+        walk_items(found->second.items, found->second.keyed);
       }
     } else {
-      for (size_t i = 0; i < items.size(); ++i) {
-        Walk(items[i], child(std::to_string(i)), depth + 1, on_path);
-      }
-      if (v.kind == Kind::kObject && v.state != UINT32_MAX) {
-        Walk(v.state, child("state"), depth + 1, on_path);
-      }
+      walk_items(v.items, v.kind == Kind::kDict);
     }
     inside_object_ -= v.kind == Kind::kObject;
     on_path[index] = false;

@@ -297,6 +297,36 @@ TEST(CheckpointTorch, OtherObjectsAreOpaqueValuesForListingOnly) {
   EXPECT_THROW(ParseTorchPickle(kProto + "ctorch\nfloat32\n)R.", "test.pkl", true), FormatError);
 }
 
+// defaultdict(list, {'a': [tensor]}) and a list subclass [1, tensor], as pickle writes them: the
+// items come by SETITEMS and APPENDS on the objects, listed under their keys and indices.
+TEST(CheckpointTorch, DictAndListSubclassesTakeTheirItemsForListing) {
+  std::string tensor = TensorPickle(10, 0, 10, 1);
+  tensor = tensor.substr(kProto.size(), tensor.size() - kProto.size() - 1);
+  const std::string dd = "ccollections\ndefaultdict\ncbuiltins\nlist\n\x85R(X\x01\x00\x00\x00"s +
+                         "a](" + tensor + "eu"s;
+  const std::string sub = "c__main__\nMyList\n)\x81(K\x01"s + tensor + "e"s;
+  const std::string p = kProto + "}(X\x02\x00\x00\x00"s + "dd" + dd + "X\x03\x00\x00\x00sub"s +
+                        sub + "X\x01\x00\x00\x00nK\x07u."s;
+  EXPECT_TRUE(PickleRejects(p, "global 'collections.defaultdict' is not allowed"));
+  const TorchPickle r = ParseTorchPickle(p, "test.pkl", /*opaque_objects=*/true);
+  ASSERT_EQ(r.tensors.size(), 2u);
+  EXPECT_EQ(r.tensors[0].path, "dd.a.0");
+  EXPECT_EQ(r.tensors[1].path, "sub.1");
+  EXPECT_EQ(r.other_values, 3u);  // the two objects and 7; their contents are theirs
+  // An object given both items and elements is no dict or list.
+  const std::string both = kProto + "c__main__\nOdd\n)\x81(K\x01K\x02uK\x03a."s;
+  EXPECT_THROW(ParseTorchPickle(both, "test.pkl", true), FormatError);
+  // Set subclasses take no items this way (their ADDITEMS is refused).
+  try {
+    ParseTorchPickle(kProto + "c__main__\nS\n)\x81(K\x01\x90.", "test.pkl", true);
+    ADD_FAILURE() << "ADDITEMS on an object was taken";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("ADDITEMS to something that is not a set"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CheckpointTorch, BuildOnlyOnDictsAndTensors) {
   // OrderedDict() with BUILD state {'_metadata': {}} (what torch.save emits), then None, ((), {}).
   const std::string od = "ccollections\nOrderedDict\n)R"s;

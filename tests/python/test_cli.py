@@ -233,6 +233,26 @@ def test_verify_and_info_read_a_file_holding_numpy_arrays(tmp_path: Path) -> Non
     assert "tensors:   1" in r.stdout, r.stdout
 
 
+def test_verify_and_info_list_tensors_in_dict_and_list_subclasses(tmp_path: Path) -> None:
+    """A defaultdict or a user's dict/list subclass gets its items as pickle gives them
+    (SETITEMS, APPENDS on the object): listed under their keys, every CRC-32 checked."""
+    path = tmp_path / "subclasses.pt"
+    script = ("import collections, sys, torch\n"
+              "class Named(dict): pass\n"
+              "class Rows(list): pass\n"
+              "d = collections.defaultdict(list); d['a'].append(torch.ones(3))\n"
+              "torch.save({'dd': d, 'named': Named(w=torch.zeros(2)), 'rows': Rows([torch.ones(1)]),"
+              " 'n': 7}, sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=120)
+    r = run("verify", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "structure OK (torch.save zip, 3 tensors)" in r.stdout, r.stdout
+    r = run("info", str(path))
+    assert r.returncode == 0, r.stderr
+    for name in ("dd.a.0", "named.w", "rows.0"):
+        assert name in r.stdout, r.stdout
+
+
 def test_verify_reads_a_pickled_dataclass_as_trainer_saves_its_arguments(
         tmp_path: Path) -> None:
     """An HF Trainer's training_args.bin is torch.save of a dataclass instance."""
