@@ -104,8 +104,7 @@ void RegisterErrors(py::module_& m) {
       "ValueError, and the RuntimeError safetensors' save_file raises.",
       value_and_runtime.ptr(), nullptr);
   if (cuda_error_type == nullptr || cufile_error_type == nullptr || format_error_type == nullptr ||
-      unsupported_format_error_type == nullptr ||
-      shared_storage_error_type == nullptr) {
+      unsupported_format_error_type == nullptr || shared_storage_error_type == nullptr) {
     throw py::error_already_set();
   }
   m.attr("SharedStorageError") = py::handle(shared_storage_error_type);

@@ -21,9 +21,10 @@ bool LooksLikeZip(const ByteSource& source) {
 }
 
 void ThrowLegacyTorchFile(const std::string& path) {
-  throw UnsupportedFormatError(StrCat(path,
-                           ": legacy torch.save format (PyTorch < 1.6, not a zip file) is not "
-                           "supported; load it with torch.load and save it again"));
+  throw UnsupportedFormatError(
+      StrCat(path,
+             ": legacy torch.save format (PyTorch < 1.6, not a zip file) is not "
+             "supported; load it with torch.load and save it again"));
 }
 
 void CheckTorchFileVersion(const ByteSource& source, const ZipDirectory& zip,

@@ -67,8 +67,8 @@ TorchCheckpoint ReadTorchCheckpoint(const ByteSource& source, ZipDirectory zip,
 // True when the first bytes look like a zip file (local header or empty-archive end record).
 bool LooksLikeZip(const ByteSource& source);
 
-// Throws the UnsupportedFormatError (a FormatError) naming `path` that refuses a legacy (non-zip, PyTorch < 1.6) torch.save
-// file: a pickle stream from its first byte.
+// Throws the UnsupportedFormatError (a FormatError) naming `path` that refuses a legacy (non-zip,
+// PyTorch < 1.6) torch.save file: a pickle stream from its first byte.
 [[noreturn]] void ThrowLegacyTorchFile(const std::string& path);
 
 }  // namespace tensortier
