@@ -262,15 +262,16 @@ class SharedTensor:
             _core.shared_check_values(str(values.dtype), str(self._dtype), values.shape,
                                       (idx.numel(), *self._shape[1:]),
                                       str(values.device) if host else None)
+            if host:
+                # The values themselves, as index_copy_ writes them: a conj or neg view's memory
+                # holds other numbers; rows of this tensor are read before any is written.
+                values = values.resolve_conj().resolve_neg()
+                if not self._distributed and self._holds(values):
+                    values = values.clone()
+                values = values.contiguous()  # may fail (memory): still before the round
         if not host:
             self._device_rows(idx, values)
             return
-        # The values themselves, as index_copy_ writes them: a conj or neg view's memory holds
-        # other numbers; rows of this tensor are read before any is written.
-        values = values.resolve_conj().resolve_neg()
-        if not self._distributed and self._holds(values):
-            values = values.clone()
-        values = values.contiguous()
         if self._distributed:
             self._round(idx, values)
             return
@@ -313,12 +314,13 @@ class SharedTensor:
 
     @contextlib.contextmanager
     def _refused_round_on_error(self, kind_scatter: bool) -> Iterator[None]:
-        """Within: the checks of this rank's call. Where they refuse it on the ``distributed``
-        layout, this rank still takes part in the round, saying so: the other ranks raise
-        ValueError naming it, rather than pairing their round with this rank's next call."""
+        """Within: what this rank's call does before its round (checks, copies). Where that
+        fails on the ``distributed`` layout (a refusal, out of memory), this rank still takes
+        part in the round, saying so: the other ranks raise ValueError naming it, rather than
+        pairing their round with this rank's next call or waiting out their timeout."""
         try:
             yield
-        except (TypeError, ValueError):
+        except Exception:
             if self._distributed:
                 # This rank's own error is the one to raise, whatever the round meets.
                 with _ROUND_LOCK, contextlib.suppress(Exception):

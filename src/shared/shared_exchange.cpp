@@ -126,8 +126,9 @@ bool SharedRowExchange::ReadRequests() {
   if (!refused.empty()) {
     throw std::invalid_argument(
         StrCat("rank ", refused,
-               " refused its gather or scatter (its arguments: see the error it raised), so no "
-               "rank moved rows; every rank must make the same calls"));
+               " refused its gather or scatter (its arguments, or an error before the round: "
+               "see the error it raised), so no rank moved rows; every rank must make the same "
+               "calls"));
   }
   if (!offenders.empty()) {
     throw std::out_of_range(StrCat("rank ", offenders,

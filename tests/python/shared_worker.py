@@ -359,6 +359,23 @@ def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
         assert rank == 0, f"rank {rank}: {e}"
     except ValueError as e:
         assert rank != 0 and "rank 0 refused its gather or scatter" in str(e), str(e)
+    # A failure after the checks, before the round (out of memory copying the values): the
+    # same, not the other ranks waiting out their timeout.
+    class CopyFails(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.Tensor.contiguous:
+                raise RuntimeError("out of memory copying the values (injected)")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    values = torch.ones(1, 2)
+    try:
+        t.scatter(torch.tensor([rank]), values.as_subclass(CopyFails) if rank == 1 else values)
+        raise AssertionError("no error")
+    except RuntimeError as e:
+        assert rank == 1 and "injected" in str(e), f"rank {rank}: {e}"
+    except ValueError as e:
+        assert rank != 1 and "rank 1 refused its gather or scatter" in str(e), str(e)
     t.scatter(torch.tensor([rank]), torch.full((1, 2), float(rank)))
     got = t.gather(torch.arange(world))
     assert torch.equal(got[:, 0], torch.arange(world, dtype=torch.float32)), got
