@@ -26,6 +26,7 @@
 #include "cycle_collected.hpp"
 #include "tensortier/offload/offloader.hpp"
 #include "tensortier/util/enum_names.hpp"
+#include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -132,7 +133,7 @@ void CheckOffloadReadTarget(const TensorFacts& t, uint64_t nbytes) {
 class OffloadEntries {
  public:
   OffloadEntries(Offloader& offloader, py::object hook)
-      : offloader_(offloader), hook_(std::move(hook)), pid_(getpid()) {}
+      : offloader_(offloader), hook_(std::move(hook)) {}
   // The deaths the entries' last references cause are queued while every member still lives.
   ~OffloadEntries() {
     Clear();
@@ -452,7 +453,7 @@ class OffloadEntries {
       Unmap(d.key, e, d.part);
       if (e.watch[1 - d.part]) continue;  // the other can still read it back
       Remove(d.key, dead);
-      if (!closed_ && getpid() == pid_) offloader_.Discard(d.key);  // a fork's copy: not ours
+      if (!closed_ && !maker_.Forked()) offloader_.Discard(d.key);  // a fork's copy: not ours
     }
   }
 
@@ -630,7 +631,7 @@ class OffloadEntries {
 
   Offloader& offloader_;
   py::object hook_;  // a weakref.WeakMethod of the offloader's drain-if-free
-  const pid_t pid_;
+  const MakerProcess maker_;
   std::unordered_map<uint64_t, Entry> entries_;
   std::unordered_map<uintptr_t, uint64_t> by_id_[2];  // id() of a tensor, of a storage -> key
   std::deque<Death> forgotten_;

@@ -23,6 +23,7 @@
 #include "tensortier/io/engine.hpp"
 #include "tensortier/transfer/operation.hpp"
 #include "tensortier/util/error.hpp"
+#include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -111,10 +112,9 @@ class OperationLog {
 };
 
 // "Made in another process" of an IOHandle or IOFuture used in a child made by fork().
-std::string ForkedMessage(const std::string& what, int64_t pid) {
-  return StrCat("this ", what, " was made in process ", pid, "; in process ", getpid(),
-                ", a child made by fork(), its engine's worker threads do not exist: make a new "
-                "IOHandle in the child");
+std::string ForkedMessage(const std::string& what, pid_t pid) {
+  return ForkedUseMessage(what, pid, "its engine's worker threads do not exist",
+                          "make a new IOHandle in the child");
 }
 
 // An operation submitted, with the Python objects whose memory it uses (kept until it is over)
@@ -123,21 +123,21 @@ std::string ForkedMessage(const std::string& what, int64_t pid) {
 class IOFuture {
  public:
   IOFuture(Operation op, py::object keepalive)
-      : op_(std::move(op)), keepalive_(std::move(keepalive)), pid_(getpid()) {}
+      : op_(std::move(op)), keepalive_(std::move(keepalive)) {}
   IOFuture(const IOFuture&) = delete;
   IOFuture& operator=(const IOFuture&) = delete;
 
   // The memory must outlive the I/O, Ctrl-C or not (in a fork's child nothing runs it).
   ~IOFuture() {
-    if (!keepalive_.is_none() && getpid() == pid_) {
+    if (!keepalive_.is_none() && !maker_.Forked()) {
       WaitInterruptibly([&](auto timeout) { return op_.WaitFor(timeout); }, false);
     }
   }
 
   // result(): waits (Ctrl-C interrupts the wait), then `result_type(**result)` or the error.
   py::object Outcome(const py::handle& result_type) {
-    if (getpid() != pid_ && outcome_.is_none()) {
-      throw py::value_error(ForkedMessage("IOFuture", pid_));
+    if (maker_.Forked() && outcome_.is_none()) {
+      throw py::value_error(ForkedMessage("IOFuture", maker_.pid()));
     }
     if (outcome_.is_none()) {
       try {
@@ -165,7 +165,7 @@ class IOFuture {
     return 0;
   }
   void ClearReferences() {
-    if (!keepalive_.is_none() && getpid() == pid_) {
+    if (!keepalive_.is_none() && !maker_.Forked()) {
       WaitInterruptibly([&](auto timeout) { return op_.WaitFor(timeout); }, false);
     }
     keepalive_ = py::none();
@@ -176,7 +176,7 @@ class IOFuture {
   Operation op_;
   py::object keepalive_;
   py::object outcome_ = py::none();
-  int64_t pid_;
+  MakerProcess maker_;
 };
 
 }  // namespace

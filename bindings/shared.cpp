@@ -28,6 +28,7 @@
 #include "tensortier/shared/shared_store.hpp"
 #include "tensortier/shared/shared_tensor.hpp"
 #include "tensortier/util/error.hpp"
+#include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -234,8 +235,7 @@ class BoundGroup : public SharedGroup {
   BoundGroup(std::shared_ptr<Store> store, int rank, int world_size,
              std::chrono::milliseconds timeout, bool hosts_store)
       : SharedGroup(std::move(store), rank, world_size, timeout),
-        hosts_store_(hosts_store),
-        maker_(getpid()) {}
+        hosts_store_(hosts_store) {}
   // A group dropped without close() leaves as close() does, so that the rank serving the store
   // does not wait for it at exit. Not while the interpreter finalizes: the store is a Python
   // object (groups of more than one rank were closed before that, at exit).
@@ -270,14 +270,14 @@ class BoundGroup : public SharedGroup {
     Close();
     // A child made by os.fork() holds a copy of the parent's group: closing it (its exit
     // included) frees the copy only, and tells the other ranks nothing.
-    if (getpid() != maker_) return;
+    if (maker_.Forked()) return;
     MarkClosed();
     if (!hosts_store_) CountOut();  // a store that is gone has nobody waiting
   }
 
  private:
   bool hosts_store_;
-  const pid_t maker_;
+  const MakerProcess maker_;
   std::atomic<bool> closed_ = false;
   std::mutex mutex_;
   std::vector<std::weak_ptr<DistributedTensor>> distributed_;

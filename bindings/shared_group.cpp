@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "register.hpp"
+#include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -202,7 +203,7 @@ void RegisterSharedGroup(py::module_& m) {
         py::object at_exit = py::module_::import("atexit").attr("register");
         // At this process's exit only: a child made by os.fork() inherits the handlers, and its
         // exit must leave the parent's group (and the store it serves) alone.
-        const pid_t maker = getpid();
+        const MakerProcess maker;
         // The other ranks count themselves out on close: a rank serving the store keeps it (held
         // here until exit) until they are done with it (at most the timeout: a dead rank never
         // counts).
@@ -210,13 +211,13 @@ void RegisterSharedGroup(py::module_& m) {
           py::object wait = Core("shared_wait_for_leavers");
           py::object leave_key = group.attr("leave_key");
           at_exit(py::cpp_function([maker, wait, adapter, leave_key, world, timeout_s] {
-            if (getpid() == maker) wait(adapter, leave_key, world, timeout_s);
+            if (!maker.Forked()) wait(adapter, leave_key, world, timeout_s);
           }));
         }
         if (world > 1) {  // runs before the above (atexit is last in, first out)
           py::object ref = py::module_::import("weakref").attr("ref")(group);
           at_exit(py::cpp_function([maker, ref] {
-            if (getpid() != maker) return;
+            if (maker.Forked()) return;
             py::object alive = ref();
             if (!alive.is_none()) alive.attr("close")();
           }));

@@ -349,7 +349,7 @@ bool Batch::pinned() const noexcept {
 }
 
 BatchReader::BatchReader(std::vector<std::string> paths, BatchReaderOptions options)
-    : owner_pid_(getpid()), paths_(std::move(paths)), options_(std::move(options)) {
+    : paths_(std::move(paths)), options_(std::move(options)) {
   if (paths_.empty()) throw std::invalid_argument("the reader was given no files");
   if (options_.prefetch == 0) throw std::invalid_argument("prefetch must be at least 1");
   if (options_.open_threads == 0) throw std::invalid_argument("open_threads must be at least 1");
@@ -393,15 +393,15 @@ BatchReader::~BatchReader() {
 }
 
 bool BatchReader::forked() const noexcept {
-  return getpid() != owner_pid_;
+  return maker_.Forked();
 }
 
 void BatchReader::CheckNotForked() const {
   if (forked()) {
-    throw std::logic_error(StrCat(
-        "this batch reader was made in process ", owner_pid_, "; in process ", getpid(),
-        ", a child made by fork(), its read-ahead threads do not exist: make the reader in the "
-        "process that reads from it (in a DataLoader worker, not before the workers start)"));
+    throw std::logic_error(ForkedUseMessage(
+        "batch reader", maker_.pid(), "its read-ahead threads do not exist",
+        "make the reader in the process that reads from it (in a DataLoader worker, not before "
+        "the workers start)"));
   }
 }
 

@@ -90,7 +90,7 @@ IoStats& IoStats::operator+=(const IoStats& other) {
 }
 
 Engine::Engine(EngineOptions options, const std::string& probe_dir)
-    : owner_pid_(getpid()), options_(std::move(options)) {
+    : options_(std::move(options)) {
   options_.Validate();
   // Workers allocate bounce buffers: settle the page policy here, so that a malformed
   // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
@@ -122,7 +122,7 @@ Engine::Engine(EngineOptions options, const std::string& probe_dir)
 }
 
 Engine::Engine(EngineOptions options, BackendFactory factory)
-    : owner_pid_(getpid()), options_(std::move(options)) {
+    : options_(std::move(options)) {
   options_.Validate();
   // Workers allocate bounce buffers: settle the page policy here, so that a malformed
   // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
@@ -185,15 +185,14 @@ Future Engine::Write(const File& file, const void* buf, uint64_t length, uint64_
 }
 
 bool Engine::forked() const noexcept {
-  return getpid() != owner_pid_;
+  return maker_.Forked();
 }
 
 void Engine::CheckNotForked() const {
   if (forked()) {
-    throw std::logic_error(StrCat("this I/O engine was made in process ", owner_pid_,
-                                  "; in process ", getpid(),
-                                  ", a child made by fork(), its "
-                                  "worker threads do not exist: make a new engine there"));
+    throw std::logic_error(ForkedUseMessage("I/O engine", maker_.pid(),
+                                            "its worker threads do not exist",
+                                            "make a new engine there"));
   }
 }
 

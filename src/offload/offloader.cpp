@@ -116,7 +116,7 @@ EngineOptions OffloaderEngineDefaults() {
 }
 
 Offloader::Offloader(OffloaderOptions options)
-    : owner_pid_(getpid()), options_(std::move(options)) {
+    : options_(std::move(options)) {
   if (options_.dirs.empty()) throw std::invalid_argument("offloader: no directory given");
   if (options_.stripe_threshold == 0) {
     throw std::invalid_argument("offloader: stripe_threshold must be positive");
@@ -638,7 +638,7 @@ const std::string& Offloader::backend() const {
 }
 
 void Offloader::Close() noexcept {
-  if (getpid() != owner_pid_) {
+  if (maker_.Forked()) {
     if (closed_) return;
     // A child made by fork() (say, a worker process exiting): the files are the parent's, as
     // is the data in them, and the janitor's and engine's threads were not copied. Nothing is

@@ -30,7 +30,7 @@ std::string PartitionSocketName(const std::string& token, int rank) {
 }
 
 PartitionServer::PartitionServer(std::string socket_name)
-    : name_(std::move(socket_name)), owner_(getpid()) {
+    : name_(std::move(socket_name)), maker_() {
   listener_ = ListenAbstract(name_);
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) ThrowIoError(errno, "pipe2", name_);
@@ -40,7 +40,7 @@ PartitionServer::PartitionServer(std::string socket_name)
 }
 
 PartitionServer::~PartitionServer() {
-  if (getpid() != owner_) {
+  if (maker_.Forked()) {
     // The wake pipe is the parent's too: a byte written there would stop the parent's server.
     thread_.detach();  // not a thread of this process
     for (auto& [key, fd] : served_) {

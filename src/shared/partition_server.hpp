@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "tensortier/shared/unix_socket.hpp"
+#include "tensortier/util/process_identity.hpp"
 
 namespace tensortier::shared {
 
@@ -48,7 +49,7 @@ class PartitionServer {
   std::atomic<uint64_t> refused_{0};
   // Opened here, before the thread: the group's descriptors are all open once it is made.
   SpareFd spare_;
-  const pid_t owner_;  // the process whose thread serves (a fork()ed child holds a copy)
+  const MakerProcess maker_;  // the process whose thread serves (a fork()ed child holds a copy)
   std::thread thread_;
 };
 

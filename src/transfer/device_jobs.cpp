@@ -88,13 +88,12 @@ struct DeviceJobQueue::Impl {
 };
 
 DeviceJobQueue::DeviceJobQueue(unsigned threads, std::string what)
-    : threads_(threads), what_(std::move(what)), owner_pid_(getpid()),
-      impl_(std::make_unique<Impl>()) {
+    : threads_(threads), what_(std::move(what)), impl_(std::make_unique<Impl>()) {
   if (threads == 0) throw std::invalid_argument("a device job queue needs at least one thread");
 }
 
 DeviceJobQueue::~DeviceJobQueue() {
-  if (getpid() != owner_pid_) {
+  if (maker_.Forked()) {
     // A child made by fork(): the threads were not copied, and the locks they held stay held.
     // Everything is left in place (as the engine does).
     impl_.release();  // NOLINT(bugprone-unused-return-value)

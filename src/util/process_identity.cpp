@@ -12,6 +12,8 @@
 #include <sstream>
 #include <system_error>
 
+#include "tensortier/util/strings.hpp"
+
 namespace tensortier {
 
 std::string ProcessStartTime(pid_t pid) {
@@ -55,6 +57,12 @@ bool IsHex8(std::string_view s) {
 }
 
 }  // namespace
+
+std::string ForkedUseMessage(std::string_view what, pid_t maker, std::string_view missing,
+                             std::string_view remedy) {
+  return StrCat("this ", what, " was made in process ", maker, "; in process ", getpid(),
+                ", a child made by fork(), ", missing, ": ", remedy);
+}
 
 std::string ProcessStamp() {
   const pid_t pid = getpid();

@@ -50,6 +50,7 @@
 #include "tensortier/io/backend.hpp"
 #include "tensortier/io/config.hpp"
 #include "tensortier/io/engine.hpp"
+#include "tensortier/util/process_identity.hpp"
 
 namespace tensortier {
 
@@ -161,7 +162,7 @@ class BatchReader {
   std::shared_ptr<const Batch> Finish(detail::PendingBatch& pending);
   void ReadRaw(detail::PendingBatch& pending, IoStats& io);
 
-  pid_t owner_pid_;  // the process whose threads read ahead
+  MakerProcess maker_;  // the process whose threads read ahead
   std::vector<std::string> paths_;
   BatchReaderOptions options_;
   std::unique_ptr<Engine> engine_;

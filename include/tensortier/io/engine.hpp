@@ -25,6 +25,7 @@
 #include "tensortier/io/backend.hpp"
 #include "tensortier/io/config.hpp"
 #include "tensortier/io/file.hpp"
+#include "tensortier/util/process_identity.hpp"
 
 namespace tensortier {
 
@@ -147,7 +148,7 @@ class Engine {
   void Start(BackendFactory factory);
   void CheckNotForked() const;
 
-  pid_t owner_pid_;  // the process that made the engine
+  MakerProcess maker_;  // the process that made the engine
   EngineOptions options_;
   std::string backend_;
   std::unique_ptr<detail::CopyPool> copy_pool_;  // declared first: outlives the workers

@@ -43,6 +43,7 @@
 #include "tensortier/io/file.hpp"
 #include "tensortier/offload/space_manager.hpp"
 #include "tensortier/util/enum_names.hpp"
+#include "tensortier/util/process_identity.hpp"
 
 namespace tensortier {
 
@@ -232,7 +233,7 @@ class Offloader {
   std::exception_ptr ShrinkStep(Backing& b, std::unique_lock<std::mutex>& lock);
   void JanitorLoop();
 
-  pid_t owner_pid_;  // the process that made the offloader (its pid names the files)
+  MakerProcess maker_;  // the process that made the offloader (its pid names the files)
   OffloaderOptions options_;
   std::unique_ptr<Engine> engine_;
   mutable std::mutex mu_;

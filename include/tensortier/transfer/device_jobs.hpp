@@ -19,6 +19,7 @@
 #include <string>
 
 #include "tensortier/transfer/transfer.hpp"
+#include "tensortier/util/process_identity.hpp"
 
 namespace tensortier {
 
@@ -61,7 +62,7 @@ class DeviceJobQueue {
   struct Impl;
   unsigned threads_;
   std::string what_;
-  pid_t owner_pid_;
+  MakerProcess maker_;
   std::unique_ptr<Impl> impl_;
 };
 

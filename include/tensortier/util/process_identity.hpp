@@ -4,6 +4,7 @@
 #pragma once
 
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <optional>
 #include <string>
@@ -11,6 +12,25 @@
 #include <utility>
 
 namespace tensortier {
+
+// The process that made an object. A child made by fork() holds copies of its parent's objects
+// but none of their threads, and must not end what the parent still uses (its sockets, files,
+// groups): each such object asks here, the one rule for all of them.
+class MakerProcess {
+ public:
+  MakerProcess() noexcept : pid_(getpid()) {}
+  // Whether the caller runs in another process than the maker (a child made by fork()).
+  bool Forked() const noexcept { return getpid() != pid_; }
+  pid_t pid() const noexcept { return pid_; }
+
+ private:
+  pid_t pid_;
+};
+
+// The error of using `what` (made in process `maker`) in a child made by fork(): "this WHAT was
+// made in process P; in process Q, a child made by fork(), MISSING: REMEDY".
+std::string ForkedUseMessage(std::string_view what, pid_t maker, std::string_view missing,
+                             std::string_view remedy);
 
 // The start time of process `pid` in clock ticks since boot (field 22 of /proc/PID/stat), as
 // text; "" when no such process runs or /proc cannot be read.
