@@ -234,8 +234,7 @@ class BoundGroup : public SharedGroup {
  public:
   BoundGroup(std::shared_ptr<Store> store, int rank, int world_size,
              std::chrono::milliseconds timeout, bool hosts_store)
-      : SharedGroup(std::move(store), rank, world_size, timeout),
-        hosts_store_(hosts_store) {}
+      : SharedGroup(std::move(store), rank, world_size, timeout), hosts_store_(hosts_store) {}
   // A group dropped without close() leaves as close() does, so that the rank serving the store
   // does not wait for it at exit. Not while the interpreter finalizes: the store is a Python
   // object (groups of more than one rank were closed before that, at exit).

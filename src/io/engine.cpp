@@ -89,8 +89,7 @@ IoStats& IoStats::operator+=(const IoStats& other) {
   return *this;
 }
 
-Engine::Engine(EngineOptions options, const std::string& probe_dir)
-    : options_(std::move(options)) {
+Engine::Engine(EngineOptions options, const std::string& probe_dir) : options_(std::move(options)) {
   options_.Validate();
   // Workers allocate bounce buffers: settle the page policy here, so that a malformed
   // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
@@ -121,8 +120,7 @@ Engine::Engine(EngineOptions options, const std::string& probe_dir)
   throw std::runtime_error("no I/O backend works here: " + why.substr(0, why.size() - 2));
 }
 
-Engine::Engine(EngineOptions options, BackendFactory factory)
-    : options_(std::move(options)) {
+Engine::Engine(EngineOptions options, BackendFactory factory) : options_(std::move(options)) {
   options_.Validate();
   // Workers allocate bounce buffers: settle the page policy here, so that a malformed
   // TENSORTIER_HUGE_PAGES throws to the caller, not on a worker thread.
@@ -190,9 +188,8 @@ bool Engine::forked() const noexcept {
 
 void Engine::CheckNotForked() const {
   if (forked()) {
-    throw std::logic_error(ForkedUseMessage("I/O engine", maker_.pid(),
-                                            "its worker threads do not exist",
-                                            "make a new engine there"));
+    throw std::logic_error(ForkedUseMessage(
+        "I/O engine", maker_.pid(), "its worker threads do not exist", "make a new engine there"));
   }
 }
 

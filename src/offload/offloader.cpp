@@ -115,8 +115,7 @@ EngineOptions OffloaderEngineDefaults() {
   return EngineOptions::FromEnvironment(defaults);
 }
 
-Offloader::Offloader(OffloaderOptions options)
-    : options_(std::move(options)) {
+Offloader::Offloader(OffloaderOptions options) : options_(std::move(options)) {
   if (options_.dirs.empty()) throw std::invalid_argument("offloader: no directory given");
   if (options_.stripe_threshold == 0) {
     throw std::invalid_argument("offloader: stripe_threshold must be positive");
