@@ -6,8 +6,10 @@ handed the state dict :func:`tensortier.load` read, its ``save_pretrained`` writ
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import contextlib
 import contextvars
+import copy
 import os
 import secrets
 import sys
@@ -279,7 +281,16 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
             raise ValueError(f"tensortier.hf.save_pretrained does not take {unsupported}=True")
     _transformers()  # the hooks, and _originals for _writer
     model = _unwrapped(model)
-    _save(model, os.path.abspath(fspath(path)), _writer(model), kwargs)
+    _save(model, _save_directory(path), _writer(model), kwargs)
+
+
+def _save_directory(path: Any) -> str:
+    """The absolute path a save writes; an empty one (an unset output directory) is refused as
+    transformers' ``os.makedirs("")`` refuses it, not taken for the working directory."""
+    path = fspath(path)
+    if not path:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    return os.path.abspath(path)
 
 
 def _unwrapped(model: Any) -> Any:
@@ -306,7 +317,9 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
                 write(final, **kwargs)
                 return
             try:
-                write(staging, **kwargs)
+                # transformers' write takes the tensors out of a given state_dict (pop): the
+                # write in place below, where the swap cannot be made, needs them again.
+                write(staging, **_with_state_dict_copy(kwargs))
             except BaseException:
                 _core.remove_directory_tree(staging)
                 raise
@@ -320,6 +333,14 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
                 write(final, **kwargs)
         finally:
             _saving.reset(token)
+
+
+def _with_state_dict_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with a shallow copy of its ``state_dict`` (of the same mapping type), if any."""
+    state_dict = kwargs.get("state_dict")
+    if state_dict is None:
+        return kwargs
+    return {**kwargs, "state_dict": copy.copy(state_dict)}
 
 
 def _writer(model: Any) -> Any:
@@ -378,7 +399,7 @@ def _enabled_save_pretrained(self: Any, save_directory: Any, *args: Any, **kwarg
     if (args or kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
             or _saving.get()):
         return _originals["save_pretrained"](self, save_directory, *args, **kwargs)
-    _save(self, os.path.abspath(fspath(save_directory)), _transformers_writer(self), kwargs)
+    _save(self, _save_directory(save_directory), _transformers_writer(self), kwargs)
 
 
 def disable() -> None:

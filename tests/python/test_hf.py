@@ -297,6 +297,24 @@ def test_enable_and_disable(tmp_path: Path, reads: list[str]) -> None:
         assert "tensortier.xxh64" not in f.metadata()
 
 
+def test_an_empty_save_path_is_refused_as_transformers_refuses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unset output directory ("") is not the working directory."""
+    monkeypatch.chdir(tmp_path)
+    model = MODELS["llama"]()
+    with pytest.raises(FileNotFoundError):
+        model.save_pretrained("")
+    with pytest.raises(FileNotFoundError):
+        hf.save_pretrained(model, "")
+    hf.enable()
+    try:
+        with pytest.raises(FileNotFoundError):
+            model.save_pretrained("")
+    finally:
+        hf.disable()
+    assert os.listdir(tmp_path) == []
+
+
 def test_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FileNotFoundError, match="huggingface_hub.snapshot_download"):
         hf.from_pretrained(AUTO, "meta-llama/Llama-3.2-1B")
@@ -665,6 +683,13 @@ def test_a_directory_that_cannot_be_exchanged_is_written_in_place(
     assert_same(hf.from_pretrained(type(model), out), model.eval())
     assert (out / "notes.txt").read_text() == "mine\n"
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+    # A given state_dict (Trainer's, for FSDP and ZeRO-3 models), which transformers' write
+    # empties: the write in place still has every tensor.
+    torch.manual_seed(1)
+    other = MODELS["llama"]()
+    state_dict = other.state_dict()
+    with_faults(plan, hf.save_pretrained, model, out, state_dict=state_dict)
+    assert_same(hf.from_pretrained(type(model), out), other.eval())
 
 
 def test_another_exchange_error_fails_the_save_and_leaves_the_directory(tmp_path: Path) -> None:
