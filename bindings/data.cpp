@@ -163,6 +163,7 @@ class ReaderState {
     config_["stick_to_shard"] = stick_to_shard;
     config_["pad_last_batch"] = pad_last_batch;
     config_["drop_last"] = drop_last;
+    config_["shuffle_version"] = kShuffleVersion;
   }
 
   size_t EpochLength(uint64_t epoch) const { return plan_.EpochBatches(epoch).size(); }
@@ -216,6 +217,15 @@ class ReaderState {
     }
     const py::object get = state.attr("get");
     py::dict expected = config_.attr("copy")();
+    // A state taken before the shuffle had versions orders its epochs by version 1.
+    const py::object version_given = get("shuffle_version", 1);
+    const std::optional<uint64_t> version = ReaderInteger(version_given, 0, 64);
+    if (!version || (*version != 1 && *version != kShuffleVersion)) {
+      throw py::value_error(StrCat("state_dict has shuffle_version=", ReprOf(version_given),
+                                   ": this reader orders files by versions 1 and ", kShuffleVersion,
+                                   " only"));
+    }
+    PyDict_DelItemString(expected.ptr(), "shuffle_version");
     if (state.contains("files_digest")) {
       const py::object digest = state["files_digest"];
       expected["files_digest"] = Digest();
@@ -243,9 +253,19 @@ class ReaderState {
       throw py::value_error(StrCat("state_dict has a bad position: epoch=", ReprOf(epoch),
                                    ", position=", ReprOf(position)));
     }
+    UseShuffleVersion(*version);
     epoch_ = *e;
     position_ = *p;
     ++moves_;
+  }
+
+  // The plan of the same settings under shuffle `version` (a resumed state's).
+  void UseShuffleVersion(uint64_t version) {
+    if (version == plan_.spec().shuffle_version) return;
+    ShardSpec spec = plan_.spec();
+    spec.shuffle_version = version;
+    plan_ = ShardPlan(spec, plan_.num_files());
+    config_["shuffle_version"] = version;
   }
 
   uint64_t epoch() const { return epoch_; }
@@ -459,7 +479,8 @@ void RegisterData(py::module_& m) {
   m.def("files_digest", &FilesDigestOf, py::arg("paths"), py::arg("labels"),
         py::arg("spelled") = false,
         "SHA-256 of the paths (by their folders' real paths unless spelled) and int32 labels.");
-  m.def("epoch_permutation", &EpochPermutation, py::arg("size"), py::arg("seed"), py::arg("epoch"));
+  m.def("epoch_permutation", &EpochPermutation, py::arg("size"), py::arg("seed"), py::arg("epoch"),
+        py::arg("version") = kShuffleVersion);
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
 

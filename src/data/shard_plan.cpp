@@ -9,11 +9,17 @@
 namespace tensortier {
 namespace {
 
-uint64_t SplitMix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+
+// SplitMix64's output function: a bijection whose outputs for nearby inputs look unrelated.
+uint64_t Mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
+}
+
+uint64_t SplitMix64(uint64_t& state) {
+  return Mix64(state += kGamma);
 }
 
 // A uniform integer in [0, bound), bound > 0 (Lemire, "Fast random integer generation in an
@@ -41,10 +47,14 @@ uint64_t ShardPaddedSize(uint64_t num_shards, uint64_t size) {
   return size / num_shards + (size % num_shards != 0 ? 1 : 0);
 }
 
-std::vector<uint64_t> EpochPermutation(uint64_t size, uint64_t seed, uint64_t epoch) {
+std::vector<uint64_t> EpochPermutation(uint64_t size, uint64_t seed, uint64_t epoch,
+                                       uint64_t version) {
+  if (version != 1 && version != 2) {
+    throw std::invalid_argument(StrCat("shuffle_version ", version, " is not one of 1, 2"));
+  }
   std::vector<uint64_t> order(size);
   for (uint64_t i = 0; i < size; ++i) order[i] = i;
-  uint64_t state = seed ^ (0x9E3779B97F4A7C15ull * (epoch + 1));
+  uint64_t state = version == 1 ? seed ^ (kGamma * (epoch + 1)) : Mix64(Mix64(seed) + epoch);
   for (uint64_t i = size; i > 1; --i) {
     std::swap(order[i - 1], order[Bounded(state, i)]);
   }
@@ -54,6 +64,10 @@ std::vector<uint64_t> EpochPermutation(uint64_t size, uint64_t seed, uint64_t ep
 ShardPlan::ShardPlan(ShardSpec spec, uint64_t num_files) : spec_(spec), num_files_(num_files) {
   if (spec_.batch_size == 0) throw std::invalid_argument("batch_size must be at least 1");
   if (spec_.num_shards == 0) throw std::invalid_argument("num_shards must be at least 1");
+  if (spec_.shuffle_version != 1 && spec_.shuffle_version != 2) {
+    throw std::invalid_argument(
+        StrCat("shuffle_version ", spec_.shuffle_version, " is not one of 1, 2"));
+  }
   if (spec_.shard_id >= spec_.num_shards) {
     throw std::invalid_argument(
         StrCat("shard_id ", spec_.shard_id, " is out of range for ", spec_.num_shards, " shards"));
@@ -91,18 +105,20 @@ std::vector<uint64_t> ShardPlan::EpochSamples(uint64_t epoch) const {
   if (spec_.shuffle && spec_.stick_to_shard) {
     // The shard keeps its files in every epoch, as DALI's does (a node reads, and may cache,
     // only its shard): cut from epoch 0's permutation, then put in a new order each epoch.
-    std::vector<uint64_t> order = EpochPermutation(num_files_, spec_.seed, 0);
+    std::vector<uint64_t> order =
+        EpochPermutation(num_files_, spec_.seed, 0, spec_.shuffle_version);
     const std::vector<uint64_t> files(order.begin() + static_cast<ptrdiff_t>(begin),
                                       order.begin() + static_cast<ptrdiff_t>(end));
     if (epoch == 0) {
       samples = files;
     } else {
-      for (uint64_t i : EpochPermutation(files.size(), spec_.seed, epoch)) {
+      for (uint64_t i : EpochPermutation(files.size(), spec_.seed, epoch, spec_.shuffle_version)) {
         samples.push_back(files[i]);
       }
     }
   } else if (spec_.shuffle) {
-    std::vector<uint64_t> order = EpochPermutation(num_files_, spec_.seed, epoch);
+    std::vector<uint64_t> order =
+        EpochPermutation(num_files_, spec_.seed, epoch, spec_.shuffle_version);
     samples.assign(order.begin() + static_cast<ptrdiff_t>(begin),
                    order.begin() + static_cast<ptrdiff_t>(end));
   } else {

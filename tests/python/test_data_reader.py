@@ -183,6 +183,35 @@ def test_state_dict_resumes_mid_epoch_exactly(disk_dir: Path, shuffle: bool) -> 
         resumed.load_state_dict({**state, "position": -1})
 
 
+def test_a_state_from_before_shuffle_versions_resumes_the_order_it_started(
+        disk_dir: Path) -> None:
+    """States carry shuffle_version (2: epochs shuffled independently). One without it was
+    taken under version 1's order (consecutive epochs correlated): it resumes that order, and
+    the states taken after carry version 1 on; an unknown version is refused."""
+    from tensortier import _core
+
+    make_tree(disk_dir, classes=2, per_class=10)
+    args = dict(file_root=disk_dir, batch_size=4, seed=0)
+    reader = FileReader(**args)
+    state = reader.state_dict()
+    assert state["shuffle_version"] == 2
+    reader.set_epoch(1)
+    assert reader.epoch_indices(1) == list(_core.epoch_permutation(20, 0, 1))
+    old = {k: v for k, v in state.items() if k != "shuffle_version"} | {"epoch": 1}
+    resumed = FileReader(**args)
+    resumed.load_state_dict(old)
+    assert resumed.state_dict()["shuffle_version"] == 1
+    order = [i for batch in resumed.batches() for i in batch.indices]
+    assert order == list(_core.epoch_permutation(20, 0, 1, 1))
+    assert order != list(_core.epoch_permutation(20, 0, 1))
+    with pytest.raises(ValueError, match="shuffle_version=3"):
+        FileReader(**args).load_state_dict({**state, "shuffle_version": 3})
+    # Pinned: the permutation is part of the format of a resumable run.
+    assert list(_core.epoch_permutation(8, 0, 0)) == [1, 2, 6, 5, 4, 0, 3, 7]
+    assert list(_core.epoch_permutation(8, 0, 1)) == [7, 3, 1, 0, 4, 6, 2, 5]
+    assert list(_core.epoch_permutation(8, 0, 0, 1)) == [2, 7, 4, 1, 6, 5, 0, 3]
+
+
 def test_file_list_and_files_inputs(disk_dir: Path) -> None:
     tree = make_tree(disk_dir, classes=2, per_class=3)
     paths = sorted(tree)

@@ -25,10 +25,18 @@ uint64_t ShardStart(uint64_t shard_id, uint64_t num_shards, uint64_t size);
 // DALI's num_samples(): ceil(size / num_shards), the padded length of every shard.
 uint64_t ShardPaddedSize(uint64_t num_shards, uint64_t size);
 
+// The shuffle's rules, recorded in a reader's state dict so that a run resumes with the order
+// it started with. 1: SplitMix64 started at seed ^ (0x9E3779B97F4A7C15 * (epoch + 1)), which for
+// seed 0 makes epoch e + 1 draw epoch e's numbers shifted by one (consecutive epochs' orders
+// correlated); kept only to resume states taken under it. 2: started at
+// Mix64(Mix64(seed) + epoch), unrelated from epoch to epoch.
+inline constexpr uint64_t kShuffleVersion = 2;
+
 // A permutation of [0, size): Fisher-Yates from the last position down, drawing each position's
-// partner with Lemire's bounded-integer method from SplitMix64 seeded with
-// seed ^ (0x9E3779B97F4A7C15 * (epoch + 1)). Identical everywhere (no std:: distributions).
-std::vector<uint64_t> EpochPermutation(uint64_t size, uint64_t seed, uint64_t epoch);
+// partner with Lemire's bounded-integer method from SplitMix64 started as `version` says.
+// Identical everywhere (no std:: distributions).
+std::vector<uint64_t> EpochPermutation(uint64_t size, uint64_t seed, uint64_t epoch,
+                                       uint64_t version = kShuffleVersion);
 
 struct ShardSpec {
   uint64_t batch_size = 256;
@@ -40,6 +48,7 @@ struct ShardSpec {
   bool pad_last_batch = false;
   // Without padding, an epoch's last batch is short; drop_last leaves it out.
   bool drop_last = false;
+  uint64_t shuffle_version = kShuffleVersion;  // EpochPermutation's rules
 };
 
 class ShardPlan {
