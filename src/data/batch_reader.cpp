@@ -386,6 +386,7 @@ BatchReader::~BatchReader() {
     new std::deque<Ready>(std::move(ready_));
     new std::shared_ptr<detail::ArenaPoolState>(std::move(arenas_));  // pinned: the parent's
     new (&mu_) std::mutex;
+    new (&lifecycle_mu_) std::mutex;
     new (&cv_) std::condition_variable;
     return;
   }
@@ -406,6 +407,11 @@ void BatchReader::CheckNotForked() const {
 }
 
 void BatchReader::Stop() {
+  std::lock_guard<std::mutex> lifecycle(lifecycle_mu_);
+  StopLocked();
+}
+
+void BatchReader::StopLocked() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -428,7 +434,8 @@ void BatchReader::Start(std::vector<std::vector<uint64_t>> batches) {
       }
     }
   }
-  Stop();
+  std::lock_guard<std::mutex> lifecycle(lifecycle_mu_);
+  StopLocked();
   {
     std::lock_guard<std::mutex> lock(mu_);
     batches_ = std::move(batches);

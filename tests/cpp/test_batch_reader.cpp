@@ -128,6 +128,35 @@ TEST(BatchReaderTest, StartDropsWhatWasReadAhead) {
   EXPECT_EQ(reader.Next(), nullptr);
 }
 
+// FileReader.close() from another thread, or two threads iterating one reader: Start() calls from
+// several threads at once (each joins the producer the last one started) and a Next() waiting
+// across them. The producer is replaced by one caller at a time, never joined twice.
+TEST(BatchReaderTest, StartsFromSeveralThreadsAtOnce) {
+  Tree tree(12);
+  BatchReader reader(tree.paths, Options());
+  std::vector<std::vector<uint64_t>> all;
+  for (uint64_t i = 0; i < 12; ++i) all.push_back({i});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&reader, &all, t] {
+      for (int round = 0; round < 20; ++round) {
+        if (t == 2) {
+          reader.Start({});  // what close() does
+          continue;
+        }
+        reader.Start(all);
+        for (int i = 0; i < 3 && reader.Next() != nullptr; ++i) {
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  reader.Start({{5}});  // and the reader still reads
+  auto batch = reader.Next();
+  ASSERT_NE(batch, nullptr);
+  ExpectBatch(*batch, tree, {5});
+}
+
 TEST(BatchReaderTest, MissingFileFailsItsBatchByNameAndReadingGoesOn) {
   Tree tree(6);
   BatchReader reader(tree.paths, Options());

@@ -212,6 +212,35 @@ def test_a_state_from_before_shuffle_versions_resumes_the_order_it_started(
     assert list(_core.epoch_permutation(8, 0, 0, 1)) == [2, 7, 4, 1, 6, 5, 0, 3]
 
 
+def test_close_from_another_thread_while_epochs_start(disk_dir: Path) -> None:
+    """close() (a watchdog's, a shutdown hook's) while another thread starts epoch after
+    epoch, and two threads looping one reader: loops end or go on, the process lives."""
+    import threading
+
+    make_tree(disk_dir, classes=2, per_class=6)
+    reader = FileReader(file_root=disk_dir, batch_size=2)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            for _ in reader:
+                pass
+
+    threads = [threading.Thread(target=loop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(2000):
+            reader.close()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    reader.set_epoch(100)
+    assert len(stream(reader, 1)) == 6  # and it still reads
+
+
 def test_file_list_and_files_inputs(disk_dir: Path) -> None:
     tree = make_tree(disk_dir, classes=2, per_class=3)
     paths = sorted(tree)

@@ -154,6 +154,7 @@ class BatchReader {
 
  private:
   void Stop();
+  void StopLocked();  // Stop() with lifecycle_mu_ held
   void CheckNotForked() const;
   void Produce();
   // Opens up to `budget` of the batch's files (sizing the rest by stat) and submits their reads.
@@ -172,6 +173,9 @@ class BatchReader {
   std::vector<uint64_t> map_index_;        // per path: its file in the map, or kNotMapped
   std::shared_ptr<detail::ArenaPoolState> arenas_;
 
+  // Held by Start() and Stop() (FileReader.close() may come from another thread, and two threads
+  // may start iterations): the producer is joined and replaced by one caller at a time.
+  std::mutex lifecycle_mu_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::vector<uint64_t>> batches_;  // of the current Start()
