@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 
+#include "gil.hpp"
+
 #include "tensortier/io/config.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file_system.hpp"
@@ -23,7 +25,7 @@ void WaitInterruptibly(const WaitFor& wait_for, bool interruptible) {
   for (;;) {
     bool done;
     {
-      pybind11::gil_scoped_release release;
+      GilReleased release;
       done = interruptible ? wait_for(std::chrono::milliseconds(50))
                            : wait_for(std::chrono::hours(24 * 365));
     }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "arguments.hpp"
+#include "gil.hpp"
 #include "register.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/parallel_copy.hpp"
@@ -66,7 +67,7 @@ void RegisterBuffers(py::module_& m) {
           ranges[i] = {reinterpret_cast<std::byte*>(dst[i]),
                        reinterpret_cast<const std::byte*>(src[i]), static_cast<size_t>(nbytes[i])};
         }
-        py::gil_scoped_release release;
+        GilReleased release;
         ParallelCopy(ranges, threads);
       },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("threads"),
@@ -85,7 +86,7 @@ void RegisterBuffers(py::module_& m) {
                throw py::error_already_set();
              }
              try {
-               py::gil_scoped_release release;  // faulting in gigabytes takes seconds
+               GilReleased release;  // faulting in gigabytes takes seconds
                return AlignedBuffer(static_cast<size_t>(bytes),
                                     reused ? Pages::kReused : Pages::kTouchedOnce,
                                     resident ? Populate::kUpFront : Populate::kOnDemand);

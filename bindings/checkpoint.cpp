@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "binding_helpers.hpp"
+#include "gil.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
@@ -144,7 +145,7 @@ void WriteStaged(const std::vector<size_t>& indices,
 void WriteSafetensors(SafetensorsFileWriter& w, Engine& engine, DurableFile& out,
                       const std::vector<size_t>& indices, const std::vector<uintptr_t>& addresses) {
   std::vector<const std::byte*> host = HostAddresses(addresses);
-  py::gil_scoped_release release;
+  GilReleased release;
   if (w.tensors_left() == w.tensors()) out.Reserve(w.size());
   w.WriteTensors(engine, out.file(), indices, host);
   if (w.tensors_left() == 0) w.WriteHeader(engine, out.file());
@@ -181,7 +182,7 @@ void RegisterCheckpoint(py::module_& m) {
                                              " bytes are no whole number of ", width,
                                              "-byte units"));
         }
-        py::gil_scoped_release release;
+        GilReleased release;
         ReverseUnits(reinterpret_cast<std::byte*>(address), nbytes, width);
       },
       py::arg("address"), py::arg("nbytes"), py::arg("width"),
@@ -197,7 +198,7 @@ void RegisterCheckpoint(py::module_& m) {
         std::string_view json(header);
         SafetensorsHeader parsed;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           parsed = ParseSafetensorsHeader(json, data_bytes);
         }
         return py::make_tuple(EntriesToList(parsed.entries), MetadataToDict(parsed.metadata));
@@ -211,7 +212,7 @@ void RegisterCheckpoint(py::module_& m) {
       [](const FsPath& path, bool verify) {
         SafetensorsFileInfo info;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           info = ReadSafetensorsHeader(path);
           if (verify) CheckSafetensorsHeaderChecksum(path, info.header);
           for (SafetensorsEntry& e : info.header.entries) {
@@ -237,7 +238,7 @@ void RegisterCheckpoint(py::module_& m) {
       [](const FsPath& path, bool require_stored) {
         ZipDirectory dir;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           dir = ReadZipDirectory(FileSource(OpenCheckpointForReading(path, false)));
           if (require_stored) {
             for (const auto& e : dir.entries) RequireStored(e, path);
@@ -298,7 +299,7 @@ void RegisterCheckpoint(py::module_& m) {
         ZipDirectory dir;
         TorchCheckpoint c;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           FileSource source(OpenCheckpointForReading(path, false));
           dir = ReadZipDirectory(source);
           for (const auto& e : dir.entries) RequireStored(e, path);
@@ -332,7 +333,7 @@ void RegisterCheckpoint(py::module_& m) {
       [](const FsPath& path) {
         TorchCheckpoint c;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           c = ReadTorchCheckpoint(FileSource(OpenCheckpointForReading(path, false)));
         }
         py::list tensors;
@@ -385,7 +386,7 @@ void RegisterCheckpoint(py::module_& m) {
               }
               tensors.push_back({names[i], dtypes[i], shapes[i], std::to_string(i)});
             }
-            py::gil_scoped_release release;
+            GilReleased release;
             return std::make_unique<TorchFileWriter>(
                 tensors, nbytes, TorchFileOptions{.folder = "archive", .crc32 = crc32});
           }),
@@ -398,7 +399,7 @@ void RegisterCheckpoint(py::module_& m) {
           "(before anything is written): two tensors of one storage too.")
       .def(py::init([](const py::bytes& pickle, const std::vector<uint64_t>& nbytes, bool crc32) {
              std::string data(pickle);
-             py::gil_scoped_release release;
+             GilReleased release;
              return std::make_unique<TorchFileWriter>(
                  std::move(data), nbytes, TorchFileOptions{.folder = "archive", .crc32 = crc32});
            }),
@@ -411,7 +412,7 @@ void RegisterCheckpoint(py::module_& m) {
           [](TorchFileWriter& w, Engine& engine, DurableFile& out,
              const std::vector<uintptr_t>& addresses, bool commit) {
             HostTensorBytes bytes(HostAddresses(addresses));
-            py::gil_scoped_release release;
+            GilReleased release;
             out.Reserve(w.size());
             w.Write(engine, out.file(), bytes);
             if (commit) out.Commit();
@@ -427,7 +428,7 @@ void RegisterCheckpoint(py::module_& m) {
              const std::vector<std::optional<uintptr_t>>& addresses, const py::function& host,
              uint64_t staging_bytes) {
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               out.Reserve(w.size());
               w.Begin(engine, out.file());
             }
@@ -437,13 +438,13 @@ void RegisterCheckpoint(py::module_& m) {
               WriteStaged(indices, addresses, host, staging_bytes,
                           [&](const std::vector<size_t>&, const std::vector<uintptr_t>& group) {
                             HostTensorBytes bytes(HostAddresses(group));
-                            py::gil_scoped_release release;
+                            GilReleased release;
                             w.WriteStorages(bytes, group.size());
                           });
-              py::gil_scoped_release release;
+              GilReleased release;
               w.End();
             } catch (...) {
-              py::gil_scoped_release release;
+              GilReleased release;
               w.Abandon();  // no write in flight when out is aborted
               throw;
             }
@@ -472,7 +473,7 @@ void RegisterCheckpoint(py::module_& m) {
              for (size_t i = 0; i < names.size(); ++i) {
                tensors[i] = {std::move(names[i]), dtypes[i], std::move(shapes[i]), nbytes[i]};
              }
-             py::gil_scoped_release release;
+             GilReleased release;
              return std::make_unique<SafetensorsFileWriter>(std::move(tensors), std::move(metadata),
                                                             checksum);
            }),
@@ -547,7 +548,7 @@ void RegisterCheckpoint(py::module_& m) {
         }
         std::vector<IoStats> stats;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           stats = ReadPieces(engine, file, path, pieces,
                              PieceReadOptions{.group_bytes = std::max<uint64_t>(group_bytes, 1),
                                               .gather_below = gather_below,
@@ -585,7 +586,7 @@ void RegisterCheckpoint(py::module_& m) {
           std::byte* dest = reinterpret_cast<std::byte*>(addresses[i]);
           pieces[i] = {names[i], 0, lengths[i], dest, kind, expected[i]};
         }
-        py::gil_scoped_release release;
+        GilReleased release;
         CheckPieces(path, pieces);
       },
       py::arg("path"), py::arg("names"), py::arg("addresses"), py::arg("lengths"),
@@ -601,7 +602,7 @@ void RegisterCheckpoint(py::module_& m) {
         for (const auto& [name, offset, size, crc] : records) {
           checks.push_back({name, offset, size, crc});
         }
-        py::gil_scoped_release release;
+        GilReleased release;
         CheckRecords(engine, file, path, checks);
       },
       py::arg("engine"), py::arg("file"), py::arg("path"), py::arg("records"),
@@ -612,7 +613,7 @@ void RegisterCheckpoint(py::module_& m) {
   m.def(
       "detect_checkpoint_kind",
       [](const FsPath& path) { return CheckpointKindName(DetectCheckpointKind(path)); },
-      py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("path"), py::call_guard<GilReleased>(),
       "'safetensors', 'torch' or 'index': what the checkpoint file at path holds, by the rule the "
       "CLI follows (a .index.json name, then the first bytes). ValueError for an empty file or a "
       "legacy (non-zip) torch.save file; OSError naming the path for anything but a regular file "
@@ -625,7 +626,7 @@ void RegisterCheckpoint(py::module_& m) {
       .def(
           "open",
           [](const FileSystem& fs, const FsPath& path, bool direct) {
-            py::gil_scoped_release release;
+            GilReleased release;
             return OpenCheckpointForReading(path, direct, fs);
           },
           py::arg("path"), py::arg("direct") = true,
@@ -638,7 +639,7 @@ void RegisterCheckpoint(py::module_& m) {
       "and fsyncs the directory; abort() (or a failed commit) removes it.")
       .def(py::init(
                [](const FsPath& path, bool direct, const FileSystem& fs, bool free_in_background) {
-                 py::gil_scoped_release release;
+                 GilReleased release;
                  return std::make_unique<DurableFile>(path, direct, fs, free_in_background);
                }),
            py::arg("path"), py::arg("direct") = true, py::arg("fs") = FileSystem(),
@@ -647,17 +648,17 @@ void RegisterCheckpoint(py::module_& m) {
            "removes killed saves' temporary files and creates this one. OSError naming the step "
            "and the path.")
       .def_property_readonly("committed", &DurableFile::committed)
-      .def("commit", &DurableFile::Commit, py::call_guard<py::gil_scoped_release>())
-      .def("abort", &DurableFile::Abort, py::call_guard<py::gil_scoped_release>())
+      .def("commit", &DurableFile::Commit, py::call_guard<GilReleased>())
+      .def("abort", &DurableFile::Abort, py::call_guard<GilReleased>())
       .def("__enter__", [](py::object self) { return self; })
       .def(
           "__exit__",
           [](DurableFile& f, const py::object& type, const py::object&, const py::object&) {
-            py::gil_scoped_release release;
+            GilReleased release;
             if (!type.is_none() || !f.committed()) f.Abort();
           },
           "Removes the file unless the with body committed it and raised nothing.");
-  m.def("wait_for_replaced_files", &WaitForReplacedFiles, py::call_guard<py::gil_scoped_release>(),
+  m.def("wait_for_replaced_files", &WaitForReplacedFiles, py::call_guard<GilReleased>(),
         "Waits until the files earlier saves replaced are freed (a background thread closes "
         "each).");
   m.def(
@@ -665,7 +666,7 @@ void RegisterCheckpoint(py::module_& m) {
       [](const FsPath& final_dir, mode_t mode) {
         std::string staged;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           staged = CreateStagingDirectory(final_dir, mode);
         }
         return PathToPython(staged);
@@ -698,7 +699,7 @@ void RegisterCheckpoint(py::module_& m) {
       "xxh64",
       [](const py::object& obj, uint64_t seed) {
         BufferView view(obj);
-        py::gil_scoped_release release;
+        GilReleased release;
         return Xxh64(view.data(), view.size(), seed);
       },
       py::arg("obj"), py::arg("seed") = 0,
@@ -708,14 +709,13 @@ void RegisterCheckpoint(py::module_& m) {
       [](uintptr_t address, uint64_t nbytes, uint64_t seed) {
         return Xxh64(reinterpret_cast<const void*>(address), nbytes, seed);
       },
-      py::arg("address"), py::arg("nbytes"), py::arg("seed") = 0,
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("address"), py::arg("nbytes"), py::arg("seed") = 0, py::call_guard<GilReleased>(),
       "XXH64 of nbytes of host memory at address (the caller keeps it alive).");
   m.def(
       "crc32",
       [](const py::object& obj, uint32_t crc) {
         BufferView view(obj);
-        py::gil_scoped_release release;
+        GilReleased release;
         return Crc32(view.data(), view.size(), crc);
       },
       py::arg("obj"), py::arg("crc") = 0, "CRC-32 (zlib.crc32) of a C-contiguous buffer.");
@@ -724,7 +724,6 @@ void RegisterCheckpoint(py::module_& m) {
       [](uintptr_t address, uint64_t nbytes, uint32_t crc) {
         return Crc32(reinterpret_cast<const void*>(address), nbytes, crc);
       },
-      py::arg("address"), py::arg("nbytes"), py::arg("crc") = 0,
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("address"), py::arg("nbytes"), py::arg("crc") = 0, py::call_guard<GilReleased>(),
       "CRC-32 (zlib.crc32) of nbytes of host memory at address (the caller keeps it alive).");
 }

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/checkpoint_format.hpp"
@@ -222,7 +223,7 @@ void RegisterCheckpointChecks(py::module_& m) {
               "tensortier.save(..., checksum=True), or load with verify=False)"));
         }
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           ReadPieces(engine, file, path, pieces);
         }
         const bool big_endian = found[1] != nullptr && TorchByteOrderIsBig(path.bytes, bytes[1]);
@@ -417,7 +418,7 @@ void RegisterCheckpointChecks(py::module_& m) {
         std::vector<Shard> shards;
         std::vector<std::string> kinds;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           shards = ReadShardIndex(path);
           for (Shard& s : shards) {
             s.path = std::filesystem::absolute(s.path).lexically_normal();

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "arguments.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/io/backend.hpp"
@@ -122,7 +123,7 @@ void RegisterCompat(py::module_& m) {
       [](const std::string& backend, const FsPath& dir) {
         if (backend == "auto") return true;
         const BackendKind kind = ParseBackendKind(backend);
-        py::gil_scoped_release release;
+        GilReleased release;
         return ProbeBackend(kind, dir.bytes).available;
       },
       py::arg("backend"), py::arg("dir"),
@@ -131,7 +132,7 @@ void RegisterCompat(py::module_& m) {
       "tensornvme_backends",
       [](const FsPath& dir) {
         std::set<std::string> names;
-        py::gil_scoped_release release;
+        GilReleased release;
         for (BackendKind k : kAllBackends) {
           const BackendProbe p = ProbeBackend(k, dir.bytes);
           if (p.available && (p.direct_ok || p.buffered_ok)) {

@@ -17,6 +17,7 @@
 #include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "dlpack_export.hpp"
+#include "gil.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/data/batch_reader.hpp"
@@ -130,7 +131,7 @@ std::string FilesDigestOf(const std::vector<FsPath>& paths, const LabelArray32& 
                           bool spelled) {
   const std::vector<std::string> bytes = PathBytes(paths);
   std::vector<int32_t> values(labels.data(), labels.data() + labels.size());
-  py::gil_scoped_release release;
+  GilReleased release;
   return FilesDigest(bytes, values, spelled);
 }
 
@@ -343,7 +344,7 @@ class ReaderIteration {
       moves_ = state_.moves();
       pending_ = state_.Remaining();
       given_ = 0;
-      py::gil_scoped_release release;
+      GilReleased release;
       reader_.Start(pending_);
     }
     if (given_ == pending_.size()) {
@@ -352,7 +353,7 @@ class ReaderIteration {
     }
     std::shared_ptr<const Batch> batch;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       batch = reader_.Next();
     }
     if (batch == nullptr) throw py::stop_iteration();  // the reader was closed meanwhile
@@ -392,7 +393,7 @@ void RegisterData(py::module_& m) {
         filter.case_sensitive = case_sensitive_filter;
         SampleList list;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           list = ListFileRoot(root, filter, dir_filters);
         }
         return py::make_tuple(PathsToPython(list.paths), list.labels);
@@ -408,7 +409,7 @@ void RegisterData(py::module_& m) {
       [](const FsPath& list_path, const FsPath& root) {
         SampleList list;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           list = ReadFileList(list_path, root);
         }
         return py::make_tuple(PathsToPython(list.paths), list.labels);
@@ -419,7 +420,7 @@ void RegisterData(py::module_& m) {
       "check_files_exist",
       [](const std::vector<FsPath>& paths) {
         const std::vector<std::string> bytes = PathBytes(paths);
-        py::gil_scoped_release release;
+        GilReleased release;
         CheckFilesExist(bytes);
       },
       py::arg("paths"));
@@ -449,7 +450,7 @@ void RegisterData(py::module_& m) {
           std::vector<int32_t> values = FileLabels(py::len(files), in.labels);
           if (check_files) {
             const std::vector<std::string> bytes = PathBytes(files.cast<std::vector<FsPath>>());
-            py::gil_scoped_release release;
+            GilReleased release;
             CheckFilesExist(bytes);
           }
           return py::make_tuple(files, LabelArray(values));
@@ -460,7 +461,7 @@ void RegisterData(py::module_& m) {
         in.check_files = check_files;
         SampleList list;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           list = ResolveSampleInputs(std::move(in));
         }
         return py::make_tuple(PathsToPython(list.paths), LabelArray(list.labels));
@@ -535,7 +536,7 @@ void RegisterData(py::module_& m) {
           "close",
           [](ReaderState& s, BatchReader& reader) {
             s.Serve(0);
-            py::gil_scoped_release release;
+            GilReleased release;
             reader.Start({});
           },
           py::arg("reader"), "Ends the iteration under way and stops `reader`'s read-ahead.")
@@ -593,20 +594,19 @@ void RegisterData(py::module_& m) {
              options.extent_map = std::move(extent_map);
              options.extent_checksums = extent_checksums;
              options.backend_factory = TestBackends(options.engine);
-             py::gil_scoped_release release;
+             GilReleased release;
              return GilFreeHolder<BatchReader>(new BatchReader(PathBytes(paths), options));
            }),
            py::arg("paths"), py::arg("prefetch") = 2, py::arg("open_threads") = 16,
            py::arg("skip_errors") = false, py::arg("direct") = true, py::arg("pin_memory") = false,
            py::arg("device") = 0, py::arg("backend") = py::none(),
            py::arg("extent_map") = py::none(), py::arg("extent_checksums") = true)
-      .def("start", &BatchReader::Start, py::arg("batches"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("start", &BatchReader::Start, py::arg("batches"), py::call_guard<GilReleased>())
       .def("next",
            [](BatchReader& r) -> std::shared_ptr<Batch> {
              std::shared_ptr<const Batch> batch;
              {
-               py::gil_scoped_release release;
+               GilReleased release;
                batch = r.Next();
              }
              return std::const_pointer_cast<Batch>(batch);

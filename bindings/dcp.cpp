@@ -19,6 +19,7 @@
 
 #include "dcp_items.hpp"
 #include "dlpack_export.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
@@ -116,7 +117,7 @@ void RegisterDcp(py::module_& m) {
         };
         std::vector<DcpItemPlace> places;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           // Written or failed, the save is done with them: the next stage may reuse them. A
           // failed save's staged copy would otherwise stay taken until the garbage collector
           // frees the traceback that holds it, and each retry would stage into new memory.
@@ -191,7 +192,7 @@ void RegisterDcp(py::module_& m) {
                    it.blocks = blocks[i].value_or("");
                  }
                  const DcpVerify how = DcpVerifyOf(verify);
-                 py::gil_scoped_release release;
+                 GilReleased release;
                  return std::make_unique<DcpFileReads>(engine, path, items, how);
                }),
            py::arg("engine"), py::arg("path"), py::arg("names"), py::arg("offsets"),
@@ -237,7 +238,7 @@ void RegisterDcp(py::module_& m) {
                   item, part < 0 ? std::nullopt : std::optional<size_t>(static_cast<size_t>(part)),
                   reinterpret_cast<std::byte*>(address)));
             }
-            py::gil_scoped_release release;
+            GilReleased release;
             return self.Read(engine, reads);
           },
           py::arg("engine"), py::arg("dests"),
@@ -258,7 +259,7 @@ void RegisterDcp(py::module_& m) {
         }
         const std::vector<std::string> referenced(files.begin(), files.end());
         std::string data = metadata;
-        py::gil_scoped_release release;
+        GilReleased release;
         return CommitDcpCheckpoint(engine, dir, data, referenced, who);
       },
       py::arg("engine"), py::arg("dir"), py::arg("metadata"), py::arg("storage_data"),
@@ -280,7 +281,7 @@ void RegisterDcp(py::module_& m) {
       [](const FsPath& dir, std::optional<int64_t> rank) {
         std::string data;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           data = ReadDcpMetadataBytes(dir, rank);
         }
         return py::bytes(data);
@@ -325,7 +326,7 @@ void RegisterDcp(py::module_& m) {
           files.insert(std::move(name));
         }
         const std::vector<std::string> sorted(files.begin(), files.end());
-        py::gil_scoped_release release;
+        GilReleased release;
         CheckDcpDataFilesPresent(dir, sorted);
       },
       py::arg("dir"), py::arg("metadata"), py::arg("metadata_type"), py::arg("what"),
@@ -347,7 +348,7 @@ void RegisterDcp(py::module_& m) {
         StagingLayout layout = LayOutStaging(nbytes);
         std::shared_ptr<StagingArena> arena;
         {
-          py::gil_scoped_release release;  // faulting in or registering gigabytes
+          GilReleased release;  // faulting in or registering gigabytes
           arena = StagingArenas::Process().Take(layout.size, pinned_device);
         }
         const auto address = reinterpret_cast<uintptr_t>(arena->data());
@@ -377,7 +378,7 @@ void RegisterDcp(py::module_& m) {
         }
         cpu_set_t cpus;
         const int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-        py::gil_scoped_release release;
+        GilReleased release;
         ParallelCopy(ranges, static_cast<unsigned>(std::clamp(usable, 1, 8)));
       },
       py::arg("address"), py::arg("copies"),

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dcp_items.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
@@ -99,7 +100,7 @@ class FileLoad {
     }
     const DcpVerify how = DcpVerifyOf(verify);
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       reads_ = std::make_unique<DcpFileReads>(engine, path, items, how);
     }
     auto torch_dtype = [&](const std::string& dtype, const std::string& name) {
@@ -173,7 +174,7 @@ class FileLoad {
       reads.push_back(reads_->ReadOf(dests_[i].first, dests_[i].second,
                                      reinterpret_cast<std::byte*>(addresses[i])));
     }
-    py::gil_scoped_release release;
+    GilReleased release;
     return reads_->bytes_read() + reads_->Read(engine, reads);
   }
 

@@ -30,6 +30,7 @@
 #include "binding_helpers.hpp"
 #include "cycle_collected.hpp"
 #include "errors.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/transfer/operation.hpp"
@@ -128,7 +129,7 @@ std::optional<std::string> DeepNvmeFile(const std::string& op, const py::object&
   const char* step = "";
   int code = 0;
   {
-    py::gil_scoped_release release;
+    GilReleased release;
     struct stat st{};
     int fd = -1;
     if (op == "read" && stat(path.c_str(), &st) != 0) {
@@ -170,7 +171,7 @@ bool DeepNvmeReadFits(const py::object& target, uint64_t nbytes, uint64_t offset
   struct stat st{};
   int code = 0;
   {
-    py::gil_scoped_release release;
+    GilReleased release;
     if (stat(path.c_str(), &st) != 0) code = errno;
   }
   if (code != 0) {
@@ -202,7 +203,7 @@ void DeepNvmeValidate(uintptr_t address, size_t nbytes, const std::string& path,
   int code = 0;
   bool same = false;
   {
-    py::gil_scoped_release release;
+    GilReleased release;
     const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
       code = errno;
@@ -503,7 +504,7 @@ class DeepNvmeHandle {
     for (const Pending& p : pending) {
       try {
         try {
-          py::gil_scoped_release release;
+          GilReleased release;
           p.op.Wait();
         } catch (const std::exception&) {
           if (!first) first = PythonError(std::current_exception());

@@ -10,6 +10,7 @@
 
 #include "arguments.hpp"
 #include "binding_helpers.hpp"
+#include "gil.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "register.hpp"
@@ -71,7 +72,7 @@ IoOp ParseOp(const std::string& op) {
 GilFreeHolder<Engine> MakeEngine(const Overrides& overrides, const std::string& probe_dir) {
   EngineOptions options = overrides.Apply();
   BackendFactory factory = TestBackends(options);
-  py::gil_scoped_release release;
+  GilReleased release;
   if (!factory) return GilFreeHolder<Engine>(new Engine(options, probe_dir));
   return GilFreeHolder<Engine>(new Engine(options, factory));
 }
@@ -132,7 +133,7 @@ void RegisterEngine(py::module_& m) {
             WaitInterruptibly([&](auto timeout) { return f.WaitFor(timeout); }, interruptible);
             IoResult r;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               r = f.Wait();
             }
             py::dict out;
@@ -177,11 +178,11 @@ void RegisterEngine(py::module_& m) {
             for (const auto& [file, address, length, offset] : pieces) {
               descs.push_back({file, reinterpret_cast<void*>(address), offset, length});
             }
-            py::gil_scoped_release release;
+            GilReleased release;
             return e.Submit(parsed, descs, SubmitOptions{.stage_reads = stage_reads});
           },
           py::arg("op"), py::arg("pieces"), py::arg("stage_reads") = false)
-      .def("wait_all", &Engine::WaitAll, py::call_guard<py::gil_scoped_release>());
+      .def("wait_all", &Engine::WaitAll, py::call_guard<GilReleased>());
 
   m.def(
       "flag", [](const py::object& value, const char* name) { return FlagArgument(value, name); },
@@ -217,7 +218,7 @@ void RegisterEngine(py::module_& m) {
         py::list out;
         std::vector<BackendProbe> probes;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           for (BackendKind k : kAllBackends) probes.push_back(ProbeBackend(k, dir));
         }
         for (const auto& p : probes) {

@@ -7,6 +7,7 @@
 
 #include "arguments.hpp"
 #include "binding_helpers.hpp"
+#include "gil.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/data/extent_map.hpp"
@@ -65,7 +66,7 @@ void RegisterExtents(py::module_& m) {
             }
             std::optional<FsPath> output;
             if (!output_arg.is_none()) output = FsPathArgument(output_arg, "output").cast<FsPath>();
-            py::gil_scoped_release release;  // FIEMAP_FLAG_SYNC writes data out: seconds
+            GilReleased release;  // FIEMAP_FLAG_SYNC writes data out: seconds
             const BuildOptions options{.allow_refused = allow_refused};
             ExtentMap map =
                 listed ? BuildExtentMap(root, *listed, options) : BuildExtentMap(root, options);
@@ -79,7 +80,7 @@ void RegisterExtents(py::module_& m) {
           "ValueError for a file outside the root, TypeError for a path that is not one.")
       .def_static(
           "load", [](const FsPath& path) { return LoadExtentMap(path); }, py::arg("path"),
-          py::call_guard<py::gil_scoped_release>())
+          py::call_guard<GilReleased>())
       .def_static(
           "of",
           [](const py::object& value) -> py::object {
@@ -91,7 +92,7 @@ void RegisterExtents(py::module_& m) {
             const FsPath path = value.cast<FsPath>();
             ExtentMap map;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               map = LoadExtentMap(path);
             }
             return py::cast(std::move(map));
@@ -103,7 +104,7 @@ void RegisterExtents(py::module_& m) {
           py::arg("text"), "Parses a map's JSON text. Raises ValueError for a bad map.")
       .def(
           "save", [](const ExtentMap& map, const FsPath& path) { SaveExtentMap(map, path); },
-          py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+          py::arg("path"), py::call_guard<GilReleased>(),
           "Writes the map as JSON, durably (temporary file, fsync, rename).")
       .def("to_json", &ExtentMapToJson, "The map as JSON text.")
       .def_property_readonly("root", [](const ExtentMap& map) { return PathToPython(map.root); })
@@ -173,7 +174,7 @@ void RegisterExtents(py::module_& m) {
       .def("verify", [](const ExtentMap& map) {
         std::vector<ChangedFile> changed;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           changed = VerifyExtentMap(map);
         }
         py::list out;
@@ -192,7 +193,7 @@ void RegisterExtents(py::module_& m) {
              if (queue_depth) options.queue_depth = *queue_depth;
              if (workers) options.workers = *workers;
              BackendFactory factory = TestBackends(options);
-             py::gil_scoped_release release;
+             GilReleased release;
              return GilFreeHolder<ExtentReader>(
                  new ExtentReader(map, options, factory, verify_checksums));
            }),
@@ -209,7 +210,7 @@ void RegisterExtents(py::module_& m) {
             }
             ExtentBatch batch;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               batch = r.ReadBatch(requests);
             }
             py::list sizes, fallbacks;

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/io/file.hpp"
@@ -26,7 +27,7 @@ void RegisterFile(py::module_& m) {
           "open",
           [](const FsPath& path, const std::string& mode, bool direct) {
             OpenMode parsed = ParseOpenMode(mode);
-            py::gil_scoped_release release;
+            GilReleased release;
             return File::Open(path, parsed, direct);
           },
           py::arg("path"), py::arg("mode") = "r", py::arg("direct") = true,
@@ -38,7 +39,7 @@ void RegisterFile(py::module_& m) {
           "open_descriptor",
           [](int fd, const std::string& mode, bool direct) {
             OpenMode parsed = ParseOpenMode(mode);
-            py::gil_scoped_release release;
+            GilReleased release;
             return File::OpenDescriptor(fd, parsed, direct);
           },
           py::arg("fd"), py::arg("mode") = "r", py::arg("direct") = true,
@@ -62,15 +63,15 @@ void RegisterFile(py::module_& m) {
                              "Memory address alignment O_DIRECT needs here (bytes).")
       .def("fileno", &File::buffered_fd, "The buffered descriptor (valid until close()).")
       .def("size", &File::Size, "The file's size in bytes.")
-      .def("truncate", &File::Truncate, py::arg("size"), py::call_guard<py::gil_scoped_release>(),
+      .def("truncate", &File::Truncate, py::arg("size"), py::call_guard<GilReleased>(),
            "Sets the file's size to `size` bytes.")
       .def("allocate", &File::Allocate, py::arg("offset"), py::arg("length"),
-           py::call_guard<py::gil_scoped_release>(),
+           py::call_guard<GilReleased>(),
            "Reserves [offset, offset+length) on disk (posix fallocate): ENOSPC now rather than "
            "mid-write. Raises OSError.")
-      .def("datasync", &File::DataSync, py::call_guard<py::gil_scoped_release>(),
+      .def("datasync", &File::DataSync, py::call_guard<GilReleased>(),
            "fdatasync: the data written so far is durable when it returns.")
-      .def("drop_cache", &File::DropCache, py::call_guard<py::gil_scoped_release>(),
+      .def("drop_cache", &File::DropCache, py::call_guard<GilReleased>(),
            "Drops the file's clean page-cache pages (the next read is cold).")
       .def("close", &File::Close,
            "Closes this handle; operations in flight keep the descriptors until they end.");
@@ -81,7 +82,7 @@ void RegisterFile(py::module_& m) {
         struct statfs st{};
         int rc;
         {
-          py::gil_scoped_release release;  // a network filesystem can take its time
+          GilReleased release;  // a network filesystem can take its time
           rc = statfs(path.bytes.c_str(), &st);
         }
         if (rc != 0) ThrowIoError(errno, "statfs", path);
@@ -100,7 +101,7 @@ void RegisterFile(py::module_& m) {
       "files_residency",
       [](const std::vector<FsPath>& paths) {
         const std::vector<std::string> names = PathBytes(paths);
-        py::gil_scoped_release release;
+        GilReleased release;
         const Residency r = QueryFilesResidency(names);
         return std::make_pair(r.resident_bytes, r.checked_bytes);
       },
@@ -115,7 +116,7 @@ void RegisterFile(py::module_& m) {
         for (const auto& [address, length] : ranges) {
           memory.push_back({reinterpret_cast<const void*>(address), length});
         }
-        py::gil_scoped_release release;
+        GilReleased release;
         PopulateForReading(memory, threads);
       },
       py::arg("ranges"), py::arg("threads"),

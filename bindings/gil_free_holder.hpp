@@ -7,12 +7,14 @@
 
 #include <memory>
 
+#include "gil.hpp"
+
 namespace tensortier {
 
 template <typename T>
 struct ReleaseGilDelete {
   void operator()(T* p) const noexcept {
-    pybind11::gil_scoped_release release;
+    GilReleased release;
     delete p;
   }
 };

@@ -10,6 +10,7 @@
 
 #include "arguments.hpp"
 #include "binding_helpers.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/directory_commit.hpp"
@@ -25,7 +26,7 @@ void RegisterHf(py::module_& m) {
       [](const FsPath& dir) -> std::optional<py::tuple> {
         std::optional<HfCheckpoint> found;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           found = FindHfCheckpoint(dir);
         }
         if (!found) return std::nullopt;
@@ -38,7 +39,7 @@ void RegisterHf(py::module_& m) {
       "quantization_config.");
   m.def(
       "check_hf_model_directory", [](const FsPath& dir) { CheckHfModelDirectory(dir); },
-      py::arg("dir"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("dir"), py::call_guard<GilReleased>(),
       "FileNotFoundError where nothing is at dir (a Hub model id), saying how to download one; "
       "NotADirectoryError for a file.");
   m.def(
@@ -60,7 +61,7 @@ void RegisterHf(py::module_& m) {
         }
         std::optional<std::string> target;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           target = HfLoadTarget(names, weight_map);
         }
         if (!target) return std::nullopt;
@@ -76,7 +77,7 @@ void RegisterHf(py::module_& m) {
       [](const FsPath& final_dir) {
         HfSaveStaging staging;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           staging = StageHfSave(final_dir);
         }
         try {
@@ -98,7 +99,7 @@ void RegisterHf(py::module_& m) {
       [](const FsPath& staging_dir, const std::set<std::string>& kept, const FsPath& final_dir) {
         HfSaveCommit commit;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           commit = CommitHfSave(HfSaveStaging{staging_dir, kept}, final_dir, TestFileSystem());
         }
         py::list left;
@@ -120,12 +121,12 @@ void RegisterHf(py::module_& m) {
       [](const FsPath& written, const FsPath& link) {
         ReplaceLinkedShard(written, link, TestFileSystem());
       },
-      py::arg("written"), py::arg("link"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("written"), py::arg("link"), py::call_guard<GilReleased>(),
       "The shard written at `written` renamed over the symbolic link `link` (its target left "
       "as it was), the folder fsynced; OSError after removing `written`.");
   m.def(
       "remove_directory_tree", [](const FsPath& dir) { return RemoveDirectoryTree(dir); },
-      py::arg("dir"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("dir"), py::call_guard<GilReleased>(),
       "Removes dir and all it holds, read-only folders included; True when it is gone.");
   m.def(
       "hf_read_device",
@@ -147,7 +148,7 @@ void RegisterHf(py::module_& m) {
       "hf_files_cached",
       [](const std::vector<FsPath>& files) {
         const std::vector<std::string> names = PathBytes(files);
-        py::gil_scoped_release release;
+        GilReleased release;
         return HfFilesCached(names);
       },
       py::arg("files"),

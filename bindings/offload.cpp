@@ -14,6 +14,7 @@
 #include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "errors.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/io/engine.hpp"
@@ -94,7 +95,7 @@ void RegisterOffload(py::module_& m) {
              o.engine = engine.Apply(OffloaderEngineDefaults());
              o.stripe_threshold = StripeThresholdArgument(stripe_threshold);
              o.backend_factory = TestBackends(o.engine);
-             py::gil_scoped_release release;
+             GilReleased release;
              return std::make_unique<Offloader>(std::move(o));
            }),
            py::arg("dirs"), py::arg("backend") = "auto", py::arg("n_entries") = 16,
@@ -105,7 +106,7 @@ void RegisterOffload(py::module_& m) {
           "write",
           [](Offloader& o, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
             std::vector<OffloadPiece> p = ToPieces(pieces);
-            py::gil_scoped_release release;
+            GilReleased release;
             o.AsyncWritev(p);
           },
           py::arg("pieces"), "Starts writing (key, address, length) pieces in one submission.")
@@ -113,7 +114,7 @@ void RegisterOffload(py::module_& m) {
           "read",
           [](Offloader& o, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
             std::vector<OffloadPiece> p = ToPieces(pieces);
-            py::gil_scoped_release release;
+            GilReleased release;
             o.AsyncReadv(p);
           },
           py::arg("pieces"), "Starts reading (key, address, length) pieces in one submission.")
@@ -124,7 +125,7 @@ void RegisterOffload(py::module_& m) {
             OffloadKind parsed = ParseOffloadKind(kind);
             std::vector<OffloadOutcome> outcomes;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               outcomes = keys ? o.Wait(parsed, *keys) : o.Wait(parsed);
             }
             py::list out;
@@ -137,7 +138,7 @@ void RegisterOffload(py::module_& m) {
           "Waits for the operations of a kind (those moving any of `keys` when given): [(key, "
           "exception or None)].")
       .def("discard", &Offloader::Discard, py::arg("key"))
-      .def("trim", &Offloader::Trim, py::call_guard<py::gil_scoped_release>())
+      .def("trim", &Offloader::Trim, py::call_guard<GilReleased>())
       .def("stored", &Offloader::stored, py::arg("key"))
       .def("pending", &Offloader::pending, py::arg("key"))
       .def_property_readonly("stored_bytes", &Offloader::stored_bytes)
@@ -159,7 +160,7 @@ void RegisterOffload(py::module_& m) {
       .def_property_readonly(
           "engine", [](Offloader& o) -> Engine& { return o.engine(); },
           py::return_value_policy::reference_internal)
-      .def("close", &Offloader::Close, py::call_guard<py::gil_scoped_release>());
+      .def("close", &Offloader::Close, py::call_guard<GilReleased>());
   m.def(
       "offload_backend",
       [](const std::string& name) { return std::string(OffloadBackendName(name)); },
@@ -174,6 +175,6 @@ void RegisterOffload(py::module_& m) {
       py::arg("engine_name"), "TensorNVMe's name of an engine backend ('io_uring' -> 'uring').");
   m.def(
       "remove_stale_offload_files", [](const FsPath& dir) { return RemoveStaleOffloadFiles(dir); },
-      py::arg("dir"), py::call_guard<py::gil_scoped_release>());
+      py::arg("dir"), py::call_guard<GilReleased>());
   RegisterOffloadEntries(m);
 }

@@ -19,6 +19,7 @@
 #include "binding_helpers.hpp"
 #include "cycle_collected.hpp"
 #include "errors.hpp"
+#include "gil.hpp"
 #include "register.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/transfer/operation.hpp"
@@ -57,7 +58,7 @@ class OperationLog {
         WaitInterruptibly([&](auto timeout) { return op.WaitFor(timeout); }, true);
         std::exception_ptr error;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           error = op.TakeUndeliveredError();
         }
         if (error) {
@@ -65,7 +66,7 @@ class OperationLog {
           failed.push_back(std::move(pending[next]));
         }
       }
-      py::gil_scoped_release release;
+      GilReleased release;
       try {
         engine.WaitAll();
       } catch (const IoError&) {

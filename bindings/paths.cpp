@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "arguments.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/io/file.hpp"
@@ -117,7 +118,7 @@ void RegisterPaths(py::module_& m) {
         const OpenMode mode = ParseOpenMode(write ? "a" : "r");
         File opened;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           opened = File::Open(path, mode, direct);
         }
         return py::cast(std::move(opened));

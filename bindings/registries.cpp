@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "binding_helpers.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
@@ -98,7 +99,7 @@ class LockedTensors {
   // (asked of the CUDA driver, where one is loaded) page-locked with CUDA by anyone.
   bool Pinned(uintptr_t address, size_t nbytes) {
     if (Covers(address, nbytes)) return true;
-    py::gil_scoped_release release;
+    GilReleased release;
     try {
       return CudaDriver::Get().IsPinnedHost(reinterpret_cast<const void*>(address), nbytes);
     } catch (const std::exception&) {  // a driver that cannot answer: not pinned, as DeepNVMe
@@ -137,7 +138,7 @@ class CuFileRegistrations {
   // `keep` stays referenced while it is. Throws CuFileError when cuFile refuses the memory.
   void Add(uintptr_t address, size_t nbytes, const py::object& keep) {
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       std::lock_guard lock(mu_);
       if (buffers_.contains(address)) return;
       const CuFile& cufile = CuFile::Get();
@@ -160,7 +161,7 @@ class CuFileRegistrations {
       gone = std::move(it->second);
       buffers_.erase(it);
     }
-    py::gil_scoped_release release;
+    GilReleased release;
     gone.buffer.reset();
   }
 
@@ -170,7 +171,7 @@ class CuFileRegistrations {
       std::lock_guard lock(mu_);
       gone.swap(buffers_);
     }
-    py::gil_scoped_release release;
+    GilReleased release;
     for (auto& [address, registered] : gone) registered.buffer.reset();
   }
 
@@ -261,7 +262,7 @@ class GdsFileState {
     const std::string path = filename_.cast<FsPath>().bytes;
     int code = 0;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       const int fd = open(path.c_str(), static_cast<int>(flags) | O_CLOEXEC, 0644);
       if (fd < 0) code = errno;
       if (fd >= 0) close(fd);
@@ -287,7 +288,7 @@ class GdsFileState {
       const File& file = file_.cast<const File&>();
       std::optional<DeviceFile> made;
       {
-        py::gil_scoped_release release;
+        GilReleased release;
         made.emplace(file, GdsMode::kAuto);
       }
       device_file_ = py::cast(std::move(*made));

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "gil.hpp"
 #include "register.hpp"
 #include "tensortier/io/config.hpp"
 #include "tensortier/util/settings.hpp"
@@ -21,7 +22,7 @@ void RegisterSettings(py::module_& m) {
       [] {
         std::vector<DefaultSetting> rows;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           rows = Defaults();
         }
         py::list out;

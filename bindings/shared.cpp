@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "binding_helpers.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "tensortier/io/test_hooks.hpp"
 #include "tensortier/shared/shared_exchange.hpp"
@@ -319,7 +320,7 @@ py::object ReadRowsInto(const SharedTensorSpec& spec, const SharedPartition& par
                         const std::optional<FsPath>& checkpoint, const std::string& key) {
   std::optional<IoStats> stats;
   try {
-    py::gil_scoped_release release;
+    GilReleased release;
     std::vector<RowSource> sources;
     for (const FsPath& path : files) {
       struct stat st{};
@@ -343,7 +344,7 @@ py::object ReadRowsInto(const SharedTensorSpec& spec, const SharedPartition& par
 py::object WriteRowsOf(const SharedPartition& part, int world, int device, const FsPath& prefix) {
   std::vector<std::string> names;
   {
-    py::gil_scoped_release release;
+    GilReleased release;
     names = WritePartitionRows(prefix, world, part, device);
   }
   return PathsToPython(names);
@@ -478,7 +479,7 @@ void RegisterShared(py::module_& m) {
           [](SharedRowExchange& x, uintptr_t indices, size_t count, bool scatter, bool refused) {
             SharedRowExchange::Splits splits;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               splits = x.Route(reinterpret_cast<const int64_t*>(indices), count,
                                scatter ? SharedRowExchange::kScatter : SharedRowExchange::kGather,
                                refused);
@@ -489,8 +490,7 @@ void RegisterShared(py::module_& m) {
           "Step 1 of a round: the requests for rows `indices`; (send splits, recv splits) in "
           "int64s of the buffers. refused: this rank's call was refused before its round (the "
           "others' read_requests then raise ValueError naming it).")
-      .def("read_requests", &SharedRowExchange::ReadRequests,
-           py::call_guard<py::gil_scoped_release>(),
+      .def("read_requests", &SharedRowExchange::ReadRequests, py::call_guard<GilReleased>(),
            "Step 2: True when an overflow all-to-all (late_splits) must run first. ValueError "
            "naming the ranks whose call was refused, else IndexError naming the ranks that "
            "passed an index out of range.")
@@ -500,7 +500,7 @@ void RegisterShared(py::module_& m) {
           [](SharedRowExchange& x, uintptr_t local, uintptr_t values) {
             SharedRowExchange::Splits splits;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               splits = x.Serve(reinterpret_cast<const uint8_t*>(local),
                                reinterpret_cast<const uint8_t*>(values));
             }
@@ -511,7 +511,7 @@ void RegisterShared(py::module_& m) {
       .def(
           "finish",
           [](SharedRowExchange& x, uintptr_t local, uintptr_t out) {
-            py::gil_scoped_release release;
+            GilReleased release;
             x.Finish(reinterpret_cast<uint8_t*>(local), reinterpret_cast<uint8_t*>(out));
           },
           py::arg("local"), py::arg("out"), "Step 4: the rows received, written.")
@@ -600,7 +600,7 @@ void RegisterShared(py::module_& m) {
             const auto* idx = reinterpret_cast<const int64_t*>(indices);
             RowRoute route;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               route = RouteRows(idx, count, ends, reinterpret_cast<int64_t*>(order));
             }
             if (route.bad >= 0) {
@@ -634,7 +634,7 @@ void RegisterShared(py::module_& m) {
       .def(
           "gather",
           [](const SharedTensor& t, uintptr_t indices, size_t count, uintptr_t out) {
-            py::gil_scoped_release release;
+            GilReleased release;
             t.Gather(reinterpret_cast<const int64_t*>(indices), count,
                      reinterpret_cast<void*>(out));
           },
@@ -642,7 +642,7 @@ void RegisterShared(py::module_& m) {
       .def(
           "scatter",
           [](SharedTensor& t, uintptr_t indices, size_t count, uintptr_t in) {
-            py::gil_scoped_release release;
+            GilReleased release;
             t.Scatter(reinterpret_cast<const int64_t*>(indices), count,
                       reinterpret_cast<const void*>(in));
           },
@@ -660,7 +660,7 @@ void RegisterShared(py::module_& m) {
       "shared_attach",
       [](std::shared_ptr<Store> store, const std::string& name, double timeout_s) {
         auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-        py::gil_scoped_release release;
+        GilReleased release;
         return AttachSharedTensor(*store, name, timeout);
       },
       py::arg("store"), py::arg("name"), py::arg("timeout_s"),
@@ -671,7 +671,7 @@ void RegisterShared(py::module_& m) {
       .def(py::init([](std::shared_ptr<Store> store, int rank, int world_size, double timeout_s,
                        bool hosts_store) {
              auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-             py::gil_scoped_release release;
+             GilReleased release;
              return std::make_unique<BoundGroup>(std::move(store), rank, world_size, timeout,
                                                  hosts_store);
            }),
@@ -698,7 +698,7 @@ void RegisterShared(py::module_& m) {
             std::shared_ptr<SharedTensor> shared;
             std::shared_ptr<DistributedTensor> distributed;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               if (spec.layout == SharedLayout::kDistributed) {  // rows in private memory
                 g.Agree("create_tensor", spec.Describe());
                 distributed = std::make_shared<DistributedTensor>(spec, g.rank(), g.world_size());
@@ -717,21 +717,21 @@ void RegisterShared(py::module_& m) {
             g.Require("attach");
             return g.Attach(name, device);
           },
-          py::arg("name"), py::arg("device") = 0, py::call_guard<py::gil_scoped_release>())
+          py::arg("name"), py::arg("device") = 0, py::call_guard<GilReleased>())
       .def(
           "barrier",
           [](BoundGroup& g, const std::string& what) {
             g.Require(what);
             g.Barrier(what);
           },
-          py::arg("what"), py::call_guard<py::gil_scoped_release>())
+          py::arg("what"), py::call_guard<GilReleased>())
       .def(
           "all_gather",
           [](BoundGroup& g, const std::string& what, const py::bytes& value) {
             std::string v = value;
             std::vector<std::string> all;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               all = g.AllGather(what, v);
             }
             py::list out;
@@ -743,7 +743,7 @@ void RegisterShared(py::module_& m) {
           "settle",
           [](BoundGroup& g, const std::string& what, const std::optional<std::string>& failure) {
             g.Require(what);
-            py::gil_scoped_release release;
+            GilReleased release;
             if (!failure) {
               g.Settle(what, nullptr);
               return;
@@ -759,7 +759,7 @@ void RegisterShared(py::module_& m) {
           "`what` worked (failure None) or why not. "
           "Returns on a rank that failed (it raises its own error); elsewhere returns when all "
           "worked, else raises RuntimeError naming each failing rank with its text.")
-      .def("close", &BoundGroup::CloseAll, py::call_guard<py::gil_scoped_release>(),
+      .def("close", &BoundGroup::CloseAll, py::call_guard<GilReleased>(),
            "Closes the group and every tensor it made, and counts this rank out of the store "
            "unless it serves it (see shared_wait_for_leavers). Idempotent.")
       .def_property_readonly("leave_key", &SharedGroup::leave_key);
@@ -781,7 +781,7 @@ void RegisterShared(py::module_& m) {
           if (left.count() <= 0) return;
           bool done = false;
           {
-            py::gil_scoped_release release;
+            GilReleased release;
             done = SharedGroup::WaitForOthersToLeave(*store, leave_key, world_size,
                                                      std::min(left, kSlice));
           }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "arguments.hpp"
+#include "gil.hpp"
 #include "register.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/shared/shared_spec.hpp"
@@ -27,7 +28,7 @@ namespace {
 void RequireCudaDriver(const std::string& prefix, const std::string& advice) {
   const CudaDriver* driver = nullptr;
   {
-    py::gil_scoped_release release;  // the first call dlopens the driver and runs cuInit
+    GilReleased release;  // the first call dlopens the driver and runs cuInit
     driver = &CudaDriver::Get();
   }
   if (driver->available()) return;

@@ -13,6 +13,7 @@
 
 #include "arguments.hpp"
 #include "cycle_collected.hpp"
+#include "gil.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -39,7 +40,7 @@ class TensorNvmeWriter {
       // read-modify-write of blocks. Errors name the descriptor's file.
       std::optional<File> file;
       {
-        py::gil_scoped_release release;
+        GilReleased release;
         file.emplace(File::OpenDescriptor(static_cast<int>(number), OpenMode::kCreate, false));
       }
       file_ = py::cast(std::move(*file));

@@ -16,6 +16,7 @@
 #include "arguments.hpp"
 #include "binding_helpers.hpp"
 #include "errors.hpp"
+#include "gil.hpp"
 #include "gil_free_holder.hpp"
 #include "paths.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
@@ -223,7 +224,7 @@ class PyOffloadDevice {
       const auto length = span.attr("nbytes").cast<uint64_t>();
       core_->Transfer();  // made with the GIL held: CudaError is raised as it is
       {
-        py::gil_scoped_release release;
+        GilReleased release;
         core_->Submit(parsed, keys[i], memory, length);
       }
       keep_[parsed == OffloadKind::kWrite ? 0 : 1].emplace(keys[i], span);
@@ -238,7 +239,7 @@ class PyOffloadDevice {
     }
     std::vector<OffloadOutcome> outcomes;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       outcomes = core_->Wait(parsed, keys);
     }
     py::list out;
@@ -320,7 +321,7 @@ class DeviceRoute {
         gds_ == GdsMode::kOff ? AnyFile(file.cast<File>()) : AnyFile(FileOf(file));
     const DeviceSpan span = Span(address, device, stream);
     const bool read = op == "read";
-    py::gil_scoped_release release;
+    GilReleased release;
     return t.Submit([&t, target, offset, length, span, read] {
       return WithFile(target, [&](const auto& f) {
         return read ? t.Read(f, offset, length, span) : t.Write(span, length, f, offset);
@@ -365,7 +366,7 @@ void RegisterTransfer(py::module_& m) {
       [error = py::object(m.attr("CudaError"))](const std::string& what) {
         const CudaDriver* driver = nullptr;
         {
-          py::gil_scoped_release release;  // the first call dlopens the driver and runs cuInit
+          GilReleased release;  // the first call dlopens the driver and runs cuInit
           driver = &CudaDriver::Get();
         }
         if (driver->available()) return;
@@ -387,7 +388,7 @@ void RegisterTransfer(py::module_& m) {
       [] {
         const CudaDriver* driver = nullptr;
         {
-          py::gil_scoped_release release;  // the first call dlopens the driver and runs cuInit
+          GilReleased release;  // the first call dlopens the driver and runs cuInit
           driver = &CudaDriver::Get();
         }
         const CudaDriver& d = *driver;
@@ -405,7 +406,7 @@ void RegisterTransfer(py::module_& m) {
       [] {
         const CuFile* c = nullptr;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           c = &CuFile::Get();
         }
         py::dict out;
@@ -422,7 +423,7 @@ void RegisterTransfer(py::module_& m) {
       [](uintptr_t address) {
         PointerLocation where;
         {
-          py::gil_scoped_release release;
+          GilReleased release;
           where = CudaDriver::Get().Locate(reinterpret_cast<const void*>(address));
         }
         py::dict out;
@@ -434,7 +435,7 @@ void RegisterTransfer(py::module_& m) {
   m.def(
       "pinned_host",
       [](uintptr_t address, size_t nbytes) {
-        py::gil_scoped_release release;
+        GilReleased release;
         return CudaDriver::Get().IsPinnedHost(reinterpret_cast<const void*>(address), nbytes);
       },
       py::arg("address"), py::arg("nbytes"),
@@ -443,7 +444,7 @@ void RegisterTransfer(py::module_& m) {
 
   py::class_<PinnedMemory, GilFreeHolder<PinnedMemory>>(m, "PinnedMemory", py::buffer_protocol())
       .def(py::init([](size_t size, int device) {
-             py::gil_scoped_release release;
+             GilReleased release;
              return GilFreeHolder<PinnedMemory>(new PinnedMemory(size, device));
            }),
            py::arg("size"), py::arg("device") = 0)
@@ -460,7 +461,7 @@ void RegisterTransfer(py::module_& m) {
 
   py::class_<CuFileBuffer, GilFreeHolder<CuFileBuffer>>(m, "CuFileBuffer")
       .def(py::init([](uintptr_t address, size_t length) {
-             py::gil_scoped_release release;
+             GilReleased release;
              return GilFreeHolder<CuFileBuffer>(
                  new CuFileBuffer(CuFile::Get(), reinterpret_cast<const void*>(address), length));
            }),
@@ -474,7 +475,7 @@ void RegisterTransfer(py::module_& m) {
       .def(
           "release",
           [](CuFileBuffer& b) {
-            py::gil_scoped_release release;
+            GilReleased release;
             CuFileBuffer gone(std::move(b));
           },
           "Deregisters now (also done when the object is collected); idempotent.");
@@ -482,7 +483,7 @@ void RegisterTransfer(py::module_& m) {
   py::class_<DeviceFile>(m, "DeviceFile")
       .def(py::init([](const File& file, const std::optional<std::string>& gds) {
              GdsMode mode = gds ? ParseGdsMode(*gds) : GdsModeFromEnvironment();
-             py::gil_scoped_release release;
+             GilReleased release;
              return DeviceFile(file, mode);
            }),
            py::arg("file"), py::arg("gds") = py::none(),
@@ -547,7 +548,7 @@ void RegisterTransfer(py::module_& m) {
             WaitInterruptibly([&](auto timeout) { return j.WaitFor(timeout); }, interruptible);
             TransferResult r;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               r = j.Wait();
             }
             return ResultToDict(r);
@@ -560,7 +561,7 @@ void RegisterTransfer(py::module_& m) {
             WaitInterruptibly([&](auto timeout) { return j.WaitFor(timeout); }, true);
             TransferResult r;
             try {
-              py::gil_scoped_release release;
+              GilReleased release;
               r = j.Wait();
             } catch (...) {
               return py::make_tuple(py::none(), PythonError(std::current_exception()));
@@ -598,7 +599,7 @@ void RegisterTransfer(py::module_& m) {
             WaitInterruptibly([&](auto timeout) { return o.WaitFor(timeout); }, true);
             OperationResult r;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               r = o.Wait();
             }
             return OperationResultToDict(r);
@@ -610,15 +611,14 @@ void RegisterTransfer(py::module_& m) {
             WaitInterruptibly([&](auto timeout) { return o.WaitFor(timeout); }, true);
             std::exception_ptr error;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               error = o.TakeUndeliveredError();
             }
             return error ? PythonError(error) : py::none();
           },
           "Waits, then returns the error nobody was given yet (now given), else None.")
       .def("return_error", &Operation::ReturnError, "Undoes take_undelivered_error().")
-      .def("has_undelivered_error", &Operation::HasUndeliveredError,
-           py::call_guard<py::gil_scoped_release>(),
+      .def("has_undelivered_error", &Operation::HasUndeliveredError, py::call_guard<GilReleased>(),
            "For an operation that is over: whether its error is still to be given.");
 
   py::class_<DeviceTransfer, GilFreeHolder<DeviceTransfer>>(m, "DeviceTransfer")
@@ -636,7 +636,7 @@ void RegisterTransfer(py::module_& m) {
             DeviceSpan span = Span(address, device, stream);
             TransferResult r;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               r = WithFile(file, [&](const auto& f) { return t.Read(f, offset, length, span); });
             }
             return ResultToDict(r);
@@ -651,7 +651,7 @@ void RegisterTransfer(py::module_& m) {
             DeviceSpan span = Span(address, device, stream);
             TransferResult r;
             {
-              py::gil_scoped_release release;
+              GilReleased release;
               r = WithFile(file, [&](const auto& f) { return t.Write(span, length, f, offset); });
             }
             return ResultToDict(r);
@@ -664,7 +664,7 @@ void RegisterTransfer(py::module_& m) {
           [](DeviceTransfer& t, const AnyFile& file, uint64_t offset, uint64_t length,
              uintptr_t address, int device, std::optional<uintptr_t> stream) {
             DeviceSpan span = Span(address, device, stream);
-            py::gil_scoped_release release;
+            GilReleased release;
             return t.Submit([&t, file, offset, length, span] {
               return WithFile(file, [&](const auto& f) { return t.Read(f, offset, length, span); });
             });
@@ -678,7 +678,7 @@ void RegisterTransfer(py::module_& m) {
           [](DeviceTransfer& t, uintptr_t address, uint64_t length, const AnyFile& file,
              uint64_t offset, int device, std::optional<uintptr_t> stream) {
             DeviceSpan span = Span(address, device, stream);
-            py::gil_scoped_release release;
+            GilReleased release;
             return t.Submit([&t, file, offset, length, span] {
               return WithFile(file,
                               [&](const auto& f) { return t.Write(span, length, f, offset); });
@@ -735,7 +735,5 @@ void RegisterTransfer(py::module_& m) {
           "transfer", [](PyOffloadDevice& d) { return d.core().transfer(); },
           py::return_value_policy::reference_internal, "The transfer, or None before one is made.")
       .def("forget", &PyOffloadDevice::Forget, "Lets go of the operations without waiting.")
-      .def(
-          "close", [](PyOffloadDevice& d) { d.core().Close(); },
-          py::call_guard<py::gil_scoped_release>());
+      .def("close", [](PyOffloadDevice& d) { d.core().Close(); }, py::call_guard<GilReleased>());
 }

@@ -241,6 +241,27 @@ def test_close_from_another_thread_while_epochs_start(disk_dir: Path) -> None:
     assert len(stream(reader, 1)) == 6  # and it still reads
 
 
+def test_a_daemon_thread_reading_at_exit_does_not_abort_the_process(disk_dir: Path) -> None:
+    """A daemon thread feeding batches (a background prefetch) while the main thread exits:
+    Python ends it as it comes back from a blocking call, which used to abort the process
+    (std::terminate from the GIL's re-acquisition in a noexcept destructor)."""
+    make_tree(disk_dir, classes=2, per_class=200)
+    script = ("import sys, threading\n"
+              "from tensortier.data import FileReader\n"
+              "r = FileReader(file_root=sys.argv[1], batch_size=16, prefetch=4)\n"
+              "started = threading.Event()\n"
+              "def feed():\n"
+              "    while True:\n"
+              "        for batch in r.batches():\n"
+              "            started.set()\n"
+              "threading.Thread(target=feed, daemon=True).start()\n"
+              "assert started.wait(60)\n")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script, str(disk_dir)], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
 def test_file_list_and_files_inputs(disk_dir: Path) -> None:
     tree = make_tree(disk_dir, classes=2, per_class=3)
     paths = sorted(tree)
