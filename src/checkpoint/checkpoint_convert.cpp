@@ -311,7 +311,9 @@ ConvertReport ConvertCheckpoint(const std::string& in, const std::string& out) {
     throw std::invalid_argument(
         StrCat("convert: '", in, "' is a shard index: convert each shard file it names"));
   }
-  const CheckpointLayout l = ReadCheckpointLayout(in);
+  // Other objects (an argparse.Namespace, numpy state, a dataclass) are dropped as every
+  // non-tensor value is, never called: read as opaque, as info and verify read them.
+  const CheckpointLayout l = ReadCheckpointLayout(in, /*opaque_objects=*/true);
   RequireConvertibleOutput(in, out,
                            l.format == CheckpointFormat::kTorch ? CheckpointFormat::kSafetensors
                                                                 : CheckpointFormat::kTorch);

@@ -25,7 +25,8 @@ constexpr size_t kMaxRank = 64;
 constexpr size_t kMaxDepth = 256;
 constexpr uint64_t kMaxVisits = 1u << 22;
 constexpr size_t kMaxTensors = 1u << 20;  // shared subtrees can multiply tensors: bound the output
-constexpr size_t kMaxPath = 4096;
+// A key path's length (torch.load takes any key; 64 KiB per level of the walk's stack) ...
+constexpr size_t kMaxPath = 64u << 10;
 // Memory is bounded by the input's size, not only by fixed caps: every opcode is at least a byte,
 // but one byte can make a 72-byte Value, and a few bytes can rebuild (or, through shared subtrees,
 // emit) a tensor with 64-dimension shape and stride vectors. The ratios leave room for anything
@@ -37,6 +38,8 @@ constexpr size_t kSlack = 1024;         // added to every input-relative cap: ti
 constexpr size_t kBytesPerTensor = 16;  // tensors rebuilt <= input bytes / 16
 constexpr size_t kOutputBytesPerByte = 16;  // output tensors' estimated bytes <= 16 x input ...
 constexpr size_t kOutputSlack = 4u << 20;   // ... + 4 MiB
+// ... and the bytes of the key paths the walk builds, in all: bounded as the output is (long keys
+// in shared subtrees walked many times would otherwise take time quadratic in the input).
 
 using Kind = PickleKind;
 using Value = PickleValue;
@@ -404,6 +407,11 @@ class Vm : public PickleMachine {
   void Walk(uint32_t index, const std::string& path, size_t depth, std::vector<bool>& on_path) {
     if (++visits_ > kMaxVisits) WalkFail("object graph too large to walk");
     if (path.size() > kMaxPath) WalkFail(StrCat("key path longer than ", kMaxPath, " bytes"));
+    path_bytes_ += path.size();
+    if (path_bytes_ > max_output_bytes_) {
+      WalkFail(StrCat("the key paths walked would take more than ", max_output_bytes_,
+                      " bytes (shared subtrees repeat them) for a ", data_.size(), "-byte pickle"));
+    }
     if (depth > kMaxDepth) WalkFail(StrCat("nesting deeper than ", kMaxDepth, " at '", path, "'"));
     const Value& v = values_[index];
     auto child = [&](const std::string& key) { return path.empty() ? key : path + "." + key; };
@@ -480,6 +488,7 @@ class Vm : public PickleMachine {
   std::vector<TorchTensor> tensors_;  // every tensor built, by kTensor value
   size_t dims_ = 0;                   // sizes and strides held by tensors_
   uint64_t output_bytes_ = 0;         // estimated size of out_.tensors
+  uint64_t path_bytes_ = 0;           // key path bytes built by the walk
   uint64_t visits_ = 0;
   size_t inside_object_ = 0;  // opaque objects being walked (their parts are not values)
   TorchPickle out_;

@@ -327,6 +327,21 @@ TEST(CheckpointTorch, DictAndListSubclassesTakeTheirItemsForListing) {
   }
 }
 
+// torch.load takes keys of any length: one of 5,000 bytes is read, one past 64 KiB refused.
+TEST(CheckpointTorch, LongKeysAreRead) {
+  std::string tensor = TensorPickle(10, 0, 10, 1);
+  tensor = tensor.substr(kProto.size(), tensor.size() - kProto.size() - 1);
+  auto keyed = [&](size_t n) {
+    std::string len(4, '\0');
+    for (int i = 0; i < 4; ++i) len[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    return kProto + "}X"s + len + std::string(n, 'k') + tensor + "s.";
+  };
+  const TorchPickle r = ParseTorchPickle(keyed(5000));
+  ASSERT_EQ(r.tensors.size(), 1u);
+  EXPECT_EQ(r.tensors[0].path, std::string(5000, 'k'));
+  EXPECT_TRUE(PickleRejects(keyed(70000), "key path longer than 65536 bytes"));
+}
+
 TEST(CheckpointTorch, BuildOnlyOnDictsAndTensors) {
   // OrderedDict() with BUILD state {'_metadata': {}} (what torch.save emits), then None, ((), {}).
   const std::string od = "ccollections\nOrderedDict\n)R"s;

@@ -446,6 +446,26 @@ def test_state_dict_files(disk_dir: Path, name: str) -> None:
     assert_same(st.load_file(str(dst)), want)
 
 
+def test_convert_drops_other_objects_of_a_training_checkpoint(disk_dir: Path) -> None:
+    """A training checkpoint with an argparse.Namespace (fairseq's "args"), a dataclass and
+    numpy state beside its weights: those are dropped as every non-tensor value is, never
+    called, and the tensors converted (as info and verify read the file)."""
+    src = disk_dir / "train.pt"
+    script = ("import argparse, dataclasses, sys, numpy, torch\n"
+              "@dataclasses.dataclass\n"
+              "class Config:\n"
+              "    lr: float = 0.1\n"
+              "torch.save({'model': {'w': torch.arange(6.0).reshape(2, 3)},\n"
+              "            'args': argparse.Namespace(lr=0.1, arch='x'), 'cfg': Config(),\n"
+              "            'rng': numpy.random.get_state(), 'step': 7}, sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", script, str(src)], check=True, timeout=120)
+    dst = disk_dir / "train.safetensors"
+    r = run("convert", src, dst)
+    assert r.returncode == 0, r.stderr
+    assert "non-tensor value" in r.stdout + r.stderr
+    assert_same(st.load_file(str(dst)), {"model.w": torch.arange(6.0).reshape(2, 3)})
+
+
 def test_convert_replaces_a_symlinks_target(disk_dir: Path) -> None:
     """As tensortier.save (and open(path, 'w')): the link stays, its target gets the new file; no
     temporary file is left behind, whether convert succeeds or fails."""
