@@ -1525,6 +1525,16 @@ def test_loading_to_cuda_without_cuda_raises_torch_s_runtime_error_and_a_value_e
         with pytest.raises(tensortier.UnavailableDeviceError, match="CUDA is not available") as e:
             tensortier.load(tmp_path / "m.pt", map_location=where)
         assert isinstance(e.value, RuntimeError) and isinstance(e.value, ValueError)
+    # A file without tensors (a scheduler's state) restores no storage: torch.load loads it.
+    state = {"last_epoch": 3, "base_lrs": [0.1], "_step_count": 4}
+    torch.save(state, tmp_path / "sched.pt")
+    for where in ("cuda", "cuda:0", {"cpu": "cuda"}, torch.device("cuda", 0)):
+        assert torch.load(tmp_path / "sched.pt", map_location=where) == state
+        assert tensortier.load(tmp_path / "sched.pt", map_location=where) == state
+    assert tensortier.load(tmp_path / "sched.pt", device="cuda") == state
+    tensortier.save({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    with pytest.raises(tensortier.UnavailableDeviceError):
+        tensortier.load(tmp_path / "m.safetensors", device="cuda")
 
 
 def test_a_third_positional_argument_that_is_no_format_says_which_keyword_it_needs(

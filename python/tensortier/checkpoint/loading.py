@@ -11,7 +11,7 @@ from . import _engine, mapping
 from ._dtype import _target_dtype
 from ._files import _is_file_object, _memfd_copy, _renamed
 from .. import _core
-from ._format import _as_damaged, _require, _sniff, _torch, PathLike
+from ._format import _as_damaged, _require, _sniff, _torch, PathLike, UnavailableDeviceError
 from .._paths import fspath as _fspath
 from .mapping import _Placement, _Readahead
 from .safetensors import _load_safetensors
@@ -139,7 +139,15 @@ def load(
                 "mmap=True maps CPU tensors: use map_location='cpu' with it, not a "
                 f"{type(map_location).__name__}"
             )
-    dev = mapping._target_device(device if device is not None else "cpu")
+    try:
+        dev = mapping._target_device(device if device is not None else "cpu")
+    except UnavailableDeviceError:
+        if placement is not None or mmap:
+            raise
+        # torch.load fails only where it restores a storage there: a file without tensors (a
+        # scheduler's state) loads. Each storage's device is asked for as it is met.
+        placement = _Placement(mapping=_EveryLocation(device))
+        dev = mapping._target_device("cpu")
     target_dtype = _target_dtype(dtype)
     if mmap is None:  # torch.load's default: its setting, where a mapping can serve the load
         mmap = placement is None and dev.type == "cpu" and _torch_default_mmap()
@@ -181,6 +189,17 @@ def _torch_default_mmap() -> bool:
     except ImportError:
         return False
     return bool(getattr(config.load, "mmap", False))
+
+
+class _EveryLocation(dict):  # type: ignore[type-arg]
+    """A ``map_location`` dict that sends every saved location to `device`."""
+
+    def __init__(self, device: Any) -> None:
+        super().__init__()
+        self.device = device
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self.device
 
 
 def _is_meta(location: Any) -> bool:
