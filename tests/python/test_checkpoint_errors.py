@@ -1550,3 +1550,19 @@ def test_a_third_positional_argument_that_is_no_format_says_which_keyword_it_nee
         tensortier.save(tensors, tmp_path / "m.pt", pickle)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^format must be 'safetensors' or 'torch', not 'npz'$"):
         tensortier.save(tensors, tmp_path / "m.pt", "npz")
+
+
+def test_names_that_are_not_utf8_text(tmp_path: Path) -> None:
+    """A lone surrogate (what os.fsdecode gives for a file name that is not UTF-8): torch.save
+    writes it as a key, and so do we; a safetensors header cannot hold it (UnicodeEncodeError,
+    a ValueError, as safetensors raises)."""
+    key = "\udcff"
+    for obj in ({key: torch.ones(2)}, {"m": {key: torch.ones(2)}}):
+        tensortier.save(obj, tmp_path / "s.pt")
+        again = torch.load(tmp_path / "s.pt")
+        assert list(again) == list(obj)
+        ours = tensortier.load(tmp_path / "s.pt")
+        assert list(ours) == list(obj)
+    with pytest.raises(UnicodeEncodeError, match="safetensors tensor name is UTF-8"):
+        tensortier.save({key: torch.ones(2)}, tmp_path / "s.safetensors")
+    assert not (tmp_path / "s.safetensors").exists()

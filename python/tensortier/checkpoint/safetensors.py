@@ -18,6 +18,18 @@ from ._writing import _DurableFile
 from .mapping import _mapped_tensor, _Placement, _Readahead
 
 
+def _require_utf8_name(name: str) -> None:
+    """Raises safetensors' UnicodeEncodeError (a ValueError) for a name that is not UTF-8 text
+    (a lone surrogate, as ``os.fsdecode`` gives for a file name that is not UTF-8): a
+    safetensors header is JSON."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnicodeEncodeError(e.encoding, e.object, e.start, e.end,
+                                 f"{e.reason}: a safetensors tensor name is UTF-8 text "
+                                 f"(save this one with format='torch')") from None
+
+
 def _save_safetensors(
     state_dict: Mapping[str, Any], path: PathLike, metadata: dict[str, str], checksum: bool,
     io: IOHandle,
@@ -32,6 +44,8 @@ def _save_safetensors(
     tensor, strided = torch.Tensor, torch.strided
     rows: list[tuple[Any, ...]] = []
     for k, v in state_dict.items():
+        if isinstance(k, str) and not k.isascii():
+            _require_utf8_name(k)
         if not isinstance(v, tensor):
             rows.append((k, "value"))
         elif v.layout != strided:

@@ -67,6 +67,11 @@ def _plain_dict_writer(obj: Any, crc32: bool) -> tuple[Any, list[int]] | None:
     for k, v in obj.items():
         if type(k) is not str or type(v) is not tensor_type or v.is_nested:
             return None  # a nested tensor has no sizes to ask (torch pickles it)
+        if not k.isascii():
+            try:
+                k.encode("utf-8")
+            except UnicodeEncodeError:
+                return None  # a lone surrogate: torch's pickler writes it, C++ takes UTF-8
         dt = dtype_names.get(v.dtype)
         if (dt is None or v.is_quantized or not v.is_cpu or v.layout is not strided
                 or v.requires_grad or v.is_conj() or v.is_neg() or v.__dict__):
