@@ -8,6 +8,7 @@ import os
 import struct
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -396,3 +397,33 @@ def test_map_shared_writes_reach_the_file_as_torch_loads_do(disk_dir: Path, name
     out["a"].fill_(1.0)
     del out
     assert torch.equal(tensortier.load(path)["a"], torch.full((4096,), 5.0))
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_map_location_dicts_and_callables_with_mmap(disk_dir: Path, name: str) -> None:
+    """torch.load(mmap=True) takes any map_location: a dict or callable that keeps storages on
+    the CPU keeps them mapped; a callable sees the mapped storage; another device is asked for
+    (and refused here without CUDA, as torch refuses it)."""
+    path = disk_dir / name
+    sd = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)}
+    tensortier.save(sd, path)
+    seen: list[str] = []
+
+    def keep(storage: Any, location: str) -> Any:
+        seen.append(location)
+        return storage
+
+    for where in ({"cpu": "cpu"}, {"cuda:0": "cpu"}, keep):
+        out = tensortier.load(path, mmap=True, map_location=where)
+        if name.endswith(".pt"):
+            theirs = torch.load(path, mmap=True, map_location=where)
+            assert all(torch.equal(theirs[k], sd[k]) for k in sd)
+        for k in sd:
+            assert torch.equal(out[k], sd[k]), (where, k)
+            assert storage_is_file_mapping(out[k], path), (where, k)
+    assert seen and set(seen) == {"cpu"}
+    meta = tensortier.load(path, mmap=True, map_location={"cpu": "meta"})
+    assert all(t.is_meta and t.shape == sd[k].shape for k, t in meta.items())
+    if not torch.cuda.is_available():
+        with pytest.raises(tensortier.UnavailableDeviceError):
+            tensortier.load(path, mmap=True, map_location={"cpu": "cuda"})

@@ -134,11 +134,6 @@ def load(
                 "map_location must be a string, torch.device, dict or callable, not "
                 f"{type(map_location).__name__}"
             )
-        if placement is not None and mmap:
-            raise ValueError(
-                "mmap=True maps CPU tensors: use map_location='cpu' with it, not a "
-                f"{type(map_location).__name__}"
-            )
     try:
         dev = mapping._target_device(device if device is not None else "cpu")
     except UnavailableDeviceError:

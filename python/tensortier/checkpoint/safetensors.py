@@ -138,6 +138,8 @@ def _load_safetensors(
                                             for k, t in out.items()])
             if dtype is not None:
                 out = _dtype._convert_in_place(out, dtype)
+            if dev.type != "cpu":  # map_location sends "cpu" elsewhere: copied there
+                out = {k: t.to(dev) for k, t in out.items()}
         else:
             prog = _Progress(f"loading {os.path.basename(path)}", sum(e.nbytes for e in entries),
                              progress)

@@ -152,6 +152,10 @@ def _unpickle_torch(
                     ).untyped_storage()
                     if storage.resizable():  # a copy (misaligned record)
                         storage = _fixed_size(_storage_bytes(storage)).untyped_storage()
+                    if sdev.type != "cpu":  # map_location sends it elsewhere: copied there
+                        placed = torch.UntypedStorage(nbytes, device=sdev)
+                        placed.copy_(storage)
+                        storage = placed
                 elif sdev.type == "cpu":
                     storage = mapping._fixed_storage(nbytes, record.offset)
                 else:
