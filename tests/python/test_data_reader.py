@@ -346,6 +346,38 @@ def test_dataset_in_a_dataloader_with_two_workers(disk_dir: Path) -> None:
     assert sorted(sum(stream_dataset(dataset), [])) == sorted(tree.values())
 
 
+def test_dataset_split_given_as_rank_and_world_size(disk_dir: Path) -> None:
+    """rank=/world_size= replace torch.distributed's for the split (DistributedSampler's
+    num_replicas=/rank=): the data-parallel rank, or every file in one process."""
+    tree = make_tree(disk_dir, classes=2, per_class=5)
+    halves = [sum(stream_dataset(FileDataset(file_root=disk_dir, batch_size=3, seed=1, rank=r,
+                                             world_size=2)), []) for r in (0, 1)]
+    assert len(halves[0]) == len(halves[1]) == 5
+    assert sorted(halves[0] + halves[1]) == sorted(tree.values())
+    whole = FileDataset(file_root=disk_dir, batch_size=3, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(whole, batch_size=None, num_workers=2, timeout=60)
+    seen = [(bytes(s.numpy()), int(l)) for samples, labels in loader
+            for s, l in zip(samples, labels)]
+    assert sorted(seen) == sorted(tree.values())
+
+
+def test_dataset_settings_are_checked_when_it_is_made(disk_dir: Path) -> None:
+    """Not in each DataLoader worker at its first batch."""
+    make_tree(disk_dir, classes=1, per_class=4)
+    for bad, error, match in (
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"prefetch": -1}, ValueError, "prefetch"),
+        ({"shufle": True}, TypeError, "unexpected keyword argument 'shufle'"),
+        ({"num_shards": 2}, TypeError, "rank= and world_size="),
+        ({"check_files": False}, TypeError, "unexpected keyword argument 'check_files'"),
+        ({"rank": 2, "world_size": 2}, ValueError, "rank 2 is out of range"),
+        ({"rank": 0}, ValueError, "both rank= and world_size="),
+        ({"on_error": "ignore"}, ValueError, "on_error"),
+    ):
+        with pytest.raises(error, match=match):
+            FileDataset(file_root=disk_dir, **bad)
+
+
 def test_more_workers_than_files_read_every_file_once(disk_dir: Path) -> None:
     """A small validation set on many workers: the workers past the last file yield nothing,
     as an IterableDataset may, instead of each raising that there are fewer files than

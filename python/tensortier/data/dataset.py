@@ -21,6 +21,38 @@ def _rank_and_world() -> tuple[int, int] | None:
     return None
 
 
+# What FileDataset sets on each worker's reader itself, and the settings it takes by name.
+_SET_PER_WORKER = {"files", "labels", "shard_id", "num_shards", "check_files", "file_root",
+                   "file_list"}
+
+
+def _check_reader_options(options: Mapping[str, Any]) -> None:
+    """Refuses, when the dataset is made, options no FileReader takes and those the dataset
+    sets itself on each worker's reader."""
+    import inspect
+
+    known = set(inspect.signature(FileReader.__init__).parameters) - {"self"}
+    for name in options:
+        if name in ("shard_id", "num_shards"):
+            raise TypeError(f"FileDataset splits the files by rank and DataLoader worker itself: "
+                            f"pass rank= and world_size= instead of {name}=")
+        if name in _SET_PER_WORKER or name not in known:
+            raise TypeError(f"FileDataset() got an unexpected keyword argument {name!r}")
+
+
+def _split_setting(rank: Any, world_size: Any) -> tuple[int, int] | None:
+    """(rank, world_size) given to FileDataset, checked; None where neither was given."""
+    if rank is None and world_size is None:
+        return None
+    if rank is None or world_size is None:
+        raise ValueError("give FileDataset both rank= and world_size=, or neither")
+    r = _core.check_reader_setting(rank, "rank", 0, 63)
+    w = _core.check_reader_setting(world_size, "world_size", 1, 63)
+    if r >= w:
+        raise ValueError(f"rank {r} is out of range for world_size {w}")
+    return r, w
+
+
 class FileDataset(torch.utils.data.IterableDataset):
     """Batches of files for ``torch.utils.data.DataLoader(dataset, batch_size=None, ...)``.
 
@@ -35,7 +67,15 @@ class FileDataset(torch.utils.data.IterableDataset):
     ``persistent_workers=True`` included (the epoch lives in shared memory, which workers
     read when each iteration starts).
 
-    The arguments are ``FileReader``'s; the file list is made (and checked) once, here.
+    ``rank`` and ``world_size`` (both or neither) replace torch.distributed's for the split, as
+    ``DistributedSampler(num_replicas=, rank=)`` does: the data-parallel rank where tensor or
+    pipeline parallel ranks share batches, or ``rank=0, world_size=1`` to read every file in a
+    process of a job (evaluation on one rank).
+
+    The other arguments are ``FileReader``'s; the file list is made (and checked) once, here,
+    and so are the settings (a typo or a bad value raises now, not in the workers). Each worker
+    forms its own batches, so with ``num_workers > 1`` each may end its epoch on a short batch
+    (``drop_last`` drops each).
     """
 
     def __init__(
@@ -56,9 +96,15 @@ class FileDataset(torch.utils.data.IterableDataset):
         dir_filters: str | Sequence[str] | None = None,
         copy: bool = True,
         on_error: str = "raise",
+        rank: int | None = None,
+        world_size: int | None = None,
         **reader_options: Any,
     ) -> None:
         super().__init__()
+        _check_reader_options(reader_options)
+        _core.check_reader_settings(batch_size, prefetch, 1, reader_options.get("open_threads", 16),
+                                    seed, 0, on_error)
+        self._split = _split_setting(rank, world_size)
         self._paths, self._labels = _core.resolve_sample_inputs(
             file_root, file_list, files, labels, file_filters=file_filters,
             case_sensitive_filter=case_sensitive_filter, dir_filters=dir_filters)
@@ -89,7 +135,7 @@ class FileDataset(torch.utils.data.IterableDataset):
     def shard(self) -> tuple[int, int]:
         """(shard_id, num_shards) of the calling process and DataLoader worker: the rank is
         torch.distributed's, in a DataLoader worker its parent's (however it was started)."""
-        rank, world = _rank_and_world() or self._parent_rank or (0, 1)
+        rank, world = self._split or _rank_and_world() or self._parent_rank or (0, 1)
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank * workers + worker, world * workers
