@@ -123,6 +123,10 @@ def test_copy_and_views(disk_dir: Path) -> None:
     reader = FileReader(file_root=disk_dir, batch_size=3, shuffle=False, copy=True)
     kept = [samples for samples, _ in reader]
     assert [bytes(s.numpy()) for s in sum(kept, [])] == [tree[p][0] for p in sorted(tree)]
+    for samples in kept:  # one block of exactly the batch's bytes, not of its arena
+        block = samples[0].untyped_storage()
+        assert all(s.untyped_storage().data_ptr() == block.data_ptr() for s in samples)
+        assert block.nbytes() == sum(s.numel() for s in samples)
     views = FileReader(file_root=disk_dir, batch_size=3, shuffle=False)
     samples, labels = next(iter(views))
     assert bytes(samples[0].numpy()) == tree[sorted(tree)[0]][0]

@@ -61,7 +61,8 @@ class FileDataset(torch.utils.data.IterableDataset):
     the DataLoader, whichever way its workers are started), with the same seeded
     per-epoch shuffle everywhere, so no two read the same file in an epoch. Each item is one
     ``(samples, labels)`` batch as ``FileReader`` yields it; ``copy=True`` (the default) gives
-    sample memory of its own, which is what crosses from workers to the main process. Call
+    the batch memory of its own (one block of exactly its samples' bytes), which is what crosses
+    from workers to the main process. Call
     ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: every iteration
     reads the epoch last set (0 until then), in the main process and in workers alike,
     ``persistent_workers=True`` included (the epoch lives in shared memory, which workers
