@@ -295,10 +295,14 @@ void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_pa
   }
   if (fchmod(fd, old.mode) != 0) ThrowIoError(errno, "keep the mode of", final_path);
   // After the mode: an ACL set now keeps its mask.
-  ssize_t listed = listxattr(final_path.c_str(), nullptr, 0);
+  CopyExtendedAttributes(final_path, fd, final_path);
+}
+
+void CopyExtendedAttributes(const std::string& from, int to_fd, const std::string& to) {
+  ssize_t listed = listxattr(from.c_str(), nullptr, 0);
   if (listed <= 0) return;  // none, or a file system without them
   std::string names(static_cast<size_t>(listed), '\0');
-  listed = listxattr(final_path.c_str(), names.data(), names.size());
+  listed = listxattr(from.c_str(), names.data(), names.size());
   if (listed <= 0) return;  // gone meanwhile
   names.resize(static_cast<size_t>(listed));
   for (size_t at = 0; at < names.size(); at += std::strlen(names.c_str() + at) + 1) {
@@ -308,21 +312,21 @@ void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_pa
       continue;
     }
     std::string value(64, '\0');
-    ssize_t size = getxattr(final_path.c_str(), name, value.data(), value.size());
+    ssize_t size = getxattr(from.c_str(), name, value.data(), value.size());
     if (size < 0 && errno == ERANGE) {
-      size = getxattr(final_path.c_str(), name, nullptr, 0);
+      size = getxattr(from.c_str(), name, nullptr, 0);
       if (size >= 0) {
         value.resize(static_cast<size_t>(size));
-        size = getxattr(final_path.c_str(), name, value.data(), value.size());
+        size = getxattr(from.c_str(), name, value.data(), value.size());
       }
     }
     if (size < 0) continue;  // removed meanwhile
     // One this file system or user cannot give the new file (or no room for it) is left out:
     // the checkpoint, written whole by now, matters more than an attribute.
-    if (fsetxattr(fd, name, value.data(), static_cast<size_t>(size), 0) != 0 && errno != EPERM &&
+    if (fsetxattr(to_fd, name, value.data(), static_cast<size_t>(size), 0) != 0 && errno != EPERM &&
         errno != EACCES && errno != ENOTSUP && errno != EINVAL && errno != E2BIG &&
         errno != ENOSPC && errno != EDQUOT) {
-      ThrowIoError(errno, StrCat("keep the extended attribute ", name, " of"), final_path);
+      ThrowIoError(errno, StrCat("keep the extended attribute ", name, " of"), to);
     }
   }
 }

@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checkpoint_format.hpp"
 #include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
@@ -70,6 +71,22 @@ std::string BaseName(const std::string& path) {
 
 // `to` gets `from`'s owner (where this process may give it), permission bits and access and
 // modification times (shutil.copystat, plus the owner: a directory shared by a group stays so).
+// A file or folder open (read-only, not followed through a link) while in scope.
+class OpenedPath {
+ public:
+  explicit OpenedPath(const std::string& path)
+      : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)) {
+    if (fd_ < 0) ThrowIoError(errno, "open", path);
+  }
+  ~OpenedPath() { ::close(fd_); }
+  OpenedPath(const OpenedPath&) = delete;
+  OpenedPath& operator=(const OpenedPath&) = delete;
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
 void CopyStat(const std::string& from, const std::string& to) {
   struct stat st{};
   if (::stat(from.c_str(), &st) != 0) ThrowIoError(errno, "stat", from);
@@ -77,6 +94,10 @@ void CopyStat(const std::string& from, const std::string& to) {
     ThrowIoError(errno, "chown", to);
   }
   if (::chmod(to.c_str(), st.st_mode & 07777) != 0) ThrowIoError(errno, "chmod", to);
+  // ACLs (a shared output folder's default ACL, which files written into it then inherit),
+  // user.* attributes: the folder transformers writes into keeps them.
+  const OpenedPath opened(to);
+  CopyExtendedAttributes(from, opened.fd(), to);
   const struct timespec times[2] = {st.st_atim, st.st_mtim};
   if (::utimensat(AT_FDCWD, to.c_str(), times, 0) != 0) ThrowIoError(errno, "utimensat", to);
 }

@@ -8,6 +8,7 @@ import json
 import mmap
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -236,6 +237,38 @@ def test_save_pretrained_keeps_other_files_and_replaces_the_weights(tmp_path: Pa
     assert got.returncode == 0 and "m/model.safetensors: data OK" in got.stdout, got.stderr
     assert_same(hf.from_pretrained(type(model), tmp_path / "m"), model.eval())
     assert [n for n in os.listdir(tmp_path) if n != "m"] == []
+
+
+def posix_acl(entries: list[tuple[int, int, int]]) -> bytes:
+    """The kernel's binary ACL (version 2): (tag, permissions, id) entries, sorted by tag."""
+    import struct
+
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+def test_save_pretrained_keeps_the_directory_s_acls_and_attributes(tmp_path: Path) -> None:
+    """A shared output folder's default ACL (which files written into it inherit) and its
+    user.* attributes stay, as in the folder transformers writes into in place."""
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    out.mkdir()
+    # user::rwx, group::r-x, group 1234: rwx, mask::rwx, other::r-x
+    default_acl = posix_acl([(0x01, 7, 0xFFFFFFFF), (0x04, 5, 0xFFFFFFFF), (0x08, 7, 1234),
+                             (0x10, 7, 0xFFFFFFFF), (0x20, 5, 0xFFFFFFFF)])
+    try:
+        os.setxattr(out, "user.tensortier.team", b"nlp")
+        os.setxattr(out, "system.posix_acl_default", default_acl)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EPERM, errno.EOPNOTSUPP):
+            pytest.skip(f"no extended attributes or ACLs on this file system: {e}")
+        raise
+    for _ in range(2):  # a new directory, then one over it
+        hf.save_pretrained(model, out)
+        assert os.getxattr(out, "user.tensortier.team") == b"nlp"
+        assert os.getxattr(out, "system.posix_acl_default") == default_acl
+        # The shards written into it inherited the named group's entry.
+        access = os.getxattr(out / "model.safetensors", "system.posix_acl_access")
+        assert struct.pack("<HHI", 0x08, 7, 1234) in access
 
 
 KILLED_SAVE = """

@@ -47,6 +47,11 @@ std::optional<ReplacedFile> CheckReplaceable(const std::string& final_path);
 // Throws IoError naming `final_path` for any other failure.
 void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_path);
 
+// Gives `to_fd` (a file or directory named `to` in errors) the extended attributes of `from`:
+// every one but an integrity hash of the old bytes (security.ima, security.evm); one this file
+// system or user cannot set (or has no room for) is left out. Throws IoError for other failures.
+void CopyExtendedAttributes(const std::string& from, int to_fd, const std::string& to);
+
 // ".NAME.tmp-", the start of the names of the temporary files of saves into DIR/NAME. A NAME
 // too long for the whole temporary name (PID-START-TAG-RANDOM follow) to fit in 255 bytes, the
 // limit of a file name, is cut to its first whole UTF-8 characters plus "~" and the xxh64 of the
