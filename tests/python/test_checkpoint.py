@@ -780,6 +780,37 @@ def make_shards(d: Path, fmt: str = "safetensors") -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_an_index_replaced_while_read_is_read_as_one_version(
+        disk_dir: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model directory another process saves again (swapped in by one rename) after the
+    first shard was read: every shard comes from the version whose index was read, not a mix."""
+    from tensortier.checkpoint import loading
+
+    old, new = disk_dir / "m", disk_dir / "m.new"
+    old.mkdir()
+    new.mkdir()
+    torch.manual_seed(0)
+    want = make_shards(old, fmt)
+    torch.manual_seed(1)
+    make_shards(new, fmt)
+    real = loading._load_kind
+    swapped: list[bool] = []
+
+    def load_kind(path: str, kind: str, *args: Any) -> Any:
+        out = real(path, kind, *args)
+        if kind != "index" and not swapped:  # after the first shard: the other version in
+            os.rename(old, disk_dir / "m.old")
+            os.rename(new, old)
+            swapped.append(True)
+        return out
+
+    monkeypatch.setattr(loading, "_load_kind", load_kind)
+    out = tensortier.load(next(old.glob("*.index.json")))
+    assert swapped
+    assert all(torch.equal(out[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_hf_index(disk_dir: Path, fmt: str) -> None:
     sd = make_shards(disk_dir, fmt)
     idx = next(disk_dir.glob("*.index.json"))

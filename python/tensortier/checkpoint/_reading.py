@@ -4,7 +4,9 @@ destinations through the engine's GPU path."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,9 +36,42 @@ class _Piece:
     checksum: tuple[str, int | None] | None = None
 
 
+# Files opened ahead of their reads (the shards of an index), by path: _open_checkpoint hands
+# each to its caller, who closes it.
+_preopened: contextvars.ContextVar[dict[str, File] | None] = contextvars.ContextVar(
+    "tensortier_preopened", default=None)
+
+# Shards opened together at most: an index of more is opened as it is read.
+_MAX_PREOPENED = 256
+
+
 def _open_checkpoint(io: IOHandle, path: str) -> File:
     """`path` opened for the engine's reads (a FIFO or a device is refused, never waited on)."""
+    preopened = _preopened.get()
+    if preopened is not None and path in preopened:
+        return preopened.pop(path)
     return io._file_system.open(path, io._direct)  # noqa: SLF001 - same package
+
+
+@contextlib.contextmanager
+def _opened_together(io: IOHandle, paths: Sequence[str]) -> Iterator[None]:
+    """Within: `paths` (an index's shards) opened now, all of them, for _open_checkpoint to
+    hand out. A directory another process replaces meanwhile (a save of the model, swapped in
+    by one rename) is then read as one version, the one the index was read from, not a mix of
+    the shards each version had when each was opened."""
+    if len(paths) > _MAX_PREOPENED:
+        yield
+        return
+    files: dict[str, File] = {}
+    token = _preopened.set(files)
+    try:
+        for path in dict.fromkeys(paths):
+            files[path] = io._file_system.open(path, io._direct)  # noqa: SLF001
+        yield
+    finally:
+        _preopened.reset(token)
+        for file in files.values():  # those no read took
+            file.close()
 
 
 def _read_host(

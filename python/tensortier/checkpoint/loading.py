@@ -10,6 +10,7 @@ from ..io import IOHandle
 from . import _engine, mapping
 from ._dtype import _target_dtype
 from ._files import _is_file_object, _memfd_copy, _renamed
+from ._reading import _opened_together
 from .. import _core
 from ._format import _as_damaged, _require, _sniff, _torch, PathLike, UnavailableDeviceError
 from .._paths import fspath as _fspath
@@ -204,14 +205,17 @@ def _is_meta(location: Any) -> bool:
         return False
 
 
-def _each_shard(path: str, read: Callable[[str, str], Any]) -> dict[str, Any]:
+def _each_shard(path: str, read: Callable[[str, str], Any], io: IOHandle) -> dict[str, Any]:
     """What ``read(shard, kind)`` gives for each shard of index `path`, in one dict in the
     shards' order (the index read by the CLI's rules), each shard's tensors those the index
-    puts there (the order shards are read in must not decide the bytes)."""
+    puts there (the order shards are read in must not decide the bytes). The shards are opened
+    together first: a directory replaced meanwhile is read as the version the index names."""
     out: dict[str, Any] = {}
-    for shard, kind, names in _require("shard_index_walk")(path):  # an index in one is refused
-        part = read(shard, kind)
-        out.update((n, part[n]) for n in _require("shard_names")(path, shard, names, part))
+    walk = list(_require("shard_index_walk")(path))  # an index in one is refused
+    with _opened_together(io, [shard for shard, _, _ in walk]):
+        for shard, kind, names in walk:
+            part = read(shard, kind)
+            out.update((n, part[n]) for n in _require("shard_names")(path, shard, names, part))
     return out
 
 
@@ -222,7 +226,7 @@ def _load_kind(
     """The load of `path`, a file of ``_sniff``'s `kind` (an index: of each of its shards)."""
     if kind == "index":
         return _each_shard(path, lambda shard, k: _load_kind(
-            shard, k, dev, dtype, verify, progress, io, mapped, placement))
+            shard, k, dev, dtype, verify, progress, io, mapped, placement), io)
     try:
         if kind == "safetensors":
             return _load_safetensors(path, dev, dtype, verify, progress, io, mapped, placement)

@@ -196,7 +196,7 @@ def _describe_sources(
     kind = _sniff(path)
     if kind == "index":
         return _each_shard(path, lambda shard, _: _describe_sources(
-            shard, io, files, verify, extra_names, saved_states, saved_versions, values))
+            shard, io, files, verify, extra_names, saved_states, saved_versions, values), io)
     if path not in files:
         files[path] = _open_checkpoint(io, path)
     file = files[path]
