@@ -73,6 +73,15 @@ void RegisterHf(py::module_& m) {
       "(transformers' reading of an index, a dict; None without one); None where transformers "
       "reads them itself (also where no index in their folder has that weight map).");
   m.def(
+      "hf_directory_swappable",
+      [](const FsPath& final_dir) {
+        GilReleased release;
+        return HfDirectorySwappable(final_dir);
+      },
+      py::arg("final_dir"),
+      "Whether a save into final_dir can swap in a new directory with one rename: not a link, a "
+      "file or a mount point, holding no mount point and not the working directory.");
+  m.def(
       "stage_hf_save",
       [](const FsPath& final_dir) {
         HfSaveStaging staging;

@@ -264,10 +264,10 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
 
     Where the directory cannot be swapped, the save writes into it as transformers does, each
     shard durable on its own (a crash may leave some files old and some new): `path` is a mount
-    point, a symbolic link, a file (transformers logs an error and returns), holds this process's
-    working directory, lies in a directory this process may not write or on a file system
-    without ``RENAME_EXCHANGE`` (NFS, SMB, most FUSE ones); and on a rank that
-    does not save (``is_main_process=False``), which writes what transformers writes there
+    point or holds one (a volume mounted inside), a symbolic link, a file (transformers logs an
+    error and returns), holds this process's working directory, lies in a directory this
+    process may not write or on a file system without ``RENAME_EXCHANGE`` (NFS, SMB, most FUSE
+    ones); and on a rank that does not save (``is_main_process=False``), which writes what transformers writes there
     (nothing), leaving the directory to the rank that saves.
 
     Raises:
@@ -308,7 +308,7 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
     with _ours():
         token = _saving.set(True)
         try:
-            if not _saves_here(model, kwargs) or not _swappable(final):
+            if not _saves_here(model, kwargs) or not _core.hf_directory_swappable(final):
                 write(final, **kwargs)
                 return
             try:
@@ -365,18 +365,6 @@ def _saves_here(model: Any, kwargs: dict[str, Any]) -> bool:
     main = kwargs.get("is_main_process", True)
     should = getattr(model, "should_save_on_this_rank", None)
     return bool(should(main)) if callable(should) else bool(main)
-
-
-def _swappable(final: str) -> bool:
-    """Whether the directory `final` can be replaced by another one in a rename: not a mount
-    point, a symbolic link or a file, and not holding this process's working directory."""
-    if os.path.islink(final) or os.path.isfile(final) or os.path.ismount(final):
-        return False
-    try:
-        cwd = os.getcwd()
-    except OSError:  # removed already
-        return True
-    return not (cwd == final or cwd.startswith(final.rstrip(os.sep) + os.sep))
 
 
 def enable() -> None:

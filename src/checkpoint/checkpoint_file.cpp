@@ -77,17 +77,6 @@ std::optional<pid_t> ParsePid(std::string_view text) {
   return static_cast<pid_t>(pid);
 }
 
-// `rest` is what follows ".NAME.tmp-" in a directory entry; `dir` holds it.
-// Whether `path` is a mount point itself (a file bind-mounted into a container).
-bool IsMountedFile(const std::string& path) {
-  struct statx stx{};
-  if (statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &stx) != 0) {
-    return false;
-  }
-  return (stx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) != 0 &&
-         (stx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
-}
-
 // The bytes of the file `from` written over those of `to` (truncated first), then synced.
 void CopyIntoFile(const FileSystem& fs, const std::string& from, const std::string& to) {
   const File in = fs.Open(from, OpenMode::kRead, /*direct=*/false);
@@ -203,6 +192,15 @@ std::pair<std::string, std::string> SplitPath(const std::string& final_path) {
 }
 
 }  // namespace
+
+bool IsMountPoint(const std::string& path) {
+  struct statx stx{};
+  if (statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &stx) != 0) {
+    return false;
+  }
+  return (stx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) != 0 &&
+         (stx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
+}
 
 // An existing file's canonical path; else the canonical directory plus the name, following a
 // dangling symlink to the file it names. Saving then replaces a symlink's target, not the link.
@@ -483,7 +481,7 @@ void DurableFile::Commit() {
     fs_.Rename(temp_, final_);
   } catch (const IoError& e) {
     if (old >= 0) ReleaseInBackground(fs_, old);
-    if (e.error_code() == EBUSY && IsMountedFile(final_)) {
+    if (e.error_code() == EBUSY && IsMountPoint(final_)) {
       // A file that is a mount point itself (a container's bind mount of one file: docker -v
       // host.pt:/ckpt.pt, a Kubernetes subPath) refuses the rename: the bytes are copied into
       // it, as torch.save writes any file. Not atomic: a crash meanwhile leaves it torn.

@@ -205,6 +205,31 @@ std::optional<std::string> HfLoadTarget(
   }
 }
 
+bool HfDirectorySwappable(const std::string& final_dir) {
+  struct stat top{};
+  if (::lstat(final_dir.c_str(), &top) != 0) return true;  // a new directory (or unreadable)
+  if (!S_ISDIR(top.st_mode) || IsMountPoint(final_dir)) return false;
+  std::error_code ec;
+  const fs::path cwd = fs::current_path(ec);
+  if (!ec) {
+    const std::string here = cwd.string();
+    const std::string dir = fs::path(final_dir).lexically_normal().string();
+    if (here == dir || here.starts_with(dir.ends_with('/') ? dir : dir + "/")) return false;
+  }
+  // A file system mounted on a folder inside: another device, or a bind mount of this one.
+  for (auto it = fs::recursive_directory_iterator(
+           final_dir, fs::directory_options::skip_permission_denied, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (!it->is_directory(ec) || it->is_symlink(ec)) continue;
+    struct stat st{};
+    const std::string path = it->path().string();
+    if (::lstat(path.c_str(), &st) == 0 && (st.st_dev != top.st_dev || IsMountPoint(path))) {
+      return false;
+    }
+  }
+  return true;
+}
+
 HfSaveStaging StageHfSave(const std::string& final_dir) {
   std::error_code ec;
   const fs::file_status status = fs::status(final_dir, ec);

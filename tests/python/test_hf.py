@@ -725,6 +725,26 @@ def test_a_directory_that_cannot_be_exchanged_is_written_in_place(
     assert_same(hf.from_pretrained(type(model), out), other.eval())
 
 
+def test_a_directory_holding_a_mount_point_is_written_in_place(tmp_path: Path) -> None:
+    """A volume mounted inside the output directory (a scratch tmpfs): a swap would leave the
+    mount behind on the old directory and copy its files; the save writes in place instead,
+    as transformers does, and the mount stays with its files."""
+    from conftest import mounted
+
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    (out / "scratch").mkdir(parents=True)
+    with mounted(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out / "scratch")],
+                 out / "scratch", "a tmpfs"):
+        (out / "scratch" / "notes.txt").write_text("mine\n")
+        hf.save_pretrained(model, out)
+        assert os.path.ismount(out / "scratch")
+        assert (out / "scratch" / "notes.txt").read_text() == "mine\n"
+        assert_same(hf.from_pretrained(type(model), out), model.eval())
+        assert [n for n in os.listdir(tmp_path) if n != "m"] == []
+    assert os.listdir(out / "scratch") == []  # the file was on the mount only
+
+
 def test_another_exchange_error_fails_the_save_and_leaves_the_directory(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = MODELS["llama"]()

@@ -47,6 +47,10 @@ std::optional<ReplacedFile> CheckReplaceable(const std::string& final_path);
 // Throws IoError naming `final_path` for any other failure.
 void KeepAttributes(int fd, const ReplacedFile& old, const std::string& final_path);
 
+// Whether `path` (not followed through a link) is the root of a mount: a file bind-mounted into a
+// container, a folder with a file system mounted on it. False where it cannot be told.
+bool IsMountPoint(const std::string& path);
+
 // Gives `to_fd` (a file or directory named `to` in errors) the extended attributes of `from`:
 // every one but an integrity hash of the old bytes (security.ima, security.evm); one this file
 // system or user cannot set (or has no room for) is left out. Throws IoError for other failures.

@@ -61,6 +61,12 @@ std::optional<std::string> HfLoadTarget(
     const std::vector<std::string>& files,
     const std::optional<std::map<std::string, std::string>>& weight_map);
 
+// Whether a save into `final_dir` can stage a new directory and swap it in with one rename: not
+// where `final_dir` is a symbolic link, a file, a mount point, holds a mount point (a scratch
+// volume mounted inside: a swap would leave it behind), or holds this process's working
+// directory. Where it cannot, the save writes into it in place, as transformers does.
+bool HfDirectorySwappable(const std::string& final_dir);
+
 // The staging directory of a save into `final_dir` (CreateStagingDirectory, after creating
 // final_dir's parent), holding what `final_dir` holds already, as transformers keeps it: the
 // same files (hard links: a save replaces safetensors files by rename or removes them, and
