@@ -102,10 +102,20 @@ py::array_t<int32_t> LabelArray(const std::vector<int32_t>& labels) {
   return out;
 }
 
-// `value` as a Python int (not a bool) from `minimum` to 2**bits - 1, else nullopt.
+// `value` as a Python int (not a bool; a numpy integer, which a loop over np.arange gives, as
+// its int) from `minimum` to 2**bits - 1, else nullopt.
 std::optional<uint64_t> ReaderInteger(const py::handle& value, uint64_t minimum, int bits) {
-  if (!IsPlainInt(value)) return std::nullopt;
-  const unsigned long long number = PyLong_AsUnsignedLongLong(value.ptr());
+  py::object integer = py::reinterpret_borrow<py::object>(value);
+  if (!IsPlainInt(value)) {
+    if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) return std::nullopt;
+    PyObject* index = PyNumber_Index(value.ptr());
+    if (index == nullptr) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    integer = py::reinterpret_steal<py::object>(index);
+  }
+  const unsigned long long number = PyLong_AsUnsignedLongLong(integer.ptr());
   if (PyErr_Occurred() != nullptr) {  // negative, or past 64 bits
     PyErr_Clear();
     return std::nullopt;

@@ -522,10 +522,16 @@ def test_dataset_reads_the_epoch_set_in_every_mode(disk_dir: Path) -> None:
     assert first == sorted_batches(reader)
     dataset.set_epoch(1)
     assert sorted_batches(dataset) == sorted_batches(reader)  # the reader's epoch 1
-    for bad in (-1, True, 1.0, 2**63):
+    for bad in (-1, True, 1.0, 2**63, np.bool_(True), np.float32(1)):
         with pytest.raises(ValueError) as raised:
             dataset.set_epoch(bad)  # type: ignore[arg-type]
         assert str(raised.value) == f"epoch must be a non-negative 63-bit integer, not {bad!r}"
+    # numpy integers (a loop over np.arange) are integers.
+    dataset.set_epoch(np.int64(1))
+    again = FileReader(file_root=disk_dir, batch_size=4, seed=1)
+    again.set_epoch(np.int64(1))
+    assert sorted_batches(dataset) == sorted_batches(again)
+    assert len(FileReader(file_root=disk_dir, batch_size=np.int32(4), seed=np.uint8(1))) == 3
 
 
 def stream_dataset(dataset: FileDataset) -> list[list[tuple[bytes, int]]]:
