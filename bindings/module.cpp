@@ -5,12 +5,17 @@
 #include <pybind11/pybind11.h>
 
 #include "errors.hpp"
+#include "gil.hpp"
 #include "register.hpp"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tensortier C++ core (internal; use the tensortier package)";
+  // The thread that finalizes the interpreter: threading's main thread (this import may run on
+  // another).
+  tensortier::main_thread_ident.store(
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
 
   tensortier::RegisterErrors(m);
   RegisterFile(m);
