@@ -226,6 +226,25 @@ def test_big_endian_torch_file(disk_dir: Path) -> None:
         out = tensortier.load(big, mmap=mapped)
         for k in sd:
             assert same(out[k], sd[k]), (k, mapped)
+    # Mapped shared (torch's MAP_SHARED setting), verified, given to a callable: the swap never
+    # reaches the file, the CRC-32s are of the stored bytes, the callable gets native values.
+    import mmap as mmap_module
+
+    seen: list[Any] = []
+
+    def keep(storage: Any, location: str) -> Any:
+        seen.append(storage)
+        return storage
+
+    with torch.serialization.set_default_mmap_options(mmap_module.MAP_SHARED):
+        for kwargs in ({}, {"verify": True}, {"map_location": keep},
+                       {"map_location": keep, "verify": True}):
+            for _ in range(2):
+                out = tensortier.load(big, mmap=True, **kwargs)
+                for k in sd:
+                    assert same(out[k], sd[k]), (k, kwargs)
+                assert digest(big) == before, kwargs
+    assert len(seen) == 4 * len(sd)
     if torch.cuda.is_available():  # swapped on the GPU
         out = tensortier.load(big, device="cuda")
         for k in sd:

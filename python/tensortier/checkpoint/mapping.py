@@ -62,11 +62,12 @@ class _Readahead(_require("ReadaheadBudget")):  # type: ignore[misc]
 
 
 def _map_file(
-    file: File, path: str, ranges: Sequence[tuple[str, int, int]], readahead: _Readahead
+    file: File, path: str, ranges: Sequence[tuple[str, int, int]], readahead: _Readahead,
+    private: bool = False,
 ) -> Any:
     """The whole file `file` has open, mapped as a CPU UntypedStorage: copy-on-write, or shared
     (writes reach the file) where torch's ``set_default_mmap_options(mmap.MAP_SHARED)`` asks
-    ``torch.load(mmap=True)`` for that. `ranges`
+    ``torch.load(mmap=True)`` for that (never where `private`). `ranges`
     ((name, offset, length) the caller will use) must lie inside the file as mapped (a page
     past its end is SIGBUS); their span is read ahead when `readahead` allows."""
     torch = _torch()
@@ -78,7 +79,7 @@ def _map_file(
     proc = f"/proc/self/fd/{fd}"
     try:
         whole = torch.UntypedStorage.from_file(
-            proc if os.path.exists(proc) else path, shared=readahead.shared, nbytes=size
+            proc if os.path.exists(proc) else path, shared=readahead.shared and not private, nbytes=size
         )
     except RuntimeError as e:  # "unable to mmap N bytes from file <name>: <strerror> (<errno>)"
         found = re.search(r"\((\d+)\)\s*$", str(e))

@@ -34,6 +34,18 @@ def _records(entries: Sequence[tuple[str, int, int, int, bool]]) -> dict[str, _Z
             for name, off, size, crc, recorded in entries}
 
 
+def _big_endian_record(file: File, records: dict[str, _ZipRecord], prefix: str) -> bool:
+    """Whether the torch file `file` has open says (its byteorder record) it is big-endian;
+    True where that record cannot be read (the caller then keeps its mapping private)."""
+    record = records.get(f"{prefix}byteorder")
+    if record is None:
+        return False
+    try:
+        return os.pread(file.fileno(), record.size, record.offset) != b"little"
+    except OSError:
+        return True
+
+
 def _torch_records(path: str) -> tuple[dict[str, _ZipRecord], str]:
     """The records and archive prefix ("<folder>/") of a torch.save zip, by the CLI's rules."""
     prefix, entries = _require("torch_zip_entries")(path)
@@ -139,6 +151,7 @@ def _unpickle_torch(
                         sdev = placement.device_for(str(location))
                     except Exception as e:  # noqa: BLE001 - passed on as raised
                         raise _PlacementError from e
+                finished = False  # checked (and swapped) here, not after the unpickling
                 if nbytes == 0 and (mapped is not None or sdev.type == "cpu"):
                     storage = mapping._fixed_storage(0, 0)
                 elif mapped is not None:
@@ -152,15 +165,27 @@ def _unpickle_torch(
                     ).untyped_storage()
                     if storage.resizable():  # a copy (misaligned record)
                         storage = _fixed_size(_storage_bytes(storage)).untyped_storage()
-                    if sdev.type != "cpu":  # map_location sends it elsewhere: copied there
-                        placed = torch.UntypedStorage(nbytes, device=sdev)
-                        placed.copy_(storage)
-                        storage = placed
+                    if nbytes and (sdev.type != "cpu" or (
+                            placement is not None and placement.restore is not None)):
+                        # Leaving the mapping (for another device, or map_location's callable):
+                        # checked and put in this machine's byte order first, as read storages
+                        # are (a big-endian file is mapped privately).
+                        if verify:
+                            _reading._check_host(label or path, [(record.name, _storage_bytes(
+                                storage), ("crc32", record.crc32))])
+                        if big_endian:
+                            _swap_bytes(storage, dtype)
+                        finished = True
+                        if sdev.type != "cpu":  # map_location sends it elsewhere: copied there
+                            placed = torch.UntypedStorage(nbytes, device=sdev)
+                            placed.copy_(storage)
+                            storage = placed
                 elif sdev.type == "cpu":
                     storage = mapping._fixed_storage(nbytes, record.offset)
                 else:
                     storage = torch.UntypedStorage(nbytes, device=sdev)
                 ref = _StorageRef(label or path, key, record, nbytes, dtype, storage)
+                ref.filled = finished
                 restore = placement.restore if placement is not None else None
                 if restore is not None and device.type != "meta":
                     # torch.load gives the callable each storage with its bytes, on the CPU
@@ -173,7 +198,7 @@ def _unpickle_torch(
                     ref.filled = True
                 elif eager and nbytes and device.type != "meta":
                     _fill_now(ref, path, verify, big_endian, reader)
-                elif swap_now and nbytes:
+                elif swap_now and nbytes and not ref.filled:
                     if verify:  # the CRC-32 is of the stored bytes
                         _reading._check_host(ref.path, [(ref.record.name, _storage_bytes(
                             storage), ("crc32", ref.record.crc32))])
@@ -303,7 +328,10 @@ def _load_torch(
         if mapped is not None:
             archive = _same_file(file, path, _torch_records)
             ranges = [(name, r.offset, r.size) for name, r in archive[0].items()]
-            whole = mapping._map_file(file, path, ranges, mapped)
+            # A big-endian file's storages are swapped where they are mapped: never in a
+            # mapping shared with the file (that would swap the file's bytes).
+            whole = mapping._map_file(file, path, ranges, mapped,
+                                      private=_big_endian_record(file, *archive))
         obj, storages, records, prefix, big_endian = _same_file(
             file,
             path,
