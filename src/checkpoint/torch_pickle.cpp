@@ -452,9 +452,27 @@ class Vm : public PickleMachine {
     on_path[index] = true;
     inside_object_ += v.kind == Kind::kObject;     // what rebuilds it is no value of the file's
     // values_ does not change during the walk
+    // A scalar child is counted without building its key path: only tensors and containers
+    // need theirs (and pay for them in path_bytes_).
+    auto scalar = [&](uint32_t item) {
+      switch (values_[item].kind) {
+        case Kind::kTensor:
+        case Kind::kList:
+        case Kind::kTuple:
+        case Kind::kDict:
+        case Kind::kObject:
+        case Kind::kStorage:
+          return false;
+        default:
+          if (++visits_ > kMaxVisits) WalkFail("object graph too large to walk");
+          if (inside_object_ == 0) ++out_.other_values;
+          return true;
+      }
+    };
     auto walk_items = [&](const std::vector<uint32_t>& items, bool keyed) {
       if (keyed) {
         for (size_t i = 0; i + 1 < items.size(); i += 2) {
+          if (scalar(items[i + 1])) continue;
           const Value& k = values_[items[i]];
           std::string key = k.kind == Kind::kStr   ? k.s
                             : k.kind == Kind::kInt ? std::to_string(k.i)
@@ -463,7 +481,7 @@ class Vm : public PickleMachine {
         }
       } else {
         for (size_t i = 0; i < items.size(); ++i) {
-          Walk(items[i], child(std::to_string(i)), depth + 1, on_path);
+          if (!scalar(items[i])) Walk(items[i], child(std::to_string(i)), depth + 1, on_path);
         }
       }
     };

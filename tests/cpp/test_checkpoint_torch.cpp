@@ -340,6 +340,11 @@ TEST(CheckpointTorch, LongKeysAreRead) {
   ASSERT_EQ(r.tensors.size(), 1u);
   EXPECT_EQ(r.tensors[0].path, std::string(5000, 'k'));
   EXPECT_TRUE(PickleRejects(keyed(70000), "key path longer than 65536 bytes"));
+  // 300,000 ints under a 90-byte key: the scalars' paths are never built, so not charged.
+  std::string many = kProto + "}X\x5a\x00\x00\x00"s + std::string(90, 'k') + "](";
+  for (int i = 0; i < 300000; ++i) many += "K\x01";
+  many += "es.";
+  EXPECT_EQ(ParseTorchPickle(many).other_values, 300000u);
 }
 
 TEST(CheckpointTorch, BuildOnlyOnDictsAndTensors) {
