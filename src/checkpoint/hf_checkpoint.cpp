@@ -71,14 +71,15 @@ std::string BaseName(const std::string& path) {
 
 // `to` gets `from`'s owner (where this process may give it), permission bits and access and
 // modification times (shutil.copystat, plus the owner: a directory shared by a group stays so).
-// A file or folder open (read-only, not followed through a link) while in scope.
+// A file or folder open (read-only, not followed through a link) while in scope; fd() is -1
+// where it could not be opened (errno then).
 class OpenedPath {
  public:
   explicit OpenedPath(const std::string& path)
-      : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)) {
-    if (fd_ < 0) ThrowIoError(errno, "open", path);
+      : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)) {}
+  ~OpenedPath() {
+    if (fd_ >= 0) ::close(fd_);
   }
-  ~OpenedPath() { ::close(fd_); }
   OpenedPath(const OpenedPath&) = delete;
   OpenedPath& operator=(const OpenedPath&) = delete;
   int fd() const { return fd_; }
@@ -93,11 +94,15 @@ void CopyStat(const std::string& from, const std::string& to) {
   if (::chown(to.c_str(), st.st_uid, st.st_gid) != 0 && errno != EPERM) {
     ThrowIoError(errno, "chown", to);
   }
+  // Opened before the mode is given (a mode without the owner's read bit would refuse it); a
+  // copied file this user may not read (a write-only one) keeps no attributes.
+  const OpenedPath opened(to);
+  if (opened.fd() < 0 && errno != EACCES) ThrowIoError(errno, "open", to);
   if (::chmod(to.c_str(), st.st_mode & 07777) != 0) ThrowIoError(errno, "chmod", to);
   // ACLs (a shared output folder's default ACL, which files written into it then inherit),
-  // user.* attributes: the folder transformers writes into keeps them.
-  const OpenedPath opened(to);
-  CopyExtendedAttributes(from, opened.fd(), to);
+  // user.* attributes: the folder transformers writes into keeps them. After the mode: an ACL
+  // set now keeps its mask.
+  if (opened.fd() >= 0) CopyExtendedAttributes(from, opened.fd(), to);
   const struct timespec times[2] = {st.st_atim, st.st_mtim};
   if (::utimensat(AT_FDCWD, to.c_str(), times, 0) != 0) ThrowIoError(errno, "utimensat", to);
 }
@@ -209,12 +214,16 @@ bool HfDirectorySwappable(const std::string& final_dir) {
   struct stat top{};
   if (::lstat(final_dir.c_str(), &top) != 0) return true;  // a new directory (or unreadable)
   if (!S_ISDIR(top.st_mode) || IsMountPoint(final_dir)) return false;
+  // The working directory or a folder above it is final_dir: compared as files (device and
+  // inode), since final_dir may be reached through a symbolic link that getcwd() resolves.
   std::error_code ec;
   const fs::path cwd = fs::current_path(ec);
-  if (!ec) {
-    const std::string here = cwd.string();
-    const std::string dir = fs::path(final_dir).lexically_normal().string();
-    if (here == dir || here.starts_with(dir.ends_with('/') ? dir : dir + "/")) return false;
+  for (fs::path at = cwd; !ec && !at.empty(); at = at.parent_path()) {
+    struct stat st{};
+    if (::stat(at.c_str(), &st) == 0 && st.st_dev == top.st_dev && st.st_ino == top.st_ino) {
+      return false;
+    }
+    if (at == at.root_path()) break;
   }
   // A file system mounted on a folder inside: another device, or a bind mount of this one.
   for (auto it = fs::recursive_directory_iterator(
