@@ -219,14 +219,27 @@ class Writer(StorageWriter, AsyncStager):
             statistics) before its ``staging_completion`` is done; a forward and backward
             pass that leave them alone may run meanwhile. ``False`` (the default):
             ``async_save`` returns once the copy is done, and returns the upload's future.
+        overwrite: ``FileSystemWriter``'s: False refuses a save into a directory that holds a
+            checkpoint (``RuntimeError``, as stock raises it).
+        single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead,
+            cache_staged_state_dict: ``FileSystemWriter``'s, taken so that code passing them
+            keeps working, and not needed here: each rank writes one file, every file is made
+            durable (the commit needs it), the engine sizes its own parallelism, and staging
+            memory is reused from save to save.
     """
 
     # stage() returns once its copy is done, or a future of it: nothing to synchronize.
     _synchronize_after_execute = False
 
-    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True,
+    def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int = 1,
+                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
+                 overwrite: bool = True, *, direct: bool = True,
                  async_staging: bool = False) -> None:
         super().__init__()
+        del single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead
+        del cache_staged_state_dict
+        self.overwrite = overwrite
         self.path = _directory(path)
         self.direct = direct
         self.async_staging = async_staging
@@ -251,9 +264,17 @@ class Writer(StorageWriter, AsyncStager):
             raise ValueError("tensortier.dcp.Writer needs use_collectives=True (the default): "
                              "its commit writes one .metadata for all ranks, not one per rank")
 
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (``FileSystemWriter.checkpoint_id``)."""
+        return self.path
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Makes the checkpoint directory."""
+        """Makes the checkpoint directory; with ``overwrite=False``, refuses one that holds a
+        checkpoint."""
         os.makedirs(self.path, exist_ok=True)
+        if not self.overwrite and os.path.exists(os.path.join(self.path, ".metadata")):
+            raise RuntimeError(f"Checkpoint already exists and self.overwrite={self.overwrite}.")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -442,6 +463,11 @@ class Reader(StorageReader):
         self.bytes_read = 0
         self._metadata_read: tuple[int | None, bytes] | None = None  # (rank, its bytes)
 
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (``FileSystemReader.checkpoint_id``)."""
+        return self.path
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new load (from `checkpoint_id` when given)."""
         self.storage_data = {}

@@ -305,6 +305,24 @@ def test_a_writer_used_again_writes_new_files(tmp_path: Path) -> None:
     assert torch.equal(got["w"], torch.full((10,), 2.0))
 
 
+def test_file_system_writer_options_are_taken_and_overwrite_false_refuses(tmp_path: Path) -> None:
+    """Code written for FileSystemWriter passes its options: taken; overwrite=False refuses a
+    save over a checkpoint as stock does (and leaves it whole); checkpoint_id as stock's."""
+    ckpt = tmp_path / "ckpt"
+    options = dict(single_file_per_rank=True, sync_files=False, thread_count=8,
+                   per_thread_copy_ahead=1 << 20, cache_staged_state_dict=True, overwrite=False)
+    writer = tdcp.Writer(ckpt, **options)  # type: ignore[arg-type]
+    assert writer.checkpoint_id == str(ckpt) and tdcp.Reader(ckpt).checkpoint_id == str(ckpt)
+    dcp.save({"w": torch.ones(10)}, storage_writer=writer)
+    for storage_writer in (tdcp.Writer(ckpt, overwrite=False),
+                           dcp.FileSystemWriter(ckpt, overwrite=False)):
+        with pytest.raises(CheckpointException, match="Checkpoint already exists"):
+            dcp.save({"w": torch.zeros(10)}, storage_writer=storage_writer)
+    got = {"w": torch.zeros(10)}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt))
+    assert torch.equal(got["w"], torch.ones(10))
+
+
 def flip_in(ckpt: Path, fqn: str, at: str) -> tuple[str, int, int]:
     md = tdcp.Reader(ckpt).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
