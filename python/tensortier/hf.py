@@ -9,7 +9,6 @@ import concurrent.futures
 import errno
 import contextlib
 import contextvars
-import copy
 import os
 import secrets
 import sys
@@ -336,11 +335,12 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
 
 
 def _with_state_dict_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` with a shallow copy of its ``state_dict`` (of the same mapping type), if any."""
+    """`kwargs` with a new dict of its ``state_dict``'s items, if any (a copy.copy of a
+    mapping that keeps its items in an attribute would share them)."""
     state_dict = kwargs.get("state_dict")
     if state_dict is None:
         return kwargs
-    return {**kwargs, "state_dict": copy.copy(state_dict)}
+    return {**kwargs, "state_dict": dict(state_dict)}
 
 
 def _writer(model: Any) -> Any:
