@@ -221,11 +221,12 @@ class Writer(StorageWriter, AsyncStager):
             ``async_save`` returns once the copy is done, and returns the upload's future.
         overwrite: ``FileSystemWriter``'s: False refuses a save into a directory that holds a
             checkpoint (``RuntimeError``, as stock raises it).
-        single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead,
-            cache_staged_state_dict: ``FileSystemWriter``'s, taken so that code passing them
-            keeps working, and not needed here: each rank writes one file, every file is made
-            durable (the commit needs it), the engine sizes its own parallelism, and staging
-            memory is reused from save to save.
+        single_file_per_rank: ``FileSystemWriter``'s, taken so that code passing it keeps
+            working; each rank writes one file.
+        sync_files: taken likewise; every file is made durable (the commit needs it).
+        thread_count: taken likewise; the engine sizes its own parallelism.
+        per_thread_copy_ahead: taken likewise.
+        cache_staged_state_dict: taken likewise; staging memory is reused from save to save.
     """
 
     # stage() returns once its copy is done, or a future of it: nothing to synchronize.
