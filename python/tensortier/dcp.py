@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import io
 import os
+import pathlib
 import pickle
 import sys
 import threading
@@ -204,7 +205,28 @@ def _host_copies(tensors: list[Any]) -> list[Any]:
     return list(_stage(tensors))
 
 
-class Writer(StorageWriter, AsyncStager):
+class _CheckpointDirectory:
+    """``path`` and ``checkpoint_id`` as torch's ``FileSystemWriter`` and ``FileSystemReader``
+    have them: ``pathlib.Path``s of the checkpoint directory."""
+
+    _dir: str  # what the C++ calls take
+
+    @property
+    def path(self) -> pathlib.Path:
+        """The checkpoint directory."""
+        return pathlib.Path(self._dir)
+
+    @path.setter
+    def path(self, value: str | os.PathLike[str]) -> None:
+        self._dir = _directory(value)
+
+    @property
+    def checkpoint_id(self) -> pathlib.Path:
+        """The checkpoint directory (DCP's ``checkpoint_id``)."""
+        return self.path
+
+
+class Writer(_CheckpointDirectory, StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` writing each rank's items through tensortier's engine, and the
     ``AsyncStager`` of ``dcp.async_save(state_dict, storage_writer=Writer(path))``.
 
@@ -241,7 +263,7 @@ class Writer(StorageWriter, AsyncStager):
         del single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead
         del cache_staged_state_dict
         self.overwrite = overwrite
-        self.path = _directory(path)
+        self._dir = _directory(path)
         self.direct = direct
         self.async_staging = async_staging
         self.save_id = uuid.uuid4().hex
@@ -251,7 +273,7 @@ class Writer(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new save (into `checkpoint_id` when given)."""
         if checkpoint_id:
-            self.path = _directory(checkpoint_id)
+            self._dir = _directory(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -265,16 +287,11 @@ class Writer(StorageWriter, AsyncStager):
             raise ValueError("tensortier.dcp.Writer needs use_collectives=True (the default): "
                              "its commit writes one .metadata for all ranks, not one per rank")
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory (``FileSystemWriter.checkpoint_id``)."""
-        return self.path
-
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Makes the checkpoint directory; with ``overwrite=False``, refuses one that holds a
         checkpoint."""
-        os.makedirs(self.path, exist_ok=True)
-        if not self.overwrite and os.path.exists(os.path.join(self.path, ".metadata")):
+        os.makedirs(self._dir, exist_ok=True)
+        if not self.overwrite and os.path.exists(os.path.join(self._dir, ".metadata")):
             raise RuntimeError(f"Checkpoint already exists and self.overwrite={self.overwrite}.")
         return plan
 
@@ -297,7 +314,7 @@ class Writer(StorageWriter, AsyncStager):
             shapes, sizes = [t.shape for t in tensors], [t.nbytes for t in tensors]
             addresses = [t.data_ptr() if _in_place(t) else None for t in tensors]
         size, rank_writes = _core.write_dcp_file(
-            default_io()._core(), self.path, name, dtypes, shapes, sizes, addresses, plan.items,
+            default_io()._core(), self._dir, name, dtypes, shapes, sizes, addresses, plan.items,
             self.direct, f"rank {self.rank}",
             lambda group: _host_copies([tensors[i] for i in group]), _format._STAGING_BYTES)
         # DCP gathers a few lists and bytes, not objects per item; ``finish`` expands them.
@@ -356,7 +373,7 @@ class Writer(StorageWriter, AsyncStager):
             metadata.version = _VERSION
             metadata.storage_meta = self.storage_meta()
             data = pickle.dumps(metadata)
-        _core.commit_dcp_checkpoint(default_io()._core(), self.path, data, metadata.storage_data,
+        _core.commit_dcp_checkpoint(default_io()._core(), self._dir, data, metadata.storage_data,
                                     f"rank {self.rank} (the coordinator)")
 
     def storage_meta(self) -> _md.StorageMeta:
@@ -425,7 +442,7 @@ def _check_weights_only(raw: bytes, path: str, name: str) -> None:
             "torch.serialization.safe_globals([...]) around dcp.load") from e
 
 
-class Reader(StorageReader):
+class Reader(_CheckpointDirectory, StorageReader):
     """A DCP ``StorageReader`` reading through tensortier's engine.
 
     Each rank reads only the bytes its targets need: an item a target takes whole is read whole
@@ -457,25 +474,20 @@ class Reader(StorageReader):
     def __init__(self, path: str | os.PathLike[str], *, verify: bool | str = True) -> None:
         super().__init__()
         _core.check_dcp_verify(verify)
-        self.path = _directory(path)
+        self._dir = _directory(path)
         self.verify = verify
         self.storage_data: dict[Any, Any] = {}
         self.chunk_sizes: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self.bytes_read = 0
         self._metadata_read: tuple[int | None, bytes] | None = None  # (rank, its bytes)
 
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory (``FileSystemReader.checkpoint_id``)."""
-        return self.path
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new load (from `checkpoint_id` when given)."""
         self.storage_data = {}
         self.chunk_sizes = {}
         self._metadata_read = None
         if checkpoint_id:
-            self.path = _directory(checkpoint_id)
+            self._dir = _directory(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
         """The checkpoint's ``.metadata``; with ``rank=N`` (``dcp.load``'s fallback when there
@@ -486,16 +498,16 @@ class Reader(StorageReader):
         newer tensortier. (``dcp.load`` reports these inside an AssertionError or a
         CheckpointException.)"""
         rank = kwargs.get("rank")
-        path = _core.dcp_metadata_path(self.path, rank)
+        path = _core.dcp_metadata_path(self._dir, rank)
         for attempt in range(_METADATA_READS):
-            data = _core.read_dcp_metadata_bytes(self.path, rank)
+            data = _core.read_dcp_metadata_bytes(self._dir, rank)
             try:
                 md = _MetadataUnpickler(io.BytesIO(data)).load()
             except Exception as e:
                 raise ValueError(
                     f"{path}: not a DCP metadata file this reader accepts ({e})") from e
             try:
-                _core.check_dcp_metadata(self.path, md, _md.Metadata, path)
+                _core.check_dcp_metadata(self._dir, md, _md.Metadata, path)
                 break
             except FileNotFoundError:
                 # A save committed between the read and the check (and removed the files the
@@ -516,12 +528,12 @@ class Reader(StorageReader):
         stream transforms (compressed by FileSystemWriter's ``_extensions``)."""
         self.chunk_sizes = _core.dcp_chunk_sizes(
             metadata.state_dict_metadata, _md.TensorStorageMetadata,
-            _core.dcp_metadata_path(self.path))
+            _core.dcp_metadata_path(self._dir))
         transformed = next((info.transform_descriptors for info in metadata.storage_data.values()
                             if getattr(info, "transform_descriptors", None)), None)
         if transformed:
             raise ValueError(
-                f"{_core.dcp_metadata_path(self.path)}: items stored through stream transforms "
+                f"{_core.dcp_metadata_path(self._dir)}: items stored through stream transforms "
                 f"({', '.join(map(str, transformed))}: FileSystemWriter's _extensions, such as "
                 "compression), which tensortier.dcp.Reader does not read; load the checkpoint "
                 "with torch's FileSystemReader(path, _extension_registry=...)")
@@ -546,7 +558,7 @@ class Reader(StorageReader):
         if all(isinstance(d, _MetadataDigest) for d in digests) and len(set(digests)) > 1:
             others = [r for r, d in enumerate(digests) if d != digests[0]]
             raise ValueError(
-                f"{_core.dcp_metadata_path(self.path)}: ranks {', '.join(map(str, others))} read "
+                f"{_core.dcp_metadata_path(self._dir)}: ranks {', '.join(map(str, others))} read "
                 "another .metadata than rank 0: a save replaced the checkpoint in this "
                 "directory while the ranks read it, and this load would mix the two; load again "
                 "(and let saves into a directory finish before loading it)")
@@ -556,7 +568,7 @@ class Reader(StorageReader):
     def _read_again(self, rank: int | None) -> bytes | None:
         """The metadata file's bytes now (None where it cannot be read)."""
         try:
-            return _core.read_dcp_metadata_bytes(self.path, rank)
+            return _core.read_dcp_metadata_bytes(self._dir, rank)
         except OSError:
             return None
 
@@ -581,7 +593,7 @@ class Reader(StorageReader):
         dtypes = torch_dtypes()
         with gc_paused():  # objects per item: collections would walk them again and again
             for relative_path, reqs in _core.dcp_requests_by_file(plan.items, self.storage_data):
-                path = os.path.join(self.path, relative_path)
+                path = os.path.join(self._dir, relative_path)
                 try:
                     load = _core.DcpFileLoad(engine, path, reqs, self.storage_data,
                                              self.chunk_sizes, LoadItemType.BYTE_IO, self.verify,
@@ -590,7 +602,7 @@ class Reader(StorageReader):
                     if not self._replaced():
                         raise
                     raise FileNotFoundError(
-                        errno.ENOENT, f"a save replaced the checkpoint in {self.path} during this "
+                        errno.ENOENT, f"a save replaced the checkpoint in {self._dir} during this "
                         "load (its .metadata changed after this load read it, and the data files "
                         "the old one named are gone); load again", path) from e
                 bufs: list[tuple[Any, Any]] = []  # (what is read into, the request's target)

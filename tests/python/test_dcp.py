@@ -312,7 +312,16 @@ def test_file_system_writer_options_are_taken_and_overwrite_false_refuses(tmp_pa
     options = dict(single_file_per_rank=True, sync_files=False, thread_count=8,
                    per_thread_copy_ahead=1 << 20, cache_staged_state_dict=True, overwrite=False)
     writer = tdcp.Writer(ckpt, **options)  # type: ignore[arg-type]
-    assert writer.checkpoint_id == str(ckpt) and tdcp.Reader(ckpt).checkpoint_id == str(ckpt)
+    # path and checkpoint_id are pathlib.Paths, as stock's: code joins them with "/".
+    stock_writer, stock_reader = dcp.FileSystemWriter(ckpt), dcp.FileSystemReader(ckpt)
+    reader = tdcp.Reader(str(ckpt))
+    for ours, stock in ((writer, stock_writer), (reader, stock_reader)):
+        assert type(ours.path) is type(stock.path) and ours.path == stock.path
+        assert type(ours.checkpoint_id) is type(stock.checkpoint_id)
+        assert ours.checkpoint_id == stock.checkpoint_id
+    reader.path = tmp_path / "other"
+    assert reader.checkpoint_id / "x" == tmp_path / "other" / "x"
+    reader.reset(ckpt)
     dcp.save({"w": torch.ones(10)}, storage_writer=writer)
     for storage_writer in (tdcp.Writer(ckpt, overwrite=False),
                            dcp.FileSystemWriter(ckpt, overwrite=False)):
