@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Sequence, TypeVar
@@ -65,15 +66,42 @@ def _guard_pickling() -> None:
     torch_reduce = reductions.reduce_storage
 
     def reduce_storage(storage: Any) -> Any:
-        if (storage.device.type == "cpu" and storage.nbytes() > 0
-                and _core.shared_tensor_name_at(storage.data_ptr()) is not None):
+        if _in_shared_tensor(storage):
             storage = storage.clone()
         return torch_reduce(storage)
 
     ForkingPickler.register(torch.UntypedStorage, reduce_storage)
 
 
+def _in_shared_tensor(storage: Any) -> bool:
+    return (storage.device.type == "cpu" and storage.nbytes() > 0
+            and _core.shared_tensor_name_at(storage.data_ptr()) is not None)
+
+
+def _guard_share_memory() -> None:
+    """Makes ``share_memory_()`` (``Module.share_memory()``, a torch.multiprocessing habit) a
+    no-op on views of shared host memory, and ``is_shared()`` true, as for torch's own shared
+    memory. torch would move a storage it does not know as shared into new shared memory and
+    swap it under the tensor: the view would silently stop being part of the shared tensor."""
+    torch_share = torch.UntypedStorage.share_memory_
+    torch_is_shared = torch.UntypedStorage.is_shared
+
+    @functools.wraps(torch_share)
+    def share_memory_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _in_shared_tensor(self):
+            return self
+        return torch_share(self, *args, **kwargs)
+
+    @functools.wraps(torch_is_shared)
+    def is_shared(self: Any) -> bool:
+        return bool(torch_is_shared(self)) or _in_shared_tensor(self)
+
+    torch.UntypedStorage.share_memory_ = share_memory_  # type: ignore[method-assign]
+    torch.UntypedStorage.is_shared = is_shared  # type: ignore[method-assign]
+
+
 _guard_pickling()
+_guard_share_memory()
 
 #: One round of the distributed layout at a time per process: rounds move rows through the
 #: default process group, whose collectives pair up by the order each process issues them.

@@ -367,6 +367,31 @@ def test_collective_calls_leave_the_store_no_bigger() -> None:
 
 
 @pytest.mark.parametrize("layout", ["continuous", "chunked"])
+def test_share_memory_keeps_a_view_part_of_the_shared_tensor(layout: str) -> None:
+    """share_memory_() (and Module.share_memory()) would move a view's memory into new shared
+    memory: on a view of a shared tensor it is a no-op, and is_shared() is true, as for torch's
+    own shared memory. Other tensors are shared as torch shares them."""
+    store = torch.distributed.HashStore()
+    with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
+        t = group.create_tensor((64, 4), torch.float32, layout=layout, name="table")
+        whole = t.view()
+        view = (whole if layout == "continuous" else whole[0])[8:16]
+        address = view.data_ptr()
+        assert view.is_shared()
+        assert view.share_memory_() is view and view.data_ptr() == address
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(view, requires_grad=False)
+        module.share_memory()
+        assert module.weight.data_ptr() == address
+        view.fill_(5.0)
+        assert torch.equal(t.gather([8]), torch.full((1, 4), 5.0))
+    other = torch.zeros(3)
+    assert not other.is_shared()
+    other.share_memory_()
+    assert other.is_shared()
+
+
+@pytest.mark.parametrize("layout", ["continuous", "chunked"])
 def test_a_view_sent_to_another_process_stays_part_of_the_shared_tensor(layout: str) -> None:
     """torch.multiprocessing's pickling would move a view's memory into new shared memory and
     swap it under the view in place, detaching it from the shared tensor without a word: the
