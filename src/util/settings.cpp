@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cstdlib>
 #include <span>
@@ -18,9 +19,17 @@ namespace {
 constexpr std::string_view kTrueWords[] = {"1", "true", "on", "yes"};
 constexpr std::string_view kFalseWords[] = {"0", "false", "off", "no"};
 
+// Words compare without regard to ASCII case: `str(True)` in Python gives "True", and KvikIO
+// takes its words in any case.
+bool SameWord(std::string_view a, std::string_view b) {
+  return std::ranges::equal(a, b, [](char x, char y) {
+    return std::tolower(static_cast<unsigned char>(x)) == std::tolower(static_cast<unsigned char>(y));
+  });
+}
+
 bool IsOneOf(std::string_view word, std::span<const std::string_view> words) {
   for (std::string_view w : words) {
-    if (w == word) return true;
+    if (SameWord(w, word)) return true;
   }
   return false;
 }
@@ -71,7 +80,7 @@ std::string_view RowWord(std::span<const std::string_view> choices, const Boolea
 // The canonical word of `text` for a kChoice row, or "" when the row does not accept it.
 std::string_view ChoiceWord(const Setting& setting, std::string_view text) {
   for (std::string_view c : setting.choices) {
-    if (c == text) return c;
+    if (SameWord(c, text)) return c;
   }
   // Boolean spellings of the row's own off/on words.
   for (const BooleanSpelling& b : kBooleanSpellings) {

@@ -88,7 +88,7 @@ TEST(SettingsTableTest, BadValuesNameTheVariableAndWhatItAllows) {
            Bad{"TENSORTIER_HUGE_PAGES", "maybe", "auto, 0, 1"},
            Bad{"TENSORTIER_GDS", "sometimes", "off, auto, on, require"},
            Bad{"TENSORTIER_BACKEND", "spdk", "auto, io_uring, libaio, threads"},
-           Bad{"TENSORTIER_STAGE_READS", "Auto", "off, auto, on"},
+           Bad{"TENSORTIER_STAGE_READS", "automatic", "off, auto, on"},
        }) {
     ScopedEnv e(bad.env, bad.value);
     const Setting& s = SettingFor(bad.env);
@@ -112,6 +112,17 @@ TEST(SettingsTableTest, BooleanSpellingsOfOffAndOn) {
     ScopedEnv b("TENSORTIER_GDS", off);
     EXPECT_EQ(WordSetting(SettingFor("TENSORTIER_STAGE_READS")), "off") << off;
     EXPECT_EQ(WordSetting(SettingFor("TENSORTIER_GDS")), "off") << off;
+  }
+  // In any case, as KvikIO takes them, and as Python's str(True) spells them.
+  {
+    ScopedEnv a("TENSORTIER_PAGE_CACHE_CHECK", "True");
+    ScopedEnv b("TENSORTIER_STAGE_READS", "ON");
+    ScopedEnv c("TENSORTIER_GDS", "Auto");
+    ScopedEnv d("TENSORTIER_BACKEND", "IO_URING");
+    EXPECT_EQ(WordSetting(SettingFor("TENSORTIER_PAGE_CACHE_CHECK")), "1");
+    EXPECT_EQ(WordSetting(SettingFor("TENSORTIER_STAGE_READS")), "on");
+    EXPECT_EQ(WordSetting(SettingFor("TENSORTIER_GDS")), "auto");
+    EXPECT_EQ(WordSetting(SettingFor("TENSORTIER_BACKEND")), "io_uring");
   }
   ScopedEnv backend("TENSORTIER_BACKEND", "1");  // no off/on words: no boolean spellings
   EXPECT_THROW(WordSetting(SettingFor("TENSORTIER_BACKEND")), std::invalid_argument);
