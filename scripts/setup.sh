@@ -8,7 +8,8 @@ APT_PACKAGES=(build-essential cmake ninja-build pkg-config liburing-dev libaio-d
   e2fsprogs mount util-linux fdisk   # these four: mkfs.ext4, mount, losetup/partx and sfdisk
                                      # for the extent-map tests
   strace                             # the CLI tests count the reads of a file
-  ccache)                            # scripts/test.sh: one build's objects reused by another
+  ccache                             # scripts/test.sh: one build's objects reused by another
+  python3 python3-venv python3-dev)  # Debian's Python 3.11: venv's ensurepip, Python.h
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
