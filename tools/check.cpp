@@ -1,9 +1,11 @@
 // `tensortier check [DIR]`: what works on this machine and this directory.
 #include <dlfcn.h>
 #include <sys/utsname.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include "tensortier/util/strings.hpp"
 
@@ -65,6 +67,7 @@ int RunCheck(const std::vector<std::string>& argv) {
   if (args.positionals().size() > 1) throw UsageError("check takes one directory");
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
+    std::fflush(stdout);
     std::fprintf(stderr, "tensortier check: '%s' is not a directory\n", TerminalText(dir).c_str());
     return 2;
   }
@@ -92,21 +95,48 @@ int RunCheck(const std::vector<std::string>& argv) {
   }
   std::printf("auto -> %s\n\n", first.empty() ? "(none)" : first.c_str());
 
+  // A file of our own (a random name, created exclusively, never through a symlink: DIR may be
+  // shared), removed whatever happens after; in a read-only directory, a file already there.
+  std::string probe_path;
+  std::string read_path;
   try {
-    auto probe_path = std::filesystem::path(dir) / ".tensortier-check-align";
-    File f = File::Open(probe_path, OpenMode::kWrite, true);
-    if (f.direct()) {
-      std::printf("O_DIRECT alignment: offset %u B, memory %u B\n", f.offset_alignment(),
-                  f.memory_alignment());
-      PrintReadStaging(f);
-    } else {
-      std::printf("O_DIRECT: not available (%s)\n",
-                  TerminalText(f.direct_fallback_reason()).c_str());
-    }
-    f.Close();
-    std::filesystem::remove(probe_path, ec);
+    probe_path = CreateUniqueFile(
+        [&](uint32_t n) { return StrCat(dir, "/.tensortier-check-align-", getpid(), "-", n); },
+        0600, "create a file in the directory", dir);
   } catch (const std::exception& e) {
-    std::printf("O_DIRECT: could not test (%s)\n", TerminalText(e.what()).c_str());
+    read_path = FileToProbeByReading(dir);
+    if (read_path.empty()) {
+      std::printf("O_DIRECT: could not test (%s)\n", TerminalText(e.what()).c_str());
+    }
+  }
+  const std::string& tested = probe_path.empty() ? read_path : probe_path;
+  if (!tested.empty()) {
+    struct RemoveProbe {
+      const std::string& path;
+      ~RemoveProbe() {
+        if (!path.empty()) unlink(path.c_str());
+      }
+    } remove_probe{probe_path};
+    std::optional<File> f;
+    try {
+      f.emplace(
+          File::Open(tested, probe_path.empty() ? OpenMode::kRead : OpenMode::kReadWrite, true));
+    } catch (const std::exception& e) {
+      std::printf("O_DIRECT: could not test (%s)\n", TerminalText(e.what()).c_str());
+    }
+    if (f && f->direct()) {
+      std::printf("O_DIRECT alignment: offset %u B, memory %u B\n", f->offset_alignment(),
+                  f->memory_alignment());
+      try {
+        PrintReadStaging(*f);
+      } catch (const std::exception& e) {
+        std::printf("reads into new tensors: could not tell (%s)\n",
+                    TerminalText(e.what()).c_str());
+      }
+    } else if (f) {
+      std::printf("O_DIRECT: not available (%s)\n",
+                  TerminalText(f->direct_fallback_reason()).c_str());
+    }
   }
   // The libraries tensortier would load (TENSORTIER_CUDA_LIBRARY, TENSORTIER_CUFILE_LIBRARY).
   const std::string cuda_library = CudaDriver::DefaultLibrary();
@@ -151,6 +181,7 @@ int RunCheck(const std::vector<std::string>& argv) {
         v.meant.empty() ? " (it has no effect)" : StrCat(" (did you mean ", v.meant, "?)").c_str());
   }
   if (working == 0) {
+    std::fflush(stdout);  // the lines above come first in a shared pipe
     std::fprintf(stderr, "tensortier check: no I/O backend works on %s\n",
                  TerminalText(dir).c_str());
     return 1;

@@ -1,5 +1,7 @@
 // tensortier: checks a machine, benchmarks it, inspects files.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <vector>
@@ -125,9 +127,7 @@ bool AsksForHelp(const std::vector<std::string>& args) {
   return false;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int RunTool(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     // "tensortier help info": info's help, as "tensortier info --help".
@@ -186,4 +186,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tensortier: %s\n", tensortier::TerminalText(e.what()).c_str());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rc = RunTool(argc, argv);
+  // Output lost to a full disk must not pass for success (`bench --json > out.json`), as it
+  // does not for GNU tools.
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) != 0) {
+    std::fprintf(stderr, "tensortier: write error on standard output: %s\n",
+                 errno != 0 ? std::strerror(errno) : "an earlier write failed");
+    return rc == 0 ? 1 : rc;
+  }
+  return rc;
 }

@@ -1,15 +1,19 @@
 #include "tensortier/io/backend_probe.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <memory>
 #include <string_view>
 
-#include <unistd.h>
-
-#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
@@ -47,7 +51,52 @@ std::string RoundTrip(Engine& engine, const std::string& path, bool direct, std:
   return "";
 }
 
+// Reads up to 8 KiB of an existing file through `engine` and compares them with what a plain
+// pread gives. Returns "" or what went wrong.
+std::string ReadBack(Engine& engine, const std::string& path, bool direct, std::string* fallback) {
+  constexpr size_t kBytes = 8192;
+  AlignedBuffer got(kBytes), want(kBytes);
+  try {
+    File f = File::Open(path, OpenMode::kRead, direct);
+    if (direct && !f.direct()) {
+      *fallback = f.direct_fallback_reason();
+      return "O_DIRECT not available: " + f.direct_fallback_reason();
+    }
+    const uint64_t n = engine.Read(f, got.data(), kBytes, 0).Wait().bytes;
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) ThrowIoError(errno, "open", path);
+    const ssize_t expected = pread(fd, want.data(), kBytes, 0);
+    const int error = errno;
+    close(fd);
+    if (expected < 0) ThrowIoError(error, "pread", path, 0, kBytes);
+    if (n != static_cast<uint64_t>(expected) || std::memcmp(got.data(), want.data(), n) != 0) {
+      return "data read differs from the file's bytes";
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
+
+std::string FileToProbeByReading(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::recursive_directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec);
+  // A data set's files sit in class folders: one level down is enough, and a huge tree is not
+  // walked.
+  for (int seen = 0; !ec && it != fs::recursive_directory_iterator() && seen < 4096;
+       it.increment(ec), ++seen) {
+    if (it.depth() >= 1) it.disable_recursion_pending();
+    std::error_code file_ec;
+    if (it->is_regular_file(file_ec) && it->file_size(file_ec) > 0 && !file_ec &&
+        access(it->path().c_str(), R_OK) == 0) {
+      return it->path().string();
+    }
+  }
+  return "";
+}
 
 namespace detail {
 
@@ -80,13 +129,34 @@ BackendProbe ProbeBackend(BackendKind kind, const std::string& dir) {
   }
   probe.available = true;
   std::string path;
+  std::string fallback;
   try {
     path = CreateProbeFile(dir, BackendName(kind));
+  } catch (const IoError& e) {
+    // A read-only directory (a data set's mount) takes no probe file: its backends are tested
+    // by reading a file already there, and writes are not tested.
+    const int code = e.error_code();
+    const std::string file =
+        code == EROFS || code == EACCES || code == EPERM ? FileToProbeByReading(dir) : "";
+    if (file.empty()) {
+      probe.detail = e.what();
+      return probe;
+    }
+    const std::string direct_error = ReadBack(*engine, file, true, &fallback);
+    const std::string buffered_error = ReadBack(*engine, file, false, &fallback);
+    probe.direct_ok = direct_error.empty();
+    probe.buffered_ok = buffered_error.empty();
+    probe.detail = StrCat("reads of ", file, " tested; writes not (", std::strerror(code), ")");
+    if (!buffered_error.empty()) {
+      probe.detail += StrCat("; buffered: ", buffered_error);
+    } else if (!direct_error.empty()) {
+      probe.detail += StrCat("; ", direct_error);
+    }
+    return probe;
   } catch (const std::exception& e) {
     probe.detail = e.what();
     return probe;
   }
-  std::string fallback;
   std::string direct_error = RoundTrip(*engine, path, true, &fallback);
   std::string buffered_error = RoundTrip(*engine, path, false, &fallback);
   unlink(path.c_str());

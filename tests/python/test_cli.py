@@ -112,6 +112,54 @@ def test_help_and_version() -> None:
     assert r.returncode == 0 and r.stdout == f"tensortier {tensortier.__version__}\n"
 
 
+def test_check_makes_files_of_its_own_and_leaves_none(disk_dir: Path) -> None:
+    """A planted link where check used to make its probe file is not followed (the target is
+    not truncated), and a bad setting, which fails check, leaves nothing behind."""
+    directory = disk_dir / "shared"
+    directory.mkdir()
+    victim = disk_dir / "victim"
+    victim.write_bytes(b"keep me")
+    (directory / ".tensortier-check-align").symlink_to(victim)
+    env = {**os.environ, "TENSORTIER_CHUNK_SIZE": "5000"}
+    r = subprocess.run([str(BIN), "check", str(directory)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 1 and "TENSORTIER_CHUNK_SIZE=5000 is invalid" in r.stderr, r.stderr
+    assert "could not tell (TENSORTIER_CHUNK_SIZE=5000" in r.stdout, r.stdout
+    assert "O_DIRECT: could not test" not in r.stdout, r.stdout
+    assert victim.read_bytes() == b"keep me"
+    assert sorted(p.name for p in directory.iterdir()) == [".tensortier-check-align"]
+
+
+def test_check_tests_a_read_only_directory_by_reading(tmp_path: Path) -> None:
+    """A data set's read-only mount takes no probe file: the backends are tested by reading a
+    file already there, and check says that writes were not tested."""
+    from conftest import mounted
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a filesystem needs root")
+    mnt = tmp_path / "data"
+    mnt.mkdir()
+    with mounted(["mount", "-t", "tmpfs", "-o", "size=1m", "none", str(mnt)], mnt, "tmpfs"):
+        (mnt / "class0").mkdir()
+        (mnt / "class0" / "a.jpg").write_bytes(os.urandom(10_000))
+        remount = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True,
+                                 text=True, timeout=60)
+        assert remount.returncode == 0, remount.stderr
+        r = run("check", str(mnt))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "auto -> (none)" not in r.stdout and "no I/O backend works" not in r.stderr
+        assert f"reads of {mnt}/class0/a.jpg tested; writes not (Read-only file system)" in (
+            r.stdout), r.stdout
+
+
+def test_output_lost_to_a_full_disk_fails_the_command() -> None:
+    """`tensortier ... > out` on a full disk exits 1 and says so, as GNU tools do."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([str(BIN), "--version"], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=60)
+    assert r.returncode == 1 and "write error on standard output" in r.stderr, r.stderr
+
+
 def test_check_rejects_missing_dir(disk_dir: Path) -> None:
     r = run("check", str(disk_dir / "nope"))
     assert r.returncode != 0 and "not a directory" in r.stderr

@@ -169,7 +169,8 @@ class Engine {
 bool StagesReads(const EngineOptions& options, const File& file);
 
 // A verified round trip (8 KiB written and read back, with and without O_DIRECT) on a scratch file
-// in `dir` using `kind`. Never throws.
+// in `dir` using `kind`; where `dir` takes no files (read-only), reads of a file already there
+// (FileToProbeByReading) compared with a plain pread. Never throws.
 struct BackendProbe {
   BackendKind kind;
   bool available = false;  // the backend starts here
@@ -178,5 +179,8 @@ struct BackendProbe {
   std::string detail;  // why not, or the O_DIRECT fallback reason
 };
 BackendProbe ProbeBackend(BackendKind kind, const std::string& dir);
+
+// A readable, non-empty regular file in `dir` or one level below it, "" if none.
+std::string FileToProbeByReading(const std::string& dir);
 
 }  // namespace tensortier
