@@ -69,16 +69,24 @@ uint64_t Args::Size(const std::string& name, uint64_t fallback) const {
   }
 }
 
-unsigned Args::Unsigned(const std::string& name, unsigned fallback) const {
+uint64_t Args::Unsigned64(const std::string& name, uint64_t fallback) const {
   auto it = values_.find(name);
   if (it == values_.end()) return fallback;
   // from_chars, not stoull: stoull takes "-3" as 2^64 - 3 and skips leading blanks.
   const std::string& text = it->second;
   uint64_t v = 0;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc::result_out_of_range) {
+    throw UsageError(StrCat("--", name, ": ", text, " is too large"));
+  }
   if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
     throw UsageError(StrCat("--", name, ": '", text, "' is not a number"));
   }
+  return v;
+}
+
+unsigned Args::Unsigned(const std::string& name, unsigned fallback) const {
+  const uint64_t v = Unsigned64(name, fallback);
   if (v > 1u << 20) throw UsageError(StrCat("--", name, ": ", v, " is too large"));
   return static_cast<unsigned>(v);
 }

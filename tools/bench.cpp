@@ -1,8 +1,10 @@
 // `tensortier bench`: sequential write, cold read, warm read and random reads through the engine.
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -24,17 +26,17 @@ constexpr const char* kHelp = R"(usage: tensortier bench [options]
   --dir DIR           where the scratch file goes (default .; an existing directory)
   --file NAME         scratch file name (default tensortier-bench.dat)
   --size SIZE         bytes to write/read, e.g. 2G (default 1G)
-  --block-size SIZE   request size (default 1M)
-  --queue-depth N     requests in flight per thread (default 32)
-  --threads N         worker threads (default 2)
-  --backend NAME      auto | io_uring | libaio | threads (default auto)
+  --block-size SIZE   request size (default TENSORTIER_CHUNK_SIZE where set, else 1M)
+  --queue-depth N     requests in flight per thread (default TENSORTIER_QUEUE_DEPTH, else 32)
+  --threads N         worker threads (default TENSORTIER_WORKERS where set, else 2)
+  --backend NAME      auto | io_uring | libaio | threads (default TENSORTIER_BACKEND, else auto)
   --mode MODE         write | read | both | randread (default both)
   --ops N             random reads for --mode randread (default 20000)
   --buffered          page cache instead of O_DIRECT (cache dropped before cold reads)
   --warm              read: read the file once first, then time a page-cache-aware read
   --keep              keep the scratch file afterwards (one that was there before the run,
-                      such as a file of one's own to time reading, is never removed;
-                      read modes never write it: one smaller than --size is refused)
+                      such as a file of one's own to time reading, is never removed or
+                      written: read modes only, and one smaller than --size is refused)
   --json              print one JSON object on stdout
   --sweep             try block size x queue depth x threads and print the best settings
 )";
@@ -107,15 +109,44 @@ std::string FilePath(const Settings& s) {
   return (std::filesystem::path(s.dir) / s.file).string();
 }
 
-// Removes the scratch file when the run ends, failed or not, unless --keep, and only if the run
-// made it: a file that was there before (`--mode read --file data.bin`, timing one's own file)
-// is the user's.
+// Marks the files bench makes, so that one left by a killed run, or kept, is known as bench's
+// and not taken for a file of the user's.
+constexpr const char* kScratchAttribute = "user.tensortier.bench";
+
+bool MadeByBench(const std::string& path) {
+  return getxattr(path.c_str(), kScratchAttribute, nullptr, 0) >= 0;
+}
+
+// The scratch file's path for the signal handler (a fixed buffer: async-signal-safe).
+char scratch_to_remove[4096];
+
+// Ctrl-C or a kill (SIGTERM, SIGHUP) during a run removes the scratch file as the end of a run
+// does, then ends the process as the signal would have.
+void RemoveScratchAndDie(int signal_number) {
+  if (scratch_to_remove[0] != '\0') unlink(scratch_to_remove);
+  std::signal(signal_number, SIG_DFL);
+  std::raise(signal_number);
+}
+
+// Removes the scratch file when the run ends, failed, interrupted or not, unless --keep, and only
+// if the run made it: a file that was there before (`--mode read --file data.bin`, timing one's
+// own file) is the user's.
 class ScratchFile {
  public:
-  explicit ScratchFile(const Settings& s) : path_(FilePath(s)), remove_(!s.keep && !s.users_file) {}
+  explicit ScratchFile(const Settings& s) : path_(FilePath(s)), remove_(!s.keep && !s.users_file) {
+    if (remove_ && path_.size() < sizeof scratch_to_remove) {
+      std::memcpy(scratch_to_remove, path_.c_str(), path_.size() + 1);
+      for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) {
+        std::signal(signal_number, &RemoveScratchAndDie);
+      }
+    }
+  }
   ~ScratchFile() {
+    if (!remove_) return;
+    for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) std::signal(signal_number, SIG_DFL);
+    scratch_to_remove[0] = '\0';
     std::error_code ec;  // a failed removal must not hide the run's outcome
-    if (remove_) std::filesystem::remove(path_, ec);
+    std::filesystem::remove(path_, ec);
   }
   ScratchFile(const ScratchFile&) = delete;
   ScratchFile& operator=(const ScratchFile&) = delete;
@@ -127,6 +158,8 @@ class ScratchFile {
 
 Phase RunWrite(Engine& engine, const Settings& s, AlignedBuffer& buf) {
   File f = File::Open(FilePath(s), OpenMode::kWrite, !s.buffered);
+  // Where the file system keeps no user attributes, a leftover is taken for the user's file.
+  setxattr(FilePath(s).c_str(), kScratchAttribute, "1", 1, 0);
   return Stream(engine, f, IoOp::kWrite, s, buf, "write");
 }
 
@@ -162,7 +195,8 @@ Phase RunRandomRead(Engine& engine, const Settings& s) {
   File f = File::Open(FilePath(s), OpenMode::kRead, !s.buffered);
   if (!s.warm) f.DropCache();
   const uint64_t blocks = std::max<uint64_t>(f.Size() / s.block, 1);
-  const unsigned slots = std::min<unsigned>(s.ops, 1024);
+  // One buffer per request in flight (the engine keeps depth x threads), as fio's iodepth.
+  const unsigned slots = std::min<unsigned>(s.ops, s.depth * s.threads);
   AlignedBuffer buf(static_cast<size_t>(s.block) * slots, Pages::kReused);
   std::mt19937_64 rng(42);
   std::vector<IoDesc> pieces;
@@ -306,19 +340,27 @@ int RunBench(const std::vector<std::string>& argv) {
   if (!args.positionals().empty()) {
     throw UsageError(StrCat("bench takes options only, not '", args.positionals()[0], "'"));
   }
-  Settings s{args.Get("dir", "."),
-             args.Get("file", "tensortier-bench.dat"),
-             args.Get("backend", "auto"),
-             args.Get("mode", "both"),
-             args.Size("size", 1ull << 30),
-             args.Size("block-size", 1ull << 20),
-             args.Unsigned("queue-depth", 32),
-             args.Unsigned("threads", 2),
-             args.Unsigned("ops", 20000),
-             args.Flag("buffered"),
-             args.Flag("warm"),
-             args.Flag("keep"),
-             args.Flag("json")};
+  // The engine's settings where the environment sets them, else the benchmark's own defaults.
+  auto from_environment = [](const char* env, uint64_t fallback) {
+    const Setting& setting = SettingFor(env);
+    return SettingFromEnvironment(setting) ? NumberSetting(setting) : fallback;
+  };
+  const Setting& backend_setting = SettingFor("TENSORTIER_BACKEND");
+  Settings s{
+      args.Get("dir", "."),
+      args.Get("file", "tensortier-bench.dat"),
+      args.Get("backend", WordSetting(backend_setting)),
+      args.Get("mode", "both"),
+      args.Size("size", 1ull << 30),
+      args.Size("block-size", from_environment("TENSORTIER_CHUNK_SIZE", 1ull << 20)),
+      args.Unsigned("queue-depth",
+                    static_cast<unsigned>(from_environment("TENSORTIER_QUEUE_DEPTH", 32))),
+      args.Unsigned("threads", static_cast<unsigned>(from_environment("TENSORTIER_WORKERS", 2))),
+      args.Unsigned("ops", 20000),
+      args.Flag("buffered"),
+      args.Flag("warm"),
+      args.Flag("keep"),
+      args.Flag("json")};
   if (s.mode != "write" && s.mode != "read" && s.mode != "both" && s.mode != "randread") {
     throw UsageError("--mode must be write, read, both or randread");
   }
@@ -354,7 +396,16 @@ int RunBench(const std::vector<std::string>& argv) {
                             "on the disk to measure)"));
   }
   std::error_code ec;
-  s.users_file = std::filesystem::exists(std::filesystem::symlink_status(FilePath(s), ec));
+  s.users_file = std::filesystem::exists(std::filesystem::symlink_status(FilePath(s), ec)) &&
+                 !MadeByBench(FilePath(s));
+  const bool writes = args.Flag("sweep") || s.mode == "write" || s.mode == "both";
+  if (s.users_file && writes) {
+    // fio would write over it; a benchmark must not cost anyone a file.
+    throw UsageError(StrCat("'", FilePath(s), "' was there before the run and bench did not make ",
+                            "it: ", args.Flag("sweep") ? "--sweep" : StrCat("--mode ", s.mode),
+                            " would write over it (time reading it with --mode read or randread, "
+                            "or give another --file)"));
+  }
   if (args.Flag("sweep")) return RunSweep(s);
   ScratchFile scratch(s);
   std::string backend;

@@ -63,7 +63,7 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
   ShardSpec spec;
   spec.batch_size = args.Unsigned("batch-size", 256);
   spec.shuffle = args.Flag("shuffle");
-  spec.seed = args.Unsigned("seed", 0);
+  spec.seed = args.Unsigned64("seed", 0);  // any 64-bit seed, as FileReader's
   BatchReaderOptions options;
   options.prefetch = args.Unsigned("prefetch", 2);
   options.open_threads = args.Unsigned("open-threads", 16);

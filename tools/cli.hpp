@@ -35,7 +35,8 @@ class Args {
   bool Flag(const std::string& name) const { return flags_.contains(name); }
   std::string Get(const std::string& name, const std::string& fallback) const;
   uint64_t Size(const std::string& name, uint64_t fallback) const;
-  unsigned Unsigned(const std::string& name, unsigned fallback) const;
+  unsigned Unsigned(const std::string& name, unsigned fallback) const;  // up to 2^20
+  uint64_t Unsigned64(const std::string& name, uint64_t fallback) const;
   const std::vector<std::string>& positionals() const { return positionals_; }
 
  private:

@@ -216,6 +216,85 @@ def test_bench_removes_only_the_scratch_file_it_made(disk_dir: Path) -> None:
     assert sorted(p.name for p in disk_dir.iterdir()) == ["data.bin"]
 
 
+def test_bench_never_writes_over_a_users_file(disk_dir: Path) -> None:
+    """A file that was there before the run, and that bench did not make, is never written:
+    the write modes and --sweep refuse it (they used to replace it with random bytes, and
+    --sweep did so under --mode read)."""
+    data = disk_dir / "mine.bin"
+    payload = os.urandom(1 << 20)
+    data.write_bytes(payload)
+    for options in (("--mode", "both"), ("--mode", "write"), ("--mode", "read", "--sweep"), ()):
+        r = run("bench", "--dir", str(disk_dir), "--file", "mine.bin", "--size", "256K", *options)
+        assert r.returncode == 2, (options, r.stdout + r.stderr)
+        assert f"'{data}' was there before the run and bench did not make it" in r.stderr
+        assert data.read_bytes() == payload, options
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["mine.bin"]
+
+
+def test_bench_knows_its_own_scratch_file_from_an_earlier_run(disk_dir: Path) -> None:
+    """A scratch file kept (--keep) or left by a killed run is bench's: the next run writes
+    it and removes it, instead of taking it for the user's."""
+    r = run("bench", "--dir", str(disk_dir), "--size", "1M", "--keep", "--json")
+    assert r.returncode == 0, r.stderr
+    scratch = disk_dir / "tensortier-bench.dat"
+    if not scratch.exists() or not _has_bench_mark(scratch):
+        pytest.skip("this filesystem keeps no user extended attributes")
+    r = run("bench", "--dir", str(disk_dir), "--size", "1M", "--json")
+    assert r.returncode == 0, r.stderr
+    assert not scratch.exists()
+
+
+def _has_bench_mark(path: Path) -> bool:
+    try:
+        return os.getxattr(path, "user.tensortier.bench") == b"1"
+    except OSError:
+        return False
+
+
+def test_an_interrupted_bench_removes_its_scratch_file(disk_dir: Path) -> None:
+    """Ctrl-C (SIGINT) or a kill (SIGTERM) in the middle of a run removes the scratch file, as
+    the end of a run does, and the process ends by the signal."""
+    import signal
+    import time
+
+    scratch = disk_dir / "tensortier-bench.dat"
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen([str(BIN), "bench", "--dir", str(disk_dir), "--size", "8G",
+                                 "--mode", "write"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 60
+            while not scratch.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert scratch.exists(), "the run made no scratch file"
+            proc.send_signal(sig)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == -sig, (proc.returncode, proc.stderr.read() if proc.stderr else "")
+        assert not scratch.exists(), sig
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def test_bench_takes_the_engine_settings_from_the_environment(disk_dir: Path) -> None:
+    """TENSORTIER_BACKEND, _CHUNK_SIZE, _QUEUE_DEPTH and _WORKERS are bench's defaults where
+    set (they were ignored); its options still win."""
+    env = {**os.environ, "TENSORTIER_BACKEND": "threads", "TENSORTIER_CHUNK_SIZE": "64K",
+           "TENSORTIER_QUEUE_DEPTH": "4", "TENSORTIER_WORKERS": "1"}
+    command = [str(BIN), "bench", "--dir", str(disk_dir), "--size", "1M", "--json"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["backend"], out["block_size"], out["queue_depth"], out["threads"]) == (
+        "threads", 65536, 4, 1), out
+    r = subprocess.run([*command, "--block-size", "128K"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0 and json.loads(r.stdout)["block_size"] == 131072, r.stderr
+
+
 def test_bench_never_fills_a_users_file_smaller_than_size(disk_dir: Path) -> None:
     """Reading one's own file with a --size larger than it: refused naming the file, whose
     contents stay (the run used to fill it up to --size with the benchmark's bytes)."""
@@ -262,6 +341,11 @@ def test_count_options_refuse_signs_and_spaces(disk_dir: Path) -> None:
     r = run("bench-files", str(disk_dir), "--batch-size", "2", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["batch_size"] == 2
+    # A seed is any 64-bit number, as FileReader's.
+    r = run("bench-files", str(disk_dir), "--shuffle", "--seed", str(2**64 - 1), "--json")
+    assert r.returncode == 0, r.stderr
+    r = run("bench-files", str(disk_dir), "--shuffle", "--seed", str(2**64))
+    assert r.returncode == 2 and f"--seed: {2**64} is too large" in r.stderr, r.stderr
 
 
 def test_verify_and_info_read_a_file_holding_numpy_arrays(tmp_path: Path) -> None:
