@@ -19,6 +19,16 @@
 namespace py = pybind11;
 using namespace tensortier;
 
+namespace {
+
+// `f`, or ValueError where it was closed, as Python's own files raise it.
+const File& Opened(const File& f) {
+  if (!f.is_open()) throw py::value_error("I/O operation on closed file");
+  return f;
+}
+
+}  // namespace
+
 void RegisterFile(py::module_& m) {
   py::class_<File>(m, "File",
                    "An open file for IOHandle transfers: a buffered descriptor, plus an O_DIRECT "
@@ -61,18 +71,56 @@ void RegisterFile(py::module_& m) {
                              "File offset alignment O_DIRECT needs here (bytes).")
       .def_property_readonly("memory_alignment", &File::memory_alignment,
                              "Memory address alignment O_DIRECT needs here (bytes).")
-      .def("fileno", &File::buffered_fd, "The buffered descriptor (valid until close()).")
-      .def("size", &File::Size, "The file's size in bytes.")
-      .def("truncate", &File::Truncate, py::arg("size"), py::call_guard<GilReleased>(),
-           "Sets the file's size to `size` bytes.")
-      .def("allocate", &File::Allocate, py::arg("offset"), py::arg("length"),
-           py::call_guard<GilReleased>(),
-           "Reserves [offset, offset+length) on disk (posix fallocate): ENOSPC now rather than "
-           "mid-write. Raises OSError.")
-      .def("datasync", &File::DataSync, py::call_guard<GilReleased>(),
-           "fdatasync: the data written so far is durable when it returns.")
-      .def("drop_cache", &File::DropCache, py::call_guard<GilReleased>(),
-           "Drops the file's clean page-cache pages (the next read is cold).")
+      .def(
+          "fileno", [](const File& f) { return Opened(f).buffered_fd(); },
+          "The buffered descriptor (valid until close()). ValueError once closed.")
+      .def(
+          "size", [](const File& f) { return Opened(f).Size(); },
+          "The file's size in bytes. ValueError once closed.")
+      .def(
+          "truncate",
+          [](const File& f, uint64_t size) {
+            Opened(f);
+            GilReleased release;
+            f.Truncate(size);
+          },
+          py::arg("size"), "Sets the file's size to `size` bytes.")
+      .def(
+          "allocate",
+          [](const File& f, uint64_t offset, uint64_t length) {
+            Opened(f);
+            GilReleased release;
+            f.Allocate(offset, length);
+          },
+          py::arg("offset"), py::arg("length"),
+          "Reserves [offset, offset+length) on disk (posix fallocate): ENOSPC now rather than "
+          "mid-write. Raises OSError.")
+      .def(
+          "datasync",
+          [](const File& f) {
+            Opened(f);
+            GilReleased release;
+            f.DataSync();
+          },
+          "fdatasync: the data written so far is durable when it returns.")
+      .def(
+          "drop_cache",
+          [](const File& f) {
+            Opened(f);
+            GilReleased release;
+            f.DropCache();
+          },
+          "Drops the file's clean page-cache pages (the next read is cold).")
+      .def(
+          "__enter__",
+          [](File& f) -> File& {
+            Opened(f);
+            return f;
+          },
+           py::return_value_policy::reference_internal)
+      .def(
+          "__exit__", [](File& f, const py::args&) { f.Close(); },
+          "Closes the file, as close() does.")
       .def("close", &File::Close,
            "Closes this handle; operations in flight keep the descriptors until they end.");
 

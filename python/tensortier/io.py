@@ -292,8 +292,11 @@ class IOHandle:
                 device.append((buf, f, offset))
                 continue
             hb: HostBuffer = host_buffer(buf, writable=not write)
+            # The engine holds the file while the piece is in flight: a file opened here for a
+            # path closes when the piece ends, not when the future is waited (descriptors are
+            # a budget: ulimit -n).
             f = _core.io_file(file, write, self._direct)
-            keepalive.extend((hb.owner, f))
+            keepalive.append(hb.owner)
             native.append((f, hb.address, hb.nbytes, offset))
         for buf, _, _ in device:  # fail before anything starts
             device_buffer(buf)
