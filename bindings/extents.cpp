@@ -67,7 +67,9 @@ void RegisterExtents(py::module_& m) {
             std::optional<FsPath> output;
             if (!output_arg.is_none()) output = FsPathArgument(output_arg, "output").cast<FsPath>();
             GilReleased release;  // FIEMAP_FLAG_SYNC writes data out: seconds
-            const BuildOptions options{.allow_refused = allow_refused};
+            BuildOptions options;
+            options.allow_refused = allow_refused;
+            if (output) options.leave_out = output->bytes;  // a map written inside its root
             ExtentMap map =
                 listed ? BuildExtentMap(root, *listed, options) : BuildExtentMap(root, options);
             if (output) SaveExtentMap(map, *output);

@@ -20,8 +20,9 @@ build   maps every regular file under ROOT (recursively) to its extents on its b
         (FIEMAP with FIEMAP_FLAG_SYNC, every extent, neighbours merged), with the device, its
         partition offset, each file's identity (device, inode, size, mtime, ctime) and the
         XXH64 of its bytes (every file is read once; raw reads are checked against it), and
-        writes the map as JSON to MAP (readers refuse a MAP others can write or own). Files whose bytes the filesystem does not keep at fixed
-        blocks (unwritten, inline, encoded, encrypted, shared or sparse) are refused by name:
+        writes the map as JSON to MAP (readers refuse a MAP others can write or own; MAP
+        itself, where it lies under ROOT, is not mapped). Files whose bytes the filesystem
+        does not keep at fixed blocks (unwritten, inline, encoded, encrypted, shared or sparse) are refused by name:
         the map is not written, unless --allow-refused, which lists them in the map as refused
         (readers then read them through the filesystem). Only ext4 and XFS are mapped.
         Exit status: 0 when the map was written, 1 otherwise (2: a usage error).
@@ -40,7 +41,7 @@ int Build(const std::vector<std::string>& argv) {
   if (parsed.Get("output", "").empty()) throw UsageError("extents build needs -o MAP");
   const std::string& root = parsed.positionals()[0];
   const std::string output = parsed.Get("output", "");
-  ExtentMap map = BuildExtentMap(root, BuildOptions{.allow_refused = true});
+  ExtentMap map = BuildExtentMap(root, BuildOptions{.allow_refused = true, .leave_out = output});
   for (const RefusedFile& r : map.refused) {
     std::fprintf(stderr, "refused %s: %s\n", TerminalText(r.path).c_str(),
                  TerminalText(r.reason).c_str());

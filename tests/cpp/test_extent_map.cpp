@@ -347,7 +347,9 @@ TEST_F(ExtentMapDiskTest, RefusalsNameTheFile) {
     EXPECT_EQ(e.path(), "unwritten");
     EXPECT_NE(std::string(e.what()).find("unwritten (preallocated)"), std::string::npos);
   }
-  const ExtentMap map = BuildExtentMap(dir_.string(), BuildOptions{.allow_refused = true});
+  BuildOptions options;
+  options.allow_refused = true;
+  const ExtentMap map = BuildExtentMap(dir_.string(), options);
   ASSERT_EQ(map.files.size(), 1u);
   ASSERT_EQ(map.refused.size(), 1u);
   EXPECT_EQ(map.refused[0].path, "unwritten");

@@ -330,6 +330,22 @@ def test_cli_build_and_verify(inline_fs: LoopFilesystem, tmp_path: Path) -> None
     assert len(json.loads((tmp_path / "b.json").read_text())["refused"]) == 4
 
 
+def test_cli_a_map_written_inside_its_root_is_not_mapped(loop_fs: LoopFilesystem) -> None:
+    """`extents build ROOT -o ROOT/extents.json`: the map is not one of the mapped files (a
+    second build mapped the first map, then replaced it, and verify failed at once)."""
+    root = loop_fs.mount
+    _plain_files(root, min_size=4095)
+    out = root / "extents.json"
+    for _ in range(2):
+        r = subprocess.run([str(BIN), "extents", "build", str(root), "-o", str(out)],
+                           capture_output=True, text=True, timeout=TIMEOUT)
+        assert r.returncode == 0 and "mapped 6 files" in r.stdout, r.stdout + r.stderr
+    assert all(f["path"] != "extents.json" for f in json.loads(out.read_text())["files"])
+    r = subprocess.run([str(BIN), "extents", "verify", str(out)], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0 and "all 6 files match" in r.stdout, r.stdout + r.stderr
+
+
 def test_raw_reads_without_access_to_the_disk_name_it(loop_fs: LoopFilesystem) -> None:
     root = loop_fs.mount
     _plain_files(root)

@@ -112,6 +112,9 @@ struct BuildOptions {
   // Refused files are listed in ExtentMap::refused; when false (the default) BuildExtentMap
   // throws instead, naming them.
   bool allow_refused = false;
+  // A file under the root that is not mapped: the map itself, written inside the root (a new
+  // map replaces it, so that the one mapped would no longer verify).
+  std::string leave_out;
 };
 
 // Maps every regular file under `root` (recursively, in path order; symbolic links to files are
