@@ -689,12 +689,24 @@ void RegisterShared(py::module_& m) {
              uint64_t element_size, const std::string& layout, const std::string& name,
              const std::string& memory, int device) {
             SharedTensorSpec spec;
-            spec.shape = ShapeOf(shape);
-            spec.dtype = dtype;
-            spec.element_size = element_size;
-            spec.layout = ParseSharedLayout(layout);
-            spec.name = name;
-            spec.memory = ParseSharedMemory(memory);
+            try {
+              spec.shape = ShapeOf(shape);
+              spec.dtype = dtype;
+              spec.element_size = element_size;
+              spec.layout = ParseSharedLayout(layout);
+              spec.name = name;
+              spec.memory = ParseSharedMemory(memory);
+              if (spec.layout == SharedLayout::kDistributed) spec.Validate();
+            } catch (const std::exception& e) {
+              // Refused here, the call still takes part: the other ranks raise at once, naming
+              // this one (Create does the same for what it refuses).
+              const std::string why = e.what();
+              {
+                GilReleased release;
+                g.Refuse("create_tensor", why);
+              }
+              throw;
+            }
             std::shared_ptr<SharedTensor> shared;
             std::shared_ptr<DistributedTensor> distributed;
             {
@@ -711,6 +723,10 @@ void RegisterShared(py::module_& m) {
           },
           py::arg("shape"), py::arg("dtype"), py::arg("element_size"), py::arg("layout"),
           py::arg("name"), py::arg("memory") = "host", py::arg("device") = 0)
+      .def("refuse", &SharedGroup::Refuse, py::arg("what"), py::arg("why"),
+           py::call_guard<GilReleased>(),
+           "Collective: takes part in the call `what` for a rank that refused it before it began; "
+           "the others raise ValueError naming this rank and `why`. Never raises.")
       .def(
           "attach",
           [](BoundGroup& g, const std::string& name, int device) {

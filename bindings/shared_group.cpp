@@ -190,6 +190,12 @@ void RegisterSharedGroup(py::module_& m) {
           store = AttachableStore(dist, store);
         } else if (!store.is_none()) {
           hosts = r == 0 && MayHostTcpStore(dist, store);
+        } else if (world == 1 &&
+                   (std::getenv("MASTER_ADDR") == nullptr || !EnvInt("MASTER_PORT"))) {
+          // A group of one meets no one (WholeMemory's single-process use, a notebook, a unit
+          // test): a store of this process's own. Other processes cannot attach to it by name.
+          store = dist.attr("HashStore")();
+          where = "this process's own store (a group of one)";
         } else {
           // Under torchrun the agent serves the store; otherwise rank 0 does, as
           // init_process_group.

@@ -261,8 +261,8 @@ class SharedTensor:
             out = torch.empty((n, *self._shape[1:]), dtype=self._dtype)
             core.gather(indices.data_ptr(), n, out.data_ptr())
             return out
-        core.require("gather")
         with self._refused_round_on_error(kind_scatter=False):
+            core.require("gather")  # closed: this rank still takes part in a distributed round
             idx = self._indices(indices)
         if self._distributed:
             return self._round(idx, None)
@@ -281,9 +281,9 @@ class SharedTensor:
             TypeError: values of another dtype.
             ValueError: values whose shape is not ``(len(indices), *shape[1:])``.
         """
-        self._core.require("scatter")
         host = self.memory == "host"  # device memory takes values from any device
         with self._refused_round_on_error(kind_scatter=True):
+            self._core.require("scatter")  # closed: still takes part in a distributed round
             idx = self._indices(indices)
             if not isinstance(values, torch.Tensor):
                 raise TypeError(f"values must be a torch.Tensor, not {type(values).__name__}")
@@ -518,16 +518,23 @@ class Group:
 
         Raises:
             ValueError: bad arguments, or ranks that asked for different tensors (the message
-                names which asked for what; every rank raises).
+                names which asked for what; every rank raises; a rank whose arguments were
+                refused raises its own error, and the others a ValueError naming it).
             TimeoutError: a rank did not make the call within the group's timeout.
             OSError: the memory could not be had or shared.
             CudaError: device memory without a CUDA driver, or a CUDA call failed (on the rank
                 where it failed; the others raise RuntimeError naming it).
         """
         self._core.require("create_tensor")
-        element_size = _core.shared_create_dtype(dtype, layout)
-        memory, index = _memory_of(device, "create_tensor")
-        _core.shared_create_args(layout, memory, name, self.rank, self.world_size)
+        try:
+            element_size = _core.shared_create_dtype(dtype, layout)
+            memory, index = _memory_of(device, "create_tensor")
+            _core.shared_create_args(layout, memory, name, self.rank, self.world_size)
+        except Exception as e:
+            # Refused here, the call still takes part: the other ranks raise ValueError at once,
+            # naming this rank, rather than waiting out the timeout.
+            self._core.refuse("create_tensor", f"{type(e).__name__}: {e}")
+            raise
         core = self._core.create(shape, str(dtype), element_size, layout, name or "", memory, index)
         return SharedTensor(core, dtype, self._core)
 

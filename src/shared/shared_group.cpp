@@ -322,6 +322,13 @@ void SharedGroup::Barrier(const std::string& what) {
 
 void SharedGroup::Agree(const std::string& what, const std::string& value) {
   std::vector<std::string> all = AllGather(what, value);
+  std::string refused;  // the ranks that took part only to say they refused (Refuse)
+  for (int r = 0; r < world_size_; ++r) {
+    if (all[r].starts_with('!')) {
+      refused += StrCat(refused.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
+    }
+  }
+  if (!refused.empty()) throw std::invalid_argument(StrCat(what, " was refused on ", refused));
   if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) {
     return;
   }
@@ -337,11 +344,24 @@ void SharedGroup::Agree(const std::string& what, const std::string& value) {
   throw std::invalid_argument(msg);
 }
 
+void SharedGroup::Refuse(const std::string& what, const std::string& why) {
+  try {
+    Agree(what, StrCat("!", why));
+  } catch (const std::exception&) {
+    // The caller raises its own error: it is why the others fail.
+  }
+}
+
 std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, int device) {
-  spec.Validate();
-  if (spec.layout == SharedLayout::kDistributed) {
-    throw std::invalid_argument(
-        "the distributed layout is not mapped: tensortier.shared builds it");
+  try {
+    spec.Validate();
+    if (spec.layout == SharedLayout::kDistributed) {
+      throw std::invalid_argument(
+          "the distributed layout is not mapped: tensortier.shared builds it");
+    }
+  } catch (const std::exception& e) {
+    Refuse("create_tensor", e.what());
+    throw;
   }
   Agree("create_tensor", spec.Describe());
   std::string key = spec.name.empty() ? StrCat("#", next_collective_) : spec.name;

@@ -109,6 +109,18 @@ def scenario_errors(group: shared.Group, result: dict[str, Any]) -> None:
         raise AssertionError("no error for disagreeing dtypes")
     except ValueError as e:
         assert "dtype=torch.int32" in str(e) and "rank 0 asked" in str(e), str(e)
+    # Arguments one rank refuses (in Python, and in C++): that rank raises its own error, the
+    # others a ValueError naming it at once (they used to wait out the timeout, then blame a
+    # closed group), and the next calls still pair up.
+    for refused in ({"layout": "sideways"}, {"shape": (-4, 2)}):
+        try:
+            arguments = {"shape": (4, 2), "dtype": torch.float32}
+            group.create_tensor(**{**arguments, **(refused if rank == 1 else {})})
+            raise AssertionError(f"no error for a create refused on rank 1: {refused}")
+        except ValueError as e:
+            if rank != 1:
+                assert "create_tensor was refused on rank 1: " in str(e), str(e)
+    group.barrier()
     # Bad indices and values raise like index_select / index_copy_ would, writing nothing.
     for bad in ([10], [-1]):
         try:
@@ -379,6 +391,21 @@ def scenario_distributed(group_unused: Any, result: dict[str, Any]) -> None:
     t.scatter(torch.tensor([rank]), torch.full((1, 2), float(rank)))
     got = t.gather(torch.arange(world))
     assert torch.equal(got[:, 0], torch.arange(world, dtype=torch.float32)), got
+    # A rank whose tensor was closed still takes part in the round: it raises RuntimeError, the
+    # others ValueError naming it (they waited in the all-to-all until it exited).
+    u = group.create_tensor((4, 2), torch.float32, layout="distributed")
+    if rank == world - 1:
+        u.close()
+    for call in (lambda: u.gather(torch.tensor([0])),
+                 lambda: u.scatter(torch.tensor([0]), torch.ones(1, 2))):
+        try:
+            call()
+            raise AssertionError("no error")
+        except RuntimeError as e:
+            assert rank == world - 1 and "closed" in str(e), f"rank {rank}: {e}"
+        except ValueError as e:
+            assert rank != world - 1, f"rank {rank}: {e}"
+            assert f"rank {world - 1} refused its gather or scatter" in str(e), str(e)
     try:
         t.gather("rows" if rank == world - 1 else torch.tensor([0]))
         raise AssertionError("no error")

@@ -1131,6 +1131,40 @@ def test_groups_one_after_another_and_at_once_meet_through_one_store(tmp_path: P
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
+WHOLEMEMORY_ALONE = """
+import torch
+from tensortier import shared
+from tensortier.compat import wholememory as wm
+wm.init_lib()
+wm.mp_init(0, 1)
+b = wm.create_tensor([4, 5], [], torch.float32, True, [])
+view = wm.get_tensor_view(b, torch.device("cpu"))
+view.fill_(2.0)
+assert torch.equal(view + 1, torch.full((4, 5), 3.0))
+del b, view
+wm.finalize_lib()
+with shared.Group(rank=0, world_size=1) as group:
+    t = group.create_tensor((3,), torch.int64, name="alone")
+    t.view().fill_(7)
+    assert t.gather([2]).tolist() == [7]
+print("ok")
+"""
+
+
+def test_a_group_of_one_needs_no_store(tmp_path: Path) -> None:
+    """WholeMemory's single-process example (mp_init(0, 1) in a plain process, no torchrun) and
+    a Group of one without a store run: a group of one meets no one (it raised for want of
+    MASTER_ADDR and MASTER_PORT)."""
+    script = tmp_path / "alone.py"
+    script.write_text(WHOLEMEMORY_ALONE)
+    env = env_for(tmp_path)
+    for variable in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        env.pop(variable, None)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
+
+
 def test_pickling_a_tensor_or_a_group_says_to_attach_by_name() -> None:
     import pickle
 

@@ -69,6 +69,10 @@ class SharedGroup {
   // Collective: returns when every rank passed an equal `value`; otherwise every rank throws
   // std::invalid_argument naming which ranks passed what (`what` starts the message).
   void Agree(const std::string& what, const std::string& value);
+  // Collective: takes part in the call `what` (an Agree) for a rank that refused it before it
+  // began (its arguments): the others throw std::invalid_argument naming this rank and `why`,
+  // at once, rather than waiting out the timeout. Never throws (the caller raises its own error).
+  void Refuse(const std::string& what, const std::string& why);
   // Collective: every rank reports whether its step `what` worked (`failure` null) or not. Returns
   // every rank's `value` when all did; otherwise rethrows `failure` on the failing ranks (even
   // when a peer never arrives) and throws std::runtime_error on the others naming each failing

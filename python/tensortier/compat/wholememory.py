@@ -68,11 +68,16 @@ def create_tensor(
         TimeoutError: a rank did not make the call in time.
     """
     group = _core.wholememory_group("create_tensor", _initialized, _group)
-    dims = _core.wholememory_dims(shape, stride, ranks, group.world_size)  # ValueError
-    if not is_host:
-        _core.wholememory_device("create_tensor(is_host=False)", "cuda")
-        # Before the collective call, which would be wasted: the result is a CUDA tensor.
-        _shared._require_torch_cuda("wholememory: create_tensor(is_host=False)")
+    try:
+        dims = _core.wholememory_dims(shape, stride, ranks, group.world_size)  # ValueError
+        if not is_host:
+            _core.wholememory_device("create_tensor(is_host=False)", "cuda")
+            # Before the collective call, which would be wasted: the result is a CUDA tensor.
+            _shared._require_torch_cuda("wholememory: create_tensor(is_host=False)")
+    except Exception as e:
+        # Refused here, the call still takes part: the other ranks raise at once, naming this one.
+        group._core.refuse("create_tensor", f"{type(e).__name__}: {e}")
+        raise
     device = "cpu" if is_host else "cuda"
     shared = group.create_tensor(dims, dtype, device=device, layout="continuous")
     tensor = cast(torch.Tensor, shared.view(device))  # one tensor: the layout is continuous
