@@ -117,7 +117,7 @@ void RegisterFile(py::module_& m) {
             Opened(f);
             return f;
           },
-           py::return_value_policy::reference_internal)
+          py::return_value_policy::reference_internal)
       .def(
           "__exit__", [](File& f, const py::args&) { f.Close(); },
           "Closes the file, as close() does.")

@@ -22,9 +22,9 @@ build   maps every regular file under ROOT (recursively) to its extents on its b
         XXH64 of its bytes (every file is read once; raw reads are checked against it), and
         writes the map as JSON to MAP (readers refuse a MAP others can write or own; MAP
         itself, where it lies under ROOT, is not mapped). Files whose bytes the filesystem
-        does not keep at fixed blocks (unwritten, inline, encoded, encrypted, shared or sparse) are refused by name:
-        the map is not written, unless --allow-refused, which lists them in the map as refused
-        (readers then read them through the filesystem). Only ext4 and XFS are mapped.
+        does not keep at fixed blocks (unwritten, inline, encoded, encrypted, shared or
+        sparse) are refused by name: the map is not written, unless --allow-refused, which
+        lists them in the map as refused (readers then read them through the filesystem). Only ext4 and XFS are mapped.
         Exit status: 0 when the map was written, 1 otherwise (2: a usage error).
 verify  re-checks MAP against the files: identity, extents and checksum. Lists each file
         that changed.

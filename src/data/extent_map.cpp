@@ -539,8 +539,9 @@ ExtentMap BuildExtentMap(const std::string& root, const BuildOptions& options) {
   // The directory the next step opens or reads: a failed step names it, not the root (the
   // iterator is at its end by then).
   std::string listing = abs_root;
-  const fs::path leave_out =
-      options.leave_out.empty() ? fs::path() : fs::path(Absolute(options.leave_out)).lexically_normal();
+  const fs::path leave_out = options.leave_out.empty()
+                                 ? fs::path()
+                                 : fs::path(Absolute(options.leave_out)).lexically_normal();
   for (; it != fs::recursive_directory_iterator(); it.increment(ec)) {
     if (ec) break;
     // Directories are walked (symbolic links to them are not: no cycles); everything else is

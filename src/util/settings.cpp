@@ -23,7 +23,8 @@ constexpr std::string_view kFalseWords[] = {"0", "false", "off", "no"};
 // takes its words in any case.
 bool SameWord(std::string_view a, std::string_view b) {
   return std::ranges::equal(a, b, [](char x, char y) {
-    return std::tolower(static_cast<unsigned char>(x)) == std::tolower(static_cast<unsigned char>(y));
+    return std::tolower(static_cast<unsigned char>(x)) ==
+           std::tolower(static_cast<unsigned char>(y));
   });
 }
 
