@@ -113,9 +113,9 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
         static_cast<unsigned long long>(stats.direct_bytes),
         static_cast<unsigned long long>(stats.cached_bytes), reader.backend().c_str());
   } else {
-    std::printf("%s: %llu files, %s in %.3f s (%u epoch%s, batch %llu%s%s, %s)\n",
-                TerminalText(root).c_str(), static_cast<unsigned long long>(files),
-                FormatSize(bytes).c_str(), seconds, epochs, epochs == 1 ? "" : "s",
+    std::printf("%s: %s, %s in %.3f s (%u epoch%s, batch %llu%s%s, %s)\n",
+                TerminalText(root).c_str(), Count(files, "file").c_str(), FormatSize(bytes).c_str(),
+                seconds, epochs, epochs == 1 ? "" : "s",
                 static_cast<unsigned long long>(spec.batch_size), spec.shuffle ? ", shuffled" : "",
                 cold ? ", cold" : ", warm", reader.backend().c_str());
     std::printf("  %.0f files/s  %.3f GB/s  (O_DIRECT %s, from page cache %s)\n", files_per_s, gbps,

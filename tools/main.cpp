@@ -122,6 +122,7 @@ std::string UsageLines(const std::string& command) {
 
 bool AsksForHelp(const std::vector<std::string>& args) {
   for (const auto& a : args) {
+    if (a == "--") return false;  // what follows are names (a file named --help)
     if (a == "--help" || a == "-h") return true;
   }
   return false;
@@ -135,6 +136,11 @@ int RunTool(int argc, char** argv) {
         (CommandHelpText(args[1]) != nullptr || args[1] == "bench" || args[1] == "bench-files" ||
          args[1] == "extents")) {
       args = {args[1], "--help"};
+    }
+    if (args.size() >= 2 && args[0] == "help") {
+      std::fprintf(stderr, "tensortier: unknown command '%s' (try 'tensortier help')\n",
+                   tensortier::TerminalText(args[1]).c_str());
+      return 2;
     }
     if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
       std::fputs(kUsage, args.empty() ? stderr : stdout);

@@ -19,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/util/error.hpp"
@@ -137,9 +138,20 @@ DeviceLookup LookUpDevice(dev_t dev, int fd) {
   } else if (magic == kXfsMagic) {
     filesystem = "xfs";
   } else {
+    // The usual others by name (statfs(2)'s magic numbers), any else by number.
+    constexpr std::pair<uint64_t, const char*> kNames[] = {
+        {0x01021994, "tmpfs"}, {0x858458f6, "ramfs"}, {0x9123683e, "btrfs"},
+        {0x2fc12fc1, "zfs"},   {0x6969, "nfs"},       {0x794c7630, "overlayfs"},
+        {0x65735546, "fuse"},  {0xff534d42, "cifs"},  {0x5346544e, "ntfs"},
+        {0x4d44, "vfat"},      {0xf2f52010, "f2fs"},
+    };
     char hex[32];
     std::snprintf(hex, sizeof(hex), "0x%llx", static_cast<unsigned long long>(magic));
-    out.refusal = StrCat("on a filesystem of type ", hex,
+    std::string type = hex;
+    for (const auto& [number, name] : kNames) {
+      if (number == magic) type = name;
+    }
+    out.refusal = StrCat("on a filesystem of type ", type,
                          ": only ext4 and XFS files are mapped (elsewhere FIEMAP's offsets need "
                          "not be offsets on one block device)");
     return out;

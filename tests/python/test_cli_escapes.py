@@ -151,7 +151,7 @@ def test_bench_files_shows_paths_escaped(disk_dir: Path) -> None:
     (root / "class0" / "a.jpg").write_bytes(b"x" * 5000)
     r = run("bench-files", root)
     assert r.returncode == 0, r.stderr
-    assert f"set{EVIL_SHOWN}: 1 files" in assert_terminal_safe(r)
+    assert f"set{EVIL_SHOWN}: 1 file," in assert_terminal_safe(r)
     # --json: the root as a JSON string (control characters escaped the JSON way), exactly.
     r = run("bench-files", root, "--json")
     assert r.returncode == 0, r.stderr

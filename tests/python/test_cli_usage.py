@@ -50,6 +50,8 @@ def test_tool_without_a_known_command() -> None:
     assert r.returncode == 2 and r.stderr.startswith("usage: tensortier <command>"), r.stderr
     r = run("frobnicate")
     assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr, r.stderr
+    r = run("help", "frobnicate")  # as git and cargo: an error, not the general help
+    assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr, r.stderr
 
 
 def test_version_takes_no_arguments_and_help_names_a_command() -> None:
@@ -200,6 +202,13 @@ def test_double_dash_ends_the_options(disk_dir: Path, checkpoint: Path) -> None:
     r = subprocess.run([str(BIN), "info", dashed.name], capture_output=True, text=True,
                        timeout=300, cwd=disk_dir)
     assert_usage_error(r, "info", f"unknown option '{dashed.name}'")
+    # A file named --help, after `--`, is a file: not a request for help.
+    checkpoint_named_help = disk_dir / "--help"
+    dashed.rename(checkpoint_named_help)
+    r = subprocess.run([str(BIN), "info", "--", "--help"], capture_output=True, text=True,
+                       timeout=300, cwd=disk_dir)
+    assert r.returncode == 0 and "safetensors" in r.stdout and "usage:" not in r.stdout, (
+        r.stdout + r.stderr)
 
 
 def test_help_states_the_exit_statuses() -> None:
