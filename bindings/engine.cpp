@@ -228,6 +228,7 @@ void RegisterEngine(py::module_& m) {
           row["available"] = p.available;
           row["direct_ok"] = p.direct_ok;
           row["buffered_ok"] = p.buffered_ok;
+          row["writes_tested"] = p.writes_tested;  // False: reads of a read-only directory
           row["detail"] = MessageToPython(p.detail);
           out.append(row);
         }

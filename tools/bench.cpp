@@ -1,4 +1,5 @@
 // `tensortier bench`: sequential write, cold read, warm read and random reads through the engine.
+#include <sys/stat.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <random>
 #include <string>
 #include <tuple>
@@ -34,9 +36,9 @@ constexpr const char* kHelp = R"(usage: tensortier bench [options]
   --ops N             random reads for --mode randread (default 20000)
   --buffered          page cache instead of O_DIRECT (cache dropped before cold reads)
   --warm              read: read the file once first, then time a page-cache-aware read
-  --keep              keep the scratch file afterwards (one that was there before the run,
-                      such as a file of one's own to time reading, is never removed or
-                      written: read modes only, and one smaller than --size is refused)
+  --keep              keep the scratch file afterwards (a file bench did not write, such
+                      as one of one's own to time reading, is never removed or written:
+                      read modes only, and one smaller than --size is refused)
   --json              print one JSON object on stdout
   --sweep             try block size x queue depth x threads and print the best settings
 )";
@@ -109,42 +111,77 @@ std::string FilePath(const Settings& s) {
   return (std::filesystem::path(s.dir) / s.file).string();
 }
 
-// Marks the files bench makes, so that one left by a killed run, or kept, is known as bench's
-// and not taken for a file of the user's.
+// Marks the files bench writes, so that one it kept is known as bench's and not taken for a file
+// of the user's. The mark holds the file's identity when bench finished writing it (inode, size,
+// modification time): a user's data copied into the file since changes that, and the file is
+// the user's again.
 constexpr const char* kScratchAttribute = "user.tensortier.bench";
 
-bool MadeByBench(const std::string& path) {
-  return getxattr(path.c_str(), kScratchAttribute, nullptr, 0) >= 0;
+std::string IdentityOf(const struct stat& st) {
+  return StrCat(st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
 }
 
-// The scratch file's path for the signal handler (a fixed buffer: async-signal-safe).
-char scratch_to_remove[4096];
+bool MadeByBench(const std::string& path) {
+  struct stat st{};
+  if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  char mark[128];
+  const ssize_t n = lgetxattr(path.c_str(), kScratchAttribute, mark, sizeof mark);
+  return n > 0 && std::string(mark, static_cast<size_t>(n)) == IdentityOf(st);
+}
 
-// Ctrl-C or a kill (SIGTERM, SIGHUP) during a run removes the scratch file as the end of a run
-// does, then ends the process as the signal would have.
+// Where the file system keeps no user attributes, a file bench kept is taken for the user's.
+void MarkAsBenchs(const File& f) {
+  struct stat st{};
+  if (fstat(f.buffered_fd(), &st) != 0) return;
+  const std::string mark = IdentityOf(st);
+  fsetxattr(f.buffered_fd(), kScratchAttribute, mark.data(), mark.size(), 0);
+}
+
+// The scratch file's path for the signal handler (a fixed buffer, armed by a flag: what an
+// async-signal-safe handler may read).
+char scratch_to_remove[4096];
+volatile std::sig_atomic_t scratch_armed = 0;
+constexpr int kEndingSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE};
+struct sigaction previous_actions[std::size(kEndingSignals)];
+
+// Ctrl-C, a kill (SIGTERM, SIGHUP, SIGQUIT) or a closed pipe (`bench ... | head`) during a run
+// removes the scratch file as the end of a run does, then ends the process as the signal would
+// have.
 void RemoveScratchAndDie(int signal_number) {
-  if (scratch_to_remove[0] != '\0') unlink(scratch_to_remove);
+  if (scratch_armed != 0) unlink(scratch_to_remove);
   std::signal(signal_number, SIG_DFL);
   std::raise(signal_number);
 }
 
 // Removes the scratch file when the run ends, failed, interrupted or not, unless --keep, and only
 // if the run made it: a file that was there before (`--mode read --file data.bin`, timing one's
-// own file) is the user's.
+// own file) is the user's. Signals the process ignored when it started (nohup's SIGHUP, SIGINT in
+// a background job) stay ignored.
 class ScratchFile {
  public:
   explicit ScratchFile(const Settings& s) : path_(FilePath(s)), remove_(!s.keep && !s.users_file) {
-    if (remove_ && path_.size() < sizeof scratch_to_remove) {
-      std::memcpy(scratch_to_remove, path_.c_str(), path_.size() + 1);
-      for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) {
-        std::signal(signal_number, &RemoveScratchAndDie);
+    if (!remove_ || path_.size() >= sizeof scratch_to_remove) return;
+    std::memcpy(scratch_to_remove, path_.c_str(), path_.size() + 1);
+    scratch_armed = 1;
+    struct sigaction action{};
+    action.sa_handler = &RemoveScratchAndDie;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < std::size(kEndingSignals); ++i) {
+      sigaction(kEndingSignals[i], nullptr, &previous_actions[i]);
+      if (previous_actions[i].sa_handler != SIG_IGN) {
+        sigaction(kEndingSignals[i], &action, nullptr);
       }
     }
+    handlers_ = true;
   }
   ~ScratchFile() {
+    if (handlers_) {
+      scratch_armed = 0;
+      for (size_t i = 0; i < std::size(kEndingSignals); ++i) {
+        sigaction(kEndingSignals[i], &previous_actions[i], nullptr);
+      }
+    }
     if (!remove_) return;
-    for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) std::signal(signal_number, SIG_DFL);
-    scratch_to_remove[0] = '\0';
     std::error_code ec;  // a failed removal must not hide the run's outcome
     std::filesystem::remove(path_, ec);
   }
@@ -154,13 +191,14 @@ class ScratchFile {
  private:
   std::string path_;
   bool remove_;
+  bool handlers_ = false;
 };
 
 Phase RunWrite(Engine& engine, const Settings& s, AlignedBuffer& buf) {
   File f = File::Open(FilePath(s), OpenMode::kWrite, !s.buffered);
-  // Where the file system keeps no user attributes, a leftover is taken for the user's file.
-  setxattr(FilePath(s).c_str(), kScratchAttribute, "1", 1, 0);
-  return Stream(engine, f, IoOp::kWrite, s, buf, "write");
+  Phase phase = Stream(engine, f, IoOp::kWrite, s, buf, "write");
+  MarkAsBenchs(f);  // written and synced: its identity is final
+  return phase;
 }
 
 void EnsureFile(Engine& engine, const Settings& s, AlignedBuffer& buf) {
@@ -195,8 +233,9 @@ Phase RunRandomRead(Engine& engine, const Settings& s) {
   File f = File::Open(FilePath(s), OpenMode::kRead, !s.buffered);
   if (!s.warm) f.DropCache();
   const uint64_t blocks = std::max<uint64_t>(f.Size() / s.block, 1);
-  // One buffer per request in flight (the engine keeps depth x threads), as fio's iodepth.
-  const unsigned slots = std::min<unsigned>(s.ops, s.depth * s.threads);
+  // One buffer per request in flight (the engine keeps depth x threads), as fio's iodepth; at
+  // most 1024 (requests beyond share them: their bytes are not looked at).
+  const unsigned slots = std::min({s.ops, s.depth * s.threads, 1024u});
   AlignedBuffer buf(static_cast<size_t>(s.block) * slots, Pages::kReused);
   std::mt19937_64 rng(42);
   std::vector<IoDesc> pieces;
@@ -401,10 +440,11 @@ int RunBench(const std::vector<std::string>& argv) {
   const bool writes = args.Flag("sweep") || s.mode == "write" || s.mode == "both";
   if (s.users_file && writes) {
     // fio would write over it; a benchmark must not cost anyone a file.
-    throw UsageError(StrCat("'", FilePath(s), "' was there before the run and bench did not make ",
-                            "it: ", args.Flag("sweep") ? "--sweep" : StrCat("--mode ", s.mode),
-                            " would write over it (time reading it with --mode read or randread, "
-                            "or give another --file)"));
+    throw UsageError(
+        StrCat("'", FilePath(s), "' is not a file bench wrote (it was there before, ",
+               "or changed since): ", args.Flag("sweep") ? "--sweep" : StrCat("--mode ", s.mode),
+               " would write over it (time reading it with --mode read or randread, "
+               "give another --file, or remove it)"));
   }
   if (args.Flag("sweep")) return RunSweep(s);
   ScratchFile scratch(s);

@@ -1,5 +1,6 @@
 // `tensortier bench-files ROOT`: reads a training set (one folder per class) in batches with the
 // same C++ reader as tensortier.data.FileReader, and reports files/s and GB/s.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <stdexcept>
@@ -8,21 +9,29 @@
 
 #include "cli.hpp"
 #include "tensortier/data/batch_reader.hpp"
-#include "tensortier/io/file.hpp"
-#include "tensortier/util/json.hpp"
+#include "tensortier/data/sample_inputs.hpp"
 #include "tensortier/data/sample_list.hpp"
 #include "tensortier/data/shard_plan.hpp"
+#include "tensortier/io/file.hpp"
+#include "tensortier/util/json.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier::cli {
 namespace {
 
 constexpr const char* kHelp = R"(usage: tensortier bench-files ROOT [options]
+       tensortier bench-files [ROOT] --file-list LIST [options]
 
 Reads the files under ROOT's class folders (DALI's file_root layout and default file_filters:
-image and audio extensions) in batches, as tensortier.data.FileReader does, and reports files/s
-and GB/s.
+image and audio extensions), or those LIST names (DALI's file_list: "path label" lines, paths
+relative to ROOT or to LIST's folder), in batches, as tensortier.data.FileReader does, and
+reports files/s and GB/s.
 
+  --file-filters G,G  the file names read under ROOT, as globs (FileReader's file_filters)
+  --case-sensitive-filter
+                      match --file-filters with case (default: without)
+  --dir-filters G,G   the class folders read under ROOT, as globs (FileReader's dir_filters)
+  --file-list LIST    the files LIST names instead of ROOT's class folders
   --batch-size N      files per batch (default 256)
   --shuffle           a seeded permutation of the files (default: list order)
   --seed N            the shuffle's seed (default 0)
@@ -47,16 +56,40 @@ const char* BenchFilesHelp() {
 }
 
 int RunBenchFiles(const std::vector<std::string>& argv) {
-  Args args(argv, {"shuffle", "cold", "buffered", "json", "help"},
-            {"batch-size", "seed", "epochs", "prefetch", "open-threads"});
+  Args args(argv, {"shuffle", "cold", "buffered", "json", "help", "case-sensitive-filter"},
+            {"batch-size", "seed", "epochs", "prefetch", "open-threads", "file-filters",
+             "dir-filters", "file-list"});
   if (args.Flag("help")) {
     std::fputs(kHelp, stdout);
     return 0;
   }
-  if (args.positionals().size() != 1) {
-    throw UsageError("bench-files takes one ROOT folder");
+  const std::string file_list = args.Get("file-list", "");
+  if (args.positionals().size() > 1 || (args.positionals().empty() && file_list.empty())) {
+    throw UsageError("bench-files takes one ROOT folder (optional with --file-list)");
   }
-  const std::string root = args.positionals()[0];
+  const std::string root = args.positionals().empty() ? "" : args.positionals()[0];
+  SampleInputs inputs;
+  if (!root.empty()) inputs.root = root;
+  if (!file_list.empty()) inputs.file_list = file_list;
+  // Comma-separated globs, as the options of DALI's command-line examples take them.
+  auto globs = [&](const std::string& option) {
+    std::vector<std::string> out;
+    const std::string text = args.Get(option, "");
+    for (size_t at = 0; at <= text.size();) {
+      const size_t comma = std::min(text.find(',', at), text.size());
+      if (comma > at) out.push_back(text.substr(at, comma - at));
+      at = comma + 1;
+    }
+    if (out.empty()) throw UsageError(StrCat("--", option, " needs at least one glob"));
+    return out;
+  };
+  if (args.Has("file-filters")) {
+    inputs.filter.patterns = globs("file-filters");
+  }
+  inputs.filter.case_sensitive = args.Flag("case-sensitive-filter");
+  if (args.Has("dir-filters")) {
+    inputs.dir_filters = globs("dir-filters");
+  }
   const unsigned epochs = args.Unsigned("epochs", 1);
   const bool json = args.Flag("json");
   const bool cold = args.Flag("cold");
@@ -77,7 +110,7 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
     if (value == 0) throw UsageError(StrCat(option, " must be at least 1"));
   }
 
-  SampleList list = ListFileRoot(root);
+  SampleList list = ResolveSampleInputs(std::move(inputs));
   ShardPlan plan(spec, list.paths.size());
   BatchReader reader(list.paths, options);
 
@@ -114,8 +147,8 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
         static_cast<unsigned long long>(stats.cached_bytes), reader.backend().c_str());
   } else {
     std::printf("%s: %s, %s in %.3f s (%u epoch%s, batch %llu%s%s, %s)\n",
-                TerminalText(root).c_str(), Count(files, "file").c_str(), FormatSize(bytes).c_str(),
-                seconds, epochs, epochs == 1 ? "" : "s",
+                TerminalText(root.empty() ? file_list : root).c_str(), Count(files, "file").c_str(),
+                FormatSize(bytes).c_str(), seconds, epochs, epochs == 1 ? "" : "s",
                 static_cast<unsigned long long>(spec.batch_size), spec.shuffle ? ", shuffled" : "",
                 cold ? ", cold" : ", warm", reader.backend().c_str());
     std::printf("  %.0f files/s  %.3f GB/s  (O_DIRECT %s, from page cache %s)\n", files_per_s, gbps,

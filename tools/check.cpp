@@ -3,6 +3,7 @@
 #include <sys/utsname.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -18,6 +19,7 @@
 #include "tensortier/io/page_cache.hpp"
 #include "tensortier/transfer/transfer.hpp"
 #include "tensortier/util/aligned_buffer.hpp"
+#include "tensortier/util/error.hpp"
 
 namespace tensortier::cli {
 namespace {
@@ -81,19 +83,22 @@ int RunCheck(const std::vector<std::string>& argv) {
   std::printf("%-9s %-6s %-7s %-9s %-9s %s\n", "backend", "built", "starts", "O_DIRECT", "buffered",
               "detail");
   int working = 0;
+  bool writes_untested = false;
   std::string first;
   for (BackendKind kind : kAllBackends) {
     BackendProbe p = ProbeBackend(kind, dir);
     bool works = p.available && (p.direct_ok || p.buffered_ok);
     if (works && first.empty()) first = std::string(BackendName(kind));
     working += works ? 1 : 0;
+    writes_untested = writes_untested || (works && !p.writes_tested);
     std::printf("%-9s %-6s %-7s %-9s %-9s %s\n", std::string(BackendName(kind)).c_str(),
                 YesNo(BackendCompiledIn(kind)), YesNo(p.available),
                 p.available ? (p.direct_ok ? "ok" : "FAILED") : "-",
                 p.available ? (p.buffered_ok ? "ok" : "FAILED") : "-",
                 TerminalText(p.detail).c_str());
   }
-  std::printf("auto -> %s\n\n", first.empty() ? "(none)" : first.c_str());
+  std::printf("auto -> %s%s\n\n", first.empty() ? "(none)" : first.c_str(),
+              writes_untested ? " (reads only: the directory takes no files)" : "");
 
   // A file of our own (a random name, created exclusively, never through a symlink: DIR may be
   // shared), removed whatever happens after; in a read-only directory, a file already there.
@@ -103,8 +108,10 @@ int RunCheck(const std::vector<std::string>& argv) {
     probe_path = CreateUniqueFile(
         [&](uint32_t n) { return StrCat(dir, "/.tensortier-check-align-", getpid(), "-", n); },
         0600, "create a file in the directory", dir);
-  } catch (const std::exception& e) {
-    read_path = FileToProbeByReading(dir);
+  } catch (const IoError& e) {
+    // As the backends' probes: only where the directory takes no files, a file already there.
+    const int code = e.error_code();
+    if (code == EROFS || code == EACCES || code == EPERM) read_path = FileToProbeByReading(dir);
     if (read_path.empty()) {
       std::printf("O_DIRECT: could not test (%s)\n", TerminalText(e.what()).c_str());
     }
@@ -125,8 +132,10 @@ int RunCheck(const std::vector<std::string>& argv) {
       std::printf("O_DIRECT: could not test (%s)\n", TerminalText(e.what()).c_str());
     }
     if (f && f->direct()) {
-      std::printf("O_DIRECT alignment: offset %u B, memory %u B\n", f->offset_alignment(),
-                  f->memory_alignment());
+      std::printf(
+          "O_DIRECT alignment: offset %u B, memory %u B%s\n", f->offset_alignment(),
+          f->memory_alignment(),
+          read_path.empty() ? "" : StrCat(" (by reading ", TerminalText(read_path), ")").c_str());
       try {
         PrintReadStaging(*f);
       } catch (const std::exception& e) {
@@ -183,6 +192,15 @@ int RunCheck(const std::vector<std::string>& argv) {
   if (working == 0) {
     std::fflush(stdout);  // the lines above come first in a shared pipe
     std::fprintf(stderr, "tensortier check: no I/O backend works on %s\n",
+                 TerminalText(dir).c_str());
+    return 1;
+  }
+  if (writes_untested) {
+    // Reads work, but a save, an offload or a benchmark there would fail: a problem to report.
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "tensortier check: %s takes no files (read-only, or not this user's): reads "
+                 "work, writes were not tested\n",
                  TerminalText(dir).c_str());
     return 1;
   }

@@ -34,6 +34,7 @@ class Args {
        const std::vector<std::string>& options);
   bool Flag(const std::string& name) const { return flags_.contains(name); }
   std::string Get(const std::string& name, const std::string& fallback) const;
+  bool Has(const std::string& name) const { return values_.contains(name); }  // given a value
   uint64_t Size(const std::string& name, uint64_t fallback) const;
   unsigned Unsigned(const std::string& name, unsigned fallback) const;  // up to 2^20
   uint64_t Unsigned64(const std::string& name, uint64_t fallback) const;

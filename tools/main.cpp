@@ -55,9 +55,11 @@ constexpr CommandHelp kCommandHelp[] = {
 Which I/O backends (io_uring, libaio, threads) are built and start here, a verified write and
 read round trip with each on DIR (default .), O_DIRECT support and alignment of DIR's
 filesystem, the CUDA driver and cuFile libraries tensortier would load, what GDS would do, and
-every setting in effect (environment overrides applied; a bad value is an error).
-Exit status: 0 when at least one backend works on DIR, 1 otherwise, 2 when DIR is not a
-directory or the command line is wrong (extra arguments, an option).
+every setting in effect (environment overrides applied; a bad value is an error). Where DIR
+takes no files (a read-only mount), the backends are tested by reading a file already there.
+Exit status: 0 when at least one backend works on DIR, 1 otherwise (or when DIR takes no
+files: writes were not tested), 2 when DIR is not a directory or the command line is wrong
+(extra arguments, an option).
 )"},
     {"info", R"(usage: tensortier info FILE [--shapes N]
 
@@ -137,7 +139,12 @@ int RunTool(int argc, char** argv) {
          args[1] == "extents")) {
       args = {args[1], "--help"};
     }
-    if (args.size() >= 2 && args[0] == "help") {
+    if (args.size() > 2 && args[0] == "help") {
+      std::fprintf(stderr, "tensortier help: takes one command, not %zu arguments\n",
+                   args.size() - 1);
+      return 2;
+    }
+    if (args.size() == 2 && args[0] == "help" && !args[1].starts_with("-")) {
       std::fprintf(stderr, "tensortier: unknown command '%s' (try 'tensortier help')\n",
                    tensortier::TerminalText(args[1]).c_str());
       return 2;

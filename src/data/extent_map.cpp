@@ -541,6 +541,20 @@ std::optional<size_t> ExtentMap::Find(std::string_view path) const {
   return std::nullopt;
 }
 
+namespace {
+
+// Whether `path` is the file `leave_out` names: the same path, or the same file reached another
+// way (the root or the map named through a symbolic link).
+bool IsLeftOut(const fs::path& path, const fs::path& leave_out) {
+  if (path.lexically_normal() == leave_out) return true;
+  if (path.filename() != leave_out.filename()) return false;  // a stat only for likely ones
+  struct stat a{}, b{};
+  return stat(path.c_str(), &a) == 0 && stat(leave_out.c_str(), &b) == 0 && a.st_dev == b.st_dev &&
+         a.st_ino == b.st_ino;
+}
+
+}  // namespace
+
 ExtentMap BuildExtentMap(const std::string& root, const BuildOptions& options) {
   const std::string abs_root = Absolute(root);
   std::error_code ec;
@@ -564,7 +578,7 @@ ExtentMap BuildExtentMap(const std::string& root, const BuildOptions& options) {
       continue;
     }
     listing = it->path().parent_path().string();
-    if (!leave_out.empty() && it->path().lexically_normal() == leave_out) continue;
+    if (!leave_out.empty() && IsLeftOut(it->path(), leave_out)) continue;
     relative.push_back(fs::path(it->path()).lexically_relative(abs_root).generic_string());
   }
   if (ec) ThrowIoError(ec.value(), "list", listing);

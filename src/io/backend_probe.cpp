@@ -1,6 +1,5 @@
 #include "tensortier/io/backend_probe.hpp"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -63,12 +62,9 @@ std::string ReadBack(Engine& engine, const std::string& path, bool direct, std::
       return "O_DIRECT not available: " + f.direct_fallback_reason();
     }
     const uint64_t n = engine.Read(f, got.data(), kBytes, 0).Wait().bytes;
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) ThrowIoError(errno, "open", path);
-    const ssize_t expected = pread(fd, want.data(), kBytes, 0);
-    const int error = errno;
-    close(fd);
-    if (expected < 0) ThrowIoError(error, "pread", path, 0, kBytes);
+    // The same open file (not the path again: it may have been replaced meanwhile).
+    const ssize_t expected = pread(f.buffered_fd(), want.data(), kBytes, 0);
+    if (expected < 0) ThrowIoError(errno, "pread", path, 0, kBytes);
     if (n != static_cast<uint64_t>(expected) || std::memcmp(got.data(), want.data(), n) != 0) {
       return "data read differs from the file's bytes";
     }
@@ -157,6 +153,7 @@ BackendProbe ProbeBackend(BackendKind kind, const std::string& dir) {
     probe.detail = e.what();
     return probe;
   }
+  probe.writes_tested = true;
   std::string direct_error = RoundTrip(*engine, path, true, &fallback);
   std::string buffered_error = RoundTrip(*engine, path, false, &fallback);
   unlink(path.c_str());

@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <charconv>
 #include <cstdlib>
 #include <span>
@@ -22,10 +21,9 @@ constexpr std::string_view kFalseWords[] = {"0", "false", "off", "no"};
 // Words compare without regard to ASCII case: `str(True)` in Python gives "True", and KvikIO
 // takes its words in any case.
 bool SameWord(std::string_view a, std::string_view b) {
-  return std::ranges::equal(a, b, [](char x, char y) {
-    return std::tolower(static_cast<unsigned char>(x)) ==
-           std::tolower(static_cast<unsigned char>(y));
-  });
+  // ASCII only: std::tolower follows the locale (a Turkish one maps 'I' elsewhere).
+  auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+  return std::ranges::equal(a, b, [&](char x, char y) { return lower(x) == lower(y); });
 }
 
 bool IsOneOf(std::string_view word, std::span<const std::string_view> words) {

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import tensortier
+
 BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
 
 
@@ -132,7 +134,8 @@ def test_check_makes_files_of_its_own_and_leaves_none(disk_dir: Path) -> None:
 
 def test_check_tests_a_read_only_directory_by_reading(tmp_path: Path) -> None:
     """A data set's read-only mount takes no probe file: the backends are tested by reading a
-    file already there, and check says that writes were not tested."""
+    file already there, and check says that writes were not tested (exit 1: a save there would
+    fail), not that no backend works."""
     from conftest import mounted
 
     if os.geteuid() != 0:
@@ -146,10 +149,17 @@ def test_check_tests_a_read_only_directory_by_reading(tmp_path: Path) -> None:
                                  text=True, timeout=60)
         assert remount.returncode == 0, remount.stderr
         r = run("check", str(mnt))
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert "auto -> (none)" not in r.stdout and "no I/O backend works" not in r.stderr
+        # Reads work; writes (a save, an offload) would not: a problem to report, exactly.
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "no I/O backend works" not in r.stderr
+        assert "reads only: the directory takes no files" in r.stdout, r.stdout
         assert f"reads of {mnt}/class0/a.jpg tested; writes not (Read-only file system)" in (
             r.stdout), r.stdout
+        assert f"by reading {mnt}/class0/a.jpg" in r.stdout or "O_DIRECT: not available" in (
+            r.stdout), r.stdout
+        assert f"{mnt} takes no files (read-only, or not this user's)" in r.stderr, r.stderr
+        probes = tensortier.probe_backends(mnt)
+        assert any(p["buffered_ok"] and not p["writes_tested"] for p in probes), probes
 
 
 def test_output_lost_to_a_full_disk_fails_the_command() -> None:
@@ -226,7 +236,7 @@ def test_bench_never_writes_over_a_users_file(disk_dir: Path) -> None:
     for options in (("--mode", "both"), ("--mode", "write"), ("--mode", "read", "--sweep"), ()):
         r = run("bench", "--dir", str(disk_dir), "--file", "mine.bin", "--size", "256K", *options)
         assert r.returncode == 2, (options, r.stdout + r.stderr)
-        assert f"'{data}' was there before the run and bench did not make it" in r.stderr
+        assert f"'{data}' is not a file bench wrote (it was there before" in r.stderr
         assert data.read_bytes() == payload, options
     assert sorted(p.name for p in disk_dir.iterdir()) == ["mine.bin"]
 
@@ -242,11 +252,22 @@ def test_bench_knows_its_own_scratch_file_from_an_earlier_run(disk_dir: Path) ->
     r = run("bench", "--dir", str(disk_dir), "--size", "1M", "--json")
     assert r.returncode == 0, r.stderr
     assert not scratch.exists()
+    # Data of the user's copied into a file bench kept makes it the user's again.
+    r = run("bench", "--dir", str(disk_dir), "--size", "1M", "--keep", "--json")
+    assert r.returncode == 0 and _has_bench_mark(scratch), r.stderr
+    payload = os.urandom(1 << 20)
+    with open(scratch, "r+b") as f:
+        f.write(payload)
+    r = run("bench", "--dir", str(disk_dir), "--size", "1M", "--mode", "read", "--json")
+    assert r.returncode == 0 and scratch.read_bytes() == payload, r.stderr  # read, kept
+    r = run("bench", "--dir", str(disk_dir), "--size", "1M")
+    assert r.returncode == 2 and "is not a file bench wrote" in r.stderr, r.stderr
+    assert scratch.read_bytes() == payload
 
 
 def _has_bench_mark(path: Path) -> bool:
     try:
-        return os.getxattr(path, "user.tensortier.bench") == b"1"
+        return len(os.getxattr(path, "user.tensortier.bench")) > 0
     except OSError:
         return False
 
@@ -277,6 +298,21 @@ def test_an_interrupted_bench_removes_its_scratch_file(disk_dir: Path) -> None:
         assert not scratch.exists(), sig
         if proc.stderr:
             proc.stderr.close()
+    # A signal the process was started ignoring (nohup's SIGHUP) stays ignored.
+    proc = subprocess.Popen(["nohup", str(BIN), "bench", "--dir", str(disk_dir), "--size", "64M",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not scratch.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGHUP)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and json.loads(out)["size"] == 64 << 20, proc.returncode
+    assert not scratch.exists()
 
 
 def test_bench_takes_the_engine_settings_from_the_environment(disk_dir: Path) -> None:
@@ -346,6 +382,38 @@ def test_count_options_refuse_signs_and_spaces(disk_dir: Path) -> None:
     assert r.returncode == 0, r.stderr
     r = run("bench-files", str(disk_dir), "--shuffle", "--seed", str(2**64))
     assert r.returncode == 2 and f"--seed: {2**64} is too large" in r.stderr, r.stderr
+
+
+def test_bench_files_reads_what_file_reader_reads_with_its_filters_and_lists(
+        disk_dir: Path) -> None:
+    """bench-files takes FileReader's file_filters, dir_filters and file_list: a tree of .bin
+    files, which the reader reads with file_filters=["*.bin"], was refused ("no files")."""
+    from tensortier.data import FileReader
+
+    root = disk_dir / "set"
+    for label, name in enumerate(("cats", "dogs", "eels")):
+        (root / name).mkdir(parents=True)
+        for i in range(label + 2):
+            (root / name / f"{i}.bin").write_bytes(os.urandom(100 + i))
+        (root / name / "notes.TXT").write_bytes(b"x")
+
+    def files_read(*options: str) -> int:
+        r = run("bench-files", *options, "--json")
+        assert r.returncode == 0, r.stderr
+        return int(json.loads(r.stdout)["files"])
+
+    assert files_read(str(root), "--file-filters", "*.bin") == len(
+        FileReader(file_root=root, file_filters=["*.bin"]).files) == 9
+    assert files_read(str(root), "--file-filters", "*.bin,*.txt") == 12
+    assert files_read(str(root), "--file-filters", "*.TXT", "--case-sensitive-filter") == 3
+    assert files_read(str(root), "--file-filters", "*.bin", "--dir-filters", "d*,e*") == 7
+    listing = disk_dir / "list.txt"
+    listing.write_text("set/cats/0.bin 0\nset/dogs/2.bin 1\n")
+    assert files_read("--file-list", str(listing)) == 2
+    r = run("bench-files", str(root))
+    assert r.returncode == 1 and "no files" in r.stderr.lower(), r.stderr
+    r = run("bench-files")
+    assert r.returncode == 2 and "one ROOT folder" in r.stderr, r.stderr
 
 
 def test_verify_and_info_read_a_file_holding_numpy_arrays(tmp_path: Path) -> None:

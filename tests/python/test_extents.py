@@ -336,8 +336,10 @@ def test_cli_a_map_written_inside_its_root_is_not_mapped(loop_fs: LoopFilesystem
     root = loop_fs.mount
     _plain_files(root, min_size=4095)
     out = root / "extents.json"
-    for _ in range(2):
-        r = subprocess.run([str(BIN), "extents", "build", str(root), "-o", str(out)],
+    link = root.parent / "root-link"  # the root named through a link, the map by its own path
+    link.symlink_to(root)
+    for named in (root, root, link):
+        r = subprocess.run([str(BIN), "extents", "build", str(named), "-o", str(out)],
                            capture_output=True, text=True, timeout=TIMEOUT)
         assert r.returncode == 0 and "mapped 6 files" in r.stdout, r.stdout + r.stderr
     assert all(f["path"] != "extents.json" for f in json.loads(out.read_text())["files"])

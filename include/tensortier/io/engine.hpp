@@ -176,6 +176,7 @@ struct BackendProbe {
   bool available = false;  // the backend starts here
   bool direct_ok = false;  // round trip with O_DIRECT verified
   bool buffered_ok = false;
+  bool writes_tested = false;  // false: `dir` takes no files, and the ok's are of reads only
   std::string detail;  // why not, or the O_DIRECT fallback reason
 };
 BackendProbe ProbeBackend(BackendKind kind, const std::string& dir);
