@@ -187,17 +187,25 @@ class ReaderState {
     return batches;
   }
 
-  void Advance() { ++position_; }
+  void Advance() {
+    ++position_;
+    resumed_ = false;
+  }
   void NextEpoch() {
     ++epoch_;
     position_ = 0;
+    resumed_ = false;
   }
 
   void SetEpoch(const py::object& epoch) {
     const uint64_t number = ReaderSetting(epoch, "epoch", 0, 64);
-    if (number == epoch_ && iteration_ != 0) return;  // the epoch under way keeps its place
+    // The epoch under way keeps its place, and so does the epoch a state was just loaded at
+    // (`for epoch in range(start, n): reader.set_epoch(epoch)` after a resume, as with
+    // DistributedSampler.set_epoch under torchdata's StatefulDataLoader).
+    if (number == epoch_ && (iteration_ != 0 || resumed_)) return;
     epoch_ = number;
     position_ = 0;
+    resumed_ = false;
     ++moves_;
   }
 
@@ -267,6 +275,7 @@ class ReaderState {
     UseShuffleVersion(*version);
     epoch_ = *e;
     position_ = *p;
+    resumed_ = true;
     ++moves_;
   }
 
@@ -298,6 +307,7 @@ class ReaderState {
   py::object labels_;
   ShardPlan plan_;
   py::dict config_;
+  bool resumed_ = false;  // a state was loaded, and no batch given out since
   uint64_t epoch_ = 0;
   uint64_t position_ = 0;  // batches of epoch_ given out
   uint64_t moves_ = 0;

@@ -185,6 +185,20 @@ def test_state_dict_resumes_mid_epoch_exactly(disk_dir: Path, shuffle: bool) -> 
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="position"):
         resumed.load_state_dict({**state, "position": -1})
+    # The usual loop after a resume sets the epoch it resumed at: it goes on from the state
+    # (it started that epoch again, and the batches already trained on came again).
+    looped = FileReader(**args)
+    looped.load_state_dict(state)
+    again = []
+    for epoch in range(state["epoch"], 3):
+        looped.set_epoch(epoch)
+        again.extend(stream(looped, 1))
+    assert again == whole[len(whole) - len(again):] and len(again) == len(whole) - 4 - 3
+    # Once a batch was given out, setting the epoch under no iteration starts it again.
+    looped.load_state_dict(state)
+    next(iter(looped))
+    looped.set_epoch(state["epoch"])
+    assert stream(looped, 1) == whole[4:8]
 
 
 def test_a_state_from_before_shuffle_versions_resumes_the_order_it_started(
@@ -392,6 +406,58 @@ def test_more_workers_than_files_read_every_file_once(disk_dir: Path) -> None:
     seen = [(bytes(s.numpy()), int(l)) for samples, labels in loader
             for s, l in zip(samples, labels)]
     assert sorted(seen) == sorted(tree.values())
+
+
+def test_padded_batches_are_as_many_on_every_rank_with_more_workers_than_files(
+        disk_dir: Path) -> None:
+    """pad_last_batch (every step a collective: DDP) with more ranks x workers than files: the
+    workers past the last file read the first files again, as DistributedSampler pads, so that
+    every rank gets as many batches (rank 1 got fewer, and rank 0 waited in its last
+    all-reduce forever). Without padding they yield nothing."""
+    make_tree(disk_dir, classes=1, per_class=3)
+    counts = {}
+    for pad in (True, False):
+        counts[pad] = []
+        for rank in (0, 1):
+            dataset = FileDataset(file_root=disk_dir, batch_size=2, shuffle=False,
+                                  pad_last_batch=pad, rank=rank, world_size=2)
+            loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                                 timeout=60)
+            counts[pad].append(sum(1 for _ in loader))
+    assert counts[True] == [2, 2] and counts[False] == [2, 1], counts
+
+
+def test_a_state_loaded_before_the_workers_resumes_one_epoch_only(disk_dir: Path) -> None:
+    """load_state_dict() in the training process, then a DataLoader whose worker is made again
+    each epoch: the state's epoch resumes, and the later epochs read whole (each new worker got
+    the state again and replayed that epoch's tail every epoch). state_dict() in that process
+    says the states are in the workers (it returned {}: "nothing read")."""
+    make_tree(disk_dir, classes=3, per_class=8)
+    first = FileDataset(file_root=disk_dir, batch_size=4, seed=7)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    it.close()
+    dataset = FileDataset(file_root=disk_dir, batch_size=4, seed=7)
+    dataset.load_state_dict(state)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1, timeout=60)
+    lengths = []
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        lengths.append(sum(1 for _ in loader))
+    assert lengths == [4, 6, 6]
+    with pytest.raises(RuntimeError, match="runs in DataLoader workers"):
+        dataset.state_dict()
+
+
+def test_drop_last_that_empties_a_workers_epoch_warns(disk_dir: Path) -> None:
+    """Each worker forms its own batches: drop_last with few files per worker can leave an epoch
+    with nothing, which used to pass in silence."""
+    make_tree(disk_dir, classes=1, per_class=4)
+    dataset = FileDataset(file_root=disk_dir, batch_size=3, drop_last=True, rank=0,
+                          world_size=2)
+    with pytest.warns(RuntimeWarning, match="drop_last drops every file of shard 0 of 2"):
+        assert list(dataset) == []
 
 
 def test_dataset_resumes_mid_epoch_from_its_state(disk_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -11,6 +12,10 @@ import torch.utils.data
 from .. import _core
 from .._paths import PathArg
 from .reader import FileReader
+
+
+# The fields of FileDataset's shared tensor.
+_EPOCH, _RESUME_TAKEN, _WORKER_ITERATIONS = 0, 1, 2
 
 
 def _rank_and_world() -> tuple[int, int] | None:
@@ -114,7 +119,12 @@ class FileDataset(torch.utils.data.IterableDataset):
                              prefetch=prefetch, copy=copy, on_error=on_error, **reader_options)
         # Shared memory: persistent workers, which hold their own copy of the dataset, see
         # the epoch set after they started (torch passes it to spawned workers by handle).
-        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        # [_EPOCH]: the epoch set; [_RESUME_TAKEN]: 1 once an iteration resumed at the state
+        # given to load_state_dict (workers get a copy of it each epoch: it resumes one);
+        # [_WORKER_ITERATIONS]: iterations begun in DataLoader workers (state_dict() in this
+        # process then has nothing to say).
+        self._shared = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self._worker_iterations_seen = 0  # [_WORKER_ITERATIONS] when this process's began
         self._parent_rank: tuple[int, int] | None = None  # set in copies sent to workers
         self._reader: FileReader | None = None  # the iteration under way in this process
         self._resume: Mapping[str, Any] | None = None  # load_state_dict's, for the next one
@@ -123,7 +133,7 @@ class FileDataset(torch.utils.data.IterableDataset):
         """The epoch the next iteration reads (its shuffle and shards), in this process and in
         the DataLoader's workers, persistent ones included."""
         # 63 bits: the epoch is shared with the workers in an int64 tensor.
-        self._epoch.fill_(_core.check_reader_setting(epoch, "epoch", 0, 63))
+        self._shared[_EPOCH] = _core.check_reader_setting(epoch, "epoch", 0, 63)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -143,19 +153,42 @@ class FileDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
         shard_id, num_shards = self.shard()
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if in_worker:
+            self._shared[_WORKER_ITERATIONS] += 1
+        else:
+            self._worker_iterations_seen = int(self._shared[_WORKER_ITERATIONS])
         if num_shards > len(self._paths):
-            # More ranks x workers than files (a small validation set): one file per shard,
-            # and the shards past the last file yield nothing, as an IterableDataset may.
-            if shard_id >= len(self._paths):
+            # More ranks x workers than files (a small validation set): one file per shard.
+            # The shards past the last file yield nothing, as an IterableDataset may; with
+            # pad_last_batch (every step a collective: DDP) they read the first files again, as
+            # DistributedSampler pads, so that every rank gets as many batches.
+            if shard_id >= len(self._paths) and not self._options["pad_last_batch"]:
                 return
+            shard_id %= len(self._paths)
             num_shards = len(self._paths)
         # The files were checked when the dataset was made; each worker does not stat them again.
         reader = FileReader(files=self._paths, labels=self._labels.tolist(), shard_id=shard_id,
                             num_shards=num_shards, check_files=False, **self._options)
-        reader.set_epoch(int(self._epoch))
+        reader.set_epoch(int(self._shared[_EPOCH]))
         if self._resume is not None:
             resume, self._resume = self._resume, None
-            reader.load_state_dict(resume)
+            # A state of another shard is refused (ValueError) whenever it comes; the state of
+            # this shard resumes one iteration only: DataLoader workers made again each epoch
+            # get a copy of it, and later epochs read from their start.
+            same_shard = (resume.get("shard_id"), resume.get("num_shards")) == (shard_id,
+                                                                                num_shards)
+            if not same_shard or int(self._shared[_RESUME_TAKEN]) == 0:
+                reader.load_state_dict(resume)
+                self._shared[_RESUME_TAKEN] = 1
+        if len(reader) == 0 and self._options["drop_last"] and (
+                files := len(reader.epoch_indices(int(self._shared[_EPOCH])))):
+            warnings.warn(
+                f"FileDataset: drop_last drops every file of shard {shard_id} of {num_shards} "
+                f"({files} files, batch_size {self._options['batch_size']}): this "
+                f"rank's DataLoader worker reads nothing this epoch (each worker forms its own "
+                f"batches: use fewer workers, a smaller batch_size or drop_last=False)",
+                RuntimeWarning, stacklevel=2)
         self._reader = reader
         try:
             yield from reader
@@ -168,6 +201,11 @@ class FileDataset(torch.utils.data.IterableDataset):
         settings and files that fix the order); before any iteration, the state given to
         ``load_state_dict``, else ``{}`` (nothing given out: an iteration from the start).
         torchdata's ``StatefulDataLoader`` takes it in each worker."""
+        if int(self._shared[_WORKER_ITERATIONS]) > self._worker_iterations_seen:
+            raise RuntimeError(
+                "FileDataset.state_dict(): the iteration runs in DataLoader workers, whose "
+                "states this process does not have: take each worker's (torchdata's "
+                "StatefulDataLoader does), or iterate with num_workers=0")
         if self._reader is None:
             return dict(self._resume) if self._resume is not None else {}
         return self._reader.state_dict()
@@ -180,3 +218,4 @@ class FileDataset(torch.utils.data.IterableDataset):
             raise TypeError(f"FileDataset.load_state_dict needs the dict state_dict() returns, "
                             f"not {type(state).__name__}")
         self._resume = state or None  # {}: from the start
+        self._shared[_RESUME_TAKEN] = 0

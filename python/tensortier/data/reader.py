@@ -156,7 +156,9 @@ class FileReader:
         """Starts ``epoch`` from its first batch: the next batch, of a new iteration or of one
         under way, is its first. The epoch an iteration has under way keeps its place: a script
         that sets each epoch as it starts, while DALI already reads ahead into it, gets each
-        batch once."""
+        batch once. So does the epoch ``load_state_dict`` just resumed, until a batch is given
+        out: ``for epoch in range(start, n): reader.set_epoch(epoch)`` after a resume goes on
+        where the state was taken."""
         self._state.set_epoch(epoch)
 
     @property
