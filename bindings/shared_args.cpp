@@ -196,8 +196,14 @@ void RegisterSharedArgs(py::module_& m) {
         if (device != "cpu") {
           throw py::value_error(StrCat("indices must be on the CPU, not ", device));
         }
+        if (dtype == "torch.uint8" || dtype == "torch.bool") {
+          // torch indexing takes these as a mask (t[mask]); index_select refuses them.
+          throw py::type_error(StrCat("indices of ", dtype,
+                                      " are a mask in torch's indexing, not row numbers: pass "
+                                      "row numbers (mask.nonzero().flatten() for a mask)"));
+        }
         if (dtype != "torch.int64" && dtype != "torch.int32" && dtype != "torch.int16" &&
-            dtype != "torch.int8" && dtype != "torch.uint8") {
+            dtype != "torch.int8") {
           throw py::type_error(StrCat("indices must be integers, not ", dtype));
         }
         if (shape.size() != 1) {

@@ -440,6 +440,12 @@ def test_an_empty_list_of_indices_is_an_empty_batch(layout: str) -> None:
                 t.gather(bad)
         with pytest.raises(TypeError, match="indices must be integers, not torch.float32"):
             t.gather([1.0])
+        # A mask in torch's indexing (t[mask]), which index_select refuses: never row numbers.
+        for mask in (torch.tensor([1, 0], dtype=torch.uint8), torch.tensor([True, False])):
+            with pytest.raises(TypeError, match="are a mask in torch's indexing"):
+                t.gather(mask)
+            with pytest.raises(TypeError, match="are a mask in torch's indexing"):
+                t.scatter(mask, torch.zeros(2, 3, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("layout", ["continuous", "chunked"])
