@@ -456,6 +456,12 @@ void RegisterData(py::module_& m) {
         const std::optional<FsPath> root = path(root_arg, "file_root");
         const std::optional<FsPath> file_list = path(file_list_arg, "file_list");
         if (!files.is_none()) {
+          // One path is a sequence of letters: refused, not read as one file per letter.
+          if (py::isinstance<py::str>(files) || py::isinstance<py::bytes>(files) ||
+              py::hasattr(files, "__fspath__")) {
+            throw py::type_error(StrCat("files must be a list of paths, not one path (",
+                                        ReprOf(files), "): pass files=[path]"));
+          }
           py::list named;
           for (const py::handle file : files) named.append(FsPathArgument(file, "files[i]"));
           files = named;

@@ -300,6 +300,12 @@ def test_bad_inputs_are_refused_when_made(disk_dir: Path) -> None:
     files = [str(p) for p in sorted(disk_dir.rglob("*.jpg"))]
     with pytest.raises(FileNotFoundError, match="missing.jpg"):
         FileReader(files=files + [str(disk_dir / "missing.jpg")])
+    # One path, not a list: refused, not read as a file per letter ("No such file: 't'").
+    for one in (files[0], files[0].encode(), Path(files[0])):
+        with pytest.raises(TypeError, match=r"files must be a list of paths, not one path"):
+            FileReader(files=one)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"pass files=\[path\]"):
+            FileDataset(files=one)  # type: ignore[arg-type]
     empty = disk_dir / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match="no files"):
