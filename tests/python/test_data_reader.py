@@ -456,6 +456,41 @@ def test_a_state_loaded_before_the_workers_resumes_one_epoch_only(disk_dir: Path
         dataset.state_dict()
 
 
+def _load_worker_state(worker: int) -> None:
+    """worker_init_fn: what torchdata's StatefulDataLoader does in each worker."""
+    info = torch.utils.data.get_worker_info()
+    info.dataset.load_state_dict(info.dataset.worker_states[worker])
+
+
+def test_states_loaded_in_each_worker_all_resume(disk_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchdata's StatefulDataLoader protocol: each worker loads its own state and takes its own
+    state_dict(). Every worker resumes (not one of them only), and state_dict() in a worker
+    answers."""
+    make_tree(disk_dir, classes=3, per_class=8)
+    states = []
+    for worker in range(2):  # what each of two workers' readers had given out: 1 batch
+        reader = FileReader(file_root=disk_dir, batch_size=3, seed=5, shard_id=worker,
+                            num_shards=2)
+        it = iter(reader)
+        next(it)
+        states.append(reader.state_dict())
+        it.close()
+    dataset = FileDataset(file_root=disk_dir, batch_size=3, seed=5)
+    dataset.worker_states = states  # type: ignore[attr-defined]
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, timeout=60,
+                                         worker_init_fn=_load_worker_state)
+    assert sum(1 for _ in loader) == 2 * (4 - 1)  # 12 files per worker: 4 batches, 1 read
+    # state_dict() where a worker calls it: its reader's state, not an error.
+    inside = FileDataset(file_root=disk_dir, batch_size=3, seed=5)
+    monkeypatch.setattr(torch.utils.data, "get_worker_info",
+                        lambda: type("Info", (), {"id": 1, "num_workers": 2})())
+    it = iter(inside)
+    next(it)
+    assert (inside.state_dict()["shard_id"], inside.state_dict()["position"]) == (1, 1)
+    it.close()
+
+
 def test_drop_last_that_empties_a_workers_epoch_warns(disk_dir: Path) -> None:
     """Each worker forms its own batches: drop_last with few files per worker can leave an epoch
     with nothing, which used to pass in silence."""

@@ -128,6 +128,10 @@ class FileDataset(torch.utils.data.IterableDataset):
         self._parent_rank: tuple[int, int] | None = None  # set in copies sent to workers
         self._reader: FileReader | None = None  # the iteration under way in this process
         self._resume: Mapping[str, Any] | None = None  # load_state_dict's, for the next one
+        # Whether _resume was loaded in the training process before DataLoader workers copied it
+        # (each worker made again every epoch gets it again: it resumes one iteration), rather
+        # than in a worker (torchdata's StatefulDataLoader loads each worker's own).
+        self._resume_before_workers = False
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (its shuffle and shards), in this process and in
@@ -178,9 +182,11 @@ class FileDataset(torch.utils.data.IterableDataset):
             # get a copy of it, and later epochs read from their start.
             same_shard = (resume.get("shard_id"), resume.get("num_shards")) == (shard_id,
                                                                                 num_shards)
-            if not same_shard or int(self._shared[_RESUME_TAKEN]) == 0:
+            once = self._resume_before_workers and in_worker
+            if not once or not same_shard or int(self._shared[_RESUME_TAKEN]) == 0:
                 reader.load_state_dict(resume)
-                self._shared[_RESUME_TAKEN] = 1
+                if once:
+                    self._shared[_RESUME_TAKEN] = 1
         if len(reader) == 0 and self._options["drop_last"] and (
                 files := len(reader.epoch_indices(int(self._shared[_EPOCH])))):
             warnings.warn(
@@ -201,7 +207,8 @@ class FileDataset(torch.utils.data.IterableDataset):
         settings and files that fix the order); before any iteration, the state given to
         ``load_state_dict``, else ``{}`` (nothing given out: an iteration from the start).
         torchdata's ``StatefulDataLoader`` takes it in each worker."""
-        if int(self._shared[_WORKER_ITERATIONS]) > self._worker_iterations_seen:
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if not in_worker and int(self._shared[_WORKER_ITERATIONS]) > self._worker_iterations_seen:
             raise RuntimeError(
                 "FileDataset.state_dict(): the iteration runs in DataLoader workers, whose "
                 "states this process does not have: take each worker's (torchdata's "
@@ -218,4 +225,6 @@ class FileDataset(torch.utils.data.IterableDataset):
             raise TypeError(f"FileDataset.load_state_dict needs the dict state_dict() returns, "
                             f"not {type(state).__name__}")
         self._resume = state or None  # {}: from the start
-        self._shared[_RESUME_TAKEN] = 0
+        self._resume_before_workers = torch.utils.data.get_worker_info() is None
+        if self._resume_before_workers:
+            self._shared[_RESUME_TAKEN] = 0
