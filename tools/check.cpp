@@ -111,7 +111,7 @@ int RunCheck(const std::vector<std::string>& argv) {
   } catch (const IoError& e) {
     // As the backends' probes: only where the directory takes no files, a file already there.
     const int code = e.error_code();
-    if (code == EROFS || code == EACCES || code == EPERM) read_path = FileToProbeByReading(dir);
+    if (TakesNoFiles(code)) read_path = FileToProbeByReading(dir);
     if (read_path.empty()) {
       std::printf("O_DIRECT: could not test (%s)\n", TerminalText(e.what()).c_str());
     }

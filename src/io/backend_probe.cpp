@@ -76,6 +76,10 @@ std::string ReadBack(Engine& engine, const std::string& path, bool direct, std::
 
 }  // namespace
 
+bool TakesNoFiles(int error_code) {
+  return error_code == EROFS || error_code == EACCES || error_code == EPERM;
+}
+
 std::string FileToProbeByReading(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -132,8 +136,7 @@ BackendProbe ProbeBackend(BackendKind kind, const std::string& dir) {
     // A read-only directory (a data set's mount) takes no probe file: its backends are tested
     // by reading a file already there, and writes are not tested.
     const int code = e.error_code();
-    const std::string file =
-        code == EROFS || code == EACCES || code == EPERM ? FileToProbeByReading(dir) : "";
+    const std::string file = TakesNoFiles(code) ? FileToProbeByReading(dir) : "";
     if (file.empty()) {
       probe.detail = e.what();
       return probe;

@@ -184,4 +184,8 @@ BackendProbe ProbeBackend(BackendKind kind, const std::string& dir);
 // A readable, non-empty regular file in `dir` or one level below it, "" if none.
 std::string FileToProbeByReading(const std::string& dir);
 
+// Whether making a file failed with `error_code` because the directory takes no files (read-only,
+// or not this user's): where a probe reads a file already there instead.
+bool TakesNoFiles(int error_code);
+
 }  // namespace tensortier
