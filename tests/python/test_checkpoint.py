@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -808,6 +809,68 @@ def test_an_index_replaced_while_read_is_read_as_one_version(
     out = tensortier.load(next(old.glob("*.index.json")))
     assert swapped
     assert all(torch.equal(out[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_an_index_replaced_while_its_shards_were_opened_is_read_again(
+        disk_dir: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save swapped in after the first shard was opened and before the second: the shards
+    held are of two versions. The index is read again, and the load is the new version whole."""
+    old, new = disk_dir / "m", disk_dir / "m.new"
+    old.mkdir()
+    new.mkdir()
+    torch.manual_seed(0)
+    make_shards(old, fmt)
+    torch.manual_seed(1)
+    want = make_shards(new, fmt)
+    from tensortier._runtime import default_io
+
+    opened: list[str] = []
+    io = default_io()
+    real = io._file_system
+
+    class SwappingFileSystem:
+        def __init__(self) -> None:
+            self._real = real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._real, name)
+
+        def open(self, path: str, *args: Any) -> Any:
+            file = self._real.open(path, *args)
+            opened.append(path)
+            if len(opened) == 1:
+                os.rename(old, disk_dir / "m.old")
+                os.rename(new, old)
+            return file
+
+    monkeypatch.setattr(io, "_file_system", SwappingFileSystem())
+    out = tensortier.load(next(old.glob("*.index.json")))
+    assert len(opened) == 4  # two shards, twice
+    assert out.keys() == want.keys() and all(torch.equal(out[k], want[k]) for k in want)
+
+
+def test_an_index_replaced_at_every_opening_is_an_error_naming_it(
+        disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves that keep replacing the directory while it is opened: after three tries, an
+    OSError (EAGAIN) naming the index, never a mix."""
+    from tensortier.checkpoint import loading
+
+    d = disk_dir / "m"
+    d.mkdir()
+    make_shards(d)
+    idx = next(d.glob("*.index.json"))
+    real = loading._opened_together
+
+    def opened_together(io: Any, paths: Any) -> Any:
+        os.replace(idx, disk_dir / "i.json")  # the same bytes under a new inode
+        shutil.copyfile(disk_dir / "i.json", idx)
+        return real(io, paths)
+
+    monkeypatch.setattr(loading, "_opened_together", opened_together)
+    with pytest.raises(OSError, match="replaced by another save") as e:
+        tensortier.load(idx)
+    assert e.value.errno == errno.EAGAIN and str(idx) in str(e.value)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])

@@ -54,20 +54,20 @@ def _open_checkpoint(io: IOHandle, path: str) -> File:
 
 
 @contextlib.contextmanager
-def _opened_together(io: IOHandle, paths: Sequence[str]) -> Iterator[None]:
+def _opened_together(io: IOHandle, paths: Sequence[str]) -> Iterator[bool]:
     """Within: `paths` (an index's shards) opened now, all of them, for _open_checkpoint to
-    hand out. A directory another process replaces meanwhile (a save of the model, swapped in
-    by one rename) is then read as one version, the one the index was read from, not a mix of
-    the shards each version had when each was opened."""
+    hand out (True; False where there are too many to hold open, each opened as it is read).
+    A directory another process replaces after they were opened (a save of the model, swapped
+    in by one rename) is then read as the version they were opened from."""
     if len(paths) > _MAX_PREOPENED:
-        yield
+        yield False
         return
     files: dict[str, File] = {}
     token = _preopened.set(files)
     try:
         for path in dict.fromkeys(paths):
             files[path] = io._file_system.open(path, io._direct)  # noqa: SLF001
-        yield
+        yield True
     finally:
         _preopened.reset(token)
         for file in files.values():  # those no read took

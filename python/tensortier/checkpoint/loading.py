@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
@@ -205,18 +207,40 @@ def _is_meta(location: Any) -> bool:
         return False
 
 
+# Times an index is read again when another save replaced it while its shards were opened.
+_READS_OF_A_REPLACED_INDEX = 3
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    """What tells one version of the file at `path` from the next (None: none there now)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _each_shard(path: str, read: Callable[[str, str], Any], io: IOHandle) -> dict[str, Any]:
     """What ``read(shard, kind)`` gives for each shard of index `path`, in one dict in the
     shards' order (the index read by the CLI's rules), each shard's tensors those the index
     puts there (the order shards are read in must not decide the bytes). The shards are opened
-    together first: a directory replaced meanwhile is read as the version the index names."""
-    out: dict[str, Any] = {}
-    walk = list(_require("shard_index_walk")(path))  # an index in one is refused
-    with _opened_together(io, [shard for shard, _, _ in walk]):
-        for shard, kind, names in walk:
-            part = read(shard, kind)
-            out.update((n, part[n]) for n in _require("shard_names")(path, shard, names, part))
-    return out
+    together, and the index is read again if another save replaced it meanwhile: a directory
+    saved again during the load is read as one version, never a mix of two."""
+    for _ in range(_READS_OF_A_REPLACED_INDEX):
+        before = _identity(path)
+        walk = list(_require("shard_index_walk")(path))  # an index in one is refused
+        with _opened_together(io, [shard for shard, _, _ in walk]) as held:
+            if held and _identity(path) != before:
+                continue  # the shards opened may be another version's than the index read
+            out: dict[str, Any] = {}
+            for shard, kind, names in walk:
+                part = read(shard, kind)
+                out.update((n, part[n])
+                           for n in _require("shard_names")(path, shard, names, part))
+            return out
+    raise OSError(errno.EAGAIN, f"{path}: replaced by another save each of the "
+                  f"{_READS_OF_A_REPLACED_INDEX} times its shards were opened; load it again "
+                  "once the saves into its directory have ended")
 
 
 def _load_kind(
