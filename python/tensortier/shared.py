@@ -386,14 +386,21 @@ class SharedTensor:
     # -- files ---------------------------------------------------------------------------------
     def _collective(self, what: str, step: Callable[[], _T]) -> _T:
         """This rank's `step` of collective call `what`, then every rank's outcome: an error on
-        any rank reaches all at once instead of leaving them waiting out the timeout."""
+        any rank (this tensor closed here, too) reaches all at once instead of leaving them
+        waiting out the timeout."""
+        if self._group is None:  # attached from outside the group: ValueError, nobody waits
+            self._core.require(what, True)
         try:
+            self._core.require(what, True)  # RuntimeError once closed
             if self.memory == "device" and torch.cuda.is_initialized():
                 # The C++ copies run on their own stream: first what torch queued on the rows.
                 torch.cuda.current_stream(int(self._core.stats["device"])).synchronize()
             result = step()
         except Exception as e:
-            self._group.settle(what, f"{type(e).__name__}: {e}")
+            # This rank's own error is the one to raise (a closed group has nobody to tell: the
+            # others see it closed).
+            with contextlib.suppress(Exception):
+                self._group.settle(what, f"{type(e).__name__}: {e}")
             raise
         self._group.settle(what, None)
         return result
@@ -410,7 +417,6 @@ class SharedTensor:
             RuntimeError: another rank failed; the message names it and quotes its error (every
                 rank raises as soon as one fails).
         """
-        self._core.require("load_files", True)
         return self._collective("load_files",
                                 lambda: self._core.read_rows("load_files", paths, None, ""))
 
@@ -430,7 +436,6 @@ class SharedTensor:
             RuntimeError: another rank failed; the message names it and quotes its error (every
                 rank raises as soon as one fails).
         """
-        self._core.require("load_checkpoint", True)
         return self._collective("load_checkpoint", lambda: self._core.read_rows(
             "load_checkpoint", [], fspath(path), key))
 
@@ -444,7 +449,6 @@ class SharedTensor:
             RuntimeError: another rank failed; the message names it and quotes its error (every
                 rank raises as soon as one fails).
         """
-        self._core.require("store_files", True)
         return self._collective("store_files",
                                 lambda: self._core.write_rows(fspath(prefix, "prefix")))
 

@@ -849,6 +849,38 @@ def test_a_rank_that_closed_its_group_fails_the_others_calls_at_once() -> None:
     assert waited < 30, waited  # the group's timeout is 60 s
 
 
+@pytest.mark.parametrize("call", ["store_files", "load_files", "load_checkpoint"])
+def test_a_rank_whose_tensor_was_closed_fails_the_others_file_calls_at_once(
+        tmp_path: Path, call: str) -> None:
+    """A rank that closed its tensor (its group still open) and makes the same file call: it
+    raises RuntimeError, and the others raise at once naming it, not at the timeout."""
+    rows = torch.arange(32, dtype=torch.float32).view(8, 4)
+    rows.numpy().tofile(tmp_path / "rows.bin")
+    import safetensors.torch as st
+
+    st.save_file({"t": rows}, tmp_path / "rows.safetensors")
+    args = {"store_files": (str(tmp_path / "out"),), "load_files": ([tmp_path / "rows.bin"],),
+            "load_checkpoint": (tmp_path / "rows.safetensors", "t")}[call]
+
+    def body(group: shared.Group) -> Any:
+        t = group.create_tensor((8, 4), torch.float32)
+        if group.rank == 1:
+            t.close()
+        start = time.monotonic()
+        try:
+            getattr(t, call)(*args)
+        except RuntimeError as e:
+            group.barrier()  # the closed rank stays in its group until the others know
+            return time.monotonic() - start, str(e)
+        return None
+
+    results = run_ranks_in_threads(2, body, timeout=60)
+    (waited, seen), (_, own) = results
+    assert waited < 30, waited  # the group's timeout is 60 s
+    assert seen == f"{call} failed on rank 1: RuntimeError: {own}"
+    assert own == f"{call}: the shared tensor was closed (finalized)"
+
+
 def run_ranks_in_threads(world: int, body: Any, timeout: float) -> list[Any]:
     """Runs `body(group)` for every rank of a group of `world` threads of this process over one
     HashStore; returns what each returned or raised."""
