@@ -112,6 +112,38 @@ inline pybind11::int_ CIntegerArgument(const pybind11::object& value, const std:
   return number;
 }
 
+// An optional integer (None: not given): ints and what has __index__ (numpy's, torch's), not
+// bools or floats. TypeError "<name> must be an int, not <type>"; one outside int64 is one too.
+inline std::optional<int64_t> OptionalIntArgument(const pybind11::object& value, const char* name) {
+  namespace py = pybind11;
+  if (value.is_none()) return std::nullopt;
+  PyObject* index = PyBool_Check(value.ptr()) ? nullptr : PyNumber_Index(value.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(std::string(name) + " must be an int, not " + TypeName(value));
+  }
+  const auto number = py::reinterpret_steal<py::int_>(index);
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(number.ptr(), &overflow);
+  if (overflow != 0) {
+    throw py::type_error(std::string(name) + " must fit a 64-bit int, not " +
+                         py::str(number).cast<std::string>());
+  }
+  return n;
+}
+
+// A name given as an optional argument: None, or a non-empty str. TypeError "<name> must be a
+// str, not <type>"; ValueError for "".
+inline void CheckNameArgument(const pybind11::handle& value, const char* name) {
+  if (value.is_none()) return;
+  if (!PyUnicode_Check(value.ptr())) {
+    throw pybind11::type_error(std::string(name) + " must be a str, not " + TypeName(value));
+  }
+  if (PyUnicode_GetLength(value.ptr()) == 0) {
+    throw pybind11::value_error(std::string(name) + " must be a non-empty str, not ''");
+  }
+}
+
 // `value` as pybind11 converts it to a C++ bool: None is False, and an object whose type has a
 // number's truth (__bool__: bools, ints, floats, numpy bools, one-element tensors) is its truth;
 // anything else (a str, a list) is a TypeError "<what>: <name> must be a bool".

@@ -83,8 +83,17 @@ void RegisterSharedArgs(py::module_& m) {
         if (py::isinstance(timeout, py::module_::import("datetime").attr("timedelta"))) {
           timeout = timeout.attr("total_seconds")();
         }
-        const int positive = PyObject_RichCompareBool(timeout.ptr(), py::int_(0).ptr(), Py_GT);
-        if (positive < 0) throw py::error_already_set();  // not comparable: TypeError
+        const int positive =
+            PyUnicode_Check(timeout.ptr()) || PyBytes_Check(timeout.ptr())
+                ? -1
+                : PyObject_RichCompareBool(timeout.ptr(), py::int_(0).ptr(), Py_GT);
+        if (positive < 0) {
+          PyErr_Clear();
+          throw py::type_error(
+              StrCat("timeout must be seconds (a number) or a "
+                     "datetime.timedelta, not ",
+                     TypeName(timeout)));
+        }
         if (positive == 0) {
           throw py::value_error(StrCat("timeout must be positive seconds, not ",
                                        py::repr(timeout).cast<std::string>()));
@@ -92,7 +101,8 @@ void RegisterSharedArgs(py::module_& m) {
         return py::float_(timeout);
       },
       py::arg("timeout"),
-      "A timeout (seconds, or a datetime.timedelta) as float seconds; ValueError unless positive.");
+      "A timeout (seconds, or a datetime.timedelta) as float seconds; ValueError unless positive, "
+      "TypeError for what is neither.");
   m.def("require_cuda_driver", &RequireCudaDriver, py::arg("prefix"), py::arg("advice"),
         "CudaError '{prefix}no CUDA driver was found (why); {advice}' without a usable driver.");
   m.def("shared_memory_of", &MemoryOf, py::arg("type"), py::arg("device"), py::arg("what"),
@@ -163,10 +173,7 @@ void RegisterSharedArgs(py::module_& m) {
           throw py::value_error(
               "the distributed layout keeps rows in host memory: use device='cpu'");
         }
-        if (!name.is_none() && (!py::isinstance<py::str>(name) || py::len(name) == 0)) {
-          throw py::value_error(
-              StrCat("name must be a non-empty string, not ", py::repr(name).cast<std::string>()));
-        }
+        CheckNameArgument(name, "name");
         if (layout != "distributed") return;
         std::optional<std::pair<int, int>> torch_group;  // the default process group's
         py::module_ dist = py::module_::import("torch.distributed");

@@ -15,6 +15,7 @@
 #include <string>
 #include <utility>
 
+#include "arguments.hpp"
 #include "register.hpp"
 #include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
@@ -171,8 +172,10 @@ void RegisterSharedGroup(py::module_& m) {
         "MASTER_PORT are unset; ConnectionError when it cannot be served or reached.");
   m.def(
       "shared_open_group",
-      [](std::optional<int64_t> rank, std::optional<int64_t> world_size, py::object store,
+      [](const py::object& rank_arg, const py::object& world_size_arg, py::object store,
          double timeout_s) {
+        std::optional<int64_t> rank = OptionalIntArgument(rank_arg, "rank");
+        std::optional<int64_t> world_size = OptionalIntArgument(world_size_arg, "world_size");
         py::module_ dist = py::module_::import("torch.distributed");
         const bool initialized =
             dist.attr("is_available")().cast<bool>() && dist.attr("is_initialized")().cast<bool>();
@@ -238,10 +241,8 @@ void RegisterSharedGroup(py::module_& m) {
   m.def(
       "shared_attach_outside",
       [](const py::object& name, const py::object& store, const py::object& timeout) {
-        if (!py::isinstance<py::str>(name) || py::len(name) == 0) {
-          throw py::value_error(
-              StrCat("name must be a non-empty string, not ", py::repr(name).cast<std::string>()));
-        }
+        if (name.is_none()) throw py::type_error("name must be a str, not NoneType");
+        CheckNameArgument(name, "name");
         const auto timeout_s = Core("shared_timeout_s")(timeout).cast<double>();
         py::object torch_store = store;
         std::string where;
@@ -256,8 +257,8 @@ void RegisterSharedGroup(py::module_& m) {
       },
       py::arg("name"), py::arg("store"), py::arg("timeout"),
       "attach()'s work: (the attached tensor, its torch.dtype) of the tensor a group created "
-      "under `name` in `store` (None: torchrun's TCPStore, as a client). ValueError for an empty "
-      "name or a timeout that is not positive.");
+      "under `name` in `store` (None: torchrun's TCPStore, as a client). TypeError for a "
+      "name that is not a str, ValueError for an empty one or a timeout that is not positive.");
   m.def(
       "wholememory_group",
       [](const std::string& call, bool initialized, const py::object& group) {

@@ -481,7 +481,8 @@ class Group:
 
     Raises ``ValueError`` when the rank, world size or store cannot be found, or when a peer has
     already made more groups of this size on the store (groups made in another order);
-    ``TimeoutError`` when the other ranks do not arrive in time.
+    ``TypeError`` for a rank or world size that is not an int, or a timeout that is not a
+    number or ``timedelta``; ``TimeoutError`` when the other ranks do not arrive in time.
     """
 
     def __init__(

@@ -1215,6 +1215,30 @@ def test_pickling_a_tensor_or_a_group_says_to_attach_by_name() -> None:
             pickle.dumps(group)
 
 
+def test_arguments_of_the_wrong_type_are_type_errors_naming_them() -> None:
+    """A rank, world size, timeout or name of the wrong type: TypeError naming the argument
+    and the type given (not pybind's listing of a signature, nor a failed comparison)."""
+    store = torch.distributed.HashStore()
+    for kw, message in [({"rank": 0.0}, "rank must be an int, not float"),
+                        ({"rank": True}, "rank must be an int, not bool"),
+                        ({"world_size": "1"}, "world_size must be an int, not str"),
+                        ({"timeout": "10"}, "timeout must be seconds .* not str")]:
+        with pytest.raises(TypeError, match=message):
+            shared.Group(**{"rank": 0, "world_size": 1, "store": store, **kw})
+    import numpy as np
+
+    with shared.Group(rank=np.int64(0), world_size=torch.tensor(1), store=store,
+                      timeout=np.float32(5)) as group:
+        assert (group.rank, group.world_size, group.timeout) == (0, 1, 5.0)
+        for name, error, message in [(5, TypeError, "name must be a str, not int"),
+                                     (b"t", TypeError, "name must be a str, not bytes"),
+                                     ("", ValueError, "name must be a non-empty str")]:
+            with pytest.raises(error, match=message):
+                group.create_tensor((4, 4), torch.float32, name=name)
+            with pytest.raises(error, match=message):
+                shared.attach(name, store=store, timeout=1)
+
+
 def test_a_name_longer_than_an_attach_request_holds_is_refused_when_created() -> None:
     store = torch.distributed.HashStore()
     with shared.Group(rank=0, world_size=1, store=store, timeout=5) as group:
