@@ -50,7 +50,7 @@ struct Overrides {
 
   // `o` with the values given here in place of its own.
   EngineOptions Apply(EngineOptions o = EngineOptions::FromEnvironment()) const {
-    if (backend) o.backend = *backend;
+    if (backend) o.backend = BackendWord(*backend);
     if (chunk_size) o.chunk_size = *chunk_size;
     if (queue_depth) o.queue_depth = *queue_depth;
     if (workers) o.workers = *workers;

@@ -24,6 +24,7 @@
 #include "tensortier/data/sample_inputs.hpp"
 #include "tensortier/data/sample_list.hpp"
 #include "tensortier/data/shard_plan.hpp"
+#include "tensortier/io/config.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -616,7 +617,7 @@ void RegisterData(py::module_& m) {
              options.direct = direct;
              options.pin_memory = pin_memory;
              options.device = device;
-             if (backend) options.engine.backend = *backend;
+             if (backend) options.engine.backend = BackendWord(*backend);
              options.extent_map = std::move(extent_map);
              options.extent_checksums = extent_checksums;
              options.backend_factory = TestBackends(options.engine);

@@ -12,6 +12,7 @@
 #include "paths.hpp"
 #include "tensortier/data/extent_map.hpp"
 #include "tensortier/data/extent_reader.hpp"
+#include "tensortier/io/config.hpp"
 
 namespace py = pybind11;
 using namespace tensortier;
@@ -191,7 +192,7 @@ void RegisterExtents(py::module_& m) {
                        std::optional<unsigned> queue_depth, std::optional<unsigned> workers,
                        bool verify_checksums) {
              EngineOptions options = EngineOptions::FromEnvironment();
-             if (backend) options.backend = *backend;
+             if (backend) options.backend = BackendWord(*backend);
              if (queue_depth) options.queue_depth = *queue_depth;
              if (workers) options.workers = *workers;
              BackendFactory factory = TestBackends(options);

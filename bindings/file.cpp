@@ -57,20 +57,26 @@ void RegisterFile(py::module_& m) {
           "does; named, in `path` and errors, by the descriptor's file. Raises OSError (EBADF "
           "for a descriptor not open).")
       .def_property_readonly(
-          "path", [](const File& f) { return PathToPython(f.path()); },
-          "The path it was opened with.")
+          "path", [](const File& f) { return PathToPython(Opened(f).path()); },
+          "The path it was opened with. ValueError once closed, as every property but `closed`.")
       .def_property_readonly(
           "closed", [](const File& f) { return !f.is_open(); }, "Whether close() was called.")
-      .def_property_readonly("writable", &File::writable, "Whether the mode allows writes.")
-      .def_property_readonly("direct", &File::direct, "Whether an O_DIRECT descriptor is open.")
+      .def_property_readonly(
+          "writable", [](const File& f) { return Opened(f).writable(); },
+          "Whether the mode allows writes.")
+      .def_property_readonly(
+          "direct", [](const File& f) { return Opened(f).direct(); },
+          "Whether an O_DIRECT descriptor is open.")
       .def_property_readonly(
           "direct_fallback_reason",
-          [](const File& f) { return MessageToPython(f.direct_fallback_reason()); },
+          [](const File& f) { return MessageToPython(Opened(f).direct_fallback_reason()); },
           "Why O_DIRECT was refused ('' when it was not, or not asked for).")
-      .def_property_readonly("offset_alignment", &File::offset_alignment,
-                             "File offset alignment O_DIRECT needs here (bytes).")
-      .def_property_readonly("memory_alignment", &File::memory_alignment,
-                             "Memory address alignment O_DIRECT needs here (bytes).")
+      .def_property_readonly(
+          "offset_alignment", [](const File& f) { return Opened(f).offset_alignment(); },
+          "File offset alignment O_DIRECT needs here (bytes).")
+      .def_property_readonly(
+          "memory_alignment", [](const File& f) { return Opened(f).memory_alignment(); },
+          "Memory address alignment O_DIRECT needs here (bytes).")
       .def(
           "fileno", [](const File& f) { return Opened(f).buffered_fd(); },
           "The buffered descriptor (valid until close()). ValueError once closed.")

@@ -9,13 +9,19 @@
 namespace tensortier {
 
 ReadStaging ParseReadStaging(std::string_view text) {
-  if (const auto staging = ValueOf(kReadStagingNames, text)) return *staging;
-  try {  // the other boolean spellings of off and on
-    return ParseBool(text, "stage_reads") ? ReadStaging::kOn : ReadStaging::kOff;
-  } catch (const std::invalid_argument&) {
-    throw std::invalid_argument(
-        StrCat("stage_reads: '", text, "' is not one of ", JoinNames(kReadStagingNames)));
+  const std::string_view word = ChoiceWord(SettingFor("TENSORTIER_STAGE_READS"), text);
+  if (const auto staging = ValueOf(kReadStagingNames, word)) return *staging;
+  throw std::invalid_argument(
+      StrCat("stage_reads: '", text, "' is not one of ", JoinNames(kReadStagingNames)));
+}
+
+std::string BackendWord(std::string_view text) {
+  const Setting& row = SettingFor("TENSORTIER_BACKEND");
+  const std::string_view word = ChoiceWord(row, text);
+  if (word.empty()) {
+    throw std::invalid_argument(StrCat("backend: '", text, "' is not one of ", AllowedValues(row)));
   }
+  return std::string(word);
 }
 
 std::string_view ReadStagingName(ReadStaging staging) {

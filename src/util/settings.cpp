@@ -76,17 +76,6 @@ std::string_view RowWord(std::span<const std::string_view> choices, const Boolea
   return "";
 }
 
-// The canonical word of `text` for a kChoice row, or "" when the row does not accept it.
-std::string_view ChoiceWord(const Setting& setting, std::string_view text) {
-  for (std::string_view c : setting.choices) {
-    if (SameWord(c, text)) return c;
-  }
-  // Boolean spellings of the row's own off/on words.
-  for (const BooleanSpelling& b : kBooleanSpellings) {
-    if (IsOneOf(text, b.words)) return RowWord(setting.choices, b);
-  }
-  return "";
-}
 
 // Whether `text` is well formed for `setting` (digits, and a unit for sizes) but failed to parse:
 // a number beyond 64 bits is out of range, not malformed.
@@ -122,6 +111,17 @@ uint64_t CheckedNumber(const Setting& setting, std::string_view text) {
 }
 
 }  // namespace
+
+std::string_view ChoiceWord(const Setting& setting, std::string_view text) {
+  for (std::string_view c : setting.choices) {
+    if (SameWord(c, text)) return c;
+  }
+  // Boolean spellings of the row's own off/on words.
+  for (const BooleanSpelling& b : kBooleanSpellings) {
+    if (IsOneOf(text, b.words)) return RowWord(setting.choices, b);
+  }
+  return "";
+}
 
 std::optional<std::string> SettingFromEnvironment(const Setting& setting) {
   const std::string env(setting.env);

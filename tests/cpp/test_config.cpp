@@ -324,9 +324,24 @@ TEST(ReadStagingTest, NamesRoundTripAndBadWordsAreRejected) {
   for (ReadStaging s : {ReadStaging::kOff, ReadStaging::kAuto, ReadStaging::kOn}) {
     EXPECT_EQ(ParseReadStaging(ReadStagingName(s)), s);
   }
+  // Any case, and the boolean words, as the environment's words are taken.
+  EXPECT_EQ(ParseReadStaging("AUTO"), ReadStaging::kAuto);
+  EXPECT_EQ(ParseReadStaging("On"), ReadStaging::kOn);
+  EXPECT_EQ(ParseReadStaging("false"), ReadStaging::kOff);
+  EXPECT_EQ(ParseReadStaging("1"), ReadStaging::kOn);
   std::string why = InvalidArgumentMessage([] { ParseReadStaging("sometimes"); });
   EXPECT_NE(why.find("stage_reads"), std::string::npos) << why;
   EXPECT_NE(why.find("off, auto, on"), std::string::npos) << why;
+}
+
+TEST(BackendWordTest, AnyCaseGivesTheSettingsOwnWord) {
+  EXPECT_EQ(BackendWord("IO_URING"), "io_uring");
+  EXPECT_EQ(BackendWord("Threads"), "threads");
+  EXPECT_EQ(BackendWord("auto"), "auto");
+  std::string why = InvalidArgumentMessage([] { BackendWord("io-uring"); });
+  EXPECT_NE(why.find("backend: 'io-uring' is not one of"), std::string::npos) << why;
+  EXPECT_NE(why.find("libaio"), std::string::npos) << why;
+  EXPECT_THROW(BackendWord(""), std::invalid_argument);
 }
 
 TEST_F(EnvironmentTest, AllVariablesTogether) {

@@ -166,6 +166,12 @@ def test_stage_reads_setting_comes_from_the_environment_and_is_checked(
     assert any(row["env"] == "TENSORTIER_STAGE_READS" for row in tensortier.defaults())
     with pytest.raises(ValueError, match="stage_reads"):
         IOHandle(stage_reads="sometimes")
+    # Words in any case, as the environment's are taken.
+    with IOHandle(stage_reads="AUTO") as auto, IOHandle(backend="THREADS") as threads:
+        assert (auto.options["stage_reads"], threads.options["backend"]) == ("auto", "threads")
+        assert threads.backend == "threads"
+    with pytest.raises(ValueError, match="backend: 'io-uring' is not one of auto, io_uring"):
+        IOHandle(backend="io-uring")
     monkeypatch.setenv("TENSORTIER_STAGE_READS", "always")
     with pytest.raises(ValueError, match="TENSORTIER_STAGE_READS"):
         IOHandle()
@@ -628,8 +634,11 @@ def test_a_file_is_a_context_manager_and_says_when_closed(disk_dir: Path) -> Non
         with io.open(path, "r") as f:
             assert f.size() == 3 and not f.closed
         assert f.closed
+        properties = [lambda name=name: getattr(f, name) for name in (
+            "path", "writable", "direct", "direct_fallback_reason", "offset_alignment",
+            "memory_alignment")]
         for call in (f.size, f.fileno, f.datasync, f.drop_cache, lambda: f.truncate(0),
-                     lambda: f.allocate(0, 1)):
+                     lambda: f.allocate(0, 1), *properties):
             with pytest.raises(ValueError, match="I/O operation on closed file"):
                 call()
         with pytest.raises(ValueError):

@@ -22,8 +22,12 @@ enum class ReadStaging { kOff, kAuto, kOn };
 inline constexpr auto kReadStagingNames =
     NamesFromWords(SettingFor("TENSORTIER_STAGE_READS").choices,
                    {ReadStaging::kOff, ReadStaging::kAuto, ReadStaging::kOn});
-// "off", "auto", "on" (also the ParseBool words for off and on). Throws std::invalid_argument.
+// "off", "auto", "on" in any case (also the ParseBool words for off and on). Throws
+// std::invalid_argument.
 ReadStaging ParseReadStaging(std::string_view text);
+// The backend's word for `text` in any case ("IO_URING": "io_uring"), as TENSORTIER_BACKEND
+// takes it. Throws std::invalid_argument "backend: 'x' is not one of ...".
+std::string BackendWord(std::string_view text);
 std::string_view ReadStagingName(ReadStaging staging);
 
 struct EngineOptions {

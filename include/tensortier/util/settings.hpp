@@ -124,6 +124,11 @@ struct UnknownSettingVariable {
 };
 std::vector<UnknownSettingVariable> UnknownSettingVariables();
 
+// The row's own spelling of `text` for a kChoice row: one of its words in any ASCII case, or a
+// boolean spelling ("true", "no") of its off/on word; "" when the row does not take it. The one
+// rule for words, from the environment and from the API's arguments alike.
+std::string_view ChoiceWord(const Setting& setting, std::string_view text);
+
 // The value in effect (the environment's, else the default), parsed and checked against the row.
 // Throws std::invalid_argument "TENSORTIER_X=value is invalid: ... (allowed: ...)".
 uint64_t NumberSetting(const Setting& setting);   // kSize, kCount
