@@ -356,6 +356,46 @@ def test_vanished_and_non_regular_files(disk_dir: Path) -> None:
         next(iter(raising))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataset_counts_the_files_skipped_in_its_workers(disk_dir: Path, workers: int) -> None:
+    """on_error="skip" in DataLoader workers: the files left out are counted where the
+    training loop can read them (dataset.skipped), not only in the workers' readers."""
+    tree = make_tree(disk_dir, classes=2, per_class=9)
+    dataset = FileDataset(file_root=disk_dir, batch_size=4, seed=1, on_error="skip")
+    gone = sorted(tree)[::5]  # four files vanish after the list was made
+    for path in gone:
+        os.unlink(path)
+    assert dataset.skipped == 0
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
+                                         timeout=60 if workers else 0)
+    read = sum(len(samples) for samples, _ in loader)
+    assert (read, dataset.skipped) == (len(tree) - len(gone), len(gone))
+    dataset.set_epoch(1)
+    assert sum(len(samples) for samples, _ in loader) == len(tree) - len(gone)
+    assert dataset.skipped == 2 * len(gone)  # since the dataset was made
+
+
+def test_labels_are_int32_or_the_label_dtype_asked_for(disk_dir: Path) -> None:
+    """int32 labels by default (DALI's); label_dtype=torch.int64 gives what torch's losses take
+    (F.cross_entropy refuses int32 targets), through FileDataset's workers too."""
+    tree = make_tree(disk_dir, classes=3, per_class=4)
+    samples, labels = next(iter(FileReader(file_root=disk_dir, batch_size=6)))
+    assert labels.dtype == torch.int32
+    reader = FileReader(file_root=disk_dir, batch_size=6, shuffle=False, label_dtype=torch.int64)
+    got = [(list(s), l) for s, l in reader]
+    assert all(l.dtype == torch.int64 for _, l in got)
+    assert [int(x) for _, l in got for x in l] == [label for _, label in
+                                                   (tree[p] for p in sorted(tree))]
+    torch.nn.functional.cross_entropy(torch.zeros(6, 3), got[0][1])
+    dataset = FileDataset(file_root=disk_dir, batch_size=6, label_dtype=torch.int64)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1, timeout=60)
+    assert {l.dtype for _, l in loader} == {torch.int64}
+    with pytest.raises(ValueError, match="label_dtype must be torch.int32 or torch.int64"):
+        FileReader(file_root=disk_dir, label_dtype=torch.float32)
+    with pytest.raises(TypeError, match="label_dtype must be a torch.dtype, not str"):
+        FileDataset(file_root=disk_dir, label_dtype="int64")
+
+
 def test_dataset_in_a_dataloader_with_two_workers(disk_dir: Path) -> None:
     tree = make_tree(disk_dir, classes=3, per_class=8)
     dataset = FileDataset(file_root=disk_dir, batch_size=5, seed=2)

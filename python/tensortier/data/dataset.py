@@ -11,11 +11,14 @@ import torch.utils.data
 
 from .. import _core
 from .._paths import PathArg
-from .reader import FileReader
+from .reader import FileReader, _check_label_dtype
 
 
-# The fields of FileDataset's shared tensor.
-_EPOCH, _RESUME_TAKEN, _WORKER_ITERATIONS = 0, 1, 2
+# The fields of FileDataset's shared tensor, then its files skipped: one slot for the process
+# that made the dataset and one per DataLoader worker (workers beyond them share slots, which
+# two workers could then update at once, losing a count).
+_EPOCH, _RESUME_TAKEN, _WORKER_ITERATIONS, _SKIPPED = 0, 1, 2, 3
+_SKIPPED_SLOTS = 257
 
 
 def _rank_and_world() -> tuple[int, int] | None:
@@ -110,6 +113,7 @@ class FileDataset(torch.utils.data.IterableDataset):
         _check_reader_options(reader_options)
         _core.check_reader_settings(batch_size, prefetch, 1, reader_options.get("open_threads", 16),
                                     seed, 0, on_error)
+        _check_label_dtype(reader_options.get("label_dtype", torch.int32))
         self._split = _split_setting(rank, world_size)
         self._paths, self._labels = _core.resolve_sample_inputs(
             file_root, file_list, files, labels, file_filters=file_filters,
@@ -123,7 +127,8 @@ class FileDataset(torch.utils.data.IterableDataset):
         # given to load_state_dict (workers get a copy of it each epoch: it resumes one);
         # [_WORKER_ITERATIONS]: iterations begun in DataLoader workers (state_dict() in this
         # process then has nothing to say).
-        self._shared = torch.zeros(3, dtype=torch.int64).share_memory_()
+        # [_SKIPPED + slot]: files on_error="skip" left out, by each process (see `skipped`).
+        self._shared = torch.zeros(_SKIPPED + _SKIPPED_SLOTS, dtype=torch.int64).share_memory_()
         self._worker_iterations_seen = 0  # [_WORKER_ITERATIONS] when this process's began
         self._parent_rank: tuple[int, int] | None = None  # set in copies sent to workers
         self._reader: FileReader | None = None  # the iteration under way in this process
@@ -196,10 +201,25 @@ class FileDataset(torch.utils.data.IterableDataset):
                 f"batches: use fewer workers, a smaller batch_size or drop_last=False)",
                 RuntimeWarning, stacklevel=2)
         self._reader = reader
+        info = torch.utils.data.get_worker_info()
+        slot = _SKIPPED + (0 if info is None else 1 + info.id % (_SKIPPED_SLOTS - 1))
+        counted = 0  # this reader's skips added to the slot
         try:
-            yield from reader
+            for batch in reader:
+                if self._options["on_error"] == "skip":
+                    skipped = int(reader.stats["skipped"])
+                    self._shared[slot] += skipped - counted
+                    counted = skipped
+                yield batch
         finally:
             reader.close()
+
+    @property
+    def skipped(self) -> int:
+        """Files ``on_error="skip"`` has left out of batches (unreadable, vanished, not regular
+        files) since the dataset was made, in this process and its DataLoader workers alike
+        (each worker's count is in shared memory); counted as each batch is given out."""
+        return int(self._shared[_SKIPPED:].sum())
 
     def state_dict(self) -> dict[str, Any]:
         """Where this process's (or DataLoader worker's) iteration is: its reader's

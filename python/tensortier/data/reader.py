@@ -13,6 +13,15 @@ from .._paths import PathArg
 from .extents import ExtentMap
 
 
+def _check_label_dtype(label_dtype: Any) -> torch.dtype:
+    """`label_dtype`, the labels tensor's dtype: torch.int32 or torch.int64."""
+    if not isinstance(label_dtype, torch.dtype):
+        raise TypeError(f"label_dtype must be a torch.dtype, not {type(label_dtype).__name__}")
+    if label_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"label_dtype must be torch.int32 or torch.int64, not {label_dtype}")
+    return label_dtype
+
+
 class FileReader:
     """Reads a file set in batches, many files at once, ``prefetch`` batches ahead of the loop.
 
@@ -68,7 +77,10 @@ class FileReader:
     Keyword-only tuning: ``open_threads`` (files opened at once), ``direct=False`` (read through
     the page cache only), ``backend`` (the engine's: ``"io_uring"``, ``"libaio"``,
     ``"threads"``; default ``TENSORTIER_BACKEND`` or auto), ``check_files=False`` (skip the
-    check, when the reader is made, that every listed file exists: a caller that checked).
+    check, when the reader is made, that every listed file exists: a caller that checked),
+    ``label_dtype`` (the labels tensor's: ``torch.int32``, DALI's, by default;
+    ``torch.int64`` for torch's losses, which take class indices as int64, as torchvision's
+    ``ImageFolder`` gives them; the DALI source's labels stay int32).
     """
 
     def __init__(
@@ -100,9 +112,11 @@ class FileReader:
         direct: bool = True,
         backend: str | None = None,
         check_files: bool = True,
+        label_dtype: torch.dtype = torch.int32,
     ) -> None:
         _core.check_reader_settings(batch_size, prefetch, num_shards, open_threads, seed,
                                     shard_id, on_error)
+        self._label_dtype = _check_label_dtype(label_dtype)
         self._device = torch.device(device)
         if self._device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
@@ -206,7 +220,7 @@ class FileReader:
 
     def _tensors(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         arena = torch.from_numpy(np.frombuffer(batch, dtype=np.uint8))
-        labels = torch.from_numpy(self.batch_labels(batch))
+        labels = torch.from_numpy(self.batch_labels(batch)).to(self._label_dtype)
         if self._device.type == "cuda":
             arena = arena.to(self._device, non_blocking=bool(batch.pinned))
             labels = labels.to(self._device, non_blocking=False)
