@@ -136,9 +136,12 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
             if dtype is None or all(t.dtype == dtype for t in state_dict.values()
                                     if t.is_floating_point()):
                 return state_dict
-    # Files in the page cache are mapped, as transformers maps them (no copy to make).
-    return _load(target, device, dtype, device.type == "cpu" and not cfg.disable_mmap
-                 and _core.hf_files_cached(files))
+    # Files in the page cache are mapped, as transformers maps them (no copy to make). Made
+    # outside inference mode whatever the caller's: transformers' parameters are ordinary
+    # tensors, which training and in-place edits outside inference mode take.
+    with torch.inference_mode(False):
+        return _load(target, device, dtype, device.type == "cpu" and not cfg.disable_mmap
+                     and _core.hf_files_cached(files))
 
 
 def _damaged_shard_error() -> type[ValueError]:
@@ -289,7 +292,13 @@ def _save_directory(path: Any) -> str:
     path = fspath(path)
     if not path:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-    return os.path.abspath(path)
+    # Made absolute without normalising "..": the kernel resolves it after the symbolic links
+    # before it, as it does for transformers' own writes ("ckpts/../final" with ckpts a link
+    # is the folder beside the link's target), not as text would.
+    path = os.path.join(os.getcwd(), path).rstrip("/") or "/"
+    if os.path.basename(path) in ("", ".", ".."):
+        return os.path.realpath(path)  # the folder itself has no name of its own to swap
+    return path
 
 
 def _unwrapped(model: Any) -> Any:

@@ -179,6 +179,25 @@ def test_variants_and_subfolders(tmp_path: Path, reads: list[str]) -> None:
     assert_same(ours(reads, AUTO, tmp_path, **kw), AUTO.from_pretrained(tmp_path, **kw))
 
 
+def test_a_load_under_inference_mode_gives_ordinary_parameters(
+        tmp_path: Path, reads: list[str]) -> None:
+    """Loaded under torch.inference_mode(), as transformers loads: ordinary tensors, which
+    training and in-place edits outside inference mode take (inference tensors refuse both)."""
+    make("llama", tmp_path, "20KB")
+    for kw in ({"device_map": "cpu"}, {"dtype": torch.bfloat16}, {}):
+        with torch.inference_mode():
+            model = hf.from_pretrained(AUTO, tmp_path, **kw)
+        assert reads and reads.pop().startswith("model.safetensors")
+        assert not any(p.is_inference() for p in model.parameters())
+        with torch.no_grad():
+            next(model.parameters())[0] = 0.0
+        with torch.inference_mode():
+            theirs = AUTO.from_pretrained(tmp_path, **kw)
+        with torch.no_grad():
+            next(theirs.parameters())[0] = 0.0
+        assert_same(model, theirs)
+
+
 def test_t5_keeps_its_fp32_modules(tmp_path: Path, reads: list[str]) -> None:
     make("t5", tmp_path, "25KB")
     model = ours(reads, transformers.T5ForConditionalGeneration, tmp_path, dtype=torch.float16)
@@ -346,6 +365,26 @@ def test_an_empty_save_path_is_refused_as_transformers_refuses_it(
     finally:
         hf.disable()
     assert os.listdir(tmp_path) == []
+
+
+def test_dot_dot_after_a_symbolic_link_is_resolved_as_transformers_resolves_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"ckpts/../final" with ckpts a link to another disk's folder: the folder beside the link's
+    target, where the kernel (and transformers' writes) find it, not the path's text's."""
+    (tmp_path / "disk" / "ckpts").mkdir(parents=True)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "ckpts").symlink_to(tmp_path / "disk" / "ckpts")
+    monkeypatch.chdir(tmp_path / "home")
+    model = MODELS["llama"]()
+    model.save_pretrained("ckpts/../theirs")
+    hf.save_pretrained(model, "ckpts/../ours/")
+    assert sorted(os.listdir(tmp_path / "home")) == ["ckpts"]
+    assert sorted(os.listdir(tmp_path / "disk")) == ["ckpts", "ours", "theirs"]
+    assert sorted(os.listdir(tmp_path / "disk" / "ours")) == sorted(
+        os.listdir(tmp_path / "disk" / "theirs"))
+    assert_same(hf.from_pretrained(AUTO, "ckpts/../ours"), AUTO.from_pretrained("ckpts/../theirs"))
+    hf.save_pretrained(model, "ckpts/../ours")  # again: swapped where it is
+    assert sorted(os.listdir(tmp_path / "disk")) == ["ckpts", "ours", "theirs"]
 
 
 def test_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
