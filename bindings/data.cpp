@@ -366,7 +366,7 @@ class ReaderIteration {
       pending_ = state_.Remaining();
       given_ = 0;
       GilReleased release;
-      reader_.Start(pending_);
+      start_ = reader_.Start(pending_);
     }
     if (given_ == pending_.size()) {
       state_.NextEpoch();
@@ -375,7 +375,7 @@ class ReaderIteration {
     std::shared_ptr<const Batch> batch;
     {
       GilReleased release;
-      batch = reader_.Next();
+      batch = reader_.Next(start_);
     }
     if (batch == nullptr) throw py::stop_iteration();  // the reader was closed meanwhile
     ++given_;
@@ -399,6 +399,7 @@ class ReaderIteration {
   bool running_ = false;  // a Next() is under way (read and set under the GIL)
   uint64_t moves_ = 0;
   std::vector<std::vector<uint64_t>> pending_;  // of the last Start()
+  uint64_t start_ = 0;                          // what the last Start() returned
   size_t given_ = 0;
 };
 

@@ -424,7 +424,7 @@ void BatchReader::StopLocked() {
   stop_ = false;
 }
 
-void BatchReader::Start(std::vector<std::vector<uint64_t>> batches) {
+uint64_t BatchReader::Start(std::vector<std::vector<uint64_t>> batches) {
   CheckNotForked();
   for (const auto& batch : batches) {
     for (uint64_t index : batch) {
@@ -436,24 +436,36 @@ void BatchReader::Start(std::vector<std::vector<uint64_t>> batches) {
   }
   std::lock_guard<std::mutex> lifecycle(lifecycle_mu_);
   StopLocked();
+  uint64_t start = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     batches_ = std::move(batches);
     next_to_read_ = 0;
     next_to_return_ = 0;
+    start = stops_;
   }
   producer_ = std::thread([this] { Produce(); });
+  return start;
 }
 
 std::shared_ptr<const Batch> BatchReader::Next() {
+  uint64_t start = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    start = stops_;
+  }
+  return Next(start);
+}
+
+std::shared_ptr<const Batch> BatchReader::Next(uint64_t start) {
   CheckNotForked();
   std::unique_lock<std::mutex> lock(mu_);
-  if (next_to_return_ >= batches_.size()) return nullptr;
-  // A Start() or Stop() from another thread (FileReader.close()) ends this wait: its batches
-  // are gone.
-  const uint64_t stops = stops_;
-  cv_.wait(lock, [&] { return !ready_.empty() || stops_ != stops; });
-  if (stops_ != stops) return nullptr;
+  // A Start() or Stop() from another thread (FileReader.close()) since `start` ends this call,
+  // also one that came before it (between the caller's decision to read and this lock): those
+  // batches are gone, and nothing would end the wait for them.
+  if (stops_ != start || next_to_return_ >= batches_.size()) return nullptr;
+  cv_.wait(lock, [&] { return !ready_.empty() || stops_ != start; });
+  if (stops_ != start) return nullptr;
   Ready ready = std::move(ready_.front());
   ready_.pop_front();
   ++next_to_return_;

@@ -128,6 +128,25 @@ TEST(BatchReaderTest, StartDropsWhatWasReadAhead) {
   EXPECT_EQ(reader.Next(), nullptr);
 }
 
+// FileReader.close() from another thread that comes after an iteration decided to read and before
+// its Next() took the lock: that Next() of the replaced batches returns null at once (it waited
+// forever: the Start() it missed had already been counted, and nothing else would wake it).
+TEST(BatchReaderTest, NextOfAReplacedStartReturnsNull) {
+  Tree tree(6);
+  BatchReader reader(tree.paths, Options());
+  const uint64_t first = reader.Start({{0}, {1}, {2}});
+  ASSERT_NE(reader.Next(first), nullptr);
+  const uint64_t closed = reader.Start({});  // close()
+  EXPECT_NE(closed, first);
+  EXPECT_EQ(reader.Next(first), nullptr);
+  const uint64_t again = reader.Start({{3}, {4}});  // another iteration took over
+  EXPECT_EQ(reader.Next(first), nullptr);
+  EXPECT_EQ(reader.Next(closed), nullptr);
+  auto batch = reader.Next(again);
+  ASSERT_NE(batch, nullptr);
+  ExpectBatch(*batch, tree, {3});
+}
+
 // FileReader.close() from another thread, or two threads iterating one reader: Start() calls from
 // several threads at once (each joins the producer the last one started) and a Next() waiting
 // across them. The producer is replaced by one caller at a time, never joined twice.

@@ -141,10 +141,15 @@ class BatchReader {
 
   // Drops whatever was queued or read ahead, then reads `batches` (lists of indices into the
   // path list; an index may repeat) in order. Throws std::out_of_range for an index past the list.
-  void Start(std::vector<std::vector<uint64_t>> batches);
+  // Returns the start's number, for Next(start).
+  uint64_t Start(std::vector<std::vector<uint64_t>> batches);
   // The next batch of the last Start(), in order; null after the last. Blocks. Throws the
   // batch's error (IoError naming the file); reading goes on with the batches after it.
   std::shared_ptr<const Batch> Next();
+  // Next() of the batches of start `start` (what Start() returned): null, at once or while it
+  // waits, once a later Start() (FileReader.close() from another thread) has replaced them,
+  // however close to the call it came.
+  std::shared_ptr<const Batch> Next(uint64_t start);
 
   BatchReaderStats stats() const;
   // Whether this process is a child made by fork() since the reader was made.
@@ -187,7 +192,8 @@ class BatchReader {
   };
   std::deque<Ready> ready_;  // read, in order, not yet returned
   bool stop_ = false;
-  uint64_t stops_ = 0;  // Stop() calls: a Next() waiting across one returns null
+  uint64_t stops_ =
+      0;  // Stop() calls (a Start() makes one): a Next() of an earlier one returns null
   BatchReaderStats stats_;
   std::thread producer_;
 };
