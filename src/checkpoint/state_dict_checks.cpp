@@ -105,14 +105,14 @@ StateDictMatch MatchStateDict(const std::vector<NamedTensor>& targets,
   if (strict && !m.unexpected.empty()) {
     m.errors.push_back(StrCat("Unexpected key(s) in state_dict: ", QuotedList(m.unexpected), ". "));
   }
-  std::unordered_map<std::string_view, const NamedTensor*> target_by_name;
-  for (const NamedTensor& t : targets) target_by_name.emplace(t.name, &t);
-  for (const NamedTensor& s : saved) {
-    const auto t = target_by_name.find(s.name);
-    if (t != target_by_name.end() && t->second->shape != s.shape) {
-      m.errors.push_back(StrCat(
-          "size mismatch for ", s.name, ": copying a param with shape ", TorchSize(s.shape),
-          " from checkpoint, the shape in current model is ", TorchSize(t->second->shape), "."));
+  // In the model's order, as load_state_dict visits its modules (not the file's).
+  for (const NamedTensor& t : targets) {
+    const auto s = saved_by_name.find(t.name);
+    if (s != saved_by_name.end() && s->second->shape != t.shape) {
+      m.errors.push_back(StrCat("size mismatch for ", t.name, ": copying a param with shape ",
+                                TorchSize(s->second->shape),
+                                " from checkpoint, the shape in current model is ",
+                                TorchSize(t.shape), "."));
     }
   }
   return m;

@@ -78,5 +78,21 @@ TEST(StateDictChecksTest, MatchStateDictSpeaksAsLoadStateDict) {
           .errors.empty());
 }
 
+// Shape mismatches in the model's order, as load_state_dict visits its modules, whatever the
+// file's order (a safetensors file's is sorted by name: "lm_head" before "model.embed_tokens").
+TEST(StateDictChecksTest, SizeMismatchesAreInTheModelsOrder) {
+  const std::vector<NamedTensor> targets = {
+      {"model.embed_tokens.weight", {100, 4}, "torch.float32", 1000, 1600},
+      {"lm_head.weight", {100, 4}, "torch.float32", 3000, 1600},
+  };
+  const std::vector<NamedTensor> saved = {Saved("lm_head.weight", {128, 4}),
+                                          Saved("model.embed_tokens.weight", {128, 4})};
+  const StateDictMatch m = MatchStateDict(targets, saved, true);
+  ASSERT_EQ(m.errors.size(), 2u);
+  EXPECT_TRUE(m.errors[0].starts_with("size mismatch for model.embed_tokens.weight:"))
+      << m.errors[0];
+  EXPECT_TRUE(m.errors[1].starts_with("size mismatch for lm_head.weight:")) << m.errors[1];
+}
+
 }  // namespace
 }  // namespace tensortier
