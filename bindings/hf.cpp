@@ -81,6 +81,8 @@ void RegisterHf(py::module_& m) {
       py::arg("final_dir"),
       "Whether a save into final_dir can swap in a new directory with one rename: not a link, a "
       "file or a mount point, holding no mount point and not the working directory.");
+  // What stage_hf_save kept of the old directory, for commit_hf_save (opaque to Python).
+  py::class_<HfSaveStaging>(m, "HfSaveStaging");
   m.def(
       "stage_hf_save",
       [](const FsPath& final_dir) {
@@ -90,26 +92,25 @@ void RegisterHf(py::module_& m) {
           staging = StageHfSave(final_dir);
         }
         try {
-          py::set kept;  // bytes: a name need not be UTF-8
-          for (const std::string& path : staging.kept) kept.add(py::bytes(path));
-          return py::make_tuple(PathToPython(staging.dir), kept);
+          py::object dir = PathToPython(staging.dir);
+          return py::make_tuple(dir, HfSaveStaging{staging.dir, std::move(staging.kept)});
         } catch (...) {
           RemoveDirectoryTree(staging.dir);
           throw;
         }
       },
       py::arg("final_dir"),
-      "(staging directory, paths kept) of a save into final_dir: the directory beside it, "
-      "holding what final_dir holds (weight files linked, others copied), and the relative "
-      "paths (bytes) of final_dir's entries it holds (for commit_hf_save). "
+      "(staging directory, what it kept) of a save into final_dir: the directory beside it, "
+      "holding what final_dir holds (weight files linked, others copied), and final_dir's "
+      "entries it holds, with their versions (for commit_hf_save). "
       "NotADirectoryError where final_dir is a file.");
   m.def(
       "commit_hf_save",
-      [](const FsPath& staging_dir, const std::set<std::string>& kept, const FsPath& final_dir) {
+      [](const FsPath& staging_dir, const HfSaveStaging& kept, const FsPath& final_dir) {
         HfSaveCommit commit;
         {
           GilReleased release;
-          commit = CommitHfSave(HfSaveStaging{staging_dir, kept}, final_dir, TestFileSystem());
+          commit = CommitHfSave(HfSaveStaging{staging_dir, kept.kept}, final_dir, TestFileSystem());
         }
         py::list left;
         for (const std::string& path : commit.left) left.append(py::bytes(path));
@@ -121,7 +122,9 @@ void RegisterHf(py::module_& m) {
       "The end of a save staged by stage_hf_save: the written staging directory swapped with "
       "final_dir, what final_dir gained meanwhile carried over, the old directory removed. "
       "Returns (swapped, [relative paths, bytes, that could not be carried], the path the old "
-      "directory is kept at then (else None)); swapped is False where final_dir is to be written "
+      "directory is kept at then (else None)). What another process changed in final_dir "
+      "meanwhile is carried too, where the save left the file as staged; swapped is False where "
+      "final_dir is to be written "
       "in "
       "place instead (a bind mount, NFS, SMB, FUSE), the staging directory removed. OSError "
       "otherwise, the staging directory removed.");

@@ -69,7 +69,7 @@ namespace {
 // Moves what `old_root`/`rel` holds and `kept` does not name into `new_root`/`rel` (see
 // CarryNewEntries), descending into the folders `kept` names.
 void Carry(const std::string& old_root, const std::string& new_root, const std::string& rel,
-           const std::set<std::string>& kept, CarriedEntries& out) {
+           const KeptEntries& kept, CarriedEntries& out) {
   const std::string from_dir = rel.empty() ? old_root : StrCat(old_root, "/", rel);
   std::error_code ec;
   std::filesystem::directory_iterator it(from_dir, ec), end;
@@ -93,6 +93,38 @@ void Carry(const std::string& old_root, const std::string& new_root, const std::
       ++out.moved;
     } else {
       out.left.push_back(child);
+    }
+  }
+}
+
+// The kept files another process replaced, rewrote or removed in `old_root` during the save,
+// carried into `new_root` where the save left the staged file as it was (see CarryNewEntries).
+void CarryChangedFiles(const std::string& old_root, const std::string& new_root,
+                       const KeptEntries& kept, CarriedEntries& out) {
+  for (const auto& [rel, entry] : kept) {
+    if (!entry.old_file || !entry.staged_file) continue;  // a folder or a link
+    const std::string from = StrCat(old_root, "/", rel);
+    const std::string to = StrCat(new_root, "/", rel);
+    const std::optional<FileVersion> staged = VersionOf(to);
+    // Written or removed by the save: the save's. (Not its ctime: a linked file's changes when
+    // the old directory's link to it goes, by rename or removal.)
+    if (!staged || staged->dev != entry.staged_file->dev || staged->ino != entry.staged_file->ino ||
+        staged->size != entry.staged_file->size ||
+        staged->mtime_ns != entry.staged_file->mtime_ns) {
+      continue;
+    }
+    const std::optional<FileVersion> old = VersionOf(from);
+    if (!old) {
+      // Removed meanwhile (an unreadable folder says nothing: left as staged).
+      if (errno == ENOENT && unlink(to.c_str()) == 0) ++out.moved;
+      continue;
+    }
+    if (old->dev == staged->dev && old->ino == staged->ino) continue;  // one file (a link)
+    if (*old == *entry.old_file) continue;                             // unchanged
+    if (rename(from.c_str(), to.c_str()) == 0) {
+      ++out.moved;
+    } else {
+      out.left.push_back(rel);
     }
   }
 }
@@ -150,10 +182,19 @@ bool EmptyFolder(int fd, dev_t dev) {
 
 }  // namespace
 
+std::optional<FileVersion> VersionOf(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return std::nullopt;
+  return FileVersion{st.st_dev, st.st_ino, st.st_size,
+                     int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec,
+                     int64_t{st.st_ctim.tv_sec} * 1'000'000'000 + st.st_ctim.tv_nsec};
+}
+
 CarriedEntries CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
-                               const std::set<std::string>& kept) {
+                               const KeptEntries& kept) {
   CarriedEntries out;
   Carry(old_dir, new_dir, "", kept, out);
+  CarryChangedFiles(old_dir, new_dir, kept, out);
   if (out.moved > 0) {
     try {
       FileSystem().SyncDirectory(new_dir, new_dir);

@@ -107,19 +107,23 @@ void CopyStat(const std::string& from, const std::string& to) {
   if (::utimensat(AT_FDCWD, to.c_str(), times, 0) != 0) ThrowIoError(errno, "utimensat", to);
 }
 
-// Whether a save may write the file `name` of the model directory in place (open, truncate,
-// write): transformers' JSON files (config.json, generation_config.json, the index), the code
-// of custom models, and torch.save shards (safe_serialization=False). The staging directory gets
-// copies of these, so that the old directory stays whole until the swap; every other file is
-// the same file in both (a link: safetensors shards are replaced by rename, never rewritten).
-bool RewrittenInPlace(const std::string& name) {
-  return name.ends_with(".json") || name.ends_with(".py") || name.ends_with(".bin");
+// Whether a save may write the file `name` of the model directory (at its top: `top`) in place
+// (open, truncate, write): JSON files at any depth (config.json, generation_config.json, the
+// index; an adapter's adapter_config.json in its folder), model cards (README.md, which PEFT's
+// save writes), the code of custom models, and at the top torch.save shards
+// (safe_serialization=False). The staging directory gets copies of these, so that the old
+// directory stays whole until the swap; every other file is the same file in both (a link:
+// safetensors shards are replaced by rename, and a log open there goes on being written).
+bool RewrittenInPlace(const std::string& name, bool top) {
+  return name.ends_with(".json") || name.ends_with(".md") || name.ends_with(".py") ||
+         (top && name.ends_with(".bin"));
 }
 
 // What the folder `from` holds, into the existing folder `to`, as StageHfSave keeps it: symbolic
 // links as links, folders made anew, files linked (the same files: an open log file goes on
 // being written, owners and attributes stay) except those a save rewrites in place at the top
-// (`top`), which are copied. Across file systems (a mount point inside) files are copied.
+// (see RewrittenInPlace), which are copied. Across file systems (a mount point inside) files are
+// copied.
 void LinkOrCopyTree(const std::string& from, const std::string& to, bool top) {
   std::error_code ec;
   fs::directory_iterator it(from, ec);
@@ -140,7 +144,7 @@ void LinkOrCopyTree(const std::string& from, const std::string& to, bool top) {
       LinkOrCopyTree(src, dst, false);
       continue;
     }
-    if (!(top && RewrittenInPlace(name)) &&
+    if (!RewrittenInPlace(name, top) &&
         ::linkat(AT_FDCWD, src.c_str(), AT_FDCWD, dst.c_str(), 0) == 0) {
       continue;
     }
@@ -253,7 +257,12 @@ HfSaveStaging StageHfSave(const std::string& final_dir) {
     if (exists) LinkOrCopyTree(final_dir, out.dir, true);
     for (auto it = fs::recursive_directory_iterator(out.dir), end = decltype(it)(); it != end;
          ++it) {
-      out.kept.insert(it->path().lexically_relative(out.dir).string());
+      const std::string rel = it->path().lexically_relative(out.dir).string();
+      KeptEntry& entry = out.kept[rel];
+      if (it->is_regular_file() && !it->is_symlink()) {
+        entry.old_file = VersionOf(StrCat(final_dir, "/", rel));
+        entry.staged_file = VersionOf(it->path().string());
+      }
     }
   } catch (...) {
     RemoveDirectoryTree(out.dir);
@@ -340,17 +349,23 @@ std::optional<std::string> HfWeightsFile(const std::string& dir) {
     if (IsFile(fs::path(dir) / name)) return (fs::path(dir) / name).string();
   }
   std::vector<std::string> others;
+  const auto is_index = [](const std::string& name) {
+    return name.find(".index") != std::string::npos && name.ends_with(".json");
+  };
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (IsFile(entry.path()) &&
         (name.ends_with(".safetensors") || name.ends_with(".bin") || name.ends_with(".pt") ||
-         name.ends_with(".pth") ||
-         (name.find(".index") != std::string::npos && name.ends_with(".json")))) {
+         name.ends_with(".pth") || is_index(name))) {
       others.push_back(name);
     }
   }
   if (others.empty()) return std::nullopt;
-  std::sort(others.begin(), others.end());
+  // Indexes first: a sharded variant's (model.safetensors.index.fp16.json) is the one file to
+  // pass, not its first shard.
+  std::sort(others.begin(), others.end(), [&](const std::string& a, const std::string& b) {
+    return std::pair(!is_index(a), a) < std::pair(!is_index(b), b);
+  });
   std::string listed;
   for (size_t i = 0; i < others.size() && i < 4; ++i) listed += StrCat(i ? ", " : "", others[i]);
   if (others.size() > 4) listed += StrCat(" and ", others.size() - 4, " more");

@@ -62,14 +62,18 @@ TEST(HfCheckpoint, WeightsFileInFromPretrainedsOrderOrTheFilesToNameInstead) {
   EXPECT_FALSE(HfWeightsFile(d + "/config.json").has_value());  // not a directory
   std::ofstream(d + "/config.json") << "{}";
   std::ofstream(d + "/model.fp16.safetensors") << "x";
+  for (int shard = 1; shard <= 5; ++shard) {  // a sharded variant: its index is named first
+    std::ofstream(StrCat(d, "/model-0000", shard, "-of-00005.bf16.safetensors")) << "x";
+  }
   std::ofstream(d + "/model.safetensors.index.bf16.json") << "{}";
   try {
     HfWeightsFile(d);
     FAIL() << "no error";
   } catch (const FormatError& e) {  // a variant is read by name: say which names there are
     EXPECT_NE(std::string(e.what()).find(
-                  "pass one of the weights files it holds: model.fp16.safetensors, "
-                  "model.safetensors.index.bf16.json"),
+                  "pass one of the weights files it holds: model.safetensors.index.bf16.json, "
+                  "model-00001-of-00005.bf16.safetensors, model-00002-of-00005.bf16.safetensors, "
+                  "model-00003-of-00005.bf16.safetensors and 3 more"),
               std::string::npos)
         << e.what();
   }
@@ -150,7 +154,9 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   std::filesystem::create_directories(m + "/sub");
   std::ofstream(m + "/model.safetensors") << "weights";
   std::ofstream(m + "/config.json") << "{}";
-  std::ofstream(m + "/sub/tokenizer.json") << "tok";
+  std::ofstream(m + "/sub/tokenizer.model") << "tok";
+  std::ofstream(m + "/sub/adapter_config.json") << "{}";
+  std::ofstream(m + "/README.md") << "card";
   std::ofstream(m + "/train.log") << "log";
   std::ofstream(m + "/pytorch_model.bin") << "torch.save shard";
   std::filesystem::create_symlink("config.json", m + "/link.json");
@@ -160,20 +166,32 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   ASSERT_EQ(::utimensat(AT_FDCWD, (m + "/config.json").c_str(), old, 0), 0);
   const HfSaveStaging staging = StageHfSave(m);
   const std::string& staged = staging.dir;
-  EXPECT_EQ(staging.kept, (std::set<std::string>{"config.json", "link.json", "model.safetensors",
-                                                 "pytorch_model.bin", "self", "sub",
-                                                 "sub/tokenizer.json", "train.log"}));
+  std::set<std::string> kept;
+  for (const auto& [path, entry] : staging.kept) kept.insert(path);
+  EXPECT_EQ(kept,
+            (std::set<std::string>{"README.md", "config.json", "link.json", "model.safetensors",
+                                   "pytorch_model.bin", "self", "sub", "sub/adapter_config.json",
+                                   "sub/tokenizer.model", "train.log"}));
+  EXPECT_TRUE(staging.kept.at("train.log").old_file.has_value());  // regular files' versions
+  EXPECT_FALSE(staging.kept.at("sub").old_file.has_value());
+  EXPECT_FALSE(staging.kept.at("link.json").staged_file.has_value());
   EXPECT_EQ(StatOf(staged + "/model.safetensors").st_ino, StatOf(m + "/model.safetensors").st_ino);
   const struct stat copy = StatOf(staged + "/config.json");
   EXPECT_NE(copy.st_ino, StatOf(m + "/config.json").st_ino);
   EXPECT_EQ(copy.st_mode & 07777, 0640u);
   EXPECT_EQ(copy.st_mtim.tv_sec, 2000);
   EXPECT_EQ(Contents(staged + "/config.json"), "{}");
-  EXPECT_EQ(Contents(staged + "/sub/tokenizer.json"), "tok");
-  // Below the top and besides what a save rewrites in place: the same files.
-  EXPECT_EQ(StatOf(staged + "/sub/tokenizer.json").st_ino,
-            StatOf(m + "/sub/tokenizer.json").st_ino);
+  EXPECT_EQ(Contents(staged + "/sub/tokenizer.model"), "tok");
+  // Besides what a save rewrites in place: the same files (a log goes on being written).
+  EXPECT_EQ(StatOf(staged + "/sub/tokenizer.model").st_ino,
+            StatOf(m + "/sub/tokenizer.model").st_ino);
   EXPECT_EQ(StatOf(staged + "/train.log").st_ino, StatOf(m + "/train.log").st_ino);
+  // JSON files and model cards at any depth are copies (a model class's own save, PEFT's,
+  // writes them in place: the old directory's stay as they are until the swap).
+  for (const char* copied : {"/README.md", "/sub/adapter_config.json"}) {
+    EXPECT_NE(StatOf(staged + copied).st_ino, StatOf(m + copied).st_ino) << copied;
+    EXPECT_EQ(Contents(staged + copied), Contents(m + copied)) << copied;
+  }
   EXPECT_NE(StatOf(staged + "/pytorch_model.bin").st_ino, StatOf(m + "/pytorch_model.bin").st_ino);
   EXPECT_EQ(std::filesystem::read_symlink(staged + "/link.json"), "config.json");
   EXPECT_EQ(std::filesystem::read_symlink(staged + "/self"), ".");
@@ -272,6 +290,42 @@ TEST(HfCheckpoint, ALinkedShardIsReplacedAndItsTargetLeftOrTheWrittenFileRemoved
   EXPECT_FALSE(std::filesystem::exists(dir.File("written")));
 }
 
+// Another process changes files of the model directory while a save runs: a file rewritten in
+// place, one replaced by rename, one removed. The new directory has their changes (they used to
+// come back as staged), except where the save wrote the file itself: the save's wins.
+TEST(HfCheckpoint, FilesChangedInTheOldDirectoryDuringASaveAreChangedInTheNewOne) {
+  TempDir dir;
+  const std::string m = dir.path() + "/m";
+  std::filesystem::create_directories(m + "/sub");
+  for (const char* name :
+       {"metrics.json", "status.txt", "old.txt", "sub/notes.md", "config.json", "gone-too.txt"}) {
+    std::ofstream(m + "/" + name) << "before " << name;
+  }
+  std::ofstream(m + "/train.log") << "log";  // linked: one file in both
+  const HfSaveStaging staging = StageHfSave(m);
+  // The save rewrites config.json and removes gone-too.txt; another process, meanwhile:
+  std::ofstream(staging.dir + "/config.json") << "the save's";
+  std::filesystem::remove(staging.dir + "/gone-too.txt");
+  std::ofstream(m + "/metrics.json") << "rewritten in place";
+  std::ofstream(m + "/status.tmp") << "replaced by rename";
+  std::filesystem::rename(m + "/status.tmp", m + "/status.txt");
+  std::filesystem::remove(m + "/old.txt");
+  std::ofstream(m + "/sub/notes.md") << "rewritten below the top";
+  std::ofstream(m + "/config.json") << "another process's";  // the save's wins
+  std::ofstream(m + "/train.log", std::ios::app) << "appended";
+  const HfSaveCommit commit = CommitHfSave(staging, m);
+  EXPECT_TRUE(commit.swapped);
+  EXPECT_TRUE(commit.left.empty());
+  EXPECT_EQ(Contents(m + "/metrics.json"), "rewritten in place");
+  EXPECT_EQ(Contents(m + "/status.txt"), "replaced by rename");
+  EXPECT_FALSE(std::filesystem::exists(m + "/old.txt"));
+  EXPECT_EQ(Contents(m + "/sub/notes.md"), "rewritten below the top");
+  EXPECT_EQ(Contents(m + "/config.json"), "the save's");
+  EXPECT_FALSE(std::filesystem::exists(m + "/gone-too.txt"));
+  EXPECT_EQ(Contents(m + "/train.log"), "logappended");
+  EXPECT_FALSE(std::filesystem::exists(staging.dir));
+}
+
 TEST(HfCheckpoint, EntriesMadeInTheOldDirectoryDuringASaveMoveIntoTheNewOne) {
   TempDir dir;
   const std::string old_dir = dir.path() + "/old", new_dir = dir.path() + "/new";
@@ -285,8 +339,10 @@ TEST(HfCheckpoint, EntriesMadeInTheOldDirectoryDuringASaveMoveIntoTheNewOne) {
   std::ofstream(new_dir + "/kept.json") << "new";
   std::ofstream(new_dir + "/both.txt") << "the save's";
   std::ofstream(new_dir + "/runs/old.log") << "kept copy";
-  const std::set<std::string> kept = {"kept.json", "stale-00002-of-00002.safetensors", "runs",
-                                      "runs/old.log"};
+  const KeptEntries kept = {{"kept.json", {}},
+                            {"stale-00002-of-00002.safetensors", {}},
+                            {"runs", {}},
+                            {"runs/old.log", {}}};
   const CarriedEntries carried = CarryNewEntries(old_dir, new_dir, kept);
   EXPECT_EQ(carried.moved, 3u);  // rng_state_1.pth, made/, runs/new.log
   EXPECT_TRUE(carried.left.empty());

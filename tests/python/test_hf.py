@@ -636,6 +636,64 @@ def test_a_model_class_s_own_save_pretrained_is_used(tmp_path: Path) -> None:
         hf.save_pretrained(torch.nn.Linear(2, 2), tmp_path / "linear")
 
 
+def test_a_failed_save_of_a_class_that_writes_files_in_place_leaves_them_old(
+        tmp_path: Path) -> None:
+    """A class's own save_pretrained that writes small files in place (a PEFT model's card and
+    adapter configs), then fails: the old directory's files are as they were (the staged ones
+    are copies, not links to them)."""
+
+    class Adapter(transformers.LlamaForCausalLM):
+        def save_pretrained(self, directory, **kwargs):  # type: ignore[no-untyped-def]
+            super().save_pretrained(directory, **kwargs)
+            for name in ("README.md", "adapter_b/adapter_config.json"):
+                with open(Path(directory, name), "w") as f:  # in place, as open() writes
+                    f.write("new")
+            raise RuntimeError("the save failed")
+
+    torch.manual_seed(0)
+    model = Adapter(MODELS["llama"]().config)
+    (tmp_path / "adapter_b").mkdir()
+    for name in ("README.md", "adapter_b/adapter_config.json"):
+        (tmp_path / name).write_text("old")
+    with pytest.raises(RuntimeError, match="the save failed"):
+        hf.save_pretrained(model, tmp_path)
+    assert (tmp_path / "README.md").read_text() == "old"
+    assert (tmp_path / "adapter_b" / "adapter_config.json").read_text() == "old"
+
+
+def test_files_another_process_changes_during_a_save_stay_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files of the directory another process rewrites, replaces by rename or removes while the
+    save runs: the new directory has their changes, as an in-place save would."""
+    model = MODELS["llama"]()
+    model.save_pretrained(tmp_path)
+    for name in ("metrics.json", "status.txt", "old.txt"):
+        (tmp_path / name).write_text(f"before {name}")
+    real = hf._transformers_writer
+
+    def writer(m: Any) -> Any:
+        write = real(m)
+
+        def during(directory: Any, **kwargs: Any) -> None:
+            (tmp_path / "metrics.json").write_text('{"step": 2}')
+            (tmp_path / "status.tmp").write_text("step 2")
+            os.replace(tmp_path / "status.tmp", tmp_path / "status.txt")
+            os.unlink(tmp_path / "old.txt")
+            write(directory, **kwargs)
+
+        return during
+
+    monkeypatch.setattr(hf, "_transformers_writer", writer)
+    hf.enable()
+    try:
+        model.save_pretrained(tmp_path)
+    finally:
+        hf.disable()
+    assert (tmp_path / "metrics.json").read_text() == '{"step": 2}'
+    assert (tmp_path / "status.txt").read_text() == "step 2"
+    assert not (tmp_path / "old.txt").exists()
+
+
 def test_disable_mmap_reads_cached_files_rather_than_mapping_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make("llama", tmp_path)

@@ -5,7 +5,9 @@
 #include <sys/types.h>
 
 #include <cstddef>
-#include <set>
+#include <cstdint>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,20 +33,45 @@ void CommitDirectory(const std::string& staged, const std::string& final_dir,
 // IoError naming `final_dir`.
 std::string CreateStagingDirectory(const std::string& final_dir, mode_t mode = 0777);
 
-// After CommitDirectory exchanged the directories: the entries another process made in the old
-// one (`old_dir`, at the staged name now) while the save ran, moved into the new one
-// (`new_dir`) where the name is free: a Trainer rank's rng_state_1.pth written into the
-// checkpoint folder rank 0 saves into, a log file in a subfolder. `kept` are the paths (relative
-// to the directory, "sub/file") the staged directory was given of the old one (copied into the
-// new one, or removed by the save: not carried); the folders among them are descended into.
-// The new directory is fsynced when anything moved. Never throws: what cannot move is listed
-// in `left` (the caller keeps the old directory then).
+// One version of a file: another write, a change of its metadata or another file under its name
+// gives another.
+struct FileVersion {
+  dev_t dev = 0;
+  ino_t ino = 0;
+  off_t size = 0;
+  int64_t mtime_ns = 0;
+  int64_t ctime_ns = 0;
+  bool operator==(const FileVersion&) const = default;
+};
+// The version of the file at `path` (not following a last symbolic link); nullopt where there
+// is none (errno says why).
+std::optional<FileVersion> VersionOf(const std::string& path);
+
+// An entry of the old directory the staged one was given: for a regular file, its version and
+// that of its staged copy or link, as staged (to tell what changed during the save, and who
+// changed it); nullopt for folders and links.
+struct KeptEntry {
+  std::optional<FileVersion> old_file;
+  std::optional<FileVersion> staged_file;
+};
+using KeptEntries = std::map<std::string, KeptEntry>;  // by path relative to the directory
+
+// After CommitDirectory exchanged the directories: what another process did in the old one
+// (`old_dir`, at the staged name now) while the save ran, carried into the new one (`new_dir`).
+// Entries it made move there where the name is free: a Trainer rank's rng_state_1.pth written
+// into the checkpoint folder rank 0 saves into, a log file in a subfolder. Kept files it
+// replaced (by rename) or rewrote in place replace their staged copies, and kept files it
+// removed are removed, where the save left the staged one as it was (a file the save wrote is
+// the save's). `kept` are the entries (paths relative to the directory, "sub/file") the staged
+// directory was given of the old one; the folders among them are descended into. The new
+// directory is fsynced when anything changed. Never throws: what cannot move is listed in `left`
+// (the caller keeps the old directory then).
 struct CarriedEntries {
-  size_t moved = 0;
+  size_t moved = 0;  // entries moved or removed
   std::vector<std::string> left;
 };
 CarriedEntries CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
-                               const std::set<std::string>& kept);
+                               const KeptEntries& kept);
 
 // Removes `dir` and all it holds, giving each of its folders its owner's write permission first
 // (a read-only folder copied from a model directory does not leave the rest behind). Symbolic

@@ -2,12 +2,14 @@
 // tensortier.load reads for a model, and whether its shards are in the page cache.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "tensortier/checkpoint/directory_commit.hpp"
 #include "tensortier/io/file_system.hpp"
 
 namespace tensortier {
@@ -69,16 +71,18 @@ bool HfDirectorySwappable(const std::string& final_dir);
 
 // The staging directory of a save into `final_dir` (CreateStagingDirectory, after creating
 // final_dir's parent), holding what `final_dir` holds already, as transformers keeps it: the
-// same files (hard links: a save replaces safetensors files by rename or removes them, and
-// never writes the others), except the top's *.json, *.py and *.bin files, copies (transformers
-// rewrites config.json in place, torch.save shards too), and any file on another file system;
-// symbolic links as links; folders made anew with the owners, modes and times of the old ones.
-// Returns the staging directory and the paths (relative: "sub/file") of final_dir's entries it
-// holds, for CarryNewEntries. Throws IoError (ENOTDIR) where `final_dir` is not a directory, or
-// naming the file that could not be linked or copied.
+// same files (hard links: a save replaces safetensors files by rename or removes them, and a log
+// open there goes on being written), except copies of the files a save may rewrite in place,
+// which must not reach the old directory before the swap: *.json, *.md and *.py files
+// (transformers rewrites config.json in place; a model class's own save writes a README and an
+// adapter's config), the top's *.bin files (torch.save shards), and any file on another file
+// system; symbolic links as links; folders made anew with the owners, modes and times of the
+// old ones. Returns the staging directory and final_dir's entries it holds, for
+// CarryNewEntries. Throws IoError (ENOTDIR) where `final_dir` is not a directory, or naming the
+// file that could not be linked or copied.
 struct HfSaveStaging {
   std::string dir;
-  std::set<std::string> kept;
+  KeptEntries kept;
 };
 HfSaveStaging StageHfSave(const std::string& final_dir);
 
