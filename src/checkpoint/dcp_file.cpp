@@ -697,9 +697,45 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
                                  Range(r.data_offset, r.data_length), ") is ", Hex8(actual),
                                  ", its zip records ", Hex8(*r.crc32), ": the file is damaged"));
       }
+    } else if (r.zip_records) {
+      const MemorySource item(
+          r.dest, r.data_length,
+          StrCat(file.path(), ": item '", r.name, "' at ", Range(r.offset, r.length)));
+      const std::optional<std::string> problem = DcpZipRecordsProblem(item);
+      if (problem && !problem->empty()) {
+        throw FormatError(StrCat(item.name(), ": ", *problem, ": the file is damaged"));
+      }
     }
   }
   return bytes_read;
+}
+
+std::optional<std::string> DcpZipRecordsProblem(const ByteSource& item) {
+  char magic[4];
+  if (item.size() < sizeof magic) return std::nullopt;
+  item.ReadAt(0, magic, sizeof magic);
+  if (std::string_view(magic, sizeof magic) != std::string_view("PK\x03\x04", 4)) {
+    return std::nullopt;
+  }
+  const ZipDirectory zip = ReadZipDirectory(item);
+  if (!RecordsCrcs(zip)) return std::nullopt;
+  std::vector<std::byte> buf;
+  for (const ZipEntry& e : zip.entries) {
+    if (!e.stored() || e.size == 0) continue;  // compressed: torch.save writes none
+    buf.resize(std::min<uint64_t>(e.size, 1 << 20));
+    uint32_t crc = 0;
+    for (uint64_t at = 0; at < e.size;) {
+      const size_t n = std::min<uint64_t>(buf.size(), e.size - at);
+      item.ReadAt(e.data_offset + at, buf.data(), n);
+      crc = Crc32(buf.data(), n, crc);
+      at += n;
+    }
+    if (crc != e.crc32) {
+      return StrCat("its zip record '", e.name, "' has the CRC-32 ", Hex8(crc),
+                    ", the zip records ", Hex8(e.crc32));
+    }
+  }
+  return "";
 }
 
 DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
@@ -775,6 +811,12 @@ DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
           report.problems.push_back(StrCat(where, ": its data's CRC-32 is ", Hex8(crc),
                                            ", its zip records ", Hex8(*t->crc32)));
         }
+      } else if (const std::optional<std::string> problem =
+                     item.bytes ? DcpZipRecordsProblem(RangeSource(FileSource(file), item.name,
+                                                                   item.offset, item.length))
+                                : std::nullopt) {
+        ++report.checked;
+        if (!problem->empty()) report.problems.push_back(StrCat(where, ": ", *problem));
       } else {
         ++report.unchecked;
       }

@@ -136,6 +136,9 @@ bool IsDcpMetadataGlobal(std::string_view module, std::string_view name) {
       "TensorProperties", "_MEM_FORMAT_ENCODING",  "MetadataIndex",        "StorageMeta"};
   return (module == kMetadataModule && kClasses.contains(name)) ||
          (module == kFilesystemModule && name == "_StorageInfo") ||
+         // Where torch 2.0 to 2.2 pickled a tensor's properties from (torch keeps them there).
+         (module == "torch.distributed._shard.sharded_tensor.metadata" &&
+          (name == "TensorProperties" || name == "MEM_FORMAT_ENCODING")) ||
          (module == "collections" && name == "OrderedDict") ||
          (module == "torch" &&
           name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") == std::string::npos) ||

@@ -142,6 +142,7 @@ DcpRead DcpFileReads::ReadOf(size_t i, std::optional<size_t> part, std::byte* de
   if (!part) {
     if (check) r.xxh64 = it.xxh64;
     if (check && t != nullptr) r.crc32 = t->crc32;
+    r.zip_records = check && t == nullptr && !it.xxh64;
     return r;
   }
   if (how_[i] != DcpItemRead::kParts || *part >= it.requests.size()) {

@@ -157,3 +157,32 @@ def test_targets_sharing_memory_take_the_last_item_as_stock_dcp_does(
                  no_dist=True)
         for i in range(4):
             assert torch.equal(out[f"w{i}"], torch.full((64,), float(i), dtype=torch.bfloat16))
+
+
+def test_metadata_of_torch_2_0_to_2_2_is_read_as_stock_reads_it(tmp_path: Path) -> None:
+    """torch 2.0 to 2.2 pickled each tensor's TensorProperties (and its memory format's enum)
+    from torch.distributed._shard.sharded_tensor.metadata, which torch still has: stock's reader
+    loads such a checkpoint, and so do the Reader and the CLI."""
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as Old
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ckpt = tmp_path / "old"
+    dcp.save({"w": torch.arange(6.0), "step": 3}, storage_writer=dcp.FileSystemWriter(ckpt),
+             no_dist=True)
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    for value in md.state_dict_metadata.values():
+        if isinstance(value, TensorStorageMetadata):
+            p = value.properties
+            value.properties = Old(dtype=p.dtype, layout=p.layout, requires_grad=p.requires_grad,
+                                   memory_format=p.memory_format, pin_memory=p.pin_memory)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    assert b"torch.distributed._shard.sharded_tensor.metadata" in (ckpt / ".metadata").read_bytes()
+    for reader in (tdcp.Reader(ckpt), dcp.FileSystemReader(ckpt)):
+        got = {"w": torch.zeros(6), "step": 0}
+        dcp.load(got, storage_reader=reader, no_dist=True)
+        assert torch.equal(got["w"], torch.arange(6.0)) and got["step"] == 3
+    if BIN.is_file():
+        for command in ("info", "verify"):
+            said = subprocess.run([str(BIN), command, str(ckpt)], capture_output=True, text=True,
+                                  timeout=120)
+            assert said.returncode == 0, said.stdout + said.stderr

@@ -193,7 +193,16 @@ struct DcpRead {
   std::optional<uint32_t> crc32;  // of the data: checked when set and xxh64 is not
   std::optional<DcpSlice> slice;  // read only this part (xxh64 and crc32 must be unset)
   std::string_view blocks;        // with `slice`: the data's block sums (unchecked when empty)
+  // A bytes item without xxh64 (stock's: a torch.save zip of a pickled value): checked by its
+  // zip records' CRC-32s (DcpZipRecordsProblem) once read.
+  bool zip_records = false;
 };
+
+// A stock bytes item (`item`: a source of its bytes alone, a torch.save zip) checked by its zip
+// records' CRC-32s: nullopt where there is nothing to check (no zip: a planner's own bytes; a zip
+// recording no CRC-32s, as torch.save's set_crc32_options(False) writes), "" where every stored
+// record matches, else which does not. Throws FormatError for a zip whose directory is damaged.
+std::optional<std::string> DcpZipRecordsProblem(const ByteSource& item);
 
 // Bytes of a file already in memory: [offset, offset + bytes.size()) of it.
 struct DcpHeldBytes {
