@@ -175,7 +175,8 @@ void NoteUnnamedDcpFiles(const std::string& dir, const DcpMetadata& md) {
 }
 
 int InfoDcp(const std::string& dir, unsigned show) {
-  const DcpMetadata md = ReadDcpMetadata(dir);
+  size_t rank_local = 0;
+  const DcpMetadata md = ReadDcpMetadataOfSave(dir, &rank_local);
   std::map<std::string, std::pair<size_t, uint64_t>> files;  // items, bytes
   size_t summed = 0;
   for (const auto& it : md.items) {
@@ -187,6 +188,10 @@ int InfoDcp(const std::string& dir, unsigned show) {
   std::printf("directory: %s\n", TerminalText(dir).c_str());
   std::printf("format:    torch.distributed.checkpoint (version %s)\n",
               md.version.empty() ? "unset" : TerminalText(md.version).c_str());
+  if (rank_local > 0) {
+    std::printf("metadata:  %s (a save with use_collectives=False: no .metadata)\n",
+                Count(rank_local, "rank-local file").c_str());
+  }
   std::printf("items:     %zu (%zu with an xxh64)\n", md.items.size(), summed);
   std::printf("files:     %zu\n", files.size());
   for (const auto& [name, f] : files) {
@@ -215,7 +220,7 @@ int InfoDcp(const std::string& dir, unsigned show) {
 }
 
 int VerifyDcp(const std::string& dir) {
-  const DcpMetadata md = ReadDcpMetadata(dir);
+  const DcpMetadata md = ReadDcpMetadataOfSave(dir);
   Engine engine;
   const DcpVerifyReport r = VerifyDcpCheckpoint(engine, dir, md);
   const std::string shown = TerminalText(dir);

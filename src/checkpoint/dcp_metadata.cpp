@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -366,6 +367,34 @@ std::string ReadDcpMetadataBytes(const std::string& dir, std::optional<int64_t> 
 
 DcpMetadata ReadDcpMetadata(const std::string& dir) {
   return ParseDcpMetadata(ReadDcpMetadataBytes(dir), DcpMetadataPath(dir));
+}
+
+DcpMetadata ReadDcpMetadataOfSave(const std::string& dir, size_t* rank_local) {
+  if (rank_local != nullptr) *rank_local = 0;
+  struct stat st;
+  if (lstat(DcpMetadataPath(dir).c_str(), &st) == 0 || errno != ENOENT) {
+    return ReadDcpMetadata(dir);
+  }
+  std::vector<int64_t> ranks;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!IsRankLocalDcpMetadata(name)) continue;
+    int64_t rank = 0;
+    const auto [end, parse] = std::from_chars(name.data() + 2, name.data() + name.size(), rank);
+    if (parse == std::errc()) ranks.push_back(rank);
+  }
+  if (ranks.empty()) return ReadDcpMetadata(dir);  // its error: no metadata at all
+  std::sort(ranks.begin(), ranks.end());
+  DcpMetadata all;
+  for (int64_t rank : ranks) {
+    DcpMetadata md = ParseDcpMetadata(ReadDcpMetadataBytes(dir, rank), DcpMetadataPath(dir, rank));
+    if (all.version.empty()) all.version = md.version;
+    if (!all.format) all.format = md.format;
+    for (DcpStoredItem& item : md.items) all.items.push_back(std::move(item));
+  }
+  if (rank_local != nullptr) *rank_local = ranks.size();
+  return all;
 }
 
 void CheckDcpDataFilesPresent(const std::string& dir,

@@ -800,6 +800,21 @@ def cli(*args: object) -> subprocess.CompletedProcess[str]:
                           errors="replace", timeout=60)
 
 
+def test_cli_reads_the_rank_local_metadata_of_a_save_without_collectives(tmp_path: Path) -> None:
+    """A save with use_collectives=False leaves no .metadata, only each rank's __N.metadata
+    (which dcp.load reads rank by rank): info lists and verify checks their items together."""
+    ckpt = tmp_path / "local"
+    dcp.save({"w": torch.arange(100.0), "note": {"text": "hi"}},
+             storage_writer=dcp.FileSystemWriter(ckpt), no_dist=True, use_collectives=False)
+    assert not (ckpt / ".metadata").exists() and (ckpt / "__0.metadata").exists()
+    info = cli("info", ckpt)
+    assert info.returncode == 0, info.stderr
+    assert "1 rank-local file" in info.stdout and "items:     2" in info.stdout, info.stdout
+    ok = cli("verify", ckpt)
+    assert ok.returncode == 0, ok.stderr
+    assert "DCP checkpoint OK (2 items checked" in ok.stdout, ok.stdout
+
+
 @pytest.mark.parametrize("writer", ["ours", "stock"])
 def test_cli_info_and_verify_read_dcp_directories(tmp_path: Path, writer: str) -> None:
     ckpt = tmp_path / writer

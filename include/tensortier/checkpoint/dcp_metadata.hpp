@@ -113,4 +113,10 @@ void CheckDcpChunksCover(const std::string& name, const std::vector<int64_t>& si
 // Reads and parses DIR/.metadata. Throws IoError, FormatError.
 DcpMetadata ReadDcpMetadata(const std::string& dir);
 
+// ReadDcpMetadata, or, where DIR has no .metadata but the rank-local metadata files a save with
+// use_collectives=False writes (__N.metadata, which dcp.load reads rank by rank), all of theirs
+// together, in rank order; `rank_local` says how many were read (0: .metadata). Throws as
+// ReadDcpMetadata does where there are neither.
+DcpMetadata ReadDcpMetadataOfSave(const std::string& dir, size_t* rank_local = nullptr);
+
 }  // namespace tensortier
