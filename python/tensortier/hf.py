@@ -258,11 +258,12 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], **kwargs: Any) -> 
     Durable as a whole: the directory is written beside `path`, every file fsynced, then swapped
     with `path` in one rename (``renameat2(RENAME_EXCHANGE)``). Files already in `path` are kept
     as transformers keeps them: the same files (hard links, so that a log file open there goes
-    on), except the top's ``.json``, ``.py`` and ``.bin`` files and files of at most 1 MiB, which
-    a save may rewrite in place, which are copied; symbolic links stay links (a shard's is
-    replaced by the new shard, its target left as it was); what other processes do in `path`
-    meanwhile (files written, rewritten, replaced, removed) is carried into the new directory,
-    where the save did not write the same file.
+    on), except what a save may rewrite in place, staged as copies (``.json``, ``.md`` and
+    ``.py`` files, and the top's ``.bin`` files) and replaced by the old files themselves at the
+    swap where the save did not write them; symbolic links stay links (a shard's is replaced by
+    the new shard, its target left as it was); what other processes do in `path` meanwhile
+    (files written, rewritten, replaced, removed) is carried into the new directory, where the
+    save did not write the same file.
     A crash leaves the old directory whole, and a leftover ``.<name>.tmp-*`` beside it, which the
     next save into `path` removes once the process that made it is gone.
 

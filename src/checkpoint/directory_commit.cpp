@@ -97,12 +97,27 @@ void Carry(const std::string& old_root, const std::string& new_root, const std::
   }
 }
 
-// The kept files another process replaced, rewrote or removed in `old_root` during the save,
-// carried into `new_root` where the save left the staged file as it was (see CarryNewEntries).
-void CarryChangedFiles(const std::string& old_root, const std::string& new_root,
-                       const KeptEntries& kept, CarriedEntries& out) {
+// Whether every folder on the way from `root` to its entry `rel` is a folder, not a symbolic
+// link (one put there during the save would lead the carry into another directory's files).
+bool FoldersOnTheWay(const std::string& root, const std::string& rel) {
+  for (size_t slash = rel.find('/'); slash != std::string::npos; slash = rel.find('/', slash + 1)) {
+    struct stat st;
+    if (lstat(StrCat(root, "/", rel.substr(0, slash)).c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The kept files of `old_root` carried into `new_root` where the save left the staged file as it
+// was (see CarryNewEntries): the old directory's file replaces a staged copy, whether another
+// process changed it meanwhile or not (a log open there goes on being written, in the new
+// directory), and one removed meanwhile is removed.
+void CarryKeptFiles(const std::string& old_root, const std::string& new_root,
+                    const KeptEntries& kept, CarriedEntries& out) {
   for (const auto& [rel, entry] : kept) {
-    if (!entry.old_file || !entry.staged_file) continue;  // a folder or a link
+    if (!entry.staged_file) continue;  // a folder or a link
+    if (!FoldersOnTheWay(old_root, rel) || !FoldersOnTheWay(new_root, rel)) continue;
     const std::string from = StrCat(old_root, "/", rel);
     const std::string to = StrCat(new_root, "/", rel);
     const std::optional<FileVersion> staged = VersionOf(to);
@@ -120,7 +135,6 @@ void CarryChangedFiles(const std::string& old_root, const std::string& new_root,
       continue;
     }
     if (old->dev == staged->dev && old->ino == staged->ino) continue;  // one file (a link)
-    if (*old == *entry.old_file) continue;                             // unchanged
     if (rename(from.c_str(), to.c_str()) == 0) {
       ++out.moved;
     } else {
@@ -194,7 +208,7 @@ CarriedEntries CarryNewEntries(const std::string& old_dir, const std::string& ne
                                const KeptEntries& kept) {
   CarriedEntries out;
   Carry(old_dir, new_dir, "", kept, out);
-  CarryChangedFiles(old_dir, new_dir, kept, out);
+  CarryKeptFiles(old_dir, new_dir, kept, out);
   if (out.moved > 0) {
     try {
       FileSystem().SyncDirectory(new_dir, new_dir);

@@ -260,7 +260,6 @@ HfSaveStaging StageHfSave(const std::string& final_dir) {
       const std::string rel = it->path().lexically_relative(out.dir).string();
       KeptEntry& entry = out.kept[rel];
       if (it->is_regular_file() && !it->is_symlink()) {
-        entry.old_file = VersionOf(StrCat(final_dir, "/", rel));
         entry.staged_file = VersionOf(it->path().string());
       }
     }

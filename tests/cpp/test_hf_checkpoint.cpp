@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <filesystem>
@@ -172,8 +173,8 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
             (std::set<std::string>{"README.md", "config.json", "link.json", "model.safetensors",
                                    "pytorch_model.bin", "self", "sub", "sub/adapter_config.json",
                                    "sub/tokenizer.model", "train.log"}));
-  EXPECT_TRUE(staging.kept.at("train.log").old_file.has_value());  // regular files' versions
-  EXPECT_FALSE(staging.kept.at("sub").old_file.has_value());
+  EXPECT_TRUE(staging.kept.at("train.log").staged_file.has_value());  // regular files' versions
+  EXPECT_FALSE(staging.kept.at("sub").staged_file.has_value());
   EXPECT_FALSE(staging.kept.at("link.json").staged_file.has_value());
   EXPECT_EQ(StatOf(staged + "/model.safetensors").st_ino, StatOf(m + "/model.safetensors").st_ino);
   const struct stat copy = StatOf(staged + "/config.json");
@@ -324,6 +325,42 @@ TEST(HfCheckpoint, FilesChangedInTheOldDirectoryDuringASaveAreChangedInTheNewOne
   EXPECT_FALSE(std::filesystem::exists(m + "/gone-too.txt"));
   EXPECT_EQ(Contents(m + "/train.log"), "logappended");
   EXPECT_FALSE(std::filesystem::exists(staging.dir));
+}
+
+// A staged copy the save did not write is replaced by the old directory's file itself: a
+// notes.md held open goes on being written, into the new directory, after the swap.
+TEST(HfCheckpoint, AFileHeldOpenGoesOnBeingWrittenAfterTheSwap) {
+  TempDir dir;
+  const std::string m = dir.path() + "/m";
+  std::filesystem::create_directories(m + "/sub");
+  std::ofstream(m + "/sub/notes.md") << "a\n";
+  const int fd = ::open((m + "/sub/notes.md").c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const HfSaveStaging staging = StageHfSave(m);
+  EXPECT_NE(StatOf(staging.dir + "/sub/notes.md").st_ino, StatOf(m + "/sub/notes.md").st_ino);
+  EXPECT_TRUE(CommitHfSave(staging, m).swapped);
+  ASSERT_EQ(::write(fd, "b\n", 2), 2);
+  ::close(fd);
+  EXPECT_EQ(Contents(m + "/sub/notes.md"), "a\nb\n");
+}
+
+// A kept folder made a symbolic link to another directory during the save: nothing is carried
+// through it (its target's files stay where they are), the staged folder stays.
+TEST(HfCheckpoint, NothingIsCarriedThroughAFolderMadeALinkDuringTheSave) {
+  TempDir dir;
+  const std::string m = dir.path() + "/m";
+  const std::string other = dir.path() + "/other";
+  std::filesystem::create_directories(m + "/best");
+  std::filesystem::create_directories(other);
+  std::ofstream(m + "/best/config.json") << "best";
+  std::ofstream(other + "/config.json") << "other's";
+  const HfSaveStaging staging = StageHfSave(m);
+  std::filesystem::remove_all(m + "/best");
+  std::filesystem::create_directory_symlink(other, m + "/best");
+  EXPECT_TRUE(CommitHfSave(staging, m).swapped);
+  EXPECT_EQ(Contents(other + "/config.json"), "other's");
+  EXPECT_FALSE(std::filesystem::is_symlink(m + "/best"));
+  EXPECT_EQ(Contents(m + "/best/config.json"), "best");
 }
 
 TEST(HfCheckpoint, EntriesMadeInTheOldDirectoryDuringASaveMoveIntoTheNewOne) {

@@ -47,11 +47,10 @@ struct FileVersion {
 // is none (errno says why).
 std::optional<FileVersion> VersionOf(const std::string& path);
 
-// An entry of the old directory the staged one was given: for a regular file, its version and
-// that of its staged copy or link, as staged (to tell what changed during the save, and who
-// changed it); nullopt for folders and links.
+// An entry of the old directory the staged one was given: for a regular file, the version of its
+// staged copy or link, as staged (a save that writes or removes it changes it); nullopt for
+// folders and links.
 struct KeptEntry {
-  std::optional<FileVersion> old_file;
   std::optional<FileVersion> staged_file;
 };
 using KeptEntries = std::map<std::string, KeptEntry>;  // by path relative to the directory
@@ -59,13 +58,14 @@ using KeptEntries = std::map<std::string, KeptEntry>;  // by path relative to th
 // After CommitDirectory exchanged the directories: what another process did in the old one
 // (`old_dir`, at the staged name now) while the save ran, carried into the new one (`new_dir`).
 // Entries it made move there where the name is free: a Trainer rank's rng_state_1.pth written
-// into the checkpoint folder rank 0 saves into, a log file in a subfolder. Kept files it
-// replaced (by rename) or rewrote in place replace their staged copies, and kept files it
-// removed are removed, where the save left the staged one as it was (a file the save wrote is
-// the save's). `kept` are the entries (paths relative to the directory, "sub/file") the staged
-// directory was given of the old one; the folders among them are descended into. The new
-// directory is fsynced when anything changed. Never throws: what cannot move is listed in `left`
-// (the caller keeps the old directory then).
+// into the checkpoint folder rank 0 saves into, a log file in a subfolder. Kept files replace
+// their staged copies (as they are now: rewritten or replaced meanwhile, or not; a writer that
+// holds one open goes on writing it there), and kept files it removed are removed, where the
+// save left the staged one as it was (a file the save wrote is the save's). Nothing is carried
+// through a folder made a symbolic link meanwhile. `kept` are the entries (paths relative to the
+// directory, "sub/file") the staged directory was given of the old one; the folders among them are
+// descended into. The new directory is fsynced when anything changed. Never throws: what cannot
+// move is listed in `left` (the caller keeps the old directory then).
 struct CarriedEntries {
   size_t moved = 0;  // entries moved or removed
   std::vector<std::string> left;
