@@ -850,6 +850,40 @@ def test_an_index_replaced_while_its_shards_were_opened_is_read_again(
     assert out.keys() == want.keys() and all(torch.equal(out[k], want[k]) for k in want)
 
 
+def test_an_index_replaced_by_one_of_other_shard_names_is_read_again(
+        disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save whose shards have other names (three shards where there were two) swapped in
+    after the index was read: its shards are not there; the index is read again."""
+    from tensortier.checkpoint import loading
+
+    old, new = disk_dir / "m", disk_dir / "m.new"
+    old.mkdir()
+    new.mkdir()
+    torch.manual_seed(0)
+    make_shards(old)
+    torch.manual_seed(1)
+    want = make_shards(new)
+    for shard in sorted(new.glob("*.safetensors")):  # other names, the same tensors
+        shard.rename(new / shard.name.replace("of-00002", "of-00009"))
+    idx = new / "model.safetensors.index.json"
+    idx.write_text(idx.read_text().replace("of-00002", "of-00009"))
+    real = _core.shard_index_walk
+    walked: list[bool] = []
+
+    def walk(path: str) -> Any:
+        out = real(path)
+        if not walked:
+            os.rename(old, disk_dir / "m.old")
+            os.rename(new, old)
+        walked.append(True)
+        return out
+
+    monkeypatch.setattr(_core, "shard_index_walk", walk)
+    out = tensortier.load(old / "model.safetensors.index.json")
+    assert len(walked) == 2
+    assert out.keys() == want.keys() and all(torch.equal(out[k], want[k]) for k in want)
+
+
 def test_an_index_replaced_at_every_opening_is_an_error_naming_it(
         disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Saves that keep replacing the directory while it is opened: after three tries, an

@@ -228,8 +228,16 @@ def _each_shard(path: str, read: Callable[[str, str], Any], io: IOHandle) -> dic
     saved again during the load is read as one version, never a mix of two."""
     for _ in range(_READS_OF_A_REPLACED_INDEX):
         before = _identity(path)
-        walk = list(_require("shard_index_walk")(path))  # an index in one is refused
-        with _opened_together(io, [shard for shard, _, _ in walk]) as held:
+        try:
+            walk = list(_require("shard_index_walk")(path))  # an index in one is refused
+            opening = _opened_together(io, [shard for shard, _, _ in walk])
+            held = opening.__enter__()
+        except FileNotFoundError:
+            if _identity(path) != before:
+                continue  # a save with other shard names replaced the directory meanwhile
+            raise
+        with contextlib.ExitStack() as stack:
+            stack.push(opening)
             if held and _identity(path) != before:
                 continue  # the shards opened may be another version's than the index read
             out: dict[str, Any] = {}
