@@ -711,12 +711,21 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
 }
 
 std::optional<std::string> DcpZipRecordsProblem(const ByteSource& item) {
-  char magic[4];
-  if (item.size() < sizeof magic) return std::nullopt;
-  item.ReadAt(0, magic, sizeof magic);
-  if (std::string_view(magic, sizeof magic) != std::string_view("PK\x03\x04", 4)) {
+  // A torch.save zip: its first record (local header: 30 bytes, then the name) is
+  // "<folder>/data.pkl". Other bytes, zips among them, are a planner's own: not checked.
+  constexpr size_t kLocalHeader = 30;
+  constexpr std::string_view kPickle = "/data.pkl";
+  unsigned char head[kLocalHeader];
+  if (item.size() < kLocalHeader) return std::nullopt;
+  item.ReadAt(0, head, kLocalHeader);
+  const size_t name_length = head[26] | (size_t{head[27]} << 8);
+  if (std::memcmp(head, "PK\x03\x04", 4) != 0 || name_length < kPickle.size() ||
+      name_length > item.size() - kLocalHeader) {
     return std::nullopt;
   }
+  std::string name(name_length, '\0');
+  item.ReadAt(kLocalHeader, name.data(), name_length);
+  if (!name.ends_with(kPickle)) return std::nullopt;
   const ZipDirectory zip = ReadZipDirectory(item);
   if (!RecordsCrcs(zip)) return std::nullopt;
   std::vector<std::byte> buf;

@@ -13,12 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/checkpoint/dcp_file.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
 #include "tensortier/checkpoint/torch_pickle.hpp"
+#include "tensortier/checkpoint/zip_writer.hpp"
 #include "tensortier/io/engine.hpp"
 #include "tensortier/io/file.hpp"
 #include "tensortier/util/error.hpp"
@@ -712,4 +714,46 @@ TEST(DcpFile, DataFileNamesStayInsideTheDirectory) {
 
 }  // namespace
 
+}  // namespace tensortier
+
+namespace tensortier {
+namespace {
+
+// A stored zip of `records` (name, data) with their CRC-32s, as torch.save writes one.
+std::string ZipOf(const std::vector<std::pair<std::string, std::string>>& records) {
+  ZipPlanner plan(1);
+  for (const auto& [name, data] : records) {
+    const size_t i = plan.Add(name, data.size());
+    plan.SetCrc(i, Crc32(data.data(), data.size()));
+  }
+  std::string out(plan.directory_offset(), '\0');
+  for (size_t i = 0; i < records.size(); ++i) {
+    const ZipPlanEntry& e = plan.entries()[i];
+    const std::string header = plan.LocalHeader(i);
+    out.replace(e.local_header_offset, header.size(), header);
+    out.replace(e.data_offset, records[i].second.size(), records[i].second);
+  }
+  return out + plan.Directory();
+}
+
+TEST(DcpZipRecordsTest, AStockBytesItemIsCheckedByItsRecordsCrcs) {
+  std::string zip = ZipOf({{"archive/data.pkl", "pickled value"}, {"archive/version", "3"}});
+  EXPECT_EQ(DcpZipRecordsProblem(MemorySource(zip.data(), zip.size())), "");
+  zip[zip.find("pickled")] = 'k';
+  const std::optional<std::string> problem =
+      DcpZipRecordsProblem(MemorySource(zip.data(), zip.size()));
+  ASSERT_TRUE(problem.has_value());
+  EXPECT_NE(problem->find("its zip record 'archive/data.pkl' has the CRC-32"), std::string::npos)
+      << *problem;
+  // Not a torch.save zip (a planner's own bytes, a zip among them): nothing to check.
+  const std::string raw = "raw bytes of a planner's own";
+  EXPECT_FALSE(DcpZipRecordsProblem(MemorySource(raw.data(), raw.size())).has_value());
+  std::string other = ZipOf({{"notes.txt", "x"}});
+  other.back() ^= 1;  // even a damaged one
+  EXPECT_FALSE(DcpZipRecordsProblem(MemorySource(other.data(), other.size())).has_value());
+  const std::string pk = "PK\x03\x04 and then nothing like a zip";
+  EXPECT_FALSE(DcpZipRecordsProblem(MemorySource(pk.data(), pk.size())).has_value());
+}
+
+}  // namespace
 }  // namespace tensortier

@@ -199,9 +199,11 @@ struct DcpRead {
 };
 
 // A stock bytes item (`item`: a source of its bytes alone, a torch.save zip) checked by its zip
-// records' CRC-32s: nullopt where there is nothing to check (no zip: a planner's own bytes; a zip
-// recording no CRC-32s, as torch.save's set_crc32_options(False) writes), "" where every stored
-// record matches, else which does not. Throws FormatError for a zip whose directory is damaged.
+// records' CRC-32s: nullopt where there is nothing to check (bytes that are not a torch.save zip,
+// whose first record is "<folder>/data.pkl": a planner's own, zips among them; a zip recording
+// no CRC-32s, as torch.save's set_crc32_options(False) writes), "" where every stored record
+// matches, else which does not. Throws FormatError for a torch.save zip whose directory is
+// damaged.
 std::optional<std::string> DcpZipRecordsProblem(const ByteSource& item);
 
 // Bytes of a file already in memory: [offset, offset + bytes.size()) of it.
