@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -14,11 +15,11 @@ from .._paths import PathArg
 from .reader import FileReader, _check_label_dtype
 
 
-# The fields of FileDataset's shared tensor, then its files skipped: one slot for the process
-# that made the dataset and one per DataLoader worker (workers beyond them share slots, which
-# two workers could then update at once, losing a count).
+# The fields of FileDataset's shared tensor, then its files skipped: a slot per process that
+# iterates, by its pid (two processes on one slot that count at the same instant could lose a
+# count).
 _EPOCH, _RESUME_TAKEN, _WORKER_ITERATIONS, _SKIPPED = 0, 1, 2, 3
-_SKIPPED_SLOTS = 257
+_SKIPPED_SLOTS = 256
 
 
 def _rank_and_world() -> tuple[int, int] | None:
@@ -201,16 +202,12 @@ class FileDataset(torch.utils.data.IterableDataset):
                 f"batches: use fewer workers, a smaller batch_size or drop_last=False)",
                 RuntimeWarning, stacklevel=2)
         self._reader = reader
-        info = torch.utils.data.get_worker_info()
-        slot = _SKIPPED + (0 if info is None else 1 + info.id % (_SKIPPED_SLOTS - 1))
-        counted = 0  # this reader's skips added to the slot
+        slot = _SKIPPED + os.getpid() % _SKIPPED_SLOTS
         try:
-            for batch in reader:
-                if self._options["on_error"] == "skip":
-                    skipped = int(reader.stats["skipped"])
-                    self._shared[slot] += skipped - counted
-                    counted = skipped
-                yield batch
+            for batch in reader.batches():
+                if batch.skipped:  # counted as the batch is given out (not as it is read ahead)
+                    self._shared[slot] += len(batch.skipped)
+                yield reader._tensors(batch)
         finally:
             reader.close()
 
