@@ -74,15 +74,22 @@ struct TensorFacts {
   uint64_t storage_nbytes;
   uint64_t storage_offset;
   bool resizable;
+  bool shared;  // host memory shared between processes: torch says resizable, and crashes
 };
 
 TensorFacts FactsOf(const py::handle& tensor) {
   const py::object storage = tensor.attr("untyped_storage")();
-  return {py::tuple(tensor.attr("shape")), tensor.attr("nbytes").cast<uint64_t>(),
-          storage.attr("nbytes")().cast<uint64_t>(),
-          tensor.attr("storage_offset")().cast<uint64_t>(),
-          storage.attr("resizable")().cast<bool>()};
+  const bool host = storage.attr("device").attr("type").cast<std::string>() == "cpu";
+  return {
+      py::tuple(tensor.attr("shape")),           tensor.attr("nbytes").cast<uint64_t>(),
+      storage.attr("nbytes")().cast<uint64_t>(), tensor.attr("storage_offset")().cast<uint64_t>(),
+      storage.attr("resizable")().cast<bool>(),  host && storage.attr("is_shared")().cast<bool>()};
 }
+
+constexpr const char* kSharedMemory =
+    "shared memory (share_memory_(), Module.share_memory(), torch.multiprocessing, a "
+    "tensortier.shared tensor), which cannot be resized (torch's resize_ of it crashes the "
+    "process)";
 
 // A write frees the tensor's memory by resizing its storage: the tensor must own all of it.
 void CheckOffloadWrite(const TensorFacts& t, uintptr_t data_ptr) {
@@ -106,6 +113,10 @@ void CheckOffloadWrite(const TensorFacts& t, uintptr_t data_ptr) {
         "tensor's storage cannot be resized (it wraps foreign memory, e.g. from numpy or "
         "torch.frombuffer); offloading frees memory by resizing it: use .clone()");
   }
+  if (t.nbytes > 0 && t.shared) {
+    throw py::value_error(StrCat("tensor's storage is in ", kSharedMemory,
+                                 "; offloading frees memory by resizing it: use .clone()"));
+  }
 }
 
 // A read fills `nbytes` at the start of the tensor's storage, resized to that: the tensor must
@@ -122,11 +133,11 @@ void CheckOffloadReadTarget(const TensorFacts& t, uint64_t nbytes) {
         " bytes can be read back only into a storage of its own of that size; give it "
         "one (x.data = torch.empty_like(x)) and read again"));
   }
-  if (nbytes > 0 && !t.resizable) {
-    throw py::value_error(
-        "tensor's memory was replaced while it was offloaded by memory that cannot be resized "
-        "(numpy or foreign memory); give it a torch storage of its own (x.data = "
-        "torch.empty_like(x)) and read again");
+  if (nbytes > 0 && (!t.resizable || t.shared)) {
+    throw py::value_error(StrCat(
+        "tensor's memory was replaced while it was offloaded by memory that cannot be resized (",
+        t.shared ? kSharedMemory : "numpy or foreign memory",
+        "); give it a torch storage of its own (x.data = torch.empty_like(x)) and read again"));
   }
 }
 

@@ -59,8 +59,8 @@ class LockedTensors {
     if (nbytes == 0 || it == tensors_.begin()) return;
     --it;
     if (address >= it->first + it->second.nbytes) return;
-    std::erase_if(it->second.busy, [](const Operation& o) { return o.done(); });
-    it->second.busy.push_back(op);
+    std::erase_if(it->second.busy, Over);
+    it->second.busy.push_back({getpid(), op});
   }
 
   // The live storage of the tensor at `address`, taken out of the registry once every operation
@@ -73,12 +73,12 @@ class LockedTensors {
       if (it == tensors_.end()) return py::none();
       py::object live = it->second.storage();
       if (live.is_none() || (it->second.nbytes == 0 && !live.is(storage))) return py::none();
-      std::erase_if(it->second.busy, [](const Operation& o) { return o.done(); });
+      std::erase_if(it->second.busy, Over);
       if (it->second.busy.empty()) {
         tensors_.erase(it);
         return live;
       }
-      const Operation op = it->second.busy.front();  // the GIL goes: look again after it
+      const Operation op = it->second.busy.front().op;  // the GIL goes: look again after it
       WaitInterruptibly([&](auto timeout) { return op.WaitFor(timeout); }, true);
     }
   }
@@ -123,11 +123,18 @@ class LockedTensors {
   }
 
  private:
+  struct Busy {
+    pid_t pid;  // the process that started it
+    Operation op;
+  };
   struct Locked {
     size_t nbytes;
     py::weakref storage;
-    std::vector<Operation> busy;  // started on its memory, maybe not over
+    std::vector<Busy> busy;  // started on its memory, maybe not over
   };
+  // Over, or started by the parent of a child made by fork: its threads are not in the child,
+  // which has a copy of the memory of its own (waiting for it would never end).
+  static bool Over(const Busy& b) { return b.pid != getpid() || b.op.done(); }
   std::map<uintptr_t, Locked> tensors_;
 };
 

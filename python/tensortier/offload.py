@@ -230,6 +230,18 @@ class DiskOffloader:
         except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down modules
             pass
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.copy would share the engine and the entries, and dropping the copy would close
+        # them under the original (its offloaded tensors lost); TensorNVMe's cannot be copied.
+        raise TypeError(f"cannot pickle or copy a {type(self).__name__}: it owns its files and "
+                        "the tensors offloaded to them; make another one")
+
+    def __copy__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self.__reduce_ex__(2)
+
     # ---- internals ------------------------------------------------------------------------
 
     def _call(self, what: str, given: Any, callback: Callable[[], None] | None = None) -> None:

@@ -861,3 +861,31 @@ def test_operations_on_one_locked_buffer_keep_the_order_they_started_in(
         h.sync_pread(out, str(disk_dir / f"new{i}.bin"))
         assert bool((out == 2.0).all()), f"round {i}: the write did not see the read's data"
     h.free_cpu_locked_tensor(buf)
+
+
+def test_a_forked_child_frees_a_locked_tensor_the_parent_still_writes(disk_dir: Path) -> None:
+    """free_cpu_locked_tensor in a child made by fork while the parent's write of the buffer is
+    in flight: the child frees its copy at once (it waited for the parent's operation, which no
+    thread of the child can finish: forever), and the parent's write completes."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, signal, torch
+from tensortier.compat.deepnvme import AsyncIOBuilder
+h = AsyncIOBuilder().load().aio_handle()
+buf = h.new_cpu_locked_tensor(64 << 20, torch.empty(0, dtype=torch.uint8))
+buf.fill_(7)
+h.async_pwrite(buf, {str(disk_dir / "locked.bin")!r})
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)
+    os._exit(0 if h.free_cpu_locked_tensor(buf) else 3)
+_, status = os.waitpid(pid, 0)
+assert h.wait() == 1
+assert h.free_cpu_locked_tensor(buf)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert (disk_dir / "locked.bin").read_bytes() == b"\x07" * (64 << 20)

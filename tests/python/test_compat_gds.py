@@ -88,3 +88,30 @@ def test_integers_of_numpy_and_torch_are_taken_as_torch_s_are(disk_dir: Path) ->
         assert back.tolist() == list(range(16))
         with pytest.raises(TypeError):
             f.load_storage(back.untyped_storage(), np.float64(0.0))  # type: ignore[arg-type]
+
+
+def test_a_forked_child_opens_files_of_its_own(disk_dir: Path) -> None:
+    """A GdsFile made in a child made by fork, after the parent used the module: the child's
+    transfers run on a handle of its own (the parent's threads are not in the child)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, torch
+from tensortier.compat.gds import GdsFile
+p = {str(disk_dir / "f.bin")!r}
+s = torch.arange(256, dtype=torch.float32).untyped_storage()
+GdsFile(p, os.O_CREAT | os.O_RDWR).save_storage(s, 0)
+pid = os.fork()
+if pid == 0:
+    t = torch.empty(256).untyped_storage()
+    GdsFile(p, os.O_RDONLY).load_storage(t, 0)
+    os._exit(0 if bytes(t) == bytes(s) else 3)
+_, status = os.waitpid(pid, 0)
+t = torch.empty(256).untyped_storage()
+GdsFile(p, os.O_RDONLY).load_storage(t, 0)  # and the parent's still works
+assert bytes(t) == bytes(s)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, (r.returncode, r.stderr)

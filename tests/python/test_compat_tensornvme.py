@@ -460,12 +460,15 @@ def test_tensors_that_cannot_be_offloaded_are_runtime_errors(of: DiskOffloader) 
     foreign = torch.from_numpy(np.arange(8, dtype=np.float32))
     meta = torch.empty(4, device="meta")
     other = torch.rand(3)
+    shared = torch.arange(8, dtype=torch.float32).share_memory_()  # resize_ would crash
     for call, arg in ((of.sync_write, foreign), (of.async_write, foreign),
-                      (of.sync_writev, [other, foreign]), (of.sync_write, meta)):
+                      (of.sync_writev, [other, foreign]), (of.sync_write, meta),
+                      (of.sync_write, shared)):
         with pytest.raises(RuntimeError) as e:
             call(arg)  # type: ignore[operator]
         assert isinstance(e.value, ValueError) and isinstance(e.value, WriteRefusedError)
     assert foreign.tolist() == list(range(8)) and storage_bytes(other) == 12
+    assert shared.tolist() == list(range(8))
     of.synchronize()
     assert of.stored_bytes == 0
 

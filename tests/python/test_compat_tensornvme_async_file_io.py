@@ -305,3 +305,18 @@ def test_a_writer_takes_few_threads(disk_dir: Path, backend: str) -> None:
     assert threads() - before <= 4 * 16, threads() - before
     del writers
     gc.collect()
+
+
+def test_a_writer_cannot_be_copied(disk_dir: Path) -> None:
+    """A copy would share the descriptor, and dropping it would close it under the original:
+    TypeError, as TensorNVMe's binding cannot be copied either; the writer goes on."""
+    import copy
+
+    path = disk_dir / "w.bin"
+    w = AsyncFileWriter(str(path), backend="pthread")
+    for copier in (copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError, match="cannot pickle or copy an AsyncFileWriter"):
+            copier(w)
+    w.write(b"still open")
+    w.synchronize()
+    assert path.read_bytes() == b"still open"

@@ -669,6 +669,18 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
         import numpy as np
 
         off.sync_write(torch.from_numpy(np.zeros(1000, dtype=np.float32)))
+    # A copy would share the engine, and dropping it would close it under the original.
+    import copy
+
+    for copier in (copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError, match="cannot pickle or copy a DiskOffloader"):
+            copier(off)
+    # Shared memory says it resizes, and torch's resize_ of it crashes the process (the read
+    # back did): refused before anything is written.
+    shared = torch.arange(1000, dtype=torch.float32).share_memory_()
+    with pytest.raises(ValueError, match="shared memory .*use .clone"):
+        off.sync_write(shared)
+    assert shared.untyped_storage().nbytes() == 4000 and shared[999] == 999
     with pytest.raises(ValueError, match="backend"):
         DiskOffloader(disk_dir, backend="spdk")
     low, high = tensortier._core.setting_range("TENSORTIER_QUEUE_DEPTH")

@@ -21,18 +21,19 @@ class GdsIOError(OSError, RuntimeError):
     this is one, and an ``OSError`` with errno, path, offset and length as well."""
 
 _lock = threading.Lock()
-_handle: IOHandle | None = None
+_handle: tuple[int, IOHandle] | None = None  # (the pid it was made in, the handle)
 # The cuFile registrations of gds_register_buffer, by data_ptr.
 _registered = _core.CuFileRegistrations()
 
 
 def _io() -> IOHandle:
-    """The IOHandle every GdsFile shares (made on first use)."""
+    """The IOHandle every GdsFile of this process shares (made on first use, and again in a
+    child made by fork: a handle's threads do not follow a fork)."""
     global _handle
     with _lock:
-        if _handle is None:
-            _handle = IOHandle(gds="auto")
-        return _handle
+        if _handle is None or _handle[0] != os.getpid():
+            _handle = (os.getpid(), IOHandle(gds="auto"))
+        return _handle[1]
 
 
 def _check_storage(storage: Any, what: str) -> None:

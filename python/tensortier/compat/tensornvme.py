@@ -230,6 +230,17 @@ class AsyncFileWriter:
         """Accepted (TensorNVMe counts tasks for its debug log only)."""
         _core.unsigned_argument(num_tasks, "num_tasks")
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A copy would share the descriptor, and dropping it would close it under the original.
+        raise TypeError(f"cannot pickle or copy an {type(self).__name__}: it owns its file's "
+                        "descriptor; make another one")
+
+    def __copy__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self.__reduce_ex__(2)
+
     def __del__(self) -> None:
         if not hasattr(self, "fd"):
             return
