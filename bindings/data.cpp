@@ -365,8 +365,19 @@ class ReaderIteration {
       moves_ = state_.moves();
       pending_ = state_.Remaining();
       given_ = 0;
-      GilReleased release;
-      start_ = reader_.Start(pending_);
+      {
+        GilReleased release;
+        start_ = reader_.Start(pending_);
+      }
+      // A close() while the GIL was away, before this Start: the read-ahead it stopped must not
+      // run again for an iteration that has ended.
+      if (!state_.Serves(id_)) {
+        if (state_.Serves(0)) {
+          GilReleased release;
+          reader_.Start({});
+        }
+        throw py::stop_iteration();
+      }
     }
     if (given_ == pending_.size()) {
       state_.NextEpoch();
