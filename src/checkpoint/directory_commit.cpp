@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
@@ -69,7 +70,7 @@ namespace {
 // Moves what `old_root`/`rel` holds and `kept` does not name into `new_root`/`rel` (see
 // CarryNewEntries), descending into the folders `kept` names.
 void Carry(const std::string& old_root, const std::string& new_root, const std::string& rel,
-           const KeptEntries& kept, CarriedEntries& out) {
+           const KeptEntries& kept, CarriedEntries& out, std::set<std::string>& changed) {
   const std::string from_dir = rel.empty() ? old_root : StrCat(old_root, "/", rel);
   std::error_code ec;
   std::filesystem::directory_iterator it(from_dir, ec), end;
@@ -82,7 +83,7 @@ void Carry(const std::string& old_root, const std::string& new_root, const std::
     if (kept.contains(child)) {
       std::error_code dir_ec;
       if (taken && S_ISDIR(at_new.st_mode) && it->is_directory(dir_ec) && !it->is_symlink(dir_ec)) {
-        Carry(old_root, new_root, child, kept, out);
+        Carry(old_root, new_root, child, kept, out, changed);
       }
       continue;
     }
@@ -91,10 +92,17 @@ void Carry(const std::string& old_root, const std::string& new_root, const std::
     if (syscall(SYS_renameat2, AT_FDCWD, it->path().c_str(), AT_FDCWD, to.c_str(),
                 RENAME_NOREPLACE) == 0) {
       ++out.moved;
+      changed.insert(rel);
     } else {
       out.left.push_back(child);
     }
   }
+}
+
+// The folder holding entry `rel` of a directory, relative to it ("" for the top).
+std::string FolderOf(const std::string& rel) {
+  const size_t slash = rel.rfind('/');
+  return slash == std::string::npos ? "" : rel.substr(0, slash);
 }
 
 // Whether every folder on the way from `root` to its entry `rel` is a folder, not a symbolic
@@ -114,7 +122,7 @@ bool FoldersOnTheWay(const std::string& root, const std::string& rel) {
 // process changed it meanwhile or not (a log open there goes on being written, in the new
 // directory), and one removed meanwhile is removed.
 void CarryKeptFiles(const std::string& old_root, const std::string& new_root,
-                    const KeptEntries& kept, CarriedEntries& out) {
+                    const KeptEntries& kept, CarriedEntries& out, std::set<std::string>& changed) {
   for (const auto& [rel, entry] : kept) {
     if (!entry.staged_file) continue;  // a folder or a link
     if (!FoldersOnTheWay(old_root, rel) || !FoldersOnTheWay(new_root, rel)) continue;
@@ -131,12 +139,16 @@ void CarryKeptFiles(const std::string& old_root, const std::string& new_root,
     const std::optional<FileVersion> old = VersionOf(from);
     if (!old) {
       // Removed meanwhile (an unreadable folder says nothing: left as staged).
-      if (errno == ENOENT && unlink(to.c_str()) == 0) ++out.moved;
+      if (errno == ENOENT && unlink(to.c_str()) == 0) {
+        ++out.moved;
+        changed.insert(FolderOf(rel));
+      }
       continue;
     }
     if (old->dev == staged->dev && old->ino == staged->ino) continue;  // one file (a link)
     if (rename(from.c_str(), to.c_str()) == 0) {
       ++out.moved;
+      changed.insert(FolderOf(rel));
     } else {
       out.left.push_back(rel);
     }
@@ -207,11 +219,13 @@ std::optional<FileVersion> VersionOf(const std::string& path) {
 CarriedEntries CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
                                const KeptEntries& kept) {
   CarriedEntries out;
-  Carry(old_dir, new_dir, "", kept, out);
-  CarryKeptFiles(old_dir, new_dir, kept, out);
-  if (out.moved > 0) {
+  std::set<std::string> changed;  // the folders (relative, "" the top) entries moved into
+  Carry(old_dir, new_dir, "", kept, out, changed);
+  CarryKeptFiles(old_dir, new_dir, kept, out, changed);
+  for (const std::string& rel : changed) {
+    const std::string folder = rel.empty() ? new_dir : StrCat(new_dir, "/", rel);
     try {
-      FileSystem().SyncDirectory(new_dir, new_dir);
+      FileSystem().SyncDirectory(folder, folder);
     } catch (const std::exception&) {  // moved all the same; the next sync of it covers them
     }
   }
