@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from . import _core
+from ._owners import NotCopyable
 from ._paths import fspath, PathArg
 from .device import device_buffer, DeviceBuffer
 
@@ -24,7 +25,7 @@ class OffloadedDataLostWarning(UserWarning):
     data was the user's."""
 
 
-class DiskOffloader:
+class DiskOffloader(NotCopyable):
     """Offloads CPU and CUDA tensors to files in one or several directories.
 
     Args:
@@ -52,6 +53,8 @@ class DiskOffloader:
     at context-manager exit and at interpreter exit; files of dead processes are removed by the
     next offloader on the directory.
     """
+
+    _owned = "its files and the tensors offloaded to them"
 
     def __init__(
         self,
@@ -229,18 +232,6 @@ class DiskOffloader:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down modules
             pass
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # copy.copy would share the engine and the entries, and dropping the copy would close
-        # them under the original (its offloaded tensors lost); TensorNVMe's cannot be copied.
-        raise TypeError(f"cannot pickle or copy a {type(self).__name__}: it owns its files and "
-                        "the tensors offloaded to them; make another one")
-
-    def __copy__(self) -> Any:
-        return self.__reduce_ex__(2)
-
-    def __deepcopy__(self, memo: Any) -> Any:
-        return self.__reduce_ex__(2)
 
     # ---- internals ------------------------------------------------------------------------
 

@@ -315,7 +315,8 @@ def test_a_writer_cannot_be_copied(disk_dir: Path) -> None:
     path = disk_dir / "w.bin"
     w = AsyncFileWriter(str(path), backend="pthread")
     for copier in (copy.copy, copy.deepcopy):
-        with pytest.raises(TypeError, match="cannot pickle or copy an AsyncFileWriter"):
+        with pytest.raises(TypeError, match="AsyncFileWriter cannot be pickled or copied: it "
+                                            "owns its file.s descriptor"):
             copier(w)
     w.write(b"still open")
     w.synchronize()

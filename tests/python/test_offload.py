@@ -673,7 +673,8 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
     import copy
 
     for copier in (copy.copy, copy.deepcopy):
-        with pytest.raises(TypeError, match="cannot pickle or copy a DiskOffloader"):
+        with pytest.raises(TypeError,
+                           match="DiskOffloader cannot be pickled or copied: it owns its files"):
             copier(off)
     # Shared memory says it resizes, and torch's resize_ of it crashes the process (the read
     # back did): refused before anything is written.

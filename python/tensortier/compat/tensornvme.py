@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import _core
 from .. import offload as _offload
+from .._owners import NotCopyable
 from ..io import IOHandle
 
 __all__ = [
@@ -138,7 +139,7 @@ class _AsyncFileWriterCore(_core.TensorNvmeWriter):
         self._start(tensor.contiguous(), offset, callback)
 
 
-class AsyncFileWriter:
+class AsyncFileWriter(NotCopyable):
     """TensorNVMe's ``tensornvme.async_file_io.AsyncFileWriter``, as ColossalAI's asynchronous
     checkpoint saving uses it: ``write`` appends bytes, ``write_raw`` writes memory at an
     offset, ``write_tensor`` appends a tensor (a CUDA one through `pinned`); all of them start
@@ -155,6 +156,8 @@ class AsyncFileWriter:
     its values in order; it runs without CUDA (TensorNVMe's makes a CUDA stream and fails).
     Errors name the file: its path when the writer was made (where it is now if renamed).
     """
+
+    _owned = "its file's descriptor"
 
     def __init__(
         self, path: str, n_entries: int = 16, backend: str | None = None, n_tasks: int = 0
@@ -229,17 +232,6 @@ class AsyncFileWriter:
     def register_tasks(self, num_tasks: int) -> None:
         """Accepted (TensorNVMe counts tasks for its debug log only)."""
         _core.unsigned_argument(num_tasks, "num_tasks")
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # A copy would share the descriptor, and dropping it would close it under the original.
-        raise TypeError(f"cannot pickle or copy an {type(self).__name__}: it owns its file's "
-                        "descriptor; make another one")
-
-    def __copy__(self) -> Any:
-        return self.__reduce_ex__(2)
-
-    def __deepcopy__(self, memo: Any) -> Any:
-        return self.__reduce_ex__(2)
 
     def __del__(self) -> None:
         if not hasattr(self, "fd"):
