@@ -9,8 +9,10 @@ import concurrent.futures
 import errno
 import contextlib
 import contextvars
+import functools
 import os
 import secrets
+import stat
 import sys
 import threading
 import warnings
@@ -85,13 +87,16 @@ def _install_hooks(mu: Any) -> None:
         if not (_enabled or _routed.get()):
             return _originals["save_file"](tensors, filename, metadata=metadata)
         if not os.path.islink(filename):
-            return save(tensors, filename, metadata=metadata, checksum=True)
+            save(tensors, filename, metadata=metadata, checksum=True)
+            os.chmod(filename, _shard_mode())
+            return None
         # A shard that is a symbolic link (into a Hub cache's blobs, say) is replaced by the new
         # file, as transformers replaces it; the file it points to stays as it is. Written
         # beside it first: a save that fails leaves the link.
         beside = _core.temporary_path_prefix(filename) + secrets.token_hex(4)
         try:
             save(tensors, beside, format="safetensors", metadata=metadata, checksum=True)
+            os.chmod(beside, _shard_mode())
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(beside)
@@ -100,6 +105,22 @@ def _install_hooks(mu: Any) -> None:
 
     cls._load_pretrained_model = staticmethod(_load_pretrained_model)
     mu.safe_save_file = safe_save_file
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_mode() -> int:
+    """The mode safetensors' own ``save_file`` gives a shard: 0600 where it writes a temporary
+    file and renames it (as the versions transformers 5 installs do), else the umask's. Asked
+    of it once, by a save of one element."""
+    import tempfile
+
+    import safetensors.torch
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="tensortier-mode-") as directory:
+        probe = os.path.join(directory, "probe.safetensors")
+        safetensors.torch.save_file({"x": torch.zeros(1)}, probe)
+        return stat.S_IMODE(os.stat(probe).st_mode)
 
 
 def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, Any] | None:

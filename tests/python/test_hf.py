@@ -7,6 +7,7 @@ import errno
 import json
 import mmap
 import os
+import stat
 import signal
 import struct
 import subprocess
@@ -226,6 +227,9 @@ def test_save_pretrained_writes_transformers_files(tmp_path: Path) -> None:
         hf.save_pretrained(model, ours, max_shard_size="20KB")
         model.save_pretrained(theirs, max_shard_size="20KB")
         assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+        # The same modes too (shards 0600 where safetensors writes them through a temporary).
+        assert {n: stat.S_IMODE((ours / n).stat().st_mode) for n in os.listdir(ours)} == \
+            {n: stat.S_IMODE((theirs / n).stat().st_mode) for n in os.listdir(theirs)}
         index = json.loads((ours / "model.safetensors.index.json").read_text())
         assert index == json.loads((theirs / "model.safetensors.index.json").read_text())
         for shard in set(index["weight_map"].values()):
