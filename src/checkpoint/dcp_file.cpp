@@ -14,6 +14,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "dcp_item_source.hpp"
 #include "dcp_naming.hpp"
 #include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/checkpoint_file.hpp"
@@ -47,42 +48,6 @@ constexpr uint64_t kOwnRequest = 1u << 20;
 constexpr uint64_t kCheckPiece = 8u << 20;
 constexpr const char* kFolder = "archive/";
 
-std::string Range(uint64_t offset, uint64_t length) {
-  return StrCat("bytes [", offset, ", ", offset + length, ")");
-}
-
-// [offset, offset + length) of another source, as a source of its own (offsets from 0).
-class RangeSource : public ByteSource {
- public:
-  RangeSource(const ByteSource& whole, const std::string& item, uint64_t offset, uint64_t length)
-      : whole_(whole),
-        offset_(offset),
-        length_(length),
-        name_(StrCat(whole.name(), ": item '", item, "' at ", Range(offset, length))) {
-    if (offset > whole.size() || length > whole.size() - offset) {
-      throw FormatError(StrCat(name_, " runs past the end of the file (", whole.size(),
-                               " bytes): the file is truncated"));
-    }
-  }
-  uint64_t size() const override { return length_; }
-  const std::string& name() const override { return name_; }
-  void ReadAt(uint64_t offset, void* buf, size_t len) const override {
-    if (offset > length_ || len > length_ - offset) {
-      throw FormatError(StrCat(name_, ": a read at ", Range(offset, len), " past the item"));
-    }
-    whole_.ReadAt(offset_ + offset, buf, len);
-    bytes_read_ += len;
-  }
-  uint64_t bytes_read() const { return bytes_read_; }
-
- private:
-  const ByteSource& whole_;
-  uint64_t offset_;
-  uint64_t length_;
-  std::string name_;
-  mutable uint64_t bytes_read_ = 0;
-};
-
 std::string ShapeText(const std::vector<int64_t>& shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) out += StrCat(i ? ", " : "", shape[i]);
@@ -98,36 +63,6 @@ void Settle(std::vector<Future>& futures) {
     }
   }
 }
-
-// The block sums of a stream of tensor data, fed in pieces of any size.
-class BlockHasher {
- public:
-  void Update(const std::byte* p, uint64_t n) {
-    while (n > 0) {
-      const uint64_t take = std::min(n, kDcpBlockBytes - filled_);
-      state_.Update(p, take);
-      filled_ += take;
-      p += take;
-      n -= take;
-      if (filled_ == kDcpBlockBytes) Emit();
-    }
-  }
-  std::string Finish() {
-    if (filled_ > 0) Emit();
-    return std::move(out_);
-  }
-
- private:
-  void Emit() {
-    const uint64_t v = state_.Digest();
-    for (int k = 0; k < 8; ++k) out_.push_back(static_cast<char>(v >> (8 * k)));
-    state_ = Xxh64State();
-    filled_ = 0;
-  }
-  Xxh64State state_;
-  uint64_t filled_ = 0;
-  std::string out_;
-};
 
 uint64_t LoadLe64(std::string_view packed, uint64_t k) {
   uint64_t v = 0;
@@ -708,132 +643,6 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
     }
   }
   return bytes_read;
-}
-
-std::optional<std::string> DcpZipRecordsProblem(const ByteSource& item) {
-  // A torch.save zip: its first record (local header: 30 bytes, then the name) is
-  // "<folder>/data.pkl". Other bytes, zips among them, are a planner's own: not checked.
-  constexpr size_t kLocalHeader = 30;
-  constexpr std::string_view kPickle = "/data.pkl";
-  unsigned char head[kLocalHeader];
-  if (item.size() < kLocalHeader) return std::nullopt;
-  item.ReadAt(0, head, kLocalHeader);
-  const size_t name_length = head[26] | (size_t{head[27]} << 8);
-  if (std::memcmp(head, "PK\x03\x04", 4) != 0 || name_length < kPickle.size() ||
-      name_length > item.size() - kLocalHeader) {
-    return std::nullopt;
-  }
-  std::string name(name_length, '\0');
-  item.ReadAt(kLocalHeader, name.data(), name_length);
-  if (!name.ends_with(kPickle)) return std::nullopt;
-  const ZipDirectory zip = ReadZipDirectory(item);
-  if (!RecordsCrcs(zip)) return std::nullopt;
-  std::vector<std::byte> buf;
-  for (const ZipEntry& e : zip.entries) {
-    if (!e.stored() || e.size == 0) continue;  // compressed: torch.save writes none
-    buf.resize(std::min<uint64_t>(e.size, 1 << 20));
-    uint32_t crc = 0;
-    for (uint64_t at = 0; at < e.size;) {
-      const size_t n = std::min<uint64_t>(buf.size(), e.size - at);
-      item.ReadAt(e.data_offset + at, buf.data(), n);
-      crc = Crc32(buf.data(), n, crc);
-      at += n;
-    }
-    if (crc != e.crc32) {
-      return StrCat("its zip record '", e.name, "' has the CRC-32 ", Hex8(crc),
-                    ", the zip records ", Hex8(e.crc32));
-    }
-  }
-  return "";
-}
-
-DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
-                                    const DcpMetadata& metadata) {
-  DcpVerifyReport report;
-  std::map<std::string, std::optional<File>> files;  // nullopt: could not be opened
-  for (const DcpStoredItem& item : metadata.items) {
-    const std::string path = StrCat(dir, "/", item.relative_path);
-    auto [it, added] = files.try_emplace(item.relative_path);
-    if (added) {
-      try {
-        const std::string names[] = {item.name};
-        it->second = OpenDcpDataFile(path, names, /*direct=*/true);
-      } catch (const IoError& e) {
-        report.problems.push_back(e.what());
-      }
-    }
-    if (!it->second) continue;
-    const File& file = *it->second;
-    const std::string where =
-        StrCat(path, ": item '", item.name, "' at ", Range(item.offset, item.length));
-    try {
-      if (item.offset > file.Size() || item.length > file.Size() - item.offset) {
-        report.problems.push_back(StrCat(where, ": past the end of the file (", file.Size(),
-                                         " bytes): the file is truncated"));
-        continue;
-      }
-      if (item.transformed) {  // compressed, say: torch's reader with its extensions reads it
-        ++report.transformed;
-        continue;
-      }
-      // A tensor's shape must be its chunk's as the metadata records it (the Reader's rule).
-      std::optional<DcpTensorItem> t;
-      if (!item.bytes) {
-        t = ReadDcpTensorItem(file, item.name, item.offset, item.length, item.chunk_sizes,
-                              item.fqn);
-      }
-      if (item.xxh64) {
-        // One pass: the item's xxh64, and its data's block sums where the metadata has them.
-        const bool blocks = t && !item.block_xxh64.empty();
-        StreamBuffers buffers(std::max<uint64_t>(1, std::min(item.length, kCheckpointGroupBytes)));
-        Xxh64State h;
-        BlockHasher block_sums;
-        uint64_t at = item.offset;
-        StreamRange(engine, file, item.offset, item.length, buffers, [&](std::byte* p, size_t n) {
-          h.Update(p, n);
-          if (blocks) {  // the part of [at, at + n) inside the data
-            const uint64_t begin = std::max(at, t->data_offset);
-            const uint64_t end = std::min(at + n, t->data_offset + t->nbytes);
-            if (begin < end) block_sums.Update(p + (begin - at), end - begin);
-          }
-          at += n;
-        });
-        const uint64_t actual = h.Digest();
-        ++report.checked;
-        // A damaged block of the data is named by its range (the Reader's rule), before the
-        // item's sum (which also covers the zip records around the data).
-        if (blocks) {
-          CheckDcpBlockXxh64s(where, item.block_xxh64, 0, block_sums.Finish(), t->data_offset,
-                              t->nbytes);
-        }
-        if (actual != *item.xxh64) {
-          report.problems.push_back(StrCat(where, ": its xxh64 is ", Hex16(actual),
-                                           ", the metadata records ", Hex16(*item.xxh64)));
-        }
-      } else if (t && t->crc32) {
-        StreamBuffers buffers(std::max<uint64_t>(1, std::min(t->nbytes, kCheckpointGroupBytes)));
-        uint32_t crc = 0;
-        StreamRange(engine, file, t->data_offset, t->nbytes, buffers,
-                    [&](std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
-        ++report.checked;
-        if (crc != *t->crc32) {
-          report.problems.push_back(StrCat(where, ": its data's CRC-32 is ", Hex8(crc),
-                                           ", its zip records ", Hex8(*t->crc32)));
-        }
-      } else if (const std::optional<std::string> problem =
-                     item.bytes ? DcpZipRecordsProblem(RangeSource(FileSource(file), item.name,
-                                                                   item.offset, item.length))
-                                : std::nullopt) {
-        ++report.checked;
-        if (!problem->empty()) report.problems.push_back(StrCat(where, ": ", *problem));
-      } else {
-        ++report.unchecked;
-      }
-    } catch (const FormatError& e) {
-      report.problems.push_back(e.what());
-    }
-  }
-  return report;
 }
 
 }  // namespace tensortier
