@@ -224,8 +224,9 @@ def _each_shard(path: str, read: Callable[[str, str], Any], io: IOHandle) -> dic
     """What ``read(shard, kind)`` gives for each shard of index `path`, in one dict in the
     shards' order (the index read by the CLI's rules), each shard's tensors those the index
     puts there (the order shards are read in must not decide the bytes). The shards are opened
-    together, and the index is read again if another save replaced it meanwhile: a directory
-    saved again during the load is read as one version, never a mix of two."""
+    together (more than _opened_together holds: one by one), and the index is read again if
+    another save replaced it meanwhile (opened one by one: at any time until the last shard was
+    read): a directory saved again during the load is read as one version, never a mix of two."""
     for _ in range(_READS_OF_A_REPLACED_INDEX):
         before = _identity(path)
         try:
@@ -241,10 +242,17 @@ def _each_shard(path: str, read: Callable[[str, str], Any], io: IOHandle) -> dic
             if held and _identity(path) != before:
                 continue  # the shards opened may be another version's than the index read
             out: dict[str, Any] = {}
-            for shard, kind, names in walk:
-                part = read(shard, kind)
-                out.update((n, part[n])
-                           for n in _require("shard_names")(path, shard, names, part))
+            try:
+                for shard, kind, names in walk:
+                    part = read(shard, kind)
+                    out.update((n, part[n])
+                               for n in _require("shard_names")(path, shard, names, part))
+            except FileNotFoundError:
+                if held or _identity(path) == before:
+                    raise
+                continue  # too many shards to hold open, and another save's are there now
+            if not held and _identity(path) != before:
+                continue  # too many shards to hold open: read one by one, maybe of two versions
             return out
     raise OSError(errno.EAGAIN, f"{path}: replaced by another save each of the "
                   f"{_READS_OF_A_REPLACED_INDEX} times its shards were opened; load it again "
