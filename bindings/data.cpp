@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <memory>
@@ -524,6 +525,21 @@ void RegisterData(py::module_& m) {
   m.def("shard_start", &ShardStart, py::arg("shard_id"), py::arg("num_shards"), py::arg("size"));
   m.def("shard_padded_size", &ShardPaddedSize, py::arg("num_shards"), py::arg("size"));
 
+  m.def(
+      "shared_counter_add",
+      [](uintptr_t address, int64_t value) {
+        // FileDataset's count of skipped files, in memory its DataLoader workers share: a
+        // lock-free atomic is address-free, so processes add to it without losing a count.
+        if (address == 0 || address % alignof(int64_t) != 0)
+          throw py::value_error("shared_counter_add: address " + std::to_string(address) +
+                                " is not that of an int64");
+        static_assert(std::atomic_ref<int64_t>::is_always_lock_free);
+        return std::atomic_ref<int64_t>(*reinterpret_cast<int64_t*>(address)).fetch_add(value) +
+               value;
+      },
+      py::arg("address"), py::arg("value"),
+      "Adds value to the int64 at address atomically, also against other processes mapping "
+      "it; returns the sum. ValueError: an address that is null or not 8-byte aligned.");
   m.def("check_reader_setting", &ReaderSetting, py::arg("value"), py::arg("name"),
         py::arg("minimum"), py::arg("bits"),
         "value as an integer (a Python int, not a bool) of at least minimum below 2**bits; "

@@ -375,6 +375,38 @@ def test_dataset_counts_the_files_skipped_in_its_workers(disk_dir: Path, workers
     assert dataset.skipped == 2 * len(gone)  # since the dataset was made
 
 
+def _add_ones(address: int, times: int) -> None:
+    for _ in range(times):
+        _core.shared_counter_add(address, 1)
+
+
+def test_the_skipped_count_is_added_to_by_processes_at_once_without_losing_any() -> None:
+    """FileDataset's workers add their skipped files to one int64 in shared memory: processes
+    adding at the same instant lose nothing (a plain += on the tensor loses counts)."""
+    import multiprocessing
+
+    counter = torch.zeros(2, dtype=torch.int64).share_memory_()
+    address, times = counter[1:].data_ptr(), 50_000
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_add_ones, args=(address, times)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        _add_ones(address, times)
+    finally:
+        for p in procs:
+            p.join(120)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert counter.tolist() == [0, 4 * times]
+    assert _core.shared_counter_add(address, -5) == 4 * times - 5
+    for bad in (0, address + 1):
+        with pytest.raises(ValueError, match="not that of an int64"):
+            _core.shared_counter_add(bad, 1)
+
+
 def test_labels_are_int32_or_the_label_dtype_asked_for(disk_dir: Path) -> None:
     """int32 labels by default (DALI's); label_dtype=torch.int64 gives what torch's losses take
     (F.cross_entropy refuses int32 targets), through FileDataset's workers too."""

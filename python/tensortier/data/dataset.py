@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -15,11 +14,8 @@ from .._paths import PathArg
 from .reader import FileReader, _check_label_dtype
 
 
-# The fields of FileDataset's shared tensor, then its files skipped: a slot per process that
-# iterates, by its pid (two processes on one slot that count at the same instant could lose a
-# count).
+# The fields of FileDataset's shared tensor.
 _EPOCH, _RESUME_TAKEN, _WORKER_ITERATIONS, _SKIPPED = 0, 1, 2, 3
-_SKIPPED_SLOTS = 256
 
 
 def _rank_and_world() -> tuple[int, int] | None:
@@ -128,8 +124,9 @@ class FileDataset(torch.utils.data.IterableDataset):
         # given to load_state_dict (workers get a copy of it each epoch: it resumes one);
         # [_WORKER_ITERATIONS]: iterations begun in DataLoader workers (state_dict() in this
         # process then has nothing to say).
-        # [_SKIPPED + slot]: files on_error="skip" left out, by each process (see `skipped`).
-        self._shared = torch.zeros(_SKIPPED + _SKIPPED_SLOTS, dtype=torch.int64).share_memory_()
+        # [_SKIPPED]: files on_error="skip" left out, by every process (see `skipped`), each
+        # adding to it atomically.
+        self._shared = torch.zeros(_SKIPPED + 1, dtype=torch.int64).share_memory_()
         self._worker_iterations_seen = 0  # [_WORKER_ITERATIONS] when this process's began
         self._parent_rank: tuple[int, int] | None = None  # set in copies sent to workers
         self._reader: FileReader | None = None  # the iteration under way in this process
@@ -202,11 +199,11 @@ class FileDataset(torch.utils.data.IterableDataset):
                 f"batches: use fewer workers, a smaller batch_size or drop_last=False)",
                 RuntimeWarning, stacklevel=2)
         self._reader = reader
-        slot = _SKIPPED + os.getpid() % _SKIPPED_SLOTS
+        skipped = self._shared[_SKIPPED:].data_ptr()
         try:
             for batch in reader.batches():
                 if batch.skipped:  # counted as the batch is given out (not as it is read ahead)
-                    self._shared[slot] += len(batch.skipped)
+                    _core.shared_counter_add(skipped, len(batch.skipped))
                 yield reader._tensors(batch)
         finally:
             reader.close()
@@ -216,7 +213,7 @@ class FileDataset(torch.utils.data.IterableDataset):
         """Files ``on_error="skip"`` has left out of batches (unreadable, vanished, not regular
         files) since the dataset was made, in this process and its DataLoader workers alike
         (each worker's count is in shared memory); counted as each batch is given out."""
-        return int(self._shared[_SKIPPED:].sum())
+        return int(self._shared[_SKIPPED])
 
     def state_dict(self) -> dict[str, Any]:
         """Where this process's (or DataLoader worker's) iteration is: its reader's
