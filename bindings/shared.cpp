@@ -30,7 +30,6 @@
 #include "tensortier/shared/shared_store.hpp"
 #include "tensortier/shared/shared_tensor.hpp"
 #include "tensortier/util/error.hpp"
-#include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -220,14 +219,13 @@ class BoundGroup : public SharedGroup {
     Close();
     // A child made by os.fork() holds a copy of the parent's group: closing it (its exit
     // included) frees the copy only, and tells the other ranks nothing.
-    if (maker_.Forked()) return;
+    if (forked()) return;
     MarkClosed();
     if (!hosts_store_) CountOut();  // a store that is gone has nobody waiting
   }
 
  private:
   bool hosts_store_;
-  const MakerProcess maker_;
   std::atomic<bool> closed_ = false;
   std::mutex mutex_;
   std::vector<std::weak_ptr<DistributedTensor>> distributed_;

@@ -5,6 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -98,11 +100,15 @@ void RegisterSharedArgs(py::module_& m) {
           throw py::value_error(StrCat("timeout must be positive seconds, not ",
                                        py::repr(timeout).cast<std::string>()));
         }
-        return py::float_(timeout);
+        // Longer than a year is a wait without end (shared::DeadlineAfter's rule); held to a
+        // year here, infinity included, every store call and deadline stays in range.
+        constexpr double kYear = std::chrono::duration<double>(kLongestWait).count();
+        return py::float_(std::min(py::float_(timeout).cast<double>(), kYear));
       },
       py::arg("timeout"),
-      "A timeout (seconds, or a datetime.timedelta) as float seconds; ValueError unless positive, "
-      "TypeError for what is neither.");
+      "A timeout (seconds, or a datetime.timedelta) as float seconds, a year at most (what is "
+      "longer, infinity included, waits without end); ValueError unless positive, TypeError for "
+      "what is neither.");
   m.def("require_cuda_driver", &RequireCudaDriver, py::arg("prefix"), py::arg("advice"),
         "CudaError '{prefix}no CUDA driver was found (why); {advice}' without a usable driver.");
   m.def("shared_memory_of", &MemoryOf, py::arg("type"), py::arg("device"), py::arg("what"),

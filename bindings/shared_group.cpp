@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -51,6 +52,11 @@ std::pair<int64_t, int64_t> RankAndWorld(std::optional<int64_t> rank,
   if (*rank < 0 || *rank >= *world_size) {
     throw py::value_error(
         StrCat("rank ", *rank, " is not in a group of ", *world_size, " processes"));
+  }
+  // The group's ranks are C ints (as torch.distributed's).
+  if (*world_size > std::numeric_limits<int>::max()) {
+    throw py::value_error(StrCat("world_size ", *world_size, " is more than a group can have (",
+                                 std::numeric_limits<int>::max(), ")"));
   }
   return {*rank, *world_size};
 }

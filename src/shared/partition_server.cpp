@@ -42,7 +42,9 @@ PartitionServer::PartitionServer(std::string socket_name)
 PartitionServer::~PartitionServer() {
   if (maker_.Forked()) {
     // The wake pipe is the parent's too: a byte written there would stop the parent's server.
-    thread_.detach();  // not a thread of this process
+    // The thread is the parent's: it can be neither joined nor detached here (pthread_detach
+    // fails with EINVAL, and std::thread's throw would end the process), so its handle is left.
+    new std::thread(std::move(thread_));
     for (auto& [key, fd] : served_) {
       if (fd >= 0) ::close(fd);
     }

@@ -217,6 +217,14 @@ std::string SharedGroup::GetUnlessClosed(const std::string& what, const std::str
 
 std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value) {
   if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
+  if (maker_.Forked()) {
+    throw std::logic_error(StrCat(
+        what, ": ",
+        ForkedUseMessage("shared group", maker_.pid(),
+                         "it is not one of the group's ranks (its parent is)",
+                         "make collective calls in the rank's own process; a worker reads and "
+                         "writes the tensors through the views it inherited")));
+  }
   const uint64_t n = next_collective_++;
   std::string base = StrCat(prefix_, "/c", n, "/");
   // Each rank's entry names its call ahead of its value: a rank making another call at this

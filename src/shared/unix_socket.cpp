@@ -12,6 +12,7 @@
 #include <cstring>
 #include <thread>
 
+#include "tensortier/shared/shared_spec.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -60,7 +61,7 @@ UniqueFd::~UniqueFd() {
 
 Clock::time_point DeadlineAfter(std::chrono::milliseconds timeout) {
   auto now = Clock::now();
-  if (timeout > std::chrono::hours(24 * 365)) return Clock::time_point::max();
+  if (timeout >= kLongestWait) return Clock::time_point::max();
   return now + timeout;
 }
 

@@ -20,6 +20,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shared_ranks.hpp"
@@ -665,6 +666,38 @@ TEST(SharedTensorTest, AnotherUsersProcessIsRefused) {
       Check(group.refused_peers() == 1, "refusal counted");
     }
     group.Barrier("done");
+  });
+  ExpectAllZero(statuses);
+}
+
+// A child made by fork() holds a copy of its parent's group, not a rank: a collective call there
+// would stand in for the parent's (std::logic_error instead), and closing the copy, from any
+// thread, must not end the process (the partition server's thread is the parent's).
+TEST(SharedTensorTest, AForkedChildMakesNoCollectiveCallAndClosesItsCopy) {
+  auto statuses = RunRanks(2, [](int rank, std::shared_ptr<Store> store) {
+    SharedGroup group(store, rank, 2, 20s);
+    auto t = group.Create(Spec({1024, 1}, 4, SharedLayout::kContinuous, "t"));
+    if (rank == 1) {
+      pid_t pid = ::fork();
+      if (pid == 0) {
+        int code = 2;  // the barrier returned
+        try {
+          group.Barrier("child");
+        } catch (const std::logic_error& e) {
+          code = std::string(e.what()).find("a child made by fork()") != std::string::npos ? 0 : 3;
+        } catch (...) {
+          code = 4;
+        }
+        std::thread closing([&] { group.Close(); });
+        closing.join();
+        ::_exit(code);
+      }
+      int st = 0;
+      ::waitpid(pid, &st, 0);
+      Check(WIFEXITED(st) && WEXITSTATUS(st) == 0, StrCat("child: status ", st));
+    }
+    group.Barrier("after the child");  // paired with rank 0's, not taken by the child
+    Check(t->rank() == rank, "the group's tensor is still this rank's");
   });
   ExpectAllZero(statuses);
 }

@@ -1043,12 +1043,26 @@ def test_ctrl_c_ends_the_store_host_s_wait_at_exit_for_a_dead_rank(tmp_path: Pat
 
 
 FORK_CHILD_EXITS = """
-import os, subprocess, sys, time, torch, torch.multiprocessing as mp
+import os, subprocess, sys, threading, time, torch, torch.multiprocessing as mp
 import tensortier.shared as shared
 
 OUTSIDE = "import tensortier.shared as s; print(s.attach('feat', timeout=20).view().sum().item())"
 
-def run(rank, world, port, forker):
+def child_uses_the_group(g):
+    # A collective call from the child would stand in for its parent's rank: refused.
+    try:
+        g.barrier()
+    except RuntimeError as e:
+        code = 0 if "a child made by fork()" in str(e) else 3
+    else:
+        code = 4
+    # Closing the child's copy, from another thread as a DataLoader worker's may: no abort.
+    closing = threading.Thread(target=g.close)
+    closing.start()
+    closing.join()
+    return code
+
+def run(rank, world, port, forker, child):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     g = shared.Group(rank=rank, world_size=world, timeout=20)
     t = g.create_tensor((16,), torch.float32, name="feat")
@@ -1056,8 +1070,10 @@ def run(rank, world, port, forker):
     if rank == forker:
         pid = os.fork()
         if pid == 0:
-            sys.exit(0)  # Python's exit path: the atexit handlers it inherited run
-        os.waitpid(pid, 0)
+            # Python's exit path: the atexit handlers it inherited run
+            sys.exit(child_uses_the_group(g) if child == "use" else 0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
     g.barrier()
     t.scatter([rank], torch.ones(1))
     g.barrier()
@@ -1070,19 +1086,22 @@ def run(rank, world, port, forker):
     g.close()
 
 if __name__ == "__main__":
-    mp.spawn(run, args=(2, int(sys.argv[1]), int(sys.argv[2])), nprocs=2)
+    mp.spawn(run, args=(2, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]), nprocs=2)
 """
 
 
-@pytest.mark.parametrize("forker", [0, 1])
-def test_a_forked_child_s_exit_leaves_the_parent_s_group(tmp_path: Path, forker: int) -> None:
+@pytest.mark.parametrize("forker,child", [(0, "exit"), (1, "exit"), (1, "use")])
+def test_a_forked_child_s_exit_leaves_the_parent_s_group(tmp_path: Path, forker: int,
+                                                         child: str) -> None:
     """A child made by os.fork() that exits through Python's exit path (sys.exit) runs the
     atexit handlers it inherited and drops its copy of the group: neither may close the
     parent's group, stop the parent's partition server (processes outside the group still
-    attach), or make the rank serving the store wait for the others."""
+    attach), or make the rank serving the store wait for the others. A child that makes a
+    collective call gets a RuntimeError (it is not the rank: its barrier would stand in for its
+    parent's), and one that closes its copy from another thread exits normally."""
     script = tmp_path / "fork_child.py"
     script.write_text(FORK_CHILD_EXITS)
-    r = subprocess.run([sys.executable, str(script), str(free_port()), str(forker)],
+    r = subprocess.run([sys.executable, str(script), str(free_port()), str(forker), child],
                        env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
@@ -1237,6 +1256,42 @@ def test_arguments_of_the_wrong_type_are_type_errors_naming_them() -> None:
                 group.create_tensor((4, 4), torch.float32, name=name)
             with pytest.raises(error, match=message):
                 shared.attach(name, store=store, timeout=1)
+
+
+def test_a_world_size_beyond_a_group_s_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"world_size 1099511627776 is more than a group can"):
+        shared.Group(rank=0, world_size=2**40, store=torch.distributed.HashStore(), timeout=2)
+
+
+ENDLESS_TIMEOUTS = """
+import datetime, os, sys, torch, torch.multiprocessing as mp
+import tensortier.shared as shared
+
+def run(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    timeout = float("inf") if rank == 0 else datetime.timedelta.max
+    with shared.Group(rank=rank, world_size=world, timeout=timeout) as g:
+        assert g.timeout == 365 * 24 * 3600.0, g.timeout
+        t = g.create_tensor((8, 4), torch.float32, name="feat")
+        t.local()[0].fill_(rank + 1)
+        g.barrier()
+        want = sum((end - begin) * 4 * (r + 1) for r, (begin, end) in enumerate(t.partitions))
+        assert t.view().sum().item() == want, (t.view(), t.partitions)
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)
+"""
+
+
+def test_timeouts_of_more_than_a_year_wait_without_end(tmp_path: Path) -> None:
+    """timeout=inf and datetime.timedelta.max are waits without end (a year at most, which
+    the waits take as none): the group works, not an overflow failing one rank at once while
+    the other waits for it."""
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS_TIMEOUTS)
+    r = subprocess.run([sys.executable, str(script), str(free_port())], env=env_for(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_a_name_longer_than_an_attach_request_holds_is_refused_when_created() -> None:

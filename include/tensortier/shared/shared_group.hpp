@@ -16,6 +16,7 @@
 
 #include "tensortier/shared/shared_spec.hpp"
 #include "tensortier/shared/shared_store.hpp"
+#include "tensortier/util/process_identity.hpp"
 
 namespace tensortier {
 
@@ -44,6 +45,9 @@ class SharedGroup {
   int rank() const noexcept { return rank_; }
   int world_size() const noexcept { return world_size_; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  // Whether the caller runs in a child made by fork() (which holds a copy of the group, not a
+  // rank of it: its collective calls throw std::logic_error).
+  bool forked() const noexcept { return maker_.Forked(); }
   // The abstract socket name this rank serves on (without the leading NUL).
   const std::string& socket_name() const noexcept;
   // Connections refused because the peer ran as another user.
@@ -114,6 +118,9 @@ class SharedGroup {
   // Keeps a weak reference to `tensor` (closed with the group), forgetting those dropped.
   void Remember(const std::shared_ptr<SharedTensor>& tensor);
 
+  // The process that is the rank: a child made by fork() holds a copy of the group, and a
+  // collective call there would stand in for its parent's.
+  MakerProcess maker_;
   std::shared_ptr<Store> store_;
   int rank_;
   int world_size_;

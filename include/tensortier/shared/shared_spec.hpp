@@ -34,6 +34,8 @@ SharedMemory ParseSharedMemory(const std::string& name);
 
 // How long collective calls wait for the other ranks unless told otherwise.
 inline constexpr std::chrono::milliseconds kDefaultSharedTimeout{std::chrono::minutes(2)};
+// The longest wait a timeout asks for: what is longer waits without end (no deadline).
+inline constexpr std::chrono::milliseconds kLongestWait{std::chrono::hours(24 * 365)};
 // The most bytes a shared tensor may span: more than any address space maps (x86-64 and arm64
 // user space end below 2^57), and far enough from 2^64 that sizes rounded up never wrap.
 inline constexpr uint64_t kMaxSharedTensorBytes = 1ull << 56;
