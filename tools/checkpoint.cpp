@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "cli.hpp"
@@ -39,9 +40,21 @@ void Note(const std::string& text) {
 }
 
 // A Hugging Face model directory (as save_pretrained writes it) is read through the file
-// transformers' from_pretrained reads (HfWeightsFile); any other path is itself.
+// transformers' from_pretrained reads (HfWeightsFile); any other path is itself. A directory of
+// no checkpoint (a config.json only: a download that did not finish) is a FormatError saying
+// what was looked for.
 std::string ModelDirectoryFile(const std::string& path) {
-  return HfWeightsFile(path).value_or(path);
+  if (std::optional<std::string> weights = HfWeightsFile(path)) return *weights;
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw FormatError(StrCat(path,
+                             ": no checkpoint in this directory: no model.safetensors, "
+                             "model.safetensors.index.json, pytorch_model.bin or "
+                             "pytorch_model.bin.index.json (a Hugging Face model's weights) and "
+                             "no .metadata (a torch.distributed.checkpoint); pass a checkpoint "
+                             "file or a shard .index.json"));
+  }
+  return path;
 }
 
 // Notes the tensors that shard files hold and the index names for none of its spellings of the

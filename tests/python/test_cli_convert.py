@@ -758,6 +758,13 @@ def test_info_and_verify_read_a_model_directory_as_from_pretrained_does(disk_dir
             r.stderr)
     r = run("info", disk_dir / "variants" / "model.fp16.safetensors")
     assert r.returncode == 0, r.stderr
+    config_only = disk_dir / "config-only"  # a download that did not finish
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+    for command in ("info", "verify"):
+        r = run(command, config_only)
+        assert r.returncode == 1, r.stdout
+        assert "no checkpoint in this directory: no model.safetensors" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("header_length", [123, 0x7B20])
