@@ -417,7 +417,9 @@ def enable() -> None:
 def _enabled_save_pretrained(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> None:
     # transformers' part of a save (a class's own save_pretrained may have called it through
     # super(), and goes on once it returns); within a save of ours, into the directory it writes.
-    if (args or kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
+    # After disable(), transformers' own: a hook another library put over ours since enable()
+    # stays in place and still calls this one.
+    if (not _enabled or args or kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
             or _saving.get()):
         return _originals["save_pretrained"](self, save_directory, *args, **kwargs)
     _save(self, _save_directory(save_directory), _transformers_writer(self), kwargs)

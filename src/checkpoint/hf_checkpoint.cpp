@@ -13,6 +13,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "tensortier/checkpoint/checkpoint_file.hpp"
 #include "tensortier/checkpoint/checkpoint_format.hpp"
@@ -29,6 +30,28 @@ namespace tensortier {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Whether a process's working directory (this one's, or another's this process may look at:
+// a logger, a shell, a watcher started there) is one of `folders`: a swap would leave it in a
+// removed folder, where its relative paths no longer reach the model's directory.
+bool AnyProcessWorksIn(const std::set<std::pair<dev_t, ino_t>>& folders) {
+  std::error_code ec;
+  for (auto it = fs::directory_iterator("/proc", ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    const std::string pid = it->path().filename().string();
+    if (pid.empty() ||
+        !std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      continue;
+    }
+    struct stat st{};
+    // Processes of other users (EACCES) and those gone meanwhile (ENOENT) are passed over.
+    if (::stat(StrCat("/proc/", pid, "/cwd").c_str(), &st) == 0 &&
+        folders.contains({st.st_dev, st.st_ino})) {
+      return true;
+    }
+  }
+  return false;
+}
 
 bool IsFile(const fs::path& p) {
   std::error_code ec;
@@ -218,29 +241,22 @@ bool HfDirectorySwappable(const std::string& final_dir) {
   struct stat top{};
   if (::lstat(final_dir.c_str(), &top) != 0) return true;  // a new directory (or unreadable)
   if (!S_ISDIR(top.st_mode) || IsMountPoint(final_dir)) return false;
-  // The working directory or a folder above it is final_dir: compared as files (device and
-  // inode), since final_dir may be reached through a symbolic link that getcwd() resolves.
+  // The folders a swap moves away, as files (device and inode): a process working in one
+  // reaches it through any path, a symbolic link that getcwd() resolves included.
+  std::set<std::pair<dev_t, ino_t>> folders{{top.st_dev, top.st_ino}};
   std::error_code ec;
-  const fs::path cwd = fs::current_path(ec);
-  for (fs::path at = cwd; !ec && !at.empty(); at = at.parent_path()) {
-    struct stat st{};
-    if (::stat(at.c_str(), &st) == 0 && st.st_dev == top.st_dev && st.st_ino == top.st_ino) {
-      return false;
-    }
-    if (at == at.root_path()) break;
-  }
-  // A file system mounted on a folder inside: another device, or a bind mount of this one.
   for (auto it = fs::recursive_directory_iterator(
            final_dir, fs::directory_options::skip_permission_denied, ec);
        !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
     if (!it->is_directory(ec) || it->is_symlink(ec)) continue;
     struct stat st{};
     const std::string path = it->path().string();
-    if (::lstat(path.c_str(), &st) == 0 && (st.st_dev != top.st_dev || IsMountPoint(path))) {
-      return false;
-    }
+    if (::lstat(path.c_str(), &st) != 0) continue;
+    // A file system mounted on a folder inside: another device, or a bind mount of this one.
+    if (st.st_dev != top.st_dev || IsMountPoint(path)) return false;
+    folders.emplace(st.st_dev, st.st_ino);
   }
-  return true;
+  return !AnyProcessWorksIn(folders);
 }
 
 HfSaveStaging StageHfSave(const std::string& final_dir) {

@@ -886,6 +886,61 @@ def test_disable_leaves_another_library_s_save_pretrained(tmp_path: Path) -> Non
     assert cls.save_pretrained is original
 
 
+def test_after_disable_a_hook_over_ours_saves_as_transformers(tmp_path: Path) -> None:
+    """Another library's hook put over ours after enable() calls ours: after disable(), that
+    call is transformers' own save (no staging, no checksums of ours)."""
+    cls = transformers.PreTrainedModel
+    original = cls.save_pretrained
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    hf.enable()
+    try:
+        inner = cls.save_pretrained
+
+        def theirs(self: Any, *args: Any, **kwargs: Any) -> None:
+            return inner(self, *args, **kwargs)
+
+        cls.save_pretrained = theirs
+        model.save_pretrained(tmp_path / "on")
+        hf.disable()
+        model.save_pretrained(tmp_path / "off")
+    finally:
+        cls.save_pretrained = original
+        hf.disable()
+    from safetensors import safe_open
+
+    def ours(d: Path) -> bool:
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            return any(k.startswith("tensortier.") for k in (f.metadata() or {}))
+
+    assert (ours(tmp_path / "on"), ours(tmp_path / "off")) == (True, False)
+
+
+def test_another_process_working_in_the_directory_keeps_it(tmp_path: Path) -> None:
+    """A process whose working directory is the model's (a logger, a shell) would be left in a
+    removed folder by a swap: the save writes in place, and the process's relative writes
+    still land in the directory."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    hf.save_pretrained(model, out)
+    (out / "logs").mkdir()
+    for cwd in (out, out / "logs"):
+        child = subprocess.Popen(
+            [sys.executable, "-c",
+             "import sys; sys.stdin.readline(); open('after.txt', 'w').write('x')"],
+            cwd=cwd, stdin=subprocess.PIPE)
+        try:  # Popen returns once the child runs its program, in `cwd`
+            hf.save_pretrained(model, out)
+            child.communicate(b"go\n", timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert child.returncode == 0 and (cwd / "after.txt").read_text() == "x"
+    assert_same(hf.from_pretrained(type(model), out), model.eval())
+
+
 def test_files_written_inside_a_folder_of_the_directory_during_a_save_stay(
         tmp_path: Path) -> None:
     """A log another process appends to a folder the directory already had (runs/), a file it
