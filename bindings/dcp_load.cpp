@@ -165,6 +165,7 @@ class FileLoad {
   }
 
   uint64_t Read(Engine& engine, const std::vector<uintptr_t>& addresses) const {
+    if (!reads_) throw std::logic_error("DcpFileLoad.read: the load was closed");
     if (addresses.size() != dests_.size()) {
       throw std::invalid_argument("DcpFileLoad.read: one address per buffer");
     }
@@ -177,6 +178,9 @@ class FileLoad {
     GilReleased release;
     return reads_->bytes_read() + reads_->Read(engine, reads);
   }
+
+  // Closes the file now (a failed read's error, which a caller may keep, holds this object).
+  void Close() { reads_.reset(); }
 
   py::list buffers;
   py::list commits;
@@ -256,5 +260,8 @@ void RegisterDcpLoad(py::module_& m) {
           "buffer's bytes that the ReadItem takes. Reads in parts come first.")
       .def("read", &FileLoad::Read, py::arg("engine"), py::arg("addresses"),
            "Reads each of `buffers` into the memory at addresses[i], checked as verify says "
-           "(DcpFileReads.read). Returns the bytes read from the file, the constructor's too.");
+           "(DcpFileReads.read). Returns the bytes read from the file, the constructor's too.")
+      .def("close", &FileLoad::Close,
+           "Closes the file (idempotent); read() then raises RuntimeError. buffers and commits "
+           "stay.");
 }

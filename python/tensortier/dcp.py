@@ -165,6 +165,13 @@ def _stage_copy(shaped: Any, sources: list[Any], dtensor: Any, devices: list[Any
     return _core.dcp_stage_rebuild(shaped, staged, dtensor)
 
 
+def _refuse_tensor(item: Any, kind: Any) -> None:
+    """TypeError: write item `item` is a tensor of `kind` (a dtype, a layout), which no file of
+    ours stores."""
+    raise TypeError(f"{_core.dcp_item_name(item.index)}: tensors of {kind} cannot be saved by "
+                    "tensortier.dcp (dense tensors of torch's plain dtypes only)")
+
+
 def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], list[Any]]:
     """(tensortier's dtype names, "" for a bytes item; the tensors, bytes items as uint8 host
     tensors) of the write items: those not in host memory or not contiguous are copied by
@@ -185,9 +192,8 @@ def _write_sources(items: list[Any], planner: SavePlanner) -> tuple[list[str], l
             t = planner.resolve_data(item).detach()  # a DTensor's shard, a tensor subclass...
         dt = names.get(t.dtype) if t.layout == torch.strided and not t.is_meta else None
         if dt is None or t.dtype in quantized:
-            kind = t.layout if t.layout != torch.strided else "meta" if t.is_meta else t.dtype
-            raise TypeError(f"{_core.dcp_item_name(item.index)}: tensors of {kind} cannot be "
-                            "saved by tensortier.dcp (dense tensors of torch's plain dtypes only)")
+            _refuse_tensor(item, t.layout if t.layout != torch.strided
+                           else "meta" if t.is_meta else t.dtype)
         dtypes.append(dt)
         tensors.append(t)
     return dtypes, tensors
@@ -288,8 +294,19 @@ class Writer(_CheckpointDirectory, StorageWriter, AsyncStager):
                              "its commit writes one .metadata for all ranks, not one per rank")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Makes the checkpoint directory; with ``overwrite=False``, refuses one that holds a
-        checkpoint."""
+        """Refuses tensors of a dtype or layout that cannot be saved (TypeError naming the
+        item: DCP's plan step, so that no rank writes a file), makes the checkpoint directory;
+        with ``overwrite=False``, refuses one that holds a checkpoint."""
+        names = dtype_names()
+        quantized = quantized_dtypes()
+        for item in plan.items:
+            if item.tensor_data is None:
+                continue  # a bytes item
+            props = item.tensor_data.properties
+            if props.dtype not in names or props.dtype in quantized or (
+                    props.layout != torch.strided):
+                _refuse_tensor(item, props.layout if props.layout != torch.strided
+                               else props.dtype)
         os.makedirs(self._dir, exist_ok=True)
         if not self.overwrite and os.path.exists(os.path.join(self._dir, ".metadata")):
             raise RuntimeError(f"Checkpoint already exists and self.overwrite={self.overwrite}.")
@@ -605,47 +622,54 @@ class Reader(_CheckpointDirectory, StorageReader):
                         errno.ENOENT, f"a save replaced the checkpoint in {self._dir} during this "
                         "load (its .metadata changed after this load read it, and the data files "
                         "the old one named are gone); load again", path) from e
-                bufs: list[tuple[Any, Any]] = []  # (what is read into, the request's target)
-                for req, dtype, shape, stride, nbytes in load.buffers:
-                    # Straight into the request's target where both lie alike in CPU memory.
-                    target = None if req is None else planner.resolve_tensor(req).detach()
-                    into = (target is not None and target.dtype == dtype and target.is_cpu
-                            and target.is_contiguous() and list(target.shape) == shape
-                            and target.nbytes == nbytes
-                            and (stride is None or list(target.stride()) == stride))
-                    bufs.append((target if into else torch.empty(nbytes, dtype=torch.uint8),
-                                 target))
-                # Targets sharing memory (tied weights, a planner's reused scratch tensor) are
-                # read apart, then copied in at their commits, in order: the last one wins, as
-                # in stock DCP, where each is read and committed in turn.
-                targets = [k for k, (_, target) in enumerate(bufs) if target is not None]
-                for i in _core.overlapping_areas(
-                        [(bufs[k][1].data_ptr(), _extent(bufs[k][1])) for k in targets]):
-                    buf, target = bufs[targets[i]]
-                    if buf is target:
-                        bufs[targets[i]] = (torch.empty(target.nbytes, dtype=torch.uint8), target)
-                self.bytes_read += load.read(engine, [b.data_ptr() for b, _ in bufs])
-                for i, req, name, view in load.commits:
-                    buf, target = bufs[i]
-                    if buf is target:
-                        planner.commit_tensor(req, target)
-                    elif view is None:
-                        raw = buf.numpy().tobytes()
-                        if _unpickled_unchecked(planner, raw):
-                            _check_weights_only(raw, path, name)
-                        planner.load_bytes(req, io.BytesIO(raw))
-                    else:
-                        tensor = buf.view(view[0]).as_strided(*view[1:4])
-                        if view[4]:  # torch's conjugate bit
-                            tensor = tensor.conj()
-                        if view[5]:  # torch's negative bit
-                            tensor = tensor.neg()
-                        if target is None:
-                            target = planner.resolve_tensor(req).detach()
-                        if target.size() != tensor.size():
-                            raise ValueError(f"{path}: {name} gives a tensor of "
-                                             f"{tuple(tensor.size())}, the load asks for "
-                                             f"{tuple(target.size())}")
-                        target.copy_(tensor)
-                        planner.commit_tensor(req, target)
+                try:
+                    self._read_file(load, path, planner, engine)
+                finally:  # now: an error a caller keeps would hold the file's descriptors
+                    load.close()
         return _done(None)
+
+    def _read_file(self, load: Any, path: str, planner: LoadPlanner, engine: Any) -> None:
+        """Reads the items of one rank file (`load`, a ``DcpFileLoad``) and commits them."""
+        bufs: list[tuple[Any, Any]] = []  # (what is read into, the request's target)
+        for req, dtype, shape, stride, nbytes in load.buffers:
+            # Straight into the request's target where both lie alike in CPU memory.
+            target = None if req is None else planner.resolve_tensor(req).detach()
+            into = (target is not None and target.dtype == dtype and target.is_cpu
+                    and target.is_contiguous() and list(target.shape) == shape
+                    and target.nbytes == nbytes
+                    and (stride is None or list(target.stride()) == stride))
+            bufs.append((target if into else torch.empty(nbytes, dtype=torch.uint8),
+                         target))
+        # Targets sharing memory (tied weights, a planner's reused scratch tensor) are
+        # read apart, then copied in at their commits, in order: the last one wins, as
+        # in stock DCP, where each is read and committed in turn.
+        targets = [k for k, (_, target) in enumerate(bufs) if target is not None]
+        for i in _core.overlapping_areas(
+                [(bufs[k][1].data_ptr(), _extent(bufs[k][1])) for k in targets]):
+            buf, target = bufs[targets[i]]
+            if buf is target:
+                bufs[targets[i]] = (torch.empty(target.nbytes, dtype=torch.uint8), target)
+        self.bytes_read += load.read(engine, [b.data_ptr() for b, _ in bufs])
+        for i, req, name, view in load.commits:
+            buf, target = bufs[i]
+            if buf is target:
+                planner.commit_tensor(req, target)
+            elif view is None:
+                raw = buf.numpy().tobytes()
+                if _unpickled_unchecked(planner, raw):
+                    _check_weights_only(raw, path, name)
+                planner.load_bytes(req, io.BytesIO(raw))
+            else:
+                tensor = buf.view(view[0]).as_strided(*view[1:4])
+                if view[4]:  # torch's conjugate bit
+                    tensor = tensor.conj()
+                if view[5]:  # torch's negative bit
+                    tensor = tensor.neg()
+                if target is None:
+                    target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise ValueError(f"{path}: {name} gives a tensor of "
+                                     f"{tuple(tensor.size())}, the load asks for "
+                                     f"{tuple(target.size())}")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)

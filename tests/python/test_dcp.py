@@ -357,6 +357,15 @@ def test_flipped_byte_names_file_item_and_range(tmp_path: Path, writer: str, at:
     msg = str(e.value)
     assert "ValueError" in msg or "FormatError" in msg, msg  # FormatError: a ValueError
     assert name in msg and "'w'" in msg and f"[{begin}, {end})" in msg, msg
+    # The error is kept (in e, as a retry loop or a log keeps it, with the frames of the load):
+    # the rank file is closed all the same.
+    opened = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the listing's own descriptor
+    assert not [p for p in opened if p.startswith(str(ckpt))], opened
 
 
 def test_a_damaged_value_of_a_stock_checkpoint_is_found_by_its_zip_crc(tmp_path: Path) -> None:
