@@ -540,6 +540,27 @@ void RegisterData(py::module_& m) {
       py::arg("address"), py::arg("value"),
       "Adds value to the int64 at address atomically, also against other processes mapping "
       "it; returns the sum. ValueError: an address that is null or not 8-byte aligned.");
+  m.def(
+      "check_reader_choices",
+      [](const py::dict& flags, const py::object& backend) {
+        py::dict out;
+        for (const auto& [name, value] : flags) {
+          const std::string n = py::str(name);
+          if (value.is_none()) throw py::type_error(n + " must be True or False, not None");
+          out[name] = *FlagArgument(py::reinterpret_borrow<py::object>(value), n.c_str());
+        }
+        if (!backend.is_none()) {
+          if (!PyUnicode_Check(backend.ptr())) {
+            throw py::type_error("backend must be a str, not " + TypeName(backend));
+          }
+          BackendWord(backend.cast<std::string>());  // ValueError naming the choices
+        }
+        return out;
+      },
+      py::arg("flags"), py::arg("backend"),
+      "FileReader's flags (name -> value) as bools (TypeError naming one that is not: a string "
+      "such as 'False' would be true), and its backend checked (ValueError unless None or one "
+      "of the engine's).");
   m.def("check_reader_setting", &ReaderSetting, py::arg("value"), py::arg("name"),
         py::arg("minimum"), py::arg("bits"),
         "value as an integer (a Python int, not a bool) of at least minimum below 2**bits; "

@@ -469,9 +469,33 @@ def test_dataset_settings_are_checked_when_it_is_made(disk_dir: Path) -> None:
         ({"rank": 2, "world_size": 2}, ValueError, "rank 2 is out of range"),
         ({"rank": 0}, ValueError, "both rank= and world_size="),
         ({"on_error": "ignore"}, ValueError, "on_error"),
+        ({"device": "meta"}, ValueError, "device must be 'cpu' or 'cuda'"),
+        ({"backend": "bogus"}, ValueError, "backend: 'bogus' is not one of"),
+        ({"extent_map": disk_dir / "missing.json"}, FileNotFoundError, "missing.json"),
+        ({"pin_memory": "x"}, TypeError, "pin_memory must be True or False, not 'x'"),
+        ({"direct": "x"}, TypeError, "direct must be True or False"),
+        ({"drop_last": "False"}, TypeError, "drop_last must be True or False, not 'False'"),
+        ({"case_sensitive_filter": "no"}, TypeError, "case_sensitive_filter must be True or"),
     ):
         with pytest.raises(error, match=match):
             FileDataset(file_root=disk_dir, **bad)
+
+
+def test_reader_flags_are_true_or_false_not_strings(disk_dir: Path) -> None:
+    """A flag from a config file or the command line ("False") was true: drop_last="False"
+    dropped the last batch, shuffle="False" shuffled. Each flag takes bools, 0, 1 and numpy's
+    bools; anything else is a TypeError naming it, as DALI refuses strings for its flags."""
+    make_tree(disk_dir, classes=1, per_class=5)
+    for name in ("shuffle", "stick_to_shard", "pad_last_batch", "drop_last", "pin_memory",
+                 "extent_checksums", "case_sensitive_filter", "copy", "direct", "check_files"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, not 'False'"):
+            FileReader(file_root=disk_dir, batch_size=2, **{name: "False"})
+    with pytest.raises(TypeError, match="drop_last must be True or False, not None"):
+        FileReader(file_root=disk_dir, batch_size=2, drop_last=None)
+    reader = FileReader(file_root=disk_dir, batch_size=2, shuffle=np.bool_(False), drop_last=0)
+    assert [len(samples) for samples, _ in reader] == [2, 2, 1]
+    with pytest.raises(TypeError, match="backend must be a str, not int"):
+        FileReader(file_root=disk_dir, batch_size=2, backend=1)
 
 
 def test_more_workers_than_files_read_every_file_once(disk_dir: Path) -> None:

@@ -22,6 +22,31 @@ def _check_label_dtype(label_dtype: Any) -> torch.dtype:
     return label_dtype
 
 
+# FileReader's settings that are True or False.
+_FLAGS = frozenset({"shuffle", "stick_to_shard", "pad_last_batch", "drop_last", "pin_memory",
+                    "extent_checksums", "case_sensitive_filter", "copy", "direct",
+                    "check_files"})
+
+
+def _check_reader_choices(options: Mapping[str, Any]) -> dict[str, bool]:
+    """The flags among `options` (FileReader's keyword arguments) as bools, and its backend
+    checked: TypeError naming a flag that is not True or False (a config file's "False" would
+    be true), ValueError for a backend the engine lacks."""
+    return _core.check_reader_choices({k: v for k, v in options.items() if k in _FLAGS},
+                                      options.get("backend"))
+
+
+def _check_device(device: Any) -> Any:
+    """`device` as the torch.device a FileReader fills batches on: ValueError unless a CPU or
+    (with a GPU) a CUDA one."""
+    checked = torch.device(device)
+    if checked.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if checked.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a torch build with CUDA and a GPU")
+    return checked
+
+
 class FileReader:
     """Reads a file set in batches, many files at once, ``prefetch`` batches ahead of the loop.
 
@@ -117,30 +142,32 @@ class FileReader:
         _core.check_reader_settings(batch_size, prefetch, num_shards, open_threads, seed,
                                     shard_id, on_error)
         self._label_dtype = _check_label_dtype(label_dtype)
-        self._device = torch.device(device)
-        if self._device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
-        if self._device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' needs a torch build with CUDA and a GPU")
+        flag = _check_reader_choices(dict(
+            shuffle=shuffle, stick_to_shard=stick_to_shard, pad_last_batch=pad_last_batch,
+            drop_last=drop_last, pin_memory=pin_memory, extent_checksums=extent_checksums,
+            case_sensitive_filter=case_sensitive_filter, copy=copy, direct=direct,
+            check_files=check_files, backend=backend))
+        self._device = _check_device(device)
         self._paths, self._labels = _core.resolve_sample_inputs(
-            file_root, file_list, files, labels, check_files, file_filters,
-            case_sensitive_filter, dir_filters)
+            file_root, file_list, files, labels, flag["check_files"], file_filters,
+            flag["case_sensitive_filter"], dir_filters)
         self._state = _core.ReaderState(
-            self._paths, self._labels, batch_size=batch_size, shuffle=bool(shuffle), seed=seed,
-            shard_id=shard_id, num_shards=num_shards, stick_to_shard=bool(stick_to_shard),
-            pad_last_batch=bool(pad_last_batch), drop_last=bool(drop_last))
-        self._copy = copy
+            self._paths, self._labels, batch_size=batch_size, shuffle=flag["shuffle"],
+            seed=seed, shard_id=shard_id, num_shards=num_shards,
+            stick_to_shard=flag["stick_to_shard"], pad_last_batch=flag["pad_last_batch"],
+            drop_last=flag["drop_last"])
+        self._copy = flag["copy"]
         self._core = _core.BatchReader(
             self._paths,
             prefetch=prefetch,
             open_threads=open_threads,
             skip_errors=on_error == "skip",
-            direct=direct,
-            pin_memory=pin_memory or self._device.type == "cuda",
+            direct=flag["direct"],
+            pin_memory=flag["pin_memory"] or self._device.type == "cuda",
             device=self._device.index or 0,
             backend=backend,
             extent_map=None if extent_map is None else ExtentMap.of(extent_map),
-            extent_checksums=bool(extent_checksums),
+            extent_checksums=flag["extent_checksums"],
         )
 
     @property
