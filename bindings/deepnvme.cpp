@@ -34,6 +34,7 @@
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/transfer/operation.hpp"
+#include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/settings.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -106,9 +107,10 @@ std::string PathArgument(const py::object& target, const std::string& what) {
 
 // The path a DeepNVMe call names: `target` a path, or (`descriptor_ok`: async_pwrite's second
 // overload) an open descriptor, named by /proc/self/fd and left open (OSError when it is not
-// open, or read-only for a write). A read's file must exist and open for reading; a write's path
-// is created if missing (mode 0600, as DeepNVMe's). nullopt, with DeepNVMe's warning, when a check
-// fails; TypeError for a target that is no path (an int but where `descriptor_ok`).
+// open, or read-only for a write). A read's file must exist, open for reading and not be a
+// directory; a write's path is created if missing (mode 0600, as DeepNVMe's). nullopt, with
+// DeepNVMe's warning, when a check fails; TypeError for a target that is no path (an int but where
+// `descriptor_ok`).
 std::optional<std::string> DeepNvmeFile(const std::string& op, const py::object& target,
                                         const std::string& what, bool descriptor_ok) {
   const bool descriptor = descriptor_ok && !IsPath(target);
@@ -134,6 +136,9 @@ std::optional<std::string> DeepNvmeFile(const std::string& op, const py::object&
     int fd = -1;
     if (op == "read" && stat(path.c_str(), &st) != 0) {
       step = "fstat for read";
+    } else if (op == "read" && S_ISDIR(st.st_mode)) {
+      step = "open for read";  // DeepNVMe's open (O_DIRECT) of a directory fails
+      errno = EISDIR;
     } else if (op == "read" && (fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)) < 0) {
       step = "open for read";
     } else if (op == "write" && !descriptor &&
@@ -316,6 +321,7 @@ class DeepNvmeHandle {
     const bool async =
         CBoolArgument(AliasedArgument(what, async_op, kwargs, "async_op", "async"), what, "async");
     const bool check = CBoolArgument(validate, what, "validate");
+    CheckNotForked();
     const Held held(mutex_);
     if (!Start(self, op, buffer, filename, offset, check, async && op == "write", false)) return -1;
     return async ? 0 : static_cast<int64_t>(WaitPending());
@@ -328,6 +334,7 @@ class DeepNvmeHandle {
     if (filename.is_none() == fd.is_none()) {
       throw py::type_error("async_pwrite: give a filename or an fd (one of them)");
     }
+    CheckNotForked();
     const Held held(mutex_);
     return Start(self, "write", buffer, filename.is_none() ? fd : filename, offset, false, true,
                  true)
@@ -339,6 +346,7 @@ class DeepNvmeHandle {
   // the buffer's; at a later offset, the buffer's bytes from there in the file.
   int64_t Whole(const py::object& self, const std::string& op, const py::object& buffer,
                 const py::object& filename, const py::object& validate, py::object offset) {
+    CheckNotForked();
     CheckTensor(buffer, op, "buffer", true, false, false);
     const bool check = CBoolArgument(validate, op, "validate");
     if (op == "read") {
@@ -361,6 +369,7 @@ class DeepNvmeHandle {
 
   // wait(): every operation started, in order; returns their count.
   size_t Wait() {
+    CheckNotForked();
     const Held held(mutex_);
     return WaitPending();
   }
@@ -402,6 +411,18 @@ class DeepNvmeHandle {
   }
 
  private:
+  // A child made by fork() (a DataLoader worker) holds a copy of the handle: the operations it
+  // recorded are the parent's, run by threads the child does not have (waiting for them would
+  // never end). ValueError, as an IOHandle's.
+  void CheckNotForked() const {
+    if (maker_.Forked()) {
+      throw py::value_error(ForkedUseMessage(
+          "aio_handle", maker_.pid(),
+          "its engine's worker threads and the operations it started are the parent's",
+          "make a new handle in the child"));
+    }
+  }
+
   // DeepNVMe's handle mutex: held while an operation starts, and by a blocking call to the end of
   // its wait (another thread's wait() cannot take its operation half done). Taken with the GIL
   // released, and interruptible as the Python lock it replaces was (Ctrl-C while the main thread
@@ -577,6 +598,7 @@ class DeepNvmeHandle {
   };
 
   std::timed_mutex mutex_;
+  const MakerProcess maker_;  // the process whose engine runs the operations
   std::vector<Pending> pending_;
   int64_t block_size_ = 0;
   int64_t queue_depth_ = 0;

@@ -198,6 +198,14 @@ def test_files_that_cannot_be_opened_return_minus_one(handle, disk_dir: Path) ->
         with pytest.warns(RuntimeWarning, match="deepspeed_aio: .* failed on .* error = 2"):
             assert call() == -1
     assert handle.wait() == 0 and not os.path.exists(missing)
+    # A directory: DeepNVMe's open (O_DIRECT) fails, for reads as for writes.
+    folder = str(disk_dir)
+    for call in [lambda: handle.sync_pread(torch.empty(10), folder),
+                 lambda: handle.async_pread(torch.empty(10), folder),
+                 lambda: handle.sync_pwrite(t, folder)]:
+        with pytest.warns(RuntimeWarning, match="deepspeed_aio: .* failed on .* error = 21"):
+            assert call() == -1
+    assert handle.wait() == 0
 
 
 def test_misuse_gets_deepnvme_s_answer(handle, disk_dir: Path) -> None:  # type: ignore[no-untyped-def]
@@ -861,6 +869,43 @@ def test_operations_on_one_locked_buffer_keep_the_order_they_started_in(
         h.sync_pread(out, str(disk_dir / f"new{i}.bin"))
         assert bool((out == 2.0).all()), f"round {i}: the write did not see the read's data"
     h.free_cpu_locked_tensor(buf)
+
+
+def test_a_forked_child_s_copy_of_a_handle_refuses_to_wait_for_the_parent_s_reads(
+        disk_dir: Path) -> None:
+    """A child made by fork (a DataLoader worker) holding a handle whose read is in flight in
+    the parent: its wait() and blocking calls raise ValueError, as an IOHandle's do (they waited
+    forever for operations no thread of the child runs); the parent's read completes."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, signal, torch
+from tensortier.compat.deepnvme import AsyncIOBuilder
+path = {str(disk_dir / "big.bin")!r}
+t = torch.arange(16 << 20, dtype=torch.float32)
+t.numpy().tofile(path)
+h = AsyncIOBuilder().load().aio_handle()
+u = torch.empty_like(t)
+assert h.async_pread(u, path) == 0
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)
+    code = 0
+    for call in (h.wait, lambda: h.sync_pread(torch.empty(4), path),
+                 lambda: h.read(torch.empty(4), path, False, 0)):
+        try:
+            call()
+            code = 3
+        except ValueError as e:
+            code = code or (0 if "a child made by fork()" in str(e) else 4)
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert h.wait() == 1 and torch.equal(u, t)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, (r.returncode, r.stderr)
 
 
 def test_a_forked_child_frees_a_locked_tensor_the_parent_still_writes(disk_dir: Path) -> None:
