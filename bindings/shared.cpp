@@ -627,6 +627,9 @@ void RegisterShared(py::module_& m) {
            py::arg("hosts_store") = false)
       .def("require", &BoundGroup::Require, py::arg("what"),
            "RuntimeError '{what}: the shared group was closed (finalized)' once closed.")
+      .def("require_rank", &SharedGroup::RequireRank, py::arg("what"),
+           "RuntimeError in a child made by fork(), which holds a copy of the group and is not "
+           "the rank: a collective call there would stand in for its parent's.")
       .def_property_readonly("rank", &SharedGroup::rank)
       .def_property_readonly("world_size", &SharedGroup::world_size)
       .def_property_readonly("socket_name", &SharedGroup::socket_name)

@@ -261,6 +261,8 @@ class SharedTensor:
             out = torch.empty((n, *self._shape[1:]), dtype=self._dtype)
             core.gather(indices.data_ptr(), n, out.data_ptr())
             return out
+        if self._distributed and self._group is not None:
+            self._group.require_rank("gather")  # a forked child: its round would never pair
         with self._refused_round_on_error(kind_scatter=False):
             core.require("gather")  # closed: this rank still takes part in a distributed round
             idx = self._indices(indices)
@@ -282,6 +284,8 @@ class SharedTensor:
             ValueError: values whose shape is not ``(len(indices), *shape[1:])``.
         """
         host = self.memory == "host"  # device memory takes values from any device
+        if self._distributed and self._group is not None:
+            self._group.require_rank("scatter")  # a forked child: its round would never pair
         with self._refused_round_on_error(kind_scatter=True):
             self._core.require("scatter")  # closed: still takes part in a distributed round
             idx = self._indices(indices)
@@ -390,6 +394,7 @@ class SharedTensor:
         waiting out the timeout."""
         if self._group is None:  # attached from outside the group: ValueError, nobody waits
             self._core.require(what, True)
+        self._group.require_rank(what)  # a forked child: RuntimeError before anything is done
         try:
             self._core.require(what, True)  # RuntimeError once closed
             if self.memory == "device" and torch.cuda.is_initialized():

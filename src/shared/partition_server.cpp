@@ -67,6 +67,9 @@ void PartitionServer::Serve(const std::string& key, UniqueFd fd) {
 }
 
 void PartitionServer::Unserve(const std::string& key) {
+  // A child made by fork(): the server's thread is the parent's, and may have held the lock at
+  // the fork (taking it would never end). What the child holds is closed with the server.
+  if (maker_.Forked()) return;
   std::lock_guard lock(mutex_);
   auto it = served_.find(key);
   if (it == served_.end()) return;

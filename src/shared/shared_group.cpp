@@ -215,16 +215,21 @@ std::string SharedGroup::GetUnlessClosed(const std::string& what, const std::str
   }
 }
 
-std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value) {
-  if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
+void SharedGroup::RequireRank(const std::string& what) const {
   if (maker_.Forked()) {
     throw std::logic_error(StrCat(
         what, ": ",
         ForkedUseMessage("shared group", maker_.pid(),
                          "it is not one of the group's ranks (its parent is)",
-                         "make collective calls in the rank's own process; a worker reads and "
-                         "writes the tensors through the views it inherited")));
+                         "make the group's calls in the rank's own process; a worker reads and "
+                         "writes the tensors through the views it inherited, or attaches one "
+                         "with tensortier.shared.attach(name)")));
   }
+}
+
+std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value) {
+  if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
+  RequireRank(what);
   const uint64_t n = next_collective_++;
   std::string base = StrCat(prefix_, "/c", n, "/");
   // Each rank's entry names its call ahead of its value: a rank making another call at this
@@ -385,6 +390,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, 
 
 std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name, int device) {
   if (!server_) throw std::logic_error("attach: the shared group was closed");
+  RequireRank("attach");  // the store's connection is the parent's
   SharedTensorRecord record = ReadRecord(*store_, name, timeout_);
   RefuseDeviceAttach(record.spec, name);
   std::shared_ptr<SharedTensor> tensor;

@@ -1048,14 +1048,19 @@ import tensortier.shared as shared
 
 OUTSIDE = "import tensortier.shared as s; print(s.attach('feat', timeout=20).view().sum().item())"
 
-def child_uses_the_group(g):
-    # A collective call from the child would stand in for its parent's rank: refused.
-    try:
-        g.barrier()
-    except RuntimeError as e:
-        code = 0 if "a child made by fork()" in str(e) else 3
-    else:
-        code = 4
+def child_uses_the_group(g, t):
+    # A collective call from the child would stand in for its parent's rank, and an attach use
+    # the parent's store connection: refused, before anything is done (no file stored).
+    prefix = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_rows")
+    code = 0
+    for call in (g.barrier, lambda: t.store_files(prefix), lambda: g.attach("feat")):
+        try:
+            call()
+            code = code or 4
+        except RuntimeError as e:
+            code = code or (0 if "a child made by fork()" in str(e) else 3)
+    if any(n.startswith("child_rows") for n in os.listdir(os.path.dirname(prefix))):
+        code = code or 5
     # Closing the child's copy, from another thread as a DataLoader worker's may: no abort.
     closing = threading.Thread(target=g.close)
     closing.start()
@@ -1071,7 +1076,7 @@ def run(rank, world, port, forker, child):
         pid = os.fork()
         if pid == 0:
             # Python's exit path: the atexit handlers it inherited run
-            sys.exit(child_uses_the_group(g) if child == "use" else 0)
+            sys.exit(child_uses_the_group(g, t) if child == "use" else 0)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, status
     g.barrier()

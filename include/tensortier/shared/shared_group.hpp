@@ -46,8 +46,11 @@ class SharedGroup {
   int world_size() const noexcept { return world_size_; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   // Whether the caller runs in a child made by fork() (which holds a copy of the group, not a
-  // rank of it: its collective calls throw std::logic_error).
+  // rank of it: its collective calls and Attach throw std::logic_error, see RequireRank).
   bool forked() const noexcept { return maker_.Forked(); }
+  // std::logic_error "{what}: ..." in a child made by fork(): what a rank does (a collective
+  // call, a use of the store) would stand in for its parent's, or use the parent's connection.
+  void RequireRank(const std::string& what) const;
   // The abstract socket name this rank serves on (without the leading NUL).
   const std::string& socket_name() const noexcept;
   // Connections refused because the peer ran as another user.
