@@ -137,8 +137,8 @@ std::optional<std::string> DeepNvmeFile(const std::string& op, const py::object&
     if (op == "read" && stat(path.c_str(), &st) != 0) {
       step = "fstat for read";
     } else if (op == "read" && S_ISDIR(st.st_mode)) {
-      step = "open for read";  // DeepNVMe's open (O_DIRECT) of a directory fails
-      errno = EISDIR;
+      step = "open for read";  // DeepNVMe's open (O_DIRECT) of a directory fails, so
+      errno = EINVAL;
     } else if (op == "read" && (fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)) < 0) {
       step = "open for read";
     } else if (op == "write" && !descriptor &&
@@ -376,6 +376,12 @@ class DeepNvmeHandle {
 
   // close(): the IOHandle waits for everything in flight and stops its workers.
   void Close(const py::object& self) {
+    if (maker_.Forked()) {
+      // The child's copy: the lock may have been held by a thread of the parent at the fork
+      // (taking it would never end); the IOHandle's close lets the parent's engine be.
+      self.attr("_io").attr("close")();
+      return;
+    }
     const Held held(mutex_);
     self.attr("_io").attr("close")();
   }

@@ -198,12 +198,12 @@ def test_files_that_cannot_be_opened_return_minus_one(handle, disk_dir: Path) ->
         with pytest.warns(RuntimeWarning, match="deepspeed_aio: .* failed on .* error = 2"):
             assert call() == -1
     assert handle.wait() == 0 and not os.path.exists(missing)
-    # A directory: DeepNVMe's open (O_DIRECT) fails, for reads as for writes.
+    # A directory: DeepNVMe's open fails, for reads (O_DIRECT: EINVAL) as for writes (EISDIR).
     folder = str(disk_dir)
-    for call in [lambda: handle.sync_pread(torch.empty(10), folder),
-                 lambda: handle.async_pread(torch.empty(10), folder),
-                 lambda: handle.sync_pwrite(t, folder)]:
-        with pytest.warns(RuntimeWarning, match="deepspeed_aio: .* failed on .* error = 21"):
+    for call, code in [(lambda: handle.sync_pread(torch.empty(10), folder), 22),
+                       (lambda: handle.async_pread(torch.empty(10), folder), 22),
+                       (lambda: handle.sync_pwrite(t, folder), 21)]:
+        with pytest.warns(RuntimeWarning, match=f"deepspeed_aio: .* failed on .* error = {code}"):
             assert call() == -1
     assert handle.wait() == 0
 
@@ -899,6 +899,7 @@ if pid == 0:
             code = 3
         except ValueError as e:
             code = code or (0 if "a child made by fork()" in str(e) else 4)
+    h.close()  # the child's copy, at once
     os._exit(code)
 _, status = os.waitpid(pid, 0)
 assert h.wait() == 1 and torch.equal(u, t)
