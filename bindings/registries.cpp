@@ -193,43 +193,31 @@ class CuFileRegistrations {
 
 class TensorGroups {
  public:
-  // Records the key `tensors` were written under; a later write of one of them makes its old
-  // group unreadable, as TensorNVMe's key would no longer be its. Dead groups are dropped when
-  // there are twice as many as after the last sweep.
+  // Records the key `tensors` were written under. A key stays readable until it is read, also
+  // when one of its tensors is written again under another (TensorNVMe's keys are the call's
+  // tensors, not their data): its read brings back that tensor's later write. Groups with a tensor
+  // gone are dropped when there are twice as many as after the last sweep.
   void Remember(const py::list& tensors, bool vector) {
-    const Key key = KeyOf(tensors, vector);
     std::vector<py::weakref> refs;
-    for (const py::handle t : tensors) {
-      const auto old = member_.find(Id(t));
-      if (old != member_.end()) groups_.erase(old->second);
-      member_.insert_or_assign(Id(t), key);
-      refs.emplace_back(t);
-    }
-    groups_.insert_or_assign(key, std::move(refs));
+    for (const py::handle t : tensors) refs.emplace_back(t);
+    groups_.insert_or_assign(KeyOf(tensors, vector), std::move(refs));
     if (groups_.size() <= 2 * kept_) return;
     std::erase_if(groups_, [](const auto& group) {
       return std::any_of(group.second.begin(), group.second.end(),
                          [](const py::weakref& r) { return r().is_none(); });
     });
-    std::set<uintptr_t> live;
-    for (const auto& [k, group] : groups_) {
-      for (const py::weakref& r : group) live.insert(Id(r()));
-    }
-    std::erase_if(member_, [&live](const auto& m) { return !live.contains(m.first); });
     kept_ = std::max<size_t>(64, groups_.size());
   }
 
-  // Whether `tensors` are, in this order, the live tensors of one write call's group, each
-  // last written under it.
+  // A group read back: its key is TensorNVMe's no more (a read takes it).
+  void Forget(const py::list& tensors, bool vector) { groups_.erase(KeyOf(tensors, vector)); }
+
+  // Whether `tensors` are, in this order, the live tensors of one write call's group.
   bool Matches(const py::list& tensors, bool vector) const {
-    const Key key = KeyOf(tensors, vector);
-    const auto group = groups_.find(key);
+    const auto group = groups_.find(KeyOf(tensors, vector));
     if (group == groups_.end() || group->second.size() != tensors.size()) return false;
     for (size_t i = 0; i < tensors.size(); ++i) {
-      const auto m = member_.find(Id(tensors[i]));
-      if (!group->second[i]().is(tensors[i]) || m == member_.end() || m->second != key) {
-        return false;
-      }
+      if (!group->second[i]().is(tensors[i])) return false;
     }
     return true;
   }
@@ -243,7 +231,6 @@ class TensorGroups {
     return key;
   }
   std::map<Key, std::vector<py::weakref>> groups_;
-  std::map<uintptr_t, Key> member_;  // id of a tensor -> the key it was last written under
   size_t kept_ = 64;
 };
 
@@ -423,9 +410,10 @@ void RegisterRegistries(py::module_& m) {
       .def(py::init<>())
       .def("remember", &TensorGroups::Remember, py::arg("tensors"), py::arg("vector"),
            "Records the tensors of a write call (a vector call, or one tensor) as their group.")
+      .def("forget", &TensorGroups::Forget, py::arg("tensors"), py::arg("vector"),
+           "Drops the group of the tensors (read back).")
       .def("matches", &TensorGroups::Matches, py::arg("tensors"), py::arg("vector"),
-           "Whether the tensors are, in order, one write call's group, each last written under "
-           "it.");
+           "Whether the tensors are, in order, one write call's group.");
   py::class_<CuFileRegistrations>(m, "CuFileRegistrations")
       .def(py::init<>())
       .def("add", &CuFileRegistrations::Add, py::arg("address"), py::arg("nbytes"),

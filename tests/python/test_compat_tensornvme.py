@@ -191,6 +191,34 @@ def test_tensors_written_one_by_one_are_not_a_vector(of: DiskOffloader) -> None:
     of.sync_read(x)
 
 
+def test_a_tensor_of_a_vector_written_again_leaves_the_vector_readable(
+        of: DiskOffloader) -> None:
+    """TensorNVMe keys a vector by its tensors: writing one of them again (alone, or in another
+    vector) leaves the first vector's key, whose read brings back every tensor of it (the one
+    written again as its later write). Before, the vector's other tensors could never be read."""
+    a, b, c = torch.rand(8), torch.rand(8), torch.rand(8)
+    a1, b0 = torch.rand(8), b.clone()
+    of.async_writev([a, b])
+    of.sync_write_events()
+    of.sync_readv([a, b])
+    a.copy_(a1)
+    of.async_writev([a, b])
+    of.async_write(a)  # a again, while the vector's write may run
+    of.sync_write_events()
+    of.sync_readv([a, b])
+    assert torch.equal(a, a1) and torch.equal(b, b0)
+    with pytest.raises(RuntimeError, match="tensor not found"):
+        of.sync_readv([a, b])  # read back: its key is taken
+    c0 = c.clone()
+    of.async_writev([a, b])
+    of.async_writev([a, c])  # a again, in another vector
+    of.sync_write_events()
+    of.sync_readv([a, c])
+    assert torch.equal(c, c0) and storage_bytes(b) == 0
+    of.sync_readv([a, b])  # a is back already: b, which only this read brings back
+    assert torch.equal(a, a1) and torch.equal(b, b0)
+
+
 def test_a_later_write_regroups_a_tensor(of: DiskOffloader) -> None:
     x, y = torch.rand(4), torch.rand(5)
     of.sync_writev([x, y])

@@ -81,7 +81,8 @@ class DiskOffloader(_offload.DiskOffloader):
                 except ValueError as e:
                     raise WriteRefusedError(f"{what}: {e}") from e
                 self._groups.remember(tensors, vector)
-            elif not (self._groups.matches(tensors, vector) and self._entries.readable(tensors)):
+            elif not (self._groups.matches(tensors, vector)
+                      and (readable := self._still_offloaded(tensors))):
                 raise RuntimeError(
                     "Read error, tensor not found"
                     + (" (read a vector with the tensors, in the order, of its write)"
@@ -89,11 +90,24 @@ class DiskOffloader(_offload.DiskOffloader):
                 )
             else:
                 try:
-                    keys = self._read(_core.tensornvme_moved(tensors), callback)
+                    keys = self._read(_core.tensornvme_moved(readable), callback)
                 except ValueError as e:  # its memory was replaced: TensorNVMe's size check
                     raise RuntimeError(f"Read error, tensor shape mismatch: {e}") from e
+                self._groups.forget(tensors, vector)  # TensorNVMe's read takes its key
         if what.startswith("sync"):  # only its own tensors: async ones are left to their waits
             self._wait("write" if write else "read", keys)
+
+
+    def _still_offloaded(self, tensors: list[Any]) -> list[Any]:
+        """Those of a group's `tensors` to read back: all of them, when all are offloaded and
+        not being read; where some were read back by another group of a later write (a tensor
+        in two vectors), the others, which only this group's read brings back; else none."""
+        if self._entries.readable(tensors):
+            return tensors
+        left = [t for t in tensors if self._entries.readable([t])]
+        back = all(self._entries.readable([t]) or t.untyped_storage().nbytes() > 0
+                   for t in tensors)
+        return left if back else []
 
 
 @contextlib.contextmanager
