@@ -4,6 +4,7 @@
 #include <linux/fs.h>  // RENAME_NOREPLACE
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,10 +32,17 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Whether a process's working directory (this one's, or another's this process may look at:
-// a logger, a shell, a watcher started there) is one of `folders`: a swap would leave it in a
-// removed folder, where its relative paths no longer reach the model's directory.
-bool AnyProcessWorksIn(const std::set<std::pair<dev_t, ino_t>>& folders) {
+// Whether a process's working directory (this one's, or another's this process may look at: a
+// logger, a shell, a watcher started there) is `top` or a folder inside it: a swap would leave it
+// in a removed folder, where its relative paths no longer reach the model's directory. Each is
+// walked up through its ".." entries while on top's file system (a folder inside the walk of
+// `top` could not list counts too); attributes come from the cache (AT_STATX_DONT_SYNC), so that
+// a process sitting on a hung network mount does not hold up the save.
+bool AnyProcessWorksIn(const struct stat& top) {
+  const auto same_file = [](const struct statx& a, const struct statx& b) {
+    return a.stx_dev_major == b.stx_dev_major && a.stx_dev_minor == b.stx_dev_minor &&
+           a.stx_ino == b.stx_ino;
+  };
   std::error_code ec;
   for (auto it = fs::directory_iterator("/proc", ec); !ec && it != fs::directory_iterator();
        it.increment(ec)) {
@@ -43,11 +51,16 @@ bool AnyProcessWorksIn(const std::set<std::pair<dev_t, ino_t>>& folders) {
         !std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; })) {
       continue;
     }
-    struct stat st{};
+    std::string at = StrCat("/proc/", pid, "/cwd");
+    struct statx here{};
     // Processes of other users (EACCES) and those gone meanwhile (ENOENT) are passed over.
-    if (::stat(StrCat("/proc/", pid, "/cwd").c_str(), &st) == 0 &&
-        folders.contains({st.st_dev, st.st_ino})) {
-      return true;
+    for (int depth = 0; depth < 4096; ++depth, at += "/..") {
+      struct statx up{};
+      if (::statx(AT_FDCWD, at.c_str(), AT_STATX_DONT_SYNC, STATX_INO, &up) != 0) break;
+      if (makedev(up.stx_dev_major, up.stx_dev_minor) != top.st_dev) break;  // another mount
+      if (up.stx_ino == top.st_ino) return true;
+      if (depth > 0 && same_file(up, here)) break;  // the file system's root
+      here = up;
     }
   }
   return false;
@@ -241,9 +254,7 @@ bool HfDirectorySwappable(const std::string& final_dir) {
   struct stat top{};
   if (::lstat(final_dir.c_str(), &top) != 0) return true;  // a new directory (or unreadable)
   if (!S_ISDIR(top.st_mode) || IsMountPoint(final_dir)) return false;
-  // The folders a swap moves away, as files (device and inode): a process working in one
-  // reaches it through any path, a symbolic link that getcwd() resolves included.
-  std::set<std::pair<dev_t, ino_t>> folders{{top.st_dev, top.st_ino}};
+  // A file system mounted on a folder inside: another device, or a bind mount of this one.
   std::error_code ec;
   for (auto it = fs::recursive_directory_iterator(
            final_dir, fs::directory_options::skip_permission_denied, ec);
@@ -251,12 +262,11 @@ bool HfDirectorySwappable(const std::string& final_dir) {
     if (!it->is_directory(ec) || it->is_symlink(ec)) continue;
     struct stat st{};
     const std::string path = it->path().string();
-    if (::lstat(path.c_str(), &st) != 0) continue;
-    // A file system mounted on a folder inside: another device, or a bind mount of this one.
-    if (st.st_dev != top.st_dev || IsMountPoint(path)) return false;
-    folders.emplace(st.st_dev, st.st_ino);
+    if (::lstat(path.c_str(), &st) == 0 && (st.st_dev != top.st_dev || IsMountPoint(path))) {
+      return false;
+    }
   }
-  return !AnyProcessWorksIn(folders);
+  return !AnyProcessWorksIn(top);
 }
 
 HfSaveStaging StageHfSave(const std::string& final_dir) {

@@ -66,7 +66,7 @@ std::optional<std::string> HfLoadTarget(
 // Whether a save into `final_dir` can stage a new directory and swap it in with one rename: not
 // where `final_dir` is a symbolic link, a file, a mount point, holds a mount point (a scratch
 // volume mounted inside: a swap would leave it behind), or holds the working directory of this
-// process or of another it may look at in /proc (which would be left in the removed folder).
+// process or of another it can see in /proc (which would be left in the removed folder).
 // Where it cannot, the save writes into it in place, as transformers does.
 bool HfDirectorySwappable(const std::string& final_dir);
 
