@@ -530,7 +530,7 @@ void RegisterData(py::module_& m) {
       [](uintptr_t address, int64_t value) {
         // FileDataset's count of skipped files, in memory its DataLoader workers share: a
         // lock-free atomic is address-free, so processes add to it without losing a count.
-        if (address == 0 || address % alignof(int64_t) != 0)
+        if (address == 0 || address % std::atomic_ref<int64_t>::required_alignment != 0)
           throw py::value_error("shared_counter_add: address " + std::to_string(address) +
                                 " is not that of an int64");
         static_assert(std::atomic_ref<int64_t>::is_always_lock_free);
@@ -546,8 +546,7 @@ void RegisterData(py::module_& m) {
         py::dict out;
         for (const auto& [name, value] : flags) {
           const std::string n = py::str(name);
-          if (value.is_none()) throw py::type_error(n + " must be True or False, not None");
-          out[name] = *FlagArgument(py::reinterpret_borrow<py::object>(value), n.c_str());
+          out[name] = FlagArgument(py::reinterpret_borrow<py::object>(value), n.c_str());
         }
         if (!backend.is_none()) {
           if (!PyUnicode_Check(backend.ptr())) {
@@ -558,9 +557,9 @@ void RegisterData(py::module_& m) {
         return out;
       },
       py::arg("flags"), py::arg("backend"),
-      "FileReader's flags (name -> value) as bools (TypeError naming one that is not: a string "
-      "such as 'False' would be true), and its backend checked (ValueError unless None or one "
-      "of the engine's).");
+      "FileReader's flags (name -> value) as bools, None kept (TypeError naming one that is "
+      "neither: a string such as 'False' would be true), and its backend checked (ValueError "
+      "unless None or one of the engine's).");
   m.def("check_reader_setting", &ReaderSetting, py::arg("value"), py::arg("name"),
         py::arg("minimum"), py::arg("bits"),
         "value as an integer (a Python int, not a bool) of at least minimum below 2**bits; "

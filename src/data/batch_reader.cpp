@@ -149,7 +149,7 @@ void OpenSlot(const std::string& path, bool direct, FileSlot& slot) {
         slot.size = static_cast<uint64_t>(now.st_size);
       } else if (n > 0) {
         ThrowIoError(EINVAL,
-                     "read (the file reports a size of 0 bytes but has data, as /proc and /sys "
+                     "read (the file reports a size of 0 bytes but has data, as most /proc "
                      "files do: its size is unknown; copy it to a regular file)",
                      path);
       } else {

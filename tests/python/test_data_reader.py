@@ -490,10 +490,13 @@ def test_reader_flags_are_true_or_false_not_strings(disk_dir: Path) -> None:
                  "extent_checksums", "case_sensitive_filter", "copy", "direct", "check_files"):
         with pytest.raises(TypeError, match=f"{name} must be True or False, not 'False'"):
             FileReader(file_root=disk_dir, batch_size=2, **{name: "False"})
-    with pytest.raises(TypeError, match="drop_last must be True or False, not None"):
-        FileReader(file_root=disk_dir, batch_size=2, drop_last=None)
     reader = FileReader(file_root=disk_dir, batch_size=2, shuffle=np.bool_(False), drop_last=0)
     assert [len(samples) for samples, _ in reader] == [2, 2, 1]
+    # None (a config's null) is the default, as DALI takes it: here drop_last=False.
+    reader = FileReader(file_root=disk_dir, batch_size=2, shuffle=False, drop_last=None)
+    assert [len(samples) for samples, _ in reader] == [2, 2, 1]
+    dataset = FileDataset(file_root=disk_dir, batch_size=2, shuffle=None, copy=None)
+    assert dataset._options["shuffle"] is True and dataset._options["copy"] is True
     with pytest.raises(TypeError, match="backend must be a str, not int"):
         FileReader(file_root=disk_dir, batch_size=2, backend=1)
 

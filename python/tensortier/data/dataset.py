@@ -12,7 +12,8 @@ import torch.utils.data
 from .. import _core
 from .._paths import PathArg
 from .extents import ExtentMap
-from .reader import FileReader, _check_device, _check_label_dtype, _check_reader_choices
+from .reader import (FileReader, _check_device, _check_label_dtype, _check_reader_choices,
+                     _reader_defaults)
 
 
 # The fields of FileDataset's shared tensor.
@@ -112,12 +113,18 @@ class FileDataset(torch.utils.data.IterableDataset):
         _core.check_reader_settings(batch_size, prefetch, 1, reader_options.get("open_threads", 16),
                                     seed, 0, on_error)
         _check_label_dtype(reader_options.get("label_dtype", torch.int32))
-        # The rest of what FileReader checks, now rather than in each worker.
-        _check_reader_choices(dict(reader_options, shuffle=shuffle, pad_last_batch=pad_last_batch,
-                                   drop_last=drop_last, copy=copy,
-                                   case_sensitive_filter=case_sensitive_filter))
+        # The rest of what FileReader checks, now rather than in each worker; the flags as
+        # bools (None: this dataset's default) for the workers' readers.
+        flags = _check_reader_choices(
+            dict(reader_options, shuffle=shuffle, pad_last_batch=pad_last_batch,
+                 drop_last=drop_last, copy=copy, case_sensitive_filter=case_sensitive_filter),
+            {**_reader_defaults(), "copy": True})
+        shuffle, pad_last_batch, drop_last, copy, case_sensitive_filter = (
+            flags.pop(k) for k in ("shuffle", "pad_last_batch", "drop_last", "copy",
+                                   "case_sensitive_filter"))
+        reader_options.update(flags)
         if "device" in reader_options:
-            _check_device(reader_options["device"])
+            _check_device(reader_options["device"], available=False)
         if reader_options.get("extent_map") is not None:
             ExtentMap.of(reader_options["extent_map"])  # a path: the map is read and checked
         self._split = _split_setting(rank, world_size)

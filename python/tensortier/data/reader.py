@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,21 +29,36 @@ _FLAGS = frozenset({"shuffle", "stick_to_shard", "pad_last_batch", "drop_last", 
                     "check_files"})
 
 
-def _check_reader_choices(options: Mapping[str, Any]) -> dict[str, bool]:
-    """The flags among `options` (FileReader's keyword arguments) as bools, and its backend
-    checked: TypeError naming a flag that is not True or False (a config file's "False" would
-    be true), ValueError for a backend the engine lacks."""
-    return _core.check_reader_choices({k: v for k, v in options.items() if k in _FLAGS},
-                                      options.get("backend"))
+def _check_reader_choices(options: Mapping[str, Any],
+                          defaults: Mapping[str, bool] | None = None) -> dict[str, bool]:
+    """The flags among `options` (FileReader's keyword arguments) as bools, None standing for
+    the default (`defaults`, else FileReader's, as DALI takes None for an argument not given),
+    and its backend checked: TypeError naming a flag that is neither True nor False (a config
+    file's "False" would be true), ValueError for a backend the engine lacks."""
+    checked = _core.check_reader_choices({k: v for k, v in options.items() if k in _FLAGS},
+                                         options.get("backend"))
+    if defaults is None:
+        defaults = _reader_defaults()
+    return {k: defaults[k] if v is None else v for k, v in checked.items()}
 
 
-def _check_device(device: Any) -> Any:
+@functools.cache
+def _reader_defaults() -> dict[str, bool]:
+    """FileReader's defaults of its flags."""
+    import inspect
+
+    parameters = inspect.signature(FileReader.__init__).parameters
+    return {name: p.default for name, p in parameters.items() if name in _FLAGS}
+
+
+def _check_device(device: Any, available: bool = True) -> Any:
     """`device` as the torch.device a FileReader fills batches on: ValueError unless a CPU or
-    (with a GPU) a CUDA one."""
+    a CUDA one (with `available`: and a GPU is there; asking initialises CUDA, which a process
+    about to fork DataLoader workers must not)."""
     checked = torch.device(device)
     if checked.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
-    if checked.type == "cuda" and not torch.cuda.is_available():
+    if available and checked.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' needs a torch build with CUDA and a GPU")
     return checked
 
