@@ -22,6 +22,7 @@
 #include "tensortier/checkpoint/load_checks.hpp"
 #include "tensortier/checkpoint/piece_reader.hpp"
 #include "tensortier/checkpoint/state_dict_checks.hpp"
+#include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -179,7 +180,12 @@ void RegisterCheckpointChecks(py::module_& m) {
           return CheckTorchStorage(Utf8(path), Utf8(record), Utf8(key), dtype, n,
                                    py::str(nbytes).cast<std::string>(), record_size, prior);
         } catch (const std::invalid_argument& e) {  // the names as they came
-          PyErr_SetObject(PyExc_ValueError, FromUtf8(e.what()).ptr());
+          // A FormatError (a record missing or of another size) is the file's damage, which
+          // the load names as torch does; other refusals stay ValueErrors.
+          const bool damage = dynamic_cast<const FormatError*>(&e) != nullptr;
+          static const py::handle format_error =
+              py::object(py::module_::import("tensortier._core").attr("FormatError")).release();
+          PyErr_SetObject(damage ? format_error.ptr() : PyExc_ValueError, FromUtf8(e.what()).ptr());
           throw py::error_already_set();
         }
       },

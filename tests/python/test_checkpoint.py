@@ -845,6 +845,43 @@ def test_an_index_of_more_shards_than_held_open_replaced_while_read_is_read_agai
     assert out.keys() == want.keys() and all(torch.equal(out[k], want[k]) for k in want)
 
 
+def test_an_index_of_more_shards_than_held_open_split_otherwise_is_read_again(
+        disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with a save that splits the tensors otherwise under the same shard names: the
+    second shard read lacks what the old index puts there; the index is read again."""
+    from safetensors.torch import save_file
+
+    from tensortier.checkpoint import _reading, loading
+
+    monkeypatch.setattr(_reading, "_MAX_PREOPENED", 1)
+    old, new = disk_dir / "m", disk_dir / "m.new"
+    for d, split in ((old, [["a"], ["b"]]), (new, [["a", "b"], ["c"]])):
+        d.mkdir()
+        weight_map = {}
+        for i, names in enumerate(split):
+            shard = f"model-{i + 1:05d}-of-00002.safetensors"
+            save_file({n: torch.full((3,), float(ord(n) + len(d.name))) for n in names},
+                      str(d / shard))
+            weight_map.update({n: shard for n in names})
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    real = loading._load_kind
+    shards_read: list[str] = []
+
+    def load_kind(path: str, kind: str, *args: Any) -> Any:
+        out = real(path, kind, *args)
+        if kind != "index":
+            shards_read.append(path)
+            if len(shards_read) == 1:
+                os.rename(old, disk_dir / "m.old")
+                os.rename(new, old)
+        return out
+
+    monkeypatch.setattr(loading, "_load_kind", load_kind)
+    out = tensortier.load(old / "model.safetensors.index.json")
+    assert sorted(out) == ["a", "b", "c"]
+    assert all(torch.equal(out[n], torch.full((3,), float(ord(n) + len("m.new")))) for n in out)
+
+
 def test_an_index_of_more_shards_than_held_open_whose_shards_went_is_read_again(
         disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same with a save whose shards have other names: the second shard is gone when it
@@ -975,6 +1012,32 @@ def test_an_index_replaced_at_every_opening_is_an_error_naming_it(
     with pytest.raises(OSError, match="replaced by another save") as e:
         tensortier.load(idx)
     assert e.value.errno == errno.EAGAIN and str(idx) in str(e.value)
+
+
+def test_an_index_of_more_shards_than_descriptors_left_is_read_one_by_one(
+        disk_dir: Path) -> None:
+    """An index of fewer shards than are opened together, but more than the process has
+    descriptors left (a low RLIMIT_NOFILE): its shards are opened as they are read, not an
+    EMFILE failure."""
+    from safetensors.torch import save_file
+
+    weight_map = {}
+    for i in range(60):
+        save_file({f"t{i}": torch.full((3,), float(i))}, str(disk_dir / f"s{i}.safetensors"))
+        weight_map[f"t{i}"] = f"s{i}.safetensors"
+    index = disk_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    code = (
+        "import os, resource, sys, tensortier\n"
+        "tensortier.load(sys.argv[1])  # the engine's own descriptors are made first\n"
+        "n = len(os.listdir('/proc/self/fd')) + 20\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))\n"
+        "out = tensortier.load(sys.argv[1])\n"
+        "print(len(out), sum(float(t[0]) for t in out.values()))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(index)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["60", str(float(sum(range(60))))]
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])

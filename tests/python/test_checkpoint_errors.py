@@ -264,18 +264,39 @@ def test_missing_records(disk_dir: Path, mapped: bool) -> None:
     src = disk_dir / "ok.pt"
     torch.save({"a": torch.zeros(10)}, src)
     bad = disk_dir / "bad.pt"
+    # Damage torch.load raises RuntimeError for: DamagedCheckpointError (a RuntimeError too).
     rezip(src, bad, drop="data/0")
-    with pytest.raises(ValueError, match="data/0"):
+    with pytest.raises(tensortier.DamagedCheckpointError, match="data/0"):
         tensortier.load(bad, mmap=mapped)
     rezip(src, bad, drop="data.pkl")
     with pytest.raises(ValueError, match="data.pkl"):
         tensortier.load(bad, mmap=mapped)
     rezip(src, bad, replace={"data/0": b"\0" * 12})  # record shorter than the storage
-    with pytest.raises(ValueError, match="40 bytes"):
+    with pytest.raises(tensortier.DamagedCheckpointError, match="40 bytes"):
         tensortier.load(bad, mmap=mapped)
     rezip(src, bad, replace={"data.pkl": b"\x80\x02}q\x00(X"})  # truncated pickle
-    with pytest.raises(ValueError, match="data.pkl"):
+    with pytest.raises(tensortier.DamagedCheckpointError, match="data.pkl"):
         tensortier.load(bad, mmap=mapped)
+    with pytest.raises(tensortier.DamagedCheckpointError, match="data.pkl"):
+        tensortier.load_into({"a": torch.empty(10)}, bad)
+
+
+@pytest.mark.parametrize("name", ["c.pt", "c.safetensors"])
+def test_load_into_raises_for_damage_what_load_raises(disk_dir: Path, name: str) -> None:
+    """A checksum that fails: load_into's error is load's (DamagedCheckpointError, or
+    safetensors' SafetensorError), not the bare FormatError."""
+    path = disk_dir / name
+    b = torch.randn(10)
+    tensortier.save({"b": b}, path, checksum=True)
+    raw = bytearray(path.read_bytes())
+    raw[raw.find(b.numpy().tobytes()) + 3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError) as loaded:
+        tensortier.load(path, verify=True)
+    with pytest.raises(ValueError) as into:
+        tensortier.load_into({"b": torch.zeros(10)}, path, verify=True)
+    assert type(into.value) is type(loaded.value) and type(loaded.value) is not _core.FormatError
+    assert str(path) in str(into.value)
 
 
 class Boom:

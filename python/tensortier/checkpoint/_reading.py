@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -56,17 +57,28 @@ def _open_checkpoint(io: IOHandle, path: str) -> File:
 @contextlib.contextmanager
 def _opened_together(io: IOHandle, paths: Sequence[str]) -> Iterator[bool]:
     """Within: `paths` (an index's shards) opened now, all of them, for _open_checkpoint to
-    hand out (True; False where there are too many to hold open, each opened as it is read).
+    hand out (True; False where there are too many to hold open, more than _MAX_PREOPENED or
+    than descriptors are left, each opened as it is read).
     A directory another process replaces after they were opened (a save of the model, swapped
     in by one rename) is then read as the version they were opened from."""
     if len(paths) > _MAX_PREOPENED:
         yield False
         return
     files: dict[str, File] = {}
-    token = _preopened.set(files)
     try:
         for path in dict.fromkeys(paths):
             files[path] = io._file_system.open(path, io._direct)  # noqa: SLF001
+    except OSError as e:
+        for file in files.values():
+            file.close()
+        if e.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        files = {}  # more shards than descriptors left: each opened as it is read
+    if not files:
+        yield False
+        return
+    token = _preopened.set(files)
+    try:
         yield True
     finally:
         _preopened.reset(token)

@@ -247,10 +247,12 @@ def _each_shard(path: str, read: Callable[[str, str], Any], io: IOHandle) -> dic
                     part = read(shard, kind)
                     out.update((n, part[n])
                                for n in _require("shard_names")(path, shard, names, part))
-            except FileNotFoundError:
+            except Exception:
                 if held or _identity(path) == before:
                     raise
-                continue  # too many shards to hold open, and another save's are there now
+                # Too many shards to hold open, and another save's are there now: gone, split
+                # otherwise (a shard that lacks what the index read puts there) or half written.
+                continue
             if not held and _identity(path) != before:
                 continue  # too many shards to hold open: read one by one, maybe of two versions
             return out

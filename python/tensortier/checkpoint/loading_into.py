@@ -8,10 +8,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .. import _core
 from ..io import File, IOHandle
 from . import _engine, _reading, safetensors, unpickler
 from ._files import _same_file
-from ._format import _require, _sniff, _torch, CHECKSUM_KEY, PathLike
+from ._format import _as_damaged, _require, _sniff, _torch, CHECKSUM_KEY, PathLike
 from .._paths import fspath as _fspath
 from ._reading import _byte_groups, _open_checkpoint, _Piece, _Progress
 from .loading import _each_shard
@@ -133,6 +134,11 @@ def load_into(
             explain = functools.partial(_upgrade_note, module_or_state_dict, saved_versions)
         result = _load_into(targets, sources, strict, verify, progress, io, fspath, files,
                             type(module_or_state_dict).__name__, explain)
+    except _core.FormatError as e:
+        # The damaged file's error as load gives it (torch's or safetensors' type), naming the
+        # file it was read from (a shard of an index).
+        damaged = next((p for p in files if p in str(e)), fspath)
+        raise _as_damaged(e, damaged, None) from None
     finally:
         for f in files.values():
             f.close()

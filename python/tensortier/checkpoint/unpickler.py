@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _core
 from ..io import File, IOHandle
 from . import _dtype, _engine, _reading, mapping
 from ._files import _same_file
@@ -130,7 +131,7 @@ def _unpickle_torch(
             else:
                 dtype = getattr(storage_type, "dtype", None)
                 if not isinstance(dtype, torch.dtype):
-                    raise ValueError(
+                    raise _core.FormatError(
                         f"{path}: storage {key} has an unknown type {storage_type!r}"
                     )
             ref = storages.get(key)
@@ -234,11 +235,13 @@ def _unpickle_torch(
             if isinstance(e, ValueError) and (
                     path in str(e) or (label is not None and label in str(e))):
                 raise
-            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped;
-            # a valid file that a description without the data (load_into's) cannot hold.
-            raise ValueError(_require("unpickling_failure")(
-                path, type(e).__name__, str(e), isinstance(e, NotImplementedError)
-                and device.type == "meta", pkl, stream.tell())) from e
+            # The unpickler's own (a bad UTF-8 string: UnicodeDecodeError...): where it stopped,
+            # the file's damage; or a valid file that a description without the data
+            # (load_into's) cannot hold.
+            meta = isinstance(e, NotImplementedError) and device.type == "meta"
+            message = _require("unpickling_failure")(path, type(e).__name__, str(e), meta, pkl,
+                                                     stream.tell())
+            raise (ValueError if meta else _core.FormatError)(message) from e
         finally:
             if device.type == "meta" and isinstance(sparse_queue, list):
                 del sparse_queue[queued:]
