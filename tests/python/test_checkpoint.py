@@ -811,13 +811,35 @@ def test_an_index_replaced_while_read_is_read_as_one_version(
     assert all(torch.equal(out[k], want[k]) for k in want)
 
 
+def _swap_after_the_first_shard(monkeypatch: pytest.MonkeyPatch, old: Path,
+                                new: Path) -> list[str]:
+    """Makes the load swap directory `new` in for `old` (by renames, as a save does) once it
+    has read its first shard; returns the shards it reads, in order."""
+    from tensortier.checkpoint import loading
+
+    real = loading._load_kind
+    shards_read: list[str] = []
+
+    def load_kind(path: str, kind: str, *args: Any) -> Any:
+        out = real(path, kind, *args)
+        if kind != "index":
+            shards_read.append(path)
+            if len(shards_read) == 1:
+                os.rename(old, old.parent / "m.old")
+                os.rename(new, old)
+        return out
+
+    monkeypatch.setattr(loading, "_load_kind", load_kind)
+    return shards_read
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_an_index_of_more_shards_than_held_open_replaced_while_read_is_read_again(
         disk_dir: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An index of more shards than are opened together (each opened as it is read), its
     directory saved again after the first shard was read: the second shard read is the new
     version's, so the index is read again and the load is the new version whole."""
-    from tensortier.checkpoint import _reading, loading
+    from tensortier.checkpoint import _reading
 
     monkeypatch.setattr(_reading, "_MAX_PREOPENED", 1)
     old, new = disk_dir / "m", disk_dir / "m.new"
@@ -827,19 +849,7 @@ def test_an_index_of_more_shards_than_held_open_replaced_while_read_is_read_agai
     make_shards(old, fmt)
     torch.manual_seed(1)
     want = make_shards(new, fmt)
-    real = loading._load_kind
-    shards_read: list[str] = []
-
-    def load_kind(path: str, kind: str, *args: Any) -> Any:
-        out = real(path, kind, *args)
-        if kind != "index":
-            shards_read.append(path)
-            if len(shards_read) == 1:
-                os.rename(old, disk_dir / "m.old")
-                os.rename(new, old)
-        return out
-
-    monkeypatch.setattr(loading, "_load_kind", load_kind)
+    shards_read = _swap_after_the_first_shard(monkeypatch, old, new)
     out = tensortier.load(next(old.glob("*.index.json")))
     assert len(shards_read) == 4  # two shards, twice
     assert out.keys() == want.keys() and all(torch.equal(out[k], want[k]) for k in want)
@@ -851,7 +861,7 @@ def test_an_index_of_more_shards_than_held_open_split_otherwise_is_read_again(
     second shard read lacks what the old index puts there; the index is read again."""
     from safetensors.torch import save_file
 
-    from tensortier.checkpoint import _reading, loading
+    from tensortier.checkpoint import _reading
 
     monkeypatch.setattr(_reading, "_MAX_PREOPENED", 1)
     old, new = disk_dir / "m", disk_dir / "m.new"
@@ -864,19 +874,7 @@ def test_an_index_of_more_shards_than_held_open_split_otherwise_is_read_again(
                       str(d / shard))
             weight_map.update({n: shard for n in names})
         (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    real = loading._load_kind
-    shards_read: list[str] = []
-
-    def load_kind(path: str, kind: str, *args: Any) -> Any:
-        out = real(path, kind, *args)
-        if kind != "index":
-            shards_read.append(path)
-            if len(shards_read) == 1:
-                os.rename(old, disk_dir / "m.old")
-                os.rename(new, old)
-        return out
-
-    monkeypatch.setattr(loading, "_load_kind", load_kind)
+    shards_read = _swap_after_the_first_shard(monkeypatch, old, new)
     out = tensortier.load(old / "model.safetensors.index.json")
     assert sorted(out) == ["a", "b", "c"]
     assert all(torch.equal(out[n], torch.full((3,), float(ord(n) + len("m.new")))) for n in out)
@@ -886,7 +884,7 @@ def test_an_index_of_more_shards_than_held_open_whose_shards_went_is_read_again(
         disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same with a save whose shards have other names: the second shard is gone when it
     is read; the index is read again, not a FileNotFoundError."""
-    from tensortier.checkpoint import _reading, loading
+    from tensortier.checkpoint import _reading
 
     monkeypatch.setattr(_reading, "_MAX_PREOPENED", 1)
     old, new = disk_dir / "m", disk_dir / "m.new"
@@ -900,19 +898,7 @@ def test_an_index_of_more_shards_than_held_open_whose_shards_went_is_read_again(
         shard.rename(new / shard.name.replace("of-00002", "of-00009"))
     idx = new / "model.safetensors.index.json"
     idx.write_text(idx.read_text().replace("of-00002", "of-00009"))
-    real = loading._load_kind
-    shards_read: list[str] = []
-
-    def load_kind(path: str, kind: str, *args: Any) -> Any:
-        out = real(path, kind, *args)
-        if kind != "index":
-            shards_read.append(path)
-            if len(shards_read) == 1:
-                os.rename(old, disk_dir / "m.old")
-                os.rename(new, old)
-        return out
-
-    monkeypatch.setattr(loading, "_load_kind", load_kind)
+    shards_read = _swap_after_the_first_shard(monkeypatch, old, new)
     out = tensortier.load(old / "model.safetensors.index.json")
     assert len(shards_read) == 3  # one of the old shards, then the two new ones
     assert out.keys() == want.keys() and all(torch.equal(out[k], want[k]) for k in want)
