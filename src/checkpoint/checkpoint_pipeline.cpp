@@ -224,7 +224,18 @@ std::string ProgressLine(std::string_view label, uint64_t done, uint64_t total, 
 
 std::optional<std::string> HeaderChecksumProblem(const SafetensorsHeader& header) {
   const auto hh = header.metadata.find(kHeaderChecksumKey);
-  if (hh == header.metadata.end()) return std::nullopt;
+  if (hh == header.metadata.end()) {
+    // tensortier writes no other key of its own: the checksum's key name damaged (a flipped
+    // bit) would otherwise switch the header's check off. (Data checksums without a header
+    // checksum, another writer's, still pass.)
+    for (const auto& [key, value] : header.metadata) {
+      if (key.starts_with("tensortier.") && key != kTensorChecksumsKey) {
+        return StrCat("metadata key ", PyRepr(key),
+                      " is none tensortier writes (a damaged name of its header checksum)");
+      }
+    }
+    return std::nullopt;
+  }
   const std::optional<uint64_t> stored = ParseStoredChecksum(hh->second);
   if (!stored) {
     return StrCat("malformed ", kHeaderChecksumKey, " metadata: ", PyRepr(hh->second),
@@ -243,10 +254,8 @@ SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout) {
   // What the header says (names, dtypes, shapes, offsets, metadata): its own checksum, compared
   // even where the tensors' checksums are missing (a damaged key name must not hide the damage
   // the header checksum sees), as load(verify=True) does.
-  if (metadata.contains(kHeaderChecksumKey)) {
-    if (auto problem = HeaderChecksumProblem(layout.st.header)) c.problems.push_back(*problem);
-    c.header_checked = true;
-  }
+  if (auto problem = HeaderChecksumProblem(layout.st.header)) c.problems.push_back(*problem);
+  c.header_checked = metadata.contains(kHeaderChecksumKey);
   auto it = metadata.find(kTensorChecksumsKey);
   if (it == metadata.end()) return c;
   c.present = true;

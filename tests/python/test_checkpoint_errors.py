@@ -437,6 +437,28 @@ def test_verify_detects_an_edited_safetensors_header(
     assert r.returncode == 1 and "header checksum mismatch" in r.stderr, r.stdout + r.stderr
 
 
+def test_a_damaged_name_of_the_header_checksum_does_not_switch_its_check_off(
+        disk_dir: Path) -> None:
+    """One flipped bit in the key's name, with the header changed: verify=True and the CLI's
+    verify refuse the unknown tensortier.* key (before, the header went unchecked)."""
+    path = disk_dir / "s.safetensors"
+    tensortier.save({"a": torch.arange(50, dtype=torch.float32).reshape(10, 5)}, path,
+                    checksum=True)
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8:8 + n].replace(b"tensortier.header_xxh64", b"tensortier.headeR_xxh64")
+    edited = json.loads(header)
+    edited["a"]["shape"] = [5, 10]
+    path.write_bytes(raw[:8] + json.dumps(edited).encode().ljust(n) + raw[8 + n:])
+    assert tensortier.load(path)["a"].shape == (5, 10)  # without verify the edit goes unseen
+    with pytest.raises(ValueError, match="'tensortier.headeR_xxh64' is none tensortier writes"):
+        tensortier.load(path, verify=True)
+    from test_cli_convert import run
+
+    r = run("verify", path)
+    assert r.returncode == 1 and "none tensortier writes" in r.stderr, r.stdout + r.stderr
+
+
 def test_verify_of_files_without_a_header_checksum(disk_dir: Path) -> None:
     """Files of other writers (or earlier tensortier versions) with only data checksums still
     verify their data."""

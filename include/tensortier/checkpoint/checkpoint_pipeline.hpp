@@ -159,7 +159,8 @@ struct SafetensorsChecks {
 SafetensorsChecks ReadSafetensorsChecks(const CheckpointLayout& layout);
 
 // What is wrong with a safetensors header against its own checksum, where it has one: a
-// checksum that is not 16 hex digits, or does not match. nullopt when it matches or there is none
+// checksum that is not 16 hex digits, or does not match; where it has none, a tensortier.* key
+// tensortier does not write (its key's name damaged). nullopt when it matches or there is none
 // (files from other writers pass: their data checksums still count). verify reports it, and
 // load(verify=True) raises it (CheckSafetensorsHeaderChecksum: FormatError naming `path`).
 std::optional<std::string> HeaderChecksumProblem(const SafetensorsHeader& header);
