@@ -302,8 +302,9 @@ void RegisterCheckpoint(py::module_& m) {
           GilReleased release;
           FileSource source(OpenCheckpointForReading(path, false));
           dir = ReadZipDirectory(source);
-          for (const auto& e : dir.entries) RequireStored(e, path);
+          // What the archive is first (a TorchScript one compresses its code records).
           prefix = TorchArchivePrefix(dir, path);
+          for (const auto& e : dir.entries) RequireStored(e, path);
           CheckTorchFileVersion(source, dir, prefix);
           if (plain) {
             try {

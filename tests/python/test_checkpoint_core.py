@@ -223,6 +223,18 @@ def test_torch_archive_rules_agree_with_cli(
     assert r.returncode == 1 and says in r.stderr, r.stderr
 
 
+def test_a_torchscript_archive_is_named_as_one_not_as_damage(disk_dir: Path) -> None:
+    """torch.jit.save's archive (its code records compressed): load names it and points to
+    torch.jit.load, as the CLI does, rather than calling a compressed record damage."""
+    path = disk_dir / "jit.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    for how in ("load", "mmap"):
+        with pytest.raises(ValueError, match="a TorchScript archive.*use torch.jit.load"):
+            tensortier.load(path, mmap=how == "mmap")
+    r = run_cli("info", path)
+    assert r.returncode == 1 and "TorchScript archive" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("how", ["load", "mmap", "load_into", "meta"])
 def test_a_torch_load_reads_the_zip_directory_once(
     disk_dir: Path, monkeypatch: pytest.MonkeyPatch, how: str
