@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -18,6 +19,7 @@
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/hf_checkpoint.hpp"
 #include "tensortier/checkpoint/safetensors.hpp"
+#include "tensortier/util/error.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
 
@@ -41,18 +43,18 @@ void Note(const std::string& text) {
 
 // A Hugging Face model directory (as save_pretrained writes it) is read through the file
 // transformers' from_pretrained reads (HfWeightsFile); any other path is itself. A directory of
-// no checkpoint (a config.json only: a download that did not finish) is a FormatError saying
-// what was looked for.
+// no checkpoint (a config.json only: a download that did not finish) is refused saying what was
+// looked for.
 std::string ModelDirectoryFile(const std::string& path) {
   if (std::optional<std::string> weights = HfWeightsFile(path)) return *weights;
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
-    throw FormatError(StrCat(path,
-                             ": no checkpoint in this directory: no model.safetensors, "
-                             "model.safetensors.index.json, pytorch_model.bin or "
-                             "pytorch_model.bin.index.json (a Hugging Face model's weights) and "
-                             "no .metadata (a torch.distributed.checkpoint); pass a checkpoint "
-                             "file or a shard .index.json"));
+    // The library's refusal of a directory (EISDIR, what to pass), with what was looked for.
+    ThrowIoError(EISDIR,
+                 "read a checkpoint (a directory: pass a checkpoint file or a shard .index.json; "
+                 "it holds no model.safetensors, model.safetensors.index.json, pytorch_model.bin "
+                 "or pytorch_model.bin.index.json, nor a DCP .metadata)",
+                 path);
   }
   return path;
 }
