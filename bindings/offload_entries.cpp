@@ -601,6 +601,11 @@ class OffloadEntries {
       if (t.attr("is_nested").cast<bool>()) {
         throw py::value_error("nested tensors cannot be offloaded: offload their components");
       }
+      if (const std::string layout = py::str(t.attr("layout")); layout != "torch.strided") {
+        throw py::value_error(StrCat("tensors of layout ", layout,
+                                     " cannot be offloaded: offload .to_dense(), or the tensors "
+                                     "it is made of"));
+      }
       if (!t.attr("is_contiguous")().cast<bool>()) {
         throw py::value_error(StrCat("tensor of shape ", ReprOf(py::tuple(t.attr("shape"))),
                                      " is not contiguous: only contiguous tensors can be "

@@ -1255,6 +1255,17 @@ def test_nested_tensors_are_refused(off: DiskOffloader) -> None:
         off.sync_write(nt)
 
 
+def test_sparse_tensors_are_refused_with_advice_that_works(off: DiskOffloader) -> None:
+    """Not "call .contiguous() first", which a sparse tensor refuses."""
+    s = torch.eye(3).to_sparse()
+    with pytest.raises(ValueError, match=r"layout torch.sparse_coo cannot be offloaded: offload "
+                                         r"\.to_dense\(\)"):
+        off.sync_write(s)
+    off.sync_write(d := s.to_dense())
+    off.sync_read(d)
+    assert torch.equal(d, torch.eye(3))
+
+
 def _one_of_two_writes_failed(off: DiskOffloader, x: torch.Tensor, z: torch.Tensor) -> None:
     """Reads back whichever of x and z was written (the other's write failed): the read settles
     the writes and keeps the failure for the next write wait."""
