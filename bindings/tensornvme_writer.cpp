@@ -15,6 +15,7 @@
 #include "cycle_collected.hpp"
 #include "gil.hpp"
 #include "tensortier/io/file.hpp"
+#include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace py = pybind11;
@@ -73,6 +74,7 @@ class TensorNvmeWriter {
   void Start(const py::object& data, const py::handle& offset, const py::object& callback) {
     CheckCallback(callback);
     if (io_.is_none()) throw py::value_error("AsyncFileWriter is closed");
+    CheckNotForked();
     const uint64_t at = TensorNvmeUnsigned(offset, "offset", 64);
     pending_.push_back({io_.attr("pwrite_async")(data, file_, at), callback});
   }
@@ -81,6 +83,7 @@ class TensorNvmeWriter {
   // order; raises the first write's error after them. TensorNVMe's loop stops at a callback's
   // exception: the callbacks after it run at the next call.
   void Synchronize() {
+    CheckNotForked();
     std::optional<py::error_already_set> first;
     // By index, each future held: a wait releases the GIL, and another thread's write() may
     // append to (and so reallocate) pending_ meanwhile; its write is waited for too.
@@ -112,6 +115,9 @@ class TensorNvmeWriter {
   void Close() {
     const py::object io = std::exchange(io_, py::none());
     if (io.is_none()) return;
+    // A child made by fork(): the writes are the parent's; its copies of them are dropped, and
+    // the IOHandle's close lets the parent's engine be.
+    if (forked()) pending_.clear();
     try {
       file_.attr("close")();
     } catch (...) {
@@ -120,6 +126,9 @@ class TensorNvmeWriter {
     }
     io.attr("close")();
   }
+
+  // Whether the caller runs in a child made by fork() (a DataLoader worker).
+  bool forked() const noexcept { return maker_.Forked(); }
 
   py::object io() const { return io_; }
   void set_io(py::object io) { io_ = std::move(io); }
@@ -141,6 +150,23 @@ class TensorNvmeWriter {
   struct Pending {
     py::object future, callback;
   };
+
+  // ValueError naming the writer and its file in a child made by fork(), as an IOHandle's, but
+  // in the writer's words.
+  void CheckNotForked() const {
+    if (!forked()) return;
+    std::string name = "AsyncFileWriter";
+    try {
+      name = StrCat(name, " of ", py::str(file_.attr("path")).cast<std::string>());
+    } catch (const py::error_already_set&) {  // closed: unnamed
+    }
+    throw py::value_error(ForkedUseMessage(name, maker_.pid(),
+                                           "its writes and the threads that make them are the "
+                                           "parent's",
+                                           "make a new AsyncFileWriter in the child"));
+  }
+
+  const MakerProcess maker_;
   py::object io_, file_ = py::none();
   std::vector<Pending> pending_;
 };
@@ -165,5 +191,8 @@ void RegisterTensorNvmeWriter(py::module_& m) {
       .def("close", &TensorNvmeWriter::Close,
            "Waits for the writes and stops the engine (their errors were ``synchronize()``'s).")
       .def_property("_io", &TensorNvmeWriter::io, &TensorNvmeWriter::set_io)
-      .def_property_readonly("_file", &TensorNvmeWriter::file);
+      .def_property_readonly("_file", &TensorNvmeWriter::file)
+      .def_property_readonly("_forked", &TensorNvmeWriter::forked,
+                             "Whether this runs in a child made by fork() (the writes are the "
+                             "parent's).");
 }

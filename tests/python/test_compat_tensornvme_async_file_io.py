@@ -142,6 +142,41 @@ def test_a_failed_write_raises_from_synchronize() -> None:
     w.synchronize()  # nothing left
 
 
+def test_a_forked_child_s_writer_refuses_by_name_and_drops_quietly(disk_dir: Path) -> None:
+    """In a child made by fork (a DataLoader worker) the writer's writes are the parent's: a
+    write there is a ValueError naming the AsyncFileWriter and its file (not an IOHandle the
+    user never made), and dropping the child's copy prints no traceback; the parent's file is
+    whole."""
+    import subprocess
+    import sys
+
+    path = disk_dir / "w.bin"
+    code = f"""
+import os, sys, torch
+from tensortier.compat.tensornvme import AsyncFileWriter
+w = AsyncFileWriter({str(path)!r}, backend="pthread")
+t = torch.arange(1 << 18, dtype=torch.float32)
+w.write_tensor(t)
+pid = os.fork()
+if pid == 0:
+    try:
+        w.write(b"child")
+        code = 3
+    except ValueError as e:
+        code = 0 if "AsyncFileWriter of" in str(e) and "a child made by fork()" in str(e) else 4
+    del w
+    sys.stderr.flush()
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+w.synchronize()
+del w
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Exception ignored" not in r.stderr, (r.returncode, r.stderr)
+    assert path.read_bytes() == torch.arange(1 << 18, dtype=torch.float32).numpy().tobytes()
+
+
 def test_the_writer_names_the_file_of_its_descriptor(disk_dir: Path) -> None:
     """TensorNVMe's C++ writer takes a descriptor; ours names its file (renamed since, too),
     or the descriptor's number when it is not open."""

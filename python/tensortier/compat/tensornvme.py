@@ -253,7 +253,8 @@ class AsyncFileWriter(NotCopyable):
         try:
             if hasattr(self, "io"):
                 try:
-                    self.synchronize()
+                    if not self.io._forked:  # a forked child's writes are the parent's
+                        self.synchronize()
                 finally:
                     self.io.close()
         finally:
