@@ -108,7 +108,9 @@ StateDictMatch MatchStateDict(const std::vector<NamedTensor>& targets,
   // In the model's order, as load_state_dict visits its modules (not the file's).
   for (const NamedTensor& t : targets) {
     const auto s = saved_by_name.find(t.name);
-    if (s != saved_by_name.end() && s->second->shape != t.shape) {
+    // load_state_dict's rule for what older versions saved 1-dim: a [1] entry fills a 0-dim one.
+    if (s != saved_by_name.end() && s->second->shape != t.shape &&
+        !(t.shape.empty() && s->second->shape == std::vector<int64_t>{1})) {
       m.errors.push_back(StrCat("size mismatch for ", t.name, ": copying a param with shape ",
                                 TorchSize(s->second->shape),
                                 " from checkpoint, the shape in current model is ",

@@ -61,20 +61,24 @@ TEST(StateDictChecksTest, MatchStateDictSpeaksAsLoadStateDict) {
       {"scalar", {}, "torch.int64", 3000, 8},
   };
   const std::vector<NamedTensor> saved = {Saved("extra", {1}), Saved("w", {2, 3}),
-                                          Saved("scalar", {1})};
+                                          Saved("scalar", {2})};
   const StateDictMatch strict = MatchStateDict(targets, saved, true);
   EXPECT_EQ(strict.missing, (Names{"gone"}));
   EXPECT_EQ(strict.unexpected, (Names{"extra"}));
   EXPECT_EQ(strict.errors,
             (Names{"Missing key(s) in state_dict: \"gone\". ",
                    "Unexpected key(s) in state_dict: \"extra\". ",
-                   "size mismatch for scalar: copying a param with shape torch.Size([1]) from "
+                   "size mismatch for scalar: copying a param with shape torch.Size([2]) from "
                    "checkpoint, the shape in current model is torch.Size([])."}));
   const StateDictMatch lax = MatchStateDict(targets, saved, false);
   EXPECT_EQ(lax.missing, strict.missing);
   EXPECT_EQ(lax.errors.size(), 1u);  // shape mismatches are errors either way
   EXPECT_TRUE(
       MatchStateDict(targets, {Saved("w", {2, 3}), Saved("gone", {4}), Saved("scalar", {})}, true)
+          .errors.empty());
+  // load_state_dict's rule for what older versions saved 1-dim: [1] fills a 0-dim target.
+  EXPECT_TRUE(
+      MatchStateDict(targets, {Saved("w", {2, 3}), Saved("gone", {4}), Saved("scalar", {1})}, true)
           .errors.empty());
 }
 

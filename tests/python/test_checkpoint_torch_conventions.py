@@ -63,6 +63,28 @@ def test_load_into_size_mismatch_raises_even_when_not_strict(disk_dir: Path) -> 
     assert "strict=False" not in str(ours.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_a_one_element_entry_fills_a_0_dim_target_as_load_state_dict_does(
+        disk_dir: Path, dtype: torch.dtype) -> None:
+    """load_state_dict's rule for what older versions saved 1-dim: a [1] entry is loaded into a
+    0-dim parameter or buffer (its one value), straight or converted to the target's dtype."""
+
+    class Counted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("n", torch.tensor(0))
+
+    path = disk_dir / "n.pt"
+    tensortier.save({"n": torch.tensor([5], dtype=dtype)}, path)
+    theirs, ours = Counted(), Counted()
+    theirs.load_state_dict(torch.load(path))
+    tensortier.load_into(ours, path)
+    assert ours.n.shape == () and torch.equal(ours.n, theirs.n) and int(ours.n) == 5
+    with pytest.raises(RuntimeError, match="size mismatch for n"):  # [2] is no such entry
+        tensortier.save({"n": torch.tensor([5, 6], dtype=dtype)}, path)
+        tensortier.load_into(Counted(), path)
+
+
 def _save_as_if_on(location: str, obj: object, path: Path,
                    monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.save `obj` with every storage's location recorded as `location` ('cuda:0'...):

@@ -312,8 +312,10 @@ def _load_into(
         if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: engine's ring/GDS
             direct.append(_Piece(name, f, src.offset, src.nbytes, t.detach(), check))
         else:
+            # A [1] entry for a 0-dim target (load_state_dict's rule): its one value, as a 0-dim.
+            shape = () if t.dim() == 0 else src.shape
             staged.append(_Staged(_Piece(name, f, src.offset, src.nbytes, None, check), t,
-                                  torch.empty(src.shape, dtype=src.dtype, device="meta"), t.device))
+                                  torch.empty(shape, dtype=src.dtype, device="meta"), t.device))
     total = sum(p.nbytes for p in direct) + sum(s.nbytes for s in staged)
     with _Progress(f"loading {os.path.basename(path)}", total, progress) as prog, \
             torch.no_grad():
