@@ -279,10 +279,11 @@ class DiskOffloader(NotCopyable):
         with self._lock:
             core = self._open()
             self._entries.drain()
-            superseded = self._entries.check_write(tensors, supersede)
+            superseded = self._entries.check_write(tensors, supersede)  # TypeError, ValueError
             if superseded is None:  # a tensor being read: its read first
                 self._settle("read")
                 superseded = self._entries.check_write(tensors, supersede)
+            _refuse_others(self, tensors)
             keys = self._entries.new_keys(len(tensors))
             device = self._device.route(tensors)
             spans = [_span(t) if d else None for t, d in zip(tensors, device)]  # CudaError
@@ -382,6 +383,20 @@ def _span(tensor: Any) -> DeviceBuffer:
 
 
 _live: "weakref.WeakSet[DiskOffloader]" = weakref.WeakSet()
+
+
+def _refuse_others(mine: DiskOffloader, tensors: list[Any]) -> None:
+    """ValueError for a tensor another live offloader holds (its write may still run, before it
+    frees the memory): two offloaders taking one tensor would each read back their own copy."""
+    for other in list(_live):
+        entries = getattr(other, "_entries", None)
+        if other is mine or entries is None:
+            continue
+        for t in tensors:
+            if entries.find(t) is not None:
+                raise ValueError(
+                    f"tensor of shape {tuple(t.shape)} is offloaded by another DiskOffloader "
+                    "(its write may still run): read it back through that one first")
 
 
 def _fresh_locks_after_fork() -> None:

@@ -1255,6 +1255,28 @@ def test_nested_tensors_are_refused(off: DiskOffloader) -> None:
         off.sync_write(nt)
 
 
+def test_a_tensor_another_offloader_holds_is_refused_even_while_its_write_runs(
+        disk_dir: Path) -> None:
+    """Two offloaders taking one tensor would each read back their own copy (the second's read
+    silently restoring stale data): a second offloader refuses a tensor the first holds, also
+    before the first's write is over and has freed the memory."""
+    a, b = DiskOffloader(disk_dir / "a"), DiskOffloader(disk_dir / "b")
+    x = torch.randn(1 << 20)
+    x0 = x.clone()
+    a.async_write(x)
+    with pytest.raises(ValueError, match="offloaded by another DiskOffloader"):
+        b.sync_write(x)
+    a.sync_write_events()
+    assert not b.is_offloaded(x)
+    a.sync_read(x)
+    assert torch.equal(x, x0)
+    b.sync_write(x)  # back in memory: the other may take it now
+    b.sync_read(x)
+    assert torch.equal(x, x0)
+    a.close()
+    b.close()
+
+
 def test_sparse_tensors_are_refused_with_advice_that_works(off: DiskOffloader) -> None:
     """Not "call .contiguous() first", which a sparse tensor refuses."""
     s = torch.eye(3).to_sparse()
