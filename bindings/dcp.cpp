@@ -64,19 +64,27 @@ void RegisterDcp(py::module_& m) {
          const std::vector<uint64_t>& nbytes,
          const std::vector<std::optional<uintptr_t>>& addresses, const py::list& write_items,
          bool direct, const std::string& who, const std::optional<py::function>& host,
-         uint64_t staging_bytes) {
+         uint64_t staging_bytes, const py::list& plain_fqns) {
         SameLength(dtypes.size(),
-                   {shapes.size(), nbytes.size(), addresses.size(), write_items.size()},
+                   {shapes.size(), nbytes.size(), addresses.size(),
+                    write_items.size() + plain_fqns.size()},
                    "write_dcp_file");
         std::vector<DcpWriteItem> items(dtypes.size());
         std::vector<uintptr_t> resident;  // staging arenas' memory among them is freed after
         py::list fqns, offsets, indices;
+        const py::int_ first_chunk(0);
         for (size_t i = 0; i < items.size(); ++i) {
-          const py::object index = write_items[i].attr("index");
-          const py::object offset = index.attr("offset");
-          fqns.append(index.attr("fqn"));
-          offsets.append(offset.is_none() ? offset : py::tuple(offset));
-          indices.append(index.attr("index"));
+          if (i < write_items.size()) {
+            const py::object index = write_items[i].attr("index");
+            const py::object offset = index.attr("offset");
+            fqns.append(index.attr("fqn"));
+            offsets.append(offset.is_none() ? offset : py::tuple(offset));
+            indices.append(index.attr("index"));
+          } else {  // a plain tensor: its one chunk, at the origin
+            fqns.append(plain_fqns[i - write_items.size()]);
+            offsets.append(py::tuple(py::cast(std::vector<int64_t>(shapes[i].size(), 0))));
+            indices.append(first_chunk);
+          }
           if (addresses[i]) resident.push_back(*addresses[i]);
           items[i] = {dtypes[i], shapes[i], nbytes[i],
                       reinterpret_cast<const std::byte*>(addresses[i].value_or(0)),
@@ -145,8 +153,9 @@ void RegisterDcp(py::module_& m) {
       py::arg("engine"), py::arg("dir"), py::arg("name"), py::arg("dtypes"), py::arg("shapes"),
       py::arg("nbytes"), py::arg("addresses"), py::arg("items"), py::arg("direct") = true,
       py::arg("who") = "", py::arg("host") = py::none(),
-      py::arg("staging_bytes") = kCheckpointStagingBytes,
-      "Writes a DCP rank file durably at dir/name: item i (items[i], a WriteItem) is a tensor of "
+      py::arg("staging_bytes") = kCheckpointStagingBytes, py::arg("plain_fqns") = py::list(),
+      "Writes a DCP rank file durably at dir/name: item i (items[i], a WriteItem; past them, "
+      "the plain tensor plain_fqns[i - len(items)], one chunk at the origin) is a tensor of "
       "dtypes[i] (tensortier's name) and shapes[i], or bytes where dtypes[i] is '', nbytes[i] "
       "bytes of host memory at addresses[i]; where that is None, from the contiguous host copies "
       "host(indices) returns (tensors) for groups of such items of about staging_bytes, asked "
@@ -251,11 +260,15 @@ void RegisterDcp(py::module_& m) {
           "a mismatch, a truncated file or a block outside the tensor; OSError for I/O errors.");
   m.def(
       "commit_dcp_checkpoint",
-      [](Engine& engine, const FsPath& dir, const py::bytes& metadata, const py::dict& storage_data,
-         const std::string& who) {
+      [](Engine& engine, const FsPath& dir, const py::bytes& metadata,
+         const py::object& storage_data, const std::string& who) {
         std::set<std::string> files;
-        for (const auto& [_, info] : storage_data) {
-          files.insert(info.attr("relative_path").cast<std::string>());
+        if (PyDict_Check(storage_data.ptr())) {
+          for (const auto& [_, info] : py::dict(storage_data)) {
+            files.insert(info.attr("relative_path").cast<std::string>());
+          }
+        } else {  // the names themselves
+          for (const py::handle& name : storage_data) files.insert(name.cast<std::string>());
         }
         const std::vector<std::string> referenced(files.begin(), files.end());
         std::string data = metadata;
@@ -265,7 +278,8 @@ void RegisterDcp(py::module_& m) {
       py::arg("engine"), py::arg("dir"), py::arg("metadata"), py::arg("storage_data"),
       py::arg("who") = "",
       "Writes dir/.metadata durably, then removes the data files it does not name (the "
-      "relative_paths of storage_data's _StorageInfos) and dead saves' temporary files. Returns "
+      "relative_paths of storage_data's _StorageInfos, or storage_data's names where it is a "
+      "list) and dead saves' temporary files. Returns "
       "how many files went. OSError naming who ('rank 0'), the step and path (the old "
       "checkpoint stays whole).");
   m.def(

@@ -8,8 +8,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "dcp_items.hpp"
@@ -141,10 +146,10 @@ py::list WriteValues(const py::list& items, const py::object& planner,
   return out;
 }
 
-// Expands a rank's WriteResult (path, fqns, offsets, indices, places, block sums) into
-// MetadataIndex -> _StorageInfo, with each item's xxh64 and its tensor data's block sums.
-void AddRankItems(py::dict& out, const py::tuple& writes, const py::handle& index_type,
-                  const py::handle& info_type) {
+// Calls fn(path, fqn, offset, index, place, blocks) for each item of a rank's WriteResult
+// (path, fqns, offsets, indices, places, block sums); place: offset, length and xxh64.
+template <typename F>
+void ForEachRankItem(const py::tuple& writes, F&& fn) {
   if (writes.size() != 6) throw std::invalid_argument("a rank's write result of 6 values");
   const py::object path = writes[0];
   const py::sequence fqns = writes[1];
@@ -160,11 +165,22 @@ void AddRankItems(py::dict& out, const py::tuple& writes, const py::handle& inde
   for (size_t k = 0; k < n; ++k) {
     uint64_t place[3];
     std::memcpy(place, places.data() + 3 * k * sizeof(uint64_t), sizeof(place));
-    py::object info = info_type(path, place[0], place[1]);
-    info.attr("xxh64") = place[2];  // stock readers ignore it
-    if (py::bool_(blocks[k])) info.attr("xxh64_blocks") = blocks[k];
-    out[index_type(fqns[k], offsets[k], indices[k])] = info;
+    fn(path, fqns[k], offsets[k], indices[k], place, blocks[k]);
   }
+}
+
+// Expands a rank's WriteResult into MetadataIndex -> _StorageInfo, with each item's xxh64 and its
+// tensor data's block sums.
+void AddRankItems(py::dict& out, const py::tuple& writes, const py::handle& index_type,
+                  const py::handle& info_type) {
+  ForEachRankItem(writes,
+                  [&](const py::object& path, const py::handle& fqn, const py::handle& offset,
+                      const py::handle& index, const uint64_t* place, const py::handle& blocks) {
+                    py::object info = info_type(path, place[0], place[1]);
+                    info.attr("xxh64") = place[2];  // stock readers ignore it
+                    if (PyObject_IsTrue(blocks.ptr()) == 1) info.attr("xxh64_blocks") = blocks;
+                    out[index_type(fqn, offset, index)] = info;
+                  });
 }
 
 py::dict StorageData(const py::iterable& results, const py::str& rank_writes,
@@ -178,6 +194,170 @@ py::dict StorageData(const py::iterable& results, const py::str& rank_writes,
       } else {
         out[index] = r.attr("storage_data");
       }
+    }
+  }
+  return out;
+}
+
+// TensorProperties.memory_format as its _MEM_FORMAT_ENCODING value.
+int64_t MemoryFormatEncoding(const py::handle& format) {
+  const std::string name = py::str(format);
+  if (name == "torch.contiguous_format") return 0;
+  if (name == "torch.channels_last") return 1;
+  if (name == "torch.preserve_format") return 2;
+  throw std::invalid_argument(StrCat("DCP metadata: memory format ", name));
+}
+
+std::optional<std::string> OptionalStr(const py::handle& v) {
+  if (v.is_none()) return std::nullopt;
+  return v.cast<std::string>();
+}
+
+// The .metadata of a save (SerializeDcpMetadata) from plain values: `regular` (fqn ->
+// TensorStorageMetadata or BytesStorageMetadata), the plain tensors (fqn, torch's dtype name,
+// shape, flags: bit 0 requires_grad, bit 1 pinned; one chunk each, at the origin), the planner
+// data, the rank writes of `results` and the storage meta. Returns (its bytes, the data files it
+// names).
+py::tuple MetadataPickle(const py::dict& regular, const py::handle& tensor_type,
+                         const std::vector<std::string>& plain_fqns,
+                         const std::vector<std::string>& plain_dtypes,
+                         const std::vector<Dims>& plain_shapes, const std::string& plain_flags,
+                         const py::object& planner_data, const py::iterable& results,
+                         const py::str& rank_writes, const py::object& storage_meta,
+                         const std::string& version) {
+  const size_t n = plain_fqns.size();
+  if (plain_dtypes.size() != n || plain_shapes.size() != n || plain_flags.size() != n) {
+    throw std::invalid_argument("dcp_metadata_pickle: one dtype, shape and flag per plain tensor");
+  }
+  DcpMetadataToWrite md;
+  md.entries.reserve(regular.size() + n);
+  for (const auto& [fqn, value] : regular) {
+    DcpMetadataEntry& e = md.entries.emplace_back();
+    e.fqn = fqn.cast<std::string>();
+    if (!py::isinstance(value, tensor_type)) {
+      e.bytes = true;
+      continue;
+    }
+    const py::object props = value.attr("properties");
+    const std::string dtype = py::str(props.attr("dtype"));
+    e.dtype = dtype.starts_with("torch.") ? dtype.substr(6) : dtype;
+    e.layout = py::str(props.attr("layout"));
+    e.requires_grad = props.attr("requires_grad").cast<bool>();
+    e.memory_format = MemoryFormatEncoding(props.attr("memory_format"));
+    e.pin_memory = props.attr("pin_memory").cast<bool>();
+    e.size = value.attr("size").cast<Dims>();
+    for (const py::handle& chunk : value.attr("chunks")) {
+      e.chunks.emplace_back(chunk.attr("offsets").cast<Dims>(), chunk.attr("sizes").cast<Dims>());
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    DcpMetadataEntry& e = md.entries.emplace_back();
+    e.fqn = plain_fqns[i];
+    e.dtype = plain_dtypes[i];
+    e.requires_grad = (plain_flags[i] & 1) != 0;
+    e.pin_memory = (plain_flags[i] & 2) != 0;
+    e.size = plain_shapes[i];
+    e.chunks.emplace_back(Dims(e.size.size(), 0), e.size);
+  }
+  if (!planner_data.is_none()) {
+    auto& paths = md.planner_data.emplace();
+    paths.reserve(py::len(planner_data));
+    for (const auto& [fqn, path] : py::dict(planner_data)) {
+      DcpKeyPath parts;
+      for (const py::handle& part : path) {
+        if (PyLong_Check(part.ptr())) {
+          parts.emplace_back(part.cast<int64_t>());
+        } else {
+          parts.emplace_back(part.cast<std::string>());
+        }
+      }
+      paths.emplace_back(fqn.cast<std::string>(), std::move(parts));
+    }
+  }
+  std::set<std::string> files;
+  for (const py::handle& rank : results) {
+    for (const py::handle& r : rank) {
+      if (!PyEqual(r.attr("index").attr("fqn"), rank_writes)) {
+        throw std::invalid_argument("dcp_metadata_pickle: a write result of another writer");
+      }
+      ForEachRankItem(r.attr("storage_data"), [&](const py::object& path, const py::handle& fqn,
+                                                  const py::handle& offset, const py::handle& index,
+                                                  const uint64_t* place, const py::handle& blocks) {
+        DcpStorageEntry& e = md.storage.emplace_back();
+        e.fqn = fqn.cast<std::string>();
+        if (!offset.is_none()) e.offset = offset.cast<Dims>();
+        if (!index.is_none()) e.index = index.cast<int64_t>();
+        e.relative_path = path.cast<std::string>();
+        e.offset_in_file = place[0];
+        e.length = place[1];
+        e.xxh64 = place[2];
+        e.block_xxh64 = blocks.cast<std::string>();
+        files.insert(e.relative_path);
+      });
+    }
+  }
+  md.checkpoint_id =
+      py::str(py::module_::import("os").attr("fspath")(storage_meta.attr("checkpoint_id")));
+  md.save_id = OptionalStr(storage_meta.attr("save_id"));
+  md.load_id = OptionalStr(storage_meta.attr("load_id"));
+  md.modules = storage_meta.attr("modules").cast<std::vector<std::string>>();
+  const py::object format = py::getattr(storage_meta, "tensortier_format", py::none());
+  if (!format.is_none()) md.format = format.cast<int64_t>();
+  md.version = version;
+  std::string data;
+  {
+    py::gil_scoped_release release;
+    data = SerializeDcpMetadata(md);
+  }
+  return py::make_tuple(py::bytes(data), std::vector<std::string>(files.begin(), files.end()));
+}
+
+// Which rank writes each plain tensor that several ranks hold (a replicated value), as torch's
+// dedup_save_plans chooses: in the order keys first appear, the rank with the fewest bytes planned
+// so far among those holding it (the lowest on ties), or the lowest with `to_lowest`; a tensor's
+// bytes count at least 1. `planned`: each rank's bytes planned before (its other items). Returns
+// per rank the indices of its tensors it keeps, None where it keeps all.
+py::list DedupPlain(const std::vector<std::vector<std::string>>& fqns,
+                    const std::vector<std::vector<uint64_t>>& nbytes, std::vector<uint64_t> planned,
+                    bool to_lowest) {
+  const size_t ranks = fqns.size();
+  if (nbytes.size() != ranks || planned.size() != ranks) {
+    throw std::invalid_argument("dcp_dedup_plain: one list of sizes and a planned size per rank");
+  }
+  std::unordered_map<std::string_view, std::vector<std::pair<size_t, size_t>>> holders;
+  std::vector<std::string_view> order;
+  for (size_t r = 0; r < ranks; ++r) {
+    if (nbytes[r].size() != fqns[r].size()) {
+      throw std::invalid_argument("dcp_dedup_plain: one size per tensor");
+    }
+    for (size_t i = 0; i < fqns[r].size(); ++i) {
+      auto [it, added] = holders.try_emplace(fqns[r][i]);
+      if (added) order.push_back(fqns[r][i]);
+      it->second.emplace_back(r, i);
+    }
+  }
+  std::vector<std::vector<size_t>> kept(ranks);
+  std::vector<bool> all(ranks, true);
+  for (std::string_view fqn : order) {
+    const auto& where = holders[fqn];
+    size_t pick = 0;
+    for (size_t k = 1; k < where.size() && !to_lowest; ++k) {
+      if (planned[where[k].first] < planned[where[pick].first]) pick = k;
+    }
+    const auto [rank, index] = where[pick];
+    planned[rank] += std::max<uint64_t>(nbytes[rank][index], 1);
+    for (size_t k = 0; k < where.size(); ++k) {
+      if (k != pick) all[where[k].first] = false;
+    }
+    kept[rank].push_back(index);
+  }
+  py::list out;
+  for (size_t r = 0; r < ranks; ++r) {
+    if (all[r]) {
+      out.append(py::none());
+    } else {
+      std::sort(kept[r].begin(), kept[r].end());
+      out.append(py::cast(kept[r]));
     }
   }
   return out;
@@ -289,6 +469,22 @@ void RegisterDcpItems(py::module_& m) {
         "whose index is named rank_writes is a rank's items (write_dcp_file's file name, fqns, "
         "offsets, indices, places and block sums), made into index_type and info_type objects "
         "with their xxh64 and block sums; others are kept as they are.");
+  m.def("dcp_dedup_plain", &DedupPlain, py::arg("fqns"), py::arg("nbytes"), py::arg("planned"),
+        py::arg("to_lowest"),
+        "Per rank, the indices of the plain tensors (fqns[rank], nbytes[rank]) it writes where "
+        "several ranks hold one key (None: all of its own), chosen as torch's dedup_save_plans "
+        "does: the rank with the fewest bytes planned (planned: each rank's other items), or "
+        "the lowest with to_lowest.");
+  m.def("dcp_metadata_pickle", &MetadataPickle, py::arg("regular"), py::arg("tensor_type"),
+        py::arg("plain_fqns"), py::arg("plain_dtypes"), py::arg("plain_shapes"),
+        py::arg("plain_flags"), py::arg("planner_data"), py::arg("results"), py::arg("rank_writes"),
+        py::arg("storage_meta"), py::arg("version"),
+        "(the bytes of a save's .metadata, the data files it names), made without Python "
+        "objects per item: `regular` (fqn -> tensor_type or BytesStorageMetadata) and the plain "
+        "tensors (fqns, torch's dtype names, shapes, a flag byte each: 1 requires_grad, 2 "
+        "pinned; one chunk at the origin) as state_dict_metadata, planner_data as it is, the "
+        "rank writes of `results` (write_dcp_file's, index named rank_writes) as storage_data, "
+        "storage_meta's fields. pickle.load reads it as the Metadata these describe.");
   py::class_<StageSlot>(m, "DcpStageSlot",
                         "Where a staged tensor goes in a state dict dcp_stage_collect shaped.")
       .def_readonly("index", &StageSlot::index)

@@ -23,7 +23,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_save_plan,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -40,7 +44,7 @@ from . import _core
 from .checkpoint import _format
 from ._runtime import default_io, dtype_names, gc_paused, quantized_dtypes, torch_dtypes
 
-__all__ = ["Reader", "Writer"]
+__all__ = ["Reader", "SavePlanner", "Writer"]
 
 # The key of the one WriteResult each rank's write_data returns.
 _RANK_WRITES = "tensortier: the rank's items"
@@ -328,12 +332,18 @@ class Writer(_CheckpointDirectory, StorageWriter, AsyncStager):
         name = f"{plan.storage_data.prefix}{self.save_id[:16]}{_fs.DEFAULT_SUFFIX}"
         with gc_paused():  # the per-item Python only: the write itself leaves the GC on
             dtypes, tensors = _write_sources(plan.items, planner)
+            plain_fqns: list[str] = []
+            if isinstance(plan, _PlainSavePlan) and isinstance(planner, SavePlanner):
+                plain_fqns, plain_dtypes, plain_tensors = planner._plain_writes(plan.plain)
+                dtypes += plain_dtypes
+                tensors += plain_tensors
             shapes, sizes = [t.shape for t in tensors], [t.nbytes for t in tensors]
             addresses = [t.data_ptr() if _in_place(t) else None for t in tensors]
         size, rank_writes = _core.write_dcp_file(
             default_io()._core(), self._dir, name, dtypes, shapes, sizes, addresses, plan.items,
             self.direct, f"rank {self.rank}",
-            lambda group: _host_copies([tensors[i] for i in group]), _format._STAGING_BYTES)
+            lambda group: _host_copies([tensors[i] for i in group]), _format._STAGING_BYTES,
+            plain_fqns)
         # DCP gathers a few lists and bytes, not objects per item; ``finish`` expands them.
         return _done([WriteResult(index=_md.MetadataIndex(_RANK_WRITES), size_in_bytes=size,
                                   storage_data=rank_writes)])
@@ -384,6 +394,17 @@ class Writer(_CheckpointDirectory, StorageWriter, AsyncStager):
     def finish(self, metadata: _md.Metadata, results: list[list[WriteResult]]) -> None:
         """Commits the checkpoint (coordinator only): ``.metadata`` written durably, then the
         files it does not name (the replaced checkpoint's, dead saves') removed."""
+        if isinstance(metadata, _SavedMetadata):  # tensortier.dcp.SavePlanner's
+            metadata.storage_meta = self.storage_meta()
+            metadata._directory = self._dir
+            fqns, dtypes, shapes, flags = metadata._plain
+            data, files = _core.dcp_metadata_pickle(
+                metadata._regular.state_dict_metadata, _md.TensorStorageMetadata, fqns, dtypes,
+                shapes, flags, metadata._regular.planner_data, results, _RANK_WRITES,
+                metadata.storage_meta, _VERSION)
+            _core.commit_dcp_checkpoint(default_io()._core(), self._dir, data, files,
+                                        f"rank {self.rank} (the coordinator)")
+            return
         with gc_paused():
             metadata.storage_data = _core.dcp_storage_data(results, _RANK_WRITES,
                                                            _md.MetadataIndex, _fs._StorageInfo)
@@ -403,6 +424,199 @@ class Writer(_CheckpointDirectory, StorageWriter, AsyncStager):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether `checkpoint_id` is a local path (DCP's rule for its file system writer)."""
         return bool(_fs.FileSystem.validate_checkpoint_id(checkpoint_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlainSavePlan(SavePlan):
+    """A rank's SavePlan from :class:`SavePlanner`: its plain tensors as lists, not WriteItems.
+    ``plain`` is, in a local plan, (fqns, torch's dtype names, shapes, flag bytes: 1
+    requires_grad, 2 pinned; nbytes); in the global plan, the indices of those the rank writes
+    (None: all)."""
+
+    plain: Any = None
+
+
+class SavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` for state dicts of many tensors, with :class:`Writer`:
+    ``dcp.save(state_dict, storage_writer=Writer(path), planner=SavePlanner())``.
+
+    DCP's default planner makes, sends between ranks and pickles several Python objects per
+    tensor (its write items, the metadata's entries), which takes most of a save of thousands
+    of small tensors. This one plans the plain tensors of the state dict (not DTensors or
+    other sharded values, which it plans as the default does) as lists, and the Writer writes
+    the ``.metadata`` from those lists in C++. The checkpoint is the same: the same
+    ``.metadata``, as ``DefaultSavePlanner`` and torch's ``FileSystemReader`` read it,
+    replicated tensors written once (by the rank that the default dedup picks).
+
+    With another storage writer it plans as ``DefaultSavePlanner`` does. The ``Metadata``
+    ``dcp.save`` returns with it reads the checkpoint's ``.metadata`` when first looked into:
+    once another save replaced the checkpoint, looking into it raises ``FileNotFoundError``.
+
+    Args:
+        flatten_state_dict: ``DefaultSavePlanner``'s.
+        flatten_sharded_tensors: ``DefaultSavePlanner``'s.
+        dedup_save_to_lowest_rank: ``DefaultSavePlanner``'s.
+    """
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 dedup_save_to_lowest_rank: bool = False) -> None:
+        super().__init__(flatten_state_dict=flatten_state_dict,
+                         flatten_sharded_tensors=flatten_sharded_tensors,
+                         dedup_save_to_lowest_rank=dedup_save_to_lowest_rank)
+        self._plain: tuple[Any, ...] | None = None  # create_local_plan's lists
+        self._plain_tensors: list[Any] = []
+        self._lists = False  # whether the storage writer is ours (it reads the lists)
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
+        """``DefaultSavePlanner``'s; notes whether the storage writer is a tensortier one."""
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self._lists = getattr(storage_meta, "tensortier_format", None) is not None
+
+    def create_local_plan(self) -> SavePlan:
+        """The default plan of the state dict's other values, with its plain tensors as lists."""
+        if not self._lists:
+            return super().create_local_plan()
+        storable = dtype_names().keys() - quantized_dtypes()
+        plain_types = (torch.Tensor, torch.nn.Parameter)
+        fqns: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        flags = bytearray()
+        nbytes: list[int] = []
+        tensors: list[Any] = []
+        rest: dict[str, Any] = {}
+        names: dict[Any, str] = {}
+        with gc_paused():
+            for fqn, value in self.state_dict.items():
+                if (type(value) not in plain_types or value.dtype not in storable
+                        or value.layout != torch.strided or value.is_meta):
+                    rest[fqn] = value  # planned (and refused, where it must be) as by default
+                    continue
+                dtype = value.dtype
+                name = names.get(dtype)
+                if name is None:
+                    name = names[dtype] = str(dtype).removeprefix("torch.")
+                fqns.append(fqn)
+                dtypes.append(name)
+                shapes.append(tuple(value.shape))
+                flags.append(int(value.requires_grad) | (2 if value.is_pinned() else 0))
+                nbytes.append(value.nbytes)
+                tensors.append(value)
+            plan = create_default_local_save_plan(rest, self.is_coordinator)
+        self._plain = (fqns, dtypes, shapes, bytes(flags), nbytes)
+        self._plain_tensors = tensors
+        self.plan = _PlainSavePlan(plan.items, planner_data=(
+            self.mappings if self.flatten_state_dict else None),
+            plain=self._plain)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
+        """The default global plan of the other values; each plain tensor held by several
+        ranks given to one of them, as the default dedup does. The metadata is a
+        :class:`_SavedMetadata`, which the Writer writes from lists."""
+        if not all(isinstance(p, _PlainSavePlan) for p in all_plans):
+            return super().create_global_plan(all_plans)
+        plans, metadata = self._create_global_plan(all_plans)
+        planned = [sum(item.tensor_storage_size() or 1 for item in p.items) for p in plans]
+        kept = _core.dcp_dedup_plain([p.plain[0] for p in plans], [p.plain[4] for p in plans],
+                                     planned, self.dedup_save_to_lowest_rank)
+        fqns: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[Any] = []
+        flags = bytearray()
+        for p, keep in zip(plans, kept):
+            p_fqns, p_dtypes, p_shapes, p_flags, _ = p.plain
+            if keep is None:
+                fqns += p_fqns
+                dtypes += p_dtypes
+                shapes += p_shapes
+                flags += p_flags
+            else:
+                fqns += [p_fqns[i] for i in keep]
+                dtypes += [p_dtypes[i] for i in keep]
+                shapes += [p_shapes[i] for i in keep]
+                flags += bytes(p_flags[i] for i in keep)
+        clash = next((f for f in fqns if f in metadata.state_dict_metadata), None)
+        if clash is not None:
+            raise ValueError(f"{clash}: a plain tensor on some ranks and another kind of value "
+                             "(a DTensor, a sharded tensor, a non-tensor) on others")
+        # The mappings went into the metadata: the plans sent back to the ranks carry none.
+        plans = [dataclasses.replace(p, planner_data=None, plain=keep)
+                 for p, keep in zip(plans, kept)]
+        self.global_plan = plans
+        self.metadata = _SavedMetadata(metadata, (fqns, dtypes, shapes, bytes(flags)))
+        return plans, self.metadata
+
+    def _plain_writes(self, keep: list[int] | None) -> tuple[list[str], list[str], list[Any]]:
+        """(fqns, tensortier's dtype names, tensors) of the plain tensors this rank writes."""
+        if self._plain is None:
+            raise RuntimeError("tensortier.dcp.SavePlanner: write_data before create_local_plan")
+        fqns, tensors = self._plain[0], self._plain_tensors
+        if keep is not None:
+            fqns, tensors = [fqns[i] for i in keep], [tensors[i] for i in keep]
+        names = dtype_names()
+        return list(fqns), [names[t.dtype] for t in tensors], list(tensors)
+
+
+class _SavedMetadata(_md.Metadata):
+    """The ``Metadata`` of a save planned by :class:`SavePlanner`: its entries as lists until
+    the Writer has written them, then read from the checkpoint's ``.metadata`` when first
+    looked into (``dcp.save`` returns it on every rank; it crosses between ranks as the
+    checkpoint's path and ids, not as thousands of objects)."""
+
+    def __init__(self, regular: _md.Metadata | None, plain: tuple[Any, ...] | None,
+                 directory: str | None = None, storage_meta: Any = None) -> None:
+        # Not Metadata.__init__: its entry fields are properties here.
+        self._regular = regular
+        self._plain = plain
+        self._directory = directory
+        self._full: _md.Metadata | None = None
+        self.storage_meta = storage_meta
+        self.version = _VERSION
+
+    def __reduce__(self) -> Any:
+        return (_SavedMetadata, (None, None, self._directory, self.storage_meta))
+
+    def _read(self) -> _md.Metadata:
+        if self._full is None:
+            if self._directory is None:
+                raise RuntimeError("tensortier.dcp: the metadata of a save that has not "
+                                   "committed yet")
+            path = _core.dcp_metadata_path(self._directory)
+            md = _MetadataUnpickler(io.BytesIO(_core.read_dcp_metadata_bytes(
+                self._directory))).load()
+            saved = getattr(self.storage_meta, "save_id", None)
+            if getattr(md.storage_meta, "save_id", None) != saved:
+                raise FileNotFoundError(
+                    errno.ENOENT, f"the checkpoint of save {saved} is no longer in "
+                    f"{self._directory}: another save replaced it", path)
+            self._full = md
+        return self._full
+
+    @property  # type: ignore[override]
+    def state_dict_metadata(self) -> dict[str, Any]:  # noqa: D102 - Metadata's field
+        return self._read().state_dict_metadata
+
+    @state_dict_metadata.setter
+    def state_dict_metadata(self, value: dict[str, Any]) -> None:
+        self._read().state_dict_metadata = value
+
+    @property  # type: ignore[override]
+    def planner_data(self) -> Any:  # noqa: D102 - Metadata's field
+        return self._read().planner_data
+
+    @planner_data.setter
+    def planner_data(self, value: Any) -> None:
+        self._read().planner_data = value
+
+    @property  # type: ignore[override]
+    def storage_data(self) -> Any:  # noqa: D102 - Metadata's field
+        return self._read().storage_data
+
+    @storage_data.setter
+    def storage_data(self, value: Any) -> None:
+        self._read().storage_data = value
 
 
 class _MetadataUnpickler(pickle.Unpickler):

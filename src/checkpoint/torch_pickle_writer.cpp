@@ -6,13 +6,13 @@
 // the empty OrderedDicts are new objects every time.
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "pickle_emitter.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/torch_pickle.hpp"
 #include "tensortier/util/json.hpp"
@@ -28,115 +28,6 @@ const Dtype* FindDtype(std::string_view dtype) {
   const Dtype* d = DtypeNamed(dtype);
   return d != nullptr && !d->torch.empty() && !d->quantized ? d : nullptr;
 }
-
-constexpr size_t kBatch = 1000;  // pickle's _BATCHSIZE for SETITEMS
-
-class Emitter {
- public:
-  std::string Take() { return std::move(out_); }
-
-  void Op(char op) { out_ += op; }
-  void Le(uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xFF);
-  }
-
-  // A new object: memoized under the next index (BINPUT, LONG_BINPUT past 255).
-  uint32_t Put() {
-    uint32_t index = next_++;
-    if (index < 256) {
-      Op('q');
-      Le(index, 1);
-    } else {
-      Op('r');
-      Le(index, 4);
-    }
-    return index;
-  }
-  void Get(uint32_t index) {
-    if (index < 256) {
-      Op('h');
-      Le(index, 1);
-    } else {
-      Op('j');
-      Le(index, 4);
-    }
-  }
-
-  // save_str: BINUNICODE, memoized.
-  uint32_t Str(std::string_view s) {
-    Op('X');
-    Le(s.size(), 4);
-    out_ += s;
-    return Put();
-  }
-  // A string that is one Python object however often it is pickled ('storage', 'cpu').
-  void SharedStr(std::string_view s) {
-    // Keys built by concatenation, not StrCat: this runs several times per tensor.
-    Shared(std::string("str:").append(s), [&] { Str(s); });
-  }
-
-  // save_global: GLOBAL 'module\nname\n', memoized; later occurrences fetch it.
-  void Global(std::string_view module, std::string_view name) {
-    Shared(std::string("global:").append(module).append(".").append(name), [&] {
-      Op('c');
-      out_ += module;
-      out_ += '\n';
-      out_ += name;
-      out_ += '\n';
-      Put();
-    });
-  }
-
-  // save_long for non-negative values: BININT1, BININT2, BININT, else LONG1.
-  void Int(uint64_t v) {
-    if (v <= 0xFF) {
-      Op('K');
-      Le(v, 1);
-    } else if (v <= 0xFFFF) {
-      Op('M');
-      Le(v, 2);
-    } else if (v <= 0x7FFFFFFF) {
-      Op('J');
-      Le(v, 4);
-    } else {
-      // encode_long: little-endian two's complement of (bit_length // 8 + 1) bytes.
-      int bits = 64 - __builtin_clzll(v);
-      int n = bits / 8 + 1;
-      Op('\x8a');
-      Le(static_cast<uint64_t>(n), 1);
-      Le(v, n);  // callers keep values <= INT64_MAX: n <= 8
-    }
-  }
-
-  // save_tuple of ints: EMPTY_TUPLE (not memoized), TUPLE1-3, else MARK ... TUPLE; memoized.
-  void IntTuple(const std::vector<uint64_t>& v) {
-    if (v.empty()) {
-      Op(')');
-      return;
-    }
-    if (v.size() > 3) Op('(');
-    for (uint64_t x : v) Int(x);
-    Op(v.size() == 1 ? '\x85' : v.size() == 2 ? '\x86' : v.size() == 3 ? '\x87' : 't');
-    Put();
-  }
-
- private:
-  template <typename F>
-  void Shared(const std::string& identity, F&& first) {
-    auto it = shared_.find(identity);
-    if (it != shared_.end()) {
-      Get(it->second);
-      return;
-    }
-    uint32_t index = next_;
-    first();
-    shared_.emplace(identity, index);
-  }
-
-  std::string out_;
-  uint32_t next_ = 0;
-  std::map<std::string, uint32_t> shared_;
-};
 
 void EmitTensor(Emitter& e, const TorchPickleTensor& t, const Dtype& d, uint64_t numel) {
   bool v3 = d.storage.empty();
@@ -251,24 +142,11 @@ std::string SerializeTorchPickle(const std::vector<TorchPickleTensor>& tensors) 
   e.Le(2, 1);
   e.Op('}');  // EMPTY_DICT
   e.Put();
-  // The C pickler's batch_dict_exact: one item is a SETITEM; more go in batches of 1000, each
-  // MARK ... SETITEMS, and a full batch is always followed by another (empty after the last).
-  auto item = [&](size_t i) {
+  // The C pickler's batch_dict_exact.
+  e.Items(tensors.size(), true, [&](size_t i) {
     e.Str(tensors[i].name);
     EmitTensor(e, tensors[i], *FindDtype(tensors[i].dtype), numels[i]);
-  };
-  if (tensors.size() == 1) {
-    item(0);
-    e.Op('s');
-  } else if (!tensors.empty()) {
-    size_t next = 0;
-    size_t count = 0;
-    do {
-      e.Op('(');
-      for (count = 0; count < kBatch && next < tensors.size(); ++count) item(next++);
-      e.Op('u');
-    } while (count == kBatch);
-  }
+  });
   e.Op('.');
   return e.Take();
 }

@@ -630,6 +630,59 @@ TEST(DcpMetadata, ANewerFormatIsRefusedNamingItsVersion) {
   EXPECT_NO_THROW(CheckDcpFormat(std::nullopt, "m"));  // torch's files
 }
 
+TEST(DcpMetadata, AWrittenMetadataReadsBackWithEveryItem) {
+  DcpMetadataToWrite md;
+  DcpMetadataEntry w;
+  w.fqn = "model.w";
+  w.dtype = "bfloat16";
+  w.requires_grad = true;
+  w.size = {4, 8};
+  w.chunks = {{{0, 0}, {2, 8}}, {{2, 0}, {2, 8}}};
+  DcpMetadataEntry scalar;
+  scalar.fqn = "s";
+  scalar.dtype = "int8";
+  scalar.chunks = {{{}, {}}};
+  DcpMetadataEntry note;
+  note.fqn = "note";
+  note.bytes = true;
+  md.entries = {w, scalar, note};
+  md.planner_data.emplace();
+  md.planner_data->push_back({"model.w", {std::string("model"), std::string("w")}});
+  md.planner_data->push_back({"s", {std::string("s")}});
+  md.planner_data->push_back({"note", {std::string("l"), int64_t{3}, int64_t{-1}}});
+  const uint64_t big_sum = 0xF123456789ABCDEFull;  // bit 63 set: nine bytes in LONG1
+  md.storage = {{"model.w", std::vector<int64_t>{0, 0}, 0, "__0_a.distcp", 0, 600, big_sum,
+                 std::string(8, 'x')},
+                {"model.w", std::vector<int64_t>{2, 0}, 1, "__1_b.distcp", 64, 600, 7, ""},
+                {"s", std::vector<int64_t>{}, 0, "__0_a.distcp", 4096, 500, 0, ""},
+                {"note", std::nullopt, std::nullopt, "__0_a.distcp", 8192, 70, 70000, ""}};
+  md.checkpoint_id = "/ckpt/step-1";
+  md.save_id = "abc";
+  md.format = kDcpFormat;
+  md.version = "1.0.0";
+  const DcpMetadata got = ParseDcpMetadata(SerializeDcpMetadata(md), "m");
+  EXPECT_EQ(got.version, "1.0.0");
+  EXPECT_EQ(got.format, kDcpFormat);
+  ASSERT_EQ(got.items.size(), 4u);
+  EXPECT_EQ(got.items[0].name, "model.w");
+  EXPECT_EQ(got.items[0].xxh64, big_sum);
+  EXPECT_EQ(got.items[0].block_xxh64, std::string(8, 'x'));
+  EXPECT_EQ(got.items[0].chunk_sizes, (std::vector<int64_t>{2, 8}));
+  EXPECT_EQ(got.items[1].name, "model.w at [2, 0]");
+  EXPECT_EQ(got.items[1].relative_path, "__1_b.distcp");
+  EXPECT_EQ(got.items[1].offset, 64u);
+  EXPECT_EQ(got.items[2].chunk_sizes, (std::vector<int64_t>{}));
+  EXPECT_TRUE(got.items[3].bytes);
+  EXPECT_EQ(got.items[3].xxh64, 70000u);
+  EXPECT_EQ(got.items[3].length, 70u);
+
+  md.entries[0].fqn = "bad\xff";
+  EXPECT_THROW(SerializeDcpMetadata(md), std::invalid_argument);
+  md.entries[0].fqn = "model.w";
+  md.entries[0].dtype = "float32\nos.system";  // a dtype is a name, never a second global
+  EXPECT_THROW(SerializeDcpMetadata(md), std::invalid_argument);
+}
+
 TEST(DcpMetadata, AMissingOrForeignDirectoryIsNamed) {
   TempDir dir;
   auto error = [](const std::string& d) -> std::pair<int, std::string> {

@@ -7,7 +7,8 @@ into a zeroed one compared with it. Options: "big": "S0" | "S1" (the placement o
 large tensor "big", Shard(0) by default: a load into another placement reshards it), "only":
 [KEYS] (a load of those keys alone), "format": "safetensors" (stock saves), "kill": SECONDS
 (with "victim": RANK: that rank SIGKILLs itself that long after the save starts, or as
-the save returns if that comes first), "fail": True (the
+the save returns if that comes first), "planner": "ours" (planned by tensortier.dcp's
+planners), "fail": True (the
 step must raise; its error is reported). Each rank writes DIR/rank<r>.json: {"ok", "error",
 "steps": [{"seconds", "bytes_read", "needed", "error"}]}.
 
@@ -194,8 +195,11 @@ def run_step(step: dict[str, Any], mesh: Any) -> dict[str, Any]:
                 kwargs["serialization_format"] = SerializationFormat[step["format"].upper()]
             writer = dcp.FileSystemWriter(step["dir"], **kwargs)
         # "collectives": false, a save without them: rank-local __N.metadata (torch's writer).
-        dcp.save(state(step, False, mesh), storage_writer=writer,
-                 **({} if step.get("collectives", True) else {"use_collectives": False}))
+        # "planner": "ours", planned by tensortier.dcp.SavePlanner.
+        kwargs = {} if step.get("collectives", True) else {"use_collectives": False}
+        if step.get("planner") == "ours":
+            kwargs["planner"] = tdcp.SavePlanner()
+        dcp.save(state(step, False, mesh), storage_writer=writer, **kwargs)
         if "kill" in step and int(step.get("victim", 1)) == rank:  # the timer came late
             os.kill(os.getpid(), signal.SIGKILL)
     else:

@@ -13,6 +13,8 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <variant>
 #include <vector>
 
 namespace tensortier {
@@ -67,6 +69,49 @@ void CheckDcpFormat(std::optional<int64_t> format, const std::string& what);
 // anything else: another pickle, a refused global, truncation, values past the bounds, a newer
 // tensortier_format (CheckDcpFormat).
 DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what);
+
+// What SerializeDcpMetadata writes: a DCP Metadata, field by field.
+struct DcpMetadataEntry {  // state_dict_metadata[fqn]
+  std::string fqn;
+  bool bytes = false;                    // BytesStorageMetadata; else a TensorStorageMetadata:
+  std::string dtype;                     // torch's name ("float32")
+  std::string layout = "torch.strided";  // as torch.serialization._get_layout takes it
+  bool requires_grad = false;
+  int64_t memory_format = 0;  // TensorProperties' _MEM_FORMAT_ENCODING value
+  bool pin_memory = false;
+  std::vector<int64_t> size;
+  std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> chunks;  // offsets, sizes
+};
+struct DcpStorageEntry {  // storage_data[MetadataIndex(fqn, offset, index)]: a _StorageInfo
+  std::string fqn;
+  std::optional<std::vector<int64_t>> offset;
+  std::optional<int64_t> index;
+  std::string relative_path;
+  uint64_t offset_in_file = 0;
+  uint64_t length = 0;
+  std::optional<uint64_t> xxh64;
+  std::string block_xxh64;  // packed block sums (dcp_file.hpp); none where empty
+};
+// planner_data: each flattened key's path in the state dict (dict keys and list indices).
+using DcpKeyPath = std::vector<std::variant<std::string, int64_t>>;
+struct DcpMetadataToWrite {
+  std::vector<DcpMetadataEntry> entries;
+  std::optional<std::vector<std::pair<std::string, DcpKeyPath>>> planner_data;  // None: absent
+  std::vector<DcpStorageEntry> storage;
+  // storage_meta (a StorageMeta, with tensortier_format where set)
+  std::string checkpoint_id;  // a path
+  std::optional<std::string> save_id;
+  std::optional<std::string> load_id;
+  std::vector<std::string> modules;
+  std::optional<int64_t> format;
+  std::string version;
+};
+
+// The .metadata pickle of `md`: what pickle.dumps gives for the Metadata object it describes
+// (not byte for byte; pickle.load and ParseDcpMetadata read it as the same objects). Throws
+// std::invalid_argument for a string that is not UTF-8 or a dtype name that is not a plain
+// identifier.
+std::string SerializeDcpMetadata(const DcpMetadataToWrite& md);
 
 // The names of a DCP checkpoint's files, as torch's FileSystemWriter gives them; every reader,
 // writer, cleanup and CLI command of tensortier goes by these.

@@ -1,0 +1,182 @@
+"""tensortier.dcp.SavePlanner: the checkpoint DefaultSavePlanner gives (the same .metadata objects,
+read by torch's reader and ours), planned and committed without Python objects per tensor; in
+real Gloo jobs (dcp_worker.py) and in one process."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import dcp_worker
+from ranks import ForkServer
+from tensortier import dcp as tdcp
+from test_dcp import cli, load_whole, run_job
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[ForkServer]:
+    with ForkServer("dcp_worker") as server:
+        yield server
+
+
+def metadata_of(ckpt: Path) -> Any:
+    """The checkpoint's .metadata as torch's reader unpickles it."""
+    with open(ckpt / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def assert_same_checkpoint(ours: Any, default: Any) -> None:
+    """Two saves' metadata describe the same state dict: equal entries, planner data and item
+    keys; each item with its xxh64 (tensors: their block sums too)."""
+    assert ours.state_dict_metadata == default.state_dict_metadata
+    assert ours.planner_data == default.planner_data
+    assert set(ours.storage_data) == set(default.storage_data)
+    for index, info in ours.storage_data.items():
+        assert isinstance(info.xxh64, int), index
+        assert (getattr(info, "xxh64_blocks", b"") != b"") == (
+            index.offset is not None and default.state_dict_metadata[index.fqn].size.numel() > 0
+            and hasattr(default.storage_data[index], "xxh64_blocks")), index
+    assert ours.version == default.version
+    assert ours.storage_meta.tensortier_format == default.storage_meta.tensortier_format
+
+
+def test_two_ranks_save_what_the_default_planner_saves(tmp_path: Path, ranks: ForkServer) -> None:
+    """The mixed layout (DTensors, plain tensors every rank holds, of every dtype, a view that
+    is not contiguous, empty ones, non-tensor values) saved by 2 ranks with SavePlanner: the
+    same metadata as DefaultSavePlanner's save, each replicated tensor written once, loaded by
+    torch's reader and ours, in 2 ranks and in one process."""
+    planned, default = tmp_path / "planned", tmp_path / "default"
+    run_job(ranks, tmp_path, 2, [
+        {"do": "save", "with": "ours", "dir": planned, "v": 1, "planner": "ours"},
+        {"do": "save", "with": "ours", "dir": default, "v": 1},
+        {"do": "load", "with": "stock", "dir": planned, "v": 1},
+        {"do": "load", "with": "ours", "dir": planned, "v": 1},
+    ])
+    md = metadata_of(planned)
+    assert_same_checkpoint(md, metadata_of(default))
+    files = {info.relative_path for info in md.storage_data.values()}
+    assert {f[:4] for f in files} == {"__0_", "__1_"}  # both ranks wrote items
+    assert {p.name for p in planned.glob("*.distcp")} == files
+    load_whole(planned, 1)
+    load_whole(planned, 1, dcp.FileSystemReader(planned))
+
+
+def test_twenty_thousand_small_tensors_per_rank_with_the_planner(tmp_path: Path,
+                                                                 ranks: ForkServer) -> None:
+    """20,000 tensors of 1 KiB per rank saved with SavePlanner, loaded back; fewer, loaded by
+    torch's reader too."""
+    many, few = tmp_path / "many", tmp_path / "few"
+    small = {"layout": "small", "planner": "ours"}
+    run_job(ranks, tmp_path, 2, [
+        {"do": "save", "with": "ours", "dir": many, "v": 1, **small},
+        {"do": "load", "with": "ours", "dir": many, "v": 1, **small},
+        {"do": "save", "with": "ours", "dir": few, "v": 2, "count": 300, **small},
+        {"do": "load", "with": "stock", "dir": few, "v": 2, "count": 300, **small},
+    ])
+    assert len(metadata_of(many).state_dict_metadata) == 2 * 20_000 + 1
+
+
+def state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(3000, generator=g),
+        "p": torch.nn.Parameter(torch.randn(4, 4, generator=g)),  # requires_grad
+        "t": torch.randn(4, 6, generator=g, dtype=torch.float64).t(),  # not contiguous
+        "empty": torch.empty(0, 2),
+        "scalar": torch.tensor(3, dtype=torch.int8),
+        "bf16": torch.randn(5, generator=g).to(torch.bfloat16),
+        "nested": {"m": torch.full((7,), 2.0), "lr": 0.1, "ids": [1, torch.ones(2), "x"]},
+        "step": 9,
+    }
+
+
+def load_into_zeros(ckpt: Path, reader: Any = None) -> dict[str, Any]:
+    want = state()
+    got: dict[str, Any] = {
+        k: torch.zeros_like(v.detach()) if isinstance(v, torch.Tensor) else v
+        for k, v in want.items() if k != "nested"}
+    got["step"] = 0
+    got["nested"] = {"m": torch.zeros(7), "lr": 0.0, "ids": [0, torch.zeros(2), ""]}
+    dcp.load(got, storage_reader=reader or tdcp.Reader(ckpt), no_dist=True)
+    for k in ("w", "p", "t", "empty", "scalar", "bf16"):
+        assert torch.equal(got[k], want[k].detach()), k
+    assert torch.equal(got["nested"]["m"], want["nested"]["m"]) and got["step"] == 9
+    assert got["nested"]["ids"][0] == 1 and torch.equal(got["nested"]["ids"][1], torch.ones(2))
+    return got
+
+
+def test_one_process_saves_what_the_default_planner_saves(tmp_path: Path) -> None:
+    planned, default = tmp_path / "planned", tmp_path / "default"
+    returned = dcp.save(state(), storage_writer=tdcp.Writer(planned), planner=tdcp.SavePlanner(),
+                        no_dist=True)
+    dcp.save(state(), storage_writer=tdcp.Writer(default), no_dist=True)
+    md = metadata_of(planned)
+    assert_same_checkpoint(md, metadata_of(default))
+    assert md.state_dict_metadata["p"].properties.requires_grad
+    # What dcp.save returns reads the same, here and where it crossed to another rank.
+    assert isinstance(returned, dcp.metadata.Metadata)
+    for got in (returned, pickle.loads(pickle.dumps(returned))):
+        assert got.state_dict_metadata == md.state_dict_metadata
+        assert got.planner_data == md.planner_data and set(got.storage_data) == set(
+            md.storage_data)
+        assert got.storage_meta.save_id == md.storage_meta.save_id
+    load_into_zeros(planned)
+    load_into_zeros(planned, dcp.FileSystemReader(planned))
+    verified = cli("verify", planned)
+    assert verified.returncode == 0 and "DCP checkpoint OK" in verified.stdout, verified
+
+
+def test_the_returned_metadata_of_a_replaced_checkpoint_says_so(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = dcp.save({"w": torch.ones(3)}, storage_writer=tdcp.Writer(ckpt),
+                     planner=tdcp.SavePlanner(), no_dist=True)
+    dcp.save({"w": torch.zeros(3)}, storage_writer=tdcp.Writer(ckpt), planner=tdcp.SavePlanner(),
+             no_dist=True)
+    with pytest.raises(FileNotFoundError, match="another save replaced it"):
+        first.state_dict_metadata
+
+
+def test_with_another_storage_writer_it_plans_as_the_default(tmp_path: Path) -> None:
+    ckpt = tmp_path / "stock"
+    returned = dcp.save(state(), storage_writer=dcp.FileSystemWriter(ckpt),
+                        planner=tdcp.SavePlanner(), no_dist=True)
+    assert type(returned) is dcp.metadata.Metadata
+    load_into_zeros(ckpt, dcp.FileSystemReader(ckpt))
+
+
+def test_values_that_cannot_be_saved_are_refused_as_by_default(tmp_path: Path) -> None:
+    """A quantized tensor goes the default way, and is refused naming its key; a plain tensor
+    on one rank that is a non-tensor on another cannot be written as both."""
+    q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    with pytest.raises(CheckpointException, match="q: tensors of torch.qint8 cannot be saved"):
+        dcp.save({"q": q, "w": torch.ones(2)}, storage_writer=tdcp.Writer(tmp_path / "q"),
+                 planner=tdcp.SavePlanner(), no_dist=True)
+    planner = tdcp.SavePlanner()
+    meta = tdcp.Writer(tmp_path / "x").storage_meta()
+    plans = []
+    for value in (torch.ones(2), 5):
+        planner.set_up_planner({"x": value}, meta, True)
+        plans.append(planner.create_local_plan())
+    with pytest.raises(ValueError, match="x: a plain tensor on some ranks and another kind"):
+        planner.create_global_plan(plans)
+
+
+def test_metadata_written_from_lists_reads_in_a_python_without_tensortier(tmp_path: Path) -> None:
+    """The .metadata names only torch's classes: a process that never imported tensortier
+    unpickles it."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save(state(), storage_writer=tdcp.Writer(ckpt), planner=tdcp.SavePlanner(), no_dist=True)
+    code = ("import pickle, sys; md = pickle.load(open(sys.argv[1], 'rb')); "
+            "assert 'tensortier' not in sys.modules; print(len(md.state_dict_metadata))")
+    out = subprocess.run([sys.executable, "-c", code, str(ckpt / ".metadata")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == str(len(metadata_of(ckpt)
+                                                                 .state_dict_metadata)), out
