@@ -26,6 +26,7 @@ timed with its default ``sync_files=True``):
                 DefaultSavePlanner(enable_plan_caching=True), torch's plan caching: the plans
                 of the first save are reused, their collectives skipped
   stock-cached  the same with FileSystemWriter
+  tt-planned    tensortier.dcp.Writer with planner=tensortier.dcp.SavePlanner()
 Asynchronous saves (``--asyncs``): the time ``dcp.async_save`` blocks the caller (training), and
 the time until the checkpoint is committed on every rank ("total", the blocked time included;
 "write x fio" leaves it out: the background write alone):
@@ -52,6 +53,8 @@ Loads (``--loads``), cold: the checkpoint's files are dropped from the page cach
   fio           fio sequential read with O_DIRECT of the same bytes
   floor         a Reader of tt's checkpoint that reads nothing (resolves and commits each
                 target tensor untouched): dcp.load's own work, the least any backend takes
+  tt-planned    tensortier.dcp.Reader with planner=tensortier.dcp.LoadPlanner() of
+                tt-planned's checkpoint
 Where Reader has ``bytes_read`` (the bytes its last load read), the table reports it per rank 0.
 Each sample also records, per rank, the CPU seconds (user + system) its process spent in its
 own part of the timed call (``cpu``: all its threads; ``main_cpu``: the calling thread alone);
@@ -81,9 +84,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import GB, drop_file_cache, fio_stats, format_size, log, median, parse_size  # noqa: E402
 
-SAVES = ("tt", "stock", "stock4", "stock8", "fio", "floor", "tt-cached", "stock-cached")
+SAVES = ("tt", "stock", "stock4", "stock8", "fio", "floor", "tt-cached", "stock-cached",
+         "tt-planned")
 ASYNCS = ("tt", "tt-again", "tt-zoc", "tt-zoc-again", "stock", "stock-zoc", "copy")
-LOADS = ("tt", "tt-noverify", "stock", "fio", "floor")
+LOADS = ("tt", "tt-noverify", "stock", "fio", "floor", "tt-planned")
 MATRIX_BYTES = 64 << 20
 COLUMNS = 4096
 CONFIGS = "2x1G,4x512M,2x20000x1K"  # the figures BENCHMARKS.md reports
@@ -264,7 +268,7 @@ def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendez
                 main_cpu = cpu_seconds(resource.RUSAGE_THREAD)
                 dcp.save(sd, storage_writer=writer, planner=cached())
             elif op == "save":
-                dcp.save(sd, storage_writer=writer)
+                dcp.save(sd, storage_writer=writer, **planner(op, tool))
             elif op == "async":
                 stager: dict[str, Any] = {}
                 if tool == "stock-zoc":
@@ -290,7 +294,7 @@ def rank_main(rank: int, cfg: Config, op: str, tool: str, directory: str, rendez
                 if stager:
                     stager["async_stager"].close()
             else:
-                dcp.load(sd, storage_reader=writer)
+                dcp.load(sd, storage_reader=writer, **planner(op, tool))
                 if getattr(writer, "bytes_read", None) is not None:
                     out["bytes_read"] = int(writer.bytes_read)
             # The rank's own work (the barrier after it waits for the others).
@@ -340,7 +344,17 @@ def fio_sample(fio_file: Path, rw: str, nbytes: int) -> float:
 
 def checkpoint_kind(tool: str) -> str:
     """Whose checkpoint a tool saves or loads (the floor loads tt's)."""
+    if tool == "tt-planned":
+        return tool
     return "tt" if tool.startswith("tt") or tool == "floor" else "stock"
+
+
+def planner(op: str, tool: str) -> dict[str, Any]:
+    """The planner argument of a tool's dcp.save or dcp.load."""
+    if tool != "tt-planned":
+        return {}
+    from tensortier.dcp import LoadPlanner, SavePlanner
+    return {"planner": SavePlanner() if op == "save" else LoadPlanner()}
 
 
 def checkpoint_dir(args: argparse.Namespace, cfg: Config, op: str, tool: str) -> Path:

@@ -76,8 +76,22 @@ py::dict ChunkSizes(const py::dict& state_dict_metadata, const py::handle& tenso
 py::list RequestsByFile(const py::iterable& items, const py::object& storage_data) {
   py::dict entry_of;  // relative_path -> its entry of out
   py::list out;
+  const DcpMetadataTable* table = py::isinstance<DcpMetadataTable>(storage_data)
+                                      ? &storage_data.cast<const DcpMetadataTable&>()
+                                      : nullptr;
   for (const py::handle& req : items) {
-    const py::object path = storage_data[req.attr("storage_index")].attr("relative_path");
+    py::object path;
+    const py::object index = req.attr("storage_index");
+    if (table != nullptr) {
+      const py::object at = index.attr("offset");
+      const DcpStorageEntry* place =
+          table->Storage(index.attr("fqn").cast<std::string>(),
+                         at.is_none() ? std::nullopt : std::optional<Dims>(at.cast<Dims>()));
+      if (place == nullptr) throw py::key_error(DcpItemName(index));
+      path = py::str(place->relative_path);
+    } else {
+      path = storage_data[index].attr("relative_path");
+    }
     py::object entry = entry_of.attr("get")(path);
     if (entry.is_none()) {
       entry = py::make_tuple(path, py::list());
@@ -229,7 +243,7 @@ py::tuple MetadataPickle(const py::dict& regular, const py::handle& tensor_type,
   if (plain_dtypes.size() != n || plain_shapes.size() != n || plain_flags.size() != n) {
     throw std::invalid_argument("dcp_metadata_pickle: one dtype, shape and flag per plain tensor");
   }
-  DcpMetadataToWrite md;
+  DcpMetadataContents md;
   md.entries.reserve(regular.size() + n);
   for (const auto& [fqn, value] : regular) {
     DcpMetadataEntry& e = md.entries.emplace_back();
@@ -455,7 +469,8 @@ void RegisterDcpItems(py::module_& m) {
         "has).");
   m.def("dcp_requests_by_file", &RequestsByFile, py::arg("items"), py::arg("storage_data"),
         "The ReadItems of a load grouped by the data file that holds them (storage_data: "
-        "MetadataIndex -> _StorageInfo): [(relative_path, its items in order)], files in the "
+        "MetadataIndex -> _StorageInfo, or a DcpMetadataTable): [(relative_path, its items in "
+        "order)], files in the "
         "order they are first asked for.");
   m.def("dcp_write_values", &WriteValues, py::arg("items"), py::arg("planner"),
         py::arg("default_planner"), py::arg("byte_io"), py::arg("tensor_type"),

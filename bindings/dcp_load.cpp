@@ -18,6 +18,7 @@
 #include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
+#include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/checkpoint/dcp_reads.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/state_dict_checks.hpp"
@@ -67,6 +68,9 @@ class FileLoad {
     std::vector<size_t> group_of_req;
     std::vector<DcpFileReads::Item> items;
     py::dict group_of;  // storage_index -> its group
+    const DcpMetadataTable* table = py::isinstance<DcpMetadataTable>(storage_data)
+                                        ? &storage_data.cast<const DcpMetadataTable&>()
+                                        : nullptr;
     for (const py::handle& req : reqs) {
       const py::object index = req.attr("storage_index");
       const py::object known = group_of.attr("get")(index);
@@ -74,22 +78,37 @@ class FileLoad {
       if (known.is_none()) {
         group_of[index] = k;
         groups.emplace_back();
-        const py::object info = storage_data[index];
         DcpFileReads::Item& it = items.emplace_back();
         it.name = DcpItemName(index);
-        it.offset = info.attr("offset").cast<uint64_t>();
-        it.length = info.attr("length").cast<uint64_t>();
         it.tensor = !PyEqual(req.attr("type"), bytes_type);
         const py::object fqn = index.attr("fqn");
         it.fqn = fqn.cast<std::string>();
-        if (it.tensor) {
-          const py::object shape = chunk_sizes.attr("get")(DcpChunkKey(fqn, index.attr("offset")));
-          if (!shape.is_none()) it.expected_shape = shape.cast<Dims>();
+        if (table != nullptr) {  // the metadata's index: no Python objects per item
+          const py::object at = index.attr("offset");
+          const auto offset = at.is_none() ? std::nullopt : std::optional<Dims>(at.cast<Dims>());
+          const DcpStorageEntry* place = table->Storage(it.fqn, offset);
+          if (place == nullptr) throw py::key_error(it.name);
+          it.offset = place->offset_in_file;
+          it.length = place->length;
+          it.xxh64 = place->xxh64;
+          it.blocks = place->block_xxh64;
+          const Dims* shape =
+              it.tensor ? table->ChunkSizes(it.fqn, offset.value_or(Dims{})) : nullptr;
+          if (shape != nullptr) it.expected_shape = *shape;
+        } else {
+          const py::object info = storage_data[index];
+          it.offset = info.attr("offset").cast<uint64_t>();
+          it.length = info.attr("length").cast<uint64_t>();
+          if (it.tensor) {
+            const py::object shape =
+                chunk_sizes.attr("get")(DcpChunkKey(fqn, index.attr("offset")));
+            if (!shape.is_none()) it.expected_shape = shape.cast<Dims>();
+          }
+          it.xxh64 = py::getattr(info, "xxh64", py::none()).cast<std::optional<uint64_t>>();
+          it.blocks = py::getattr(info, "xxh64_blocks", py::none())
+                          .cast<std::optional<std::string>>()
+                          .value_or("");
         }
-        it.xxh64 = py::getattr(info, "xxh64", py::none()).cast<std::optional<uint64_t>>();
-        it.blocks = py::getattr(info, "xxh64_blocks", py::none())
-                        .cast<std::optional<std::string>>()
-                        .value_or("");
       }
       groups[k].push_back(py::reinterpret_borrow<py::object>(req));
       group_of_req.push_back(k);
@@ -244,7 +263,8 @@ void RegisterDcpLoad(py::module_& m) {
            py::arg("chunk_sizes"), py::arg("bytes_type"), py::arg("verify"),
            py::arg("torch_dtypes"),
            "Opens path to read the stored items `reqs` (the load's ReadItems of this file, in "
-           "order; storage_data: MetadataIndex -> _StorageInfo; chunk_sizes: dcp_chunk_sizes'; an "
+           "order; storage_data: MetadataIndex -> _StorageInfo, or the DcpMetadataTable of the "
+           "metadata; chunk_sizes: dcp_chunk_sizes' (unused with a table); an "
            "item is bytes where its first ReadItem's type is bytes_type; verify: Reader's; "
            "torch_dtypes: tensortier dtype name -> torch dtype) and reads what says how to read "
            "them (DcpFileReads' errors; ValueError naming the path and item for a dtype "

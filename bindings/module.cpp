@@ -34,6 +34,7 @@ PYBIND11_MODULE(_core, m) {
   RegisterData(m);
   RegisterTestHooks(m);
   RegisterDcp(m);
+  RegisterDcpTable(m);
   RegisterDcpItems(m);
   RegisterDcpLoad(m);
   RegisterHf(m);

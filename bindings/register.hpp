@@ -22,6 +22,7 @@ void RegisterTestHooks(pybind11::module_& m);          // bindings/test_hooks.cp
 void RegisterDcp(pybind11::module_& m);                // bindings/dcp.cpp
 void RegisterDcpItems(pybind11::module_& m);           // bindings/dcp_items.cpp
 void RegisterDcpLoad(pybind11::module_& m);            // bindings/dcp_load.cpp
+void RegisterDcpTable(pybind11::module_& m);           // bindings/dcp_table.cpp
 void RegisterHf(pybind11::module_& m);                 // bindings/hf.cpp
 void RegisterOperationLog(pybind11::module_& m);       // bindings/operation_log.cpp
 void RegisterRegistries(pybind11::module_& m);         // bindings/registries.cpp

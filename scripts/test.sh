@@ -38,19 +38,20 @@ ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 phase "Parser fuzz targets under AddressSanitizer + UndefinedBehaviorSanitizer (${FUZZ_SECONDS:-20} s each)"
 cmake -S . -B build/asan -DTENSORTIER_BUILD_FUZZ=ON >/dev/null
 ninja -C build/asan -j "$JOBS" fuzz_safetensors_header fuzz_zip_directory fuzz_torch_pickle \
-  fuzz_extent_map
+  fuzz_extent_map fuzz_dcp_metadata
 fuzz() {  # fuzz TARGET, its output into build/asan/fuzz-TARGET.log
   # A scratch corpus: libFuzzer (Clang builds) writes new inputs into its first directory.
   local corpus="build/asan/fuzz-corpus/$1"
   rm -rf "$corpus" && mkdir -p "$corpus"
   cp tests/data/checkpoint/*.safetensors tests/data/checkpoint/*.pt tests/data/checkpoint/*.zip \
-    tests/fuzz/corpus/torch_pickle/* tests/fuzz/corpus/extent_map/* "$corpus"/
+    tests/fuzz/corpus/torch_pickle/* tests/fuzz/corpus/extent_map/* \
+    tests/fuzz/corpus/dcp_metadata/* "$corpus"/
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     "build/asan/tests/fuzz/fuzz_$1" -max_total_time="${FUZZ_SECONDS:-20}" "$corpus" \
     >"build/asan/fuzz-$1.log" 2>&1
 }
 # Each target is single-threaded: JOBS of them at a time, each with a core of its own.
-targets=(safetensors_header zip_directory torch_pickle extent_map)
+targets=(safetensors_header zip_directory torch_pickle extent_map dcp_metadata)
 fuzz_failed=()
 for ((i = 0; i < ${#targets[@]}; i += JOBS)); do
   batch=("${targets[@]:i:JOBS}")

@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint import filesystem as _fs
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
@@ -44,7 +45,7 @@ from . import _core
 from .checkpoint import _format
 from ._runtime import default_io, dtype_names, gc_paused, quantized_dtypes, torch_dtypes
 
-__all__ = ["Reader", "SavePlanner", "Writer"]
+__all__ = ["LoadPlanner", "Reader", "SavePlanner", "Writer"]
 
 # The key of the one WriteResult each rank's write_data returns.
 _RANK_WRITES = "tensortier: the rank's items"
@@ -559,7 +560,41 @@ class SavePlanner(DefaultSavePlanner):
         return list(fqns), [names[t.dtype] for t in tensors], list(tensors)
 
 
-class _SavedMetadata(_md.Metadata):
+class _LazyMetadata(_md.Metadata):
+    """A ``Metadata`` whose entry fields (``state_dict_metadata``, ``planner_data``,
+    ``storage_data``: tens of thousands of objects for a state dict of many tensors) are made
+    when first looked into, by ``_full``; ``storage_meta`` and ``version`` are plain
+    attributes."""
+
+    def _full(self) -> _md.Metadata:
+        raise NotImplementedError
+
+    @property  # type: ignore[override]
+    def state_dict_metadata(self) -> dict[str, Any]:  # noqa: D102 - Metadata's field
+        return self._full().state_dict_metadata
+
+    @state_dict_metadata.setter
+    def state_dict_metadata(self, value: dict[str, Any]) -> None:
+        self._full().state_dict_metadata = value
+
+    @property  # type: ignore[override]
+    def planner_data(self) -> Any:  # noqa: D102 - Metadata's field
+        return self._full().planner_data
+
+    @planner_data.setter
+    def planner_data(self, value: Any) -> None:
+        self._full().planner_data = value
+
+    @property  # type: ignore[override]
+    def storage_data(self) -> Any:  # noqa: D102 - Metadata's field
+        return self._full().storage_data
+
+    @storage_data.setter
+    def storage_data(self, value: Any) -> None:
+        self._full().storage_data = value
+
+
+class _SavedMetadata(_LazyMetadata):
     """The ``Metadata`` of a save planned by :class:`SavePlanner`: its entries as lists until
     the Writer has written them, then read from the checkpoint's ``.metadata`` when first
     looked into (``dcp.save`` returns it on every rank; it crosses between ranks as the
@@ -571,15 +606,15 @@ class _SavedMetadata(_md.Metadata):
         self._regular = regular
         self._plain = plain
         self._directory = directory
-        self._full: _md.Metadata | None = None
+        self._read: _md.Metadata | None = None
         self.storage_meta = storage_meta
         self.version = _VERSION
 
     def __reduce__(self) -> Any:
         return (_SavedMetadata, (None, None, self._directory, self.storage_meta))
 
-    def _read(self) -> _md.Metadata:
-        if self._full is None:
+    def _full(self) -> _md.Metadata:
+        if self._read is None:
             if self._directory is None:
                 raise RuntimeError("tensortier.dcp: the metadata of a save that has not "
                                    "committed yet")
@@ -591,32 +626,39 @@ class _SavedMetadata(_md.Metadata):
                 raise FileNotFoundError(
                     errno.ENOENT, f"the checkpoint of save {saved} is no longer in "
                     f"{self._directory}: another save replaced it", path)
-            self._full = md
-        return self._full
+            self._read = md
+        return self._read
 
-    @property  # type: ignore[override]
-    def state_dict_metadata(self) -> dict[str, Any]:  # noqa: D102 - Metadata's field
-        return self._read().state_dict_metadata
 
-    @state_dict_metadata.setter
-    def state_dict_metadata(self, value: dict[str, Any]) -> None:
-        self._read().state_dict_metadata = value
+class _ReadMetadata(_LazyMetadata):
+    """The ``Metadata`` a Reader read from a ``.metadata`` that carries tensortier's index
+    (written with :class:`SavePlanner`): :class:`LoadPlanner` plans from the index
+    (``_table``, a ``DcpMetadataTable``); the Python objects are unpickled only when something
+    looks into the entries (torch's planners do)."""
 
-    @property  # type: ignore[override]
-    def planner_data(self) -> Any:  # noqa: D102 - Metadata's field
-        return self._read().planner_data
+    def __init__(self, data: bytes, table: Any, path: str) -> None:
+        # Not Metadata.__init__: its entry fields are properties here.
+        self._data = data
+        self._table = table
+        self._path = path
+        self._unpickled: _md.Metadata | None = None
+        checkpoint_id, save_id, load_id, modules, fmt = table.storage_meta
+        meta = _md.StorageMeta(checkpoint_id=pathlib.Path(checkpoint_id), save_id=save_id,
+                               load_id=load_id, modules=list(modules))
+        if fmt is not None:
+            meta.tensortier_format = fmt  # type: ignore[attr-defined]
+        self.storage_meta = meta
+        self.version = table.version
 
-    @planner_data.setter
-    def planner_data(self, value: Any) -> None:
-        self._read().planner_data = value
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._full().__reduce_ex__(protocol)  # as the plain Metadata
 
-    @property  # type: ignore[override]
-    def storage_data(self) -> Any:  # noqa: D102 - Metadata's field
-        return self._read().storage_data
-
-    @storage_data.setter
-    def storage_data(self, value: Any) -> None:
-        self._read().storage_data = value
+    def _full(self) -> _md.Metadata:
+        if self._unpickled is None:
+            md = _unpickle_metadata(self._data, self._path)
+            md.storage_meta, md.version = self.storage_meta, self.version  # this load's ids
+            self._unpickled = md
+        return self._unpickled
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -635,6 +677,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
+
+
+def _unpickle_metadata(data: bytes, path: str) -> Any:
+    """The object the ``.metadata`` bytes `data` (of `path`) pickle, by the weights_only rule;
+    ValueError naming `path` for anything else."""
+    try:
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise ValueError(f"{path}: not a DCP metadata file this reader accepts ({e})") from e
 
 
 class _MetadataDigest(bytes):
@@ -732,13 +783,17 @@ class Reader(_CheckpointDirectory, StorageReader):
         path = _core.dcp_metadata_path(self._dir, rank)
         for attempt in range(_METADATA_READS):
             data = _core.read_dcp_metadata_bytes(self._dir, rank)
+            # tensortier's index, where the file has one: its Python objects wait until looked
+            # into (LoadPlanner never does).
+            table = _core.dcp_metadata_table(data, path) if rank is None else None
+            md: Any = None
             try:
-                md = _MetadataUnpickler(io.BytesIO(data)).load()
-            except Exception as e:
-                raise ValueError(
-                    f"{path}: not a DCP metadata file this reader accepts ({e})") from e
-            try:
-                _core.check_dcp_metadata(self._dir, md, _md.Metadata, path)
+                if table is not None:
+                    table.check(self._dir, path)
+                    md = _ReadMetadata(data, table, path)
+                else:
+                    md = _unpickle_metadata(data, path)
+                    _core.check_dcp_metadata(self._dir, md, _md.Metadata, path)
                 break
             except FileNotFoundError:
                 # A save committed between the read and the check (and removed the files the
@@ -757,6 +812,9 @@ class Reader(_CheckpointDirectory, StorageReader):
         tensors stored in the data files). ValueError for a tensor whose chunks do not hold all
         of its elements (a load would leave the rest as it was), and for items stored through
         stream transforms (compressed by FileSystemWriter's ``_extensions``)."""
+        if isinstance(metadata, _ReadMetadata):  # the index: read_metadata checked it
+            self.storage_data, self.chunk_sizes = metadata._table, {}
+            return
         self.chunk_sizes = _core.dcp_chunk_sizes(
             metadata.state_dict_metadata, _md.TensorStorageMetadata,
             _core.dcp_metadata_path(self._dir))
@@ -822,8 +880,11 @@ class Reader(_CheckpointDirectory, StorageReader):
         self.bytes_read = 0
         engine = default_io()._core()
         dtypes = torch_dtypes()
+        items = plan.items
+        if isinstance(plan, _PlainLoadPlan) and isinstance(planner, LoadPlanner):
+            items = [*items, *planner._plain_reads]
         with gc_paused():  # objects per item: collections would walk them again and again
-            for relative_path, reqs in _core.dcp_requests_by_file(plan.items, self.storage_data):
+            for relative_path, reqs in _core.dcp_requests_by_file(items, self.storage_data):
                 path = os.path.join(self._dir, relative_path)
                 try:
                     load = _core.DcpFileLoad(engine, path, reqs, self.storage_data,
@@ -887,3 +948,117 @@ class Reader(_CheckpointDirectory, StorageReader):
                                      f"{tuple(target.size())}")
                 target.copy_(tensor)
                 planner.commit_tensor(req, target)
+
+
+class _PlainIndex(NamedTuple):
+    """The storage index of a tensor :class:`LoadPlanner` reads whole: a ``MetadataIndex``'s
+    fields."""
+
+    fqn: str
+    offset: tuple[int, ...]
+    index: int
+
+
+class _PlainRead(NamedTuple):
+    """A read of a whole stored tensor into a plain tensor of the state dict, with a
+    ``ReadItem``'s fields (and the target): planned by :class:`LoadPlanner` without sending it
+    between the ranks."""
+
+    type: Any
+    storage_index: _PlainIndex
+    storage_offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    dest_index: _PlainIndex
+    dest_offsets: tuple[int, ...]
+    target: Any
+
+
+@dataclasses.dataclass
+class _PlainLoadPlan(LoadPlan):
+    """A rank's LoadPlan from :class:`LoadPlanner`: ``items`` as torch plans them, and how many
+    whole reads of plain tensors the rank's planner holds besides (``_plain_reads``)."""
+
+    plain: int = 0
+
+
+_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
+
+
+def _storage_entry(table: Any, fqn: str) -> Any:
+    """state_dict_metadata[fqn] as torch's objects, from a ``DcpMetadataTable``."""
+    entry = table.entry(fqn)
+    if entry is None:
+        return _md.BytesStorageMetadata()
+    dtype, layout, requires_grad, memory_format, pin_memory, size, chunks = entry
+    props = _md.TensorProperties(
+        dtype=getattr(torch, dtype), layout=torch.serialization._get_layout(layout),
+        requires_grad=requires_grad, memory_format=_MEMORY_FORMATS[memory_format],
+        pin_memory=pin_memory)
+    return _md.TensorStorageMetadata(props, torch.Size(size), [
+        _md.ChunkStorageMetadata(torch.Size(o), torch.Size(c)) for o, c in chunks])
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` for state dicts of many tensors, with :class:`Reader`:
+    ``dcp.load(state_dict, storage_reader=Reader(path), planner=LoadPlanner())``.
+
+    For a checkpoint saved with :class:`SavePlanner` (its ``.metadata`` carries tensortier's
+    index), each plain tensor of the state dict that the checkpoint stores whole is read
+    straight into it, planned on its rank from the index: no ``Metadata`` objects, no read
+    items sent between the ranks. Everything else (DTensors, tensors stored in shards,
+    non-tensor values) is planned as ``DefaultLoadPlanner`` plans it, with its errors (a key
+    the checkpoint lacks, a size that differs). With other checkpoints, or another storage
+    reader, it plans as ``DefaultLoadPlanner`` does.
+
+    Args:
+        flatten_state_dict: ``DefaultLoadPlanner``'s.
+        flatten_sharded_tensors: ``DefaultLoadPlanner``'s.
+        allow_partial_load: ``DefaultLoadPlanner``'s.
+    """
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 allow_partial_load: bool = False) -> None:
+        super().__init__(flatten_state_dict=flatten_state_dict,
+                         flatten_sharded_tensors=flatten_sharded_tensors,
+                         allow_partial_load=allow_partial_load)
+        self._plain_reads: list[_PlainRead] = []
+
+    def create_local_plan(self) -> LoadPlan:
+        """The default plan of what the index cannot read whole, and the whole reads."""
+        self._plain_reads = []
+        md = self.metadata
+        if not isinstance(md, _ReadMetadata) or md._unpickled is not None:
+            return super().create_local_plan()
+        # (DefaultLoadPlanner's fallback to keys flattened as torch 2.3 did is for checkpoints
+        # of those versions, which carry no index.)
+        table = md._table
+        plain_types = (torch.Tensor, torch.nn.Parameter)
+        fqns = list(self.state_dict)
+        values = list(self.state_dict.values())
+        shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in values]
+        plain = [type(v) in plain_types and v.layout == torch.strided for v in values]
+        takes = table.classify(fqns, shapes, plain, not self.allow_partial_load)
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+        requests: list[Any] = []
+        zeros: dict[int, tuple[int, ...]] = {}
+        with gc_paused():
+            for fqn, value, shape, take in zip(fqns, values, shapes, takes):
+                if take == 0:
+                    at = zeros.get(len(shape))
+                    if at is None:
+                        at = zeros[len(shape)] = (0,) * len(shape)
+                    index = _PlainIndex(fqn, at, 0)
+                    self._plain_reads.append(_PlainRead(LoadItemType.TENSOR, index, at, shape,
+                                                        index, at, value))
+                elif take == 1:
+                    if (isinstance(value, dtensor)
+                            and value.device_mesh.get_coordinate() is None):
+                        continue  # a DTensor of a mesh this rank is not in, as by default
+                    requests += _create_read_items(fqn, _storage_entry(table, fqn), value)
+        return _PlainLoadPlan(requests, plain=len(self._plain_reads))
+
+    def resolve_tensor(self, read_item: Any) -> Any:
+        """The target of a whole read; otherwise ``DefaultLoadPlanner``'s."""
+        if type(read_item) is _PlainRead:
+            return read_item.target
+        return super().resolve_tensor(read_item)

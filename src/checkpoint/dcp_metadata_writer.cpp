@@ -1,14 +1,16 @@
-// Writes a DCP .metadata without Python objects: the pickle of the Metadata object, as
-// pickle.dumps would give it field for field (each dataclass made by cls.__new__ and filled by
-// BUILD with its __dict__, TensorProperties by its __setstate__ tuple, torch.Size and the
-// memory-format enum by REDUCE). A save of many small tensors spends most of its time making and
-// pickling these objects in Python; this makes the same file from plain values.
+// Writes a DCP .metadata without Python objects: its index (dcp_metadata_index.cpp), then the
+// pickle of the Metadata object, as pickle.dumps would give it field for field (each dataclass
+// made by cls.__new__ and filled by BUILD with its __dict__, TensorProperties by its __setstate__
+// tuple, torch.Size and the memory-format enum by REDUCE). A save of many small tensors spends most
+// of its time making and pickling these objects in Python; this makes the same file from plain
+// values.
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <variant>
 #include <vector>
 
+#include "dcp_metadata_index.hpp"
 #include "pickle_emitter.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
 #include "tensortier/util/json.hpp"
@@ -30,9 +32,7 @@ void CheckUtf8(std::string_view s, std::string_view what) {
 
 class MetadataEmitter {
  public:
-  std::string Emit(const DcpMetadataToWrite& md) {
-    e_.Op('\x80');  // PROTO 3: BINBYTES
-    e_.Le(3, 1);
+  std::string Emit(const DcpMetadataContents& md) {
     Object("Metadata", [&] {
       e_.Op('}');
       e_.Put();
@@ -206,7 +206,7 @@ class MetadataEmitter {
         "torch.distributed.checkpoint.filesystem");
   }
 
-  void StorageMeta(const DcpMetadataToWrite& md) {
+  void StorageMeta(const DcpMetadataContents& md) {
     Object("StorageMeta", [&] {
       Fields([&] {
         Key("checkpoint_id");
@@ -229,13 +229,23 @@ class MetadataEmitter {
     });
   }
 
-  Emitter e_;
+  Emitter e_{4};
 };
 
 }  // namespace
 
-std::string SerializeDcpMetadata(const DcpMetadataToWrite& md) {
-  return MetadataEmitter().Emit(md);
+std::string SerializeDcpMetadata(const DcpMetadataContents& md) {
+  const std::string body = MetadataEmitter().Emit(md);
+  const std::string index = EncodeDcpMetadataIndex(md, body);
+  std::string out(
+      "\x80\x04"
+      "B",
+      3);  // PROTO 4 (as pickle.dumps), BINBYTES: the index
+  for (int i = 0; i < 4; ++i) out += static_cast<char>((index.size() >> (8 * i)) & 0xFF);
+  out += index;
+  out += '0';  // POP: the Metadata's readers never see it
+  out += body;
+  return out;
 }
 
 }  // namespace tensortier

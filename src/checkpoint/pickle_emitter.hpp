@@ -19,6 +19,10 @@ inline constexpr size_t kBatch = 1000;  // pickle's _BATCHSIZE for SETITEMS and 
 
 class Emitter {
  public:
+  // `protocol` 2: opcodes as torch.save's pickler writes them (BINPUT, BINUNICODE, GLOBAL);
+  // 4: as pickle.dumps' default (MEMOIZE, SHORT_BINUNICODE, STACK_GLOBAL; no frames), smaller.
+  explicit Emitter(int protocol = 2) : short_(protocol >= 4) {}
+
   std::string Take() { return std::move(out_); }
 
   void Op(char op) { out_ += op; }
@@ -29,7 +33,9 @@ class Emitter {
   // A new object: memoized under the next index (BINPUT, LONG_BINPUT past 255).
   uint32_t Put() {
     uint32_t index = next_++;
-    if (index < 256) {
+    if (short_) {
+      Op('\x94');  // MEMOIZE: the next index
+    } else if (index < 256) {
       Op('q');
       Le(index, 1);
     } else {
@@ -50,8 +56,13 @@ class Emitter {
 
   // save_str: BINUNICODE, memoized.
   uint32_t Str(std::string_view s) {
-    Op('X');
-    Le(s.size(), 4);
+    if (short_ && s.size() < 256) {
+      Op('\x8c');  // SHORT_BINUNICODE
+      Le(s.size(), 1);
+    } else {
+      Op('X');
+      Le(s.size(), 4);
+    }
     out_ += s;
     return Put();
   }
@@ -62,8 +73,13 @@ class Emitter {
   }
   // save_bytes (protocol 3): BINBYTES, memoized.
   void Bytes(std::string_view b) {
-    Op('B');
-    Le(b.size(), 4);
+    if (short_ && b.size() < 256) {
+      Op('C');  // SHORT_BINBYTES
+      Le(b.size(), 1);
+    } else {
+      Op('B');
+      Le(b.size(), 4);
+    }
     out_ += b;
     Put();
   }
@@ -71,6 +87,13 @@ class Emitter {
   // save_global: GLOBAL 'module\nname\n', memoized; later occurrences fetch it.
   void Global(std::string_view module, std::string_view name) {
     Shared(std::string("global:").append(module).append(".").append(name), [&] {
+      if (short_) {  // STACK_GLOBAL of the two strings (the module's shared, as Python's)
+        SharedStr(module);
+        Str(name);
+        Op('\x93');
+        Put();
+        return;
+      }
       Op('c');
       out_ += module;
       out_ += '\n';
@@ -183,11 +206,11 @@ class Emitter {
       Get(it->second);
       return;
     }
-    uint32_t index = next_;
     first();
-    shared_.emplace(identity, index);
+    shared_.emplace(identity, next_ - 1);  // the object first() memoized last
   }
 
+  bool short_;
   std::string out_;
   uint32_t next_ = 0;
   std::map<std::string, uint32_t> shared_;

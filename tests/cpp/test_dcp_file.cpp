@@ -631,7 +631,7 @@ TEST(DcpMetadata, ANewerFormatIsRefusedNamingItsVersion) {
 }
 
 TEST(DcpMetadata, AWrittenMetadataReadsBackWithEveryItem) {
-  DcpMetadataToWrite md;
+  DcpMetadataContents md;
   DcpMetadataEntry w;
   w.fqn = "model.w";
   w.dtype = "bfloat16";
@@ -675,6 +675,42 @@ TEST(DcpMetadata, AWrittenMetadataReadsBackWithEveryItem) {
   EXPECT_TRUE(got.items[3].bytes);
   EXPECT_EQ(got.items[3].xxh64, 70000u);
   EXPECT_EQ(got.items[3].length, 70u);
+
+  // The index before the pickle gives the same contents back, without running the pickle.
+  const std::string file = SerializeDcpMetadata(md);
+  const auto index = ReadDcpMetadataIndex(file, "m");
+  ASSERT_TRUE(index.has_value());
+  EXPECT_EQ(index->version, "1.0.0");
+  EXPECT_EQ(index->checkpoint_id, "/ckpt/step-1");
+  EXPECT_EQ(index->save_id, "abc");
+  EXPECT_EQ(index->format, kDcpFormat);
+  ASSERT_EQ(index->entries.size(), 3u);
+  EXPECT_EQ(index->entries[0].dtype, "bfloat16");
+  EXPECT_TRUE(index->entries[0].requires_grad);
+  EXPECT_EQ(index->entries[0].chunks, md.entries[0].chunks);
+  EXPECT_TRUE(index->entries[2].bytes);
+  ASSERT_EQ(index->storage.size(), 4u);
+  EXPECT_EQ(index->storage[0].xxh64, big_sum);
+  EXPECT_EQ(index->storage[1].relative_path, "__1_b.distcp");
+  EXPECT_EQ(index->storage[3].offset, std::nullopt);
+  const DcpMetadataTable table(*index);
+  ASSERT_NE(table.Entry("s"), nullptr);
+  EXPECT_TRUE(table.StoredWhole(*table.Entry("s")));
+  EXPECT_FALSE(table.StoredWhole(*table.Entry("model.w")));  // two chunks
+  EXPECT_EQ(table.Entry("nope"), nullptr);
+  EXPECT_EQ(table.Storage("model.w", std::vector<int64_t>{2, 0})->offset_in_file, 64u);
+  EXPECT_EQ(table.Storage("note", std::nullopt)->length, 70u);
+  EXPECT_EQ(table.Storage("note", std::vector<int64_t>{}), nullptr);
+  EXPECT_EQ(*table.ChunkSizes("model.w", {2, 0}), (std::vector<int64_t>{2, 8}));
+  EXPECT_EQ(table.Files(), (std::vector<std::string>{"__0_a.distcp", "__1_b.distcp"}));
+  // Files without an index (pickle.dumps'), and damage to either half.
+  EXPECT_FALSE(ReadDcpMetadataIndex(MetadataOfFormat(1), "m").has_value());
+  for (size_t at : {size_t{30}, file.size() - 2}) {
+    std::string damaged = file;
+    damaged[at] ^= 0x10;
+    EXPECT_THROW(ReadDcpMetadataIndex(damaged, "m"), FormatError) << at;
+  }
+  EXPECT_THROW(ReadDcpMetadataIndex(file.substr(0, 40), "m"), FormatError);
 
   md.entries[0].fqn = "bad\xff";
   EXPECT_THROW(SerializeDcpMetadata(md), std::invalid_argument);

@@ -208,7 +208,8 @@ def run_step(step: dict[str, Any], mesh: Any) -> dict[str, Any]:
             if step.get("race") \
             else tdcp.Reader(step["dir"], verify=step.get("verify", True))
         sd = state(step, True, mesh)
-        dcp.load(sd, storage_reader=reader)
+        dcp.load(sd, storage_reader=reader,
+                 **({"planner": tdcp.LoadPlanner()} if step.get("planner") == "ours" else {}))
         compare(sd, state(step, False, mesh))
         report["needed"] = local_bytes(sd)
         report["bytes_read"] = getattr(reader, "bytes_read", None)

@@ -1,10 +1,12 @@
-"""tensortier.dcp.SavePlanner: the checkpoint DefaultSavePlanner gives (the same .metadata objects,
-read by torch's reader and ours), planned and committed without Python objects per tensor; in
-real Gloo jobs (dcp_worker.py) and in one process."""
+"""tensortier.dcp.SavePlanner and LoadPlanner: the checkpoint DefaultSavePlanner gives (the same
+.metadata objects, read by torch's reader and ours), planned and committed without Python objects
+per tensor, with an index before the pickle that LoadPlanner plans whole reads from; in real Gloo
+jobs (dcp_worker.py) and in one process."""
 
 from __future__ import annotations
 
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import dcp_worker
 from ranks import ForkServer
 from tensortier import dcp as tdcp
+from test_checkpoint_errors import flip_byte
 from test_dcp import cli, load_whole, run_job
 
 
@@ -54,12 +57,20 @@ def test_two_ranks_save_what_the_default_planner_saves(tmp_path: Path, ranks: Fo
     same metadata as DefaultSavePlanner's save, each replicated tensor written once, loaded by
     torch's reader and ours, in 2 ranks and in one process."""
     planned, default = tmp_path / "planned", tmp_path / "default"
+    ours = {"with": "ours", "planner": "ours"}
     run_job(ranks, tmp_path, 2, [
-        {"do": "save", "with": "ours", "dir": planned, "v": 1, "planner": "ours"},
+        {"do": "save", "dir": planned, "v": 1, **ours},
         {"do": "save", "with": "ours", "dir": default, "v": 1},
         {"do": "load", "with": "stock", "dir": planned, "v": 1},
         {"do": "load", "with": "ours", "dir": planned, "v": 1},
+        {"do": "load", "dir": planned, "v": 1, **ours},
+        {"do": "load", "dir": planned, "v": 1, "big": "S1", "only": ["big", "repl"], **ours},
+        {"do": "load", "dir": default, "v": 1, **ours},  # no index: planned as by default
     ])
+    # 2 -> 4 ranks: the DTensors resharded, the plain tensors read whole on every rank.
+    reports, _ = run_job(ranks, tmp_path, 4, [{"do": "load", "dir": planned, "v": 1, **ours}])
+    for rep in reports:
+        assert 0 < rep["steps"][0]["bytes_read"] <= 1.1 * rep["steps"][0]["needed"] + 65536
     md = metadata_of(planned)
     assert_same_checkpoint(md, metadata_of(default))
     files = {info.relative_path for info in md.storage_data.values()}
@@ -78,6 +89,7 @@ def test_twenty_thousand_small_tensors_per_rank_with_the_planner(tmp_path: Path,
     run_job(ranks, tmp_path, 2, [
         {"do": "save", "with": "ours", "dir": many, "v": 1, **small},
         {"do": "load", "with": "ours", "dir": many, "v": 1, **small},
+        {"do": "load", "with": "ours", "dir": many, "v": 1, "layout": "small"},
         {"do": "save", "with": "ours", "dir": few, "v": 2, "count": 300, **small},
         {"do": "load", "with": "stock", "dir": few, "v": 2, "count": 300, **small},
     ])
@@ -180,3 +192,86 @@ def test_metadata_written_from_lists_reads_in_a_python_without_tensortier(tmp_pa
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == str(len(metadata_of(ckpt)
                                                                  .state_dict_metadata)), out
+
+
+def planned_checkpoint(tmp_path: Path) -> Path:
+    ckpt = tmp_path / "planned"
+    dcp.save(state(), storage_writer=tdcp.Writer(ckpt), planner=tdcp.SavePlanner(), no_dist=True)
+    return ckpt
+
+
+def load_planned(ckpt: Path, got: dict[str, Any], **planner: Any) -> tdcp.Reader:
+    reader = tdcp.Reader(ckpt)
+    dcp.load(got, storage_reader=reader, planner=tdcp.LoadPlanner(**planner), no_dist=True)
+    return reader
+
+
+def test_load_planner_reads_whole_tensors_from_the_index(tmp_path: Path) -> None:
+    """The Reader plans from the index (the Metadata's objects never made), reads the plain
+    tensors straight into the state dict's, and the rest (non-tensor values) as torch plans
+    them; the entries, looked into, are those pickle.load gives."""
+    ckpt = planned_checkpoint(tmp_path)
+    want = state()
+    got: dict[str, Any] = {k: torch.zeros_like(v.detach()) if isinstance(v, torch.Tensor) else v
+                           for k, v in want.items() if k != "nested"}
+    got["step"] = 0
+    got["nested"] = {"m": torch.zeros(7), "lr": 0.0, "ids": [0, torch.zeros(2), ""]}
+    targets = {k: got[k] for k in ("w", "p", "t", "scalar", "bf16")}
+    reader = tdcp.Reader(ckpt)
+    md = reader.read_metadata()
+    assert isinstance(md, tdcp._ReadMetadata) and md._unpickled is None
+    planner = tdcp.LoadPlanner()
+    dcp.load(got, storage_reader=reader, planner=planner, no_dist=True)
+    assert len(planner._plain_reads) == 8  # w, p, t, empty, scalar, bf16, nested.m, ids.1
+    for k, target in targets.items():
+        assert got[k] is target and torch.equal(target, want[k].detach()), k
+    assert got["step"] == 9 and got["nested"]["lr"] == 0.1 and got["nested"]["ids"][2] == "x"
+    assert torch.equal(got["nested"]["ids"][1], torch.ones(2))
+    assert md.state_dict_metadata == metadata_of(ckpt).state_dict_metadata
+    assert md.storage_meta.load_id and md.storage_meta.save_id == metadata_of(
+        ckpt).storage_meta.save_id
+
+
+def test_load_planner_converts_and_refuses_as_the_default_planner(tmp_path: Path) -> None:
+    ckpt = planned_checkpoint(tmp_path)
+    # Another dtype and a GPU-less device: read, then copied in as torch's planner does.
+    got = {"w": torch.zeros(3000, dtype=torch.float64)}
+    load_planned(ckpt, got, allow_partial_load=True)
+    assert torch.equal(got["w"], state()["w"].double())
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: nope."):
+        load_planned(ckpt, {"nope": torch.zeros(2)})
+    load_planned(ckpt, {"nope": torch.zeros(2)}, allow_partial_load=True)
+    with pytest.raises(CheckpointException,
+                       match=r"Size mismatch between saved torch.Size\(\[3000\]\) and current: "
+                             r"torch.Size\(\[30\]\) for w"):
+        load_planned(ckpt, {"w": torch.zeros(30)})
+
+
+def test_load_planner_with_checkpoints_without_an_index(tmp_path: Path) -> None:
+    """A checkpoint of the default planner, and torch's reader: planned as by default."""
+    ckpt = tmp_path / "default"
+    dcp.save(state(), storage_writer=tdcp.Writer(ckpt), no_dist=True)
+    assert type(tdcp.Reader(ckpt).read_metadata()) is dcp.metadata.Metadata
+    for reader in (tdcp.Reader(ckpt), dcp.FileSystemReader(ckpt)):
+        got = {"w": torch.zeros(3000)}
+        dcp.load(got, storage_reader=reader, planner=tdcp.LoadPlanner(allow_partial_load=True),
+                 no_dist=True)
+        assert torch.equal(got["w"], state()["w"])
+
+
+def test_damage_to_a_whole_read_tensor_or_the_index_is_named(tmp_path: Path) -> None:
+    ckpt = planned_checkpoint(tmp_path)
+    md = metadata_of(ckpt)
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
+    flip_byte(ckpt / info.relative_path, info.offset + info.length - 5)
+    with pytest.raises(CheckpointException, match=rf"{info.relative_path}.*'w'|w.*{info.relative_path}"):
+        load_planned(ckpt, {"w": torch.zeros(3000)}, allow_partial_load=True)
+    # The index (its start) and the pickle after it (its end) each carry an xxh64.
+    data = (ckpt / ".metadata").read_bytes()
+    for at, says in ((40, "damaged tensortier index"),
+                     (len(data) - 3, "not the one it describes")):
+        copy = tmp_path / f"copy{at}"
+        shutil.copytree(ckpt, copy)
+        flip_byte(copy / ".metadata", at)
+        with pytest.raises(ValueError, match=says):
+            tdcp.Reader(copy).read_metadata()
