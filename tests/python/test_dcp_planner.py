@@ -275,3 +275,27 @@ def test_damage_to_a_whole_read_tensor_or_the_index_is_named(tmp_path: Path) -> 
         flip_byte(copy / ".metadata", at)
         with pytest.raises(ValueError, match=says):
             tdcp.Reader(copy).read_metadata()
+
+
+def test_async_save_with_the_planners(tmp_path: Path) -> None:
+    """dcp.async_save with Writer and SavePlanner (on the staged copy), then a LoadPlanner
+    load: the values at the call."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        sd = {"w": torch.arange(10.0), "m": {f"t{i}": torch.full((3,), float(i))
+                                             for i in range(50)}, "step": 3}
+        fut = dcp.async_save(sd, storage_writer=tdcp.Writer(tmp_path / "ckpt"),
+                             planner=tdcp.SavePlanner())
+        sd["w"].add_(1)
+        md = fut.result(timeout=60)
+        assert len(md.state_dict_metadata) == 52
+        got = {"w": torch.zeros(10), "m": {f"t{i}": torch.zeros(3) for i in range(50)},
+               "step": 0}
+        dcp.load(got, storage_reader=tdcp.Reader(tmp_path / "ckpt"), planner=tdcp.LoadPlanner())
+        assert torch.equal(got["w"], torch.arange(10.0)) and got["step"] == 3
+        assert all(torch.equal(got["m"][f"t{i}"], torch.full((3,), float(i))) for i in range(50))
+    finally:
+        dist.destroy_process_group()
