@@ -299,3 +299,19 @@ def test_async_save_with_the_planners(tmp_path: Path) -> None:
         assert all(torch.equal(got["m"][f"t{i}"], torch.full((3,), float(i))) for i in range(50))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_dicts_with_the_planners(tmp_path: Path) -> None:
+    """Plain CUDA tensors saved through SavePlanner (staged through pinned memory) and loaded
+    by LoadPlanner into CUDA targets, another dtype among them."""
+    ckpt = tmp_path / "cuda"
+    sd = {k: v.detach().cuda() for k, v in state().items() if isinstance(v, torch.Tensor)}
+    dcp.save(sd, storage_writer=tdcp.Writer(ckpt), planner=tdcp.SavePlanner(), no_dist=True)
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    got["w"] = torch.zeros(3000, dtype=torch.float64, device="cuda")
+    planner = tdcp.LoadPlanner()
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), planner=planner, no_dist=True)
+    assert len(planner._plain_reads) == len(sd)
+    for k, v in sd.items():
+        assert got[k].is_cuda and torch.equal(got[k].cpu(), v.cpu().to(got[k].dtype)), k
