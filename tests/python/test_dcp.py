@@ -25,7 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_worker
 from ranks import ForkServer
+from tensortier import _core
 from tensortier import dcp as tdcp
+from tensortier._runtime import default_io
 
 TIMEOUT = 120  # seconds one job of ranks may take on a loaded 2-core machine
 
@@ -284,7 +286,7 @@ def test_without_process_group(tmp_path: Path) -> None:
     md = tdcp.Reader(ckpt).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
     assert isinstance(info.xxh64, int)
-    reads = tdcp._core.DcpFileReads(tdcp.default_io()._core(), str(ckpt / info.relative_path),
+    reads = _core.DcpFileReads(default_io()._core(), str(ckpt / info.relative_path),
                                     ["w"], [info.offset], [info.length], [True], [None], ["w"],
                                     [[]], [None], [None], False)
     items = [layout for _, layout in reads.plan()]
@@ -531,7 +533,7 @@ def test_a_save_committing_while_the_metadata_is_read_is_read_through(
     """A save commits between the Reader's read of .metadata and its check of the files named
     there: nothing is planned yet, so it reads the new .metadata, and loads the new checkpoint."""
     ckpt, _ = single_process_checkpoint(tmp_path)
-    real = tdcp._core.check_dcp_metadata
+    real = _core.check_dcp_metadata
     calls = [0]
 
     def commit_first(*args: Any) -> Any:
@@ -541,7 +543,7 @@ def test_a_save_committing_while_the_metadata_is_read_is_read_through(
                       "note": {"text": "new"}}, storage_writer=tdcp.Writer(ckpt), no_dist=True)
         return real(*args)
 
-    monkeypatch.setattr(tdcp._core, "check_dcp_metadata", commit_first)
+    monkeypatch.setattr(_core, "check_dcp_metadata", commit_first)
     got = zeros_like_single()
     dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
     assert calls[0] == 2 and got["note"] == {"text": "new"}
@@ -565,7 +567,7 @@ def test_newer_format_is_refused_naming_its_version(tmp_path: Path) -> None:
     ckpt, _ = single_process_checkpoint(tmp_path)
     path = ckpt / ".metadata"
     md = pickle.loads(path.read_bytes())  # our own test file: trusted
-    assert md.storage_meta.tensortier_format == tdcp._FORMAT == 1
+    assert md.storage_meta.tensortier_format == tdcp._common._FORMAT == 1
     md.storage_meta.tensortier_format = 7
     path.write_bytes(pickle.dumps(md))
     want = f"{path}: written in tensortier's DCP format 7; this tensortier reads format 1"

@@ -219,7 +219,7 @@ def test_load_planner_reads_whole_tensors_from_the_index(tmp_path: Path) -> None
     targets = {k: got[k] for k in ("w", "p", "t", "scalar", "bf16")}
     reader = tdcp.Reader(ckpt)
     md = reader.read_metadata()
-    assert isinstance(md, tdcp._ReadMetadata) and md._unpickled is None
+    assert isinstance(md, tdcp._planners._ReadMetadata) and md._unpickled is None
     planner = tdcp.LoadPlanner()
     dcp.load(got, storage_reader=reader, planner=planner, no_dist=True)
     assert len(planner._plain_reads) == 8  # w, p, t, empty, scalar, bf16, nested.m, ids.1

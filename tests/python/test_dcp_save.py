@@ -60,7 +60,7 @@ def assert_state(got: dict[str, Any], version: int) -> None:
 def test_stage_copies_into_reused_host_memory() -> None:
     gc.collect()
     sd = state(1)
-    staged = tdcp._stage(sd)
+    staged = tdcp._staging._stage(sd)
     sd["w"].add_(1)  # training goes on: the staged copy keeps the values at stage time
     sd["nested"]["m"].zero_()
     sd["nested"]["ids"].append(9)
@@ -69,13 +69,13 @@ def test_stage_copies_into_reused_host_memory() -> None:
     contiguous, aligned = staged["t"].is_contiguous(), staged["w"].data_ptr() % 4096 == 0
     assert contiguous and aligned
     first = _core.staging_arena_count()
-    again = tdcp._stage(state(2))  # the first copy is alive: new memory
+    again = tdcp._staging._stage(state(2))  # the first copy is alive: new memory
     assert _core.staging_arena_count() == first + 1
     assert_state(staged, 1)
     assert_state(again, 2)
     used = {staged["w"].data_ptr(), again["w"].data_ptr()}
     del staged, again
-    third = tdcp._stage(state(3))  # both free: one of them is reused
+    third = tdcp._staging._stage(state(3))  # both free: one of them is reused
     assert third["w"].data_ptr() in used
     assert _core.staging_arena_count() == first + 1
     assert_state(third, 3)
@@ -169,13 +169,13 @@ def test_async_save_while_another_still_writes(tmp_path: Path) -> None:
 
 def _held_stage(monkeypatch: pytest.MonkeyPatch, copy: Any) -> None:
     """Writer.stage's copy step replaced by copy(the real one), on the thread it runs on."""
-    begin = tdcp._stage_begin
+    begin = tdcp._writer._stage_begin
 
     def held(sd: Any) -> Any:
         finish = begin(sd)
         return lambda: copy(finish)
 
-    monkeypatch.setattr(tdcp, "_stage_begin", held)
+    monkeypatch.setattr(tdcp._writer, "_stage_begin", held)
 
 
 def test_async_staging_returns_before_the_copy(tmp_path: Path,
@@ -291,7 +291,7 @@ def test_tensors_not_writable_in_place_are_copied_a_budget_at_a_time(
     budget = 1 << 20
     monkeypatch.setattr(_format, "_STAGING_BYTES", budget)
     alive, peak, copies = [0], [0], [0]
-    real = tdcp._host_copies
+    real = tdcp._writer._host_copies
 
     def counted(tensors: list[Any]) -> list[Any]:
         out = real(tensors)
@@ -302,7 +302,7 @@ def test_tensors_not_writable_in_place_are_copied_a_budget_at_a_time(
         peak[0] = max(peak[0], alive[0])
         return out
 
-    monkeypatch.setattr(tdcp, "_host_copies", counted)
+    monkeypatch.setattr(tdcp._writer, "_host_copies", counted)
     views = {f"v{i}": torch.randn(256, 512).t() for i in range(8)}  # 512 KiB each
     sd = {**state(1), **views}
     ckpt = tmp_path / "ckpt"
@@ -318,7 +318,7 @@ def test_tensors_not_writable_in_place_are_copied_a_budget_at_a_time(
     def failing(tensors: list[Any]) -> list[Any]:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(tdcp, "_host_copies", failing)
+    monkeypatch.setattr(tdcp._writer, "_host_copies", failing)
     with pytest.raises(CheckpointException, match="illegal memory access"):
         dcp.save({**state(2), **views}, storage_writer=tdcp.Writer(ckpt), no_dist=True)
     assert_state(load(ckpt), 1)
@@ -341,7 +341,7 @@ def test_cuda_state_dict_saves_and_async_saves(tmp_path: Path) -> None:
     sd["w"].add_(1)
     response.upload_completion.result(timeout=120)
     assert_state(load(tmp_path / "zoc"), 1)
-    staged = tdcp._stage(sd)
+    staged = tdcp._staging._stage(sd)
     assert staged["w"].is_pinned()
 
 
