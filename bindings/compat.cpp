@@ -83,6 +83,20 @@ uint64_t QueueDepth(const py::handle& n_entries) {
   return std::clamp<uint64_t>(TensorNvmeUnsigned(n_entries, "n_entries", 32), s.min, s.max);
 }
 
+// TensorNVMe's error for a backend it does not know: its DiskOffloader asserts (AssertionError),
+// its C++ (and an older DiskOffloader) throws RuntimeError("Unsupported backend: ..."). This is
+// both, so that code catching either keeps working. Made once, for the module's lifetime.
+PyObject* UnsupportedBackendError() {
+  static PyObject* type = [] {
+    PyObject* bases = PyTuple_Pack(2, PyExc_AssertionError, PyExc_RuntimeError);
+    PyObject* t = PyErr_NewException("tensortier._core.UnsupportedBackendError", bases, nullptr);
+    Py_XDECREF(bases);
+    if (t == nullptr) throw py::error_already_set();
+    return t;
+  }();
+  return type;
+}
+
 // The engine's name of the backend TensorNVMe would run (TENSORNVME_BACKEND when set).
 std::string TensorNvmeBackend(const py::object& backend) {
   const char* variable = std::getenv("TENSORNVME_BACKEND");
@@ -92,7 +106,8 @@ std::string TensorNvmeBackend(const py::object& backend) {
   try {
     return std::string(OffloadBackendName(name));
   } catch (const std::invalid_argument& e) {
-    throw std::runtime_error(StrCat("Unsupported backend: ", e.what()));
+    PyErr_SetString(UnsupportedBackendError(), StrCat("Unsupported backend: ", e.what()).c_str());
+    throw py::error_already_set();
   }
 }
 
@@ -106,18 +121,23 @@ void RegisterCompat(py::module_& m) {
   m.def(
       "tensornvme_offloader_arguments",
       [](const py::object& dir_name, const py::handle& n_entries, const py::object& backend) {
+        // TensorNVMe's order: the backend asserted before the directory is made.
+        std::string name = TensorNvmeBackend(backend);
         if (PyUnicode_Check(dir_name.ptr()) || PyBytes_Check(dir_name.ptr()) ||
             py::isinstance(dir_name, py::module_::import("os").attr("PathLike"))) {
           // TensorNVMe joins dir_name with a str file name: bytes are a TypeError there.
           TensorNvmeDirectory(FsPathArgument(dir_name, "dir_name", false).cast<FsPath>());
         }
         const uint64_t depth = QueueDepth(n_entries);
-        return py::make_tuple(depth, TensorNvmeBackend(backend));
+        return py::make_tuple(depth, std::move(name));
       },
       py::arg("dir_name"), py::arg("n_entries"), py::arg("backend"),
       "TensorNVMe's DiskOffloader arguments checked as it checks them: (queue depth, the "
-      "engine's backend name). A path `dir_name` is made if missing (not its parents: "
-      "FileNotFoundError); AssertionError when it is not a directory.");
+      "engine's backend name). UnsupportedBackendError (an AssertionError and a RuntimeError) "
+      "for a backend it does not know, before anything else; then a path `dir_name` is made if "
+      "missing (not its parents: FileNotFoundError); AssertionError when it is not a "
+      "directory.");
+  m.attr("UnsupportedBackendError") = py::handle(UnsupportedBackendError());
   m.def(
       "backend_starts",
       [](const std::string& backend, const FsPath& dir) {

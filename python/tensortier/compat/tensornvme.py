@@ -22,9 +22,14 @@ __all__ = [
     "AsyncFileWriter",
     "BackendUnavailableError",
     "DiskOffloader",
+    "UnsupportedBackendError",
     "WriteRefusedError",
     "get_backends",
 ]
+
+#: A backend TensorNVMe does not know: its ``DiskOffloader`` asserts (``AssertionError``), its
+#: C++ raises ``RuntimeError`` ("Unsupported backend: ..."); this is both.
+UnsupportedBackendError = _core.UnsupportedBackendError
 
 
 class BackendUnavailableError(OSError, RuntimeError):
