@@ -82,6 +82,18 @@ uint64_t StripeThresholdArgument(const py::object& value) {
 }  // namespace
 
 void RegisterOffload(py::module_& m) {
+  m.def(
+      "check_offloader_arguments",
+      [](const py::object& backend, const py::object& n_entries,
+         const py::object& stripe_threshold) {
+        OffloadBackendName(py::isinstance<py::str>(backend) ? backend.cast<std::string>()
+                                                            : ReprOf(backend));
+        QueueDepthArgument(n_entries);
+        StripeThresholdArgument(stripe_threshold);
+      },
+      py::arg("backend"), py::arg("n_entries"), py::arg("stripe_threshold"),
+      "Offloader's checks of its arguments, alone: DiskOffloader runs them before it makes its "
+      "directories (ValueError or TypeError naming the argument).");
   py::class_<Offloader>(m, "Offloader")
       .def(py::init([](const std::vector<FsPath>& dirs, const py::object& backend,
                        const py::object& n_entries, const py::object& stripe_threshold) {

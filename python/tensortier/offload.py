@@ -77,8 +77,10 @@ class DiskOffloader(NotCopyable):
                                  "torch.cuda.is_available() is False")
         # The TENSORTIER_BOUNCE_* variables are checked now, not at the first CUDA tensor.
         _core.device_transfer_options()
+        # backend, n_entries and stripe_threshold (ValueError or TypeError naming them), before
+        # anything is made on disk.
+        _core.check_offloader_arguments(backend, n_entries, stripe_threshold)
         _core.make_directories(dirs)  # as os.makedirs; NotADirectoryError for a file
-        # Checks backend, n_entries and stripe_threshold (ValueError or TypeError naming them).
         self._core: _core.Offloader | None = _core.Offloader(
             dirs, backend, n_entries, stripe_threshold
         )

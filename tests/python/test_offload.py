@@ -683,14 +683,14 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
         off.sync_write(shared)
     assert shared.untyped_storage().nbytes() == 4000 and shared[999] == 999
     with pytest.raises(ValueError, match="backend"):
-        DiskOffloader(disk_dir, backend="spdk")
+        DiskOffloader(disk_dir / "never", backend="spdk")
     low, high = tensortier._core.setting_range("TENSORTIER_QUEUE_DEPTH")
     for entries in (0, -1, high + 1, 1 << 40, 1 << 64):
         with pytest.raises(ValueError, match=f"n_entries must be from {low} to {high} .*, not "):
-            DiskOffloader(disk_dir, n_entries=entries)
+            DiskOffloader(disk_dir / "never", n_entries=entries)
     for entries in (True, 1.0, "16", None):
         with pytest.raises(TypeError, match=f"n_entries must be an integer from {low} to {high}"):
-            DiskOffloader(disk_dir, n_entries=entries)  # type: ignore[arg-type]
+            DiskOffloader(disk_dir / "never", n_entries=entries)  # type: ignore[arg-type]
     for gds in (3, True, b"on"):
         with pytest.raises(TypeError, match="gds must be a str"):
             DiskOffloader(disk_dir, gds=gds)  # type: ignore[arg-type]
@@ -701,7 +701,8 @@ def test_bad_input(off: DiskOffloader, disk_dir: Path) -> None:
     # Not pybind's "incompatible constructor arguments" listing: the argument, and what it takes.
     for threshold in (0, -1, 1.5, True, "16M", 1 << 64):
         with pytest.raises(ValueError, match="stripe_threshold must be a positive integer"):
-            DiskOffloader(disk_dir, stripe_threshold=threshold)
+            DiskOffloader(disk_dir / "never", stripe_threshold=threshold)
+    assert not (disk_dir / "never").exists()  # refused before anything was made
     off.close()
     with pytest.raises(ValueError, match="closed"):
         off.sync_write(torch.randn(3))
