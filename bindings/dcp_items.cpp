@@ -326,55 +326,134 @@ py::tuple MetadataPickle(const py::dict& regular, const py::handle& tensor_type,
   return py::make_tuple(py::bytes(data), std::vector<std::string>(files.begin(), files.end()));
 }
 
-// Which rank writes each plain tensor that several ranks hold (a replicated value), as torch's
-// dedup_save_plans chooses: in the order keys first appear, the rank with the fewest bytes planned
-// so far among those holding it (the lowest on ties), or the lowest with `to_lowest`; a tensor's
-// bytes count at least 1. `planned`: each rank's bytes planned before (its other items). Returns
-// per rank the indices of its tensors it keeps, None where it keeps all.
-py::list DedupPlain(const std::vector<std::vector<std::string>>& fqns,
-                    const std::vector<std::vector<uint64_t>>& nbytes, std::vector<uint64_t> planned,
-                    bool to_lowest) {
-  const size_t ranks = fqns.size();
-  if (nbytes.size() != ranks || planned.size() != ranks) {
-    throw std::invalid_argument("dcp_dedup_plain: one list of sizes and a planned size per rank");
+// Which rank writes each item that several ranks plan (a replicated value), as torch's
+// dedup_save_plans chooses: items keyed by their MetadataIndex, in the order keys are first seen
+// (rank by rank, each rank's items in its state dict's order), each given to the rank with the
+// fewest bytes planned so far among those holding it (the lowest on ties), or to the lowest with
+// `to_lowest`; an item counts its bytes, at least 1. A rank's items are its plain tensors (fqns,
+// shapes, nbytes: one chunk at the origin each) and its other write items (their keys,
+// dcp_dedup_key's, and sizes), merged in `order` (i >= 0: plain tensor i; i < 0: item ~i).
+// Returns per rank (the plain tensors it keeps, the items it keeps), each None where all.
+py::list DedupSavePlans(const std::vector<std::vector<std::string>>& plain_fqns,
+                        const std::vector<std::vector<std::vector<int64_t>>>& plain_shapes,
+                        const std::vector<std::vector<uint64_t>>& plain_nbytes,
+                        const std::vector<std::vector<std::string>>& keys,
+                        const std::vector<std::vector<uint64_t>>& sizes,
+                        const std::vector<std::vector<int64_t>>& order, bool to_lowest) {
+  const size_t ranks = plain_fqns.size();
+  for (size_t n :
+       {plain_shapes.size(), plain_nbytes.size(), keys.size(), sizes.size(), order.size()}) {
+    if (n != ranks) throw std::invalid_argument("dcp_dedup_save_plans: one list per rank each");
   }
-  std::unordered_map<std::string_view, std::vector<std::pair<size_t, size_t>>> holders;
-  std::vector<std::string_view> order;
+  struct Held {
+    size_t rank;
+    int64_t item;  // as in `order`
+  };
+  std::unordered_map<std::string, std::vector<Held>> holders;
+  std::vector<const std::string*> first_seen;
   for (size_t r = 0; r < ranks; ++r) {
-    if (nbytes[r].size() != fqns[r].size()) {
-      throw std::invalid_argument("dcp_dedup_plain: one size per tensor");
+    if (plain_shapes[r].size() != plain_fqns[r].size() ||
+        plain_nbytes[r].size() != plain_fqns[r].size() || sizes[r].size() != keys[r].size() ||
+        order[r].size() != plain_fqns[r].size() + keys[r].size()) {
+      throw std::invalid_argument("dcp_dedup_save_plans: one shape, size and place per item");
     }
-    for (size_t i = 0; i < fqns[r].size(); ++i) {
-      auto [it, added] = holders.try_emplace(fqns[r][i]);
-      if (added) order.push_back(fqns[r][i]);
-      it->second.emplace_back(r, i);
+    for (int64_t i : order[r]) {
+      std::string key;
+      if (i >= 0) {
+        key = plain_fqns[r].at(i);
+        key += '\0';
+        for (size_t d = 0; d < plain_shapes[r][i].size(); ++d) key += "0,";
+      } else {
+        key = keys[r].at(~i);
+      }
+      auto [it, added] = holders.try_emplace(std::move(key));
+      if (added) first_seen.push_back(&it->first);
+      it->second.push_back({r, i});
     }
   }
-  std::vector<std::vector<size_t>> kept(ranks);
+  std::vector<uint64_t> planned(ranks, 0);
+  std::vector<std::vector<int64_t>> kept(ranks);
   std::vector<bool> all(ranks, true);
-  for (std::string_view fqn : order) {
-    const auto& where = holders[fqn];
+  for (const std::string* key : first_seen) {
+    const auto& where = holders.at(*key);
     size_t pick = 0;
     for (size_t k = 1; k < where.size() && !to_lowest; ++k) {
-      if (planned[where[k].first] < planned[where[pick].first]) pick = k;
+      if (planned[where[k].rank] < planned[where[pick].rank]) pick = k;
     }
-    const auto [rank, index] = where[pick];
-    planned[rank] += std::max<uint64_t>(nbytes[rank][index], 1);
+    const auto [rank, item] = where[pick];
+    const uint64_t bytes = item >= 0 ? plain_nbytes[rank][item] : sizes[rank][~item];
+    planned[rank] += std::max<uint64_t>(bytes, 1);
     for (size_t k = 0; k < where.size(); ++k) {
-      if (k != pick) all[where[k].first] = false;
+      if (k != pick) all[where[k].rank] = false;
     }
-    kept[rank].push_back(index);
+    kept[rank].push_back(item);
   }
   py::list out;
   for (size_t r = 0; r < ranks; ++r) {
     if (all[r]) {
-      out.append(py::none());
-    } else {
-      std::sort(kept[r].begin(), kept[r].end());
-      out.append(py::cast(kept[r]));
+      out.append(py::make_tuple(py::none(), py::none()));
+      continue;
     }
+    std::vector<int64_t> plain;
+    std::vector<int64_t> items;
+    for (int64_t i : kept[r]) (i >= 0 ? plain : items).push_back(i >= 0 ? i : ~i);
+    std::sort(plain.begin(), plain.end());
+    std::sort(items.begin(), items.end());
+    out.append(py::make_tuple(plain, items));
   }
   return out;
+}
+
+// The plain tensors the ranks write, in rank order: (fqns, dtypes, shapes, flags) of each rank's
+// lists (plains[r]: SavePlanner's fqns, dtypes, shapes, flag bytes...) at the indices kept[r]
+// (None: all of them).
+py::tuple KeptPlain(const py::list& plains, const py::list& kept) {
+  if (plains.size() != kept.size()) throw std::invalid_argument("dcp_kept_plain: one per rank");
+  py::list fqns;
+  py::list dtypes;
+  py::list shapes;
+  std::string flags;
+  for (size_t r = 0; r < plains.size(); ++r) {
+    const py::sequence plain = plains[r];
+    const py::list rank_fqns = plain[0];
+    const py::list rank_dtypes = plain[1];
+    const py::list rank_shapes = plain[2];
+    const std::string rank_flags = plain[3].cast<std::string>();
+    const size_t n = rank_fqns.size();
+    if (rank_dtypes.size() != n || rank_shapes.size() != n || rank_flags.size() != n) {
+      throw std::invalid_argument("dcp_kept_plain: one dtype, shape and flag per tensor");
+    }
+    auto take = [&](size_t i) {
+      fqns.append(rank_fqns[i]);
+      dtypes.append(rank_dtypes[i]);
+      shapes.append(rank_shapes[i]);
+      flags += rank_flags.at(i);
+    };
+    if (kept[r].is_none()) {
+      for (size_t i = 0; i < n; ++i) take(i);
+    } else {
+      for (const size_t i : kept[r].cast<std::vector<size_t>>()) {
+        if (i >= n) throw std::out_of_range("dcp_kept_plain: an index past the rank's tensors");
+        take(i);
+      }
+    }
+  }
+  return py::make_tuple(fqns, dtypes, shapes, py::bytes(flags));
+}
+
+// ValueError naming the first of `keys` (state dict keys) that is not a str of valid UTF-8 (a
+// lone surrogate, as os.fsdecode gives for a byte name): the files tensortier writes store keys
+// as UTF-8.
+void CheckKeys(const py::iterable& keys) {
+  for (const py::handle& key : keys) {
+    if (PyUnicode_Check(key.ptr()) && PyUnicode_AsUTF8AndSize(key.ptr(), nullptr) != nullptr) {
+      continue;
+    }
+    PyErr_Clear();
+    throw py::value_error(StrCat(py::repr(key).cast<std::string>(),
+                                 ": a state dict key that is not a str of valid UTF-8, which "
+                                 "tensortier.dcp stores keys as; rename it"));
+  }
 }
 
 // Where a staged tensor goes in a rebuilt state dict (DCP staging).
@@ -484,12 +563,32 @@ void RegisterDcpItems(py::module_& m) {
         "whose index is named rank_writes is a rank's items (write_dcp_file's file name, fqns, "
         "offsets, indices, places and block sums), made into index_type and info_type objects "
         "with their xxh64 and block sums; others are kept as they are.");
-  m.def("dcp_dedup_plain", &DedupPlain, py::arg("fqns"), py::arg("nbytes"), py::arg("planned"),
+  m.def("dcp_dedup_save_plans", &DedupSavePlans, py::arg("plain_fqns"), py::arg("plain_shapes"),
+        py::arg("plain_nbytes"), py::arg("keys"), py::arg("sizes"), py::arg("order"),
         py::arg("to_lowest"),
-        "Per rank, the indices of the plain tensors (fqns[rank], nbytes[rank]) it writes where "
-        "several ranks hold one key (None: all of its own), chosen as torch's dedup_save_plans "
-        "does: the rank with the fewest bytes planned (planned: each rank's other items), or "
-        "the lowest with to_lowest.");
+        "Per rank, (the indices of the plain tensors it writes, of the other write items it "
+        "writes), each None for all of its own, where several ranks plan one item: chosen as "
+        "torch's dedup_save_plans does, over each rank's plain tensors (fqns, shapes, nbytes) "
+        "and other items (keys from dcp_dedup_key, sizes) merged in `order` (i >= 0: plain "
+        "tensor i; i < 0: item ~i).");
+  m.def("dcp_kept_plain", &KeptPlain, py::arg("plains"), py::arg("kept"),
+        "(fqns, torch dtype names, shapes, flag bytes) of the plain tensors the ranks write: "
+        "each rank's SavePlanner lists (plains[r]) at the indices kept[r] (None: all), in rank "
+        "order.");
+  m.def(
+      "dcp_dedup_key",
+      [](const py::handle& index) {
+        std::string key = py::str(index.attr("fqn"));
+        key += '\0';
+        const py::object offset = index.attr("offset");
+        if (offset.is_none()) return py::bytes(key + "N");
+        for (int64_t v : offset.cast<std::vector<int64_t>>()) key += StrCat(v, ",");
+        return py::bytes(key);
+      },
+      py::arg("index"),
+      "A MetadataIndex's key in dcp_dedup_save_plans (its fqn and offsets, as it compares).");
+  m.def("check_dcp_keys", &CheckKeys, py::arg("keys"),
+        "ValueError naming the first of `keys` that is not a str of valid UTF-8.");
   m.def("dcp_metadata_pickle", &MetadataPickle, py::arg("regular"), py::arg("tensor_type"),
         py::arg("plain_fqns"), py::arg("plain_dtypes"), py::arg("plain_shapes"),
         py::arg("plain_flags"), py::arg("planner_data"), py::arg("results"), py::arg("rank_writes"),

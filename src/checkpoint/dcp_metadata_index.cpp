@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -18,6 +19,7 @@
 
 #include "tensortier/checkpoint/checksum.hpp"
 #include "tensortier/util/format_error.hpp"
+#include "tensortier/util/json.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
@@ -62,6 +64,31 @@ class Encoder {
 class Decoder {
  public:
   Decoder(std::string_view data, const std::string& what) : data_(data), what_(what) {}
+
+  // A string the writer took from Python: valid UTF-8.
+  std::string Text() {
+    std::string s = Str();
+    try {
+      JsonQuote(s);
+    } catch (const std::invalid_argument&) {
+      Fail("a string that is not UTF-8");
+    }
+    return s;
+  }
+  std::optional<std::string> OptText() {
+    if (U8() == 0) return std::nullopt;
+    return Text();
+  }
+  // A name of `prefix` and lowercase letters, digits and '_' (a torch dtype or layout).
+  std::string Name(std::string_view prefix) {
+    std::string s = Str();
+    if (!s.starts_with(prefix) || s.size() == prefix.size() ||
+        s.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_", prefix.size()) !=
+            std::string::npos) {
+      Fail("a dtype or layout that is not a name");
+    }
+    return s;
+  }
 
   uint8_t U8() { return static_cast<uint8_t>(Take(1)[0]); }
   uint64_t U32() { return Le(4); }
@@ -195,25 +222,26 @@ std::optional<DcpMetadataContents> ReadDcpMetadataIndex(std::string_view data,
   }
   Decoder p(payload, what);
   DcpMetadataContents md;
-  md.version = p.Str();
-  md.checkpoint_id = p.Str();
-  md.save_id = p.OptStr();
-  md.load_id = p.OptStr();
+  md.version = p.Text();
+  md.checkpoint_id = p.Text();
+  md.save_id = p.OptText();
+  md.load_id = p.OptText();
   md.modules.resize(p.Count(4));
-  for (auto& m : md.modules) m = p.Str();
+  for (auto& m : md.modules) m = p.Text();
   if (p.U8() != 0) md.format = static_cast<int64_t>(p.U64());
   CheckDcpFormat(md.format, what);
   md.entries.resize(p.Count(5));
   for (auto& entry : md.entries) {
-    entry.fqn = p.Str();
+    entry.fqn = p.Text();
     const uint8_t flags = p.U8();
     entry.bytes = (flags & kBytes) != 0;
     entry.requires_grad = (flags & kRequiresGrad) != 0;
     entry.pin_memory = (flags & kPinned) != 0;
     if (entry.bytes) continue;
-    entry.dtype = p.Str();
-    entry.layout = p.Str();
+    entry.dtype = p.Name("");
+    entry.layout = p.Name("torch.");
     entry.memory_format = p.I64();
+    if (entry.memory_format < 0 || entry.memory_format > 2) p.Fail("a memory format past 2");
     entry.size = p.Dims();
     entry.chunks.resize(p.Count(8));
     for (auto& [offsets, sizes] : entry.chunks) {
@@ -223,12 +251,12 @@ std::optional<DcpMetadataContents> ReadDcpMetadataIndex(std::string_view data,
   }
   std::vector<std::string> files(p.Count(4));
   for (auto& f : files) {
-    f = p.Str();
+    f = p.Text();
     CheckDcpDataFileName(f, what);
   }
   md.storage.resize(p.Count(4 + 1 + 4 + 8 + 8 + 4));
   for (auto& s : md.storage) {
-    s.fqn = p.Str();
+    s.fqn = p.Text();
     const uint8_t flags = p.U8();
     if (flags & kHasOffset) s.offset = p.Dims();
     if (flags & kHasIndex) s.index = p.I64();

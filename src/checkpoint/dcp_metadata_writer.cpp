@@ -175,11 +175,9 @@ class MetadataEmitter {
         } else {
           e_.None();
         }
-        Key("offset");
-        if (s.offset) {
+        if (s.offset) {  // MetadataIndex.__init__ sets no offset where it is None
+          Key("offset");
           Size(*s.offset);
-        } else {
-          e_.None();
         }
       });
     });

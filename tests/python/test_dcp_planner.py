@@ -5,6 +5,7 @@ jobs (dcp_worker.py) and in one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import shutil
 import subprocess
@@ -42,7 +43,9 @@ def assert_same_checkpoint(ours: Any, default: Any) -> None:
     assert ours.state_dict_metadata == default.state_dict_metadata
     assert ours.planner_data == default.planner_data
     assert set(ours.storage_data) == set(default.storage_data)
+    indices = {k: k for k in default.storage_data}
     for index, info in ours.storage_data.items():
+        assert vars(index) == vars(indices[index]), index  # no attribute more or less
         assert isinstance(info.xxh64, int), index
         assert (getattr(info, "xxh64_blocks", b"") != b"") == (
             index.offset is not None and default.state_dict_metadata[index.fqn].size.numel() > 0
@@ -73,6 +76,12 @@ def test_two_ranks_save_what_the_default_planner_saves(tmp_path: Path, ranks: Fo
         assert 0 < rep["steps"][0]["bytes_read"] <= 1.1 * rep["steps"][0]["needed"] + 65536
     md = metadata_of(planned)
     assert_same_checkpoint(md, metadata_of(default))
+    # Each value every rank holds (plain tensors, non-tensor values) written by the rank
+    # torch's dedup picks.
+    def writer_rank(info: Any) -> str:
+        return info.relative_path.split("_")[2]
+    by_default = {k: writer_rank(v) for k, v in metadata_of(default).storage_data.items()}
+    assert {k: writer_rank(v) for k, v in md.storage_data.items()} == by_default
     files = {info.relative_path for info in md.storage_data.values()}
     assert {f[:4] for f in files} == {"__0_", "__1_"}  # both ranks wrote items
     assert {p.name for p in planned.glob("*.distcp")} == files
@@ -219,7 +228,7 @@ def test_load_planner_reads_whole_tensors_from_the_index(tmp_path: Path) -> None
     targets = {k: got[k] for k in ("w", "p", "t", "scalar", "bf16")}
     reader = tdcp.Reader(ckpt)
     md = reader.read_metadata()
-    assert isinstance(md, tdcp._planners._ReadMetadata) and md._unpickled is None
+    assert isinstance(md, tdcp._planners._ReadMetadata) and md._made is None
     planner = tdcp.LoadPlanner()
     dcp.load(got, storage_reader=reader, planner=planner, no_dist=True)
     assert len(planner._plain_reads) == 8  # w, p, t, empty, scalar, bf16, nested.m, ids.1
@@ -315,3 +324,79 @@ def test_cuda_state_dicts_with_the_planners(tmp_path: Path) -> None:
     assert len(planner._plain_reads) == len(sd)
     for k, v in sd.items():
         assert got[k].is_cuda and torch.equal(got[k].cpu(), v.cpu().to(got[k].dtype)), k
+
+
+def test_dcp_extension_points_of_subclasses_are_honoured(tmp_path: Path) -> None:
+    """A SavePlanner subclass's resolve_data (what is written), a LoadPlanner subclass's
+    lookup_tensor (where it is read into), and torch's documented pattern of extra planner data
+    in the metadata (dataclasses.replace of what create_global_plan returns) work as with the
+    default planners."""
+    class Doubling(tdcp.SavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            obj = super().resolve_data(write_item)
+            return obj * 2 if isinstance(obj, torch.Tensor) else obj
+
+    ckpt = tmp_path / "doubled"
+    dcp.save({"w": torch.ones(3)}, storage_writer=tdcp.Writer(ckpt), planner=Doubling(),
+             no_dist=True)
+    got = {"w": torch.zeros(3)}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+    assert torch.equal(got["w"], torch.full((3,), 2.0))
+
+    elsewhere = {"w": torch.zeros(3)}
+
+    class Redirect(tdcp.LoadPlanner):
+        def lookup_tensor(self, index: Any) -> Any:
+            return elsewhere[index.fqn]
+
+    mine = {"w": torch.zeros(3)}
+    dcp.load(mine, storage_reader=tdcp.Reader(ckpt), planner=Redirect(), no_dist=True)
+    assert torch.equal(elsewhere["w"], torch.full((3,), 2.0)) and not mine["w"].any()
+
+    class ExtraData(tdcp.SavePlanner):
+        def create_local_plan(self) -> Any:
+            return dataclasses.replace(super().create_local_plan(), planner_data="per-rank")
+
+        def create_global_plan(self, all_plans: Any) -> Any:
+            plans, metadata = super().create_global_plan(all_plans)
+            return plans, dataclasses.replace(
+                metadata, planner_data=[p.planner_data for p in plans])
+
+    extra = tmp_path / "extra"
+    returned = dcp.save({"w": torch.randn(2, 2), "step": 3}, storage_writer=tdcp.Writer(extra),
+                        planner=ExtraData(flatten_state_dict=False), no_dist=True)
+    assert metadata_of(extra).planner_data == ["per-rank"] == returned.planner_data
+    assert set(metadata_of(extra).storage_data) == set(returned.storage_data)
+    got = {"w": torch.zeros(2, 2), "step": 0}
+    dcp.load(got, storage_reader=tdcp.Reader(extra), planner=tdcp.LoadPlanner(), no_dist=True)
+    assert got["step"] == 3
+
+
+def test_keys_that_are_not_utf8_are_named(tmp_path: Path) -> None:
+    key = "layer\udcff.weight"  # as os.fsdecode gives for a byte name
+    for planner in (tdcp.SavePlanner(), dcp.DefaultSavePlanner()):
+        with pytest.raises(CheckpointException, match=r"layer\\udcff.weight.*not a str of valid UTF-8"):
+            dcp.save({key: torch.ones(2)}, storage_writer=tdcp.Writer(tmp_path / "k"),
+                     planner=planner, no_dist=True)
+
+
+def test_an_index_that_lies_is_named(tmp_path: Path) -> None:
+    """An index whose sums agree with it but whose contents are not what the writer writes (a
+    dtype that is no name, a memory format past 2): ValueError naming the .metadata."""
+    import struct
+
+    from tensortier import _core
+
+    ckpt = planned_checkpoint(tmp_path)
+    data = (ckpt / ".metadata").read_bytes()
+    n = struct.unpack("<I", data[3:7])[0]
+    index, body = data[7:7 + n], data[7 + n + 1:]
+    for old, new in ((b"\x07\x00\x00\x00float32", b"\x07\x00\x00\x00fl-at32"),
+                     (b"\x0d\x00\x00\x00torch.strided\x00", b"\x0d\x00\x00\x00torch.strided\x07")):
+        assert old in index
+        payload = index[24:].replace(old, new, 1)
+        forged = index[:16] + struct.pack("<Q", _core.xxh64(payload)) + payload
+        (ckpt / ".metadata").write_bytes(data[:3] + struct.pack("<I", len(forged)) + forged
+                                         + b"0" + body)
+        with pytest.raises(ValueError, match=r"\.metadata: a damaged tensortier index"):
+            tdcp.Reader(ckpt).read_metadata()

@@ -26,14 +26,43 @@ from .. import _core
 from .._runtime import dtype_names, gc_paused, quantized_dtypes
 from ._common import _VERSION, _MetadataUnpickler, _unpickle_metadata
 
+
 @dataclasses.dataclass(frozen=True)
 class _PlainSavePlan(SavePlan):
     """A rank's SavePlan from :class:`SavePlanner`: its plain tensors as lists, not WriteItems.
     ``plain`` is, in a local plan, (fqns, torch's dtype names, shapes, flag bytes: 1
-    requires_grad, 2 pinned; nbytes); in the global plan, the indices of those the rank writes
-    (None: all)."""
+    requires_grad, 2 pinned; nbytes; the order of the tensors and ``items`` in the state dict:
+    i >= 0 tensor i, i < 0 item ~i); in the global plan, the indices of those the rank writes
+    (None: all). ``kept``: the same, set by the dedup."""
 
     plain: Any = None
+    kept: Any = None
+
+
+def _default_hooks(planner: Any, base: type, hooks: tuple[str, ...]) -> bool:
+    """Whether `planner` resolves values as `base` does (no subclass overrides `hooks`, DCP's
+    extension points for what is written or read where)."""
+    return all(getattr(type(planner), h) is getattr(base, h) for h in hooks)
+
+
+def _plan_order(n_plain: int, rest: dict[str, Any], rest_at: list[int],
+                items: list[Any]) -> list[int]:
+    """The state dict's order of a rank's `n_plain` plain tensors (i >= 0) and the write items
+    (~j, item j) planned for its other values `rest`, value k of which came after rest_at[k]
+    plain tensors."""
+    items_of: dict[str, list[int]] = {}
+    for j, item in enumerate(items):
+        items_of.setdefault(item.index.fqn, []).append(~j)
+    order: list[int] = []
+    done = 0
+    for fqn, at in zip(rest, rest_at):
+        order.extend(range(done, at))
+        done = at
+        order.extend(items_of.pop(fqn, ()))
+    order.extend(range(done, n_plain))
+    for left in items_of.values():  # items under other keys than their value's (none by default)
+        order.extend(left)
+    return order
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -48,9 +77,12 @@ class SavePlanner(DefaultSavePlanner):
     ``.metadata``, as ``DefaultSavePlanner`` and torch's ``FileSystemReader`` read it,
     replicated tensors written once (by the rank that the default dedup picks).
 
-    With another storage writer it plans as ``DefaultSavePlanner`` does. The ``Metadata``
-    ``dcp.save`` returns with it reads the checkpoint's ``.metadata`` when first looked into:
-    once another save replaced the checkpoint, looking into it raises ``FileNotFoundError``.
+    With another storage writer, or in a subclass that overrides ``resolve_data``,
+    ``lookup_object`` or ``transform_object``, it plans as ``DefaultSavePlanner`` does. The
+    ``Metadata`` it returns from ``create_global_plan`` makes its entries' objects when
+    something looks into them (then the Writer pickles those); the one ``dcp.save`` returns reads
+    the checkpoint's ``.metadata`` when first looked into: once another save replaced the
+    checkpoint, looking into it raises ``FileNotFoundError``.
 
     Args:
         flatten_state_dict: ``DefaultSavePlanner``'s.
@@ -69,9 +101,12 @@ class SavePlanner(DefaultSavePlanner):
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
-        """``DefaultSavePlanner``'s; notes whether the storage writer is a tensortier one."""
+        """``DefaultSavePlanner``'s; notes whether the storage writer is a tensortier one (and
+        the values are resolved as by default)."""
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self._lists = getattr(storage_meta, "tensortier_format", None) is not None
+        self._lists = getattr(storage_meta, "tensortier_format", None) is not None and (
+            _default_hooks(self, DefaultSavePlanner,
+                           ("resolve_data", "lookup_object", "transform_object")))
 
     def create_local_plan(self) -> SavePlan:
         """The default plan of the state dict's other values, with its plain tensors as lists."""
@@ -87,11 +122,14 @@ class SavePlanner(DefaultSavePlanner):
         tensors: list[Any] = []
         rest: dict[str, Any] = {}
         names: dict[Any, str] = {}
+        rest_at: list[int] = []  # the place of each value of `rest` among the state dict's
+        _core.check_dcp_keys(self.state_dict)
         with gc_paused():
             for fqn, value in self.state_dict.items():
                 if (type(value) not in plain_types or value.dtype not in storable
                         or value.layout != torch.strided or value.is_meta):
                     rest[fqn] = value  # planned (and refused, where it must be) as by default
+                    rest_at.append(len(fqns))
                     continue
                 dtype = value.dtype
                 name = names.get(dtype)
@@ -104,48 +142,44 @@ class SavePlanner(DefaultSavePlanner):
                 nbytes.append(value.nbytes)
                 tensors.append(value)
             plan = create_default_local_save_plan(rest, self.is_coordinator)
-        self._plain = (fqns, dtypes, shapes, bytes(flags), nbytes)
+            order = _plan_order(len(fqns), rest, rest_at, plan.items)
+        self._plain = (fqns, dtypes, shapes, bytes(flags), nbytes, order)
         self._plain_tensors = tensors
         self.plan = _PlainSavePlan(plan.items, planner_data=(
             self.mappings if self.flatten_state_dict else None),
             plain=self._plain)
         return self.plan
 
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """torch's dedup over each rank's plain tensors and other items together, in the
+        state dict's order (DefaultSavePlanner's ``_create_global_plan`` calls it)."""
+        if not all(isinstance(p, _PlainSavePlan) for p in all_plans):
+            return super()._dedup_save_plans(all_plans)
+        kept = _core.dcp_dedup_save_plans(
+            [p.plain[0] for p in all_plans], [p.plain[2] for p in all_plans],
+            [p.plain[4] for p in all_plans],
+            [[_core.dcp_dedup_key(i.index) for i in p.items] for p in all_plans],
+            [[i.tensor_storage_size() or 1 for i in p.items] for p in all_plans],
+            [p.plain[5] for p in all_plans], self.dedup_save_to_lowest_rank)
+        return [dataclasses.replace(p, kept=plain, items=p.items if items is None
+                                    else [p.items[i] for i in items])
+                for p, (plain, items) in zip(all_plans, kept)]
+
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
-        """The default global plan of the other values; each plain tensor held by several
-        ranks given to one of them, as the default dedup does. The metadata is a
-        :class:`_SavedMetadata`, which the Writer writes from lists."""
+        """The default global plan; each value several ranks hold given to one of them, as the
+        default dedup does. The metadata is a :class:`_SavedMetadata`, which the Writer writes
+        from lists."""
         if not all(isinstance(p, _PlainSavePlan) for p in all_plans):
             return super().create_global_plan(all_plans)
         plans, metadata = self._create_global_plan(all_plans)
-        planned = [sum(item.tensor_storage_size() or 1 for item in p.items) for p in plans]
-        kept = _core.dcp_dedup_plain([p.plain[0] for p in plans], [p.plain[4] for p in plans],
-                                     planned, self.dedup_save_to_lowest_rank)
-        fqns: list[str] = []
-        dtypes: list[str] = []
-        shapes: list[Any] = []
-        flags = bytearray()
-        for p, keep in zip(plans, kept):
-            p_fqns, p_dtypes, p_shapes, p_flags, _ = p.plain
-            if keep is None:
-                fqns += p_fqns
-                dtypes += p_dtypes
-                shapes += p_shapes
-                flags += p_flags
-            else:
-                fqns += [p_fqns[i] for i in keep]
-                dtypes += [p_dtypes[i] for i in keep]
-                shapes += [p_shapes[i] for i in keep]
-                flags += bytes(p_flags[i] for i in keep)
-        clash = next((f for f in fqns if f in metadata.state_dict_metadata), None)
+        lists = _core.dcp_kept_plain([p.plain for p in plans], [p.kept for p in plans])
+        clash = next((f for f in lists[0] if f in metadata.state_dict_metadata), None)
         if clash is not None:
             raise ValueError(f"{clash}: a plain tensor on some ranks and another kind of value "
                              "(a DTensor, a sharded tensor, a non-tensor) on others")
-        # The mappings went into the metadata: the plans sent back to the ranks carry none.
-        plans = [dataclasses.replace(p, planner_data=None, plain=keep)
-                 for p, keep in zip(plans, kept)]
+        plans = [dataclasses.replace(p, plain=p.kept, kept=None) for p in plans]
         self.global_plan = plans
-        self.metadata = _SavedMetadata(metadata, (fqns, dtypes, shapes, bytes(flags)))
+        self.metadata = _SavedMetadata._of_lists(metadata, lists)
         return plans, self.metadata
 
     def _plain_writes(self, keep: list[int] | None) -> tuple[list[str], list[str], list[Any]]:
@@ -162,11 +196,26 @@ class SavePlanner(DefaultSavePlanner):
 class _LazyMetadata(_md.Metadata):
     """A ``Metadata`` whose entry fields (``state_dict_metadata``, ``planner_data``,
     ``storage_data``: tens of thousands of objects for a state dict of many tensors) are made
-    when first looked into, by ``_full``; ``storage_meta`` and ``version`` are plain
-    attributes."""
+    when first looked into, by ``_make``; ``storage_meta`` and ``version`` are plain
+    attributes. Made from Metadata's fields (``dataclasses.replace`` does), it holds them."""
+
+    def __init__(self, state_dict_metadata: Any = None, planner_data: Any = None,
+                 storage_data: Any = None, storage_meta: Any = None,
+                 version: str | None = None) -> None:
+        # Not Metadata.__init__: the entry fields are properties here.
+        self._made: _md.Metadata | None = _md.Metadata(
+            state_dict_metadata if state_dict_metadata is not None else {}, planner_data,
+            storage_data)
+        self.storage_meta = storage_meta
+        self.version = version
+
+    def _make(self) -> _md.Metadata:
+        raise NotImplementedError  # each subclass makes its entries its own way
 
     def _full(self) -> _md.Metadata:
-        raise NotImplementedError
+        if self._made is None:
+            self._made = self._make()
+        return self._made
 
     @property  # type: ignore[override]
     def state_dict_metadata(self) -> dict[str, Any]:  # noqa: D102 - Metadata's field
@@ -192,41 +241,78 @@ class _LazyMetadata(_md.Metadata):
     def storage_data(self, value: Any) -> None:
         self._full().storage_data = value
 
+    def _as_metadata(self) -> _md.Metadata:
+        """A plain ``Metadata`` of the same fields."""
+        full = self._full()
+        return _md.Metadata(full.state_dict_metadata, full.planner_data, full.storage_data,
+                            self.storage_meta, self.version)
+
 
 class _SavedMetadata(_LazyMetadata):
-    """The ``Metadata`` of a save planned by :class:`SavePlanner`: its entries as lists until
-    the Writer has written them, then read from the checkpoint's ``.metadata`` when first
-    looked into (``dcp.save`` returns it on every rank; it crosses between ranks as the
-    checkpoint's path and ids, not as thousands of objects)."""
+    """The ``Metadata`` of a save planned by :class:`SavePlanner`. Until committed, its entries
+    are lists (``_regular``: the other values' Metadata; ``_plain``: the plain tensors' lists),
+    which the Writer writes as they are unless something made the objects (looked into them,
+    changed them: those are pickled then). Once committed (``_directory``), a copy that never
+    made them reads them from the checkpoint's ``.metadata`` (``dcp.save`` returns it on every
+    rank: it crosses between the ranks as the checkpoint's path and ids)."""
 
-    def __init__(self, regular: _md.Metadata | None, plain: tuple[Any, ...] | None,
-                 directory: str | None = None, storage_meta: Any = None) -> None:
-        # Not Metadata.__init__: its entry fields are properties here.
-        self._regular = regular
-        self._plain = plain
-        self._directory = directory
-        self._read: _md.Metadata | None = None
-        self.storage_meta = storage_meta
-        self.version = _VERSION
+    _regular: _md.Metadata | None = None
+    _plain: tuple[Any, ...] | None = None
+    _directory: str | None = None
 
-    def __reduce__(self) -> Any:
-        return (_SavedMetadata, (None, None, self._directory, self.storage_meta))
+    @classmethod
+    def _of_lists(cls, regular: _md.Metadata, plain: tuple[Any, ...]) -> _SavedMetadata:
+        md = cls.__new__(cls)
+        md._made, md._regular, md._plain = None, regular, plain
+        md.storage_meta, md.version = regular.storage_meta, _VERSION
+        return md
 
-    def _full(self) -> _md.Metadata:
-        if self._read is None:
-            if self._directory is None:
-                raise RuntimeError("tensortier.dcp: the metadata of a save that has not "
-                                   "committed yet")
-            path = _core.dcp_metadata_path(self._directory)
-            md = _MetadataUnpickler(io.BytesIO(_core.read_dcp_metadata_bytes(
-                self._directory))).load()
-            saved = getattr(self.storage_meta, "save_id", None)
-            if getattr(md.storage_meta, "save_id", None) != saved:
-                raise FileNotFoundError(
-                    errno.ENOENT, f"the checkpoint of save {saved} is no longer in "
-                    f"{self._directory}: another save replaced it", path)
-            self._read = md
-        return self._read
+    @classmethod
+    def _committed(cls, directory: str, storage_meta: Any, version: str | None
+                   ) -> _SavedMetadata:
+        md = cls.__new__(cls)
+        md._made, md._directory = None, directory
+        md.storage_meta, md.version = storage_meta, version
+        return md
+
+    def _lists(self) -> tuple[_md.Metadata, tuple[Any, ...]] | None:
+        """(the other values' Metadata, the plain tensors' lists) while the Writer may write
+        them as they are; None once the objects were made."""
+        if self._made is not None or self._plain is None or self._regular is None:
+            return None
+        return self._regular, self._plain
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._directory is not None and self._made is None:
+            return (_SavedMetadata._committed, (self._directory, self.storage_meta,
+                                                self.version))
+        return self._as_metadata().__reduce_ex__(protocol)
+
+    def _make(self) -> _md.Metadata:
+        lists = self._lists()
+        if lists is not None:  # not committed: the objects from the lists, as torch makes them
+            regular, (fqns, dtypes, shapes, flags) = lists
+            entries = dict(regular.state_dict_metadata)
+            for fqn, dtype, shape, flag in zip(fqns, dtypes, shapes, flags):
+                props = _md.TensorProperties(dtype=getattr(torch, dtype),
+                                             requires_grad=bool(flag & 1),
+                                             pin_memory=bool(flag & 2))
+                size = torch.Size(shape)
+                entries[fqn] = _md.TensorStorageMetadata(props, size, [
+                    _md.ChunkStorageMetadata(torch.Size([0] * len(shape)), size)])
+            return _md.Metadata(entries, regular.planner_data, regular.storage_data)
+        if self._directory is None:
+            raise RuntimeError("tensortier.dcp: the metadata of a save that has not "
+                               "committed yet")
+        path = _core.dcp_metadata_path(self._directory)
+        md = _MetadataUnpickler(io.BytesIO(_core.read_dcp_metadata_bytes(
+            self._directory))).load()
+        saved = getattr(self.storage_meta, "save_id", None)
+        if getattr(md.storage_meta, "save_id", None) != saved:
+            raise FileNotFoundError(
+                errno.ENOENT, f"the checkpoint of save {saved} is no longer in "
+                f"{self._directory}: another save replaced it", path)
+        return md
 
 
 class _ReadMetadata(_LazyMetadata):
@@ -235,29 +321,33 @@ class _ReadMetadata(_LazyMetadata):
     (``_table``, a ``DcpMetadataTable``); the Python objects are unpickled only when something
     looks into the entries (torch's planners do)."""
 
-    def __init__(self, data: bytes, table: Any, path: str) -> None:
-        # Not Metadata.__init__: its entry fields are properties here.
-        self._data = data
-        self._table = table
-        self._path = path
-        self._unpickled: _md.Metadata | None = None
+    _table: Any = None
+    _data = b""
+    _path = ""
+
+    @classmethod
+    def _of_index(cls, data: bytes, table: Any, path: str) -> _ReadMetadata:
+        md = cls.__new__(cls)
+        md._made, md._data, md._table, md._path = None, data, table, path
         checkpoint_id, save_id, load_id, modules, fmt = table.storage_meta
         meta = _md.StorageMeta(checkpoint_id=pathlib.Path(checkpoint_id), save_id=save_id,
                                load_id=load_id, modules=list(modules))
         if fmt is not None:
             meta.tensortier_format = fmt  # type: ignore[attr-defined]
-        self.storage_meta = meta
-        self.version = table.version
+        md.storage_meta, md.version = meta, table.version
+        return md
+
+    def _indexed(self) -> bool:
+        """Whether a load may plan from the index: nothing made (or changed) the objects."""
+        return self._table is not None and self._made is None
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return self._full().__reduce_ex__(protocol)  # as the plain Metadata
+        return self._as_metadata().__reduce_ex__(protocol)  # as the plain Metadata
 
-    def _full(self) -> _md.Metadata:
-        if self._unpickled is None:
-            md = _unpickle_metadata(self._data, self._path)
-            md.storage_meta, md.version = self.storage_meta, self.version  # this load's ids
-            self._unpickled = md
-        return self._unpickled
+    def _make(self) -> _md.Metadata:
+        md = _unpickle_metadata(self._data, self._path)
+        md.storage_meta, md.version = self.storage_meta, self.version  # this load's ids
+        return md
 
 
 class _PlainIndex(NamedTuple):
@@ -294,16 +384,21 @@ class _PlainLoadPlan(LoadPlan):
 _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
 
 
-def _storage_entry(table: Any, fqn: str) -> Any:
-    """state_dict_metadata[fqn] as torch's objects, from a ``DcpMetadataTable``."""
+def _storage_entry(table: Any, fqn: str, path: str) -> Any:
+    """state_dict_metadata[fqn] as torch's objects, from the ``DcpMetadataTable`` of the
+    ``.metadata`` at `path` (ValueError naming it for a dtype or layout this torch lacks)."""
     entry = table.entry(fqn)
     if entry is None:
         return _md.BytesStorageMetadata()
     dtype, layout, requires_grad, memory_format, pin_memory, size, chunks = entry
+    torch_dtype = getattr(torch, dtype, None)
+    torch_layout = getattr(torch, layout.removeprefix("torch."), None)
+    if not isinstance(torch_dtype, torch.dtype) or not isinstance(torch_layout, torch.layout):
+        raise ValueError(f"{path}: {fqn} is a tensor of dtype {dtype} and layout {layout}, "
+                         "which this torch does not have")
     props = _md.TensorProperties(
-        dtype=getattr(torch, dtype), layout=torch.serialization._get_layout(layout),
-        requires_grad=requires_grad, memory_format=_MEMORY_FORMATS[memory_format],
-        pin_memory=pin_memory)
+        dtype=torch_dtype, layout=torch_layout, requires_grad=requires_grad,
+        memory_format=_MEMORY_FORMATS[memory_format], pin_memory=pin_memory)
     return _md.TensorStorageMetadata(props, torch.Size(size), [
         _md.ChunkStorageMetadata(torch.Size(o), torch.Size(c)) for o, c in chunks])
 
@@ -317,8 +412,9 @@ class LoadPlanner(DefaultLoadPlanner):
     straight into it, planned on its rank from the index: no ``Metadata`` objects, no read
     items sent between the ranks. Everything else (DTensors, tensors stored in shards,
     non-tensor values) is planned as ``DefaultLoadPlanner`` plans it, with its errors (a key
-    the checkpoint lacks, a size that differs). With other checkpoints, or another storage
-    reader, it plans as ``DefaultLoadPlanner`` does.
+    the checkpoint lacks, a size that differs). With other checkpoints, another storage
+    reader, or in a subclass that overrides ``lookup_tensor`` or ``transform_tensor`` (where
+    a tensor is read into), it plans as ``DefaultLoadPlanner`` does.
 
     Args:
         flatten_state_dict: ``DefaultLoadPlanner``'s.
@@ -337,7 +433,8 @@ class LoadPlanner(DefaultLoadPlanner):
         """The default plan of what the index cannot read whole, and the whole reads."""
         self._plain_reads = []
         md = self.metadata
-        if not isinstance(md, _ReadMetadata) or md._unpickled is not None:
+        if not (isinstance(md, _ReadMetadata) and md._indexed() and _default_hooks(
+                self, DefaultLoadPlanner, ("lookup_tensor", "transform_tensor"))):
             return super().create_local_plan()
         # (DefaultLoadPlanner's fallback to keys flattened as torch 2.3 did is for checkpoints
         # of those versions, which carry no index.)
@@ -364,7 +461,8 @@ class LoadPlanner(DefaultLoadPlanner):
                     if (isinstance(value, dtensor)
                             and value.device_mesh.get_coordinate() is None):
                         continue  # a DTensor of a mesh this rank is not in, as by default
-                    requests += _create_read_items(fqn, _storage_entry(table, fqn), value)
+                    requests += _create_read_items(fqn, _storage_entry(table, fqn, md._path),
+                                                   value)
         return _PlainLoadPlan(requests, plain=len(self._plain_reads))
 
     def resolve_tensor(self, read_item: Any) -> Any:

@@ -127,7 +127,7 @@ class Reader(_CheckpointDirectory, StorageReader):
             try:
                 if table is not None:
                     table.check(self._dir, path)
-                    md = _ReadMetadata(data, table, path)
+                    md = _ReadMetadata._of_index(data, table, path)
                 else:
                     md = _unpickle_metadata(data, path)
                     _core.check_dcp_metadata(self._dir, md, _md.Metadata, path)
@@ -149,7 +149,7 @@ class Reader(_CheckpointDirectory, StorageReader):
         tensors stored in the data files). ValueError for a tensor whose chunks do not hold all
         of its elements (a load would leave the rest as it was), and for items stored through
         stream transforms (compressed by FileSystemWriter's ``_extensions``)."""
-        if isinstance(metadata, _ReadMetadata):  # the index: read_metadata checked it
+        if isinstance(metadata, _ReadMetadata) and metadata._table is not None:  # checked
             self.storage_data, self.chunk_sizes = metadata._table, {}
             return
         self.chunk_sizes = _core.dcp_chunk_sizes(

@@ -124,8 +124,10 @@ class Writer(_CheckpointDirectory, StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Refuses tensors of a dtype or layout that cannot be saved (TypeError naming the
-        item: DCP's plan step, so that no rank writes a file), makes the checkpoint directory;
-        with ``overwrite=False``, refuses one that holds a checkpoint."""
+        item: DCP's plan step, so that no rank writes a file) and keys that are not valid UTF-8
+        (ValueError naming the key), makes the checkpoint directory; with ``overwrite=False``,
+        refuses one that holds a checkpoint."""
+        _core.check_dcp_keys([item.index.fqn for item in plan.items])
         names = dtype_names()
         quantized = quantized_dtypes()
         for item in plan.items:
@@ -221,21 +223,26 @@ class Writer(_CheckpointDirectory, StorageWriter, AsyncStager):
         files it does not name (the replaced checkpoint's, dead saves') removed."""
         if isinstance(metadata, _SavedMetadata):  # tensortier.dcp.SavePlanner's
             metadata.storage_meta = self.storage_meta()
-            metadata._directory = self._dir
-            fqns, dtypes, shapes, flags = metadata._plain
-            data, files = _core.dcp_metadata_pickle(
-                metadata._regular.state_dict_metadata, _md.TensorStorageMetadata, fqns, dtypes,
-                shapes, flags, metadata._regular.planner_data, results, _RANK_WRITES,
-                metadata.storage_meta, _VERSION)
-            _core.commit_dcp_checkpoint(default_io()._core(), self._dir, data, files,
-                                        f"rank {self.rank} (the coordinator)")
-            return
+            lists = metadata._lists()
+            if lists is not None:  # its entries as lists still: written from them in C++
+                regular, (fqns, dtypes, shapes, flags) = lists
+                data, files = _core.dcp_metadata_pickle(
+                    regular.state_dict_metadata, _md.TensorStorageMetadata, fqns, dtypes, shapes,
+                    flags, regular.planner_data, results, _RANK_WRITES, metadata.storage_meta,
+                    _VERSION)
+                _core.commit_dcp_checkpoint(default_io()._core(), self._dir, data, files,
+                                            f"rank {self.rank} (the coordinator)")
+                # Committed: looked into, it reads what was written.
+                metadata._directory, metadata._regular, metadata._plain = self._dir, None, None
+                return
+            metadata._directory = self._dir  # the objects made: pickled as they are, below
         with gc_paused():
             metadata.storage_data = _core.dcp_storage_data(results, _RANK_WRITES,
                                                            _md.MetadataIndex, _fs._StorageInfo)
             metadata.version = _VERSION
             metadata.storage_meta = self.storage_meta()
-            data = pickle.dumps(metadata)
+            data = pickle.dumps(metadata._as_metadata() if isinstance(metadata, _SavedMetadata)
+                                else metadata)
         _core.commit_dcp_checkpoint(default_io()._core(), self._dir, data, metadata.storage_data,
                                     f"rank {self.rank} (the coordinator)")
 
