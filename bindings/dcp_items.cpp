@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -238,7 +239,7 @@ py::tuple MetadataPickle(const py::dict& regular, const py::handle& tensor_type,
                          const std::vector<Dims>& plain_shapes, const std::string& plain_flags,
                          const py::object& planner_data, const py::iterable& results,
                          const py::str& rank_writes, const py::object& storage_meta,
-                         const std::string& version) {
+                         const std::string& version, const std::vector<std::string>& order) {
   const size_t n = plain_fqns.size();
   if (plain_dtypes.size() != n || plain_shapes.size() != n || plain_flags.size() != n) {
     throw std::invalid_argument("dcp_metadata_pickle: one dtype, shape and flag per plain tensor");
@@ -272,6 +273,16 @@ py::tuple MetadataPickle(const py::dict& regular, const py::handle& tensor_type,
     e.pin_memory = (plain_flags[i] & 2) != 0;
     e.size = plain_shapes[i];
     e.chunks.emplace_back(Dims(e.size.size(), 0), e.size);
+  }
+  if (!order.empty()) {  // the keys in torch's order; any the order lacks after them
+    std::unordered_map<std::string_view, size_t> place;
+    for (size_t i = 0; i < order.size(); ++i) place.emplace(order[i], i);
+    std::stable_sort(md.entries.begin(), md.entries.end(), [&](const auto& a, const auto& b) {
+      auto pa = place.find(a.fqn);
+      auto pb = place.find(b.fqn);
+      return (pa == place.end() ? order.size() : pa->second) <
+             (pb == place.end() ? order.size() : pb->second);
+    });
   }
   if (!planner_data.is_none()) {
     auto& paths = md.planner_data.emplace();
@@ -405,40 +416,60 @@ py::list DedupSavePlans(const std::vector<std::vector<std::string>>& plain_fqns,
 }
 
 // The plain tensors the ranks write, in rank order: (fqns, dtypes, shapes, flags) of each rank's
-// lists (plains[r]: SavePlanner's fqns, dtypes, shapes, flag bytes...) at the indices kept[r]
-// (None: all of them).
+// lists (plains[r]: SavePlanner's fqns, dtypes, shapes, flag bytes, nbytes, order) at the indices
+// kept[r][0] (None: all of them); and the keys of the Metadata in the order torch's global plan
+// gives them (each rank's kept values in its state dict's order, ranks in order, each key where
+// first seen): plain tensors and the other write items (kept[r][1]: those kept, None for all;
+// kept[r][2]: the fqn of each of the rank's items).
 py::tuple KeptPlain(const py::list& plains, const py::list& kept) {
   if (plains.size() != kept.size()) throw std::invalid_argument("dcp_kept_plain: one per rank");
   py::list fqns;
   py::list dtypes;
   py::list shapes;
   std::string flags;
+  py::list key_order;
+  std::unordered_set<std::string> seen;
   for (size_t r = 0; r < plains.size(); ++r) {
     const py::sequence plain = plains[r];
     const py::list rank_fqns = plain[0];
     const py::list rank_dtypes = plain[1];
     const py::list rank_shapes = plain[2];
     const std::string rank_flags = plain[3].cast<std::string>();
+    const auto order = plain[5].cast<std::vector<int64_t>>();
+    const py::sequence rank_kept = kept[r];
+    const auto item_fqns = rank_kept[2].cast<std::vector<std::string>>();
     const size_t n = rank_fqns.size();
     if (rank_dtypes.size() != n || rank_shapes.size() != n || rank_flags.size() != n) {
       throw std::invalid_argument("dcp_kept_plain: one dtype, shape and flag per tensor");
     }
-    auto take = [&](size_t i) {
+    auto kept_set = [](const py::handle& indices, size_t count) {
+      std::vector<bool> out(count, indices.is_none());
+      if (!indices.is_none()) {
+        for (const size_t i : indices.cast<std::vector<size_t>>()) {
+          if (i >= count) throw std::out_of_range("dcp_kept_plain: an index past the rank's");
+          out[i] = true;
+        }
+      }
+      return out;
+    };
+    const std::vector<bool> plain_kept = kept_set(rank_kept[0], n);
+    const std::vector<bool> items_kept = kept_set(rank_kept[1], item_fqns.size());
+    for (size_t i = 0; i < n; ++i) {
+      if (!plain_kept[i]) continue;
       fqns.append(rank_fqns[i]);
       dtypes.append(rank_dtypes[i]);
       shapes.append(rank_shapes[i]);
-      flags += rank_flags.at(i);
-    };
-    if (kept[r].is_none()) {
-      for (size_t i = 0; i < n; ++i) take(i);
-    } else {
-      for (const size_t i : kept[r].cast<std::vector<size_t>>()) {
-        if (i >= n) throw std::out_of_range("dcp_kept_plain: an index past the rank's tensors");
-        take(i);
-      }
+      flags += rank_flags[i];
+    }
+    for (const int64_t i : order) {
+      const bool in = i >= 0 ? static_cast<size_t>(i) < n && plain_kept[i]
+                             : static_cast<size_t>(~i) < item_fqns.size() && items_kept[~i];
+      if (!in) continue;
+      std::string fqn = i >= 0 ? rank_fqns[i].cast<std::string>() : item_fqns[~i];
+      if (seen.insert(fqn).second) key_order.append(py::str(fqn));
     }
   }
-  return py::make_tuple(fqns, dtypes, shapes, py::bytes(flags));
+  return py::make_tuple(fqns, dtypes, shapes, py::bytes(flags), key_order);
 }
 
 // ValueError naming the first of `keys` (state dict keys) that is not a str of valid UTF-8 (a
@@ -573,8 +604,10 @@ void RegisterDcpItems(py::module_& m) {
         "tensor i; i < 0: item ~i).");
   m.def("dcp_kept_plain", &KeptPlain, py::arg("plains"), py::arg("kept"),
         "(fqns, torch dtype names, shapes, flag bytes) of the plain tensors the ranks write: "
-        "each rank's SavePlanner lists (plains[r]) at the indices kept[r] (None: all), in rank "
-        "order.");
+        "each rank's SavePlanner lists (plains[r]) at the indices kept[r][0] (None: all), in "
+        "rank order; and the Metadata's keys in the order torch's global plan gives them (the "
+        "ranks' kept plain tensors and items, kept[r][1], of fqns kept[r][2], in each rank's "
+        "state dict order).");
   m.def(
       "dcp_dedup_key",
       [](const py::handle& index) {
@@ -592,13 +625,14 @@ void RegisterDcpItems(py::module_& m) {
   m.def("dcp_metadata_pickle", &MetadataPickle, py::arg("regular"), py::arg("tensor_type"),
         py::arg("plain_fqns"), py::arg("plain_dtypes"), py::arg("plain_shapes"),
         py::arg("plain_flags"), py::arg("planner_data"), py::arg("results"), py::arg("rank_writes"),
-        py::arg("storage_meta"), py::arg("version"),
+        py::arg("storage_meta"), py::arg("version"), py::arg("order") = std::vector<std::string>(),
         "(the bytes of a save's .metadata, the data files it names), made without Python "
         "objects per item: `regular` (fqn -> tensor_type or BytesStorageMetadata) and the plain "
         "tensors (fqns, torch's dtype names, shapes, a flag byte each: 1 requires_grad, 2 "
         "pinned; one chunk at the origin) as state_dict_metadata, planner_data as it is, the "
         "rank writes of `results` (write_dcp_file's, index named rank_writes) as storage_data, "
-        "storage_meta's fields. pickle.load reads it as the Metadata these describe.");
+        "storage_meta's fields, the entries in `order` (their keys; as they come where empty). "
+        "pickle.load reads it as the Metadata these describe.");
   py::class_<StageSlot>(m, "DcpStageSlot",
                         "Where a staged tensor goes in a state dict dcp_stage_collect shaped.")
       .def_readonly("index", &StageSlot::index)

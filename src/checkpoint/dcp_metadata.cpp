@@ -11,6 +11,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "tensortier/checkpoint/pickle_machine.hpp"
 #include "tensortier/util/error.hpp"
@@ -176,6 +177,9 @@ void CheckDcpFormat(std::optional<int64_t> format, const std::string& what) {
 }
 
 DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
+  // tensortier's index, where the file has one: its sums say first whether either half is
+  // damaged, and it must describe the pickle (checked below).
+  const auto index = ReadDcpMetadataIndex(data, what);
   Machine m(data, what);
   const uint32_t root = m.Run();
   Walker w(m);
@@ -253,6 +257,26 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
       item.transformed = n.kind != Kind::kNone && !n.items.empty();
     }
     out.items.push_back(std::move(item));
+  }
+  // The index must describe this pickle: its readers (tensortier.dcp.Reader) would read other
+  // items than the pickle's readers otherwise.
+  if (index) {
+    using Place = std::tuple<std::string, uint64_t, uint64_t, std::optional<uint64_t>>;
+    std::vector<Place> indexed;
+    std::vector<Place> pickled;
+    for (const auto& s : index->storage) {
+      indexed.emplace_back(s.relative_path, s.offset_in_file, s.length, s.xxh64);
+    }
+    for (const auto& item : out.items) {
+      pickled.emplace_back(item.relative_path, item.offset, item.length, item.xxh64);
+    }
+    std::sort(indexed.begin(), indexed.end());
+    std::sort(pickled.begin(), pickled.end());
+    if (indexed != pickled || index->entries.size() != sdm.items.size() / 2) {
+      throw FormatError(StrCat(what,
+                               ": tensortier's index does not describe the pickle after "
+                               "it (other items or places): the file is damaged"));
+    }
   }
   return out;
 }

@@ -41,6 +41,7 @@ def assert_same_checkpoint(ours: Any, default: Any) -> None:
     """Two saves' metadata describe the same state dict: equal entries, planner data and item
     keys; each item with its xxh64 (tensors: their block sums too)."""
     assert ours.state_dict_metadata == default.state_dict_metadata
+    assert list(ours.state_dict_metadata) == list(default.state_dict_metadata)  # in its order
     assert ours.planner_data == default.planner_data
     assert set(ours.storage_data) == set(default.storage_data)
     indices = {k: k for k in default.storage_data}
@@ -284,6 +285,8 @@ def test_damage_to_a_whole_read_tensor_or_the_index_is_named(tmp_path: Path) -> 
         flip_byte(copy / ".metadata", at)
         with pytest.raises(ValueError, match=says):
             tdcp.Reader(copy).read_metadata()
+        verified = cli("verify", copy)  # the CLI reads the pickle, and checks the index too
+        assert verified.returncode == 1 and says in verified.stderr, verified
 
 
 def test_async_save_with_the_planners(tmp_path: Path) -> None:
@@ -400,3 +403,33 @@ def test_an_index_that_lies_is_named(tmp_path: Path) -> None:
                                          + b"0" + body)
         with pytest.raises(ValueError, match=r"\.metadata: a damaged tensortier index"):
             tdcp.Reader(ckpt).read_metadata()
+
+
+def test_metadata_objects_behave_as_torch_s(tmp_path: Path) -> None:
+    """What Reader.read_metadata and dcp.save return with the planners: pickled, compared,
+    replaced and shown as torch's Metadata; the keys in torch's order."""
+    ckpt = tmp_path / "ckpt"
+    sd = {"model.w": torch.ones(2), "epoch": 3, "model.b": torch.zeros(2), "lr": 0.1}
+    returned = dcp.save(sd, storage_writer=tdcp.Writer(ckpt), planner=tdcp.SavePlanner(),
+                        no_dist=True)
+    read = tdcp.Reader(ckpt).read_metadata()
+    stock = dcp.FileSystemReader(ckpt).read_metadata()
+    assert list(stock.state_dict_metadata) == list(sd)  # the state dict's order
+    for md in (read, returned):
+        plain = dcp.metadata.Metadata(md.state_dict_metadata, md.planner_data, md.storage_data,
+                                      md.storage_meta, md.version)
+        assert md == plain and plain == md
+        again = pickle.loads(pickle.dumps(md))
+        assert type(again) is dcp.metadata.Metadata and again == plain
+        assert dataclasses.replace(md, planner_data=None).planner_data is None
+        assert repr(md).startswith("Metadata(")
+    assert read.state_dict_metadata == stock.state_dict_metadata
+
+
+def test_a_sparse_target_gets_torch_s_error(tmp_path: Path) -> None:
+    ckpt = planned_checkpoint(tmp_path)
+    for planner in (tdcp.LoadPlanner(allow_partial_load=True),
+                    dcp.DefaultLoadPlanner(allow_partial_load=True)):
+        with pytest.raises(CheckpointException, match="between dense and sparse"):
+            dcp.load({"w": torch.zeros(3000).to_sparse()}, storage_reader=tdcp.Reader(ckpt),
+                     planner=planner, no_dist=True)

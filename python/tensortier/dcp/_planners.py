@@ -33,7 +33,8 @@ class _PlainSavePlan(SavePlan):
     ``plain`` is, in a local plan, (fqns, torch's dtype names, shapes, flag bytes: 1
     requires_grad, 2 pinned; nbytes; the order of the tensors and ``items`` in the state dict:
     i >= 0 tensor i, i < 0 item ~i); in the global plan, the indices of those the rank writes
-    (None: all). ``kept``: the same, set by the dedup."""
+    (None: all). ``kept``: set by the dedup, (the plain tensors kept, the items kept, the
+    fqn of each of the rank's items before the dedup)."""
 
     plain: Any = None
     kept: Any = None
@@ -161,7 +162,8 @@ class SavePlanner(DefaultSavePlanner):
             [[_core.dcp_dedup_key(i.index) for i in p.items] for p in all_plans],
             [[i.tensor_storage_size() or 1 for i in p.items] for p in all_plans],
             [p.plain[5] for p in all_plans], self.dedup_save_to_lowest_rank)
-        return [dataclasses.replace(p, kept=plain, items=p.items if items is None
+        return [dataclasses.replace(p, kept=(plain, items, [i.index.fqn for i in p.items]),
+                                    items=p.items if items is None
                                     else [p.items[i] for i in items])
                 for p, (plain, items) in zip(all_plans, kept)]
 
@@ -177,7 +179,7 @@ class SavePlanner(DefaultSavePlanner):
         if clash is not None:
             raise ValueError(f"{clash}: a plain tensor on some ranks and another kind of value "
                              "(a DTensor, a sharded tensor, a non-tensor) on others")
-        plans = [dataclasses.replace(p, plain=p.kept, kept=None) for p in plans]
+        plans = [dataclasses.replace(p, plain=p.kept[0], kept=None) for p in plans]
         self.global_plan = plans
         self.metadata = _SavedMetadata._of_lists(metadata, lists)
         return plans, self.metadata
@@ -241,11 +243,32 @@ class _LazyMetadata(_md.Metadata):
     def storage_data(self, value: Any) -> None:
         self._full().storage_data = value
 
+    def _fields(self) -> tuple[Any, ...]:
+        full = self._full()
+        return (full.state_dict_metadata, full.planner_data, full.storage_data,
+                self.storage_meta, self.version)
+
     def _as_metadata(self) -> _md.Metadata:
         """A plain ``Metadata`` of the same fields."""
-        full = self._full()
-        return _md.Metadata(full.state_dict_metadata, full.planner_data, full.storage_data,
-                            self.storage_meta, self.version)
+        return _md.Metadata(*self._fields())
+
+    # As torch's Metadata: pickled as one (what unpickles is a plain Metadata), equal to one of
+    # equal fields, shown as one.
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (_md.Metadata, self._fields())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _md.Metadata):
+            return NotImplemented
+        theirs = (other._fields() if isinstance(other, _LazyMetadata) else
+                  (other.state_dict_metadata, other.planner_data, other.storage_data,
+                   other.storage_meta, other.version))
+        return self._fields() == theirs
+
+    __hash__ = None  # type: ignore[assignment]  # as Metadata's
+
+    def __repr__(self) -> str:
+        return repr(self._as_metadata())
 
 
 class _SavedMetadata(_LazyMetadata):
@@ -286,12 +309,12 @@ class _SavedMetadata(_LazyMetadata):
         if self._directory is not None and self._made is None:
             return (_SavedMetadata._committed, (self._directory, self.storage_meta,
                                                 self.version))
-        return self._as_metadata().__reduce_ex__(protocol)
+        return super().__reduce_ex__(protocol)
 
     def _make(self) -> _md.Metadata:
         lists = self._lists()
         if lists is not None:  # not committed: the objects from the lists, as torch makes them
-            regular, (fqns, dtypes, shapes, flags) = lists
+            regular, (fqns, dtypes, shapes, flags, order) = lists
             entries = dict(regular.state_dict_metadata)
             for fqn, dtype, shape, flag in zip(fqns, dtypes, shapes, flags):
                 props = _md.TensorProperties(dtype=getattr(torch, dtype),
@@ -300,6 +323,7 @@ class _SavedMetadata(_LazyMetadata):
                 size = torch.Size(shape)
                 entries[fqn] = _md.TensorStorageMetadata(props, size, [
                     _md.ChunkStorageMetadata(torch.Size([0] * len(shape)), size)])
+            entries = {k: entries.pop(k) for k in order if k in entries} | entries  # torch's order
             return _md.Metadata(entries, regular.planner_data, regular.storage_data)
         if self._directory is None:
             raise RuntimeError("tensortier.dcp: the metadata of a save that has not "
@@ -340,9 +364,6 @@ class _ReadMetadata(_LazyMetadata):
     def _indexed(self) -> bool:
         """Whether a load may plan from the index: nothing made (or changed) the objects."""
         return self._table is not None and self._made is None
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return self._as_metadata().__reduce_ex__(protocol)  # as the plain Metadata
 
     def _make(self) -> _md.Metadata:
         md = _unpickle_metadata(self._data, self._path)

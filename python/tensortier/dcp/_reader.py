@@ -246,8 +246,8 @@ class Reader(_CheckpointDirectory, StorageReader):
         for req, dtype, shape, stride, nbytes in load.buffers:
             # Straight into the request's target where both lie alike in CPU memory.
             target = None if req is None else planner.resolve_tensor(req).detach()
-            into = (target is not None and target.dtype == dtype and target.is_cpu
-                    and target.is_contiguous() and list(target.shape) == shape
+            into = (target is not None and target.layout == torch.strided
+                    and target.dtype == dtype and target.is_cpu and target.is_contiguous() and list(target.shape) == shape
                     and target.nbytes == nbytes
                     and (stride is None or list(target.stride()) == stride))
             bufs.append((target if into else torch.empty(nbytes, dtype=torch.uint8),
@@ -255,7 +255,8 @@ class Reader(_CheckpointDirectory, StorageReader):
         # Targets sharing memory (tied weights, a planner's reused scratch tensor) are
         # read apart, then copied in at their commits, in order: the last one wins, as
         # in stock DCP, where each is read and committed in turn.
-        targets = [k for k, (_, target) in enumerate(bufs) if target is not None]
+        targets = [k for k, (_, target) in enumerate(bufs)
+                   if target is not None and target.layout == torch.strided]  # sparse: copy_'s
         for i in _core.overlapping_areas(
                 [(bufs[k][1].data_ptr(), _extent(bufs[k][1])) for k in targets]):
             buf, target = bufs[targets[i]]

@@ -225,11 +225,11 @@ class Writer(_CheckpointDirectory, StorageWriter, AsyncStager):
             metadata.storage_meta = self.storage_meta()
             lists = metadata._lists()
             if lists is not None:  # its entries as lists still: written from them in C++
-                regular, (fqns, dtypes, shapes, flags) = lists
+                regular, (fqns, dtypes, shapes, flags, order) = lists
                 data, files = _core.dcp_metadata_pickle(
                     regular.state_dict_metadata, _md.TensorStorageMetadata, fqns, dtypes, shapes,
                     flags, regular.planner_data, results, _RANK_WRITES, metadata.storage_meta,
-                    _VERSION)
+                    _VERSION, order)
                 _core.commit_dcp_checkpoint(default_io()._core(), self._dir, data, files,
                                             f"rank {self.rank} (the coordinator)")
                 # Committed: looked into, it reads what was written.
