@@ -198,8 +198,9 @@ class SavePlanner(DefaultSavePlanner):
 class _LazyMetadata(_md.Metadata):
     """A ``Metadata`` whose entry fields (``state_dict_metadata``, ``planner_data``,
     ``storage_data``: tens of thousands of objects for a state dict of many tensors) are made
-    when first looked into, by ``_make``; ``storage_meta`` and ``version`` are plain
-    attributes. Made from Metadata's fields (``dataclasses.replace`` does), it holds them."""
+    when first looked into, by the subclass's ``_make``; ``storage_meta`` and ``version`` are
+    plain attributes. Made from Metadata's fields (``dataclasses.replace`` does), it holds
+    them."""
 
     def __init__(self, state_dict_metadata: Any = None, planner_data: Any = None,
                  storage_data: Any = None, storage_meta: Any = None,
@@ -211,12 +212,9 @@ class _LazyMetadata(_md.Metadata):
         self.storage_meta = storage_meta
         self.version = version
 
-    def _make(self) -> _md.Metadata:
-        raise NotImplementedError  # each subclass makes its entries its own way
-
     def _full(self) -> _md.Metadata:
-        if self._made is None:
-            self._made = self._make()
+        if self._made is None:  # only the subclasses' constructors leave it unmade
+            self._made = self._make()  # type: ignore[attr-defined]
         return self._made
 
     @property  # type: ignore[override]

@@ -247,8 +247,8 @@ class Reader(_CheckpointDirectory, StorageReader):
             # Straight into the request's target where both lie alike in CPU memory.
             target = None if req is None else planner.resolve_tensor(req).detach()
             into = (target is not None and target.layout == torch.strided
-                    and target.dtype == dtype and target.is_cpu and target.is_contiguous() and list(target.shape) == shape
-                    and target.nbytes == nbytes
+                    and target.dtype == dtype and target.is_cpu and target.is_contiguous()
+                    and list(target.shape) == shape and target.nbytes == nbytes
                     and (stride is None or list(target.stride()) == stride))
             bufs.append((target if into else torch.empty(nbytes, dtype=torch.uint8),
                          target))
