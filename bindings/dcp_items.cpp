@@ -341,10 +341,11 @@ py::tuple MetadataPickle(const py::dict& regular, const py::handle& tensor_type,
 // dedup_save_plans chooses: items keyed by their MetadataIndex, in the order keys are first seen
 // (rank by rank, each rank's items in its state dict's order), each given to the rank with the
 // fewest bytes planned so far among those holding it (the lowest on ties), or to the lowest with
-// `to_lowest`; an item counts its bytes, at least 1. A rank's items are its plain tensors (fqns,
-// shapes, nbytes: one chunk at the origin each) and its other write items (their keys,
-// dcp_dedup_key's, and sizes), merged in `order` (i >= 0: plain tensor i; i < 0: item ~i).
-// Returns per rank (the plain tensors it keeps, the items it keeps), each None where all.
+// `to_lowest`; the item counts the bytes of the last rank's (torch keeps that one), at least 1. A
+// rank's items are its plain tensors (fqns, shapes, nbytes: one chunk at the origin each) and its
+// other write items (their keys, dcp_dedup_key's, and sizes), merged in `order` (i >= 0: plain
+// tensor i; i < 0: item ~i). Returns per rank (the plain tensors it keeps, the items it keeps),
+// each None where all.
 py::list DedupSavePlans(const std::vector<std::vector<std::string>>& plain_fqns,
                         const std::vector<std::vector<std::vector<int64_t>>>& plain_shapes,
                         const std::vector<std::vector<uint64_t>>& plain_nbytes,
@@ -392,7 +393,10 @@ py::list DedupSavePlans(const std::vector<std::vector<std::string>>& plain_fqns,
       if (planned[where[k].rank] < planned[where[pick].rank]) pick = k;
     }
     const auto [rank, item] = where[pick];
-    const uint64_t bytes = item >= 0 ? plain_nbytes[rank][item] : sizes[rank][~item];
+    // torch counts the item of the last rank holding it, whichever rank writes it.
+    const auto [last_rank, last_item] = where.back();
+    const uint64_t bytes =
+        last_item >= 0 ? plain_nbytes[last_rank][last_item] : sizes[last_rank][~last_item];
     planned[rank] += std::max<uint64_t>(bytes, 1);
     for (size_t k = 0; k < where.size(); ++k) {
       if (k != pick) all[where[k].rank] = false;
@@ -429,6 +433,7 @@ py::tuple KeptPlain(const py::list& plains, const py::list& kept) {
   std::string flags;
   py::list key_order;
   std::unordered_set<std::string> seen;
+  std::unordered_set<std::string> plain_seen;
   for (size_t r = 0; r < plains.size(); ++r) {
     const py::sequence plain = plains[r];
     const py::list rank_fqns = plain[0];
@@ -456,6 +461,15 @@ py::tuple KeptPlain(const py::list& plains, const py::list& kept) {
     const std::vector<bool> items_kept = kept_set(rank_kept[1], item_fqns.size());
     for (size_t i = 0; i < n; ++i) {
       if (!plain_kept[i]) continue;
+      // Kept on two ranks: their chunks differ (another number of dimensions). torch's global
+      // plan refuses one fqn twice, with this AssertionError.
+      if (!plain_seen.insert(rank_fqns[i].cast<std::string>()).second) {
+        PyErr_SetString(PyExc_AssertionError,
+                        StrCat("item.index.fqn not in md: ", rank_fqns[i].cast<std::string>(),
+                               " is a tensor of another number of dimensions on another rank")
+                            .c_str());
+        throw py::error_already_set();
+      }
       fqns.append(rank_fqns[i]);
       dtypes.append(rank_dtypes[i]);
       shapes.append(rank_shapes[i]);

@@ -2,7 +2,7 @@
 ``main([JOB])``, JOB a JSON object {"out": DIR, "steps": [STEP...]} run in one process group.
 
 A STEP is {"do": "save" | "load", "with": "ours" | "stock", "dir": CKPT, "v": VERSION,
-"layout": "mixed" | "small", ...}: a save of version VERSION of the layout's state dict, or a load
+"layout": "mixed" | "small" | "disagree", ...}: a save of version VERSION of the layout's state dict, or a load
 into a zeroed one compared with it. Options: "big": "S0" | "S1" (the placement of the layout's
 large tensor "big", Shard(0) by default: a load into another placement reshards it), "only":
 [KEYS] (a load of those keys alone), "format": "safetensors" (stock saves), "kill": SECONDS
@@ -115,6 +115,11 @@ def state(step: dict[str, Any], zeros: bool, mesh: Any) -> dict[str, Any]:
     step's "big"), the rest plain."""
     if step.get("layout") == "small":
         return small_state(int(step["v"]), zeros, int(step.get("count", SMALL)))
+    if step.get("layout") == "disagree":  # ranks hold one key of other sizes and dtypes
+        rank = dist.get_rank()
+        return {"a": torch.ones(1 + 3 * rank), "b": torch.ones(1), "c": rank,
+                "d": torch.ones(2, dtype=torch.float32 if rank == 0 else torch.float64),
+                "e": torch.ones(3)}
     full = full_state(int(step["v"]))
     if "only" in step:
         full = {k: full[k] for k in step["only"]}

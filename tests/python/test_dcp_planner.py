@@ -79,15 +79,32 @@ def test_two_ranks_save_what_the_default_planner_saves(tmp_path: Path, ranks: Fo
     assert_same_checkpoint(md, metadata_of(default))
     # Each value every rank holds (plain tensors, non-tensor values) written by the rank
     # torch's dedup picks.
-    def writer_rank(info: Any) -> str:
-        return info.relative_path.split("_")[2]
-    by_default = {k: writer_rank(v) for k, v in metadata_of(default).storage_data.items()}
-    assert {k: writer_rank(v) for k, v in md.storage_data.items()} == by_default
+    assert writer_ranks(planned) == writer_ranks(default)
     files = {info.relative_path for info in md.storage_data.values()}
     assert {f[:4] for f in files} == {"__0_", "__1_"}  # both ranks wrote items
     assert {p.name for p in planned.glob("*.distcp")} == files
     load_whole(planned, 1)
     load_whole(planned, 1, dcp.FileSystemReader(planned))
+
+
+def writer_ranks(ckpt: Path) -> dict[Any, str]:
+    """Which rank's file holds each item of the checkpoint."""
+    return {k: v.relative_path.split("_")[2] for k, v in metadata_of(ckpt).storage_data.items()}
+
+
+def test_ranks_that_disagree_on_a_value_save_whose_the_default_saves(
+        tmp_path: Path, ranks: ForkServer) -> None:
+    """Keys the ranks hold with other sizes or dtypes, and a non-tensor of another value: each
+    written by the rank torch's dedup picks (it counts the last rank's size)."""
+    planned, default = tmp_path / "planned", tmp_path / "default"
+    run_job(ranks, tmp_path, 2, [
+        {"do": "save", "with": "ours", "dir": planned, "v": 1, "layout": "disagree",
+         "planner": "ours"},
+        {"do": "save", "with": "ours", "dir": default, "v": 1, "layout": "disagree"},
+    ])
+    assert writer_ranks(planned) == writer_ranks(default)
+    md, default_md = metadata_of(planned), metadata_of(default)
+    assert md.state_dict_metadata == default_md.state_dict_metadata
 
 
 def test_twenty_thousand_small_tensors_per_rank_with_the_planner(tmp_path: Path,
@@ -176,7 +193,8 @@ def test_with_another_storage_writer_it_plans_as_the_default(tmp_path: Path) -> 
 
 def test_values_that_cannot_be_saved_are_refused_as_by_default(tmp_path: Path) -> None:
     """A quantized tensor goes the default way, and is refused naming its key; a plain tensor
-    on one rank that is a non-tensor on another cannot be written as both."""
+    on one rank that is a non-tensor, or a tensor of other dimensions, on another cannot be
+    written as both (AssertionError, as torch's global plan)."""
     q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
     with pytest.raises(CheckpointException, match="q: tensors of torch.qint8 cannot be saved"):
         dcp.save({"q": q, "w": torch.ones(2)}, storage_writer=tdcp.Writer(tmp_path / "q"),
@@ -187,7 +205,15 @@ def test_values_that_cannot_be_saved_are_refused_as_by_default(tmp_path: Path) -
     for value in (torch.ones(2), 5):
         planner.set_up_planner({"x": value}, meta, True)
         plans.append(planner.create_local_plan())
-    with pytest.raises(ValueError, match="x: a plain tensor on some ranks and another kind"):
+    with pytest.raises(AssertionError, match="x is a plain tensor on some ranks and another"):
+        planner.create_global_plan(plans)
+    # One key of another number of dimensions on two ranks: both kept by the dedup (their
+    # indices differ), refused as torch's global plan refuses them.
+    plans = []
+    for value in (torch.ones(2, 2), torch.ones(4)):
+        planner.set_up_planner({"x": value}, meta, True)
+        plans.append(planner.create_local_plan())
+    with pytest.raises(AssertionError, match="x is a tensor of another number of dimensions"):
         planner.create_global_plan(plans)
 
 

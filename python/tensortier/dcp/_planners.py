@@ -176,9 +176,10 @@ class SavePlanner(DefaultSavePlanner):
         plans, metadata = self._create_global_plan(all_plans)
         lists = _core.dcp_kept_plain([p.plain for p in plans], [p.kept for p in plans])
         clash = next((f for f in lists[0] if f in metadata.state_dict_metadata), None)
-        if clash is not None:
-            raise ValueError(f"{clash}: a plain tensor on some ranks and another kind of value "
-                             "(a DTensor, a sharded tensor, a non-tensor) on others")
+        if clash is not None:  # torch's global plan refuses one fqn twice, so
+            raise AssertionError(f"item.index.fqn not in md: {clash} is a plain tensor on some "
+                                 "ranks and another kind of value (a DTensor, a sharded "
+                                 "tensor, a non-tensor) on others")
         plans = [dataclasses.replace(p, plain=p.kept[0], kept=None) for p in plans]
         self.global_plan = plans
         self.metadata = _SavedMetadata._of_lists(metadata, lists)
