@@ -196,6 +196,27 @@ class SavePlanner(DefaultSavePlanner):
         return list(fqns), [names[t.dtype] for t in tensors], list(tensors)
 
 
+_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
+
+
+def _tensor_entry(fqn: str, dtype: str, size: Any, chunks: Any, requires_grad: bool = False,
+                  pin_memory: bool = False, layout: str = "torch.strided",
+                  memory_format: int = 0, path: str = "") -> Any:
+    """The TensorStorageMetadata of tensor `fqn` as torch makes it, from plain values (torch's
+    dtype and layout names, a _MEM_FORMAT_ENCODING value, chunks as (offsets, sizes)).
+    ValueError naming `path` (the .metadata) for a dtype or layout this torch lacks."""
+    torch_dtype = getattr(torch, dtype, None)
+    torch_layout = getattr(torch, layout.removeprefix("torch."), None)
+    if not isinstance(torch_dtype, torch.dtype) or not isinstance(torch_layout, torch.layout):
+        raise ValueError(f"{path}: {fqn} is a tensor of dtype {dtype} and layout {layout}, "
+                         "which this torch does not have")
+    props = _md.TensorProperties(
+        dtype=torch_dtype, layout=torch_layout, requires_grad=requires_grad,
+        memory_format=_MEMORY_FORMATS[memory_format], pin_memory=pin_memory)
+    return _md.TensorStorageMetadata(props, torch.Size(size), [
+        _md.ChunkStorageMetadata(torch.Size(o), torch.Size(c)) for o, c in chunks])
+
+
 class _LazyMetadata(_md.Metadata):
     """A ``Metadata`` whose entry fields (``state_dict_metadata``, ``planner_data``,
     ``storage_data``: tens of thousands of objects for a state dict of many tensors) are made
@@ -316,12 +337,9 @@ class _SavedMetadata(_LazyMetadata):
             regular, (fqns, dtypes, shapes, flags, order) = lists
             entries = dict(regular.state_dict_metadata)
             for fqn, dtype, shape, flag in zip(fqns, dtypes, shapes, flags):
-                props = _md.TensorProperties(dtype=getattr(torch, dtype),
+                entries[fqn] = _tensor_entry(fqn, dtype, shape, [((0,) * len(shape), shape)],
                                              requires_grad=bool(flag & 1),
                                              pin_memory=bool(flag & 2))
-                size = torch.Size(shape)
-                entries[fqn] = _md.TensorStorageMetadata(props, size, [
-                    _md.ChunkStorageMetadata(torch.Size([0] * len(shape)), size)])
             entries = {k: entries.pop(k) for k in order if k in entries} | entries  # torch's order
             return _md.Metadata(entries, regular.planner_data, regular.storage_data)
         if self._directory is None:
@@ -401,26 +419,15 @@ class _PlainLoadPlan(LoadPlan):
     plain: int = 0
 
 
-_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
-
-
 def _storage_entry(table: Any, fqn: str, path: str) -> Any:
     """state_dict_metadata[fqn] as torch's objects, from the ``DcpMetadataTable`` of the
-    ``.metadata`` at `path` (ValueError naming it for a dtype or layout this torch lacks)."""
+    ``.metadata`` at `path`."""
     entry = table.entry(fqn)
     if entry is None:
         return _md.BytesStorageMetadata()
     dtype, layout, requires_grad, memory_format, pin_memory, size, chunks = entry
-    torch_dtype = getattr(torch, dtype, None)
-    torch_layout = getattr(torch, layout.removeprefix("torch."), None)
-    if not isinstance(torch_dtype, torch.dtype) or not isinstance(torch_layout, torch.layout):
-        raise ValueError(f"{path}: {fqn} is a tensor of dtype {dtype} and layout {layout}, "
-                         "which this torch does not have")
-    props = _md.TensorProperties(
-        dtype=torch_dtype, layout=torch_layout, requires_grad=requires_grad,
-        memory_format=_MEMORY_FORMATS[memory_format], pin_memory=pin_memory)
-    return _md.TensorStorageMetadata(props, torch.Size(size), [
-        _md.ChunkStorageMetadata(torch.Size(o), torch.Size(c)) for o, c in chunks])
+    return _tensor_entry(fqn, dtype, size, chunks, requires_grad, pin_memory, layout,
+                         memory_format, path)
 
 
 class LoadPlanner(DefaultLoadPlanner):
