@@ -449,6 +449,9 @@ uint64_t BatchReader::Start(std::vector<std::vector<uint64_t>> batches) {
 }
 
 std::shared_ptr<const Batch> BatchReader::Next() {
+  // Before the lock: in a forked child, the parent's producer may have held it at the fork, and
+  // nothing would ever release it.
+  CheckNotForked();
   uint64_t start = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
