@@ -479,6 +479,7 @@ std::shared_ptr<const Batch> BatchReader::Next(uint64_t start) {
 }
 
 BatchReaderStats BatchReader::stats() const {
+  CheckNotForked();  // before the lock, as in Next(): a producer may have held it at the fork
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
 }
