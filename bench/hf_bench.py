@@ -18,6 +18,11 @@ Saves (the child loads the model untimed first), timed until durable:
   tensortier.hf    tensortier.hf.save_pretrained(model, out)
   fio              fio: io_uring, direct=1, bs=1M, iodepth=32 sequential write of the model's
                    bytes, plus an fsync (its own process; no peak RSS)
+"save" writes a new directory (fio a new file): what the sample before left is removed untimed.
+"resave" saves over the directory holding the same model (saved untimed first where the tool
+has none yet), as a job that saves its final model again does: each tool frees the old files'
+blocks in its timing (transformers by renaming its temporary file over each, tensortier.hf by
+removing the old directory after the swap); fio has no such figure.
 
 Each round runs every tool once per operation in an order rotated from round to round; the
 figures are medians over ``--rounds`` (default 5). Peak RSS growth is VmHWM minus the VmRSS the
@@ -111,19 +116,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     src = Path(args.dir) / "model"
     auto = transformers.AutoModelForCausalLM
     transformers.LlamaForCausalLM  # noqa: B018 - imports the model's module untimed (lazy)
-    if args.op == "save":
+    if args.op in ("save", "resave"):
         model = hf.from_pretrained(auto, src)
         out = Path(args.dir) / f"save-{args.child}"
+        if args.op == "resave" and not out.is_dir():  # the directory to save over
+            save_model(args.child, model, out)
+            settle()
     before = memory_status()["VmRSS"]
     start = time.perf_counter()
-    if args.op == "save":
-        if args.child == "tensortier.hf":
-            hf.save_pretrained(model, out)
-        else:
-            model.save_pretrained(out)
-            for f in out.iterdir():
-                fsync_path(f)
-            fsync_path(out)
+    if args.op in ("save", "resave"):
+        save_model(args.child, model, out)
     else:
         if args.child == "tensortier.load":
             loaded = tensortier.load(src / "model.safetensors.index.json", progress=False)
@@ -136,12 +138,29 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "peak_rss": memory_status()["VmHWM"]}
 
 
+def save_model(tool: str, model: Any, out: Path) -> None:
+    """`model` saved into `out` by `tool`, durably."""
+    from tensortier import hf
+
+    if tool == "tensortier.hf":
+        hf.save_pretrained(model, out)
+        return
+    model.save_pretrained(out)
+    for f in out.iterdir():
+        fsync_path(f)
+    fsync_path(out)
+
+
 def shards(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
 def sample(args: argparse.Namespace, op: str, tool: str, nbytes: int) -> dict[str, Any]:
     d = Path(args.dir)
+    if op == "save":  # a new directory (file) each time: the last sample's, removed untimed
+        shutil.rmtree(d / f"save-{tool}", ignore_errors=True)
+        (d / "fio.bin").unlink(missing_ok=True)
+        settle()
     if op == "save" and tool == "fio":
         path, size = d / "fio.bin", -(-nbytes // (1 << 20)) << 20
         argv = [args.fio, "--name=hf-bench", f"--filename={path}", "--rw=write", f"--size={size}",
@@ -156,7 +175,7 @@ def sample(args: argparse.Namespace, op: str, tool: str, nbytes: int) -> dict[st
         warm_file(f) if op == "warm" else drop_file_cache(f)
     settle()
     cmd = [sys.executable, __file__, "--dir", str(d), "--child", tool,
-           "--op", "save" if op == "save" else "load"]
+           "--op", op if op in ("save", "resave") else "load"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     if run.returncode != 0:
         raise RuntimeError(f"{tool} {op}: exit {run.returncode}: {run.stderr.strip()[-2000:]}")
@@ -171,15 +190,16 @@ def main() -> int:
                    help="where the files go, kept after the run: a later run with the same --size "
                         "reuses the model there (default: a new temp dir, removed)")
     p.add_argument("--fio", default="fio")
-    p.add_argument("--ops", default="cold,warm,save",
-                   help="which to measure, comma-separated (default: cold,warm,save)")
+    p.add_argument("--ops", default="cold,warm,save,resave",
+                   help="which to measure, comma-separated (default: cold,warm,save,resave)")
     p.add_argument("--json", default=None, help="write every sample there")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--op", help=argparse.SUPPRESS)
     args = p.parse_args()
-    unknown = set(args.ops.split(",")) - {"cold", "warm", "save"}
+    unknown = set(args.ops.split(",")) - {"cold", "warm", "save", "resave"}
     if unknown:
-        p.error(f"--ops: no such measure {', '.join(sorted(unknown))} (cold, warm, save)")
+        p.error(f"--ops: no such measure {', '.join(sorted(unknown))} (cold, warm, save, "
+                "resave)")
     if args.child:
         print(json.dumps(child(args)))
         return 0
@@ -187,7 +207,8 @@ def main() -> int:
     args.dir = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="hf-bench-", dir="."))
     try:
         nbytes = model_in(Path(args.dir), args.size)
-        ops = {op: tools for op, tools in {"cold": LOADS, "warm": LOADS, "save": SAVES}.items()
+        ops = {op: tools for op, tools in {"cold": LOADS, "warm": LOADS, "save": SAVES,
+                                           "resave": SAVES[:2]}.items()
                if op in args.ops.split(",")}
         if shutil.which(args.fio) is None:
             log(f"{args.fio} not found: no fio figures")
