@@ -234,7 +234,8 @@ def _ours() -> Iterator[Any]:
         _routed.reset(token)
 
 
-def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
+def from_pretrained(cls: Any, path: str | os.PathLike[str] | None, *args: Any,
+                    **kwargs: Any) -> Any:
     """``cls.from_pretrained(path, *args, **kwargs)`` with the weights read by tensortier.
 
     Returns the model transformers returns (same parameters and buffers bit for bit, dtype,
@@ -249,7 +250,8 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs
     Args:
         cls: an ``AutoModel*`` class or a concrete model class.
         path: a local model directory (``config.json`` and ``model.safetensors`` or
-            ``model.safetensors.index.json`` with its shards).
+            ``model.safetensors.index.json`` with its shards); or None with ``config`` and
+            ``state_dict`` given, as transformers takes them (nothing is read).
         *args: passed to ``cls.from_pretrained`` as they are, as is every keyword
             (``dtype``, ``device_map``, ``subfolder``, ``variant``...).
 
@@ -263,6 +265,9 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], *args: Any, **kwargs
             as transformers raises for a damaged shard), a ``dtype`` transformers refuses.
         OSError: a shard cannot be read or is missing.
     """
+    if path is None:  # a model made from config= and state_dict=, as transformers makes it
+        with _ours():
+            return cls.from_pretrained(None, *args, **kwargs)
     path = fspath(path)
     _core.check_hf_model_directory(path)
     with _ours(), _read_early(cls, path, kwargs):

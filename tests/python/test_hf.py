@@ -391,6 +391,18 @@ def test_dot_dot_after_a_symbolic_link_is_resolved_as_transformers_resolves_it(
     assert sorted(os.listdir(tmp_path / "disk")) == ["ckpts", "ours", "theirs"]
 
 
+def test_a_model_made_from_a_config_and_a_state_dict(reads: list[str]) -> None:
+    """No path, config= and state_dict= given: the model transformers makes of them (nothing
+    to read), where a path check refused the None."""
+    torch.manual_seed(0)
+    source = MODELS["gpt2"]()
+    cls = type(source)
+    kw = dict(config=source.config, state_dict=source.state_dict())
+    assert_same(hf.from_pretrained(cls, None, **kw), cls.from_pretrained(None, **kw))
+    assert_same(hf.from_pretrained(cls, None, **kw), source.eval())
+    assert reads == []
+
+
 def test_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FileNotFoundError, match="huggingface_hub.snapshot_download"):
         hf.from_pretrained(AUTO, "meta-llama/Llama-3.2-1B")
