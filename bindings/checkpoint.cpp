@@ -543,6 +543,7 @@ void RegisterCheckpoint(py::module_& m) {
         if (progress) {
           // Called on this thread between groups, the GIL taken back for it.
           report = [&progress](uint64_t bytes) {
+            WaitHereIfFinalizing();
             py::gil_scoped_acquire acquire;
             (*progress)(bytes);
           };

@@ -96,6 +96,7 @@ void RegisterDcp(py::module_& m) {
         }
         py::object copies;  // the staged group's host copies, alive while written
         const DcpStageFn stage = [&](std::span<const size_t> group) {
+          WaitHereIfFinalizing();
           py::gil_scoped_acquire gil;
           copies = py::none();  // the group before: written, its memory free for this one
           // A list held here: the copies must outlive their writes (an iterator's would not).

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dcp_items.hpp"
+#include "gil.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/checkpoint/dcp_metadata.hpp"
@@ -331,7 +332,7 @@ py::tuple MetadataPickle(const py::dict& regular, const py::handle& tensor_type,
   md.version = version;
   std::string data;
   {
-    py::gil_scoped_release release;
+    GilReleased release;
     data = SerializeDcpMetadata(md);
   }
   return py::make_tuple(py::bytes(data), std::vector<std::string>(files.begin(), files.end()));

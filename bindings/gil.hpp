@@ -20,27 +20,33 @@ namespace tensortier {
 // module is imported (RememberMainThread).
 inline std::atomic<unsigned long> main_thread_ident{0};
 
+// Called before a thread takes the GIL back: while the interpreter finalizes, any thread but its
+// main one waits here for the process to exit around it, rather than be ended by a forced unwind
+// that a noexcept frame on its way (a destructor) turns into std::terminate. Also for callbacks
+// that take the GIL with py::gil_scoped_acquire on a thread that released it (torch's own
+// Gloo thread aborts a job's exit this way when a collective's work is released late).
+inline void WaitHereIfFinalizing() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing() != 0;
+#else
+  const bool finalizing = _Py_IsFinalizing() != 0;
+#endif
+  if (finalizing && PyThread_get_thread_ident() != main_thread_ident.load()) {
+    for (;;) ::pause();
+  }
+}
+
 class GilReleased {
  public:
   GilReleased() noexcept : state_(PyEval_SaveThread()) {}
   ~GilReleased() noexcept(false) {
-    if (Finalizing() && PyThread_get_thread_ident() != main_thread_ident.load()) {
-      for (;;) ::pause();
-    }
+    WaitHereIfFinalizing();
     PyEval_RestoreThread(state_);
   }
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;
 
  private:
-  static bool Finalizing() noexcept {
-#if PY_VERSION_HEX >= 0x030D0000
-    return Py_IsFinalizing() != 0;
-#else
-    return _Py_IsFinalizing() != 0;
-#endif
-  }
-
   PyThreadState* state_;
 };
 

@@ -67,6 +67,7 @@ class TorchStore : public Store {
       store_.release();  // the interpreter is gone, and the object with it
       return;
     }
+    WaitHereIfFinalizing();
     py::gil_scoped_acquire gil;
     store_ = py::object();
   }
@@ -124,6 +125,7 @@ class TorchStore : public Store {
     std::string message;
     int code = EIO;
     {
+      WaitHereIfFinalizing();
       py::gil_scoped_acquire gil;
       try {
         body();

@@ -343,3 +343,25 @@ def test_ctrl_c_during_a_save_fails_it_and_keeps_the_old_checkpoint(disk_dir: Pa
     keys = list(tensortier.load(path))
     assert keys == (["old"] if interrupted else list(sd)), (interrupted, keys[:3])
     assert not [p for p in disk_dir.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_daemon_thread_loading_at_exit_does_not_abort_the_process(disk_dir: Path) -> None:
+    """A daemon thread loading with a progress bar (whose updates take the GIL back between the
+    reads' groups) while the main thread exits: the process exits with its own status, never
+    std::terminate from a thread Python ends as it takes the GIL back."""
+    path = disk_dir / "ck.safetensors"
+    tensortier.save({f"t{i}": torch.full((1 << 20,), float(i)) for i in range(64)}, path)
+    script = ("import random, sys, threading, time\n"
+              "import tensortier\n"
+              "started = threading.Event()\n"
+              "def load():\n"
+              "    while True:\n"
+              "        started.set()\n"
+              "        tensortier.load(sys.argv[1], progress=True)\n"
+              "threading.Thread(target=load, daemon=True).start()\n"
+              "assert started.wait(60)\n"
+              "time.sleep(random.random() * 0.2)\n")
+    for _ in range(4):
+        r = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
