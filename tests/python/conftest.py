@@ -174,6 +174,17 @@ def mounted(command: list[str], mnt: Path, what: str) -> Iterator[Path]:
         subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
 
 
+def exits_cleanly(script: str, *args: str, runs: int) -> None:
+    """Runs `script` (python -c) `runs` times: each must exit 0, never abort or hang (a daemon
+    thread still working in tensortier when the main thread ends)."""
+    import sys
+
+    for _ in range(runs):
+        r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
 @pytest.fixture
 def alarm_interrupt():  # type: ignore[no-untyped-def]
     """Calls `arm(seconds, linger)`: SIGALRM then raises KeyboardInterrupt after `linger` s (a

@@ -33,6 +33,7 @@ from tensortier import _core
 
 sys.path.insert(0, str(Path(__file__).parent))
 import crash_worker  # noqa: E402
+from conftest import exits_cleanly  # noqa: E402
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 BIN = Path(os.environ.get("TENSORTIER_CLI", Path(sys.executable).parent / "tensortier"))
@@ -361,7 +362,4 @@ def test_a_daemon_thread_loading_at_exit_does_not_abort_the_process(disk_dir: Pa
               "threading.Thread(target=load, daemon=True).start()\n"
               "assert started.wait(60)\n"
               "time.sleep(random.random() * 0.2)\n")
-    for _ in range(4):
-        r = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    exits_cleanly(script, str(path), runs=4)

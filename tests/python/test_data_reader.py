@@ -23,6 +23,7 @@ import tensortier
 from tensortier import _core
 from tensortier.data import FileDataset, FileReader
 
+from conftest import exits_cleanly
 from faults import with_faults
 
 # Around page and O_DIRECT boundaries.
@@ -274,10 +275,7 @@ def test_a_daemon_thread_reading_at_exit_does_not_abort_the_process(disk_dir: Pa
               "            started.set()\n"
               "threading.Thread(target=feed, daemon=True).start()\n"
               "assert started.wait(60)\n")
-    for _ in range(3):
-        r = subprocess.run([sys.executable, "-c", script, str(disk_dir)], capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    exits_cleanly(script, str(disk_dir), runs=3)
 
 
 def test_file_list_and_files_inputs(disk_dir: Path) -> None:
