@@ -360,6 +360,9 @@ class DeepNvmeHandle {
     // operations started before stay for wait() to count.
     const Held held(mutex_);
     if (!Start(self, op, buffer, filename, offset, check, false, false)) return -1;
+    // Waited for while still recorded: Ctrl-C leaves it to the next wait(), which waits for it,
+    // copies it out and counts it (its memory stays alive with it).
+    WaitInterruptibly([&](auto timeout) { return pending_.back().op.WaitFor(timeout); }, true);
     std::vector<Pending> mine;
     mine.push_back(std::move(pending_.back()));
     pending_.pop_back();
@@ -522,11 +525,9 @@ class DeepNvmeHandle {
     return pending.size();
   }
 
-  // Waits for `pending` (Ctrl-C interrupts it), then completes each in order (see WaitPending).
+  // Completes each of `pending`, operations that are over (waited for while they were still
+  // recorded: an interrupted wait must not lose them), in order (see WaitPending).
   void Complete(const std::vector<Pending>& pending) {
-    for (const Pending& p : pending) {
-      WaitInterruptibly([&](auto timeout) { return p.op.WaitFor(timeout); }, true);
-    }
     py::object first;
     for (const Pending& p : pending) {
       try {

@@ -11,8 +11,11 @@
 #include <cstdint>
 #include <exception>
 #include <iterator>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <system_error>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -21,8 +24,11 @@
 #include "errors.hpp"
 #include "gil.hpp"
 #include "register.hpp"
+#include "tensortier/io/backend.hpp"
 #include "tensortier/io/engine.hpp"
+#include "tensortier/io/file.hpp"
 #include "tensortier/transfer/operation.hpp"
+#include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/error.hpp"
 #include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
@@ -40,6 +46,32 @@ class OperationLog {
     std::erase_if(pending_,
                   [](const Pending& p) { return p.op.done() && !p.op.HasUndeliveredError(); });
     pending_.push_back({op, std::move(future)});
+  }
+
+  // Starts host `pieces` (file, address, length, offset) on `engine` and records the operation
+  // with its future, `future_type(operation, keepalive)`, in one call: Ctrl-C, raised only
+  // between Python instructions, cannot come between the start and the record and leave an
+  // operation running on memory nothing keeps alive.
+  py::object SubmitHost(Engine& engine, const std::string& op,
+                        const std::vector<std::tuple<File, uintptr_t, uint64_t, uint64_t>>& pieces,
+                        bool stage_reads, const py::object& future_type, py::object keepalive) {
+    const std::optional<IoOp> parsed = ValueOf(kIoOpNames, op);
+    if (!parsed)
+      throw std::invalid_argument(StrCat("op must be 'read' or 'write', not '", op, "'"));
+    std::vector<IoDesc> descs;
+    descs.reserve(pieces.size());
+    for (const auto& [file, address, length, offset] : pieces) {
+      descs.push_back({file, reinterpret_cast<void*>(address), offset, length});
+    }
+    Future started;
+    {
+      GilReleased release;
+      started = engine.Submit(*parsed, descs, SubmitOptions{.stage_reads = stage_reads});
+    }
+    const Operation operation(started, {}, std::vector<bool>(pieces.size(), false));
+    py::object future = future_type(operation, std::move(keepalive));
+    Add(operation, future);
+    return future;
   }
 
   // Waits for every operation recorded, then for those other threads submit meanwhile (whose
@@ -187,6 +219,10 @@ void RegisterOperationLog(py::module_& m) {
       .def(py::init<>())
       .def("add", &OperationLog::Add, py::arg("operation"), py::arg("future"),
            "Records an operation and the future that keeps its memory alive.")
+      .def("submit_host", &OperationLog::SubmitHost, py::arg("engine"), py::arg("op"),
+           py::arg("pieces"), py::arg("stage_reads"), py::arg("future_type"), py::arg("keepalive"),
+           "Starts host pieces on the engine and records the operation with its future "
+           "(future_type(operation, keepalive)), returned, in one call.")
       .def("wait_all", &OperationLog::WaitAll, py::arg("engine"),
            "Waits for every operation, then for the engine's; raises the first error nobody was "
            "given (a note counts the others).")

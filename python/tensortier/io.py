@@ -300,7 +300,14 @@ class IOHandle:
             native.append((f, hb.address, hb.nbytes, offset))
         for buf, _, _ in device:  # fail before anything starts
             device_buffer(buf)
-        future = engine.submit(op, native, stage_reads) if native or not device else None
+        if not device:
+            # Started and recorded by one C++ call: Ctrl-C cannot come between the two.
+            result = self._pending.submit_host(engine, op, native, stage_reads, IOFuture,
+                                               keepalive)
+            if not write:
+                _bump_versions([piece[0] for piece in pieces])
+            return result
+        future = engine.submit(op, native, stage_reads) if native else None
         jobs: list[Any] = []
         try:
             for buf, f, offset in device:

@@ -205,3 +205,33 @@ def alarm_interrupt():  # type: ignore[no-untyped-def]
     yield arm
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, old)
+
+
+# A loop whose calls a timer interrupts at moments that move through them (a SIGALRM handler
+# raising KeyboardInterrupt, once, only while the call runs): prefixed to the scripts of the
+# Ctrl-C tests, which run in a process of their own (a lost operation corrupts its heap).
+INTERRUPTED_CALLS = """
+import signal
+armed = False
+def _interrupt(*args):
+    global armed
+    if armed:
+        armed = False
+        raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, _interrupt)
+def interrupted(call, step, it):
+    '''call() with the timer set to go off `step` * (it % 40 + 1) s into it; True when it was
+    interrupted.'''
+    global armed
+    try:
+        try:
+            armed = True
+            signal.setitimer(signal.ITIMER_REAL, step * (it % 40 + 1))
+            call()
+        finally:
+            armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except KeyboardInterrupt:
+        return True
+    return False
+"""

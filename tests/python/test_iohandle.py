@@ -20,7 +20,7 @@ import torch
 import tensortier
 from tensortier import IOHandle
 
-from conftest import require_backend
+from conftest import INTERRUPTED_CALLS, require_backend
 from faults import require_faults, with_faults
 
 BACKENDS = [p["backend"] for p in tensortier.probe_backends(".") if p["available"]]
@@ -1240,3 +1240,32 @@ def test_copy_threads_that_cannot_start_raise_oserror_naming_the_setting() -> No
     assert lines[1].startswith("oserror True"), r.stdout
     assert "I/O threads" in lines[1] and "TENSORTIER_QUEUE_DEPTH" in lines[1], r.stdout
     assert lines[2] == "started without copy threads", r.stdout
+
+
+def test_ctrl_c_in_an_async_read_loses_no_operation(disk_dir: Path) -> None:
+    """Ctrl-C landing in pread_async after the engine took the read (before the handle had
+    recorded it) dropped the memory the read was filling: heap corruption. Now the read goes on,
+    recorded, its memory kept alive: the next wait_all() finishes it, and no read is lost."""
+    script = INTERRUPTED_CALLS + textwrap.dedent("""
+        import sys, torch, tensortier
+        io = tensortier.IOHandle()
+        path = sys.argv[1] + "/data.bin"
+        data = torch.randn(1 << 22)
+        io.pwrite(data, path)
+        hits = 0
+        for it in range(200):
+            into = torch.zeros_like(data)
+            box = []
+            hits += interrupted(lambda: box.append(io.pread_async(into, path)), 2e-5, it)
+            if box:
+                assert box[0].wait() == data.nbytes
+                assert torch.equal(into, data), it
+            del into  # a read still filling it once freed would corrupt the heap
+        io.wait_all()
+        io.close()
+        print("interrupted", hits)
+        """)
+    r = subprocess.run([sys.executable, "-c", script, str(disk_dir)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.startswith("interrupted")

@@ -147,7 +147,11 @@ class aio_handle(_core.DeepNvmeHandle):  # noqa: N801 - DeepNVMe's name
     def wait(self) -> int:
         """Waits for every operation started; returns how many completed. Raises the first
         error (``OSError``, or ``CudaError``/``CuFileError``) after all have finished."""
-        return self._wait()
+        count = self._wait()
+        # And what a call Ctrl-C interrupted after the engine took its operation left
+        # unrecorded here: the IOHandle keeps every operation until it is waited for.
+        self._io.wait_all()
+        return count
 
     # ---- pinned ("locked") host tensors -----------------------------------------------------
     def new_cpu_locked_tensor(
