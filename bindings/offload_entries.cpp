@@ -18,12 +18,14 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "arguments.hpp"
 #include "cycle_collected.hpp"
+#include "gil.hpp"
 #include "tensortier/offload/offloader.hpp"
 #include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/process_identity.hpp"
@@ -294,6 +296,24 @@ class OffloadEntries {
       dropped.push_back(std::exchange(e.storage, tensors[i].attr("untyped_storage")()));
       dropped.push_back(std::exchange(e.callback, i + 1 == keys.size() ? callback : py::none()));
     }
+  }
+
+  // Starts reading host `pieces` (key, address, length) and records the reads into `tensors` (as
+  // Reading) in one call: Ctrl-C, raised only between Python instructions, cannot come between
+  // the start and the record and have the tensors' memory freed under a read that runs on.
+  void StartReads(const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces,
+                  const std::vector<uint64_t>& keys, const py::list& tensors,
+                  const py::object& callback) {
+    if (!pieces.empty()) {
+      std::vector<OffloadPiece> host;
+      host.reserve(pieces.size());
+      for (const auto& [key, address, length] : pieces) {
+        host.push_back({key, reinterpret_cast<void*>(address), length});
+      }
+      GilReleased release;
+      offloader_.AsyncReadv(host);
+    }
+    Reading(keys, tensors, callback);
   }
 
   // The entry stops watching its storage (about to be replaced: its death is not the entry's).
@@ -765,6 +785,9 @@ void RegisterOffloadEntries(py::module_& m) {
            "its own of its size).")
       .def("reading", &OffloadEntries::Reading, py::arg("keys"), py::arg("tensors"),
            py::arg("callback"), "Records reads started (the callback after the last one).")
+      .def("start_reads", &OffloadEntries::StartReads, py::arg("pieces"), py::arg("keys"),
+           py::arg("tensors"), py::arg("callback"),
+           "Starts reading the host pieces and records the reads (as reading()) in one call.")
       .def("unwatch_storage", &OffloadEntries::UnwatchStorage, py::arg("key"))
       .def("watch_storage", &OffloadEntries::WatchStorage, py::arg("key"), py::arg("storage"))
       .def("collect", &OffloadEntries::Collect, py::arg("device"), py::arg("kind"),

@@ -299,7 +299,7 @@ class DiskOffloader(NotCopyable):
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> list[int]:
         _core.check_callback(callback)
         with self._lock:
-            core = self._open()
+            self._open()  # refused once closed
             self._entries.drain()
             keys = self._entries.read_keys(tensors, False)
             if keys is None:  # a tensor being written: its write first
@@ -317,13 +317,18 @@ class DiskOffloader(NotCopyable):
                         _resize(t.untyped_storage(), t.nbytes)
                     spans.append(_span(t) if d else None)  # CudaError without a driver
                 host = _host_pieces(keys, tensors, device)
-                if host:
-                    core.read(host)
-            except BaseException:
+            except BaseException:  # nothing started: the data stays offloaded
                 for t in tensors:
                     _resize(t.untyped_storage())
                 raise
-            self._entries.reading(keys, tensors, callback)
+            try:
+                # Started and recorded by one C++ call: Ctrl-C after the reads started cannot
+                # have their memory freed under them, nor leave them unrecorded.
+                self._entries.start_reads(host, keys, tensors, callback)
+            except Exception:  # refused before anything started
+                for t in tensors:
+                    _resize(t.untyped_storage())
+                raise
             self._device.submit("read", keys, spans)
             return keys
 

@@ -24,7 +24,7 @@ from tensortier import DiskOffloader
 from tensortier.compat import tensornvme
 from tensortier.offload import OffloadedDataLostWarning, remove_stale_files
 
-from conftest import require_backend
+from conftest import INTERRUPTED_CALLS, require_backend
 from faults import with_faults
 
 BACKENDS = ["io_uring", "libaio", "threads"]
@@ -1491,3 +1491,40 @@ def test_an_object_owning_its_offloader_and_passing_its_method_as_callback_is_co
     assert [r() for r in refs] == [None] * 4
     for i in range(4):
         assert list((disk_dir / f"layer{i}").iterdir()) == []
+
+
+# Ctrl-C during the offloaders' calls, in a process of its own (a read into freed memory
+# corrupts its heap): every tensor comes back whole, interrupted or not.
+CTRL_C_SCRIPT = INTERRUPTED_CALLS + textwrap.dedent("""
+    import os, sys, torch, tensortier
+    from tensortier.compat.tensornvme import DiskOffloader as Strict
+    kind, call, root = sys.argv[1], sys.argv[2], sys.argv[3]
+    off = tensortier.DiskOffloader(root) if kind == "lenient" else Strict(root)
+    method = getattr(off, "async_read" if call == "read" else "sync_write")
+    hits = 0
+    for it in range(160):
+        x = torch.randn(1 << 20)
+        x0 = x.clone()
+        if call == "read":
+            off.sync_write(x)
+        hits += interrupted(lambda: method(x), 5e-5, it)
+        off.synchronize()
+        if off.is_offloaded(x):
+            off.sync_read(x)
+        assert x.untyped_storage().nbytes() == x0.nbytes and torch.equal(x, x0), it
+    off.close()
+    print("interrupted", hits)
+    """)
+
+
+@pytest.mark.parametrize("kind,call", [("lenient", "read"), ("strict", "read"),
+                                       ("strict", "write")])
+def test_ctrl_c_in_an_offloader_call_loses_no_tensor(tmp_path: Path, kind: str,
+                                                     call: str) -> None:
+    """A read Ctrl-C interrupted once it had started had its tensor's memory freed under it
+    and was forgotten (the data gone, then heap corruption); TensorNVMe's write so interrupted
+    was left readable by no call ("tensor not found")."""
+    r = subprocess.run([sys.executable, "-c", CTRL_C_SCRIPT, kind, call, str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.startswith("interrupted")

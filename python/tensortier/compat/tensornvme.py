@@ -81,11 +81,15 @@ class DiskOffloader(_offload.DiskOffloader):
         tensors = _core.tensornvme_tensors(what, given)
         with self._lock:
             if write:
+                # Remembered first: Ctrl-C once the write started must not leave it unreadable.
+                known = self._groups.matches(tensors, vector)
+                self._groups.remember(tensors, vector)
                 try:
                     keys = self._write(_core.tensornvme_moved(tensors), callback, supersede=True)
                 except ValueError as e:
+                    if not known:  # refused: nothing was written under this group
+                        self._groups.forget(tensors, vector)
                     raise WriteRefusedError(f"{what}: {e}") from e
-                self._groups.remember(tensors, vector)
             elif not (self._groups.matches(tensors, vector)
                       and (readable := self._still_offloaded(tensors))):
                 raise RuntimeError(
