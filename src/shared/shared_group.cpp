@@ -227,10 +227,12 @@ void SharedGroup::RequireRank(const std::string& what) const {
   }
 }
 
-std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value) {
+std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value,
+                                                uint64_t* number) {
   if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
   RequireRank(what);
   const uint64_t n = next_collective_++;
+  if (number != nullptr) *number = n;
   std::string base = StrCat(prefix_, "/c", n, "/");
   // Each rank's entry names its call ahead of its value: a rank making another call at this
   // point (a barrier where the others create a tensor) is seen by every rank, itself included.
@@ -333,8 +335,9 @@ void SharedGroup::Barrier(const std::string& what) {
   AllGather(what, "");
 }
 
-void SharedGroup::Agree(const std::string& what, const std::string& value) {
-  std::vector<std::string> all = AllGather(what, value);
+uint64_t SharedGroup::Agree(const std::string& what, const std::string& value) {
+  uint64_t number = 0;
+  std::vector<std::string> all = AllGather(what, value, &number);
   std::string refused;  // the ranks that took part only to say they refused (Refuse)
   for (int r = 0; r < world_size_; ++r) {
     if (all[r].starts_with('!')) {
@@ -343,7 +346,7 @@ void SharedGroup::Agree(const std::string& what, const std::string& value) {
   }
   if (!refused.empty()) throw std::invalid_argument(StrCat(what, " was refused on ", refused));
   if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) {
-    return;
+    return number;
   }
   std::map<std::string, std::string> ranks_by_value;
   for (int r = 0; r < world_size_; ++r) {
@@ -376,8 +379,9 @@ std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, 
     Refuse("create_tensor", e.what());
     throw;
   }
-  Agree("create_tensor", spec.Describe());
-  std::string key = spec.name.empty() ? StrCat("#", next_collective_) : spec.name;
+  // Named by this call's number, not the count now: another thread's calls may have come since.
+  const uint64_t agreed = Agree("create_tensor", spec.Describe());
+  std::string key = spec.name.empty() ? StrCat("#", agreed + 1) : spec.name;
   auto tensor = spec.memory == SharedMemory::kDevice ? MapDevice(spec, key, device)
                                                      : Map(spec, key, true, device);
   if (!spec.name.empty() && rank_ == 0) {

@@ -1307,3 +1307,32 @@ def test_a_name_longer_than_an_attach_request_holds_is_refused_when_created() ->
         assert group.attach(longest).shape == kept.shape == (4,)
         with pytest.raises(ValueError, match="name is 4097 bytes long; .* at most 4096"):
             group.create_tensor((4,), torch.float32, name="n" * 4097)
+
+
+def test_threads_of_one_rank_create_tensors_at_once() -> None:
+    """Threads of a rank each creating unnamed tensors: each gets a tensor of its own. The
+    name came from the group's count of collective calls read after the call, which another
+    thread's calls had moved meanwhile (ValueError: a shared tensor named '#258' exists)."""
+    import torch.distributed as dist
+
+    group = shared.Group(rank=0, world_size=1, store=dist.HashStore())
+    errors: list[str] = []
+
+    def create(value: int) -> None:
+        for _ in range(60):
+            try:
+                t = group.create_tensor((100, 8), torch.float32)
+                t.view().fill_(value)
+                assert float(t.view().sum()) == value * 800
+                t.close()
+            except Exception as e:  # noqa: BLE001 - collected for the assertion
+                errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    group.close()
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []

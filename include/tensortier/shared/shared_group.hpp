@@ -7,6 +7,7 @@
 // Nothing waits forever.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -72,10 +73,14 @@ class SharedGroup {
   // Collective exchange of one string per rank (the control path of the layers above). `what`
   // names the call: when ranks make different calls at one point (one a barrier, another a
   // create), every rank throws std::invalid_argument naming which ranks called what.
-  std::vector<std::string> AllGather(const std::string& what, const std::string& value);
-  // Collective: returns when every rank passed an equal `value`; otherwise every rank throws
-  // std::invalid_argument naming which ranks passed what (`what` starts the message).
-  void Agree(const std::string& what, const std::string& value);
+  // `number`, where given, gets the call's number in the group's sequence of collective calls
+  // (the same on every rank).
+  std::vector<std::string> AllGather(const std::string& what, const std::string& value,
+                                     uint64_t* number = nullptr);
+  // Collective: returns when every rank passed an equal `value`, with the call's number (as
+  // AllGather's); otherwise every rank throws std::invalid_argument naming which ranks passed
+  // what (`what` starts the message).
+  uint64_t Agree(const std::string& what, const std::string& value);
   // Collective: takes part in the call `what` (an Agree) for a rank that refused it before it
   // began (its arguments): the others throw std::invalid_argument naming this rank and `why`,
   // at once, rather than waiting out the timeout. Never throws (the caller raises its own error).
@@ -132,7 +137,9 @@ class SharedGroup {
   std::string token_;
   std::string socket_name_;
   std::string leave_key_;
-  uint64_t next_collective_ = 0;
+  // Atomic: threads of one rank may each make calls (a rank of one, say); each takes its own
+  // number.
+  std::atomic<uint64_t> next_collective_{0};
   bool deletes_keys_ = true;  // false once the store failed to remove a key
   // How long a collective call waits for a rank's entry before it looks whether that rank has
   // closed its group.
