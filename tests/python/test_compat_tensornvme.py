@@ -622,3 +622,20 @@ def test_a_sync_call_leaves_asynchronous_operations_to_their_wait(of: DiskOffloa
     assert held == [0] and of.stored_bytes == 4000
     of.sync_read(a)
     assert torch.equal(a, a0) and of.stored_bytes == 0
+
+
+def test_a_closed_offloader_says_so_to_every_call(disk_dir: Path) -> None:
+    """After close(), reads said "Read error, tensor not found" (the offloaded tensor looked up
+    first) where writes, and the native offloader, say it is closed."""
+    import warnings
+
+    for cls in (NativeOffloader, DiskOffloader):
+        off = cls(str(disk_dir / cls.__module__))
+        x = torch.randn(100)
+        off.sync_write(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the data offloaded is lost: warned, as documented
+            off.close()
+        for call, t in (("sync_read", x), ("async_read", x), ("sync_write", torch.randn(100))):
+            with pytest.raises(ValueError, match="DiskOffloader is closed"):
+                getattr(off, call)(t)

@@ -80,6 +80,7 @@ class DiskOffloader(_offload.DiskOffloader):
         vector, write = what.endswith("v"), "write" in what
         tensors = _core.tensornvme_tensors(what, given)
         with self._lock:
+            self._open()  # closed: said so, before a read would say its tensor is not found
             if write:
                 # Remembered first: Ctrl-C once the write started must not leave it unreadable.
                 known = self._groups.matches(tensors, vector)
