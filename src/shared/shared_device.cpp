@@ -95,8 +95,9 @@ std::shared_ptr<SharedTensor> SharedGroup::MapDevice(const SharedTensorSpec& spe
       own.emplace(DeviceAllocation::Create(*context, AlignUp(p.bytes, granularity)));
       fd = UniqueFd(own->Export());
     }
-    server_->Serve(key, std::move(fd));
-    tensor->server_ = server_;
+    std::shared_ptr<shared::PartitionServer> server = Server("create_tensor");
+    server->Serve(key, std::move(fd));
+    tensor->server_ = std::move(server);
   } catch (...) {
     failure = std::current_exception();
   }

@@ -148,15 +148,31 @@ const std::string& SharedGroup::socket_name() const noexcept {
 }
 
 uint64_t SharedGroup::refused_peers() const {
-  return server_ ? server_->refused() : 0;
+  std::shared_ptr<shared::PartitionServer> server;
+  {
+    std::lock_guard lock(members_mu_);
+    server = server_;
+  }
+  return server ? server->refused() : 0;
+}
+
+std::shared_ptr<shared::PartitionServer> SharedGroup::Server(const std::string& what) const {
+  std::lock_guard lock(members_mu_);
+  if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
+  return server_;
 }
 
 void SharedGroup::Close() {
-  for (auto& weak : tensors_) {
+  std::vector<std::weak_ptr<SharedTensor>> tensors;
+  std::shared_ptr<shared::PartitionServer> server;
+  {
+    std::lock_guard lock(members_mu_);
+    tensors.swap(tensors_);
+    server.swap(server_);
+  }
+  for (auto& weak : tensors) {
     if (auto t = weak.lock()) t->Close();
   }
-  tensors_.clear();
-  server_.reset();
 }
 
 void SharedGroup::CountOut() noexcept {
@@ -229,7 +245,7 @@ void SharedGroup::RequireRank(const std::string& what) const {
 
 std::vector<std::string> SharedGroup::AllGather(const std::string& what, const std::string& value,
                                                 uint64_t* number) {
-  if (!server_) throw std::logic_error(StrCat(what, ": the shared group was closed"));
+  Server(what);  // closed: refused
   RequireRank(what);
   const uint64_t n = next_collective_++;
   if (number != nullptr) *number = n;
@@ -297,6 +313,7 @@ std::vector<std::string> SharedGroup::AllGather(const std::string& what, const s
 
 void SharedGroup::Remember(const std::shared_ptr<SharedTensor>& tensor) {
   // Tensors dropped since are forgotten: a job that makes and drops many keeps no trace of them.
+  std::lock_guard lock(members_mu_);
   std::erase_if(tensors_, [](const std::weak_ptr<SharedTensor>& t) { return t.expired(); });
   tensors_.push_back(tensor);
 }
@@ -393,7 +410,7 @@ std::shared_ptr<SharedTensor> SharedGroup::Create(const SharedTensorSpec& spec, 
 }
 
 std::shared_ptr<SharedTensor> SharedGroup::Attach(const std::string& name, int device) {
-  if (!server_) throw std::logic_error("attach: the shared group was closed");
+  Server("attach");       // closed: refused
   RequireRank("attach");  // the store's connection is the parent's
   SharedTensorRecord record = ReadRecord(*store_, name, timeout_);
   RefuseDeviceAttach(record.spec, name);
@@ -434,8 +451,9 @@ std::shared_ptr<SharedTensor> SharedGroup::Map(const SharedTensorSpec& spec, con
   try {
     tensor = SharedTensor::Layout(spec, key, world_size_, rank_);
     if (own_partition) {
-      server_->Serve(key, tensor->CreateLocalPartition(huge, shmem_policy));
-      tensor->server_ = server_;
+      std::shared_ptr<shared::PartitionServer> server = Server("create_tensor");
+      server->Serve(key, tensor->CreateLocalPartition(huge, shmem_policy));
+      tensor->server_ = std::move(server);
     }
   } catch (...) {
     if (!own_partition) throw;

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -1336,3 +1337,36 @@ def test_threads_of_one_rank_create_tensors_at_once() -> None:
     group.close()
     assert not any(t.is_alive() for t in threads)
     assert errors == []
+
+
+def test_close_while_threads_create_tensors() -> None:
+    """Group.close() from one thread while others create tensors: those calls end with the
+    group's 'closed' error (the server they mapped from was freed under them: a segfault)."""
+    script = textwrap.dedent("""
+        import threading, time, torch, torch.distributed as dist
+        import tensortier.shared as shared
+        group = shared.Group(rank=0, world_size=1, store=dist.HashStore())
+        errors = []
+        def create(value):
+            for _ in range(2000):
+                try:
+                    t = group.create_tensor((1000, 8), torch.float32)
+                    t.view().fill_(value)
+                    t.close()
+                except Exception as e:
+                    errors.append(str(e))
+                    return
+        threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        group.close()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert all("closed" in e for e in errors), errors[:3]
+        """)
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])

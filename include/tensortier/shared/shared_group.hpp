@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -144,6 +145,11 @@ class SharedGroup {
   // How long a collective call waits for a rank's entry before it looks whether that rank has
   // closed its group.
   static constexpr std::chrono::milliseconds kClosedCheck{1000};
+  // The partition server, null once closed (std::logic_error naming `what` then). A copy:
+  // Close() from another thread leaves a call under way the server it serves from.
+  std::shared_ptr<shared::PartitionServer> Server(const std::string& what) const;
+  // Guards server_ and tensors_: Close() may come from another thread than the calls.
+  mutable std::mutex members_mu_;
   std::shared_ptr<shared::PartitionServer> server_;
   std::vector<std::weak_ptr<SharedTensor>> tensors_;
 };
