@@ -174,15 +174,19 @@ def mounted(command: list[str], mnt: Path, what: str) -> Iterator[Path]:
         subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
 
 
-def exits_cleanly(script: str, *args: str, runs: int) -> None:
+def exits_cleanly(script: str, *args: str, runs: int = 1, timeout: float = 120) -> str:
     """Runs `script` (python -c) `runs` times: each must exit 0, never abort or hang (a daemon
-    thread still working in tensortier when the main thread ends)."""
+    thread still working in tensortier when the main thread ends, a heap corrupted). Returns
+    the last run's output."""
     import sys
 
+    out = ""
     for _ in range(runs):
         r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                           timeout=120)
+                           timeout=timeout)
         assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+        out = r.stdout
+    return out
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import torch
 from tensortier.compat.deepnvme import AsyncIOBuilder, GDSBuilder, PinMemoryBuilder, aio_read
 from test_fake_driver import fake_driver, run_with_fake  # noqa: F401 - a fixture
 from faults import with_faults
-from conftest import INTERRUPTED_CALLS
+from conftest import exits_cleanly, INTERRUPTED_CALLS
 
 DTYPES = [torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
           torch.float64, torch.bool, torch.complex64]
@@ -943,8 +943,6 @@ def test_ctrl_c_in_a_read_leaves_it_to_the_next_wait(tmp_path: Path, mode: str) 
     """compat.md: Ctrl-C interrupts a wait, not the operations; the next wait() waits for them.
     A read interrupted after it started was forgotten (the buffer then freed under it: heap
     corruption), and an interrupted sync_pread's wait lost it: wait() returned with it running."""
-    import subprocess
-    import sys
     import textwrap
 
     script = INTERRUPTED_CALLS + textwrap.dedent("""
@@ -968,7 +966,4 @@ def test_ctrl_c_in_a_read_leaves_it_to_the_next_wait(tmp_path: Path, mode: str) 
             del into
         print("interrupted", hits)
         """)
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path), mode], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    assert r.stdout.startswith("interrupted")
+    assert exits_cleanly(script, str(tmp_path), mode, timeout=300).startswith("interrupted")

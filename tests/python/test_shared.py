@@ -27,6 +27,7 @@ import torch
 import ranks
 import tensortier
 import tensortier.shared as shared
+from conftest import exits_cleanly
 from faults import shrinking_after_size
 from ranks import free_port
 from tensortier import _core
@@ -1366,7 +1367,4 @@ def test_close_while_threads_create_tensors() -> None:
         assert not any(t.is_alive() for t in threads)
         assert all("closed" in e for e in errors), errors[:3]
         """)
-    for _ in range(3):
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    exits_cleanly(script, runs=3)
