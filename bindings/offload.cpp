@@ -15,6 +15,7 @@
 #include "binding_helpers.hpp"
 #include "errors.hpp"
 #include "gil.hpp"
+#include "offload_arguments.hpp"
 #include "paths.hpp"
 #include "register.hpp"
 #include "tensortier/io/engine.hpp"
@@ -29,22 +30,6 @@ using namespace tensortier;
 void RegisterOffloadEntries(py::module_& m);  // bindings/offload_entries.cpp
 
 namespace {
-
-OffloadKind ParseOffloadKind(const std::string& kind) {
-  if (const auto parsed = ValueOf(kOffloadKindNames, kind)) return *parsed;
-  throw std::invalid_argument(StrCat(
-      "kind must be ", JoinNames(kOffloadKindNames, ", ", " or ", "'"), ", not '", kind, "'"));
-}
-
-std::vector<OffloadPiece> ToPieces(
-    const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
-  std::vector<OffloadPiece> out;
-  out.reserve(pieces.size());
-  for (const auto& [key, address, length] : pieces) {
-    out.push_back({key, reinterpret_cast<void*>(address), length});
-  }
-  return out;
-}
 
 // DiskOffloader's `n_entries`: TypeError for what is not an int, ValueError outside the queue
 // depth's range.
@@ -116,7 +101,7 @@ void RegisterOffload(py::module_& m) {
            "TensorNVMe's, `n_entries` the queue depth. ValueError or TypeError naming them.")
       .def(
           "write",
-          [](Offloader& o, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
+          [](Offloader& o, const std::vector<OffloadPieceTuple>& pieces) {
             std::vector<OffloadPiece> p = ToPieces(pieces);
             GilReleased release;
             o.AsyncWritev(p);
@@ -124,7 +109,7 @@ void RegisterOffload(py::module_& m) {
           py::arg("pieces"), "Starts writing (key, address, length) pieces in one submission.")
       .def(
           "read",
-          [](Offloader& o, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces) {
+          [](Offloader& o, const std::vector<OffloadPieceTuple>& pieces) {
             std::vector<OffloadPiece> p = ToPieces(pieces);
             GilReleased release;
             o.AsyncReadv(p);

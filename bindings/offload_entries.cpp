@@ -26,6 +26,7 @@
 #include "arguments.hpp"
 #include "cycle_collected.hpp"
 #include "gil.hpp"
+#include "offload_arguments.hpp"
 #include "tensortier/offload/offloader.hpp"
 #include "tensortier/util/enum_names.hpp"
 #include "tensortier/util/process_identity.hpp"
@@ -298,21 +299,25 @@ class OffloadEntries {
     }
   }
 
-  // Starts reading host `pieces` (key, address, length) and records the reads into `tensors` (as
-  // Reading) in one call: Ctrl-C, raised only between Python instructions, cannot come between
-  // the start and the record and have the tensors' memory freed under a read that runs on.
-  void StartReads(const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& pieces,
-                  const std::vector<uint64_t>& keys, const py::list& tensors,
+  // Starts writing `tensors` to `keys` and records the writes in one call: host
+  // `pieces` (key, address, length) on the engine, the tensors given a span on `device` (an
+  // OffloadDevice). Ctrl-C, raised only between Python instructions, cannot come between the
+  // start and the record and leave a write running on memory nothing keeps alive.
+  void StartWrites(const std::vector<OffloadPieceTuple>& pieces, const py::object& device,
+                   const py::list& spans, const std::vector<uint64_t>& keys,
+                   const py::list& tensors, const py::object& callback,
+                   const std::vector<uint64_t>& superseded) {
+    Start(OffloadKind::kWrite, pieces, device, spans, keys);
+    Add(keys, tensors, callback, superseded);
+  }
+
+  // Starts reading `keys` into `tensors` and records the reads in one call, as
+  // StartWrites() does: the tensors' memory cannot be freed under a read that runs on, nor a
+  // read be recorded that never started.
+  void StartReads(const std::vector<OffloadPieceTuple>& pieces, const py::object& device,
+                  const py::list& spans, const std::vector<uint64_t>& keys, const py::list& tensors,
                   const py::object& callback) {
-    if (!pieces.empty()) {
-      std::vector<OffloadPiece> host;
-      host.reserve(pieces.size());
-      for (const auto& [key, address, length] : pieces) {
-        host.push_back({key, reinterpret_cast<void*>(address), length});
-      }
-      GilReleased release;
-      offloader_.AsyncReadv(host);
-    }
+    Start(OffloadKind::kRead, pieces, device, spans, keys);
     Reading(keys, tensors, callback);
   }
 
@@ -360,7 +365,7 @@ class OffloadEntries {
   // (Ctrl-C) from a callback is returned after the others ran, the I/O errors held.
   py::object Deliver(const std::string& kind, const py::list& errors, const py::list& callbacks,
                      bool all) {
-    Held& held = held_[ParseOffloadKind(kind)];
+    Held& held = held_[KindIndex(kind)];
     std::vector<py::object> failed, callback_errors;
     if (all) {
       failed = std::exchange(held.errors, {});
@@ -387,7 +392,7 @@ class OffloadEntries {
   // tensors' failures are not this call's), then the callbacks run; returns an interrupt
   // (Ctrl-C) one of them raised, else None.
   py::object Hold(const std::string& kind, const py::list& errors, const py::list& callbacks) {
-    Held& held = held_[ParseOffloadKind(kind)];
+    Held& held = held_[KindIndex(kind)];
     for (const py::handle e : errors) {  // held before any callback runs: an interrupt loses none
       held.errors.push_back(py::reinterpret_borrow<py::object>(e));
     }
@@ -399,9 +404,7 @@ class OffloadEntries {
     return interrupt ? interrupt : py::none();
   }
 
-  size_t HeldErrors(const std::string& kind) const {
-    return held_[ParseOffloadKind(kind)].errors.size();
-  }
+  size_t HeldErrors(const std::string& kind) const { return held_[KindIndex(kind)].errors.size(); }
 
   // close(): waits for the operations of both kinds on `device` (a write done leaves its tensor as
   // it is; callbacks do not run); returns the warning to give, or None.
@@ -575,9 +578,30 @@ class OffloadEntries {
     const auto it = entries_.find(id->second);
     return it == entries_.end() ? nullptr : &it->second;
   }
-  static size_t ParseOffloadKind(const std::string& kind) {
-    if (const auto parsed = ValueOf(kOffloadKindNames, kind)) return *parsed == OffloadKind::kRead;
-    throw std::invalid_argument(StrCat("kind must be 'write' or 'read', not '", kind, "'"));
+  static size_t KindIndex(const std::string& kind) {
+    return ParseOffloadKind(kind) == OffloadKind::kRead;
+  }
+
+  // Starts the host pieces on the engine, then the device ones (a span each; None: on the host).
+  // A failure leaves nothing running: the caller frees a refused read's memory, and records no
+  // refused write (whose data is dropped).
+  void Start(OffloadKind kind, const std::vector<OffloadPieceTuple>& pieces,
+             const py::object& device, const py::list& spans, const std::vector<uint64_t>& keys) {
+    if (!pieces.empty()) {
+      const std::vector<OffloadPiece> host = ToPieces(pieces);
+      GilReleased release;
+      kind == OffloadKind::kWrite ? offloader_.AsyncWritev(host) : offloader_.AsyncReadv(host);
+    }
+    const std::string name(NameOf(kOffloadKindNames, kind));
+    try {
+      device.attr("submit")(name, keys, spans);
+    } catch (...) {
+      device.attr("wait")(name, keys);  // the pieces started, host and device
+      if (kind == OffloadKind::kWrite) {
+        for (const uint64_t key : keys) offloader_.Discard(key);
+      }
+      throw;
+    }
   }
 
   // Runs every callback; adds what they raised to `raised`; returns the first interrupt (not an
@@ -777,17 +801,19 @@ void RegisterOffloadEntries(py::module_& m) {
            "ValueError when one is not a contiguous CPU or CUDA tensor owning all of its "
            "storage, is given twice or is offloaded.")
       .def("new_keys", &OffloadEntries::NewKeys, py::arg("n"))
-      .def("add", &OffloadEntries::Add, py::arg("keys"), py::arg("tensors"), py::arg("callback"),
-           py::arg("superseded"), "Records writes started (the callback after the last one).")
       .def("read_keys", &OffloadEntries::ReadKeys, py::arg("tensors"), py::arg("settled"),
            "The keys to read the tensors back from; None while one is being written and not "
            "`settled`; TypeError or ValueError when one cannot be read (back into a storage of "
            "its own of its size).")
-      .def("reading", &OffloadEntries::Reading, py::arg("keys"), py::arg("tensors"),
-           py::arg("callback"), "Records reads started (the callback after the last one).")
-      .def("start_reads", &OffloadEntries::StartReads, py::arg("pieces"), py::arg("keys"),
-           py::arg("tensors"), py::arg("callback"),
-           "Starts reading the host pieces and records the reads (as reading()) in one call.")
+      .def("start_writes", &OffloadEntries::StartWrites, py::arg("pieces"), py::arg("device"),
+           py::arg("spans"), py::arg("keys"), py::arg("tensors"), py::arg("callback"),
+           py::arg("superseded"),
+           "Starts the writes (host pieces on the engine, spans on the OffloadDevice) and "
+           "records them in one call (the callback after the last one).")
+      .def("start_reads", &OffloadEntries::StartReads, py::arg("pieces"), py::arg("device"),
+           py::arg("spans"), py::arg("keys"), py::arg("tensors"), py::arg("callback"),
+           "Starts the reads (host pieces on the engine, spans on the OffloadDevice) and "
+           "records them in one call (the callback after the last one).")
       .def("unwatch_storage", &OffloadEntries::UnwatchStorage, py::arg("key"))
       .def("watch_storage", &OffloadEntries::WatchStorage, py::arg("key"), py::arg("storage"))
       .def("collect", &OffloadEntries::Collect, py::arg("device"), py::arg("kind"),

@@ -18,6 +18,7 @@
 #include "errors.hpp"
 #include "gil.hpp"
 #include "gil_free_holder.hpp"
+#include "offload_arguments.hpp"
 #include "paths.hpp"
 #include "tensortier/cuda/cuda_driver.hpp"
 #include "tensortier/cuda/cufile.hpp"
@@ -178,11 +179,6 @@ py::dict TransferOptionsDict(const DeviceTransfer& t) {
   return d;
 }
 
-OffloadKind ParseKind(const std::string& kind) {
-  if (const auto parsed = ValueOf(kOffloadKindNames, kind)) return *parsed;
-  throw std::invalid_argument(StrCat("kind must be 'write' or 'read', not '", kind, "'"));
-}
-
 // The OffloadDevice of a DiskOffloader (offload_device.hpp), with what keeps each operation's
 // memory and stream alive until its wait. Called with the GIL held, under the Python offloader's
 // lock; waits release it.
@@ -214,7 +210,7 @@ class PyOffloadDevice {
   // device memory and the files ('write': to the files); the span stays referenced until wait()
   // collects it.
   void Submit(const std::string& kind, const std::vector<uint64_t>& keys, const py::list& spans) {
-    const OffloadKind parsed = ParseKind(kind);
+    const OffloadKind parsed = ParseOffloadKind(kind);
     for (size_t i = 0; i < keys.size(); ++i) {
       const py::object span = spans[i];
       if (span.is_none()) continue;
@@ -233,7 +229,7 @@ class PyOffloadDevice {
 
   // [(key, exception or None)]; Ctrl-C while waiting leaves them all to the next wait.
   py::list Wait(const std::string& kind, const std::optional<std::vector<uint64_t>>& keys) {
-    const OffloadKind parsed = ParseKind(kind);
+    const OffloadKind parsed = ParseOffloadKind(kind);
     for (const DeviceJob& job : core_->Jobs(parsed, keys)) {
       WaitInterruptibly([&](auto timeout) { return job.WaitFor(timeout); }, true);
     }

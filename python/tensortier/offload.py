@@ -279,7 +279,7 @@ class DiskOffloader(NotCopyable):
         tensor being written is written again: the later write is the one read back."""
         _core.check_callback(callback)
         with self._lock:
-            core = self._open()
+            self._open()
             self._entries.drain()
             superseded = self._entries.check_write(tensors, supersede)  # TypeError, ValueError
             if superseded is None:  # a tensor being read: its read first
@@ -290,10 +290,10 @@ class DiskOffloader(NotCopyable):
             device = self._device.route(tensors)
             spans = [_span(t) if d else None for t, d in zip(tensors, device)]  # CudaError
             host = _host_pieces(keys, tensors, device)
-            if host:
-                core.write(host)
-            self._device.submit("write", keys, spans)
-            self._entries.add(keys, tensors, callback, superseded)
+            # Started and recorded by one C++ call: Ctrl-C cannot leave a write running that
+            # nothing records, on memory nothing keeps alive.
+            self._entries.start_writes(host, self._device, spans, keys, tensors, callback,
+                                       superseded)
             return keys + superseded
 
     def _read(self, tensors: list[Any], callback: Callable[[], None] | None) -> list[int]:
@@ -323,13 +323,13 @@ class DiskOffloader(NotCopyable):
                 raise
             try:
                 # Started and recorded by one C++ call: Ctrl-C after the reads started cannot
-                # have their memory freed under them, nor leave them unrecorded.
-                self._entries.start_reads(host, keys, tensors, callback)
+                # have their memory freed under them, nor leave them unrecorded, nor record
+                # reads that never started.
+                self._entries.start_reads(host, self._device, spans, keys, tensors, callback)
             except Exception:  # refused before anything started
                 for t in tensors:
                     _resize(t.untyped_storage())
                 raise
-            self._device.submit("read", keys, spans)
             return keys
 
     def _allocate_pinned(self, key: int, tensor: Any) -> None:

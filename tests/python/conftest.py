@@ -214,6 +214,33 @@ def alarm_interrupt():  # type: ignore[no-untyped-def]
 # A loop whose calls a timer interrupts at moments that move through them (a SIGALRM handler
 # raising KeyboardInterrupt, once, only while the call runs): prefixed to the scripts of the
 # Ctrl-C tests, which run in a process of their own (a lost operation corrupts its heap).
+INTERRUPTED_LINES = """
+import sys
+def interrupted_at_line(call, n, package):
+    '''call() with KeyboardInterrupt raised before the n-th line of `package`'s Python it runs,
+    as Ctrl-C can be between any two of its instructions; True when it was raised (False: the
+    call ran fewer lines).'''
+    count = 0
+    def tracer(frame, event, arg):
+        nonlocal count
+        if not frame.f_code.co_filename.startswith(package):
+            return None
+        if event == "line":
+            count += 1
+            if count == n:
+                raise KeyboardInterrupt
+        return tracer
+    sys.settrace(tracer)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+"""
+
+
 INTERRUPTED_CALLS = """
 import signal
 armed = False

@@ -24,7 +24,7 @@ from tensortier import DiskOffloader
 from tensortier.compat import tensornvme
 from tensortier.offload import OffloadedDataLostWarning, remove_stale_files
 
-from conftest import exits_cleanly, INTERRUPTED_CALLS, require_backend
+from conftest import exits_cleanly, INTERRUPTED_CALLS, INTERRUPTED_LINES, require_backend
 from faults import with_faults
 
 BACKENDS = ["io_uring", "libaio", "threads"]
@@ -1499,7 +1499,10 @@ CTRL_C_SCRIPT = INTERRUPTED_CALLS + textwrap.dedent("""
     import os, sys, torch, tensortier
     from tensortier.compat.tensornvme import DiskOffloader as Strict
     kind, call, root = sys.argv[1], sys.argv[2], sys.argv[3]
-    off = tensortier.DiskOffloader(root) if kind == "lenient" else Strict(root)
+    if kind == "strict":
+        off = Strict(root)
+    else:  # "device": every tensor takes the CUDA tensors' path (a memcpy stands in for CUDA)
+        off = tensortier.DiskOffloader(root, _device_copier="memcpy" if kind == "device" else "cuda")
     method = getattr(off, "async_read" if call == "read" else "sync_write")
     hits = 0
     for it in range(160):
@@ -1512,13 +1515,20 @@ CTRL_C_SCRIPT = INTERRUPTED_CALLS + textwrap.dedent("""
         if off.is_offloaded(x):
             off.sync_read(x)
         assert x.untyped_storage().nbytes() == x0.nbytes and torch.equal(x, x0), it
+        if call == "write":  # an interrupted write was recorded: its tensor's memory is kept
+            assert not off.is_offloaded(x)
+            stale = x
+            hits += interrupted(lambda: method(stale), 5e-5, it)
+            del stale, x  # the tensor's memory may go now, unless the offloader holds it
+            off.synchronize()
     off.close()
     print("interrupted", hits)
     """)
 
 
 @pytest.mark.parametrize("kind,call", [("lenient", "read"), ("strict", "read"),
-                                       ("strict", "write")])
+                                       ("lenient", "write"), ("strict", "write"),
+                                       ("device", "read"), ("device", "write")])
 def test_ctrl_c_in_an_offloader_call_loses_no_tensor(tmp_path: Path, kind: str,
                                                      call: str) -> None:
     """A read Ctrl-C interrupted once it had started had its tensor's memory freed under it
@@ -1526,3 +1536,48 @@ def test_ctrl_c_in_an_offloader_call_loses_no_tensor(tmp_path: Path, kind: str,
     was left readable by no call ("tensor not found")."""
     assert exits_cleanly(CTRL_C_SCRIPT, kind, call, str(tmp_path),
                          timeout=300).startswith("interrupted")
+
+
+EVERY_LINE_SCRIPT = INTERRUPTED_LINES + textwrap.dedent("""
+    import os, sys, torch, tensortier
+    from tensortier.compat.tensornvme import DiskOffloader as Strict
+    kind, call, root = sys.argv[1], sys.argv[2], sys.argv[3]
+    package = os.path.dirname(tensortier.__file__)
+    if kind == "strict":
+        off = Strict(root)
+    else:  # "device": every tensor takes the CUDA tensors' path (a memcpy stands in for CUDA)
+        off = tensortier.DiskOffloader(root, _device_copier="memcpy" if kind == "device" else "cuda")
+    method = getattr(off, "async_read" if call == "read" else "async_write")
+    line = 0
+    while True:
+        line += 1
+        x = torch.randn(1 << 16)
+        x0 = x.clone()
+        if call == "read":
+            off.sync_write(x)
+        if not interrupted_at_line(lambda: method(x), line, package):
+            break
+        off.synchronize()
+        if off.is_offloaded(x):
+            off.sync_read(x)
+        assert x.untyped_storage().nbytes() == x0.nbytes and torch.equal(x, x0), line
+        # Nothing is left offloaded that no tensor can read back.
+        assert off.stored_bytes == 0, (line, off.stored_bytes)
+    off.synchronize()
+    if off.is_offloaded(x):
+        off.sync_read(x)
+    assert torch.equal(x, x0)
+    off.close()
+    print("lines", line - 1)
+    """)
+
+
+@pytest.mark.parametrize("kind,call", [("lenient", "read"), ("strict", "read"),
+                                       ("lenient", "write"), ("strict", "write"),
+                                       ("device", "read"), ("device", "write")])
+def test_ctrl_c_at_every_line_of_an_offloader_call(tmp_path: Path, kind: str, call: str) -> None:
+    """Ctrl-C before each line of Python a call runs in turn. A write interrupted after it had
+    started ran unrecorded (its memory not kept alive, its data left on disk for no tensor); a
+    read of a CUDA tensor (the memcpy stand-in) was recorded but not started, so its tensor
+    stayed "already being read" for good."""
+    assert exits_cleanly(EVERY_LINE_SCRIPT, kind, call, str(tmp_path)).startswith("lines")
