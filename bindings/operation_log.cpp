@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -48,29 +49,61 @@ class OperationLog {
     pending_.push_back({op, std::move(future)});
   }
 
-  // Starts host `pieces` (file, address, length, offset) on `engine` and records the operation
-  // with its future, `future_type(operation, keepalive)`, in one call: Ctrl-C, raised only
-  // between Python instructions, cannot come between the start and the record and leave an
-  // operation running on memory nothing keeps alive.
-  py::object SubmitHost(Engine& engine, const std::string& op,
-                        const std::vector<std::tuple<File, uintptr_t, uint64_t, uint64_t>>& pieces,
-                        bool stage_reads, const py::object& future_type, py::object keepalive) {
+  // Starts `host` pieces (file, address, length, offset) on `engine` and each `device` piece
+  // (address, nbytes, device, stream, file, offset) on `route` (a DeviceRoute), and records the
+  // operation with its future, `future_type(operation, keepalive)`, in one call: Ctrl-C, raised
+  // only between Python instructions, cannot come between a start and the record and leave an
+  // operation running on memory nothing keeps alive. `on_device[i]`: whether the caller's piece
+  // i is a device piece (empty: none is). A device piece refused records what started, then
+  // raises.
+  py::object Submit(const py::object& engine, const std::string& op,
+                    const std::vector<std::tuple<File, uintptr_t, uint64_t, uint64_t>>& host,
+                    bool stage_reads, const py::object& future_type, py::object keepalive,
+                    const py::object& route, const py::list& device, std::vector<bool> on_device) {
     const std::optional<IoOp> parsed = ValueOf(kIoOpNames, op);
     if (!parsed)
       throw std::invalid_argument(StrCat("op must be 'read' or 'write', not '", op, "'"));
-    std::vector<IoDesc> descs;
-    descs.reserve(pieces.size());
-    for (const auto& [file, address, length, offset] : pieces) {
-      descs.push_back({file, reinterpret_cast<void*>(address), offset, length});
+    if (on_device.empty()) on_device.assign(host.size(), false);
+    if (std::count(on_device.begin(), on_device.end(), true) != py::ssize_t(device.size()) ||
+        on_device.size() != host.size() + device.size()) {
+      throw std::invalid_argument(
+          "on_device must have an entry per piece, true for each device one");
     }
     Future started;
-    {
+    if (!host.empty() || device.size() == 0) {  // an empty operation still goes through the engine
+      std::vector<IoDesc> descs;
+      descs.reserve(host.size());
+      for (const auto& [file, address, length, offset] : host) {
+        descs.push_back({file, reinterpret_cast<void*>(address), offset, length});
+      }
+      Engine& e = engine.cast<Engine&>();
       GilReleased release;
-      started = engine.Submit(*parsed, descs, SubmitOptions{.stage_reads = stage_reads});
+      started = e.Submit(*parsed, descs, SubmitOptions{.stage_reads = stage_reads});
     }
-    const Operation operation(started, {}, std::vector<bool>(pieces.size(), false));
+    std::vector<DeviceJob> jobs;
+    std::exception_ptr refused;
+    for (const py::handle piece : device) {
+      try {
+        py::tuple p = py::reinterpret_borrow<py::tuple>(piece);
+        jobs.push_back(route.attr("start")(engine, op, *p).cast<DeviceJob>());
+      } catch (...) {
+        refused = std::current_exception();
+        break;
+      }
+    }
+    if (refused) {  // the pieces that did not start are not the operation's
+      std::vector<bool> kept;
+      size_t device_seen = 0;
+      for (const bool d : on_device) {
+        if (d && device_seen++ >= jobs.size()) continue;
+        kept.push_back(d);
+      }
+      on_device = std::move(kept);
+    }
+    const Operation operation(started, std::move(jobs), std::move(on_device));
     py::object future = future_type(operation, std::move(keepalive));
     Add(operation, future);
+    if (refused) std::rethrow_exception(refused);
     return future;
   }
 
@@ -219,10 +252,14 @@ void RegisterOperationLog(py::module_& m) {
       .def(py::init<>())
       .def("add", &OperationLog::Add, py::arg("operation"), py::arg("future"),
            "Records an operation and the future that keeps its memory alive.")
-      .def("submit_host", &OperationLog::SubmitHost, py::arg("engine"), py::arg("op"),
-           py::arg("pieces"), py::arg("stage_reads"), py::arg("future_type"), py::arg("keepalive"),
-           "Starts host pieces on the engine and records the operation with its future "
-           "(future_type(operation, keepalive)), returned, in one call.")
+      .def("submit", &OperationLog::Submit, py::arg("engine"), py::arg("op"), py::arg("host"),
+           py::arg("stage_reads"), py::arg("future_type"), py::arg("keepalive"),
+           py::arg("route") = py::none(), py::arg("device") = py::list(),
+           py::arg("on_device") = std::vector<bool>(),
+           "Starts the host pieces on the engine and the device ones (address, nbytes, device, "
+           "stream, file, offset) on the DeviceRoute, and records the operation with its future "
+           "(future_type(operation, keepalive)), returned, in one call; `on_device` says which "
+           "of the caller's pieces is which.")
       .def("wait_all", &OperationLog::WaitAll, py::arg("engine"),
            "Waits for every operation, then for the engine's; raises the first error nobody was "
            "given (a note counts the others).")

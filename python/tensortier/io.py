@@ -298,36 +298,19 @@ class IOHandle:
             f = _core.io_file(file, write, self._direct)
             keepalive.append(hb.owner)
             native.append((f, hb.address, hb.nbytes, offset))
-        for buf, _, _ in device:  # fail before anything starts
-            device_buffer(buf)
-        if not device:
-            # Started and recorded by one C++ call: Ctrl-C cannot come between the two.
-            result = self._pending.submit_host(engine, op, native, stage_reads, IOFuture,
-                                               keepalive)
-            if not write:
-                _bump_versions([piece[0] for piece in pieces])
-            return result
-        future = engine.submit(op, native, stage_reads) if native else None
-        jobs: list[Any] = []
-        try:
-            for buf, f, offset in device:
-                # On a stream of its own, ordered after the work queued so far.
-                db = device_buffer(buf, own_stream=True)
-                keepalive.append(db.owner)
-                jobs.append(self._device.start(engine, op, db.address, db.nbytes, db.device,
-                                               db.stream, f, offset))
-        except BaseException:
-            # What started (the host pieces, the first CUDA ones) still uses the memory: the
-            # pending operations keep it alive until it is over.
-            started = [d for i, d in enumerate(on_device)
-                       if not d or sum(on_device[:i]) < len(jobs)]
-            failed = IOFuture(_core.Operation(future, jobs, started), keepalive)
-            self._pending.add(failed._op, failed)
-            raise
+        # Every device buffer first (a stream of its own each, ordered after the work queued
+        # so far): a CUDA error raises before anything starts.
+        device_pieces: list[tuple[int, int, int, int | None, File, int]] = []
+        for buf, f, offset in device:
+            db = device_buffer(buf, own_stream=True)
+            keepalive.append(db.owner)
+            device_pieces.append((db.address, db.nbytes, db.device, db.stream, f, offset))
+        # Started and recorded by one C++ call: Ctrl-C cannot come between the two. A device
+        # piece refused leaves what started recorded (its memory kept alive until it is over).
+        result = self._pending.submit(engine, op, native, stage_reads, IOFuture, keepalive,
+                                      self._device, device_pieces, on_device)
         if not write:
             _bump_versions([piece[0] for piece in pieces])
-        result = IOFuture(_core.Operation(future, jobs, on_device), keepalive)
-        self._pending.add(result._op, result)
         return result
 
 

@@ -128,6 +128,79 @@ def test_io_handle_moves_pinned_tensors(fake_driver: Path, tmp_path: Path) -> No
     )
 
 
+def test_io_handle_device_pieces_are_started_and_recorded_in_one_call(
+    fake_driver: Path, tmp_path: Path
+) -> None:
+    """IOHandle's CUDA pieces (a CPU-only torch makes no CUDA tensors: the stand-in's device
+    memory is given by address) start with the host ones and are recorded in the same C++ call,
+    so Ctrl-C cannot leave one running unrecorded; a piece refused leaves those that started
+    recorded, waited for by wait_all(), and raises."""
+    run_with_fake(
+        fake_driver,
+        """
+        import ctypes
+        from tensortier.io import IOFuture
+        ctx = ctypes.c_void_p()
+        assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        assert fake.cuCtxPushCurrent_v2(ctx) == 0
+        def alloc(nbytes):
+            p = ctypes.c_uint64()
+            assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(nbytes)) == 0
+            return p.value
+        def copy(to_device, host, address):
+            call = fake.cuMemcpyHtoDAsync_v2 if to_device else fake.cuMemcpyDtoHAsync_v2
+            args = ((ctypes.c_uint64(address), ctypes.c_void_p(host.data_ptr()))
+                    if to_device else (ctypes.c_void_p(host.data_ptr()), ctypes.c_uint64(address)))
+            assert call(*args, ctypes.c_size_t(host.nbytes), None) == 0
+            assert fake.cuStreamSynchronize(None) == 0
+        path = os.path.join(os.environ["TMP_DIR"], "device.bin")
+        n = (1 << 20) + 12  # unaligned
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        head = torch.randint(0, 255, (4096,), dtype=torch.uint8)
+        dev, dev2 = alloc(n), alloc(n)
+        copy(True, src, dev)
+        io = tensortier.IOHandle()
+        engine, log = io._core(), io._pending
+        w = io.open(path, "w")
+        fut = log.submit(engine, "write", [(w, head.data_ptr(), head.nbytes, 0)], False, IOFuture,
+                         [head], io._device, [(dev, n, 0, None, w, 4096)], [False, True])
+        assert fut.wait() == 4096 + n
+        with open(path, "rb") as f:
+            assert f.read() == head.numpy().tobytes() + src.numpy().tobytes()
+        r = io.open(path, "r")
+        fut = log.submit(engine, "read", [], False, IOFuture, [], io._device,
+                         [(dev2, n, 0, None, r, 4096)], [True])
+        assert fut.wait() == n
+        back = torch.empty(n, dtype=torch.uint8)
+        copy(False, back, dev2)
+        assert torch.equal(back, src)
+        try:
+            log.submit(engine, "read", [], False, IOFuture, [], io._device,
+                       [(dev2, n, 0, None, r, 4096), (dev, n, 0, None, "not a File", 0)],
+                       [True, True])
+            raise AssertionError("a piece that is not a File was started")
+        except RuntimeError:
+            pass
+        assert len(log) == 1  # the piece that started
+        io.wait_all()
+        assert len(log) == 0
+        for pieces, flags in (([], [True]), ([(dev, n, 0, None, r, 0)], [False])):
+            try:
+                log.submit(engine, "read", [], False, IOFuture, [], io._device, pieces, flags)
+                raise AssertionError("on_device that does not match the pieces")
+            except ValueError as e:
+                assert "on_device" in str(e), e
+        io.close()
+        del w, r, fut
+        for address in (dev, dev2):
+            assert fake.cuMemFree_v2(ctypes.c_uint64(address)) == 0
+        fake.cuCtxPopCurrent_v2(None)
+        fake.cuDevicePrimaryCtxRelease_v2(0)
+        check_clean()
+        """,
+        tmp_path,
+    )
+
 # Shared tensors on the stand-in driver: two real processes (a FileStore between them). The
 # stand-in's device memory is memfd-backed, so the partitions each rank creates and exports are
 # mapped by the other; the ranks write and read device memory through the driver's own copies
