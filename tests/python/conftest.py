@@ -214,21 +214,31 @@ def alarm_interrupt():  # type: ignore[no-untyped-def]
 # A loop whose calls a timer interrupts at moments that move through them (a SIGALRM handler
 # raising KeyboardInterrupt, once, only while the call runs): prefixed to the scripts of the
 # Ctrl-C tests, which run in a process of their own (a lost operation corrupts its heap).
-INTERRUPTED_LINES = """
-import sys
-def interrupted_at_line(call, n, package):
-    '''call() with KeyboardInterrupt raised before the n-th line of `package`'s Python it runs,
-    as Ctrl-C can be between any two of its instructions; True when it was raised (False: the
-    call ran fewer lines).'''
+INTERRUPTED_POINTS = """
+import sys, dis
+_SIGNAL_POINTS = {dis.opmap[name] for name in ("RESUME", "JUMP_BACKWARD") if name in dis.opmap}
+_CALLS = {dis.opmap[name] for name in ("CALL", "CALL_FUNCTION_EX") if name in dis.opmap}
+def interrupted_at(call, n, package):
+    '''call() with KeyboardInterrupt raised at the n-th point of `package`'s Python where the
+    interpreter handles a pending signal (after a call returns, at a function's start, at a
+    loop's jump back); True when it was raised (False: the call ran through fewer).'''
     count = 0
     def tracer(frame, event, arg):
         nonlocal count
         if not frame.f_code.co_filename.startswith(package):
             return None
-        if event == "line":
-            count += 1
-            if count == n:
-                raise KeyboardInterrupt
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            code = frame.f_code.co_code
+            here = code[frame.f_lasti]
+            # The instruction before this one (CACHE entries skipped: they are not executed).
+            before = frame.f_lasti - 2
+            while before >= 0 and code[before] == dis.opmap.get("CACHE", -1):
+                before -= 2
+            if here in _SIGNAL_POINTS or (before >= 0 and code[before] in _CALLS):
+                count += 1
+                if count == n:
+                    raise KeyboardInterrupt
         return tracer
     sys.settrace(tracer)
     try:

@@ -24,7 +24,7 @@ from tensortier import DiskOffloader
 from tensortier.compat import tensornvme
 from tensortier.offload import OffloadedDataLostWarning, remove_stale_files
 
-from conftest import exits_cleanly, INTERRUPTED_CALLS, INTERRUPTED_LINES, require_backend
+from conftest import exits_cleanly, INTERRUPTED_CALLS, INTERRUPTED_POINTS, require_backend
 from faults import with_faults
 
 BACKENDS = ["io_uring", "libaio", "threads"]
@@ -1538,7 +1538,7 @@ def test_ctrl_c_in_an_offloader_call_loses_no_tensor(tmp_path: Path, kind: str,
                          timeout=300).startswith("interrupted")
 
 
-EVERY_LINE_SCRIPT = INTERRUPTED_LINES + textwrap.dedent("""
+EVERY_POINT_SCRIPT = INTERRUPTED_POINTS + textwrap.dedent("""
     import os, sys, torch, tensortier
     from tensortier.compat.tensornvme import DiskOffloader as Strict
     kind, call, root = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -1548,36 +1548,36 @@ EVERY_LINE_SCRIPT = INTERRUPTED_LINES + textwrap.dedent("""
     else:  # "device": every tensor takes the CUDA tensors' path (a memcpy stands in for CUDA)
         off = tensortier.DiskOffloader(root, _device_copier="memcpy" if kind == "device" else "cuda")
     method = getattr(off, "async_read" if call == "read" else "async_write")
-    line = 0
+    point = 0
     while True:
-        line += 1
+        point += 1
         x = torch.randn(1 << 16)
         x0 = x.clone()
         if call == "read":
             off.sync_write(x)
-        if not interrupted_at_line(lambda: method(x), line, package):
+        if not interrupted_at(lambda: method(x), point, package):
             break
         off.synchronize()
         if off.is_offloaded(x):
             off.sync_read(x)
-        assert x.untyped_storage().nbytes() == x0.nbytes and torch.equal(x, x0), line
+        assert x.untyped_storage().nbytes() == x0.nbytes and torch.equal(x, x0), point
         # Nothing is left offloaded that no tensor can read back.
-        assert off.stored_bytes == 0, (line, off.stored_bytes)
+        assert off.stored_bytes == 0, (point, off.stored_bytes)
     off.synchronize()
     if off.is_offloaded(x):
         off.sync_read(x)
     assert torch.equal(x, x0)
     off.close()
-    print("lines", line - 1)
+    print("points", point - 1)
     """)
 
 
 @pytest.mark.parametrize("kind,call", [("lenient", "read"), ("strict", "read"),
                                        ("lenient", "write"), ("strict", "write"),
                                        ("device", "read"), ("device", "write")])
-def test_ctrl_c_at_every_line_of_an_offloader_call(tmp_path: Path, kind: str, call: str) -> None:
-    """Ctrl-C before each line of Python a call runs in turn. A write interrupted after it had
-    started ran unrecorded (its memory not kept alive, its data left on disk for no tensor); a
-    read of a CUDA tensor (the memcpy stand-in) was recorded but not started, so its tensor
-    stayed "already being read" for good."""
-    assert exits_cleanly(EVERY_LINE_SCRIPT, kind, call, str(tmp_path)).startswith("lines")
+def test_ctrl_c_at_every_point_of_an_offloader_call(tmp_path: Path, kind: str, call: str) -> None:
+    """Ctrl-C at each point of the call's Python where a signal can be handled, in turn. A write
+    interrupted after it had started ran unrecorded (its memory not kept alive, its data left on
+    disk for no tensor); a read of a CUDA tensor (the memcpy stand-in) was recorded but not
+    started, so its tensor stayed "already being read" for good."""
+    assert exits_cleanly(EVERY_POINT_SCRIPT, kind, call, str(tmp_path)).startswith("points")
