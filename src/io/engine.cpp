@@ -205,6 +205,14 @@ Future Engine::Submit(IoOp op, std::span<const IoDesc> pieces, const SubmitOptio
   std::vector<std::unique_ptr<Task>> tasks;
   std::vector<Reservation> reserved;
   try {
+    for (const IoDesc& piece : pieces) {
+      if (piece.length > 0 && !piece.file.seekable()) {
+        ThrowIoError(ESPIPE,
+                     StrCat(NameOf(kIoOpNames, op, "write"),
+                            " (a FIFO, socket or terminal: it has no offsets to transfer at)"),
+                     piece.file.path(), piece.offset, piece.length);
+      }
+    }
     if (op == IoOp::kWrite) ReserveExtendingWrites(pieces, reserved);
     Planner planner(options_, submit, operation, tasks);
     for (uint32_t i = 0; i < pieces.size(); ++i) planner.Plan(i);

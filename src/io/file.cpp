@@ -23,6 +23,9 @@ struct File::Impl {
   int direct_fd = -1;
   bool writable = false;
   bool readable = true;
+  // False for a FIFO, socket or terminal: no offsets. io_uring and libaio would read such a file
+  // from wherever it is (waiting for a writer forever) and "write" to it bytes nobody reads.
+  bool seekable = true;
   std::string fallback_reason;
   uint32_t offset_align = 4096;
   uint32_t memory_align = 4096;
@@ -135,6 +138,10 @@ File File::OpenNamed(const std::string& path, const std::string& name, OpenMode 
   struct stat st {};
   if (fstat(impl->buffered_fd, &st) != 0) ThrowIoError(errno, "fstat", name);
   if (S_ISDIR(st.st_mode)) ThrowIoError(EISDIR, "open", name);
+  if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
+    // Asked of the file itself: some character devices (/dev/zero) have offsets, a tty has none.
+    impl->seekable = lseek(impl->buffered_fd, 0, SEEK_CUR) != -1 || errno != ESPIPE;
+  }
   if (status != nullptr) *status = st;
   if (!direct) return File{std::move(impl)};
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
@@ -189,6 +196,9 @@ bool File::writable() const {
 }
 bool File::readable() const {
   return impl().readable;
+}
+bool File::seekable() const {
+  return impl().seekable;
 }
 int File::buffered_fd() const {
   return impl().buffered_fd;

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <fstream>
 
@@ -1103,6 +1104,41 @@ TEST_P(EngineTest, AnErrorReservingAWritesRangeIsThrownByTheWait) {
   EXPECT_NO_THROW(engine.WaitAll());
   // Within the limit the engine writes as before.
   EXPECT_EQ(engine.Write(f, src.data(), 8192, 0).Wait().bytes, 8192u);
+}
+
+// A FIFO has no offsets: io_uring and libaio would read it from wherever it is (waiting for a
+// writer forever) and write bytes into it at no offset. Every backend fails both with ESPIPE, as
+// the operation's outcome, without waiting; what was written is nowhere.
+TEST_P(EngineTest, AFifoIsReadAndWrittenByNoBackend) {
+  const std::string fifo = dir_.File("fifo");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0);
+  // A reader holds the FIFO open, so that a write to it could go somewhere.
+  const int reader = open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(reader, 0);
+  File f = File::Open(fifo, OpenMode::kReadWrite, true);
+  EXPECT_FALSE(f.seekable());
+  Engine engine(Options());
+  AlignedBuffer buf(8192);
+  std::memset(buf.data(), 3, buf.size());
+  for (IoOp op : {IoOp::kRead, IoOp::kWrite}) {
+    Future future;
+    ASSERT_NO_THROW(future = engine.Submit(op, std::vector<IoDesc>{{f, buf.data(), 0, 8192}}));
+    try {
+      future.Wait();
+      ADD_FAILURE() << "a FIFO was transferred at an offset";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_code(), ESPIPE) << e.what();
+      EXPECT_EQ(e.path(), fifo);
+      EXPECT_NE(std::string(e.what()).find("FIFO"), std::string::npos) << e.what();
+    }
+  }
+  char byte;
+  EXPECT_EQ(read(reader, &byte, 1), -1);  // nothing was written into it
+  EXPECT_EQ(errno, EAGAIN);
+  close(reader);
+  // A regular file and /dev/zero have offsets.
+  EXPECT_TRUE(PatternFile("data", 4096, 1).seekable());
+  EXPECT_TRUE(File::Open("/dev/zero", OpenMode::kRead, true).seekable());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ class File {
   bool writable() const;
   // False for a file opened for writing that we may not read (opened O_WRONLY then).
   bool readable() const;
+  // False for a FIFO, socket or terminal (lseek gives ESPIPE): the engine's reads and writes of it
+  // fail with ESPIPE, whichever backend.
+  bool seekable() const;
   // Buffered descriptor (always valid while open).
   int buffered_fd() const;
   // O_DIRECT descriptor, or -1 when direct() is false.
