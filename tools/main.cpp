@@ -1,5 +1,6 @@
 // tensortier: checks a machine, benchmarks it, inspects files.
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -204,6 +205,9 @@ int RunTool(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A write past the file size limit (ulimit -f) fails with EFBIG, reported and cleaned up (no
+  // temporary file left), instead of killing the tool with SIGXFSZ; Python does the same.
+  std::signal(SIGXFSZ, SIG_IGN);
   const int rc = RunTool(argc, argv);
   // Output lost to a full disk must not pass for success (`bench --json > out.json`), as it
   // does not for GNU tools.

@@ -498,6 +498,25 @@ def test_convert_refuses_to_replace_what_is_not_a_regular_file(disk_dir: Path) -
     assert [p.name for p in disk_dir.rglob("*tmp*")] == []
 
 
+def test_convert_past_the_file_size_limit_fails_and_cleans_up(disk_dir: Path) -> None:
+    """Under `ulimit -f` the write fails with EFBIG: the tool reports it and removes its
+    temporary file instead of being killed by SIGXFSZ (which a shell reports as status 153)."""
+    import resource
+
+    src = disk_dir / "big.pt"
+    torch.save({"w": torch.randn(1 << 18)}, src)  # 1 MiB
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
+    dst = disk_dir / "big.safetensors"
+    r = subprocess.run([str(BIN), "convert", str(src), str(dst)], capture_output=True, text=True,
+                       timeout=300, preexec_fn=limit)  # the child's SIGXFSZ is the default one
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "File too large" in r.stderr and dst.name in r.stderr, r.stderr
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["big.pt"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root may replace a read-only file")
 def test_convert_keeps_a_read_only_targets_mode(disk_dir: Path) -> None:
     dst = disk_dir / "ro.safetensors"
