@@ -60,91 +60,106 @@ std::optional<std::string> DcpZipRecordsProblem(const ByteSource& item) {
   return "";
 }
 
+namespace {
+
+// One item of an open data file, its problems added to `report`.
+void CheckDcpItem(Engine& engine, const std::string& path, const File& file,
+                  const DcpStoredItem& item, DcpVerifyReport& report) {
+  const std::string where =
+      StrCat(path, ": item '", item.name, "' at ", Range(item.offset, item.length));
+  try {
+    if (item.offset > file.Size() || item.length > file.Size() - item.offset) {
+      report.problems.push_back(StrCat(where, ": past the end of the file (", file.Size(),
+                                       " bytes): the file is truncated"));
+      return;
+    }
+    if (item.transformed) {  // compressed, say: torch's reader with its extensions reads it
+      ++report.transformed;
+      return;
+    }
+    // A tensor's shape must be its chunk's as the metadata records it (the Reader's rule).
+    std::optional<DcpTensorItem> t;
+    if (!item.bytes) {
+      t = ReadDcpTensorItem(file, item.name, item.offset, item.length, item.chunk_sizes, item.fqn);
+    }
+    if (item.xxh64) {
+      // One pass: the item's xxh64, and its data's block sums where the metadata has them.
+      const bool blocks = t && !item.block_xxh64.empty();
+      StreamBuffers buffers(std::max<uint64_t>(1, std::min(item.length, kCheckpointGroupBytes)));
+      Xxh64State h;
+      BlockHasher block_sums;
+      uint64_t at = item.offset;
+      StreamRange(engine, file, item.offset, item.length, buffers, [&](std::byte* p, size_t n) {
+        h.Update(p, n);
+        if (blocks) {  // the part of [at, at + n) inside the data
+          const uint64_t begin = std::max(at, t->data_offset);
+          const uint64_t end = std::min(at + n, t->data_offset + t->nbytes);
+          if (begin < end) block_sums.Update(p + (begin - at), end - begin);
+        }
+        at += n;
+      });
+      const uint64_t actual = h.Digest();
+      ++report.checked;
+      // A damaged block of the data is named by its range (the Reader's rule), before the
+      // item's sum (which also covers the zip records around the data).
+      if (blocks) {
+        CheckDcpBlockXxh64s(where, item.block_xxh64, 0, block_sums.Finish(), t->data_offset,
+                            t->nbytes);
+      }
+      if (actual != *item.xxh64) {
+        report.problems.push_back(StrCat(where, ": its xxh64 is ", Hex16(actual),
+                                         ", the metadata records ", Hex16(*item.xxh64)));
+      }
+    } else if (t && t->crc32) {
+      StreamBuffers buffers(std::max<uint64_t>(1, std::min(t->nbytes, kCheckpointGroupBytes)));
+      uint32_t crc = 0;
+      StreamRange(engine, file, t->data_offset, t->nbytes, buffers,
+                  [&](std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
+      ++report.checked;
+      if (crc != *t->crc32) {
+        report.problems.push_back(StrCat(where, ": its data's CRC-32 is ", Hex8(crc),
+                                         ", its zip records ", Hex8(*t->crc32)));
+      }
+    } else if (const std::optional<std::string> problem =
+                   item.bytes ? DcpZipRecordsProblem(RangeSource(FileSource(file), item.name,
+                                                                 item.offset, item.length))
+                              : std::nullopt) {
+      ++report.checked;
+      if (!problem->empty()) report.problems.push_back(StrCat(where, ": ", *problem));
+    } else {
+      ++report.unchecked;
+    }
+  } catch (const FormatError& e) {
+    report.problems.push_back(e.what());
+  }
+}
+
+}  // namespace
+
 DcpVerifyReport VerifyDcpCheckpoint(Engine& engine, const std::string& dir,
                                     const DcpMetadata& metadata) {
   DcpVerifyReport report;
-  std::map<std::string, std::optional<File>> files;  // nullopt: could not be opened
+  // One file open at a time, its items in the metadata's order: a job of many ranks has more
+  // files than a low descriptor limit lets one hold open together.
+  std::vector<std::string> file_order;
+  std::map<std::string, std::vector<const DcpStoredItem*>> items_of;
   for (const DcpStoredItem& item : metadata.items) {
-    const std::string path = StrCat(dir, "/", item.relative_path);
-    auto [it, added] = files.try_emplace(item.relative_path);
-    if (added) {
-      try {
-        const std::string names[] = {item.name};
-        it->second = OpenDcpDataFile(path, names, /*direct=*/true);
-      } catch (const IoError& e) {
-        report.problems.push_back(e.what());
-      }
-    }
-    if (!it->second) continue;
-    const File& file = *it->second;
-    const std::string where =
-        StrCat(path, ": item '", item.name, "' at ", Range(item.offset, item.length));
+    std::vector<const DcpStoredItem*>& items = items_of[item.relative_path];
+    if (items.empty()) file_order.push_back(item.relative_path);
+    items.push_back(&item);
+  }
+  for (const std::string& relative_path : file_order) {
+    const std::vector<const DcpStoredItem*>& items = items_of[relative_path];
+    const std::string path = StrCat(dir, "/", relative_path);
+    std::optional<File> file;
     try {
-      if (item.offset > file.Size() || item.length > file.Size() - item.offset) {
-        report.problems.push_back(StrCat(where, ": past the end of the file (", file.Size(),
-                                         " bytes): the file is truncated"));
-        continue;
-      }
-      if (item.transformed) {  // compressed, say: torch's reader with its extensions reads it
-        ++report.transformed;
-        continue;
-      }
-      // A tensor's shape must be its chunk's as the metadata records it (the Reader's rule).
-      std::optional<DcpTensorItem> t;
-      if (!item.bytes) {
-        t = ReadDcpTensorItem(file, item.name, item.offset, item.length, item.chunk_sizes,
-                              item.fqn);
-      }
-      if (item.xxh64) {
-        // One pass: the item's xxh64, and its data's block sums where the metadata has them.
-        const bool blocks = t && !item.block_xxh64.empty();
-        StreamBuffers buffers(std::max<uint64_t>(1, std::min(item.length, kCheckpointGroupBytes)));
-        Xxh64State h;
-        BlockHasher block_sums;
-        uint64_t at = item.offset;
-        StreamRange(engine, file, item.offset, item.length, buffers, [&](std::byte* p, size_t n) {
-          h.Update(p, n);
-          if (blocks) {  // the part of [at, at + n) inside the data
-            const uint64_t begin = std::max(at, t->data_offset);
-            const uint64_t end = std::min(at + n, t->data_offset + t->nbytes);
-            if (begin < end) block_sums.Update(p + (begin - at), end - begin);
-          }
-          at += n;
-        });
-        const uint64_t actual = h.Digest();
-        ++report.checked;
-        // A damaged block of the data is named by its range (the Reader's rule), before the
-        // item's sum (which also covers the zip records around the data).
-        if (blocks) {
-          CheckDcpBlockXxh64s(where, item.block_xxh64, 0, block_sums.Finish(), t->data_offset,
-                              t->nbytes);
-        }
-        if (actual != *item.xxh64) {
-          report.problems.push_back(StrCat(where, ": its xxh64 is ", Hex16(actual),
-                                           ", the metadata records ", Hex16(*item.xxh64)));
-        }
-      } else if (t && t->crc32) {
-        StreamBuffers buffers(std::max<uint64_t>(1, std::min(t->nbytes, kCheckpointGroupBytes)));
-        uint32_t crc = 0;
-        StreamRange(engine, file, t->data_offset, t->nbytes, buffers,
-                    [&](std::byte* p, size_t n) { crc = Crc32(p, n, crc); });
-        ++report.checked;
-        if (crc != *t->crc32) {
-          report.problems.push_back(StrCat(where, ": its data's CRC-32 is ", Hex8(crc),
-                                           ", its zip records ", Hex8(*t->crc32)));
-        }
-      } else if (const std::optional<std::string> problem =
-                     item.bytes ? DcpZipRecordsProblem(RangeSource(FileSource(file), item.name,
-                                                                   item.offset, item.length))
-                                : std::nullopt) {
-        ++report.checked;
-        if (!problem->empty()) report.problems.push_back(StrCat(where, ": ", *problem));
-      } else {
-        ++report.unchecked;
-      }
-    } catch (const FormatError& e) {
+      const std::string names[] = {items.front()->name};
+      file = OpenDcpDataFile(path, names, /*direct=*/true);
+    } catch (const IoError& e) {
       report.problems.push_back(e.what());
+      continue;
     }
+    for (const DcpStoredItem* item : items) CheckDcpItem(engine, path, *file, *item, report);
   }
   return report;
 }

@@ -845,6 +845,28 @@ def test_cli_info_and_verify_read_dcp_directories(tmp_path: Path, writer: str) -
     assert name in bad.stderr and "'w'" in bad.stderr and "FAILED" in bad.stderr, bad.stderr
 
 
+def test_cli_verify_holds_one_data_file_open_at_a_time(tmp_path: Path) -> None:
+    """A checkpoint of more data files than the descriptor limit lets one hold open (a job of
+    many ranks; here stock's file per item) is verified whole under that limit."""
+    import resource
+
+    if not BIN.is_file():
+        pytest.skip(f"no tensortier binary at {BIN}")
+    ckpt = tmp_path / "many"
+    sd = {f"t{i}": torch.full((8,), float(i)) for i in range(96)}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(ckpt, single_file_per_rank=False),
+             no_dist=True)
+    assert len(list(ckpt.glob("*.distcp"))) == 96
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    ok = subprocess.run([str(BIN), "verify", str(ckpt)], capture_output=True, text=True,
+                        errors="replace", timeout=60, preexec_fn=limit)
+    assert ok.returncode == 0, ok.stderr
+    assert "DCP checkpoint OK (96 items checked" in ok.stdout, ok.stdout
+
+
 def test_cli_given_a_file_of_a_dcp_directory_names_the_directory(tmp_path: Path) -> None:
     ckpt, _ = single_process_checkpoint(tmp_path)
     for file in (ckpt / ".metadata", next(ckpt.glob("*.distcp"))):
