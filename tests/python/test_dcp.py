@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -703,6 +704,48 @@ def test_bytesio_values_load_as_torch_s_reader_loads_them(tmp_path: Path, writer
     got["log_steps"].seek(0)
     assert torch.load(got["log_steps"], weights_only=True) == [1.0, 2.0]
     assert io.BytesIO not in torch.serialization.get_safe_globals()  # allowed for the check only
+
+
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_empty_bytes_values_load_as_torch_s_reader_loads_them(tmp_path: Path, writer: str) -> None:
+    """An empty bytes value pickles as a call of bytes(), and an empty BytesIO holds one:
+    FileSystemReader loads both, so does Reader."""
+    ckpt = tmp_path / writer
+    dcp.save({"b": b"", "buf": io.BytesIO(), "full": b"xy"}, no_dist=True,
+             storage_writer=tdcp.Writer(ckpt) if writer == "ours" else dcp.FileSystemWriter(ckpt))
+    got: dict[str, Any] = {"b": None, "buf": None, "full": None}
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+    assert got["b"] == b"" and got["full"] == b"xy" and got["buf"].getvalue() == b""
+    assert bytes not in torch.serialization.get_safe_globals()  # allowed for the check only
+
+
+def test_readers_on_several_threads_leave_torch_s_allowed_globals_as_they_were(
+        tmp_path: Path) -> None:
+    """torch's allowed globals are one set for the process: readers checking values on several
+    threads at once neither refuse a value another one's check allowed for a moment, nor leave
+    io.BytesIO allowed afterwards."""
+    ckpt = tmp_path / "values"
+    dcp.save({f"v{i}": io.BytesIO(b"%d" % i) for i in range(20)}, no_dist=True,
+             storage_writer=tdcp.Writer(ckpt))
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for _ in range(10):
+                got: dict[str, Any] = {f"v{i}": None for i in range(20)}
+                dcp.load(got, storage_reader=tdcp.Reader(ckpt), no_dist=True)
+                assert [got[f"v{i}"].getvalue() for i in range(20)] == \
+                    [b"%d" % i for i in range(20)]
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert failures == [] and not any(t.is_alive() for t in threads)
+    assert io.BytesIO not in torch.serialization.get_safe_globals()
 
 
 def test_a_planner_with_its_own_load_bytes_gets_its_raw_bytes(tmp_path: Path) -> None:

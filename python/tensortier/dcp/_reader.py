@@ -9,6 +9,7 @@ import errno
 import hashlib
 import io
 import os
+import threading
 import uuid
 from typing import Any
 
@@ -44,16 +45,26 @@ def _unpickled_unchecked(planner: LoadPlanner, raw: bytes) -> bool:
     return raw.startswith(b"PK\x03\x04")
 
 
+# What DCP saves itself besides what torch.load(weights_only=True) allows: io.BytesIO values
+# (torchtitan's TrainState holds some) and bytes (an empty one pickles as a call of bytes()).
+_DCP_VALUE_GLOBALS = (io.BytesIO, bytes)
+# torch's allowed globals are one set for the process, changed by entering and leaving
+# safe_globals: readers on several threads add and remove theirs one at a time.
+_safe_globals_lock = threading.Lock()
+
+
 def _check_weights_only(raw: bytes, path: str, name: str) -> None:
     """ValueError naming the file and the value unless torch.load(weights_only=True) reads
-    `raw`, with ``io.BytesIO`` allowed (a value DCP itself saves: torchtitan's TrainState
-    holds some) besides what ``torch.serialization.safe_globals`` allows at the call."""
-    allowed = torch.serialization.get_safe_globals()
+    `raw`, with ``io.BytesIO`` and ``bytes`` allowed besides what
+    ``torch.serialization.safe_globals`` allows at the call."""
     try:
-        # (Not when the caller allowed it already: leaving the context would take it away.)
-        with (contextlib.nullcontext() if io.BytesIO in allowed
-              else torch.serialization.safe_globals([io.BytesIO])):
-            torch.load(io.BytesIO(raw), weights_only=True)
+        with _safe_globals_lock:
+            # Only those not allowed already: leaving the context takes away what it added.
+            missing = [g for g in _DCP_VALUE_GLOBALS
+                       if g not in torch.serialization.get_safe_globals()]
+            with (torch.serialization.safe_globals(missing) if missing
+                  else contextlib.nullcontext()):
+                torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as e:
         raise ValueError(
             f"{path}: the value {name} holds what torch.load(weights_only=True) refuses ({e}). "
