@@ -43,19 +43,6 @@ std::vector<NamedTensor> NamedTensors(const std::vector<TensorTuple>& tuples) {
   return out;
 }
 
-// Text as UTF-8 that keeps any lone surrogate (a file name's undecodable bytes, a pickle's
-// string), and back: what crosses comes back the same str.
-std::string Utf8(const py::str& text) {
-  return py::bytes(text.attr("encode")("utf-8", "surrogatepass"));
-}
-
-py::str FromUtf8(std::string_view text) {
-  PyObject* s =
-      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "surrogatepass");
-  if (s == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::str>(s);
-}
-
 // What mmap=True loads may still read ahead, in bytes.
 struct ReadaheadBudget {
   uint64_t left;

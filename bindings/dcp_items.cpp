@@ -322,8 +322,9 @@ py::tuple MetadataPickle(const py::dict& regular, const py::handle& tensor_type,
       });
     }
   }
+  // A path: its bytes that are not UTF-8 are lone surrogates, pickled as pickle does them.
   md.checkpoint_id =
-      py::str(py::module_::import("os").attr("fspath")(storage_meta.attr("checkpoint_id")));
+      Utf8(py::str(py::module_::import("os").attr("fspath")(storage_meta.attr("checkpoint_id"))));
   md.save_id = OptionalStr(storage_meta.attr("save_id"));
   md.load_id = OptionalStr(storage_meta.attr("load_id"));
   md.modules = storage_meta.attr("modules").cast<std::vector<std::string>>();

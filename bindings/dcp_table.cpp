@@ -112,7 +112,8 @@ void RegisterDcpTable(py::module_& m) {
           "storage_meta",
           [](const DcpMetadataTable& t) {
             const DcpMetadataContents& md = t.contents();
-            return py::make_tuple(md.checkpoint_id, md.save_id, md.load_id, md.modules, md.format);
+            return py::make_tuple(FromUtf8(md.checkpoint_id), md.save_id, md.load_id, md.modules,
+                                  md.format);
           },
           "(checkpoint_id, save_id, load_id, modules, tensortier_format) of the StorageMeta.")
       .def_property_readonly(

@@ -34,6 +34,19 @@ inline pybind11::str MessageToPython(std::string_view text) {
   return PathToPython(text);
 }
 
+// Text as UTF-8 that keeps any lone surrogate (a file name's undecodable bytes, a pickle's
+// string: pickle writes a str so), and back: what crosses comes back the same str.
+inline std::string Utf8(const pybind11::str& text) {
+  return pybind11::bytes(text.attr("encode")("utf-8", "surrogatepass"));
+}
+
+inline pybind11::str FromUtf8(std::string_view text) {
+  PyObject* s =
+      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "surrogatepass");
+  if (s == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::str>(s);
+}
+
 // `path` (str, bytes, os.PathLike) as a str that os.fsencode turns into its exact bytes (the
 // fspath() of the Python API); TypeError naming `what` and the types accepted.
 pybind11::str FsPathArgument(const pybind11::handle& path, const std::string& what,

@@ -66,13 +66,10 @@ class Decoder {
   Decoder(std::string_view data, const std::string& what) : data_(data), what_(what) {}
 
   // A string the writer took from Python: valid UTF-8.
-  std::string Text() {
+  // UTF-8, lone surrogates allowed where `surrogates` (as the pickle's string it stands for).
+  std::string Text(bool surrogates = false) {
     std::string s = Str();
-    try {
-      JsonQuote(s);
-    } catch (const std::invalid_argument&) {
-      Fail("a string that is not UTF-8");
-    }
+    if (!IsUtf8(s, surrogates)) Fail("a string that is not UTF-8");
     return s;
   }
   std::optional<std::string> OptText() {
@@ -223,7 +220,7 @@ std::optional<DcpMetadataContents> ReadDcpMetadataIndex(std::string_view data,
   Decoder p(payload, what);
   DcpMetadataContents md;
   md.version = p.Text();
-  md.checkpoint_id = p.Text();
+  md.checkpoint_id = p.Text(/*surrogates=*/true);  // a path
   md.save_id = p.OptText();
   md.load_id = p.OptText();
   md.modules.resize(p.Count(4));

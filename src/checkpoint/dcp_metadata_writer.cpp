@@ -21,11 +21,11 @@ namespace {
 
 constexpr std::string_view kMetadataModule = "torch.distributed.checkpoint.metadata";
 
-// Python's unpickler decodes BINUNICODE strictly: a string must be UTF-8.
-void CheckUtf8(std::string_view s, std::string_view what) {
-  try {
-    JsonQuote(s);
-  } catch (const std::invalid_argument&) {
+// Python's unpickler decodes BINUNICODE as UTF-8 with "surrogatepass": a string must be UTF-8,
+// lone surrogates allowed where `surrogates` (a path's bytes that are not UTF-8, which Python
+// holds as lone surrogates and pickle writes so). State dict keys stay strict UTF-8.
+void CheckUtf8(std::string_view s, std::string_view what, bool surrogates = false) {
+  if (!IsUtf8(s, surrogates)) {
     throw std::invalid_argument(StrCat("DCP metadata: ", what, " is not valid UTF-8"));
   }
 }
@@ -72,8 +72,8 @@ class MetadataEmitter {
   }
   // A dict's field name: one interned string in Python, memoized once.
   void Key(std::string_view name) { e_.SharedStr(name); }
-  void Text(std::string_view s, std::string_view what) {
-    CheckUtf8(s, what);
+  void Text(std::string_view s, std::string_view what, bool surrogates = false) {
+    CheckUtf8(s, what, surrogates);
     e_.Str(s);
   }
   void OptionalText(const std::optional<std::string>& s, std::string_view what) {
@@ -209,7 +209,7 @@ class MetadataEmitter {
       Fields([&] {
         Key("checkpoint_id");
         e_.Global("pathlib", "PosixPath");
-        Text(md.checkpoint_id, "the checkpoint id");
+        Text(md.checkpoint_id, "the checkpoint id", /*surrogates=*/true);
         e_.TupleEnd(1);
         e_.Op('R');
         e_.Put();

@@ -173,6 +173,30 @@ def test_one_process_saves_what_the_default_planner_saves(tmp_path: Path) -> Non
     assert verified.returncode == 0 and "DCP checkpoint OK" in verified.stdout, verified
 
 
+def test_a_directory_whose_name_is_not_utf8_saves_and_loads(tmp_path: Path) -> None:
+    """The checkpoint's id (its path) is pickled as pickle writes any str: a name's bytes that
+    are not UTF-8 (lone surrogates in Python) come back as they were, with torch's reader too."""
+    import os
+
+    ckpt = tmp_path / os.fsdecode(b"step-\xff")
+    dcp.save(state(), storage_writer=tdcp.Writer(ckpt), planner=tdcp.SavePlanner(), no_dist=True)
+    assert (ckpt / ".metadata").is_file() and len(list(ckpt.glob("*.distcp"))) == 1
+    md = metadata_of(ckpt)
+    assert os.fspath(md.storage_meta.checkpoint_id) == str(ckpt)
+    assert md.state_dict_metadata == metadata_of_default(tmp_path).state_dict_metadata
+    load_into_zeros(ckpt)
+    load_into_zeros(ckpt, dcp.FileSystemReader(ckpt))
+    got = state()  # through the index tensortier's reader keeps
+    dcp.load(got, storage_reader=tdcp.Reader(ckpt), planner=tdcp.LoadPlanner(), no_dist=True)
+    assert os.fspath(tdcp.Reader(ckpt).read_metadata().storage_meta.checkpoint_id) == str(ckpt)
+
+
+def metadata_of_default(tmp_path: Path) -> Any:
+    default = tmp_path / "default-planner"
+    dcp.save(state(), storage_writer=tdcp.Writer(default), no_dist=True)
+    return metadata_of(default)
+
+
 def test_the_returned_metadata_of_a_replaced_checkpoint_says_so(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     first = dcp.save({"w": torch.ones(3)}, storage_writer=tdcp.Writer(ckpt),
@@ -181,6 +205,26 @@ def test_the_returned_metadata_of_a_replaced_checkpoint_says_so(tmp_path: Path) 
              no_dist=True)
     with pytest.raises(FileNotFoundError, match="another save replaced it"):
         first.state_dict_metadata
+
+
+def test_its_arguments_are_default_save_planner_s(tmp_path: Path) -> None:
+    """Code that passes DefaultSavePlanner's arguments, by position or name, passes them here;
+    with plan caching it plans as the default (from its cache the second time)."""
+    import inspect
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    ours, default = (inspect.signature(c).parameters for c in (tdcp.SavePlanner,
+                                                               DefaultSavePlanner))
+    assert [(p.name, p.default) for p in ours.values()] == [
+        (p.name, p.default) for p in default.values()]
+    for step in range(2):
+        ckpt = tmp_path / f"cached-{step}"
+        planner = tdcp.SavePlanner(True, True, None, False, True)
+        dcp.save(state(), storage_writer=tdcp.Writer(ckpt), planner=planner, no_dist=True)
+        assert not planner._lists  # noqa: SLF001 - the default's plans, which its cache holds
+        load_into_zeros(ckpt)
+        load_into_zeros(ckpt, dcp.FileSystemReader(ckpt))
 
 
 def test_with_another_storage_writer_it_plans_as_the_default(tmp_path: Path) -> None:

@@ -82,20 +82,28 @@ class SavePlanner(DefaultSavePlanner):
     ``lookup_object`` or ``transform_object``, it plans as ``DefaultSavePlanner`` does. The
     ``Metadata`` it returns from ``create_global_plan`` makes its entries' objects when
     something looks into them (then the Writer pickles those); the one ``dcp.save`` returns reads
-    the checkpoint's ``.metadata`` when first looked into: once another save replaced the
-    checkpoint, looking into it raises ``FileNotFoundError``.
+    the checkpoint's ``.metadata`` when first looked into (at its path then): once another save
+    replaced the checkpoint, or the directory was moved or removed, looking into it raises
+    ``FileNotFoundError`` (looked into once before, it keeps what it read).
 
     Args:
         flatten_state_dict: ``DefaultSavePlanner``'s.
         flatten_sharded_tensors: ``DefaultSavePlanner``'s.
+        dedup_replicated_tensors: ``DefaultSavePlanner``'s (deprecated there, no effect).
         dedup_save_to_lowest_rank: ``DefaultSavePlanner``'s.
+        enable_plan_caching: ``DefaultSavePlanner``'s. Its cache holds the default plans' objects:
+            with it, this planner plans as ``DefaultSavePlanner`` does.
     """
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
-                 dedup_save_to_lowest_rank: bool = False) -> None:
+                 dedup_replicated_tensors: bool | None = None,
+                 dedup_save_to_lowest_rank: bool = False,
+                 enable_plan_caching: bool = False) -> None:
         super().__init__(flatten_state_dict=flatten_state_dict,
                          flatten_sharded_tensors=flatten_sharded_tensors,
-                         dedup_save_to_lowest_rank=dedup_save_to_lowest_rank)
+                         dedup_replicated_tensors=dedup_replicated_tensors,
+                         dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
+                         enable_plan_caching=enable_plan_caching)
         self._plain: tuple[Any, ...] | None = None  # create_local_plan's lists
         self._plain_tensors: list[Any] = []
         self._lists = False  # whether the storage writer is ours (it reads the lists)
@@ -105,9 +113,11 @@ class SavePlanner(DefaultSavePlanner):
         """``DefaultSavePlanner``'s; notes whether the storage writer is a tensortier one (and
         the values are resolved as by default)."""
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self._lists = getattr(storage_meta, "tensortier_format", None) is not None and (
-            _default_hooks(self, DefaultSavePlanner,
-                           ("resolve_data", "lookup_object", "transform_object")))
+        self._lists = (
+            getattr(storage_meta, "tensortier_format", None) is not None
+            and not self._enable_plan_caching
+            and _default_hooks(self, DefaultSavePlanner,
+                               ("resolve_data", "lookup_object", "transform_object")))
 
     def create_local_plan(self) -> SavePlan:
         """The default plan of the state dict's other values, with its plain tensors as lists."""
