@@ -1026,6 +1026,70 @@ def test_an_index_of_more_shards_than_descriptors_left_is_read_one_by_one(
     assert r.stdout.split() == ["60", str(float(sum(range(60))))]
 
 
+def _index_of_one_tensor_per_shard(d: Path, fmt: str, n: int) -> Path:
+    """An index of `n` shards of `fmt` (safetensors ones with checksums), shard i holding t<i>,
+    3 values of i."""
+    weight_map = {}
+    ext = "safetensors" if fmt == "safetensors" else "bin"
+    for i in range(n):
+        shard = f"s{i}.{ext}"
+        tensortier.save({f"t{i}": torch.full((3,), float(i))}, d / shard, format=fmt,
+                        checksum=fmt == "safetensors")
+        weight_map[f"t{i}"] = shard
+    index = d / f"model.{ext}.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_load_into_an_index_of_more_shards_than_descriptors_left(disk_dir: Path,
+                                                                 fmt: str) -> None:
+    """load_into holds each shard open from its parse to its reads only where all fit: with
+    fewer descriptors left than shards, each is opened again for its reads (and checked)."""
+    index = _index_of_one_tensor_per_shard(disk_dir, fmt, 60)
+    code = (
+        "import os, resource, sys, torch, tensortier\n"
+        "targets = {f't{i}': torch.zeros(3) for i in range(60)}\n"
+        "tensortier.load_into(targets, sys.argv[1])  # the engine's descriptors made first\n"
+        "n = len(os.listdir('/proc/self/fd')) + 20\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))\n"
+        "targets = {f't{i}': torch.zeros(3) for i in range(60)}\n"
+        "tensortier.load_into(targets, sys.argv[1], verify=True)\n"
+        "print(len(os.listdir('/proc/self/fd')) <= n - 20 + 1,\n"
+        "      sum(float(t.sum()) for t in targets.values()))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(index)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["True", str(3.0 * sum(range(60)))]
+
+
+def test_load_into_a_shard_replaced_between_its_parse_and_its_reads_is_an_error(
+        disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With too many shards to hold open, a shard is closed once parsed: if another save
+    replaces it before its reads, the load stops (EAGAIN, naming it) instead of reading the
+    new file's bytes at the old file's offsets."""
+    from tensortier.checkpoint import _reading, loading_into
+
+    monkeypatch.setattr(_reading, "_MAX_PREOPENED", 1)
+    index = _index_of_one_tensor_per_shard(disk_dir, "safetensors", 3)
+    real = loading_into._describe_file
+
+    def describe_then_replace(kind: str, path: str, *args: Any) -> Any:
+        out = real(kind, path, *args)
+        if path.endswith("s1.safetensors"):
+            from safetensors.torch import save_file
+            save_file({"t1": torch.full((3,), 7.0), "pad": torch.ones(100)}, path + ".new")
+            os.rename(path + ".new", path)
+        return out
+
+    monkeypatch.setattr(loading_into, "_describe_file", describe_then_replace)
+    targets = {f"t{i}": torch.zeros(3) for i in range(3)}
+    with pytest.raises(OSError, match="replaced by another save") as e:
+        tensortier.load_into(targets, index)
+    assert e.value.errno == errno.EAGAIN and e.value.filename == str(disk_dir / "s1.safetensors")
+    assert not torch.equal(targets["t1"], torch.full((3,), 7.0))
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_hf_index(disk_dir: Path, fmt: str) -> None:
     sd = make_shards(disk_dir, fmt)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -108,7 +110,7 @@ def load_into(
     _require("check_load_into_targets")(meta)
     io = _io if _io is not None else _engine._default_io()
     fspath = _fspath(path)
-    files: dict[str, File] = {}  # opened once: what is parsed is what is read
+    files = _Files(io)  # opened once: what is parsed is what is read
     try:
         saved_states: dict[str, Any] = {}  # extra states the file holds as other objects
         saved_versions: dict[str, Any] = {}  # module prefix -> version, from `_metadata`
@@ -140,8 +142,7 @@ def load_into(
         damaged = next((p for p in files if p in str(e)), fspath)
         raise _as_damaged(e, damaged, None) from None
     finally:
-        for f in files.values():
-            f.close()
+        files.close()
     for name, module in extra_states.items():
         if name in saved_states:
             module.set_extra_state(saved_states[name])
@@ -190,22 +191,99 @@ class _Source:
     view: Any = None  # torch: a meta tensor describing the saved view
 
 
+class _Files:
+    """The files a load_into reads, by path, each open from its parse to its reads so that what
+    is parsed is what is read; except the shards of an index of more than can be held open
+    together (see _opened_together): each is closed once parsed, and opened again for its
+    reads, refused if it is no longer the file parsed."""
+
+    def __init__(self, io: IOHandle) -> None:
+        self._io = io
+        self.held: dict[str, File] = {}
+        self._parsed: dict[str, tuple[int, ...]] = {}  # closed once parsed: what it was
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.held
+        yield from self._parsed
+
+    def to_parse(self, path: str) -> File:
+        """`path` open (opened now unless it is held already)."""
+        if path not in self.held:
+            self.held[path] = _open_checkpoint(self._io, path)
+        return self.held[path]
+
+    def parsed(self, path: str) -> None:
+        """`path` is parsed and is not to be held open until its reads: closed."""
+        file = self.held.pop(path)
+        try:
+            self._parsed[path] = _version(os.fstat(file.fileno()))
+        finally:
+            file.close()
+
+    def all_held(self) -> bool:
+        """Whether every file is open (its reads may go together)."""
+        return not self._parsed
+
+    @contextlib.contextmanager
+    def to_read(self, path: str) -> Iterator[Mapping[str, File]]:
+        """`path` open for its reads (by path, in a mapping): the one held, or opened again."""
+        if path in self.held:
+            yield self.held
+            return
+        file = _open_checkpoint(self._io, path)
+        try:
+            if _version(os.fstat(file.fileno())) != self._parsed[path]:
+                raise OSError(errno.EAGAIN, f"{path}: replaced by another save after its "
+                              "header was read (too many shards to hold open together); load "
+                              "it again once the saves into its directory have ended", path)
+            yield {path: file}
+        finally:
+            file.close()
+
+    def close(self) -> None:
+        """Every file held closed."""
+        for file in self.held.values():
+            file.close()
+        self.held.clear()
+
+
+def _version(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one version of a file from the next."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _describe_sources(
-    path: str, io: IOHandle, files: dict[str, File], verify: bool = False,
+    path: str, io: IOHandle, files: _Files, verify: bool = False,
     extra_names: frozenset[str] = frozenset(), saved_states: dict[str, Any] | None = None,
     saved_versions: dict[str, Any] | None = None, values: dict[str, _Source] | None = None,
+    hold: bool = True,
 ) -> dict[str, _Source]:
     """The tensors of `path` (an index: of its shards), each file parsed through its descriptor
-    in `files`; non-tensor values of `extra_names` go into `saved_states`, the module versions
-    of a torch file's ``_metadata`` into `saved_versions`, other non-tensor values into
-    `values` (as a _Source whose dtype is their type's name; ValueError without `values`)."""
+    in `files` (and held open there unless `hold` is false); non-tensor values of `extra_names`
+    go into `saved_states`, the module versions of a torch file's ``_metadata`` into
+    `saved_versions`, other non-tensor values into `values` (as a _Source whose dtype is their
+    type's name; ValueError without `values`)."""
     kind = _sniff(path)
     if kind == "index":
+        # The shards are held open until read where _each_shard could open them all together.
         return _each_shard(path, lambda shard, _: _describe_sources(
-            shard, io, files, verify, extra_names, saved_states, saved_versions, values), io)
-    if path not in files:
-        files[path] = _open_checkpoint(io, path)
-    file = files[path]
+            shard, io, files, verify, extra_names, saved_states, saved_versions, values,
+            hold=_reading._preopened.get() is not None), io)
+    file = files.to_parse(path)
+    try:
+        return _describe_file(kind, path, io, file, verify, extra_names, saved_states,
+                              saved_versions, values)
+    finally:
+        if not hold:
+            files.parsed(path)
+
+
+def _describe_file(
+    kind: str, path: str, io: IOHandle, file: File, verify: bool, extra_names: frozenset[str],
+    saved_states: dict[str, Any] | None, saved_versions: dict[str, Any] | None,
+    values: dict[str, _Source] | None,
+) -> dict[str, _Source]:
+    """_describe_sources of one file (not an index), `file` open."""
     if kind == "safetensors":
         entries, metadata = _same_file(
             file, path, lambda name: safetensors._read_st_header(name, verify)
@@ -268,7 +346,7 @@ def _describe_sources(
 
 def _load_into(
     targets: dict[str, Any], sources: dict[str, _Source], strict: bool, verify: bool,
-    progress: bool | None, io: IOHandle, path: str, files: Mapping[str, File],
+    progress: bool | None, io: IOHandle, path: str, files: _Files,
     target_name: str = "dict", explain: Callable[[Sequence[str]], str] | None = None,
 ) -> IncompatibleKeys:
     torch = _torch()
@@ -283,57 +361,90 @@ def _load_into(
             + (explain((missing + unexpected) if strict else []) if explain else "")
         )
 
-    direct: list[_Piece] = []  # read straight into the target's memory
-    staged: list[_Staged] = []  # read into a temporary, then copied (and converted) into it
-    crc_refs: dict[tuple[str, str], _StorageRef] = {}
-    for k in reads:  # tied weights: only the name load_state_dict's value comes from
-        t, src = targets[k], sources[k]
-        f = files[src.path]
-        if src.view is not None and src.crc_storage is not None:
-            # a non-contiguous saved view: read its whole storage, then copy the view out
-            ref = src.crc_storage
-            staged.append(_Staged(_Piece(ref.record.name, f, ref.record.offset, ref.nbytes, None,
-                                         ("crc32", ref.record.crc32) if verify else None),
-                                  t, src.view, "cpu"))
-            continue
-        check: tuple[str, int | None] | None = None
-        if verify and src.crc_storage is not None:
-            ref = src.crc_storage
-            if src.offset == ref.record.offset and src.nbytes == ref.nbytes:
-                check = ("crc32", ref.record.crc32)
-            else:  # the CRC covers more than this tensor: checked on its own afterwards
-                crc_refs[(ref.path, ref.key)] = ref
-        elif verify:
-            if src.checksum is None:
-                safetensors._parse_checksums(src.path, {}, [])  # raises: the file stores none
-            check = ("xxh64", None if src.checksum == -1 else src.checksum)
-        # A CRC-32 is a zip record's: a mismatch names the record.
-        name = src.crc_storage.record.name if check and check[0] == "crc32" else k
-        if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: engine's ring/GDS
-            direct.append(_Piece(name, f, src.offset, src.nbytes, t.detach(), check))
-        else:
-            # A [1] entry for a 0-dim target (load_state_dict's rule): its one value, as a 0-dim.
-            shape = () if t.dim() == 0 else src.shape
-            staged.append(_Staged(_Piece(name, f, src.offset, src.nbytes, None, check), t,
-                                  torch.empty(shape, dtype=src.dtype, device="meta"), t.device))
-    total = sum(p.nbytes for p in direct) + sum(s.nbytes for s in staged)
+    # The reads of every file together where all are open; else file by file, each opened
+    # again for its reads.
+    by_file: dict[str, list[str]] = {}
+    for k in reads:
+        by_file.setdefault("" if files.all_held() else sources[k].path, []).append(k)
+    plans = {p: _ReadPlan(keys, targets, sources, verify) for p, keys in by_file.items()}
+    total = sum(plan.nbytes for plan in plans.values())
     with _Progress(f"loading {os.path.basename(path)}", total, progress) as prog, \
             torch.no_grad():
-        _reading._read_pieces(io, direct, prog, path)
+        for file_path, plan in plans.items():
+            with (contextlib.nullcontext(files.held) if not file_path
+                  else files.to_read(file_path)) as opened:
+                plan.read(io, opened, prog, path)
+    return IncompatibleKeys(missing, unexpected)
+
+
+class _ReadPlan:
+    """The reads of targets `keys` from their sources: straight into the target's memory, or
+    into a temporary, then copied (and converted) into it; and the storage records they do not
+    cover whole, checked afterwards (verify). Pieces name their file by path until read."""
+
+    def __init__(self, keys: Sequence[str], targets: Mapping[str, Any],
+                 sources: Mapping[str, _Source], verify: bool) -> None:
+        torch = _torch()
+        self.direct: list[_Piece] = []
+        self.staged: list[_Staged] = []
+        self.crc_refs: dict[tuple[str, str], _StorageRef] = {}
+        for k in keys:  # tied weights: only the name load_state_dict's value comes from
+            t, src = targets[k], sources[k]
+            if src.view is not None and src.crc_storage is not None:
+                # a non-contiguous saved view: read its whole storage, then copy the view out
+                ref = src.crc_storage
+                self.staged.append(_Staged(
+                    _Piece(ref.record.name, src.path, ref.record.offset, ref.nbytes, None,
+                           ("crc32", ref.record.crc32) if verify else None),
+                    t, src.view, "cpu"))
+                continue
+            check: tuple[str, int | None] | None = None
+            if verify and src.crc_storage is not None:
+                ref = src.crc_storage
+                if src.offset == ref.record.offset and src.nbytes == ref.nbytes:
+                    check = ("crc32", ref.record.crc32)
+                else:  # the CRC covers more than this tensor: checked on its own afterwards
+                    self.crc_refs[(ref.path, ref.key)] = ref
+            elif verify:
+                if src.checksum is None:
+                    safetensors._parse_checksums(src.path, {}, [])  # raises: the file stores none
+                check = ("xxh64", None if src.checksum == -1 else src.checksum)
+            # A CRC-32 is a zip record's: a mismatch names the record.
+            name = src.crc_storage.record.name if check and check[0] == "crc32" else k
+            if t.is_contiguous() and t.dtype == src.dtype:  # CPU: in place; CUDA: ring/GDS
+                self.direct.append(_Piece(name, src.path, src.offset, src.nbytes, t.detach(),
+                                          check))
+            else:
+                # A [1] entry for a 0-dim target (load_state_dict's rule): its one value, as a
+                # 0-dim.
+                shape = () if t.dim() == 0 else src.shape
+                self.staged.append(_Staged(
+                    _Piece(name, src.path, src.offset, src.nbytes, None, check), t,
+                    torch.empty(shape, dtype=src.dtype, device="meta"), t.device))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.direct) + sum(s.nbytes for s in self.staged)
+
+    def read(self, io: IOHandle, files: Mapping[str, File], prog: _Progress, path: str) -> None:
+        """Every read, from `files` (by path)."""
+        torch = _torch()
+        for piece in [*self.direct, *(s.piece for s in self.staged)]:
+            piece.file = files[piece.file]
+        _reading._read_pieces(io, self.direct, prog, path)
         # Temporaries a group at a time: the extra memory is one group (or one tensor), plus,
         # for CUDA targets with verify, two pinned buffers of the largest piece.
-        for group in _byte_groups(staged):
+        for group in _byte_groups(self.staged):
             for s in group:
                 s.piece.dest = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device)
             _reading._read_pieces(io, [s.piece for s in group], prog, path)
             for s in group:
                 s.finish()
-    # Storage records the tensors read do not cover whole (a CRC-32 covers the whole record):
-    # streamed again by the pipeline through bounded buffers and checked.
-    for r in crc_refs.values():
-        _require("check_records")(io._core(), files[r.path], r.path, [  # noqa: SLF001
-            (r.record.name, r.record.offset, r.nbytes, r.record.crc32)])
-    return IncompatibleKeys(missing, unexpected)
+        # Storage records the tensors read do not cover whole (a CRC-32 covers the whole
+        # record): streamed again by the pipeline through bounded buffers and checked.
+        for r in self.crc_refs.values():
+            _require("check_records")(io._core(), files[r.path], r.path, [  # noqa: SLF001
+                (r.record.name, r.record.offset, r.nbytes, r.record.crc32)])
 
 
 @dataclass
