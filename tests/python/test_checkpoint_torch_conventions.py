@@ -423,3 +423,24 @@ def test_mmap_with_the_meta_device_loads_meta_tensors_as_torch_load_does(
     if name.endswith(".pt"):
         theirs = torch.load(path, map_location="meta", mmap=True)["w"]
         assert theirs.is_meta and theirs.shape == got.shape
+
+
+def test_a_file_object_too_large_to_copy_into_memory_says_so() -> None:
+    """A file object is read through a copy in a memory file, which ulimit -f limits as any
+    file: the EFBIG names that copy, not a file of the caller's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import errno, io, resource, torch, tensortier\n"
+        "buf = io.BytesIO()\n"
+        "torch.save({'w': torch.randn(1 << 18)}, buf)\n"
+        "buf.seek(0)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))\n"
+        "try:\n"
+        "    tensortier.load(buf)\n"
+        "except OSError as e:\n"
+        "    print(e.errno == errno.EFBIG, 'into memory' in str(e) and 'ulimit -f' in str(e))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["True", "True"], r.stdout
