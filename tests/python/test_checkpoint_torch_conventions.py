@@ -3,7 +3,9 @@ conventions: their errors, map_location and weights_only, file-like objects."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -423,6 +425,25 @@ def test_mmap_with_the_meta_device_loads_meta_tensors_as_torch_load_does(
     if name.endswith(".pt"):
         theirs = torch.load(path, map_location="meta", mmap=True)["w"]
         assert theirs.is_meta and theirs.shape == got.shape
+
+
+def test_a_file_object_s_own_read_error_is_raised_as_it_is() -> None:
+    """Only the memory file's errors are said to be the copy's: an EIO reading the caller's
+    stream was relabelled as one of the copy, its file name dropped."""
+    import io
+
+    class FailingStream(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b: Any) -> int:
+            raise OSError(errno.EIO, "Input/output error", "/mnt/nfs/model.pt")
+
+    for stream in (FailingStream(), io.BufferedReader(FailingStream())):
+        with pytest.raises(OSError) as e:
+            tensortier.load(stream)
+        assert e.value.errno == errno.EIO and e.value.filename == "/mnt/nfs/model.pt"
+        assert "into memory" not in str(e.value)
 
 
 def test_a_file_object_too_large_to_copy_into_memory_says_so() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,16 +26,20 @@ def _memfd_copy(stream: Any) -> Iterator[str]:
     """`stream` from its position to its end in anonymous memory, as a path the engine opens."""
     fd = os.memfd_create("tensortier-load", os.MFD_CLOEXEC)
     try:
-        try:
-            with open(fd, "wb", closefd=False) as out:
-                shutil.copyfileobj(stream, out, _STREAM_CHUNK)
-        except OSError as e:
-            if e.errno is None:
-                raise
-            # A write into the memory file: say so (not a file of the caller's).
-            raise OSError(e.errno, f"{e.strerror}: copying the file object into memory to "
-                          "read it failed (a memory file is limited by memory and, as any "
-                          "file, by ulimit -f); load from a path instead") from e
+        while True:
+            chunk = stream.read(_STREAM_CHUNK)  # the caller's errors, as they are
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                try:
+                    view = view[os.write(fd, view):]
+                except OSError as e:
+                    # The memory file's: say so (not a file of the caller's).
+                    raise OSError(e.errno, f"{e.strerror}: copying the file object into "
+                                  "memory to read it failed (a memory file is limited by "
+                                  "memory and, as any file, by ulimit -f); load from a path "
+                                  "instead") from e
         yield f"/proc/self/fd/{fd}"
     finally:
         os.close(fd)
