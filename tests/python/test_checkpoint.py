@@ -16,6 +16,7 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1063,28 +1064,38 @@ def test_load_into_an_index_of_more_shards_than_descriptors_left(disk_dir: Path,
     assert r.stdout.split() == ["True", str(3.0 * sum(range(60)))]
 
 
+@pytest.mark.parametrize("change", ["replaced", "removed", "chmod"])
 def test_load_into_a_shard_replaced_between_its_parse_and_its_reads_is_an_error(
-        disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        disk_dir: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
     """With too many shards to hold open, a shard is closed once parsed: if another save
-    replaces it before its reads, the load stops (EAGAIN, naming it) instead of reading the
-    new file's bytes at the old file's offsets."""
+    replaces or removes it before its reads, the load stops (EAGAIN, naming it) instead of
+    reading the new file's bytes at the old file's offsets. A removed shard raised
+    FileNotFoundError; a chmod (which moves only the file's ctime) was taken for a new file."""
     from tensortier.checkpoint import _reading, loading_into
 
     monkeypatch.setattr(_reading, "_MAX_PREOPENED", 1)
     index = _index_of_one_tensor_per_shard(disk_dir, "safetensors", 3)
-    real = loading_into._describe_file
+    real = loading_into._Files.parsed
 
-    def describe_then_replace(kind: str, path: str, *args: Any) -> Any:
-        out = real(kind, path, *args)
+    def parsed_then_change(files: Any, path: str) -> None:
+        real(files, path)  # closed, what it was noted
         if path.endswith("s1.safetensors"):
-            from safetensors.torch import save_file
-            save_file({"t1": torch.full((3,), 7.0), "pad": torch.ones(100)}, path + ".new")
-            os.rename(path + ".new", path)
-        return out
+            if change == "replaced":
+                from safetensors.torch import save_file
+                save_file({"t1": torch.full((3,), 7.0), "pad": torch.ones(100)}, path + ".new")
+                os.rename(path + ".new", path)
+            elif change == "removed":
+                os.unlink(path)
+            else:
+                os.chmod(path, 0o600)
 
-    monkeypatch.setattr(loading_into, "_describe_file", describe_then_replace)
+    monkeypatch.setattr(loading_into._Files, "parsed", parsed_then_change)
     targets = {f"t{i}": torch.zeros(3) for i in range(3)}
-    with pytest.raises(OSError, match="replaced by another save") as e:
+    if change == "chmod":
+        tensortier.load_into(targets, index)
+        assert torch.equal(targets["t1"], tensortier.load(disk_dir / "s1.safetensors")["t1"])
+        return
+    with pytest.raises(OSError, match=f"{change} by another save") as e:
         tensortier.load_into(targets, index)
     assert e.value.errno == errno.EAGAIN and e.value.filename == str(disk_dir / "s1.safetensors")
     assert not torch.equal(targets["t1"], torch.full((3,), 7.0))

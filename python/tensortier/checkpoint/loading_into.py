@@ -230,12 +230,15 @@ class _Files:
         if path in self.held:
             yield self.held
             return
-        file = _open_checkpoint(self._io, path)
+        advice = ("after its header was read (too many shards to hold open together); load it "
+                  "again once the saves into its directory have ended")
+        try:
+            file = _open_checkpoint(self._io, path)
+        except FileNotFoundError as e:
+            raise OSError(errno.EAGAIN, f"{path}: removed by another save {advice}", path) from e
         try:
             if _version(os.fstat(file.fileno())) != self._parsed[path]:
-                raise OSError(errno.EAGAIN, f"{path}: replaced by another save after its "
-                              "header was read (too many shards to hold open together); load "
-                              "it again once the saves into its directory have ended", path)
+                raise OSError(errno.EAGAIN, f"{path}: replaced by another save {advice}", path)
             yield {path: file}
         finally:
             file.close()
@@ -248,8 +251,9 @@ class _Files:
 
 
 def _version(st: os.stat_result) -> tuple[int, ...]:
-    """What tells one version of a file from the next."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    """What tells one version of a file's bytes from the next (not its ctime, which a chmod or
+    a new hard link, by a backup tool say, moves)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _describe_sources(
