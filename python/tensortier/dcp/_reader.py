@@ -49,7 +49,9 @@ def _unpickled_unchecked(planner: LoadPlanner, raw: bytes) -> bool:
 # (torchtitan's TrainState holds some) and bytes (an empty one pickles as a call of bytes()).
 _DCP_VALUE_GLOBALS = (io.BytesIO, bytes)
 # torch's allowed globals are one set for the process, changed by entering and leaving
-# safe_globals: readers on several threads add and remove theirs one at a time.
+# safe_globals: our readers on several threads add and remove theirs one at a time. Other code
+# changing the set meanwhile is not held off (torch has no lock for it): its own torch.load may
+# see these two allowed for that moment.
 _safe_globals_lock = threading.Lock()
 
 
