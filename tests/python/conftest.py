@@ -217,7 +217,7 @@ def alarm_interrupt():  # type: ignore[no-untyped-def]
 INTERRUPTED_POINTS = """
 import sys, dis
 _SIGNAL_POINTS = {dis.opmap[name] for name in ("RESUME", "JUMP_BACKWARD") if name in dis.opmap}
-_CALLS = {dis.opmap[name] for name in ("CALL", "CALL_FUNCTION_EX") if name in dis.opmap}
+_CALLS = {dis.opmap[name] for name in ("CALL", "CALL_KW", "CALL_FUNCTION_EX") if name in dis.opmap}
 def interrupted_at(call, n, package):
     '''call() with KeyboardInterrupt raised at the n-th point of `package`'s Python where the
     interpreter handles a pending signal (after a call returns, at a function's start, at a
