@@ -583,8 +583,10 @@ class OffloadEntries {
   }
 
   // Starts the host pieces on the engine, then the device ones (a span each; None: on the host).
-  // A failure leaves nothing running: the caller frees a refused read's memory, and records no
-  // refused write (whose data is dropped).
+  // A failure leaves nothing running. A refused write stores nothing (what it wrote is dropped).
+  // A refused read leaves offloaded the tensors not read back whole; the pieces that were read
+  // whole are read back (the offloader has freed their copy on disk), their entries gone: the
+  // caller frees the memory of the tensors still offloaded only.
   void Start(OffloadKind kind, const std::vector<OffloadPieceTuple>& pieces,
              const py::object& device, const py::list& spans, const std::vector<uint64_t>& keys) {
     if (!pieces.empty()) {
@@ -596,9 +598,16 @@ class OffloadEntries {
     try {
       device.attr("submit")(name, keys, spans);
     } catch (...) {
-      device.attr("wait")(name, keys);  // the pieces started, host and device
+      // The pieces started, host and device, waited for without Ctrl-C: an interrupt here would
+      // lose the error and leave them running unrecorded.
+      const py::list outcomes = device.attr("wait")(name, keys, false);
       if (kind == OffloadKind::kWrite) {
         for (const uint64_t key : keys) offloader_.Discard(key);
+      } else {
+        std::vector<Entry> dead;
+        for (const py::handle item : outcomes) {
+          if (item[py::int_(1)].is_none()) Remove(item[py::int_(0)].cast<uint64_t>(), dead);
+        }
       }
       throw;
     }

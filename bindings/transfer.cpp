@@ -227,11 +227,13 @@ class PyOffloadDevice {
     }
   }
 
-  // [(key, exception or None)]; Ctrl-C while waiting leaves them all to the next wait.
-  py::list Wait(const std::string& kind, const std::optional<std::vector<uint64_t>>& keys) {
+  // [(key, exception or None)]; Ctrl-C while waiting (when `interruptible`) leaves them all to
+  // the next wait.
+  py::list Wait(const std::string& kind, const std::optional<std::vector<uint64_t>>& keys,
+                bool interruptible) {
     const OffloadKind parsed = ParseOffloadKind(kind);
     for (const DeviceJob& job : core_->Jobs(parsed, keys)) {
-      WaitInterruptibly([&](auto timeout) { return job.WaitFor(timeout); }, true);
+      WaitInterruptibly([&](auto timeout) { return job.WaitFor(timeout); }, interruptible);
     }
     std::vector<OffloadOutcome> outcomes;
     {
@@ -722,8 +724,10 @@ void RegisterTransfer(py::module_& m) {
            "Starts moving the bytes of each key whose span (a DeviceBuffer) is not None "
            "('write': to the files); the span stays referenced until wait() collects it.")
       .def("wait", &PyOffloadDevice::Wait, py::arg("kind"), py::arg("keys") = py::none(),
+           py::arg("interruptible") = true,
            "Waits for the device operations of `kind` (those moving `keys`), then the "
-           "offloader's: [(key, exception or None)]; Ctrl-C leaves them all to the next wait.")
+           "offloader's: [(key, exception or None)]; Ctrl-C (when `interruptible`) leaves them "
+           "all to the next wait.")
       .def_property_readonly(
           "device_bytes", [](PyOffloadDevice& d) { return d.core().device_bytes(); },
           "Bytes of device tensors moved, by path ('gds', 'bounce').")

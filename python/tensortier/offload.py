@@ -326,9 +326,12 @@ class DiskOffloader(NotCopyable):
                 # have their memory freed under them, nor leave them unrecorded, nor record
                 # reads that never started.
                 self._entries.start_reads(host, self._device, spans, keys, tensors, callback)
-            except Exception:  # refused before anything started
+            except Exception:
+                # Refused. A tensor whose read had started and ended whole is read back (its
+                # copy on disk is gone); the others stay offloaded, their memory freed.
                 for t in tensors:
-                    _resize(t.untyped_storage())
+                    if self._entries.find(t) is not None:
+                        _resize(t.untyped_storage())
                 raise
             return keys
 
