@@ -129,11 +129,12 @@ void CarryKeptFiles(const std::string& old_root, const std::string& new_root,
     const std::string from = StrCat(old_root, "/", rel);
     const std::string to = StrCat(new_root, "/", rel);
     const std::optional<FileVersion> staged = VersionOf(to);
-    // Written or removed by the save: the save's. (Not its ctime: a linked file's changes when
-    // the old directory's link to it goes, by rename or removal.)
+    // Replaced or removed by the save, or a copy it wrote in place: the save's. A link's size
+    // and time are another process's doing (a log appended to), never the save's. (Not the
+    // ctime: a linked file's changes when the old directory's link to it goes.)
     if (!staged || staged->dev != entry.staged_file->dev || staged->ino != entry.staged_file->ino ||
-        staged->size != entry.staged_file->size ||
-        staged->mtime_ns != entry.staged_file->mtime_ns) {
+        (!entry.linked && (staged->size != entry.staged_file->size ||
+                           staged->mtime_ns != entry.staged_file->mtime_ns))) {
       continue;
     }
     const std::optional<FileVersion> old = VersionOf(from);
@@ -230,6 +231,24 @@ CarriedEntries CarryNewEntries(const std::string& old_dir, const std::string& ne
     }
   }
   return out;
+}
+
+void RemoveKeptEntries(const std::string& old_dir, const KeptEntries& kept,
+                       const std::vector<std::string>& left) {
+  const std::set<std::string> stay(left.begin(), left.end());
+  // In reverse order a folder's entries ("sub/file") come before the folder ("sub").
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it) {
+    const std::string& rel = it->first;
+    if (stay.contains(rel) || !FoldersOnTheWay(old_dir, rel)) continue;
+    const std::string path = StrCat(old_dir, "/", rel);
+    struct stat st;
+    if (lstat(path.c_str(), &st) != 0) continue;
+    if (S_ISDIR(st.st_mode)) {
+      rmdir(path.c_str());  // only where empty: what stays in it stays
+    } else {
+      unlink(path.c_str());
+    }
+  }
 }
 
 bool RemoveDirectoryTree(const std::string& dir) {

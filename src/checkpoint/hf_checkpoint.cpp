@@ -160,34 +160,50 @@ bool RewrittenInPlace(const std::string& name, bool top) {
 // being written, owners and attributes stay) except those a save rewrites in place at the top
 // (see RewrittenInPlace), which are copied. Across file systems (a mount point inside) files are
 // copied.
+void LinkOrCopyTree(const std::string& from, const std::string& to, bool top);
+
+// One entry of LinkOrCopyTree's: `entry` staged as `dst`.
+void LinkOrCopyEntry(const fs::directory_entry& entry, const std::string& dst, bool top) {
+  std::error_code ec;
+  const std::string src = entry.path().string();
+  if (entry.is_symlink(ec)) {
+    const fs::path target = fs::read_symlink(src, ec);
+    if (ec) ThrowIoError(ec.value(), "readlink", src);
+    fs::create_symlink(target, dst, ec);
+    if (ec) ThrowIoError(ec.value(), "symlink", dst);
+    return;
+  }
+  if (entry.is_directory(ec)) {
+    if (!fs::create_directory(dst, ec) && ec) ThrowIoError(ec.value(), "mkdir", dst);
+    LinkOrCopyTree(src, dst, false);
+    return;
+  }
+  // Only regular files are copied: a FIFO or socket named config.json is linked.
+  if ((!RewrittenInPlace(entry.path().filename().string(), top) || !entry.is_regular_file(ec)) &&
+      ::linkat(AT_FDCWD, src.c_str(), AT_FDCWD, dst.c_str(), 0) == 0) {
+    return;
+  }
+  if (!fs::copy_file(src, dst, fs::copy_options::overwrite_existing, ec) || ec) {
+    ThrowIoError(ec ? ec.value() : EIO, "copy", src);
+  }
+  CopyStat(src, dst);
+}
+
 void LinkOrCopyTree(const std::string& from, const std::string& to, bool top) {
   std::error_code ec;
   fs::directory_iterator it(from, ec);
   if (ec) ThrowIoError(ec.value(), "list", from);
   for (const fs::directory_entry& entry : it) {
-    const std::string name = entry.path().filename().string();
-    const std::string src = entry.path().string();
-    const std::string dst = StrCat(to, "/", name);
-    if (entry.is_symlink(ec)) {
-      const fs::path target = fs::read_symlink(src, ec);
-      if (ec) ThrowIoError(ec.value(), "readlink", src);
-      fs::create_symlink(target, dst, ec);
-      if (ec) ThrowIoError(ec.value(), "symlink", dst);
-      continue;
+    const std::string dst = StrCat(to, "/", entry.path().filename().string());
+    try {
+      LinkOrCopyEntry(entry, dst, top);
+    } catch (const IoError&) {
+      // Removed by another process meanwhile: left out, as one it removes after the staging is
+      // (CarryNewEntries removes it from the new directory).
+      struct stat st{};
+      if (::lstat(entry.path().c_str(), &st) == 0 || errno != ENOENT) throw;
+      fs::remove_all(dst, ec);  // what was staged of it
     }
-    if (entry.is_directory(ec)) {
-      if (!fs::create_directory(dst, ec) && ec) ThrowIoError(ec.value(), "mkdir", dst);
-      LinkOrCopyTree(src, dst, false);
-      continue;
-    }
-    if (!RewrittenInPlace(name, top) &&
-        ::linkat(AT_FDCWD, src.c_str(), AT_FDCWD, dst.c_str(), 0) == 0) {
-      continue;
-    }
-    if (!fs::copy_file(src, dst, fs::copy_options::overwrite_existing, ec) || ec) {
-      ThrowIoError(ec ? ec.value() : EIO, "copy", src);
-    }
-    CopyStat(src, dst);
   }
   CopyStat(from, to);
 }
@@ -287,6 +303,9 @@ HfSaveStaging StageHfSave(const std::string& final_dir) {
       KeptEntry& entry = out.kept[rel];
       if (it->is_regular_file() && !it->is_symlink()) {
         entry.staged_file = VersionOf(it->path().string());
+        const std::optional<FileVersion> old = VersionOf(StrCat(final_dir, "/", rel));
+        entry.linked = entry.staged_file && old && old->dev == entry.staged_file->dev &&
+                       old->ino == entry.staged_file->ino;
       }
     }
   } catch (...) {
@@ -300,7 +319,8 @@ namespace {
 
 // After the exchange (staging.dir names the old directory): what the old directory gained during
 // the save is moved into the new one, and the old one removed; where something could not move,
-// it is kept, renamed "NAME.previous-<UTC time>" beside final_dir: a name no removal of killed
+// the old directory keeps only that (not the old model: a checkpoint loop would keep one at each
+// such save), renamed "NAME.previous-<UTC time>" beside final_dir: a name no removal of killed
 // saves' temporary files takes.
 void FinishExchange(const HfSaveStaging& staging, const std::string& final_dir, HfSaveCommit& out) {
   out.left = CarryNewEntries(staging.dir, final_dir, staging.kept).left;
@@ -308,6 +328,7 @@ void FinishExchange(const HfSaveStaging& staging, const std::string& final_dir, 
     RemoveDirectoryTree(staging.dir);
     return;
   }
+  RemoveKeptEntries(staging.dir, staging.kept, out.left);
   out.kept_dir = staging.dir;
   std::string stem = final_dir;
   while (stem.size() > 1 && stem.back() == '/') stem.pop_back();

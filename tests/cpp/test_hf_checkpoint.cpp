@@ -162,6 +162,7 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   std::ofstream(m + "/pytorch_model.bin") << "torch.save shard";
   std::filesystem::create_symlink("config.json", m + "/link.json");
   std::filesystem::create_symlink(".", m + "/self");  // followed, it would never end
+  ASSERT_EQ(::mkfifo((m + "/events.json").c_str(), 0600), 0);  // linked: a FIFO has no copy
   ASSERT_EQ(::chmod((m + "/config.json").c_str(), 0640), 0);
   const struct timespec old[2] = {{1000, 0}, {2000, 5}};
   ASSERT_EQ(::utimensat(AT_FDCWD, (m + "/config.json").c_str(), old, 0), 0);
@@ -170,10 +171,13 @@ TEST(HfCheckpoint, StagedSaveLinksTheWeightsAndCopiesTheRest) {
   std::set<std::string> kept;
   for (const auto& [path, entry] : staging.kept) kept.insert(path);
   EXPECT_EQ(kept,
-            (std::set<std::string>{"README.md", "config.json", "link.json", "model.safetensors",
-                                   "pytorch_model.bin", "self", "sub", "sub/adapter_config.json",
-                                   "sub/tokenizer.model", "train.log"}));
+            (std::set<std::string>{"README.md", "config.json", "events.json", "link.json",
+                                   "model.safetensors", "pytorch_model.bin", "self", "sub",
+                                   "sub/adapter_config.json", "sub/tokenizer.model", "train.log"}));
   EXPECT_TRUE(staging.kept.at("train.log").staged_file.has_value());  // regular files' versions
+  EXPECT_TRUE(staging.kept.at("train.log").linked);
+  EXPECT_FALSE(staging.kept.at("config.json").linked);
+  EXPECT_EQ(StatOf(staged + "/events.json").st_ino, StatOf(m + "/events.json").st_ino);
   EXPECT_FALSE(staging.kept.at("sub").staged_file.has_value());
   EXPECT_FALSE(staging.kept.at("link.json").staged_file.has_value());
   EXPECT_EQ(StatOf(staged + "/model.safetensors").st_ino, StatOf(m + "/model.safetensors").st_ino);
@@ -325,6 +329,58 @@ TEST(HfCheckpoint, FilesChangedInTheOldDirectoryDuringASaveAreChangedInTheNewOne
   EXPECT_FALSE(std::filesystem::exists(m + "/gone-too.txt"));
   EXPECT_EQ(Contents(m + "/train.log"), "logappended");
   EXPECT_FALSE(std::filesystem::exists(staging.dir));
+}
+
+// A log another process appends to and rotates during a save (renamed aside, a new one begun):
+// the new directory has both. The appended link looked written by the save, so the new log was
+// left in the old directory and removed with it.
+TEST(HfCheckpoint, ALogRotatedDuringASaveIsCarriedWhole) {
+  TempDir dir;
+  const std::string m = dir.path() + "/m";
+  std::filesystem::create_directories(m);
+  std::ofstream(m + "/train.log") << "1\n";
+  const HfSaveStaging staging = StageHfSave(m);
+  EXPECT_TRUE(staging.kept.at("train.log").linked);
+  std::ofstream(staging.dir + "/model.safetensors") << "the save's";
+  std::ofstream(m + "/train.log", std::ios::app) << "2\n";
+  std::filesystem::rename(m + "/train.log", m + "/train.log.1");
+  std::ofstream(m + "/train.log") << "3\n";
+  const HfSaveCommit commit = CommitHfSave(staging, m);
+  EXPECT_TRUE(commit.swapped);
+  EXPECT_TRUE(commit.left.empty());
+  EXPECT_EQ(Contents(m + "/train.log.1"), "1\n2\n");
+  EXPECT_EQ(Contents(m + "/train.log"), "3\n");
+}
+
+// What cannot move into the new directory (a kept file another process made a folder) is kept
+// beside it, without the old model: a checkpoint loop would keep a whole model at each save.
+TEST(HfCheckpoint, TheOldDirectoryKeptForWhatCouldNotMoveHoldsOnlyThat) {
+  TempDir dir;
+  const std::string m = dir.path() + "/m";
+  std::filesystem::create_directories(m + "/sub");
+  std::ofstream(m + "/model.safetensors") << "old weights";
+  std::ofstream(m + "/config.json") << "old config";
+  std::ofstream(m + "/sub/tokenizer.model") << "tok";
+  std::ofstream(m + "/status") << "a file";
+  const HfSaveStaging staging = StageHfSave(m);
+  std::ofstream(staging.dir + "/model.safetensors.tmp") << "new weights";
+  std::filesystem::rename(staging.dir + "/model.safetensors.tmp",
+                          staging.dir + "/model.safetensors");
+  std::filesystem::remove(m + "/status");
+  std::filesystem::create_directories(m + "/status");
+  std::ofstream(m + "/status/state") << "another process's";
+  const HfSaveCommit commit = CommitHfSave(staging, m);
+  EXPECT_TRUE(commit.swapped);
+  EXPECT_EQ(commit.left, std::vector<std::string>{"status"});
+  ASSERT_FALSE(commit.kept_dir.empty());
+  std::set<std::string> kept;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(commit.kept_dir)) {
+    kept.insert(e.path().lexically_relative(commit.kept_dir).string());
+  }
+  EXPECT_EQ(kept, (std::set<std::string>{"status", "status/state"}));
+  EXPECT_EQ(Contents(m + "/model.safetensors"), "new weights");
+  EXPECT_EQ(Contents(m + "/sub/tokenizer.model"), "tok");
+  EXPECT_EQ(Contents(m + "/status"), "a file");
 }
 
 // A staged copy the save did not write is replaced by the old directory's file itself: a

@@ -49,9 +49,11 @@ std::optional<FileVersion> VersionOf(const std::string& path);
 
 // An entry of the old directory the staged one was given: for a regular file, the version of its
 // staged copy or link, as staged (a save that writes or removes it changes it); nullopt for
-// folders and links.
+// folders and links. `linked`: the staged file is the old directory's file itself (a hard link,
+// which a save replaces by rename and never writes in place), not a copy.
 struct KeptEntry {
   std::optional<FileVersion> staged_file;
+  bool linked = false;
 };
 using KeptEntries = std::map<std::string, KeptEntry>;  // by path relative to the directory
 
@@ -72,6 +74,13 @@ struct CarriedEntries {
 };
 CarriedEntries CarryNewEntries(const std::string& old_dir, const std::string& new_dir,
                                const KeptEntries& kept);
+
+// After CarryNewEntries left `left` in the old directory: the entries `kept` names (the old
+// model, and files the new directory holds too) removed from it, folders where empty, so that it
+// keeps only what could not move. Nothing is removed through a folder made a symbolic link
+// meanwhile. Never throws.
+void RemoveKeptEntries(const std::string& old_dir, const KeptEntries& kept,
+                       const std::vector<std::string>& left);
 
 // Removes `dir` and all it holds, giving each of its folders its owner's write permission first
 // (a read-only folder copied from a model directory does not leave the rest behind). Symbolic
