@@ -152,11 +152,19 @@ def _read(mu: Any, model: Any, files: list[str] | None, cfg: Any) -> dict[str, A
     ):
         dtype = None
     if future is not None and device.type == "cpu" and early[0] == os.path.realpath(target):
+        state_dict = None
         with contextlib.suppress(Exception):  # read again below, to report its error
             state_dict = future.result()
-            if dtype is None or all(t.dtype == dtype for t in state_dict.values()
-                                    if t.is_floating_point()):
-                return state_dict
+        if state_dict is not None:
+            if dtype is not None:
+                # A checkpoint of mixed dtypes (fp32 norms in a bf16 model): those tensors
+                # converted one at a time, each read's memory freed as its copy is made, rather
+                # than every byte read again.
+                for name, t in state_dict.items():
+                    if t.is_floating_point() and t.dtype != dtype:
+                        with torch.inference_mode(False):
+                            state_dict[name] = t.to(dtype)
+            return state_dict
     # Files in the page cache are mapped, as transformers maps them (no copy to make). Made
     # outside inference mode whatever the caller's: transformers' parameters are ordinary
     # tensors, which training and in-place edits outside inference mode take.
@@ -357,6 +365,12 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
                 # transformers' write takes the tensors out of a given state_dict (pop): the
                 # write in place below, where the swap cannot be made, needs them again.
                 write(staging, **_with_state_dict_copy(kwargs))
+            except OSError as e:
+                _core.remove_directory_tree(staging)
+                renamed = _naming(e, os.fsdecode(staging), final)
+                if renamed is e:
+                    raise
+                raise renamed from e
             except BaseException:
                 _core.remove_directory_tree(staging)
                 raise
@@ -364,12 +378,29 @@ def _save(model: Any, final: str, write: Any, kwargs: dict[str, Any]) -> None:
             if left:
                 warnings.warn(
                     f"{final}: {len(left)} files written into it during the save could not be "
-                    f"moved into the new directory (first: {os.fsdecode(left[0])}); the "
-                    f"previous directory is kept as {kept_dir}", stacklevel=3)
+                    f"moved into the new directory (first: {os.fsdecode(left[0])}); they are "
+                    f"kept in {kept_dir}", stacklevel=3)
             if not swapped:  # a bind mount, NFS, SMB, FUSE: written in place
                 write(final, **kwargs)
         finally:
             _saving.reset(token)
+
+
+def _naming(e: OSError, staging: str, final: str) -> OSError:
+    """`e` with the files it names in the staging directory named in `final` instead (where
+    they were to go): the staging directory is gone once the save failed."""
+    def moved(name: Any) -> Any:
+        if isinstance(name, (str, bytes, os.PathLike)):
+            text = os.fsdecode(name)
+            if text == staging or text.startswith(staging + os.sep):
+                return final + text[len(staging):]
+        return name
+
+    if e.errno is None or (moved(e.filename) is e.filename
+                           and moved(e.filename2) is e.filename2):
+        return e
+    # OSError(errno, ...) makes the errno's subclass (PermissionError for EACCES...).
+    return OSError(e.errno, e.strerror, moved(e.filename), None, moved(e.filename2))
 
 
 def _with_state_dict_copy(kwargs: dict[str, Any]) -> dict[str, Any]:

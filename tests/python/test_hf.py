@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -13,6 +14,7 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -481,18 +483,37 @@ def test_early_read_is_not_started_where_transformers_reads(
     assert len(early) == 1
 
 
-def test_declined_early_read_is_freed(tmp_path: Path, early: list[Any]) -> None:
-    make("llama", tmp_path)  # float32 in config.json; the weights bfloat16: converted as read
+def test_an_early_read_of_another_dtype_is_converted_not_read_again(
+        tmp_path: Path, early: list[Any]) -> None:
+    """A checkpoint whose dtypes differ from the model's was read a second time, converting as
+    read, while the first read's tensors were still held: twice the bytes read, three times
+    the memory."""
+    make("llama", tmp_path)  # float32 in config.json; the weights bfloat16: converted
     weights = tmp_path / "model.safetensors"
     state_dict = safetensors.torch.load_file(weights)
     safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in state_dict.items()},
                                 weights, metadata={"format": "pt"})
     cls = transformers.LlamaForCausalLM
     model = hf.from_pretrained(cls, tmp_path)
-    assert [(thread, dtype) for thread, dtype, _ in early] == [
-        ("tensortier-hf_0", None), ("MainThread", torch.float32)]
+    assert [(thread, dtype) for thread, dtype, _ in early] == [("tensortier-hf_0", None)]
     assert not any(ref() is not None for ref in early[0][2])  # the early read's tensors
     assert_same(model, cls.from_pretrained(tmp_path))
+
+
+def test_a_checkpoint_of_mixed_dtypes_is_read_once(tmp_path: Path, early: list[Any]) -> None:
+    """fp32 norms in a bf16 checkpoint: the model is bf16 ("auto"), the norms converted."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]().to(torch.bfloat16)
+    model.model.norm.float()
+    model.save_pretrained(tmp_path)
+    cls = transformers.LlamaForCausalLM
+    for kw in ({}, {"dtype": "auto"}):
+        early.clear()
+        ours = hf.from_pretrained(cls, tmp_path, **kw)
+        assert [(thread, dtype) for thread, dtype, _ in early] == [("tensortier-hf_0", None)]
+        theirs = cls.from_pretrained(tmp_path, **kw)
+        assert theirs.model.norm.weight.dtype == torch.bfloat16
+        assert_same(ours, theirs)
 
 
 def test_error_while_the_model_builds_does_not_wait_for_the_early_read(
@@ -708,6 +729,88 @@ def test_files_another_process_changes_during_a_save_stay_changed(
     assert (tmp_path / "metrics.json").read_text() == '{"step": 2}'
     assert (tmp_path / "status.txt").read_text() == "step 2"
     assert not (tmp_path / "old.txt").exists()
+
+
+def test_a_log_appended_to_and_rotated_during_a_save_loses_no_line(tmp_path: Path) -> None:
+    """A logger appending to train.log, then rotating it (renamed aside, a new one begun) while
+    the save runs: the lines of the new log were lost with the old directory."""
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    hf.save_pretrained(model, out)
+    (out / "train.log").write_text("1\n")
+    write = hf._transformers_writer(model)
+
+    def write_while_logging(directory: str, **kwargs: Any) -> None:
+        with open(out / "train.log", "a") as f:
+            f.write("2\n")
+        os.replace(out / "train.log", out / "train.log.1")
+        (out / "train.log").write_text("3\n")
+        write(directory, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf._save(model, str(out), write_while_logging, {})
+    assert (out / "train.log.1").read_text() == "1\n2\n"
+    assert (out / "train.log").read_text() == "3\n"
+    assert not [p for p in tmp_path.iterdir() if p.name != "m"]
+
+
+def test_files_made_and_removed_in_the_directory_during_saves_fail_none(tmp_path: Path) -> None:
+    """Another thread makes and removes scratch files in the directory while saves run: a file
+    removed while the save staged the directory failed the save (FileNotFoundError)."""
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    hf.save_pretrained(model, out)
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            for j in range(20):
+                with contextlib.suppress(OSError):  # the swap's moment: see docs/hf.md
+                    (out / f"tmp{j}.lock").touch()
+            for j in range(20):
+                with contextlib.suppress(OSError):
+                    os.remove(out / f"tmp{j}.lock")
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a name taken meanwhile is kept aside: not this test's
+            for _ in range(15):
+                hf.save_pretrained(model, out)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert_same(hf.from_pretrained(type(model), out), model.eval())
+
+
+@pytest.mark.parametrize("code,cls", [(errno.ENOSPC, OSError), (errno.EACCES, PermissionError)])
+def test_an_error_writing_the_staged_directory_names_the_model_directory(
+        tmp_path: Path, code: int, cls: type) -> None:
+    """A full disk or a read-only file while the model is written beside `path` named the
+    staging directory, gone by the time the error is seen."""
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+
+    def write_failing(directory: str, **kwargs: Any) -> None:
+        raise OSError(code, os.strerror(code), os.path.join(directory, "model.safetensors"))
+
+    with pytest.raises(cls) as e:
+        hf._save(model, str(out), write_failing, {})
+    assert e.value.errno == code and e.value.filename == str(out / "model.safetensors")
+    assert not [p for p in tmp_path.iterdir() if p.name != "m"]
+
+
+def test_a_fifo_in_the_directory_stays_a_fifo(tmp_path: Path) -> None:
+    """Files a save may rewrite in place (.json) are staged as copies: a FIFO so named failed
+    the save (EINVAL copying it)."""
+    model = MODELS["llama"]()
+    model.save_pretrained(tmp_path)
+    os.mkfifo(tmp_path / "events.json")
+    hf.save_pretrained(model, tmp_path)
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "events.json").st_mode)
+    assert_same(hf.from_pretrained(type(model), tmp_path), model.eval())
 
 
 def test_disable_mmap_reads_cached_files_rather_than_mapping_them(
@@ -1055,6 +1158,7 @@ def test_an_old_directory_kept_for_what_could_not_move_is_named_to_stay(tmp_path
         assert len(kept) == 1 and str(kept[0]) in str(warned[0].message), warned[0].message
         assert (kept[0] / "mnt").is_dir() and not [p for p in tmp_path.iterdir()
                                                    if ".tmp-" in p.name]
+        assert [p.name for p in kept[0].iterdir()] == ["mnt"]  # not the old model
         assert_same(hf.from_pretrained(type(model), out), model.eval())
         # Another process's save into the parent directory leaves it.
         sp.run([sys.executable, "-c", "import sys, torch, tensortier; "
