@@ -32,17 +32,36 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Whether a process's working directory (this one's, or another's this process may look at: a
-// logger, a shell, a watcher started there) is `top` or a folder inside it: a swap would leave it
-// in a removed folder, where its relative paths no longer reach the model's directory. Each is
-// walked up through its ".." entries while on top's file system (a folder inside the walk of
-// `top` could not list counts too); attributes come from the cache (AT_STATX_DONT_SYNC), so that
-// a process sitting on a hung network mount does not hold up the save.
-bool AnyProcessWorksIn(const struct stat& top) {
+// Whether the folder `at` names (a /proc link, followed) is `top` or a folder inside it. It is
+// walked up through its ".." entries while on top's file system; attributes come from the cache
+// (AT_STATX_DONT_SYNC), so that a process sitting on a hung network mount does not hold up the
+// save.
+bool FolderIsIn(std::string at, const struct stat& top) {
   const auto same_file = [](const struct statx& a, const struct statx& b) {
     return a.stx_dev_major == b.stx_dev_major && a.stx_dev_minor == b.stx_dev_minor &&
            a.stx_ino == b.stx_ino;
   };
+  struct statx here{};
+  for (int depth = 0; depth < 4096; ++depth, at += "/..") {
+    struct statx up{};
+    if (::statx(AT_FDCWD, at.c_str(), AT_STATX_DONT_SYNC, STATX_INO | STATX_TYPE, &up) != 0) {
+      return false;
+    }
+    if (depth == 0 && !S_ISDIR(up.stx_mode)) return false;  // a file's descriptor
+    if (makedev(up.stx_dev_major, up.stx_dev_minor) != top.st_dev) return false;  // another mount
+    if (up.stx_ino == top.st_ino) return true;
+    if (depth > 0 && same_file(up, here)) return false;  // the file system's root
+    here = up;
+  }
+  return false;
+}
+
+// Whether a process (this one, or another this process may look at: a logger, a shell, a
+// watcher, an uploader) works in `top` or a folder inside it, as its working directory or through
+// a folder's descriptor it holds (openat): a swap would leave it in a removed folder, where its
+// relative paths no longer reach the model's directory. Processes of other users (EACCES) and
+// those gone meanwhile (ENOENT) are passed over.
+bool AnyProcessWorksIn(const struct stat& top) {
   std::error_code ec;
   for (auto it = fs::directory_iterator("/proc", ec); !ec && it != fs::directory_iterator();
        it.increment(ec)) {
@@ -51,16 +70,11 @@ bool AnyProcessWorksIn(const struct stat& top) {
         !std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; })) {
       continue;
     }
-    std::string at = StrCat("/proc/", pid, "/cwd");
-    struct statx here{};
-    // Processes of other users (EACCES) and those gone meanwhile (ENOENT) are passed over.
-    for (int depth = 0; depth < 4096; ++depth, at += "/..") {
-      struct statx up{};
-      if (::statx(AT_FDCWD, at.c_str(), AT_STATX_DONT_SYNC, STATX_INO, &up) != 0) break;
-      if (makedev(up.stx_dev_major, up.stx_dev_minor) != top.st_dev) break;  // another mount
-      if (up.stx_ino == top.st_ino) return true;
-      if (depth > 0 && same_file(up, here)) break;  // the file system's root
-      here = up;
+    if (FolderIsIn(StrCat("/proc/", pid, "/cwd"), top)) return true;
+    std::error_code fd_ec;
+    for (auto fd = fs::directory_iterator(StrCat("/proc/", pid, "/fd"), fd_ec);
+         !fd_ec && fd != fs::directory_iterator(); fd.increment(fd_ec)) {
+      if (FolderIsIn(fd->path().string(), top)) return true;
     }
   }
   return false;

@@ -1056,6 +1056,26 @@ def test_another_process_working_in_the_directory_keeps_it(tmp_path: Path) -> No
     assert_same(hf.from_pretrained(type(model), out), model.eval())
 
 
+def test_a_folder_of_the_directory_held_open_keeps_it(tmp_path: Path) -> None:
+    """An uploader or watcher working through a folder's descriptor (openat) was left holding a
+    removed folder by the swap: its writes failed (ENOENT). The save writes in place."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    out = tmp_path / "m"
+    hf.save_pretrained(model, out)
+    (out / "logs").mkdir()
+    for held in (out, out / "logs"):
+        folder = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            hf.save_pretrained(model, out)
+            fd = os.open("metrics.json", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=folder)
+            os.close(fd)
+        finally:
+            os.close(folder)
+        assert (held / "metrics.json").exists()
+    assert_same(hf.from_pretrained(type(model), out), model.eval())
+
+
 def test_files_written_inside_a_folder_of_the_directory_during_a_save_stay(
         tmp_path: Path) -> None:
     """A log another process appends to a folder the directory already had (runs/), a file it
