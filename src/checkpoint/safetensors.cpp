@@ -148,10 +148,12 @@ SafetensorsHeader ParseSafetensorsHeader(std::string_view json, uint64_t data_by
     throw FormatError(
         StrCat(kWhat, ": ", json.size(), " bytes, more than the limit of ", kSafetensorsMaxHeader));
   }
-  // Like the safetensors package: the header starts with the object, no leading space.
-  if (json.empty() || json[0] != '{') {
+  // Like the safetensors package (its JSON parser's): the object, after JSON's whitespace only.
+  const size_t start = json.find_first_not_of(" \t\n\r");
+  if (start == std::string_view::npos || json[start] != '{') {
     throw FormatError(StrCat(kWhat, ": does not start with '{'"));
   }
+  json.remove_prefix(start);
   JsonReader r(json, std::string(kWhat));
   SafetensorsHeader out;
   bool have_metadata = false;

@@ -79,9 +79,20 @@ TEST(CheckpointSafetensors, DecodesEscapesAndUtf8) {
   EXPECT_EQ(h.entries[0].name, "a\"\\/\n\xC3\xA9\xF0\x9F\x98\x80");
 }
 
+// JSON's whitespace before the object, which the safetensors package reads (transformers then
+// loads the shard).
+TEST(CheckpointSafetensors, ReadsWhitespaceBeforeTheHeader) {
+  const auto h = ParseSafetensorsHeader(
+      " \t\r\n{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1);
+  ASSERT_EQ(h.entries.size(), 1u);
+  EXPECT_EQ(h.entries[0].name, "a");
+}
+
 TEST(CheckpointSafetensors, RejectsMalformedJson) {
   EXPECT_TRUE(Rejects("", 0, "does not start with '{'"));
-  EXPECT_TRUE(Rejects(" {}", 0, "does not start with '{'"));
+  EXPECT_TRUE(Rejects(" ", 0, "does not start with '{'"));
+  EXPECT_TRUE(Rejects(" x{}", 0, "does not start with '{'"));
+  EXPECT_TRUE(Rejects("\v{}", 0, "does not start with '{'"));  // not JSON's whitespace
   EXPECT_TRUE(Rejects("{", 0, "expected a string"));
   EXPECT_TRUE(Rejects("{}x", 0, "unexpected text after"));
   EXPECT_TRUE(Rejects("{}{}", 0, "unexpected text after"));

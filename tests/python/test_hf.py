@@ -28,6 +28,7 @@ import safetensors.torch  # noqa: E402
 
 from conftest import mounted  # noqa: E402
 from faults import with_faults  # noqa: E402
+import tensortier  # noqa: E402
 from tensortier import _core, hf  # noqa: E402
 
 try:  # a machine with another transformers (a GPU image's) skips; CI pins a supported one
@@ -800,6 +801,22 @@ def test_an_error_writing_the_staged_directory_names_the_model_directory(
         hf._save(model, str(out), write_failing, {})
     assert e.value.errno == code and e.value.filename == str(out / "model.safetensors")
     assert not [p for p in tmp_path.iterdir() if p.name != "m"]
+
+
+def test_a_shard_with_white_space_before_its_header_loads_as_transformers_loads_it(
+        tmp_path: Path, reads: list[str]) -> None:
+    """The safetensors package reads JSON's white space before the header's object (and
+    transformers then loads the model); it was refused as a damaged shard."""
+    model = make("llama", tmp_path)
+    weights = tmp_path / "model.safetensors"
+    raw = weights.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = b" \n" + raw[8:8 + n]
+    weights.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+    cls = type(model)
+    assert_same(ours(reads, cls, tmp_path), cls.from_pretrained(tmp_path))
+    assert torch.equal(tensortier.load(weights)["lm_head.weight"],
+                       safetensors.torch.load_file(weights)["lm_head.weight"])
 
 
 def test_a_fifo_in_the_directory_stays_a_fifo(tmp_path: Path) -> None:
