@@ -1048,15 +1048,20 @@ def test_after_disable_a_hook_over_ours_saves_as_transformers(tmp_path: Path) ->
     assert (ours(tmp_path / "on"), ours(tmp_path / "off")) == (True, False)
 
 
+def saved_with_a_folder(tmp_path: Path) -> tuple[Any, Path]:
+    """A model saved into tmp_path/m, which holds a folder "logs": (model, directory)."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    hf.save_pretrained(model, tmp_path / "m")
+    (tmp_path / "m" / "logs").mkdir()
+    return model, tmp_path / "m"
+
+
 def test_another_process_working_in_the_directory_keeps_it(tmp_path: Path) -> None:
     """A process whose working directory is the model's (a logger, a shell) would be left in a
     removed folder by a swap: the save writes in place, and the process's relative writes
     still land in the directory."""
-    torch.manual_seed(0)
-    model = MODELS["llama"]()
-    out = tmp_path / "m"
-    hf.save_pretrained(model, out)
-    (out / "logs").mkdir()
+    model, out = saved_with_a_folder(tmp_path)
     for cwd in (out, out / "logs"):
         child = subprocess.Popen(
             [sys.executable, "-c",
@@ -1076,11 +1081,7 @@ def test_another_process_working_in_the_directory_keeps_it(tmp_path: Path) -> No
 def test_a_folder_of_the_directory_held_open_keeps_it(tmp_path: Path) -> None:
     """An uploader or watcher working through a folder's descriptor (openat) was left holding a
     removed folder by the swap: its writes failed (ENOENT). The save writes in place."""
-    torch.manual_seed(0)
-    model = MODELS["llama"]()
-    out = tmp_path / "m"
-    hf.save_pretrained(model, out)
-    (out / "logs").mkdir()
+    model, out = saved_with_a_folder(tmp_path)
     for held in (out, out / "logs"):
         folder = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
         try:
