@@ -211,11 +211,11 @@ void LinkOrCopyTree(const std::string& from, const std::string& to, bool top) {
     const std::string dst = StrCat(to, "/", entry.path().filename().string());
     try {
       LinkOrCopyEntry(entry, dst, top);
-    } catch (const IoError&) {
-      // Removed by another process meanwhile: left out, as one it removes after the staging is
-      // (CarryNewEntries removes it from the new directory).
-      struct stat st{};
-      if (::lstat(entry.path().c_str(), &st) == 0 || errno != ENOENT) throw;
+    } catch (const IoError& e) {
+      // Removed by another process meanwhile (ENOENT: the staging folder is ours): left out, as
+      // one it removes after the staging is (CarryNewEntries removes it from the new directory).
+      // One made again under its name since is another file, which the carry moves.
+      if (e.error_code() != ENOENT) throw;
       fs::remove_all(dst, ec);  // what was staged of it
     }
   }
