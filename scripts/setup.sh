@@ -35,7 +35,7 @@ fi
 # nvidia-dali-cuda130 (~270 MB, runs CPU-only pipelines without a driver) and Pillow are
 # test-only: the training-data reader's tests compare with DALI's fn.readers.file, run real DALI
 # pipelines over it and compare decoded JPEGs with PIL's.
-.venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest safetensors \
+.venv/bin/python -m pip install -q "torch==2.13.0" numpy pytest "pytest-xdist==3.8.0" safetensors \
   "scikit-build-core>=0.10" "pybind11>=2.12" ninja "nvidia-cufile==1.20.0.107" \
   "nvidia-cuda-runtime==13.0.96" "nvidia-dali-cuda130==2.4.0" Pillow
 # transformers and accelerate are test-only: tensortier.hf's tests compare with transformers'

@@ -32,9 +32,12 @@ build_and_test() {  # build_and_test DIR FILTER [cmake args...]
 
 phase "C++ tests"
 build_and_test build/test "" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+# The sanitized builds are Debug builds with line tables only (-g1): their reports name the
+# function, file and line of each frame, and they build about a fifth faster than with -g.
+SANITIZED=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-g1)
 phase "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  build_and_test build/asan "" -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=address,undefined
+  build_and_test build/asan "" "${SANITIZED[@]}" -DTENSORTIER_SANITIZE=address,undefined
 phase "Parser fuzz targets under AddressSanitizer + UndefinedBehaviorSanitizer (${FUZZ_SECONDS:-20} s each)"
 cmake -S . -B build/asan -DTENSORTIER_BUILD_FUZZ=ON >/dev/null
 ninja -C build/asan -j "$JOBS" fuzz_safetensors_header fuzz_zip_directory fuzz_torch_pickle \
@@ -72,7 +75,7 @@ fi
 phase "C++ engine, offloader, transfer, shared-tensor and batch reader tests under ThreadSanitizer"
 TSAN_OPTIONS=halt_on_error=1 \
   build_and_test build/tsan "Engine|Fault|Offload|Transfer|Shared|UnixSocketStore|BatchReader|DeviceJob" \
-  -DCMAKE_BUILD_TYPE=Debug -DTENSORTIER_SANITIZE=thread \
+  "${SANITIZED[@]}" -DTENSORTIER_SANITIZE=thread \
   -DTENSORTIER_TEST_FILES="/test_(batch_reader|cuda|device_jobs|device_offload|engine|faults|offloader|shared_[a-z_]+|transfer)\\.cpp$"
 
 phase "C++ install: find_package(tensortier) from a separate project"
@@ -118,9 +121,13 @@ cmake -S examples/cpp_consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$
 ninja -C build/consumer >/dev/null
 build/consumer/round_trip build/consumer/round_trip.dat
 
-phase "Python tests"
+phase "Python tests ($JOBS at a time)"
+# Most of the suite's time is its child processes (torchrun ranks, fresh interpreters, the CLI)
+# starting and waiting: JOBS pytest workers (pytest-xdist) keep both cores busy. Each test takes
+# its own files, ports, mounts and loop devices, so tests run side by side; worksteal evens out
+# the test files of very different lengths.
 set +e
-.venv/bin/python -m pytest -q --durations=25 tests/python
+.venv/bin/python -m pytest -q --durations=25 -n "$JOBS" --dist worksteal tests/python
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

@@ -567,7 +567,8 @@ def test_integers_past_the_binding_s_c_types_are_type_errors(handle, disk_dir: P
     assert handle.wait() == 0
 
 
-@pytest.mark.parametrize("value", ["no", [], [1], {}, object()], ids=repr)
+@pytest.mark.parametrize("value", ["no", [], [1], {}, object()],
+                         ids=["no", "[]", "[1]", "{}", "object()"])
 def test_flags_take_what_pybind11_s_bool_takes(disk_dir: Path, value: object) -> None:
     """DeepNVMe's bool arguments (single_submit, overlap_events, validate, async) take what
     pybind11 converts to a C++ bool: True/False, None, and objects with a number's truth
