@@ -89,6 +89,68 @@ void NoteUnindexedTensors(const std::string& index, const std::vector<Shard>& sh
   }
 }
 
+// Whether `name` is a shard file of the weights an index named `index_name` maps, in transformers'
+// naming: model.safetensors.index.json maps model-00001-of-00003.safetensors, and its variant
+// model.safetensors.index.fp16.json maps model.fp16-00001-of-00003.safetensors.
+bool IsShardNameOfIndex(const std::string& name, const std::string& index_name) {
+  const size_t index_at = index_name.find(".index");
+  const std::string weights = index_name.substr(0, index_at);  // model.safetensors
+  const size_t dot = weights.rfind('.');
+  if (index_at == std::string::npos || !index_name.ends_with(".json") || dot == std::string::npos ||
+      dot == 0) {
+    return false;
+  }
+  // ".fp16" for model.safetensors.index.fp16.json, "" for model.safetensors.index.json.
+  const size_t variant_at = index_at + std::string_view(".index").size();
+  const std::string variant = index_name.substr(
+      variant_at, index_name.size() - variant_at - std::string_view(".json").size());
+  const std::string prefix = StrCat(weights.substr(0, dot), variant, "-");
+  const std::string ext = weights.substr(dot);
+  if (!name.starts_with(prefix) || !name.ends_with(ext) ||
+      name.size() <= prefix.size() + ext.size()) {
+    return false;
+  }
+  const std::string middle = name.substr(prefix.size(), name.size() - prefix.size() - ext.size());
+  const size_t of = middle.find("-of-");
+  const auto digits = [](std::string_view d) {
+    return !d.empty() &&
+           std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  return of != std::string::npos && digits(std::string_view(middle).substr(0, of)) &&
+         digits(std::string_view(middle).substr(of + 4));
+}
+
+// Notes the shard files beside an index that it names none of (a shard of an earlier save with
+// more shards, left by a copy or an interrupted save): neither tensortier.load nor
+// from_pretrained reads them, and they take space.
+void NoteUnreferencedShards(const std::string& index, const std::vector<Shard>& shards) {
+  const std::filesystem::path index_path(index);
+  const std::filesystem::path dir =
+      index_path.has_parent_path() ? index_path.parent_path() : std::filesystem::path(".");
+  std::set<std::pair<dev_t, ino_t>> named;
+  for (const Shard& shard : shards) {
+    struct stat st;
+    if (stat(shard.path.c_str(), &st) == 0) named.insert({st.st_dev, st.st_ino});
+  }
+  std::vector<std::string> unreferenced;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    struct stat st;
+    if (!IsShardNameOfIndex(entry.path().filename().string(), index_path.filename().string()) ||
+        stat(entry.path().c_str(), &st) != 0 || !S_ISREG(st.st_mode) ||
+        named.contains({st.st_dev, st.st_ino})) {
+      continue;
+    }
+    unreferenced.push_back(entry.path().string());
+  }
+  std::sort(unreferenced.begin(), unreferenced.end());
+  for (const std::string& file : unreferenced) {
+    Note(StrCat(TerminalText(file), " is a shard file beside the index ", TerminalText(index),
+                ", which names none of its tensors: neither tensortier.load nor transformers' "
+                "from_pretrained reads it"));
+  }
+}
+
 bool IsShardIndexFile(const std::string& path) {
   return DetectCheckpointKind(path) == CheckpointKind::kShardIndex;
 }
@@ -332,6 +394,7 @@ int RunInfoImpl(const std::vector<std::string>& argv) {
     if (int rc = InfoFile(shard.path, show, shard.names); rc != 0) return rc;
   }
   NoteUnindexedTensors(path, shards);
+  NoteUnreferencedShards(path, shards);
   return 0;
 }
 
@@ -355,6 +418,7 @@ int RunVerifyImpl(const std::vector<std::string>& argv) {
     }
   }
   NoteUnindexedTensors(path, shards);
+  NoteUnreferencedShards(path, shards);
   std::fflush(stdout);
   if (failed > 0) {
     std::fprintf(stderr, "%s: verify FAILED (%zu of %zu shards)\n", TerminalText(path).c_str(),

@@ -752,6 +752,39 @@ def test_info_and_verify_note_tensors_a_shard_holds_and_its_index_leaves_out(
     assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
 
 
+def test_info_and_verify_note_shard_files_beside_the_index_it_does_not_name(
+    disk_dir: Path,
+) -> None:
+    """A shard an earlier save with more shards left (model-00003-of-00003 beside an index of
+    two) is read by neither tensortier.load nor from_pretrained: a note naming it, not a
+    failure. Another variant's shards, a folder named like a shard and a shard the index names
+    under another spelling are not noted."""
+    import tensortier
+
+    for name, value in (("model-00001-of-00002", 1.0), ("model-00002-of-00002", 2.0),
+                        ("model-00003-of-00003", 3.0), ("model.fp16-00001-of-00001", 4.0)):
+        tensortier.save({f"w{value:g}": torch.full((3,), value)}, disk_dir / f"{name}.safetensors",
+                        checksum=True)
+    (disk_dir / "model-00009-of-00009.safetensors.d").mkdir()
+    (disk_dir / "model-x-of-00002.safetensors").write_bytes(b"")
+    (disk_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w1": "model-00001-of-00002.safetensors", "w2": "./model-00002-of-00002.safetensors"}}))
+    (disk_dir / "model.safetensors.index.fp16.json").write_text(json.dumps({"weight_map": {
+        "w4": "model.fp16-00001-of-00001.safetensors"}}))
+    for command in ("info", "verify"):
+        r = run(command, disk_dir)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stderr.count("note:") == 1, r.stderr
+        assert (f"{disk_dir}/model-00003-of-00003.safetensors is a shard file beside the index "
+                f"{disk_dir}/model.safetensors.index.json, which names none of its tensors: "
+                "neither tensortier.load nor transformers' from_pretrained reads it") in r.stderr
+        r = run(command, disk_dir / "model.safetensors.index.fp16.json")
+        assert r.returncode == 0 and "note:" not in r.stderr, r.stdout + r.stderr
+    (disk_dir / "model-00003-of-00003.safetensors").unlink()
+    r = run("verify", disk_dir)
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+
+
 def test_info_and_verify_read_a_model_directory_as_from_pretrained_does(disk_dir: Path) -> None:
     """safetensors first, then pytorch_model.bin and its index; a directory of variants only
     names its files, since a variant is read by name."""
