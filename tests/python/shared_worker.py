@@ -813,5 +813,13 @@ def fetch_as_other(name: str) -> int:
     return 1 if data or ancdata else 0
 
 
+def main(args: list[str]) -> None:
+    """ranks.ForkServer's entry, in a rank forked from the server: ``run(scenario, outdir)``."""
+    import tempfile
+
+    tempfile.tempdir = None  # the job's TMPDIR, set after the server imported this module
+    run(args[0], args[1])
+
+
 if __name__ == "__main__":
     run(sys.argv[1], sys.argv[2])

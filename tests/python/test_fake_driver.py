@@ -13,7 +13,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from faults import require_faults
 
@@ -257,44 +256,48 @@ def run_ranks_with_fake(fake_driver: Path, body: str, tmp_path: Path, world: int
     assert not errors, "\n".join(errors)
 
 
+# One pair of ranks per layout runs every dtype: each run of two fresh interpreters costs seconds
+# of torch imports, each dtype a few milliseconds.
 @pytest.mark.parametrize("layout", ["continuous", "chunked"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
 def test_device_shared_tensor_writes_are_seen_by_every_rank(
-    fake_driver: Path, tmp_path: Path, layout: str, dtype: torch.dtype
+    fake_driver: Path, tmp_path: Path, layout: str
 ) -> None:
     run_ranks_with_fake(
         fake_driver,
         f"""
-        dtype, layout = {dtype}, {layout!r}
-        rows, cols = 3001, 5                   # unequal partitions
-        t = group.create_tensor((rows, cols), dtype, device="cuda", layout=layout)
-        assert t.memory == "device" and t.layout == layout
-        st = t.stats
-        assert st["device"] == 0 and st["granularity"] == 2 << 20 and not st["cuda_registered"]
-        parts = t._core.partitions
-        assert sum(p[2] for p in parts) == rows
-        full = (torch.arange(rows * cols) % 100).to(dtype).reshape(rows, cols)
-        _, begin, n, nbytes, address = parts[rank]
-        if n:
-            to_device(address, full[begin:begin + n].contiguous())
-        group.barrier()
-        for _, begin, n, nbytes, address in parts:
+        layout = {layout!r}
+        for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float64):
+            rows, cols = 3001, 5                   # unequal partitions
+            t = group.create_tensor((rows, cols), dtype, device="cuda", layout=layout)
+            assert t.memory == "device" and t.layout == layout
+            st = t.stats
+            assert st["device"] == 0 and st["granularity"] == 2 << 20 and not st["cuda_registered"]
+            parts = t._core.partitions
+            assert sum(p[2] for p in parts) == rows
+            full = (torch.arange(rows * cols) % 100).to(dtype).reshape(rows, cols)
+            _, begin, n, nbytes, address = parts[rank]
             if n:
-                back = torch.empty((n, cols), dtype=dtype)
-                from_device(back, address)
-                assert torch.equal(back, full[begin:begin + n]), (rank, begin)
-        # Without torch CUDA, CUDA views and row access say why; host buffers are refused.
-        for call in (lambda: t.view("cuda"), lambda: t.gather([0]), lambda: t.local()):
+                to_device(address, full[begin:begin + n].contiguous())
+            group.barrier()
+            for _, begin, n, nbytes, address in parts:
+                if n:
+                    back = torch.empty((n, cols), dtype=dtype)
+                    from_device(back, address)
+                    assert torch.equal(back, full[begin:begin + n]), (rank, begin)
+            # Without torch CUDA, CUDA views and row access say why; host buffers are refused.
+            for call in (lambda: t.view("cuda"), lambda: t.gather([0]), lambda: t.local()):
+                try:
+                    call()
+                    raise AssertionError("a CUDA view on a CPU-only torch")
+                except RuntimeError as e:
+                    assert "no CUDA" in str(e), e
             try:
-                call()
-                raise AssertionError("a CUDA view on a CPU-only torch")
-            except RuntimeError as e:
-                assert "no CUDA" in str(e), e
-        try:
-            t.view("cpu")
-            raise AssertionError("a CPU view of device memory")
-        except ValueError as e:
-            assert "device memory" in str(e), e
+                t.view("cpu")
+                raise AssertionError("a CPU view of device memory")
+            except ValueError as e:
+                assert "device memory" in str(e), e
+            group.barrier()  # every rank has read every partition
+            t.close()
         group.barrier()
         group.close()
         gc.collect()

@@ -19,7 +19,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -81,6 +81,17 @@ def assert_nothing_left(tmp: Path, shm_before: set[str], sockets: list[str],
         assert "@" + name not in left
 
 
+def check_reports(tmp: Path, outdir: Path, world: int, shm_before: set[str],
+                  output: str) -> list[dict[str, Any]]:
+    """Every rank's report says it passed, and nothing its process made is left."""
+    results = reports(outdir, world)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('error')}\n{output}"
+    assert_nothing_left(tmp, shm_before, [res["socket"] for res in results if "socket" in res],
+                        [res["pid"] for res in results if "pid" in res])
+    return results
+
+
 def run_torchrun(tmp: Path, scenario: str, world: int, **extra: str) -> list[dict[str, Any]]:
     outdir = tmp / "out"
     outdir.mkdir()
@@ -90,18 +101,42 @@ def run_torchrun(tmp: Path, scenario: str, world: int, **extra: str) -> list[dic
         f"--nproc_per_node={world}", str(WORKER), scenario, str(outdir),
     ]
     proc = subprocess.run(cmd, env=env_for(tmp, **extra), capture_output=True, text=True, timeout=TIMEOUT)
-    results = reports(outdir, world)
-    for r, res in enumerate(results):
-        assert res["ok"], f"rank {r}: {res.get('error')}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = check_reports(tmp, outdir, world, shm_before,
+                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_nothing_left(tmp, shm_before, [res["socket"] for res in results if "socket" in res],
-                        [res["pid"] for res in results if "pid" in res])
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_every_layout_and_dtype_under_torchrun(tmp_path: Path, world: int) -> None:
-    run_torchrun(tmp_path, "layouts", world)
+@pytest.fixture(scope="module")
+def forked() -> Iterator[ranks.ForkServer]:
+    """A fork server that has imported shared_worker (and torch): a job's ranks start in well
+    under a second, where torchrun starts an interpreter per rank and one for its agent."""
+    with ranks.ForkServer("shared_worker") as server:
+        yield server
+
+
+def run_ranks(tmp: Path, scenario: str, world: int, launcher: str,
+              forked: ranks.ForkServer, **extra: str) -> list[dict[str, Any]]:
+    """Runs `scenario` in `world` ranks, started by torchrun (``launcher="torchrun"``: one such
+    run per scenario checks the real launcher) or forked from `forked` (rank 0 then serves the
+    store, as in a job started without torchrun's agent)."""
+    if launcher == "torchrun":
+        return run_torchrun(tmp, scenario, world, **extra)
+    outdir = tmp / "out"
+    shm_before = shm_entries()
+    done = forked.run(outdir, world, [scenario, str(outdir)], TIMEOUT,
+                      **env_for(tmp, **extra))
+    logs = "\n".join((outdir / f"rank{r}.log").read_text(errors="replace")[-2000:]
+                     for r in range(world) if (outdir / f"rank{r}.log").exists())
+    results = check_reports(tmp, outdir, world, shm_before, logs)
+    assert done == {"returncodes": [0] * world, "timed_out": False}, f"{done}\n{logs}"
+    return results
+
+
+@pytest.mark.parametrize("world,launcher", [(2, "fork"), (3, "torchrun"), (4, "fork")])
+def test_every_layout_and_dtype_under_torchrun(tmp_path: Path, world: int, launcher: str,
+                                               forked: ranks.ForkServer) -> None:
+    run_ranks(tmp_path, "layouts", world, launcher, forked)
 
 
 def test_misuse_attach_other_user_and_close_under_torchrun(tmp_path: Path) -> None:
@@ -116,21 +151,24 @@ def test_load_and_store_files_and_checkpoints_under_torchrun(tmp_path: Path) -> 
     run_torchrun(tmp_path, "files", 3, SHARED_TEST_DIR=str(data))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_load_checkpoint_from_torch_save_files_under_torchrun(tmp_path: Path, world: int) -> None:
+@pytest.mark.parametrize("world,launcher", [(2, "fork"), (3, "torchrun")])
+def test_load_checkpoint_from_torch_save_files_under_torchrun(
+        tmp_path: Path, world: int, launcher: str, forked: ranks.ForkServer) -> None:
     data = tmp_path / "data"
     data.mkdir()
-    run_torchrun(tmp_path, "torch_checkpoints", world, SHARED_TEST_DIR=str(data))
+    run_ranks(tmp_path, "torch_checkpoints", world, launcher, forked, SHARED_TEST_DIR=str(data))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_distributed_layout_over_gloo_under_torchrun(tmp_path: Path, world: int) -> None:
-    run_torchrun(tmp_path, "distributed", world)
+@pytest.mark.parametrize("world,launcher", [(2, "fork"), (3, "torchrun")])
+def test_distributed_layout_over_gloo_under_torchrun(
+        tmp_path: Path, world: int, launcher: str, forked: ranks.ForkServer) -> None:
+    run_ranks(tmp_path, "distributed", world, launcher, forked)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_wholememory_seed_calls_under_torchrun(tmp_path: Path, world: int) -> None:
-    run_torchrun(tmp_path, "seed", world)
+@pytest.mark.parametrize("world,launcher", [(2, "fork"), (3, "torchrun")])
+def test_wholememory_seed_calls_under_torchrun(
+        tmp_path: Path, world: int, launcher: str, forked: ranks.ForkServer) -> None:
+    run_ranks(tmp_path, "seed", world, launcher, forked)
 
 
 def assert_spawned_ranks_pass(ctx: Any, outdir: Path, world: int) -> None:
@@ -685,17 +723,10 @@ def test_ranks_that_create_groups_out_of_order_are_told_so() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_threads_gather_and_scatter_one_distributed_tensor_at_once(tmp_path: Path, world: int) -> None:
-    outdir = tmp_path / "out"
-    outdir.mkdir()
-    shm_before = shm_entries()
-    procs = start_ranks(tmp_path, "threads", world, free_port(), outdir)
-    outputs = finish(procs)
-    results = reports(outdir, world)
-    for r, res in enumerate(results):
-        assert res["ok"], f"rank {r}: {res.get('error')}\n{outputs[r][-2000:]}"
-    assert_nothing_left(tmp_path, shm_before, [res["socket"] for res in results],
-                        [p.pid for p in procs])
+def test_threads_gather_and_scatter_one_distributed_tensor_at_once(
+        tmp_path: Path, world: int, forked: ranks.ForkServer) -> None:
+    results = run_ranks(tmp_path, "threads", world, "fork", forked)
+    assert all("socket" in res for res in results)
 
 
 def test_nothing_left_checks_look_only_at_what_our_processes_make(tmp_path: Path) -> None:
