@@ -24,7 +24,7 @@
 namespace tensortier::cli {
 namespace {
 
-constexpr const char* kHelp = R"(usage: tensortier bench [options]
+constexpr const char* kBenchHelp = R"(usage: tensortier bench [options]
   --dir DIR           where the scratch file goes (default .; an existing directory)
   --file NAME         scratch file name (default tensortier-bench.dat)
   --size SIZE         bytes to write/read, e.g. 2G (default 1G)
@@ -365,7 +365,7 @@ int RunSweep(Settings s) {
 }  // namespace
 
 const char* BenchHelp() {
-  return kHelp;
+  return kBenchHelp;
 }
 
 int RunBench(const std::vector<std::string>& argv) {
@@ -373,7 +373,7 @@ int RunBench(const std::vector<std::string>& argv) {
       argv, {"buffered", "warm", "keep", "json", "sweep", "help"},
       {"dir", "file", "size", "block-size", "queue-depth", "threads", "backend", "mode", "ops"});
   if (args.Flag("help")) {
-    std::fputs(kHelp, stdout);
+    std::fputs(kBenchHelp, stdout);
     return 0;
   }
   if (!args.positionals().empty()) {

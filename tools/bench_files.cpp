@@ -19,7 +19,7 @@
 namespace tensortier::cli {
 namespace {
 
-constexpr const char* kHelp = R"(usage: tensortier bench-files ROOT [options]
+constexpr const char* kBenchFilesHelp = R"(usage: tensortier bench-files ROOT [options]
        tensortier bench-files [ROOT] --file-list LIST [options]
 
 Reads the files under ROOT's class folders (DALI's file_root layout and default file_filters:
@@ -52,7 +52,7 @@ void DropFromCache(const std::vector<std::string>& paths) {
 }  // namespace
 
 const char* BenchFilesHelp() {
-  return kHelp;
+  return kBenchFilesHelp;
 }
 
 int RunBenchFiles(const std::vector<std::string>& argv) {
@@ -60,7 +60,7 @@ int RunBenchFiles(const std::vector<std::string>& argv) {
             {"batch-size", "seed", "epochs", "prefetch", "open-threads", "file-filters",
              "dir-filters", "file-list"});
   if (args.Flag("help")) {
-    std::fputs(kHelp, stdout);
+    std::fputs(kBenchFilesHelp, stdout);
     return 0;
   }
   const std::string file_list = args.Get("file-list", "");

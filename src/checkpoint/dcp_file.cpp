@@ -35,7 +35,6 @@
 namespace tensortier {
 namespace {
 
-constexpr uint64_t kPage = 4096;
 constexpr uint64_t kSmallAlign = 64;
 // Tensors of this size or more go from their memory to the file in requests of their own; the
 // rest are gathered (with the zip records around them) into large writes and reads.
@@ -127,7 +126,7 @@ DcpFilePlan::DcpFilePlan(std::vector<DcpWriteItem> items) : items_(std::move(ite
     ZipPlanner zip(1);
     zip.Add(StrCat(kFolder, "data.pkl"), pickle.size());
     zip.Add(StrCat(kFolder, "byteorder"), 6);
-    const uint64_t align = it.nbytes >= kPage ? kPage : kSmallAlign;
+    const uint64_t align = it.nbytes >= kPageSize ? kPageSize : kSmallAlign;
     const size_t data = zip.Add(StrCat(kFolder, "data/0"), it.nbytes, align, cursor);
     zip.Add(StrCat(kFolder, "version"), 2);
     const auto& e = zip.entries();
@@ -167,7 +166,7 @@ void DcpFilePlan::WriteItems(Engine& engine, const File& file, std::span<const s
   std::vector<bool> alone(indices.size(), false);
   for (size_t k = 0; k < indices.size(); ++k) {
     const size_t i = indices[k];
-    if (items_.at(i).nbytes >= kOwnRequest && places_[i].data_offset % kPage == 0) {
+    if (items_.at(i).nbytes >= kOwnRequest && places_[i].data_offset % kPageSize == 0) {
       alone[k] = true;
       own.push_back(engine.Write(file, srcs[k], items_[i].nbytes, places_[i].data_offset));
     }
@@ -545,7 +544,7 @@ uint64_t ReadDcpItems(Engine& engine, const File& file, std::span<const DcpRead>
   };
   // Ranges a page or less apart share a request: no byte is read that a page-aligned read of
   // each would not read too.
-  const std::vector<uint64_t> got = ReadScattered(engine, file, scattered, kPage, &bytes_read);
+  const std::vector<uint64_t> got = ReadScattered(engine, file, scattered, kPageSize, &bytes_read);
   for (size_t k = 0; k < got.size(); ++k) {
     if (got[k] != piece_of[k].second) throw truncated(piece_of[k].first);
   }

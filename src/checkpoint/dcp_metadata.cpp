@@ -22,7 +22,6 @@ namespace tensortier {
 namespace {
 
 constexpr uint64_t kMaxMetadataBytes = 1ull << 30;
-constexpr const char* kMetadataModule = "torch.distributed.checkpoint.metadata";
 constexpr const char* kFilesystemModule = "torch.distributed.checkpoint.filesystem";
 
 using Kind = PickleKind;
@@ -136,7 +135,7 @@ bool IsDcpMetadataGlobal(std::string_view module, std::string_view name) {
   static const std::set<std::string_view> kClasses = {
       "Metadata",         "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
       "TensorProperties", "_MEM_FORMAT_ENCODING",  "MetadataIndex",        "StorageMeta"};
-  return (module == kMetadataModule && kClasses.contains(name)) ||
+  return (module == kDcpMetadataModule && kClasses.contains(name)) ||
          (module == kFilesystemModule && name == "_StorageInfo") ||
          // Where torch 2.0 to 2.2 pickled a tensor's properties from (torch keeps them there).
          (module == "torch.distributed._shard.sharded_tensor.metadata" &&
@@ -183,13 +182,13 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   Machine m(data, what);
   const uint32_t root = m.Run();
   Walker w(m);
-  const std::string md = StrCat(kMetadataModule, ".Metadata");
+  const std::string md = StrCat(kDcpMetadataModule, ".Metadata");
   DcpMetadata out;
   if (auto v = w.Attr(root, md, "version"); v && m.at(*v).kind == Kind::kStr) {
     out.version = m.at(*v).s;
   }
   if (auto sm = w.Attr(root, md, "storage_meta"); sm && m.at(*sm).kind == Kind::kObject) {
-    if (auto f = w.Attr(*sm, StrCat(kMetadataModule, ".StorageMeta"), "tensortier_format"); f) {
+    if (auto f = w.Attr(*sm, StrCat(kDcpMetadataModule, ".StorageMeta"), "tensortier_format"); f) {
       if (m.at(*f).kind != Kind::kInt) m.Fail("a tensortier_format that is not an integer");
       out.format = m.at(*f).i;
     }
@@ -197,15 +196,15 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
   CheckDcpFormat(out.format, what);
   std::set<std::string> bytes_items;
   std::map<std::string, std::vector<int64_t>> chunk_sizes;  // "fqn at [offsets]" -> sizes
-  const std::string tensor_cls = StrCat(kMetadataModule, ".TensorStorageMetadata");
-  const std::string chunk_cls = StrCat(kMetadataModule, ".ChunkStorageMetadata");
+  const std::string tensor_cls = StrCat(kDcpMetadataModule, ".TensorStorageMetadata");
+  const std::string chunk_cls = StrCat(kDcpMetadataModule, ".ChunkStorageMetadata");
   const Node& sdm =
       w.Need(w.Attr(root, md, "state_dict_metadata"), Kind::kDict, "state_dict_metadata");
   for (size_t k = 0; k + 1 < sdm.items.size(); k += 2) {
     const Node& fqn = m.at(sdm.items[k]);
     const Node& value = m.at(sdm.items[k + 1]);
     if (fqn.kind != Kind::kStr || value.kind != Kind::kObject) continue;
-    if (value.s == StrCat(kMetadataModule, ".BytesStorageMetadata")) bytes_items.insert(fqn.s);
+    if (value.s == StrCat(kDcpMetadataModule, ".BytesStorageMetadata")) bytes_items.insert(fqn.s);
     if (value.s != tensor_cls) continue;
     const auto chunks = w.Attr(sdm.items[k + 1], tensor_cls, "chunks");
     if (!chunks || m.at(*chunks).kind != Kind::kList) continue;
@@ -218,7 +217,7 @@ DcpMetadata ParseDcpMetadata(std::string_view data, const std::string& what) {
     }
   }
   const Node& storage = w.Need(w.Attr(root, md, "storage_data"), Kind::kDict, "storage_data");
-  const std::string index_cls = StrCat(kMetadataModule, ".MetadataIndex");
+  const std::string index_cls = StrCat(kDcpMetadataModule, ".MetadataIndex");
   const std::string info_cls = StrCat(kFilesystemModule, "._StorageInfo");
   for (size_t k = 0; k + 1 < storage.items.size(); k += 2) {
     const uint32_t index = storage.items[k];

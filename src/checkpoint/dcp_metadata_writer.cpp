@@ -19,8 +19,6 @@
 namespace tensortier {
 namespace {
 
-constexpr std::string_view kMetadataModule = "torch.distributed.checkpoint.metadata";
-
 // Python's unpickler decodes BINUNICODE as UTF-8 with "surrogatepass": a string must be UTF-8,
 // lone surrogates allowed where `surrogates` (a path's bytes that are not UTF-8, which Python
 // holds as lone surrogates and pickle writes so). State dict keys stay strict UTF-8.
@@ -64,7 +62,7 @@ class MetadataEmitter {
  private:
   // An instance of the metadata module's class `name`, its state pushed by `state`, then BUILD.
   template <typename F>
-  void Object(std::string_view name, F&& state, std::string_view module = kMetadataModule) {
+  void Object(std::string_view name, F&& state, std::string_view module = kDcpMetadataModule) {
     e_.Global(module, name);
     e_.NewObj();
     state();
@@ -103,7 +101,7 @@ class MetadataEmitter {
   void Entry(const DcpMetadataEntry& entry) {
     Text(entry.fqn, "a state dict key");
     if (entry.bytes) {
-      e_.Global(kMetadataModule, "BytesStorageMetadata");
+      e_.Global(kDcpMetadataModule, "BytesStorageMetadata");
       e_.NewObj();  // no state: an empty __dict__ is not pickled
       return;
     }
@@ -124,7 +122,7 @@ class MetadataEmitter {
           e_.Op('R');
           e_.Put();
           e_.Bool(entry.requires_grad);
-          e_.Global(kMetadataModule, "_MEM_FORMAT_ENCODING");
+          e_.Global(kDcpMetadataModule, "_MEM_FORMAT_ENCODING");
           e_.IntTuple(std::vector<int64_t>{entry.memory_format});
           e_.Op('R');
           e_.Put();

@@ -7,13 +7,13 @@
 #include "tensortier/checkpoint/byte_source.hpp"
 #include "tensortier/checkpoint/dtypes.hpp"
 #include "tensortier/checkpoint/small_pieces.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {
 
-constexpr uint64_t kPage = 4096;
 // Items of this size or more are not held: their data goes from the file to its destination.
 constexpr uint64_t kLargeItem = 1u << 20;
 // The most bytes one request of small items reads.
@@ -109,7 +109,7 @@ DcpFileReads::DcpFileReads(Engine& engine, const std::string& path, std::span<co
     buffers_.push_back(std::make_unique_for_overwrite<std::byte[]>(g.length));
     g.dest = buffers_.back().get();
   }
-  const std::vector<uint64_t> got = ReadScattered(engine, file_, groups, kPage, &bytes_read_);
+  const std::vector<uint64_t> got = ReadScattered(engine, file_, groups, kPageSize, &bytes_read_);
   for (size_t k = 0; k < groups.size(); ++k) {  // short where the file ends early (truncated)
     held_.push_back({groups[k].offset, std::span<const std::byte>(groups[k].dest, got[k])});
   }

@@ -18,7 +18,7 @@ namespace {
 // are written from their own memory (a copy would cost more than the request).
 constexpr uint64_t kGatherBelow = 1u << 20;
 
-void Settle(std::vector<Future>& writes) {
+void SettleWrites(std::vector<Future>& writes) {
   for (auto& f : writes) {
     try {
       f.Wait();
@@ -127,7 +127,7 @@ void SafetensorsFileWriter::WriteTensors(Engine& engine, const File& out,
       done.Wait();
     }
   } catch (...) {
-    Settle(writes);
+    SettleWrites(writes);
     throw;
   }
 }

@@ -10,7 +10,6 @@
 namespace tensortier {
 namespace {
 
-constexpr uint64_t kPage = 4096;
 // A staging buffer's size: ranges are read in requests of up to this many bytes.
 constexpr uint64_t kRunBytes = 8u << 20;
 constexpr int kSlots = 2;
@@ -45,7 +44,7 @@ std::vector<uint64_t> ReadScattered(Engine& engine, const File& file,
       runs.back().last = k + 1;
       continue;
     }
-    runs.push_back({AlignDown(r.offset, kPage), r.offset + r.length, k, k + 1});
+    runs.push_back({AlignDown(r.offset, kPageSize), r.offset + r.length, k, k + 1});
   }
   if (runs.empty()) return got;
   uint64_t largest = 0;
@@ -54,7 +53,8 @@ std::vector<uint64_t> ReadScattered(Engine& engine, const File& file,
     if (bytes_read != nullptr) *bytes_read += run.end - run.begin;
   }
   // A range longer than a run's limit is a run alone: its buffer is as large as it is.
-  const size_t size = static_cast<size_t>(AlignUp(std::max<uint64_t>(largest, kPage), kPage));
+  const size_t size =
+      static_cast<size_t>(AlignUp(std::max<uint64_t>(largest, kPageSize), kPageSize));
   AlignedBuffer bufs[kSlots];
   for (auto& b : bufs) b = AlignedBuffer(size, Pages::kReused);
   Future pending[kSlots];
@@ -118,7 +118,8 @@ std::vector<uint64_t> WriteGathered(Engine& engine, const File& file,
   if (runs.empty()) return hashes;
   uint64_t largest = 0;
   for (const Run& run : runs) largest = std::max(largest, run.end - run.begin);
-  const size_t size = static_cast<size_t>(AlignUp(std::max<uint64_t>(largest, kPage), kPage));
+  const size_t size =
+      static_cast<size_t>(AlignUp(std::max<uint64_t>(largest, kPageSize), kPageSize));
   AlignedBuffer bufs[kSlots];
   for (auto& b : bufs) b = AlignedBuffer(size, Pages::kReused);
   Future pending[kSlots];

@@ -8,13 +8,13 @@
 
 #include "tensortier/checkpoint/checkpoint_pipeline.hpp"
 #include "tensortier/checkpoint/checksum.hpp"
+#include "tensortier/util/aligned_buffer.hpp"
 #include "tensortier/util/format_error.hpp"
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier {
 namespace {
 
-constexpr uint64_t kPage = 4096;
 constexpr uint64_t kChunk = kCheckpointGroupBytes;  // the input's reads
 // The file's image: this many buffers of up to kImageBuffer bytes, all but one being written
 // while one fills (on our virtio disk, a few writes in flight keep it busy).
@@ -26,7 +26,8 @@ constexpr uint64_t kDirectMin = 1u << 20;
 constexpr size_t kIdDigits = 40;
 
 size_t BufferSize(uint64_t file_size) {
-  return static_cast<size_t>(std::clamp<uint64_t>(AlignUp(file_size, kPage), kPage, kImageBuffer));
+  return static_cast<size_t>(
+      std::clamp<uint64_t>(AlignUp(file_size, kPageSize), kPageSize, kImageBuffer));
 }
 
 }  // namespace
@@ -99,9 +100,9 @@ class TorchImageWriter {
   // `n` bytes at `data` (alive until WaitDirect or Finish) appended at pos(), which must be page
   // aligned: written from there in whole pages, the rest copied into the next buffer.
   void AppendDirect(const std::byte* data, uint64_t n) {
-    if (pos() % kPage != 0) throw std::logic_error("TorchImageWriter: direct bytes off a page");
+    if (pos() % kPageSize != 0) throw std::logic_error("TorchImageWriter: direct bytes off a page");
     Flush();
-    const uint64_t whole = AlignDown(n, kPage);
+    const uint64_t whole = AlignDown(n, kPageSize);
     if (whole > 0) {
       direct_.push_back(engine_.Write(out_, data, whole, base_));
       base_ += whole;
@@ -250,7 +251,7 @@ TorchFileWriter::TorchFileWriter(const std::vector<TorchPickleTensor>& tensors,
     : pickle_(SerializeTorchPickle(tensors)),
       nbytes_(std::move(nbytes)),
       options_(std::move(options)),
-      zip_(kPage) {
+      zip_(kPageSize) {
   if (nbytes_.size() != tensors.size()) {
     throw std::invalid_argument("TorchFileWriter: one size per tensor");
   }
@@ -264,7 +265,7 @@ TorchFileWriter::TorchFileWriter(std::string pickle, std::vector<uint64_t> nbyte
     : pickle_(std::move(pickle)),
       nbytes_(std::move(nbytes)),
       options_(std::move(options)),
-      zip_(kPage) {
+      zip_(kPageSize) {
   keys_.reserve(nbytes_.size());
   for (size_t i = 0; i < nbytes_.size(); ++i) keys_.push_back(std::to_string(i));
   AddRecords();

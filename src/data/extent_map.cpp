@@ -33,7 +33,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr uint64_t kSector = 512;
 constexpr int64_t kNsPerSecond = 1000000000;
 // Filesystems whose FIEMAP fe_physical is a byte offset on the block device of st_dev. Elsewhere
 // it may not be: btrfs reports addresses in its own logical space (spread over several devices),
@@ -110,8 +109,8 @@ bool PartitionPlacement(const fs::path& dir, fs::path* disk_dir, uint64_t* offse
   if (!fs::exists(dir / "partition", ec)) return true;
   auto start = ReadSysfs(dir / "start");
   auto sectors = start ? ParseDecimal(*start) : std::nullopt;
-  if (!sectors || *sectors > UINT64_MAX / kSector) return false;
-  *offset = *sectors * kSector;
+  if (!sectors || *sectors > UINT64_MAX / kSectorBytes) return false;
+  *offset = *sectors * kSectorBytes;
   *disk_dir = dir.parent_path();
   return true;
 }
@@ -263,8 +262,8 @@ FileExtents ReadExtents(int fd, const std::string& path, uint64_t size, uint64_t
         out.refusal = StrCat("extent at file offset ", e.fe_logical, ": ", why);
         return out;
       }
-      if (e.fe_logical % kSector != 0 || e.fe_physical % kSector != 0 || e.fe_length == 0 ||
-          e.fe_length % kSector != 0) {
+      if (e.fe_logical % kSectorBytes != 0 || e.fe_physical % kSectorBytes != 0 ||
+          e.fe_length == 0 || e.fe_length % kSectorBytes != 0) {
         out.refusal =
             StrCat("extent at file offset ", e.fe_logical, " is not on whole sectors (physical ",
                    e.fe_physical, ", length ", e.fe_length, ")");
@@ -367,7 +366,8 @@ class Mapper {
       }
     }
     const auto size = static_cast<uint64_t>(before.st_size);
-    FileExtents extents = ReadExtents(fd, full, size, std::max<uint64_t>(d.block_size, kSector));
+    FileExtents extents =
+        ReadExtents(fd, full, size, std::max<uint64_t>(d.block_size, kSectorBytes));
     if (!extents.refusal.empty()) {
       out.refusal = extents.refusal;
       return out;
@@ -481,8 +481,8 @@ std::string DevicePlacementChange(const MappedDevice& d) {
 std::optional<uint64_t> DeviceBytes(const MappedDevice& d) {
   auto sectors = ReadSysfs(StrCat("/sys/dev/block/", d.major, ":", d.minor, "/size"));
   auto parsed = sectors ? ParseDecimal(*sectors) : std::nullopt;
-  if (!parsed || *parsed > UINT64_MAX / kSector) return std::nullopt;
-  return *parsed * kSector;  // sysfs counts 512-byte sectors whatever the device's block size
+  if (!parsed || *parsed > UINT64_MAX / kSectorBytes) return std::nullopt;
+  return *parsed * kSectorBytes;  // sysfs counts 512-byte sectors whatever the device's block size
 }
 
 void AppendExtent(std::vector<FileExtent>& out, const FileExtent& x) {

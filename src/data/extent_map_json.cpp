@@ -25,7 +25,6 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr std::string_view kFormat = "tensortier extent map";
-constexpr uint64_t kSector = 512;
 constexpr uint64_t kMaxOffset = static_cast<uint64_t>(INT64_MAX);
 constexpr uint64_t kMaxBlockSize = 1 << 20;
 // A map file is read whole into memory; this bounds what a stray path can make us read
@@ -191,10 +190,10 @@ class MapParser {
     if (d.filesystem != "ext4" && d.filesystem != "xfs") {
       r_.Fail(StrCat("device filesystem '", d.filesystem, "' is not ext4 or xfs"));
     }
-    if (d.block_size < kSector || (d.block_size & (d.block_size - 1)) != 0) {
+    if (d.block_size < kSectorBytes || (d.block_size & (d.block_size - 1)) != 0) {
       r_.Fail(StrCat("device block_size ", d.block_size, " is not a power of two >= 512"));
     }
-    if (d.partition_offset % kSector != 0) {
+    if (d.partition_offset % kSectorBytes != 0) {
       r_.Fail(StrCat("device partition_offset ", d.partition_offset, " is not whole sectors"));
     }
     return d;
@@ -277,7 +276,7 @@ class MapParser {
       if (x.logical != covered) {
         r_.Fail(StrCat(at, ": expected one at ", covered, " (extents must follow each other)"));
       }
-      if (x.length == 0 || x.length % kSector != 0 || x.physical % kSector != 0) {
+      if (x.length == 0 || x.length % kSectorBytes != 0 || x.physical % kSectorBytes != 0) {
         r_.Fail(StrCat(at, ": physical offset and length must be whole sectors, length > 0"));
       }
       if (x.logical >= size) r_.Fail(StrCat(at, ": starts at or past the file's size ", size));

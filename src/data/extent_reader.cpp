@@ -87,20 +87,19 @@ void CheckExtentsInside(const ExtentMap& map) {
   }
 }
 
-// A device range read into the batch's staging buffer, then copied: a file's last partial
-// sector, or an extent off the device's O_DIRECT alignment.
-struct Staged {
-  uint64_t staging_offset;  // where the aligned range starts in the staging buffer
-  uint64_t skip;            // bytes of the aligned range before the wanted ones
-  uint64_t length;          // wanted bytes
-  std::byte* dest;
-};
-
 }  // namespace
 
 // One batch in flight: the raw pieces of every file in one engine operation, the files read
 // through the filesystem in one each, and the staged copies.
 struct ExtentReader::Plan {
+  // A device range read into the batch's staging buffer, then copied: a file's last partial
+  // sector, or an extent off the device's O_DIRECT alignment.
+  struct Staged {
+    uint64_t staging_offset;  // where the aligned range starts in the staging buffer
+    uint64_t skip;            // bytes of the aligned range before the wanted ones
+    uint64_t length;          // wanted bytes
+    std::byte* dest;
+  };
   struct PerFile {
     bool raw = false;
     std::string fallback;
@@ -298,7 +297,7 @@ ExtentBatch ExtentReader::ReadBatch(std::span<const ExtentReadRequest> requests)
                           " bytes before the file's extents: a wrong map or disk)"),
                    devices_[map_.files[requests[i].file].device].path());
     }
-    for (const Staged& s : p.staged) {
+    for (const Plan::Staged& s : p.staged) {
       std::memcpy(s.dest, plan.staging.data() + s.staging_offset + s.skip, s.length);
     }
     // A file changed while it was read may have had blocks moved or rewritten under the read:

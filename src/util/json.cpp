@@ -276,11 +276,11 @@ bool IsUtf8(std::string_view s, bool surrogates) {
 
 namespace {
 
-constexpr char kHex[] = "0123456789abcdef";
+constexpr char kJsonHexDigits[] = "0123456789abcdef";
 
 void AppendUnicodeEscape(std::string& out, uint32_t cp) {
   out += "\\u";
-  for (int shift = 12; shift >= 0; shift -= 4) out += kHex[(cp >> shift) & 15];
+  for (int shift = 12; shift >= 0; shift -= 4) out += kJsonHexDigits[(cp >> shift) & 15];
 }
 
 std::string Quote(std::string_view s, JsonEscapes escapes, JsonStrings strings) {
@@ -335,8 +335,8 @@ std::string Quote(std::string_view s, JsonEscapes escapes, JsonStrings strings) 
       default:
         if (c < 0x20 || (terminal && c == 0x7F)) {
           out += "\\u00";
-          out += kHex[c >> 4];
-          out += kHex[c & 15];
+          out += kJsonHexDigits[c >> 4];
+          out += kJsonHexDigits[c & 15];
         } else {
           out += static_cast<char>(c);
         }

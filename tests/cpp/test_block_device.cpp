@@ -17,11 +17,7 @@ namespace tensortier {
 namespace {
 
 using testing::TempDir;
-
-void WriteText(const std::string& path, const std::string& text) {
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
-  std::ofstream(path) << text;
-}
+using testing::WriteText;
 
 TEST(BlockQueueLimitsTest, ReadsADisksOwnQueue) {
   TempDir dir;

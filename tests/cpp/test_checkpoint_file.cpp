@@ -23,9 +23,7 @@ namespace {
 
 using testing::TempDir;
 
-void WriteText(const std::string& path, const std::string& text) {
-  std::ofstream(path) << text;
-}
+using testing::WriteText;
 
 int ErrnoOf(const std::function<void()>& body) {
   try {
@@ -42,13 +40,7 @@ std::string OwnTemporaryName(const std::string& final_path, const std::string& r
 }
 
 // The pid of a process that ran and is gone (reaped).
-pid_t DeadPid() {
-  const pid_t child = fork();
-  if (child == 0) _exit(0);
-  int status = 0;
-  waitpid(child, &status, 0);
-  return child;
-}
+using testing::DeadPid;
 
 void SetMtime(const std::string& path, time_t seconds_ago) {
   const timespec times[2] = {{time(nullptr) - seconds_ago, 0}, {time(nullptr) - seconds_ago, 0}};

@@ -20,12 +20,12 @@ namespace {
 
 using namespace std::string_literals;  // pickles hold NUL bytes
 
-std::string Fixture(const std::string& name) {
+std::string TorchFixture(const std::string& name) {
   return (std::filesystem::path(__FILE__).parent_path() / "../data/checkpoint" / name).string();
 }
 
-TorchCheckpoint ReadFixture(const std::string& name) {
-  return ReadTorchCheckpoint(FileSource(File::Open(Fixture(name), OpenMode::kRead, false)));
+TorchCheckpoint ReadTorchFixture(const std::string& name) {
+  return ReadTorchCheckpoint(FileSource(File::Open(TorchFixture(name), OpenMode::kRead, false)));
 }
 
 ::testing::AssertionResult PickleRejects(const std::string& pickle, const std::string& needle) {
@@ -48,7 +48,7 @@ const TorchTensor& Get(const TorchPickle& p, const std::string& path) {
 }
 
 TEST(CheckpointTorch, ReadsTorchSaveFile) {
-  TorchCheckpoint c = ReadFixture("small.pt");
+  TorchCheckpoint c = ReadTorchFixture("small.pt");
   EXPECT_EQ(c.prefix, "small");
   // The CRC-32 of the data.pkl bytes read, which torch.save recorded (nonzero).
   EXPECT_EQ(c.pickle_crc32, c.zip.Find("small/data.pkl")->crc32);
@@ -82,7 +82,7 @@ TEST(CheckpointTorch, ReadsTorchSaveFile) {
 
 TEST(CheckpointTorch, RefusesDisallowedGlobalsInAFile) {
   try {
-    ReadFixture("evil.pt");
+    ReadTorchFixture("evil.pt");
     ADD_FAILURE() << "accepted a pickle calling os.system";
   } catch (const FormatError& e) {
     EXPECT_NE(std::string(e.what()).find("global 'posix.system' is not allowed"), std::string::npos)
@@ -93,7 +93,7 @@ TEST(CheckpointTorch, RefusesDisallowedGlobalsInAFile) {
 // torch.save(model.state_dict()): state_dict() sets OrderedDict._metadata, which the pickle
 // restores with BUILD. It is an attribute, not an item: no tensor and no value of it is listed.
 TEST(CheckpointTorch, ReadsStateDictsWithMetadata) {
-  TorchCheckpoint c = ReadFixture("state_dict.pt");
+  TorchCheckpoint c = ReadTorchFixture("state_dict.pt");
   const TorchPickle& p = c.pickle;
   ASSERT_EQ(p.tensors.size(), 9u);
   EXPECT_EQ(p.tensors[0].path, "0.weight");
@@ -102,7 +102,7 @@ TEST(CheckpointTorch, ReadsStateDictsWithMetadata) {
   EXPECT_EQ(p.tensors[8].path, "2.bias");
   EXPECT_EQ(p.other_values, 0u);
 
-  TorchCheckpoint t = ReadFixture("train_state.pt");
+  TorchCheckpoint t = ReadTorchFixture("train_state.pt");
   ASSERT_EQ(t.pickle.tensors.size(), 9u + 18u);
   EXPECT_EQ(t.pickle.tensors[0].path, "model.0.weight");
   EXPECT_EQ(Get(t.pickle, "optimizer.state.5.exp_avg_sq").shape, (std::vector<int64_t>{2}));
@@ -115,22 +115,22 @@ TEST(CheckpointTorch, ReadsStateDictsWithMetadata) {
 
 TEST(CheckpointTorch, RefusesLegacyCompressedAndNonTorchFiles) {
   try {
-    ReadFixture("legacy.pt");
+    ReadTorchFixture("legacy.pt");
     ADD_FAILURE();
   } catch (const FormatError& e) {
     EXPECT_NE(std::string(e.what()).find("legacy torch.save format"), std::string::npos);
   }
   try {
-    ReadFixture("deflated.zip");
+    ReadTorchFixture("deflated.zip");
     ADD_FAILURE();
   } catch (const FormatError& e) {
     EXPECT_NE(std::string(e.what()).find("is compressed"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(ReadFixture("small.safetensors"), FormatError);
+  EXPECT_THROW(ReadTorchFixture("small.safetensors"), FormatError);
 }
 
 TEST(CheckpointTorch, RefusesMissingAndShortStorageEntries) {
-  std::vector<uint8_t> bytes = testing::ReadWholeFile(Fixture("small.pt"));
+  std::vector<uint8_t> bytes = testing::ReadWholeFile(TorchFixture("small.pt"));
   std::string s(bytes.begin(), bytes.end());
   // Rename every "small/data/3" (local and central) so the storage's entry is missing.
   for (size_t pos = 0; (pos = s.find("small/data/3", pos)) != std::string::npos; ++pos) {
@@ -505,7 +505,7 @@ TEST(CheckpointTorch, ReadsMetaTensors) {
 }
 
 // A zip archive of `records` (full name, value), stored, with their CRC-32s.
-std::string ZipOf(const std::vector<std::pair<std::string, std::string>>& records) {
+std::string TorchZipOf(const std::vector<std::pair<std::string, std::string>>& records) {
   ZipPlanner z;
   for (const auto& [name, value] : records) z.Add(name, value.size());
   std::string out(z.directory_offset(), '\0');
@@ -524,7 +524,7 @@ std::string ZipOf(const std::vector<std::pair<std::string, std::string>>& record
 std::string ZipWithRecords(const std::vector<std::pair<std::string, std::string>>& records) {
   std::vector<std::pair<std::string, std::string>> all = {{"a/data.pkl", kProto + "}q\x00."s}};
   for (const auto& [name, value] : records) all.emplace_back("a/" + name, value);
-  return ZipOf(all);
+  return TorchZipOf(all);
 }
 
 // A torch.save zip holding {} and one more record, `name` (under "a/"), holding `value`, with
@@ -546,7 +546,7 @@ TEST(CheckpointTorch, ReadsTheByteOrderRecord) {
     EXPECT_EQ(c.big_endian, std::string(order) == "big") << order;
     EXPECT_EQ(c.prefix, "a");
   }
-  EXPECT_FALSE(ReadFixture("small.pt").big_endian);
+  EXPECT_FALSE(ReadTorchFixture("small.pt").big_endian);
   std::string zip = ZipWithByteOrder("middle");
   try {
     ReadTorchCheckpoint(MemorySource(zip.data(), zip.size(), "order.pt"));
@@ -567,7 +567,7 @@ TEST(CheckpointTorch, RefusesFormatVersionsTorchDoesNotRead) {
           << record << " " << ok;
     }
   }
-  EXPECT_EQ(ReadFixture("small.pt").prefix, "small");  // version 3
+  EXPECT_EQ(ReadTorchFixture("small.pt").prefix, "small");  // version 3
   for (const char* bad : {"11\n", "0", "99999999999999999999999", "-1", "x3", ""}) {
     std::string zip = ZipWithRecord("version", bad);
     try {
@@ -618,16 +618,16 @@ TEST(CheckpointTorch, TheArchiveFolderIsThatOfItsOneDataPkl) {
     }
     return "";
   };
-  EXPECT_EQ(prefix_of(ZipOf({{"x/version", "3"}, {"x/data.pkl", pickle}})), "x");
-  EXPECT_EQ(prefix_of(ZipOf({{"x/data/data.pkl", "0"}, {"y/data.pkl", pickle}})), "y");
+  EXPECT_EQ(prefix_of(TorchZipOf({{"x/version", "3"}, {"x/data.pkl", pickle}})), "x");
+  EXPECT_EQ(prefix_of(TorchZipOf({{"x/data/data.pkl", "0"}, {"y/data.pkl", pickle}})), "y");
   // torch's reader takes records only inside a folder.
-  EXPECT_NE(refusal(ZipOf({{"version", "3"}, {"data.pkl", pickle}})).find("<folder>/data.pkl"),
+  EXPECT_NE(refusal(TorchZipOf({{"version", "3"}, {"data.pkl", pickle}})).find("<folder>/data.pkl"),
             std::string::npos);
-  EXPECT_NE(refusal(ZipOf({{"x/data.pkl", pickle}, {"y/data.pkl", pickle}}))
+  EXPECT_NE(refusal(TorchZipOf({{"x/data.pkl", pickle}, {"y/data.pkl", pickle}}))
                 .find("p.pt: more than one data.pkl ('x/data.pkl', 'y/data.pkl')"),
             std::string::npos);
   const std::string script =
-      ZipOf({{"m/version", "3"}, {"m/data.pkl", pickle}, {"m/constants.pkl", pickle}});
+      TorchZipOf({{"m/version", "3"}, {"m/data.pkl", pickle}, {"m/constants.pkl", pickle}});
   EXPECT_NE(refusal(script).find("TorchScript archive"), std::string::npos);
   EXPECT_THROW(ReadTorchCheckpoint(MemorySource(script.data(), script.size(), "p.pt")),
                FormatError);

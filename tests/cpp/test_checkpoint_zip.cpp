@@ -42,13 +42,13 @@ Built Build(const std::vector<std::string>& names, uint64_t alignment, bool zip6
   return {out + z.Directory(), z.entries()};
 }
 
-ZipDirectory Read(const std::string& bytes) {
+ZipDirectory ReadZip(const std::string& bytes) {
   return ReadZipDirectory(MemorySource(bytes.data(), bytes.size(), "mem.zip"));
 }
 
 ::testing::AssertionResult Rejects(const std::string& bytes, const std::string& needle) {
   try {
-    Read(bytes);
+    ReadZip(bytes);
   } catch (const FormatError& e) {
     std::string msg = e.what();
     if (msg.find(needle) != std::string::npos && msg.find("mem.zip") != std::string::npos) {
@@ -70,7 +70,7 @@ TEST(CheckpointZip, ReadsPlannedArchivesWithAlignedData) {
   for (bool zip64 : {false, true}) {
     for (uint64_t alignment : {1u, 64u, 4096u}) {
       Built b = Build(kNames, alignment, zip64);
-      ZipDirectory d = Read(b.bytes);
+      ZipDirectory d = ReadZip(b.bytes);
       EXPECT_EQ(d.zip64, zip64);
       ASSERT_EQ(d.entries.size(), kNames.size());
       for (size_t i = 0; i < kNames.size(); ++i) {
@@ -94,9 +94,9 @@ TEST(CheckpointZip, ReadsArchiveWithCommentAndEmptyArchive) {
   std::string with_comment = b.bytes;
   with_comment[with_comment.size() - 2] = 5;
   with_comment += "hello";
-  EXPECT_EQ(Read(with_comment).entries.size(), kNames.size());
+  EXPECT_EQ(ReadZip(with_comment).entries.size(), kNames.size());
   Built empty = Build({}, 64, false);
-  EXPECT_TRUE(Read(empty.bytes).entries.empty());
+  EXPECT_TRUE(ReadZip(empty.bytes).entries.empty());
 }
 
 TEST(CheckpointZip, RejectsTruncatedArchives) {

@@ -22,19 +22,7 @@ namespace {
 using testing::ScopedEnv;
 
 // The message of the std::invalid_argument `fn` throws ("" and a test failure if none).
-template <typename Fn>
-std::string InvalidArgumentMessage(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something other than std::invalid_argument: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
+using testing::InvalidArgumentMessage;
 
 // ---------------------------------------------------------------------------------------------
 // ParseSize / FormatSize

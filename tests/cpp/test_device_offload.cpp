@@ -41,7 +41,7 @@ using testing::Plan;
 using testing::TempDir;
 
 constexpr uint64_t kSlot = 64 << 10;
-constexpr uint64_t kMiB = 1 << 20;
+using testing::kMiB;
 
 // "Device" memory for MemcpyCopier: host memory `misalign` bytes past a page boundary.
 class HostDevice {

@@ -25,7 +25,7 @@
 namespace tensortier {
 namespace {
 
-constexpr uint64_t kMiB = 1 << 20;
+using testing::kMiB;
 
 class OffloadDeviceTest : public testing::CudaDriverSuite {
  protected:

@@ -44,8 +44,8 @@ using testing::MatchesPattern;
 using testing::Plan;
 using testing::TempDir;
 
-constexpr uint64_t kMiB = 1 << 20;
-constexpr uint64_t kSizes[] = {0, 1, 4095, 4096, 4097, kMiB + 3};
+using testing::kMiB;
+constexpr uint64_t kOffloadSizes[] = {0, 1, 4095, 4096, 4097, kMiB + 3};
 
 // `length` bytes of host memory starting `misalign` bytes past a page boundary.
 class HostBuffer {
@@ -234,7 +234,7 @@ TEST_P(OffloaderTest, RoundTripSizesAndAlignments) {
   EXPECT_EQ(FileSize(path), 0);
   EXPECT_EQ(off.backend(), BackendName(GetParam()));
   uint64_t key = 100;
-  for (uint64_t size : kSizes) {
+  for (uint64_t size : kOffloadSizes) {
     for (size_t misalign : {size_t{0}, size_t{1}, size_t{17}, size_t{63}}) {
       ++key;
       SCOPED_TRACE(StrCat("size ", size, ", misalign ", misalign, ", key ", key));

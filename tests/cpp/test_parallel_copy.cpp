@@ -9,7 +9,7 @@
 namespace tensortier {
 namespace {
 
-std::vector<std::byte> Pattern(size_t n, unsigned seed) {
+std::vector<std::byte> CopyPattern(size_t n, unsigned seed) {
   std::vector<std::byte> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 131 + seed) & 0xff);
   return v;
@@ -18,10 +18,10 @@ std::vector<std::byte> Pattern(size_t n, unsigned seed) {
 TEST(ParallelCopyTest, CopiesLargeAndManySmallRangesOverThreads) {
   // One range over several pieces, many of a few bytes, an empty one, another large one.
   std::vector<std::vector<std::byte>> src;
-  src.push_back(Pattern((9u << 20) + 3, 1));
-  for (unsigned i = 0; i < 5000; ++i) src.push_back(Pattern(1 + i % 37, i));
+  src.push_back(CopyPattern((9u << 20) + 3, 1));
+  for (unsigned i = 0; i < 5000; ++i) src.push_back(CopyPattern(1 + i % 37, i));
   src.push_back({});
-  src.push_back(Pattern(5u << 20, 7));
+  src.push_back(CopyPattern(5u << 20, 7));
   for (unsigned threads : {0u, 1u, 3u, 64u}) {
     std::vector<std::vector<std::byte>> dst;
     std::vector<CopyRange> ranges;

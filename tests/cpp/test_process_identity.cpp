@@ -13,18 +13,13 @@
 
 #include "tensortier/util/process_identity.hpp"
 #include "tensortier/util/strings.hpp"
+#include "test_util.hpp"
 
 namespace tensortier {
 namespace {
 
 // A pid that named a process a moment ago and names none now (reaped).
-pid_t DeadPid() {
-  const pid_t child = fork();
-  if (child == 0) _exit(0);
-  int status = 0;
-  waitpid(child, &status, 0);
-  return child;
-}
+using testing::DeadPid;
 
 TEST(ProcessIdentityTest, StampNamesThisProcessAndSplitsOffWhatFollows) {
   const std::string stamp = ProcessStamp();

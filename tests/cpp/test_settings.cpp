@@ -18,16 +18,7 @@ namespace {
 using testing::ScopedEnv;
 
 // The message of the std::invalid_argument `fn` throws ("" and a test failure if none).
-template <typename Fn>
-std::string InvalidArgumentMessage(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no std::invalid_argument";
-  return "";
-}
+using testing::InvalidArgumentMessage;
 
 TEST(SettingsTableTest, RowsAreUniqueAndTheirDefaultsPassTheirOwnChecks) {
   std::set<std::string_view> envs, names;

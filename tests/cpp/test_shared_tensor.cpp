@@ -115,7 +115,7 @@ TEST(SharedPartitionTest, LayoutAndMemoryNamesBothWays) {
 
 // Each rank writes its own rows; after a barrier every rank reads every row, directly (where the
 // layout gives one array) and through Gather in a shuffled order, then scatters and re-checks.
-void WritesSeenByAll(SharedLayout layout, uint64_t rows, uint64_t columns, int world) {
+void HostWritesSeenByAll(SharedLayout layout, uint64_t rows, uint64_t columns, int world) {
   auto statuses = RunRanks(world, [&](int rank, std::shared_ptr<Store> store) {
     SharedGroup group(store, rank, world, 20s);
     auto t =
@@ -175,20 +175,20 @@ void WritesSeenByAll(SharedLayout layout, uint64_t rows, uint64_t columns, int w
 }
 
 TEST(SharedTensorTest, ContinuousUnequalPartitions) {
-  WritesSeenByAll(SharedLayout::kContinuous, 5000, 3, 3);
+  HostWritesSeenByAll(SharedLayout::kContinuous, 5000, 3, 3);
 }
 TEST(SharedTensorTest, ContinuousZeroSizePartitions) {
-  WritesSeenByAll(SharedLayout::kContinuous, 1001, 3, 4);
+  HostWritesSeenByAll(SharedLayout::kContinuous, 1001, 3, 4);
 }
 TEST(SharedTensorTest, ChunkedOddRows) {
-  WritesSeenByAll(SharedLayout::kChunked, 1001, 3, 3);
+  HostWritesSeenByAll(SharedLayout::kChunked, 1001, 3, 3);
 }
 TEST(SharedTensorTest, ChunkedFewerRowsThanRanks) {
-  WritesSeenByAll(SharedLayout::kChunked, 2, 5, 3);
+  HostWritesSeenByAll(SharedLayout::kChunked, 2, 5, 3);
 }
 TEST(SharedTensorTest, LargeGatherRunsOnThreads) {
   // 4096 rows of 1 KiB: gathers of 8192 rows cross the threaded threshold.
-  WritesSeenByAll(SharedLayout::kContinuous, 4096, 256, 2);
+  HostWritesSeenByAll(SharedLayout::kContinuous, 4096, 256, 2);
 }
 
 // 64 MiB+ per rank: partitions on 2 MiB boundaries, hugetlb pages tried; without reserved huge

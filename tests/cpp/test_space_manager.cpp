@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tensortier/offload/space_manager.hpp"
+#include "test_util.hpp"
 
 namespace tensortier {
 
@@ -43,19 +44,7 @@ std::ostream& operator<<(std::ostream& os, const Snapshot& s) {
 }
 
 // The message of the std::invalid_argument `fn` throws ("" and a test failure if none).
-template <typename Fn>
-std::string InvalidArgumentMessage(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something other than std::invalid_argument: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
+using testing::InvalidArgumentMessage;
 
 // Allocates `blocks` one-block extents back to back from an empty manager.
 std::vector<Extent> AllocateBlocks(SpaceManager& sm, int blocks) {
@@ -372,16 +361,17 @@ class Model {
 
 // Whether `e` lies below `end` and overlaps none of `live` (checked as each extent is handed out,
 // which keeps every pair of live extents disjoint).
-testing::AssertionResult Disjoint(const Extent& e, const std::vector<Extent>& live, uint64_t end) {
+::testing::AssertionResult Disjoint(const Extent& e, const std::vector<Extent>& live,
+                                    uint64_t end) {
   if (e.offset + e.length > end) {
-    return testing::AssertionFailure() << e << " reaches past end " << end;
+    return ::testing::AssertionFailure() << e << " reaches past end " << end;
   }
   for (const Extent& other : live) {
     if (e.offset < other.offset + other.length && other.offset < e.offset + e.length) {
-      return testing::AssertionFailure() << e << " overlaps live " << other;
+      return ::testing::AssertionFailure() << e << " overlaps live " << other;
     }
   }
-  return testing::AssertionSuccess();
+  return ::testing::AssertionSuccess();
 }
 
 TEST(SpaceManagerTest, MatchesBruteForceModel) {

@@ -45,7 +45,7 @@ using testing::ScopedEnv;
 using testing::TempDir;
 using testing::WritePatternFile;
 
-constexpr uint64_t kSlot = 64 << 10;
+constexpr uint64_t kRingSlot = 64 << 10;
 
 PinnedPoolOptions HostPool(uint64_t budget) {
   PinnedPoolOptions o;
@@ -54,7 +54,7 @@ PinnedPoolOptions HostPool(uint64_t budget) {
   return o;
 }
 
-BounceRingOptions Ring(size_t slots = 4, uint64_t slot_bytes = kSlot) {
+BounceRingOptions Ring(size_t slots = 4, uint64_t slot_bytes = kRingSlot) {
   BounceRingOptions o;
   o.slots = slots;
   o.slot_bytes = slot_bytes;
@@ -99,7 +99,7 @@ class TransferRingTest : public testing::BackendTest {
   void SetUp() override {
     BackendTest::SetUp();
     if (IsSkipped()) return;
-    engine_ = std::make_unique<Engine>(testing::SmallEngineOptions(GetParam(), kSlot));
+    engine_ = std::make_unique<Engine>(testing::SmallEngineOptions(GetParam(), kRingSlot));
   }
 
   // File -> device of [offset, offset+length) of a pattern file; checks bytes and guards.
@@ -170,7 +170,7 @@ TEST_P(TransferRingTest, FileToDeviceSizesAndAlignments) {
   ReadCase(kFile, 0, 4096, 0, Ring());
   ReadCase(kFile, 1, 4095, 1, Ring());
   ReadCase(kFile, 4097, 300001, 5, Ring());            // unaligned everything, many chunks
-  ReadCase(kFile, 12345, kSlot, 0, Ring());            // one slot's worth, straddling two chunks
+  ReadCase(kFile, 12345, kRingSlot, 0, Ring());        // one slot's worth, straddling two chunks
   ReadCase(kFile, 0, kFile, 0, Ring());                // whole file, aligned
   ReadCase(kFile, 777, kFile - 777, 11, Ring(1));      // one slot: no overlap at all
   ReadCase(kFile, 3, kFile - 5, 4095, Ring(3, 4096));  // page-sized slots
@@ -180,7 +180,7 @@ TEST_P(TransferRingTest, FileToDeviceStopsAtEndOfFile) {
   ReadCase(100000, 90000, 50000, 1, Ring());       // straddles the end
   ReadCase(100000, 100000, 10, 0, Ring());         // starts at the end
   ReadCase(100000, 200000, 10, 0, Ring());         // starts past the end
-  ReadCase(3 * kSlot, 0, 10 * kSlot, 0, Ring(2));  // reads past the end still in flight
+  ReadCase(3 * kRingSlot, 0, 10 * kRingSlot, 0, Ring(2));  // reads past the end still in flight
 }
 
 TEST_P(TransferRingTest, DeviceToFileSizesAndAlignments) {
@@ -229,7 +229,7 @@ TEST_P(TransferRingTest, SixtyFourMiBRoundTrip) {
 }
 
 TEST_P(TransferRingTest, SeveralFilesAndOffsetsThroughOneRing) {
-  PinnedPool pool(HostPool(4 * kSlot));
+  PinnedPool pool(HostPool(4 * kRingSlot));
   BounceRing ring(*engine_, pool, Ring());
   MemcpyCopier copier;
   // Three "tensors" written to two files at various offsets, then read back crosswise.
@@ -265,7 +265,7 @@ TEST_P(TransferRingTest, CopyFailureSurfacesAndTheRingStaysUsable) {
   const std::string path = dir_.File("data");
   ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 1 << 20, 2));
   File file = File::Open(path, OpenMode::kReadWrite);
-  PinnedPool pool(HostPool(4 * kSlot));
+  PinnedPool pool(HostPool(4 * kRingSlot));
   BounceRing ring(*engine_, pool, Ring());
   {
     MemcpyCopierOptions o;
@@ -274,8 +274,8 @@ TEST_P(TransferRingTest, CopyFailureSurfacesAndTheRingStaysUsable) {
     FakeDevice d(600000, 1);
     EXPECT_THROW(ring.FileToDevice(copier, file, 1, 600000, d.address()), std::runtime_error);
     // Documented: the chunks before the failing copy hold the file's data.
-    const uint64_t first = kSlot - 1;  // the first chunk ends on a page boundary of the file
-    EXPECT_TRUE(MatchesPattern(d.data(), first + kSlot, 2, 1));
+    const uint64_t first = kRingSlot - 1;  // the first chunk ends on a page boundary of the file
+    EXPECT_TRUE(MatchesPattern(d.data(), first + kRingSlot, 2, 1));
     EXPECT_TRUE(d.GuardsIntact());
     // The same copier is usable again once its error was thrown.
     FakeDevice again(5000, 0);
@@ -306,7 +306,7 @@ TEST_P(TransferRingTest, WriteToReadOnlyFileThrowsIoError) {
   const std::string path = dir_.File("ro");
   ASSERT_NO_FATAL_FAILURE(WritePatternFile(path, 100000, 1));
   File file = File::Open(path, OpenMode::kRead);
-  PinnedPool pool(HostPool(4 * kSlot));
+  PinnedPool pool(HostPool(4 * kRingSlot));
   BounceRing ring(*engine_, pool, Ring());
   MemcpyCopier copier;
   FakeDevice d(100000, 0);
@@ -317,7 +317,7 @@ TEST_P(TransferRingTest, WriteToReadOnlyFileThrowsIoError) {
 
 TEST_P(TransferRingTest, OverflowingRangesAreRejected) {
   File file = File::Open(dir_.File("x"), OpenMode::kWrite);
-  PinnedPool pool(HostPool(4 * kSlot));
+  PinnedPool pool(HostPool(4 * kRingSlot));
   BounceRing ring(*engine_, pool, Ring());
   MemcpyCopier copier;
   EXPECT_THROW(ring.FileToDevice(copier, file, UINT64_MAX - 10, 100, 4096), std::invalid_argument);
@@ -339,7 +339,7 @@ class TransferFaultTest : public ::testing::Test {
     injector_ = std::make_shared<FaultInjector>(plan);
     auto injector = injector_;
     return std::make_unique<Engine>(
-        testing::SmallEngineOptions(BackendKind::kThreads, kSlot), [injector](unsigned depth) {
+        testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot), [injector](unsigned depth) {
           return MakeFaultInjectingBackend(MakeBackend(BackendKind::kThreads, depth), injector);
         });
   }
@@ -362,7 +362,7 @@ class TransferFaultTest : public ::testing::Test {
 TEST_F(TransferFaultTest, ReadErrorSurfacesWithPathAndRangeAndRingRecovers) {
   auto engine = FaultyEngine(Plan(FaultPlan::Kind::kError, true, false, /*nth=*/4));
   File file = File::Open(path_, OpenMode::kRead);
-  PinnedPool pool(HostPool(4 * kSlot));
+  PinnedPool pool(HostPool(4 * kRingSlot));
   BounceRing ring(*engine, pool, Ring());
   MemcpyCopierOptions slow;
   slow.delay = std::chrono::microseconds(200);
@@ -390,7 +390,7 @@ TEST_F(TransferFaultTest, WriteErrorLeavesBytesOutsideTheRangeUntouched) {
   plan.error = ENOSPC;
   auto engine = FaultyEngine(plan);
   File file = File::Open(path_, OpenMode::kReadWrite);
-  PinnedPool pool(HostPool(4 * kSlot));
+  PinnedPool pool(HostPool(4 * kRingSlot));
   BounceRing ring(*engine, pool, Ring());
   MemcpyCopier copier;
   constexpr uint64_t kOffset = 100001, kLength = 500000;
@@ -422,7 +422,7 @@ TEST_F(TransferFaultTest, ShortTransfersAreContinued) {
   plan.short_bytes = 4096;  // (half of a 1-byte request would be no progress at all)
   auto engine = FaultyEngine(plan);
   File file = File::Open(path_, OpenMode::kReadWrite);
-  PinnedPool pool(HostPool(4 * kSlot));
+  PinnedPool pool(HostPool(4 * kRingSlot));
   BounceRing ring(*engine, pool, Ring());
   MemcpyCopier copier;
   FakeDevice d(300000, 7);
@@ -441,7 +441,7 @@ TEST_F(TransferFaultTest, DelaysDoNotReorderChunks) {
   plan.delay = std::chrono::microseconds(20000);
   auto engine = FaultyEngine(plan);
   File file = File::Open(path_, OpenMode::kRead);
-  PinnedPool pool(HostPool(4 * kSlot));
+  PinnedPool pool(HostPool(4 * kRingSlot));
   BounceRing ring(*engine, pool, Ring());
   MemcpyCopier copier;
   FakeDevice d(kFileSize, 0);
@@ -526,13 +526,13 @@ TEST(TransferPinnedPoolTest, TrimFreesIdleBuffersAndBuffersOutliveThePool) {
 TEST(TransferPinnedPoolTest, ZeroBudgetAndRingOverBudgetAreRejected) {
   EXPECT_THROW(PinnedPool(HostPool(0)), std::invalid_argument);
   Engine engine(testing::SmallEngineOptions(BackendKind::kThreads));
-  PinnedPool pool(HostPool(3 * kSlot));
+  PinnedPool pool(HostPool(3 * kRingSlot));
   EXPECT_THROW(BounceRing(engine, pool, Ring(4)), std::invalid_argument);
   EXPECT_THROW(BounceRing(engine, pool, Ring(0)), std::invalid_argument);
   EXPECT_THROW(BounceRing(engine, pool, Ring(2, 1000)), std::invalid_argument);
   BounceRing ring(engine, pool, Ring(3));
   EXPECT_FALSE(ring.pinned());
-  EXPECT_EQ(pool.lent_bytes(), 3 * kSlot);
+  EXPECT_EQ(pool.lent_bytes(), 3 * kRingSlot);
 }
 
 TEST(TransferPinnedPoolTest, WithoutDriverRegistrationIsSkippedNotFailed) {
@@ -563,7 +563,7 @@ std::unique_ptr<DeviceTransfer> MemcpyTransfer(Engine& engine, size_t max_rings,
 
 TEST(TransferDeviceTest, ConcurrentTransfersFromThreads) {
   TempDir dir;
-  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
   MemcpyCopierOptions slow;
   slow.delay = std::chrono::microseconds(50);
   auto transfer = MemcpyTransfer(engine, /*max_rings=*/2, slow);  // fewer rings than threads
@@ -612,7 +612,7 @@ TEST(TransferDeviceTest, ConcurrentTransfersFromThreads) {
 
 TEST(TransferDeviceTest, ErrorsReturnTheRing) {
   TempDir dir;
-  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
   MemcpyCopierOptions failing;
   failing.fail_nth = 1;
   auto transfer = MemcpyTransfer(engine, 1, failing);
@@ -657,7 +657,7 @@ TEST(TransferDeviceTest, DeviceFileWithoutCuFileFallsBackOrThrows) {
   EXPECT_THROW(DeviceFile(file, GdsMode::kRequire, *cufile), CuFileError);
   EXPECT_THROW(DeviceFile(File(), GdsMode::kOff), std::invalid_argument);
 
-  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
   auto transfer = MemcpyTransfer(engine, 1);
   FakeDevice d(5000, 1);
   FillPattern(d.data(), 5000, 3, 0);
@@ -670,12 +670,12 @@ TEST(TransferDeviceTest, DeviceFileWithoutCuFileFallsBackOrThrows) {
 // LazyDeviceFile is registered by its first transfer and kept.
 TEST(TransferDeviceTest, SubmittedTransfersRunOnTheJobQueue) {
   TempDir dir;
-  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
   auto transfer = MemcpyTransfer(engine, /*max_rings=*/2);
   auto lazy = std::make_shared<LazyDeviceFile>(File::Open(dir.File("f"), OpenMode::kWrite),
                                                GdsMode::kOff);
   constexpr int kPieces = 5;
-  constexpr uint64_t kLength = 3 * kSlot + 11;
+  constexpr uint64_t kLength = 3 * kRingSlot + 11;
   std::vector<std::unique_ptr<FakeDevice>> src, dst;
   std::vector<DeviceJob> writes;
   for (int i = 0; i < kPieces; ++i) {
@@ -710,7 +710,7 @@ TEST(TransferDeviceTest, LazyDeviceFileErrorsAreTheTransfersAndNotKept) {
   if (CuFile::Get().available()) GTEST_SKIP() << "cuFile serves files in this process";
   TempDir dir;
   LazyDeviceFile lazy(File::Open(dir.File("f"), OpenMode::kWrite), GdsMode::kRequire);
-  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
   auto transfer = MemcpyTransfer(engine, 1);
   FakeDevice d(5000, 0);
   DeviceJob job = transfer->Submit([&] {
@@ -724,7 +724,7 @@ TEST(TransferDeviceTest, LazyDeviceFileErrorsAreTheTransfersAndNotKept) {
 // the transfer through the ring and says why; "on" and errno failures (-1) stay errors.
 TEST(TransferDeviceTest, AutoFallsBackToTheRingWhenCuFileFailsWithAStatus) {
   TempDir dir;
-  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
   DeviceTransferOptions o;
   o.ring = Ring(3);
   o.max_rings = 1;
@@ -926,7 +926,7 @@ TEST_F(TransferGpuTest, ConcurrentTransfersFromThreadsOnTheirOwnAndTheTransfersS
   TempDir dir;
   const CudaDriver& driver = CudaDriver::Get();
   PrimaryContext context(driver, 0);
-  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
   DeviceTransferOptions o;
   o.ring = Ring(3);
   o.max_rings = 2;
@@ -987,7 +987,7 @@ class FakeTransferTest : public testing::FakeCudaDriverSuite {
 TEST_F(FakeTransferTest, AutoGdsFallsBackToTheRingWhenCuFileFailsWithAStatus) {
   TempDir dir;
   PrimaryContext context(CudaDriver::Get(), 0);
-  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+  Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
   DeviceTransfer transfer(engine);
   constexpr uint64_t kLength = 500001;
   DeviceFile file(File::Open(dir.File("gds"), OpenMode::kWrite), GdsMode::kAuto,
@@ -1064,7 +1064,7 @@ TEST_F(FakeTransferTest, AutoGdsUsesTheRingWhereCuFileWouldRunInCompatibilityMod
     EXPECT_EQ(autof.gds_compat_mode(), "");
     // Its transfers say so: "gds" figures from such a file are not GPUDirect ones.
     PrimaryContext context(CudaDriver::Get(), 0);
-    Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kSlot));
+    Engine engine(testing::SmallEngineOptions(BackendKind::kThreads, kRingSlot));
     DeviceTransfer transfer(engine);
     constexpr uint64_t kLength = 65536;
     DeviceMemory device(context, kLength);

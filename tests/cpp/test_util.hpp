@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,8 +16,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -26,6 +29,38 @@
 #include "tensortier/util/strings.hpp"
 
 namespace tensortier::testing {
+
+inline constexpr uint64_t kMiB = 1 << 20;
+
+// Writes `text` to `path`, making its folders.
+inline void WriteText(const std::string& path, const std::string& text) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::ofstream(path) << text;
+}
+
+// The pid of a process that has exited and been reaped: no process has it (until reused).
+inline pid_t DeadPid() {
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  int status = 0;
+  waitpid(child, &status, 0);
+  return child;
+}
+
+// The message of the std::invalid_argument `fn` throws; a test failure if it throws none.
+template <typename Fn>
+std::string InvalidArgumentMessage(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw something other than std::invalid_argument: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "did not throw";
+  return "";
+}
 
 // ---------------------------------------------------------------------------------------------
 // Byte patterns

@@ -20,6 +20,9 @@
 
 namespace tensortier {
 
+// The Python module of the classes a .metadata pickle holds (Metadata, TensorStorageMetadata...).
+inline constexpr std::string_view kDcpMetadataModule = "torch.distributed.checkpoint.metadata";
+
 // One stored item.
 struct DcpStoredItem {
   std::string name;  // "fqn", or "fqn at [8, 0]" for a chunk not at the origin

@@ -20,6 +20,10 @@
 
 namespace tensortier {
 
+// A sector: the unit of sysfs's partition offsets and sizes, the alignment of every FIEMAP extent
+// a map may hold, and the smallest block size of a device.
+inline constexpr uint64_t kSectorBytes = 512;
+
 // One run of a file's bytes on its device, in bytes (space_manager.hpp's Extent is another thing:
 // a range of an offload file).
 struct FileExtent {
